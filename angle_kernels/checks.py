@@ -1,0 +1,132 @@
+"""Input checks: every bad input raises a ValueError or TypeError that names the argument.
+
+Shape, dtype and device checks cost nothing and always run. The checks that read tensor values (NaN/Inf in
+embeddings and labels, label values for the in-batch-negative loss) force a device-to-host sync on GPUs; they
+are on by default and can be switched off for training loops that trust their inputs:
+
+    angle_kernels.set_input_checks(False)            # for the whole process
+    with angle_kernels.input_checks(False): ...      # for a block
+    ANGLE_KERNELS_CHECK_INPUTS=0                     # from the environment, read at import
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import os
+
+import torch
+
+_value_checks = os.environ.get("ANGLE_KERNELS_CHECK_INPUTS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def set_input_checks(enabled: bool) -> bool:
+    """Turn the value checks (NaN/Inf, label values) on or off; returns the previous setting."""
+    global _value_checks
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    previous, _value_checks = _value_checks, enabled
+    return previous
+
+
+def input_checks_enabled() -> bool:
+    return _value_checks
+
+
+@contextlib.contextmanager
+def input_checks(enabled: bool):
+    """Context manager: value checks on or off inside the block, restored afterwards."""
+    previous = set_input_checks(enabled)
+    try:
+        yield
+    finally:
+        set_input_checks(previous)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # One fused reduction (a single sync): NaN or Inf anywhere makes the sum non-finite. A non-finite sum can
+    # also come from finite values overflowing, so only then look element by element, a chunk at a time.
+    total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+    if bool(torch.isfinite(total)):
+        return True
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(1 << 24))
+
+
+def check_scalar(name: str, value, *, positive: bool = False) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def check_embeddings(name: str, t, *, rows_multiple_of: int = 1, layout: str = "") -> torch.Tensor:
+    """A [rows, D] floating tensor with rows > 0, D > 0, rows divisible by rows_multiple_of, finite values."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (float32, float64, bfloat16, float16), got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(t.shape)}")
+    rows, dim = t.shape
+    if rows == 0 or dim == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): a loss needs at least one row and one column")
+    if rows % rows_multiple_of:
+        raise ValueError(
+            f"{name} must have a multiple of {rows_multiple_of} rows ({layout}), got {rows} rows"
+        )
+    if _value_checks and not _all_finite(t.detach()):
+        raise ValueError(f"{name} contains NaN or Inf values")
+    return t
+
+
+def check_labels(name: str, y, rows: int, device: torch.device) -> torch.Tensor:
+    """y of shape [rows] or [rows, 1], real values on `device`; returned flattened to [rows]."""
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
+    if y.is_complex():
+        raise TypeError(f"{name} must hold real labels, got {y.dtype}")
+    if tuple(y.shape) not in ((rows,), (rows, 1)):
+        raise ValueError(f"{name} must have shape [{rows}] or [{rows}, 1] to match the embeddings, got {tuple(y.shape)}")
+    check_same_device((name, y), ("the embeddings", device))
+    y = y.reshape(rows)
+    if _value_checks and y.is_floating_point() and not _all_finite(y):
+        raise ValueError(f"{name} contains NaN or Inf values")
+    return y
+
+
+def check_binary_labels(name: str, y: torch.Tensor, loss: str) -> None:
+    """The in-batch-negative loss reads labels as 'pair is positive' (1) or 'negatives only' (0)."""
+    if _value_checks and not bool(((y == 0) | (y == 1)).all()):
+        bad = y[(y != 0) & (y != 1)][:5].tolist()
+        raise ValueError(
+            f"{name} for {loss} must be 0 or 1 (1: the pair is a positive pair; 0: its rows serve only as "
+            f"negatives); got values such as {bad}. Graded similarity labels belong to cosine_loss/angle_loss "
+            "(with AngleLoss, set ibn_w=0). The reference silently truncates such labels to wrong targets."
+        )
+
+
+def check_same_device(*named) -> None:
+    """named: (name, tensor or device) pairs that must all live on one device."""
+    devices = [(n, t.device if isinstance(t, torch.Tensor) else torch.device(t)) for n, t in named]
+    first_name, first = devices[0]
+    for n, d in devices[1:]:
+        if d != first:
+            raise ValueError(f"{first_name} is on {first} but {n} is on {d}: all inputs must be on one device")
+
+
+def check_same_shape(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")

@@ -1,0 +1,116 @@
+"""The three ops every loss is built from, and the choice of backend that computes them.
+
+Every public loss in `angle_kernels.functional` is assembled from three differentiable ops. Each backend
+(`torch_ops`: pure PyTorch, any device; `triton_ops`: fused Triton kernels for CUDA tensors; `cuda_ops`:
+the CUDA C++ extension in `csrc/`) implements all three with exactly the semantics below, as
+`torch.autograd.Function`s with explicit backward passes, and must agree with the others to the
+tolerances of the input dtype.
+
+Common conventions
+    * Norms use F.normalize's epsilon: ||x|| is replaced by max(||x||, 1e-12), so a zero vector has
+      cosine 0 with everything and never produces NaN.
+    * "Compute dtype": float64 inputs compute and return float64; float32, bfloat16 and float16 inputs
+      accumulate in float32 and return float32. Gradients come back in the dtype of the input they
+      belong to.
+    * No op ever materialises an N x N matrix.
+
+pair_scores(x, with_angle) -> (cos, angle)
+    x: [G, K, D] (K >= 2). Pair k of group g is (u, v) = (x[g, 0], x[g, k]) for k = 1 .. K-1.
+    The zigzag layout [2N, D] is x.view(N, 2, D); format C's [query, positive, negative] rows are
+    x.view(B, 3, D).
+    cos[g, k-1]   = u . v / (max(|u|, eps) * max(|v|, eps))
+    angle[g, k-1] = (u . v + b . c - a . d) / (max(|u|, eps) * max(|v|, eps))
+        where a, b are the first and second halves of u and c, d those of v: this is the reference's
+        sum-pooled complex division before abs() and tau. Requires an even D. With with_angle=False the
+        second output is all zeros, does not depend on x, and D may be odd.
+    Both outputs: [G, K-1] in the compute dtype. Backward takes (grad_cos, grad_angle) and returns dx
+    [G, K, D] in x's dtype (the anchor row accumulates the gradient of all its pairs).
+
+ranking_loss(scores, labels) -> loss
+    scores: [N] float32/float64; labels: [N], any real dtype, same device.
+    loss = log(1 + sum over (i, j) with labels[i] < labels[j] of exp(scores[i] - scores[j]))
+    Strict inequality: tied labels contribute nothing; all labels equal gives exactly 0.
+    Returns a 0-dim tensor of scores' dtype; gradient with respect to scores only.
+
+similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
+                group_ids=None) -> loss
+    q: [M, D]; c: [Mc, D], or None meaning c is q itself (the symmetric in-batch-negative case).
+    l[i, j] = scale * cos(q_i, c_j), except at the target column t_i, where
+        l[i, t_i] = scale * cos(min(arccos(cos(q_i, c_t)) + margin, pi))     (margin in radians)
+        with sin(theta) = sqrt(max(1 - cos^2, 1e-6)) so the gradient stays finite as |cos| -> 1;
+        margin == 0 leaves the target logit as scale * cos.
+    target: "partner" (t_i = i xor 1, the zigzag pair partner) or "diagonal" (t_i = i).
+    Columns C_i: all j < Mc, without j == i when exclude_diagonal.
+    Positives P_i: {t_i}, plus, when group_ids ([M] int64, only with c=None) is given, every column
+        j in C_i with group_ids[j] == group_ids[i] or group_ids[j] == group_ids[t_i] (identical texts
+        count as positives, not negatives).
+    loss = (1 / M) * sum_i w_i * (logsumexp_{j in C_i} l[i, j] - logsumexp_{j in P_i} l[i, j])
+        with w = row_weights ([M], float, 0 for rows without a target) or all ones.
+    Returns a 0-dim tensor in the compute dtype. Backward gives dq (and dc unless c is None), in the
+    inputs' dtypes. Forward keeps O(M) state (per-row logsumexps); backward recomputes tiles.
+
+Choosing the backend
+    resolve_backend(requested, *tensors): requested is None/"auto", "torch", "triton" or "cuda"; None
+    falls back to the environment variable ANGLE_KERNELS_BACKEND, then "auto". "auto" picks "triton"
+    for CUDA tensors when Triton works, else "cuda" when the extension loads, else "torch"; CPU
+    tensors use "torch". "triton" on CPU tensors runs the kernels under the Triton interpreter and is
+    allowed only when TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("torch", "triton", "cuda")
+_ENV_VAR = "ANGLE_KERNELS_BACKEND"
+_MODULES = {"torch": "angle_kernels.torch_ops", "triton": "angle_kernels.triton_ops", "cuda": "angle_kernels.cuda_ops"}
+
+
+@functools.lru_cache(maxsize=None)
+def _load(backend: str) -> tuple[ModuleType | None, str]:
+    """Import a backend module once; return (module, "") or (None, why it is unavailable)."""
+    try:
+        module = importlib.import_module(_MODULES[backend])
+    except Exception as exc:  # an optional backend must never break `import angle_kernels`
+        return None, f"{type(exc).__name__}: {exc}"
+    available, why = module.is_available()
+    return (module, "") if available else (None, why)
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> ModuleType:
+    """Return the backend module that computes ops on `tensors` (see the module docstring)."""
+    name = requested if requested is not None else os.environ.get(_ENV_VAR, "auto")
+    name = name.strip().lower() if isinstance(name, str) else name
+    if name not in BACKENDS + ("auto",):
+        source = "backend" if requested is not None else _ENV_VAR
+        raise ValueError(f"{source} must be one of 'auto', 'torch', 'triton', 'cuda'; got {name!r}")
+    on_cuda = tensors[0].is_cuda
+
+    if name == "auto":
+        if on_cuda:
+            for candidate in ("triton", "cuda"):
+                module, _ = _load(candidate)
+                if module is not None:
+                    return module
+        return _load("torch")[0]
+
+    if name == "cuda" and not on_cuda:
+        raise ValueError("backend 'cuda' needs CUDA tensors; the inputs are on " f"{tensors[0].device}")
+    if name == "triton" and not on_cuda and not _interpreter_on():
+        raise ValueError(
+            "backend 'triton' on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before importing triton, or use backend='torch'"
+        )
+    module, why = _load(name)
+    if module is None:
+        raise RuntimeError(f"backend {name!r} is not available here: {why}")
+    return module

@@ -1,0 +1,255 @@
+"""The losses, as functions: drop-in replacements for `angle_emb.loss` (angle-emb 0.6.1) plus ArcCSE's.
+
+Names, arguments, defaults and the zigzag layout are the reference's: `y_pred` is [2N, D] with the two texts
+of pair k on rows 2k and 2k+1, and `y_true` is [2N] or [2N, 1] with the pair's label on both rows. Each loss
+is assembled from the three ops described in `angle_kernels.dispatch`, computed by the backend chosen with
+the keyword-only `backend` argument ("auto", "torch", "triton", "cuda"; default: the environment variable
+ANGLE_KERNELS_BACKEND, else "auto"). No loss materialises an N x N matrix.
+
+Every loss returns a 0-dim tensor: float64 for float64 inputs, float32 otherwise (bfloat16/float16 inputs are
+accumulated in float32). Where the reference misbehaves, these functions do the safe thing (README:
+"Deviations from the reference"): zero vectors give finite values, labels outside {0, 1} for the in-batch
+negative loss raise ValueError, fp16 norms above 256 do not overflow, bad input raises ValueError/TypeError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import checks
+from .dispatch import resolve_backend
+from .torch_ops.common import compute_dtype
+
+__all__ = [
+    "cosine_loss",
+    "angle_loss",
+    "in_batch_negative_loss",
+    "contrastive_with_negative_loss",
+    "arccon_loss",
+    "triplet_loss",
+]
+
+POOLING_STRATEGIES = ("sum", "mean")
+
+
+def zigzag_pairs(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check a zigzag batch and return it as pairs: x [N, 2, D] (a view) and one label per pair [N] (rows 0::2)."""
+    checks.check_embeddings("y_pred", y_pred, rows_multiple_of=2, layout="zigzag pairs on rows 2k and 2k+1")
+    labels = checks.check_labels("y_true", y_true, y_pred.shape[0], y_pred.device)
+    rows, dim = y_pred.shape
+    return y_pred.reshape(rows // 2, 2, dim), labels[0::2]
+
+
+def _angle_scores(angle: torch.Tensor, tau: float, pooling_strategy: str, dim: int) -> torch.Tensor:
+    pooled = angle / dim if pooling_strategy == "mean" else angle
+    return tau * pooled.abs()
+
+
+def _check_angle_dim(dim: int) -> None:
+    if dim % 2:
+        raise ValueError(
+            f"angle_loss splits each embedding into real and imaginary halves, so y_pred needs an even number of "
+            f"columns; got {dim}"
+        )
+
+
+def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *, backend: str | None = None) -> torch.Tensor:
+    """CoSENT: rank pairs by cosine similarity (AnglE paper, Eq. 1).
+
+    loss = log(1 + sum over pairs (i, j) with label_i < label_j of exp(tau * (cos_i - cos_j)))
+
+    Args:
+        y_true: [2N] or [2N, 1] labels in zigzag order (any real values; only their order matters; ties add
+            nothing).
+        y_pred: [2N, D] embeddings, pair k on rows 2k and 2k+1.
+        tau: scale of the cosine (20 in the paper).
+        backend: "auto" (default), "torch", "triton" or "cuda".
+
+    O(N log N) time and O(N) extra memory (the reference builds N x N matrices).
+    """
+    tau = checks.check_scalar("tau", tau)
+    x, labels = zigzag_pairs(y_true, y_pred)
+    ops = resolve_backend(backend, y_pred)
+    cos, _ = ops.pair_scores(x, False)
+    return ops.ranking_loss(tau * cos[:, 0], labels)
+
+
+def angle_loss(
+    y_true: torch.Tensor,
+    y_pred: torch.Tensor,
+    tau: float = 1.0,
+    pooling_strategy: str = "sum",
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """AnglE's angle objective (paper Eq. 7): rank pairs by the normalised complex division of their embeddings.
+
+    Each embedding is split into a real (first half) and an imaginary (second half) part. The pair score is
+    tau * |pool(z_u / z_v)| with the division normalised by |u| / |v| exactly as angle-emb computes it; 'sum'
+    pooling equals tau * |cos(u, v) + (b.c - a.d) / (|u| |v|)| for u = (a, b), v = (c, d), and 'mean' divides
+    that by D. The scores are ranked with the CoSENT term, as in cosine_loss.
+
+    Args:
+        y_true: [2N] or [2N, 1] labels in zigzag order.
+        y_pred: [2N, D] embeddings with an even D.
+        tau: scale of the score (the function's default is the reference's 1.0; AngleLoss uses 20).
+        pooling_strategy: 'sum' or 'mean'.
+        backend: "auto" (default), "torch", "triton" or "cuda".
+    """
+    tau = checks.check_scalar("tau", tau)
+    checks.check_choice("pooling_strategy", pooling_strategy, POOLING_STRATEGIES)
+    x, labels = zigzag_pairs(y_true, y_pred)
+    _check_angle_dim(y_pred.shape[1])
+    ops = resolve_backend(backend, y_pred)
+    _, angle = ops.pair_scores(x, True)
+    return ops.ranking_loss(_angle_scores(angle[:, 0], tau, pooling_strategy, y_pred.shape[1]), labels)
+
+
+def in_batch_negative_loss(
+    y_true: torch.Tensor,
+    y_pred: torch.Tensor,
+    tau: float = 20.0,
+    negative_weights: float = 0.0,
+    *,
+    group_ids: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """In-batch negatives (AnglE paper, Eq. 2) over all 2N rows, computed in blocks (no 2N x 2N matrix).
+
+    Every row i of a positive pair (label 1) is classified against all other rows (itself excluded) with
+    logits tau * cos(x_i, x_j); its target is its partner row. Rows of pairs labelled 0 have no target: they
+    add 0 but still count in the mean over 2N rows, and serve as negatives for the others.
+
+    Args:
+        y_true: [2N] or [2N, 1] labels, each 0 or 1 (anything else raises ValueError; the reference truncates
+            float labels and builds wrong targets for integers above 1).
+        y_pred: [2N, D] embeddings in zigzag order.
+        tau: logit scale.
+        negative_weights: accepted for compatibility. In the reference it only adds to logits of rows that
+            have no target, so it never changes the loss or its gradient; the same holds here.
+        group_ids: optional [2N] integer ids of the texts (equal ids = identical texts). Identical texts are
+            then positives rather than negatives (the paper's identical-sentence-pair detection): row i's
+            positives are its partner and every other row whose id equals row i's or its partner's, and the
+            row's loss is logsumexp(all logits) - logsumexp(positive logits).
+        backend: "auto" (default), "torch", "triton" or "cuda".
+    """
+    tau = checks.check_scalar("tau", tau)
+    checks.check_scalar("negative_weights", negative_weights)
+    checks.check_embeddings("y_pred", y_pred, rows_multiple_of=2, layout="zigzag pairs on rows 2k and 2k+1")
+    rows = y_pred.shape[0]
+    labels = checks.check_labels("y_true", y_true, rows, y_pred.device)
+    checks.check_binary_labels("y_true", labels, "in_batch_negative_loss")
+    if group_ids is not None:
+        if not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point() or group_ids.is_complex():
+            raise TypeError("group_ids must be an integer torch.Tensor of text ids, one per row of y_pred")
+        if tuple(group_ids.shape) != (rows,):
+            raise ValueError(f"group_ids must have shape [{rows}] (one id per row of y_pred), got {tuple(group_ids.shape)}")
+        checks.check_same_device(("y_pred", y_pred), ("group_ids", group_ids))
+        group_ids = group_ids.long()
+    positive = labels == 1
+    # The reference gives row i a target only when both it and its partner are labelled 1.
+    row_weights = (positive & positive.view(-1, 2).flip(1).reshape(-1)).to(compute_dtype(y_pred.dtype))
+    ops = resolve_backend(backend, y_pred)
+    return ops.similarity_xent(
+        y_pred, None, tau, "partner", row_weights=row_weights, exclude_diagonal=True, group_ids=group_ids
+    )
+
+
+def contrastive_with_negative_loss(
+    text: torch.Tensor,
+    pos: torch.Tensor,
+    neg: torch.Tensor | None = None,
+    tau: float = 20.0,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Contrastive loss of queries against their positives, with optional hard negatives (one direction).
+
+    Query i is classified among the candidates [pos; neg] (logits tau * cos) with target pos[i]; the loss is
+    the mean cross-entropy over the B queries.
+
+    Args:
+        text: [B, D] query embeddings.
+        pos: [B, D] positive embeddings (pos[i] belongs to text[i]).
+        neg: optional [B', D] extra negative candidates (usually one hard negative per query).
+        tau: logit scale.
+        backend: "auto" (default), "torch", "triton" or "cuda".
+    """
+    tau = checks.check_scalar("tau", tau)
+    checks.check_embeddings("text", text)
+    checks.check_embeddings("pos", pos)
+    checks.check_same_shape("text", text, "pos", pos)
+    checks.check_same_device(("text", text), ("pos", pos))
+    candidates = pos
+    if neg is not None:
+        checks.check_embeddings("neg", neg)
+        if neg.shape[1] != text.shape[1]:
+            raise ValueError(f"neg must have {text.shape[1]} columns like text, got shape {tuple(neg.shape)}")
+        checks.check_same_device(("text", text), ("neg", neg))
+        candidates = torch.cat((pos, neg.to(pos.dtype)), dim=0)
+    ops = resolve_backend(backend, text)
+    return ops.similarity_xent(text, candidates, tau, "diagonal")
+
+
+def arccon_loss(
+    h1: torch.Tensor,
+    h2: torch.Tensor,
+    margin_degrees: float = 10.0,
+    tau: float = 0.05,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """ArcCon, the additive angular margin contrastive loss of ArcCSE (Zhang et al., ACL 2022, Eq. 3).
+
+    h1[i] and h2[i] are two views of sentence i. Row i's logits are cos(h1_i, h2_j) / tau over all j, except
+    the positive j = i, whose angle is widened by the margin: cos(min(theta_ii + margin, pi)) / tau. The loss
+    is the mean cross-entropy with target i. The margin's gradient is kept finite as |cos| -> 1 by
+    flooring sin^2(theta) at 1e-6.
+
+    Args:
+        h1, h2: [N, D] embeddings of the two views.
+        margin_degrees: the additive angular margin, in DEGREES (10 in the paper), between 0 and 180.
+        tau: temperature (> 0).
+        backend: "auto" (default), "torch", "triton" or "cuda".
+    """
+    margin = checks.check_scalar("margin_degrees", margin_degrees)
+    if not 0.0 <= margin <= 180.0:
+        raise ValueError(f"margin_degrees must be between 0 and 180 degrees, got {margin}")
+    tau = checks.check_scalar("tau", tau, positive=True)
+    checks.check_embeddings("h1", h1)
+    checks.check_embeddings("h2", h2)
+    checks.check_same_shape("h1", h1, "h2", h2)
+    checks.check_same_device(("h1", h1), ("h2", h2))
+    ops = resolve_backend(backend, h1)
+    return ops.similarity_xent(h1, h2, 1.0 / tau, "diagonal", margin=math.radians(margin))
+
+
+def triplet_loss(
+    anchor: torch.Tensor,
+    weak: torch.Tensor,
+    strong: torch.Tensor,
+    margin: float = 0.0,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """ArcCSE's triplet loss (Eq. 4): mean over triplets of max(0, cos(anchor, strong) - cos(anchor, weak) + margin).
+
+    `weak` is the lightly masked view (20% of tokens masked), `strong` the heavily masked one (40%): the anchor
+    should stay closer to the weak view. ArcCSE adds it to ArcCon with weight 0.1.
+
+    Args:
+        anchor, weak, strong: [N, D] embeddings.
+        margin: additive margin on the cosine difference.
+        backend: "auto" (default), "torch", "triton" or "cuda".
+    """
+    margin = checks.check_scalar("margin", margin)
+    for name, t in (("anchor", anchor), ("weak", weak), ("strong", strong)):
+        checks.check_embeddings(name, t)
+    checks.check_same_shape("anchor", anchor, "weak", weak)
+    checks.check_same_shape("anchor", anchor, "strong", strong)
+    checks.check_same_device(("anchor", anchor), ("weak", weak), ("strong", strong))
+    ops = resolve_backend(backend, anchor)
+    cos, _ = ops.pair_scores(torch.stack((anchor, weak.to(anchor.dtype), strong.to(anchor.dtype)), dim=1), False)
+    return torch.relu(cos[:, 1] - cos[:, 0] + margin).mean()

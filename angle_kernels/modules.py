@@ -1,0 +1,197 @@
+"""nn.Module front ends: AngleLoss (drop-in for angle_emb.AngleLoss 0.6.1) and ArcCSELoss."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import checks
+from .dispatch import resolve_backend
+from .functional import (
+    POOLING_STRATEGIES,
+    _angle_scores,
+    _check_angle_dim,
+    arccon_loss,
+    contrastive_with_negative_loss,
+    in_batch_negative_loss,
+    triplet_loss,
+    zigzag_pairs,
+)
+from .torch_ops.common import compute_dtype
+
+DATASET_FORMATS = ("A", "B", "C")
+
+
+class AngleLoss(nn.Module):
+    """The AnglE objective (paper Eq. 8) assembled exactly as angle-emb 0.6.1's `AngleLoss`.
+
+    Called as `loss(labels, outputs)`, like the reference (which is a plain callable), and usable as an
+    nn.Module. `dataset_format` selects how `outputs` is laid out:
+
+    - 'A' (text1, text2, label): zigzag rows [2N, D], labels [2N] or [2N, 1];
+      loss = cosine_w * cosine + ibn_w * in-batch negatives + angle_w * angle (each term only if its weight > 0).
+    - 'B' (query, positive): zigzag rows; loss = contrastive(query, positive, tau=ibn_tau); weights and labels
+      are ignored, as in the reference.
+    - 'C' (query, positive, negative): rows in groups of three [3B, D]; labels ignored;
+      loss = (ibn_w * contrastive(q, pos) + cln_w * contrastive(q, pos, neg)) / 2
+             + angle_w * angle + cosine_w * cosine
+      where the angle and cosine terms rank the (q, pos) pairs (label 1) above the (q, neg) pairs (label 0).
+
+    Defaults are 0.6.1's: cosine_w=0, ibn_w=1, cln_w=1, angle_w=0.02, every tau 20, 'sum' pooling (the paper
+    used w=1 for every term and an angle tau of 1). Where the terms allow, they share one pass over the
+    embeddings: the cosine and angle scores of all pairs come from a single pair-score op.
+
+    Differences from the reference: a ValueError (not NotImplementedError) for an unknown or missing
+    dataset_format; a 0-dim zero tensor (not the float 0.0) when every weight is 0; format C's
+    `if cll > 0` check, which forces a GPU sync, is dropped (it only differs when the contrastive terms are
+    exactly 0, where adding 0 changes nothing); graded labels with ibn_w > 0 raise ValueError instead of
+    being truncated.
+
+    Args:
+        cosine_w, ibn_w, cln_w, angle_w: term weights (a term is computed only when its weight is > 0).
+        cosine_tau, ibn_tau, angle_tau: the terms' scales.
+        angle_pooling_strategy: 'sum' or 'mean'.
+        dataset_format: 'A', 'B' or 'C'.
+        backend: keyword-only; "auto" (default), "torch", "triton" or "cuda".
+        **kwargs: accepted and ignored, like the reference.
+    """
+
+    def __init__(
+        self,
+        cosine_w: float = 0.0,
+        ibn_w: float = 1.0,
+        cln_w: float = 1.0,
+        angle_w: float = 0.02,
+        cosine_tau: float = 20.0,
+        ibn_tau: float = 20.0,
+        angle_tau: float = 20.0,
+        angle_pooling_strategy: str = "sum",
+        dataset_format: str | None = None,
+        *,
+        backend: str | None = None,
+        **kwargs,
+    ):
+        super().__init__()
+        self.cosine_w = checks.check_scalar("cosine_w", cosine_w)
+        self.ibn_w = checks.check_scalar("ibn_w", ibn_w)
+        self.cln_w = checks.check_scalar("cln_w", cln_w)
+        self.angle_w = checks.check_scalar("angle_w", angle_w)
+        self.cosine_tau = checks.check_scalar("cosine_tau", cosine_tau)
+        self.ibn_tau = checks.check_scalar("ibn_tau", ibn_tau)
+        self.angle_tau = checks.check_scalar("angle_tau", angle_tau)
+        checks.check_choice("angle_pooling_strategy", angle_pooling_strategy, POOLING_STRATEGIES)
+        self.angle_pooling_strategy = angle_pooling_strategy
+        self.dataset_format = dataset_format
+        self.backend = backend
+
+    def extra_repr(self) -> str:
+        return (
+            f"dataset_format={self.dataset_format!r}, cosine_w={self.cosine_w}, ibn_w={self.ibn_w}, "
+            f"cln_w={self.cln_w}, angle_w={self.angle_w}, cosine_tau={self.cosine_tau}, ibn_tau={self.ibn_tau}, "
+            f"angle_tau={self.angle_tau}, angle_pooling_strategy={self.angle_pooling_strategy!r}"
+        )
+
+    def forward(self, labels: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+        if self.dataset_format not in DATASET_FORMATS:
+            raise ValueError(
+                f"AngleLoss needs dataset_format 'A' (text1, text2, label), 'B' (query, positive) or "
+                f"'C' (query, positive, negative); got {self.dataset_format!r}"
+            )
+        if self.dataset_format == "A":
+            return self._format_a(labels, outputs)
+        if self.dataset_format == "B":
+            checks.check_embeddings("outputs", outputs, rows_multiple_of=2, layout="format B: query, positive rows")
+            return contrastive_with_negative_loss(outputs[0::2], outputs[1::2], tau=self.ibn_tau, backend=self.backend)
+        return self._format_c(outputs)
+
+    def _ranking_terms(self, ops, x: torch.Tensor, labels: torch.Tensor, dim: int):
+        """(cosine_w * cosine, angle_w * angle) on the pairs (x[g, 0], x[g, k]) from one pair-score pass;
+        a disabled term is None."""
+        if self.cosine_w <= 0 and self.angle_w <= 0:
+            return None, None
+        with_angle = self.angle_w > 0
+        if with_angle:
+            _check_angle_dim(dim)
+        cos, angle = ops.pair_scores(x, with_angle)
+        # Scores ordered pair-major to match `labels` (for format C: every positive pair, then every negative).
+        cos, angle = cos.T.reshape(-1), angle.T.reshape(-1)
+        cosine_term = angle_term = None
+        if self.cosine_w > 0:
+            cosine_term = self.cosine_w * ops.ranking_loss(self.cosine_tau * cos, labels)
+        if with_angle:
+            scores = _angle_scores(angle, self.angle_tau, self.angle_pooling_strategy, dim)
+            angle_term = self.angle_w * ops.ranking_loss(scores, labels)
+        return cosine_term, angle_term
+
+    def _format_a(self, labels: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+        x, pair_labels = zigzag_pairs(labels, outputs)
+        ops = resolve_backend(self.backend, outputs)
+        cosine_term, angle_term = self._ranking_terms(ops, x, pair_labels, outputs.shape[1])
+        ibn_term = None
+        if self.ibn_w > 0:
+            ibn_term = self.ibn_w * in_batch_negative_loss(labels, outputs, self.ibn_tau, backend=self.backend)
+        return _sum_terms([cosine_term, ibn_term, angle_term], outputs)  # the reference's order of summation
+
+    def _format_c(self, outputs: torch.Tensor) -> torch.Tensor:
+        checks.check_embeddings("outputs", outputs, rows_multiple_of=3, layout="format C: query, positive, negative rows")
+        rows, dim = outputs.shape
+        groups = rows // 3
+        x = outputs.reshape(groups, 3, dim)
+        query, positive, negative = x[:, 0], x[:, 1], x[:, 2]
+        contrastive_term = None
+        if self.ibn_w > 0 or self.cln_w > 0:
+            contrastive_term = 0.0
+            if self.ibn_w > 0:
+                contrastive_term = self.ibn_w * contrastive_with_negative_loss(query, positive, tau=self.ibn_tau, backend=self.backend)
+            if self.cln_w > 0:
+                contrastive_term = contrastive_term + self.cln_w * contrastive_with_negative_loss(
+                    query, positive, negative, tau=self.ibn_tau, backend=self.backend
+                )
+            contrastive_term = contrastive_term / 2
+        ops = resolve_backend(self.backend, outputs)
+        pair_labels = torch.cat((torch.ones(groups, device=outputs.device), torch.zeros(groups, device=outputs.device)))
+        cosine_term, angle_term = self._ranking_terms(ops, x, pair_labels, dim)
+        return _sum_terms([contrastive_term, angle_term, cosine_term], outputs)  # the reference's order
+
+
+def _sum_terms(terms: list, outputs: torch.Tensor) -> torch.Tensor:
+    terms = [t for t in terms if t is not None]
+    if not terms:
+        return torch.zeros((), dtype=compute_dtype(outputs.dtype), device=outputs.device)
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+class ArcCSELoss(nn.Module):
+    """ArcCSE's objective: ArcCon plus triplet_weight times the triplet loss (paper: L = L_arc + 0.1 * L_tri).
+
+    forward(h1, h2, anchor=None, weak=None, strong=None): h1, h2 are two views of the same N sentences
+    (ArcCon); the triplet term is added when anchor, weak and strong are all given.
+
+    Args:
+        margin_degrees: ArcCon's additive angular margin in degrees (10).
+        tau: ArcCon's temperature (0.05).
+        triplet_weight: lambda (0.1).
+        triplet_margin: the triplet loss's margin (0.0).
+        backend: keyword-only; "auto" (default), "torch", "triton" or "cuda".
+    """
+
+    def __init__(self, margin_degrees: float = 10.0, tau: float = 0.05, triplet_weight: float = 0.1,
+                 triplet_margin: float = 0.0, *, backend: str | None = None):
+        super().__init__()
+        self.margin_degrees = margin_degrees
+        self.tau = tau
+        self.triplet_weight = checks.check_scalar("triplet_weight", triplet_weight)
+        self.triplet_margin = triplet_margin
+        self.backend = backend
+
+    def forward(self, h1, h2, anchor=None, weak=None, strong=None):
+        loss = arccon_loss(h1, h2, self.margin_degrees, self.tau, backend=self.backend)
+        given = [t is not None for t in (anchor, weak, strong)]
+        if any(given) and not all(given):
+            raise ValueError("ArcCSELoss needs all three of anchor, weak and strong for the triplet term, or none")
+        if all(given) and self.triplet_weight != 0:
+            loss = loss + self.triplet_weight * triplet_loss(anchor, weak, strong, self.triplet_margin, backend=self.backend)
+        return loss

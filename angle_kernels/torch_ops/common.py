@@ -1,0 +1,37 @@
+"""Small helpers shared by the pure-PyTorch ops."""
+
+from __future__ import annotations
+
+import torch
+
+# F.normalize's epsilon: a norm below it is replaced by it, so a zero vector has cosine 0 with everything.
+NORM_EPS = 1e-12
+
+# Work is cut into pieces of about this many elements, so temporaries stay a few MB whatever N is.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else (float32, bfloat16, float16) accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rows_per_chunk(row_elements: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, row_elements))
+
+
+def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, dim=-1) for [M, D] tensors as a batched GEMV: no [M, D] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
+
+
+def inverse_norms_from_squares(squared_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 / max(|x|, eps) from |x|^2, and the mask of vectors whose norm was not clamped (only those have a
+    norm gradient)."""
+    norms = squared_norms.clamp_min(0).sqrt()
+    return 1.0 / norms.clamp_min(NORM_EPS), norms > NORM_EPS
+
+
+def inverse_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """inverse_norms_from_squares for the rows of a [M, D] tensor, in its own dtype."""
+    return inverse_norms_from_squares(row_dots(x, x))

@@ -1,0 +1,109 @@
+"""Pair scores in pure PyTorch: the cosine and the AnglE complex-division score of every pair.
+
+x is [G, K, D]; pair k of group g is (u, v) = (x[g, 0], x[g, k]). With a, b the halves of u and c, d those of v:
+    cos   = u.v / P                      P = max(|u|, eps) * max(|v|, eps)
+    angle = (u.v + b.c - a.d) / P        the reference's sum-pooled complex division, before abs() and tau
+Everything comes from small per-group Gram matrices: x[g] @ x[g]^T (K x K) holds the norms and dots, and
+first_half(x[g]) @ second_half(x[g])^T holds the cross terms. Batched matrix products compute them without
+any [G, K, D] temporary; only O(G * K^2) numbers are kept for backward.
+
+Backward, per pair, with s = g_cos + g_angle, w = (b.c - a.d) / P, t = s * cos + g_angle * w:
+    du = s/P * v + g_angle/P * (-d, c) - t * u / |u|^2
+    dv = s/P * u - g_angle/P * (-b, a) - t * v / |v|^2
+(the |.|^2 terms vanish where a norm was clamped to eps). Writing J(x) = (-second half, first half), the
+gradient of a whole group is dx[g] = A[g] @ x[g] + B[g] @ J(x[g]) with K x K "star" matrices A, B: two more
+batched matrix products per chunk of groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .common import compute_dtype, inverse_norms_from_squares, rows_per_chunk
+
+
+def _group_chunks(x: torch.Tensor):
+    """Yield (start, end, x[start:end] in the compute dtype); a copy only for bf16/fp16 inputs."""
+    groups, k, d = x.shape
+    step = rows_per_chunk(k * d)
+    dtype = compute_dtype(x.dtype)
+    for start in range(0, groups, step):
+        end = min(groups, start + step)
+        yield start, end, x[start:end].to(dtype)
+
+
+class PairScoresFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, with_angle: bool):
+        groups, k, d = x.shape
+        dtype = compute_dtype(x.dtype)
+        half = d // 2
+        inv_norm = torch.empty(groups, k, dtype=dtype, device=x.device)
+        has_norm_grad = torch.empty(groups, k, dtype=torch.bool, device=x.device)
+        cos = torch.empty(groups, k - 1, dtype=dtype, device=x.device)
+        cross = torch.zeros(groups, k - 1, dtype=dtype, device=x.device)  # (b.c - a.d) / P
+        for start, end, xc in _group_chunks(x):
+            gram = torch.bmm(xc, xc.transpose(1, 2))  # [g, K, K]
+            squared_norms = torch.diagonal(gram, dim1=1, dim2=2)
+            r, mask = inverse_norms_from_squares(squared_norms)
+            inv_norm[start:end], has_norm_grad[start:end] = r, mask
+            inv_p = r[:, :1] * r[:, 1:]  # 1 / P for each pair (anchor, k)
+            cos[start:end] = gram[:, 0, 1:] * inv_p
+            if with_angle:
+                # halves[g, i, j] = first_half(x_i) . second_half(x_j): b.c = halves[k, 0], a.d = halves[0, k]
+                halves = torch.bmm(xc[..., :half], xc[..., half:].transpose(1, 2))
+                cross[start:end] = (halves[:, 1:, 0] - halves[:, 0, 1:]) * inv_p
+        ctx.save_for_backward(x, inv_norm, has_norm_grad, cos, cross)
+        ctx.with_angle = with_angle
+        angle = cos + cross if with_angle else cross  # all zeros without the angle score
+        ctx.mark_non_differentiable(*(() if with_angle else (angle,)))
+        return cos, angle
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
+        x, inv_norm, has_norm_grad, cos, cross = ctx.saved_tensors
+        groups, k, d = x.shape
+        dtype = cos.dtype
+        grad_cos = grad_cos.to(dtype) if grad_cos is not None else torch.zeros_like(cos)
+        if ctx.with_angle and grad_angle is not None:
+            grad_angle = grad_angle.to(dtype)
+        else:
+            grad_angle = torch.zeros_like(cos)
+
+        inv_p = inv_norm[:, :1] * inv_norm[:, 1:]
+        s = grad_cos + grad_angle
+        t = s * cos + grad_angle * cross
+        radial = -t.unsqueeze(-1) * (inv_norm.unsqueeze(1) ** 2 * has_norm_grad.unsqueeze(1))  # [G, K-1, K]
+        # A: row 0 (anchor) gets s/P on the partners and -sum_k t_k/|u|^2 on itself; row k gets s/P on the
+        # anchor and -t_k/|v_k|^2 on itself. B: +g_angle/P on row 0, -g_angle/P on the anchor column.
+        a = torch.zeros(groups, k, k, dtype=dtype, device=x.device)
+        a[:, 0, 1:] = s * inv_p
+        a[:, 1:, 0] = s * inv_p
+        a[:, 0, 0] = radial[:, :, 0].sum(1)
+        idx = torch.arange(1, k, device=x.device)
+        a[:, idx, idx] = radial[:, torch.arange(k - 1, device=x.device), idx]
+        use_angle = ctx.with_angle and d % 2 == 0
+        if use_angle:
+            b = torch.zeros(groups, k, k, dtype=dtype, device=x.device)
+            b[:, 0, 1:] = grad_angle * inv_p
+            b[:, 1:, 0] = -grad_angle * inv_p
+
+        dx = torch.empty_like(x)
+        half = d // 2
+        for start, end, xc in _group_chunks(x):
+            a_c = a[start:end]
+            if not use_angle:
+                dx[start:end] = torch.bmm(a_c, xc)
+                continue
+            b_c = b[start:end]
+            first, second = xc[..., :half], xc[..., half:]
+            # dx = A x + B J(x), J(x) = (-second, first)
+            dx[start:end, :, :half] = torch.bmm(a_c, first).baddbmm_(b_c, second, alpha=-1)
+            dx[start:end, :, half:] = torch.bmm(a_c, second).baddbmm_(b_c, first)
+        return dx, None
+
+
+def pair_scores(x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return PairScoresFunction.apply(x, with_angle)
