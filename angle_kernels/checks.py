@@ -7,6 +7,9 @@ are on by default and can be switched off for training loops that trust their in
     angle_kernels.set_input_checks(False)            # for the whole process
     with angle_kernels.input_checks(False): ...      # for a block
     ANGLE_KERNELS_CHECK_INPUTS=0                     # from the environment, read at import
+
+Under torch.compile the value checks are skipped (they would need a host sync and break the graph); run a
+step eagerly, or keep the eager path for validation, when inputs are untrusted.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ def set_input_checks(enabled: bool) -> bool:
 
 
 def input_checks_enabled() -> bool:
-    return _value_checks
+    """Whether the value checks run now: switched on, and not inside a torch.compile trace."""
+    return _value_checks and not torch.compiler.is_compiling()
 
 
 @contextlib.contextmanager
@@ -87,7 +91,7 @@ def check_embeddings(name: str, t, *, rows_multiple_of: int = 1, layout: str = "
         raise ValueError(
             f"{name} must have a multiple of {rows_multiple_of} rows ({layout}), got {rows} rows"
         )
-    if _value_checks and not _all_finite(t.detach()):
+    if input_checks_enabled() and not _all_finite(t.detach()):
         raise ValueError(f"{name} contains NaN or Inf values")
     return t
 
@@ -102,14 +106,16 @@ def check_labels(name: str, y, rows: int, device: torch.device) -> torch.Tensor:
         raise ValueError(f"{name} must have shape [{rows}] or [{rows}, 1] to match the embeddings, got {tuple(y.shape)}")
     check_same_device((name, y), ("the embeddings", device))
     y = y.reshape(rows)
-    if _value_checks and y.is_floating_point() and not _all_finite(y):
+    if y.dtype == torch.bool:
+        y = y.to(torch.int64)
+    if input_checks_enabled() and y.is_floating_point() and not _all_finite(y):
         raise ValueError(f"{name} contains NaN or Inf values")
     return y
 
 
 def check_binary_labels(name: str, y: torch.Tensor, loss: str) -> None:
     """The in-batch-negative loss reads labels as 'pair is positive' (1) or 'negatives only' (0)."""
-    if _value_checks and not bool(((y == 0) | (y == 1)).all()):
+    if input_checks_enabled() and not bool(((y == 0) | (y == 1)).all()):
         bad = y[(y != 0) & (y != 1)][:5].tolist()
         raise ValueError(
             f"{name} for {loss} must be 0 or 1 (1: the pair is a positive pair; 0: its rows serve only as "

@@ -59,27 +59,33 @@ Choosing the backend
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 from types import ModuleType
 
 import torch
 
+from . import torch_ops
+
 BACKENDS = ("torch", "triton", "cuda")
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
-_MODULES = {"torch": "angle_kernels.torch_ops", "triton": "angle_kernels.triton_ops", "cuda": "angle_kernels.cuda_ops"}
+_MODULES = {"triton": "angle_kernels.triton_ops", "cuda": "angle_kernels.cuda_ops"}
+
+# backend name -> (module, "") or (None, why it is unavailable). A plain dict rather than functools.lru_cache so
+# that torch.compile can trace resolve_backend: once a backend is loaded, looking it up is a constant.
+_loaded: dict[str, tuple[ModuleType | None, str]] = {"torch": (torch_ops, "")}
 
 
-@functools.lru_cache(maxsize=None)
 def _load(backend: str) -> tuple[ModuleType | None, str]:
-    """Import a backend module once; return (module, "") or (None, why it is unavailable)."""
-    try:
-        module = importlib.import_module(_MODULES[backend])
-    except Exception as exc:  # an optional backend must never break `import angle_kernels`
-        return None, f"{type(exc).__name__}: {exc}"
-    available, why = module.is_available()
-    return (module, "") if available else (None, why)
+    """Import an optional backend module once and ask it whether it works here."""
+    if backend not in _loaded:
+        try:
+            module = importlib.import_module(_MODULES[backend])
+            available, why = module.is_available()
+            _loaded[backend] = (module, "") if available else (None, why)
+        except Exception as exc:  # an optional backend must never break the losses
+            _loaded[backend] = (None, f"{type(exc).__name__}: {exc}")
+    return _loaded[backend]
 
 
 def _interpreter_on() -> bool:

@@ -110,25 +110,27 @@ class SimilarityXentFunction(torch.autograd.Function):
         weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
         loss = (weights * (lse_all - lse_pos)).sum() / m
 
-        ctx.tiles = tiles
-        ctx.symmetric = symmetric
-        ctx.save_for_backward(q_has_grad, c_has_grad, lse_all, lse_pos, weights)
+        ctx.save_for_backward(
+            qf, None if symmetric else cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights
+        )
+        ctx.options = (scale, target, exclude_diagonal, margin)
         ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        q_has_grad, c_has_grad, lse_all, lse_pos, weights = ctx.saved_tensors
-        tiles: _Tiles = ctx.tiles
-        qf, cf, q_inv, c_inv = tiles.qf, tiles.cf, tiles.q_inv, tiles.c_inv
+        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights = ctx.saved_tensors
+        symmetric = cf is None
+        cf = qf if symmetric else cf
+        tiles = _Tiles(qf, cf, q_inv, c_inv, *ctx.options, group_ids)
         m = qf.shape[0]
         row_scale = weights * (grad_loss.to(qf.dtype) * tiles.scale / m)
 
         # Gradients with respect to the normalised rows q_hat = q * q_inv and c_hat = c * c_inv; for the
         # in-batch-negative loss q and c are the same tensor and share one buffer.
         d_qhat = torch.zeros_like(qf)
-        d_chat = d_qhat if ctx.symmetric else torch.zeros_like(cf)
+        d_chat = d_qhat if symmetric else torch.zeros_like(cf)
         for start, end in tiles.blocks():
             logits, local, targets, cos_t, positives = tiles.logits(start, end)
             grad = torch.exp(logits - lse_all[start:end, None])  # softmax over the columns C_i
@@ -145,7 +147,7 @@ class SimilarityXentFunction(torch.autograd.Function):
 
         q_dtype, c_dtype = ctx.input_dtypes
         dq = _normalise_backward(qf, q_inv, q_has_grad, d_qhat).to(q_dtype)
-        dc = None if ctx.symmetric else _normalise_backward(cf, c_inv, c_has_grad, d_chat).to(c_dtype)
+        dc = None if symmetric else _normalise_backward(cf, c_inv, c_has_grad, d_chat).to(c_dtype)
         return dq, dc, None, None, None, None, None, None
 
 

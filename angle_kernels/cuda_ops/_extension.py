@@ -1,0 +1,79 @@
+"""Finding the compiled CUDA kernels: a prebuilt `angle_kernels._C`, else a JIT build of csrc/.
+
+`load()` runs once per process (cached) and returns (True, "") or (False, why). It never raises: an optional
+backend must not break `import angle_kernels`. Order of attempts:
+
+1. torch must be a CUDA build (torch.version.cuda set) and see a GPU; otherwise there is nothing to run on.
+2. `import angle_kernels._C`: built by setup.py (`pip install .` on a machine with CUDA torch and nvcc).
+3. A JIT build with torch.utils.cpp_extension.load from the source checkout's csrc/, attempted only when nvcc
+   is found. Builds land in TORCH_EXTENSIONS_DIR (torch's default cache dir when unset). Set
+   ANGLE_KERNELS_CUDA_JIT=0 to never attempt it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+# The same flags as setup.py's build.
+NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
+CXX_FLAGS = ["-O3"]
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+CUDA_SOURCES = ("pair_scores.cu", "ranking.cu", "similarity_xent.cu")
+BINDING_SOURCE = "bindings.cpp"
+
+
+def _find_nvcc() -> str | None:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def _jit_build() -> tuple[bool, str]:
+    if os.environ.get("ANGLE_KERNELS_CUDA_JIT", "1") == "0":
+        return False, "the JIT build is disabled (ANGLE_KERNELS_CUDA_JIT=0)"
+    sources = [CSRC_DIR / name for name in (*CUDA_SOURCES, BINDING_SOURCE)]
+    missing = [str(s) for s in sources if not s.exists()]
+    if missing:
+        return False, f"no CUDA sources to JIT-build ({', '.join(missing)} missing)"
+    if _find_nvcc() is None:
+        return False, "nvcc was not found (set CUDA_HOME), so the CUDA sources cannot be JIT-built"
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name="angle_kernels_cuda_jit",
+            sources=[str(s) for s in sources],
+            extra_include_paths=[str(CSRC_DIR)],
+            extra_cflags=CXX_FLAGS,
+            extra_cuda_cflags=NVCC_FLAGS,
+            is_python_module=True,
+            verbose=os.environ.get("ANGLE_KERNELS_CUDA_VERBOSE", "0") == "1",
+        )
+    except Exception as exc:  # a failed build must leave the backend unavailable, not crash
+        return False, f"the JIT build of csrc/ failed: {type(exc).__name__}: {exc}"
+    return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> tuple[bool, str]:
+    """Make the CUDA kernels of the angle_kernels::cuda_* ops available; (ok, reason if not)."""
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} was built without CUDA (torch.version.cuda is None)"
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA GPU (torch.cuda.is_available() is False)"
+    from . import _library  # noqa: F401  (the schemas must exist before kernels are attached to them)
+
+    try:
+        import angle_kernels._C  # noqa: F401
+    except ImportError as exc:
+        prebuilt_error = f"no prebuilt angle_kernels._C ({exc})"
+    else:
+        return True, ""
+    ok, why = _jit_build()
+    return (True, "") if ok else (False, f"{prebuilt_error}; {why}")

@@ -1,0 +1,569 @@
+"""Softmax cross-entropy over cosine similarities, flash-style: never the M x Mc matrix.
+
+Computes the contract's similarity_xent (angle_kernels/dispatch.py): in-batch negatives (c = q, diagonal
+excluded, partner targets, zero-weighted rows without a target, identical texts as extra positives via
+group_ids), the contrastive loss with negatives (rectangular q/c, diagonal targets) and ArcCon (diagonal
+targets with an additive angular margin on the target logit):
+
+    l_ij  = scale * cos(q_i, c_j)          (target column: scale * cos(min(theta + margin, pi)))
+    loss  = (1/M) sum_i w_i * (logsumexp_{j in C_i} l_ij - logsumexp_{j in P_i} l_ij)
+
+Forward (`_similarity_xent_fwd_kernel`): one program per BLOCK_M rows walks all BLOCK_N column blocks; each
+tile of raw dot products is a K-loop of tl.dot over D (any D: the rows never sit in registers whole), is
+scaled by the per-row and per-column inverse norms into cosines, and feeds an online (running-max)
+logsumexp per row, plus a second one over the positives when group_ids is given (without group_ids the
+positive logsumexp is just the target logit, picked out of its tile). It stores two numbers per row.
+
+Backward recomputes each tile and forms dL/dcos_ij = w_i g / M * scale * (softmax_C_ij - softmax_P_ij)
+(times the margin's slope on the target column). With c_hat = c / |c|:
+
+    dq_i = inv_q_i * sum_j G_ij inv_c_j c_j  -  [|q_i| > eps] inv_q_i^2 (sum_j G_ij cos_ij) q_i
+
+and the mirror image for dc. Two kernels, no atomics: `_similarity_xent_bwd_dq_kernel` owns a row block
+and walks the columns, `_similarity_xent_bwd_dc_kernel` owns a column block and walks the rows (each
+recomputes the tiles). Why not one kernel with atomics (flash-attention 2 style)? Its atomics would add a
+[BLOCK, D] fp32 update per tile into the other side's gradient: M/BLOCK_M * Mc * D fp32 atomic adds (25 G
+for M = Mc = 64k, D = 768), non-deterministic and bound by the L2's atomic throughput; the second kernel
+costs one extra tile recomputation (2 M Mc D FLOPs on tensor cores) instead. Because D can be thousands,
+the [BLOCK, D] gradient accumulator does not fit in registers: each program adds its tile's contribution
+into its own rows of a fp32 [M, D] buffer, chunk by chunk over D (read-modify-write, exclusive to the
+program, a barrier between column blocks). The normalisation's backward (the radial term above and the
+inv_q scaling) is applied once at the end by `_similarity_xent_bwd_finish_kernel`, which also adds the two
+halves of the symmetric case.
+
+The floor. FLOPs: forward 2 M Mc D; backward 2 x (2 M Mc D recompute + 2 M Mc D gradient) = 8 M Mc D.
+In-batch negatives with N = 65536 pairs (M = Mc = 131072), D = 768: 2.6e13 forward + 1.1e14 backward
+FLOPs, 0.17 s at 790 TFLOP/s bf16. Bytes: inputs read once per tile row/column pass (L2-resident blocks),
+plus the fp32 gradient buffers' read-modify-write, M*D*8 bytes per column block pass: arithmetic intensity
+BLOCK_N/2 FLOPs per byte of buffer traffic (64 at BLOCK_N = 128), which an H200 (about 165 FLOPs/byte of
+HBM) serves mostly from L2 when M*D*4 is tens of MB. The tile math (exp, selects) is O(M Mc), about D/4
+times fewer operations than the dots: tensor-core bound for D >= ~128.
+
+Blocks for an H200 (autotuned among a few configs when not interpreting): BLOCK_M = 128 rows (one wgmma
+M-tile per warpgroup with 8 warps), BLOCK_N = 64 or 128 columns, BLOCK_K = 64 (bf16: 128-byte rows per
+operand load), 3 pipeline stages: (128 + 128) x 64 x 2 B x 3 = 96 KB of shared memory, under the 228 KB.
+
+Precision. Dots accumulate in fp32 (fp64 for fp64 inputs). bf16/fp16 inputs feed tl.dot natively on a GPU
+(tensor cores, fp32 accumulation) and the backward's softmax-gradient tile is rounded to the input dtype for
+its dot, as flash attention does. Under the Triton interpreter, bf16 tl.dot and bf16 arithmetic are
+silently wrong (it multiplies raw bits), so the operand dtype is a constexpr (OPERAND) and interpreter runs
+convert bf16 tiles to fp32 right after loading. fp32 dots use input_precision="ieee" (exact fp32); TF32 is
+used only when ANGLE_KERNELS_ALLOW_TF32=1 is set.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from ._common import NORM_EPS, check_device, interpreting, torch_compute_dtype
+
+# sin(theta) = sqrt(max(1 - cos^2, this)): keeps the margin's gradient finite as |cos| -> 1 (contract).
+MARGIN_SIN_SQUARED_FLOOR = 1e-6
+
+_TF32_ENV = "ANGLE_KERNELS_ALLOW_TF32"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tile helpers (inlined into the kernels)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot_tile(
+    a_ptr, b_ptr, rows, cols, row_ok, col_ok, D,
+    stride_am, stride_ad, stride_bm, stride_bd,
+    ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """[BLOCK_M, BLOCK_N] raw dot products a[rows] . b[cols], a K-loop over D."""
+    dots = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for k_start in range(0, D, BLOCK_K):
+        ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+        k_ok = ks < D
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ad,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + ks[:, None] * stride_bd + cols[None, :] * stride_bm,
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        dots = tl.dot(a.to(OPERAND), b.to(OPERAND), dots, input_precision=PRECISION, out_dtype=ACC)
+    return dots
+
+
+@triton.jit
+def _margin_logit(cos, cos_m, sin_m, SIN_SQ_FLOOR: tl.constexpr):
+    """cos(min(arccos(cos) + m, pi)) and its derivative in cos (0 past pi; no norm term where clamped)."""
+    sin_sq = 1.0 - cos * cos
+    sin_t = tl.sqrt(tl.maximum(sin_sq, SIN_SQ_FLOOR))
+    value = cos * cos_m - sin_t * sin_m
+    slope = cos_m + tl.where(sin_sq > SIN_SQ_FLOOR, cos * sin_m / sin_t, 0.0)
+    past_pi = cos < -cos_m  # theta + m > pi: the logit is pinned at cos(pi) = -1
+    return tl.where(past_pi, -1.0, value), tl.where(past_pi, 0.0, slope)
+
+
+@triton.jit
+def _logits_tile(
+    dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
+    scale, cos_m, sin_m,
+    EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr, HAS_GROUPS: tl.constexpr,
+    SIN_SQ_FLOOR: tl.constexpr,
+):
+    """(cos, logits with -inf outside C_i, is_target, valid = in C_i, positive = in P_i, target slope)."""
+    cos = dots * inv_q[:, None] * inv_c[None, :]
+    valid = row_ok[:, None] & col_ok[None, :]
+    if EXCLUDE_DIAGONAL:
+        valid = valid & (cols[None, :] != rows[:, None])
+    is_target = (cols[None, :] == targets[:, None]) & valid
+    logits = cos * scale
+    if HAS_MARGIN:
+        margin_value, slope = _margin_logit(cos, cos_m, sin_m, SIN_SQ_FLOOR)
+        logits = tl.where(is_target, margin_value * scale, logits)
+    else:
+        slope = tl.full(cos.shape, 1.0, cos.dtype)
+    logits = tl.where(valid, logits, float("-inf"))
+    if HAS_GROUPS:
+        same = (group_col[None, :] == group_row[:, None]) | (group_col[None, :] == group_target[:, None])
+        positive = (same & valid) | is_target
+    else:
+        positive = is_target
+    return cos, logits, is_target, valid, positive, slope
+
+
+@triton.jit
+def _online_lse_update(running_max, running_sum, logits):
+    """Fold a [rows, cols] tile into a per-row running (max, sum of exp(x - max)); -inf is the empty sum."""
+    new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+    safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+    running_sum = running_sum * tl.exp(running_max - safe) + tl.sum(tl.exp(logits - safe[:, None]), axis=1)
+    return new_max, running_sum
+
+
+@triton.jit
+def _row_state(
+    q_norm_ptr, group_ptr, rows, M, EPS: tl.constexpr, PARTNER_TARGET: tl.constexpr, HAS_GROUPS: tl.constexpr,
+):
+    """Per-row inverse norms, target columns and (optionally) the group ids of the row and its target."""
+    row_ok = rows < M
+    inv_q = 1.0 / tl.maximum(tl.load(q_norm_ptr + rows, mask=row_ok, other=1.0), EPS)
+    if PARTNER_TARGET:
+        targets = rows ^ 1
+    else:
+        targets = rows
+    if HAS_GROUPS:
+        group_row = tl.load(group_ptr + rows, mask=row_ok, other=0)
+        group_target = tl.load(group_ptr + targets, mask=row_ok & (targets < M), other=0)
+    else:
+        group_row = rows
+        group_target = rows
+    return row_ok, inv_q, targets, group_row, group_target
+
+
+@triton.jit
+def _grad_cos_tile(
+    logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
+    HAS_MARGIN: tl.constexpr, HAS_GROUPS: tl.constexpr,
+):
+    """dL/dcos for one tile: coef_i * scale * (softmax over C_i - softmax over P_i), times the margin slope."""
+    p_all = tl.exp(logits - lse_all[:, None])  # 0 outside C_i (logits = -inf there)
+    if HAS_GROUPS:
+        p_pos = tl.where(positive, tl.exp(logits - lse_pos[:, None]), 0.0)
+    else:
+        p_pos = tl.where(is_target, 1.0, 0.0)  # P_i = {t_i}: its softmax is exactly 1
+    g = (coef * scale)[:, None] * (p_all - p_pos)
+    if HAS_MARGIN:
+        g = tl.where(is_target, g * slope, g)
+    return tl.where(valid, g, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _similarity_xent_fwd_kernel(
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr,
+    lse_all_ptr, lse_pos_ptr,  # [M] out, compute dtype
+    M, Mc, D,
+    stride_qm, stride_qd, stride_cm, stride_cd,
+    scale, cos_m, sin_m,
+    PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
+    HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok, inv_q, targets, group_row, group_target = _row_state(
+        q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+
+    max_all = tl.full([BLOCK_M], float("-inf"), ACC)
+    sum_all = tl.zeros([BLOCK_M], ACC)
+    max_pos = tl.full([BLOCK_M], float("-inf"), ACC)
+    sum_pos = tl.zeros([BLOCK_M], ACC)
+    target_logit = tl.zeros([BLOCK_M], ACC)
+    for col_start in range(0, Mc, BLOCK_N):
+        cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        col_ok = cols < Mc
+        dots = _dot_tile(q_ptr, c_ptr, rows, cols, row_ok, col_ok, D, stride_qm, stride_qd, stride_cm,
+                         stride_cd, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
+        if HAS_GROUPS:
+            group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
+        else:
+            group_col = cols
+        cos, logits, is_target, valid, positive, slope = _logits_tile(
+            dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
+            scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
+        max_all, sum_all = _online_lse_update(max_all, sum_all, logits)
+        if HAS_GROUPS:
+            max_pos, sum_pos = _online_lse_update(max_pos, sum_pos, tl.where(positive, logits, float("-inf")))
+        else:
+            target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+
+    lse_all = tl.where(max_all == float("-inf"), 0.0, max_all) + tl.log(sum_all)
+    tl.store(lse_all_ptr + rows, lse_all, mask=row_ok)
+    if HAS_GROUPS:
+        lse_pos = tl.where(max_pos == float("-inf"), 0.0, max_pos) + tl.log(sum_pos)
+    else:
+        lse_pos = target_logit
+    tl.store(lse_pos_ptr + rows, lse_pos, mask=row_ok)
+
+
+@triton.jit
+def _similarity_xent_bwd_dq_kernel(
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,
+    dq_raw_ptr,  # [M, D] fp32/fp64 out: sum_j G_ij inv_c_j c_j
+    dq_radial_ptr,  # [M] out: sum_j G_ij cos_ij
+    M, Mc, D,
+    stride_qm, stride_qd, stride_cm, stride_cd,
+    scale, cos_m, sin_m,
+    PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
+    HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok, inv_q, targets, group_row, group_target = _row_state(
+        q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+    lse_all = tl.load(lse_all_ptr + rows, mask=row_ok, other=0.0)
+    lse_pos = tl.load(lse_pos_ptr + rows, mask=row_ok, other=0.0)
+    coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
+
+    radial = tl.zeros([BLOCK_M], ACC)
+    for col_start in range(0, Mc, BLOCK_N):
+        cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        col_ok = cols < Mc
+        dots = _dot_tile(q_ptr, c_ptr, rows, cols, row_ok, col_ok, D, stride_qm, stride_qd, stride_cm,
+                         stride_cd, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
+        if HAS_GROUPS:
+            group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
+        else:
+            group_col = cols
+        cos, logits, is_target, valid, positive, slope = _logits_tile(
+            dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
+            scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
+        g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
+                           HAS_MARGIN, HAS_GROUPS)
+        radial += tl.sum(g * cos, axis=1)
+        g_scaled = (g * inv_c[None, :]).to(OPERAND)
+        # Accumulate g_scaled @ c[cols] into this program's rows of the buffer, D chunk by D chunk.
+        tl.debug_barrier()  # the previous column block's stores are visible to every thread of the program
+        for k_start in range(0, D, BLOCK_K):
+            ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+            k_ok = ks < D
+            c_chunk = tl.load(c_ptr + cols[:, None] * stride_cm + ks[None, :] * stride_cd,
+                              mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            update = tl.dot(g_scaled, c_chunk.to(OPERAND), input_precision=PRECISION, out_dtype=ACC)
+            out_ptrs = dq_raw_ptr + rows[:, None] * D + ks[None, :]
+            out_ok = row_ok[:, None] & k_ok[None, :]
+            if col_start > 0:
+                update += tl.load(out_ptrs, mask=out_ok, other=0.0)
+            tl.store(out_ptrs, update, mask=out_ok)
+    tl.store(dq_radial_ptr + rows, radial, mask=row_ok)
+
+
+@triton.jit
+def _similarity_xent_bwd_dc_kernel(
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,
+    dc_raw_ptr,  # [Mc, D] out: sum_i G_ij inv_q_i q_i
+    dc_radial_ptr,  # [Mc] out: sum_i G_ij cos_ij
+    M, Mc, D,
+    stride_qm, stride_qd, stride_cm, stride_cd,
+    scale, cos_m, sin_m,
+    PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
+    HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < Mc
+    inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
+    if HAS_GROUPS:
+        group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
+    else:
+        group_col = cols
+
+    radial = tl.zeros([BLOCK_N], ACC)
+    for row_start in range(0, M, BLOCK_M):
+        rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok, inv_q, targets, group_row, group_target = _row_state(
+            q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+        lse_all = tl.load(lse_all_ptr + rows, mask=row_ok, other=0.0)
+        lse_pos = tl.load(lse_pos_ptr + rows, mask=row_ok, other=0.0)
+        coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
+        dots = _dot_tile(q_ptr, c_ptr, rows, cols, row_ok, col_ok, D, stride_qm, stride_qd, stride_cm,
+                         stride_cd, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        cos, logits, is_target, valid, positive, slope = _logits_tile(
+            dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
+            scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
+        g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
+                           HAS_MARGIN, HAS_GROUPS)
+        radial += tl.sum(g * cos, axis=0)
+        g_scaled_t = tl.trans((g * inv_q[:, None]).to(OPERAND))  # [BLOCK_N, BLOCK_M]
+        tl.debug_barrier()  # the previous row block's stores are visible to every thread of the program
+        for k_start in range(0, D, BLOCK_K):
+            ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+            k_ok = ks < D
+            q_chunk = tl.load(q_ptr + rows[:, None] * stride_qm + ks[None, :] * stride_qd,
+                              mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            update = tl.dot(g_scaled_t, q_chunk.to(OPERAND), input_precision=PRECISION, out_dtype=ACC)
+            out_ptrs = dc_raw_ptr + cols[:, None] * D + ks[None, :]
+            out_ok = col_ok[:, None] & k_ok[None, :]
+            if row_start > 0:
+                update += tl.load(out_ptrs, mask=out_ok, other=0.0)
+            tl.store(out_ptrs, update, mask=out_ok)
+    tl.store(dc_radial_ptr + cols, radial, mask=col_ok)
+
+
+@triton.jit
+def _similarity_xent_bwd_finish_kernel(
+    x_ptr,  # [R, D] the input rows (q or c), any strides
+    norm_ptr,  # [R] raw norms
+    raw_a_ptr, radial_a_ptr,  # [R, D], [R]: one side's accumulation
+    raw_b_ptr, radial_b_ptr,  # the other side's (read only HAS_B: the symmetric case, c is q)
+    dx_ptr,  # [R, D] out, contiguous, x's dtype
+    R, D, stride_xm, stride_xd,
+    HAS_B: tl.constexpr, ACC: tl.constexpr, EPS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dx = inv * raw - [|x| > eps] inv^2 radial x: the normalisation's backward, applied once."""
+    row = tl.program_id(0).to(tl.int64)
+    norm = tl.load(norm_ptr + row).to(ACC)
+    inv = 1.0 / tl.maximum(norm, EPS)
+    radial = tl.load(radial_a_ptr + row).to(ACC)
+    if HAS_B:
+        radial += tl.load(radial_b_ptr + row).to(ACC)
+    shrink = tl.where(norm > EPS, inv * inv * radial, 0.0)
+    for start in range(0, D, BLOCK_D):
+        ks = (start + tl.arange(0, BLOCK_D)).to(tl.int64)
+        ok = ks < D
+        raw = tl.load(raw_a_ptr + row * D + ks, mask=ok, other=0.0).to(ACC)
+        if HAS_B:
+            raw += tl.load(raw_b_ptr + row * D + ks, mask=ok, other=0.0).to(ACC)
+        x = tl.load(x_ptr + row * stride_xm + ks * stride_xd, mask=ok, other=0.0).to(ACC)
+        dx = inv * raw - shrink * x
+        tl.store(dx_ptr + row * D + ks, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch configuration
+# ----------------------------------------------------------------------------------------------------------
+
+_TILE_KERNELS = (_similarity_xent_fwd_kernel, _similarity_xent_bwd_dq_kernel, _similarity_xent_bwd_dc_kernel)
+
+# GPU candidates (see the module docstring). Under the interpreter autotuning with more than one config
+# fails, and one config sized to cover the (small) test problems in few programs is used instead.
+_GPU_CONFIGS = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=4),
+]
+_TUNE_KEY = ["M", "Mc", "D", "HAS_GROUPS", "HAS_MARGIN", "OPERAND"]
+
+if interpreting():
+    _fwd, _bwd_dq, _bwd_dc = _TILE_KERNELS
+else:
+    _fwd, _bwd_dq, _bwd_dc = (triton.autotune(configs=_GPU_CONFIGS, key=_TUNE_KEY)(k) for k in _TILE_KERNELS)
+
+
+def _interpreter_blocks(m: int, mc: int, d: int) -> dict:
+    def fit(n: int, cap: int) -> int:
+        return max(16, min(cap, triton.next_power_of_2(max(n, 1))))
+
+    return dict(BLOCK_M=fit(m, 64), BLOCK_N=fit(mc, 64), BLOCK_K=fit(d, 256))
+
+
+def _operand_dtype(dtype: torch.dtype):
+    """The dtype tiles are converted to before tl.dot (see Precision in the module docstring)."""
+    if dtype == torch.float64:
+        return tl.float64
+    if dtype == torch.float32:
+        return tl.float32
+    if dtype == torch.bfloat16:
+        return tl.float32 if interpreting() else tl.bfloat16
+    return tl.float16
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and os.environ.get(_TF32_ENV, "0") not in ("", "0") and not interpreting():
+        return "tf32"
+    return "ieee"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Autograd function and launcher
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _validate(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids) -> None:
+    float_types = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 2 or q.shape[0] == 0 or q.shape[1] == 0:
+        raise ValueError(f"q must be a non-empty [M, D] tensor, got shape {tuple(q.shape)}")
+    if q.dtype not in float_types:
+        raise TypeError(f"q must be float32, float64, bfloat16 or float16, got {q.dtype}")
+    check_device(q, "q")
+    m, d = q.shape
+    mc = m
+    if c is not None:
+        if not isinstance(c, torch.Tensor):
+            raise TypeError(f"c must be a torch.Tensor or None, got {type(c).__name__}")
+        if c.dim() != 2 or c.shape[1] != d or c.shape[0] == 0:
+            raise ValueError(f"c must be a non-empty [Mc, D={d}] tensor, got shape {tuple(c.shape)}")
+        if c.dtype != q.dtype:
+            raise TypeError(f"c must have q's dtype {q.dtype}, got {c.dtype}")
+        if c.device != q.device:
+            raise ValueError(f"c must be on q's device {q.device}, got {c.device}")
+        mc = c.shape[0]
+    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite Python number, got {scale!r}")
+    if isinstance(margin, torch.Tensor) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise TypeError(f"margin must be a finite Python number (radians), got {margin!r}")
+    if target not in ("partner", "diagonal"):
+        raise ValueError(f"target must be 'partner' or 'diagonal', got {target!r}")
+    if target == "partner" and (m % 2 != 0 or mc < m):
+        raise ValueError(f"target='partner' needs an even M <= Mc, got M={m}, Mc={mc}")
+    if target == "diagonal":
+        if mc < m:
+            raise ValueError(f"target='diagonal' needs M <= Mc, got M={m}, Mc={mc}")
+        if exclude_diagonal:
+            raise ValueError("target='diagonal' with exclude_diagonal=True would exclude every target column")
+    if row_weights is not None:
+        if not isinstance(row_weights, torch.Tensor) or row_weights.shape != (m,):
+            raise ValueError(f"row_weights must be a [M={m}] tensor, got {getattr(row_weights, 'shape', row_weights)}")
+        if not row_weights.is_floating_point():
+            raise TypeError(f"row_weights must be floating point, got {row_weights.dtype}")
+        if row_weights.device != q.device:
+            raise ValueError(f"row_weights must be on q's device {q.device}, got {row_weights.device}")
+    if group_ids is not None:
+        if c is not None:
+            raise ValueError("group_ids is supported only in the symmetric case (c=None)")
+        if not isinstance(group_ids, torch.Tensor) or group_ids.shape != (m,):
+            raise ValueError(f"group_ids must be a [M={m}] tensor, got {getattr(group_ids, 'shape', group_ids)}")
+        if group_ids.dtype != torch.int64:
+            raise TypeError(f"group_ids must be int64, got {group_ids.dtype}")
+        if group_ids.device != q.device:
+            raise ValueError(f"group_ids must be on q's device {q.device}, got {group_ids.device}")
+
+
+def _tile_launch(kernel, grid_of, blocks, *args, **constexprs):
+    """Launch an (autotuned on GPU, fixed under the interpreter) tile kernel."""
+    if interpreting():
+        kernel[grid_of(blocks)](*args, **constexprs, **blocks, num_warps=4)
+    else:
+        kernel[lambda meta: grid_of(meta)](*args, **constexprs)
+
+
+def _row_norms(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.linalg.vector_norm(x, dim=1, dtype=dtype)
+
+
+class SimilarityXentFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids):
+        _validate(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
+        symmetric = c is None
+        dtype = torch_compute_dtype(q.dtype)
+        q_in = q.detach()
+        c_in = q_in if symmetric else c.detach()
+        m, d = q_in.shape
+        mc = c_in.shape[0]
+        q_norm = _row_norms(q_in, dtype)
+        c_norm = q_norm if symmetric else _row_norms(c_in, dtype)
+        groups = group_ids.contiguous() if group_ids is not None else q_norm  # placeholder pointer if unused
+        margin = float(margin)
+        static = dict(
+            PARTNER_TARGET=target == "partner", EXCLUDE_DIAGONAL=bool(exclude_diagonal),
+            HAS_MARGIN=margin != 0.0, HAS_GROUPS=group_ids is not None,
+            ACC=tl.float64 if dtype == torch.float64 else tl.float32,
+            OPERAND=_operand_dtype(q.dtype), PRECISION=_dot_precision(q.dtype),
+            EPS=NORM_EPS, SIN_SQ_FLOOR=MARGIN_SIN_SQUARED_FLOOR,
+        )
+        runtime = (m, mc, d, q_in.stride(0), q_in.stride(1), c_in.stride(0), c_in.stride(1),
+                   float(scale), math.cos(margin), math.sin(margin))
+
+        lse_all = torch.full((m,), float("nan"), dtype=dtype, device=q.device)
+        lse_pos = torch.full((m,), float("nan"), dtype=dtype, device=q.device)
+        blocks = _interpreter_blocks(m, mc, d)
+        _tile_launch(_fwd, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
+                     q_in, c_in, q_norm, c_norm, groups, lse_all, lse_pos, *runtime, **static)
+
+        weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
+        loss = (weights * (lse_all - lse_pos)).sum() / m
+
+        ctx.save_for_backward(q_in, None if symmetric else c_in, q_norm, c_norm, groups, lse_all, lse_pos, weights)
+        ctx.symmetric = symmetric
+        ctx.static = static
+        ctx.runtime = runtime
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        q_in, c_saved, q_norm, c_norm, groups, lse_all, lse_pos, weights = ctx.saved_tensors
+        symmetric = ctx.symmetric
+        c_in = q_in if symmetric else c_saved
+        m, d = q_in.shape
+        mc = c_in.shape[0]
+        dtype = lse_all.dtype
+        coef = (weights * (grad_loss.to(dtype) / m)).contiguous()
+        blocks = _interpreter_blocks(m, mc, d)
+        common = (q_in, c_in, q_norm, c_norm, groups, lse_all, lse_pos, coef)
+
+        dq_raw = torch.full((m, d), float("nan"), dtype=dtype, device=q_in.device)
+        dq_radial = torch.full((m,), float("nan"), dtype=dtype, device=q_in.device)
+        _tile_launch(_bwd_dq, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
+                     *common, dq_raw, dq_radial, *ctx.runtime, **ctx.static)
+        dc_raw = torch.full((mc, d), float("nan"), dtype=dtype, device=q_in.device)
+        dc_radial = torch.full((mc,), float("nan"), dtype=dtype, device=q_in.device)
+        _tile_launch(_bwd_dc, lambda b: (triton.cdiv(mc, b["BLOCK_N"]),), blocks,
+                     *common, dc_raw, dc_radial, *ctx.runtime, **ctx.static)
+
+        acc = ctx.static["ACC"]
+        block_d = min(triton.next_power_of_2(d), 1024)
+        finish = dict(ACC=acc, EPS=NORM_EPS, BLOCK_D=block_d, num_warps=4)
+        dq = torch.full((m, d), float("nan"), dtype=q_in.dtype, device=q_in.device)
+        if symmetric:
+            _similarity_xent_bwd_finish_kernel[(m,)](
+                q_in, q_norm, dq_raw, dq_radial, dc_raw, dc_radial, dq, m, d, q_in.stride(0), q_in.stride(1),
+                HAS_B=True, **finish)
+            return dq, None, None, None, None, None, None, None
+        _similarity_xent_bwd_finish_kernel[(m,)](
+            q_in, q_norm, dq_raw, dq_radial, dq_raw, dq_radial, dq, m, d, q_in.stride(0), q_in.stride(1),
+            HAS_B=False, **finish)
+        dc = torch.full((mc, d), float("nan"), dtype=c_in.dtype, device=c_in.device)
+        _similarity_xent_bwd_finish_kernel[(mc,)](
+            c_in, c_norm, dc_raw, dc_radial, dc_raw, dc_radial, dc, mc, d, c_in.stride(0), c_in.stride(1),
+            HAS_B=False, **finish)
+        return dq, dc, None, None, None, None, None, None
+
+
+def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None):
+    """Flash-style softmax cross-entropy over cosine similarities; see angle_kernels.dispatch."""
+    return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
