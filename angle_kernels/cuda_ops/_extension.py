@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 # The same flags as setup.py's build.
-NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
+NVCC_FLAGS = ["-O3", "-lineinfo"]  # the C++ standard is left to torch (c++17 or c++20)
 CXX_FLAGS = ["-O3"]
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 CUDA_SOURCES = ("pair_scores.cu", "ranking.cu", "similarity_xent.cu")

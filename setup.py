@@ -1,0 +1,77 @@
+"""Build hook for the optional CUDA extension `angle_kernels._C` (metadata lives in pyproject.toml).
+
+The extension (csrc/*.cu kernels + csrc/bindings.cpp) is built only where it can be: `import torch` works,
+torch is a CUDA build (torch.version.cuda is set) and nvcc is found under torch's CUDA_HOME. Otherwise the
+build prints why and installs the pure-Python package, whose Triton and PyTorch backends need no compiled
+code (a source checkout can still JIT-build the extension later; see angle_kernels/cuda_ops/_extension.py).
+
+torch is deliberately not a build requirement, so a CUDA build needs the torch already installed:
+    pip install --no-build-isolation .          (or -e . for development)
+
+Environment:
+    ANGLE_KERNELS_BUILD_CUDA=0      never build the extension
+    ANGLE_KERNELS_BUILD_CUDA=1      require it: fail the build if it cannot be built
+    TORCH_CUDA_ARCH_LIST            target GPUs (default "8.0;9.0": A100 and H100/H200)
+    MAX_JOBS                        parallel compile jobs for ninja (torch's variable)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import setup
+
+CUDA_SOURCES = ["csrc/pair_scores.cu", "csrc/ranking.cu", "csrc/similarity_xent.cu", "csrc/bindings.cpp"]
+DEFAULT_ARCH_LIST = "8.0;9.0"
+
+
+def _log(message: str) -> None:
+    print(f"angle_kernels setup: {message}", file=sys.stderr)
+
+
+def _cuda_extension() -> tuple[list, dict]:
+    """(ext_modules, cmdclass) for the CUDA extension, or ([], {}) when it is skipped."""
+    mode = os.environ.get("ANGLE_KERNELS_BUILD_CUDA", "auto").strip().lower()
+    if mode in ("0", "false", "no", "off"):
+        _log("ANGLE_KERNELS_BUILD_CUDA=0: not building the CUDA extension")
+        return [], {}
+    required = mode in ("1", "true", "yes", "on")
+
+    def skip(reason: str) -> tuple[list, dict]:
+        if required:
+            raise RuntimeError(f"ANGLE_KERNELS_BUILD_CUDA=1 but the CUDA extension cannot be built: {reason}")
+        _log(f"not building the CUDA extension ({reason}); the Triton and PyTorch backends need no compiled code")
+        return [], {}
+
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except Exception as exc:  # isolated build environments have no torch
+        return skip(f"torch is not importable here: {type(exc).__name__}: {exc}; "
+                    "use pip install --no-build-isolation to build against the installed torch")
+    if torch.version.cuda is None:
+        return skip(f"torch {torch.__version__} is a CPU-only build")
+    cuda_home = cpp_extension.CUDA_HOME
+    nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
+    if nvcc is None or not os.path.exists(nvcc):
+        return skip("nvcc was not found (set CUDA_HOME to the CUDA toolkit)")
+    missing = [s for s in CUDA_SOURCES if not os.path.exists(s)]
+    if missing:
+        return skip(f"sources missing: {', '.join(missing)}")
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    _log(f"building angle_kernels._C with {nvcc} for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
+    extension = cpp_extension.CUDAExtension(
+        name="angle_kernels._C",
+        sources=CUDA_SOURCES,
+        include_dirs=[os.path.abspath("csrc")],
+        # The C++ standard is left to torch's defaults (the kernels are plain C++17).
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
+    )
+    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
+    return [extension], {"build_ext": build_ext}
+
+
+ext_modules, cmdclass = _cuda_extension()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
