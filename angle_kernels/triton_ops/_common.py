@@ -26,18 +26,6 @@ def acc_dtype_of(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-_TL_DTYPES = {
-    torch.float32: tl.float32,
-    torch.float64: tl.float64,
-    torch.bfloat16: tl.bfloat16,
-    torch.float16: tl.float16,
-}
-
-
-def tl_dtype(dtype: torch.dtype):
-    return _TL_DTYPES[dtype]
-
-
 def check_device(t: torch.Tensor, name: str) -> None:
     """Triton kernels need CUDA tensors, or CPU tensors under the interpreter."""
     if t.is_cuda:

@@ -32,8 +32,9 @@ ps = importlib.import_module("angle_kernels.triton_ops.pair_scores")
 rk = importlib.import_module("angle_kernels.triton_ops.ranking")
 sx = importlib.import_module("angle_kernels.triton_ops.similarity_xent")
 
-# Runtime scalars that are floats; every other non-pointer, non-constexpr argument is an i32.
-_FLOAT_ARGS = {"scale", "cos_m", "sin_m"}
+# Runtime scalars that are floats (none at present: float parameters travel in small tensors so that the
+# float64 path keeps them exact); every other non-pointer, non-constexpr argument is an i32.
+_FLOAT_ARGS: set[str] = set()
 _INT64_POINTER_ARGS = {"group_start_ptr", "group_end_ptr", "order_ptr"}
 
 
@@ -90,51 +91,66 @@ def _compile(fn, pointer_dtype, constexprs, arch, num_warps, num_stages=3, point
     return triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def _variants():
-    """(kernel, variant label, pointer dtype, constexprs, num_warps, pointer overrides) for every kernel."""
+def _variants(full: bool):
+    """(kernel, label, pointer dtype, constexprs, num_warps, num_stages, pointer overrides) to compile.
+
+    full=False is the CI subset (under 90 s on 2 cores): every kernel at least once, for fp32 and bf16 inputs,
+    with the first autotune config of each dtype class. full=True adds K = 2/3, with/without angle, fp16, and
+    every autotune config.
+    """
     out = []
-    acc_of = {"fp32": tl.float32, "bf16": tl.float32, "fp64": tl.float64}
-    for x_dtype in ("fp32", "bf16"):
-        acc = "fp32"
-        for with_angle in (True, False):
-            for k in (2, 3):
-                cfg = ps.launch_config(k, 768, with_angle)
-                warps = cfg.pop("num_warps")
-                const = dict(WITH_ANGLE=with_angle, ACC=acc_of[x_dtype], EPS=NORM_EPS, **cfg)
-                label = f"x={x_dtype} K={k} angle={with_angle}"
-                over = {"x_ptr": x_dtype}
-                out.append((ps._pair_scores_fwd_kernel, label, acc, const, warps, over))
-                out.append((ps._pair_scores_bwd_kernel, label, acc, const, warps, {**over, "dx_ptr": x_dtype}))
+    acc_of = {"fp32": tl.float32, "bf16": tl.float32, "fp16": tl.float32, "fp64": tl.float64}
+    pair_variants = [("fp32", 2, True), ("bf16", 3, True), ("bf16", 2, False)]
+    if full:
+        pair_variants = [(x, k, a) for x in ("fp32", "bf16", "fp64") for k in (2, 3) for a in (True, False)]
+    for x_dtype, k, with_angle in pair_variants:
+        cfg = ps.launch_config(k, 768, with_angle)
+        warps = cfg.pop("num_warps")
+        const = dict(WITH_ANGLE=with_angle, ACC=acc_of[x_dtype], EPS=NORM_EPS, **cfg)
+        label = f"x={x_dtype} K={k} angle={with_angle} D=768"
+        over = {"x_ptr": x_dtype}
+        scalars = "fp64" if x_dtype == "fp64" else "fp32"
+        out.append((ps._pair_scores_fwd_kernel, label, scalars, const, warps, 3, over))
+        out.append((ps._pair_scores_bwd_kernel, label, scalars, const, warps, 3, {**over, "dx_ptr": x_dtype}))
     for scores_dtype, acc in (("fp32", tl.float32), ("fp64", tl.float64)):
         out.append((rk._ranking_pairwise_fwd_kernel, f"scores={scores_dtype}", "fp64",
-                    dict(ACC=acc, BLOCK_ROWS=rk._PAIRWISE_BLOCK_ROWS, BLOCK_COLS=rk._PAIRWISE_BLOCK_COLS), 8,
-                    {"scores_ptr": scores_dtype, "labels_ptr": "i64"}))
+                    dict(ACC=acc, BLOCK_ROWS=rk._PAIRWISE_BLOCK_ROWS, BLOCK_COLS=rk._PAIRWISE_BLOCK_COLS),
+                    rk._PAIRWISE_WARPS, 3, {"scores_ptr": scores_dtype, "labels_ptr": "i64"}))
         out.append((rk._ranking_bwd_kernel, f"grad={scores_dtype}", "fp64",
-                    dict(HAS_ORDER=True, BLOCK=rk._BWD_BLOCK), 4, {"grad_ptr": scores_dtype}))
-    out.append((rk._ranking_block_scan_kernel, "fp64", "fp64", dict(BLOCK=rk._SCAN_BLOCK), 8, None))
+                    dict(HAS_ORDER=True, BLOCK=rk._BWD_BLOCK), 4, 3, {"grad_ptr": scores_dtype}))
+    out.append((rk._ranking_block_scan_kernel, "fp64", "fp64", dict(BLOCK=rk._SCAN_BLOCK), 8, 3, None))
     out.append((rk._ranking_gather_fwd_kernel, "fp64", "fp64",
-                dict(SCAN_BLOCK=rk._SCAN_BLOCK, BLOCK=rk._SCAN_BLOCK), 8, None))
-    for x_dtype, operand in (("fp32", tl.float32), ("bf16", tl.bfloat16), ("fp16", tl.float16)):
-        for has_groups, has_margin in ((True, False), (False, True)):
-            config = sx._GPU_CONFIGS[0]
+                dict(SCAN_BLOCK=rk._SCAN_BLOCK, BLOCK=rk._SCAN_BLOCK), 8, 3, None))
+
+    sim_variants = [("bf16", tl.bfloat16, True, False), ("fp32", tl.float32, False, True)]
+    if full:
+        sim_variants = [(x, op, g, not g) for x, op in (("fp32", tl.float32), ("bf16", tl.bfloat16),
+                                                        ("fp16", tl.float16), ("fp64", tl.float64))
+                        for g in (True, False)]
+    for x_dtype, operand, has_groups, has_margin in sim_variants:
+        configs = sx._GPU_CONFIGS_32BIT if x_dtype in ("fp32", "fp64") else sx._GPU_CONFIGS_16BIT
+        acc = tl.float64 if x_dtype == "fp64" else tl.float32
+        pointer_dtype = "fp64" if x_dtype == "fp64" else "fp32"
+        for config in configs if full else configs[:1]:
             const = dict(PARTNER_TARGET=has_groups, EXCLUDE_DIAGONAL=has_groups, HAS_MARGIN=has_margin,
-                         HAS_GROUPS=has_groups, ACC=tl.float32, OPERAND=operand, PRECISION="ieee",
+                         HAS_GROUPS=has_groups, ACC=acc, OPERAND=operand, PRECISION="ieee",
                          EPS=NORM_EPS, SIN_SQ_FLOOR=sx.MARGIN_SIN_SQUARED_FLOOR, **config.kwargs)
-            label = f"x={x_dtype} groups={has_groups} margin={has_margin} {config.kwargs}"
+            blocks = "x".join(str(v) for v in config.kwargs.values())
+            label = f"x={x_dtype} groups={has_groups} margin={has_margin} tile={blocks} w={config.num_warps}"
             over = {"q_ptr": x_dtype, "c_ptr": x_dtype, "group_ptr": "i64"}
             for fn in sx._TILE_KERNELS:
-                out.append((fn, label, "fp32", const, config.num_warps, over))
-        out.append((sx._similarity_xent_bwd_finish_kernel, f"x={x_dtype}", "fp32",
-                    dict(HAS_B=True, ACC=tl.float32, EPS=NORM_EPS, BLOCK_D=1024), 4,
+                out.append((fn, label, pointer_dtype, const, config.num_warps, config.num_stages, over))
+        out.append((sx._similarity_xent_bwd_finish_kernel, f"x={x_dtype}", pointer_dtype,
+                    dict(HAS_B=True, ACC=acc, EPS=NORM_EPS, BLOCK_D=1024), 4, 3,
                     {"x_ptr": x_dtype, "dx_ptr": x_dtype}))
     return out
 
 
-def compile_all(arch: int = 90) -> list[CompiledKernel]:
-    """Compile every kernel variant for sm_<arch>; raises on the first failure."""
+def compile_all(arch: int = 90, full: bool = False) -> list[CompiledKernel]:
+    """Compile the kernel variants (see _variants) for sm_<arch>; raises on the first failure."""
     results = []
-    for fn, label, pointer_dtype, const, warps, over in _variants():
-        compiled = _compile(fn, pointer_dtype, const, arch, warps, pointer_overrides=over)
+    for fn, label, pointer_dtype, const, warps, stages, over in _variants(full):
+        compiled = _compile(fn, pointer_dtype, const, arch, warps, num_stages=stages, pointer_overrides=over)
         regs, spills = _resource_usage(compiled.asm["cubin"])
         results.append(CompiledKernel(fn.__name__, label, regs, spills, int(compiled.metadata.shared)))
     return results
@@ -143,9 +159,10 @@ def compile_all(arch: int = 90) -> list[CompiledKernel]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90, 100")
+    parser.add_argument("--full", action="store_true", help="every variant and autotune config (minutes)")
     args = parser.parse_args()
-    for r in compile_all(args.arch):
-        print(f"{r.name:40s} {r.variant:70s} regs={r.n_regs} stack={r.n_spills} shared={r.shared_bytes}")
+    for r in compile_all(args.arch, args.full):
+        print(f"{r.name:36s} {r.variant:58s} regs={r.n_regs} stack={r.n_spills} shared={r.shared_bytes}")
 
 
 if __name__ == "__main__":

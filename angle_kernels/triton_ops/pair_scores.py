@@ -25,8 +25,9 @@ the backward it reads the few per-pair scalars the forward saved (raw norms, cos
 no second sweep over x to recompute norms. Each program moves 2*D elements (3 KB at D = 768 bf16); a
 million programs give the H200's 132 SMs plenty of independent loads in flight. BLOCK is the next power of
 two of the swept length (D/2 with the angle, D without) capped at 1024, so D = 768 takes a single iteration
-(25% of lanes idle, no extra bytes); num_warps = 4 up to 512 elements, 8 for 1024 (8 elements per thread
-per live vector, about 100 registers at K = 3, no spills).
+(25% of lanes idle, no extra bytes); num_warps = 4 up to 512 elements, 8 for 1024 (at most 8 elements per
+thread per live vector). Compiled for sm_90 at D = 768: 32-64 registers, no spills, at most 64 bytes of
+shared memory (the final reductions), so occupancy is limited by neither.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._common import NORM_EPS, acc_dtype_of, check_device, tl_dtype, torch_compute_dtype
+from ._common import NORM_EPS, acc_dtype_of, check_device, torch_compute_dtype
 
 _MAX_BLOCK = 1024
 

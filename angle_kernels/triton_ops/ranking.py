@@ -24,6 +24,9 @@ Two ways to get log A and log B:
 * Small N (tiled path): `_ranking_pairwise_fwd_kernel` compares each block of rows against every column
   block, with an online (running-max) logsumexp per row, in O(N^2) time and O(N) memory: one launch, no
   sort. For fp32 scores it exponentiates in fp32 (MUFU rate); the sums are at most N <= 4096 terms long.
+  Its error is that of fp32 exponentials of score differences: about |s| x 1e-7 relative (gradient error
+  4e-6 measured at N = 300 with tau = 20 scores), well inside the fp32 tolerance of 1e-4. float64 scores are
+  exponentiated in float64.
 
 `_ranking_bwd_kernel` then writes the gradient in one elementwise pass (scattering through the sort order).
 
@@ -49,8 +52,11 @@ from ._common import check_device
 # N^2 / 1e12 s: 17 us at N = 4096, 67 us at 8192. They meet around N = 6000; 4096 keeps a margin.
 SMALL_N_MAX = 4096
 
-_PAIRWISE_BLOCK_ROWS = 64
-_PAIRWISE_BLOCK_COLS = 256
+_PAIRWISE_BLOCK_ROWS = 32
+_PAIRWISE_BLOCK_COLS = 128
+# 16 elements per thread per [32, 128] tile. Compiled for sm_90: 128 registers (fp32 scores) / 248 (fp64),
+# no spills; with 4 warps the same tile needs 254 / 255 registers and fp64 spills 384 bytes.
+_PAIRWISE_WARPS = 8
 _SCAN_BLOCK = 1024
 _BWD_BLOCK = 1024
 
@@ -105,8 +111,9 @@ def _ranking_pairwise_fwd_kernel(
         sum_b = sum_b * tl.exp(max_b - safe_b) + tl.sum(tl.exp(vals_b - safe_b[:, None]), axis=1)
         max_b = new_max_b
 
-    log_a = tl.where(sum_a > 0, tl.where(max_a == float("-inf"), 0.0, max_a) + tl.log(sum_a), float("-inf"))
-    log_b = tl.where(sum_b > 0, tl.where(max_b == float("-inf"), 0.0, max_b) + tl.log(sum_b), float("-inf"))
+    # An empty sum (no smaller / larger label) is log 0 = -inf; log(1) in the unused branch avoids log(0).
+    log_a = tl.where(sum_a > 0, max_a + tl.log(tl.where(sum_a > 0, sum_a, 1.0)), float("-inf"))
+    log_b = tl.where(sum_b > 0, max_b + tl.log(tl.where(sum_b > 0, sum_b, 1.0)), float("-inf"))
     log_a = log_a.to(tl.float64)
     log_b = log_b.to(tl.float64)
     tl.store(log_a_ptr + rows, log_a, mask=row_ok)
@@ -234,7 +241,7 @@ def _log_sums_tiled(scores: torch.Tensor, labels: torch.Tensor):
     acc = tl.float64 if scores.dtype == torch.float64 else tl.float32
     _ranking_pairwise_fwd_kernel[(blocks,)](
         scores, labels, log_a, log_b, partial, n,
-        ACC=acc, BLOCK_ROWS=_PAIRWISE_BLOCK_ROWS, BLOCK_COLS=_PAIRWISE_BLOCK_COLS, num_warps=8,
+        ACC=acc, BLOCK_ROWS=_PAIRWISE_BLOCK_ROWS, BLOCK_COLS=_PAIRWISE_BLOCK_COLS, num_warps=_PAIRWISE_WARPS,
     )
     return log_a, log_b, partial
 

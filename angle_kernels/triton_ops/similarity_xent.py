@@ -31,17 +31,24 @@ program, a barrier between column blocks). The normalisation's backward (the rad
 inv_q scaling) is applied once at the end by `_similarity_xent_bwd_finish_kernel`, which also adds the two
 halves of the symmetric case.
 
-The floor. FLOPs: forward 2 M Mc D; backward 2 x (2 M Mc D recompute + 2 M Mc D gradient) = 8 M Mc D.
-In-batch negatives with N = 65536 pairs (M = Mc = 131072), D = 768: 2.6e13 forward + 1.1e14 backward
-FLOPs, 0.17 s at 790 TFLOP/s bf16. Bytes: inputs read once per tile row/column pass (L2-resident blocks),
-plus the fp32 gradient buffers' read-modify-write, M*D*8 bytes per column block pass: arithmetic intensity
-BLOCK_N/2 FLOPs per byte of buffer traffic (64 at BLOCK_N = 128), which an H200 (about 165 FLOPs/byte of
-HBM) serves mostly from L2 when M*D*4 is tens of MB. The tile math (exp, selects) is O(M Mc), about D/4
-times fewer operations than the dots: tensor-core bound for D >= ~128.
+The floor. FLOPs: forward 2 M Mc D; backward 2 x (2 M Mc D recompute + 2 M Mc D gradient) = 8 M Mc D
+(the nominal work of the loss is 2 M Mc D forward + 4 M Mc D backward: the two recomputations are the price
+of O(M) memory). In-batch negatives with N = 65536 pairs (M = Mc = 131072), D = 768: 2.6e13 forward + 1.1e14
+backward FLOPs, 0.17 s at 790 TFLOP/s bf16. Bytes: the inputs are re-read once per row/column block pass
+(mostly from L2), plus the gradient buffers' read-modify-write: M*D*8 bytes per column block, against
+4 BLOCK_M BLOCK_N D FLOPs, i.e. BLOCK_N / 2 = 32 FLOPs per byte at BLOCK_N = 64. That is below the H200's
+ratio (about 165 FLOPs per byte of HBM, 50-70 from L2), so the backward is likely bound by this traffic
+rather than by the tensor cores: one program's buffer rows are BLOCK_M x D x 4 bytes (384 KB at D = 768,
+about the L2 for 132 programs; 2 MB at D = 4096, HBM). The known fix, not done here because it needs a GPU
+to tune, is to compute the gradient tiles of several column blocks into shared memory and apply them in one
+wider dot (BLOCK_N / 2 -> several hundred FLOPs per byte). The tile math (exp, selects) is O(M Mc), about
+D/4 times fewer operations than the dots.
 
-Blocks for an H200 (autotuned among a few configs when not interpreting): BLOCK_M = 128 rows (one wgmma
-M-tile per warpgroup with 8 warps), BLOCK_N = 64 or 128 columns, BLOCK_K = 64 (bf16: 128-byte rows per
-operand load), 3 pipeline stages: (128 + 128) x 64 x 2 B x 3 = 96 KB of shared memory, under the 228 KB.
+Blocks for an H200 (autotuned among a few configs when not interpreting; see _GPU_CONFIGS_*): for bf16,
+BLOCK_M = 128 rows (two 64-row wgmma warpgroups with 8 warps), BLOCK_N = 64 columns, BLOCK_K = 32, 3
+pipeline stages: 12-24 KB of shared memory; at 184-250 registers x 256 threads a program holds most of an
+SM's 64K registers, so one program runs per SM and the pipeline stages hide the load latency. Larger tiles
+spill (read from the sm_90 compile: `python -m angle_kernels.triton_ops._compile_check --full`).
 
 Precision. Dots accumulate in fp32 (fp64 for fp64 inputs). bf16/fp16 inputs feed tl.dot natively on a GPU
 (tensor cores, fp32 accumulation) and the backward's softmax-gradient tile is rounded to the input dtype for
@@ -96,7 +103,10 @@ def _dot_tile(
 
 @triton.jit
 def _margin_logit(cos, cos_m, sin_m, SIN_SQ_FLOOR: tl.constexpr):
-    """cos(min(arccos(cos) + m, pi)) and its derivative in cos (0 past pi; no norm term where clamped)."""
+    """cos(min(arccos(cos) + m, pi)) and its derivative in cos.
+
+    The derivative is 0 past pi, and the sin term's share of it is dropped where 1 - cos^2 is clamped.
+    """
     sin_sq = 1.0 - cos * cos
     sin_t = tl.sqrt(tl.maximum(sin_sq, SIN_SQ_FLOOR))
     value = cos * cos_m - sin_t * sin_m
@@ -112,19 +122,23 @@ def _logits_tile(
     EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr, HAS_GROUPS: tl.constexpr,
     SIN_SQ_FLOOR: tl.constexpr,
 ):
-    """(cos, logits with -inf outside C_i, is_target, valid = in C_i, positive = in P_i, target slope)."""
+    """(cos, logits with -inf outside C_i, is_target, valid = in C_i, positive = in P_i, per-row target slope).
+
+    The margin is evaluated on a per-row vector (the target cosine picked out of the tile), not on the whole
+    tile: fewer live [BLOCK_M, BLOCK_N] tensors, fewer registers.
+    """
     cos = dots * inv_q[:, None] * inv_c[None, :]
     valid = row_ok[:, None] & col_ok[None, :]
     if EXCLUDE_DIAGONAL:
         valid = valid & (cols[None, :] != rows[:, None])
     is_target = (cols[None, :] == targets[:, None]) & valid
-    logits = cos * scale
+    logits = tl.where(valid, cos * scale, float("-inf"))
     if HAS_MARGIN:
-        margin_value, slope = _margin_logit(cos, cos_m, sin_m, SIN_SQ_FLOOR)
-        logits = tl.where(is_target, margin_value * scale, logits)
+        target_cos = tl.sum(tl.where(is_target, cos, 0.0), axis=1)  # 0 when the target is in another tile
+        margin_value, slope = _margin_logit(target_cos, cos_m, sin_m, SIN_SQ_FLOOR)
+        logits = tl.where(is_target, (margin_value * scale)[:, None], logits)
     else:
-        slope = tl.full(cos.shape, 1.0, cos.dtype)
-    logits = tl.where(valid, logits, float("-inf"))
+        slope = inv_q * 0.0 + 1.0
     if HAS_GROUPS:
         same = (group_col[None, :] == group_row[:, None]) | (group_col[None, :] == group_target[:, None])
         positive = (same & valid) | is_target
@@ -175,7 +189,7 @@ def _grad_cos_tile(
         p_pos = tl.where(is_target, 1.0, 0.0)  # P_i = {t_i}: its softmax is exactly 1
     g = (coef * scale)[:, None] * (p_all - p_pos)
     if HAS_MARGIN:
-        g = tl.where(is_target, g * slope, g)
+        g = tl.where(is_target, g * slope[:, None], g)
     return tl.where(valid, g, 0.0)
 
 
@@ -190,12 +204,17 @@ def _similarity_xent_fwd_kernel(
     lse_all_ptr, lse_pos_ptr,  # [M] out, compute dtype
     M, Mc, D,
     stride_qm, stride_qd, stride_cm, stride_cd,
-    scale, cos_m, sin_m,
+    params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
     PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
     HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # Scalars come through memory, not as arguments: Triton passes Python floats as fp32, and the float64
+    # path must see cos(margin) to float64 precision.
+    scale = tl.load(params_ptr)
+    cos_m = tl.load(params_ptr + 1)
+    sin_m = tl.load(params_ptr + 2)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok, inv_q, targets, group_row, group_target = _row_state(
         q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
@@ -224,10 +243,12 @@ def _similarity_xent_fwd_kernel(
         else:
             target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
 
-    lse_all = tl.where(max_all == float("-inf"), 0.0, max_all) + tl.log(sum_all)
+    # Every valid row has a finite maximum (its target column), so its sum is >= 1; the clamps only keep the
+    # padding rows (not stored) away from log(0).
+    lse_all = tl.where(row_ok, max_all, 0.0) + tl.log(tl.maximum(sum_all, 1.0))
     tl.store(lse_all_ptr + rows, lse_all, mask=row_ok)
     if HAS_GROUPS:
-        lse_pos = tl.where(max_pos == float("-inf"), 0.0, max_pos) + tl.log(sum_pos)
+        lse_pos = tl.where(row_ok, max_pos, 0.0) + tl.log(tl.maximum(sum_pos, 1.0))
     else:
         lse_pos = target_logit
     tl.store(lse_pos_ptr + rows, lse_pos, mask=row_ok)
@@ -240,12 +261,17 @@ def _similarity_xent_bwd_dq_kernel(
     dq_radial_ptr,  # [M] out: sum_j G_ij cos_ij
     M, Mc, D,
     stride_qm, stride_qd, stride_cm, stride_cd,
-    scale, cos_m, sin_m,
+    params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
     PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
     HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # Scalars come through memory, not as arguments: Triton passes Python floats as fp32, and the float64
+    # path must see cos(margin) to float64 precision.
+    scale = tl.load(params_ptr)
+    cos_m = tl.load(params_ptr + 1)
+    sin_m = tl.load(params_ptr + 2)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok, inv_q, targets, group_row, group_target = _row_state(
         q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
@@ -294,12 +320,17 @@ def _similarity_xent_bwd_dc_kernel(
     dc_radial_ptr,  # [Mc] out: sum_i G_ij cos_ij
     M, Mc, D,
     stride_qm, stride_qd, stride_cm, stride_cd,
-    scale, cos_m, sin_m,
+    params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
     PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
     HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # Scalars come through memory, not as arguments: Triton passes Python floats as fp32, and the float64
+    # path must see cos(margin) to float64 precision.
+    scale = tl.load(params_ptr)
+    cos_m = tl.load(params_ptr + 1)
+    sin_m = tl.load(params_ptr + 2)
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < Mc
     inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
@@ -377,18 +408,37 @@ _TILE_KERNELS = (_similarity_xent_fwd_kernel, _similarity_xent_bwd_dq_kernel, _s
 
 # GPU candidates (see the module docstring). Under the interpreter autotuning with more than one config
 # fails, and one config sized to cover the (small) test problems in few programs is used instead.
-_GPU_CONFIGS = [
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+# 16-bit operands run on tensor cores (wgmma). Compiled for sm_90 (python -m
+# angle_kernels.triton_ops._compile_check --full), 128 x 64 tiles with BLOCK_K = 32 and 8 warps use 184 / 230 /
+# 250 registers (forward / dq / dc) and spill nothing; BLOCK_K = 64 spills 100-300 bytes in the backward
+# kernels (the fp32 gradient chunk and the recomputed tile are live together), 128 x 128 spills far more.
+# fp32 with input_precision="ieee" cannot use tensor cores (FMA dots hold both operands in registers), so
+# its tiles are smaller; they still spill a little (24-100 bytes). None of this is measured on a GPU yet:
+# autotuning picks among these on the first call of each shape.
+_GPU_CONFIGS_16BIT = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=4),
 ]
-_TUNE_KEY = ["M", "Mc", "D", "HAS_GROUPS", "HAS_MARGIN", "OPERAND"]
+_GPU_CONFIGS_32BIT = [
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 16}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=8, num_stages=2),
+]
+_TUNE_KEY = ["M", "Mc", "D", "HAS_GROUPS", "HAS_MARGIN"]
 
 if interpreting():
-    _fwd, _bwd_dq, _bwd_dc = _TILE_KERNELS
+    _TUNED = {"16bit": _TILE_KERNELS, "32bit": _TILE_KERNELS}
 else:
-    _fwd, _bwd_dq, _bwd_dc = (triton.autotune(configs=_GPU_CONFIGS, key=_TUNE_KEY)(k) for k in _TILE_KERNELS)
+    _TUNED = {
+        name: tuple(triton.autotune(configs=configs, key=_TUNE_KEY)(k) for k in _TILE_KERNELS)
+        for name, configs in (("16bit", _GPU_CONFIGS_16BIT), ("32bit", _GPU_CONFIGS_32BIT))
+    }
+
+
+def _kernels_for(dtype: torch.dtype):
+    """(forward, dq, dc) kernels for inputs of `dtype`: autotuned over the configs that suit its dots."""
+    return _TUNED["16bit" if dtype in (torch.bfloat16, torch.float16) else "32bit"]
 
 
 def _interpreter_blocks(m: int, mc: int, d: int) -> dict:
@@ -505,13 +555,14 @@ class SimilarityXentFunction(torch.autograd.Function):
             OPERAND=_operand_dtype(q.dtype), PRECISION=_dot_precision(q.dtype),
             EPS=NORM_EPS, SIN_SQ_FLOOR=MARGIN_SIN_SQUARED_FLOOR,
         )
-        runtime = (m, mc, d, q_in.stride(0), q_in.stride(1), c_in.stride(0), c_in.stride(1),
-                   float(scale), math.cos(margin), math.sin(margin))
+        params = torch.tensor([float(scale), math.cos(margin), math.sin(margin)], dtype=dtype).to(q.device)
+        runtime = (m, mc, d, q_in.stride(0), q_in.stride(1), c_in.stride(0), c_in.stride(1), params)
 
         lse_all = torch.full((m,), float("nan"), dtype=dtype, device=q.device)
         lse_pos = torch.full((m,), float("nan"), dtype=dtype, device=q.device)
         blocks = _interpreter_blocks(m, mc, d)
-        _tile_launch(_fwd, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
+        fwd_kernel, _, _ = _kernels_for(q.dtype)
+        _tile_launch(fwd_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
                      q_in, c_in, q_norm, c_norm, groups, lse_all, lse_pos, *runtime, **static)
 
         weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
@@ -538,11 +589,12 @@ class SimilarityXentFunction(torch.autograd.Function):
 
         dq_raw = torch.full((m, d), float("nan"), dtype=dtype, device=q_in.device)
         dq_radial = torch.full((m,), float("nan"), dtype=dtype, device=q_in.device)
-        _tile_launch(_bwd_dq, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
+        _, dq_kernel, dc_kernel = _kernels_for(q_in.dtype)
+        _tile_launch(dq_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
                      *common, dq_raw, dq_radial, *ctx.runtime, **ctx.static)
         dc_raw = torch.full((mc, d), float("nan"), dtype=dtype, device=q_in.device)
         dc_radial = torch.full((mc,), float("nan"), dtype=dtype, device=q_in.device)
-        _tile_launch(_bwd_dc, lambda b: (triton.cdiv(mc, b["BLOCK_N"]),), blocks,
+        _tile_launch(dc_kernel, lambda b: (triton.cdiv(mc, b["BLOCK_N"]),), blocks,
                      *common, dc_raw, dc_radial, *ctx.runtime, **ctx.static)
 
         acc = ctx.static["ACC"]
