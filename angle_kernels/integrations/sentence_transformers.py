@@ -1,0 +1,358 @@
+"""sentence-transformers losses computed by angle_kernels: change one import, get the same results.
+
+    from angle_kernels.integrations.sentence_transformers import CoSENTLoss   # instead of sentence_transformers'
+    loss = CoSENTLoss(model)                                                   # same arguments
+    trainer = SentenceTransformerTrainer(model=model, train_dataset=dataset, loss=loss)
+
+Each class here subclasses the sentence-transformers loss of the same name, takes the same constructor
+arguments (plus a keyword-only `backend`: "auto" (default), "torch", "triton", "cuda"), and returns the same
+loss value and gradients on the same model and batch (up to floating-point rounding), while computing it
+with angle_kernels' fused losses:
+
+    CoSENTLoss                          cosine_loss (or angle_loss with similarity_fct=pairwise_angle_sim):
+                                        O(N) memory, one fused pass over the pairs
+    AnglELoss                           angle_loss, pairs or (anchor, positive, negative...) n-tuples
+    MultipleNegativesRankingLoss        contrastive_with_negative_loss: never builds the B x B(1+k) score matrix
+    CachedMultipleNegativesRankingLoss  the same, on the whole cached batch at once (no loss-stage chunking)
+
+Argument combinations that the fused losses cannot express run the parent class's own computation,
+unchanged; each class's docstring lists them, and `loss.uses_fused_path` tells which path a configured loss
+takes. The embedding side (the model's forward, GradCache's mini-batches) is untouched.
+
+Differences from the parents, on inputs where the parents return NaN: angle_kernels raises a ValueError for
+NaN/Inf embeddings or labels (switch the check off with `angle_kernels.set_input_checks(False)`), and gives
+zero vectors cosine 0 instead of NaN (sentence-transformers normalises with the same epsilon, so finite
+inputs agree).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .. import functional as _functional
+
+try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still works there with a warning
+    from sentence_transformers.sentence_transformer import losses as _st_losses
+except ImportError:  # pragma: no cover - older sentence-transformers
+    from sentence_transformers import losses as _st_losses
+from sentence_transformers import util as _st_util
+
+__all__ = [
+    "CoSENTLoss",
+    "AnglELoss",
+    "MultipleNegativesRankingLoss",
+    "CachedMultipleNegativesRankingLoss",
+]
+
+_DIRECTIONS = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
+_HARDNESS = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Pair ranking: CoSENT and AnglE
+# --------------------------------------------------------------------------------------------------------
+
+
+def _pair_score_kind(similarity_fct: Callable) -> str | None:
+    """'cosine' or 'angle' when similarity_fct is one our ranking losses compute; None otherwise."""
+    if similarity_fct is _st_util.pairwise_cos_sim:
+        return "cosine"
+    if similarity_fct is _st_util.pairwise_angle_sim:
+        return "angle"
+    return None
+
+
+def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str, scale: float,
+                        backend: str | None) -> Tensor:
+    """The CoSENT objective over pairs (first[i], second[i]) scored by scale * cos or scale * |angle sim|.
+
+    angle_kernels' losses take the zigzag layout of angle-emb (pair i on rows 2i and 2i+1, the label on
+    both), so the two columns are interleaved (one copy of the embeddings; no N x N anywhere).
+    """
+    if kind == "angle" and first.shape[1] % 2:
+        # pairwise_angle_sim pads an odd dimension with one zero column before splitting into halves
+        first = torch.nn.functional.pad(first, (0, 1))
+        second = torch.nn.functional.pad(second, (0, 1))
+    dim = first.shape[1]
+    if second.dtype != first.dtype:
+        common = torch.promote_types(first.dtype, second.dtype)
+        first, second = first.to(common), second.to(common)
+    y_pred = torch.stack((first, second), dim=1).reshape(-1, dim)
+    if labels.dtype == torch.bool:
+        labels = labels.to(torch.int64)
+    y_true = labels.reshape(-1).repeat_interleave(2)
+    if kind == "cosine":
+        return _functional.cosine_loss(y_true, y_pred, tau=scale, backend=backend)
+    return _functional.angle_loss(y_true, y_pred, tau=scale, pooling_strategy="sum", backend=backend)
+
+
+def _check_label_count(loss: torch.nn.Module, labels: Tensor, batch_size: int) -> None:
+    # the same check and message as sentence-transformers, so a bad batch fails the same way
+    if labels.numel() != batch_size:
+        raise ValueError(
+            f"{loss.__class__.__name__} expects {batch_size} labels (one per example), "
+            f"but got {labels.numel()} labels with shape {tuple(labels.shape)}."
+        )
+
+
+class CoSENTLoss(_st_losses.CoSENTLoss):
+    """sentence-transformers' CoSENTLoss computed by angle_kernels (`cosine_loss`): same arguments, same results.
+
+    loss = log(1 + sum over pairs (i, j) with label_i < label_j of exp(scale * (s_i - s_j))), s = similarity.
+
+    Fused when `similarity_fct` is `util.pairwise_cos_sim` (the default; computed by
+    `angle_kernels.cosine_loss`) or `util.pairwise_angle_sim` (computed by `angle_kernels.angle_loss`).
+    Any other similarity function runs sentence-transformers' own computation (`uses_fused_path` is False).
+
+    Args:
+        model: the SentenceTransformer.
+        scale: inverse temperature of the scores (default 20).
+        similarity_fct: pairwise similarity (default `util.pairwise_cos_sim`).
+        backend: keyword-only; angle_kernels backend ("auto", "torch", "triton", "cuda"; default: auto).
+    """
+
+    def __init__(self, model, scale: float = 20.0, similarity_fct=_st_util.pairwise_cos_sim, *,
+                 backend: str | None = None) -> None:
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct)
+        self.backend = backend
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return _pair_score_kind(self.similarity_fct) is not None
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
+        kind = _pair_score_kind(self.similarity_fct)
+        if kind is None:
+            return super().compute_loss_from_embeddings(embeddings, labels)
+        _check_label_count(self, labels, embeddings[0].shape[0])
+        return _fused_pair_ranking(embeddings[0], embeddings[1], labels, kind, self.scale, self.backend)
+
+
+class AnglELoss(_st_losses.AnglELoss):
+    """sentence-transformers' AnglELoss computed by angle_kernels (`angle_loss`): same arguments, same results.
+
+    The CoSENT objective with the AnglE similarity `|cos(u, v) + sin-term|` (angle-emb's complex division,
+    sum pooling); `scale` plays the part of angle-emb's tau. Accepts, like the parent, (text1, text2) pairs
+    with labels, and (anchor, positive, negative_1, ..., negative_k) n-tuples whose anchor-positive pairs
+    get `labels` (or 1) and anchor-negative pairs `1 - labels` (or 0).
+
+    Always fused, unless `similarity_fct` is reassigned after construction to something other than
+    `util.pairwise_angle_sim` (then the parent's computation runs; `uses_fused_path` is False).
+
+    Args:
+        model: the SentenceTransformer.
+        scale: inverse temperature of the scores (default 20).
+        backend: keyword-only; angle_kernels backend ("auto", "torch", "triton", "cuda"; default: auto).
+    """
+
+    def __init__(self, model, scale: float = 20.0, *, backend: str | None = None) -> None:
+        super().__init__(model, scale=scale)
+        self.backend = backend
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return _pair_score_kind(self.similarity_fct) is not None
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
+        kind = _pair_score_kind(self.similarity_fct)
+        if kind is None:
+            return super().compute_loss_from_embeddings(embeddings, labels)
+        anchors = embeddings[0]
+        if len(embeddings) > 2:
+            # n-tuples: every (anchor, candidate) pair, positives first, then each negative column
+            candidates = embeddings[1:]
+            if labels is None:
+                labels = torch.ones(anchors.shape[0], device=anchors.device)
+            _check_label_count(self, labels, anchors.shape[0])
+            labels = labels.reshape(-1)
+            pair_labels = torch.cat([labels] + [1 - labels] * (len(candidates) - 1))
+            first = anchors.repeat(len(candidates), 1)
+            second = torch.cat(candidates, dim=0)
+            return _fused_pair_ranking(first, second, pair_labels, kind, self.scale, self.backend)
+        if labels is None:
+            raise ValueError("AnglELoss requires labels for datasets with pairs.")
+        _check_label_count(self, labels, anchors.shape[0])
+        return _fused_pair_ranking(anchors, embeddings[1], labels, kind, self.scale, self.backend)
+
+
+# --------------------------------------------------------------------------------------------------------
+# In-batch negatives: MultipleNegativesRankingLoss and its cached (GradCache) version
+# --------------------------------------------------------------------------------------------------------
+
+
+def _parent_kwargs(parent_init, given: dict, defaults: dict) -> dict:
+    """The keyword arguments of `given` that the installed parent's __init__ accepts.
+
+    Older sentence-transformers 6.x releases lack some of the newer MultipleNegativesRankingLoss arguments
+    (directions, partition_mode, hardness_*): those are dropped while they keep their default value (the
+    parent then behaves as that default), and a non-default value raises a TypeError naming the argument.
+    """
+    accepted = inspect.signature(parent_init).parameters
+    out = {}
+    for name, value in given.items():
+        if name in accepted:
+            out[name] = value
+        elif value != defaults[name]:
+            import sentence_transformers
+
+            raise TypeError(f"{name}={value!r} needs a newer sentence-transformers than the installed "
+                            f"{sentence_transformers.__version__}, whose loss does not take {name!r}")
+    return out
+
+
+_MNRL_DEFAULTS = {"gather_across_devices": False, "directions": ("query_to_doc",), "partition_mode": "joint",
+                  "hardness_mode": None, "hardness_strength": 0.0, "mini_batch_num_tokens": None,
+                  "show_progress_bar": False}
+
+
+def _mnrl_unfused_reason(loss) -> str | None:
+    """Why a MultipleNegativesRankingLoss configuration cannot run fused; None when it can.
+
+    Fused configurations: cosine similarity, no cross-device gathering, no hardness weighting, and either
+    the standard direction ("query_to_doc",) (any partition_mode: with one direction they coincide) or the
+    symmetric pair ("query_to_doc", "doc_to_query") with partition_mode="per_direction" (the mean of the two
+    one-directional losses).
+    """
+    # getattr with the defaults: older 6.x releases do not have every attribute
+    if loss.similarity_fct is not _st_util.cos_sim:
+        return "similarity_fct is not util.cos_sim"
+    if getattr(loss, "gather_across_devices", False):
+        return "gather_across_devices=True"
+    hardness_mode = getattr(loss, "hardness_mode", None)
+    if hardness_mode is not None and getattr(loss, "hardness_strength", 0.0) > 0.0:
+        return f"hardness_mode={hardness_mode!r}"
+    directions = tuple(getattr(loss, "directions", ("query_to_doc",)))
+    partition_mode = getattr(loss, "partition_mode", "joint")
+    if set(directions) == {"query_to_doc"}:
+        return None
+    if set(directions) == {"query_to_doc", "doc_to_query"} and partition_mode == "per_direction":
+        return None
+    return f"directions={directions} with partition_mode={partition_mode!r}"
+
+
+def _fused_mnrl(embeddings: list[Tensor], scale: float, directions, backend: str | None) -> Tensor:
+    """InfoNCE of queries against [positives; all negative columns] (target: the query's own positive),
+    plus, for the symmetric variant, positives against the queries, averaged."""
+    queries, positives, negative_columns = embeddings[0], embeddings[1], embeddings[2:]
+    negatives = torch.cat(negative_columns, dim=0) if negative_columns else None
+    loss = _functional.contrastive_with_negative_loss(queries, positives, negatives, tau=scale, backend=backend)
+    if "doc_to_query" in directions:
+        backward_term = _functional.contrastive_with_negative_loss(positives, queries, None, tau=scale, backend=backend)
+        loss = (loss + backward_term) / 2
+    return loss
+
+
+class MultipleNegativesRankingLoss(_st_losses.MultipleNegativesRankingLoss):
+    """sentence-transformers' MultipleNegativesRankingLoss (InfoNCE with in-batch negatives) computed by
+    angle_kernels (`contrastive_with_negative_loss`): same arguments, same results, and no B x B(1+k)
+    score matrix in memory.
+
+    Inputs: (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_k) n-tuples; labels are
+    ignored, as in the parent.
+
+    Fused when: `similarity_fct` is `util.cos_sim` (the default), `gather_across_devices` is False, no
+    hardness weighting (`hardness_mode` None or `hardness_strength` 0), and `directions` is the default
+    ("query_to_doc",) or ("query_to_doc", "doc_to_query") with partition_mode="per_direction" (symmetric
+    InfoNCE). Every other combination (other similarity functions, multi-GPU gathering, hardness weighting,
+    the "joint" multi-direction softmax, "query_to_query" / "doc_to_doc" terms) runs sentence-transformers'
+    own computation; `uses_fused_path` says which applies.
+
+    Args: those of the parent (model, scale, similarity_fct, gather_across_devices, directions,
+    partition_mode, hardness_mode, hardness_strength), plus keyword-only `backend` for angle_kernels.
+    """
+
+    def __init__(
+        self,
+        model,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
+        gather_across_devices: bool = False,
+        directions: tuple[_DIRECTIONS, ...] = ("query_to_doc",),
+        partition_mode: Literal["joint", "per_direction"] = "joint",
+        hardness_mode: _HARDNESS | None = None,
+        hardness_strength: float = 0.0,
+        *,
+        backend: str | None = None,
+    ) -> None:
+        optional = _parent_kwargs(_st_losses.MultipleNegativesRankingLoss.__init__, {
+            "gather_across_devices": gather_across_devices, "directions": directions,
+            "partition_mode": partition_mode, "hardness_mode": hardness_mode,
+            "hardness_strength": hardness_strength}, _MNRL_DEFAULTS)
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct, **optional)
+        self.backend = backend
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return _mnrl_unfused_reason(self) is None
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
+        if _mnrl_unfused_reason(self) is not None:
+            return super().compute_loss_from_embeddings(embeddings, labels)
+        if len(embeddings) < 2:
+            raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
+        return _fused_mnrl(embeddings, self.scale, getattr(self, "directions", ()), self.backend)
+
+
+class CachedMultipleNegativesRankingLoss(_st_losses.CachedMultipleNegativesRankingLoss):
+    """sentence-transformers' CachedMultipleNegativesRankingLoss (GradCache) with the loss stage computed by
+    angle_kernels: same arguments, same results.
+
+    The embedding side is the parent's: mini-batches of `mini_batch_size` rows are embedded without
+    gradients, the loss is computed on the cached embeddings and back-propagated to them, and the
+    mini-batches are embedded again with gradients. The parent computes the loss stage in chunks of
+    `mini_batch_size` query rows so that the score matrix never exists whole; angle_kernels' tiled loss never
+    builds it at all, so here the whole batch is one call (forward and backward), whatever mini_batch_size is.
+
+    Fused under the same conditions as `MultipleNegativesRankingLoss` (cosine similarity, no gathering, no
+    hardness weighting, the standard or the per-direction symmetric directions); otherwise the parent's
+    chunked computation runs. `uses_fused_path` says which applies.
+
+    Args: those of the parent (model, scale, similarity_fct, mini_batch_size, mini_batch_num_tokens,
+    gather_across_devices, directions, partition_mode, show_progress_bar, hardness_mode, hardness_strength),
+    plus keyword-only `backend` for angle_kernels.
+    """
+
+    def __init__(
+        self,
+        model,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: int | None = None,
+        gather_across_devices: bool = False,
+        directions: tuple[_DIRECTIONS, ...] = ("query_to_doc",),
+        partition_mode: Literal["joint", "per_direction"] = "joint",
+        show_progress_bar: bool = False,
+        hardness_mode: _HARDNESS | None = None,
+        hardness_strength: float = 0.0,
+        *,
+        backend: str | None = None,
+    ) -> None:
+        optional = _parent_kwargs(_st_losses.CachedMultipleNegativesRankingLoss.__init__, {
+            "mini_batch_num_tokens": mini_batch_num_tokens, "gather_across_devices": gather_across_devices,
+            "directions": directions, "partition_mode": partition_mode, "show_progress_bar": show_progress_bar,
+            "hardness_mode": hardness_mode, "hardness_strength": hardness_strength}, _MNRL_DEFAULTS)
+        super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
+                         **optional)
+        self.backend = backend
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return _mnrl_unfused_reason(self) is None
+
+    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
+                       with_backward: bool = False) -> Tensor:
+        if _mnrl_unfused_reason(self) is not None:
+            return super().calculate_loss(reps, labels, with_backward=with_backward)
+        embeddings = [torch.cat(column) for column in reps]
+        loss = _fused_mnrl(embeddings, self.scale, getattr(self, "directions", ()), self.backend)
+        if with_backward:
+            # GradCache reads the gradient off each cached mini-batch tensor (rep.grad); torch.cat routes it back
+            loss.backward()
+            loss = loss.detach()
+        return loss

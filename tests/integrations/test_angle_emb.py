@@ -1,0 +1,181 @@
+"""angle_kernels.integrations.angle_emb: patch() makes angle-emb compute with angle_kernels, with the same
+results, and unpatch() puts back exactly the objects it replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from integration_utils import rel_err
+
+import angle_kernels
+from angle_kernels.integrations import angle_emb as integration
+
+NAMES = integration.PATCHED_NAMES
+MODULES = ("angle_emb.loss", "angle_emb.angle", "angle_emb")
+
+
+@pytest.fixture
+def ae(angle_emb_package):
+    """The angle_emb modules, with a guarantee that no test leaves them patched."""
+    import importlib
+
+    modules = {name: importlib.import_module(name) for name in MODULES}
+    yield modules
+    integration.unpatch()
+
+
+def snapshot(modules):
+    return {(m, n): getattr(modules[m], n) for m in MODULES for n in NAMES if hasattr(modules[m], n)}
+
+
+def test_patch_swaps_every_name_and_unpatch_restores_the_originals(ae):
+    originals = snapshot(ae)
+    assert ("angle_emb.angle", "cosine_loss") in originals and ("angle_emb", "AngleLoss") in originals
+    assert not integration.is_patched()
+
+    integration.patch()
+    assert integration.is_patched()
+    for (module, name), original in originals.items():
+        current = getattr(ae[module], name)
+        assert current is not original
+        expected = angle_kernels.AngleLoss if name == "AngleLoss" else getattr(angle_kernels.functional, name)
+        assert current is expected, (module, name)
+
+    integration.patch(backend="torch")  # re-patching must not save our objects as "originals"
+    assert ae["angle_emb.loss"].cosine_loss.keywords == {"backend": "torch"}
+    integration.unpatch()
+    assert not integration.is_patched()
+    assert snapshot(ae) == originals
+    for key, original in originals.items():
+        assert snapshot(ae)[key] is original
+    integration.unpatch()  # a second unpatch is a no-op
+    assert snapshot(ae) == originals
+
+
+def test_context_manager(ae):
+    originals = snapshot(ae)
+    with integration.patched():
+        assert ae["angle_emb.angle"].AngleLoss is angle_kernels.AngleLoss
+    assert snapshot(ae) == originals
+
+    integration.patch()
+    with integration.patched():  # nested in an explicit patch: stays patched afterwards
+        pass
+    assert integration.is_patched()
+    integration.unpatch()
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with integration.patched():
+            raise RuntimeError("boom")
+    assert snapshot(ae) == originals
+
+
+def _inputs(gen, n_pairs=6, dim=16):
+    outputs = torch.randn(2 * n_pairs, dim, generator=gen, dtype=torch.float64)
+    binary = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0][:n_pairs], dtype=torch.float64).repeat_interleave(2)
+    graded = torch.tensor([0.0, 2.0, 1.0, 1.0, 3.0, 0.5][:n_pairs], dtype=torch.float64).repeat_interleave(2)
+    return outputs, binary.unsqueeze(1), graded.unsqueeze(1)
+
+
+CALLS = {
+    "cosine_loss": lambda f, out, binary, graded: f(graded, out, 20.0),
+    "angle_loss": lambda f, out, binary, graded: f(graded, out, 1.0, pooling_strategy="sum"),
+    "in_batch_negative_loss": lambda f, out, binary, graded: f(binary, out, 20.0),
+    "contrastive_with_negative_loss": lambda f, out, binary, graded: f(out[0:4], out[4:8], out[8:12], tau=20.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_patched_functions_compute_the_same_losses(ae, name):
+    gen = torch.Generator().manual_seed(sorted(CALLS).index(name))
+    outputs, binary, graded = _inputs(gen)
+
+    def run():
+        x = outputs.clone().requires_grad_()
+        value = CALLS[name](getattr(ae["angle_emb.loss"], name), x, binary, graded)
+        value.backward()
+        return value.detach(), x.grad
+
+    ref_value, ref_grad = run()
+    with integration.patched():
+        value, grad = run()
+    assert rel_err(value, ref_value) < 1e-12
+    assert rel_err(grad, ref_grad) < 1e-10
+
+
+def _trainer_inputs(tokenizer, texts, labels):
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    batch = dict(batch)
+    if labels is not None:
+        batch["labels"] = labels
+    return batch
+
+
+@pytest.mark.parametrize("dataset_format, loss_kwargs", [
+    ("A", {}),                                                   # 0.6.1 defaults: ibn + 0.02 * angle
+    ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}),      # graded labels: cosine + angle
+    ("B", {}),
+    ("C", {"cosine_w": 0.5, "angle_w": 0.02}),
+])
+def test_patched_trainer_computes_the_same_loss(ae, tiny_model_dir, tmp_path, dataset_format, loss_kwargs):
+    """AngleTrainer.compute_loss on a tiny BERT: same loss and parameter gradients, patched or not."""
+    from transformers import AutoTokenizer, BertModel, TrainingArguments
+
+    from tiny_model import SENTENCES
+
+    angle_mod = ae["angle_emb.angle"]
+    model = BertModel.from_pretrained(tiny_model_dir).to(torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pooler = angle_mod.Pooler(model, pooling_strategy="cls")
+    texts = SENTENCES[:12]
+    if dataset_format == "A":
+        graded = "ibn_w" in loss_kwargs
+        per_pair = [0.0, 2.0, 1.0, 1.0, 3.0, 0.5] if graded else [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+        labels = torch.tensor(per_pair, dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
+    else:
+        labels = None
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+
+    def loss_and_grads():
+        trainer = angle_mod.AngleTrainer(pooler=pooler, model=model, args=args, dataset_format=dataset_format,
+                                         loss_kwargs=dict(loss_kwargs))
+        model.zero_grad(set_to_none=True)
+        value = trainer.compute_loss(model, _trainer_inputs(tokenizer, texts, labels))
+        value.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return trainer.loss_fct, value.detach(), grads
+
+    ref_fn, ref_value, ref_grads = loss_and_grads()
+    with integration.patched():
+        fn, value, grads = loss_and_grads()
+    assert not isinstance(ref_fn, angle_kernels.AngleLoss)
+    assert isinstance(fn, angle_kernels.AngleLoss)
+    assert torch.isfinite(value) and rel_err(value, ref_value) < 1e-12
+    assert set(grads) == set(ref_grads) and grads
+    overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref_grads.values()]))
+    for name, ref in ref_grads.items():
+        scale = max(float(torch.linalg.vector_norm(ref)), 1e-6 * float(overall))
+        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < 1e-10, name
+
+
+def test_trainer_built_before_patch_still_reaches_the_patched_functions(ae):
+    """A reference AngleLoss object created before patch() looks its functions up in angle_emb.angle at call
+    time, so it computes with angle_kernels while patched (and raises our errors, e.g. on graded ibn labels)."""
+    loss = ae["angle_emb.angle"].AngleLoss(dataset_format="A")
+    outputs = torch.randn(8, 6, dtype=torch.float64)
+    graded = torch.tensor([0.0, 0.0, 2.0, 2.0, 1.0, 1.0, 3.0, 3.0], dtype=torch.float64).unsqueeze(1)
+    with integration.patched():
+        with pytest.raises(ValueError, match="must be 0 or 1"):
+            loss(graded, outputs)
+    loss(graded, outputs)  # the reference itself truncates silently
+
+
+def test_patch_without_angle_emb_raises_a_clear_error(monkeypatch):
+    def missing(name):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(integration.importlib, "import_module", missing)
+    with pytest.raises(ImportError, match="needs the angle-emb package"):
+        integration.patch()
+    assert not integration.is_patched()

@@ -1,0 +1,109 @@
+"""torch.compile on CPU (the PyTorch backend): every functional loss and AngleLoss is captured as one graph,
+with no graph break, and the compiled forward + backward equals eager.
+
+Each loss is compiled with fullgraph=True (a graph break raises; the test then reports
+torch._dynamo.explain's reasons) and the "aot_eager" backend, which traces forward and backward through
+AOTAutograd (our autograd.Functions included) without generating C++. The same check with the default inductor backend
+takes 15-25 s per loss on a 2-core machine: opt in with ANGLE_KERNELS_TEST_INDUCTOR=1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from integration_utils import rel_err
+
+import angle_kernels as ak
+
+PAIRS = 6
+GRADED = torch.tensor([0.0, 2.0, 1.0, 1.0, 3.0, 0.5]).repeat_interleave(2)
+BINARY = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]).repeat_interleave(2)
+
+# name -> loss of one [12, D] tensor (the rows are split where a loss takes several inputs)
+LOSSES = {
+    "cosine_loss": lambda x: ak.cosine_loss(GRADED.to(x.dtype), x, 20.0, backend="torch"),
+    "angle_loss": lambda x: ak.angle_loss(GRADED.to(x.dtype), x, 20.0, pooling_strategy="sum", backend="torch"),
+    "angle_loss_mean": lambda x: ak.angle_loss(GRADED.to(x.dtype), x, 1.0, pooling_strategy="mean", backend="torch"),
+    "in_batch_negative_loss": lambda x: ak.in_batch_negative_loss(BINARY.to(x.dtype), x, 20.0, backend="torch"),
+    "in_batch_negative_loss_groups": lambda x: ak.in_batch_negative_loss(
+        BINARY.to(x.dtype), x, 20.0, group_ids=torch.tensor([0, 1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11]), backend="torch"),
+    "contrastive_with_negative_loss": lambda x: ak.contrastive_with_negative_loss(x[0:4], x[4:8], x[8:12], 20.0,
+                                                                                  backend="torch"),
+    "arccon_loss": lambda x: ak.arccon_loss(x[0:6], x[6:12], backend="torch"),
+    "triplet_loss": lambda x: ak.triplet_loss(x[0:4], x[4:8], x[8:12], margin=0.1, backend="torch"),
+    "AngleLoss_A": lambda x: ak.AngleLoss(cosine_w=1.0, dataset_format="A", backend="torch")(BINARY.to(x.dtype), x),
+    "AngleLoss_B": lambda x: ak.AngleLoss(dataset_format="B", backend="torch")(None, x),
+    "AngleLoss_C": lambda x: ak.AngleLoss(cosine_w=0.5, dataset_format="C", backend="torch")(None, x),
+}
+
+
+def embeddings(name: str, dtype=torch.float64) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(sorted(LOSSES).index(name))
+    return torch.randn(2 * PAIRS, 16, generator=gen, dtype=dtype)
+
+
+def eager_and_compiled(fn, x, compiled):
+    results = []
+    for f in (fn, compiled):
+        leaf = x.clone().requires_grad_()
+        value = f(leaf)
+        value.backward()
+        results.append((value.detach(), leaf.grad))
+    return results
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_one_graph_and_equal_to_eager(name):
+    """fullgraph=True raises at the first graph break; torch._dynamo.explain then says where and why."""
+    torch._dynamo.reset()
+    compiled = torch.compile(LOSSES[name], backend="aot_eager", fullgraph=True)
+    try:
+        (ref_value, ref_grad), (value, grad) = eager_and_compiled(LOSSES[name], embeddings(name), compiled)
+    except torch._dynamo.exc.Unsupported:
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(LOSSES[name])(embeddings(name))
+        reasons = [f"{r.reason} at {r.user_stack[-1] if r.user_stack else '?'}" for r in explanation.break_reasons]
+        pytest.fail(f"{name}: {explanation.graph_break_count} graph break(s): {reasons}")
+    assert torch.isfinite(value) and rel_err(value, ref_value) < 1e-12
+    assert rel_err(grad, ref_grad) < 1e-10
+
+
+@pytest.mark.parametrize("name", ["cosine_loss", "in_batch_negative_loss"])
+def test_a_new_batch_size_recompiles_without_a_graph_break(name):
+    """The second size makes dynamo recompile with symbolic shapes; that graph must be whole too."""
+    torch._dynamo.reset()
+    compiled = torch.compile(LOSSES_OF_SIZE[name], backend="aot_eager", fullgraph=True)
+    for pairs in (6, 11):
+        gen = torch.Generator().manual_seed(pairs)
+        x = torch.randn(2 * pairs, 16, generator=gen, dtype=torch.float64)
+        labels = torch.randint(0, 3, (pairs,), generator=gen).to(torch.float64).repeat_interleave(2)
+        fn = LOSSES_OF_SIZE[name]
+        results = []
+        for f in (fn, compiled):
+            leaf = x.clone().requires_grad_()
+            value = f(labels, leaf)
+            value.backward()
+            results.append((value.detach(), leaf.grad))
+        (ref_value, ref_grad), (value, grad) = results
+        assert rel_err(value, ref_value) < 1e-12 and rel_err(grad, ref_grad) < 1e-10, pairs
+
+
+LOSSES_OF_SIZE = {
+    "cosine_loss": lambda labels, x: ak.cosine_loss(labels, x, backend="torch"),
+    "in_batch_negative_loss": lambda labels, x: ak.in_batch_negative_loss((labels > 0).to(x.dtype), x, backend="torch"),
+}
+
+
+@pytest.mark.skipif(os.environ.get("ANGLE_KERNELS_TEST_INDUCTOR", "0") in ("", "0"),
+                    reason="inductor compiles C++ (15-25 s per loss on 2 cores): set ANGLE_KERNELS_TEST_INDUCTOR=1")
+@pytest.mark.parametrize("name", ["cosine_loss", "in_batch_negative_loss"])
+def test_inductor_float32(name):
+    torch._dynamo.reset()
+    compiled = torch.compile(LOSSES[name], fullgraph=True)
+    x = embeddings(name, torch.float32)
+    (ref_value, ref_grad), (value, grad) = eager_and_compiled(LOSSES[name], x, compiled)
+    assert rel_err(value, ref_value) < 1e-5
+    assert rel_err(grad, ref_grad) < 1e-4

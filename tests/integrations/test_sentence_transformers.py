@@ -1,0 +1,199 @@
+"""angle_kernels.integrations.sentence_transformers against the sentence-transformers losses it replaces.
+
+On the same tiny model and batch, each subclass must give the parent's loss value and the same gradients
+on every model parameter; configurations our losses cannot express must run the parent's computation.
+The model runs in float64 here, so both sides agree to rounding (relative error ~1e-15); one case runs in
+float32 with the float32 tolerances of docs/measuring.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from integration_utils import rel_err
+
+pytest.importorskip("sentence_transformers")
+
+import angle_kernels.functional as ak_functional  # noqa: E402
+from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
+from sentence_transformers import util as st_util  # noqa: E402
+
+try:
+    from sentence_transformers.sentence_transformer import losses as st_losses
+except ImportError:  # pragma: no cover
+    from sentence_transformers import losses as st_losses
+
+from tiny_model import SENTENCES, load_sentence_transformer  # noqa: E402
+
+GRADED = [0.1, 0.5, 0.5, 0.9, 0.3, 0.1]  # with ties
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+# (class name, constructor kwargs, number of text columns, labels, whether our fused path must run)
+CASES = [
+    ("CoSENTLoss", {}, 2, GRADED, True),
+    ("CoSENTLoss", {"scale": 7.5}, 2, GRADED, True),
+    ("CoSENTLoss", {"similarity_fct": st_util.pairwise_angle_sim}, 2, GRADED, True),
+    ("CoSENTLoss", {"similarity_fct": st_util.pairwise_dot_score, "scale": 1.0}, 2, GRADED, False),
+    ("AnglELoss", {}, 2, GRADED, True),
+    ("AnglELoss", {"scale": 3.0}, 3, None, True),
+    ("AnglELoss", {}, 4, [1.0, 0.8, 1.0, 0.6, 0.9, 1.0], True),
+    ("MultipleNegativesRankingLoss", {}, 2, None, True),
+    ("MultipleNegativesRankingLoss", {"scale": 10.0}, 3, None, True),
+    ("MultipleNegativesRankingLoss", {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}, 3, None, True),
+    ("MultipleNegativesRankingLoss", {"directions": ALL_DIRECTIONS, "partition_mode": "joint"}, 3, None, False),
+    ("MultipleNegativesRankingLoss", {"hardness_mode": "in_batch_negatives", "hardness_strength": 5.0}, 3, None, False),
+    ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.dot_score, "scale": 1.0}, 2, None, False),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 2, None, True),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 3, None, True),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3, "directions": ("query_to_doc", "doc_to_query"),
+                                            "partition_mode": "per_direction"}, 3, None, True),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4, "hardness_mode": "all_negatives",
+                                            "hardness_strength": 2.0}, 3, None, False),
+]
+
+FUSED_FUNCTIONS = ("cosine_loss", "angle_loss", "contrastive_with_negative_loss")
+
+
+@pytest.fixture(scope="module")
+def model64(tiny_model_dir):
+    return load_sentence_transformer(tiny_model_dir).to(torch.float64)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Count calls of the angle_kernels functions the integration computes with."""
+    calls = {name: 0 for name in FUSED_FUNCTIONS}
+    for name in FUSED_FUNCTIONS:
+        original = getattr(ak_functional, name)
+
+        def counting(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(ak_functional, name, counting)
+    return calls
+
+
+def batch_columns(model, columns: int):
+    """Fresh feature dicts (the model writes its outputs into them, so they are never reused): six texts
+    per column."""
+    return [model.preprocess(SENTENCES[6 * c: 6 * (c + 1)]) for c in range(columns)]
+
+
+def value_and_grads(model, loss, columns: int, labels):
+    model.zero_grad(set_to_none=True)
+    label_tensor = None if labels is None else torch.tensor(labels, dtype=torch.float32)
+    value = loss(batch_columns(model, columns), label_tensor)
+    value.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return value.detach(), grads
+
+
+def compare(model, original, replacement, columns, labels, value_tol, grad_tol):
+    ref_value, ref_grads = value_and_grads(model, original, columns, labels)
+    value, grads = value_and_grads(model, replacement, columns, labels)
+    assert torch.isfinite(value)
+    assert rel_err(value, ref_value) < value_tol, (value.item(), ref_value.item())
+    assert set(grads) == set(ref_grads) and len(grads) > 10
+    # Per parameter, relative to its own gradient, except for gradients that are zero in exact arithmetic
+    # and only rounding noise here (attention key biases: softmax ignores a per-row constant): those are
+    # measured against the whole model's gradient.
+    overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in ref_grads.values()]))
+    errors = {}
+    for name, ref in ref_grads.items():
+        scale = max(float(torch.linalg.vector_norm(ref.double())), 1e-6 * float(overall))
+        errors[name] = float(torch.linalg.vector_norm((grads[name] - ref).double())) / scale
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < grad_tol, f"parameter-gradient relative error {errors[worst]:.2e} on {worst}"
+    return value
+
+
+@pytest.mark.parametrize("class_name, kwargs, columns, labels, fused", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_same_value_and_gradients_as_sentence_transformers(model64, fused_calls, class_name, kwargs, columns,
+                                                           labels, fused):
+    original = getattr(st_losses, class_name)(model64, **kwargs)
+    replacement = getattr(ours, class_name)(model64, **kwargs)
+    assert isinstance(replacement, type(original))
+    assert replacement.uses_fused_path is fused
+    assert replacement.get_config_dict() == original.get_config_dict()
+
+    compare(model64, original, replacement, columns, labels, value_tol=1e-12, grad_tol=1e-10)
+    if fused:
+        assert sum(fused_calls.values()) > 0, "the fused path did not run"
+    else:
+        assert sum(fused_calls.values()) == 0, "an unsupported configuration must run the parent's code"
+
+
+def test_float32_within_float32_tolerances(tiny_model_dir):
+    model = load_sentence_transformer(tiny_model_dir)
+    for name, columns, labels in (("CoSENTLoss", 2, GRADED), ("AnglELoss", 3, None),
+                                  ("MultipleNegativesRankingLoss", 3, None)):
+        original = getattr(st_losses, name)(model)
+        replacement = getattr(ours, name)(model)
+        compare(model, original, replacement, columns, labels, value_tol=1e-5, grad_tol=1e-4)
+
+
+def test_odd_dimension_angle_matches_the_padding_of_pairwise_angle_sim():
+    """pairwise_angle_sim pads an odd dimension with a zero column; the subclass must too."""
+    gen = torch.Generator().manual_seed(11)
+    u = torch.randn(7, 9, generator=gen, dtype=torch.float64)
+    v = torch.randn(7, 9, generator=gen, dtype=torch.float64)
+    labels = torch.tensor([0.0, 1.0, 2.0, 1.0, 0.0, 2.0, 2.0])
+    results = []
+    for loss in (st_losses.AnglELoss(None), ours.AnglELoss(None)):
+        a, b = u.clone().requires_grad_(), v.clone().requires_grad_()
+        value = loss.compute_loss_from_embeddings([a, b], labels)
+        value.backward()
+        results.append((value.detach(), a.grad, b.grad))
+    for got, ref in zip(results[1], results[0]):
+        assert rel_err(got, ref) < 1e-12
+
+
+def test_bad_label_count_fails_like_the_parent():
+    u = torch.randn(4, 8)
+    for cls in (ours.CoSENTLoss, ours.AnglELoss):
+        with pytest.raises(ValueError, match="expects 4 labels"):
+            cls(None).compute_loss_from_embeddings([u, u.clone()], torch.ones(3))
+    with pytest.raises(ValueError, match="requires labels"):
+        ours.AnglELoss(None).compute_loss_from_embeddings([u, u.clone()], None)
+
+
+@pytest.mark.parametrize("class_name, columns, labels", [("CoSENTLoss", 2, True),
+                                                         ("CachedMultipleNegativesRankingLoss", 2, False)])
+def test_sentence_transformer_trainer_runs_with_our_loss(tiny_model_dir, tmp_path, class_name, columns, labels):
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    model = load_sentence_transformer(tiny_model_dir)
+    data = {"sentence1": SENTENCES[0:12:2], "sentence2": SENTENCES[1:12:2]}
+    if labels:
+        data["score"] = [0.9, 0.2, 0.7, 0.4, 0.1, 0.8]
+    dataset = Dataset.from_dict(data)
+    kwargs = {"mini_batch_size": 2} if class_name.startswith("Cached") else {}
+    loss = getattr(ours, class_name)(model, **kwargs)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=3, learning_rate=1e-2,
+        report_to="none", save_strategy="no", logging_steps=1, use_cpu=True, dataloader_num_workers=0,
+        seed=0, disable_tqdm=True,
+    )
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
+    result = trainer.train()
+    assert result.global_step == 2
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert logged and all(torch.isfinite(torch.tensor(x)) for x in logged)
+    changed = sum(not torch.equal(before[name], p.detach()) for name, p in model.named_parameters())
+    assert changed > 10, "training did not update the model"
+
+
+def test_arguments_an_older_parent_lacks_are_dropped_at_their_default_and_refused_otherwise():
+    def older_init(self, model, scale=20.0, similarity_fct=None, gather_across_devices=False):
+        pass
+
+    given = {"gather_across_devices": True, "directions": ("query_to_doc",), "hardness_mode": None}
+    assert ours._parent_kwargs(older_init, given, ours._MNRL_DEFAULTS) == {"gather_across_devices": True}
+    with pytest.raises(TypeError, match="directions"):
+        ours._parent_kwargs(older_init, {"directions": ("query_to_doc", "doc_to_query")}, ours._MNRL_DEFAULTS)
