@@ -16,7 +16,9 @@ numbers per row (the logsumexps); backward recomputes each tile and forms
 chains it through the margin on the target column, and accumulates the gradients of the normalised rows,
 d q_hat = G c_hat and d c_hat += G^T q_hat. The normalisation's backward is applied once at the end:
 dx = (d x_hat - x_hat (x_hat . d x_hat)) / |x| (just d x_hat / eps where the norm was clamped).
-Peak extra memory is O(block x Mc) for the tile plus O((M + Mc) x D) for the gradients.
+Peak extra memory is O(block x Mc) for the tile plus O((M + Mc) x D) for the gradients. When every row fits
+in one block (M * Mc <= CHUNK_ELEMENTS, 16 MB of float32), forward keeps that single tile for backward
+instead of recomputing it: the same memory bound, one matrix product fewer (3 instead of 4, like eager code).
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ class _Tiles:
         self.scale, self.target, self.exclude_diagonal, self.margin = scale, target, exclude_diagonal, margin
         self.group_ids = group_ids
         self.block = rows_per_chunk(cf.shape[0])
+        self.cached = None  # (logits, target cosines) of the only block, when there is one block
+
+    @property
+    def single_block(self) -> bool:
+        return self.block >= self.qf.shape[0]
 
     def blocks(self):
         m = self.qf.shape[0]
@@ -67,14 +74,17 @@ class _Tiles:
         rows = torch.arange(start, end, device=device)
         local = rows - start
         targets = _target_columns(self.target, rows)
-        tile = self.qf[start:end] @ self.cf.T
-        tile.mul_(self.q_inv[start:end, None]).mul_(self.c_inv[None, :])  # cosines
-        cos_t = tile[local, targets].clone()
-        tile.mul_(self.scale)
-        if self.margin != 0.0:
-            tile[local, targets] = self.scale * margin_logit(cos_t, self.margin)[0]
-        if self.exclude_diagonal:
-            tile[local, rows] = float("-inf")
+        if self.cached is not None:
+            tile, cos_t = self.cached
+        else:
+            tile = self.qf[start:end] @ self.cf.T
+            tile.mul_(self.q_inv[start:end, None]).mul_(self.c_inv[None, :])  # cosines
+            cos_t = tile[local, targets].clone()
+            tile.mul_(self.scale)
+            if self.margin != 0.0:
+                tile[local, targets] = self.scale * margin_logit(cos_t, self.margin)[0]
+            if self.exclude_diagonal:
+                tile[local, rows] = float("-inf")
         positives = None
         if self.group_ids is not None:
             g = self.group_ids
@@ -99,19 +109,23 @@ class SimilarityXentFunction(torch.autograd.Function):
         m = qf.shape[0]
         lse_all = torch.empty(m, dtype=dtype, device=q.device)
         lse_pos = torch.empty(m, dtype=dtype, device=q.device)
+        kept = (None, None)
         for start, end in tiles.blocks():
-            logits, local, targets, _, positives = tiles.logits(start, end)
+            logits, local, targets, cos_t, positives = tiles.logits(start, end)
+            if tiles.single_block:
+                kept = (logits, cos_t)
             lse_all[start:end] = torch.logsumexp(logits, dim=1)
             if positives is None:
                 lse_pos[start:end] = logits[local, targets]
             else:
-                lse_pos[start:end] = torch.logsumexp(logits.masked_fill_(~positives, float("-inf")), dim=1)
+                lse_pos[start:end] = torch.logsumexp(logits.masked_fill(~positives, float("-inf")), dim=1)
 
         weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
         loss = (weights * (lse_all - lse_pos)).sum() / m
 
         ctx.save_for_backward(
-            qf, None if symmetric else cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights
+            qf, None if symmetric else cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights,
+            *kept,
         )
         ctx.options = (scale, target, exclude_diagonal, margin)
         ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
@@ -120,10 +134,13 @@ class SimilarityXentFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights = ctx.saved_tensors
+        (qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights,
+         kept_logits, kept_cos_t) = ctx.saved_tensors
         symmetric = cf is None
         cf = qf if symmetric else cf
         tiles = _Tiles(qf, cf, q_inv, c_inv, *ctx.options, group_ids)
+        if kept_logits is not None:
+            tiles.cached = (kept_logits, kept_cos_t)
         m = qf.shape[0]
         row_scale = weights * (grad_loss.to(qf.dtype) * tiles.scale / m)
 
