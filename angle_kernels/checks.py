@@ -51,6 +51,8 @@ def input_checks(enabled: bool):
 def _all_finite(t: torch.Tensor) -> bool:
     # One fused reduction (a single sync): NaN or Inf anywhere makes the sum non-finite. A non-finite sum can
     # also come from finite values overflowing, so only then look element by element, a chunk at a time.
+    if t.device.type == "meta":  # no data to scan (shape-only tensors); the device checks still apply
+        return True
     total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
     if bool(torch.isfinite(total)):
         return True
@@ -76,8 +78,11 @@ def check_choice(name: str, value, choices: tuple) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
-def check_embeddings(name: str, t, *, rows_multiple_of: int = 1, layout: str = "") -> torch.Tensor:
-    """A [rows, D] floating tensor with rows > 0, D > 0, rows divisible by rows_multiple_of, finite values."""
+def check_embeddings(
+    name: str, t, *, rows_multiple_of: int = 1, layout: str = "", check_values: bool = True
+) -> torch.Tensor:
+    """A [rows, D] floating tensor with rows > 0, D > 0, rows divisible by rows_multiple_of, finite values
+    (the last only with check_values and while value checks are on)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
@@ -91,9 +96,28 @@ def check_embeddings(name: str, t, *, rows_multiple_of: int = 1, layout: str = "
         raise ValueError(
             f"{name} must have a multiple of {rows_multiple_of} rows ({layout}), got {rows} rows"
         )
+    if check_values:
+        check_finite(name, t)
+    return t
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
     if input_checks_enabled() and not _all_finite(t.detach()):
         raise ValueError(f"{name} contains NaN or Inf values")
-    return t
+
+
+def check_embedding_group(*named: tuple[str, torch.Tensor]) -> None:
+    """Embedding tensors used together: each is [rows, D] and floating, all have the same D and live on one
+    device, and only then (the one check that syncs) are their values checked."""
+    for name, t in named:
+        check_embeddings(name, t, check_values=False)
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.shape[1] != first.shape[1]:
+            raise ValueError(f"{name} must have {first.shape[1]} columns like {first_name}, got shape {tuple(t.shape)}")
+    check_same_device(*named)
+    for name, t in named:
+        check_finite(name, t)
 
 
 def check_labels(name: str, y, rows: int, device: torch.device) -> torch.Tensor:

@@ -34,12 +34,24 @@ __all__ = [
 POOLING_STRATEGIES = ("sum", "mean")
 
 
-def zigzag_pairs(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check a zigzag batch and return it as pairs: x [N, 2, D] (a view) and one label per pair [N] (rows 0::2)."""
-    checks.check_embeddings("y_pred", y_pred, rows_multiple_of=2, layout="zigzag pairs on rows 2k and 2k+1")
-    labels = checks.check_labels("y_true", y_true, y_pred.shape[0], y_pred.device)
+def check_zigzag(
+    y_true: torch.Tensor, y_pred: torch.Tensor, names: tuple[str, str] = ("y_true", "y_pred")
+) -> torch.Tensor:
+    """Check a zigzag batch (structure and device first, values last) and return its labels, one per row [2N].
+
+    names: what the caller calls (y_true, y_pred), for the error messages (AngleLoss: labels, outputs)."""
+    checks.check_embeddings(
+        names[1], y_pred, rows_multiple_of=2, layout="zigzag pairs on rows 2k and 2k+1", check_values=False
+    )
+    labels = checks.check_labels(names[0], y_true, y_pred.shape[0], y_pred.device)
+    checks.check_finite(names[1], y_pred)
+    return labels
+
+
+def as_pairs(y_pred: torch.Tensor) -> torch.Tensor:
+    """The zigzag rows [2N, D] as pairs [N, 2, D] (a view when y_pred is contiguous)."""
     rows, dim = y_pred.shape
-    return y_pred.reshape(rows // 2, 2, dim), labels[0::2]
+    return y_pred.reshape(rows // 2, 2, dim)
 
 
 def _angle_scores(angle: torch.Tensor, tau: float, pooling_strategy: str, dim: int) -> torch.Tensor:
@@ -70,10 +82,10 @@ def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *
     O(N log N) time and O(N) extra memory (the reference builds N x N matrices).
     """
     tau = checks.check_scalar("tau", tau)
-    x, labels = zigzag_pairs(y_true, y_pred)
+    labels = check_zigzag(y_true, y_pred)
     ops = resolve_backend(backend, y_pred)
-    cos, _ = ops.pair_scores(x, False)
-    return ops.ranking_loss(tau * cos[:, 0], labels)
+    cos, _ = ops.pair_scores(as_pairs(y_pred), False)
+    return ops.ranking_loss(tau * cos[:, 0], labels[0::2])
 
 
 def angle_loss(
@@ -100,11 +112,11 @@ def angle_loss(
     """
     tau = checks.check_scalar("tau", tau)
     checks.check_choice("pooling_strategy", pooling_strategy, POOLING_STRATEGIES)
-    x, labels = zigzag_pairs(y_true, y_pred)
+    labels = check_zigzag(y_true, y_pred)
     _check_angle_dim(y_pred.shape[1])
     ops = resolve_backend(backend, y_pred)
-    _, angle = ops.pair_scores(x, True)
-    return ops.ranking_loss(_angle_scores(angle[:, 0], tau, pooling_strategy, y_pred.shape[1]), labels)
+    _, angle = ops.pair_scores(as_pairs(y_pred), True)
+    return ops.ranking_loss(_angle_scores(angle[:, 0], tau, pooling_strategy, y_pred.shape[1]), labels[0::2])
 
 
 def in_batch_negative_loss(
@@ -137,10 +149,14 @@ def in_batch_negative_loss(
     """
     tau = checks.check_scalar("tau", tau)
     checks.check_scalar("negative_weights", negative_weights)
-    checks.check_embeddings("y_pred", y_pred, rows_multiple_of=2, layout="zigzag pairs on rows 2k and 2k+1")
-    rows = y_pred.shape[0]
-    labels = checks.check_labels("y_true", y_true, rows, y_pred.device)
+    labels = check_zigzag(y_true, y_pred)
     checks.check_binary_labels("y_true", labels, "in_batch_negative_loss")
+    return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids)
+
+
+def in_batch_negatives(ops, labels: torch.Tensor, y_pred: torch.Tensor, tau: float, group_ids=None) -> torch.Tensor:
+    """in_batch_negative_loss on inputs already checked (labels: 0/1, one per row), computed by `ops`."""
+    rows = y_pred.shape[0]
     if group_ids is not None:
         if not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point() or group_ids.is_complex():
             raise TypeError("group_ids must be an integer torch.Tensor of text ids, one per row of y_pred")
@@ -151,7 +167,6 @@ def in_batch_negative_loss(
     positive = labels == 1
     # The reference gives row i a target only when both it and its partner are labelled 1.
     row_weights = (positive & positive.view(-1, 2).flip(1).reshape(-1)).to(compute_dtype(y_pred.dtype))
-    ops = resolve_backend(backend, y_pred)
     return ops.similarity_xent(
         y_pred, None, tau, "partner", row_weights=row_weights, exclude_diagonal=True, group_ids=group_ids
     )
@@ -178,17 +193,9 @@ def contrastive_with_negative_loss(
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     tau = checks.check_scalar("tau", tau)
-    checks.check_embeddings("text", text)
-    checks.check_embeddings("pos", pos)
+    checks.check_embedding_group(("text", text), ("pos", pos), *((("neg", neg),) if neg is not None else ()))
     checks.check_same_shape("text", text, "pos", pos)
-    checks.check_same_device(("text", text), ("pos", pos))
-    candidates = pos
-    if neg is not None:
-        checks.check_embeddings("neg", neg)
-        if neg.shape[1] != text.shape[1]:
-            raise ValueError(f"neg must have {text.shape[1]} columns like text, got shape {tuple(neg.shape)}")
-        checks.check_same_device(("text", text), ("neg", neg))
-        candidates = torch.cat((pos, neg.to(pos.dtype)), dim=0)
+    candidates = pos if neg is None else torch.cat((pos, neg.to(pos.dtype)), dim=0)
     ops = resolve_backend(backend, text)
     return ops.similarity_xent(text, candidates, tau, "diagonal")
 
@@ -218,10 +225,8 @@ def arccon_loss(
     if not 0.0 <= margin <= 180.0:
         raise ValueError(f"margin_degrees must be between 0 and 180 degrees, got {margin}")
     tau = checks.check_scalar("tau", tau, positive=True)
-    checks.check_embeddings("h1", h1)
-    checks.check_embeddings("h2", h2)
+    checks.check_embedding_group(("h1", h1), ("h2", h2))
     checks.check_same_shape("h1", h1, "h2", h2)
-    checks.check_same_device(("h1", h1), ("h2", h2))
     ops = resolve_backend(backend, h1)
     return ops.similarity_xent(h1, h2, 1.0 / tau, "diagonal", margin=math.radians(margin))
 
@@ -245,11 +250,9 @@ def triplet_loss(
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     margin = checks.check_scalar("margin", margin)
-    for name, t in (("anchor", anchor), ("weak", weak), ("strong", strong)):
-        checks.check_embeddings(name, t)
+    checks.check_embedding_group(("anchor", anchor), ("weak", weak), ("strong", strong))
     checks.check_same_shape("anchor", anchor, "weak", weak)
     checks.check_same_shape("anchor", anchor, "strong", strong)
-    checks.check_same_device(("anchor", anchor), ("weak", weak), ("strong", strong))
     ops = resolve_backend(backend, anchor)
     cos, _ = ops.pair_scores(torch.stack((anchor, weak.to(anchor.dtype), strong.to(anchor.dtype)), dim=1), False)
     return torch.relu(cos[:, 1] - cos[:, 0] + margin).mean()

@@ -12,10 +12,11 @@ from .functional import (
     _angle_scores,
     _check_angle_dim,
     arccon_loss,
+    as_pairs,
+    check_zigzag,
     contrastive_with_negative_loss,
-    in_batch_negative_loss,
+    in_batch_negatives,
     triplet_loss,
-    zigzag_pairs,
 )
 from .torch_ops.common import compute_dtype
 
@@ -124,12 +125,14 @@ class AngleLoss(nn.Module):
         return cosine_term, angle_term
 
     def _format_a(self, labels: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
-        x, pair_labels = zigzag_pairs(labels, outputs)
+        row_labels = check_zigzag(labels, outputs, names=("labels", "outputs"))
+        if self.ibn_w > 0:
+            checks.check_binary_labels("labels", row_labels, "AngleLoss's in-batch-negative term (ibn_w > 0)")
         ops = resolve_backend(self.backend, outputs)
-        cosine_term, angle_term = self._ranking_terms(ops, x, pair_labels, outputs.shape[1])
+        cosine_term, angle_term = self._ranking_terms(ops, as_pairs(outputs), row_labels[0::2], outputs.shape[1])
         ibn_term = None
         if self.ibn_w > 0:
-            ibn_term = self.ibn_w * in_batch_negative_loss(labels, outputs, self.ibn_tau, backend=self.backend)
+            ibn_term = self.ibn_w * in_batch_negatives(ops, row_labels, outputs, self.ibn_tau)
         return _sum_terms([cosine_term, ibn_term, angle_term], outputs)  # the reference's order of summation
 
     def _format_c(self, outputs: torch.Tensor) -> torch.Tensor:

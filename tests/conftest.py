@@ -1,0 +1,55 @@
+"""Fixtures for the top-level tests (the oracle, parity, gradcheck, fuzz, bad-input and memory tests).
+
+Subfolders (tests/triton, tests/train, tests/integrations) have their own conftest files; nothing here changes
+global state for them: no autouse fixtures, no global torch settings. The helpers live in tests/ak_testing.py
+(import them from there, not from conftest: every folder's conftest is imported under the same name).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:  # so `import oracle` / `import ak_testing` work from every test module here
+    sys.path.insert(0, str(TESTS_DIR))
+
+from ak_testing import load_reference_loss_module, seed_from  # noqa: E402
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A CPU generator seeded from the test's node id: fresh inputs per test, reproducible per test."""
+    return torch.Generator().manual_seed(seed_from(request.node.nodeid))
+
+
+@pytest.fixture(scope="session")
+def ref_loss() -> ModuleType:
+    """The reference's loss module (angle-emb 0.6.1); tests using it are skipped when it is absent."""
+    module = load_reference_loss_module()
+    if module is None:
+        pytest.skip("angle-emb 0.6.1 is not installed (pip install --no-deps angle-emb==0.6.1)")
+    return module
+
+
+@pytest.fixture(scope="session")
+def ref_angle_loss_class():
+    """angle_emb.AngleLoss from the installed package (needs the full package import)."""
+    try:
+        from angle_emb import AngleLoss
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        pytest.skip(f"angle_emb.AngleLoss cannot be imported: {type(exc).__name__}: {exc}")
+    return AngleLoss
+
+
+@pytest.fixture(scope="session")
+def ak():
+    """The package under test."""
+    return importlib.import_module("angle_kernels")
+
+

@@ -1,0 +1,425 @@
+"""Bad inputs raise a ValueError/TypeError that names the argument; value checks can be switched off;
+zero vectors (where the reference's angle loss returns NaN) give finite, correct results.
+
+Value checks (NaN/Inf, label values) read the data and so force a device sync on GPUs: they are switchable
+with angle_kernels.set_input_checks(False), the context manager angle_kernels.input_checks(False) and the
+environment variable ANGLE_KERNELS_CHECK_INPUTS=0 (read at import). Shape, dtype and device checks are free
+and always run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import oracle
+from ak_testing import GRAD_TOL, VALUE_TOL, assert_close, grads_of, randn, zigzag_labels
+
+BAD_VALUES = [float("nan"), float("inf"), float("-inf")]
+
+
+def _poisoned(t: torch.Tensor, value: float, row: int = -1) -> torch.Tensor:
+    t = t.clone()
+    t[row, 0] = value
+    return t
+
+
+def _embedding_calls(ak, gen, d=8):
+    """(argument name, position, callable taking the argument list) for every embedding input of every loss."""
+    y = zigzag_labels(gen, 3, "binary")
+    x = randn(gen, 6, d)
+    b = [randn(gen, 3, d) for _ in range(3)]
+    return [
+        ("y_pred", [y, x], lambda a: ak.cosine_loss(*a), 1),
+        ("y_pred", [y, x], lambda a: ak.angle_loss(*a), 1),
+        ("y_pred", [y, x], lambda a: ak.in_batch_negative_loss(*a), 1),
+        ("text", list(b), lambda a: ak.contrastive_with_negative_loss(*a), 0),
+        ("pos", list(b), lambda a: ak.contrastive_with_negative_loss(*a), 1),
+        ("neg", list(b), lambda a: ak.contrastive_with_negative_loss(*a), 2),
+        ("h1", b[:2], lambda a: ak.arccon_loss(*a), 0),
+        ("h2", b[:2], lambda a: ak.arccon_loss(*a), 1),
+        ("anchor", list(b), lambda a: ak.triplet_loss(*a), 0),
+        ("weak", list(b), lambda a: ak.triplet_loss(*a), 1),
+        ("strong", list(b), lambda a: ak.triplet_loss(*a), 2),
+        ("outputs", [y, x], lambda a: ak.AngleLoss(dataset_format="A")(*a), 1),
+        ("outputs", [y, x], lambda a: ak.AngleLoss(dataset_format="B")(*a), 1),
+        ("outputs", [torch.ones(9), randn(gen, 9, d)], lambda a: ak.AngleLoss(dataset_format="C")(*a), 1),
+    ]
+
+
+def _call_ids(calls):
+    return [f"{name}@{k}" for k, (name, *_rest) in enumerate(calls)]
+
+
+# --------------------------------------------------------------------------------------------------------
+# NaN / Inf
+# --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", BAD_VALUES, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_non_finite_embeddings_raise(ak, gen, bad, dtype):
+    for name, args, call, position in _embedding_calls(ak, gen):
+        args = [a.to(dtype) for a in args]
+        args[position] = _poisoned(args[position], bad)
+        with pytest.raises(ValueError, match=name):
+            call(args)
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES, ids=["nan", "inf", "-inf"])
+def test_non_finite_labels_raise(ak, gen, bad):
+    x = randn(gen, 6, 8)
+    y = zigzag_labels(gen, 3, "binary")
+    y[2] = bad
+    for call in (ak.cosine_loss, ak.angle_loss, ak.in_batch_negative_loss):
+        with pytest.raises(ValueError, match="y_true"):
+            call(y, x)
+        with pytest.raises(ValueError, match="y_true"):
+            call(y[:, None], x)
+    with pytest.raises(ValueError, match="y_true|labels"):
+        ak.AngleLoss(dataset_format="A")(y, x)
+
+
+def test_non_finite_scalars_raise(ak, gen):
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "binary")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="tau"):
+            ak.cosine_loss(y, x, bad)
+        with pytest.raises(ValueError, match="tau"):
+            ak.angle_loss(y, x, bad)
+        with pytest.raises(ValueError, match="tau"):
+            ak.in_batch_negative_loss(y, x, bad)
+        with pytest.raises(ValueError, match="negative_weights"):
+            ak.in_batch_negative_loss(y, x, 20.0, bad)
+        with pytest.raises(ValueError, match="tau"):
+            ak.contrastive_with_negative_loss(x[:3], x[3:], tau=bad)
+        with pytest.raises(ValueError, match="margin"):
+            ak.triplet_loss(x[:2], x[2:4], x[4:], bad)
+        with pytest.raises(ValueError, match="margin_degrees"):
+            ak.arccon_loss(x[:3], x[3:], bad)
+    with pytest.raises(ValueError, match="tau"):
+        ak.arccon_loss(x[:3], x[3:], 10.0, 0.0)
+    with pytest.raises(ValueError, match="margin_degrees"):
+        ak.arccon_loss(x[:3], x[3:], -5.0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# shapes, emptiness, layouts
+# --------------------------------------------------------------------------------------------------------
+def test_empty_batches_raise(ak):
+    empty = torch.zeros(0, 8)
+    for call in (ak.cosine_loss, ak.angle_loss, ak.in_batch_negative_loss):
+        with pytest.raises(ValueError, match="y_pred"):
+            call(torch.zeros(0), empty)
+    with pytest.raises(ValueError, match="text"):
+        ak.contrastive_with_negative_loss(empty, empty)
+    with pytest.raises(ValueError, match="neg"):
+        ak.contrastive_with_negative_loss(torch.ones(2, 8), torch.ones(2, 8), empty)
+    with pytest.raises(ValueError, match="h1"):
+        ak.arccon_loss(empty, empty)
+    with pytest.raises(ValueError, match="anchor"):
+        ak.triplet_loss(empty, empty, empty)
+    for fmt in "ABC":
+        with pytest.raises(ValueError, match="outputs|labels"):
+            ak.AngleLoss(dataset_format=fmt)(torch.zeros(0), empty)
+    with pytest.raises(ValueError, match="y_pred"):  # zero columns is empty too
+        ak.cosine_loss(torch.ones(4), torch.zeros(4, 0))
+
+
+def test_odd_number_of_zigzag_rows_raises(ak, gen):
+    x = randn(gen, 7, 8)
+    for call in (ak.cosine_loss, ak.angle_loss, ak.in_batch_negative_loss):
+        with pytest.raises(ValueError, match="y_pred"):
+            call(torch.ones(7), x)
+    for fmt in "AB":
+        with pytest.raises(ValueError, match="outputs"):
+            ak.AngleLoss(dataset_format=fmt)(torch.ones(7), x)
+    with pytest.raises(ValueError, match="outputs"):  # format C needs groups of three rows
+        ak.AngleLoss(dataset_format="C")(torch.ones(8), randn(gen, 8, 8))
+
+
+def test_mismatched_shapes_raise(ak, gen):
+    x = randn(gen, 6, 8)
+    for call in (ak.cosine_loss, ak.angle_loss, ak.in_batch_negative_loss):
+        for y in (torch.ones(4), torch.ones(6, 2), torch.ones(3), torch.ones(1, 6), torch.ones(6, 1, 1)):
+            with pytest.raises(ValueError, match="y_true"):
+                call(y, x)
+        for bad_x in (randn(gen, 6), randn(gen, 6, 8, 1)):  # not 2-D
+            with pytest.raises(ValueError, match="y_pred"):
+                call(torch.ones(6), bad_x)
+    with pytest.raises(ValueError, match="pos"):
+        ak.contrastive_with_negative_loss(randn(gen, 3, 8), randn(gen, 4, 8))
+    with pytest.raises(ValueError, match="pos"):
+        ak.contrastive_with_negative_loss(randn(gen, 3, 8), randn(gen, 3, 6))
+    with pytest.raises(ValueError, match="neg"):
+        ak.contrastive_with_negative_loss(randn(gen, 3, 8), randn(gen, 3, 8), randn(gen, 3, 6))
+    with pytest.raises(ValueError, match="h2"):
+        ak.arccon_loss(randn(gen, 3, 8), randn(gen, 4, 8))
+    with pytest.raises(ValueError, match="weak"):
+        ak.triplet_loss(randn(gen, 3, 8), randn(gen, 2, 8), randn(gen, 3, 8))
+    with pytest.raises(ValueError, match="strong"):
+        ak.triplet_loss(randn(gen, 3, 8), randn(gen, 3, 8), randn(gen, 3, 7))
+    with pytest.raises(ValueError, match="labels|y_true"):
+        ak.AngleLoss(dataset_format="A")(torch.ones(4), x)
+
+
+def test_group_ids_validated(ak, gen):
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "ones")
+    with pytest.raises(TypeError, match="group_ids"):
+        ak.in_batch_negative_loss(y, x, group_ids=torch.arange(6).float())
+    with pytest.raises(ValueError, match="group_ids"):
+        ak.in_batch_negative_loss(y, x, group_ids=torch.arange(4))
+    with pytest.raises(ValueError, match="group_ids"):
+        ak.in_batch_negative_loss(y, x, group_ids=torch.arange(6, device="meta"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# devices and dtypes
+# --------------------------------------------------------------------------------------------------------
+def test_mismatched_devices_raise(ak, gen):
+    """'meta' stands in for a second device: the check must fire before anything reads the data."""
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "binary")
+    for call in (ak.cosine_loss, ak.angle_loss, ak.in_batch_negative_loss):
+        with pytest.raises(ValueError, match="y_true"):
+            call(y.to("meta"), x)
+    b = [randn(gen, 3, 8) for _ in range(3)]
+    cases = [
+        ("pos", lambda m: ak.contrastive_with_negative_loss(b[0], m, b[2]), b[1]),
+        ("neg", lambda m: ak.contrastive_with_negative_loss(b[0], b[1], m), b[2]),
+        ("h2", lambda m: ak.arccon_loss(b[0], m), b[1]),
+        ("weak", lambda m: ak.triplet_loss(b[0], m, b[2]), b[1]),
+        ("strong", lambda m: ak.triplet_loss(b[0], b[1], m), b[2]),
+    ]
+    for name, call, tensor in cases:
+        with pytest.raises(ValueError, match=name):
+            call(tensor.to("meta"))
+
+
+def test_integer_embeddings_raise_type_error(ak):
+    xi = torch.ones(6, 8, dtype=torch.int64)
+    y = torch.ones(6)
+    for call in (ak.cosine_loss, ak.angle_loss, ak.in_batch_negative_loss):
+        with pytest.raises(TypeError, match="y_pred"):
+            call(y, xi)
+        with pytest.raises(TypeError, match="y_pred"):
+            call(y, xi.to(torch.int32))
+        with pytest.raises(TypeError, match="y_pred"):
+            call(y, xi.bool())
+    with pytest.raises(TypeError, match="text"):
+        ak.contrastive_with_negative_loss(xi[:3], torch.ones(3, 8))
+    with pytest.raises(TypeError, match="pos"):
+        ak.contrastive_with_negative_loss(torch.ones(3, 8), xi[:3])
+    with pytest.raises(TypeError, match="h1"):
+        ak.arccon_loss(xi[:3], torch.ones(3, 8))
+    with pytest.raises(TypeError, match="anchor"):
+        ak.triplet_loss(xi[:3], torch.ones(3, 8), torch.ones(3, 8))
+    with pytest.raises(TypeError, match="outputs"):
+        ak.AngleLoss(dataset_format="A")(y, xi)
+
+
+def test_non_tensor_inputs_raise_type_error(ak):
+    with pytest.raises(TypeError, match="y_pred"):
+        ak.cosine_loss(torch.ones(4), [[1.0, 2.0]] * 4)
+    with pytest.raises(TypeError, match="y_true"):
+        ak.cosine_loss([1.0] * 4, torch.ones(4, 2))
+    with pytest.raises(TypeError, match="y_true"):
+        ak.cosine_loss(torch.ones(4, dtype=torch.complex64), torch.ones(4, 2))
+
+
+# --------------------------------------------------------------------------------------------------------
+# argument values
+# --------------------------------------------------------------------------------------------------------
+def test_odd_dimension_for_angle_loss_raises(ak, gen):
+    y = zigzag_labels(gen, 3, "graded")
+    for d in (1, 3, 129):
+        x = randn(gen, 6, d)
+        with pytest.raises(ValueError, match="y_pred"):
+            ak.angle_loss(y, x)
+        with pytest.raises(ValueError, match="even"):
+            ak.AngleLoss(dataset_format="A", angle_w=0.02)(zigzag_labels(gen, 3, "binary"), x)
+        ak.cosine_loss(y, x)  # odd D is fine where no angle is computed
+        ak.AngleLoss(dataset_format="A", angle_w=0.0, cosine_w=1.0)(zigzag_labels(gen, 3, "binary"), x)
+
+
+@pytest.mark.parametrize("labels", [[0.5, 0.5, 1, 1], [2, 2, 0, 0], [-1, -1, 1, 1], [1, 1, 3, 3]], ids=str)
+def test_non_binary_ibn_labels_raise(ak, ref_loss, gen, labels):
+    """The reference truncates 0.5 to 0 and builds wrong targets for 2: we raise and say why."""
+    y = torch.tensor(labels, dtype=torch.float32)
+    x = randn(gen, 4, 8)
+    # what the reference does instead: a finite number that silently ignores the bad labels' meaning
+    assert torch.isfinite(ref_loss.in_batch_negative_loss(y[:, None], x))
+    if labels[0] == 0.5:  # 0.5 is read as 0: the pair silently loses its target
+        truncated = torch.tensor([0.0, 0.0, 1.0, 1.0])[:, None]
+        assert ref_loss.in_batch_negative_loss(y[:, None], x) == ref_loss.in_batch_negative_loss(truncated, x)
+    with pytest.raises(ValueError, match="y_true.*0 or 1|0 or 1.*y_true"):
+        ak.in_batch_negative_loss(y, x)
+    with pytest.raises(ValueError, match="0 or 1"):
+        ak.AngleLoss(dataset_format="A")(y, x)
+    # graded labels stay fine where only the ranking terms read them
+    ak.AngleLoss(dataset_format="A", ibn_w=0.0, cosine_w=1.0)(y, x)
+    ak.in_batch_negative_loss(y.long().clamp(0, 1), x)  # integer 0/1 labels are valid
+
+
+def test_bad_pooling_strategy_raises(ak, gen):
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "graded")
+    for bad in ("max", "SUM", "", None):
+        with pytest.raises(ValueError, match="pooling_strategy"):
+            ak.angle_loss(y, x, 1.0, bad)
+    with pytest.raises(ValueError, match="angle_pooling_strategy"):
+        ak.AngleLoss(angle_pooling_strategy="max")
+
+
+def test_bad_dataset_format_raises(ak, gen):
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "binary")
+    for bad in ("D", "a", None, ""):
+        with pytest.raises(ValueError, match="dataset_format"):
+            ak.AngleLoss(dataset_format=bad)(y, x)
+
+
+def test_bad_backend_raises(ak, gen, monkeypatch):
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "binary")
+    calls = [
+        lambda **kw: ak.cosine_loss(y, x, **kw),
+        lambda **kw: ak.angle_loss(y, x, **kw),
+        lambda **kw: ak.in_batch_negative_loss(y, x, **kw),
+        lambda **kw: ak.contrastive_with_negative_loss(x[:3], x[3:], **kw),
+        lambda **kw: ak.arccon_loss(x[:3], x[3:], **kw),
+        lambda **kw: ak.triplet_loss(x[:2], x[2:4], x[4:], **kw),
+        lambda **kw: ak.AngleLoss(dataset_format="A", **kw)(y, x),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="backend"):
+            call(backend="tpu")
+        with pytest.raises(ValueError, match="backend|cuda|CUDA"):
+            call(backend="cuda")  # CPU tensors
+        call(backend="torch")
+        call(backend="auto")
+    monkeypatch.setenv("ANGLE_KERNELS_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="ANGLE_KERNELS_BACKEND"):
+        ak.cosine_loss(y, x)
+    monkeypatch.setenv("ANGLE_KERNELS_BACKEND", "torch")
+    ak.cosine_loss(y, x)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="the interpreter allows it")
+def test_triton_backend_on_cpu_without_interpreter_raises(ak, gen):
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "binary")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        ak.cosine_loss(y, x, backend="triton")
+
+
+# --------------------------------------------------------------------------------------------------------
+# switching the value checks off
+# --------------------------------------------------------------------------------------------------------
+def _nan_batch(gen):
+    x = randn(gen, 6, 8)
+    x[1, 3] = float("nan")
+    return zigzag_labels(gen, 3, "binary"), x
+
+
+def test_set_input_checks_off_skips_value_checks(ak, gen, monkeypatch):
+    y, x = _nan_batch(gen)
+    checks = pytest.importorskip("angle_kernels.checks")
+    finiteness_scans = []
+    if hasattr(checks, "_all_finite"):
+        original = checks._all_finite
+        monkeypatch.setattr(checks, "_all_finite", lambda t: finiteness_scans.append(t.shape) or original(t))
+    previous = ak.set_input_checks(False)
+    try:
+        out = ak.cosine_loss(y, x)  # returns without raising (garbage in, NaN out: the caller opted out)
+        assert out.dim() == 0
+        ak.angle_loss(y, x)
+        ak.in_batch_negative_loss(y, x)
+        ak.in_batch_negative_loss(torch.tensor([0.5, 0.5, 2.0, 2.0, 1.0, 1.0]), randn(gen, 6, 8))  # labels unchecked
+        ak.contrastive_with_negative_loss(x[:3], x[3:])
+        assert finiteness_scans == [], "a NaN scan ran although input checks are off"
+        # the free checks still run
+        with pytest.raises(ValueError, match="y_pred"):
+            ak.cosine_loss(torch.ones(5), randn(gen, 5, 8))
+        with pytest.raises(TypeError, match="y_pred"):
+            ak.cosine_loss(torch.ones(6), torch.ones(6, 8, dtype=torch.int64))
+    finally:
+        ak.set_input_checks(previous)
+    with pytest.raises(ValueError, match="y_pred"):  # back on
+        ak.cosine_loss(y, x)
+    assert finiteness_scans, "the NaN scan is expected to run when checks are on"
+
+
+def test_input_checks_context_manager(ak, gen):
+    y, x = _nan_batch(gen)
+    with ak.input_checks(False):
+        ak.cosine_loss(y, x)
+        ak.AngleLoss(dataset_format="A")(y, x)
+    with pytest.raises(ValueError, match="y_pred"):
+        ak.cosine_loss(y, x)
+    with pytest.raises(RuntimeError):  # restored even when the block raises
+        with ak.input_checks(False):
+            raise RuntimeError("boom")
+    with pytest.raises(ValueError, match="y_pred"):
+        ak.cosine_loss(y, x)
+
+
+def test_environment_variable_switches_checks_off(ak):
+    script = (
+        "import torch, angle_kernels as ak\n"
+        "x = torch.randn(6, 8); x[1, 3] = float('nan')\n"
+        "y = torch.tensor([1., 1., 0., 0., 1., 1.])\n"
+        "ak.cosine_loss(y, x); ak.in_batch_negative_loss(y, x)\n"
+        "print('returned')\n"
+    )
+    package_root = str(Path(ak.__file__).resolve().parents[1])  # wherever the package under test lives
+    env = dict(os.environ, ANGLE_KERNELS_CHECK_INPUTS="0", PYTHONPATH=os.pathsep.join([package_root] + sys.path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "returned" in done.stdout, done.stderr[-2000:]
+    env["ANGLE_KERNELS_CHECK_INPUTS"] = "1"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "ValueError" in done.stderr and "y_pred" in done.stderr
+
+
+# --------------------------------------------------------------------------------------------------------
+# zero vectors: finite and equal to the oracle's F.normalize-epsilon semantics (the reference gives NaN)
+# --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_zero_vectors_give_finite_correct_losses(ak, ref_loss, gen, dtype):
+    n, d = 37, 130
+    y = zigzag_labels(gen, n, "ties")
+    binary = zigzag_labels(gen, n, "binary")
+    x = randn(gen, 2 * n, d)
+    x[0] = 0.0  # the u of pair 0
+    x[5] = 0.0  # the v of pair 2
+    x[8:10] = 0.0  # both rows of pair 4
+    with torch.no_grad():
+        assert torch.isnan(ref_loss.angle_loss(y[:, None], x.double(), 20.0)), "reference expected to give NaN"
+    cases = [
+        ("cosine", lambda x: ak.cosine_loss(y, x), lambda x: oracle.cosine_loss(y, x, 20.0)),
+        ("angle sum", lambda x: ak.angle_loss(y, x, 20.0), lambda x: oracle.angle_loss(y, x, 20.0)),
+        ("angle mean", lambda x: ak.angle_loss(y, x, 20.0, "mean"), lambda x: oracle.angle_loss(y, x, 20.0, "mean")),
+        ("ibn", lambda x: ak.in_batch_negative_loss(binary, x), lambda x: oracle.in_batch_negative_loss(binary, x)),
+        ("contrastive", lambda x: ak.contrastive_with_negative_loss(x[0::2], x[1::2]),
+         lambda x: oracle.contrastive_with_negative_loss(x[0::2], x[1::2])),
+        ("arccon", lambda x: ak.arccon_loss(x[0::2], x[1::2]), lambda x: oracle.arccon_loss(x[0::2], x[1::2])),
+        # margin 0.1: a zero anchor puts the hinge exactly at 0 + margin, away from its kink
+        ("triplet", lambda x: ak.triplet_loss(x[:24], x[24:48], x[48:72], 0.1),
+         lambda x: oracle.triplet_loss(x[:24], x[24:48], x[48:72], 0.1)),
+        ("AngleLoss A", lambda x: ak.AngleLoss(dataset_format="A", cosine_w=1.0)(binary, x),
+         lambda x: oracle.angle_loss_module(binary, x, dataset_format="A", cosine_w=1.0)),
+    ]
+    for name, ours_fn, oracle_fn in cases:
+        value, (grad,) = grads_of(ours_fn, x.to(dtype))
+        assert torch.isfinite(value) and torch.isfinite(grad).all(), f"{name}: non-finite with zero vectors"
+        true_value, (true_grad,) = grads_of(oracle_fn, x.double())
+        assert_close(value, true_value, VALUE_TOL[dtype], f"{name} zero-vector value")
+        assert_close(grad, true_grad, GRAD_TOL[dtype], f"{name} zero-vector grad")
+
+
+def test_all_zero_batch_is_finite(ak):
+    x = torch.zeros(8, 6)
+    y = torch.tensor([0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0])
+    for fn in (ak.cosine_loss, ak.angle_loss, lambda y, x: ak.in_batch_negative_loss((y > 1).float(), x)):
+        value, (grad,) = grads_of(lambda x: fn(y, x), x)
+        assert torch.isfinite(value) and torch.isfinite(grad).all()
+    # every score is 0: log(1 + number of ordered pairs) = log(1 + 6)
+    assert abs(ak.cosine_loss(y, x).item() - torch.log(torch.tensor(7.0)).item()) < 1e-6
