@@ -1,0 +1,105 @@
+"""TrainConfig: every setting of a run, with its default and a one-line help (the CLI is built from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+def opt(default, help: str, **extra):
+    """A config field with its --help text (kept next to the default so the two never drift apart)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainConfig:
+    # ---- model
+    model: str = opt("builtin:tiny-bert", "Hugging Face hub name or local folder of the base model (encoder or "
+                     "decoder-only LM; loaded without LM head), or builtin:tiny-bert / builtin:tiny-llama",
+                     group="model")
+    pooling: str = opt(None, "cls, cls_avg, avg, max or last (default: cls for encoders, last for decoder LMs)",
+                       group="model", choices=["cls", "cls_avg", "avg", "max", "last"])
+    max_length: int = opt(128, "truncate every text to this many tokens (prompt included)", group="model")
+    prompt: str = opt(None, "template applied to every text; '{text}' marks the text, 'angle' selects the AnglE "
+                      "prompt 'Summarize sentence \"{text}\" in one word:\"' (for LLMs)", group="model")
+    model_dtype: str = opt("float32", "dtype of the weights: float32, bfloat16, float16 or float64", group="model",
+                           choices=["float32", "bfloat16", "float16", "float64"])
+    bf16: bool = opt(False, "autocast the forward pass to bfloat16 (embeddings and loss stay float32)", group="model")
+    fp16: bool = opt(False, "autocast the forward pass to float16", group="model")
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30%% slower)",
+                                       group="model")
+    lora: bool = opt(False, "train LoRA adapters instead of all weights (needs peft)", group="lora")
+    lora_r: int = opt(16, "LoRA rank", group="lora")
+    lora_alpha: int = opt(32, "LoRA alpha (scale = alpha / r)", group="lora")
+    lora_dropout: float = opt(0.05, "dropout on the LoRA branch", group="lora")
+    lora_targets: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
+                             "module names to adapt (default: every linear layer)", group="lora")
+    # ---- data
+    train_data: str = opt("builtin:demo", ".jsonl/.csv/.tsv file, STS-B TSV, Hugging Face dataset (hub name or "
+                          "save_to_disk folder), or builtin:demo", group="data")
+    train_split: str = opt("train", "split of a Hugging Face training dataset", group="data")
+    data_format: str = opt(None, "A (text1,text2,label), B (query,positive), C (query,positive,negative); "
+                           "default: detected from the columns", group="data", choices=["A", "B", "C"])
+    dev_data: str = opt(None, "STS-style dev set (format A) for Spearman evaluation", group="data")
+    dev_split: str = opt("validation", "split of a Hugging Face dev dataset", group="data")
+    bucket: int = opt(0, "length bucketing: sort runs of BUCKET batches by length (0 = off)", group="data")
+    # ---- batch and optimisation
+    batch_size: int = opt(32, "pairs per loss computation, summed over all GPUs: the in-batch negatives",
+                          group="optimisation")
+    grad_accum: int = opt(1, "loss computations per optimizer step (each sees only its own batch_size pairs)",
+                          group="optimisation")
+    chunk_size: int = opt(0, "gradient cache: texts per forward pass (0 = plain backprop of the whole batch); "
+                          "memory then grows with chunk_size, not batch_size", group="optimisation")
+    epochs: float = opt(1.0, "passes over the training data", group="optimisation")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = use epochs)", group="optimisation")
+    lr: float = opt(2e-5, "peak learning rate (AdamW)", group="optimisation")
+    weight_decay: float = opt(0.01, "AdamW weight decay (matrices only, not biases or norms)", group="optimisation")
+    warmup: float = opt(0.1, "warmup: a fraction of the steps if < 1, else a number of steps",
+                        group="optimisation")
+    schedule: str = opt("linear", "learning-rate decay after warmup", group="optimisation",
+                        choices=["linear", "cosine", "constant"])
+    max_grad_norm: float = opt(1.0, "clip the gradient norm (0 = off)", group="optimisation")
+    seed: int = opt(42, "random seed (data order, dropout, LoRA init)", group="optimisation")
+    # ---- loss (AngleLoss; defaults are angle-emb 0.6.1's)
+    cosine_w: float = opt(0.0, "weight of the cosine (CoSENT) ranking term", group="loss")
+    ibn_w: float = opt(1.0, "weight of the in-batch-negative term (labels must be 0/1 in format A)", group="loss")
+    cln_w: float = opt(1.0, "weight of the hard-negative term (format C)", group="loss")
+    angle_w: float = opt(0.02, "weight of the angle ranking term", group="loss")
+    cosine_tau: float = opt(20.0, "scale of the cosine term", group="loss")
+    ibn_tau: float = opt(20.0, "scale of the contrastive terms", group="loss")
+    angle_tau: float = opt(20.0, "scale of the angle term", group="loss")
+    loss_impl: str = opt("auto", "angle_kernels (fused, O(N) memory), reference (angle-emb's eager code), or auto",
+                         group="loss", choices=["auto", "angle_kernels", "reference"])
+    # ---- evaluation, checkpoints, logging
+    output_dir: str = opt("runs/angle", "where checkpoints, metrics.jsonl, best/ and final/ go", group="run")
+    eval_every: int = opt(0, "evaluate on dev_data every N optimizer steps (0 = only at the end)", group="run")
+    eval_batch_size: int = opt(128, "texts per forward pass during evaluation", group="run")
+    save_every: int = opt(0, "write a resumable checkpoint every N optimizer steps (0 = never)", group="run")
+    keep_checkpoints: int = opt(2, "how many resumable checkpoints to keep", group="run")
+    save_best: bool = opt(True, "keep the model with the best dev Spearman in output_dir/best", group="run")
+    save_final: bool = opt(True, "export the final model to output_dir/final", group="run")
+    resume: str = opt(None, "a checkpoint folder to resume from, or 'auto' (the latest in output_dir)",
+                      group="run")
+    log_every: int = opt(10, "write metrics every N optimizer steps", group="run")
+    progress: bool = opt(True, "show a tqdm progress bar", group="run")
+    device: str = opt(None, "cpu, cuda, cuda:1... (default: cuda if available)", group="run")
+
+    def validate(self) -> TrainConfig:
+        if self.bf16 and self.fp16:
+            raise ValueError("choose at most one of bf16 and fp16")
+        for name in ("batch_size", "grad_accum", "max_length", "lora_r"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("chunk_size", "max_steps", "eval_every", "save_every", "bucket", "log_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
+        if self.epochs <= 0 and self.max_steps == 0:
+            raise ValueError("epochs must be > 0 (or set max_steps)")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0; got {self.lr}")
+        return self
+
+
+def config_fields():
+    return [f for f in fields(TrainConfig)]

@@ -1,0 +1,305 @@
+"""Data: read pair files into examples, tokenise them once, and cut them into padded batches.
+
+Formats (the column names a file must have; `label` may also be called `score`, `text1`/`text2` may also
+be `sentence1`/`sentence2`):
+    A  text1, text2, label      graded or 0/1 similarity; rows of a batch are [t1, t2, t1, t2, ...] (zigzag)
+    B  query, positive          rows [q, p, q, p, ...]; the other pairs of the batch are the negatives
+    C  query, positive, negative  rows [q, p, n, q, p, n, ...] (stride 3)
+Sources: a .jsonl file (one JSON object per line), a .csv / .tsv file with a header row, the STS
+Benchmark layout (tab-separated, no header, score in field 4 and the texts in fields 5 and 6: detected
+automatically, or forced with layout="stsb"), or a Hugging Face dataset (hub name or a folder made by
+`save_to_disk`, read with the `datasets` package).
+
+Every problem in a file raises `DataError` (a ValueError) naming the file and the line: missing columns,
+an empty file, a label that is not a finite number, an empty text, a malformed JSON line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+
+ANGLE_PROMPT = 'Summarize sentence "{text}" in one word:"'
+FORMATS = {"A": ("text1", "text2", "label"), "B": ("query", "positive"), "C": ("query", "positive", "negative")}
+ROWS_PER_EXAMPLE = {"A": 2, "B": 2, "C": 3}
+ALIASES = {"sentence1": "text1", "sentence2": "text2", "score": "label"}
+
+
+class DataError(ValueError):
+    """A data file or dataset that cannot be used as given; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Example:
+    texts: tuple[str, ...]  # (text1, text2), (query, positive) or (query, positive, negative)
+    label: float = 1.0  # format A's label; formats B and C have none and use 1.0
+
+
+def apply_prompt(text: str, prompt: str | None) -> str:
+    """'{text}' in the prompt is replaced by the text; a prompt without it is a prefix."""
+    if not prompt:
+        return text
+    return prompt.replace("{text}", text) if "{text}" in prompt else prompt + text
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+
+def detect_format(columns, where: str) -> str:
+    names = {ALIASES.get(c, c) for c in columns}
+    for fmt in ("C", "A", "B"):
+        if set(FORMATS[fmt]) <= names:
+            return fmt
+    raise DataError(
+        f"{where}: cannot tell the format from the columns {sorted(columns)}; expected text1,text2,label (A), "
+        "query,positive (B) or query,positive,negative (C)"
+    )
+
+
+def _example_from_row(row: dict, fmt: str, where: str) -> Example:
+    row = {ALIASES.get(k, k): v for k, v in row.items() if k is not None}
+    missing = [c for c in FORMATS[fmt] if c not in row or row[c] is None]
+    if missing:
+        raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {sorted(row)})")
+    texts = []
+    for column in FORMATS[fmt]:
+        if column == "label":
+            continue
+        value = row[column]
+        if not isinstance(value, str):
+            raise DataError(f"{where}: column {column!r} must be a string; got {type(value).__name__} {value!r}")
+        if not value.strip():
+            raise DataError(f"{where}: column {column!r} is an empty text")
+        texts.append(value)
+    label = 1.0
+    if fmt == "A":
+        raw = row["label"]
+        try:
+            label = float(raw) if not isinstance(raw, bool) else float("nan")
+        except (TypeError, ValueError):
+            label = float("nan")
+        if not math.isfinite(label):
+            raise DataError(f"{where}: bad label {raw!r} (must be a finite number)")
+    return Example(tuple(texts), label)
+
+
+def _is_stsb_line(line: str) -> bool:
+    fields = line.rstrip("\n").split("\t")
+    if len(fields) < 7:
+        return False
+    try:
+        float(fields[4])
+    except ValueError:
+        return False
+    return True
+
+
+def read_stsb(path: str) -> list[Example]:
+    """STS Benchmark TSV: no header, score in field 4, texts in 5 and 6, sometimes extra trailing fields.
+
+    Split by hand: texts contain quote characters, and csv's default quoting would merge lines.
+    """
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            fields = line.rstrip("\n").rstrip("\r").split("\t")
+            where = f"{path}, line {number}"
+            if len(fields) < 7:
+                raise DataError(f"{where}: the STS-B layout needs at least 7 tab-separated fields; got {len(fields)}")
+            examples.append(_example_from_row({"text1": fields[5], "text2": fields[6], "label": fields[4]}, "A",
+                                              where))
+    return examples
+
+
+def read_jsonl(path: str, fmt: str | None) -> tuple[list[Example], str]:
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: each line must be a JSON object; got {type(row).__name__}")
+            fmt = fmt or detect_format(row.keys(), where)
+            examples.append(_example_from_row(row, fmt, where))
+    return examples, fmt
+
+
+def read_delimited(path: str, fmt: str | None, delimiter: str) -> tuple[list[Example], str]:
+    # TSV files rarely quote their fields but often contain quote characters: read them literally.
+    quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    examples = []
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting, strict=True)
+        if not reader.fieldnames:
+            raise DataError(f"{path}: the file is empty (expected a header row)")
+        fmt = fmt or detect_format(reader.fieldnames, f"{path}, line 1 (header)")
+        missing = [c for c in FORMATS[fmt] if c not in {ALIASES.get(n, n) for n in reader.fieldnames}]
+        if missing:
+            raise DataError(f"{path}, line 1 (header): missing column(s) {missing} for format {fmt}")
+        try:
+            for row in reader:
+                where = f"{path}, line {reader.line_num}"
+                if None in row:
+                    raise DataError(f"{where}: more fields than the header's {len(reader.fieldnames)}")
+                examples.append(_example_from_row(row, fmt, where))
+        except csv.Error as exc:
+            raise DataError(f"{path}, line {reader.line_num}: {exc}") from None
+    return examples, fmt
+
+
+def read_hf_dataset(name_or_path: str, fmt: str | None, split: str) -> tuple[list[Example], str]:
+    try:
+        import datasets
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("reading Hugging Face datasets needs the `datasets` package") from exc
+    if os.path.isdir(name_or_path):
+        dataset = datasets.load_from_disk(name_or_path)
+        if isinstance(dataset, datasets.DatasetDict):
+            if split not in dataset:
+                raise DataError(f"{name_or_path}: no split {split!r} (has {list(dataset)})")
+            dataset = dataset[split]
+    else:
+        dataset = datasets.load_dataset(name_or_path, split=split)
+    fmt = fmt or detect_format(dataset.column_names, f"{name_or_path} [{split}]")
+    examples = [_example_from_row(row, fmt, f"{name_or_path} [{split}], row {i}") for i, row in enumerate(dataset)]
+    return examples, fmt
+
+
+def load_examples(source: str, *, fmt: str | None = None, split: str = "train", layout: str | None = None
+                  ) -> tuple[list[Example], str]:
+    """Read `source` into (examples, format). `fmt` forces A/B/C; `layout="stsb"` forces the STS-B reader."""
+    if fmt is not None and fmt not in FORMATS:
+        raise ValueError(f"format must be one of 'A', 'B', 'C' or None (detect); got {fmt!r}")
+    if layout not in (None, "stsb"):
+        raise ValueError(f"layout must be None or 'stsb'; got {layout!r}")
+    is_file = os.path.isfile(source)
+    if is_file and os.path.getsize(source) == 0:
+        raise DataError(f"{source}: the file is empty")
+    if layout == "stsb" or (is_file and not source.endswith((".jsonl", ".json")) and _first_line_is_stsb(source)):
+        if fmt not in (None, "A"):
+            raise DataError(f"{source}: the STS-B layout is format A (text1, text2, label); got format={fmt!r}")
+        examples, fmt = read_stsb(source), "A"
+    elif is_file and source.endswith((".jsonl", ".json")):
+        examples, fmt = read_jsonl(source, fmt)
+    elif is_file and source.endswith((".csv", ".tsv")):
+        examples, fmt = read_delimited(source, fmt, "\t" if source.endswith(".tsv") else ",")
+    elif is_file:
+        raise DataError(f"{source}: unknown file type; use .jsonl, .csv, .tsv or the STS-B layout")
+    else:
+        examples, fmt = read_hf_dataset(source, fmt, split)
+    if not examples:
+        raise DataError(f"{source}: no examples (the file has no data rows)")
+    return examples, fmt
+
+
+def _first_line_is_stsb(path: str) -> bool:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                return _is_stsb_line(line)
+    return False
+
+
+# ------------------------------------------------------------------------------------- tokens and batches
+
+
+class TokenizedPairs:
+    """Examples tokenised once up front (truncated, unpadded); batches are padded when they are used."""
+
+    def __init__(self, examples: list[Example], fmt: str, tokenizer, *, max_length: int, prompt: str | None = None):
+        if fmt not in FORMATS:
+            raise ValueError(f"format must be one of 'A', 'B', 'C'; got {fmt!r}")
+        self.fmt = fmt
+        self.rows_per_example = ROWS_PER_EXAMPLE[fmt]
+        for i, ex in enumerate(examples):
+            if len(ex.texts) != self.rows_per_example:
+                raise DataError(f"example {i} has {len(ex.texts)} texts; format {fmt} needs {self.rows_per_example}")
+        flat = [apply_prompt(t, prompt) for ex in examples for t in ex.texts]
+        ids = tokenizer(flat, truncation=True, max_length=max_length, add_special_tokens=True)["input_ids"]
+        k = self.rows_per_example
+        self.ids = [ids[i * k:(i + 1) * k] for i in range(len(examples))]
+        self.labels = [ex.label for ex in examples]
+        self.lengths = [max(len(x) for x in group) for group in self.ids]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def lengths_of(self, indices: list[int]) -> list[int]:
+        """Real (unpadded) token counts of all rows of these examples."""
+        return [len(seq) for i in indices for seq in self.ids[i]]
+
+    def batch(self, indices: list[int]) -> Batch:
+        """The rows of these examples in the loss layout (zigzag or stride 3) and one label per row."""
+        seqs = [seq for i in indices for seq in self.ids[i]]
+        labels = torch.tensor([self.labels[i] for i in indices for _ in range(self.rows_per_example)],
+                              dtype=torch.float32)
+        return Batch(seqs, labels, len(indices))
+
+
+@dataclass
+class Batch:
+    seqs: list[list[int]]  # token ids per row, unpadded
+    labels: torch.Tensor  # [rows], the example's label on each of its rows
+    n_examples: int
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s) for s in self.seqs)
+
+    def chunks(self, rows_per_chunk: int | None) -> list[list[list[int]]]:
+        if not rows_per_chunk or rows_per_chunk >= len(self.seqs):
+            return [self.seqs]
+        return [self.seqs[i:i + rows_per_chunk] for i in range(0, len(self.seqs), rows_per_chunk)]
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic padding to the longest row of this batch: (input_ids, attention_mask), both [B, L] int64."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right'; got {side!r}")
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        if side == "right":
+            input_ids[row, :len(seq)] = torch.tensor(seq)
+            mask[row, :len(seq)] = 1
+        else:
+            input_ids[row, width - len(seq):] = torch.tensor(seq)
+            mask[row, width - len(seq):] = 1
+    return input_ids.to(device), mask.to(device)
+
+
+def epoch_batches(n: int, batch_size: int, *, seed: int, epoch: int, lengths: list[int] | None = None,
+                  bucket_size: int = 0) -> list[list[int]]:
+    """The example indices of every full batch of one epoch, a pure function of (seed, epoch).
+
+    Being a pure function is what makes resuming exact: a resumed run recomputes the epoch's order and
+    skips the batches it already trained on. With `bucket_size` > 0 (and lengths), each run of
+    bucket_size * batch_size shuffled examples is sorted by length before being cut into batches, and the
+    batches are shuffled again: less padding, still random. The last incomplete batch is dropped.
+    """
+    if n < batch_size:
+        raise ValueError(f"the dataset has {n} examples, fewer than one batch of {batch_size}")
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(n))
+    rng.shuffle(order)
+    if bucket_size and lengths is not None:
+        span = bucket_size * batch_size
+        order = [i for s in range(0, n, span) for i in sorted(order[s:s + span], key=lambda i: lengths[i])]
+    batches = [order[s:s + batch_size] for s in range(0, n - batch_size + 1, batch_size)]
+    if bucket_size and lengths is not None:
+        rng.shuffle(batches)
+    return batches

@@ -1,0 +1,101 @@
+"""Export: a trained Encoder as Hugging Face files, a LoRA adapter, and a sentence-transformers folder.
+
+`save_pretrained(encoder, tokenizer, path)` writes one folder that is at the same time
+    * a Hugging Face model folder (config.json, model.safetensors, tokenizer files): AutoModel loads it;
+      a LoRA model is merged into its base weights first;
+    * a sentence-transformers folder (modules.json, sentence_bert_config.json, 1_Pooling/config.json):
+      `SentenceTransformer(path)` embeds exactly like `encoder.encode` (pooling `cls_avg` has no
+      sentence-transformers equivalent, so that folder is left out for it, with a note);
+    * angle_train.json: pooling, prompt, max length, padding side, for `load_pretrained`.
+With `adapter_only=True` (LoRA only) it writes just the peft adapter (adapter_config.json,
+adapter_model.safetensors) and angle_train.json: small, for best-checkpoint keeping on LLMs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+ST_POOLING_KEYS = {"cls": "pooling_mode_cls_token", "avg": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens",
+                   "last": "pooling_mode_lasttoken"}
+META_FILE = "angle_train.json"
+
+
+def is_peft_model(module) -> bool:
+    return hasattr(module, "peft_config") and hasattr(module, "merge_and_unload")
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, prompt: str | None = None,
+                    adapter_only: bool = False, merge_in_place: bool = False, base_model: str | None = None) -> str:
+    """Write the folder described in the module docstring; returns path.
+
+    merge_in_place=True merges LoRA weights into the live model (no copy: for the end of training on a large
+    model); otherwise a copy is merged and the encoder keeps training unchanged.
+    """
+    os.makedirs(path, exist_ok=True)
+    backbone = encoder.backbone
+    meta = {"pooling": encoder.pooling, "is_decoder": encoder.is_decoder, "padding_side": encoder.padding_side,
+            "prompt": prompt, "max_length": max_length, "base_model": base_model,
+            "lora": is_peft_model(backbone), "adapter_only": adapter_only}
+    if adapter_only:
+        if not is_peft_model(backbone):
+            raise ValueError("adapter_only=True needs a LoRA (peft) model")
+        backbone.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        _write_json(os.path.join(path, META_FILE), meta)
+        return path
+    if is_peft_model(backbone):
+        backbone.save_pretrained(os.path.join(path, "adapter"))
+        if merge_in_place:
+            backbone = encoder.backbone = backbone.merge_and_unload()
+        else:
+            backbone = copy.deepcopy(backbone).merge_and_unload()
+    backbone.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    _write_json(os.path.join(path, META_FILE), meta)
+    if encoder.pooling in ST_POOLING_KEYS:
+        _write_sentence_transformers_files(path, encoder, backbone.config.hidden_size, max_length)
+    else:
+        print(f"note: pooling {encoder.pooling!r} has no sentence-transformers equivalent; "
+              f"{path} is a Hugging Face folder only")
+    return path
+
+
+def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max_length: int) -> None:
+    _write_json(os.path.join(path, "modules.json"), [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ])
+    _write_json(os.path.join(path, "sentence_bert_config.json"), {"max_seq_length": max_length, "do_lower_case": False})
+    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_mean_sqrt_len_tokens": False,
+               "pooling_mode_weightedmean_tokens": False, "include_prompt": True}
+    pooling.update({key: name == encoder.pooling for name, key in ST_POOLING_KEYS.items()})
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    _write_json(os.path.join(path, "1_Pooling", "config.json"), pooling)
+
+
+def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, **kwargs):
+    """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only)."""
+    from .models import load_encoder
+
+    with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta.get("adapter_only"):
+        base = base_model or meta.get("base_model")
+        if base is None:
+            raise ValueError(f"{path} holds only a LoRA adapter; pass base_model= (the model it was trained on)")
+        if base.startswith("builtin:"):
+            raise ValueError("an adapter trained on a built-in random model cannot be reloaded without its base")
+        encoder, tokenizer = load_encoder(base, pooling=meta["pooling"], lora_path=path, device=device,
+                                          is_decoder=meta["is_decoder"], **kwargs)
+    else:
+        encoder, tokenizer = load_encoder(path, pooling=meta["pooling"], device=device, is_decoder=meta["is_decoder"],
+                                          **kwargs)
+    return encoder, tokenizer, meta

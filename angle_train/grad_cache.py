@@ -1,0 +1,84 @@
+"""One backward pass over a batch, two ways: plain backprop, or a gradient cache for huge batches.
+
+Plain backprop keeps the activations of every text of the batch alive until the loss is known, so the
+batch size is limited by activation memory. The gradient cache (Gao et al., "Scaling Deep Contrastive
+Learning Batch Size under Memory Limited Setup", 2021) splits the work:
+  1. embed the batch chunk by chunk without a graph (memory: one chunk's activations at a time), and
+     remember the RNG state before each chunk;
+  2. compute the loss on all embeddings (gathered across ranks) and backpropagate to the embeddings
+     only: their gradients are the "cache" (memory: rows x D);
+  3. re-embed each chunk with a graph, replaying the saved RNG state so dropout draws the same masks
+     as in step 1, and backpropagate the cached gradient through it.
+Step 3 computes sum_i (dL/de_i) . de_i/dtheta = dL/dtheta: the same gradient as plain backprop of the
+same chunks, at the price of one extra forward pass. Under DDP, the parameter all-reduce is skipped
+(no_sync) for every chunk but the last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .distributed import gather_labels, gather_with_grad, no_sync
+
+
+class RngState:
+    """The CPU and (if used) CUDA generator states, to replay dropout exactly."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def replay(self):
+        """Inside: the generators start from the saved states. Outside: they are as before (fork_rng)."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+def plain_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bool = True) -> torch.Tensor:
+    """Embed every chunk with a graph, loss on all embeddings, one backward. Returns the detached loss.
+
+    `model` maps (input_ids, attention_mask) to embeddings (the Encoder, or its DDP wrapper); `chunks` is
+    a list of (input_ids, attention_mask). One chunk is the usual case. `sync=False` skips DDP's gradient
+    all-reduce (gradient accumulation in progress).
+    """
+    with no_sync(model, skip_sync=not sync):
+        local = torch.cat([model(ids, mask) for ids, mask in chunks])
+        loss = loss_fn(gather_labels(labels), gather_with_grad(local))
+        (loss * loss_scale).backward()
+    return loss.detach()
+
+
+def grad_cache_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bool = True
+                    ) -> torch.Tensor:
+    """Same gradients as plain_step(model, chunks, ...) with one chunk's activations in memory at a time.
+
+    `sync=False` skips the DDP all-reduce on the last chunk too (gradient accumulation in progress).
+    """
+    device = chunks[0][0].device
+    rng_states, cached = [], []
+    # Pass 1: embeddings only. The DDP wrapper is bypassed: no graph, nothing to synchronise.
+    inner = getattr(model, "module", model)
+    with torch.no_grad():
+        for ids, mask in chunks:
+            rng_states.append(RngState(device))
+            cached.append(inner(ids, mask))
+    # Loss on all embeddings; backward stops at the (gathered) embeddings.
+    local = torch.cat(cached).requires_grad_(True)
+    loss = loss_fn(gather_labels(labels), gather_with_grad(local))
+    (loss * loss_scale).backward()
+    grads = local.grad.split([e.shape[0] for e in cached])
+    # Pass 2: re-embed with a graph, same dropout masks, inject the cached gradients.
+    for i, ((ids, mask), rng, grad) in enumerate(zip(chunks, rng_states, grads)):
+        last = i == len(chunks) - 1
+        with no_sync(model, skip_sync=not (last and sync)), rng.replay():
+            emb = model(ids, mask)
+            emb.backward(grad)
+    return loss.detach()

@@ -1,0 +1,204 @@
+"""Models: a Hugging Face base model plus pooling, as one module that maps token ids to embeddings.
+
+`load_encoder` takes a hub name or a local path. Encoders (BERT, RoBERTa, MiniLM...) and decoder-only
+LMs (LLaMA, Qwen, Mistral...) are both loaded with `AutoModel`, which gives the base model *without*
+the LM head: no vocabulary logits are ever computed, which for a 32k-128k vocabulary is most of the
+activation memory of an LLM forward pass at short sequence lengths.
+
+Fine-tuning is either full (every parameter trains) or LoRA through peft (imported only when asked
+for, so angle_train works without peft). The default LoRA targets are "all-linear": every nn.Linear
+of the base model; there is no head to exclude because none is loaded.
+
+The `Encoder` module owns autocast (bf16/fp16 on the fly, float32 embeddings out) so every caller
+(plain step, gradient cache, evaluation, export) embeds the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .pooling import POOLING_STRATEGIES, pool
+
+# Model types loaded as decoder-only LMs when the config does not name a *ForCausalLM architecture.
+DECODER_MODEL_TYPES = {
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
+    "phi", "phi3", "gpt2", "gpt_neox", "falcon", "olmo", "olmo2", "stablelm", "starcoder2", "cohere", "granite",
+}
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class LoraSettings:
+    """LoRA hyper-parameters; `target_modules=None` means every linear layer of the base model."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def is_decoder_config(config) -> bool:
+    """True for decoder-only (causal) LMs, which pad on the left and pool the last token by default."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"encoder-decoder models ({config.model_type}) are not supported; use an encoder or a decoder-only LM"
+        )
+    architectures = getattr(config, "architectures", None) or []
+    return any(name.endswith("ForCausalLM") for name in architectures) or config.model_type in DECODER_MODEL_TYPES
+
+
+class Encoder(nn.Module):
+    """Base model + pooling: forward(input_ids, attention_mask) -> float32 embeddings [B, H]."""
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        *,
+        pooling: str,
+        is_decoder: bool,
+        pad_token_id: int,
+        autocast: str | None = None,
+    ):
+        super().__init__()
+        if pooling not in POOLING_STRATEGIES:
+            raise ValueError(f"pooling must be one of {POOLING_STRATEGIES}; got {pooling!r}")
+        if autocast is not None and autocast not in AUTOCAST_DTYPES:
+            raise ValueError(f"autocast must be None, 'bf16' or 'fp16'; got {autocast!r}")
+        self.backbone = backbone
+        self.pooling = pooling
+        self.is_decoder = is_decoder
+        self.padding_side = "left" if is_decoder else "right"
+        self.pad_token_id = pad_token_id
+        self.autocast = autocast
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        kwargs = {}
+        if self.is_decoder:
+            # With left padding the real tokens do not start at position 0: count positions from the
+            # first real token, so a text gets the same rotary positions whatever its batch mates.
+            kwargs["position_ids"] = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+            kwargs["use_cache"] = False
+        with self._autocast():
+            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        return pool(hidden.float(), attention_mask, self.pooling)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Only the parameters that train (all of them, or the LoRA adapters): what a checkpoint must keep."""
+        names = {name for name, p in self.named_parameters() if p.requires_grad}
+        return {k: v for k, v in self.state_dict().items() if k in names}
+
+    @torch.no_grad()
+    def encode(self, texts, tokenizer, *, batch_size: int = 64, max_length: int = 512, prompt: str | None = None,
+               normalize: bool = False) -> torch.Tensor:
+        """Embed a list of strings for inference: batched, longest-first (less padding), original order out."""
+        from .data import apply_prompt, pad_batch  # data imports nothing from here; keep the modules independent
+
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = [apply_prompt(t, prompt) for t in texts]
+        ids = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=True)["input_ids"]
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        was_training = self.training
+        self.eval()
+        out = torch.empty(len(ids), self.backbone.config.hidden_size, dtype=torch.float32)
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            input_ids, mask = pad_batch([ids[i] for i in rows], self.pad_token_id, self.padding_side, self.device)
+            out[rows] = self(input_ids, mask).cpu()
+        self.train(was_training)
+        return torch.nn.functional.normalize(out, dim=-1) if normalize else out
+
+
+def prepare_tokenizer(tokenizer, is_decoder: bool):
+    """Decoder LMs pad on the left (so the last position is the last real token) and often lack a pad token."""
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has neither a pad token nor an eos token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left" if is_decoder else "right"
+    return tokenizer
+
+
+def wrap_backbone(
+    backbone: nn.Module,
+    *,
+    pooling: str | None,
+    pad_token_id: int,
+    is_decoder: bool | None = None,
+    lora: LoraSettings | None = None,
+    gradient_checkpointing: bool = False,
+    autocast: str | None = None,
+) -> Encoder:
+    """Turn an already built base model (loaded or made from a config) into a trainable Encoder."""
+    if is_decoder is None:
+        is_decoder = is_decoder_config(backbone.config)
+    # BERT-style models carry a pooler (dense + tanh on [CLS]) that our pooling never reads: drop it so its
+    # parameters neither train nor trip DDP's unused-parameter check.
+    if getattr(backbone, "pooler", None) is not None:
+        backbone.pooler = None
+    if gradient_checkpointing:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("LoRA needs peft: pip install peft (or the angle_kernels[train] extra)") from exc
+        config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules or "all-linear",
+            bias="none",
+            **lora.extra,
+        )
+        backbone = get_peft_model(backbone, config)
+    pooling = pooling or ("last" if is_decoder else "cls")
+    return Encoder(backbone, pooling=pooling, is_decoder=is_decoder, pad_token_id=pad_token_id, autocast=autocast)
+
+
+def load_encoder(
+    name_or_path: str,
+    *,
+    pooling: str | None = None,
+    lora: LoraSettings | None = None,
+    lora_path: str | None = None,
+    gradient_checkpointing: bool = False,
+    autocast: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    is_decoder: bool | None = None,
+    trust_remote_code: bool = False,
+):
+    """Load (encoder, tokenizer) from a hub name or local folder; `lora_path` resumes/evaluates an adapter."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if is_decoder is None:
+        is_decoder = is_decoder_config(config)
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code),
+                                  is_decoder)
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    backbone = AutoModel.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+    if lora_path is not None:
+        from peft import PeftModel
+
+        backbone = PeftModel.from_pretrained(backbone, lora_path, is_trainable=True)
+        lora = None  # the adapter is already attached
+    encoder = wrap_backbone(backbone, pooling=pooling, pad_token_id=tokenizer.pad_token_id, is_decoder=is_decoder,
+                            lora=lora, gradient_checkpointing=gradient_checkpointing, autocast=autocast)
+    return encoder.to(device), tokenizer

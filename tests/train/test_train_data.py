@@ -1,0 +1,121 @@
+"""Reading data files: every format and source, and the documented errors (with line numbers)."""
+
+import json
+
+import pytest
+
+from angle_train.data import DataError, epoch_batches, load_examples, pad_batch
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_jsonl_formats_are_detected(tmp_path):
+    a = _write(
+        tmp_path, "a.jsonl", '{"text1": "x", "text2": "y", "label": 0.5}\n\n{"text1": "p", "text2": "q", "label": 3}\n'
+    )
+    b = _write(tmp_path, "b.jsonl", '{"query": "x", "positive": "y"}\n')
+    c = _write(tmp_path, "c.jsonl", '{"query": "x", "positive": "y", "negative": "z"}\n')
+    examples, fmt = load_examples(a)
+    assert fmt == "A" and [e.label for e in examples] == [0.5, 3.0] and examples[1].texts == ("p", "q")
+    assert load_examples(b)[1] == "B" and load_examples(b)[0][0].texts == ("x", "y")
+    assert load_examples(c)[1] == "C" and load_examples(c)[0][0].texts == ("x", "y", "z")
+
+
+def test_csv_and_tsv_with_header_and_aliases(tmp_path):
+    csv_path = _write(tmp_path, "d.csv", 'sentence1,sentence2,score\n"He said ""hi"", then left",b,4.2\n')
+    tsv_path = _write(tmp_path, "d.tsv", 'query\tpositive\n"quoted start\tsecond "text"\n')
+    examples, fmt = load_examples(csv_path)
+    assert fmt == "A" and examples[0].texts == ('He said "hi", then left', "b") and examples[0].label == 4.2
+    examples, fmt = load_examples(tsv_path)  # TSV is read literally: quote characters are text
+    assert fmt == "B" and examples[0].texts == ('"quoted start', 'second "text"')
+
+
+def test_stsb_layout_keeps_every_line(tmp_path):
+    lines = [
+        'main-news\tMSRpar\t2012\t0001\t4.0\tA "quoted\tother text.',
+        'main-news\tMSRpar\t2012\t0002\t1.5\tHe said "no.\tShe said "yes."\textra\tfields',
+        "main-forums\tx\t2015\t0003\t0.0\tplain\tone",
+    ]
+    path = _write(tmp_path, "sts-like.csv", "\n".join(lines) + "\n")
+    examples, fmt = load_examples(path)
+    assert fmt == "A" and len(examples) == 3
+    assert examples[1].texts == ('He said "no.', 'She said "yes."') and examples[1].label == 1.5
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("empty.jsonl", "", "the file is empty"),
+        ("empty.csv", "", "the file is empty"),
+        ("blank.jsonl", "\n\n", "no examples"),
+        ("header_only.csv", "text1,text2,label\n", "no examples"),
+        ("no_cols.jsonl", '{"a": 1, "b": 2}\n', "line 1: cannot tell the format"),
+        (
+            "missing.jsonl",
+            '{"text1": "x", "text2": "y", "label": 1}\n{"text1": "x", "label": 1}\n',
+            r"line 2: missing column\(s\) \['text2'\]",
+        ),
+        (
+            "bad_label.jsonl",
+            '{"text1": "x", "text2": "y", "label": 1}\n{"text1": "x", "text2": "y", "label": "high"}\n',
+            "line 2: bad label 'high'",
+        ),
+        ("nan_label.csv", "text1,text2,label\na,b,1\nc,d,nan\n", "line 3: bad label 'nan'"),
+        ("bad_json.jsonl", '{"query": "x", "positive": "y"}\n{"query": "x", positive}\n', "line 2: not valid JSON"),
+        ("empty_text.jsonl", '{"query": "x", "positive": "  "}\n', "line 1: column 'positive' is an empty text"),
+        ("extra.csv", "query,positive\na,b\nc,d,e\n", "line 3: more fields than the header"),
+        ("header.csv", "query,label\na,1\n", "line 1 \\(header\\): cannot tell the format"),
+        ("bad_sts.csv", "g\tx\t2012\t1\t2.0\ta\tb\ng\tx\t2012\t2\tfive\ta\tb\n", None),
+    ],
+)
+def test_bad_files_give_clear_errors(tmp_path, name, text, message):
+    path = _write(tmp_path, name, text)
+    if message is None:  # an STS-B line whose score is not a number is not STS-B data at line 2
+        with pytest.raises(DataError, match="line 2"):
+            load_examples(path, layout="stsb")
+        return
+    with pytest.raises(DataError, match=message):
+        load_examples(path)
+
+
+def test_forced_format_must_match_columns(tmp_path):
+    path = _write(tmp_path, "b.jsonl", json.dumps({"query": "x", "positive": "y"}) + "\n")
+    with pytest.raises(DataError, match=r"line 1: missing column\(s\) \['negative'\] for format C"):
+        load_examples(path, fmt="C")
+    with pytest.raises(ValueError, match="format must be one of"):
+        load_examples(path, fmt="D")
+
+
+def test_hf_dataset_from_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    folder = str(tmp_path / "ds")
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"query": ["a", "b"], "positive": ["c", "d"]})}
+    ).save_to_disk(folder)
+    examples, fmt = load_examples(folder, split="train")
+    assert fmt == "B" and [e.texts for e in examples] == [("a", "c"), ("b", "d")]
+    with pytest.raises(DataError, match="no split 'dev'"):
+        load_examples(folder, split="dev")
+
+
+def test_padding_sides():
+    ids, mask = pad_batch([[5, 6, 7], [8]], pad_id=0, side="right")
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    ids, mask = pad_batch([[5, 6, 7], [8]], pad_id=0, side="left")
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_epoch_order_is_a_pure_function_and_bucketing_groups_lengths():
+    lengths = [i % 17 for i in range(400)]
+    a = epoch_batches(400, 8, seed=3, epoch=1, lengths=lengths, bucket_size=10)
+    assert a == epoch_batches(400, 8, seed=3, epoch=1, lengths=lengths, bucket_size=10)
+    assert a != epoch_batches(400, 8, seed=3, epoch=2, lengths=lengths, bucket_size=10)
+    assert sorted(i for b in a for i in b) == list(range(400))  # each example once (400 = 50 full batches)
+    spread_bucketed = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in a)
+    plain = epoch_batches(400, 8, seed=3, epoch=1)
+    spread_plain = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in plain)
+    assert spread_bucketed < spread_plain / 2

@@ -1,0 +1,141 @@
+"""The loop end to end on tiny models: the loss falls, evaluation keeps the best model, exports load back."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from angle_train.config import TrainConfig
+from angle_train.export import load_pretrained, save_pretrained
+from angle_train.tiny import demo_examples, demo_sts_examples
+from angle_train.trainer import train
+
+
+def _config(out, **overrides):
+    base = {
+        "train_data": "builtin:demo",
+        "batch_size": 16,
+        "max_steps": 24,
+        "lr": 3e-3,
+        "warmup": 2,
+        "output_dir": str(out),
+        "progress": False,
+        "save_final": False,
+        "log_every": 4,
+        "max_length": 16,
+        "device": "cpu",
+        "pooling": "avg",
+    }
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"model": "builtin:tiny-bert"},
+        # LoRA on a LLaMA, gradient cache and gradient checkpointing
+        {
+            "model": "builtin:tiny-llama",
+            "lora": True,
+            "lora_r": 8,
+            "lr": 5e-3,
+            "chunk_size": 10,
+            "gradient_checkpointing": True,
+        },
+    ],
+    ids=["bert-full", "llama-lora-gradcache"],
+)
+def test_a_few_steps_lower_the_loss(tmp_path, overrides):
+    result = train(_config(tmp_path, **overrides), train_examples=(demo_examples(400), "B"))
+    losses = [r["loss"] for r in result.history]
+    assert len(losses) == 24 and all(math.isfinite(x) for x in losses)
+    assert _mean(losses[-4:]) < 0.7 * _mean(losses[:4]), losses
+    row = result.history[-1]
+    assert row["pairs_per_s"] > 0 and row["tokens_per_s"] > row["pairs_per_s"] and row["peak_mem_gb"] > 0
+
+
+def test_format_a_with_eval_keeps_the_best_model(tmp_path):
+    cfg = _config(
+        tmp_path,
+        model="builtin:tiny-bert",
+        cosine_w=1.0,
+        ibn_w=0.0,
+        angle_w=1.0,
+        eval_every=6,
+        max_steps=12,
+        save_final=True,
+    )
+    result = train(cfg, train_examples=(demo_sts_examples(200, seed=4), "A"), dev_examples=demo_sts_examples(64))
+    assert [e["step"] for e in result.evals] == [6, 12]
+    assert result.best_spearman == max(e["dev_spearman"] for e in result.evals)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum("dev_spearman" in r for r in rows) == 2 and sum("loss" in r for r in rows) == 3
+    best, tokenizer, meta = load_pretrained(result.best_path)
+    assert meta["pooling"] == "avg"
+    from angle_train.evaluation import sts_spearman
+
+    assert sts_spearman(best, tokenizer, demo_sts_examples(64), max_length=16) == pytest.approx(
+        result.best_spearman, abs=1e-5
+    )
+    assert os.path.isfile(tmp_path / "final" / "modules.json")
+
+
+def test_bf16_autocast_and_the_angle_prompt():
+    from train_helpers import make_encoder
+
+    from angle_train.data import ANGLE_PROMPT, apply_prompt
+
+    assert apply_prompt("a cat", ANGLE_PROMPT) == 'Summarize sentence "a cat" in one word:"'
+    assert apply_prompt("a cat", "query: ") == "query: a cat"
+    encoder, tokenizer = make_encoder("llama", dtype=torch.float32)
+    encoder.eval()
+    exact = encoder.encode(TEXTS, tokenizer, prompt=ANGLE_PROMPT)
+    encoder.autocast = "bf16"
+    low = encoder.encode(TEXTS, tokenizer, prompt=ANGLE_PROMPT)
+    assert low.dtype == torch.float32
+    assert 0 < (low - exact).norm() / exact.norm() < 0.05  # bf16 ran (not identical) and stayed close
+
+
+TEXTS = ["a small red car", "the dog is black and big", "it was a golden kite , very long", "box"]
+
+
+def test_export_is_loadable_by_sentence_transformers(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from train_helpers import make_encoder
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    encoder.eval()
+    path = save_pretrained(encoder, tokenizer, str(tmp_path / "bert"), max_length=32)
+    ours = encoder.encode(TEXTS, tokenizer, batch_size=3)
+    model = st.SentenceTransformer(path, device="cpu")
+    theirs = torch.as_tensor(model.encode(TEXTS, convert_to_numpy=True))
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+    reloaded, tok, _ = load_pretrained(path)
+    torch.testing.assert_close(reloaded.encode(TEXTS, tok), ours, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_export_merges_the_adapter(tmp_path):
+    pytest.importorskip("peft")
+    from train_helpers import make_encoder
+
+    encoder, tokenizer = make_encoder("llama", dtype=torch.float32, lora=True)
+    with torch.no_grad():  # make the adapter non-trivial (LoRA's B starts at zero)
+        for name, p in encoder.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    encoder.eval()
+    ours = encoder.encode(TEXTS, tokenizer, batch_size=2)
+    path = save_pretrained(encoder, tokenizer, str(tmp_path / "llama"), max_length=32)
+    assert os.path.isfile(os.path.join(path, "adapter", "adapter_config.json"))
+    reloaded, tok, meta = load_pretrained(path)
+    assert meta["lora"] and meta["pooling"] == "last" and tok.padding_side == "left"
+    torch.testing.assert_close(reloaded.encode(TEXTS, tok, batch_size=4), ours, rtol=1e-4, atol=1e-5)
+    # the live model is untouched by the export (a copy was merged)
+    torch.testing.assert_close(encoder.encode(TEXTS, tokenizer, batch_size=2), ours, rtol=0, atol=0)

@@ -1,0 +1,35 @@
+"""Shared helpers for the angle_train tests: tiny models built from a config, an offline tokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_encoder(arch: str = "bert", *, dropout: float = 0.0, dtype=torch.float64, lora: bool = False, seed: int = 0,
+                 pooling: str | None = None):
+    """(encoder, tokenizer): a 2-layer random model of the named architecture, in `dtype`."""
+    from angle_train.models import LoraSettings, prepare_tokenizer, wrap_backbone
+    from angle_train.tiny import build_backbone, build_tokenizer
+
+    name = {"bert": "builtin:tiny-bert", "llama": "builtin:tiny-llama"}[arch]
+    tokenizer = prepare_tokenizer(build_tokenizer(), arch == "llama")
+    backbone = build_backbone(name, len(tokenizer), hidden_size=32, dropout=dropout, seed=seed).to(dtype)
+    torch.manual_seed(seed)
+    encoder = wrap_backbone(backbone, pooling=pooling, pad_token_id=tokenizer.pad_token_id,
+                            is_decoder=arch == "llama", lora=LoraSettings(r=4, alpha=8, dropout=0.0) if lora else None)
+    if lora:
+        encoder.to(dtype)
+    return encoder, tokenizer
+
+
+def demo_batch(tokenizer, n_pairs: int, fmt: str = "B", seed: int = 0, max_length: int = 16):
+    """A Batch of n_pairs built-in examples in the loss layout."""
+    from angle_train.data import TokenizedPairs
+    from angle_train.tiny import demo_examples, demo_sts_examples
+
+    examples = demo_examples(n_pairs, seed=seed) if fmt == "B" else demo_sts_examples(n_pairs, seed=seed)
+    return TokenizedPairs(examples, fmt, tokenizer, max_length=max_length).batch(list(range(n_pairs)))
+
+
+def param_grads(module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
