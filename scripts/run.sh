@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python bench/bench_losses.py --quick --out runs/bench
+python bench/bench_losses.py --out runs/bench       # about a minute on 2 idle cores; tables, JSON, plot in runs/bench
 python -m angle_train.demo
