@@ -151,19 +151,20 @@ def in_batch_negative_loss(
     checks.check_scalar("negative_weights", negative_weights)
     labels = check_zigzag(y_true, y_pred)
     checks.check_binary_labels("y_true", labels, "in_batch_negative_loss")
-    return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids)
-
-
-def in_batch_negatives(ops, labels: torch.Tensor, y_pred: torch.Tensor, tau: float, group_ids=None) -> torch.Tensor:
-    """in_batch_negative_loss on inputs already checked (labels: 0/1, one per row), computed by `ops`."""
-    rows = y_pred.shape[0]
     if group_ids is not None:
+        rows = y_pred.shape[0]
         if not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point() or group_ids.is_complex():
             raise TypeError("group_ids must be an integer torch.Tensor of text ids, one per row of y_pred")
         if tuple(group_ids.shape) != (rows,):
             raise ValueError(f"group_ids must have shape [{rows}] (one id per row of y_pred), got {tuple(group_ids.shape)}")
         checks.check_same_device(("y_pred", y_pred), ("group_ids", group_ids))
         group_ids = group_ids.long()
+    return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids)
+
+
+def in_batch_negatives(ops, labels: torch.Tensor, y_pred: torch.Tensor, tau: float, group_ids=None) -> torch.Tensor:
+    """in_batch_negative_loss on inputs already checked (labels: 0/1, one per row; group_ids: int64 or None),
+    computed by `ops`."""
     positive = labels == 1
     # The reference gives row i a target only when both it and its partner are labelled 1.
     row_weights = (positive & positive.view(-1, 2).flip(1).reshape(-1)).to(compute_dtype(y_pred.dtype))
