@@ -36,7 +36,7 @@ similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, m
                 group_ids=None) -> loss
     q: [M, D]; c: [Mc, D], or None meaning c is q itself (the symmetric in-batch-negative case).
     l[i, j] = scale * cos(q_i, c_j), except at the target column t_i, where
-        l[i, t_i] = scale * cos(min(arccos(cos(q_i, c_t)) + margin, pi))     (margin in radians)
+        l[i, t_i] = scale * cos(min(arccos(cos(q_i, c_t)) + margin, pi))     (margin in radians, 0..pi)
         with sin(theta) = sqrt(max(1 - cos^2, 1e-6)) so the gradient stays finite as |cos| -> 1;
         margin == 0 leaves the target logit as scale * cos.
     target: "partner" (t_i = i xor 1, the zigzag pair partner) or "diagonal" (t_i = i).

@@ -18,8 +18,11 @@ FALSE_WORDS = {"0", "false", "no", "n", "off"}
 
 EXAMPLES = """\
 examples:
-  # the built-in demo: a tiny BERT on synthetic pairs, no download, about a minute on a laptop CPU
-  angle-train
+  # the built-in demo: a tiny BERT on synthetic pairs, no download, seconds on a laptop CPU
+  python -m angle_train.demo
+
+  # the built-in defaults (tiny BERT, built-in pairs) with your own output folder
+  angle-train --output-dir runs/first
 
   # fine-tune a sentence encoder on STS-B-style graded pairs (cosine + angle terms, no in-batch negatives)
   angle-train --model sentence-transformers/all-MiniLM-L6-v2 --train-data sts-train.csv --dev-data sts-dev.csv \\

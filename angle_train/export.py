@@ -4,8 +4,10 @@
     * a Hugging Face model folder (config.json, model.safetensors, tokenizer files): AutoModel loads it;
       a LoRA model is merged into its base weights first;
     * a sentence-transformers folder (modules.json, sentence_bert_config.json, 1_Pooling/config.json):
-      `SentenceTransformer(path)` embeds exactly like `encoder.encode` (pooling `cls_avg` has no
-      sentence-transformers equivalent, so that folder is left out for it, with a note);
+      `SentenceTransformer(path)` embeds exactly like `encoder.encode` when no prompt is set (pooling
+      `cls_avg` has no sentence-transformers equivalent, so that folder is left out for it, with a note).
+      A prompt (e.g. --prompt angle) is recorded only in angle_train.json: sentence-transformers does not apply
+      it, so with a prompt wrap the texts yourself or load the folder with `load_pretrained`;
     * angle_train.json: pooling, prompt, max length, padding side, for `load_pretrained`.
 With `adapter_only=True` (LoRA only) it writes just the peft adapter (adapter_config.json,
 adapter_model.safetensors) and angle_train.json: small, for best-checkpoint keeping on LLMs.

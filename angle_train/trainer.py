@@ -172,8 +172,23 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, done[-1]) if done else None
 
 
-def load_checkpoint(path: str, encoder, optimizer, scheduler, scaler, dist_info) -> dict:
+# Settings that fix which examples make up the batch at a saved position, or the LR schedule's length: a resumed
+# run with other values would silently skip or repeat data, so resuming refuses them.
+RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
+                     "epochs", "max_steps")
+
+
+def load_checkpoint(path: str, encoder, optimizer, scheduler, scaler, dist_info, cfg: TrainConfig | None = None
+                    ) -> dict:
     state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+    if cfg is not None:
+        saved, current = state.get("config", {}), asdict(cfg)
+        changed = {k: (saved.get(k), current[k]) for k in RESUME_MUST_MATCH if saved.get(k) != current[k]}
+        if changed:
+            detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}); "
+                             "resuming would skip or repeat training data. Resume with the checkpoint's settings, "
+                             "or start a new run in a new --output-dir")
     missing = set(encoder.trainable_state_dict()) - set(state["model"])
     if missing:
         raise ValueError(f"checkpoint {path} lacks trainable weights, e.g. {sorted(missing)[:3]}: another model?")
@@ -248,8 +263,14 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
 
     position = {"step": 0, "epoch": 0, "batch": 0, "best": None}
     resume_from = latest_checkpoint(cfg.output_dir) if cfg.resume == "auto" else cfg.resume
+    if not cfg.resume and latest_checkpoint(cfg.output_dir):
+        # A new run here would prune the old run's (higher-numbered) checkpoints against its own, deleting its
+        # own as soon as it writes them, and a later --resume auto would pick up the old run: refuse instead.
+        raise ValueError(f"output_dir {cfg.output_dir} already holds checkpoints of an earlier run (latest: "
+                         f"{latest_checkpoint(cfg.output_dir)}): pass --resume auto to continue it, or choose a new "
+                         "--output-dir")
     if resume_from:
-        position = load_checkpoint(resume_from, encoder, optimizer, scheduler, scaler, dist_info)
+        position = load_checkpoint(resume_from, encoder, optimizer, scheduler, scaler, dist_info, cfg)
     os.makedirs(cfg.output_dir, exist_ok=True)
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
     if main:
@@ -367,8 +388,14 @@ def _evaluate(cfg, encoder, tokenizer, dev_examples, prompt, position, result, m
         if improved:
             position["best"] = score
             if cfg.save_best:
-                save_pretrained(encoder, tokenizer, os.path.join(cfg.output_dir, "best"), max_length=cfg.max_length,
+                # Written beside and swapped in, so a kill mid-write never destroys the previous best model.
+                best_dir = os.path.join(cfg.output_dir, "best")
+                shutil.rmtree(best_dir + ".tmp", ignore_errors=True)  # left by a run killed while writing it
+                save_pretrained(encoder, tokenizer, best_dir + ".tmp", max_length=cfg.max_length,
                                 prompt=prompt, adapter_only=is_peft_model(encoder.backbone), base_model=cfg.model)
+                if os.path.exists(best_dir):
+                    shutil.rmtree(best_dir)
+                os.replace(best_dir + ".tmp", best_dir)
         row["best_dev_spearman"] = position["best"]
         _write_metrics(metrics_path, row, tensorboard)
         print(f"\nstep {position['step']}: dev Spearman {score:.4f}" + (" (best)" if improved else ""), flush=True)
@@ -391,8 +418,14 @@ def _truncate_metrics(path: str, step: int) -> None:
     """On resume, drop the rows a killed run wrote after its last checkpoint (they are about to be redone)."""
     if not os.path.exists(path):
         return
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError):  # a line torn by the kill: it belongs to the work being redone
+            return False
+
     with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        rows = [line if line.endswith("\n") else line + "\n" for line in f if line.strip() and kept(line)]
     with open(path, "w") as f:
         f.writelines(rows)
 

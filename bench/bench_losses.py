@@ -672,7 +672,7 @@ def main(argv=None) -> int:
         missing.update(missing_ours)
         limits = {}
     else:
-        # fp32 matmuls in true fp32 for every provider (docs/measuring.md: TF32 only behind a flag)
+        # fp32 matmuls in true fp32 for every provider (the project guide shared/docs/measuring.md: TF32 only behind a flag)
         torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
         torch.backends.cudnn.allow_tf32 = args.allow_tf32
         providers, missing = P.available_providers("cuda", args.angle_emb_loss, include=args.providers)

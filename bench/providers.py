@@ -94,7 +94,7 @@ def input_bytes(inputs: dict) -> int:
 
 
 def work_floor(loss: str, n: int, d: int, dtype: torch.dtype) -> dict:
-    """The work a forward + backward pass cannot avoid (docs/measuring.md), to turn a time into a rate.
+    """The work a forward + backward pass cannot avoid (the project guide shared/docs/measuring.md), to turn a time into a rate.
 
     cosine/angle (pair scores): read the 2N x D embeddings twice (forward, backward), write their gradient
     once: memory bound. ibn: M = 2N rows against each other, 2 M^2 D FLOPs forward and twice that in the
@@ -355,7 +355,7 @@ def primary_ours(providers: list[Provider]) -> Provider | None:
 # from bench_losses.py on CPU at D = 768 (2026-11-21): the reference's cosine/angle losses needed +306 MB /
 # +363 MB at N = 4096 (about 14-18 bytes per N^2 element after the linear part), its in-batch-negative loss
 # +356 MB at N = 2048 (21 bytes per (2N)^2 element), the cross-entropy losses +139 MB (reference) and
-# +179 MB (sentence-transformers) at N = 2048 (10-16 bytes per N x 2N element). docs/measuring.md quotes
+# +179 MB (sentence-transformers) at N = 2048 (10-16 bytes per N x 2N element). shared/docs/measuring.md quotes
 # +4.1 GB for the reference's cosine loss at N = 16384, where this estimate gives 5.1 GB: it errs high.
 QUADRATIC_BYTES_PER_ELEMENT = {
     ("reference", "cosine"): 16.0,

@@ -135,7 +135,7 @@ def test_memory_estimates_grow_as_the_baselines_do():
     assert 8 < large / small <= 16  # N^2 term plus a linear part
     small, large = (P.estimate_extra_bytes(ours, "cosine", n, 768, torch.float32) for n in (4096, 16384))
     assert large == 4 * small
-    # the reference's cosine loss at N = 16384 needs about 4.1 GB (docs/measuring.md): the estimate errs high
+    # the reference's cosine loss at N = 16384 needs about 4.1 GB (the project guide shared/docs/measuring.md): the estimate errs high
     assert 4.1e9 < P.estimate_extra_bytes(ref, "cosine", 16384, 768, torch.float32) < 8e9
 
 

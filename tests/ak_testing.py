@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-# Tolerances from docs/measuring.md: float32 loss values far below 1e-5 and gradients below 1e-4;
+# Tolerances from shared/docs/measuring.md: float32 loss values far below 1e-5 and gradients below 1e-4;
 # float64 is held much tighter (the only error left is the order of summation).
 VALUE_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 GRAD_TOL = {torch.float64: 1e-8, torch.float32: 1e-4}

@@ -1,7 +1,7 @@
 """Our losses against the float64 oracle (tests/oracle.py): values and gradients.
 
 * float64 inputs: 1e-10 (values) / 1e-8 (gradients), relative over the whole tensor.
-* float32 inputs: the oracle evaluated in float64 on the same float32 values; 1e-5 / 1e-4 (docs/measuring.md).
+* float32 inputs: the oracle evaluated in float64 on the same float32 values; 1e-5 / 1e-4 (the project guide shared/docs/measuring.md).
 * bfloat16 / float16 inputs: our error against the float64 oracle (on the same half-precision values) must be
   at most 2x the error of eager PyTorch computing the same loss in that dtype (the reference's own code,
   angle_emb.loss, run on the half tensors), and never below what storing the gradient in that dtype costs

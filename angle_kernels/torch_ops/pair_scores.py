@@ -56,7 +56,7 @@ class PairScoresFunction(torch.autograd.Function):
                 cross[start:end] = (halves[:, 1:, 0] - halves[:, 0, 1:]) * inv_p
         ctx.save_for_backward(x, inv_norm, has_norm_grad, cos, cross)
         ctx.with_angle = with_angle
-        angle = cos + cross if with_angle else cross  # all zeros without the angle score
+        angle = cos + cross if with_angle else torch.zeros_like(cos)  # a fresh tensor: cross is saved for backward
         ctx.mark_non_differentiable(*(() if with_angle else (angle,)))
         return cos, angle
 

@@ -98,6 +98,8 @@ class _Tiles:
 class SimilarityXentFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids):
+        if not 0.0 <= margin <= math.pi:  # margin_logit's "past pi" test assumes it
+            raise ValueError(f"margin must be between 0 and pi radians, got {margin}")
         symmetric = c is None
         dtype = compute_dtype(q.dtype)
         qf = q.detach().to(dtype)

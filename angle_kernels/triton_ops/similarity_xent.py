@@ -296,15 +296,18 @@ def _similarity_xent_bwd_dq_kernel(
         g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
                            HAS_MARGIN, HAS_GROUPS)
         radial += tl.sum(g * cos, axis=1)
-        g_scaled = (g * inv_c[None, :]).to(OPERAND)
-        # Accumulate g_scaled @ c[cols] into this program's rows of the buffer, D chunk by D chunk.
+        # Accumulate g @ c_hat[cols] into this program's rows of the buffer, D chunk by D chunk. The inverse
+        # norms go on the unit rows c_hat (bounded by 1), never on g: 1/|c| reaches 1e12 for a zero row, and
+        # g / |c| would overflow an fp16 operand into inf (and inf * 0 = NaN in the product).
+        g_operand = g.to(OPERAND)
         tl.debug_barrier()  # the previous column block's stores are visible to every thread of the program
         for k_start in range(0, D, BLOCK_K):
             ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
             k_ok = ks < D
             c_chunk = tl.load(c_ptr + cols[:, None] * stride_cm + ks[None, :] * stride_cd,
                               mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            update = tl.dot(g_scaled, c_chunk.to(OPERAND), input_precision=PRECISION, out_dtype=ACC)
+            c_hat = (c_chunk.to(ACC) * inv_c[:, None]).to(OPERAND)
+            update = tl.dot(g_operand, c_hat, input_precision=PRECISION, out_dtype=ACC)
             out_ptrs = dq_raw_ptr + rows[:, None] * D + ks[None, :]
             out_ok = row_ok[:, None] & k_ok[None, :]
             if col_start > 0:
@@ -355,14 +358,15 @@ def _similarity_xent_bwd_dc_kernel(
         g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
                            HAS_MARGIN, HAS_GROUPS)
         radial += tl.sum(g * cos, axis=0)
-        g_scaled_t = tl.trans((g * inv_q[:, None]).to(OPERAND))  # [BLOCK_N, BLOCK_M]
+        g_operand_t = tl.trans(g.to(OPERAND))  # [BLOCK_N, BLOCK_M]; inverse norms on q_hat (see the dq kernel)
         tl.debug_barrier()  # the previous row block's stores are visible to every thread of the program
         for k_start in range(0, D, BLOCK_K):
             ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
             k_ok = ks < D
             q_chunk = tl.load(q_ptr + rows[:, None] * stride_qm + ks[None, :] * stride_qd,
                               mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            update = tl.dot(g_scaled_t, q_chunk.to(OPERAND), input_precision=PRECISION, out_dtype=ACC)
+            q_hat = (q_chunk.to(ACC) * inv_q[:, None]).to(OPERAND)
+            update = tl.dot(g_operand_t, q_hat, input_precision=PRECISION, out_dtype=ACC)
             out_ptrs = dc_raw_ptr + cols[:, None] * D + ks[None, :]
             out_ok = col_ok[:, None] & k_ok[None, :]
             if row_start > 0:
@@ -495,6 +499,8 @@ def _validate(q, c, scale, target, row_weights, exclude_diagonal, margin, group_
         raise TypeError(f"scale must be a finite Python number, got {scale!r}")
     if isinstance(margin, torch.Tensor) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
         raise TypeError(f"margin must be a finite Python number (radians), got {margin!r}")
+    if not 0.0 <= margin <= math.pi:
+        raise ValueError(f"margin must be between 0 and pi radians, got {margin}")
     if target not in ("partner", "diagonal"):
         raise ValueError(f"target must be 'partner' or 'diagonal', got {target!r}")
     if target == "partner" and (m % 2 != 0 or mc < m):
