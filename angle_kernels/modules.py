@@ -14,7 +14,6 @@ from .functional import (
     arccon_loss,
     as_pairs,
     check_zigzag,
-    contrastive_with_negative_loss,
     in_batch_negatives,
     triplet_loss,
 )
@@ -102,7 +101,10 @@ class AngleLoss(nn.Module):
             return self._format_a(labels, outputs)
         if self.dataset_format == "B":
             checks.check_embeddings("outputs", outputs, rows_multiple_of=2, layout="format B: query, positive rows")
-            return contrastive_with_negative_loss(outputs[0::2], outputs[1::2], tau=self.ibn_tau, backend=self.backend)
+            # outputs is checked whole, so the op is called directly rather than through the public function,
+            # which would scan the same rows for NaN/Inf again (one more device sync per step).
+            ops = resolve_backend(self.backend, outputs)
+            return ops.similarity_xent(outputs[0::2], outputs[1::2], self.ibn_tau, "diagonal")
         return self._format_c(outputs)
 
     def _ranking_terms(self, ops, x: torch.Tensor, labels: torch.Tensor, dim: int):
@@ -141,17 +143,19 @@ class AngleLoss(nn.Module):
         groups = rows // 3
         x = outputs.reshape(groups, 3, dim)
         query, positive, negative = x[:, 0], x[:, 1], x[:, 2]
+        ops = resolve_backend(self.backend, outputs)
+        # contrastive_with_negative_loss's op, called directly: outputs was checked whole just above.
         contrastive_term = None
         if self.ibn_w > 0 or self.cln_w > 0:
             contrastive_term = 0.0
             if self.ibn_w > 0:
-                contrastive_term = self.ibn_w * contrastive_with_negative_loss(query, positive, tau=self.ibn_tau, backend=self.backend)
+                contrastive_term = self.ibn_w * ops.similarity_xent(query, positive, self.ibn_tau, "diagonal")
             if self.cln_w > 0:
-                contrastive_term = contrastive_term + self.cln_w * contrastive_with_negative_loss(
-                    query, positive, negative, tau=self.ibn_tau, backend=self.backend
+                candidates = torch.cat((positive, negative), dim=0)
+                contrastive_term = contrastive_term + self.cln_w * ops.similarity_xent(
+                    query, candidates, self.ibn_tau, "diagonal"
                 )
             contrastive_term = contrastive_term / 2
-        ops = resolve_backend(self.backend, outputs)
         pair_labels = torch.cat((torch.ones(groups, device=outputs.device), torch.zeros(groups, device=outputs.device)))
         cosine_term, angle_term = self._ranking_terms(ops, x, pair_labels, dim)
         return _sum_terms([contrastive_term, angle_term, cosine_term], outputs)  # the reference's order

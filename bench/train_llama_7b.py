@@ -132,6 +132,15 @@ def one_step(encoder, optimizer, loss_fn, ids, mask, labels, chunk_rows: int | N
     return float(loss)
 
 
+def _print_row(label: str, pairs: int, row: dict | None) -> None:
+    """One line of the sweep: throughput, step time and peak memory, or that the batch did not fit."""
+    if row is None:
+        result = "out of memory"
+    else:
+        result = f"{row['pairs_per_s']:9.1f} pairs/s  {row['step_s']:7.2f} s/step  peak {row['peak_gb']:6.1f} GB"
+    print(f"{label} {pairs:>7} pairs: {result}", flush=True)
+
+
 def measure(encoder, optimizer, loss_fn, pairs, args, vocab, device, chunk_rows):
     """(pairs/s, seconds per step, peak GB) for one setting, or None when it runs out of memory."""
     import torch
@@ -234,15 +243,7 @@ def main(argv=None) -> int:
     pairs = args.plain_start
     while pairs <= args.plain_max:
         row = measure(encoder, optimizer, loss_fn, pairs, args, config.vocab_size, device, None)
-        print(
-            f"plain      {pairs:>7} pairs: "
-            + (
-                "out of memory"
-                if row is None
-                else f"{row['pairs_per_s']:9.1f} pairs/s  {row['step_s']:7.2f} s/step  peak {row['peak_gb']:6.1f} GB"
-            ),
-            flush=True,
-        )
+        _print_row("plain     ", pairs, row)
         if row is None:
             break
         results["plain"].append(row)
@@ -259,15 +260,7 @@ def main(argv=None) -> int:
             print(f"grad cache {pairs:>7} pairs: skipped (estimated step time above --time-limit)", flush=True)
             continue
         row = measure(encoder, optimizer, loss_fn, pairs, args, config.vocab_size, device, chunk_rows)
-        print(
-            f"grad cache {pairs:>7} pairs: "
-            + (
-                "out of memory"
-                if row is None
-                else f"{row['pairs_per_s']:9.1f} pairs/s  {row['step_s']:7.2f} s/step  peak {row['peak_gb']:6.1f} GB"
-            ),
-            flush=True,
-        )
+        _print_row("grad cache", pairs, row)
         if row is None:
             break
         if best_plain:
