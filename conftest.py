@@ -1,14 +1,46 @@
-"""Pytest setup shared by tests/ and bench/: the Triton interpreter is on for the whole CPU test session.
+"""Pytest setup shared by tests/ and bench/: where the Triton kernels run, and the debug switches tests rely on.
 
-The Triton kernels are tested on CPU through the Triton interpreter, which has to be on before triton is first
-imported in the process: triton decorates its own language functions (tl.zeros, tl.sum, ...) in the mode in
-force when it is imported, and any test may import it first (torch.compile's inductor does). A kernel run
-under the interpreter with a compiled-mode triton fails with "Cannot call @triton.jit'd outside of the scope
-of a kernel". Turning the interpreter on changes nothing for the other backends: dispatch uses Triton only for
-CUDA tensors or when asked. On a GPU, ANGLE_KERNELS_TRITON_TEST_DEVICE=cuda keeps the real compiler.
+Triton interpreter. The Triton kernels run through the interpreter (TRITON_INTERPRET=1, CPU tensors) exactly
+when the session has no CUDA device, and with the real compiler on CUDA tensors when it has one, so that
+`pytest tests/triton` on a GPU machine tests the compiled kernels. ANGLE_KERNELS_TRITON_TEST_DEVICE=cpu forces
+the interpreter (=cuda forces the compiler). The choice is made here, before anything imports triton: triton
+decorates its own language functions (tl.zeros, tl.sum, ...) in the mode in force when it is first imported,
+and any test may import it first (torch.compile's inductor does); a kernel run under the interpreter with a
+compiled-mode triton fails with "Cannot call @triton.jit'd outside of the scope of a kernel". Turning the
+interpreter on changes nothing for the other backends: dispatch uses Triton only for CUDA tensors or when
+asked.
+
+Poisoned outputs. ANGLE_KERNELS_POISON_OUTPUTS=1 makes the Triton launchers fill every output with NaN before
+a kernel writes it (production allocates with torch.empty), so an element a kernel forgets to write fails the
+tests that check outputs are finite.
+
+OpenMP. GNU OpenMP's threads spin while they wait for each other; on a machine shared with other jobs that
+turns every parallel op into a wait for a descheduled thread (see bench/bench_losses.py). libgomp reads
+OMP_WAIT_POLICY when torch loads it, so it is set here, before the `import torch` below; an explicit value
+in the environment wins.
 """
 
 import os
 
-if os.environ.get("ANGLE_KERNELS_TRITON_TEST_DEVICE", "cpu") != "cuda":
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("ANGLE_KERNELS_POISON_OUTPUTS", "1")
+
+import torch  # noqa: E402  (after OMP_WAIT_POLICY)
+
+TEST_DEVICE_ENV = "ANGLE_KERNELS_TRITON_TEST_DEVICE"
+
+
+def use_triton_interpreter(environ=os.environ, cuda_available=torch.cuda.is_available) -> bool:
+    """True when this test session must run the Triton kernels through the interpreter (see above)."""
+    forced = environ.get(TEST_DEVICE_ENV, "").strip().lower()
+    if forced not in ("", "cpu", "cuda"):
+        raise ValueError(f"{TEST_DEVICE_ENV} must be 'cpu' or 'cuda', got {forced!r}")
+    if forced:
+        return forced == "cpu"
+    return not cuda_available()
+
+
+if use_triton_interpreter():
     os.environ["TRITON_INTERPRET"] = "1"
+else:
+    os.environ.pop("TRITON_INTERPRET", None)

@@ -1,33 +1,65 @@
 """Build hook for the optional CUDA extension `angle_kernels._C` (metadata lives in pyproject.toml).
 
 The extension (csrc/*.cu kernels + csrc/bindings.cpp) is built only where it can be: `import torch` works,
-torch is a CUDA build (torch.version.cuda is set) and nvcc is found under torch's CUDA_HOME. Otherwise the
-build prints why and installs the pure-Python package, whose Triton and PyTorch backends need no compiled
-code (a source checkout can still JIT-build the extension later; see angle_kernels/cuda_ops/_extension.py).
+torch is a CUDA build (torch.version.cuda is set) and nvcc is found under torch's CUDA_HOME. Otherwise, and
+also when the compile itself fails, the build prints why and installs the pure-Python package, whose Triton
+and PyTorch backends need no compiled code (a source checkout can still JIT-build the extension later with
+backend="cuda"; see angle_kernels/cuda_ops/_extension.py, which also holds the source list and the flags).
 
 torch is deliberately not a build requirement, so a CUDA build needs the torch already installed:
     pip install --no-build-isolation .          (or -e . for development)
 
 Environment:
     ANGLE_KERNELS_BUILD_CUDA=0      never build the extension
-    ANGLE_KERNELS_BUILD_CUDA=1      require it: fail the build if it cannot be built
+    ANGLE_KERNELS_BUILD_CUDA=1      require it: fail the install if it cannot be built or does not compile
     TORCH_CUDA_ARCH_LIST            target GPUs (default "8.0;9.0": A100 and H100/H200)
     MAX_JOBS                        parallel compile jobs for ninja (torch's variable)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
 from setuptools import setup
 
-CUDA_SOURCES = ["csrc/pair_scores.cu", "csrc/ranking.cu", "csrc/similarity_xent.cu", "csrc/bindings.cpp"]
 DEFAULT_ARCH_LIST = "8.0;9.0"
 
 
 def _log(message: str) -> None:
     print(f"angle_kernels setup: {message}", file=sys.stderr)
+
+
+def _extension_settings():
+    """angle_kernels/cuda_ops/_extension.py, loaded by path: the one list of sources and flags (the package
+    itself is not importable yet while it is being built)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "angle_kernels", "cuda_ops", "_extension.py")
+    spec = importlib.util.spec_from_file_location("_angle_kernels_extension_settings", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def optional_build_ext(base: type, required: bool) -> type:
+    """`base` (a build_ext command class) whose compile failure skips the extensions with a warning instead of
+    failing the install, unless `required`. The Triton and PyTorch backends work without the extension, and a
+    failed optional build must not cost the user the whole package."""
+
+    class OptionalBuildExt(base):
+        def build_extensions(self):
+            try:
+                super().build_extensions()
+            except Exception as exc:  # CompileError, ninja's RuntimeError, a missing compiler, ...
+                if required:
+                    raise
+                names = ", ".join(ext.name for ext in self.extensions)
+                _log(f"WARNING: compiling {names} failed ({type(exc).__name__}: {exc}); installing without it. "
+                     "The Triton and PyTorch backends need no compiled code; set ANGLE_KERNELS_BUILD_CUDA=1 to "
+                     "make this failure fatal and see the compiler's output above.")
+                self.extensions = []  # nothing to copy into the source tree or to install
+
+    return OptionalBuildExt
 
 
 def _cuda_extension() -> tuple[list, dict]:
@@ -56,7 +88,9 @@ def _cuda_extension() -> tuple[list, dict]:
     nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
     if nvcc is None or not os.path.exists(nvcc):
         return skip("nvcc was not found (set CUDA_HOME to the CUDA toolkit)")
-    missing = [s for s in CUDA_SOURCES if not os.path.exists(s)]
+    settings = _extension_settings()
+    sources = [f"csrc/{name}" for name in (*settings.CUDA_SOURCES, settings.BINDING_SOURCE)]
+    missing = [s for s in sources if not os.path.exists(s)]
     if missing:
         return skip(f"sources missing: {', '.join(missing)}")
 
@@ -64,14 +98,14 @@ def _cuda_extension() -> tuple[list, dict]:
     _log(f"building angle_kernels._C with {nvcc} for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
     extension = cpp_extension.CUDAExtension(
         name="angle_kernels._C",
-        sources=CUDA_SOURCES,
+        sources=sources,
         include_dirs=[os.path.abspath("csrc")],
-        # The C++ standard is left to torch's defaults (the kernels are plain C++17).
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
+        extra_compile_args={"cxx": list(settings.CXX_FLAGS), "nvcc": list(settings.NVCC_FLAGS)},
     )
-    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
+    build_ext = optional_build_ext(cpp_extension.BuildExtension.with_options(use_ninja=True), required)
     return [extension], {"build_ext": build_ext}
 
 
-ext_modules, cmdclass = _cuda_extension()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import it for optional_build_ext
+    ext_modules, cmdclass = _cuda_extension()
+    setup(ext_modules=ext_modules, cmdclass=cmdclass)

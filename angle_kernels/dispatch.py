@@ -52,15 +52,20 @@ similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, m
 Choosing the backend
     resolve_backend(requested, *tensors): requested is None/"auto", "torch", "triton" or "cuda"; None
     falls back to the environment variable ANGLE_KERNELS_BACKEND, then "auto". "auto" picks "triton"
-    for CUDA tensors when Triton works, else "cuda" when the extension loads, else "torch"; CPU
-    tensors use "torch". "triton" on CPU tensors runs the kernels under the Triton interpreter and is
-    allowed only when TRITON_INTERPRET=1.
+    for CUDA tensors when Triton works, else "cuda" when the extension is already compiled (prebuilt by
+    setup.py, or JIT-built earlier in this process), else "torch"; CPU tensors use "torch". For CUDA
+    tensors each GPU backend it passes over costs a RuntimeWarning, once per process and backend, with the
+    reason (choosing a backend explicitly silences it). "auto" never starts the JIT build of csrc/ (minutes of
+    nvcc inside a loss call); an explicit "cuda" does when no compiled extension is found. An explicit
+    backend that cannot run raises RuntimeError with the reason. "triton" on CPU tensors runs the kernels
+    under the Triton interpreter and is allowed only when TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from types import ModuleType
 
 import torch
@@ -70,22 +75,56 @@ from . import torch_ops
 BACKENDS = ("torch", "triton", "cuda")
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
 _MODULES = {"triton": "angle_kernels.triton_ops", "cuda": "angle_kernels.cuda_ops"}
+# What "auto" tries for CUDA tensors, in order, before the PyTorch path.
+_AUTO_GPU_BACKENDS = ("triton", "cuda")
 
-# backend name -> (module, "") or (None, why it is unavailable). A plain dict rather than functools.lru_cache so
-# that torch.compile can trace resolve_backend: once a backend is loaded, looking it up is a constant.
+# Backend name -> (module, "") or (None, why it is unavailable), as found when that backend was asked for
+# explicitly: the CUDA extension may then be JIT-built. "auto" asks without building, and its answers live
+# apart in _loaded_without_build so that "not compiled yet" never becomes the answer to an explicit request;
+# an explicit answer, once there, is final for "auto" too (a build that succeeded is usable, one that failed
+# means no prebuilt extension either). Plain dicts rather than functools.lru_cache so that torch.compile can
+# trace resolve_backend: once a backend is loaded, looking it up is a constant.
 _loaded: dict[str, tuple[ModuleType | None, str]] = {"torch": (torch_ops, "")}
+_loaded_without_build: dict[str, tuple[ModuleType | None, str]] = {}
+# The GPU backends "auto" has already warned about passing over (one warning per process and backend).
+_warned_fallbacks: set[str] = set()
 
 
-def _load(backend: str) -> tuple[ModuleType | None, str]:
-    """Import an optional backend module once and ask it whether it works here."""
-    if backend not in _loaded:
-        try:
-            module = importlib.import_module(_MODULES[backend])
+def _probe(backend: str, allow_build: bool) -> tuple[ModuleType | None, str]:
+    """Import an optional backend module and ask it whether it works here."""
+    try:
+        module = importlib.import_module(_MODULES[backend])
+        if backend == "cuda":  # the only backend that can compile on load (a JIT build of csrc/)
+            available, why = module.is_available(allow_build=allow_build)
+        else:
             available, why = module.is_available()
-            _loaded[backend] = (module, "") if available else (None, why)
-        except Exception as exc:  # an optional backend must never break the losses
-            _loaded[backend] = (None, f"{type(exc).__name__}: {exc}")
-    return _loaded[backend]
+    except Exception as exc:  # an optional backend must never break the losses: report it as the reason
+        return None, f"importing or probing {_MODULES[backend]} raised {type(exc).__name__}: {exc}"
+    return (module, "") if available else (None, why)
+
+
+def _load(backend: str, allow_build: bool) -> tuple[ModuleType | None, str]:
+    """The backend's module or why it cannot run, probed once per kind of request (see _loaded)."""
+    if backend in _loaded:
+        return _loaded[backend]
+    answers = _loaded if allow_build else _loaded_without_build
+    if backend not in answers:
+        answers[backend] = _probe(backend, allow_build)
+    return answers[backend]
+
+
+def _warn_auto_fallback(backend: str, why: str) -> None:
+    """Tell the user, once per process, that "auto" passed over a GPU backend for CUDA tensors, and why."""
+    if backend in _warned_fallbacks:
+        return
+    _warned_fallbacks.add(backend)
+    warnings.warn(
+        f"angle_kernels: backend='auto' does not use the {backend!r} backend for these CUDA tensors: {why}. "
+        "It falls back to the next of 'triton', 'cuda' (only if already compiled), 'torch'. Choose a backend "
+        f"with backend='torch'|'triton'|'cuda' or the environment variable {_ENV_VAR} to silence this warning.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _interpreter_on() -> bool:
@@ -102,12 +141,14 @@ def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> ModuleType
     on_cuda = tensors[0].is_cuda
 
     if name == "auto":
-        if on_cuda:
-            for candidate in ("triton", "cuda"):
-                module, _ = _load(candidate)
-                if module is not None:
-                    return module
-        return _load("torch")[0]
+        if not on_cuda:
+            return torch_ops
+        for candidate in _AUTO_GPU_BACKENDS:
+            module, why = _load(candidate, allow_build=False)
+            if module is not None:
+                return module
+            _warn_auto_fallback(candidate, why)
+        return torch_ops
 
     if name == "cuda" and not on_cuda:
         raise ValueError("backend 'cuda' needs CUDA tensors; the inputs are on " f"{tensors[0].device}")
@@ -116,7 +157,7 @@ def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> ModuleType
             "backend 'triton' on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
             "before importing triton, or use backend='torch'"
         )
-    module, why = _load(name)
+    module, why = _load(name, allow_build=True)
     if module is None:
         raise RuntimeError(f"backend {name!r} is not available here: {why}")
     return module

@@ -10,17 +10,21 @@ providers.py) gets the same inputs and is measured for one forward + backward pa
 * peak extra memory: CPU: each case runs in a freshly forked child of this (compute-free) process; its
   peak RSS (VmHWM, reset through /proc/self/clear_refs once the inputs exist) minus the RSS right before
   the pass. CUDA: max_memory_allocated() minus memory_allocated() before the pass (inputs included in
-  the latter). Gradients of the inputs count as extra memory for every provider alike.
+  the latter), taken on a pass after a warm-up pass: the first call at a shape JIT-compiles and autotunes,
+  and Triton's autotuner benchmarks with do_bench, whose 256 MB L2-flush buffer is not the loss's memory.
+  Gradients of the inputs count as extra memory for every provider alike.
 * on CUDA, the achieved bandwidth (cosine/angle: bytes that must move) or FLOP rate (ibn/contrastive:
   matmul FLOPs) as a fraction of the limits measured at the start of the run (device copy, matmul).
 
 Sizes a provider cannot fit are skipped with a marker instead of being run: the eager baselines' N^2
 memory is estimated first and compared with --max-ref-gb, and nothing runs that is estimated above 80 % of
 the memory available. A size whose predicted run time (from the previous size) exceeds --max-run-seconds
-is skipped too. Out-of-memory errors become an "OOM" marker.
+is skipped too, and so is every case once --time-budget is spent. Out-of-memory errors become an "OOM"
+marker.
 
-Writes results.json, table.md and plot.png (time and memory vs N, log-log, one column per loss) to --out,
-and prints the table. The same command runs unchanged on a CUDA machine (--device auto picks CUDA).
+Writes results.json and table.md to --out after every case (a run killed from outside keeps what it
+measured), plot.png (time and memory vs N, log-log, one column per loss) at the end, and prints the table.
+The same command runs unchanged on a CUDA machine (--device auto picks CUDA).
 
     python bench/bench_losses.py                       # defaults: about 2 minutes on a 2-core CPU
     python bench/bench_losses.py --losses cosine,angle --n 16384 --max-ref-gb 8
@@ -97,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-ref-gb", type=float, default=2.0,
                         help="skip a baseline (angle-emb, sentence-transformers) at sizes whose estimated extra memory exceeds this")
     parser.add_argument("--case-timeout", type=float, default=600.0, help="CPU: kill a case's child process after this many seconds")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds for the whole sweep: once spent (or when a case's predicted run would overrun "
+                             "it), the remaining cases are recorded as skipped")
     parser.add_argument("--stat", default="median", choices=("median", "min"),
                         help="which time the table, ratios and plot show (both are in results.json); "
                              "min is steadier on a machine shared with other jobs")
@@ -286,20 +293,30 @@ def probe_and_check_cpu(args, providers):
 # --------------------------------------------------------------------------------------------------------
 
 
-def _cuda_times_ms(run, grad_to_none=None) -> tuple[float, float, str]:
+# A run at least this long is timed with a few CUDA-event runs instead of do_bench, which spends about 5 + 25/t
+# + 100/t runs on estimating, warming and timing: dozens of seconds for the largest cases. At this length the
+# L2 cache (50 MB) holds a negligible share of the bytes a run moves, so flushing it changes nothing.
+SLOW_RUN_MS = 200.0
+SLOW_RUN_REPEATS = 3
+
+
+def _cuda_times_ms(run, grad_to_none=None, expected_ms: float | None = None) -> tuple[float, float, str]:
     """(median, min) time of run() in ms, warm-up excluded: triton's do_bench (which flushes the L2 cache
-    before every run), else CUDA events around each run after a 256 MB write that evicts the L2."""
+    before every run), else CUDA events around each run after a 256 MB write that evicts the L2. A run known
+    to take at least SLOW_RUN_MS (expected_ms, from a warm-up) gets SLOW_RUN_REPEATS event-timed runs."""
     try:
         from triton.testing import do_bench
     except ImportError:
         do_bench = None
-    if do_bench is not None:
+    slow = expected_ms is not None and expected_ms >= SLOW_RUN_MS
+    if do_bench is not None and not slow:
         median, fastest = do_bench(run, grad_to_none=grad_to_none, quantiles=[0.5, 0.0])
         return float(median), float(fastest), "triton.testing.do_bench"
     flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
-    run()
+    if not slow:
+        run()
     times = []
-    for _ in range(20):
+    for _ in range(SLOW_RUN_REPEATS if slow else 20):
         flush.zero_()
         if grad_to_none:
             for t in grad_to_none:
@@ -310,7 +327,28 @@ def _cuda_times_ms(run, grad_to_none=None) -> tuple[float, float, str]:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), min(times), "CUDA events (L2 flushed)"
+    method = f"CUDA events, {len(times)} runs of >= {SLOW_RUN_MS:g} ms" if slow else "CUDA events (L2 flushed)"
+    return statistics.median(times), min(times), method
+
+
+def warm_peak_extra_bytes(run, leaves, memory=None) -> tuple[object, int, float]:
+    """(value, peak extra bytes, seconds of the measured run) of run() (forward + backward): one warm-up run,
+    then the peak allocated memory of one more run above what was allocated before it.
+
+    The warm-up absorbs the one-time costs of a new shape: JIT compiles and Triton's autotuning, which
+    benchmarks with do_bench and its 256 MB L2-flush buffer; measured on the first call, those would count as
+    the loss's memory. `memory` is torch.cuda (or a stand-in with the same four functions, for tests)."""
+    memory = torch.cuda if memory is None else memory
+    _fwd_bwd(run, leaves)
+    memory.synchronize()
+    for leaf in leaves:
+        leaf.grad = None
+    memory.reset_peak_memory_stats()
+    before = memory.memory_allocated()
+    started = time.perf_counter()
+    value = _fwd_bwd(run, leaves)
+    memory.synchronize()
+    return value, int(memory.max_memory_allocated() - before), time.perf_counter() - started
 
 
 def measure_cuda_case(provider, loss, n, d, dtype, seed):
@@ -320,18 +358,14 @@ def measure_cuda_case(provider, loss, n, d, dtype, seed):
     inputs = P.build_inputs(loss, n, d, dtype, "cuda", seed)
     leaves = P.grad_leaves(inputs)
     fn = provider.make(loss, inputs)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    value = _fwd_bwd(fn, leaves)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
-    median_ms, min_ms, method = _cuda_times_ms(lambda: _fwd_bwd(fn, leaves), grad_to_none=leaves)
+    value, extra, run_s = warm_peak_extra_bytes(fn, leaves)
+    median_ms, min_ms, method = _cuda_times_ms(lambda: _fwd_bwd(fn, leaves), grad_to_none=leaves,
+                                               expected_ms=1e3 * run_s)
     return {
         "median_s": median_ms / 1e3,
         "min_s": min_ms / 1e3,
         "timing": method,
-        "extra_bytes": int(extra),
+        "extra_bytes": extra,
         "loss_value": float(value.detach()),
     }
 
@@ -386,10 +420,11 @@ def mem_available_bytes() -> int | None:
         return None
 
 
-def sweep(args, providers, limits) -> list[dict]:
+def sweep(args, providers, limits, on_row=None) -> list[dict]:
     """Every case, size by size with all providers of a size run back to back (so that a change in the
-    machine's load between sizes hits every provider alike)."""
+    machine's load between sizes hits every provider alike). on_row(results) runs after every case."""
     results = []
+    deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     for loss in args.losses:
         sizes = args.n if loss not in P.QUADRATIC_LOSSES else args.n_quadratic
         for dtype_name in args.dtypes:
@@ -402,17 +437,26 @@ def sweep(args, providers, limits) -> list[dict]:
                             continue
                         row = {"loss": loss, "n": n, "d": d, "dtype": dtype_name, "provider": provider.name,
                                "family": provider.family, "calls": provider.calls[loss]}
-                        row.update(run_one(args, provider, loss, n, d, dtype, previous.get(provider.name), limits))
+                        row.update(run_one(args, provider, loss, n, d, dtype, previous.get(provider.name), limits,
+                                           deadline))
                         if row["status"] == "ok":
                             previous[provider.name] = (n, row["min_s"])  # the least noisy forecast
                         results.append(row)
                         print(progress_line(row), flush=True)
+                        if on_row is not None:
+                            on_row(results)
     return results
 
 
-def run_one(args, provider, loss, n, d, dtype, previous, limits) -> dict:
+def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None) -> dict:
     estimate = P.estimate_extra_bytes(provider, loss, n, d, dtype)
     out = {"estimate_bytes": estimate, "floor": P.work_floor(loss, n, d, dtype)}
+    if deadline is not None:
+        left = deadline - time.perf_counter()
+        forecast = predicted_run_seconds(previous, loss, provider.family, n)
+        # A measured case costs about a dozen runs (warm-up, memory run, timing) plus one-time compiles.
+        if left <= 0 or (forecast is not None and 12 * forecast > left):
+            return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent"}
     if provider.family != "ours" and estimate > args.max_ref_gb * GB:
         return {**out, "status": "skipped", "note": f"skipped: needs ~{fmt_bytes(estimate)} (> --max-ref-gb {args.max_ref_gb:g})"}
     available = (torch.cuda.mem_get_info()[0] if args.device == "cuda" else mem_available_bytes())
@@ -708,17 +752,13 @@ def main(argv=None) -> int:
 
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     started = time.perf_counter()
-    results = sweep(args, providers, limits)
+
+    report = Report(out, env, args, limits, checks, missing, [p.name for p in providers], primary_name)
+    results = sweep(args, providers, limits, on_row=lambda rows: report.write(rows, complete=False))
     elapsed = time.perf_counter() - started
     if load_before is not None:
         env["load_average_1min"] = {"start": round(load_before, 2), "end": round(os.getloadavg()[0], 2)}
-
-    table = render_markdown(results, env, args, limits, checks, missing, [p.name for p in providers], primary_name)
-    (out / "table.md").write_text(table + "\n")
-    payload = {"environment": env, "args": {k: v for k, v in vars(args).items()}, "hardware_limits": limits,
-               "agreement_checks": checks, "not_available": missing, "ratios_against": primary_name,
-               "sweep_seconds": elapsed, "results": results}
-    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    table = report.write(results, complete=True)
     if not args.no_plot:
         plot(results, args, env, out / "plot.png")
     print()
@@ -726,6 +766,32 @@ def main(argv=None) -> int:
     print(f"\nsweep took {elapsed:.0f} s; wrote {out / 'table.md'}, {out / 'results.json'}"
           + ("" if args.no_plot else f", {out / 'plot.png'}"))
     return 0
+
+
+class Report:
+    """table.md and results.json in the output folder, rewritten as the sweep goes (a killed run keeps them)."""
+
+    def __init__(self, out: Path, env, args, limits, checks, missing, provider_names, primary):
+        self.out, self.env, self.args, self.limits = out, env, args, limits
+        self.checks, self.missing, self.provider_names, self.primary = checks, missing, provider_names, primary
+        self.started = time.perf_counter()
+
+    def write(self, results: list[dict], complete: bool) -> str:
+        table = render_markdown(results, self.env, self.args, self.limits, self.checks, self.missing,
+                                self.provider_names, self.primary)
+        payload = {"environment": self.env, "args": dict(vars(self.args)), "hardware_limits": self.limits,
+                   "agreement_checks": self.checks, "not_available": self.missing, "ratios_against": self.primary,
+                   "complete": complete, "sweep_seconds": time.perf_counter() - self.started, "results": results}
+        write_text_atomic(self.out / "table.md", table + "\n")
+        write_text_atomic(self.out / "results.json", json.dumps(payload, indent=1, default=str) + "\n")
+        return table
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace path's contents in one step: a reader (or a kill) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def angle_emb_version(providers) -> str | None:

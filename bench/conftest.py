@@ -1,18 +1,11 @@
-"""Settings for the benchmark cases in this folder.
-
-GNU OpenMP's threads spin while they wait for each other; on a machine shared with other jobs that makes
-every parallel op wait for a descheduled thread (see bench_losses.py). This takes effect only when torch
-has not been imported yet in this pytest process; an explicit OMP_WAIT_POLICY wins.
+"""Settings for the benchmark cases in this folder (the OpenMP wait policy is set in the root conftest.py).
 
 Without pytest-benchmark installed, a stand-in `benchmark` fixture runs each case once (untimed), so the
 cases still check that every provider runs.
 """
 
-import os
-
 import pytest
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 class _RunOnce:
     """The part of pytest-benchmark's fixture that the cases use, running the function once, untimed."""

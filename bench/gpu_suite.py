@@ -1,29 +1,32 @@
 #!/usr/bin/env python
-"""The one GPU script: build, correctness on CUDA, then the benchmark sweep, for the Triton backend.
+"""The staged GPU run: correctness, speed and training of angle_kernels on one GPU, one stage per command.
 
-    python bench/gpu_suite.py OUT_DIR [--angle-emb-loss WHEEL_OR_LOSS_PY] [--quick] [--skip ...]
+    python bench/gpu_suite.py STAGE OUT_DIR [options]   (bash scripts/gpu_check.sh STAGE OUT_DIR: the same,
+                                                          with the console teed to OUT_DIR/console_<STAGE>.log)
+    python bench/gpu_suite.py summary DIR                gathers every stage_*.json under DIR into DIR/summary.md
 
-Runs only where CUDA is available (it exits with a message otherwise; `--help` works anywhere). Stages, each
-recorded in OUT_DIR and none stopping the others:
+Why stages. GPU time is lent in blocks of about 30 minutes, one command runs at most 10 minutes, and the
+first contact with a GPU costs compile and autotune time that nothing on a CPU shows. So the run is cut into
+stages that each fit one command with room to spare. Every stage has a time budget, counted from the start
+of the process, that it stops itself inside: what does not fit is recorded as skipped, not lost in a kill.
+Every stage writes its results into OUT_DIR as it goes: stage_<x>.json and stage_<x>.md after every step,
+and each subprocess's output line by line into its own log, so a stage killed from outside keeps what it did.
 
-1. environment: GPU name, driver, torch / triton / CUDA versions, the command line (environment.json).
-2. build: warms every Triton kernel with a small call of each op (JIT compile time), tries the CUDA C++
-   extension, and compiles every Triton kernel for this GPU's architecture through
-   angle_kernels.triton_ops._compile_check to read registers, spills and shared memory (build.json).
-3. correctness on CUDA: pytest on tests/triton with the interpreter off (ANGLE_KERNELS_TRITON_TEST_DEVICE=cuda),
-   then large-size checks of every op against the pure-PyTorch backend in float64 (and bf16 against float64
-   next to eager PyTorch's own bf16 error) at sizes the interpreter cannot reach (correctness.json,
-   pytest_triton.log).
-4. op-level sweep of our Triton kernels against our torch backend: N from 1k to 1M pairs, D in {768, 4096},
-   fp32 and bf16; time (triton.testing.do_bench median of forward + backward), peak extra memory, and the
-   achieved fraction of the device copy bandwidth (pair scores) or bf16/fp32 matmul rate (similarity),
-   both measured at the start of the same run (ops.json, ops.md).
-5. loss-level sweep with every provider side by side (ours-triton, ours-torch, angle-emb eager loaded by
-   file path from a carried wheel, sentence-transformers): bench/bench_losses.py with GPU sizes, written to
-   OUT_DIR/losses.
+    stage  budget  what
+    a      330 s   environment; tests/triton and tests/test_triton_compile.py with the real compiler (the
+                   interpreter is off on a CUDA machine); large-size checks of every op against float64
+    b      330 s   the CUDA extension: JIT build for this GPU's architecture (cuda_build.log), then tests/gpu
+    c      300 s   hardware limits (device copy, matmul rates), then the op sweep: Triton, CUDA and torch
+                   backends side by side, achieved bandwidth or matmul fraction, needed and executed FLOPs
+    d      300 s   loss sweep side by side: ours, angle-emb 0.6.1 (its loss.py from the carried wheel,
+                   .whl/angle_emb-0.6.1-py3-none-any.whl by default) and sentence-transformers
+    e      480 s   the 7B LoRA training benchmark (bench/train_llama_7b.py), resumable: run it again with
+                   --resume-from the previous results until it prints that it is done
+    all            a, b, c, d, e in turn, each with its own budget (for a GPU without a 10-minute limit)
 
-The summary table (correctness verdicts and the op-level sweep) is printed last and written to summary.md.
-Expect 10-20 minutes on an H200 for the full run; --quick trims the sizes to about 3 minutes.
+Stages (a) to (d) and the machine's start (1-2 minutes) fit in 25 minutes on one H100; (e) takes a block of
+its own. The budgets are ceilings: a stage that finishes its work sooner ends sooner. Where there is no CUDA
+device, every stage says so and exits 0 without doing anything (a dry run of the command line).
 """
 
 from __future__ import annotations
@@ -31,510 +34,717 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import glob
+import importlib.util
 import json
 import os
-import platform
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
+PROCESS_START = time.monotonic()  # budgets count from here: imports and CUDA start-up are part of a stage's time
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for path in (str(REPO), str(HERE)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+for _path in (str(REPO), str(HERE), str(REPO / "tests" / "triton")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from bench_losses import write_text_atomic  # noqa: E402
 
 GB = 1e9
+DEFAULT_ANGLE_EMB_WHEEL = REPO / ".whl" / "angle_emb-0.6.1-py3-none-any.whl"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Budgets, records and logged subprocesses
+# --------------------------------------------------------------------------------------------------------
+
+
+class Deadline:
+    """The end of a stage's budget, counted from the start of the process."""
+
+    def __init__(self, seconds: float, start: float = PROCESS_START):
+        self.end = start + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def fits(self, seconds: float) -> bool:
+        return seconds <= self.left()
+
+
+class StageRecord:
+    """OUT_DIR/stage_<x>.json and stage_<x>.md: the stage's steps, rewritten (atomically) after every step."""
+
+    def __init__(self, out_dir: Path, stage: str, budget_s: float, argv: list[str], start: float = PROCESS_START):
+        self.out_dir = out_dir
+        self.start = start
+        self.data = {"stage": stage, "title": STAGES[stage].title, "budget_s": budget_s,
+                     "command": " ".join(["python", "bench/gpu_suite.py", *argv]),
+                     "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                     "status": "running", "steps": {}}
+        self.save()
+
+    def step(self, name: str, result: dict) -> dict:
+        self.data["steps"][name] = result
+        self.save()
+        return result
+
+    def finish(self, status: str) -> None:
+        self.data["status"] = status
+        self.data["seconds"] = round(time.monotonic() - self.start, 1)
+        self.save()
+
+    def save(self) -> None:
+        stage = self.data["stage"]
+        write_text_atomic(self.out_dir / f"stage_{stage}.json", json.dumps(self.data, indent=1, default=str) + "\n")
+        write_text_atomic(self.out_dir / f"stage_{stage}.md", render_stage(self.data) + "\n")
+
+
+def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = None) -> dict:
+    """Run cmd from the repository root, copying its output line by line to log_path (flushed at every line)
+    and to this console; after timeout_s its whole process group is killed (pytest-xdist workers included).
+    A command killed or crashing leaves its log behind. Returns returncode, timed_out, seconds, last line."""
+    started = time.monotonic()
+    timed_out = threading.Event()
+    last = ""
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        if timeout_s <= 0:
+            log.write("not started: no time left in the stage's budget\n")
+            return {"returncode": None, "timed_out": True, "seconds": 0.0, "last_line": "not started (budget)"}
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, start_new_session=True)
+
+        def kill():
+            timed_out.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(timeout_s, kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                if line.strip():
+                    last = line.strip()
+            proc.wait()
+        finally:
+            timer.cancel()
+        if timed_out.is_set():
+            log.write(f"\nkilled after {timeout_s:.0f} s (the stage's budget)\n")
+    return {"returncode": proc.returncode, "timed_out": timed_out.is_set(),
+            "seconds": round(time.monotonic() - started, 1), "last_line": last, "log": log_path.name}
+
+
+def subprocess_env(**extra: str) -> dict:
+    """The environment of the stage's subprocesses: the real Triton compiler, this checkout importable, CUDA
+    extension builds cached in the checkout (kept between commands on a warm machine)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ANGLE_KERNELS_TRITON_TEST_DEVICE"] = "cuda"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"  # the log gets every line when it is printed, not when a buffer fills
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+    env.update(extra)
+    return env
+
+
+def run_pytest(paths: list[str], log_path: Path, timeout_s: float, workers: int) -> dict:
+    """pytest on `paths` with the real compiler, in parallel workers when pytest-xdist is installed (the first
+    GPU run is dominated by Triton compiles, which run in each worker's process)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--durations=15"]
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(workers)]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd += ["--timeout", "300"]
+    result = run_logged(cmd + paths, log_path, timeout_s, subprocess_env())
+    result["status"] = "ok" if result["returncode"] == 0 else "timed out" if result["timed_out"] else "failed"
+    return result
+
+
+def guarded(record: StageRecord, name: str, fn) -> dict:
+    """Run one step and record its result: fn's dict, with status "ok" unless fn says otherwise ("failed",
+    "timed out"); an exception becomes status "error" with its traceback, and the stage goes on."""
+    print(f"\n=== {record.data['stage']}: {name} ({time.monotonic() - record.start:.0f} s into the stage) ===",
+          flush=True)
+    started = time.monotonic()
+    try:
+        result = {"status": "ok", **(fn() or {})}
+    except Exception as exc:  # noqa: BLE001 (a step's failure is a result, not the end of the stage)
+        partial = record.data["steps"].get(name, {})  # what the step recorded before it failed (checks, rows)
+        result = {**partial, "status": "error", "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()}
+        print(result["traceback"], flush=True)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    free_cuda()
+    return record.step(name, result)
+
+
+def free_cuda() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def environment() -> dict:
+    import providers as P
+
+    env = P.describe_environment("cuda")
+    import torch
+
+    env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    env["python"] = sys.version.split()[0]
+    env["cpus"] = os.cpu_count()
+    return env
+
+
+# --------------------------------------------------------------------------------------------------------
+# Stage a: Triton correctness on CUDA
+# --------------------------------------------------------------------------------------------------------
+
+
+def stage_a(args, record: StageRecord, deadline: Deadline) -> None:
+    guarded(record, "environment", environment)
+    # The checks below need about 90 s; pytest gets the rest of the budget.
+    timeout = deadline.left() - 90
+    guarded(record, "pytest_triton", lambda: run_pytest(["tests/triton", "tests/test_triton_compile.py"],
+                                                        record.out_dir / "pytest_triton.log", timeout, args.workers))
+    guarded(record, "large_checks", lambda: large_checks(record, deadline))
+
+
+# The sizes of the large-size checks: beyond the interpreter's reach, within a few seconds each on one GPU.
+LARGE_CHECKS = {
+    "pair_scores": [(262144, 2, 768), (16384, 3, 4096)],  # (groups, K, D): zigzag pairs and format C triplets
+    "ranking": [3000, 2_000_000],  # the tiled path (N <= 4096) and the sort path
+    "similarity": [  # (name, M, Mc or None for c = q, D, options, with group_ids and row weights)
+        ("ibn M=8192 D=768", 8192, None, 768, dict(target="partner", exclude_diagonal=True), True),
+        ("contrastive M=4096 Mc=8192 D=1024", 4096, 8192, 1024, dict(target="diagonal"), False),
+        ("arccon M=4096 D=4096", 4096, 4096, 4096, dict(target="diagonal", margin=0.1745), False),
+    ],
+}
+
+
+def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CHECKS, device: str = "cuda") -> dict:
+    """Every Triton op at sizes the interpreter cannot reach, against the torch backend in float64, and the
+    half-precision rule for the similarity losses (our error against float64 at most 2x eager PyTorch's own
+    in the same dtype, eager being the oracle's formulas run in that dtype). Each check is recorded as it
+    finishes; one whose estimated cost does not fit in the budget is skipped. (sizes and device are
+    parameters so that the test suite can run the same code at tiny sizes through the interpreter.)"""
+    import torch
+
+    import angle_kernels.torch_ops as T
+    import angle_kernels.triton_ops as K
+    import triton_oracle
+    from providers import rel_err
+
+    checks: dict = {}
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def record_check(name, errors, tolerance=None, rule=None):
+        if rule is None:
+            passed = max(errors.values()) <= tolerance
+        else:
+            passed = all(ours <= 2 * eager for ours, eager in errors.values())
+        checks[name] = {"errors": errors, "tolerance": tolerance, "rule": rule, "pass": passed}
+        record.step("large_checks", {"status": "running", "checks": checks})
+        shown = ", ".join(f"{k} {v:.1e}" if rule is None else f"{k} {v[0]:.1e}/{v[1]:.1e}" for k, v in errors.items())
+        print(f"  {name:<48} {shown}  {'ok' if passed else 'FAIL'}", flush=True)
+
+    def fits(name, seconds):
+        if deadline.fits(seconds):
+            return True
+        checks[name] = {"skipped": f"needs ~{seconds:.0f} s, {deadline.left():.0f} s left in the budget"}
+        print(f"  {name:<48} skipped (budget)", flush=True)
+        return False
+
+    for groups, k, d in sizes["pair_scores"]:
+        name = f"pair_scores fp64 G={groups} K={k} D={d}"
+        if not fits(name, 10):
+            continue
+        x = torch.randn(groups, k, d, device=device, dtype=torch.float64, generator=gen)
+        weights = torch.randn(2, groups, k - 1, device=device, dtype=torch.float64, generator=gen)
+        outs = []
+        for ops in (K, T):
+            leaf = x.clone().requires_grad_()
+            cos, angle = ops.pair_scores(leaf, True)
+            ((cos * weights[0]).sum() + (angle * weights[1]).sum()).backward()
+            outs.append((cos.detach(), angle.detach(), leaf.grad))
+        record_check(name, {"cos": rel_err(outs[0][0], outs[1][0]), "angle": rel_err(outs[0][1], outs[1][1]),
+                            "dx": rel_err(outs[0][2], outs[1][2])}, 1e-10)
+        del x, outs
+        free_cuda()
+
+    for n in sizes["ranking"]:
+        for dtype in (torch.float64, torch.float32):
+            name = f"ranking {str(dtype)[6:]} N={n}"
+            if not fits(name, 10):
+                continue
+            s = 20 * torch.randn(n, device=device, dtype=torch.float64, generator=gen)
+            labels = torch.randint(0, 6, (n,), device=device, generator=gen)
+            ours_leaf = s.to(dtype).requires_grad_()
+            ours = K.ranking_loss(ours_leaf, labels)
+            ours.backward()
+            ref_leaf = s.to(dtype).double().requires_grad_()
+            ref = T.ranking_loss(ref_leaf, labels)
+            ref.backward()
+            record_check(name, {"loss": rel_err(ours, ref), "grad": rel_err(ours_leaf.grad, ref_leaf.grad)},
+                         1e-10 if dtype == torch.float64 else 1e-5)
+    free_cuda()
+
+    for name, m, mc, d, options, with_groups in sizes["similarity"]:
+        if not fits(f"similarity {name}", 40):  # fp64 tiles plus the compiles of three dtypes' kernels
+            continue
+        q = torch.randn(m, d, device=device, dtype=torch.float64, generator=gen)
+        c = None if mc is None else torch.randn(mc, d, device=device, dtype=torch.float64, generator=gen)
+        kwargs = dict(options)
+        if with_groups:
+            kwargs["group_ids"] = torch.randint(0, m // 2, (m,), device=device, generator=gen)
+            kwargs["row_weights"] = (torch.rand(m, device=device, generator=gen) > 0.2).double()
+
+        def run(ops, q, c, **extra):
+            q_leaf = q.clone().requires_grad_()
+            c_leaf = None if c is None else c.clone().requires_grad_()
+            loss = ops.similarity_xent(q_leaf, c_leaf, 20.0, **{**kwargs, **extra})
+            loss.backward()
+            return loss.detach(), q_leaf.grad, None if c is None else c_leaf.grad
+
+        ours, ref = run(K, q, c), run(T, q, c)
+        errors = {"loss": rel_err(ours[0], ref[0]), "dq": rel_err(ours[1], ref[1])}
+        if c is not None:
+            errors["dc"] = rel_err(ours[2], ref[2])
+        record_check(f"similarity fp64 {name}", errors, 1e-9)
+        for half in (torch.bfloat16, torch.float16):
+            qh, ch = q.to(half), None if c is None else c.to(half)
+            ours = run(K, qh, ch)
+            ref = run(T, qh.double(), None if ch is None else ch.double())  # float64 on the same rounded inputs
+            eager_weights = {"row_weights": kwargs["row_weights"].to(half)} if "row_weights" in kwargs else {}
+            eager = run(triton_oracle, qh, ch, **eager_weights)
+            errors = {"loss": (rel_err(ours[0], ref[0]), rel_err(eager[0], ref[0])),
+                      "dq": (rel_err(ours[1], ref[1]), rel_err(eager[1], ref[1]))}
+            if c is not None:
+                errors["dc"] = (rel_err(ours[2], ref[2]), rel_err(eager[2], ref[2]))
+            record_check(f"similarity {str(half)[6:]} {name}", errors, rule="ours <= 2 x eager (vs float64)")
+        del q, c
+        free_cuda()
+
+    failed = [name for name, check in checks.items() if check.get("pass") is False]
+    return {"status": "failed" if failed else "ok", "checks": checks, "failed": failed}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Stage b: the CUDA extension
+# --------------------------------------------------------------------------------------------------------
+
+# Asking for backend="cuda" explicitly is what builds the extension (auto never starts a build).
+_BUILD_AND_RUN_ONCE = """
+import time, torch, angle_kernels as ak
+start = time.perf_counter()
+y_true = torch.tensor([0.0, 0.0, 1.0, 1.0], device="cuda")
+loss = ak.cosine_loss(y_true, torch.randn(4, 8, device="cuda"), backend="cuda")
+torch.cuda.synchronize()
+print(f"angle_kernels CUDA extension built/loaded and ran in {time.perf_counter() - start:.1f} s: loss {loss.item():.4f}")
+"""
+
+
+def stage_b(args, record: StageRecord, deadline: Deadline) -> None:
+    import torch
+
+    guarded(record, "environment", environment)
+    arch = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    build_env = subprocess_env(ANGLE_KERNELS_CUDA_VERBOSE="1", MAX_JOBS=str(os.cpu_count() or 4))
+    build_env.setdefault("TORCH_CUDA_ARCH_LIST", arch)  # this GPU only: half the compile time of "8.0;9.0"
+
+    def build():
+        result = run_logged([sys.executable, "-c", _BUILD_AND_RUN_ONCE], record.out_dir / "cuda_build.log",
+                            min(240.0, deadline.left() - 60), build_env)
+        result["arch_list"] = build_env["TORCH_CUDA_ARCH_LIST"]
+        if result["returncode"] != 0:
+            raise RuntimeError(f"the CUDA extension did not build or run: {result['last_line']} (cuda_build.log)")
+        return result
+
+    built = guarded(record, "cuda_build", build)
+    if built["status"] == "ok":
+        guarded(record, "pytest_gpu", lambda: run_pytest(["tests/gpu"], record.out_dir / "pytest_gpu.log",
+                                                         deadline.left() - 10, args.workers))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Stage c: op sweep
+# --------------------------------------------------------------------------------------------------------
+
+# FLOPs each backend executes for similarity_xent forward + backward, in units of M * Mc * D (the maths needs
+# 6: 2 forward, 2 for dq, 2 for dc). Triton: the dq and dc kernels each recompute the logit tiles (2 + 4 + 4).
+# CUDA: one backward kernel recomputes once and forms dq and dc with atomics (2 + 2 + 4). torch: a single row
+# block keeps its logits tile for backward (2 + 4); several blocks recompute (2 + 2 + 4).
+SIMILARITY_FLOP_UNITS_NEEDED = 6
+
+
+def similarity_flop_units_executed(backend: str, m: int, mc: int) -> int:
+    if backend == "triton":
+        return 10
+    if backend == "cuda":
+        return 8
+    from angle_kernels.torch_ops.common import CHUNK_ELEMENTS
+
+    return 6 if m * mc <= CHUNK_ELEMENTS else 8
+
+
+def stage_c(args, record: StageRecord, deadline: Deadline) -> None:
+    import bench_losses
+
+    guarded(record, "environment", environment)
+    limits = guarded(record, "limits", lambda: bench_losses.measure_cuda_limits(["float32", "bfloat16"]))
+    if limits["status"] != "ok":
+        return
+    guarded(record, "op_sweep", lambda: op_sweep(record, deadline, limits))
+
+
+def op_cases():
+    """(size rank, op, n, d, dtype name) of the op sweep, smallest sizes of every op first: under a budget the
+    sweep covers every op and dtype at small sizes before it spends time on the largest ones."""
+    families = [
+        ("pair_scores", [16384, 262144, 1048576], (768, 4096), ("bfloat16", "float32")),
+        ("ranking_loss", [4096, 65536, 1048576, 4194304], (1,), ("float32",)),
+        ("similarity_xent(ibn)", [1024, 4096, 16384, 65536], (768, 4096), ("bfloat16", "float32")),
+    ]
+    cases = []
+    for op, sizes, dims, dtypes in families:
+        for rank, n in enumerate(sizes):
+            for dtype in dtypes:
+                for d in dims:
+                    cases.append((rank, op, n, d, dtype))
+    return sorted(cases, key=lambda case: case[0])
+
+
+def op_sweep(record: StageRecord, deadline: Deadline, limits: dict) -> dict:
+    """Every op forward + backward per backend: median time (warm), peak extra memory (warm run), achieved rate
+    as a fraction of the limits measured in this run. Rows are recorded as they are measured."""
+    import torch
+
+    import bench_losses
+    from angle_kernels.dispatch import resolve_backend
+
+    probe = torch.zeros(1, device="cuda")
+    backends = {}
+    for name in ("triton", "cuda", "torch"):
+        try:
+            backends[name] = resolve_backend(name, probe)
+        except Exception as exc:  # noqa: BLE001 (a missing backend is a row of the table, not the end of it)
+            print(f"  backend {name} unavailable: {type(exc).__name__}: {exc}", flush=True)
+    rows: list[dict] = []
+    last_seconds: dict = {}  # (op, d, dtype, backend) -> (n, seconds of one warm run)
+    max_run_seconds = 10.0
+
+    for rank, op, n, d, dtype_name in op_cases():
+        dtype = getattr(torch, dtype_name)
+        for backend, ops in backends.items():
+            row = {"op": op, "n": n, "d": d, "dtype": dtype_name, "backend": backend}
+            previous = last_seconds.get((op, d, dtype_name, backend))
+            power = 2 if op.startswith("similarity") else 1
+            forecast = None if previous is None else previous[1] * (n / previous[0]) ** power
+            elem = torch.finfo(dtype).bits // 8
+            need_bytes = 6 * n * d * elem if op == "pair_scores" else 3 * 2 * n * d * 4
+            if op != "ranking_loss" and need_bytes > 0.5 * torch.cuda.mem_get_info()[0]:
+                row.update(status="skipped", note=f"needs ~{need_bytes / GB:.0f} GB")
+            elif forecast is not None and (forecast > max_run_seconds or not deadline.fits(12 * forecast + 5)):
+                row.update(status="skipped", note=f"~{forecast:.1f} s per run: does not fit the budget")
+            elif not deadline.fits(15):
+                row.update(status="skipped", note="budget spent")
+            else:
+                row.update(measure_op(ops, backend, op, n, d, dtype, limits, bench_losses))
+                if row["status"] == "ok":
+                    last_seconds[(op, d, dtype_name, backend)] = (n, row["run_s"])
+            rows.append(row)
+            record.step("op_sweep", {"status": "running", "rows": rows})
+            print("  " + op_row_text(row), flush=True)
+            free_cuda()
+    return {"rows": rows}
+
+
+def measure_op(ops, backend, op, n, d, dtype, limits, bench_losses) -> dict:
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    try:
+        if op == "pair_scores":
+            x = torch.randn(n, 2, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+            weights = torch.randn(n, 1, device="cuda", generator=gen)
+            leaves = [x]
+
+            def run():
+                cos, angle = ops.pair_scores(x, True)
+                return ((cos + angle) * weights).sum()
+
+            elem = torch.finfo(dtype).bits // 8
+            floor = {"kind": "bytes", "needed": 3 * 2 * n * d * elem}  # read x twice, write dx once
+        elif op == "ranking_loss":
+            s = (20 * torch.randn(n, device="cuda", generator=gen)).requires_grad_()
+            labels = torch.randint(0, 6, (n,), device="cuda", generator=gen)
+            leaves = [s]
+
+            def run():
+                return ops.ranking_loss(s, labels)
+
+            floor = {"kind": "bytes", "needed": n * (4 + 8 + 4)}  # scores, int64 labels, gradient
+        else:
+            m = 2 * n
+            x = torch.randn(m, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+            row_weights = (torch.rand(m, device="cuda", generator=gen) > 0.2).float()
+            leaves = [x]
+
+            def run():
+                return ops.similarity_xent(x, None, 20.0, "partner", row_weights=row_weights, exclude_diagonal=True)
+
+            floor = {"kind": "flops", "needed": SIMILARITY_FLOP_UNITS_NEEDED * m * m * d,
+                     "executed": similarity_flop_units_executed(backend, m, m) * m * m * d}
+        _, extra, run_s = bench_losses.warm_peak_extra_bytes(run, leaves)
+        median_ms, min_ms, method = bench_losses._cuda_times_ms(lambda: bench_losses._fwd_bwd(run, leaves),
+                                                                grad_to_none=leaves, expected_ms=1e3 * run_s)
+    except Exception as exc:  # noqa: BLE001
+        status = "OOM" if "out of memory" in str(exc).lower() else "error"
+        return {"status": status, "note": f"{type(exc).__name__}: {exc}"[:300]}
+    seconds = median_ms / 1e3
+    if floor["kind"] == "bytes":
+        peak = limits["copy_GBps"] * GB
+    else:
+        peak = limits.get(f"matmul_{'bfloat16' if dtype == torch.bfloat16 else 'float32'}_TFLOPs", 0) * 1e12
+    result = {"status": "ok", "ms": median_ms, "min_ms": min_ms, "timing": method, "run_s": run_s,
+              "extra_bytes": extra, "floor": floor, "rate_needed": floor["needed"] / seconds,
+              "fraction_needed": floor["needed"] / seconds / peak if peak else None}
+    if "executed" in floor:
+        result["fraction_executed"] = floor["executed"] / seconds / peak if peak else None
+    return result
+
+
+def op_row_text(row: dict) -> str:
+    head = f"{row['op']:<22} N={row['n']:<8} D={row['d']:<5} {row['dtype']:<9} {row['backend']:<7}"
+    if row["status"] != "ok":
+        return head + f" {row['status']}: {row.get('note', '')}"
+    unit = "copy BW" if row["floor"]["kind"] == "bytes" else "matmul"
+    fraction = row.get("fraction_needed")
+    text = f" {row['ms']:9.3f} ms  +{row['extra_bytes'] / 1e6:9.1f} MB"
+    if fraction is not None:
+        text += f"  {100 * fraction:.0f}% of {unit}"
+        if row.get("fraction_executed") is not None:
+            text += f" ({100 * row['fraction_executed']:.0f}% counting executed FLOPs)"
+    return head + text
+
+
+# --------------------------------------------------------------------------------------------------------
+# Stage d: loss sweep
+# --------------------------------------------------------------------------------------------------------
+
+
+def stage_d(args, record: StageRecord, deadline: Deadline) -> None:
+    import bench_losses
+
+    guarded(record, "environment", environment)
+    wheel = args.angle_emb_loss or (str(DEFAULT_ANGLE_EMB_WHEEL) if DEFAULT_ANGLE_EMB_WHEEL.exists() else None)
+    if wheel is None:
+        print(f"no angle-emb wheel at {DEFAULT_ANGLE_EMB_WHEEL} and no --angle-emb-loss: the sweep runs without "
+              "the reference (see README, Running on a GPU)", flush=True)
+    # bf16 first (what training uses), then float32 with what is left of the budget.
+    for dtype, share in (("bfloat16", 0.6), ("float32", 1.0)):
+        def sweep(dtype=dtype, share=share):
+            budget = share * (deadline.left() - 20)  # 20 s for the plot and the last write
+            if budget <= 0:
+                raise RuntimeError("no time left in the stage's budget")
+            argv = ["--device", "cuda", "--out", str(record.out_dir / f"losses-{dtype}"), "--dtypes", dtype,
+                    "--d", "768", "--n", "1024,16384,262144,1048576", "--n-quadratic", "1024,4096,16384",
+                    "--max-run-seconds", "5", "--max-ref-gb", "60", "--time-budget", f"{budget:.0f}"]
+            if wheel:
+                argv += ["--angle-emb-loss", wheel]
+            if bench_losses.main(argv) != 0:
+                raise RuntimeError("bench_losses.py failed")
+            return {"folder": f"losses-{dtype}", "argv": argv}
+
+        guarded(record, f"losses_{dtype}", sweep)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Stage e: 7B LoRA training
+# --------------------------------------------------------------------------------------------------------
+
+
+def stage_e(args, record: StageRecord, deadline: Deadline) -> None:
+    guarded(record, "environment", environment)
+    out = record.out_dir / "llama7b"
+    if args.resume_from:
+        source = Path(args.resume_from)
+        source = source / "llama7b" if (source / "llama7b").is_dir() else source
+        if not (source / "results.json").exists():
+            raise SystemExit(f"--resume-from {args.resume_from}: no results.json there (or in its llama7b/)")
+        shutil.copytree(source, out, dirs_exist_ok=True)
+        print(f"resuming from {source}", flush=True)
+
+    def train():
+        budget = deadline.left() - 30  # the script stops itself inside its budget; 30 s to write and exit
+        cmd = [sys.executable, "bench/train_llama_7b.py", "--out", str(out), "--time-budget", f"{budget:.0f}"]
+        result = run_logged(cmd, record.out_dir / "llama7b.log", budget + 20, subprocess_env())
+        if result["returncode"] != 0:
+            raise RuntimeError(f"train_llama_7b.py failed: {result['last_line']} (llama7b.log)")
+        # The script exits 0 whether it finished or stopped inside its budget; its results say which.
+        results = json.loads((out / "results.json").read_text())
+        result["left"] = results.get("left", [])
+        result["done"] = not result["left"]
+        print("7B benchmark: " + ("done" if result["done"] else
+                                  f"settings left ({', '.join(result['left'])}): run stage e again with "
+                                  f"--resume-from {record.out_dir}"), flush=True)
+        return result
+
+    guarded(record, "llama7b", train)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Stages, markdown, summary, command line
+# --------------------------------------------------------------------------------------------------------
+
+
+class Stage:
+    def __init__(self, title: str, budget_s: float, run):
+        self.title, self.budget_s, self.run = title, budget_s, run
+
+
+STAGES = {
+    "a": Stage("environment, tests/triton on CUDA, large-size checks", 330, stage_a),
+    "b": Stage("CUDA extension build, tests/gpu", 330, stage_b),
+    "c": Stage("hardware limits and op sweep", 300, stage_c),
+    "d": Stage("loss sweep against angle-emb and sentence-transformers", 300, stage_d),
+    "e": Stage("7B LoRA training benchmark (resumable)", 480, stage_e),
+}
+
+
+def render_stage(data: dict) -> str:
+    """One stage's results as markdown: its steps, then the checks and op rows when it has them."""
+    lines = [f"# Stage {data['stage']}: {data['title']}", "",
+             f"- command: `{data['command']}`; started {data['started_utc']} UTC; budget {data['budget_s']:.0f} s; "
+             f"status {data['status']}" + (f" after {data['seconds']} s" if "seconds" in data else ""), ""]
+    env = data["steps"].get("environment", {})
+    if env.get("gpu"):
+        lines += [f"- {env['gpu']} (sm_{env.get('capability', '?').replace('.', '')}), driver {env.get('driver')}, "
+                  f"CUDA {env.get('cuda')}, torch {env.get('torch')}, triton {env.get('triton')}", ""]
+    lines += ["| step | status | seconds | note |", "|---|---|---|---|"]
+    for name, step in data["steps"].items():
+        if name == "environment":
+            continue
+        note = step.get("error") or step.get("last_line") or ""
+        if step.get("failed"):
+            note = f"failed: {', '.join(step['failed'])}"
+        lines.append(f"| {name} | {step.get('status')} | {step.get('seconds', '')} | {str(note)[:160]} |")
+    checks = data["steps"].get("large_checks", {}).get("checks")
+    if checks:
+        lines += ["", "| large-size check | result | errors (ours / eager for the 2x rule) |", "|---|---|---|"]
+        for name, check in checks.items():
+            if "skipped" in check:
+                lines.append(f"| {name} | skipped | {check['skipped']} |")
+                continue
+            errors = ", ".join(f"{k} {v:.1e}" if not isinstance(v, (list, tuple)) else f"{k} {v[0]:.1e} / {v[1]:.1e}"
+                               for k, v in check["errors"].items())
+            limit = f" (tol {check['tolerance']:.0e})" if check.get("tolerance") else f" ({check.get('rule')})"
+            lines.append(f"| {name} | {'pass' if check['pass'] else 'FAIL'} | {errors}{limit} |")
+    rows = data["steps"].get("op_sweep", {}).get("rows")
+    if rows:
+        lines += ["", "| op | N | D | dtype | backend | ms | extra MB | fraction of the limit (needed / executed) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r["status"] != "ok":
+                lines.append(f"| {r['op']} | {r['n']} | {r['d']} | {r['dtype']} | {r['backend']} | {r['status']} | | "
+                             f"{r.get('note', '')[:100]} |")
+                continue
+            unit = "copy" if r["floor"]["kind"] == "bytes" else "matmul"
+            fractions = "" if r.get("fraction_needed") is None else f"{100 * r['fraction_needed']:.0f}%"
+            if r.get("fraction_executed") is not None:
+                fractions += f" / {100 * r['fraction_executed']:.0f}%"
+            lines.append(f"| {r['op']} | {r['n']} | {r['d']} | {r['dtype']} | {r['backend']} | {r['ms']:.3f} | "
+                         f"{r['extra_bytes'] / 1e6:.1f} | {fractions} of {unit} |")
+    return "\n".join(lines)
+
+
+def summarize(folder: Path) -> str:
+    """DIR/summary.md from every stage_*.json under DIR (one folder per stage's command, or all in one)."""
+    records = []
+    for path in sorted(glob.glob(str(folder / "**" / "stage_*.json"), recursive=True)):
+        records.append((Path(path), json.loads(Path(path).read_text())))
+    if not records:
+        raise SystemExit(f"no stage_*.json under {folder}")
+    lines = [f"# angle_kernels GPU run: {folder.name}", "", "| stage | what | status | seconds (budget) | file |",
+             "|---|---|---|---|---|"]
+    for path, data in sorted(records, key=lambda item: item[1]["stage"]):
+        lines.append(f"| {data['stage']} | {data['title']} | {data['status']} | {data.get('seconds', '?')} "
+                     f"({data['budget_s']:.0f}) | {path.relative_to(folder)} |")
+    for path, data in sorted(records, key=lambda item: item[1]["stage"]):
+        lines += ["", render_stage(data).replace("# Stage", "## Stage", 1)]
+    text = "\n".join(lines) + "\n"
+    write_text_atomic(folder / "summary.md", text)
+    return text
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", help="folder for the results (created)")
+    parser.add_argument("stage", choices=[*STAGES, "all", "summary"], help="the stage to run (see above)")
+    parser.add_argument("out", help="folder for the results (created); for summary: the folder to gather")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the stage, from the start of the process (default: the stage's own)")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="pytest-xdist workers for the test stages (a, b); 1 runs serially")
     parser.add_argument("--angle-emb-loss", default=None,
-                        help="angle-emb 0.6.1 wheel or its angle_emb/loss.py, for the reference provider")
-    parser.add_argument("--quick", action="store_true", help="fewer, smaller sizes (about 3 minutes)")
-    parser.add_argument("--skip", default="", help="comma-separated stages to skip: build,tests,checks,ops,losses")
-    parser.add_argument("--max-run-seconds", type=float, default=20.0,
-                        help="loss sweep: skip a size predicted to take longer per run")
-    parser.add_argument("--max-ref-gb", type=float, default=60.0,
-                        help="loss sweep: skip a baseline whose estimated extra memory exceeds this")
+                        help=f"stage d: angle-emb 0.6.1's wheel or its loss.py (default {DEFAULT_ANGLE_EMB_WHEEL.name} "
+                             "in .whl/ when present)")
+    parser.add_argument("--resume-from", default=None,
+                        help="stage e: a folder with the previous command's results (its llama7b/ is copied into "
+                             "OUT first, and the benchmark continues where it stopped)")
     args = parser.parse_args(argv)
-    args.skip = {s for s in args.skip.split(",") if s}
+    if args.budget is not None and args.budget <= 0:
+        parser.error("--budget must be a positive number of seconds")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     return args
-
-
-# --------------------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------------------
-
-
-def rel_err(out, ref) -> float:
-    import torch
-
-    out = out.detach().to(torch.float64).reshape(-1)
-    ref = ref.detach().to(torch.float64).reshape(-1)
-    scale = torch.linalg.vector_norm(ref)
-    diff = torch.linalg.vector_norm(out - ref)
-    return float(diff / scale) if scale > 0 else float(diff)
-
-
-def free_cuda():
-    import torch
-
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def stage(name, results, fn):
-    """Run one stage; record its result or its error and keep going."""
-    print(f"\n=== {name} ===", flush=True)
-    started = time.perf_counter()
-    try:
-        results[name] = {"status": "ok", **(fn() or {})}
-    except Exception as exc:  # noqa: BLE001 (a stage's failure is a result, not the end of the run)
-        results[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
-                         "traceback": traceback.format_exc()}
-        print(results[name]["traceback"], flush=True)
-    results[name]["seconds"] = round(time.perf_counter() - started, 1)
-    free_cuda()
-
-
-# --------------------------------------------------------------------------------------------------------
-# Stages
-# --------------------------------------------------------------------------------------------------------
-
-
-def environment(argv) -> dict:
-    import torch
-    import triton
-
-    env = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join([sys.executable, "bench/gpu_suite.py"] + list(argv if argv is not None else sys.argv[1:])),
-        "gpu": torch.cuda.get_device_name(0),
-        "capability": list(torch.cuda.get_device_capability(0)),
-        "memory_GB": round(torch.cuda.get_device_properties(0).total_memory / GB, 1),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-    }
-    try:
-        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                       capture_output=True, text=True, timeout=30).stdout.strip()
-    except Exception as exc:  # noqa: BLE001
-        env["driver"] = f"unknown ({exc})"
-    return env
-
-
-def build() -> dict:
-    import torch
-
-    import angle_kernels.triton_ops as tops
-
-    out = {}
-    ok, why = tops.is_available()
-    out["triton_available"] = ok
-    if not ok:
-        raise RuntimeError(f"triton backend unavailable: {why}")
-    t0 = time.perf_counter()
-    x = torch.randn(64, 2, 768, device="cuda", requires_grad=True)
-    cos, angle = tops.pair_scores(x, True)
-    (cos.sum() + angle.sum()).backward()
-    s = torch.randn(64, device="cuda", requires_grad=True)
-    tops.ranking_loss(s, torch.randint(0, 4, (64,), device="cuda")).backward()
-    for dtype in (torch.float32, torch.bfloat16):
-        q = torch.randn(128, 768, device="cuda", dtype=dtype, requires_grad=True)
-        tops.similarity_xent(q, None, 20.0, "partner", exclude_diagonal=True).backward()
-    torch.cuda.synchronize()
-    out["triton_warmup_seconds"] = round(time.perf_counter() - t0, 1)
-    try:
-        import angle_kernels.cuda_ops as cuda_ops
-
-        out["cuda_extension"] = list(cuda_ops.is_available())
-    except Exception as exc:  # noqa: BLE001
-        out["cuda_extension"] = [False, f"{type(exc).__name__}: {exc}"]
-    major, minor = torch.cuda.get_device_capability(0)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "angle_kernels.triton_ops._compile_check", "--arch",
-                           str(major * 10 + minor)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    out["compile_check_rc"] = proc.returncode
-    out["kernel_resources"] = [line for line in proc.stdout.splitlines() if line.startswith("_")]
-    if proc.returncode != 0:
-        out["compile_check_stderr"] = proc.stderr[-4000:]
-    return out
-
-
-def pytest_triton(out_dir: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["ANGLE_KERNELS_TRITON_TEST_DEVICE"] = "cuda"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton",
-                           "tests/test_triton_compile.py"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=1800)
-    (out_dir / "pytest_triton.log").write_text(proc.stdout + "\n" + proc.stderr)
-    last = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
-    print(last[0], flush=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"pytest failed (rc {proc.returncode}): {last[0]}; see pytest_triton.log")
-    return {"pytest": last[0]}
-
-
-def large_checks() -> dict:
-    """Every op at sizes the interpreter cannot reach, against the torch backend (float64 on both sides)."""
-    import torch
-
-    import angle_kernels.torch_ops as T
-    import angle_kernels.triton_ops as K
-
-    checks = {}
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def record(name, errs, tol):
-        worst = max(errs.values())
-        checks[name] = {"errors": errs, "tolerance": tol, "pass": worst <= tol}
-        print(f"  {name:<44} worst rel err {worst:.2e} (tol {tol:.0e}) {'ok' if worst <= tol else 'FAIL'}",
-              flush=True)
-
-    # pair scores: fp64 on both sides, zigzag and format C
-    for g, k, d in ((262144, 2, 768), (16384, 3, 4096)):
-        x = torch.randn(g, k, d, device="cuda", dtype=torch.float64, generator=gen)
-        gc_ = torch.randn(g, k - 1, device="cuda", dtype=torch.float64, generator=gen)
-        ga_ = torch.randn(g, k - 1, device="cuda", dtype=torch.float64, generator=gen)
-        res = []
-        for ops in (K, T):
-            leaf = x.clone().requires_grad_()
-            cos, angle = ops.pair_scores(leaf, True)
-            ((cos * gc_).sum() + (angle * ga_).sum()).backward()
-            res.append((cos.detach(), angle.detach(), leaf.grad))
-        record(f"pair_scores fp64 G={g} K={k} D={d}",
-               {"cos": rel_err(res[0][0], res[1][0]), "angle": rel_err(res[0][1], res[1][1]),
-                "dx": rel_err(res[0][2], res[1][2])}, 1e-10)
-        del x, res
-        free_cuda()
-
-    # ranking: the tiled path (small N) and the sort path (large N), fp64 and fp32 scores (vs fp64 torch)
-    for n in (3000, 2_000_000):
-        for dtype in (torch.float64, torch.float32):
-            s = 20 * torch.randn(n, device="cuda", dtype=torch.float64, generator=gen)
-            labels = torch.randint(0, 6, (n,), device="cuda", generator=gen)
-            a = s.to(dtype).requires_grad_()
-            loss = K.ranking_loss(a, labels)
-            loss.backward()
-            b = s.to(dtype).double().requires_grad_()
-            ref = T.ranking_loss(b, labels)
-            ref.backward()
-            tol = 1e-10 if dtype == torch.float64 else 1e-5
-            errs = {"loss": rel_err(loss, ref), "grad": rel_err(a.grad, b.grad)}
-            record(f"ranking {str(dtype)[6:]} N={n}", errs, tol)
-    free_cuda()
-
-    # similarity: in-batch negatives (groups, weights), rectangular contrastive, ArcCon margin; fp64
-    cases = [
-        ("ibn M=8192 D=768", 8192, None, 768, dict(target="partner", exclude_diagonal=True), True),
-        ("contrastive M=4096 Mc=8192 D=1024", 4096, 8192, 1024, dict(target="diagonal"), False),
-        ("arccon M=4096 D=4096", 4096, 4096, 4096, dict(target="diagonal", margin=0.1745), False),
-    ]
-    for name, m, mc, d, kw, groups in cases:
-        q = torch.randn(m, d, device="cuda", dtype=torch.float64, generator=gen)
-        c = None if mc is None else torch.randn(mc, d, device="cuda", dtype=torch.float64, generator=gen)
-        extra = dict(kw)
-        if groups:
-            extra["group_ids"] = torch.randint(0, m // 2, (m,), device="cuda", generator=gen)
-            extra["row_weights"] = (torch.rand(m, device="cuda", generator=gen) > 0.2).double()
-        res = []
-        for ops in (K, T):
-            ql = q.clone().requires_grad_()
-            cl = None if c is None else c.clone().requires_grad_()
-            loss = ops.similarity_xent(ql, cl, 20.0, **extra)
-            loss.backward()
-            res.append((loss.detach(), ql.grad, None if cl is None else cl.grad))
-        errs = {"loss": rel_err(res[0][0], res[1][0]), "dq": rel_err(res[0][1], res[1][1])}
-        if c is not None:
-            errs["dc"] = rel_err(res[0][2], res[1][2])
-        record(f"similarity fp64 {name}", errs, 1e-9)
-        # bf16 inputs: our error vs float64 must be at most 2x eager PyTorch's own bf16 error
-        qb = q.to(torch.bfloat16)
-        cb = None if c is None else c.to(torch.bfloat16)
-        ql = qb.clone().requires_grad_()
-        cl = None if cb is None else cb.clone().requires_grad_()
-        ours = K.similarity_xent(ql, cl, 20.0, **extra)
-        ours.backward()
-        ref_q = qb.double().requires_grad_()
-        ref_c = None if cb is None else cb.double().requires_grad_()
-        ref = T.similarity_xent(ref_q, ref_c, 20.0, **extra)
-        ref.backward()
-        eager_q = qb.clone().requires_grad_()
-        eager_c = None if cb is None else cb.clone().requires_grad_()
-        eager = _eager_similarity_xent(eager_q, eager_c, 20.0, **extra)
-        eager.backward()
-        bf16 = {"loss": (rel_err(ours, ref), rel_err(eager, ref)), "dq": (rel_err(ql.grad, ref_q.grad),
-                                                                          rel_err(eager_q.grad, ref_q.grad))}
-        checks[f"similarity bf16 {name}"] = {"ours_vs_eager": bf16,
-                                             "pass": all(o <= 2 * e for o, e in bf16.values())}
-        print(f"  similarity bf16 {name:<29} ours/eager loss {bf16['loss'][0]:.1e}/{bf16['loss'][1]:.1e}, "
-              f"dq {bf16['dq'][0]:.1e}/{bf16['dq'][1]:.1e}", flush=True)
-        del q, c, res
-        free_cuda()
-    if not all(v["pass"] for v in checks.values()):
-        failed = [k for k, v in checks.items() if not v["pass"]]
-        raise RuntimeError(f"large-size checks failed: {failed}; details: {json.dumps(checks, default=str)[:2000]}")
-    return {"checks": checks}
-
-
-def _eager_similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None):
-    """The contract in eager PyTorch, in the inputs' dtype (the error baseline for bf16): full matrix."""
-    import math
-
-    import torch
-    import torch.nn.functional as F
-
-    symmetric = c is None
-    c = q if symmetric else c
-    qn, cn = F.normalize(q, dim=1), F.normalize(c, dim=1)
-    cos = qn @ cn.T
-    m = q.shape[0]
-    rows = torch.arange(m, device=q.device)
-    t = rows ^ 1 if target == "partner" else rows
-    logits = scale * cos
-    if margin:
-        ct = cos[rows, t]
-        st = (1 - ct * ct).clamp_min(1e-6).sqrt()
-        val = torch.where(ct < -math.cos(margin), -torch.ones_like(ct), ct * math.cos(margin) - st * math.sin(margin))
-        logits = logits.index_put((rows, t), scale * val)
-    if exclude_diagonal:
-        logits = logits.index_put((rows, rows), torch.tensor(float("-inf"), device=q.device, dtype=logits.dtype))
-    pos = torch.zeros_like(logits, dtype=torch.bool)
-    pos[rows, t] = True
-    if group_ids is not None:
-        g = group_ids
-        pos |= ((g[None, :] == g[:, None]) | (g[None, :] == g[t][:, None])) & torch.isfinite(logits)
-    lse_all = torch.logsumexp(logits, 1)
-    lse_pos = torch.logsumexp(logits.masked_fill(~pos, float("-inf")), 1)
-    w = torch.ones_like(lse_all) if row_weights is None else row_weights.to(lse_all.dtype)
-    return (w * (lse_all - lse_pos)).sum() / m
-
-
-def measure_limits() -> dict:
-    import torch
-    from triton.testing import do_bench
-
-    src = torch.empty(2**28, dtype=torch.float32, device="cuda").normal_()  # 1 GiB
-    dst = torch.empty_like(src)
-    limits = {"copy_GBps": 2 * src.numel() * 4 / (do_bench(lambda: dst.copy_(src), return_mode="median") / 1e3) / GB}
-    del src, dst
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        a = torch.randn(8192, 8192, device="cuda").to(dtype)
-        b = torch.randn(8192, 8192, device="cuda").to(dtype)
-        ms = do_bench(lambda: a @ b, return_mode="median")
-        limits[f"matmul_{name}_TFLOPs"] = 2 * 8192**3 / (ms / 1e3) / 1e12
-        del a, b
-    torch.backends.cuda.matmul.allow_tf32 = prev
-    free_cuda()
-    print("  " + ", ".join(f"{k} {v:.0f}" for k, v in limits.items()), flush=True)
-    return limits
-
-
-def _time_and_memory(fn, leaves):
-    """(median ms, peak extra bytes) of fn() + backward, do_bench's median, warm-up excluded."""
-    import torch
-    from triton.testing import do_bench
-
-    def step():
-        for leaf in leaves:
-            leaf.grad = None
-        fn()
-
-    step()
-    torch.cuda.synchronize()
-    for leaf in leaves:
-        leaf.grad = None
-    free_cuda()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
-    ms = do_bench(step, grad_to_none=leaves, return_mode="median")
-    return ms, extra
-
-
-def op_sweep(args, limits) -> dict:
-    import torch
-
-    import angle_kernels.torch_ops as T
-    import angle_kernels.triton_ops as K
-
-    rows = []
-    backends = (("triton", K), ("torch", T))
-    pair_sizes = [1024, 16384, 262144, 1048576] if args.quick else [1024, 4096, 16384, 65536, 262144, 1048576]
-    sim_sizes = [1024, 4096, 16384] if args.quick else [1024, 4096, 16384, 65536]
-    rank_sizes = [1024, 4096, 65536, 1048576] if args.quick else [1024, 4096, 16384, 65536, 1048576, 4194304]
-    dims = [768, 4096]
-    dtypes = [("float32", torch.float32), ("bfloat16", torch.bfloat16)]
-
-    def add(op, n, d, dtype_name, backend, fn, leaves, floor_kind, floor_amount):
-        row = {"op": op, "n": n, "d": d, "dtype": dtype_name, "backend": backend}
-        try:
-            ms, extra = _time_and_memory(fn, leaves)
-            rate = floor_amount / (ms / 1e3)
-            peak = limits["copy_GBps"] * GB if floor_kind == "bytes" else \
-                limits.get(f"matmul_{'bfloat16' if dtype_name == 'bfloat16' else 'float32'}_TFLOPs", 0) * 1e12
-            row.update(status="ok", ms=ms, extra_bytes=extra, rate=rate, fraction=rate / peak if peak else None,
-                       floor_kind=floor_kind)
-        except Exception as exc:  # noqa: BLE001
-            status = "OOM" if "out of memory" in str(exc).lower() else "error"
-            row.update(status=status, note=f"{type(exc).__name__}: {exc}"[:300])
-        rows.append(row)
-        print("  " + _op_row_text(row), flush=True)
-        free_cuda()
-
-    free_bytes = torch.cuda.mem_get_info()[0]
-    for dtype_name, dtype in dtypes:
-        elem = torch.finfo(dtype).bits // 8
-        for d in dims:
-            for n in pair_sizes:
-                if 6 * n * d * elem > 0.4 * free_bytes:
-                    continue
-                x = torch.randn(n, 2, d, device="cuda").to(dtype).requires_grad_()
-                w = torch.randn(n, 1, device="cuda")
-                for name, ops in backends:
-                    def fn(ops=ops):
-                        cos, angle = ops.pair_scores(x, True)
-                        ((cos + angle) * w).sum().backward()
-                    add("pair_scores", n, d, dtype_name, name, fn, [x], "bytes", 3 * 2 * n * d * elem)
-                del x
-            for n in sim_sizes:
-                m = 2 * n
-                if 3 * m * d * 4 > 0.4 * free_bytes:
-                    continue
-                x = torch.randn(m, d, device="cuda").to(dtype).requires_grad_()
-                weights = (torch.rand(m, device="cuda") > 0.2).float()
-                for name, ops in backends:
-                    def fn(ops=ops):
-                        ops.similarity_xent(x, None, 20.0, "partner", row_weights=weights,
-                                            exclude_diagonal=True).backward()
-                    add("similarity_xent(ibn)", n, d, dtype_name, name, fn, [x], "flops", 6 * m * m * d)
-                del x
-    for n in rank_sizes:
-        s = (20 * torch.randn(n, device="cuda")).requires_grad_()
-        labels = torch.randint(0, 6, (n,), device="cuda")
-        for name, ops in backends:
-            def fn(ops=ops):
-                ops.ranking_loss(s, labels).backward()
-            add("ranking_loss", n, 1, "float32", name, fn, [s], "bytes", n * (4 + 8 + 4))
-    return {"rows": rows}
-
-
-def _op_row_text(row) -> str:
-    head = f"{row['op']:<22} N={row['n']:<8} D={row['d']:<5} {row['dtype']:<9} {row['backend']:<7}"
-    if row["status"] != "ok":
-        return head + f" {row['status']}: {row.get('note', '')}"
-    frac = f"{100 * row['fraction']:.0f}% of {'copy BW' if row['floor_kind'] == 'bytes' else 'matmul'}" \
-        if row.get("fraction") else ""
-    return head + f" {row['ms']:9.3f} ms  +{row['extra_bytes'] / 1e6:9.1f} MB  {frac}"
-
-
-def loss_sweep(args, out_dir: Path) -> dict:
-    import bench_losses
-
-    argv = ["--device", "cuda", "--out", str(out_dir / "losses"), "--d", "768,4096", "--dtypes", "float32,bfloat16",
-            "--max-run-seconds", str(args.max_run_seconds), "--max-ref-gb", str(args.max_ref_gb)]
-    if args.quick:
-        argv += ["--n", "1024,16384,262144", "--n-quadratic", "1024,4096", "--d", "768"]
-    else:
-        argv += ["--n", "1024,4096,16384,65536,262144,1048576", "--n-quadratic", "1024,4096,16384,65536"]
-    if args.angle_emb_loss:
-        argv += ["--angle-emb-loss", args.angle_emb_loss]
-    rc = bench_losses.main(argv)
-    if rc != 0:
-        raise RuntimeError(f"bench_losses.py returned {rc}")
-    return {"folder": str(out_dir / "losses"), "argv": argv}
-
-
-# --------------------------------------------------------------------------------------------------------
-# Summary
-# --------------------------------------------------------------------------------------------------------
-
-
-def summary_markdown(results: dict) -> str:
-    env = results.get("environment", {})
-    lines = [f"# angle_kernels GPU suite: {env.get('gpu', '?')} (driver {env.get('driver', '?')}), "
-             f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, {env.get('date_utc', '')}", "",
-             f"command: `{env.get('command', '')}`", "", "| stage | status | seconds | note |", "|---|---|---|---|"]
-    for name in ("build", "tests", "checks", "limits", "ops", "losses"):
-        r = results.get(name)
-        if r is None:
-            lines.append(f"| {name} | skipped | | |")
-            continue
-        note = r.get("error", r.get("pytest", ""))
-        lines.append(f"| {name} | {r['status']} | {r.get('seconds', '')} | {str(note)[:120]} |")
-    ops = results.get("ops", {}).get("rows", [])
-    if ops:
-        lines += ["", "| op | N | D | dtype | triton ms | torch ms | speed-up | triton extra MB | torch extra MB | "
-                  "triton fraction |", "|---|---|---|---|---|---|---|---|---|---|"]
-        keyed = {(r["op"], r["n"], r["d"], r["dtype"], r["backend"]): r for r in ops}
-        for (op, n, d, dt, backend), r in keyed.items():
-            if backend != "triton":
-                continue
-            t = keyed.get((op, n, d, dt, "torch"), {})
-
-            def ms(row):
-                return f"{row['ms']:.3f}" if row.get("status") == "ok" else row.get("status", "-")
-
-            def mb(row):
-                return f"{row['extra_bytes'] / 1e6:.1f}" if row.get("status") == "ok" else "-"
-
-            speed = f"{t['ms'] / r['ms']:.2f}x" if r.get("status") == "ok" and t.get("status") == "ok" else "-"
-            frac = f"{100 * r['fraction']:.0f}%" if r.get("fraction") else "-"
-            lines.append(f"| {op} | {n} | {d} | {dt} | {ms(r)} | {ms(t)} | {speed} | {mb(r)} | {mb(t)} | {frac} |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
+    if args.stage == "summary":
+        print(summarize(out))
+        return 0
     import torch
 
     if not torch.cuda.is_available():
-        print("bench/gpu_suite.py needs a CUDA GPU (torch.cuda.is_available() is False here). On a CPU machine run "
-              "the interpreter tests (pytest tests/triton) and bench/bench_losses.py instead.", file=sys.stderr)
-        return 2
-    os.environ.pop("TRITON_INTERPRET", None)  # real kernels, not the interpreter
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict = {"environment": environment(argv)}
-    print(json.dumps(results["environment"], indent=1), flush=True)
-
-    def save():
-        (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-
-    if "build" not in args.skip:
-        stage("build", results, build)
-        save()
-    if "tests" not in args.skip:
-        stage("tests", results, lambda: pytest_triton(out_dir))
-        save()
-    if "checks" not in args.skip:
-        stage("checks", results, large_checks)
-        save()
-    if "ops" not in args.skip:
-        limits = {}
-        stage("limits", results, lambda: limits.update(measure_limits()) or dict(limits))
-        stage("ops", results, lambda: op_sweep(args, limits))
-        save()
-    if "losses" not in args.skip:
-        stage("losses", results, lambda: loss_sweep(args, out_dir))
-        save()
-
-    summary = summary_markdown(results)
-    (out_dir / "summary.md").write_text(summary + "\n")
-    save()
-    print("\n" + summary)
-    failed = [k for k in ("build", "tests", "checks") if results.get(k, {}).get("status") == "error"]
+        print(f"no CUDA device (torch.cuda.is_available() is False): stage {args.stage} needs a GPU; nothing was run. "
+              "On a CPU machine the Triton kernels are tested through the interpreter (pytest tests/triton).")
+        return 0
+    os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, in this process too
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))  # stage b's build, reused
+    out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for stage in (STAGES if args.stage == "all" else [args.stage]):
+        start = time.monotonic() if args.stage == "all" else PROCESS_START  # "all": each stage gets its budget
+        budget = args.budget or STAGES[stage].budget_s
+        record = StageRecord(out, stage, budget, argv, start)
+        deadline = Deadline(budget, start)
+        try:
+            STAGES[stage].run(args, record, deadline)
+        finally:
+            steps = record.data["steps"].values()
+            status = "ok" if all(step.get("status") == "ok" for step in steps) else "failed"
+            record.finish(status)
+            if status != "ok":
+                failed.append(stage)
+        print("\n" + render_stage(record.data), flush=True)
     return 1 if failed else 0
 
 

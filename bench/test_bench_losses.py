@@ -166,3 +166,77 @@ def test_script_end_to_end(tmp_path):
         assert "| 16 |" in table and "÷ ours-torch" in table
         for err in data["agreement_checks"]["cosine"].values():
             assert err["value"] < 1e-12 and err["grad"] < 1e-10
+
+
+def test_cuda_memory_is_measured_on_a_warm_run():
+    """The first call at a shape compiles and autotunes (Triton's autotuner allocates do_bench's 256 MB
+    L2-flush buffer): the reported peak must be that of a later run, not of the first."""
+    import bench_losses
+
+    class FakeCudaMemory:  # torch.cuda's four memory functions, over a counter the "loss" below moves
+        allocated = peak = 0
+
+        def synchronize(self):
+            pass
+
+        def reset_peak_memory_stats(self):
+            self.peak = self.allocated
+
+        def memory_allocated(self):
+            return self.allocated
+
+        def max_memory_allocated(self):
+            return self.peak
+
+    memory = FakeCudaMemory()
+    calls = []
+    leaf = torch.zeros(3, requires_grad=True)
+
+    def run():  # the first call holds 256 MB for a while (autotuning), every call 10 MB (the loss's workspace)
+        transient = (256 if not calls else 0) * 2**20 + 10 * 2**20
+        memory.peak = max(memory.peak, memory.allocated + transient)
+        calls.append(1)
+        return (leaf * 2).sum()
+
+    value, extra, seconds = bench_losses.warm_peak_extra_bytes(run, [leaf], memory)
+    assert len(calls) == 2 and extra == 10 * 2**20 and seconds >= 0
+    assert leaf.grad is not None and float(value) == 0.0
+
+
+def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
+    """A sweep killed from outside (the GPU machine stops a command at 10 minutes) keeps what it measured."""
+    import bench_losses
+
+    args = bench_losses.parse_args(["--losses", "cosine", "--n", "16,32", "--d", "8", "--providers", "ours",
+                                    "--device", "cpu", "--out", str(tmp_path), "--no-plot"])
+    provider = P.Provider("ours-torch", "ours", {"cosine": "angle_kernels.cosine_loss"}, make=None)
+    measured = []
+
+    def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None):
+        if measured:
+            raise KeyboardInterrupt("the machine's time limit")
+        measured.append(n)
+        return {"status": "ok", "median_s": 0.01, "min_s": 0.01, "time_s": 0.01, "extra_bytes": 1000,
+                "floor": P.work_floor(loss, n, d, dtype), "rate": 1.0, "rate_unit": "B/s", "rate_fraction": None}
+
+    monkeypatch.setattr(bench_losses, "run_one", fake_run_one)
+    env = {"date": "now", "command": "test", "torch": torch.__version__, "threads": 1, "cpu": "test"}
+    report = bench_losses.Report(tmp_path, env, args, {}, {}, {}, ["ours-torch"], "ours-torch")
+    with pytest.raises(KeyboardInterrupt):
+        bench_losses.sweep(args, [provider], {}, on_row=lambda rows: report.write(rows, complete=False))
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["complete"] is False and [r["n"] for r in data["results"]] == [16]
+    assert "| 16 |" in (tmp_path / "table.md").read_text()
+
+
+def test_time_budget_skips_what_does_not_fit(tmp_path):
+    """--time-budget 0: nothing is measured, every case is marked, and the outputs are still complete."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(HERE / "bench_losses.py"), "--losses", "cosine", "--n", "16,64", "--d", "32",
+           "--providers", "ours", "--time-budget", "0", "--no-plot", "--no-check", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["complete"] is True and len(data["results"]) == 2
+    assert all(r["status"] == "skipped" and "--time-budget" in r["note"] for r in data["results"])

@@ -2,29 +2,40 @@
 
 What it measures (random initialisation, bf16 weights and autocast, LoRA r=32 on every linear layer,
 sequences of 64 tokens, AnglE's default objective on format-A pairs: in-batch negatives + angle term, computed
-by angle_kernels over the whole optimizer-step batch):
+by angle_kernels over the whole optimizer-step batch, on embeddings cast to --loss-dtype):
   plain       one forward/backward over the whole batch: the batch doubles from --plain-start pairs until it
               runs out of memory -> the largest plain batch, its pairs/s and peak memory
   grad cache  the batch embedded in chunks of --chunk-size texts without a graph, loss on all embeddings, then
               re-embedded chunk by chunk with the cached gradients -> pairs/s and peak memory per batch size
               (--gc-batches), the largest that fits, and the overhead against the best plain throughput
-Each setting runs one warm-up optimizer step and --steps timed ones (CUDA events). Results: DIR/results.json
-and DIR/results.md (GPU, driver, torch, triton versions and the command line included).
+Each setting runs a warm-up and --steps timed optimizer steps (CUDA events). The plain warm-up is one full
+step. The grad-cache warm-up runs every shape the timed step will: one step over a full chunk plus the last
+(partial) chunk, and the loss over all the rows (Triton autotunes per row count); a full step at 32k pairs
+takes minutes, and two of them would not fit in one 10-minute command.
 
-    python bench/train_llama_7b.py --out bench/results/llama7b-h200
+One invocation runs for at most --time-budget seconds (480 by default, counted from the start, imports and
+model build included), then stops between settings; run the same command again to continue. Results are
+written after every setting (DIR/results.json and DIR/results.md, with GPU, driver, torch, triton and the
+command line), so a command killed mid-setting loses only that setting. A re-run with the same --out skips
+what is recorded (measured or out of memory) and refuses results made with other settings (--restart
+discards them). Exit status 0 when it ends normally, done or not: the last lines say which.
+
+    python bench/train_llama_7b.py --out bench/results/llama7b-h200      # repeat until it prints "done"
     python bench/train_llama_7b.py --out /tmp/smoke --tiny        # a 2-layer model: checks the script on CPU
 
 Issue target: >= 32,768 pairs per optimizer step with <= 25% throughput overhead versus plain small batches.
-A 7B optimizer step over 32,768 pairs takes minutes (~3.4 TFLOP per pair for two 64-token texts, forward
-only); --time-limit stops raising the batch once one step would exceed it.
+A 7B grad-cache step over 32,768 pairs takes minutes: ~1.7 TFLOP per pair (two 64-token texts) per forward,
+three forwards' worth per pair (two forwards, one backward to the inputs; the LoRA weight gradients are small).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -50,38 +61,107 @@ TINY = {
     "vocab_size": 1000,
     "max_position_embeddings": 256,
 }
+# A grad-cache step costs two forwards and one backward per pair, a plain step one of each; with LoRA the
+# backward is about one forward (gradients of the inputs; the adapters' own are small): 3/2 of a plain step.
+GRAD_CACHE_COST = 1.5
+# Exit statuses. A run that stops inside its budget with settings left exits 0 too: that is its normal end
+# (bench/gpu_suite.py treats any other status as a failure); its last lines say what is left.
+DONE, ERROR = 0, 2
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+def now() -> float:
+    """The clock of the time budget (a function so the tests can run the budget logic on a fake clock)."""
+    return time.monotonic()
+
+
+# ----------------------------------------------------------------------------------------------- arguments
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def chunk_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive even integer, got {text!r}") from None
+    # Even: a chunk holds whole pairs, so the warm-up batch (one full chunk + the last chunk) is whole pairs too.
+    if value < 0 or value % 2:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive even integer (texts, whole pairs), got {value}")
+    return value
+
+
+def batch_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1024,4096, got {text!r}") from None
+    # Increasing: the sweep stops at the first batch that runs out of memory, larger ones would too.
+    if not values or min(values) < 1 or any(a >= b for a, b in zip(values, values[1:])):
+        raise argparse.ArgumentTypeError(f"expected positive integers in increasing order, got {text!r}")
+    return values
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def parse_args(argv):
+    # allow_abbrev=False: the command printed to continue drops --restart, which an abbreviation would hide.
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    p.add_argument("--out", required=True, help="folder for results.json and results.md (a re-run continues there)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (runs on CPU): smoke-test the script")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per text (default 64)")
-    p.add_argument("--lora-r", type=int, default=32, help="LoRA rank (default 32; alpha = 2r)")
-    p.add_argument("--plain-start", type=int, default=16, help="first plain batch in pairs; doubled until OOM")
-    p.add_argument("--plain-max", type=int, default=65536, help="stop doubling the plain batch here")
+    p.add_argument("--seq-len", type=positive_int, default=64, help="tokens per text (default 64)")
+    p.add_argument("--lora-r", type=positive_int, default=32, help="LoRA rank (default 32; alpha = 2r)")
+    p.add_argument("--plain-start", type=positive_int, default=16, help="first plain batch in pairs; doubled until OOM")
+    p.add_argument("--plain-max", type=positive_int, default=65536, help="stop doubling the plain batch here")
     p.add_argument(
         "--chunk-size",
-        type=int,
+        type=chunk_size,
         default=0,
-        help="texts per gradient-cache chunk (0: the rows of the largest plain batch that fit)",
+        help="texts per gradient-cache chunk, even (0: as many texts as the largest plain batch has pairs)",
     )
     p.add_argument(
         "--gc-batches",
-        default="1024,4096,16384,32768,65536",
-        help="gradient-cache batch sizes in pairs, comma-separated",
+        type=batch_list,
+        default=batch_list("1024,4096,16384,32768,65536"),
+        help="gradient-cache batch sizes in pairs, comma-separated, increasing (default 1024,...,65536)",
     )
-    p.add_argument("--steps", type=int, default=1, help="timed optimizer steps per setting (after one warm-up)")
+    p.add_argument("--steps", type=positive_int, default=1, help="timed optimizer steps per setting (default 1)")
     p.add_argument(
-        "--time-limit",
-        type=float,
-        default=420.0,
-        help="skip a batch size whose estimated step time exceeds this many seconds",
+        "--time-budget",
+        type=positive_seconds,
+        default=480.0,
+        help="seconds this invocation may run, counted from its start (default 480: one 10-minute command)",
     )
     p.add_argument("--loss-impl", default="angle_kernels", choices=["angle_kernels", "reference"])
-    return p.parse_args(argv)
+    p.add_argument(
+        "--loss-dtype",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="dtype the embeddings are cast to for the loss (default: bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument("--restart", action="store_true", help="discard the results already in --out and start over")
+    args = p.parse_args(argv)
+    if args.plain_max < args.plain_start:
+        p.error(f"--plain-max ({args.plain_max}) is smaller than --plain-start ({args.plain_start})")
+    return args
 
 
+# ------------------------------------------------------------------------------------------ model and steps
 def build(args, device):
     import torch
     from transformers import LlamaConfig, LlamaModel
@@ -110,6 +190,16 @@ def build(args, device):
     return encoder.to(device), config
 
 
+def cast_loss(loss_fn, dtype):
+    """The loss on embeddings cast to `dtype`. The Encoder returns float32 embeddings, which on a GPU would take
+    the loss's exact-fp32 path; `.to` is differentiable, so the gradient still reaches the float32 embeddings."""
+
+    def loss(labels, embeddings):
+        return loss_fn(labels, embeddings.to(dtype))
+
+    return loss
+
+
 def random_batch(pairs: int, args, vocab: int, device, generator):
     import torch
 
@@ -132,24 +222,29 @@ def one_step(encoder, optimizer, loss_fn, ids, mask, labels, chunk_rows: int | N
     return float(loss)
 
 
-def _print_row(label: str, pairs: int, row: dict | None) -> None:
-    """One line of the sweep: throughput, step time and peak memory, or that the batch did not fit."""
-    if row is None:
-        result = "out of memory"
-    else:
-        result = f"{row['pairs_per_s']:9.1f} pairs/s  {row['step_s']:7.2f} s/step  peak {row['peak_gb']:6.1f} GB"
-    print(f"{label} {pairs:>7} pairs: {result}", flush=True)
+def warmup_pairs(pairs: int, chunk_rows: int | None) -> int:
+    """Pairs of the warm-up batch: the whole batch for plain steps (every batch size has its own shapes); for
+    the gradient cache, one full chunk plus the last chunk, which are all the model shapes of the step."""
+    if not chunk_rows or 2 * pairs <= chunk_rows:
+        return pairs
+    return (chunk_rows + (2 * pairs) % chunk_rows) // 2
 
 
-def measure(encoder, optimizer, loss_fn, pairs, args, vocab, device, chunk_rows):
+def measure(encoder, optimizer, loss_fn, pairs, args, config, device, chunk_rows):
     """(pairs/s, seconds per step, peak GB) for one setting, or None when it runs out of memory."""
     import torch
 
     gen = torch.Generator().manual_seed(pairs)
     cuda = device.type == "cuda"
     try:
-        ids, mask, labels = random_batch(pairs, args, vocab, device, gen)
-        one_step(encoder, optimizer, loss_fn, ids, mask, labels, chunk_rows)  # warm-up
+        warm = warmup_pairs(pairs, chunk_rows)
+        ids, mask, labels = random_batch(warm, args, config.vocab_size, device, gen)
+        one_step(encoder, optimizer, loss_fn, ids, mask, labels, chunk_rows)
+        if warm < pairs:  # the loss over all the rows: its first call at a row count autotunes on a GPU
+            embeddings = torch.randn(2 * pairs, config.hidden_size, device=device, requires_grad=True)
+            loss_fn(torch.ones(2 * pairs, device=device), embeddings).backward()
+            del embeddings
+        ids, mask, labels = random_batch(pairs, args, config.vocab_size, device, gen)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -167,7 +262,7 @@ def measure(encoder, optimizer, loss_fn, pairs, args, vocab, device, chunk_rows)
                 loss = one_step(encoder, optimizer, loss_fn, ids, mask, labels, chunk_rows)
                 times.append(time.perf_counter() - t)
         seconds = sorted(times)[len(times) // 2]
-        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # None, not NaN: strict JSON
         return {
             "pairs": pairs,
             "pairs_per_s": pairs / seconds,
@@ -184,10 +279,10 @@ def measure(encoder, optimizer, loss_fn, pairs, args, vocab, device, chunk_rows)
             torch.cuda.empty_cache()
 
 
-def environment(device) -> dict:
+def environment(device, command: str) -> dict:
     import torch
 
-    env = {"torch": torch.__version__, "python": platform.python_version(), "command": " ".join(sys.argv)}
+    env = {"torch": torch.__version__, "python": platform.python_version(), "command": command}
     try:
         import triton
 
@@ -209,70 +304,83 @@ def environment(device) -> dict:
     return env
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import torch
-
-    from angle_train.objective import LossWeights, build_loss
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        print("no GPU: the 7B benchmark needs one (use --tiny for a CPU smoke test)")
-        return 2
-    os.makedirs(args.out, exist_ok=True)
-    encoder, config = build(args, device)
-    trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in encoder.parameters())
-    print(
-        f"model: {total / 1e9:.2f} B parameters, {trainable / 1e6:.1f} M trainable (LoRA r={args.lora_r})", flush=True
-    )
-    optimizer = torch.optim.AdamW(
-        [p for p in encoder.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda" or None
-    )
-    loss_fn, impl = build_loss(LossWeights(), "A", args.loss_impl)
-    results = {
-        "environment": environment(device),
-        "model": {"parameters": total, "trainable": trainable, "config": {k: getattr(config, k) for k in LLAMA_7B}},
+# ------------------------------------------------------------------------------------------ results on disk
+def settings_of(args, loss_dtype: str, env: dict) -> dict:
+    """Everything a measurement depends on: a resumed run must match it, or its rows would mix two benchmarks.
+    (--plain-max, --gc-batches and --time-budget only choose which settings run; they may change.)"""
+    return {
+        "model_config": TINY if args.tiny else LLAMA_7B,
         "seq_len": args.seq_len,
         "lora_r": args.lora_r,
-        "loss": impl,
-        "plain": [],
-        "grad_cache": [],
+        "loss_impl": args.loss_impl,
+        "loss_dtype": loss_dtype,
+        "chunk_size": args.chunk_size,
+        "plain_start": args.plain_start,
+        "steps": args.steps,
+        "gpu": env.get("gpu", "cpu"),  # GPU time comes in blocks that may land on an H100 or an H200
+        "torch": env["torch"],
+        "triton": env["triton"],
     }
 
-    pairs = args.plain_start
-    while pairs <= args.plain_max:
-        row = measure(encoder, optimizer, loss_fn, pairs, args, config.vocab_size, device, None)
-        _print_row("plain     ", pairs, row)
-        if row is None:
-            break
-        results["plain"].append(row)
-        if row["step_s"] * 2 > args.time_limit:
-            break
-        pairs *= 2
-    best_plain = max(results["plain"], key=lambda r: r["pairs_per_s"]) if results["plain"] else None
-    largest_plain = results["plain"][-1]["pairs"] if results["plain"] else 0
-    chunk_rows = args.chunk_size or max(2, largest_plain)  # half the rows of the largest plain batch
-    results["chunk_rows"] = chunk_rows
 
-    for pairs in [int(x) for x in args.gc_batches.split(",") if x.strip()]:
-        if best_plain and pairs / best_plain["pairs_per_s"] * 1.5 > args.time_limit:
-            print(f"grad cache {pairs:>7} pairs: skipped (estimated step time above --time-limit)", flush=True)
-            continue
-        row = measure(encoder, optimizer, loss_fn, pairs, args, config.vocab_size, device, chunk_rows)
-        _print_row("grad cache", pairs, row)
-        if row is None:
-            break
-        if best_plain:
-            row["overhead_vs_best_plain"] = 1 - row["pairs_per_s"] / best_plain["pairs_per_s"]
-        results["grad_cache"].append(row)
+def load_results(path: str, settings: dict, restart: bool) -> tuple[dict | None, str | None]:
+    """(the stored results to continue, None), (None, None) to start fresh, or (None, why we refuse)."""
+    if restart or not os.path.exists(path):
+        return None, None
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except (OSError, ValueError) as exc:
+        return None, f"{path} cannot be read ({exc}); use another --out, or --restart to overwrite it"
+    old = stored.get("settings") if isinstance(stored, dict) else None
+    if old is None:
+        return None, f"{path} has no 'settings' (an older version of this script?); use another --out or --restart"
+    differences = [f"{k}: {old.get(k)!r} there, {v!r} now" for k, v in settings.items() if old.get(k) != v]
+    if differences:
+        return None, (
+            f"{path} holds results made with other settings ({'; '.join(differences)}). Re-run with the same "
+            "settings to continue them, use another --out, or pass --restart to discard them."
+        )
+    return stored, None
 
-    results["largest_plain_batch"] = largest_plain
-    results["largest_grad_cache_batch"] = results["grad_cache"][-1]["pairs"] if results["grad_cache"] else 0
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
+
+def write_atomically(path: str, text: str) -> None:
+    """A kill while writing leaves the previous complete file, never a truncated one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def measured(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if not r.get("oom")]
+
+
+def stored_row(results: dict, mode: str, pairs: int) -> dict | None:
+    return next((r for r in results[mode] if r["pairs"] == pairs), None)
+
+
+def summarise(results: dict) -> None:
+    """The numbers derived from the rows; recomputed on every save since a resumed run may add plain rows."""
+    plain = measured(results["plain"])
+    best = max(plain, key=lambda r: r["pairs_per_s"]) if plain else None
+    for r in measured(results["grad_cache"]):
+        r["overhead_vs_best_plain"] = 1 - r["pairs_per_s"] / best["pairs_per_s"] if best else None
+    results["best_plain_pairs_per_s"] = best["pairs_per_s"] if best else None
+    results["largest_plain_batch"] = max((r["pairs"] for r in plain), default=0)
+    results["largest_grad_cache_batch"] = max((r["pairs"] for r in measured(results["grad_cache"])), default=0)
+
+
+def gigabytes(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"  # n/a: no peak-memory counter on CPU
+
+
+def markdown(results: dict) -> str:
+    s = results["settings"]
+    params = results.get("model", {}).get("parameters", 0)
     lines = [
-        f"# LoRA r={args.lora_r} on a {total / 1e9:.1f}B LLaMA, seq len {args.seq_len}, loss {impl}",
+        f"# LoRA r={s['lora_r']} on a {params / 1e9:.1f}B LLaMA, seq len {s['seq_len']}, "
+        f"loss {results['loss']} in {s['loss_dtype']}",
         "",
         "```",
         json.dumps(results["environment"], indent=1),
@@ -281,19 +389,220 @@ def main(argv=None) -> int:
         "| mode | pairs/step | pairs/s | tokens/s | s/step | peak GB | overhead vs best plain |",
         "|---|---|---|---|---|---|---|",
     ]
-    for mode, rows in (("plain", results["plain"]), (f"grad cache ({chunk_rows} texts/chunk)", results["grad_cache"])):
-        for r in rows:
+    chunk = results.get("chunk_rows")
+    for mode, label in (("plain", "plain"), ("grad_cache", f"grad cache ({chunk} texts/chunk)")):
+        for r in sorted(results[mode], key=lambda r: r["pairs"]):
+            if r.get("oom"):
+                lines.append(f"| {label} | {r['pairs']} | out of memory | | | | |")
+                continue
             overhead = r.get("overhead_vs_best_plain")
             lines.append(
-                f"| {mode} | {r['pairs']} | {r['pairs_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
-                f"{r['step_s']:.2f} | {r['peak_gb']:.1f} | "
+                f"| {label} | {r['pairs']} | {r['pairs_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
+                f"{r['step_s']:.2f} | {gigabytes(r['peak_gb'])} | "
                 f"{'' if overhead is None else f'{100 * overhead:.1f}%'} |"
             )
-    table = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table)
-    print("\n" + table)
-    return 0
+    lines += [""] + [f"Not run: {n['setting']}: {n['why']}" for n in results["not_run"]]
+    if results["left"]:
+        lines.append(f"Not measured yet: {', '.join(results['left'])}")
+    return "\n".join(lines) + "\n"
+
+
+def save(out: str, results: dict) -> None:
+    summarise(results)
+    write_atomically(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
+    write_atomically(os.path.join(out, "results.md"), markdown(results))
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+def plan_of(args) -> list[tuple[str, int]]:
+    """Every setting in order: plain batches doubling up to --plain-max (the sweep stops at the first that runs
+    out of memory), then the gradient-cache batches."""
+    plain, pairs = [], args.plain_start
+    while pairs <= args.plain_max:
+        plain.append(pairs)
+        pairs *= 2
+    return [("plain", p) for p in plain] + [("grad_cache", p) for p in args.gc_batches]
+
+
+def describe(mode: str, pairs: int) -> str:
+    return f"{'plain' if mode == 'plain' else 'grad cache'} {pairs}"
+
+
+def step_estimate(results: dict, mode: str, pairs: int) -> float | None:
+    """Seconds per step: step time grows about linearly with the pairs (an overestimate from a smaller batch,
+    which uses the GPU less well). The first grad-cache batch is estimated from the best plain throughput."""
+    smaller = [r for r in measured(results[mode]) if r["pairs"] < pairs]
+    if smaller:
+        r = max(smaller, key=lambda r: r["pairs"])
+        return r["step_s"] * pairs / r["pairs"]
+    plain = measured(results["plain"])
+    if mode == "grad_cache" and plain:
+        return GRAD_CACHE_COST * pairs / max(r["pairs_per_s"] for r in plain)
+    return None
+
+
+def setting_estimate(results: dict, mode: str, pairs: int, steps: int, chunk_rows: int | None) -> float | None:
+    """Seconds for one setting: warm-up plus the timed steps."""
+    step = step_estimate(results, mode, pairs)
+    if step is None:
+        return None
+    return step * (steps + warmup_pairs(pairs, chunk_rows) / pairs)
+
+
+def decide(estimate: float | None, elapsed: float, startup: float, budget: float, ran_any: bool) -> str:
+    """'run', 'stop' (it fits a fresh invocation, not what is left of this one) or 'too long' (it cannot fit
+    any invocation: recorded as not run, so that repeating the command ends)."""
+    if estimate is None:  # nothing to estimate from yet: a first, small setting
+        return "run" if not ran_any or elapsed < budget else "stop"
+    if estimate > budget - startup:
+        return "too long"
+    if ran_any and estimate > budget - elapsed:
+        return "stop"
+    return "run"
+
+
+def beyond_oom(results: dict, mode: str, pairs: int) -> bool:
+    """True past a batch of the same sweep that ran out of memory: a larger one would too."""
+    return any(r.get("oom") and r["pairs"] < pairs for r in results[mode])
+
+
+def left_after(results: dict, plan: list, not_run: set) -> list[str]:
+    """The settings of `plan` still to measure, plain ones summarised (the doubling stops at the first OOM)."""
+    todo = [
+        (m, p)
+        for m, p in plan
+        if (m, p) not in not_run and stored_row(results, m, p) is None and not beyond_oom(results, m, p)
+    ]
+    plain = [p for m, p in todo if m == "plain"]
+    left = []
+    if plain:
+        left.append(f"plain {plain[0]}" if len(plain) == 1 else f"plain {plain[0]}..{plain[-1]} (doubling until OOM)")
+    return left + [describe(m, p) for m, p in todo if m == "grad_cache"]
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    started = now()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    script = os.path.relpath(os.path.abspath(__file__))
+    # The command that continues this run: the same one, minus --restart (which would throw the results away).
+    again = "python " + shlex.join([script] + [a for a in argv if a != "--restart"])
+    import torch
+
+    from angle_train.objective import LossWeights, build_loss
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        print("no GPU: the 7B benchmark needs one (use --tiny for a CPU smoke test)")
+        return ERROR
+    loss_dtype = args.loss_dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    env = environment(device, "python " + shlex.join([script] + argv))
+    settings = settings_of(args, loss_dtype, env)
+    os.makedirs(args.out, exist_ok=True)
+    results, refusal = load_results(os.path.join(args.out, "results.json"), settings, args.restart)
+    if refusal:
+        print(f"refusing to continue: {refusal}", file=sys.stderr)
+        return ERROR
+    results = results or {
+        "settings": settings,
+        "environment": env,
+        "seq_len": args.seq_len,
+        "lora_r": args.lora_r,
+        "loss_dtype": loss_dtype,
+        "plain": [],
+        "grad_cache": [],
+    }
+    results["not_run"], results["left"] = [], []  # re-evaluated by this invocation (its budget may differ)
+
+    plan = plan_of(args)
+    done = [describe(m, p) for m, p in plan if stored_row(results, m, p) is not None]
+    print(f"plan: {', '.join(left_after(results, plan, set())) or 'nothing'}", flush=True)
+    print(f"      already recorded in {args.out}: {', '.join(done) or 'nothing'}", flush=True)
+    print(
+        f"      {args.steps} timed step(s) per setting after a warm-up; loss {args.loss_impl} in {loss_dtype}; "
+        f"time budget {args.time_budget:.0f} s from the start of this command",
+        flush=True,
+    )
+
+    encoder, config = build(args, device)
+    trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in encoder.parameters())
+    optimizer = torch.optim.AdamW(
+        [p for p in encoder.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda" or None
+    )
+    loss_fn, impl = build_loss(LossWeights(), "A", args.loss_impl)
+    loss_fn = cast_loss(loss_fn, getattr(torch, loss_dtype))
+    results["loss"] = impl
+    results["model"] = {"parameters": total, "trainable": trainable, "config": settings["model_config"]}
+    startup = now() - started
+    print(
+        f"model: {total / 1e9:.2f} B parameters, {trainable / 1e6:.1f} M trainable (LoRA r={args.lora_r}); "
+        f"ready after {startup:.0f} s",
+        flush=True,
+    )
+    save(args.out, results)
+
+    not_run = set()  # settings too long for any run of this budget (for plain: that one and all larger)
+    ran, stopped = [], None
+    for mode, pairs in plan:
+        if (mode, pairs) in not_run or stored_row(results, mode, pairs) is not None or beyond_oom(results, mode, pairs):
+            continue
+        chunk_rows = None
+        if mode == "grad_cache":
+            # Kept once a grad-cache row is recorded: every grad-cache row uses the same chunk, even if a later
+            # run (larger --plain-max) finds a larger plain batch.
+            largest = max((r["pairs"] for r in measured(results["plain"])), default=0)
+            chunk_rows = results.get("chunk_rows") or args.chunk_size or max(2, largest - largest % 2)
+        estimate = setting_estimate(results, mode, pairs, args.steps, chunk_rows)
+        elapsed = now() - started
+        verdict = decide(estimate, elapsed, startup, args.time_budget, bool(ran))
+        label = f"{describe(mode, pairs):>18} pairs:"
+        if verdict == "too long":
+            why = (
+                f"estimated {estimate:.0f} s, more than one run can spend ({args.time_budget:.0f} s budget minus "
+                f"{startup:.0f} s start-up); raise --time-budget if the command's time limit allows"
+            )
+            results["not_run"].append({"setting": describe(mode, pairs), "estimate_s": estimate, "why": why})
+            print(f"{label} not run: {why}", flush=True)
+            # The plain sweep ends here: a larger plain batch would take longer still.
+            not_run |= {(m, p) for m, p in plan if m == mode and (p == pairs or (mode == "plain" and p > pairs))}
+            continue
+        if verdict == "stop":
+            stopped = (mode, pairs, estimate, elapsed)
+            break
+        if estimate is not None:
+            print(f"{label} running (estimated {estimate:.0f} s, {elapsed:.0f} s of the budget used)", flush=True)
+        row = measure(encoder, optimizer, loss_fn, pairs, args, config, device, chunk_rows)
+        ran.append(describe(mode, pairs))
+        row = row or {"pairs": pairs, "oom": True}
+        if chunk_rows:
+            row["chunk_rows"] = results["chunk_rows"] = chunk_rows
+        results[mode] = sorted(results[mode] + [row], key=lambda r: r["pairs"])
+        results["left"] = left_after(results, plan, not_run)
+        save(args.out, results)
+        if row.get("oom"):
+            print(f"{label} out of memory", flush=True)
+        else:
+            speed = f"{row['pairs_per_s']:9.1f} pairs/s  {row['step_s']:7.2f} s/step"
+            print(f"{label} {speed}  peak {gigabytes(row['peak_gb'])} GB", flush=True)
+
+    results["left"] = left_after(results, plan, not_run)
+    save(args.out, results)
+    print("\n" + markdown(results))
+    print(f"this run ({now() - started:.0f} s): measured {', '.join(ran) or 'nothing'}")
+    if stopped is None:
+        print(f"done: nothing left to run; results in {os.path.join(args.out, 'results.json')} and results.md")
+        return DONE
+    mode, pairs, estimate, elapsed = stopped
+    print(
+        f"stopped: {describe(mode, pairs)} pairs"
+        f"{'' if estimate is None else f' (estimated {estimate:.0f} s)'} does not fit in the "
+        f"{max(0.0, args.time_budget - elapsed):.0f} s left of --time-budget {args.time_budget:.0f} s"
+    )
+    print(f"left: {', '.join(results['left'])}")
+    print(f"to continue, run the same command again:\n  {again}")
+    return DONE
 
 
 if __name__ == "__main__":

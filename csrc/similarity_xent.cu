@@ -161,7 +161,7 @@ __device__ __forceinline__ void load_operand_tiles(const XentParams<scalar_t>& p
   for (int idx = threadIdx.x; idx < Tile::BM * Tile::BK; idx += kXentThreads) {
     const int r = idx / Tile::BK, k = idx % Tile::BK;
     const int64_t row = row0 + r, d = k0 + k;
-    operand_t v = operand_t(0.0f);
+    operand_t v{};  // zero (value-initialised); operand_t(0.0f) does not exist for __half/bf16 in torch's build
     if (row < p.rows_q && d < p.dim) {
       if constexpr (Tile::kUseWmma) {
         v = p.q[row * p.q_stride_row + d * p.q_stride_dim];
@@ -174,7 +174,7 @@ __device__ __forceinline__ void load_operand_tiles(const XentParams<scalar_t>& p
   for (int idx = threadIdx.x; idx < Tile::BN * Tile::BK; idx += kXentThreads) {
     const int j = idx / Tile::BK, k = idx % Tile::BK;
     const int64_t col = col0 + j, d = k0 + k;
-    operand_t v = operand_t(0.0f);
+    operand_t v{};
     if (col < p.rows_c && d < p.dim) {
       if constexpr (Tile::kUseWmma) {
         v = p.c[col * p.c_stride_row + d * p.c_stride_dim];

@@ -1,16 +1,24 @@
-"""Compile every CUDA kernel file in csrc/ with nvcc alone, for sm_90 (H100/H200) and sm_80 (A100).
+"""Compile every CUDA kernel file in csrc/ with nvcc and the flags torch's extension builder really passes, for
+sm_90 (H100/H200) and sm_80 (A100); and check that setup.py survives a failed compile.
 
 No GPU is needed: this catches syntax and template errors, missing instantiations, and ptxas problems
-(register spills) on a CPU-only machine. The kernels must not include torch, c10 or ATen headers, so only
-CUDA's own include path is used. Skipped when nvcc is not installed; fails when nvcc fails.
+(register spills) on a CPU-only machine. The flags matter: torch.utils.cpp_extension always adds
+COMMON_NVCC_FLAGS (-D__CUDA_NO_HALF_CONVERSIONS__, -D__CUDA_NO_BFLOAT16_CONVERSIONS__, ...), which delete
+the implicit __half(float) / __nv_bfloat16(float) constructors: code that plain nvcc accepts can fail the real
+build. They are read from the installed torch at test time, not copied, and combined with our own flags
+(angle_kernels.cuda_ops._extension.NVCC_FLAGS) as torch combines them. The kernels must not include torch,
+c10 or ATen headers, so only CUDA's own include path is used. Skipped when nvcc is not installed; fails when
+nvcc fails.
 
 The torch binding (csrc/bindings.cpp) cannot be compiled into an object here: it needs a CUDA build of
 torch (c10/cuda headers are incomplete in the CPU wheel). An opt-in syntax-only check against the CPU wheel's
-headers runs with ANGLE_KERNELS_TEST_BINDING=1 (about 70 s on 2 cores).
+headers runs with ANGLE_KERNELS_TEST_BINDING=1 (about 70 s on 2 cores); scripts/check_cuda_build.sh builds,
+links and loads the whole extension against a CUDA torch (several GB: not in CI).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -20,8 +28,12 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from torch.utils import cpp_extension
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+from angle_kernels.cuda_ops import _extension
+
+REPO = Path(__file__).resolve().parents[1]
+CSRC = REPO / "csrc"
 KERNEL_FILES = sorted(p.name for p in CSRC.glob("*.cu"))
 ARCHS = ("sm_80", "sm_90")
 # Every kernel each file must define (one instantiation per dtype, checked per architecture).
@@ -60,20 +72,34 @@ def test_kernels_do_not_include_torch(name):
     assert not bad, f"{name} includes torch headers {bad}: kernels must compile with nvcc alone"
 
 
+def torch_nvcc_flags() -> list[str]:
+    """What torch's extension builder passes to nvcc for a .cu file, read from the installed torch (minus the
+    include paths, the -gencode list and the C++ standard, which the test sets per compile)."""
+    return [*cpp_extension.COMMON_NVCC_FLAGS, "--compiler-options", "-fPIC", *_extension.NVCC_FLAGS]
+
+
+def test_compile_flags_include_torchs_half_conversion_switches():
+    """The check below is only as strict as the real build if it sees the switches that broke it once."""
+    flags = torch_nvcc_flags()
+    assert "-D__CUDA_NO_HALF_CONVERSIONS__" in flags and "-D__CUDA_NO_BFLOAT16_CONVERSIONS__" in flags
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """Compile all kernel files concurrently; {name: (returncode, combined output)}.
 
-    sm_90: a full `nvcc -c` (host and device code, so the launchers are compiled too); sm_80: device code
-    only (`-cubin`), which is all that differs between architectures and takes half the time."""
+    sm_90: a full `nvcc -c` (host and device code, so the launchers are compiled too) in C++17, the standard
+    of the GPU machine's torch 2.11; sm_80: device code only (`-cubin`, all that differs between
+    architectures, half the time) in C++20, the standard torch 2.13's builder passes."""
     out_dir = tmp_path_factory.mktemp("nvcc")
     procs = {}
     for name in KERNEL_FILES:
-        common = [NVCC, "-std=c++17", "-Xptxas", "-v", "-I", str(CSRC), str(CSRC / name)]
+        common = [NVCC, *torch_nvcc_flags(), "-Xptxas", "-v", "-I", str(CSRC), str(CSRC / name)]
         procs[name] = [
-            subprocess.Popen([*common, "-arch=sm_90", "-c", "-o", str(out_dir / f"{name}.sm_90.o")],
+            subprocess.Popen([*common, "-std=c++17", "-arch=sm_90", "-c", "-o", str(out_dir / f"{name}.sm_90.o")],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-            subprocess.Popen([*common, "-arch=sm_80", "-cubin", "-o", str(out_dir / f"{name}.sm_80.cubin")],
+            subprocess.Popen([*common, "-std=c++20", "-arch=sm_80", "-cubin",
+                              "-o", str(out_dir / f"{name}.sm_80.cubin")],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
         ]
     results = {}
@@ -147,3 +173,30 @@ def test_binding_syntax_against_cpu_torch_headers():
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert proc.returncode == 0, "bindings.cpp does not compile:\n" + "\n".join(errors[:40])
     print(f"bindings.cpp syntax check passed ({sys.platform})")
+
+
+def test_setup_py_skips_an_extension_that_fails_to_compile(tmp_path, capsys):
+    """setup.py wraps torch's build_ext: a compile failure installs the package without the extension (with a
+    warning) unless ANGLE_KERNELS_BUILD_CUDA=1 asked for it. Exercised with a C file that does not compile,
+    through setuptools' own build_ext (the wrapper works the same around torch's BuildExtension)."""
+    from setuptools import Distribution, Extension
+    from setuptools.command.build_ext import build_ext
+
+    spec = importlib.util.spec_from_file_location("angle_kernels_setup_py", REPO / "setup.py")
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)  # not __main__: defines the helpers, runs no setup()
+    (tmp_path / "broken.c").write_text("int broken( { return 0; }\n")
+
+    def build(required: bool):
+        dist = Distribution({"name": "broken", "ext_modules": [Extension("broken", [str(tmp_path / "broken.c")])]})
+        command = setup_py.optional_build_ext(build_ext, required)(dist)
+        command.build_lib = command.build_temp = str(tmp_path / "build")
+        command.ensure_finalized()
+        command.run()
+        return command
+
+    command = build(required=False)
+    assert command.extensions == [] and not list((tmp_path / "build").rglob("broken*.so"))
+    assert "WARNING: compiling broken failed" in capsys.readouterr().err
+    with pytest.raises(Exception):
+        build(required=True)

@@ -4,7 +4,7 @@ kernels in csrc/ (pair_scores.cu, ranking.cu, similarity_xent.cu; binding in csr
     pair_scores(x, with_angle) -> (cos, angle)
     ranking_loss(scores, labels) -> loss
     similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None)
-    is_available() -> (bool, reason)
+    is_available(allow_build=True) -> (bool, reason)
 
 Semantics are exactly the contract in `angle_kernels.dispatch`. Inputs: CUDA tensors, float32 / float64 /
 float16 / bfloat16 (float32 accumulation; float64 stays float64). The ops are `torch.ops.angle_kernels.cuda_*`
@@ -29,14 +29,18 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 TARGETS = ("partner", "diagonal")
 
 
-def is_available() -> tuple[bool, str]:
-    """(True, "") when the CUDA kernels can run here, else (False, the reason). Builds them on first call
-    from a source checkout when needed (see `_extension`)."""
+def is_available(allow_build: bool = True) -> tuple[bool, str]:
+    """(True, "") when the CUDA kernels can run here, else (False, the reason).
+
+    With allow_build=True (the default) this JIT-builds them from a source checkout when there is no prebuilt
+    extension (minutes of nvcc, once per process); allow_build=False answers without compiling, as
+    backend="auto" asks (see `_extension`).
+    """
     if _library is None:
         return False, _LIBRARY_ERROR
     from . import _extension
 
-    return _extension.load()
+    return _extension.load(allow_build=allow_build)
 
 
 def _op(name: str):

@@ -1,13 +1,16 @@
 """Finding the compiled CUDA kernels: a prebuilt `angle_kernels._C`, else a JIT build of csrc/.
 
-`load()` runs once per process (cached) and returns (True, "") or (False, why). It never raises: an optional
-backend must not break `import angle_kernels`. Order of attempts:
+`load(allow_build)` returns (True, "") or (False, why). It never raises: an optional backend must not break
+`import angle_kernels`. Order of attempts:
 
 1. torch must be a CUDA build (torch.version.cuda set) and see a GPU; otherwise there is nothing to run on.
 2. `import angle_kernels._C`: built by setup.py (`pip install .` on a machine with CUDA torch and nvcc).
 3. A JIT build with torch.utils.cpp_extension.load from the source checkout's csrc/, attempted only when nvcc
-   is found. Builds land in TORCH_EXTENSIONS_DIR (torch's default cache dir when unset). Set
-   ANGLE_KERNELS_CUDA_JIT=0 to never attempt it.
+   is found, and only with allow_build=True: it runs nvcc for minutes, so backend="auto" (which passes
+   allow_build=False) never starts it inside a loss call; an explicit backend="cuda" or
+   `cuda_ops.is_available()` does. A build is attempted at most once per process, and once it succeeded
+   load(allow_build=False) reports the kernels available too. Builds land in TORCH_EXTENSIONS_DIR (torch's
+   default cache dir when unset). Set ANGLE_KERNELS_CUDA_JIT=0 to never attempt it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-# The same flags as setup.py's build.
+# The one statement of what the extension is built from and with: setup.py (the install-time build) loads this
+# file for them, and tests/test_csrc_compile.py compiles csrc/ with NVCC_FLAGS on top of torch's own flags.
 NVCC_FLAGS = ["-O3", "-lineinfo"]  # the C++ standard is left to torch (c++17 or c++20)
 CXX_FLAGS = ["-O3"]
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
@@ -60,20 +64,51 @@ def _jit_build() -> tuple[bool, str]:
     return True, ""
 
 
-@functools.lru_cache(maxsize=None)
-def load() -> tuple[bool, str]:
-    """Make the CUDA kernels of the angle_kernels::cuda_* ops available; (ok, reason if not)."""
+def _missing_requirement() -> str:
+    """Why this process has nothing to run CUDA kernels on, or "" when it has."""
     if torch.version.cuda is None:
-        return False, f"torch {torch.__version__} was built without CUDA (torch.version.cuda is None)"
+        return f"torch {torch.__version__} was built without CUDA (torch.version.cuda is None)"
     if not torch.cuda.is_available():
-        return False, "torch sees no CUDA GPU (torch.cuda.is_available() is False)"
+        return "torch sees no CUDA GPU (torch.cuda.is_available() is False)"
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _import_prebuilt() -> tuple[bool, str]:
+    """Import the extension setup.py built, if there is one (a fact about the install: cached)."""
     from . import _library  # noqa: F401  (the schemas must exist before kernels are attached to them)
 
     try:
         import angle_kernels._C  # noqa: F401
     except ImportError as exc:
-        prebuilt_error = f"no prebuilt angle_kernels._C ({exc})"
-    else:
+        return False, f"no prebuilt angle_kernels._C ({exc})"
+    return True, ""
+
+
+# The outcome of this process's JIT build of csrc/; None until one is attempted (at most one is). Kept apart
+# from the answers of load(allow_build=False), which must not stand in for a build that was never tried.
+_jit_outcome: tuple[bool, str] | None = None
+
+
+def load(allow_build: bool = True) -> tuple[bool, str]:
+    """Make the CUDA kernels of the angle_kernels::cuda_* ops available; (ok, reason if not).
+
+    allow_build=False never compiles: the kernels are available only if a prebuilt extension imports or this
+    process has already JIT-built them.
+    """
+    global _jit_outcome
+    missing = _missing_requirement()
+    if missing:
+        return False, missing
+    prebuilt, prebuilt_why = _import_prebuilt()
+    if prebuilt:
         return True, ""
-    ok, why = _jit_build()
-    return (True, "") if ok else (False, f"{prebuilt_error}; {why}")
+    if _jit_outcome is None:
+        if not allow_build:
+            return False, (
+                f"{prebuilt_why}; the JIT build of csrc/ (minutes of nvcc) was not attempted: it runs only "
+                "for an explicit backend='cuda' or angle_kernels.cuda_ops.is_available()"
+            )
+        _jit_outcome = _jit_build()
+    built, build_why = _jit_outcome
+    return (True, "") if built else (False, f"{prebuilt_why}; {build_why}")

@@ -16,7 +16,8 @@ The anchor u of a group with K = 3 accumulates the terms of both its pairs.
 The floor. This op is pure bandwidth: forward reads the G*K*D elements of x once and writes O(G*K) scalars;
 backward reads x once more and writes dx (G*K*D elements) once. At bf16, 1M pairs of D = 768:
 forward 3.1 GB, backward 6.3 GB: 0.7 ms + 1.5 ms at 4.3 TB/s. FLOPs (about 8 per element forward, 12
-backward) are two orders of magnitude below the H200's rate and do not matter.
+backward) are two orders of magnitude below the H200's rate and do not matter. dx is allocated uninitialised
+(`_common.new_output`): filling it first would add a full write, half the backward's floor again.
 
 Kernel shape. One program per group: it streams the anchor row and its K-1 partner rows (a [K-1 padded, BLOCK]
 tile) through registers in BLOCK-element chunks (the halves a, b, c, d are read at the same offsets so the
@@ -37,7 +38,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._common import NORM_EPS, acc_dtype_of, check_device, torch_compute_dtype
+from ._common import NORM_EPS, acc_dtype_of, check_device, new_output, torch_compute_dtype
 
 _MAX_BLOCK = 1024
 
@@ -230,12 +231,12 @@ class PairScoresFunction(torch.autograd.Function):
         _validate(x, with_angle)
         groups, k, d = x.shape
         dtype = torch_compute_dtype(x.dtype)
-        cos = torch.full((groups, k - 1), float("nan"), dtype=dtype, device=x.device)
-        cross = torch.full((groups, k - 1), float("nan"), dtype=dtype, device=x.device)
-        norms = torch.full((groups, k), float("nan"), dtype=dtype, device=x.device)
+        cos = new_output((groups, k - 1), dtype, x.device)
+        cross = new_output((groups, k - 1), dtype, x.device)
+        norms = new_output((groups, k), dtype, x.device)
         if with_angle:
-            angle = torch.full((groups, k - 1), float("nan"), dtype=dtype, device=x.device)
-        else:
+            angle = new_output((groups, k - 1), dtype, x.device)
+        else:  # zeros by contract: the kernel does not write it
             angle = torch.zeros((groups, k - 1), dtype=dtype, device=x.device)
         cfg = launch_config(k, d, with_angle)
         if groups > 0:
@@ -258,7 +259,7 @@ class PairScoresFunction(torch.autograd.Function):
         grad_cos = torch.zeros_like(cos) if grad_cos is None else grad_cos.to(dtype).contiguous()
         with_angle = ctx.with_angle and grad_angle is not None
         grad_angle = grad_angle.to(dtype).contiguous() if with_angle else grad_cos
-        dx = torch.full((groups, k, d), float("nan"), dtype=x.dtype, device=x.device)
+        dx = new_output((groups, k, d), x.dtype, x.device)
         cfg = launch_config(k, d, with_angle)
         if groups > 0:
             _pair_scores_bwd_kernel[(groups,)](

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._common import check_device
+from ._common import check_device, new_output
 
 # Crossover between the tiled O(N^2) launch and the sort path. NOT MEASURED (no GPU was available when it
 # was written): it must be measured on a GPU with bench/gpu_suite.py and updated. The reasoning behind the
@@ -234,10 +234,10 @@ def _validate(scores: torch.Tensor, labels: torch.Tensor) -> None:
 
 def _log_sums_tiled(scores: torch.Tensor, labels: torch.Tensor):
     n = scores.shape[0]
-    log_a = torch.full((n,), float("nan"), dtype=torch.float64, device=scores.device)
-    log_b = torch.full_like(log_a, float("nan"))
+    log_a = new_output((n,), torch.float64, scores.device)
+    log_b = new_output((n,), torch.float64, scores.device)
     blocks = triton.cdiv(n, _PAIRWISE_BLOCK_ROWS)
-    partial = torch.full((blocks,), float("nan"), dtype=torch.float64, device=scores.device)
+    partial = new_output((blocks,), torch.float64, scores.device)
     acc = tl.float64 if scores.dtype == torch.float64 else tl.float32
     _ranking_pairwise_fwd_kernel[(blocks,)](
         scores, labels, log_a, log_b, partial, n,
@@ -255,10 +255,10 @@ def _log_sums_sorted(scores64: torch.Tensor, labels: torch.Tensor):
     group_end = torch.searchsorted(sorted_labels, sorted_labels, right=True)
 
     scan_blocks = triton.cdiv(n, _SCAN_BLOCK)
-    local_prefix = torch.full((n,), float("nan"), dtype=torch.float64, device=device)
-    local_suffix = torch.full_like(local_prefix, float("nan"))
-    prefix_totals = torch.full((scan_blocks,), float("nan"), dtype=torch.float64, device=device)
-    suffix_totals = torch.full_like(prefix_totals, float("nan"))
+    local_prefix = new_output((n,), torch.float64, device)
+    local_suffix = new_output((n,), torch.float64, device)
+    prefix_totals = new_output((scan_blocks,), torch.float64, device)
+    suffix_totals = new_output((scan_blocks,), torch.float64, device)
     _ranking_block_scan_kernel[(scan_blocks,)](
         sorted_scores, local_prefix, local_suffix, prefix_totals, suffix_totals, n,
         BLOCK=_SCAN_BLOCK, num_warps=8,
@@ -268,10 +268,10 @@ def _log_sums_sorted(scores64: torch.Tensor, labels: torch.Tensor):
     carry_prefix = torch.cat([neg_inf, torch.logcumsumexp(prefix_totals, 0)[:-1]])
     carry_suffix = torch.cat([torch.logcumsumexp(suffix_totals.flip(0), 0).flip(0)[1:], neg_inf])
 
-    log_a = torch.full((n,), float("nan"), dtype=torch.float64, device=device)
-    log_b = torch.full_like(log_a, float("nan"))
+    log_a = new_output((n,), torch.float64, device)
+    log_b = new_output((n,), torch.float64, device)
     gather_blocks = triton.cdiv(n, _SCAN_BLOCK)
-    partial = torch.full((gather_blocks,), float("nan"), dtype=torch.float64, device=device)
+    partial = new_output((gather_blocks,), torch.float64, device)
     _ranking_gather_fwd_kernel[(gather_blocks,)](
         sorted_scores, group_start, group_end, local_prefix, local_suffix, carry_prefix, carry_suffix,
         log_a, log_b, partial, n, SCAN_BLOCK=_SCAN_BLOCK, BLOCK=_SCAN_BLOCK, num_warps=8,
@@ -310,7 +310,7 @@ class RankingLossFunction(torch.autograd.Function):
             return torch.zeros(0, dtype=ctx.out_dtype, device=grad_loss.device), None
         kept_scores, log_a, log_b, loss, order = ctx.saved_tensors
         n = kept_scores.shape[0]
-        grad = torch.full((n,), float("nan"), dtype=ctx.out_dtype, device=kept_scores.device)
+        grad = new_output((n,), ctx.out_dtype, kept_scores.device)
         has_order = order is not None
         _ranking_bwd_kernel[(triton.cdiv(n, _BWD_BLOCK),)](
             kept_scores, log_a, log_b, order if has_order else log_a, loss, grad_loss.contiguous(), grad, n,

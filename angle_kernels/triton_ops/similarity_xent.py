@@ -48,7 +48,9 @@ Blocks for an H200 (autotuned among a few configs when not interpreting; see _GP
 BLOCK_M = 128 rows (two 64-row wgmma warpgroups with 8 warps), BLOCK_N = 64 columns, BLOCK_K = 32, 3
 pipeline stages: 12-24 KB of shared memory; at 184-250 registers x 256 threads a program holds most of an
 SM's 64K registers, so one program runs per SM and the pipeline stages hide the load latency. Larger tiles
-spill (read from the sm_90 compile: `python -m angle_kernels.triton_ops._compile_check --full`).
+spill (read from the sm_90 compile: `python -m angle_kernels.triton_ops._compile_check --full`). The tuning
+runs once per dtype, flags, D and power-of-two bucket of M and of Mc (_TUNE_KEY), not once per shape: a new
+batch size re-tunes only when it enters a new bucket, and compiles nothing (_BATCH_SIZE_ARGS).
 
 Precision. Dots accumulate in fp32 (fp64 for fp64 inputs). bf16/fp16 inputs feed tl.dot natively on a GPU
 (tensor cores, fp32 accumulation) and the backward's softmax-gradient tile is rounded to the input dtype for
@@ -68,7 +70,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._common import NORM_EPS, check_device, interpreting, torch_compute_dtype
+from ._common import NORM_EPS, check_device, interpreting, new_output, torch_compute_dtype
 
 # sin(theta) = sqrt(max(1 - cos^2, this)): keeps the margin's gradient finite as |cos| -> 1 (contract).
 MARGIN_SIN_SQUARED_FLOOR = 1e-6
@@ -197,12 +199,18 @@ def _grad_cos_tile(
 # Kernels
 # ----------------------------------------------------------------------------------------------------------
 
+# The tile kernels' arguments that change with the batch size. Triton specialises integer arguments on their
+# value (== 1, divisible by 16) and compiles a variant per case; these only bound loops and masks, so
+# specialising them buys nothing, and not doing so keeps a new batch size from compiling anything.
+_BATCH_SIZE_ARGS = ("M", "Mc", "M_BUCKET", "Mc_BUCKET")
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_BATCH_SIZE_ARGS)
 def _similarity_xent_fwd_kernel(
     q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr,
     lse_all_ptr, lse_pos_ptr,  # [M] out, compute dtype
     M, Mc, D,
+    M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
     stride_qm, stride_qd, stride_cm, stride_cd,
     params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
     PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
@@ -254,12 +262,13 @@ def _similarity_xent_fwd_kernel(
     tl.store(lse_pos_ptr + rows, lse_pos, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_SIZE_ARGS)
 def _similarity_xent_bwd_dq_kernel(
     q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,
     dq_raw_ptr,  # [M, D] fp32/fp64 out: sum_j G_ij inv_c_j c_j
     dq_radial_ptr,  # [M] out: sum_j G_ij cos_ij
     M, Mc, D,
+    M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
     stride_qm, stride_qd, stride_cm, stride_cd,
     params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
     PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
@@ -310,18 +319,19 @@ def _similarity_xent_bwd_dq_kernel(
             update = tl.dot(g_operand, c_hat, input_precision=PRECISION, out_dtype=ACC)
             out_ptrs = dq_raw_ptr + rows[:, None] * D + ks[None, :]
             out_ok = row_ok[:, None] & k_ok[None, :]
-            if col_start > 0:
+            if col_start > 0:  # the first column block stores without reading: the buffer needs no zeroing
                 update += tl.load(out_ptrs, mask=out_ok, other=0.0)
             tl.store(out_ptrs, update, mask=out_ok)
     tl.store(dq_radial_ptr + rows, radial, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_SIZE_ARGS)
 def _similarity_xent_bwd_dc_kernel(
     q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,
     dc_raw_ptr,  # [Mc, D] out: sum_i G_ij inv_q_i q_i
     dc_radial_ptr,  # [Mc] out: sum_i G_ij cos_ij
     M, Mc, D,
+    M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
     stride_qm, stride_qd, stride_cm, stride_cd,
     params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
     PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
@@ -369,7 +379,7 @@ def _similarity_xent_bwd_dc_kernel(
             update = tl.dot(g_operand_t, q_hat, input_precision=PRECISION, out_dtype=ACC)
             out_ptrs = dc_raw_ptr + cols[:, None] * D + ks[None, :]
             out_ok = col_ok[:, None] & k_ok[None, :]
-            if row_start > 0:
+            if row_start > 0:  # the first row block stores without reading: the buffer needs no zeroing
                 update += tl.load(out_ptrs, mask=out_ok, other=0.0)
             tl.store(out_ptrs, update, mask=out_ok)
     tl.store(dc_radial_ptr + cols, radial, mask=col_ok)
@@ -412,13 +422,14 @@ _TILE_KERNELS = (_similarity_xent_fwd_kernel, _similarity_xent_bwd_dq_kernel, _s
 
 # GPU candidates (see the module docstring). Under the interpreter autotuning with more than one config
 # fails, and one config sized to cover the (small) test problems in few programs is used instead.
-# 16-bit operands run on tensor cores (wgmma). Compiled for sm_90 (python -m
-# angle_kernels.triton_ops._compile_check --full), 128 x 64 tiles with BLOCK_K = 32 and 8 warps use 184 / 230 /
-# 250 registers (forward / dq / dc) and spill nothing; BLOCK_K = 64 spills 100-300 bytes in the backward
-# kernels (the fp32 gradient chunk and the recomputed tile are live together), 128 x 128 spills far more.
-# fp32 with input_precision="ieee" cannot use tensor cores (FMA dots hold both operands in registers), so
-# its tiles are smaller; they still spill a little (24-100 bytes). None of this is measured on a GPU yet:
-# autotuning picks among these on the first call of each shape.
+# 16-bit operands run on tensor cores (wgmma). Compiled for sm_90 with triton 3.9 (python -m
+# angle_kernels.triton_ops._compile_check --full; stack bytes = spills): 128 x 64 tiles with BLOCK_K = 32 and
+# 8 warps use 177-220 / 231 / 233-255 registers (forward / dq / dc) and spill 0 / 0 / 0-16 bytes; the
+# BLOCK_K = 64 configs spill 96-416 bytes in the backward kernels (the fp32 gradient chunk and the recomputed
+# tile are live together); 128 x 128 spills far more. fp32 with input_precision="ieee" cannot use tensor cores
+# (FMA dots hold both operands in registers): its backward kernels spill 184-930 bytes in every config here,
+# so the exact-fp32 path is expected to be slow; bf16/fp16 is the training path. None of this is measured on
+# a GPU yet: autotuning picks among these on the first call of each key (see _TUNE_KEY).
 _GPU_CONFIGS_16BIT = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
@@ -429,7 +440,18 @@ _GPU_CONFIGS_32BIT = [
     triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=8, num_stages=2),
 ]
-_TUNE_KEY = ["M", "Mc", "D", "HAS_GROUPS", "HAS_MARGIN"]
+# Autotuning benchmarks every config (several compiles and timed runs, minutes at large sizes) for each new
+# key. Keying on the exact row counts would redo that for every batch size a training run meets (the last
+# batch of an epoch, filtered pairs), so the key holds their power-of-two buckets (M_BUCKET, Mc_BUCKET; the
+# assumption, not yet measured, is that the best tile changes little within a factor of two); D is the model's
+# width and stays exact. Triton adds the tensor arguments' dtypes to the key itself.
+_TUNE_KEY = ["M_BUCKET", "Mc_BUCKET", "D", "HAS_GROUPS", "HAS_MARGIN"]
+
+
+def _autotune_bucket(rows: int) -> int:
+    """The autotune key of a row count: its next power of two (513 .. 1024 all give 1024)."""
+    return triton.next_power_of_2(max(rows, 1))
+
 
 if interpreting():
     _TUNED = {"16bit": _TILE_KERNELS, "32bit": _TILE_KERNELS}
@@ -562,10 +584,11 @@ class SimilarityXentFunction(torch.autograd.Function):
             EPS=NORM_EPS, SIN_SQ_FLOOR=MARGIN_SIN_SQUARED_FLOOR,
         )
         params = torch.tensor([float(scale), math.cos(margin), math.sin(margin)], dtype=dtype).to(q.device)
-        runtime = (m, mc, d, q_in.stride(0), q_in.stride(1), c_in.stride(0), c_in.stride(1), params)
+        runtime = (m, mc, d, _autotune_bucket(m), _autotune_bucket(mc),
+                   q_in.stride(0), q_in.stride(1), c_in.stride(0), c_in.stride(1), params)
 
-        lse_all = torch.full((m,), float("nan"), dtype=dtype, device=q.device)
-        lse_pos = torch.full((m,), float("nan"), dtype=dtype, device=q.device)
+        lse_all = new_output((m,), dtype, q.device)
+        lse_pos = new_output((m,), dtype, q.device)
         blocks = _interpreter_blocks(m, mc, d)
         fwd_kernel, _, _ = _kernels_for(q.dtype)
         _tile_launch(fwd_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
@@ -593,20 +616,20 @@ class SimilarityXentFunction(torch.autograd.Function):
         blocks = _interpreter_blocks(m, mc, d)
         common = (q_in, c_in, q_norm, c_norm, groups, lse_all, lse_pos, coef)
 
-        dq_raw = torch.full((m, d), float("nan"), dtype=dtype, device=q_in.device)
-        dq_radial = torch.full((m,), float("nan"), dtype=dtype, device=q_in.device)
+        dq_raw = new_output((m, d), dtype, q_in.device)
+        dq_radial = new_output((m,), dtype, q_in.device)
         _, dq_kernel, dc_kernel = _kernels_for(q_in.dtype)
         _tile_launch(dq_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
                      *common, dq_raw, dq_radial, *ctx.runtime, **ctx.static)
-        dc_raw = torch.full((mc, d), float("nan"), dtype=dtype, device=q_in.device)
-        dc_radial = torch.full((mc,), float("nan"), dtype=dtype, device=q_in.device)
+        dc_raw = new_output((mc, d), dtype, q_in.device)
+        dc_radial = new_output((mc,), dtype, q_in.device)
         _tile_launch(dc_kernel, lambda b: (triton.cdiv(mc, b["BLOCK_N"]),), blocks,
                      *common, dc_raw, dc_radial, *ctx.runtime, **ctx.static)
 
         acc = ctx.static["ACC"]
         block_d = min(triton.next_power_of_2(d), 1024)
         finish = dict(ACC=acc, EPS=NORM_EPS, BLOCK_D=block_d, num_warps=4)
-        dq = torch.full((m, d), float("nan"), dtype=q_in.dtype, device=q_in.device)
+        dq = new_output((m, d), q_in.dtype, q_in.device)
         if symmetric:
             _similarity_xent_bwd_finish_kernel[(m,)](
                 q_in, q_norm, dq_raw, dq_radial, dc_raw, dc_radial, dq, m, d, q_in.stride(0), q_in.stride(1),
@@ -615,7 +638,7 @@ class SimilarityXentFunction(torch.autograd.Function):
         _similarity_xent_bwd_finish_kernel[(m,)](
             q_in, q_norm, dq_raw, dq_radial, dq_raw, dq_radial, dq, m, d, q_in.stride(0), q_in.stride(1),
             HAS_B=False, **finish)
-        dc = torch.full((mc, d), float("nan"), dtype=c_in.dtype, device=c_in.device)
+        dc = new_output((mc, d), c_in.dtype, c_in.device)
         _similarity_xent_bwd_finish_kernel[(mc,)](
             c_in, c_norm, dc_raw, dc_radial, dc_raw, dc_radial, dc, mc, d, c_in.stride(0), c_in.stride(1),
             HAS_B=False, **finish)

@@ -1,14 +1,12 @@
-"""Triton interpreter tests: run the kernels on CPU tensors through TRITON_INTERPRET=1.
+"""Triton tests: the kernels through the Triton interpreter (CPU tensors) or, on a machine with a CUDA device,
+through the real compiler on CUDA tensors. The root conftest.py decides which (TRITON_INTERPRET) before
+triton is imported; ANGLE_KERNELS_TRITON_TEST_DEVICE=cpu|cuda overrides it.
 
-With ANGLE_KERNELS_TRITON_TEST_DEVICE=cuda the same tests run on a GPU instead (interpreter off; this is how
-bench/gpu_suite.py runs them), and the folder is skipped if no GPU is visible.
-
-The interpreter must be on when triton decorates the kernels (at import of angle_kernels.triton_ops), so it
-is switched on here, before anything in this folder imports triton; the previous value is restored right
-after, and an autouse fixture turns it on again only for the duration of each test in this folder, so the
-rest of the suite (which may check that backend="triton" is refused on CPU) sees its own environment.
-If the kernel modules were already imported in compiled (GPU) mode by an earlier test module, they are
-reloaded in interpreter mode. The whole folder is skipped when triton is not installed.
+If the kernel modules were already imported in the other mode by an earlier test module (an environment
+changed mid-session), they are reloaded in this session's mode. An autouse fixture keeps TRITON_INTERPRET
+set for the duration of each interpreted test in this folder, so that tests elsewhere that toggle it with
+monkeypatch cannot leak into these. The whole folder is skipped when triton is not installed, and fails
+loudly (not skipped) when the compiler mode was chosen but no CUDA device is visible.
 """
 
 from __future__ import annotations
@@ -20,10 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ON_GPU = os.environ.get("ANGLE_KERNELS_TRITON_TEST_DEVICE", "cpu") == "cuda"
-_previous = os.environ.get("TRITON_INTERPRET")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+ON_GPU = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")  # set (or not) by the root conftest.py
 try:
     import triton  # noqa: F401
     from triton.runtime.interpreter import InterpretedFunction
@@ -31,7 +26,7 @@ except Exception as exc:  # noqa: BLE001
     _TRITON_ERROR: Exception | None = exc
 else:
     _TRITON_ERROR = None
-    import angle_kernels.triton_ops  # noqa: F401  (decorates the kernels as interpreted functions)
+    import angle_kernels.triton_ops  # noqa: F401  (decorates the kernels in this session's mode)
 
     _kernel_modules = ("pair_scores", "ranking", "similarity_xent")
     for _name in _kernel_modules:
@@ -39,17 +34,13 @@ else:
         _kernel = next(v for k, v in vars(_module).items() if k.endswith("_fwd_kernel"))
         if isinstance(_kernel, InterpretedFunction) == ON_GPU:  # decorated in the wrong mode: redo it
             importlib.reload(_module)
-finally:
-    if _previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
 
 if _TRITON_ERROR is None and ON_GPU:
     import torch
 
     if not torch.cuda.is_available():
-        _TRITON_ERROR = RuntimeError("ANGLE_KERNELS_TRITON_TEST_DEVICE=cuda but no CUDA device is visible")
+        raise RuntimeError("tests/triton: the Triton interpreter is off (ANGLE_KERNELS_TRITON_TEST_DEVICE=cuda "
+                           "or TRITON_INTERPRET unset) but no CUDA device is visible")
 
 if _TRITON_ERROR is not None:
     collect_ignore_glob = ["test_*.py"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 
 import triton_oracle as oracle
 from angle_kernels.triton_ops import similarity_xent
+
+sx = importlib.import_module("angle_kernels.triton_ops.similarity_xent")
 
 # (name, M, Mc or None for the symmetric case, D, options)
 CASES = [
@@ -184,3 +187,29 @@ def test_fp16_zero_and_tiny_rows_never_give_nan():
     assert (~torch.isfinite(ours)).any(1).nonzero().flatten().tolist() == [3]
     finite_rows = [i for i in range(8) if i != 3]
     assert torch.allclose(ours[finite_rows], reference[finite_rows], rtol=2e-2, atol=1e-2)
+
+
+def test_autotune_bucket_is_the_next_power_of_two():
+    assert {sx._autotune_bucket(rows) for rows in range(513, 1025)} == {1024}
+    assert [sx._autotune_bucket(rows) for rows in (1, 2, 3, 512, 1025, 65536, 65537)] == [
+        1, 2, 4, 512, 2048, 65536, 131072]
+
+
+def test_launches_pass_bucketed_row_counts_as_the_autotune_keys(monkeypatch):
+    """The tile kernels get M and Mc exactly (for masking) and their buckets under the autotune key's names."""
+    launches = []
+    launch = sx._tile_launch
+
+    def recording_launch(kernel, grid_of, blocks, *args, **constexprs):
+        launches.append({**dict(zip(kernel.arg_names, args)), **constexprs})
+        return launch(kernel, grid_of, blocks, *args, **constexprs)
+
+    monkeypatch.setattr(sx, "_tile_launch", recording_launch)
+    q = torch.randn(37, 16, device=oracle.DEVICE, requires_grad=True)
+    c = torch.randn(74, 16, device=oracle.DEVICE, requires_grad=True)
+    similarity_xent(q, c, 20.0, "diagonal").backward()
+    assert len(launches) == 3  # forward, dq, dc
+    for named in launches:
+        assert (named["M"], named["Mc"], named["D"]) == (37, 74, 16)
+        assert (named["M_BUCKET"], named["Mc_BUCKET"]) == (64, 128)
+        assert set(sx._TUNE_KEY) <= set(named)

@@ -11,10 +11,9 @@ import torch
 
 EPS = 1e-12
 
-# Where the kernels run: "cpu" (the default: CPU tensors through the Triton interpreter) or "cuda" (a real
-# GPU, interpreter off; bench/gpu_suite.py runs this folder that way). The oracle always runs on CPU.
-DEVICE_ENV = "ANGLE_KERNELS_TRITON_TEST_DEVICE"
-DEVICE = os.environ.get(DEVICE_ENV, "cpu")
+# Where the kernels run: "cpu" (CPU tensors through the Triton interpreter) or "cuda" (interpreter off, a real
+# GPU), as the root conftest.py chose through TRITON_INTERPRET. The oracle always runs on CPU.
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
 
 
 def seed(*parts) -> int:
@@ -69,23 +68,23 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
     qn = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min(EPS)
     cn = c / torch.linalg.vector_norm(c, dim=1, keepdim=True).clamp_min(EPS)
     cos = qn @ cn.T
-    rows = torch.arange(m)
+    rows = torch.arange(m, device=q.device)  # on q's device: bench/gpu_suite.py runs it on CUDA as the eager baseline
     t = rows ^ 1 if target == "partner" else rows
     logits = scale * cos
     if margin != 0.0:
         logits = logits.clone()
         logits[rows, t] = scale * margin_logit(cos[rows, t], margin)
-    columns = torch.ones(m, mc, dtype=torch.bool)
+    columns = torch.ones(m, mc, dtype=torch.bool, device=q.device)
     if exclude_diagonal:
         columns[rows, rows] = False
-    positives = torch.zeros(m, mc, dtype=torch.bool)
+    positives = torch.zeros(m, mc, dtype=torch.bool, device=q.device)
     positives[rows, t] = True
     if group_ids is not None:
         g = group_ids
         positives |= ((g[None, :] == g[:, None]) | (g[None, :] == g[t][:, None])) & columns
     lse_all = torch.logsumexp(logits.masked_fill(~columns, -math.inf), dim=1)
     lse_pos = torch.logsumexp(logits.masked_fill(~positives, -math.inf), dim=1)
-    w = torch.ones(m, dtype=logits.dtype) if row_weights is None else row_weights.to(logits.dtype)
+    w = torch.ones(m, dtype=logits.dtype, device=q.device) if row_weights is None else row_weights.to(logits.dtype)
     return (w * (lse_all - lse_pos)).sum() / m
 
 
