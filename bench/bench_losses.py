@@ -89,7 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="float32", help="comma-separated: " + ",".join(P.DTYPES))
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--providers", default="ours,reference,sentence-transformers",
-                        help="families to include: ours, reference, sentence-transformers")
+                        help="families to include: ours (or some of our backends: ours-triton, ours-cuda, "
+                             "ours-torch), reference, sentence-transformers")
     parser.add_argument("--angle-emb-loss", default=None,
                         help="angle-emb's loss.py or an angle-emb wheel (default: the installed package's loss.py)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads (torch.set_num_threads)")
@@ -420,11 +421,11 @@ def mem_available_bytes() -> int | None:
         return None
 
 
-def sweep(args, providers, limits, on_row=None) -> list[dict]:
+def sweep(args, providers, limits, on_row=None, deadline=None) -> list[dict]:
     """Every case, size by size with all providers of a size run back to back (so that a change in the
-    machine's load between sizes hits every provider alike). on_row(results) runs after every case."""
+    machine's load between sizes hits every provider alike). on_row(results) runs after every case; no case
+    starts past `deadline` (time.perf_counter()), or when its forecast would overrun it."""
     results = []
-    deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     for loss in args.losses:
         sizes = args.n if loss not in P.QUADRATIC_LOSSES else args.n_quadratic
         for dtype_name in args.dtypes:
@@ -699,6 +700,8 @@ def plot(results, args, env, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # --time-budget counts from here: probing the providers, the agreement check and the limits use it too.
+    deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     now = datetime.datetime.now(datetime.timezone.utc)
     out = Path(args.out) if args.out else HERE / "results" / f"{args.device}-{now:%Y-%m-%d}"
     out.mkdir(parents=True, exist_ok=True)
@@ -754,7 +757,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
 
     report = Report(out, env, args, limits, checks, missing, [p.name for p in providers], primary_name)
-    results = sweep(args, providers, limits, on_row=lambda rows: report.write(rows, complete=False))
+    results = sweep(args, providers, limits, on_row=lambda rows: report.write(rows, complete=False), deadline=deadline)
     elapsed = time.perf_counter() - started
     if load_before is not None:
         env["load_average_1min"] = {"start": round(load_before, 2), "end": round(os.getloadavg()[0], 2)}

@@ -13,20 +13,26 @@ Every stage writes its results into OUT_DIR as it goes: stage_<x>.json and stage
 and each subprocess's output line by line into its own log, so a stage killed from outside keeps what it did.
 
     stage  budget  what
-    a      330 s   environment; tests/triton and tests/test_triton_compile.py with the real compiler (the
-                   interpreter is off on a CUDA machine); large-size checks of every op against float64
-    b      330 s   the CUDA extension: JIT build for this GPU's architecture (cuda_build.log), then tests/gpu
-    c      300 s   hardware limits (device copy, matmul rates), then the op sweep: Triton, CUDA and torch
-                   backends side by side, achieved bandwidth or matmul fraction, needed and executed FLOPs
+    a      360 s   environment; large-size checks of every op against float64 (similarity first: the
+                   half-precision evidence); tests/triton and tests/test_triton_compile.py with the real
+                   compiler (the interpreter is off on a CUDA machine)
+    b      300 s   the CUDA extension: `setup.py build_ext --inplace` for this GPU's architecture
+                   (cuda_build.log), leaving angle_kernels/_C*.so for every later process, then tests/gpu
+    c      300 s   hardware limits (device copy, matmul rates), then the op sweep: Triton and torch backends,
+                   then the CUDA backend if stage b's extension passes a probe; achieved bandwidth or matmul
+                   fraction, for the FLOPs the maths needs and the FLOPs each backend executes
     d      300 s   loss sweep side by side: ours, angle-emb 0.6.1 (its loss.py from the carried wheel,
                    .whl/angle_emb-0.6.1-py3-none-any.whl by default) and sentence-transformers
-    e      480 s   the 7B LoRA training benchmark (bench/train_llama_7b.py), resumable: run it again with
+    e      540 s   the 7B LoRA training benchmark (bench/train_llama_7b.py), resumable: run it again with
                    --resume-from the previous results until it prints that it is done
     all            a, b, c, d, e in turn, each with its own budget (for a GPU without a 10-minute limit)
 
-Stages (a) to (d) and the machine's start (1-2 minutes) fit in 25 minutes on one H100; (e) takes a block of
-its own. The budgets are ceilings: a stage that finishes its work sooner ends sooner. Where there is no CUDA
-device, every stage says so and exits 0 without doing anything (a dry run of the command line).
+Stages (a) to (d) (21 minutes of budget) and the machine's start (1-2 minutes) fit in 25 minutes on one H100;
+(e) takes a command of its own. Budgets are checked before each piece of work starts, with an estimate of its
+cost, so a stage ends near its budget, not exactly at it; one that finishes its work sooner ends sooner. The
+CUDA extension is never JIT-built by these stages (ANGLE_KERNELS_CUDA_JIT=0): stage b builds it in place and
+the others import it, so no process waits on a compile or a build lock. Where there is no CUDA device, every
+stage says so and exits 0 without doing anything (a dry run of the command line).
 """
 
 from __future__ import annotations
@@ -119,17 +125,21 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
         if timeout_s <= 0:
             log.write("not started: no time left in the stage's budget\n")
             return {"returncode": None, "timed_out": True, "seconds": 0.0, "last_line": "not started (budget)"}
+        # errors="replace": one undecodable byte from a compiler must not stop the copying (and the supervision).
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, start_new_session=True)
+                                errors="replace", bufsize=1, start_new_session=True)
 
-        def kill():
-            timed_out.set()
+        def kill_group():
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
-        timer = threading.Timer(timeout_s, kill)
+        def on_timeout():
+            timed_out.set()
+            kill_group()
+
+        timer = threading.Timer(timeout_s, on_timeout)
         timer.start()
         try:
             for line in proc.stdout:
@@ -142,6 +152,8 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
             proc.wait()
         finally:
             timer.cancel()
+            if proc.poll() is None:  # this process is being stopped (an exception, Ctrl-C): take the child along
+                kill_group()
         if timed_out.is_set():
             log.write(f"\nkilled after {timeout_s:.0f} s (the stage's budget)\n")
     return {"returncode": proc.returncode, "timed_out": timed_out.is_set(),
@@ -149,13 +161,13 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
 
 
 def subprocess_env(**extra: str) -> dict:
-    """The environment of the stage's subprocesses: the real Triton compiler, this checkout importable, CUDA
-    extension builds cached in the checkout (kept between commands on a warm machine)."""
+    """The environment of the stage's subprocesses: the real Triton compiler, this checkout importable, and no
+    JIT build of the CUDA extension (main() sets that for this process too)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["ANGLE_KERNELS_TRITON_TEST_DEVICE"] = "cuda"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"  # the log gets every line when it is printed, not when a buffer fills
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+    env["ANGLE_KERNELS_CUDA_JIT"] = "0"
     env.update(extra)
     return env
 
@@ -187,16 +199,21 @@ def guarded(record: StageRecord, name: str, fn) -> dict:
                   "traceback": traceback.format_exc()}
         print(result["traceback"], flush=True)
     result["seconds"] = round(time.monotonic() - started, 1)
+    record.step(name, result)
     free_cuda()
-    return record.step(name, result)
+    return result
 
 
 def free_cuda() -> None:
+    """Return cached CUDA memory between steps; after a CUDA error (a lost context) there is nothing to free."""
     import torch
 
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except RuntimeError as exc:
+        print(f"  (torch.cuda.empty_cache failed: {exc})", flush=True)
 
 
 def environment() -> dict:
@@ -216,13 +233,18 @@ def environment() -> dict:
 # --------------------------------------------------------------------------------------------------------
 
 
+# Stage a's split of its budget: the large-size checks first, inside this many seconds (similarity first),
+# then pytest with the rest (its xdist workers compile in parallel).
+LARGE_CHECKS_SECONDS = 180
+
+
 def stage_a(args, record: StageRecord, deadline: Deadline) -> None:
     guarded(record, "environment", environment)
-    # The checks below need about 90 s; pytest gets the rest of the budget.
-    timeout = deadline.left() - 90
+    checks_deadline = Deadline(min(LARGE_CHECKS_SECONDS, deadline.left() - 120), time.monotonic())
+    guarded(record, "large_checks", lambda: large_checks(record, checks_deadline))
     guarded(record, "pytest_triton", lambda: run_pytest(["tests/triton", "tests/test_triton_compile.py"],
-                                                        record.out_dir / "pytest_triton.log", timeout, args.workers))
-    guarded(record, "large_checks", lambda: large_checks(record, deadline))
+                                                        record.out_dir / "pytest_triton.log", deadline.left() - 5,
+                                                        args.workers))
 
 
 # The sizes of the large-size checks: beyond the interpreter's reach, within a few seconds each on one GPU.
@@ -241,7 +263,9 @@ def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CH
     """Every Triton op at sizes the interpreter cannot reach, against the torch backend in float64, and the
     half-precision rule for the similarity losses (our error against float64 at most 2x eager PyTorch's own
     in the same dtype, eager being the oracle's formulas run in that dtype). Each check is recorded as it
-    finishes; one whose estimated cost does not fit in the budget is skipped. (sizes and device are
+    finishes; one whose estimated cost does not fit in the budget is skipped. Order: the ranking term (cheap;
+    the sort path's block carries exist only at large N), the similarity losses (the half-precision
+    evidence; their compiles and autotuning take most of the time), then the pair scores. (sizes and device are
     parameters so that the test suite can run the same code at tiny sizes through the interpreter.)"""
     import torch
 
@@ -270,23 +294,6 @@ def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CH
         print(f"  {name:<48} skipped (budget)", flush=True)
         return False
 
-    for groups, k, d in sizes["pair_scores"]:
-        name = f"pair_scores fp64 G={groups} K={k} D={d}"
-        if not fits(name, 10):
-            continue
-        x = torch.randn(groups, k, d, device=device, dtype=torch.float64, generator=gen)
-        weights = torch.randn(2, groups, k - 1, device=device, dtype=torch.float64, generator=gen)
-        outs = []
-        for ops in (K, T):
-            leaf = x.clone().requires_grad_()
-            cos, angle = ops.pair_scores(leaf, True)
-            ((cos * weights[0]).sum() + (angle * weights[1]).sum()).backward()
-            outs.append((cos.detach(), angle.detach(), leaf.grad))
-        record_check(name, {"cos": rel_err(outs[0][0], outs[1][0]), "angle": rel_err(outs[0][1], outs[1][1]),
-                            "dx": rel_err(outs[0][2], outs[1][2])}, 1e-10)
-        del x, outs
-        free_cuda()
-
     for n in sizes["ranking"]:
         for dtype in (torch.float64, torch.float32):
             name = f"ranking {str(dtype)[6:]} N={n}"
@@ -305,7 +312,8 @@ def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CH
     free_cuda()
 
     for name, m, mc, d, options, with_groups in sizes["similarity"]:
-        if not fits(f"similarity {name}", 40):  # fp64 tiles plus the compiles of three dtypes' kernels
+        # The first call of each dtype compiles and autotunes three configs of three kernels (the bulk of the time).
+        if not fits(f"similarity fp64 {name}", 45):
             continue
         q = torch.randn(m, d, device=device, dtype=torch.float64, generator=gen)
         c = None if mc is None else torch.randn(mc, d, device=device, dtype=torch.float64, generator=gen)
@@ -340,6 +348,23 @@ def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CH
         del q, c
         free_cuda()
 
+    for groups, k, d in sizes["pair_scores"]:
+        name = f"pair_scores fp64 G={groups} K={k} D={d}"
+        if not fits(name, 10):
+            continue
+        x = torch.randn(groups, k, d, device=device, dtype=torch.float64, generator=gen)
+        weights = torch.randn(2, groups, k - 1, device=device, dtype=torch.float64, generator=gen)
+        outs = []
+        for ops in (K, T):
+            leaf = x.clone().requires_grad_()
+            cos, angle = ops.pair_scores(leaf, True)
+            ((cos * weights[0]).sum() + (angle * weights[1]).sum()).backward()
+            outs.append((cos.detach(), angle.detach(), leaf.grad))
+        record_check(name, {"cos": rel_err(outs[0][0], outs[1][0]), "angle": rel_err(outs[0][1], outs[1][1]),
+                            "dx": rel_err(outs[0][2], outs[1][2])}, 1e-10)
+        del x, outs
+        free_cuda()
+
     failed = [name for name, check in checks.items() if check.get("pass") is False]
     return {"status": "failed" if failed else "ok", "checks": checks, "failed": failed}
 
@@ -348,15 +373,41 @@ def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CH
 # Stage b: the CUDA extension
 # --------------------------------------------------------------------------------------------------------
 
-# Asking for backend="cuda" explicitly is what builds the extension (auto never starts a build).
-_BUILD_AND_RUN_ONCE = """
+# What stage b runs once the extension is built: the three ops through backend="cuda" on tiny inputs, against
+# the torch backend. It runs in a subprocess, so a CUDA error in a kernel that has never run before cannot take
+# the stage's own process (and its records) down with it; stages c and d use the CUDA backend only if it passes.
+_CUDA_PROBE = """
 import time, torch, angle_kernels as ak
+from angle_kernels.dispatch import resolve_backend
 start = time.perf_counter()
-y_true = torch.tensor([0.0, 0.0, 1.0, 1.0], device="cuda")
-loss = ak.cosine_loss(y_true, torch.randn(4, 8, device="cuda"), backend="cuda")
+cuda_ops = resolve_backend("cuda", torch.zeros(1, device="cuda"))  # the prebuilt angle_kernels._C (no JIT)
+g = torch.Generator(device="cuda").manual_seed(0)
+y_pred = torch.randn(64, 32, device="cuda", generator=g, dtype=torch.float64)
+y_true = torch.randint(0, 3, (32,), device="cuda", generator=g).double().repeat_interleave(2)
+for name, loss in (("cosine", ak.cosine_loss), ("angle", ak.angle_loss), ("ibn", ak.in_batch_negative_loss)):
+    labels = (y_true > 0).double() if name == "ibn" else y_true
+    ours, ref = (loss(labels, y_pred, backend=b).item() for b in ("cuda", "torch"))
+    assert abs(ours - ref) <= 1e-9 * max(1.0, abs(ref)), f"{name}: cuda {ours} vs torch {ref}"
 torch.cuda.synchronize()
-print(f"angle_kernels CUDA extension built/loaded and ran in {time.perf_counter() - start:.1f} s: loss {loss.item():.4f}")
+print(f"CUDA backend probe passed in {time.perf_counter() - start:.1f} s (three losses, float64, vs torch)")
 """
+
+
+def cuda_home() -> str | None:
+    """The CUDA toolkit for the build: CUDA_HOME if set, else /usr/local/cuda when it has nvcc. torch's builder
+    otherwise guesses from `which nvcc`, and a wrapper script in /usr/local/bin makes it guess /usr/local."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    return "/usr/local/cuda" if Path("/usr/local/cuda/bin/nvcc").exists() else None
+
+
+def probe_cuda_backend(record: StageRecord, deadline: Deadline) -> dict:
+    """Run _CUDA_PROBE in a subprocess; raises (the step records why) unless the CUDA backend works."""
+    result = run_logged([sys.executable, "-c", _CUDA_PROBE], record.out_dir / "cuda_probe.log",
+                        min(120.0, deadline.left() - 10), subprocess_env())
+    if result["returncode"] != 0:
+        raise RuntimeError(f"the CUDA backend does not run: {result['last_line']} (cuda_probe.log)")
+    return result
 
 
 def stage_b(args, record: StageRecord, deadline: Deadline) -> None:
@@ -364,21 +415,27 @@ def stage_b(args, record: StageRecord, deadline: Deadline) -> None:
 
     guarded(record, "environment", environment)
     arch = ".".join(map(str, torch.cuda.get_device_capability(0)))
-    build_env = subprocess_env(ANGLE_KERNELS_CUDA_VERBOSE="1", MAX_JOBS=str(os.cpu_count() or 4))
+    build_env = subprocess_env(ANGLE_KERNELS_BUILD_CUDA="1", MAX_JOBS=str(os.cpu_count() or 4))
     build_env.setdefault("TORCH_CUDA_ARCH_LIST", arch)  # this GPU only: half the compile time of "8.0;9.0"
+    if cuda_home():
+        build_env["CUDA_HOME"] = cuda_home()
 
     def build():
-        result = run_logged([sys.executable, "-c", _BUILD_AND_RUN_ONCE], record.out_dir / "cuda_build.log",
-                            min(240.0, deadline.left() - 60), build_env)
-        result["arch_list"] = build_env["TORCH_CUDA_ARCH_LIST"]
+        # In place: angle_kernels/_C*.so (git-ignored) stays in the checkout, and every later process (tests/gpu's
+        # workers, stages c and d on the same machine) imports it: no JIT build, no ninja, no build lock.
+        cmd = [sys.executable, "setup.py", "build_ext", "--inplace"]
+        result = run_logged(cmd, record.out_dir / "cuda_build.log", min(240.0, deadline.left() - 60), build_env)
+        result.update(arch_list=build_env["TORCH_CUDA_ARCH_LIST"], cuda_home=build_env.get("CUDA_HOME"))
         if result["returncode"] != 0:
-            raise RuntimeError(f"the CUDA extension did not build or run: {result['last_line']} (cuda_build.log)")
+            raise RuntimeError(f"setup.py build_ext failed: {result['last_line']} (cuda_build.log)")
         return result
 
-    built = guarded(record, "cuda_build", build)
-    if built["status"] == "ok":
-        guarded(record, "pytest_gpu", lambda: run_pytest(["tests/gpu"], record.out_dir / "pytest_gpu.log",
-                                                         deadline.left() - 10, args.workers))
+    if guarded(record, "cuda_build", build)["status"] != "ok":
+        return
+    if guarded(record, "cuda_probe", lambda: probe_cuda_backend(record, deadline))["status"] != "ok":
+        return
+    guarded(record, "pytest_gpu", lambda: run_pytest(["tests/gpu"], record.out_dir / "pytest_gpu.log",
+                                                     deadline.left() - 5, args.workers))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -409,7 +466,8 @@ def stage_c(args, record: StageRecord, deadline: Deadline) -> None:
     limits = guarded(record, "limits", lambda: bench_losses.measure_cuda_limits(["float32", "bfloat16"]))
     if limits["status"] != "ok":
         return
-    guarded(record, "op_sweep", lambda: op_sweep(record, deadline, limits))
+    with_cuda = guarded(record, "cuda_probe", lambda: probe_cuda_backend(record, deadline))["status"] == "ok"
+    guarded(record, "op_sweep", lambda: op_sweep(record, deadline, limits, with_cuda))
 
 
 def op_cases():
@@ -429,49 +487,67 @@ def op_cases():
     return sorted(cases, key=lambda case: case[0])
 
 
-def op_sweep(record: StageRecord, deadline: Deadline, limits: dict) -> dict:
+# A measured case costs about a dozen runs (warm-up, the memory run, timing); a Triton similarity case at a new
+# row-count bucket also autotunes: three configs of three kernels, each timed over several runs.
+RUNS_PER_CASE = 12
+RUNS_PER_AUTOTUNED_CASE = 40
+MAX_RUN_SECONDS = 10.0
+
+
+def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, with_cuda: bool) -> dict:
     """Every op forward + backward per backend: median time (warm), peak extra memory (warm run), achieved rate
-    as a fraction of the limits measured in this run. Rows are recorded as they are measured."""
+    as a fraction of the limits measured in this run. Rows are recorded as they are measured. The CUDA backend
+    (never run on a GPU before its probe) gets a pass of its own after Triton and torch, so that a CUDA error
+    in it, which loses the process's CUDA context, cannot cost the other rows; the sweep stops at such an
+    error."""
     import torch
 
     import bench_losses
     from angle_kernels.dispatch import resolve_backend
 
     probe = torch.zeros(1, device="cuda")
-    backends = {}
-    for name in ("triton", "cuda", "torch"):
-        try:
-            backends[name] = resolve_backend(name, probe)
-        except Exception as exc:  # noqa: BLE001 (a missing backend is a row of the table, not the end of it)
-            print(f"  backend {name} unavailable: {type(exc).__name__}: {exc}", flush=True)
+    passes = [{name: resolve_backend(name, probe) for name in ("triton", "torch")}]
+    if with_cuda:
+        passes.append({"cuda": resolve_backend("cuda", probe)})
     rows: list[dict] = []
     last_seconds: dict = {}  # (op, d, dtype, backend) -> (n, seconds of one warm run)
-    max_run_seconds = 10.0
 
-    for rank, op, n, d, dtype_name in op_cases():
-        dtype = getattr(torch, dtype_name)
-        for backend, ops in backends.items():
-            row = {"op": op, "n": n, "d": d, "dtype": dtype_name, "backend": backend}
-            previous = last_seconds.get((op, d, dtype_name, backend))
-            power = 2 if op.startswith("similarity") else 1
-            forecast = None if previous is None else previous[1] * (n / previous[0]) ** power
-            elem = torch.finfo(dtype).bits // 8
-            need_bytes = 6 * n * d * elem if op == "pair_scores" else 3 * 2 * n * d * 4
-            if op != "ranking_loss" and need_bytes > 0.5 * torch.cuda.mem_get_info()[0]:
-                row.update(status="skipped", note=f"needs ~{need_bytes / GB:.0f} GB")
-            elif forecast is not None and (forecast > max_run_seconds or not deadline.fits(12 * forecast + 5)):
-                row.update(status="skipped", note=f"~{forecast:.1f} s per run: does not fit the budget")
-            elif not deadline.fits(15):
-                row.update(status="skipped", note="budget spent")
-            else:
-                row.update(measure_op(ops, backend, op, n, d, dtype, limits, bench_losses))
-                if row["status"] == "ok":
-                    last_seconds[(op, d, dtype_name, backend)] = (n, row["run_s"])
-            rows.append(row)
-            record.step("op_sweep", {"status": "running", "rows": rows})
-            print("  " + op_row_text(row), flush=True)
-            free_cuda()
+    for backends in passes:
+        for rank, op, n, d, dtype_name in op_cases():
+            dtype = getattr(torch, dtype_name)
+            for backend, ops in backends.items():
+                row = {"op": op, "n": n, "d": d, "dtype": dtype_name, "backend": backend}
+                previous = last_seconds.get((op, d, dtype_name, backend))
+                power = 2 if op.startswith("similarity") else 1
+                forecast = None if previous is None else previous[1] * (n / previous[0]) ** power
+                runs = RUNS_PER_AUTOTUNED_CASE if backend == "triton" and op.startswith("similarity") else RUNS_PER_CASE
+                elem = torch.finfo(dtype).bits // 8
+                need_bytes = 6 * n * d * elem if op == "pair_scores" else 3 * 2 * n * d * 4
+                if op != "ranking_loss" and need_bytes > 0.5 * torch.cuda.mem_get_info()[0]:
+                    row.update(status="skipped", note=f"needs ~{need_bytes / GB:.0f} GB")
+                elif forecast is not None and (forecast > MAX_RUN_SECONDS or not deadline.fits(runs * forecast + 5)):
+                    row.update(status="skipped", note=f"~{forecast:.1f} s per run: does not fit the budget")
+                elif not deadline.fits(15):
+                    row.update(status="skipped", note="budget spent")
+                else:
+                    row.update(measure_op(ops, backend, op, n, d, dtype, limits, bench_losses))
+                    if row["status"] == "ok":
+                        last_seconds[(op, d, dtype_name, backend)] = (n, row["run_s"])
+                rows.append(row)
+                record.step("op_sweep", {"status": "running", "rows": rows})
+                print("  " + op_row_text(row), flush=True)
+                free_cuda()
+                if lost_cuda_context(row.get("note", "")):
+                    return {"status": "failed", "rows": rows,
+                            "error": f"{backend} {op} N={n} D={d} {dtype_name}: {row['note']} (sweep stopped: the "
+                                     "process's CUDA context is lost)"}
     return {"rows": rows}
+
+
+def lost_cuda_context(error: str) -> bool:
+    """Errors after which every later CUDA call of this process fails too (torch's and Triton's wording)."""
+    markers = ("CUDA error", "illegal memory access", "misaligned address", "unspecified launch failure")
+    return any(marker in error for marker in markers)
 
 
 def measure_op(ops, backend, op, n, d, dtype, limits, bench_losses) -> dict:
@@ -556,6 +632,9 @@ def stage_d(args, record: StageRecord, deadline: Deadline) -> None:
     if wheel is None:
         print(f"no angle-emb wheel at {DEFAULT_ANGLE_EMB_WHEEL} and no --angle-emb-loss: the sweep runs without "
               "the reference (see README, Running on a GPU)", flush=True)
+    # The CUDA backend joins only if it passes its probe (a CUDA error would lose this process's context).
+    with_cuda = guarded(record, "cuda_probe", lambda: probe_cuda_backend(record, deadline))["status"] == "ok"
+    ours = "ours" if with_cuda else "ours-triton,ours-torch"
     # bf16 first (what training uses), then float32 with what is left of the budget.
     for dtype, share in (("bfloat16", 0.6), ("float32", 1.0)):
         def sweep(dtype=dtype, share=share):
@@ -563,6 +642,7 @@ def stage_d(args, record: StageRecord, deadline: Deadline) -> None:
             if budget <= 0:
                 raise RuntimeError("no time left in the stage's budget")
             argv = ["--device", "cuda", "--out", str(record.out_dir / f"losses-{dtype}"), "--dtypes", dtype,
+                    "--providers", f"{ours},reference,sentence-transformers",
                     "--d", "768", "--n", "1024,16384,262144,1048576", "--n-quadratic", "1024,4096,16384",
                     "--max-run-seconds", "5", "--max-ref-gb", "60", "--time-budget", f"{budget:.0f}"]
             if wheel:
@@ -582,18 +662,24 @@ def stage_d(args, record: StageRecord, deadline: Deadline) -> None:
 def stage_e(args, record: StageRecord, deadline: Deadline) -> None:
     guarded(record, "environment", environment)
     out = record.out_dir / "llama7b"
-    if args.resume_from:
+
+    def resume():
         source = Path(args.resume_from)
         source = source / "llama7b" if (source / "llama7b").is_dir() else source
         if not (source / "results.json").exists():
-            raise SystemExit(f"--resume-from {args.resume_from}: no results.json there (or in its llama7b/)")
+            raise FileNotFoundError(f"--resume-from {args.resume_from}: no results.json there or in its llama7b/")
         shutil.copytree(source, out, dirs_exist_ok=True)
-        print(f"resuming from {source}", flush=True)
+        return {"from": str(source)}
+
+    if args.resume_from and guarded(record, "resume", resume)["status"] != "ok":
+        return
 
     def train():
-        budget = deadline.left() - 30  # the script stops itself inside its budget; 30 s to write and exit
+        # The script stops itself between settings inside its budget; the kill (10 s later) is for a setting
+        # that overruns its estimate, and still leaves every setting saved before it.
+        budget = deadline.left() - 20
         cmd = [sys.executable, "bench/train_llama_7b.py", "--out", str(out), "--time-budget", f"{budget:.0f}"]
-        result = run_logged(cmd, record.out_dir / "llama7b.log", budget + 20, subprocess_env())
+        result = run_logged(cmd, record.out_dir / "llama7b.log", budget + 10, subprocess_env())
         if result["returncode"] != 0:
             raise RuntimeError(f"train_llama_7b.py failed: {result['last_line']} (llama7b.log)")
         # The script exits 0 whether it finished or stopped inside its budget; its results say which.
@@ -619,11 +705,11 @@ class Stage:
 
 
 STAGES = {
-    "a": Stage("environment, tests/triton on CUDA, large-size checks", 330, stage_a),
-    "b": Stage("CUDA extension build, tests/gpu", 330, stage_b),
+    "a": Stage("environment, large-size checks, tests/triton on CUDA", 360, stage_a),
+    "b": Stage("CUDA extension build, tests/gpu", 300, stage_b),
     "c": Stage("hardware limits and op sweep", 300, stage_c),
     "d": Stage("loss sweep against angle-emb and sentence-transformers", 300, stage_d),
-    "e": Stage("7B LoRA training benchmark (resumable)", 480, stage_e),
+    "e": Stage("7B LoRA training benchmark (resumable)", 540, stage_e),
 }
 
 
@@ -728,7 +814,7 @@ def main(argv=None) -> int:
               "On a CPU machine the Triton kernels are tested through the interpreter (pytest tests/triton).")
         return 0
     os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, in this process too
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))  # stage b's build, reused
+    os.environ["ANGLE_KERNELS_CUDA_JIT"] = "0"  # the extension comes from stage b's in-place build, or not at all
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     for stage in (STAGES if args.stage == "all" else [args.stage]):

@@ -166,7 +166,7 @@ def make_ours(backend: str) -> Provider:
     return Provider(name=f"ours-{backend}", family="ours", calls=calls, make=make)
 
 
-def ours_backends(device: str, probe: bool = True) -> tuple[list[str], dict[str, str]]:
+def ours_backends(device: str, probe: bool = True, only=None) -> tuple[list[str], dict[str, str]]:
     """The backends of angle_kernels that run on `device`: (usable, {unusable: why}).
 
     Each candidate is probed with a tiny cosine_loss call through the public API (probe=False: only
@@ -174,6 +174,8 @@ def ours_backends(device: str, probe: bool = True) -> tuple[list[str], dict[str,
     the Triton interpreter (NumPy, orders of magnitude slower).
     """
     candidates = ("torch",) if device == "cpu" else ("triton", "cuda", "torch")
+    if only is not None:  # the others are not even probed: a backend left out may be one that crashes
+        candidates = tuple(name for name in candidates if name in only)
     try:
         import angle_kernels as ak
     except Exception as exc:
@@ -314,14 +316,17 @@ def available_providers(device: str, angle_emb_loss: str | None = None, include=
                         probe: bool = True) -> tuple[list[Provider], dict]:
     """Every provider that loads here, in table order (ours first), and {name: why} for those that do not.
 
-    include: optional iterable of families to keep ("ours", "reference", "sentence-transformers").
+    include: optional iterable of families to keep ("ours", "reference", "sentence-transformers"), where "ours"
+    may also be narrowed to some of our backends by name ("ours-triton", "ours-torch", ...).
     probe: run a tiny loss through each of our backends to see that it works (False: imports only, so
     that nothing is computed; see bench_losses.py on why its parent process must not compute).
     """
     wanted = set(include) if include else {"ours", "reference", "sentence-transformers"}
+    ours_named = {name for name in wanted if name.startswith("ours-")}
     providers, missing = [], {}
-    if "ours" in wanted:
-        usable, why_not = ours_backends(device, probe=probe)
+    if "ours" in wanted or ours_named:
+        only = None if "ours" in wanted else {name[len("ours-"):] for name in ours_named}
+        usable, why_not = ours_backends(device, probe=probe, only=only)
         providers += [make_ours(backend) for backend in usable]
         missing.update({f"ours-{name}": why for name, why in why_not.items()})
     if "reference" in wanted:

@@ -240,3 +240,11 @@ def test_time_budget_skips_what_does_not_fit(tmp_path):
     data = json.loads((out / "results.json").read_text())
     assert data["complete"] is True and len(data["results"]) == 2
     assert all(r["status"] == "skipped" and "--time-budget" in r["note"] for r in data["results"])
+
+
+def test_providers_can_be_narrowed_to_some_of_our_backends():
+    """The GPU run leaves out a backend that failed its probe: it must not even be probed (a CUDA error in it
+    would lose the process's CUDA context for every other provider)."""
+    providers, missing = P.available_providers("cpu", include=["ours-torch"], probe=False)
+    assert [p.name for p in providers] == ["ours-torch"] and missing == {}
+    assert P.ours_backends("cpu", probe=False, only={"triton"}) == ([], {})

@@ -444,8 +444,11 @@ _GPU_CONFIGS_32BIT = [
 # key. Keying on the exact row counts would redo that for every batch size a training run meets (the last
 # batch of an epoch, filtered pairs), so the key holds their power-of-two buckets (M_BUCKET, Mc_BUCKET; the
 # assumption, not yet measured, is that the best tile changes little within a factor of two); D is the model's
-# width and stays exact. Triton adds the tensor arguments' dtypes to the key itself.
-_TUNE_KEY = ["M_BUCKET", "Mc_BUCKET", "D", "HAS_GROUPS", "HAS_MARGIN"]
+# width and stays exact. The constexpr flags are in the key because each compiles a different kernel (TF32
+# against exact fp32 dots above all): a config tuned for one variant says little about another. Triton adds
+# the tensor arguments' dtypes to the key itself.
+_TUNE_KEY = ["M_BUCKET", "Mc_BUCKET", "D", "PARTNER_TARGET", "EXCLUDE_DIAGONAL", "HAS_GROUPS", "HAS_MARGIN",
+             "PRECISION"]
 
 
 def _autotune_bucket(rows: int) -> int:
