@@ -568,7 +568,8 @@ def render_markdown(results, env, args, limits, checks, missing, provider_names,
         lines.append(f"- GPU {env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}; measured limits: "
                      + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in limits.items()))
     runs = (f"up to {args.repeats} runs after a warm-up run (wall clock)" if args.device == "cpu"
-            else "triton.testing.do_bench's runs (warm-up excluded, L2 flushed)")
+            else "triton.testing.do_bench's runs (warm-up excluded, L2 flushed), or "
+                 f"{SLOW_RUN_REPEATS} CUDA-event runs for a case whose run takes {SLOW_RUN_MS:g} ms or more")
     load = env.get("load_average_1min")
     if load and args.device == "cpu":
         busy = max(load.values()) > (env.get("logical_cpus") or 1)
