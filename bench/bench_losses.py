@@ -332,6 +332,22 @@ def _cuda_times_ms(run, grad_to_none=None, expected_ms: float | None = None) -> 
     return statistics.median(times), min(times), method
 
 
+# A measured CUDA case costs about a dozen runs (warm-up, memory run, do_bench's timing) plus one-time compiles:
+# what a budget must expect of it, given the time of one run.
+RUNS_PER_CASE = 12
+
+
+def limit_rate(limits: dict, floor_kind: str, dtype_name: str) -> float | None:
+    """The hardware limit a rate is a fraction of, measured in this run (measure_cuda_limits): the device copy
+    bandwidth in B/s for a bytes floor, the matmul rate of the dtype in FLOP/s for a FLOPs floor; None when it
+    was not measured (CPU, or a dtype without a measured matmul rate)."""
+    if not limits:
+        return None
+    if floor_kind == "bytes":
+        return limits["copy_GBps"] * GB
+    return limits.get(f"matmul_{dtype_name}_TFLOPs", 0) * 1e12 or None
+
+
 def warm_peak_extra_bytes(run, leaves, memory=None) -> tuple[object, int, float]:
     """(value, peak extra bytes, seconds of the measured run) of run() (forward + backward): one warm-up run,
     then the peak allocated memory of one more run above what was allocated before it.
@@ -455,8 +471,7 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None) 
     if deadline is not None:
         left = deadline - time.perf_counter()
         forecast = predicted_run_seconds(previous, loss, provider.family, n)
-        # A measured case costs about a dozen runs (warm-up, memory run, timing) plus one-time compiles.
-        if left <= 0 or (forecast is not None and 12 * forecast > left):
+        if left <= 0 or (forecast is not None and RUNS_PER_CASE * forecast > left):
             return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent"}
     if provider.family != "ours" and estimate > args.max_ref_gb * GB:
         return {**out, "status": "skipped", "note": f"skipped: needs ~{fmt_bytes(estimate)} (> --max-ref-gb {args.max_ref_gb:g})"}
@@ -490,12 +505,8 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None) 
         rate = floor["amount"] / row["time_s"]
         row["rate"] = rate
         row["rate_unit"] = "B/s" if floor["kind"] == "bytes" else "FLOP/s"
-        peak = None
-        if limits:
-            if floor["kind"] == "bytes":
-                peak = limits["copy_GBps"] * GB
-            else:
-                peak = limits.get(f"matmul_{row['dtype']}_TFLOPs", 0) * 1e12 or None
+        # This row has no "dtype" key (the sweep adds it later): name the dtype from the argument.
+        peak = limit_rate(limits, floor["kind"], str(dtype).removeprefix("torch."))
         row["rate_fraction"] = rate / peak if peak else None
         return row
     if payload[0] in ("oom", "killed"):

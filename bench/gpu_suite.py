@@ -443,12 +443,10 @@ def stage_b(args, record: StageRecord, deadline: Deadline) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 # FLOPs each backend executes for similarity_xent forward + backward, in units of M * Mc * D (the maths needs
-# 6: 2 forward, 2 for dq, 2 for dc). Triton: the dq and dc kernels each recompute the logit tiles (2 + 4 + 4).
-# CUDA: one backward kernel recomputes once and forms dq and dc with atomics (2 + 2 + 4). torch: a single row
-# block keeps its logits tile for backward (2 + 4); several blocks recompute (2 + 2 + 4).
-SIMILARITY_FLOP_UNITS_NEEDED = 6
-
-
+# 6: 2 forward, 2 for dq, 2 for dc: providers.work_floor). Triton: the dq and dc kernels each recompute the
+# logit tiles (2 + 4 + 4). CUDA: one backward kernel recomputes once and forms dq and dc with atomics
+# (2 + 2 + 4). torch: a single row block keeps its logits tile for backward (2 + 4); several blocks recompute
+# (2 + 2 + 4).
 def similarity_flop_units_executed(backend: str, m: int, mc: int) -> int:
     if backend == "triton":
         return 10
@@ -487,9 +485,8 @@ def op_cases():
     return sorted(cases, key=lambda case: case[0])
 
 
-# A measured case costs about a dozen runs (warm-up, the memory run, timing); a Triton similarity case at a new
-# row-count bucket also autotunes: three configs of three kernels, each timed over several runs.
-RUNS_PER_CASE = 12
+# A Triton similarity case at a new row-count bucket also autotunes: three configs of three kernels, each timed
+# over several runs, on top of bench_losses.RUNS_PER_CASE.
 RUNS_PER_AUTOTUNED_CASE = 40
 MAX_RUN_SECONDS = 10.0
 
@@ -520,7 +517,8 @@ def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, with_cuda: b
                 previous = last_seconds.get((op, d, dtype_name, backend))
                 power = 2 if op.startswith("similarity") else 1
                 forecast = None if previous is None else previous[1] * (n / previous[0]) ** power
-                runs = RUNS_PER_AUTOTUNED_CASE if backend == "triton" and op.startswith("similarity") else RUNS_PER_CASE
+                autotuned = backend == "triton" and op.startswith("similarity")
+                runs = RUNS_PER_AUTOTUNED_CASE if autotuned else bench_losses.RUNS_PER_CASE
                 elem = torch.finfo(dtype).bits // 8
                 need_bytes = 6 * n * d * elem if op == "pair_scores" else 3 * 2 * n * d * 4
                 if op != "ranking_loss" and need_bytes > 0.5 * torch.cuda.mem_get_info()[0]:
@@ -553,6 +551,8 @@ def lost_cuda_context(error: str) -> bool:
 def measure_op(ops, backend, op, n, d, dtype, limits, bench_losses) -> dict:
     import torch
 
+    import providers as P
+
     gen = torch.Generator(device="cuda").manual_seed(n)
     try:
         if op == "pair_scores":
@@ -564,8 +564,7 @@ def measure_op(ops, backend, op, n, d, dtype, limits, bench_losses) -> dict:
                 cos, angle = ops.pair_scores(x, True)
                 return ((cos + angle) * weights).sum()
 
-            elem = torch.finfo(dtype).bits // 8
-            floor = {"kind": "bytes", "needed": 3 * 2 * n * d * elem}  # read x twice, write dx once
+            floor = P.work_floor("angle", n, d, dtype)  # read x twice, write dx once
         elif op == "ranking_loss":
             s = (20 * torch.randn(n, device="cuda", generator=gen)).requires_grad_()
             labels = torch.randint(0, 6, (n,), device="cuda", generator=gen)
@@ -574,7 +573,7 @@ def measure_op(ops, backend, op, n, d, dtype, limits, bench_losses) -> dict:
             def run():
                 return ops.ranking_loss(s, labels)
 
-            floor = {"kind": "bytes", "needed": n * (4 + 8 + 4)}  # scores, int64 labels, gradient
+            floor = {"kind": "bytes", "amount": n * (4 + 8 + 4)}  # scores, int64 labels, gradient
         else:
             m = 2 * n
             x = torch.randn(m, d, device="cuda", generator=gen).to(dtype).requires_grad_()
@@ -584,7 +583,7 @@ def measure_op(ops, backend, op, n, d, dtype, limits, bench_losses) -> dict:
             def run():
                 return ops.similarity_xent(x, None, 20.0, "partner", row_weights=row_weights, exclude_diagonal=True)
 
-            floor = {"kind": "flops", "needed": SIMILARITY_FLOP_UNITS_NEEDED * m * m * d,
+            floor = {**P.work_floor("ibn", n, d, dtype),
                      "executed": similarity_flop_units_executed(backend, m, m) * m * m * d}
         _, extra, run_s = bench_losses.warm_peak_extra_bytes(run, leaves)
         median_ms, min_ms, method = bench_losses._cuda_times_ms(lambda: bench_losses._fwd_bwd(run, leaves),
@@ -593,13 +592,10 @@ def measure_op(ops, backend, op, n, d, dtype, limits, bench_losses) -> dict:
         status = "OOM" if "out of memory" in str(exc).lower() else "error"
         return {"status": status, "note": f"{type(exc).__name__}: {exc}"[:300]}
     seconds = median_ms / 1e3
-    if floor["kind"] == "bytes":
-        peak = limits["copy_GBps"] * GB
-    else:
-        peak = limits.get(f"matmul_{'bfloat16' if dtype == torch.bfloat16 else 'float32'}_TFLOPs", 0) * 1e12
+    peak = bench_losses.limit_rate(limits, floor["kind"], str(dtype).removeprefix("torch."))
     result = {"status": "ok", "ms": median_ms, "min_ms": min_ms, "timing": method, "run_s": run_s,
-              "extra_bytes": extra, "floor": floor, "rate_needed": floor["needed"] / seconds,
-              "fraction_needed": floor["needed"] / seconds / peak if peak else None}
+              "extra_bytes": extra, "floor": floor, "rate_needed": floor["amount"] / seconds,
+              "fraction_needed": floor["amount"] / seconds / peak if peak else None}
     if "executed" in floor:
         result["fraction_executed"] = floor["executed"] / seconds / peak if peak else None
     return result

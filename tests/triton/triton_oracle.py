@@ -4,16 +4,17 @@ angle_kernels/dispatch.py (full matrices, no tricks), plus the error helpers the
 from __future__ import annotations
 
 import math
-import os
 import zlib
 
 import torch
+
+from angle_kernels.triton_ops._common import interpreting
 
 EPS = 1e-12
 
 # Where the kernels run: "cpu" (CPU tensors through the Triton interpreter) or "cuda" (interpreter off, a real
 # GPU), as the root conftest.py chose through TRITON_INTERPRET. The oracle always runs on CPU.
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+DEVICE = "cpu" if interpreting() else "cuda"
 
 
 def seed(*parts) -> int:
