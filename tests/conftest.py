@@ -1,8 +1,9 @@
-"""Fixtures for the top-level tests (the oracle, parity, gradcheck, fuzz, bad-input and memory tests).
+"""Fixtures for every test under tests/: seeded generators, the backends under test, the reference package.
 
-Subfolders (tests/triton, tests/train, tests/integrations) have their own conftest files; nothing here changes
+Subfolders (tests/ops, tests/train, tests/integrations) have their own conftest files; nothing here changes
 global state for them: no autouse fixtures, no global torch settings. The helpers live in tests/ak_testing.py
-(import them from there, not from conftest: every folder's conftest is imported under the same name).
+and the oracle in tests/oracle.py (import them from there, not from conftest: every folder's conftest is
+imported under the same name).
 """
 
 from __future__ import annotations
@@ -16,16 +17,24 @@ import pytest
 import torch
 
 TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:  # so `import oracle` / `import ak_testing` work from every test module here
+if str(TESTS_DIR) not in sys.path:  # so `import oracle` / `import ak_testing` work from every test module
     sys.path.insert(0, str(TESTS_DIR))
 
-from ak_testing import load_reference_loss_module, seed_from  # noqa: E402
+from ak_testing import BACKEND_NAMES, Backend, backend_or_skip, load_reference_loss_module, seed_from  # noqa: E402
 
 
 @pytest.fixture
 def gen(request) -> torch.Generator:
     """A CPU generator seeded from the test's node id: fresh inputs per test, reproducible per test."""
     return torch.Generator().manual_seed(seed_from(request.node.nodeid))
+
+
+@pytest.fixture(params=BACKEND_NAMES, ids=BACKEND_NAMES)
+def backend(request) -> Backend:
+    """Each backend available here ("torch" always; "triton" under the interpreter on CPU, or compiled on a
+    CUDA device; "cuda" with a CUDA device and the compiled extension), skipped with the reason otherwise.
+    `pytest -k cuda` selects the CUDA-backend cases."""
+    return backend_or_skip(request.param)
 
 
 @pytest.fixture(scope="session")
@@ -51,5 +60,3 @@ def ref_angle_loss_class():
 def ak():
     """The package under test."""
     return importlib.import_module("angle_kernels")
-
-

@@ -1,17 +1,24 @@
-"""The test oracle: a float64, literal transcription of the formulas in docs/objective.md.
+"""The float64 oracle of the tests and benchmarks: literal transcriptions, nothing fast or memory-efficient.
 
-Nothing here is fast or memory-efficient on purpose. Every loss builds its full N x N (or 2N x 2N)
-matrix and is written to be checked by eye against the spec, so that the package's O(N)-memory
-algorithms (sorted prefix sums, online logsumexp, fused pair scores) can be judged against it.
+Two levels, both written to be checked by eye:
+    * the three ops, with the signatures and semantics of the contract in angle_kernels/dispatch.py's
+      docstring: pair_scores, ranking_loss, similarity_xent. Every one builds its full matrix (N x N,
+      M x Mc), so that the package's O(N)-memory algorithms can be judged against it;
+    * the public losses, transcribed from the REFERENCE formulas (angle-emb 0.6.1's angle_emb.loss and
+      AngleLoss, the ArcCSE paper; see shared/docs/objective.md), not from the way the package assembles
+      them out of its ops. They reuse the building blocks below (a cosine is a cosine) and the ranking term,
+      which is the same formula in the reference and in the op contract.
 
-Semantics are the ones the package adopts, which equal angle-emb 0.6.1 on valid inputs:
-    * every norm ||x|| is replaced by max(||x||, 1e-12), F.normalize's epsilon, so zero vectors give
-      finite values (the reference's angle loss divides by ||v||^2 without an epsilon);
-    * excluded logits are -inf (the reference subtracts 1e12, which has the same effect);
-    * everything is computed in float64, whatever dtype the inputs arrive in; the result is float64.
+Semantics are the ones the package adopts, which equal angle-emb 0.6.1 on valid inputs: every norm ||x|| is
+replaced by max(||x||, 1e-12), F.normalize's epsilon (the reference's angle loss divides by ||v||^2 without
+one); excluded logits are -inf (the reference subtracts 1e12, to the same effect).
 
-Gradients come from autograd through these formulas: call them on float64 leaves with
-requires_grad=True and backpropagate.
+Everything computes in float64 whatever dtype the inputs arrive in, on the inputs' device. Inside
+`computing_in(dtype)` the very same formulas run in another dtype instead: that is "eager PyTorch in that
+dtype", the baseline of the half-precision rule. Gradients come from autograd through these formulas.
+
+This module is imported by the tests and by bench/ (with tests/ on sys.path): it imports nothing but torch,
+in particular neither pytest nor other test modules.
 """
 
 from __future__ import annotations
@@ -22,71 +29,173 @@ import math
 import torch
 
 EPS = 1e-12  # F.normalize's default epsilon
+# The op contract's floor on sin^2(theta) in the margin logit: keeps the gradient finite as |cos| -> 1.
+MARGIN_SIN_SQUARED_FLOOR = 1e-6
 
-# The dtype every formula computes in: float64, except inside `computing_in(dtype)`, which runs the very same
-# formulas in another dtype. That is "eager PyTorch in that dtype", the baseline of the flash-attention rule
-# (an implementation's error may be at most 2x eager's own error in the same dtype).
-_COMPUTE_DTYPE = torch.float64
+_compute_dtype = torch.float64
 
 
 @contextlib.contextmanager
 def computing_in(dtype: torch.dtype):
-    global _COMPUTE_DTYPE
-    previous, _COMPUTE_DTYPE = _COMPUTE_DTYPE, dtype
+    """Run every formula of this module in `dtype` instead of float64 (inputs are cast to it on entry)."""
+    global _compute_dtype
+    previous, _compute_dtype = _compute_dtype, dtype
     try:
         yield
     finally:
-        _COMPUTE_DTYPE = previous
+        _compute_dtype = previous
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The one error measure: ||out - ref|| / ||ref|| over the whole tensor, in float64.
+
+    A zero reference gives ||out|| (an absolute error). NaN or Inf in `out` gives NaN or Inf, which fails
+    every `<=` comparison.
+    """
+    out = out.detach().to(torch.float64).reshape(-1).cpu()
+    ref = ref.detach().to(torch.float64).reshape(-1).cpu()
+    if out.shape != ref.shape:
+        raise ValueError(f"rel_err: shapes differ, {tuple(out.shape)} vs {tuple(ref.shape)}")
+    scale = torch.linalg.vector_norm(ref)
+    diff = torch.linalg.vector_norm(out - ref)
+    return float(diff / scale) if scale > 0 else float(diff)
 
 
 # ----------------------------------------------------------------------------------------------------
-# small building blocks
+# building blocks (vectors along the last dimension)
 # ----------------------------------------------------------------------------------------------------
-def f64(x: torch.Tensor) -> torch.Tensor:
-    """Cast to float64 (the compute dtype), keeping the autograd graph so gradients reach any leaf dtype."""
-    return x.to(_COMPUTE_DTYPE)
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x cast to the compute dtype, keeping the autograd graph so gradients reach leaves of any dtype."""
+    return x.to(_compute_dtype)
 
 
-def safe_norm(x: torch.Tensor) -> torch.Tensor:
-    """Row norms [R, 1] with F.normalize's floor: max(||x||, eps)."""
-    return torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(EPS)
+def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b).sum(dim=-1)
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    """max(||x||, eps) along the last dimension."""
+    return torch.linalg.vector_norm(x, dim=-1).clamp_min(EPS)
+
+
+def cosine(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """u . v / (max(|u|, eps) * max(|v|, eps)), for broadcastable [..., D] tensors."""
+    return dot(u, v) / (norm(u) * norm(v))
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
-    return x / safe_norm(x)
+    return x / norm(x)[..., None]
 
 
+def cosine_matrix(q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """[i, j] = cos(q_i, c_j) for q [M, D] and c [Mc, D]."""
+    return normalize(q) @ normalize(c).T
+
+
+def masked_logsumexp(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dimension of the entries where `keep` is True."""
+    return torch.logsumexp(values.masked_fill(~keep, -math.inf), dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the ops (angle_kernels/dispatch.py)
+# ----------------------------------------------------------------------------------------------------
+def pair_scores(x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [G, K, D]: pair k of group g is (u, v) = (x[g, 0], x[g, k]). Returns cos and angle, [G, K - 1].
+
+    cos = u . v / P and angle = (u . v + b . c - a . d) / P, with P = max(|u|, eps) * max(|v|, eps) and a, b
+    the halves of u, c, d those of v. Without the angle the second output is zeros (and D may be odd).
+    """
+    x = in_compute_dtype(x)
+    u, v = x[:, :1, :], x[:, 1:, :]  # the anchor broadcasts over the K - 1 others
+    cos = cosine(u, v)
+    if not with_angle:
+        return cos, torch.zeros_like(cos)
+    dim = x.shape[-1]
+    if dim % 2:
+        raise ValueError(f"the angle score needs an even D, got D = {dim}")
+    half = dim // 2
+    a, b = u[..., :half], u[..., half:]
+    c, d = v[..., :half], v[..., half:]
+    angle = (dot(u, v) + dot(b, c) - dot(a, d)) / (norm(u) * norm(v))
+    return cos, angle
+
+
+def ranking_loss(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log(1 + sum over (i, j) with labels[i] < labels[j] of exp(scores[i] - scores[j])), from the full matrix.
+
+    Strict inequality: tied labels contribute nothing; all labels equal gives exactly log(1) = 0. Labels are
+    compared as given, never rounded to the compute dtype (that could tie distinct labels).
+    """
+    scores = in_compute_dtype(scores)
+    counted = labels[:, None] < labels[None, :]  # [i, j] = label_i < label_j
+    if not counted.any():  # log(1 + 0), with a zero gradient
+        return (scores * 0.0).sum()
+    log_sum = masked_logsumexp((scores[:, None] - scores[None, :]).reshape(-1), counted.reshape(-1))
+    # log(1 + S) as logaddexp(0, log S): tiny losses (well-ranked batches at tau = 20 reach L ~ 1e-6) keep full
+    # relative precision. The reference's logsumexp over [0, ...] does not (3e-11 relative in float64 there,
+    # percent-level in float32).
+    return torch.logaddexp(torch.zeros_like(log_sum), log_sum)
+
+
+def widened_cosine(cos: torch.Tensor, margin: float) -> torch.Tensor:
+    """cos(min(arccos(cos) + margin, pi)) in the contract's form: cos * cos(m) - sin * sin(m) with
+    sin = sqrt(max(1 - cos^2, 1e-6)), and cos(pi) = -1 once arccos(cos) + m > pi, i.e. cos < -cos(m)."""
+    sin = torch.sqrt(torch.clamp(1 - cos * cos, min=MARGIN_SIN_SQUARED_FLOOR))
+    widened = cos * math.cos(margin) - sin * math.sin(margin)
+    return torch.where(cos < -math.cos(margin), -torch.ones_like(cos), widened)
+
+
+def similarity_xent(
+    q: torch.Tensor,
+    c: torch.Tensor | None,
+    scale: float,
+    target: str,
+    row_weights: torch.Tensor | None = None,
+    exclude_diagonal: bool = False,
+    margin: float = 0.0,
+    group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(1 / M) sum_i w_i (logsumexp_{j in C_i} l_ij - logsumexp_{j in P_i} l_ij), from the full M x Mc logits.
+
+    l_ij = scale * cos(q_i, c_j), except l_{i, t_i} = scale * widened_cosine(cos(q_i, c_{t_i}), margin);
+    t_i = i xor 1 ("partner") or i ("diagonal"); c = None means c is q. C_i: every column, without i when
+    exclude_diagonal. P_i: t_i, plus with group_ids every j in C_i whose id equals that of i or of t_i.
+    """
+    cos = cosine_matrix(in_compute_dtype(q), in_compute_dtype(q if c is None else c))  # [M, Mc]
+    rows, cols = cos.shape
+    i = torch.arange(rows, device=cos.device)[:, None]
+    j = torch.arange(cols, device=cos.device)[None, :]
+    t = i ^ 1 if target == "partner" else i
+    is_target = j == t
+    logits = scale * torch.where(is_target, widened_cosine(cos, margin), cos)
+
+    columns = torch.ones_like(is_target)
+    if exclude_diagonal:
+        columns = columns & (j != i)
+    positives = is_target
+    if group_ids is not None:
+        ids = group_ids.to(cos.device)
+        same_text = (ids[None, :] == ids[:, None]) | (ids[None, :] == ids[t.reshape(-1)][:, None])
+        positives = positives | (same_text & columns)
+
+    per_row = masked_logsumexp(logits, columns) - masked_logsumexp(logits, positives)
+    weights = torch.ones_like(per_row) if row_weights is None else in_compute_dtype(row_weights.to(cos.device))
+    return (weights * per_row).sum() / rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# the losses of angle_emb.loss (zigzag rows: pair k is rows 2k and 2k + 1)
+# ----------------------------------------------------------------------------------------------------
 def pair_labels(y_true: torch.Tensor) -> torch.Tensor:
     """One label per pair from a zigzag y_true of shape [2N] or [2N, 1]: the rows 0, 2, 4, ..."""
-    return f64(y_true.reshape(-1)[0::2])
+    return y_true.reshape(-1)[0::2]
 
 
-def ranking_term(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """L = log(1 + sum over (i, j) with labels[i] < labels[j] of exp(s_i - s_j)), via the full matrix.
-
-    Strict inequality: tied labels contribute nothing; all labels equal gives exactly log(1) = 0.
-    """
-    scores, labels = f64(scores), f64(labels)
-    differences = scores[:, None] - scores[None, :]  # [i, j] = s_i - s_j
-    counted = labels[:, None] < labels[None, :]  # [i, j] = label_i < label_j
-    if not counted.any():  # no pair (i, j) with label_i < label_j: log(1 + 0), and a zero gradient
-        return (scores * 0.0).sum()
-    masked = torch.where(counted, differences, torch.full_like(differences, -math.inf))
-    log_sum = torch.logsumexp(masked.reshape(-1), dim=0)  # log of the double sum
-    # log(1 + sum) as logaddexp(0, log sum): log1p inside, so tiny losses (well-ranked batches at tau = 20,
-    # L ~ 1e-6) keep full relative precision. The reference's logsumexp over [0, ...] loses it (3e-11
-    # relative in float64, percent-level in float32 at L ~ 2e-6).
-    return torch.logaddexp(torch.zeros((), dtype=_COMPUTE_DTYPE), log_sum)
-
-
-# ----------------------------------------------------------------------------------------------------
-# pair scores
-# ----------------------------------------------------------------------------------------------------
 def cosine_scores(y_pred: torch.Tensor, tau: float) -> torch.Tensor:
     """s_k = tau * cos(u_k, v_k) with u = y_pred[0::2], v = y_pred[1::2]."""
-    x = f64(y_pred)
-    u, v = x[0::2], x[1::2]
-    return tau * (normalize(u) * normalize(v)).sum(dim=1)
+    x = in_compute_dtype(y_pred)
+    return tau * cosine(x[0::2], x[1::2])
 
 
 def angle_scores(y_pred: torch.Tensor, tau: float, pooling_strategy: str = "sum") -> torch.Tensor:
@@ -96,14 +205,14 @@ def angle_scores(y_pred: torch.Tensor, tau: float, pooling_strategy: str = "sum"
     re = (a c + b d) / |v|^2, im = (b c - a d) / |v|^2 elementwise, both divided by |u| / |v|;
     pooled = sum(re) + sum(im) ('sum') or that sum / D ('mean'); s = tau * |pooled|.
     """
-    x = f64(y_pred)
+    x = in_compute_dtype(y_pred)
     dim = x.shape[1]
     if dim % 2:
         raise ValueError("angle scores need an even embedding dimension")
     u, v = x[0::2], x[1::2]
     a, b = u[:, : dim // 2], u[:, dim // 2 :]
     c, d = v[:, : dim // 2], v[:, dim // 2 :]
-    norm_u, norm_v = safe_norm(u), safe_norm(v)
+    norm_u, norm_v = norm(u)[:, None], norm(v)[:, None]
     re = (a * c + b * d) / norm_v**2
     im = (b * c - a * d) / norm_v**2
     re = re / (norm_u / norm_v)
@@ -118,17 +227,14 @@ def angle_scores(y_pred: torch.Tensor, tau: float, pooling_strategy: str = "sum"
     return tau * pooled.abs()
 
 
-# ----------------------------------------------------------------------------------------------------
-# the losses of angle_emb.loss
-# ----------------------------------------------------------------------------------------------------
 def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0) -> torch.Tensor:
-    return ranking_term(cosine_scores(y_pred, tau), pair_labels(y_true))
+    return ranking_loss(cosine_scores(y_pred, tau), pair_labels(y_true))
 
 
 def angle_loss(
     y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 1.0, pooling_strategy: str = "sum"
 ) -> torch.Tensor:
-    return ranking_term(angle_scores(y_pred, tau, pooling_strategy), pair_labels(y_true))
+    return ranking_loss(angle_scores(y_pred, tau, pooling_strategy), pair_labels(y_true))
 
 
 def in_batch_negative_loss(
@@ -145,30 +251,30 @@ def in_batch_negative_loss(
     count in the mean over 2N rows. With group_ids ([2N], one id per row, equal ids = identical texts),
     row i's positives are its partner plus every j != i with group_ids[j] in {group_ids[i],
     group_ids[partner]}, and the row's term is -log(sum of the positives' probabilities)
-    (the contract of similarity_xent in angle_kernels/dispatch.py).
+    (the package's extension, shared/docs/objective.md: the paper's identical-sentence-pair detection).
 
     negative_weights: the reference adds it to the partner logit of rows labelled 0, which have no
     target and so contribute 0 either way: it cannot change the loss. The oracle accepts and ignores it.
     """
     del negative_weights  # provably a no-op in the reference, see above
-    x = normalize(f64(y_pred))
+    x = in_compute_dtype(y_pred)
     rows = x.shape[0]
-    labels = f64(y_true.reshape(-1))  # one label per row, 0 or 1
-    logits = tau * (x @ x.T)
-    not_self = ~torch.eye(rows, dtype=torch.bool)
-    logits = torch.where(not_self, logits, torch.full_like(logits, -math.inf))
+    labels = in_compute_dtype(y_true.reshape(-1))  # one label per row, 0 or 1
+    not_self = ~torch.eye(rows, dtype=torch.bool, device=x.device)
+    logits = (tau * cosine_matrix(x, x)).masked_fill(~not_self, -math.inf)
 
-    index = torch.arange(rows)
+    index = torch.arange(rows, device=x.device)
     partner = index ^ 1
-    positive = torch.zeros(rows, rows, dtype=torch.bool)
+    positive = torch.zeros(rows, rows, dtype=torch.bool, device=x.device)
     positive[index, partner] = True
     if group_ids is not None:
-        same_as_self = group_ids[None, :] == group_ids[:, None]
-        same_as_partner = group_ids[None, :] == group_ids[partner][:, None]
+        ids = group_ids.to(x.device)
+        same_as_self = ids[None, :] == ids[:, None]
+        same_as_partner = ids[None, :] == ids[partner][:, None]
         positive = positive | ((same_as_self | same_as_partner) & not_self)
 
     log_all = torch.logsumexp(logits, dim=1)
-    log_positive = torch.logsumexp(torch.where(positive, logits, torch.full_like(logits, -math.inf)), dim=1)
+    log_positive = masked_logsumexp(logits, positive)
     per_row = labels * (log_all - log_positive)
     return per_row.sum() / rows
 
@@ -177,57 +283,47 @@ def contrastive_with_negative_loss(
     text: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor | None = None, tau: float = 20.0
 ) -> torch.Tensor:
     """Cross-entropy of query i over candidates [pos; neg] with target i, logits tau * cos."""
-    q = normalize(f64(text))
-    candidates = f64(pos) if neg is None else torch.cat([f64(pos), f64(neg)], dim=0)
-    c = normalize(candidates)
-    logits = tau * (q @ c.T)  # [B, B] or [B, 2B]
-    batch = q.shape[0]
-    target_logit = logits[torch.arange(batch), torch.arange(batch)]
-    return (torch.logsumexp(logits, dim=1) - target_logit).mean()
+    candidates = pos if neg is None else torch.cat([in_compute_dtype(pos), in_compute_dtype(neg)], dim=0)
+    logits = tau * cosine_matrix(in_compute_dtype(text), in_compute_dtype(candidates))  # [B, B] or [B, 2B]
+    batch = torch.arange(logits.shape[0], device=logits.device)
+    return (torch.logsumexp(logits, dim=1) - logits[batch, batch]).mean()
 
 
 # ----------------------------------------------------------------------------------------------------
-# ArcCSE
+# ArcCSE (the paper: no reference code exists)
 # ----------------------------------------------------------------------------------------------------
-def arccon_loss(
-    h1: torch.Tensor,
-    h2: torch.Tensor,
-    margin_degrees: float = 10.0,
-    tau: float = 0.05,
-    sin_squared_floor: float | None = None,
-) -> torch.Tensor:
+def arccon_loss(h1: torch.Tensor, h2: torch.Tensor, margin_degrees: float = 10.0, tau: float = 0.05) -> torch.Tensor:
     """ArcCon (ArcCSE Eq. 3): logits cos(h1_i, h2_j) / tau, the positive j = i with an additive angular
     margin: cos(min(arccos(cos_ii) + m, pi)) / tau; mean cross-entropy with target i.
 
-    Written with arccos directly by default. The package's contract (angle_kernels/dispatch.py) computes
-    cos(theta + m) = cos*cos(m) - sin*sin(m) with sin = sqrt(max(1 - cos^2, 1e-6)) so the gradient stays
-    finite at |cos| = 1; the two agree except within ~1e-6 of |cos| = 1, which random inputs never reach.
-    Pass sin_squared_floor=1e-6 to get the contract's form (for inputs with |cos| = 1).
+    Written with arccos, as in the paper. The package's contract computes the margin logit as
+    widened_cosine() does (sin^2 floored at 1e-6, so the gradient stays finite at |cos| = 1); the two agree
+    except within ~1e-6 of |cos| = 1, which random inputs never reach (use similarity_xent there).
     """
     margin = math.radians(margin_degrees)
-    cos = normalize(f64(h1)) @ normalize(f64(h2)).T  # [N, N]
+    cos = cosine_matrix(in_compute_dtype(h1), in_compute_dtype(h2))  # [N, N]
     n = cos.shape[0]
-    diagonal = torch.arange(n)
-    cos_positive = cos[diagonal, diagonal]
-    if sin_squared_floor is None:
-        theta = torch.arccos(cos_positive.clamp(-1.0, 1.0))
-        positive_logit = torch.cos(torch.clamp(theta + margin, max=math.pi)) / tau
-    else:
-        sin_positive = torch.sqrt(torch.clamp(1 - cos_positive**2, min=sin_squared_floor))
-        widened = cos_positive * math.cos(margin) - sin_positive * math.sin(margin)
-        past_pi = cos_positive < -math.cos(margin)  # theta + m > pi: cos(pi) = -1
-        positive_logit = torch.where(past_pi, torch.full_like(widened, -1.0), widened) / tau
-    logits = cos / tau
-    is_positive = torch.eye(n, dtype=torch.bool)
-    logits = torch.where(is_positive, positive_logit[:, None].expand(n, n), logits)
+    diagonal = torch.arange(n, device=cos.device)
+    theta = torch.arccos(cos[diagonal, diagonal].clamp(-1.0, 1.0))
+    positive_logit = torch.cos(torch.clamp(theta + margin, max=math.pi)) / tau
+    is_positive = torch.eye(n, dtype=torch.bool, device=cos.device)
+    logits = torch.where(is_positive, positive_logit[:, None].expand(n, n), cos / tau)
     return (torch.logsumexp(logits, dim=1) - positive_logit).mean()
 
 
 def triplet_loss(anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
     """ArcCSE Eq. 4: mean over triplets of max(0, cos(anchor, strong) - cos(anchor, weak) + margin)."""
-    a, w, s = normalize(f64(anchor)), normalize(f64(weak)), normalize(f64(strong))
-    per_triplet = (a * s).sum(dim=1) - (a * w).sum(dim=1) + margin
-    return torch.clamp(per_triplet, min=0.0).mean()
+    a, w, s = in_compute_dtype(anchor), in_compute_dtype(weak), in_compute_dtype(strong)
+    return torch.clamp(cosine(a, s) - cosine(a, w) + margin, min=0.0).mean()
+
+
+def arccse_loss(h1, h2, anchor=None, weak=None, strong=None, margin_degrees=10.0, tau=0.05, triplet_weight=0.1,
+                triplet_margin=0.0) -> torch.Tensor:
+    """ArcCSE's objective L = L_arc + lambda * L_tri (the triplet term only when its three inputs are given)."""
+    loss = arccon_loss(h1, h2, margin_degrees, tau)
+    if anchor is not None:
+        loss = loss + triplet_weight * triplet_loss(anchor, weak, strong, triplet_margin)
+    return loss
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -247,7 +343,7 @@ def angle_loss_module(
     angle_tau: float = 20.0,
     angle_pooling_strategy: str = "sum",
 ) -> torch.Tensor:
-    loss = torch.zeros((), dtype=_COMPUTE_DTYPE)
+    loss = torch.zeros((), dtype=_compute_dtype, device=outputs.device)
     if dataset_format == "A":
         # zigzag pairs with labels: weighted sum of the three pair losses (each only if its weight > 0)
         if cosine_w > 0:
@@ -268,8 +364,8 @@ def angle_loss_module(
         negative_pairs = torch.stack([query, negative], dim=1).reshape(-1, dim)  # (q0, n0, q1, n1, ...)
         pairs = torch.cat([positive_pairs, negative_pairs], dim=0)
         groups = query.shape[0]
-        pair_rows_labels = torch.cat([torch.ones(2 * groups), torch.zeros(2 * groups)]).to(torch.float64)
-        contrastive = torch.zeros((), dtype=_COMPUTE_DTYPE)
+        pair_rows_labels = torch.cat([torch.ones(2 * groups), torch.zeros(2 * groups)]).to(outputs.device)
+        contrastive = torch.zeros((), dtype=_compute_dtype, device=outputs.device)
         if ibn_w > 0:
             contrastive = contrastive + ibn_w * contrastive_with_negative_loss(query, positive, None, ibn_tau)
         if cln_w > 0:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # so `import tiny_model` / `integration_utils` work from the test modules here
+if str(HERE) not in sys.path:  # so `import tiny_model` works from the test modules here
     sys.path.insert(0, str(HERE))
 
 

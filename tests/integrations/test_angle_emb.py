@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from integration_utils import rel_err
+from oracle import rel_err
 
 import angle_kernels
 from angle_kernels.integrations import angle_emb as integration

@@ -5,6 +5,9 @@ Each loss is compiled with fullgraph=True (a graph break raises; the test then r
 torch._dynamo.explain's reasons) and the "aot_eager" backend, which traces forward and backward through
 AOTAutograd (our autograd.Functions included) without generating C++. The same check with the default inductor backend
 takes 15-25 s per loss on a 2-core machine: opt in with ANGLE_KERNELS_TEST_INDUCTOR=1.
+
+On a GPU with the CUDA extension built, the same losses with backend="cuda" go through inductor too (the
+extension's ops must trace through their fake implementations and autograd formulas).
 """
 
 from __future__ import annotations
@@ -14,30 +17,36 @@ import os
 import pytest
 import torch
 
-from integration_utils import rel_err
-
 import angle_kernels as ak
+from ak_testing import backend_or_skip
+from oracle import rel_err
 
 PAIRS = 6
 GRADED = torch.tensor([0.0, 2.0, 1.0, 1.0, 3.0, 0.5]).repeat_interleave(2)
 BINARY = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]).repeat_interleave(2)
 
-# name -> loss of one [12, D] tensor (the rows are split where a loss takes several inputs)
-LOSSES = {
-    "cosine_loss": lambda x: ak.cosine_loss(GRADED.to(x.dtype), x, 20.0, backend="torch"),
-    "angle_loss": lambda x: ak.angle_loss(GRADED.to(x.dtype), x, 20.0, pooling_strategy="sum", backend="torch"),
-    "angle_loss_mean": lambda x: ak.angle_loss(GRADED.to(x.dtype), x, 1.0, pooling_strategy="mean", backend="torch"),
-    "in_batch_negative_loss": lambda x: ak.in_batch_negative_loss(BINARY.to(x.dtype), x, 20.0, backend="torch"),
-    "in_batch_negative_loss_groups": lambda x: ak.in_batch_negative_loss(
-        BINARY.to(x.dtype), x, 20.0, group_ids=torch.tensor([0, 1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11]), backend="torch"),
-    "contrastive_with_negative_loss": lambda x: ak.contrastive_with_negative_loss(x[0:4], x[4:8], x[8:12], 20.0,
-                                                                                  backend="torch"),
-    "arccon_loss": lambda x: ak.arccon_loss(x[0:6], x[6:12], backend="torch"),
-    "triplet_loss": lambda x: ak.triplet_loss(x[0:4], x[4:8], x[8:12], margin=0.1, backend="torch"),
-    "AngleLoss_A": lambda x: ak.AngleLoss(cosine_w=1.0, dataset_format="A", backend="torch")(BINARY.to(x.dtype), x),
-    "AngleLoss_B": lambda x: ak.AngleLoss(dataset_format="B", backend="torch")(None, x),
-    "AngleLoss_C": lambda x: ak.AngleLoss(cosine_w=0.5, dataset_format="C", backend="torch")(None, x),
-}
+
+def loss_functions(backend: str) -> dict:
+    """name -> loss of one [12, D] tensor on `backend` (the rows are split where a loss takes several inputs)."""
+    return {
+        "cosine_loss": lambda x: ak.cosine_loss(GRADED.to(x), x, 20.0, backend=backend),
+        "angle_loss": lambda x: ak.angle_loss(GRADED.to(x), x, 20.0, pooling_strategy="sum", backend=backend),
+        "angle_loss_mean": lambda x: ak.angle_loss(GRADED.to(x), x, 1.0, pooling_strategy="mean", backend=backend),
+        "in_batch_negative_loss": lambda x: ak.in_batch_negative_loss(BINARY.to(x), x, 20.0, backend=backend),
+        "in_batch_negative_loss_groups": lambda x: ak.in_batch_negative_loss(
+            BINARY.to(x), x, 20.0, group_ids=torch.tensor([0, 1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 11], device=x.device),
+            backend=backend),
+        "contrastive_with_negative_loss": lambda x: ak.contrastive_with_negative_loss(x[0:4], x[4:8], x[8:12], 20.0,
+                                                                                      backend=backend),
+        "arccon_loss": lambda x: ak.arccon_loss(x[0:6], x[6:12], backend=backend),
+        "triplet_loss": lambda x: ak.triplet_loss(x[0:4], x[4:8], x[8:12], margin=0.1, backend=backend),
+        "AngleLoss_A": lambda x: ak.AngleLoss(cosine_w=1.0, dataset_format="A", backend=backend)(BINARY.to(x), x),
+        "AngleLoss_B": lambda x: ak.AngleLoss(dataset_format="B", backend=backend)(None, x),
+        "AngleLoss_C": lambda x: ak.AngleLoss(cosine_w=0.5, dataset_format="C", backend=backend)(None, x),
+    }
+
+
+LOSSES = loss_functions("torch")
 
 
 def embeddings(name: str, dtype=torch.float64) -> torch.Tensor:
@@ -107,3 +116,17 @@ def test_inductor_float32(name):
     (ref_value, ref_grad), (value, grad) = eager_and_compiled(LOSSES[name], x, compiled)
     assert rel_err(value, ref_value) < 1e-5
     assert rel_err(grad, ref_grad) < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_cuda_backend_one_graph_and_equal_to_eager(name):
+    """The CUDA extension's ops through torch.compile(fullgraph=True) (their fake implementations and autograd
+    formulas) with the default inductor backend: one graph, equal to eager. Needs the built extension on a GPU."""
+    cuda = backend_or_skip("cuda")
+    fn = loss_functions("cuda")[name]
+    x = embeddings(name, torch.float32).to(cuda.device)
+    torch._dynamo.reset()
+    with ak.input_checks(False):  # the NaN/Inf checks synchronise with the host: not traceable
+        (ref_value, ref_grad), (value, grad) = eager_and_compiled(fn, x, torch.compile(fn, fullgraph=True))
+    assert torch.isfinite(value) and rel_err(value, ref_value) < 1e-6
+    assert rel_err(grad, ref_grad) < 1e-5

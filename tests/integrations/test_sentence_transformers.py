@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from integration_utils import rel_err
+from oracle import rel_err
 
 pytest.importorskip("sentence_transformers")
 

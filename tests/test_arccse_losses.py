@@ -1,0 +1,190 @@
+"""ArcCSE: arccon_loss (ArcCon, an additive angular margin on the positive), triplet_loss and ArcCSELoss.
+
+No reference code exists: the oracle (tests/oracle.py) transcribes the paper, ArcCon with arccos directly.
+Against it on every backend, then over sizes, margins (0 to 179 degrees, and past pi), taus on the default
+backend in float32 and float64, bf16/fp16 at the half rule; gradcheck in float64 and hypothesis fuzzing.
+Tolerances and the half-precision rule: tests/ak_testing.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from torch.autograd import gradcheck
+
+import angle_kernels as ak
+import oracle
+from ak_testing import (
+    FUZZ, HALF_DTYPES, check_against_oracle, float64_cannot_resolve, fuzz_embeddings, generator, leaf_like, randn,
+)
+
+DTYPES = [torch.float64, torch.float32]
+
+
+def _views(gen, n, d, dtype=torch.float32, noise=2.0):
+    """Two correlated views of n sentences (positive cosine ~0.45 at noise 2): well inside (-1, 1)."""
+    h1 = randn(gen, n, d, dtype=torch.float64)
+    h2 = h1 + noise * randn(gen, n, d, dtype=torch.float64)
+    return h1.to(dtype), h2.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# against the oracle
+# --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_every_backend(backend, dtype):
+    gen = generator("arccse_backends", dtype)
+    h1, h2 = _views(gen, 13, 34, dtype)
+    anchor, weak, strong = (randn(gen, 11, 34, dtype=dtype) for _ in range(3))
+    device, name = backend.device, backend.name
+    check_against_oracle(lambda a, b: ak.arccon_loss(a, b, 10.0, 0.05, backend=name),
+                         lambda a, b: oracle.arccon_loss(a, b, 10.0, 0.05), [h1, h2], f"arccon on {name}",
+                         device=device)
+    check_against_oracle(lambda a, w, s: ak.triplet_loss(a, w, s, 0.1, backend=name),
+                         lambda a, w, s: oracle.triplet_loss(a, w, s, 0.1), [anchor, weak, strong],
+                         f"triplet on {name}", device=device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,d", [(1, 2), (3, 6), (37, 130), (300, 768)])
+@pytest.mark.parametrize("margin_degrees", [0.0, 10.0, 90.0, 179.0])
+def test_arccon_loss(gen, n, d, margin_degrees, dtype):
+    h1, h2 = _views(gen, n, d, dtype)
+    for tau in (0.05, 1.0):
+        check_against_oracle(lambda a, b: ak.arccon_loss(a, b, margin_degrees, tau),
+                             lambda a, b: oracle.arccon_loss(a, b, margin_degrees, tau), [h1, h2],
+                             f"arccon margin={margin_degrees} tau={tau}")
+
+
+def test_arccon_defaults_are_ten_degrees_and_tau_005(gen):
+    h1, h2 = _views(gen, 37, 64)
+    check_against_oracle(lambda a, b: ak.arccon_loss(a, b), lambda a, b: oracle.arccon_loss(a, b, 10.0, 0.05),
+                         [h1, h2], "arccon defaults")
+    without_margin = oracle.arccon_loss(h1, h2, 0.0, 0.05)
+    assert abs(ak.arccon_loss(h1, h2).item() - without_margin.item()) > 1e-3 * without_margin.item()  # it acts
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_arccon_margin_past_pi(gen, dtype):
+    """theta + margin > pi pins the positive logit at cos(pi) = -1 (and its gradient at 0)."""
+    h1 = randn(gen, 37, 64, dtype=torch.float64)
+    h2 = -h1 + 0.01 * randn(gen, 37, 64, dtype=torch.float64)  # theta within ~1 degree of 180
+    h2[::2] = randn(gen, 19, 64, dtype=torch.float64)  # half the rows ordinary
+    check_against_oracle(lambda a, b: ak.arccon_loss(a, b, 10.0, 0.05),
+                         lambda a, b: oracle.arccon_loss(a, b, 10.0, 0.05), [h1.to(dtype), h2.to(dtype)],
+                         "arccon past pi")
+
+
+def test_arccon_identical_views_have_a_finite_gradient(gen):
+    """h2 == h1: cos = 1, theta = 0, where arccos has an infinite slope. The contract floors sin^2 at 1e-6
+    (the op oracle's form); that changes the exact value by at most sin(m) * 1e-3 / tau in the positive logit."""
+    h1 = randn(gen, 37, 64, dtype=torch.float64)
+    check_against_oracle(lambda a, b: ak.arccon_loss(a, b, 10.0, 0.05),
+                         lambda a, b: oracle.similarity_xent(a, b, 1 / 0.05, "diagonal", margin=math.radians(10.0)),
+                         [h1, h1.clone()], "arccon identical views")
+    assert abs(ak.arccon_loss(h1, h1).item() / oracle.arccon_loss(h1, h1).item() - 1) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,d", [(1, 2), (3, 6), (37, 130), (1000, 768)])
+def test_triplet_loss(gen, n, d, dtype):
+    anchor, weak, strong = (randn(gen, n, d, dtype=dtype) for _ in range(3))
+    for margin in (0.0, 0.1, 0.5, -0.2):
+        check_against_oracle(lambda a, w, s: ak.triplet_loss(a, w, s, margin),
+                             lambda a, w, s: oracle.triplet_loss(a, w, s, margin), [anchor, weak, strong],
+                             f"triplet margin={margin}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_triplets", [False, True])
+def test_arccse_loss_module(gen, with_triplets, dtype):
+    h1, h2 = _views(gen, 20, 32, dtype)
+    triplets = [randn(gen, 12, 32, dtype=dtype) for _ in range(3)] if with_triplets else []
+    settings = dict(margin_degrees=15.0, tau=0.1, triplet_weight=0.3, triplet_margin=0.05)
+    module = ak.ArcCSELoss(**settings)
+    assert isinstance(module, torch.nn.Module)
+    check_against_oracle(lambda *inputs: module(*inputs), lambda *inputs: oracle.arccse_loss(*inputs, **settings),
+                         [h1, h2, *triplets], f"ArcCSELoss triplets={with_triplets}")
+
+
+def test_arccse_loss_defaults_follow_the_paper(gen):
+    """margin 10 degrees, tau 0.05, lambda = 0.1, triplet margin 0."""
+    h1, h2 = _views(gen, 20, 32)
+    anchor, weak, strong = (randn(gen, 12, 32) for _ in range(3))
+    check_against_oracle(lambda *inputs: ak.ArcCSELoss()(*inputs), lambda *inputs: oracle.arccse_loss(*inputs),
+                         [h1, h2, anchor, weak, strong], "ArcCSELoss defaults")
+
+
+def test_arccse_loss_needs_all_three_triplet_inputs_or_none(gen):
+    h1, h2 = _views(gen, 4, 8)
+    with pytest.raises(ValueError, match="anchor, weak and strong"):
+        ak.ArcCSELoss()(h1, h2, anchor=h1, weak=h2)
+
+
+# --------------------------------------------------------------------------------------------------------
+# bfloat16 / float16
+# --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_precision(gen, dtype):
+    h1, h2 = _views(gen, 37, 64, dtype)
+    check_against_oracle(lambda a, b: ak.arccon_loss(a, b), lambda a, b: oracle.arccon_loss(a, b), [h1, h2],
+                         f"arccon {dtype}")
+    anchor, weak, strong = (randn(gen, 24, 64, dtype=dtype) for _ in range(3))
+    check_against_oracle(lambda a, w, s: ak.triplet_loss(a, w, s, 0.1),
+                         lambda a, w, s: oracle.triplet_loss(a, w, s, 0.1), [anchor, weak, strong],
+                         f"triplet {dtype}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# gradcheck and fuzzing
+# --------------------------------------------------------------------------------------------------------
+def test_gradcheck(gen):
+    """Away from the margin's clamp at pi and the triplet hinge's kink, where finite differences mean nothing."""
+    h1, h2 = (leaf_like(t) for t in _views(gen, 5, 6, torch.float64, noise=0.8))
+    assert gradcheck(lambda a, b: ak.arccon_loss(a, b, 10.0, 0.5), (h1, h2), eps=1e-6, atol=1e-6, rtol=1e-4)
+    anchor, weak, strong = (leaf_like(randn(gen, 6, 5, dtype=torch.float64)) for _ in range(3))
+    assert gradcheck(lambda a, w, s: ak.triplet_loss(a, w, s, 0.1), (anchor, weak, strong),
+                     eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+@FUZZ
+@given(
+    n=st.integers(1, 32),
+    dim=st.integers(2, 48),
+    margin_degrees=st.sampled_from([0.0, 10.0]) | st.floats(0.0, 120.0),
+    tau=st.sampled_from([0.05]) | st.floats(0.05, 2.0),
+    noise=st.sampled_from([0.3, 1.0, 3.0]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fuzz_arccon(n, dim, margin_degrees, tau, noise, dtype, seed):
+    h1 = fuzz_embeddings(seed, n, dim, 1.0, torch.float64)
+    h2 = h1 + noise * fuzz_embeddings(seed + 1, n, dim, 1.0, torch.float64)
+    theta = torch.rad2deg(torch.arccos(torch.nn.functional.cosine_similarity(h1, h2).clamp(-1, 1)))
+    assume(not ((theta + margin_degrees - 180.0).abs() < 0.5).any())  # away from the kink at the clamp to pi
+    # and from theta = 0, where the contract floors sin^2(theta) at 1e-6 and the paper's arccos form differs
+    assume(bool((theta > 0.5).all()))
+    assume(dtype != torch.float64 or not float64_cannot_resolve(oracle.arccon_loss(h1, h2, margin_degrees, tau)))
+    check_against_oracle(lambda a, b: ak.arccon_loss(a, b, margin_degrees, tau),
+                         lambda a, b: oracle.arccon_loss(a, b, margin_degrees, tau), [h1.to(dtype), h2.to(dtype)],
+                         f"arccon n={n} margin={margin_degrees} tau={tau}")
+
+
+@FUZZ
+@given(
+    n=st.integers(1, 40),
+    dim=st.integers(2, 48),  # D = 1: every direction is +-1, the true gradient is 0 and any result is rounding noise
+    margin=st.floats(-0.5, 0.5),
+    dtype=st.sampled_from(DTYPES + list(HALF_DTYPES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fuzz_triplet(n, dim, margin, dtype, seed):
+    """Hinge kinks are measure-zero for random inputs."""
+    anchor, weak, strong = (fuzz_embeddings(seed + k, n, dim, 1.0, dtype) for k in range(3))
+    check_against_oracle(lambda a, w, s: ak.triplet_loss(a, w, s, margin),
+                         lambda a, w, s: oracle.triplet_loss(a, w, s, margin), [anchor, weak, strong],
+                         f"triplet n={n} margin={margin}")
