@@ -1,0 +1,138 @@
+"""The CUDA backend's torch.library ops on any machine, CPU-only CI included (the kernels themselves run in the
+"cuda" cases of test_<op>.py, on a GPU).
+
+Checked here: without a GPU the backend says why it cannot run; every op's schema matches the C++ function that
+csrc/ binds to it (argument names and kinds, number of results), which a schema edited on one side only would
+break on the GPU alone; the fake implementations give the shapes and dtypes torch.compile relies on; a make_fx
+trace of forward + backward goes through the registered autograd formulas to the backward ops.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import angle_kernels.cuda_ops as cuda_ops  # defines the torch.ops.angle_kernels.cuda_* ops
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+OP_NAMES = ("cuda_pair_scores_fwd", "cuda_pair_scores_bwd", "cuda_ranking_fwd", "cuda_ranking_bwd",
+            "cuda_similarity_xent_fwd", "cuda_similarity_xent_bwd")
+
+
+def _op(name):
+    return getattr(torch.ops.angle_kernels, name).default
+
+
+def test_unavailable_without_a_gpu_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: availability depends on the build (the op tests' cuda cases say)")
+    available, why = cuda_ops.is_available()
+    assert available is False
+    assert "CUDA" in why or "GPU" in why, why
+
+
+def _schema_kind(schema_type) -> str:
+    return {"Tensor": "Tensor", "Optional[Tensor]": "Tensor?", "float": "float", "bool": "bool", "str": "str",
+            "int": "int"}[str(schema_type)]
+
+
+def _cpp_kind(parameter: str) -> str:
+    if "Tensor" in parameter:
+        return "Tensor?" if "optional" in parameter else "Tensor"
+    for cpp, kind in (("double", "float"), ("bool", "bool"), ("string", "str"), ("int64_t", "int")):
+        if cpp in parameter:
+            return kind
+    raise AssertionError(f"unexpected C++ parameter type in {parameter!r}")
+
+
+def _bound_cpp_signatures() -> dict[str, tuple[int, list[tuple[str, str]]]]:
+    """op name -> (number of results, [(parameter name, kind)]) of the C++ function csrc/ binds to it."""
+    sources = "\n".join(path.read_text() for path in sorted(CSRC.glob("*.c*")))
+    signatures = {}
+    for op_name, function in re.findall(r'm\.impl\("(\w+)",\s*&(\w+)\)', sources):
+        definition = re.search(rf"^([\w:<>, ]+?)\s+{function}\(([^)]*)\)\s*{{", sources, flags=re.M)
+        assert definition, f"csrc/ binds {op_name} to {function}, whose definition was not found"
+        result_type, parameters = definition.groups()
+        results = result_type.count("Tensor")
+        params = [" ".join(p.split()) for p in parameters.split(",")]
+        signatures[op_name] = (results, [(p.split()[-1].lstrip("&*"), _cpp_kind(p)) for p in params])
+    return signatures
+
+
+def test_schemas_match_the_bound_cpp_functions():
+    bound = _bound_cpp_signatures()
+    assert sorted(bound) == sorted(OP_NAMES), "csrc/ binds a different set of ops"
+    for name in OP_NAMES:
+        schema = _op(name)._schema
+        arguments = [(a.name, _schema_kind(a.type)) for a in schema.arguments]
+        results, parameters = bound[name]
+        assert arguments == parameters, f"{name}: schema {arguments} but C++ {parameters}"
+        assert len(schema.returns) == results, f"{name}: {len(schema.returns)} results in the schema, C++ {results}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_fake_shapes_pair_scores(dtype):
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    with FakeTensorMode():
+        x = torch.empty(5, 3, 10, dtype=dtype)
+        cos, angle, stats = _op("cuda_pair_scores_fwd")(x, True)
+        assert cos.shape == angle.shape == (5, 2) and stats.shape == (5, 2, 4)
+        assert cos.dtype == angle.dtype == stats.dtype == acc
+        dx = _op("cuda_pair_scores_bwd")(cos, angle, x, stats, True)
+        assert dx.shape == x.shape and dx.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_fake_shapes_ranking(dtype):
+    with FakeTensorMode():
+        scores = torch.empty(7, dtype=dtype)
+        labels = torch.empty(7, dtype=torch.int64)
+        loss, order, first, past = _op("cuda_ranking_fwd")(scores, labels)
+        assert loss.shape == () and loss.dtype == dtype
+        assert order.shape == first.shape == past.shape == (7,) and order.dtype == torch.int64
+        grad = _op("cuda_ranking_bwd")(loss, scores, order, first, past)
+        assert grad.shape == (7,) and grad.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_c", [False, True])
+def test_fake_shapes_similarity_xent(dtype, with_c):
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    with FakeTensorMode():
+        q = torch.empty(6, 12, dtype=dtype)
+        c = torch.empty(9, 12, dtype=dtype) if with_c else None
+        loss, lse_all, lse_pos, q_norm, c_norm = _op("cuda_similarity_xent_fwd")(
+            q, c, 20.0, "diagonal" if with_c else "partner", None, not with_c, 0.0, None
+        )
+        assert loss.shape == () and loss.dtype == acc
+        assert lse_all.shape == lse_pos.shape == q_norm.shape == (6,)
+        assert c_norm.shape == ((9,) if with_c else (0,))
+        dq, dc = _op("cuda_similarity_xent_bwd")(
+            loss, q, c, lse_all, lse_pos, q_norm, c_norm, 20.0, "partner", None, False, 0.0, None
+        )
+        assert dq.shape == q.shape and dq.dtype == dtype
+        assert dc.shape == ((9, 12) if with_c else (0,))
+
+
+def test_make_fx_traces_forward_and_backward():
+    """Forward + autograd backward traced with fake tensors: the registered formulas call the _bwd ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def loss_and_grads(x, q):
+        x = x.requires_grad_()
+        q = q.requires_grad_()
+        cos, angle = cuda_ops.pair_scores(x, True)
+        scores = (cos * 20.0).reshape(-1)
+        labels = torch.arange(scores.shape[0], device=x.device) % 2
+        loss = cuda_ops.ranking_loss(scores, labels) + angle.sum()
+        loss = loss + cuda_ops.similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
+        return torch.autograd.grad(loss, (x, q))
+
+    graph = make_fx(loss_and_grads, tracing_mode="fake")(torch.randn(4, 2, 6), torch.randn(6, 6))
+    text = str(graph.graph)
+    for name in OP_NAMES:
+        assert f"angle_kernels.{name}" in text, f"{name} missing from the traced graph"

@@ -1,0 +1,128 @@
+"""pair_scores(x, with_angle) on every backend against the float64 oracle: outputs and gradients.
+
+The backward gets fixed random cotangents for both outputs (ak_testing.cotangent). float64 and float32 at the
+tolerances of ak_testing, bfloat16 and float16 at the half-precision rule. Shapes: one group, zigzag pairs,
+format C triples, K = 4, odd and non-power-of-two D, D longer than one Triton block, more groups than one
+chunk of the torch backend. Every output must be finite: under pytest the Triton launchers fill their outputs
+with NaN before the kernels run, so an element never written fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import oracle
+from ak_testing import (
+    GRAD_TOL, HALF_DTYPES, VALUE_TOL, assert_close, assert_half_rule, check_against_oracle, generator, leaf_like,
+    outputs_and_grads, randn,
+)
+
+SHAPES = [  # (G, K, D)
+    (1, 2, 2),  # a single pair, the smallest even D
+    (37, 2, 130),  # zigzag pairs, D not a power of two
+    (5, 3, 6),  # format C: [query, positive, negative]
+    (7, 4, 18),  # K = 4: the anchor accumulates three pairs' gradients
+    (3, 2, 2060),  # D / 2 = 1030 > 1024: the Triton kernels loop over two blocks
+]
+
+
+def _ops(backend, with_angle):
+    return lambda x: backend.ops.pair_scores(x, with_angle)
+
+
+def _oracle(with_angle):
+    return lambda x: oracle.pair_scores(x, with_angle)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("with_angle", [True, False], ids=["angle", "cos_only"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_against_oracle(backend, shape, with_angle, dtype):
+    x = randn(generator("pair_scores", shape, dtype), *shape, dtype=dtype)
+    check_against_oracle(_ops(backend, with_angle), _oracle(with_angle), [x], f"pair_scores{shape}",
+                         device=backend.device)
+
+
+@pytest.mark.parametrize("dim", [3, 33, 1025])  # not D = 1: every cosine is +-1, its gradient is 0
+def test_odd_dimension_without_angle_on_zigzag_rows(backend, dim):
+    """Odd D is legal without the angle (the angle output is then all zeros); zigzag rows [2N, D] as a view."""
+    y_pred = randn(generator("odd_dim", dim), 22, dim)
+    outputs, _ = check_against_oracle(lambda y: backend.ops.pair_scores(y.view(11, 2, dim), False),
+                                      lambda y: oracle.pair_scores(y.view(11, 2, dim), False), [y_pred],
+                                      f"pair_scores D={dim}", device=backend.device)
+    assert torch.count_nonzero(outputs[1]) == 0
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("with_angle", [True, False], ids=["angle", "cos_only"])
+def test_half_precision(backend, with_angle, dtype):
+    """bf16/fp16 inputs: float32 scores, gradients in the input dtype, within 2x eager's own error."""
+    x = randn(generator("half", dtype), 32, 3, 130, dtype=dtype)
+    check_against_oracle(_ops(backend, with_angle), _oracle(with_angle), [x], f"pair_scores {dtype}",
+                         device=backend.device)
+
+
+@pytest.mark.parametrize("layout", ["strided_d", "group_minor", "every_dim"])
+def test_non_contiguous_input(backend, layout):
+    gen = generator("layout", layout)
+    if layout == "strided_d":  # every other element of a wider tensor
+        x = randn(gen, 9, 3, 68)[:, :, ::2]
+    elif layout == "group_minor":  # groups move fastest after D
+        x = randn(gen, 3, 9, 34).transpose(0, 1)
+    else:  # no dimension has its contiguous stride
+        x = randn(gen, 18, 3, 34)[::2].transpose(0, 1).contiguous().transpose(0, 1)
+    assert not x.is_contiguous()
+    check_against_oracle(_ops(backend, True), _oracle(True), [x], f"pair_scores {layout}", device=backend.device)
+
+
+def test_more_groups_than_one_chunk(backend):
+    """4.2M elements: the torch backend works through the groups in several chunks of 4M elements."""
+    if backend.name == "triton" and backend.device.type == "cpu":
+        pytest.skip("about 45 s in the Triton interpreter (2,048 programs of D = 1030): runs when compiled")
+    x = randn(generator("chunks"), 2048, 2, 1030)
+    check_against_oracle(_ops(backend, True), _oracle(True), [x], "pair_scores in chunks", device=backend.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_zero_vectors(backend, dtype):
+    """A zero vector has cosine 0 with everything (its norm is clamped to eps) and a finite gradient: about
+    |g| / eps = 1e12 for a zero vector paired with a non-zero one, 0 in an all-zero group. The huge rows and the
+    others are compared apart (one error over the whole tensor would only see the huge rows)."""
+    x = randn(generator("zero", dtype), 6, 3, 8, dtype=dtype)
+    x[1, 0] = 0.0  # a zero anchor
+    x[3, 2] = 0.0  # a zero partner
+    x[4] = 0.0  # an all-zero group
+    (cos, angle), (dx,) = outputs_and_grads(_ops(backend, True), [leaf_like(x, device=backend.device)])
+    (exact_cos, exact_angle), (exact_dx,) = outputs_and_grads(_oracle(True), [leaf_like(x, dtype=torch.float64)])
+    assert_close(cos, exact_cos, VALUE_TOL[dtype], "cos")
+    assert_close(angle, exact_angle, VALUE_TOL[dtype], "angle")
+    huge = torch.zeros(6, 3, dtype=torch.bool)
+    huge[1, 0] = huge[3, 2] = True
+    assert_close(dx[huge], exact_dx[huge], GRAD_TOL[dtype], "dx of the zero vectors beside non-zero ones")
+    assert_close(dx[~huge], exact_dx[~huge], GRAD_TOL[dtype], "dx of the other rows")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # NumPy, under the interpreter
+def test_float16_zero_partner_overflows_to_infinity_not_nan(backend):
+    """In float16 a zero partner's true gradient (~1e12) is beyond the dtype's range: +-inf is the right answer
+    there, NaN never is; every other row keeps its precision. Eager float16 cannot compute this input at all (its
+    epsilon underflows to 0 and gives NaN), so the rule's baseline is correct rounding (see assert_half_rule)."""
+    x = randn(generator("fp16_zero"), 16, 2, 64, dtype=torch.float16)
+    x[0, 1] = 0.0
+    (cos, angle), (dx,) = outputs_and_grads(_ops(backend, True), [leaf_like(x, device=backend.device)])
+    (exact_cos, exact_angle), (exact_dx,) = outputs_and_grads(_oracle(True), [leaf_like(x, dtype=torch.float64)])
+    assert torch.isinf(dx[0, 1]).any(), "the zero partner's gradient is expected to overflow float16"
+    assert_half_rule(dx, None, exact_dx, "dx")
+    assert_half_rule(cos, None, exact_cos, "cos")
+    assert_half_rule(angle, None, exact_angle, "angle")
+
+
+@pytest.mark.parametrize("k,dim,with_angle", [(2, 6, True), (3, 8, True), (2, 6, False), (3, 9, False)])
+def test_gradcheck(backend, k, dim, with_angle):
+    """Finite differences in float64 against the backward pass (random inputs: no zero vectors, where the
+    norm's clamp is not differentiable)."""
+    x = leaf_like(randn(generator("gradcheck", k, dim), 4, k, dim, dtype=torch.float64), device=backend.device)
+    assert gradcheck(_ops(backend, with_angle), (x,), eps=1e-6, atol=1e-6, rtol=1e-4,
+                     fast_mode=backend.name == "triton")

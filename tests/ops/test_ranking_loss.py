@@ -1,0 +1,124 @@
+"""ranking_loss(scores, labels) on every backend against the float64 oracle: the loss and its gradient.
+
+Heavy label ties, all labels equal, a single element, label dtypes (integers, floats, bool), scores at the
+scale tau = 20 gives and far beyond it, non-contiguous scores, sizes on both sides of the Triton backend's
+switch from its tiled kernel to the sort-and-scan path. Scores are float32 or float64 only (the contract):
+there is no half-precision case.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import oracle
+from ak_testing import backend_or_skip, check_against_oracle, generator, leaf_like, outputs_and_grads, randn
+
+# The Triton scans take log(0) = -inf of two empty sums on purpose; NumPy warns about it under the interpreter.
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
+
+
+def _check(backend, scores, labels, what):
+    return check_against_oracle(lambda s: backend.ops.ranking_loss(s, labels.to(backend.device)),
+                                lambda s: oracle.ranking_loss(s, labels), [scores], what, device=backend.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("n,levels", [(1, 1), (3, 2), (37, 4), (64, 4), (1000, 5), (1000, 1000)])
+def test_against_oracle(backend, n, levels, dtype):
+    """Scores at the scale of tau = 20; `levels` distinct labels (few levels: heavy ties)."""
+    gen = generator("ranking", n, levels, dtype)
+    scores = randn(gen, n, dtype=dtype, scale=20.0)
+    labels = torch.randint(0, levels, (n,), generator=gen).to(torch.float32)
+    _check(backend, scores, labels, f"ranking n={n} levels={levels}")
+
+
+def test_beyond_the_triton_tiled_path(backend):
+    """5,000 elements: above the Triton backend's SMALL_N_MAX (4,096), where it sorts and scans."""
+    gen = generator("ranking_large")
+    scores = randn(gen, 5000, scale=20.0)
+    labels = torch.randint(0, 7, (5000,), generator=gen)
+    _check(backend, scores, labels, "ranking n=5000")
+
+
+@pytest.mark.parametrize("label_dtype", [torch.int64, torch.int32, torch.float16, torch.float64, torch.bool], ids=str)
+def test_label_dtypes(backend, label_dtype):
+    gen = generator("label_dtype", label_dtype)
+    scores = randn(gen, 50, scale=20.0)
+    if label_dtype == torch.bool:
+        labels = torch.rand(50, generator=gen) > 0.5
+    else:
+        labels = torch.randint(-3, 3, (50,), generator=gen).to(label_dtype)  # negative labels too
+    _check(backend, scores, labels, f"ranking labels {label_dtype}")
+
+
+def test_float_labels_and_extreme_scores(backend):
+    """Scores of size 300 (exp(600) overflows float64 unless every sum stays in log space)."""
+    gen = generator("extreme")
+    scores = randn(gen, 50, dtype=torch.float64, scale=300.0)
+    labels = torch.rand(50, generator=gen, dtype=torch.float64).round(decimals=1)
+    _check(backend, scores, labels, "ranking extreme scores")
+
+
+def test_non_contiguous_scores(backend):
+    gen = generator("strided")
+    scores = randn(gen, 2 * 777, scale=20.0)[::2]
+    assert not scores.is_contiguous()
+    labels = torch.randint(-3, 3, (777,), generator=gen)
+    _check(backend, scores, labels, "ranking strided scores")
+
+
+@pytest.mark.parametrize("n", [1, 40])
+def test_all_labels_equal_is_exactly_zero(backend, n):
+    scores = randn(generator("equal", n), n, scale=20.0)
+    (loss,), (grad,) = outputs_and_grads(lambda s: backend.ops.ranking_loss(s, torch.full((n,), 3.0, device=s.device)),
+                                         [leaf_like(scores, device=backend.device)])
+    assert loss.item() == 0.0
+    assert torch.equal(grad, torch.zeros(n))
+
+
+@pytest.mark.parametrize("kind", ["distinct", "ties", "binary", "equal"])
+@pytest.mark.parametrize("n", [2, 7, 40])
+def test_gradcheck(backend, n, kind):
+    gen = generator("gradcheck", n, kind)
+    levels = {"distinct": n, "ties": 3, "binary": 2, "equal": 1}[kind]
+    labels = torch.randperm(n, generator=gen) % levels
+    scores = leaf_like(randn(gen, n, dtype=torch.float64, scale=20.0 if kind == "ties" else 3.0), device=backend.device)
+    assert gradcheck(lambda s: backend.ops.ranking_loss(s, labels.to(s.device)), (scores,), eps=1e-6, atol=1e-6,
+                     rtol=1e-4, fast_mode=backend.name == "triton")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Triton backend's sort-and-scan path at test sizes (its internals: the switch and the scan block size)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def triton_sort_path(monkeypatch):
+    """The Triton backend forced onto its sort path, with 16-element scan blocks so that the carries between
+    blocks (and tie groups that straddle them) are exercised at test sizes."""
+    triton_backend = backend_or_skip("triton")
+    ranking = importlib.import_module("angle_kernels.triton_ops.ranking")
+    monkeypatch.setattr(ranking, "SMALL_N_MAX", 0)
+    monkeypatch.setattr(ranking, "_SCAN_BLOCK", 16)
+    return triton_backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("n,levels", [(1, 1), (3, 2), (37, 4), (64, 4), (100, 100)])
+def test_triton_sort_path_against_oracle(triton_sort_path, n, levels, dtype):
+    gen = generator("sorted", n, levels, dtype)
+    scores = randn(gen, n, dtype=dtype, scale=20.0)
+    labels = torch.randint(0, levels, (n,), generator=gen)
+    _check(triton_sort_path, scores, labels, f"triton sort path n={n}")
+
+
+def test_triton_sort_path_bool_labels_and_equal_labels(triton_sort_path):
+    gen = generator("sorted_special")
+    scores = randn(gen, 30, dtype=torch.float64)
+    _check(triton_sort_path, scores, torch.rand(30, generator=gen) > 0.5, "triton sort path bool labels")
+    (loss,), (grad,) = outputs_and_grads(
+        lambda s: triton_sort_path.ops.ranking_loss(s, torch.full((30,), 2.0, device=s.device)),
+        [leaf_like(scores, device=triton_sort_path.device)])
+    assert loss.item() == 0.0 and torch.equal(grad, torch.zeros(30, dtype=torch.float64))

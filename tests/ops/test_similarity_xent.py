@@ -1,0 +1,199 @@
+"""similarity_xent on every backend against the float64 oracle: the loss and the gradients of q and c.
+
+The cases cover what the public losses ask of the op (in-batch negatives: c = None, partner targets, the
+diagonal excluded, rows without a target weighted 0, identical texts as extra positives; contrastive with
+negatives: rectangular, diagonal targets; ArcCon: an angular margin on the target logit) and the corners
+around them: a single row, odd and non-power-of-two sizes, more rows, columns and D than one Triton tile,
+fractional weights, a margin past pi and at |cos| = 1, non-contiguous inputs, zero rows in float16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import oracle
+from ak_testing import (
+    HALF_DTYPES, assert_half_rule, check_against_oracle, generator, leaf_like, outputs_and_grads, randn,
+)
+
+# name -> (M, Mc or None for c = None, D, options). Options: scale, target, exclude_diagonal, margin (radians);
+# "weights" puts row weights in {0, 0.5, 1}, "groups" draws group ids with many duplicates.
+CASES = {
+    "in_batch_negatives": (38, None, 130, dict(target="partner", exclude_diagonal=True, weights=True, groups=True)),
+    "in_batch_negatives_plain": (38, None, 64, dict(target="partner", exclude_diagonal=True, weights=True)),
+    "partner_with_self_column": (10, None, 8, dict(target="partner")),
+    "contrastive": (37, 37, 33, dict(target="diagonal")),
+    "contrastive_with_negatives": (37, 74, 33, dict(target="diagonal")),
+    "arccon": (20, 20, 64, dict(target="diagonal", margin=math.radians(10))),
+    "arccon_wide_margin": (9, 9, 16, dict(target="diagonal", margin=math.radians(90), scale=1 / 0.05)),
+    "margin_on_partners": (12, None, 16, dict(target="partner", exclude_diagonal=True, weights=True, groups=True,
+                                              margin=math.radians(10))),
+    "one_row": (1, 1, 5, dict(target="diagonal")),
+    "one_query_many_candidates": (1, 9, 7, dict(target="diagonal")),
+    "one_pair": (2, None, 6, dict(target="partner", exclude_diagonal=True)),
+    "several_tiles": (150, 300, 300, dict(target="diagonal", margin=0.2)),
+}
+
+
+def _inputs(name, dtype):
+    """(q, c or None, op keyword arguments) of a case, drawn from the case's own generator."""
+    rows, c_rows, dim, options = CASES[name]
+    gen = generator("similarity_xent", name, dtype)
+    q = randn(gen, rows, dim, dtype=dtype)
+    c = None if c_rows is None else randn(gen, c_rows, dim, dtype=dtype)
+    kwargs = dict(scale=options.get("scale", 20.0), target=options["target"],
+                  exclude_diagonal=options.get("exclude_diagonal", False), margin=options.get("margin", 0.0))
+    if options.get("weights"):
+        kwargs["row_weights"] = torch.randint(0, 3, (rows,), generator=gen).to(torch.float32) / 2
+    if options.get("groups"):
+        kwargs["group_ids"] = torch.randint(0, max(1, rows // 3), (rows,), generator=gen)
+    return q, c, kwargs
+
+
+def _on(device, kwargs):
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def _check(backend, q, c, kwargs, what):
+    """ours and the oracle on (q, c), differentiating both when c is given."""
+    on_device = _on(backend.device, kwargs)
+    if c is None:
+        return check_against_oracle(lambda q: backend.ops.similarity_xent(q, None, **on_device),
+                                    lambda q: oracle.similarity_xent(q, None, **kwargs), [q], what,
+                                    device=backend.device)
+    return check_against_oracle(lambda q, c: backend.ops.similarity_xent(q, c, **on_device),
+                                lambda q, c: oracle.similarity_xent(q, c, **kwargs), [q, c], what,
+                                device=backend.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_against_oracle(backend, name, dtype):
+    q, c, kwargs = _inputs(name, dtype)
+    _check(backend, q, c, kwargs, name)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["in_batch_negatives", "contrastive_with_negatives", "arccon"])
+def test_half_precision(backend, name, dtype):
+    """bf16/fp16 inputs: a float32 loss and gradients in the input dtype, within 2x eager's own error."""
+    q, c, kwargs = _inputs(name, dtype)
+    _check(backend, q, c, kwargs, f"{name} {dtype}")
+
+
+def test_without_weights_or_groups_every_row_counts(backend):
+    """row_weights=None means every row weighs 1 (the case above draws weights): c = None, partner targets."""
+    q = randn(generator("no_weights"), 16, 12)
+    _check(backend, q, None, dict(scale=20.0, target="partner", exclude_diagonal=True), "no weights")
+
+
+def test_margin_past_pi_pins_the_target_logit(backend):
+    """q_0 and c_0 antiparallel: theta + margin > pi, so the target logit is cos(pi) = -1 with zero slope."""
+    gen = generator("past_pi")
+    q, c = randn(gen, 4, 8, dtype=torch.float64), randn(gen, 4, 8, dtype=torch.float64)
+    c[0] = -q[0]
+    _check(backend, q, c, dict(scale=5.0, target="diagonal", margin=0.5), "margin past pi")
+
+
+def test_margin_at_identical_rows_has_a_finite_gradient(backend):
+    """c = q: every target cosine is 1, where arccos has an infinite slope; the contract floors sin^2 at 1e-6."""
+    q = randn(generator("identical"), 6, 10, dtype=torch.float64)
+    _check(backend, q, q.clone(), dict(scale=20.0, target="diagonal", margin=math.radians(10)), "identical rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_non_contiguous_inputs(backend, dtype):
+    gen = generator("strided", dtype)
+    q = randn(gen, 18, 40, dtype=dtype).T  # [40, 18], strides (1, 40)
+    c = randn(gen, 60, 36, dtype=dtype)[:, ::2]  # [60, 18], strides (36, 2)
+    assert not q.is_contiguous() and not c.is_contiguous()
+    _check(backend, q, c, dict(scale=20.0, target="diagonal"), f"strided {dtype}")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # NumPy, under the interpreter
+def test_float16_zero_and_tiny_rows_never_give_nan(backend):
+    """A zero row's true gradient (~1/eps) is beyond float16's range: infinities there, and only there; the tiny
+    row and the others keep their precision. (Regression: the Triton backward once scaled the gradient tile by
+    1/|c| before casting it to a float16 operand, and inf * 0 spread NaN over whole rows.) Eager float16
+    cannot compute this input (its epsilon underflows to 0), so the rule's baseline is correct rounding."""
+    q = randn(generator("fp16_zero"), 8, 16, dtype=torch.float16)
+    q[3] = 0.0
+    q[5] *= 1e-3
+    kwargs = dict(scale=20.0, target="partner", row_weights=torch.ones(8), exclude_diagonal=True)
+    on_device = _on(backend.device, kwargs)
+    (loss,), (dq,) = outputs_and_grads(lambda q: backend.ops.similarity_xent(q, None, **on_device),
+                                       [leaf_like(q, device=backend.device)])
+    (exact_loss,), (exact_dq,) = outputs_and_grads(lambda q: oracle.similarity_xent(q, None, **kwargs),
+                                                   [leaf_like(q, dtype=torch.float64)])
+    assert (~torch.isfinite(dq)).any(dim=1).nonzero().flatten().tolist() == [3]
+    assert_half_rule(dq, None, exact_dq, "dq")
+    assert_half_rule(loss, None, exact_loss, "loss")
+
+
+def test_more_rows_than_one_block_of_the_torch_backend(backend):
+    """M x Mc above 4M logits: the torch backend walks the rows in blocks and recomputes them in backward
+    (below that it keeps its single block of logits from forward)."""
+    if backend.name == "triton" and backend.device.type == "cpu":
+        pytest.skip("about 35 s in the Triton interpreter (33 x 33 tiles of 64 x 64): runs when compiled")
+    gen = generator("blocks")
+    q = randn(gen, 2050, 16)
+    kwargs = dict(scale=20.0, target="partner", exclude_diagonal=True,
+                  row_weights=(torch.rand(2050, generator=gen) > 0.2).float(),
+                  group_ids=torch.randint(0, 1500, (2050,), generator=gen))
+    _check(backend, q, None, kwargs, "several row blocks")
+
+
+def test_extra_memory_is_linear_in_rows(backend):
+    """No M x M matrix: the extra CUDA memory of forward + backward at M = 16384 stays far below M^2 floats."""
+    if backend.device.type != "cuda":
+        pytest.skip("measures CUDA memory: needs the backend on a CUDA device")
+    rows = 16384
+    q = randn(generator("memory"), rows, 256, dtype=torch.bfloat16).to(backend.device).requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    backend.ops.similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    # Expected: float32 gradient scratch (4 M D bytes), the bf16 gradient and O(M); an fp32 M x M matrix is 1 GiB.
+    assert extra < rows * rows, f"extra memory {extra / 2**20:.1f} MiB: more than 1/4 of an M x M fp32 matrix"
+
+
+GRADCHECK_CASES = {
+    "partner": (10, None, dict(scale=5.0, target="partner", exclude_diagonal=True)),
+    "partner_weights": (10, None, dict(scale=5.0, target="partner", exclude_diagonal=True,
+                                       row_weights=torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.5, 1.0, 1.0]))),
+    "groups": (12, None, dict(scale=4.0, target="partner", exclude_diagonal=True,
+                              group_ids=torch.tensor([0, 1, 2, 0, 3, 4, 5, 1, 6, 6, 7, 8]))),
+    "rectangular": (5, 10, dict(scale=7.0, target="diagonal")),
+    "square": (5, 5, dict(scale=7.0, target="diagonal")),
+    "margin_10": (6, 6, dict(scale=2.0, target="diagonal", margin=math.radians(10))),
+    "margin_60": (6, 6, dict(scale=2.0, target="diagonal", margin=math.radians(60))),
+    "margin_on_partners": (8, None, dict(scale=3.0, target="partner", exclude_diagonal=True, margin=math.radians(10),
+                                         row_weights=torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.5]))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRADCHECK_CASES))
+def test_gradcheck(backend, name):
+    """Finite differences in float64 against the backward pass. With a margin, c is drawn near q (target
+    cosines away from the clamp at pi, where the logit has a kink)."""
+    rows, c_rows, kwargs = GRADCHECK_CASES[name]
+    gen = generator("gradcheck", name)
+    q = randn(gen, rows, 6, dtype=torch.float64)
+    inputs = [leaf_like(q, device=backend.device)]
+    if c_rows is not None:
+        c = randn(gen, c_rows, 6, dtype=torch.float64)
+        if kwargs.get("margin"):
+            c = q + 0.8 * c
+        inputs.append(leaf_like(c, device=backend.device))
+    on_device = _on(backend.device, kwargs)
+
+    def op(q, c=None):
+        return backend.ops.similarity_xent(q, c, **on_device)
+
+    assert gradcheck(op, tuple(inputs), eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=backend.name == "triton")

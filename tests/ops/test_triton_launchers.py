@@ -1,0 +1,180 @@
+"""The Triton backend's launchers (internals, not the op semantics that test_<op>.py checks on every backend).
+
+Output allocation. Every kernel writes each element of its outputs, so production allocates them with
+torch.empty: a NaN fill would be one more full write (for the bandwidth-bound pair-score backward, about 50%
+over its floor). With ANGLE_KERNELS_POISON_OUTPUTS=1 (on under pytest) `_common.new_output` fills them with NaN
+instead, so an element a kernel forgets to write fails the op tests. Checked here: the switch, that no launch
+fills with NaN when it is off (torch.full / full_like / Tensor.fill_ are watched during forward and backward
+of every op), and that the results do not depend on it.
+
+Autotuning. similarity_xent's tile kernels are autotuned per power-of-two bucket of the row counts, so a new
+batch size does not re-tune: the bucket function and the keys each launch passes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from ak_testing import backend_or_skip, generator, randn
+
+pytest.importorskip("triton")  # a third-party dependency: without it there is nothing to test here
+
+# importlib: the package binds the names of its op modules to the op functions.
+common = importlib.import_module("angle_kernels.triton_ops._common")
+ranking = importlib.import_module("angle_kernels.triton_ops.ranking")
+similarity = importlib.import_module("angle_kernels.triton_ops.similarity_xent")
+
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
+
+
+@pytest.fixture
+def triton_backend():
+    return backend_or_skip("triton")
+
+
+def _is_nan(value) -> bool:
+    return isinstance(value, (int, float)) and math.isnan(value)
+
+
+@pytest.fixture
+def nan_fills(monkeypatch):
+    """A list that records every NaN fill made through torch.full, torch.full_like or Tensor.fill_."""
+    seen: list[str] = []
+    full, full_like, fill_ = torch.full, torch.full_like, torch.Tensor.fill_
+
+    def watched_full(size, fill_value, *args, **kwargs):
+        if _is_nan(fill_value):
+            seen.append(f"torch.full({tuple(size)})")
+        return full(size, fill_value, *args, **kwargs)
+
+    def watched_full_like(t, fill_value, *args, **kwargs):
+        if _is_nan(fill_value):
+            seen.append(f"torch.full_like({tuple(t.shape)})")
+        return full_like(t, fill_value, *args, **kwargs)
+
+    def watched_fill_(t, value):
+        if _is_nan(value):
+            seen.append(f"Tensor.fill_({tuple(t.shape)})")
+        return fill_(t, value)
+
+    monkeypatch.setattr(torch, "full", watched_full)
+    monkeypatch.setattr(torch, "full_like", watched_full_like)
+    monkeypatch.setattr(torch.Tensor, "fill_", watched_fill_)
+    return seen
+
+
+def _outputs_and_grads(outputs, leaves):
+    """The outputs (detached) and the gradients of a fixed weighting of them."""
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    total = sum((o.double() * (1.0 + torch.arange(o.numel(), device=o.device).reshape(o.shape))).sum()
+                for o in outputs if o.requires_grad)
+    return (*(o.detach() for o in outputs), *torch.autograd.grad(total, leaves))
+
+
+def _pair_scores(backend, with_angle):
+    x = randn(generator("alloc_pair"), 9, 3, 34).to(backend.device).requires_grad_()
+    return _outputs_and_grads(backend.ops.pair_scores(x, with_angle), [x])
+
+
+def _ranking(backend):
+    gen = generator("alloc_ranking")
+    scores = randn(gen, 70, scale=5.0).to(backend.device).requires_grad_()
+    labels = torch.randint(0, 6, (70,), generator=gen).to(backend.device)
+    return _outputs_and_grads(backend.ops.ranking_loss(scores, labels), [scores])
+
+
+# Sizes above the interpreter's 64-row/column tiles: the backward kernels accumulate into their gradient
+# buffers block after block (read-modify-write), and the first block must store without reading the
+# uninitialised (here: NaN) buffer.
+def _similarity_symmetric(backend):
+    gen = generator("alloc_symmetric")
+    q = randn(gen, 80, 24).to(backend.device).requires_grad_()
+    groups = torch.randint(0, 27, (80,), generator=gen).to(backend.device)
+    loss = backend.ops.similarity_xent(q, None, 20.0, "partner", exclude_diagonal=True, group_ids=groups)
+    return _outputs_and_grads(loss, [q])
+
+
+def _similarity_rectangular(backend):
+    gen = generator("alloc_rectangular")
+    q = randn(gen, 70, 24).to(backend.device).requires_grad_()
+    c = randn(gen, 140, 24).to(backend.device).requires_grad_()
+    return _outputs_and_grads(backend.ops.similarity_xent(q, c, 20.0, "diagonal", margin=0.2), [q, c])
+
+
+OPS = {
+    "pair_scores_angle": lambda backend: _pair_scores(backend, True),
+    "pair_scores_cos_only": lambda backend: _pair_scores(backend, False),
+    "ranking_tiled": _ranking,
+    "ranking_sorted": _ranking,
+    "similarity_symmetric_groups": _similarity_symmetric,
+    "similarity_rectangular_margin": _similarity_rectangular,
+}
+
+
+def test_new_output_is_nan_only_when_poisoning(triton_backend, monkeypatch, nan_fills):
+    device = triton_backend.device
+    monkeypatch.setenv(common.POISON_OUTPUTS_ENV, "1")
+    poisoned = common.new_output((3, 5), torch.float32, device)
+    assert poisoned.shape == (3, 5) and poisoned.dtype == torch.float32 and torch.isnan(poisoned).all()
+    assert len(nan_fills) == 1
+    for off in ("0", ""):
+        monkeypatch.setenv(common.POISON_OUTPUTS_ENV, off)
+        plain = common.new_output((4,), torch.float64, device)
+        assert plain.shape == (4,) and plain.dtype == torch.float64
+    monkeypatch.delenv(common.POISON_OUTPUTS_ENV)
+    common.new_output((4,), torch.float64, device)
+    assert len(nan_fills) == 1  # off (unset, "0" or ""): torch.empty, no fill
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_launches_fill_nothing_unless_poisoning(triton_backend, op, monkeypatch, nan_fills):
+    if op == "ranking_sorted":  # the sort path at test size, with several scan blocks
+        monkeypatch.setattr(ranking, "SMALL_N_MAX", 0)
+        monkeypatch.setattr(ranking, "_SCAN_BLOCK", 16)
+    monkeypatch.setenv(common.POISON_OUTPUTS_ENV, "0")
+    production = OPS[op](triton_backend)
+    assert nan_fills == [], f"{op} filled outputs with NaN in production: {nan_fills}"
+
+    monkeypatch.setenv(common.POISON_OUTPUTS_ENV, "1")
+    poisoned = OPS[op](triton_backend)
+    assert nan_fills, "the poisoning switch is on but no NaN fill was seen"
+    for got, ref in zip(production, poisoned):
+        assert torch.isfinite(ref).all()  # every element of every poisoned output was written
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("poison", ["0", "1"])
+def test_angle_without_angle_is_zeros_either_way(triton_backend, poison, monkeypatch):
+    monkeypatch.setenv(common.POISON_OUTPUTS_ENV, poison)
+    _, angle = triton_backend.ops.pair_scores(torch.randn(5, 2, 7, device=triton_backend.device), False)
+    assert torch.equal(angle, torch.zeros_like(angle))
+
+
+def test_autotune_bucket_is_the_next_power_of_two():
+    assert {similarity._autotune_bucket(rows) for rows in range(513, 1025)} == {1024}
+    assert [similarity._autotune_bucket(rows) for rows in (1, 2, 3, 512, 1025, 65536, 65537)] == [
+        1, 2, 4, 512, 2048, 65536, 131072]
+
+
+def test_launches_pass_bucketed_row_counts_as_the_autotune_keys(triton_backend, monkeypatch):
+    """The tile kernels get M and Mc exactly (for masking) and their buckets under the autotune key's names."""
+    launches = []
+    launch = similarity._tile_launch
+
+    def recording_launch(kernel, grid_of, blocks, *args, **constexprs):
+        launches.append({**dict(zip(kernel.arg_names, args)), **constexprs})
+        return launch(kernel, grid_of, blocks, *args, **constexprs)
+
+    monkeypatch.setattr(similarity, "_tile_launch", recording_launch)
+    q = torch.randn(37, 16, device=triton_backend.device, requires_grad=True)
+    c = torch.randn(74, 16, device=triton_backend.device, requires_grad=True)
+    triton_backend.ops.similarity_xent(q, c, 20.0, "diagonal").backward()
+    assert len(launches) == 3  # forward, dq, dc
+    for named in launches:
+        assert (named["M"], named["Mc"], named["D"]) == (37, 74, 16)
+        assert (named["M_BUCKET"], named["Mc_BUCKET"]) == (64, 128)
+        assert set(similarity._TUNE_KEY) <= set(named)
