@@ -2,7 +2,7 @@
 
 Triton interpreter. The Triton kernels run through the interpreter (TRITON_INTERPRET=1, CPU tensors) exactly
 when the session has no CUDA device, and with the real compiler on CUDA tensors when it has one, so that
-`pytest tests/triton` on a GPU machine tests the compiled kernels. ANGLE_KERNELS_TRITON_TEST_DEVICE=cpu forces
+`pytest tests/ops` on a GPU machine tests the compiled kernels. ANGLE_KERNELS_TRITON_TEST_DEVICE=cpu forces
 the interpreter (=cuda forces the compiler). The choice is made here, before anything imports triton: triton
 decorates its own language functions (tl.zeros, tl.sum, ...) in the mode in force when it is first imported,
 and any test may import it first (torch.compile's inductor does); a kernel run under the interpreter with a

@@ -1,5 +1,5 @@
 """The test session's own setup (the root conftest.py): the Triton interpreter is on exactly when there is no
-CUDA device, so that `pytest tests/triton` on a GPU machine runs the compiled kernels, not the interpreter."""
+CUDA device, so that `pytest tests/ops` on a GPU machine runs the compiled kernels, not the interpreter."""
 
 from __future__ import annotations
 

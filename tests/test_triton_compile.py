@@ -1,12 +1,12 @@
 """Compile every Triton kernel for a real GPU target (sm_90) without a GPU, and check the autotuning setup.
 
-The interpreter tests (tests/triton) accept code that a GPU compile rejects: dot operand layouts and dtypes,
+The interpreter tests (the triton cases of tests/ops) accept code that a GPU compile rejects: dot operand layouts and dtypes,
 fp64 math lowering, scan/reduce combine functions, register allocation. This test compiles each kernel with
 Triton's own ptxas for sm_90 (fp32 and bf16 signatures, plus fp64 for the ranking scans; the CI subset of
 `angle_kernels.triton_ops._compile_check`, about 40 s on 2 cores) and checks that nothing failed.
 
 It must run without TRITON_INTERPRET (interpreted kernels cannot be compiled), so it runs in a subprocess
-with that variable removed, which also keeps it independent of tests/triton's interpreter setup. The autotuner
+with that variable removed, which also keeps it independent of tests/ops' interpreter setup. The autotuner
 objects exist only in that mode too, so the check of similarity_xent's autotune keys runs the same way.
 """
 
