@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._common import NORM_EPS, acc_dtype_of, check_device, new_output, torch_compute_dtype
+from ..contract import NORM_EPS, compute_dtype
+from ._common import acc_dtype_of, new_output
 
 _MAX_BLOCK = 1024
 
@@ -213,24 +214,11 @@ def launch_config(k: int, d: int, with_angle: bool) -> dict:
     )
 
 
-def _validate(x: torch.Tensor, with_angle: bool) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 3 or x.shape[1] < 2:
-        raise ValueError(f"x must be [G, K, D] with K >= 2, got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        raise TypeError(f"x must be float32, float64, bfloat16 or float16, got {x.dtype}")
-    if with_angle and x.shape[2] % 2 != 0:
-        raise ValueError(f"x: the angle score splits each vector in halves and needs an even D, got D={x.shape[2]}")
-    check_device(x, "x")
-
-
 class PairScoresFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, with_angle: bool):
-        _validate(x, with_angle)
         groups, k, d = x.shape
-        dtype = torch_compute_dtype(x.dtype)
+        dtype = compute_dtype(x.dtype)
         cos = new_output((groups, k - 1), dtype, x.device)
         cross = new_output((groups, k - 1), dtype, x.device)
         norms = new_output((groups, k), dtype, x.device)
@@ -272,4 +260,4 @@ class PairScoresFunction(torch.autograd.Function):
 
 def pair_scores(x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, angle) of every pair of x [G, K, D]; see angle_kernels.dispatch for the contract."""
-    return PairScoresFunction.apply(x, bool(with_angle))
+    return PairScoresFunction.apply(x, with_angle)
