@@ -45,6 +45,14 @@ _MAX_BLOCK = 1024
 
 
 @triton.jit
+def _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC: tl.constexpr):
+    """Columns `cols` of the anchor ([BLOCK]) and of its partners ([PARTNERS_PAD, BLOCK]), in ACC."""
+    anchor = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
+    partners = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
+    return anchor, partners
+
+
+@triton.jit
 def _pair_scores_fwd_kernel(
     x_ptr,  # [G, K, D], any strides
     cos_ptr,  # [G, K-1] out, compute dtype
@@ -80,10 +88,8 @@ def _pair_scores_fwd_kernel(
             cols = (start + offs).to(tl.int64)
             col_ok = cols < HALF
             tile_ok = partner_ok[:, None] & col_ok[None, :]
-            a = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
-            b = tl.load(anchor_ptr + (cols + HALF) * stride_d, mask=col_ok, other=0.0).to(ACC)
-            c = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
-            d = tl.load(partner_ptr + (cols + HALF)[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
+            a, c = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
+            b, d = _load_block(anchor_ptr, partner_ptr, cols + HALF, col_ok, tile_ok, stride_d, ACC)
             uu += a * a + b * b
             vv += c * c + d * d
             uv += a[None, :] * c + b[None, :] * d
@@ -93,8 +99,7 @@ def _pair_scores_fwd_kernel(
             cols = (start + offs).to(tl.int64)
             col_ok = cols < D
             tile_ok = partner_ok[:, None] & col_ok[None, :]
-            u = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
-            v = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
+            u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
             uu += u * u
             vv += v * v
             uv += u[None, :] * v
@@ -175,10 +180,8 @@ def _pair_scores_bwd_kernel(
             cols = (start + offs).to(tl.int64)
             col_ok = cols < HALF
             tile_ok = partner_ok[:, None] & col_ok[None, :]
-            a = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
-            b = tl.load(anchor_ptr + (cols + HALF) * stride_d, mask=col_ok, other=0.0).to(ACC)
-            c = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
-            d = tl.load(partner_ptr + (cols + HALF)[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
+            a, c = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
+            b, d = _load_block(anchor_ptr, partner_ptr, cols + HALF, col_ok, tile_ok, stride_d, ACC)
             da = tl.sum(along_2d * c - rotated_2d * d, axis=0) - anchor_shrink * a
             db = tl.sum(along_2d * d + rotated_2d * c, axis=0) - anchor_shrink * b
             dc = along_2d * a[None, :] + rotated_2d * b[None, :] - partner_shrink_2d * c
@@ -193,8 +196,7 @@ def _pair_scores_bwd_kernel(
             cols = (start + offs).to(tl.int64)
             col_ok = cols < D
             tile_ok = partner_ok[:, None] & col_ok[None, :]
-            u = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
-            v = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
+            u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
             du = tl.sum(along_2d * v, axis=0) - anchor_shrink * u
             dv = along_2d * u[None, :] - partner_shrink_2d * v
             out_ty = dx_ptr.dtype.element_ty
