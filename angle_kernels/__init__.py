@@ -12,27 +12,16 @@ See `help(angle_kernels.functional)` for the losses, `angle_kernels.dispatch` fo
 `angle_kernels.checks` for input validation (and how to switch its device syncs off).
 """
 
+from . import functional
 from ._version import __version__
 from .checks import input_checks, input_checks_enabled, set_input_checks
 from .dispatch import BACKENDS, resolve_backend
-from .functional import (
-    angle_loss,
-    arccon_loss,
-    contrastive_with_negative_loss,
-    cosine_loss,
-    in_batch_negative_loss,
-    triplet_loss,
-)
+from .functional import *  # noqa: F403  (the losses: functional.__all__)
 from .modules import AngleLoss, ArcCSELoss
 
 __all__ = [
     "__version__",
-    "cosine_loss",
-    "angle_loss",
-    "in_batch_negative_loss",
-    "contrastive_with_negative_loss",
-    "arccon_loss",
-    "triplet_loss",
+    *functional.__all__,
     "AngleLoss",
     "ArcCSELoss",
     "set_input_checks",

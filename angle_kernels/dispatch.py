@@ -6,13 +6,15 @@ the CUDA C++ extension in `csrc/`) implements all three with exactly the semanti
 `torch.autograd.Function`s with explicit backward passes, and must agree with the others to the
 tolerances of the input dtype.
 
-Common conventions
+Common conventions (the numbers and checks in code: `angle_kernels.contract`)
     * Norms use F.normalize's epsilon: ||x|| is replaced by max(||x||, 1e-12), so a zero vector has
       cosine 0 with everything and never produces NaN.
     * "Compute dtype": float64 inputs compute and return float64; float32, bfloat16 and float16 inputs
       accumulate in float32 and return float32. Gradients come back in the dtype of the input they
       belong to.
     * No op ever materialises an N x N matrix.
+    * Every op's inputs are validated once, here (`Ops`, through `contract.check_<op>`), whatever the
+      backend: shapes, dtypes, devices and options, never values (no device sync). Backends trust them.
 
 pair_scores(x, with_angle) -> (cos, angle)
     x: [G, K, D] (K >= 2). Pair k of group g is (u, v) = (x[g, 0], x[g, k]) for k = 1 .. K-1.
@@ -49,8 +51,13 @@ similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, m
     Returns a 0-dim tensor in the compute dtype. Backward gives dq (and dc unless c is None), in the
     inputs' dtypes. Forward keeps O(M) state (per-row logsumexps); backward recomputes tiles.
 
+Calling the ops
+    angle_kernels.dispatch.pair_scores(x, with_angle, *, backend=None), .ranking_loss(scores, labels, *,
+    backend=None) and .similarity_xent(..., *, backend=None) validate and run an op on the chosen backend;
+    resolve_backend(...) returns the `Ops` of a backend, whose methods do the same without choosing again.
+
 Choosing the backend
-    resolve_backend(requested, *tensors): requested is None/"auto", "torch", "triton" or "cuda"; None
+    resolve_backend(requested, *tensors) -> Ops: requested is None/"auto", "torch", "triton" or "cuda"; None
     falls back to the environment variable ANGLE_KERNELS_BACKEND, then "auto". "auto" picks "triton"
     for CUDA tensors when Triton works, else "cuda" when the extension is already compiled (prebuilt by
     setup.py, or JIT-built earlier in this process), else "torch"; CPU tensors use "torch". For CUDA
@@ -66,31 +73,56 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from types import ModuleType
 
 import torch
 
-from . import torch_ops
+from . import contract, torch_ops
 
 BACKENDS = ("torch", "triton", "cuda")
+
+
+class Ops:
+    """A backend behind the contract: each op checks its inputs (`contract`), then calls the backend's op."""
+
+    def __init__(self, name: str, backend: contract.Backend):
+        self.name = name
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"Ops({self.name!r})"
+
+    def pair_scores(self, x, with_angle):
+        return self.backend.pair_scores(*contract.check_pair_scores(x, with_angle))
+
+    def ranking_loss(self, scores, labels):
+        return self.backend.ranking_loss(*contract.check_ranking_loss(scores, labels))
+
+    def similarity_xent(self, q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
+                        group_ids=None):
+        return self.backend.similarity_xent(
+            *contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
+        )
+
+
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
 _MODULES = {"triton": "angle_kernels.triton_ops", "cuda": "angle_kernels.cuda_ops"}
 # What "auto" tries for CUDA tensors, in order, before the PyTorch path.
 _AUTO_GPU_BACKENDS = ("triton", "cuda")
 
-# Backend name -> (module, "") or (None, why it is unavailable), as found when that backend was asked for
+# Backend name -> (its Ops, "") or (None, why it is unavailable), as found when that backend was asked for
 # explicitly: the CUDA extension may then be JIT-built. "auto" asks without building, and its answers live
 # apart in _loaded_without_build so that "not compiled yet" never becomes the answer to an explicit request;
 # an explicit answer, once there, is final for "auto" too (a build that succeeded is usable, one that failed
 # means no prebuilt extension either). Plain dicts rather than functools.lru_cache so that torch.compile can
 # trace resolve_backend: once a backend is loaded, looking it up is a constant.
-_loaded: dict[str, tuple[ModuleType | None, str]] = {"torch": (torch_ops, "")}
-_loaded_without_build: dict[str, tuple[ModuleType | None, str]] = {}
+_TORCH_OPS = Ops("torch", torch_ops)
+_loaded: dict[str, tuple[Ops | None, str]] = {"torch": (_TORCH_OPS, "")}
+_loaded_without_build: dict[str, tuple[Ops | None, str]] = {}
 # The GPU backends "auto" has already warned about passing over (one warning per process and backend).
 _warned_fallbacks: set[str] = set()
 
 
-def _probe(backend: str, allow_build: bool) -> tuple[ModuleType | None, str]:
+def _probe(backend: str, allow_build: bool) -> tuple[Ops | None, str]:
     """Import an optional backend module and ask it whether it works here."""
     try:
         module = importlib.import_module(_MODULES[backend])
@@ -100,11 +132,11 @@ def _probe(backend: str, allow_build: bool) -> tuple[ModuleType | None, str]:
             available, why = module.is_available()
     except Exception as exc:  # an optional backend must never break the losses: report it as the reason
         return None, f"importing or probing {_MODULES[backend]} raised {type(exc).__name__}: {exc}"
-    return (module, "") if available else (None, why)
+    return (Ops(backend, module), "") if available else (None, why)
 
 
-def _load(backend: str, allow_build: bool) -> tuple[ModuleType | None, str]:
-    """The backend's module or why it cannot run, probed once per kind of request (see _loaded)."""
+def _load(backend: str, allow_build: bool) -> tuple[Ops | None, str]:
+    """The backend's Ops or why it cannot run, probed once per kind of request (see _loaded)."""
     if backend in _loaded:
         return _loaded[backend]
     answers = _loaded if allow_build else _loaded_without_build
@@ -127,37 +159,65 @@ def _warn_auto_fallback(backend: str, why: str) -> None:
     )
 
 
-def _interpreter_on() -> bool:
+def triton_interpreting() -> bool:
+    """True when TRITON_INTERPRET asks Triton to run kernels through its interpreter (CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> ModuleType:
-    """Return the backend module that computes ops on `tensors` (see the module docstring)."""
+def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
+    """Return the Ops of the backend that computes ops on `tensors` (see the module docstring)."""
     name = requested if requested is not None else os.environ.get(_ENV_VAR, "auto")
     name = name.strip().lower() if isinstance(name, str) else name
     if name not in BACKENDS + ("auto",):
         source = "backend" if requested is not None else _ENV_VAR
         raise ValueError(f"{source} must be one of 'auto', 'torch', 'triton', 'cuda'; got {name!r}")
-    on_cuda = tensors[0].is_cuda
+    on_cuda = getattr(tensors[0], "is_cuda", None)
+    if on_cuda is None:
+        raise TypeError(f"the ops take torch.Tensors, got {type(tensors[0]).__name__}")
 
     if name == "auto":
         if not on_cuda:
-            return torch_ops
+            return _TORCH_OPS
         for candidate in _AUTO_GPU_BACKENDS:
-            module, why = _load(candidate, allow_build=False)
-            if module is not None:
-                return module
+            ops, why = _load(candidate, allow_build=False)
+            if ops is not None:
+                return ops
             _warn_auto_fallback(candidate, why)
-        return torch_ops
+        return _TORCH_OPS
 
     if name == "cuda" and not on_cuda:
         raise ValueError("backend 'cuda' needs CUDA tensors; the inputs are on " f"{tensors[0].device}")
-    if name == "triton" and not on_cuda and not _interpreter_on():
+    if name == "triton" and not on_cuda and not triton_interpreting():
         raise ValueError(
             "backend 'triton' on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
             "before importing triton, or use backend='torch'"
         )
-    module, why = _load(name, allow_build=True)
-    if module is None:
+    ops, why = _load(name, allow_build=True)
+    if ops is None:
         raise RuntimeError(f"backend {name!r} is not available here: {why}")
-    return module
+    return ops
+
+
+def _named_tensor(name: str, value):
+    """The tensor that chooses the backend; anything else is a TypeError naming the argument."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def pair_scores(x, with_angle, *, backend: str | None = None):
+    """(cos, angle) of the pairs (x[g, 0], x[g, k]) of x [G, K, D] (see the module docstring)."""
+    return resolve_backend(backend, _named_tensor("x", x)).pair_scores(x, with_angle)
+
+
+def ranking_loss(scores, labels, *, backend: str | None = None):
+    """log(1 + sum over label_i < label_j of exp(s_i - s_j)) (see the module docstring)."""
+    return resolve_backend(backend, _named_tensor("scores", scores)).ranking_loss(scores, labels)
+
+
+def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None, *,
+                    backend: str | None = None):
+    """Softmax cross-entropy over scaled cosines, never M x Mc in memory (see the module docstring)."""
+    return resolve_backend(backend, _named_tensor("q", q)).similarity_xent(
+        q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids
+    )

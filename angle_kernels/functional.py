@@ -10,6 +10,12 @@ Every loss returns a 0-dim tensor: float64 for float64 inputs, float32 otherwise
 accumulated in float32). Where the reference misbehaves, these functions do the safe thing (README:
 "Deviations from the reference"): zero vectors give finite values, labels outside {0, 1} for the in-batch
 negative loss raise ValueError, fp16 norms above 256 do not overflow, bad input raises ValueError/TypeError.
+
+Each loss is two halves, and each formula is written once, in its computing half:
+    * the public function checks its arguments (`checks`, `check_zigzag`), resolves the backend, and calls
+    * the computing half (`ranking_terms`, `in_batch_negatives`, `contrastive`, `arccon`, `triplet`), which
+      takes checked inputs and a `dispatch.Ops`. `AngleLoss`, `ArcCSELoss` and the integrations check their
+      own inputs once and call these halves directly.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import math
 import torch
 
 from . import checks
-from .dispatch import resolve_backend
-from .torch_ops.common import compute_dtype
+from .contract import compute_dtype
+from .dispatch import Ops, resolve_backend
 
 __all__ = [
     "cosine_loss",
@@ -34,6 +40,9 @@ __all__ = [
 POOLING_STRATEGIES = ("sum", "mean")
 
 
+# ------------------------------------------------------------------------------------------------------------
+# Checking halves: what the public losses (and the front ends built on the computing halves) check
+# ------------------------------------------------------------------------------------------------------------
 def check_zigzag(
     y_true: torch.Tensor, y_pred: torch.Tensor, names: tuple[str, str] = ("y_true", "y_pred")
 ) -> torch.Tensor:
@@ -48,25 +57,114 @@ def check_zigzag(
     return labels
 
 
+def check_angle_dim(dim: int, name: str = "y_pred") -> None:
+    if dim % 2:
+        raise ValueError(
+            f"angle_loss splits each embedding into real and imaginary halves, so {name} needs an even number of "
+            f"columns; got {dim}"
+        )
+
+
+def check_group_ids(group_ids, rows: int, y_pred: torch.Tensor) -> torch.Tensor | None:
+    """Optional text ids of the rows, one per row of y_pred: returned as int64."""
+    if group_ids is None:
+        return None
+    if not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point() or group_ids.is_complex():
+        raise TypeError("group_ids must be an integer torch.Tensor of text ids, one per row of y_pred")
+    if tuple(group_ids.shape) != (rows,):
+        raise ValueError(f"group_ids must have shape [{rows}] (one id per row of y_pred), got {tuple(group_ids.shape)}")
+    checks.check_same_device(("y_pred", y_pred), ("group_ids", group_ids))
+    return group_ids.long()
+
+
+def check_arccon_options(margin_degrees, tau) -> tuple[float, float]:
+    """ArcCon's margin (degrees, 0..180) and temperature (> 0), returned as (margin in radians, tau)."""
+    margin = checks.check_scalar("margin_degrees", margin_degrees)
+    if not 0.0 <= margin <= 180.0:
+        raise ValueError(f"margin_degrees must be between 0 and 180 degrees, got {margin}")
+    return math.radians(margin), checks.check_scalar("tau", tau, positive=True)
+
+
+def check_two_views(h1, h2) -> None:
+    checks.check_embedding_group(("h1", h1), ("h2", h2))
+    checks.check_same_shape("h1", h1, "h2", h2)
+
+
+def check_triplets(anchor, weak, strong) -> None:
+    checks.check_embedding_group(("anchor", anchor), ("weak", weak), ("strong", strong))
+    checks.check_same_shape("anchor", anchor, "weak", weak)
+    checks.check_same_shape("anchor", anchor, "strong", strong)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Computing halves: each formula once, on checked inputs, with the ops of a resolved backend
+# ------------------------------------------------------------------------------------------------------------
 def as_pairs(y_pred: torch.Tensor) -> torch.Tensor:
     """The zigzag rows [2N, D] as pairs [N, 2, D] (a view when y_pred is contiguous)."""
     rows, dim = y_pred.shape
     return y_pred.reshape(rows // 2, 2, dim)
 
 
-def _angle_scores(angle: torch.Tensor, tau: float, pooling_strategy: str, dim: int) -> torch.Tensor:
-    pooled = angle / dim if pooling_strategy == "mean" else angle
-    return tau * pooled.abs()
+def ranking_terms(
+    ops: Ops,
+    groups: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    cosine_tau: float | None = None,
+    angle_tau: float | None = None,
+    pooling_strategy: str = "sum",
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The CoSENT ranking term of the cosine scores and of the angle scores, from one pair-score pass.
+
+    groups: [G, K, D]; pair (g, k) is (groups[g, 0], groups[g, k]) and labels ([(K-1) * G]) are ordered
+    pair-major: all pairs k = 1 first, then k = 2, ... (zigzag batches: K = 2, one label per pair). A term is
+    computed when its tau is given, else returned as None. The angle score is tau * |pool(angle)|, with
+    'mean' pooling dividing the sum-pooled score by D (the reference's complex division, see dispatch).
+    """
+    with_angle = angle_tau is not None
+    cos, angle = ops.pair_scores(groups, with_angle)
+    cosine_term = angle_term = None
+    if cosine_tau is not None:
+        cosine_term = ops.ranking_loss(cosine_tau * cos.T.reshape(-1), labels)
+    if with_angle:
+        pooled = angle.T.reshape(-1)
+        if pooling_strategy == "mean":
+            pooled = pooled / groups.shape[2]
+        angle_term = ops.ranking_loss(angle_tau * pooled.abs(), labels)
+    return cosine_term, angle_term
 
 
-def _check_angle_dim(dim: int) -> None:
-    if dim % 2:
-        raise ValueError(
-            f"angle_loss splits each embedding into real and imaginary halves, so y_pred needs an even number of "
-            f"columns; got {dim}"
-        )
+def in_batch_negatives(
+    ops: Ops, labels: torch.Tensor, y_pred: torch.Tensor, tau: float, group_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """in_batch_negative_loss on checked inputs (labels: 0/1, one per row; group_ids: int64 or None)."""
+    positive = labels == 1
+    # The reference gives row i a target only when both it and its partner are labelled 1.
+    row_weights = (positive & positive.view(-1, 2).flip(1).reshape(-1)).to(compute_dtype(y_pred.dtype))
+    return ops.similarity_xent(
+        y_pred, None, tau, "partner", row_weights=row_weights, exclude_diagonal=True, group_ids=group_ids
+    )
 
 
+def contrastive(ops: Ops, queries: torch.Tensor, candidates: torch.Tensor, tau: float) -> torch.Tensor:
+    """Mean cross-entropy of query i among the candidates (logits tau * cos), target candidates[i]."""
+    return ops.similarity_xent(queries, candidates.to(queries.dtype), tau, "diagonal")
+
+
+def arccon(ops: Ops, h1: torch.Tensor, h2: torch.Tensor, margin: float, tau: float) -> torch.Tensor:
+    """ArcCon on checked views; margin in radians."""
+    return ops.similarity_xent(h1, h2.to(h1.dtype), 1.0 / tau, "diagonal", margin=margin)
+
+
+def triplet(ops: Ops, anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Tensor, margin: float) -> torch.Tensor:
+    """mean(max(0, cos(anchor, strong) - cos(anchor, weak) + margin)) on checked triplets, one pair-score pass."""
+    cos, _ = ops.pair_scores(torch.stack((anchor, weak.to(anchor.dtype), strong.to(anchor.dtype)), dim=1), False)
+    return torch.relu(cos[:, 1] - cos[:, 0] + margin).mean()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The public losses: check, resolve the backend, compute
+# ------------------------------------------------------------------------------------------------------------
 def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *, backend: str | None = None) -> torch.Tensor:
     """CoSENT: rank pairs by cosine similarity (AnglE paper, Eq. 1).
 
@@ -84,8 +182,7 @@ def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *
     tau = checks.check_scalar("tau", tau)
     labels = check_zigzag(y_true, y_pred)
     ops = resolve_backend(backend, y_pred)
-    cos, _ = ops.pair_scores(as_pairs(y_pred), False)
-    return ops.ranking_loss(tau * cos[:, 0], labels[0::2])
+    return ranking_terms(ops, as_pairs(y_pred), labels[0::2], cosine_tau=tau)[0]
 
 
 def angle_loss(
@@ -113,10 +210,9 @@ def angle_loss(
     tau = checks.check_scalar("tau", tau)
     checks.check_choice("pooling_strategy", pooling_strategy, POOLING_STRATEGIES)
     labels = check_zigzag(y_true, y_pred)
-    _check_angle_dim(y_pred.shape[1])
+    check_angle_dim(y_pred.shape[1])
     ops = resolve_backend(backend, y_pred)
-    _, angle = ops.pair_scores(as_pairs(y_pred), True)
-    return ops.ranking_loss(_angle_scores(angle[:, 0], tau, pooling_strategy, y_pred.shape[1]), labels[0::2])
+    return ranking_terms(ops, as_pairs(y_pred), labels[0::2], angle_tau=tau, pooling_strategy=pooling_strategy)[1]
 
 
 def in_batch_negative_loss(
@@ -151,26 +247,8 @@ def in_batch_negative_loss(
     checks.check_scalar("negative_weights", negative_weights)
     labels = check_zigzag(y_true, y_pred)
     checks.check_binary_labels("y_true", labels, "in_batch_negative_loss")
-    if group_ids is not None:
-        rows = y_pred.shape[0]
-        if not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point() or group_ids.is_complex():
-            raise TypeError("group_ids must be an integer torch.Tensor of text ids, one per row of y_pred")
-        if tuple(group_ids.shape) != (rows,):
-            raise ValueError(f"group_ids must have shape [{rows}] (one id per row of y_pred), got {tuple(group_ids.shape)}")
-        checks.check_same_device(("y_pred", y_pred), ("group_ids", group_ids))
-        group_ids = group_ids.long()
+    group_ids = check_group_ids(group_ids, y_pred.shape[0], y_pred)
     return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids)
-
-
-def in_batch_negatives(ops, labels: torch.Tensor, y_pred: torch.Tensor, tau: float, group_ids=None) -> torch.Tensor:
-    """in_batch_negative_loss on inputs already checked (labels: 0/1, one per row; group_ids: int64 or None),
-    computed by `ops`."""
-    positive = labels == 1
-    # The reference gives row i a target only when both it and its partner are labelled 1.
-    row_weights = (positive & positive.view(-1, 2).flip(1).reshape(-1)).to(compute_dtype(y_pred.dtype))
-    return ops.similarity_xent(
-        y_pred, None, tau, "partner", row_weights=row_weights, exclude_diagonal=True, group_ids=group_ids
-    )
 
 
 def contrastive_with_negative_loss(
@@ -197,8 +275,7 @@ def contrastive_with_negative_loss(
     checks.check_embedding_group(("text", text), ("pos", pos), *((("neg", neg),) if neg is not None else ()))
     checks.check_same_shape("text", text, "pos", pos)
     candidates = pos if neg is None else torch.cat((pos, neg.to(pos.dtype)), dim=0)
-    ops = resolve_backend(backend, text)
-    return ops.similarity_xent(text, candidates, tau, "diagonal")
+    return contrastive(resolve_backend(backend, text), text, candidates, tau)
 
 
 def arccon_loss(
@@ -222,14 +299,9 @@ def arccon_loss(
         tau: temperature (> 0).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
-    margin = checks.check_scalar("margin_degrees", margin_degrees)
-    if not 0.0 <= margin <= 180.0:
-        raise ValueError(f"margin_degrees must be between 0 and 180 degrees, got {margin}")
-    tau = checks.check_scalar("tau", tau, positive=True)
-    checks.check_embedding_group(("h1", h1), ("h2", h2))
-    checks.check_same_shape("h1", h1, "h2", h2)
-    ops = resolve_backend(backend, h1)
-    return ops.similarity_xent(h1, h2, 1.0 / tau, "diagonal", margin=math.radians(margin))
+    margin, tau = check_arccon_options(margin_degrees, tau)
+    check_two_views(h1, h2)
+    return arccon(resolve_backend(backend, h1), h1, h2, margin, tau)
 
 
 def triplet_loss(
@@ -251,9 +323,5 @@ def triplet_loss(
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     margin = checks.check_scalar("margin", margin)
-    checks.check_embedding_group(("anchor", anchor), ("weak", weak), ("strong", strong))
-    checks.check_same_shape("anchor", anchor, "weak", weak)
-    checks.check_same_shape("anchor", anchor, "strong", strong)
-    ops = resolve_backend(backend, anchor)
-    cos, _ = ops.pair_scores(torch.stack((anchor, weak.to(anchor.dtype), strong.to(anchor.dtype)), dim=1), False)
-    return torch.relu(cos[:, 1] - cos[:, 0] + margin).mean()
+    check_triplets(anchor, weak, strong)
+    return triplet(resolve_backend(backend, anchor), anchor, weak, strong, margin)

@@ -7,17 +7,21 @@ from torch import nn
 
 from . import checks
 from .dispatch import resolve_backend
+from .contract import compute_dtype
 from .functional import (
     POOLING_STRATEGIES,
-    _angle_scores,
-    _check_angle_dim,
-    arccon_loss,
+    arccon,
     as_pairs,
+    check_angle_dim,
+    check_arccon_options,
+    check_triplets,
+    check_two_views,
     check_zigzag,
+    contrastive,
     in_batch_negatives,
-    triplet_loss,
+    ranking_terms,
+    triplet,
 )
-from .torch_ops.common import compute_dtype
 
 DATASET_FORMATS = ("A", "B", "C")
 
@@ -101,37 +105,33 @@ class AngleLoss(nn.Module):
             return self._format_a(labels, outputs)
         if self.dataset_format == "B":
             checks.check_embeddings("outputs", outputs, rows_multiple_of=2, layout="format B: query, positive rows")
-            # outputs is checked whole, so the op is called directly rather than through the public function,
-            # which would scan the same rows for NaN/Inf again (one more device sync per step).
-            ops = resolve_backend(self.backend, outputs)
-            return ops.similarity_xent(outputs[0::2], outputs[1::2], self.ibn_tau, "diagonal")
+            # outputs is checked whole, so the computing half is called rather than the public function, which
+            # would scan the same rows for NaN/Inf again (one more device sync per step).
+            return contrastive(resolve_backend(self.backend, outputs), outputs[0::2], outputs[1::2], self.ibn_tau)
         return self._format_c(outputs)
 
-    def _ranking_terms(self, ops, x: torch.Tensor, labels: torch.Tensor, dim: int):
-        """(cosine_w * cosine, angle_w * angle) on the pairs (x[g, 0], x[g, k]) from one pair-score pass;
-        a disabled term is None."""
+    def _ranking_terms(self, ops, groups: torch.Tensor, labels: torch.Tensor):
+        """(cosine_w * cosine, angle_w * angle) on the pairs (groups[g, 0], groups[g, k]), from one pair-score
+        pass; a disabled term is None."""
         if self.cosine_w <= 0 and self.angle_w <= 0:
             return None, None
-        with_angle = self.angle_w > 0
-        if with_angle:
-            _check_angle_dim(dim)
-        cos, angle = ops.pair_scores(x, with_angle)
-        # Scores ordered pair-major to match `labels` (for format C: every positive pair, then every negative).
-        cos, angle = cos.T.reshape(-1), angle.T.reshape(-1)
-        cosine_term = angle_term = None
-        if self.cosine_w > 0:
-            cosine_term = self.cosine_w * ops.ranking_loss(self.cosine_tau * cos, labels)
-        if with_angle:
-            scores = _angle_scores(angle, self.angle_tau, self.angle_pooling_strategy, dim)
-            angle_term = self.angle_w * ops.ranking_loss(scores, labels)
-        return cosine_term, angle_term
+        if self.angle_w > 0:
+            check_angle_dim(groups.shape[2], "outputs")
+        cosine_term, angle_term = ranking_terms(
+            ops, groups, labels,
+            cosine_tau=self.cosine_tau if self.cosine_w > 0 else None,
+            angle_tau=self.angle_tau if self.angle_w > 0 else None,
+            pooling_strategy=self.angle_pooling_strategy,
+        )
+        return (None if cosine_term is None else self.cosine_w * cosine_term,
+                None if angle_term is None else self.angle_w * angle_term)
 
     def _format_a(self, labels: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
         row_labels = check_zigzag(labels, outputs, names=("labels", "outputs"))
         if self.ibn_w > 0:
             checks.check_binary_labels("labels", row_labels, "AngleLoss's in-batch-negative term (ibn_w > 0)")
         ops = resolve_backend(self.backend, outputs)
-        cosine_term, angle_term = self._ranking_terms(ops, as_pairs(outputs), row_labels[0::2], outputs.shape[1])
+        cosine_term, angle_term = self._ranking_terms(ops, as_pairs(outputs), row_labels[0::2])
         ibn_term = None
         if self.ibn_w > 0:
             ibn_term = self.ibn_w * in_batch_negatives(ops, row_labels, outputs, self.ibn_tau)
@@ -144,20 +144,18 @@ class AngleLoss(nn.Module):
         x = outputs.reshape(groups, 3, dim)
         query, positive, negative = x[:, 0], x[:, 1], x[:, 2]
         ops = resolve_backend(self.backend, outputs)
-        # contrastive_with_negative_loss's op, called directly: outputs was checked whole just above.
+        # The computing halves, called directly: outputs was checked whole just above.
         contrastive_term = None
         if self.ibn_w > 0 or self.cln_w > 0:
             contrastive_term = 0.0
             if self.ibn_w > 0:
-                contrastive_term = self.ibn_w * ops.similarity_xent(query, positive, self.ibn_tau, "diagonal")
+                contrastive_term = self.ibn_w * contrastive(ops, query, positive, self.ibn_tau)
             if self.cln_w > 0:
                 candidates = torch.cat((positive, negative), dim=0)
-                contrastive_term = contrastive_term + self.cln_w * ops.similarity_xent(
-                    query, candidates, self.ibn_tau, "diagonal"
-                )
+                contrastive_term = contrastive_term + self.cln_w * contrastive(ops, query, candidates, self.ibn_tau)
             contrastive_term = contrastive_term / 2
         pair_labels = torch.cat((torch.ones(groups, device=outputs.device), torch.zeros(groups, device=outputs.device)))
-        cosine_term, angle_term = self._ranking_terms(ops, x, pair_labels, dim)
+        cosine_term, angle_term = self._ranking_terms(ops, x, pair_labels)
         return _sum_terms([contrastive_term, angle_term, cosine_term], outputs)  # the reference's order
 
 
@@ -188,17 +186,24 @@ class ArcCSELoss(nn.Module):
     def __init__(self, margin_degrees: float = 10.0, tau: float = 0.05, triplet_weight: float = 0.1,
                  triplet_margin: float = 0.0, *, backend: str | None = None):
         super().__init__()
-        self.margin_degrees = margin_degrees
-        self.tau = tau
+        self.margin_radians, self.tau = check_arccon_options(margin_degrees, tau)
+        self.margin_degrees = float(margin_degrees)
         self.triplet_weight = checks.check_scalar("triplet_weight", triplet_weight)
-        self.triplet_margin = triplet_margin
+        self.triplet_margin = checks.check_scalar("triplet_margin", triplet_margin)
         self.backend = backend
 
+    def extra_repr(self) -> str:
+        return (f"margin_degrees={self.margin_degrees}, tau={self.tau}, triplet_weight={self.triplet_weight}, "
+                f"triplet_margin={self.triplet_margin}")
+
     def forward(self, h1, h2, anchor=None, weak=None, strong=None):
-        loss = arccon_loss(h1, h2, self.margin_degrees, self.tau, backend=self.backend)
         given = [t is not None for t in (anchor, weak, strong)]
         if any(given) and not all(given):
             raise ValueError("ArcCSELoss needs all three of anchor, weak and strong for the triplet term, or none")
+        check_two_views(h1, h2)
+        ops = resolve_backend(self.backend, h1)
+        loss = arccon(ops, h1, h2, self.margin_radians, self.tau)
         if all(given) and self.triplet_weight != 0:
-            loss = loss + self.triplet_weight * triplet_loss(anchor, weak, strong, self.triplet_margin, backend=self.backend)
+            check_triplets(anchor, weak, strong)
+            loss = loss + self.triplet_weight * triplet(ops, anchor, weak, strong, self.triplet_margin)
         return loss

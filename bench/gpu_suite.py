@@ -13,16 +13,20 @@ Every stage writes its results into OUT_DIR as it goes: stage_<x>.json and stage
 and each subprocess's output line by line into its own log, so a stage killed from outside keeps what it did.
 
     stage  budget  what
-    a      360 s   environment; large-size checks of every op against float64 (similarity first: the
-                   half-precision evidence); tests/triton and tests/test_triton_compile.py with the real
-                   compiler (the interpreter is off on a CUDA machine)
+    a      360 s   environment; large-size checks of the Triton ops against tests/oracle.py's float64
+                   formulas (similarity first: the half-precision evidence); `pytest tests/ops -k "not cuda"
+                   tests/test_triton_compile.py` with the real compiler (the interpreter is off on a CUDA
+                   machine)
     b      300 s   the CUDA extension: `setup.py build_ext --inplace` for this GPU's architecture
-                   (cuda_build.log), leaving angle_kernels/_C*.so for every later process, then tests/gpu
-    c      300 s   hardware limits (device copy, matmul rates), then the op sweep: Triton and torch backends,
-                   then the CUDA backend if stage b's extension passes a probe; achieved bandwidth or matmul
-                   fraction, for the FLOPs the maths needs and the FLOPs each backend executes
-    d      300 s   loss sweep side by side: ours, angle-emb 0.6.1 (its loss.py from the carried wheel,
-                   .whl/angle_emb-0.6.1-py3-none-any.whl by default) and sentence-transformers
+                   (cuda_build.log), leaving angle_kernels/_C*.so for every later process, then
+                   `pytest tests/ops -k cuda`
+    c      300 s   hardware limits (device copy, matmul rates), then the op sweep (every family's OPS):
+                   Triton and torch backends, then the CUDA backend if stage b's extension passes a probe;
+                   achieved bandwidth or matmul fraction, for the FLOPs the maths needs and the FLOPs each
+                   backend executes
+    d      300 s   loss sweep side by side (bench_losses.py, every loss): ours, angle-emb 0.6.1 (its loss.py
+                   from the carried wheel, .whl/angle_emb-0.6.1-py3-none-any.whl by default),
+                   sentence-transformers, and eager PyTorch for the ArcCSE losses
     e      540 s   the 7B LoRA training benchmark (bench/train_llama_7b.py), resumable: run it again with
                    --resume-from the previous results until it prints that it is done
     all            a, b, c, d, e in turn, each with its own budget (for a GPU without a 10-minute limit)
@@ -33,13 +37,15 @@ cost, so a stage ends near its budget, not exactly at it; one that finishes its 
 CUDA extension is never JIT-built by these stages (ANGLE_KERNELS_CUDA_JIT=0): stage b builds it in place and
 the others import it, so no process waits on a compile or a build lock. Where there is no CUDA device, every
 stage says so and exits 0 without doing anything (a dry run of the command line).
+
+Timing, memory, hardware limits, work floors and report files come from harness.py, the same code as the CPU
+sweep's; the error measure and the float64 reference are tests/oracle.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import glob
 import importlib.util
 import json
@@ -54,15 +60,10 @@ import traceback
 from pathlib import Path
 
 PROCESS_START = time.monotonic()  # budgets count from here: imports and CUDA start-up are part of a stage's time
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for _path in (str(REPO), str(HERE), str(REPO / "tests" / "triton")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
 
-from bench_losses import write_text_atomic  # noqa: E402
+import harness  # noqa: E402  (the import path: this checkout, tests/ for the oracle)
+from harness import REPO  # noqa: E402
 
-GB = 1e9
 DEFAULT_ANGLE_EMB_WHEEL = REPO / ".whl" / "angle_emb-0.6.1-py3-none-any.whl"
 
 
@@ -108,8 +109,8 @@ class StageRecord:
 
     def save(self) -> None:
         stage = self.data["stage"]
-        write_text_atomic(self.out_dir / f"stage_{stage}.json", json.dumps(self.data, indent=1, default=str) + "\n")
-        write_text_atomic(self.out_dir / f"stage_{stage}.md", render_stage(self.data) + "\n")
+        harness.write_json_atomic(self.out_dir / f"stage_{stage}.json", self.data)
+        harness.write_text_atomic(self.out_dir / f"stage_{stage}.md", render_stage(self.data) + "\n")
 
 
 def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = None) -> dict:
@@ -172,15 +173,22 @@ def subprocess_env(**extra: str) -> dict:
     return env
 
 
-def run_pytest(paths: list[str], log_path: Path, timeout_s: float, workers: int) -> dict:
-    """pytest on `paths` with the real compiler, in parallel workers when pytest-xdist is installed (the first
-    GPU run is dominated by Triton compiles, which run in each worker's process)."""
+# What the test stages run: the op tests of every backend but the CUDA one, and the compile check of every Triton
+# kernel (stage a); then the CUDA backend's op tests once stage b has built the extension. The op tests'
+# backend ids are exactly "torch", "triton" and "cuda", so -k selects by backend.
+PYTEST_TRITON = ["tests/ops", "-k", "not cuda", "tests/test_triton_compile.py"]
+PYTEST_CUDA = ["tests/ops", "-k", "cuda"]
+
+
+def run_pytest(pytest_args: list[str], log_path: Path, timeout_s: float, workers: int) -> dict:
+    """pytest with `pytest_args` and the real compiler, in parallel workers when pytest-xdist is installed (the
+    first GPU run is dominated by Triton compiles, which run in each worker's process)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--durations=15"]
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers)]
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd += ["--timeout", "300"]
-    result = run_logged(cmd + paths, log_path, timeout_s, subprocess_env())
+    result = run_logged(cmd + pytest_args, log_path, timeout_s, subprocess_env())
     result["status"] = "ok" if result["returncode"] == 0 else "timed out" if result["timed_out"] else "failed"
     return result
 
@@ -200,28 +208,14 @@ def guarded(record: StageRecord, name: str, fn) -> dict:
         print(result["traceback"], flush=True)
     result["seconds"] = round(time.monotonic() - started, 1)
     record.step(name, result)
-    free_cuda()
+    harness.free_cuda_memory()
     return result
 
 
-def free_cuda() -> None:
-    """Return cached CUDA memory between steps; after a CUDA error (a lost context) there is nothing to free."""
-    import torch
-
-    gc.collect()
-    try:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except RuntimeError as exc:
-        print(f"  (torch.cuda.empty_cache failed: {exc})", flush=True)
-
-
 def environment() -> dict:
-    import providers as P
-
-    env = P.describe_environment("cuda")
     import torch
 
+    env = harness.describe_environment("cuda")
     env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
     env["python"] = sys.version.split()[0]
     env["cpus"] = os.cpu_count()
@@ -242,9 +236,8 @@ def stage_a(args, record: StageRecord, deadline: Deadline) -> None:
     guarded(record, "environment", environment)
     checks_deadline = Deadline(min(LARGE_CHECKS_SECONDS, deadline.left() - 120), time.monotonic())
     guarded(record, "large_checks", lambda: large_checks(record, checks_deadline))
-    guarded(record, "pytest_triton", lambda: run_pytest(["tests/triton", "tests/test_triton_compile.py"],
-                                                        record.out_dir / "pytest_triton.log", deadline.left() - 5,
-                                                        args.workers))
+    guarded(record, "pytest_triton", lambda: run_pytest(PYTEST_TRITON, record.out_dir / "pytest_triton.log",
+                                                        deadline.left() - 5, args.workers))
 
 
 # The sizes of the large-size checks: beyond the interpreter's reach, within a few seconds each on one GPU.
@@ -258,31 +251,38 @@ LARGE_CHECKS = {
     ],
 }
 
+# The oracle builds the full N x N matrix of the ranking term: up to this many elements it is the reference;
+# beyond (the sort path, N > 4096), the torch backend in float64 stands in, itself checked
+# against the oracle by the op tests.
+ORACLE_MAX_ELEMENTS = 2**24
 
-def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CHECKS, device: str = "cuda") -> dict:
-    """Every Triton op at sizes the interpreter cannot reach, against the torch backend in float64, and the
-    half-precision rule for the similarity losses (our error against float64 at most 2x eager PyTorch's own
-    in the same dtype, eager being the oracle's formulas run in that dtype). Each check is recorded as it
-    finishes; one whose estimated cost does not fit in the budget is skipped. Order: the ranking term (cheap;
-    the sort path's block carries exist only at large N), the similarity losses (the half-precision
-    evidence; their compiles and autotuning take most of the time), then the pair scores. (sizes and device are
-    parameters so that the test suite can run the same code at tiny sizes through the interpreter.)"""
+
+def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CHECKS, device: str = "cuda",
+                 backend: str = "triton") -> dict:
+    """Every op of `backend` at sizes the interpreter cannot reach, against tests/oracle.py's float64 formulas,
+    and the half-precision rule for the similarity losses (our error against float64 at most 2x eager
+    PyTorch's own in the same dtype, eager being the oracle's formulas computing in that dtype). Each check is
+    recorded as it finishes; one whose estimated cost does not fit in the budget is skipped. Order: the
+    ranking term (cheap; the sort path's block carries exist only at large N), the similarity losses (the
+    half-precision evidence; their compiles and autotuning take most of the time), then the pair scores.
+    (sizes and device are parameters so that the test suite can run the same code at tiny sizes through the
+    interpreter.)"""
+    import oracle
     import torch
 
-    import angle_kernels.torch_ops as T
-    import angle_kernels.triton_ops as K
-    import triton_oracle
-    from providers import rel_err
+    from angle_kernels.dispatch import resolve_backend
 
+    ours = resolve_backend(backend, torch.zeros(1, device=device))
+    torch_backend = resolve_backend("torch", torch.zeros(1, device=device))
     checks: dict = {}
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def record_check(name, errors, tolerance=None, rule=None):
+    def record_check(name, errors, against, tolerance=None, rule=None):
         if rule is None:
             passed = max(errors.values()) <= tolerance
         else:
-            passed = all(ours <= 2 * eager for ours, eager in errors.values())
-        checks[name] = {"errors": errors, "tolerance": tolerance, "rule": rule, "pass": passed}
+            passed = all(error <= 2 * eager for error, eager in errors.values())
+        checks[name] = {"errors": errors, "against": against, "tolerance": tolerance, "rule": rule, "pass": passed}
         record.step("large_checks", {"status": "running", "checks": checks})
         shown = ", ".join(f"{k} {v:.1e}" if rule is None else f"{k} {v[0]:.1e}/{v[1]:.1e}" for k, v in errors.items())
         print(f"  {name:<48} {shown}  {'ok' if passed else 'FAIL'}", flush=True)
@@ -295,21 +295,23 @@ def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CH
         return False
 
     for n in sizes["ranking"]:
+        reference, against = (oracle, "oracle") if n * n <= ORACLE_MAX_ELEMENTS else (torch_backend, "torch float64")
         for dtype in (torch.float64, torch.float32):
-            name = f"ranking {str(dtype)[6:]} N={n}"
+            name = f"ranking {harness.dtype_name(dtype)} N={n}"
             if not fits(name, 10):
                 continue
-            s = 20 * torch.randn(n, device=device, dtype=torch.float64, generator=gen)
+            scores = 20 * torch.randn(n, device=device, dtype=torch.float64, generator=gen)
             labels = torch.randint(0, 6, (n,), device=device, generator=gen)
-            ours_leaf = s.to(dtype).requires_grad_()
-            ours = K.ranking_loss(ours_leaf, labels)
-            ours.backward()
-            ref_leaf = s.to(dtype).double().requires_grad_()
-            ref = T.ranking_loss(ref_leaf, labels)
-            ref.backward()
-            record_check(name, {"loss": rel_err(ours, ref), "grad": rel_err(ours_leaf.grad, ref_leaf.grad)},
-                         1e-10 if dtype == torch.float64 else 1e-5)
-    free_cuda()
+            ours_leaf = scores.to(dtype).requires_grad_()
+            ours_loss = ours.ranking_loss(ours_leaf, labels)
+            ours_loss.backward()
+            ref_leaf = scores.to(dtype).double().requires_grad_()  # float64 on the same rounded scores
+            ref_loss = reference.ranking_loss(ref_leaf, labels)
+            ref_loss.backward()
+            record_check(name, {"loss": oracle.rel_err(ours_loss, ref_loss),
+                                "grad": oracle.rel_err(ours_leaf.grad, ref_leaf.grad)},
+                         against, 1e-10 if dtype == torch.float64 else 1e-5)
+    harness.free_cuda_memory()
 
     for name, m, mc, d, options, with_groups in sizes["similarity"]:
         # The first call of each dtype compiles and autotunes three configs of three kernels (the bulk of the time).
@@ -322,31 +324,31 @@ def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CH
             kwargs["group_ids"] = torch.randint(0, m // 2, (m,), device=device, generator=gen)
             kwargs["row_weights"] = (torch.rand(m, device=device, generator=gen) > 0.2).double()
 
-        def run(ops, q, c, **extra):
+        def run(ops, q, c):
+            """(loss, dq, dc) of ops.similarity_xent on fresh leaves: q and c's gradients come back in their dtype."""
             q_leaf = q.clone().requires_grad_()
             c_leaf = None if c is None else c.clone().requires_grad_()
-            loss = ops.similarity_xent(q_leaf, c_leaf, 20.0, **{**kwargs, **extra})
+            loss = ops.similarity_xent(q_leaf, c_leaf, 20.0, **kwargs)
             loss.backward()
             return loss.detach(), q_leaf.grad, None if c is None else c_leaf.grad
 
-        ours, ref = run(K, q, c), run(T, q, c)
-        errors = {"loss": rel_err(ours[0], ref[0]), "dq": rel_err(ours[1], ref[1])}
-        if c is not None:
-            errors["dc"] = rel_err(ours[2], ref[2])
-        record_check(f"similarity fp64 {name}", errors, 1e-9)
+        def errors_of(result, reference):
+            parts = ("loss", "dq") if c is None else ("loss", "dq", "dc")
+            return {part: oracle.rel_err(got, ref) for part, got, ref in zip(parts, result, reference)}
+
+        record_check(f"similarity fp64 {name}", errors_of(run(ours, q, c), run(oracle, q, c)), "oracle", 1e-9)
         for half in (torch.bfloat16, torch.float16):
             qh, ch = q.to(half), None if c is None else c.to(half)
-            ours = run(K, qh, ch)
-            ref = run(T, qh.double(), None if ch is None else ch.double())  # float64 on the same rounded inputs
-            eager_weights = {"row_weights": kwargs["row_weights"].to(half)} if "row_weights" in kwargs else {}
-            eager = run(triton_oracle, qh, ch, **eager_weights)
-            errors = {"loss": (rel_err(ours[0], ref[0]), rel_err(eager[0], ref[0])),
-                      "dq": (rel_err(ours[1], ref[1]), rel_err(eager[1], ref[1]))}
-            if c is not None:
-                errors["dc"] = (rel_err(ours[2], ref[2]), rel_err(eager[2], ref[2]))
-            record_check(f"similarity {str(half)[6:]} {name}", errors, rule="ours <= 2 x eager (vs float64)")
+            # float64 leaves holding the same rounded inputs: the reference's gradients stay float64
+            ref = run(oracle, qh.double(), None if ch is None else ch.double())
+            with oracle.computing_in(half):
+                eager = errors_of(run(oracle, qh, ch), ref)
+            ours_errors = errors_of(run(ours, qh, ch), ref)
+            record_check(f"similarity {harness.dtype_name(half)} {name}",
+                         {part: (ours_errors[part], eager[part]) for part in ours_errors}, "oracle",
+                         rule="ours <= 2 x eager (vs float64)")
         del q, c
-        free_cuda()
+        harness.free_cuda_memory()
 
     for groups, k, d in sizes["pair_scores"]:
         name = f"pair_scores fp64 G={groups} K={k} D={d}"
@@ -355,15 +357,15 @@ def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CH
         x = torch.randn(groups, k, d, device=device, dtype=torch.float64, generator=gen)
         weights = torch.randn(2, groups, k - 1, device=device, dtype=torch.float64, generator=gen)
         outs = []
-        for ops in (K, T):
+        for ops in (ours, oracle):
             leaf = x.clone().requires_grad_()
             cos, angle = ops.pair_scores(leaf, True)
             ((cos * weights[0]).sum() + (angle * weights[1]).sum()).backward()
             outs.append((cos.detach(), angle.detach(), leaf.grad))
-        record_check(name, {"cos": rel_err(outs[0][0], outs[1][0]), "angle": rel_err(outs[0][1], outs[1][1]),
-                            "dx": rel_err(outs[0][2], outs[1][2])}, 1e-10)
+        errors = {part: oracle.rel_err(got, ref) for part, got, ref in zip(("cos", "angle", "dx"), *outs)}
+        record_check(name, errors, "oracle", 1e-10)
         del x, outs
-        free_cuda()
+        harness.free_cuda_memory()
 
     failed = [name for name, check in checks.items() if check.get("pass") is False]
     return {"status": "failed" if failed else "ok", "checks": checks, "failed": failed}
@@ -421,8 +423,8 @@ def stage_b(args, record: StageRecord, deadline: Deadline) -> None:
         build_env["CUDA_HOME"] = cuda_home()
 
     def build():
-        # In place: angle_kernels/_C*.so (git-ignored) stays in the checkout, and every later process (tests/gpu's
-        # workers, stages c and d on the same machine) imports it: no JIT build, no ninja, no build lock.
+        # In place: angle_kernels/_C*.so (git-ignored) stays in the checkout, and every later process (the CUDA op
+        # tests' workers, stages c and d on the same machine) imports it: no JIT build, no ninja, no build lock.
         cmd = [sys.executable, "setup.py", "build_ext", "--inplace"]
         result = run_logged(cmd, record.out_dir / "cuda_build.log", min(240.0, deadline.left() - 60), build_env)
         result.update(arch_list=build_env["TORCH_CUDA_ARCH_LIST"], cuda_home=build_env.get("CUDA_HOME"))
@@ -434,111 +436,96 @@ def stage_b(args, record: StageRecord, deadline: Deadline) -> None:
         return
     if guarded(record, "cuda_probe", lambda: probe_cuda_backend(record, deadline))["status"] != "ok":
         return
-    guarded(record, "pytest_gpu", lambda: run_pytest(["tests/gpu"], record.out_dir / "pytest_gpu.log",
-                                                     deadline.left() - 5, args.workers))
+    guarded(record, "pytest_cuda", lambda: run_pytest(PYTEST_CUDA, record.out_dir / "pytest_cuda.log",
+                                                      deadline.left() - 5, args.workers))
 
 
 # --------------------------------------------------------------------------------------------------------
 # Stage c: op sweep
 # --------------------------------------------------------------------------------------------------------
 
-# FLOPs each backend executes for similarity_xent forward + backward, in units of M * Mc * D (the maths needs
-# 6: 2 forward, 2 for dq, 2 for dc: providers.work_floor). Triton: the dq and dc kernels each recompute the
-# logit tiles (2 + 4 + 4). CUDA: one backward kernel recomputes once and forms dq and dc with atomics
-# (2 + 2 + 4). torch: a single row block keeps its logits tile for backward (2 + 4); several blocks recompute
-# (2 + 2 + 4).
-def similarity_flop_units_executed(backend: str, m: int, mc: int) -> int:
-    if backend == "triton":
-        return 10
-    if backend == "cuda":
-        return 8
-    from angle_kernels.torch_ops.common import CHUNK_ELEMENTS
-
-    return 6 if m * mc <= CHUNK_ELEMENTS else 8
-
 
 def stage_c(args, record: StageRecord, deadline: Deadline) -> None:
-    import bench_losses
-
     guarded(record, "environment", environment)
-    limits = guarded(record, "limits", lambda: bench_losses.measure_cuda_limits(["float32", "bfloat16"]))
+    limits = guarded(record, "limits", lambda: harness.measure_limits("cuda", ["float32", "bfloat16"]))
     if limits["status"] != "ok":
         return
     with_cuda = guarded(record, "cuda_probe", lambda: probe_cuda_backend(record, deadline))["status"] == "ok"
-    guarded(record, "op_sweep", lambda: op_sweep(record, deadline, limits, with_cuda))
+    # The CUDA backend (never run on a GPU before its probe) gets a pass of its own after Triton and torch, so
+    # that a CUDA error in it, which loses the process's CUDA context, cannot cost the other rows.
+    passes = [("triton", "torch")] + ([("cuda",)] if with_cuda else [])
+    guarded(record, "op_sweep", lambda: op_sweep(record, deadline, limits, passes))
 
 
-def op_cases():
-    """(size rank, op, n, d, dtype name) of the op sweep, smallest sizes of every op first: under a budget the
-    sweep covers every op and dtype at small sizes before it spends time on the largest ones."""
-    families = [
-        ("pair_scores", [16384, 262144, 1048576], (768, 4096), ("bfloat16", "float32")),
-        ("ranking_loss", [4096, 65536, 1048576, 4194304], (1,), ("float32",)),
-        ("similarity_xent(ibn)", [1024, 4096, 16384, 65536], (768, 4096), ("bfloat16", "float32")),
-    ]
+def all_ops() -> list:
+    import bench_losses
+
+    return [op for family in bench_losses.FAMILIES for op in family.OPS]
+
+
+def op_cases(ops=None):
+    """(size rank, OpBench, n, d, dtype name) of the op sweep, smallest sizes of every op first: under a budget
+    the sweep covers every op and dtype at small sizes before it spends time on the largest ones."""
     cases = []
-    for op, sizes, dims, dtypes in families:
-        for rank, n in enumerate(sizes):
-            for dtype in dtypes:
-                for d in dims:
-                    cases.append((rank, op, n, d, dtype))
+    for bench in all_ops() if ops is None else ops:
+        for rank, n in enumerate(bench.sizes):
+            for dtype in bench.dtypes:
+                for d in bench.dims:
+                    cases.append((rank, bench, n, d, dtype))
     return sorted(cases, key=lambda case: case[0])
 
 
 # A Triton similarity case at a new row-count bucket also autotunes: three configs of three kernels, each timed
-# over several runs, on top of bench_losses.RUNS_PER_CASE.
+# over several runs, on top of harness.RUNS_PER_CASE.
 RUNS_PER_AUTOTUNED_CASE = 40
 MAX_RUN_SECONDS = 10.0
 
 
-def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, with_cuda: bool) -> dict:
+def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, device: str = "cuda", ops=None) -> dict:
     """Every op forward + backward per backend: median time (warm), peak extra memory (warm run), achieved rate
-    as a fraction of the limits measured in this run. Rows are recorded as they are measured. The CUDA backend
-    (never run on a GPU before its probe) gets a pass of its own after Triton and torch, so that a CUDA error
-    in it, which loses the process's CUDA context, cannot cost the other rows; the sweep stops at such an
-    error."""
+    as a fraction of the limits measured in this run. `passes` are groups of backend names swept one group
+    after the other; rows are recorded as they are measured, and the sweep stops at an error that loses the
+    process's CUDA context. (device and ops are parameters so that the test suite can run it at tiny sizes
+    on CPU.)"""
     import torch
 
-    import bench_losses
     from angle_kernels.dispatch import resolve_backend
 
-    probe = torch.zeros(1, device="cuda")
-    passes = [{name: resolve_backend(name, probe) for name in ("triton", "torch")}]
-    if with_cuda:
-        passes.append({"cuda": resolve_backend("cuda", probe)})
+    probe = torch.zeros(1, device=device)
     rows: list[dict] = []
     last_seconds: dict = {}  # (op, d, dtype, backend) -> (n, seconds of one warm run)
 
-    for backends in passes:
-        for rank, op, n, d, dtype_name in op_cases():
-            dtype = getattr(torch, dtype_name)
-            for backend, ops in backends.items():
-                row = {"op": op, "n": n, "d": d, "dtype": dtype_name, "backend": backend}
-                previous = last_seconds.get((op, d, dtype_name, backend))
-                power = 2 if op.startswith("similarity") else 1
+    for names in passes:
+        backends = {name: resolve_backend(name, probe) for name in names}
+        for rank, bench, n, d, dtype_name in op_cases(ops):
+            dtype = harness.DTYPES[dtype_name]
+            for backend, module in backends.items():
+                row = {"op": bench.name, "n": n, "d": d, "dtype": dtype_name, "backend": backend}
+                previous = last_seconds.get((bench.name, d, dtype_name, backend))
+                power = 2 if bench.grows == "N^2" else 1
                 forecast = None if previous is None else previous[1] * (n / previous[0]) ** power
-                autotuned = backend == "triton" and op.startswith("similarity")
-                runs = RUNS_PER_AUTOTUNED_CASE if autotuned else bench_losses.RUNS_PER_CASE
-                elem = torch.finfo(dtype).bits // 8
-                need_bytes = 6 * n * d * elem if op == "pair_scores" else 3 * 2 * n * d * 4
-                if op != "ranking_loss" and need_bytes > 0.5 * torch.cuda.mem_get_info()[0]:
-                    row.update(status="skipped", note=f"needs ~{need_bytes / GB:.0f} GB")
+                autotuned = backend == "triton" and bench.name.startswith("similarity")
+                runs = RUNS_PER_AUTOTUNED_CASE if autotuned else harness.RUNS_PER_CASE
+                need_bytes = bench.memory_bytes(n, d, dtype)
+                free = harness.free_bytes(device)
+                if free is not None and need_bytes > 0.5 * free:
+                    row.update(status="skipped", note=f"needs ~{harness.fmt_bytes(need_bytes)}")
                 elif forecast is not None and (forecast > MAX_RUN_SECONDS or not deadline.fits(runs * forecast + 5)):
                     row.update(status="skipped", note=f"~{forecast:.1f} s per run: does not fit the budget")
                 elif not deadline.fits(15):
                     row.update(status="skipped", note="budget spent")
                 else:
-                    row.update(measure_op(ops, backend, op, n, d, dtype, limits, bench_losses))
+                    row.update(measure_op(bench, module, backend, n, d, dtype, limits, device))
                     if row["status"] == "ok":
-                        last_seconds[(op, d, dtype_name, backend)] = (n, row["run_s"])
+                        last_seconds[(bench.name, d, dtype_name, backend)] = (n, row["run_s"])
                 rows.append(row)
                 record.step("op_sweep", {"status": "running", "rows": rows})
                 print("  " + op_row_text(row), flush=True)
-                free_cuda()
+                harness.free_cuda_memory()
                 if lost_cuda_context(row.get("note", "")):
                     return {"status": "failed", "rows": rows,
-                            "error": f"{backend} {op} N={n} D={d} {dtype_name}: {row['note']} (sweep stopped: the "
-                                     "process's CUDA context is lost)"}
+                            "error": f"{backend} {bench.name} N={n} D={d} {dtype_name}: {row['note']} (sweep "
+                                     "stopped: the process's CUDA context is lost)"}
     return {"rows": rows}
 
 
@@ -548,61 +535,30 @@ def lost_cuda_context(error: str) -> bool:
     return any(marker in error for marker in markers)
 
 
-def measure_op(ops, backend, op, n, d, dtype, limits, bench_losses) -> dict:
+def measure_op(bench, ops, backend: str, n: int, d: int, dtype, limits: dict, device: str) -> dict:
     import torch
 
-    import providers as P
-
-    gen = torch.Generator(device="cuda").manual_seed(n)
+    generator = torch.Generator(device=device).manual_seed(n)
     try:
-        if op == "pair_scores":
-            x = torch.randn(n, 2, d, device="cuda", generator=gen).to(dtype).requires_grad_()
-            weights = torch.randn(n, 1, device="cuda", generator=gen)
-            leaves = [x]
-
-            def run():
-                cos, angle = ops.pair_scores(x, True)
-                return ((cos + angle) * weights).sum()
-
-            floor = P.work_floor("angle", n, d, dtype)  # read x twice, write dx once
-        elif op == "ranking_loss":
-            s = (20 * torch.randn(n, device="cuda", generator=gen)).requires_grad_()
-            labels = torch.randint(0, 6, (n,), device="cuda", generator=gen)
-            leaves = [s]
-
-            def run():
-                return ops.ranking_loss(s, labels)
-
-            floor = {"kind": "bytes", "amount": n * (4 + 8 + 4)}  # scores, int64 labels, gradient
-        else:
-            m = 2 * n
-            x = torch.randn(m, d, device="cuda", generator=gen).to(dtype).requires_grad_()
-            row_weights = (torch.rand(m, device="cuda", generator=gen) > 0.2).float()
-            leaves = [x]
-
-            def run():
-                return ops.similarity_xent(x, None, 20.0, "partner", row_weights=row_weights, exclude_diagonal=True)
-
-            floor = {**P.work_floor("ibn", n, d, dtype),
-                     "executed": similarity_flop_units_executed(backend, m, m) * m * m * d}
-        _, extra, run_s = bench_losses.warm_peak_extra_bytes(run, leaves)
-        median_ms, min_ms, method = bench_losses._cuda_times_ms(lambda: bench_losses._fwd_bwd(run, leaves),
-                                                                grad_to_none=leaves, expected_ms=1e3 * run_s)
-    except Exception as exc:  # noqa: BLE001
-        status = "OOM" if "out of memory" in str(exc).lower() else "error"
+        run, leaves, floor = bench.setup(ops, backend, n, d, dtype, device, generator)
+        measured = harness.measure_fwd_bwd(run, leaves, device)
+    except Exception as exc:  # noqa: BLE001 (a case's failure is a row, not the end of the sweep)
+        status = "OOM" if harness.is_oom(exc) else "error"
         return {"status": status, "note": f"{type(exc).__name__}: {exc}"[:300]}
-    seconds = median_ms / 1e3
-    peak = bench_losses.limit_rate(limits, floor["kind"], str(dtype).removeprefix("torch."))
-    result = {"status": "ok", "ms": median_ms, "min_ms": min_ms, "timing": method, "run_s": run_s,
-              "extra_bytes": extra, "floor": floor, "rate_needed": floor["amount"] / seconds,
-              "fraction_needed": floor["amount"] / seconds / peak if peak else None}
+    seconds = measured["median_s"]
+    needed = harness.achieved_rate(floor, seconds, limits, harness.dtype_name(dtype))
+    result = {"status": "ok", "ms": seconds * 1e3, "min_ms": measured["min_s"] * 1e3, "timing": measured["timing"],
+              "run_s": measured["memory_run_s"], "extra_bytes": measured["extra_bytes"], "floor": floor,
+              "rate_needed": needed["rate"], "fraction_needed": needed["rate_fraction"]}
     if "executed" in floor:
-        result["fraction_executed"] = floor["executed"] / seconds / peak if peak else None
+        executed = {"kind": floor["kind"], "amount": floor["executed"]}
+        result["fraction_executed"] = harness.achieved_rate(executed, seconds, limits,
+                                                            harness.dtype_name(dtype))["rate_fraction"]
     return result
 
 
 def op_row_text(row: dict) -> str:
-    head = f"{row['op']:<22} N={row['n']:<8} D={row['d']:<5} {row['dtype']:<9} {row['backend']:<7}"
+    head = f"{row['op']:<24} N={row['n']:<8} D={row['d']:<5} {row['dtype']:<9} {row['backend']:<7}"
     if row["status"] != "ok":
         return head + f" {row['status']}: {row.get('note', '')}"
     unit = "copy BW" if row["floor"]["kind"] == "bytes" else "matmul"
@@ -631,14 +587,16 @@ def stage_d(args, record: StageRecord, deadline: Deadline) -> None:
     # The CUDA backend joins only if it passes its probe (a CUDA error would lose this process's context).
     with_cuda = guarded(record, "cuda_probe", lambda: probe_cuda_backend(record, deadline))["status"] == "ok"
     ours = "ours" if with_cuda else "ours-triton,ours-torch"
-    # bf16 first (what training uses), then float32 with what is left of the budget.
+    # bf16 first (what training uses), then float32 with what is left of the budget. Every loss's small sizes
+    # come before any loss's large ones (bench_losses.size_schedule), so a budget cuts sizes, not losses.
     for dtype, share in (("bfloat16", 0.6), ("float32", 1.0)):
         def sweep(dtype=dtype, share=share):
             budget = share * (deadline.left() - 20)  # 20 s for the plot and the last write
             if budget <= 0:
                 raise RuntimeError("no time left in the stage's budget")
             argv = ["--device", "cuda", "--out", str(record.out_dir / f"losses-{dtype}"), "--dtypes", dtype,
-                    "--providers", f"{ours},reference,sentence-transformers",
+                    "--losses", ",".join(bench_losses.LOSSES),
+                    "--providers", f"{ours},reference,sentence-transformers,eager",
                     "--d", "768", "--n", "1024,16384,262144,1048576", "--n-quadratic", "1024,4096,16384",
                     "--max-run-seconds", "5", "--max-ref-gb", "60", "--time-budget", f"{budget:.0f}"]
             if wheel:
@@ -701,10 +659,10 @@ class Stage:
 
 
 STAGES = {
-    "a": Stage("environment, large-size checks, tests/triton on CUDA", 360, stage_a),
-    "b": Stage("CUDA extension build, tests/gpu", 300, stage_b),
+    "a": Stage("environment, large-size checks, op tests of the torch and Triton backends on CUDA", 360, stage_a),
+    "b": Stage("CUDA extension build, op tests of the CUDA backend", 300, stage_b),
     "c": Stage("hardware limits and op sweep", 300, stage_c),
-    "d": Stage("loss sweep against angle-emb and sentence-transformers", 300, stage_d),
+    "d": Stage("loss sweep against angle-emb, sentence-transformers and eager PyTorch", 300, stage_d),
     "e": Stage("7B LoRA training benchmark (resumable)", 540, stage_e),
 }
 
@@ -718,40 +676,44 @@ def render_stage(data: dict) -> str:
     if env.get("gpu"):
         lines += [f"- {env['gpu']} (sm_{env.get('capability', '?').replace('.', '')}), driver {env.get('driver')}, "
                   f"CUDA {env.get('cuda')}, torch {env.get('torch')}, triton {env.get('triton')}", ""]
-    lines += ["| step | status | seconds | note |", "|---|---|---|---|"]
+    step_rows = []
     for name, step in data["steps"].items():
         if name == "environment":
             continue
         note = step.get("error") or step.get("last_line") or ""
         if step.get("failed"):
             note = f"failed: {', '.join(step['failed'])}"
-        lines.append(f"| {name} | {step.get('status')} | {step.get('seconds', '')} | {str(note)[:160]} |")
+        step_rows.append([name, step.get("status"), step.get("seconds", ""), str(note)[:160]])
+    lines += harness.markdown_table(["step", "status", "seconds", "note"], step_rows)
     checks = data["steps"].get("large_checks", {}).get("checks")
     if checks:
-        lines += ["", "| large-size check | result | errors (ours / eager for the 2x rule) |", "|---|---|---|"]
+        check_rows = []
         for name, check in checks.items():
             if "skipped" in check:
-                lines.append(f"| {name} | skipped | {check['skipped']} |")
+                check_rows.append([name, "skipped", "", check["skipped"]])
                 continue
             errors = ", ".join(f"{k} {v:.1e}" if not isinstance(v, (list, tuple)) else f"{k} {v[0]:.1e} / {v[1]:.1e}"
                                for k, v in check["errors"].items())
             limit = f" (tol {check['tolerance']:.0e})" if check.get("tolerance") else f" ({check.get('rule')})"
-            lines.append(f"| {name} | {'pass' if check['pass'] else 'FAIL'} | {errors}{limit} |")
+            check_rows.append([name, "pass" if check["pass"] else "FAIL", check["against"], errors + limit])
+        lines += ["", *harness.markdown_table(
+            ["large-size check", "result", "against", "errors (ours / eager for the 2x rule)"], check_rows)]
     rows = data["steps"].get("op_sweep", {}).get("rows")
     if rows:
-        lines += ["", "| op | N | D | dtype | backend | ms | extra MB | fraction of the limit (needed / executed) |",
-                  "|---|---|---|---|---|---|---|---|"]
+        op_rows = []
         for r in rows:
+            head = [r["op"], r["n"], r["d"], r["dtype"], r["backend"]]
             if r["status"] != "ok":
-                lines.append(f"| {r['op']} | {r['n']} | {r['d']} | {r['dtype']} | {r['backend']} | {r['status']} | | "
-                             f"{r.get('note', '')[:100]} |")
+                op_rows.append(head + [r["status"], "", r.get("note", "")[:100]])
                 continue
             unit = "copy" if r["floor"]["kind"] == "bytes" else "matmul"
             fractions = "" if r.get("fraction_needed") is None else f"{100 * r['fraction_needed']:.0f}%"
             if r.get("fraction_executed") is not None:
                 fractions += f" / {100 * r['fraction_executed']:.0f}%"
-            lines.append(f"| {r['op']} | {r['n']} | {r['d']} | {r['dtype']} | {r['backend']} | {r['ms']:.3f} | "
-                         f"{r['extra_bytes'] / 1e6:.1f} | {fractions} of {unit} |")
+            op_rows.append(head + [f"{r['ms']:.3f}", f"{r['extra_bytes'] / 1e6:.1f}", f"{fractions} of {unit}"])
+        lines += ["", *harness.markdown_table(
+            ["op", "N", "D", "dtype", "backend", "ms", "extra MB", "fraction of the limit (needed / executed)"],
+            op_rows)]
     return "\n".join(lines)
 
 
@@ -762,15 +724,15 @@ def summarize(folder: Path) -> str:
         records.append((Path(path), json.loads(Path(path).read_text())))
     if not records:
         raise SystemExit(f"no stage_*.json under {folder}")
-    lines = [f"# angle_kernels GPU run: {folder.name}", "", "| stage | what | status | seconds (budget) | file |",
-             "|---|---|---|---|---|"]
-    for path, data in sorted(records, key=lambda item: item[1]["stage"]):
-        lines.append(f"| {data['stage']} | {data['title']} | {data['status']} | {data.get('seconds', '?')} "
-                     f"({data['budget_s']:.0f}) | {path.relative_to(folder)} |")
-    for path, data in sorted(records, key=lambda item: item[1]["stage"]):
+    records.sort(key=lambda item: item[1]["stage"])
+    stage_rows = [[data["stage"], data["title"], data["status"], f"{data.get('seconds', '?')} ({data['budget_s']:.0f})",
+                   path.relative_to(folder)] for path, data in records]
+    lines = [f"# angle_kernels GPU run: {folder.name}", "",
+             *harness.markdown_table(["stage", "what", "status", "seconds (budget)", "file"], stage_rows)]
+    for path, data in records:
         lines += ["", render_stage(data).replace("# Stage", "## Stage", 1)]
     text = "\n".join(lines) + "\n"
-    write_text_atomic(folder / "summary.md", text)
+    harness.write_text_atomic(folder / "summary.md", text)
     return text
 
 
@@ -807,7 +769,7 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         print(f"no CUDA device (torch.cuda.is_available() is False): stage {args.stage} needs a GPU; nothing was run. "
-              "On a CPU machine the Triton kernels are tested through the interpreter (pytest tests/triton).")
+              "On a CPU machine the Triton kernels are tested through the interpreter (pytest tests/ops).")
         return 0
     os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, in this process too
     os.environ["ANGLE_KERNELS_CUDA_JIT"] = "0"  # the extension comes from stage b's in-place build, or not at all

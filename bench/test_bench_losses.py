@@ -1,4 +1,4 @@
-"""pytest-benchmark cases for the loss providers, at small sizes, plus checks of the harness itself.
+"""pytest-benchmark cases for the loss providers, at small sizes, plus checks of the loss sweep itself.
 
     pytest bench/ -q                      # CI: every case runs a few rounds; nothing asserts on time
     pytest bench/ --benchmark-only        # only the timed cases, with pytest-benchmark's statistics
@@ -24,14 +24,22 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import bench_losses  # noqa: E402
+import harness  # noqa: E402
 import providers as P  # noqa: E402
 
-SMALL = {"cosine": (256, 128), "angle": (256, 128), "ibn": (128, 128), "contrastive": (128, 128)}
+LOSSES = bench_losses.LOSSES
+SMALL = {"cosine": (256, 128), "angle": (256, 128), "ibn": (128, 128), "contrastive": (128, 128),
+         "arccon": (128, 128), "triplet": (256, 128)}
+# The provider of each family that runs on CPU
+PROVIDER_OF_FAMILY = {"ours": "ours-torch", "reference": "angle-emb", "sentence-transformers": "sentence-transformers",
+                      "eager": "eager-pytorch"}
+CASES = [(loss, PROVIDER_OF_FAMILY[family]) for loss in LOSSES for family in LOSSES[loss].implementations]
 
 
 @pytest.fixture(scope="module")
 def all_providers():
-    providers, missing = P.available_providers("cpu")
+    providers, missing = P.available_providers("cpu", list(LOSSES.values()))
     return {p.name: p for p in providers}, missing
 
 
@@ -42,18 +50,18 @@ def provider_or_skip(all_providers, name):
     return providers[name]
 
 
-PROVIDER_NAMES = ("ours-torch", "angle-emb", "sentence-transformers")
+def test_every_loss_has_a_small_case_and_ours():
+    assert set(SMALL) == set(LOSSES) and set(bench_losses.DEFAULT_LOSSES) <= set(LOSSES)
+    assert all("ours" in loss.implementations for loss in LOSSES.values())
+    assert all(set(loss.implementations) <= set(P.FAMILIES) for loss in LOSSES.values())
 
 
-@pytest.mark.parametrize("loss", P.LOSSES)
-@pytest.mark.parametrize("name", PROVIDER_NAMES)
+@pytest.mark.parametrize(("loss", "name"), CASES)
 def test_forward_backward(benchmark, all_providers, loss, name):
     provider = provider_or_skip(all_providers, name)
-    if not provider.provides(loss):
-        pytest.skip(f"{name} has no {loss} loss")
     n, d = SMALL[loss]
-    inputs = P.build_inputs(loss, n, d, torch.float32, "cpu", seed=P.LOSSES.index(loss))
-    leaves = P.grad_leaves(inputs)
+    inputs = LOSSES[loss].build_inputs(n, d, torch.float32, "cpu", seed=list(LOSSES).index(loss))
+    leaves = harness.grad_leaves(inputs)
     fn = provider.make(loss, inputs)
 
     def setup():
@@ -72,30 +80,51 @@ def test_forward_backward(benchmark, all_providers, loss, name):
     assert all(leaf.grad is not None and torch.isfinite(leaf.grad).all() for leaf in leaves)
 
 
-@pytest.mark.parametrize("loss", P.LOSSES)
+@pytest.mark.parametrize("loss", LOSSES)
 def test_providers_compute_the_same_loss(all_providers, loss):
     """The side-by-side comparison is only fair if every provider computes the same thing: values and
-    gradients agree to float64 rounding (this is what validates the sentence-transformers adapter)."""
+    gradients agree to float64 rounding (this is what validates the sentence-transformers adapter and the
+    eager baselines' settings)."""
     providers, _ = all_providers
     active = [p for p in providers.values() if p.provides(loss)]
     if len(active) < 2:
         pytest.skip(f"fewer than two providers of {loss} are installed")
-    errors = P.check_agreement(active, loss, "cpu", n=37, d=34, dtype=torch.float64, seed=7)
+    errors = P.check_agreement(active, LOSSES[loss], "cpu", n=37, d=34, dtype=torch.float64, seed=7)
     assert set(errors) == {p.name for p in active[1:]}
     for name, err in errors.items():
         assert err["value"] < 1e-12, (name, err)
         assert err["grad"] < 1e-10, (name, err)
 
 
+def test_eager_baselines_compute_in_the_inputs_dtype(all_providers):
+    """eager-pytorch is eager PyTorch in the benchmarked dtype, not the float64 oracle: in float32 it differs
+    from float64 by float32 rounding, and its result is float32."""
+    eager = provider_or_skip(all_providers, "eager-pytorch")
+    for name in ("arccon", "triplet"):
+        inputs = LOSSES[name].build_inputs(64, 32, torch.float32, "cpu", seed=3)
+        value = eager.make(name, inputs)()
+        exact = eager.make(name, {k: v.double() for k, v in inputs.items()})()
+        assert value.dtype == torch.float32 and exact.dtype == torch.float64
+        assert 0 < abs(value.item() - exact.item()) < 1e-5 * abs(exact.item())
+
+
+@pytest.mark.parametrize("loss", LOSSES.values(), ids=lambda loss: loss.name)
+def test_every_loss_counts_the_floor_of_the_op_it_costs(loss):
+    """Losses whose cost grows as N^2 D are matmul bound (a FLOPs floor); the others move bytes. Their inputs
+    hold the embedding rows the memory estimate assumes."""
+    floor = loss.work_floor(64, 16, torch.float32)
+    assert floor["kind"] == ("flops" if loss.grows == "N^2" else "bytes") and floor["amount"] > 0
+    inputs = loss.build_inputs(64, 16, torch.float32, "cpu", 0)
+    rows = sum(t.shape[0] for t in harness.grad_leaves(inputs))
+    assert rows == loss.embedding_rows(64)
+    assert all(t.shape[-1] == 16 and t.abs().sum() > 0 for t in harness.grad_leaves(inputs))
+
+
 def test_adapter_feeds_sentence_transformers_the_given_embeddings(all_providers):
     """PrecomputedEmbeddings must hand each column's tensor through untouched: CoSENTLoss on two columns
     equals its compute_loss_from_embeddings on the same tensors, and the gradient reaches them."""
     provider_or_skip(all_providers, "sentence-transformers")
-    try:
-        from sentence_transformers.sentence_transformer import losses
-    except ImportError:
-        from sentence_transformers import losses
-
+    losses = P.sentence_transformers_losses()
     gen = torch.Generator().manual_seed(3)
     u = torch.randn(9, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     v = torch.randn(9, 16, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -129,28 +158,48 @@ def test_reference_loads_from_a_wheel(tmp_path):
 
 def test_memory_estimates_grow_as_the_baselines_do():
     """The skip decision rests on these: quadratic for the eager baselines, linear for ours."""
-    ref = P.Provider("angle-emb", "reference", {"cosine": ""}, make=None)
-    ours = P.Provider("ours-torch", "ours", {"cosine": ""}, make=None)
-    small, large = (P.estimate_extra_bytes(ref, "cosine", n, 768, torch.float32) for n in (4096, 16384))
+    cosine, arccon = LOSSES["cosine"], LOSSES["arccon"]
+    ref = P.Provider("angle-emb", "reference", None, {"cosine": cosine})
+    ours = P.Provider("ours-torch", "ours", "torch", {"cosine": cosine, "arccon": arccon})
+    eager = P.Provider("eager-pytorch", "eager", None, {"arccon": arccon})
+
+    def estimate(provider, loss, n):
+        return bench_losses.estimate_extra_bytes(provider, loss, n, 768, torch.float32)
+
+    small, large = estimate(ref, cosine, 4096), estimate(ref, cosine, 16384)
     assert 8 < large / small <= 16  # N^2 term plus a linear part
-    small, large = (P.estimate_extra_bytes(ours, "cosine", n, 768, torch.float32) for n in (4096, 16384))
-    assert large == 4 * small
-    # the reference's cosine loss at N = 16384 needs about 4.1 GB (the project guide shared/docs/measuring.md): the estimate errs high
-    assert 4.1e9 < P.estimate_extra_bytes(ref, "cosine", 16384, 768, torch.float32) < 8e9
+    assert estimate(ours, cosine, 16384) == 4 * estimate(ours, cosine, 4096)
+    assert estimate(ours, arccon, 16384) == 4 * estimate(ours, arccon, 4096)
+    assert 8 < estimate(eager, arccon, 16384) / estimate(eager, arccon, 4096) <= 16
+    # the reference's cosine loss at N = 16384 needs about 4.1 GB (shared/docs/measuring.md): the estimate errs high
+    assert 4.1e9 < estimate(ref, cosine, 16384) < 8e9
+    # eager ArcCon needed +117 MB at N = 2048 (bench_arccse.py): the estimate errs high, not wildly
+    assert 117e6 < estimate(eager, arccon, 2048) < 4 * 117e6
+
+
+def test_a_budget_cuts_the_largest_sizes_not_whole_losses():
+    """Every selected loss gets its first size before any loss gets its second, and so on."""
+    args = bench_losses.parse_args(["--losses", "cosine,ibn,arccon,triplet", "--n", "16,64,256",
+                                    "--n-quadratic", "8,32", "--device", "cpu"])
+    schedule = [(loss.name, n) for loss, n in bench_losses.size_schedule(args)]
+    assert schedule == [("cosine", 16), ("ibn", 8), ("arccon", 8), ("triplet", 16),
+                        ("cosine", 64), ("ibn", 32), ("arccon", 32), ("triplet", 64),
+                        ("cosine", 256), ("triplet", 256)]
+
+
+def run_script(*argv: str) -> subprocess.CompletedProcess:
+    """bench_losses.py in a subprocess: the script forks one child per case, which is only safe from a process
+    that has not yet run a parallel (OpenMP) torch op, and this pytest process has."""
+    cmd = [sys.executable, str(HERE / "bench_losses.py"), *argv]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
 
 
 def test_script_end_to_end(tmp_path):
-    """bench_losses.py at tiny sizes writes a table, JSON and a plot, and skips what exceeds the budget.
-
-    Runs as a subprocess: the script forks one child per case, which is only safe from a process that
-    has not yet run a parallel (OpenMP) torch op, and this pytest process has.
-    """
+    """bench_losses.py at tiny sizes writes a table, JSON and a plot, and skips what exceeds the budget."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(HERE / "bench_losses.py"), "--losses", "cosine,ibn", "--n", "16,64",
-           "--n-quadratic", "16", "--d", "32", "--providers", "ours,reference", "--repeats", "3",
-           "--max-ref-gb", "0.00005", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = run_script("--losses", "cosine,ibn", "--n", "16,64", "--n-quadratic", "16", "--d", "32",
+                      "--providers", "ours,reference", "--repeats", "3", "--max-ref-gb", "0.00005", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = (out / "table.md").read_text()
     data = json.loads((out / "results.json").read_text())
@@ -160,56 +209,21 @@ def test_script_end_to_end(tmp_path):
     assert rows[("cosine", 64, "angle-emb")]["status"] == "skipped"
     assert "skipped: needs" in rows[("cosine", 64, "angle-emb")]["note"]
     assert rows[("cosine", 16, "angle-emb")]["status"] == "ok"
-    if ("cosine", 16, "ours-torch") in rows:  # ours imports in this checkout
-        ours = rows[("cosine", 16, "ours-torch")]
-        assert ours["status"] == "ok" and ours["median_s"] > 0 and len(ours["times_s"]) == 3
-        assert "| 16 |" in table and "÷ ours-torch" in table
-        for err in data["agreement_checks"]["cosine"].values():
-            assert err["value"] < 1e-12 and err["grad"] < 1e-10
-
-
-def test_cuda_memory_is_measured_on_a_warm_run():
-    """The first call at a shape compiles and autotunes (Triton's autotuner allocates do_bench's 256 MB
-    L2-flush buffer): the reported peak must be that of a later run, not of the first."""
-    import bench_losses
-
-    class FakeCudaMemory:  # torch.cuda's four memory functions, over a counter the "loss" below moves
-        allocated = peak = 0
-
-        def synchronize(self):
-            pass
-
-        def reset_peak_memory_stats(self):
-            self.peak = self.allocated
-
-        def memory_allocated(self):
-            return self.allocated
-
-        def max_memory_allocated(self):
-            return self.peak
-
-    memory = FakeCudaMemory()
-    calls = []
-    leaf = torch.zeros(3, requires_grad=True)
-
-    def run():  # the first call holds 256 MB for a while (autotuning), every call 10 MB (the loss's workspace)
-        transient = (256 if not calls else 0) * 2**20 + 10 * 2**20
-        memory.peak = max(memory.peak, memory.allocated + transient)
-        calls.append(1)
-        return (leaf * 2).sum()
-
-    value, extra, seconds = bench_losses.warm_peak_extra_bytes(run, [leaf], memory)
-    assert len(calls) == 2 and extra == 10 * 2**20 and seconds >= 0
-    assert leaf.grad is not None and float(value) == 0.0
+    ours = rows[("cosine", 16, "ours-torch")]
+    assert ours["status"] == "ok" and ours["median_s"] > 0 and len(ours["times_s"]) == 3
+    # the CPU's limits were measured in this run, and the achieved rate is a fraction of them
+    assert data["hardware_limits"]["copy_GBps"] > 0 and data["hardware_limits"]["matmul_float32_TFLOPs"] > 0
+    assert 0 < ours["rate_fraction"] and rows[("ibn", 16, "ours-torch")]["rate_unit"] == "FLOP/s"
+    assert "| 16 |" in table and "÷ ours-torch" in table and "measured limits: copy" in table
+    for err in data["agreement_checks"]["cosine"].values():
+        assert err["value"] < 1e-12 and err["grad"] < 1e-10
 
 
 def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
     """A sweep killed from outside (the GPU machine stops a command at 10 minutes) keeps what it measured."""
-    import bench_losses
-
     args = bench_losses.parse_args(["--losses", "cosine", "--n", "16,32", "--d", "8", "--providers", "ours",
                                     "--device", "cpu", "--out", str(tmp_path), "--no-plot"])
-    provider = P.Provider("ours-torch", "ours", {"cosine": "angle_kernels.cosine_loss"}, make=None)
+    provider = P.Provider("ours-torch", "ours", "torch", {"cosine": LOSSES["cosine"]})
     measured = []
 
     def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None):
@@ -217,7 +231,7 @@ def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
             raise KeyboardInterrupt("the machine's time limit")
         measured.append(n)
         return {"status": "ok", "median_s": 0.01, "min_s": 0.01, "time_s": 0.01, "extra_bytes": 1000,
-                "floor": P.work_floor(loss, n, d, dtype), "rate": 1.0, "rate_unit": "B/s", "rate_fraction": None}
+                "floor": loss.work_floor(n, d, dtype), "rate": 1.0, "rate_unit": "B/s", "rate_fraction": None}
 
     monkeypatch.setattr(bench_losses, "run_one", fake_run_one)
     env = {"date": "now", "command": "test", "torch": torch.__version__, "threads": 1, "cpu": "test"}
@@ -232,19 +246,28 @@ def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
 def test_time_budget_skips_what_does_not_fit(tmp_path):
     """--time-budget 0: nothing is measured, every case is marked, and the outputs are still complete."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(HERE / "bench_losses.py"), "--losses", "cosine", "--n", "16,64", "--d", "32",
-           "--providers", "ours", "--time-budget", "0", "--no-plot", "--no-check", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = run_script("--losses", "cosine,triplet", "--n", "16,64", "--d", "32", "--providers", "ours",
+                      "--time-budget", "0", "--no-plot", "--no-check", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
-    assert data["complete"] is True and len(data["results"]) == 2
+    assert data["complete"] is True and len(data["results"]) == 4
     assert all(r["status"] == "skipped" and "--time-budget" in r["note"] for r in data["results"])
 
 
 def test_providers_can_be_narrowed_to_some_of_our_backends():
     """The GPU run leaves out a backend that failed its probe: it must not even be probed (a CUDA error in it
     would lose the process's CUDA context for every other provider)."""
-    providers, missing = P.available_providers("cpu", include=["ours-torch"], probe=False)
+    losses = list(LOSSES.values())
+    providers, missing = P.available_providers("cpu", losses, include=["ours-torch"], probe=False)
     assert [p.name for p in providers] == ["ours-torch"] and missing == {}
     assert P.ours_backends("cpu", probe=False, only={"triton"}) == ([], {})
+
+
+def test_a_family_without_any_of_the_selected_losses_is_left_out():
+    """The main job's losses have no eager provider, the ArcCSE losses neither angle-emb nor sentence-transformers:
+    the tables list only providers that have the loss."""
+    main_job = [LOSSES[name] for name in bench_losses.DEFAULT_LOSSES]
+    providers, _ = P.available_providers("cpu", main_job, probe=False)
+    assert "eager" not in {p.family for p in providers}
+    providers, _ = P.available_providers("cpu", [LOSSES["arccon"], LOSSES["triplet"]], probe=False)
+    assert {p.family for p in providers} == {"ours", "eager"}

@@ -3,6 +3,7 @@ written after every step, the summary. (What the stages measure needs a GPU: scr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -99,14 +100,15 @@ def test_stage_record_is_on_disk_after_every_step(tmp_path):
     record = gpu_suite.StageRecord(tmp_path, "a", 330, ["a", str(tmp_path)])
     assert json.loads((tmp_path / "stage_a.json").read_text())["status"] == "running"
     record.step("large_checks", {"status": "running", "checks": {
-        "pair_scores fp64": {"errors": {"dx": 1e-15}, "tolerance": 1e-10, "rule": None, "pass": True},
-        "similarity bf16 ibn": {"errors": {"dq": [3e-3, 2e-3]}, "tolerance": None, "rule": "ours <= 2 x eager",
-                                "pass": True},
+        "pair_scores fp64": {"errors": {"dx": 1e-15}, "against": "oracle", "tolerance": 1e-10, "rule": None,
+                             "pass": True},
+        "similarity bf16 ibn": {"errors": {"dq": [3e-3, 2e-3]}, "against": "oracle", "tolerance": None,
+                                "rule": "ours <= 2 x eager", "pass": True},
         "arccon": {"skipped": "needs ~40 s, 12 s left in the budget"}}})
     on_disk = json.loads((tmp_path / "stage_a.json").read_text())
     assert set(on_disk["steps"]["large_checks"]["checks"]) == {"pair_scores fp64", "similarity bf16 ibn", "arccon"}
     markdown = (tmp_path / "stage_a.md").read_text()
-    assert "| pair_scores fp64 | pass | dx 1.0e-15 (tol 1e-10) |" in markdown
+    assert "| pair_scores fp64 | pass | oracle | dx 1.0e-15 (tol 1e-10) |" in markdown
     assert "dq 3.0e-03 / 2.0e-03" in markdown and "| arccon | skipped |" in markdown
     record.finish("ok")
     assert json.loads((tmp_path / "stage_a.json").read_text())["status"] == "ok"
@@ -127,12 +129,48 @@ def test_a_failing_step_is_recorded_and_the_stage_goes_on(tmp_path):
 
 def test_op_sweep_covers_every_op_before_the_large_sizes():
     """Under a budget the sweep must reach every op and dtype at small sizes before spending time on the
-    largest: all cases of size rank r come before any of rank r + 1."""
+    largest: all cases of size rank r come before any of rank r + 1. Every family's ops are in it."""
     cases = gpu_suite.op_cases()
     ranks = [case[0] for case in cases]
     assert ranks == sorted(ranks)
-    first_rank = {(op, dtype) for rank, op, n, d, dtype in cases if rank == 0}
-    assert first_rank == {(op, dtype) for _, op, _, _, dtype in cases}
+    first_rank = {(bench.name, dtype) for rank, bench, n, d, dtype in cases if rank == 0}
+    assert first_rank == {(bench.name, dtype) for _, bench, _, _, dtype in cases}
+    assert {"pair_scores", "ranking_loss", "similarity_xent(ibn)", "similarity_xent(arccon)"} <= {
+        bench.name for _, bench, _, _, _ in cases}
+
+
+def tiny(bench):
+    """The op benchmark at sizes the CPU measures in a moment."""
+    return dataclasses.replace(bench, sizes=(8, 16), dims=(6,) if bench.dims != (1,) else (1,))
+
+
+def test_op_sweep_measures_every_op_at_tiny_sizes_on_cpu(tmp_path):
+    """Stage c's sweep code (each op's setup, the shared measurement, floors and fractions of the limits, the
+    records) on CPU with the torch backend: a bug here would otherwise first show on the GPU."""
+    record = gpu_suite.StageRecord(tmp_path, "c", 300, ["c", str(tmp_path)])
+    limits = {"copy_GBps": 10.0, "matmul_float32_TFLOPs": 0.1}  # no bfloat16 rate: its fractions stay None
+    ops = [tiny(bench) for bench in gpu_suite.all_ops()]
+    result = gpu_suite.op_sweep(record, gpu_suite.Deadline(600, time.monotonic()), limits, [("torch",)],
+                                device="cpu", ops=ops)
+    rows = result["rows"]
+    assert len(rows) == sum(len(b.sizes) * len(b.dims) * len(b.dtypes) for b in ops)
+    assert all(row["status"] == "ok" and row["ms"] > 0 for row in rows), [r for r in rows if r["status"] != "ok"]
+    for row in rows:
+        assert (row["fraction_needed"] is None) == (row["dtype"] == "bfloat16" and row["floor"]["kind"] == "flops")
+        if row["op"].startswith("similarity") and row["dtype"] == "float32":
+            assert 0 < row["fraction_needed"] <= row["fraction_executed"]
+    on_disk = json.loads((tmp_path / "stage_c.json").read_text())["steps"]["op_sweep"]["rows"]
+    assert len(on_disk) == len(rows)
+    assert "| pair_scores | 8 | 6 | bfloat16 | torch |" in (tmp_path / "stage_c.md").read_text()
+
+
+def test_the_test_stages_run_the_op_tests():
+    """Stage a runs every backend's op tests but the CUDA one's, plus the Triton compile check; stage b the
+    CUDA backend's. Both select by the op tests' backend ids, and the paths must exist in this checkout."""
+    assert gpu_suite.PYTEST_TRITON[:3] == ["tests/ops", "-k", "not cuda"]
+    assert gpu_suite.PYTEST_CUDA == ["tests/ops", "-k", "cuda"]
+    for path in ("tests/ops", "tests/test_triton_compile.py"):
+        assert (HERE.parent / path).exists(), path
 
 
 def test_summary_gathers_the_stages_of_separate_commands(tmp_path):
@@ -153,13 +191,15 @@ def test_summary_gathers_the_stages_of_separate_commands(tmp_path):
 def test_a_step_that_fails_midway_keeps_what_it_recorded(tmp_path):
     record = gpu_suite.StageRecord(tmp_path, "a", 330, ["a", str(tmp_path)])
 
+    first = {"pass": True, "errors": {"loss": 1e-16}, "against": "oracle"}
+
     def checks_then_crash():
-        record.step("large_checks", {"status": "running", "checks": {"first": {"pass": True, "errors": {}}}})
+        record.step("large_checks", {"status": "running", "checks": {"first": first}})
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     result = gpu_suite.guarded(record, "large_checks", checks_then_crash)
     assert result["status"] == "error" and "illegal memory access" in result["error"]
-    assert result["checks"] == {"first": {"pass": True, "errors": {}}}
+    assert result["checks"] == {"first": first}
 
 
 TINY_CHECKS = {
@@ -175,7 +215,7 @@ TINY_CHECKS = {
 
 @no_gpu
 def test_large_checks_run_end_to_end_at_tiny_sizes(tmp_path):
-    """The GPU stage's check code (kernels vs the float64 torch path, the 2x-eager rule for bf16/fp16, the
+    """The GPU stage's check code (kernels vs the float64 oracle, the 2x-eager rule for bf16/fp16, the
     records) at tiny sizes on CPU, with the Triton kernels through the interpreter: a bug here would otherwise
     first show on the GPU, and cost its time."""
     pytest.importorskip("triton")
@@ -189,6 +229,10 @@ def test_large_checks_run_end_to_end_at_tiny_sizes(tmp_path):
     assert len(checks) == 2 + 4 + 3 * 3 and result["failed"] == [] and result["status"] == "ok", checks
     assert checks["similarity bfloat16 ibn M=12 D=10"]["rule"].startswith("ours <= 2 x eager")
     assert set(checks["similarity float16 contrastive M=6 Mc=12 D=8"]["errors"]) == {"loss", "dq", "dc"}
+    # the float64 oracle is the reference wherever its N x N matrix is affordable
+    assert checks["ranking float32 N=40"]["against"] == "oracle"
+    assert checks["ranking float32 N=4500"]["against"] == "torch float64"
+    assert checks["pair_scores fp64 G=5 K=2 D=8"]["against"] == "oracle"
     on_disk = json.loads((tmp_path / "stage_a.json").read_text())["steps"]["large_checks"]
     assert on_disk["status"] == "ok" and set(on_disk["checks"]) == set(checks)
     skipped = gpu_suite.large_checks(record, gpu_suite.Deadline(5, time.monotonic()), TINY_CHECKS, device="cpu")

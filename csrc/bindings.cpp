@@ -1,6 +1,6 @@
 // Torch binding of the CUDA launchers: the CUDA implementations of the angle_kernels::cuda_* ops.
 //
-// The op schemas are defined in Python (angle_kernels/cuda_ops/_library.py) so that they, their fake
+// The op schemas are defined in Python (angle_kernels/cuda_ops/<op>.py, through _library) so that they, their fake
 // implementations and their autograd formulas exist on machines without CUDA too. This file only
 // registers CUDA kernels for them (TORCH_LIBRARY_IMPL), so it is built only where CUDA torch exists.
 //

@@ -57,7 +57,7 @@ def backends(monkeypatch):
     for module in (triton, cuda):
         monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr(dispatch, "_MODULES", {"triton": triton.__name__, "cuda": cuda.__name__})
-    monkeypatch.setattr(dispatch, "_loaded", {"torch": (torch_ops, "")})
+    monkeypatch.setattr(dispatch, "_loaded", {"torch": (dispatch.Ops("torch", torch_ops), "")})
     monkeypatch.setattr(dispatch, "_loaded_without_build", {})
     monkeypatch.setattr(dispatch, "_warned_fallbacks", set())
     monkeypatch.delenv("ANGLE_KERNELS_BACKEND", raising=False)
@@ -67,20 +67,20 @@ def backends(monkeypatch):
 def _resolve_recording_warnings(requested, tensor):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        module = dispatch.resolve_backend(requested, tensor)
-    return module, [w for w in caught if issubclass(w.category, RuntimeWarning)]
+        ops = dispatch.resolve_backend(requested, tensor)
+    return ops, [w for w in caught if issubclass(w.category, RuntimeWarning)]
 
 
 def test_auto_on_cpu_tensors_is_torch_without_probing_or_warning(backends):
     module, warned = _resolve_recording_warnings("auto", torch.zeros(2, 3))
-    assert module is torch_ops
+    assert module.backend is torch_ops
     assert warned == []
     assert backends.triton.calls == [] and backends.cuda.calls == []
 
 
 def test_auto_uses_working_triton_silently(backends):
     module, warned = _resolve_recording_warnings(None, FAKE_CUDA_TENSOR)
-    assert module is backends.triton
+    assert module.backend is backends.triton
     assert warned == []
     assert backends.cuda.calls == []  # never probed, let alone built
 
@@ -88,7 +88,7 @@ def test_auto_uses_working_triton_silently(backends):
 def test_auto_warns_once_per_backend_with_the_reason_and_never_builds(backends):
     backends.triton.answer = (False, "triton does not import: ImportError: fake libcuda mismatch")
     module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-    assert module is torch_ops
+    assert module.backend is torch_ops
     assert len(warned) == 2  # one for triton, one for cuda
     triton_message, cuda_message = (str(w.message) for w in warned)
     assert "the 'triton' backend" in triton_message and "fake libcuda mismatch" in triton_message
@@ -100,7 +100,7 @@ def test_auto_warns_once_per_backend_with_the_reason_and_never_builds(backends):
 
     for _ in range(3):  # cached: neither probed again nor warned again
         module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-        assert module is torch_ops and warned == []
+        assert module.backend is torch_ops and warned == []
     assert backends.triton.calls == [None] and backends.cuda.calls == [False]
 
 
@@ -110,7 +110,7 @@ def test_auto_reports_a_backend_that_raises_while_probed(backends):
 
     backends.triton.is_available = broken
     module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-    assert module is torch_ops
+    assert module.backend is torch_ops
     assert "OSError" in str(warned[0].message) and "libtriton.so" in str(warned[0].message)
 
 
@@ -118,7 +118,7 @@ def test_auto_uses_a_prebuilt_cuda_extension(backends):
     backends.triton.answer = (False, "no triton (fake)")
     backends.cuda.answer = (True, "")
     module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-    assert module is backends.cuda
+    assert module.backend is backends.cuda
     assert len(warned) == 1 and "no triton (fake)" in str(warned[0].message)  # only triton was passed over
     assert backends.cuda.calls == [False]
 
@@ -126,15 +126,15 @@ def test_auto_uses_a_prebuilt_cuda_extension(backends):
 def test_explicit_cuda_builds_even_after_auto_found_it_unbuilt(backends):
     backends.triton.answer = (False, "no triton (fake)")
     with pytest.warns(RuntimeWarning):
-        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR) is torch_ops
+        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR).backend is torch_ops
     assert backends.cuda.calls == [False]
     # auto's "not compiled" answer must not stand in for the explicit request, which may build ...
-    assert dispatch.resolve_backend("cuda", FAKE_CUDA_TENSOR) is backends.cuda
+    assert dispatch.resolve_backend("cuda", FAKE_CUDA_TENSOR).backend is backends.cuda
     assert backends.cuda.calls == [False, True]
     # ... and once built in this process, auto uses it without asking again.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR) is backends.cuda
+        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR).backend is backends.cuda
     assert backends.cuda.calls == [False, True]
 
 
@@ -188,8 +188,7 @@ def test_a_failed_build_is_not_retried(extension_without_prebuilt):
 
 
 def test_cuda_ops_is_available_passes_allow_build_through(monkeypatch):
-    if cuda_ops._library is None:
-        pytest.skip(f"the cuda ops are not defined here: {cuda_ops._LIBRARY_ERROR}")
+    assert not cuda_ops._LIBRARY_ERROR, "the cuda_* ops must be defined on every machine, CPU-only ones too"
     asked = []
     monkeypatch.setattr(_extension, "load", lambda allow_build=True: asked.append(allow_build) or (False, "x"))
     cuda_ops.is_available(allow_build=False)

@@ -76,7 +76,7 @@ def _missing_requirement() -> str:
 @functools.lru_cache(maxsize=None)
 def _import_prebuilt() -> tuple[bool, str]:
     """Import the extension setup.py built, if there is one (a fact about the install: cached)."""
-    from . import _library  # noqa: F401  (the schemas must exist before kernels are attached to them)
+    import angle_kernels.cuda_ops  # noqa: F401  (its op modules define the schemas the kernels attach to)
 
     try:
         import angle_kernels._C  # noqa: F401

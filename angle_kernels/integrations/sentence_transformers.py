@@ -34,7 +34,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .. import checks as _checks
 from .. import functional as _functional
+from ..dispatch import resolve_backend
 
 try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still works there with a warning
     from sentence_transformers.sentence_transformer import losses as _st_losses
@@ -69,26 +71,24 @@ def _pair_score_kind(similarity_fct: Callable) -> str | None:
 
 def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str, scale: float,
                         backend: str | None) -> Tensor:
-    """The CoSENT objective over pairs (first[i], second[i]) scored by scale * cos or scale * |angle sim|.
-
-    angle_kernels' losses take the zigzag layout of angle-emb (pair i on rows 2i and 2i+1, the label on
-    both), so the two columns are interleaved (one copy of the embeddings; no N x N anywhere).
-    """
+    """The CoSENT objective over pairs (first[i], second[i]) scored by scale * cos or scale * |angle sim|:
+    angle_kernels' ranking term on the pairs [N, 2, D] (one copy of the embeddings; no N x N anywhere)."""
     if kind == "angle" and first.shape[1] % 2:
         # pairwise_angle_sim pads an odd dimension with one zero column before splitting into halves
         first = torch.nn.functional.pad(first, (0, 1))
         second = torch.nn.functional.pad(second, (0, 1))
-    dim = first.shape[1]
+    scale = _checks.check_scalar("scale", scale)
+    _checks.check_embedding_group(("embeddings_a", first), ("embeddings_b", second))
+    _checks.check_same_shape("embeddings_a", first, "embeddings_b", second)
+    labels = _checks.check_labels("labels", labels, first.shape[0], first.device)
     if second.dtype != first.dtype:
         common = torch.promote_types(first.dtype, second.dtype)
         first, second = first.to(common), second.to(common)
-    y_pred = torch.stack((first, second), dim=1).reshape(-1, dim)
-    if labels.dtype == torch.bool:
-        labels = labels.to(torch.int64)
-    y_true = labels.reshape(-1).repeat_interleave(2)
+    ops = resolve_backend(backend, first)
+    pairs = torch.stack((first, second), dim=1)
     if kind == "cosine":
-        return _functional.cosine_loss(y_true, y_pred, tau=scale, backend=backend)
-    return _functional.angle_loss(y_true, y_pred, tau=scale, pooling_strategy="sum", backend=backend)
+        return _functional.ranking_terms(ops, pairs, labels, cosine_tau=scale)[0]
+    return _functional.ranking_terms(ops, pairs, labels, angle_tau=scale, pooling_strategy="sum")[1]
 
 
 def _check_label_count(loss: torch.nn.Module, labels: Tensor, batch_size: int) -> None:
@@ -239,11 +239,18 @@ def _fused_mnrl(embeddings: list[Tensor], scale: float, directions, backend: str
     """InfoNCE of queries against [positives; all negative columns] (target: the query's own positive),
     plus, for the symmetric variant, positives against the queries, averaged."""
     queries, positives, negative_columns = embeddings[0], embeddings[1], embeddings[2:]
-    negatives = torch.cat(negative_columns, dim=0) if negative_columns else None
-    loss = _functional.contrastive_with_negative_loss(queries, positives, negatives, tau=scale, backend=backend)
+    scale = _checks.check_scalar("scale", scale)
+    named = [("queries", queries), ("positives", positives)]
+    named += [(f"negatives[{i}]", t) for i, t in enumerate(negative_columns)]
+    _checks.check_embedding_group(*named)
+    _checks.check_same_shape("queries", queries, "positives", positives)
+    ops = resolve_backend(backend, queries)
+    candidates = positives
+    if negative_columns:
+        candidates = torch.cat((positives, *(t.to(positives.dtype) for t in negative_columns)), dim=0)
+    loss = _functional.contrastive(ops, queries, candidates, scale)
     if "doc_to_query" in directions:
-        backward_term = _functional.contrastive_with_negative_loss(positives, queries, None, tau=scale, backend=backend)
-        loss = (loss + backward_term) / 2
+        loss = (loss + _functional.contrastive(ops, positives, queries, scale)) / 2
     return loss
 
 

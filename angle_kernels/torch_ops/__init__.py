@@ -1,4 +1,6 @@
-"""The pure-PyTorch backend: exact, O(N) extra memory (never an N x N matrix), runs on any device."""
+"""The pure-PyTorch backend: exact, O(N) extra memory (never an N x N matrix), runs on any device.
+
+Implements `angle_kernels.contract.Backend`: inputs arrive validated by `angle_kernels.dispatch`."""
 
 from .pair_scores import pair_scores
 from .ranking import ranking_loss

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import torch
 
-# F.normalize's epsilon: a norm below it is replaced by it, so a zero vector has cosine 0 with everything.
-NORM_EPS = 1e-12
+from ..contract import NORM_EPS
 
 # Work is cut into pieces of about this many elements, so temporaries stay a few MB whatever N is.
 CHUNK_ELEMENTS = 1 << 22
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else (float32, bfloat16, float16) accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def rows_per_chunk(row_elements: int) -> int:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .common import compute_dtype, inverse_norms_from_squares, rows_per_chunk
+from ..contract import compute_dtype
+from .common import inverse_norms_from_squares, rows_per_chunk
 
 
 def _group_chunks(x: torch.Tensor):

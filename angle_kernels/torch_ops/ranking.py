@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 def _log_sums_by_label(scores: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log A (strictly smaller labels, of exp(s)) and log B (strictly larger labels, of exp(-s)), per element."""
     n = scores.shape[0]
-    labels = (labels.to(torch.uint8) if labels.dtype == torch.bool else labels).contiguous()  # searchsorted: no bool
+    labels = labels.contiguous()
     sorted_labels, order = torch.sort(labels, stable=True)
     sorted_scores = scores[order]
     first_of_group = torch.searchsorted(sorted_labels, labels, right=False)  # number of strictly smaller labels

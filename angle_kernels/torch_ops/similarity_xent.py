@@ -28,10 +28,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from .common import compute_dtype, inverse_norms, row_dots, rows_per_chunk
-
-# sin(theta) = sqrt(max(1 - cos^2, this)): keeps the margin's gradient finite as |cos| -> 1.
-MARGIN_SIN_SQUARED_FLOOR = 1e-6
+from ..contract import MARGIN_SIN_SQUARED_FLOOR, compute_dtype
+from .common import inverse_norms, row_dots, rows_per_chunk
 
 
 def _target_columns(target: str, rows: torch.Tensor) -> torch.Tensor:
@@ -98,8 +96,6 @@ class _Tiles:
 class SimilarityXentFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids):
-        if not 0.0 <= margin <= math.pi:  # margin_logit's "past pi" test assumes it
-            raise ValueError(f"margin must be between 0 and pi radians, got {margin}")
         symmetric = c is None
         dtype = compute_dtype(q.dtype)
         qf = q.detach().to(dtype)

@@ -6,14 +6,15 @@
     similarity_xent(q, c, scale, target, ...)     -> similarity_xent.py (flash-style online logsumexp)
 
 Importing this package never fails (it costs the import of triton, about 0.3 s): `is_available()` says whether
-the kernels can run here (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+the kernels can run here (CUDA, or CPU tensors under TRITON_INTERPRET=1). Implements
+`angle_kernels.contract.Backend`: inputs arrive validated by `angle_kernels.dispatch`.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..dispatch import triton_interpreting
 
 
 def is_available() -> tuple[bool, str]:
@@ -24,7 +25,7 @@ def is_available() -> tuple[bool, str]:
         return False, f"triton does not import: {type(exc).__name__}: {exc}"
     if _IMPORT_ERROR is not None:
         return False, f"the Triton kernels do not import: {type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}"
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if triton_interpreting():
         return True, ""
     if torch.cuda.is_available():
         return True, ""

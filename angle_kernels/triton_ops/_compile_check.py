@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ._common import NORM_EPS
+from ..contract import MARGIN_SIN_SQUARED_FLOOR, NORM_EPS
 
 # importlib, not `from . import pair_scores`: the package binds those names to the ops, not the modules.
 ps = importlib.import_module("angle_kernels.triton_ops.pair_scores")
@@ -134,7 +134,7 @@ def _variants(full: bool):
         for config in configs if full else configs[:1]:
             const = dict(PARTNER_TARGET=has_groups, EXCLUDE_DIAGONAL=has_groups, HAS_MARGIN=has_margin,
                          HAS_GROUPS=has_groups, ACC=acc, OPERAND=operand, PRECISION="ieee",
-                         EPS=NORM_EPS, SIN_SQ_FLOOR=sx.MARGIN_SIN_SQUARED_FLOOR, **config.kwargs)
+                         EPS=NORM_EPS, SIN_SQ_FLOOR=MARGIN_SIN_SQUARED_FLOOR, **config.kwargs)
             blocks = "x".join(str(v) for v in config.kwargs.values())
             label = f"x={x_dtype} groups={has_groups} margin={has_margin} tile={blocks} w={config.num_warps}"
             over = {"q_ptr": x_dtype, "c_ptr": x_dtype, "group_ptr": "i64"}

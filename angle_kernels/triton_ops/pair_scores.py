@@ -38,9 +38,18 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._common import NORM_EPS, acc_dtype_of, check_device, new_output, torch_compute_dtype
+from ..contract import NORM_EPS, compute_dtype
+from ._common import acc_dtype_of, new_output
 
 _MAX_BLOCK = 1024
+
+
+@triton.jit
+def _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC: tl.constexpr):
+    """Columns `cols` of the anchor ([BLOCK]) and of its partners ([PARTNERS_PAD, BLOCK]), in ACC."""
+    anchor = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
+    partners = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
+    return anchor, partners
 
 
 @triton.jit
@@ -79,10 +88,8 @@ def _pair_scores_fwd_kernel(
             cols = (start + offs).to(tl.int64)
             col_ok = cols < HALF
             tile_ok = partner_ok[:, None] & col_ok[None, :]
-            a = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
-            b = tl.load(anchor_ptr + (cols + HALF) * stride_d, mask=col_ok, other=0.0).to(ACC)
-            c = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
-            d = tl.load(partner_ptr + (cols + HALF)[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
+            a, c = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
+            b, d = _load_block(anchor_ptr, partner_ptr, cols + HALF, col_ok, tile_ok, stride_d, ACC)
             uu += a * a + b * b
             vv += c * c + d * d
             uv += a[None, :] * c + b[None, :] * d
@@ -92,8 +99,7 @@ def _pair_scores_fwd_kernel(
             cols = (start + offs).to(tl.int64)
             col_ok = cols < D
             tile_ok = partner_ok[:, None] & col_ok[None, :]
-            u = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
-            v = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
+            u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
             uu += u * u
             vv += v * v
             uv += u[None, :] * v
@@ -174,10 +180,8 @@ def _pair_scores_bwd_kernel(
             cols = (start + offs).to(tl.int64)
             col_ok = cols < HALF
             tile_ok = partner_ok[:, None] & col_ok[None, :]
-            a = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
-            b = tl.load(anchor_ptr + (cols + HALF) * stride_d, mask=col_ok, other=0.0).to(ACC)
-            c = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
-            d = tl.load(partner_ptr + (cols + HALF)[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
+            a, c = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
+            b, d = _load_block(anchor_ptr, partner_ptr, cols + HALF, col_ok, tile_ok, stride_d, ACC)
             da = tl.sum(along_2d * c - rotated_2d * d, axis=0) - anchor_shrink * a
             db = tl.sum(along_2d * d + rotated_2d * c, axis=0) - anchor_shrink * b
             dc = along_2d * a[None, :] + rotated_2d * b[None, :] - partner_shrink_2d * c
@@ -192,8 +196,7 @@ def _pair_scores_bwd_kernel(
             cols = (start + offs).to(tl.int64)
             col_ok = cols < D
             tile_ok = partner_ok[:, None] & col_ok[None, :]
-            u = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
-            v = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
+            u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
             du = tl.sum(along_2d * v, axis=0) - anchor_shrink * u
             dv = along_2d * u[None, :] - partner_shrink_2d * v
             out_ty = dx_ptr.dtype.element_ty
@@ -213,24 +216,11 @@ def launch_config(k: int, d: int, with_angle: bool) -> dict:
     )
 
 
-def _validate(x: torch.Tensor, with_angle: bool) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 3 or x.shape[1] < 2:
-        raise ValueError(f"x must be [G, K, D] with K >= 2, got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        raise TypeError(f"x must be float32, float64, bfloat16 or float16, got {x.dtype}")
-    if with_angle and x.shape[2] % 2 != 0:
-        raise ValueError(f"x: the angle score splits each vector in halves and needs an even D, got D={x.shape[2]}")
-    check_device(x, "x")
-
-
 class PairScoresFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, with_angle: bool):
-        _validate(x, with_angle)
         groups, k, d = x.shape
-        dtype = torch_compute_dtype(x.dtype)
+        dtype = compute_dtype(x.dtype)
         cos = new_output((groups, k - 1), dtype, x.device)
         cross = new_output((groups, k - 1), dtype, x.device)
         norms = new_output((groups, k), dtype, x.device)
@@ -272,4 +262,4 @@ class PairScoresFunction(torch.autograd.Function):
 
 def pair_scores(x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, angle) of every pair of x [G, K, D]; see angle_kernels.dispatch for the contract."""
-    return PairScoresFunction.apply(x, bool(with_angle))
+    return PairScoresFunction.apply(x, with_angle)

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._common import check_device, new_output
+from ._common import new_output
 
 # Crossover between the tiled O(N^2) launch and the sort path. NOT MEASURED (no GPU was available when it
 # was written): it must be measured on a GPU with bench/gpu_suite.py and updated. The reasoning behind the
@@ -214,24 +214,6 @@ def _ranking_bwd_kernel(
     tl.store(grad_ptr + dest, grad.to(grad_ptr.dtype.element_ty), mask=ok)
 
 
-def _validate(scores: torch.Tensor, labels: torch.Tensor) -> None:
-    if not isinstance(scores, torch.Tensor):
-        raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if scores.dim() != 1:
-        raise ValueError(f"scores must be 1-D [N], got shape {tuple(scores.shape)}")
-    if scores.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"scores must be float32 or float64, got {scores.dtype}")
-    if labels.shape != scores.shape:
-        raise ValueError(f"labels must have the shape of scores {tuple(scores.shape)}, got {tuple(labels.shape)}")
-    if labels.is_complex():
-        raise TypeError(f"labels must be real, got {labels.dtype}")
-    if labels.device != scores.device:
-        raise ValueError(f"labels must be on scores' device {scores.device}, got {labels.device}")
-    check_device(scores, "scores")
-
-
 def _log_sums_tiled(scores: torch.Tensor, labels: torch.Tensor):
     n = scores.shape[0]
     log_a = new_output((n,), torch.float64, scores.device)
@@ -282,7 +264,6 @@ def _log_sums_sorted(scores64: torch.Tensor, labels: torch.Tensor):
 class RankingLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: torch.Tensor, labels: torch.Tensor):
-        _validate(scores, labels)
         n = scores.shape[0]
         ctx.out_dtype = scores.dtype
         if n == 0:
@@ -291,8 +272,6 @@ class RankingLossFunction(torch.autograd.Function):
         ctx.empty = False
         scores = scores.detach().contiguous()
         labels = labels.detach().contiguous()
-        if labels.dtype == torch.bool:
-            labels = labels.to(torch.uint8)
         if n <= SMALL_N_MAX:
             log_a, log_b, partial = _log_sums_tiled(scores, labels)
             kept_scores, order = scores.to(torch.float64), None

@@ -70,10 +70,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._common import NORM_EPS, check_device, interpreting, new_output, torch_compute_dtype
-
-# sin(theta) = sqrt(max(1 - cos^2, this)): keeps the margin's gradient finite as |cos| -> 1 (contract).
-MARGIN_SIN_SQUARED_FLOOR = 1e-6
+from ..contract import MARGIN_SIN_SQUARED_FLOOR, NORM_EPS, compute_dtype
+from ._common import interpreting, new_output
 
 _TF32_ENV = "ANGLE_KERNELS_ALLOW_TF32"
 
@@ -499,60 +497,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _validate(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids) -> None:
-    float_types = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    if q.dim() != 2 or q.shape[0] == 0 or q.shape[1] == 0:
-        raise ValueError(f"q must be a non-empty [M, D] tensor, got shape {tuple(q.shape)}")
-    if q.dtype not in float_types:
-        raise TypeError(f"q must be float32, float64, bfloat16 or float16, got {q.dtype}")
-    check_device(q, "q")
-    m, d = q.shape
-    mc = m
-    if c is not None:
-        if not isinstance(c, torch.Tensor):
-            raise TypeError(f"c must be a torch.Tensor or None, got {type(c).__name__}")
-        if c.dim() != 2 or c.shape[1] != d or c.shape[0] == 0:
-            raise ValueError(f"c must be a non-empty [Mc, D={d}] tensor, got shape {tuple(c.shape)}")
-        if c.dtype != q.dtype:
-            raise TypeError(f"c must have q's dtype {q.dtype}, got {c.dtype}")
-        if c.device != q.device:
-            raise ValueError(f"c must be on q's device {q.device}, got {c.device}")
-        mc = c.shape[0]
-    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite Python number, got {scale!r}")
-    if isinstance(margin, torch.Tensor) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
-        raise TypeError(f"margin must be a finite Python number (radians), got {margin!r}")
-    if not 0.0 <= margin <= math.pi:
-        raise ValueError(f"margin must be between 0 and pi radians, got {margin}")
-    if target not in ("partner", "diagonal"):
-        raise ValueError(f"target must be 'partner' or 'diagonal', got {target!r}")
-    if target == "partner" and (m % 2 != 0 or mc < m):
-        raise ValueError(f"target='partner' needs an even M <= Mc, got M={m}, Mc={mc}")
-    if target == "diagonal":
-        if mc < m:
-            raise ValueError(f"target='diagonal' needs M <= Mc, got M={m}, Mc={mc}")
-        if exclude_diagonal:
-            raise ValueError("target='diagonal' with exclude_diagonal=True would exclude every target column")
-    if row_weights is not None:
-        if not isinstance(row_weights, torch.Tensor) or row_weights.shape != (m,):
-            raise ValueError(f"row_weights must be a [M={m}] tensor, got {getattr(row_weights, 'shape', row_weights)}")
-        if not row_weights.is_floating_point():
-            raise TypeError(f"row_weights must be floating point, got {row_weights.dtype}")
-        if row_weights.device != q.device:
-            raise ValueError(f"row_weights must be on q's device {q.device}, got {row_weights.device}")
-    if group_ids is not None:
-        if c is not None:
-            raise ValueError("group_ids is supported only in the symmetric case (c=None)")
-        if not isinstance(group_ids, torch.Tensor) or group_ids.shape != (m,):
-            raise ValueError(f"group_ids must be a [M={m}] tensor, got {getattr(group_ids, 'shape', group_ids)}")
-        if group_ids.dtype != torch.int64:
-            raise TypeError(f"group_ids must be int64, got {group_ids.dtype}")
-        if group_ids.device != q.device:
-            raise ValueError(f"group_ids must be on q's device {q.device}, got {group_ids.device}")
-
-
 def _tile_launch(kernel, grid_of, blocks, *args, **constexprs):
     """Launch an (autotuned on GPU, fixed under the interpreter) tile kernel."""
     if interpreting():
@@ -568,9 +512,8 @@ def _row_norms(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class SimilarityXentFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids):
-        _validate(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
         symmetric = c is None
-        dtype = torch_compute_dtype(q.dtype)
+        dtype = compute_dtype(q.dtype)
         q_in = q.detach()
         c_in = q_in if symmetric else c.detach()
         m, d = q_in.shape
@@ -578,7 +521,6 @@ class SimilarityXentFunction(torch.autograd.Function):
         q_norm = _row_norms(q_in, dtype)
         c_norm = q_norm if symmetric else _row_norms(c_in, dtype)
         groups = group_ids.contiguous() if group_ids is not None else q_norm  # placeholder pointer if unused
-        margin = float(margin)
         static = dict(
             PARTNER_TARGET=target == "partner", EXCLUDE_DIAGONAL=bool(exclude_diagonal),
             HAS_MARGIN=margin != 0.0, HAS_GROUPS=group_ids is not None,

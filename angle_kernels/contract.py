@@ -1,0 +1,163 @@
+"""What every backend may assume: the shared constants, the compute dtype, and each op's input validation.
+
+The semantics of the three ops are stated once, in `angle_kernels.dispatch`. This module holds what that
+statement needs in code: the numbers it names (the norm epsilon, the margin's sin^2 floor), the compute-dtype
+rule, the `Backend` protocol the three backends implement, and one validation function per op. Dispatch calls
+the validation for every backend before it calls the op (`dispatch.Ops`), so a backend trusts its inputs: it
+never re-checks shapes, dtypes, devices or option values, and it gets them in a normal form (Python floats and
+bools, int64 group ids, no bool labels).
+
+The checks here read only metadata (shapes, dtypes, devices): they never force a device sync. Checks that read
+values (NaN/Inf, label values) belong to the public losses (`angle_kernels.checks`).
+
+The CUDA sources repeat the two constants (`csrc/common.cuh` kNormEps, `csrc/similarity_xent.cu`
+kSinSqFloor): tests/ops/test_contract.py reads them from there and holds them equal to these.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Protocol
+
+import torch
+
+# F.normalize's epsilon: ||x|| is replaced by max(||x||, NORM_EPS), so a zero vector has cosine 0 with everything.
+NORM_EPS = 1e-12
+# The margin logit uses sin(theta) = sqrt(max(1 - cos^2, this)): its gradient stays finite as |cos| -> 1.
+MARGIN_SIN_SQUARED_FLOOR = 1e-6
+
+EMBEDDING_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+SCORE_DTYPES = (torch.float32, torch.float64)
+TARGETS = ("partner", "diagonal")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; float32, bfloat16 and float16 accumulate (and return results) in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class Backend(Protocol):
+    """What a backend module provides (torch_ops, triton_ops, cuda_ops). The ops take validated inputs."""
+
+    def is_available(self) -> tuple[bool, str]: ...
+
+    def pair_scores(self, x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def ranking_loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+    def similarity_xent(
+        self,
+        q: torch.Tensor,
+        c: torch.Tensor | None,
+        scale: float,
+        target: str,
+        row_weights: torch.Tensor | None,
+        exclude_diagonal: bool,
+        margin: float,
+        group_ids: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Validation, one function per op. Each raises TypeError/ValueError naming the argument, and returns the
+# arguments in the normal form the backends expect.
+# ------------------------------------------------------------------------------------------------------------
+def _tensor(name: str, t, dims: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must be one of {allowed}, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
+
+
+def _on_device_of(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {t.device}")
+
+
+def _real_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real Python number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_pair_scores(x, with_angle) -> tuple[torch.Tensor, bool]:
+    """x: [G, K, D] floating, K >= 2, D >= 1 (even when with_angle); G may be 0."""
+    _tensor("x", x, 3, EMBEDDING_DTYPES)
+    if x.shape[1] < 2 or x.shape[2] < 1:
+        raise ValueError(f"x must be [G, K, D] with K >= 2 and D >= 1, got shape {tuple(x.shape)}")
+    if not isinstance(with_angle, bool):
+        raise TypeError(f"with_angle must be a bool, got {type(with_angle).__name__}")
+    if with_angle and x.shape[2] % 2:
+        raise ValueError(f"x: the angle score splits each vector in halves and needs an even D, got D={x.shape[2]}")
+    return x, with_angle
+
+
+def check_ranking_loss(scores, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores: [N] float32/float64; labels: [N] real, on scores' device. Bool labels come back as int64."""
+    _tensor("scores", scores, 1, SCORE_DTYPES)
+    _tensor("labels", labels, 1)
+    if labels.is_complex():
+        raise TypeError(f"labels must be real numbers, got {labels.dtype}")
+    if labels.shape != scores.shape:
+        raise ValueError(f"labels must have the shape of scores {tuple(scores.shape)}, got {tuple(labels.shape)}")
+    _on_device_of("labels", labels, "scores", scores)
+    if labels.dtype == torch.bool:
+        labels = labels.to(torch.int64)
+    return scores, labels
+
+
+def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids) -> tuple:
+    """The arguments of similarity_xent, checked against the contract and returned in normal form."""
+    _tensor("q", q, 2, EMBEDDING_DTYPES)
+    m, d = q.shape
+    if m == 0 or d == 0:
+        raise ValueError(f"q must be a non-empty [M, D] tensor, got shape {tuple(q.shape)}")
+    mc = m
+    if c is not None:
+        _tensor("c", c, 2, EMBEDDING_DTYPES)
+        if c.shape[0] == 0 or c.shape[1] != d:
+            raise ValueError(f"c must be a non-empty [Mc, D={d}] tensor like q, got shape {tuple(c.shape)}")
+        if c.dtype != q.dtype:
+            raise TypeError(f"c must have q's dtype {q.dtype}, got {c.dtype}")
+        _on_device_of("c", c, "q", q)
+        mc = c.shape[0]
+    scale = _real_number("scale", scale)
+    margin = _real_number("margin", margin)
+    if not 0.0 <= margin <= math.pi:
+        raise ValueError(f"margin must be between 0 and pi radians, got {margin}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be 'partner' or 'diagonal', got {target!r}")
+    if not isinstance(exclude_diagonal, bool):
+        raise TypeError(f"exclude_diagonal must be a bool, got {type(exclude_diagonal).__name__}")
+    if target == "partner" and (m % 2 or mc < m):
+        raise ValueError(f"target='partner' needs an even M <= Mc, got M={m}, Mc={mc}")
+    if target == "diagonal":
+        if mc < m:
+            raise ValueError(f"target='diagonal' needs M <= Mc, got M={m}, Mc={mc}")
+        if exclude_diagonal:
+            raise ValueError("target='diagonal' with exclude_diagonal=True would exclude every target column")
+    if row_weights is not None:
+        _tensor("row_weights", row_weights, 1)
+        if not row_weights.is_floating_point():
+            raise TypeError(f"row_weights must be floating point, got {row_weights.dtype}")
+        if row_weights.shape[0] != m:
+            raise ValueError(f"row_weights must be [M={m}], got shape {tuple(row_weights.shape)}")
+        _on_device_of("row_weights", row_weights, "q", q)
+    if group_ids is not None:
+        if c is not None:
+            raise ValueError("group_ids is supported only in the symmetric case (c=None)")
+        _tensor("group_ids", group_ids, 1)
+        if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
+            raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+        if group_ids.shape[0] != m:
+            raise ValueError(f"group_ids must be [M={m}], got shape {tuple(group_ids.shape)}")
+        _on_device_of("group_ids", group_ids, "q", q)
+        group_ids = group_ids.to(torch.int64)
+    return q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids

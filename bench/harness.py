@@ -1,0 +1,627 @@
+"""The measuring machinery every benchmark in bench/ shares, written once: the CPU loss sweep (bench_losses.py)
+and every stage of the GPU run (gpu_suite.py) time, measure memory, count work and write reports with it.
+
+* running a case: `fwd_bwd` (forward + backward, gradients reset), `measure_fwd_bwd` (memory, then time)
+* timing: CPU wall clock (`time_cpu`) and CUDA (`time_cuda`: triton.testing.do_bench, or CUDA events for a
+  slow case), chosen by device in `time_run`
+* memory: CPU peak RSS (VmHWM, reset through /proc/self/clear_refs) with an address-space cap; CUDA peak
+  allocated memory of a warm run (`cuda_warm_peak_extra_bytes`)
+* hardware limits: copy bandwidth and matmul rates, measured now on the device at hand (`measure_limits`)
+* work floors: the bytes or FLOPs each op must move (`pair_scores_floor`, `ranking_floor`,
+  `similarity_floor`), what a time is turned into a rate against
+* what a benchmark is: `LossBench` (a loss and who provides it), `OpBench` (an op on every backend)
+* reports: atomic writes, markdown tables, number formats; `describe_environment`; `call_in_fork`
+
+The error measure is `rel_err` of tests/oracle.py, whose float64 formulas are also the reference of the large
+checks and, run in another dtype (`oracle.computing_in`), the eager baseline: importing this module puts
+tests/ on the path for `import oracle`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+# A benchmark measures the checkout it lives in (and the CUDA extension stage b builds in place there), not
+# some other installed copy of angle_kernels; tests/ provides the float64 oracle and rel_err.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+if str(REPO / "tests") not in sys.path:
+    sys.path.append(str(REPO / "tests"))
+
+# GNU OpenMP's threads spin while they wait for each other. On a machine shared with other jobs that turns
+# every parallel op into a wait for a descheduled thread: one cosine fwd+bwd (N=1024, D=256, 2 threads)
+# took 200 ms instead of 15 ms here. Passive waiting costs a few microseconds per op on an idle machine.
+# Set before torch loads OpenMP; an explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+MB = 1e6
+GB = 1e9
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# --------------------------------------------------------------------------------------------------------
+# What a benchmark is
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """How one family of providers computes a loss.
+
+    calls: what is called, for the results' legend. make(context, inputs) returns a closure computing the
+    scalar loss from `inputs`; the context is the provider's own: our backend's name, angle-emb's loss
+    module, sentence-transformers' losses module, or tests/oracle.py (see providers.py).
+    """
+
+    calls: str
+    make: Callable[[Any, dict], Callable[[], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LossBench:
+    """One benchmarked loss: its inputs, the work it cannot avoid, and who provides it.
+
+    grows: "N" or "N^2", how its cost grows with the size N; it picks the size list of the sweep (--n or
+        --n-quadratic) and how a run time is extrapolated to the next size.
+    size_label: what N counts, for the plot's axis.
+    embedding_rows(n): how many embedding rows of D values the inputs hold (for memory estimates).
+    build_inputs(n, d, dtype, device, seed) -> dict of the loss's tensors; the embeddings are leaves that
+        require grad (`grad_leaves`).
+    work_floor(n, d, dtype) -> the floor dict of the op the loss is built on (see "Work floors").
+    implementations: provider family ("ours", "reference", "sentence-transformers", "eager") -> how it
+        computes this loss.
+    eager_matrix_elements(n): elements of the N x N-like matrices the baselines build (None: none do), and
+        bytes_per_element: provider family -> peak extra bytes per such element, measured on this harness
+        (float32, forward + backward) and rounded up; a family missing there stays linear. Together they
+        estimate a baseline's memory before it runs, to skip a size that would not fit.
+    """
+
+    name: str
+    grows: str
+    size_label: str
+    embedding_rows: Callable[[int], int]
+    build_inputs: Callable[..., dict]
+    work_floor: Callable[[int, int, torch.dtype], dict]
+    implementations: dict[str, Implementation]
+    eager_matrix_elements: Callable[[int], int] | None = None
+    bytes_per_element: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OpBench:
+    """One op benchmarked on every backend (the GPU run's op sweep).
+
+    sizes, dims, dtypes: the grid, smallest size first. grows: "N" or "N^2" (forecasts).
+    setup(ops, backend, n, d, dtype, device, generator) -> (run, leaves, floor): run() computes a scalar
+    from the op's outputs with backend module `ops`, leaves are the tensors it differentiates, and floor is
+    the op's work floor, with "executed" FLOPs where the backend does more than the maths needs.
+    memory_bytes(n, d, dtype): a rough upper estimate of what a case holds, to skip one that cannot fit.
+    """
+
+    name: str
+    sizes: tuple[int, ...]
+    dims: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    grows: str
+    setup: Callable[..., tuple[Callable[[], torch.Tensor], list, dict]]
+    memory_bytes: Callable[[int, int, torch.dtype], int]
+
+
+def random_embeddings(generator: torch.Generator, rows: int, d: int, dtype: torch.dtype,
+                      device: str | torch.device) -> torch.Tensor:
+    """A [rows, d] leaf that requires grad: standard normal drawn in float32 (never zeros), then cast, so that
+    every dtype of a case gets the same values up to rounding."""
+    x = torch.randn(rows, d, generator=generator, device=device, dtype=torch.float32)
+    return x.to(dtype).requires_grad_(True)
+
+
+def zigzag_inputs(pair_labels: torch.Tensor, d: int, dtype: torch.dtype, generator: torch.Generator) -> dict:
+    """angle-emb's layout for N labelled pairs: y_true [2N, 1] (float32, each pair's label on both its rows)
+    and y_pred [2N, D] (the two texts of pair k on rows 2k and 2k + 1)."""
+    n = pair_labels.shape[0]
+    return {"y_true": pair_labels.to(torch.float32).repeat_interleave(2).unsqueeze(1),
+            "y_pred": random_embeddings(generator, 2 * n, d, dtype, pair_labels.device)}
+
+
+def grad_leaves(inputs: dict) -> list[torch.Tensor]:
+    """The input tensors that receive gradients (to reset `.grad` between runs and to compare gradients)."""
+    return [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def input_bytes(inputs: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in inputs.values() if isinstance(t, torch.Tensor))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Work floors (shared/docs/measuring.md): what a forward + backward pass cannot avoid
+# --------------------------------------------------------------------------------------------------------
+# A floor is {"kind": "bytes" | "flops", "amount": ...}: bytes are set against the copy bandwidth, FLOPs
+# against the matmul rate of the dtype. Each loss uses the floor of the op it is built on.
+
+
+def pair_scores_floor(rows: int, d: int, dtype: torch.dtype) -> dict:
+    """Pair scores over `rows` embedding rows: read them in forward and again in backward, write their
+    gradient once. Memory bound."""
+    return {"kind": "bytes", "amount": 3 * rows * d * element_bytes(dtype)}
+
+
+def ranking_floor(n: int, scores_dtype: torch.dtype, labels_dtype: torch.dtype) -> dict:
+    """The ranking term over n scores: read the scores and labels, write the scores' gradient."""
+    return {"kind": "bytes", "amount": n * (2 * element_bytes(scores_dtype) + element_bytes(labels_dtype))}
+
+
+def similarity_floor(m: int, mc: int, d: int) -> dict:
+    """Cross-entropy over cosine logits of m rows against mc columns: 2 m mc d FLOPs forward, 2 for dq and 2 for
+    dc in backward. Compute bound for D >= ~128."""
+    return {"kind": "flops", "amount": 6 * m * mc * d}
+
+
+def similarity_flops_executed(backend: str, m: int, mc: int, d: int) -> int:
+    """The FLOPs each backend executes for similarity_xent forward + backward, beside the 6 m mc d the maths
+    needs. Triton: the dq and dc kernels each recompute the logit tiles (2 + 4 + 4). CUDA: one backward kernel
+    recomputes once and forms dq and dc with atomics (2 + 2 + 4). torch: a single row block keeps its logits
+    tile for backward (2 + 4); several blocks recompute (2 + 2 + 4)."""
+    if backend == "triton":
+        units = 10
+    elif backend == "cuda":
+        units = 8
+    else:
+        from angle_kernels.torch_ops.common import CHUNK_ELEMENTS
+
+        units = 6 if m * mc <= CHUNK_ELEMENTS else 8
+    return units * m * mc * d
+
+
+# --------------------------------------------------------------------------------------------------------
+# Running and timing a case
+# --------------------------------------------------------------------------------------------------------
+
+
+def fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> torch.Tensor:
+    """One forward + backward pass of fn(), the leaves' gradients reset first (so none accumulate)."""
+    for leaf in leaves:
+        leaf.grad = None
+    loss = fn()
+    loss.backward()
+    return loss
+
+
+@dataclass
+class Timing:
+    median_s: float
+    min_s: float
+    times_s: list[float]
+    method: str
+
+
+def time_cpu(run: Callable[[], object], repeats: int = 5, time_per_case: float = 3.0, min_runs: int = 3) -> Timing:
+    """Wall clock of up to `repeats` runs of run(), warm-up excluded (the caller has run it once): once
+    `min_runs` are done, it stops when `time_per_case` seconds are spent."""
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < repeats:
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+        if len(times) >= min_runs and time.perf_counter() - started > time_per_case:
+            break
+    if not times:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    return Timing(statistics.median(times), min(times), times, "wall clock")
+
+
+# A run at least this long is timed with a few CUDA-event runs instead of do_bench, which spends about
+# 5 + 25/t + 100/t runs on estimating, warming and timing: dozens of seconds for the largest cases. At this
+# length the L2 cache (50 MB) holds a negligible share of the bytes a run moves, so flushing it changes nothing.
+SLOW_RUN_S = 0.2
+SLOW_RUN_REPEATS = 3
+# A measured CUDA case costs about a dozen runs (warm-up, memory run, do_bench's timing) plus one-time
+# compiles: what a time budget must expect of it, given the time of one run.
+RUNS_PER_CASE = 12
+
+
+def time_cuda(run: Callable[[], object], grad_to_none: list | None = None, expected_s: float | None = None) -> Timing:
+    """Median and min of run() on CUDA, warm-up excluded: triton's do_bench (which flushes the L2 cache before
+    every run), else CUDA events around each run after a 256 MB write that evicts the L2. A run known to take
+    at least SLOW_RUN_S (expected_s, from a warm run) gets SLOW_RUN_REPEATS event-timed runs."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    slow = expected_s is not None and expected_s >= SLOW_RUN_S
+    if do_bench is not None and not slow:
+        median_ms, fastest_ms = do_bench(run, grad_to_none=grad_to_none, quantiles=[0.5, 0.0])
+        return Timing(median_ms / 1e3, fastest_ms / 1e3, [], "triton.testing.do_bench")
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
+    if not slow:
+        run()
+    times = []
+    for _ in range(SLOW_RUN_REPEATS if slow else 20):
+        flush.zero_()
+        for leaf in grad_to_none or ():
+            leaf.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    method = f"CUDA events, {len(times)} runs of >= {SLOW_RUN_S * 1e3:g} ms" if slow else "CUDA events (L2 flushed)"
+    return Timing(statistics.median(times), min(times), times, method)
+
+
+def timing_description(device: str, repeats: int) -> str:
+    """How `measure_fwd_bwd` times a case on `device`, for report headers."""
+    if device == "cpu":
+        return f"up to {repeats} runs after a warm-up run (wall clock)"
+    return ("triton.testing.do_bench's runs (warm-up excluded, L2 flushed), or "
+            f"{SLOW_RUN_REPEATS} CUDA-event runs for a case whose run takes {SLOW_RUN_S * 1e3:g} ms or more")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------------------
+
+
+def _proc_status_kb(field_name: str) -> int | None:
+    try:
+        match = re.search(rf"^{field_name}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def reset_peak_rss() -> bool:
+    """Make VmHWM (peak RSS) equal the current RSS (Linux >= 4.0). False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int:
+    hwm = _proc_status_kb("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+
+def cap_address_space(headroom_bytes: int) -> None:
+    """Cap this process's address space at its current size plus `headroom_bytes`: an allocation beyond it
+    raises (reported as OOM) instead of waking the kernel's OOM killer on a machine shared with other jobs.
+    Only for a throw-away child process: the cap cannot be lifted."""
+    import resource
+
+    vm = _proc_status_kb("VmSize")
+    if vm is None:
+        return
+    limit = vm * 1024 + int(headroom_bytes)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def mem_available_bytes() -> int | None:
+    try:
+        match = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def free_bytes(device: str) -> int | None:
+    """Memory a case may still take on `device`: free CUDA memory, or the CPU's MemAvailable."""
+    return torch.cuda.mem_get_info()[0] if device == "cuda" else mem_available_bytes()
+
+
+def cuda_warm_peak_extra_bytes(run, leaves, memory=None) -> tuple[torch.Tensor, int, float]:
+    """(value, peak extra bytes, seconds of the measured run) of run() (forward + backward): one warm-up run,
+    then the peak allocated memory of one more run above what was allocated before it.
+
+    The warm-up absorbs the one-time costs of a new shape: JIT compiles and Triton's autotuning, which
+    benchmarks with do_bench and its 256 MB L2-flush buffer; measured on the first call, those would count as
+    the loss's memory. `memory` is torch.cuda (or a stand-in with the same four functions, for tests)."""
+    memory = torch.cuda if memory is None else memory
+    fwd_bwd(run, leaves)
+    memory.synchronize()
+    for leaf in leaves:
+        leaf.grad = None
+    memory.reset_peak_memory_stats()
+    before = memory.memory_allocated()
+    started = time.perf_counter()
+    value = fwd_bwd(run, leaves)
+    memory.synchronize()
+    return value, int(memory.max_memory_allocated() - before), time.perf_counter() - started
+
+
+def measure_fwd_bwd(run, leaves, device: str, repeats: int = 5, time_per_case: float = 3.0,
+                    address_space_headroom: int | None = None) -> dict:
+    """Peak extra memory and time of forward + backward of run() on `device`, the inputs already built.
+
+    CPU: the first pass measures the peak RSS above the RSS before it (VmHWM reset first; where it cannot be
+    reset, the lifetime peak stands in) and is the warm-up of the timing; then `time_cpu`. With
+    address_space_headroom the process's address space is capped first (forked children only: see
+    cap_address_space). The caller warms up one-time costs (lazy imports, thread pools) at a tiny size.
+    CUDA: `cuda_warm_peak_extra_bytes`, then `time_cuda` (its slow-case rule from the measured run).
+    Gradients of the leaves count as extra memory.
+    """
+    if device == "cuda":
+        value, extra, memory_run_s = cuda_warm_peak_extra_bytes(run, leaves)
+        timing = time_cuda(lambda: fwd_bwd(run, leaves), grad_to_none=leaves, expected_s=memory_run_s)
+        peak_method = "max_memory_allocated of a warm run"
+    else:
+        gc.collect()
+        if address_space_headroom is not None:
+            cap_address_space(address_space_headroom)
+        exact_peak = reset_peak_rss()
+        rss_before = (_proc_status_kb("VmRSS") or 0) * 1024 if exact_peak else peak_rss_bytes()
+        started = time.perf_counter()
+        value = fwd_bwd(run, leaves)
+        memory_run_s = time.perf_counter() - started
+        extra = peak_rss_bytes() - rss_before
+        if repeats > 0:
+            timing = time_cpu(lambda: fwd_bwd(run, leaves), repeats, time_per_case)
+        else:  # the warm-up is all there is
+            timing = Timing(memory_run_s, memory_run_s, [memory_run_s], "wall clock, one cold run")
+        peak_method = "VmHWM reset by clear_refs" if exact_peak else "ru_maxrss after inputs"
+    return {"median_s": timing.median_s, "min_s": timing.min_s, "times_s": timing.times_s, "timing": timing.method,
+            "memory_run_s": memory_run_s, "extra_bytes": int(extra), "peak_method": peak_method,
+            "loss_value": float(value.detach())}
+
+
+def free_cuda_memory() -> None:
+    """Return cached CUDA memory between cases and steps; after a CUDA error (a lost context) there is nothing
+    to free, and saying so beats raising."""
+    if not torch.cuda.is_available():
+        return
+    gc.collect()  # tensors that only a reference cycle still holds
+    try:
+        torch.cuda.empty_cache()
+    except RuntimeError as exc:
+        print(f"  (torch.cuda.empty_cache failed: {exc})", flush=True)
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return "can't allocate memory" in text or "out of memory" in text.lower() or "DefaultCPUAllocator" in text
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hardware limits
+# --------------------------------------------------------------------------------------------------------
+
+
+def time_run(device: str, run: Callable[[], object]) -> Timing:
+    """A plain (no autograd) run timed the device's way, after one warm-up run."""
+    if device == "cuda":
+        return time_cuda(run)
+    run()
+    return time_cpu(run, repeats=3, time_per_case=1.0)
+
+
+# Sizes of the limit measurements: the copy far larger than the caches (1 GiB on a GPU, whose L2 is 50 MB;
+# 256 MiB on a CPU), square matmuls large enough to reach the peak rate (float64 runs at a fraction of it).
+COPY_BYTES = {"cuda": 2**30, "cpu": 2**28}
+MATMUL_SIZE = {"cuda": 8192, "cpu": 2048}
+
+
+def measure_limits(device: str, dtypes, copy_bytes: int | None = None, matmul_size: int | None = None) -> dict:
+    """The device's copy bandwidth (bytes read + written per second) and matmul rates of `dtypes` (names),
+    measured now: the denominators of the achieved rates (`limit_rate`). Each is the fastest of its runs (a
+    limit is what the hardware can do; on a shared CPU the median would count other jobs' time as its own).
+    On CPU with torch's thread count."""
+    copy_bytes = copy_bytes or COPY_BYTES[device]
+    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    copy_s = time_run(device, lambda: dst.copy_(src)).min_s
+    limits = {"copy_GBps": 2 * copy_bytes / copy_s / GB}
+    del src, dst
+    for name in dtypes:
+        size = matmul_size or MATMUL_SIZE[device]
+        size = size // 2 if DTYPES[name] == torch.float64 else size
+        a = torch.randn(size, size, device=device).to(DTYPES[name])
+        b = torch.randn(size, size, device=device).to(DTYPES[name])
+        matmul_s = time_run(device, lambda: a @ b).min_s
+        limits[f"matmul_{name}_TFLOPs"] = 2 * size**3 / matmul_s / 1e12
+    if device == "cuda":
+        limits["tf32_matmul_allowed"] = bool(torch.backends.cuda.matmul.allow_tf32)
+        torch.cuda.empty_cache()
+    else:
+        limits["threads"] = torch.get_num_threads()
+    return limits
+
+
+def limit_rate(limits: dict, floor_kind: str, dtype: str) -> float | None:
+    """The hardware limit a rate is a fraction of, from `measure_limits`: the copy bandwidth in B/s for a
+    bytes floor, the matmul rate of the dtype (a name) in FLOP/s for a FLOPs floor; None when it was not
+    measured."""
+    if not limits:
+        return None
+    if floor_kind == "bytes":
+        return limits["copy_GBps"] * GB
+    return limits.get(f"matmul_{dtype}_TFLOPs", 0) * 1e12 or None
+
+
+def describe_limits(limits: dict) -> str:
+    parts = []
+    for key, value in limits.items():
+        if key == "copy_GBps":
+            parts.append(f"copy {value:.4g} GB/s")
+        elif key.startswith("matmul_"):
+            parts.append(f"{key[len('matmul_'):-len('_TFLOPs')]} matmul {value:.4g} TFLOP/s")
+        else:
+            parts.append(f"{key} {value}")
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Forked children (CPU)
+# --------------------------------------------------------------------------------------------------------
+# Why fork: a fresh process per case gives a clean heap and an honest peak RSS, and forking a parent that has
+# imported torch, angle_kernels, sentence-transformers and the reference once saves about 10 s of imports per
+# case. The parent must never compute with torch: GNU OpenMP deadlocks in a forked child once the parent has
+# run a parallel region, so everything that computes (probes, checks, cases) runs in a child.
+
+
+def _child_entry(writer, fn, args):
+    try:
+        payload = ("ok", fn(*args))
+    except BaseException as exc:  # report everything, including MemoryError, to the parent
+        kind = "oom" if is_oom(exc) else "error"
+        payload = (kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=6))
+    writer.send(payload)
+    writer.close()
+
+
+def call_in_fork(fn, *args, timeout: float = 600.0):
+    """Run fn(*args) in a forked child. Returns ("ok", result), ("oom" | "error", message, traceback), or
+    ("killed" | "timeout", message)."""
+    ctx = multiprocessing.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_entry, args=(writer, fn, args), daemon=True)
+    proc.start()
+    writer.close()
+    payload = None
+    if reader.poll(timeout):  # a result, or the end of the pipe when the child died without one
+        try:
+            payload = reader.recv()
+        except EOFError:
+            payload = None
+        proc.join(10)  # it is exiting: give it the time to
+    if proc.is_alive():  # only our own child, by its handle
+        proc.kill()
+        proc.join()
+        if payload is None:
+            return ("timeout", f"killed after {timeout:.0f} s")
+    if payload is None:
+        code = proc.exitcode
+        if code is not None and code < 0 and -code == 9:
+            return ("killed", "killed by SIGKILL (most likely the kernel's out-of-memory killer)")
+        return ("killed", f"child exited with code {code} without a result")
+    return payload
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------------------
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace path's contents in one step: a reader (or a kill) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, payload) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=1, default=str) + "\n")
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines; a '|' inside a cell would end the cell early, so it becomes '/'."""
+    def line(cells):
+        return "| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |"
+
+    return [line(header), "|" + "---|" * len(header)] + [line(row) for row in rows]
+
+
+def fmt_bytes(b: float) -> str:
+    return f"{b / GB:.1f} GB" if b >= GB else f"{b / MB:.0f} MB" if b >= 10 * MB else f"{b / MB:.1f} MB"
+
+
+def fmt_seconds(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g} ms" if ms < 1000 else f"{seconds:.3g} s"
+
+
+def achieved_rate(floor: dict, seconds: float, limits: dict, dtype: str) -> dict:
+    """The floor's work over `seconds`, and its fraction of the measured limit (None where none was measured)."""
+    rate = floor["amount"] / seconds
+    peak = limit_rate(limits, floor["kind"], dtype)
+    return {"rate": rate, "rate_unit": "B/s" if floor["kind"] == "bytes" else "FLOP/s",
+            "rate_fraction": rate / peak if peak else None}
+
+
+def fmt_rate(rate: float, unit: str, fraction: float | None = None) -> str:
+    if unit == "B/s":
+        text = f"{rate / GB:.3g} GB/s"
+    else:
+        text = f"{rate / 1e9:.3g} GFLOP/s" if rate < 1e12 else f"{rate / 1e12:.3g} TFLOP/s"
+    if fraction is not None:
+        percent = 100 * fraction
+        text += f" ({percent:.0f} %)" if percent >= 10 else f" ({percent:.2g} %)"
+    return text
+
+
+# --------------------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------------------
+
+
+def describe_environment(device: str) -> dict:
+    """What the numbers depend on: hardware, threads, library versions."""
+    import importlib
+
+    info = {"torch": torch.__version__, "device": device, "threads": torch.get_num_threads()}
+    if device == "cpu":
+        info["cpu"] = cpu_model()
+        info["logical_cpus"] = os.cpu_count()
+    else:
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpu_memory_gb"] = round(props.total_memory / 1e9, 1)
+        info["cuda"] = torch.version.cuda
+        try:
+            import subprocess
+
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20,
+            ).stdout.strip()
+        except Exception:
+            info["driver"] = "unknown"
+    for name in ("triton", "sentence_transformers", "angle_kernels"):
+        try:
+            info[name] = importlib.import_module(name).__version__
+        except Exception:
+            info[name] = None
+    return info
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"

@@ -1,0 +1,147 @@
+"""The shared harness (harness.py), checked on CPU: timing rules, memory measurement, hardware limits, work
+floors, forked children and report files. Nothing here asserts on wall time."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import harness  # noqa: E402
+
+
+def test_time_cpu_stops_after_the_minimum_runs_once_its_time_is_spent():
+    calls = []
+    timing = harness.time_cpu(lambda: calls.append(1), repeats=50, time_per_case=0.0, min_runs=3)
+    assert len(calls) == len(timing.times_s) == 3
+    assert timing.min_s <= timing.median_s and timing.method == "wall clock"
+    calls.clear()
+    timing = harness.time_cpu(lambda: calls.append(1), repeats=7, time_per_case=3600.0)
+    assert len(calls) == 7
+    with pytest.raises(ValueError, match="repeats"):
+        harness.time_cpu(lambda: None, repeats=0)
+
+
+def test_cuda_memory_is_measured_on_a_warm_run():
+    """The first call at a shape compiles and autotunes (Triton's autotuner allocates do_bench's 256 MB
+    L2-flush buffer): the reported peak must be that of a later run, not of the first."""
+
+    class FakeCudaMemory:  # torch.cuda's four memory functions, over a counter the "loss" below moves
+        allocated = peak = 0
+
+        def synchronize(self):
+            pass
+
+        def reset_peak_memory_stats(self):
+            self.peak = self.allocated
+
+        def memory_allocated(self):
+            return self.allocated
+
+        def max_memory_allocated(self):
+            return self.peak
+
+    memory = FakeCudaMemory()
+    calls = []
+    leaf = torch.zeros(3, requires_grad=True)
+
+    def run():  # the first call holds 256 MB for a while (autotuning), every call 10 MB (the loss's workspace)
+        transient = (256 if not calls else 0) * 2**20 + 10 * 2**20
+        memory.peak = max(memory.peak, memory.allocated + transient)
+        calls.append(1)
+        return (leaf * 2).sum()
+
+    value, extra, seconds = harness.cuda_warm_peak_extra_bytes(run, [leaf], memory)
+    assert len(calls) == 2 and extra == 10 * 2**20 and seconds >= 0
+    assert leaf.grad is not None and float(value.detach()) == 0.0
+
+
+def test_cpu_measurement_sees_what_a_pass_allocates():
+    """The peak RSS of the pass over the RSS before it: a pass that holds 64 MB (fresh pages: an allocation
+    this large is mmapped) must show at least most of it, and the gradients are reset between runs."""
+    leaf = torch.ones(4, requires_grad=True)
+    grads_seen = []
+
+    def run():
+        grads_seen.append(leaf.grad)
+        held = torch.ones(16 * 2**20)  # 64 MB, written
+        return (leaf * held[:4]).sum()
+
+    measured = harness.measure_fwd_bwd(run, [leaf], "cpu", repeats=3, time_per_case=60.0)
+    assert measured["extra_bytes"] >= 48 * 2**20, measured
+    assert len(measured["times_s"]) == 3 and measured["loss_value"] == 4.0
+    assert all(grad is None for grad in grads_seen)  # fwd_bwd resets them: nothing accumulates
+    assert torch.equal(leaf.grad, torch.ones(4))
+
+
+def test_a_forked_child_reports_results_errors_oom_and_timeouts():
+    assert harness.call_in_fork(pow, 2, 10, timeout=60) == ("ok", 1024)
+    status, message, _ = harness.call_in_fork(int, "not a number", timeout=60)
+    assert status == "error" and message.startswith("ValueError")
+
+    def exhaust():
+        raise MemoryError("simulated")
+
+    assert harness.call_in_fork(exhaust, timeout=60)[0] == "oom"
+    assert harness.call_in_fork(time.sleep, 30, timeout=0.5)[0] == "timeout"
+
+
+def test_out_of_memory_is_recognised_in_torchs_wordings():
+    assert harness.is_oom(MemoryError())
+    assert harness.is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GB"))
+    assert harness.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not harness.is_oom(RuntimeError("shape mismatch"))
+
+
+def test_limits_are_measured_and_looked_up_by_kind_and_dtype():
+    limits = harness.measure_limits("cpu", ["float32", "float64"], copy_bytes=2**22, matmul_size=128)
+    assert limits["copy_GBps"] > 0 and limits["matmul_float32_TFLOPs"] > 0 and limits["matmul_float64_TFLOPs"] > 0
+    assert harness.limit_rate(limits, "bytes", "bfloat16") == limits["copy_GBps"] * 1e9
+    assert harness.limit_rate(limits, "flops", "float64") == limits["matmul_float64_TFLOPs"] * 1e12
+    assert harness.limit_rate(limits, "flops", "bfloat16") is None  # not measured: no fraction, not a wrong one
+    assert harness.limit_rate({}, "bytes", "float32") is None
+    text = harness.describe_limits(limits)
+    assert "copy" in text and "float32 matmul" in text and "float64 matmul" in text
+
+
+def test_achieved_rate_is_the_floor_over_the_time_as_a_fraction_of_the_limit():
+    limits = {"copy_GBps": 100.0, "matmul_bfloat16_TFLOPs": 500.0}
+    rate = harness.achieved_rate({"kind": "bytes", "amount": 50e9}, 1.0, limits, "float32")
+    assert rate == {"rate": 50e9, "rate_unit": "B/s", "rate_fraction": 0.5}
+    rate = harness.achieved_rate({"kind": "flops", "amount": 1e12}, 0.01, limits, "bfloat16")
+    assert rate["rate_unit"] == "FLOP/s" and rate["rate_fraction"] == pytest.approx(0.2)
+    assert harness.fmt_rate(rate["rate"], rate["rate_unit"], rate["rate_fraction"]) == "100 TFLOP/s (20 %)"
+    assert harness.fmt_rate(2e9, "B/s", 0.0123) == "2 GB/s (1.2 %)"
+    assert harness.fmt_rate(2e9, "B/s") == "2 GB/s"
+
+
+def test_work_floors_follow_the_measuring_guide():
+    """shared/docs/measuring.md: pair scores read 2N x D twice and write it once; in-batch negatives over
+    M = 2N rows need 6 M^2 D FLOPs; every backend executes at least that."""
+    n, d = 1000, 768
+    assert harness.pair_scores_floor(2 * n, d, torch.bfloat16) == {"kind": "bytes", "amount": 3 * 2 * n * d * 2}
+    assert harness.similarity_floor(2 * n, 2 * n, d) == {"kind": "flops", "amount": 6 * (2 * n) ** 2 * d}
+    assert harness.ranking_floor(n, torch.float32, torch.int64)["amount"] == n * (4 + 4 + 8)
+    for backend in ("torch", "triton", "cuda"):
+        assert harness.similarity_flops_executed(backend, 2 * n, 2 * n, d) >= 6 * (2 * n) ** 2 * d
+
+
+def test_reports_are_replaced_in_one_step(tmp_path):
+    path = tmp_path / "table.md"
+    harness.write_text_atomic(path, "old\n")
+    harness.write_json_atomic(tmp_path / "results.json", {"a": 1, "path": tmp_path})
+    harness.write_text_atomic(path, "new\n")
+    assert path.read_text() == "new\n" and '"a": 1' in (tmp_path / "results.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "table.md"]  # no .tmp left behind
+
+
+def test_markdown_table_keeps_its_columns():
+    lines = harness.markdown_table(["N", "ours"], [[16, "error: a | b"], [32, "1 ms"]])
+    assert lines == ["| N | ours |", "|---|---|", "| 16 | error: a / b |", "| 32 | 1 ms |"]

@@ -1,0 +1,134 @@
+"""The op contract (angle_kernels.contract), checked once by dispatch for every backend.
+
+Each bad input must raise the same TypeError/ValueError, naming the argument, whichever backend was asked for:
+the check runs in `dispatch.Ops` before any backend sees the inputs (backends trust them). Checked here for the
+backends that take CPU tensors (torch, and triton under the interpreter); the cuda backend is reached through
+the same `dispatch.Ops`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from angle_kernels import contract, dispatch
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_BACKENDS = ("torch", "triton")  # the backends that take CPU tensors (triton under the interpreter)
+
+
+def _x(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+PAIR_SCORES_CASES = [
+    # (args, error type, message fragment)
+    (([1.0, 2.0], False), TypeError, "x must be a torch.Tensor"),
+    ((_x(4, 8), False), ValueError, "x must have 3 dimensions"),
+    ((_x(4, 1, 8), False), ValueError, "K >= 2"),
+    ((_x(4, 2, 0), False), ValueError, "D >= 1"),
+    ((torch.zeros(4, 2, 8, dtype=torch.int64), False), TypeError, "x must be one of float32"),
+    ((_x(4, 2, 7), True), ValueError, "even D"),
+    ((_x(4, 2, 8), 1), TypeError, "with_angle must be a bool"),
+]
+
+RANKING_CASES = [
+    ((_x(5), [1, 2, 3, 4, 5]), TypeError, "labels must be a torch.Tensor"),
+    ((_x(5, 1), torch.arange(5)), ValueError, "scores must have 1 dimensions"),
+    ((_x(5, dtype=torch.bfloat16), torch.arange(5)), TypeError, "scores must be one of float32, float64"),
+    ((_x(5), torch.arange(4)), ValueError, "labels must have the shape of scores"),
+    ((_x(5), torch.arange(5) * 1j), TypeError, "labels must be real"),
+]
+
+
+def _xent(**overrides):
+    args = dict(q=_x(6, 8), c=None, scale=20.0, target="partner", row_weights=None, exclude_diagonal=True,
+                margin=0.0, group_ids=None)
+    args.update(overrides)
+    return args
+
+
+SIMILARITY_CASES = [
+    (_xent(q=torch.zeros(6, 8, dtype=torch.int32)), TypeError, "q must be one of"),
+    (_xent(q=_x(0, 8)), ValueError, "q must be a non-empty"),
+    (_xent(c=_x(6, 7), exclude_diagonal=False), ValueError, "c must be a non-empty [Mc, D=8]"),
+    (_xent(c=_x(6, 8, dtype=torch.float64), exclude_diagonal=False), TypeError, "c must have q's dtype"),
+    (_xent(scale="20"), TypeError, "scale must be a real Python number"),
+    (_xent(scale=math.inf), ValueError, "scale must be finite"),
+    (_xent(margin=4.0), ValueError, "margin must be between 0 and pi"),
+    (_xent(margin=-0.1), ValueError, "margin must be between 0 and pi"),
+    (_xent(target="rows"), ValueError, "target must be 'partner' or 'diagonal'"),
+    (_xent(exclude_diagonal=1), TypeError, "exclude_diagonal must be a bool"),
+    (_xent(q=_x(5, 8)), ValueError, "target='partner' needs an even M"),
+    (_xent(target="diagonal", c=_x(4, 8), exclude_diagonal=False), ValueError, "target='diagonal' needs M <= Mc"),
+    (_xent(target="diagonal"), ValueError, "would exclude every target column"),
+    (_xent(row_weights=torch.ones(6, dtype=torch.int64)), TypeError, "row_weights must be floating point"),
+    (_xent(row_weights=torch.ones(5)), ValueError, "row_weights must be [M=6]"),
+    (_xent(group_ids=torch.zeros(6)), TypeError, "group_ids must be an integer tensor"),
+    (_xent(group_ids=torch.zeros(5, dtype=torch.int64)), ValueError, "group_ids must be [M=6]"),
+    (_xent(c=_x(6, 8), exclude_diagonal=False, group_ids=torch.arange(6)), ValueError, "only in the symmetric case"),
+]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("args, error, fragment", PAIR_SCORES_CASES)
+def test_pair_scores_rejects(backend, args, error, fragment):
+    with pytest.raises(error, match=re.escape(fragment)):
+        dispatch.pair_scores(*args, backend=backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("args, error, fragment", RANKING_CASES)
+def test_ranking_loss_rejects(backend, args, error, fragment):
+    with pytest.raises(error, match=re.escape(fragment)):
+        dispatch.ranking_loss(*args, backend=backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("kwargs, error, fragment", SIMILARITY_CASES)
+def test_similarity_xent_rejects(backend, kwargs, error, fragment):
+    with pytest.raises(error, match=re.escape(fragment)):
+        dispatch.similarity_xent(**kwargs, backend=backend)
+
+
+def test_the_backend_gets_inputs_in_normal_form(monkeypatch):
+    """What the backends may assume: bool labels arrive as int64, group ids as int64, options as Python
+    floats and bools."""
+    seen = {}
+
+    class Recorder:
+        def ranking_loss(self, scores, labels):
+            seen["labels"] = labels.dtype
+            return scores.sum()
+
+        def similarity_xent(self, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids):
+            seen.update(scale=type(scale), margin=type(margin), group_ids=group_ids.dtype)
+            return q.sum()
+
+    ops = dispatch.Ops("recorder", Recorder())
+    ops.ranking_loss(_x(4), torch.tensor([True, False, True, False]))
+    ops.similarity_xent(_x(4, 8), None, 20, "partner", exclude_diagonal=True, margin=0,
+                        group_ids=torch.arange(4, dtype=torch.int32))
+    assert seen == dict(labels=torch.int64, scale=float, margin=float, group_ids=torch.int64)
+
+
+def test_resolve_backend_rejects_a_non_tensor():
+    with pytest.raises(TypeError, match="torch.Tensors, got list"):
+        dispatch.resolve_backend("torch", [[1.0]])
+
+
+def _csrc_constant(path: str, name: str) -> float:
+    text = (REPO / path).read_text()
+    match = re.search(rf"constexpr\s+\w+\s+{name}\s*=\s*([0-9.eE+-]+)\s*;", text)
+    assert match, f"{name} not found in {path}"
+    return float(match.group(1))
+
+
+def test_the_cuda_sources_use_the_contract_constants():
+    """csrc/ cannot import Python: its two copies of the contract's numbers are held equal to them here."""
+    assert _csrc_constant("csrc/common.cuh", "kNormEps") == contract.NORM_EPS
+    assert _csrc_constant("csrc/similarity_xent.cu", "kSinSqFloor") == contract.MARGIN_SIN_SQUARED_FLOOR
