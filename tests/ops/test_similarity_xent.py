@@ -17,7 +17,7 @@ from torch.autograd import gradcheck
 
 import oracle
 from ak_testing import (
-    HALF_DTYPES, assert_half_rule, check_against_oracle, generator, leaf_like, outputs_and_grads, randn,
+    HALF_DTYPES, assert_close, check_against_oracle, generator, leaf_like, outputs_and_grads, randn,
 )
 
 # name -> (M, Mc or None for c = None, D, options). Options: scale, target, exclude_diagonal, margin (radians);
@@ -116,10 +116,11 @@ def test_non_contiguous_inputs(backend, dtype):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # NumPy, under the interpreter
 def test_float16_zero_and_tiny_rows_never_give_nan(backend):
-    """A zero row's true gradient (~1/eps) is beyond float16's range: infinities there, and only there; the tiny
-    row and the others keep their precision. (Regression: the Triton backward once scaled the gradient tile by
-    1/|c| before casting it to a float16 operand, and inf * 0 spread NaN over whole rows.) Eager float16
-    cannot compute this input (its epsilon underflows to 0), so the rule's baseline is correct rounding."""
+    """A zero row's true gradient (~1/eps) is beyond float16's range: infinities there, and only there, never NaN.
+    (Regression: the Triton backward once scaled the gradient tile by 1/|c| before casting it to a float16
+    operand, and inf * 0 spread NaN over whole rows.) The other rows only get a sanity bound here: eager float16
+    cannot compute this input (its epsilon underflows to 0), and their precision at the half rule is
+    test_half_precision's subject."""
     q = randn(generator("fp16_zero"), 8, 16, dtype=torch.float16)
     q[3] = 0.0
     q[5] *= 1e-3
@@ -129,9 +130,13 @@ def test_float16_zero_and_tiny_rows_never_give_nan(backend):
                                        [leaf_like(q, device=backend.device)])
     (exact_loss,), (exact_dq,) = outputs_and_grads(lambda q: oracle.similarity_xent(q, None, **kwargs),
                                                    [leaf_like(q, dtype=torch.float64)])
+    assert not torch.isnan(dq).any()
     assert (~torch.isfinite(dq)).any(dim=1).nonzero().flatten().tolist() == [3]
-    assert_half_rule(dq, None, exact_dq, "dq")
-    assert_half_rule(loss, None, exact_loss, "loss")
+    overflows = torch.isinf(exact_dq.to(torch.float16))
+    assert torch.equal(dq[overflows].double(), exact_dq.sign()[overflows] * math.inf)
+    others = torch.arange(8) != 3
+    assert_close(dq[others], exact_dq[others], 1e-2, "dq of the other rows")
+    assert_close(loss, exact_loss, 1e-3, "loss")
 
 
 def test_more_rows_than_one_block_of_the_torch_backend(backend):
