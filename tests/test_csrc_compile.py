@@ -133,6 +133,7 @@ def _ptxas_report(output: str) -> list[tuple[str, str, int, int, int]]:
 
 
 @needs_nvcc
+@pytest.mark.slow  # nvcc for every file and architecture: 15-40 s on two cores
 @pytest.mark.parametrize("name", KERNEL_FILES)
 def test_nvcc_compiles(compiled, name):
     returncode, output = compiled[name]

@@ -20,9 +20,9 @@ What is asserted (float32, 2 threads):
   available.
 * Scaling: extra memory grows about linearly in N: from N to 4N the ratio stays under 6 (quadratic: 16).
 
-The in-batch-negative cases at N = 16,384 (~30 s and ~2 min of compute on two idle cores) and the million-pair cases
-carry the `slow` marker (registered in pyproject.toml): they run by default and in CI; -m "not slow" skips
-them for a quick local loop.
+Every case here carries the `slow` marker (registered in pyproject.toml): each runs fresh subprocesses, from
+about 5 s to 2 min (the in-batch-negative case at N = 16,384, D = 768) on two idle cores. They run by default
+and in CI; -m "not slow" skips them for a quick local loop.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from ak_testing import env_flag
 
 THREADS = 2
 GB = 1e9
@@ -147,7 +145,9 @@ def _available_bytes() -> int:
     return 0
 
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and ru_maxrss (Linux)")
+# Every case runs fresh subprocesses for seconds to minutes: all are `slow` (they still run by default and in CI).
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and ru_maxrss (Linux)"),
+              pytest.mark.slow]
 
 N_TARGET = 16_384
 D_TARGET = 768
@@ -175,7 +175,6 @@ def test_ranking_losses_need_a_tenth_of_the_reference(loss, record_property):
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("d", [64, D_TARGET])
 def test_in_batch_negatives_need_a_tenth_of_the_reference_matrix(d, record_property):
     reference_lower_bound = 4 * (2 * N_TARGET) ** 2  # its float32 2N x 2N similarity matrix alone: 4.3 GB
@@ -188,7 +187,6 @@ def test_in_batch_negatives_need_a_tenth_of_the_reference_matrix(d, record_prope
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["cosine_loss", "angle_loss"])
 def test_a_million_pairs(loss, record_property):
     n, d = 1 << 20, 128

@@ -18,6 +18,7 @@ def test_readme_has_quickstarts():
     assert len(BLOCKS) >= 4, "the README lost its Python quickstarts"
 
 
+@pytest.mark.slow  # a fresh interpreter per block; some train for a few steps (up to ~10 s each)
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs(index, tmp_path):
     code = BLOCKS[index]

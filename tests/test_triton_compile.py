@@ -47,6 +47,7 @@ def _compiled_mode_env(tmp_path) -> dict:
     return env
 
 
+@pytest.mark.slow  # about 10-40 s on two cores
 def test_every_kernel_compiles_for_sm90(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "angle_kernels.triton_ops._compile_check", "--arch", "90"],
