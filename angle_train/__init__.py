@@ -1,8 +1,7 @@
 """angle_train: a lean training loop for AnglE embedding fine-tuning (BERT-style encoders and LLMs with LoRA).
 
     config.py       TrainConfig: every setting, its default and its help text
-    models.py       base model (no LM head) + pooling = Encoder; LoRA, checkpointing, autocast
-    pooling.py      cls, cls_avg, avg, max, last (left or right padding)
+    models.py       pooling (cls, cls_avg, avg, max, last) + base model = Encoder; LoRA, checkpointing, autocast
     data.py         files and datasets in formats A/B/C, tokenisation, padding, batch order
     objective.py    the loss: angle_kernels.AngleLoss, or angle-emb's eager reference
     grad_cache.py   plain backprop and the gradient cache (dropout RNG replay)
@@ -18,7 +17,7 @@ Heavy imports (transformers, peft, scipy) happen inside the functions that need 
 
 from .config import TrainConfig
 from .data import ANGLE_PROMPT, DataError, Example, load_examples
-from .pooling import POOLING_STRATEGIES, pool
+from .models import POOLING_STRATEGIES, pool
 
 __all__ = [
     "ANGLE_PROMPT",
