@@ -1,24 +1,23 @@
 """angle_train: a lean training loop for AnglE embedding fine-tuning (BERT-style encoders and LLMs with LoRA).
 
+    trainer.py      train(): setup, one optimizer step, evaluate, save, finish; logging and throughput
+    checkpoint.py   resumable checkpoints (atomic, code-free loading, exact resume), best/
     config.py       TrainConfig: every setting, its default and its help text
-    models.py       base model (no LM head) + pooling = Encoder; LoRA, checkpointing, autocast
-    pooling.py      cls, cls_avg, avg, max, last (left or right padding)
+    models.py       pooling (cls, cls_avg, avg, max, last) + base model = Encoder; LoRA, checkpointing, autocast
     data.py         files and datasets in formats A/B/C, tokenisation, padding, batch order
-    objective.py    the loss: angle_kernels.AngleLoss, or angle-emb's eager reference
     grad_cache.py   plain backprop and the gradient cache (dropout RNG replay)
-    distributed.py  DDP helpers: all-gather with gradients, no_sync
-    trainer.py      the loop: optimizer, schedule, evaluation, checkpoints, exact resume, logging
-    evaluation.py   Spearman on an STS-style set
+    distributed.py  DDP helpers: all-gather with gradients, no_sync, barrier
     export.py       Hugging Face / LoRA adapter / sentence-transformers folders
     cli.py          the `angle-train` command;  demo.py: `python -m angle_train.demo`
     tiny.py         built-in tiny models, tokenizer and datasets (offline demo and tests)
 
-Heavy imports (transformers, peft, scipy) happen inside the functions that need them.
+The loss is angle_kernels.AngleLoss. Heavy imports (transformers, peft, scipy) happen inside the functions
+that need them.
 """
 
 from .config import TrainConfig
 from .data import ANGLE_PROMPT, DataError, Example, load_examples
-from .pooling import POOLING_STRATEGIES, pool
+from .models import POOLING_STRATEGIES, pool
 
 __all__ = [
     "ANGLE_PROMPT",

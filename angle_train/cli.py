@@ -9,9 +9,9 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import MISSING
+from dataclasses import MISSING, fields
 
-from .config import TrainConfig, config_fields
+from .config import TrainConfig
 
 TRUE_WORDS = {"1", "true", "yes", "y", "on"}
 FALSE_WORDS = {"0", "false", "no", "n", "off"}
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON file of settings (keys = flag names)")
     groups = {}
-    for f in config_fields():
+    for f in fields(TrainConfig):
         group_name = f.metadata.get("group", "other")
         if group_name not in groups:
             groups[group_name] = parser.add_argument_group(group_name)
@@ -118,7 +118,7 @@ def read_config_file(path: str) -> dict:
 def config_from_args(argv=None) -> TrainConfig:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
-    by_name = {f.name: f for f in config_fields()}
+    by_name = {f.name: f for f in fields(TrainConfig)}
     values = {}
     if args.get("config"):
         for key, value in read_config_file(args.pop("config")).items():

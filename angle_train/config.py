@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 
 def opt(default, help: str, **extra):
@@ -61,7 +61,7 @@ class TrainConfig:
                         choices=["linear", "cosine", "constant"])
     max_grad_norm: float = opt(1.0, "clip the gradient norm (0 = off)", group="optimisation")
     seed: int = opt(42, "random seed (data order, dropout, LoRA init)", group="optimisation")
-    # ---- loss (AngleLoss; defaults are angle-emb 0.6.1's)
+    # ---- loss: angle_kernels.AngleLoss's weights and temperatures (defaults are angle-emb 0.6.1's)
     cosine_w: float = opt(0.0, "weight of the cosine (CoSENT) ranking term", group="loss")
     ibn_w: float = opt(1.0, "weight of the in-batch-negative term (labels must be 0/1 in format A)", group="loss")
     cln_w: float = opt(1.0, "weight of the hard-negative term (format C)", group="loss")
@@ -69,8 +69,6 @@ class TrainConfig:
     cosine_tau: float = opt(20.0, "scale of the cosine term", group="loss")
     ibn_tau: float = opt(20.0, "scale of the contrastive terms", group="loss")
     angle_tau: float = opt(20.0, "scale of the angle term", group="loss")
-    loss_impl: str = opt("auto", "angle_kernels (fused, O(N) memory), reference (angle-emb's eager code), or auto",
-                         group="loss", choices=["auto", "angle_kernels", "reference"])
     # ---- evaluation, checkpoints, logging
     output_dir: str = opt("runs/angle", "where checkpoints, metrics.jsonl, best/ and final/ go", group="run")
     eval_every: int = opt(0, "evaluate on dev_data every N optimizer steps (0 = only at the end)", group="run")
@@ -99,7 +97,3 @@ class TrainConfig:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0; got {self.lr}")
         return self
-
-
-def config_fields():
-    return [f for f in fields(TrainConfig)]

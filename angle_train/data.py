@@ -246,18 +246,13 @@ class TokenizedPairs:
         seqs = [seq for i in indices for seq in self.ids[i]]
         labels = torch.tensor([self.labels[i] for i in indices for _ in range(self.rows_per_example)],
                               dtype=torch.float32)
-        return Batch(seqs, labels, len(indices))
+        return Batch(seqs, labels)
 
 
 @dataclass
 class Batch:
     seqs: list[list[int]]  # token ids per row, unpadded
     labels: torch.Tensor  # [rows], the example's label on each of its rows
-    n_examples: int
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(s) for s in self.seqs)
 
     def chunks(self, rows_per_chunk: int | None) -> list[list[list[int]]]:
         if not rows_per_chunk or rows_per_chunk >= len(self.seqs):

@@ -12,9 +12,8 @@ import sys
 import tempfile
 
 from .cli import config_from_args
-from .evaluation import sts_spearman
 from .tiny import demo_sts_examples
-from .trainer import train
+from .trainer import sts_spearman, train
 
 DEMO_DEFAULTS = ["--model", "builtin:tiny-bert", "--train-data", "builtin:demo", "--batch-size", "64", "--epochs",
                  "2", "--lr", "3e-3", "--warmup", "0.1", "--max-length", "16", "--log-every", "8", "--pooling",

@@ -55,10 +55,23 @@ def wrap_ddp(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(module, **kwargs)
 
 
-def current() -> DistInfo:
-    if dist.is_available() and dist.is_initialized():
-        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-    return DistInfo()
+def barrier(info: DistInfo) -> None:
+    """Wait until every process gets here (nothing to wait for when there is one)."""
+    if info.enabled:
+        dist.barrier()
+
+
+def broadcast_from_main(value, info: DistInfo):
+    """The main process's `value` (any picklable object), on every process."""
+    if not info.enabled:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _single_process() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -82,13 +95,13 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
 
     Every rank must pass the same number of rows (the loop gives each rank an equal slice of the batch).
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _single_process():
         return x
     return _GatherWithGrad.apply(x)
 
 
 def gather_labels(labels: torch.Tensor) -> torch.Tensor:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _single_process():
         return labels
     parts = [torch.empty_like(labels) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, labels.contiguous())
@@ -100,11 +113,3 @@ def no_sync(model: torch.nn.Module, skip_sync: bool):
     if skip_sync and hasattr(model, "no_sync"):
         return model.no_sync()
     return contextlib.nullcontext()
-
-
-def all_reduce_mean(value: float, device) -> float:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()

@@ -51,16 +51,23 @@ def missing_requirements() -> str | None:
     return None
 
 
+def reference_loss():
+    """angle-emb 0.6.1's own AngleLoss with this check's objective; it takes the labels as a column."""
+    from angle_emb import AngleLoss
+
+    loss = AngleLoss(cosine_w=1.0, ibn_w=0.0, angle_w=1.0, cosine_tau=20.0, angle_tau=20.0, dataset_format="A")
+    return lambda labels, embeddings: loss(labels.reshape(-1, 1), embeddings)
+
+
 def run(*, epochs: float = 0.5, batch_size: int = 16, lr: float = 5e-5, eval_every: int = 90, seed: int = 42,
         impls=("angle_kernels", "reference"), threads: int | None = None, verbose: bool = True) -> dict:
     import torch
 
     from angle_train.config import TrainConfig
     from angle_train.data import load_examples
-    from angle_train.evaluation import sts_spearman
     from angle_train.export import load_pretrained
     from angle_train.models import load_encoder
-    from angle_train.trainer import train
+    from angle_train.trainer import sts_spearman, train
 
     if threads:
         torch.set_num_threads(threads)
@@ -82,11 +89,11 @@ def run(*, epochs: float = 0.5, batch_size: int = 16, lr: float = 5e-5, eval_eve
             cfg = TrainConfig(model=model, train_data=os.path.join(data, "sts-train.csv"),
                               dev_data=os.path.join(data, "sts-dev.csv"), pooling="avg", max_length=64,
                               batch_size=batch_size, epochs=epochs, lr=lr, warmup=0.1, schedule="linear",
-                              cosine_w=1.0, ibn_w=0.0, angle_w=1.0, cosine_tau=20.0, angle_tau=20.0, loss_impl=impl,
+                              cosine_w=1.0, ibn_w=0.0, angle_w=1.0, cosine_tau=20.0, angle_tau=20.0,
                               seed=seed, eval_every=eval_every, output_dir=out, save_final=False, progress=False,
                               log_every=50, device="cpu")
             start = time.perf_counter()
-            result = train(cfg)
+            result = train(cfg, loss_fn=reference_loss() if impl == "reference" else None)
             seconds = time.perf_counter() - start
             best, best_tok, _ = load_pretrained(result.best_path)
             after = sts_spearman(best, best_tok, test, max_length=64)

@@ -174,19 +174,18 @@ def test_resume_skips_recorded_settings_and_refuses_other_settings(tmp_path, mon
 
 def test_bfloat16_loss_gets_bfloat16_embeddings_and_gradients_reach_the_model(tmp_path, monkeypatch):
     import angle_train.grad_cache as grad_cache
-    import angle_train.objective as objective
 
     seen_dtypes, grads_reach_model = [], []
-    real_build_loss = objective.build_loss
+    real_build_loss = T.build_loss
 
-    def build_loss(*a, **kw):
-        loss_fn, impl = real_build_loss(*a, **kw)
+    def build_loss(impl):
+        loss_fn = real_build_loss(impl)
 
         def spy(labels, embeddings):
             seen_dtypes.append(embeddings.dtype)
             return loss_fn(labels, embeddings)
 
-        return spy, impl
+        return spy
 
     def checking(step):
         def wrapped(model, *a, **kw):
@@ -197,7 +196,7 @@ def test_bfloat16_loss_gets_bfloat16_embeddings_and_gradients_reach_the_model(tm
 
         return wrapped
 
-    monkeypatch.setattr(objective, "build_loss", build_loss)
+    monkeypatch.setattr(T, "build_loss", build_loss)
     monkeypatch.setattr(grad_cache, "plain_step", checking(grad_cache.plain_step))
     monkeypatch.setattr(grad_cache, "grad_cache_step", checking(grad_cache.grad_cache_step))
     argv = ["--out", str(tmp_path), "--tiny", "--seq-len", "8", "--plain-start", "4", "--plain-max", "4",

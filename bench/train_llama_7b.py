@@ -190,6 +190,19 @@ def build(args, device):
     return encoder.to(device), config
 
 
+def build_loss(impl: str):
+    """AnglE's default objective on format-A rows: angle_kernels.AngleLoss, or angle-emb 0.6.1's own AngleLoss
+    (eager, N x N; it takes the labels as a column)."""
+    if impl == "reference":
+        from angle_emb import AngleLoss as ReferenceAngleLoss
+
+        reference = ReferenceAngleLoss(dataset_format="A")
+        return lambda labels, embeddings: reference(labels.reshape(-1, 1), embeddings)
+    from angle_kernels import AngleLoss
+
+    return AngleLoss(dataset_format="A")
+
+
 def cast_loss(loss_fn, dtype):
     """The loss on embeddings cast to `dtype`. The Encoder returns float32 embeddings, which on a GPU would take
     the loss's exact-fp32 path; `.to` is differentiable, so the gradient still reaches the float32 embeddings."""
@@ -490,8 +503,6 @@ def main(argv=None) -> int:
     again = "python " + shlex.join([script] + [a for a in argv if a != "--restart"])
     import torch
 
-    from angle_train.objective import LossWeights, build_loss
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         print("no GPU: the 7B benchmark needs one (use --tiny for a CPU smoke test)")
@@ -531,9 +542,8 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(
         [p for p in encoder.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda" or None
     )
-    loss_fn, impl = build_loss(LossWeights(), "A", args.loss_impl)
-    loss_fn = cast_loss(loss_fn, getattr(torch, loss_dtype))
-    results["loss"] = impl
+    loss_fn = cast_loss(build_loss(args.loss_impl), getattr(torch, loss_dtype))
+    results["loss"] = args.loss_impl
     results["model"] = {"parameters": total, "trainable": trainable, "config": settings["model_config"]}
     startup = now() - started
     print(

@@ -27,7 +27,7 @@ import torch
 NVCC_FLAGS = ["-O3", "-lineinfo"]  # the C++ standard is left to torch (c++17 or c++20)
 CXX_FLAGS = ["-O3"]
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-CUDA_SOURCES = ("pair_scores.cu", "ranking.cu", "similarity_xent.cu")
+CUDA_SOURCES = tuple(sorted(path.name for path in CSRC_DIR.glob("*.cu")))  # one file of kernels per op
 BINDING_SOURCE = "bindings.cpp"
 
 

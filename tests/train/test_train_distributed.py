@@ -6,12 +6,11 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from train_helpers import demo_batch, make_encoder, param_grads
+from train_helpers import demo_batch, graded_or_contrastive_loss, make_encoder, param_grads, run_config
 
 from angle_train.data import pad_batch
 from angle_train.distributed import wrap_ddp
 from angle_train.grad_cache import grad_cache_step, plain_step
-from angle_train.objective import LossWeights, build_loss
 
 N_PAIRS = 8  # 4 pairs per rank
 
@@ -25,8 +24,7 @@ def _free_port() -> int:
 def _setup(arch, fmt):
     encoder, tokenizer = make_encoder(arch, dropout=0.0)
     batch = demo_batch(tokenizer, N_PAIRS, fmt)
-    weights = LossWeights(cosine_w=1.0, ibn_w=0.0, angle_w=1.0) if fmt == "A" else LossWeights()
-    loss_fn, _ = build_loss(weights, fmt)
+    loss_fn = graded_or_contrastive_loss(fmt)
     return encoder, batch, loss_fn
 
 
@@ -89,10 +87,8 @@ def _trainer_rank_main(rank, world, port, out_dir):
 
 
 def _trainer_config(out_dir):
-    from angle_train.config import TrainConfig
-
-    return TrainConfig(batch_size=8, max_steps=3, chunk_size=3, lr=1e-3, warmup=0, output_dir=out_dir, progress=False,
-                       save_final=False, save_every=3, log_every=1, max_length=12, device="cpu", pooling="avg")
+    return run_config(out_dir, batch_size=8, max_steps=3, chunk_size=3, lr=1e-3, warmup=0, save_every=3, log_every=1,
+                      max_length=12, pooling="avg")
 
 
 def test_two_process_training_run_equals_single_process(tmp_path):

@@ -4,11 +4,11 @@ import contextlib
 
 import pytest
 import torch
-from train_helpers import demo_batch, make_encoder, param_grads
+from train_helpers import demo_batch, graded_or_contrastive_loss, make_encoder, param_grads
 
+from angle_kernels import AngleLoss
 from angle_train.data import pad_batch
 from angle_train.grad_cache import RngState, grad_cache_step, plain_step
-from angle_train.objective import LossWeights, build_loss
 
 
 def _chunks(encoder, batch, rows):
@@ -34,7 +34,7 @@ def test_grad_cache_equals_plain_backprop_with_dropout(arch, lora):
     encoder, tokenizer = make_encoder(arch, dropout=0.2, lora=lora)
     encoder.train()
     batch = demo_batch(tokenizer, 12, "B")
-    loss_fn, _ = build_loss(LossWeights(), "B")
+    loss_fn = AngleLoss(dataset_format="B")
     chunks = _chunks(encoder, batch, 7)  # 24 rows -> chunks of 7, 7, 7, 3 (a pair split across chunks)
     loss_p, plain, rng_p = _grads(encoder, plain_step, chunks, batch.labels, loss_fn, seed=5)
     loss_c, cached, rng_c = _grads(encoder, grad_cache_step, chunks, batch.labels, loss_fn, seed=5)
@@ -48,7 +48,7 @@ def test_without_rng_replay_the_gradients_differ(monkeypatch):
     encoder, tokenizer = make_encoder("bert", dropout=0.2)
     encoder.train()
     batch = demo_batch(tokenizer, 8, "B")
-    loss_fn, _ = build_loss(LossWeights(), "B")
+    loss_fn = AngleLoss(dataset_format="B")
     chunks = _chunks(encoder, batch, 6)
     _, plain, _ = _grads(encoder, plain_step, chunks, batch.labels, loss_fn, seed=5)
     monkeypatch.setattr(RngState, "replay", lambda self: contextlib.nullcontext())
@@ -62,8 +62,7 @@ def test_grad_cache_in_chunks_equals_one_plain_pass_over_the_whole_batch(arch, f
     """No dropout: chunked re-embedding with per-chunk padding = one forward/backward of the padded batch."""
     encoder, tokenizer = make_encoder(arch, dropout=0.0)
     batch = demo_batch(tokenizer, 10, fmt)
-    weights = LossWeights(cosine_w=1.0, ibn_w=0.0, angle_w=1.0) if fmt == "A" else LossWeights()
-    loss_fn, _ = build_loss(weights, fmt)
+    loss_fn = graded_or_contrastive_loss(fmt)
     loss_p, plain, _ = _grads(encoder, plain_step, _chunks(encoder, batch, None), batch.labels, loss_fn, seed=0)
     loss_c, cached, _ = _grads(encoder, grad_cache_step, _chunks(encoder, batch, 3), batch.labels, loss_fn, seed=0)
     torch.testing.assert_close(loss_c, loss_p, rtol=1e-10, atol=1e-12)
@@ -73,7 +72,7 @@ def test_grad_cache_in_chunks_equals_one_plain_pass_over_the_whole_batch(arch, f
 def test_grad_cache_float32_close_to_plain():
     encoder, tokenizer = make_encoder("bert", dropout=0.1, dtype=torch.float32)
     batch = demo_batch(tokenizer, 16, "B")
-    loss_fn, _ = build_loss(LossWeights(), "B")
+    loss_fn = AngleLoss(dataset_format="B")
     chunks = _chunks(encoder, batch, 8)
     _, plain, _ = _grads(encoder, plain_step, chunks, batch.labels, loss_fn, seed=1)
     _, cached, _ = _grads(encoder, grad_cache_step, chunks, batch.labels, loss_fn, seed=1)

@@ -6,30 +6,17 @@ import os
 
 import pytest
 import torch
+from train_helpers import run_config
 
-from angle_train.config import TrainConfig
 from angle_train.export import load_pretrained, save_pretrained
 from angle_train.tiny import demo_examples, demo_sts_examples
 from angle_train.trainer import train
 
 
 def _config(out, **overrides):
-    base = {
-        "train_data": "builtin:demo",
-        "batch_size": 16,
-        "max_steps": 24,
-        "lr": 3e-3,
-        "warmup": 2,
-        "output_dir": str(out),
-        "progress": False,
-        "save_final": False,
-        "log_every": 4,
-        "max_length": 16,
-        "device": "cpu",
-        "pooling": "avg",
-    }
-    base.update(overrides)
-    return TrainConfig(**base)
+    base = {"batch_size": 16, "max_steps": 24, "lr": 3e-3, "warmup": 2, "log_every": 4, "max_length": 16,
+            "pooling": "avg"}
+    return run_config(out, **{**base, **overrides})
 
 
 def _mean(xs):
@@ -79,7 +66,7 @@ def test_format_a_with_eval_keeps_the_best_model(tmp_path):
     assert sum("dev_spearman" in r for r in rows) == 2 and sum("loss" in r for r in rows) == 3
     best, tokenizer, meta = load_pretrained(result.best_path)
     assert meta["pooling"] == "avg"
-    from angle_train.evaluation import sts_spearman
+    from angle_train.trainer import sts_spearman
 
     assert sts_spearman(best, tokenizer, demo_sts_examples(64), max_length=16) == pytest.approx(
         result.best_spearman, abs=1e-5

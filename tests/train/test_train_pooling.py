@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from angle_train.pooling import POOLING_STRATEGIES, pool
+from angle_train.models import POOLING_STRATEGIES, pool
 
 
 def _right_and_left(seed=0):

@@ -1,13 +1,19 @@
-"""A run killed mid-way and resumed from its last checkpoint reproduces the uninterrupted run exactly."""
+"""Checkpoints: a run killed mid-way and resumed reproduces the uninterrupted run exactly; resuming refuses
+what would skip or repeat data, another model's weights, and files that would run code when loaded."""
 
 import json
+import os
+import random
 
+import numpy
 import pytest
 import torch
+from train_helpers import make_encoder, run_config
 
-from angle_train.config import TrainConfig
+from angle_train.checkpoint import Position, UnsafeCheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from angle_train.distributed import DistInfo
 from angle_train.tiny import demo_examples
-from angle_train.trainer import StopTraining, train
+from angle_train.trainer import StopTraining, make_optimizer, make_schedule, train
 
 CASES = {
     # full fine-tuning, dropout on, plain backprop; 40 examples / 16 per batch: epochs end every 2 steps
@@ -24,24 +30,9 @@ CASES = {
 
 
 def _config(out, **overrides):
-    base = {
-        "train_data": "builtin:demo",
-        "batch_size": 8,
-        "max_steps": 7,
-        "lr": 3e-3,
-        "warmup": 2,
-        "save_every": 3,
-        "keep_checkpoints": 1,
-        "output_dir": str(out),
-        "progress": False,
-        "save_final": False,
-        "log_every": 1,
-        "max_length": 12,
-        "device": "cpu",
-        "seed": 7,
-    }
-    base.update(overrides)
-    return TrainConfig(**base)
+    base = {"batch_size": 8, "max_steps": 7, "lr": 3e-3, "warmup": 2, "save_every": 3, "keep_checkpoints": 1,
+            "log_every": 1, "max_length": 12, "seed": 7}
+    return run_config(out, **{**base, **overrides})
 
 
 def _weights(result):
@@ -59,6 +50,8 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, case):
 
     killed = train(_config(tmp_path / "run", **CASES[case]), train_examples=data, on_step=kill_after_step_5)
     assert [r["step"] for r in killed.history] == [1, 2, 3, 4, 5]
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a metrics row torn by the kill
     resumed = train(_config(tmp_path / "run", resume="auto", **CASES[case]), train_examples=data)
     assert [r["step"] for r in resumed.history] == [4, 5, 6, 7]
 
@@ -87,3 +80,84 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
             ),
             train_examples=data,
         )
+
+
+def test_a_checkpoint_killed_while_being_written_is_never_resumed_from(tmp_path, monkeypatch):
+    import angle_train.checkpoint as checkpoint
+
+    data = (demo_examples(20, seed=3), "B")
+    real_rng_state = checkpoint._rng_state
+
+    def killed_at_step_6():
+        if os.path.exists(os.path.join(checkpoint_path(str(tmp_path), 6) + ".tmp", "state.pt")):
+            raise StopTraining  # the kill lands after state.pt is written, before the RNG file
+        return real_rng_state()
+
+    monkeypatch.setattr(checkpoint, "_rng_state", killed_at_step_6)
+    killed = train(_config(tmp_path, keep_checkpoints=2), train_examples=data)
+    assert [r["step"] for r in killed.history] == [1, 2, 3, 4, 5, 6]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000003", "step-00000006.tmp"]
+    monkeypatch.setattr(checkpoint, "_rng_state", real_rng_state)
+    resumed = train(_config(tmp_path, keep_checkpoints=2, resume="auto"), train_examples=data)
+    assert [r["step"] for r in resumed.history] == [4, 5, 6, 7]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000003", "step-00000006"]
+
+
+def test_a_new_run_or_other_data_settings_are_refused_where_a_run_left_checkpoints(tmp_path):
+    data = (demo_examples(20, seed=3), "B")
+    train(_config(tmp_path, max_steps=3), train_examples=data)
+    with pytest.raises(ValueError, match="already holds checkpoints of an earlier run.*--resume auto"):
+        train(_config(tmp_path, max_steps=3), train_examples=data)
+    with pytest.raises(ValueError, match=r"cannot resume .*batch_size: 8 -> 4.*would skip or repeat training data"):
+        train(_config(tmp_path, max_steps=3, batch_size=4, resume="auto"), train_examples=data)
+
+
+class RunsCodeWhenUnpickled:
+    """What a hostile checkpoint file can hold: unpickling it calls os.mkdir(marker), standing in for any code."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+@pytest.mark.parametrize("planted", ["state.pt", "rng-rank0.pt"])
+def test_resume_refuses_a_checkpoint_file_that_would_run_code(tmp_path, planted):
+    data = (demo_examples(20, seed=3), "B")
+    train(_config(tmp_path / "run", max_steps=3), train_examples=data)
+    hostile = tmp_path / "run" / "checkpoints" / "step-00000003" / planted
+    marker = tmp_path / "the-planted-code-ran"
+    torch.save({"model": RunsCodeWhenUnpickled(str(marker))}, hostile)
+    torch.load(hostile, weights_only=False)  # control: loading it the permissive way does run the code
+    assert marker.is_dir()
+    marker.rmdir()
+
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        train(_config(tmp_path / "run", max_steps=3, resume="auto"), train_examples=data)
+    message = str(refused.value)
+    assert f"refusing to load {hostile}" in message, message
+    assert "other than tensors and plain values" in message and "run code" in message, message
+    assert "mkdir" in message, message  # names what the file would have called
+    assert not marker.exists()
+
+
+def test_a_checkpoint_restores_every_random_generator(tmp_path):
+    """Python's, numpy's and torch's generators continue from the saved state (numpy's is stored as a list)."""
+    cfg = run_config(tmp_path, max_steps=3)
+    encoder, _ = make_encoder("bert")
+    optimizer = make_optimizer(cfg, encoder, torch.device("cpu"))
+    trainables = {"encoder": encoder, "optimizer": optimizer, "scheduler": make_schedule(cfg, optimizer, 3),
+                  "scaler": torch.amp.GradScaler("cpu", enabled=False)}
+    random.seed(1)
+    numpy.random.seed(2)
+    torch.manual_seed(3)
+    path = save_checkpoint(cfg, Position(step=3, epoch=1, batch=2, best=0.5), DistInfo(), **trainables)
+
+    def draws():
+        return random.random(), numpy.random.normal(), torch.rand(()).item()
+
+    after_save = draws()
+    position = load_checkpoint(path, cfg, DistInfo(), **trainables)
+    assert draws() == after_save
+    assert position == Position(step=3, epoch=1, batch=2, best=0.5)

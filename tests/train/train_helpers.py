@@ -1,4 +1,5 @@
-"""Shared helpers for the angle_train tests: tiny models built from a config, an offline tokenizer."""
+"""Shared helpers for the angle_train tests: tiny models built from a config, an offline tokenizer, the loss,
+a run configuration for tests."""
 
 from __future__ import annotations
 
@@ -33,3 +34,21 @@ def demo_batch(tokenizer, n_pairs: int, fmt: str = "B", seed: int = 0, max_lengt
 
 def param_grads(module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def graded_or_contrastive_loss(fmt: str):
+    """AngleLoss for a data format: the ranking terms for graded format-A labels (the in-batch-negative term
+    needs 0/1 labels), the defaults otherwise."""
+    from angle_kernels import AngleLoss
+
+    if fmt == "A":
+        return AngleLoss(cosine_w=1.0, ibn_w=0.0, angle_w=1.0, dataset_format="A")
+    return AngleLoss(dataset_format=fmt)
+
+
+def run_config(output_dir, **settings):
+    """A TrainConfig for a test run: on the CPU, no progress bar, no final export, unless `settings` say otherwise."""
+    from angle_train.config import TrainConfig
+
+    quiet = {"device": "cpu", "progress": False, "save_final": False}
+    return TrainConfig(output_dir=str(output_dir), **{**quiet, **settings})
