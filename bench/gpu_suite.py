@@ -19,7 +19,7 @@ and each subprocess's output line by line into its own log, so a stage killed fr
                    machine)
     b      300 s   the CUDA extension: `setup.py build_ext --inplace` for this GPU's architecture
                    (cuda_build.log), leaving angle_kernels/_C*.so for every later process, then
-                   `pytest tests/ops -k cuda`
+                   `pytest tests/ops tests/integrations/test_compile.py -k cuda`
     c      300 s   hardware limits (device copy, matmul rates), then the op sweep (every family's OPS):
                    Triton and torch backends, then the CUDA backend if stage b's extension passes a probe;
                    achieved bandwidth or matmul fraction, for the FLOPs the maths needs and the FLOPs each
@@ -177,7 +177,7 @@ def subprocess_env(**extra: str) -> dict:
 # kernel (stage a); then the CUDA backend's op tests once stage b has built the extension. The op tests'
 # backend ids are exactly "torch", "triton" and "cuda", so -k selects by backend.
 PYTEST_TRITON = ["tests/ops", "-k", "not cuda", "tests/test_triton_compile.py"]
-PYTEST_CUDA = ["tests/ops", "-k", "cuda"]
+PYTEST_CUDA = ["tests/ops", "tests/integrations/test_compile.py", "-k", "cuda"]
 
 
 def run_pytest(pytest_args: list[str], log_path: Path, timeout_s: float, workers: int) -> dict:
