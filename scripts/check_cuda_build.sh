@@ -15,7 +15,7 @@
 #      .so: that runs its TORCH_LIBRARY_IMPL registration, which fails if a C++ signature does not match its
 #      schema, and the script checks that every op now has a CUDA kernel.
 # Torch imports without a GPU, so link errors (undefined symbols) and registration errors show up here;
-# running the kernels needs a GPU (tests/gpu, scripts/gpu_check.sh).
+# running the kernels needs a GPU (tests/ops -k cuda, scripts/gpu_check.sh).
 #
 # The sources are copied to WORK_DIR/src first (the tracked and untracked, not ignored files of this
 # checkout), so the build leaves nothing in the repository.
