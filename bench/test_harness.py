@@ -63,22 +63,38 @@ def test_cuda_memory_is_measured_on_a_warm_run():
     assert leaf.grad is not None and float(value.detach()) == 0.0
 
 
+_CPU_MEASUREMENT = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import torch
+import harness
+
+leaf = torch.ones(4, requires_grad=True)
+grads_seen = []
+
+def run():
+    grads_seen.append(leaf.grad)
+    held = torch.ones(16 * 2**20)  # 64 MB, written
+    return (leaf * held[:4]).sum()
+
+measured = harness.measure_fwd_bwd(run, [leaf], "cpu", repeats=3, time_per_case=60.0)
+print(measured["extra_bytes"], len(measured["times_s"]), measured["loss_value"],
+      all(grad is None for grad in grads_seen))
+"""
+
+
 def test_cpu_measurement_sees_what_a_pass_allocates():
-    """The peak RSS of the pass over the RSS before it: a pass that holds 64 MB (fresh pages: an allocation
-    this large is mmapped) must show at least most of it, and the gradients are reset between runs."""
-    leaf = torch.ones(4, requires_grad=True)
-    grads_seen = []
+    """The peak RSS of the pass over the RSS before it: a pass that holds 64 MB must show at least most of it,
+    and the gradients are reset between runs. Measured in a fresh process: RSS is a property of the whole
+    process, and memory earlier tests freed (but malloc kept) would make the pass's pages look resident."""
+    import subprocess
 
-    def run():
-        grads_seen.append(leaf.grad)
-        held = torch.ones(16 * 2**20)  # 64 MB, written
-        return (leaf * held[:4]).sum()
-
-    measured = harness.measure_fwd_bwd(run, [leaf], "cpu", repeats=3, time_per_case=60.0)
-    assert measured["extra_bytes"] >= 48 * 2**20, measured
-    assert len(measured["times_s"]) == 3 and measured["loss_value"] == 4.0
-    assert all(grad is None for grad in grads_seen)  # fwd_bwd resets them: nothing accumulates
-    assert torch.equal(leaf.grad, torch.ones(4))
+    out = subprocess.run([sys.executable, "-c", _CPU_MEASUREMENT, str(HERE), str(HERE.parent / "tests")],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    extra_bytes, runs, loss_value, grads_were_reset = int(out[0]), int(out[1]), float(out[2]), out[3]
+    assert extra_bytes >= 48 * 2**20, out
+    assert runs == 3 and loss_value == 4.0
+    assert grads_were_reset == "True"  # fwd_bwd resets them: nothing accumulates
 
 
 def test_a_forked_child_reports_results_errors_oom_and_timeouts():
