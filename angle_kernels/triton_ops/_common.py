@@ -7,8 +7,6 @@ import os
 import torch
 import triton.language as tl
 
-from ..dispatch import triton_interpreting as interpreting  # noqa: F401  (the launchers' name for it)
-
 POISON_OUTPUTS_ENV = "ANGLE_KERNELS_POISON_OUTPUTS"
 
 

@@ -71,7 +71,8 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, NORM_EPS, compute_dtype
-from ._common import interpreting, new_output
+from ..dispatch import triton_interpreting
+from ._common import new_output
 
 _TF32_ENV = "ANGLE_KERNELS_ALLOW_TF32"
 
@@ -454,7 +455,7 @@ def _autotune_bucket(rows: int) -> int:
     return triton.next_power_of_2(max(rows, 1))
 
 
-if interpreting():
+if triton_interpreting():
     _TUNED = {"16bit": _TILE_KERNELS, "32bit": _TILE_KERNELS}
 else:
     _TUNED = {
@@ -482,12 +483,12 @@ def _operand_dtype(dtype: torch.dtype):
     if dtype == torch.float32:
         return tl.float32
     if dtype == torch.bfloat16:
-        return tl.float32 if interpreting() else tl.bfloat16
+        return tl.float32 if triton_interpreting() else tl.bfloat16
     return tl.float16
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and os.environ.get(_TF32_ENV, "0") not in ("", "0") and not interpreting():
+    if dtype == torch.float32 and os.environ.get(_TF32_ENV, "0") not in ("", "0") and not triton_interpreting():
         return "tf32"
     return "ieee"
 
@@ -499,7 +500,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _tile_launch(kernel, grid_of, blocks, *args, **constexprs):
     """Launch an (autotuned on GPU, fixed under the interpreter) tile kernel."""
-    if interpreting():
+    if triton_interpreting():
         kernel[grid_of(blocks)](*args, **constexprs, **blocks, num_warps=4)
     else:
         kernel[lambda meta: grid_of(meta)](*args, **constexprs)
