@@ -30,6 +30,10 @@ MARGIN_SIN_SQUARED_FLOOR = 1e-6
 EMBEDDING_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SCORE_DTYPES = (torch.float32, torch.float64)
 TARGETS = ("partner", "diagonal")
+# The ops, by name. A backend is a package whose __init__ defines is_available() and which has one module per
+# op, named after the op and defining a function of that name (torch_ops/ranking_loss.py -> ranking_loss):
+# dispatch finds the ops by these names, so adding an op never edits a backend's __init__.
+OPS = ("pair_scores", "ranking_loss", "similarity_xent")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,7 +42,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class Backend(Protocol):
-    """What a backend module provides (torch_ops, triton_ops, cuda_ops). The ops take validated inputs."""
+    """What dispatch assembles from a backend package (see OPS). The ops take validated inputs."""
 
     def is_available(self) -> tuple[bool, str]: ...
 

@@ -72,11 +72,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import types
 import warnings
 
 import torch
 
-from . import contract, torch_ops
+from . import contract
 
 BACKENDS = ("torch", "triton", "cuda")
 
@@ -105,9 +106,18 @@ class Ops:
 
 
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
-_MODULES = {"triton": "angle_kernels.triton_ops", "cuda": "angle_kernels.cuda_ops"}
+_PACKAGES = {name: f"angle_kernels.{name}_ops" for name in BACKENDS}
 # What "auto" tries for CUDA tensors, in order, before the PyTorch path.
 _AUTO_GPU_BACKENDS = ("triton", "cuda")
+
+
+def raw_backend(name: str) -> contract.Backend:
+    """Backend `name`'s own ops, which trust their inputs (the losses call them through `Ops`, tests directly),
+    found by the convention stated at contract.OPS. Imports the op modules; does not ask whether they can run."""
+    package = _PACKAGES[name]
+    ops = {op: getattr(importlib.import_module(f"{package}.{op}"), op) for op in contract.OPS}
+    return types.SimpleNamespace(is_available=importlib.import_module(package).is_available, **ops)
+
 
 # Backend name -> (its Ops, "") or (None, why it is unavailable), as found when that backend was asked for
 # explicitly: the CUDA extension may then be JIT-built. "auto" asks without building, and its answers live
@@ -115,7 +125,7 @@ _AUTO_GPU_BACKENDS = ("triton", "cuda")
 # an explicit answer, once there, is final for "auto" too (a build that succeeded is usable, one that failed
 # means no prebuilt extension either). Plain dicts rather than functools.lru_cache so that torch.compile can
 # trace resolve_backend: once a backend is loaded, looking it up is a constant.
-_TORCH_OPS = Ops("torch", torch_ops)
+_TORCH_OPS = Ops("torch", raw_backend("torch"))
 _loaded: dict[str, tuple[Ops | None, str]] = {"torch": (_TORCH_OPS, "")}
 _loaded_without_build: dict[str, tuple[Ops | None, str]] = {}
 # The GPU backends "auto" has already warned about passing over (one warning per process and backend).
@@ -123,16 +133,18 @@ _warned_fallbacks: set[str] = set()
 
 
 def _probe(backend: str, allow_build: bool) -> tuple[Ops | None, str]:
-    """Import an optional backend module and ask it whether it works here."""
+    """Ask an optional backend whether it works here; if it does, import its ops."""
+    package = _PACKAGES[backend]
     try:
-        module = importlib.import_module(_MODULES[backend])
+        module = importlib.import_module(package)
         if backend == "cuda":  # the only backend that can compile on load (a JIT build of csrc/)
             available, why = module.is_available(allow_build=allow_build)
         else:
             available, why = module.is_available()
+        ops = Ops(backend, raw_backend(backend)) if available else None
     except Exception as exc:  # an optional backend must never break the losses: report it as the reason
-        return None, f"importing or probing {_MODULES[backend]} raised {type(exc).__name__}: {exc}"
-    return (Ops(backend, module), "") if available else (None, why)
+        return None, f"importing or probing {package} raised {type(exc).__name__}: {exc}"
+    return (ops, "") if available else (None, why)
 
 
 def _load(backend: str, allow_build: bool) -> tuple[Ops | None, str]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import angle_kernels.cuda_ops as cuda_ops
-from angle_kernels import dispatch, torch_ops
+from angle_kernels import contract, dispatch
 from angle_kernels.cuda_ops import _extension
 
 FAKE_CUDA_TENSOR = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
@@ -56,8 +56,13 @@ def backends(monkeypatch):
     cuda = FakeBackend("fake_cuda_backend", (None, "no prebuilt angle_kernels._C (fake)"), takes_allow_build=True)
     for module in (triton, cuda):
         monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr(dispatch, "_MODULES", {"triton": triton.__name__, "cuda": cuda.__name__})
-    monkeypatch.setattr(dispatch, "_loaded", {"torch": (dispatch.Ops("torch", torch_ops), "")})
+        for op in contract.OPS:  # one module per op, named after it (the convention dispatch relies on)
+            op_module = ModuleType(f"{module.__name__}.{op}")
+            setattr(op_module, op, getattr(dispatch.raw_backend("torch"), op))
+            monkeypatch.setitem(sys.modules, op_module.__name__, op_module)
+    monkeypatch.setattr(dispatch, "_PACKAGES", {"torch": "angle_kernels.torch_ops", "triton": triton.__name__,
+                                                "cuda": cuda.__name__})
+    monkeypatch.setattr(dispatch, "_loaded", {"torch": (dispatch._TORCH_OPS, "")})
     monkeypatch.setattr(dispatch, "_loaded_without_build", {})
     monkeypatch.setattr(dispatch, "_warned_fallbacks", set())
     monkeypatch.delenv("ANGLE_KERNELS_BACKEND", raising=False)
@@ -73,14 +78,14 @@ def _resolve_recording_warnings(requested, tensor):
 
 def test_auto_on_cpu_tensors_is_torch_without_probing_or_warning(backends):
     module, warned = _resolve_recording_warnings("auto", torch.zeros(2, 3))
-    assert module.backend is torch_ops
+    assert module.name == "torch"
     assert warned == []
     assert backends.triton.calls == [] and backends.cuda.calls == []
 
 
 def test_auto_uses_working_triton_silently(backends):
     module, warned = _resolve_recording_warnings(None, FAKE_CUDA_TENSOR)
-    assert module.backend is backends.triton
+    assert module.name == "triton"
     assert warned == []
     assert backends.cuda.calls == []  # never probed, let alone built
 
@@ -88,7 +93,7 @@ def test_auto_uses_working_triton_silently(backends):
 def test_auto_warns_once_per_backend_with_the_reason_and_never_builds(backends):
     backends.triton.answer = (False, "triton does not import: ImportError: fake libcuda mismatch")
     module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-    assert module.backend is torch_ops
+    assert module.name == "torch"
     assert len(warned) == 2  # one for triton, one for cuda
     triton_message, cuda_message = (str(w.message) for w in warned)
     assert "the 'triton' backend" in triton_message and "fake libcuda mismatch" in triton_message
@@ -100,7 +105,7 @@ def test_auto_warns_once_per_backend_with_the_reason_and_never_builds(backends):
 
     for _ in range(3):  # cached: neither probed again nor warned again
         module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-        assert module.backend is torch_ops and warned == []
+        assert module.name == "torch" and warned == []
     assert backends.triton.calls == [None] and backends.cuda.calls == [False]
 
 
@@ -110,15 +115,26 @@ def test_auto_reports_a_backend_that_raises_while_probed(backends):
 
     backends.triton.is_available = broken
     module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-    assert module.backend is torch_ops
+    assert module.name == "torch"
     assert "OSError" in str(warned[0].message) and "libtriton.so" in str(warned[0].message)
+
+
+def test_a_backend_whose_op_module_fails_to_import_is_reported(backends, monkeypatch):
+    """An available backend whose kernels do not import (a Triton API change, a syntax error) is passed over with
+    the import error as the reason, and an explicit request for it raises with that reason."""
+    monkeypatch.setitem(sys.modules, f"{backends.triton.__name__}.ranking_loss", None)  # its import raises
+    module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
+    assert module.name == "torch"
+    assert "ModuleNotFoundError" in str(warned[0].message) and "ranking_loss" in str(warned[0].message)
+    with pytest.raises(RuntimeError, match="backend .triton. is not available here: .*ModuleNotFoundError"):
+        dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
 
 
 def test_auto_uses_a_prebuilt_cuda_extension(backends):
     backends.triton.answer = (False, "no triton (fake)")
     backends.cuda.answer = (True, "")
     module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-    assert module.backend is backends.cuda
+    assert module.name == "cuda"
     assert len(warned) == 1 and "no triton (fake)" in str(warned[0].message)  # only triton was passed over
     assert backends.cuda.calls == [False]
 
@@ -126,15 +142,15 @@ def test_auto_uses_a_prebuilt_cuda_extension(backends):
 def test_explicit_cuda_builds_even_after_auto_found_it_unbuilt(backends):
     backends.triton.answer = (False, "no triton (fake)")
     with pytest.warns(RuntimeWarning):
-        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR).backend is torch_ops
+        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR).name == "torch"
     assert backends.cuda.calls == [False]
     # auto's "not compiled" answer must not stand in for the explicit request, which may build ...
-    assert dispatch.resolve_backend("cuda", FAKE_CUDA_TENSOR).backend is backends.cuda
+    assert dispatch.resolve_backend("cuda", FAKE_CUDA_TENSOR).name == "cuda"
     assert backends.cuda.calls == [False, True]
     # ... and once built in this process, auto uses it without asking again.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR).backend is backends.cuda
+        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR).name == "cuda"
     assert backends.cuda.calls == [False, True]
 
 
@@ -188,7 +204,7 @@ def test_a_failed_build_is_not_retried(extension_without_prebuilt):
 
 
 def test_cuda_ops_is_available_passes_allow_build_through(monkeypatch):
-    assert not cuda_ops._LIBRARY_ERROR, "the cuda_* ops must be defined on every machine, CPU-only ones too"
+    _extension.define_schemas()  # the cuda_* ops must be defined on every machine, CPU-only ones too
     asked = []
     monkeypatch.setattr(_extension, "load", lambda allow_build=True: asked.append(allow_build) or (False, "x"))
     cuda_ops.is_available(allow_build=False)

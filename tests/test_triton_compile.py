@@ -3,7 +3,8 @@
 The interpreter tests (the triton cases of tests/ops) accept code that a GPU compile rejects: dot operand layouts and dtypes,
 fp64 math lowering, scan/reduce combine functions, register allocation. This test compiles each kernel with
 Triton's own ptxas for sm_90 (fp32 and bf16 signatures, plus fp64 for the ranking scans; the CI subset of
-`angle_kernels.triton_ops._compile_check`, about 40 s on 2 cores) and checks that nothing failed.
+`angle_kernels.triton_ops._compile_check`, about 40 s on 2 cores) and checks that nothing failed and that no
+kernel of an op module was left out.
 
 It must run without TRITON_INTERPRET (interpreted kernels cannot be compiled), so it runs in a subprocess
 with that variable removed, which also keeps it independent of tests/ops' interpreter setup. The autotuner
@@ -24,19 +25,6 @@ pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parent.parent
 
-EXPECTED_KERNELS = {
-    "_pair_scores_fwd_kernel",
-    "_pair_scores_bwd_kernel",
-    "_ranking_pairwise_fwd_kernel",
-    "_ranking_block_scan_kernel",
-    "_ranking_gather_fwd_kernel",
-    "_ranking_bwd_kernel",
-    "_similarity_xent_fwd_kernel",
-    "_similarity_xent_bwd_dq_kernel",
-    "_similarity_xent_bwd_dc_kernel",
-    "_similarity_xent_bwd_finish_kernel",
-}
-
 
 def _compiled_mode_env(tmp_path) -> dict:
     """The environment of a subprocess in which triton compiles (no interpreter) into a fresh cache."""
@@ -55,8 +43,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     )
     assert proc.returncode == 0, f"sm_90 compile failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith("_")]
-    compiled = {line.split()[0] for line in lines}
-    assert compiled == EXPECTED_KERNELS, f"missing: {EXPECTED_KERNELS - compiled}"
+    assert lines, proc.stdout  # (compile_all itself fails when an op module has a kernel without a compile case)
     for line in lines:
         assert "regs=" in line and "shared=" in line, line
 

@@ -16,11 +16,14 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import shutil
 from pathlib import Path
 
 import torch
+
+from ..contract import OPS
 
 # The one statement of what the extension is built from and with: setup.py (the install-time build) loads this
 # file for them, and tests/test_csrc_compile.py compiles csrc/ with NVCC_FLAGS on top of torch's own flags.
@@ -73,11 +76,15 @@ def _missing_requirement() -> str:
     return ""
 
 
+def define_schemas() -> None:
+    """Import the op modules (one per op of contract.OPS): they define the schemas the kernels attach to."""
+    for name in OPS:
+        importlib.import_module(f"angle_kernels.cuda_ops.{name}")
+
+
 @functools.lru_cache(maxsize=None)
 def _import_prebuilt() -> tuple[bool, str]:
     """Import the extension setup.py built, if there is one (a fact about the install: cached)."""
-    import angle_kernels.cuda_ops  # noqa: F401  (its op modules define the schemas the kernels attach to)
-
     try:
         import angle_kernels._C  # noqa: F401
     except ImportError as exc:
@@ -100,6 +107,10 @@ def load(allow_build: bool = True) -> tuple[bool, str]:
     missing = _missing_requirement()
     if missing:
         return False, missing
+    try:
+        define_schemas()  # before the kernels attach to them
+    except Exception as exc:  # noqa: BLE001  (load never raises: the reason is the answer)
+        return False, f"defining the angle_kernels::cuda_* ops failed: {type(exc).__name__}: {exc}"
     prebuilt, prebuilt_why = _import_prebuilt()
     if prebuilt:
         return True, ""

@@ -1,11 +1,11 @@
-"""The torch.library namespace of the CUDA backend, shared by its three op modules.
+"""The torch.library namespace of the CUDA backend, shared by its op modules.
 
-The op schemas are defined in Python, not in csrc/bindings.cpp, so that they exist on every machine (CPU-only
-ones too): torch.compile traces them through their fake implementations, and tests inspect them. Each op
-module (pair_scores.py, ranking.py, similarity_xent.py) defines its forward and backward ops here with
-`define`, registers their fake implementations and autograd formula, and wraps them as the backend's op. The
-CUDA kernels are attached to the schemas by the compiled extension (`TORCH_LIBRARY_IMPL(angle_kernels, CUDA,
-m)` in csrc/bindings.cpp), loaded by `_extension`.
+The op schemas are defined in Python, not in csrc/, so that they exist on every machine (CPU-only ones too):
+torch.compile traces them through their fake implementations, and tests inspect them. Each op module
+(`cuda_ops/<op>.py`) defines its forward and backward ops here with `define`, registers their fake
+implementations and autograd formula, and wraps them as the backend's op. The CUDA kernels are attached to the
+schemas by the compiled extension (`TORCH_LIBRARY_IMPL(angle_kernels, CUDA, m)` in each op's `csrc/<op>.cpp`),
+loaded by `_extension`.
 
 The ops carry a `cuda_` prefix so they cannot collide with ops other backends define under the same
 `angle_kernels` namespace. Each forward op returns, besides its results, the small O(N) state its backward op
@@ -18,7 +18,7 @@ import torch
 
 NAMESPACE = "angle_kernels"
 
-# Every op defined so far: name -> schema (filled by `define`; the op modules are imported by the package).
+# Every op defined so far: name -> schema (filled by `define` as the op modules are imported).
 SCHEMAS: dict[str, str] = {}
 
 # One FRAGMENT library for all definitions; kept alive for the life of the process.

@@ -1,14 +1,8 @@
 """The pure-PyTorch backend: exact, O(N) extra memory (never an N x N matrix), runs on any device.
 
-Implements `angle_kernels.contract.Backend`: inputs arrive validated by `angle_kernels.dispatch`."""
-
-from .pair_scores import pair_scores
-from .ranking import ranking_loss
-from .similarity_xent import similarity_xent
+One module per op, named after it (`contract.OPS`): pair_scores.py, ranking_loss.py, similarity_xent.py;
+`dispatch` finds them by name. Inputs arrive validated by `angle_kernels.dispatch`."""
 
 
 def is_available() -> tuple[bool, str]:
     return True, ""
-
-
-__all__ = ["pair_scores", "ranking_loss", "similarity_xent", "is_available"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple
 
 import torch
 import triton.language as tl
@@ -32,3 +33,18 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 def acc_dtype_of(dtype: torch.dtype):
     """The Triton accumulation dtype for inputs of `dtype`."""
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+class CompileCase(NamedTuple):
+    """One specialisation of a kernel as its launcher launches it, which `_compile_check` compiles for a GPU
+    target without a GPU. Each kernel file lists its cases in `compile_cases(full)`, next to the launcher whose
+    choices they repeat. Pointer arguments are `*pointer_dtype` unless named in `pointers` (Triton type names:
+    "fp32", "bf16", "i64", ...); other runtime arguments are i32."""
+
+    kernel: Any  # the @triton.jit function
+    label: str
+    pointer_dtype: str
+    constexprs: dict
+    num_warps: int
+    num_stages: int = 3
+    pointers: dict | None = None

@@ -39,7 +39,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from ..contract import NORM_EPS, compute_dtype
-from ._common import acc_dtype_of, new_output
+from ._common import CompileCase, acc_dtype_of, new_output
 
 _MAX_BLOCK = 1024
 
@@ -263,3 +263,26 @@ class PairScoresFunction(torch.autograd.Function):
 def pair_scores(x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, angle) of every pair of x [G, K, D]; see angle_kernels.dispatch for the contract."""
     return PairScoresFunction.apply(x, with_angle)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The specialisations CI compiles for sm_90 without a GPU (triton_ops._compile_check)
+# ----------------------------------------------------------------------------------------------------------
+def compile_cases(full: bool) -> list[CompileCase]:
+    """CI: fp32 and bf16 inputs, K = 2 and 3, with and without the angle; full=True: every combination and fp64."""
+    variants = [("fp32", 2, True), ("bf16", 3, True), ("bf16", 2, False)]
+    if full:
+        variants = [(x, k, a) for x in ("fp32", "bf16", "fp64") for k in (2, 3) for a in (True, False)]
+    cases = []
+    for x_dtype, k, with_angle in variants:
+        config = launch_config(k, 768, with_angle)
+        warps = config.pop("num_warps")
+        acc = tl.float64 if x_dtype == "fp64" else tl.float32
+        constexprs = dict(WITH_ANGLE=with_angle, ACC=acc, EPS=NORM_EPS, **config)
+        label = f"x={x_dtype} K={k} angle={with_angle} D=768"
+        scalars = "fp64" if x_dtype == "fp64" else "fp32"
+        cases.append(CompileCase(_pair_scores_fwd_kernel, label, scalars, constexprs, warps,
+                                 pointers={"x_ptr": x_dtype}))
+        cases.append(CompileCase(_pair_scores_bwd_kernel, label, scalars, constexprs, warps,
+                                 pointers={"x_ptr": x_dtype, "dx_ptr": x_dtype}))
+    return cases

@@ -72,7 +72,7 @@ from torch.autograd.function import once_differentiable
 
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, NORM_EPS, compute_dtype
 from ..dispatch import triton_interpreting
-from ._common import new_output
+from ._common import CompileCase, new_output
 
 _TF32_ENV = "ANGLE_KERNELS_ALLOW_TF32"
 
@@ -594,3 +594,35 @@ class SimilarityXentFunction(torch.autograd.Function):
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None):
     """Flash-style softmax cross-entropy over cosine similarities; see angle_kernels.dispatch."""
     return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The specialisations CI compiles for sm_90 without a GPU (triton_ops._compile_check)
+# ----------------------------------------------------------------------------------------------------------
+def compile_cases(full: bool) -> list[CompileCase]:
+    """CI: bf16 with groups, fp32 with a margin, the first autotune config of each; full=True: every dtype, both
+    variants, every autotune config."""
+    variants = [("bf16", tl.bfloat16, True, False), ("fp32", tl.float32, False, True)]
+    if full:
+        variants = [(x, operand, groups, not groups)
+                    for x, operand in (("fp32", tl.float32), ("bf16", tl.bfloat16), ("fp16", tl.float16),
+                                       ("fp64", tl.float64))
+                    for groups in (True, False)]
+    cases = []
+    for x_dtype, operand, has_groups, has_margin in variants:
+        configs = _GPU_CONFIGS_32BIT if x_dtype in ("fp32", "fp64") else _GPU_CONFIGS_16BIT
+        acc = tl.float64 if x_dtype == "fp64" else tl.float32
+        pointer_dtype = "fp64" if x_dtype == "fp64" else "fp32"
+        for config in configs if full else configs[:1]:
+            constexprs = dict(PARTNER_TARGET=has_groups, EXCLUDE_DIAGONAL=has_groups, HAS_MARGIN=has_margin,
+                              HAS_GROUPS=has_groups, ACC=acc, OPERAND=operand, PRECISION="ieee", EPS=NORM_EPS,
+                              SIN_SQ_FLOOR=MARGIN_SIN_SQUARED_FLOOR, **config.kwargs)
+            blocks = "x".join(str(v) for v in config.kwargs.values())
+            label = f"x={x_dtype} groups={has_groups} margin={has_margin} tile={blocks} w={config.num_warps}"
+            pointers = {"q_ptr": x_dtype, "c_ptr": x_dtype, "group_ptr": "i64"}
+            cases += [CompileCase(kernel, label, pointer_dtype, constexprs, config.num_warps, config.num_stages,
+                                  pointers) for kernel in _TILE_KERNELS]
+        cases.append(CompileCase(_similarity_xent_bwd_finish_kernel, f"x={x_dtype}", pointer_dtype,
+                                 dict(HAS_B=True, ACC=acc, EPS=NORM_EPS, BLOCK_D=1024), 4,
+                                 pointers={"x_ptr": x_dtype, "dx_ptr": x_dtype}))
+    return cases

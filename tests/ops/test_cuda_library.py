@@ -16,7 +16,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import angle_kernels.cuda_ops as cuda_ops  # defines the torch.ops.angle_kernels.cuda_* ops
+from angle_kernels import dispatch
+
+CUDA = dispatch.raw_backend("cuda")  # imports the op modules, which define the torch.ops.angle_kernels.cuda_* ops
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 NAMESPACE = "angle_kernels"
@@ -27,14 +29,14 @@ def _op(name):
 
 
 def _registered_op_names() -> set[str]:
-    """The ops defined in the angle_kernels namespace (by importing angle_kernels.cuda_ops)."""
+    """The ops defined in the angle_kernels namespace (by importing the cuda_ops op modules)."""
     return {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith(NAMESPACE + "::")}
 
 
 def test_unavailable_without_a_gpu_says_why():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: availability depends on the build (the op tests' cuda cases say)")
-    available, why = cuda_ops.is_available()
+    available, why = CUDA.is_available()
     assert available is False
     assert "CUDA" in why or "GPU" in why, why
 
@@ -133,11 +135,11 @@ def test_make_fx_traces_forward_and_backward():
     def loss_and_grads(x, q):
         x = x.requires_grad_()
         q = q.requires_grad_()
-        cos, angle = cuda_ops.pair_scores(x, True)
+        cos, angle = CUDA.pair_scores(x, True)
         scores = (cos * 20.0).reshape(-1)
         labels = torch.arange(scores.shape[0], device=x.device) % 2
-        loss = cuda_ops.ranking_loss(scores, labels) + angle.sum()
-        loss = loss + cuda_ops.similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
+        loss = CUDA.ranking_loss(scores, labels) + angle.sum()
+        loss = loss + CUDA.similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
         return torch.autograd.grad(loss, (x, q))
 
     graph = make_fx(loss_and_grads, tracing_mode="fake")(torch.randn(4, 2, 6), torch.randn(6, 6))

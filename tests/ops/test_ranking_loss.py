@@ -99,7 +99,7 @@ def triton_sort_path(monkeypatch):
     """The Triton backend forced onto its sort path, with 16-element scan blocks so that the carries between
     blocks (and tie groups that straddle them) are exercised at test sizes."""
     triton_backend = backend_or_skip("triton")
-    ranking = importlib.import_module("angle_kernels.triton_ops.ranking")
+    ranking = importlib.import_module("angle_kernels.triton_ops.ranking_loss")
     monkeypatch.setattr(ranking, "SMALL_N_MAX", 0)
     monkeypatch.setattr(ranking, "_SCAN_BLOCK", 16)
     return triton_backend

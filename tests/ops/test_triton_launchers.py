@@ -13,7 +13,6 @@ batch size does not re-tune: the bucket function and the keys each launch passes
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -23,10 +22,9 @@ from ak_testing import backend_or_skip, generator, randn
 
 pytest.importorskip("triton")  # a third-party dependency: without it there is nothing to test here
 
-# importlib: the package binds the names of its op modules to the op functions.
-common = importlib.import_module("angle_kernels.triton_ops._common")
-ranking = importlib.import_module("angle_kernels.triton_ops.ranking")
-similarity = importlib.import_module("angle_kernels.triton_ops.similarity_xent")
+import angle_kernels.triton_ops._common as common  # noqa: E402  (after the importorskip)
+import angle_kernels.triton_ops.ranking_loss as ranking  # noqa: E402
+import angle_kernels.triton_ops.similarity_xent as similarity  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._common import new_output
+from ._common import CompileCase, new_output
 
 # Crossover between the tiled O(N^2) launch and the sort path. NOT MEASURED (no GPU was available when it
 # was written): it must be measured on a GPU with bench/gpu_suite.py and updated. The reasoning behind the
@@ -301,3 +301,25 @@ class RankingLossFunction(torch.autograd.Function):
 def ranking_loss(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log(1 + sum_{label_i < label_j} exp(s_i - s_j)); see angle_kernels.dispatch for the contract."""
     return RankingLossFunction.apply(scores, labels)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The specialisations CI compiles for sm_90 without a GPU (triton_ops._compile_check)
+# ----------------------------------------------------------------------------------------------------------
+def compile_cases(full: bool) -> list[CompileCase]:
+    """Every kernel for float32 and float64 scores (the scans work in float64 either way); `full` adds nothing."""
+    del full
+    index_pointers = {"order_ptr": "i64", "group_start_ptr": "i64", "group_end_ptr": "i64"}
+    cases = []
+    for scores_dtype, acc in (("fp32", tl.float32), ("fp64", tl.float64)):
+        cases.append(CompileCase(
+            _ranking_pairwise_fwd_kernel, f"scores={scores_dtype}", "fp64",
+            dict(ACC=acc, BLOCK_ROWS=_PAIRWISE_BLOCK_ROWS, BLOCK_COLS=_PAIRWISE_BLOCK_COLS), _PAIRWISE_WARPS,
+            pointers={"scores_ptr": scores_dtype, "labels_ptr": "i64"}))
+        cases.append(CompileCase(_ranking_bwd_kernel, f"grad={scores_dtype}", "fp64",
+                                 dict(HAS_ORDER=True, BLOCK=_BWD_BLOCK), 4,
+                                 pointers={**index_pointers, "grad_ptr": scores_dtype}))
+    cases.append(CompileCase(_ranking_block_scan_kernel, "fp64", "fp64", dict(BLOCK=_SCAN_BLOCK), 8))
+    cases.append(CompileCase(_ranking_gather_fwd_kernel, "fp64", "fp64",
+                             dict(SCAN_BLOCK=_SCAN_BLOCK, BLOCK=_SCAN_BLOCK), 8, pointers=index_pointers))
+    return cases

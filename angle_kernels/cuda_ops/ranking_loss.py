@@ -1,4 +1,4 @@
-"""ranking_loss on the CUDA kernels of csrc/ranking.cu: ops, fake implementations, autograd, and the op.
+"""ranking_loss on the CUDA kernels of csrc/ranking_loss.cu: ops, fake implementations, autograd, and the op.
 
     cuda_ranking_fwd(scores, labels)  -> loss [], order [N], group_first [N], group_past [N]
     cuda_ranking_bwd(grad_loss, scores, order, group_first, group_past) -> grad_scores [N]
