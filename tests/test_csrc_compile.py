@@ -243,7 +243,9 @@ def test_binding_declares_the_launchers_its_kernel_file_defines(compiled, name, 
     declaration that differs from its definition (a parameter type, the return type of a template) asks for a
     symbol the .cu does not define: the extension would fail to load with "undefined symbol". Here: g++ compiles
     the declaration part of the binding plus a reference to every declared launcher, for every element type the
-    .cu instantiates it for, and each symbol that object needs must be defined in the nvcc-compiled .cu."""
+    .cu instantiates it for, and each symbol that object needs must be defined in the nvcc-compiled .cu. (An
+    element type the binding dispatches to but the .cu never instantiates is not seen here: which types the
+    binding calls is known only by compiling it against torch; scripts/check_cuda_build.sh sees it.)"""
     cxx = shutil.which("g++") or shutil.which("c++")
     cuda_include = _cuda_include()
     if cxx is None or cuda_include is None or shutil.which("nm") is None:
