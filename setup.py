@@ -1,10 +1,11 @@
 """Build hook for the optional CUDA extension `angle_kernels._C` (metadata lives in pyproject.toml).
 
-The extension (csrc/*.cu kernels + csrc/bindings.cpp) is built only where it can be: `import torch` works,
-torch is a CUDA build (torch.version.cuda is set) and nvcc is found under torch's CUDA_HOME. Otherwise, and
-also when the compile itself fails, the build prints why and installs the pure-Python package, whose Triton
-and PyTorch backends need no compiled code (a source checkout can still JIT-build the extension later with
-backend="cuda"; see angle_kernels/cuda_ops/_extension.py, which also holds the source list and the flags).
+The extension (csrc/: per op the kernels <op>.cu and their torch binding <op>.cpp, plus module.cpp, the Python
+module) is built only where it can be: `import torch` works, torch is a CUDA build (torch.version.cuda is set)
+and nvcc is found under torch's CUDA_HOME. Otherwise, and also when the compile itself fails, the build prints
+why and installs the pure-Python package, whose Triton and PyTorch backends need no compiled code (a source
+checkout can still JIT-build the extension later with backend="cuda"; see angle_kernels/cuda_ops/_extension.py,
+which also holds the source list and the flags).
 
 torch is deliberately not a build requirement, so a CUDA build needs the torch already installed:
     pip install --no-build-isolation .          (or -e . for development)
@@ -62,6 +63,31 @@ def optional_build_ext(base: type, required: bool) -> type:
     return OptionalBuildExt
 
 
+def cuda_objects_apart(base: type) -> type:
+    """`base` (a build_ext command class) that compiles `x.cu` to `x.cuda.o`, as torch's JIT build
+    (cpp_extension.load) does, instead of setuptools' `x.o`.
+
+    setuptools names an object after its source without the suffix, so csrc/<op>.cu (the kernels) and
+    csrc/<op>.cpp (their binding) would both compile to <op>.o: ninja refuses such a build ("multiple rules
+    generate .../<op>.o"), and torch's BuildExtension does not rename them."""
+
+    class CudaObjectsApart(base):
+        def build_extensions(self):
+            object_filenames = self.compiler.object_filenames
+
+            def cuda_apart(source_filenames, strip_dir=False, output_dir=""):
+                sources = [os.fspath(s) for s in source_filenames]
+                objects = object_filenames(sources, strip_dir=strip_dir, output_dir=output_dir)
+                return [f"{os.path.splitext(obj)[0]}.cuda{os.path.splitext(obj)[1]}" if src.endswith(".cu") else obj
+                        for src, obj in zip(sources, objects)]
+
+            # What the compile step (setuptools' or torch's ninja writer) asks for each source's object path.
+            self.compiler.object_filenames = cuda_apart
+            super().build_extensions()
+
+    return CudaObjectsApart
+
+
 def _cuda_extension() -> tuple[list, dict]:
     """(ext_modules, cmdclass) for the CUDA extension, or ([], {}) when it is skipped."""
     mode = os.environ.get("ANGLE_KERNELS_BUILD_CUDA", "auto").strip().lower()
@@ -89,7 +115,7 @@ def _cuda_extension() -> tuple[list, dict]:
     if nvcc is None or not os.path.exists(nvcc):
         return skip("nvcc was not found (set CUDA_HOME to the CUDA toolkit)")
     settings = _extension_settings()
-    sources = [f"csrc/{name}" for name in (*settings.CUDA_SOURCES, settings.BINDING_SOURCE)]
+    sources = [f"csrc/{name}" for name in settings.SOURCES]
     missing = [s for s in sources if not os.path.exists(s)]
     if missing:
         return skip(f"sources missing: {', '.join(missing)}")
@@ -102,7 +128,8 @@ def _cuda_extension() -> tuple[list, dict]:
         include_dirs=[os.path.abspath("csrc")],
         extra_compile_args={"cxx": list(settings.CXX_FLAGS), "nvcc": list(settings.NVCC_FLAGS)},
     )
-    build_ext = optional_build_ext(cpp_extension.BuildExtension.with_options(use_ninja=True), required)
+    build_ext = optional_build_ext(cuda_objects_apart(cpp_extension.BuildExtension.with_options(use_ninja=True)),
+                                   required)
     return [extension], {"build_ext": build_ext}
 
 

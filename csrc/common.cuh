@@ -2,7 +2,7 @@
 //
 // Everything in csrc/*.cu is plain CUDA C++: no torch, c10 or ATen headers, so every kernel file can be
 // compiled (and register-checked with -Xptxas -v) by nvcc alone on a machine without CUDA torch.
-// The torch binding (csrc/bindings.cpp) is the only file that sees tensors.
+// The torch bindings (csrc/<op>.cpp, one per op) are the only files that see tensors.
 //
 // Conventions shared by all kernels:
 //   * Element types: float, double, __half, __nv_bfloat16 inputs. The accumulation ("compute") type is
@@ -17,7 +17,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "launchers.h"  // acc_t and the launcher declarations
+#include "launcher_types.h"  // acc_t and the launchers' parameter types, shared with the bindings
 
 namespace angle_kernels {
 

@@ -206,7 +206,7 @@ cudaError_t pair_scores_bwd(const acc_t<scalar_t>* grad_cos, const acc_t<scalar_
   return cudaGetLastError();
 }
 
-// Explicit instantiations: the binding declares these (csrc/launchers.h) and links against them.
+// Explicit instantiations: the binding (csrc/pair_scores.cpp) declares these and links against them.
 #define ANGLE_KERNELS_INSTANTIATE_PAIR_SCORES(T)                                                                  \
   template cudaError_t pair_scores_fwd<T>(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,    \
                                           acc_t<T>*, acc_t<T>*, acc_t<T>*, cudaStream_t);                          \

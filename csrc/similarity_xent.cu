@@ -577,6 +577,7 @@ cudaError_t similarity_xent_bwd(const XentProblem<scalar_t>& problem, const acc_
   return finish(p.c, p.rows_c, p.c_stride_row, p.c_stride_dim, c_norm, dc_acc, c_coef, dc);
 }
 
+// Explicit instantiations: the binding (csrc/similarity_xent.cpp) declares these and links against them.
 #define ANGLE_KERNELS_INSTANTIATE_XENT(T)                                                                           \
   template cudaError_t similarity_xent_fwd<T>(const XentProblem<T>&, acc_t<T>*, acc_t<T>*, acc_t<T>*, acc_t<T>*,     \
                                               acc_t<T>*, cudaStream_t);                                             \

@@ -20,6 +20,9 @@
 # The sources are copied to WORK_DIR/src first (the tracked and untracked, not ignored files of this
 # checkout), so the build leaves nothing in the repository.
 set -euo pipefail
+case "${1:-}" in  # the comment above, not a WORK_DIR named --help
+  -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
+esac
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${1:-${ANGLE_CUDA_CHECK_DIR:-/tmp/angle_kernels_cuda_check}}
 TORCH_CUDA_SPEC=${TORCH_CUDA_SPEC:-torch==2.13.0}

@@ -30,8 +30,11 @@ from ..contract import OPS
 NVCC_FLAGS = ["-O3", "-lineinfo"]  # the C++ standard is left to torch (c++17 or c++20)
 CXX_FLAGS = ["-O3"]
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-CUDA_SOURCES = tuple(sorted(path.name for path in CSRC_DIR.glob("*.cu")))  # one file of kernels per op
-BINDING_SOURCE = "bindings.cpp"
+# Every .cu and .cpp in csrc/, so adding an op edits no list: per op csrc/<op>.cu (kernels and launchers,
+# torch-free) and csrc/<op>.cpp (its torch binding), plus the Python module, named so that a tree without csrc/
+# (an installed wheel) reports it missing instead of building nothing.
+MODULE_SOURCE = "module.cpp"
+SOURCES = tuple(sorted({MODULE_SOURCE, *(path.name for ext in ("cu", "cpp") for path in CSRC_DIR.glob(f"*.{ext}"))}))
 
 
 def _find_nvcc() -> str | None:
@@ -44,7 +47,7 @@ def _find_nvcc() -> str | None:
 def _jit_build() -> tuple[bool, str]:
     if os.environ.get("ANGLE_KERNELS_CUDA_JIT", "1") == "0":
         return False, "the JIT build is disabled (ANGLE_KERNELS_CUDA_JIT=0)"
-    sources = [CSRC_DIR / name for name in (*CUDA_SOURCES, BINDING_SOURCE)]
+    sources = [CSRC_DIR / name for name in SOURCES]
     missing = [str(s) for s in sources if not s.exists()]
     if missing:
         return False, f"no CUDA sources to JIT-build ({', '.join(missing)} missing)"

@@ -183,6 +183,7 @@ cudaError_t ranking_bwd(const scalar_t* grad_loss, const scalar_t* scores, int64
   return cudaGetLastError();
 }
 
+// Explicit instantiations: the binding (csrc/ranking_loss.cpp) declares these and links against them.
 #define ANGLE_KERNELS_INSTANTIATE_RANKING(T)                                                                   \
   template cudaError_t ranking_fwd<T>(const T*, int64_t, const int64_t*, const int64_t*, int64_t, double*, T*, \
                                       cudaStream_t);                                                          \

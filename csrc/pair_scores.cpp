@@ -1,0 +1,108 @@
+// Torch binding of csrc/pair_scores.cu: the CUDA kernels of the ops angle_kernels::cuda_pair_scores_fwd and
+// cuda_pair_scores_bwd (schemas, fake implementations and autograd: angle_kernels/cuda_ops/pair_scores.py).
+// What every binding function does: csrc/binding.h.
+
+// ---- the launchers this file calls ---------------------------------------------------------------------------
+// Declared here (and only here): defined and explicitly instantiated (float, double, __half, __nv_bfloat16) in
+// csrc/pair_scores.cu, which never sees these declarations. What keeps the two in step: C++ mangles the parameter
+// types (and, for a template specialization, the return type) into the symbol, so a declaration that differs
+// from the definition asks the linker for a symbol the .cu does not define, and the extension fails to load with
+// "undefined symbol: <that name>" (scripts/check_cuda_build.sh loads it without a GPU). tests/test_csrc_compile.py
+// catches it earlier, with nvcc and no torch: it compiles everything above `#include "binding.h"` and checks that
+// the compiled .cu defines every launcher symbol these declarations ask for. So keep this part torch-free.
+#include "launcher_types.h"
+
+namespace angle_kernels {
+
+// x: [G, K, D] with strides (stride_g, stride_k, stride_d). Outputs cos, angle: [G*(K-1)]; stats: [G*(K-1), 4].
+template <typename scalar_t>
+cudaError_t pair_scores_fwd(const scalar_t* x, int64_t num_groups, int64_t group_size, int64_t dim, int64_t stride_g,
+                            int64_t stride_k, int64_t stride_d, bool with_angle, acc_t<scalar_t>* cos_out,
+                            acc_t<scalar_t>* angle_out, acc_t<scalar_t>* stats_out, cudaStream_t stream);
+// grad_cos, grad_angle: contiguous [G*(K-1)]; dx: contiguous [G, K, D] (fully overwritten).
+template <typename scalar_t>
+cudaError_t pair_scores_bwd(const acc_t<scalar_t>* grad_cos, const acc_t<scalar_t>* grad_angle, const scalar_t* x,
+                            const acc_t<scalar_t>* stats, int64_t num_groups, int64_t group_size, int64_t dim,
+                            int64_t stride_g, int64_t stride_k, int64_t stride_d, bool with_angle, scalar_t* dx,
+                            cudaStream_t stream);
+template <typename scalar_t>
+int64_t pair_scores_bwd_max_group_size();
+
+}  // namespace angle_kernels
+
+// ---- the binding ---------------------------------------------------------------------------------------------
+#include "binding.h"
+
+#include <ATen/ops/empty.h>
+
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using angle_kernels::acc_t;
+using namespace angle_kernels::binding;
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_scores_fwd(const at::Tensor& x, bool with_angle) {
+  check_cuda_tensor(x, "x");
+  TORCH_CHECK_VALUE(x.dim() == 3, "angle_kernels (cuda): pair_scores x must be [G, K, D], got shape ", x.sizes());
+  const int64_t groups = x.size(0), group_size = x.size(1), dim = x.size(2);
+  TORCH_CHECK_VALUE(group_size >= 2, "angle_kernels (cuda): pair_scores x needs K >= 2 rows per group, got ", group_size);
+  TORCH_CHECK_VALUE(dim >= 1, "angle_kernels (cuda): pair_scores x needs D >= 1");
+  TORCH_CHECK_VALUE(!with_angle || dim % 2 == 0, "angle_kernels (cuda): the angle score needs an even D, got ", dim);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto opts = x.options().dtype(compute_dtype(x.scalar_type()));
+  at::Tensor cos = at::empty({groups, group_size - 1}, opts);
+  at::Tensor angle = at::empty({groups, group_size - 1}, opts);
+  at::Tensor stats = at::empty({groups, group_size - 1, 4}, opts);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  dispatch_float_types(x.scalar_type(), "x", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc = acc_t<scalar_t>;
+    check_launch(angle_kernels::pair_scores_fwd<scalar_t>(
+                     data_of<scalar_t>(x), groups, group_size, dim, x.stride(0), x.stride(1), x.stride(2), with_angle,
+                     mutable_data_of<acc>(cos), mutable_data_of<acc>(angle), mutable_data_of<acc>(stats), stream),
+                 "pair_scores forward");
+  });
+  return {cos, angle, stats};
+}
+
+at::Tensor pair_scores_bwd(const at::Tensor& grad_cos, const at::Tensor& grad_angle, const at::Tensor& x,
+                           const at::Tensor& stats, bool with_angle) {
+  check_cuda_tensor(x, "x");
+  TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) >= 2, "angle_kernels (cuda): pair_scores x must be [G, K>=2, D]");
+  const int64_t groups = x.size(0), group_size = x.size(1), dim = x.size(2);
+  TORCH_CHECK_VALUE(!with_angle || dim % 2 == 0, "angle_kernels (cuda): the angle score needs an even D, got ", dim);
+  const at::ScalarType acc_dtype = compute_dtype(x.scalar_type());
+  const std::vector<int64_t> pair_shape{groups, group_size - 1};
+  TORCH_CHECK_VALUE(grad_cos.sizes() == at::IntArrayRef(pair_shape) && grad_angle.sizes() == at::IntArrayRef(pair_shape),
+                    "angle_kernels (cuda): pair_scores gradients must be [G, K-1]");
+  TORCH_CHECK_VALUE(stats.sizes() == at::IntArrayRef({groups, group_size - 1, 4}) && stats.scalar_type() == acc_dtype,
+                    "angle_kernels (cuda): pair_scores saved stats do not match x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor gc = grad_cos.to(acc_dtype).contiguous();
+  const at::Tensor ga = grad_angle.to(acc_dtype).contiguous();
+  const at::Tensor st = stats.contiguous();
+  at::Tensor dx = at::empty({groups, group_size, dim}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  dispatch_float_types(x.scalar_type(), "x", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    using acc = acc_t<scalar_t>;
+    const int64_t max_group = angle_kernels::pair_scores_bwd_max_group_size<scalar_t>();
+    TORCH_CHECK_VALUE(group_size <= max_group, "angle_kernels (cuda): pair_scores backward supports K <= ", max_group,
+                      " rows per group, got ", group_size, "; use backend='torch' or 'triton'");
+    check_launch(angle_kernels::pair_scores_bwd<scalar_t>(data_of<acc>(gc), data_of<acc>(ga), data_of<scalar_t>(x),
+                                                          data_of<acc>(st), groups, group_size, dim, x.stride(0),
+                                                          x.stride(1), x.stride(2), with_angle,
+                                                          mutable_data_of<scalar_t>(dx), stream),
+                 "pair_scores backward");
+  });
+  return dx;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(angle_kernels, CUDA, m) {
+  m.impl("cuda_pair_scores_fwd", &pair_scores_fwd);
+  m.impl("cuda_pair_scores_bwd", &pair_scores_bwd);
+}
