@@ -11,7 +11,7 @@
 #   3. `setup.py build_ext` builds the extension exactly as `pip install --no-build-isolation .` would, with
 #      torch's own compiler flags (ANGLE_KERNELS_BUILD_CUDA=1: a compile failure fails this step), for
 #      TORCH_CUDA_ARCH_LIST (default "8.0;9.0");
-#   4. the op schemas are defined (importing angle_kernels.cuda_ops), then torch.ops.load_library loads the
+#   4. the op schemas are defined (importing the cuda_ops op modules), then torch.ops.load_library loads the
 #      .so: that runs its TORCH_LIBRARY_IMPL registration, which fails if a C++ signature does not match its
 #      schema, and the script checks that every op now has a CUDA kernel.
 # Torch imports without a GPU, so link errors (undefined symbols) and registration errors show up here;
@@ -80,7 +80,9 @@ import sys
 import torch
 
 so = sys.argv[1]
-import angle_kernels.cuda_ops  # defines the angle_kernels::cuda_* schemas first
+from angle_kernels.cuda_ops import _extension
+
+_extension.define_schemas()  # the angle_kernels::cuda_* schemas first: the kernels attach to them
 
 defined = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("angle_kernels::cuda_"))
 torch.ops.load_library(so)  # dlopen: undefined symbols and C++/schema signature mismatches raise here
