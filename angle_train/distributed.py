@@ -1,10 +1,12 @@
 """Several processes (torchrun, DDP): in-batch negatives that span every rank.
 
-Each rank embeds its own slice of the optimizer-step batch; `gather_with_grad` concatenates the slices
-of all ranks (rank order, so the zigzag layout survives) and every rank computes the same loss on the
-whole batch. Backward: every rank holds the full gradient dL/d(all embeddings); the all-reduce (sum) in
-`_GatherWithGrad.backward` followed by DDP's averaging of parameter gradients over ranks yields exactly
-dL/d(parameters) of one process training on the concatenated batch.
+Each rank embeds its own slice of the optimizer-step batch; `all_gather_with_grad` (the package's one
+differentiable all-gather, angle_kernels.distributed; re-exported here) concatenates the slices of all ranks
+(rank order, so the zigzag layout survives) and every rank computes the same loss on the whole batch.
+Backward: every rank holds the full gradient dL/d(all embeddings); the gather's backward (the sum over ranks
+of the gradients of each rank's own rows) followed by DDP's averaging of parameter gradients over ranks
+yields exactly dL/d(parameters) of one process training on the concatenated batch. Every rank must embed
+the same number of rows (the loop slices the batch equally; a mismatch raises a ValueError on every rank).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+# all_gather_with_grad is re-exported: grad_cache.py gathers the embeddings with it
+from angle_kernels.distributed import all_gather_with_grad, is_distributed  # noqa: F401
 
 
 @dataclass
@@ -70,38 +75,9 @@ def broadcast_from_main(value, info: DistInfo):
     return holder[0]
 
 
-def _single_process() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
-
-
-class _GatherWithGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        world_size = dist.get_world_size()
-        parts = [torch.empty_like(x) for _ in range(world_size)]
-        dist.all_gather(parts, x.contiguous())
-        ctx.rank, ctx.rows = dist.get_rank(), x.shape[0]
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
-
-
-def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
-    """All ranks' x concatenated in rank order, differentiable; x itself when not distributed.
-
-    Every rank must pass the same number of rows (the loop gives each rank an equal slice of the batch).
-    """
-    if _single_process():
-        return x
-    return _GatherWithGrad.apply(x)
-
-
 def gather_labels(labels: torch.Tensor) -> torch.Tensor:
-    if _single_process():
+    """All ranks' labels concatenated in rank order (no gradient); labels itself when not distributed."""
+    if not is_distributed():
         return labels
     parts = [torch.empty_like(labels) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, labels.contiguous())

@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from .distributed import gather_labels, gather_with_grad, no_sync
+from .distributed import all_gather_with_grad, gather_labels, no_sync
 
 
 class RngState:
@@ -51,7 +51,7 @@ def plain_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bo
     """
     with no_sync(model, skip_sync=not sync):
         local = torch.cat([model(ids, mask) for ids, mask in chunks])
-        loss = loss_fn(gather_labels(labels), gather_with_grad(local))
+        loss = loss_fn(gather_labels(labels), all_gather_with_grad(local))
         (loss * loss_scale).backward()
     return loss.detach()
 
@@ -72,7 +72,7 @@ def grad_cache_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, syn
             cached.append(inner(ids, mask))
     # Loss on all embeddings; backward stops at the (gathered) embeddings.
     local = torch.cat(cached).requires_grad_(True)
-    loss = loss_fn(gather_labels(labels), gather_with_grad(local))
+    loss = loss_fn(gather_labels(labels), all_gather_with_grad(local))
     (loss * loss_scale).backward()
     grads = local.grad.split([e.shape[0] for e in cached])
     # Pass 2: re-embed with a graph, same dropout masks, inject the cached gradients.
