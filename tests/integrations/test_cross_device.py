@@ -1,0 +1,313 @@
+"""gather_across_devices=True on the fused sentence-transformers drop-ins, in 2 and 3 real processes (gloo, CPU).
+
+Each world size is spawned once (a module fixture); every rank holds its slice of one fixed float64 batch and
+runs every case, then writes what it got. The tests then check, per case and rank:
+
+* our drop-in with gather_across_devices=True gives the sentence-transformers parent's loss (run in the same
+  processes with the same options) and the same embedding gradients, to a relative 1e-10, and ran fused;
+* one process on the concatenated batch without gathering (the parent class) gives the mean over ranks of
+  the losses, and rank r's embedding gradient divided by the world size is that process's gradient of rank
+  r's rows (what DDP's averaging of parameter gradients makes of the gather's summed backward);
+* angle_kernels.distributed.all_gather_with_grad: values, the gradient (the sum over ranks of the cotangents
+  of the rank's rows), no in-place change of a cotangent another branch also receives, and unequal row
+  counts, row shapes or dtypes refused with a ValueError on every rank (no hang: the group still works);
+* the fused path with gathering never makes a tensor of the full B x (world_size * B * columns) score matrix
+  (every tensor recorded by a dispatch mode during forward and backward, with the op's tile shrunk below B
+  rows, is embedding-shaped or at most one tile), while the parent's path does.
+
+The cached loss runs its whole GradCache path (embed without gradients, loss and backward to the cached
+embeddings, re-embed and inject) on an identity "model" whose input is the embedding, so the gradient of that
+input is the embedding gradient the cache produces.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+
+from oracle import rel_err
+
+pytest.importorskip("sentence_transformers")
+
+ROWS = 4  # per rank
+DIM = 6
+TOL = 1e-10
+SYMMETRIC = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}
+
+# name: (class name, constructor kwargs, columns: queries, positives, then hard-negative columns)
+CASES = {
+    "mnrl": ("MultipleNegativesRankingLoss", {}, 2),
+    "mnrl_hard_negative": ("MultipleNegativesRankingLoss", {"scale": 10.0}, 3),
+    "mnrl_symmetric": ("MultipleNegativesRankingLoss", SYMMETRIC, 3),
+    "cached": ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3}, 3),
+    "cached_symmetric": ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 2, **SYMMETRIC}, 2),
+}
+
+# The score-matrix check: B rows per rank, queries, positives and one negative column; the torch backend's
+# tile is cut to CHUNK_ELEMENTS elements, fewer than B rows of the (world_size * 2B)-column matrix.
+MEMORY_ROWS, MEMORY_DIM, MEMORY_CHUNK = 6, 7, 48
+
+
+def batch(world: int, columns: int, rows: int = ROWS, dim: int = DIM, seed: int = 0) -> list[torch.Tensor]:
+    """The whole batch: `columns` float64 tensors of world * rows rows (rank r holds rows r*rows..)."""
+    gen = torch.Generator().manual_seed(1000 * seed + 10 * world + columns)
+    return [torch.randn(world * rows, dim, generator=gen, dtype=torch.float64) for _ in range(columns)]
+
+
+class _Embed(torch.nn.Module):
+    """The identity as a sentence "model": the feature "x" is the embedding (a leaf the test reads .grad of)."""
+
+    def forward(self, features):
+        return {"sentence_embedding": features["x"] * 1.0}
+
+
+def identity_model():
+    return torch.nn.Sequential(_Embed())  # the cached loss indexes model[0]
+
+
+def loss_and_grads(loss, columns: list[torch.Tensor]):
+    """The loss value and the gradient of each embedding column, through the loss's own entry point: the
+    cached loss's forward (GradCache) or compute_loss_from_embeddings."""
+    leaves = [c.clone().requires_grad_(True) for c in columns]
+    if hasattr(loss, "calculate_loss"):
+        value = loss([{"x": x} for x in leaves], None)
+    else:
+        value = loss.compute_loss_from_embeddings(leaves, None)
+    value.backward()
+    return value.detach(), [x.grad for x in leaves]
+
+
+def _st_losses():
+    try:
+        from sentence_transformers.sentence_transformer import losses
+    except ImportError:  # pragma: no cover - older layout
+        from sentence_transformers import losses
+    return losses
+
+
+# --------------------------------------------------------------------------------------------------------
+# What each rank runs
+# --------------------------------------------------------------------------------------------------------
+
+
+def _rank_cases(rank: int, world: int) -> dict:
+    import angle_kernels.functional as ak_functional
+    from angle_kernels.integrations import sentence_transformers as ours
+
+    st_losses = _st_losses()
+    calls = {"contrastive": 0}
+    original = ak_functional.contrastive
+
+    def counting(*args, **kwargs):
+        calls["contrastive"] += 1
+        return original(*args, **kwargs)
+
+    ak_functional.contrastive = counting
+    out = {}
+    try:
+        for name, (class_name, kwargs, columns) in CASES.items():
+            local = [c[rank * ROWS:(rank + 1) * ROWS] for c in batch(world, columns)]
+            drop_in = getattr(ours, class_name)(identity_model(), gather_across_devices=True, **kwargs)
+            parent = getattr(st_losses, class_name)(identity_model(), gather_across_devices=True, **kwargs)
+            calls["contrastive"] = 0
+            got = loss_and_grads(drop_in, local)
+            fused_calls = calls["contrastive"]
+            ref = loss_and_grads(parent, local)
+            assert calls["contrastive"] == fused_calls  # the parent never reaches our code
+            out[name] = {"ours": got, "parent": ref, "fused_calls": fused_calls,
+                         "uses_fused_path": drop_in.uses_fused_path}
+    finally:
+        ak_functional.contrastive = original
+    return out
+
+
+def _rank_gather(rank: int, world: int) -> dict:
+    from angle_kernels.distributed import all_gather_with_grad
+
+    out = {}
+    x = (torch.arange(2 * 3, dtype=torch.float64).view(2, 3) + 10 * rank).requires_grad_(True)
+    cotangent = gather_cotangent(rank, world)
+    side = torch.zeros(2 * world, 3, dtype=torch.float64, requires_grad=True)
+    side_branch = side * 1.0  # made before the gather: autograd runs the gather's backward first
+    gathered = all_gather_with_grad(x)
+    ((gathered + side_branch) * cotangent).sum().backward()  # the addition hands one cotangent to both
+    out["value"], out["grad"], out["side_grad"] = gathered.detach(), x.grad, side.grad
+
+    refusals = {}
+    for what, tensor in (("rows", torch.zeros(rank + 1, 3)), ("row shape", torch.zeros(2, 3 + rank)),
+                         ("dtype", torch.zeros(2, 3, dtype=torch.float64 if rank else torch.float32))):
+        try:
+            all_gather_with_grad(tensor)
+            refusals[what] = None
+        except ValueError as exc:
+            refusals[what] = str(exc)
+    out["refusals"] = refusals
+    out["after"] = all_gather_with_grad(torch.full((1, 2), float(rank))).detach()  # the group still works
+    return out
+
+
+class _ShapeRecorder:
+    """The shape of every tensor each op returns (forward and backward), under a TorchDispatchMode."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        recorder = self
+        self.phase, self.shapes = "forward", []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                result = func(*args, **(kwargs or {}))
+                for t in tree_flatten(result)[0]:
+                    if isinstance(t, torch.Tensor):
+                        recorder.shapes.append((recorder.phase, tuple(t.shape)))
+                return result
+
+        self.mode = Mode()
+
+
+def _rank_score_shapes(rank: int, world: int) -> dict:
+    """Shapes of the 2-D tensors that are neither embedding-shaped ([rows, D], or its transpose) nor at most
+    one tile."""
+    import angle_kernels.torch_ops.common as torch_common
+    from angle_kernels.integrations import sentence_transformers as ours
+
+    st_losses = _st_losses()
+    local = [c[rank * MEMORY_ROWS:(rank + 1) * MEMORY_ROWS]
+             for c in batch(world, 3, rows=MEMORY_ROWS, dim=MEMORY_DIM, seed=1)]
+    saved = torch_common.CHUNK_ELEMENTS
+    torch_common.CHUNK_ELEMENTS = MEMORY_CHUNK
+    out = {}
+    try:
+        for label, cls in (("ours", ours.MultipleNegativesRankingLoss),
+                           ("parent", st_losses.MultipleNegativesRankingLoss)):
+            loss = cls(identity_model(), gather_across_devices=True, **SYMMETRIC)
+            leaves = [c.clone().requires_grad_(True) for c in local]
+            recorder = _ShapeRecorder()
+            with recorder.mode:
+                value = loss.compute_loss_from_embeddings(leaves, None)
+                recorder.phase = "backward"
+                value.backward()
+            shapes = [(phase, s) for phase, s in recorder.shapes if len(s) == 2 and MEMORY_DIM not in s]
+            out[label] = {
+                "too_big": sorted({s for _, s in shapes if s[0] * s[1] > MEMORY_CHUNK}),
+                "backward_tiles": sum(1 for phase, s in shapes if phase == "backward" and s[0] < MEMORY_ROWS),
+            }
+    finally:
+        torch_common.CHUNK_ELEMENTS = saved
+    return out
+
+
+def _rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # a timeout turns a rank left waiting in a collective into an error instead of a hung test run
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        result = {"cases": _rank_cases(rank, world), "gather": _rank_gather(rank, world),
+                  "shapes": _rank_score_shapes(rank, world)}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def gather_cotangent(rank: int, world: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(77 + rank)
+    return torch.randn(2 * world, 3, generator=gen, dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The tests
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def ranks(request, tmp_path_factory):
+    """(world size, [what each rank wrote]): the processes run once per world size."""
+    import torch.multiprocessing as mp
+
+    world = request.param
+    out_dir = tmp_path_factory.mktemp(f"cross_device_{world}")
+    mp.spawn(_rank_main, args=(world, str(out_dir / "store"), str(out_dir)), nprocs=world, join=True)
+    return world, [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_loss_and_embedding_gradients_as_the_parent_on_every_rank(ranks, case):
+    world, results = ranks
+    for rank, result in enumerate(results):
+        got = result["cases"][case]
+        assert got["uses_fused_path"] and got["fused_calls"] > 0, "the fused path did not run"
+        (value, grads), (ref_value, ref_grads) = got["ours"], got["parent"]
+        assert rel_err(value, ref_value) < TOL, (rank, value.item(), ref_value.item())
+        assert len(grads) == len(ref_grads) == CASES[case][2]
+        for column, (grad, ref) in enumerate(zip(grads, ref_grads)):
+            assert rel_err(grad, ref) < TOL, f"rank {rank}, column {column}: {rel_err(grad, ref):.2e}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ranks_together_equal_one_process_on_the_whole_batch(ranks, case):
+    world, results = ranks
+    class_name, kwargs, columns = CASES[case]
+    single = getattr(_st_losses(), class_name)(identity_model(), **kwargs)  # no gathering, one process
+    value, grads = loss_and_grads(single, batch(world, columns))
+    mean = torch.stack([result["cases"][case]["ours"][0] for result in results]).mean()
+    assert rel_err(mean, value) < TOL, (mean.item(), value.item())
+    for rank, result in enumerate(results):
+        for column, grad in enumerate(result["cases"][case]["ours"][1]):
+            ref = grads[column][rank * ROWS:(rank + 1) * ROWS]
+            assert rel_err(grad / world, ref) < TOL, f"rank {rank}, column {column}"
+
+
+def test_all_gather_with_grad(ranks):
+    world, results = ranks
+    rows = [torch.arange(6, dtype=torch.float64).view(2, 3) + 10 * r for r in range(world)]
+    cotangents = [gather_cotangent(r, world) for r in range(world)]
+    for rank, result in enumerate(results):
+        got = result["gather"]
+        assert torch.equal(got["value"], torch.cat(rows))
+        expected = sum(c[2 * rank:2 * rank + 2] for c in cotangents)
+        assert rel_err(got["grad"], expected) < 1e-15
+        assert torch.equal(got["side_grad"], cotangents[rank]), "the gather's backward changed a shared cotangent"
+        refusals = got["refusals"]
+        assert refusals["rows"] is not None and f"rows per rank {list(range(1, world + 1))}" in refusals["rows"]
+        assert refusals["row shape"] is not None and "row shape" in refusals["row shape"]
+        assert refusals["dtype"] is not None and "dtypes that differ" in refusals["dtype"]
+        assert torch.equal(got["after"], torch.arange(world, dtype=torch.float32)[:, None].expand(world, 2))
+
+
+def test_all_gather_with_grad_is_the_identity_without_a_process_group():
+    from angle_kernels.distributed import all_gather_with_grad, rank_and_world_size
+
+    x = torch.randn(3, 2, requires_grad=True)
+    assert all_gather_with_grad(x) is x and rank_and_world_size() == (0, 1)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        all_gather_with_grad([1.0, 2.0])
+
+
+def test_gathered_fused_path_never_builds_the_score_matrix(ranks):
+    world, results = ranks
+    full = (MEMORY_ROWS, world * MEMORY_ROWS * 2)  # this rank's queries x (all positives and negatives)
+    for rank, result in enumerate(results):
+        ours, parent = result["shapes"]["ours"], result["shapes"]["parent"]
+        assert ours["too_big"] == [], f"rank {rank}: the fused path made {ours['too_big']}"
+        assert ours["backward_tiles"] > 0, "the recorder saw no tile of the backward pass"
+        assert full in parent["too_big"], "the recorder missed the parent's score matrix"
+
+
+def test_gathering_is_fused_and_other_options_still_fall_back():
+    from angle_kernels.integrations import sentence_transformers as ours
+
+    model = identity_model()
+    for cls in (ours.MultipleNegativesRankingLoss, ours.CachedMultipleNegativesRankingLoss):
+        assert cls(model, gather_across_devices=True).uses_fused_path
+        assert cls(model, gather_across_devices=True, **SYMMETRIC).uses_fused_path
+        assert not cls(model, gather_across_devices=True, hardness_mode="all_negatives",
+                       hardness_strength=2.0).uses_fused_path
+        assert not cls(model, gather_across_devices=True, directions=("query_to_doc", "doc_to_query")).uses_fused_path
