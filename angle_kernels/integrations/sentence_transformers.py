@@ -15,6 +15,9 @@ with angle_kernels' fused losses:
     MultipleNegativesRankingLoss        contrastive_with_negative_loss: never builds the B x B(1+k) score matrix
                                         (nor B x WB(1+k) with gather_across_devices over W processes)
     CachedMultipleNegativesRankingLoss  the same, on the whole cached batch at once (no loss-stage chunking)
+    MultipleNegativesSymmetricRankingLoss, CachedMultipleNegativesSymmetricRankingLoss
+                                        the same with the per-direction symmetric directions (deprecated
+                                        upstream, kept for the scripts that name them)
 
 Argument combinations that the fused losses cannot express run the parent class's own computation,
 unchanged; each class's docstring lists them, and `loss.uses_fused_path` tells which path a configured loss
@@ -29,6 +32,7 @@ inputs agree).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Literal
 
@@ -51,6 +55,8 @@ __all__ = [
     "AnglELoss",
     "MultipleNegativesRankingLoss",
     "CachedMultipleNegativesRankingLoss",
+    "MultipleNegativesSymmetricRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss",
 ]
 
 _DIRECTIONS = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
@@ -290,7 +296,46 @@ def _fused_mnrl(embeddings: list[Tensor], scale: float, directions, backend: str
     return loss
 
 
-class MultipleNegativesRankingLoss(_st_losses.MultipleNegativesRankingLoss):
+class _FusedMNRL:
+    """The fused loss of the MultipleNegativesRankingLoss family, mixed in before the sentence-transformers
+    parent (whose computation `super()` reaches for the configurations `_mnrl_unfused_reason` names)."""
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return _mnrl_unfused_reason(self) is None
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
+        if _mnrl_unfused_reason(self) is not None:
+            return super().compute_loss_from_embeddings(embeddings, labels)
+        if len(embeddings) < 2:
+            raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
+        return _fused_mnrl(embeddings, self.scale, getattr(self, "directions", ()), self.backend,
+                           getattr(self, "gather_across_devices", False))
+
+
+class _FusedCachedMNRL:
+    """The loss stage of the cached (GradCache) MultipleNegativesRankingLoss family, fused; mixed in before the
+    sentence-transformers parent, whose embedding side is untouched."""
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return _mnrl_unfused_reason(self) is None
+
+    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
+                       with_backward: bool = False) -> Tensor:
+        if _mnrl_unfused_reason(self) is not None:
+            return super().calculate_loss(reps, labels, with_backward=with_backward)
+        embeddings = [torch.cat(column) for column in reps]
+        loss = _fused_mnrl(embeddings, self.scale, getattr(self, "directions", ()), self.backend,
+                           getattr(self, "gather_across_devices", False))
+        if with_backward:
+            # GradCache reads the gradient off each cached mini-batch tensor (rep.grad); torch.cat routes it back
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+
+class MultipleNegativesRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesRankingLoss):
     """sentence-transformers' MultipleNegativesRankingLoss (InfoNCE with in-batch negatives) computed by
     angle_kernels (`contrastive_with_negative_loss`): same arguments, same results, and no B x B(1+k)
     score matrix in memory.
@@ -335,20 +380,9 @@ class MultipleNegativesRankingLoss(_st_losses.MultipleNegativesRankingLoss):
         super().__init__(model, scale=scale, similarity_fct=similarity_fct, **optional)
         self.backend = backend
 
-    @property
-    def uses_fused_path(self) -> bool:
-        return _mnrl_unfused_reason(self) is None
-
-    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
-        if _mnrl_unfused_reason(self) is not None:
-            return super().compute_loss_from_embeddings(embeddings, labels)
-        if len(embeddings) < 2:
-            raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
-        return _fused_mnrl(embeddings, self.scale, getattr(self, "directions", ()), self.backend,
-                           getattr(self, "gather_across_devices", False))
 
 
-class CachedMultipleNegativesRankingLoss(_st_losses.CachedMultipleNegativesRankingLoss):
+class CachedMultipleNegativesRankingLoss(_FusedCachedMNRL, _st_losses.CachedMultipleNegativesRankingLoss):
     """sentence-transformers' CachedMultipleNegativesRankingLoss (GradCache) with the loss stage computed by
     angle_kernels: same arguments, same results.
 
@@ -392,19 +426,62 @@ class CachedMultipleNegativesRankingLoss(_st_losses.CachedMultipleNegativesRanki
                          **optional)
         self.backend = backend
 
-    @property
-    def uses_fused_path(self) -> bool:
-        return _mnrl_unfused_reason(self) is None
 
-    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
-                       with_backward: bool = False) -> Tensor:
-        if _mnrl_unfused_reason(self) is not None:
-            return super().calculate_loss(reps, labels, with_backward=with_backward)
-        embeddings = [torch.cat(column) for column in reps]
-        loss = _fused_mnrl(embeddings, self.scale, getattr(self, "directions", ()), self.backend,
-                           getattr(self, "gather_across_devices", False))
-        if with_backward:
-            # GradCache reads the gradient off each cached mini-batch tensor (rep.grad); torch.cat routes it back
-            loss.backward()
-            loss = loss.detach()
-        return loss
+# --------------------------------------------------------------------------------------------------------
+# The symmetric variants, deprecated upstream in favour of directions=("query_to_doc", "doc_to_query") with
+# partition_mode="per_direction"; kept as drop-ins for the training scripts that still name them.
+# --------------------------------------------------------------------------------------------------------
+_SYMMETRIC = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}
+
+
+def _become_symmetric(loss, parent: type) -> None:
+    """Warn as the deprecated parent does when instantiated itself, and make sure the fused path sees the
+    symmetric directions (older 6.x parents compute them without these attributes)."""
+    warnings.warn(getattr(parent, "__deprecated__", f"{parent.__name__} is deprecated"), DeprecationWarning,
+                  stacklevel=3)
+    for name, value in _SYMMETRIC.items():
+        if not hasattr(loss, name):
+            setattr(loss, name, value)
+
+
+with warnings.catch_warnings():  # subclassing a @deprecated class warns at definition: at import for our users
+    warnings.simplefilter("ignore", DeprecationWarning)
+
+    class MultipleNegativesSymmetricRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesSymmetricRankingLoss):
+        """sentence-transformers' MultipleNegativesSymmetricRankingLoss computed by angle_kernels: the mean of
+        InfoNCE from queries to [positives; negatives] and from positives to queries, fused, with or without
+        gather_across_devices (as `MultipleNegativesRankingLoss` with the per-direction symmetric directions).
+
+        Args: those of the parent (model, scale, similarity_fct, gather_across_devices), plus keyword-only
+        `backend`. Fused unless `similarity_fct` is not `util.cos_sim` (then the parent's code runs).
+        """
+
+        def __init__(self, model, scale: float = 20.0,
+                     similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
+                     gather_across_devices: bool = False, *, backend: str | None = None) -> None:
+            super().__init__(model, scale=scale, similarity_fct=similarity_fct,
+                             gather_across_devices=gather_across_devices)
+            self.backend = backend
+            _become_symmetric(self, _st_losses.MultipleNegativesSymmetricRankingLoss)
+
+    class CachedMultipleNegativesSymmetricRankingLoss(
+            _FusedCachedMNRL, _st_losses.CachedMultipleNegativesSymmetricRankingLoss):
+        """sentence-transformers' CachedMultipleNegativesSymmetricRankingLoss (GradCache) with the loss stage
+        fused, on the whole cached batch at once (see `CachedMultipleNegativesRankingLoss`).
+
+        Args: those of the parent (model, scale, similarity_fct, mini_batch_size, mini_batch_num_tokens,
+        gather_across_devices, show_progress_bar), plus keyword-only `backend`.
+        """
+
+        def __init__(self, model, scale: float = 20.0,
+                     similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
+                     mini_batch_size: int = 32, mini_batch_num_tokens: int | None = None,
+                     gather_across_devices: bool = False, show_progress_bar: bool = False, *,
+                     backend: str | None = None) -> None:
+            optional = _parent_kwargs(_st_losses.CachedMultipleNegativesSymmetricRankingLoss.__init__, {
+                "mini_batch_num_tokens": mini_batch_num_tokens, "gather_across_devices": gather_across_devices,
+                "show_progress_bar": show_progress_bar}, _MNRL_DEFAULTS)
+            super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
+                             **optional)
+            self.backend = backend
+            _become_symmetric(self, _st_losses.CachedMultipleNegativesSymmetricRankingLoss)

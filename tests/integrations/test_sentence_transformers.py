@@ -50,6 +50,11 @@ CASES = [
                                             "partition_mode": "per_direction"}, 3, None, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4, "hardness_mode": "all_negatives",
                                             "hardness_strength": 2.0}, 3, None, False),
+    ("MultipleNegativesSymmetricRankingLoss", {}, 2, None, True),
+    ("MultipleNegativesSymmetricRankingLoss", {"scale": 10.0}, 3, None, True),
+    ("MultipleNegativesSymmetricRankingLoss", {"similarity_fct": st_util.dot_score, "scale": 1.0}, 2, None, False),
+    ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 4}, 2, None, True),
+    ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 3, "scale": 10.0}, 3, None, True),
 ]
 
 FUSED_FUNCTIONS = ("ranking_terms", "contrastive")  # the computing halves the integration calls
@@ -124,6 +129,16 @@ def test_same_value_and_gradients_as_sentence_transformers(model64, fused_calls,
         assert sum(fused_calls.values()) > 0, "the fused path did not run"
     else:
         assert sum(fused_calls.values()) == 0, "an unsupported configuration must run the parent's code"
+
+
+@pytest.mark.parametrize("class_name", ["MultipleNegativesSymmetricRankingLoss",
+                                        "CachedMultipleNegativesSymmetricRankingLoss"])
+def test_the_deprecated_symmetric_losses_warn_like_their_parents(model64, class_name):
+    with pytest.warns(DeprecationWarning) as parent_warnings:
+        getattr(st_losses, class_name)(model64)
+    with pytest.warns(DeprecationWarning) as our_warnings:
+        getattr(ours, class_name)(model64)
+    assert [str(w.message) for w in our_warnings] == [str(w.message) for w in parent_warnings]
 
 
 def test_float32_within_float32_tolerances(tiny_model_dir):
