@@ -30,10 +30,12 @@ MARGIN_SIN_SQUARED_FLOOR = 1e-6
 EMBEDDING_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SCORE_DTYPES = (torch.float32, torch.float64)
 TARGETS = ("partner", "diagonal")
+LSE_EXCLUDES = ("none", "target", "own")
+LSE_PENALTIES = ("none", "other", "own", "all")
 # The ops, by name. A backend is a package whose __init__ defines is_available() and which has one module per
 # op, named after the op and defining a function of that name (torch_ops/ranking_loss.py -> ranking_loss):
 # dispatch finds the ops by these names, so adding an op never edits a backend's __init__.
-OPS = ("pair_scores", "ranking_loss", "similarity_xent")
+OPS = ("pair_scores", "ranking_loss", "similarity_xent", "similarity_lse")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -60,6 +62,22 @@ class Backend(Protocol):
         exclude_diagonal: bool,
         margin: float,
         group_ids: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+    def similarity_lse(
+        self,
+        q: torch.Tensor,
+        c: torch.Tensor,
+        scale: float,
+        target_offset: int,
+        period: int,
+        exclude: str,
+        penalty: float,
+        penalty_on: str,
+        filter_q: torch.Tensor | None,
+        filter_c: torch.Tensor | None,
+        filter_threshold: torch.Tensor | None,
+        filter_keeps_target: bool,
     ) -> torch.Tensor: ...
 
 
@@ -165,3 +183,54 @@ def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, ma
         _on_device_of("group_ids", group_ids, "q", q)
         group_ids = group_ids.to(torch.int64)
     return q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids
+
+
+def _integer(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
+                         filter_threshold, filter_keeps_target) -> tuple:
+    """The arguments of similarity_lse, checked against the contract and returned in normal form (the filter
+    inputs detached, its threshold contiguous in filter_q's compute dtype, in which the filter compares)."""
+    _tensor("q", q, 2, EMBEDDING_DTYPES)
+    _tensor("c", c, 2, EMBEDDING_DTYPES)
+    if q.shape[0] == 0 or q.shape[1] == 0 or c.shape[0] == 0 or c.shape[1] != q.shape[1]:
+        raise ValueError(f"q and c must be non-empty [M, D] and [Mc, D], got shapes {tuple(q.shape)} and "
+                         f"{tuple(c.shape)}")
+    if c.dtype != q.dtype:
+        raise TypeError(f"c must have q's dtype {q.dtype}, got {c.dtype}")
+    _on_device_of("c", c, "q", q)
+    scale = _real_number("scale", scale)
+    target_offset = _integer("target_offset", target_offset, 0)
+    period = _integer("period", period, 0)
+    if exclude not in LSE_EXCLUDES:
+        raise ValueError(f"exclude must be one of {LSE_EXCLUDES}, got {exclude!r}")
+    penalty = _real_number("penalty", penalty)
+    if penalty_on not in LSE_PENALTIES:
+        raise ValueError(f"penalty_on must be one of {LSE_PENALTIES}, got {penalty_on!r}")
+    if not isinstance(filter_keeps_target, bool):
+        raise TypeError(f"filter_keeps_target must be a bool, got {type(filter_keeps_target).__name__}")
+    given = [t is not None for t in (filter_q, filter_c, filter_threshold)]
+    if any(given) and not all(given):
+        raise ValueError("filter_q, filter_c and filter_threshold go together: give all three or none")
+    if all(given):
+        _tensor("filter_q", filter_q, 2, EMBEDDING_DTYPES)
+        _tensor("filter_c", filter_c, 2, EMBEDDING_DTYPES)
+        if filter_q.shape[0] != q.shape[0] or filter_c.shape[0] != c.shape[0] or filter_q.shape[1] != filter_c.shape[1]:
+            raise ValueError(f"filter_q and filter_c must be [M={q.shape[0]}, D'] and [Mc={c.shape[0]}, D'], got "
+                             f"shapes {tuple(filter_q.shape)} and {tuple(filter_c.shape)}")
+        _tensor("filter_threshold", filter_threshold, 1)
+        if not filter_threshold.is_floating_point() or filter_threshold.shape[0] != q.shape[0]:
+            raise ValueError(f"filter_threshold must be a float [M={q.shape[0]}] tensor, got "
+                             f"{filter_threshold.dtype} of shape {tuple(filter_threshold.shape)}")
+        for name, t in (("filter_q", filter_q), ("filter_c", filter_c), ("filter_threshold", filter_threshold)):
+            _on_device_of(name, t, "q", q)
+        filter_threshold = filter_threshold.detach().to(compute_dtype(filter_q.dtype)).contiguous()
+        filter_q, filter_c = filter_q.detach(), filter_c.detach()
+    return (q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
+            filter_keeps_target)

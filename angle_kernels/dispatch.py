@@ -51,6 +51,27 @@ similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, m
     Returns a 0-dim tensor in the compute dtype. Backward gives dq (and dc unless c is None), in the
     inputs' dtypes. Forward keeps O(M) state (per-row logsumexps); backward recomputes tiles.
 
+similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
+               filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False) -> lse
+    The per-row log partition function of a block of in-batch scores, the building block of the
+    in-batch-negative family (joint and per-direction partitions, hardness weighting, guided and
+    false-negative filtering): each loss combines a few of these [M] vectors and its positive scores.
+    q: [M, D]; c: [Mc, D], same dtype and device. Row i's target column is t_i = target_offset + i (it may
+    lie outside 0 .. Mc-1: then no column is the target). With period > 0, row i's "own" columns are the
+    j with j % period == t_i (the target and, e.g., the row's own hard negatives laid out period apart);
+    with period == 0 only j == t_i is own.
+    Logits: l[i, j] = scale * cos(q_i, c_j) + penalty * stop_gradient(cos(q_i, c_j)) * H[i, j], where the
+        hardness set H (penalty_on) is "none": no column; "other": the columns that are not own; "own": the
+        own columns but the target; "all": every column but the target.
+    Kept columns K_i: every j < Mc, minus the target when exclude="target", minus every own column when
+        exclude="own", and, when filter_threshold ([M], float) is given, minus every j with
+        cos(filter_q_i, filter_c_j) > filter_threshold[i] (filter_q [M, D'] and filter_c [Mc, D'], any float
+        dtype, e.g. a guide model's embeddings, or q and c themselves for a filter on the model's own
+        scores), except the target when filter_keeps_target. The filter and the penalty carry no gradient.
+    lse[i] = logsumexp_{j in K_i} l[i, j], -inf when K_i is empty. Returns [M] in the compute dtype.
+    Backward takes grad_lse [M] and gives dq and dc (inputs' dtypes); rows with lse = -inf contribute
+    nothing. O(M + Mc) extra memory: tiled, per-row state only; backward recomputes tiles.
+
 Calling the ops
     angle_kernels.dispatch.pair_scores(x, with_angle, *, backend=None), .ranking_loss(scores, labels, *,
     backend=None) and .similarity_xent(..., *, backend=None) validate and run an op on the chosen backend;
@@ -85,24 +106,46 @@ BACKENDS = ("torch", "triton", "cuda")
 class Ops:
     """A backend behind the contract: each op checks its inputs (`contract`), then calls the backend's op."""
 
-    def __init__(self, name: str, backend: contract.Backend):
+    def __init__(self, name: str, backend: contract.Backend, fallback: Ops | None = None):
         self.name = name
         self.backend = backend
+        self.fallback = fallback  # where "auto" sends an op this backend does not implement (see _implementing)
 
     def __repr__(self) -> str:
         return f"Ops({self.name!r})"
 
     def pair_scores(self, x, with_angle):
-        return self.backend.pair_scores(*contract.check_pair_scores(x, with_angle))
+        return self._implementing("pair_scores").pair_scores(*contract.check_pair_scores(x, with_angle))
 
     def ranking_loss(self, scores, labels):
-        return self.backend.ranking_loss(*contract.check_ranking_loss(scores, labels))
+        return self._implementing("ranking_loss").ranking_loss(*contract.check_ranking_loss(scores, labels))
 
     def similarity_xent(self, q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
                         group_ids=None):
-        return self.backend.similarity_xent(
+        return self._implementing("similarity_xent").similarity_xent(
             *contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
         )
+
+
+    def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
+                       penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
+                       filter_keeps_target=False):
+        args = contract.check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on,
+                                             filter_q, filter_c, filter_threshold, filter_keeps_target)
+        return self._implementing("similarity_lse").similarity_lse(*args)
+
+    def _implementing(self, op: str) -> contract.Backend:
+        """This backend if it implements `op`; else, when "auto" chose it, its fallback (saying so once per
+        process); else a ValueError naming the op."""
+        if getattr(self.backend, op) is not None:
+            return self.backend
+        if self.fallback is None:
+            raise ValueError(f"backend {self.name!r} does not implement {op} yet; use backend='torch' or 'triton'")
+        if (self.name, op) not in _warned_fallbacks:
+            _warned_fallbacks.add((self.name, op))
+            warnings.warn(f"angle_kernels: the {self.name!r} backend does not implement {op} yet; backend='auto' "
+                          f"computes it with the {self.fallback.name!r} backend", RuntimeWarning, stacklevel=4)
+        return self.fallback._implementing(op)
 
 
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
@@ -115,8 +158,19 @@ def raw_backend(name: str) -> contract.Backend:
     """Backend `name`'s own ops, which trust their inputs (the losses call them through `Ops`, tests directly),
     found by the convention stated at contract.OPS. Imports the op modules; does not ask whether they can run."""
     package = _PACKAGES[name]
-    ops = {op: getattr(importlib.import_module(f"{package}.{op}"), op) for op in contract.OPS}
+    ops = {op: _op_or_none(f"{package}.{op}", op) for op in contract.OPS}
     return types.SimpleNamespace(is_available=importlib.import_module(package).is_available, **ops)
+
+
+def _op_or_none(module_name: str, op: str):
+    """The op of its module, or None when the backend has no module for it (an op it does not implement yet)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise  # a module the op's module imports is missing: a broken backend, not a missing op
+        return None
+    return getattr(module, op)
 
 
 # Backend name -> (its Ops, "") or (None, why it is unavailable), as found when that backend was asked for
@@ -128,8 +182,11 @@ def raw_backend(name: str) -> contract.Backend:
 _TORCH_OPS = Ops("torch", raw_backend("torch"))
 _loaded: dict[str, tuple[Ops | None, str]] = {"torch": (_TORCH_OPS, "")}
 _loaded_without_build: dict[str, tuple[Ops | None, str]] = {}
-# The GPU backends "auto" has already warned about passing over (one warning per process and backend).
-_warned_fallbacks: set[str] = set()
+# The GPU backends "auto" has already warned about passing over, and the (backend, op) pairs it has sent to a
+# fallback backend (one warning per process each).
+_warned_fallbacks: set = set()
+# The Ops "auto" returns for CUDA tensors: the GPU backend's, with the torch backend for the ops it lacks.
+_auto_ops: dict[str, Ops] = {}
 
 
 def _probe(backend: str, allow_build: bool) -> tuple[Ops | None, str]:
@@ -193,7 +250,9 @@ def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
         for candidate in _AUTO_GPU_BACKENDS:
             ops, why = _load(candidate, allow_build=False)
             if ops is not None:
-                return ops
+                if candidate not in _auto_ops:
+                    _auto_ops[candidate] = Ops(candidate, ops.backend, fallback=_TORCH_OPS)
+                return _auto_ops[candidate]
             _warn_auto_fallback(candidate, why)
         return _TORCH_OPS
 
@@ -233,3 +292,13 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
     return resolve_backend(backend, _named_tensor("q", q)).similarity_xent(
         q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids
     )
+
+
+def similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
+                   filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False, *,
+                   backend: str | None = None):
+    """Per-row log partition functions [M] of scale * cos(q, c) with exclusions, hardness and filters (see the
+    module docstring)."""
+    return resolve_backend(backend, _named_tensor("q", q)).similarity_lse(
+        q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
+        filter_keeps_target)

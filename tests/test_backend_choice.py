@@ -10,6 +10,9 @@ same rule one level down: cuda_ops.is_available / _extension.load with allow_bui
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
 import sys
 import warnings
 from types import ModuleType, SimpleNamespace
@@ -65,6 +68,7 @@ def backends(monkeypatch):
     monkeypatch.setattr(dispatch, "_loaded", {"torch": (dispatch._TORCH_OPS, "")})
     monkeypatch.setattr(dispatch, "_loaded_without_build", {})
     monkeypatch.setattr(dispatch, "_warned_fallbacks", set())
+    monkeypatch.setattr(dispatch, "_auto_ops", {})
     monkeypatch.delenv("ANGLE_KERNELS_BACKEND", raising=False)
     return SimpleNamespace(triton=triton, cuda=cuda)
 
@@ -120,14 +124,50 @@ def test_auto_reports_a_backend_that_raises_while_probed(backends):
 
 
 def test_a_backend_whose_op_module_fails_to_import_is_reported(backends, monkeypatch):
-    """An available backend whose kernels do not import (a Triton API change, a syntax error) is passed over with
-    the import error as the reason, and an explicit request for it raises with that reason."""
-    monkeypatch.setitem(sys.modules, f"{backends.triton.__name__}.ranking_loss", None)  # its import raises
+    """An available backend whose kernels do not import (a Triton API change, a missing dependency) is passed
+    over with the import error as the reason, and an explicit request for it raises with that reason."""
+    broken = f"{backends.triton.__name__}.ranking_loss"
+    monkeypatch.delitem(sys.modules, broken)
+    monkeypatch.setitem(sys.modules, "fake_kernel_dependency", None)  # what the op module imports is missing
+
+    class Loader(importlib.abc.Loader):
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            import fake_kernel_dependency  # noqa: F401
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            return importlib.util.spec_from_loader(name, Loader()) if name == broken else None
+
+    monkeypatch.setattr(sys, "meta_path", [Finder(), *sys.meta_path])
+    monkeypatch.setattr(backends.triton, "__path__", [], raising=False)  # a package, so its submodules are found
     module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
     assert module.name == "torch"
-    assert "ModuleNotFoundError" in str(warned[0].message) and "ranking_loss" in str(warned[0].message)
-    with pytest.raises(RuntimeError, match="backend .triton. is not available here: .*ModuleNotFoundError"):
+    assert "fake_kernel_dependency" in str(warned[0].message), warned[0].message
+    with pytest.raises(RuntimeError, match="backend .triton. is not available here: .*fake_kernel_dependency"):
         dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
+
+
+def test_an_op_a_backend_lacks_goes_to_torch_under_auto_and_is_refused_when_explicit(backends, monkeypatch):
+    """A backend without a module for an op (an op it does not implement yet) still serves its other ops;
+    "auto" computes the missing one with the torch backend, saying so once; an explicit request raises a
+    ValueError naming the op."""
+    monkeypatch.setitem(sys.modules, f"{backends.triton.__name__}.ranking_loss", None)  # no such module
+    scores, labels = torch.randn(6, dtype=torch.float64), torch.arange(6) % 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ops = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+        assert ops.name == "triton"
+        first = ops.ranking_loss(scores, labels)
+        ops.ranking_loss(scores, labels)
+    notes = [str(w.message) for w in caught if "does not implement ranking_loss" in str(w.message)]
+    assert len(notes) == 1 and "'torch' backend" in notes[0]
+    assert torch.equal(first, dispatch.ranking_loss(scores, labels, backend="torch"))
+    explicit = dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
+    with pytest.raises(ValueError, match="backend 'triton' does not implement ranking_loss"):
+        explicit.ranking_loss(scores, labels)
 
 
 def test_auto_uses_a_prebuilt_cuda_extension(backends):

@@ -16,14 +16,12 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from ..contract import OPS
 
 # The one statement of what the extension is built from and with: setup.py (the install-time build) loads this
 # file for them, and tests/test_csrc_compile.py compiles csrc/ with NVCC_FLAGS on top of torch's own flags.
@@ -80,9 +78,11 @@ def _missing_requirement() -> str:
 
 
 def define_schemas() -> None:
-    """Import the op modules (one per op of contract.OPS): they define the schemas the kernels attach to."""
-    for name in OPS:
-        importlib.import_module(f"angle_kernels.cuda_ops.{name}")
+    """Import the op modules (one per op of contract.OPS that this backend implements): they define the schemas
+    the kernels attach to."""
+    from ..dispatch import raw_backend
+
+    raw_backend("cuda")
 
 
 @functools.lru_cache(maxsize=None)
