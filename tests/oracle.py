@@ -184,6 +184,48 @@ def similarity_xent(
     return (weights * per_row).sum() / rows
 
 
+def similarity_lse(
+    q: torch.Tensor,
+    c: torch.Tensor,
+    scale: float,
+    target_offset: int = 0,
+    period: int = 0,
+    exclude: str = "none",
+    penalty: float = 0.0,
+    penalty_on: str = "none",
+    filter_q: torch.Tensor | None = None,
+    filter_c: torch.Tensor | None = None,
+    filter_threshold: torch.Tensor | None = None,
+    filter_keeps_target: bool = False,
+) -> torch.Tensor:
+    """lse_i = logsumexp over the kept columns of l_ij, from the full M x Mc logits (see dispatch.py).
+
+    t_i = target_offset + i; own: j % period == t_i (period 0: j == t_i).
+    l_ij = scale * cos_ij + penalty * detach(cos_ij) on the hardness set ("other": not own; "own": own, not
+    the target; "all": not the target). Dropped: the target ("target") or the own columns ("own"), and, with a
+    filter, every j with cos(filter_q_i, filter_c_j) > filter_threshold_i (but the target when
+    filter_keeps_target).
+    """
+    cos = cosine_matrix(in_compute_dtype(q), in_compute_dtype(c))  # [M, Mc]
+    rows, cols = cos.shape
+    i = torch.arange(rows, device=cos.device)[:, None]
+    j = torch.arange(cols, device=cos.device)[None, :]
+    t = i + target_offset
+    is_target = j == t
+    is_own = (j % period == t) if period > 0 else is_target
+    hard = {"none": torch.zeros_like(is_target), "other": ~is_own, "own": is_own & ~is_target,
+            "all": ~is_target}[penalty_on]
+    logits = scale * cos + torch.where(hard, penalty * cos.detach(), torch.zeros_like(cos))
+    keep = {"none": torch.ones_like(is_target), "target": ~is_target, "own": ~is_own}[exclude]
+    if filter_threshold is not None:
+        guide = cosine_matrix(in_compute_dtype(filter_q.detach()), in_compute_dtype(filter_c.detach()))
+        too_close = guide > in_compute_dtype(filter_threshold.detach())[:, None]
+        if filter_keeps_target:
+            too_close = too_close & ~is_target
+        keep = keep & ~too_close
+    return masked_logsumexp(logits, keep)
+
+
 # ----------------------------------------------------------------------------------------------------
 # the losses of angle_emb.loss (zigzag rows: pair k is rows 2k and 2k + 1)
 # ----------------------------------------------------------------------------------------------------

@@ -29,3 +29,11 @@ def inverse_norms_from_squares(squared_norms: torch.Tensor) -> tuple[torch.Tenso
 def inverse_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """inverse_norms_from_squares for the rows of a [M, D] tensor, in its own dtype."""
     return inverse_norms_from_squares(row_dots(x, x))
+
+
+def normalise_backward(x: torch.Tensor, inv_norm: torch.Tensor, has_norm_grad: torch.Tensor,
+                       d_hat: torch.Tensor) -> torch.Tensor:
+    """Gradient with respect to x of x_hat = x * inv_norm, given d_hat = dL/dx_hat (overwritten):
+    dx = inv * d_hat - inv^3 * (x . d_hat) * x, the second term only where the norm was not clamped."""
+    radial = torch.where(has_norm_grad, inv_norm**3 * row_dots(x, d_hat), torch.zeros_like(inv_norm))
+    return d_hat.mul_(inv_norm[:, None]).addcmul_(x, radial[:, None], value=-1.0)

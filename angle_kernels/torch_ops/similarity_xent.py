@@ -29,7 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, compute_dtype
-from .common import inverse_norms, row_dots, rows_per_chunk
+from .common import inverse_norms, normalise_backward, rows_per_chunk
 
 
 def _target_columns(target: str, rows: torch.Tensor) -> torch.Tensor:
@@ -161,16 +161,9 @@ class SimilarityXentFunction(torch.autograd.Function):
             d_chat.addmm_(grad.mul_(q_inv[start:end, None]).T, qf[start:end])
 
         q_dtype, c_dtype = ctx.input_dtypes
-        dq = _normalise_backward(qf, q_inv, q_has_grad, d_qhat).to(q_dtype)
-        dc = None if symmetric else _normalise_backward(cf, c_inv, c_has_grad, d_chat).to(c_dtype)
+        dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat).to(q_dtype)
+        dc = None if symmetric else normalise_backward(cf, c_inv, c_has_grad, d_chat).to(c_dtype)
         return dq, dc, None, None, None, None, None, None
-
-
-def _normalise_backward(x, inv_norm, has_norm_grad, d_hat):
-    """Gradient with respect to x of x_hat = x * inv_norm, given d_hat = dL/dx_hat (overwritten):
-    dx = inv * d_hat - inv^3 * (x . d_hat) * x, the second term only where the norm was not clamped."""
-    radial = torch.where(has_norm_grad, inv_norm**3 * row_dots(x, d_hat), torch.zeros_like(inv_norm))
-    return d_hat.mul_(inv_norm[:, None]).addcmul_(x, radial[:, None], value=-1.0)
 
 
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None):

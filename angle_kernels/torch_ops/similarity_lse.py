@@ -1,0 +1,118 @@
+"""Per-row log partition functions of cosine scores, in row blocks: never the full M x Mc matrix.
+
+Computes the contract's similarity_lse (see angle_kernels/dispatch.py), the building block of the
+in-batch-negative family: joint and per-direction partitions, hardness-weighted negatives, guided (GIST) and
+false-negative filtering. For row i with target column t_i = target_offset + i:
+
+    l_ij   = scale * cos(q_i, c_j) + penalty * stop_gradient(cos(q_i, c_j)) * [j in H_i]
+    lse_i  = logsumexp over the kept columns K_i of l_ij           (-inf when K_i is empty)
+
+Rows are processed a block at a time against all columns, as in similarity_xent.py: a block x Mc tile of
+cosines is one matrix product of the raw rows scaled by the inverse norms; the filter's tile (a second
+product, of the filter embeddings) is recomputed in backward too, so only lse and the norms are kept.
+Backward: dL/dcos_ij = g_i * scale * softmax_ij over K_i (the penalty is a stop-gradient, so it changes the
+probabilities but not the slope), then the gradients of the normalised rows, d q_hat = G c_hat and
+d c_hat += G^T q_hat, and the normalisation's backward once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..contract import compute_dtype
+from .common import inverse_norms, normalise_backward, rows_per_chunk
+
+
+class _Tiles:
+    """Recomputes the logits of one row block (kept columns only; the rest are -inf), identically in forward
+    and backward."""
+
+    def __init__(self, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty, penalty_on,
+                 filter_q, filter_c, filter_threshold, filter_keeps_target):
+        self.qf, self.cf, self.q_inv, self.c_inv = qf, cf, q_inv, c_inv
+        self.scale, self.target_offset, self.period = scale, target_offset, period
+        self.exclude, self.penalty, self.penalty_on = exclude, penalty, penalty_on
+        self.filter_threshold, self.filter_keeps_target = filter_threshold, filter_keeps_target
+        if filter_threshold is not None:
+            dtype = compute_dtype(filter_q.dtype)
+            self.filter_q, self.filter_c = filter_q.to(dtype), filter_c.to(dtype)
+            self.filter_q_inv, self.filter_c_inv = inverse_norms(self.filter_q)[0], inverse_norms(self.filter_c)[0]
+        self.block = rows_per_chunk(cf.shape[0])
+
+    def blocks(self):
+        m = self.qf.shape[0]
+        for start in range(0, m, self.block):
+            yield start, min(m, start + self.block)
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        device = self.qf.device
+        targets = torch.arange(start, end, device=device)[:, None] + self.target_offset  # [b, 1]
+        columns = torch.arange(self.cf.shape[0], device=device)[None, :]  # [1, Mc]
+        is_target = columns == targets
+        is_own = (columns % self.period == targets) if self.period > 0 else is_target
+
+        cos = self.qf[start:end] @ self.cf.T
+        cos.mul_(self.q_inv[start:end, None]).mul_(self.c_inv[None, :])
+        logits = cos * self.scale
+        if self.penalty != 0.0 and self.penalty_on != "none":
+            hard = {"other": ~is_own, "own": is_own & ~is_target, "all": ~is_target}[self.penalty_on]
+            logits += torch.where(hard, self.penalty * cos, torch.zeros_like(cos))
+        dropped = {"none": None, "target": is_target, "own": is_own}[self.exclude]
+        if self.filter_threshold is not None:
+            guide = self.filter_q[start:end] @ self.filter_c.T
+            guide.mul_(self.filter_q_inv[start:end, None]).mul_(self.filter_c_inv[None, :])
+            filtered = guide > self.filter_threshold[start:end, None]
+            if self.filter_keeps_target:
+                filtered &= ~is_target
+            dropped = filtered if dropped is None else dropped | filtered
+        if dropped is not None:
+            logits.masked_fill_(dropped, float("-inf"))
+        return logits
+
+
+class SimilarityLseFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
+                filter_threshold, filter_keeps_target):
+        dtype = compute_dtype(q.dtype)
+        qf, cf = q.detach().to(dtype), c.detach().to(dtype)
+        q_inv, q_has_grad = inverse_norms(qf)
+        c_inv, c_has_grad = inverse_norms(cf)
+        options = (scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
+                   filter_keeps_target)
+        tiles = _Tiles(qf, cf, q_inv, c_inv, *options)
+        lse = torch.empty(qf.shape[0], dtype=dtype, device=q.device)
+        for start, end in tiles.blocks():
+            lse[start:end] = torch.logsumexp(tiles.logits(start, end), dim=1)
+        ctx.save_for_backward(qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse)
+        ctx.options = options
+        ctx.input_dtypes = (q.dtype, c.dtype)
+        return lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_lse):
+        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse = ctx.saved_tensors
+        tiles = _Tiles(qf, cf, q_inv, c_inv, *ctx.options)
+        # Rows with no kept column (lse = -inf) have no softmax: their weight is 0, and their lse is replaced by
+        # 0 so that exp(-inf - lse) is 0 rather than NaN.
+        empty = torch.isneginf(lse)
+        row_scale = torch.where(empty, torch.zeros_like(lse), grad_lse.to(qf.dtype) * tiles.scale)
+        finite_lse = torch.where(empty, torch.zeros_like(lse), lse)
+        d_qhat, d_chat = torch.zeros_like(qf), torch.zeros_like(cf)
+        for start, end in tiles.blocks():
+            grad = torch.exp(tiles.logits(start, end) - finite_lse[start:end, None])  # softmax over K_i
+            grad.mul_(row_scale[start:end, None])  # dL/dcos_ij
+            d_qhat[start:end].addmm_(grad * c_inv[None, :], cf)
+            d_chat.addmm_(grad.mul_(q_inv[start:end, None]).T, qf[start:end])
+        q_dtype, c_dtype = ctx.input_dtypes
+        dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat).to(q_dtype)
+        dc = normalise_backward(cf, c_inv, c_has_grad, d_chat).to(c_dtype)
+        return dq, dc, *([None] * 10)
+
+
+def similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
+                   filter_threshold, filter_keeps_target):
+    return SimilarityLseFunction.apply(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q,
+                                       filter_c, filter_threshold, filter_keeps_target)

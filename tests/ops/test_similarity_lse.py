@@ -1,0 +1,160 @@
+"""similarity_lse on every backend that implements it against the float64 oracle: lse and the gradients of q, c.
+
+The cases are the blocks the in-batch-negative family is assembled from (sentence-transformers'
+MultipleNegativesRankingLoss directions with their exclusions and hardness modes, GIST's guided filter, the
+false-negative filter on the model's own scores) and the corners around them: targets past the last column,
+a period that lays out hard negatives, a filter that empties whole rows (lse = -inf, no gradient, no NaN),
+odd sizes, a single row or column, more rows and columns than one tile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import oracle
+from ak_testing import HALF_DTYPES, assert_close, check_against_oracle, generator, leaf_like, randn
+
+# name -> (M, Mc, D, options). "filter": (D' of the filter embeddings, threshold offset): the threshold of row
+# i is the filter cosine of its target column (or 0.2 when it has none) minus the offset, as GIST's
+# absolute margin; "self_filter": the filter is the model's own q and c (a false-negative filter).
+CASES = {
+    "query_to_doc": (12, 36, 40, dict(period=12)),
+    "query_to_doc_gathered": (6, 36, 40, dict(target_offset=6, period=18)),
+    "query_to_query": (12, 12, 40, dict(exclude="target")),
+    "doc_to_doc": (12, 36, 40, dict(period=12, exclude="own")),
+    "hard_in_batch_negatives": (12, 36, 40, dict(period=12, penalty=5.0, penalty_on="other")),
+    "hard_own_negatives": (12, 36, 40, dict(period=12, penalty=9.0, penalty_on="own")),
+    "hard_all_negatives": (6, 36, 40, dict(target_offset=6, period=18, penalty=2.0, penalty_on="all")),
+    "guided": (12, 24, 40, dict(filter=(24, 0.0), filter_keeps_target=True)),
+    "guided_no_target_kept": (12, 12, 40, dict(filter=(24, 0.05))),
+    "false_negative_filter": (12, 36, 40, dict(period=12, self_filter=0.1, filter_keeps_target=True)),
+    "everything": (9, 45, 33, dict(target_offset=3, period=15, exclude="target", penalty=3.0, penalty_on="all",
+                                   filter=(17, 0.02), filter_keeps_target=True, scale=1 / 0.05)),
+    "targets_past_the_columns": (10, 4, 8, dict(target_offset=2, exclude="target", penalty=1.0,
+                                                penalty_on="all")),
+    "one_row": (1, 1, 5, dict()),
+    "one_column": (7, 1, 5, dict(penalty=1.0, penalty_on="other")),
+    "several_tiles": (150, 300, 130, dict(period=100, exclude="own", penalty=2.0, penalty_on="other")),
+}
+
+
+def _filter_threshold(fq, fc, target_offset, offset):
+    cos = oracle.cosine_matrix(fq.double(), fc.double())
+    rows = torch.arange(fq.shape[0])
+    targets = rows + target_offset
+    has = targets < fc.shape[0]
+    at_target = torch.full((fq.shape[0],), 0.2, dtype=torch.float64)
+    at_target[has] = cos[rows[has], targets[has]]
+    return (at_target - offset).to(torch.float32)
+
+
+def _inputs(name, dtype):
+    """(q, c, op keyword arguments) of a case, drawn from the case's own generator."""
+    rows, cols, dim, options = CASES[name]
+    gen = generator("similarity_lse", name, dtype)
+    q, c = randn(gen, rows, dim, dtype=dtype), randn(gen, cols, dim, dtype=dtype)
+    kwargs = dict(scale=options.get("scale", 20.0), target_offset=options.get("target_offset", 0),
+                  period=options.get("period", 0), exclude=options.get("exclude", "none"),
+                  penalty=options.get("penalty", 0.0), penalty_on=options.get("penalty_on", "none"),
+                  filter_keeps_target=options.get("filter_keeps_target", False))
+    if "filter" in options:
+        filter_dim, offset = options["filter"]
+        # a guide that agrees with the model in part, so that the filter drops some but not all columns
+        fq = torch.cat([q.float(), randn(gen, rows, filter_dim)], dim=1)
+        fc = torch.cat([c.float(), randn(gen, cols, filter_dim)], dim=1)
+        kwargs.update(filter_q=fq, filter_c=fc,
+                      filter_threshold=_filter_threshold(fq, fc, kwargs["target_offset"], offset))
+    if "self_filter" in options:
+        kwargs.update(filter_q=q.detach(), filter_c=c.detach(),
+                      filter_threshold=_filter_threshold(q, c, kwargs["target_offset"], options["self_filter"]))
+    return q, c, kwargs
+
+
+def _on(device, kwargs):
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+@pytest.fixture
+def backend(backend):
+    """The backends that implement similarity_lse (the CUDA backend gains it after its GPU validation)."""
+    if backend.ops.backend.similarity_lse is None:
+        pytest.skip(f"the {backend.name} backend does not implement similarity_lse yet")
+    return backend
+
+
+def test_the_cases_drop_some_columns_and_keep_others():
+    """The filter cases are only worth something if the filter really drops part of each block."""
+    for name in ("guided", "guided_no_target_kept", "false_negative_filter", "everything"):
+        q, c, kwargs = _inputs(name, torch.float64)
+        unfiltered = {k: v for k, v in kwargs.items() if not k.startswith("filter_")}
+        full, filtered = oracle.similarity_lse(q, c, **unfiltered), oracle.similarity_lse(q, c, **kwargs)
+        assert (filtered < full - 1e-9).any() and torch.isfinite(filtered).any(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF_DTYPES], ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_oracle(backend, name, dtype):
+    q, c, kwargs = _inputs(name, dtype)
+    if not torch.isfinite(oracle.similarity_lse(q.double(), c.double(), **kwargs)).all():
+        pytest.skip("a row keeps no column in this dtype's draw: see test_rows_that_keep_no_column")
+    on_device = _on(backend.device, kwargs)
+    check_against_oracle(lambda q, c: backend.ops.similarity_lse(q, c, **on_device),
+                         lambda q, c: oracle.similarity_lse(q, c, **kwargs), [q, c], f"{name} {dtype}",
+                         device=backend.device)
+
+
+def test_rows_that_keep_no_column(backend):
+    """A row whose every column is excluded or filtered has lse = -inf and contributes no gradient; the
+    other rows are exact, and nothing is NaN."""
+    q, c, kwargs = _inputs("guided_no_target_kept", torch.float64)
+    kwargs["filter_threshold"] = kwargs["filter_threshold"].clone()
+    kwargs["filter_threshold"][[1, 4]] = -2.0  # every filter cosine is above -2: rows 1 and 4 keep nothing
+    on_device = _on(backend.device, kwargs)
+    weights = torch.linspace(0.5, 1.5, q.shape[0], dtype=torch.float64)
+
+    def finite_part(lse, w):
+        return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) @ w
+
+    leaves = [leaf_like(q, device=backend.device), leaf_like(c, device=backend.device)]
+    lse = backend.ops.similarity_lse(*leaves, **on_device)
+    finite_part(lse, weights.to(backend.device)).backward()
+    leaves_exact = [leaf_like(q), leaf_like(c)]
+    exact = oracle.similarity_lse(*leaves_exact, **kwargs)
+    finite_part(exact, weights).backward()
+
+    empty = torch.isneginf(exact.detach())
+    assert empty[[1, 4]].all() and not empty.all()
+    assert torch.equal(torch.isneginf(lse.detach().cpu()), empty)
+    assert_close(lse.detach().cpu()[~empty], exact.detach()[~empty], 1e-10, "finite rows")
+    for ours, ref, what in zip(leaves, leaves_exact, ("dq", "dc")):
+        assert torch.isfinite(ours.grad).all(), what
+        assert_close(ours.grad.cpu(), ref.grad, 1e-8, what)
+    assert torch.count_nonzero(leaves[0].grad[empty.to(backend.device)]) == 0
+
+
+@pytest.mark.parametrize("name", ["guided", "query_to_doc_gathered", "doc_to_doc"])  # no penalty: it is a
+# stop-gradient, which finite differences see
+def test_gradcheck_float64(backend, name):
+    q, c, kwargs = _inputs(name, torch.float64)
+    on_device = _on(backend.device, kwargs)
+    leaves = [q.to(backend.device).requires_grad_(), c.to(backend.device).requires_grad_()]
+    assert gradcheck(lambda q, c: backend.ops.similarity_lse(q, c, **on_device), leaves, eps=1e-6, atol=1e-6)
+
+
+def test_the_penalty_changes_probabilities_not_slopes(backend):
+    """The hardness penalty is a stop-gradient: d lse / d cos_ij = scale * p_ij with p from the penalised
+    logits. At penalty = -scale the penalised columns have logit 0 whatever their cosine, yet still carry the
+    gradient scale * p_ij."""
+    q, c, kwargs = _inputs("hard_in_batch_negatives", torch.float64)
+    kwargs.update(penalty=-kwargs["scale"])
+    on_device = _on(backend.device, kwargs)
+    check_against_oracle(lambda q, c: backend.ops.similarity_lse(q, c, **on_device),
+                         lambda q, c: oracle.similarity_lse(q, c, **kwargs), [q, c], "penalty = -scale",
+                         device=backend.device)
+    lse = oracle.similarity_lse(q, c, **kwargs)
+    assert not math.isclose(float(lse.sum()), float(oracle.similarity_lse(q, c, scale=kwargs["scale"],
+                                                                          period=kwargs["period"]).sum()))
