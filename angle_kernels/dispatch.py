@@ -140,7 +140,8 @@ class Ops:
         if getattr(self.backend, op) is not None:
             return self.backend
         if self.fallback is None:
-            raise ValueError(f"backend {self.name!r} does not implement {op} yet; use backend='torch' or 'triton'")
+            raise ValueError(f"backend {self.name!r} does not implement {op} yet; choose another backend "
+                             "('torch' implements every op)")
         if (self.name, op) not in _warned_fallbacks:
             _warned_fallbacks.add((self.name, op))
             warnings.warn(f"angle_kernels: the {self.name!r} backend does not implement {op} yet; backend='auto' "

@@ -13,7 +13,8 @@ negative loss raise ValueError, fp16 norms above 256 do not overflow, bad input 
 
 Each loss is two halves, and each formula is written once, in its computing half:
     * the public function checks its arguments (`checks`, `check_zigzag`), resolves the backend, and calls
-    * the computing half (`ranking_terms`, `in_batch_negatives`, `contrastive`, `arccon`, `triplet`), which
+    * the computing half (`ranking_terms`, `in_batch_negatives`, `contrastive`, `arccon`, `triplet`,
+      `multiple_negatives`), which
       takes checked inputs and a `dispatch.Ops`. `AngleLoss`, `ArcCSELoss` and the integrations check their
       own inputs once and call these halves directly.
 """
@@ -27,6 +28,7 @@ import torch
 from . import checks
 from .contract import compute_dtype
 from .dispatch import Ops, resolve_backend
+from .distributed import all_gather_with_grad, rank_and_world_size
 
 __all__ = [
     "cosine_loss",
@@ -35,6 +37,7 @@ __all__ = [
     "contrastive_with_negative_loss",
     "arccon_loss",
     "triplet_loss",
+    "multiple_negatives_ranking_loss",
 ]
 
 POOLING_STRATEGIES = ("sum", "mean")
@@ -99,6 +102,44 @@ def check_triplets(anchor, weak, strong) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # Computing halves: each formula once, on checked inputs, with the ops of a resolved backend
 # ------------------------------------------------------------------------------------------------------------
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+PARTITION_MODES = ("joint", "per_direction")
+# sentence-transformers' hardness modes -> the columns of the query-to-document block similarity_lse penalises
+HARDNESS_MODES = {"in_batch_negatives": "other", "hard_negatives": "own", "all_negatives": "all"}
+MARGIN_STRATEGIES = ("absolute", "relative")
+
+
+def check_in_batch_options(directions, partition_mode, hardness_mode, hardness_strength,
+                           false_negative_margin, false_negative_strategy) -> tuple:
+    """The options of multiple_negatives_ranking_loss as sentence-transformers 6.2 checks them, plus the
+    false-negative filter's; returned normalised (directions a tuple, floats)."""
+    directions = tuple(directions) if isinstance(directions, (tuple, list)) else directions
+    if not isinstance(directions, tuple) or not directions or not set(directions) <= set(DIRECTIONS):
+        raise ValueError(f"directions must be a non-empty tuple of {DIRECTIONS}, got {directions!r}")
+    if "query_to_doc" not in directions:
+        raise ValueError("directions must include 'query_to_doc' (it holds the positive pair)")
+    checks.check_choice("partition_mode", partition_mode, PARTITION_MODES)
+    if partition_mode == "per_direction" and set(directions) & {"query_to_query", "doc_to_doc"}:
+        raise ValueError("partition_mode='per_direction' needs every direction to contain the positive pair: "
+                         "'query_to_query' and 'doc_to_doc' do not; use partition_mode='joint'")
+    if hardness_mode is not None:
+        checks.check_choice("hardness_mode", hardness_mode, tuple(HARDNESS_MODES))
+    hardness_strength = checks.check_scalar("hardness_strength", hardness_strength)
+    if hardness_strength < 0:
+        raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+    if false_negative_margin is not None:
+        false_negative_margin = checks.check_scalar("false_negative_margin", false_negative_margin)
+    checks.check_choice("false_negative_strategy", false_negative_strategy, MARGIN_STRATEGIES)
+    return directions, hardness_strength, false_negative_margin
+
+
+def margin_threshold(positive: torch.Tensor, strategy: str, margin: float) -> torch.Tensor:
+    """Where a false-negative filter starts: columns scoring above this leave the partition function.
+    "absolute": positive - margin; "relative": positive - |positive| * margin (GIST's two strategies)."""
+    positive = positive.detach()
+    return positive - margin if strategy == "absolute" else positive - positive.abs() * margin
+
+
 def as_pairs(y_pred: torch.Tensor) -> torch.Tensor:
     """The zigzag rows [2N, D] as pairs [N, 2, D] (a view when y_pred is contiguous)."""
     rows, dim = y_pred.shape
@@ -160,6 +201,68 @@ def triplet(ops: Ops, anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Te
     """mean(max(0, cos(anchor, strong) - cos(anchor, weak) + margin)) on checked triplets, one pair-score pass."""
     cos, _ = ops.pair_scores(torch.stack((anchor, weak.to(anchor.dtype), strong.to(anchor.dtype)), dim=1), False)
     return torch.relu(cos[:, 1] - cos[:, 0] + margin).mean()
+
+
+def _own_rows_first(local: torch.Tensor, gathered: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """The rows of `gathered` (every rank's `local`, in rank order) with this rank's own rows first, as pieces for
+    one torch.cat; the own rows are `local` itself (same values; its gradient then comes straight from this
+    rank's loss, the other ranks' through the gather's backward)."""
+    rows = local.shape[0]
+    return [local, gathered[:rank * rows], gathered[(rank + 1) * rows:]]
+
+
+def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
+                       scale: float, directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
+                       hardness_mode: str | None = None, hardness_strength: float = 0.0,
+                       false_negative_margin: float | None = None, false_negative_strategy: str = "absolute",
+                       gathered: tuple | None = None) -> torch.Tensor:
+    """sentence-transformers' MultipleNegativesRankingLoss on checked inputs (see the public function).
+
+    gathered: None, or (rank, all queries, all positives, all negatives) when the columns come from every rank
+    (all_gather_with_grad); this rank's rows are scored against them, its row i's positive being column
+    rank * B + i. Two paths: the standard and the per-direction symmetric losses without hardness or filter are
+    the similarity_xent op (one kernel computes each row's partition and positive); everything else combines
+    per-row log partitions of similarity_lse blocks with the positive scores.
+    """
+    rows = queries.shape[0]
+    rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
+    documents = torch.cat([all_positives, *(t.to(positives.dtype) for t in all_negatives)], dim=0)
+    hard = hardness_mode is not None and hardness_strength > 0.0
+    plain = (set(directions) == {"query_to_doc"} or partition_mode == "per_direction") and not hard
+    if plain and false_negative_margin is None:
+        # logsumexp over the columns does not depend on their order: with this rank's positives first, row i's
+        # target is column i, the op's "diagonal" target, gathered or not
+        own_first = documents if gathered is None else torch.cat(
+            [*_own_rows_first(positives, all_positives, rank), *(t.to(positives.dtype) for t in all_negatives)])
+        loss = contrastive(ops, queries, own_first, scale)
+        if "doc_to_query" in directions:
+            query_columns = queries if gathered is None else torch.cat(_own_rows_first(queries, all_queries, rank))
+            loss = (loss + contrastive(ops, positives, query_columns, scale)) / 2
+        return loss
+
+    offset, world_rows = rank * rows, all_queries.shape[0]
+    cos_positive = ops.pair_scores(torch.stack((queries, positives.to(queries.dtype)), dim=1), False)[0][:, 0]
+    threshold = None
+    if false_negative_margin is not None:
+        threshold = margin_threshold(cos_positive, false_negative_strategy, false_negative_margin)
+
+    def block(anchors, columns, **options):
+        filtering = {} if threshold is None else dict(filter_q=anchors.detach(), filter_c=columns.detach(),
+                                                      filter_threshold=threshold, filter_keeps_target=True)
+        return ops.similarity_lse(anchors, columns.to(anchors.dtype), scale, target_offset=offset, **options,
+                                  **filtering)
+
+    penalty = dict(penalty=hardness_strength, penalty_on=HARDNESS_MODES[hardness_mode]) if hard else {}
+    log_partitions = [block(queries, documents, period=world_rows, **penalty)]  # query_to_doc
+    if "query_to_query" in directions:
+        log_partitions.append(block(queries, all_queries, exclude="target"))
+    if "doc_to_query" in directions:
+        log_partitions.append(block(positives, all_queries))
+    if "doc_to_doc" in directions:
+        log_partitions.append(block(positives, documents, period=world_rows, exclude="own"))
+    stacked = torch.stack(log_partitions)
+    log_z = torch.logsumexp(stacked, dim=0) if partition_mode == "joint" else stacked.mean(dim=0)
+    return (log_z - scale * cos_positive).mean()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -325,3 +428,69 @@ def triplet_loss(
     margin = checks.check_scalar("margin", margin)
     check_triplets(anchor, weak, strong)
     return triplet(resolve_backend(backend, anchor), anchor, weak, strong, margin)
+
+
+def multiple_negatives_ranking_loss(
+    queries: torch.Tensor,
+    positives: torch.Tensor,
+    negatives: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+    *,
+    scale: float = 20.0,
+    directions: tuple[str, ...] = ("query_to_doc",),
+    partition_mode: str = "joint",
+    hardness_mode: str | None = None,
+    hardness_strength: float = 0.0,
+    false_negative_margin: float | None = None,
+    false_negative_strategy: str = "absolute",
+    gather_across_devices: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """InfoNCE with in-batch negatives, every option of sentence-transformers 6.2's MultipleNegativesRankingLoss
+    (same values and gradients), plus a false-negative filter, without any B x B score matrix.
+
+    Row i scores its query against the documents [positives; negatives[0]; negatives[1]; ...] (logits
+    scale * cos), its positive being positives[i]; `directions` adds the other interaction blocks of the row:
+    "query_to_query" (the other queries, itself excluded), "doc_to_query" (its positive against every query),
+    "doc_to_doc" (its positive against the documents that belong to other queries). partition_mode="joint":
+    one softmax over every selected block (GTE's improved contrastive loss uses all four); "per_direction":
+    one per direction, their log partition functions averaged ("query_to_doc" and "doc_to_query": symmetric
+    InfoNCE). loss = mean_i (log_partition_i - scale * cos(queries_i, positives_i)).
+
+    hardness_mode / hardness_strength (alpha): adds alpha * stop_gradient(cos) to the query-to-document logits
+    of "in_batch_negatives" (the documents of other queries), "hard_negatives" (the row's own negatives) or
+    "all_negatives" (every column but the positive), as sentence-transformers defines them.
+    false_negative_margin: a column whose cosine with the row's anchor exceeds the positive's cosine minus the
+    margin ("absolute") or minus |positive| * margin ("relative", false_negative_strategy) leaves the
+    partition function, in every block (the positive itself stays): positive-aware false-negative filtering
+    as in NV-Retriever; None (default) keeps every column.
+    gather_across_devices: with torch.distributed initialised, the columns come from every process
+    (all_gather_with_grad) and each process's loss is the mean over its own rows, as in sentence-transformers;
+    every process must pass the same shapes.
+
+    Args:
+        queries, positives: [B, D]; negatives: any number of [B, D] tensors (hard-negative columns).
+        backend: "auto" (default), "torch", "triton" or "cuda".
+    """
+    scale = checks.check_scalar("scale", scale)
+    directions, hardness_strength, false_negative_margin = check_in_batch_options(
+        directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy)
+    if not isinstance(gather_across_devices, bool):
+        raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
+    named = [("queries", queries), ("positives", positives)]
+    named += [(f"negatives[{i}]", t) for i, t in enumerate(negatives)]
+    rank, world_size = rank_and_world_size()
+    gathered = None
+    if gather_across_devices and world_size > 1:
+        # Checked after gathering: every rank sees the same values, so a NaN on one rank makes all of them
+        # raise (rather than one raising and the others waiting in the next collective).
+        everything = [all_gather_with_grad(t) for _, t in named]
+        checks.check_embedding_group(*((name, t) for (name, _), t in zip(named, everything)))
+        gathered = (rank, everything[0], everything[1], everything[2:])
+    else:
+        checks.check_embedding_group(*named)
+    checks.check_same_shape("queries", queries, "positives", positives)
+    for i, t in enumerate(negatives):
+        checks.check_same_shape("queries", queries, f"negatives[{i}]", t)
+    return multiple_negatives(resolve_backend(backend, queries), queries, positives, list(negatives), scale,
+                              directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
+                              false_negative_strategy, gathered)

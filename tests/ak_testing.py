@@ -184,6 +184,35 @@ def backend_or_skip(name: str) -> Backend:
 # ----------------------------------------------------------------------------------------------------
 # running a function and its backward
 # ----------------------------------------------------------------------------------------------------
+class ShapeRecorder:
+    """The shape of every tensor each op returns while `.mode` is entered (a TorchDispatchMode), tagged with
+    `.phase` ("forward" until a test sets it to "backward"): how the memory tests see that no fused path makes
+    an N x N tensor."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        recorder = self
+        self.phase, self.shapes = "forward", []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                result = func(*args, **(kwargs or {}))
+                for t in tree_flatten(result)[0]:
+                    if isinstance(t, torch.Tensor):
+                        recorder.shapes.append((recorder.phase, tuple(t.shape)))
+                return result
+
+        self.mode = Mode()
+
+
+def skip_unless_implemented(backend: Backend, op: str) -> None:
+    """Skip a case of a backend that does not implement `op` yet (a backend may lack an op: dispatch.raw_backend)."""
+    if getattr(backend.ops.backend, op) is None:
+        pytest.skip(f"the {backend.name} backend does not implement {op} yet")
+
+
 def leaf_like(x: torch.Tensor, device=None, dtype=None) -> torch.Tensor:
     """A fresh leaf requiring grad with x's values and x's strides (clone() would make a non-dense layout
     contiguous), on `device` and in `dtype` (default: x's)."""

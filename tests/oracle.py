@@ -331,6 +331,56 @@ def contrastive_with_negative_loss(
     return (torch.logsumexp(logits, dim=1) - logits[batch, batch]).mean()
 
 
+def multiple_negatives_ranking_loss(
+    queries: torch.Tensor,
+    positives: torch.Tensor,
+    negatives=(),
+    scale: float = 20.0,
+    directions=("query_to_doc",),
+    partition_mode: str = "joint",
+    hardness_mode: str | None = None,
+    hardness_strength: float = 0.0,
+    false_negative_margin: float | None = None,
+    false_negative_strategy: str = "absolute",
+) -> torch.Tensor:
+    """sentence-transformers 6.2's MultipleNegativesRankingLoss (one process), from the full score blocks, plus
+    the package's false-negative filter: in every block, a column whose cosine with the row's anchor exceeds
+    t_i = c_i - margin ("absolute") or c_i - |c_i| * margin ("relative"), c_i = cos(q_i, p_i), is dropped,
+    except the row's positive pair (column i of query_to_doc and of doc_to_query)."""
+    q, p = in_compute_dtype(queries), in_compute_dtype(positives)
+    docs = torch.cat([p, *(in_compute_dtype(n) for n in negatives)], dim=0)  # [B (1 + k), D]
+    b = q.shape[0]
+    i = torch.arange(b)[:, None]
+    j = torch.arange(docs.shape[0])[None, :]
+    own_doc = j % b == i  # the row's positive and its own hard negatives
+    blocks = {"query_to_doc": (cosine_matrix(q, docs), own_doc & (j == i), torch.zeros_like(own_doc))}
+    if "query_to_query" in directions:
+        blocks["query_to_query"] = (cosine_matrix(q, q), torch.zeros(b, b, dtype=torch.bool), torch.eye(b) > 0)
+    if "doc_to_query" in directions:
+        blocks["doc_to_query"] = (cosine_matrix(p, q), torch.eye(b) > 0, torch.zeros(b, b, dtype=torch.bool))
+    if "doc_to_doc" in directions:
+        blocks["doc_to_doc"] = (cosine_matrix(p, docs), torch.zeros_like(own_doc), own_doc)
+    positive_cos = cosine(q, p)
+    logits = {}
+    for name, (cos, is_positive, removed) in blocks.items():
+        block = scale * cos
+        if name == "query_to_doc" and hardness_mode is not None and hardness_strength > 0:
+            penalised = {"in_batch_negatives": ~own_doc, "hard_negatives": own_doc & (j >= b),
+                         "all_negatives": ~(own_doc & (j == i))}[hardness_mode]
+            block = block + torch.where(penalised, hardness_strength * cos.detach(), torch.zeros_like(cos))
+        drop = removed
+        if false_negative_margin is not None:
+            t = positive_cos.detach()
+            t = t - false_negative_margin if false_negative_strategy == "absolute" else t - t.abs() * false_negative_margin
+            drop = drop | ((cos.detach() > t[:, None]) & ~is_positive)
+        logits[name] = block.masked_fill(drop, -math.inf)
+    if partition_mode == "joint":
+        log_z = torch.logsumexp(torch.cat(list(logits.values()), dim=1), dim=1)
+    else:
+        log_z = sum(torch.logsumexp(block, dim=1) for block in logits.values()) / len(logits)
+    return (log_z - scale * positive_cos).mean()
+
+
 # ----------------------------------------------------------------------------------------------------
 # ArcCSE (the paper: no reference code exists)
 # ----------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ with angle_kernels' fused losses:
     CoSENTLoss                          cosine_loss (or angle_loss with similarity_fct=pairwise_angle_sim):
                                         O(N) memory, one fused pass over the pairs
     AnglELoss                           angle_loss, pairs or (anchor, positive, negative...) n-tuples
-    MultipleNegativesRankingLoss        contrastive_with_negative_loss: never builds the B x B(1+k) score matrix
+    MultipleNegativesRankingLoss        multiple_negatives_ranking_loss, every option: never the B x B(1+k) score matrix
                                         (nor B x WB(1+k) with gather_across_devices over W processes)
     CachedMultipleNegativesRankingLoss  the same, on the whole cached batch at once (no loss-stage chunking)
     MultipleNegativesSymmetricRankingLoss, CachedMultipleNegativesSymmetricRankingLoss
@@ -42,7 +42,6 @@ from torch import Tensor
 from .. import checks as _checks
 from .. import functional as _functional
 from ..dispatch import resolve_backend
-from ..distributed import all_gather_with_grad, rank_and_world_size
 
 try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still works there with a warning
     from sentence_transformers.sentence_transformer import losses as _st_losses
@@ -219,81 +218,25 @@ _MNRL_DEFAULTS = {"gather_across_devices": False, "directions": ("query_to_doc",
 
 
 def _mnrl_unfused_reason(loss) -> str | None:
-    """Why a MultipleNegativesRankingLoss configuration cannot run fused; None when it can.
-
-    Fused configurations: cosine similarity, no hardness weighting, and either the standard direction
-    ("query_to_doc",) (any partition_mode: with one direction they coincide) or the symmetric pair
-    ("query_to_doc", "doc_to_query") with partition_mode="per_direction" (the mean of the two one-directional
-    losses); with or without gather_across_devices.
-    """
-    # getattr with the defaults: older 6.x releases do not have every attribute
+    """Why a MultipleNegativesRankingLoss configuration cannot run fused; None when it can: every configuration
+    with cosine similarity (any directions, partition mode, hardness, gathering) runs fused."""
     if loss.similarity_fct is not _st_util.cos_sim:
         return "similarity_fct is not util.cos_sim"
-    hardness_mode = getattr(loss, "hardness_mode", None)
-    if hardness_mode is not None and getattr(loss, "hardness_strength", 0.0) > 0.0:
-        return f"hardness_mode={hardness_mode!r}"
-    directions = tuple(getattr(loss, "directions", ("query_to_doc",)))
-    partition_mode = getattr(loss, "partition_mode", "joint")
-    if set(directions) == {"query_to_doc"}:
-        return None
-    if set(directions) == {"query_to_doc", "doc_to_query"} and partition_mode == "per_direction":
-        return None
-    return f"directions={directions} with partition_mode={partition_mode!r}"
+    return None
 
 
-def _own_rows_first(local: Tensor, gathered: Tensor, rank: int) -> list[Tensor]:
-    """The rows of `gathered` (every rank's `local`, in rank order) with this rank's own rows first, as
-    pieces for one torch.cat: [local; the rows of the ranks before; the rows of the ranks after]. The own
-    rows are taken from `local` itself (the same values; its gradient then comes straight from this rank's
-    loss, the other ranks' through the gather's backward)."""
-    rows = local.shape[0]
-    return [local, gathered[:rank * rows], gathered[(rank + 1) * rows:]]
-
-
-def _fused_mnrl(embeddings: list[Tensor], scale: float, directions, backend: str | None,
-                gather_across_devices: bool = False) -> Tensor:
-    """InfoNCE of queries against [positives; all negative columns] (target: the query's own positive),
-    plus, for the symmetric variant, positives against the queries, averaged.
-
-    With gather_across_devices (and more than one process), sentence-transformers' semantics: every query
-    and document column is all-gathered with gradients, and this rank's B queries are scored against the
-    documents of ALL ranks (the target of local query i is the global positive rank * B + i); for
-    doc_to_query, this rank's B positives against the queries of all ranks; the loss is the mean over this
-    rank's rows. A logsumexp over the columns does not depend on their order, so the candidates are laid out
-    with this rank's own positives first ([own positives; other ranks' positives; all negatives]): local
-    query i's target is then column i, the "diagonal" target of the fused op, and no B x (W*B) score matrix
-    is built (the op is tiled as without gathering).
-    """
-    queries, positives, negative_columns = embeddings[0], embeddings[1], embeddings[2:]
-    scale = _checks.check_scalar("scale", scale)
-    rank, world_size = rank_and_world_size()
-    gather = gather_across_devices and world_size > 1
-    named = [("queries", queries), ("positives", positives)]
-    named += [(f"negatives[{i}]", t) for i, t in enumerate(negative_columns)]
-    if gather:
-        # Every rank gathers the same columns in the same order; all_gather_with_grad refuses unequal
-        # shapes on every rank at once. The checks then run on the gathered tensors: every rank sees the
-        # same values, so a NaN on one rank makes all of them raise (rather than one raising and the others
-        # waiting forever in the next collective).
-        gathered = [all_gather_with_grad(t) for _, t in named]
-        _checks.check_embedding_group(*((name, t) for (name, _), t in zip(named, gathered)))
-    else:
-        _checks.check_embedding_group(*named)
-    _checks.check_same_shape("queries", queries, "positives", positives)
-    ops = resolve_backend(backend, queries)
-    if gather:
-        all_queries, all_positives, all_negatives = gathered[0], gathered[1], gathered[2:]
-        candidates = torch.cat([*_own_rows_first(positives, all_positives, rank),
-                                *(t.to(positives.dtype) for t in all_negatives)], dim=0)
-    else:
-        candidates = positives
-        if negative_columns:
-            candidates = torch.cat((positives, *(t.to(positives.dtype) for t in negative_columns)), dim=0)
-    loss = _functional.contrastive(ops, queries, candidates, scale)
-    if "doc_to_query" in directions:
-        query_candidates = torch.cat(_own_rows_first(queries, all_queries, rank)) if gather else queries
-        loss = (loss + _functional.contrastive(ops, positives, query_candidates, scale)) / 2
-    return loss
+def _fused_mnrl(loss, embeddings: list[Tensor]) -> Tensor:
+    """The loss's configuration computed by angle_kernels.functional.multiple_negatives_ranking_loss (getattr
+    with the defaults: older 6.x parents lack some attributes)."""
+    if len(embeddings) < 2:
+        raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
+    return _functional.multiple_negatives_ranking_loss(
+        embeddings[0], embeddings[1], embeddings[2:], scale=loss.scale,
+        directions=getattr(loss, "directions", ("query_to_doc",)),
+        partition_mode=getattr(loss, "partition_mode", "joint"),
+        hardness_mode=getattr(loss, "hardness_mode", None),
+        hardness_strength=getattr(loss, "hardness_strength", 0.0),
+        gather_across_devices=getattr(loss, "gather_across_devices", False), backend=loss.backend)
 
 
 class _FusedMNRL:
@@ -307,10 +250,7 @@ class _FusedMNRL:
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
         if _mnrl_unfused_reason(self) is not None:
             return super().compute_loss_from_embeddings(embeddings, labels)
-        if len(embeddings) < 2:
-            raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
-        return _fused_mnrl(embeddings, self.scale, getattr(self, "directions", ()), self.backend,
-                           getattr(self, "gather_across_devices", False))
+        return _fused_mnrl(self, embeddings)
 
 
 class _FusedCachedMNRL:
@@ -325,9 +265,7 @@ class _FusedCachedMNRL:
                        with_backward: bool = False) -> Tensor:
         if _mnrl_unfused_reason(self) is not None:
             return super().calculate_loss(reps, labels, with_backward=with_backward)
-        embeddings = [torch.cat(column) for column in reps]
-        loss = _fused_mnrl(embeddings, self.scale, getattr(self, "directions", ()), self.backend,
-                           getattr(self, "gather_across_devices", False))
+        loss = _fused_mnrl(self, [torch.cat(column) for column in reps])
         if with_backward:
             # GradCache reads the gradient off each cached mini-batch tensor (rep.grad); torch.cat routes it back
             loss.backward()
@@ -337,18 +275,15 @@ class _FusedCachedMNRL:
 
 class MultipleNegativesRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesRankingLoss):
     """sentence-transformers' MultipleNegativesRankingLoss (InfoNCE with in-batch negatives) computed by
-    angle_kernels (`contrastive_with_negative_loss`): same arguments, same results, and no B x B(1+k)
+    angle_kernels (`multiple_negatives_ranking_loss`): same arguments, same results, and no B x B(1+k)
     score matrix in memory.
 
     Inputs: (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_k) n-tuples; labels are
     ignored, as in the parent.
 
-    Fused when: `similarity_fct` is `util.cos_sim` (the default), no hardness weighting (`hardness_mode`
-    None or `hardness_strength` 0), and `directions` is the default ("query_to_doc",) or
-    ("query_to_doc", "doc_to_query") with partition_mode="per_direction" (symmetric InfoNCE), with or
-    without `gather_across_devices`. Every other combination (other similarity functions, hardness
-    weighting, the "joint" multi-direction softmax, "query_to_query" / "doc_to_doc" terms) runs
-    sentence-transformers' own computation; `uses_fused_path` says which applies.
+    Fused for every option (directions, partition_mode, hardness_mode / hardness_strength,
+    gather_across_devices) with `similarity_fct=util.cos_sim` (the default); another similarity function
+    runs sentence-transformers' own computation. `uses_fused_path` says which applies.
 
     gather_across_devices=True (several processes, torch.distributed): as in the parent, the queries and every
     document column are all-gathered with gradients (`angle_kernels.distributed.all_gather_with_grad`), and
@@ -392,10 +327,9 @@ class CachedMultipleNegativesRankingLoss(_FusedCachedMNRL, _st_losses.CachedMult
     `mini_batch_size` query rows so that the score matrix never exists whole; angle_kernels' tiled loss never
     builds it at all, so here the whole batch is one call (forward and backward), whatever mini_batch_size is.
 
-    Fused under the same conditions as `MultipleNegativesRankingLoss` (cosine similarity, no hardness
-    weighting, the standard or the per-direction symmetric directions, with or without
-    gather_across_devices, which gathers the cached embeddings as the parent does); otherwise the parent's
-    chunked computation runs. `uses_fused_path` says which applies.
+    Fused under the same condition as `MultipleNegativesRankingLoss` (cosine similarity; every other option,
+    gather_across_devices included, which gathers the cached embeddings as the parent does); otherwise the
+    parent's chunked computation runs. `uses_fused_path` says which applies.
 
     Args: those of the parent (model, scale, similarity_fct, mini_batch_size, mini_batch_num_tokens,
     gather_across_devices, directions, partition_mode, show_progress_bar, hardness_mode, hardness_strength),
@@ -453,7 +387,7 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
         gather_across_devices (as `MultipleNegativesRankingLoss` with the per-direction symmetric directions).
 
         Args: those of the parent (model, scale, similarity_fct, gather_across_devices), plus keyword-only
-        `backend`. Fused unless `similarity_fct` is not `util.cos_sim` (then the parent's code runs).
+        `backend`. Fused with `util.cos_sim` (the default); another similarity function runs the parent's code.
         """
 
         def __init__(self, model, scale: float = 20.0,

@@ -28,6 +28,7 @@ import os
 import pytest
 import torch
 
+from ak_testing import ShapeRecorder
 from oracle import rel_err
 
 pytest.importorskip("sentence_transformers")
@@ -44,6 +45,13 @@ CASES = {
     "mnrl_symmetric": ("MultipleNegativesRankingLoss", SYMMETRIC, 3),
     "cached": ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3}, 3),
     "cached_symmetric": ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 2, **SYMMETRIC}, 2),
+    # the similarity_lse path: every direction in one partition, hardness on the own hard negatives
+    "mnrl_gte_hard": ("MultipleNegativesRankingLoss", {"directions": ("query_to_doc", "query_to_query",
+                                                                      "doc_to_query", "doc_to_doc"),
+                                                       "hardness_mode": "hard_negatives", "hardness_strength": 3.0}, 3),
+    "cached_in_batch_hardness": ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3,
+                                                                        "hardness_mode": "in_batch_negatives",
+                                                                        "hardness_strength": 5.0}, 2),
 }
 
 # The score-matrix check: B rows per rank, queries, positives and one negative column; the torch backend's
@@ -98,29 +106,29 @@ def _rank_cases(rank: int, world: int) -> dict:
     from angle_kernels.integrations import sentence_transformers as ours
 
     st_losses = _st_losses()
-    calls = {"contrastive": 0}
-    original = ak_functional.contrastive
+    calls = {"multiple_negatives": 0}
+    original = ak_functional.multiple_negatives
 
     def counting(*args, **kwargs):
-        calls["contrastive"] += 1
+        calls["multiple_negatives"] += 1
         return original(*args, **kwargs)
 
-    ak_functional.contrastive = counting
+    ak_functional.multiple_negatives = counting
     out = {}
     try:
         for name, (class_name, kwargs, columns) in CASES.items():
             local = [c[rank * ROWS:(rank + 1) * ROWS] for c in batch(world, columns)]
             drop_in = getattr(ours, class_name)(identity_model(), gather_across_devices=True, **kwargs)
             parent = getattr(st_losses, class_name)(identity_model(), gather_across_devices=True, **kwargs)
-            calls["contrastive"] = 0
+            calls["multiple_negatives"] = 0
             got = loss_and_grads(drop_in, local)
-            fused_calls = calls["contrastive"]
+            fused_calls = calls["multiple_negatives"]
             ref = loss_and_grads(parent, local)
-            assert calls["contrastive"] == fused_calls  # the parent never reaches our code
+            assert calls["multiple_negatives"] == fused_calls  # the parent never reaches our code
             out[name] = {"ours": got, "parent": ref, "fused_calls": fused_calls,
                          "uses_fused_path": drop_in.uses_fused_path}
     finally:
-        ak_functional.contrastive = original
+        ak_functional.multiple_negatives = original
     return out
 
 
@@ -149,27 +157,6 @@ def _rank_gather(rank: int, world: int) -> dict:
     return out
 
 
-class _ShapeRecorder:
-    """The shape of every tensor each op returns (forward and backward), under a TorchDispatchMode."""
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
-        recorder = self
-        self.phase, self.shapes = "forward", []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                result = func(*args, **(kwargs or {}))
-                for t in tree_flatten(result)[0]:
-                    if isinstance(t, torch.Tensor):
-                        recorder.shapes.append((recorder.phase, tuple(t.shape)))
-                return result
-
-        self.mode = Mode()
-
-
 def _rank_score_shapes(rank: int, world: int) -> dict:
     """Shapes of the 2-D tensors that are neither embedding-shaped ([rows, D], or its transpose) nor at most
     one tile."""
@@ -187,7 +174,7 @@ def _rank_score_shapes(rank: int, world: int) -> dict:
                            ("parent", st_losses.MultipleNegativesRankingLoss)):
             loss = cls(identity_model(), gather_across_devices=True, **SYMMETRIC)
             leaves = [c.clone().requires_grad_(True) for c in local]
-            recorder = _ShapeRecorder()
+            recorder = ShapeRecorder()
             with recorder.mode:
                 value = loss.compute_loss_from_embeddings(leaves, None)
                 recorder.phase = "backward"
@@ -301,13 +288,15 @@ def test_gathered_fused_path_never_builds_the_score_matrix(ranks):
         assert full in parent["too_big"], "the recorder missed the parent's score matrix"
 
 
-def test_gathering_is_fused_and_other_options_still_fall_back():
+def test_gathering_is_fused_and_only_other_similarities_fall_back():
     from angle_kernels.integrations import sentence_transformers as ours
+    from sentence_transformers import util as st_util
 
     model = identity_model()
     for cls in (ours.MultipleNegativesRankingLoss, ours.CachedMultipleNegativesRankingLoss):
         assert cls(model, gather_across_devices=True).uses_fused_path
         assert cls(model, gather_across_devices=True, **SYMMETRIC).uses_fused_path
-        assert not cls(model, gather_across_devices=True, hardness_mode="all_negatives",
-                       hardness_strength=2.0).uses_fused_path
-        assert not cls(model, gather_across_devices=True, directions=("query_to_doc", "doc_to_query")).uses_fused_path
+        assert cls(model, gather_across_devices=True, hardness_mode="all_negatives",
+                   hardness_strength=2.0).uses_fused_path
+        assert cls(model, gather_across_devices=True, directions=("query_to_doc", "doc_to_query")).uses_fused_path
+        assert not cls(model, gather_across_devices=True, similarity_fct=st_util.dot_score).uses_fused_path

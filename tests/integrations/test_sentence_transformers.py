@@ -41,15 +41,15 @@ CASES = [
     ("MultipleNegativesRankingLoss", {}, 2, None, True),
     ("MultipleNegativesRankingLoss", {"scale": 10.0}, 3, None, True),
     ("MultipleNegativesRankingLoss", {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}, 3, None, True),
-    ("MultipleNegativesRankingLoss", {"directions": ALL_DIRECTIONS, "partition_mode": "joint"}, 3, None, False),
-    ("MultipleNegativesRankingLoss", {"hardness_mode": "in_batch_negatives", "hardness_strength": 5.0}, 3, None, False),
+    ("MultipleNegativesRankingLoss", {"directions": ALL_DIRECTIONS, "partition_mode": "joint"}, 3, None, True),
+    ("MultipleNegativesRankingLoss", {"hardness_mode": "in_batch_negatives", "hardness_strength": 5.0}, 3, None, True),
     ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.dot_score, "scale": 1.0}, 2, None, False),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 2, None, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 3, None, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3, "directions": ("query_to_doc", "doc_to_query"),
                                             "partition_mode": "per_direction"}, 3, None, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4, "hardness_mode": "all_negatives",
-                                            "hardness_strength": 2.0}, 3, None, False),
+                                            "hardness_strength": 2.0}, 3, None, True),
     ("MultipleNegativesSymmetricRankingLoss", {}, 2, None, True),
     ("MultipleNegativesSymmetricRankingLoss", {"scale": 10.0}, 3, None, True),
     ("MultipleNegativesSymmetricRankingLoss", {"similarity_fct": st_util.dot_score, "scale": 1.0}, 2, None, False),
@@ -57,7 +57,7 @@ CASES = [
     ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 3, "scale": 10.0}, 3, None, True),
 ]
 
-FUSED_FUNCTIONS = ("ranking_terms", "contrastive")  # the computing halves the integration calls
+FUSED_FUNCTIONS = ("ranking_terms", "contrastive", "multiple_negatives")  # the computing halves the integration calls
 
 
 @pytest.fixture(scope="module")

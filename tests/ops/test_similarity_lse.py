@@ -16,7 +16,9 @@ import torch
 from torch.autograd import gradcheck
 
 import oracle
-from ak_testing import HALF_DTYPES, assert_close, check_against_oracle, generator, leaf_like, randn
+from ak_testing import (
+    HALF_DTYPES, assert_close, check_against_oracle, generator, leaf_like, randn, skip_unless_implemented,
+)
 
 # name -> (M, Mc, D, options). "filter": (D' of the filter embeddings, threshold offset): the threshold of row
 # i is the filter cosine of its target column (or 0.2 when it has none) minus the offset, as GIST's
@@ -81,8 +83,7 @@ def _on(device, kwargs):
 @pytest.fixture
 def backend(backend):
     """The backends that implement similarity_lse (the CUDA backend gains it after its GPU validation)."""
-    if backend.ops.backend.similarity_lse is None:
-        pytest.skip(f"the {backend.name} backend does not implement similarity_lse yet")
+    skip_unless_implemented(backend, "similarity_lse")
     return backend
 
 

@@ -1,0 +1,171 @@
+"""multiple_negatives_ranking_loss: every option of sentence-transformers 6.2's MultipleNegativesRankingLoss, fused.
+
+* the grid: directions x partition_mode x hardness_mode x number of hard-negative columns, each against
+  sentence-transformers' own compute_loss_from_embeddings on the same float64 embeddings (value and gradient
+  of every input, to rounding), and against the float64 oracle (tests/oracle.py);
+* the false-negative filter (no sentence-transformers counterpart) against the oracle, on every backend;
+* every backend on representative combinations, float32 and bf16 at the half rule; gradcheck in float64;
+* bad options refused with the parent's messages.
+The cross-device path (gather_across_devices) is tested with 2 and 3 processes in
+tests/integrations/test_cross_device.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import angle_kernels as ak
+import oracle
+from ak_testing import (
+    ShapeRecorder, assert_close, check_against_oracle, generator, leaf_like, outputs_and_grads, randn,
+    skip_unless_implemented,
+)
+
+ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+DIRECTIONS = {  # (directions, partition modes sentence-transformers accepts for them)
+    "q2d": (("query_to_doc",), ("joint", "per_direction")),
+    "symmetric": (("query_to_doc", "doc_to_query"), ("joint", "per_direction")),
+    "q2d+q2q": (("query_to_doc", "query_to_query"), ("joint",)),
+    "q2d+d2d": (("query_to_doc", "doc_to_doc"), ("joint",)),
+    "gte": (ALL, ("joint",)),
+}
+HARDNESS = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
+GRID = [(name, mode, hardness, k) for name, (_, modes) in DIRECTIONS.items() for mode in modes
+        for hardness in HARDNESS for k in (0, 1, 2)]
+
+
+def _embeddings(tag, k, dtype=torch.float64, rows=6, dim=16):
+    gen = generator("multiple_negatives", tag, k, dtype)
+    return [randn(gen, rows, dim, dtype=dtype) for _ in range(2 + k)]
+
+
+def _options(name, mode, hardness):
+    return dict(directions=DIRECTIONS[name][0], partition_mode=mode, hardness_mode=hardness,
+                hardness_strength=3.0 if hardness else 0.0)
+
+
+@pytest.fixture(scope="module")
+def reference_loss():
+    """sentence-transformers' loss class (its compute_loss_from_embeddings never touches the model)."""
+    losses = pytest.importorskip("sentence_transformers.sentence_transformer.losses")
+
+    def make(**options):
+        return losses.MultipleNegativesRankingLoss(torch.nn.Identity(), scale=20.0, **options)
+
+    return make
+
+
+@pytest.mark.parametrize("name, mode, hardness, k", GRID, ids=[f"{n}-{m}-{h}-{k}neg" for n, m, h, k in GRID])
+def test_grid_against_sentence_transformers_and_the_oracle(reference_loss, name, mode, hardness, k):
+    columns = _embeddings((name, mode, hardness), k)
+    options = _options(name, mode, hardness)
+    (ours,), ours_grads = outputs_and_grads(
+        lambda *e: ak.multiple_negatives_ranking_loss(e[0], e[1], e[2:], scale=20.0, **options), columns)
+    (theirs,), their_grads = outputs_and_grads(
+        lambda *e: reference_loss(**options).compute_loss_from_embeddings(list(e), None), columns)
+    (exact,), exact_grads = outputs_and_grads(
+        lambda *e: oracle.multiple_negatives_ranking_loss(e[0], e[1], e[2:], 20.0, **options), columns)
+    assert_close(ours, theirs, 1e-12, "value vs sentence-transformers")
+    assert_close(exact, theirs, 1e-12, "oracle vs sentence-transformers")
+    for g, ref in zip(ours_grads, their_grads):
+        assert_close(g, ref, 1e-10, "gradient vs sentence-transformers")
+
+
+FILTER_CASES = [("q2d", "joint", None, 1, "absolute", 0.1), ("gte", "joint", "all_negatives", 1, "relative", 0.2),
+                ("symmetric", "per_direction", "hard_negatives", 2, "absolute", -0.05),
+                ("q2d+d2d", "joint", None, 2, "relative", 0.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", FILTER_CASES + [("gte", "joint", "in_batch_negatives", 1, None, None)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_every_backend_against_the_oracle(backend, case, dtype):
+    skip_unless_implemented(backend, "similarity_lse")  # the filter and hardness blocks
+    name, mode, hardness, k, strategy, margin = case
+    columns = _embeddings(("backends",) + case, k, dtype=dtype, rows=10, dim=24)
+    options = _options(name, mode, hardness)
+    if strategy is not None:
+        options.update(false_negative_strategy=strategy, false_negative_margin=margin)
+    check_against_oracle(
+        lambda *e: ak.multiple_negatives_ranking_loss(e[0], e[1], e[2:], scale=20.0, backend=backend.name, **options),
+        lambda *e: oracle.multiple_negatives_ranking_loss(e[0], e[1], e[2:], 20.0, **options), columns,
+        f"{case} on {backend.name}", device=backend.device)
+
+
+def test_the_filter_drops_columns_in_these_cases():
+    """A filter case is only worth something if the filter changes the loss."""
+    for name, mode, hardness, k, strategy, margin in FILTER_CASES:
+        columns = _embeddings(("backends", name, mode, hardness, k, strategy, margin), k, rows=10, dim=24)
+        options = _options(name, mode, hardness)
+        plain = oracle.multiple_negatives_ranking_loss(columns[0], columns[1], columns[2:], 20.0, **options)
+        filtered = oracle.multiple_negatives_ranking_loss(columns[0], columns[1], columns[2:], 20.0, **options,
+                                                          false_negative_strategy=strategy,
+                                                          false_negative_margin=margin)
+        assert float(filtered) < float(plain) - 1e-6, (name, strategy, margin)
+
+
+MEMORY_CASES = {
+    "gte_joint": dict(directions=ALL),
+    "gte_hardness": dict(directions=ALL, hardness_mode="in_batch_negatives", hardness_strength=5.0),
+    "symmetric_hard_negatives": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
+                                     hardness_mode="hard_negatives", hardness_strength=5.0),
+    "false_negative_filter": dict(directions=("query_to_doc", "doc_to_doc"), false_negative_margin=0.1),
+    "standard": dict(),
+}
+
+
+def _largest_tensor(rows: int, dim: int, options: dict) -> int:
+    """The most elements of any tensor made in forward and backward, the torch backend's tile cut to 96."""
+    columns = [leaf_like(x) for x in _embeddings(("memory", rows), 1, rows=rows, dim=dim)]
+    recorder = ShapeRecorder()
+    with recorder.mode:
+        loss = ak.multiple_negatives_ranking_loss(columns[0], columns[1], columns[2:], backend="torch", **options)
+        recorder.phase = "backward"
+        loss.backward()
+    return max(math.prod(shape) for _, shape in recorder.shapes)
+
+
+@pytest.mark.parametrize("name", list(MEMORY_CASES))
+def test_extra_memory_grows_linearly_with_every_option(monkeypatch, name):
+    """No tensor holds a score matrix: every option's largest tensor is an embedding-sized one or one tile, so
+    it grows 4x when the batch does (an N x N tensor would grow 16x)."""
+    import angle_kernels.torch_ops.common as torch_common
+
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 96)
+    dim = 5
+    small, large = (_largest_tensor(rows, dim, MEMORY_CASES[name]) for rows in (16, 64))
+    documents = 2 * 64  # positives and one hard-negative column
+    assert large < 64 * documents, f"{name}: a {large}-element tensor at B = 64 (the score matrix has {64 * documents})"
+    assert large <= 4 * small, f"{name}: largest tensor {small} elements at B = 16, {large} at B = 64"
+
+
+def test_gradcheck_float64():
+    columns = [leaf_like(x) for x in _embeddings("gradcheck", 1, rows=4, dim=6)]
+    assert gradcheck(lambda q, p, n: ak.multiple_negatives_ranking_loss(
+        q, p, (n,), directions=ALL, false_negative_margin=0.3), columns, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(directions=("doc_to_query",)), "must include 'query_to_doc'"),
+    (dict(directions=("query_to_doc", "sideways")), "directions must be"),
+    (dict(directions=ALL, partition_mode="per_direction"), "per_direction"),
+    (dict(partition_mode="both"), "partition_mode"),
+    (dict(hardness_mode="hardest"), "hardness_mode"),
+    (dict(hardness_mode="hard_negatives", hardness_strength=-1.0), "hardness_strength"),
+    (dict(false_negative_margin=0.1, false_negative_strategy="percent"), "false_negative_strategy"),
+    (dict(false_negative_margin=float("nan")), "false_negative_margin"),
+])
+def test_bad_options_are_refused(options, message):
+    q, p = _embeddings("bad", 0)
+    with pytest.raises(ValueError, match=message):
+        ak.multiple_negatives_ranking_loss(q, p, **options)
+
+
+def test_negative_columns_must_match_the_queries():
+    q, p, n = _embeddings("bad", 1)
+    with pytest.raises(ValueError, match="negatives"):
+        ak.multiple_negatives_ranking_loss(q, p, (n[:3],))
