@@ -14,7 +14,7 @@ negative loss raise ValueError, fp16 norms above 256 do not overflow, bad input 
 Each loss is two halves, and each formula is written once, in its computing half:
     * the public function checks its arguments (`checks`, `check_zigzag`), resolves the backend, and calls
     * the computing half (`ranking_terms`, `in_batch_negatives`, `contrastive`, `arccon`, `triplet`,
-      `multiple_negatives`), which
+      `multiple_negatives`, `gist`), which
       takes checked inputs and a `dispatch.Ops`. `AngleLoss`, `ArcCSELoss` and the integrations check their
       own inputs once and call these halves directly.
 """
@@ -38,6 +38,7 @@ __all__ = [
     "arccon_loss",
     "triplet_loss",
     "multiple_negatives_ranking_loss",
+    "gist_loss",
 ]
 
 POOLING_STRATEGIES = ("sum", "mean")
@@ -263,6 +264,36 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
     stacked = torch.stack(log_partitions)
     log_z = torch.logsumexp(stacked, dim=0) if partition_mode == "joint" else stacked.mean(dim=0)
     return (log_z - scale * cos_positive).mean()
+
+
+def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
+         guide_anchors: torch.Tensor, guide_positives: torch.Tensor, guide_negatives: list[torch.Tensor],
+         temperature: float, margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
+         contrast_positives: bool = True, gathered: tuple | None = None) -> torch.Tensor:
+    """sentence-transformers' GISTEmbedLoss on checked inputs (see gist_loss). gathered: None, or (rank, all
+    positives, all negatives, all guide positives, all guide negatives) from every rank (the anchors stay
+    local, as in sentence-transformers)."""
+    rank, all_positives, all_negatives, all_guide_positives, all_guide_negatives = gathered or (
+        0, positives, negatives, guide_positives, guide_negatives)
+    scale = 1.0 / temperature
+    cos_positive = ops.pair_scores(torch.stack((anchors, positives.to(anchors.dtype)), dim=1), False)[0][:, 0]
+    guide_positive = ops.pair_scores(torch.stack((guide_anchors, guide_positives.to(guide_anchors.dtype)), dim=1),
+                                     False)[0][:, 0]
+    threshold = margin_threshold(guide_positive, margin_strategy, margin)
+
+    def block(rows, columns, guide_rows, guide_columns, keep_positive=False):
+        return ops.similarity_lse(rows, columns.to(rows.dtype), scale, target_offset=rank * rows.shape[0],
+                                  filter_q=guide_rows, filter_c=guide_columns.to(guide_rows.dtype),
+                                  filter_threshold=threshold, filter_keeps_target=keep_positive)
+
+    log_partitions = [block(anchors, all_positives, guide_anchors, all_guide_positives, keep_positive=True)]
+    if contrast_anchors:
+        log_partitions.append(block(anchors, anchors, guide_anchors, guide_anchors))
+    if contrast_positives:
+        log_partitions.append(block(positives, all_positives, guide_positives, all_guide_positives))
+    for negative, guide_negative in zip(all_negatives, all_guide_negatives):
+        log_partitions.append(block(anchors, negative, guide_anchors, guide_negative))
+    return (torch.logsumexp(torch.stack(log_partitions), dim=0) - scale * cos_positive).mean()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -494,3 +525,73 @@ def multiple_negatives_ranking_loss(
     return multiple_negatives(resolve_backend(backend, queries), queries, positives, list(negatives), scale,
                               directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
                               false_negative_strategy, gathered)
+
+
+def gist_loss(
+    anchors: torch.Tensor,
+    positives: torch.Tensor,
+    guide_anchors: torch.Tensor,
+    guide_positives: torch.Tensor,
+    negatives: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+    guide_negatives: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+    *,
+    temperature: float = 0.01,
+    margin_strategy: str = "absolute",
+    margin: float = 0.0,
+    contrast_anchors: bool = True,
+    contrast_positives: bool = True,
+    gather_across_devices: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """GISTEmbed (Solatorio, 2024) as sentence-transformers 6.2's GISTEmbedLoss computes it: InfoNCE whose
+    in-batch negatives are filtered by a guide model, without any B x B score matrix.
+
+    Row i's logits (cos / temperature) are anchor i against every positive (its own, column i, is the target),
+    plus, with contrast_anchors, against every anchor, with contrast_positives, positive i against every
+    positive, and anchor i against each negative column. A column leaves row i's partition function when its
+    guide similarity exceeds the guide's anchor-positive similarity g_i minus the margin ("absolute": g_i -
+    margin; "relative": g_i - |g_i| * margin); the target column always stays. The guide's embeddings
+    (guide_anchors, guide_positives, guide_negatives: same rows, any width) carry no gradient.
+    gather_across_devices: with torch.distributed initialised, the positives and negatives (and their guide
+    embeddings) come from every rank; the anchors stay local, as in sentence-transformers.
+
+    Args:
+        anchors, positives: [B, D]; negatives: [B, D] tensors (hard-negative columns), one guide tensor each.
+        backend: "auto" (default), "torch", "triton" or "cuda".
+    """
+    temperature = checks.check_scalar("temperature", temperature, positive=True)
+    margin = checks.check_scalar("margin", margin)
+    checks.check_choice("margin_strategy", margin_strategy, MARGIN_STRATEGIES)
+    for name, value in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives),
+                        ("gather_across_devices", gather_across_devices)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    negatives, guide_negatives = list(negatives), list(guide_negatives)
+    if len(negatives) != len(guide_negatives):
+        raise ValueError(f"every negative column needs its guide embeddings: {len(negatives)} negatives, "
+                         f"{len(guide_negatives)} guide_negatives")
+    named = [("positives", positives), *((f"negatives[{i}]", t) for i, t in enumerate(negatives))]
+    guide_named = [("guide_positives", guide_positives),
+                   *((f"guide_negatives[{i}]", t) for i, t in enumerate(guide_negatives))]
+    rank, world_size = rank_and_world_size()
+    gathered = None
+    if gather_across_devices and world_size > 1:
+        model_side = [all_gather_with_grad(t) for _, t in named]
+        with torch.no_grad():
+            guide_side = [all_gather_with_grad(t) for _, t in guide_named]
+        checks.check_embedding_group(("anchors", anchors), *((n, t) for (n, _), t in zip(named, model_side)))
+        checks.check_embedding_group(("guide_anchors", guide_anchors),
+                                     *((n, t) for (n, _), t in zip(guide_named, guide_side)))
+        gathered = (rank, model_side[0], model_side[1:], guide_side[0], guide_side[1:])
+    else:
+        checks.check_embedding_group(("anchors", anchors), *named)
+        checks.check_embedding_group(("guide_anchors", guide_anchors), *guide_named)
+    for name, t in named:
+        checks.check_same_shape("anchors", anchors, name, t)
+    for name, t in guide_named:
+        checks.check_same_shape("guide_anchors", guide_anchors, name, t)
+    if guide_anchors.shape[0] != anchors.shape[0]:
+        raise ValueError(f"guide_anchors must have the anchors' {anchors.shape[0]} rows, got {guide_anchors.shape[0]}")
+    return gist(resolve_backend(backend, anchors), anchors, positives, negatives, guide_anchors.detach(),
+                guide_positives.detach(), [t.detach() for t in guide_negatives], temperature, margin_strategy, margin,
+                contrast_anchors, contrast_positives, gathered)

@@ -56,6 +56,8 @@ __all__ = [
     "CachedMultipleNegativesRankingLoss",
     "MultipleNegativesSymmetricRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss",
+    "GISTEmbedLoss",
+    "CachedGISTEmbedLoss",
 ]
 
 _DIRECTIONS = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
@@ -419,3 +421,111 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
                              **optional)
             self.backend = backend
             _become_symmetric(self, _st_losses.CachedMultipleNegativesSymmetricRankingLoss)
+
+
+# --------------------------------------------------------------------------------------------------------
+# GISTEmbed: a guide model's similarities filter the in-batch negatives
+# --------------------------------------------------------------------------------------------------------
+def _embed_columns(model, features: list[dict]) -> list[Tensor]:
+    """One sentence embedding per column, as the parents embed them (sentence-transformers >= 6.2 merges
+    like-width columns into one forward pass; older releases run one forward per column)."""
+    try:
+        from sentence_transformers.base.losses.merged_forward import embed_columns
+    except ImportError:  # pragma: no cover - older sentence-transformers
+        return [model(f)["sentence_embedding"] for f in features]
+    return embed_columns(model, features)
+
+
+def _gist_options(loss) -> dict:
+    return dict(temperature=loss.temperature, margin_strategy=loss.margin_strategy, margin=loss.margin,
+                contrast_anchors=loss.contrast_anchors, contrast_positives=loss.contrast_positives,
+                gather_across_devices=getattr(loss, "gather_across_devices", False), backend=loss.backend)
+
+
+def _fused_gist(loss, embeddings: list[Tensor], guide_embeddings: list[Tensor]) -> Tensor:
+    return _functional.gist_loss(embeddings[0], embeddings[1], guide_embeddings[0], guide_embeddings[1],
+                                 embeddings[2:], guide_embeddings[2:], **_gist_options(loss))
+
+
+class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
+    """sentence-transformers' GISTEmbedLoss computed by angle_kernels (`gist_loss`): the guide's similarities
+    filter the in-batch negatives tile by tile, and no B x B score matrix (of the model or of the guide) is
+    built. Same arguments (model, guide, temperature, margin_strategy, margin, contrast_anchors,
+    contrast_positives, gather_across_devices), plus keyword-only `backend`; always fused.
+
+    The embedding side is the parent's: the model embeds every column with gradients, the guide without
+    (on the model's own tokenisation when the two share a vocabulary and the guide's maximum length is not
+    shorter, else on the decoded texts re-tokenised for the guide).
+    """
+
+    def __init__(self, model, guide, temperature: float = 0.01, margin_strategy: Literal["absolute", "relative"] =
+                 "absolute", margin: float = 0.0, contrast_anchors: bool = True, contrast_positives: bool = True,
+                 gather_across_devices: bool = False, *, backend: str | None = None) -> None:
+        optional = _parent_kwargs(_st_losses.GISTEmbedLoss.__init__, {
+            "gather_across_devices": gather_across_devices}, _MNRL_DEFAULTS)
+        super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,
+                         contrast_anchors=contrast_anchors, contrast_positives=contrast_positives, **optional)
+        self.backend = backend
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return True
+
+    def _guide_features(self, sentence_features: list[dict]) -> list[dict]:
+        """What the guide embeds: shallow copies of the model's features (the guide writes its outputs into
+        them), or, when the tokenisers differ, the decoded texts tokenised by the guide."""
+        if not self.must_retokenize:
+            return [dict(features) for features in sentence_features]
+        out = []
+        for features in sentence_features:
+            input_ids = features["input_ids"]
+            if "cu_seq_lens_q" in features:  # packed sequences: one row holding every text, cut at the offsets
+                flat, cuts = input_ids[0].tolist(), features["cu_seq_lens_q"].tolist()
+                input_ids = [flat[start:end] for start, end in zip(cuts[:-1], cuts[1:])]
+            texts = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+            out.append(_st_util.batch_to_device(self.guide.preprocess(texts), self.guide.device))
+        return out
+
+    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+        sentence_features = list(sentence_features)
+        guide_features = self._guide_features(sentence_features)  # before the model writes into the features
+        embeddings = _embed_columns(self.model, sentence_features)
+        with torch.no_grad():
+            guide_embeddings = _embed_columns(self.guide, guide_features)
+        if len(embeddings) not in (2, 3):
+            raise ValueError(f"Expected 2 or 3 embeddings, got {len(embeddings)}")
+        return _fused_gist(self, embeddings, guide_embeddings)
+
+
+class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
+    """sentence-transformers' CachedGISTEmbedLoss (GradCache) with the loss stage computed by angle_kernels
+    (`gist_loss`) on the whole cached batch at once; the embedding side (model and guide mini-batches) is the
+    parent's. Same arguments, plus keyword-only `backend`; always fused."""
+
+    def __init__(self, model, guide, temperature: float = 0.01, mini_batch_size: int = 32,
+                 mini_batch_num_tokens: int | None = None, show_progress_bar: bool = False,
+                 margin_strategy: Literal["absolute", "relative"] = "absolute", margin: float = 0.0,
+                 contrast_anchors: bool = True, contrast_positives: bool = True, gather_across_devices: bool = False,
+                 *, backend: str | None = None) -> None:
+        optional = _parent_kwargs(_st_losses.CachedGISTEmbedLoss.__init__, {
+            "mini_batch_num_tokens": mini_batch_num_tokens, "gather_across_devices": gather_across_devices,
+            "show_progress_bar": show_progress_bar}, _MNRL_DEFAULTS)
+        super().__init__(model, guide, temperature=temperature, mini_batch_size=mini_batch_size,
+                         margin_strategy=margin_strategy, margin=margin, contrast_anchors=contrast_anchors,
+                         contrast_positives=contrast_positives, **optional)
+        self.backend = backend
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return True
+
+    def calculate_loss(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *,
+                       with_backward: bool = False) -> Tensor:
+        if len(reps) != len(reps_guided):
+            raise ValueError("reps and reps_guided must have the same length")
+        loss = _fused_gist(self, [torch.cat(column) for column in reps], [torch.cat(column) for column in reps_guided])
+        if with_backward:
+            # GradCache reads the gradient off each cached mini-batch tensor (rep.grad); torch.cat routes it back
+            loss.backward()
+            loss = loss.detach()
+        return loss

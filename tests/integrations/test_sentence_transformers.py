@@ -57,7 +57,7 @@ CASES = [
     ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 3, "scale": 10.0}, 3, None, True),
 ]
 
-FUSED_FUNCTIONS = ("ranking_terms", "contrastive", "multiple_negatives")  # the computing halves the integration calls
+FUSED_FUNCTIONS = ("ranking_terms", "contrastive", "multiple_negatives", "gist")  # the computing halves the integration calls
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +212,62 @@ def test_arguments_an_older_parent_lacks_are_dropped_at_their_default_and_refuse
     assert ours._parent_kwargs(older_init, given, ours._MNRL_DEFAULTS) == {"gather_across_devices": True}
     with pytest.raises(TypeError, match="directions"):
         ours._parent_kwargs(older_init, {"directions": ("query_to_doc", "doc_to_query")}, ours._MNRL_DEFAULTS)
+
+
+# --------------------------------------------------------------------------------------------------------
+# GISTEmbed: the guide filters the in-batch negatives
+# --------------------------------------------------------------------------------------------------------
+# (a temperature of 0.01 makes these tiny batches' losses ~1e-3, whose float64 rounding is then 1e-12 relative:
+# the cases with 0.05 keep the comparison at the 1e-12 of the others)
+GIST_CASES = [
+    ("GISTEmbedLoss", {}, 2),
+    ("GISTEmbedLoss", {"margin_strategy": "relative", "margin": -0.05, "contrast_anchors": False,
+                       "temperature": 0.05}, 3),
+    ("GISTEmbedLoss", {"margin": -0.02, "contrast_positives": False, "temperature": 0.05}, 3),
+    ("CachedGISTEmbedLoss", {"mini_batch_size": 4}, 2),
+    ("CachedGISTEmbedLoss", {"mini_batch_size": 3, "margin_strategy": "relative", "margin": 0.05,
+                             "temperature": 0.05}, 4),
+]
+
+
+@pytest.fixture(scope="module")
+def guide64(tiny_model_dir):
+    """A guide that is a perturbed copy of the model: related similarities, so it filters some columns."""
+    guide = load_sentence_transformer(tiny_model_dir).to(torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in guide.parameters():
+            p.add_(0.3 * p.std().nan_to_num() * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return guide
+
+
+@pytest.mark.parametrize("class_name, kwargs, columns", GIST_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(GIST_CASES)])
+def test_gist_same_value_and_gradients_as_sentence_transformers(model64, guide64, fused_calls, class_name, kwargs,
+                                                                columns):
+    original = getattr(st_losses, class_name)(model64, guide64, **kwargs)
+    replacement = getattr(ours, class_name)(model64, guide64, **kwargs)
+    assert isinstance(replacement, type(original)) and replacement.uses_fused_path
+    assert replacement.get_config_dict() == original.get_config_dict()
+    value = compare(model64, original, replacement, columns, None, value_tol=1e-12, grad_tol=1e-10)
+    assert fused_calls["gist"] > 0, "the fused path did not run"
+    unfiltered = getattr(ours, class_name)(model64, guide64, **{**kwargs, "margin_strategy": "absolute",
+                                                                "margin": -10.0})  # the guide drops nothing
+    assert abs(float(value) - float(value_and_grads(model64, unfiltered, columns, None)[0])) > 1e-9, (
+        "the guide filtered nothing in this case: it does not test the filter")
+
+
+def test_gist_with_a_guide_that_must_retokenise(model64, guide64, fused_calls):
+    """A guide with a shorter maximum length embeds the decoded texts re-tokenised for it, as the parent does."""
+    short = load_sentence_transformer_like(guide64, max_seq_length=16)
+    original, replacement = st_losses.GISTEmbedLoss(model64, short), ours.GISTEmbedLoss(model64, short)
+    assert replacement.must_retokenize
+    compare(model64, original, replacement, 3, None, value_tol=1e-12, grad_tol=1e-10)
+    assert fused_calls["gist"] > 0
+
+
+def load_sentence_transformer_like(model, max_seq_length: int):
+    import copy
+
+    shorter = copy.deepcopy(model)
+    shorter.max_seq_length = max_seq_length
+    return shorter
