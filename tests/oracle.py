@@ -381,6 +381,35 @@ def multiple_negatives_ranking_loss(
     return (log_z - scale * positive_cos).mean()
 
 
+def gist_loss(anchors, positives, guide_anchors, guide_positives, negatives=(), guide_negatives=(),
+              temperature: float = 0.01, margin_strategy: str = "absolute", margin: float = 0.0,
+              contrast_anchors: bool = True, contrast_positives: bool = True) -> torch.Tensor:
+    """GISTEmbed (one process), from the full score blocks: anchor-positive, anchor-anchor, positive-positive
+    and anchor-negative cosines / temperature; a column whose guide cosine exceeds g_i - margin ("absolute")
+    or g_i - |g_i| * margin ("relative"), g_i the guide's anchor-positive cosine, is dropped, except the
+    anchor-positive target; cross-entropy with target column i of the first block."""
+    a, p = in_compute_dtype(anchors), in_compute_dtype(positives)
+    ga, gp = in_compute_dtype(guide_anchors.detach()), in_compute_dtype(guide_positives.detach())
+    g = cosine(ga, gp)
+    threshold = g - margin if margin_strategy == "absolute" else g - g.abs() * margin
+    target = torch.eye(a.shape[0]) > 0
+    pairs = [(a, p, ga, gp, target)]
+    if contrast_anchors:
+        pairs.append((a, a, ga, ga, None))
+    if contrast_positives:
+        pairs.append((p, p, gp, gp, None))
+    for n, gn in zip(negatives, guide_negatives):
+        pairs.append((a, in_compute_dtype(n), ga, in_compute_dtype(gn.detach()), None))
+    blocks = []
+    for rows, columns, guide_rows, guide_columns, kept in pairs:
+        drop = cosine_matrix(guide_rows, guide_columns) > threshold[:, None]
+        if kept is not None:
+            drop = drop & ~kept
+        blocks.append((cosine_matrix(rows, columns) / temperature).masked_fill(drop, -math.inf))
+    logits = torch.cat(blocks, dim=1)
+    return (torch.logsumexp(logits, dim=1) - cosine(a, p) / temperature).mean()
+
+
 # ----------------------------------------------------------------------------------------------------
 # ArcCSE (the paper: no reference code exists)
 # ----------------------------------------------------------------------------------------------------

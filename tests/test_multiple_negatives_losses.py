@@ -1,10 +1,13 @@
-"""multiple_negatives_ranking_loss: every option of sentence-transformers 6.2's MultipleNegativesRankingLoss, fused.
+"""multiple_negatives_ranking_loss (every option of sentence-transformers 6.2's MultipleNegativesRankingLoss) and
+gist_loss (its GISTEmbedLoss), fused.
 
 * the grid: directions x partition_mode x hardness_mode x number of hard-negative columns, each against
   sentence-transformers' own compute_loss_from_embeddings on the same float64 embeddings (value and gradient
   of every input, to rounding), and against the float64 oracle (tests/oracle.py);
 * the false-negative filter (no sentence-transformers counterpart) against the oracle, on every backend;
 * every backend on representative combinations, float32 and bf16 at the half rule; gradcheck in float64;
+* gist_loss against the oracle on every backend (its parity with sentence-transformers' GISTEmbedLoss runs on a
+  tiny model in tests/integrations/test_sentence_transformers.py);
 * bad options refused with the parent's messages.
 The cross-device path (gather_across_devices) is tested with 2 and 3 processes in
 tests/integrations/test_cross_device.py.
@@ -169,3 +172,69 @@ def test_negative_columns_must_match_the_queries():
     q, p, n = _embeddings("bad", 1)
     with pytest.raises(ValueError, match="negatives"):
         ak.multiple_negatives_ranking_loss(q, p, (n[:3],))
+
+
+GIST_CASES = {
+    "default": (0, dict()),
+    "relative_one_negative": (1, dict(margin_strategy="relative", margin=0.05, temperature=0.05)),
+    "no_anchor_block_two_negatives": (2, dict(contrast_anchors=False, margin=-0.05, temperature=0.05)),
+}
+
+
+def _gist_inputs(name, dtype, rows=10, dim=24, guide_dim=12):
+    """Model embeddings and a guide that agrees with them in part (so it drops some columns, not all)."""
+    k, options = GIST_CASES[name]
+    model_side = _embeddings(("gist", name), k, dtype=dtype, rows=rows, dim=dim)
+    gen = generator("gist_guide", name)
+    guide = [torch.cat([x[:, :guide_dim].float(), 0.7 * randn(gen, rows, guide_dim)], dim=1) for x in model_side]
+    return model_side, guide, options
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(GIST_CASES))
+def test_gist_on_every_backend_against_the_oracle(backend, name, dtype):
+    skip_unless_implemented(backend, "similarity_lse")
+    model_side, guide, options = _gist_inputs(name, dtype)
+    on_device = [g.to(backend.device) for g in guide]
+    check_against_oracle(
+        lambda *e: ak.gist_loss(e[0], e[1], on_device[0], on_device[1], e[2:], on_device[2:], backend=backend.name,
+                                **options),
+        lambda *e: oracle.gist_loss(e[0], e[1], guide[0], guide[1], e[2:], guide[2:], **options), model_side,
+        f"gist {name} on {backend.name}", device=backend.device)
+
+
+def test_the_gist_guide_filters_in_these_cases():
+    for name in GIST_CASES:
+        model_side, guide, options = _gist_inputs(name, torch.float64)
+        filtered = oracle.gist_loss(model_side[0], model_side[1], guide[0], guide[1], model_side[2:], guide[2:],
+                                    **options)
+        everything = oracle.gist_loss(model_side[0], model_side[1], guide[0], guide[1], model_side[2:], guide[2:],
+                                      **{**options, "margin_strategy": "absolute", "margin": -10.0})
+        assert torch.isfinite(filtered) and abs(float(filtered - everything)) > 1e-6, name
+
+
+def test_gist_memory_grows_linearly(monkeypatch):
+    import angle_kernels.torch_ops.common as torch_common
+
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 96)
+    largest = []
+    for rows in (16, 64):
+        model_side, guide, options = _gist_inputs("relative_one_negative", torch.float64, rows=rows, dim=5,
+                                                  guide_dim=3)
+        leaves = [leaf_like(x) for x in model_side]
+        recorder = ShapeRecorder()
+        with recorder.mode:
+            loss = ak.gist_loss(leaves[0], leaves[1], guide[0], guide[1], leaves[2:], guide[2:], backend="torch",
+                                **options)
+            recorder.phase = "backward"
+            loss.backward()
+        largest.append(max(math.prod(shape) for _, shape in recorder.shapes))
+    assert largest[1] < 64 * 64 and largest[1] <= 4 * largest[0], largest
+
+
+def test_gist_refuses_negatives_without_guide_embeddings():
+    model_side, guide, _ = _gist_inputs("relative_one_negative", torch.float64)
+    with pytest.raises(ValueError, match="guide_negatives"):
+        ak.gist_loss(model_side[0], model_side[1], guide[0], guide[1], model_side[2:], ())
+    with pytest.raises(ValueError, match="margin_strategy"):
+        ak.gist_loss(model_side[0], model_side[1], guide[0], guide[1], margin_strategy="percent")
