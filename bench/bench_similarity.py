@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """The similarity family: in-batch negatives (`ibn`) and contrastive with negatives (`contrastive`), built on
-the op similarity_xent. Their cost grows as N^2 D whatever the implementation.
+the op similarity_xent, and the options of multiple_negatives_ranking_loss (`mnrl_gte`: every direction in one
+partition; `mnrl_hardness`; `mnrl_false_negatives`), built on similarity_lse. Their cost grows as N^2 D
+whatever the implementation.
 
 Inputs: ibn, N pairs in the zigzag layout (y_true [2N, 1] 0/1, 80 % ones; y_pred [2N, D]), 2N rows against
 each other; contrastive, text, pos, neg [N, D], N queries against 2N candidates. Providers: ours, angle-emb's
@@ -94,6 +96,59 @@ LOSSES = [
         bytes_per_element={"reference": 12.0, "sentence-transformers": 16.0},
     ),
 ]
+
+
+# The in-batch-negative family's options, on the contrastive inputs: N queries, N positives, one hard-negative
+# column; sentence-transformers' MultipleNegativesRankingLoss with the same options is the eager baseline. It
+# has no false-negative filter: that row is ours alone (its cost against the plain loss: the `contrastive` row).
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+FAMILY_OPTIONS = {
+    "mnrl_gte": dict(directions=ALL_DIRECTIONS),
+    "mnrl_hardness": dict(hardness_mode="in_batch_negatives", hardness_strength=9.0),
+    "mnrl_false_negatives": dict(false_negative_margin=0.05, false_negative_strategy="relative"),
+}
+FAMILY_ST_OPTIONS = {"mnrl_gte": FAMILY_OPTIONS["mnrl_gte"], "mnrl_hardness": FAMILY_OPTIONS["mnrl_hardness"]}
+
+
+def ours_family(option: str):
+    def make(backend: str, x: dict):
+        import angle_kernels as ak
+
+        return lambda: ak.multiple_negatives_ranking_loss(x["text"], x["pos"], (x["neg"],), scale=P.TAU,
+                                                          backend=backend, **FAMILY_OPTIONS[option])
+
+    return make
+
+
+def sentence_transformers_family(option: str):
+    def make(st_losses, x: dict):
+        loss = st_losses.MultipleNegativesRankingLoss(P.PrecomputedEmbeddings(), scale=P.TAU,
+                                                      **FAMILY_ST_OPTIONS[option])
+        return lambda: loss(P.columns(x["text"], x["pos"], x["neg"]), None)
+
+    return make
+
+
+def _family_bench(option: str, blocks: int) -> LossBench:
+    """`blocks`: score blocks of N x 2N (query_to_doc, doc_to_doc) or N x N (query_to_query, doc_to_query) the
+    option computes, in units of N x 2N."""
+    implementations = {"ours": Implementation(
+        f"angle_kernels.multiple_negatives_ranking_loss({FAMILY_OPTIONS[option]})", ours_family(option))}
+    if option in FAMILY_ST_OPTIONS:
+        implementations["sentence-transformers"] = Implementation(
+            f"MultipleNegativesRankingLoss(scale={P.TAU:g}, {FAMILY_ST_OPTIONS[option]})",
+            sentence_transformers_family(option))
+    return LossBench(
+        name=option, grows="N^2", size_label="N (queries, 2N documents)", embedding_rows=lambda n: 3 * n,
+        build_inputs=contrastive_inputs,
+        work_floor=lambda n, d, dtype: harness.similarity_floor(n, int(blocks * 2 * n), d),
+        implementations=implementations, eager_matrix_elements=lambda n: int(blocks * n * 2 * n),
+        bytes_per_element={"sentence-transformers": 16.0} if option in FAMILY_ST_OPTIONS else {},
+    )
+
+
+LOSSES += [_family_bench("mnrl_gte", 3.0), _family_bench("mnrl_hardness", 1.0),
+           _family_bench("mnrl_false_negatives", 1.0)]
 
 
 def setup_in_batch_negatives(ops, backend, n, d, dtype, device, generator):
