@@ -8,7 +8,8 @@ kernel of an op module was left out.
 
 It must run without TRITON_INTERPRET (interpreted kernels cannot be compiled), so it runs in a subprocess
 with that variable removed, which also keeps it independent of tests/ops' interpreter setup. The autotuner
-objects exist only in that mode too, so the check of similarity_xent's autotune keys runs the same way.
+objects exist only in that mode too, so the checks of similarity_xent's and similarity_lse's autotune keys run the
+same way.
 """
 
 from __future__ import annotations
@@ -50,24 +51,28 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 
 _DESCRIBE_AUTOTUNERS = """
 import importlib, json
-sx = importlib.import_module("angle_kernels.triton_ops.similarity_xent")
+module = importlib.import_module("angle_kernels.triton_ops.{op}")
 print(json.dumps([
-    {"kernel": tuner.fn.__name__, "keys": list(tuner.keys), "args": list(tuner.arg_names),
-     "not_specialized": [p.name for p in tuner.fn.params if p.do_not_specialize]}
-    for kernels in sx._TUNED.values() for tuner in kernels
+    {{"kernel": tuner.fn.__name__, "keys": list(tuner.keys), "args": list(tuner.arg_names),
+     "not_specialized": [p.name for p in tuner.fn.params if p.do_not_specialize]}}
+    for kernels in module._TUNED.values() for tuner in kernels
 ]))
 """
+
+
+def _autotuners(op, tmp_path) -> list:
+    proc = subprocess.run(
+        [sys.executable, "-c", _DESCRIBE_AUTOTUNERS.format(op=op)],
+        cwd=REPO, env=_compiled_mode_env(tmp_path), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_similarity_xent_autotunes_on_row_count_buckets(tmp_path):
     """A new batch size must neither re-tune (the key holds power-of-two buckets of M and Mc, not M and Mc)
     nor recompile (M, Mc and the buckets are not specialised on their values)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _DESCRIBE_AUTOTUNERS],
-        cwd=REPO, env=_compiled_mode_env(tmp_path), capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-8000:]
-    tuners = json.loads(proc.stdout.strip().splitlines()[-1])
+    tuners = _autotuners("similarity_xent", tmp_path)
     assert sorted(t["kernel"] for t in tuners) == sorted(
         2 * ["_similarity_xent_fwd_kernel", "_similarity_xent_bwd_dq_kernel", "_similarity_xent_bwd_dc_kernel"])
     for tuner in tuners:
@@ -76,3 +81,17 @@ def test_similarity_xent_autotunes_on_row_count_buckets(tmp_path):
         # triton 3.6 silently drops a key that is not an argument name (3.9 raises): check it here.
         assert set(tuner["keys"]) <= set(tuner["args"]), tuner["kernel"]
         assert tuner["not_specialized"] == ["M", "Mc", "M_BUCKET", "Mc_BUCKET"], tuner["kernel"]
+
+
+def test_similarity_lse_autotunes_on_row_count_buckets(tmp_path):
+    """As similarity_xent's; besides the batch sizes, a rank's target offset and the period vary from call to
+    call and are not specialised either."""
+    tuners = _autotuners("similarity_lse", tmp_path)
+    assert sorted(t["kernel"] for t in tuners) == sorted(
+        2 * ["_similarity_lse_fwd_kernel", "_similarity_lse_bwd_dq_kernel", "_similarity_lse_bwd_dc_kernel"])
+    for tuner in tuners:
+        assert tuner["keys"] == ["M_BUCKET", "Mc_BUCKET", "D", "DF", "PENALTY_ON", "HAS_FILTER", "PRECISION",
+                                 "FILTER_PRECISION"], tuner["kernel"]
+        assert set(tuner["keys"]) <= set(tuner["args"]), tuner["kernel"]
+        assert tuner["not_specialized"] == ["M", "Mc", "target_offset", "period", "M_BUCKET", "Mc_BUCKET"], \
+            tuner["kernel"]

@@ -194,6 +194,33 @@ def _grad_cos_tile(
     return tl.where(valid, g, 0.0)
 
 
+@triton.jit
+def _accumulate_grad_tile(
+    g_operand, x_ptr, x_idx, x_ok, inv_x, out_ptr, out_idx, out_ok, accumulate, D, stride_xm, stride_xd,
+    ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[out_idx] (+)= g @ (inv_x * x[x_idx]), D chunk by D chunk, into a contiguous [*, D] fp32/fp64 buffer
+    whose rows out_idx this program owns; g is [len(out_idx), len(x_idx)] in the operand dtype.
+
+    The inverse norms go on the unit rows x_hat (bounded by 1), never on g: 1/|x| reaches 1e12 for a zero
+    row, and g / |x| would overflow an fp16 operand into inf (and inf * 0 = NaN in the product). With
+    accumulate false (the program's first block) it stores without reading: the buffer needs no zeroing.
+    """
+    tl.debug_barrier()  # the previous block's stores are visible to every thread of the program
+    for k_start in range(0, D, BLOCK_K):
+        ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+        k_ok = ks < D
+        x_chunk = tl.load(x_ptr + x_idx[:, None] * stride_xm + ks[None, :] * stride_xd,
+                          mask=x_ok[:, None] & k_ok[None, :], other=0.0)
+        x_hat = (x_chunk.to(ACC) * inv_x[:, None]).to(OPERAND)
+        update = tl.dot(g_operand, x_hat, input_precision=PRECISION, out_dtype=ACC)
+        out_ptrs = out_ptr + out_idx[:, None] * D + ks[None, :]
+        ok = out_ok[:, None] & k_ok[None, :]
+        if accumulate:
+            update += tl.load(out_ptrs, mask=ok, other=0.0)
+        tl.store(out_ptrs, update, mask=ok)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------
@@ -304,23 +331,9 @@ def _similarity_xent_bwd_dq_kernel(
         g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
                            HAS_MARGIN, HAS_GROUPS)
         radial += tl.sum(g * cos, axis=1)
-        # Accumulate g @ c_hat[cols] into this program's rows of the buffer, D chunk by D chunk. The inverse
-        # norms go on the unit rows c_hat (bounded by 1), never on g: 1/|c| reaches 1e12 for a zero row, and
-        # g / |c| would overflow an fp16 operand into inf (and inf * 0 = NaN in the product).
-        g_operand = g.to(OPERAND)
-        tl.debug_barrier()  # the previous column block's stores are visible to every thread of the program
-        for k_start in range(0, D, BLOCK_K):
-            ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
-            k_ok = ks < D
-            c_chunk = tl.load(c_ptr + cols[:, None] * stride_cm + ks[None, :] * stride_cd,
-                              mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            c_hat = (c_chunk.to(ACC) * inv_c[:, None]).to(OPERAND)
-            update = tl.dot(g_operand, c_hat, input_precision=PRECISION, out_dtype=ACC)
-            out_ptrs = dq_raw_ptr + rows[:, None] * D + ks[None, :]
-            out_ok = row_ok[:, None] & k_ok[None, :]
-            if col_start > 0:  # the first column block stores without reading: the buffer needs no zeroing
-                update += tl.load(out_ptrs, mask=out_ok, other=0.0)
-            tl.store(out_ptrs, update, mask=out_ok)
+        # g @ c_hat[cols] into this program's rows of the buffer (the inverse norms on c_hat: see the helper)
+        _accumulate_grad_tile(g.to(OPERAND), c_ptr, cols, col_ok, inv_c, dq_raw_ptr, rows, row_ok, col_start > 0,
+                              D, stride_cm, stride_cd, ACC, OPERAND, PRECISION, BLOCK_K)
     tl.store(dq_radial_ptr + rows, radial, mask=row_ok)
 
 
@@ -367,20 +380,9 @@ def _similarity_xent_bwd_dc_kernel(
         g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
                            HAS_MARGIN, HAS_GROUPS)
         radial += tl.sum(g * cos, axis=0)
-        g_operand_t = tl.trans(g.to(OPERAND))  # [BLOCK_N, BLOCK_M]; inverse norms on q_hat (see the dq kernel)
-        tl.debug_barrier()  # the previous row block's stores are visible to every thread of the program
-        for k_start in range(0, D, BLOCK_K):
-            ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
-            k_ok = ks < D
-            q_chunk = tl.load(q_ptr + rows[:, None] * stride_qm + ks[None, :] * stride_qd,
-                              mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            q_hat = (q_chunk.to(ACC) * inv_q[:, None]).to(OPERAND)
-            update = tl.dot(g_operand_t, q_hat, input_precision=PRECISION, out_dtype=ACC)
-            out_ptrs = dc_raw_ptr + cols[:, None] * D + ks[None, :]
-            out_ok = col_ok[:, None] & k_ok[None, :]
-            if row_start > 0:  # the first row block stores without reading: the buffer needs no zeroing
-                update += tl.load(out_ptrs, mask=out_ok, other=0.0)
-            tl.store(out_ptrs, update, mask=out_ok)
+        # g^T @ q_hat[rows] ([BLOCK_N, BLOCK_M] x [BLOCK_M, D]) into this program's columns of the buffer
+        _accumulate_grad_tile(tl.trans(g.to(OPERAND)), q_ptr, rows, row_ok, inv_q, dc_raw_ptr, cols, col_ok,
+                              row_start > 0, D, stride_qm, stride_qd, ACC, OPERAND, PRECISION, BLOCK_K)
     tl.store(dc_radial_ptr + cols, radial, mask=col_ok)
 
 

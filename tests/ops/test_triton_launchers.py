@@ -103,6 +103,17 @@ def _similarity_rectangular(backend):
     return _outputs_and_grads(backend.ops.similarity_xent(q, c, 20.0, "diagonal", margin=0.2), [q, c])
 
 
+def _similarity_lse(backend):
+    gen = generator("alloc_lse")
+    q = randn(gen, 70, 24).to(backend.device).requires_grad_()
+    c = randn(gen, 140, 24).to(backend.device).requires_grad_()
+    fq, fc = randn(gen, 70, 12).to(backend.device), randn(gen, 140, 12).to(backend.device)
+    threshold = torch.full((70,), 0.3, device=backend.device)  # drops some columns; every row keeps its target
+    lse = backend.ops.similarity_lse(q, c, 20.0, period=70, penalty=2.0, penalty_on="other", filter_q=fq,
+                                     filter_c=fc, filter_threshold=threshold, filter_keeps_target=True)
+    return _outputs_and_grads(lse, [q, c])
+
+
 OPS = {
     "pair_scores_angle": lambda backend: _pair_scores(backend, True),
     "pair_scores_cos_only": lambda backend: _pair_scores(backend, False),
@@ -110,6 +121,7 @@ OPS = {
     "ranking_sorted": _ranking,
     "similarity_symmetric_groups": _similarity_symmetric,
     "similarity_rectangular_margin": _similarity_rectangular,
+    "similarity_lse_filtered": _similarity_lse,
 }
 
 
