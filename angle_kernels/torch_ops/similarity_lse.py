@@ -24,6 +24,12 @@ from ..contract import compute_dtype
 from .common import inverse_norms, normalise_backward, rows_per_chunk
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a is b's data seen the same way (b being a's copy in the compute dtype when they are one)."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
 class _Tiles:
     """Recomputes the logits of one row block (kept columns only; the rest are -inf), identically in forward
     and backward."""
@@ -34,7 +40,10 @@ class _Tiles:
         self.scale, self.target_offset, self.period = scale, target_offset, period
         self.exclude, self.penalty, self.penalty_on = exclude, penalty, penalty_on
         self.filter_threshold, self.filter_keeps_target = filter_threshold, filter_keeps_target
-        if filter_threshold is not None:
+        # A filter on the model's own scores (filter_q, filter_c: q and c detached) reuses the score tile.
+        self.own_scores_filter = filter_threshold is not None and _same_values(filter_q, qf) and _same_values(
+            filter_c, cf)
+        if filter_threshold is not None and not self.own_scores_filter:
             dtype = compute_dtype(filter_q.dtype)
             self.filter_q, self.filter_c = filter_q.to(dtype), filter_c.to(dtype)
             self.filter_q_inv, self.filter_c_inv = inverse_norms(self.filter_q)[0], inverse_norms(self.filter_c)[0]
@@ -60,8 +69,11 @@ class _Tiles:
             logits += torch.where(hard, self.penalty * cos, torch.zeros_like(cos))
         dropped = {"none": None, "target": is_target, "own": is_own}[self.exclude]
         if self.filter_threshold is not None:
-            guide = self.filter_q[start:end] @ self.filter_c.T
-            guide.mul_(self.filter_q_inv[start:end, None]).mul_(self.filter_c_inv[None, :])
+            if self.own_scores_filter:
+                guide = cos
+            else:
+                guide = self.filter_q[start:end] @ self.filter_c.T
+                guide.mul_(self.filter_q_inv[start:end, None]).mul_(self.filter_c_inv[None, :])
             filtered = guide > self.filter_threshold[start:end, None]
             if self.filter_keeps_target:
                 filtered &= ~is_target
