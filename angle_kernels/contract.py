@@ -1,8 +1,8 @@
 """What every backend may assume: the shared constants, the compute dtype, and each op's input validation.
 
-The semantics of the three ops are stated once, in `angle_kernels.dispatch`. This module holds what that
+The semantics of the ops are stated once, in `angle_kernels.dispatch`. This module holds what that
 statement needs in code: the numbers it names (the norm epsilon, the margin's sin^2 floor), the compute-dtype
-rule, the `Backend` protocol the three backends implement, and one validation function per op. Dispatch calls
+rule, the `Backend` protocol the backends implement, and one validation function per op. Dispatch calls
 the validation for every backend before it calls the op (`dispatch.Ops`), so a backend trusts its inputs: it
 never re-checks shapes, dtypes, devices or option values, and it gets them in a normal form (Python floats and
 bools, int64 group ids, no bool labels).

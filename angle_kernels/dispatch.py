@@ -1,8 +1,9 @@
-"""The three ops every loss is built from, and the choice of backend that computes them.
+"""The ops every loss is built from, and the choice of backend that computes them.
 
-Every public loss in `angle_kernels.functional` is assembled from three differentiable ops. Each backend
+Every public loss in `angle_kernels.functional` is assembled from a few differentiable ops. Each backend
 (`torch_ops`: pure PyTorch, any device; `triton_ops`: fused Triton kernels for CUDA tensors; `cuda_ops`:
-the CUDA C++ extension in `csrc/`) implements all three with exactly the semantics below, as
+the CUDA C++ extension in `csrc/`) implements them with exactly the semantics below (a backend may lack an op
+for a while: the cuda backend has no similarity_lse yet; see `Ops`), as
 `torch.autograd.Function`s with explicit backward passes, and must agree with the others to the
 tolerances of the input dtype.
 
@@ -74,8 +75,11 @@ similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0
 
 Calling the ops
     angle_kernels.dispatch.pair_scores(x, with_angle, *, backend=None), .ranking_loss(scores, labels, *,
-    backend=None) and .similarity_xent(..., *, backend=None) validate and run an op on the chosen backend;
-    resolve_backend(...) returns the `Ops` of a backend, whose methods do the same without choosing again.
+    backend=None), .similarity_xent(..., *, backend=None) and .similarity_lse(..., *, backend=None) validate
+    and run an op on the chosen backend; resolve_backend(...) returns the `Ops` of a backend, whose methods do
+    the same without choosing again. An op the backend does not implement goes, when "auto" chose the
+    backend, to the torch backend (a RuntimeWarning once per process and op), and raises a ValueError naming
+    the op when the backend was chosen explicitly.
 
 Choosing the backend
     resolve_backend(requested, *tensors) -> Ops: requested is None/"auto", "torch", "triton" or "cuda"; None

@@ -2,7 +2,7 @@
 
 Names, arguments, defaults and the zigzag layout are the reference's: `y_pred` is [2N, D] with the two texts
 of pair k on rows 2k and 2k+1, and `y_true` is [2N] or [2N, 1] with the pair's label on both rows. Each loss
-is assembled from the three ops described in `angle_kernels.dispatch`, computed by the backend chosen with
+is assembled from the ops described in `angle_kernels.dispatch`, computed by the backend chosen with
 the keyword-only `backend` argument ("auto", "torch", "triton", "cuda"; default: the environment variable
 ANGLE_KERNELS_BACKEND, else "auto"). No loss materialises an N x N matrix.
 

@@ -65,7 +65,6 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from ..contract import NORM_EPS, compute_dtype
-from ..dispatch import triton_interpreting
 from ._common import CompileCase, acc_dtype_of, new_output
 from .similarity_xent import (
     _GPU_CONFIGS_16BIT,
@@ -80,6 +79,8 @@ from .similarity_xent import (
     _row_norms,
     _similarity_xent_bwd_finish_kernel,
     _tile_launch,
+    autotuned,
+    kernels_for,
 )
 
 # ----------------------------------------------------------------------------------------------------------
@@ -311,18 +312,7 @@ _TILE_KERNELS = (_similarity_lse_fwd_kernel, _similarity_lse_bwd_dq_kernel, _sim
 # similarity_xent's configs and bucketing (see there); the key names the flags that change the work per tile.
 _TUNE_KEY = ["M_BUCKET", "Mc_BUCKET", "D", "DF", "PENALTY_ON", "HAS_FILTER", "PRECISION", "FILTER_PRECISION"]
 
-if triton_interpreting():
-    _TUNED = {"16bit": _TILE_KERNELS, "32bit": _TILE_KERNELS}
-else:
-    _TUNED = {
-        name: tuple(triton.autotune(configs=configs, key=_TUNE_KEY)(k) for k in _TILE_KERNELS)
-        for name, configs in (("16bit", _GPU_CONFIGS_16BIT), ("32bit", _GPU_CONFIGS_32BIT))
-    }
-
-
-def _kernels_for(dtype: torch.dtype):
-    """(forward, dq, dc) kernels for inputs of `dtype`: autotuned over the configs that suit its dots."""
-    return _TUNED["16bit" if dtype in (torch.bfloat16, torch.float16) else "32bit"]
+_TUNED = autotuned(_TILE_KERNELS, _TUNE_KEY)
 
 
 def _filter_operand(fq_dtype: torch.dtype, fc_dtype: torch.dtype):
@@ -377,7 +367,7 @@ class SimilarityLseFunction(torch.autograd.Function):
 
         lse = new_output((m,), dtype, q.device)
         blocks = _interpreter_blocks(m, mc, max(d, runtime[3]))
-        fwd_kernel, _, _ = _kernels_for(q.dtype)
+        fwd_kernel, _, _ = kernels_for(_TUNED, q.dtype)
         _tile_launch(fwd_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
                      *inputs, lse, *runtime, **static)
 
@@ -395,7 +385,7 @@ class SimilarityLseFunction(torch.autograd.Function):
         dtype = lse.dtype
         # Rows with no kept column contribute nothing, whatever their incoming gradient.
         coef = torch.where(lse == float("-inf"), 0.0, grad_lse.to(dtype)).contiguous()
-        _, dq_kernel, dc_kernel = _kernels_for(q_in.dtype)
+        _, dq_kernel, dc_kernel = kernels_for(_TUNED, q_in.dtype)
         finish = dict(HAS_B=False, ACC=ctx.static["ACC"], EPS=NORM_EPS,
                       BLOCK_D=min(triton.next_power_of_2(d), 1024), num_warps=4)
         dq = dc = None

@@ -457,18 +457,22 @@ def _autotune_bucket(rows: int) -> int:
     return triton.next_power_of_2(max(rows, 1))
 
 
-if triton_interpreting():
-    _TUNED = {"16bit": _TILE_KERNELS, "32bit": _TILE_KERNELS}
-else:
-    _TUNED = {
-        name: tuple(triton.autotune(configs=configs, key=_TUNE_KEY)(k) for k in _TILE_KERNELS)
-        for name, configs in (("16bit", _GPU_CONFIGS_16BIT), ("32bit", _GPU_CONFIGS_32BIT))
-    }
+def autotuned(tile_kernels: tuple, key: list) -> dict:
+    """The tile kernels autotuned on `key` over the configs of each operand class ("16bit": tensor cores,
+    "32bit": fp32/fp64 dots); under the interpreter, the kernels themselves (it autotunes only one config)."""
+    if triton_interpreting():
+        return {"16bit": tile_kernels, "32bit": tile_kernels}
+    return {name: tuple(triton.autotune(configs=configs, key=key)(k) for k in tile_kernels)
+            for name, configs in (("16bit", _GPU_CONFIGS_16BIT), ("32bit", _GPU_CONFIGS_32BIT))}
 
 
-def _kernels_for(dtype: torch.dtype):
-    """(forward, dq, dc) kernels for inputs of `dtype`: autotuned over the configs that suit its dots."""
-    return _TUNED["16bit" if dtype in (torch.bfloat16, torch.float16) else "32bit"]
+def kernels_for(tuned: dict, dtype: torch.dtype) -> tuple:
+    """(forward, dq, dc) of `autotuned` kernels for inputs of `dtype`: those tuned over the configs that suit
+    its dots."""
+    return tuned["16bit" if dtype in (torch.bfloat16, torch.float16) else "32bit"]
+
+
+_TUNED = autotuned(_TILE_KERNELS, _TUNE_KEY)
 
 
 def _interpreter_blocks(m: int, mc: int, d: int) -> dict:
@@ -538,7 +542,7 @@ class SimilarityXentFunction(torch.autograd.Function):
         lse_all = new_output((m,), dtype, q.device)
         lse_pos = new_output((m,), dtype, q.device)
         blocks = _interpreter_blocks(m, mc, d)
-        fwd_kernel, _, _ = _kernels_for(q.dtype)
+        fwd_kernel, _, _ = kernels_for(_TUNED, q.dtype)
         _tile_launch(fwd_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
                      q_in, c_in, q_norm, c_norm, groups, lse_all, lse_pos, *runtime, **static)
 
@@ -566,7 +570,7 @@ class SimilarityXentFunction(torch.autograd.Function):
 
         dq_raw = new_output((m, d), dtype, q_in.device)
         dq_radial = new_output((m,), dtype, q_in.device)
-        _, dq_kernel, dc_kernel = _kernels_for(q_in.dtype)
+        _, dq_kernel, dc_kernel = kernels_for(_TUNED, q_in.dtype)
         _tile_launch(dq_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
                      *common, dq_raw, dq_radial, *ctx.runtime, **ctx.static)
         dc_raw = new_output((mc, d), dtype, q_in.device)
