@@ -130,7 +130,6 @@ class Ops:
             *contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
         )
 
-
     def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
                        penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
                        filter_keeps_target=False):
