@@ -227,21 +227,21 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
     """
     rows = queries.shape[0]
     rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
-    documents = torch.cat([all_positives, *(t.to(positives.dtype) for t in all_negatives)], dim=0)
+    negative_columns = [t.to(positives.dtype) for t in all_negatives]
     hard = hardness_mode is not None and hardness_strength > 0.0
     plain = (set(directions) == {"query_to_doc"} or partition_mode == "per_direction") and not hard
     if plain and false_negative_margin is None:
         # logsumexp over the columns does not depend on their order: with this rank's positives first, row i's
         # target is column i, the op's "diagonal" target, gathered or not
-        own_first = documents if gathered is None else torch.cat(
-            [*_own_rows_first(positives, all_positives, rank), *(t.to(positives.dtype) for t in all_negatives)])
-        loss = contrastive(ops, queries, own_first, scale)
+        own_first = [positives] if gathered is None else _own_rows_first(positives, all_positives, rank)
+        loss = contrastive(ops, queries, torch.cat([*own_first, *negative_columns]), scale)
         if "doc_to_query" in directions:
             query_columns = queries if gathered is None else torch.cat(_own_rows_first(queries, all_queries, rank))
             loss = (loss + contrastive(ops, positives, query_columns, scale)) / 2
         return loss
 
     offset, world_rows = rank * rows, all_queries.shape[0]
+    documents = torch.cat([all_positives, *negative_columns])  # row i's positive: column offset + i
     cos_positive = ops.pair_scores(torch.stack((queries, positives.to(queries.dtype)), dim=1), False)[0][:, 0]
     threshold = None
     if false_negative_margin is not None:

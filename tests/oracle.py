@@ -371,7 +371,10 @@ def multiple_negatives_ranking_loss(
         drop = removed
         if false_negative_margin is not None:
             t = positive_cos.detach()
-            t = t - false_negative_margin if false_negative_strategy == "absolute" else t - t.abs() * false_negative_margin
+            if false_negative_strategy == "absolute":
+                t = t - false_negative_margin
+            else:
+                t = t - t.abs() * false_negative_margin
             drop = drop | ((cos.detach() > t[:, None]) & ~is_positive)
         logits[name] = block.masked_fill(drop, -math.inf)
     if partition_mode == "joint":

@@ -121,12 +121,12 @@ MEMORY_CASES = {
 }
 
 
-def _largest_tensor(rows: int, dim: int, options: dict) -> int:
-    """The most elements of any tensor made in forward and backward, the torch backend's tile cut to 96."""
-    columns = [leaf_like(x) for x in _embeddings(("memory", rows), 1, rows=rows, dim=dim)]
+def _largest_tensor(loss_of, inputs: list[torch.Tensor]) -> int:
+    """The most elements of any tensor that loss_of(*leaves) makes in forward and backward."""
+    leaves = [leaf_like(x) for x in inputs]
     recorder = ShapeRecorder()
     with recorder.mode:
-        loss = ak.multiple_negatives_ranking_loss(columns[0], columns[1], columns[2:], backend="torch", **options)
+        loss = loss_of(*leaves)
         recorder.phase = "backward"
         loss.backward()
     return max(math.prod(shape) for _, shape in recorder.shapes)
@@ -138,9 +138,12 @@ def test_extra_memory_grows_linearly_with_every_option(monkeypatch, name):
     it grows 4x when the batch does (an N x N tensor would grow 16x)."""
     import angle_kernels.torch_ops.common as torch_common
 
-    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 96)
-    dim = 5
-    small, large = (_largest_tensor(rows, dim, MEMORY_CASES[name]) for rows in (16, 64))
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 96)  # the torch backend's tile
+
+    def loss_of(q, p, n):
+        return ak.multiple_negatives_ranking_loss(q, p, (n,), backend="torch", **MEMORY_CASES[name])
+
+    small, large = (_largest_tensor(loss_of, _embeddings(("memory", rows), 1, rows=rows, dim=5)) for rows in (16, 64))
     documents = 2 * 64  # positives and one hard-negative column
     assert large < 64 * documents, f"{name}: a {large}-element tensor at B = 64 (the score matrix has {64 * documents})"
     assert large <= 4 * small, f"{name}: largest tensor {small} elements at B = 16, {large} at B = 64"
@@ -216,19 +219,13 @@ def test_the_gist_guide_filters_in_these_cases():
 def test_gist_memory_grows_linearly(monkeypatch):
     import angle_kernels.torch_ops.common as torch_common
 
-    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 96)
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 96)  # the torch backend's tile
     largest = []
     for rows in (16, 64):
         model_side, guide, options = _gist_inputs("relative_one_negative", torch.float64, rows=rows, dim=5,
                                                   guide_dim=3)
-        leaves = [leaf_like(x) for x in model_side]
-        recorder = ShapeRecorder()
-        with recorder.mode:
-            loss = ak.gist_loss(leaves[0], leaves[1], guide[0], guide[1], leaves[2:], guide[2:], backend="torch",
-                                **options)
-            recorder.phase = "backward"
-            loss.backward()
-        largest.append(max(math.prod(shape) for _, shape in recorder.shapes))
+        largest.append(_largest_tensor(lambda a, p, n: ak.gist_loss(a, p, guide[0], guide[1], (n,), guide[2:],
+                                                                    backend="torch", **options), model_side))
     assert largest[1] < 64 * 64 and largest[1] <= 4 * largest[0], largest
 
 

@@ -255,6 +255,16 @@ class _FusedMNRL:
         return _fused_mnrl(self, embeddings)
 
 
+def _grad_cache_step(loss: Tensor, with_backward: bool) -> Tensor:
+    """The end of a cached loss's calculate_loss: with_backward, back-propagate to the cached embeddings
+    (GradCache reads the gradient off each cached mini-batch tensor, rep.grad: torch.cat routes it back) and
+    return the value detached."""
+    if not with_backward:
+        return loss
+    loss.backward()
+    return loss.detach()
+
+
 class _FusedCachedMNRL:
     """The loss stage of the cached (GradCache) MultipleNegativesRankingLoss family, fused; mixed in before the
     sentence-transformers parent, whose embedding side is untouched."""
@@ -268,11 +278,7 @@ class _FusedCachedMNRL:
         if _mnrl_unfused_reason(self) is not None:
             return super().calculate_loss(reps, labels, with_backward=with_backward)
         loss = _fused_mnrl(self, [torch.cat(column) for column in reps])
-        if with_backward:
-            # GradCache reads the gradient off each cached mini-batch tensor (rep.grad); torch.cat routes it back
-            loss.backward()
-            loss = loss.detach()
-        return loss
+        return _grad_cache_step(loss, with_backward)
 
 
 class MultipleNegativesRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesRankingLoss):
@@ -524,8 +530,4 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
         if len(reps) != len(reps_guided):
             raise ValueError("reps and reps_guided must have the same length")
         loss = _fused_gist(self, [torch.cat(column) for column in reps], [torch.cat(column) for column in reps_guided])
-        if with_backward:
-            # GradCache reads the gradient off each cached mini-batch tensor (rep.grad); torch.cat routes it back
-            loss.backward()
-            loss = loss.detach()
-        return loss
+        return _grad_cache_step(loss, with_backward)

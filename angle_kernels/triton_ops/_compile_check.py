@@ -5,7 +5,8 @@ lowering, scan/reduce combine functions), so CI compiles each kernel for sm_90 w
 `triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))`. What to compile comes
 from each op module (one per op of `contract.OPS`): `compile_cases(full)` lists the specialisations its
 launcher uses, and every `_..._kernel` it defines must appear there. It must run with TRITON_INTERPRET unset
-(under the interpreter @triton.jit returns interpreted functions that cannot be compiled). Run as a script to print each kernel's registers, spills and shared memory:
+(under the interpreter @triton.jit returns interpreted functions that cannot be compiled). Run as a script to
+print each kernel's registers, spills and shared memory:
 
     env -u TRITON_INTERPRET python -m angle_kernels.triton_ops._compile_check [--arch 90]
 """

@@ -241,7 +241,8 @@ def guide64(tiny_model_dir):
     return guide
 
 
-@pytest.mark.parametrize("class_name, kwargs, columns", GIST_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(GIST_CASES)])
+@pytest.mark.parametrize("class_name, kwargs, columns", GIST_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(GIST_CASES)])
 def test_gist_same_value_and_gradients_as_sentence_transformers(model64, guide64, fused_calls, class_name, kwargs,
                                                                 columns):
     original = getattr(st_losses, class_name)(model64, guide64, **kwargs)
