@@ -18,9 +18,6 @@ import torch
 
 NAMESPACE = "angle_kernels"
 
-# Every op defined so far: name -> schema (filled by `define` as the op modules are imported).
-SCHEMAS: dict[str, str] = {}
-
 # One FRAGMENT library for all definitions; kept alive for the life of the process.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
@@ -28,7 +25,6 @@ _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 def define(name: str, schema: str) -> str:
     """Define the op `angle_kernels::<name>` with `schema`; returns its qualified name."""
     _LIB.define(name + schema)
-    SCHEMAS[name] = schema
     return f"{NAMESPACE}::{name}"
 
 
