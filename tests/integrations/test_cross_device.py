@@ -200,6 +200,7 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
         result = {"cases": _rank_cases(rank, world), "gather": _rank_gather(rank, world),
                   "shapes": _rank_score_shapes(rank, world)}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -46,6 +46,7 @@ def _rank_main(rank, world, port, arch, fmt, chunk_rows, out_dir):
         step = plain_step if chunk_rows is None else grad_cache_step
         loss = step(model, chunks, labels, loss_fn)
         torch.save({"loss": loss, "grads": param_grads(encoder)}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while the other still talks to it (seen once: SIGABRT in CI)
     finally:
         dist.destroy_process_group()
 
@@ -81,6 +82,7 @@ def _trainer_rank_main(rank, world, port, out_dir):
                        train_examples=(demo_examples(24, seed=2), "B"))
         torch.save({"losses": [r["loss"] for r in result.history], "weights": result.encoder.state_dict()},
                    os.path.join(out_dir, f"trainer-rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while the other still talks to it
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
