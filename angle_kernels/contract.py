@@ -78,6 +78,7 @@ class Backend(Protocol):
         filter_c: torch.Tensor | None,
         filter_threshold: torch.Tensor | None,
         filter_keeps_target: bool,
+        normalize: bool,
     ) -> torch.Tensor: ...
 
 
@@ -194,7 +195,7 @@ def _integer(name: str, value, minimum: int) -> int:
 
 
 def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
-                         filter_threshold, filter_keeps_target) -> tuple:
+                         filter_threshold, filter_keeps_target, normalize=True) -> tuple:
     """The arguments of similarity_lse, checked against the contract and returned in normal form (the filter
     inputs detached, its threshold contiguous in filter_q's compute dtype, in which the filter compares)."""
     _tensor("q", q, 2, EMBEDDING_DTYPES)
@@ -213,8 +214,9 @@ def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, p
     penalty = _real_number("penalty", penalty)
     if penalty_on not in LSE_PENALTIES:
         raise ValueError(f"penalty_on must be one of {LSE_PENALTIES}, got {penalty_on!r}")
-    if not isinstance(filter_keeps_target, bool):
-        raise TypeError(f"filter_keeps_target must be a bool, got {type(filter_keeps_target).__name__}")
+    for name, flag in (("filter_keeps_target", filter_keeps_target), ("normalize", normalize)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     given = [t is not None for t in (filter_q, filter_c, filter_threshold)]
     if any(given) and not all(given):
         raise ValueError("filter_q, filter_c and filter_threshold go together: give all three or none")
@@ -233,4 +235,4 @@ def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, p
         filter_threshold = filter_threshold.detach().to(compute_dtype(filter_q.dtype)).contiguous()
         filter_q, filter_c = filter_q.detach(), filter_c.detach()
     return (q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
-            filter_keeps_target)
+            filter_keeps_target, normalize)

@@ -53,7 +53,8 @@ similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, m
     inputs' dtypes. Forward keeps O(M) state (per-row logsumexps); backward recomputes tiles.
 
 similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
-               filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False) -> lse
+               filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False,
+               normalize=True) -> lse
     The per-row log partition function of a block of in-batch scores, the building block of the
     in-batch-negative family (joint and per-direction partitions, hardness weighting, guided and
     false-negative filtering): each loss combines a few of these [M] vectors and its positive scores.
@@ -61,12 +62,13 @@ similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0
     lie outside 0 .. Mc-1: then no column is the target). With period > 0, row i's "own" columns are the
     j with j % period == t_i (the target and, e.g., the row's own hard negatives laid out period apart);
     with period == 0 only j == t_i is own.
-    Logits: l[i, j] = scale * cos(q_i, c_j) + penalty * stop_gradient(cos(q_i, c_j)) * H[i, j], where the
+    Scores: s(x, y) = cos(x, y) when normalize, else the raw dot product x . y (util.dot_score's logits).
+    Logits: l[i, j] = scale * s(q_i, c_j) + penalty * stop_gradient(s(q_i, c_j)) * H[i, j], where the
         hardness set H (penalty_on) is "none": no column; "other": the columns that are not own; "own": the
         own columns but the target; "all": every column but the target.
     Kept columns K_i: every j < Mc, minus the target when exclude="target", minus every own column when
         exclude="own", and, when filter_threshold ([M], float) is given, minus every j with
-        cos(filter_q_i, filter_c_j) > filter_threshold[i] (filter_q [M, D'] and filter_c [Mc, D'], any float
+        s(filter_q_i, filter_c_j) > filter_threshold[i] (filter_q [M, D'] and filter_c [Mc, D'], any float
         dtype, e.g. a guide model's embeddings, or q and c themselves for a filter on the model's own
         scores), except the target when filter_keeps_target. The filter and the penalty carry no gradient.
     lse[i] = logsumexp_{j in K_i} l[i, j], -inf when K_i is empty. Returns [M] in the compute dtype.
@@ -132,9 +134,9 @@ class Ops:
 
     def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
                        penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
-                       filter_keeps_target=False):
+                       filter_keeps_target=False, normalize=True):
         args = contract.check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on,
-                                             filter_q, filter_c, filter_threshold, filter_keeps_target)
+                                             filter_q, filter_c, filter_threshold, filter_keeps_target, normalize)
         return self._implementing("similarity_lse").similarity_lse(*args)
 
     def _implementing(self, op: str) -> contract.Backend:
@@ -299,10 +301,10 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
 
 
 def similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
-                   filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False, *,
-                   backend: str | None = None):
-    """Per-row log partition functions [M] of scale * cos(q, c) with exclusions, hardness and filters (see the
-    module docstring)."""
+                   filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False, normalize=True,
+                   *, backend: str | None = None):
+    """Per-row log partition functions [M] of scale * cos(q, c) (or of dot products: normalize=False) with
+    exclusions, hardness and filters (see the module docstring)."""
     return resolve_backend(backend, _named_tensor("q", q)).similarity_lse(
         q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
-        filter_keeps_target)
+        filter_keeps_target, normalize)

@@ -108,10 +108,12 @@ PARTITION_MODES = ("joint", "per_direction")
 # sentence-transformers' hardness modes -> the columns of the query-to-document block similarity_lse penalises
 HARDNESS_MODES = {"in_batch_negatives": "other", "hard_negatives": "own", "all_negatives": "all"}
 MARGIN_STRATEGIES = ("absolute", "relative")
+# the similarity of the in-batch family's logits: "cosine" (util.cos_sim) or the raw dot product (util.dot_score)
+SIMILARITIES = ("cosine", "dot")
 
 
 def check_in_batch_options(directions, partition_mode, hardness_mode, hardness_strength,
-                           false_negative_margin, false_negative_strategy) -> tuple:
+                           false_negative_margin, false_negative_strategy, similarity="cosine") -> tuple:
     """The options of multiple_negatives_ranking_loss as sentence-transformers 6.2 checks them, plus the
     false-negative filter's; returned normalised (directions a tuple, floats)."""
     directions = tuple(directions) if isinstance(directions, (tuple, list)) else directions
@@ -131,6 +133,7 @@ def check_in_batch_options(directions, partition_mode, hardness_mode, hardness_s
     if false_negative_margin is not None:
         false_negative_margin = checks.check_scalar("false_negative_margin", false_negative_margin)
     checks.check_choice("false_negative_strategy", false_negative_strategy, MARGIN_STRATEGIES)
+    checks.check_choice("similarity", similarity, SIMILARITIES)
     return directions, hardness_strength, false_negative_margin
 
 
@@ -204,6 +207,14 @@ def triplet(ops: Ops, anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Te
     return torch.relu(cos[:, 1] - cos[:, 0] + margin).mean()
 
 
+def positive_scores(ops: Ops, a: torch.Tensor, b: torch.Tensor, similarity: str = "cosine") -> torch.Tensor:
+    """s(a_i, b_i) per row in the compute dtype: the cosine (one pair-score pass) or the dot product."""
+    if similarity == "cosine":
+        return ops.pair_scores(torch.stack((a, b.to(a.dtype)), dim=1), False)[0][:, 0]
+    dtype = compute_dtype(a.dtype)
+    return torch.linalg.vecdot(a.to(dtype), b.to(dtype))
+
+
 def _own_rows_first(local: torch.Tensor, gathered: torch.Tensor, rank: int) -> list[torch.Tensor]:
     """The rows of `gathered` (every rank's `local`, in rank order) with this rank's own rows first, as pieces for
     one torch.cat; the own rows are `local` itself (same values; its gradient then comes straight from this
@@ -216,20 +227,22 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
                        scale: float, directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
                        hardness_mode: str | None = None, hardness_strength: float = 0.0,
                        false_negative_margin: float | None = None, false_negative_strategy: str = "absolute",
-                       gathered: tuple | None = None) -> torch.Tensor:
+                       gathered: tuple | None = None, similarity: str = "cosine") -> torch.Tensor:
     """sentence-transformers' MultipleNegativesRankingLoss on checked inputs (see the public function).
 
     gathered: None, or (rank, all queries, all positives, all negatives) when the columns come from every rank
     (all_gather_with_grad); this rank's rows are scored against them, its row i's positive being column
     rank * B + i. Two paths: the standard and the per-direction symmetric losses without hardness or filter are
     the similarity_xent op (one kernel computes each row's partition and positive); everything else combines
-    per-row log partitions of similarity_lse blocks with the positive scores.
+    per-row log partitions of similarity_lse blocks with the positive scores; so do dot-product logits
+    (similarity="dot"), which similarity_xent does not compute.
     """
     rows = queries.shape[0]
     rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
     negative_columns = [t.to(positives.dtype) for t in all_negatives]
     hard = hardness_mode is not None and hardness_strength > 0.0
-    plain = (set(directions) == {"query_to_doc"} or partition_mode == "per_direction") and not hard
+    plain = (set(directions) == {"query_to_doc"} or partition_mode == "per_direction") and not hard and (
+        similarity == "cosine")
     if plain and false_negative_margin is None:
         # logsumexp over the columns does not depend on their order: with this rank's positives first, row i's
         # target is column i, the op's "diagonal" target, gathered or not
@@ -242,16 +255,16 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
 
     offset, world_rows = rank * rows, all_queries.shape[0]
     documents = torch.cat([all_positives, *negative_columns])  # row i's positive: column offset + i
-    cos_positive = ops.pair_scores(torch.stack((queries, positives.to(queries.dtype)), dim=1), False)[0][:, 0]
+    positive = positive_scores(ops, queries, positives, similarity)
     threshold = None
     if false_negative_margin is not None:
-        threshold = margin_threshold(cos_positive, false_negative_strategy, false_negative_margin)
+        threshold = margin_threshold(positive, false_negative_strategy, false_negative_margin)
 
     def block(anchors, columns, **options):
         filtering = {} if threshold is None else dict(filter_q=anchors.detach(), filter_c=columns.detach(),
                                                       filter_threshold=threshold, filter_keeps_target=True)
         return ops.similarity_lse(anchors, columns.to(anchors.dtype), scale, target_offset=offset, **options,
-                                  **filtering)
+                                  **filtering, normalize=similarity == "cosine")
 
     penalty = dict(penalty=hardness_strength, penalty_on=HARDNESS_MODES[hardness_mode]) if hard else {}
     log_partitions = [block(queries, documents, period=world_rows, **penalty)]  # query_to_doc
@@ -263,7 +276,7 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
         log_partitions.append(block(positives, documents, period=world_rows, exclude="own"))
     stacked = torch.stack(log_partitions)
     log_z = torch.logsumexp(stacked, dim=0) if partition_mode == "joint" else stacked.mean(dim=0)
-    return (log_z - scale * cos_positive).mean()
+    return (log_z - scale * positive).mean()
 
 
 def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
@@ -276,9 +289,8 @@ def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: li
     rank, all_positives, all_negatives, all_guide_positives, all_guide_negatives = gathered or (
         0, positives, negatives, guide_positives, guide_negatives)
     scale = 1.0 / temperature
-    cos_positive = ops.pair_scores(torch.stack((anchors, positives.to(anchors.dtype)), dim=1), False)[0][:, 0]
-    guide_positive = ops.pair_scores(torch.stack((guide_anchors, guide_positives.to(guide_anchors.dtype)), dim=1),
-                                     False)[0][:, 0]
+    cos_positive = positive_scores(ops, anchors, positives)
+    guide_positive = positive_scores(ops, guide_anchors, guide_positives)
     threshold = margin_threshold(guide_positive, margin_strategy, margin)
 
     def block(rows, columns, guide_rows, guide_columns, keep_positive=False):
@@ -473,6 +485,7 @@ def multiple_negatives_ranking_loss(
     hardness_strength: float = 0.0,
     false_negative_margin: float | None = None,
     false_negative_strategy: str = "absolute",
+    similarity: str = "cosine",
     gather_across_devices: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
@@ -494,6 +507,9 @@ def multiple_negatives_ranking_loss(
     margin ("absolute") or minus |positive| * margin ("relative", false_negative_strategy) leaves the
     partition function, in every block (the positive itself stays): positive-aware false-negative filtering
     as in NV-Retriever; None (default) keeps every column.
+    similarity: "cosine" (default; util.cos_sim) or "dot" (util.dot_score: raw dot products, for models whose
+    embeddings are not normalised); every score above, the positive's, the hardness penalty's and the
+    filter's, is then that similarity.
     gather_across_devices: with torch.distributed initialised, the columns come from every process
     (all_gather_with_grad) and each process's loss is the mean over its own rows, as in sentence-transformers;
     every process must pass the same shapes.
@@ -504,7 +520,8 @@ def multiple_negatives_ranking_loss(
     """
     scale = checks.check_scalar("scale", scale)
     directions, hardness_strength, false_negative_margin = check_in_batch_options(
-        directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy)
+        directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy,
+        similarity)
     if not isinstance(gather_across_devices, bool):
         raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
     named = [("queries", queries), ("positives", positives)]
@@ -524,7 +541,7 @@ def multiple_negatives_ranking_loss(
         checks.check_same_shape("queries", queries, f"negatives[{i}]", t)
     return multiple_negatives(resolve_backend(backend, queries), queries, positives, list(negatives), scale,
                               directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
-                              false_negative_strategy, gathered)
+                              false_negative_strategy, gathered, similarity)
 
 
 def gist_loss(

@@ -92,6 +92,11 @@ def cosine_matrix(q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return normalize(q) @ normalize(c).T
 
 
+def dot_matrix(q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """[i, j] = q_i . c_j (util.dot_score)."""
+    return q @ c.T
+
+
 def masked_logsumexp(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """logsumexp over the last dimension of the entries where `keep` is True."""
     return torch.logsumexp(values.masked_fill(~keep, -math.inf), dim=-1)
@@ -197,16 +202,19 @@ def similarity_lse(
     filter_c: torch.Tensor | None = None,
     filter_threshold: torch.Tensor | None = None,
     filter_keeps_target: bool = False,
+    normalize: bool = True,
 ) -> torch.Tensor:
     """lse_i = logsumexp over the kept columns of l_ij, from the full M x Mc logits (see dispatch.py).
 
+    cos_ij is the cosine, or the plain dot product q_i . c_j when not normalize (also in the filter).
     t_i = target_offset + i; own: j % period == t_i (period 0: j == t_i).
     l_ij = scale * cos_ij + penalty * detach(cos_ij) on the hardness set ("other": not own; "own": own, not
     the target; "all": not the target). Dropped: the target ("target") or the own columns ("own"), and, with a
     filter, every j with cos(filter_q_i, filter_c_j) > filter_threshold_i (but the target when
     filter_keeps_target).
     """
-    cos = cosine_matrix(in_compute_dtype(q), in_compute_dtype(c))  # [M, Mc]
+    similarity = cosine_matrix if normalize else dot_matrix
+    cos = similarity(in_compute_dtype(q), in_compute_dtype(c))  # [M, Mc]
     rows, cols = cos.shape
     i = torch.arange(rows, device=cos.device)[:, None]
     j = torch.arange(cols, device=cos.device)[None, :]
@@ -218,7 +226,7 @@ def similarity_lse(
     logits = scale * cos + torch.where(hard, penalty * cos.detach(), torch.zeros_like(cos))
     keep = {"none": torch.ones_like(is_target), "target": ~is_target, "own": ~is_own}[exclude]
     if filter_threshold is not None:
-        guide = cosine_matrix(in_compute_dtype(filter_q.detach()), in_compute_dtype(filter_c.detach()))
+        guide = similarity(in_compute_dtype(filter_q.detach()), in_compute_dtype(filter_c.detach()))
         too_close = guide > in_compute_dtype(filter_threshold.detach())[:, None]
         if filter_keeps_target:
             too_close = too_close & ~is_target
@@ -342,25 +350,28 @@ def multiple_negatives_ranking_loss(
     hardness_strength: float = 0.0,
     false_negative_margin: float | None = None,
     false_negative_strategy: str = "absolute",
+    similarity: str = "cosine",
 ) -> torch.Tensor:
     """sentence-transformers 6.2's MultipleNegativesRankingLoss (one process), from the full score blocks, plus
     the package's false-negative filter: in every block, a column whose cosine with the row's anchor exceeds
     t_i = c_i - margin ("absolute") or c_i - |c_i| * margin ("relative"), c_i = cos(q_i, p_i), is dropped,
-    except the row's positive pair (column i of query_to_doc and of doc_to_query)."""
+    except the row's positive pair (column i of query_to_doc and of doc_to_query). similarity="dot": every
+    cosine above is the plain dot product instead (util.dot_score)."""
+    score_matrix = cosine_matrix if similarity == "cosine" else dot_matrix
     q, p = in_compute_dtype(queries), in_compute_dtype(positives)
     docs = torch.cat([p, *(in_compute_dtype(n) for n in negatives)], dim=0)  # [B (1 + k), D]
     b = q.shape[0]
     i = torch.arange(b)[:, None]
     j = torch.arange(docs.shape[0])[None, :]
     own_doc = j % b == i  # the row's positive and its own hard negatives
-    blocks = {"query_to_doc": (cosine_matrix(q, docs), own_doc & (j == i), torch.zeros_like(own_doc))}
+    blocks = {"query_to_doc": (score_matrix(q, docs), own_doc & (j == i), torch.zeros_like(own_doc))}
     if "query_to_query" in directions:
-        blocks["query_to_query"] = (cosine_matrix(q, q), torch.zeros(b, b, dtype=torch.bool), torch.eye(b) > 0)
+        blocks["query_to_query"] = (score_matrix(q, q), torch.zeros(b, b, dtype=torch.bool), torch.eye(b) > 0)
     if "doc_to_query" in directions:
-        blocks["doc_to_query"] = (cosine_matrix(p, q), torch.eye(b) > 0, torch.zeros(b, b, dtype=torch.bool))
+        blocks["doc_to_query"] = (score_matrix(p, q), torch.eye(b) > 0, torch.zeros(b, b, dtype=torch.bool))
     if "doc_to_doc" in directions:
-        blocks["doc_to_doc"] = (cosine_matrix(p, docs), torch.zeros_like(own_doc), own_doc)
-    positive_cos = cosine(q, p)
+        blocks["doc_to_doc"] = (score_matrix(p, docs), torch.zeros_like(own_doc), own_doc)
+    positive_cos = cosine(q, p) if similarity == "cosine" else dot(q, p)
     logits = {}
     for name, (cos, is_positive, removed) in blocks.items():
         block = scale * cos

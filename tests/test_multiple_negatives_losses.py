@@ -1,11 +1,13 @@
 """multiple_negatives_ranking_loss (every option of sentence-transformers 6.2's MultipleNegativesRankingLoss) and
 gist_loss (its GISTEmbedLoss), fused.
 
-* the grid: directions x partition_mode x hardness_mode x number of hard-negative columns, each against
+* the grid: directions x partition_mode x hardness_mode x number of hard-negative columns x similarity_fct
+  (util.cos_sim at scale 20, util.dot_score at scale 1), each against
   sentence-transformers' own compute_loss_from_embeddings on the same float64 embeddings (value and gradient
   of every input, to rounding), and against the float64 oracle (tests/oracle.py);
 * the false-negative filter (no sentence-transformers counterpart) against the oracle, on every backend;
-* every backend on representative combinations, float32 and bf16 at the half rule; gradcheck in float64;
+* every backend on representative combinations (dot products included), float32 and bf16 at the half rule;
+  gradcheck in float64;
 * gist_loss against the oracle on every backend (its parity with sentence-transformers' GISTEmbedLoss runs on a
   tiny model in tests/integrations/test_sentence_transformers.py);
 * bad options refused with the parent's messages.
@@ -37,8 +39,10 @@ DIRECTIONS = {  # (directions, partition modes sentence-transformers accepts for
     "gte": (ALL, ("joint",)),
 }
 HARDNESS = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
-GRID = [(name, mode, hardness, k) for name, (_, modes) in DIRECTIONS.items() for mode in modes
-        for hardness in HARDNESS for k in (0, 1, 2)]
+# similarity_fct -> (the functional API's similarity, the scale the grid uses with it)
+SIMILARITIES = {"cos_sim": ("cosine", 20.0), "dot_score": ("dot", 1.0)}
+GRID = [(name, mode, hardness, k, similarity) for name, (_, modes) in DIRECTIONS.items() for mode in modes
+        for hardness in HARDNESS for k in (0, 1, 2) for similarity in SIMILARITIES]
 
 
 def _embeddings(tag, k, dtype=torch.float64, rows=6, dim=16):
@@ -55,23 +59,28 @@ def _options(name, mode, hardness):
 def reference_loss():
     """sentence-transformers' loss class (its compute_loss_from_embeddings never touches the model)."""
     losses = pytest.importorskip("sentence_transformers.sentence_transformer.losses")
+    from sentence_transformers import util
 
-    def make(**options):
-        return losses.MultipleNegativesRankingLoss(torch.nn.Identity(), scale=20.0, **options)
+    def make(similarity_fct, scale, **options):
+        return losses.MultipleNegativesRankingLoss(torch.nn.Identity(), scale=scale,
+                                                   similarity_fct=getattr(util, similarity_fct), **options)
 
     return make
 
 
-@pytest.mark.parametrize("name, mode, hardness, k", GRID, ids=[f"{n}-{m}-{h}-{k}neg" for n, m, h, k in GRID])
-def test_grid_against_sentence_transformers_and_the_oracle(reference_loss, name, mode, hardness, k):
-    columns = _embeddings((name, mode, hardness), k)
+@pytest.mark.parametrize("name, mode, hardness, k, similarity_fct", GRID,
+                         ids=[f"{n}-{m}-{h}-{k}neg-{s}" for n, m, h, k, s in GRID])
+def test_grid_against_sentence_transformers_and_the_oracle(reference_loss, name, mode, hardness, k, similarity_fct):
+    columns = _embeddings((name, mode, hardness, similarity_fct), k)
     options = _options(name, mode, hardness)
-    (ours,), ours_grads = outputs_and_grads(
-        lambda *e: ak.multiple_negatives_ranking_loss(e[0], e[1], e[2:], scale=20.0, **options), columns)
+    similarity, scale = SIMILARITIES[similarity_fct]
+    (ours,), ours_grads = outputs_and_grads(lambda *e: ak.multiple_negatives_ranking_loss(
+        e[0], e[1], e[2:], scale=scale, similarity=similarity, **options), columns)
     (theirs,), their_grads = outputs_and_grads(
-        lambda *e: reference_loss(**options).compute_loss_from_embeddings(list(e), None), columns)
-    (exact,), exact_grads = outputs_and_grads(
-        lambda *e: oracle.multiple_negatives_ranking_loss(e[0], e[1], e[2:], 20.0, **options), columns)
+        lambda *e: reference_loss(similarity_fct, scale, **options).compute_loss_from_embeddings(list(e), None),
+        columns)
+    (exact,), exact_grads = outputs_and_grads(lambda *e: oracle.multiple_negatives_ranking_loss(
+        e[0], e[1], e[2:], scale, **options, similarity=similarity), columns)
     assert_close(ours, theirs, 1e-12, "value vs sentence-transformers")
     assert_close(exact, theirs, 1e-12, "oracle vs sentence-transformers")
     for g, ref in zip(ours_grads, their_grads):
@@ -83,29 +92,39 @@ FILTER_CASES = [("q2d", "joint", None, 1, "absolute", 0.1), ("gte", "joint", "al
                 ("q2d+d2d", "joint", None, 2, "relative", 0.0)]
 
 
+# (directions, partition mode, hardness, hard-negative columns, filter strategy, margin) with dot products, scale 1
+DOT_CASES = [("q2d", "joint", None, 0, None, None), ("gte", "joint", "all_negatives", 1, "relative", 0.2)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", FILTER_CASES + [("gte", "joint", "in_batch_negatives", 1, None, None)],
-                         ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", [c + ("cosine",) for c in FILTER_CASES + [("gte", "joint", "in_batch_negatives", 1,
+                                                                            None, None)]]
+                         + [c + ("dot",) for c in DOT_CASES], ids=lambda c: "-".join(map(str, c)))
 def test_every_backend_against_the_oracle(backend, case, dtype):
     skip_unless_implemented(backend, "similarity_lse")  # the filter and hardness blocks
-    name, mode, hardness, k, strategy, margin = case
-    columns = _embeddings(("backends",) + case, k, dtype=dtype, rows=10, dim=24)
+    name, mode, hardness, k, strategy, margin, similarity = case
+    columns = _embeddings(("backends",) + case[:-1], k, dtype=dtype, rows=10, dim=24)
     options = _options(name, mode, hardness)
+    scale = 20.0 if similarity == "cosine" else 1.0
     if strategy is not None:
         options.update(false_negative_strategy=strategy, false_negative_margin=margin)
     check_against_oracle(
-        lambda *e: ak.multiple_negatives_ranking_loss(e[0], e[1], e[2:], scale=20.0, backend=backend.name, **options),
-        lambda *e: oracle.multiple_negatives_ranking_loss(e[0], e[1], e[2:], 20.0, **options), columns,
-        f"{case} on {backend.name}", device=backend.device)
+        lambda *e: ak.multiple_negatives_ranking_loss(e[0], e[1], e[2:], scale=scale, similarity=similarity,
+                                                      backend=backend.name, **options),
+        lambda *e: oracle.multiple_negatives_ranking_loss(e[0], e[1], e[2:], scale, **options,
+                                                          similarity=similarity),
+        columns, f"{case} on {backend.name}", device=backend.device)
 
 
 def test_the_filter_drops_columns_in_these_cases():
     """A filter case is only worth something if the filter changes the loss."""
-    for name, mode, hardness, k, strategy, margin in FILTER_CASES:
+    cases = [c + ("cosine",) for c in FILTER_CASES] + [c + ("dot",) for c in DOT_CASES if c[4] is not None]
+    for name, mode, hardness, k, strategy, margin, similarity in cases:
         columns = _embeddings(("backends", name, mode, hardness, k, strategy, margin), k, rows=10, dim=24)
-        options = _options(name, mode, hardness)
-        plain = oracle.multiple_negatives_ranking_loss(columns[0], columns[1], columns[2:], 20.0, **options)
-        filtered = oracle.multiple_negatives_ranking_loss(columns[0], columns[1], columns[2:], 20.0, **options,
+        options = dict(_options(name, mode, hardness), similarity=similarity)
+        scale = 20.0 if similarity == "cosine" else 1.0
+        plain = oracle.multiple_negatives_ranking_loss(columns[0], columns[1], columns[2:], scale, **options)
+        filtered = oracle.multiple_negatives_ranking_loss(columns[0], columns[1], columns[2:], scale, **options,
                                                           false_negative_strategy=strategy,
                                                           false_negative_margin=margin)
         assert float(filtered) < float(plain) - 1e-6, (name, strategy, margin)
@@ -164,6 +183,7 @@ def test_gradcheck_float64():
     (dict(hardness_mode="hard_negatives", hardness_strength=-1.0), "hardness_strength"),
     (dict(false_negative_margin=0.1, false_negative_strategy="percent"), "false_negative_strategy"),
     (dict(false_negative_margin=float("nan")), "false_negative_margin"),
+    (dict(similarity="euclidean"), "similarity"),
 ])
 def test_bad_options_are_refused(options, message):
     q, p = _embeddings("bad", 0)

@@ -219,11 +219,21 @@ _MNRL_DEFAULTS = {"gather_across_devices": False, "directions": ("query_to_doc",
                   "show_progress_bar": False}
 
 
+def _mnrl_similarity(loss) -> str | None:
+    """The functional API's name of the loss's similarity_fct: "cosine" (util.cos_sim), "dot" (util.dot_score),
+    or None for another function."""
+    if loss.similarity_fct is _st_util.cos_sim:
+        return "cosine"
+    if loss.similarity_fct is _st_util.dot_score:
+        return "dot"
+    return None
+
+
 def _mnrl_unfused_reason(loss) -> str | None:
     """Why a MultipleNegativesRankingLoss configuration cannot run fused; None when it can: every configuration
-    with cosine similarity (any directions, partition mode, hardness, gathering) runs fused."""
-    if loss.similarity_fct is not _st_util.cos_sim:
-        return "similarity_fct is not util.cos_sim"
+    with cosine or dot-product similarity (any directions, partition mode, hardness, gathering) runs fused."""
+    if _mnrl_similarity(loss) is None:
+        return "similarity_fct is neither util.cos_sim nor util.dot_score"
     return None
 
 
@@ -237,7 +247,7 @@ def _fused_mnrl(loss, embeddings: list[Tensor]) -> Tensor:
         directions=getattr(loss, "directions", ("query_to_doc",)),
         partition_mode=getattr(loss, "partition_mode", "joint"),
         hardness_mode=getattr(loss, "hardness_mode", None),
-        hardness_strength=getattr(loss, "hardness_strength", 0.0),
+        hardness_strength=getattr(loss, "hardness_strength", 0.0), similarity=_mnrl_similarity(loss),
         gather_across_devices=getattr(loss, "gather_across_devices", False), backend=loss.backend)
 
 
@@ -290,8 +300,8 @@ class MultipleNegativesRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesRanki
     ignored, as in the parent.
 
     Fused for every option (directions, partition_mode, hardness_mode / hardness_strength,
-    gather_across_devices) with `similarity_fct=util.cos_sim` (the default); another similarity function
-    runs sentence-transformers' own computation. `uses_fused_path` says which applies.
+    gather_across_devices) with `similarity_fct=util.cos_sim` (the default) or `util.dot_score`; another
+    similarity function runs sentence-transformers' own computation. `uses_fused_path` says which applies.
 
     gather_across_devices=True (several processes, torch.distributed): as in the parent, the queries and every
     document column are all-gathered with gradients (`angle_kernels.distributed.all_gather_with_grad`), and
@@ -335,7 +345,7 @@ class CachedMultipleNegativesRankingLoss(_FusedCachedMNRL, _st_losses.CachedMult
     `mini_batch_size` query rows so that the score matrix never exists whole; angle_kernels' tiled loss never
     builds it at all, so here the whole batch is one call (forward and backward), whatever mini_batch_size is.
 
-    Fused under the same condition as `MultipleNegativesRankingLoss` (cosine similarity; every other option,
+    Fused under the same condition as `MultipleNegativesRankingLoss` (cosine or dot product; every other option,
     gather_across_devices included, which gathers the cached embeddings as the parent does); otherwise the
     parent's chunked computation runs. `uses_fused_path` says which applies.
 
@@ -395,7 +405,8 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
         gather_across_devices (as `MultipleNegativesRankingLoss` with the per-direction symmetric directions).
 
         Args: those of the parent (model, scale, similarity_fct, gather_across_devices), plus keyword-only
-        `backend`. Fused with `util.cos_sim` (the default); another similarity function runs the parent's code.
+        `backend`. Fused with `util.cos_sim` (the default) or `util.dot_score`; another similarity function runs
+        the parent's code.
         """
 
         def __init__(self, model, scale: float = 20.0,

@@ -1,4 +1,4 @@
-"""Per-row log partition functions of cosine scores, in row blocks: never the full M x Mc matrix.
+"""Per-row log partition functions of cosine (or dot-product) scores, in row blocks: never the full M x Mc matrix.
 
 Computes the contract's similarity_lse (see angle_kernels/dispatch.py), the building block of the
 in-batch-negative family: joint and per-direction partitions, hardness-weighted negatives, guided (GIST) and
@@ -6,6 +6,9 @@ false-negative filtering. For row i with target column t_i = target_offset + i:
 
     l_ij   = scale * cos(q_i, c_j) + penalty * stop_gradient(cos(q_i, c_j)) * [j in H_i]
     lse_i  = logsumexp over the kept columns K_i of l_ij           (-inf when K_i is empty)
+
+With normalize=False, cos is the raw dot product: the inverse norms are ones and no vector has a norm gradient,
+so the same code computes it (the normalisation's backward reduces to the identity).
 
 Rows are processed a block at a time against all columns, as in similarity_xent.py: a block x Mc tile of
 cosines is one matrix product of the raw rows scaled by the inverse norms; the filter's tile (a second
@@ -24,6 +27,14 @@ from ..contract import compute_dtype
 from .common import inverse_norms, normalise_backward, rows_per_chunk
 
 
+def _scaling(x: torch.Tensor, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inverse norms, has-norm-gradient mask) of x's rows; ones and all-False for raw dot products."""
+    if normalize:
+        return inverse_norms(x)
+    return torch.ones(x.shape[0], dtype=x.dtype, device=x.device), torch.zeros(x.shape[0], dtype=torch.bool,
+                                                                                device=x.device)
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a is b's data seen the same way (b being a's copy in the compute dtype when they are one)."""
     return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
@@ -35,7 +46,7 @@ class _Tiles:
     and backward."""
 
     def __init__(self, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty, penalty_on,
-                 filter_q, filter_c, filter_threshold, filter_keeps_target):
+                 filter_q, filter_c, filter_threshold, filter_keeps_target, normalize):
         self.qf, self.cf, self.q_inv, self.c_inv = qf, cf, q_inv, c_inv
         self.scale, self.target_offset, self.period = scale, target_offset, period
         self.exclude, self.penalty, self.penalty_on = exclude, penalty, penalty_on
@@ -46,7 +57,8 @@ class _Tiles:
         if filter_threshold is not None and not self.own_scores_filter:
             dtype = compute_dtype(filter_q.dtype)
             self.filter_q, self.filter_c = filter_q.to(dtype), filter_c.to(dtype)
-            self.filter_q_inv, self.filter_c_inv = inverse_norms(self.filter_q)[0], inverse_norms(self.filter_c)[0]
+            self.filter_q_inv = _scaling(self.filter_q, normalize)[0]
+            self.filter_c_inv = _scaling(self.filter_c, normalize)[0]
         self.block = rows_per_chunk(cf.shape[0])
 
     def blocks(self):
@@ -86,13 +98,13 @@ class _Tiles:
 class SimilarityLseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
-                filter_threshold, filter_keeps_target):
+                filter_threshold, filter_keeps_target, normalize):
         dtype = compute_dtype(q.dtype)
         qf, cf = q.detach().to(dtype), c.detach().to(dtype)
-        q_inv, q_has_grad = inverse_norms(qf)
-        c_inv, c_has_grad = inverse_norms(cf)
+        q_inv, q_has_grad = _scaling(qf, normalize)
+        c_inv, c_has_grad = _scaling(cf, normalize)
         options = (scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
-                   filter_keeps_target)
+                   filter_keeps_target, normalize)
         tiles = _Tiles(qf, cf, q_inv, c_inv, *options)
         lse = torch.empty(qf.shape[0], dtype=dtype, device=q.device)
         for start, end in tiles.blocks():
@@ -121,10 +133,10 @@ class SimilarityLseFunction(torch.autograd.Function):
         q_dtype, c_dtype = ctx.input_dtypes
         dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat).to(q_dtype)
         dc = normalise_backward(cf, c_inv, c_has_grad, d_chat).to(c_dtype)
-        return dq, dc, *([None] * 10)
+        return dq, dc, *([None] * 11)
 
 
 def similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
-                   filter_threshold, filter_keeps_target):
+                   filter_threshold, filter_keeps_target, normalize):
     return SimilarityLseFunction.apply(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q,
-                                       filter_c, filter_threshold, filter_keeps_target)
+                                       filter_c, filter_threshold, filter_keeps_target, normalize)

@@ -55,6 +55,9 @@ buckets of M and Mc, D, D' and the flags that change the work per tile (filter, 
 flags that only change a mask (exclude, period > 0, filter_keeps_target) compile their own variant but reuse
 the tuning, and the integers that vary from call to call (M, Mc, target_offset, period) neither re-tune nor
 recompile (_RUNTIME_INT_ARGS).
+
+Raw dot products (normalize=False) run the same kernels: the launcher passes norms of one (so "cos" is the dot)
+and skips the finish kernel (with no normalisation, the raw gradient buffer is the gradient).
 """
 
 from __future__ import annotations
@@ -328,21 +331,27 @@ def _filter_operand(fq_dtype: torch.dtype, fc_dtype: torch.dtype):
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _unit_norms(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Norms of one for every row: the kernels' cosines are then raw dot products (normalize=False)."""
+    return torch.ones(x.shape[0], dtype=dtype, device=x.device)
+
+
 class SimilarityLseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
-                filter_threshold, filter_keeps_target):
+                filter_threshold, filter_keeps_target, normalize):
         dtype = compute_dtype(q.dtype)
         q_in, c_in = q.detach(), c.detach()
         m, d = q_in.shape
         mc = c_in.shape[0]
-        q_norm = _row_norms(q_in, dtype)
-        c_norm = _row_norms(c_in, dtype)
+        norms = _row_norms if normalize else _unit_norms
+        q_norm = norms(q_in, dtype)
+        c_norm = norms(c_in, dtype)
         has_filter = filter_threshold is not None
         if has_filter:
             filter_dtype = compute_dtype(filter_q.dtype)
             fq, fc = filter_q, filter_c
-            fq_norm, fc_norm = _row_norms(fq, filter_dtype), _row_norms(fc, filter_dtype)
+            fq_norm, fc_norm = norms(fq, filter_dtype), norms(fc, filter_dtype)
             threshold = filter_threshold  # contiguous, in filter_dtype (contract.check_similarity_lse)
             filter_operand = _filter_operand(fq.dtype, fc.dtype)
             filter_precision = _dot_precision(fq.dtype if fq.dtype == fc.dtype else filter_dtype)
@@ -372,7 +381,7 @@ class SimilarityLseFunction(torch.autograd.Function):
                      *inputs, lse, *runtime, **static)
 
         ctx.save_for_backward(*inputs, lse)
-        ctx.static, ctx.runtime, ctx.blocks = static, runtime, blocks
+        ctx.static, ctx.runtime, ctx.blocks, ctx.normalize = static, runtime, blocks, normalize
         return lse
 
     @staticmethod
@@ -394,28 +403,34 @@ class SimilarityLseFunction(torch.autograd.Function):
             dq_radial = new_output((m,), dtype, q_in.device)
             _tile_launch(dq_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), ctx.blocks,
                          *inputs, lse, coef, dq_raw, dq_radial, *ctx.runtime, **ctx.static)
-            dq = new_output((m, d), q_in.dtype, q_in.device)
-            _similarity_xent_bwd_finish_kernel[(m,)](
-                q_in, q_norm, dq_raw, dq_radial, dq_raw, dq_radial, dq, m, d, q_in.stride(0), q_in.stride(1),
-                **finish)
+            if ctx.normalize:
+                dq = new_output((m, d), q_in.dtype, q_in.device)
+                _similarity_xent_bwd_finish_kernel[(m,)](
+                    q_in, q_norm, dq_raw, dq_radial, dq_raw, dq_radial, dq, m, d, q_in.stride(0), q_in.stride(1),
+                    **finish)
+            else:
+                dq = dq_raw.to(q_in.dtype)
         if ctx.needs_input_grad[1]:
             dc_raw = new_output((mc, d), dtype, c_in.device)
             dc_radial = new_output((mc,), dtype, c_in.device)
             _tile_launch(dc_kernel, lambda b: (triton.cdiv(mc, b["BLOCK_N"]),), ctx.blocks,
                          *inputs, lse, coef, dc_raw, dc_radial, *ctx.runtime, **ctx.static)
-            dc = new_output((mc, d), c_in.dtype, c_in.device)
-            _similarity_xent_bwd_finish_kernel[(mc,)](
-                c_in, c_norm, dc_raw, dc_radial, dc_raw, dc_radial, dc, mc, d, c_in.stride(0), c_in.stride(1),
-                **finish)
-        return dq, dc, None, None, None, None, None, None, None, None, None, None
+            if ctx.normalize:
+                dc = new_output((mc, d), c_in.dtype, c_in.device)
+                _similarity_xent_bwd_finish_kernel[(mc,)](
+                    c_in, c_norm, dc_raw, dc_radial, dc_raw, dc_radial, dc, mc, d, c_in.stride(0), c_in.stride(1),
+                    **finish)
+            else:
+                dc = dc_raw.to(c_in.dtype)
+        return dq, dc, *([None] * 11)
 
 
 def similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
-                   filter_threshold, filter_keeps_target):
-    """Flash-style per-row logsumexps of scaled cosines with exclusions, hardness and filters; see
-    angle_kernels.dispatch."""
+                   filter_threshold, filter_keeps_target, normalize):
+    """Flash-style per-row logsumexps of scaled cosines (or dot products) with exclusions, hardness and filters;
+    see angle_kernels.dispatch."""
     return SimilarityLseFunction.apply(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q,
-                                       filter_c, filter_threshold, filter_keeps_target)
+                                       filter_c, filter_threshold, filter_keeps_target, normalize)
 
 
 # ----------------------------------------------------------------------------------------------------------

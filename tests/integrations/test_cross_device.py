@@ -300,4 +300,5 @@ def test_gathering_is_fused_and_only_other_similarities_fall_back():
         assert cls(model, gather_across_devices=True, hardness_mode="all_negatives",
                    hardness_strength=2.0).uses_fused_path
         assert cls(model, gather_across_devices=True, directions=("query_to_doc", "doc_to_query")).uses_fused_path
-        assert not cls(model, gather_across_devices=True, similarity_fct=st_util.dot_score).uses_fused_path
+        assert cls(model, gather_across_devices=True, similarity_fct=st_util.dot_score).uses_fused_path
+        assert not cls(model, gather_across_devices=True, similarity_fct=st_util.euclidean_sim).uses_fused_path

@@ -2,7 +2,8 @@
 
 The cases are the blocks the in-batch-negative family is assembled from (sentence-transformers'
 MultipleNegativesRankingLoss directions with their exclusions and hardness modes, GIST's guided filter, the
-false-negative filter on the model's own scores) and the corners around them: targets past the last column,
+false-negative filter on the model's own scores), the same with raw dot products (normalize=False,
+util.dot_score's logits), and the corners around them: targets past the last column,
 a period that lays out hard negatives, a filter that empties whole rows (lse = -inf, no gradient, no NaN),
 odd sizes, a single row or column, more rows and columns than one tile.
 """
@@ -22,7 +23,8 @@ from ak_testing import (
 
 # name -> (M, Mc, D, options). "filter": (D' of the filter embeddings, threshold offset): the threshold of row
 # i is the filter cosine of its target column (or 0.2 when it has none) minus the offset, as GIST's
-# absolute margin; "self_filter": the filter is the model's own q and c (a false-negative filter).
+# absolute margin; "self_filter": the filter is the model's own q and c (a false-negative filter), its threshold
+# the target's score (cosine, or dot product with normalize=False) minus the offset.
 CASES = {
     "query_to_doc": (12, 36, 40, dict(period=12)),
     "query_to_doc_gathered": (6, 36, 40, dict(target_offset=6, period=18)),
@@ -41,11 +43,17 @@ CASES = {
     "one_row": (1, 1, 5, dict()),
     "one_column": (7, 1, 5, dict(penalty=1.0, penalty_on="other")),
     "several_tiles": (150, 300, 130, dict(period=100, exclude="own", penalty=2.0, penalty_on="other")),
+    # raw dot products: unit-variance entries make dots of size ~sqrt(D), hence the small scales
+    "dot_query_to_doc": (12, 36, 40, dict(period=12, normalize=False, scale=0.5)),
+    "dot_everything": (9, 45, 33, dict(target_offset=3, period=15, exclude="target", penalty=0.2, penalty_on="all",
+                                       self_filter=2.0, filter_keeps_target=True, normalize=False, scale=0.3)),
+    "dot_guided_several_tiles": (70, 140, 130, dict(filter=(24, 0.5), filter_keeps_target=True, normalize=False,
+                                                    scale=0.1)),
 }
 
 
-def _filter_threshold(fq, fc, target_offset, offset):
-    cos = oracle.cosine_matrix(fq.double(), fc.double())
+def _filter_threshold(fq, fc, target_offset, offset, normalize=True):
+    cos = oracle.cosine_matrix(fq.double(), fc.double()) if normalize else fq.double() @ fc.double().T
     rows = torch.arange(fq.shape[0])
     targets = rows + target_offset
     has = targets < fc.shape[0]
@@ -62,17 +70,19 @@ def _inputs(name, dtype):
     kwargs = dict(scale=options.get("scale", 20.0), target_offset=options.get("target_offset", 0),
                   period=options.get("period", 0), exclude=options.get("exclude", "none"),
                   penalty=options.get("penalty", 0.0), penalty_on=options.get("penalty_on", "none"),
-                  filter_keeps_target=options.get("filter_keeps_target", False))
+                  filter_keeps_target=options.get("filter_keeps_target", False),
+                  normalize=options.get("normalize", True))
     if "filter" in options:
         filter_dim, offset = options["filter"]
         # a guide that agrees with the model in part, so that the filter drops some but not all columns
         fq = torch.cat([q.float(), randn(gen, rows, filter_dim)], dim=1)
         fc = torch.cat([c.float(), randn(gen, cols, filter_dim)], dim=1)
         kwargs.update(filter_q=fq, filter_c=fc,
-                      filter_threshold=_filter_threshold(fq, fc, kwargs["target_offset"], offset))
+                      filter_threshold=_filter_threshold(fq, fc, kwargs["target_offset"], offset, kwargs["normalize"]))
     if "self_filter" in options:
         kwargs.update(filter_q=q.detach(), filter_c=c.detach(),
-                      filter_threshold=_filter_threshold(q, c, kwargs["target_offset"], options["self_filter"]))
+                      filter_threshold=_filter_threshold(q, c, kwargs["target_offset"], options["self_filter"],
+                                                         kwargs["normalize"]))
     return q, c, kwargs
 
 
@@ -89,7 +99,8 @@ def backend(backend):
 
 def test_the_cases_drop_some_columns_and_keep_others():
     """The filter cases are only worth something if the filter really drops part of each block."""
-    for name in ("guided", "guided_no_target_kept", "false_negative_filter", "everything"):
+    for name in ("guided", "guided_no_target_kept", "false_negative_filter", "everything", "dot_everything",
+                 "dot_guided_several_tiles"):
         q, c, kwargs = _inputs(name, torch.float64)
         unfiltered = {k: v for k, v in kwargs.items() if not k.startswith("filter_")}
         full, filtered = oracle.similarity_lse(q, c, **unfiltered), oracle.similarity_lse(q, c, **kwargs)
@@ -137,8 +148,8 @@ def test_rows_that_keep_no_column(backend):
     assert torch.count_nonzero(leaves[0].grad[empty.to(backend.device)]) == 0
 
 
-@pytest.mark.parametrize("name", ["guided", "query_to_doc_gathered", "doc_to_doc"])  # no penalty: it is a
-# stop-gradient, which finite differences see
+# No penalty in these cases: it is a stop-gradient, which finite differences see.
+@pytest.mark.parametrize("name", ["guided", "query_to_doc_gathered", "doc_to_doc", "dot_query_to_doc"])
 def test_gradcheck_float64(backend, name):
     q, c, kwargs = _inputs(name, torch.float64)
     on_device = _on(backend.device, kwargs)
@@ -159,3 +170,17 @@ def test_the_penalty_changes_probabilities_not_slopes(backend):
     lse = oracle.similarity_lse(q, c, **kwargs)
     assert not math.isclose(float(lse.sum()), float(oracle.similarity_lse(q, c, scale=kwargs["scale"],
                                                                           period=kwargs["period"]).sum()))
+
+
+def test_dot_products_are_not_cosines(backend):
+    """normalize=False scores raw dot products: scaling a row of q by 3 scales its logits by 3 (cosines would not
+    move), and the result still matches the oracle."""
+    q, c, kwargs = _inputs("dot_query_to_doc", torch.float64)
+    q_scaled = q.clone()
+    q_scaled[0] *= 3.0
+    on_device = _on(backend.device, kwargs)
+    lse, lse_scaled = (backend.ops.similarity_lse(x.to(backend.device), c.to(backend.device), **on_device).cpu()
+                       for x in (q, q_scaled))
+    assert_close(lse_scaled[1:], lse[1:], 1e-12, "rows left alone")
+    assert abs(float(lse_scaled[0] - lse[0])) > 0.1
+    assert_close(lse_scaled, oracle.similarity_lse(q_scaled, c, **kwargs), 1e-10, "scaled row")
