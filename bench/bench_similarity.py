@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The similarity family: in-batch negatives (`ibn`) and contrastive with negatives (`contrastive`), built on
 the op similarity_xent, and the options of multiple_negatives_ranking_loss (`mnrl_gte`: every direction in one
-partition; `mnrl_hardness`; `mnrl_false_negatives`), built on similarity_lse. Their cost grows as N^2 D
-whatever the implementation.
+partition; `mnrl_hardness`; `mnrl_false_negatives`; `mnrl_dot`: util.dot_score logits), built on
+similarity_lse. Their cost grows as N^2 D whatever the implementation.
 
 Inputs: ibn, N pairs in the zigzag layout (y_true [2N, 1] 0/1, 80 % ones; y_pred [2N, D]), 2N rows against
 each other; contrastive, text, pos, neg [N, D], N queries against 2N candidates. Providers: ours, angle-emb's
@@ -106,8 +106,11 @@ FAMILY_OPTIONS = {
     "mnrl_gte": dict(directions=ALL_DIRECTIONS),
     "mnrl_hardness": dict(hardness_mode="in_batch_negatives", hardness_strength=9.0),
     "mnrl_false_negatives": dict(false_negative_margin=0.05, false_negative_strategy="relative"),
+    "mnrl_dot": dict(similarity="dot"),
 }
-FAMILY_ST_OPTIONS = {"mnrl_gte": FAMILY_OPTIONS["mnrl_gte"], "mnrl_hardness": FAMILY_OPTIONS["mnrl_hardness"]}
+# sentence-transformers' options for the same losses (a similarity_fct by its name in sentence_transformers.util)
+FAMILY_ST_OPTIONS = {"mnrl_gte": FAMILY_OPTIONS["mnrl_gte"], "mnrl_hardness": FAMILY_OPTIONS["mnrl_hardness"],
+                     "mnrl_dot": dict(similarity_fct="dot_score")}
 
 
 def ours_family(option: str):
@@ -122,8 +125,12 @@ def ours_family(option: str):
 
 def sentence_transformers_family(option: str):
     def make(st_losses, x: dict):
-        loss = st_losses.MultipleNegativesRankingLoss(P.PrecomputedEmbeddings(), scale=P.TAU,
-                                                      **FAMILY_ST_OPTIONS[option])
+        from sentence_transformers import util
+
+        options = dict(FAMILY_ST_OPTIONS[option])
+        if "similarity_fct" in options:
+            options["similarity_fct"] = getattr(util, options["similarity_fct"])
+        loss = st_losses.MultipleNegativesRankingLoss(P.PrecomputedEmbeddings(), scale=P.TAU, **options)
         return lambda: loss(P.columns(x["text"], x["pos"], x["neg"]), None)
 
     return make
@@ -148,7 +155,7 @@ def _family_bench(option: str, blocks: int) -> LossBench:
 
 
 LOSSES += [_family_bench("mnrl_gte", 3.0), _family_bench("mnrl_hardness", 1.0),
-           _family_bench("mnrl_false_negatives", 1.0)]
+           _family_bench("mnrl_false_negatives", 1.0), _family_bench("mnrl_dot", 1.0)]
 
 
 def setup_in_batch_negatives(ops, backend, n, d, dtype, device, generator):
