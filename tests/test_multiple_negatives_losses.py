@@ -136,6 +136,7 @@ MEMORY_CASES = {
     "symmetric_hard_negatives": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
                                      hardness_mode="hard_negatives", hardness_strength=5.0),
     "false_negative_filter": dict(directions=("query_to_doc", "doc_to_doc"), false_negative_margin=0.1),
+    "dot_products": dict(similarity="dot", scale=1.0),
     "standard": dict(),
 }
 
