@@ -36,6 +36,11 @@ LSE_PENALTIES = ("none", "other", "own", "all")
 # op, named after the op and defining a function of that name (torch_ops/ranking_loss.py -> ranking_loss):
 # dispatch finds the ops by these names, so adding an op never edits a backend's __init__.
 OPS = ("pair_scores", "ranking_loss", "similarity_xent", "similarity_lse")
+# The optional features of the contract: an op module lists those its op implements in FEATURES (a tuple of these
+# names); dispatch sends a call that uses a feature its backend's op lacks elsewhere (see dispatch.Ops). Every op
+# function still takes the whole argument list, and gets None for a feature it does not declare.
+#   dims: nested prefixes (Matryoshka) for pair_scores and similarity_xent.
+OPTIONAL_FEATURES = ("dims",)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -48,7 +53,8 @@ class Backend(Protocol):
 
     def is_available(self) -> tuple[bool, str]: ...
 
-    def pair_scores(self, x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def pair_scores(self, x: torch.Tensor, with_angle: bool,
+                    dims: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def ranking_loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
 
@@ -62,6 +68,7 @@ class Backend(Protocol):
         exclude_diagonal: bool,
         margin: float,
         group_ids: torch.Tensor | None,
+        dims: tuple[int, ...] | None,
     ) -> torch.Tensor: ...
 
     def similarity_lse(
@@ -110,8 +117,25 @@ def _real_number(name: str, value) -> float:
     return value
 
 
-def check_pair_scores(x, with_angle) -> tuple[torch.Tensor, bool]:
-    """x: [G, K, D] floating, K >= 2, D >= 1 (even when with_angle); G may be 0."""
+def check_dims(dims, width: int, even: bool = False, name: str = "dims") -> tuple[int, ...] | None:
+    """None, or a non-empty strictly increasing tuple of prefix widths 1 <= d_1 < ... < d_k <= width (even ones
+    when `even`: the angle score splits each prefix in halves)."""
+    if dims is None:
+        return None
+    if not isinstance(dims, (tuple, list)) or not dims:
+        raise TypeError(f"{name} must be None or a non-empty tuple of ints, got {dims!r}")
+    widths = tuple(_integer(f"{name}[{i}]", d, 1) for i, d in enumerate(dims))
+    if any(b <= a for a, b in zip(widths, widths[1:])):
+        raise ValueError(f"{name} must be strictly increasing, got {widths}")
+    if widths[-1] > width:
+        raise ValueError(f"{name} must not exceed the embedding width {width}, got {widths}")
+    if even and any(d % 2 for d in widths):
+        raise ValueError(f"{name}: the angle score splits each prefix in halves and needs even widths, got {widths}")
+    return widths
+
+
+def check_pair_scores(x, with_angle, dims=None) -> tuple[torch.Tensor, bool, tuple[int, ...] | None]:
+    """x: [G, K, D] floating, K >= 2, D >= 1 (even when with_angle); G may be 0; dims: see check_dims."""
     _tensor("x", x, 3, EMBEDDING_DTYPES)
     if x.shape[1] < 2 or x.shape[2] < 1:
         raise ValueError(f"x must be [G, K, D] with K >= 2 and D >= 1, got shape {tuple(x.shape)}")
@@ -119,7 +143,7 @@ def check_pair_scores(x, with_angle) -> tuple[torch.Tensor, bool]:
         raise TypeError(f"with_angle must be a bool, got {type(with_angle).__name__}")
     if with_angle and x.shape[2] % 2:
         raise ValueError(f"x: the angle score splits each vector in halves and needs an even D, got D={x.shape[2]}")
-    return x, with_angle
+    return x, with_angle, check_dims(dims, x.shape[2], even=with_angle)
 
 
 def check_ranking_loss(scores, labels) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +160,7 @@ def check_ranking_loss(scores, labels) -> tuple[torch.Tensor, torch.Tensor]:
     return scores, labels
 
 
-def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids) -> tuple:
+def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims=None) -> tuple:
     """The arguments of similarity_xent, checked against the contract and returned in normal form."""
     _tensor("q", q, 2, EMBEDDING_DTYPES)
     m, d = q.shape
@@ -183,7 +207,7 @@ def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, ma
             raise ValueError(f"group_ids must be [M={m}], got shape {tuple(group_ids.shape)}")
         _on_device_of("group_ids", group_ids, "q", q)
         group_ids = group_ids.to(torch.int64)
-    return q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids
+    return q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, check_dims(dims, d)
 
 
 def _integer(name: str, value, minimum: int) -> int:

@@ -75,6 +75,18 @@ similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0
     Backward takes grad_lse [M] and gives dq and dc (inputs' dtypes); rows with lse = -inf contribute
     nothing. O(M + Mc) extra memory: tiled, per-row state only; backward recomputes tiles.
 
+Nested prefixes (Matryoshka): pair_scores(x, with_angle, dims) and similarity_xent(..., dims)
+    dims=None, or k strictly increasing widths d_1 < ... < d_k <= D (a tuple of ints): the op is computed on
+    every prefix x[..., :d_i] of its embeddings at once, exactly as k calls on the truncated inputs would
+    compute it (each prefix with its own norms; the angle score at prefix d splits x[..., :d] in halves, so
+    with_angle needs every d_i even), and its outputs gain a leading axis of k: pair_scores returns
+    ([k, G, K-1], [k, G, K-1]), similarity_xent [k] (one loss per prefix). Backward adds each prefix's
+    gradient into its leading columns. The point is one read of the embeddings for all k prefixes (a kernel
+    walking D in chunks has every prefix's dot products and norms as running sums) and O(k) extra state per
+    row. dims is an optional feature: a backend's op declares it (see contract.OPTIONAL_FEATURES); a call
+    that uses it on a backend whose op lacks it goes, under "auto", to the torch backend (a RuntimeWarning
+    once per process, backend and feature) and raises a ValueError naming the feature otherwise.
+
 Calling the ops
     angle_kernels.dispatch.pair_scores(x, with_angle, *, backend=None), .ranking_loss(scores, labels, *,
     backend=None), .similarity_xent(..., *, backend=None) and .similarity_lse(..., *, backend=None) validate
@@ -120,17 +132,18 @@ class Ops:
     def __repr__(self) -> str:
         return f"Ops({self.name!r})"
 
-    def pair_scores(self, x, with_angle):
-        return self._implementing("pair_scores").pair_scores(*contract.check_pair_scores(x, with_angle))
+    def pair_scores(self, x, with_angle, dims=None):
+        args = contract.check_pair_scores(x, with_angle, dims)
+        return self._implementing("pair_scores", _features(dims=dims)).pair_scores(*args)
 
     def ranking_loss(self, scores, labels):
         return self._implementing("ranking_loss").ranking_loss(*contract.check_ranking_loss(scores, labels))
 
     def similarity_xent(self, q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
-                        group_ids=None):
-        return self._implementing("similarity_xent").similarity_xent(
-            *contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
-        )
+                        group_ids=None, dims=None):
+        args = contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
+                                              dims)
+        return self._implementing("similarity_xent", _features(dims=dims)).similarity_xent(*args)
 
     def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
                        penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
@@ -139,19 +152,27 @@ class Ops:
                                              filter_q, filter_c, filter_threshold, filter_keeps_target, normalize)
         return self._implementing("similarity_lse").similarity_lse(*args)
 
-    def _implementing(self, op: str) -> contract.Backend:
-        """This backend if it implements `op`; else, when "auto" chose it, its fallback (saying so once per
-        process); else a ValueError naming the op."""
-        if getattr(self.backend, op) is not None:
+    def _implementing(self, op: str, features: tuple[str, ...] = ()) -> contract.Backend:
+        """This backend if it implements `op` with the optional `features` the call uses; else, when "auto"
+        chose it, its fallback (saying so once per process); else a ValueError naming the op or feature."""
+        lacking = None
+        if getattr(self.backend, op) is None:
+            lacking = op
+        else:
+            missing = [f for f in features if f not in self.backend.features[op]]
+            if missing:
+                lacking = f"{op} with {missing[0]}="
+        if lacking is None:
             return self.backend
         if self.fallback is None:
-            raise ValueError(f"backend {self.name!r} does not implement {op} yet; choose another backend "
-                             "('torch' implements every op)")
-        if (self.name, op) not in _warned_fallbacks:
-            _warned_fallbacks.add((self.name, op))
-            warnings.warn(f"angle_kernels: the {self.name!r} backend does not implement {op} yet; backend='auto' "
-                          f"computes it with the {self.fallback.name!r} backend", RuntimeWarning, stacklevel=4)
-        return self.fallback._implementing(op)
+            raise ValueError(f"backend {self.name!r} does not implement {lacking} yet; choose another backend "
+                             "('torch' implements every op and feature)")
+        if (self.name, lacking) not in _warned_fallbacks:
+            _warned_fallbacks.add((self.name, lacking))
+            warnings.warn(f"angle_kernels: the {self.name!r} backend does not implement {lacking} yet; "
+                          f"backend='auto' computes it with the {self.fallback.name!r} backend", RuntimeWarning,
+                          stacklevel=4)
+        return self.fallback._implementing(op, features)
 
 
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
@@ -162,21 +183,29 @@ _AUTO_GPU_BACKENDS = ("triton", "cuda")
 
 def raw_backend(name: str) -> contract.Backend:
     """Backend `name`'s own ops, which trust their inputs (the losses call them through `Ops`, tests directly),
-    found by the convention stated at contract.OPS. Imports the op modules; does not ask whether they can run."""
+    found by the convention stated at contract.OPS, and `features`: op -> the optional features its module
+    declares (contract.OPTIONAL_FEATURES). Imports the op modules; does not ask whether they can run."""
     package = _PACKAGES[name]
-    ops = {op: _op_or_none(f"{package}.{op}", op) for op in contract.OPS}
-    return types.SimpleNamespace(is_available=importlib.import_module(package).is_available, **ops)
+    modules = {op: _module_or_none(f"{package}.{op}") for op in contract.OPS}
+    ops = {op: None if module is None else getattr(module, op) for op, module in modules.items()}
+    features = {op: frozenset(getattr(module, "FEATURES", ())) for op, module in modules.items()}
+    return types.SimpleNamespace(is_available=importlib.import_module(package).is_available, features=features,
+                                 **ops)
 
 
-def _op_or_none(module_name: str, op: str):
-    """The op of its module, or None when the backend has no module for it (an op it does not implement yet)."""
+def _module_or_none(module_name: str):
+    """The op's module, or None when the backend has no module for it (an op it does not implement yet)."""
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise  # a module the op's module imports is missing: a broken backend, not a missing op
         return None
-    return getattr(module, op)
+
+
+def _features(**options) -> tuple[str, ...]:
+    """The names of the optional features a call uses (those given a value other than None)."""
+    return tuple(name for name, value in options.items() if value is not None)
 
 
 # Backend name -> (its Ops, "") or (None, why it is unavailable), as found when that backend was asked for
@@ -282,9 +311,10 @@ def _named_tensor(name: str, value):
     return value
 
 
-def pair_scores(x, with_angle, *, backend: str | None = None):
-    """(cos, angle) of the pairs (x[g, 0], x[g, k]) of x [G, K, D] (see the module docstring)."""
-    return resolve_backend(backend, _named_tensor("x", x)).pair_scores(x, with_angle)
+def pair_scores(x, with_angle, dims=None, *, backend: str | None = None):
+    """(cos, angle) of the pairs (x[g, 0], x[g, k]) of x [G, K, D], per prefix with dims (see the module
+    docstring)."""
+    return resolve_backend(backend, _named_tensor("x", x)).pair_scores(x, with_angle, dims)
 
 
 def ranking_loss(scores, labels, *, backend: str | None = None):
@@ -292,11 +322,12 @@ def ranking_loss(scores, labels, *, backend: str | None = None):
     return resolve_backend(backend, _named_tensor("scores", scores)).ranking_loss(scores, labels)
 
 
-def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None, *,
-                    backend: str | None = None):
-    """Softmax cross-entropy over scaled cosines, never M x Mc in memory (see the module docstring)."""
+def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
+                    dims=None, *, backend: str | None = None):
+    """Softmax cross-entropy over scaled cosines, never M x Mc in memory, per prefix with dims (see the module
+    docstring)."""
     return resolve_backend(backend, _named_tensor("q", q)).similarity_xent(
-        q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids
+        q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims
     )
 
 

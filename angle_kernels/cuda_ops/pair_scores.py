@@ -54,7 +54,7 @@ def _backward(ctx, grad_cos, grad_angle, _grad_stats):
 torch.library.register_autograd(FWD, _backward, setup_context=_setup_context)
 
 
-def pair_scores(x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_scores(x: torch.Tensor, with_angle: bool, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, angle) of the pairs (x[g, 0], x[g, k]) of x [G, K, D]; see angle_kernels.dispatch."""
     cos, angle, _stats = op("cuda_pair_scores_fwd")(x, with_angle)
     return cos, angle

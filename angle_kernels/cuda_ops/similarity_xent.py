@@ -67,7 +67,8 @@ def _backward(ctx, grad_loss, *_unused):
 torch.library.register_autograd(FWD, _backward, setup_context=_setup_context)
 
 
-def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None):
+def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
+                    dims=None):
     """Softmax cross-entropy over scaled cosines, flash-style (never M x Mc in memory); see angle_kernels.dispatch."""
     outputs = op("cuda_similarity_xent_fwd")(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
     return outputs[0]

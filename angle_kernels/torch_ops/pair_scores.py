@@ -106,5 +106,5 @@ class PairScoresFunction(torch.autograd.Function):
         return dx, None
 
 
-def pair_scores(x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_scores(x: torch.Tensor, with_angle: bool, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
     return PairScoresFunction.apply(x, with_angle)

@@ -166,5 +166,6 @@ class SimilarityXentFunction(torch.autograd.Function):
         return dq, dc, None, None, None, None, None, None
 
 
-def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None):
+def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
+                    dims=None):
     return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)

@@ -260,7 +260,7 @@ class PairScoresFunction(torch.autograd.Function):
         return dx, None
 
 
-def pair_scores(x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_scores(x: torch.Tensor, with_angle: bool, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, angle) of every pair of x [G, K, D]; see angle_kernels.dispatch for the contract."""
     return PairScoresFunction.apply(x, with_angle)
 

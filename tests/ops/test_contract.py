@@ -105,11 +105,13 @@ def test_the_backend_gets_inputs_in_normal_form(monkeypatch):
             seen["labels"] = labels.dtype
             return scores.sum()
 
-        def similarity_xent(self, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids):
+        def similarity_xent(self, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims):
             seen.update(scale=type(scale), margin=type(margin), group_ids=group_ids.dtype)
             return q.sum()
 
-    ops = dispatch.Ops("recorder", Recorder())
+    recorder = Recorder()
+    recorder.features = {"ranking_loss": frozenset(), "similarity_xent": frozenset()}
+    ops = dispatch.Ops("recorder", recorder)
     ops.ranking_loss(_x(4), torch.tensor([True, False, True, False]))
     ops.similarity_xent(_x(4, 8), None, 20, "partner", exclude_diagonal=True, margin=0,
                         group_ids=torch.arange(4, dtype=torch.int32))
@@ -132,3 +134,43 @@ def test_the_cuda_sources_use_the_contract_constants():
     """csrc/ cannot import Python: its two copies of the contract's numbers are held equal to them here."""
     assert _csrc_constant("csrc/common.cuh", "kNormEps") == contract.NORM_EPS
     assert _csrc_constant("csrc/similarity_xent.cu", "kSinSqFloor") == contract.MARGIN_SIN_SQUARED_FLOOR
+
+
+def test_an_optional_feature_the_backend_lacks_goes_to_the_fallback_or_raises():
+    """dims (contract.OPTIONAL_FEATURES) on a backend whose op does not declare it: an explicit backend raises a
+    ValueError naming the op and the feature; "auto" (an Ops with a fallback) computes it on the fallback, once
+    warning; calls without the feature stay on the backend."""
+    calls = []
+
+    class Lacking:
+        features = {"pair_scores": frozenset()}
+
+        def pair_scores(self, x, with_angle, dims):
+            calls.append(("lacking", dims))
+            return x[:, 0, :1], x[:, 0, :1]
+
+    class Having(Lacking):
+        features = {"pair_scores": frozenset({"dims"})}
+
+        def pair_scores(self, x, with_angle, dims):
+            calls.append(("having", dims))
+            return x[:, 0, :1], x[:, 0, :1]
+
+    x = _x(3, 2, 8)
+    with pytest.raises(ValueError, match="does not implement pair_scores with dims="):
+        dispatch.Ops("lacking", Lacking()).pair_scores(x, False, dims=(4, 8))
+    auto = dispatch.Ops("lacking-auto", Lacking(), fallback=dispatch.Ops("having", Having()))
+    with pytest.warns(RuntimeWarning, match="pair_scores with dims="):
+        auto.pair_scores(x, False, dims=[4, 8])
+    auto.pair_scores(x, False)
+    assert calls == [("having", (4, 8)), ("lacking", None)]
+
+
+@pytest.mark.parametrize("dims, error, message", [
+    ((), TypeError, "non-empty tuple"), ("8", TypeError, "non-empty tuple"), ((4, 4), ValueError, "increasing"),
+    ((0, 8), ValueError, r"dims\[0\] must be >= 1"), ((4, 16), ValueError, "width 8"),
+    ((3, 8), ValueError, "even widths"), ((4.0, 8), TypeError, "int"),
+])
+def test_bad_dims_are_refused(dims, error, message):
+    with pytest.raises(error, match=message):
+        dispatch.pair_scores(_x(3, 2, 8), True, dims, backend="torch")
