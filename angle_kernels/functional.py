@@ -11,6 +11,11 @@ accumulated in float32). Where the reference misbehaves, these functions do the 
 "Deviations from the reference"): zero vectors give finite values, labels outside {0, 1} for the in-batch
 negative loss raise ValueError, fp16 norms above 256 do not overflow, bad input raises ValueError/TypeError.
 
+Matryoshka training: every loss but gist_loss takes `dims` (prefix widths d_1, ..., d_k <= D, in any order) and
+`dim_weights` (default 1 each) and returns sum_i dim_weights[i] * loss(embeddings[..., :dims[i]]), the loss of
+sentence-transformers' MatryoshkaLoss, computed from one read of the embeddings by the ops' nested-prefix
+feature (see angle_kernels.dispatch) rather than one loss call per width.
+
 Each loss is two halves, and each formula is written once, in its computing half:
     * the public function checks its arguments (`checks`, `check_zigzag`), resolves the backend, and calls
     * the computing half (`ranking_terms`, `in_batch_negatives`, `contrastive`, `arccon`, `triplet`,
@@ -22,11 +27,12 @@ Each loss is two halves, and each formula is written once, in its computing half
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from . import checks
-from .contract import compute_dtype
+from .contract import check_dims, compute_dtype
 from .dispatch import Ops, resolve_backend
 from .distributed import all_gather_with_grad, rank_and_world_size
 
@@ -100,6 +106,44 @@ def check_triplets(anchor, weak, strong) -> None:
     checks.check_same_shape("anchor", anchor, "strong", strong)
 
 
+@dataclass(frozen=True)
+class Nested:
+    """Matryoshka training: the loss on every prefix x[..., :d] of the embeddings, weighted and summed, as
+    sentence-transformers' MatryoshkaLoss does (sum_i weights[i] * loss(x[..., :dims[i]])). dims ascend: the
+    ops' contract; the weights follow them."""
+
+    dims: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    def combine(self, per_prefix: torch.Tensor) -> torch.Tensor:
+        """sum_i weights[i] * per_prefix[i] for the [k] losses of the prefixes."""
+        weights = torch.tensor(self.weights, dtype=per_prefix.dtype, device=per_prefix.device)
+        return per_prefix @ weights
+
+
+def check_nested(dims, dim_weights, width: int, even: bool = False) -> Nested | None:
+    """dims: None (the plain loss) or distinct prefix widths <= width in any order (sentence-transformers users
+    list them largest first); dim_weights: None (all 1) or one finite number per dim, in dims' order. even: the
+    angle score needs even widths. Returned sorted ascending, the weights permuted alike."""
+    if dims is None:
+        if dim_weights is not None:
+            raise ValueError("dim_weights needs dims (the prefix widths they weight)")
+        return None
+    if not isinstance(dims, (tuple, list)) or not dims:
+        raise TypeError(f"dims must be None or a non-empty sequence of ints, got {dims!r}")
+    weights = [1.0] * len(dims) if dim_weights is None else list(dim_weights)
+    if len(weights) != len(dims):
+        raise ValueError(f"dim_weights must have one weight per dim: {len(dims)} dims, {len(weights)} weights")
+    weights = [checks.check_scalar(f"dim_weights[{i}]", w) for i, w in enumerate(weights)]
+    for i, d in enumerate(dims):
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"dims[{i}] must be a Python int, got {type(d).__name__}")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"dims must be distinct, got {tuple(dims)}")
+    order = sorted(range(len(dims)), key=dims.__getitem__)
+    return Nested(check_dims(tuple(dims[i] for i in order), width, even), tuple(weights[i] for i in order))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Computing halves: each formula once, on checked inputs, with the ops of a resolved backend
 # ------------------------------------------------------------------------------------------------------------
@@ -158,6 +202,7 @@ def ranking_terms(
     cosine_tau: float | None = None,
     angle_tau: float | None = None,
     pooling_strategy: str = "sum",
+    nested: Nested | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The CoSENT ranking term of the cosine scores and of the angle scores, from one pair-score pass.
 
@@ -165,46 +210,74 @@ def ranking_terms(
     pair-major: all pairs k = 1 first, then k = 2, ... (zigzag batches: K = 2, one label per pair). A term is
     computed when its tau is given, else returned as None. The angle score is tau * |pool(angle)|, with
     'mean' pooling dividing the sum-pooled score by D (the reference's complex division, see dispatch).
+    nested: each term on every prefix (one pair-score pass for all of them), weighted and summed.
     """
     with_angle = angle_tau is not None
-    cos, angle = ops.pair_scores(groups, with_angle)
+    if nested is None:
+        cos, angle = ops.pair_scores(groups, with_angle)
+        return _ranking_terms_of(ops, cos, angle, labels, cosine_tau, angle_tau, pooling_strategy, groups.shape[2])
+    cos, angle = ops.pair_scores(groups, with_angle, nested.dims)
+    per_prefix = [_ranking_terms_of(ops, cos[i], angle[i], labels, cosine_tau, angle_tau, pooling_strategy, d)
+                  for i, d in enumerate(nested.dims)]
+    return tuple(None if term is None else nested.combine(torch.stack(term)) for term in zip(*per_prefix))
+
+
+def _ranking_terms_of(ops: Ops, cos: torch.Tensor, angle: torch.Tensor, labels: torch.Tensor, cosine_tau,
+                      angle_tau, pooling_strategy: str, width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The CoSENT terms of one set of pair scores [G, K-1] of embeddings `width` wide (see ranking_terms)."""
     cosine_term = angle_term = None
     if cosine_tau is not None:
         cosine_term = ops.ranking_loss(cosine_tau * cos.T.reshape(-1), labels)
-    if with_angle:
+    if angle_tau is not None:
         pooled = angle.T.reshape(-1)
         if pooling_strategy == "mean":
-            pooled = pooled / groups.shape[2]
+            pooled = pooled / width
         angle_term = ops.ranking_loss(angle_tau * pooled.abs(), labels)
     return cosine_term, angle_term
 
 
+def _combined(loss: torch.Tensor, nested: Nested | None) -> torch.Tensor:
+    """An op's loss as the caller wants it: itself, or the weighted sum of its [k] per-prefix losses."""
+    return loss if nested is None else nested.combine(loss)
+
+
+def _dims(nested: Nested | None) -> tuple[int, ...] | None:
+    return None if nested is None else nested.dims
+
+
 def in_batch_negatives(
-    ops: Ops, labels: torch.Tensor, y_pred: torch.Tensor, tau: float, group_ids: torch.Tensor | None = None
+    ops: Ops, labels: torch.Tensor, y_pred: torch.Tensor, tau: float, group_ids: torch.Tensor | None = None,
+    nested: Nested | None = None,
 ) -> torch.Tensor:
     """in_batch_negative_loss on checked inputs (labels: 0/1, one per row; group_ids: int64 or None)."""
     positive = labels == 1
     # The reference gives row i a target only when both it and its partner are labelled 1.
     row_weights = (positive & positive.view(-1, 2).flip(1).reshape(-1)).to(compute_dtype(y_pred.dtype))
-    return ops.similarity_xent(
-        y_pred, None, tau, "partner", row_weights=row_weights, exclude_diagonal=True, group_ids=group_ids
-    )
+    return _combined(ops.similarity_xent(y_pred, None, tau, "partner", row_weights=row_weights,
+                                         exclude_diagonal=True, group_ids=group_ids, dims=_dims(nested)), nested)
 
 
-def contrastive(ops: Ops, queries: torch.Tensor, candidates: torch.Tensor, tau: float) -> torch.Tensor:
+def contrastive(ops: Ops, queries: torch.Tensor, candidates: torch.Tensor, tau: float,
+                nested: Nested | None = None) -> torch.Tensor:
     """Mean cross-entropy of query i among the candidates (logits tau * cos), target candidates[i]."""
-    return ops.similarity_xent(queries, candidates.to(queries.dtype), tau, "diagonal")
+    return _combined(ops.similarity_xent(queries, candidates.to(queries.dtype), tau, "diagonal", dims=_dims(nested)),
+                     nested)
 
 
-def arccon(ops: Ops, h1: torch.Tensor, h2: torch.Tensor, margin: float, tau: float) -> torch.Tensor:
+def arccon(ops: Ops, h1: torch.Tensor, h2: torch.Tensor, margin: float, tau: float,
+           nested: Nested | None = None) -> torch.Tensor:
     """ArcCon on checked views; margin in radians."""
-    return ops.similarity_xent(h1, h2.to(h1.dtype), 1.0 / tau, "diagonal", margin=margin)
+    return _combined(ops.similarity_xent(h1, h2.to(h1.dtype), 1.0 / tau, "diagonal", margin=margin,
+                                         dims=_dims(nested)), nested)
 
 
-def triplet(ops: Ops, anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Tensor, margin: float) -> torch.Tensor:
-    """mean(max(0, cos(anchor, strong) - cos(anchor, weak) + margin)) on checked triplets, one pair-score pass."""
-    cos, _ = ops.pair_scores(torch.stack((anchor, weak.to(anchor.dtype), strong.to(anchor.dtype)), dim=1), False)
-    return torch.relu(cos[:, 1] - cos[:, 0] + margin).mean()
+def triplet(ops: Ops, anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Tensor, margin: float,
+            nested: Nested | None = None) -> torch.Tensor:
+    """mean(max(0, cos(anchor, strong) - cos(anchor, weak) + margin)) on checked triplets, one pair-score pass
+    (for every prefix at once when nested)."""
+    cos, _ = ops.pair_scores(torch.stack((anchor, weak.to(anchor.dtype), strong.to(anchor.dtype)), dim=1), False,
+                             _dims(nested))
+    return _combined(torch.relu(cos[..., 1] - cos[..., 0] + margin).mean(dim=-1), nested)
 
 
 def positive_scores(ops: Ops, a: torch.Tensor, b: torch.Tensor, similarity: str = "cosine") -> torch.Tensor:
@@ -227,7 +300,8 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
                        scale: float, directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
                        hardness_mode: str | None = None, hardness_strength: float = 0.0,
                        false_negative_margin: float | None = None, false_negative_strategy: str = "absolute",
-                       gathered: tuple | None = None, similarity: str = "cosine") -> torch.Tensor:
+                       gathered: tuple | None = None, similarity: str = "cosine",
+                       nested: Nested | None = None) -> torch.Tensor:
     """sentence-transformers' MultipleNegativesRankingLoss on checked inputs (see the public function).
 
     gathered: None, or (rank, all queries, all positives, all negatives) when the columns come from every rank
@@ -235,7 +309,9 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
     rank * B + i. Two paths: the standard and the per-direction symmetric losses without hardness or filter are
     the similarity_xent op (one kernel computes each row's partition and positive); everything else combines
     per-row log partitions of similarity_lse blocks with the positive scores; so do dot-product logits
-    (similarity="dot"), which similarity_xent does not compute.
+    (similarity="dot"), which similarity_xent does not compute. nested: the first path computes every prefix
+    in one pass of the op; the second runs once per prefix on the truncated embeddings (similarity_lse has no
+    dims yet).
     """
     rows = queries.shape[0]
     rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
@@ -247,11 +323,23 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
         # logsumexp over the columns does not depend on their order: with this rank's positives first, row i's
         # target is column i, the op's "diagonal" target, gathered or not
         own_first = [positives] if gathered is None else _own_rows_first(positives, all_positives, rank)
-        loss = contrastive(ops, queries, torch.cat([*own_first, *negative_columns]), scale)
+        loss = contrastive(ops, queries, torch.cat([*own_first, *negative_columns]), scale, nested)
         if "doc_to_query" in directions:
             query_columns = queries if gathered is None else torch.cat(_own_rows_first(queries, all_queries, rank))
-            loss = (loss + contrastive(ops, positives, query_columns, scale)) / 2
+            loss = (loss + contrastive(ops, positives, query_columns, scale, nested)) / 2
         return loss
+    if nested is not None:
+        options = (scale, directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
+                   false_negative_strategy)
+
+        def truncated(d):
+            cut = [t[:, :d] for t in (queries, positives, all_queries, all_positives)]
+            negatives_cut, all_negatives_cut = [t[:, :d] for t in negatives], [t[:, :d] for t in all_negatives]
+            return multiple_negatives(ops, cut[0], cut[1], negatives_cut, *options,
+                                      gathered=None if gathered is None else (rank, cut[2], cut[3], all_negatives_cut),
+                                      similarity=similarity)
+
+        return nested.combine(torch.stack([truncated(d) for d in nested.dims]))
 
     offset, world_rows = rank * rows, all_queries.shape[0]
     documents = torch.cat([all_positives, *negative_columns])  # row i's positive: column offset + i
@@ -311,7 +399,8 @@ def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: li
 # ------------------------------------------------------------------------------------------------------------
 # The public losses: check, resolve the backend, compute
 # ------------------------------------------------------------------------------------------------------------
-def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *, backend: str | None = None) -> torch.Tensor:
+def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *, dims=None, dim_weights=None,
+                backend: str | None = None) -> torch.Tensor:
     """CoSENT: rank pairs by cosine similarity (AnglE paper, Eq. 1).
 
     loss = log(1 + sum over pairs (i, j) with label_i < label_j of exp(tau * (cos_i - cos_j)))
@@ -321,14 +410,16 @@ def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *
             nothing).
         y_pred: [2N, D] embeddings, pair k on rows 2k and 2k+1.
         tau: scale of the cosine (20 in the paper).
+        dims, dim_weights: Matryoshka (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
 
     O(N log N) time and O(N) extra memory (the reference builds N x N matrices).
     """
     tau = checks.check_scalar("tau", tau)
     labels = check_zigzag(y_true, y_pred)
+    nested = check_nested(dims, dim_weights, y_pred.shape[1])
     ops = resolve_backend(backend, y_pred)
-    return ranking_terms(ops, as_pairs(y_pred), labels[0::2], cosine_tau=tau)[0]
+    return ranking_terms(ops, as_pairs(y_pred), labels[0::2], cosine_tau=tau, nested=nested)[0]
 
 
 def angle_loss(
@@ -337,6 +428,8 @@ def angle_loss(
     tau: float = 1.0,
     pooling_strategy: str = "sum",
     *,
+    dims=None,
+    dim_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """AnglE's angle objective (paper Eq. 7): rank pairs by the normalised complex division of their embeddings.
@@ -350,15 +443,18 @@ def angle_loss(
         y_true: [2N] or [2N, 1] labels in zigzag order.
         y_pred: [2N, D] embeddings with an even D.
         tau: scale of the score (the function's default is the reference's 1.0; AngleLoss uses 20).
-        pooling_strategy: 'sum' or 'mean'.
+        pooling_strategy: 'sum' or 'mean' ('mean' divides by each prefix's own width).
+        dims, dim_weights: Matryoshka (see the module docstring); every width even.
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     tau = checks.check_scalar("tau", tau)
     checks.check_choice("pooling_strategy", pooling_strategy, POOLING_STRATEGIES)
     labels = check_zigzag(y_true, y_pred)
     check_angle_dim(y_pred.shape[1])
+    nested = check_nested(dims, dim_weights, y_pred.shape[1], even=True)
     ops = resolve_backend(backend, y_pred)
-    return ranking_terms(ops, as_pairs(y_pred), labels[0::2], angle_tau=tau, pooling_strategy=pooling_strategy)[1]
+    return ranking_terms(ops, as_pairs(y_pred), labels[0::2], angle_tau=tau, pooling_strategy=pooling_strategy,
+                         nested=nested)[1]
 
 
 def in_batch_negative_loss(
@@ -368,6 +464,8 @@ def in_batch_negative_loss(
     negative_weights: float = 0.0,
     *,
     group_ids: torch.Tensor | None = None,
+    dims=None,
+    dim_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """In-batch negatives (AnglE paper, Eq. 2) over all 2N rows, computed in blocks (no 2N x 2N matrix).
@@ -387,6 +485,7 @@ def in_batch_negative_loss(
             then positives rather than negatives (the paper's identical-sentence-pair detection): row i's
             positives are its partner and every other row whose id equals row i's or its partner's, and the
             row's loss is logsumexp(all logits) - logsumexp(positive logits).
+        dims, dim_weights: Matryoshka (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     tau = checks.check_scalar("tau", tau)
@@ -394,7 +493,8 @@ def in_batch_negative_loss(
     labels = check_zigzag(y_true, y_pred)
     checks.check_binary_labels("y_true", labels, "in_batch_negative_loss")
     group_ids = check_group_ids(group_ids, y_pred.shape[0], y_pred)
-    return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids)
+    nested = check_nested(dims, dim_weights, y_pred.shape[1])
+    return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids, nested)
 
 
 def contrastive_with_negative_loss(
@@ -403,6 +503,8 @@ def contrastive_with_negative_loss(
     neg: torch.Tensor | None = None,
     tau: float = 20.0,
     *,
+    dims=None,
+    dim_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Contrastive loss of queries against their positives, with optional hard negatives (one direction).
@@ -415,13 +517,15 @@ def contrastive_with_negative_loss(
         pos: [B, D] positive embeddings (pos[i] belongs to text[i]).
         neg: optional [B', D] extra negative candidates (usually one hard negative per query).
         tau: logit scale.
+        dims, dim_weights: Matryoshka (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     tau = checks.check_scalar("tau", tau)
     checks.check_embedding_group(("text", text), ("pos", pos), *((("neg", neg),) if neg is not None else ()))
     checks.check_same_shape("text", text, "pos", pos)
+    nested = check_nested(dims, dim_weights, text.shape[1])
     candidates = pos if neg is None else torch.cat((pos, neg.to(pos.dtype)), dim=0)
-    return contrastive(resolve_backend(backend, text), text, candidates, tau)
+    return contrastive(resolve_backend(backend, text), text, candidates, tau, nested)
 
 
 def arccon_loss(
@@ -430,6 +534,8 @@ def arccon_loss(
     margin_degrees: float = 10.0,
     tau: float = 0.05,
     *,
+    dims=None,
+    dim_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """ArcCon, the additive angular margin contrastive loss of ArcCSE (Zhang et al., ACL 2022, Eq. 3).
@@ -443,11 +549,13 @@ def arccon_loss(
         h1, h2: [N, D] embeddings of the two views.
         margin_degrees: the additive angular margin, in DEGREES (10 in the paper), between 0 and 180.
         tau: temperature (> 0).
+        dims, dim_weights: Matryoshka (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     margin, tau = check_arccon_options(margin_degrees, tau)
     check_two_views(h1, h2)
-    return arccon(resolve_backend(backend, h1), h1, h2, margin, tau)
+    nested = check_nested(dims, dim_weights, h1.shape[1])
+    return arccon(resolve_backend(backend, h1), h1, h2, margin, tau, nested)
 
 
 def triplet_loss(
@@ -456,6 +564,8 @@ def triplet_loss(
     strong: torch.Tensor,
     margin: float = 0.0,
     *,
+    dims=None,
+    dim_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """ArcCSE's triplet loss (Eq. 4): mean over triplets of max(0, cos(anchor, strong) - cos(anchor, weak) + margin).
@@ -466,11 +576,13 @@ def triplet_loss(
     Args:
         anchor, weak, strong: [N, D] embeddings.
         margin: additive margin on the cosine difference.
+        dims, dim_weights: Matryoshka (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     margin = checks.check_scalar("margin", margin)
     check_triplets(anchor, weak, strong)
-    return triplet(resolve_backend(backend, anchor), anchor, weak, strong, margin)
+    nested = check_nested(dims, dim_weights, anchor.shape[1])
+    return triplet(resolve_backend(backend, anchor), anchor, weak, strong, margin, nested)
 
 
 def multiple_negatives_ranking_loss(
@@ -487,6 +599,8 @@ def multiple_negatives_ranking_loss(
     false_negative_strategy: str = "absolute",
     similarity: str = "cosine",
     gather_across_devices: bool = False,
+    dims=None,
+    dim_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """InfoNCE with in-batch negatives, every option of sentence-transformers 6.2's MultipleNegativesRankingLoss
@@ -513,6 +627,9 @@ def multiple_negatives_ranking_loss(
     gather_across_devices: with torch.distributed initialised, the columns come from every process
     (all_gather_with_grad) and each process's loss is the mean over its own rows, as in sentence-transformers;
     every process must pass the same shapes.
+    dims, dim_weights: Matryoshka (see the module docstring). The standard and symmetric losses compute every
+    prefix in one pass; the other options (joint partitions, hardness, the filter, dot products) one pass per
+    prefix for now.
 
     Args:
         queries, positives: [B, D]; negatives: any number of [B, D] tensors (hard-negative columns).
@@ -539,9 +656,10 @@ def multiple_negatives_ranking_loss(
     checks.check_same_shape("queries", queries, "positives", positives)
     for i, t in enumerate(negatives):
         checks.check_same_shape("queries", queries, f"negatives[{i}]", t)
+    nested = check_nested(dims, dim_weights, queries.shape[1])
     return multiple_negatives(resolve_backend(backend, queries), queries, positives, list(negatives), scale,
                               directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
-                              false_negative_strategy, gathered, similarity)
+                              false_negative_strategy, gathered, similarity, nested)
 
 
 def gist_loss(

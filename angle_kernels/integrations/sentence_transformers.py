@@ -79,9 +79,10 @@ def _pair_score_kind(similarity_fct: Callable) -> str | None:
 
 
 def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str, scale: float,
-                        backend: str | None) -> Tensor:
+                        backend: str | None, nested: _functional.Nested | None = None) -> Tensor:
     """The CoSENT objective over pairs (first[i], second[i]) scored by scale * cos or scale * |angle sim|:
-    angle_kernels' ranking term on the pairs [N, 2, D] (one copy of the embeddings; no N x N anywhere)."""
+    angle_kernels' ranking term on the pairs [N, 2, D] (one copy of the embeddings; no N x N anywhere), on
+    every prefix when nested (MatryoshkaLoss)."""
     if kind == "angle" and first.shape[1] % 2:
         # pairwise_angle_sim pads an odd dimension with one zero column before splitting into halves
         first = torch.nn.functional.pad(first, (0, 1))
@@ -96,8 +97,8 @@ def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str
     ops = resolve_backend(backend, first)
     pairs = torch.stack((first, second), dim=1)
     if kind == "cosine":
-        return _functional.ranking_terms(ops, pairs, labels, cosine_tau=scale)[0]
-    return _functional.ranking_terms(ops, pairs, labels, angle_tau=scale, pooling_strategy="sum")[1]
+        return _functional.ranking_terms(ops, pairs, labels, cosine_tau=scale, nested=nested)[0]
+    return _functional.ranking_terms(ops, pairs, labels, angle_tau=scale, pooling_strategy="sum", nested=nested)[1]
 
 
 def _check_label_count(loss: torch.nn.Module, labels: Tensor, batch_size: int) -> None:
@@ -135,11 +136,14 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
         return _pair_score_kind(self.similarity_fct) is not None
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
-        kind = _pair_score_kind(self.similarity_fct)
-        if kind is None:
+        if not self.uses_fused_path:
             return super().compute_loss_from_embeddings(embeddings, labels)
+        return self._fused_loss(embeddings, labels)
+
+    def _fused_loss(self, embeddings: list[Tensor], labels: Tensor, nested=None) -> Tensor:
         _check_label_count(self, labels, embeddings[0].shape[0])
-        return _fused_pair_ranking(embeddings[0], embeddings[1], labels, kind, self.scale, self.backend)
+        return _fused_pair_ranking(embeddings[0], embeddings[1], labels, _pair_score_kind(self.similarity_fct),
+                                   self.scale, self.backend, nested)
 
 
 class AnglELoss(_st_losses.AnglELoss):
@@ -168,9 +172,12 @@ class AnglELoss(_st_losses.AnglELoss):
         return _pair_score_kind(self.similarity_fct) is not None
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
-        kind = _pair_score_kind(self.similarity_fct)
-        if kind is None:
+        if not self.uses_fused_path:
             return super().compute_loss_from_embeddings(embeddings, labels)
+        return self._fused_loss(embeddings, labels)
+
+    def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None, nested=None) -> Tensor:
+        kind = _pair_score_kind(self.similarity_fct)
         anchors = embeddings[0]
         if len(embeddings) > 2:
             # n-tuples: every (anchor, candidate) pair, positives first, then each negative column
@@ -182,11 +189,11 @@ class AnglELoss(_st_losses.AnglELoss):
             pair_labels = torch.cat([labels] + [1 - labels] * (len(candidates) - 1))
             first = anchors.repeat(len(candidates), 1)
             second = torch.cat(candidates, dim=0)
-            return _fused_pair_ranking(first, second, pair_labels, kind, self.scale, self.backend)
+            return _fused_pair_ranking(first, second, pair_labels, kind, self.scale, self.backend, nested)
         if labels is None:
             raise ValueError("AnglELoss requires labels for datasets with pairs.")
         _check_label_count(self, labels, anchors.shape[0])
-        return _fused_pair_ranking(anchors, embeddings[1], labels, kind, self.scale, self.backend)
+        return _fused_pair_ranking(anchors, embeddings[1], labels, kind, self.scale, self.backend, nested)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -237,18 +244,21 @@ def _mnrl_unfused_reason(loss) -> str | None:
     return None
 
 
-def _fused_mnrl(loss, embeddings: list[Tensor]) -> Tensor:
+def _fused_mnrl(loss, embeddings: list[Tensor], nested=None) -> Tensor:
     """The loss's configuration computed by angle_kernels.functional.multiple_negatives_ranking_loss (getattr
-    with the defaults: older 6.x parents lack some attributes)."""
+    with the defaults: older 6.x parents lack some attributes); on every prefix when nested (MatryoshkaLoss,
+    which normalises each truncated embedding: every similarity is then a cosine, util.dot_score's too)."""
     if len(embeddings) < 2:
         raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
+    nested_options = {} if nested is None else dict(dims=nested.dims, dim_weights=nested.weights)
     return _functional.multiple_negatives_ranking_loss(
         embeddings[0], embeddings[1], embeddings[2:], scale=loss.scale,
         directions=getattr(loss, "directions", ("query_to_doc",)),
         partition_mode=getattr(loss, "partition_mode", "joint"),
         hardness_mode=getattr(loss, "hardness_mode", None),
-        hardness_strength=getattr(loss, "hardness_strength", 0.0), similarity=_mnrl_similarity(loss),
-        gather_across_devices=getattr(loss, "gather_across_devices", False), backend=loss.backend)
+        hardness_strength=getattr(loss, "hardness_strength", 0.0),
+        similarity="cosine" if nested is not None else _mnrl_similarity(loss),
+        gather_across_devices=getattr(loss, "gather_across_devices", False), backend=loss.backend, **nested_options)
 
 
 class _FusedMNRL:
@@ -262,7 +272,10 @@ class _FusedMNRL:
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
         if _mnrl_unfused_reason(self) is not None:
             return super().compute_loss_from_embeddings(embeddings, labels)
-        return _fused_mnrl(self, embeddings)
+        return self._fused_loss(embeddings, labels)
+
+    def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None, nested=None) -> Tensor:
+        return _fused_mnrl(self, embeddings, nested)
 
 
 def _grad_cache_step(loss: Tensor, with_backward: bool) -> Tensor:
@@ -287,7 +300,10 @@ class _FusedCachedMNRL:
                        with_backward: bool = False) -> Tensor:
         if _mnrl_unfused_reason(self) is not None:
             return super().calculate_loss(reps, labels, with_backward=with_backward)
-        loss = _fused_mnrl(self, [torch.cat(column) for column in reps])
+        return self._fused_cached_loss(reps, with_backward)
+
+    def _fused_cached_loss(self, reps: list[list[Tensor]], with_backward: bool, nested=None) -> Tensor:
+        loss = _fused_mnrl(self, [torch.cat(column) for column in reps], nested)
         return _grad_cache_step(loss, with_backward)
 
 
