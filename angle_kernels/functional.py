@@ -154,6 +154,9 @@ HARDNESS_MODES = {"in_batch_negatives": "other", "hard_negatives": "own", "all_n
 MARGIN_STRATEGIES = ("absolute", "relative")
 # the similarity of the in-batch family's logits: "cosine" (util.cos_sim) or the raw dot product (util.dot_score)
 SIMILARITIES = ("cosine", "dot")
+# AngleLoss's in-batch-negative partitions -> the directions of multiple_negatives in one softmax per query:
+# AnglE's query -> documents, or GTE's improved contrastive loss
+IBN_PARTITIONS = {"angle": ("query_to_doc",), "gte": DIRECTIONS}
 
 
 def check_in_batch_options(directions, partition_mode, hardness_mode, hardness_strength,
@@ -174,11 +177,17 @@ def check_in_batch_options(directions, partition_mode, hardness_mode, hardness_s
     hardness_strength = checks.check_scalar("hardness_strength", hardness_strength)
     if hardness_strength < 0:
         raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+    checks.check_choice("similarity", similarity, SIMILARITIES)
+    return directions, hardness_strength, check_false_negative_filter(false_negative_margin, false_negative_strategy)
+
+
+def check_false_negative_filter(false_negative_margin, false_negative_strategy) -> float | None:
+    """The positive-aware false-negative filter's options (multiple_negatives_ranking_loss, AngleLoss): the margin,
+    None (off) or a finite real returned as a float, and its strategy."""
     if false_negative_margin is not None:
         false_negative_margin = checks.check_scalar("false_negative_margin", false_negative_margin)
     checks.check_choice("false_negative_strategy", false_negative_strategy, MARGIN_STRATEGIES)
-    checks.check_choice("similarity", similarity, SIMILARITIES)
-    return directions, hardness_strength, false_negative_margin
+    return false_negative_margin
 
 
 def margin_threshold(positive: torch.Tensor, strategy: str, margin: float) -> torch.Tensor:
@@ -245,16 +254,51 @@ def _dims(nested: Nested | None) -> tuple[int, ...] | None:
     return None if nested is None else nested.dims
 
 
+def positive_pairs(labels: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the zigzag pairs the in-batch-negative term gives a target, those with both rows labelled 1 (the
+    reference's rule); the others serve only as negatives."""
+    positive = (labels == 1).view(-1, 2)
+    return positive[:, 0] & positive[:, 1]
+
+
 def in_batch_negatives(
     ops: Ops, labels: torch.Tensor, y_pred: torch.Tensor, tau: float, group_ids: torch.Tensor | None = None,
+    partition: str = "angle", false_negative_margin: float | None = None, false_negative_strategy: str = "absolute",
     nested: Nested | None = None,
 ) -> torch.Tensor:
-    """in_batch_negative_loss on checked inputs (labels: 0/1, one per row; group_ids: int64 or None)."""
-    positive = labels == 1
-    # The reference gives row i a target only when both it and its partner are labelled 1.
-    row_weights = (positive & positive.view(-1, 2).flip(1).reshape(-1)).to(compute_dtype(y_pred.dtype))
-    return _combined(ops.similarity_xent(y_pred, None, tau, "partner", row_weights=row_weights,
-                                         exclude_diagonal=True, group_ids=group_ids, dims=_dims(nested)), nested)
+    """in_batch_negative_loss on checked inputs (labels: 0/1, one per row; group_ids: int64 or None), and the
+    options of AngleLoss's format A (which never passes group_ids; they do not combine with it).
+
+    partition "angle" (the reference's): row i of a positive pair against every other row, target its partner,
+    i.e. the query q_k against every document and every other query, the document d_k against every query and
+    every other document; the sum over the rows of positive pairs divided by 2N, the number of rows.
+    partition "gte": GTE's improved contrastive loss, one softmax per positive pair over the union of its two
+    rows' columns (q_k -> every d and every other q, d_k -> every q and every other d; the positive pair counts
+    twice); the sum over the positive pairs divided by N, the number of pairs.
+    false_negative_margin: in every row of pair k, a column whose cosine with the row exceeds
+    margin_threshold(cos(q_k, d_k), false_negative_strategy, false_negative_margin) leaves the partition
+    function; the pair's own positive stays.
+    """
+    pairs = positive_pairs(labels).to(compute_dtype(y_pred.dtype))
+    if partition == "angle" and false_negative_margin is None:
+        return _combined(ops.similarity_xent(y_pred, None, tau, "partner", row_weights=pairs.repeat_interleave(2),
+                                             exclude_diagonal=True, group_ids=group_ids, dims=_dims(nested)), nested)
+    if nested is not None:
+        raise ValueError("dims (Matryoshka) works with the in-batch-negative term only with partition='angle' and "
+                         "no false-negative filter for now")
+    if group_ids is not None:
+        raise ValueError("group_ids works only with partition='angle' and no false-negative filter")
+    queries, documents = y_pred[0::2], y_pred[1::2]
+    options = dict(false_negative_margin=false_negative_margin, false_negative_strategy=false_negative_strategy)
+    if partition == "gte":
+        return (pairs * multiple_negatives_rows(ops, queries, documents, [], tau, IBN_PARTITIONS["gte"],
+                                                **options)).mean()
+    # A row against every other row is one query's "query_to_doc" and "query_to_query" blocks, with the pair's
+    # document as the query for row 2k + 1.
+    one_row = ("query_to_doc", "query_to_query")
+    both_rows = (multiple_negatives_rows(ops, queries, documents, [], tau, one_row, **options)
+                 + multiple_negatives_rows(ops, documents, queries, [], tau, one_row, **options))
+    return (pairs * both_rows).sum() / y_pred.shape[0]
 
 
 def contrastive(ops: Ops, queries: torch.Tensor, candidates: torch.Tensor, tau: float,
@@ -313,35 +357,45 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
     in one pass of the op; the second runs once per prefix on the truncated embeddings (similarity_lse has no
     dims yet).
     """
-    rows = queries.shape[0]
-    rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
-    negative_columns = [t.to(positives.dtype) for t in all_negatives]
     hard = hardness_mode is not None and hardness_strength > 0.0
     plain = (set(directions) == {"query_to_doc"} or partition_mode == "per_direction") and not hard and (
         similarity == "cosine")
+    rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
     if plain and false_negative_margin is None:
         # logsumexp over the columns does not depend on their order: with this rank's positives first, row i's
         # target is column i, the op's "diagonal" target, gathered or not
         own_first = [positives] if gathered is None else _own_rows_first(positives, all_positives, rank)
-        loss = contrastive(ops, queries, torch.cat([*own_first, *negative_columns]), scale, nested)
+        loss = contrastive(ops, queries, torch.cat([*own_first, *(t.to(positives.dtype) for t in all_negatives)]),
+                           scale, nested)
         if "doc_to_query" in directions:
             query_columns = queries if gathered is None else torch.cat(_own_rows_first(queries, all_queries, rank))
             loss = (loss + contrastive(ops, positives, query_columns, scale, nested)) / 2
         return loss
-    if nested is not None:
-        options = (scale, directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
-                   false_negative_strategy)
+    options = (scale, directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
+               false_negative_strategy)
+    if nested is None:
+        return multiple_negatives_rows(ops, queries, positives, negatives, *options, gathered, similarity).mean()
 
-        def truncated(d):
-            cut = [t[:, :d] for t in (queries, positives, all_queries, all_positives)]
-            negatives_cut, all_negatives_cut = [t[:, :d] for t in negatives], [t[:, :d] for t in all_negatives]
-            return multiple_negatives(ops, cut[0], cut[1], negatives_cut, *options,
-                                      gathered=None if gathered is None else (rank, cut[2], cut[3], all_negatives_cut),
-                                      similarity=similarity)
+    def truncated(d):  # similarity_lse has no dims yet: one pass per prefix
+        cut = [t[:, :d] for t in (queries, positives, all_queries, all_positives)]
+        negatives_cut, all_negatives_cut = [t[:, :d] for t in negatives], [t[:, :d] for t in all_negatives]
+        return multiple_negatives_rows(ops, cut[0], cut[1], negatives_cut, *options,
+                                       None if gathered is None else (rank, cut[2], cut[3], all_negatives_cut),
+                                       similarity).mean()
 
-        return nested.combine(torch.stack([truncated(d) for d in nested.dims]))
+    return nested.combine(torch.stack([truncated(d) for d in nested.dims]))
 
-    offset, world_rows = rank * rows, all_queries.shape[0]
+
+def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
+                            scale: float, directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
+                            hardness_mode: str | None = None, hardness_strength: float = 0.0,
+                            false_negative_margin: float | None = None, false_negative_strategy: str = "absolute",
+                            gathered: tuple | None = None, similarity: str = "cosine") -> torch.Tensor:
+    """The loss of each query [B] of multiple_negatives (same arguments), from per-row log partitions of
+    similarity_lse blocks and the positive scores: log_partition_i - scale * s(queries_i, positives_i)."""
+    rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
+    negative_columns = [t.to(positives.dtype) for t in all_negatives]
+    offset, world_rows = rank * queries.shape[0], all_queries.shape[0]
     documents = torch.cat([all_positives, *negative_columns])  # row i's positive: column offset + i
     positive = positive_scores(ops, queries, positives, similarity)
     threshold = None
@@ -354,6 +408,7 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
         return ops.similarity_lse(anchors, columns.to(anchors.dtype), scale, target_offset=offset, **options,
                                   **filtering, normalize=similarity == "cosine")
 
+    hard = hardness_mode is not None and hardness_strength > 0.0
     penalty = dict(penalty=hardness_strength, penalty_on=HARDNESS_MODES[hardness_mode]) if hard else {}
     log_partitions = [block(queries, documents, period=world_rows, **penalty)]  # query_to_doc
     if "query_to_query" in directions:
@@ -364,7 +419,7 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
         log_partitions.append(block(positives, documents, period=world_rows, exclude="own"))
     stacked = torch.stack(log_partitions)
     log_z = torch.logsumexp(stacked, dim=0) if partition_mode == "joint" else stacked.mean(dim=0)
-    return (log_z - scale * positive).mean()
+    return log_z - scale * positive
 
 
 def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
@@ -494,7 +549,7 @@ def in_batch_negative_loss(
     checks.check_binary_labels("y_true", labels, "in_batch_negative_loss")
     group_ids = check_group_ids(group_ids, y_pred.shape[0], y_pred)
     nested = check_nested(dims, dim_weights, y_pred.shape[1])
-    return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids, nested)
+    return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids, nested=nested)
 
 
 def contrastive_with_negative_loss(

@@ -9,16 +9,18 @@ from . import checks
 from .dispatch import resolve_backend
 from .contract import compute_dtype
 from .functional import (
+    IBN_PARTITIONS,
     POOLING_STRATEGIES,
     arccon,
     as_pairs,
     check_angle_dim,
     check_arccon_options,
+    check_false_negative_filter,
     check_triplets,
     check_two_views,
     check_zigzag,
-    contrastive,
     in_batch_negatives,
+    multiple_negatives,
     ranking_terms,
     triplet,
 )
@@ -45,6 +47,20 @@ class AngleLoss(nn.Module):
     used w=1 for every term and an angle tau of 1). Where the terms allow, they share one pass over the
     embeddings: the cosine and angle scores of all pairs come from a single pair-score op.
 
+    Options of the in-batch-negative terms (ibn, and cln in format C; the defaults are the reference's terms):
+
+    - ibn_partition "angle": the reference's terms. "gte": GTE's improved contrastive loss (Li et al., 2023), one
+      softmax per pair over query -> every document, query -> every other query, document -> every query and
+      document -> every other document (functional.multiple_negatives with all four directions, "joint"). In
+      format A the pairs labelled 1 get a term (divided by N, the number of pairs) and the others serve only as
+      negatives; in format C the ibn term is GTE's on (q, pos) and the cln term GTE's with the hard negatives as
+      more documents (query -> own and others' negatives; document -> other documents, own negative excluded).
+    - false_negative_margin (None: off) and false_negative_strategy: the positive-aware false-negative filter
+      on the model's own scores. In every row, a column whose cosine with the row exceeds its pair's positive
+      cosine c minus the margin ("absolute") or c - |c| * margin ("relative") leaves the partition function;
+      the positive stays. In format A with ibn_partition "angle" it filters AnglE's rows (each row against all
+      other 2N - 1 rows, its partner the target, the threshold from the pair's cosine; divided by 2N).
+
     Differences from the reference: a ValueError (not NotImplementedError) for an unknown or missing
     dataset_format; a 0-dim zero tensor (not the float 0.0) when every weight is 0; format C's
     `if cll > 0` check, which forces a GPU sync, is dropped (it only differs when the contrastive terms are
@@ -56,6 +72,9 @@ class AngleLoss(nn.Module):
         cosine_tau, ibn_tau, angle_tau: the terms' scales.
         angle_pooling_strategy: 'sum' or 'mean'.
         dataset_format: 'A', 'B' or 'C'.
+        ibn_partition: keyword-only; "angle" (default) or "gte" (see above).
+        false_negative_margin: keyword-only; None (default: no filter) or a real number (see above).
+        false_negative_strategy: keyword-only; "absolute" (default) or "relative".
         backend: keyword-only; "auto" (default), "torch", "triton" or "cuda".
         **kwargs: accepted and ignored, like the reference.
     """
@@ -72,6 +91,9 @@ class AngleLoss(nn.Module):
         angle_pooling_strategy: str = "sum",
         dataset_format: str | None = None,
         *,
+        ibn_partition: str = "angle",
+        false_negative_margin: float | None = None,
+        false_negative_strategy: str = "absolute",
         backend: str | None = None,
         **kwargs,
     ):
@@ -86,13 +108,19 @@ class AngleLoss(nn.Module):
         checks.check_choice("angle_pooling_strategy", angle_pooling_strategy, POOLING_STRATEGIES)
         self.angle_pooling_strategy = angle_pooling_strategy
         self.dataset_format = dataset_format
+        checks.check_choice("ibn_partition", ibn_partition, tuple(IBN_PARTITIONS))
+        self.ibn_partition = ibn_partition
+        self.false_negative_margin = check_false_negative_filter(false_negative_margin, false_negative_strategy)
+        self.false_negative_strategy = false_negative_strategy
         self.backend = backend
 
     def extra_repr(self) -> str:
         return (
             f"dataset_format={self.dataset_format!r}, cosine_w={self.cosine_w}, ibn_w={self.ibn_w}, "
             f"cln_w={self.cln_w}, angle_w={self.angle_w}, cosine_tau={self.cosine_tau}, ibn_tau={self.ibn_tau}, "
-            f"angle_tau={self.angle_tau}, angle_pooling_strategy={self.angle_pooling_strategy!r}"
+            f"angle_tau={self.angle_tau}, angle_pooling_strategy={self.angle_pooling_strategy!r}, "
+            f"ibn_partition={self.ibn_partition!r}, false_negative_margin={self.false_negative_margin}, "
+            f"false_negative_strategy={self.false_negative_strategy!r}"
         )
 
     def forward(self, labels: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
@@ -107,8 +135,15 @@ class AngleLoss(nn.Module):
             checks.check_embeddings("outputs", outputs, rows_multiple_of=2, layout="format B: query, positive rows")
             # outputs is checked whole, so the computing half is called rather than the public function, which
             # would scan the same rows for NaN/Inf again (one more device sync per step).
-            return contrastive(resolve_backend(self.backend, outputs), outputs[0::2], outputs[1::2], self.ibn_tau)
+            return self._contrastive(resolve_backend(self.backend, outputs), outputs[0::2], outputs[1::2], [])
         return self._format_c(outputs)
+
+    def _contrastive(self, ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list) -> torch.Tensor:
+        """The contrastive terms of formats B and C: query i against [positives; negatives], with the partition
+        and the filter chosen (with the defaults, contrastive(queries, [positives; negatives]), the reference's)."""
+        return multiple_negatives(ops, queries, positives, negatives, self.ibn_tau, IBN_PARTITIONS[self.ibn_partition],
+                                  false_negative_margin=self.false_negative_margin,
+                                  false_negative_strategy=self.false_negative_strategy)
 
     def _ranking_terms(self, ops, groups: torch.Tensor, labels: torch.Tensor):
         """(cosine_w * cosine, angle_w * angle) on the pairs (groups[g, 0], groups[g, k]), from one pair-score
@@ -134,7 +169,9 @@ class AngleLoss(nn.Module):
         cosine_term, angle_term = self._ranking_terms(ops, as_pairs(outputs), row_labels[0::2])
         ibn_term = None
         if self.ibn_w > 0:
-            ibn_term = self.ibn_w * in_batch_negatives(ops, row_labels, outputs, self.ibn_tau)
+            ibn_term = self.ibn_w * in_batch_negatives(
+                ops, row_labels, outputs, self.ibn_tau, partition=self.ibn_partition,
+                false_negative_margin=self.false_negative_margin, false_negative_strategy=self.false_negative_strategy)
         return _sum_terms([cosine_term, ibn_term, angle_term], outputs)  # the reference's order of summation
 
     def _format_c(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -149,10 +186,9 @@ class AngleLoss(nn.Module):
         if self.ibn_w > 0 or self.cln_w > 0:
             contrastive_term = 0.0
             if self.ibn_w > 0:
-                contrastive_term = self.ibn_w * contrastive(ops, query, positive, self.ibn_tau)
+                contrastive_term = self.ibn_w * self._contrastive(ops, query, positive, [])
             if self.cln_w > 0:
-                candidates = torch.cat((positive, negative), dim=0)
-                contrastive_term = contrastive_term + self.cln_w * contrastive(ops, query, candidates, self.ibn_tau)
+                contrastive_term = contrastive_term + self.cln_w * self._contrastive(ops, query, positive, [negative])
             contrastive_term = contrastive_term / 2
         pair_labels = torch.cat((torch.ones(groups, device=outputs.device), torch.zeros(groups, device=outputs.device)))
         cosine_term, angle_term = self._ranking_terms(ops, x, pair_labels)

@@ -69,6 +69,14 @@ class TrainConfig:
     cosine_tau: float = opt(20.0, "scale of the cosine term", group="loss")
     ibn_tau: float = opt(20.0, "scale of the contrastive terms", group="loss")
     angle_tau: float = opt(20.0, "scale of the angle term", group="loss")
+    ibn_partition: str = opt("angle", "in-batch-negative softmax: angle (AnglE's terms) or gte (GTE's joint partition: "
+                             "query->documents, query->queries, document->queries, document->documents in one "
+                             "softmax per pair)", group="loss", choices=["angle", "gte"])
+    false_negative_margin: float = opt(None, "false-negative filter (default: off): an in-batch or hard negative "
+                                       "scoring above the pair's positive cosine minus this margin leaves the "
+                                       "in-batch-negative terms", group="loss")
+    false_negative_strategy: str = opt("absolute", "the filter's threshold: absolute (cos_pos - margin) or relative "
+                                       "(cos_pos - |cos_pos| * margin)", group="loss", choices=["absolute", "relative"])
     # ---- evaluation, checkpoints, logging
     output_dir: str = opt("runs/angle", "where checkpoints, metrics.jsonl, best/ and final/ go", group="run")
     eval_every: int = opt(0, "evaluate on dev_data every N optimizer steps (0 = only at the end)", group="run")

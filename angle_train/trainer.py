@@ -140,9 +140,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
         dev_examples, _format_a = read_data(cfg.dev_data, "A", cfg.dev_split)
     loss_name = "AngleLoss" if loss_fn is None else "the loss_fn given to train()"
     if loss_fn is None:
-        loss_fn = AngleLoss(cosine_w=cfg.cosine_w, ibn_w=cfg.ibn_w, cln_w=cfg.cln_w, angle_w=cfg.angle_w,
-                            cosine_tau=cfg.cosine_tau, ibn_tau=cfg.ibn_tau, angle_tau=cfg.angle_tau,
-                            dataset_format=fmt)
+        loss_fn = build_loss(cfg, fmt)
     total_steps = count_steps(cfg, len(dataset), dist_info.world_size)
 
     optimizer = make_optimizer(cfg, encoder, device)
@@ -172,6 +170,14 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
                epoch_order=batch_order(cfg, dataset, position.epoch),
                log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step),
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_spearman=position.best))
+
+
+def build_loss(cfg: TrainConfig, fmt: str) -> AngleLoss:
+    """angle_kernels.AngleLoss for data format `fmt` with the run's weights, scales and in-batch-negative options."""
+    return AngleLoss(cosine_w=cfg.cosine_w, ibn_w=cfg.ibn_w, cln_w=cfg.cln_w, angle_w=cfg.angle_w,
+                     cosine_tau=cfg.cosine_tau, ibn_tau=cfg.ibn_tau, angle_tau=cfg.angle_tau, dataset_format=fmt,
+                     ibn_partition=cfg.ibn_partition, false_negative_margin=cfg.false_negative_margin,
+                     false_negative_strategy=cfg.false_negative_strategy)
 
 
 def build_encoder(cfg: TrainConfig, device: torch.device):

@@ -102,6 +102,13 @@ def masked_logsumexp(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(values.masked_fill(~keep, -math.inf), dim=-1)
 
 
+def margin_threshold(positive: torch.Tensor, strategy: str, margin: float) -> torch.Tensor:
+    """Where a false-negative filter starts, from each row's positive cosine c (no gradient): c - margin
+    ("absolute") or c - |c| * margin ("relative"); columns scoring above it are dropped."""
+    c = positive.detach()
+    return c - margin if strategy == "absolute" else c - c.abs() * margin
+
+
 # ----------------------------------------------------------------------------------------------------
 # the ops (angle_kernels/dispatch.py)
 # ----------------------------------------------------------------------------------------------------
@@ -293,6 +300,9 @@ def in_batch_negative_loss(
     tau: float = 20.0,
     negative_weights: float = 0.0,
     group_ids: torch.Tensor | None = None,
+    partition: str = "angle",
+    false_negative_margin: float | None = None,
+    false_negative_strategy: str = "absolute",
 ) -> torch.Tensor:
     """Mean over the 2N rows of -log(probability of row i's positives) under softmax over j != i.
 
@@ -305,16 +315,33 @@ def in_batch_negative_loss(
 
     negative_weights: the reference adds it to the partner logit of rows labelled 0, which have no
     target and so contribute 0 either way: it cannot change the loss. The oracle accepts and ignores it.
+
+    AngleLoss's options (the package's, without group_ids):
+    false_negative_margin: row i also drops every column j but its partner with cos(x_i, x_j) above
+    margin_threshold(cos(x_i, x_partner)).
+    partition="gte": GTE's joint partition per pair k (rows a = 2k, b = 2k + 1): the union of the two rows'
+    columns (q_k against every document and every other query, d_k against every query and every other
+    document), so the pair's term is log(Z_a + Z_b) - tau * cos(x_a, x_b); pairs labelled 1 summed, divided
+    by the N pairs.
     """
     del negative_weights  # provably a no-op in the reference, see above
     x = in_compute_dtype(y_pred)
     rows = x.shape[0]
     labels = in_compute_dtype(y_true.reshape(-1))  # one label per row, 0 or 1
     not_self = ~torch.eye(rows, dtype=torch.bool, device=x.device)
-    logits = (tau * cosine_matrix(x, x)).masked_fill(~not_self, -math.inf)
+    cos = cosine_matrix(x, x)
+    logits = (tau * cos).masked_fill(~not_self, -math.inf)
 
     index = torch.arange(rows, device=x.device)
     partner = index ^ 1
+    if false_negative_margin is not None:
+        threshold = margin_threshold(cos[index, partner], false_negative_strategy, false_negative_margin)
+        too_close = (cos.detach() > threshold[:, None]) & (index[None, :] != partner[:, None])
+        logits = logits.masked_fill(too_close, -math.inf)
+    if partition == "gte":
+        log_z = torch.logaddexp(torch.logsumexp(logits[0::2], dim=1), torch.logsumexp(logits[1::2], dim=1))
+        per_pair = labels[0::2] * labels[1::2] * (log_z - tau * cos[index[0::2], partner[0::2]])
+        return per_pair.sum() / (rows // 2)
     positive = torch.zeros(rows, rows, dtype=torch.bool, device=x.device)
     positive[index, partner] = True
     if group_ids is not None:
@@ -337,6 +364,9 @@ def contrastive_with_negative_loss(
     logits = tau * cosine_matrix(in_compute_dtype(text), in_compute_dtype(candidates))  # [B, B] or [B, 2B]
     batch = torch.arange(logits.shape[0], device=logits.device)
     return (torch.logsumexp(logits, dim=1) - logits[batch, batch]).mean()
+
+
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")  # GTE's joint partition
 
 
 def multiple_negatives_ranking_loss(
@@ -381,11 +411,7 @@ def multiple_negatives_ranking_loss(
             block = block + torch.where(penalised, hardness_strength * cos.detach(), torch.zeros_like(cos))
         drop = removed
         if false_negative_margin is not None:
-            t = positive_cos.detach()
-            if false_negative_strategy == "absolute":
-                t = t - false_negative_margin
-            else:
-                t = t - t.abs() * false_negative_margin
+            t = margin_threshold(positive_cos, false_negative_strategy, false_negative_margin)
             drop = drop | ((cos.detach() > t[:, None]) & ~is_positive)
         logits[name] = block.masked_fill(drop, -math.inf)
     if partition_mode == "joint":
@@ -404,8 +430,7 @@ def gist_loss(anchors, positives, guide_anchors, guide_positives, negatives=(), 
     anchor-positive target; cross-entropy with target column i of the first block."""
     a, p = in_compute_dtype(anchors), in_compute_dtype(positives)
     ga, gp = in_compute_dtype(guide_anchors.detach()), in_compute_dtype(guide_positives.detach())
-    g = cosine(ga, gp)
-    threshold = g - margin if margin_strategy == "absolute" else g - g.abs() * margin
+    threshold = margin_threshold(cosine(ga, gp), margin_strategy, margin)
     target = torch.eye(a.shape[0]) > 0
     pairs = [(a, p, ga, gp, target)]
     if contrast_anchors:
@@ -477,20 +502,37 @@ def angle_loss_module(
     ibn_tau: float = 20.0,
     angle_tau: float = 20.0,
     angle_pooling_strategy: str = "sum",
+    ibn_partition: str = "angle",
+    false_negative_margin: float | None = None,
+    false_negative_strategy: str = "absolute",
 ) -> torch.Tensor:
+    """The reference's AngleLoss, plus the package's options of the in-batch-negative terms: ibn_partition
+    "gte" (GTE's joint partition) and the false-negative filter (false_negative_margin, None = off), in format
+    A as in_batch_negative_loss states them, in formats B and C as multiple_negatives_ranking_loss does
+    ("gte": all four directions; format C's cln term with the negatives as its hard-negative column)."""
+    filtering = dict(false_negative_margin=false_negative_margin, false_negative_strategy=false_negative_strategy)
+
+    def contrastive_term(query, positive, negative=None):
+        if ibn_partition == "angle" and false_negative_margin is None:  # the reference's term
+            return contrastive_with_negative_loss(query, positive, negative, ibn_tau)
+        directions = ALL_DIRECTIONS if ibn_partition == "gte" else ("query_to_doc",)
+        return multiple_negatives_ranking_loss(query, positive, () if negative is None else (negative,), ibn_tau,
+                                               directions, **filtering)
+
     loss = torch.zeros((), dtype=_compute_dtype, device=outputs.device)
     if dataset_format == "A":
         # zigzag pairs with labels: weighted sum of the three pair losses (each only if its weight > 0)
         if cosine_w > 0:
             loss = loss + cosine_w * cosine_loss(labels, outputs, cosine_tau)
         if ibn_w > 0:
-            loss = loss + ibn_w * in_batch_negative_loss(labels, outputs, ibn_tau)
+            loss = loss + ibn_w * in_batch_negative_loss(labels, outputs, ibn_tau, partition=ibn_partition,
+                                                         **filtering)
         if angle_w > 0:
             loss = loss + angle_w * angle_loss(labels, outputs, angle_tau, angle_pooling_strategy)
         return loss
     if dataset_format == "B":
         # rows [query, positive, query, positive, ...]: in-batch contrastive only, labels unused
-        return contrastive_with_negative_loss(outputs[0::2], outputs[1::2], None, ibn_tau)
+        return contrastive_term(outputs[0::2], outputs[1::2])
     if dataset_format == "C":
         # rows [query, positive, negative, ...]
         query, positive, negative = outputs[0::3], outputs[1::3], outputs[2::3]
@@ -502,9 +544,9 @@ def angle_loss_module(
         pair_rows_labels = torch.cat([torch.ones(2 * groups), torch.zeros(2 * groups)]).to(outputs.device)
         contrastive = torch.zeros((), dtype=_compute_dtype, device=outputs.device)
         if ibn_w > 0:
-            contrastive = contrastive + ibn_w * contrastive_with_negative_loss(query, positive, None, ibn_tau)
+            contrastive = contrastive + ibn_w * contrastive_term(query, positive)
         if cln_w > 0:
-            contrastive = contrastive + cln_w * contrastive_with_negative_loss(query, positive, negative, ibn_tau)
+            contrastive = contrastive + cln_w * contrastive_term(query, positive, negative)
         if contrastive > 0:  # the reference adds the halved sum only when it is positive
             loss = loss + contrastive / 2
         if angle_w > 0:

@@ -6,6 +6,10 @@ and cosine terms on (q, pos) pairs labelled 1 and (q, neg) pairs labelled 0). Ag
 (tests/oracle.py, assembled as angle_emb 0.6.1's AngleLoss.__call__) on every backend and over weight settings
 on the default backend, float32 and float64, and bf16/fp16 at the half rule; parity with angle_emb.AngleLoss
 (skipped when angle-emb is not installed); gradcheck in float64 and hypothesis fuzzing.
+The options of the in-batch-negative terms (ibn_partition "gte", the false-negative filter) against the oracle's
+dense formulas in float64, every format, with label-0 pairs and odd N; the defaults bitwise the reference's terms
+as the package computes them; a margin that filters nothing, a planted duplicate that must be filtered; bad
+options refused.
 Tolerances and the half-precision rule: tests/ak_testing.py.
 """
 
@@ -20,8 +24,8 @@ from torch.autograd import gradcheck
 import angle_kernels as ak
 import oracle
 from ak_testing import (
-    FUZZ, HALF_DTYPES, REFERENCE_ATOL, check_against_oracle, float64_cannot_resolve, fuzz_embeddings, generator,
-    leaf_like, outputs_and_grads, randn, zigzag_labels,
+    FUZZ, HALF_DTYPES, REFERENCE_ATOL, assert_close, check_against_oracle, float64_cannot_resolve, fuzz_embeddings,
+    generator, grads_of, leaf_like, outputs_and_grads, randn, skip_unless_implemented, zigzag_labels,
 )
 
 DTYPES = [torch.float64, torch.float32]
@@ -165,3 +169,129 @@ def test_fuzz(fmt, groups, half_dim, weights, pooling, dtype, seed):
     ours, exact = _module_and_oracle(fmt, labels, kwargs)
     assume(dtype != torch.float64 or not float64_cannot_resolve(exact(x)))
     check_against_oracle(ours, exact, [x], f"AngleLoss {fmt} {kwargs}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# the in-batch-negative options: ibn_partition and the false-negative filter
+# --------------------------------------------------------------------------------------------------------
+FILTERS = {"off": {}, "absolute": dict(false_negative_margin=0.2),
+           "relative": dict(false_negative_margin=0.5, false_negative_strategy="relative")}
+PARTITIONS = ["angle", "gte"]
+
+
+def _paired_inputs(gen, fmt, groups, d=16, noise=1.5, dtype=torch.float64):
+    """(labels [rows], outputs [rows, D]) whose second row of a group lies near its first (noise 1.5: cos ~ 0.55;
+    random rows: 0 +- 0.25), so that the FILTERS drop some in-batch columns but not all; format C's negatives
+    are random. Format A's labels mix 1 and 0 (pair 0 labelled 1, pair 1 labelled 0, the rest random)."""
+    query = randn(gen, groups, d, dtype=torch.float64)
+    rows = [query, query + noise * randn(gen, groups, d, dtype=torch.float64)]
+    if fmt == "C":
+        rows.append(randn(gen, groups, d, dtype=torch.float64))
+    outputs = torch.stack(rows, dim=1).reshape(-1, d).to(dtype)
+    if fmt != "A":
+        return torch.ones(outputs.shape[0]), outputs
+    labels = torch.randint(0, 2, (groups,), generator=gen).double()
+    labels[:2] = torch.tensor([1.0, 0.0])[:groups]
+    return labels.repeat_interleave(2), outputs
+
+
+@pytest.mark.parametrize("groups", [2, 7])
+@pytest.mark.parametrize("filtering", sorted(FILTERS))
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ibn_options_against_oracle(gen, fmt, partition, filtering, groups):
+    """Values and gradients in float64 against the oracle's dense formulas, with every term weighted in (an
+    ibn_tau of 5 keeps the contrastive terms O(1)); on the larger batch the filter cases are checked to drop
+    columns (the oracle's value changes)."""
+    labels, x = _paired_inputs(gen, fmt, groups)
+    unfiltered = dict(CONFIGS["all_terms"], ibn_tau=5.0, ibn_partition=partition)
+    ours, exact = _module_and_oracle(fmt, labels, dict(unfiltered, **FILTERS[filtering]))
+    check_against_oracle(ours, exact, [x], f"AngleLoss {fmt} {partition} filter {filtering}")
+    if filtering != "off" and groups > 2:
+        unfiltered = oracle.angle_loss_module(labels, x, dataset_format=fmt, **unfiltered)
+        assert float(exact(x)) < float(unfiltered) - 1e-3, "the filter drops nothing in this case"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ibn_options_every_backend(backend, fmt, dtype):
+    skip_unless_implemented(backend, "similarity_lse")
+    labels, x = _paired_inputs(generator("ibn_options_backends", fmt, dtype), fmt, 12, 32, dtype=dtype)
+    kwargs = dict(ibn_partition="gte", **FILTERS["relative"])
+    ours, exact = _module_and_oracle(fmt, labels, kwargs, backend)
+    check_against_oracle(ours, exact, [x], f"AngleLoss {fmt} gte, filtered, on {backend.name}", device=backend.device)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_default_ibn_options_are_the_reference_terms_bitwise(gen, fmt):
+    """ibn_partition="angle" without a filter: bit for bit the package's reference terms (the public functions
+    angle-emb's AngleLoss is assembled from), value and gradient."""
+    labels, x = _paired_inputs(gen, fmt, 9, dtype=torch.float32)
+    module = ak.AngleLoss(dataset_format=fmt, angle_w=0.0, ibn_partition="angle", false_negative_margin=None)
+
+    def reference_terms(x):
+        if fmt == "A":
+            return ak.in_batch_negative_loss(labels, x, tau=20.0)
+        if fmt == "B":
+            return ak.contrastive_with_negative_loss(x[0::2], x[1::2], tau=20.0)
+        q, p, n = x[0::3], x[1::3], x[2::3]
+        return (ak.contrastive_with_negative_loss(q, p, tau=20.0) + ak.contrastive_with_negative_loss(q, p, n)) / 2
+
+    value, grads = grads_of(lambda x: module(labels, x), x)
+    expected, expected_grads = grads_of(reference_terms, x)
+    assert torch.equal(value, expected) and torch.equal(grads[0], expected_grads[0])
+
+
+@pytest.mark.parametrize("strategy, margin", [("absolute", -2.5), ("relative", -1e3)])
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_margin_that_filters_nothing_changes_nothing(gen, fmt, partition, strategy, margin):
+    """Thresholds above every cosine: the filtered path (similarity_lse blocks) equals the unfiltered one (for
+    "angle", the similarity_xent path of the reference's terms)."""
+    labels, x = _paired_inputs(gen, fmt, 7)
+    options = dict(dataset_format=fmt, angle_w=0.0, ibn_partition=partition)
+    filtered = grads_of(lambda x: ak.AngleLoss(**options, false_negative_margin=margin,
+                                               false_negative_strategy=strategy)(labels, x), x)
+    unfiltered = grads_of(lambda x: ak.AngleLoss(**options)(labels, x), x)
+    assert_close(filtered[0], unfiltered[0], 1e-10, "value")
+    assert_close(filtered[1][0], unfiltered[1][0], 1e-10, "gradient")
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_planted_duplicate_is_filtered(gen, fmt, partition):
+    """A negative column equal to a positive (format A: the first text of a label-0 pair repeats pair 0's second
+    text; B: pair 1's positive repeats pair 0's; C: group 0's negative repeats its positive) scores the positive's
+    cosine, so a margin of 1e-6 drops it. The same margin changes nothing without the duplicate (no other column
+    comes that close), so the change it makes with the duplicate is the duplicate's, and it matches the oracle."""
+    labels, clean = _paired_inputs(gen, fmt, 7, noise=0.3)
+    planted = clean.clone()
+    target, source = {"A": (2, 1), "B": (3, 1), "C": (2, 1)}[fmt]
+    planted[target] = planted[source]
+    kwargs = dict(angle_w=0.0, ibn_partition=partition)
+    loss = ak.AngleLoss(dataset_format=fmt, **kwargs)
+    filtered = ak.AngleLoss(dataset_format=fmt, false_negative_margin=1e-6, **kwargs)
+    assert_close(filtered(labels, clean), loss(labels, clean), 1e-10, "clean batch")
+    assert float(filtered(labels, planted)) < float(loss(labels, planted)) - 1e-3
+    ours, exact = _module_and_oracle(fmt, labels, dict(kwargs, false_negative_margin=1e-6))
+    check_against_oracle(ours, exact, [planted], f"AngleLoss {fmt} {partition} with a planted duplicate")
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(ibn_partition="joint"), ValueError, "ibn_partition"),
+    (dict(ibn_partition=None), ValueError, "ibn_partition"),
+    (dict(false_negative_margin="0.1"), TypeError, "false_negative_margin"),
+    (dict(false_negative_margin=True), TypeError, "false_negative_margin"),
+    (dict(false_negative_margin=float("nan")), ValueError, "false_negative_margin"),
+    (dict(false_negative_strategy="percent"), ValueError, "false_negative_strategy"),
+])
+def test_bad_ibn_options_raise(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ak.AngleLoss(dataset_format="A", **kwargs)
+
+
+def test_ibn_options_in_repr():
+    text = repr(ak.AngleLoss(dataset_format="B", ibn_partition="gte", false_negative_margin=0.05,
+                             false_negative_strategy="relative"))
+    assert "ibn_partition='gte'" in text and "false_negative_margin=0.05" in text
+    assert "false_negative_strategy='relative'" in text

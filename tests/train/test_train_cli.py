@@ -45,7 +45,9 @@ def test_booleans_parse(argv, expected):
 
 
 def test_bad_values_are_rejected(capsys):
-    for argv in (["--bf16", "maybe"], ["--batch-size", "0"], ["--pooling", "mean"], ["--bf16", "1", "--fp16", "1"]):
+    for argv in (["--bf16", "maybe"], ["--batch-size", "0"], ["--pooling", "mean"], ["--bf16", "1", "--fp16", "1"],
+                 ["--ibn-partition", "joint"], ["--false-negative-strategy", "percent"],
+                 ["--false-negative-margin", "tight"]):
         with pytest.raises(SystemExit) as exc:
             config_from_args(argv)
         assert exc.value.code == 2, argv
@@ -95,3 +97,19 @@ def test_main_runs_a_short_training(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "pairs/s" in out and (tmp_path / "final" / "config.json").exists()
+
+
+def test_loss_flags_reach_angle_loss(tmp_path):
+    """--ibn-partition and the false-negative filter's flags (and their defaults) end up in the AngleLoss that
+    setup() builds."""
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import setup
+    from train_helpers import make_encoder
+
+    base = ["--output-dir", str(tmp_path), "--device", "cpu", "--progress", "0"]
+    flags = ["--ibn-partition", "gte", "--false-negative-margin", "0.1", "--false-negative-strategy", "relative"]
+    for argv, expected in ((base, ("angle", None, "absolute")), (base + flags, ("gte", 0.1, "relative"))):
+        run = setup(config_from_args(argv), model=make_encoder(), train_examples=(demo_examples(64), "B"))
+        run.log.close()
+        loss = run.loss_fn
+        assert (loss.ibn_partition, loss.false_negative_margin, loss.false_negative_strategy) == expected, argv

@@ -8,11 +8,15 @@ import torch
 import torch.multiprocessing as mp
 from train_helpers import demo_batch, graded_or_contrastive_loss, make_encoder, param_grads, run_config
 
+from angle_train.cli import config_from_args
 from angle_train.data import pad_batch
 from angle_train.distributed import wrap_ddp
 from angle_train.grad_cache import grad_cache_step, plain_step
+from angle_train.trainer import build_loss
 
 N_PAIRS = 8  # 4 pairs per rank
+# AngleLoss's in-batch-negative options, as angle-train's flags: GTE's joint partition, the false-negative filter
+GTE_FILTERED = ("--ibn-partition", "gte", "--false-negative-margin", "0.1")
 
 
 def _free_port() -> int:
@@ -21,21 +25,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _setup(arch, fmt):
+def _setup(arch, fmt, flags=()):
+    """The model, the batch and the loss: for angle-train flags, the AngleLoss the trainer builds from them."""
     encoder, tokenizer = make_encoder(arch, dropout=0.0)
     batch = demo_batch(tokenizer, N_PAIRS, fmt)
-    loss_fn = graded_or_contrastive_loss(fmt)
+    loss_fn = build_loss(config_from_args(list(flags)), fmt) if flags else graded_or_contrastive_loss(fmt)
     return encoder, batch, loss_fn
 
 
-def _rank_main(rank, world, port, arch, fmt, chunk_rows, out_dir):
+def _rank_main(rank, world, port, arch, fmt, chunk_rows, flags, out_dir):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        encoder, batch, loss_fn = _setup(arch, fmt)
+        encoder, batch, loss_fn = _setup(arch, fmt, flags)
         model = wrap_ddp(encoder, torch.device("cpu"))
         rows = len(batch.seqs) // world
         seqs = batch.seqs[rank * rows:(rank + 1) * rows]
@@ -51,12 +56,21 @@ def _rank_main(rank, world, port, arch, fmt, chunk_rows, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("arch, fmt, chunk_rows", [("bert", "A", None), ("llama", "B", 3)])
-def test_two_process_all_gather_equals_single_process(tmp_path, arch, fmt, chunk_rows):
-    """chunk_rows=None: plain backprop; 3: gradient cache with no_sync on all but the last chunk."""
-    mp.spawn(_rank_main, args=(2, _free_port(), arch, fmt, chunk_rows, str(tmp_path)), nprocs=2, join=True)
-    encoder, batch, loss_fn = _setup(arch, fmt)
+@pytest.mark.parametrize("arch, fmt, chunk_rows, flags", [("bert", "A", None, ()), ("llama", "B", 3, ()),
+                                                        ("bert", "B", 3, GTE_FILTERED)],
+                         ids=["bert-A-None", "llama-B-3", "bert-B-3-gte-filtered"])
+def test_two_process_all_gather_equals_single_process(tmp_path, arch, fmt, chunk_rows, flags):
+    """chunk_rows=None: plain backprop; 3: gradient cache with no_sync on all but the last chunk. flags: the loss
+    options of angle-train's command line (the default AngleLoss of the format without)."""
+    mp.spawn(_rank_main, args=(2, _free_port(), arch, fmt, chunk_rows, flags, str(tmp_path)), nprocs=2, join=True)
+    encoder, batch, loss_fn = _setup(arch, fmt, flags)
     chunks = [pad_batch(batch.seqs, encoder.pad_token_id, encoder.padding_side)]
+    if flags:  # each option changes this batch's loss (the default, GTE's, GTE's filtered), so the check tests them
+        with torch.no_grad():
+            embeddings = encoder(*chunks[0])
+        values = [float(build_loss(config_from_args(list(f)), fmt)(batch.labels, embeddings))
+                  for f in ((), flags[:2], flags)]
+        assert abs(values[0] - values[1]) > 1e-3 and abs(values[1] - values[2]) > 1e-3, values
     loss = plain_step(encoder, chunks, batch.labels, loss_fn)
     single = param_grads(encoder)
     for rank in range(2):
