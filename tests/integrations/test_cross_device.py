@@ -1,13 +1,25 @@
-"""gather_across_devices=True on the fused sentence-transformers drop-ins, in 2 and 3 real processes (gloo, CPU).
+"""gather_across_devices=True on the fused sentence-transformers drop-ins and on gist_loss, in 2 and 3 real
+processes (gloo, CPU).
 
 Each world size is spawned once (a module fixture); every rank holds its slice of one fixed float64 batch and
 runs every case, then writes what it got. The tests then check, per case and rank:
 
-* our drop-in with gather_across_devices=True gives the sentence-transformers parent's loss (run in the same
-  processes with the same options) and the same embedding gradients, to a relative 1e-10, and ran fused;
+* our in-batch drop-in (CASES) with gather_across_devices=True gives the sentence-transformers parent's loss
+  (run in the same processes with the same options) and the same embedding gradients, to a relative 1e-10,
+  and ran fused;
 * one process on the concatenated batch without gathering (the parent class) gives the mean over ranks of
   the losses, and rank r's embedding gradient divided by the world size is that process's gradient of rank
   r's rows (what DDP's averaging of parameter gradients makes of the gather's summed backward);
+* GIST (GIST_CASES: absolute and relative margins, contrast_anchors and contrast_positives on and off, no,
+  one or two negative columns; guide embeddings narrower than the model's): gist_loss with
+  gather_across_devices=True, and our GISTEmbedLoss (CachedGISTEmbedLoss for two negative columns) drop-in,
+  give sentence-transformers' loss of the same class run in the same processes with gather_across_devices=
+  True, value and gradients of the rank's anchors, positives and negatives, to a relative 1e-10; the guide
+  removes, on every rank, some columns of other ranks (planted near-duplicates), so the filter is exercised
+  across ranks;
+* GIST without contrast_anchors: the one-process check above, against sentence-transformers' loss. With
+  contrast_anchors it does not hold: the anchors are not gathered, so a rank's anchor-anchor block holds its
+  own anchors only (in sentence-transformers as here);
 * angle_kernels.distributed.all_gather_with_grad: values, the gradient (the sum over ranks of the cotangents
   of the rank's rows), no in-place change of a cotangent another branch also receives, and unequal row
   counts, row shapes or dtypes refused with a ValueError on every rank (no hang: the group still works);
@@ -15,13 +27,16 @@ runs every case, then writes what it got. The tests then check, per case and ran
   (every tensor recorded by a dispatch mode during forward and backward, with the op's tile shrunk below B
   rows, is embedding-shaped or at most one tile), while the parent's path does.
 
-The cached loss runs its whole GradCache path (embed without gradients, loss and backward to the cached
-embeddings, re-embed and inject) on an identity "model" whose input is the embedding, so the gradient of that
-input is the embedding gradient the cache produces.
+The losses run their own forward: the in-batch ones on an identity "model" whose input is the embedding, the
+GIST ones on stubs whose outputs are given embeddings (the model's the leaf "x", the guide's "g"; both carry
+the same tokenizer and maximum length, as GIST's constructors require, so nothing is re-tokenised). So the
+cached losses run their whole GradCache path (embed without gradients, loss and backward to the cached
+embeddings, re-embed and inject), and the gradient of the leaf is the embedding gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -52,6 +67,19 @@ CASES = {
     "cached_in_batch_hardness": ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3,
                                                                         "hardness_mode": "in_batch_negatives",
                                                                         "hardness_strength": 5.0}, 2),
+}
+
+# GIST at the functional level. name: (gist_loss options, negative columns). sentence-transformers' GISTEmbedLoss
+# takes at most one negative column; its CachedGISTEmbedLoss (the same loss, computed by mini-batches of
+# GIST_MINI_BATCH anchors) takes several, so it is the reference of the case with two.
+GUIDE_DIM = 5
+GIST_MINI_BATCH = 3
+GIST_CASES = {
+    "gist_pairs": ({"temperature": 0.05}, 0),
+    "gist_relative_negative": ({"margin_strategy": "relative", "margin": 0.1, "contrast_anchors": False}, 1),
+    "gist_absolute_negative": ({"margin": 0.05, "contrast_positives": False, "temperature": 0.02}, 1),
+    "gist_two_negatives": ({"margin_strategy": "relative", "margin": -0.05, "contrast_anchors": False,
+                            "contrast_positives": False, "temperature": 0.05}, 2),
 }
 
 # The score-matrix check: B rows per rank, queries, positives and one negative column; the torch backend's
@@ -96,39 +124,154 @@ def _st_losses():
     return losses
 
 
+def gist_batch(world: int, negatives: int, rows: int = ROWS) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The whole GIST batch, world * rows float64 rows a column (rank r holds rows r*rows..): the model's
+    anchors, positives and `negatives` negative columns (DIM wide) and the guide's (GUIDE_DIM wide). The guide
+    repeats, nearly, anchor i (every even i) as another rank's positive and as a negative of another row, so
+    that it removes columns on every rank, columns of other ranks among them."""
+    n = world * rows
+    gen = torch.Generator().manual_seed(500 + 10 * world + negatives)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    anchors, guide_anchors = randn(n, DIM), randn(n, GUIDE_DIM)
+    model = [anchors, anchors + 1.5 * randn(n, DIM), *(randn(n, DIM) for _ in range(negatives))]
+    guide = [guide_anchors, guide_anchors + 0.5 * randn(n, GUIDE_DIM), *(randn(n, GUIDE_DIM) for _ in range(negatives))]
+    for i in range(0, n, 2):  # positive i + rows + 1 is on the next rank; negative i + rows + 1 + k on any
+        for k, column in enumerate(guide[1:]):
+            column[(i + rows + 1 + k) % n] = guide_anchors[i] + 0.01 * randn(GUIDE_DIM)
+    return model, guide
+
+
+def removed_from_other_ranks(world: int, case: str) -> list[int]:
+    """Per rank: how many (row, column) pairs of its rows' positive-positive, anchor-positive and
+    anchor-negative blocks the guide removes with a column of another rank (GISTEmbed's rule, on the whole
+    batch): the gathered comparisons exercise the filter across ranks only when this is not zero."""
+    options, negatives = GIST_CASES[case]
+    unit = [torch.nn.functional.normalize(g, dim=1) for g in gist_batch(world, negatives)[1]]
+    g = (unit[0] * unit[1]).sum(1, keepdim=True)
+    margin = options.get("margin", 0.0)
+    threshold = g - g.abs() * margin if options.get("margin_strategy") == "relative" else g - margin
+    blocks = [unit[0] @ unit[1].T, *(unit[0] @ u.T for u in unit[2:])]
+    if options.get("contrast_positives", True):
+        blocks.append(unit[1] @ unit[1].T)
+    owner = torch.arange(world * ROWS) // ROWS
+    other_rank = owner[:, None] != owner[None, :]  # never a row's own positive
+    removed = sum((block > threshold) & other_rank for block in blocks)
+    return [int(removed[owner == rank].sum()) for rank in range(world)]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+
+
+class _Given(torch.nn.Module):
+    """A sentence "model" whose embedding is the feature `key`."""
+
+    def __init__(self, key: str):
+        super().__init__()
+        self.key = key
+
+    def forward(self, features):
+        return {"sentence_embedding": features[self.key] * 1.0}
+
+
+def given(key: str, tokenizer) -> torch.nn.Sequential:
+    """The model ("x": the embedding, a leaf the test reads .grad of) or the guide ("g") of the GIST losses, with
+    the tokenizer and maximum length their constructors ask for: the same for both, so nothing is re-tokenised
+    and the guide embeds the features the model does."""
+    model = torch.nn.Sequential(_Given(key))  # the cached loss indexes model[0]
+    model.tokenizer, model.max_seq_length = tokenizer, 16
+    return model
+
+
+def gist_class(negatives: int) -> tuple[str, dict]:
+    """The sentence-transformers class that takes `negatives` negative columns, and its extra arguments."""
+    return ("GISTEmbedLoss", {}) if negatives <= 1 else ("CachedGISTEmbedLoss", {"mini_batch_size": GIST_MINI_BATCH})
+
+
+def gist_loss_and_grads(loss, model: list[torch.Tensor], guide: list[torch.Tensor]):
+    """The loss value and the gradient of each model column, through the loss's forward (the cached one's whole
+    GradCache path) on the given embeddings."""
+    leaves = [c.clone().requires_grad_(True) for c in model]
+    value = loss([{"x": x, "g": g} for x, g in zip(leaves, guide)], None)
+    value.backward()
+    return value.detach(), [x.grad for x in leaves]
+
+
 # --------------------------------------------------------------------------------------------------------
 # What each rank runs
 # --------------------------------------------------------------------------------------------------------
 
 
-def _rank_cases(rank: int, world: int) -> dict:
+@contextlib.contextmanager
+def counting(function: str):
+    """Counts (the yielded list's length) the calls of angle_kernels.functional.`function`, the computing half
+    of the drop-ins' fused path."""
     import angle_kernels.functional as ak_functional
+
+    calls, original = [], getattr(ak_functional, function)
+
+    def counted(*args, **kwargs):
+        calls.append(None)
+        return original(*args, **kwargs)
+
+    setattr(ak_functional, function, counted)
+    try:
+        yield calls
+    finally:
+        setattr(ak_functional, function, original)
+
+
+def _rank_cases(rank: int, world: int) -> dict:
     from angle_kernels.integrations import sentence_transformers as ours
 
     st_losses = _st_losses()
-    calls = {"multiple_negatives": 0}
-    original = ak_functional.multiple_negatives
-
-    def counting(*args, **kwargs):
-        calls["multiple_negatives"] += 1
-        return original(*args, **kwargs)
-
-    ak_functional.multiple_negatives = counting
     out = {}
-    try:
+    with counting("multiple_negatives") as calls:
         for name, (class_name, kwargs, columns) in CASES.items():
             local = [c[rank * ROWS:(rank + 1) * ROWS] for c in batch(world, columns)]
             drop_in = getattr(ours, class_name)(identity_model(), gather_across_devices=True, **kwargs)
             parent = getattr(st_losses, class_name)(identity_model(), gather_across_devices=True, **kwargs)
-            calls["multiple_negatives"] = 0
+            calls.clear()
             got = loss_and_grads(drop_in, local)
-            fused_calls = calls["multiple_negatives"]
+            fused_calls = len(calls)
             ref = loss_and_grads(parent, local)
-            assert calls["multiple_negatives"] == fused_calls  # the parent never reaches our code
+            assert len(calls) == fused_calls  # the parent never reaches our code
             out[name] = {"ours": got, "parent": ref, "fused_calls": fused_calls,
                          "uses_fused_path": drop_in.uses_fused_path}
-    finally:
-        ak_functional.multiple_negatives = original
+    return out
+
+
+def _rank_gist(rank: int, world: int) -> dict:
+    """Per case: gist_loss with gather_across_devices=True, sentence-transformers' loss (GISTEmbedLoss, or
+    CachedGISTEmbedLoss for two negative columns) and our drop-in of it, each with its value and the gradients
+    of the rank's model columns."""
+    import angle_kernels.functional as ak_functional
+    from angle_kernels.integrations import sentence_transformers as ours
+
+    st_losses, tokenizer = _st_losses(), _tokenizer()
+    out = {}
+    for name, (options, negatives) in GIST_CASES.items():
+        model, guide = ([c[rank * ROWS:(rank + 1) * ROWS] for c in side] for side in gist_batch(world, negatives))
+        leaves = [c.clone().requires_grad_(True) for c in model]
+        value = ak_functional.gist_loss(leaves[0], leaves[1], guide[0], guide[1], leaves[2:], guide[2:],
+                                        gather_across_devices=True, **options)
+        value.backward()
+        class_name, extra = gist_class(negatives)
+        losses = {label: getattr(module, class_name)(given("x", tokenizer), given("g", tokenizer),
+                                                     gather_across_devices=True, **extra, **options)
+                  for label, module in (("parent", st_losses), ("drop_in", ours))}
+        with counting("gist") as calls:
+            parent = gist_loss_and_grads(losses["parent"], model, guide)
+            parent_calls = len(calls)
+            drop_in = gist_loss_and_grads(losses["drop_in"], model, guide)
+        out[name] = {"functional": (value.detach(), [x.grad for x in leaves]), "parent": parent,
+                     "drop_in": drop_in, "parent_calls": parent_calls, "fused_calls": len(calls) - parent_calls}
     return out
 
 
@@ -197,8 +340,8 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        result = {"cases": _rank_cases(rank, world), "gather": _rank_gather(rank, world),
-                  "shapes": _rank_score_shapes(rank, world)}
+        result = {"cases": _rank_cases(rank, world), "gist": _rank_gist(rank, world),
+                  "gather": _rank_gather(rank, world), "shapes": _rank_score_shapes(rank, world)}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
@@ -249,6 +392,43 @@ def test_ranks_together_equal_one_process_on_the_whole_batch(ranks, case):
     assert rel_err(mean, value) < TOL, (mean.item(), value.item())
     for rank, result in enumerate(results):
         for column, grad in enumerate(result["cases"][case]["ours"][1]):
+            ref = grads[column][rank * ROWS:(rank + 1) * ROWS]
+            assert rel_err(grad / world, ref) < TOL, f"rank {rank}, column {column}"
+
+
+@pytest.mark.parametrize("case", list(GIST_CASES))
+def test_gist_same_loss_and_embedding_gradients_as_sentence_transformers_on_every_rank(ranks, case):
+    world, results = ranks
+    removed = removed_from_other_ranks(world, case)
+    for rank, result in enumerate(results):
+        assert removed[rank] > 0, f"rank {rank}: the guide removes no column of another rank"
+        got = result["gist"][case]
+        assert got["parent_calls"] == 0 and got["fused_calls"] > 0, "the drop-in did not run fused"
+        ref_value, ref_grads = got["parent"]
+        assert len(ref_grads) == 2 + GIST_CASES[case][1]
+        for label in ("functional", "drop_in"):
+            value, grads = got[label]
+            assert rel_err(value, ref_value) < TOL, (label, rank, value.item(), ref_value.item())
+            assert len(grads) == len(ref_grads)
+            for column, (grad, ref) in enumerate(zip(grads, ref_grads)):
+                assert rel_err(grad, ref) < TOL, f"{label}, rank {rank}, column {column}: {rel_err(grad, ref):.2e}"
+
+
+# The anchors are not gathered, so a rank's anchor-anchor block holds its own anchors only: with contrast_anchors
+# the ranks together are not one process on the whole batch (in sentence-transformers as here).
+@pytest.mark.parametrize("case", [name for name, (options, _) in GIST_CASES.items()
+                                  if not options.get("contrast_anchors", True)])
+def test_gist_ranks_together_equal_one_process_on_the_whole_batch(ranks, case):
+    world, results = ranks
+    options, negatives = GIST_CASES[case]
+    class_name, extra = gist_class(negatives)
+    tokenizer = _tokenizer()
+    single = getattr(_st_losses(), class_name)(given("x", tokenizer), given("g", tokenizer), **extra, **options)
+    value, grads = gist_loss_and_grads(single, *gist_batch(world, negatives))  # no gathering, one process
+    mean = torch.stack([result["gist"][case]["functional"][0] for result in results]).mean()
+    assert rel_err(mean, value) < TOL, (mean.item(), value.item())
+    for rank, result in enumerate(results):
+        for column, grad in enumerate(result["gist"][case]["functional"][1]):
             ref = grads[column][rank * ROWS:(rank + 1) * ROWS]
             assert rel_err(grad / world, ref) < TOL, f"rank {rank}, column {column}"
 
