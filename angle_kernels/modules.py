@@ -16,6 +16,7 @@ from .functional import (
     check_angle_dim,
     check_arccon_options,
     check_false_negative_filter,
+    check_nested,
     check_triplets,
     check_two_views,
     check_zigzag,
@@ -75,6 +76,9 @@ class AngleLoss(nn.Module):
         ibn_partition: keyword-only; "angle" (default) or "gte" (see above).
         false_negative_margin: keyword-only; None (default: no filter) or a real number (see above).
         false_negative_strategy: keyword-only; "absolute" (default) or "relative".
+        dims, dim_weights: keyword-only; Matryoshka training (angle_kernels.functional): every term on every
+            prefix of the embeddings, weighted and summed, the prefixes from one read of the embeddings. Not
+            combined yet with format A's "gte" partition or false-negative filter (a ValueError says so).
         backend: keyword-only; "auto" (default), "torch", "triton" or "cuda".
         **kwargs: accepted and ignored, like the reference.
     """
@@ -94,6 +98,8 @@ class AngleLoss(nn.Module):
         ibn_partition: str = "angle",
         false_negative_margin: float | None = None,
         false_negative_strategy: str = "absolute",
+        dims=None,
+        dim_weights=None,
         backend: str | None = None,
         **kwargs,
     ):
@@ -112,7 +118,12 @@ class AngleLoss(nn.Module):
         self.ibn_partition = ibn_partition
         self.false_negative_margin = check_false_negative_filter(false_negative_margin, false_negative_strategy)
         self.false_negative_strategy = false_negative_strategy
+        check_nested(dims, dim_weights, _ANY_WIDTH)  # the widths are checked against the embeddings' in forward
+        self.dims, self.dim_weights = dims, dim_weights
         self.backend = backend
+
+    def _nested(self, outputs: torch.Tensor):
+        return check_nested(self.dims, self.dim_weights, outputs.shape[1], even=self.angle_w > 0)
 
     def extra_repr(self) -> str:
         return (
@@ -120,7 +131,8 @@ class AngleLoss(nn.Module):
             f"cln_w={self.cln_w}, angle_w={self.angle_w}, cosine_tau={self.cosine_tau}, ibn_tau={self.ibn_tau}, "
             f"angle_tau={self.angle_tau}, angle_pooling_strategy={self.angle_pooling_strategy!r}, "
             f"ibn_partition={self.ibn_partition!r}, false_negative_margin={self.false_negative_margin}, "
-            f"false_negative_strategy={self.false_negative_strategy!r}"
+            f"false_negative_strategy={self.false_negative_strategy!r}, dims={self.dims}, "
+            f"dim_weights={self.dim_weights}"
         )
 
     def forward(self, labels: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
@@ -135,17 +147,19 @@ class AngleLoss(nn.Module):
             checks.check_embeddings("outputs", outputs, rows_multiple_of=2, layout="format B: query, positive rows")
             # outputs is checked whole, so the computing half is called rather than the public function, which
             # would scan the same rows for NaN/Inf again (one more device sync per step).
-            return self._contrastive(resolve_backend(self.backend, outputs), outputs[0::2], outputs[1::2], [])
+            return self._contrastive(resolve_backend(self.backend, outputs), outputs[0::2], outputs[1::2], [],
+                                     self._nested(outputs))
         return self._format_c(outputs)
 
-    def _contrastive(self, ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list) -> torch.Tensor:
+    def _contrastive(self, ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list,
+                     nested) -> torch.Tensor:
         """The contrastive terms of formats B and C: query i against [positives; negatives], with the partition
         and the filter chosen (with the defaults, contrastive(queries, [positives; negatives]), the reference's)."""
         return multiple_negatives(ops, queries, positives, negatives, self.ibn_tau, IBN_PARTITIONS[self.ibn_partition],
                                   false_negative_margin=self.false_negative_margin,
-                                  false_negative_strategy=self.false_negative_strategy)
+                                  false_negative_strategy=self.false_negative_strategy, nested=nested)
 
-    def _ranking_terms(self, ops, groups: torch.Tensor, labels: torch.Tensor):
+    def _ranking_terms(self, ops, groups: torch.Tensor, labels: torch.Tensor, nested):
         """(cosine_w * cosine, angle_w * angle) on the pairs (groups[g, 0], groups[g, k]), from one pair-score
         pass; a disabled term is None."""
         if self.cosine_w <= 0 and self.angle_w <= 0:
@@ -156,7 +170,7 @@ class AngleLoss(nn.Module):
             ops, groups, labels,
             cosine_tau=self.cosine_tau if self.cosine_w > 0 else None,
             angle_tau=self.angle_tau if self.angle_w > 0 else None,
-            pooling_strategy=self.angle_pooling_strategy,
+            pooling_strategy=self.angle_pooling_strategy, nested=nested,
         )
         return (None if cosine_term is None else self.cosine_w * cosine_term,
                 None if angle_term is None else self.angle_w * angle_term)
@@ -166,33 +180,42 @@ class AngleLoss(nn.Module):
         if self.ibn_w > 0:
             checks.check_binary_labels("labels", row_labels, "AngleLoss's in-batch-negative term (ibn_w > 0)")
         ops = resolve_backend(self.backend, outputs)
-        cosine_term, angle_term = self._ranking_terms(ops, as_pairs(outputs), row_labels[0::2])
+        nested = self._nested(outputs)
+        cosine_term, angle_term = self._ranking_terms(ops, as_pairs(outputs), row_labels[0::2], nested)
         ibn_term = None
         if self.ibn_w > 0:
             ibn_term = self.ibn_w * in_batch_negatives(
                 ops, row_labels, outputs, self.ibn_tau, partition=self.ibn_partition,
-                false_negative_margin=self.false_negative_margin, false_negative_strategy=self.false_negative_strategy)
+                false_negative_margin=self.false_negative_margin, false_negative_strategy=self.false_negative_strategy,
+                nested=nested)
         return _sum_terms([cosine_term, ibn_term, angle_term], outputs)  # the reference's order of summation
 
     def _format_c(self, outputs: torch.Tensor) -> torch.Tensor:
-        checks.check_embeddings("outputs", outputs, rows_multiple_of=3, layout="format C: query, positive, negative rows")
+        checks.check_embeddings("outputs", outputs, rows_multiple_of=3,
+                                layout="format C: query, positive, negative rows")
         rows, dim = outputs.shape
         groups = rows // 3
         x = outputs.reshape(groups, 3, dim)
         query, positive, negative = x[:, 0], x[:, 1], x[:, 2]
         ops = resolve_backend(self.backend, outputs)
+        nested = self._nested(outputs)
         # The computing halves, called directly: outputs was checked whole just above.
         contrastive_term = None
         if self.ibn_w > 0 or self.cln_w > 0:
             contrastive_term = 0.0
             if self.ibn_w > 0:
-                contrastive_term = self.ibn_w * self._contrastive(ops, query, positive, [])
+                contrastive_term = self.ibn_w * self._contrastive(ops, query, positive, [], nested)
             if self.cln_w > 0:
-                contrastive_term = contrastive_term + self.cln_w * self._contrastive(ops, query, positive, [negative])
+                contrastive_term = contrastive_term + self.cln_w * self._contrastive(ops, query, positive, [negative],
+                                                                                     nested)
             contrastive_term = contrastive_term / 2
         pair_labels = torch.cat((torch.ones(groups, device=outputs.device), torch.zeros(groups, device=outputs.device)))
-        cosine_term, angle_term = self._ranking_terms(ops, x, pair_labels)
+        cosine_term, angle_term = self._ranking_terms(ops, x, pair_labels, nested)
         return _sum_terms([contrastive_term, angle_term, cosine_term], outputs)  # the reference's order
+
+
+# check_nested's width bound before the embeddings are known (the real one is checked in forward)
+_ANY_WIDTH = 1 << 62
 
 
 def _sum_terms(terms: list, outputs: torch.Tensor) -> torch.Tensor:
@@ -216,21 +239,24 @@ class ArcCSELoss(nn.Module):
         tau: ArcCon's temperature (0.05).
         triplet_weight: lambda (0.1).
         triplet_margin: the triplet loss's margin (0.0).
+        dims, dim_weights: keyword-only; Matryoshka training (angle_kernels.functional), both terms.
         backend: keyword-only; "auto" (default), "torch", "triton" or "cuda".
     """
 
     def __init__(self, margin_degrees: float = 10.0, tau: float = 0.05, triplet_weight: float = 0.1,
-                 triplet_margin: float = 0.0, *, backend: str | None = None):
+                 triplet_margin: float = 0.0, *, dims=None, dim_weights=None, backend: str | None = None):
         super().__init__()
         self.margin_radians, self.tau = check_arccon_options(margin_degrees, tau)
         self.margin_degrees = float(margin_degrees)
         self.triplet_weight = checks.check_scalar("triplet_weight", triplet_weight)
         self.triplet_margin = checks.check_scalar("triplet_margin", triplet_margin)
+        check_nested(dims, dim_weights, _ANY_WIDTH)  # the widths are checked against the embeddings' in forward
+        self.dims, self.dim_weights = dims, dim_weights
         self.backend = backend
 
     def extra_repr(self) -> str:
         return (f"margin_degrees={self.margin_degrees}, tau={self.tau}, triplet_weight={self.triplet_weight}, "
-                f"triplet_margin={self.triplet_margin}")
+                f"triplet_margin={self.triplet_margin}, dims={self.dims}, dim_weights={self.dim_weights}")
 
     def forward(self, h1, h2, anchor=None, weak=None, strong=None):
         given = [t is not None for t in (anchor, weak, strong)]
@@ -238,8 +264,9 @@ class ArcCSELoss(nn.Module):
             raise ValueError("ArcCSELoss needs all three of anchor, weak and strong for the triplet term, or none")
         check_two_views(h1, h2)
         ops = resolve_backend(self.backend, h1)
-        loss = arccon(ops, h1, h2, self.margin_radians, self.tau)
+        nested = check_nested(self.dims, self.dim_weights, h1.shape[1])
+        loss = arccon(ops, h1, h2, self.margin_radians, self.tau, nested)
         if all(given) and self.triplet_weight != 0:
             check_triplets(anchor, weak, strong)
-            loss = loss + self.triplet_weight * triplet(ops, anchor, weak, strong, self.triplet_margin)
+            loss = loss + self.triplet_weight * triplet(ops, anchor, weak, strong, self.triplet_margin, nested)
         return loss

@@ -32,6 +32,7 @@ inputs agree).
 from __future__ import annotations
 
 import inspect
+import random
 import warnings
 from collections.abc import Callable
 from typing import Literal
@@ -58,6 +59,7 @@ __all__ = [
     "CachedMultipleNegativesSymmetricRankingLoss",
     "GISTEmbedLoss",
     "CachedGISTEmbedLoss",
+    "MatryoshkaLoss",
 ]
 
 _DIRECTIONS = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
@@ -558,3 +560,76 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
             raise ValueError("reps and reps_guided must have the same length")
         loss = _fused_gist(self, [torch.cat(column) for column in reps], [torch.cat(column) for column in reps_guided])
         return _grad_cache_step(loss, with_backward)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Matryoshka: every nested dimension from one read of the embeddings
+# --------------------------------------------------------------------------------------------------------
+def _matryoshka_unfused_reason(inner, dims: tuple[int, ...]) -> str | None:
+    """Why MatryoshkaLoss over `inner` cannot run as one fused call; None when it can."""
+    if not hasattr(inner, "_fused_loss") and not hasattr(inner, "_fused_cached_loss"):
+        return f"{type(inner).__name__} is not one of angle_kernels' fused drop-ins with a Matryoshka path"
+    if not inner.uses_fused_path:
+        return f"{type(inner).__name__} itself runs unfused in this configuration"
+    if getattr(inner, "similarity_fct", None) is _st_util.pairwise_angle_sim and any(d % 2 for d in dims):
+        return "the angle similarity pads an odd width with a zero column; the fused angle score needs even dims"
+    return None
+
+
+class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
+    """sentence-transformers' MatryoshkaLoss, fused: sum_i w_i * loss(embeddings[..., :d_i]) in one call.
+
+    The parent embeds once but calls the inner loss once per dimension, each call reading the embeddings
+    again; here, when `loss` is one of this module's fused drop-ins (CoSENTLoss, AnglELoss, the
+    MultipleNegativesRankingLoss family, and their cached versions), the model embeds once and one
+    angle_kernels call computes every selected dimension from one read of the embeddings (the ops' nested
+    prefixes; see angle_kernels.dispatch). Same arguments, values and gradients as the parent, including the
+    sampling of `n_dims_per_step` dimensions (the same `random.sample` call, so the same dimensions under the
+    same seed) and the parent's normalisation of each truncated embedding (a dot-product similarity is then a
+    cosine). `uses_fused_path` says whether the fused call runs; otherwise (another inner loss, an inner loss
+    configured unfused, odd dims with the angle similarity) the parent's per-dimension loop runs.
+    MultipleNegativesRankingLoss options that need similarity_lse (joint partitions over several directions,
+    hardness) run one pass per dimension inside angle_kernels for now: still one call, not yet one read.
+    """
+
+    def __init__(self, model, loss, matryoshka_dims, matryoshka_weights=None, n_dims_per_step: int = -1) -> None:
+        super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
+        if self.uses_gradient_cache:
+            # the parent decorated loss.calculate_loss with its per-dimension loop: keep it as the fallback
+            loss.calculate_loss = _FusedCachedMatryoshka(self, loss.calculate_loss)
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return _matryoshka_unfused_reason(self.loss, self.matryoshka_dims) is None
+
+    def _selected(self, width: int, sort: bool) -> _functional.Nested:
+        """The dimensions of this step with their weights: all, or n_dims_per_step drawn as the parent draws
+        them (its forward sorts the draw, its cached decorator does not; the sum is the same either way)."""
+        indices = range(len(self.matryoshka_dims))
+        if 0 < self.n_dims_per_step < len(indices):
+            indices = random.sample(indices, self.n_dims_per_step)
+            if sort:
+                indices.sort()
+        return _functional.check_nested([self.matryoshka_dims[i] for i in indices],
+                                        [float(self.matryoshka_weights[i]) for i in indices], width)
+
+    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+        if self.uses_gradient_cache or not self.uses_fused_path:
+            return super().forward(sentence_features, labels)
+        embeddings = _embed_columns(self.model, list(sentence_features))
+        return self.loss._fused_loss(embeddings, labels, self._selected(embeddings[0].shape[-1], sort=True))
+
+
+class _FusedCachedMatryoshka:
+    """A cached loss's calculate_loss under MatryoshkaLoss: one fused call for every selected dimension on the
+    whole cached batch, or the parent's per-dimension decorator when the configuration runs unfused."""
+
+    def __init__(self, matryoshka: MatryoshkaLoss, parent_decorator) -> None:
+        self.matryoshka = matryoshka
+        self.parent_decorator = parent_decorator
+
+    def __call__(self, reps: list[list[Tensor]], *args, with_backward: bool = False, **kwargs) -> Tensor:
+        if not self.matryoshka.uses_fused_path:
+            return self.parent_decorator(reps, *args, with_backward=with_backward, **kwargs)
+        nested = self.matryoshka._selected(reps[0][0].shape[-1], sort=False)
+        return self.matryoshka.loss._fused_cached_loss(reps, with_backward, nested)

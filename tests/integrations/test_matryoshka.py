@@ -1,0 +1,90 @@
+"""MatryoshkaLoss over angle_kernels' fused drop-ins against sentence-transformers' MatryoshkaLoss over its own
+losses: the same value and parameter gradients on the same tiny model and batch (float64), for all
+dimensions, for weighted ones, for n_dims_per_step sampling under the same seed, and for the cached loss; the
+fused path computes every dimension in one call of the loss's computing half (the parent's loop calls the
+inner loss once per dimension), and the configurations it cannot express run the parent's loop.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("sentence_transformers")
+
+import angle_kernels.functional as ak_functional  # noqa: E402
+from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
+from sentence_transformers import util as st_util  # noqa: E402
+from test_sentence_transformers import (  # noqa: E402
+    ALL_DIRECTIONS, FUSED_FUNCTIONS, GRADED, compare, fused_calls, model64, st_losses,
+)
+
+SYMMETRIC = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}
+
+# (inner class, its kwargs, text columns, labels, matryoshka_dims, matryoshka_weights, n_dims_per_step, fused);
+# the tiny model's embeddings are 32 wide
+CASES = [
+    ("CoSENTLoss", {}, 2, GRADED, (32, 16, 8, 4), None, -1, True),
+    ("CoSENTLoss", {"similarity_fct": st_util.pairwise_angle_sim}, 2, GRADED, (32, 8, 6), (1.0, 0.5, 2.0), -1, True),
+    ("CoSENTLoss", {"similarity_fct": st_util.pairwise_angle_sim}, 2, GRADED, (32, 7), None, -1, False),
+    ("AnglELoss", {}, 3, None, (8, 32, 16), (0.5, 1.0, 2.0), -1, True),
+    ("MultipleNegativesRankingLoss", {}, 3, None, (32, 16, 8, 4), (1, 1, 0.5, 0.25), -1, True),
+    ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.dot_score, "scale": 1.0}, 2, None, (32, 8), None,
+     -1, True),
+    ("MultipleNegativesRankingLoss", SYMMETRIC, 2, None, (32, 16), None, -1, True),
+    ("MultipleNegativesRankingLoss", {"directions": ALL_DIRECTIONS, "hardness_mode": "hard_negatives",
+                                      "hardness_strength": 2.0}, 3, None, (32, 16, 8), None, -1, True),
+    ("MultipleNegativesRankingLoss", {}, 2, None, (32, 24, 16, 8, 4), None, 2, True),
+    ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.euclidean_sim}, 2, None, (32, 16), None, -1, False),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 3, None, (32, 16, 8), None, -1, True),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3}, 2, None, (32, 16, 8, 4), (4, 3, 2, 1), 2, True),
+]
+
+
+class Seeded:
+    """Calls the loss right after random.seed(seed), so both sides draw the same n_dims_per_step dimensions."""
+
+    def __init__(self, loss, seed: int = 7):
+        self.loss, self.seed = loss, seed
+
+    def __call__(self, *args):
+        random.seed(self.seed)
+        return self.loss(*args)
+
+
+@pytest.mark.parametrize("inner, kwargs, columns, labels, dims, weights, per_step, fused", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_same_value_and_gradients_as_sentence_transformers(model64, fused_calls, inner, kwargs, columns, labels,
+                                                           dims, weights, per_step, fused):
+    original = st_losses.MatryoshkaLoss(model64, getattr(st_losses, inner)(model64, **kwargs), dims, weights,
+                                        n_dims_per_step=per_step)
+    replacement = ours.MatryoshkaLoss(model64, getattr(ours, inner)(model64, **kwargs), dims, weights,
+                                      n_dims_per_step=per_step)
+    assert isinstance(replacement, st_losses.MatryoshkaLoss)
+    assert replacement.uses_fused_path is fused
+    assert replacement.get_config_dict() == original.get_config_dict()
+
+    compare(model64, Seeded(original), Seeded(replacement), columns, labels, value_tol=1e-12, grad_tol=1e-10)
+    calls = sum(fused_calls.values())
+    if fused:
+        assert calls == 1, f"one fused call for every dimension, got {fused_calls}"
+    elif inner != "MultipleNegativesRankingLoss":
+        used = min(len(dims), per_step) if per_step > 0 else len(dims)
+        assert calls == used, f"the parent's loop calls the inner loss once per dimension, got {fused_calls}"
+
+
+def test_the_sampled_dimensions_change_with_the_seed(model64):
+    """n_dims_per_step draws from Python's random module as the parent does: different seeds, different losses
+    (so the seeded parity above is not comparing one fixed draw)."""
+    loss = ours.MatryoshkaLoss(model64, ours.MultipleNegativesRankingLoss(model64), (32, 24, 16, 8, 4),
+                               n_dims_per_step=1)
+    from test_sentence_transformers import batch_columns
+
+    values = {float(Seeded(loss, seed)(batch_columns(model64, 2), None)) for seed in range(6)}
+    assert len(values) > 1
+
+
+def test_the_fused_functions_are_the_ones_counted():
+    assert {"ranking_terms", "multiple_negatives"} <= set(FUSED_FUNCTIONS)
+    assert all(hasattr(ak_functional, name) for name in FUSED_FUNCTIONS)
