@@ -18,6 +18,8 @@ with angle_kernels' fused losses:
     MultipleNegativesSymmetricRankingLoss, CachedMultipleNegativesSymmetricRankingLoss
                                         the same with the per-direction symmetric directions (deprecated
                                         upstream, kept for the scripts that name them)
+    MatryoshkaLoss                      over the fused losses above: every (sampled) dimension in one fused
+                                        call, from one read of the embeddings
 
 Argument combinations that the fused losses cannot express run the parent class's own computation,
 unchanged; each class's docstring lists them, and `loss.uses_fused_path` tells which path a configured loss
