@@ -215,6 +215,7 @@ def save_best(cfg: TrainConfig, encoder, tokenizer, prompt: str | None) -> str:
     best = os.path.join(cfg.output_dir, "best")
     shutil.rmtree(best + ".tmp", ignore_errors=True)  # left by a run killed while writing it
     save_pretrained(encoder, tokenizer, best + ".tmp", max_length=cfg.max_length, prompt=prompt,
-                    adapter_only=is_peft_model(encoder.backbone), base_model=cfg.model)
+                    adapter_only=is_peft_model(encoder.backbone), base_model=cfg.model,
+                    matryoshka_dims=cfg.matryoshka_dims)
     _swap_in(best + ".tmp", best)
     return best

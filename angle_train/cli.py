@@ -32,6 +32,10 @@ examples:
   torchrun --nproc-per-node 8 -m angle_train.cli --model meta-llama/Llama-2-7b-hf --lora 1 --lora-r 32 \\
       --prompt angle --bf16 1 --train-data nli.jsonl --batch-size 32768 --chunk-size 512 --lr 2e-4
 
+  # Matryoshka: every listed prefix of the embeddings trained; dev Spearman reported at each width
+  angle-train --model sentence-transformers/all-MiniLM-L6-v2 --train-data sts-train.csv --dev-data sts-dev.csv \\
+      --pooling avg --cosine-w 1 --ibn-w 0 --angle-w 1 --matryoshka-dims 384 256 128 64 32
+
   # the same settings from a file (keys are the flag names, with - or _), a flag still wins
   angle-train --config run.yaml --lr 1e-4
 
@@ -80,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         if kind == "bool":
             kwargs.update(type=parse_bool, nargs="?", const=True, metavar="0|1")
         elif kind == "list":
-            kwargs.update(nargs="*", metavar="NAME")
+            kwargs.update(nargs="*", metavar=f.metadata.get("metavar", "NAME"))
         elif kind == "int":
             kwargs.update(type=int)
         elif kind == "float":

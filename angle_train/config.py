@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -77,6 +78,14 @@ class TrainConfig:
                                        "in-batch-negative terms", group="loss")
     false_negative_strategy: str = opt("absolute", "the filter's threshold: absolute (cos_pos - margin) or relative "
                                        "(cos_pos - |cos_pos| * margin)", group="loss", choices=["absolute", "relative"])
+    matryoshka_dims: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
+                                "Matryoshka training (default: off): prefix widths, e.g. 768 512 256 128 64; every "
+                                "loss term on every prefix embeddings[:, :d], weighted and summed (even widths while "
+                                "--angle-w > 0; not with format A's --ibn-partition gte or false-negative filter). "
+                                "Dev Spearman is then reported at each width too", group="loss", metavar="DIM")
+    matryoshka_weights: list = opt([],  # noqa: RUF009
+                                   "weight of each --matryoshka-dims width, in the same order (default: 1 each)",
+                                   group="loss", metavar="WEIGHT")
     # ---- evaluation, checkpoints, logging
     output_dir: str = opt("runs/angle", "where checkpoints, metrics.jsonl, best/ and final/ go", group="run")
     eval_every: int = opt(0, "evaluate on dev_data every N optimizer steps (0 = only at the end)", group="run")
@@ -104,4 +113,39 @@ class TrainConfig:
             raise ValueError("epochs must be > 0 (or set max_steps)")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0; got {self.lr}")
+        self._validate_matryoshka()
         return self
+
+    def _validate_matryoshka(self) -> None:
+        """Turn the flags' words (the CLI passes list items as strings) into ints and floats, or say which is wrong.
+        The bound by the model's embedding width is checked once the model is loaded (trainer.setup)."""
+        for flag, values in (("--matryoshka-dims", self.matryoshka_dims),
+                             ("--matryoshka-weights", self.matryoshka_weights)):
+            if not isinstance(values, (list, tuple)):  # a string would be read one character at a time
+                raise ValueError(f"{flag}: expected a list of numbers; got {values!r}")
+        dims = [_number("--matryoshka-dims", value, int) for value in self.matryoshka_dims]
+        weights = [_number("--matryoshka-weights", value, float) for value in self.matryoshka_weights]
+        if weights and not dims:
+            raise ValueError("--matryoshka-weights needs --matryoshka-dims (the widths they weight)")
+        if any(d < 1 for d in dims):
+            raise ValueError(f"--matryoshka-dims must be positive widths; got {dims}")
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"--matryoshka-dims must be distinct; got {dims}")
+        if weights and len(weights) != len(dims):
+            raise ValueError(f"--matryoshka-weights needs one weight per --matryoshka-dims width: {len(dims)} widths, "
+                             f"{len(weights)} weights")
+        if any(not math.isfinite(w) or w <= 0 for w in weights):
+            raise ValueError(f"--matryoshka-weights must be finite and > 0 (leave a width out to not train it); "
+                             f"got {weights}")
+        self.matryoshka_dims, self.matryoshka_weights = dims, weights
+
+
+def _number(flag: str, value, kind: type):
+    """`value` (a CLI word, or a number from a config file) as an int or a float; bools and fractional ints are
+    refused rather than silently truncated."""
+    try:
+        if isinstance(value, bool) or (kind is int and isinstance(value, float)):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag}: expected {'integers' if kind is int else 'numbers'}; got {value!r}") from None

@@ -8,7 +8,10 @@
       `cls_avg` has no sentence-transformers equivalent, so that folder is left out for it, with a note).
       A prompt (e.g. --prompt angle) is recorded only in angle_train.json: sentence-transformers does not apply
       it, so with a prompt wrap the texts yourself or load the folder with `load_pretrained`;
-    * angle_train.json: pooling, prompt, max length, padding side, for `load_pretrained`.
+    * angle_train.json: pooling, prompt, max length, padding side, for `load_pretrained`; for a Matryoshka-trained
+      model also `matryoshka_dims`, the prefix widths it was trained at, largest first. Truncation is a load-time
+      choice in sentence-transformers (`SentenceTransformer(path, truncate_dim=256)`, which does not read a saved
+      value), and `encoder.encode(texts, tokenizer, dim=256)` here.
 With `adapter_only=True` (LoRA only) it writes just the peft adapter (adapter_config.json,
 adapter_model.safetensors) and angle_train.json: small, for best-checkpoint keeping on LLMs.
 """
@@ -35,7 +38,8 @@ def _write_json(path: str, obj) -> None:
 
 
 def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, prompt: str | None = None,
-                    adapter_only: bool = False, merge_in_place: bool = False, base_model: str | None = None) -> str:
+                    adapter_only: bool = False, merge_in_place: bool = False, base_model: str | None = None,
+                    matryoshka_dims=None) -> str:
     """Write the folder described in the module docstring; returns path.
 
     merge_in_place=True merges LoRA weights into the live model (no copy: for the end of training on a large
@@ -45,7 +49,8 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, prompt: s
     backbone = encoder.backbone
     meta = {"pooling": encoder.pooling, "is_decoder": encoder.is_decoder, "padding_side": encoder.padding_side,
             "prompt": prompt, "max_length": max_length, "base_model": base_model,
-            "lora": is_peft_model(backbone), "adapter_only": adapter_only}
+            "lora": is_peft_model(backbone), "adapter_only": adapter_only,
+            "matryoshka_dims": sorted(matryoshka_dims, reverse=True) if matryoshka_dims else None}
     if adapter_only:
         if not is_peft_model(backbone):
             raise ValueError("adapter_only=True needs a LoRA (peft) model")
@@ -63,7 +68,7 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, prompt: s
     tokenizer.save_pretrained(path)
     _write_json(os.path.join(path, META_FILE), meta)
     if encoder.pooling in ST_POOLING_KEYS:
-        _write_sentence_transformers_files(path, encoder, backbone.config.hidden_size, max_length)
+        _write_sentence_transformers_files(path, encoder, encoder.embedding_dim, max_length)
     else:
         print(f"note: pooling {encoder.pooling!r} has no sentence-transformers equivalent; "
               f"{path} is a Hugging Face folder only")

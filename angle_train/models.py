@@ -132,6 +132,11 @@ class Encoder(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    @property
+    def embedding_dim(self) -> int:
+        """The width of the embeddings: every pooling strategy keeps the hidden size."""
+        return self.backbone.config.hidden_size
+
     def _autocast(self):
         if self.autocast is None:
             return contextlib.nullcontext()
@@ -155,8 +160,10 @@ class Encoder(nn.Module):
 
     @torch.no_grad()
     def encode(self, texts, tokenizer, *, batch_size: int = 64, max_length: int = 512, prompt: str | None = None,
-               normalize: bool = False) -> torch.Tensor:
-        """Embed a list of strings for inference: batched, longest-first (less padding), original order out."""
+               normalize: bool = False, dim: int | None = None) -> torch.Tensor:
+        """Embed a list of strings for inference: batched, longest-first (less padding), original order out.
+        dim: keep the first `dim` features (a Matryoshka-trained model's prefix); normalize applies after the cut,
+        so the prefix has unit norm."""
         from .data import apply_prompt, pad_batch  # data imports nothing from here; keep the modules independent
 
         if isinstance(texts, str):
@@ -166,13 +173,27 @@ class Encoder(nn.Module):
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         was_training = self.training
         self.eval()
-        out = torch.empty(len(ids), self.backbone.config.hidden_size, dtype=torch.float32)
+        check_dim(dim, self.embedding_dim)  # before the forward passes, not after them
+        out = torch.empty(len(ids), self.embedding_dim, dtype=torch.float32)
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
             input_ids, mask = pad_batch([ids[i] for i in rows], self.pad_token_id, self.padding_side, self.device)
             out[rows] = self(input_ids, mask).cpu()
         self.train(was_training)
+        out = truncate(out, dim)
         return torch.nn.functional.normalize(out, dim=-1) if normalize else out
+
+
+def check_dim(dim: int | None, width: int) -> None:
+    """dim: None (every feature) or a prefix width 1 <= dim <= width."""
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= width):
+        raise ValueError(f"dim must be None or an int from 1 to the embedding width {width}; got {dim!r}")
+
+
+def truncate(embeddings: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """The first `dim` features of each embedding [..., D] (Matryoshka truncation); dim=None keeps them all."""
+    check_dim(dim, embeddings.shape[-1])
+    return embeddings if dim is None else embeddings[..., :dim]
 
 
 def prepare_tokenizer(tokenizer, is_decoder: bool):

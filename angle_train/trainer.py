@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from angle_kernels import AngleLoss
+from angle_kernels.functional import check_nested
 
 from . import distributed
 from .checkpoint import Position, checkpoint_to_resume, load_checkpoint, save_best, save_checkpoint
@@ -35,7 +36,7 @@ from .config import TrainConfig
 from .data import ANGLE_PROMPT, Example, TokenizedPairs, epoch_batches, load_examples, pad_batch
 from .export import save_pretrained
 from .grad_cache import grad_cache_step, plain_step
-from .models import LoraSettings, load_encoder, prepare_tokenizer, wrap_backbone
+from .models import LoraSettings, check_dim, load_encoder, prepare_tokenizer, truncate, wrap_backbone
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -131,6 +132,8 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
     encoder, tokenizer = build_encoder(cfg, device) if model is None else (model[0].to(device), model[1])
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
+    if cfg.matryoshka_dims:
+        check_matryoshka_dims(cfg, encoder.embedding_dim)
 
     if train_examples is None:
         train_examples = read_data(cfg.train_data, cfg.data_format, cfg.train_split)
@@ -177,7 +180,20 @@ def build_loss(cfg: TrainConfig, fmt: str) -> AngleLoss:
     return AngleLoss(cosine_w=cfg.cosine_w, ibn_w=cfg.ibn_w, cln_w=cfg.cln_w, angle_w=cfg.angle_w,
                      cosine_tau=cfg.cosine_tau, ibn_tau=cfg.ibn_tau, angle_tau=cfg.angle_tau, dataset_format=fmt,
                      ibn_partition=cfg.ibn_partition, false_negative_margin=cfg.false_negative_margin,
-                     false_negative_strategy=cfg.false_negative_strategy)
+                     false_negative_strategy=cfg.false_negative_strategy, dims=tuple(cfg.matryoshka_dims) or None,
+                     dim_weights=tuple(cfg.matryoshka_weights) or None)
+
+
+def check_matryoshka_dims(cfg: TrainConfig, width: int) -> None:
+    """--matryoshka-dims against the model's embedding width, once the model is loaded: AngleLoss would check it
+    only at the first step, with a message that cannot name the flag. The rules are AngleLoss's own."""
+    even = cfg.angle_w > 0  # the angle score splits each prefix in halves
+    try:
+        check_nested(cfg.matryoshka_dims, cfg.matryoshka_weights or None, width, even=even)
+    except ValueError as exc:
+        raise ValueError(f"--matryoshka-dims {' '.join(map(str, cfg.matryoshka_dims))} does not fit {cfg.model}, "
+                         f"whose embeddings have {width} dimensions{' (and --angle-w > 0)' if even else ''}: "
+                         f"{exc}") from None
 
 
 def build_encoder(cfg: TrainConfig, device: torch.device):
@@ -293,37 +309,57 @@ def batch_order(cfg: TrainConfig, dataset: TokenizedPairs, epoch: int) -> list[l
 
 
 def evaluate(run: Run) -> None:
-    """Dev Spearman on the main process; a new best model is exported to output_dir/best. Every process then
-    holds the best score, which is part of the position a checkpoint saves."""
+    """Dev Spearman on the main process, and with --matryoshka-dims at each narrower width too (dev_spearman@d);
+    a new best model by the full width's score is exported to output_dir/best. Every process then holds the
+    best score, which is part of the position a checkpoint saves."""
     position = run.position
     if run.dist_info.is_main:
-        score = sts_spearman(run.encoder, run.tokenizer, run.dev_examples, batch_size=run.cfg.eval_batch_size,
-                             max_length=run.cfg.max_length, prompt=run.prompt)
+        truncated = sorted((d for d in run.cfg.matryoshka_dims if d < run.encoder.embedding_dim), reverse=True)
+        scores = sts_spearman_by_dim(run.encoder, run.tokenizer, run.dev_examples, [None, *truncated],
+                                     batch_size=run.cfg.eval_batch_size, max_length=run.cfg.max_length,
+                                     prompt=run.prompt)
+        score = scores[None]
         improved = position.best is None or score > position.best
         if improved:
             position.best = score
             if run.cfg.save_best:
                 save_best(run.cfg, run.encoder, run.tokenizer, run.prompt)
-        row = {"step": position.step, "dev_spearman": score, "best_dev_spearman": position.best}
+        row = {"step": position.step, "dev_spearman": score, **{f"dev_spearman@{d}": scores[d] for d in truncated},
+               "best_dev_spearman": position.best}
         run.result.evals.append(row)
         run.log.write(row)
-        print(f"\nstep {position.step}: dev Spearman {score:.4f}" + (" (best)" if improved else ""), flush=True)
+        print(f"\nstep {position.step}: dev Spearman {score:.4f}" + (" (best)" if improved else "")
+              + "".join(f" | @{d} {scores[d]:.4f}" for d in truncated), flush=True)
     position.best = distributed.broadcast_from_main(position.best, run.dist_info)
 
 
 def sts_spearman(encoder, tokenizer, examples: list[Example], *, batch_size: int = 128, max_length: int = 512,
-                 prompt: str | None = None) -> float:
-    """Spearman's rho (scipy) of cos(embed(text1), embed(text2)) against the labels of format-A examples."""
+                 prompt: str | None = None, dim: int | None = None) -> float:
+    """Spearman's rho (scipy) of cos(embed(text1), embed(text2)) against the labels of format-A examples; dim: the
+    cosine of the first `dim` features only (a Matryoshka prefix; None: the whole embeddings)."""
+    return sts_spearman_by_dim(encoder, tokenizer, examples, [dim], batch_size=batch_size, max_length=max_length,
+                               prompt=prompt)[dim]
+
+
+def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, batch_size: int = 128,
+                        max_length: int = 512, prompt: str | None = None) -> dict:
+    """{dim: sts_spearman(..., dim=dim)} for each of dims (None: the whole embeddings), the texts embedded once."""
     from scipy.stats import spearmanr
 
     if not examples or len(examples[0].texts) != 2:
         raise ValueError("STS evaluation needs format-A examples (text1, text2, label)")
+    for dim in dims:
+        check_dim(dim, encoder.embedding_dim)  # before embedding the texts, not after
     first = encoder.encode([ex.texts[0] for ex in examples], tokenizer, batch_size=batch_size,
                            max_length=max_length, prompt=prompt)
     second = encoder.encode([ex.texts[1] for ex in examples], tokenizer, batch_size=batch_size,
                             max_length=max_length, prompt=prompt)
-    cosine = torch.nn.functional.cosine_similarity(first, second, dim=-1)
-    return float(spearmanr(cosine.numpy(), [ex.label for ex in examples]).statistic)
+    labels = [ex.label for ex in examples]
+    scores = {}
+    for dim in dims:
+        cosine = torch.nn.functional.cosine_similarity(truncate(first, dim), truncate(second, dim), dim=-1)
+        scores[dim] = float(spearmanr(cosine.numpy(), labels).statistic)
+    return scores
 
 
 # -------------------------------------------------------------------------------------------------- finish
@@ -340,7 +376,7 @@ def finish(run: Run) -> TrainResult:
     if cfg.save_final:
         result.final_path = save_pretrained(run.encoder, run.tokenizer, os.path.join(cfg.output_dir, "final"),
                                             max_length=cfg.max_length, prompt=run.prompt, merge_in_place=False,
-                                            base_model=cfg.model)
+                                            base_model=cfg.model, matryoshka_dims=cfg.matryoshka_dims)
     last = result.history[-1] if result.history else {}
     print(f"done: {position.step} steps | last loss {last.get('loss', float('nan')):.4f} | "
           f"{last.get('pairs_per_s', 0):.1f} pairs/s | {last.get('tokens_per_s', 0):.0f} tokens/s | "

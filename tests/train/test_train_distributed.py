@@ -17,6 +17,8 @@ from angle_train.trainer import build_loss
 N_PAIRS = 8  # 4 pairs per rank
 # AngleLoss's in-batch-negative options, as angle-train's flags: GTE's joint partition, the false-negative filter
 GTE_FILTERED = ("--ibn-partition", "gte", "--false-negative-margin", "0.1")
+# Matryoshka: the first option alone (one width, 8) and then three weighted widths
+MATRYOSHKA = ("--matryoshka-dims", "8", "32", "16", "--matryoshka-weights", "2", "1", "0.5")
 
 
 def _free_port() -> int:
@@ -57,15 +59,15 @@ def _rank_main(rank, world, port, arch, fmt, chunk_rows, flags, out_dir):
 
 
 @pytest.mark.parametrize("arch, fmt, chunk_rows, flags", [("bert", "A", None, ()), ("llama", "B", 3, ()),
-                                                        ("bert", "B", 3, GTE_FILTERED)],
-                         ids=["bert-A-None", "llama-B-3", "bert-B-3-gte-filtered"])
+                                                        ("bert", "B", 3, GTE_FILTERED), ("bert", "B", 3, MATRYOSHKA)],
+                         ids=["bert-A-None", "llama-B-3", "bert-B-3-gte-filtered", "bert-B-3-matryoshka"])
 def test_two_process_all_gather_equals_single_process(tmp_path, arch, fmt, chunk_rows, flags):
     """chunk_rows=None: plain backprop; 3: gradient cache with no_sync on all but the last chunk. flags: the loss
     options of angle-train's command line (the default AngleLoss of the format without)."""
     mp.spawn(_rank_main, args=(2, _free_port(), arch, fmt, chunk_rows, flags, str(tmp_path)), nprocs=2, join=True)
     encoder, batch, loss_fn = _setup(arch, fmt, flags)
     chunks = [pad_batch(batch.seqs, encoder.pad_token_id, encoder.padding_side)]
-    if flags:  # each option changes this batch's loss (the default, GTE's, GTE's filtered), so the check tests them
+    if flags:  # each option changes this batch's loss (the default, the first option, all), so the check tests them
         with torch.no_grad():
             embeddings = encoder(*chunks[0])
         values = [float(build_loss(config_from_args(list(f)), fmt)(batch.labels, embeddings))

@@ -7,8 +7,10 @@ import torch
 from train_helpers import demo_batch, graded_or_contrastive_loss, make_encoder, param_grads
 
 from angle_kernels import AngleLoss
+from angle_train.cli import config_from_args
 from angle_train.data import pad_batch
 from angle_train.grad_cache import RngState, grad_cache_step, plain_step
+from angle_train.trainer import build_loss
 
 
 def _chunks(encoder, batch, rows):
@@ -67,6 +69,28 @@ def test_grad_cache_in_chunks_equals_one_plain_pass_over_the_whole_batch(arch, f
     loss_c, cached, _ = _grads(encoder, grad_cache_step, _chunks(encoder, batch, 3), batch.labels, loss_fn, seed=0)
     torch.testing.assert_close(loss_c, loss_p, rtol=1e-10, atol=1e-12)
     _assert_same(cached, plain)
+
+
+@pytest.mark.parametrize("arch, fmt, flags", [
+    ("bert", "A", ["--cosine-w", "1", "--ibn-w", "0", "--angle-w", "1"]),  # the ranking terms (graded labels)
+    ("llama", "B", []),  # the contrastive term
+])
+def test_matryoshka_grad_cache_equals_plain_backprop(arch, fmt, flags):
+    """--matryoshka-dims: the loss sees the gathered embeddings whole, so the gradient cache (--chunk-size) still
+    equals plain backprop, dropout included."""
+    encoder, tokenizer = make_encoder(arch, dropout=0.2)
+    encoder.train()
+    batch = demo_batch(tokenizer, 10, fmt)
+    loss_fn = build_loss(config_from_args([*flags, "--matryoshka-dims", "32", "8", "16",
+                                           "--matryoshka-weights", "1", "0.5", "2"]), fmt)
+    loss_p, plain, _ = _grads(encoder, plain_step, _chunks(encoder, batch, None), batch.labels, loss_fn, seed=3)
+    loss_c, cached, _ = _grads(encoder, grad_cache_step, _chunks(encoder, batch, 3), batch.labels, loss_fn, seed=3)
+    torch.testing.assert_close(loss_c, loss_p, rtol=1e-10, atol=1e-12)
+    _assert_same(cached, plain)
+    # the widths change this batch's loss, so the equality above is about the Matryoshka loss
+    full_width, _, _ = _grads(encoder, plain_step, _chunks(encoder, batch, None), batch.labels,
+                              build_loss(config_from_args(flags), fmt), seed=3)
+    assert abs(float(full_width) - float(loss_p)) > 1e-3
 
 
 def test_grad_cache_float32_close_to_plain():
