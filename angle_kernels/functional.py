@@ -228,7 +228,7 @@ def ranking_terms(
     cos, angle = ops.pair_scores(groups, with_angle, nested.dims)
     per_prefix = [_ranking_terms_of(ops, cos[i], angle[i], labels, cosine_tau, angle_tau, pooling_strategy, d)
                   for i, d in enumerate(nested.dims)]
-    return tuple(None if term is None else nested.combine(torch.stack(term)) for term in zip(*per_prefix))
+    return tuple(None if terms[0] is None else nested.combine(torch.stack(terms)) for terms in zip(*per_prefix))
 
 
 def _ranking_terms_of(ops: Ops, cos: torch.Tensor, angle: torch.Tensor, labels: torch.Tensor, cosine_tau,

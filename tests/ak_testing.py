@@ -213,6 +213,14 @@ def skip_unless_implemented(backend: Backend, op: str) -> None:
         pytest.skip(f"the {backend.name} backend does not implement {op} yet")
 
 
+def skip_unless_feature(backend: Backend, op: str, feature: str) -> None:
+    """Skip a case of a backend whose `op` lacks the optional `feature` (contract.OPTIONAL_FEATURES: an op module
+    declares the ones it implements in FEATURES; dispatch.raw_backend collects them)."""
+    skip_unless_implemented(backend, op)
+    if feature not in backend.ops.backend.features[op]:
+        pytest.skip(f"the {backend.name} backend's {op} does not implement {feature}= yet")
+
+
 def leaf_like(x: torch.Tensor, device=None, dtype=None) -> torch.Tensor:
     """A fresh leaf requiring grad with x's values and x's strides (clone() would make a non-dense layout
     contiguous), on `device` and in `dtype` (default: x's)."""

@@ -55,14 +55,14 @@ module = importlib.import_module("angle_kernels.triton_ops.{op}")
 print(json.dumps([
     {{"kernel": tuner.fn.__name__, "keys": list(tuner.keys), "args": list(tuner.arg_names),
      "not_specialized": [p.name for p in tuner.fn.params if p.do_not_specialize]}}
-    for kernels in module._TUNED.values() for tuner in kernels
+    for kernels in module.{tuned}.values() for tuner in kernels
 ]))
 """
 
 
-def _autotuners(op, tmp_path) -> list:
+def _autotuners(op, tmp_path, tuned="_TUNED") -> list:
     proc = subprocess.run(
-        [sys.executable, "-c", _DESCRIBE_AUTOTUNERS.format(op=op)],
+        [sys.executable, "-c", _DESCRIBE_AUTOTUNERS.format(op=op, tuned=tuned)],
         cwd=REPO, env=_compiled_mode_env(tmp_path), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-8000:]
@@ -81,6 +81,20 @@ def test_similarity_xent_autotunes_on_row_count_buckets(tmp_path):
         # triton 3.6 silently drops a key that is not an argument name (3.9 raises): check it here.
         assert set(tuner["keys"]) <= set(tuner["args"]), tuner["kernel"]
         assert tuner["not_specialized"] == ["M", "Mc", "M_BUCKET", "Mc_BUCKET"], tuner["kernel"]
+
+
+def test_similarity_xent_prefix_kernels_autotune_on_row_count_buckets(tmp_path):
+    """The dims kernels (nested prefixes) likewise, with the number of prefixes rounded up to a power of two (KP,
+    a constexpr) in the key; the number of prefixes itself is not specialised (the widths are in a tensor)."""
+    tuners = _autotuners("similarity_xent", tmp_path, tuned="_PREFIX_TUNED")
+    assert sorted(t["kernel"] for t in tuners) == sorted(2 * [
+        "_similarity_xent_prefix_fwd_kernel", "_similarity_xent_prefix_bwd_dq_kernel",
+        "_similarity_xent_prefix_bwd_dc_kernel"])
+    for tuner in tuners:
+        assert tuner["keys"] == ["M_BUCKET", "Mc_BUCKET", "D", "PARTNER_TARGET", "EXCLUDE_DIAGONAL", "HAS_GROUPS",
+                                 "HAS_MARGIN", "PRECISION", "KP"], tuner["kernel"]
+        assert set(tuner["keys"]) <= set(tuner["args"]), tuner["kernel"]
+        assert tuner["not_specialized"] == ["M", "Mc", "M_BUCKET", "Mc_BUCKET", "K"], tuner["kernel"]
 
 
 def test_similarity_lse_autotunes_on_row_count_buckets(tmp_path):

@@ -31,6 +31,18 @@ def inverse_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return inverse_norms_from_squares(row_dots(x, x))
 
 
+def prefix_slices(dims: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The column slices [d_{i-1}, d_i) between consecutive prefix widths (d_0 = 0)."""
+    return list(zip((0,) + dims[:-1], dims))
+
+
+def prefix_inverse_norms(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """inverse_norms of every prefix x[:, :d] (d in dims) as [M, k] tensors, from running sums of the squared
+    norms of the slices: x is read once for all prefixes."""
+    squares = torch.stack([row_dots(x[:, lo:hi], x[:, lo:hi]) for lo, hi in prefix_slices(dims)], dim=1)
+    return inverse_norms_from_squares(squares.cumsum(dim=1))
+
+
 def normalise_backward(x: torch.Tensor, inv_norm: torch.Tensor, has_norm_grad: torch.Tensor,
                        d_hat: torch.Tensor) -> torch.Tensor:
     """Gradient with respect to x of x_hat = x * inv_norm, given d_hat = dL/dx_hat (overwritten):

@@ -13,6 +13,12 @@ Backward, per pair, with s = g_cos + g_angle, w = (b.c - a.d) / P, t = s * cos +
 (the |.|^2 terms vanish where a norm was clamped to eps). Writing J(x) = (-second half, first half), the
 gradient of a whole group is dx[g] = A[g] @ x[g] + B[g] @ J(x[g]) with K x K "star" matrices A, B: two more
 batched matrix products per chunk of groups.
+
+Nested prefixes (dims = d_1 < ... < d_k, Matryoshka): the Gram of prefix i is the running sum of the slice Grams
+x[..., s_j] @ x[..., s_j]^T over the slices s_j = [d_{j-1}, d_j), j <= i, so every prefix's dots and norms come
+from one read of x; the angle's cross terms pair the halves of each prefix, a product per prefix. Backward: the
+slice s_j of dx gets (sum over i >= j of A_i) @ x[..., s_j] (suffix sums of the star matrices: one product per
+slice), and each prefix its own B_i term on its halves.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from torch.autograd.function import once_differentiable
 
 from ..contract import compute_dtype
 from .common import inverse_norms_from_squares, rows_per_chunk
+
+FEATURES = ("dims",)
 
 
 def _group_chunks(x: torch.Tensor):
@@ -73,23 +81,8 @@ class PairScoresFunction(torch.autograd.Function):
         else:
             grad_angle = torch.zeros_like(cos)
 
-        inv_p = inv_norm[:, :1] * inv_norm[:, 1:]
-        s = grad_cos + grad_angle
-        t = s * cos + grad_angle * cross
-        radial = -t.unsqueeze(-1) * (inv_norm.unsqueeze(1) ** 2 * has_norm_grad.unsqueeze(1))  # [G, K-1, K]
-        # A: row 0 (anchor) gets s/P on the partners and -sum_k t_k/|u|^2 on itself; row k gets s/P on the
-        # anchor and -t_k/|v_k|^2 on itself. B: +g_angle/P on row 0, -g_angle/P on the anchor column.
-        a = torch.zeros(groups, k, k, dtype=dtype, device=x.device)
-        a[:, 0, 1:] = s * inv_p
-        a[:, 1:, 0] = s * inv_p
-        a[:, 0, 0] = radial[:, :, 0].sum(1)
-        idx = torch.arange(1, k, device=x.device)
-        a[:, idx, idx] = radial[:, torch.arange(k - 1, device=x.device), idx]
         use_angle = ctx.with_angle and d % 2 == 0
-        if use_angle:
-            b = torch.zeros(groups, k, k, dtype=dtype, device=x.device)
-            b[:, 0, 1:] = grad_angle * inv_p
-            b[:, 1:, 0] = -grad_angle * inv_p
+        a, b = _star_matrices(grad_cos, grad_angle, inv_norm, has_norm_grad, cos, cross, use_angle)
 
         dx = torch.empty_like(x)
         half = d // 2
@@ -106,5 +99,90 @@ class PairScoresFunction(torch.autograd.Function):
         return dx, None
 
 
+def _star_matrices(grad_cos, grad_angle, inv_norm, has_norm_grad, cos, cross, use_angle: bool):
+    """The K x K matrices A, B of every group ([G, K, K] each; B None without the angle) such that
+    dx[g] = A[g] @ x[g] + B[g] @ J(x[g]), from the saved scores and norms of one width."""
+    groups, k = inv_norm.shape
+    inv_p = inv_norm[:, :1] * inv_norm[:, 1:]
+    s = grad_cos + grad_angle
+    t = s * cos + grad_angle * cross
+    radial = -t.unsqueeze(-1) * (inv_norm.unsqueeze(1) ** 2 * has_norm_grad.unsqueeze(1))  # [G, K-1, K]
+    # A: row 0 (anchor) gets s/P on the partners and -sum_k t_k/|u|^2 on itself; row k gets s/P on the
+    # anchor and -t_k/|v_k|^2 on itself. B: +g_angle/P on row 0, -g_angle/P on the anchor column.
+    a = torch.zeros(groups, k, k, dtype=cos.dtype, device=cos.device)
+    a[:, 0, 1:] = s * inv_p
+    a[:, 1:, 0] = s * inv_p
+    a[:, 0, 0] = radial[:, :, 0].sum(1)
+    idx = torch.arange(1, k, device=cos.device)
+    a[:, idx, idx] = radial[:, torch.arange(k - 1, device=cos.device), idx]
+    b = None
+    if use_angle:
+        b = torch.zeros(groups, k, k, dtype=cos.dtype, device=cos.device)
+        b[:, 0, 1:] = grad_angle * inv_p
+        b[:, 1:, 0] = -grad_angle * inv_p
+    return a, b
+
+
+class PrefixPairScoresFunction(torch.autograd.Function):
+    """pair_scores on every prefix x[..., :d_i] at once (see the module docstring); outputs [k, G, K-1]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, with_angle: bool, dims: tuple[int, ...]):
+        groups, k, _ = x.shape
+        n_dims = len(dims)
+        dtype = compute_dtype(x.dtype)
+        inv_norm = torch.empty(n_dims, groups, k, dtype=dtype, device=x.device)
+        has_norm_grad = torch.empty(n_dims, groups, k, dtype=torch.bool, device=x.device)
+        cos = torch.empty(n_dims, groups, k - 1, dtype=dtype, device=x.device)
+        cross = torch.zeros(n_dims, groups, k - 1, dtype=dtype, device=x.device)
+        bounds = (0, *dims)
+        for start, end, xc in _group_chunks(x):
+            gram = torch.zeros(end - start, k, k, dtype=dtype, device=x.device)
+            for i, d in enumerate(dims):
+                piece = xc[..., bounds[i]:d]
+                gram.baddbmm_(piece, piece.transpose(1, 2))  # the running Gram of prefix i
+                r, mask = inverse_norms_from_squares(torch.diagonal(gram, dim1=1, dim2=2))
+                inv_norm[i, start:end], has_norm_grad[i, start:end] = r, mask
+                inv_p = r[:, :1] * r[:, 1:]
+                cos[i, start:end] = gram[:, 0, 1:] * inv_p
+                if with_angle:
+                    halves = torch.bmm(xc[..., :d // 2], xc[..., d // 2:d].transpose(1, 2))
+                    cross[i, start:end] = (halves[:, 1:, 0] - halves[:, 0, 1:]) * inv_p
+        ctx.save_for_backward(x, inv_norm, has_norm_grad, cos, cross)
+        ctx.with_angle, ctx.dims = with_angle, dims
+        angle = cos + cross if with_angle else torch.zeros_like(cos)
+        ctx.mark_non_differentiable(*(() if with_angle else (angle,)))
+        return cos, angle
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
+        x, inv_norm, has_norm_grad, cos, cross = ctx.saved_tensors
+        dims, with_angle = ctx.dims, ctx.with_angle
+        grad_cos = grad_cos.to(cos.dtype) if grad_cos is not None else torch.zeros_like(cos)
+        use_angle = with_angle and grad_angle is not None
+        grad_angle = grad_angle.to(cos.dtype) if use_angle else torch.zeros_like(cos)
+        stars = [_star_matrices(grad_cos[i], grad_angle[i], inv_norm[i], has_norm_grad[i], cos[i], cross[i],
+                                use_angle) for i in range(len(dims))]
+        dx = torch.empty_like(x)
+        bounds = (0, *dims)
+        for start, end, xc in _group_chunks(x):
+            acc = torch.zeros_like(xc)  # a chunk in the compute dtype: the prefixes' terms add up in it
+            # slice j: (sum over the prefixes i >= j of A_i) @ x[..., s_j], the sums built from the widest down
+            suffix = torch.zeros_like(stars[0][0][start:end])
+            for j in reversed(range(len(dims))):
+                suffix += stars[j][0][start:end]
+                acc[..., bounds[j]:dims[j]] = torch.bmm(suffix, xc[..., bounds[j]:dims[j]])
+            if use_angle:
+                for i, d in enumerate(dims):  # B_i J(x[..., :d]), J(x) = (-second half, first half)
+                    b_c, half = stars[i][1][start:end], d // 2
+                    acc[..., :half].baddbmm_(b_c, xc[..., half:d], alpha=-1)
+                    acc[..., half:d].baddbmm_(b_c, xc[..., :half])
+            dx[start:end] = acc
+        return dx, None, None
+
+
 def pair_scores(x: torch.Tensor, with_angle: bool, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
+    if dims is not None:
+        return PrefixPairScoresFunction.apply(x, with_angle, dims)
     return PairScoresFunction.apply(x, with_angle)

@@ -19,6 +19,22 @@ dx = (d x_hat - x_hat (x_hat . d x_hat)) / |x| (just d x_hat / eps where the nor
 Peak extra memory is O(block x Mc) for the tile plus O((M + Mc) x D) for the gradients. When every row fits
 in one block (M * Mc <= CHUNK_ELEMENTS, 16 MB of float32), forward keeps that single tile for backward
 instead of recomputing it: the same memory bound, one matrix product fewer (3 instead of 4, like eager code).
+
+Nested prefixes (dims = (d_1 < ... < d_k), `PrefixSimilarityXentFunction`): one loss per prefix q[:, :d_i],
+c[:, :d_i], each with its own norms. The prefixes share their dot products: over the slices s_j = [d_{j-1}, d_j),
+a block's dot tile is the running sum of the slice products q[blk, s_j] @ c[:, s_j]^T, turned into prefix j's
+logits at the end of slice j, so q and c are read once per block for all prefixes (the matrix products of the
+single full-width loss, plus k elementwise passes over the tile); the inverse norms come from running sums of
+the slices' squared norms. Forward keeps k pairs of logsumexps per row. Backward forms each prefix's tile
+gradient with its inverse norms folded in, Ghat_i = G_i * q_inv_i * c_inv_j (so that d/dq of prefix i's loss is
+Ghat_i c[:, :d_i] minus the radial term), and since slice j belongs to every prefix i >= j,
+
+    dq[blk, s_j] += (sum_{i >= j} Ghat_i) @ c[:, s_j],    dc[:, s_j] += (sum_{i >= j} Ghat_i)^T @ q[blk, s_j]
+
+one matrix product per slice and side, the sums accumulated from the largest prefix down (the k tiles Ghat_i
+are held for that: the dims path takes blocks of CHUNK_ELEMENTS / (k + 1) logits, and never keeps its tiles
+from forward). Each prefix's radial term, -[|x| > eps] inv_i^2 (sum_j Ghat_ij dots_ij) x[:, :d_i], needs only
+the row (column) sums of Ghat_i * dots_i, k numbers per row, applied once at the end slice by slice.
 """
 
 from __future__ import annotations
@@ -29,7 +45,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, compute_dtype
-from .common import inverse_norms, normalise_backward, rows_per_chunk
+from .common import inverse_norms, normalise_backward, prefix_inverse_norms, prefix_slices, rows_per_chunk
+
+FEATURES = ("dims",)  # the contract's optional features this op implements (contract.OPTIONAL_FEATURES)
 
 
 def _target_columns(target: str, rows: torch.Tensor) -> torch.Tensor:
@@ -50,11 +68,12 @@ def margin_logit(cos_t: torch.Tensor, margin: float) -> tuple[torch.Tensor, torc
 class _Tiles:
     """Recomputes the logits of one row block, identically in forward and backward."""
 
-    def __init__(self, qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids):
+    def __init__(self, qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids, dims=None):
         self.qf, self.cf, self.q_inv, self.c_inv = qf, cf, q_inv, c_inv
         self.scale, self.target, self.exclude_diagonal, self.margin = scale, target, exclude_diagonal, margin
-        self.group_ids = group_ids
-        self.block = rows_per_chunk(cf.shape[0])
+        self.group_ids, self.dims = group_ids, dims
+        # With dims, backward holds the k prefixes' gradient tiles of a block at once (see the module docstring).
+        self.block = rows_per_chunk(cf.shape[0] * (1 if dims is None else len(dims) + 1))
         self.cached = None  # (logits, target cosines) of the only block, when there is one block
 
     @property
@@ -66,23 +85,11 @@ class _Tiles:
         for start in range(0, m, self.block):
             yield start, min(m, start + self.block)
 
-    def logits(self, start: int, end: int):
-        """(logits [b, Mc], local row index, target columns, target cosines, positives mask or None)."""
-        device = self.qf.device
-        rows = torch.arange(start, end, device=device)
+    def rows(self, start: int, end: int):
+        """(row indices, local row index, target columns, positives mask or None) of a row block."""
+        rows = torch.arange(start, end, device=self.qf.device)
         local = rows - start
         targets = _target_columns(self.target, rows)
-        if self.cached is not None:
-            tile, cos_t = self.cached
-        else:
-            tile = self.qf[start:end] @ self.cf.T
-            tile.mul_(self.q_inv[start:end, None]).mul_(self.c_inv[None, :])  # cosines
-            cos_t = tile[local, targets].clone()
-            tile.mul_(self.scale)
-            if self.margin != 0.0:
-                tile[local, targets] = self.scale * margin_logit(cos_t, self.margin)[0]
-            if self.exclude_diagonal:
-                tile[local, rows] = float("-inf")
         positives = None
         if self.group_ids is not None:
             g = self.group_ids
@@ -90,7 +97,60 @@ class _Tiles:
             positives[local, targets] = True
             if self.exclude_diagonal:
                 positives[local, rows] = False
+        return rows, local, targets, positives
+
+    def to_logits(self, tile, rows, local, targets, q_inv, c_inv):
+        """Turns a block's dot products into its logits in place, given the inverse norms; returns the target
+        cosines."""
+        tile.mul_(q_inv[:, None]).mul_(c_inv[None, :])  # cosines
+        cos_t = tile[local, targets].clone()
+        tile.mul_(self.scale)
+        if self.margin != 0.0:
+            tile[local, targets] = self.scale * margin_logit(cos_t, self.margin)[0]
+        if self.exclude_diagonal:
+            tile[local, rows] = float("-inf")
+        return cos_t
+
+    def logits(self, start: int, end: int):
+        """(logits [b, Mc], local row index, target columns, target cosines, positives mask or None)."""
+        rows, local, targets, positives = self.rows(start, end)
+        if self.cached is not None:
+            tile, cos_t = self.cached
+        else:
+            tile = self.qf[start:end] @ self.cf.T
+            cos_t = self.to_logits(tile, rows, local, targets, self.q_inv[start:end], self.c_inv)
         return tile, local, targets, cos_t, positives
+
+    def prefix_logits(self, start: int, end: int, rows, local, targets):
+        """Yields (i, dot products, logits, target cosines) of prefix i = 0 .. k-1 for a row block: the dot tile
+        is a running sum over the slices, the logits a fresh copy (the dot tile must not be modified)."""
+        dots = None
+        for i, (lo, hi) in enumerate(prefix_slices(self.dims)):
+            q_slice, c_slice = self.qf[start:end, lo:hi], self.cf[:, lo:hi]
+            dots = q_slice @ c_slice.T if dots is None else dots.addmm_(q_slice, c_slice.T)
+            logits = dots.clone()
+            cos_t = self.to_logits(logits, rows, local, targets, self.q_inv[start:end, i], self.c_inv[:, i])
+            yield i, dots, logits, cos_t
+
+    def grad_cos(self, logits, local, targets, cos_t, positives, lse_all, lse_pos, row_scale):
+        """dL/dcos of a block (scale included) from its logits and per-row logsumexps; overwrites nothing."""
+        grad = torch.exp(logits - lse_all[:, None])  # softmax over the columns C_i
+        if positives is None:
+            grad[local, targets] -= 1.0
+        else:
+            grad -= torch.exp(logits - lse_pos[:, None]).masked_fill_(~positives, 0.0)
+        grad.mul_(row_scale[:, None])  # dL/dcos_ij (scale included), but for the margin:
+        if self.margin != 0.0:
+            grad[local, targets] *= margin_logit(cos_t, self.margin)[1]
+        return grad
+
+
+def _block_lse(logits, local, targets, positives):
+    """(logsumexp over C_i, logsumexp over P_i) of a block's logits."""
+    lse_all = torch.logsumexp(logits, dim=1)
+    if positives is None:
+        return lse_all, logits[local, targets]
+    return lse_all, torch.logsumexp(logits.masked_fill(~positives, float("-inf")), dim=1)
 
 
 class SimilarityXentFunction(torch.autograd.Function):
@@ -112,11 +172,7 @@ class SimilarityXentFunction(torch.autograd.Function):
             logits, local, targets, cos_t, positives = tiles.logits(start, end)
             if tiles.single_block:
                 kept = (logits, cos_t)
-            lse_all[start:end] = torch.logsumexp(logits, dim=1)
-            if positives is None:
-                lse_pos[start:end] = logits[local, targets]
-            else:
-                lse_pos[start:end] = torch.logsumexp(logits.masked_fill(~positives, float("-inf")), dim=1)
+            lse_all[start:end], lse_pos[start:end] = _block_lse(logits, local, targets, positives)
 
         weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
         loss = (weights * (lse_all - lse_pos)).sum() / m
@@ -148,14 +204,8 @@ class SimilarityXentFunction(torch.autograd.Function):
         d_chat = d_qhat if symmetric else torch.zeros_like(cf)
         for start, end in tiles.blocks():
             logits, local, targets, cos_t, positives = tiles.logits(start, end)
-            grad = torch.exp(logits - lse_all[start:end, None])  # softmax over the columns C_i
-            if positives is None:
-                grad[local, targets] -= 1.0
-            else:
-                grad -= torch.exp(logits - lse_pos[start:end, None]).masked_fill_(~positives, 0.0)
-            grad.mul_(row_scale[start:end, None])  # dL/dcos_ij (scale included), but for the margin:
-            if tiles.margin != 0.0:
-                grad[local, targets] *= margin_logit(cos_t, tiles.margin)[1]
+            grad = tiles.grad_cos(logits, local, targets, cos_t, positives, lse_all[start:end], lse_pos[start:end],
+                                  row_scale[start:end])
             # cos_ij = q_hat_i . c_hat_j  =>  dq_hat_i = sum_j grad_ij c_hat_j,  dc_hat_j = sum_i grad_ij q_hat_i
             d_qhat[start:end].addmm_(grad * c_inv[None, :], cf)
             d_chat.addmm_(grad.mul_(q_inv[start:end, None]).T, qf[start:end])
@@ -166,6 +216,96 @@ class SimilarityXentFunction(torch.autograd.Function):
         return dq, dc, None, None, None, None, None, None
 
 
+class PrefixSimilarityXentFunction(torch.autograd.Function):
+    """similarity_xent on every prefix of dims at once: a [k] loss (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims):
+        symmetric = c is None
+        dtype = compute_dtype(q.dtype)
+        qf = q.detach().to(dtype)
+        cf = qf if symmetric else c.detach().to(dtype)
+        q_inv, q_has_grad = prefix_inverse_norms(qf, dims)  # [M, k]
+        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else prefix_inverse_norms(cf, dims)
+        tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids, dims)
+
+        m, k = qf.shape[0], len(dims)
+        lse_all = torch.empty(m, k, dtype=dtype, device=q.device)
+        lse_pos = torch.empty(m, k, dtype=dtype, device=q.device)
+        for start, end in tiles.blocks():
+            rows, local, targets, positives = tiles.rows(start, end)
+            for i, _, logits, _ in tiles.prefix_logits(start, end, rows, local, targets):
+                lse_all[start:end, i], lse_pos[start:end, i] = _block_lse(logits, local, targets, positives)
+
+        weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
+        loss = (weights[:, None] * (lse_all - lse_pos)).sum(dim=0) / m
+
+        ctx.save_for_backward(qf, None if symmetric else cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids,
+                              lse_all, lse_pos, weights)
+        ctx.options = (scale, target, exclude_diagonal, margin)
+        ctx.dims = dims
+        ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights = ctx.saved_tensors
+        symmetric = cf is None
+        cf = qf if symmetric else cf
+        dims = ctx.dims
+        tiles = _Tiles(qf, cf, q_inv, c_inv, *ctx.options, group_ids, dims)
+        m, k = qf.shape[0], len(dims)
+        slices = prefix_slices(dims)
+        row_scale = weights[:, None] * (grad_loss.to(qf.dtype)[None, :] * tiles.scale / m)  # [M, k]
+
+        # The raw gradients sum_i Ghat_i c[:, :d_i] (inverse norms included) and the radial sums of every prefix;
+        # for the in-batch-negative loss q and c are the same tensor and share them.
+        dq = torch.zeros_like(qf)
+        dc = dq if symmetric else torch.zeros_like(cf)
+        q_radial = torch.zeros(m, k, dtype=qf.dtype, device=qf.device)
+        c_radial = q_radial if symmetric else torch.zeros(cf.shape[0], k, dtype=qf.dtype, device=qf.device)
+        for start, end in tiles.blocks():
+            rows, local, targets, positives = tiles.rows(start, end)
+            g_hats = []
+            for i, dots, logits, cos_t in tiles.prefix_logits(start, end, rows, local, targets):
+                grad = tiles.grad_cos(logits, local, targets, cos_t, positives, lse_all[start:end, i],
+                                      lse_pos[start:end, i], row_scale[start:end, i])
+                del logits
+                g_hat = grad.mul_(q_inv[start:end, i, None]).mul_(c_inv[None, :, i])
+                radial = g_hat * dots  # sum_j Ghat_ij dots_ij = sum_j G_ij cos_ij
+                q_radial[start:end, i] += radial.sum(dim=1)
+                c_radial[:, i] += radial.sum(dim=0)
+                del radial
+                g_hats.append(g_hat)
+            # Slice j belongs to the prefixes j .. k-1: walk down, adding each prefix's tile to the running sum.
+            running = g_hats.pop()
+            for j in reversed(range(k)):
+                lo, hi = slices[j]
+                dq[start:end, lo:hi].addmm_(running, cf[:, lo:hi])
+                dc[:, lo:hi].addmm_(running.T, qf[start:end, lo:hi])
+                if j:
+                    running += g_hats.pop()
+
+        q_dtype, c_dtype = ctx.input_dtypes
+        dq = _prefix_radial_backward(qf, q_inv, q_has_grad, q_radial, dq, slices).to(q_dtype)
+        dc = None if symmetric else _prefix_radial_backward(cf, c_inv, c_has_grad, c_radial, dc, slices).to(c_dtype)
+        return dq, dc, None, None, None, None, None, None, None
+
+
+def _prefix_radial_backward(x, inv, has_norm_grad, radial, d_raw, slices):
+    """d_raw (overwritten) minus every prefix's radial term [|x| > eps] inv_i^2 radial_i x[:, :d_i]: on slice j,
+    the sum of the terms of the prefixes i >= j."""
+    shrink = torch.where(has_norm_grad, inv * inv * radial, torch.zeros_like(inv))  # [R, k]
+    shrink = shrink.flip(1).cumsum(dim=1).flip(1)
+    for j, (lo, hi) in enumerate(slices):
+        d_raw[:, lo:hi].addcmul_(x[:, lo:hi], shrink[:, j, None], value=-1.0)
+    return d_raw
+
+
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
                     dims=None):
+    if dims is not None:
+        return PrefixSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin,
+                                                  group_ids, dims)
     return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)

@@ -44,6 +44,34 @@ to tune, is to compute the gradient tiles of several column blocks into shared m
 wider dot (BLOCK_N / 2 -> several hundred FLOPs per byte). The tile math (exp, selects) is O(M Mc), about
 D/4 times fewer operations than the dots.
 
+Nested prefixes (dims = (d_1 < ... < d_K), one loss per prefix q[:, :d_i], c[:, :d_i]; the `_prefix_` kernels).
+Within a column block the K-loop over D runs slice by slice, s_i = [d_{i-1}, d_i), into one live dot tile; at
+the end of slice i that tile holds prefix i's dot products, which (with prefix i's inverse norms, [K, M] from
+running sums of the slices' squared norms) feed prefix i's online logsumexps: the row states are [BLOCK_M, KP]
+(KP = K rounded up to a power of two) and prefix i updates their column i. So the embeddings are read once for
+all prefixes and the tensor-core work is the full-width loss's. The widths are runtime values (a [K + 1] int32
+tensor of bounds, K a runtime loop bound): a new dims tuple compiles nothing unless its KP is new, because a
+constexpr per width would compile (and autotune) every tuple a user tries, for no gain: the slice loops are
+masked K-loops like the full-width one, each costing at most one partial chunk. Backward, in the same kernels'
+layout: at each boundary, prefix i's gradient tile G_i (dL_i/dcos) and its radial sum (k numbers per row,
+[K, M]), then G_i @ (c_hat_i[:, :d_i]), scaled per row by inv_q_i on the fp32 product (a zero prefix's 1/eps
+never enters a 16-bit operand), added into the leading d_i columns of a zeroed fp32 buffer; one finish kernel
+subtracts every prefix's radial term. One gradient tile is live at a time, so registers stay those of the
+full-width kernels (plus the [BLOCK, KP] states). Its cost: the gradient products run over each prefix's
+whole width, 2 M Mc (d_1 + ... + d_K) FLOPs per backward kernel instead of 2 M Mc D; for the usual halving
+dims (64, 128, 256, 512, 768) that is 2.25x the full-width loss's gradient products. The alternative, one
+product per slice with the suffix sums sum_{i >= j} Ghat_i (what the torch backend does), needs the K
+gradient tiles of a block at once, with the inverse norms inside the 16-bit operand: K tiles of registers or a
+scratch buffer, and the fp16 overflow above. The radial sums use the rounded 16-bit gradient tile the products
+use: a short prefix's gradient is nearly all radial (a width of 1 has none), and only the same g on both sides
+cancels it (with the fp32 tile instead, fp16 inputs missed the half rule by 4x at width 1).
+
+The floor with dims: forward 2 M Mc D FLOPs and the full-width bytes, plus K elementwise passes over each tile
+(the exp of K logsumexps: K times the full-width tile math, still O(M Mc K) against O(M Mc D)); backward
+2 x (2 M Mc D recompute + 2 M Mc sum_i d_i gradient) FLOPs, and the gradient buffers' read-modify-write grows
+in the same ratio sum_i d_i / D. Compiled for sm_90 (bf16, KP = 4, the first config): forward 181 registers, no
+spill; dq and dc 255 registers, spilling 72 and 24 bytes (the full-width ones: 0 and 16). Not timed on a GPU.
+
 Blocks for an H200 (autotuned among a few configs when not interpreting; see _GPU_CONFIGS_*): for bf16,
 BLOCK_M = 128 rows (two 64-row wgmma warpgroups with 8 warps), BLOCK_N = 64 columns, BLOCK_K = 32, 3
 pipeline stages: 12-24 KB of shared memory; at 184-250 registers x 256 threads a program holds most of an
@@ -75,6 +103,7 @@ from ..dispatch import triton_interpreting
 from ._common import CompileCase, new_output
 
 _TF32_ENV = "ANGLE_KERNELS_ALLOW_TF32"
+FEATURES = ("dims",)  # the contract's optional features this op implements (contract.OPTIONAL_FEATURES)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -91,9 +120,20 @@ def _dot_tile(
 ):
     """[BLOCK_M, BLOCK_N] raw dot products a[rows] . b[cols], a K-loop over D."""
     dots = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-    for k_start in range(0, D, BLOCK_K):
+    return _add_dots(dots, a_ptr, b_ptr, rows, cols, row_ok, col_ok, 0, D, stride_am, stride_ad, stride_bm,
+                     stride_bd, ACC, OPERAND, PRECISION, BLOCK_K)
+
+
+@triton.jit
+def _add_dots(
+    dots, a_ptr, b_ptr, rows, cols, row_ok, col_ok, k_lo, k_hi,
+    stride_am, stride_ad, stride_bm, stride_bd,
+    ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dots + the dot products of a[rows] and b[cols] over the columns k_lo .. k_hi - 1, a K-loop."""
+    for k_start in range(k_lo, k_hi, BLOCK_K):
         ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
-        k_ok = ks < D
+        k_ok = ks < k_hi
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ad,
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr + ks[:, None] * stride_bd + cols[None, :] * stride_bm,
@@ -199,21 +239,37 @@ def _accumulate_grad_tile(
     g_operand, x_ptr, x_idx, x_ok, inv_x, out_ptr, out_idx, out_ok, accumulate, D, stride_xm, stride_xd,
     ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[out_idx] (+)= g @ (inv_x * x[x_idx]), D chunk by D chunk, into a contiguous [*, D] fp32/fp64 buffer
-    whose rows out_idx this program owns; g is [len(out_idx), len(x_idx)] in the operand dtype.
+    """out[out_idx] (+)= g @ (inv_x * x[x_idx]) over all D columns: `_accumulate_grad_columns` unscaled."""
+    _accumulate_grad_columns(g_operand, x_ptr, x_idx, x_ok, inv_x, out_ptr, out_idx, out_ok, inv_x, accumulate, D,
+                             D, stride_xm, stride_xd, ACC, OPERAND, PRECISION, False, BLOCK_K)
 
-    The inverse norms go on the unit rows x_hat (bounded by 1), never on g: 1/|x| reaches 1e12 for a zero
-    row, and g / |x| would overflow an fp16 operand into inf (and inf * 0 = NaN in the product). With
-    accumulate false (the program's first block) it stores without reading: the buffer needs no zeroing.
+
+@triton.jit
+def _accumulate_grad_columns(
+    g_operand, x_ptr, x_idx, x_ok, inv_x, out_ptr, out_idx, out_ok, out_scale, accumulate, k_end, D,
+    stride_xm, stride_xd,
+    ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr, SCALE_OUT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[out_idx, :k_end] (+)= g @ (inv_x * x[x_idx, :k_end]) (times out_scale per out row when SCALE_OUT), D
+    chunk by D chunk, into a contiguous [*, D] fp32/fp64 buffer whose rows out_idx this program owns; g is
+    [len(out_idx), len(x_idx)] in the operand dtype.
+
+    The inverse norms go on the unit rows x_hat (bounded by 1) and on the fp32/fp64 product, never on g: 1/|x|
+    reaches 1e12 for a zero row, and g / |x| would overflow an fp16 operand into inf (and inf * 0 = NaN in the
+    product). With accumulate false (the program's first block) it stores without reading: the buffer needs
+    no zeroing.
     """
     tl.debug_barrier()  # the previous block's stores are visible to every thread of the program
-    for k_start in range(0, D, BLOCK_K):
+    for k_start in range(0, k_end, BLOCK_K):
         ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
-        k_ok = ks < D
+        k_ok = ks < k_end
         x_chunk = tl.load(x_ptr + x_idx[:, None] * stride_xm + ks[None, :] * stride_xd,
                           mask=x_ok[:, None] & k_ok[None, :], other=0.0)
         x_hat = (x_chunk.to(ACC) * inv_x[:, None]).to(OPERAND)
         update = tl.dot(g_operand, x_hat, input_precision=PRECISION, out_dtype=ACC)
+        if SCALE_OUT:
+            update = update * out_scale[:, None]
         out_ptrs = out_ptr + out_idx[:, None] * D + ks[None, :]
         ok = out_ok[:, None] & k_ok[None, :]
         if accumulate:
@@ -415,6 +471,237 @@ def _similarity_xent_bwd_finish_kernel(
         tl.store(dx_ptr + row * D + ks, dx.to(dx_ptr.dtype.element_ty), mask=ok)
 
 
+# Nested prefixes (dims, see the module docstring): the same tiles, one prefix at a time within a column block.
+_PREFIX_RUNTIME_ARGS = _BATCH_SIZE_ARGS + ("K",)
+
+
+@triton.jit
+def _online_lse_update_prefix(max_state, sum_state, this, logits):
+    """_online_lse_update on column `this` ([1, KP] mask) of [rows, KP] per-prefix states."""
+    new_max, new_sum = _online_lse_update(tl.max(tl.where(this, max_state, float("-inf")), axis=1),
+                                          tl.sum(tl.where(this, sum_state, 0.0), axis=1), logits)
+    return tl.where(this, new_max[:, None], max_state), tl.where(this, new_sum[:, None], sum_state)
+
+
+@triton.jit(do_not_specialize=_PREFIX_RUNTIME_ARGS)
+def _similarity_xent_prefix_fwd_kernel(
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr,  # norms: [K, M] and [K, Mc], prefix by prefix
+    lse_all_ptr, lse_pos_ptr,  # [K, M] out, compute dtype
+    M, Mc, D,
+    M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
+    stride_qm, stride_qd, stride_cm, stride_cd,
+    params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
+    bounds_ptr,  # [K + 1] int32: 0, d_1, ..., d_K
+    K,
+    PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
+    HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr, KP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    scale = tl.load(params_ptr)
+    cos_m = tl.load(params_ptr + 1)
+    sin_m = tl.load(params_ptr + 2)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    prefixes = tl.arange(0, KP)
+    # One online logsumexp pair per row and prefix: [BLOCK_M, KP] states, column i updated at prefix i's
+    # boundary (KP = k rounded up to a power of two; the widths are runtime values).
+    max_all = tl.full([BLOCK_M, KP], float("-inf"), ACC)
+    sum_all = tl.zeros([BLOCK_M, KP], ACC)
+    max_pos = tl.full([BLOCK_M, KP], float("-inf"), ACC)
+    sum_pos = tl.zeros([BLOCK_M, KP], ACC)
+    target_logit = tl.zeros([BLOCK_M, KP], ACC)
+    for col_start in range(0, Mc, BLOCK_N):
+        cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        col_ok = cols < Mc
+        if HAS_GROUPS:
+            group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
+        else:
+            group_col = cols
+        dots = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        for i in range(0, K):
+            row_ok, inv_q, targets, group_row, group_target = _row_state(
+                q_norm_ptr + i * M, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+            dots = _add_dots(dots, q_ptr, c_ptr, rows, cols, row_ok, col_ok, tl.load(bounds_ptr + i),
+                             tl.load(bounds_ptr + i + 1), stride_qm, stride_qd, stride_cm, stride_cd, ACC, OPERAND,
+                             PRECISION, BLOCK_K)
+            inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + i * Mc + cols, mask=col_ok, other=1.0), EPS)
+            cos, logits, is_target, valid, positive, slope = _logits_tile(
+                dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
+                scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
+            this = prefixes[None, :] == i
+            max_all, sum_all = _online_lse_update_prefix(max_all, sum_all, this, logits)
+            if HAS_GROUPS:
+                max_pos, sum_pos = _online_lse_update_prefix(max_pos, sum_pos, this,
+                                                             tl.where(positive, logits, float("-inf")))
+            else:
+                target_logit += tl.where(this, tl.sum(tl.where(is_target, logits, 0.0), axis=1)[:, None], 0.0)
+
+    # As in the full-width kernel: the clamps only keep padding rows and prefixes (not stored) from log(0).
+    row_ok = rows < M
+    out = prefixes[None, :] * M + rows[:, None]
+    ok = row_ok[:, None] & (prefixes[None, :] < K)
+    tl.store(lse_all_ptr + out, tl.where(ok, max_all, 0.0) + tl.log(tl.maximum(sum_all, 1.0)), mask=ok)
+    if HAS_GROUPS:
+        lse_pos = tl.where(ok, max_pos, 0.0) + tl.log(tl.maximum(sum_pos, 1.0))
+    else:
+        lse_pos = target_logit
+    tl.store(lse_pos_ptr + out, lse_pos, mask=ok)
+
+
+@triton.jit
+def _prefix_grad_tile(
+    dots, i, q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr, bounds_ptr,
+    rows, cols, col_ok, group_col, M, Mc, stride_qm, stride_qd, stride_cm, stride_cd, scale, cos_m, sin_m,
+    PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
+    HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Prefix i's step of a backward tile: the dot tile extended over slice i, then (dots, prefix i's dL/dcos
+    tile in the operand dtype, its cosines, row_ok, inv_q, inv_c, the width d_i).
+
+    The radial sums take the rounded g the products use: a short prefix's gradient is nearly all radial (a
+    width of 1 has none), and only the same g on both sides cancels it.
+    """
+    width = tl.load(bounds_ptr + i + 1)
+    row_ok, inv_q, targets, group_row, group_target = _row_state(
+        q_norm_ptr + i * M, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+    dots = _add_dots(dots, q_ptr, c_ptr, rows, cols, row_ok, col_ok, tl.load(bounds_ptr + i), width,
+                     stride_qm, stride_qd, stride_cm, stride_cd, ACC, OPERAND, PRECISION, BLOCK_K)
+    inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + i * Mc + cols, mask=col_ok, other=1.0), EPS)
+    cos, logits, is_target, valid, positive, slope = _logits_tile(
+        dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
+        scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
+    lse_all = tl.load(lse_all_ptr + i * M + rows, mask=row_ok, other=0.0)
+    lse_pos = tl.load(lse_pos_ptr + i * M + rows, mask=row_ok, other=0.0)
+    coef = tl.load(coef_ptr + i * M + rows, mask=row_ok, other=0.0)
+    g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
+                       HAS_MARGIN, HAS_GROUPS)
+    return dots, g.to(OPERAND), cos, row_ok, inv_q, inv_c, width
+
+
+@triton.jit(do_not_specialize=_PREFIX_RUNTIME_ARGS)
+def _similarity_xent_prefix_bwd_dq_kernel(
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,  # [K, *] per prefix
+    dq_raw_ptr,  # [M, D] fp32/fp64, zeroed: sum_i inv_q_i sum_j G_ij inv_c_j c_j[:d_i]
+    dq_radial_ptr,  # [K, M] out: sum_j G_ij cos_ij per prefix
+    M, Mc, D,
+    M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
+    stride_qm, stride_qd, stride_cm, stride_cd,
+    params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
+    bounds_ptr,  # [K + 1] int32: 0, d_1, ..., d_K
+    K,
+    PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
+    HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr, KP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    scale = tl.load(params_ptr)
+    cos_m = tl.load(params_ptr + 1)
+    sin_m = tl.load(params_ptr + 2)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    prefixes = tl.arange(0, KP)
+    radial = tl.zeros([BLOCK_M, KP], ACC)
+    for col_start in range(0, Mc, BLOCK_N):
+        cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        col_ok = cols < Mc
+        if HAS_GROUPS:
+            group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
+        else:
+            group_col = cols
+        dots = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        for i in range(0, K):
+            dots, g, cos, row_ok, inv_q, inv_c, width = _prefix_grad_tile(
+                dots, i, q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,
+                bounds_ptr, rows, cols, col_ok, group_col, M, Mc, stride_qm, stride_qd, stride_cm, stride_cd, scale,
+                cos_m, sin_m, PARTNER_TARGET, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, ACC, OPERAND, PRECISION, EPS,
+                SIN_SQ_FLOOR, BLOCK_K)
+            radial += tl.where(prefixes[None, :] == i, tl.sum(g.to(ACC) * cos, axis=1)[:, None], 0.0)
+            # inv_q_i (g @ c_hat[cols, :d_i]) into this program's rows: inv_q_i differs per prefix, so it goes
+            # on the fp32/fp64 product (see the helper), and the buffer was zeroed (prefixes overlap).
+            _accumulate_grad_columns(g, c_ptr, cols, col_ok, inv_c, dq_raw_ptr, rows, row_ok, inv_q,
+                                     True, width, D, stride_cm, stride_cd, ACC, OPERAND, PRECISION, True, BLOCK_K)
+    ok = (rows < M)[:, None] & (prefixes[None, :] < K)
+    tl.store(dq_radial_ptr + prefixes[None, :] * M + rows[:, None], radial, mask=ok)
+
+
+@triton.jit(do_not_specialize=_PREFIX_RUNTIME_ARGS)
+def _similarity_xent_prefix_bwd_dc_kernel(
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,  # [K, *] per prefix
+    dc_raw_ptr,  # [Mc, D] fp32/fp64, zeroed: sum_i inv_c_i sum_j G_ij inv_q_j q_j[:d_i]
+    dc_radial_ptr,  # [K, Mc] out: sum_i G_ij cos_ij per prefix
+    M, Mc, D,
+    M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
+    stride_qm, stride_qd, stride_cm, stride_cd,
+    params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
+    bounds_ptr,  # [K + 1] int32: 0, d_1, ..., d_K
+    K,
+    PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
+    HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr, KP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    scale = tl.load(params_ptr)
+    cos_m = tl.load(params_ptr + 1)
+    sin_m = tl.load(params_ptr + 2)
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < Mc
+    prefixes = tl.arange(0, KP)
+    if HAS_GROUPS:
+        group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
+    else:
+        group_col = cols
+    radial = tl.zeros([BLOCK_N, KP], ACC)
+    for row_start in range(0, M, BLOCK_M):
+        rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        dots = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        for i in range(0, K):
+            dots, g, cos, row_ok, inv_q, inv_c, width = _prefix_grad_tile(
+                dots, i, q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,
+                bounds_ptr, rows, cols, col_ok, group_col, M, Mc, stride_qm, stride_qd, stride_cm, stride_cd, scale,
+                cos_m, sin_m, PARTNER_TARGET, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, ACC, OPERAND, PRECISION, EPS,
+                SIN_SQ_FLOOR, BLOCK_K)
+            radial += tl.where(prefixes[None, :] == i, tl.sum(g.to(ACC) * cos, axis=0)[:, None], 0.0)
+            _accumulate_grad_columns(tl.trans(g), q_ptr, rows, row_ok, inv_q, dc_raw_ptr, cols, col_ok, inv_c, True,
+                                     width, D, stride_qm, stride_qd, ACC, OPERAND, PRECISION, True, BLOCK_K)
+    ok = col_ok[:, None] & (prefixes[None, :] < K)
+    tl.store(dc_radial_ptr + prefixes[None, :] * Mc + cols[:, None], radial, mask=ok)
+
+
+@triton.jit(do_not_specialize=("R", "K"))
+def _similarity_xent_prefix_bwd_finish_kernel(
+    x_ptr,  # [R, D] the input rows (q or c), any strides
+    norm_ptr,  # [K, R] raw norms of every prefix
+    raw_a_ptr, radial_a_ptr,  # [R, D], [K, R]: one side's accumulation (inverse norms already applied)
+    raw_b_ptr, radial_b_ptr,  # the other side's (read only HAS_B: the symmetric case, c is q)
+    dx_ptr,  # [R, D] out, contiguous, x's dtype
+    bounds_ptr,  # [K + 1] int32: 0, d_1, ..., d_K
+    R, D, K, stride_xm, stride_xd,
+    HAS_B: tl.constexpr, ACC: tl.constexpr, EPS: tl.constexpr, KP: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dx = raw - sum over the prefixes i with d_i > column of [|x[:d_i]| > eps] inv_i^2 radial_i x: each
+    prefix's normalisation backward, applied once."""
+    row = tl.program_id(0).to(tl.int64)
+    prefixes = tl.arange(0, KP)
+    has = prefixes < K
+    norm = tl.load(norm_ptr + prefixes * R + row, mask=has, other=1.0).to(ACC)
+    inv = 1.0 / tl.maximum(norm, EPS)
+    radial = tl.load(radial_a_ptr + prefixes * R + row, mask=has, other=0.0).to(ACC)
+    if HAS_B:
+        radial += tl.load(radial_b_ptr + prefixes * R + row, mask=has, other=0.0).to(ACC)
+    shrink = tl.where(norm > EPS, inv * inv * radial, 0.0)
+    widths = tl.load(bounds_ptr + 1 + prefixes, mask=has, other=0)
+    for start in range(0, D, BLOCK_D):
+        ks = (start + tl.arange(0, BLOCK_D)).to(tl.int64)
+        ok = ks < D
+        raw = tl.load(raw_a_ptr + row * D + ks, mask=ok, other=0.0).to(ACC)
+        if HAS_B:
+            raw += tl.load(raw_b_ptr + row * D + ks, mask=ok, other=0.0).to(ACC)
+        x = tl.load(x_ptr + row * stride_xm + ks * stride_xd, mask=ok, other=0.0).to(ACC)
+        column_shrink = tl.sum(tl.where(ks[:, None] < widths[None, :], shrink[None, :], 0.0), axis=1)
+        dx = raw - column_shrink * x
+        tl.store(dx_ptr + row * D + ks, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Launch configuration
 # ----------------------------------------------------------------------------------------------------------
@@ -473,6 +760,10 @@ def kernels_for(tuned: dict, dtype: torch.dtype) -> tuple:
 
 
 _TUNED = autotuned(_TILE_KERNELS, _TUNE_KEY)
+_PREFIX_TILE_KERNELS = (_similarity_xent_prefix_fwd_kernel, _similarity_xent_prefix_bwd_dq_kernel,
+                        _similarity_xent_prefix_bwd_dc_kernel)
+# KP (the number of prefixes rounded up to a power of two) shapes the per-row state: a key of its own.
+_PREFIX_TUNED = autotuned(_PREFIX_TILE_KERNELS, _TUNE_KEY + ["KP"])
 
 
 def _interpreter_blocks(m: int, mc: int, d: int) -> dict:
@@ -512,21 +803,29 @@ def _tile_launch(kernel, grid_of, blocks, *args, **constexprs):
         kernel[lambda meta: grid_of(meta)](*args, **constexprs)
 
 
-def _row_norms(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.linalg.vector_norm(x, dim=1, dtype=dtype)
+def _row_norms(x: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """[R] row norms of x, or with dims [K, R] norms of every prefix x[:, :d] (d in dims), from running sums of
+    the slices' squared norms."""
+    if dims is None:
+        return torch.linalg.vector_norm(x, dim=1, dtype=dtype)
+    squares = torch.stack([_row_norms(x[:, lo:hi], dtype).square() for lo, hi in zip((0,) + dims[:-1], dims)])
+    return squares.cumsum(dim=0).sqrt().contiguous()
 
 
 class SimilarityXentFunction(torch.autograd.Function):
+    """The loss (dims None) or the [K] losses of the prefixes of dims (the `_prefix_` kernels): the same launches,
+    with per-prefix norms, logsumexps and radial sums laid out [K, rows]."""
+
     @staticmethod
-    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids):
+    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims):
         symmetric = c is None
         dtype = compute_dtype(q.dtype)
         q_in = q.detach()
         c_in = q_in if symmetric else c.detach()
         m, d = q_in.shape
         mc = c_in.shape[0]
-        q_norm = _row_norms(q_in, dtype)
-        c_norm = q_norm if symmetric else _row_norms(c_in, dtype)
+        q_norm = _row_norms(q_in, dtype, dims)
+        c_norm = q_norm if symmetric else _row_norms(c_in, dtype, dims)
         groups = group_ids.contiguous() if group_ids is not None else q_norm  # placeholder pointer if unused
         static = dict(
             PARTNER_TARGET=target == "partner", EXCLUDE_DIAGONAL=bool(exclude_diagonal),
@@ -538,18 +837,25 @@ class SimilarityXentFunction(torch.autograd.Function):
         params = torch.tensor([float(scale), math.cos(margin), math.sin(margin)], dtype=dtype).to(q.device)
         runtime = (m, mc, d, _autotune_bucket(m), _autotune_bucket(mc),
                    q_in.stride(0), q_in.stride(1), c_in.stride(0), c_in.stride(1), params)
+        bounds, per_row = None, (m,)
+        if dims is not None:
+            bounds = torch.tensor((0,) + dims, dtype=torch.int32).to(q.device)
+            runtime += (bounds, len(dims))
+            static["KP"] = triton.next_power_of_2(len(dims))
+            per_row = (len(dims), m)
 
-        lse_all = new_output((m,), dtype, q.device)
-        lse_pos = new_output((m,), dtype, q.device)
+        lse_all = new_output(per_row, dtype, q.device)
+        lse_pos = new_output(per_row, dtype, q.device)
         blocks = _interpreter_blocks(m, mc, d)
-        fwd_kernel, _, _ = kernels_for(_TUNED, q.dtype)
+        fwd_kernel, _, _ = kernels_for(_TUNED if dims is None else _PREFIX_TUNED, q.dtype)
         _tile_launch(fwd_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
                      q_in, c_in, q_norm, c_norm, groups, lse_all, lse_pos, *runtime, **static)
 
         weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
-        loss = (weights * (lse_all - lse_pos)).sum() / m
+        loss = (weights * (lse_all - lse_pos)).sum(dim=-1) / m
 
-        ctx.save_for_backward(q_in, None if symmetric else c_in, q_norm, c_norm, groups, lse_all, lse_pos, weights)
+        ctx.save_for_backward(q_in, None if symmetric else c_in, q_norm, c_norm, groups, lse_all, lse_pos, weights,
+                              bounds)
         ctx.symmetric = symmetric
         ctx.static = static
         ctx.runtime = runtime
@@ -558,57 +864,70 @@ class SimilarityXentFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        q_in, c_saved, q_norm, c_norm, groups, lse_all, lse_pos, weights = ctx.saved_tensors
+        q_in, c_saved, q_norm, c_norm, groups, lse_all, lse_pos, weights, bounds = ctx.saved_tensors
         symmetric = ctx.symmetric
         c_in = q_in if symmetric else c_saved
         m, d = q_in.shape
         mc = c_in.shape[0]
         dtype = lse_all.dtype
-        coef = (weights * (grad_loss.to(dtype) / m)).contiguous()
+        prefixes = bounds is not None
+        coef = (weights * (grad_loss.to(dtype)[..., None] / m)).contiguous()  # [M], or [K, M] with dims
         blocks = _interpreter_blocks(m, mc, d)
         common = (q_in, c_in, q_norm, c_norm, groups, lse_all, lse_pos, coef)
 
-        dq_raw = new_output((m, d), dtype, q_in.device)
-        dq_radial = new_output((m,), dtype, q_in.device)
-        _, dq_kernel, dc_kernel = kernels_for(_TUNED, q_in.dtype)
+        def per_row(rows):  # the radial sums' layout
+            return (lse_all.shape[0], rows) if prefixes else (rows,)
+
+        # With dims every prefix adds into its leading columns: zeroed buffers (the full-width kernels store their
+        # first block without reading).
+        raw_buffer = torch.zeros if prefixes else new_output
+        dq_raw = raw_buffer((m, d), dtype=dtype, device=q_in.device)
+        dq_radial = new_output(per_row(m), dtype, q_in.device)
+        _, dq_kernel, dc_kernel = kernels_for(_PREFIX_TUNED if prefixes else _TUNED, q_in.dtype)
         _tile_launch(dq_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
                      *common, dq_raw, dq_radial, *ctx.runtime, **ctx.static)
-        dc_raw = new_output((mc, d), dtype, q_in.device)
-        dc_radial = new_output((mc,), dtype, q_in.device)
+        dc_raw = raw_buffer((mc, d), dtype=dtype, device=q_in.device)
+        dc_radial = new_output(per_row(mc), dtype, q_in.device)
         _tile_launch(dc_kernel, lambda b: (triton.cdiv(mc, b["BLOCK_N"]),), blocks,
                      *common, dc_raw, dc_radial, *ctx.runtime, **ctx.static)
 
-        acc = ctx.static["ACC"]
-        block_d = min(triton.next_power_of_2(d), 1024)
-        finish = dict(ACC=acc, EPS=NORM_EPS, BLOCK_D=block_d, num_warps=4)
-        dq = new_output((m, d), q_in.dtype, q_in.device)
+        finish = dict(ACC=ctx.static["ACC"], EPS=NORM_EPS, BLOCK_D=min(triton.next_power_of_2(d), 1024), num_warps=4)
+        if prefixes:
+            finish["KP"] = ctx.static["KP"]
+
+        def finish_launch(x, norm, raw_a, radial_a, raw_b, radial_b, has_b):
+            dx = new_output(x.shape, x.dtype, x.device)
+            rows = x.shape[0]
+            if prefixes:
+                _similarity_xent_prefix_bwd_finish_kernel[(rows,)](
+                    x, norm, raw_a, radial_a, raw_b, radial_b, dx, bounds, rows, d, bounds.shape[0] - 1, x.stride(0),
+                    x.stride(1), HAS_B=has_b, **finish)
+            else:
+                _similarity_xent_bwd_finish_kernel[(rows,)](
+                    x, norm, raw_a, radial_a, raw_b, radial_b, dx, rows, d, x.stride(0), x.stride(1), HAS_B=has_b,
+                    **finish)
+            return dx
+
         if symmetric:
-            _similarity_xent_bwd_finish_kernel[(m,)](
-                q_in, q_norm, dq_raw, dq_radial, dc_raw, dc_radial, dq, m, d, q_in.stride(0), q_in.stride(1),
-                HAS_B=True, **finish)
-            return dq, None, None, None, None, None, None, None
-        _similarity_xent_bwd_finish_kernel[(m,)](
-            q_in, q_norm, dq_raw, dq_radial, dq_raw, dq_radial, dq, m, d, q_in.stride(0), q_in.stride(1),
-            HAS_B=False, **finish)
-        dc = new_output((mc, d), c_in.dtype, c_in.device)
-        _similarity_xent_bwd_finish_kernel[(mc,)](
-            c_in, c_norm, dc_raw, dc_radial, dc_raw, dc_radial, dc, mc, d, c_in.stride(0), c_in.stride(1),
-            HAS_B=False, **finish)
-        return dq, dc, None, None, None, None, None, None
+            dq = finish_launch(q_in, q_norm, dq_raw, dq_radial, dc_raw, dc_radial, True)
+            return dq, None, None, None, None, None, None, None, None
+        dq = finish_launch(q_in, q_norm, dq_raw, dq_radial, dq_raw, dq_radial, False)
+        dc = finish_launch(c_in, c_norm, dc_raw, dc_radial, dc_raw, dc_radial, False)
+        return dq, dc, None, None, None, None, None, None, None
 
 
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
                     dims=None):
     """Flash-style softmax cross-entropy over cosine similarities; see angle_kernels.dispatch."""
-    return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
+    return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The specialisations CI compiles for sm_90 without a GPU (triton_ops._compile_check)
 # ----------------------------------------------------------------------------------------------------------
 def compile_cases(full: bool) -> list[CompileCase]:
-    """CI: bf16 with groups, fp32 with a margin, the first autotune config of each; full=True: every dtype, both
-    variants, every autotune config."""
+    """CI: bf16 with groups, fp32 with a margin, the first autotune config of each, full-width and with dims (4
+    prefixes); full=True: every dtype, both variants, every autotune config."""
     variants = [("bf16", tl.bfloat16, True, False), ("fp32", tl.float32, False, True)]
     if full:
         variants = [(x, operand, groups, not groups)
@@ -626,10 +945,15 @@ def compile_cases(full: bool) -> list[CompileCase]:
                               SIN_SQ_FLOOR=MARGIN_SIN_SQUARED_FLOOR, **config.kwargs)
             blocks = "x".join(str(v) for v in config.kwargs.values())
             label = f"x={x_dtype} groups={has_groups} margin={has_margin} tile={blocks} w={config.num_warps}"
-            pointers = {"q_ptr": x_dtype, "c_ptr": x_dtype, "group_ptr": "i64"}
+            pointers = {"q_ptr": x_dtype, "c_ptr": x_dtype, "group_ptr": "i64", "bounds_ptr": "i32"}
             cases += [CompileCase(kernel, label, pointer_dtype, constexprs, config.num_warps, config.num_stages,
                                   pointers) for kernel in _TILE_KERNELS]
+            cases += [CompileCase(kernel, f"{label} KP=4", pointer_dtype, dict(constexprs, KP=4), config.num_warps,
+                                  config.num_stages, pointers) for kernel in _PREFIX_TILE_KERNELS]
+        finish_pointers = {"x_ptr": x_dtype, "dx_ptr": x_dtype, "bounds_ptr": "i32"}
         cases.append(CompileCase(_similarity_xent_bwd_finish_kernel, f"x={x_dtype}", pointer_dtype,
-                                 dict(HAS_B=True, ACC=acc, EPS=NORM_EPS, BLOCK_D=1024), 4,
-                                 pointers={"x_ptr": x_dtype, "dx_ptr": x_dtype}))
+                                 dict(HAS_B=True, ACC=acc, EPS=NORM_EPS, BLOCK_D=1024), 4, pointers=finish_pointers))
+        cases.append(CompileCase(_similarity_xent_prefix_bwd_finish_kernel, f"x={x_dtype} KP=4", pointer_dtype,
+                                 dict(HAS_B=True, ACC=acc, EPS=NORM_EPS, KP=4, BLOCK_D=1024), 4,
+                                 pointers=finish_pointers))
     return cases

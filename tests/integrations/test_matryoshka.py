@@ -66,7 +66,7 @@ def test_same_value_and_gradients_as_sentence_transformers(model64, fused_calls,
     assert replacement.get_config_dict() == original.get_config_dict()
 
     compare(model64, Seeded(original), Seeded(replacement), columns, labels, value_tol=1e-12, grad_tol=1e-10)
-    calls = sum(fused_calls.values())
+    calls = fused_calls["ranking_terms"] + fused_calls["multiple_negatives"]  # the losses' entry halves
     if fused:
         assert calls == 1, f"one fused call for every dimension, got {fused_calls}"
     elif inner != "MultipleNegativesRankingLoss":
@@ -81,7 +81,7 @@ def test_the_sampled_dimensions_change_with_the_seed(model64):
                                n_dims_per_step=1)
     from test_sentence_transformers import batch_columns
 
-    values = {float(Seeded(loss, seed)(batch_columns(model64, 2), None)) for seed in range(6)}
+    values = {Seeded(loss, seed)(batch_columns(model64, 2), None).item() for seed in range(6)}
     assert len(values) > 1
 
 

@@ -1,4 +1,4 @@
-"""pair_scores(x, with_angle) on every backend against the float64 oracle: outputs and gradients.
+"""pair_scores(x, with_angle[, dims]) on every backend against the float64 oracle: outputs and gradients.
 
 The backward gets fixed random cotangents for both outputs (ak_testing.cotangent). float64 and float32 at the
 tolerances of ak_testing, bfloat16 and float16 at the half-precision rule. Shapes: one group, zigzag pairs,
@@ -16,7 +16,7 @@ from torch.autograd import gradcheck
 import oracle
 from ak_testing import (
     GRAD_TOL, HALF_DTYPES, VALUE_TOL, assert_close, assert_half_rule, check_against_oracle, generator, leaf_like,
-    outputs_and_grads, randn,
+    outputs_and_grads, randn, skip_unless_feature,
 )
 
 SHAPES = [  # (G, K, D)
@@ -126,3 +126,51 @@ def test_gradcheck(backend, k, dim, with_angle):
     x = leaf_like(randn(generator("gradcheck", k, dim), 4, k, dim, dtype=torch.float64), device=backend.device)
     assert gradcheck(_ops(backend, with_angle), (x,), eps=1e-6, atol=1e-6, rtol=1e-4,
                      fast_mode=backend.name == "triton")
+
+
+# ---- nested prefixes (dims, Matryoshka): every prefix from one call, exactly k calls on the truncated inputs
+PREFIX_CASES = [  # (G, K, D, dims)
+    (1, 2, 2, (2,)),  # a single prefix, the full width
+    (37, 2, 130, (8, 64, 130)),  # zigzag pairs
+    (5, 3, 20, (2, 4, 6, 10, 20)),  # format C triples, many prefixes, width 2
+    (7, 4, 18, (6, 12)),  # K = 4, the last columns in no prefix: zero gradient
+    (3, 2, 2060, (256, 1030, 2060)),  # prefixes longer than one Triton block
+]
+
+
+def _prefix_ops(backend, with_angle, dims):
+    return lambda x: backend.ops.pair_scores(x, with_angle, dims)
+
+
+def _prefix_oracle(with_angle, dims):
+    """The oracle of k truncated calls, stacked: ([k, G, K-1], [k, G, K-1])."""
+    def scores(x):
+        per_prefix = [oracle.pair_scores(x[..., :d], with_angle) for d in dims]
+        return torch.stack([c for c, _ in per_prefix]), torch.stack([a for _, a in per_prefix])
+    return scores
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF_DTYPES], ids=str)
+@pytest.mark.parametrize("with_angle", [True, False], ids=["angle", "cos_only"])
+@pytest.mark.parametrize("case", PREFIX_CASES, ids=str)
+def test_prefixes_against_oracle(backend, case, with_angle, dtype):
+    skip_unless_feature(backend, "pair_scores", "dims")
+    groups, k, width, dims = case
+    x = randn(generator("pair_scores_dims", case, dtype), groups, k, width, dtype=dtype)
+    check_against_oracle(_prefix_ops(backend, with_angle, dims), _prefix_oracle(with_angle, dims), [x],
+                         f"pair_scores{case}", device=backend.device)
+
+
+@pytest.mark.parametrize("dims", [(1, 3), (3, 5, 9)])
+def test_prefixes_of_odd_width_without_angle(backend, dims):
+    skip_unless_feature(backend, "pair_scores", "dims")
+    x = randn(generator("pair_scores_dims_odd", dims), 6, 2, 9, dtype=torch.float64)
+    check_against_oracle(_prefix_ops(backend, False, dims), _prefix_oracle(False, dims), [x], f"dims={dims}",
+                         device=backend.device)
+
+
+def test_prefixes_gradcheck(backend):
+    skip_unless_feature(backend, "pair_scores", "dims")
+    x = randn(generator("pair_scores_dims_gradcheck"), 3, 3, 8, dtype=torch.float64).to(backend.device)
+    assert gradcheck(lambda t: backend.ops.pair_scores(t, True, (2, 4, 8)), [x.requires_grad_()], eps=1e-6,
+                     atol=1e-6)

@@ -5,6 +5,9 @@ diagonal excluded, rows without a target weighted 0, identical texts as extra po
 negatives: rectangular, diagonal targets; ArcCon: an angular margin on the target logit) and the corners
 around them: a single row, odd and non-power-of-two sizes, more rows, columns and D than one Triton tile,
 fractional weights, a margin past pi and at |cos| = 1, non-contiguous inputs, zero rows in float16.
+
+Nested prefixes (dims) on the backends that declare them: the [k] losses against the oracle's k calls on the
+truncated inputs, stacked, with a random upstream gradient [k], over the same options.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from torch.autograd import gradcheck
 
 import oracle
 from ak_testing import (
-    HALF_DTYPES, assert_close, check_against_oracle, generator, leaf_like, outputs_and_grads, randn,
+    HALF_DTYPES, ShapeRecorder, assert_close, backend_or_skip, check_against_oracle, generator, leaf_like,
+    outputs_and_grads, randn, skip_unless_feature,
 )
 
 # name -> (M, Mc or None for c = None, D, options). Options: scale, target, exclude_diagonal, margin (radians);
@@ -58,16 +62,21 @@ def _on(device, kwargs):
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
+def _prefix_oracle(q, c=None, dims=None, **kwargs):
+    """The oracle, or with dims its k calls on the truncated inputs, stacked: what the contract says dims is."""
+    if dims is None:
+        return oracle.similarity_xent(q, c, **kwargs)
+    return torch.stack([oracle.similarity_xent(q[:, :d], None if c is None else c[:, :d], **kwargs) for d in dims])
+
+
 def _check(backend, q, c, kwargs, what):
     """ours and the oracle on (q, c), differentiating both when c is given."""
     on_device = _on(backend.device, kwargs)
     if c is None:
         return check_against_oracle(lambda q: backend.ops.similarity_xent(q, None, **on_device),
-                                    lambda q: oracle.similarity_xent(q, None, **kwargs), [q], what,
-                                    device=backend.device)
+                                    lambda q: _prefix_oracle(q, None, **kwargs), [q], what, device=backend.device)
     return check_against_oracle(lambda q, c: backend.ops.similarity_xent(q, c, **on_device),
-                                lambda q, c: oracle.similarity_xent(q, c, **kwargs), [q, c], what,
-                                device=backend.device)
+                                lambda q, c: _prefix_oracle(q, c, **kwargs), [q, c], what, device=backend.device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -168,6 +177,84 @@ def test_extra_memory_is_linear_in_rows(backend):
     assert extra < rows * rows, f"extra memory {extra / 2**20:.1f} MiB: more than 1/4 of an M x M fp32 matrix"
 
 
+# name -> (a case of CASES, dims): a single prefix, the full width, odd widths, width 1, several tiles.
+DIMS_CASES = {
+    "in_batch_negatives": ("in_batch_negatives", (1, 33, 64, 130)),
+    "in_batch_negatives_plain": ("in_batch_negatives_plain", (16, 32)),
+    "partner_with_self_column": ("partner_with_self_column", (8,)),
+    "contrastive_with_negatives": ("contrastive_with_negatives", (5, 17, 33)),
+    "arccon": ("arccon", (32,)),
+    "margin_on_partners": ("margin_on_partners", (3, 10, 16)),
+    "one_row": ("one_row", (1, 2)),
+    "several_tiles": ("several_tiles", (64, 129, 300)),
+}
+
+
+def _dims_inputs(name, dtype):
+    case, dims = DIMS_CASES[name]
+    q, c, kwargs = _inputs(case, dtype)
+    return q, c, dict(kwargs, dims=dims)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("name", sorted(DIMS_CASES))
+def test_dims_against_oracle(backend, name, dtype):
+    skip_unless_feature(backend, "similarity_xent", "dims")
+    q, c, kwargs = _dims_inputs(name, dtype)
+    _check(backend, q, c, kwargs, f"{name} dims={kwargs['dims']}")
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["in_batch_negatives", "contrastive_with_negatives", "arccon"])
+def test_dims_half_precision(backend, name, dtype):
+    skip_unless_feature(backend, "similarity_xent", "dims")
+    q, c, kwargs = _dims_inputs(name, dtype)
+    _check(backend, q, c, kwargs, f"{name} dims={kwargs['dims']} {dtype}")
+
+
+def test_dims_on_non_contiguous_inputs(backend):
+    skip_unless_feature(backend, "similarity_xent", "dims")
+    gen = generator("strided_dims")
+    q = randn(gen, 18, 40).T  # [40, 18], strides (1, 40)
+    c = randn(gen, 60, 36)[:, ::2]  # [60, 18], strides (36, 2)
+    _check(backend, q, c, dict(scale=20.0, target="diagonal", margin=0.1, dims=(7, 18)), "strided dims")
+
+
+def test_dims_in_row_blocks_of_the_torch_backend(monkeypatch):
+    """Several row blocks of the torch backend (its tile shrunk to 4 rows): every prefix's gradient tiles are
+    summed across blocks, and the symmetric case adds the row and column halves into one gradient."""
+    import angle_kernels.torch_ops.common as torch_common
+
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 4 * 38 * 5)  # 38 columns, k + 1 = 5 tiles per block
+    q, c, kwargs = _dims_inputs("in_batch_negatives", torch.float64)
+    _check(backend_or_skip("torch"), q, c, kwargs, "in_batch_negatives dims, blocks of 4 rows")
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["c=None", "c"])
+def test_dims_torch_memory_stays_within_tiles(monkeypatch, symmetric):
+    """The torch backend with dims never makes an M x Mc tensor (nor k of them stacked): with its tile shrunk to
+    a few rows, every tensor of forward and backward is below M x Mc elements (the inputs are smaller)."""
+    import angle_kernels.torch_ops.common as torch_common
+    from angle_kernels.dispatch import raw_backend
+
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 4 * 48 * 4)  # blocks of 4 rows with k = 3
+    rows, c_rows, dims = 32, 32 if symmetric else 48, (3, 7, 12)
+    gen = generator("dims_memory", symmetric)
+    leaves = [leaf_like(randn(gen, rows, 12, dtype=torch.float64))]
+    if not symmetric:
+        leaves.append(leaf_like(randn(gen, c_rows, 12, dtype=torch.float64)))
+    kwargs = dict(scale=20.0, target="partner", exclude_diagonal=symmetric, margin=0.1, dims=dims,
+                  row_weights=torch.rand(rows, generator=gen),
+                  group_ids=torch.randint(0, 10, (rows,), generator=gen) if symmetric else None)
+    recorder = ShapeRecorder()
+    with recorder.mode:
+        loss = raw_backend("torch").similarity_xent(leaves[0], leaves[1] if len(leaves) > 1 else None, **kwargs)
+        recorder.phase = "backward"
+        loss.backward(torch.ones(len(dims), dtype=torch.float64))
+    largest = max(recorder.shapes, key=lambda entry: math.prod(entry[1]))
+    assert math.prod(largest[1]) < rows * c_rows, f"{largest}: an M x Mc = {rows} x {c_rows} sized tensor"
+
+
 GRADCHECK_CASES = {
     "partner": (10, None, dict(scale=5.0, target="partner", exclude_diagonal=True)),
     "partner_weights": (10, None, dict(scale=5.0, target="partner", exclude_diagonal=True,
@@ -183,11 +270,15 @@ GRADCHECK_CASES = {
 }
 
 
+@pytest.mark.parametrize("dims", [None, (1, 4, 6)], ids=["full", "dims"])
 @pytest.mark.parametrize("name", sorted(GRADCHECK_CASES))
-def test_gradcheck(backend, name):
+def test_gradcheck(backend, name, dims):
     """Finite differences in float64 against the backward pass. With a margin, c is drawn near q (target
     cosines away from the clamp at pi, where the logit has a kink)."""
+    if dims is not None:
+        skip_unless_feature(backend, "similarity_xent", "dims")
     rows, c_rows, kwargs = GRADCHECK_CASES[name]
+    kwargs = dict(kwargs, dims=dims)
     gen = generator("gradcheck", name)
     q = randn(gen, rows, 6, dtype=torch.float64)
     inputs = [leaf_like(q, device=backend.device)]
