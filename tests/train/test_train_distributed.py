@@ -17,7 +17,7 @@ from angle_train.trainer import build_loss
 N_PAIRS = 8  # 4 pairs per rank
 # AngleLoss's in-batch-negative options, as angle-train's flags: GTE's joint partition, the false-negative filter
 GTE_FILTERED = ("--ibn-partition", "gte", "--false-negative-margin", "0.1")
-# Matryoshka: the first option alone (one width, 8) and then three weighted widths
+# Matryoshka: three widths (in no order), then their weights
 MATRYOSHKA = ("--matryoshka-dims", "8", "32", "16", "--matryoshka-weights", "2", "1", "0.5")
 
 
@@ -67,12 +67,13 @@ def test_two_process_all_gather_equals_single_process(tmp_path, arch, fmt, chunk
     mp.spawn(_rank_main, args=(2, _free_port(), arch, fmt, chunk_rows, flags, str(tmp_path)), nprocs=2, join=True)
     encoder, batch, loss_fn = _setup(arch, fmt, flags)
     chunks = [pad_batch(batch.seqs, encoder.pad_token_id, encoder.padding_side)]
-    if flags:  # each option changes this batch's loss (the default, the first option, all), so the check tests them
+    if flags:  # each option changes this batch's loss (none, then one option more at a time), so the check tests them
         with torch.no_grad():
             embeddings = encoder(*chunks[0])
-        values = [float(build_loss(config_from_args(list(f)), fmt)(batch.labels, embeddings))
-                  for f in ((), flags[:2], flags)]
-        assert abs(values[0] - values[1]) > 1e-3 and abs(values[1] - values[2]) > 1e-3, values
+        starts = [i for i, word in enumerate(flags) if word.startswith("--")]
+        values = [float(build_loss(config_from_args(list(flags[:end])), fmt)(batch.labels, embeddings))
+                  for end in [*starts, len(flags)]]
+        assert all(abs(a - b) > 1e-3 for a, b in zip(values, values[1:])), values
     loss = plain_step(encoder, chunks, batch.labels, loss_fn)
     single = param_grads(encoder)
     for rank in range(2):
