@@ -45,6 +45,7 @@ from pathlib import Path
 
 import harness  # first: sets OMP_WAIT_POLICY before torch loads, and the import path
 import bench_arccse
+import bench_matryoshka
 import bench_ranking
 import bench_similarity
 import providers as P
@@ -53,7 +54,7 @@ from harness import GB, MB
 
 HERE = harness.HERE
 
-FAMILIES = (bench_ranking, bench_similarity, bench_arccse)
+FAMILIES = (bench_ranking, bench_similarity, bench_arccse, bench_matryoshka)
 LOSSES = {loss.name: loss for family in FAMILIES for loss in family.LOSSES}
 DEFAULT_LOSSES = ("cosine", "angle", "ibn", "contrastive")  # the main job's table and plot
 

@@ -158,6 +158,10 @@ class PrecomputedEmbeddings(nn.Module):
     def forward(self, features: dict) -> dict:
         return {"sentence_embedding": features["embedding"]}
 
+    def get_embedding_dimension(self) -> None:
+        """Unknown until the embeddings arrive (MatryoshkaLoss asks, to check its dims; None skips the check)."""
+        return None
+
 
 def columns(*embeddings: torch.Tensor) -> list[dict]:
     """One feature dict per input column, as PrecomputedEmbeddings expects."""

@@ -31,7 +31,8 @@ import providers as P  # noqa: E402
 LOSSES = bench_losses.LOSSES
 SMALL = {"cosine": (256, 128), "angle": (256, 128), "ibn": (128, 128), "contrastive": (128, 128),
          "arccon": (128, 128), "triplet": (256, 128), "mnrl_gte": (128, 128), "mnrl_hardness": (128, 128),
-         "mnrl_false_negatives": (128, 128), "mnrl_dot": (128, 128)}
+         "mnrl_false_negatives": (128, 128), "mnrl_dot": (128, 128),
+         "matryoshka_cosine": (256, 96), "matryoshka_mnrl": (128, 96)}
 # The provider of each family that runs on CPU
 PROVIDER_OF_FAMILY = {"ours": "ours-torch", "reference": "angle-emb", "sentence-transformers": "sentence-transformers",
                       "eager": "eager-pytorch"}

@@ -397,31 +397,25 @@ class SimilarityLseFunction(torch.autograd.Function):
         _, dq_kernel, dc_kernel = kernels_for(_TUNED, q_in.dtype)
         finish = dict(HAS_B=False, ACC=ctx.static["ACC"], EPS=NORM_EPS,
                       BLOCK_D=min(triton.next_power_of_2(d), 1024), num_warps=4)
+
+        def gradient(kernel, grid, x_in, x_norm, rows):
+            """One side's gradient: its tile kernel accumulates the raw sum and the radial term, then the finish
+            kernel applies the normalisation's backward (without normalisation the raw sum is the gradient)."""
+            raw = new_output((rows, d), dtype, x_in.device)
+            radial = new_output((rows,), dtype, x_in.device)
+            _tile_launch(kernel, grid, ctx.blocks, *inputs, lse, coef, raw, radial, *ctx.runtime, **ctx.static)
+            if not ctx.normalize:
+                return raw.to(x_in.dtype)
+            out = new_output((rows, d), x_in.dtype, x_in.device)
+            _similarity_xent_bwd_finish_kernel[(rows,)](x_in, x_norm, raw, radial, raw, radial, out, rows, d,
+                                                        x_in.stride(0), x_in.stride(1), **finish)
+            return out
+
         dq = dc = None
         if ctx.needs_input_grad[0]:
-            dq_raw = new_output((m, d), dtype, q_in.device)
-            dq_radial = new_output((m,), dtype, q_in.device)
-            _tile_launch(dq_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), ctx.blocks,
-                         *inputs, lse, coef, dq_raw, dq_radial, *ctx.runtime, **ctx.static)
-            if ctx.normalize:
-                dq = new_output((m, d), q_in.dtype, q_in.device)
-                _similarity_xent_bwd_finish_kernel[(m,)](
-                    q_in, q_norm, dq_raw, dq_radial, dq_raw, dq_radial, dq, m, d, q_in.stride(0), q_in.stride(1),
-                    **finish)
-            else:
-                dq = dq_raw.to(q_in.dtype)
+            dq = gradient(dq_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), q_in, q_norm, m)
         if ctx.needs_input_grad[1]:
-            dc_raw = new_output((mc, d), dtype, c_in.device)
-            dc_radial = new_output((mc,), dtype, c_in.device)
-            _tile_launch(dc_kernel, lambda b: (triton.cdiv(mc, b["BLOCK_N"]),), ctx.blocks,
-                         *inputs, lse, coef, dc_raw, dc_radial, *ctx.runtime, **ctx.static)
-            if ctx.normalize:
-                dc = new_output((mc, d), c_in.dtype, c_in.device)
-                _similarity_xent_bwd_finish_kernel[(mc,)](
-                    c_in, c_norm, dc_raw, dc_radial, dc_raw, dc_radial, dc, mc, d, c_in.stride(0), c_in.stride(1),
-                    **finish)
-            else:
-                dc = dc_raw.to(c_in.dtype)
+            dc = gradient(dc_kernel, lambda b: (triton.cdiv(mc, b["BLOCK_N"]),), c_in, c_norm, mc)
         return dq, dc, *([None] * 11)
 
 

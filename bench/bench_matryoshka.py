@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Matryoshka: a loss on k = 5 nested prefixes of the embeddings (D, 2D/3, D/3, D/6, D/12; for D = 768 the usual
+768, 512, 256, 128, 64), weights 1, against sentence-transformers' MatryoshkaLoss over its own loss (one inner
+loss call per dimension). `matryoshka_cosine`: CoSENT on the ranking family's inputs; `matryoshka_mnrl`:
+MultipleNegativesRankingLoss on the contrastive inputs (query, positive, hard negative). The single
+full-width losses are the `cosine` and `contrastive` rows of the same sweep: their ratio to these rows is the
+cost of the k - 1 extra dimensions (target: at most 1.3x).
+
+    python bench/bench_matryoshka.py [options of bench_losses.py]     this family's loss sweep
+"""
+
+from __future__ import annotations
+
+import sys
+
+import bench_ranking
+import bench_similarity
+import harness
+import providers as P
+from harness import Implementation, LossBench
+
+
+def nested_dims(d: int) -> tuple[int, ...]:
+    """The k = 5 prefix widths of a D-wide embedding, widest first as sentence-transformers users list them."""
+    return tuple(sorted({d, 2 * d // 3, d // 3, d // 6, max(1, d // 12)}, reverse=True))
+
+
+def ours_cosine(backend: str, x: dict):
+    import angle_kernels as ak
+
+    dims = nested_dims(x["y_pred"].shape[1])
+    return lambda: ak.cosine_loss(x["y_true"], x["y_pred"], tau=P.TAU, dims=dims, backend=backend)
+
+
+def ours_mnrl(backend: str, x: dict):
+    import angle_kernels as ak
+
+    dims = nested_dims(x["text"].shape[1])
+    return lambda: ak.multiple_negatives_ranking_loss(x["text"], x["pos"], (x["neg"],), scale=P.TAU, dims=dims,
+                                                      backend=backend)
+
+
+def sentence_transformers_cosine(st_losses, x: dict):
+    model = P.PrecomputedEmbeddings()
+    loss = st_losses.MatryoshkaLoss(model, st_losses.CoSENTLoss(model, scale=P.TAU), nested_dims(x["y_pred"].shape[1]))
+    y_pred, labels = x["y_pred"], x["y_true"][0::2, 0]
+    return lambda: loss(P.columns(y_pred[0::2], y_pred[1::2]), labels)
+
+
+def sentence_transformers_mnrl(st_losses, x: dict):
+    model = P.PrecomputedEmbeddings()
+    loss = st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model, scale=P.TAU),
+                                    nested_dims(x["text"].shape[1]))
+    return lambda: loss(P.columns(x["text"], x["pos"], x["neg"]), None)
+
+
+LOSSES = [
+    LossBench(
+        name="matryoshka_cosine", grows="N", size_label="N (pairs)", embedding_rows=lambda n: 2 * n,
+        build_inputs=bench_ranking.zigzag_graded_inputs, work_floor=bench_ranking.pairs_floor,
+        implementations={
+            "ours": Implementation(f"angle_kernels.cosine_loss(tau={P.TAU:g}, dims=5 prefixes)", ours_cosine),
+            "sentence-transformers": Implementation(
+                f"MatryoshkaLoss(CoSENTLoss(scale={P.TAU:g}), 5 dims)", sentence_transformers_cosine),
+        },
+    ),
+    LossBench(
+        name="matryoshka_mnrl", grows="N^2", size_label="N (queries, 2N candidates)", embedding_rows=lambda n: 3 * n,
+        build_inputs=bench_similarity.contrastive_inputs,
+        work_floor=lambda n, d, dtype: harness.similarity_floor(n, 2 * n, d),
+        implementations={
+            "ours": Implementation(f"angle_kernels.multiple_negatives_ranking_loss(scale={P.TAU:g}, dims=5 prefixes)",
+                                   ours_mnrl),
+            "sentence-transformers": Implementation(
+                f"MatryoshkaLoss(MultipleNegativesRankingLoss(scale={P.TAU:g}), 5 dims)", sentence_transformers_mnrl),
+        },
+        # the parent's loop builds one N x 2N score matrix per dimension, one at a time
+        eager_matrix_elements=lambda n: n * 2 * n, bytes_per_element={"sentence-transformers": 16.0},
+    ),
+]
+
+
+if __name__ == "__main__":
+    import bench_losses
+
+    sys.exit(bench_losses.main(["--losses", ",".join(loss.name for loss in LOSSES), *sys.argv[1:]]))
