@@ -6,6 +6,10 @@ MultipleNegativesRankingLoss on the contrastive inputs (query, positive, hard ne
 full-width losses are the `cosine` and `contrastive` rows of the same sweep: their ratio to these rows is the
 cost of the k - 1 extra dimensions (target: at most 1.3x).
 
+Ops (the GPU run's op sweep): pair_scores and similarity_xent with the k = 5 nested prefixes, against the same
+floor as the full width (the prefixes come from one read of the embeddings: the bytes and the matmul FLOPs of
+the widest prefix).
+
     python bench/bench_matryoshka.py [options of bench_losses.py]     this family's loss sweep
 """
 
@@ -17,12 +21,15 @@ import bench_ranking
 import bench_similarity
 import harness
 import providers as P
-from harness import Implementation, LossBench
+import torch
+from harness import Implementation, LossBench, OpBench
 
 
 def nested_dims(d: int) -> tuple[int, ...]:
-    """The k = 5 prefix widths of a D-wide embedding, widest first as sentence-transformers users list them."""
-    return tuple(sorted({d, 2 * d // 3, d // 3, d // 6, max(1, d // 12)}, reverse=True))
+    """The k = 5 prefix widths of a D-wide embedding (fewer for a tiny D), widest first as sentence-transformers
+    users list them; the narrower ones even (the angle score halves each prefix)."""
+    narrower = {max(2, w - w % 2) for w in (2 * d // 3, d // 3, d // 6, d // 12)}
+    return tuple(sorted({d} | {w for w in narrower if w < d}, reverse=True))
 
 
 def ours_cosine(backend: str, x: dict):
@@ -77,6 +84,46 @@ LOSSES = [
         # the parent's loop builds one N x 2N score matrix per dimension, one at a time
         eager_matrix_elements=lambda n: n * 2 * n, bytes_per_element={"sentence-transformers": 16.0},
     ),
+]
+
+
+def setup_nested_pair_scores(ops, backend, n, d, dtype, device, generator):
+    """cos + angle of N zigzag pairs at every prefix, each weighted by a random number (both gradients flow)."""
+    dims = tuple(sorted(nested_dims(d)))
+    x = torch.randn(n, 2, d, device=device, generator=generator).to(dtype).requires_grad_()
+    weights = torch.randn(len(dims), n, 1, device=device, generator=generator)
+
+    def run():
+        cos, angle = ops.pair_scores(x, True, dims)
+        return ((cos + angle) * weights).sum()
+
+    return run, [x], bench_ranking.pairs_floor(n, d, dtype)
+
+
+def setup_nested_similarity_xent(ops, backend, n, d, dtype, device, generator):
+    """similarity_xent of N queries against 2N candidates (diagonal targets) at every prefix, summed."""
+    dims = tuple(sorted(nested_dims(d)))
+    q = torch.randn(n, d, device=device, generator=generator).to(dtype).requires_grad_()
+    c = torch.randn(2 * n, d, device=device, generator=generator).to(dtype).requires_grad_()
+
+    def run():
+        return ops.similarity_xent(q, c, P.TAU, "diagonal", dims=dims).sum()
+
+    m, mc = n, 2 * n
+    # Triton's dq and dc kernels each recompute the tile (2 m mc D) and form their gradient prefix by prefix
+    # (2 m mc sum(d_i)); the torch backend's slice products cost what the full width's do.
+    executed = (m * mc * (6 * d + 4 * sum(dims)) if backend == "triton"
+                else harness.similarity_flops_executed(backend, m, mc, d))
+    return run, [q, c], {**harness.similarity_floor(m, mc, d), "executed": executed}
+
+
+OPS = [
+    OpBench("pair_scores(dims)", sizes=(16384, 262144), dims=(768, 4096), dtypes=("bfloat16", "float32"),
+            grows="N", setup=setup_nested_pair_scores,
+            memory_bytes=lambda n, d, dtype: 6 * n * d * harness.element_bytes(dtype)),
+    OpBench("similarity_xent(dims)", sizes=(1024, 4096, 16384), dims=(768, 4096), dtypes=("bfloat16", "float32"),
+            grows="N^2", setup=setup_nested_similarity_xent,
+            memory_bytes=lambda n, d, dtype: 3 * 3 * n * d * 4),
 ]
 
 
