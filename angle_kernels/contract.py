@@ -51,6 +51,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class Backend(Protocol):
     """What dispatch assembles from a backend package (see OPS). The ops take validated inputs."""
 
+    features: dict[str, frozenset]  # op -> the OPTIONAL_FEATURES its module declares
+
     def is_available(self) -> tuple[bool, str]: ...
 
     def pair_scores(self, x: torch.Tensor, with_angle: bool,
