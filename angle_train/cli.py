@@ -130,6 +130,12 @@ def config_from_args(argv=None) -> TrainConfig:
             if name not in by_name:
                 parser.error(f"--config: unknown setting {key!r}")
             kind = _kind(by_name[name])
+            if value is None:  # YAML null / JSON null: "off", for the settings whose default is off (None)
+                if by_name[name].default is not None:
+                    parser.error(f"--config: setting {key!r} cannot be null (its default is "
+                                 f"{by_name[name].default!r})")
+                values[name] = None
+                continue
             try:
                 if kind == "bool":
                     value = parse_bool(value)

@@ -75,6 +75,20 @@ def test_config_files_and_precedence(tmp_path):
         config_from_args(["--config", str(bad)])
 
 
+def test_null_in_a_config_file_means_off_where_off_is_the_default(tmp_path, capsys):
+    """YAML null for a setting whose default is None (off) keeps it off; for any other setting it is an error
+    naming the setting (it used to fail with float(None))."""
+    off = tmp_path / "off.yaml"
+    off.write_text("false_negative_margin: null\ndevice: null\n")
+    cfg = config_from_args(["--config", str(off)])
+    assert cfg.false_negative_margin is None and cfg.device is None
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("lr: null\n")
+    with pytest.raises(SystemExit):
+        config_from_args(["--config", str(wrong)])
+    assert "setting 'lr' cannot be null" in capsys.readouterr().err
+
+
 def test_main_runs_a_short_training(tmp_path, capsys):
     assert (
         main(
