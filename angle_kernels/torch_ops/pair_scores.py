@@ -42,45 +42,58 @@ def _group_chunks(x: torch.Tensor):
         yield start, end, x[start:end].to(dtype)
 
 
+def _scores_of_gram(gram: torch.Tensor, xc: torch.Tensor, width: int, with_angle: bool):
+    """(inverse norms, has-norm-gradient mask, cos, cross) of a chunk of groups from its Gram [g, K, K] of the
+    first `width` features; cross = (b.c - a.d) / P from the halves of those features (zeros without the angle)."""
+    r, mask = inverse_norms_from_squares(torch.diagonal(gram, dim1=1, dim2=2))
+    inv_p = r[:, :1] * r[:, 1:]  # 1 / P for each pair (anchor, k)
+    cos = gram[:, 0, 1:] * inv_p
+    cross = torch.zeros_like(cos)
+    if with_angle:
+        # halves[g, i, j] = first_half(x_i) . second_half(x_j): b.c = halves[k, 0], a.d = halves[0, k]
+        half = width // 2
+        halves = torch.bmm(xc[..., :half], xc[..., half:width].transpose(1, 2))
+        cross = (halves[:, 1:, 0] - halves[:, 0, 1:]) * inv_p
+    return r, mask, cos, cross
+
+
+def _save_and_output(ctx, x, inv_norm, has_norm_grad, cos, cross, with_angle: bool):
+    """Save what backward needs and return (cos, angle); without the angle, angle is zeros and not differentiable."""
+    ctx.save_for_backward(x, inv_norm, has_norm_grad, cos, cross)
+    ctx.with_angle = with_angle
+    angle = cos + cross if with_angle else torch.zeros_like(cos)  # a fresh tensor: cross is saved for backward
+    ctx.mark_non_differentiable(*(() if with_angle else (angle,)))
+    return cos, angle
+
+
+def _upstream(grad_cos, grad_angle, cos: torch.Tensor, with_angle: bool):
+    """The upstream gradients in the compute dtype, zeros for an output that received none."""
+    grad_cos = grad_cos.to(cos.dtype) if grad_cos is not None else torch.zeros_like(cos)
+    angle_flows = with_angle and grad_angle is not None
+    return grad_cos, grad_angle.to(cos.dtype) if angle_flows else torch.zeros_like(cos), angle_flows
+
+
 class PairScoresFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, with_angle: bool):
         groups, k, d = x.shape
         dtype = compute_dtype(x.dtype)
-        half = d // 2
         inv_norm = torch.empty(groups, k, dtype=dtype, device=x.device)
         has_norm_grad = torch.empty(groups, k, dtype=torch.bool, device=x.device)
         cos = torch.empty(groups, k - 1, dtype=dtype, device=x.device)
-        cross = torch.zeros(groups, k - 1, dtype=dtype, device=x.device)  # (b.c - a.d) / P
+        cross = torch.empty(groups, k - 1, dtype=dtype, device=x.device)  # (b.c - a.d) / P
         for start, end, xc in _group_chunks(x):
             gram = torch.bmm(xc, xc.transpose(1, 2))  # [g, K, K]
-            squared_norms = torch.diagonal(gram, dim1=1, dim2=2)
-            r, mask = inverse_norms_from_squares(squared_norms)
-            inv_norm[start:end], has_norm_grad[start:end] = r, mask
-            inv_p = r[:, :1] * r[:, 1:]  # 1 / P for each pair (anchor, k)
-            cos[start:end] = gram[:, 0, 1:] * inv_p
-            if with_angle:
-                # halves[g, i, j] = first_half(x_i) . second_half(x_j): b.c = halves[k, 0], a.d = halves[0, k]
-                halves = torch.bmm(xc[..., :half], xc[..., half:].transpose(1, 2))
-                cross[start:end] = (halves[:, 1:, 0] - halves[:, 0, 1:]) * inv_p
-        ctx.save_for_backward(x, inv_norm, has_norm_grad, cos, cross)
-        ctx.with_angle = with_angle
-        angle = cos + cross if with_angle else torch.zeros_like(cos)  # a fresh tensor: cross is saved for backward
-        ctx.mark_non_differentiable(*(() if with_angle else (angle,)))
-        return cos, angle
+            (inv_norm[start:end], has_norm_grad[start:end], cos[start:end],
+             cross[start:end]) = _scores_of_gram(gram, xc, d, with_angle)
+        return _save_and_output(ctx, x, inv_norm, has_norm_grad, cos, cross, with_angle)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
         x, inv_norm, has_norm_grad, cos, cross = ctx.saved_tensors
         groups, k, d = x.shape
-        dtype = cos.dtype
-        grad_cos = grad_cos.to(dtype) if grad_cos is not None else torch.zeros_like(cos)
-        if ctx.with_angle and grad_angle is not None:
-            grad_angle = grad_angle.to(dtype)
-        else:
-            grad_angle = torch.zeros_like(cos)
-
+        grad_cos, grad_angle, _ = _upstream(grad_cos, grad_angle, cos, ctx.with_angle)
         use_angle = ctx.with_angle and d % 2 == 0
         a, b = _star_matrices(grad_cos, grad_angle, inv_norm, has_norm_grad, cos, cross, use_angle)
 
@@ -134,34 +147,24 @@ class PrefixPairScoresFunction(torch.autograd.Function):
         inv_norm = torch.empty(n_dims, groups, k, dtype=dtype, device=x.device)
         has_norm_grad = torch.empty(n_dims, groups, k, dtype=torch.bool, device=x.device)
         cos = torch.empty(n_dims, groups, k - 1, dtype=dtype, device=x.device)
-        cross = torch.zeros(n_dims, groups, k - 1, dtype=dtype, device=x.device)
+        cross = torch.empty(n_dims, groups, k - 1, dtype=dtype, device=x.device)
         bounds = (0, *dims)
         for start, end, xc in _group_chunks(x):
             gram = torch.zeros(end - start, k, k, dtype=dtype, device=x.device)
             for i, d in enumerate(dims):
                 piece = xc[..., bounds[i]:d]
                 gram.baddbmm_(piece, piece.transpose(1, 2))  # the running Gram of prefix i
-                r, mask = inverse_norms_from_squares(torch.diagonal(gram, dim1=1, dim2=2))
-                inv_norm[i, start:end], has_norm_grad[i, start:end] = r, mask
-                inv_p = r[:, :1] * r[:, 1:]
-                cos[i, start:end] = gram[:, 0, 1:] * inv_p
-                if with_angle:
-                    halves = torch.bmm(xc[..., :d // 2], xc[..., d // 2:d].transpose(1, 2))
-                    cross[i, start:end] = (halves[:, 1:, 0] - halves[:, 0, 1:]) * inv_p
-        ctx.save_for_backward(x, inv_norm, has_norm_grad, cos, cross)
-        ctx.with_angle, ctx.dims = with_angle, dims
-        angle = cos + cross if with_angle else torch.zeros_like(cos)
-        ctx.mark_non_differentiable(*(() if with_angle else (angle,)))
-        return cos, angle
+                (inv_norm[i, start:end], has_norm_grad[i, start:end], cos[i, start:end],
+                 cross[i, start:end]) = _scores_of_gram(gram, xc, d, with_angle)
+        ctx.dims = dims
+        return _save_and_output(ctx, x, inv_norm, has_norm_grad, cos, cross, with_angle)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
         x, inv_norm, has_norm_grad, cos, cross = ctx.saved_tensors
-        dims, with_angle = ctx.dims, ctx.with_angle
-        grad_cos = grad_cos.to(cos.dtype) if grad_cos is not None else torch.zeros_like(cos)
-        use_angle = with_angle and grad_angle is not None
-        grad_angle = grad_angle.to(cos.dtype) if use_angle else torch.zeros_like(cos)
+        dims = ctx.dims
+        grad_cos, grad_angle, use_angle = _upstream(grad_cos, grad_angle, cos, ctx.with_angle)
         stars = [_star_matrices(grad_cos[i], grad_angle[i], inv_norm[i], has_norm_grad[i], cos[i], cross[i],
                                 use_angle) for i in range(len(dims))]
         dx = torch.empty_like(x)
