@@ -16,6 +16,14 @@ Matryoshka training: every loss but gist_loss takes `dims` (prefix widths d_1, .
 sentence-transformers' MatryoshkaLoss, computed from one read of the embeddings by the ops' nested-prefix
 feature (see angle_kernels.dispatch) rather than one loss call per width.
 
+Layer-wise (Espresso / 2D-Matryoshka) training: with `layer_weights`, every embedding argument is a stack
+[L, rows, D] of L layers' embeddings (the same rows, e.g. the pooled hidden states of L layers) and the loss is
+sum_l layer_weights[l] * loss(embeddings[l]) (each with its dims, weighted by layer_weights[l] * dim_weights[i]);
+with dims, layer_weights may also give a row of len(dims) weights per layer (replacing dim_weights: Espresso
+weights the final width of the earlier layers 0), and a term weighted 0 is not computed. The pair-score losses
+(cosine, angle, triplet and the ranking terms of AngleLoss) score every layer and prefix in one op call; the
+softmax losses run one op call per layer (for all of its prefixes).
+
 Each loss is two halves, and each formula is written once, in its computing half:
     * the public function checks its arguments (`checks`, `check_zigzag`), resolves the backend, and calls
     * the computing half (`ranking_terms`, `in_batch_negatives`, `contrastive`, `arccon`, `triplet`,
@@ -108,27 +116,104 @@ def check_triplets(anchor, weak, strong) -> None:
 
 @dataclass(frozen=True)
 class Nested:
-    """Matryoshka training: the loss on every prefix x[..., :d] of the embeddings, weighted and summed, as
-    sentence-transformers' MatryoshkaLoss does (sum_i weights[i] * loss(x[..., :dims[i]])). dims ascend: the
-    ops' contract; the weights follow them."""
+    """Matryoshka and layer-wise (Espresso) training: the loss on every prefix x[..., :d] of the embeddings (dims;
+    None: the full width only), of every layer of a stack [L, rows, D] when `stacked`, weighted and summed:
+    sum over (l, i) of table[l][i] * loss(x[l, ..., :dims[i]]), as sentence-transformers' MatryoshkaLoss (one
+    layer) and Matryoshka2dLoss / AdaptiveLayerLoss (the layers' weights times the prefixes') do. dims ascend: the
+    ops' contract; each row of the table follows them. Unstacked inputs have a one-row table."""
 
-    dims: tuple[int, ...]
-    weights: tuple[float, ...]
+    dims: tuple[int, ...] | None
+    table: tuple[tuple[float, ...], ...]  # [L][k]: L = 1 unstacked, k = 1 without dims
+    stacked: bool = False
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """The prefixes' weights of unstacked inputs."""
+        return self.table[0]
 
     def combine(self, per_prefix: torch.Tensor) -> torch.Tensor:
-        """sum_i weights[i] * per_prefix[i] for the [k] losses of the prefixes."""
+        """sum_i weights[i] * per_prefix[i] for the [k] losses of the prefixes of unstacked inputs (a 0-dim loss
+        of the full width times its weight)."""
         weights = torch.tensor(self.weights, dtype=per_prefix.dtype, device=per_prefix.device)
-        return per_prefix @ weights
+        return per_prefix @ weights if per_prefix.dim() else per_prefix * weights[0]
+
+    def weighted_sum(self, term) -> torch.Tensor:
+        """sum over the (layer l, prefix i) with a non-zero weight of table[l][i] * term(l, i): a term that is
+        weighted 0 is not computed (Espresso weights the final width of the earlier layers 0)."""
+        total = None
+        for layer, row in enumerate(self.table):
+            for i, weight in enumerate(row):
+                if weight != 0:
+                    value = weight * term(layer, i)
+                    total = value if total is None else total + value
+        return total
+
+    def over_layers(self, loss_of_layer) -> torch.Tensor:
+        """A stack's loss from a loss of one layer: sum over the layers l of loss_of_layer(l, nested_l), nested_l
+        the unstacked Nested of layer l's non-zero weights (None when the layer's only term is its full width,
+        whose weight then multiplies the loss)."""
+        total = None
+        for layer, row in enumerate(self.table):
+            if self.dims is None:
+                value = row[0] * loss_of_layer(layer, None) if row[0] != 0 else None
+            else:
+                keep = [i for i, weight in enumerate(row) if weight != 0]
+                value = loss_of_layer(layer, Nested(tuple(self.dims[i] for i in keep), (tuple(row[i] for i in keep),)))\
+                    if keep else None
+            if value is not None:
+                total = value if total is None else total + value
+        return total
 
 
-def check_nested(dims, dim_weights, width: int, even: bool = False) -> Nested | None:
+def check_nested(dims, dim_weights, width: int, even: bool = False, *, layer_weights=None,
+                 layers: int | None = None) -> Nested | None:
     """dims: None (the plain loss) or distinct prefix widths <= width in any order (sentence-transformers users
     list them largest first); dim_weights: None (all 1) or one finite number per dim, in dims' order. even: the
-    angle score needs even widths. Returned sorted ascending, the weights permuted alike."""
+    angle score needs even widths. Returned sorted ascending, the weights permuted alike.
+
+    layer_weights / layers: a stack of `layers` layers' embeddings [L, rows, D] (check_layer_stack gives L) and
+    its weights: one number per layer (times the prefixes' dim_weights), or, with dims, one row of len(dims)
+    numbers per layer (in dims' order; they replace dim_weights, which must then be None). At least one weight
+    is non-zero."""
+    if layer_weights is None:
+        if dims is None:
+            if dim_weights is not None:
+                raise ValueError("dim_weights needs dims (the prefix widths they weight)")
+            return None
+        dims, weights = _checked_prefixes(dims, dim_weights)
+        order = sorted(range(len(dims)), key=dims.__getitem__)
+        return Nested(check_dims(tuple(dims[i] for i in order), width, even), (tuple(weights[i] for i in order),))
+    if not isinstance(layer_weights, (tuple, list, torch.Tensor)) or len(layer_weights) != layers:
+        raise ValueError(f"layer_weights must have one entry per layer of the stack ({layers}), got {layer_weights!r}")
+    layer_weights = layer_weights.tolist() if isinstance(layer_weights, torch.Tensor) else list(layer_weights)
+    rows_given = any(isinstance(row, (tuple, list)) for row in layer_weights)
+    if rows_given and (dims is None or dim_weights is not None):
+        raise ValueError("layer_weights given as rows (one weight per layer and dim) need dims and replace "
+                         "dim_weights (leave it None)")
     if dims is None:
-        if dim_weights is not None:
-            raise ValueError("dim_weights needs dims (the prefix widths they weight)")
-        return None
+        table = [[checks.check_scalar(f"layer_weights[{layer}]", w)] for layer, w in enumerate(layer_weights)]
+        order = [0]
+    else:
+        dims, dim_weights = _checked_prefixes(dims, None if rows_given else dim_weights)
+        table = []
+        for layer, row in enumerate(layer_weights):
+            if rows_given:
+                if not isinstance(row, (tuple, list)) or len(row) != len(dims):
+                    raise ValueError(f"layer_weights[{layer}] must have one weight per dim ({len(dims)}), got {row!r}")
+                table.append([checks.check_scalar(f"layer_weights[{layer}][{i}]", w) for i, w in enumerate(row)])
+            else:
+                scale = checks.check_scalar(f"layer_weights[{layer}]", row)
+                table.append([scale * w for w in dim_weights])
+        order = sorted(range(len(dims)), key=dims.__getitem__)
+        dims = check_dims(tuple(dims[i] for i in order), width, even)
+    if not any(w != 0 for row in table for w in row):
+        raise ValueError("layer_weights: every (layer, dim) weight is 0, which leaves no loss to compute")
+    return Nested(dims, tuple(tuple(row[i] for i in order) for row in table), stacked=True)
+
+
+def _checked_prefixes(dims, dim_weights) -> tuple[list[int], list[float]]:
+    """dims as a list of distinct Python ints and their weights (1 each when dim_weights is None), in the order
+    given; the widths' range is check_dims'."""
     if not isinstance(dims, (tuple, list)) or not dims:
         raise TypeError(f"dims must be None or a non-empty sequence of ints, got {dims!r}")
     weights = [1.0] * len(dims) if dim_weights is None else list(dim_weights)
@@ -140,8 +225,30 @@ def check_nested(dims, dim_weights, width: int, even: bool = False) -> Nested | 
             raise TypeError(f"dims[{i}] must be a Python int, got {type(d).__name__}")
     if len(set(dims)) != len(dims):
         raise ValueError(f"dims must be distinct, got {tuple(dims)}")
-    order = sorted(range(len(dims)), key=dims.__getitem__)
-    return Nested(check_dims(tuple(dims[i] for i in order), width, even), tuple(weights[i] for i in order))
+    return list(dims), weights
+
+
+def check_layer_stack(layer_weights, *named: tuple[str, torch.Tensor]) -> tuple[int | None, list[torch.Tensor]]:
+    """Layer-wise inputs: with layer_weights None, (None, the tensors) unchanged. Otherwise every tensor must be a
+    stack [L, rows, D] of L layers' embeddings (the same L): the values of layers 1.. are checked here and
+    (L, the first layers) returned, for the caller's usual checks of a single layer's embeddings."""
+    tensors = [t for _, t in named]
+    if layer_weights is None:
+        return None, tensors
+    layers = None
+    for name, t in named:
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: with layer_weights, embeddings are a stack [L, rows, D] of the layers' "
+                             f"embeddings; got {shape}")
+        if layers is None:
+            layers = t.shape[0]
+        if t.shape[0] != layers or layers == 0:
+            raise ValueError(f"{name}: every stack needs the same number L >= 1 of layers ({layers}), got "
+                             f"{t.shape[0]}")
+    for name, t in named:
+        checks.check_finite(name, t[1:])
+    return layers, [t[0] for t in tensors]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -198,9 +305,10 @@ def margin_threshold(positive: torch.Tensor, strategy: str, margin: float) -> to
 
 
 def as_pairs(y_pred: torch.Tensor) -> torch.Tensor:
-    """The zigzag rows [2N, D] as pairs [N, 2, D] (a view when y_pred is contiguous)."""
-    rows, dim = y_pred.shape
-    return y_pred.reshape(rows // 2, 2, dim)
+    """The zigzag rows [2N, D] as pairs [N, 2, D] (a stack [L, 2N, D] as [L, N, 2, D]; a view when y_pred is
+    contiguous)."""
+    *layers, rows, dim = y_pred.shape
+    return y_pred.reshape(*layers, rows // 2, 2, dim)
 
 
 def ranking_terms(
@@ -219,16 +327,40 @@ def ranking_terms(
     pair-major: all pairs k = 1 first, then k = 2, ... (zigzag batches: K = 2, one label per pair). A term is
     computed when its tau is given, else returned as None. The angle score is tau * |pool(angle)|, with
     'mean' pooling dividing the sum-pooled score by D (the reference's complex division, see dispatch).
-    nested: each term on every prefix (one pair-score pass for all of them), weighted and summed.
+    nested: each term on every prefix (and every layer of stacked groups [L, G, K, D]), weighted and summed; one
+    pair-score pass for all of them.
     """
     with_angle = angle_tau is not None
     if nested is None:
         cos, angle = ops.pair_scores(groups, with_angle)
         return _ranking_terms_of(ops, cos, angle, labels, cosine_tau, angle_tau, pooling_strategy, groups.shape[2])
-    cos, angle = ops.pair_scores(groups, with_angle, nested.dims)
-    per_prefix = [_ranking_terms_of(ops, cos[i], angle[i], labels, cosine_tau, angle_tau, pooling_strategy, d)
-                  for i, d in enumerate(nested.dims)]
-    return tuple(None if terms[0] is None else nested.combine(torch.stack(terms)) for terms in zip(*per_prefix))
+    cos, angle = _pair_score_table(ops, groups, with_angle, nested)
+    width = _prefix_widths(nested, groups.shape[-1])
+    terms = {}  # (layer, prefix) -> its (cosine term, angle term), each computed once
+    def term(which):
+        def of(layer, i):
+            if (layer, i) not in terms:
+                terms[layer, i] = _ranking_terms_of(ops, cos[layer, i], angle[layer, i], labels, cosine_tau, angle_tau,
+                                                    pooling_strategy, width[i])
+            return terms[layer, i][which]
+        return of
+    return (None if cosine_tau is None else nested.weighted_sum(term(0)),
+            None if angle_tau is None else nested.weighted_sum(term(1)))
+
+
+def _pair_score_table(ops: Ops, groups: torch.Tensor, with_angle: bool, nested: Nested):
+    """pair_scores of groups [G, K, D] (stacked: [L, G, K, D]) on every prefix of `nested`, as (cos, angle) of
+    shape [L, k, G, K-1] (L = 1 unstacked, k = 1 without dims): one op call for every layer and prefix, the
+    layers' groups being more groups."""
+    flat = groups.reshape(-1, *groups.shape[-2:])
+    cos, angle = ops.pair_scores(flat, with_angle, nested.dims)
+    shape = (1 if nested.dims is None else len(nested.dims), groups.shape[0] if nested.stacked else 1,
+             *groups.shape[-3:-1])
+    return tuple(t.reshape(shape[0], shape[1], shape[2], shape[3] - 1).transpose(0, 1) for t in (cos, angle))
+
+
+def _prefix_widths(nested: Nested, width: int) -> tuple[int, ...]:
+    return (width,) if nested.dims is None else nested.dims
 
 
 def _ranking_terms_of(ops: Ops, cos: torch.Tensor, angle: torch.Tensor, labels: torch.Tensor, cosine_tau,
@@ -279,6 +411,9 @@ def in_batch_negatives(
     margin_threshold(cos(q_k, d_k), false_negative_strategy, false_negative_margin) leaves the partition
     function; the pair's own positive stays.
     """
+    if nested is not None and nested.stacked:
+        return nested.over_layers(lambda layer, sub: in_batch_negatives(
+            ops, labels, y_pred[layer], tau, group_ids, partition, false_negative_margin, false_negative_strategy, sub))
     pairs = positive_pairs(labels).to(compute_dtype(y_pred.dtype))
     if partition == "angle" and false_negative_margin is None:
         return _combined(ops.similarity_xent(y_pred, None, tau, "partner", row_weights=pairs.repeat_interleave(2),
@@ -304,6 +439,8 @@ def in_batch_negatives(
 def contrastive(ops: Ops, queries: torch.Tensor, candidates: torch.Tensor, tau: float,
                 nested: Nested | None = None) -> torch.Tensor:
     """Mean cross-entropy of query i among the candidates (logits tau * cos), target candidates[i]."""
+    if nested is not None and nested.stacked:
+        return nested.over_layers(lambda layer, sub: contrastive(ops, queries[layer], candidates[layer], tau, sub))
     return _combined(ops.similarity_xent(queries, candidates.to(queries.dtype), tau, "diagonal", dims=_dims(nested)),
                      nested)
 
@@ -311,6 +448,8 @@ def contrastive(ops: Ops, queries: torch.Tensor, candidates: torch.Tensor, tau: 
 def arccon(ops: Ops, h1: torch.Tensor, h2: torch.Tensor, margin: float, tau: float,
            nested: Nested | None = None) -> torch.Tensor:
     """ArcCon on checked views; margin in radians."""
+    if nested is not None and nested.stacked:
+        return nested.over_layers(lambda layer, sub: arccon(ops, h1[layer], h2[layer], margin, tau, sub))
     return _combined(ops.similarity_xent(h1, h2.to(h1.dtype), 1.0 / tau, "diagonal", margin=margin,
                                          dims=_dims(nested)), nested)
 
@@ -318,10 +457,14 @@ def arccon(ops: Ops, h1: torch.Tensor, h2: torch.Tensor, margin: float, tau: flo
 def triplet(ops: Ops, anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Tensor, margin: float,
             nested: Nested | None = None) -> torch.Tensor:
     """mean(max(0, cos(anchor, strong) - cos(anchor, weak) + margin)) on checked triplets, one pair-score pass
-    (for every prefix at once when nested)."""
-    cos, _ = ops.pair_scores(torch.stack((anchor, weak.to(anchor.dtype), strong.to(anchor.dtype)), dim=1), False,
-                             _dims(nested))
-    return _combined(torch.relu(cos[..., 1] - cos[..., 0] + margin).mean(dim=-1), nested)
+    (for every prefix and layer at once when nested)."""
+    groups = torch.stack((anchor, weak.to(anchor.dtype), strong.to(anchor.dtype)), dim=-2)
+    if nested is None:
+        cos, _ = ops.pair_scores(groups, False)
+        return torch.relu(cos[:, 1] - cos[:, 0] + margin).mean()
+    cos, _ = _pair_score_table(ops, groups, False, nested)
+    per_term = torch.relu(cos[..., 1] - cos[..., 0] + margin).mean(dim=-1)  # [L, k]
+    return nested.weighted_sum(lambda layer, i: per_term[layer, i])
 
 
 def positive_scores(ops: Ops, a: torch.Tensor, b: torch.Tensor, similarity: str = "cosine") -> torch.Tensor:
@@ -357,6 +500,12 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
     in one pass of the op; the second runs once per prefix on the truncated embeddings (similarity_lse has no
     dims yet).
     """
+    if nested is not None and nested.stacked:
+        if gathered is not None:
+            raise ValueError("stacked layers (layer_weights) do not combine with gather_across_devices yet")
+        return nested.over_layers(lambda layer, sub: multiple_negatives(
+            ops, queries[layer], positives[layer], [t[layer] for t in negatives], scale, directions, partition_mode,
+            hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy, None, similarity, sub))
     hard = hardness_mode is not None and hardness_strength > 0.0
     plain = (set(directions) == {"query_to_doc"} or partition_mode == "per_direction") and not hard and (
         similarity == "cosine")
@@ -455,7 +604,7 @@ def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: li
 # The public losses: check, resolve the backend, compute
 # ------------------------------------------------------------------------------------------------------------
 def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *, dims=None, dim_weights=None,
-                backend: str | None = None) -> torch.Tensor:
+                layer_weights=None, backend: str | None = None) -> torch.Tensor:
     """CoSENT: rank pairs by cosine similarity (AnglE paper, Eq. 1).
 
     loss = log(1 + sum over pairs (i, j) with label_i < label_j of exp(tau * (cos_i - cos_j)))
@@ -465,14 +614,15 @@ def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *
             nothing).
         y_pred: [2N, D] embeddings, pair k on rows 2k and 2k+1.
         tau: scale of the cosine (20 in the paper).
-        dims, dim_weights: Matryoshka (see the module docstring).
+        dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
 
     O(N log N) time and O(N) extra memory (the reference builds N x N matrices).
     """
     tau = checks.check_scalar("tau", tau)
-    labels = check_zigzag(y_true, y_pred)
-    nested = check_nested(dims, dim_weights, y_pred.shape[1])
+    layers, (first,) = check_layer_stack(layer_weights, ("y_pred", y_pred))
+    labels = check_zigzag(y_true, first)
+    nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers)
     ops = resolve_backend(backend, y_pred)
     return ranking_terms(ops, as_pairs(y_pred), labels[0::2], cosine_tau=tau, nested=nested)[0]
 
@@ -485,6 +635,7 @@ def angle_loss(
     *,
     dims=None,
     dim_weights=None,
+    layer_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """AnglE's angle objective (paper Eq. 7): rank pairs by the normalised complex division of their embeddings.
@@ -499,14 +650,16 @@ def angle_loss(
         y_pred: [2N, D] embeddings with an even D.
         tau: scale of the score (the function's default is the reference's 1.0; AngleLoss uses 20).
         pooling_strategy: 'sum' or 'mean' ('mean' divides by each prefix's own width).
-        dims, dim_weights: Matryoshka (see the module docstring); every width even.
+        dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see the module docstring); every
+            width even.
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     tau = checks.check_scalar("tau", tau)
     checks.check_choice("pooling_strategy", pooling_strategy, POOLING_STRATEGIES)
-    labels = check_zigzag(y_true, y_pred)
-    check_angle_dim(y_pred.shape[1])
-    nested = check_nested(dims, dim_weights, y_pred.shape[1], even=True)
+    layers, (first,) = check_layer_stack(layer_weights, ("y_pred", y_pred))
+    labels = check_zigzag(y_true, first)
+    check_angle_dim(first.shape[1])
+    nested = check_nested(dims, dim_weights, first.shape[1], even=True, layer_weights=layer_weights, layers=layers)
     ops = resolve_backend(backend, y_pred)
     return ranking_terms(ops, as_pairs(y_pred), labels[0::2], angle_tau=tau, pooling_strategy=pooling_strategy,
                          nested=nested)[1]
@@ -521,6 +674,7 @@ def in_batch_negative_loss(
     group_ids: torch.Tensor | None = None,
     dims=None,
     dim_weights=None,
+    layer_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """In-batch negatives (AnglE paper, Eq. 2) over all 2N rows, computed in blocks (no 2N x 2N matrix).
@@ -540,15 +694,16 @@ def in_batch_negative_loss(
             then positives rather than negatives (the paper's identical-sentence-pair detection): row i's
             positives are its partner and every other row whose id equals row i's or its partner's, and the
             row's loss is logsumexp(all logits) - logsumexp(positive logits).
-        dims, dim_weights: Matryoshka (see the module docstring).
+        dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     tau = checks.check_scalar("tau", tau)
     checks.check_scalar("negative_weights", negative_weights)
-    labels = check_zigzag(y_true, y_pred)
+    layers, (first,) = check_layer_stack(layer_weights, ("y_pred", y_pred))
+    labels = check_zigzag(y_true, first)
     checks.check_binary_labels("y_true", labels, "in_batch_negative_loss")
-    group_ids = check_group_ids(group_ids, y_pred.shape[0], y_pred)
-    nested = check_nested(dims, dim_weights, y_pred.shape[1])
+    group_ids = check_group_ids(group_ids, first.shape[0], first)
+    nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers)
     return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids, nested=nested)
 
 
@@ -560,6 +715,7 @@ def contrastive_with_negative_loss(
     *,
     dims=None,
     dim_weights=None,
+    layer_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Contrastive loss of queries against their positives, with optional hard negatives (one direction).
@@ -572,14 +728,16 @@ def contrastive_with_negative_loss(
         pos: [B, D] positive embeddings (pos[i] belongs to text[i]).
         neg: optional [B', D] extra negative candidates (usually one hard negative per query).
         tau: logit scale.
-        dims, dim_weights: Matryoshka (see the module docstring).
+        dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     tau = checks.check_scalar("tau", tau)
-    checks.check_embedding_group(("text", text), ("pos", pos), *((("neg", neg),) if neg is not None else ()))
-    checks.check_same_shape("text", text, "pos", pos)
-    nested = check_nested(dims, dim_weights, text.shape[1])
-    candidates = pos if neg is None else torch.cat((pos, neg.to(pos.dtype)), dim=0)
+    named = [("text", text), ("pos", pos), *((("neg", neg),) if neg is not None else ())]
+    layers, first = check_layer_stack(layer_weights, *named)
+    checks.check_embedding_group(*((name, t) for (name, _), t in zip(named, first)))
+    checks.check_same_shape("text", first[0], "pos", first[1])
+    nested = check_nested(dims, dim_weights, text.shape[-1], layer_weights=layer_weights, layers=layers)
+    candidates = pos if neg is None else torch.cat((pos, neg.to(pos.dtype)), dim=-2)
     return contrastive(resolve_backend(backend, text), text, candidates, tau, nested)
 
 
@@ -591,6 +749,7 @@ def arccon_loss(
     *,
     dims=None,
     dim_weights=None,
+    layer_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """ArcCon, the additive angular margin contrastive loss of ArcCSE (Zhang et al., ACL 2022, Eq. 3).
@@ -604,12 +763,13 @@ def arccon_loss(
         h1, h2: [N, D] embeddings of the two views.
         margin_degrees: the additive angular margin, in DEGREES (10 in the paper), between 0 and 180.
         tau: temperature (> 0).
-        dims, dim_weights: Matryoshka (see the module docstring).
+        dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     margin, tau = check_arccon_options(margin_degrees, tau)
-    check_two_views(h1, h2)
-    nested = check_nested(dims, dim_weights, h1.shape[1])
+    layers, first = check_layer_stack(layer_weights, ("h1", h1), ("h2", h2))
+    check_two_views(*first)
+    nested = check_nested(dims, dim_weights, h1.shape[-1], layer_weights=layer_weights, layers=layers)
     return arccon(resolve_backend(backend, h1), h1, h2, margin, tau, nested)
 
 
@@ -621,6 +781,7 @@ def triplet_loss(
     *,
     dims=None,
     dim_weights=None,
+    layer_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """ArcCSE's triplet loss (Eq. 4): mean over triplets of max(0, cos(anchor, strong) - cos(anchor, weak) + margin).
@@ -631,12 +792,13 @@ def triplet_loss(
     Args:
         anchor, weak, strong: [N, D] embeddings.
         margin: additive margin on the cosine difference.
-        dims, dim_weights: Matryoshka (see the module docstring).
+        dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     margin = checks.check_scalar("margin", margin)
-    check_triplets(anchor, weak, strong)
-    nested = check_nested(dims, dim_weights, anchor.shape[1])
+    layers, first = check_layer_stack(layer_weights, ("anchor", anchor), ("weak", weak), ("strong", strong))
+    check_triplets(*first)
+    nested = check_nested(dims, dim_weights, anchor.shape[-1], layer_weights=layer_weights, layers=layers)
     return triplet(resolve_backend(backend, anchor), anchor, weak, strong, margin, nested)
 
 
@@ -656,6 +818,7 @@ def multiple_negatives_ranking_loss(
     gather_across_devices: bool = False,
     dims=None,
     dim_weights=None,
+    layer_weights=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """InfoNCE with in-batch negatives, every option of sentence-transformers 6.2's MultipleNegativesRankingLoss
@@ -698,6 +861,11 @@ def multiple_negatives_ranking_loss(
         raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
     named = [("queries", queries), ("positives", positives)]
     named += [(f"negatives[{i}]", t) for i, t in enumerate(negatives)]
+    layers, first = check_layer_stack(layer_weights, *named)
+    if layers is not None:
+        if gather_across_devices:
+            raise ValueError("stacked layers (layer_weights) do not combine with gather_across_devices yet")
+        named = [(name, t) for (name, _), t in zip(named, first)]
     rank, world_size = rank_and_world_size()
     gathered = None
     if gather_across_devices and world_size > 1:
@@ -708,10 +876,9 @@ def multiple_negatives_ranking_loss(
         gathered = (rank, everything[0], everything[1], everything[2:])
     else:
         checks.check_embedding_group(*named)
-    checks.check_same_shape("queries", queries, "positives", positives)
-    for i, t in enumerate(negatives):
-        checks.check_same_shape("queries", queries, f"negatives[{i}]", t)
-    nested = check_nested(dims, dim_weights, queries.shape[1])
+    for name, t in named[1:]:
+        checks.check_same_shape("queries", named[0][1], name, t)
+    nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers)
     return multiple_negatives(resolve_backend(backend, queries), queries, positives, list(negatives), scale,
                               directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
                               false_negative_strategy, gathered, similarity, nested)

@@ -16,6 +16,7 @@ from .functional import (
     check_angle_dim,
     check_arccon_options,
     check_false_negative_filter,
+    check_layer_stack,
     check_nested,
     check_triplets,
     check_two_views,
@@ -79,6 +80,8 @@ class AngleLoss(nn.Module):
         dims, dim_weights: keyword-only; Matryoshka training (angle_kernels.functional): every term on every
             prefix of the embeddings, weighted and summed, the prefixes from one read of the embeddings. Not
             combined yet with format A's "gte" partition or false-negative filter (a ValueError says so).
+            forward's keyword `layer_weights` (layer-wise, Espresso training): `outputs` is a stack [L, rows, D]
+            of L layers' embeddings and the loss the weighted sum of the layers' losses (see functional).
         backend: keyword-only; "auto" (default), "torch", "triton" or "cuda".
         **kwargs: accepted and ignored, like the reference.
     """
@@ -122,8 +125,9 @@ class AngleLoss(nn.Module):
         self.dims, self.dim_weights = dims, dim_weights
         self.backend = backend
 
-    def _nested(self, outputs: torch.Tensor):
-        return check_nested(self.dims, self.dim_weights, outputs.shape[1], even=self.angle_w > 0)
+    def _nested(self, width: int, layer_weights, layers: int | None):
+        return check_nested(self.dims, self.dim_weights, width, even=self.angle_w > 0, layer_weights=layer_weights,
+                            layers=layers)
 
     def extra_repr(self) -> str:
         return (
@@ -135,21 +139,24 @@ class AngleLoss(nn.Module):
             f"dim_weights={self.dim_weights}"
         )
 
-    def forward(self, labels: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, labels: torch.Tensor, outputs: torch.Tensor, *, layer_weights=None) -> torch.Tensor:
         if self.dataset_format not in DATASET_FORMATS:
             raise ValueError(
                 f"AngleLoss needs dataset_format 'A' (text1, text2, label), 'B' (query, positive) or "
                 f"'C' (query, positive, negative); got {self.dataset_format!r}"
             )
+        # first: outputs, or the first layer of a stack (the values of the others are checked here)
+        layers, (first,) = check_layer_stack(layer_weights, ("outputs", outputs))
+        stack = (layer_weights, layers)
         if self.dataset_format == "A":
-            return self._format_a(labels, outputs)
+            return self._format_a(labels, outputs, first, stack)
         if self.dataset_format == "B":
-            checks.check_embeddings("outputs", outputs, rows_multiple_of=2, layout="format B: query, positive rows")
+            checks.check_embeddings("outputs", first, rows_multiple_of=2, layout="format B: query, positive rows")
             # outputs is checked whole, so the computing half is called rather than the public function, which
             # would scan the same rows for NaN/Inf again (one more device sync per step).
-            return self._contrastive(resolve_backend(self.backend, outputs), outputs[0::2], outputs[1::2], [],
-                                     self._nested(outputs))
-        return self._format_c(outputs)
+            return self._contrastive(resolve_backend(self.backend, outputs), outputs[..., 0::2, :],
+                                     outputs[..., 1::2, :], [], self._nested(first.shape[1], *stack))
+        return self._format_c(outputs, first, stack)
 
     def _contrastive(self, ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list,
                      nested) -> torch.Tensor:
@@ -165,7 +172,7 @@ class AngleLoss(nn.Module):
         if self.cosine_w <= 0 and self.angle_w <= 0:
             return None, None
         if self.angle_w > 0:
-            check_angle_dim(groups.shape[2], "outputs")
+            check_angle_dim(groups.shape[-1], "outputs")
         cosine_term, angle_term = ranking_terms(
             ops, groups, labels,
             cosine_tau=self.cosine_tau if self.cosine_w > 0 else None,
@@ -175,12 +182,12 @@ class AngleLoss(nn.Module):
         return (None if cosine_term is None else self.cosine_w * cosine_term,
                 None if angle_term is None else self.angle_w * angle_term)
 
-    def _format_a(self, labels: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
-        row_labels = check_zigzag(labels, outputs, names=("labels", "outputs"))
+    def _format_a(self, labels: torch.Tensor, outputs: torch.Tensor, first: torch.Tensor, stack) -> torch.Tensor:
+        row_labels = check_zigzag(labels, first, names=("labels", "outputs"))
         if self.ibn_w > 0:
             checks.check_binary_labels("labels", row_labels, "AngleLoss's in-batch-negative term (ibn_w > 0)")
         ops = resolve_backend(self.backend, outputs)
-        nested = self._nested(outputs)
+        nested = self._nested(first.shape[1], *stack)
         cosine_term, angle_term = self._ranking_terms(ops, as_pairs(outputs), row_labels[0::2], nested)
         ibn_term = None
         if self.ibn_w > 0:
@@ -190,15 +197,15 @@ class AngleLoss(nn.Module):
                 nested=nested)
         return _sum_terms([cosine_term, ibn_term, angle_term], outputs)  # the reference's order of summation
 
-    def _format_c(self, outputs: torch.Tensor) -> torch.Tensor:
-        checks.check_embeddings("outputs", outputs, rows_multiple_of=3,
+    def _format_c(self, outputs: torch.Tensor, first: torch.Tensor, stack) -> torch.Tensor:
+        checks.check_embeddings("outputs", first, rows_multiple_of=3,
                                 layout="format C: query, positive, negative rows")
-        rows, dim = outputs.shape
+        rows, dim = first.shape
         groups = rows // 3
-        x = outputs.reshape(groups, 3, dim)
-        query, positive, negative = x[:, 0], x[:, 1], x[:, 2]
+        x = outputs.reshape(*outputs.shape[:-2], groups, 3, dim)
+        query, positive, negative = x[..., 0, :], x[..., 1, :], x[..., 2, :]
         ops = resolve_backend(self.backend, outputs)
-        nested = self._nested(outputs)
+        nested = self._nested(first.shape[1], *stack)
         # The computing halves, called directly: outputs was checked whole just above.
         contrastive_term = None
         if self.ibn_w > 0 or self.cln_w > 0:
@@ -240,6 +247,8 @@ class ArcCSELoss(nn.Module):
         triplet_weight: lambda (0.1).
         triplet_margin: the triplet loss's margin (0.0).
         dims, dim_weights: keyword-only; Matryoshka training (angle_kernels.functional), both terms.
+            forward's keyword `layer_weights`: every input is a stack [L, rows, D] of L layers' embeddings (see
+            functional).
         backend: keyword-only; "auto" (default), "torch", "triton" or "cuda".
     """
 
@@ -258,15 +267,18 @@ class ArcCSELoss(nn.Module):
         return (f"margin_degrees={self.margin_degrees}, tau={self.tau}, triplet_weight={self.triplet_weight}, "
                 f"triplet_margin={self.triplet_margin}, dims={self.dims}, dim_weights={self.dim_weights}")
 
-    def forward(self, h1, h2, anchor=None, weak=None, strong=None):
+    def forward(self, h1, h2, anchor=None, weak=None, strong=None, *, layer_weights=None):
         given = [t is not None for t in (anchor, weak, strong)]
         if any(given) and not all(given):
             raise ValueError("ArcCSELoss needs all three of anchor, weak and strong for the triplet term, or none")
-        check_two_views(h1, h2)
+        triplets = [("anchor", anchor), ("weak", weak), ("strong", strong)] if all(given) else []
+        layers, first = check_layer_stack(layer_weights, ("h1", h1), ("h2", h2), *triplets)
+        check_two_views(*first[:2])
         ops = resolve_backend(self.backend, h1)
-        nested = check_nested(self.dims, self.dim_weights, h1.shape[1])
+        nested = check_nested(self.dims, self.dim_weights, first[0].shape[1], layer_weights=layer_weights,
+                              layers=layers)
         loss = arccon(ops, h1, h2, self.margin_radians, self.tau, nested)
         if all(given) and self.triplet_weight != 0:
-            check_triplets(anchor, weak, strong)
+            check_triplets(*first[2:])
             loss = loss + self.triplet_weight * triplet(ops, anchor, weak, strong, self.triplet_margin, nested)
         return loss
