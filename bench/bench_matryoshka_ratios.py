@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""The Matryoshka and layer-wise cost table: what k = 5 nested dims (and L layers of them) cost against the single
+full-width loss, measured side by side in one run, forward + backward, time and peak extra memory.
+
+For CoSENT (N pairs) and MultipleNegativesRankingLoss (N queries, a positive and a hard negative each), at each D:
+
+    single            our loss at the full width, one call                       (the 1.0x of every ratio)
+    fused k=5         our loss with dims (bench_matryoshka.nested_dims): one call, one read of the embeddings
+    ours k calls      our loss called once per truncated width, summed
+    ST Matryoshka     sentence-transformers' MatryoshkaLoss over its own loss (one inner call per width)
+    fused L x k       our loss on the stack [L, rows, D] with layer_weights and dims: one call
+    ours L x k calls  our loss called once per layer and width
+    ST L x Matryoshka sentence-transformers' MatryoshkaLoss once per layer: the loss part of its Matryoshka2dLoss
+                      with n_layers_per_step=-1 (its AdaptiveLayerLoss calls the inner loss once per layer)
+
+Target (issue 13): the k-dim loss at most 1.3x the single loss. The layer rows are compared with L times the
+single loss. Timing: minimum of repeated runs (`harness.measure_fwd_bwd`); memory: peak extra bytes of a run.
+
+    python bench/bench_matryoshka_ratios.py [--d 768 4096] [--pairs 4096] [--queries 1024] [--layers 12]
+                                            [--dtype float32] [--device auto] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+import harness
+import providers as P
+from bench_matryoshka import nested_dims
+
+
+def _cosine_inputs(n: int, d: int, layers: int | None, dtype, device, generator):
+    shape = (2 * n, d) if layers is None else (layers, 2 * n, d)
+    y_pred = torch.randn(*shape, generator=generator, device=device).to(dtype).requires_grad_()
+    y_true = torch.randint(0, 5, (n,), generator=generator, device=device).float().repeat_interleave(2)
+    return y_true, y_pred
+
+
+def _mnrl_inputs(n: int, d: int, layers: int | None, dtype, device, generator):
+    shape = (n, d) if layers is None else (layers, n, d)
+    return [torch.randn(*shape, generator=generator, device=device).to(dtype).requires_grad_() for _ in range(3)]
+
+
+def cosine_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses) -> dict:
+    """name -> (run, leaves) of the CoSENT rows of the table."""
+    import angle_kernels as ak
+
+    dims = nested_dims(d)
+    y_true, y_pred = _cosine_inputs(n, d, None, dtype, device, generator)
+    _, stack = _cosine_inputs(n, d, layers, dtype, device, generator)
+    model = P.PrecomputedEmbeddings()
+    st = st_losses.MatryoshkaLoss(model, st_losses.CoSENTLoss(model, scale=P.TAU), dims)
+
+    def st_call(x):
+        return st(P.columns(x[0::2], x[1::2]), y_true[0::2])
+    return {
+        "single": (lambda: ak.cosine_loss(y_true, y_pred, P.TAU), [y_pred]),
+        "fused k=5": (lambda: ak.cosine_loss(y_true, y_pred, P.TAU, dims=dims), [y_pred]),
+        "ours k calls": (lambda: sum(ak.cosine_loss(y_true, y_pred[:, :w], P.TAU) for w in dims), [y_pred]),
+        "ST Matryoshka": (lambda: st_call(y_pred), [y_pred]),
+        "fused L x k": (lambda: ak.cosine_loss(y_true, stack, P.TAU, dims=dims, layer_weights=[1.0] * layers),
+                        [stack]),
+        "ours L x k calls": (lambda: sum(ak.cosine_loss(y_true, stack[layer, :, :w], P.TAU)
+                                         for layer in range(layers) for w in dims), [stack]),
+        "ST L x Matryoshka": (lambda: sum(st_call(stack[layer]) for layer in range(layers)), [stack]),
+    }
+
+
+def mnrl_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses) -> dict:
+    """name -> (run, leaves) of the MultipleNegativesRankingLoss rows of the table."""
+    import angle_kernels as ak
+
+    dims = nested_dims(d)
+    q, p, neg = _mnrl_inputs(n, d, None, dtype, device, generator)
+    stack = _mnrl_inputs(n, d, layers, dtype, device, generator)
+    model = P.PrecomputedEmbeddings()
+    st = st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model, scale=P.TAU), dims)
+
+    def ours(a, b, c, **kwargs):
+        return ak.multiple_negatives_ranking_loss(a, b, (c,), scale=P.TAU, **kwargs)
+    return {
+        "single": (lambda: ours(q, p, neg), [q, p, neg]),
+        "fused k=5": (lambda: ours(q, p, neg, dims=dims), [q, p, neg]),
+        "ours k calls": (lambda: sum(ours(q[:, :w], p[:, :w], neg[:, :w]) for w in dims), [q, p, neg]),
+        "ST Matryoshka": (lambda: st(P.columns(q, p, neg), None), [q, p, neg]),
+        "fused L x k": (lambda: ours(*stack, dims=dims, layer_weights=[1.0] * layers), stack),
+        "ours L x k calls": (lambda: sum(ours(*(t[layer, :, :w] for t in stack)) for layer in range(layers)
+                                         for w in dims), stack),
+        "ST L x Matryoshka": (lambda: sum(st(P.columns(*(t[layer] for t in stack)), None) for layer in range(layers)),
+                              stack),
+    }
+
+
+def measure(rows: dict, device: str, repeats: int, time_per_case: float) -> dict:
+    results = {}
+    for run, leaves in rows.values():  # one-time costs (lazy imports, thread pools) out of every measured run
+        harness.fwd_bwd(run, leaves)
+    for name, (run, leaves) in rows.items():
+        results[name] = harness.measure_fwd_bwd(run, leaves, device, repeats=repeats, time_per_case=time_per_case)
+        print(f"  {name:<18} {harness.fmt_seconds(results[name]['min_s']):>10} "
+              f"{harness.fmt_bytes(results[name]['extra_bytes']):>10}", flush=True)
+    return results
+
+
+def table(loss: str, size: str, d: int, layers: int, results: dict) -> list[str]:
+    single = results["single"]
+    body = []
+    for name, r in results.items():
+        baseline = layers * single["min_s"] if "L x" in name else single["min_s"]
+        body.append([name, harness.fmt_seconds(r["min_s"]), f"{r['min_s'] / single['min_s']:.2f}x",
+                     f"{r['min_s'] / baseline:.2f}x", harness.fmt_bytes(r["extra_bytes"])])
+    return [f"### {loss}, {size}, D = {d}, dims {nested_dims(d)}, L = {layers}", "",
+            *harness.markdown_table(["", "time (min)", "/ single", "/ (L x) single", "peak extra memory"], body), ""]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--d", type=int, nargs="+", default=[768, 4096])
+    parser.add_argument("--pairs", type=int, default=4096, help="CoSENT: N pairs (2N rows)")
+    parser.add_argument("--queries", type=int, default=1024, help="MNRL: N queries (2N candidates)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--time-per-case", type=float, default=3.0)
+    parser.add_argument("--out", type=Path, default=None, help="write table.md there")
+    args = parser.parse_args(argv)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = getattr(torch, args.dtype)
+    st_losses = P.sentence_transformers_losses()
+    generator = torch.Generator(device=device).manual_seed(0)
+    lines = [f"# Matryoshka and layer-wise cost ({device}, {args.dtype}, forward + backward)", "",
+             f"`python bench/bench_matryoshka_ratios.py {' '.join(argv)}`", "",
+             f"Environment: {harness.describe_environment(device)}", ""]
+    for d in args.d:
+        for loss, make, size in (("CoSENT", cosine_rows, f"N = {args.pairs} pairs"),
+                                 ("MultipleNegativesRankingLoss", mnrl_rows,
+                                  f"N = {args.queries} queries, 2N candidates")):
+            n = args.pairs if loss == "CoSENT" else args.queries
+            print(f"{loss} {size} D={d}", flush=True)
+            rows = make(n, d, args.layers, dtype, device, generator, st_losses)
+            lines += table(loss, size, d, args.layers, measure(rows, device, args.repeats, args.time_per_case))
+            del rows
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        harness.write_text_atomic(args.out / "table.md", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
