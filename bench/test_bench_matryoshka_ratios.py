@@ -1,0 +1,28 @@
+"""bench_matryoshka_ratios.py: every row of a table computes the loss it claims (the fused call, our separate
+calls and sentence-transformers' agree, per group of rows), and the script writes its table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bench_matryoshka_ratios as ratios
+import providers as P
+
+
+@pytest.mark.parametrize("make", [ratios.cosine_rows, ratios.mnrl_rows], ids=["cosine", "mnrl"])
+def test_rows_of_a_group_compute_the_same_loss(make):
+    rows = make(16, 24, 3, torch.float64, "cpu", torch.Generator().manual_seed(0), P.sentence_transformers_losses())
+    values = {name: float(run().detach()) for name, (run, _) in rows.items()}
+    for group in (("fused k=5", "ours k calls", "ST Matryoshka"),
+                  ("fused L x k", "ours L x k calls", "ST L x Matryoshka")):
+        for name in group[1:]:
+            assert values[name] == pytest.approx(values[group[0]], rel=1e-12), (name, values)
+    assert values["fused k=5"] != pytest.approx(values["single"])  # the widths do add terms
+
+
+def test_script_writes_its_table(tmp_path):
+    assert ratios.main(["--d", "16", "--pairs", "8", "--queries", "8", "--layers", "2", "--repeats", "1",
+                        "--time-per-case", "0", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "table.md").read_text()
+    assert text.count("| fused L x k |") == 2 and "MultipleNegativesRankingLoss" in text
