@@ -137,15 +137,16 @@ class Nested:
         weights = torch.tensor(self.weights, dtype=per_prefix.dtype, device=per_prefix.device)
         return per_prefix @ weights if per_prefix.dim() else per_prefix * weights[0]
 
+    def terms(self) -> list[tuple[int, int, float]]:
+        """(layer l, prefix i, weight) of every term with a non-zero weight: only those are computed (Espresso
+        weights the final width of the earlier layers 0)."""
+        return [(layer, i, weight) for layer, row in enumerate(self.table) for i, weight in enumerate(row) if weight]
+
     def weighted_sum(self, term) -> torch.Tensor:
-        """sum over the (layer l, prefix i) with a non-zero weight of table[l][i] * term(l, i): a term that is
-        weighted 0 is not computed (Espresso weights the final width of the earlier layers 0)."""
+        """sum over self.terms() of weight * term(l, i)."""
         total = None
-        for layer, row in enumerate(self.table):
-            for i, weight in enumerate(row):
-                if weight != 0:
-                    value = weight * term(layer, i)
-                    total = value if total is None else total + value
+        for layer, i, weight in self.terms():
+            total = weight * term(layer, i) if total is None else total + weight * term(layer, i)
         return total
 
     def over_layers(self, loss_of_layer) -> torch.Tensor:
@@ -335,17 +336,12 @@ def ranking_terms(
         cos, angle = ops.pair_scores(groups, with_angle)
         return _ranking_terms_of(ops, cos, angle, labels, cosine_tau, angle_tau, pooling_strategy, groups.shape[2])
     cos, angle = _pair_score_table(ops, groups, with_angle, nested)
-    width = _prefix_widths(nested, groups.shape[-1])
-    terms = {}  # (layer, prefix) -> its (cosine term, angle term), each computed once
-    def term(which):
-        def of(layer, i):
-            if (layer, i) not in terms:
-                terms[layer, i] = _ranking_terms_of(ops, cos[layer, i], angle[layer, i], labels, cosine_tau, angle_tau,
-                                                    pooling_strategy, width[i])
-            return terms[layer, i][which]
-        return of
-    return (None if cosine_tau is None else nested.weighted_sum(term(0)),
-            None if angle_tau is None else nested.weighted_sum(term(1)))
+    widths = (groups.shape[-1],) if nested.dims is None else nested.dims
+    # (layer, prefix) -> its (cosine term, angle term), for the terms with a non-zero weight
+    per_term = {(layer, i): _ranking_terms_of(ops, cos[layer, i], angle[layer, i], labels, cosine_tau, angle_tau,
+                                              pooling_strategy, widths[i]) for layer, i, _ in nested.terms()}
+    return tuple(None if tau is None else nested.weighted_sum(lambda layer, i, which=which: per_term[layer, i][which])
+                 for which, tau in enumerate((cosine_tau, angle_tau)))
 
 
 def _pair_score_table(ops: Ops, groups: torch.Tensor, with_angle: bool, nested: Nested):
@@ -357,10 +353,6 @@ def _pair_score_table(ops: Ops, groups: torch.Tensor, with_angle: bool, nested: 
     shape = (1 if nested.dims is None else len(nested.dims), groups.shape[0] if nested.stacked else 1,
              *groups.shape[-3:-1])
     return tuple(t.reshape(shape[0], shape[1], shape[2], shape[3] - 1).transpose(0, 1) for t in (cos, angle))
-
-
-def _prefix_widths(nested: Nested, width: int) -> tuple[int, ...]:
-    return (width,) if nested.dims is None else nested.dims
 
 
 def _ranking_terms_of(ops: Ops, cos: torch.Tensor, angle: torch.Tensor, labels: torch.Tensor, cosine_tau,
