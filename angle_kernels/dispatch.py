@@ -87,6 +87,10 @@ Nested prefixes (Matryoshka): pair_scores(x, with_angle, dims) and similarity_xe
     that uses it on a backend whose op lacks it goes, under "auto", to the torch backend (a RuntimeWarning
     once per process, backend and feature) and raises a ValueError naming the feature otherwise.
 
+Stacked layers (layer-wise / Espresso training, functional's layer_weights) are not a feature of the ops: a
+    stack [L, G, K, D] of pair groups is pair_scores on [L * G, K, D] (one call for every layer and prefix), and
+    the softmax ops, whose rows must not see another layer's columns, are called once per layer.
+
 Calling the ops
     angle_kernels.dispatch.pair_scores(x, with_angle, *, backend=None), .ranking_loss(scores, labels, *,
     backend=None), .similarity_xent(..., *, backend=None) and .similarity_lse(..., *, backend=None) validate
