@@ -4,10 +4,17 @@
         state.pt         trainable weights, optimizer, LR schedule, loss scaler, data position, settings
         rng-rank{r}.pt   process r's random generators (python, numpy, torch, CUDA), so that dropout draws
                          the masks the uninterrupted run would have drawn
+        manifest.json    the size and SHA-256 of every other file, written last
     OUTPUT_DIR/best/                        the model with the best dev Spearman so far (an export: export.py)
 
 A folder is written as NAME.tmp and swapped in only once complete, so a run killed while writing leaves
-the previous checkpoint or best model on disk, never a half-written one.
+the previous checkpoint or best model on disk, never a half-written one. A write that fails (a full disk)
+removes NAME.tmp and raises an OSError that names the previous checkpoint, which is intact.
+
+The manifest catches what the rename cannot: a folder damaged later (a truncated copy, a disk error, a file
+edited or deleted). `--resume auto` resumes from the newest checkpoint whose files match their manifest and
+says which newer ones it skipped and why; `--resume PATH` to a folder that does not match is an error. A
+folder without a manifest (damaged, or written by a version that did not write one) does not match.
 
 Reading a checkpoint never runs code from it. Unpickling an arbitrary object can call any function its
 author chose, and a checkpoint folder may come from someone else, so both files hold only tensors and plain
@@ -21,6 +28,9 @@ differ from the checkpoint's.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import pickle
 import random
@@ -40,6 +50,8 @@ RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "
                      "epochs", "max_steps")
 
 STATE_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = 1
 CHECKPOINT_NAME = re.compile(r"step-(\d+)")  # a complete checkpoint; NAME.tmp and NAME.old are not
 
 
@@ -79,7 +91,8 @@ def finished_checkpoints(output_dir: str) -> list[str]:
 
 
 def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
-    """The checkpoint this run continues from (cfg.resume: a folder, or "auto" for the newest), or None.
+    """The checkpoint this run continues from (cfg.resume: a folder, or "auto" for the newest one that matches
+    its manifest), or None.
 
     Starting afresh where an earlier run left checkpoints is refused: the new run's checkpoints would sort
     before the old run's, so pruning would delete each of them as soon as it is written, and a later
@@ -87,8 +100,23 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
     """
     done = finished_checkpoints(cfg.output_dir)
     if cfg.resume == "auto":
-        return done[-1] if done else None
+        skipped = []
+        for path in reversed(done):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                for newer, why in skipped:
+                    print(f"skipping damaged checkpoint {newer}: {why}", flush=True)
+                return path
+            skipped.append((path, problem))
+        if skipped:
+            detail = "; ".join(f"{path}: {why}" for path, why in skipped)
+            raise ValueError(f"--resume auto: no checkpoint in {cfg.output_dir} matches its manifest ({detail}). "
+                             "Remove the damaged folders to start afresh, or choose a new --output-dir")
+        return None
     if cfg.resume:
+        problem = checkpoint_problem(cfg.resume)
+        if problem is not None:
+            raise ValueError(f"cannot resume from {cfg.resume}: {problem}")
         return cfg.resume
     if done:
         raise ValueError(f"output_dir {cfg.output_dir} already holds checkpoints of an earlier run (latest: "
@@ -107,6 +135,59 @@ def _swap_in(tmp: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+# -------------------------------------------------------------------------------------------- manifests
+
+
+def _sha256(file: str) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: str) -> None:
+    """Record the size and SHA-256 of every file of `folder` in its manifest, written last (and atomically, so a
+    manifest that exists is whole)."""
+    files = {name: {"bytes": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
+             for name in sorted(os.listdir(folder)) if name != MANIFEST_FILE}
+    tmp = os.path.join(folder, MANIFEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": MANIFEST_FORMAT, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, MANIFEST_FILE))
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """Why `folder` is not a complete checkpoint matching its manifest, or None when it is: every file the
+    manifest lists is present with its size and checksum, and the state file is among them."""
+    if not os.path.isdir(folder):
+        return "no such folder"
+    try:
+        with open(os.path.join(folder, MANIFEST_FILE)) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+            return f"{MANIFEST_FILE} has an unknown layout"
+    except FileNotFoundError:
+        return f"no {MANIFEST_FILE} (damaged, or written by a version of angle_train that wrote none)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST_FILE} is unreadable ({type(exc).__name__})"
+    if STATE_FILE not in files:
+        return f"{MANIFEST_FILE} does not list {STATE_FILE}"
+    for name, expected in files.items():
+        file = os.path.join(folder, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        size = os.path.getsize(file)
+        if size != expected.get("bytes"):
+            return f"{name} has {size} bytes, the manifest says {expected.get('bytes')}"
+        if _sha256(file) != expected.get("sha256"):
+            return f"{name} does not match its checksum"
+    return None
+
+
 # ------------------------------------------------------------------------------------------- save and load
 
 
@@ -120,21 +201,40 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
     tmp = path + ".tmp"
     if dist_info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing it
-        os.makedirs(tmp)
-        torch.save({"model": encoder.trainable_state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                    "position": asdict(position), "config": asdict(cfg)},
-                   os.path.join(tmp, STATE_FILE))
+        with _failed_write_cleaned(tmp, cfg.output_dir):
+            os.makedirs(tmp)
+            torch.save({"model": encoder.trainable_state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                        "position": asdict(position), "config": asdict(cfg)},
+                       os.path.join(tmp, STATE_FILE))
     barrier(dist_info)  # the folder exists before the other processes write into it
-    torch.save(_rng_state(), os.path.join(tmp, _rng_file(dist_info.rank)))
-    barrier(dist_info)  # every process's file is complete before the folder is swapped in
+    with _failed_write_cleaned(tmp, cfg.output_dir):
+        torch.save(_rng_state(), os.path.join(tmp, _rng_file(dist_info.rank)))
+    barrier(dist_info)  # every process's file is complete before the manifest records them
     if dist_info.is_main:
+        with _failed_write_cleaned(tmp, cfg.output_dir):
+            write_manifest(tmp)
         _swap_in(tmp, path)
         if cfg.keep_checkpoints > 0:
             for old in finished_checkpoints(cfg.output_dir)[:-cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
     barrier(dist_info)
     return path
+
+
+@contextlib.contextmanager
+def _failed_write_cleaned(tmp: str, output_dir: str):
+    """A write into the checkpoint folder `tmp` that fails (ENOSPC, a quota, an I/O error) removes the partial
+    folder and raises an OSError that says the previous checkpoint is untouched."""
+    try:
+        yield
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        done = finished_checkpoints(output_dir)
+        kept = f"the previous checkpoint {done[-1]} is intact" if done else "no earlier checkpoint exists"
+        raise OSError(exc.errno, f"could not write checkpoint {tmp} ({exc.strerror or exc}); the partial folder "
+                                 f"was removed and {kept}. Free space (or lower --keep-checkpoints) and resume "
+                                 "with --resume auto") from exc
 
 
 def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder, optimizer, scheduler, scaler

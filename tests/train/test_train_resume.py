@@ -10,7 +10,8 @@ import pytest
 import torch
 from train_helpers import make_encoder, run_config
 
-from angle_train.checkpoint import Position, UnsafeCheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from angle_train.checkpoint import (Position, UnsafeCheckpointError, checkpoint_path, load_checkpoint, save_checkpoint,
+                                   write_manifest)
 from angle_train.distributed import DistInfo
 from angle_train.tiny import demo_examples
 from angle_train.trainer import StopTraining, make_optimizer, make_schedule, train
@@ -129,6 +130,8 @@ def test_resume_refuses_a_checkpoint_file_that_would_run_code(tmp_path, planted)
     hostile = tmp_path / "run" / "checkpoints" / "step-00000003" / planted
     marker = tmp_path / "the-planted-code-ran"
     torch.save({"model": RunsCodeWhenUnpickled(str(marker))}, hostile)
+    # whoever can plant a file can rewrite the manifest too: it guards against damage, not against an attacker
+    write_manifest(str(hostile.parent))
     torch.load(hostile, weights_only=False)  # control: loading it the permissive way does run the code
     assert marker.is_dir()
     marker.rmdir()

@@ -1,0 +1,147 @@
+"""Damaged checkpoints and full disks: every checkpoint carries a manifest (sizes and SHA-256 of its files, written
+last); `--resume auto` skips the folders that do not match it and resumes from the newest one that does, exactly;
+`--resume PATH` to a damaged folder is an error; a write that fails leaves the previous checkpoint intact."""
+
+import errno
+import json
+import os
+import random
+
+import pytest
+import torch
+from train_helpers import run_config
+
+import angle_train.checkpoint as checkpoint
+from angle_train.checkpoint import MANIFEST_FILE, STATE_FILE, checkpoint_problem, finished_checkpoints
+from angle_train.tiny import demo_examples
+from angle_train.trainer import StopTraining, train
+
+DATA = (demo_examples(20, seed=3), "B")
+
+
+def _config(out, **overrides):
+    base = {"model": "builtin:tiny-bert", "batch_size": 8, "max_steps": 7, "lr": 3e-3, "warmup": 2, "save_every": 2,
+            "keep_checkpoints": 3, "log_every": 1, "max_length": 12, "seed": 7}
+    return run_config(out, **{**base, **overrides})
+
+
+def _stop_after(last_step):
+    def on_step(step, row):
+        if step == last_step:
+            raise StopTraining
+    return on_step
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the autouse fixture sets it for each test, which runs after this module fixture
+    try:
+        result = train(_config(tmp_path_factory.mktemp("full")), train_examples=DATA)
+    finally:
+        torch.set_num_threads(threads)
+    return [r["loss"] for r in result.history], {k: v.clone() for k, v in result.encoder.state_dict().items()}
+
+
+def _killed_run(out):
+    """A run killed after step 5: checkpoints at steps 2 and 4, oldest first."""
+    train(_config(out), train_examples=DATA, on_step=_stop_after(5))
+    done = finished_checkpoints(str(out))
+    assert [os.path.basename(p) for p in done] == ["step-00000002", "step-00000004"]
+    assert all(checkpoint_problem(p) is None for p in done)
+    return done
+
+
+def test_every_checkpoint_has_a_manifest_of_its_files(tmp_path):
+    newest = _killed_run(tmp_path)[-1]
+    manifest = json.loads(open(os.path.join(newest, MANIFEST_FILE)).read())
+    assert set(manifest["files"]) == {STATE_FILE, "rng-rank0.pt"}
+    assert manifest["files"][STATE_FILE]["bytes"] == os.path.getsize(os.path.join(newest, STATE_FILE))
+
+
+def test_truncations_at_random_offsets_are_all_detected(tmp_path):
+    newest = _killed_run(tmp_path)[-1]
+    state = os.path.join(newest, STATE_FILE)
+    original = open(state, "rb").read()
+    rng = random.Random(0)
+    for offset in [0, 1, len(original) - 1, *rng.sample(range(2, len(original) - 1), 20)]:
+        with open(state, "wb") as f:
+            f.write(original[:offset])
+        assert checkpoint_problem(newest) == f"{STATE_FILE} has {offset} bytes, the manifest says {len(original)}"
+    with open(state, "wb") as f:  # the same size, one byte changed
+        f.write(original[:100] + bytes([original[100] ^ 1]) + original[101:])
+    assert checkpoint_problem(newest) == f"{STATE_FILE} does not match its checksum"
+
+
+@pytest.mark.parametrize("damage", ["truncated state", "no manifest", "rng file deleted", "torn manifest"])
+def test_resume_auto_skips_a_damaged_checkpoint_and_resumes_exactly_from_the_previous_one(tmp_path, capsys, damage,
+                                                                                         uninterrupted):
+    older, newest = _killed_run(tmp_path)
+    if damage == "truncated state":
+        with open(os.path.join(newest, STATE_FILE), "r+b") as f:
+            f.truncate(1000)
+    elif damage == "no manifest":
+        os.remove(os.path.join(newest, MANIFEST_FILE))
+    elif damage == "rng file deleted":
+        os.remove(os.path.join(newest, "rng-rank0.pt"))
+    else:
+        with open(os.path.join(newest, MANIFEST_FILE), "r+b") as f:
+            f.truncate(10)
+    capsys.readouterr()
+    resumed = train(_config(tmp_path, resume="auto"), train_examples=DATA)
+    out = capsys.readouterr().out
+    assert f"skipping damaged checkpoint {newest}" in out and f"resumed from {older} at step 2" in out
+    losses, weights = uninterrupted
+    assert [r["step"] for r in resumed.history] == [3, 4, 5, 6, 7]
+    assert [r["loss"] for r in resumed.history] == losses[2:]  # bit-identical to the uninterrupted run
+    for name, value in resumed.encoder.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+
+
+def test_an_explicit_resume_from_a_damaged_checkpoint_is_an_error(tmp_path):
+    newest = _killed_run(tmp_path)[-1]
+    os.remove(os.path.join(newest, "rng-rank0.pt"))
+    with pytest.raises(ValueError, match=r"cannot resume from .*step-00000004: rng-rank0.pt is missing"):
+        train(_config(tmp_path, resume=newest), train_examples=DATA)
+
+
+def test_resume_auto_with_every_checkpoint_damaged_is_an_error(tmp_path):
+    for path in _killed_run(tmp_path):
+        os.remove(os.path.join(path, MANIFEST_FILE))
+    with pytest.raises(ValueError, match="no checkpoint in .* matches its manifest .*no manifest.json"):
+        train(_config(tmp_path, resume="auto"), train_examples=DATA)
+
+
+@pytest.mark.parametrize("failing_write", ["state", "rng", "manifest"])
+def test_a_full_disk_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, failing_write):
+    """The second save (step 4) hits ENOSPC: the run stops with an OSError naming the intact step-2 checkpoint,
+    no partial folder is left, and a later `--resume auto` continues from step 2."""
+    saves = {"count": 0}
+    real_save, real_manifest = torch.save, checkpoint.write_manifest
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def save(obj, file, *args, **kwargs):
+        kind = "state" if str(file).endswith(STATE_FILE) else "rng"
+        if kind == "state":
+            saves["count"] += 1
+        if saves["count"] == 2 and kind == failing_write:
+            no_space()
+        return real_save(obj, file, *args, **kwargs)
+
+    def manifest(folder):
+        if saves["count"] == 2 and failing_write == "manifest":
+            no_space()
+        return real_manifest(folder)
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    monkeypatch.setattr(checkpoint, "write_manifest", manifest)
+    with pytest.raises(OSError, match=r"could not write checkpoint .*step-00000004.tmp .*No space left on device.*"
+                                      r"previous checkpoint .*step-00000002 is intact") as raised:
+        train(_config(tmp_path), train_examples=DATA)
+    assert raised.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002"]
+    assert checkpoint_problem(str(tmp_path / "checkpoints" / "step-00000002")) is None
+    resumed = train(_config(tmp_path, resume="auto"), train_examples=DATA, on_step=_stop_after(3))
+    assert [r["step"] for r in resumed.history] == [3]
