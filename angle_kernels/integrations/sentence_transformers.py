@@ -20,6 +20,9 @@ with angle_kernels' fused losses:
                                         upstream, kept for the scripts that name them)
     MatryoshkaLoss                      over the fused losses above: every (sampled) dimension in one fused
                                         call, from one read of the embeddings
+    AdaptiveLayerLoss, Matryoshka2dLoss over the non-cached fused losses above (or MatryoshkaLoss over one): every
+                                        sampled layer (and dimension) in one fused call on the layers' stacked
+                                        embeddings; the KL terms are the parent's
 
 Argument combinations that the fused losses cannot express run the parent class's own computation,
 unchanged; each class's docstring lists them, and `loss.uses_fused_path` tells which path a configured loss
@@ -52,6 +55,13 @@ except ImportError:  # pragma: no cover - older sentence-transformers
     from sentence_transformers import losses as _st_losses
 from sentence_transformers import util as _st_util
 
+try:  # the parent AdaptiveLayerLoss's hidden-state cache, which the fused layer-wise losses read the layer from
+    from sentence_transformers.sentence_transformer.losses.adaptive_layer import (
+        TransformerDecorator as _TransformerDecorator,
+    )
+except ImportError:  # pragma: no cover - older sentence-transformers
+    from sentence_transformers.losses.AdaptiveLayerLoss import TransformerDecorator as _TransformerDecorator
+
 __all__ = [
     "CoSENTLoss",
     "AnglELoss",
@@ -62,6 +72,8 @@ __all__ = [
     "GISTEmbedLoss",
     "CachedGISTEmbedLoss",
     "MatryoshkaLoss",
+    "AdaptiveLayerLoss",
+    "Matryoshka2dLoss",
 ]
 
 _DIRECTIONS = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
@@ -86,20 +98,24 @@ def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str
                         backend: str | None, nested: _functional.Nested | None = None) -> Tensor:
     """The CoSENT objective over pairs (first[i], second[i]) scored by scale * cos or scale * |angle sim|:
     angle_kernels' ranking term on the pairs [N, 2, D] (one copy of the embeddings; no N x N anywhere), on
-    every prefix when nested (MatryoshkaLoss)."""
-    if kind == "angle" and first.shape[1] % 2:
+    every prefix when nested (MatryoshkaLoss), and on every layer of stacks [L, N, D] when nested.stacked
+    (AdaptiveLayerLoss, Matryoshka2dLoss)."""
+    if kind == "angle" and first.shape[-1] % 2:
         # pairwise_angle_sim pads an odd dimension with one zero column before splitting into halves
         first = torch.nn.functional.pad(first, (0, 1))
         second = torch.nn.functional.pad(second, (0, 1))
     scale = _checks.check_scalar("scale", scale)
-    _checks.check_embedding_group(("embeddings_a", first), ("embeddings_b", second))
+    stack = None if nested is None or not nested.stacked else nested.table
+    _, (first_layer, second_layer) = _functional.check_layer_stack(stack, ("embeddings_a", first),
+                                                                   ("embeddings_b", second))
+    _checks.check_embedding_group(("embeddings_a", first_layer), ("embeddings_b", second_layer))
     _checks.check_same_shape("embeddings_a", first, "embeddings_b", second)
-    labels = _checks.check_labels("labels", labels, first.shape[0], first.device)
+    labels = _checks.check_labels("labels", labels, first.shape[-2], first.device)
     if second.dtype != first.dtype:
         common = torch.promote_types(first.dtype, second.dtype)
         first, second = first.to(common), second.to(common)
     ops = resolve_backend(backend, first)
-    pairs = torch.stack((first, second), dim=1)
+    pairs = torch.stack((first, second), dim=-2)
     if kind == "cosine":
         return _functional.ranking_terms(ops, pairs, labels, cosine_tau=scale, nested=nested)[0]
     return _functional.ranking_terms(ops, pairs, labels, angle_tau=scale, pooling_strategy="sum", nested=nested)[1]
@@ -145,7 +161,7 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
         return self._fused_loss(embeddings, labels)
 
     def _fused_loss(self, embeddings: list[Tensor], labels: Tensor, nested=None) -> Tensor:
-        _check_label_count(self, labels, embeddings[0].shape[0])
+        _check_label_count(self, labels, embeddings[0].shape[-2])
         return _fused_pair_ranking(embeddings[0], embeddings[1], labels, _pair_score_kind(self.similarity_fct),
                                    self.scale, self.backend, nested)
 
@@ -187,16 +203,16 @@ class AnglELoss(_st_losses.AnglELoss):
             # n-tuples: every (anchor, candidate) pair, positives first, then each negative column
             candidates = embeddings[1:]
             if labels is None:
-                labels = torch.ones(anchors.shape[0], device=anchors.device)
-            _check_label_count(self, labels, anchors.shape[0])
+                labels = torch.ones(anchors.shape[-2], device=anchors.device)
+            _check_label_count(self, labels, anchors.shape[-2])
             labels = labels.reshape(-1)
             pair_labels = torch.cat([labels] + [1 - labels] * (len(candidates) - 1))
-            first = anchors.repeat(len(candidates), 1)
-            second = torch.cat(candidates, dim=0)
+            first = torch.cat([anchors] * len(candidates), dim=-2)  # rows: [L,] rows, D
+            second = torch.cat(candidates, dim=-2)
             return _fused_pair_ranking(first, second, pair_labels, kind, self.scale, self.backend, nested)
         if labels is None:
             raise ValueError("AnglELoss requires labels for datasets with pairs.")
-        _check_label_count(self, labels, anchors.shape[0])
+        _check_label_count(self, labels, anchors.shape[-2])
         return _fused_pair_ranking(anchors, embeddings[1], labels, kind, self.scale, self.backend, nested)
 
 
@@ -248,21 +264,34 @@ def _mnrl_unfused_reason(loss) -> str | None:
     return None
 
 
+def _nested_options(nested: _functional.Nested | None) -> dict:
+    """The functional losses' dims / dim_weights / layer_weights keywords that state `nested` again."""
+    if nested is None:
+        return {}
+    if not nested.stacked:
+        return dict(dims=nested.dims, dim_weights=nested.weights)
+    if nested.dims is None:
+        return dict(layer_weights=[row[0] for row in nested.table])
+    return dict(dims=nested.dims, layer_weights=[list(row) for row in nested.table])
+
+
 def _fused_mnrl(loss, embeddings: list[Tensor], nested=None) -> Tensor:
     """The loss's configuration computed by angle_kernels.functional.multiple_negatives_ranking_loss (getattr
-    with the defaults: older 6.x parents lack some attributes); on every prefix when nested (MatryoshkaLoss,
-    which normalises each truncated embedding: every similarity is then a cosine, util.dot_score's too)."""
+    with the defaults: older 6.x parents lack some attributes); on every prefix when nested has dims
+    (MatryoshkaLoss, which normalises each truncated embedding: every similarity is then a cosine,
+    util.dot_score's too), on every layer of stacks [L, rows, D] when nested.stacked."""
     if len(embeddings) < 2:
         raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
-    nested_options = {} if nested is None else dict(dims=nested.dims, dim_weights=nested.weights)
+    truncated = nested is not None and nested.dims is not None
     return _functional.multiple_negatives_ranking_loss(
         embeddings[0], embeddings[1], embeddings[2:], scale=loss.scale,
         directions=getattr(loss, "directions", ("query_to_doc",)),
         partition_mode=getattr(loss, "partition_mode", "joint"),
         hardness_mode=getattr(loss, "hardness_mode", None),
         hardness_strength=getattr(loss, "hardness_strength", 0.0),
-        similarity="cosine" if nested is not None else _mnrl_similarity(loss),
-        gather_across_devices=getattr(loss, "gather_across_devices", False), backend=loss.backend, **nested_options)
+        similarity="cosine" if truncated else _mnrl_similarity(loss),
+        gather_across_devices=getattr(loss, "gather_across_devices", False), backend=loss.backend,
+        **_nested_options(nested))
 
 
 class _FusedMNRL:
@@ -635,3 +664,136 @@ class _FusedCachedMatryoshka:
             return self.parent_decorator(reps, *args, with_backward=with_backward, **kwargs)
         nested = self.matryoshka._selected(reps[0][0].shape[-1], sort=False)
         return self.matryoshka.loss._fused_cached_loss(reps, with_backward, nested)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Layer-wise: AdaptiveLayerLoss and Matryoshka2dLoss, every sampled layer (and dimension) in one fused call
+# --------------------------------------------------------------------------------------------------------
+def _layerwise_unfused_reason(inner) -> str | None:
+    """Why a layer-wise loss over `inner` (the inner loss, or our MatryoshkaLoss over it) cannot run as one
+    fused call over the stacked layers; None when it can."""
+    if isinstance(inner, MatryoshkaLoss):
+        if inner.uses_gradient_cache:
+            return "the parent does not support gradient-cache losses under layer-wise training"
+        reason = _matryoshka_unfused_reason(inner.loss, inner.matryoshka_dims)
+        if reason is not None:
+            return reason
+        inner = inner.loss
+    elif isinstance(inner, _st_losses.MatryoshkaLoss):
+        return "the inner MatryoshkaLoss is sentence-transformers' own, not angle_kernels'"
+    if not hasattr(inner, "_fused_loss"):
+        return f"{type(inner).__name__} is not one of angle_kernels' fused non-cached drop-ins"
+    if not inner.uses_fused_path:
+        return f"{type(inner).__name__} itself runs unfused in this configuration"
+    if getattr(inner, "gather_across_devices", False):
+        return "stacked layers do not combine with gather_across_devices yet"
+    return None
+
+
+class _LayerRecorder(torch.nn.Module):
+    """Stands in for the inner loss while the parent's forward runs: the parent installs its decorators (the
+    transformer's hidden-state cache, the recording of sentence embeddings for the KL term), draws the layers,
+    computes the KL terms and calls the inner loss once per layer; each call here embeds the columns at the
+    layer in force (and, for a Matryoshka inner loss, draws its dimensions in the parent's order) and returns
+    0. `fused_loss` then computes every recorded layer's weighted loss in one call on the stacked embeddings."""
+
+    def __init__(self, layerwise, inner) -> None:
+        super().__init__()
+        self.layerwise = [layerwise]  # a list: not registered as a submodule (it owns this recorder)
+        self.inner = inner
+        self.layers: list[int | None] = []  # None: the final layer
+        self.columns: list[list[Tensor]] = []
+        self.draws: list[_functional.Nested] = []  # a Matryoshka inner loss's dimensions of each layer
+
+    def forward(self, sentence_features, labels) -> Tensor:
+        layerwise = self.layerwise[0]
+        decorator = next(m.forward for m in layerwise.model.modules()
+                         if isinstance(m.__dict__.get("forward"), _TransformerDecorator))
+        embeddings = _embed_columns(layerwise.model, list(sentence_features))
+        self.layers.append(decorator.layer_idx)
+        self.columns.append(embeddings)
+        if isinstance(self.inner, MatryoshkaLoss):
+            self.draws.append(self.inner._selected(embeddings[0].shape[-1], sort=True))
+        return embeddings[0].new_zeros(())
+
+    def fused_loss(self, labels) -> Tensor | None:
+        """sum over the recorded layers l (and drawn dims i) of weight_l * w_i * loss(layer l[..., :d_i]) as the
+        parent weighs them: the final layer by last_layer_weight, a sampled layer by its layer weighting divided
+        by the number sampled times prior_layers_weight; None when every weight is 0."""
+        layerwise = self.layerwise[0]
+        sampled = len(self.layers) - 1
+        weights = [layerwise.last_layer_weight if layer is None else
+                   layerwise.get_layer_weight(layer) / sampled * layerwise.prior_layers_weight for layer in self.layers]
+        inner, dims, rows = self.inner, None, weights
+        if isinstance(inner, MatryoshkaLoss):  # a row per layer: its weight times its drawn dims' weights, else 0
+            inner, dims = inner.loss, sorted({d for draw in self.draws for d in draw.dims})
+            drawn = [dict(zip(draw.dims, draw.weights)) for draw in self.draws]
+            rows = [[weight * chosen.get(d, 0.0) for d in dims] for weight, chosen in zip(weights, drawn)]
+        if not any(w != 0 for w in (rows if dims is None else sum(rows, []))):
+            return None
+        width = self.columns[0][0].shape[-1]
+        nested = _functional.check_nested(dims, None, width, layer_weights=rows, layers=len(rows))
+        stacks = [torch.stack(layer_columns) for layer_columns in zip(*self.columns)]  # per column: [L, rows, D]
+        return inner._fused_loss(stacks, labels, nested)
+
+
+
+class _FusedLayerwise:
+    """The fused forward of AdaptiveLayerLoss and Matryoshka2dLoss, mixed in before the sentence-transformers
+    parent: the parent's own forward runs with a _LayerRecorder in place of the inner loss (so the layers it
+    samples, its KL terms and its model decorators are the parent's code), then one fused call computes the
+    recorded layers' losses."""
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return _layerwise_unfused_reason(self.loss) is None
+
+    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+        if not self.uses_fused_path:
+            return super().forward(sentence_features, labels)
+        inner = self.loss
+        recorder = self.loss = _LayerRecorder(self, inner)
+        try:
+            kl_terms = super().forward(sentence_features, labels)  # the parent's value with every inner loss 0
+        finally:
+            self.loss = inner
+        fused = recorder.fused_loss(labels)
+        return kl_terms if fused is None else kl_terms + fused
+
+
+class AdaptiveLayerLoss(_FusedLayerwise, _st_losses.AdaptiveLayerLoss):
+    """sentence-transformers' AdaptiveLayerLoss, fused: the final layer's and every sampled earlier layer's loss
+    in one angle_kernels call on the layers' embeddings stacked [L, rows, D] (functional's layer_weights).
+
+    Same arguments, values and gradients as the parent: the same layers (its own `random.sample` call, so the
+    same draw under the same seed), weights (last_layer_weight, layer_weighting / n_sampled * prior_layers_weight)
+    and KL-divergence terms (computed by the parent's code, eagerly). Fused when `loss` is one of this module's
+    non-cached drop-ins running fused (CoSENTLoss, AnglELoss, MultipleNegativesRankingLoss and its symmetric
+    variant, without gather_across_devices), or this module's MatryoshkaLoss over one (each layer then draws
+    its dimensions as the parent's MatryoshkaLoss would); `uses_fused_path` says so. Otherwise the parent's
+    per-layer loop runs (sentence-transformers does not support gradient-cache losses here).
+    """
+
+
+class Matryoshka2dLoss(_FusedLayerwise, _st_losses.Matryoshka2dLoss):
+    """sentence-transformers' Matryoshka2dLoss (2D Matryoshka: layers x dimensions), fused: every sampled
+    (layer, dimension) term of a step in one angle_kernels call on the stacked layers with nested prefixes; the
+    (layer, dimension) pairs a step did not draw get weight 0 and are not computed.
+
+    Same arguments, values and gradients as the parent (see `AdaptiveLayerLoss` and `MatryoshkaLoss`: the same
+    draws of layers and of dimensions per layer under the same seed, the parent's KL terms). The inner
+    Matryoshka loss is this module's `MatryoshkaLoss`, so `loss` should be one of this module's drop-ins for
+    the fused path; `uses_fused_path` says whether it runs.
+    """
+
+    def __init__(self, model, loss, matryoshka_dims, matryoshka_weights=None, n_layers_per_step: int = 1,
+                 n_dims_per_step: int = 1, last_layer_weight: float = 1.0, prior_layers_weight: float = 1.0,
+                 kl_div_weight: float = 1.0, kl_temperature: float = 0.3, layer_weighting="uniform") -> None:
+        # the parent's __init__ wraps `loss` in sentence-transformers' MatryoshkaLoss; ours instead, then the
+        # grandparent's __init__ exactly as the parent calls it
+        matryoshka = MatryoshkaLoss(model, loss, matryoshka_dims, matryoshka_weights=matryoshka_weights,
+                                    n_dims_per_step=n_dims_per_step)
+        _st_losses.AdaptiveLayerLoss.__init__(
+            self, model, matryoshka, n_layers_per_step=n_layers_per_step, last_layer_weight=last_layer_weight,
+            prior_layers_weight=prior_layers_weight, kl_div_weight=kl_div_weight, kl_temperature=kl_temperature,
+            layer_weighting=layer_weighting)

@@ -26,8 +26,9 @@ SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 HIDDEN = 32
 
 
-def build_tiny_model_dir(directory: Path, seed: int = 0) -> Path:
-    """Write a tiny BERT and its tokenizer to `directory` (loadable with from_pretrained) and return it."""
+def build_tiny_model_dir(directory: Path, seed: int = 0, layers: int = 1) -> Path:
+    """Write a tiny BERT of `layers` layers and its tokenizer to `directory` (loadable with from_pretrained) and
+    return it."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
@@ -42,7 +43,7 @@ def build_tiny_model_dir(directory: Path, seed: int = 0) -> Path:
     )
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]",
                                    cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]", model_max_length=32)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2,
+    config = BertConfig(vocab_size=len(vocab), hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     torch.manual_seed(seed)

@@ -1,0 +1,143 @@
+"""AdaptiveLayerLoss and Matryoshka2dLoss over angle_kernels' fused drop-ins against sentence-transformers' own
+(over its own losses): the same value and parameter gradients on the same tiny 4-layer model and batch
+(float64), for every layer and for sampled layers under the same seed, with its layer weightings and KL terms,
+with and without Matryoshka dimensions; the fused path computes every (layer, dimension) term in one call of
+the loss's computing half (the parents call the inner loss once per layer and dimension), and the
+configurations it cannot express run the parents' loops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import angle_kernels.functional as ak_functional
+
+pytest.importorskip("sentence_transformers")
+
+from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
+from sentence_transformers import util as st_util  # noqa: E402
+from test_matryoshka import Seeded  # noqa: E402
+from test_sentence_transformers import ALL_DIRECTIONS, GRADED, batch_columns, compare, st_losses  # noqa: E402
+from tiny_model import build_tiny_model_dir, load_sentence_transformer  # noqa: E402
+
+LAYERS = 4  # hidden layers: the parents sample from the embedding output and the first 3 (the 4th is the final)
+HARD = {"directions": ALL_DIRECTIONS, "hardness_mode": "hard_negatives", "hardness_strength": 2.0}
+
+# (inner class, its kwargs, text columns, labels, layer-wise kwargs, fused)
+ADAPTIVE_CASES = [
+    ("CoSENTLoss", {}, 2, GRADED, {"n_layers_per_step": -1}, True),
+    ("CoSENTLoss", {"similarity_fct": st_util.pairwise_angle_sim}, 2, GRADED,
+     {"n_layers_per_step": 2, "layer_weighting": "log", "last_layer_weight": 2.0, "prior_layers_weight": 0.5}, True),
+    ("AnglELoss", {}, 3, None, {"layer_weighting": "linear", "kl_div_weight": 3.0}, True),
+    ("MultipleNegativesRankingLoss", {}, 3, None, {"n_layers_per_step": -1, "kl_temperature": 0.0}, True),
+    ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.dot_score, "scale": 1.0}, 2, None,
+     {"n_layers_per_step": 2, "layer_weighting": lambda i: 0.5 + i}, True),
+    ("MultipleNegativesRankingLoss", HARD, 3, None, {"n_layers_per_step": -1}, True),
+    ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.euclidean_sim}, 2, None, {}, False),
+]
+
+# (inner class, its kwargs, text columns, labels, dims, dim weights, layer-wise kwargs, fused)
+MATRYOSHKA_2D_CASES = [
+    ("CoSENTLoss", {}, 2, GRADED, (32, 16, 8), None, {"n_layers_per_step": -1, "n_dims_per_step": -1}, True),
+    ("AnglELoss", {}, 2, GRADED, (32, 16, 8, 4), (1.0, 0.5, 0.25, 2.0), {}, True),  # one layer, one dim a step
+    ("MultipleNegativesRankingLoss", {}, 3, None, (32, 24, 16, 8), None,
+     {"n_layers_per_step": 2, "n_dims_per_step": 2, "layer_weighting": "log"}, True),
+    ("MultipleNegativesRankingLoss", HARD, 3, None, (32, 16), (2.0, 1.0), {"n_layers_per_step": -1,
+                                                                          "n_dims_per_step": -1}, True),
+    ("CoSENTLoss", {"similarity_fct": st_util.pairwise_angle_sim}, 2, GRADED, (32, 7), None, {}, False),
+]
+
+
+@pytest.fixture(scope="module")
+def deep_model64(tmp_path_factory):
+    pytest.importorskip("transformers")
+    torch.set_num_threads(1)
+    return load_sentence_transformer(build_tiny_model_dir(tmp_path_factory.mktemp("deep_bert"), seed=3,
+                                                          layers=LAYERS)).to(torch.float64)
+
+
+@pytest.fixture
+def entry_calls(monkeypatch):
+    """Count the integration's calls into angle_kernels' losses: ranking_terms (CoSENT, AnglE) and the public
+    multiple_negatives_ranking_loss (whose stacked layers run one similarity pass per layer inside)."""
+    calls = []
+    for name in ("ranking_terms", "multiple_negatives_ranking_loss"):
+        def counting(*args, _original=getattr(ak_functional, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(ak_functional, name, counting)
+    return calls
+
+
+def _check_calls(calls, fused: bool, inner_calls: list) -> None:
+    if fused:
+        assert len(calls) == 1, f"one fused call for every layer and dimension, got {calls}"
+        assert not inner_calls, "the fused path never calls the inner loss's forward"
+    else:
+        assert len(inner_calls) >= 2, "the parent's loop calls the inner loss once per layer"
+
+
+def _counting_inner_forward(loss) -> list:
+    """Record the calls of loss.loss's forward (the parents' per-layer loop calls it)."""
+    calls, original = [], loss.loss.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    loss.loss.forward = counting
+    return calls
+
+
+@pytest.mark.parametrize("inner, kwargs, columns, labels, options, fused", ADAPTIVE_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(ADAPTIVE_CASES)])
+def test_adaptive_layer_loss_matches_sentence_transformers(deep_model64, entry_calls, inner, kwargs, columns, labels,
+                                                           options, fused):
+    original = st_losses.AdaptiveLayerLoss(deep_model64, getattr(st_losses, inner)(deep_model64, **kwargs), **options)
+    replacement = ours.AdaptiveLayerLoss(deep_model64, getattr(ours, inner)(deep_model64, **kwargs), **options)
+    assert isinstance(replacement, st_losses.AdaptiveLayerLoss)
+    assert replacement.uses_fused_path is fused
+    assert replacement.get_config_dict() == original.get_config_dict()
+    inner_calls = _counting_inner_forward(replacement)
+    compare(deep_model64, Seeded(original), Seeded(replacement), columns, labels, value_tol=1e-12, grad_tol=1e-10)
+    _check_calls(entry_calls, fused, inner_calls)
+
+
+@pytest.mark.parametrize("inner, kwargs, columns, labels, dims, weights, options, fused", MATRYOSHKA_2D_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(MATRYOSHKA_2D_CASES)])
+def test_matryoshka_2d_loss_matches_sentence_transformers(deep_model64, entry_calls, inner, kwargs, columns, labels,
+                                                          dims, weights, options, fused):
+    original = st_losses.Matryoshka2dLoss(deep_model64, getattr(st_losses, inner)(deep_model64, **kwargs), dims,
+                                          weights, **options)
+    replacement = ours.Matryoshka2dLoss(deep_model64, getattr(ours, inner)(deep_model64, **kwargs), dims, weights,
+                                        **options)
+    assert isinstance(replacement, st_losses.Matryoshka2dLoss)
+    assert isinstance(replacement.loss, ours.MatryoshkaLoss)
+    assert replacement.uses_fused_path is fused
+    assert replacement.get_config_dict() == original.get_config_dict()
+    inner_calls = _counting_inner_forward(replacement)
+    compare(deep_model64, Seeded(original), Seeded(replacement), columns, labels, value_tol=1e-12, grad_tol=1e-10)
+    _check_calls(entry_calls, fused, inner_calls)
+
+
+def test_the_sampled_layers_change_with_the_seed(deep_model64):
+    """The layers (and dimensions) are drawn from Python's random module as the parents draw them: different
+    seeds give different losses, so the seeded parity above does not compare one fixed draw."""
+    loss = ours.Matryoshka2dLoss(deep_model64, ours.MultipleNegativesRankingLoss(deep_model64), (32, 16, 8, 4))
+    values = {Seeded(loss, seed)(batch_columns(deep_model64, 2), None).item() for seed in range(6)}
+    assert len(values) > 1
+
+
+def test_the_model_is_restored_after_the_fused_forward(deep_model64):
+    """The parent's decorators come off the model, and the inner loss is back in place, after a step (also when
+    the loss raises)."""
+    inner = ours.CoSENTLoss(deep_model64)
+    loss = ours.AdaptiveLayerLoss(deep_model64, inner, n_layers_per_step=-1)
+    forwards = (deep_model64.forward, deep_model64[0].forward)
+    loss(batch_columns(deep_model64, 2), torch.tensor(GRADED))
+    with pytest.raises(ValueError, match="labels"):
+        loss(batch_columns(deep_model64, 2), torch.tensor(GRADED[:3]))
+    assert (deep_model64.forward, deep_model64[0].forward) == forwards
+    assert loss.loss is inner
