@@ -19,6 +19,12 @@ What `patch()` swaps (and `unpatch()` restores, object for object):
   `angle_emb.angle.AngleLoss`, so trainers created while patched hold ours; a trainer created before
   `patch()` keeps the reference's AngleLoss object, whose calls still reach the patched functions.
 
+* `AngleESETrainer.compute_loss` (Espresso: the final layer at full and compressed width, every earlier layer
+  at the compressed width weighted 1 / (1 + ln(1 + i)), then averaged): the reference calls the loss once per
+  layer plus twice for the final one; patched, one angle_kernels call computes every term on the layers'
+  pooled embeddings stacked [L, rows, D] with dims (compression size, D) (see `_fused_ese_compute_loss`). Its
+  PCA-KL compression terms, the teacher alignment and the MLM term stay the reference's code.
+
 Not reached: names that user code imported before `patch()` (`from angle_emb.loss import cosine_loss`
 binds the original function to that name). Import the module (`angle_emb.loss.cosine_loss`) or patch first.
 
@@ -31,10 +37,14 @@ for the angle term. Zero vectors give finite losses instead of NaN.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
+import math
 import threading
 from types import ModuleType
+
+import torch
 
 from .. import functional as _functional
 from ..modules import AngleLoss as _AngleLoss
@@ -43,11 +53,13 @@ __all__ = ["patch", "unpatch", "patched", "is_patched", "PATCHED_NAMES"]
 
 LOSS_FUNCTIONS = ("cosine_loss", "angle_loss", "in_batch_negative_loss", "contrastive_with_negative_loss")
 PATCHED_NAMES = LOSS_FUNCTIONS + ("AngleLoss",)
+ESE_TRAINER = ("angle_emb.angle", "AngleESETrainer")  # whose compute_loss patch() replaces
 # where angle-emb 0.6.1 holds those names: its loss module, the trainer's module, the package namespace
 _MODULES = ("angle_emb.loss", "angle_emb.angle", "angle_emb")
 
 _lock = threading.Lock()
 _originals: dict[tuple[str, str], object] = {}  # (module name, attribute) -> the object patch() replaced
+_ese_original: list = []  # AngleESETrainer.compute_loss as patch() found it (empty when not patched)
 
 
 def _import_angle_emb() -> list[ModuleType]:
@@ -104,6 +116,10 @@ def patch(backend: str | None = None) -> None:
                     continue
                 _originals.setdefault((module.__name__, name), getattr(module, name))
                 setattr(module, name, replacements[name])
+        trainer = getattr(importlib.import_module(ESE_TRAINER[0]), ESE_TRAINER[1], None)
+        if trainer is not None and not _ese_original:
+            _ese_original.append(trainer.compute_loss)
+            trainer.compute_loss = _fused_ese_compute_loss
 
 
 def unpatch() -> None:
@@ -112,6 +128,8 @@ def unpatch() -> None:
         for (module_name, name), original in _originals.items():
             setattr(importlib.import_module(module_name), name, original)
         _originals.clear()
+        if _ese_original:
+            getattr(importlib.import_module(ESE_TRAINER[0]), ESE_TRAINER[1]).compute_loss = _ese_original.pop()
 
 
 @contextlib.contextmanager
@@ -128,3 +146,71 @@ def patched(backend: str | None = None):
     finally:
         if not was_patched:
             unpatch()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Espresso (AngleESETrainer): every layer's loss in one fused call
+# ------------------------------------------------------------------------------------------------------------
+def espresso_layer_weights(n_layers: int, compression_size: int, width: int) -> tuple[tuple[int, ...], list]:
+    """The (dims, layer_weights rows) of angle-emb 0.6.1's Espresso loss over a stack of n_layers pooled layers
+    (hidden states 0 .. n_layers - 2, then the last): the last layer weighs 1 at the compressed width and 1 at the
+    full width; earlier layer i weighs 1 / (1 + ln(1 + i)) / (n_layers - 1) at the compressed width (the
+    reference's student loss, averaged over the n_layers - 1 earlier layers) and 0 at the full width. A
+    compression size >= width keeps the whole width (the reference's slice is then the full embedding)."""
+    earlier = [1.0 / (1.0 + math.log(1 + i)) / (n_layers - 1) for i in range(n_layers - 1)]
+    if compression_size >= width:
+        return (width,), [[w] for w in earlier] + [[2.0]]
+    return (compression_size, width), [[w, 0.0] for w in earlier] + [[1.0, 1.0]]
+
+
+def _fused_ese_compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+    """AngleESETrainer.compute_loss with the AnglE loss of every layer in one angle_kernels call.
+
+    Same value as the reference (up to floating-point rounding): the pooler's forward, the PCA-KL compression
+    terms (in the reference's order, so torch.svd_lowrank draws the same random projections), the teacher
+    alignment and the MLM term are the reference's code; only its L + 1 calls of the loss become one
+    `AngleLoss(dims=(compression size, D))` call with Espresso's layer weights. Falls back to the reference's
+    method when the trainer's loss is not angle_kernels' AngleLoss (a trainer created before patch()) or already
+    has dims of its own.
+    """
+    if not isinstance(self.loss_fct, _AngleLoss) or self.loss_fct.dims is not None:
+        return _ese_original[0](self, model, inputs, return_outputs=return_outputs, **kwargs)
+    from angle_emb.angle import get_pooling
+
+    labels = inputs.pop("labels", None)
+    mask_target_labels = inputs.pop("mask_target_labels", None)
+    if mask_target_labels is not None:
+        all_layer_outputs, mlm_logits = self.pooler(inputs, layer_index=-1, return_all_layer_outputs=True,
+                                                    return_mlm_logits=True)
+    else:
+        all_layer_outputs = self.pooler(inputs, layer_index=-1, return_all_layer_outputs=True)
+    strategy, side = self.pooler.pooling_strategy, self.pooler.padding_side
+    teacher_outputs = get_pooling(all_layer_outputs[-1], inputs, strategy, side)
+    students = [get_pooling(all_layer_outputs[i], inputs, strategy, side) for i in range(self.n_layers - 1)]
+
+    size = self.ese_compression_size
+    dims, rows = espresso_layer_weights(self.n_layers, size, teacher_outputs.shape[-1])
+    layered = copy.copy(self.loss_fct)  # the trainer's loss configuration, with Espresso's two widths
+    layered.dims, layered.dim_weights = dims, None
+    loss = layered(labels, torch.stack(students + [teacher_outputs]), layer_weights=rows)
+    if self.apply_ese_pca:
+        temperature = self.ese_kl_temperature
+        loss = loss + self.compute_distillation_loss(teacher_outputs[:, :size],
+                                                     self.pca_compress(teacher_outputs, size),
+                                                     kl_temperature=temperature)
+        compression = 0.0
+        for i, student in enumerate(students):
+            compression += self.compute_distillation_loss(student[:, :size], self.pca_compress(student, size),
+                                                          kl_temperature=temperature) / (1.0 + math.log(1 + i))
+        loss = loss + compression / (self.n_layers - 1)
+
+    if self.teacher_name_or_path is not None:
+        with torch.no_grad():
+            self.teacher_pooler.model = self.teacher_pooler.model.to(self.pooler.model.device)
+            align_outputs = self.teacher_pooler(inputs)
+            loss = loss + self.compute_distillation_loss(
+                all_layer_outputs[-1] if self.teacher_pooling_strategy == "all" else teacher_outputs, align_outputs,
+                mse_weight=0.0, kl_temperature=1.0)
+    if mask_target_labels is not None:
+        loss = loss + self.compute_mlm_loss(mlm_logits, mask_target_labels)
+    return (loss, teacher_outputs) if return_outputs else loss

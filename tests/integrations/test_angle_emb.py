@@ -3,6 +3,8 @@ results, and unpatch() puts back exactly the objects it replaced."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -179,3 +181,82 @@ def test_patch_without_angle_emb_raises_a_clear_error(monkeypatch):
     with pytest.raises(ImportError, match="needs the angle-emb package"):
         integration.patch()
     assert not integration.is_patched()
+
+
+@pytest.fixture(scope="module")
+def deep_model_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tiny_model import build_tiny_model_dir
+
+    return build_tiny_model_dir(tmp_path_factory.mktemp("deep_bert_ese"), seed=5, layers=4)
+
+
+@pytest.mark.parametrize("dataset_format, loss_kwargs, compression, pca", [
+    ("A", {}, 8, True),                                          # 0.6.1 defaults: ibn + 0.02 * angle
+    ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 16, False),
+    ("B", {}, 8, True),
+    ("C", {"cosine_w": 0.5, "angle_w": 0.02}, 12, True),
+    ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 64, True),  # compression >= width: the full width
+])
+def test_patched_ese_trainer_computes_the_same_loss_in_one_call(ae, deep_model_dir, tmp_path, monkeypatch,
+                                                                 dataset_format, loss_kwargs, compression, pca):
+    """AngleESETrainer.compute_loss (Espresso) on a 4-layer tiny BERT: the same loss and parameter gradients
+    patched or not; patched, one AngleLoss call computes the terms of every layer (the reference: L + 1 calls)."""
+    from transformers import AutoTokenizer, BertModel, TrainingArguments
+
+    from tiny_model import SENTENCES
+
+    angle_mod = ae["angle_emb.angle"]
+    model = BertModel.from_pretrained(deep_model_dir).to(torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(deep_model_dir)
+    pooler = angle_mod.Pooler(model, pooling_strategy="cls")
+    texts = SENTENCES[:12]
+    labels = None
+    if dataset_format == "A":
+        graded = "ibn_w" in loss_kwargs
+        per_pair = [0.0, 2.0, 1.0, 1.0, 3.0, 0.5] if graded else [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+        labels = torch.tensor(per_pair, dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+    calls = []
+    forward = angle_kernels.AngleLoss.forward
+    monkeypatch.setattr(angle_kernels.AngleLoss, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+
+    def loss_and_grads():
+        trainer = angle_mod.AngleESETrainer(pooler=pooler, model=model, args=args, dataset_format=dataset_format,
+                                            loss_kwargs=dict(loss_kwargs), ese_compression_size=compression,
+                                            apply_ese_pca=pca)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(11)  # the PCA compression's torch.svd_lowrank draws random projections
+        value = trainer.compute_loss(model, _trainer_inputs(tokenizer, texts, labels))
+        value.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return value.detach(), grads
+
+    ref_value, ref_grads = loss_and_grads()
+    assert not calls
+    with integration.patched():
+        value, grads = loss_and_grads()
+    assert len(calls) == 1, f"one fused loss call for every layer, got {len(calls)}"
+    assert torch.isfinite(value) and rel_err(value, ref_value) < 1e-12, (value.item(), ref_value.item())
+    assert set(grads) == set(ref_grads) and grads
+    overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref_grads.values()]))
+    for name, ref in ref_grads.items():
+        scale = max(float(torch.linalg.vector_norm(ref)), 1e-6 * float(overall))
+        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < 1e-10, name
+
+
+def test_unpatch_restores_the_ese_trainer(ae):
+    trainer = ae["angle_emb.angle"].AngleESETrainer
+    original = trainer.compute_loss
+    integration.patch()
+    assert trainer.compute_loss is not original
+    integration.patch(backend="torch")  # patching again keeps the reference's method as the original
+    integration.unpatch()
+    assert trainer.compute_loss is original
+
+
+def test_espresso_layer_weights_follow_the_reference():
+    dims, rows = integration.espresso_layer_weights(4, 8, 32)
+    assert dims == (8, 32)
+    assert rows[-1] == [1.0, 1.0]
+    assert rows[:3] == [[1.0 / (1.0 + math.log(1 + i)) / 3, 0.0] for i in range(3)]
