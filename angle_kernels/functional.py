@@ -252,6 +252,23 @@ def check_layer_stack(layer_weights, *named: tuple[str, torch.Tensor]) -> tuple[
     return layers, [t[0] for t in tensors]
 
 
+def espresso_layer_weights(n_layers: int, compression_size: int, width: int) -> tuple[tuple[int, ...], list]:
+    """(dims, layer_weights rows) of Espresso (ESE) as angle-emb 0.6.1's AngleESETrainer weighs it, for a stack of
+    n_layers pooled layers (hidden states 0 .. n_layers - 2, the last hidden state last): the last layer weighs
+    1 at the compressed width and 1 at the full width; earlier layer i weighs 1 / (1 + ln(1 + i)) / (n_layers - 1)
+    at the compressed width (the reference's per-layer loss, averaged over the earlier layers) and 0 at the full
+    width. A compression size >= width keeps the whole width (the reference's slice is then the full embedding,
+    so the last layer's loss counts twice)."""
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 2:
+        raise ValueError(f"n_layers: Espresso needs a model of at least 2 layers, got {n_layers!r}")
+    if isinstance(compression_size, bool) or not isinstance(compression_size, int) or compression_size < 1:
+        raise ValueError(f"compression_size must be a positive int, got {compression_size!r}")
+    earlier = [1.0 / (1.0 + math.log(1 + i)) / (n_layers - 1) for i in range(n_layers - 1)]
+    if compression_size >= width:
+        return (width,), [[w] for w in earlier] + [[2.0]]
+    return (compression_size, width), [[w, 0.0] for w in earlier] + [[1.0, 1.0]]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Computing halves: each formula once, on checked inputs, with the ops of a resolved backend
 # ------------------------------------------------------------------------------------------------------------

@@ -316,6 +316,6 @@ def save_best(cfg: TrainConfig, encoder, tokenizer, prompt: str | None) -> str:
     shutil.rmtree(best + ".tmp", ignore_errors=True)  # left by a run killed while writing it
     save_pretrained(encoder, tokenizer, best + ".tmp", max_length=cfg.max_length, prompt=prompt,
                     adapter_only=is_peft_model(encoder.backbone), base_model=cfg.model,
-                    matryoshka_dims=cfg.matryoshka_dims)
+                    matryoshka_dims=cfg.trained_widths(encoder.embedding_dim))
     _swap_in(best + ".tmp", best)
     return best

@@ -86,6 +86,11 @@ class TrainConfig:
     matryoshka_weights: list = opt([],  # noqa: RUF009
                                    "weight of each --matryoshka-dims width, in the same order (default: 1 each)",
                                    group="loss", metavar="WEIGHT")
+    espresso: bool = opt(False, "Espresso (ESE) layer-wise training, as angle-emb's AngleESETrainer weighs it: the "
+                         "loss of the last layer at the full and the --espresso-dim width, plus every earlier "
+                         "hidden state's (pooled) at the --espresso-dim width weighted 1 / (1 + ln(1 + i)), averaged; "
+                         "one fused loss call for all layers (not with --matryoshka-dims)", group="loss")
+    espresso_dim: int = opt(128, "the compressed width of --espresso", group="loss")
     # ---- evaluation, checkpoints, logging
     output_dir: str = opt("runs/angle", "where checkpoints, metrics.jsonl, best/ and final/ go", group="run")
     eval_every: int = opt(0, "evaluate on dev_data every N optimizer steps (0 = only at the end)", group="run")
@@ -114,7 +119,19 @@ class TrainConfig:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0; got {self.lr}")
         self._validate_matryoshka()
+        if self.espresso and self.matryoshka_dims:
+            raise ValueError("--espresso trains its own two widths (--espresso-dim and the full one): leave out "
+                             "--matryoshka-dims")
+        if self.espresso_dim < 1:
+            raise ValueError(f"espresso_dim must be >= 1; got {self.espresso_dim}")
         return self
+
+    def trained_widths(self, width: int) -> list[int]:
+        """The widths the run trains the embeddings (of `width` features) at: --matryoshka-dims, Espresso's
+        compressed and full widths, or none besides the full one ([]): evaluated and exported as truncatable."""
+        if self.espresso:
+            return sorted({min(self.espresso_dim, width), width})
+        return list(self.matryoshka_dims)
 
     def _validate_matryoshka(self) -> None:
         """Turn the flags' words (the CLI passes list items as strings) into ints and floats, or say which is wrong.

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# all_gather_with_grad is re-exported: grad_cache.py gathers the embeddings with it
-from angle_kernels.distributed import all_gather_with_grad, is_distributed  # noqa: F401
+from angle_kernels.distributed import all_gather_with_grad, is_distributed
 
 
 @dataclass
@@ -73,6 +72,14 @@ def broadcast_from_main(value, info: DistInfo):
     holder = [value]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+def all_gather_rows(embeddings: torch.Tensor) -> torch.Tensor:
+    """Every rank's embeddings joined along the rows (dim -2) in rank order, differentiable: [rows, D] along dim
+    0, a layer stack [L, rows, D] (Espresso) along dim 1; `embeddings` itself when not distributed."""
+    if not is_distributed() or embeddings.dim() == 2:
+        return all_gather_with_grad(embeddings)
+    return all_gather_with_grad(embeddings.movedim(-2, 0).contiguous()).movedim(0, -2)
 
 
 def gather_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ Learning Batch Size under Memory Limited Setup", 2021) splits the work:
 Step 3 computes sum_i (dL/de_i) . de_i/dtheta = dL/dtheta: the same gradient as plain backprop of the
 same chunks, at the price of one extra forward pass. Under DDP, the parameter all-reduce is skipped
 (no_sync) for every chunk but the last.
+
+Embeddings are [rows, D], or a layer stack [L, rows, D] (Espresso training): chunks, caches and gathers join
+them along the rows (dim -2) either way.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import contextlib
 
 import torch
 
-from .distributed import all_gather_with_grad, gather_labels, no_sync
+from .distributed import all_gather_rows, gather_labels, no_sync
 
 
 class RngState:
@@ -50,8 +53,8 @@ def plain_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bo
     all-reduce (gradient accumulation in progress).
     """
     with no_sync(model, skip_sync=not sync):
-        local = torch.cat([model(ids, mask) for ids, mask in chunks])
-        loss = loss_fn(gather_labels(labels), all_gather_with_grad(local))
+        local = torch.cat([model(ids, mask) for ids, mask in chunks], dim=-2)
+        loss = loss_fn(gather_labels(labels), all_gather_rows(local))
         (loss * loss_scale).backward()
     return loss.detach()
 
@@ -71,10 +74,10 @@ def grad_cache_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, syn
             rng_states.append(RngState(device))
             cached.append(inner(ids, mask))
     # Loss on all embeddings; backward stops at the (gathered) embeddings.
-    local = torch.cat(cached).requires_grad_(True)
-    loss = loss_fn(gather_labels(labels), all_gather_with_grad(local))
+    local = torch.cat(cached, dim=-2).requires_grad_(True)
+    loss = loss_fn(gather_labels(labels), all_gather_rows(local))
     (loss * loss_scale).backward()
-    grads = local.grad.split([e.shape[0] for e in cached])
+    grads = local.grad.split([e.shape[-2] for e in cached], dim=-2)
     # Pass 2: re-embed with a graph, same dropout masks, inject the cached gradients.
     for i, ((ids, mask), rng, grad) in enumerate(zip(chunks, rng_states, grads)):
         last = i == len(chunks) - 1

@@ -127,6 +127,8 @@ class Encoder(nn.Module):
         self.padding_side = "left" if is_decoder else "right"
         self.pad_token_id = pad_token_id
         self.autocast = autocast
+        # Espresso training (see all_layers_out): forward returns every layer's pooled embeddings [L, B, H]
+        self.layer_stack = False
 
     @property
     def device(self) -> torch.device:
@@ -150,8 +152,28 @@ class Encoder(nn.Module):
             kwargs["position_ids"] = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
             kwargs["use_cache"] = False
         with self._autocast():
-            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-        return pool(hidden.float(), attention_mask, self.pooling)
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                output_hidden_states=self.layer_stack, **kwargs)
+        if not self.layer_stack:
+            return pool(out.last_hidden_state.float(), attention_mask, self.pooling)
+        # hidden states 0 .. L - 2 (0: the embedding layer's output) and the last, as angle-emb's Espresso takes them
+        layers = [*out.hidden_states[:self.num_layers - 1], out.last_hidden_state]
+        return torch.stack([pool(hidden.float(), attention_mask, self.pooling) for hidden in layers])
+
+    @property
+    def num_layers(self) -> int:
+        """The base model's transformer layers (the rows of a layer stack)."""
+        return self.backbone.config.num_hidden_layers
+
+    @contextlib.contextmanager
+    def all_layers_out(self, enabled: bool = True):
+        """Inside (when enabled), forward returns the stack [num_layers, B, H]: the pooled hidden states 0 .. L - 2
+        and the pooled last hidden state; outside, the last layer's embeddings [B, H] as usual."""
+        previous, self.layer_stack = self.layer_stack, enabled
+        try:
+            yield
+        finally:
+            self.layer_stack = previous
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Only the parameters that train (all of them, or the LoRA adapters): what a checkpoint must keep."""

@@ -16,6 +16,7 @@ process gathered into one loss (distributed.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from typing import Callable
 import torch
 
 from angle_kernels import AngleLoss
-from angle_kernels.functional import check_nested
+from angle_kernels.functional import check_nested, espresso_layer_weights
 
 from . import distributed
 from .checkpoint import Position, checkpoint_to_resume, load_checkpoint, save_best, save_checkpoint
@@ -134,6 +135,8 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
     if cfg.matryoshka_dims:
         check_matryoshka_dims(cfg, encoder.embedding_dim)
+    if cfg.espresso:
+        check_espresso(cfg, encoder)
 
     if train_examples is None:
         train_examples = read_data(cfg.train_data, cfg.data_format, cfg.train_split)
@@ -143,7 +146,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
         dev_examples, _format_a = read_data(cfg.dev_data, "A", cfg.dev_split)
     loss_name = "AngleLoss" if loss_fn is None else "the loss_fn given to train()"
     if loss_fn is None:
-        loss_fn = build_loss(cfg, fmt)
+        loss_fn = build_loss(cfg, fmt, encoder)
     total_steps = count_steps(cfg, len(dataset), dist_info.world_size)
 
     optimizer = make_optimizer(cfg, encoder, device)
@@ -175,13 +178,30 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_spearman=position.best))
 
 
-def build_loss(cfg: TrainConfig, fmt: str) -> AngleLoss:
-    """angle_kernels.AngleLoss for data format `fmt` with the run's weights, scales and in-batch-negative options."""
-    return AngleLoss(cosine_w=cfg.cosine_w, ibn_w=cfg.ibn_w, cln_w=cfg.cln_w, angle_w=cfg.angle_w,
+def build_loss(cfg: TrainConfig, fmt: str, encoder=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """angle_kernels.AngleLoss for data format `fmt` with the run's weights, scales and in-batch-negative options;
+    with --espresso, called on the encoder's layer stacks [L, rows, D] with Espresso's layer weights (the encoder
+    gives the number of layers and the width)."""
+    dims, dim_weights = tuple(cfg.matryoshka_dims) or None, tuple(cfg.matryoshka_weights) or None
+    layer_weights = None
+    if cfg.espresso:
+        dims, layer_weights = espresso_layer_weights(encoder.num_layers, cfg.espresso_dim, encoder.embedding_dim)
+    loss = AngleLoss(cosine_w=cfg.cosine_w, ibn_w=cfg.ibn_w, cln_w=cfg.cln_w, angle_w=cfg.angle_w,
                      cosine_tau=cfg.cosine_tau, ibn_tau=cfg.ibn_tau, angle_tau=cfg.angle_tau, dataset_format=fmt,
                      ibn_partition=cfg.ibn_partition, false_negative_margin=cfg.false_negative_margin,
-                     false_negative_strategy=cfg.false_negative_strategy, dims=tuple(cfg.matryoshka_dims) or None,
-                     dim_weights=tuple(cfg.matryoshka_weights) or None)
+                     false_negative_strategy=cfg.false_negative_strategy, dims=dims, dim_weights=dim_weights)
+    return loss if layer_weights is None else functools.partial(loss, layer_weights=layer_weights)
+
+
+def check_espresso(cfg: TrainConfig, encoder) -> None:
+    """--espresso against the loaded model: at least 2 layers, and an even --espresso-dim for the angle term."""
+    try:
+        dims, _ = espresso_layer_weights(encoder.num_layers, cfg.espresso_dim, encoder.embedding_dim)
+        check_nested(dims, None, encoder.embedding_dim, even=cfg.angle_w > 0)
+    except ValueError as exc:
+        raise ValueError(f"--espresso --espresso-dim {cfg.espresso_dim} does not fit {cfg.model} "
+                         f"({encoder.num_layers} layers, embeddings of {encoder.embedding_dim} dimensions"
+                         f"{'; --angle-w > 0 needs even widths' if cfg.angle_w > 0 else ''}): {exc}") from None
 
 
 def check_matryoshka_dims(cfg: TrainConfig, width: int) -> None:
@@ -265,16 +285,17 @@ def optimizer_step(run: Run) -> dict:
     step_fn = grad_cache_step if cfg.chunk_size else plain_step
     share = cfg.batch_size // run.dist_info.world_size
     loss_sum = 0.0
-    for j, indices in enumerate(next_batches(run)):
-        mine = indices[run.dist_info.rank * share:(run.dist_info.rank + 1) * share]
-        batch = run.dataset.batch(mine)
-        chunks = [pad_batch(c, run.encoder.pad_token_id, run.encoder.padding_side, run.device)
-                  for c in batch.chunks(cfg.chunk_size)]
-        loss_scale = run.scaler.scale(torch.tensor(1.0 / cfg.grad_accum, device=run.device))
-        loss = step_fn(run.model, chunks, batch.labels.to(run.device), run.loss_fn, loss_scale=loss_scale,
-                       sync=j == cfg.grad_accum - 1)  # DDP all-reduces the gradients once, after the last batch
-        loss_sum += loss.item()
-        run.log.count(pairs=len(indices), tokens=sum(run.dataset.lengths_of(indices)))
+    with run.encoder.all_layers_out(cfg.espresso):  # Espresso: every layer's embeddings, for the loss only
+        for j, indices in enumerate(next_batches(run)):
+            mine = indices[run.dist_info.rank * share:(run.dist_info.rank + 1) * share]
+            batch = run.dataset.batch(mine)
+            chunks = [pad_batch(c, run.encoder.pad_token_id, run.encoder.padding_side, run.device)
+                      for c in batch.chunks(cfg.chunk_size)]
+            loss_scale = run.scaler.scale(torch.tensor(1.0 / cfg.grad_accum, device=run.device))
+            loss = step_fn(run.model, chunks, batch.labels.to(run.device), run.loss_fn, loss_scale=loss_scale,
+                           sync=j == cfg.grad_accum - 1)  # DDP all-reduces the gradients once, after the last batch
+            loss_sum += loss.item()
+            run.log.count(pairs=len(indices), tokens=sum(run.dataset.lengths_of(indices)))
     grad_norm = None
     run.scaler.unscale_(run.optimizer)
     if cfg.max_grad_norm > 0:
@@ -309,12 +330,14 @@ def batch_order(cfg: TrainConfig, dataset: TokenizedPairs, epoch: int) -> list[l
 
 
 def evaluate(run: Run) -> None:
-    """Dev Spearman on the main process, and with --matryoshka-dims at each narrower width too (dev_spearman@d);
+    """Dev Spearman on the main process, and at each narrower trained width too (dev_spearman@d: --matryoshka-dims,
+    --espresso-dim);
     a new best model by the full width's score is exported to output_dir/best. Every process then holds the
     best score, which is part of the position a checkpoint saves."""
     position = run.position
     if run.dist_info.is_main:
-        truncated = sorted((d for d in run.cfg.matryoshka_dims if d < run.encoder.embedding_dim), reverse=True)
+        width = run.encoder.embedding_dim
+        truncated = sorted((d for d in run.cfg.trained_widths(width) if d < width), reverse=True)
         scores = sts_spearman_by_dim(run.encoder, run.tokenizer, run.dev_examples, [None, *truncated],
                                      batch_size=run.cfg.eval_batch_size, max_length=run.cfg.max_length,
                                      prompt=run.prompt)
@@ -376,7 +399,8 @@ def finish(run: Run) -> TrainResult:
     if cfg.save_final:
         result.final_path = save_pretrained(run.encoder, run.tokenizer, os.path.join(cfg.output_dir, "final"),
                                             max_length=cfg.max_length, prompt=run.prompt, merge_in_place=False,
-                                            base_model=cfg.model, matryoshka_dims=cfg.matryoshka_dims)
+                                            base_model=cfg.model,
+                                            matryoshka_dims=cfg.trained_widths(run.encoder.embedding_dim))
     last = result.history[-1] if result.history else {}
     print(f"done: {position.step} steps | last loss {last.get('loss', float('nan')):.4f} | "
           f"{last.get('pairs_per_s', 0):.1f} pairs/s | {last.get('tokens_per_s', 0):.0f} tokens/s | "

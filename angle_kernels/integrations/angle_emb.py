@@ -151,18 +151,6 @@ def patched(backend: str | None = None):
 # ------------------------------------------------------------------------------------------------------------
 # Espresso (AngleESETrainer): every layer's loss in one fused call
 # ------------------------------------------------------------------------------------------------------------
-def espresso_layer_weights(n_layers: int, compression_size: int, width: int) -> tuple[tuple[int, ...], list]:
-    """The (dims, layer_weights rows) of angle-emb 0.6.1's Espresso loss over a stack of n_layers pooled layers
-    (hidden states 0 .. n_layers - 2, then the last): the last layer weighs 1 at the compressed width and 1 at the
-    full width; earlier layer i weighs 1 / (1 + ln(1 + i)) / (n_layers - 1) at the compressed width (the
-    reference's student loss, averaged over the n_layers - 1 earlier layers) and 0 at the full width. A
-    compression size >= width keeps the whole width (the reference's slice is then the full embedding)."""
-    earlier = [1.0 / (1.0 + math.log(1 + i)) / (n_layers - 1) for i in range(n_layers - 1)]
-    if compression_size >= width:
-        return (width,), [[w] for w in earlier] + [[2.0]]
-    return (compression_size, width), [[w, 0.0] for w in earlier] + [[1.0, 1.0]]
-
-
 def _fused_ese_compute_loss(self, model, inputs, return_outputs=False, **kwargs):
     """AngleESETrainer.compute_loss with the AnglE loss of every layer in one angle_kernels call.
 
@@ -189,7 +177,7 @@ def _fused_ese_compute_loss(self, model, inputs, return_outputs=False, **kwargs)
     students = [get_pooling(all_layer_outputs[i], inputs, strategy, side) for i in range(self.n_layers - 1)]
 
     size = self.ese_compression_size
-    dims, rows = espresso_layer_weights(self.n_layers, size, teacher_outputs.shape[-1])
+    dims, rows = _functional.espresso_layer_weights(self.n_layers, size, teacher_outputs.shape[-1])
     layered = copy.copy(self.loss_fct)  # the trainer's loss configuration, with Espresso's two widths
     layered.dims, layered.dim_weights = dims, None
     loss = layered(labels, torch.stack(students + [teacher_outputs]), layer_weights=rows)

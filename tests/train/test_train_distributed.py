@@ -19,6 +19,8 @@ N_PAIRS = 8  # 4 pairs per rank
 GTE_FILTERED = ("--ibn-partition", "gte", "--false-negative-margin", "0.1")
 # Matryoshka: three widths (in no order), then their weights
 MATRYOSHKA = ("--matryoshka-dims", "8", "32", "16", "--matryoshka-weights", "2", "1", "0.5")
+# Espresso: the encoder's layer stacks [L, rows, D], gathered along the rows (its own loss: test_train_espresso.py)
+ESPRESSO = ("--espresso", "--espresso-dim", "8")
 
 
 def _free_port() -> int:
@@ -31,7 +33,9 @@ def _setup(arch, fmt, flags=()):
     """The model, the batch and the loss: for angle-train flags, the AngleLoss the trainer builds from them."""
     encoder, tokenizer = make_encoder(arch, dropout=0.0)
     batch = demo_batch(tokenizer, N_PAIRS, fmt)
-    loss_fn = build_loss(config_from_args(list(flags)), fmt) if flags else graded_or_contrastive_loss(fmt)
+    cfg = config_from_args(list(flags))
+    encoder.layer_stack = cfg.espresso  # as the trainer's all_layers_out does around its steps
+    loss_fn = build_loss(cfg, fmt, encoder) if flags else graded_or_contrastive_loss(fmt)
     return encoder, batch, loss_fn
 
 
@@ -59,15 +63,17 @@ def _rank_main(rank, world, port, arch, fmt, chunk_rows, flags, out_dir):
 
 
 @pytest.mark.parametrize("arch, fmt, chunk_rows, flags", [("bert", "A", None, ()), ("llama", "B", 3, ()),
-                                                        ("bert", "B", 3, GTE_FILTERED), ("bert", "B", 3, MATRYOSHKA)],
-                         ids=["bert-A-None", "llama-B-3", "bert-B-3-gte-filtered", "bert-B-3-matryoshka"])
+                                                        ("bert", "B", 3, GTE_FILTERED), ("bert", "B", 3, MATRYOSHKA),
+                                                        ("llama", "B", 3, ESPRESSO)],
+                         ids=["bert-A-None", "llama-B-3", "bert-B-3-gte-filtered", "bert-B-3-matryoshka",
+                              "llama-B-3-espresso"])
 def test_two_process_all_gather_equals_single_process(tmp_path, arch, fmt, chunk_rows, flags):
     """chunk_rows=None: plain backprop; 3: gradient cache with no_sync on all but the last chunk. flags: the loss
     options of angle-train's command line (the default AngleLoss of the format without)."""
     mp.spawn(_rank_main, args=(2, _free_port(), arch, fmt, chunk_rows, flags, str(tmp_path)), nprocs=2, join=True)
     encoder, batch, loss_fn = _setup(arch, fmt, flags)
     chunks = [pad_batch(batch.seqs, encoder.pad_token_id, encoder.padding_side)]
-    if flags:  # each option changes this batch's loss (none, then one option more at a time), so the check tests them
+    if flags and flags != ESPRESSO:  # each option changes this batch's loss (none, then one option more at a time)
         with torch.no_grad():
             embeddings = encoder(*chunks[0])
         starts = [i for i, word in enumerate(flags) if word.startswith("--")]

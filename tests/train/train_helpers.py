@@ -7,14 +7,15 @@ import torch
 
 
 def make_encoder(arch: str = "bert", *, dropout: float = 0.0, dtype=torch.float64, lora: bool = False, seed: int = 0,
-                 pooling: str | None = None):
-    """(encoder, tokenizer): a 2-layer random model of the named architecture, in `dtype`."""
+                 pooling: str | None = None, layers: int = 2):
+    """(encoder, tokenizer): a random model of `layers` layers (2 by default) of the named architecture, in
+    `dtype`."""
     from angle_train.models import LoraSettings, prepare_tokenizer, wrap_backbone
     from angle_train.tiny import build_backbone, build_tokenizer
 
     name = {"bert": "builtin:tiny-bert", "llama": "builtin:tiny-llama"}[arch]
     tokenizer = prepare_tokenizer(build_tokenizer(), arch == "llama")
-    backbone = build_backbone(name, len(tokenizer), hidden_size=32, dropout=dropout, seed=seed).to(dtype)
+    backbone = build_backbone(name, len(tokenizer), hidden_size=32, layers=layers, dropout=dropout, seed=seed).to(dtype)
     torch.manual_seed(seed)
     encoder = wrap_backbone(backbone, pooling=pooling, pad_token_id=tokenizer.pad_token_id,
                             is_decoder=arch == "llama", lora=LoraSettings(r=4, alpha=8, dropout=0.0) if lora else None)
