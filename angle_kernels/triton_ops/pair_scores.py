@@ -29,6 +29,19 @@ two of the swept length (D/2 with the angle, D without) capped at 1024, so D = 7
 (25% of lanes idle, no extra bytes); num_warps = 4 up to 512 elements, 8 for 1024 (at most 8 elements per
 thread per live vector). Compiled for sm_90 at D = 768: 32-64 registers, no spills, at most 64 bytes of
 shared memory (the final reductions), so occupancy is limited by neither.
+
+Nested prefixes (dims = d_1 < ... < d_k, Matryoshka): outputs [k, G, K-1], prefix i being the scores of
+x[..., :d_i]. The floor is the same bytes as one width: read x once forward, once backward, write dx once; the
+per-prefix outputs are O(k * G * K) scalars. Forward, one program per group: without the angle, the sweep walks
+the slices [d_{i-1}, d_i) in order with running partial sums and stores prefix i's scores after its slice (one
+read of the rows); with the angle, the halves of each prefix pair feature j with j + d_i/2, so each prefix
+sweeps its own first d_i/2 columns (about sum(d_i) elements read instead of D, but the group's rows, a few KB,
+stay in L1/L2: DRAM still sees one read). Backward writes each column block of dx once: for every prefix that
+contains the block it adds the prefix's terms (its per-pair coefficients from the saved norms, cos and w; the
+angle's rotated terms read the twin columns c +- d_i/2, again cache hits), and columns past d_k get 0. The
+widths are a constexpr tuple (the loops over prefixes unroll; a training run uses one dims). Compiled for sm_90
+with dims (64, 128, 256, 512, 768): forward 32-40 registers; backward 32-92 with its block capped at 128
+(a 1024 block needed 124-255 registers and spilled for K = 3).
 """
 
 from __future__ import annotations
@@ -42,6 +55,11 @@ from ..contract import NORM_EPS, compute_dtype
 from ._common import CompileCase, acc_dtype_of, new_output
 
 _MAX_BLOCK = 1024
+# The nested backward keeps a column block of every prefix's terms and twin columns live at once: smaller blocks
+# (more loop iterations) keep it in registers (see the module docstring).
+_MAX_PREFIX_BWD_BLOCK = 128
+
+FEATURES = ("dims",)  # the optional features this op implements (contract.OPTIONAL_FEATURES)
 
 
 @triton.jit
@@ -50,6 +68,59 @@ def _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC: t
     anchor = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
     partners = tl.load(partner_ptr + cols[None, :] * stride_d, mask=tile_ok, other=0.0).to(ACC)
     return anchor, partners
+
+
+@triton.jit
+def _sweep_halves(anchor_ptr, partner_ptr, partner_ok, half, stride_d, uu, vv, uv, cross,
+                  BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """Accumulate the elementwise partial sums of the first 2 * half features, halves swept together:
+    a, b = u[i], u[i + half]; c, d = v[i], v[i + half]."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, half, BLOCK):
+        cols = (start + offs).to(tl.int64)
+        col_ok = cols < half
+        tile_ok = partner_ok[:, None] & col_ok[None, :]
+        a, c = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
+        b, d = _load_block(anchor_ptr, partner_ptr, cols + half, col_ok, tile_ok, stride_d, ACC)
+        uu += a * a + b * b
+        vv += c * c + d * d
+        uv += a[None, :] * c + b[None, :] * d
+        cross += b[None, :] * c - a[None, :] * d
+    return uu, vv, uv, cross
+
+
+@triton.jit
+def _sweep_columns(anchor_ptr, partner_ptr, partner_ok, lo, hi, stride_d, uu, vv, uv,
+                   BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """Accumulate the elementwise partial sums of the features [lo, hi) (no angle cross terms)."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        cols = (start + offs).to(tl.int64)
+        col_ok = cols < hi
+        tile_ok = partner_ok[:, None] & col_ok[None, :]
+        u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
+        uu += u * u
+        vv += v * v
+        uv += u[None, :] * v
+    return uu, vv, uv
+
+
+@triton.jit
+def _store_scores(uu, vv, uv, cross, cos_ptr, angle_ptr, norms_ptr, cross_ptr, pair_out, norm_out, partner,
+                  partner_ok, WITH_ANGLE: tl.constexpr, EPS: tl.constexpr):
+    """Reduce the partial sums and store cos, w = (b.c - a.d) / P, cos + w (WITH_ANGLE) of the pairs at
+    pair_out + partner, and the raw norms of the anchor (norm_out) and partners (norm_out + 1 + partner)."""
+    norm_u = tl.sqrt(tl.sum(uu, axis=0))
+    norm_v = tl.sqrt(tl.sum(vv, axis=1))  # [P]
+    inv_p = 1.0 / (tl.maximum(norm_u, EPS) * tl.maximum(norm_v, EPS))
+    cos = tl.sum(uv, axis=1) * inv_p
+    w = tl.sum(cross, axis=1) * inv_p
+    tl.store(cos_ptr + pair_out + partner, cos, mask=partner_ok)
+    tl.store(cross_ptr + pair_out + partner, w, mask=partner_ok)
+    if WITH_ANGLE:
+        tl.store(angle_ptr + pair_out + partner, cos + w, mask=partner_ok)
+    tl.store(norms_ptr + norm_out, norm_u)
+    tl.store(norms_ptr + norm_out + 1 + partner, norm_v, mask=partner_ok)
 
 
 @triton.jit
@@ -76,47 +147,48 @@ def _pair_scores_fwd_kernel(
     partner = tl.arange(0, PARTNERS_PAD)
     partner_ok = partner < K - 1
     partner_ptr = anchor_ptr + (partner + 1).to(tl.int64)[:, None] * stride_k  # [P, 1]
-    offs = tl.arange(0, BLOCK)
 
     uu = tl.zeros([BLOCK], dtype=ACC)
     vv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
     uv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
     cross = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
     if WITH_ANGLE:
-        # Sweep the halves together: a, b = u[i], u[i + D/2]; c, d = v[i], v[i + D/2].
-        for start in range(0, HALF, BLOCK):
-            cols = (start + offs).to(tl.int64)
-            col_ok = cols < HALF
-            tile_ok = partner_ok[:, None] & col_ok[None, :]
-            a, c = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
-            b, d = _load_block(anchor_ptr, partner_ptr, cols + HALF, col_ok, tile_ok, stride_d, ACC)
-            uu += a * a + b * b
-            vv += c * c + d * d
-            uv += a[None, :] * c + b[None, :] * d
-            cross += b[None, :] * c - a[None, :] * d
+        uu, vv, uv, cross = _sweep_halves(anchor_ptr, partner_ptr, partner_ok, HALF, stride_d, uu, vv, uv, cross,
+                                          BLOCK, ACC)
     else:
-        for start in range(0, D, BLOCK):
-            cols = (start + offs).to(tl.int64)
-            col_ok = cols < D
-            tile_ok = partner_ok[:, None] & col_ok[None, :]
-            u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
-            uu += u * u
-            vv += v * v
-            uv += u[None, :] * v
+        uu, vv, uv = _sweep_columns(anchor_ptr, partner_ptr, partner_ok, 0, D, stride_d, uu, vv, uv, BLOCK, ACC)
+    _store_scores(uu, vv, uv, cross, cos_ptr, angle_ptr, norms_ptr, cross_ptr, group * (K - 1), group * K,
+                  partner, partner_ok, WITH_ANGLE, EPS)
 
-    norm_u = tl.sqrt(tl.sum(uu, axis=0))
-    norm_v = tl.sqrt(tl.sum(vv, axis=1))  # [P]
-    inv_p = 1.0 / (tl.maximum(norm_u, EPS) * tl.maximum(norm_v, EPS))
-    cos = tl.sum(uv, axis=1) * inv_p
-    w = tl.sum(cross, axis=1) * inv_p
 
-    pair_out = group * (K - 1) + partner
-    tl.store(cos_ptr + pair_out, cos, mask=partner_ok)
-    tl.store(cross_ptr + pair_out, w, mask=partner_ok)
+@triton.jit
+def _pair_coefficients(grad_cos_ptr, grad_angle_ptr, norms_ptr, cos_ptr, cross_ptr, pair_in, norm_in, partner,
+                       partner_ok, WITH_ANGLE: tl.constexpr, PARTNERS_PAD: tl.constexpr, ACC: tl.constexpr,
+                       EPS: tl.constexpr):
+    """The per-pair coefficients of the backward formulas (module docstring), from the forward's saved norms, cos
+    and w and the upstream gradients of the pairs at pair_in: (along [P, 1], rotated [P, 1], the anchor's
+    radial coefficient (scalar), the partners' [P, 1]). Padded partners get 0 everywhere, so they add nothing."""
+    gc = tl.load(grad_cos_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
     if WITH_ANGLE:
-        tl.store(angle_ptr + pair_out, cos + w, mask=partner_ok)
-    tl.store(norms_ptr + group * K, norm_u)
-    tl.store(norms_ptr + group * K + 1 + partner, norm_v, mask=partner_ok)
+        ga = tl.load(grad_angle_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
+    else:
+        ga = tl.zeros([PARTNERS_PAD], dtype=ACC)
+    cos = tl.load(cos_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
+    w = tl.load(cross_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
+    norm_u = tl.load(norms_ptr + norm_in).to(ACC)
+    norm_v = tl.load(norms_ptr + norm_in + 1 + partner, mask=partner_ok, other=1.0).to(ACC)
+    inv_u = 1.0 / tl.maximum(norm_u, EPS)
+    inv_v = 1.0 / tl.maximum(norm_v, EPS)
+    # d(1/max(|x|, eps))/dx = -x/|x|^3 only where the norm was not clamped.
+    radial_u = tl.where(norm_u > EPS, inv_u * inv_u, 0.0)
+    radial_v = tl.where(norm_v > EPS, inv_v * inv_v, 0.0)
+    g_sum = gc + ga
+    along = g_sum * inv_u * inv_v  # coefficient of the other row
+    rotated = ga * inv_u * inv_v  # coefficient of the other row's rotated halves
+    shrink = g_sum * cos + ga * w  # coefficient of the row's own radial term
+    anchor_shrink = tl.sum(shrink, axis=0) * radial_u
+    partner_shrink = shrink * radial_v
+    return along[:, None], rotated[:, None], anchor_shrink, partner_shrink[:, None]
 
 
 @triton.jit
@@ -147,34 +219,12 @@ def _pair_scores_bwd_kernel(
     partner_ptr = anchor_ptr + (partner + 1).to(tl.int64)[:, None] * stride_k
     d_anchor_ptr = dx_ptr + group * K * D
     d_partner_ptr = d_anchor_ptr + (partner + 1).to(tl.int64)[:, None] * D
-
-    # Per-pair coefficients (padded partners get 0 everywhere, so they add nothing to the anchor).
-    pair_in = group * (K - 1) + partner
-    gc = tl.load(grad_cos_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
-    if WITH_ANGLE:
-        ga = tl.load(grad_angle_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
-    else:
-        ga = tl.zeros([PARTNERS_PAD], dtype=ACC)
-    cos = tl.load(cos_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
-    w = tl.load(cross_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
-    norm_u = tl.load(norms_ptr + group * K).to(ACC)
-    norm_v = tl.load(norms_ptr + group * K + 1 + partner, mask=partner_ok, other=1.0).to(ACC)
-    inv_u = 1.0 / tl.maximum(norm_u, EPS)
-    inv_v = 1.0 / tl.maximum(norm_v, EPS)
-    # d(1/max(|x|, eps))/dx = -x/|x|^3 only where the norm was not clamped.
-    radial_u = tl.where(norm_u > EPS, inv_u * inv_u, 0.0)
-    radial_v = tl.where(norm_v > EPS, inv_v * inv_v, 0.0)
-    g_sum = gc + ga
-    along = g_sum * inv_u * inv_v  # coefficient of the other row
-    rotated = ga * inv_u * inv_v  # coefficient of the other row's rotated halves
-    shrink = g_sum * cos + ga * w  # coefficient of the row's own radial term
-    anchor_shrink = tl.sum(shrink, axis=0) * radial_u
-    partner_shrink = shrink * radial_v
-    along_2d = along[:, None]
-    rotated_2d = rotated[:, None]
-    partner_shrink_2d = partner_shrink[:, None]
+    along_2d, rotated_2d, anchor_shrink, partner_shrink_2d = _pair_coefficients(
+        grad_cos_ptr, grad_angle_ptr, norms_ptr, cos_ptr, cross_ptr, group * (K - 1) + partner, group * K, partner,
+        partner_ok, WITH_ANGLE, PARTNERS_PAD, ACC, EPS)
 
     offs = tl.arange(0, BLOCK)
+    out_ty = dx_ptr.dtype.element_ty
     if WITH_ANGLE:
         for start in range(0, HALF, BLOCK):
             cols = (start + offs).to(tl.int64)
@@ -186,7 +236,6 @@ def _pair_scores_bwd_kernel(
             db = tl.sum(along_2d * d + rotated_2d * c, axis=0) - anchor_shrink * b
             dc = along_2d * a[None, :] + rotated_2d * b[None, :] - partner_shrink_2d * c
             dd = along_2d * b[None, :] - rotated_2d * a[None, :] - partner_shrink_2d * d
-            out_ty = dx_ptr.dtype.element_ty
             tl.store(d_anchor_ptr + cols, da.to(out_ty), mask=col_ok)
             tl.store(d_anchor_ptr + cols + HALF, db.to(out_ty), mask=col_ok)
             tl.store(d_partner_ptr + cols[None, :], dc.to(out_ty), mask=tile_ok)
@@ -199,15 +248,130 @@ def _pair_scores_bwd_kernel(
             u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
             du = tl.sum(along_2d * v, axis=0) - anchor_shrink * u
             dv = along_2d * u[None, :] - partner_shrink_2d * v
-            out_ty = dx_ptr.dtype.element_ty
             tl.store(d_anchor_ptr + cols, du.to(out_ty), mask=col_ok)
             tl.store(d_partner_ptr + cols[None, :], dv.to(out_ty), mask=tile_ok)
 
 
-def launch_config(k: int, d: int, with_angle: bool) -> dict:
+# ----------------------------------------------------------------------------------------------------------
+# Nested prefixes (dims): every prefix x[..., :d_i] of a group from one program
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _prefix_pair_scores_fwd_kernel(
+    x_ptr,  # [G, K, D], any strides
+    cos_ptr,  # [k, G, K-1] out, compute dtype
+    angle_ptr,  # [k, G, K-1] out (written only WITH_ANGLE)
+    norms_ptr,  # [k, G, K] out: raw row norms of every prefix, for backward
+    cross_ptr,  # [k, G, K-1] out: w of every prefix, for backward
+    G,
+    K,
+    stride_g,
+    stride_k,
+    stride_d,
+    DIMS: tl.constexpr,  # the prefix widths, ascending (a tuple: the loops over them unroll)
+    N_DIMS: tl.constexpr,
+    WITH_ANGLE: tl.constexpr,
+    PARTNERS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ACC: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    group = tl.program_id(0).to(tl.int64)
+    anchor_ptr = x_ptr + group * stride_g
+    partner = tl.arange(0, PARTNERS_PAD)
+    partner_ok = partner < K - 1
+    partner_ptr = anchor_ptr + (partner + 1).to(tl.int64)[:, None] * stride_k
+
+    uu = tl.zeros([BLOCK], dtype=ACC)
+    vv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
+    uv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
+    cross = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
+    lo = 0
+    for i in tl.static_range(N_DIMS):
+        if WITH_ANGLE:  # the halves of each prefix pair other features: a sweep of its own (reads hit the cache)
+            uu = tl.zeros([BLOCK], dtype=ACC)
+            vv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
+            uv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
+            cross = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
+            uu, vv, uv, cross = _sweep_halves(anchor_ptr, partner_ptr, partner_ok, DIMS[i] // 2, stride_d,
+                                              uu, vv, uv, cross, BLOCK, ACC)
+        else:  # running sums: prefix i adds the slice [d_{i-1}, d_i) to prefix i - 1's
+            uu, vv, uv = _sweep_columns(anchor_ptr, partner_ptr, partner_ok, lo, DIMS[i], stride_d, uu, vv, uv,
+                                        BLOCK, ACC)
+            lo = DIMS[i]
+        _store_scores(uu, vv, uv, cross, cos_ptr, angle_ptr, norms_ptr, cross_ptr, (i * G + group) * (K - 1),
+                      (i * G + group) * K, partner, partner_ok, WITH_ANGLE, EPS)
+
+
+@triton.jit
+def _prefix_pair_scores_bwd_kernel(
+    x_ptr,  # [G, K, D], any strides
+    dx_ptr,  # [G, K, D] out, contiguous, x's dtype
+    grad_cos_ptr,  # [k, G, K-1] contiguous, compute dtype
+    grad_angle_ptr,  # [k, G, K-1] contiguous (read only WITH_ANGLE)
+    norms_ptr,  # [k, G, K] from forward
+    cos_ptr,  # [k, G, K-1] from forward
+    cross_ptr,  # [k, G, K-1] from forward
+    G,
+    K,
+    D,
+    stride_g,
+    stride_k,
+    stride_d,
+    DIMS: tl.constexpr,
+    N_DIMS: tl.constexpr,
+    WITH_ANGLE: tl.constexpr,
+    PARTNERS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ACC: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    group = tl.program_id(0).to(tl.int64)
+    anchor_ptr = x_ptr + group * stride_g
+    partner = tl.arange(0, PARTNERS_PAD)
+    partner_ok = partner < K - 1
+    partner_ptr = anchor_ptr + (partner + 1).to(tl.int64)[:, None] * stride_k
+    d_anchor_ptr = dx_ptr + group * K * D
+    d_partner_ptr = d_anchor_ptr + (partner + 1).to(tl.int64)[:, None] * D
+
+    # dx is written once: each column block adds the terms of every prefix that contains it (0 past d_k)
+    offs = tl.arange(0, BLOCK)
+    out_ty = dx_ptr.dtype.element_ty
+    for start in range(0, D, BLOCK):
+        cols = (start + offs).to(tl.int64)
+        col_ok = cols < D
+        tile_ok = partner_ok[:, None] & col_ok[None, :]
+        u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
+        du = tl.zeros([BLOCK], dtype=ACC)
+        dv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
+        for i in tl.static_range(N_DIMS):
+            along_2d, rotated_2d, anchor_shrink, partner_shrink_2d = _pair_coefficients(
+                grad_cos_ptr, grad_angle_ptr, norms_ptr, cos_ptr, cross_ptr, (i * G + group) * (K - 1) + partner,
+                (i * G + group) * K, partner, partner_ok, WITH_ANGLE, PARTNERS_PAD, ACC, EPS)
+            inside = cols < DIMS[i]
+            du_i = tl.sum(along_2d * v, axis=0) - anchor_shrink * u
+            dv_i = along_2d * u[None, :] - partner_shrink_2d * v
+            if WITH_ANGLE:
+                # the rotated halves J: a column of the first half pairs with the one half a prefix further on
+                # (anchor: -rotated * d, partner: +rotated * b), one of the second half with the one before it
+                # (anchor: +rotated * c, partner: -rotated * a)
+                half = DIMS[i] // 2
+                first = cols < half
+                twin = tl.where(first, cols + half, cols - half)
+                twin_u, twin_v = _load_block(anchor_ptr, partner_ptr, twin, inside, tile_ok & inside[None, :],
+                                             stride_d, ACC)
+                sign = tl.where(first, -1.0, 1.0).to(ACC)
+                du_i += sign * tl.sum(rotated_2d * twin_v, axis=0)
+                dv_i -= sign[None, :] * rotated_2d * twin_u[None, :]
+            du += tl.where(inside, du_i, 0.0)
+            dv += tl.where(inside[None, :], dv_i, 0.0)
+        tl.store(d_anchor_ptr + cols, du.to(out_ty), mask=col_ok)
+        tl.store(d_partner_ptr + cols[None, :], dv.to(out_ty), mask=tile_ok)
+
+
+def launch_config(k: int, d: int, with_angle: bool, max_block: int = _MAX_BLOCK) -> dict:
     """Block size and warps for one group per program (see the module docstring for the reasoning)."""
     swept = d // 2 if with_angle else d
-    block = min(triton.next_power_of_2(max(swept, 1)), _MAX_BLOCK)
+    block = min(triton.next_power_of_2(max(swept, 1)), max_block)
     block = max(block, 16)
     return dict(
         PARTNERS_PAD=triton.next_power_of_2(k - 1),
@@ -260,8 +424,59 @@ class PairScoresFunction(torch.autograd.Function):
         return dx, None
 
 
+class PrefixPairScoresFunction(torch.autograd.Function):
+    """pair_scores on every prefix x[..., :d_i] at once; outputs [k, G, K-1]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, with_angle: bool, dims: tuple[int, ...]):
+        groups, k, d = x.shape
+        n_dims = len(dims)
+        dtype = compute_dtype(x.dtype)
+        cos = new_output((n_dims, groups, k - 1), dtype, x.device)
+        cross = new_output((n_dims, groups, k - 1), dtype, x.device)
+        norms = new_output((n_dims, groups, k), dtype, x.device)
+        if with_angle:
+            angle = new_output((n_dims, groups, k - 1), dtype, x.device)
+        else:  # zeros by contract: the kernel does not write it
+            angle = torch.zeros((n_dims, groups, k - 1), dtype=dtype, device=x.device)
+        cfg = launch_config(k, dims[-1], with_angle)
+        if groups > 0:
+            _prefix_pair_scores_fwd_kernel[(groups,)](
+                x, cos, angle, norms, cross, groups, k, x.stride(0), x.stride(1), x.stride(2),
+                DIMS=tuple(dims), N_DIMS=n_dims, WITH_ANGLE=with_angle, ACC=acc_dtype_of(x.dtype), EPS=NORM_EPS,
+                **cfg,
+            )
+        ctx.save_for_backward(x, norms, cos, cross)
+        ctx.with_angle, ctx.dims = with_angle, tuple(dims)
+        if not with_angle:
+            ctx.mark_non_differentiable(angle)
+        return cos, angle
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
+        x, norms, cos, cross = ctx.saved_tensors
+        groups, k, d = x.shape
+        dtype = cos.dtype
+        grad_cos = torch.zeros_like(cos) if grad_cos is None else grad_cos.to(dtype).contiguous()
+        with_angle = ctx.with_angle and grad_angle is not None
+        grad_angle = grad_angle.to(dtype).contiguous() if with_angle else grad_cos
+        dx = new_output((groups, k, d), x.dtype, x.device)
+        cfg = launch_config(k, d, False, _MAX_PREFIX_BWD_BLOCK)  # it sweeps the whole width in column blocks
+        if groups > 0:
+            _prefix_pair_scores_bwd_kernel[(groups,)](
+                x, dx, grad_cos, grad_angle, norms, cos, cross, groups, k, d, x.stride(0), x.stride(1), x.stride(2),
+                DIMS=ctx.dims, N_DIMS=len(ctx.dims), WITH_ANGLE=with_angle, ACC=acc_dtype_of(x.dtype), EPS=NORM_EPS,
+                **cfg,
+            )
+        return dx, None, None
+
+
 def pair_scores(x: torch.Tensor, with_angle: bool, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, angle) of every pair of x [G, K, D]; see angle_kernels.dispatch for the contract."""
+    """(cos, angle) of every pair of x [G, K, D], or of every prefix x[..., :d] (d in dims, outputs [k, G, K-1]);
+    see angle_kernels.dispatch for the contract."""
+    if dims is not None:
+        return PrefixPairScoresFunction.apply(x, with_angle, tuple(dims))
     return PairScoresFunction.apply(x, with_angle)
 
 
@@ -285,4 +500,18 @@ def compile_cases(full: bool) -> list[CompileCase]:
                                  pointers={"x_ptr": x_dtype}))
         cases.append(CompileCase(_pair_scores_bwd_kernel, label, scalars, constexprs, warps,
                                  pointers={"x_ptr": x_dtype, "dx_ptr": x_dtype}))
+    # nested prefixes: the Matryoshka widths of a 768-wide model (k = 5)
+    dims = (64, 128, 256, 512, 768)
+    for x_dtype, k, with_angle in variants:
+        acc = tl.float64 if x_dtype == "fp64" else tl.float32
+        scalars = "fp64" if x_dtype == "fp64" else "fp32"
+        label = f"x={x_dtype} K={k} angle={with_angle} dims={dims}"
+        for kernel, swept_angle, pointers in (
+                (_prefix_pair_scores_fwd_kernel, with_angle, {"x_ptr": x_dtype}),
+                (_prefix_pair_scores_bwd_kernel, False, {"x_ptr": x_dtype, "dx_ptr": x_dtype})):
+            config = launch_config(k, dims[-1], swept_angle,
+                                   _MAX_BLOCK if kernel is _prefix_pair_scores_fwd_kernel else _MAX_PREFIX_BWD_BLOCK)
+            warps = config.pop("num_warps")
+            constexprs = dict(DIMS=dims, N_DIMS=len(dims), WITH_ANGLE=with_angle, ACC=acc, EPS=NORM_EPS, **config)
+            cases.append(CompileCase(kernel, label, scalars, constexprs, warps, pointers=pointers))
     return cases
