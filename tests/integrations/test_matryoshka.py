@@ -17,7 +17,7 @@ import angle_kernels.functional as ak_functional  # noqa: E402
 from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
 from sentence_transformers import util as st_util  # noqa: E402
 from test_sentence_transformers import (  # noqa: E402
-    ALL_DIRECTIONS, FUSED_FUNCTIONS, GRADED, compare, fused_calls, model64, st_losses,
+    ALL_DIRECTIONS, FUSED_FUNCTIONS, GRADED, compare, fused_calls, guide64, model64, st_losses,
 )
 
 SYMMETRIC = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}
@@ -88,3 +88,14 @@ def test_the_sampled_dimensions_change_with_the_seed(model64):
 def test_the_fused_functions_are_the_ones_counted():
     assert {"ranking_terms", "multiple_negatives"} <= set(FUSED_FUNCTIONS)
     assert all(hasattr(ak_functional, name) for name in FUSED_FUNCTIONS)
+
+
+@pytest.mark.parametrize("inner, kwargs", [("GISTEmbedLoss", {}), ("CachedGISTEmbedLoss", {"mini_batch_size": 4})])
+def test_gist_under_matryoshka_runs_the_parents_loop(model64, guide64, inner, kwargs):
+    """GIST has no nested path: the parent's per-dimension loop runs (each dimension our fused GIST), with the
+    model's embeddings truncated and the guide's not, exactly as in sentence-transformers."""
+    dims = (32, 16, 8)
+    original = st_losses.MatryoshkaLoss(model64, getattr(st_losses, inner)(model64, guide64, **kwargs), dims)
+    replacement = ours.MatryoshkaLoss(model64, getattr(ours, inner)(model64, guide64, **kwargs), dims)
+    assert not replacement.uses_fused_path
+    compare(model64, original, replacement, 2, None, value_tol=1e-12, grad_tol=1e-10)
