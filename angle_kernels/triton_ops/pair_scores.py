@@ -39,7 +39,8 @@ sweeps its own first d_i/2 columns (about sum(d_i) elements read instead of D, b
 stay in L1/L2: DRAM still sees one read). Backward writes each column block of dx once: for every prefix that
 contains the block it adds the prefix's terms (its per-pair coefficients from the saved norms, cos and w; the
 angle's rotated terms read the twin columns c +- d_i/2, again cache hits), and columns past d_k get 0. The
-widths are a constexpr tuple (the loops over prefixes unroll; a training run uses one dims). Compiled for sm_90
+widths are a constexpr tuple: the loops over prefixes unroll, and each distinct dims compiles once per process
+(a run uses one; sampled dims, sentence-transformers' n_dims_per_step, at most 2^k - 1 subsets). Compiled for sm_90
 with dims (64, 128, 256, 512, 768): forward 32-40 registers; backward 32-92 with its block capped at 128
 (a 1024 block needed 124-255 registers and spilled for K = 3).
 """

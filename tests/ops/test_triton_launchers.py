@@ -7,6 +7,9 @@ instead, so an element a kernel forgets to write fails the op tests. Checked her
 fills with NaN when it is off (torch.full / full_like / Tensor.fill_ are watched during forward and backward
 of every op), and that the results do not depend on it.
 
+pair_scores with dims (nested prefixes): one launch of each prefix kernel per forward / backward, whatever the
+number of prefixes, and no detour through the torch backend.
+
 Autotuning. similarity_xent's tile kernels are autotuned per power-of-two bucket of the row counts, so a new
 batch size does not re-tune: the bucket function and the keys each launch passes.
 """
@@ -14,6 +17,7 @@ batch size does not re-tune: the bucket function and the keys each launch passes
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -22,9 +26,12 @@ from ak_testing import backend_or_skip, generator, randn
 
 pytest.importorskip("triton")  # a third-party dependency: without it there is nothing to test here
 
-import angle_kernels.triton_ops._common as common  # noqa: E402  (after the importorskip)
+import angle_kernels.torch_ops.pair_scores as torch_pair  # noqa: E402  (after the importorskip)
+import angle_kernels.triton_ops._common as common  # noqa: E402
+import angle_kernels.triton_ops.pair_scores as pair  # noqa: E402
 import angle_kernels.triton_ops.ranking_loss as ranking  # noqa: E402
 import angle_kernels.triton_ops.similarity_xent as similarity  # noqa: E402
+from angle_kernels import dispatch  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 
@@ -78,6 +85,12 @@ def _pair_scores(backend, with_angle):
     return _outputs_and_grads(backend.ops.pair_scores(x, with_angle), [x])
 
 
+def _pair_scores_dims(backend, with_angle):
+    """Prefixes ending inside a block and before the last columns (30 < D = 34: dx there is 0, still written)."""
+    x = randn(generator("alloc_pair_dims"), 9, 3, 34).to(backend.device).requires_grad_()
+    return _outputs_and_grads(backend.ops.pair_scores(x, with_angle, (6, 20, 30)), [x])
+
+
 def _ranking(backend):
     gen = generator("alloc_ranking")
     scores = randn(gen, 70, scale=5.0).to(backend.device).requires_grad_()
@@ -117,6 +130,8 @@ def _similarity_lse(backend):
 OPS = {
     "pair_scores_angle": lambda backend: _pair_scores(backend, True),
     "pair_scores_cos_only": lambda backend: _pair_scores(backend, False),
+    "pair_scores_dims_angle": lambda backend: _pair_scores_dims(backend, True),
+    "pair_scores_dims_cos_only": lambda backend: _pair_scores_dims(backend, False),
     "ranking_tiled": _ranking,
     "ranking_sorted": _ranking,
     "similarity_symmetric_groups": _similarity_symmetric,
@@ -188,3 +203,52 @@ def test_launches_pass_bucketed_row_counts_as_the_autotune_keys(triton_backend, 
         assert (named["M"], named["Mc"], named["D"]) == (37, 74, 16)
         assert (named["M_BUCKET"], named["Mc_BUCKET"]) == (64, 128)
         assert set(similarity._TUNE_KEY) <= set(named)
+
+
+class _RecordingKernel:
+    """A stand-in for a @triton.jit kernel that records each launch's name and grid, then launches it."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append((self.kernel.__name__, grid))
+        return self.kernel[grid]
+
+
+_PAIR_KERNELS = ("_pair_scores_fwd_kernel", "_pair_scores_bwd_kernel", "_prefix_pair_scores_fwd_kernel",
+                 "_prefix_pair_scores_bwd_kernel")
+
+
+@pytest.mark.parametrize("with_angle", [True, False], ids=["angle", "cos_only"])
+def test_pair_scores_dims_launch_one_kernel_per_pass_not_per_prefix(triton_backend, with_angle, monkeypatch):
+    launches = []
+    for name in _PAIR_KERNELS:
+        monkeypatch.setattr(pair, name, _RecordingKernel(getattr(pair, name), launches))
+    x = randn(generator("launch_pair_dims"), 5, 3, 24).to(triton_backend.device).requires_grad_()
+    cos, angle = triton_backend.ops.pair_scores(x, with_angle, (4, 8, 16, 24))
+    assert cos.shape == angle.shape == (4, 5, 2)
+    (cos.sum() + angle.sum()).backward()
+    assert launches == [("_prefix_pair_scores_fwd_kernel", (5,)), ("_prefix_pair_scores_bwd_kernel", (5,))]
+
+
+def test_pair_scores_dims_run_on_triton_not_on_the_torch_fallback(triton_backend, monkeypatch):
+    """With "auto"'s fallback in place, a dims call stays on the Triton kernels: no warning, no torch op."""
+    dims = (4, 10, 16)
+    x = randn(generator("no_fallback_pair_dims"), 6, 3, 20, dtype=torch.float64).to(triton_backend.device)
+    torch_ops = dispatch.resolve_backend("torch", x)
+    reference = x.clone().requires_grad_()
+    expected = _outputs_and_grads(torch_ops.pair_scores(reference, True, dims), [reference])
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch backend computed a Triton pair_scores call")
+
+    for function in (torch_pair.PairScoresFunction, torch_pair.PrefixPairScoresFunction):
+        monkeypatch.setattr(function, "apply", refuse)
+    auto = dispatch.Ops("triton", triton_backend.ops.backend, fallback=torch_ops)
+    leaf = x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = _outputs_and_grads(auto.pair_scores(leaf, True, dims), [leaf])
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
