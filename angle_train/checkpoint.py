@@ -44,6 +44,7 @@ import torch
 from .config import TrainConfig
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
+from .faults import check_finite_weights
 
 # Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
 RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
@@ -62,12 +63,15 @@ class UnsafeCheckpointError(ValueError):
 @dataclass
 class Position:
     """Where the run stands: optimizer steps done, the epoch and the index of the batch the next step starts
-    at, and the best dev Spearman so far (None before the first evaluation)."""
+    at, the best dev Spearman so far (None before the first evaluation), and the steps skipped as non-finite
+    (in all, and in a row up to now)."""
 
     step: int = 0
     epoch: int = 0
     batch: int = 0
     best: float | None = None
+    bad_steps: int = 0
+    bad_streak: int = 0
 
 
 # ------------------------------------------------------------------------------------------------ folders
@@ -198,6 +202,7 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
     Every process calls this: the main process writes the shared state, each process its own RNG state.
     """
     path = checkpoint_path(cfg.output_dir, position.step)
+    check_finite_weights(encoder, f"checkpoint {path}")  # every process: each holds the same weights
     tmp = path + ".tmp"
     if dist_info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing it
@@ -313,6 +318,7 @@ def save_best(cfg: TrainConfig, encoder, tokenizer, prompt: str | None) -> str:
     """Export the model to output_dir/best (only the adapter for LoRA), replacing the previous best once the
     new one is complete."""
     best = os.path.join(cfg.output_dir, "best")
+    check_finite_weights(encoder, f"the best model to {best}")
     shutil.rmtree(best + ".tmp", ignore_errors=True)  # left by a run killed while writing it
     save_pretrained(encoder, tokenizer, best + ".tmp", max_length=cfg.max_length, prompt=prompt,
                     adapter_only=is_peft_model(encoder.backbone), base_model=cfg.model,

@@ -157,10 +157,20 @@ def config_from_args(argv=None) -> TrainConfig:
 
 
 def main(argv=None) -> int:
+    """Train as the flags say. Exit status: 0 done; 2 bad settings; 3 too many non-finite steps in a row;
+    75 stopped by SIGTERM / SIGINT after writing a checkpoint (resume with --resume auto)."""
     cfg = config_from_args(argv)
+    from . import faults
     from .trainer import train
 
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except faults.Preempted as exc:
+        print(f"angle-train: {exc}", flush=True)
+        return faults.EXIT_PREEMPTED
+    except faults.NonFiniteTrainingError as exc:
+        print(f"angle-train: {exc}", file=sys.stderr, flush=True)
+        return faults.EXIT_NON_FINITE
     if result.final_path:
         print(f"final model: {result.final_path}")
     if result.best_path:

@@ -61,6 +61,10 @@ class TrainConfig:
     schedule: str = opt("linear", "learning-rate decay after warmup", group="optimisation",
                         choices=["linear", "cosine", "constant"])
     max_grad_norm: float = opt(1.0, "clip the gradient norm (0 = off)", group="optimisation")
+    max_bad_steps: int = opt(5, "a step with a non-finite loss or gradient norm is skipped (no update, the schedule "
+                             "waits); stop after this many in a row (0 = never stop)", group="optimisation")
+    auto_chunk: bool = opt(False, "on out-of-memory, halve --chunk-size (from plain backprop: half the batch) and retry "
+                           "the step (one process only)", group="optimisation")
     seed: int = opt(42, "random seed (data order, dropout, LoRA init)", group="optimisation")
     # ---- loss: angle_kernels.AngleLoss's weights and temperatures (defaults are angle-emb 0.6.1's)
     cosine_w: float = opt(0.0, "weight of the cosine (CoSENT) ranking term", group="loss")
@@ -111,7 +115,7 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "max_length", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("chunk_size", "max_steps", "eval_every", "save_every", "bucket", "log_every"):
+        for name in ("chunk_size", "max_steps", "eval_every", "save_every", "bucket", "log_every", "max_bad_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
         if self.epochs <= 0 and self.max_steps == 0:

@@ -34,6 +34,12 @@ class RngState:
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
+    def restore(self) -> None:
+        """Set the generators back to the saved states (a step retried from its start draws the same numbers)."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
     @contextlib.contextmanager
     def replay(self):
         """Inside: the generators start from the saved states. Outside: they are as before (fork_rng)."""

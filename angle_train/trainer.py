@@ -32,11 +32,15 @@ from angle_kernels import AngleLoss
 from angle_kernels.functional import check_nested, espresso_layer_weights
 
 from . import distributed
-from .checkpoint import Position, checkpoint_to_resume, load_checkpoint, save_best, save_checkpoint
+from . import faults
+from .checkpoint import (
+    Position, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint, save_best,
+    save_checkpoint,
+)
 from .config import TrainConfig
 from .data import ANGLE_PROMPT, Example, TokenizedPairs, epoch_batches, load_examples, pad_batch
 from .export import save_pretrained
-from .grad_cache import grad_cache_step, plain_step
+from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import LoraSettings, check_dim, load_encoder, prepare_tokenizer, truncate, wrap_backbone
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
 
@@ -69,23 +73,34 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     """
     run = setup(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn)
     try:
-        while run.position.step < run.total_steps:
-            row = optimizer_step(run)
-            run.log.step(row)
-            run.result.history.append(row)
-            step = row["step"]
-            if run.dev_examples and (every(cfg.eval_every, step) or step == run.total_steps):
-                evaluate(run)
-            if every(cfg.save_every, step):
-                save_checkpoint(cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
-                                scheduler=run.scheduler, scaler=run.scaler)
-            if on_step is not None:
-                on_step(step, row)
+        with faults.StopSignals() as signals:
+            while run.position.step < run.total_steps:
+                row = optimizer_step(run)
+                run.log.step(row)
+                run.result.history.append(row)
+                step = row["step"]
+                if run.dev_examples and (every(cfg.eval_every, step) or step == run.total_steps):
+                    evaluate(run)
+                saved = every(cfg.save_every, step)
+                if saved:
+                    save(run)
+                if on_step is not None:
+                    on_step(step, row)
+                if faults.any_rank(signals.requested is not None, run.dist_info, run.device):
+                    # preempted (on any process): stop here, at the same step everywhere, resumable
+                    path = checkpoint_path(cfg.output_dir, step) if saved else save(run)
+                    raise faults.Preempted(signals.requested or "a signal to another process", path)
     except StopTraining:
         return run.result
     finally:
         run.log.close()
     return finish(run)
+
+
+def save(run: Run) -> str:
+    """A resumable checkpoint of the run at its current position."""
+    return save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
+                           scheduler=run.scheduler, scaler=run.scaler)
 
 
 def every(interval: int, step: int) -> bool:
@@ -137,6 +152,9 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
         check_matryoshka_dims(cfg, encoder.embedding_dim)
     if cfg.espresso:
         check_espresso(cfg, encoder)
+    if cfg.auto_chunk and dist_info.enabled:
+        raise ValueError("--auto-chunk works with one process: an out-of-memory error on one rank would leave the "
+                         "others waiting in the all-gather; set --chunk-size instead")
 
     if train_examples is None:
         train_examples = read_data(cfg.train_data, cfg.data_format, cfg.train_split)
@@ -280,13 +298,94 @@ def make_schedule(cfg: TrainConfig, optimizer, total_steps: int):
 
 def optimizer_step(run: Run) -> dict:
     """grad_accum loss computations, each backpropagated as soon as it is computed (the gradients add up), then
-    one AdamW step. Returns the step's metrics row."""
+    one AdamW step, unless the loss or the gradient norm is not finite (faults.py): then the step is skipped
+    (no update, the schedule waits) and its batches still count as consumed. Returns the step's metrics row."""
     cfg, position = run.cfg, run.position
+    batches = next_batches(run)
+    loss = accumulate_gradients(run, batches)
+    run.scaler.unscale_(run.optimizer)
+    params = [p for p in run.encoder.parameters() if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # measured even without clipping
+    grad_norm = float(total_norm)
+    finite = not faults.any_rank(not faults.is_finite_step(loss, grad_norm, run.scaler.is_enabled()),
+                                 run.dist_info, run.device)
+    if finite:
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, total_norm)
+        run.scaler.step(run.optimizer)  # skipped by the scaler if fp16 gradients overflowed
+        run.scheduler.step()
+        position.bad_streak = 0
+    else:
+        skipped_at = (position.epoch, position.batch)
+        position.bad_steps += 1
+        position.bad_streak += 1
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    position.step += 1
+    position.batch += cfg.grad_accum
+    row = {"step": position.step, "epoch": position.epoch, "loss": loss, "lr": run.scheduler.get_last_lr()[0],
+           "grad_norm": grad_norm, "skipped": not finite, "bad_steps": position.bad_steps}
+    if not finite:
+        report_bad_step(run, row, skipped_at, len(batches))
+    return row
+
+
+def report_bad_step(run: Run, row: dict, data_position: tuple[int, int], n_batches: int) -> None:
+    """Say which step was skipped and where its data was; stop the run after --max-bad-steps in a row."""
+    position, limit = run.position, run.cfg.max_bad_steps
+    epoch, batch = data_position
+    where = f"epoch {epoch}, batch{'es' if n_batches > 1 else ''} {batch}" + (
+        f"-{batch + n_batches - 1}" if n_batches > 1 else "")
+    if run.dist_info.is_main:
+        print(f"\nstep {row['step']}: skipped, non-finite loss ({row['loss']}) or gradient norm ({row['grad_norm']}) "
+              f"on the data at {where}; weights, optimizer state and learning rate unchanged "
+              f"({position.bad_streak} in a row{f', the run stops at {limit}' if limit else ''})", flush=True)
+    if limit and position.bad_streak >= limit:
+        done = finished_checkpoints(run.cfg.output_dir)
+        kept = f"the last checkpoint, {done[-1]}, is untouched" if done else "no checkpoint was written"
+        raise faults.NonFiniteTrainingError(
+            f"{position.bad_streak} optimizer steps in a row (the last: step {row['step']}, data at {where}) had a "
+            f"non-finite loss or gradient norm; none of them changed the weights, and {kept}. Lower --lr, "
+            "raise --warmup, train in float32 or bf16 rather than fp16, or check the data at that position")
+
+
+def accumulate_gradients(run: Run, batches: list[list[int]]) -> float:
+    """Backpropagate the step's grad_accum batches (the gradients add up); return their mean loss.
+
+    Out of memory: with --auto-chunk (one process), the step starts again from its first batch with half the
+    chunk size (plain backprop becomes the gradient cache with half of this process's texts per pass), the
+    random generators reset so dropout draws as it would have; without it, an error that says what to change."""
+    cfg = run.cfg
+    start = RngState(run.device)
+    while True:
+        try:
+            loss = _backpropagate(run, batches)
+            break
+        except torch.OutOfMemoryError as exc:
+            run.optimizer.zero_grad(set_to_none=True)
+            rows = len(run.dataset.batch(batches[0][:cfg.batch_size // run.dist_info.world_size]).seqs)
+            per_pass = cfg.chunk_size or rows
+            if not cfg.auto_chunk or per_pass <= 1:
+                raise torch.OutOfMemoryError(faults.oom_message(cfg, run.position.step, per_pass, rows)) from exc
+        # retry, out of the except block: the failed attempt's frames (and the tensors they hold) are gone
+        cfg.chunk_size = per_pass // 2
+        print(f"\nout of memory with {per_pass} texts per forward pass: retrying step {run.position.step + 1} with "
+              f"--chunk-size {cfg.chunk_size}", flush=True)
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()
+        start.restore()
+    for indices in batches:
+        run.log.count(pairs=len(indices), tokens=sum(run.dataset.lengths_of(indices)))
+    return loss
+
+
+def _backpropagate(run: Run, batches: list[list[int]]) -> float:
+    cfg = run.cfg
     step_fn = grad_cache_step if cfg.chunk_size else plain_step
     share = cfg.batch_size // run.dist_info.world_size
     loss_sum = 0.0
     with run.encoder.all_layers_out(cfg.espresso):  # Espresso: every layer's embeddings, for the loss only
-        for j, indices in enumerate(next_batches(run)):
+        for j, indices in enumerate(batches):
             mine = indices[run.dist_info.rank * share:(run.dist_info.rank + 1) * share]
             batch = run.dataset.batch(mine)
             chunks = [pad_batch(c, run.encoder.pad_token_id, run.encoder.padding_side, run.device)
@@ -295,19 +394,7 @@ def optimizer_step(run: Run) -> dict:
             loss = step_fn(run.model, chunks, batch.labels.to(run.device), run.loss_fn, loss_scale=loss_scale,
                            sync=j == cfg.grad_accum - 1)  # DDP all-reduces the gradients once, after the last batch
             loss_sum += loss.item()
-            run.log.count(pairs=len(indices), tokens=sum(run.dataset.lengths_of(indices)))
-    grad_norm = None
-    run.scaler.unscale_(run.optimizer)
-    if cfg.max_grad_norm > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(run.encoder.parameters(), cfg.max_grad_norm))
-    run.scaler.step(run.optimizer)  # skipped by the scaler if fp16 gradients overflowed
-    run.scaler.update()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    position.step += 1
-    position.batch += cfg.grad_accum
-    return {"step": position.step, "epoch": position.epoch, "loss": loss_sum / cfg.grad_accum,
-            "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm}
+    return loss_sum / cfg.grad_accum
 
 
 def next_batches(run: Run) -> list[list[int]]:
@@ -397,6 +484,7 @@ def finish(run: Run) -> TrainResult:
     if position.best is not None and cfg.save_best:
         result.best_path = os.path.join(cfg.output_dir, "best")
     if cfg.save_final:
+        faults.check_finite_weights(run.encoder, "the final model")
         result.final_path = save_pretrained(run.encoder, run.tokenizer, os.path.join(cfg.output_dir, "final"),
                                             max_length=cfg.max_length, prompt=run.prompt, merge_in_place=False,
                                             base_model=cfg.model,

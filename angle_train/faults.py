@@ -1,0 +1,115 @@
+"""What the training loop does when a step or the machine fails (angle_train/README.md, "When things go wrong").
+
+    non-finite step   a step whose loss or gradient norm is not finite is skipped: no optimizer update, the
+                      learning-rate schedule does not advance, its batches count as consumed; after
+                      --max-bad-steps skips in a row the run stops with NonFiniteTrainingError (status 3 from
+                      the CLI), its last checkpoint untouched. Every process agrees (any_rank): one rank's NaN
+                      skips the step everywhere. No checkpoint or export is written from non-finite weights
+                      (check_finite_weights).
+    SIGTERM / SIGINT  StopSignals records the first signal; the loop finishes the optimizer step in progress,
+                      writes a checkpoint and raises Preempted (status EXIT_PREEMPTED = 75 from the CLI, "try
+                      again": resume with --resume auto). Every process stops at the same step (any_rank). A
+                      second signal ends the process at once with the signal's default action; the checkpoint
+                      folders are written as NAME.tmp and renamed when complete, so nothing half-written is
+                      ever taken for a checkpoint.
+    out of memory     the error names the batch, the texts per forward pass, the sequence length and what to
+                      change (oom_message); with --auto-chunk the step is retried with half the chunk size
+                      (the gradient cache makes the gradients independent of the chunk size).
+    full disk, damaged checkpoints: checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+
+import torch
+
+EXIT_NON_FINITE = 3
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: a temporary failure, the caller is invited to try again (resume)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
+class Preempted(RuntimeError):
+    """The run stopped on SIGTERM / SIGINT after writing a checkpoint to resume from."""
+
+    def __init__(self, signal_name: str, checkpoint: str):
+        super().__init__(f"stopped by {signal_name} after writing checkpoint {checkpoint}: resume with --resume auto "
+                         "(or --resume PATH) and the same settings")
+        self.signal_name, self.checkpoint = signal_name, checkpoint
+
+
+def any_rank(flag: bool, dist_info, device: torch.device) -> bool:
+    """Whether `flag` holds on any process (every process must call this at the same point)."""
+    if not dist_info.enabled:
+        return flag
+    import torch.distributed as dist
+
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def is_finite_step(loss: float, grad_norm: float, loss_scaling: bool) -> bool:
+    """A step may update the weights: a finite loss, and a finite gradient norm unless fp16 loss scaling is on
+    (then an overflowing gradient is the scaler's to handle: it skips the update and lowers the scale)."""
+    return math.isfinite(loss) and (loss_scaling or math.isfinite(grad_norm))
+
+
+def check_finite_weights(module: torch.nn.Module, what: str) -> None:
+    """Refuse to write `what` (a checkpoint, an export) from a module holding a NaN or Inf trainable weight."""
+    for name, param in module.named_parameters():
+        if param.requires_grad and not bool(torch.isfinite(param).all()):
+            raise ValueError(f"refusing to write {what}: the trainable weight {name} holds NaN or Inf values. The "
+                             "earlier checkpoints are untouched; resume from the last one with a lower --lr")
+
+
+class StopSignals:
+    """Inside the context, SIGTERM and SIGINT set `requested` (the first signal's name) instead of ending the
+    process; a second one restores the default handlers and re-delivers itself, which ends the process at once
+    (SIGINT: KeyboardInterrupt). Outside the main thread (where Python cannot install handlers) a no-op."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None:
+            print(f"\n{name} again: stopping at once (the last complete checkpoint is intact)", flush=True)
+            self._restore()
+            signal.raise_signal(signum)
+            return
+        self.requested = name
+        print(f"\n{name}: finishing this optimizer step, then writing a checkpoint and stopping "
+              f"(send it again to stop at once)", flush=True)
+
+
+def oom_message(cfg, step: int, texts_per_pass: int, rows: int) -> str:
+    """What ran out of memory and what to change."""
+    mode = (f"the gradient cache with --chunk-size {cfg.chunk_size}" if cfg.chunk_size
+            else "plain backprop (--chunk-size 0: the whole batch's activations at once)")
+    return (f"out of memory in optimizer step {step + 1}: --batch-size {cfg.batch_size} pairs ({rows} texts on this "
+            f"process, {texts_per_pass} per forward pass), --max-length {cfg.max_length}, {mode}. To fit: a smaller "
+            "--chunk-size (with the gradient cache memory follows the chunk, not the batch), "
+            "--gradient-checkpointing 1, a shorter --max-length, or --auto-chunk 1 to halve the chunk size and "
+            "retry the step automatically")

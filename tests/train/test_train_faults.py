@@ -1,0 +1,291 @@
+"""Training faults other than damaged checkpoints (those: test_checkpoint_faults.py): a non-finite step is skipped
+and leaves everything as it was, too many in a row stop the run with the last checkpoint untouched, no checkpoint
+holds a non-finite weight, SIGTERM finishes the step and writes a checkpoint from which resume is bit-identical,
+a second signal stops at once, out of memory names what to change and --auto-chunk retries with half the chunk.
+Every process agrees under DDP (2 gloo processes)."""
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from train_helpers import make_encoder, run_config
+
+from angle_kernels import AngleLoss
+from angle_train import faults
+from angle_train.checkpoint import checkpoint_problem, finished_checkpoints, save_checkpoint
+from angle_train.tiny import demo_examples
+from angle_train.trainer import optimizer_step, setup, train
+
+DATA = (demo_examples(32, seed=4), "B")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config(out, **overrides):
+    base = {"batch_size": 8, "max_steps": 4, "lr": 1e-2, "warmup": 0, "log_every": 1, "max_length": 12, "seed": 3}
+    return run_config(out, **{**base, **overrides})
+
+
+def _state(run) -> dict:
+    """Everything a skipped step must leave alone."""
+    return {"weights": copy.deepcopy(run.encoder.state_dict()), "optimizer": copy.deepcopy(run.optimizer.state_dict()),
+            "scheduler": copy.deepcopy(run.scheduler.state_dict()), "lr": run.scheduler.get_last_lr()}
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    for name, value in a["weights"].items():
+        assert torch.equal(value, b["weights"][name]), name
+    for key, value in a["optimizer"]["state"].items():
+        for field, tensor in value.items():
+            assert torch.equal(torch.as_tensor(tensor), torch.as_tensor(b["optimizer"]["state"][key][field])), field
+    assert a["scheduler"] == b["scheduler"] and a["lr"] == b["lr"]
+
+
+class PoisonedLoss:
+    """AngleLoss whose value is NaN at the steps in `bad` (the loop sets `step` before each one via on_step)."""
+
+    def __init__(self, bad, first_step: int = 1):
+        self.loss, self.bad, self.step = AngleLoss(dataset_format="B"), set(bad), first_step
+
+    def __call__(self, labels, embeddings):
+        value = self.loss(labels, embeddings)
+        return value * float("nan") if self.step in self.bad else value
+
+    def on_step(self, step, row):
+        self.step = step + 1
+
+
+# ------------------------------------------------------------------------------------------- non-finite steps
+@pytest.mark.parametrize("poison", ["gradient", "loss"])
+def test_a_non_finite_step_is_skipped_and_changes_nothing(tmp_path, poison):
+    loss_fn = PoisonedLoss(bad=[2] if poison == "loss" else [])
+    run = setup(_config(tmp_path), model=make_encoder(), train_examples=DATA, loss_fn=loss_fn)
+    try:
+        loss_fn.on_step(*[optimizer_step(run)["step"], None])
+        before, batch = _state(run), run.position.batch
+        weight = next(p for p in run.encoder.parameters() if p.requires_grad)
+        hook = weight.register_hook(lambda g: g * float("nan")) if poison == "gradient" else None
+        row = optimizer_step(run)
+        if hook is not None:
+            hook.remove()
+        loss_fn.on_step(row["step"], row)
+        assert row["skipped"] and row["bad_steps"] == 1 and run.position.bad_streak == 1
+        _assert_same_state(before, _state(run))
+        assert run.position.batch == batch + 1  # the batch counts as consumed: the next step sees new data
+        row = optimizer_step(run)
+        assert not row["skipped"] and run.position.bad_streak == 0 and run.position.bad_steps == 1
+        assert all(torch.isfinite(p).all() for p in run.encoder.parameters())
+    finally:
+        run.log.close()
+
+
+def test_resume_after_a_skipped_step_is_exact(tmp_path):
+    """The skipped step is in the checkpointed position (its batch consumed, the schedule not advanced): resuming
+    from a checkpoint written after it ends bit-identical to the uninterrupted run."""
+    poisoned = PoisonedLoss(bad=[2])
+    full = train(_config(tmp_path / "full", save_every=2), model=make_encoder(), train_examples=DATA,
+                 loss_fn=poisoned, on_step=poisoned.on_step)
+    assert [row["skipped"] for row in full.history] == [False, True, False, False]
+    again = PoisonedLoss(bad=[2], first_step=3)
+    out = tmp_path / "resumed"
+    out.mkdir()
+    os.symlink(tmp_path / "full" / "checkpoints", out / "checkpoints")  # the run's checkpoints, resumed elsewhere
+    resumed = train(_config(out, save_every=2, resume=str(tmp_path / "full" / "checkpoints" / "step-00000002")),
+                    model=make_encoder(), train_examples=DATA, loss_fn=again, on_step=again.on_step)
+    assert [row["loss"] for row in resumed.history] == [row["loss"] for row in full.history[2:]]
+    for name, value in full.encoder.state_dict().items():
+        assert torch.equal(resumed.encoder.state_dict()[name], value), name
+
+
+def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
+    poisoned = PoisonedLoss(bad=[3, 4, 5])
+    with pytest.raises(faults.NonFiniteTrainingError, match=r"2 optimizer steps in a row .*step 4.*step-00000003"):
+        train(_config(tmp_path, max_steps=6, save_every=1, max_bad_steps=2, save_final=True), model=make_encoder(),
+              train_examples=DATA, loss_fn=poisoned, on_step=poisoned.on_step)
+    done = finished_checkpoints(str(tmp_path))
+    assert done[-1].endswith("step-00000003") and checkpoint_problem(done[-1]) is None
+    assert not (tmp_path / "final").exists()
+    state = torch.load(os.path.join(done[-1], "state.pt"), weights_only=True)
+    assert all(torch.isfinite(w).all() for w in state["model"].values())
+    assert state["position"]["bad_streak"] == 1
+
+
+def test_no_checkpoint_is_written_from_non_finite_weights(tmp_path):
+    run = setup(_config(tmp_path), model=make_encoder(), train_examples=DATA)
+    run.log.close()
+    with torch.no_grad():
+        next(p for p in run.encoder.parameters() if p.requires_grad)[0] = float("nan")
+    with pytest.raises(ValueError, match="refusing to write checkpoint .* holds NaN or Inf"):
+        save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
+                        scheduler=run.scheduler, scaler=run.scaler)
+    assert not (tmp_path / "checkpoints").exists() or not os.listdir(tmp_path / "checkpoints")
+
+
+# ---------------------------------------------------------------------------------------------------- signals
+def test_a_second_signal_stops_at_once():
+    with faults.StopSignals() as signals:
+        signal.raise_signal(signal.SIGINT)
+        assert signals.requested == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _cli(out, *flags):
+    return [sys.executable, "-m", "angle_train.cli", "--model", "builtin:tiny-bert", "--train-data", "builtin:demo",
+            "--batch-size", "16", "--max-steps", "40", "--lr", "3e-3", "--max-length", "12", "--log-every", "1",
+            "--progress", "0", "--device", "cpu", "--seed", "5", "--output-dir", str(out), *flags]
+
+
+def _final_weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(next(Path(out, "final").glob("*.safetensors"))))
+
+
+def test_sigterm_checkpoints_and_resume_is_bit_identical(tmp_path):
+    """A real angle-train process: SIGTERM mid-run finishes the step, writes a checkpoint and exits with status 75;
+    --resume auto then ends with the weights of an uninterrupted run, bit for bit."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    full = subprocess.run(_cli(tmp_path / "full"), env=env, capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-2000:]
+
+    out = tmp_path / "stopped"
+    process = subprocess.Popen(_cli(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == faults.EXIT_PREEMPTED, output[-2000:]
+    assert "SIGTERM: finishing this optimizer step" in output
+    done = finished_checkpoints(str(out))
+    assert len(done) == 1 and checkpoint_problem(done[0]) is None
+    stopped_at = int(done[0].rsplit("-", 1)[1])
+    assert 3 <= stopped_at < 40 and not (out / "final").exists()
+
+    resumed = subprocess.run(_cli(out, "--resume", "auto"), env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {done[0]} at step {stopped_at}" in resumed.stdout
+    expected, got = _final_weights(tmp_path / "full"), _final_weights(out)
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+# ------------------------------------------------------------------------------------------------ out of memory
+def _oom_above(encoder, rows: int, seen: list):
+    """Make the encoder raise torch.OutOfMemoryError on forward passes of more than `rows` texts."""
+    forward = encoder.forward
+
+    def limited(input_ids, attention_mask):
+        seen.append(input_ids.shape[0])
+        if input_ids.shape[0] > rows:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return forward(input_ids, attention_mask)
+
+    encoder.forward = limited
+    return encoder
+
+
+def test_out_of_memory_names_what_to_change(tmp_path):
+    encoder, tokenizer = make_encoder()
+    with pytest.raises(torch.OutOfMemoryError) as error:
+        train(_config(tmp_path, chunk_size=8), model=(_oom_above(encoder, 4, []), tokenizer), train_examples=DATA)
+    message = str(error.value)
+    for needed in ("optimizer step 1", "--batch-size 8", "16 texts on this process, 8 per forward pass",
+                   "--max-length 12", "--chunk-size", "--gradient-checkpointing", "--auto-chunk"):
+        assert needed in message, needed
+    assert "simulated" in str(error.value.__cause__)
+
+
+def test_auto_chunk_halves_the_chunk_and_gives_the_same_training(tmp_path):
+    """From plain backprop (16 texts a pass) to chunks of 8, then 4: the gradient cache makes the result that of
+    chunks of 4 from the start (dropout off), and the later steps keep the chunk that fit."""
+    seen = []
+    encoder, tokenizer = make_encoder()
+    auto = train(_config(tmp_path / "auto", auto_chunk=True), model=(_oom_above(encoder, 4, seen), tokenizer),
+                 train_examples=DATA)
+    assert seen[:3] == [16, 8, 4] and set(seen[3:]) == {4}
+    fixed = train(_config(tmp_path / "fixed", chunk_size=4), model=make_encoder(), train_examples=DATA)
+    for a, b in zip(auto.history, fixed.history):
+        assert abs(a["loss"] - b["loss"]) <= 1e-9 * abs(b["loss"])
+    for name, value in fixed.encoder.state_dict().items():
+        torch.testing.assert_close(auto.encoder.state_dict()[name], value, rtol=1e-9, atol=1e-12, msg=name)
+
+
+# -------------------------------------------------------------------------------------- 2 processes (gloo)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, out_dir, case):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    out = {}
+    try:
+        if case == "auto_chunk":
+            try:
+                setup(_config(out_dir, auto_chunk=True), model=make_encoder(), train_examples=DATA)
+            except ValueError as exc:
+                out["error"] = str(exc)
+        elif case == "nan_on_rank1":
+            run = setup(_config(out_dir), model=make_encoder(), train_examples=DATA)
+            optimizer_step(run)
+            before = _state(run)
+            weight = next(p for p in run.encoder.parameters() if p.requires_grad)
+            hook = weight.register_hook(lambda g: g * float("nan")) if rank == 1 else None
+            row = optimizer_step(run)
+            if hook is not None:
+                hook.remove()
+            _assert_same_state(before, _state(run))
+            out.update(skipped=row["skipped"], weights=run.encoder.state_dict())
+            run.log.close()
+        elif case == "sigterm_on_rank1":
+            def on_step(step, row):
+                if step == 2 and rank == 1:
+                    signal.raise_signal(signal.SIGTERM)
+            try:
+                train(_config(out_dir, max_steps=5), model=make_encoder(), train_examples=DATA, on_step=on_step)
+            except faults.Preempted as exc:
+                out["checkpoint"] = exc.checkpoint
+        torch.save(out, os.path.join(out_dir, f"{case}-rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["nan_on_rank1", "sigterm_on_rank1", "auto_chunk"])
+def test_every_process_agrees(tmp_path, case):
+    """A NaN in one process's gradient skips the step on both (same weights, unchanged); SIGTERM to one process
+    stops both after the same step with one checkpoint holding both processes' RNG states; --auto-chunk is refused
+    under DDP."""
+    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path), case), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"{case}-rank{rank}.pt", weights_only=False) for rank in range(2)]
+    if case == "nan_on_rank1":
+        assert got[0]["skipped"] and got[1]["skipped"]
+        for name, value in got[0]["weights"].items():
+            assert torch.equal(value, got[1]["weights"][name]), name
+    elif case == "sigterm_on_rank1":
+        assert got[0]["checkpoint"] == got[1]["checkpoint"] and got[0]["checkpoint"].endswith("step-00000002")
+        folder = Path(got[0]["checkpoint"])
+        assert checkpoint_problem(str(folder)) is None
+        assert (folder / "rng-rank0.pt").exists() and (folder / "rng-rank1.pt").exists()
+    else:
+        assert all("--auto-chunk works with one process" in g["error"] for g in got)
