@@ -70,6 +70,10 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     ((examples, format)) and dev_examples (a list of format-A examples) replace the data paths; loss_fn
     (called as loss_fn(labels, embeddings)) replaces angle_kernels.AngleLoss, e.g. to compare with another
     implementation; on_step(step, row) is called after every optimizer step and may raise StopTraining.
+
+    Faults (faults.py): raises faults.Preempted after SIGTERM / SIGINT (once the step in progress is done and a
+    checkpoint written), faults.NonFiniteTrainingError after --max-bad-steps skipped steps in a row, and
+    torch.OutOfMemoryError with what to change (unless --auto-chunk recovers).
     """
     run = setup(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn)
     try:
@@ -86,7 +90,8 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
                     save(run)
                 if on_step is not None:
                     on_step(step, row)
-                if faults.any_rank(signals.requested is not None, run.dist_info, run.device):
+                stop = signals.requested is not None and step < run.total_steps  # at the end: finish instead
+                if faults.any_rank(stop, run.dist_info, run.device):
                     # preempted (on any process): stop here, at the same step everywhere, resumable
                     path = checkpoint_path(cfg.output_dir, step) if saved else save(run)
                     raise faults.Preempted(signals.requested or "a signal to another process", path)
