@@ -737,7 +737,6 @@ class _LayerRecorder(torch.nn.Module):
         return inner._fused_loss(stacks, labels, nested)
 
 
-
 class _FusedLayerwise:
     """The fused forward of AdaptiveLayerLoss and Matryoshka2dLoss, mixed in before the sentence-transformers
     parent: the parent's own forward runs with a _LayerRecorder in place of the inner loss (so the layers it

@@ -191,23 +191,26 @@ def deep_model_dir(tmp_path_factory):
     return build_tiny_model_dir(tmp_path_factory.mktemp("deep_bert_ese"), seed=5, layers=4)
 
 
-@pytest.mark.parametrize("dataset_format, loss_kwargs, compression, pca", [
-    ("A", {}, 8, True),                                          # 0.6.1 defaults: ibn + 0.02 * angle
-    ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 16, False),
-    ("B", {}, 8, True),
-    ("C", {"cosine_w": 0.5, "angle_w": 0.02}, 12, True),
-    ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 64, True),  # compression >= width: the full width
+@pytest.mark.parametrize("dataset_format, loss_kwargs, compression, pca, dtype", [
+    ("A", {}, 8, True, torch.float64),                                          # 0.6.1 defaults: ibn + 0.02 * angle
+    ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 16, False, torch.float64),
+    ("B", {}, 8, True, torch.float64),
+    ("C", {"cosine_w": 0.5, "angle_w": 0.02}, 12, True, torch.float64),
+    ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 64, True, torch.float64),  # compression >= width
+    ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 8, True, torch.float32),
+    ("B", {}, 8, True, torch.float32),
 ])
 def test_patched_ese_trainer_computes_the_same_loss_in_one_call(ae, deep_model_dir, tmp_path, monkeypatch,
-                                                                 dataset_format, loss_kwargs, compression, pca):
+                                                                 dataset_format, loss_kwargs, compression, pca, dtype):
     """AngleESETrainer.compute_loss (Espresso) on a 4-layer tiny BERT: the same loss and parameter gradients
-    patched or not; patched, one AngleLoss call computes the terms of every layer (the reference: L + 1 calls)."""
+    patched or not (float64: to rounding; float32: within float32 tolerances); patched, one AngleLoss call
+    computes the terms of every layer (the reference: L + 1 calls)."""
     from transformers import AutoTokenizer, BertModel, TrainingArguments
 
     from tiny_model import SENTENCES
 
     angle_mod = ae["angle_emb.angle"]
-    model = BertModel.from_pretrained(deep_model_dir).to(torch.float64)
+    model = BertModel.from_pretrained(deep_model_dir).to(dtype)
     tokenizer = AutoTokenizer.from_pretrained(deep_model_dir)
     pooler = angle_mod.Pooler(model, pooling_strategy="cls")
     texts = SENTENCES[:12]
@@ -215,7 +218,7 @@ def test_patched_ese_trainer_computes_the_same_loss_in_one_call(ae, deep_model_d
     if dataset_format == "A":
         graded = "ibn_w" in loss_kwargs
         per_pair = [0.0, 2.0, 1.0, 1.0, 3.0, 0.5] if graded else [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
-        labels = torch.tensor(per_pair, dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
+        labels = torch.tensor(per_pair, dtype=dtype).repeat_interleave(2).unsqueeze(1)
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
     calls = []
     forward = angle_kernels.AngleLoss.forward
@@ -237,12 +240,13 @@ def test_patched_ese_trainer_computes_the_same_loss_in_one_call(ae, deep_model_d
     with integration.patched():
         value, grads = loss_and_grads()
     assert len(calls) == 1, f"one fused loss call for every layer, got {len(calls)}"
-    assert torch.isfinite(value) and rel_err(value, ref_value) < 1e-12, (value.item(), ref_value.item())
+    value_tol, grad_tol = (1e-12, 1e-10) if dtype == torch.float64 else (1e-5, 1e-4)
+    assert torch.isfinite(value) and rel_err(value, ref_value) < value_tol, (value.item(), ref_value.item())
     assert set(grads) == set(ref_grads) and grads
     overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref_grads.values()]))
     for name, ref in ref_grads.items():
         scale = max(float(torch.linalg.vector_norm(ref)), 1e-6 * float(overall))
-        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < 1e-10, name
+        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < grad_tol, name
 
 
 def test_unpatch_restores_the_ese_trainer(ae):

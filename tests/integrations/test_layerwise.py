@@ -8,6 +8,8 @@ configurations it cannot express run the parents' loops.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -141,3 +143,20 @@ def test_the_model_is_restored_after_the_fused_forward(deep_model64):
         loss(batch_columns(deep_model64, 2), torch.tensor(GRADED[:3]))
     assert (deep_model64.forward, deep_model64[0].forward) == forwards
     assert loss.loss is inner
+
+
+def test_float32_within_float32_tolerances(deep_model64):
+    """The three wrappers on the model in float32 (the tolerances of the float32 parity test of the plain drop-ins)."""
+    model = copy.deepcopy(deep_model64).to(torch.float32)
+    for make_original, make_replacement, columns, labels in (
+            (lambda: st_losses.MatryoshkaLoss(model, st_losses.CoSENTLoss(model), (32, 16, 8)),
+             lambda: ours.MatryoshkaLoss(model, ours.CoSENTLoss(model), (32, 16, 8)), 2, GRADED),
+            (lambda: st_losses.AdaptiveLayerLoss(model, st_losses.AnglELoss(model), n_layers_per_step=-1),
+             lambda: ours.AdaptiveLayerLoss(model, ours.AnglELoss(model), n_layers_per_step=-1), 2, GRADED),
+            (lambda: st_losses.Matryoshka2dLoss(model, st_losses.MultipleNegativesRankingLoss(model), (32, 16, 8),
+                                                n_layers_per_step=-1, n_dims_per_step=-1),
+             lambda: ours.Matryoshka2dLoss(model, ours.MultipleNegativesRankingLoss(model), (32, 16, 8),
+                                           n_layers_per_step=-1, n_dims_per_step=-1), 3, None)):
+        replacement = make_replacement()
+        assert replacement.uses_fused_path
+        compare(model, Seeded(make_original()), Seeded(replacement), columns, labels, value_tol=1e-5, grad_tol=1e-4)
