@@ -64,6 +64,18 @@ FEATURES = ("dims",)  # the optional features this op implements (contract.OPTIO
 
 
 @triton.jit
+def _group_rows(x_ptr, stride_g, stride_k, K, PARTNERS_PAD: tl.constexpr):
+    """This program's group: its index, the partner slots (1 .. K-1, padded to PARTNERS_PAD) and which are real,
+    and the pointers to the anchor row ([1]) and the partner rows ([P, 1])."""
+    group = tl.program_id(0).to(tl.int64)
+    anchor_ptr = x_ptr + group * stride_g
+    partner = tl.arange(0, PARTNERS_PAD)
+    partner_ok = partner < K - 1
+    partner_ptr = anchor_ptr + (partner + 1).to(tl.int64)[:, None] * stride_k
+    return group, partner, partner_ok, anchor_ptr, partner_ptr
+
+
+@triton.jit
 def _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC: tl.constexpr):
     """Columns `cols` of the anchor ([BLOCK]) and of its partners ([PARTNERS_PAD, BLOCK]), in ACC."""
     anchor = tl.load(anchor_ptr + cols * stride_d, mask=col_ok, other=0.0).to(ACC)
@@ -143,11 +155,7 @@ def _pair_scores_fwd_kernel(
     ACC: tl.constexpr,  # tl.float32 or tl.float64
     EPS: tl.constexpr,
 ):
-    group = tl.program_id(0).to(tl.int64)
-    anchor_ptr = x_ptr + group * stride_g
-    partner = tl.arange(0, PARTNERS_PAD)
-    partner_ok = partner < K - 1
-    partner_ptr = anchor_ptr + (partner + 1).to(tl.int64)[:, None] * stride_k  # [P, 1]
+    group, partner, partner_ok, anchor_ptr, partner_ptr = _group_rows(x_ptr, stride_g, stride_k, K, PARTNERS_PAD)
 
     uu = tl.zeros([BLOCK], dtype=ACC)
     vv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
@@ -213,12 +221,8 @@ def _pair_scores_bwd_kernel(
     ACC: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    group = tl.program_id(0).to(tl.int64)
-    anchor_ptr = x_ptr + group * stride_g
-    partner = tl.arange(0, PARTNERS_PAD)
-    partner_ok = partner < K - 1
-    partner_ptr = anchor_ptr + (partner + 1).to(tl.int64)[:, None] * stride_k
-    d_anchor_ptr = dx_ptr + group * K * D
+    group, partner, partner_ok, anchor_ptr, partner_ptr = _group_rows(x_ptr, stride_g, stride_k, K, PARTNERS_PAD)
+    d_anchor_ptr = dx_ptr + group * K * D  # dx is contiguous
     d_partner_ptr = d_anchor_ptr + (partner + 1).to(tl.int64)[:, None] * D
     along_2d, rotated_2d, anchor_shrink, partner_shrink_2d = _pair_coefficients(
         grad_cos_ptr, grad_angle_ptr, norms_ptr, cos_ptr, cross_ptr, group * (K - 1) + partner, group * K, partner,
@@ -276,11 +280,7 @@ def _prefix_pair_scores_fwd_kernel(
     ACC: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    group = tl.program_id(0).to(tl.int64)
-    anchor_ptr = x_ptr + group * stride_g
-    partner = tl.arange(0, PARTNERS_PAD)
-    partner_ok = partner < K - 1
-    partner_ptr = anchor_ptr + (partner + 1).to(tl.int64)[:, None] * stride_k
+    group, partner, partner_ok, anchor_ptr, partner_ptr = _group_rows(x_ptr, stride_g, stride_k, K, PARTNERS_PAD)
 
     uu = tl.zeros([BLOCK], dtype=ACC)
     vv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
@@ -326,12 +326,8 @@ def _prefix_pair_scores_bwd_kernel(
     ACC: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    group = tl.program_id(0).to(tl.int64)
-    anchor_ptr = x_ptr + group * stride_g
-    partner = tl.arange(0, PARTNERS_PAD)
-    partner_ok = partner < K - 1
-    partner_ptr = anchor_ptr + (partner + 1).to(tl.int64)[:, None] * stride_k
-    d_anchor_ptr = dx_ptr + group * K * D
+    group, partner, partner_ok, anchor_ptr, partner_ptr = _group_rows(x_ptr, stride_g, stride_k, K, PARTNERS_PAD)
+    d_anchor_ptr = dx_ptr + group * K * D  # dx is contiguous
     d_partner_ptr = d_anchor_ptr + (partner + 1).to(tl.int64)[:, None] * D
 
     # dx is written once: each column block adds the terms of every prefix that contains it (0 past d_k)
@@ -381,39 +377,51 @@ def launch_config(k: int, d: int, with_angle: bool, max_block: int = _MAX_BLOCK)
     )
 
 
+def _new_scores(lead: tuple[int, ...], x: torch.Tensor, with_angle: bool):
+    """(cos, angle, raw norms, w) outputs of shape lead + (K-1,) (the norms lead + (K,)) in the compute dtype,
+    for the kernels to write; without the angle, angle is zeros by contract (the kernels do not write it)."""
+    k, dtype = x.shape[1], compute_dtype(x.dtype)
+    cos, cross = (new_output((*lead, k - 1), dtype, x.device) for _ in range(2))
+    norms = new_output((*lead, k), dtype, x.device)
+    angle = new_output((*lead, k - 1), dtype, x.device) if with_angle else torch.zeros_like(cos)
+    return cos, angle, norms, cross
+
+
+def _save_for_backward(ctx, x, norms, cos, cross, angle, with_angle: bool):
+    ctx.save_for_backward(x, norms, cos, cross)
+    ctx.with_angle = with_angle
+    if not with_angle:
+        ctx.mark_non_differentiable(angle)
+    return cos, angle
+
+
+def _upstream(ctx, cos: torch.Tensor, grad_cos, grad_angle):
+    """The upstream gradients, contiguous in the compute dtype (zeros for a missing one), and whether the angle
+    receives any (the kernels then skip its terms)."""
+    grad_cos = torch.zeros_like(cos) if grad_cos is None else grad_cos.to(cos.dtype).contiguous()
+    with_angle = ctx.with_angle and grad_angle is not None
+    return grad_cos, grad_angle.to(cos.dtype).contiguous() if with_angle else grad_cos, with_angle
+
+
 class PairScoresFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, with_angle: bool):
         groups, k, d = x.shape
-        dtype = compute_dtype(x.dtype)
-        cos = new_output((groups, k - 1), dtype, x.device)
-        cross = new_output((groups, k - 1), dtype, x.device)
-        norms = new_output((groups, k), dtype, x.device)
-        if with_angle:
-            angle = new_output((groups, k - 1), dtype, x.device)
-        else:  # zeros by contract: the kernel does not write it
-            angle = torch.zeros((groups, k - 1), dtype=dtype, device=x.device)
+        cos, angle, norms, cross = _new_scores((groups,), x, with_angle)
         cfg = launch_config(k, d, with_angle)
         if groups > 0:
             _pair_scores_fwd_kernel[(groups,)](
                 x, cos, angle, norms, cross, k, d, d // 2, x.stride(0), x.stride(1), x.stride(2),
                 WITH_ANGLE=with_angle, ACC=acc_dtype_of(x.dtype), EPS=NORM_EPS, **cfg,
             )
-        ctx.save_for_backward(x, norms, cos, cross)
-        ctx.with_angle = with_angle
-        if not with_angle:
-            ctx.mark_non_differentiable(angle)
-        return cos, angle
+        return _save_for_backward(ctx, x, norms, cos, cross, angle, with_angle)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
         x, norms, cos, cross = ctx.saved_tensors
         groups, k, d = x.shape
-        dtype = cos.dtype
-        grad_cos = torch.zeros_like(cos) if grad_cos is None else grad_cos.to(dtype).contiguous()
-        with_angle = ctx.with_angle and grad_angle is not None
-        grad_angle = grad_angle.to(dtype).contiguous() if with_angle else grad_cos
+        grad_cos, grad_angle, with_angle = _upstream(ctx, cos, grad_cos, grad_angle)
         dx = new_output((groups, k, d), x.dtype, x.device)
         cfg = launch_config(k, d, with_angle)
         if groups > 0:
@@ -431,37 +439,23 @@ class PrefixPairScoresFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, with_angle: bool, dims: tuple[int, ...]):
         groups, k, d = x.shape
-        n_dims = len(dims)
-        dtype = compute_dtype(x.dtype)
-        cos = new_output((n_dims, groups, k - 1), dtype, x.device)
-        cross = new_output((n_dims, groups, k - 1), dtype, x.device)
-        norms = new_output((n_dims, groups, k), dtype, x.device)
-        if with_angle:
-            angle = new_output((n_dims, groups, k - 1), dtype, x.device)
-        else:  # zeros by contract: the kernel does not write it
-            angle = torch.zeros((n_dims, groups, k - 1), dtype=dtype, device=x.device)
+        cos, angle, norms, cross = _new_scores((len(dims), groups), x, with_angle)
         cfg = launch_config(k, dims[-1], with_angle)
         if groups > 0:
             _prefix_pair_scores_fwd_kernel[(groups,)](
                 x, cos, angle, norms, cross, groups, k, x.stride(0), x.stride(1), x.stride(2),
-                DIMS=tuple(dims), N_DIMS=n_dims, WITH_ANGLE=with_angle, ACC=acc_dtype_of(x.dtype), EPS=NORM_EPS,
+                DIMS=tuple(dims), N_DIMS=len(dims), WITH_ANGLE=with_angle, ACC=acc_dtype_of(x.dtype), EPS=NORM_EPS,
                 **cfg,
             )
-        ctx.save_for_backward(x, norms, cos, cross)
-        ctx.with_angle, ctx.dims = with_angle, tuple(dims)
-        if not with_angle:
-            ctx.mark_non_differentiable(angle)
-        return cos, angle
+        ctx.dims = tuple(dims)
+        return _save_for_backward(ctx, x, norms, cos, cross, angle, with_angle)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
         x, norms, cos, cross = ctx.saved_tensors
         groups, k, d = x.shape
-        dtype = cos.dtype
-        grad_cos = torch.zeros_like(cos) if grad_cos is None else grad_cos.to(dtype).contiguous()
-        with_angle = ctx.with_angle and grad_angle is not None
-        grad_angle = grad_angle.to(dtype).contiguous() if with_angle else grad_cos
+        grad_cos, grad_angle, with_angle = _upstream(ctx, cos, grad_cos, grad_angle)
         dx = new_output((groups, k, d), x.dtype, x.device)
         cfg = launch_config(k, d, False, _MAX_PREFIX_BWD_BLOCK)  # it sweeps the whole width in column blocks
         if groups > 0:
