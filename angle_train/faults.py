@@ -70,8 +70,9 @@ def check_finite_weights(module: torch.nn.Module, what: str) -> None:
 
 class StopSignals:
     """Inside the context, SIGTERM and SIGINT set `requested` (the first signal's name) instead of ending the
-    process; a second one restores the default handlers and re-delivers itself, which ends the process at once
-    (SIGINT: KeyboardInterrupt). Outside the main thread (where Python cannot install handlers) a no-op."""
+    process; a second one ends it at once, whatever handlers were installed before: SIGINT raises
+    KeyboardInterrupt (Python's own behaviour), SIGTERM takes its default action (the process terminates).
+    Outside the main thread (where Python cannot install handlers) a no-op."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -97,6 +98,9 @@ class StopSignals:
         if self.requested is not None:
             print(f"\n{name} again: stopping at once (the last complete checkpoint is intact)", flush=True)
             self._restore()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
         self.requested = name

@@ -5,7 +5,6 @@ a second signal stops at once, out of memory names what to change and --auto-chu
 Every process agrees under DDP (2 gloo processes)."""
 
 import copy
-import json
 import os
 import signal
 import socket
@@ -131,12 +130,35 @@ def test_no_checkpoint_is_written_from_non_finite_weights(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- signals
 def test_a_second_signal_stops_at_once():
-    with faults.StopSignals() as signals:
-        signal.raise_signal(signal.SIGINT)
-        assert signals.requested == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):
+    """Whatever handler was installed before (here one that ignores SIGINT): the second SIGINT raises
+    KeyboardInterrupt at once, and the earlier handler is back afterwards."""
+    def earlier(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGINT, earlier)
+    try:
+        with faults.StopSignals() as signals:
             signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert signals.requested == "SIGINT"
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is earlier
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_second_sigterm_terminates_the_process():
+    """In a child process: the first SIGTERM is recorded, the second terminates the process (status -SIGTERM)
+    even though it ignored SIGTERM before."""
+    code = ("import signal; from angle_train import faults\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "with faults.StopSignals() as s:\n"
+            "    signal.raise_signal(signal.SIGTERM); assert s.requested == 'SIGTERM'\n"
+            "    signal.raise_signal(signal.SIGTERM)\n"
+            "raise SystemExit(7)\n")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-1000:])
 
 
 def _cli(out, *flags):
