@@ -1,8 +1,9 @@
 """Several processes (torchrun, DDP): in-batch negatives that span every rank.
 
-Each rank embeds its own slice of the optimizer-step batch; `all_gather_with_grad` (the package's one
-differentiable all-gather, angle_kernels.distributed; re-exported here) concatenates the slices of all ranks
-(rank order, so the zigzag layout survives) and every rank computes the same loss on the whole batch.
+Each rank embeds its own slice of the optimizer-step batch; `all_gather_rows` (on the package's one
+differentiable all-gather, angle_kernels.distributed.all_gather_with_grad) concatenates the slices of all ranks
+along the rows (rank order, so the zigzag layout survives; layer stacks [L, rows, D] too) and every rank computes
+the same loss on the whole batch.
 Backward: every rank holds the full gradient dL/d(all embeddings); the gather's backward (the sum over ranks
 of the gradients of each rank's own rows) followed by DDP's averaging of parameter gradients over ranks
 yields exactly dL/d(parameters) of one process training on the concatenated batch. Every rank must embed
