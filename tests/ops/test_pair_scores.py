@@ -173,4 +173,4 @@ def test_prefixes_gradcheck(backend):
     skip_unless_feature(backend, "pair_scores", "dims")
     x = randn(generator("pair_scores_dims_gradcheck"), 3, 3, 8, dtype=torch.float64).to(backend.device)
     assert gradcheck(lambda t: backend.ops.pair_scores(t, True, (2, 4, 8)), [x.requires_grad_()], eps=1e-6,
-                     atol=1e-6)
+                     atol=1e-6, fast_mode=backend.name == "triton")  # the interpreter: a projection, not 13 s

@@ -154,7 +154,10 @@ def test_gradcheck_float64(backend, name):
     q, c, kwargs = _inputs(name, torch.float64)
     on_device = _on(backend.device, kwargs)
     leaves = [q.to(backend.device).requires_grad_(), c.to(backend.device).requires_grad_()]
-    assert gradcheck(lambda q, c: backend.ops.similarity_lse(q, c, **on_device), leaves, eps=1e-6, atol=1e-6)
+    # fast_mode for the Triton interpreter (a random projection of the Jacobian: 30-45 s -> seconds per case); the
+    # full Jacobian is checked on the torch backend, and both against the float64 oracle above
+    assert gradcheck(lambda q, c: backend.ops.similarity_lse(q, c, **on_device), leaves, eps=1e-6, atol=1e-6,
+                     fast_mode=backend.name == "triton")
 
 
 def test_the_penalty_changes_probabilities_not_slopes(backend):
