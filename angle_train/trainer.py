@@ -166,7 +166,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     examples, fmt = train_examples
     dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompt)
     if dev_examples is None and cfg.dev_data:
-        dev_examples, _format_a = read_data(cfg.dev_data, "A", cfg.dev_split)
+        dev_examples = read_dev_data(cfg.dev_data, cfg.dev_split)
     loss_name = "AngleLoss" if loss_fn is None else "the loss_fn given to train()"
     if loss_fn is None:
         loss_fn = build_loss(cfg, fmt, encoder)
@@ -258,6 +258,20 @@ def read_data(source: str, fmt: str | None, split: str):
     if source in BUILTIN_DATASETS:
         return builtin_examples(source)
     return load_examples(source, fmt=fmt, split=split)
+
+
+def read_dev_data(source: str, split: str) -> list[Example]:
+    """--dev-data: a file or folder in any layout angle-eval reads (an STS12-16 year folder, STS-B, SICK, format-A
+    JSONL/CSV), else a built-in or Hugging Face dataset (format A)."""
+    from .evaluate import StsSet, read_dataset
+
+    if not os.path.exists(source):
+        return read_data(source, "A", split)[0]
+    data = read_dataset(source)
+    if not isinstance(data, StsSet):
+        raise ValueError(f"--dev-data {source}: STS-style pairs with scores are needed (format A); this is "
+                         "(query, positive) data: score it with angle-eval's retrieval metrics instead")
+    return data.examples
 
 
 def count_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:

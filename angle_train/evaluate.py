@@ -1,0 +1,228 @@
+"""`angle-eval`: the AnglE paper's evaluation of an embedding model, from datasets in their original layouts.
+
+    angle-eval MODEL PATH [PATH ...] [--pooling P] [--max-length L] [--prompt T] [--batch-size B] [--json OUT]
+
+MODEL is an `angle_train` export (a folder with angle_train.json: its pooling, prompt and maximum length are
+used unless overridden), or a hub name / local folder of a Hugging Face model (pooling as --pooling says, or the
+encoder default). Each PATH is read in the layout it is distributed in:
+
+    STS12 .. STS16   a year's folder as SentEval lays it out (STS.input.SUBSET.txt with STS.gs.SUBSET.txt) or
+                     as originally released (STS2016.input.SUBSET.txt / STS2016.gs.SUBSET.txt); a pair whose gold
+                     line is empty is skipped (STS13-16 leave some unrated). The name comes from the folder
+                     (STS12-en-test -> STS12) or the files (STS2016.* -> STS16).
+    STS-B            an STS Benchmark file (sts-test.csv: tab-separated, score in field 5, texts in 6 and 7);
+                     another split is named after its file ("STS-B (sts-dev)")
+    SICK-R           SICK_test_annotated.txt (pair_ID, sentence_A, sentence_B, relatedness_score, ...)
+    retrieval        a format-B file (query, positive: JSONL / CSV): every positive is a document of the corpus,
+                     each query's own positive the one relevant; recall@1, recall@10 and nDCG@10 (cosine)
+
+The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting:
+one correlation over every pair of a year's subsets together. `--json OUT` writes {dataset name: score} (the
+retrieval metrics as {name: {"recall@1": ..., ...}}). The trainer's dev evaluation uses the same Spearman
+(trainer.sts_spearman_by_dim).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .data import DataError, Example, load_examples, read_stsb
+
+YEAR_FOLDER = re.compile(r"STS(1[2-6])")
+ORIGINAL_FILES = re.compile(r"STS20(1[2-6])\.input\.(.+)\.txt$")
+SENTEVAL_FILES = re.compile(r"STS\.input\.(.+)\.txt$")
+SICK_HEADER = ("pair_ID", "sentence_A", "sentence_B", "relatedness_score")
+
+
+@dataclass
+class StsSet:
+    name: str
+    examples: list[Example]  # format A: (text1, text2), gold score
+
+
+@dataclass
+class RetrievalSet:
+    name: str
+    queries: list[str]
+    documents: list[str]  # documents[i] is query i's relevant one
+
+
+# ------------------------------------------------------------------------------------------------- reading
+def read_dataset(path: str) -> StsSet | RetrievalSet:
+    """The dataset at `path`, recognised by its layout (module docstring); a DataError says what was expected."""
+    if os.path.isdir(path):
+        return read_sts_year(path)
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file or folder")
+    with open(path, encoding="utf-8") as f:
+        first = f.readline().rstrip("\n").split("\t")
+    if tuple(first[:4]) == SICK_HEADER:
+        return StsSet("SICK-R", read_sick(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if len(first) >= 7:
+        try:
+            float(first[4])
+        except ValueError:
+            pass
+        else:  # the paper's STS-B is the test split; another split keeps its file name
+            return StsSet("STS-B" if stem == "sts-test" else f"STS-B ({stem})", read_stsb(path))
+    examples, fmt = load_examples(path)
+    if fmt == "A":
+        return StsSet(stem, examples)
+    return RetrievalSet(stem, [ex.texts[0] for ex in examples], [ex.texts[1] for ex in examples])
+
+
+def read_sts_year(folder: str) -> StsSet:
+    """An STS12-16 year folder (SentEval's or the original file names): every subset's rated pairs, in file order."""
+    files = sorted(glob.glob(os.path.join(folder, "*.input.*.txt")))
+    subsets = []
+    year = YEAR_FOLDER.search(os.path.basename(os.path.normpath(folder)))
+    for file in files:
+        name = os.path.basename(file)
+        original, senteval = ORIGINAL_FILES.match(name), SENTEVAL_FILES.match(name)
+        if original:
+            year = year or original
+            gold = os.path.join(folder, f"STS20{original.group(1)}.gs.{original.group(2)}.txt")
+        elif senteval:
+            gold = os.path.join(folder, f"STS.gs.{senteval.group(1)}.txt")
+        else:
+            continue
+        if not os.path.isfile(gold):
+            raise DataError(f"{file}: no gold file {os.path.basename(gold)} next to it")
+        subsets.append((file, gold))
+    if not subsets:
+        raise DataError(f"{folder}: no STS.input.*.txt / STS20xx.input.*.txt files (an STS12-16 year folder)")
+    examples = []
+    for file, gold in subsets:
+        with open(file, encoding="utf-8") as f:
+            pairs = [line.rstrip("\n").rstrip("\r").split("\t") for line in f]
+        with open(gold, encoding="utf-8") as f:
+            scores = [line.strip() for line in f]
+        if len(scores) != len(pairs):
+            raise DataError(f"{gold}: {len(scores)} gold lines for {len(pairs)} pairs in {os.path.basename(file)}")
+        for number, (fields, score) in enumerate(zip(pairs, scores), start=1):
+            if not score:  # an unrated pair
+                continue
+            if len(fields) < 2:
+                raise DataError(f"{file}, line {number}: expected two tab-separated sentences")
+            examples.append(Example((fields[0], fields[1]), float(score)))
+    name = f"STS{year.group(1)}" if year else os.path.basename(os.path.normpath(folder))
+    return StsSet(name, examples)
+
+
+def read_sick(path: str) -> list[Example]:
+    with open(path, encoding="utf-8") as f:
+        next(f)
+        rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
+    return [Example((row[1], row[2]), float(row[3])) for row in rows]
+
+
+# ------------------------------------------------------------------------------------------------- scoring
+def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, block: int = 1024) -> dict:
+    """recall@1, recall@10 and nDCG@10 of cosine retrieval where query i's one relevant document is document i,
+    ranked against every document (rows processed in blocks: no queries x documents matrix at once)."""
+    queries = torch.nn.functional.normalize(queries.double(), dim=-1)
+    documents = torch.nn.functional.normalize(documents.double(), dim=-1)
+    ranks = []
+    for start in range(0, queries.shape[0], block):
+        scores = queries[start:start + block] @ documents.T
+        own = scores[torch.arange(scores.shape[0]), torch.arange(start, start + scores.shape[0])]
+        ranks.append((scores > own[:, None]).sum(dim=1))  # 0 = ranked first (ties count in its favour)
+    rank = torch.cat(ranks).double()
+    ndcg = torch.where(rank < 10, 1.0 / torch.log2(rank + 2.0), torch.zeros_like(rank))
+    return {"recall@1": float((rank < 1).double().mean()), "recall@10": float((rank < 10).double().mean()),
+            "ndcg@10": float(ndcg.mean())}
+
+
+def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length: int = 512,
+             prompt: str | None = None) -> dict:
+    """{name: Spearman x 100} for the STS sets and {name: {metric: value}} for the retrieval sets."""
+    from .trainer import sts_spearman
+
+    names = [dataset.name for dataset in datasets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two datasets have the same name ({names}): evaluate each year folder or file once")
+    results = {}
+    for dataset in datasets:
+        if isinstance(dataset, StsSet):
+            results[dataset.name] = 100.0 * sts_spearman(encoder, tokenizer, dataset.examples, batch_size=batch_size,
+                                                         max_length=max_length, prompt=prompt)
+        else:
+            embed = dict(batch_size=batch_size, max_length=max_length, prompt=prompt)
+            results[dataset.name] = retrieval_metrics(encoder.encode(dataset.queries, tokenizer, **embed),
+                                                      encoder.encode(dataset.documents, tokenizer, **embed))
+    return results
+
+
+def load_model(model: str, *, pooling: str | None = None, device: str = "cpu"):
+    """(encoder, tokenizer, settings) for an angle_train export or a Hugging Face model."""
+    from .export import META_FILE, load_pretrained
+    from .models import load_encoder
+
+    if os.path.isfile(os.path.join(model, META_FILE)):
+        encoder, tokenizer, meta = load_pretrained(model, device=device)
+        if pooling is not None:
+            encoder.pooling = pooling
+        return encoder, tokenizer, meta
+    encoder, tokenizer = load_encoder(model, pooling=pooling, device=device)
+    return encoder, tokenizer, {}
+
+
+def table(results: dict) -> str:
+    sts = {name: value for name, value in results.items() if not isinstance(value, dict)}
+    lines = []
+    if sts:
+        names = list(sts)
+        if len(names) > 1:
+            names.append("Avg.")
+            sts["Avg."] = sum(sts.values()) / len(sts)
+        lines += ["| " + " | ".join(names) + " |", "|" + "---|" * len(names),
+                  "| " + " | ".join(f"{sts[n]:.2f}" for n in names) + " |"]
+    for name, metrics in results.items():
+        if isinstance(metrics, dict):
+            lines.append(f"{name}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="angle-eval", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="an angle_train export, or a hub name / local folder of a Hugging Face model")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="datasets in their original layouts (see above)")
+    parser.add_argument("--pooling", choices=["cls", "cls_avg", "avg", "max", "last"], default=None)
+    parser.add_argument("--max-length", type=int, default=None, help="default: the export's, else 512")
+    parser.add_argument("--prompt", default=None, help="default: the export's; '{text}' marks the text")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the results there")
+    args = parser.parse_args(argv)
+    try:
+        datasets = [read_dataset(path) for path in args.paths]
+    except DataError as exc:
+        parser.error(str(exc))
+    names = [dataset.name for dataset in datasets]
+    if len(set(names)) != len(names):
+        parser.error(f"two PATHs give datasets of the same name ({', '.join(names)}): pass each once")
+    encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling, device=args.device)
+    results = evaluate(encoder, tokenizer, datasets, batch_size=args.batch_size,
+                       max_length=args.max_length or meta.get("max_length") or 512,
+                       prompt=args.prompt if args.prompt is not None else meta.get("prompt"))
+    print(table(results))
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+            f.write("\n")
+    return 0 if all(not isinstance(v, float) or math.isfinite(v) for v in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

