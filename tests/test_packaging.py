@@ -236,6 +236,7 @@ def test_wheel_metadata_and_entry_point(dists, wheel_names):
     assert any(r.startswith("transformers") and 'extra == "train"' in r for r in requires), requires
     assert f"{dist_info}/licenses/LICENSE" in wheel_names
     assert entry_points["console_scripts"]["angle-train"].strip() == "angle_train.cli:main"
+    assert entry_points["console_scripts"]["angle-eval"].strip() == "angle_train.evaluate:main"
 
 
 def test_wheel_installs_with_pip_and_computes_a_loss(dists, tmp_path):
@@ -259,6 +260,9 @@ def test_wheel_installs_with_pip_and_computes_a_loss(dists, tmp_path):
     assert script.is_file(), "pip installed no angle-train script"
     help_run = _run([sys.executable, str(script), "--help"], RUN_TIMEOUT_S, cwd=tmp_path, env=env)
     assert help_run.stdout.startswith("usage: angle-train"), help_run.stdout[:500]
+    help_run = _run([sys.executable, str(target / "bin" / "angle-eval"), "--help"], RUN_TIMEOUT_S, cwd=tmp_path,
+                    env=env)
+    assert help_run.stdout.startswith("usage: angle-eval"), help_run.stdout[:500]
 
 
 @pytest.mark.skipif(os.environ.get("ANGLE_KERNELS_TEST_FRESH_VENV") != "1",
