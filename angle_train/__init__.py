@@ -3,10 +3,15 @@
     trainer.py      train(): setup, one optimizer step, evaluate, save, finish; logging and throughput
     checkpoint.py   resumable checkpoints (atomic, code-free loading, exact resume), best/
     config.py       TrainConfig: every setting, its default and its help text
-    models.py       pooling (cls, cls_avg, avg, max, last) + base model = Encoder; LoRA, checkpointing, autocast
-    data.py         files and datasets in formats A/B/C, tokenisation, padding, batch order
+    models.py       pooling (cls, cls_avg, avg, max, last) + base model = Encoder; LoRA, checkpointing, autocast,
+                    bidirectional attention for decoder LMs
+    data.py         files and datasets in formats A/B/C, prompts per role, tokenisation, padding, batch order
     grad_cache.py   plain backprop and the gradient cache (dropout RNG replay)
+    profiling.py    --profile: the phases of one optimizer step
     distributed.py  DDP helpers: all-gather with gradients, no_sync, barrier
+    sharding.py     --fsdp: FSDP2 sharding, sharded checkpoints (torch.distributed.checkpoint), full weights
+    faults.py       non-finite steps, SIGTERM/SIGINT, out-of-memory advice
+    evaluate.py     the `angle-eval` command: STS Spearman in the paper's setting, retrieval metrics
     export.py       Hugging Face / LoRA adapter / sentence-transformers folders
     cli.py          the `angle-train` command;  demo.py: `python -m angle_train.demo`
     tiny.py         built-in tiny models, tokenizer and datasets (offline demo and tests)
@@ -16,7 +21,7 @@ that need them.
 """
 
 from .config import TrainConfig
-from .data import ANGLE_PROMPT, DataError, Example, load_examples
+from .data import ANGLE_PROMPT, DataError, Example, Prompts, load_examples
 from .models import POOLING_STRATEGIES, pool
 
 __all__ = [
@@ -24,6 +29,7 @@ __all__ = [
     "POOLING_STRATEGIES",
     "DataError",
     "Example",
+    "Prompts",
     "TrainConfig",
     "load_encoder",
     "load_examples",

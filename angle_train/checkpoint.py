@@ -4,6 +4,8 @@
         state.pt         trainable weights, optimizer, LR schedule, loss scaler, data position, settings
         rng-rank{r}.pt   process r's random generators (python, numpy, torch, CUDA), so that dropout draws
                          the masks the uninterrupted run would have drawn
+        --fsdp: state.pt without weights and optimizer; instead each process's shards of both, written by
+        torch.distributed.checkpoint: __{r}_0.distcp per process and .metadata (sharding.py)
         manifest.json    the size and SHA-256 of every other file, written last
     OUTPUT_DIR/best/                        the model with the best dev Spearman so far (an export: export.py)
 
@@ -45,6 +47,7 @@ from .config import TrainConfig
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
+from .sharding import load_sharded, save_sharded
 
 # Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
 RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
@@ -196,24 +199,28 @@ def checkpoint_problem(folder: str) -> str | None:
 
 
 def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *, encoder, optimizer, scheduler,
-                    scaler) -> str:
+                    scaler, sharded: bool = False) -> str:
     """Write checkpoints/step-N (N = position.step), then delete the oldest beyond cfg.keep_checkpoints.
 
-    Every process calls this: the main process writes the shared state, each process its own RNG state.
+    Every process calls this: the main process writes the shared state, each process its own RNG state (and,
+    sharded, its own shards of the weights and optimizer state).
     """
     path = checkpoint_path(cfg.output_dir, position.step)
-    check_finite_weights(encoder, f"checkpoint {path}")  # every process: each holds the same weights
+    # every process: each holds the same weights, or (sharded) checks its shards and all refuse together
+    check_finite_weights(encoder, f"checkpoint {path}", dist_info=dist_info if sharded else None)
     tmp = path + ".tmp"
     if dist_info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing it
         with _failed_write_cleaned(tmp, cfg.output_dir):
             os.makedirs(tmp)
-            torch.save({"model": encoder.trainable_state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                        "position": asdict(position), "config": asdict(cfg)},
+            weights = {} if sharded else {"model": encoder.trainable_state_dict(), "optimizer": optimizer.state_dict()}
+            torch.save({**weights, "sharded": sharded, "scheduler": scheduler.state_dict(),
+                        "scaler": scaler.state_dict(), "position": asdict(position), "config": asdict(cfg)},
                        os.path.join(tmp, STATE_FILE))
     barrier(dist_info)  # the folder exists before the other processes write into it
     with _failed_write_cleaned(tmp, cfg.output_dir):
+        if sharded:
+            save_sharded(tmp, encoder, optimizer)
         torch.save(_rng_state(), os.path.join(tmp, _rng_file(dist_info.rank)))
     barrier(dist_info)  # every process's file is complete before the manifest records them
     if dist_info.is_main:
@@ -248,7 +255,11 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     position to continue from. Both files are read and checked before anything is changed."""
     state = _read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
     _refuse_changed_data_settings(path, state["config"], cfg)
-    missing = set(encoder.trainable_state_dict()) - set(state["model"])
+    sharded = state.get("sharded", False)
+    if sharded != cfg.fsdp:
+        raise ValueError(f"checkpoint {path} was written {'with' if sharded else 'without'} --fsdp; resume it "
+                         f"{'with' if sharded else 'without'} --fsdp (and the same number of processes)")
+    missing = set() if sharded else set(encoder.trainable_state_dict()) - set(state["model"])
     if missing:
         raise ValueError(f"checkpoint {path} lacks trainable weights, e.g. {sorted(missing)[:3]}: another model?")
     rng_file = os.path.join(path, _rng_file(dist_info.rank))
@@ -256,8 +267,11 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
         raise ValueError(f"checkpoint {path} has no RNG state for rank {dist_info.rank}: resume with the same "
                          "number of processes")
     rng_state = _read_tensors_and_plain_values(rng_file)
-    encoder.load_state_dict(state["model"], strict=False)
-    optimizer.load_state_dict(state["optimizer"])
+    if sharded:  # the manifest was checked by checkpoint_to_resume before DCP reads (and unpickles) .metadata
+        load_sharded(path, encoder, optimizer)
+    else:
+        encoder.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if state["scaler"]:  # empty when fp16 loss scaling was off
         scaler.load_state_dict(state["scaler"])
@@ -314,14 +328,14 @@ def _set_rng_state(state: dict) -> None:
 # ------------------------------------------------------------------------------------------------- best/
 
 
-def save_best(cfg: TrainConfig, encoder, tokenizer, prompt: str | None) -> str:
+def save_best(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None) -> str:
     """Export the model to output_dir/best (only the adapter for LoRA), replacing the previous best once the
-    new one is complete."""
+    new one is complete. state_dict: a sharded (--fsdp) encoder's whole weights (sharding.full_state_dict)."""
     best = os.path.join(cfg.output_dir, "best")
-    check_finite_weights(encoder, f"the best model to {best}")
+    check_finite_weights(encoder, f"the best model to {best}", state_dict=state_dict)
     shutil.rmtree(best + ".tmp", ignore_errors=True)  # left by a run killed while writing it
-    save_pretrained(encoder, tokenizer, best + ".tmp", max_length=cfg.max_length, prompt=prompt,
-                    adapter_only=is_peft_model(encoder.backbone), base_model=cfg.model,
+    save_pretrained(encoder, tokenizer, best + ".tmp", max_length=cfg.max_length,
+                    adapter_only=is_peft_model(encoder.backbone), base_model=cfg.model, state_dict=state_dict,
                     matryoshka_dims=cfg.trained_widths(encoder.embedding_dim))
     _swap_in(best + ".tmp", best)
     return best

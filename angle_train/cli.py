@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(type=int)
         elif kind == "float":
             kwargs.update(type=float)
-        groups[group_name].add_argument(flag, **kwargs)
+        groups[group_name].add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
     return parser
 
 
@@ -123,12 +123,15 @@ def config_from_args(argv=None) -> TrainConfig:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     by_name = {f.name: f for f in fields(TrainConfig)}
+    for f in fields(TrainConfig):  # config-file keys may use a flag's alias too (text_prompt sets prompt)
+        by_name.update({alias[2:].replace("-", "_"): f for alias in f.metadata.get("aliases", ())})
     values = {}
     if args.get("config"):
         for key, value in read_config_file(args.pop("config")).items():
             name = key.replace("-", "_")
             if name not in by_name:
                 parser.error(f"--config: unknown setting {key!r}")
+            name = by_name[name].name  # an alias (text_prompt) sets its field (prompt)
             kind = _kind(by_name[name])
             if value is None:  # YAML null / JSON null: "off", for the settings whose default is off (None)
                 if by_name[name].default is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .data import Prompts
+
 
 def opt(default, help: str, **extra):
     """A config field with its --help text (kept next to the default so the two never drift apart)."""
@@ -22,12 +24,22 @@ class TrainConfig:
     pooling: str = opt(None, "cls, cls_avg, avg, max or last (default: cls for encoders, last for decoder LMs)",
                        group="model", choices=["cls", "cls_avg", "avg", "max", "last"])
     max_length: int = opt(128, "truncate every text to this many tokens (prompt included)", group="model")
-    prompt: str = opt(None, "template applied to every text; '{text}' marks the text, 'angle' selects the AnglE "
-                      "prompt 'Summarize sentence \"{text}\" in one word:\"' (for LLMs)", group="model")
+    prompt: str = opt(None, "template applied to every text without a prompt of its own (format A's texts, dev "
+                      "evaluation; angle-emb's text_prompt); '{text}' marks the text (else it is a prefix); 'angle' "
+                      "(= Prompts.A) selects the AnglE prompt 'Summarize sentence \"{text}\" in one word:\"' (for "
+                      "LLMs); Prompts.B and Prompts.C are angle-emb's other prompts", group="model",
+                      aliases=["--text-prompt"])
+    query_prompt: str = opt(None, "template for the query of formats B and C (default: --prompt); saved with the "
+                            "model: encode(texts, tokenizer, prompt_name='query')", group="model")
+    doc_prompt: str = opt(None, "template for the positive and negative of formats B and C (default: --prompt); "
+                          "saved with the model: encode(..., prompt_name='document')", group="model")
     model_dtype: str = opt("float32", "dtype of the weights: float32, bfloat16, float16 or float64", group="model",
                            choices=["float32", "bfloat16", "float16", "float64"])
     bf16: bool = opt(False, "autocast the forward pass to bfloat16 (embeddings and loss stay float32)", group="model")
     fp16: bool = opt(False, "autocast the forward pass to float16", group="model")
+    bidirectional: bool = opt(False, "decoder LMs (LLaMA, Mistral, Qwen...): remove the causal mask, so every token "
+                              "attends to the whole text (padding stays masked); kept with the exported model",
+                              group="model")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30%% slower)",
                                        group="model")
     lora: bool = opt(False, "train LoRA adapters instead of all weights (needs peft)", group="lora")
@@ -63,6 +75,9 @@ class TrainConfig:
     max_grad_norm: float = opt(1.0, "clip the gradient norm (0 = off)", group="optimisation")
     max_bad_steps: int = opt(5, "a step with a non-finite loss or gradient norm is skipped (no update, the schedule "
                              "waits); stop after this many in a row (0 = never stop)", group="optimisation")
+    fsdp: bool = opt(False, "full fine-tuning with weights, gradients and AdamW state sharded over the processes "
+                     "(PyTorch FSDP2), for models DDP cannot hold; launch with torchrun (2+ processes); not with "
+                     "--lora (LoRA + DDP is the way for adapters)", group="optimisation")
     auto_chunk: bool = opt(False, "on out-of-memory, halve --chunk-size (from plain backprop: half the batch) and retry "
                            "the step (one process only)", group="optimisation")
     seed: int = opt(42, "random seed (data order, dropout, LoRA init)", group="optimisation")
@@ -107,6 +122,9 @@ class TrainConfig:
                       group="run")
     log_every: int = opt(10, "write metrics every N optimizer steps", group="run")
     progress: bool = opt(True, "show a tqdm progress bar", group="run")
+    profile: bool = opt(False, "time the phases of the run's second optimizer step (data, encoder forward, all-gather, "
+                        "loss, encoder backward, optimizer), print them and write output_dir/profile.json",
+                        group="run")
     device: str = opt(None, "cpu, cuda, cuda:1... (default: cuda if available)", group="run")
 
     def validate(self) -> TrainConfig:
@@ -126,9 +144,16 @@ class TrainConfig:
         if self.espresso and self.matryoshka_dims:
             raise ValueError("--espresso trains its own two widths (--espresso-dim and the full one): leave out "
                              "--matryoshka-dims")
+        if self.fsdp and self.lora:
+            raise ValueError("--fsdp shards a full fine-tuning; with --lora the adapters are small: use DDP (leave "
+                             "out --fsdp)")
         if self.espresso_dim < 1:
             raise ValueError(f"espresso_dim must be >= 1; got {self.espresso_dim}")
         return self
+
+    def prompts(self) -> Prompts:
+        """The prompt of each role of a text (data.Prompts), from --prompt, --query-prompt and --doc-prompt."""
+        return Prompts(text=self.prompt, query=self.query_prompt, document=self.doc_prompt)
 
     def trained_widths(self, width: int) -> list[int]:
         """The widths the run trains the embeddings (of `width` features) at: --matryoshka-dims, Espresso's

@@ -26,8 +26,17 @@ from dataclasses import dataclass
 import torch
 
 ANGLE_PROMPT = 'Summarize sentence "{text}" in one word:"'
+# Prompts by name: 'angle' is the paper's; Prompts.A/B/C are angle-emb 0.6's predefined ones (angle_emb.Prompts).
+NAMED_PROMPTS = {
+    "angle": ANGLE_PROMPT,
+    "Prompts.A": ANGLE_PROMPT,
+    "Prompts.B": 'You can only output one word. Summarize "{text}":"',
+    "Prompts.C": "Represent this sentence for searching relevant passages: {text}",
+}
 FORMATS = {"A": ("text1", "text2", "label"), "B": ("query", "positive"), "C": ("query", "positive", "negative")}
 ROWS_PER_EXAMPLE = {"A": 2, "B": 2, "C": 3}
+# The role of each text of an example, which picks its prompt (Prompts): format A's texts are symmetric.
+ROLES = {"A": ("text", "text"), "B": ("query", "document"), "C": ("query", "document", "document")}
 ALIASES = {"sentence1": "text1", "sentence2": "text2", "score": "label"}
 
 
@@ -46,6 +55,53 @@ def apply_prompt(text: str, prompt: str | None) -> str:
     if not prompt:
         return text
     return prompt.replace("{text}", text) if "{text}" in prompt else prompt + text
+
+
+def prompt_prefix(prompt: str) -> str | None:
+    """The prompt as a plain prefix (what sentence-transformers' `prompts` can hold), or None when the text does not
+    come last (the AnglE prompt closes a quote after it)."""
+    if "{text}" not in prompt:
+        return prompt
+    head, _, tail = prompt.partition("{text}")
+    return head if not tail else None
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The prompt template of each role of a text (angle-emb 0.6's text_prompt / query_prompt / doc_prompt):
+
+        text      every text without a prompt of its own: format A's two texts, STS evaluation, encode() by default
+        query     the query of formats B and C (default: the text prompt)
+        document  the positive and negative of formats B and C (default: the text prompt)
+
+    A name of NAMED_PROMPTS stands for its template."""
+
+    text: str | None = None
+    query: str | None = None
+    document: str | None = None
+
+    def __post_init__(self):
+        for role in ("text", "query", "document"):
+            value = getattr(self, role)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"the {role} prompt must be a string or None; got {type(value).__name__}")
+            object.__setattr__(self, role, NAMED_PROMPTS.get(value, value) or None)  # '' = no prompt
+
+    def for_role(self, role: str) -> str | None:
+        """The template applied to a text of this role (None: the text as it is)."""
+        if role not in ("text", "query", "document"):
+            raise ValueError(f"prompt name must be 'text', 'query' or 'document'; got {role!r}")
+        own = getattr(self, role)
+        return own if own is not None else self.text
+
+    def as_dict(self) -> dict[str, str]:
+        """{role: template} of every role that has a prompt (the form saved with an exported model)."""
+        return {role: self.for_role(role) for role in ("text", "query", "document") if self.for_role(role)}
+
+    @classmethod
+    def coerce(cls, prompt: str | Prompts | None) -> Prompts:
+        """A Prompts from a Prompts, or from one template (or name) for every text, or None (no prompt)."""
+        return prompt if isinstance(prompt, Prompts) else cls(text=prompt)
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -219,7 +275,9 @@ def _first_line_is_stsb(path: str) -> bool:
 class TokenizedPairs:
     """Examples tokenised once up front (truncated, unpadded); batches are padded when they are used."""
 
-    def __init__(self, examples: list[Example], fmt: str, tokenizer, *, max_length: int, prompt: str | None = None):
+    def __init__(self, examples: list[Example], fmt: str, tokenizer, *, max_length: int,
+                 prompt: str | Prompts | None = None):
+        """prompt: one template for every text, or Prompts (one per role: ROLES[fmt] says each text's role)."""
         if fmt not in FORMATS:
             raise ValueError(f"format must be one of 'A', 'B', 'C'; got {fmt!r}")
         self.fmt = fmt
@@ -227,7 +285,8 @@ class TokenizedPairs:
         for i, ex in enumerate(examples):
             if len(ex.texts) != self.rows_per_example:
                 raise DataError(f"example {i} has {len(ex.texts)} texts; format {fmt} needs {self.rows_per_example}")
-        flat = [apply_prompt(t, prompt) for ex in examples for t in ex.texts]
+        templates = [Prompts.coerce(prompt).for_role(role) for role in ROLES[fmt]]
+        flat = [apply_prompt(t, template) for ex in examples for t, template in zip(ex.texts, templates)]
         ids = tokenizer(flat, truncation=True, max_length=max_length, add_special_tokens=True)["input_ids"]
         k = self.rows_per_example
         self.ids = [ids[i * k:(i + 1) * k] for i in range(len(examples))]

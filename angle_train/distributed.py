@@ -93,7 +93,19 @@ def gather_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def no_sync(model: torch.nn.Module, skip_sync: bool):
-    """DDP's no_sync() when skip_sync (gradients accumulate locally, no all-reduce); a no-op otherwise."""
+    """When skip_sync, gradients accumulate locally: DDP's no_sync() (no all-reduce), or FSDP's gradient sync off
+    (no reduce-scatter) for the block; a no-op otherwise."""
     if skip_sync and hasattr(model, "no_sync"):
         return model.no_sync()
+    if skip_sync and hasattr(model, "set_requires_gradient_sync"):
+        return _fsdp_gradient_sync_off(model)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_gradient_sync_off(model: torch.nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,8 +1,9 @@
 """`angle-eval`: the AnglE paper's evaluation of an embedding model, from datasets in their original layouts.
 
-    angle-eval MODEL PATH [PATH ...] [--pooling P] [--max-length L] [--prompt T] [--batch-size B] [--json OUT]
+    angle-eval MODEL PATH [PATH ...] [--pooling P] [--max-length L] [--prompt T] [--query-prompt T]
+               [--doc-prompt T] [--batch-size B] [--json OUT]
 
-MODEL is an `angle_train` export (a folder with angle_train.json: its pooling, prompt and maximum length are
+MODEL is an `angle_train` export (a folder with angle_train.json: its pooling, prompts and maximum length are
 used unless overridden), or a hub name / local folder of a Hugging Face model (pooling as --pooling says, or the
 encoder default). Each PATH is read in the layout it is distributed in:
 
@@ -14,7 +15,8 @@ encoder default). Each PATH is read in the layout it is distributed in:
                      another split is named after its file ("STS-B (sts-dev)")
     SICK-R           SICK_test_annotated.txt (pair_ID, sentence_A, sentence_B, relatedness_score, ...)
     retrieval        a format-B file (query, positive: JSONL / CSV): every positive is a document of the corpus,
-                     each query's own positive the one relevant; recall@1, recall@10 and nDCG@10 (cosine)
+                     each query's own positive the one relevant; recall@1, recall@10 and nDCG@10 (cosine); the
+                     queries take the query prompt, the documents the document prompt (data.Prompts)
 
 The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting:
 one correlation over every pair of a year's subsets together. `--json OUT` writes {dataset name: score} (the
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .data import DataError, Example, load_examples, read_stsb
+from .data import DataError, Example, Prompts, load_examples, read_stsb
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
 ORIGINAL_FILES = re.compile(r"STS20(1[2-6])\.input\.(.+)\.txt$")
@@ -143,9 +145,10 @@ def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, block: 
             "ndcg@10": float(ndcg.mean())}
 
 
-def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length: int = 512,
-             prompt: str | None = None) -> dict:
-    """{name: Spearman x 100} for the STS sets and {name: {metric: value}} for the retrieval sets."""
+def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length: int = 512) -> dict:
+    """{name: Spearman x 100} for the STS sets and {name: {metric: value}} for the retrieval sets, with the
+    encoder's prompts (encoder.prompts: the text prompt for STS pairs, the query and document prompts for
+    retrieval)."""
     from .trainer import sts_spearman
 
     names = [dataset.name for dataset in datasets]
@@ -155,11 +158,12 @@ def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length:
     for dataset in datasets:
         if isinstance(dataset, StsSet):
             results[dataset.name] = 100.0 * sts_spearman(encoder, tokenizer, dataset.examples, batch_size=batch_size,
-                                                         max_length=max_length, prompt=prompt)
+                                                         max_length=max_length)
         else:
-            embed = dict(batch_size=batch_size, max_length=max_length, prompt=prompt)
-            results[dataset.name] = retrieval_metrics(encoder.encode(dataset.queries, tokenizer, **embed),
-                                                      encoder.encode(dataset.documents, tokenizer, **embed))
+            embed = {"batch_size": batch_size, "max_length": max_length}
+            results[dataset.name] = retrieval_metrics(
+                encoder.encode(dataset.queries, tokenizer, prompt_name="query", **embed),
+                encoder.encode(dataset.documents, tokenizer, prompt_name="document", **embed))
     return results
 
 
@@ -200,7 +204,10 @@ def main(argv=None) -> int:
     parser.add_argument("paths", nargs="+", metavar="PATH", help="datasets in their original layouts (see above)")
     parser.add_argument("--pooling", choices=["cls", "cls_avg", "avg", "max", "last"], default=None)
     parser.add_argument("--max-length", type=int, default=None, help="default: the export's, else 512")
-    parser.add_argument("--prompt", default=None, help="default: the export's; '{text}' marks the text")
+    parser.add_argument("--prompt", default=None, help="the text prompt, for STS pairs (default: the export's); "
+                        "'{text}' marks the text, '' is none; also the default of the next two")
+    parser.add_argument("--query-prompt", default=None, help="the retrieval queries' prompt (default: the export's)")
+    parser.add_argument("--doc-prompt", default=None, help="the retrieval documents' prompt (default: the export's)")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results there")
@@ -213,9 +220,12 @@ def main(argv=None) -> int:
     if len(set(names)) != len(names):
         parser.error(f"two PATHs give datasets of the same name ({', '.join(names)}): pass each once")
     encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling, device=args.device)
+    saved = encoder.prompts
+    encoder.prompts = Prompts(text=saved.text if args.prompt is None else args.prompt,
+                              query=saved.query if args.query_prompt is None else args.query_prompt,
+                              document=saved.document if args.doc_prompt is None else args.doc_prompt)
     results = evaluate(encoder, tokenizer, datasets, batch_size=args.batch_size,
-                       max_length=args.max_length or meta.get("max_length") or 512,
-                       prompt=args.prompt if args.prompt is not None else meta.get("prompt"))
+                       max_length=args.max_length or meta.get("max_length") or 512)
     print(table(results))
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:

@@ -60,12 +60,27 @@ def is_finite_step(loss: float, grad_norm: float, loss_scaling: bool) -> bool:
     return math.isfinite(loss) and (loss_scaling or math.isfinite(grad_norm))
 
 
-def check_finite_weights(module: torch.nn.Module, what: str) -> None:
-    """Refuse to write `what` (a checkpoint, an export) from a module holding a NaN or Inf trainable weight."""
-    for name, param in module.named_parameters():
-        if param.requires_grad and not bool(torch.isfinite(param).all()):
-            raise ValueError(f"refusing to write {what}: the trainable weight {name} holds NaN or Inf values. The "
-                             "earlier checkpoints are untouched; resume from the last one with a lower --lr")
+def check_finite_weights(module: torch.nn.Module | None, what: str, *, state_dict: dict | None = None,
+                         dist_info=None) -> None:
+    """Refuse to write `what` (a checkpoint, an export) from a module holding a NaN or Inf trainable weight (or
+    from a state_dict holding one). With dist_info, every process checks its own shards of a sharded (--fsdp)
+    module and all of them refuse if any one finds one (every process must call it then)."""
+    from .sharding import local_value
+
+    if state_dict is not None:
+        tensors = ((name, value) for name, value in state_dict.items() if value.is_floating_point())
+    else:
+        tensors = ((name, p) for name, p in module.named_parameters() if p.requires_grad)
+    bad = next((name for name, value in tensors if not bool(torch.isfinite(local_value(value)).all())), None)
+    if dist_info is not None and dist_info.enabled:
+        import torch.distributed as dist
+
+        names = [None] * dist_info.world_size
+        dist.all_gather_object(names, bad)
+        bad = next((name for name in names if name), None)
+    if bad is not None:
+        raise ValueError(f"refusing to write {what}: the trainable weight {bad} holds NaN or Inf values. The "
+                         "earlier checkpoints are untouched; resume from the last one with a lower --lr")
 
 
 class StopSignals:

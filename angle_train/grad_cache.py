@@ -24,6 +24,7 @@ import contextlib
 import torch
 
 from .distributed import all_gather_rows, gather_labels, no_sync
+from .profiling import phase
 
 
 class RngState:
@@ -52,17 +53,32 @@ class RngState:
 
 
 def plain_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bool = True) -> torch.Tensor:
-    """Embed every chunk with a graph, loss on all embeddings, one backward. Returns the detached loss.
+    """Embed every chunk with a graph, loss on all embeddings, backward. Returns the detached loss.
 
     `model` maps (input_ids, attention_mask) to embeddings (the Encoder, or its DDP wrapper); `chunks` is
     a list of (input_ids, attention_mask). One chunk is the usual case. `sync=False` skips DDP's gradient
-    all-reduce (gradient accumulation in progress).
+    all-reduce (gradient accumulation in progress). The backward runs in two calls, the loss's down to the
+    embeddings, then the encoder's from their gradients (the same gradients as one call): the profile's phases.
     """
     with no_sync(model, skip_sync=not sync):
-        local = torch.cat([model(ids, mask) for ids, mask in chunks], dim=-2)
-        loss = loss_fn(gather_labels(labels), all_gather_rows(local))
+        with phase("encoder forward"):
+            local = torch.cat([model(ids, mask) for ids, mask in chunks], dim=-2)
+        loss, grad = _loss_backward(local.detach(), labels, loss_fn, loss_scale)
+        with phase("encoder backward"):
+            local.backward(grad)
+    return loss
+
+
+def _loss_backward(local: torch.Tensor, labels, loss_fn, loss_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """(detached loss, its gradient with respect to `local`): the loss on every process's embeddings, of which
+    `local` (detached from the encoder) are this process's; the all-gather's backward is included."""
+    local.requires_grad_(True)
+    with phase("all-gather"):
+        labels, embeddings = gather_labels(labels), all_gather_rows(local)
+    with phase("loss"):
+        loss = loss_fn(labels, embeddings)
         (loss * loss_scale).backward()
-    return loss.detach()
+    return loss.detach(), local.grad
 
 
 def grad_cache_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bool = True
@@ -78,16 +94,17 @@ def grad_cache_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, syn
     with torch.no_grad():
         for ids, mask in chunks:
             rng_states.append(RngState(device))
-            cached.append(inner(ids, mask))
+            with phase("encoder forward"):
+                cached.append(inner(ids, mask))
     # Loss on all embeddings; backward stops at the (gathered) embeddings.
-    local = torch.cat(cached, dim=-2).requires_grad_(True)
-    loss = loss_fn(gather_labels(labels), all_gather_rows(local))
-    (loss * loss_scale).backward()
-    grads = local.grad.split([e.shape[-2] for e in cached], dim=-2)
+    loss, cache = _loss_backward(torch.cat(cached, dim=-2), labels, loss_fn, loss_scale)
+    grads = cache.split([e.shape[-2] for e in cached], dim=-2)
     # Pass 2: re-embed with a graph, same dropout masks, inject the cached gradients.
     for i, ((ids, mask), rng, grad) in enumerate(zip(chunks, rng_states, grads)):
         last = i == len(chunks) - 1
         with no_sync(model, skip_sync=not (last and sync)), rng.replay():
-            emb = model(ids, mask)
-            emb.backward(grad)
-    return loss.detach()
+            with phase("encoder re-forward"):
+                emb = model(ids, mask)
+            with phase("encoder backward"):
+                emb.backward(grad)
+    return loss

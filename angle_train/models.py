@@ -12,6 +12,12 @@ of the base model; there is no head to exclude because none is loaded.
 The `Encoder` module owns autocast (bf16/fp16 on the fly, float32 embeddings out) so every caller
 (plain step, gradient cache, evaluation, export) embeds the same way.
 
+Bidirectional attention (`bidirectional=True`, decoder LMs only, as LLM2Vec, BiLLM and NV-Embed train them): every
+token attends to every real token of its text, before and after it; padding stays masked out as a key. The mask
+is transformers' own `create_bidirectional_mask` for the model's attention implementation (sdpa, eager, flex),
+passed to the model as a prepared 4D mask (which the model uses as it is instead of building its causal one); the
+attention modules' `is_causal` is switched off too, for the kernels that take no mask (flash attention).
+
 Pooling turns the per-token hidden states [B, L, H] into one embedding per text [B, H]. Every strategy
 honours the attention mask, so padding never leaks into an embedding, and works for both padding sides:
 right padding (BERT-style encoders) puts the real tokens first, left padding (decoder-only LLMs, so that
@@ -31,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .data import Prompts, apply_prompt, pad_batch
 
 # ------------------------------------------------------------------------------------------------ pooling
 
@@ -115,6 +123,7 @@ class Encoder(nn.Module):
         is_decoder: bool,
         pad_token_id: int,
         autocast: str | None = None,
+        bidirectional: bool = False,
     ):
         super().__init__()
         if pooling not in POOLING_STRATEGIES:
@@ -127,8 +136,11 @@ class Encoder(nn.Module):
         self.padding_side = "left" if is_decoder else "right"
         self.pad_token_id = pad_token_id
         self.autocast = autocast
+        self.bidirectional = bidirectional
         # Espresso training (see all_layers_out): forward returns every layer's pooled embeddings [L, B, H]
         self.layer_stack = False
+        # the prompts the model was trained with, by role: set by the trainer and by export.load_pretrained
+        self.prompts = Prompts()
 
     @property
     def device(self) -> torch.device:
@@ -151,14 +163,45 @@ class Encoder(nn.Module):
             # first real token, so a text gets the same rotary positions whatever its batch mates.
             kwargs["position_ids"] = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
             kwargs["use_cache"] = False
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.bidirectional:
+            inputs = self._bidirectional_inputs(input_ids, attention_mask)
         with self._autocast():
-            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                                output_hidden_states=self.layer_stack, **kwargs)
+            out = self.backbone(**inputs, output_hidden_states=self.layer_stack, **kwargs)
         if not self.layer_stack:
             return pool(out.last_hidden_state.float(), attention_mask, self.pooling)
         # hidden states 0 .. L - 2 (0: the embedding layer's output) and the last, as angle-emb's Espresso takes them
         layers = [*out.hidden_states[:self.num_layers - 1], out.last_hidden_state]
         return torch.stack([pool(hidden.float(), attention_mask, self.pooling) for hidden in layers])
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether a decoder LM attends both ways (module docstring); settable."""
+        return self._bidirectional
+
+    @bidirectional.setter
+    def bidirectional(self, on: bool) -> None:
+        if on and not self.is_decoder:
+            raise ValueError("bidirectional=True removes a decoder LM's causal mask; this model is an encoder, whose "
+                             "attention is bidirectional already")
+        self._bidirectional = bool(on)
+        if self.is_decoder:
+            for module in self.backbone.modules():
+                if hasattr(module, "is_causal"):  # attention layers: read by the kernels that take no mask
+                    module.is_causal = not on
+
+    def _bidirectional_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        """The token embeddings and a 4D mask in which each token sees every real token of its row (module
+        docstring); the embeddings are computed here because the mask factory needs their dtype and shape."""
+        try:
+            from transformers.masking_utils import create_bidirectional_mask
+        except ImportError as exc:  # pragma: no cover - depends on the installed transformers
+            raise ImportError("bidirectional attention needs a transformers release with "
+                              "masking_utils.create_bidirectional_mask (pip install -U transformers)") from exc
+        embeds = self.backbone.get_input_embeddings()(input_ids)
+        mask = create_bidirectional_mask(config=self.backbone.config, inputs_embeds=embeds,
+                                         attention_mask=attention_mask, allow_is_bidirectional_skip=False)
+        return {"inputs_embeds": embeds, "attention_mask": attention_mask if mask is None else mask}
 
     @property
     def num_layers(self) -> int:
@@ -182,15 +225,15 @@ class Encoder(nn.Module):
 
     @torch.no_grad()
     def encode(self, texts, tokenizer, *, batch_size: int = 64, max_length: int = 512, prompt: str | None = None,
-               normalize: bool = False, dim: int | None = None) -> torch.Tensor:
+               prompt_name: str = "text", normalize: bool = False, dim: int | None = None) -> torch.Tensor:
         """Embed a list of strings for inference: batched, longest-first (less padding), original order out.
-        dim: keep the first `dim` features (a Matryoshka-trained model's prefix); normalize applies after the cut,
-        so the prefix has unit norm."""
-        from .data import apply_prompt, pad_batch  # data imports nothing from here; keep the modules independent
-
+        prompt: a template for these texts ('' for none); by default the model's own prompt for `prompt_name`
+        ('text', 'query' or 'document': data.Prompts), as in training. dim: keep the first `dim` features (a
+        Matryoshka-trained model's prefix); normalize applies after the cut, so the prefix has unit norm."""
         if isinstance(texts, str):
             texts = [texts]
-        texts = [apply_prompt(t, prompt) for t in texts]
+        template = self.prompts.for_role(prompt_name) if prompt is None else prompt
+        texts = [apply_prompt(t, template) for t in texts]
         ids = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=True)["input_ids"]
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         was_training = self.training
@@ -237,6 +280,7 @@ def wrap_backbone(
     lora: LoraSettings | None = None,
     gradient_checkpointing: bool = False,
     autocast: str | None = None,
+    bidirectional: bool = False,
 ) -> Encoder:
     """Turn an already built base model (loaded or made from a config) into a trainable Encoder."""
     if is_decoder is None:
@@ -261,7 +305,8 @@ def wrap_backbone(
         )
         backbone = get_peft_model(backbone, config)
     pooling = pooling or ("last" if is_decoder else "cls")
-    return Encoder(backbone, pooling=pooling, is_decoder=is_decoder, pad_token_id=pad_token_id, autocast=autocast)
+    return Encoder(backbone, pooling=pooling, is_decoder=is_decoder, pad_token_id=pad_token_id, autocast=autocast,
+                   bidirectional=bidirectional)
 
 
 def load_encoder(
@@ -276,6 +321,7 @@ def load_encoder(
     device: str | torch.device = "cpu",
     is_decoder: bool | None = None,
     trust_remote_code: bool = False,
+    bidirectional: bool = False,
 ):
     """Load (encoder, tokenizer) from a hub name or local folder; `lora_path` resumes/evaluates an adapter."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
@@ -293,5 +339,6 @@ def load_encoder(
         backbone = PeftModel.from_pretrained(backbone, lora_path, is_trainable=True)
         lora = None  # the adapter is already attached
     encoder = wrap_backbone(backbone, pooling=pooling, pad_token_id=tokenizer.pad_token_id, is_decoder=is_decoder,
-                            lora=lora, gradient_checkpointing=gradient_checkpointing, autocast=autocast)
+                            lora=lora, gradient_checkpointing=gradient_checkpointing, autocast=autocast,
+                            bidirectional=bidirectional)
     return encoder.to(device), tokenizer

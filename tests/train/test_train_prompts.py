@@ -1,0 +1,147 @@
+"""Query and document prompts (issue 14, item 2): each text gets the prompt of its role in formats A, B and C, the
+prompts are saved with the exported model, and encode(), load_pretrained, sentence-transformers and angle-eval
+apply them as training did."""
+
+import json
+import os
+
+import pytest
+import torch
+from train_helpers import make_encoder, run_config
+
+from angle_train.data import ANGLE_PROMPT, NAMED_PROMPTS, Example, Prompts, TokenizedPairs, prompt_prefix
+from angle_train.export import load_pretrained, save_pretrained
+
+# prompts of words the tiny tokenizer knows (an unknown word would become [UNK] whatever the prompt)
+TEXT, QUERY, DOC = "the ", "it was {text}", "very very "
+QUERIES = ["a small red car", "the big dog", "a golden kite", "box"]
+DOCS = ["the car is red and small", "it was a black dog", "the kite is long", "a box"]
+
+
+def test_each_role_takes_its_prompt_and_falls_back_to_the_text_prompt():
+    prompts = Prompts(text=TEXT, query=QUERY)
+    assert prompts.for_role("text") == TEXT
+    assert prompts.for_role("query") == QUERY
+    assert prompts.for_role("document") == TEXT  # no document prompt of its own
+    assert Prompts(query=QUERY).for_role("document") is None
+    assert prompts.as_dict() == {"text": TEXT, "query": QUERY, "document": TEXT}
+    assert Prompts(text="angle").text == ANGLE_PROMPT
+    assert Prompts(document="Prompts.C").document == NAMED_PROMPTS["Prompts.C"]
+    assert Prompts(text="").as_dict() == {}
+    with pytest.raises(ValueError, match="prompt name"):
+        prompts.for_role("passage")
+    with pytest.raises(TypeError, match="query prompt"):
+        Prompts(query=3)
+
+
+def test_a_prompt_is_a_prefix_only_when_the_text_comes_last():
+    assert prompt_prefix("query: ") == "query: "
+    assert prompt_prefix("query: {text}") == "query: "
+    assert prompt_prefix(ANGLE_PROMPT) is None
+
+
+@pytest.mark.parametrize("fmt", ["A", "B", "C"])
+def test_tokenized_pairs_apply_the_prompt_of_each_role(fmt):
+    _, tokenizer = make_encoder("bert")
+    texts = {"A": ("a red car", "the car is red"), "B": ("a red car", "the car is red"),
+             "C": ("a red car", "the car is red", "a blue boat")}[fmt]
+    prompts = Prompts(text=TEXT, query=QUERY, document=DOC)
+    pairs = TokenizedPairs([Example(texts, 1.0)], fmt, tokenizer, max_length=32, prompt=prompts)
+    expected = {"A": ["the a red car", "the the car is red"],
+                "B": ["it was a red car", "very very the car is red"],
+                "C": ["it was a red car", "very very the car is red", "very very a blue boat"]}[fmt]
+    assert pairs.ids[0] == tokenizer(expected)["input_ids"]
+    # one string is the text prompt of every role, as before per-role prompts
+    single = TokenizedPairs([Example(texts, 1.0)], fmt, tokenizer, max_length=32, prompt=TEXT)
+    assert single.ids[0] == tokenizer([TEXT + t for t in texts])["input_ids"]
+
+
+def test_cli_flags_config_keys_and_the_text_prompt_alias(tmp_path):
+    from angle_train.cli import config_from_args
+
+    cfg = config_from_args(["--query-prompt", QUERY, "--doc-prompt", DOC, "--text-prompt", "angle"])
+    assert cfg.prompts() == Prompts(text=ANGLE_PROMPT, query=QUERY, document=DOC)
+    settings = tmp_path / "run.json"
+    settings.write_text(json.dumps({"text_prompt": TEXT, "query-prompt": QUERY}))
+    assert config_from_args(["--config", str(settings)]).prompts() == Prompts(text=TEXT, query=QUERY)
+
+
+def test_format_a_refuses_query_and_document_prompts(tmp_path):
+    from angle_train.tiny import demo_sts_examples
+    from angle_train.trainer import train
+
+    cfg = run_config(tmp_path, query_prompt=QUERY, max_steps=1, batch_size=4, cosine_w=1.0, ibn_w=0.0)
+    with pytest.raises(ValueError, match="format A's two texts take --prompt"):
+        train(cfg, model=make_encoder("bert", dtype=torch.float32),
+              train_examples=(demo_sts_examples(16), "A"))
+
+
+def test_training_exports_the_prompts_and_every_loader_applies_them(tmp_path, capsys):
+    """Format B with query and document prompts: the final export's encode(prompt_name=...) embeds as training did,
+    through load_pretrained and through sentence-transformers' own prompts."""
+    st = pytest.importorskip("sentence_transformers")
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import train
+
+    cfg = run_config(tmp_path, prompt=TEXT, query_prompt=QUERY, doc_prompt=DOC, pooling="avg", max_steps=2,
+                     batch_size=8, save_final=True)
+    result = train(cfg, model=make_encoder("bert", dtype=torch.float32), train_examples=(demo_examples(32), "B"))
+    encoder, tokenizer = result.encoder, result.tokenizer
+    encoder.eval()
+    queries = encoder.encode(QUERIES, tokenizer, prompt_name="query")
+    torch.testing.assert_close(queries, encoder.encode(QUERIES, tokenizer, prompt=QUERY), rtol=0, atol=0)
+    assert not torch.allclose(queries, encoder.encode(QUERIES, tokenizer, prompt=""))  # the prompt matters
+
+    reloaded, tok, _ = load_pretrained(result.final_path)
+    assert reloaded.prompts == Prompts(text=TEXT, query=QUERY, document=DOC)
+    for name, texts in (("query", QUERIES), ("document", DOCS), ("text", DOCS)):
+        torch.testing.assert_close(reloaded.encode(texts, tok, prompt_name=name),
+                                   encoder.encode(texts, tokenizer, prompt_name=name), rtol=1e-5, atol=1e-6)
+
+    model = st.SentenceTransformer(result.final_path, device="cpu")
+    assert model.prompts == {"text": TEXT, "query": "it was ", "document": DOC}
+    for name, texts in (("query", QUERIES), ("document", DOCS)):
+        theirs = torch.as_tensor(model.encode(texts, prompt_name=name))
+        torch.testing.assert_close(theirs, encoder.encode(texts, tokenizer, prompt_name=name), rtol=1e-4, atol=1e-5)
+    # sentence-transformers' default prompt is the text prompt, as encode()'s
+    torch.testing.assert_close(torch.as_tensor(model.encode(DOCS)), encoder.encode(DOCS, tokenizer),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_a_prompt_that_is_not_a_prefix_stays_out_of_the_sentence_transformers_config(tmp_path, capsys):
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    encoder.prompts = Prompts(text="angle", query=QUERY)
+    path = save_pretrained(encoder, tokenizer, str(tmp_path / "angle"), max_length=32)
+    assert "cannot express" in capsys.readouterr().out
+    with open(os.path.join(path, "config_sentence_transformers.json")) as f:
+        assert json.load(f)["prompts"] == {}
+    reloaded, _, meta = load_pretrained(path)
+    assert reloaded.prompts == encoder.prompts and meta["prompt"] == ANGLE_PROMPT
+
+
+def test_an_export_without_per_role_prompts_still_loads_its_prompt(tmp_path):
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    path = save_pretrained(encoder, tokenizer, str(tmp_path / "old"), max_length=32)
+    meta_path = os.path.join(path, "angle_train.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    del meta["prompts"]
+    meta["prompt"] = TEXT
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    assert load_pretrained(path)[0].prompts == Prompts(text=TEXT)
+
+
+def test_angle_eval_retrieval_uses_the_query_and_document_prompts(tmp_path):
+    from angle_train.evaluate import RetrievalSet, evaluate, retrieval_metrics
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    encoder.eval()
+    encoder.prompts = Prompts(query=QUERY, document=DOC)
+    ours = evaluate(encoder, tokenizer, [RetrievalSet("pairs", QUERIES, DOCS)])["pairs"]
+    expected = retrieval_metrics(encoder.encode(QUERIES, tokenizer, prompt=QUERY),
+                                 encoder.encode(DOCS, tokenizer, prompt=DOC))
+    unprompted = retrieval_metrics(encoder.encode(QUERIES, tokenizer, prompt=""),
+                                   encoder.encode(DOCS, tokenizer, prompt=""))
+    assert ours == expected
+    assert ours != unprompted  # the check can tell (4 random-model rankings differ with the prompts)
