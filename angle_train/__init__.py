@@ -1,4 +1,4 @@
-"""angle_train: a lean training loop for AnglE embedding fine-tuning (BERT-style encoders and LLMs with LoRA).
+"""angle_train: a lean training loop for AnglE (and ArcCSE) embedding fine-tuning (BERT-style encoders and LLMs).
 
     trainer.py      train(): setup, one optimizer step, evaluate, save, finish; logging and throughput
     checkpoint.py   resumable checkpoints (atomic, code-free loading, exact resume), best/
@@ -10,6 +10,7 @@
     profiling.py    --profile: the phases of one optimizer step
     distributed.py  DDP helpers: all-gather with gradients, no_sync, barrier
     sharding.py     --fsdp: FSDP2 sharding, sharded checkpoints (torch.distributed.checkpoint), full weights
+    arccse.py       --objective arccse: raw sentences, masked copies, the five-block batch and its loss
     faults.py       non-finite steps, SIGTERM/SIGINT, out-of-memory advice
     evaluate.py     the `angle-eval` command: STS Spearman in the paper's setting, retrieval metrics
     export.py       Hugging Face / LoRA adapter / sentence-transformers folders

@@ -51,7 +51,7 @@ from .sharding import load_sharded, save_sharded
 
 # Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
 RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
-                     "epochs", "max_steps")
+                     "epochs", "max_steps", "objective", "text_column", "mask_rates")
 
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from angle_kernels.functional import check_arccon_options
+
 from .data import Prompts
 
 
@@ -78,10 +80,22 @@ class TrainConfig:
     fsdp: bool = opt(False, "full fine-tuning with weights, gradients and AdamW state sharded over the processes "
                      "(PyTorch FSDP2), for models DDP cannot hold; launch with torchrun (2+ processes); not with "
                      "--lora (LoRA + DDP is the way for adapters)", group="optimisation")
-    auto_chunk: bool = opt(False, "on out-of-memory, halve --chunk-size (from plain backprop: half the batch) and retry "
-                           "the step (one process only)", group="optimisation")
+    auto_chunk: bool = opt(False, "on out-of-memory, halve --chunk-size (from plain backprop: half the batch) and "
+                           "retry the step (one process only)", group="optimisation")
     seed: int = opt(42, "random seed (data order, dropout, LoRA init)", group="optimisation")
     # ---- loss: angle_kernels.AngleLoss's weights and temperatures (defaults are angle-emb 0.6.1's)
+    objective: str = opt("angle", "angle: AngleLoss on pairs (formats A/B/C); arccse: ArcCSE's unsupervised objective "
+                         "from raw sentences (--train-data: .txt, one per line, or a --text-column): two dropout views "
+                         "(ArcCon) and a triplet of the sentence and two masked copies", group="loss",
+                         choices=["angle", "arccse"])
+    arccon_margin: float = opt(10.0, "arccse: ArcCon's additive angular margin, in degrees", group="loss")
+    arccon_tau: float = opt(0.05, "arccse: ArcCon's temperature", group="loss")
+    triplet_w: float = opt(0.1, "arccse: lambda, the triplet loss's weight", group="loss")
+    mask_rates: list = opt([0.2, 0.4],  # noqa: RUF009 (opt() builds a default_factory for lists)
+                           "arccse: the fractions of a sentence's tokens masked (one contiguous span) in its weakly "
+                           "and strongly masked copies", group="loss", metavar="RATE")
+    text_column: str = opt("text", "arccse: the column of a JSONL/CSV file or dataset holding the sentences",
+                           group="data")
     cosine_w: float = opt(0.0, "weight of the cosine (CoSENT) ranking term", group="loss")
     ibn_w: float = opt(1.0, "weight of the in-batch-negative term (labels must be 0/1 in format A)", group="loss")
     cln_w: float = opt(1.0, "weight of the hard-negative term (format C)", group="loss")
@@ -147,6 +161,7 @@ class TrainConfig:
         if self.fsdp and self.lora:
             raise ValueError("--fsdp shards a full fine-tuning; with --lora the adapters are small: use DDP (leave "
                              "out --fsdp)")
+        self._validate_arccse()
         if self.espresso_dim < 1:
             raise ValueError(f"espresso_dim must be >= 1; got {self.espresso_dim}")
         return self
@@ -154,6 +169,20 @@ class TrainConfig:
     def prompts(self) -> Prompts:
         """The prompt of each role of a text (data.Prompts), from --prompt, --query-prompt and --doc-prompt."""
         return Prompts(text=self.prompt, query=self.query_prompt, document=self.doc_prompt)
+
+    def _validate_arccse(self) -> None:
+        if not isinstance(self.mask_rates, (list, tuple)):
+            raise ValueError(f"--mask-rates: expected two numbers; got {self.mask_rates!r}")
+        rates = [_number("--mask-rates", value, float) for value in self.mask_rates]
+        if len(rates) != 2 or not 0 <= rates[0] <= rates[1] < 1:
+            raise ValueError(f"--mask-rates: expected two fractions 0 <= weak <= strong < 1; got {rates}")
+        self.mask_rates = rates
+        try:  # ArcCSELoss's own rules, with the flags named
+            check_arccon_options(self.arccon_margin, self.arccon_tau)
+        except ValueError as exc:
+            raise ValueError(f"--arccon-margin / --arccon-tau: {exc}") from None
+        if self.objective == "arccse" and (self.espresso or self.data_format):
+            raise ValueError("--objective arccse trains from raw sentences: leave out --espresso and --data-format")
 
     def trained_widths(self, width: int) -> list[int]:
         """The widths the run trains the embeddings (of `width` features) at: --matryoshka-dims, Espresso's

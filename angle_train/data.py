@@ -118,21 +118,21 @@ def detect_format(columns, where: str) -> str:
     )
 
 
+def check_text(value, where: str, column: str) -> str:
+    """A text field's value, or a DataError naming the place when it is not a non-empty string."""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: column {column!r} must be a string; got {type(value).__name__} {value!r}")
+    if not value.strip():
+        raise DataError(f"{where}: column {column!r} is an empty text")
+    return value
+
+
 def _example_from_row(row: dict, fmt: str, where: str) -> Example:
     row = {ALIASES.get(k, k): v for k, v in row.items() if k is not None}
     missing = [c for c in FORMATS[fmt] if c not in row or row[c] is None]
     if missing:
         raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {sorted(row)})")
-    texts = []
-    for column in FORMATS[fmt]:
-        if column == "label":
-            continue
-        value = row[column]
-        if not isinstance(value, str):
-            raise DataError(f"{where}: column {column!r} must be a string; got {type(value).__name__} {value!r}")
-        if not value.strip():
-            raise DataError(f"{where}: column {column!r} is an empty text")
-        texts.append(value)
+    texts = [check_text(row[column], where, column) for column in FORMATS[fmt] if column != "label"]
     label = 1.0
     if fmt == "A":
         raw = row["label"]
@@ -175,8 +175,8 @@ def read_stsb(path: str) -> list[Example]:
     return examples
 
 
-def read_jsonl(path: str, fmt: str | None) -> tuple[list[Example], str]:
-    examples = []
+def jsonl_rows(path: str):
+    """(where, row) for every non-blank line of a JSONL file: a JSON object each, or a DataError naming the line."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -188,8 +188,14 @@ def read_jsonl(path: str, fmt: str | None) -> tuple[list[Example], str]:
                 raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: each line must be a JSON object; got {type(row).__name__}")
-            fmt = fmt or detect_format(row.keys(), where)
-            examples.append(_example_from_row(row, fmt, where))
+            yield where, row
+
+
+def read_jsonl(path: str, fmt: str | None) -> tuple[list[Example], str]:
+    examples = []
+    for where, row in jsonl_rows(path):
+        fmt = fmt or detect_format(row.keys(), where)
+        examples.append(_example_from_row(row, fmt, where))
     return examples, fmt
 
 
@@ -216,19 +222,24 @@ def read_delimited(path: str, fmt: str | None, delimiter: str) -> tuple[list[Exa
     return examples, fmt
 
 
-def read_hf_dataset(name_or_path: str, fmt: str | None, split: str) -> tuple[list[Example], str]:
+def open_hf_dataset(name_or_path: str, split: str):
+    """One split of a Hugging Face dataset: a save_to_disk folder, or a hub name."""
     try:
         import datasets
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("reading Hugging Face datasets needs the `datasets` package") from exc
-    if os.path.isdir(name_or_path):
-        dataset = datasets.load_from_disk(name_or_path)
-        if isinstance(dataset, datasets.DatasetDict):
-            if split not in dataset:
-                raise DataError(f"{name_or_path}: no split {split!r} (has {list(dataset)})")
-            dataset = dataset[split]
-    else:
-        dataset = datasets.load_dataset(name_or_path, split=split)
+    if not os.path.isdir(name_or_path):
+        return datasets.load_dataset(name_or_path, split=split)
+    dataset = datasets.load_from_disk(name_or_path)
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise DataError(f"{name_or_path}: no split {split!r} (has {list(dataset)})")
+        dataset = dataset[split]
+    return dataset
+
+
+def read_hf_dataset(name_or_path: str, fmt: str | None, split: str) -> tuple[list[Example], str]:
+    dataset = open_hf_dataset(name_or_path, split)
     fmt = fmt or detect_format(dataset.column_names, f"{name_or_path} [{split}]")
     examples = [_example_from_row(row, fmt, f"{name_or_path} [{split}], row {i}") for i, row in enumerate(dataset)]
     return examples, fmt
@@ -244,7 +255,7 @@ def load_examples(source: str, *, fmt: str | None = None, split: str = "train", 
     is_file = os.path.isfile(source)
     if is_file and os.path.getsize(source) == 0:
         raise DataError(f"{source}: the file is empty")
-    if layout == "stsb" or (is_file and not source.endswith((".jsonl", ".json")) and _first_line_is_stsb(source)):
+    if layout == "stsb" or (is_file and not source.endswith((".jsonl", ".json")) and first_line_is_stsb(source)):
         if fmt not in (None, "A"):
             raise DataError(f"{source}: the STS-B layout is format A (text1, text2, label); got format={fmt!r}")
         examples, fmt = read_stsb(source), "A"
@@ -261,7 +272,7 @@ def load_examples(source: str, *, fmt: str | None = None, split: str = "train", 
     return examples, fmt
 
 
-def _first_line_is_stsb(path: str) -> bool:
+def first_line_is_stsb(path: str) -> bool:
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
@@ -296,6 +307,9 @@ class TokenizedPairs:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def describe(self) -> str:
+        return f"{len(self):,} examples (format {self.fmt})"
+
     def lengths_of(self, indices: list[int]) -> list[int]:
         """Real (unpadded) token counts of all rows of these examples."""
         return [len(seq) for i in indices for seq in self.ids[i]]
@@ -312,11 +326,20 @@ class TokenizedPairs:
 class Batch:
     seqs: list[list[int]]  # token ids per row, unpadded
     labels: torch.Tensor  # [rows], the example's label on each of its rows
+    # rows [0, dropout_rows) are embedded with dropout, the rest without (ArcCSE's triplets); None: every row with
+    dropout_rows: int | None = None
 
     def chunks(self, rows_per_chunk: int | None) -> list[list[list[int]]]:
-        if not rows_per_chunk or rows_per_chunk >= len(self.seqs):
-            return [self.seqs]
-        return [self.seqs[i:i + rows_per_chunk] for i in range(0, len(self.seqs), rows_per_chunk)]
+        """The rows in forward passes of at most rows_per_chunk (0 / None: one pass)."""
+        return [seqs for seqs, _ in self.passes(rows_per_chunk)]
+
+    def passes(self, rows_per_chunk: int | None) -> list[tuple[list[list[int]], bool]]:
+        """(rows, with dropout) of each forward pass: chunks of at most rows_per_chunk rows, none of which mixes
+        rows with and without dropout."""
+        split = len(self.seqs) if self.dropout_rows is None else self.dropout_rows
+        groups = [(self.seqs[:split], True), (self.seqs[split:], False)]
+        return [(seqs[i:i + (rows_per_chunk or len(seqs))], dropout) for seqs, dropout in groups if seqs
+                for i in range(0, len(seqs), rows_per_chunk or len(seqs))]
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:

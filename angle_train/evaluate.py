@@ -197,7 +197,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="angle-eval", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="an angle_train export, or a hub name / local folder of a Hugging Face model")
@@ -211,6 +211,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results there")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         datasets = [read_dataset(path) for path in args.paths]

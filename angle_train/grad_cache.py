@@ -52,17 +52,32 @@ class RngState:
             yield
 
 
+def embed(model, chunk) -> torch.Tensor:
+    """The embeddings of a chunk (input_ids, attention_mask[, dropout]): with dropout=False (ArcCSE's triplet
+    encodings) the model runs in eval mode, so no dropout, and still builds its graph when gradients are on."""
+    ids, mask, *flag = chunk
+    if not flag or flag[0]:
+        return model(ids, mask)
+    was_training = model.training
+    model.train(False)
+    try:
+        return model(ids, mask)
+    finally:
+        model.train(was_training)
+
+
 def plain_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bool = True) -> torch.Tensor:
     """Embed every chunk with a graph, loss on all embeddings, backward. Returns the detached loss.
 
     `model` maps (input_ids, attention_mask) to embeddings (the Encoder, or its DDP wrapper); `chunks` is
-    a list of (input_ids, attention_mask). One chunk is the usual case. `sync=False` skips DDP's gradient
+    a list of (input_ids, attention_mask) or (input_ids, attention_mask, dropout): see embed. One chunk is the
+    usual case. `sync=False` skips DDP's gradient
     all-reduce (gradient accumulation in progress). The backward runs in two calls, the loss's down to the
     embeddings, then the encoder's from their gradients (the same gradients as one call): the profile's phases.
     """
     with no_sync(model, skip_sync=not sync):
         with phase("encoder forward"):
-            local = torch.cat([model(ids, mask) for ids, mask in chunks], dim=-2)
+            local = torch.cat([embed(model, chunk) for chunk in chunks], dim=-2)
         loss, grad = _loss_backward(local.detach(), labels, loss_fn, loss_scale)
         with phase("encoder backward"):
             local.backward(grad)
@@ -87,24 +102,24 @@ def grad_cache_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, syn
 
     `sync=False` skips the DDP all-reduce on the last chunk too (gradient accumulation in progress).
     """
-    device = chunks[0][0].device
+    device = chunks[0][0].device  # a chunk: (input_ids, attention_mask[, dropout]), as plain_step's
     rng_states, cached = [], []
     # Pass 1: embeddings only. The DDP wrapper is bypassed: no graph, nothing to synchronise.
     inner = getattr(model, "module", model)
     with torch.no_grad():
-        for ids, mask in chunks:
+        for chunk in chunks:
             rng_states.append(RngState(device))
             with phase("encoder forward"):
-                cached.append(inner(ids, mask))
+                cached.append(embed(inner, chunk))
     # Loss on all embeddings; backward stops at the (gathered) embeddings.
     loss, cache = _loss_backward(torch.cat(cached, dim=-2), labels, loss_fn, loss_scale)
     grads = cache.split([e.shape[-2] for e in cached], dim=-2)
     # Pass 2: re-embed with a graph, same dropout masks, inject the cached gradients.
-    for i, ((ids, mask), rng, grad) in enumerate(zip(chunks, rng_states, grads)):
+    for i, (chunk, rng, grad) in enumerate(zip(chunks, rng_states, grads)):
         last = i == len(chunks) - 1
         with no_sync(model, skip_sync=not (last and sync)), rng.replay():
             with phase("encoder re-forward"):
-                emb = model(ids, mask)
+                emb = embed(model, chunk)
             with phase("encoder backward"):
                 emb.backward(grad)
     return loss

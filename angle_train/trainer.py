@@ -28,10 +28,10 @@ from typing import Callable
 
 import torch
 
-from angle_kernels import AngleLoss
+from angle_kernels import AngleLoss, ArcCSELoss
 from angle_kernels.functional import check_nested, espresso_layer_weights
 
-from . import distributed, faults, sharding
+from . import arccse, distributed, faults, sharding
 from .checkpoint import (
     Position, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint, save_best,
     save_checkpoint,
@@ -67,7 +67,8 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     """Run training as configured (the Python API; the CLI calls this).
 
     Overrides for library use and tests: model=(encoder, tokenizer) replaces cfg.model; train_examples
-    ((examples, format)) and dev_examples (a list of format-A examples) replace the data paths; loss_fn
+    ((examples, format); with --objective arccse a list of sentences) and dev_examples (a list of format-A
+    examples) replace the data paths; loss_fn
     (called as loss_fn(labels, embeddings)) replaces angle_kernels.AngleLoss, e.g. to compare with another
     implementation; on_step(step, row) is called after every optimizer step and may raise StopTraining.
 
@@ -143,7 +144,7 @@ class Run:
     encoder: torch.nn.Module  # the Encoder itself (sharded in place with --fsdp): saved, evaluated and exported
     model: torch.nn.Module  # what the steps call: the encoder, or its DDP wrapper when there are several processes
     tokenizer: object
-    dataset: TokenizedPairs
+    dataset: TokenizedPairs | arccse.TokenizedSentences
     dev_examples: list[Example] | None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     optimizer: torch.optim.Optimizer
@@ -185,18 +186,20 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
                              "--nproc-per-node N (N >= 2), or leave out --fsdp on one")
         sharding.shard(encoder)  # before the optimizer, which holds the shards
 
-    if train_examples is None:
-        train_examples = read_data(cfg.train_data, cfg.data_format, cfg.train_split)
-    examples, fmt = train_examples
-    if fmt == "A" and (cfg.query_prompt or cfg.doc_prompt):
-        raise ValueError("--query-prompt and --doc-prompt apply to the query and the positive/negative of formats B "
-                         "and C; format A's two texts take --prompt (angle-emb's text_prompt)")
-    dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompts)
+    if cfg.objective == "arccse":
+        dataset, fmt = read_sentences(cfg, tokenizer, train_examples), None
+    else:
+        examples, fmt = train_examples or read_data(cfg.train_data, cfg.data_format, cfg.train_split)
+        if fmt == "A" and (cfg.query_prompt or cfg.doc_prompt):
+            raise ValueError("--query-prompt and --doc-prompt apply to the query and the positive/negative of formats "
+                             "B and C; format A's two texts take --prompt (angle-emb's text_prompt)")
+        dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompts)
     if dev_examples is None and cfg.dev_data:
         dev_examples = read_dev_data(cfg.dev_data, cfg.dev_split)
-    loss_name = "AngleLoss" if loss_fn is None else "the loss_fn given to train()"
+    loss_name = ("ArcCSELoss" if cfg.objective == "arccse" else "AngleLoss") if loss_fn is None else \
+        "the loss_fn given to train()"
     if loss_fn is None:
-        loss_fn = build_loss(cfg, fmt, encoder)
+        loss_fn = build_loss(cfg, fmt, encoder, world_size=dist_info.world_size)
     total_steps = count_steps(cfg, len(dataset), dist_info.world_size)
 
     optimizer = make_optimizer(cfg, encoder, device)
@@ -212,8 +215,8 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     if dist_info.is_main:
         n_trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
         n_total = sum(p.numel() for p in encoder.parameters())
-        print(f"angle_train: {cfg.model} | {n_trainable:,}/{n_total:,} trainable | {len(dataset):,} examples "
-              f"(format {fmt}) | {total_steps} steps of {cfg.batch_size}x{cfg.grad_accum} pairs | "
+        print(f"angle_train: {cfg.model} | {n_trainable:,}/{n_total:,} trainable | {dataset.describe()} | "
+              f"{total_steps} steps of {cfg.batch_size}x{cfg.grad_accum} {'sentences' if fmt is None else 'pairs'} | "
               f"{f'grad cache, chunks of {cfg.chunk_size} texts' if cfg.chunk_size else 'plain backprop'} | "
               f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
         if resume_from:
@@ -228,11 +231,17 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_spearman=position.best))
 
 
-def build_loss(cfg: TrainConfig, fmt: str, encoder=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def build_loss(cfg: TrainConfig, fmt: str | None, encoder=None, world_size: int = 1
+               ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """angle_kernels.AngleLoss for data format `fmt` with the run's weights, scales and in-batch-negative options;
     with --espresso, called on the encoder's layer stacks [L, rows, D] with Espresso's layer weights (the encoder
-    gives the number of layers and the width)."""
+    gives the number of layers and the width). --objective arccse: angle_kernels.ArcCSELoss on the five-block
+    layout of `world_size` processes (arccse.py)."""
     dims, dim_weights = tuple(cfg.matryoshka_dims) or None, tuple(cfg.matryoshka_weights) or None
+    if cfg.objective == "arccse":
+        loss = ArcCSELoss(margin_degrees=cfg.arccon_margin, tau=cfg.arccon_tau, triplet_weight=cfg.triplet_w,
+                          dims=dims, dim_weights=dim_weights)
+        return arccse.ArcCSEObjective(loss, world_size)
     layer_weights = None
     if cfg.espresso:
         dims, layer_weights = espresso_layer_weights(encoder.num_layers, cfg.espresso_dim, encoder.embedding_dim)
@@ -257,7 +266,7 @@ def check_espresso(cfg: TrainConfig, encoder) -> None:
 def check_matryoshka_dims(cfg: TrainConfig, width: int) -> None:
     """--matryoshka-dims against the model's embedding width, once the model is loaded: AngleLoss would check it
     only at the first step, with a message that cannot name the flag. The rules are AngleLoss's own."""
-    even = cfg.angle_w > 0  # the angle score splits each prefix in halves
+    even = cfg.angle_w > 0 and cfg.objective == "angle"  # the angle score splits each prefix in halves
     try:
         check_nested(cfg.matryoshka_dims, cfg.matryoshka_weights or None, width, even=even)
     except ValueError as exc:
@@ -286,6 +295,20 @@ def read_data(source: str, fmt: str | None, split: str):
     if source in BUILTIN_DATASETS:
         return builtin_examples(source)
     return load_examples(source, fmt=fmt, split=split)
+
+
+def read_sentences(cfg: TrainConfig, tokenizer, sentences: list[str] | None = None) -> arccse.TokenizedSentences:
+    """--objective arccse's data: `sentences` (train()'s train_examples), the texts of a built-in dataset, or
+    --train-data's sentences, tokenised with their masked copies."""
+    if sentences is None and cfg.train_data in BUILTIN_DATASETS:
+        examples, _ = builtin_examples(cfg.train_data)
+        sentences = list(dict.fromkeys(text for ex in examples for text in ex.texts))
+    elif sentences is None:
+        sentences, blank = arccse.load_sentences(cfg.train_data, column=cfg.text_column, split=cfg.train_split)
+        if blank:
+            print(f"{cfg.train_data}: {blank:,} blank line(s) between sentences skipped", flush=True)
+    return arccse.TokenizedSentences(sentences, tokenizer, max_length=cfg.max_length, mask_rates=cfg.mask_rates,
+                                     seed=cfg.seed, prompt=cfg.prompts())
 
 
 def read_dev_data(source: str, split: str) -> list[Example]:
@@ -438,8 +461,8 @@ def _backpropagate(run: Run, batches: list[list[int]]) -> float:
             mine = indices[run.dist_info.rank * share:(run.dist_info.rank + 1) * share]
             with phase("data"):
                 batch = run.dataset.batch(mine)
-                chunks = [pad_batch(c, run.encoder.pad_token_id, run.encoder.padding_side, run.device)
-                          for c in batch.chunks(cfg.chunk_size)]
+                chunks = [(*pad_batch(c, run.encoder.pad_token_id, run.encoder.padding_side, run.device), dropout)
+                          for c, dropout in batch.passes(cfg.chunk_size)]
             loss_scale = run.scaler.scale(torch.tensor(1.0 / cfg.grad_accum, device=run.device))
             loss = step_fn(run.model, chunks, batch.labels.to(run.device), run.loss_fn, loss_scale=loss_scale,
                            sync=j == cfg.grad_accum - 1)  # DDP all-reduces the gradients once, after the last batch
@@ -458,7 +481,7 @@ def next_batches(run: Run) -> list[list[int]]:
     return run.epoch_order[position.batch:position.batch + accum]
 
 
-def batch_order(cfg: TrainConfig, dataset: TokenizedPairs, epoch: int) -> list[list[int]]:
+def batch_order(cfg: TrainConfig, dataset: TokenizedPairs | arccse.TokenizedSentences, epoch: int) -> list[list[int]]:
     return epoch_batches(len(dataset), cfg.batch_size, seed=cfg.seed, epoch=epoch, lengths=dataset.lengths,
                          bucket_size=cfg.bucket)
 

@@ -127,3 +127,28 @@ def test_loss_flags_reach_angle_loss(tmp_path):
         run.log.close()
         loss = run.loss_fn
         assert (loss.ibn_partition, loss.false_negative_margin, loss.false_negative_strategy) == expected, argv
+
+
+def test_every_flag_in_the_readmes_commands_exists():
+    """The angle-train and angle-eval commands written in the READMEs use flags the parsers know."""
+    import re
+    from pathlib import Path
+
+    from angle_train import cli, evaluate
+
+    root = Path(__file__).resolve().parents[2]
+    known = {"angle-train": set(cli.build_parser()._option_string_actions),
+             "angle-eval": set(evaluate.build_parser()._option_string_actions)}
+    checked = 0
+    for readme in (root / "README.md", root / "angle_train" / "README.md"):
+        text = readme.read_text().replace("\\\n", " ")  # join continued lines
+        for line in text.splitlines():
+            command = re.search(r"(angle-train|angle_train\.cli|angle-eval)\b(.*)", line.split("#")[0])
+            if not command or "[" in command.group(2):  # a usage synopsis, not a command
+                continue
+            name = "angle-eval" if command.group(1) == "angle-eval" else "angle-train"
+            for flag in re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", command.group(2)):
+                where = readme.relative_to(root)
+                assert flag in known[name], f"{where}: {name} has no flag {flag} ({line.strip()[:80]})"
+                checked += 1
+    assert checked > 50

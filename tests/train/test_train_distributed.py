@@ -1,12 +1,13 @@
 """Two gloo processes with all-gathered embeddings = one process on the concatenated batch."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from train_helpers import demo_batch, graded_or_contrastive_loss, make_encoder, param_grads, run_config
+from train_helpers import (
+    assert_ranks_match, demo_batch, free_port, graded_or_contrastive_loss, make_encoder, param_grads, run_config,
+)
 
 from angle_train.cli import config_from_args
 from angle_train.data import pad_batch
@@ -21,12 +22,6 @@ GTE_FILTERED = ("--ibn-partition", "gte", "--false-negative-margin", "0.1")
 MATRYOSHKA = ("--matryoshka-dims", "8", "32", "16", "--matryoshka-weights", "2", "1", "0.5")
 # Espresso: the encoder's layer stacks [L, rows, D], gathered along the rows (its own loss: test_train_espresso.py)
 ESPRESSO = ("--espresso", "--espresso-dim", "8")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup(arch, fmt, flags=()):
@@ -70,7 +65,7 @@ def _rank_main(rank, world, port, arch, fmt, chunk_rows, flags, out_dir):
 def test_two_process_all_gather_equals_single_process(tmp_path, arch, fmt, chunk_rows, flags):
     """chunk_rows=None: plain backprop; 3: gradient cache with no_sync on all but the last chunk. flags: the loss
     options of angle-train's command line (the default AngleLoss of the format without)."""
-    mp.spawn(_rank_main, args=(2, _free_port(), arch, fmt, chunk_rows, flags, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), arch, fmt, chunk_rows, flags, str(tmp_path)), nprocs=2, join=True)
     encoder, batch, loss_fn = _setup(arch, fmt, flags)
     chunks = [pad_batch(batch.seqs, encoder.pad_token_id, encoder.padding_side)]
     if flags and flags != ESPRESSO:  # each option changes this batch's loss (none, then one option more at a time)
@@ -121,14 +116,9 @@ def test_two_process_training_run_equals_single_process(tmp_path):
     from angle_train.tiny import demo_examples
     from angle_train.trainer import train
 
-    mp.spawn(_trainer_rank_main, args=(2, _free_port(), str(tmp_path / "ddp")), nprocs=2, join=True)
+    mp.spawn(_trainer_rank_main, args=(2, free_port(), str(tmp_path / "ddp")), nprocs=2, join=True)
     single = train(_trainer_config(str(tmp_path / "single")), model=make_encoder("bert", dropout=0.0),
                    train_examples=(demo_examples(24, seed=2), "B"))
-    for rank in range(2):
-        got = torch.load(tmp_path / "ddp" / f"trainer-rank{rank}.pt")
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor([r["loss"] for r in single.history]),
-                                   rtol=1e-10, atol=1e-12)
-        for name, value in single.encoder.state_dict().items():
-            torch.testing.assert_close(got["weights"][name], value, rtol=1e-9, atol=1e-12, msg=name)
+    assert_ranks_match(tmp_path / "ddp", "trainer-rank{rank}.pt", single)
     checkpoint = tmp_path / "ddp" / "checkpoints" / "step-00000003"
     assert (checkpoint / "rng-rank0.pt").exists() and (checkpoint / "rng-rank1.pt").exists()

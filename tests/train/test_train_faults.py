@@ -7,7 +7,6 @@ Every process agrees under DDP (2 gloo processes)."""
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from train_helpers import make_encoder, run_config
+from train_helpers import free_port, make_encoder, run_config
 
 from angle_kernels import AngleLoss
 from angle_train import faults
@@ -247,12 +246,6 @@ def test_auto_chunk_halves_the_chunk_and_gives_the_same_training(tmp_path):
 
 
 # -------------------------------------------------------------------------------------- 2 processes (gloo)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank, world, port, out_dir, case):
     import torch.distributed as dist
 
@@ -298,7 +291,7 @@ def test_every_process_agrees(tmp_path, case):
     """A NaN in one process's gradient skips the step on both (same weights, unchanged); SIGTERM to one process
     stops both after the same step with one checkpoint holding both processes' RNG states; --auto-chunk is refused
     under DDP."""
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path), case), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path), case), nprocs=2, join=True)
     got = [torch.load(tmp_path / f"{case}-rank{rank}.pt", weights_only=False) for rank in range(2)]
     if case == "nan_on_rank1":
         assert got[0]["skipped"] and got[1]["skipped"]

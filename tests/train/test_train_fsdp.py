@@ -3,22 +3,15 @@ whole batch, with the gradient cache and cross-device negatives; sharded checkpo
 against their manifest before torch.distributed.checkpoint reads them; exports hold the whole weights."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from train_helpers import make_encoder, run_config
+from train_helpers import free_port, make_encoder, run_config
 
 from angle_train.checkpoint import checkpoint_path, checkpoint_problem
 
 pytest.importorskip("torch.distributed.fsdp")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(out_dir, **settings):
@@ -58,7 +51,7 @@ def _rank_main(rank, world, port, out_dir, settings, stop_after):
 
 
 def _spawn(out_dir, stop_after=0, **settings):
-    mp.spawn(_rank_main, args=(2, _free_port(), str(out_dir), settings, stop_after), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), str(out_dir), settings, stop_after), nprocs=2, join=True)
     return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(2)]
 
 

@@ -3,6 +3,8 @@ a run configuration for tests."""
 
 from __future__ import annotations
 
+import socket
+
 import torch
 
 
@@ -53,3 +55,23 @@ def run_config(output_dir, **settings):
 
     quiet = {"device": "cpu", "progress": False, "save_final": False}
     return TrainConfig(output_dir=str(output_dir), **{**quiet, **settings})
+
+
+def assert_ranks_match(folder, pattern: str, single) -> None:
+    """Each process's saved {"losses", "weights"} (files folder/pattern.format(rank=r), r = 0, 1) equal a
+    single-process TrainResult's losses (to 1e-10) and final weights (to 1e-9)."""
+    import os
+
+    for rank in range(2):
+        got = torch.load(os.path.join(folder, pattern.format(rank=rank)))
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor([r["loss"] for r in single.history]),
+                                   rtol=1e-10, atol=1e-12)
+        for name, value in single.encoder.state_dict().items():
+            torch.testing.assert_close(got["weights"][name], value, rtol=1e-9, atol=1e-12, msg=f"rank {rank}: {name}")
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a test's process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

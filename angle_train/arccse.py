@@ -1,0 +1,186 @@
+"""`--objective arccse`: ArcCSE's unsupervised training from raw sentences (Zhang et al., ACL 2022).
+
+Every sentence is embedded five times, the rows of a batch of n sentences laid out in five blocks of n:
+
+    h1, h2    the sentence twice, with dropout: independent masks make the two views of ArcCon's positive pair
+    anchor    the sentence, dropout off
+    weak      a copy with a contiguous span of --mask-rates[0] (20%) of its tokens replaced by the mask token
+    strong    a copy with a span of --mask-rates[1] (40%) masked; both triplet copies with dropout off
+
+and the loss is angle_kernels.ArcCSELoss: ArcCon (additive angular margin, in-batch negatives: the other
+sentences' second views, across every process) + lambda * the triplet loss, which asks cos(anchor, weak) to
+exceed cos(anchor, strong). Batch.dropout_rows tells the steps (plain or gradient cache, whose RNG replay
+reproduces both views exactly) to embed the last three blocks in eval mode.
+
+Masks are drawn once, when the sentences are tokenised, from a generator seeded by (seed, sentence index): the
+same on every process, in every epoch and after a resume. The span covers round(rate x n) of the sentence's n
+tokens (special tokens excluded), anywhere in it; a sentence too short for a rate (the span would be 0 tokens)
+keeps its tokens for that copy, and setup reports how many there are.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import random
+
+import torch
+
+from .data import (
+    Batch,
+    DataError,
+    Prompts,
+    apply_prompt,
+    check_text,
+    first_line_is_stsb,
+    jsonl_rows,
+    open_hf_dataset,
+    read_stsb,
+)
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def load_sentences(source: str, *, column: str = "text", split: str = "train") -> tuple[list[str], int]:
+    """(sentences, blank lines skipped) from a .txt file (one sentence per line), a .jsonl/.csv/.tsv file's
+    `column`, a Hugging Face dataset's (a save_to_disk folder or a hub name), or an STS Benchmark file (the distinct
+    sentences of its pairs, labels unused). A blank line of a .txt file is a separator, not a sentence (counted);
+    an empty or missing text anywhere else is a DataError."""
+    if os.path.isfile(source):
+        if first_line_is_stsb(source):
+            sentences, skipped = list(dict.fromkeys(t for ex in read_stsb(source) for t in ex.texts)), 0
+        elif source.endswith(".txt"):
+            with open(source, encoding="utf-8") as f:
+                lines = [line.rstrip("\n").rstrip("\r") for line in f]
+            sentences = [line for line in lines if line.strip()]
+            skipped = len(lines) - len(sentences)
+        elif source.endswith((".jsonl", ".json")):
+            sentences, skipped = _jsonl_column(source, column), 0
+        elif source.endswith((".csv", ".tsv")):
+            sentences, skipped = _delimited_column(source, column), 0
+        else:
+            raise DataError(f"{source}: unknown file type for sentences; use .txt, .jsonl, .csv or .tsv")
+    else:
+        sentences, skipped = _dataset_column(source, column, split), 0
+    if not sentences:
+        raise DataError(f"{source}: no sentences")
+    return sentences, skipped
+
+
+def _jsonl_column(path: str, column: str) -> list[str]:
+    sentences = []
+    for where, row in jsonl_rows(path):
+        if column not in row:
+            raise DataError(f"{where}: no {column!r} field (--text-column); has {sorted(row)}")
+        sentences.append(check_text(row[column], where, column))
+    return sentences
+
+
+def _delimited_column(path: str, column: str) -> list[str]:
+    delimiter = "\t" if path.endswith(".tsv") else ","
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f, delimiter=delimiter, quoting=csv.QUOTE_NONE if delimiter == "\t" else
+                                csv.QUOTE_MINIMAL)
+        if column not in (reader.fieldnames or []):
+            raise DataError(f"{path}, line 1 (header): no column {column!r} (--text-column); has {reader.fieldnames}")
+        return [check_text(row[column], f"{path}, line {reader.line_num}", column) for row in reader]
+
+
+def _dataset_column(name_or_path: str, column: str, split: str) -> list[str]:
+    dataset = open_hf_dataset(name_or_path, split)
+    if column not in dataset.column_names:
+        raise DataError(f"{name_or_path} [{split}]: no column {column!r} (--text-column); has {dataset.column_names}")
+    return [check_text(value, f"{name_or_path} [{split}], row {i}", column)
+            for i, value in enumerate(dataset[column])]
+
+
+# ------------------------------------------------------------------------------------------------ masking
+
+
+def span_length(n_tokens: int, rate: float) -> int:
+    """Tokens a span of `rate` covers in a sentence of n_tokens: rate x n rounded half up."""
+    return math.floor(rate * n_tokens + 0.5)
+
+
+def mask_span(ids: list[int], maskable: range, rate: float, mask_id: int, rng: random.Random) -> list[int]:
+    """A copy of `ids` whose tokens in one contiguous span of span_length(len(maskable), rate) positions, placed
+    uniformly inside `maskable`, are mask_id (no span: the copy is unchanged)."""
+    k = span_length(len(maskable), rate)
+    out = list(ids)
+    if k == 0:
+        return out
+    start = maskable.start + rng.randrange(len(maskable) - k + 1)
+    out[start:start + k] = [mask_id] * k
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ dataset
+
+BLOCKS = 5  # h1, h2, anchor, weak, strong
+
+
+class TokenizedSentences:
+    """Sentences tokenised once, each with its two masked copies (module docstring); batches in the five-block
+    layout. The interface the trainer uses is TokenizedPairs's."""
+
+    def __init__(self, sentences: list[str], tokenizer, *, max_length: int, mask_rates: tuple[float, float],
+                 seed: int, prompt: str | Prompts | None = None):
+        if tokenizer.mask_token_id is None:
+            raise ValueError("--objective arccse masks tokens with the tokenizer's mask token, and this tokenizer has "
+                             "none (decoder LMs usually do not): train ArcCSE with a masked-LM encoder (BERT, "
+                             "RoBERTa, MiniLM...)")
+        template = Prompts.coerce(prompt).for_role("text")
+        encoded = tokenizer([apply_prompt(s, template) for s in sentences], truncation=True, max_length=max_length,
+                            add_special_tokens=True, return_special_tokens_mask=True)
+        self.ids, self.weak, self.strong = [], [], []
+        self.too_short = [0, 0]  # sentences whose span at each rate is 0 tokens
+        for index, (ids, special) in enumerate(zip(encoded["input_ids"], encoded["special_tokens_mask"])):
+            words = [j for j, flag in enumerate(special) if not flag]
+            maskable = range(words[0], words[-1] + 1) if words else range(0)
+            rng = random.Random(f"arccse-masks:{seed}:{index}")
+            copies = [mask_span(ids, maskable, rate, tokenizer.mask_token_id, rng) for rate in mask_rates]
+            for i, rate in enumerate(mask_rates):
+                self.too_short[i] += span_length(len(maskable), rate) == 0
+            self.ids.append(ids)
+            self.weak.append(copies[0])
+            self.strong.append(copies[1])
+        self.lengths = [len(ids) for ids in self.ids]
+        self.mask_rates = tuple(mask_rates)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def describe(self) -> str:
+        rates = " / ".join(f"{r:.0%}" for r in self.mask_rates)
+        return (f"{len(self):,} sentences (ArcCSE: spans of {rates} masked; {self.too_short[0]:,} / "
+                f"{self.too_short[1]:,} too short to mask at those rates keep their tokens)")
+
+    def lengths_of(self, indices: list[int]) -> list[int]:
+        """Real (unpadded) token counts of all rows of these sentences (five rows each)."""
+        return [self.lengths[i] for i in indices for _ in range(BLOCKS)]
+
+    def batch(self, indices: list[int]) -> Batch:
+        views = [self.ids[i] for i in indices]
+        seqs = views + views + views + [self.weak[i] for i in indices] + [self.strong[i] for i in indices]
+        return Batch(seqs, torch.ones(len(seqs)), dropout_rows=2 * len(indices))
+
+
+# ------------------------------------------------------------------------------------------------ loss
+
+
+class ArcCSEObjective:
+    """loss_fn(labels, embeddings) for the trainer: the gathered embeddings are every process's five blocks in
+    rank order; ArcCSELoss gets each block joined over the processes (so every sentence's negatives are the other
+    sentences' second views on all of them). The labels are unused (all ones)."""
+
+    def __init__(self, loss, world_size: int):
+        self.loss, self.world_size = loss, world_size
+
+    def __call__(self, labels: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        if embeddings.dim() != 2 or embeddings.shape[0] % (BLOCKS * self.world_size):
+            raise ValueError(f"ArcCSE embeddings must be [rows, D] with rows a multiple of {BLOCKS} x processes "
+                             f"({self.world_size}); got {tuple(embeddings.shape)}")
+        blocks = embeddings.unflatten(0, (self.world_size, BLOCKS, -1))  # [processes, block, n, D]
+        h1, h2, anchor, weak, strong = (blocks[:, k].flatten(0, 1) for k in range(BLOCKS))
+        return self.loss(h1, h2, anchor, weak, strong)

@@ -1,0 +1,210 @@
+"""--objective arccse (issue 15): ArcCSE from raw sentences. The masked copies (rates, contiguous spans, seeded), the
+readers, dropout on for the two views and off for the triplets, the gradient cache = plain backprop with the same
+passes (float64, dropout on), exact resume, 2 gloo processes = 1, and the command line from a text file."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from train_helpers import assert_ranks_match, free_port, make_encoder, param_grads, run_config
+
+from angle_train.arccse import BLOCKS, ArcCSEObjective, TokenizedSentences, load_sentences, span_length
+from angle_train.data import DataError, pad_batch
+from angle_train.grad_cache import embed, grad_cache_step, plain_step
+
+SENTENCES = ["a small red car", "the dog is black and big", "it was a golden kite , very long", "box",
+             "the big house is not white", "a tiny green bird", "it was a very long train", "the cat"]
+
+
+def _sentences(tokenizer, seed=0, rates=(0.2, 0.4)):
+    return TokenizedSentences(SENTENCES, tokenizer, max_length=32, mask_rates=rates, seed=seed)
+
+
+def test_masked_copies_have_one_contiguous_span_of_the_rate_inside_the_sentence():
+    _, tokenizer = make_encoder("bert")
+    data = _sentences(tokenizer, rates=(0.2, 0.5))
+    mask_id = tokenizer.mask_token_id
+    for original, weak, strong in zip(data.ids, data.weak, data.strong):
+        words = len(original) - 2  # [CLS] ... [SEP]
+        for copy, rate in ((weak, 0.2), (strong, 0.5)):
+            masked = [j for j, (a, b) in enumerate(zip(original, copy)) if a != b]
+            assert len(copy) == len(original) and len(masked) == span_length(words, rate)
+            assert all(copy[j] == mask_id for j in masked)
+            if masked:
+                assert masked == list(range(masked[0], masked[-1] + 1))  # contiguous
+                assert 1 <= masked[0] and masked[-1] <= words  # never [CLS] or [SEP]
+    # "box" (1 word) and "the cat" (2) are too short for 20%, neither for 50% (round half up: 1 x 0.5 -> 1)
+    assert data.too_short == [2, 0]
+    assert span_length(5, 0.2) == 1 and span_length(10, 0.4) == 4 and span_length(2, 0.25) == 1
+
+
+def test_masks_are_a_function_of_the_seed():
+    _, tokenizer = make_encoder("bert")
+    first, again, other = _sentences(tokenizer, seed=1), _sentences(tokenizer, seed=1), _sentences(tokenizer, seed=2)
+    assert first.strong == again.strong and first.weak == again.weak
+    assert first.strong != other.strong
+
+
+def test_reading_sentences(tmp_path):
+    (tmp_path / "s.txt").write_text("a red car\n\nthe dog\n  \nbox\n")
+    assert load_sentences(str(tmp_path / "s.txt")) == (["a red car", "the dog", "box"], 2)
+    (tmp_path / "s.jsonl").write_text('{"sentence": "a red car"}\n{"sentence": "the dog"}\n')
+    assert load_sentences(str(tmp_path / "s.jsonl"), column="sentence") == (["a red car", "the dog"], 0)
+    (tmp_path / "s.csv").write_text("id,text\n1,a red car\n2,the dog\n")
+    assert load_sentences(str(tmp_path / "s.csv")) == (["a red car", "the dog"], 0)
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": ["a red car", "box"]}).save_to_disk(str(tmp_path / "hf"))
+    assert load_sentences(str(tmp_path / "hf")) == (["a red car", "box"], 0)
+    with pytest.raises(DataError, match="no column 'sentence'"):
+        load_sentences(str(tmp_path / "s.csv"), column="sentence")
+    (tmp_path / "bad.jsonl").write_text('{"text": "a red car"}\n{"text": " "}\n')
+    with pytest.raises(DataError, match="line 2: column 'text' is an empty text"):
+        load_sentences(str(tmp_path / "bad.jsonl"))
+
+
+def _batch_chunks(encoder, batch, rows=None):
+    return [(*pad_batch(c, encoder.pad_token_id, encoder.padding_side), dropout) for c, dropout in batch.passes(rows)]
+
+
+def _captured_blocks(encoder, batch, rows=None):
+    """The five blocks the loss receives in one plain step."""
+    seen = {}
+
+    def capture(labels, embeddings):
+        seen["blocks"] = embeddings.detach().unflatten(0, (BLOCKS, -1))
+        return embeddings.sum() * 0
+
+    plain_step(encoder, _batch_chunks(encoder, batch, rows), batch.labels, capture)
+    return seen["blocks"]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_the_two_views_differ_by_dropout_alone_and_the_triplets_have_none(dropout):
+    encoder, tokenizer = make_encoder("bert", dropout=dropout)
+    encoder.train()
+    data = _sentences(tokenizer)
+    batch = data.batch(list(range(len(SENTENCES))))
+    torch.manual_seed(0)
+    h1, h2, anchor, weak, strong = _captured_blocks(encoder, batch, rows=5)
+    assert torch.equal(h1, h2) == (dropout == 0.0)
+    encoder.eval()  # dropout off, for the expected triplet embeddings
+    with torch.no_grad():
+        for rows, got in ((data.ids, anchor), (data.weak, weak), (data.strong, strong)):
+            expected = encoder(*pad_batch(rows, encoder.pad_token_id, encoder.padding_side))
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    if dropout == 0.0:  # no dropout anywhere: the views are the anchor
+        torch.testing.assert_close(h1, anchor, rtol=1e-12, atol=1e-12)
+
+
+def test_embed_restores_train_mode_after_an_eval_pass():
+    encoder, tokenizer = make_encoder("bert", dropout=0.2)
+    encoder.train()
+    ids, mask = pad_batch(tokenizer(SENTENCES[:2])["input_ids"], encoder.pad_token_id, "right")
+    embed(encoder, (ids, mask, False))
+    assert encoder.training and all(m.training for m in encoder.modules())
+
+
+def test_gradient_cache_equals_plain_backprop_with_dropout():
+    """Both views reproduced by the RNG replay: the gradient cache's gradients equal plain backprop of the same
+    passes (float64, dropout 0.2, chunks of 7 rows across the dropout/no-dropout boundary)."""
+    from angle_kernels import ArcCSELoss
+
+    encoder, tokenizer = make_encoder("bert", dropout=0.2)
+    encoder.train()
+    batch = _sentences(tokenizer).batch(list(range(len(SENTENCES))))
+    chunks = _batch_chunks(encoder, batch, rows=7)
+    loss_fn = ArcCSEObjective(ArcCSELoss(), world_size=1)
+    results = []
+    for step in (plain_step, grad_cache_step):
+        encoder.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        loss = step(encoder, chunks, batch.labels, loss_fn)
+        results.append((loss, param_grads(encoder)))
+    (plain_loss, plain_grads), (cache_loss, cache_grads) = results
+    torch.testing.assert_close(cache_loss, plain_loss, rtol=1e-12, atol=1e-12)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(cache_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def _config(out_dir, **settings):
+    return run_config(out_dir, objective="arccse", batch_size=8, max_steps=4, chunk_size=9, lr=1e-3, warmup=0,
+                      max_length=16, log_every=1, **settings)
+
+
+def test_resume_is_exact(tmp_path):
+    from angle_train.trainer import StopTraining, train
+
+    def stop_at_2(step, row):
+        if step == 2:
+            raise StopTraining
+
+    sentences = SENTENCES * 3
+    whole = train(_config(tmp_path / "whole"), model=make_encoder("bert", dropout=0.1), train_examples=sentences)
+    train(_config(tmp_path / "parts", save_every=2), model=make_encoder("bert", dropout=0.1),
+          train_examples=sentences, on_step=stop_at_2)
+    resumed = train(_config(tmp_path / "parts", save_every=2, resume="auto"), model=make_encoder("bert", dropout=0.1),
+                    train_examples=sentences)
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in whole.history][2:]
+    for name, value in whole.encoder.state_dict().items():
+        assert torch.equal(resumed.encoder.state_dict()[name], value), name
+
+
+def _rank_main(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    from angle_train.trainer import train
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    try:
+        result = train(_config(out_dir), model=make_encoder("bert"), train_examples=SENTENCES * 3)
+        torch.save({"losses": [r["loss"] for r in result.history], "weights": result.encoder.state_dict()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_two_processes_share_negatives_and_equal_one(tmp_path):
+    """2 gloo processes, 4 sentences each, every block gathered: the losses and weights of one process on all 8."""
+    from angle_train.trainer import train
+
+    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path / "ddp")), nprocs=2, join=True)
+    single = train(_config(tmp_path / "single"), model=make_encoder("bert"), train_examples=SENTENCES * 3)
+    assert_ranks_match(tmp_path / "ddp", "rank{rank}.pt", single)
+
+
+def test_command_line_from_a_text_file(tmp_path, capsys):
+    from angle_train import cli
+    from angle_train.export import load_pretrained
+
+    text = tmp_path / "wiki.txt"
+    text.write_text("\n".join(SENTENCES * 4) + "\n\n")
+    out = tmp_path / "run"
+    assert cli.main(["--objective", "arccse", "--train-data", str(text), "--dev-data", "builtin:demo-sts",
+                     "--batch-size", "8", "--max-steps", "3", "--chunk-size", "16", "--output-dir", str(out),
+                     "--progress", "0", "--device", "cpu", "--mask-rates", "0.2", "0.4"]) == 0
+    printed = capsys.readouterr().out
+    assert "32 sentences (ArcCSE" in printed and "1 blank line(s)" in printed and "dev Spearman" in printed
+    with open(out / "config.json") as f:
+        assert json.load(f)["objective"] == "arccse"
+    encoder, tokenizer, _ = load_pretrained(str(out / "final"))
+    assert encoder.encode(SENTENCES, tokenizer).shape == (len(SENTENCES), encoder.embedding_dim)
+
+
+def test_refusals(tmp_path):
+    from angle_train.cli import config_from_args
+    from angle_train.trainer import train
+
+    for flags in (["--mask-rates", "0.4", "0.2"], ["--mask-rates", "0.2"], ["--objective", "arccse", "--espresso"],
+                  ["--arccon-tau", "0"]):
+        with pytest.raises(SystemExit):
+            config_from_args(flags)
+    encoder, tokenizer = make_encoder("bert")
+    tokenizer.mask_token = None
+    with pytest.raises(ValueError, match="has none"):
+        train(_config(tmp_path), model=(encoder, tokenizer), train_examples=SENTENCES)
