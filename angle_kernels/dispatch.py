@@ -50,7 +50,8 @@ similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, m
     loss = (1 / M) * sum_i w_i * (logsumexp_{j in C_i} l[i, j] - logsumexp_{j in P_i} l[i, j])
         with w = row_weights ([M], float, 0 for rows without a target) or all ones.
     Returns a 0-dim tensor in the compute dtype. Backward gives dq (and dc unless c is None), in the
-    inputs' dtypes. Forward keeps O(M) state (per-row logsumexps); backward recomputes tiles.
+    inputs' dtypes. Extra memory O(M + Mc) rows: per-row logsumexps, with the tiles recomputed in backward
+    (triton, cuda), or the gradients formed in forward while each tile is held (torch).
 
 similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
                filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False,

@@ -2,15 +2,15 @@
 `torch.distributed.fsdp.fully_shard`), for models too large for a full copy on every GPU as DDP keeps.
 
     shard(encoder)                   each transformer block (the model's `_no_split_modules`), then the whole
-    is_sharded(module)               whether fully_shard was applied
-    set_gradient_sync(model, on)     FSDP's counterpart of DDP's no_sync (distributed.no_sync uses it)
+    full_value / local_value         a DTensor's whole value (a collective) / this process's shard of it
     full_state_dict(encoder)         the unsharded weights on the main process, in CPU memory, for an export
     save_sharded / load_sharded      every process writes / reads its own shards of the weights and the AdamW
                                      state with torch.distributed.checkpoint (DCP), inside a checkpoint folder
 
 A sharded forward gathers each block's weights from every process, so every embedding pass (training,
 evaluation, export) runs on all processes at once. The loss, the gradient cache and the cross-device negatives
-are the same code as under DDP: the all-gather of embeddings is independent of how the weights are held.
+are the same code as under DDP: the all-gather of embeddings is independent of how the weights are held. Gradient
+accumulation turns FSDP's reduce-scatter off until a batch's last chunk (distributed.no_sync).
 
 Security: DCP reads its `.metadata` file with pickle, which can run code written into it. The checkpoint's
 manifest (checkpoint.py) is checked before DCP reads anything, which guards against damage, not against a
@@ -21,19 +21,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-
-def _fsdp():
-    try:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-    except ImportError as exc:  # pragma: no cover - depends on the installed torch
-        raise ImportError("--fsdp needs PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)") from exc
-    return FSDPModule, fully_shard
-
-
-def is_sharded(module: nn.Module) -> bool:
-    FSDPModule, _ = _fsdp()
-    return isinstance(module, FSDPModule)
 
 
 def transformer_blocks(backbone: nn.Module) -> list[nn.Module]:
@@ -50,16 +37,14 @@ def transformer_blocks(backbone: nn.Module) -> list[nn.Module]:
 def shard(encoder: nn.Module) -> nn.Module:
     """Shard the encoder in place over the default process group: each transformer block, then the rest (the
     embeddings, final norm) as the root unit. Parameters become DTensors; build the optimizer afterwards."""
-    _, fully_shard = _fsdp()
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as exc:  # pragma: no cover - depends on the installed torch
+        raise ImportError("--fsdp needs PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)") from exc
     for block in transformer_blocks(encoder.backbone):
         fully_shard(block)
     fully_shard(encoder)
     return encoder
-
-
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Whether the next backward reduce-scatters the gradients (off: they accumulate unsharded, locally)."""
-    model.set_requires_gradient_sync(enabled)
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:

@@ -110,10 +110,7 @@ def setup_nested_similarity_xent(ops, backend, n, d, dtype, device, generator):
         return ops.similarity_xent(q, c, P.TAU, "diagonal", dims=dims).sum()
 
     m, mc = n, 2 * n
-    # Triton's dq and dc kernels each recompute the tile (2 m mc D) and form their gradient prefix by prefix
-    # (2 m mc sum(d_i)); the torch backend's slice products cost what the full width's do.
-    executed = (m * mc * (6 * d + 4 * sum(dims)) if backend == "triton"
-                else harness.similarity_flops_executed(backend, m, mc, d))
+    executed = harness.similarity_flops_executed(backend, m, mc, d, dims)
     return run, [q, c], {**harness.similarity_floor(m, mc, d), "executed": executed}
 
 

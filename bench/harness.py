@@ -181,19 +181,16 @@ def similarity_floor(m: int, mc: int, d: int) -> dict:
     return {"kind": "flops", "amount": 6 * m * mc * d}
 
 
-def similarity_flops_executed(backend: str, m: int, mc: int, d: int) -> int:
+def similarity_flops_executed(backend: str, m: int, mc: int, d: int, dims: tuple[int, ...] | None = None) -> int:
     """The FLOPs each backend executes for similarity_xent forward + backward, beside the 6 m mc d the maths
     needs. Triton: the dq and dc kernels each recompute the logit tiles (2 + 4 + 4). CUDA: one backward kernel
-    recomputes once and forms dq and dc with atomics (2 + 2 + 4). torch: a single row block keeps its logits
-    tile for backward (2 + 4); several blocks recompute (2 + 2 + 4)."""
-    if backend == "triton":
-        units = 10
-    elif backend == "cuda":
-        units = 8
-    else:
-        from angle_kernels.torch_ops.common import CHUNK_ELEMENTS
-
-        units = 6 if m * mc <= CHUNK_ELEMENTS else 8
+    recomputes once and forms dq and dc with atomics (2 + 2 + 4). torch: forward forms the gradients while it
+    holds each block's logits (2 + 4). With nested prefixes (dims): Triton's dq and dc kernels recompute the tile
+    (2 m mc d each) and form their gradient prefix by prefix (2 m mc sum(d_i) each); torch recomputes the tiles
+    in backward, its slice products costing what the full width's do (2 + 2 + 4)."""
+    if dims is not None and backend == "triton":
+        return m * mc * (6 * d + 4 * sum(dims))
+    units = {"triton": 10, "cuda": 8}.get(backend, 8 if dims is not None else 6)
     return units * m * mc * d
 
 

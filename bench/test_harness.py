@@ -147,6 +147,7 @@ def test_work_floors_follow_the_measuring_guide():
     assert harness.ranking_floor(n, torch.float32, torch.int64)["amount"] == n * (4 + 4 + 8)
     for backend in ("torch", "triton", "cuda"):
         assert harness.similarity_flops_executed(backend, 2 * n, 2 * n, d) >= 6 * (2 * n) ** 2 * d
+        assert harness.similarity_flops_executed(backend, 2 * n, 2 * n, d, dims=(d // 2, d)) >= 6 * (2 * n) ** 2 * d
 
 
 def test_reports_are_replaced_in_one_step(tmp_path):

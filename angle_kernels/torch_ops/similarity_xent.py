@@ -8,24 +8,28 @@ with an additive angular margin on the target logit):
     loss = (1/M) sum_i w_i * (logsumexp_{j in C_i} l_ij - logsumexp_{j in P_i} l_ij)
 
 Rows are processed a block at a time against all columns: a block x Mc tile of cosines is one matrix product
-of the raw rows, scaled by the inverse norms (no normalised copy of the inputs is made). Forward keeps two
-numbers per row (the logsumexps); backward recomputes each tile and forms
+of the raw rows, scaled by the inverse norms (no normalised copy of the inputs is made). Each tile holds whole
+rows, so its logsumexps, and with them its gradient, are known as soon as it is computed:
 
     dL/dl_ij = w_i / M * (softmax_all_ij - softmax_pos_ij)
 
-chains it through the margin on the target column, and accumulates the gradients of the normalised rows,
-d q_hat = G c_hat and d c_hat += G^T q_hat. The normalisation's backward is applied once at the end:
-dx = (d x_hat - x_hat (x_hat . d x_hat)) / |x| (just d x_hat / eps where the norm was clamped).
-Peak extra memory is O(block x Mc) for the tile plus O((M + Mc) x D) for the gradients. When every row fits
-in one block (M * Mc <= CHUNK_ELEMENTS, 16 MB of float32), forward keeps that single tile for backward
-instead of recomputing it: the same memory bound, one matrix product fewer (3 instead of 4, like eager code).
+chained through the margin on the target column. The loss is a scalar, so forward computes the gradients for
+grad_loss = 1 right away when they will be needed (grad mode on and an input that requires them: similarity_xent
+decides), accumulating the gradients of the normalised rows, d q_hat = G c_hat and d c_hat += G^T q_hat, and
+backward only scales them by grad_loss. Three matrix products per block (the logits, d q_hat, d c_hat), as eager
+code does, where recomputing the logits in backward would take four; the price is computing gradients that a
+forward under enable_grad whose backward never runs does not use. The normalisation's backward is applied once
+at the end: dx = (d x_hat - x_hat (x_hat . d x_hat)) / |x| (just d x_hat / eps where the norm was clamped).
+Peak extra memory is O(block x Mc) for the tiles plus O((M + Mc) x D) for the gradients, which are kept from
+forward to backward in the compute dtype.
 
 Nested prefixes (dims = (d_1 < ... < d_k), `PrefixSimilarityXentFunction`): one loss per prefix q[:, :d_i],
 c[:, :d_i], each with its own norms. The prefixes share their dot products: over the slices s_j = [d_{j-1}, d_j),
 a block's dot tile is the running sum of the slice products q[blk, s_j] @ c[:, s_j]^T, turned into prefix j's
 logits at the end of slice j, so q and c are read once per block for all prefixes (the matrix products of the
 single full-width loss, plus k elementwise passes over the tile); the inverse norms come from running sums of
-the slices' squared norms. Forward keeps k pairs of logsumexps per row. Backward forms each prefix's tile
+the slices' squared norms. Forward keeps k pairs of logsumexps per row. Backward (which recomputes the tiles:
+the k losses' gradients are only known once grad_loss, a [k] vector, is) forms each prefix's tile
 gradient with its inverse norms folded in, Ghat_i = G_i * q_inv_i * c_inv_j (so that d/dq of prefix i's loss is
 Ghat_i c[:, :d_i] minus the radial term), and since slice j belongs to every prefix i >= j,
 
@@ -74,11 +78,6 @@ class _Tiles:
         self.group_ids, self.dims = group_ids, dims
         # With dims, backward holds the k prefixes' gradient tiles of a block at once (see the module docstring).
         self.block = rows_per_chunk(cf.shape[0] * (1 if dims is None else len(dims) + 1))
-        self.cached = None  # (logits, target cosines) of the only block, when there is one block
-
-    @property
-    def single_block(self) -> bool:
-        return self.block >= self.qf.shape[0]
 
     def blocks(self):
         m = self.qf.shape[0]
@@ -114,11 +113,8 @@ class _Tiles:
     def logits(self, start: int, end: int):
         """(logits [b, Mc], local row index, target columns, target cosines, positives mask or None)."""
         rows, local, targets, positives = self.rows(start, end)
-        if self.cached is not None:
-            tile, cos_t = self.cached
-        else:
-            tile = self.qf[start:end] @ self.cf.T
-            cos_t = self.to_logits(tile, rows, local, targets, self.q_inv[start:end], self.c_inv)
+        tile = self.qf[start:end] @ self.cf.T
+        cos_t = self.to_logits(tile, rows, local, targets, self.q_inv[start:end], self.c_inv)
         return tile, local, targets, cos_t, positives
 
     def prefix_logits(self, start: int, end: int, rows, local, targets):
@@ -154,8 +150,11 @@ def _block_lse(logits, local, targets, positives):
 
 
 class SimilarityXentFunction(torch.autograd.Function):
+    """The loss, and with with_grad its gradients for grad_loss = 1, in one walk over the row blocks (module
+    docstring); backward scales them."""
+
     @staticmethod
-    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids):
+    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, with_grad):
         symmetric = c is None
         dtype = compute_dtype(q.dtype)
         qf = q.detach().to(dtype)
@@ -165,55 +164,46 @@ class SimilarityXentFunction(torch.autograd.Function):
         tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids)
 
         m = qf.shape[0]
+        weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
+        row_scale = weights * (scale / m)  # dL/dl_ij = row_scale_i * (softmax_all_ij - softmax_pos_ij)
         lse_all = torch.empty(m, dtype=dtype, device=q.device)
         lse_pos = torch.empty(m, dtype=dtype, device=q.device)
-        kept = (None, None)
+        # Gradients with respect to the normalised rows q_hat = q * q_inv and c_hat = c * c_inv; for the
+        # in-batch-negative loss q and c are the same tensor and share one buffer.
+        d_qhat = torch.zeros_like(qf) if with_grad else None
+        d_chat = d_qhat if symmetric or not with_grad else torch.zeros_like(cf)
         for start, end in tiles.blocks():
             logits, local, targets, cos_t, positives = tiles.logits(start, end)
-            if tiles.single_block:
-                kept = (logits, cos_t)
             lse_all[start:end], lse_pos[start:end] = _block_lse(logits, local, targets, positives)
-
-        weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
+            if not with_grad:
+                continue
+            grad = tiles.grad_cos(logits, local, targets, cos_t, positives, lse_all[start:end], lse_pos[start:end],
+                                  row_scale[start:end])
+            del logits
+            # cos_ij = q_hat_i . c_hat_j  =>  dq_hat_i = sum_j grad_ij c_hat_j,  dc_hat_j = sum_i grad_ij q_hat_i
+            d_qhat[start:end].addmm_(grad * c_inv[None, :], cf)
+            d_chat.addmm_(grad.mul_(q_inv[start:end, None]).T, qf[start:end])
         loss = (weights * (lse_all - lse_pos)).sum() / m
 
-        ctx.save_for_backward(
-            qf, None if symmetric else cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights,
-            *kept,
-        )
-        ctx.options = (scale, target, exclude_diagonal, margin)
+        ctx.with_grad = with_grad
         ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
+        if with_grad:
+            dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat)
+            dc = None if symmetric else normalise_backward(cf, c_inv, c_has_grad, d_chat)
+            ctx.save_for_backward(dq, dc)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        (qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights,
-         kept_logits, kept_cos_t) = ctx.saved_tensors
-        symmetric = cf is None
-        cf = qf if symmetric else cf
-        tiles = _Tiles(qf, cf, q_inv, c_inv, *ctx.options, group_ids)
-        if kept_logits is not None:
-            tiles.cached = (kept_logits, kept_cos_t)
-        m = qf.shape[0]
-        row_scale = weights * (grad_loss.to(qf.dtype) * tiles.scale / m)
-
-        # Gradients with respect to the normalised rows q_hat = q * q_inv and c_hat = c * c_inv; for the
-        # in-batch-negative loss q and c are the same tensor and share one buffer.
-        d_qhat = torch.zeros_like(qf)
-        d_chat = d_qhat if symmetric else torch.zeros_like(cf)
-        for start, end in tiles.blocks():
-            logits, local, targets, cos_t, positives = tiles.logits(start, end)
-            grad = tiles.grad_cos(logits, local, targets, cos_t, positives, lse_all[start:end], lse_pos[start:end],
-                                  row_scale[start:end])
-            # cos_ij = q_hat_i . c_hat_j  =>  dq_hat_i = sum_j grad_ij c_hat_j,  dc_hat_j = sum_i grad_ij q_hat_i
-            d_qhat[start:end].addmm_(grad * c_inv[None, :], cf)
-            d_chat.addmm_(grad.mul_(q_inv[start:end, None]).T, qf[start:end])
-
+        if not ctx.with_grad:  # similarity_xent passes with_grad whenever autograd records this call
+            raise RuntimeError("similarity_xent (torch backend): forward ran without its gradients (with_grad=False), "
+                               "so it has no backward")
+        dq, dc = ctx.saved_tensors
         q_dtype, c_dtype = ctx.input_dtypes
-        dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat).to(q_dtype)
-        dc = None if symmetric else normalise_backward(cf, c_inv, c_has_grad, d_chat).to(c_dtype)
-        return dq, dc, None, None, None, None, None, None
+        scale = grad_loss.to(dq.dtype)
+        return ((dq * scale).to(q_dtype), None if dc is None else (dc * scale).to(c_dtype),
+                None, None, None, None, None, None, None)
 
 
 class PrefixSimilarityXentFunction(torch.autograd.Function):
@@ -308,4 +298,7 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
     if dims is not None:
         return PrefixSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin,
                                                   group_ids, dims)
-    return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
+    # The gradients are computed in forward when autograd will ask for them (module docstring).
+    with_grad = torch.is_grad_enabled() and (q.requires_grad or (c is not None and c.requires_grad))
+    return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
+                                        with_grad)

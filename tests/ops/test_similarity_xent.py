@@ -149,8 +149,8 @@ def test_float16_zero_and_tiny_rows_never_give_nan(backend):
 
 
 def test_more_rows_than_one_block_of_the_torch_backend(backend):
-    """M x Mc above 4M logits: the torch backend walks the rows in blocks and recomputes them in backward
-    (below that it keeps its single block of logits from forward)."""
+    """M x Mc above 4M logits: the torch backend walks the rows in blocks, each block's gradient tiles added into
+    the same gradients of q and c (here one shared buffer: q = c)."""
     if backend.name == "triton" and backend.device.type == "cpu":
         pytest.skip("about 35 s in the Triton interpreter (33 x 33 tiles of 64 x 64): runs when compiled")
     gen = generator("blocks")
@@ -159,6 +159,53 @@ def test_more_rows_than_one_block_of_the_torch_backend(backend):
                   row_weights=(torch.rand(2050, generator=gen) > 0.2).float(),
                   group_ids=torch.randint(0, 1500, (2050,), generator=gen))
     _check(backend, q, None, kwargs, "several row blocks")
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["c=None", "c"])
+def test_torch_backend_takes_three_matrix_products_per_block(monkeypatch, symmetric):
+    """The torch backend computes a block's gradient while it holds the block's logits: forward takes three matrix
+    products per row block (logits, dq, dc) and backward none, as eager code does (recomputing the logits in
+    backward would take four); without gradients (no_grad, or no input that requires them) one per block."""
+    import angle_kernels.torch_ops.common as torch_common
+    from angle_kernels.dispatch import raw_backend
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 8 * 40)  # 40 columns: blocks of 8 rows
+    gen = generator("matmul_count", symmetric)
+    rows, blocks = (40, 5) if symmetric else (24, 3)
+    q = randn(gen, rows, 16, dtype=torch.float64)
+    c = None if symmetric else randn(gen, 40, 16, dtype=torch.float64)
+    kwargs = dict(scale=20.0, target="partner" if symmetric else "diagonal", exclude_diagonal=symmetric)
+    ops = raw_backend("torch")
+
+    def counted(q, c, grad):
+        leaves = [leaf_like(q)] + ([] if c is None else [leaf_like(c)])
+        forward, backward = MatmulCounter(), MatmulCounter()
+        with torch.set_grad_enabled(grad), forward:
+            loss = ops.similarity_xent(leaves[0], leaves[1] if c is not None else None, **kwargs)
+        if grad:
+            with backward:
+                loss.backward(torch.tensor(1.5, dtype=torch.float64))
+        return loss.detach(), [leaf.grad for leaf in leaves], forward.count, backward.count
+
+    loss, grads, forward, backward = counted(q, c, grad=True)
+    assert (forward, backward) == (3 * blocks, 0)
+    for plain in (counted(q, c, grad=False), counted(q.detach(), None if c is None else c.detach(), grad=False)):
+        assert plain[2] == blocks
+        assert torch.equal(plain[0], loss)
+    leaves = [leaf_like(q)] + ([] if c is None else [leaf_like(c)])
+    (oracle.similarity_xent(leaves[0], leaves[1] if c is not None else None, **kwargs) * 1.5).backward()
+    for ours, leaf in zip(grads, leaves):
+        assert_close(ours, leaf.grad, 1e-12, "the gradient for grad_loss = 1.5 (kept from forward, scaled)")
 
 
 def test_extra_memory_is_linear_in_rows(backend):
