@@ -187,20 +187,23 @@ def test_torch_backend_takes_three_matrix_products_per_block(monkeypatch, symmet
     kwargs = dict(scale=20.0, target="partner" if symmetric else "diagonal", exclude_diagonal=symmetric)
     ops = raw_backend("torch")
 
-    def counted(q, c, grad):
-        leaves = [leaf_like(q)] + ([] if c is None else [leaf_like(c)])
+    def counted(grad_mode, inputs_require_grad):
+        leaves = [q, c] if c is not None else [q]
+        if inputs_require_grad:
+            leaves = [leaf_like(x) for x in leaves]
         forward, backward = MatmulCounter(), MatmulCounter()
-        with torch.set_grad_enabled(grad), forward:
+        with torch.set_grad_enabled(grad_mode), forward:
             loss = ops.similarity_xent(leaves[0], leaves[1] if c is not None else None, **kwargs)
-        if grad:
+        if loss.requires_grad:
             with backward:
                 loss.backward(torch.tensor(1.5, dtype=torch.float64))
         return loss.detach(), [leaf.grad for leaf in leaves], forward.count, backward.count
 
-    loss, grads, forward, backward = counted(q, c, grad=True)
+    loss, grads, forward, backward = counted(grad_mode=True, inputs_require_grad=True)
     assert (forward, backward) == (3 * blocks, 0)
-    for plain in (counted(q, c, grad=False), counted(q.detach(), None if c is None else c.detach(), grad=False)):
-        assert plain[2] == blocks
+    for grad_mode, inputs_require_grad in ((False, True), (True, False)):
+        plain = counted(grad_mode, inputs_require_grad)
+        assert plain[2:] == (blocks, 0), (grad_mode, inputs_require_grad)
         assert torch.equal(plain[0], loss)
     leaves = [leaf_like(q)] + ([] if c is None else [leaf_like(c)])
     (oracle.similarity_xent(leaves[0], leaves[1] if c is not None else None, **kwargs) * 1.5).backward()
