@@ -502,6 +502,8 @@ def evaluate(run: Run) -> None:
         scores = sts_spearman_by_dim(run.encoder, run.tokenizer, run.dev_examples, [None, *truncated],
                                      batch_size=run.cfg.eval_batch_size, max_length=run.cfg.max_length)
         improved = position.best is None or scores[None] > position.best
+    if sharded:  # the gather below is a collective: every process follows the main process's decision
+        improved = distributed.broadcast_from_main(improved, run.dist_info)
     if improved and run.cfg.save_best:
         weights = sharding.full_state_dict(run.encoder) if sharded else None  # every process, when sharded
         if run.dist_info.is_main:
