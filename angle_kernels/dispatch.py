@@ -51,7 +51,8 @@ similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, m
         with w = row_weights ([M], float, 0 for rows without a target) or all ones.
     Returns a 0-dim tensor in the compute dtype. Backward gives dq (and dc unless c is None), in the
     inputs' dtypes. Extra memory O(M + Mc) rows: per-row logsumexps, with the tiles recomputed in backward
-    (triton, cuda), or the gradients formed in forward while each tile is held (torch).
+    (triton's fused kernels, cuda), or the gradients formed in forward while a block of whole rows is held
+    (torch; triton's dense scheme for wide embeddings).
 
 similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
                filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False,

@@ -113,7 +113,8 @@ def setup_arccon(ops, backend, n, d, dtype, device, generator):
 OPS = [
     OpBench("similarity_xent(arccon)", sizes=(1024, 4096, 16384), dims=(768,), dtypes=("bfloat16", "float32"),
             grows="N^2", setup=setup_arccon,
-            memory_bytes=lambda n, d, dtype: 4 * n * d * 4),  # h1, h2, their gradients, float32 workspaces
+            memory_bytes=lambda n, d, dtype: 4 * n * d * 4,  # h1, h2, their gradients, float32 workspaces
+            triton_schemes=True),
 ]
 
 

@@ -174,7 +174,8 @@ def setup_in_batch_negatives(ops, backend, n, d, dtype, device, generator):
 OPS = [
     OpBench("similarity_xent(ibn)", sizes=(1024, 4096, 16384, 65536), dims=(768, 4096),
             dtypes=("bfloat16", "float32"), grows="N^2", setup=setup_in_batch_negatives,
-            memory_bytes=lambda n, d, dtype: 3 * 2 * n * d * 4),  # x, dx and float32 workspaces of 2N x D
+            memory_bytes=lambda n, d, dtype: 3 * 2 * n * d * 4,  # x, dx and float32 workspaces of 2N x D
+            triton_schemes=True),
 ]
 
 

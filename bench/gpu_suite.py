@@ -21,7 +21,8 @@ and each subprocess's output line by line into its own log, so a stage killed fr
                    (cuda_build.log), leaving angle_kernels/_C*.so for every later process, then
                    `pytest tests/ops tests/integrations/test_compile.py -k cuda`
     c      300 s   hardware limits (device copy, matmul rates), then the op sweep (every family's OPS):
-                   Triton and torch backends, then the CUDA backend if stage b's extension passes a probe;
+                   Triton and torch backends (the full-width similarity_xent on both Triton schemes, forced:
+                   triton-fused and triton-dense), then the CUDA backend if stage b's extension passes a probe;
                    achieved bandwidth or matmul fraction, for the FLOPs the maths needs and the FLOPs each
                    backend executes
     d      300 s   loss sweep side by side (bench_losses.py, every loss): ours, angle-emb 0.6.1 (its loss.py
@@ -245,7 +246,9 @@ LARGE_CHECKS = {
     "pair_scores": [(262144, 2, 768), (16384, 3, 4096)],  # (groups, K, D): zigzag pairs and format C triplets
     "ranking": [3000, 2_000_000],  # the tiled path (N <= 4096) and the sort path
     "similarity": [  # (name, M, Mc or None for c = q, D, options, with group_ids and row weights)
+        # D = 768 runs triton's fused kernels, D >= 1024 its dense scheme (similarity_xent_dense.takes)
         ("ibn M=8192 D=768", 8192, None, 768, dict(target="partner", exclude_diagonal=True), True),
+        ("ibn M=8192 D=4096", 8192, None, 4096, dict(target="partner", exclude_diagonal=True), True),
         ("contrastive M=4096 Mc=8192 D=1024", 4096, 8192, 1024, dict(target="diagonal"), False),
         ("arccon M=4096 D=4096", 4096, 4096, 4096, dict(target="diagonal", margin=0.1745), False),
     ],
@@ -499,12 +502,12 @@ def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, devi
         backends = {name: resolve_backend(name, probe) for name in names}
         for rank, bench, n, d, dtype_name in op_cases(ops):
             dtype = harness.DTYPES[dtype_name]
-            for backend, module in backends.items():
+            for backend, module in row_backends(bench, backends):
                 row = {"op": bench.name, "n": n, "d": d, "dtype": dtype_name, "backend": backend}
                 previous = last_seconds.get((bench.name, d, dtype_name, backend))
                 power = 2 if bench.grows == "N^2" else 1
                 forecast = None if previous is None else previous[1] * (n / previous[0]) ** power
-                autotuned = backend == "triton" and bench.name.startswith("similarity")
+                autotuned = backend in ("triton", "triton-fused") and bench.name.startswith("similarity")
                 runs = RUNS_PER_AUTOTUNED_CASE if autotuned else harness.RUNS_PER_CASE
                 need_bytes = bench.memory_bytes(n, d, dtype)
                 free = harness.free_bytes(device)
@@ -515,7 +518,8 @@ def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, devi
                 elif not deadline.fits(15):
                     row.update(status="skipped", note="budget spent")
                 else:
-                    row.update(measure_op(bench, module, backend, n, d, dtype, limits, device))
+                    with harness.triton_xent_scheme(backend):
+                        row.update(measure_op(bench, module, backend, n, d, dtype, limits, device))
                     if row["status"] == "ok":
                         last_seconds[(bench.name, d, dtype_name, backend)] = (n, row["run_s"])
                 rows.append(row)
@@ -527,6 +531,17 @@ def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, devi
                             "error": f"{backend} {bench.name} N={n} D={d} {dtype_name}: {row['note']} (sweep "
                                      "stopped: the process's CUDA context is lost)"}
     return {"rows": rows}
+
+
+def row_backends(bench, backends: dict) -> list:
+    """(row label, backend Ops) of an op's rows: each backend once, but the triton backend's two similarity_xent
+    schemes both, forced, where the op has them (OpBench.triton_schemes), so that the width from which it takes
+    the dense one (similarity_xent_dense.MIN_WIDTH) can be set from numbers."""
+    rows = []
+    for name, module in backends.items():
+        labels = list(harness.TRITON_XENT_SCHEMES) if name == "triton" and bench.triton_schemes else [name]
+        rows += [(label, module) for label in labels]
+    return rows
 
 
 def lost_cuda_context(error: str) -> bool:
@@ -558,7 +573,7 @@ def measure_op(bench, ops, backend: str, n: int, d: int, dtype, limits: dict, de
 
 
 def op_row_text(row: dict) -> str:
-    head = f"{row['op']:<24} N={row['n']:<8} D={row['d']:<5} {row['dtype']:<9} {row['backend']:<7}"
+    head = f"{row['op']:<24} N={row['n']:<8} D={row['d']:<5} {row['dtype']:<9} {row['backend']:<12}"
     if row["status"] != "ok":
         return head + f" {row['status']}: {row.get('note', '')}"
     unit = "copy BW" if row["floor"]["kind"] == "bytes" else "matmul"

@@ -19,6 +19,7 @@ tests/ on the path for `import oracle`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -121,6 +122,8 @@ class OpBench:
     from the op's outputs with backend module `ops`, leaves are the tensors it differentiates, and floor is
     the op's work floor, with "executed" FLOPs where the backend does more than the maths needs.
     memory_bytes(n, d, dtype): a rough upper estimate of what a case holds, to skip one that cannot fit.
+    triton_schemes: the op is the full-width similarity_xent, which the triton backend computes by two schemes
+    (fused kernels, dense products: see TRITON_XENT_SCHEMES); the sweep measures both on every case.
     """
 
     name: str
@@ -130,6 +133,30 @@ class OpBench:
     grows: str
     setup: Callable[..., tuple[Callable[[], torch.Tensor], list, dict]]
     memory_bytes: Callable[[int, int, torch.dtype], int]
+    triton_schemes: bool = False
+
+
+# The triton backend's two schemes for the full-width similarity_xent, by the row label the sweeps give them, and
+# the MIN_WIDTH of triton_ops.similarity_xent_dense (the width from which it takes the dense one) that forces each
+# (the dense one only where its tile fits, similarity_xent_dense.takes: up to 2^19 columns).
+TRITON_XENT_SCHEMES = {"triton-fused": sys.maxsize, "triton-dense": 0}
+
+
+@contextlib.contextmanager
+def triton_xent_scheme(label: str):
+    """Within the block, the triton backend's similarity_xent takes the scheme `label` names (TRITON_XENT_SCHEMES)
+    at every width; any other label changes nothing."""
+    if label not in TRITON_XENT_SCHEMES:
+        yield
+        return
+    from angle_kernels.triton_ops import similarity_xent_dense as dense
+
+    saved = dense.MIN_WIDTH
+    dense.MIN_WIDTH = TRITON_XENT_SCHEMES[label]
+    try:
+        yield
+    finally:
+        dense.MIN_WIDTH = saved
 
 
 def random_embeddings(generator: torch.Generator, rows: int, d: int, dtype: torch.dtype,
@@ -183,14 +210,20 @@ def similarity_floor(m: int, mc: int, d: int) -> dict:
 
 def similarity_flops_executed(backend: str, m: int, mc: int, d: int, dims: tuple[int, ...] | None = None) -> int:
     """The FLOPs each backend executes for similarity_xent forward + backward, beside the 6 m mc d the maths
-    needs. Triton: the dq and dc kernels each recompute the logit tiles (2 + 4 + 4). CUDA: one backward kernel
-    recomputes once and forms dq and dc with atomics (2 + 2 + 4). torch: forward forms the gradients while it
-    holds each block's logits (2 + 4). With nested prefixes (dims): Triton's dq and dc kernels recompute the tile
-    (2 m mc d each) and form their gradient prefix by prefix (2 m mc sum(d_i) each); torch recomputes the tiles
-    in backward, its slice products costing what the full width's do (2 + 2 + 4)."""
-    if dims is not None and backend == "triton":
+    needs. Triton's fused kernels ("triton-fused"): the dq and dc kernels each recompute the logit tiles
+    (2 + 4 + 4); its dense scheme ("triton-dense") and torch: forward forms the gradients while it holds each
+    block's logits (2 + 4); "triton" is the one of the two its similarity_xent takes at width d. CUDA: one
+    backward kernel recomputes once and forms dq and dc with atomics (2 + 2 + 4). With nested prefixes (dims,
+    always the fused kernels on triton): Triton's dq and dc kernels recompute the tile (2 m mc d each) and form
+    their gradient prefix by prefix (2 m mc sum(d_i) each); torch recomputes the tiles in backward, its slice
+    products costing what the full width's do (2 + 2 + 4)."""
+    if backend == "triton":
+        from angle_kernels.triton_ops.similarity_xent_dense import takes
+
+        backend = "triton-dense" if takes(d, mc, dims) else "triton-fused"
+    if dims is not None and backend.startswith("triton"):
         return m * mc * (6 * d + 4 * sum(dims))
-    units = {"triton": 10, "cuda": 8}.get(backend, 8 if dims is not None else 6)
+    units = {"triton-fused": 10, "cuda": 8}.get(backend, 8 if dims is not None else 6)
     return units * m * mc * d
 
 

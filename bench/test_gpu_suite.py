@@ -20,6 +20,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import gpu_suite  # noqa: E402
+import harness  # noqa: E402
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is what happens without a CUDA device")
 
@@ -162,6 +163,39 @@ def test_op_sweep_measures_every_op_at_tiny_sizes_on_cpu(tmp_path):
     on_disk = json.loads((tmp_path / "stage_c.json").read_text())["steps"]["op_sweep"]["rows"]
     assert len(on_disk) == len(rows)
     assert "| pair_scores | 8 | 6 | bfloat16 | torch |" in (tmp_path / "stage_c.md").read_text()
+
+
+def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monkeypatch):
+    """The triton backend's full-width similarity_xent gets a row per scheme, each forced (its grad_fn says which
+    ran), with the FLOPs that scheme executes; the other ops one "triton" row. Under the interpreter on CPU."""
+    import angle_kernels.triton_ops.similarity_xent_dense as dense
+    from angle_kernels.dispatch import triton_interpreting
+
+    if not triton_interpreting():
+        pytest.skip("runs the triton backend on CPU tensors: needs TRITON_INTERPRET=1 (the root conftest's default)")
+    ran = []
+    original = harness.measure_fwd_bwd
+
+    def spying(run, leaves, device):
+        ran.append(type(run().grad_fn).__name__)
+        return original(run, leaves, device)
+
+    ops = [dataclasses.replace(tiny(bench), sizes=(8,), dtypes=("float32",))
+           for bench in gpu_suite.all_ops() if bench.name in ("similarity_xent(ibn)", "pair_scores")]
+    record = gpu_suite.StageRecord(tmp_path, "c", 300, ["c", str(tmp_path)])
+    limits = {"copy_GBps": 10.0, "matmul_float32_TFLOPs": 0.1}
+    monkeypatch.setattr(harness, "measure_fwd_bwd", spying)
+    width = dense.MIN_WIDTH
+    rows = gpu_suite.op_sweep(record, gpu_suite.Deadline(600, time.monotonic()), limits, [("triton",)],
+                              device="cpu", ops=ops)["rows"]
+    assert dense.MIN_WIDTH == width  # the forcing is undone
+    labels = {(row["op"], row["backend"]): row for row in rows}
+    assert set(labels) == {("similarity_xent(ibn)", "triton-fused"), ("similarity_xent(ibn)", "triton-dense"),
+                           ("pair_scores", "triton")}, rows
+    assert all(row["status"] == "ok" for row in rows), rows
+    fused, dense = labels["similarity_xent(ibn)", "triton-fused"], labels["similarity_xent(ibn)", "triton-dense"]
+    assert fused["floor"]["executed"] == 10 * 16 * 16 * 6 and dense["floor"]["executed"] == 6 * 16 * 16 * 6
+    assert ran.count("SimilarityXentFunctionBackward") == 1 and ran.count("DenseSimilarityXentFunctionBackward") == 1
 
 
 def test_the_test_stages_run_the_op_tests():

@@ -149,7 +149,30 @@ def _block_lse(logits, local, targets, positives):
     return lse_all, torch.logsumexp(logits.masked_fill(~positives, float("-inf")), dim=1)
 
 
-class SimilarityXentFunction(torch.autograd.Function):
+def gradients_wanted(q: torch.Tensor, c: torch.Tensor | None) -> bool:
+    """Whether autograd will ask for this call's gradients: grad mode on and an input that requires them."""
+    return torch.is_grad_enabled() and (q.requires_grad or (c is not None and c.requires_grad))
+
+
+class GradientsFormedInForward(torch.autograd.Function):
+    """A scalar loss whose forward (a subclass's) formed its input gradients for grad_loss = 1 when with_grad,
+    saved them (dq, dc or None) with ctx.with_grad and ctx.input_dtypes; backward scales them by grad_loss.
+    The triton backend's dense scheme (triton_ops/similarity_xent_dense.py) shares this contract."""
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        if not ctx.with_grad:  # the launchers pass with_grad = gradients_wanted(...) whenever autograd records
+            raise RuntimeError("similarity_xent: forward ran without its gradients (with_grad=False), so it has no "
+                               "backward")
+        dq, dc = ctx.saved_tensors
+        q_dtype, c_dtype = ctx.input_dtypes
+        scale = grad_loss.to(dq.dtype)
+        return ((dq * scale).to(q_dtype), None if dc is None else (dc * scale).to(c_dtype),
+                None, None, None, None, None, None, None)
+
+
+class SimilarityXentFunction(GradientsFormedInForward):
     """The loss, and with with_grad its gradients for grad_loss = 1, in one walk over the row blocks (module
     docstring); backward scales them."""
 
@@ -192,18 +215,6 @@ class SimilarityXentFunction(torch.autograd.Function):
             dc = None if symmetric else normalise_backward(cf, c_inv, c_has_grad, d_chat)
             ctx.save_for_backward(dq, dc)
         return loss
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss):
-        if not ctx.with_grad:  # similarity_xent passes with_grad whenever autograd records this call
-            raise RuntimeError("similarity_xent (torch backend): forward ran without its gradients (with_grad=False), "
-                               "so it has no backward")
-        dq, dc = ctx.saved_tensors
-        q_dtype, c_dtype = ctx.input_dtypes
-        scale = grad_loss.to(dq.dtype)
-        return ((dq * scale).to(q_dtype), None if dc is None else (dc * scale).to(c_dtype),
-                None, None, None, None, None, None, None)
 
 
 class PrefixSimilarityXentFunction(torch.autograd.Function):
@@ -299,6 +310,5 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
         return PrefixSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin,
                                                   group_ids, dims)
     # The gradients are computed in forward when autograd will ask for them (module docstring).
-    with_grad = torch.is_grad_enabled() and (q.requires_grad or (c is not None and c.requires_grad))
     return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
-                                        with_grad)
+                                        gradients_wanted(q, c))

@@ -3,10 +3,11 @@
 The interpreter tolerates things a GPU compile rejects (layout conversions, dot shapes and dtypes, fp64 math
 lowering, scan/reduce combine functions), so CI compiles each kernel for sm_90 with Triton's own ptxas:
 `triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))`. What to compile comes
-from each op module (one per op of `contract.OPS`): `compile_cases(full)` lists the specialisations its
-launcher uses, and every `_..._kernel` it defines must appear there. It must run with TRITON_INTERPRET unset
-(under the interpreter @triton.jit returns interpreted functions that cannot be compiled). Run as a script to
-print each kernel's registers, spills and shared memory:
+from each kernel module of the package (one per op of `contract.OPS`, and the modules they launch kernels from,
+such as similarity_xent_dense): `compile_cases(full)` lists the specialisations its launcher uses, and every
+`_..._kernel` it defines must appear in some module's cases. It must run with TRITON_INTERPRET unset (under the
+interpreter @triton.jit returns interpreted functions that cannot be compiled). Run as a script to print each
+kernel's registers, spills and shared memory:
 
     env -u TRITON_INTERPRET python -m angle_kernels.triton_ops._compile_check [--arch 90]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -39,8 +41,15 @@ class CompiledKernel:
     shared_bytes: int
 
 
-def _op_modules() -> list:
-    return [importlib.import_module(f"angle_kernels.triton_ops.{op}") for op in OPS]
+def _kernel_modules() -> list:
+    """Every module of this package but this one: the op modules (`contract.OPS`) and the modules they launch
+    kernels from (e.g. similarity_xent_dense)."""
+    package = importlib.import_module("angle_kernels.triton_ops")
+    names = {info.name for info in pkgutil.iter_modules(package.__path__)} - {"_compile_check"}
+    missing = set(OPS) - names
+    if missing:
+        raise RuntimeError(f"op modules missing from angle_kernels.triton_ops: {sorted(missing)}")
+    return [importlib.import_module(f"{package.__name__}.{name}") for name in sorted(names)]
 
 
 def _signature(case: CompileCase) -> tuple[dict, dict]:
@@ -91,10 +100,11 @@ def _launched_kernels(module) -> set[str]:
 
 
 def compile_all(arch: int = 90, full: bool = False) -> list[CompiledKernel]:
-    """Compile every op module's `compile_cases(full)` for sm_<arch>; raises on the first failure, and when a
-    kernel of an op module has no case (full=False is the CI subset, under 90 s on 2 cores)."""
-    cases = [case for module in _op_modules() for case in module.compile_cases(full)]
-    uncovered = set().union(*map(_launched_kernels, _op_modules())) - {case.kernel.__name__ for case in cases}
+    """Compile every module's `compile_cases(full)` for sm_<arch>; raises on the first failure, and when a kernel
+    of the package has no case (full=False is the CI subset, under 90 s on 2 cores)."""
+    modules = _kernel_modules()
+    cases = [case for module in modules if hasattr(module, "compile_cases") for case in module.compile_cases(full)]
+    uncovered = set().union(*map(_launched_kernels, modules)) - {case.kernel.__name__ for case in cases}
     if uncovered:
         raise RuntimeError(f"kernels with no compile case (add them to their module's compile_cases): "
                            f"{sorted(uncovered)}")

@@ -1,9 +1,11 @@
 """Softmax cross-entropy over cosine similarities, flash-style: never the M x Mc matrix.
 
-Computes the contract's similarity_xent (angle_kernels/dispatch.py): in-batch negatives (c = q, diagonal
-excluded, partner targets, zero-weighted rows without a target, identical texts as extra positives via
-group_ids), the contrastive loss with negatives (rectangular q/c, diagonal targets) and ArcCon (diagonal
-targets with an additive angular margin on the target logit):
+Computes the contract's similarity_xent (angle_kernels/dispatch.py) with fused kernels; for wide embeddings
+`similarity_xent` (the launcher, at the end) hands the full-width loss to the dense scheme of
+similarity_xent_dense.py instead (cuBLAS products, 6 M Mc D FLOPs), which reuses this file's tile helpers. The
+loss: in-batch negatives (c = q, diagonal excluded, partner targets, zero-weighted rows without a target,
+identical texts as extra positives via group_ids), the contrastive loss with negatives (rectangular q/c,
+diagonal targets) and ArcCon (diagonal targets with an additive angular margin on the target logit):
 
     l_ij  = scale * cos(q_i, c_j)          (target column: scale * cos(min(theta + margin, pi)))
     loss  = (1/M) sum_i w_i * (logsumexp_{j in C_i} l_ij - logsumexp_{j in P_i} l_ij)
@@ -143,6 +145,14 @@ def _add_dots(
 
 
 @triton.jit
+def _loss_params(params_ptr):
+    """(scale, cos(margin), sin(margin)) from a [3] tensor in the compute dtype. Scalars come through memory, not as
+    arguments: Triton passes Python floats as fp32, and the float64 path must see cos(margin) to float64
+    precision."""
+    return tl.load(params_ptr), tl.load(params_ptr + 1), tl.load(params_ptr + 2)
+
+
+@triton.jit
 def _margin_logit(cos, cos_m, sin_m, SIN_SQ_FLOOR: tl.constexpr):
     """cos(min(arccos(cos) + m, pi)) and its derivative in cos.
 
@@ -215,6 +225,63 @@ def _row_state(
         group_row = rows
         group_target = rows
     return row_ok, inv_q, targets, group_row, group_target
+
+
+@triton.jit
+def _column_state(c_norm_ptr, group_ptr, cols, col_ok, EPS: tl.constexpr, HAS_GROUPS: tl.constexpr):
+    """Per-column (inverse norm, group id: the column's own index without groups).
+
+    The tile kernels load these after their dot K-loop, not before: live across it, they cost the forward kernel
+    some 70 registers (spilling in its fp32 variant, from the sm_90 compile).
+    """
+    inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
+    if HAS_GROUPS:
+        group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
+    else:
+        group_col = cols
+    return inv_c, group_col
+
+
+@triton.jit
+def _empty_lse_states(BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+    """A row block's running logsumexp states before its first tile: (max, sum) over C_i, over P_i, target logit."""
+    return (tl.full([BLOCK_M], float("-inf"), ACC), tl.zeros([BLOCK_M], ACC),
+            tl.full([BLOCK_M], float("-inf"), ACC), tl.zeros([BLOCK_M], ACC), tl.zeros([BLOCK_M], ACC))
+
+
+@triton.jit
+def _fold_dots_into_lse(
+    max_all, sum_all, max_pos, sum_pos, target_logit,
+    dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col, scale, cos_m, sin_m,
+    EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr, HAS_GROUPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr,
+):
+    """Fold a tile of raw dot products, as logits, into a row block's running logsumexps: over C_i, and over P_i
+    (with groups an online logsumexp of the positives; without, P_i = {t_i} and its logsumexp is the target logit,
+    picked out of the one tile that holds it)."""
+    cos, logits, is_target, valid, positive, slope = _logits_tile(
+        dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
+        scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
+    max_all, sum_all = _online_lse_update(max_all, sum_all, logits)
+    if HAS_GROUPS:
+        max_pos, sum_pos = _online_lse_update(max_pos, sum_pos, tl.where(positive, logits, float("-inf")))
+    else:
+        target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+    return max_all, sum_all, max_pos, sum_pos, target_logit
+
+
+@triton.jit
+def _final_lse(max_all, sum_all, max_pos, sum_pos, target_logit, row_ok, HAS_GROUPS: tl.constexpr):
+    """(logsumexp over C_i, logsumexp over P_i) of a row block from its running states.
+
+    Every valid row has a finite maximum (its target column), so its sum is >= 1; the clamps only keep the
+    padding rows (not stored) away from log(0).
+    """
+    lse_all = tl.where(row_ok, max_all, 0.0) + tl.log(tl.maximum(sum_all, 1.0))
+    if HAS_GROUPS:
+        lse_pos = tl.where(row_ok, max_pos, 0.0) + tl.log(tl.maximum(sum_pos, 1.0))
+    else:
+        lse_pos = target_logit
+    return lse_all, lse_pos
 
 
 @triton.jit
@@ -300,47 +367,25 @@ def _similarity_xent_fwd_kernel(
     EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Scalars come through memory, not as arguments: Triton passes Python floats as fp32, and the float64
-    # path must see cos(margin) to float64 precision.
-    scale = tl.load(params_ptr)
-    cos_m = tl.load(params_ptr + 1)
-    sin_m = tl.load(params_ptr + 2)
+    scale, cos_m, sin_m = _loss_params(params_ptr)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok, inv_q, targets, group_row, group_target = _row_state(
         q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
 
-    max_all = tl.full([BLOCK_M], float("-inf"), ACC)
-    sum_all = tl.zeros([BLOCK_M], ACC)
-    max_pos = tl.full([BLOCK_M], float("-inf"), ACC)
-    sum_pos = tl.zeros([BLOCK_M], ACC)
-    target_logit = tl.zeros([BLOCK_M], ACC)
+    max_all, sum_all, max_pos, sum_pos, target_logit = _empty_lse_states(BLOCK_M, ACC)
     for col_start in range(0, Mc, BLOCK_N):
         cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_ok = cols < Mc
         dots = _dot_tile(q_ptr, c_ptr, rows, cols, row_ok, col_ok, D, stride_qm, stride_qd, stride_cm,
                          stride_cd, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
-        if HAS_GROUPS:
-            group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
-        else:
-            group_col = cols
-        cos, logits, is_target, valid, positive, slope = _logits_tile(
-            dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
-            scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
-        max_all, sum_all = _online_lse_update(max_all, sum_all, logits)
-        if HAS_GROUPS:
-            max_pos, sum_pos = _online_lse_update(max_pos, sum_pos, tl.where(positive, logits, float("-inf")))
-        else:
-            target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+        inv_c, group_col = _column_state(c_norm_ptr, group_ptr, cols, col_ok, EPS, HAS_GROUPS)
+        max_all, sum_all, max_pos, sum_pos, target_logit = _fold_dots_into_lse(
+            max_all, sum_all, max_pos, sum_pos, target_logit, dots, rows, cols, row_ok, col_ok, inv_q, inv_c,
+            targets, group_row, group_target, group_col, scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN,
+            HAS_GROUPS, SIN_SQ_FLOOR)
 
-    # Every valid row has a finite maximum (its target column), so its sum is >= 1; the clamps only keep the
-    # padding rows (not stored) away from log(0).
-    lse_all = tl.where(row_ok, max_all, 0.0) + tl.log(tl.maximum(sum_all, 1.0))
+    lse_all, lse_pos = _final_lse(max_all, sum_all, max_pos, sum_pos, target_logit, row_ok, HAS_GROUPS)
     tl.store(lse_all_ptr + rows, lse_all, mask=row_ok)
-    if HAS_GROUPS:
-        lse_pos = tl.where(row_ok, max_pos, 0.0) + tl.log(tl.maximum(sum_pos, 1.0))
-    else:
-        lse_pos = target_logit
     tl.store(lse_pos_ptr + rows, lse_pos, mask=row_ok)
 
 
@@ -358,11 +403,7 @@ def _similarity_xent_bwd_dq_kernel(
     EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Scalars come through memory, not as arguments: Triton passes Python floats as fp32, and the float64
-    # path must see cos(margin) to float64 precision.
-    scale = tl.load(params_ptr)
-    cos_m = tl.load(params_ptr + 1)
-    sin_m = tl.load(params_ptr + 2)
+    scale, cos_m, sin_m = _loss_params(params_ptr)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok, inv_q, targets, group_row, group_target = _row_state(
         q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
@@ -376,11 +417,7 @@ def _similarity_xent_bwd_dq_kernel(
         col_ok = cols < Mc
         dots = _dot_tile(q_ptr, c_ptr, rows, cols, row_ok, col_ok, D, stride_qm, stride_qd, stride_cm,
                          stride_cd, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
-        if HAS_GROUPS:
-            group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
-        else:
-            group_col = cols
+        inv_c, group_col = _column_state(c_norm_ptr, group_ptr, cols, col_ok, EPS, HAS_GROUPS)
         cos, logits, is_target, valid, positive, slope = _logits_tile(
             dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
             scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
@@ -407,18 +444,10 @@ def _similarity_xent_bwd_dc_kernel(
     EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Scalars come through memory, not as arguments: Triton passes Python floats as fp32, and the float64
-    # path must see cos(margin) to float64 precision.
-    scale = tl.load(params_ptr)
-    cos_m = tl.load(params_ptr + 1)
-    sin_m = tl.load(params_ptr + 2)
+    scale, cos_m, sin_m = _loss_params(params_ptr)
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < Mc
-    inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
-    if HAS_GROUPS:
-        group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
-    else:
-        group_col = cols
+    inv_c, group_col = _column_state(c_norm_ptr, group_ptr, cols, col_ok, EPS, HAS_GROUPS)
 
     radial = tl.zeros([BLOCK_N], ACC)
     for row_start in range(0, M, BLOCK_M):
@@ -498,9 +527,7 @@ def _similarity_xent_prefix_fwd_kernel(
     EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr, KP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    scale = tl.load(params_ptr)
-    cos_m = tl.load(params_ptr + 1)
-    sin_m = tl.load(params_ptr + 2)
+    scale, cos_m, sin_m = _loss_params(params_ptr)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     prefixes = tl.arange(0, KP)
     # One online logsumexp pair per row and prefix: [BLOCK_M, KP] states, column i updated at prefix i's
@@ -595,9 +622,7 @@ def _similarity_xent_prefix_bwd_dq_kernel(
     EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr, KP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    scale = tl.load(params_ptr)
-    cos_m = tl.load(params_ptr + 1)
-    sin_m = tl.load(params_ptr + 2)
+    scale, cos_m, sin_m = _loss_params(params_ptr)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     prefixes = tl.arange(0, KP)
     radial = tl.zeros([BLOCK_M, KP], ACC)
@@ -640,9 +665,7 @@ def _similarity_xent_prefix_bwd_dc_kernel(
     EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr, KP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    scale = tl.load(params_ptr)
-    cos_m = tl.load(params_ptr + 1)
-    sin_m = tl.load(params_ptr + 2)
+    scale, cos_m, sin_m = _loss_params(params_ptr)
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < Mc
     prefixes = tl.arange(0, KP)
@@ -918,7 +941,14 @@ class SimilarityXentFunction(torch.autograd.Function):
 
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
                     dims=None):
-    """Flash-style softmax cross-entropy over cosine similarities; see angle_kernels.dispatch."""
+    """Softmax cross-entropy over cosine similarities, by the fused kernels above or, for wide embeddings, by the
+    dense scheme (similarity_xent_dense.takes); see angle_kernels.dispatch."""
+    from . import similarity_xent_dense  # imported here: that module builds on this one's tile helpers
+
+    columns = q.shape[0] if c is None else c.shape[0]
+    if similarity_xent_dense.takes(q.shape[1], columns, dims):
+        return similarity_xent_dense.similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin,
+                                                     group_ids)
     return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims)
 
 

@@ -8,11 +8,17 @@ fractional weights, a margin past pi and at |cos| = 1, non-contiguous inputs, ze
 
 Nested prefixes (dims) on the backends that declare them: the [k] losses against the oracle's k calls on the
 truncated inputs, stacked, with a random upstream gradient [k], over the same options.
+
+The triton backend computes the full-width loss by two schemes: its fused kernels, and for wide embeddings the
+dense scheme (cuBLAS products and Triton tile kernels, triton_ops/similarity_xent_dense.py). Here the `backend`
+fixture adds "triton-dense", the dense scheme called directly at every width, in blocks of a few rows, so that
+every case below holds it to the same oracle.
 """
 
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -20,9 +26,35 @@ from torch.autograd import gradcheck
 
 import oracle
 from ak_testing import (
-    HALF_DTYPES, ShapeRecorder, assert_close, backend_or_skip, check_against_oracle, generator, leaf_like,
-    outputs_and_grads, randn, skip_unless_feature,
+    BACKEND_NAMES, HALF_DTYPES, Backend, ShapeRecorder, assert_close, backend_or_skip, check_against_oracle, generator,
+    leaf_like, outputs_and_grads, randn, skip_unless_feature,
 )
+
+DENSE_TEST_BLOCK_ROWS = 16  # the dense scheme's row blocks here: most cases span several, the last one partial
+
+
+def dense_scheme_backend(monkeypatch, block_rows: int = DENSE_TEST_BLOCK_ROWS) -> Backend:
+    """The triton backend with its similarity_xent replaced by the dense scheme (whatever the width; no dims), in
+    blocks of `block_rows` rows; skipped where the triton backend is."""
+    from angle_kernels.dispatch import Ops
+
+    triton_backend = backend_or_skip("triton")
+    from angle_kernels.triton_ops import similarity_xent_dense
+
+    monkeypatch.setattr(similarity_xent_dense, "MAX_BLOCK_ROWS", block_rows)
+    raw = triton_backend.ops.backend
+    features = dict(raw.features, similarity_xent=frozenset(similarity_xent_dense.FEATURES))
+    dense = types.SimpleNamespace(**dict(vars(raw), similarity_xent=similarity_xent_dense.similarity_xent,
+                                         features=features))
+    return Backend("triton-dense", Ops("triton-dense", dense), triton_backend.device)
+
+
+@pytest.fixture(params=BACKEND_NAMES + ("triton-dense",))
+def backend(request, monkeypatch) -> Backend:
+    """tests/conftest.py's backends, and the triton backend's dense scheme (module docstring)."""
+    if request.param == "triton-dense":
+        return dense_scheme_backend(monkeypatch)
+    return backend_or_skip(request.param)
 
 # name -> (M, Mc or None for c = None, D, options). Options: scale, target, exclude_diagonal, margin (radians);
 # "weights" puts row weights in {0, 0.5, 1}, "groups" draws group ids with many duplicates.
@@ -151,8 +183,9 @@ def test_float16_zero_and_tiny_rows_never_give_nan(backend):
 def test_more_rows_than_one_block_of_the_torch_backend(backend):
     """M x Mc above 4M logits: the torch backend walks the rows in blocks, each block's gradient tiles added into
     the same gradients of q and c (here one shared buffer: q = c)."""
-    if backend.name == "triton" and backend.device.type == "cpu":
-        pytest.skip("about 35 s in the Triton interpreter (33 x 33 tiles of 64 x 64): runs when compiled")
+    if backend.name.startswith("triton") and backend.device.type == "cpu":
+        pytest.skip("about 30 s in the Triton interpreter (33 x 33 tiles of 64 x 64; the dense scheme's 129 blocks "
+                    "of 16 rows): runs when compiled")
     gen = generator("blocks")
     q = randn(gen, 2050, 16)
     kwargs = dict(scale=20.0, target="partner", exclude_diagonal=True,
@@ -161,11 +194,13 @@ def test_more_rows_than_one_block_of_the_torch_backend(backend):
     _check(backend, q, None, kwargs, "several row blocks")
 
 
+@pytest.mark.parametrize("scheme", ["torch", "triton-dense"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["c=None", "c"])
-def test_torch_backend_takes_three_matrix_products_per_block(monkeypatch, symmetric):
-    """The torch backend computes a block's gradient while it holds the block's logits: forward takes three matrix
-    products per row block (logits, dq, dc) and backward none, as eager code does (recomputing the logits in
-    backward would take four); without gradients (no_grad, or no input that requires them) one per block."""
+def test_three_matrix_products_per_block(monkeypatch, symmetric, scheme):
+    """The torch backend and the triton backend's dense scheme compute a block's gradient while they hold the
+    block's logits: forward takes three matrix products per row block (logits, dq, dc) and backward none, as eager
+    code does (recomputing the logits in backward would take four); without gradients (no_grad, or no input that
+    requires them) one per block."""
     import angle_kernels.torch_ops.common as torch_common
     from angle_kernels.dispatch import raw_backend
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -179,13 +214,16 @@ def test_torch_backend_takes_three_matrix_products_per_block(monkeypatch, symmet
             self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 8 * 40)  # 40 columns: blocks of 8 rows
+    if scheme == "torch":
+        monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 8 * 40)  # 40 columns: blocks of 8 rows
+        ops = raw_backend("torch")
+    else:
+        ops = dense_scheme_backend(monkeypatch, block_rows=8).ops.backend
     gen = generator("matmul_count", symmetric)
     rows, blocks = (40, 5) if symmetric else (24, 3)
     q = randn(gen, rows, 16, dtype=torch.float64)
     c = None if symmetric else randn(gen, 40, 16, dtype=torch.float64)
     kwargs = dict(scale=20.0, target="partner" if symmetric else "diagonal", exclude_diagonal=symmetric)
-    ops = raw_backend("torch")
 
     def counted(grad_mode, inputs_require_grad):
         leaves = [q, c] if c is not None else [q]
@@ -209,6 +247,47 @@ def test_torch_backend_takes_three_matrix_products_per_block(monkeypatch, symmet
     (oracle.similarity_xent(leaves[0], leaves[1] if c is not None else None, **kwargs) * 1.5).backward()
     for ours, leaf in zip(grads, leaves):
         assert_close(ours, leaf.grad, 1e-12, "the gradient for grad_loss = 1.5 (kept from forward, scaled)")
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["c=None", "c"])
+def test_dense_scheme_holds_one_block_of_logits(monkeypatch, symmetric):
+    """The dense scheme's largest tensors are its row block's logits and gradient tile, block x Mc, whatever M is:
+    with blocks of 8 rows, nothing of forward or backward reaches M x Mc elements, and the tiles are 8 x Mc."""
+    ops = dense_scheme_backend(monkeypatch, block_rows=8).ops.backend
+    rows, c_rows = 40, 40 if symmetric else 56
+    gen = generator("dense_memory", symmetric)
+    # D = 4: the inputs, [M, D] and [Mc, D], are smaller than the tile
+    leaves = [leaf_like(randn(gen, rows, 4))] + ([] if symmetric else [leaf_like(randn(gen, c_rows, 4))])
+    kwargs = dict(scale=20.0, target="partner", exclude_diagonal=symmetric, margin=0.1,
+                  row_weights=torch.rand(rows, generator=gen),
+                  group_ids=torch.randint(0, 10, (rows,), generator=gen) if symmetric else None)
+    recorder = ShapeRecorder()
+    with recorder.mode:
+        loss = ops.similarity_xent(leaves[0], leaves[1] if len(leaves) > 1 else None, **kwargs)
+        recorder.phase = "backward"
+        loss.backward()
+    # (2-D tensors: the Triton interpreter passes each kernel argument as a 1-D copy of its bytes)
+    largest = max(math.prod(shape) for _, shape in recorder.shapes if len(shape) == 2)
+    assert largest == 8 * c_rows, f"largest tensor {largest} elements; the tile is 8 x {c_rows}"
+
+
+@pytest.mark.parametrize("width, rows, dims, scheme", [
+    (16, 8, None, "Dense"), (15, 8, None, ""), (16, 8, (8, 16), ""), (16, 10, None, "")],
+    ids=["wide", "narrow", "wide-with-dims", "wide-but-too-many-columns"])
+def test_triton_backend_takes_the_dense_scheme_where_it_says(monkeypatch, width, rows, dims, scheme):
+    """triton's similarity_xent sends the full-width loss to the dense scheme from its MIN_WIDTH up while a tile of
+    MIN_BLOCK_ROWS rows fits, else to the fused kernels, as it does dims at any width (the grad_fn says which
+    computed the loss). Here the limits are shrunk: width 16, tiles of 256 rows within 2,048 logits (8 columns
+    fit, 10 do not)."""
+    from angle_kernels.triton_ops import similarity_xent_dense
+
+    backend = backend_or_skip("triton")
+    monkeypatch.setattr(similarity_xent_dense, "MIN_WIDTH", 16)
+    monkeypatch.setattr(similarity_xent_dense, "TILE_ELEMENTS", 2048)
+    monkeypatch.setattr(similarity_xent_dense, "MIN_BLOCK_ROWS", 256)
+    q = leaf_like(randn(generator("scheme", width, rows), rows, width), device=backend.device)
+    loss = backend.ops.similarity_xent(q, None, 20.0, "partner", exclude_diagonal=True, dims=dims)
+    assert type(loss.grad_fn).__name__ == f"{scheme}SimilarityXentFunctionBackward"
 
 
 def test_extra_memory_is_linear_in_rows(backend):
