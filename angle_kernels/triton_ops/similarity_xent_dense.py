@@ -49,6 +49,8 @@ blocks tuned (issue 10).
 from __future__ import annotations
 
 import math
+import warnings
+from typing import NamedTuple
 
 import torch
 import triton
@@ -99,9 +101,6 @@ def takes(width: int, columns: int, dims) -> bool:
     where a tile of at least MIN_BLOCK_ROWS rows of `columns` logits fits TILE_ELEMENTS."""
     return dims is None and width >= MIN_WIDTH and TILE_ELEMENTS // max(columns, 1) >= MIN_BLOCK_ROWS
 
-
-# Whether this torch has the mixed-dtype products (16-bit operands, fp32 result: aten::mm.dtype_out, on CUDA).
-_MIXED_DTYPE_PRODUCTS = hasattr(torch.ops.aten.mm, "dtype_out") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -213,26 +212,47 @@ def _blocks(n_rows: int, mc: int, gpu_blocks: dict) -> dict:
 # The products, autograd function and launcher
 # ----------------------------------------------------------------------------------------------------------
 
-_adds_into_fp32: dict[torch.device, bool] = {}
+class MixedProducts(NamedTuple):
+    """What this torch offers on a device for products of 16-bit operands with fp32 results."""
+
+    mm: bool  # torch.mm(a, b, out_dtype=torch.float32, out=...): CUDA only, recent torch
+    addmm_into_fp32: bool  # torch.addmm(c, a, b, out_dtype=torch.float32, out=c) with an fp32 c: some releases
+    # require c in the operands' dtype
 
 
-def _mixed_addmm_adds_into_fp32(device: torch.device) -> bool:
-    """Whether torch.addmm(c, a, b, out_dtype=float32) takes an fp32 c with bf16 a and b on `device`: some torch
-    releases require c in the operands' dtype. Asked once per device, on a 1 x 1 product."""
-    if device not in _adds_into_fp32:
-        c = torch.ones(1, 1, device=device)
-        a = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
-        try:
-            _adds_into_fp32[device] = torch.addmm(c, a, a, out_dtype=torch.float32, out=c).item() == 2.0
-        except RuntimeError:
-            _adds_into_fp32[device] = False
-    return _adds_into_fp32[device]
+_mixed_products: dict[torch.device, MixedProducts] = {}
+
+
+def mixed_products(device: torch.device) -> MixedProducts:
+    """MixedProducts on `device`, asked once per device by 1 x 1 products (a sync, once). Without them the scheme
+    converts its 16-bit operands to fp32 (the same values and accumulation, at the fp32 rate), saying so once."""
+    if device not in _mixed_products:
+        found = MixedProducts(False, False)
+        if device.type == "cuda" and hasattr(torch.ops.aten.mm, "dtype_out"):
+            one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+            out = torch.ones(1, 1, device=device)
+            try:
+                mm = torch.mm(one, one, out_dtype=torch.float32, out=out).item() == 1.0
+            except (RuntimeError, NotImplementedError):
+                mm = False
+            try:
+                addmm = mm and torch.addmm(out, one, one, out_dtype=torch.float32, out=out).item() == 2.0
+            except (RuntimeError, NotImplementedError):
+                addmm = False
+            found = MixedProducts(mm, addmm)
+        if device.type == "cuda" and not found.mm:
+            warnings.warn(f"angle_kernels: torch {torch.__version__} has no bf16/fp16 matrix products with fp32 "
+                          f"results on {device}; the dense similarity_xent scheme converts its operands to fp32 "
+                          "(exact, slower)", RuntimeWarning, stacklevel=2)
+        _mixed_products[device] = found
+    return _mixed_products[device]
 
 
 def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
     """out (+)= a @ b in out's dtype: 16-bit operands accumulate in fp32 (cuBLAS's mixed-dtype products on CUDA;
     elsewhere the operands are converted first, the same values and accumulation)."""
-    if a.dtype != out.dtype and not (a.is_cuda and _MIXED_DTYPE_PRODUCTS):
+    offered = mixed_products(out.device) if a.dtype != out.dtype else None
+    if offered is not None and not offered.mm:
         a, b = a.to(out.dtype), b.to(out.dtype)
     if a.dtype == out.dtype:
         if accumulate:
@@ -241,7 +261,7 @@ def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulat
             torch.mm(a, b, out=out)
     elif not accumulate:
         torch.mm(a, b, out_dtype=out.dtype, out=out)
-    elif _mixed_addmm_adds_into_fp32(out.device):
+    elif offered.addmm_into_fp32:
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:  # a product in a temporary of out's shape, then a sum: one more pass over out
         out.add_(torch.mm(a, b, out_dtype=out.dtype))

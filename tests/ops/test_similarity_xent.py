@@ -271,6 +271,25 @@ def test_dense_scheme_holds_one_block_of_logits(monkeypatch, symmetric):
     assert largest == 8 * c_rows, f"largest tensor {largest} elements; the tile is 8 x {c_rows}"
 
 
+@pytest.mark.parametrize("offered", [(True, True), (True, False), (False, False)],
+                         ids=["mixed-addmm", "mixed-mm-only", "converted"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_dense_scheme_products_take_every_torch_route(monkeypatch, offered, accumulate):
+    """The dense scheme's products on each route a CUDA torch may offer (similarity_xent_dense.mixed_products),
+    on the meta device, which runs torch's real argument checks for the mixed-dtype overloads that CPU lacks:
+    bf16 operands, an fp32 result of the right shape, the output written in place."""
+    pytest.importorskip("triton")
+    from angle_kernels.triton_ops import similarity_xent_dense as dense
+
+    meta = torch.device("meta")
+    monkeypatch.setitem(dense._mixed_products, meta, dense.MixedProducts(*offered))
+    a = torch.empty(8, 5, dtype=torch.bfloat16, device=meta)
+    b = torch.empty(6, 5, dtype=torch.bfloat16, device=meta).T
+    out = torch.empty(12, 6, device=meta)[2:10]
+    dense._product_into(out, a, b, accumulate)
+    assert out.shape == (8, 6) and out.dtype == torch.float32
+
+
 @pytest.mark.parametrize("width, rows, dims, scheme", [
     (16, 8, None, "Dense"), (15, 8, None, ""), (16, 8, (8, 16), ""), (16, 10, None, "")],
     ids=["wide", "narrow", "wide-with-dims", "wide-but-too-many-columns"])
