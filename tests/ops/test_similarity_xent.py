@@ -216,13 +216,14 @@ def test_three_matrix_products_per_block(monkeypatch, symmetric, scheme):
 
     if scheme == "torch":
         monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 8 * 40)  # 40 columns: blocks of 8 rows
-        ops = raw_backend("torch")
+        ops, device = raw_backend("torch"), torch.device("cpu")
     else:
-        ops = dense_scheme_backend(monkeypatch, block_rows=8).ops.backend
+        dense = dense_scheme_backend(monkeypatch, block_rows=8)
+        ops, device = dense.ops.backend, dense.device
     gen = generator("matmul_count", symmetric)
     rows, blocks = (40, 5) if symmetric else (24, 3)
-    q = randn(gen, rows, 16, dtype=torch.float64)
-    c = None if symmetric else randn(gen, 40, 16, dtype=torch.float64)
+    q = randn(gen, rows, 16, dtype=torch.float64).to(device)
+    c = None if symmetric else randn(gen, 40, 16, dtype=torch.float64).to(device)
     kwargs = dict(scale=20.0, target="partner" if symmetric else "diagonal", exclude_diagonal=symmetric)
 
     def counted(grad_mode, inputs_require_grad):
@@ -234,7 +235,7 @@ def test_three_matrix_products_per_block(monkeypatch, symmetric, scheme):
             loss = ops.similarity_xent(leaves[0], leaves[1] if c is not None else None, **kwargs)
         if loss.requires_grad:
             with backward:
-                loss.backward(torch.tensor(1.5, dtype=torch.float64))
+                loss.backward(torch.tensor(1.5, dtype=torch.float64, device=device))
         return loss.detach(), [leaf.grad for leaf in leaves], forward.count, backward.count
 
     loss, grads, forward, backward = counted(grad_mode=True, inputs_require_grad=True)
@@ -253,14 +254,17 @@ def test_three_matrix_products_per_block(monkeypatch, symmetric, scheme):
 def test_dense_scheme_holds_one_block_of_logits(monkeypatch, symmetric):
     """The dense scheme's largest tensors are its row block's logits and gradient tile, block x Mc, whatever M is:
     with blocks of 8 rows, nothing of forward or backward reaches M x Mc elements, and the tiles are 8 x Mc."""
-    ops = dense_scheme_backend(monkeypatch, block_rows=8).ops.backend
+    dense = dense_scheme_backend(monkeypatch, block_rows=8)
+    ops, device = dense.ops.backend, dense.device
     rows, c_rows = 40, 40 if symmetric else 56
     gen = generator("dense_memory", symmetric)
     # D = 4: the inputs, [M, D] and [Mc, D], are smaller than the tile
-    leaves = [leaf_like(randn(gen, rows, 4))] + ([] if symmetric else [leaf_like(randn(gen, c_rows, 4))])
-    kwargs = dict(scale=20.0, target="partner", exclude_diagonal=symmetric, margin=0.1,
-                  row_weights=torch.rand(rows, generator=gen),
-                  group_ids=torch.randint(0, 10, (rows,), generator=gen) if symmetric else None)
+    leaves = [leaf_like(randn(gen, rows, 4), device=device)]
+    if not symmetric:
+        leaves.append(leaf_like(randn(gen, c_rows, 4), device=device))
+    kwargs = _on(device, dict(scale=20.0, target="partner", exclude_diagonal=symmetric, margin=0.1,
+                              row_weights=torch.rand(rows, generator=gen),
+                              group_ids=torch.randint(0, 10, (rows,), generator=gen) if symmetric else None))
     recorder = ShapeRecorder()
     with recorder.mode:
         loss = ops.similarity_xent(leaves[0], leaves[1] if len(leaves) > 1 else None, **kwargs)
