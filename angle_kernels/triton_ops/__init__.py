@@ -3,7 +3,8 @@
 Each kernel file reads top to bottom: what it computes, the bytes and FLOPs it must move, the kernels, the
 autograd.Function, the launcher.
 
-One module per op, named after it (`contract.OPS`); `dispatch` finds them by name and imports them only once
+One module per op, named after it (`contract.OPS`), plus the modules an op launches from (similarity_xent_dense:
+the dense scheme of similarity_xent); `dispatch` finds the ops by name and imports them only once
 `is_available()` says the kernels can run here (CUDA, or CPU tensors under TRITON_INTERPRET=1), so importing
 this package never fails and costs nothing without triton. Inputs arrive validated by `angle_kernels.dispatch`.
 """
