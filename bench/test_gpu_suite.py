@@ -193,8 +193,9 @@ def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monk
     assert set(labels) == {("similarity_xent(ibn)", "triton-fused"), ("similarity_xent(ibn)", "triton-dense"),
                            ("pair_scores", "triton")}, rows
     assert all(row["status"] == "ok" for row in rows), rows
-    fused, dense = labels["similarity_xent(ibn)", "triton-fused"], labels["similarity_xent(ibn)", "triton-dense"]
-    assert fused["floor"]["executed"] == 10 * 16 * 16 * 6 and dense["floor"]["executed"] == 6 * 16 * 16 * 6
+    fused_row = labels["similarity_xent(ibn)", "triton-fused"]
+    dense_row = labels["similarity_xent(ibn)", "triton-dense"]
+    assert fused_row["floor"]["executed"] == 10 * 16 * 16 * 6 and dense_row["floor"]["executed"] == 6 * 16 * 16 * 6
     assert ran.count("SimilarityXentFunctionBackward") == 1 and ran.count("DenseSimilarityXentFunctionBackward") == 1
 
 
