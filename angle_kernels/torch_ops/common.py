@@ -19,11 +19,15 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
 
 
-def inverse_norms_from_squares(squared_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 / max(|x|, eps) from |x|^2, and the mask of vectors whose norm was not clamped (only those have a
-    norm gradient)."""
-    norms = squared_norms.clamp_min(0).sqrt()
+def inverse_norms_from_norms(norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 / max(|x|, eps) from |x|, and the mask of vectors whose norm was not clamped (only those have a norm
+    gradient)."""
     return 1.0 / norms.clamp_min(NORM_EPS), norms > NORM_EPS
+
+
+def inverse_norms_from_squares(squared_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """inverse_norms_from_norms from |x|^2."""
+    return inverse_norms_from_norms(squared_norms.clamp_min(0).sqrt())
 
 
 def inverse_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

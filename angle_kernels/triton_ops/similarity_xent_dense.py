@@ -58,7 +58,7 @@ import triton.language as tl
 
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, NORM_EPS, compute_dtype
 from ..dispatch import triton_interpreting
-from ..torch_ops.common import normalise_backward
+from ..torch_ops.common import inverse_norms_from_norms, normalise_backward
 from ..torch_ops.similarity_xent import GradientsFormedInForward, gradients_wanted
 from ._common import CompileCase, new_output
 from .similarity_xent import (
@@ -302,8 +302,8 @@ class DenseSimilarityXentFunction(GradientsFormedInForward):
         block = block_rows(m, mc)
         dots = torch.empty((block, mc), dtype=dtype, device=q.device)
         if with_grad:
-            q_inv = 1.0 / q_norm.clamp_min(NORM_EPS)
-            c_inv = q_inv if symmetric else 1.0 / c_norm.clamp_min(NORM_EPS)
+            q_inv, q_has_grad = inverse_norms_from_norms(q_norm)
+            c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else inverse_norms_from_norms(c_norm)
             q_hat = _unit_rows(q_in, q_inv, dtype)
             c_hat = q_hat if symmetric else _unit_rows(c_in, c_inv, dtype)
             # the gradient tile in the products' operand dtype, over the dots when that is the compute dtype
@@ -334,9 +334,8 @@ class DenseSimilarityXentFunction(GradientsFormedInForward):
         if with_grad:
             del dots, grad, q_hat, c_hat
             unscale = weight_max / m
-            dq = normalise_backward(q_in.to(dtype), q_inv, q_norm > NORM_EPS, d_qhat.mul_(unscale))
-            dc = None if symmetric else normalise_backward(c_in.to(dtype), c_inv, c_norm > NORM_EPS,
-                                                           d_chat.mul_(unscale))
+            dq = normalise_backward(q_in.to(dtype), q_inv, q_has_grad, d_qhat.mul_(unscale))
+            dc = None if symmetric else normalise_backward(c_in.to(dtype), c_inv, c_has_grad, d_chat.mul_(unscale))
             ctx.save_for_backward(dq, dc)
         return loss
 
