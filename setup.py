@@ -126,7 +126,7 @@ def _cuda_extension() -> tuple[list, dict]:
         name="angle_kernels._C",
         sources=sources,
         include_dirs=[os.path.abspath("csrc")],
-        extra_compile_args={"cxx": list(settings.CXX_FLAGS), "nvcc": list(settings.NVCC_FLAGS)},
+        extra_compile_args={"cxx": settings.cxx_flags(), "nvcc": list(settings.NVCC_FLAGS)},
     )
     build_ext = optional_build_ext(cuda_objects_apart(cpp_extension.BuildExtension.with_options(use_ninja=True)),
                                    required)

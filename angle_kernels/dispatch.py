@@ -3,7 +3,7 @@
 Every public loss in `angle_kernels.functional` is assembled from a few differentiable ops. Each backend
 (`torch_ops`: pure PyTorch, any device; `triton_ops`: fused Triton kernels for CUDA tensors; `cuda_ops`:
 the CUDA C++ extension in `csrc/`) implements them with exactly the semantics below (a backend may lack an op
-for a while: the cuda backend has no similarity_lse yet; see `Ops`), as
+for a while: the cuda backend has no similarity_lse yet; "auto" then computes it elsewhere), as
 `torch.autograd.Function`s with explicit backward passes, and must agree with the others to the
 tolerances of the input dtype.
 
@@ -86,8 +86,8 @@ Nested prefixes (Matryoshka): pair_scores(x, with_angle, dims) and similarity_xe
     gradient into its leading columns. The point is one read of the embeddings for all k prefixes (a kernel
     walking D in chunks has every prefix's dot products and norms as running sums) and O(k) extra state per
     row. dims is an optional feature: a backend's op declares it (see contract.OPTIONAL_FEATURES); a call
-    that uses it on a backend whose op lacks it goes, under "auto", to the torch backend (a RuntimeWarning
-    once per process, backend and feature) and raises a ValueError naming the feature otherwise.
+    that uses it on a backend whose op lacks it goes, under "auto", to another backend (see Choosing the backend)
+    and raises a ValueError naming the feature otherwise.
 
 Stacked layers (layer-wise / Espresso training, functional's layer_weights) are not a feature of the ops: a
     stack [L, G, K, D] of pair groups is pair_scores on [L * G, K, D] (one call for every layer and prefix), and
@@ -97,88 +97,157 @@ Calling the ops
     angle_kernels.dispatch.pair_scores(x, with_angle, *, backend=None), .ranking_loss(scores, labels, *,
     backend=None), .similarity_xent(..., *, backend=None) and .similarity_lse(..., *, backend=None) validate
     and run an op on the chosen backend; resolve_backend(...) returns the `Ops` of a backend, whose methods do
-    the same without choosing again. An op the backend does not implement goes, when "auto" chose the
-    backend, to the torch backend (a RuntimeWarning once per process and op), and raises a ValueError naming
-    the op when the backend was chosen explicitly.
+    the same without choosing again, and whose computes(op, *args) says which backend and code path would
+    compute a call. An op (or optional feature) an explicitly chosen backend does not implement raises a
+    ValueError naming it.
 
-Choosing the backend
+Choosing the backend: the default is the verified path
     resolve_backend(requested, *tensors) -> Ops: requested is None/"auto", "torch", "triton" or "cuda"; None
-    falls back to the environment variable ANGLE_KERNELS_BACKEND, then "auto". "auto" picks "triton"
-    for CUDA tensors when Triton works, else "cuda" when the extension is already compiled (prebuilt by
-    setup.py, or JIT-built earlier in this process), else "torch"; CPU tensors use "torch". For CUDA
-    tensors each GPU backend it passes over costs a RuntimeWarning, once per process and backend, with the
-    reason (choosing a backend explicitly silences it). "auto" never starts the JIT build of csrc/ (minutes of
-    nvcc inside a loss call); an explicit "cuda" does when no compiled extension is found. An explicit
-    backend that cannot run raises RuntimeError with the reason. "triton" on CPU tensors runs the kernels
-    under the Triton interpreter and is allowed only when TRITON_INTERPRET=1.
+    falls back to the environment variable ANGLE_KERNELS_BACKEND, then "auto".
+    * "auto" on CPU tensors is the torch backend. On CUDA tensors it chooses per call: the first GPU backend
+      (triton, then cuda when its extension is already compiled: prebuilt by setup.py, or JIT-built earlier in
+      this process) that implements the call and whose code path for it (the op module's PATHS / code_path: the
+      Triton similarity_xent's fused, dense and dims paths, ...) has passed its correctness run on matching
+      hardware and software, by the rule and from the sources in `angle_kernels.verified` (the project's table
+      and the user's cache, which `python -m angle_kernels.verify` fills); otherwise the torch backend, saying
+      so with one RuntimeWarning per process. "auto" never starts the JIT build of csrc/ (minutes of nvcc
+      inside a loss call).
+    * An explicit backend runs what it is asked. A GPU backend's code path that is not verified on this GPU
+      costs a RuntimeWarning once per process and (backend, op, path). An explicit "cuda" JIT-builds csrc/ when
+      no compiled extension is found; an explicit backend that cannot run raises RuntimeError with the reason.
+      "triton" on CPU tensors runs the kernels under the Triton interpreter and is allowed only when
+      TRITON_INTERPRET=1 (the tests' mode: no verification applies there).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import types
 import warnings
 
 import torch
 
-from . import contract
+from . import contract, verified
 
 BACKENDS = ("torch", "triton", "cuda")
 
 
 class Ops:
-    """A backend behind the contract: each op checks its inputs (`contract`), then calls the backend's op."""
+    """A backend behind the contract: each op checks its inputs (`contract`), then calls the backend's op. On CUDA
+    tensors a GPU backend's code path that has not passed its correctness run on this GPU (`verified`) still runs,
+    with a RuntimeWarning once per process and (backend, op, path)."""
 
-    def __init__(self, name: str, backend: contract.Backend, fallback: Ops | None = None):
+    def __init__(self, name: str, backend: contract.Backend):
         self.name = name
         self.backend = backend
-        self.fallback = fallback  # where "auto" sends an op this backend does not implement (see _implementing)
 
     def __repr__(self) -> str:
         return f"Ops({self.name!r})"
 
     def pair_scores(self, x, with_angle, dims=None):
         args = contract.check_pair_scores(x, with_angle, dims)
-        return self._implementing("pair_scores", _features(dims=dims)).pair_scores(*args)
+        return self._computing("pair_scores", args, _features(dims=dims)).pair_scores(*args)
 
     def ranking_loss(self, scores, labels):
-        return self._implementing("ranking_loss").ranking_loss(*contract.check_ranking_loss(scores, labels))
+        args = contract.check_ranking_loss(scores, labels)
+        return self._computing("ranking_loss", args).ranking_loss(*args)
 
     def similarity_xent(self, q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
                         group_ids=None, dims=None):
         args = contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
                                               dims)
-        return self._implementing("similarity_xent", _features(dims=dims)).similarity_xent(*args)
+        return self._computing("similarity_xent", args, _features(dims=dims)).similarity_xent(*args)
 
     def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
                        penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
                        filter_keeps_target=False, normalize=True):
         args = contract.check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on,
                                              filter_q, filter_c, filter_threshold, filter_keeps_target, normalize)
-        return self._implementing("similarity_lse").similarity_lse(*args)
+        return self._computing("similarity_lse", args).similarity_lse(*args)
 
-    def _implementing(self, op: str, features: tuple[str, ...] = ()) -> contract.Backend:
-        """This backend if it implements `op` with the optional `features` the call uses; else, when "auto"
-        chose it, its fallback (saying so once per process); else a ValueError naming the op or feature."""
-        lacking = None
+    def computes(self, op: str, *args, **kwargs) -> tuple[str, str]:
+        """(backend, code path) that would compute `op` on these arguments (the op's own, validated the same way)."""
+        bound = inspect.signature(getattr(Ops, op)).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = list(bound.arguments.values())[1:]
+        checked = getattr(contract, f"check_{op}")(*values)
+        chosen = self._choose(op, checked, _features(dims=bound.arguments.get("dims")))
+        return chosen.name, chosen.code_path(op, checked)
+
+    def code_path(self, op: str, args: tuple) -> str:
+        """The code path (the op module's PATHS) a call with these validated arguments takes on this backend."""
+        choose = self.backend.code_paths[op]
+        return choose(*args) if choose is not None else self.backend.paths[op][0]
+
+    def is_verified(self, op: str, args: tuple) -> bool:
+        """Whether this backend's code path for the call has passed its correctness run on the arguments' GPU."""
+        return verified.is_verified(self.name, op, self.code_path(op, args), args[0].device)
+
+    def lacking(self, op: str, features: tuple[str, ...] = ()) -> str | None:
+        """What of `op` with `features` this backend does not implement ("op" or "op with feature="), or None."""
         if getattr(self.backend, op) is None:
-            lacking = op
-        else:
-            missing = [f for f in features if f not in self.backend.features[op]]
-            if missing:
-                lacking = f"{op} with {missing[0]}="
-        if lacking is None:
-            return self.backend
-        if self.fallback is None:
+            return op
+        missing = [f for f in features if f not in self.backend.features[op]]
+        return f"{op} with {missing[0]}=" if missing else None
+
+    def _choose(self, op: str, args: tuple, features: tuple[str, ...]) -> Ops:
+        lacking = self.lacking(op, features)
+        if lacking is not None:
             raise ValueError(f"backend {self.name!r} does not implement {lacking} yet; choose another backend "
                              "('torch' implements every op and feature)")
-        if (self.name, lacking) not in _warned_fallbacks:
-            _warned_fallbacks.add((self.name, lacking))
-            warnings.warn(f"angle_kernels: the {self.name!r} backend does not implement {lacking} yet; "
-                          f"backend='auto' computes it with the {self.fallback.name!r} backend", RuntimeWarning,
-                          stacklevel=4)
-        return self.fallback._implementing(op, features)
+        return self
+
+    def _computing(self, op: str, args: tuple, features: tuple[str, ...] = ()) -> contract.Backend:
+        """The backend that computes this call: this one (see _choose), warning when it is unverified here."""
+        chosen = self._choose(op, args, features)
+        if chosen.name in verified.GPU_BACKENDS and args[0].is_cuda and not chosen.is_verified(op, args):
+            _warn_unverified(chosen, op, args)
+        return chosen.backend
+
+
+class AutoOps(Ops):
+    """backend="auto" for CUDA tensors: each call on the first GPU backend of `candidates` (those that load here:
+    triton, then cuda) that implements it and whose code path for it is verified on this GPU (`verified`), else
+    on the torch backend, saying so once per process (`reasons`: why the unloaded GPU backends are missing)."""
+
+    def __init__(self, candidates: list[Ops], reasons: dict[str, str]):
+        super().__init__("auto", _TORCH_OPS.backend)
+        self.candidates = candidates
+        self.reasons = reasons
+
+    def __repr__(self) -> str:
+        return f"AutoOps({[c.name for c in self.candidates]!r})"
+
+    def _choose(self, op: str, args: tuple, features: tuple[str, ...]) -> Ops:
+        for candidate in self.candidates:
+            if candidate.lacking(op, features) is None and candidate.is_verified(op, args):
+                return candidate
+        return _TORCH_OPS
+
+    def _computing(self, op: str, args: tuple, features: tuple[str, ...] = ()) -> contract.Backend:
+        chosen = self._choose(op, args, features)
+        if chosen is _TORCH_OPS and not _warned_auto_on_gpu:
+            self._warn_torch_on_gpu(op, args, features)
+        return chosen.backend
+
+    def _warn_torch_on_gpu(self, op: str, args: tuple, features: tuple[str, ...]) -> None:
+        global _warned_auto_on_gpu
+        _warned_auto_on_gpu = True
+        why = dict(self.reasons)
+        for candidate in self.candidates:
+            lacking = candidate.lacking(op, features)
+            why[candidate.name] = (f"it does not implement {lacking} yet" if lacking is not None else
+                                   f"its code path {candidate.code_path(op, args)!r} has not passed a correctness "
+                                   f"run on {verified.describe(candidate.name, op, args[0].device)}")
+        warnings.warn(
+            f"angle_kernels: backend='auto' computes {op} with the PyTorch backend on this GPU, as it does every op "
+            "and code path no GPU backend has passed a correctness run for on matching hardware and software ("
+            + "; ".join(f"{name}: {reason}" for name, reason in why.items()) + "). `python -m angle_kernels.verify` "
+            "runs those checks on this GPU in a few minutes and records what passes, which 'auto' then uses. Choose "
+            f"a backend with backend='torch'|'triton'|'cuda' or {_ENV_VAR} to silence this warning (shown once per "
+            "process).", RuntimeWarning, stacklevel=5)
 
 
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
@@ -189,14 +258,18 @@ _AUTO_GPU_BACKENDS = ("triton", "cuda")
 
 def raw_backend(name: str) -> contract.Backend:
     """Backend `name`'s own ops, which trust their inputs (the losses call them through `Ops`, tests directly),
-    found by the convention stated at contract.OPS, and `features`: op -> the optional features its module
-    declares (contract.OPTIONAL_FEATURES). Imports the op modules; does not ask whether they can run."""
+    found by the convention stated at contract.OPS, with what its op modules declare: `features` (op -> the
+    optional features it implements, contract.OPTIONAL_FEATURES), `paths` (op -> its code paths, PATHS: one,
+    "default", when it declares none) and `code_paths` (op -> its code_path function, None with one path).
+    Imports the op modules; does not ask whether they can run."""
     package = _PACKAGES[name]
     modules = {op: _module_or_none(f"{package}.{op}") for op in contract.OPS}
     ops = {op: None if module is None else getattr(module, op) for op, module in modules.items()}
     features = {op: frozenset(getattr(module, "FEATURES", ())) for op, module in modules.items()}
+    paths = {op: tuple(getattr(module, "PATHS", ("default",))) for op, module in modules.items()}
+    code_paths = {op: getattr(module, "code_path", None) for op, module in modules.items()}
     return types.SimpleNamespace(is_available=importlib.import_module(package).is_available, features=features,
-                                 **ops)
+                                 paths=paths, code_paths=code_paths, **ops)
 
 
 def _module_or_none(module_name: str):
@@ -223,11 +296,12 @@ def _features(**options) -> tuple[str, ...]:
 _TORCH_OPS = Ops("torch", raw_backend("torch"))
 _loaded: dict[str, tuple[Ops | None, str]] = {"torch": (_TORCH_OPS, "")}
 _loaded_without_build: dict[str, tuple[Ops | None, str]] = {}
-# The GPU backends "auto" has already warned about passing over, and the (backend, op) pairs it has sent to a
-# fallback backend (one warning per process each).
-_warned_fallbacks: set = set()
-# The Ops "auto" returns for CUDA tensors: the GPU backend's, with the torch backend for the ops it lacks.
-_auto_ops: dict[str, Ops] = {}
+# The (backend, op, path) an explicit GPU backend has warned about computing unverified, and whether "auto" has
+# said that it computes on the torch backend on a GPU (one warning per process each).
+_warned_unverified: set = set()
+_warned_auto_on_gpu = False
+# The AutoOps of each set of loadable GPU backends.
+_auto_ops: dict[tuple[str, ...], AutoOps] = {}
 
 
 def _probe(backend: str, allow_build: bool) -> tuple[Ops | None, str]:
@@ -255,18 +329,18 @@ def _load(backend: str, allow_build: bool) -> tuple[Ops | None, str]:
     return answers[backend]
 
 
-def _warn_auto_fallback(backend: str, why: str) -> None:
-    """Tell the user, once per process, that "auto" passed over a GPU backend for CUDA tensors, and why."""
-    if backend in _warned_fallbacks:
+def _warn_unverified(ops: Ops, op: str, args: tuple) -> None:
+    """Tell the user, once per process and (backend, op, path), that an explicitly chosen GPU backend runs code
+    that has not passed its correctness run on this GPU."""
+    path = ops.code_path(op, args)
+    if (ops.name, op, path) in _warned_unverified:
         return
-    _warned_fallbacks.add(backend)
+    _warned_unverified.add((ops.name, op, path))
     warnings.warn(
-        f"angle_kernels: backend='auto' does not use the {backend!r} backend for these CUDA tensors: {why}. "
-        "It falls back to the next of 'triton', 'cuda' (only if already compiled), 'torch'. Choose a backend "
-        f"with backend='torch'|'triton'|'cuda' or the environment variable {_ENV_VAR} to silence this warning.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+        f"angle_kernels: backend={ops.name!r} computes {op} on its code path {path!r}, which has not passed a "
+        f"correctness run on {verified.describe(ops.name, op, args[0].device)}. backend='auto' would compute it "
+        "with the PyTorch backend; `python -m angle_kernels.verify` checks the GPU backends on this GPU and records "
+        "what passes (shown once per process for each backend, op and code path).", RuntimeWarning, stacklevel=5)
 
 
 def triton_interpreting() -> bool:
@@ -288,14 +362,17 @@ def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
     if name == "auto":
         if not on_cuda:
             return _TORCH_OPS
+        candidates, reasons = [], {}
         for candidate in _AUTO_GPU_BACKENDS:
             ops, why = _load(candidate, allow_build=False)
             if ops is not None:
-                if candidate not in _auto_ops:
-                    _auto_ops[candidate] = Ops(candidate, ops.backend, fallback=_TORCH_OPS)
-                return _auto_ops[candidate]
-            _warn_auto_fallback(candidate, why)
-        return _TORCH_OPS
+                candidates.append(ops)
+            else:
+                reasons[candidate] = why
+        key = tuple(ops.name for ops in candidates)
+        if key not in _auto_ops:
+            _auto_ops[key] = AutoOps(candidates, reasons)
+        return _auto_ops[key]
 
     if name == "cuda" and not on_cuda:
         raise ValueError("backend 'cuda' needs CUDA tensors; the inputs are on " f"{tensors[0].device}")

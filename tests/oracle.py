@@ -1,9 +1,11 @@
 """The float64 oracle of the tests and benchmarks: literal transcriptions, nothing fast or memory-efficient.
 
 Two levels, both written to be checked by eye:
-    * the three ops, with the signatures and semantics of the contract in angle_kernels/dispatch.py's
-      docstring: pair_scores, ranking_loss, similarity_xent. Every one builds its full matrix (N x N,
-      M x Mc), so that the package's O(N)-memory algorithms can be judged against it;
+    * the four ops, with the signatures and semantics of the contract in angle_kernels/dispatch.py's
+      docstring: pair_scores, ranking_loss, similarity_xent, similarity_lse. Every one builds its full matrix
+      (N x N, M x Mc), so that the package's O(N)-memory algorithms can be judged against it. They live in the
+      package, as `angle_kernels.reference` (so that `python -m angle_kernels.verify` has them where the tests
+      are not installed), and are re-exported here;
     * the public losses, transcribed from the REFERENCE formulas (angle-emb 0.6.1's angle_emb.loss and
       AngleLoss, the ArcCSE paper; see shared/docs/objective.md), not from the way the package assembles
       them out of its ops. They reuse the building blocks below (a cosine is a cosine) and the ranking term,
@@ -17,89 +19,37 @@ Everything computes in float64 whatever dtype the inputs arrive in, on the input
 `computing_in(dtype)` the very same formulas run in another dtype instead: that is "eager PyTorch in that
 dtype", the baseline of the half-precision rule. Gradients come from autograd through these formulas.
 
-This module is imported by the tests and by bench/ (with tests/ on sys.path): it imports nothing but torch,
-in particular neither pytest nor other test modules.
+This module is imported by the tests and by bench/ (with tests/ on sys.path): it imports nothing but torch
+and angle_kernels.reference, in particular neither pytest nor other test modules.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
-EPS = 1e-12  # F.normalize's default epsilon
-# The op contract's floor on sin^2(theta) in the margin logit: keeps the gradient finite as |cos| -> 1.
-MARGIN_SIN_SQUARED_FLOOR = 1e-6
-
-_compute_dtype = torch.float64
-
-
-@contextlib.contextmanager
-def computing_in(dtype: torch.dtype):
-    """Run every formula of this module in `dtype` instead of float64 (inputs are cast to it on entry)."""
-    global _compute_dtype
-    previous, _compute_dtype = _compute_dtype, dtype
-    try:
-        yield
-    finally:
-        _compute_dtype = previous
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """The one error measure: ||out - ref|| / ||ref|| over the whole tensor, in float64.
-
-    A zero reference gives ||out|| (an absolute error). NaN or Inf in `out` gives NaN or Inf, which fails
-    every `<=` comparison.
-    """
-    out = out.detach().to(torch.float64).reshape(-1).cpu()
-    ref = ref.detach().to(torch.float64).reshape(-1).cpu()
-    if out.shape != ref.shape:
-        raise ValueError(f"rel_err: shapes differ, {tuple(out.shape)} vs {tuple(ref.shape)}")
-    scale = torch.linalg.vector_norm(ref)
-    diff = torch.linalg.vector_norm(out - ref)
-    return float(diff / scale) if scale > 0 else float(diff)
-
-
-# ----------------------------------------------------------------------------------------------------
-# building blocks (vectors along the last dimension)
-# ----------------------------------------------------------------------------------------------------
-def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
-    """x cast to the compute dtype, keeping the autograd graph so gradients reach leaves of any dtype."""
-    return x.to(_compute_dtype)
-
-
-def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a * b).sum(dim=-1)
-
-
-def norm(x: torch.Tensor) -> torch.Tensor:
-    """max(||x||, eps) along the last dimension."""
-    return torch.linalg.vector_norm(x, dim=-1).clamp_min(EPS)
-
-
-def cosine(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """u . v / (max(|u|, eps) * max(|v|, eps)), for broadcastable [..., D] tensors."""
-    return dot(u, v) / (norm(u) * norm(v))
-
-
-def normalize(x: torch.Tensor) -> torch.Tensor:
-    return x / norm(x)[..., None]
-
-
-def cosine_matrix(q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """[i, j] = cos(q_i, c_j) for q [M, D] and c [Mc, D]."""
-    return normalize(q) @ normalize(c).T
-
-
-def dot_matrix(q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """[i, j] = q_i . c_j (util.dot_score)."""
-    return q @ c.T
-
-
-def masked_logsumexp(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dimension of the entries where `keep` is True."""
-    return torch.logsumexp(values.masked_fill(~keep, -math.inf), dim=-1)
+# The op level (building blocks, the four ops, the error measure and computing_in) is the package's own float64
+# reference, which `python -m angle_kernels.verify` uses on GPUs where the tests are not installed.
+from angle_kernels.reference import (  # noqa: F401  (re-exported: the tests' and benchmarks' oracle)
+    EPS,
+    MARGIN_SIN_SQUARED_FLOOR,
+    computing_in,
+    cosine,
+    cosine_matrix,
+    dot,
+    dot_matrix,
+    in_compute_dtype,
+    masked_logsumexp,
+    norm,
+    normalize,
+    pair_scores,
+    ranking_loss,
+    rel_err,
+    similarity_lse,
+    similarity_xent,
+    widened_cosine,
+)
 
 
 def margin_threshold(positive: torch.Tensor, strategy: str, margin: float) -> torch.Tensor:
@@ -107,138 +57,6 @@ def margin_threshold(positive: torch.Tensor, strategy: str, margin: float) -> to
     ("absolute") or c - |c| * margin ("relative"); columns scoring above it are dropped."""
     c = positive.detach()
     return c - margin if strategy == "absolute" else c - c.abs() * margin
-
-
-# ----------------------------------------------------------------------------------------------------
-# the ops (angle_kernels/dispatch.py)
-# ----------------------------------------------------------------------------------------------------
-def pair_scores(x: torch.Tensor, with_angle: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [G, K, D]: pair k of group g is (u, v) = (x[g, 0], x[g, k]). Returns cos and angle, [G, K - 1].
-
-    cos = u . v / P and angle = (u . v + b . c - a . d) / P, with P = max(|u|, eps) * max(|v|, eps) and a, b
-    the halves of u, c, d those of v. Without the angle the second output is zeros (and D may be odd).
-    """
-    x = in_compute_dtype(x)
-    u, v = x[:, :1, :], x[:, 1:, :]  # the anchor broadcasts over the K - 1 others
-    cos = cosine(u, v)
-    if not with_angle:
-        return cos, torch.zeros_like(cos)
-    dim = x.shape[-1]
-    if dim % 2:
-        raise ValueError(f"the angle score needs an even D, got D = {dim}")
-    half = dim // 2
-    a, b = u[..., :half], u[..., half:]
-    c, d = v[..., :half], v[..., half:]
-    angle = (dot(u, v) + dot(b, c) - dot(a, d)) / (norm(u) * norm(v))
-    return cos, angle
-
-
-def ranking_loss(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log(1 + sum over (i, j) with labels[i] < labels[j] of exp(scores[i] - scores[j])), from the full matrix.
-
-    Strict inequality: tied labels contribute nothing; all labels equal gives exactly log(1) = 0. Labels are
-    compared as given, never rounded to the compute dtype (that could tie distinct labels).
-    """
-    scores = in_compute_dtype(scores)
-    counted = labels[:, None] < labels[None, :]  # [i, j] = label_i < label_j
-    if not counted.any():  # log(1 + 0), with a zero gradient
-        return (scores * 0.0).sum()
-    log_sum = masked_logsumexp((scores[:, None] - scores[None, :]).reshape(-1), counted.reshape(-1))
-    # log(1 + S) as logaddexp(0, log S): tiny losses (well-ranked batches at tau = 20 reach L ~ 1e-6) keep full
-    # relative precision. The reference's logsumexp over [0, ...] does not (3e-11 relative in float64 there,
-    # percent-level in float32).
-    return torch.logaddexp(torch.zeros_like(log_sum), log_sum)
-
-
-def widened_cosine(cos: torch.Tensor, margin: float) -> torch.Tensor:
-    """cos(min(arccos(cos) + margin, pi)) in the contract's form: cos * cos(m) - sin * sin(m) with
-    sin = sqrt(max(1 - cos^2, 1e-6)), and cos(pi) = -1 once arccos(cos) + m > pi, i.e. cos < -cos(m)."""
-    sin = torch.sqrt(torch.clamp(1 - cos * cos, min=MARGIN_SIN_SQUARED_FLOOR))
-    widened = cos * math.cos(margin) - sin * math.sin(margin)
-    return torch.where(cos < -math.cos(margin), -torch.ones_like(cos), widened)
-
-
-def similarity_xent(
-    q: torch.Tensor,
-    c: torch.Tensor | None,
-    scale: float,
-    target: str,
-    row_weights: torch.Tensor | None = None,
-    exclude_diagonal: bool = False,
-    margin: float = 0.0,
-    group_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """(1 / M) sum_i w_i (logsumexp_{j in C_i} l_ij - logsumexp_{j in P_i} l_ij), from the full M x Mc logits.
-
-    l_ij = scale * cos(q_i, c_j), except l_{i, t_i} = scale * widened_cosine(cos(q_i, c_{t_i}), margin);
-    t_i = i xor 1 ("partner") or i ("diagonal"); c = None means c is q. C_i: every column, without i when
-    exclude_diagonal. P_i: t_i, plus with group_ids every j in C_i whose id equals that of i or of t_i.
-    """
-    cos = cosine_matrix(in_compute_dtype(q), in_compute_dtype(q if c is None else c))  # [M, Mc]
-    rows, cols = cos.shape
-    i = torch.arange(rows, device=cos.device)[:, None]
-    j = torch.arange(cols, device=cos.device)[None, :]
-    t = i ^ 1 if target == "partner" else i
-    is_target = j == t
-    logits = scale * torch.where(is_target, widened_cosine(cos, margin), cos)
-
-    columns = torch.ones_like(is_target)
-    if exclude_diagonal:
-        columns = columns & (j != i)
-    positives = is_target
-    if group_ids is not None:
-        ids = group_ids.to(cos.device)
-        same_text = (ids[None, :] == ids[:, None]) | (ids[None, :] == ids[t.reshape(-1)][:, None])
-        positives = positives | (same_text & columns)
-
-    per_row = masked_logsumexp(logits, columns) - masked_logsumexp(logits, positives)
-    weights = torch.ones_like(per_row) if row_weights is None else in_compute_dtype(row_weights.to(cos.device))
-    return (weights * per_row).sum() / rows
-
-
-def similarity_lse(
-    q: torch.Tensor,
-    c: torch.Tensor,
-    scale: float,
-    target_offset: int = 0,
-    period: int = 0,
-    exclude: str = "none",
-    penalty: float = 0.0,
-    penalty_on: str = "none",
-    filter_q: torch.Tensor | None = None,
-    filter_c: torch.Tensor | None = None,
-    filter_threshold: torch.Tensor | None = None,
-    filter_keeps_target: bool = False,
-    normalize: bool = True,
-) -> torch.Tensor:
-    """lse_i = logsumexp over the kept columns of l_ij, from the full M x Mc logits (see dispatch.py).
-
-    cos_ij is the cosine, or the plain dot product q_i . c_j when not normalize (also in the filter).
-    t_i = target_offset + i; own: j % period == t_i (period 0: j == t_i).
-    l_ij = scale * cos_ij + penalty * detach(cos_ij) on the hardness set ("other": not own; "own": own, not
-    the target; "all": not the target). Dropped: the target ("target") or the own columns ("own"), and, with a
-    filter, every j with cos(filter_q_i, filter_c_j) > filter_threshold_i (but the target when
-    filter_keeps_target).
-    """
-    similarity = cosine_matrix if normalize else dot_matrix
-    cos = similarity(in_compute_dtype(q), in_compute_dtype(c))  # [M, Mc]
-    rows, cols = cos.shape
-    i = torch.arange(rows, device=cos.device)[:, None]
-    j = torch.arange(cols, device=cos.device)[None, :]
-    t = i + target_offset
-    is_target = j == t
-    is_own = (j % period == t) if period > 0 else is_target
-    hard = {"none": torch.zeros_like(is_target), "other": ~is_own, "own": is_own & ~is_target,
-            "all": ~is_target}[penalty_on]
-    logits = scale * cos + torch.where(hard, penalty * cos.detach(), torch.zeros_like(cos))
-    keep = {"none": torch.ones_like(is_target), "target": ~is_target, "own": ~is_own}[exclude]
-    if filter_threshold is not None:
-        guide = similarity(in_compute_dtype(filter_q.detach()), in_compute_dtype(filter_c.detach()))
-        too_close = guide > in_compute_dtype(filter_threshold.detach())[:, None]
-        if filter_keeps_target:
-            too_close = too_close & ~is_target
-        keep = keep & ~too_close
-    return masked_logsumexp(logits, keep)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,10 +1,14 @@
-"""How backend="auto" chooses for CUDA tensors, on a CPU-only machine.
+"""How backend="auto" chooses for CUDA tensors, on a CPU-only machine: the default is the verified path.
 
 resolve_backend only reads `is_cuda` (and `device` for messages) from its tensors, so a tiny stand-in object
-plays a CUDA tensor; the optional backends are replaced by fake modules whose is_available() records how it
-was asked. Checked: auto warns (RuntimeWarning, once per process and backend, with the reason) when it passes
-over a GPU backend for CUDA tensors and never for CPU tensors; auto never asks the CUDA backend for its JIT
-build, an explicit backend="cuda" does; and the answers of the two kinds of request are cached apart. Then the
+plays a CUDA tensor there, and `PretendCuda` (a CPU tensor that says it is on CUDA) where an op must run; the
+optional backends are fake modules whose is_available() records how it was asked and whose ops record their
+calls before computing with the torch backend's; `verified.is_verified` is replaced by a set of verified (backend,
+op, path) (the match rule itself: tests/test_verified.py). Checked: auto on CPU tensors is torch without probing;
+on CUDA tensors it computes each call on the first GPU backend verified for its op and code path, and on torch
+otherwise with one warning per process that names the reasons and `python -m angle_kernels.verify`; an explicit
+GPU backend runs unverified code with one warning per (backend, op, path); auto never asks the CUDA backend for its
+JIT build, an explicit backend="cuda" does, and the answers of the two kinds of request are cached apart. Then the
 same rule one level down: cuda_ops.is_available / _extension.load with allow_build=False never build.
 """
 
@@ -21,10 +25,22 @@ import pytest
 import torch
 
 import angle_kernels.cuda_ops as cuda_ops
-from angle_kernels import contract, dispatch
+from angle_kernels import contract, dispatch, verified
 from angle_kernels.cuda_ops import _extension
 
 FAKE_CUDA_TENSOR = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+
+
+class PretendCuda(torch.Tensor):
+    """A CPU tensor that answers is_cuda=True: an op's CUDA-only bookkeeping runs, its maths runs on CPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def pretend_cuda(t: torch.Tensor) -> torch.Tensor:
+    return torch.Tensor._make_subclass(PretendCuda, t)
 
 
 class FakeBackend(ModuleType):
@@ -48,68 +64,140 @@ class FakeBackend(ModuleType):
         return (True, "") if allow_build and self.answer[0] is None else self.answer
 
 
+def _fake_op_module(backend: str, op: str, computed: list) -> ModuleType:
+    """The backend's module for `op`: records (backend, op) and computes with the torch backend's op. Its code
+    paths are those of the real Triton similarity_xent's kind: "dims" with dims, else "fused"."""
+    module = ModuleType(f"{backend}.{op}")
+    torch_op = getattr(dispatch.raw_backend("torch"), op)
+
+    def run(*args):
+        computed.append((backend, op))
+        return torch_op(*args)
+
+    setattr(module, op, run)
+    if op in ("pair_scores", "similarity_xent"):
+        module.FEATURES = ("dims",)
+        module.PATHS = ("fused", "dims")
+        module.code_path = lambda *args: "fused" if args[-1] is None else "dims"
+    else:
+        module.PATHS = ("fused",)
+    return module
+
+
 @pytest.fixture
 def backends(monkeypatch):
-    """Fresh dispatch caches and fake triton / cuda backends: set `.answer` on them before resolving.
+    """Fresh dispatch caches, fake triton / cuda backends (set `.answer` on them before resolving) and a set of
+    verified (backend, op, path), `.verified` (empty: nothing has passed on a GPU).
 
     The fake cuda backend's answer (None, why) means "compiled only if a build is allowed": without one it
-    answers (False, why), with one it builds and is available.
+    answers (False, why), with one it builds and is available. `.computed` lists the (backend, op) of every call.
     """
+    computed: list = []
     triton = FakeBackend("fake_triton_backend", (True, ""), takes_allow_build=False)
     cuda = FakeBackend("fake_cuda_backend", (None, "no prebuilt angle_kernels._C (fake)"), takes_allow_build=True)
-    for module in (triton, cuda):
+    for module, name in ((triton, "triton"), (cuda, "cuda")):
         monkeypatch.setitem(sys.modules, module.__name__, module)
         for op in contract.OPS:  # one module per op, named after it (the convention dispatch relies on)
-            op_module = ModuleType(f"{module.__name__}.{op}")
-            setattr(op_module, op, getattr(dispatch.raw_backend("torch"), op))
-            monkeypatch.setitem(sys.modules, op_module.__name__, op_module)
+            monkeypatch.setitem(sys.modules, f"{module.__name__}.{op}", _fake_op_module(name, op, computed))
     monkeypatch.setattr(dispatch, "_PACKAGES", {"torch": "angle_kernels.torch_ops", "triton": triton.__name__,
                                                 "cuda": cuda.__name__})
     monkeypatch.setattr(dispatch, "_loaded", {"torch": (dispatch._TORCH_OPS, "")})
     monkeypatch.setattr(dispatch, "_loaded_without_build", {})
-    monkeypatch.setattr(dispatch, "_warned_fallbacks", set())
+    monkeypatch.setattr(dispatch, "_warned_unverified", set())
+    monkeypatch.setattr(dispatch, "_warned_auto_on_gpu", False)
     monkeypatch.setattr(dispatch, "_auto_ops", {})
     monkeypatch.delenv("ANGLE_KERNELS_BACKEND", raising=False)
-    return SimpleNamespace(triton=triton, cuda=cuda)
+    passed: set = set()
+    monkeypatch.setattr(verified, "is_verified", lambda backend, op, path, device: (backend, op, path) in passed)
+    monkeypatch.setattr(verified, "describe", lambda backend, op, device: "a fake GPU (sm_90)")
+    return SimpleNamespace(triton=triton, cuda=cuda, verified=passed, computed=computed)
 
 
-def _resolve_recording_warnings(requested, tensor):
+def _recording_warnings(fn, *args, **kwargs):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ops = dispatch.resolve_backend(requested, tensor)
-    return ops, [w for w in caught if issubclass(w.category, RuntimeWarning)]
+        result = fn(*args, **kwargs)
+    return result, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def _scores():
+    return pretend_cuda(torch.randn(6, dtype=torch.float64)), torch.arange(6) % 3
+
+
+def _embeddings():
+    return pretend_cuda(torch.randn(6, 8, dtype=torch.float64))
 
 
 def test_auto_on_cpu_tensors_is_torch_without_probing_or_warning(backends):
-    module, warned = _resolve_recording_warnings("auto", torch.zeros(2, 3))
-    assert module.name == "torch"
+    ops, warned = _recording_warnings(dispatch.resolve_backend, "auto", torch.zeros(2, 3))
+    assert ops.name == "torch"
     assert warned == []
     assert backends.triton.calls == [] and backends.cuda.calls == []
 
 
-def test_auto_uses_working_triton_silently(backends):
-    module, warned = _resolve_recording_warnings(None, FAKE_CUDA_TENSOR)
-    assert module.name == "triton"
-    assert warned == []
-    assert backends.cuda.calls == []  # never probed, let alone built
-
-
-def test_auto_warns_once_per_backend_with_the_reason_and_never_builds(backends):
-    backends.triton.answer = (False, "triton does not import: ImportError: fake libcuda mismatch")
-    module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-    assert module.name == "torch"
-    assert len(warned) == 2  # one for triton, one for cuda
-    triton_message, cuda_message = (str(w.message) for w in warned)
-    assert "the 'triton' backend" in triton_message and "fake libcuda mismatch" in triton_message
-    assert "the 'cuda' backend" in cuda_message and "no prebuilt angle_kernels._C (fake)" in cuda_message
-    for message in (triton_message, cuda_message):
-        assert "backend=" in message and "ANGLE_KERNELS_BACKEND" in message
-    assert warned[0].filename == __file__  # points at the caller of resolve_backend (here, this test)
+def test_auto_on_cuda_computes_with_torch_until_a_gpu_backend_is_verified(backends):
+    """Triton loads and implements every op, but nothing has passed on this GPU: every call is torch's, with one
+    warning per process naming why and how to verify."""
+    auto = dispatch.resolve_backend(None, FAKE_CUDA_TENSOR)
+    assert auto.name == "auto"
+    (first, warned) = _recording_warnings(auto.ranking_loss, *_scores())
+    assert backends.computed == []  # the fakes record only GPU calls: torch's own op computed it
+    assert len(warned) == 1
+    message = warned[0]
+    assert "PyTorch backend" in message and "python -m angle_kernels.verify" in message
+    assert "triton: its code path 'fused' has not passed a correctness run on a fake GPU (sm_90)" in message
+    assert "cuda: no prebuilt angle_kernels._C (fake)" in message  # not loaded, with the reason
+    assert "ANGLE_KERNELS_BACKEND" in message
+    for call in (lambda: auto.ranking_loss(*_scores()), lambda: auto.similarity_xent(_embeddings(), None, 20.0,
+                                                                                        "partner")):
+        _, warned = _recording_warnings(call)
+        assert warned == []  # once per process
+    assert backends.computed == []
     assert backends.cuda.calls == [False]  # asked without building, once
 
+
+def test_auto_uses_a_gpu_backend_for_exactly_the_verified_ops_and_paths(backends):
+    backends.cuda.answer = (True, "")  # a prebuilt extension
+    backends.verified.update({("triton", "similarity_xent", "dims"), ("cuda", "similarity_xent", "fused"),
+                              ("cuda", "ranking_loss", "fused")})
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    q = _embeddings()
+    auto.similarity_xent(q, None, 20.0, "partner", dims=(4, 8))  # triton, verified for dims
+    auto.similarity_xent(q, None, 20.0, "partner")  # triton's fused path is not verified: cuda's is
+    auto.ranking_loss(*_scores())  # cuda
+    _, warned = _recording_warnings(auto.pair_scores, q.view(3, 2, 8), True)  # nobody's: torch, warning
+    assert backends.computed == [("triton", "similarity_xent"), ("cuda", "similarity_xent"), ("cuda", "ranking_loss")]
+    assert len(warned) == 1 and "pair_scores" in warned[0]
+    assert auto.computes("similarity_xent", q, None, 20.0, "partner", dims=(4, 8)) == ("triton", "dims")
+    assert auto.computes("similarity_xent", q, None, 20.0, "partner") == ("cuda", "fused")
+    assert auto.computes("pair_scores", q.view(3, 2, 8), True) == ("torch", "default")
+
+
+def test_explicit_gpu_backend_runs_unverified_code_with_one_warning_per_op_and_path(backends):
+    backends.verified.add(("triton", "similarity_xent", "dims"))
+    triton = dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
+    q = _embeddings()
+    messages = []
+    for dims in (None, None, (4, 8), (4, 8)):
+        _, warned = _recording_warnings(triton.similarity_xent, q, None, 20.0, "partner", dims=dims)
+        messages.append(warned)
+    _, on_cpu = _recording_warnings(triton.similarity_xent, torch.randn(6, 8, dtype=torch.float64), None, 20.0,
+                                    "partner")
+    assert backends.computed == 5 * [("triton", "similarity_xent")]  # it runs what it is asked, every time
+    assert len(messages[0]) == 1 and messages[1:] == [[], [], []]  # fused: once; dims: verified, never
+    assert "backend='triton' computes similarity_xent on its code path 'fused'" in messages[0][0]
+    assert "a fake GPU (sm_90)" in messages[0][0] and "python -m angle_kernels.verify" in messages[0][0]
+    assert on_cpu == []  # CPU tensors (the interpreter): no verification applies
+
+
+def test_auto_warns_with_the_reason_a_backend_is_unavailable_and_never_builds(backends):
+    backends.triton.answer = (False, "triton does not import: ImportError: fake libcuda mismatch")
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    _, warned = _recording_warnings(auto.ranking_loss, *_scores())
+    assert len(warned) == 1 and "fake libcuda mismatch" in warned[0] and "no prebuilt angle_kernels._C" in warned[0]
     for _ in range(3):  # cached: neither probed again nor warned again
-        module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-        assert module.name == "torch" and warned == []
+        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR) is auto
+        assert _recording_warnings(auto.ranking_loss, *_scores())[1] == []
     assert backends.triton.calls == [None] and backends.cuda.calls == [False]
 
 
@@ -118,9 +206,10 @@ def test_auto_reports_a_backend_that_raises_while_probed(backends):
         raise OSError("libtriton.so: cannot open shared object file")
 
     backends.triton.is_available = broken
-    module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-    assert module.name == "torch"
-    assert "OSError" in str(warned[0].message) and "libtriton.so" in str(warned[0].message)
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    assert auto.candidates == []
+    _, warned = _recording_warnings(auto.ranking_loss, *_scores())
+    assert "OSError" in warned[0] and "libtriton.so" in warned[0]
 
 
 def test_a_backend_whose_op_module_fails_to_import_is_reported(backends, monkeypatch):
@@ -143,54 +232,51 @@ def test_a_backend_whose_op_module_fails_to_import_is_reported(backends, monkeyp
 
     monkeypatch.setattr(sys, "meta_path", [Finder(), *sys.meta_path])
     monkeypatch.setattr(backends.triton, "__path__", [], raising=False)  # a package, so its submodules are found
-    module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-    assert module.name == "torch"
-    assert "fake_kernel_dependency" in str(warned[0].message), warned[0].message
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    _, warned = _recording_warnings(auto.ranking_loss, *_scores())
+    assert "fake_kernel_dependency" in warned[0], warned
     with pytest.raises(RuntimeError, match="backend .triton. is not available here: .*fake_kernel_dependency"):
         dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
 
 
 def test_an_op_a_backend_lacks_goes_to_torch_under_auto_and_is_refused_when_explicit(backends, monkeypatch):
-    """A backend without a module for an op (an op it does not implement yet) still serves its other ops;
-    "auto" computes the missing one with the torch backend, saying so once; an explicit request raises a
-    ValueError naming the op."""
+    """A backend without a module for an op (an op it does not implement yet) still serves its other ops; "auto"
+    computes the missing one elsewhere even where everything is verified; an explicit request raises a ValueError
+    naming the op."""
     monkeypatch.setitem(sys.modules, f"{backends.triton.__name__}.ranking_loss", None)  # no such module
-    scores, labels = torch.randn(6, dtype=torch.float64), torch.arange(6) % 3
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ops = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
-        assert ops.name == "triton"
-        first = ops.ranking_loss(scores, labels)
-        ops.ranking_loss(scores, labels)
-    notes = [str(w.message) for w in caught if "does not implement ranking_loss" in str(w.message)]
-    assert len(notes) == 1 and "'torch' backend" in notes[0]
+    backends.verified.update({("triton", "ranking_loss", "fused"), ("triton", "similarity_xent", "fused")})
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    scores, labels = _scores()
+    first, warned = _recording_warnings(auto.ranking_loss, scores, labels)
+    auto.similarity_xent(_embeddings(), None, 20.0, "partner")
+    assert backends.computed == [("triton", "similarity_xent")]
+    assert len(warned) == 1 and "triton: it does not implement ranking_loss yet" in warned[0]
     assert torch.equal(first, dispatch.ranking_loss(scores, labels, backend="torch"))
     explicit = dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
     with pytest.raises(ValueError, match="backend 'triton' does not implement ranking_loss"):
         explicit.ranking_loss(scores, labels)
 
 
-def test_auto_uses_a_prebuilt_cuda_extension(backends):
+def test_auto_uses_a_prebuilt_cuda_extension_without_building(backends):
     backends.triton.answer = (False, "no triton (fake)")
     backends.cuda.answer = (True, "")
-    module, warned = _resolve_recording_warnings("auto", FAKE_CUDA_TENSOR)
-    assert module.name == "cuda"
-    assert len(warned) == 1 and "no triton (fake)" in str(warned[0].message)  # only triton was passed over
+    backends.verified.add(("cuda", "ranking_loss", "fused"))
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    assert [c.name for c in auto.candidates] == ["cuda"]
+    _, warned = _recording_warnings(auto.ranking_loss, *_scores())
+    assert warned == [] and backends.computed == [("cuda", "ranking_loss")]
     assert backends.cuda.calls == [False]
 
 
 def test_explicit_cuda_builds_even_after_auto_found_it_unbuilt(backends):
     backends.triton.answer = (False, "no triton (fake)")
-    with pytest.warns(RuntimeWarning):
-        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR).name == "torch"
+    assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR).candidates == []
     assert backends.cuda.calls == [False]
     # auto's "not compiled" answer must not stand in for the explicit request, which may build ...
     assert dispatch.resolve_backend("cuda", FAKE_CUDA_TENSOR).name == "cuda"
     assert backends.cuda.calls == [False, True]
-    # ... and once built in this process, auto uses it without asking again.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR).name == "cuda"
+    # ... and once built in this process, auto has it as a candidate without asking again.
+    assert [c.name for c in dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR).candidates] == ["cuda"]
     assert backends.cuda.calls == [False, True]
 
 
@@ -199,6 +285,28 @@ def test_explicit_cuda_that_cannot_run_raises_with_the_reason(backends):
     with pytest.raises(RuntimeError, match="fake nvcc error"):
         dispatch.resolve_backend("cuda", FAKE_CUDA_TENSOR)
     assert backends.cuda.calls == [True]
+
+
+def test_the_real_gpu_backends_declare_their_code_paths():
+    """Every op module of the GPU backends declares PATHS, and code_path (when it has several) names one of them."""
+    for name in ("triton", "cuda"):
+        backend = dispatch.raw_backend(name)
+        for op in contract.OPS:
+            if getattr(backend, op) is None:
+                continue
+            assert backend.paths[op] != ("default",), f"{name}'s {op} declares no PATHS"
+            assert (backend.code_paths[op] is None) == (len(backend.paths[op]) == 1), (name, op)
+    triton = dispatch.raw_backend("triton")
+    assert triton.paths["similarity_xent"] == ("fused", "dense", "dims")
+    x, q = torch.randn(4, 2, 8), torch.randn(8, 8)
+    assert triton.code_paths["pair_scores"](x, True, None) == "full"
+    assert triton.code_paths["pair_scores"](x, True, (4, 8)) == "dims"
+    assert triton.code_paths["ranking_loss"](torch.randn(4096), None) == "pairwise"
+    assert triton.code_paths["ranking_loss"](torch.randn(4097), None) == "sort"
+    assert triton.code_paths["similarity_xent"](q, None, 20.0, "partner", None, True, 0.0, None, (4, 8)) == "dims"
+    assert triton.code_paths["similarity_xent"](q, None, 20.0, "partner") == "fused"
+    wide = torch.empty(8, 4096, device="meta")
+    assert triton.code_paths["similarity_xent"](wide, None, 20.0, "partner") == "dense"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -361,3 +361,15 @@ def test_setup_py_skips_an_extension_that_fails_to_compile(tmp_path, capsys):
     assert "WARNING: compiling broken failed" in capsys.readouterr().err
     with pytest.raises(Exception):
         build(required=True)
+
+
+@pytest.mark.slow  # one compile of torch/extension.h: about a minute on two cores
+def test_the_extension_module_reports_the_sources_it_was_built_from(tmp_path):
+    """module.cpp, built with the host flags every build passes (_extension.cxx_flags), answers csrc_hash() ==
+    the fingerprint of csrc/: what angle_kernels.verified matches a CUDA verification against. module.cpp needs
+    no CUDA, so here it is built alone, as a CPU extension."""
+    module = cpp_extension.load(name="angle_kernels_module_only", sources=[str(CSRC / "module.cpp")],
+                                extra_cflags=_extension.cxx_flags(), build_directory=str(tmp_path),
+                                is_python_module=True, verbose=False)
+    assert f"{module.csrc_hash():016x}" == _extension.csrc_fingerprint()
+    assert len(_extension.csrc_fingerprint()) == 16

@@ -54,16 +54,19 @@ import importlib, json
 module = importlib.import_module("angle_kernels.triton_ops.{op}")
 print(json.dumps([
     {{"kernel": tuner.fn.__name__, "keys": list(tuner.keys), "args": list(tuner.arg_names),
-     "not_specialized": [p.name for p in tuner.fn.params if p.do_not_specialize]}}
-    for kernels in module.{tuned}.values() for tuner in kernels
+     "not_specialized": [p.name for p in tuner.fn.params if p.do_not_specialize],
+     "reset_to_zero": list(tuner.reset_to_zero), "restore_value": list(tuner.restore_value),
+     "declared": [list(tuned.tuning.reset_to_zero), list(tuned.tuning.restore_value)],
+     "configs": len(tuner.configs)}}
+    for kernels in module.{tuned}.values() for tuned in kernels for tuner in [tuned.launcher]
 ]))
 """
 
 
-def _autotuners(op, tmp_path, tuned="_TUNED") -> list:
+def _autotuners(op, tmp_path, tuned="_TUNED", env=None) -> list:
     proc = subprocess.run(
         [sys.executable, "-c", _DESCRIBE_AUTOTUNERS.format(op=op, tuned=tuned)],
-        cwd=REPO, env=_compiled_mode_env(tmp_path), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env={**_compiled_mode_env(tmp_path), **(env or {})}, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-8000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -95,6 +98,21 @@ def test_similarity_xent_prefix_kernels_autotune_on_row_count_buckets(tmp_path):
                                  "HAS_MARGIN", "PRECISION", "KP"], tuner["kernel"]
         assert set(tuner["keys"]) <= set(tuner["args"]), tuner["kernel"]
         assert tuner["not_specialized"] == ["M", "Mc", "M_BUCKET", "Mc_BUCKET", "K"], tuner["kernel"]
+        # the gradient kernels add into zeroed buffers: the autotuner zeroes them before each of its runs
+        resets = {"_similarity_xent_prefix_fwd_kernel": [], "_similarity_xent_prefix_bwd_dq_kernel": ["dq_raw_ptr"],
+                  "_similarity_xent_prefix_bwd_dc_kernel": ["dc_raw_ptr"]}[tuner["kernel"]]
+        assert tuner["reset_to_zero"] == resets and tuner["declared"] == [resets, []], tuner
+
+
+def test_the_autotuners_get_exactly_what_the_launches_declare(tmp_path):
+    """triton.autotune receives each TunedKernel's own Tuning (what tests/ops/test_autotune_side_effects.py
+    replays under the interpreter), every config by default, and only the first with ANGLE_KERNELS_AUTOTUNE=first."""
+    for op, tuned in (("similarity_xent", "_TUNED"), ("similarity_xent", "_PREFIX_TUNED"), ("similarity_lse", "_TUNED")):
+        for tuner in _autotuners(op, tmp_path, tuned):
+            assert [tuner["reset_to_zero"], tuner["restore_value"]] == tuner["declared"], tuner
+            assert tuner["configs"] == 3, tuner
+    env = {"ANGLE_KERNELS_AUTOTUNE": "first"}
+    assert {t["configs"] for t in _autotuners("similarity_xent", tmp_path, "_PREFIX_TUNED", env)} == {1}
 
 
 def test_similarity_lse_autotunes_on_row_count_buckets(tmp_path):

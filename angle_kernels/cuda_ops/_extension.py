@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -33,6 +34,23 @@ CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 # (an installed wheel) reports it missing instead of building nothing.
 MODULE_SOURCE = "module.cpp"
 SOURCES = tuple(sorted({MODULE_SOURCE, *(path.name for ext in ("cu", "cpp") for path in CSRC_DIR.glob(f"*.{ext}"))}))
+# The macro through which a build tells what it was built from (module.cpp exposes it as csrc_hash()): what
+# angle_kernels.verified matches a GPU verification of this backend against.
+HASH_MACRO = "ANGLE_KERNELS_CSRC_HASH"
+
+
+def csrc_fingerprint(csrc_dir: Path = CSRC_DIR) -> str:
+    """16 hex digits of SHA-256 over every source and header in csrc/ (names and bytes): the extension's source."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in csrc_dir.iterdir() if p.suffix in (".cu", ".cuh", ".cpp", ".h")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def cxx_flags(csrc_dir: Path = CSRC_DIR) -> list[str]:
+    """The host compiler's flags of a build: CXX_FLAGS and the sources' fingerprint (an integer literal, which
+    survives every layer of quoting between setuptools, ninja and the compiler)."""
+    return [*CXX_FLAGS, f"-D{HASH_MACRO}=0x{csrc_fingerprint(csrc_dir)}ULL"]
 
 
 def _find_nvcc() -> str | None:
@@ -53,12 +71,13 @@ def _jit_build() -> tuple[bool, str]:
         return False, "nvcc was not found (set CUDA_HOME), so the CUDA sources cannot be JIT-built"
     from torch.utils import cpp_extension
 
+    global _jit_module
     try:
-        cpp_extension.load(
+        _jit_module = cpp_extension.load(
             name="angle_kernels_cuda_jit",
             sources=[str(s) for s in sources],
             extra_include_paths=[str(CSRC_DIR)],
-            extra_cflags=CXX_FLAGS,
+            extra_cflags=cxx_flags(),
             extra_cuda_cflags=NVCC_FLAGS,
             is_python_module=True,
             verbose=os.environ.get("ANGLE_KERNELS_CUDA_VERBOSE", "0") == "1",
@@ -98,6 +117,17 @@ def _import_prebuilt() -> tuple[bool, str]:
 # The outcome of this process's JIT build of csrc/; None until one is attempted (at most one is). Kept apart
 # from the answers of load(allow_build=False), which must not stand in for a build that was never tried.
 _jit_outcome: tuple[bool, str] | None = None
+_jit_module = None  # the JIT-built Python module, once built
+
+
+def build_fingerprint() -> str | None:
+    """The csrc_fingerprint the loaded extension was built from (its csrc_hash()), or None when no extension is
+    loaded in this process or it was built without one."""
+    module = _jit_module
+    if module is None and _import_prebuilt()[0]:
+        import angle_kernels._C as module
+    value = getattr(module, "csrc_hash", lambda: 0)() if module is not None else 0
+    return f"{value:016x}" if value else None
 
 
 def load(allow_build: bool = True) -> tuple[bool, str]:

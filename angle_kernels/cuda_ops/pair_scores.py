@@ -11,6 +11,8 @@ import torch
 from ..contract import compute_dtype
 from ._library import define, op
 
+PATHS = ("full",)  # the one code path (no dims), verified on GPUs on its own (angle_kernels.verified)
+
 PAIR_STATS = 4  # |u|, |v|, cos, w per pair (csrc/pair_scores.cu)
 
 FWD = define("cuda_pair_scores_fwd", "(Tensor x, bool with_angle) -> (Tensor, Tensor, Tensor)")

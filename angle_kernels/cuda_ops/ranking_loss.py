@@ -13,6 +13,8 @@ import torch
 
 from ._library import define, op
 
+PATHS = ("sort",)  # the one code path, verified on GPUs on its own (angle_kernels.verified)
+
 FWD = define("cuda_ranking_fwd", "(Tensor scores, Tensor labels) -> (Tensor, Tensor, Tensor, Tensor)")
 BWD = define(
     "cuda_ranking_bwd",

@@ -13,6 +13,8 @@ import torch
 from ..contract import compute_dtype
 from ._library import define, op
 
+PATHS = ("fused",)  # the one code path (no dims), verified on GPUs on its own (angle_kernels.verified)
+
 FWD = define(
     "cuda_similarity_xent_fwd",
     "(Tensor q, Tensor? c, float scale, str target, Tensor? row_weights, bool exclude_diagonal, float margin, "

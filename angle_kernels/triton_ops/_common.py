@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
+import triton
 import triton.language as tl
 
 POISON_OUTPUTS_ENV = "ANGLE_KERNELS_POISON_OUTPUTS"
+# "first": every autotuned kernel runs its first config only (no tuning runs). For test runs on a GPU, whose time
+# goes to compiling every variant the tests reach; read when an op module is imported. Default "all".
+AUTOTUNE_ENV = "ANGLE_KERNELS_AUTOTUNE"
 
 
 def poison_outputs() -> bool:
@@ -48,3 +52,61 @@ class CompileCase(NamedTuple):
     num_warps: int
     num_stages: int = 3
     pointers: dict | None = None
+
+
+class Tuning(NamedTuple):
+    """What an autotuned kernel's launch declares to the autotuner, by argument name.
+
+    On a GPU, triton.autotune runs every config several times on the same buffers at the first call of each key
+    (then resets `reset_to_zero` once more and runs the chosen config for the result): a kernel that adds into a
+    buffer the launcher zeroed must name it in `reset_to_zero`, one that modifies an input in place must name it
+    in `restore_value`, or that first call returns the sum of all those runs. The same lists go to
+    triton.autotune (`autotuned`) and to the test that replays the autotuner's sequence under the interpreter
+    (tests/ops/test_autotune_side_effects.py): a kernel that needs them and lacks them fails there, on CPU.
+    """
+
+    reset_to_zero: tuple[str, ...] = ()
+    restore_value: tuple[str, ...] = ()
+
+
+class TunedKernel(NamedTuple):
+    """An autotuned tile kernel: the @triton.jit function, its GPU configs and autotune key, its launch's
+    `Tuning`, and the launcher (triton.autotune over the configs on a GPU; the kernel itself under the
+    interpreter, which runs one config given by the launch)."""
+
+    kernel: Any
+    configs: tuple
+    key: tuple
+    tuning: Tuning
+    launcher: Any
+
+    def launch(self, grid_of: Callable[[dict], tuple], interpreter_blocks: dict, *args, **constexprs) -> None:
+        """Launch over the grid `grid_of(meta)`: with the autotuner's chosen config on a GPU, with
+        `interpreter_blocks` (BLOCK_* sizes) and 4 warps under the interpreter."""
+        if self.launcher is self.kernel:
+            self.launcher[grid_of](*args, **constexprs, **interpreter_blocks, num_warps=4)
+        else:
+            self.launcher[grid_of](*args, **constexprs)
+
+
+def autotune_all_configs() -> bool:
+    """False when ANGLE_KERNELS_AUTOTUNE=first asks for each kernel's first config only (see AUTOTUNE_ENV)."""
+    value = os.environ.get(AUTOTUNE_ENV, "all").strip().lower()
+    if value not in ("all", "first"):
+        raise ValueError(f"{AUTOTUNE_ENV} must be 'all' or 'first', got {value!r}")
+    return value == "all"
+
+
+def autotuned(kernel, configs: list, key: list, tuning: Tuning = Tuning(), interpreting: bool = False) -> TunedKernel:
+    """`kernel` autotuned on `key` over `configs` with `tuning`'s declarations; under the interpreter (which
+    cannot autotune more than one config) the kernel itself, launched with the blocks its launcher picks."""
+    if interpreting:
+        return TunedKernel(kernel, tuple(configs), tuple(key), tuning, kernel)
+    used = configs if autotune_all_configs() else configs[:1]
+    return TunedKernel(kernel, tuple(configs), tuple(key), tuning, autotuner(kernel, used, key, tuning))
+
+
+def autotuner(kernel, configs, key, tuning: Tuning):
+    """triton.autotune over `configs` on `key`, given `tuning`'s declarations."""
+    return triton.autotune(configs=list(configs), key=list(key), reset_to_zero=list(tuning.reset_to_zero) or None,
+                           restore_value=list(tuning.restore_value) or None)(kernel)

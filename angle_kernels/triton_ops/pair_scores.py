@@ -61,6 +61,14 @@ _MAX_BLOCK = 1024
 _MAX_PREFIX_BWD_BLOCK = 128
 
 FEATURES = ("dims",)  # the optional features this op implements (contract.OPTIONAL_FEATURES)
+# The code paths a call can take, each verified on GPUs on its own (angle_kernels.verified).
+PATHS = ("full", "dims")
+
+
+def code_path(x, with_angle, dims=None) -> str:
+    """The one of PATHS that computes this call: the prefix kernels with dims, else the single-width ones."""
+    return "full" if dims is None else "dims"
+
 
 
 @triton.jit

@@ -51,6 +51,14 @@ from ._common import CompileCase, new_output
 # 2 N^2 exponentials at about 132 SMs x 16 per clock x 1.98 GHz (plus as many compare/select/FMA), roughly
 # N^2 / 1e12 s: 17 us at N = 4096, 67 us at 8192. They meet around N = 6000; 4096 keeps a margin.
 SMALL_N_MAX = 4096
+# The code paths a call can take, each verified on GPUs on its own (angle_kernels.verified).
+PATHS = ("pairwise", "sort")
+
+
+def code_path(scores, labels) -> str:
+    """The one of PATHS that computes this call: the pairwise tiles up to SMALL_N_MAX scores, else sort and scan."""
+    return "pairwise" if scores.shape[0] <= SMALL_N_MAX else "sort"
+
 
 _PAIRWISE_BLOCK_ROWS = 32
 _PAIRWISE_BLOCK_COLS = 128
@@ -272,7 +280,7 @@ class RankingLossFunction(torch.autograd.Function):
         ctx.empty = False
         scores = scores.detach().contiguous()
         labels = labels.detach().contiguous()
-        if n <= SMALL_N_MAX:
+        if code_path(scores, labels) == "pairwise":
             log_a, log_b, partial = _log_sums_tiled(scores, labels)
             kept_scores, order = scores.to(torch.float64), None
         else:

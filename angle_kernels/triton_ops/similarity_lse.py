@@ -86,6 +86,8 @@ from .similarity_xent import (
     kernels_for,
 )
 
+PATHS = ("fused",)  # the one code path, verified on GPUs on its own (angle_kernels.verified)
+
 # ----------------------------------------------------------------------------------------------------------
 # Tile helpers (inlined into the kernels)
 # ----------------------------------------------------------------------------------------------------------

@@ -102,10 +102,14 @@ from torch.autograd.function import once_differentiable
 
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, NORM_EPS, compute_dtype
 from ..dispatch import triton_interpreting
-from ._common import CompileCase, new_output
+from . import _common
+from ._common import CompileCase, Tuning, TunedKernel, new_output
 
 _TF32_ENV = "ANGLE_KERNELS_ALLOW_TF32"
 FEATURES = ("dims",)  # the contract's optional features this op implements (contract.OPTIONAL_FEATURES)
+# The code paths a call can take, each verified on GPUs on its own (angle_kernels.verified): the fused kernels of
+# this file at full width, the dense scheme (similarity_xent_dense), the fused prefix kernels (dims).
+PATHS = ("fused", "dense", "dims")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -767,26 +771,32 @@ def _autotune_bucket(rows: int) -> int:
     return triton.next_power_of_2(max(rows, 1))
 
 
-def autotuned(tile_kernels: tuple, key: list) -> dict:
-    """The tile kernels autotuned on `key` over the configs of each operand class ("16bit": tensor cores,
-    "32bit": fp32/fp64 dots); under the interpreter, the kernels themselves (it autotunes only one config)."""
-    if triton_interpreting():
-        return {"16bit": tile_kernels, "32bit": tile_kernels}
-    return {name: tuple(triton.autotune(configs=configs, key=key)(k) for k in tile_kernels)
+def autotuned(tile_kernels: tuple, key: list, tunings: dict | None = None) -> dict:
+    """The tile kernels as `TunedKernel`s autotuned on `key` over the configs of each operand class ("16bit":
+    tensor cores, "32bit": fp32/fp64 dots), each with its launch's `Tuning` from `tunings` (kernel -> Tuning;
+    none declared: the kernel writes every output element without reading it first)."""
+    tunings = tunings or {}
+    return {name: tuple(_common.autotuned(k, configs, key, tunings.get(k, Tuning()), triton_interpreting())
+                        for k in tile_kernels)
             for name, configs in (("16bit", _GPU_CONFIGS_16BIT), ("32bit", _GPU_CONFIGS_32BIT))}
 
 
 def kernels_for(tuned: dict, dtype: torch.dtype) -> tuple:
-    """(forward, dq, dc) of `autotuned` kernels for inputs of `dtype`: those tuned over the configs that suit
-    its dots."""
+    """(forward, dq, dc) `TunedKernel`s of `autotuned` for inputs of `dtype`: those tuned over the configs that
+    suit its dots."""
     return tuned["16bit" if dtype in (torch.bfloat16, torch.float16) else "32bit"]
 
 
 _TUNED = autotuned(_TILE_KERNELS, _TUNE_KEY)
 _PREFIX_TILE_KERNELS = (_similarity_xent_prefix_fwd_kernel, _similarity_xent_prefix_bwd_dq_kernel,
                         _similarity_xent_prefix_bwd_dc_kernel)
-# KP (the number of prefixes rounded up to a power of two) shapes the per-row state: a key of its own.
-_PREFIX_TUNED = autotuned(_PREFIX_TILE_KERNELS, _TUNE_KEY + ["KP"])
+# KP (the number of prefixes rounded up to a power of two) shapes the per-row state: a key of its own. The prefix
+# gradient kernels add every prefix's gradient into the leading columns of zeroed buffers (prefixes overlap), so
+# the autotuner must zero them again before each of its runs.
+_PREFIX_TUNED = autotuned(_PREFIX_TILE_KERNELS, _TUNE_KEY + ["KP"], {
+    _similarity_xent_prefix_bwd_dq_kernel: Tuning(reset_to_zero=("dq_raw_ptr",)),
+    _similarity_xent_prefix_bwd_dc_kernel: Tuning(reset_to_zero=("dc_raw_ptr",)),
+})
 
 
 def _interpreter_blocks(m: int, mc: int, d: int) -> dict:
@@ -818,12 +828,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _tile_launch(kernel, grid_of, blocks, *args, **constexprs):
-    """Launch an (autotuned on GPU, fixed under the interpreter) tile kernel."""
-    if triton_interpreting():
-        kernel[grid_of(blocks)](*args, **constexprs, **blocks, num_warps=4)
-    else:
-        kernel[lambda meta: grid_of(meta)](*args, **constexprs)
+def _tile_launch(kernel: TunedKernel, grid_of, blocks, *args, **constexprs):
+    """Launch a tile kernel: autotuned on a GPU, with `blocks` under the interpreter (see TunedKernel.launch)."""
+    kernel.launch(grid_of, blocks, *args, **constexprs)
 
 
 def _row_norms(x: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -939,14 +946,25 @@ class SimilarityXentFunction(torch.autograd.Function):
         return dq, dc, None, None, None, None, None, None, None
 
 
+def code_path(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
+              dims=None) -> str:
+    """The one of PATHS that computes this call: dims -> the prefix kernels; wide embeddings -> the dense scheme
+    (similarity_xent_dense.takes); else the fused kernels."""
+    from . import similarity_xent_dense  # imported here: that module builds on this one's tile helpers
+
+    if dims is not None:
+        return "dims"
+    columns = q.shape[0] if c is None else c.shape[0]
+    return "dense" if similarity_xent_dense.takes(q.shape[1], columns, dims) else "fused"
+
+
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
                     dims=None):
     """Softmax cross-entropy over cosine similarities, by the fused kernels above or, for wide embeddings, by the
-    dense scheme (similarity_xent_dense.takes); see angle_kernels.dispatch."""
-    from . import similarity_xent_dense  # imported here: that module builds on this one's tile helpers
+    dense scheme (code_path); see angle_kernels.dispatch."""
+    from . import similarity_xent_dense
 
-    columns = q.shape[0] if c is None else c.shape[0]
-    if similarity_xent_dense.takes(q.shape[1], columns, dims):
+    if code_path(q, c, scale, target, dims=dims) == "dense":
         return similarity_xent_dense.similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin,
                                                      group_ids)
     return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims)

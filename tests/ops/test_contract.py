@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from angle_kernels import contract, dispatch
+from angle_kernels import contract, dispatch, verified
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_BACKENDS = ("torch", "triton")  # the backends that take CPU tensors (triton under the interpreter)
@@ -136,34 +136,32 @@ def test_the_cuda_sources_use_the_contract_constants():
     assert _csrc_constant("csrc/similarity_xent.cu", "kSinSqFloor") == contract.MARGIN_SIN_SQUARED_FLOOR
 
 
-def test_an_optional_feature_the_backend_lacks_goes_to_the_fallback_or_raises():
+def test_an_optional_feature_the_backend_lacks_goes_elsewhere_under_auto_or_raises(monkeypatch):
     """dims (contract.OPTIONAL_FEATURES) on a backend whose op does not declare it: an explicit backend raises a
-    ValueError naming the op and the feature; "auto" (an Ops with a fallback) computes it on the fallback, once
-    warning; calls without the feature stay on the backend."""
+    ValueError naming the op and the feature; "auto" computes it on the torch backend even where the backend is
+    verified for the op; calls without the feature stay on the backend."""
     calls = []
 
     class Lacking:
         features = {"pair_scores": frozenset()}
+        paths = {"pair_scores": ("full",)}
+        code_paths = {"pair_scores": None}
 
         def pair_scores(self, x, with_angle, dims):
             calls.append(("lacking", dims))
             return x[:, 0, :1], x[:, 0, :1]
 
-    class Having(Lacking):
-        features = {"pair_scores": frozenset({"dims"})}
-
-        def pair_scores(self, x, with_angle, dims):
-            calls.append(("having", dims))
-            return x[:, 0, :1], x[:, 0, :1]
-
     x = _x(3, 2, 8)
     with pytest.raises(ValueError, match="does not implement pair_scores with dims="):
         dispatch.Ops("lacking", Lacking()).pair_scores(x, False, dims=(4, 8))
-    auto = dispatch.Ops("lacking-auto", Lacking(), fallback=dispatch.Ops("having", Having()))
-    with pytest.warns(RuntimeWarning, match="pair_scores with dims="):
-        auto.pair_scores(x, False, dims=[4, 8])
+    monkeypatch.setattr(verified, "is_verified", lambda *args: True)
+    monkeypatch.setattr(dispatch, "_warned_auto_on_gpu", True)
+    auto = dispatch.AutoOps([dispatch.Ops("lacking", Lacking())], {})
+    cos, _ = auto.pair_scores(x, False, dims=[4, 8])
+    assert cos.shape == (2, 3, 1) and calls == []  # torch's nested prefixes
     auto.pair_scores(x, False)
-    assert calls == [("having", (4, 8)), ("lacking", None)]
+    assert calls == [("lacking", None)]
+    assert auto.computes("pair_scores", x, False, dims=(4, 8)) == ("torch", "default")
 
 
 @pytest.mark.parametrize("dims, error, message", [

@@ -191,7 +191,7 @@ def test_launches_pass_bucketed_row_counts_as_the_autotune_keys(triton_backend, 
     launch = similarity._tile_launch
 
     def recording_launch(kernel, grid_of, blocks, *args, **constexprs):
-        launches.append({**dict(zip(kernel.arg_names, args)), **constexprs})
+        launches.append({**dict(zip(kernel.kernel.arg_names, args)), **constexprs})
         return launch(kernel, grid_of, blocks, *args, **constexprs)
 
     monkeypatch.setattr(similarity, "_tile_launch", recording_launch)
