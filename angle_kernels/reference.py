@@ -30,6 +30,33 @@ import torch
 from .contract import MARGIN_SIN_SQUARED_FLOOR
 from .contract import NORM_EPS as EPS
 
+# How a result is judged against this reference (shared/docs/measuring.md), by the tests and by
+# `angle_kernels.verify`: float64 and float32 inputs against tolerances on the outputs (VALUE_TOL) and the
+# gradients (GRAD_TOL), float32 computed against float64 on the same float32 values; bfloat16 / float16 inputs by
+# the half-precision rule: an error against float64 at most twice eager PyTorch's own error in that dtype (these
+# formulas inside `computing_in(dtype)`), plus HALF_RULE_FLOOR, a relative 1e-6 (what float32 accumulation may
+# cost) for the cases where eager happens to be exact. float32 cases that float32 cannot resolve (eager float32
+# misses the tolerance too) are held to the half rule.
+VALUE_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+GRAD_TOL = {torch.float64: 1e-8, torch.float32: 1e-4}
+HALF_RULE_FLOOR = 1e-6
+
+
+def allowed_error(dtype: torch.dtype, kind: str, eager_error: float | None = None) -> float:
+    """The largest relative error a result of `kind` ("value" or "grad") computed from `dtype` inputs may have:
+    the tolerance for float64/float32 (float32: or the half rule, when eager float32 misses the tolerance too),
+    the half rule for 16-bit dtypes (eager_error is eager PyTorch's error in that dtype; needed there)."""
+    tolerance = (VALUE_TOL if kind == "value" else GRAD_TOL).get(dtype)
+    half_rule = None if eager_error is None else 2 * eager_error + HALF_RULE_FLOOR
+    if dtype == torch.float64:
+        return tolerance
+    if dtype == torch.float32:
+        return tolerance if half_rule is None or eager_error <= tolerance else max(tolerance, half_rule)
+    if half_rule is None:
+        raise ValueError(f"the half-precision rule for {dtype} needs eager PyTorch's error")
+    return half_rule
+
+
 _compute_dtype = torch.float64
 
 

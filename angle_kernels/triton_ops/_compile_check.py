@@ -52,22 +52,36 @@ def _kernel_modules() -> list:
     return [importlib.import_module(f"{package.__name__}.{name}") for name in sorted(names)]
 
 
-def _signature(case: CompileCase) -> tuple[dict, dict]:
+# A launch specialises the integer arguments it may (those not in do_not_specialize) on their values: == 1 becomes
+# a constant, a multiple of 16 gets a divisibility hint. Both change the compiled kernel (contiguous, vectorised and
+# pipelined loads: more shared memory, other registers), so the compile check specialises as the usual launch does:
+# contiguous rows (the inner strides, stride_*d, are 1) and a width D and outer strides that are multiples of 16
+# (768, 1024, 4096, ...). Any other integer stays a plain i32.
+_INNER_STRIDE = re.compile(r"^stride_\w*d$")
+
+
+def _signature(case: CompileCase) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of the case, as a typical launch specialises them (see above)."""
     pointers = case.pointers or {}
-    signature, attrs = {}, {}
+    signature, constexprs, attrs = {}, dict(case.constexprs), {}
     for index, (name, param) in enumerate(zip(case.kernel.arg_names, case.kernel.params)):
         if param.is_constexpr:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = "*" + pointers.get(name, case.pointer_dtype)
             attrs[(index,)] = [["tt.divisibility", 16]]
+        elif not param.do_not_specialize and _INNER_STRIDE.match(name):
+            signature[name] = "constexpr"
+            constexprs[name] = 1
         else:  # float parameters travel in small tensors (the float64 path keeps them exact): the rest are i32
             signature[name] = "i32"
+            if not param.do_not_specialize and (name == "D" or name.startswith("stride_")):
+                attrs[(index,)] = [["tt.divisibility", 16]]
     missing = [n for n, p in zip(case.kernel.arg_names, case.kernel.params) if p.is_constexpr
                and n not in case.constexprs]
     if missing:
         raise ValueError(f"{case.kernel.__name__}: no value for constexpr(s) {missing}")
-    return signature, attrs
+    return signature, constexprs, attrs
 
 
 def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
@@ -87,8 +101,8 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
 
 
 def _compile(case: CompileCase, arch: int):
-    signature, attrs = _signature(case)
-    src = ASTSource(fn=case.kernel, signature=signature, constexprs=case.constexprs, attrs=attrs)
+    signature, constexprs, attrs = _signature(case)
+    src = ASTSource(fn=case.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": case.num_warps, "num_stages": case.num_stages}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 

@@ -83,6 +83,7 @@ from .similarity_xent import (
     _similarity_xent_bwd_finish_kernel,
     _tile_launch,
     autotuned,
+    gradient_tile_scale,
     kernels_for,
 )
 
@@ -222,8 +223,9 @@ def _similarity_lse_fwd_kernel(
 @triton.jit
 def _grad_logits_tile(logits, lse, coef, scale):
     """G_ij = grad_lse_i * scale * exp(l_ij - lse_i): 0 off K_i (logits -inf) and on rows with lse = -inf (the
-    launcher zeroes their coef, and their logits are all -inf: lse is read as 0 there to keep exp off NaN)."""
-    safe_lse = tl.where(lse == float("-inf"), 0.0, lse)
+    launcher zeroes their coef, and lse is read as +inf there: exp(l - inf) = 0 for every logit, so no 0 * inf = NaN
+    can arise even if backward kept a column forward dropped)."""
+    safe_lse = tl.where(lse == float("-inf"), float("inf"), lse)
     return (coef * scale)[:, None] * tl.exp(logits - safe_lse[:, None])
 
 
@@ -262,8 +264,9 @@ def _similarity_lse_bwd_dq_kernel(
             FILTER_KEEPS_TARGET, ACC, OPERAND, PRECISION, FILTER_ACC, FILTER_OPERAND, FILTER_PRECISION, EPS,
             BLOCK_M, BLOCK_N, BLOCK_K)
         g = _grad_logits_tile(logits, lse, coef, scale)
-        radial += tl.sum(g * cos, axis=1)
-        _accumulate_grad_tile(g.to(OPERAND), c_ptr, cols, col_ok, inv_c, dq_raw_ptr, rows, row_ok, col_start > 0,
+        g = g.to(OPERAND)  # the radial sum takes the rounded tile the products take (as the prefix kernels)
+        radial += tl.sum(g.to(ACC) * cos, axis=1)
+        _accumulate_grad_tile(g, c_ptr, cols, col_ok, inv_c, dq_raw_ptr, rows, row_ok, col_start > 0,
                               D, stride_cm, stride_cd, ACC, OPERAND, PRECISION, BLOCK_K)
     tl.store(dq_radial_ptr + rows, radial, mask=row_ok)
 
@@ -303,8 +306,9 @@ def _similarity_lse_bwd_dc_kernel(
             FILTER_KEEPS_TARGET, ACC, OPERAND, PRECISION, FILTER_ACC, FILTER_OPERAND, FILTER_PRECISION, EPS,
             BLOCK_M, BLOCK_N, BLOCK_K)
         g = _grad_logits_tile(logits, lse, coef, scale)
-        radial += tl.sum(g * cos, axis=0)
-        _accumulate_grad_tile(tl.trans(g.to(OPERAND)), q_ptr, rows, row_ok, inv_q, dc_raw_ptr, cols, col_ok,
+        g = g.to(OPERAND)  # the radial sum takes the rounded tile the products take (as the prefix kernels)
+        radial += tl.sum(g.to(ACC) * cos, axis=0)
+        _accumulate_grad_tile(tl.trans(g), q_ptr, rows, row_ok, inv_q, dc_raw_ptr, cols, col_ok,
                               row_start > 0, D, stride_qm, stride_qd, ACC, OPERAND, PRECISION, BLOCK_K)
     tl.store(dc_radial_ptr + cols, radial, mask=col_ok)
 
@@ -395,7 +399,7 @@ class SimilarityLseFunction(torch.autograd.Function):
         mc = c_in.shape[0]
         dtype = lse.dtype
         # Rows with no kept column contribute nothing, whatever their incoming gradient.
-        coef = torch.where(lse == float("-inf"), 0.0, grad_lse.to(dtype)).contiguous()
+        coef, unscale = gradient_tile_scale(torch.where(lse == float("-inf"), 0.0, grad_lse.to(dtype)), 1)
         _, dq_kernel, dc_kernel = kernels_for(_TUNED, q_in.dtype)
         finish = dict(HAS_B=False, ACC=ctx.static["ACC"], EPS=NORM_EPS,
                       BLOCK_D=min(triton.next_power_of_2(d), 1024), num_warps=4)
@@ -407,9 +411,9 @@ class SimilarityLseFunction(torch.autograd.Function):
             radial = new_output((rows,), dtype, x_in.device)
             _tile_launch(kernel, grid, ctx.blocks, *inputs, lse, coef, raw, radial, *ctx.runtime, **ctx.static)
             if not ctx.normalize:
-                return raw.to(x_in.dtype)
+                return (raw * unscale).to(x_in.dtype)
             out = new_output((rows, d), x_in.dtype, x_in.device)
-            _similarity_xent_bwd_finish_kernel[(rows,)](x_in, x_norm, raw, radial, raw, radial, out, rows, d,
+            _similarity_xent_bwd_finish_kernel[(rows,)](x_in, x_norm, raw, radial, raw, radial, out, unscale, rows, d,
                                                         x_in.stride(0), x_in.stride(1), **finish)
             return out
 

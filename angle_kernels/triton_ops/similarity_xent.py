@@ -427,9 +427,10 @@ def _similarity_xent_bwd_dq_kernel(
             scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
         g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
                            HAS_MARGIN, HAS_GROUPS)
-        radial += tl.sum(g * cos, axis=1)
+        g = g.to(OPERAND)  # the radial sum takes the rounded tile the products take (as the prefix kernels)
+        radial += tl.sum(g.to(ACC) * cos, axis=1)
         # g @ c_hat[cols] into this program's rows of the buffer (the inverse norms on c_hat: see the helper)
-        _accumulate_grad_tile(g.to(OPERAND), c_ptr, cols, col_ok, inv_c, dq_raw_ptr, rows, row_ok, col_start > 0,
+        _accumulate_grad_tile(g, c_ptr, cols, col_ok, inv_c, dq_raw_ptr, rows, row_ok, col_start > 0,
                               D, stride_cm, stride_cd, ACC, OPERAND, PRECISION, BLOCK_K)
     tl.store(dq_radial_ptr + rows, radial, mask=row_ok)
 
@@ -468,9 +469,10 @@ def _similarity_xent_bwd_dc_kernel(
             scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
         g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
                            HAS_MARGIN, HAS_GROUPS)
-        radial += tl.sum(g * cos, axis=0)
+        g = g.to(OPERAND)  # the radial sum takes the rounded tile the products take (as the prefix kernels)
+        radial += tl.sum(g.to(ACC) * cos, axis=0)
         # g^T @ q_hat[rows] ([BLOCK_N, BLOCK_M] x [BLOCK_M, D]) into this program's columns of the buffer
-        _accumulate_grad_tile(tl.trans(g.to(OPERAND)), q_ptr, rows, row_ok, inv_q, dc_raw_ptr, cols, col_ok,
+        _accumulate_grad_tile(tl.trans(g), q_ptr, rows, row_ok, inv_q, dc_raw_ptr, cols, col_ok,
                               row_start > 0, D, stride_qm, stride_qd, ACC, OPERAND, PRECISION, BLOCK_K)
     tl.store(dc_radial_ptr + cols, radial, mask=col_ok)
 
@@ -482,11 +484,13 @@ def _similarity_xent_bwd_finish_kernel(
     raw_a_ptr, radial_a_ptr,  # [R, D], [R]: one side's accumulation
     raw_b_ptr, radial_b_ptr,  # the other side's (read only HAS_B: the symmetric case, c is q)
     dx_ptr,  # [R, D] out, contiguous, x's dtype
+    unscale_ptr,  # [1] compute dtype: the factor the gradient tiles left out (see gradient_tile_scale)
     R, D, stride_xm, stride_xd,
     HAS_B: tl.constexpr, ACC: tl.constexpr, EPS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dx = inv * raw - [|x| > eps] inv^2 radial x: the normalisation's backward, applied once."""
+    """dx = unscale * (inv * raw - [|x| > eps] inv^2 radial x): the normalisation's backward, applied once."""
     row = tl.program_id(0).to(tl.int64)
+    unscale = tl.load(unscale_ptr).to(ACC)
     norm = tl.load(norm_ptr + row).to(ACC)
     inv = 1.0 / tl.maximum(norm, EPS)
     radial = tl.load(radial_a_ptr + row).to(ACC)
@@ -500,7 +504,7 @@ def _similarity_xent_bwd_finish_kernel(
         if HAS_B:
             raw += tl.load(raw_b_ptr + row * D + ks, mask=ok, other=0.0).to(ACC)
         x = tl.load(x_ptr + row * stride_xm + ks * stride_xd, mask=ok, other=0.0).to(ACC)
-        dx = inv * raw - shrink * x
+        dx = (inv * raw - shrink * x) * unscale
         tl.store(dx_ptr + row * D + ks, dx.to(dx_ptr.dtype.element_ty), mask=ok)
 
 
@@ -701,13 +705,15 @@ def _similarity_xent_prefix_bwd_finish_kernel(
     raw_a_ptr, radial_a_ptr,  # [R, D], [K, R]: one side's accumulation (inverse norms already applied)
     raw_b_ptr, radial_b_ptr,  # the other side's (read only HAS_B: the symmetric case, c is q)
     dx_ptr,  # [R, D] out, contiguous, x's dtype
+    unscale_ptr,  # [1] compute dtype: the factor the gradient tiles left out (see gradient_tile_scale)
     bounds_ptr,  # [K + 1] int32: 0, d_1, ..., d_K
     R, D, K, stride_xm, stride_xd,
     HAS_B: tl.constexpr, ACC: tl.constexpr, EPS: tl.constexpr, KP: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dx = raw - sum over the prefixes i with d_i > column of [|x[:d_i]| > eps] inv_i^2 radial_i x: each
-    prefix's normalisation backward, applied once."""
+    """dx = unscale * (raw - sum over the prefixes i with d_i > column of [|x[:d_i]| > eps] inv_i^2 radial_i x):
+    each prefix's normalisation backward, applied once."""
     row = tl.program_id(0).to(tl.int64)
+    unscale = tl.load(unscale_ptr).to(ACC)
     prefixes = tl.arange(0, KP)
     has = prefixes < K
     norm = tl.load(norm_ptr + prefixes * R + row, mask=has, other=1.0).to(ACC)
@@ -725,7 +731,7 @@ def _similarity_xent_prefix_bwd_finish_kernel(
             raw += tl.load(raw_b_ptr + row * D + ks, mask=ok, other=0.0).to(ACC)
         x = tl.load(x_ptr + row * stride_xm + ks * stride_xd, mask=ok, other=0.0).to(ACC)
         column_shrink = tl.sum(tl.where(ks[:, None] < widths[None, :], shrink[None, :], 0.0), axis=1)
-        dx = raw - column_shrink * x
+        dx = (raw - column_shrink * x) * unscale
         tl.store(dx_ptr + row * D + ks, dx.to(dx_ptr.dtype.element_ty), mask=ok)
 
 
@@ -842,6 +848,19 @@ def _row_norms(x: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...] | None
     return squares.cumsum(dim=0).sqrt().contiguous()
 
 
+def gradient_tile_scale(per_row: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(coef, unscale): the gradient tiles' per-row factors, per_row / max|per_row| (at most 1 in magnitude), and
+    the factor they leave out, max|per_row| / rows ([1], compute dtype), which the finish kernels apply.
+
+    Why: the backward rounds each gradient tile to the operand dtype before its products. With the upstream
+    gradient and 1/M inside, an fp16 tile's entries (about scale * p_ij * g / M) fall below fp16's smallest
+    subnormal (6e-8) at training sizes (M = 131,072: ~1e-9) and flush to zero; scaled to at most scale, they stay
+    in range whatever M and the upstream gradient are, and the factor is applied in the compute dtype. No host
+    sync: both stay on the device."""
+    largest = per_row.abs().amax().clamp_min(torch.finfo(per_row.dtype).tiny)
+    return (per_row / largest).contiguous(), (largest / rows).reshape(1)
+
+
 class SimilarityXentFunction(torch.autograd.Function):
     """The loss (dims None) or the [K] losses of the prefixes of dims (the `_prefix_` kernels): the same launches,
     with per-prefix norms, logsumexps and radial sums laid out [K, rows]."""
@@ -901,7 +920,7 @@ class SimilarityXentFunction(torch.autograd.Function):
         mc = c_in.shape[0]
         dtype = lse_all.dtype
         prefixes = bounds is not None
-        coef = (weights * (grad_loss.to(dtype)[..., None] / m)).contiguous()  # [M], or [K, M] with dims
+        coef, unscale = gradient_tile_scale(weights * grad_loss.to(dtype)[..., None], m)  # [M], or [K, M] with dims
         blocks = _interpreter_blocks(m, mc, d)
         common = (q_in, c_in, q_norm, c_norm, groups, lse_all, lse_pos, coef)
 
@@ -930,12 +949,12 @@ class SimilarityXentFunction(torch.autograd.Function):
             rows = x.shape[0]
             if prefixes:
                 _similarity_xent_prefix_bwd_finish_kernel[(rows,)](
-                    x, norm, raw_a, radial_a, raw_b, radial_b, dx, bounds, rows, d, bounds.shape[0] - 1, x.stride(0),
-                    x.stride(1), HAS_B=has_b, **finish)
+                    x, norm, raw_a, radial_a, raw_b, radial_b, dx, unscale, bounds, rows, d, bounds.shape[0] - 1,
+                    x.stride(0), x.stride(1), HAS_B=has_b, **finish)
             else:
                 _similarity_xent_bwd_finish_kernel[(rows,)](
-                    x, norm, raw_a, radial_a, raw_b, radial_b, dx, rows, d, x.stride(0), x.stride(1), HAS_B=has_b,
-                    **finish)
+                    x, norm, raw_a, radial_a, raw_b, radial_b, dx, unscale, rows, d, x.stride(0), x.stride(1),
+                    HAS_B=has_b, **finish)
             return dx
 
         if symmetric:

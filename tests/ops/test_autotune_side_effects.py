@@ -8,11 +8,11 @@ zeroed buffer without declaring it returns the sum of all those runs. The interp
 such a kernel passes every interpreter test: the Matryoshka (`dims`) backward of similarity_xent did, until its
 launches declared their buffers.
 
-Here every autotuned kernel (`_common.TunedKernel`) of each op is swapped for `ReplayedAutotuner`, which replays
-that sequence under the interpreter from the declarations triton.autotune itself receives (`TunedKernel.tuning`):
-each config of the kernel's GPU list, RUNS_PER_CONFIG times, then the reset and the launch of the last config.
-The result must equal a plain launch's. On a CUDA device the kernels get real autotuners over every config
-instead (fresh ones, so every key is new, whatever ANGLE_KERNELS_AUTOTUNE says).
+Here every autotuned kernel (`_common.TunedKernel`) of each op is swapped for autotune_replay.ReplayedAutotuner,
+which replays that sequence under the interpreter from the declarations triton.autotune itself receives
+(`TunedKernel.tuning`): each config of the kernel's GPU list, RUNS_PER_CONFIG times, then the reset and the launch
+of the last config. The result must equal a plain launch's. On a CUDA device the kernels get real autotuners over
+every config instead (fresh ones, so every key is new, whatever ANGLE_KERNELS_AUTOTUNE says).
 """
 
 from __future__ import annotations
@@ -25,61 +25,8 @@ from ak_testing import TRITON_DEVICE, backend_or_skip
 pytest.importorskip("triton")
 
 from angle_kernels.triton_ops import _common  # noqa: E402
-from angle_kernels.triton_ops import similarity_lse as lse_module  # noqa: E402
 from angle_kernels.triton_ops import similarity_xent as xent_module  # noqa: E402
-
-RUNS_PER_CONFIG = 3
-# Every table of TunedKernels the launchers read at call time: (module, attribute).
-TUNED_TABLES = ((xent_module, "_TUNED"), (xent_module, "_PREFIX_TUNED"), (lse_module, "_TUNED"))
-
-
-class ReplayedAutotuner:
-    """Stands in for triton.autotune(...)(kernel) under the interpreter and replays what it does on a key's first
-    call (see the module docstring); counts the launches."""
-
-    def __init__(self, tuned: _common.TunedKernel):
-        self.tuned = tuned
-        self.launches = 0
-
-    def __getitem__(self, grid):
-        kernel, tuning, configs = self.tuned.kernel, self.tuned.tuning, self.tuned.configs
-
-        def launch(config, args, constexprs):
-            self.launches += 1
-            kernel[grid](*args, **constexprs, **config.kwargs, num_warps=config.num_warps)
-
-        def run(*args, **constexprs):
-            named = dict(zip(kernel.arg_names, args))
-            for config in configs:
-                for _ in range(RUNS_PER_CONFIG):
-                    for name in tuning.reset_to_zero:
-                        named[name].zero_()
-                    saved = {name: named[name].clone() for name in tuning.restore_value}
-                    launch(config, args, constexprs)
-                    for name, value in saved.items():
-                        named[name].copy_(value)
-            for name in tuning.reset_to_zero:
-                named[name].zero_()
-            launch(configs[-1], args, constexprs)
-
-        return run
-
-
-def _tuned_like_a_first_call(tuned: _common.TunedKernel) -> _common.TunedKernel:
-    if TRITON_DEVICE.type == "cpu":
-        return tuned._replace(launcher=ReplayedAutotuner(tuned))
-    return tuned._replace(launcher=_common.autotuner(tuned.kernel, tuned.configs, tuned.key, tuned.tuning))
-
-
-def _install(monkeypatch, make) -> list:
-    """Swap every TunedKernel of the launchers' tables for make(tuned); returns the new ones."""
-    installed = []
-    for module, attribute in TUNED_TABLES:
-        table = {name: tuple(make(tuned) for tuned in kernels) for name, kernels in getattr(module, attribute).items()}
-        monkeypatch.setattr(module, attribute, table)
-        installed += [tuned for kernels in table.values() for tuned in kernels]
-    return installed
-
+from autotune_replay import RUNS_PER_CONFIG, ReplayedAutotuner, install, like_a_first_call  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------
 # The scenarios: every autotuned kernel of similarity_xent (full width, dims) and similarity_lse, forward and
@@ -154,7 +101,7 @@ TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 def test_a_first_call_gives_what_one_launch_gives(scenario, dtype, monkeypatch):
     ops = backend_or_skip("triton").ops
     once = _run(scenario, ops, dtype)
-    installed = _install(monkeypatch, _tuned_like_a_first_call)
+    installed = install(monkeypatch, like_a_first_call)
     tuned = _run(scenario, ops, dtype)
     assert _max_rel_diff(tuned, once) <= TOLERANCE[dtype]
     if TRITON_DEVICE.type == "cpu":  # the replay really ran every config several times
@@ -171,7 +118,7 @@ def test_the_replay_catches_an_undeclared_accumulation(monkeypatch):
     declared = [t for _, kernels in xent_module._PREFIX_TUNED.items() for t in kernels if t.tuning.reset_to_zero]
     assert declared, "the dims backward kernels no longer declare their zeroed buffers"
     once = _run(matryoshka_in_batch, ops, torch.float64)
-    _install(monkeypatch, lambda t: t._replace(launcher=ReplayedAutotuner(t._replace(tuning=_common.Tuning()))))
+    install(monkeypatch, lambda t: t._replace(launcher=ReplayedAutotuner(t._replace(tuning=_common.Tuning()))))
     replayed = _run(matryoshka_in_batch, ops, torch.float64)
     assert _max_rel_diff(replayed[:1], once[:1]) <= 1e-12  # the forward writes without reading: unaffected
     assert _max_rel_diff(replayed[1:], once[1:]) > 1.0  # the gradient is a sum of runs

@@ -119,6 +119,22 @@ def test_against_oracle(backend, name, dtype):
                          device=backend.device)
 
 
+def test_float16_gradient_of_a_small_upstream_gradient_does_not_underflow(backend):
+    """As similarity_xent's test: the gradient tile of 1e-6 x lse must not flush to zero in float16 (short rows, so
+    that the gradient itself is a normal float16 number)."""
+    q = (1e-3 * randn(generator("lse_fp16_small_upstream"), 24, 16)).to(torch.float16)
+    c = (1e-3 * randn(generator("lse_fp16_small_upstream_c"), 30, 16)).to(torch.float16)
+    grads = []
+    for factor in (1.0, 1e-6):
+        leaves = [leaf_like(q, device=backend.device), leaf_like(c, device=backend.device)]
+        lse = backend.ops.similarity_lse(*leaves, 20.0)
+        (factor * lse.sum() / 24).backward()
+        grads.append([leaf.grad.double().cpu() / factor for leaf in leaves])
+    for small, full, name in zip(grads[1], grads[0], ("dq", "dc")):
+        assert torch.isfinite(small).all()
+        assert_close(small, full, 2e-3, f"{name} of 1e-6 x lse, / 1e-6")
+
+
 def test_rows_that_keep_no_column(backend):
     """A row whose every column is excluded or filtered has lse = -inf and contributes no gradient; the
     other rows are exact, and nothing is NaN."""

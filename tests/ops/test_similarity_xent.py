@@ -180,6 +180,26 @@ def test_float16_zero_and_tiny_rows_never_give_nan(backend):
     assert_close(loss, exact_loss, 1e-3, "loss")
 
 
+@pytest.mark.parametrize("dims", [None, (8, 16)], ids=["full", "dims"])
+def test_float16_gradient_of_a_small_upstream_gradient_does_not_underflow(backend, dims):
+    """The gradient of 1e-6 x loss is 1e-6 x the gradient. A backward that rounds its gradient tile to float16
+    with the upstream gradient (or 1/M) inside loses it: here the tile entries are ~3e-8, below float16's smallest
+    subnormal (6e-8), as they are at M = 131,072 with an upstream gradient of 1 (scale / M^2 ~ 1e-9). The rows
+    are short (|q| ~ 4e-3: cosines do not care), so that the gradient itself, ~1/|q| times the tile's sums, is a
+    normal float16 number and the test sees the tile, not the output's rounding."""
+    if dims is not None:
+        skip_unless_feature(backend, "similarity_xent", "dims")
+    q = (1e-3 * randn(generator("fp16_small_upstream"), 24, 16)).to(torch.float16)
+    grads = []
+    for factor in (1.0, 1e-6):
+        leaf = leaf_like(q, device=backend.device)
+        loss = backend.ops.similarity_xent(leaf, None, 20.0, "partner", exclude_diagonal=True, dims=dims)
+        (factor * loss.sum()).backward()
+        grads.append(leaf.grad.double().cpu() / factor)
+    assert torch.isfinite(grads[1]).all()
+    assert_close(grads[1], grads[0], 2e-3, "dq of 1e-6 x loss, / 1e-6")
+
+
 def test_more_rows_than_one_block_of_the_torch_backend(backend):
     """M x Mc above 4M logits: the torch backend walks the rows in blocks, each block's gradient tiles added into
     the same gradients of q and c (here one shared buffer: q = c)."""

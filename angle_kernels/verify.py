@@ -1,0 +1,348 @@
+"""Check the GPU backends on this GPU and record what passes, so that backend="auto" uses it.
+
+    python -m angle_kernels.verify [--backend triton|cuda|all] [--sizes standard|large] [--out FILE]
+
+For every GPU backend that can run here (triton; cuda only when its extension is already built: this command
+never builds it), every op it implements and every code path of that op (the op module's PATHS, see
+`angle_kernels.verified`), on fresh random inputs on the GPU, forward and backward: the backend against
+`angle_kernels.reference` in float64, computed on the GPU from the same rounded inputs, judged by the reference's
+rule (`reference.allowed_error`): float64 and float32 against tolerances, bfloat16 and float16 at most twice
+eager PyTorch's own error in that dtype. Every case runs twice: its first call compiles and autotunes (the
+autotuner runs every config several times on the call's own buffers, and the result must still be right), the
+second must be right too.
+
+A code path passes when every case of it passes in every dtype (bfloat16, float32, float16, then float64: in
+that order, so a time limit cuts the rarest first); it is then recorded in the user's cache
+(`verified.cache_dir()`), and a path that fails loses any earlier record for this GPU and software. Paths whose
+checks did not all run (--time-limit) are neither. Takes a few minutes on an H100, most of it compiling and
+autotuning. `--sizes large` uses the sizes of the project's own GPU run (scripts/gpu_check.sh first), which
+also writes the entries for the project's table (`verified.VERIFIED`) with --table-entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import reference, verified
+from .dispatch import resolve_backend
+
+# The order dtypes are checked in: what training uses first.
+DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
+SCORE_DTYPES = (torch.float32, torch.float64)  # ranking_loss takes scores in these only
+# Above this many elements of its N x N matrix the reference ranking term is replaced by the torch backend in
+# float64 (itself held to the reference by the test suite): the sort path exists only at large N.
+REFERENCE_MAX_ELEMENTS = 2**26
+
+
+@dataclass(frozen=True)
+class Case:
+    """One check of an op's code path: `build(gen, dtype, device)` returns (leaves, arguments), where
+    arguments(*leaves) gives the op's (args, kwargs) with those leaves in place; the op is called by name on a
+    backend's Ops or on the reference module, which take the same arguments."""
+
+    op: str
+    path: str
+    name: str
+    build: Callable
+    dtypes: tuple = DTYPES
+
+
+def _randn(gen, *shape, dtype, device):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64, device=device).to(dtype)
+
+
+def _float_like(dtype: torch.dtype) -> torch.dtype:
+    """The float dtype of per-row options (weights, thresholds) for inputs of `dtype`: their compute dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _pair_case(path: str, groups: int, k: int, d: int, dims=None) -> Case:
+    def build(gen, dtype, device):
+        return [_randn(gen, groups, k, d, dtype=dtype, device=device)], lambda x: ((x, True), {"dims": dims})
+
+    return Case("pair_scores", path, f"G={groups} K={k} D={d}" + (f" dims={dims}" if dims else ""), build)
+
+
+def _ranking_case(path: str, n: int) -> Case:
+    def build(gen, dtype, device):
+        scores = 5 * _randn(gen, n, dtype=dtype, device=device)
+        labels = torch.randint(0, 6, (n,), generator=gen, device=device)
+        return [scores], lambda s: ((s, labels), {})
+
+    return Case("ranking_loss", path, f"N={n}", build, SCORE_DTYPES)
+
+
+def _xent_case(path: str, m: int, mc: int | None, d: int, dims=None) -> Case:
+    """In-batch negatives (mc None: c is q; partner targets, duplicate texts, zero-weighted rows) or the
+    contrastive loss with an ArcCon-style angular margin (diagonal targets, candidates c)."""
+    def build(gen, dtype, device):
+        q = _randn(gen, m, d, dtype=dtype, device=device)
+        if mc is None:
+            options = dict(target="partner", exclude_diagonal=True, dims=dims,
+                           group_ids=torch.randint(0, max(1, m // 2), (m,), generator=gen, device=device),
+                           row_weights=(torch.rand(m, generator=gen, device=device) > 0.2).to(_float_like(dtype)))
+            return [q], lambda q: ((q, None, 20.0), options)
+        c = _randn(gen, mc, d, dtype=dtype, device=device)
+        return [q, c], lambda q, c: ((q, c, 20.0), dict(target="diagonal", margin=math.radians(10), dims=dims))
+
+    shape = f"M={m}" + ("" if mc is None else f" Mc={mc}") + f" D={d}" + (f" dims={dims}" if dims else "")
+    return Case("similarity_xent", path, ("ibn " if mc is None else "contrastive ") + shape, build)
+
+
+def _lse_case(path: str, m: int, mc: int, d: int) -> Case:
+    """A query block against its documents and hard negatives laid out m apart (period), with a hardness penalty
+    on the other columns and a false-negative filter on the model's own scores."""
+    def build(gen, dtype, device):
+        q = _randn(gen, m, d, dtype=dtype, device=device)
+        c = _randn(gen, mc, d, dtype=dtype, device=device)
+        threshold = torch.full((m,), 0.1, dtype=_float_like(dtype), device=device)
+        return [q, c], lambda q, c: ((q, c, 20.0), dict(
+            period=m, penalty=2.0, penalty_on="other", filter_q=q.detach(), filter_c=c.detach(),
+            filter_threshold=threshold, filter_keeps_target=True))
+
+    return Case("similarity_lse", path, f"M={m} Mc={mc} D={d}", build)
+
+
+def cases(sizes: str = "standard") -> list[Case]:
+    """Every op and code path's cases at `sizes`: "standard" (a few minutes on an H100 with the compiles),
+    "large" (the project's GPU run: past the interpreter's reach, seconds each), "tiny" (the CPU tests, through
+    the Triton interpreter; its dense cases, at width 64, take the dense scheme only where a test lowers the
+    scheme's MIN_WIDTH)."""
+    tiny = sizes == "tiny"
+    pairs = {"tiny": 6, "standard": 16384, "large": 262144}[sizes]
+    rows = {"tiny": 24, "standard": 2048, "large": 8192}[sizes]
+    d, wide = {"tiny": (32, 64), "standard": (768, 1024), "large": (768, 4096)}[sizes]
+    dims = (8, 16, 32) if tiny else (64, 256, 768)
+    return [
+        _pair_case("full", pairs, 2, d),
+        _pair_case("full", pairs // 4, 3, d),
+        _pair_case("dims", pairs, 2, d, dims=dims),
+        _ranking_case("pairwise", 40 if tiny else 3000),
+        _ranking_case("sort", {"tiny": 4200, "standard": 6000, "large": 2_000_000}[sizes]),
+        _xent_case("fused", rows, None, d),
+        _xent_case("fused", rows // 2, rows, d),
+        _xent_case("dense", rows, None, wide),
+        _xent_case("dense", rows // 2, rows, wide),
+        _xent_case("dims", rows, None, d, dims=dims),
+        _xent_case("dims", rows // 2, rows, d, dims=dims),
+        _lse_case("fused", rows // 2, 3 * (rows // 2), d),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running a check
+# ---------------------------------------------------------------------------------------------------------
+def _outputs_and_grads(ops, case: Case, arguments, leaves, weights=None, gen=None):
+    """The op's outputs on `ops` and the gradients of sum_k <output_k, weights_k> with respect to fresh copies
+    of leaves (weights drawn from gen when not given); returns (outputs, grads, weights)."""
+    fresh = [x.detach().clone().requires_grad_() for x in leaves]
+    args, kwargs = arguments(*fresh)
+    outputs = getattr(ops, case.op)(*args, **kwargs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    if weights is None:
+        weights = [torch.randn(o.shape, generator=gen, dtype=torch.float64, device=o.device) for o in outputs]
+    sum((o.double() * w).sum() for o, w in zip(outputs, weights)).backward()
+    return [o.detach() for o in outputs], [x.grad for x in fresh], weights
+
+
+def _errors(got, want) -> dict:
+    return {"value": max(reference.rel_err(o, w) for o, w in zip(got[0], want[0])),
+            "grad": max(reference.rel_err(g, w) for g, w in zip(got[1], want[1]))}
+
+
+def _reference_for(case: Case, leaves: list):
+    """(the float64 reference of the case, its name): this package's reference, or for a ranking term too large
+    for its N x N matrix, the torch backend in float64."""
+    if case.op == "ranking_loss" and leaves[0].shape[0] ** 2 > REFERENCE_MAX_ELEMENTS:
+        return resolve_backend("torch", leaves[0]), "torch float64"
+    return reference, "reference"
+
+
+def check(ops, case: Case, dtype: torch.dtype, device, seed: int = 0) -> dict:
+    """Run one case on `ops` in `dtype`, twice, against the float64 reference: the errors of both calls (and of
+    eager PyTorch in that dtype), the allowed errors, and pass."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    started = time.perf_counter()
+    leaves, arguments = case.build(gen, dtype, device)
+    args, kwargs = arguments(*leaves)
+    taken = ops.computes(case.op, *args, **kwargs)[1]
+    if taken != case.path:
+        return {"pass": False, "error": f"the inputs take the code path {taken!r}, not {case.path!r}"}
+    exact_ops, against = _reference_for(case, leaves)
+    # float64 copies of the same rounded values: the reference's gradients stay float64
+    exact = _outputs_and_grads(exact_ops, case, arguments, [x.double() for x in leaves], gen=gen)
+    weights = exact[2]
+    first = _outputs_and_grads(ops, case, arguments, leaves, weights)
+    second = _outputs_and_grads(ops, case, arguments, leaves, weights)
+    eager = None
+    if dtype != torch.float64 and against == "reference":
+        with reference.computing_in(dtype):
+            eager = _errors(_outputs_and_grads(reference, case, arguments, leaves, weights), exact)
+    result = {"against": against, "first": _errors(first, exact), "second": _errors(second, exact), "eager": eager}
+    result["allowed"] = {kind: reference.allowed_error(dtype, kind, None if eager is None else eager[kind])
+                         for kind in ("value", "grad")}
+    result["pass"] = all(result[call][kind] <= result["allowed"][kind]
+                         for call in ("first", "second") for kind in ("value", "grad"))
+    result["seconds"] = round(time.perf_counter() - started, 2)
+    return result
+
+
+def run_checks(backend: str, device, case_list: list[Case], dtypes=DTYPES, deadline: float | None = None,
+               on_result=None) -> list[dict]:
+    """Every case of `case_list` on `backend` in every one of its dtypes, dtype by dtype (see DTYPES), until the
+    monotonic `deadline`; on_result(results) after each. Cases of ops or paths the backend lacks are left out."""
+    ops = resolve_backend(backend, torch.empty(0, device=device))
+    results = []
+    for dtype in dtypes:
+        for case in case_list:
+            if dtype not in case.dtypes or getattr(ops.backend, case.op) is None:
+                continue
+            if case.path not in ops.backend.paths[case.op]:
+                continue
+            result = {"backend": backend, "op": case.op, "path": case.path, "case": case.name,
+                      "dtype": str(dtype).replace("torch.", "")}
+            if deadline is not None and time.monotonic() > deadline:
+                result.update({"pass": None, "error": "not run: time limit"})
+            else:
+                try:
+                    result.update(check(ops, case, dtype, device))
+                except Exception as exc:  # noqa: BLE001 (a failure is a result; a lost CUDA context stops below)
+                    result.update({"pass": False, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            results.append(result)
+            if on_result is not None:
+                on_result(results)
+            if any(marker in result.get("error", "") for marker in ("CUDA error", "illegal memory access")):
+                return results  # every later CUDA call of this process would fail too
+    return results
+
+
+def outcomes(results: list[dict]) -> dict[tuple[str, str, str], str]:
+    """(backend, op, path) -> "passed" (every check ran and passed), "failed" (one failed), or "incomplete"."""
+    found: dict = {}
+    for r in results:
+        key = (r["backend"], r["op"], r["path"])
+        state = "failed" if r["pass"] is False else "incomplete" if r["pass"] is None else "passed"
+        for worse in ("failed", "incomplete"):
+            if worse in (found.get(key), state):
+                state = worse
+                break
+        found[key] = state
+    return found
+
+
+def entries_from(results: list[dict], identity_of, evidence: str) -> tuple[list[dict], list[dict]]:
+    """(passed, failed) verification entries of the results; identity_of(backend, op) gives the identity."""
+    passed, failed = [], []
+    for (backend, op, path), state in outcomes(results).items():
+        if state == "incomplete":
+            continue
+        dtypes = sorted({r["dtype"] for r in results if (r["backend"], r["op"], r["path"]) == (backend, op, path)})
+        made = verified.entry(backend, op, path, identity_of(backend, op), evidence, dtypes)
+        (passed if state == "passed" else failed).append(made)
+    return passed, failed
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------
+def _runnable_backends(wanted: str) -> tuple[list[str], dict[str, str]]:
+    """The GPU backends to check, and why the others are left out (cuda: only an already built extension)."""
+    usable, why_not = [], {}
+    for name in verified.GPU_BACKENDS if wanted == "all" else (wanted,):
+        if name == "cuda":
+            from .cuda_ops import _extension
+
+            ok, why = _extension.load(allow_build=False)
+        else:
+            from .triton_ops import is_available
+
+            ok, why = is_available()
+        if ok:
+            usable.append(name)
+        else:
+            why_not[name] = why
+    return usable, why_not
+
+
+def _write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
+        json.dump(data, tmp, indent=1)
+    os.replace(tmp.name, path)
+
+
+def _row(r: dict) -> str:
+    """One check as a line of the console's table."""
+    head = f"{r['backend']:<7} {r['op']:<16} {r['path']:<9} {r['dtype']:<9} {r['case']:<40}"
+    if r.get("error"):
+        return head + f" {'FAIL' if r['pass'] is False else '--'}: {r['error']}"
+    first, allowed = r["first"], r["allowed"]
+    return head + (f" value {first['value']:.1e} grad {first['grad']:.1e} (allowed {allowed['value']:.1e} / "
+                   f"{allowed['grad']:.1e}; 2nd call {r['second']['value']:.1e} / {r['second']['grad']:.1e})  "
+                   f"{'ok' if r['pass'] else 'FAIL'}  {r['seconds']:.1f} s")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m angle_kernels.verify", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=("all", *verified.GPU_BACKENDS), default="all")
+    parser.add_argument("--sizes", choices=("standard", "large"), default="standard")
+    parser.add_argument("--time-limit", type=float, default=None, help="seconds; checks not started by then are "
+                        "left out (their paths are neither recorded nor revoked)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write every check and the passed/failed entries there, as JSON, as it goes")
+    parser.add_argument("--no-record", action="store_true", help="do not update the user's cache")
+    args = parser.parse_args(argv)
+    if args.time_limit is not None and not args.time_limit > 0:
+        parser.error("--time-limit must be a positive number of seconds")
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to verify (the GPU backends run only on CUDA tensors; on CPU the test suite "
+              "checks them through the Triton interpreter)")
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    usable, why_not = _runnable_backends(args.backend)
+    for name, why in why_not.items():
+        print(f"not checked: {name}: {why}")
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
+    report = {"gpu": torch.cuda.get_device_name(device), "sizes": args.sizes, "not_checked": why_not,
+              "results": [], "passed": [], "failed": []}
+
+    def on_result(results):
+        print(_row(results[-1]), flush=True)
+        report["results"] = done + results
+        if args.out is not None:
+            _write_json(args.out, report)
+
+    done: list[dict] = []
+    for backend in usable:
+        done += run_checks(backend, device, cases(args.sizes), deadline=deadline, on_result=on_result)
+    passed, failed = entries_from(done, lambda backend, op: verified.identity(backend, op, device),
+                                  f"python -m angle_kernels.verify --sizes {args.sizes}")
+    report.update(results=done, passed=passed, failed=failed)
+    if args.out is not None:
+        _write_json(args.out, report)
+    for state, made in (("passed", passed), ("FAILED", failed)):
+        for e in made:
+            print(f"{state}: {e['backend']} {e['op']} {e['path']} on {e['gpu']} (sm_{e['capability'].replace('.', '')})")
+    for (backend, op, path), state in outcomes(done).items():
+        if state == "incomplete":
+            print(f"not verified (checks left out by the time limit): {backend} {op} {path}")
+    if not args.no_record and (passed or failed):
+        where = verified.write_cache(passed, failed)
+        print(f"recorded in {where}: backend='auto' uses the passed code paths from the next process on")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""`python -m angle_kernels.verify` on CPU: its checks of the Triton backend, through the interpreter, at tiny sizes.
+
+What a user's GPU run does is what runs here, minus the GPU: every code path of every op the backend declares,
+forward and backward against angle_kernels.reference, twice per case, judged by the reference's rule. Checked:
+the Triton backend passes on every path (the dense scheme's cases with its MIN_WIDTH lowered to their width);
+the checks cover every path the backend declares; and the checks catch the autotuner bug of the dims backward
+when the autotuner's first call is replayed (tests/ops/autotune_replay.py) without the kernels' declarations.
+The verification records and the match rule: tests/test_verified.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ak_testing import TRITON_DEVICE
+
+pytest.importorskip("triton")
+
+from angle_kernels import verify  # noqa: E402
+from angle_kernels.triton_ops import _common, similarity_xent_dense  # noqa: E402
+from autotune_replay import ReplayedAutotuner, install  # noqa: E402
+
+DTYPES = (torch.bfloat16, torch.float64)
+
+
+TINY_WIDE = 64  # the width of verify.cases("tiny")'s dense cases
+
+
+@pytest.fixture
+def tiny_dense(monkeypatch):
+    """The dense scheme taken from the tiny cases' wide width, not from 1024."""
+    monkeypatch.setattr(similarity_xent_dense, "MIN_WIDTH", TINY_WIDE)
+
+
+@pytest.mark.slow  # about 40 s through the interpreter (the sort path's scan at N = 4,200 is most of it)
+def test_the_triton_backend_passes_on_every_code_path(tiny_dense):
+    results = verify.run_checks("triton", TRITON_DEVICE, verify.cases("tiny"), DTYPES)
+    assert {r["case"].split(" D=")[-1] for r in results if r["path"] == "dense"} == {str(TINY_WIDE)}
+    failed = [verify._row(r) for r in results if r["pass"] is not True]
+    assert not failed, "\n".join(failed)
+    checked = {(op, path) for _, op, path in verify.outcomes(results)}
+    declared = {(op, path) for op, paths in verify.verified.paths_of("triton").items() for path in paths}
+    assert checked == declared  # every code path the backend declares has a check
+    assert {r["dtype"] for r in results} == {"bfloat16", "float64"}
+
+
+def test_a_case_that_misses_its_path_fails_instead_of_checking_another():
+    """Without the lowered MIN_WIDTH the dense cases take the fused kernels: a failure, not a pass for 'dense'."""
+    dense = [case for case in verify.cases("tiny") if case.path == "dense"][:1]
+    (result,) = verify.run_checks("triton", TRITON_DEVICE, dense, (torch.float64,))
+    assert result["pass"] is False and "take the code path 'fused', not 'dense'" in result["error"]
+
+
+@pytest.mark.skipif(TRITON_DEVICE.type != "cpu", reason="the replay runs under the interpreter")
+def test_the_checks_catch_an_autotuner_that_accumulates(monkeypatch):
+    """The first call of every key replayed as the autotuner runs it, with the kernels' declarations stripped:
+    the dims path, whose backward adds into zeroed buffers, fails; the full-width fused path (which writes its
+    first block without reading) still passes. With the declarations, both pass (test_autotune_side_effects)."""
+    install(monkeypatch, lambda t: t._replace(launcher=ReplayedAutotuner(t._replace(tuning=_common.Tuning()))))
+    wanted = [c for c in verify.cases("tiny") if c.op == "similarity_xent" and c.path in ("fused", "dims")]
+    results = verify.run_checks("triton", TRITON_DEVICE, wanted, (torch.float64,))
+    outcome = verify.outcomes(results)
+    assert outcome[("triton", "similarity_xent", "dims")] == "failed"
+    assert outcome[("triton", "similarity_xent", "fused")] == "passed"
+    dims_grad_errors = [r["first"]["grad"] for r in results if r["path"] == "dims"]
+    assert min(dims_grad_errors) > 1.0  # the gradient is a sum of runs, not a rounding error
+
+
+def test_a_time_limit_leaves_checks_out_and_their_paths_unrecorded():
+    results = verify.run_checks("triton", TRITON_DEVICE, verify.cases("tiny")[:2], (torch.float64,), deadline=0.0)
+    assert [r["pass"] for r in results] == [None, None]
+    assert set(verify.outcomes(results).values()) == {"incomplete"}
+    assert verify.entries_from(results, lambda backend, op: {}, "test") == ([], [])
+
+
+def test_without_a_gpu_the_command_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert verify.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
