@@ -89,6 +89,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------------------------------
 # building blocks (vectors along the last dimension)
 # ----------------------------------------------------------------------------------------------------
+def current_dtype() -> torch.dtype:
+    """The dtype the formulas compute in now: float64, or computing_in's."""
+    return _compute_dtype
+
+
 def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     """x cast to the compute dtype, keeping the autograd graph so gradients reach leaves of any dtype."""
     return x.to(_compute_dtype)

@@ -203,6 +203,12 @@ def is_verified(backend: str, op: str, path: str, device: torch.device) -> bool:
     return _answers[key]
 
 
+def covers_every_path(backend: str, device: torch.device) -> bool:
+    """Whether every code path of every op the backend implements is verified on the CUDA `device` (then
+    backend="auto" computes everything there with it)."""
+    return all(is_verified(backend, op, path, device) for op, paths in paths_of(backend).items() for path in paths)
+
+
 def describe(backend: str, op: str, device: torch.device) -> str:
     """The identity a verification of `backend`'s `op` must match here, in words (for warnings)."""
     ident = _identities.get((backend, op, device.index)) or identity(backend, op, device)

@@ -45,6 +45,10 @@ SCORE_DTYPES = (torch.float32, torch.float64)  # ranking_loss takes scores in th
 REFERENCE_MAX_ELEMENTS = 2**26
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 @dataclass(frozen=True)
 class Case:
     """One check of an op's code path: `build(gen, dtype, device)` returns (leaves, arguments), where
@@ -120,7 +124,7 @@ def cases(sizes: str = "standard") -> list[Case]:
     the Triton interpreter; its dense cases, at width 64, take the dense scheme only where a test lowers the
     scheme's MIN_WIDTH)."""
     tiny = sizes == "tiny"
-    pairs = {"tiny": 6, "standard": 16384, "large": 262144}[sizes]
+    pairs = {"tiny": 6, "standard": 16384, "large": 131072}[sizes]
     rows = {"tiny": 24, "standard": 2048, "large": 8192}[sizes]
     d, wide = {"tiny": (32, 64), "standard": (768, 1024), "large": (768, 4096)}[sizes]
     dims = (8, 16, 32) if tiny else (64, 256, 768)
@@ -211,7 +215,7 @@ def run_checks(backend: str, device, case_list: list[Case], dtypes=DTYPES, deadl
             if case.path not in ops.backend.paths[case.op]:
                 continue
             result = {"backend": backend, "op": case.op, "path": case.path, "case": case.name,
-                      "dtype": str(dtype).replace("torch.", "")}
+                      "dtype": _dtype_name(dtype), "dtypes_required": [_dtype_name(d) for d in case.dtypes]}
             if deadline is not None and time.monotonic() > deadline:
                 result.update({"pass": None, "error": "not run: time limit"})
             else:
@@ -228,8 +232,11 @@ def run_checks(backend: str, device, case_list: list[Case], dtypes=DTYPES, deadl
 
 
 def outcomes(results: list[dict]) -> dict[tuple[str, str, str], str]:
-    """(backend, op, path) -> "passed" (every check ran and passed), "failed" (one failed), or "incomplete"."""
+    """(backend, op, path) -> "failed" (a check failed), "passed" (its checks ran and passed in every dtype its
+    cases require), or "incomplete" (checks left out, or dtypes not run: results of several runs, one per
+    dtype, can be merged before this is asked)."""
     found: dict = {}
+    ran: dict = {}
     for r in results:
         key = (r["backend"], r["op"], r["path"])
         state = "failed" if r["pass"] is False else "incomplete" if r["pass"] is None else "passed"
@@ -238,6 +245,13 @@ def outcomes(results: list[dict]) -> dict[tuple[str, str, str], str]:
                 state = worse
                 break
         found[key] = state
+        required, done = ran.setdefault(key, (set(), set()))
+        required.update(r.get("dtypes_required", ()))
+        if r["pass"] is True:
+            done.add(r["dtype"])
+    for key, (required, done) in ran.items():
+        if found[key] == "passed" and not required <= done:
+            found[key] = "incomplete"
     return found
 
 
@@ -298,6 +312,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("all", *verified.GPU_BACKENDS), default="all")
     parser.add_argument("--sizes", choices=("standard", "large"), default="standard")
+    parser.add_argument("--dtypes", default=",".join(_dtype_name(d) for d in DTYPES),
+                        help="comma-separated, in the order to check them (default: %(default)s); a path is "
+                             "recorded only when every dtype of its cases has run")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds; checks not started by then are "
                         "left out (their paths are neither recorded nor revoked)")
     parser.add_argument("--out", type=Path, default=None,
@@ -306,6 +323,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.time_limit is not None and not args.time_limit > 0:
         parser.error("--time-limit must be a positive number of seconds")
+    dtypes = []
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name.strip(), None)
+        if dtype not in DTYPES:
+            parser.error(f"--dtypes: {name.strip()!r} is not one of {', '.join(_dtype_name(d) for d in DTYPES)}")
+        dtypes.append(dtype)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to verify (the GPU backends run only on CUDA tensors; on CPU the test suite "
               "checks them through the Triton interpreter)")
@@ -326,7 +349,7 @@ def main(argv=None) -> int:
 
     done: list[dict] = []
     for backend in usable:
-        done += run_checks(backend, device, cases(args.sizes), deadline=deadline, on_result=on_result)
+        done += run_checks(backend, device, cases(args.sizes), dtypes, deadline=deadline, on_result=on_result)
     passed, failed = entries_from(done, lambda backend, op: verified.identity(backend, op, device),
                                   f"python -m angle_kernels.verify --sizes {args.sizes}")
     report.update(results=done, passed=passed, failed=failed)
@@ -334,7 +357,8 @@ def main(argv=None) -> int:
         _write_json(args.out, report)
     for state, made in (("passed", passed), ("FAILED", failed)):
         for e in made:
-            print(f"{state}: {e['backend']} {e['op']} {e['path']} on {e['gpu']} (sm_{e['capability'].replace('.', '')})")
+            sm = e["capability"].replace(".", "")
+            print(f"{state}: {e['backend']} {e['op']} {e['path']} on {e['gpu']} (sm_{sm})")
     for (backend, op, path), state in outcomes(done).items():
         if state == "incomplete":
             print(f"not verified (checks left out by the time limit): {backend} {op} {path}")

@@ -511,7 +511,7 @@ def main(argv=None) -> int:
                 checks[loss.name] = P.check_agreement(providers, loss, "cuda", dtype=torch.float32)
         limits = harness.measure_limits("cuda", args.dtypes)
 
-    primary = P.primary_ours(providers)
+    primary = P.primary_ours(providers, args.device)
     primary_name = primary.name if primary else (providers[0].name if providers else "?")
     env = harness.describe_environment(args.device)
     env["threads"] = args.threads if args.device == "cpu" else env["threads"]

@@ -1,46 +1,48 @@
 #!/usr/bin/env python
-"""The staged GPU run: correctness, speed and training of angle_kernels on one GPU, one stage per command.
+"""The GPU run: correctness, speed and training of angle_kernels on one lent GPU, one stage per command.
 
     python bench/gpu_suite.py STAGE OUT_DIR [options]   (bash scripts/gpu_check.sh STAGE OUT_DIR: the same,
                                                           with the console teed to OUT_DIR/console_<STAGE>.log)
-    python bench/gpu_suite.py summary DIR                gathers every stage_*.json under DIR into DIR/summary.md
+    python bench/gpu_suite.py summary DIR                gathers every stage record under DIR into DIR/summary.md
 
-Why stages. GPU time is lent in blocks of about 30 minutes, one command runs at most 10 minutes, and the
-first contact with a GPU costs compile and autotune time that nothing on a CPU shows. So the run is cut into
-stages that each fit one command with room to spare. Every stage has a time budget, counted from the start
-of the process, that it stops itself inside: what does not fit is recorded as skipped, not lost in a kill.
-Every stage writes its results into OUT_DIR as it goes: stage_<x>.json and stage_<x>.md after every step,
-and each subprocess's output line by line into its own log, so a stage killed from outside keeps what it did.
+Why stages. A session that gets a GPU gets 15 minutes of device time in all (the machine's start, every
+command, the transfers and any idle time), and one command runs at most 10 minutes (shared/docs/gpu-machine.md).
+So the first command must prove as much as it can in 8 minutes and leave time for a rerun; the speed and
+training measurements are commands of their own, for later GPU time. Every step of a stage has its own time
+limit, counted as a schedule from the start of the process (a step that ends early leaves its time to the
+next), and stops itself inside it; what does not fit is recorded as left out, not lost in a kill.
 
-    stage  budget  what
-    a      360 s   environment; large-size checks of the Triton ops against tests/oracle.py's float64
-                   formulas (similarity first: the half-precision evidence); `pytest tests/ops -k "not cuda"
-                   tests/test_triton_compile.py` with the real compiler (the interpreter is off on a CUDA
-                   machine)
-    b      300 s   the CUDA extension: `setup.py build_ext --inplace` for this GPU's architecture
-                   (cuda_build.log), leaving angle_kernels/_C*.so for every later process, then
-                   `pytest tests/ops tests/integrations/test_compile.py -k cuda`
-    c      300 s   hardware limits (device copy, matmul rates), then the op sweep (every family's OPS):
-                   Triton and torch backends (the full-width similarity_xent on both Triton schemes, forced:
-                   triton-fused and triton-dense), then the CUDA backend if stage b's extension passes a probe;
-                   achieved bandwidth or matmul fraction, for the FLOPs the maths needs and the FLOPs each
-                   backend executes
-    d      300 s   loss sweep side by side (bench_losses.py, every loss): ours, angle-emb 0.6.1 (its loss.py
-                   from the carried wheel, .whl/angle_emb-0.6.1-py3-none-any.whl by default),
-                   sentence-transformers, and eager PyTorch for the ArcCSE losses
-    e      540 s   the 7B LoRA training benchmark (bench/train_llama_7b.py), resumable: run it again with
-                   --resume-from the previous results until it prints that it is done
-    all            a, b, c, d, e in turn, each with its own budget (for a GPU without a 10-minute limit)
+What comes back from the machine is what lies under OUT_DIR, at most 8 files: so everything a stage writes goes
+to a work folder, packed into OUT_DIR/<stage>.tar.gz after every step, beside OUT_DIR/<stage>.json and .md (the
+stage's record and its summary), OUT_DIR/verified.json (first: the verifications to add to
+angle_kernels.verified.VERIFIED) and the console log the shell script tees there. A command killed from outside
+keeps every step packed before the kill, and the console has the rest.
 
-Stages (a) to (d) (21 minutes of budget) and the machine's start (1-2 minutes) fit in 25 minutes on one H100;
-(e) takes a command of its own. Budgets are checked before each piece of work starts, with an estimate of its
-cost, so a stage ends near its budget, not exactly at it; one that finishes its work sooner ends sooner. The
-CUDA extension is never JIT-built by these stages (ANGLE_KERNELS_CUDA_JIT=0): stage b builds it in place and
-the others import it, so no process waits on a compile or a build lock. Where there is no CUDA device, every
-stage says so and exits 0 without doing anything (a dry run of the command line).
+    stage   limit   what
+    first   465 s   its steps, each with its own limit:
+                    preflight 35 s: imports, versions, tools; starts the CUDA extension's build in the background
+                    large_checks 165 s: the Triton backend's every op and code path at large sizes against float64
+                        (`python -m angle_kernels.verify --sizes large`, one process per dtype side by side: bf16,
+                        fp32, fp16, fp64); the paths that pass go to OUT_DIR/verified.json
+                    cuda_backend 100 s: waits for the build, probes it, its verify checks, `pytest tests/ops -k cuda`
+                    triton_tests 125 s: the Triton backend's op tests and sm_90 compile check (`pytest -v`, xdist,
+                        a per-test timeout, one autotune config except where a test exercises autotuning)
+                    headline 40 s: our MNRL drop-in on Triton vs sentence-transformers' MultipleNegativesRankingLoss
+                        vs our torch path, N = 16,384 pairs, D = 768, bf16, interleaved rounds
+    second  520 s   limits 40 s (copy bandwidth, bf16/fp32 matmul); op_sweep 200 s (bf16, Triton with both
+                    similarity_xent schemes, torch); loss_sweep 180 s (bf16: ours, angle-emb 0.6.1's loss.py from the
+                    carried wheel, sentence-transformers); cuda_op_sweep 100 s (if the extension, built in the
+                    background, passes its probe)
+    third   520 s   llama7b: the 7B LoRA training benchmark (bench/train_llama_7b.py), resumable: run it again
+                    with --resume-from the previous results until it prints that it is done
+
+Where there is no CUDA device, `first` runs its preflight and packs it (a rehearsal of the command line, the
+imports and the 8-file limit), then says "no CUDA device" and exits 0; the other stages say so at once. The
+CUDA extension is never JIT-built inside a step (ANGLE_KERNELS_CUDA_JIT=0): the stage builds it in place in the
+background (`setup.py build_ext --inplace`, this GPU's architecture), and its processes import it.
 
 Timing, memory, hardware limits, work floors and report files come from harness.py, the same code as the CPU
-sweep's; the error measure and the float64 reference are tests/oracle.py's.
+sweep's; the checks and their float64 reference are the package's own (angle_kernels.verify, .reference).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import importlib
 import importlib.util
 import json
 import os
@@ -55,26 +58,32 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 import traceback
 from pathlib import Path
 
-PROCESS_START = time.monotonic()  # budgets count from here: imports and CUDA start-up are part of a stage's time
+PROCESS_START = time.monotonic()  # limits count from here: imports and CUDA start-up are part of a stage's time
 
 import harness  # noqa: E402  (the import path: this checkout, tests/ for the oracle)
 from harness import REPO  # noqa: E402
 
 DEFAULT_ANGLE_EMB_WHEEL = REPO / ".whl" / "angle_emb-0.6.1-py3-none-any.whl"
+MAX_FILES = 8  # what comes back from the GPU machine: at most 8 files under OUT_DIR
+# What `first` must finish in on an H100 (its steps' limits, plus the process start and the packing)
+FIRST_WALL_S = 480
+PACKING_ALLOWANCE_S = 15
 
 
 # --------------------------------------------------------------------------------------------------------
-# Budgets, records and logged subprocesses
+# Limits, records, packing and logged subprocesses
 # --------------------------------------------------------------------------------------------------------
 
 
 class Deadline:
-    """The end of a stage's budget, counted from the start of the process."""
+    """The end of a time limit, counted from `start`."""
 
     def __init__(self, seconds: float, start: float = PROCESS_START):
         self.end = start + seconds
@@ -87,10 +96,15 @@ class Deadline:
 
 
 class StageRecord:
-    """OUT_DIR/stage_<x>.json and stage_<x>.md: the stage's steps, rewritten (atomically) after every step."""
+    """A stage's results: OUT/<stage>.json and .md (its steps, rewritten atomically after every step), the work
+    folder its steps write their logs and results into, and OUT/<stage>.tar.gz, that folder packed (`pack`,
+    after every step). `extra_files` are other files the stage writes into OUT (counted against MAX_FILES)."""
 
-    def __init__(self, out_dir: Path, stage: str, budget_s: float, argv: list[str], start: float = PROCESS_START):
+    def __init__(self, out_dir: Path, stage: str, budget_s: float, argv: list[str], start: float = PROCESS_START,
+                 work: Path | None = None):
         self.out_dir = out_dir
+        self.work = work or Path(tempfile.mkdtemp(prefix=f"angle_kernels_{stage}_"))
+        self.work.mkdir(parents=True, exist_ok=True)
         self.start = start
         self.data = {"stage": stage, "title": STAGES[stage].title, "budget_s": budget_s,
                      "command": " ".join(["python", "bench/gpu_suite.py", *argv]),
@@ -107,16 +121,31 @@ class StageRecord:
         self.data["status"] = status
         self.data["seconds"] = round(time.monotonic() - self.start, 1)
         self.save()
+        self.pack()
 
     def save(self) -> None:
         stage = self.data["stage"]
-        harness.write_json_atomic(self.out_dir / f"stage_{stage}.json", self.data)
-        harness.write_text_atomic(self.out_dir / f"stage_{stage}.md", render_stage(self.data) + "\n")
+        harness.write_json_atomic(self.out_dir / f"{stage}.json", self.data)
+        harness.write_text_atomic(self.out_dir / f"{stage}.md", render_stage(self.data) + "\n")
+
+    def pack(self) -> Path:
+        """The work folder as OUT/<stage>.tar.gz (written aside, then renamed: never half an archive)."""
+        archive = self.out_dir / f"{self.data['stage']}.tar.gz"
+        partial = archive.with_name(archive.name + ".partial")
+        with tarfile.open(partial, "w:gz") as tar:
+            tar.add(self.work, arcname=self.data["stage"])
+        os.replace(partial, archive)
+        files = [p for p in self.out_dir.rglob("*") if p.is_file()]
+        if len(files) > MAX_FILES:
+            raise RuntimeError(f"{len(files)} files under {self.out_dir}: only {MAX_FILES} come back from the GPU "
+                               "machine")
+        return archive
 
 
-def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = None) -> dict:
+def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = None, prefix: str = "") -> dict:
     """Run cmd from the repository root, copying its output line by line to log_path (flushed at every line)
-    and to this console; after timeout_s its whole process group is killed (pytest-xdist workers included).
+    and to this console (each line after `prefix`, for commands run side by side); after timeout_s its whole
+    process group is killed (pytest-xdist workers included).
     A command killed or crashing leaves its log behind. Returns returncode, timed_out, seconds, last line."""
     started = time.monotonic()
     timed_out = threading.Event()
@@ -125,8 +154,9 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         if timeout_s <= 0:
-            log.write("not started: no time left in the stage's budget\n")
-            return {"returncode": None, "timed_out": True, "seconds": 0.0, "last_line": "not started (budget)"}
+            log.write("not started: no time left in the step's limit\n")
+            return {"returncode": None, "timed_out": True, "seconds": 0.0, "last_line": "not started (time limit)",
+                    "log": log_path.name}
         # errors="replace": one undecodable byte from a compiler must not stop the copying (and the supervision).
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 errors="replace", bufsize=1, start_new_session=True)
@@ -147,7 +177,7 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
             for line in proc.stdout:
                 log.write(line)
                 log.flush()
-                sys.stdout.write(line)
+                sys.stdout.write(prefix + line)
                 sys.stdout.flush()
                 if line.strip():
                     last = line.strip()
@@ -157,9 +187,10 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
             if proc.poll() is None:  # this process is being stopped (an exception, Ctrl-C): take the child along
                 kill_group()
         if timed_out.is_set():
-            log.write(f"\nkilled after {timeout_s:.0f} s (the stage's budget)\n")
+            log.write(f"\nkilled after {timeout_s:.0f} s (the step's limit)\n")
     return {"returncode": proc.returncode, "timed_out": timed_out.is_set(),
             "seconds": round(time.monotonic() - started, 1), "last_line": last, "log": log_path.name}
+
 
 
 def subprocess_env(**extra: str) -> dict:
@@ -174,29 +205,50 @@ def subprocess_env(**extra: str) -> dict:
     return env
 
 
-# What the test stages run: the op tests of every backend but the CUDA one, and the compile check of every Triton
-# kernel (stage a); then the CUDA backend's op tests once stage b has built the extension. The op tests'
-# backend ids are exactly "torch", "triton" and "cuda", so -k selects by backend.
+# What the test steps run: the op tests of every backend but the CUDA one's, and the compile check of every Triton
+# kernel (first, triton_tests); the CUDA backend's op tests once the extension is built (first, cuda_backend).
+# The op tests' backend ids are exactly "torch", "triton" and "cuda", so -k selects by backend.
 PYTEST_TRITON = ["tests/ops", "-k", "not cuda", "tests/test_triton_compile.py"]
-PYTEST_CUDA = ["tests/ops", "tests/integrations/test_compile.py", "-k", "cuda"]
+PYTEST_CUDA = ["tests/ops", "-k", "cuda"]
+PER_TEST_TIMEOUT_S = 90
 
 
 def run_pytest(pytest_args: list[str], log_path: Path, timeout_s: float, workers: int) -> dict:
-    """pytest with `pytest_args` and the real compiler, in parallel workers when pytest-xdist is installed (the
-    first GPU run is dominated by Triton compiles, which run in each worker's process)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--durations=15"]
+    """pytest with `pytest_args` and the real compiler: -v, so every result is in the log as it happens (a run cut
+    at its limit still says which tests passed and failed), in parallel workers when pytest-xdist is installed
+    (the first GPU run is dominated by Triton compiles, which run in each worker's process), a per-test timeout
+    when pytest-timeout is, and one autotune config per kernel (ANGLE_KERNELS_AUTOTUNE=first: the tests that
+    exercise autotuning build their own autotuners over every config)."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", "--durations=15"]
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers)]
     if importlib.util.find_spec("pytest_timeout") is not None:
-        cmd += ["--timeout", "300"]
-    result = run_logged(cmd + pytest_args, log_path, timeout_s, subprocess_env())
+        cmd += ["--timeout", str(PER_TEST_TIMEOUT_S)]
+    result = run_logged(cmd + pytest_args, log_path, timeout_s, subprocess_env(ANGLE_KERNELS_AUTOTUNE="first"))
     result["status"] = "ok" if result["returncode"] == 0 else "timed out" if result["timed_out"] else "failed"
+    result["counts"] = pytest_counts(log_path)
     return result
+
+
+def pytest_counts(log_path: Path) -> dict:
+    """{"passed": n, "failed": n, ...} from a `pytest -v` log's per-test lines, and the failed tests' ids: what a
+    run cut at its limit did, which its final summary line (never printed) would have said."""
+    counts: dict = {}
+    failed = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        for outcome in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"):
+            if f" {outcome}" in line and "::" in line:
+                counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+                if outcome in ("FAILED", "ERROR"):
+                    failed.append(next(word for word in line.split() if "::" in word))
+                break
+    return {**counts, "failed_tests": failed[:50]}
 
 
 def guarded(record: StageRecord, name: str, fn) -> dict:
     """Run one step and record its result: fn's dict, with status "ok" unless fn says otherwise ("failed",
-    "timed out"); an exception becomes status "error" with its traceback, and the stage goes on."""
+    "timed out"); an exception becomes status "error" with its traceback, and the stage goes on. The work folder
+    is packed after the step."""
     print(f"\n=== {record.data['stage']}: {name} ({time.monotonic() - record.start:.0f} s into the stage) ===",
           flush=True)
     started = time.monotonic()
@@ -209,6 +261,7 @@ def guarded(record: StageRecord, name: str, fn) -> dict:
         print(result["traceback"], flush=True)
     result["seconds"] = round(time.monotonic() - started, 1)
     record.step(name, result)
+    record.pack()
     harness.free_cuda_memory()
     return result
 
@@ -223,164 +276,67 @@ def environment() -> dict:
     return env
 
 
-# --------------------------------------------------------------------------------------------------------
-# Stage a: Triton correctness on CUDA
-# --------------------------------------------------------------------------------------------------------
+class Schedule:
+    """The steps of a stage and their time limits, as a schedule from the stage's start: step k must end by the
+    sum of the limits of steps 0..k, so a step that ends early leaves its time to the next one."""
 
+    def __init__(self, steps: tuple[tuple[str, float], ...], start: float):
+        self.start = start
+        self.ends, total = {}, 0.0
+        for name, limit in steps:
+            total += limit
+            self.ends[name] = total
 
-# Stage a's split of its budget: the large-size checks first, inside this many seconds (similarity first),
-# then pytest with the rest (its xdist workers compile in parallel).
-LARGE_CHECKS_SECONDS = 180
-
-
-def stage_a(args, record: StageRecord, deadline: Deadline) -> None:
-    guarded(record, "environment", environment)
-    checks_deadline = Deadline(min(LARGE_CHECKS_SECONDS, deadline.left() - 120), time.monotonic())
-    guarded(record, "large_checks", lambda: large_checks(record, checks_deadline))
-    guarded(record, "pytest_triton", lambda: run_pytest(PYTEST_TRITON, record.out_dir / "pytest_triton.log",
-                                                        deadline.left() - 5, args.workers))
-
-
-# The sizes of the large-size checks: beyond the interpreter's reach, within a few seconds each on one GPU.
-LARGE_CHECKS = {
-    "pair_scores": [(262144, 2, 768), (16384, 3, 4096)],  # (groups, K, D): zigzag pairs and format C triplets
-    "ranking": [3000, 2_000_000],  # the tiled path (N <= 4096) and the sort path
-    "similarity": [  # (name, M, Mc or None for c = q, D, options, with group_ids and row weights)
-        # D = 768 runs triton's fused kernels, D >= 1024 its dense scheme (similarity_xent_dense.takes)
-        ("ibn M=8192 D=768", 8192, None, 768, dict(target="partner", exclude_diagonal=True), True),
-        ("ibn M=8192 D=4096", 8192, None, 4096, dict(target="partner", exclude_diagonal=True), True),
-        ("contrastive M=4096 Mc=8192 D=1024", 4096, 8192, 1024, dict(target="diagonal"), False),
-        ("arccon M=4096 D=4096", 4096, 4096, 4096, dict(target="diagonal", margin=0.1745), False),
-    ],
-}
-
-# The oracle builds the full N x N matrix of the ranking term: up to this many elements it is the reference;
-# beyond (the sort path, N > 4096), the torch backend in float64 stands in, itself checked
-# against the oracle by the op tests.
-ORACLE_MAX_ELEMENTS = 2**24
-
-
-def large_checks(record: StageRecord, deadline: Deadline, sizes: dict = LARGE_CHECKS, device: str = "cuda",
-                 backend: str = "triton") -> dict:
-    """Every op of `backend` at sizes the interpreter cannot reach, against tests/oracle.py's float64 formulas,
-    and the half-precision rule for the similarity losses (our error against float64 at most 2x eager
-    PyTorch's own in the same dtype, eager being the oracle's formulas computing in that dtype). Each check is
-    recorded as it finishes; one whose estimated cost does not fit in the budget is skipped. Order: the
-    ranking term (cheap; the sort path's block carries exist only at large N), the similarity losses (the
-    half-precision evidence; their compiles and autotuning take most of the time), then the pair scores.
-    (sizes and device are parameters so that the test suite can run the same code at tiny sizes through the
-    interpreter.)"""
-    import oracle
-    import torch
-
-    from angle_kernels.dispatch import resolve_backend
-
-    ours = resolve_backend(backend, torch.zeros(1, device=device))
-    torch_backend = resolve_backend("torch", torch.zeros(1, device=device))
-    checks: dict = {}
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def record_check(name, errors, against, tolerance=None, rule=None):
-        if rule is None:
-            passed = max(errors.values()) <= tolerance
-        else:
-            passed = all(error <= 2 * eager for error, eager in errors.values())
-        checks[name] = {"errors": errors, "against": against, "tolerance": tolerance, "rule": rule, "pass": passed}
-        record.step("large_checks", {"status": "running", "checks": checks})
-        shown = ", ".join(f"{k} {v:.1e}" if rule is None else f"{k} {v[0]:.1e}/{v[1]:.1e}" for k, v in errors.items())
-        print(f"  {name:<48} {shown}  {'ok' if passed else 'FAIL'}", flush=True)
-
-    def fits(name, seconds):
-        if deadline.fits(seconds):
-            return True
-        checks[name] = {"skipped": f"needs ~{seconds:.0f} s, {deadline.left():.0f} s left in the budget"}
-        print(f"  {name:<48} skipped (budget)", flush=True)
-        return False
-
-    for n in sizes["ranking"]:
-        reference, against = (oracle, "oracle") if n * n <= ORACLE_MAX_ELEMENTS else (torch_backend, "torch float64")
-        for dtype in (torch.float64, torch.float32):
-            name = f"ranking {harness.dtype_name(dtype)} N={n}"
-            if not fits(name, 10):
-                continue
-            scores = 20 * torch.randn(n, device=device, dtype=torch.float64, generator=gen)
-            labels = torch.randint(0, 6, (n,), device=device, generator=gen)
-            ours_leaf = scores.to(dtype).requires_grad_()
-            ours_loss = ours.ranking_loss(ours_leaf, labels)
-            ours_loss.backward()
-            ref_leaf = scores.to(dtype).double().requires_grad_()  # float64 on the same rounded scores
-            ref_loss = reference.ranking_loss(ref_leaf, labels)
-            ref_loss.backward()
-            record_check(name, {"loss": oracle.rel_err(ours_loss, ref_loss),
-                                "grad": oracle.rel_err(ours_leaf.grad, ref_leaf.grad)},
-                         against, 1e-10 if dtype == torch.float64 else 1e-5)
-    harness.free_cuda_memory()
-
-    for name, m, mc, d, options, with_groups in sizes["similarity"]:
-        # The first call of each dtype compiles and autotunes three configs of three kernels (the bulk of the time).
-        if not fits(f"similarity fp64 {name}", 45):
-            continue
-        q = torch.randn(m, d, device=device, dtype=torch.float64, generator=gen)
-        c = None if mc is None else torch.randn(mc, d, device=device, dtype=torch.float64, generator=gen)
-        kwargs = dict(options)
-        if with_groups:
-            kwargs["group_ids"] = torch.randint(0, m // 2, (m,), device=device, generator=gen)
-            kwargs["row_weights"] = (torch.rand(m, device=device, generator=gen) > 0.2).double()
-
-        def run(ops, q, c):
-            """(loss, dq, dc) of ops.similarity_xent on fresh leaves: q and c's gradients come back in their dtype."""
-            q_leaf = q.clone().requires_grad_()
-            c_leaf = None if c is None else c.clone().requires_grad_()
-            loss = ops.similarity_xent(q_leaf, c_leaf, 20.0, **kwargs)
-            loss.backward()
-            return loss.detach(), q_leaf.grad, None if c is None else c_leaf.grad
-
-        def errors_of(result, reference):
-            parts = ("loss", "dq") if c is None else ("loss", "dq", "dc")
-            return {part: oracle.rel_err(got, ref) for part, got, ref in zip(parts, result, reference)}
-
-        record_check(f"similarity fp64 {name}", errors_of(run(ours, q, c), run(oracle, q, c)), "oracle", 1e-9)
-        for half in (torch.bfloat16, torch.float16):
-            qh, ch = q.to(half), None if c is None else c.to(half)
-            # float64 leaves holding the same rounded inputs: the reference's gradients stay float64
-            ref = run(oracle, qh.double(), None if ch is None else ch.double())
-            with oracle.computing_in(half):
-                eager = errors_of(run(oracle, qh, ch), ref)
-            ours_errors = errors_of(run(ours, qh, ch), ref)
-            record_check(f"similarity {harness.dtype_name(half)} {name}",
-                         {part: (ours_errors[part], eager[part]) for part in ours_errors}, "oracle",
-                         rule="ours <= 2 x eager (vs float64)")
-        del q, c
-        harness.free_cuda_memory()
-
-    for groups, k, d in sizes["pair_scores"]:
-        name = f"pair_scores fp64 G={groups} K={k} D={d}"
-        if not fits(name, 10):
-            continue
-        x = torch.randn(groups, k, d, device=device, dtype=torch.float64, generator=gen)
-        weights = torch.randn(2, groups, k - 1, device=device, dtype=torch.float64, generator=gen)
-        outs = []
-        for ops in (ours, oracle):
-            leaf = x.clone().requires_grad_()
-            cos, angle = ops.pair_scores(leaf, True)
-            ((cos * weights[0]).sum() + (angle * weights[1]).sum()).backward()
-            outs.append((cos.detach(), angle.detach(), leaf.grad))
-        errors = {part: oracle.rel_err(got, ref) for part, got, ref in zip(("cos", "angle", "dx"), *outs)}
-        record_check(name, errors, "oracle", 1e-10)
-        del x, outs
-        harness.free_cuda_memory()
-
-    failed = [name for name, check in checks.items() if check.get("pass") is False]
-    return {"status": "failed" if failed else "ok", "checks": checks, "failed": failed}
+    def deadline(self, step: str) -> Deadline:
+        return Deadline(self.ends[step], self.start)
 
 
 # --------------------------------------------------------------------------------------------------------
-# Stage b: the CUDA extension
+# The CUDA extension, built in the background
 # --------------------------------------------------------------------------------------------------------
 
-# What stage b runs once the extension is built: the three ops through backend="cuda" on tiny inputs, against
+
+class BackgroundBuild:
+    """`setup.py build_ext --inplace` for this GPU's architecture, started now, logged to cuda_build.log in the
+    work folder: angle_kernels/_C*.so (git-ignored) stays in the checkout for every later process (no JIT build,
+    no ninja, no build lock)."""
+
+    def __init__(self, work: Path):
+        import torch
+
+        self.log_path = work / "cuda_build.log"
+        env = subprocess_env(ANGLE_KERNELS_BUILD_CUDA="1", MAX_JOBS=str(os.cpu_count() or 4))
+        env.setdefault("TORCH_CUDA_ARCH_LIST", ".".join(map(str, torch.cuda.get_device_capability(0))))
+        if cuda_home():
+            env["CUDA_HOME"] = cuda_home()
+        self.arch_list = env["TORCH_CUDA_ARCH_LIST"]
+        self.started = time.monotonic()
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=REPO, env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, deadline: Deadline) -> dict:
+        """The build's outcome, waiting for it until the deadline (then it is killed); raises unless it built."""
+        try:
+            returncode = self.proc.wait(timeout=max(0.0, deadline.left()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            returncode = None
+        self.log.close()
+        seconds = round(time.monotonic() - self.started, 1)
+        lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        result = {"returncode": returncode, "seconds": seconds, "arch_list": self.arch_list,
+                  "last_line": lines[-1] if lines else "", "log": self.log_path.name}
+        if returncode != 0:
+            why = "did not finish in time" if returncode is None else f"failed: {result['last_line']}"
+            raise RuntimeError(f"setup.py build_ext {why} (cuda_build.log)")
+        return result
+
+
+# What runs once the extension is built: the three ops through backend="cuda" on tiny inputs, against
 # the torch backend. It runs in a subprocess, so a CUDA error in a kernel that has never run before cannot take
-# the stage's own process (and its records) down with it; stages c and d use the CUDA backend only if it passes.
+# the stage's own process (and its records) down with it; later steps use the CUDA backend only if it passes.
 _CUDA_PROBE = """
 import time, torch, angle_kernels as ak
 from angle_kernels.dispatch import resolve_backend
@@ -408,56 +364,217 @@ def cuda_home() -> str | None:
 
 def probe_cuda_backend(record: StageRecord, deadline: Deadline) -> dict:
     """Run _CUDA_PROBE in a subprocess; raises (the step records why) unless the CUDA backend works."""
-    result = run_logged([sys.executable, "-c", _CUDA_PROBE], record.out_dir / "cuda_probe.log",
-                        min(120.0, deadline.left() - 10), subprocess_env())
+    result = run_logged([sys.executable, "-c", _CUDA_PROBE], record.work / "cuda_probe.log",
+                        min(60.0, deadline.left() - 5), subprocess_env())
     if result["returncode"] != 0:
         raise RuntimeError(f"the CUDA backend does not run: {result['last_line']} (cuda_probe.log)")
     return result
 
 
-def stage_b(args, record: StageRecord, deadline: Deadline) -> None:
+# --------------------------------------------------------------------------------------------------------
+# first: correctness in 8 minutes, and one headline number
+# --------------------------------------------------------------------------------------------------------
+
+FIRST_STEPS = (("preflight", 35), ("large_checks", 165), ("cuda_backend", 100), ("triton_tests", 125),
+               ("headline", 40))
+# The modules the steps import (in this process or their subprocesses): a missing one is found in the first
+# seconds, not in the step that needs it. Optional ones only speed a step up or bound it.
+PREFLIGHT_MODULES = ("torch", "triton", "numpy", "angle_kernels", "angle_kernels.reference", "angle_kernels.verify",
+                     "angle_kernels.integrations.sentence_transformers", "sentence_transformers", "transformers",
+                     "pytest", "hypothesis", "scipy", "matplotlib", "bench_losses", "providers")
+OPTIONAL_MODULES = ("xdist", "pytest_timeout")
+VERIFY_DTYPES = ("bfloat16", "float32", "float16", "float64")  # one process each, side by side
+
+
+def preflight(record: StageRecord, on_gpu: bool) -> dict:
+    """Import every module the steps need and say which versions and tools are here; on a GPU, start the CUDA
+    extension's build in the background (record.build)."""
+    modules, missing = {}, []
+    for name in PREFLIGHT_MODULES + OPTIONAL_MODULES:
+        try:
+            module = importlib.import_module(name)
+            modules[name] = str(getattr(module, "__version__", "imported"))
+        except Exception as exc:  # noqa: BLE001 (a missing module is what this step reports)
+            modules[name] = f"MISSING: {type(exc).__name__}: {exc}"[:200]
+            if name not in OPTIONAL_MODULES:
+                missing.append(name)
+    import setuptools
+
+    nvcc = (Path(cuda_home()) / "bin" / "nvcc") if cuda_home() else shutil.which("nvcc")
+    tools = {"nvcc": str(nvcc) if nvcc and Path(nvcc).exists() else None, "ninja": shutil.which("ninja"),
+             "setuptools": setuptools.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    for name, value in {**modules, **tools}.items():
+        print(f"  {name:<48} {value}", flush=True)
+    result = {"modules": modules, "tools": tools, "missing": missing}
+    if on_gpu:
+        result["environment"] = environment()
+        if tools["nvcc"]:
+            record.build = BackgroundBuild(record.work)
+            result["cuda_build"] = f"started for TORCH_CUDA_ARCH_LIST={record.build.arch_list}"
+        else:
+            result["cuda_build"] = "not started: nvcc not found (CUDA_HOME, /usr/local/cuda, PATH)"
+    harness.write_json_atomic(record.work / "preflight.json", result)
+    if missing:
+        result.update(status="failed", error=f"missing: {', '.join(missing)}")
+    return result
+
+
+def run_side_by_side(commands: dict[str, tuple[list[str], Path]], timeout_s: float, env: dict) -> dict:
+    """run_logged for every (cmd, log) of `commands` at once, each line of the console after its name."""
+    results: dict = {}
+    threads = [threading.Thread(target=lambda name=name, cmd=cmd, log=log: results.__setitem__(
+        name, run_logged(cmd, log, timeout_s, env, prefix=f"[{name}] "))) for name, (cmd, log) in commands.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def verify_side_by_side(record: StageRecord, deadline: Deadline, backend: str,
+                        groups: dict[str, str] | None = None, sizes: str = "large") -> dict:
+    """`python -m angle_kernels.verify` for `backend` at `sizes`, one process per group of dtypes (name ->
+    comma-separated dtypes; default one per dtype) side by side: each compiles and autotunes its own kernels, and
+    the compiles, not the GPU, take the time. Their results merged: the checks, each code path's outcome
+    ("passed" only once every dtype ran and passed), the failed paths."""
+    from angle_kernels import verify
+
+    groups = groups or {dtype: dtype for dtype in VERIFY_DTYPES}
+    commands, outputs = {}, []
+    for name, dtypes in groups.items():
+        out = record.work / f"verify_{backend}_{name}.json"
+        cmd = [sys.executable, "-m", "angle_kernels.verify", "--backend", backend, "--sizes", sizes, "--dtypes",
+               dtypes, "--time-limit", f"{max(1.0, deadline.left() - 20):.0f}", "--out", str(out), "--no-record"]
+        commands[name] = (cmd, record.work / f"verify_{backend}_{name}.log")
+        outputs.append(out)
+    runs = run_side_by_side(commands, deadline.left() - 5, subprocess_env())
+    results = []
+    for out in outputs:
+        if out.exists():
+            results += json.loads(out.read_text())["results"]
+    outcomes = {" ".join(key): state for key, state in verify.outcomes(results).items()}
+    failed = [key for key, state in outcomes.items() if state == "failed"]
+    return {"status": "failed" if failed else "ok", "checks": [_compact_check(r) for r in results],
+            "outcomes": outcomes, "failed": failed, "runs": {k: {n: v for n, v in r.items() if n != "log"}
+                                                             for k, r in runs.items()}}
+
+
+def _compact_check(r: dict) -> dict:
+    keep = ("backend", "op", "path", "dtype", "case", "pass", "error", "against", "seconds")
+    compact = {k: r[k] for k in keep if k in r}
+    for part in ("first", "second", "eager", "allowed"):
+        if r.get(part):
+            compact[part] = {k: float(f"{v:.3g}") for k, v in r[part].items()}
+    return compact
+
+
+def results_folder() -> str:
+    """<gpu>-<date>, the folder under bench/results/ this run's results are committed to (README)."""
+    import re
+
     import torch
 
-    guarded(record, "environment", environment)
-    arch = ".".join(map(str, torch.cuda.get_device_capability(0)))
-    build_env = subprocess_env(ANGLE_KERNELS_BUILD_CUDA="1", MAX_JOBS=str(os.cpu_count() or 4))
-    build_env.setdefault("TORCH_CUDA_ARCH_LIST", arch)  # this GPU only: half the compile time of "8.0;9.0"
-    if cuda_home():
-        build_env["CUDA_HOME"] = cuda_home()
-
-    def build():
-        # In place: angle_kernels/_C*.so (git-ignored) stays in the checkout, and every later process (the CUDA op
-        # tests' workers, stages c and d on the same machine) imports it: no JIT build, no ninja, no build lock.
-        cmd = [sys.executable, "setup.py", "build_ext", "--inplace"]
-        result = run_logged(cmd, record.out_dir / "cuda_build.log", min(240.0, deadline.left() - 60), build_env)
-        result.update(arch_list=build_env["TORCH_CUDA_ARCH_LIST"], cuda_home=build_env.get("CUDA_HOME"))
-        if result["returncode"] != 0:
-            raise RuntimeError(f"setup.py build_ext failed: {result['last_line']} (cuda_build.log)")
-        return result
-
-    if guarded(record, "cuda_build", build)["status"] != "ok":
-        return
-    if guarded(record, "cuda_probe", lambda: probe_cuda_backend(record, deadline))["status"] != "ok":
-        return
-    guarded(record, "pytest_cuda", lambda: run_pytest(PYTEST_CUDA, record.out_dir / "pytest_cuda.log",
-                                                      deadline.left() - 5, args.workers))
+    gpu = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower().replace("nvidia", "")).strip("-")
+    return f"{gpu}-{datetime.date.today().isoformat()}"
 
 
-# --------------------------------------------------------------------------------------------------------
-# Stage c: op sweep
-# --------------------------------------------------------------------------------------------------------
+def write_verifications(record: StageRecord, steps: tuple[str, ...], evidence: str) -> dict:
+    """OUT/verified.json: the verifications the named steps' checks make (passed, to add to
+    angle_kernels.verified.VERIFIED in the commit that brings these results; failed, to look into)."""
+    import torch
+
+    from angle_kernels import verified, verify
+
+    results = [c for step in steps for c in record.data["steps"].get(step, {}).get("checks", [])]
+    device = torch.device("cuda", 0)
+    passed, failed = verify.entries_from(results, lambda b, op: verified.identity(b, op, device), evidence)
+    payload = {"passed": passed, "failed": failed, "evidence": evidence,
+               "note": "add `passed` to angle_kernels/verified.py's VERIFIED in the commit that brings these results"}
+    harness.write_json_atomic(record.out_dir / "verified.json", payload)
+    return {"passed": len(passed), "failed": len(failed)}
 
 
-def stage_c(args, record: StageRecord, deadline: Deadline) -> None:
-    guarded(record, "environment", environment)
-    limits = guarded(record, "limits", lambda: harness.measure_limits("cuda", ["float32", "bfloat16"]))
-    if limits["status"] != "ok":
-        return
-    with_cuda = guarded(record, "cuda_probe", lambda: probe_cuda_backend(record, deadline))["status"] == "ok"
-    # The CUDA backend (never run on a GPU before its probe) gets a pass of its own after Triton and torch, so
-    # that a CUDA error in it, which loses the process's CUDA context, cannot cost the other rows.
-    passes = [("triton", "torch")] + ([("cuda",)] if with_cuda else [])
-    guarded(record, "op_sweep", lambda: op_sweep(record, deadline, limits, passes))
+def cuda_backend(record: StageRecord, deadline: Deadline, workers: int) -> dict:
+    """The CUDA backend: the background build (waited for until a minute before the step's end), a probe in a
+    subprocess, its verify checks (no autotuning: quick), then its op tests."""
+    build = getattr(record, "build", None)
+    if build is None:
+        raise RuntimeError("the CUDA extension's build was not started (see preflight)")
+    result = {"build": build.wait(Deadline(deadline.left() - 60, time.monotonic()))}
+    record.step("cuda_backend", {"status": "running", **result})
+    result["probe"] = probe_cuda_backend(record, deadline)
+    checks = verify_side_by_side(record, Deadline(min(30.0, deadline.left() - 25), time.monotonic()), "cuda",
+                                 {"all": ",".join(VERIFY_DTYPES)})
+    result.update(checks=checks["checks"], outcomes=checks["outcomes"], failed=checks["failed"])
+    record.step("cuda_backend", {"status": "running", **result})
+    result["pytest"] = run_pytest(PYTEST_CUDA, record.work / "pytest_cuda.log", deadline.left() - 3, workers)
+    failed = checks["failed"] or result["pytest"]["status"] != "ok"
+    return {**result, "status": "failed" if failed else "ok"}
+
+
+HEADLINE = dict(n=16384, d=768, dtype="bfloat16", rounds=5)
+
+
+def headline(device: str = "cuda", n: int = 16384, d: int = 768, dtype: str = "bfloat16", rounds: int = 5,
+             backends: tuple[str, ...] = ("triton", "torch"), out: Path | None = None) -> dict:
+    """Our MultipleNegativesRankingLoss drop-in (on each of `backends`) against sentence-transformers' own, on the
+    same n (anchor, positive) pairs of width d: forward + backward, interleaved over `rounds` (each contender
+    timed once per round, the device's way), the median of the rounds and their spread, the peak extra memory
+    (CUDA), and the agreement of the values and gradients with sentence-transformers'."""
+    import torch
+
+    import providers as P
+    from angle_kernels.integrations import sentence_transformers as ours
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    anchors = harness.random_embeddings(generator, n, d, harness.DTYPES[dtype], device)
+    positives = harness.random_embeddings(generator, n, d, harness.DTYPES[dtype], device)
+    leaves = [anchors, positives]
+    features = P.columns(anchors, positives)
+    contenders = {f"angle_kernels MNRL ({backend})": ours.MultipleNegativesRankingLoss(
+        P.PrecomputedEmbeddings(), scale=P.TAU, backend=backend) for backend in backends}
+    contenders["sentence-transformers MNRL"] = P.sentence_transformers_losses().MultipleNegativesRankingLoss(
+        P.PrecomputedEmbeddings(), scale=P.TAU)
+    runs = {name: (lambda loss=loss: loss(features, None)) for name, loss in contenders.items()}
+    rows: dict = {name: {"times_ms": []} for name in runs}
+    st = "sentence-transformers MNRL"
+    reference_value = harness.fwd_bwd(runs[st], leaves).detach().double()
+    reference_grads = [leaf.grad.double() for leaf in leaves]
+    for name, run in runs.items():  # warm-up (compiles, autotuning), agreement and memory
+        value = harness.fwd_bwd(run, leaves).detach().double()
+        rows[name]["value_rel_err"] = float((value - reference_value).abs() / reference_value.abs())
+        rows[name]["grad_rel_err"] = max(float((leaf.grad.double() - g).norm() / g.norm())
+                                         for leaf, g in zip(leaves, reference_grads))
+        if device == "cuda":
+            rows[name]["extra_MB"] = harness.cuda_warm_peak_extra_bytes(run, leaves)[1] / 1e6
+    for _ in range(rounds):
+        for name, run in runs.items():
+            timing = harness.time_run(device, lambda run=run: harness.fwd_bwd(run, leaves))
+            rows[name]["times_ms"].append(timing.median_s * 1e3)
+    for name, row in rows.items():
+        times = sorted(row["times_ms"])
+        row.update(median_ms=times[len(times) // 2], spread_ms=[times[0], times[-1]])
+    for name, row in rows.items():
+        row["speedup_vs_st"] = rows[st]["median_ms"] / row["median_ms"]
+    result = {"n": n, "d": d, "dtype": dtype, "rounds": rounds, "device": device, "rows": rows}
+    for name, row in rows.items():
+        memory = f", +{row['extra_MB']:.0f} MB" if "extra_MB" in row else ""
+        print(f"  {name:<36} {row['median_ms']:9.3f} ms (rounds {row['spread_ms'][0]:.3f}-{row['spread_ms'][1]:.3f})"
+              f"{memory}, {row['speedup_vs_st']:.2f}x sentence-transformers; vs it: value {row['value_rel_err']:.1e},"
+              f" grad {row['grad_rel_err']:.1e}", flush=True)
+    if out is not None:
+        harness.write_json_atomic(out, result)
+    return result
+
+
+def stage_first(args, record: StageRecord, schedule: Schedule) -> None:
+    guarded(record, "large_checks", lambda: verify_side_by_side(record, schedule.deadline("large_checks"), "triton"))
+    guarded(record, "cuda_backend", lambda: cuda_backend(record, schedule.deadline("cuda_backend"), args.workers))
+    guarded(record, "verifications", lambda: write_verifications(
+        record, ("large_checks", "cuda_backend"), f"bench/results/{results_folder()}/first"))
+    guarded(record, "triton_tests", lambda: run_pytest(PYTEST_TRITON, record.work / "pytest_triton.log",
+                                                       schedule.deadline("triton_tests").left() - 3, args.workers))
+    guarded(record, "headline", lambda: headline(out=record.work / "headline.json", **HEADLINE))
 
 
 def all_ops() -> list:
@@ -484,7 +601,8 @@ RUNS_PER_AUTOTUNED_CASE = 40
 MAX_RUN_SECONDS = 10.0
 
 
-def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, device: str = "cuda", ops=None) -> dict:
+def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, device: str = "cuda", ops=None,
+             step: str = "op_sweep") -> dict:
     """Every op forward + backward per backend: median time (warm), peak extra memory (warm run), achieved rate
     as a fraction of the limits measured in this run. `passes` are groups of backend names swept one group
     after the other; rows are recorded as they are measured, and the sweep stops at an error that loses the
@@ -523,7 +641,7 @@ def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, devi
                     if row["status"] == "ok":
                         last_seconds[(bench.name, d, dtype_name, backend)] = (n, row["run_s"])
                 rows.append(row)
-                record.step("op_sweep", {"status": "running", "rows": rows})
+                record.step(step, {"status": "running", "rows": rows})
                 print("  " + op_row_text(row), flush=True)
                 harness.free_cuda_memory()
                 if lost_cuda_context(row.get("note", "")):
@@ -586,51 +704,78 @@ def op_row_text(row: dict) -> str:
     return head + text
 
 
+
 # --------------------------------------------------------------------------------------------------------
-# Stage d: loss sweep
+# second: the hardware's limits, the op sweep and the loss sweep (bf16)
 # --------------------------------------------------------------------------------------------------------
 
+SECOND_STEPS = (("limits", 40), ("op_sweep", 200), ("loss_sweep", 180), ("cuda_op_sweep", 100))
+SWEEP_DTYPE = "bfloat16"
 
-def stage_d(args, record: StageRecord, deadline: Deadline) -> None:
+
+def bf16_ops() -> list:
+    """Every family's op benchmarks, in bf16 only (what training uses; float32 waits for more GPU time)."""
+    import dataclasses
+
+    return [dataclasses.replace(bench, dtypes=(SWEEP_DTYPE,)) for bench in all_ops()]
+
+
+def loss_sweep(record: StageRecord, deadline: Deadline, angle_emb_loss: str | None) -> dict:
+    """bench_losses.py over every loss, bf16, side by side: ours (Triton, torch), angle-emb 0.6.1's loss.py,
+    sentence-transformers, eager PyTorch for the ArcCSE losses."""
     import bench_losses
 
-    guarded(record, "environment", environment)
-    wheel = args.angle_emb_loss or (str(DEFAULT_ANGLE_EMB_WHEEL) if DEFAULT_ANGLE_EMB_WHEEL.exists() else None)
+    wheel = angle_emb_loss or (str(DEFAULT_ANGLE_EMB_WHEEL) if DEFAULT_ANGLE_EMB_WHEEL.exists() else None)
     if wheel is None:
-        print(f"no angle-emb wheel at {DEFAULT_ANGLE_EMB_WHEEL} and no --angle-emb-loss: the sweep runs without "
-              "the reference (see README, Running on a GPU)", flush=True)
-    # The CUDA backend joins only if it passes its probe (a CUDA error would lose this process's context).
-    with_cuda = guarded(record, "cuda_probe", lambda: probe_cuda_backend(record, deadline))["status"] == "ok"
-    ours = "ours" if with_cuda else "ours-triton,ours-torch"
-    # bf16 first (what training uses), then float32 with what is left of the budget. Every loss's small sizes
-    # come before any loss's large ones (bench_losses.size_schedule), so a budget cuts sizes, not losses.
-    for dtype, share in (("bfloat16", 0.6), ("float32", 1.0)):
-        def sweep(dtype=dtype, share=share):
-            budget = share * (deadline.left() - 20)  # 20 s for the plot and the last write
-            if budget <= 0:
-                raise RuntimeError("no time left in the stage's budget")
-            argv = ["--device", "cuda", "--out", str(record.out_dir / f"losses-{dtype}"), "--dtypes", dtype,
-                    "--losses", ",".join(bench_losses.LOSSES),
-                    "--providers", f"{ours},reference,sentence-transformers,eager",
-                    "--d", "768", "--n", "1024,16384,262144,1048576", "--n-quadratic", "1024,4096,16384",
-                    "--max-run-seconds", "5", "--max-ref-gb", "60", "--time-budget", f"{budget:.0f}"]
-            if wheel:
-                argv += ["--angle-emb-loss", wheel]
-            if bench_losses.main(argv) != 0:
-                raise RuntimeError("bench_losses.py failed")
-            return {"folder": f"losses-{dtype}", "argv": argv}
+        print(f"no angle-emb wheel at {DEFAULT_ANGLE_EMB_WHEEL} and no --angle-emb-loss: the sweep runs without the "
+              "reference (README, Running on a GPU)", flush=True)
+    budget = deadline.left() - 15  # for the plot and the last write
+    if budget <= 0:
+        raise RuntimeError("no time left in the step's limit")
+    folder = record.work / f"losses-{SWEEP_DTYPE}"
+    argv = ["--device", "cuda", "--out", str(folder), "--dtypes", SWEEP_DTYPE,
+            "--losses", ",".join(bench_losses.LOSSES),
+            "--providers", "ours-triton,ours-torch,reference,sentence-transformers,eager", "--d", "768",
+            "--n", "1024,16384,262144,1048576", "--n-quadratic", "1024,4096,16384", "--max-run-seconds", "5",
+            "--max-ref-gb", "60", "--time-budget", f"{budget:.0f}"]
+    if wheel:
+        argv += ["--angle-emb-loss", wheel]
+    if bench_losses.main(argv) != 0:
+        raise RuntimeError("bench_losses.py failed")
+    return {"folder": folder.name, "argv": argv}
 
-        guarded(record, f"losses_{dtype}", sweep)
+
+def stage_second(args, record: StageRecord, schedule: Schedule) -> None:
+    limits = guarded(record, "limits", lambda: harness.measure_limits("cuda", ["float32", SWEEP_DTYPE]))
+    if limits["status"] != "ok":
+        return
+    guarded(record, "op_sweep", lambda: op_sweep(record, schedule.deadline("op_sweep"), limits, [("triton", "torch")],
+                                                 ops=bf16_ops()))
+    guarded(record, "loss_sweep", lambda: loss_sweep(record, schedule.deadline("loss_sweep"), args.angle_emb_loss))
+
+    def cuda_sweep():
+        deadline = schedule.deadline("cuda_op_sweep")
+        build = getattr(record, "build", None)
+        if build is None:
+            raise RuntimeError("the CUDA extension's build was not started (see preflight)")
+        built = build.wait(Deadline(deadline.left() - 60, time.monotonic()))
+        probe_cuda_backend(record, deadline)
+        # the CUDA backend gets a pass of its own: a CUDA error in it loses the process's context, not the rows above
+        return {"build": built, **op_sweep(record, deadline, limits, [("cuda",)], ops=bf16_ops(), step="cuda_op_sweep")}
+
+    guarded(record, "cuda_op_sweep", cuda_sweep)
 
 
 # --------------------------------------------------------------------------------------------------------
-# Stage e: 7B LoRA training
+# third: 7B LoRA training
 # --------------------------------------------------------------------------------------------------------
 
+THIRD_STEPS = (("llama7b", 520),)
 
-def stage_e(args, record: StageRecord, deadline: Deadline) -> None:
-    guarded(record, "environment", environment)
-    out = record.out_dir / "llama7b"
+
+def stage_third(args, record: StageRecord, schedule: Schedule) -> None:
+    out = record.work / "llama7b"
+    deadline = schedule.deadline("llama7b")
 
     def resume():
         source = Path(args.resume_from)
@@ -648,7 +793,7 @@ def stage_e(args, record: StageRecord, deadline: Deadline) -> None:
         # that overruns its estimate, and still leaves every setting saved before it.
         budget = deadline.left() - 20
         cmd = [sys.executable, "bench/train_llama_7b.py", "--out", str(out), "--time-budget", f"{budget:.0f}"]
-        result = run_logged(cmd, record.out_dir / "llama7b.log", budget + 10, subprocess_env())
+        result = run_logged(cmd, record.work / "llama7b.log", budget + 10, subprocess_env())
         if result["returncode"] != 0:
             raise RuntimeError(f"train_llama_7b.py failed: {result['last_line']} (llama7b.log)")
         # The script exits 0 whether it finished or stopped inside its budget; its results say which.
@@ -656,8 +801,8 @@ def stage_e(args, record: StageRecord, deadline: Deadline) -> None:
         result["left"] = results.get("left", [])
         result["done"] = not result["left"]
         print("7B benchmark: " + ("done" if result["done"] else
-                                  f"settings left ({', '.join(result['left'])}): run stage e again with "
-                                  f"--resume-from {record.out_dir}"), flush=True)
+                                  f"settings left ({', '.join(result['left'])}): run stage third again with "
+                                  "--resume-from the committed third/ folder"), flush=True)
         return result
 
     guarded(record, "llama7b", train)
@@ -669,51 +814,69 @@ def stage_e(args, record: StageRecord, deadline: Deadline) -> None:
 
 
 class Stage:
-    def __init__(self, title: str, budget_s: float, run):
-        self.title, self.budget_s, self.run = title, budget_s, run
+    def __init__(self, title: str, steps: tuple[tuple[str, float], ...], run, needs_build: bool):
+        self.title, self.steps, self.run, self.needs_build = title, steps, run, needs_build
+        self.budget_s = sum(limit for _, limit in steps)
 
 
 STAGES = {
-    "a": Stage("environment, large-size checks, op tests of the torch and Triton backends on CUDA", 360, stage_a),
-    "b": Stage("CUDA extension build, op tests of the CUDA backend", 300, stage_b),
-    "c": Stage("hardware limits and op sweep", 300, stage_c),
-    "d": Stage("loss sweep against angle-emb, sentence-transformers and eager PyTorch", 300, stage_d),
-    "e": Stage("7B LoRA training benchmark (resumable)", 540, stage_e),
+    "first": Stage("preflight, large-size checks against float64, both GPU backends' op tests, the MNRL headline",
+                   FIRST_STEPS, stage_first, needs_build=True),
+    "second": Stage("hardware limits, op sweep and loss sweep (bf16)", (("preflight", 0),) + SECOND_STEPS,
+                    stage_second, needs_build=True),
+    "third": Stage("7B LoRA training benchmark (resumable)", (("preflight", 0),) + THIRD_STEPS, stage_third,
+                   needs_build=False),
 }
 
 
+def _format_check(check: dict) -> list:
+    head = [check["backend"], check["op"], check["path"], check["dtype"], check["case"]]
+    if check.get("error") or "first" not in check:
+        state = "FAIL" if check.get("pass") is False else "pass" if check.get("pass") else "left out"
+        return head + [state, check.get("error", "")[:120]]
+    first, allowed = check["first"], check["allowed"]
+    return head + ["pass" if check["pass"] else "FAIL",
+                   f"value {first['value']:.1e} / {allowed['value']:.1e}, grad {first['grad']:.1e} / "
+                   f"{allowed['grad']:.1e} ({check['against']})"]
+
+
 def render_stage(data: dict) -> str:
-    """One stage's results as markdown: its steps, then the checks and op rows when it has them."""
+    """One stage's results as markdown: its steps, then its checks, headline and op rows where it has them."""
     lines = [f"# Stage {data['stage']}: {data['title']}", "",
-             f"- command: `{data['command']}`; started {data['started_utc']} UTC; budget {data['budget_s']:.0f} s; "
+             f"- command: `{data['command']}`; started {data['started_utc']} UTC; limit {data['budget_s']:.0f} s; "
              f"status {data['status']}" + (f" after {data['seconds']} s" if "seconds" in data else ""), ""]
-    env = data["steps"].get("environment", {})
+    env = data["steps"].get("preflight", {}).get("environment") or data["steps"].get("environment", {})
     if env.get("gpu"):
         lines += [f"- {env['gpu']} (sm_{env.get('capability', '?').replace('.', '')}), driver {env.get('driver')}, "
                   f"CUDA {env.get('cuda')}, torch {env.get('torch')}, triton {env.get('triton')}", ""]
     step_rows = []
     for name, step in data["steps"].items():
-        if name == "environment":
-            continue
         note = step.get("error") or step.get("last_line") or ""
         if step.get("failed"):
-            note = f"failed: {', '.join(step['failed'])}"
-        step_rows.append([name, step.get("status"), step.get("seconds", ""), str(note)[:160]])
+            note = f"failed: {', '.join(map(str, step['failed']))}"
+        counts = step.get("counts") or step.get("pytest", {}).get("counts")
+        if counts:
+            tally = ", ".join(f"{v} {k}" for k, v in counts.items() if k != "failed_tests")
+            note = tally + (f"; {note}" if note else "")
+        step_rows.append([name, step.get("status"), step.get("seconds", ""), str(note)[:200]])
     lines += harness.markdown_table(["step", "status", "seconds", "note"], step_rows)
-    checks = data["steps"].get("large_checks", {}).get("checks")
+    checks = [c for step in data["steps"].values() for c in step.get("checks", []) if isinstance(c, dict)]
     if checks:
-        check_rows = []
-        for name, check in checks.items():
-            if "skipped" in check:
-                check_rows.append([name, "skipped", "", check["skipped"]])
-                continue
-            errors = ", ".join(f"{k} {v:.1e}" if not isinstance(v, (list, tuple)) else f"{k} {v[0]:.1e} / {v[1]:.1e}"
-                               for k, v in check["errors"].items())
-            limit = f" (tol {check['tolerance']:.0e})" if check.get("tolerance") else f" ({check.get('rule')})"
-            check_rows.append([name, "pass" if check["pass"] else "FAIL", check["against"], errors + limit])
         lines += ["", *harness.markdown_table(
-            ["large-size check", "result", "against", "errors (ours / eager for the 2x rule)"], check_rows)]
-    rows = data["steps"].get("op_sweep", {}).get("rows")
+            ["backend", "op", "path", "dtype", "case", "result", "error / allowed (against float64)"],
+            [_format_check(c) for c in checks])]
+    outcomes = {k: v for step in data["steps"].values() for k, v in step.get("outcomes", {}).items()}
+    if outcomes:
+        lines += ["", *harness.markdown_table(["code path", "verification"], [[k, v] for k, v in outcomes.items()])]
+    top = data["steps"].get("headline", {})
+    if top.get("rows"):
+        lines += ["", f"Headline: N = {top['n']:,} pairs, D = {top['d']}, {top['dtype']}, median of {top['rounds']} "
+                  "interleaved rounds", "", *harness.markdown_table(
+                      ["contender", "ms", "rounds' spread", "extra MB", "vs sentence-transformers", "value / grad err"],
+                      [[name, f"{r['median_ms']:.3f}", f"{r['spread_ms'][0]:.3f}-{r['spread_ms'][1]:.3f}",
+                        f"{r['extra_MB']:.0f}" if "extra_MB" in r else "", f"{r['speedup_vs_st']:.2f}x",
+                        f"{r['value_rel_err']:.1e} / {r['grad_rel_err']:.1e}"] for name, r in top["rows"].items()])]
+    rows = [r for name in ("op_sweep", "cuda_op_sweep") for r in data["steps"].get(name, {}).get("rows", [])]
     if rows:
         op_rows = []
         for r in rows:
@@ -733,17 +896,22 @@ def render_stage(data: dict) -> str:
 
 
 def summarize(folder: Path) -> str:
-    """DIR/summary.md from every stage_*.json under DIR (one folder per stage's command, or all in one)."""
+    """DIR/summary.md from every stage record (<stage>.json) under DIR (one folder per command, or all in one)."""
     records = []
-    for path in sorted(glob.glob(str(folder / "**" / "stage_*.json"), recursive=True)):
-        records.append((Path(path), json.loads(Path(path).read_text())))
+    for path in sorted(glob.glob(str(folder / "**" / "*.json"), recursive=True)):
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("stage") in STAGES and "steps" in data:
+            records.append((Path(path), data))
     if not records:
-        raise SystemExit(f"no stage_*.json under {folder}")
-    records.sort(key=lambda item: item[1]["stage"])
+        raise SystemExit(f"no stage record (first.json, second.json, third.json) under {folder}")
+    records.sort(key=lambda item: list(STAGES).index(item[1]["stage"]))
     stage_rows = [[data["stage"], data["title"], data["status"], f"{data.get('seconds', '?')} ({data['budget_s']:.0f})",
                    path.relative_to(folder)] for path, data in records]
     lines = [f"# angle_kernels GPU run: {folder.name}", "",
-             *harness.markdown_table(["stage", "what", "status", "seconds (budget)", "file"], stage_rows)]
+             *harness.markdown_table(["stage", "what", "status", "seconds (limit)", "file"], stage_rows)]
     for path, data in records:
         lines += ["", render_stage(data).replace("# Stage", "## Stage", 1)]
     text = "\n".join(lines) + "\n"
@@ -753,21 +921,17 @@ def summarize(folder: Path) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=[*STAGES, "all", "summary"], help="the stage to run (see above)")
+    parser.add_argument("stage", choices=[*STAGES, "summary"], help="the stage to run (see above)")
     parser.add_argument("out", help="folder for the results (created); for summary: the folder to gather")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the stage, from the start of the process (default: the stage's own)")
-    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                        help="pytest-xdist workers for the test stages (a, b); 1 runs serially")
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                        help="pytest-xdist workers for the test steps; 1 runs serially")
     parser.add_argument("--angle-emb-loss", default=None,
-                        help=f"stage d: angle-emb 0.6.1's wheel or its loss.py (default {DEFAULT_ANGLE_EMB_WHEEL.name} "
+                        help=f"second: angle-emb 0.6.1's wheel or its loss.py (default {DEFAULT_ANGLE_EMB_WHEEL.name} "
                              "in .whl/ when present)")
     parser.add_argument("--resume-from", default=None,
-                        help="stage e: a folder with the previous command's results (its llama7b/ is copied into "
-                             "OUT first, and the benchmark continues where it stopped)")
+                        help="third: a folder with the previous command's results (its llama7b/ is copied first, "
+                             "and the benchmark continues where it stopped)")
     args = parser.parse_args(argv)
-    if args.budget is not None and args.budget <= 0:
-        parser.error("--budget must be a positive number of seconds")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     return args
@@ -782,29 +946,37 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    if not torch.cuda.is_available():
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and args.stage != "first":
         print(f"no CUDA device (torch.cuda.is_available() is False): stage {args.stage} needs a GPU; nothing was run. "
               "On a CPU machine the Triton kernels are tested through the interpreter (pytest tests/ops).")
         return 0
-    os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, in this process too
-    os.environ["ANGLE_KERNELS_CUDA_JIT"] = "0"  # the extension comes from stage b's in-place build, or not at all
+    if on_gpu:
+        os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, in this process too
+        os.environ["ANGLE_KERNELS_CUDA_JIT"] = "0"  # the extension comes from the background build, or not at all
     out.mkdir(parents=True, exist_ok=True)
-    failed = []
-    for stage in (STAGES if args.stage == "all" else [args.stage]):
-        start = time.monotonic() if args.stage == "all" else PROCESS_START  # "all": each stage gets its budget
-        budget = args.budget or STAGES[stage].budget_s
-        record = StageRecord(out, stage, budget, argv, start)
-        deadline = Deadline(budget, start)
-        try:
-            STAGES[stage].run(args, record, deadline)
-        finally:
-            steps = record.data["steps"].values()
-            status = "ok" if all(step.get("status") == "ok" for step in steps) else "failed"
-            record.finish(status)
-            if status != "ok":
-                failed.append(stage)
+    stage = STAGES[args.stage]
+    record = StageRecord(out, args.stage, stage.budget_s, argv)
+    schedule = Schedule(stage.steps, PROCESS_START)
+    status = "failed"
+    try:
+        guarded(record, "preflight", lambda: preflight(record, on_gpu and stage.needs_build))
+        if not on_gpu:
+            print("no CUDA device (torch.cuda.is_available() is False): the preflight ran and is packed in "
+                  f"{out}; the GPU steps need a GPU, and nothing else was run.")
+            status = "rehearsed"
+            return 0
+        stage.run(args, record, schedule)
+        steps = record.data["steps"].values()
+        status = "ok" if all(step.get("status") == "ok" for step in steps) else "failed"
+    finally:
+        build = getattr(record, "build", None)
+        if build is not None and build.proc.poll() is None:  # a build nobody waited for must not outlive us
+            os.killpg(build.proc.pid, signal.SIGKILL)
+        record.finish(status)
+        shutil.rmtree(record.work, ignore_errors=True)  # packed in OUT/<stage>.tar.gz
         print("\n" + render_stage(record.data), flush=True)
-    return 1 if failed else 0
+    return 0 if status == "ok" else 1
 
 
 if __name__ == "__main__":

@@ -220,13 +220,18 @@ def available_providers(device: str, losses: list[harness.LossBench], angle_emb_
     return providers, missing
 
 
-def primary_ours(providers: list[Provider]) -> Provider | None:
-    """The provider the ratios are taken against: the backend 'auto' would choose (triton, cuda, torch)."""
+def primary_ours(providers: list[Provider], device: str = "cpu") -> Provider | None:
+    """The provider the ratios are taken against: what backend='auto' computes with here. That is a GPU backend
+    only on CUDA and only where it is verified for every op and code path (angle_kernels.verified), else the
+    torch backend; failing that (not among the providers), the first of ours."""
     ours = {p.name: p for p in providers if p.family == "ours"}
-    for name in ("ours-triton", "ours-cuda", "ours-torch"):
-        if name in ours:
-            return ours[name]
-    return None
+    if device == "cuda":
+        from angle_kernels import verified
+
+        for backend in ("triton", "cuda"):
+            if f"ours-{backend}" in ours and verified.covers_every_path(backend, torch.device("cuda", 0)):
+                return ours[f"ours-{backend}"]
+    return ours.get("ours-torch") or next(iter(ours.values()), None)
 
 
 # --------------------------------------------------------------------------------------------------------

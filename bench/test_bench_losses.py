@@ -273,3 +273,32 @@ def test_a_family_without_any_of_the_selected_losses_is_left_out():
     assert "eager" not in {p.family for p in providers}
     providers, _ = P.available_providers("cpu", [LOSSES["arccon"], LOSSES["triplet"]], probe=False)
     assert {p.family for p in providers} == {"ours", "eager"}
+
+
+def test_ratios_are_taken_against_what_auto_computes_with(monkeypatch):
+    """primary_ours: the torch backend, unless on CUDA a GPU backend is verified for every op and code path
+    (angle_kernels.verified), as backend='auto' decides; a partly verified backend is not what auto runs."""
+    from angle_kernels import verified
+
+    ours = {name: P.Provider(f"ours-{name}", "ours", name, {}) for name in ("triton", "cuda", "torch")}
+    everything = list(ours.values())
+    monkeypatch.setattr(verified, "covers_every_path", lambda backend, device: False)
+    assert P.primary_ours(everything, "cuda").name == "ours-torch"
+    assert P.primary_ours(everything, "cpu").name == "ours-torch"
+    monkeypatch.setattr(verified, "covers_every_path", lambda backend, device: backend == "cuda")
+    assert P.primary_ours(everything, "cuda").name == "ours-cuda"
+    assert P.primary_ours(everything, "cpu").name == "ours-torch"
+    assert P.primary_ours([ours["triton"]], "cuda").name == "ours-triton"  # the only one of ours there is
+    assert P.primary_ours([], "cuda") is None
+
+
+def test_a_backend_covers_every_path_only_when_each_is_verified(monkeypatch):
+    from angle_kernels import verified
+
+    paths = verified.paths_of("triton")
+    assert paths["similarity_xent"] == ("fused", "dense", "dims")
+    missing = ("similarity_xent", "dims")
+    monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: (op, path) != missing)
+    assert not verified.covers_every_path("triton", torch.device("cuda", 0))
+    monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: True)
+    assert verified.covers_every_path("triton", torch.device("cuda", 0))

@@ -1,5 +1,6 @@
-"""The staged GPU run's machinery, checked on CPU: the dry run, budgets, logs that survive a kill, records
-written after every step, the summary. (What the stages measure needs a GPU: scripts/gpu_check.sh.)"""
+"""The GPU run's machinery, checked on CPU: the rehearsal of `first`, the step limits against the 8 minutes, at
+most 8 files back, logs that survive a kill, records and archives written after every step, the checks' merge,
+the headline, the summary. (What the stages measure needs a GPU: scripts/gpu_check.sh.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -22,57 +24,95 @@ if str(HERE) not in sys.path:
 import gpu_suite  # noqa: E402
 import harness  # noqa: E402
 
-no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is what happens without a CUDA device")
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the rehearsal is what happens without a CUDA device")
+README = (HERE.parent / "README.md").read_text()
 
 
-def test_help_and_readme_state_every_stage_with_its_budget(capsys):
-    """The budgets live in gpu_suite.STAGES; the --help text and the README's table repeat them for readers,
-    and must say the same."""
+def _record(tmp_path, stage="first"):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    return gpu_suite.StageRecord(out, stage, gpu_suite.STAGES[stage].budget_s, [stage, str(out)],
+                                 work=tmp_path / "work")
+
+
+def test_first_fits_eight_minutes_and_the_others_nine():
+    """The machine gives 15 minutes in all: the first command must end within 8 (its steps' limits and the
+    packing), leaving time for its start and one rerun; the later commands within 9."""
+    first = gpu_suite.STAGES["first"]
+    assert [name for name, _ in first.steps] == ["preflight", "large_checks", "cuda_backend", "triton_tests",
+                                                 "headline"]
+    assert first.budget_s + gpu_suite.PACKING_ALLOWANCE_S <= gpu_suite.FIRST_WALL_S == 8 * 60
+    for name in ("second", "third"):
+        assert gpu_suite.STAGES[name].budget_s + gpu_suite.PACKING_ALLOWANCE_S <= 9 * 60
+    assert gpu_suite.PER_TEST_TIMEOUT_S < dict(first.steps)["triton_tests"]
+
+
+def test_help_and_readme_state_every_stage_and_step_with_its_limit(capsys):
+    """The limits live in gpu_suite (STAGES, FIRST_STEPS); --help and the README repeat them for readers and must
+    say the same."""
     with pytest.raises(SystemExit) as exit_info:
         gpu_suite.parse_args(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    readme = (HERE.parent / "README.md").read_text()
     for stage, spec in gpu_suite.STAGES.items():
         assert re.search(rf"^\s+{stage}\s+{spec.budget_s:.0f} s\s", text, re.M), f"--help: stage {stage}"
-        assert re.search(rf"gpu_check.sh {stage} OUT/{stage}[^|]*\| {spec.budget_s:.0f} s \|", readme), f"README: {stage}"
+        assert re.search(rf"gpu_check.sh {stage} OUT[^|]*\| {spec.budget_s:.0f} s \|", README), f"README: {stage}"
+    section = README[README.index("## Running on a GPU"):README.index("## Architecture")]
+    for step, limit in gpu_suite.FIRST_STEPS:
+        assert re.search(rf"\| `{step}` \| {limit:.0f} s \|", section), f"README: first's step {step}"
+        assert f"{step}" in text and f"{limit:.0f} s" in text, f"--help: first's step {step}"
     assert "summary" in text and "--resume-from" in text
-    total = sum(gpu_suite.STAGES[stage].budget_s for stage in "abcd")
-    assert total <= 21 * 60 and f"at most {total // 60:.0f} minutes" in readme
 
 
 def test_bad_arguments_are_refused(capsys):
-    for argv in (["z", "out"], ["a", "out", "--budget", "0"], ["a", "out", "--workers", "0"]):
+    for argv in (["a", "out"], ["first", "out", "--workers", "0"]):
         with pytest.raises(SystemExit) as exit_info:
             gpu_suite.parse_args(argv)
         assert exit_info.value.code == 2
-    assert "--budget must be a positive" in capsys.readouterr().err
+    assert "--workers must be at least 1" in capsys.readouterr().err
 
 
 @no_gpu
-@pytest.mark.parametrize("stage", ["a", "b", "c", "d", "e", "all"])
-def test_every_stage_exits_cleanly_without_a_gpu(stage, tmp_path, capsys):
+def test_first_rehearses_its_preflight_and_packing_without_a_gpu(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert gpu_suite.main(["first", str(out)]) == 0
+    console = capsys.readouterr().out
+    assert console.index("=== first: preflight") < console.index("no CUDA device")  # the preflight ran first
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["first.json", "first.md", "first.tar.gz"] and len(files) <= gpu_suite.MAX_FILES
+    with tarfile.open(out / "first.tar.gz") as tar:
+        preflight = json.load(tar.extractfile("first/preflight.json"))
+    assert preflight["missing"] == [], preflight  # every module a step needs imports here too
+    assert set(gpu_suite.PREFLIGHT_MODULES) <= set(preflight["modules"])
+    record = json.loads((out / "first.json").read_text())
+    assert record["status"] == "rehearsed" and record["steps"]["preflight"]["status"] == "ok"
+
+
+@no_gpu
+@pytest.mark.parametrize("stage", ["second", "third"])
+def test_the_later_stages_say_there_is_no_gpu_and_leave_nothing(stage, tmp_path, capsys):
     assert gpu_suite.main([stage, str(tmp_path / "out")]) == 0
     assert "no CUDA device" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()  # a dry run leaves nothing to mistake for results
 
 
 @no_gpu
-def test_gpu_check_script_dry_run(tmp_path):
+def test_gpu_check_script_rehearsal(tmp_path):
     script = HERE.parent / "scripts" / "gpu_check.sh"
     env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(script), "c", str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = subprocess.run(["bash", str(script), "first", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device" in proc.stdout
-    assert "no CUDA device" in (tmp_path / "out" / "console_c.log").read_text()  # the console is teed
+    assert "no CUDA device" in (tmp_path / "out" / "console_first.log").read_text()  # the console is teed
+    assert len(list((tmp_path / "out").iterdir())) <= gpu_suite.MAX_FILES
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "STAGE OUT_DIR" in usage.stdout
 
 
 def test_a_killed_command_keeps_its_log(tmp_path):
-    """The old suite wrote the pytest log only when pytest returned: a command killed at the machine's limit
-    kept nothing. Lines reach the log as they are printed, and the budget kills the whole process group."""
+    """Lines reach the log as they are printed, and the limit kills the whole process group: a command killed at
+    its limit keeps what it printed."""
     log = tmp_path / "child.log"
     child = "import time; print('first result', flush=True); time.sleep(60); print('after ' + 'the kill')"
     started = time.monotonic()
@@ -85,38 +125,48 @@ def test_a_killed_command_keeps_its_log(tmp_path):
     assert not_started["timed_out"] and "no time left" in (tmp_path / "late.log").read_text()
 
 
-def test_a_finished_command_reports_its_exit_code(tmp_path):
-    result = gpu_suite.run_logged([sys.executable, "-c", "print('out'); raise SystemExit(3)"], tmp_path / "x.log", 60)
-    assert result == {**result, "returncode": 3, "timed_out": False, "last_line": "out"}
+def test_commands_side_by_side_keep_their_own_logs_and_exit_codes(tmp_path, capsys):
+    commands = {name: ([sys.executable, "-c", f"print('from {name}'); raise SystemExit({code})"], tmp_path / name)
+                for name, code in (("a", 0), ("b", 3))}
+    results = gpu_suite.run_side_by_side(commands, 60, dict(os.environ))
+    assert (results["a"]["returncode"], results["b"]["returncode"]) == (0, 3)
+    assert "from b" in (tmp_path / "b").read_text() and "from b" not in (tmp_path / "a").read_text()
+    assert "[b] from b" in capsys.readouterr().out
 
 
-def test_deadline_counts_from_its_start():
+def test_a_schedule_gives_a_step_the_time_the_steps_before_it_left():
     start = time.monotonic() - 100
+    schedule = gpu_suite.Schedule((("one", 60), ("two", 70)), start)
+    assert schedule.deadline("one").left() < 0  # its end has passed
+    assert 25 < schedule.deadline("two").left() <= 30  # 130 s from the start
     deadline = gpu_suite.Deadline(130, start)
-    assert 25 < deadline.left() <= 30
     assert deadline.fits(20) and not deadline.fits(40)
 
 
-def test_stage_record_is_on_disk_after_every_step(tmp_path):
-    record = gpu_suite.StageRecord(tmp_path, "a", 330, ["a", str(tmp_path)])
-    assert json.loads((tmp_path / "stage_a.json").read_text())["status"] == "running"
-    record.step("large_checks", {"status": "running", "checks": {
-        "pair_scores fp64": {"errors": {"dx": 1e-15}, "against": "oracle", "tolerance": 1e-10, "rule": None,
-                             "pass": True},
-        "similarity bf16 ibn": {"errors": {"dq": [3e-3, 2e-3]}, "against": "oracle", "tolerance": None,
-                                "rule": "ours <= 2 x eager", "pass": True},
-        "arccon": {"skipped": "needs ~40 s, 12 s left in the budget"}}})
-    on_disk = json.loads((tmp_path / "stage_a.json").read_text())
-    assert set(on_disk["steps"]["large_checks"]["checks"]) == {"pair_scores fp64", "similarity bf16 ibn", "arccon"}
-    markdown = (tmp_path / "stage_a.md").read_text()
-    assert "| pair_scores fp64 | pass | oracle | dx 1.0e-15 (tol 1e-10) |" in markdown
-    assert "dq 3.0e-03 / 2.0e-03" in markdown and "| arccon | skipped |" in markdown
+def test_the_record_and_the_archive_are_written_after_every_step(tmp_path):
+    record = _record(tmp_path)
+    out = tmp_path / "out"
+    assert json.loads((out / "first.json").read_text())["status"] == "running"
+    (record.work / "large_log.txt").write_text("kernel output\n")
+    gpu_suite.guarded(record, "large_checks", lambda: {"checks": [], "outcomes": {"triton pair_scores full": "passed"}})
+    with tarfile.open(out / "first.tar.gz") as tar:
+        assert tar.extractfile("first/large_log.txt").read() == b"kernel output\n"
+    assert "| triton pair_scores full | passed |" in (out / "first.md").read_text()
     record.finish("ok")
-    assert json.loads((tmp_path / "stage_a.json").read_text())["status"] == "ok"
+    assert json.loads((out / "first.json").read_text())["status"] == "ok"
+    assert not list(out.glob("*.partial"))
+
+
+def test_packing_refuses_more_files_than_come_back(tmp_path):
+    record = _record(tmp_path)
+    for k in range(gpu_suite.MAX_FILES):
+        (tmp_path / "out" / f"extra{k}.txt").write_text("x")
+    with pytest.raises(RuntimeError, match="only 8 come back"):
+        record.pack()
 
 
 def test_a_failing_step_is_recorded_and_the_stage_goes_on(tmp_path):
-    record = gpu_suite.StageRecord(tmp_path, "c", 300, ["c", str(tmp_path)])
+    record = _record(tmp_path, "second")
 
     def broken():
         raise RuntimeError("kernel launch failed")
@@ -124,12 +174,122 @@ def test_a_failing_step_is_recorded_and_the_stage_goes_on(tmp_path):
     result = gpu_suite.guarded(record, "limits", broken)
     assert result["status"] == "error" and "kernel launch failed" in result["error"]
     assert gpu_suite.guarded(record, "op_sweep", lambda: {"rows": []})["status"] == "ok"
-    steps = json.loads((tmp_path / "stage_c.json").read_text())["steps"]
+    steps = json.loads((tmp_path / "out" / "second.json").read_text())["steps"]
     assert steps["limits"]["status"] == "error" and steps["op_sweep"]["status"] == "ok"
 
 
+def test_a_step_that_fails_midway_keeps_what_it_recorded(tmp_path):
+    record = _record(tmp_path)
+    first = {"backend": "cuda", "op": "ranking_loss", "path": "sort", "dtype": "float64", "case": "N=6000",
+             "pass": True, "first": {"value": 1e-16, "grad": 1e-15}, "allowed": {"value": 1e-10, "grad": 1e-8},
+             "against": "reference"}
+
+    def checks_then_crash():
+        record.step("cuda_backend", {"status": "running", "checks": [first]})
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    result = gpu_suite.guarded(record, "cuda_backend", checks_then_crash)
+    assert result["status"] == "error" and "illegal memory access" in result["error"]
+    assert result["checks"] == [first]
+    assert "| cuda | ranking_loss | sort | float64 | N=6000 | pass |" in (tmp_path / "out" / "first.md").read_text()
+
+
+def test_pytest_counts_reads_a_cut_verbose_log(tmp_path):
+    log = tmp_path / "pytest.log"
+    log.write_text("\n".join([
+        "[gw0] [  1%] PASSED tests/ops/test_pair_scores.py::test_x[triton]",
+        "[gw1] [  2%] FAILED tests/ops/test_similarity_xent.py::test_y[triton-dims]",
+        "tests/ops/test_ranking_loss.py::test_z[torch] PASSED                  [  3%]",
+        "tests/ops/test_ranking_loss.py::test_w[cuda] SKIPPED (no cuda)        [  4%]",
+        "killed after 120 s (the step's limit)"]))
+    counts = gpu_suite.pytest_counts(log)
+    assert {k: v for k, v in counts.items() if k != "failed_tests"} == {"passed": 2, "failed": 1, "skipped": 1}
+    assert counts["failed_tests"] == ["tests/ops/test_similarity_xent.py::test_y[triton-dims]"]
+
+
+def test_the_test_steps_run_the_op_tests():
+    """first runs every backend's op tests but the CUDA one's plus the Triton compile check, and the CUDA
+    backend's; both select by the op tests' backend ids, and the paths must exist in this checkout."""
+    for args, selection in ((gpu_suite.PYTEST_TRITON, "not cuda"), (gpu_suite.PYTEST_CUDA, "cuda")):
+        assert args[args.index("-k") + 1] == selection
+        paths = [a for i, a in enumerate(args) if a != "-k" and (i == 0 or args[i - 1] != "-k")]
+        assert "tests/ops" in paths
+        for path in paths:
+            assert (HERE.parent / path).exists(), path
+
+
+@pytest.mark.slow  # about 30 s: the tiny verify checks through the Triton interpreter
+def test_the_large_checks_merge_one_run_per_dtype(tmp_path, monkeypatch):
+    """first's large_checks step runs `python -m angle_kernels.verify` once per dtype side by side and merges
+    their JSON: here the runs are the real checks at tiny sizes through the interpreter (verify itself needs a
+    GPU), written where the step reads them. A path passes only when every dtype ran; one failure fails it."""
+    from angle_kernels import verify
+    from angle_kernels.dispatch import triton_interpreting
+
+    if not triton_interpreting():
+        pytest.skip("runs the triton backend on CPU tensors: needs TRITON_INTERPRET=1 (the root conftest's default)")
+    record = _record(tmp_path)
+    tiny = [c for c in verify.cases("tiny") if c.op in ("pair_scores", "similarity_xent") and c.path != "dense"]
+
+    def fake_runs(commands, timeout_s, env):
+        results = {}
+        for name, (cmd, log) in commands.items():
+            dtypes = [getattr(torch, d) for d in cmd[cmd.index("--dtypes") + 1].split(",")]
+            if name == "float16":  # this run was cut by its time limit
+                continue
+            checks = verify.run_checks("triton", torch.device("cpu"), tiny, dtypes)
+            if name == "float64":  # and this one found a failure
+                checks[0] = {**checks[0], "pass": False, "error": "made up"}
+            harness.write_json_atomic(Path(cmd[cmd.index("--out") + 1]), {"results": checks})
+            results[name] = {"returncode": 0}
+        return results
+
+    monkeypatch.setattr(gpu_suite, "run_side_by_side", fake_runs)
+    result = gpu_suite.guarded(record, "large_checks", lambda: gpu_suite.verify_side_by_side(
+        record, gpu_suite.Deadline(600, time.monotonic()), "triton"))
+    assert result["status"] == "failed" and result["failed"] == ["triton pair_scores full"]
+    assert set(result["outcomes"].values()) == {"failed", "incomplete"}  # float16 never ran: nothing passes
+    assert {c["dtype"] for c in result["checks"]} == {"bfloat16", "float32", "float64"}
+    markdown = (tmp_path / "out" / "first.md").read_text()
+    assert "| triton | pair_scores | full | float64 |" in markdown and "made up" in markdown
+
+
+def test_the_verifications_file_lists_what_passed(tmp_path, monkeypatch):
+    from angle_kernels import verified
+
+    record = _record(tmp_path)
+    ident = {"capability": "9.0", "torch": "2.11", "triton": "3.6", "source": "0123456789abcdef", "gpu": "H100"}
+    monkeypatch.setattr(verified, "identity", lambda backend, op, device: ident)
+    check = {"backend": "triton", "op": "ranking_loss", "path": "pairwise", "case": "N=3000",
+             "dtypes_required": ["float32", "float64"]}
+    record.step("large_checks", {"checks": [{**check, "dtype": "float32", "pass": True},
+                                            {**check, "dtype": "float64", "pass": True},
+                                            {**check, "path": "sort", "dtype": "float64", "pass": False}]})
+    assert gpu_suite.write_verifications(record, ("large_checks",), "bench/results/h100-x/first") == {
+        "passed": 1, "failed": 1}
+    written = json.loads((tmp_path / "out" / "verified.json").read_text())
+    assert [(e["op"], e["path"]) for e in written["passed"]] == [("ranking_loss", "pairwise")]
+    assert written["passed"][0]["evidence"] == "bench/results/h100-x/first"
+    assert written["passed"][0]["dtypes"] == ["float32", "float64"]
+
+
+def test_the_headline_runs_side_by_side_at_tiny_sizes_on_cpu(tmp_path, capsys):
+    """The headline's code (inputs, contenders, agreement, interleaved rounds, report) on CPU with the torch path:
+    the same numbers the GPU prints, minus the GPU."""
+    result = gpu_suite.headline(device="cpu", n=32, d=16, dtype="float32", rounds=2, backends=("torch",),
+                                out=tmp_path / "headline.json")
+    rows = result["rows"]
+    assert set(rows) == {"angle_kernels MNRL (torch)", "sentence-transformers MNRL"}
+    ours = rows["angle_kernels MNRL (torch)"]
+    assert ours["value_rel_err"] < 1e-6 and ours["grad_rel_err"] < 1e-5  # the same loss as sentence-transformers'
+    assert len(ours["times_ms"]) == 2 and ours["spread_ms"][0] <= ours["median_ms"] <= ours["spread_ms"][1]
+    assert rows["sentence-transformers MNRL"]["speedup_vs_st"] == 1.0
+    assert json.loads((tmp_path / "headline.json").read_text())["n"] == 32
+    assert "angle_kernels MNRL (torch)" in capsys.readouterr().out
+
+
 def test_op_sweep_covers_every_op_before_the_large_sizes():
-    """Under a budget the sweep must reach every op and dtype at small sizes before spending time on the
+    """Under a limit the sweep must reach every op and dtype at small sizes before spending time on the
     largest: all cases of size rank r come before any of rank r + 1. Every family's ops are in it."""
     cases = gpu_suite.op_cases()
     ranks = [case[0] for case in cases]
@@ -138,6 +298,7 @@ def test_op_sweep_covers_every_op_before_the_large_sizes():
     assert first_rank == {(bench.name, dtype) for _, bench, _, _, dtype in cases}
     assert {"pair_scores", "ranking_loss", "similarity_xent(ibn)", "similarity_xent(arccon)"} <= {
         bench.name for _, bench, _, _, _ in cases}
+    assert {dtype for _, _, _, _, dtype in gpu_suite.op_cases(gpu_suite.bf16_ops())} == {"bfloat16"}
 
 
 def tiny(bench):
@@ -146,9 +307,9 @@ def tiny(bench):
 
 
 def test_op_sweep_measures_every_op_at_tiny_sizes_on_cpu(tmp_path):
-    """Stage c's sweep code (each op's setup, the shared measurement, floors and fractions of the limits, the
+    """second's sweep code (each op's setup, the shared measurement, floors and fractions of the limits, the
     records) on CPU with the torch backend: a bug here would otherwise first show on the GPU."""
-    record = gpu_suite.StageRecord(tmp_path, "c", 300, ["c", str(tmp_path)])
+    record = _record(tmp_path, "second")
     limits = {"copy_GBps": 10.0, "matmul_float32_TFLOPs": 0.1}  # no bfloat16 rate: its fractions stay None
     ops = [tiny(bench) for bench in gpu_suite.all_ops()]
     result = gpu_suite.op_sweep(record, gpu_suite.Deadline(600, time.monotonic()), limits, [("torch",)],
@@ -160,9 +321,9 @@ def test_op_sweep_measures_every_op_at_tiny_sizes_on_cpu(tmp_path):
         assert (row["fraction_needed"] is None) == (row["dtype"] == "bfloat16" and row["floor"]["kind"] == "flops")
         if row["op"].startswith("similarity") and row["dtype"] == "float32":
             assert 0 < row["fraction_needed"] <= row["fraction_executed"]
-    on_disk = json.loads((tmp_path / "stage_c.json").read_text())["steps"]["op_sweep"]["rows"]
+    on_disk = json.loads((tmp_path / "out" / "second.json").read_text())["steps"]["op_sweep"]["rows"]
     assert len(on_disk) == len(rows)
-    assert "| pair_scores | 8 | 6 | bfloat16 | torch |" in (tmp_path / "stage_c.md").read_text()
+    assert "| pair_scores | 8 | 6 | bfloat16 | torch |" in (tmp_path / "out" / "second.md").read_text()
 
 
 def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monkeypatch):
@@ -182,7 +343,7 @@ def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monk
 
     ops = [dataclasses.replace(tiny(bench), sizes=(8,), dtypes=("float32",))
            for bench in gpu_suite.all_ops() if bench.name in ("similarity_xent(ibn)", "pair_scores")]
-    record = gpu_suite.StageRecord(tmp_path, "c", 300, ["c", str(tmp_path)])
+    record = _record(tmp_path, "second")
     limits = {"copy_GBps": 10.0, "matmul_float32_TFLOPs": 0.1}
     monkeypatch.setattr(harness, "measure_fwd_bwd", spying)
     width = dense.MIN_WIDTH
@@ -199,83 +360,24 @@ def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monk
     assert ran.count("SimilarityXentFunctionBackward") == 1 and ran.count("DenseSimilarityXentFunctionBackward") == 1
 
 
-def test_the_test_stages_run_the_op_tests():
-    """Stage a runs every backend's op tests but the CUDA one's, plus the Triton compile check; stage b the
-    CUDA backend's. Both select by the op tests' backend ids, and the paths must exist in this checkout."""
-    for args, selection in ((gpu_suite.PYTEST_TRITON, "not cuda"), (gpu_suite.PYTEST_CUDA, "cuda")):
-        assert args[args.index("-k") + 1] == selection
-        paths = [a for i, a in enumerate(args) if a != "-k" and (i == 0 or args[i - 1] != "-k")]
-        assert "tests/ops" in paths
-        for path in paths:
-            assert (HERE.parent / path).exists(), path
-
-
 def test_summary_gathers_the_stages_of_separate_commands(tmp_path):
-    for stage in ("b", "a"):
+    for stage in ("second", "first"):
         folder = tmp_path / stage
         folder.mkdir()
-        record = gpu_suite.StageRecord(folder, stage, gpu_suite.STAGES[stage].budget_s, [stage, str(folder)])
-        record.step("environment", {"status": "ok", "gpu": "NVIDIA H100", "capability": "9.0", "torch": "2.11"})
+        record = gpu_suite.StageRecord(folder, stage, gpu_suite.STAGES[stage].budget_s, [stage, str(folder)],
+                                       work=tmp_path / f"work-{stage}")
+        record.step("preflight", {"status": "ok", "environment": {"gpu": "NVIDIA H100", "capability": "9.0",
+                                                                  "torch": "2.11"}})
         record.finish("ok")
+    (tmp_path / "first" / "verified.json").write_text(json.dumps({"passed": []}))  # not a stage record
     assert gpu_suite.main(["summary", str(tmp_path)]) == 0
     summary = (tmp_path / "summary.md").read_text()
-    assert summary.index("| a |") < summary.index("| b |")
-    assert "a/stage_a.json" in summary and "## Stage b" in summary and "NVIDIA H100 (sm_90)" in summary
-    with pytest.raises(SystemExit, match="no stage_"):
-        gpu_suite.summarize(tmp_path / "a" / "missing")
-
-
-def test_a_step_that_fails_midway_keeps_what_it_recorded(tmp_path):
-    record = gpu_suite.StageRecord(tmp_path, "a", 330, ["a", str(tmp_path)])
-
-    first = {"pass": True, "errors": {"loss": 1e-16}, "against": "oracle"}
-
-    def checks_then_crash():
-        record.step("large_checks", {"status": "running", "checks": {"first": first}})
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    result = gpu_suite.guarded(record, "large_checks", checks_then_crash)
-    assert result["status"] == "error" and "illegal memory access" in result["error"]
-    assert result["checks"] == {"first": first}
-
-
-TINY_CHECKS = {
-    "pair_scores": [(5, 2, 8), (3, 3, 6)],
-    "ranking": [40, 4500],  # both paths of the ranking kernels: tiled (N <= 4096) and sorted
-    "similarity": [
-        ("ibn M=12 D=10", 12, None, 10, dict(target="partner", exclude_diagonal=True), True),
-        ("contrastive M=6 Mc=12 D=8", 6, 12, 8, dict(target="diagonal"), False),
-        ("arccon M=6 D=8", 6, 6, 8, dict(target="diagonal", margin=0.1745), False),
-    ],
-}
-
-
-@no_gpu
-def test_large_checks_run_end_to_end_at_tiny_sizes(tmp_path):
-    """The GPU stage's check code (kernels vs the float64 oracle, the 2x-eager rule for bf16/fp16, the
-    records) at tiny sizes on CPU, with the Triton kernels through the interpreter: a bug here would otherwise
-    first show on the GPU, and cost its time."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("needs the Triton interpreter (the root conftest turns it on without a CUDA device)")
-    record = gpu_suite.StageRecord(tmp_path, "a", 330, ["a", str(tmp_path)])
-    deadline = gpu_suite.Deadline(600, time.monotonic())
-    result = gpu_suite.guarded(record, "large_checks",
-                               lambda: gpu_suite.large_checks(record, deadline, TINY_CHECKS, device="cpu"))
-    checks = result["checks"]
-    assert len(checks) == 2 + 4 + 3 * 3 and result["failed"] == [] and result["status"] == "ok", checks
-    assert checks["similarity bfloat16 ibn M=12 D=10"]["rule"].startswith("ours <= 2 x eager")
-    assert set(checks["similarity float16 contrastive M=6 Mc=12 D=8"]["errors"]) == {"loss", "dq", "dc"}
-    # the float64 oracle is the reference wherever its N x N matrix is affordable
-    assert checks["ranking float32 N=40"]["against"] == "oracle"
-    assert checks["ranking float32 N=4500"]["against"] == "torch float64"
-    assert checks["pair_scores fp64 G=5 K=2 D=8"]["against"] == "oracle"
-    on_disk = json.loads((tmp_path / "stage_a.json").read_text())["steps"]["large_checks"]
-    assert on_disk["status"] == "ok" and set(on_disk["checks"]) == set(checks)
-    skipped = gpu_suite.large_checks(record, gpu_suite.Deadline(5, time.monotonic()), TINY_CHECKS, device="cpu")
-    assert all("skipped" in check for check in skipped["checks"].values())  # 5 s fits none of them
+    assert summary.index("| first |") < summary.index("| second |")
+    assert "first/first.json" in summary and "## Stage second" in summary and "NVIDIA H100 (sm_90)" in summary
+    with pytest.raises(SystemExit, match="no stage record"):
+        gpu_suite.summarize(tmp_path / "first" / "missing")
 
 
 def test_the_cuda_probe_is_valid_python():
-    """Stages b-d run it in a subprocess on the GPU; a typo would cost a GPU command to find."""
+    """first and second run it in a subprocess on the GPU; a typo would cost a GPU command to find."""
     compile(gpu_suite._CUDA_PROBE, "_CUDA_PROBE", "exec")

@@ -63,6 +63,21 @@ inline void check_cuda_tensor(const at::Tensor& t, const char* arg) {
   TORCH_CHECK_VALUE(t.is_cuda(), "angle_kernels (cuda): ", arg, " must be a CUDA tensor, got device ", t.device());
 }
 
+// `t` on `ref`'s device: a kernel launched on ref's device that reads another GPU's memory faults, or races with
+// that GPU's stream where peer access is on. (dispatch checks the public ops' inputs; the torch.ops entry points are
+// public too.)
+inline void check_same_device(const at::Tensor& t, const char* arg, const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "angle_kernels (cuda): ", arg, " must be on ", ref.device(), ", got ",
+                    t.device());
+}
+
+// The upstream gradient of a scalar loss: one element, on the loss's device (every block reads element 0).
+inline void check_scalar_grad(const at::Tensor& grad, const at::Tensor& ref) {
+  check_same_device(grad, "grad_loss", ref);
+  TORCH_CHECK_VALUE(grad.numel() == 1, "angle_kernels (cuda): grad_loss must have one element, got shape ",
+                    grad.sizes());
+}
+
 template <typename scalar_t>
 const scalar_t* data_of(const at::Tensor& t) {
   return reinterpret_cast<const scalar_t*>(t.const_data_ptr());

@@ -79,6 +79,9 @@ at::Tensor pair_scores_bwd(const at::Tensor& grad_cos, const at::Tensor& grad_an
                     "angle_kernels (cuda): pair_scores gradients must be [G, K-1]");
   TORCH_CHECK_VALUE(stats.sizes() == at::IntArrayRef({groups, group_size - 1, 4}) && stats.scalar_type() == acc_dtype,
                     "angle_kernels (cuda): pair_scores saved stats do not match x");
+  check_same_device(grad_cos, "grad_cos", x);
+  check_same_device(grad_angle, "grad_angle", x);
+  check_same_device(stats, "stats", x);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor gc = grad_cos.to(acc_dtype).contiguous();
   const at::Tensor ga = grad_angle.to(acc_dtype).contiguous();

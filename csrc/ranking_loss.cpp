@@ -53,7 +53,7 @@ void check_ranking_scores(const at::Tensor& scores) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ranking_fwd(const at::Tensor& scores,
                                                                        const at::Tensor& labels) {
   check_ranking_scores(scores);
-  check_cuda_tensor(labels, "labels");
+  check_same_device(labels, "labels", scores);
   TORCH_CHECK_VALUE(labels.dim() == 1 && labels.size(0) == scores.size(0),
                     "angle_kernels (cuda): ranking_loss labels must be [N] like scores, got ", labels.sizes());
   TORCH_CHECK_TYPE(labels.scalar_type() != at::kBool && !at::isComplexType(labels.scalar_type()),
@@ -89,6 +89,10 @@ at::Tensor ranking_bwd(const at::Tensor& grad_loss, const at::Tensor& scores, co
                         order.scalar_type() == at::kLong && group_first.scalar_type() == at::kLong &&
                         group_past.scalar_type() == at::kLong,
                     "angle_kernels (cuda): ranking_loss saved sort does not match scores");
+  check_scalar_grad(grad_loss, scores);
+  check_same_device(order, "order", scores);
+  check_same_device(group_first, "group_first", scores);
+  check_same_device(group_past, "group_past", scores);
   const c10::cuda::CUDAGuard guard(scores.device());
   const at::Tensor g = grad_loss.to(scores.scalar_type()).contiguous();
   const at::Tensor order_c = order.contiguous(), first_c = group_first.contiguous(), past_c = group_past.contiguous();

@@ -39,6 +39,7 @@ cudaError_t similarity_xent_bwd(const XentProblem<scalar_t>& problem, const acc_
 // ---- the binding ---------------------------------------------------------------------------------------------
 #include "binding.h"
 
+#include <ATen/Context.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -176,7 +177,11 @@ std::tuple<at::Tensor, at::Tensor> similarity_xent_bwd(const at::Tensor& grad_lo
   const auto check_saved = [&](const at::Tensor& t, int64_t n, const char* name) {
     TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n && t.scalar_type() == acc_dtype && t.is_contiguous(),
                       "angle_kernels (cuda): similarity_xent saved ", name, " does not match the inputs");
+    check_same_device(t, name, q);
   };
+  check_scalar_grad(grad_loss, q);
+  // float atomics add the tiles' contributions in whatever order the blocks run: not bit-reproducible
+  at::globalContext().alertNotDeterministic("angle_kernels::cuda_similarity_xent_bwd");
   check_saved(lse_all, rows, "lse_all");
   check_saved(lse_pos, rows, "lse_pos");
   check_saved(q_norm, rows, "q_norm");

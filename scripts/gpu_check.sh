@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# One stage of the staged GPU run (bench/gpu_suite.py), with its console teed into the output folder.
+# One stage of the GPU run (bench/gpu_suite.py), with its console teed into the output folder.
 #
 #     bash scripts/gpu_check.sh STAGE OUT_DIR [gpu_suite.py options]
 #
-# STAGE is a, b, c, d, e (or all); `python bench/gpu_suite.py --help` lists what each does and its time
-# budget, and the README's "Running on a GPU" says how to run them on a lent GPU. Each stage stops itself inside
-# its budget and writes its results as it goes; without a CUDA device it says so and exits 0.
+# STAGE is first (8 minutes: correctness of both GPU backends, one headline number), second (the sweeps) or
+# third (training at scale); `python bench/gpu_suite.py --help` lists each step and its time limit, and the
+# README's "Running on a GPU" says how to run them on a lent GPU. Each step stops itself inside its limit, and
+# the stage packs its results into OUT_DIR after every step (at most 8 files); without a CUDA device `first`
+# rehearses its preflight and packing, and every stage says so and exits 0.
 # PYTHON picks the interpreter (default python3: the GPU image's).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 STAGE=$1

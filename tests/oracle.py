@@ -37,6 +37,7 @@ from angle_kernels.reference import (  # noqa: F401  (re-exported: the tests' an
     computing_in,
     cosine,
     cosine_matrix,
+    current_dtype,
     dot,
     dot_matrix,
     in_compute_dtype,
@@ -337,7 +338,7 @@ def angle_loss_module(
         return multiple_negatives_ranking_loss(query, positive, () if negative is None else (negative,), ibn_tau,
                                                directions, **filtering)
 
-    loss = torch.zeros((), dtype=_compute_dtype, device=outputs.device)
+    loss = torch.zeros((), dtype=current_dtype(), device=outputs.device)
     if dataset_format == "A":
         # zigzag pairs with labels: weighted sum of the three pair losses (each only if its weight > 0)
         if cosine_w > 0:
@@ -360,7 +361,7 @@ def angle_loss_module(
         pairs = torch.cat([positive_pairs, negative_pairs], dim=0)
         groups = query.shape[0]
         pair_rows_labels = torch.cat([torch.ones(2 * groups), torch.zeros(2 * groups)]).to(outputs.device)
-        contrastive = torch.zeros((), dtype=_compute_dtype, device=outputs.device)
+        contrastive = torch.zeros((), dtype=current_dtype(), device=outputs.device)
         if ibn_w > 0:
             contrastive = contrastive + ibn_w * contrastive_term(query, positive)
         if cln_w > 0:

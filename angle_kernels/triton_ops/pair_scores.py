@@ -27,8 +27,9 @@ no second sweep over x to recompute norms. Each program moves 2*D elements (3 KB
 million programs give the H200's 132 SMs plenty of independent loads in flight. BLOCK is the next power of
 two of the swept length (D/2 with the angle, D without) capped at 1024, so D = 768 takes a single iteration
 (25% of lanes idle, no extra bytes); num_warps = 4 up to 512 elements, 8 for 1024 (at most 8 elements per
-thread per live vector). Compiled for sm_90 at D = 768: 32-64 registers, no spills, at most 64 bytes of
-shared memory (the final reductions), so occupancy is limited by neither.
+thread per live vector). Compiled for sm_90 at D = 768 as a launch specialises it (contiguous rows, D a multiple
+of 16; triton 3.9, `_compile_check --full`): 28-94 registers (fp64 forward up to 122), no spills, at most 4 KB of
+shared memory, so occupancy is limited by neither.
 
 Nested prefixes (dims = d_1 < ... < d_k, Matryoshka): outputs [k, G, K-1], prefix i being the scores of
 x[..., :d_i]. The floor is the same bytes as one width: read x once forward, once backward, write dx once; the
@@ -41,8 +42,8 @@ contains the block it adds the prefix's terms (its per-pair coefficients from th
 angle's rotated terms read the twin columns c +- d_i/2, again cache hits), and columns past d_k get 0. The
 widths are a constexpr tuple: the loops over prefixes unroll, and each distinct dims compiles once per process
 (a run uses one; sampled dims, sentence-transformers' n_dims_per_step, at most 2^k - 1 subsets). Compiled for sm_90
-with dims (64, 128, 256, 512, 768): forward 32-40 registers; backward 32-92 with its block capped at 128
-(a 1024 block needed 124-255 registers and spilled for K = 3).
+with dims (64, 128, 256, 512, 768), specialised as launched: forward 32-59 registers; backward 32-236 with its
+block capped at 128 (236 for K = 3 with the angle: two programs per SM; fp64 255 with a 40-byte spill).
 """
 
 from __future__ import annotations

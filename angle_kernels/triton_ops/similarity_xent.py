@@ -71,12 +71,13 @@ cancels it (with the fp32 tile instead, fp16 inputs missed the half rule by 4x a
 The floor with dims: forward 2 M Mc D FLOPs and the full-width bytes, plus K elementwise passes over each tile
 (the exp of K logsumexps: K times the full-width tile math, still O(M Mc K) against O(M Mc D)); backward
 2 x (2 M Mc D recompute + 2 M Mc sum_i d_i gradient) FLOPs, and the gradient buffers' read-modify-write grows
-in the same ratio sum_i d_i / D. Compiled for sm_90 (bf16, KP = 4, the first config): forward 181 registers, no
-spill; dq and dc 255 registers, spilling 72 and 24 bytes (the full-width ones: 0 and 16). Not timed on a GPU.
+in the same ratio sum_i d_i / D. Compiled for sm_90 as a launch specialises it (bf16, KP = 4, the first config;
+contiguous rows, D a multiple of 16): forward 185 registers, dq 250, dc 255, no spill (other configs: see
+_GPU_CONFIGS_16BIT). Not timed on a GPU.
 
 Blocks for an H200 (autotuned among a few configs when not interpreting; see _GPU_CONFIGS_*): for bf16,
 BLOCK_M = 128 rows (two 64-row wgmma warpgroups with 8 warps), BLOCK_N = 64 columns, BLOCK_K = 32, 3
-pipeline stages: 12-24 KB of shared memory; at 184-250 registers x 256 threads a program holds most of an
+pipeline stages: 36-41 KB of shared memory; at 174-255 registers x 256 threads a program holds most of an
 SM's 64K registers, so one program runs per SM and the pipeline stages hide the load latency. Larger tiles
 spill (read from the sm_90 compile: `python -m angle_kernels.triton_ops._compile_check --full`). The tuning
 runs once per dtype, flags, D and power-of-two bucket of M and of Mc (_TUNE_KEY), not once per shape: a new
@@ -743,14 +744,15 @@ _TILE_KERNELS = (_similarity_xent_fwd_kernel, _similarity_xent_bwd_dq_kernel, _s
 
 # GPU candidates (see the module docstring). Under the interpreter autotuning with more than one config
 # fails, and one config sized to cover the (small) test problems in few programs is used instead.
-# 16-bit operands run on tensor cores (wgmma). Compiled for sm_90 with triton 3.9 (python -m
-# angle_kernels.triton_ops._compile_check --full; stack bytes = spills): 128 x 64 tiles with BLOCK_K = 32 and
-# 8 warps use 177-220 / 231 / 233-255 registers (forward / dq / dc) and spill 0 / 0 / 0-16 bytes; the
-# BLOCK_K = 64 configs spill 96-416 bytes in the backward kernels (the fp32 gradient chunk and the recomputed
-# tile are live together); 128 x 128 spills far more. fp32 with input_precision="ieee" cannot use tensor cores
-# (FMA dots hold both operands in registers): its backward kernels spill 184-930 bytes in every config here,
-# so the exact-fp32 path is expected to be slow; bf16/fp16 is the training path. None of this is measured on
-# a GPU yet: autotuning picks among these on the first call of each key (see _TUNE_KEY).
+# 16-bit operands run on tensor cores (wgmma). Compiled for sm_90 with triton 3.9 as launches specialise them
+# (contiguous rows, D a multiple of 16: python -m angle_kernels.triton_ops._compile_check --full; stack bytes =
+# spills): the full-width kernels use 119-186 / 181-240 / 198-255 registers (forward / dq / dc) in every config
+# below, no spills, 36-74 KB of shared memory (BLOCK_K = 32 / 64); the prefix (dims) backward kernels spill up to
+# 176 / 464 bytes in the BLOCK_K = 64 configs (the fp32 gradient chunk and the recomputed tile are live
+# together); 128 x 128 spills far more. fp32 with input_precision="ieee" cannot use tensor cores (FMA dots hold
+# both operands in registers): its backward kernels sit at 255 registers and spill up to 552 bytes (prefix: 848),
+# so the exact-fp32 path is expected to be slow; bf16/fp16 is the training path. None of this is measured on a
+# GPU yet: autotuning picks among these on the first call of each key (see _TUNE_KEY).
 _GPU_CONFIGS_16BIT = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
