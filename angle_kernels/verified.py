@@ -192,12 +192,16 @@ def forget() -> None:
 
 
 def is_verified(backend: str, op: str, path: str, device: torch.device) -> bool:
-    """Whether a verification covers `backend`'s `op` on code path `path` on the CUDA `device`."""
+    """Whether a verification covers `backend`'s `op` on code path `path` on the CUDA `device`. A process that
+    cannot tell its own identity (a query that fails) has nothing verified: the answer is then False."""
     key = (backend, op, path, device.index)
     if key not in _answers:
         ident_key = (backend, op, device.index)
         if ident_key not in _identities:
-            _identities[ident_key] = identity(backend, op, device)
+            try:
+                _identities[ident_key] = identity(backend, op, device)
+            except Exception as exc:  # noqa: BLE001 (a loss call must not fail on this question)
+                _identities[ident_key] = {"gpu": f"a GPU whose identity is unknown ({type(exc).__name__}: {exc})"}
         ident = _identities[ident_key]
         _answers[key] = any(covers(e, backend, op, path, ident) for e in entries())
     return _answers[key]
@@ -212,6 +216,8 @@ def covers_every_path(backend: str, device: torch.device) -> bool:
 def describe(backend: str, op: str, device: torch.device) -> str:
     """The identity a verification of `backend`'s `op` must match here, in words (for warnings)."""
     ident = _identities.get((backend, op, device.index)) or identity(backend, op, device)
+    if "capability" not in ident:
+        return ident["gpu"]
     return f"{ident['gpu']} (sm_{ident['capability'].replace('.', '')}), " + ", ".join(
         f"{name} {ident[name]}" for name in MATCH_FIELDS[backend] if name != "capability")
 

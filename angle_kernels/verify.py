@@ -15,8 +15,9 @@ A code path passes when every case of it passes in every dtype (bfloat16, float3
 that order, so a time limit cuts the rarest first); it is then recorded in the user's cache
 (`verified.cache_dir()`), and a path that fails loses any earlier record for this GPU and software. Paths whose
 checks did not all run (--time-limit) are neither. Takes a few minutes on an H100, most of it compiling and
-autotuning. `--sizes large` uses the sizes of the project's own GPU run (scripts/gpu_check.sh first), which
-also writes the entries for the project's table (`verified.VERIFIED`) with --table-entries.
+autotuning. `--sizes large` uses the sizes of the project's own GPU run (scripts/gpu_check.sh first, which runs
+one process per dtype and turns their merged results into the entries for the project's table,
+`verified.VERIFIED`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -334,6 +336,8 @@ def main(argv=None) -> int:
               "checks them through the Triton interpreter)")
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
+    # what this command exists to settle: dispatch's "not verified here" warnings would only repeat it
+    warnings.filterwarnings("ignore", message=r"angle_kernels: backend=.* has not passed a correctness run")
     usable, why_not = _runnable_backends(args.backend)
     for name, why in why_not.items():
         print(f"not checked: {name}: {why}")

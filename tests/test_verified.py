@@ -146,3 +146,13 @@ def test_stale_entries_are_reported():
     assert verified.stale_entries([made]) == [made]
     current = {**made, "source": verified.source_fingerprint("triton", "pair_scores")}
     assert verified.stale_entries([current]) == []
+
+
+def test_a_process_that_cannot_tell_its_identity_has_nothing_verified(cache, monkeypatch):
+    def broken(backend, op, device):
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setattr(verified, "identity", broken)
+    monkeypatch.setattr(verified, "VERIFIED", (verified.entry("triton", "pair_scores", "full", TRITON_ID, "table"),))
+    assert not verified.is_verified("triton", "pair_scores", "full", torch.device("cuda", 0))
+    assert "identity is unknown" in verified.describe("triton", "pair_scores", torch.device("cuda", 0))

@@ -31,7 +31,7 @@ import angle_kernels.triton_ops._common as common  # noqa: E402
 import angle_kernels.triton_ops.pair_scores as pair  # noqa: E402
 import angle_kernels.triton_ops.ranking_loss as ranking  # noqa: E402
 import angle_kernels.triton_ops.similarity_xent as similarity  # noqa: E402
-from angle_kernels import dispatch  # noqa: E402
+from angle_kernels import dispatch, verified  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 
@@ -233,7 +233,8 @@ def test_pair_scores_dims_launch_one_kernel_per_pass_not_per_prefix(triton_backe
 
 
 def test_pair_scores_dims_run_on_triton_not_on_the_torch_fallback(triton_backend, monkeypatch):
-    """With "auto"'s fallback in place, a dims call stays on the Triton kernels: no warning, no torch op."""
+    """Under "auto", with the Triton backend verified for it, a dims call stays on the Triton kernels: no warning,
+    no torch op."""
     dims = (4, 10, 16)
     x = randn(generator("no_fallback_pair_dims"), 6, 3, 20, dtype=torch.float64).to(triton_backend.device)
     torch_ops = dispatch.resolve_backend("torch", x)
@@ -245,7 +246,8 @@ def test_pair_scores_dims_run_on_triton_not_on_the_torch_fallback(triton_backend
 
     for function in (torch_pair.PairScoresFunction, torch_pair.PrefixPairScoresFunction):
         monkeypatch.setattr(function, "apply", refuse)
-    auto = dispatch.Ops("triton", triton_backend.ops.backend, fallback=torch_ops)
+    monkeypatch.setattr(verified, "is_verified", lambda backend, op, path, device: backend == "triton")
+    auto = dispatch.AutoOps([dispatch.Ops("triton", triton_backend.ops.backend)], {})
     leaf = x.clone().requires_grad_()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
