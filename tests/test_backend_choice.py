@@ -358,3 +358,31 @@ def test_cuda_ops_is_available_passes_allow_build_through(monkeypatch):
     cuda_ops.is_available(allow_build=False)
     cuda_ops.is_available()
     assert asked == [False, True]
+
+
+_REAL_IS_VERIFIED = verified.is_verified
+
+
+def test_auto_follows_the_table_and_the_users_cache_through_the_match_rule(backends, monkeypatch, tmp_path):
+    """End to end through angle_kernels.verified's own rule: a table entry for Triton's dims path and a cache entry
+    for its fused path (made by `verify` on this identity) send exactly those calls to Triton; an entry for another
+    GPU (sm_80) sends nothing."""
+    ident = {"capability": "9.0", "torch": "2.11", "triton": "3.6", "source": "0123456789abcdef", "gpu": "H100"}
+    monkeypatch.setattr(verified, "is_verified", _REAL_IS_VERIFIED)
+    monkeypatch.setattr(verified, "identity", lambda backend, op, device: ident)
+    monkeypatch.setenv(verified.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(verified, "VERIFIED", (
+        verified.entry("triton", "similarity_xent", "dims", ident, "bench/results/h100/first"),
+        verified.entry("triton", "pair_scores", "full", {**ident, "capability": "8.0"}, "an A100 run")))
+    verified.write_cache([verified.entry("triton", "ranking_loss", "fused", ident, "python -m angle_kernels.verify")],
+                         [])
+    verified.forget()
+    try:
+        auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+        q = _embeddings()
+        assert auto.computes("similarity_xent", q, None, 20.0, "partner", dims=(4, 8)) == ("triton", "dims")
+        assert auto.computes("similarity_xent", q, None, 20.0, "partner") == ("torch", "default")
+        assert auto.computes("ranking_loss", *_scores()) == ("triton", "fused")
+        assert auto.computes("pair_scores", q.view(3, 2, 8), True) == ("torch", "default")  # verified on sm_80
+    finally:
+        verified.forget()

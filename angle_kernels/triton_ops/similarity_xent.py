@@ -85,7 +85,9 @@ batch size re-tunes only when it enters a new bucket, and compiles nothing (_BAT
 
 Precision. Dots accumulate in fp32 (fp64 for fp64 inputs). bf16/fp16 inputs feed tl.dot natively on a GPU
 (tensor cores, fp32 accumulation) and the backward's softmax-gradient tile is rounded to the input dtype for
-its dot, as flash attention does. Under the Triton interpreter, bf16 tl.dot and bf16 arithmetic are
+its dot, as flash attention does; the tile carries w_i g / max|w g| (at most scale in magnitude), not w_i g / M,
+and the finish kernels apply max|w g| / M in the compute dtype, so an fp16 tile does not flush to zero at large M
+(`gradient_tile_scale`). Under the Triton interpreter, bf16 tl.dot and bf16 arithmetic are
 silently wrong (it multiplies raw bits), so the operand dtype is a constexpr (OPERAND) and interpreter runs
 convert bf16 tiles to fp32 right after loading. fp32 dots use input_precision="ieee" (exact fp32); TF32 is
 used only when ANGLE_KERNELS_ALLOW_TF32=1 is set.
