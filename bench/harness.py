@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-# A benchmark measures the checkout it lives in (and the CUDA extension stage b builds in place there), not
+# A benchmark measures the checkout it lives in (and the CUDA extension the GPU run builds in place there), not
 # some other installed copy of angle_kernels; tests/ provides the float64 oracle and rel_err.
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
