@@ -387,8 +387,20 @@ VERIFY_DTYPES = ("bfloat16", "float32", "float16", "float64")  # one process eac
 
 
 def preflight(record: StageRecord, on_gpu: bool) -> dict:
-    """Import every module the steps need and say which versions and tools are here; on a GPU, start the CUDA
-    extension's build in the background (record.build)."""
+    """On a GPU, start the CUDA extension's build in the background first (record.build: minutes of nvcc that
+    the next steps overlap); then import every module the steps need and say which versions and tools are here."""
+    import setuptools
+
+    nvcc = (Path(cuda_home()) / "bin" / "nvcc") if cuda_home() else shutil.which("nvcc")
+    tools = {"nvcc": str(nvcc) if nvcc and Path(nvcc).exists() else None, "ninja": shutil.which("ninja"),
+             "setuptools": setuptools.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    result = {"tools": tools}
+    if on_gpu:
+        if tools["nvcc"]:
+            record.build = BackgroundBuild(record.work)
+            result["cuda_build"] = f"started for TORCH_CUDA_ARCH_LIST={record.build.arch_list}"
+        else:
+            result["cuda_build"] = "not started: nvcc not found (CUDA_HOME, /usr/local/cuda, PATH)"
     modules, missing = {}, []
     for name in PREFLIGHT_MODULES + OPTIONAL_MODULES:
         try:
@@ -398,21 +410,11 @@ def preflight(record: StageRecord, on_gpu: bool) -> dict:
             modules[name] = f"MISSING: {type(exc).__name__}: {exc}"[:200]
             if name not in OPTIONAL_MODULES:
                 missing.append(name)
-    import setuptools
-
-    nvcc = (Path(cuda_home()) / "bin" / "nvcc") if cuda_home() else shutil.which("nvcc")
-    tools = {"nvcc": str(nvcc) if nvcc and Path(nvcc).exists() else None, "ninja": shutil.which("ninja"),
-             "setuptools": setuptools.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count()}
     for name, value in {**modules, **tools}.items():
         print(f"  {name:<48} {value}", flush=True)
-    result = {"modules": modules, "tools": tools, "missing": missing}
+    result.update(modules=modules, missing=missing)
     if on_gpu:
         result["environment"] = environment()
-        if tools["nvcc"]:
-            record.build = BackgroundBuild(record.work)
-            result["cuda_build"] = f"started for TORCH_CUDA_ARCH_LIST={record.build.arch_list}"
-        else:
-            result["cuda_build"] = "not started: nvcc not found (CUDA_HOME, /usr/local/cuda, PATH)"
     harness.write_json_atomic(record.work / "preflight.json", result)
     if missing:
         result.update(status="failed", error=f"missing: {', '.join(missing)}")
@@ -503,7 +505,8 @@ def cuda_backend(record: StageRecord, deadline: Deadline, workers: int) -> dict:
     result = {"build": build.wait(Deadline(deadline.left() - 60, time.monotonic()))}
     record.step("cuda_backend", {"status": "running", **result})
     result["probe"] = probe_cuda_backend(record, deadline)
-    checks = verify_side_by_side(record, Deadline(min(30.0, deadline.left() - 25), time.monotonic()), "cuda",
+    # about 45 s for its checks (no autotuning: seconds each at the large sizes), the rest for its op tests
+    checks = verify_side_by_side(record, Deadline(min(45.0, deadline.left() - 35), time.monotonic()), "cuda",
                                  {"all": ",".join(VERIFY_DTYPES)})
     result.update(checks=checks["checks"], outcomes=checks["outcomes"], failed=checks["failed"])
     record.step("cuda_backend", {"status": "running", **result})
