@@ -462,7 +462,7 @@ def verify_side_by_side(record: StageRecord, deadline: Deadline, backend: str,
 
 
 def _compact_check(r: dict) -> dict:
-    keep = ("backend", "op", "path", "dtype", "case", "pass", "error", "against", "seconds")
+    keep = ("backend", "op", "path", "dtype", "dtypes_required", "case", "pass", "error", "against", "seconds")
     compact = {k: r[k] for k in keep if k in r}
     for part in ("first", "second", "eager", "allowed"):
         if r.get(part):

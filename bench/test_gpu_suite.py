@@ -250,6 +250,8 @@ def test_the_large_checks_merge_one_run_per_dtype(tmp_path, monkeypatch):
     assert result["status"] == "failed" and result["failed"] == ["triton pair_scores full"]
     assert set(result["outcomes"].values()) == {"failed", "incomplete"}  # float16 never ran: nothing passes
     assert {c["dtype"] for c in result["checks"]} == {"bfloat16", "float32", "float64"}
+    # the record's compact checks say as much as the full results: the verifications are made from them
+    assert {" ".join(k): v for k, v in verify.outcomes(result["checks"]).items()} == result["outcomes"]
     markdown = (tmp_path / "out" / "first.md").read_text()
     assert "| triton | pair_scores | full | float64 |" in markdown and "made up" in markdown
 
