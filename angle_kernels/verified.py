@@ -160,12 +160,17 @@ def write_cache(passed: list[dict], failed: list[dict], path: Path | None = None
         return covers(a, b["backend"], b["op"], b["path"], b)
 
     kept = [old for old in read_cache(path) if not any(same(old, new) for new in replaced)]
+    write_json_atomic(path, {"format": CACHE_FORMAT, "entries": kept + passed})
+    return path
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """`data` as JSON in `path` (its folder created), written aside and renamed: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".verified-", suffix=".json", delete=False,
                                      encoding="utf-8") as tmp:
-        json.dump({"format": CACHE_FORMAT, "entries": kept + passed}, tmp, indent=1)
+        json.dump(data, tmp, indent=1)
     os.replace(tmp.name, path)
-    return path
 
 
 # Per process: the entries (table + cache, read at the first question), identities per (backend, op, device)

@@ -23,11 +23,8 @@ one process per dtype and turns their merged results into the entries for the pr
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -37,11 +34,11 @@ from typing import Callable
 import torch
 
 from . import reference, verified
+from .contract import SCORE_DTYPES, compute_dtype  # ranking_loss takes scores in SCORE_DTYPES only
 from .dispatch import resolve_backend
 
 # The order dtypes are checked in: what training uses first.
 DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
-SCORE_DTYPES = (torch.float32, torch.float64)  # ranking_loss takes scores in these only
 # Above this many elements of its N x N matrix the reference ranking term is replaced by the torch backend in
 # float64 (itself held to the reference by the test suite): the sort path exists only at large N.
 REFERENCE_MAX_ELEMENTS = 2**26
@@ -68,11 +65,6 @@ def _randn(gen, *shape, dtype, device):
     return torch.randn(*shape, generator=gen, dtype=torch.float64, device=device).to(dtype)
 
 
-def _float_like(dtype: torch.dtype) -> torch.dtype:
-    """The float dtype of per-row options (weights, thresholds) for inputs of `dtype`: their compute dtype."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _pair_case(path: str, groups: int, k: int, d: int, dims=None) -> Case:
     def build(gen, dtype, device):
         return [_randn(gen, groups, k, d, dtype=dtype, device=device)], lambda x: ((x, True), {"dims": dims})
@@ -97,7 +89,7 @@ def _xent_case(path: str, m: int, mc: int | None, d: int, dims=None) -> Case:
         if mc is None:
             options = dict(target="partner", exclude_diagonal=True, dims=dims,
                            group_ids=torch.randint(0, max(1, m // 2), (m,), generator=gen, device=device),
-                           row_weights=(torch.rand(m, generator=gen, device=device) > 0.2).to(_float_like(dtype)))
+                           row_weights=(torch.rand(m, generator=gen, device=device) > 0.2).to(compute_dtype(dtype)))
             return [q], lambda q: ((q, None, 20.0), options)
         c = _randn(gen, mc, d, dtype=dtype, device=device)
         return [q, c], lambda q, c: ((q, c, 20.0), dict(target="diagonal", margin=math.radians(10), dims=dims))
@@ -112,7 +104,7 @@ def _lse_case(path: str, m: int, mc: int, d: int) -> Case:
     def build(gen, dtype, device):
         q = _randn(gen, m, d, dtype=dtype, device=device)
         c = _randn(gen, mc, d, dtype=dtype, device=device)
-        threshold = torch.full((m,), 0.1, dtype=_float_like(dtype), device=device)
+        threshold = torch.full((m,), 0.1, dtype=compute_dtype(dtype), device=device)
         return [q, c], lambda q, c: ((q, c, 20.0), dict(
             period=m, penalty=2.0, penalty_on="other", filter_q=q.detach(), filter_c=c.detach(),
             filter_threshold=threshold, filter_keeps_target=True))
@@ -291,13 +283,6 @@ def _runnable_backends(wanted: str) -> tuple[list[str], dict[str, str]]:
     return usable, why_not
 
 
-def _write_json(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        json.dump(data, tmp, indent=1)
-    os.replace(tmp.name, path)
-
-
 def _row(r: dict) -> str:
     """One check as a line of the console's table."""
     head = f"{r['backend']:<7} {r['op']:<16} {r['path']:<9} {r['dtype']:<9} {r['case']:<40}"
@@ -349,7 +334,7 @@ def main(argv=None) -> int:
         print(_row(results[-1]), flush=True)
         report["results"] = done + results
         if args.out is not None:
-            _write_json(args.out, report)
+            verified.write_json_atomic(args.out, report)
 
     done: list[dict] = []
     for backend in usable:
@@ -358,7 +343,7 @@ def main(argv=None) -> int:
                                   f"python -m angle_kernels.verify --sizes {args.sizes}")
     report.update(results=done, passed=passed, failed=failed)
     if args.out is not None:
-        _write_json(args.out, report)
+        verified.write_json_atomic(args.out, report)
     for state, made in (("passed", passed), ("FAILED", failed)):
         for e in made:
             sm = e["capability"].replace(".", "")

@@ -61,7 +61,7 @@ class Tuning(NamedTuple):
     (then resets `reset_to_zero` once more and runs the chosen config for the result): a kernel that adds into a
     buffer the launcher zeroed must name it in `reset_to_zero`, one that modifies an input in place must name it
     in `restore_value`, or that first call returns the sum of all those runs. The same lists go to
-    triton.autotune (`autotuned`) and to the test that replays the autotuner's sequence under the interpreter
+    triton.autotune (`tuned_kernel`) and to the test that replays the autotuner's sequence under the interpreter
     (tests/ops/test_autotune_side_effects.py): a kernel that needs them and lacks them fails there, on CPU.
     """
 
@@ -97,7 +97,8 @@ def autotune_all_configs() -> bool:
     return value == "all"
 
 
-def autotuned(kernel, configs: list, key: list, tuning: Tuning = Tuning(), interpreting: bool = False) -> TunedKernel:
+def tuned_kernel(kernel, configs: list, key: list, tuning: Tuning = Tuning(), interpreting: bool = False
+                 ) -> TunedKernel:
     """`kernel` autotuned on `key` over `configs` with `tuning`'s declarations; under the interpreter (which
     cannot autotune more than one config) the kernel itself, launched with the blocks its launcher picks."""
     if interpreting:

@@ -786,7 +786,7 @@ def autotuned(tile_kernels: tuple, key: list, tunings: dict | None = None) -> di
     tensor cores, "32bit": fp32/fp64 dots), each with its launch's `Tuning` from `tunings` (kernel -> Tuning;
     none declared: the kernel writes every output element without reading it first)."""
     tunings = tunings or {}
-    return {name: tuple(_common.autotuned(k, configs, key, tunings.get(k, Tuning()), triton_interpreting())
+    return {name: tuple(_common.tuned_kernel(k, configs, key, tunings.get(k, Tuning()), triton_interpreting())
                         for k in tile_kernels)
             for name, configs in (("16bit", _GPU_CONFIGS_16BIT), ("32bit", _GPU_CONFIGS_32BIT))}
 
