@@ -20,7 +20,6 @@ keeps its tokens for that copy, and setup reports how many there are.
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import random
@@ -33,9 +32,11 @@ from .data import (
     Prompts,
     apply_prompt,
     check_text,
+    delimited_rows,
     first_line_is_stsb,
     jsonl_rows,
     open_hf_dataset,
+    open_text,
     read_stsb,
 )
 
@@ -51,7 +52,7 @@ def load_sentences(source: str, *, column: str = "text", split: str = "train") -
         if first_line_is_stsb(source):
             sentences, skipped = list(dict.fromkeys(t for ex in read_stsb(source) for t in ex.texts)), 0
         elif source.endswith(".txt"):
-            with open(source, encoding="utf-8") as f:
+            with open_text(source) as f:
                 lines = [line.rstrip("\n").rstrip("\r") for line in f]
             sentences = [line for line in lines if line.strip()]
             skipped = len(lines) - len(sentences)
@@ -78,13 +79,12 @@ def _jsonl_column(path: str, column: str) -> list[str]:
 
 
 def _delimited_column(path: str, column: str) -> list[str]:
-    delimiter = "\t" if path.endswith(".tsv") else ","
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f, delimiter=delimiter, quoting=csv.QUOTE_NONE if delimiter == "\t" else
-                                csv.QUOTE_MINIMAL)
-        if column not in (reader.fieldnames or []):
-            raise DataError(f"{path}, line 1 (header): no column {column!r} (--text-column); has {reader.fieldnames}")
-        return [check_text(row[column], f"{path}, line {reader.line_num}", column) for row in reader]
+    def check_header(fieldnames):
+        if column not in fieldnames:
+            raise DataError(f"{path}, line 1 (header): no column {column!r} (--text-column); has {fieldnames}")
+
+    rows = delimited_rows(path, "\t" if path.endswith(".tsv") else ",", check_header)
+    return [check_text(row[column], where, column) for where, row in rows]
 
 
 def _dataset_column(name_or_path: str, column: str, split: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Checkpoints: everything a killed run needs to continue exactly, and the best model so far.
+"""Checkpoints: everything a killed run needs to continue exactly; the best and the final model.
 
     OUTPUT_DIR/checkpoints/step-00000300/   every --save-every steps; the newest --keep-checkpoints are kept
         state.pt         trainable weights, optimizer, LR schedule, loss scaler, data position, settings
@@ -8,9 +8,10 @@
         torch.distributed.checkpoint: __{r}_0.distcp per process and .metadata (sharding.py)
         manifest.json    the size and SHA-256 of every other file, written last
     OUTPUT_DIR/best/                        the model with the best dev Spearman so far (an export: export.py)
+    OUTPUT_DIR/final/                       the model after the last step (an export)
 
 A folder is written as NAME.tmp and swapped in only once complete, so a run killed while writing leaves
-the previous checkpoint or best model on disk, never a half-written one. A write that fails (a full disk)
+the previous checkpoint or export on disk (or none), never a half-written one. A write that fails (a full disk)
 removes NAME.tmp and raises an OSError that names the previous checkpoint, which is intact.
 
 The manifest catches what the rename cannot: a folder damaged later (a truncated copy, a disk error, a file
@@ -19,13 +20,18 @@ says which newer ones it skipped and why; `--resume PATH` to a folder that does 
 folder without a manifest (damaged, or written by a version that did not write one) does not match.
 
 Reading a checkpoint never runs code from it. Unpickling an arbitrary object can call any function its
-author chose, and a checkpoint folder may come from someone else, so both files hold only tensors and plain
-Python values (numpy's generator state is stored as a list, not an array) and are read with
-torch.load(weights_only=True); a file holding anything else is refused with UnsafeCheckpointError.
+author chose, and a checkpoint folder may come from someone else (who can rewrite its manifest too), so state.pt
+and rng-rank{r}.pt hold only tensors and plain Python values (numpy's generator state is stored as a list, not
+an array) and are read with torch.load(weights_only=True). --fsdp's files are read the same way: the entries of
+the .distcp files with torch.load(weights_only=True), and .metadata with an unpickler that admits only the
+classes DCP writes there (sharding.py), in place of DCP's own pickle.load and torch.load(weights_only=False). A
+file holding anything else is refused with UnsafeCheckpointError, which names it, before anything in it runs. A
+manifest names only files of its own folder: one naming another path (../x, /x, sub/x, a link out of the folder)
+does not match, and nothing it names is read.
 
-Two starts are refused because they would silently skip or repeat training data: a fresh run in an
-output folder that holds another run's checkpoints, and a resume whose data settings (RESUME_MUST_MATCH)
-differ from the checkpoint's.
+Two starts are refused: a fresh run in an output folder that holds an earlier run (unless --overwrite: it would
+replace or orphan that run's outputs), and a resume whose data settings (RESUME_MUST_MATCH) differ from the
+checkpoint's (it would silently skip or repeat training data).
 """
 
 from __future__ import annotations
@@ -61,6 +67,10 @@ CHECKPOINT_NAME = re.compile(r"step-(\d+)")  # a complete checkpoint; NAME.tmp a
 
 class UnsafeCheckpointError(ValueError):
     """A checkpoint file holding objects that only running code from the file could rebuild."""
+
+
+UNTRUSTED = ("angle_train never writes such a file, so it was written or changed by something else; resume only from "
+             "checkpoints you trust")  # the end of an UnsafeCheckpointError's message
 
 
 @dataclass
@@ -99,11 +109,13 @@ def finished_checkpoints(output_dir: str) -> list[str]:
 
 def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
     """The checkpoint this run continues from (cfg.resume: a folder, or "auto" for the newest one that matches
-    its manifest), or None.
+    its manifest), or None for a fresh start.
 
-    Starting afresh where an earlier run left checkpoints is refused: the new run's checkpoints would sort
-    before the old run's, so pruning would delete each of them as soon as it is written, and a later
-    `--resume auto` would continue the old run.
+    A fresh start where an earlier run left anything (earlier_run_outputs) is refused unless cfg.overwrite: it
+    would replace that run's final/ and metrics and leave its best/ beside the new run's, and with checkpoints
+    left the new run's would sort before the old run's, so pruning would delete each of them as soon as it is
+    written, and a later `--resume auto` would continue the old run. (`--resume auto` where nothing is left to
+    resume is such a fresh start.)
     """
     done = finished_checkpoints(cfg.output_dir)
     if cfg.resume == "auto":
@@ -115,20 +127,51 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
                     print(f"skipping damaged checkpoint {newer}: {why}", flush=True)
                 return path
             skipped.append((path, problem))
-        if skipped:
+        if skipped and not cfg.overwrite:
             detail = "; ".join(f"{path}: {why}" for path, why in skipped)
             raise ValueError(f"--resume auto: no checkpoint in {cfg.output_dir} matches its manifest ({detail}). "
-                             "Remove the damaged folders to start afresh, or choose a new --output-dir")
-        return None
-    if cfg.resume:
+                             "Pass --overwrite 1 to start afresh there, or choose a new --output-dir")
+    elif cfg.resume:
         problem = checkpoint_problem(cfg.resume)
         if problem is not None:
             raise ValueError(f"cannot resume from {cfg.resume}: {problem}")
         return cfg.resume
-    if done:
-        raise ValueError(f"output_dir {cfg.output_dir} already holds checkpoints of an earlier run (latest: "
-                         f"{done[-1]}): pass --resume auto to continue it, or choose a new --output-dir")
+    left = earlier_run_outputs(cfg.output_dir)
+    if left and not cfg.overwrite:
+        if done and cfg.resume != "auto":
+            options = f"pass --resume auto to continue it (latest checkpoint: {done[-1]}), --overwrite 1 to delete it"
+        else:
+            options = "it left no checkpoint to resume from; pass --overwrite 1 to delete it"
+        raise ValueError(f"output_dir {cfg.output_dir} holds an earlier run ({', '.join(left)}): {options} and "
+                         "start afresh, or choose a new --output-dir")
     return None
+
+
+# What a run writes into its output_dir; --overwrite deletes these (and their .tmp/.old leftovers), nothing else.
+RUN_OUTPUTS = ("checkpoints", "best", "final", "metrics.jsonl", "config.json", "profile.json", "tensorboard")
+
+
+def earlier_run_outputs(output_dir: str) -> list[str]:
+    """What an earlier run left in output_dir that a fresh start would replace or orphan: its checkpoints, best/,
+    final/ and logged steps (a config.json alone, from a run that stopped before its first step, is nothing)."""
+    found = []
+    if finished_checkpoints(output_dir):
+        found.append("checkpoints/")
+    found += [f"{name}/" for name in ("best", "final") if os.path.isdir(os.path.join(output_dir, name))]
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append("metrics.jsonl")
+    return found
+
+
+def remove_earlier_run(output_dir: str) -> None:
+    """--overwrite: delete what an earlier run wrote into output_dir (RUN_OUTPUTS), leaving any other file alone."""
+    for name in RUN_OUTPUTS:
+        for path in (os.path.join(output_dir, name + suffix) for suffix in ("", ".tmp", ".old")):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
 
 
 def _swap_in(tmp: str, final: str) -> None:
@@ -166,9 +209,16 @@ def write_manifest(folder: str) -> None:
     os.replace(tmp, os.path.join(folder, MANIFEST_FILE))
 
 
+def _is_file_name(name) -> bool:
+    """Whether `name` names a file of a folder itself: not a path (../x, /x, sub/x), nor the folder or its parent."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
+            and not any(sep and sep in name for sep in ("/", os.sep, os.altsep)))
+
+
 def checkpoint_problem(folder: str) -> str | None:
     """Why `folder` is not a complete checkpoint matching its manifest, or None when it is: every file the
-    manifest lists is present with its size and checksum, and the state file is among them."""
+    manifest lists is a file of the folder itself, present with its size and checksum, and the state file is among
+    them."""
     if not os.path.isdir(folder):
         return "no such folder"
     try:
@@ -183,6 +233,16 @@ def checkpoint_problem(folder: str) -> str | None:
         return f"{MANIFEST_FILE} is unreadable ({type(exc).__name__})"
     if STATE_FILE not in files:
         return f"{MANIFEST_FILE} does not list {STATE_FILE}"
+    # Every name must be a file of this folder itself (write_manifest lists nothing else), checked before any file
+    # is opened: a manifest naming ../x, /x or sub/x, or a link out of the folder, would have another file hashed.
+    real_folder = os.path.realpath(folder)
+    for name, expected in files.items():
+        if not _is_file_name(name):
+            return f"{MANIFEST_FILE} names {name!r}, which is not a file name of the folder"
+        if os.path.dirname(os.path.realpath(os.path.join(folder, name))) != real_folder:
+            return f"{MANIFEST_FILE} names {name!r}, which is a link to a file outside the folder"
+        if not isinstance(expected, dict):
+            return f"{MANIFEST_FILE} has an unknown layout"
     for name, expected in files.items():
         file = os.path.join(folder, name)
         if not os.path.isfile(file):
@@ -267,7 +327,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
         raise ValueError(f"checkpoint {path} has no RNG state for rank {dist_info.rank}: resume with the same "
                          "number of processes")
     rng_state = _read_tensors_and_plain_values(rng_file)
-    if sharded:  # the manifest was checked by checkpoint_to_resume before DCP reads (and unpickles) .metadata
+    if sharded:  # DCP's files, through readers that refuse anything but what DCP writes (sharding.py)
         load_sharded(path, encoder, optimizer)
     else:
         encoder.load_state_dict(state["model"], strict=False)
@@ -279,18 +339,23 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     return Position(**state["position"])
 
 
-def _read_tensors_and_plain_values(file: str):
-    """torch.load that rebuilds only tensors and plain Python values, so reading the file cannot run code."""
+def _read_tensors_and_plain_values(file, name: str | None = None):
+    """torch.load that rebuilds only tensors and plain Python values, so reading the file cannot run code. `file`: a
+    path, or a stream cut from the file `name` (an entry of a DCP shard file: sharding.py)."""
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        # torch names what it refused in the lines that mention GLOBAL (the pickle opcode that imports a callable)
-        found = "; ".join(line.strip() for line in str(exc).splitlines() if "GLOBAL" in line)
-        raise UnsafeCheckpointError(
-            f"refusing to load {file}: it holds Python objects other than tensors and plain values"
-            f"{f' ({found})' if found else ''}, and rebuilding them would run code that came with the file. "
-            "angle_train never writes such objects, so this file was written or changed by something else; "
-            "resume only from checkpoints you trust") from None
+        raise _refusal(name or file, exc) from None
+
+
+def _refusal(file: str, exc: pickle.UnpicklingError) -> UnsafeCheckpointError:
+    """The error for a file (or an entry of one) that torch.load(weights_only=True) refused with `exc`."""
+    # torch names what it refused in the lines that mention GLOBAL (the pickle opcode that imports a callable)
+    found = "; ".join(line.strip() for line in str(exc).splitlines() if "GLOBAL" in line)
+    return UnsafeCheckpointError(
+        f"refusing to load {file}: it holds Python objects other than tensors and plain values"
+        f"{f' ({found})' if found else ''}, and rebuilding them would run code that came with the file. "
+        f"{UNTRUSTED}")
 
 
 def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig) -> None:
@@ -331,11 +396,33 @@ def _set_rng_state(state: dict) -> None:
 def save_best(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None) -> str:
     """Export the model to output_dir/best (only the adapter for LoRA), replacing the previous best once the
     new one is complete. state_dict: a sharded (--fsdp) encoder's whole weights (sharding.full_state_dict)."""
-    best = os.path.join(cfg.output_dir, "best")
-    check_finite_weights(encoder, f"the best model to {best}", state_dict=state_dict)
-    shutil.rmtree(best + ".tmp", ignore_errors=True)  # left by a run killed while writing it
-    save_pretrained(encoder, tokenizer, best + ".tmp", max_length=cfg.max_length,
-                    adapter_only=is_peft_model(encoder.backbone), base_model=cfg.model, state_dict=state_dict,
-                    matryoshka_dims=cfg.trained_widths(encoder.embedding_dim))
-    _swap_in(best + ".tmp", best)
-    return best
+    return _export(cfg, encoder, tokenizer, "best", "the best model", adapter_only=is_peft_model(encoder.backbone),
+                   state_dict=state_dict)
+
+
+def save_final(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *,
+               while_writing=contextlib.nullcontext) -> str:
+    """Export the final model to output_dir/final (a LoRA model merged into its base), written as final.tmp and
+    swapped in once complete, as best/ is. while_writing(): a context around the writing of final.tmp (the
+    loop's StopSignals.interrupting, so that a signal abandons the export); a write that ends in an exception
+    leaves no final.tmp behind."""
+    return _export(cfg, encoder, tokenizer, "final", "the final model", adapter_only=False, state_dict=state_dict,
+                   while_writing=while_writing)
+
+
+def _export(cfg: TrainConfig, encoder, tokenizer, name: str, what: str, *, adapter_only: bool, state_dict,
+            while_writing=contextlib.nullcontext) -> str:
+    path = os.path.join(cfg.output_dir, name)
+    check_finite_weights(encoder, f"{what} to {path}", state_dict=state_dict)
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing it
+    try:
+        with while_writing():
+            save_pretrained(encoder, tokenizer, tmp, max_length=cfg.max_length, adapter_only=adapter_only,
+                            merge_in_place=False, base_model=cfg.model, state_dict=state_dict,
+                            matryoshka_dims=cfg.trained_widths(encoder.embedding_dim))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _swap_in(tmp, path)
+    return path

@@ -42,7 +42,8 @@ examples:
 booleans take a value: --bf16 1 / --bf16 0 (also true/false, yes/no, on/off); a bare --bf16 means on.
 data formats: A = text1,text2,label   B = query,positive   C = query,positive,negative (.jsonl, .csv, .tsv,
 the STS-B TSV layout, or a Hugging Face dataset). Outputs: OUTPUT_DIR/metrics.jsonl, best/, final/
-(a Hugging Face + sentence-transformers folder), checkpoints/ (resume with --resume auto).
+(a Hugging Face + sentence-transformers folder), checkpoints/ (resume with --resume auto); a folder that holds an
+earlier run is refused unless --overwrite 1 (which deletes that run's outputs) or --resume.
 """
 
 

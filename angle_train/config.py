@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, fields
 
 from angle_kernels.functional import check_arccon_options
 
 from .data import Prompts
+
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet", ".arrow", ".gz")
+MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every library the run uses accepts
 
 
 def opt(default, help: str, **extra):
@@ -25,7 +29,8 @@ class TrainConfig:
                      group="model")
     pooling: str = opt(None, "cls, cls_avg, avg, max or last (default: cls for encoders, last for decoder LMs)",
                        group="model", choices=["cls", "cls_avg", "avg", "max", "last"])
-    max_length: int = opt(128, "truncate every text to this many tokens (prompt included)", group="model")
+    max_length: int = opt(128, "truncate every text to this many tokens (prompt included)", group="model",
+                          at_least=1)
     prompt: str = opt(None, "template applied to every text without a prompt of its own (format A's texts, dev "
                       "evaluation; angle-emb's text_prompt); '{text}' marks the text (else it is a prefix); 'angle' "
                       "(= Prompts.A) selects the AnglE prompt 'Summarize sentence \"{text}\" in one word:\"' (for "
@@ -45,9 +50,9 @@ class TrainConfig:
     gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30%% slower)",
                                        group="model")
     lora: bool = opt(False, "train LoRA adapters instead of all weights (needs peft)", group="lora")
-    lora_r: int = opt(16, "LoRA rank", group="lora")
-    lora_alpha: int = opt(32, "LoRA alpha (scale = alpha / r)", group="lora")
-    lora_dropout: float = opt(0.05, "dropout on the LoRA branch", group="lora")
+    lora_r: int = opt(16, "LoRA rank", group="lora", at_least=1)
+    lora_alpha: int = opt(32, "LoRA alpha (scale = alpha / r)", group="lora", above=0)
+    lora_dropout: float = opt(0.05, "dropout on the LoRA branch", group="lora", at_least=0, below=1)
     lora_targets: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
                              "module names to adapt (default: every linear layer)", group="lora")
     # ---- data
@@ -58,31 +63,34 @@ class TrainConfig:
                            "default: detected from the columns", group="data", choices=["A", "B", "C"])
     dev_data: str = opt(None, "STS-style dev set (format A) for Spearman evaluation", group="data")
     dev_split: str = opt("validation", "split of a Hugging Face dev dataset", group="data")
-    bucket: int = opt(0, "length bucketing: sort runs of BUCKET batches by length (0 = off)", group="data")
+    bucket: int = opt(0, "length bucketing: sort runs of BUCKET batches by length (0 = off)", group="data",
+                      at_least=0)
     # ---- batch and optimisation
     batch_size: int = opt(32, "pairs per loss computation, summed over all GPUs: the in-batch negatives",
-                          group="optimisation")
+                          group="optimisation", at_least=1)
     grad_accum: int = opt(1, "loss computations per optimizer step (each sees only its own batch_size pairs)",
-                          group="optimisation")
+                          group="optimisation", at_least=1)
     chunk_size: int = opt(0, "gradient cache: texts per forward pass (0 = plain backprop of the whole batch); "
-                          "memory then grows with chunk_size, not batch_size", group="optimisation")
-    epochs: float = opt(1.0, "passes over the training data", group="optimisation")
-    max_steps: int = opt(0, "stop after this many optimizer steps (0 = use epochs)", group="optimisation")
-    lr: float = opt(2e-5, "peak learning rate (AdamW)", group="optimisation")
-    weight_decay: float = opt(0.01, "AdamW weight decay (matrices only, not biases or norms)", group="optimisation")
+                          "memory then grows with chunk_size, not batch_size", group="optimisation", at_least=0)
+    epochs: float = opt(1.0, "passes over the training data", group="optimisation", above=0)
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = use epochs)", group="optimisation", at_least=0)
+    lr: float = opt(2e-5, "peak learning rate (AdamW)", group="optimisation", above=0)
+    weight_decay: float = opt(0.01, "AdamW weight decay (matrices only, not biases or norms)", group="optimisation",
+                              at_least=0)
     warmup: float = opt(0.1, "warmup: a fraction of the steps if < 1, else a number of steps",
-                        group="optimisation")
+                        group="optimisation", at_least=0)
     schedule: str = opt("linear", "learning-rate decay after warmup", group="optimisation",
                         choices=["linear", "cosine", "constant"])
-    max_grad_norm: float = opt(1.0, "clip the gradient norm (0 = off)", group="optimisation")
+    max_grad_norm: float = opt(1.0, "clip the gradient norm (0 = off)", group="optimisation", at_least=0)
     max_bad_steps: int = opt(5, "a step with a non-finite loss or gradient norm is skipped (no update, the schedule "
-                             "waits); stop after this many in a row (0 = never stop)", group="optimisation")
+                             "waits); stop after this many in a row (0 = never stop)", group="optimisation", at_least=0)
     fsdp: bool = opt(False, "full fine-tuning with weights, gradients and AdamW state sharded over the processes "
                      "(PyTorch FSDP2), for models DDP cannot hold; launch with torchrun (2+ processes); not with "
                      "--lora (LoRA + DDP is the way for adapters)", group="optimisation")
     auto_chunk: bool = opt(False, "on out-of-memory, halve --chunk-size (from plain backprop: half the batch) and "
                            "retry the step (one process only)", group="optimisation")
-    seed: int = opt(42, "random seed (data order, dropout, LoRA init)", group="optimisation")
+    seed: int = opt(42, "random seed (data order, dropout, LoRA init)", group="optimisation",
+                    at_least=0, at_most=MAX_SEED)
     # ---- loss: angle_kernels.AngleLoss's weights and temperatures (defaults are angle-emb 0.6.1's)
     objective: str = opt("angle", "angle: AngleLoss on pairs (formats A/B/C); arccse: ArcCSE's unsupervised objective "
                          "from raw sentences (--train-data: .txt, one per line, or a --text-column): two dropout views "
@@ -90,19 +98,20 @@ class TrainConfig:
                          choices=["angle", "arccse"])
     arccon_margin: float = opt(10.0, "arccse: ArcCon's additive angular margin, in degrees", group="loss")
     arccon_tau: float = opt(0.05, "arccse: ArcCon's temperature", group="loss")
-    triplet_w: float = opt(0.1, "arccse: lambda, the triplet loss's weight", group="loss")
+    triplet_w: float = opt(0.1, "arccse: lambda, the triplet loss's weight", group="loss", at_least=0)
     mask_rates: list = opt([0.2, 0.4],  # noqa: RUF009 (opt() builds a default_factory for lists)
                            "arccse: the fractions of a sentence's tokens masked (one contiguous span) in its weakly "
                            "and strongly masked copies", group="loss", metavar="RATE")
     text_column: str = opt("text", "arccse: the column of a JSONL/CSV file or dataset holding the sentences",
                            group="data")
-    cosine_w: float = opt(0.0, "weight of the cosine (CoSENT) ranking term", group="loss")
-    ibn_w: float = opt(1.0, "weight of the in-batch-negative term (labels must be 0/1 in format A)", group="loss")
-    cln_w: float = opt(1.0, "weight of the hard-negative term (format C)", group="loss")
-    angle_w: float = opt(0.02, "weight of the angle ranking term", group="loss")
-    cosine_tau: float = opt(20.0, "scale of the cosine term", group="loss")
-    ibn_tau: float = opt(20.0, "scale of the contrastive terms", group="loss")
-    angle_tau: float = opt(20.0, "scale of the angle term", group="loss")
+    cosine_w: float = opt(0.0, "weight of the cosine (CoSENT) ranking term", group="loss", at_least=0)
+    ibn_w: float = opt(1.0, "weight of the in-batch-negative term (labels must be 0/1 in format A)", group="loss",
+                       at_least=0)
+    cln_w: float = opt(1.0, "weight of the hard-negative term (format C)", group="loss", at_least=0)
+    angle_w: float = opt(0.02, "weight of the angle ranking term", group="loss", at_least=0)
+    cosine_tau: float = opt(20.0, "scale of the cosine term", group="loss", above=0)
+    ibn_tau: float = opt(20.0, "scale of the contrastive terms", group="loss", above=0)
+    angle_tau: float = opt(20.0, "scale of the angle term", group="loss", above=0)
     ibn_partition: str = opt("angle", "in-batch-negative softmax: angle (AnglE's terms) or gte (GTE's joint partition: "
                              "query->documents, query->queries, document->queries, document->documents in one "
                              "softmax per pair)", group="loss", choices=["angle", "gte"])
@@ -123,18 +132,23 @@ class TrainConfig:
                          "loss of the last layer at the full and the --espresso-dim width, plus every earlier "
                          "hidden state's (pooled) at the --espresso-dim width weighted 1 / (1 + ln(1 + i)), averaged; "
                          "one fused loss call for all layers (not with --matryoshka-dims)", group="loss")
-    espresso_dim: int = opt(128, "the compressed width of --espresso", group="loss")
+    espresso_dim: int = opt(128, "the compressed width of --espresso", group="loss", at_least=1)
     # ---- evaluation, checkpoints, logging
     output_dir: str = opt("runs/angle", "where checkpoints, metrics.jsonl, best/ and final/ go", group="run")
-    eval_every: int = opt(0, "evaluate on dev_data every N optimizer steps (0 = only at the end)", group="run")
-    eval_batch_size: int = opt(128, "texts per forward pass during evaluation", group="run")
-    save_every: int = opt(0, "write a resumable checkpoint every N optimizer steps (0 = never)", group="run")
-    keep_checkpoints: int = opt(2, "how many resumable checkpoints to keep", group="run")
+    eval_every: int = opt(0, "evaluate on dev_data every N optimizer steps (0 = only at the end)", group="run",
+                          at_least=0)
+    eval_batch_size: int = opt(128, "texts per forward pass during evaluation", group="run", at_least=1)
+    save_every: int = opt(0, "write a resumable checkpoint every N optimizer steps (0 = never)", group="run",
+                          at_least=0)
+    keep_checkpoints: int = opt(2, "how many resumable checkpoints to keep (0 = all)", group="run", at_least=0)
     save_best: bool = opt(True, "keep the model with the best dev Spearman in output_dir/best", group="run")
     save_final: bool = opt(True, "export the final model to output_dir/final", group="run")
     resume: str = opt(None, "a checkpoint folder to resume from, or 'auto' (the latest in output_dir)",
                       group="run")
-    log_every: int = opt(10, "write metrics every N optimizer steps", group="run")
+    overwrite: bool = opt(False, "start afresh in an output_dir that holds an earlier run (its checkpoints, best/, "
+                          "final/ or logged steps), deleting what that run wrote; without it such a start is refused",
+                          group="run")
+    log_every: int = opt(10, "write metrics every N optimizer steps", group="run", at_least=0)
     progress: bool = opt(True, "show a tqdm progress bar", group="run")
     profile: bool = opt(False, "time the phases of the run's second optimizer step (data, encoder forward, all-gather, "
                         "loss, encoder backward, optimizer), print them and write output_dir/profile.json",
@@ -142,18 +156,11 @@ class TrainConfig:
     device: str = opt(None, "cpu, cuda, cuda:1... (default: cuda if available)", group="run")
 
     def validate(self) -> TrainConfig:
+        """Refuse settings that cannot work, naming the flag, before anything is loaded. What depends on the data
+        or the model is checked once they are read (trainer.setup)."""
+        self._validate_ranges()
         if self.bf16 and self.fp16:
-            raise ValueError("choose at most one of bf16 and fp16")
-        for name in ("batch_size", "grad_accum", "max_length", "lora_r"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("chunk_size", "max_steps", "eval_every", "save_every", "bucket", "log_every", "max_bad_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
-        if self.epochs <= 0 and self.max_steps == 0:
-            raise ValueError("epochs must be > 0 (or set max_steps)")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0; got {self.lr}")
+            raise ValueError("choose at most one of --bf16 and --fp16")
         self._validate_matryoshka()
         if self.espresso and self.matryoshka_dims:
             raise ValueError("--espresso trains its own two widths (--espresso-dim and the full one): leave out "
@@ -162,9 +169,40 @@ class TrainConfig:
             raise ValueError("--fsdp shards a full fine-tuning; with --lora the adapters are small: use DDP (leave "
                              "out --fsdp)")
         self._validate_arccse()
-        if self.espresso_dim < 1:
-            raise ValueError(f"espresso_dim must be >= 1; got {self.espresso_dim}")
         return self
+
+    def _validate_ranges(self) -> None:
+        """Every number against the bounds its field declares (opt(..., at_least=, above=, below=, at_most=)): a
+        float must be finite, a NaN or an infinity is never a setting."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or not {"at_least", "above", "below", "at_most"} & f.metadata.keys():
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = int if str(f.type) == "int" else float
+            value = _number(flag, value, kind)
+            if kind is float and not math.isfinite(value):
+                raise ValueError(f"{flag} must be a finite number; got {value}")
+            if not _within(value, f.metadata):
+                raise ValueError(f"{flag} must be {_range_text(f.metadata)}; got {value}")
+            setattr(self, f.name, value)
+        if self.false_negative_margin is not None:
+            self.false_negative_margin = _number("--false-negative-margin", self.false_negative_margin, float)
+            if not math.isfinite(self.false_negative_margin):
+                raise ValueError(f"--false-negative-margin must be a finite number; got {self.false_negative_margin}")
+
+    def check_paths(self, *, model: bool = True, train_data: bool = True, dev_data: bool = True) -> None:
+        """A --model, --train-data, --dev-data or --resume that can only mean a local path (names_local_path) and
+        does not exist is refused here, before anything is loaded: passed on to Hugging Face, a typo in a path
+        would be looked up on the Hub (retrying the network, then failing with a message about repo ids). The
+        keywords leave out what train() was given as objects instead."""
+        named = [("--model", self.model if model else None), ("--train-data", self.train_data if train_data else None),
+                 ("--dev-data", self.dev_data if dev_data else None),
+                 ("--resume", None if self.resume == "auto" else self.resume)]
+        for flag, name in named:
+            if name and names_local_path(name) and not os.path.exists(name):
+                raise ValueError(f"{flag} {name}: no such file or folder (a local path, not a Hugging Face hub name: "
+                                 "nothing was looked up on the Hub)")
 
     def prompts(self) -> Prompts:
         """The prompt of each role of a text (data.Prompts), from --prompt, --query-prompt and --doc-prompt."""
@@ -213,6 +251,33 @@ class TrainConfig:
             raise ValueError(f"--matryoshka-weights must be finite and > 0 (leave a width out to not train it); "
                              f"got {weights}")
         self.matryoshka_dims, self.matryoshka_weights = dims, weights
+
+
+def names_local_path(name: str) -> bool:
+    """Whether a model or data name can only be a local path, never a Hugging Face hub id (NAME or OWNER/NAME):
+    it exists, starts like a path (/, ./, ../, ~), ends like a data file (.jsonl, .csv...), has more than two
+    parts, or its first part is a folder here (data/train.jsonl)."""
+    if name.startswith("builtin:"):
+        return False
+    if os.path.exists(name) or os.path.isabs(name) or name.startswith(("./", "../", "~", ".\\", "..\\")):
+        return True
+    if name.lower().endswith(DATA_FILE_SUFFIXES):
+        return True
+    parts = name.replace("\\", "/").split("/")
+    return len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
+
+
+def _within(value, bounds: dict) -> bool:
+    return (value >= bounds.get("at_least", -math.inf) and value > bounds.get("above", -math.inf)
+            and value < bounds.get("below", math.inf) and value <= bounds.get("at_most", math.inf))
+
+
+def _range_text(bounds: dict) -> str:
+    """A field's bounds in words: ">= 0", "> 0 and < 1", "between 0 and 4294967295"."""
+    if "at_least" in bounds and "at_most" in bounds:
+        return f"between {bounds['at_least']} and {bounds['at_most']}"
+    words = {"at_least": ">=", "above": ">", "below": "<", "at_most": "<="}
+    return " and ".join(f"{sign} {bounds[key]}" for key, sign in words.items() if key in bounds)
 
 
 def _number(flag: str, value, kind: type):

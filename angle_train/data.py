@@ -11,11 +11,16 @@ automatically, or forced with layout="stsb"), or a Hugging Face dataset (hub nam
 `save_to_disk`, read with the `datasets` package).
 
 Every problem in a file raises `DataError` (a ValueError) naming the file and the line: missing columns,
-an empty file, a label that is not a finite number, an empty text, a malformed JSON line.
+an empty file, a null or empty label, a label that is not a finite number or is beyond +-LABEL_LIMIT, a null or
+empty text, a malformed JSON line, a CSV row with more or fewer fields than its header, bytes that are not UTF-8
+(with their byte offset). Local files are read as UTF-8; a byte-order mark at the start (as spreadsheet programs
+write "CSV UTF-8") is dropped. `open_text`, `check_label` and `check_text` hold these rules for every reader here,
+in angle_train.arccse and in angle_train.evaluate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -38,6 +43,12 @@ ROWS_PER_EXAMPLE = {"A": 2, "B": 2, "C": 3}
 # The role of each text of an example, which picks its prompt (Prompts): format A's texts are symmetric.
 ROLES = {"A": ("text", "text"), "B": ("query", "document"), "C": ("query", "document", "document")}
 ALIASES = {"sentence1": "text1", "sentence2": "text2", "score": "label"}
+# The largest |label| a file may hold. Labels are graded similarity scores (STS 0-5, SICK 1-5) or 0/1; the losses
+# only compare them (the ranking terms) or test them for 0 / 1 (the in-batch-negative term), on float32 batches
+# (TokenizedPairs.batch). Past 3.4e38 a label becomes inf there and the loss refuses the whole batch without a line
+# number; long before, float32 stops telling nearby labels apart (its spacing is 0.0625 at 1e6, 1 at 2**24). 1e6
+# leaves room for any rating scale (percentages, 0-1000) with labels a tenth apart still distinct.
+LABEL_LIMIT = 1e6
 
 
 class DataError(ValueError):
@@ -120,6 +131,8 @@ def detect_format(columns, where: str) -> str:
 
 def check_text(value, where: str, column: str) -> str:
     """A text field's value, or a DataError naming the place when it is not a non-empty string."""
+    if value is None:
+        raise DataError(f"{where}: column {column!r} is null (expected a text)")
     if not isinstance(value, str):
         raise DataError(f"{where}: column {column!r} must be a string; got {type(value).__name__} {value!r}")
     if not value.strip():
@@ -127,21 +140,79 @@ def check_text(value, where: str, column: str) -> str:
     return value
 
 
+def _shown(value) -> str:
+    """repr(value), with a long integer cut short (JSON allows integers of thousands of digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 20:
+        digits = str(abs(value))
+        return f"{'-' if value < 0 else ''}{digits[:6]}... (an integer of {len(digits)} digits)"
+    return repr(value)
+
+
+def check_label(value, where: str, column: str = "label") -> float:
+    """A format-A label as a float, or a DataError naming the place: null, empty, not a finite number, or beyond
+    +-LABEL_LIMIT (what the losses can use: see LABEL_LIMIT). `column`: the file's name for the label."""
+    what = "label" if column == "label" else f"label ({column!r})"
+    if value is None:
+        raise DataError(f"{where}: {what} is null (expected a number: the pair's similarity score)")
+    if isinstance(value, str) and not value.strip():
+        raise DataError(f"{where}: {what} is empty (expected a number: the pair's similarity score)")
+    try:
+        label = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError, OverflowError):
+        label = math.nan
+    if not math.isfinite(label):
+        raise DataError(f"{where}: bad {what} {_shown(value)} (must be a finite number)")
+    if abs(label) > LABEL_LIMIT:
+        raise DataError(
+            f"{where}: bad {what} {_shown(value)}: a label must be at most {LABEL_LIMIT:g} in absolute value "
+            "(labels are similarity scores, e.g. STS 0-5 or 0/1, compared as float32 by the loss)")
+    return label
+
+
+@contextlib.contextmanager
+def open_text(path: str, newline: str | None = None):
+    """`path` opened for reading as UTF-8 text, a byte-order mark at its start dropped (spreadsheet programs write
+    one). Bytes that are not UTF-8, met anywhere in the with block, raise a DataError naming the file, the line, the
+    byte offset and the bytes (the text file reads ahead, so the place is found again in the raw bytes)."""
+    with open(path, encoding="utf-8-sig", newline=newline) as f:
+        try:
+            yield f
+        except UnicodeDecodeError as exc:
+            raise DataError(_where_not_utf8(path) or f"{path}: not UTF-8 text ({exc})") from None
+
+
+def _where_not_utf8(path: str) -> str | None:
+    """The first bytes of the file that are not UTF-8, by line and byte offset (a line at a time: a UTF-8 character
+    never contains a newline byte), or None when they all are."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+        if head in (b"\xff\xfe", b"\xfe\xff"):
+            return (f"{path}, line 1: the file is UTF-16 (it starts with the byte-order mark {head!r}), not UTF-8: "
+                    "save it as UTF-8 (spreadsheet programs: \"CSV UTF-8\")")
+        f.seek(0)
+        offset = 0
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                near = line[max(0, exc.start - 20):exc.end + 20].decode("utf-8", "replace").strip()
+                return (f"{path}, line {number}: not UTF-8: the bytes {line[exc.start:exc.end]!r} at byte offset "
+                        f"{offset + exc.start} (in {near!r}); save the file as UTF-8 (it may be Latin-1 / "
+                        "Windows-1252)")
+            offset += len(line)
+    return None
+
+
 def _example_from_row(row: dict, fmt: str, where: str) -> Example:
+    names = {ALIASES.get(k, k): k for k in row if k is not None}  # the format's name -> the file's
     row = {ALIASES.get(k, k): v for k, v in row.items() if k is not None}
-    missing = [c for c in FORMATS[fmt] if c not in row or row[c] is None]
+    missing = [c for c in FORMATS[fmt] if c not in row]
     if missing:
         raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {sorted(row)})")
     texts = [check_text(row[column], where, column) for column in FORMATS[fmt] if column != "label"]
     label = 1.0
     if fmt == "A":
-        raw = row["label"]
-        try:
-            label = float(raw) if not isinstance(raw, bool) else float("nan")
-        except (TypeError, ValueError):
-            label = float("nan")
-        if not math.isfinite(label):
-            raise DataError(f"{where}: bad label {raw!r} (must be a finite number)")
+        label = check_label(row["label"], where, names["label"])
     return Example(tuple(texts), label)
 
 
@@ -162,7 +233,7 @@ def read_stsb(path: str) -> list[Example]:
     Split by hand: texts contain quote characters, and csv's default quoting would merge lines.
     """
     examples = []
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -177,7 +248,7 @@ def read_stsb(path: str) -> list[Example]:
 
 def jsonl_rows(path: str):
     """(where, row) for every non-blank line of a JSONL file: a JSON object each, or a DataError naming the line."""
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -186,6 +257,8 @@ def jsonl_rows(path: str):
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+            except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
+                raise DataError(f"{where}: not usable JSON ({exc})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: each line must be a JSON object; got {type(row).__name__}")
             yield where, row
@@ -199,26 +272,41 @@ def read_jsonl(path: str, fmt: str | None) -> tuple[list[Example], str]:
     return examples, fmt
 
 
-def read_delimited(path: str, fmt: str | None, delimiter: str) -> tuple[list[Example], str]:
-    # TSV files rarely quote their fields but often contain quote characters: read them literally.
+def delimited_rows(path: str, delimiter: str, check_header=None):
+    """(where, row) for every data row of a .csv / .tsv file with a header row; check_header(fieldnames) first sees
+    the header (and raises DataError for one that will not do). TSV files rarely quote their fields but often
+    contain quote characters: they are read literally. DataError for an empty file, a row with more or fewer fields
+    than the header, a CSV syntax error, bytes that are not UTF-8."""
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-    examples = []
-    with open(path, encoding="utf-8", newline="") as f:
+    with open_text(path, newline="") as f:
         reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting, strict=True)
-        if not reader.fieldnames:
-            raise DataError(f"{path}: the file is empty (expected a header row)")
-        fmt = fmt or detect_format(reader.fieldnames, f"{path}, line 1 (header)")
-        missing = [c for c in FORMATS[fmt] if c not in {ALIASES.get(n, n) for n in reader.fieldnames}]
-        if missing:
-            raise DataError(f"{path}, line 1 (header): missing column(s) {missing} for format {fmt}")
         try:
+            if not reader.fieldnames:
+                raise DataError(f"{path}: the file is empty (expected a header row)")
+            if check_header is not None:
+                check_header(reader.fieldnames)
+            width = len(reader.fieldnames)
             for row in reader:
                 where = f"{path}, line {reader.line_num}"
                 if None in row:
-                    raise DataError(f"{where}: more fields than the header's {len(reader.fieldnames)}")
-                examples.append(_example_from_row(row, fmt, where))
+                    raise DataError(f"{where}: more fields than the header's {width}")
+                if None in row.values():
+                    given = sum(value is not None for value in row.values())
+                    raise DataError(f"{where}: fewer fields ({given}) than the header's {width}")
+                yield where, row
         except csv.Error as exc:
             raise DataError(f"{path}, line {reader.line_num}: {exc}") from None
+
+
+def read_delimited(path: str, fmt: str | None, delimiter: str) -> tuple[list[Example], str]:
+    def check_header(fieldnames):
+        nonlocal fmt
+        fmt = fmt or detect_format(fieldnames, f"{path}, line 1 (header)")
+        missing = [c for c in FORMATS[fmt] if c not in {ALIASES.get(n, n) for n in fieldnames}]
+        if missing:
+            raise DataError(f"{path}, line 1 (header): missing column(s) {missing} for format {fmt}")
+
+    examples = [_example_from_row(row, fmt, where) for where, row in delimited_rows(path, delimiter, check_header)]
     return examples, fmt
 
 
@@ -273,7 +361,7 @@ def load_examples(source: str, *, fmt: str | None = None, split: str = "train", 
 
 
 def first_line_is_stsb(path: str) -> bool:
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for line in f:
             if line.strip():
                 return _is_stsb_line(line)

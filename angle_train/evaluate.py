@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .data import DataError, Example, Prompts, load_examples, read_stsb
+from .data import DataError, Example, Prompts, check_label, load_examples, open_text, read_stsb
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
 ORIGINAL_FILES = re.compile(r"STS20(1[2-6])\.input\.(.+)\.txt$")
@@ -65,8 +65,8 @@ def read_dataset(path: str) -> StsSet | RetrievalSet:
         return read_sts_year(path)
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file or folder")
-    with open(path, encoding="utf-8") as f:
-        first = f.readline().rstrip("\n").split("\t")
+    with open_text(path) as f:
+        first = f.readline().rstrip("\n").rstrip("\r").split("\t")
     if tuple(first[:4]) == SICK_HEADER:
         return StsSet("SICK-R", read_sick(path))
     stem = os.path.splitext(os.path.basename(path))[0]
@@ -105,9 +105,9 @@ def read_sts_year(folder: str) -> StsSet:
         raise DataError(f"{folder}: no STS.input.*.txt / STS20xx.input.*.txt files (an STS12-16 year folder)")
     examples = []
     for file, gold in subsets:
-        with open(file, encoding="utf-8") as f:
+        with open_text(file) as f:
             pairs = [line.rstrip("\n").rstrip("\r").split("\t") for line in f]
-        with open(gold, encoding="utf-8") as f:
+        with open_text(gold) as f:
             scores = [line.strip() for line in f]
         if len(scores) != len(pairs):
             raise DataError(f"{gold}: {len(scores)} gold lines for {len(pairs)} pairs in {os.path.basename(file)}")
@@ -116,16 +116,23 @@ def read_sts_year(folder: str) -> StsSet:
                 continue
             if len(fields) < 2:
                 raise DataError(f"{file}, line {number}: expected two tab-separated sentences")
-            examples.append(Example((fields[0], fields[1]), float(score)))
+            examples.append(Example((fields[0], fields[1]), check_label(score, f"{gold}, line {number}")))
     name = f"STS{year.group(1)}" if year else os.path.basename(os.path.normpath(folder))
     return StsSet(name, examples)
 
 
 def read_sick(path: str) -> list[Example]:
-    with open(path, encoding="utf-8") as f:
+    examples = []
+    with open_text(path) as f:
         next(f)
-        rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
-    return [Example((row[1], row[2]), float(row[3])) for row in rows]
+        for number, line in enumerate(f, start=2):
+            if not line.strip():
+                continue
+            row, where = line.rstrip("\n").rstrip("\r").split("\t"), f"{path}, line {number}"
+            if len(row) < 4:
+                raise DataError(f"{where}: expected at least 4 tab-separated fields; got {len(row)}")
+            examples.append(Example((row[1], row[2]), check_label(row[3], where, SICK_HEADER[3])))
+    return examples
 
 
 # ------------------------------------------------------------------------------------------------- scoring

@@ -1,7 +1,7 @@
 """What the training loop does when a step or the machine fails (angle_train/README.md, "When things go wrong").
 
-    non-finite step   a step whose loss or gradient norm is not finite is skipped: no optimizer update, the
-                      learning-rate schedule does not advance, its batches count as consumed; after
+    non-finite step   a step whose embeddings, loss or gradient norm are not finite is skipped: no optimizer
+                      update, the learning-rate schedule does not advance, its batches count as consumed; after
                       --max-bad-steps skips in a row the run stops with NonFiniteTrainingError (status 3 from
                       the CLI), its last checkpoint untouched. Every process agrees (any_rank): one rank's NaN
                       skips the step everywhere. No checkpoint or export is written from non-finite weights
@@ -11,7 +11,9 @@
                       again": resume with --resume auto). Every process stops at the same step (any_rank). A
                       second signal ends the process at once with the signal's default action; the checkpoint
                       folders are written as NAME.tmp and renamed when complete, so nothing half-written is
-                      ever taken for a checkpoint.
+                      ever taken for a checkpoint. A signal during the final export abandons it (final/ is
+                      written as final.tmp and swapped in once complete, so no half export is left) and writes
+                      a checkpoint of the last step instead: --resume auto then only exports.
     out of memory     the error names the batch, the texts per forward pass, the sequence length and what to
                       change (oom_message); with --auto-chunk the step is retried with half the chunk size
                       (the gradient cache makes the gradients independent of the chunk size).
@@ -20,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import threading
@@ -60,6 +63,23 @@ def is_finite_step(loss: float, grad_norm: float, loss_scaling: bool) -> bool:
     return math.isfinite(loss) and (loss_scaling or math.isfinite(grad_norm))
 
 
+class SkipNonFiniteEmbeddings:
+    """The run's loss, which in training treats NaN/Inf embeddings (an fp16 activation overflow in the encoder on
+    one bad batch, the usual cause) as a non-finite step: the loss is NaN, so the step is skipped and counts toward
+    --max-bad-steps, where the loss's own input check would stop the run with a ValueError (which it keeps for
+    direct callers). Called on every process's gathered embeddings, so every process decides alike. `seen`: the
+    embeddings of the step in progress were not finite (reset by the loop before each step)."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn, self.seen = loss_fn, False
+
+    def __call__(self, labels, embeddings):
+        if not bool(torch.isfinite(embeddings).all()):
+            self.seen = True
+            return embeddings.sum() * float("nan")  # NaN, with a graph: both backward passes run as usual
+        return self.loss_fn(labels, embeddings)
+
+
 def check_finite_weights(module: torch.nn.Module | None, what: str, *, state_dict: dict | None = None,
                          dist_info=None) -> None:
     """Refuse to write `what` (a checkpoint, an export) from a module holding a NaN or Inf trainable weight (or
@@ -83,17 +103,35 @@ def check_finite_weights(module: torch.nn.Module | None, what: str, *, state_dic
                          "earlier checkpoints are untouched; resume from the last one with a lower --lr")
 
 
+class Interrupted(Exception):
+    """A first SIGTERM / SIGINT inside StopSignals.interrupting(): the work there is abandoned at once."""
+
+
 class StopSignals:
     """Inside the context, SIGTERM and SIGINT set `requested` (the first signal's name) instead of ending the
     process; a second one ends it at once, whatever handlers were installed before: SIGINT raises
     KeyboardInterrupt (Python's own behaviour), SIGTERM takes its default action (the process terminates).
-    Outside the main thread (where Python cannot install handlers) a no-op."""
+    Inside `interrupting()` (the final export: long, and not worth finishing when a checkpoint resumes the run
+    as well) the first signal raises Interrupted there and then. Outside the main thread (where Python cannot
+    install handlers) a no-op."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.requested: str | None = None
         self._previous: dict = {}
+        self._interrupting = False
+
+    @contextlib.contextmanager
+    def interrupting(self):
+        """Inside: a first signal (or one that came before) raises Interrupted."""
+        if self.requested is not None:
+            raise Interrupted(self.requested)
+        self._interrupting = True
+        try:
+            yield
+        finally:
+            self._interrupting = False
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -119,6 +157,10 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.requested = name
+        if self._interrupting:
+            print(f"\n{name}: abandoning the final export, writing a checkpoint and stopping (send it again to stop "
+                  "at once)", flush=True)
+            raise Interrupted(name)
         print(f"\n{name}: finishing this optimizer step, then writing a checkpoint and stopping "
               f"(send it again to stop at once)", flush=True)
 

@@ -249,6 +249,19 @@ class Encoder(nn.Module):
         return torch.nn.functional.normalize(out, dim=-1) if normalize else out
 
 
+def position_limit(backbone: nn.Module) -> int | None:
+    """The most tokens the model can read at once where it has a hard limit, or None. A learned position table
+    (BERT, RoBERTa, MiniLM...: `position_embeddings`, max_position_embeddings rows) fails on longer inputs, and an
+    architecture that numbers positions after its padding row (RoBERTa, XLM-R: padding_idx + 1 onwards) loses those
+    rows too. Rotary models (LLaMA, Mistral, Qwen) have no table and no hard limit."""
+    for module in backbone.modules():
+        table = getattr(module, "position_embeddings", None)
+        if isinstance(table, nn.Embedding):
+            reserved = 0 if table.padding_idx is None else table.padding_idx + 1
+            return table.num_embeddings - reserved
+    return None
+
+
 def check_dim(dim: int | None, width: int) -> None:
     """dim: None (every feature) or a prefix width 1 <= dim <= width."""
     if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= width):

@@ -33,14 +33,15 @@ from angle_kernels.functional import check_nested, espresso_layer_weights
 
 from . import arccse, distributed, faults, sharding
 from .checkpoint import (
-    Position, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint, save_best,
-    save_checkpoint,
+    Position, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint, remove_earlier_run,
+    save_best, save_checkpoint, save_final,
 )
 from .config import TrainConfig
 from .data import Example, TokenizedPairs, epoch_batches, load_examples, pad_batch
-from .export import save_pretrained
 from .grad_cache import RngState, grad_cache_step, plain_step
-from .models import LoraSettings, check_dim, load_encoder, prepare_tokenizer, truncate, wrap_backbone
+from .models import (
+    LoraSettings, check_dim, load_encoder, position_limit, prepare_tokenizer, truncate, wrap_backbone,
+)
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
 
@@ -96,16 +97,15 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
                     save(run)
                 if on_step is not None:
                     on_step(step, row)
-                stop = signals.requested is not None and step < run.total_steps  # at the end: finish instead
-                if faults.any_rank(stop, run.dist_info, run.device):
+                if faults.any_rank(signals.requested is not None, run.dist_info, run.device):
                     # preempted (on any process): stop here, at the same step everywhere, resumable
                     path = checkpoint_path(cfg.output_dir, step) if saved else save(run)
                     raise faults.Preempted(signals.requested or "a signal to another process", path)
+            return finish(run, signals)
     except StopTraining:
         return run.result
     finally:
         run.log.close()
-    return finish(run)
 
 
 def report_profile(run: Run, profile, step: int) -> None:
@@ -147,6 +147,7 @@ class Run:
     dataset: TokenizedPairs | arccse.TokenizedSentences
     dev_examples: list[Example] | None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    guarded_loss: faults.SkipNonFiniteEmbeddings  # loss_fn as the steps call it: NaN/Inf embeddings make a bad step
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler
@@ -158,13 +159,36 @@ class Run:
 
 
 def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=None, loss_fn=None) -> Run:
-    """Build everything the loop needs (see train() for the overrides) and restore a checkpoint if asked."""
+    """Build everything the loop needs (see train() for the overrides) and restore a checkpoint if asked.
+
+    Cheap checks come first, so a mistake fails in seconds, before the model loads: the settings, the paths, the
+    output folder (an earlier run is not overwritten by accident), the data and what the data format needs; then
+    the model, and what the model's limits need."""
     cfg.validate()
+    cfg.check_paths(model=model is None, train_data=train_examples is None, dev_data=dev_examples is None)
+    resume_from = checkpoint_to_resume(cfg)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dist_info = distributed.init_distributed(device.type)
     if dist_info.enabled and device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank)
+    if cfg.auto_chunk and dist_info.enabled:
+        raise ValueError("--auto-chunk works with one process: an out-of-memory error on one rank would leave the "
+                         "others waiting in the all-gather; set --chunk-size instead")
+    if cfg.fsdp and not dist_info.enabled:
+        raise ValueError("--fsdp shards the model over several processes: launch with torchrun "
+                         "--nproc-per-node N (N >= 2), or leave out --fsdp on one")
+    if resume_from is None and cfg.overwrite and dist_info.is_main:
+        remove_earlier_run(cfg.output_dir)
+    distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
     prompts = cfg.prompts()
+
+    if cfg.objective == "arccse":
+        sentences, fmt = read_sentences(cfg, train_examples), None
+    else:
+        examples, fmt = train_examples or read_data(cfg.train_data, cfg.data_format, cfg.train_split)
+        check_format_settings(cfg, fmt)
+    if dev_examples is None and cfg.dev_data:
+        dev_examples = read_dev_data(cfg.dev_data, cfg.dev_split)
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
@@ -173,29 +197,15 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     if cfg.bidirectional:
         encoder.bidirectional = True  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
-    if cfg.matryoshka_dims:
-        check_matryoshka_dims(cfg, encoder.embedding_dim)
-    if cfg.espresso:
-        check_espresso(cfg, encoder)
-    if cfg.auto_chunk and dist_info.enabled:
-        raise ValueError("--auto-chunk works with one process: an out-of-memory error on one rank would leave the "
-                         "others waiting in the all-gather; set --chunk-size instead")
+    check_model_settings(cfg, encoder)
     if cfg.fsdp:
-        if not dist_info.enabled:
-            raise ValueError("--fsdp shards the model over several processes: launch with torchrun "
-                             "--nproc-per-node N (N >= 2), or leave out --fsdp on one")
         sharding.shard(encoder)  # before the optimizer, which holds the shards
 
     if cfg.objective == "arccse":
-        dataset, fmt = read_sentences(cfg, tokenizer, train_examples), None
+        dataset = arccse.TokenizedSentences(sentences, tokenizer, max_length=cfg.max_length,
+                                            mask_rates=cfg.mask_rates, seed=cfg.seed, prompt=prompts)
     else:
-        examples, fmt = train_examples or read_data(cfg.train_data, cfg.data_format, cfg.train_split)
-        if fmt == "A" and (cfg.query_prompt or cfg.doc_prompt):
-            raise ValueError("--query-prompt and --doc-prompt apply to the query and the positive/negative of formats "
-                             "B and C; format A's two texts take --prompt (angle-emb's text_prompt)")
         dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompts)
-    if dev_examples is None and cfg.dev_data:
-        dev_examples = read_dev_data(cfg.dev_data, cfg.dev_split)
     loss_name = ("ArcCSELoss" if cfg.objective == "arccse" else "AngleLoss") if loss_fn is None else \
         "the loss_fn given to train()"
     if loss_fn is None:
@@ -207,7 +217,6 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     # fp16 gradients underflow without loss scaling; with enabled=False every scaler call is a no-op.
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16)
     position = Position()
-    resume_from = checkpoint_to_resume(cfg)
     if resume_from:
         position = load_checkpoint(resume_from, cfg, dist_info, encoder=encoder, optimizer=optimizer,
                                    scheduler=scheduler, scaler=scaler)
@@ -225,10 +234,39 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     return Run(cfg=cfg, device=device, dist_info=dist_info, encoder=encoder,
                model=distributed.wrap_ddp(encoder, device) if dist_info.enabled and not cfg.fsdp else encoder,
                tokenizer=tokenizer, dataset=dataset, dev_examples=dev_examples, loss_fn=loss_fn,
+               guarded_loss=faults.SkipNonFiniteEmbeddings(loss_fn),
                optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps, position=position,
                epoch_order=batch_order(cfg, dataset, position.epoch),
                log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step),
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_spearman=position.best))
+
+
+def check_format_settings(cfg: TrainConfig, fmt: str) -> None:
+    """What the data format needs of the settings, checked once the data is read (before the model loads)."""
+    if fmt == "A" and (cfg.query_prompt or cfg.doc_prompt):
+        raise ValueError("--query-prompt and --doc-prompt apply to the query and the positive/negative of formats "
+                         "B and C; format A's two texts take --prompt (angle-emb's text_prompt)")
+    if fmt in ("A", "B") and cfg.batch_size < 2:
+        raise ValueError(f"--batch-size 1 with format {fmt}: every term of the loss compares a pair with the other "
+                         "pairs of its batch (in-batch negatives, ranking), so one pair gives a loss of 0 and trains "
+                         "nothing; use --batch-size 2 or more")
+    weights = {"A": ("cosine_w", "ibn_w", "angle_w"), "C": ("cosine_w", "ibn_w", "cln_w", "angle_w")}.get(fmt, ())
+    if weights and not any(getattr(cfg, name) > 0 for name in weights):
+        flags = ", ".join("--" + name.replace("_", "-") for name in weights)
+        raise ValueError(f"every loss weight of format {fmt} ({flags}) is 0: the loss would be 0 and train nothing")
+
+
+def check_model_settings(cfg: TrainConfig, encoder) -> None:
+    """The settings against the loaded model, before any text is tokenised: --max-length within the model's position
+    limit, --matryoshka-dims and --espresso within its width and layers."""
+    limit = position_limit(encoder.backbone)
+    if limit is not None and cfg.max_length > limit:
+        raise ValueError(f"--max-length {cfg.max_length} is longer than {cfg.model} can read: its position table "
+                         f"holds {limit} positions; use --max-length {limit} or less")
+    if cfg.matryoshka_dims:
+        check_matryoshka_dims(cfg, encoder.embedding_dim)
+    if cfg.espresso:
+        check_espresso(cfg, encoder)
 
 
 def build_loss(cfg: TrainConfig, fmt: str | None, encoder=None, world_size: int = 1
@@ -297,18 +335,18 @@ def read_data(source: str, fmt: str | None, split: str):
     return load_examples(source, fmt=fmt, split=split)
 
 
-def read_sentences(cfg: TrainConfig, tokenizer, sentences: list[str] | None = None) -> arccse.TokenizedSentences:
-    """--objective arccse's data: `sentences` (train()'s train_examples), the texts of a built-in dataset, or
-    --train-data's sentences, tokenised with their masked copies."""
-    if sentences is None and cfg.train_data in BUILTIN_DATASETS:
+def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list[str]:
+    """--objective arccse's sentences: `sentences` (train()'s train_examples), the texts of a built-in dataset, or
+    --train-data's sentences (tokenised with their masked copies once the model's tokenizer is loaded)."""
+    if sentences is not None:
+        return sentences
+    if cfg.train_data in BUILTIN_DATASETS:
         examples, _ = builtin_examples(cfg.train_data)
-        sentences = list(dict.fromkeys(text for ex in examples for text in ex.texts))
-    elif sentences is None:
-        sentences, blank = arccse.load_sentences(cfg.train_data, column=cfg.text_column, split=cfg.train_split)
-        if blank:
-            print(f"{cfg.train_data}: {blank:,} blank line(s) between sentences skipped", flush=True)
-    return arccse.TokenizedSentences(sentences, tokenizer, max_length=cfg.max_length, mask_rates=cfg.mask_rates,
-                                     seed=cfg.seed, prompt=cfg.prompts())
+        return list(dict.fromkeys(text for ex in examples for text in ex.texts))
+    sentences, blank = arccse.load_sentences(cfg.train_data, column=cfg.text_column, split=cfg.train_split)
+    if blank:
+        print(f"{cfg.train_data}: {blank:,} blank line(s) between sentences skipped", flush=True)
+    return sentences
 
 
 def read_dev_data(source: str, split: str) -> list[Example]:
@@ -372,6 +410,7 @@ def optimizer_step(run: Run) -> dict:
     (no update, the schedule waits) and its batches still count as consumed. Returns the step's metrics row."""
     cfg, position = run.cfg, run.position
     batches = next_batches(run)
+    run.guarded_loss.seen = False
     loss = accumulate_gradients(run, batches)
     with phase("optimizer"):
         run.scaler.unscale_(run.optimizer)
@@ -409,15 +448,17 @@ def report_bad_step(run: Run, row: dict, data_position: tuple[int, int], n_batch
     where = f"epoch {epoch}, batch{'es' if n_batches > 1 else ''} {batch}" + (
         f"-{batch + n_batches - 1}" if n_batches > 1 else "")
     if run.dist_info.is_main:
-        print(f"\nstep {row['step']}: skipped, non-finite loss ({row['loss']}) or gradient norm ({row['grad_norm']}) "
-              f"on the data at {where}; weights, optimizer state and learning rate unchanged "
+        what = ("non-finite embeddings (an overflow in the encoder's forward pass)" if run.guarded_loss.seen else
+                f"non-finite loss ({row['loss']}) or gradient norm ({row['grad_norm']})")
+        print(f"\nstep {row['step']}: skipped, {what} on the data at {where}; weights, optimizer state and learning "
+              "rate unchanged "
               f"({position.bad_streak} in a row{f', the run stops at {limit}' if limit else ''})", flush=True)
     if limit and position.bad_streak >= limit:
         done = finished_checkpoints(run.cfg.output_dir)
         kept = f"the last checkpoint, {done[-1]}, is untouched" if done else "no checkpoint was written"
         raise faults.NonFiniteTrainingError(
-            f"{position.bad_streak} optimizer steps in a row (the last: step {row['step']}, data at {where}) had a "
-            f"non-finite loss or gradient norm; none of them changed the weights, and {kept}. Lower --lr, "
+            f"{position.bad_streak} optimizer steps in a row (the last: step {row['step']}, data at {where}) had "
+            f"non-finite embeddings, loss or gradient norm; none of them changed the weights, and {kept}. Lower --lr, "
             "raise --warmup, train in float32 or bf16 rather than fp16, or check the data at that position")
 
 
@@ -464,7 +505,7 @@ def _backpropagate(run: Run, batches: list[list[int]]) -> float:
                 chunks = [(*pad_batch(c, run.encoder.pad_token_id, run.encoder.padding_side, run.device), dropout)
                           for c, dropout in batch.passes(cfg.chunk_size)]
             loss_scale = run.scaler.scale(torch.tensor(1.0 / cfg.grad_accum, device=run.device))
-            loss = step_fn(run.model, chunks, batch.labels.to(run.device), run.loss_fn, loss_scale=loss_scale,
+            loss = step_fn(run.model, chunks, batch.labels.to(run.device), run.guarded_loss, loss_scale=loss_scale,
                            sync=j == cfg.grad_accum - 1)  # DDP all-reduces the gradients once, after the last batch
             loss_sum += loss.item()
     return loss_sum / cfg.grad_accum
@@ -553,26 +594,38 @@ def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, ba
 # -------------------------------------------------------------------------------------------------- finish
 
 
-def finish(run: Run) -> TrainResult:
-    """After the last step: the final export and a summary line (main process)."""
+def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
+    """After the last step: the final export and a summary line (main process). A signal during the export
+    abandons it and stops the run resumable, as during a step: a checkpoint of the last step (on every process
+    together), then faults.Preempted; `--resume auto` then only exports."""
     cfg, position, result = run.cfg, run.position, run.result
     result.best_spearman = position.best
     # --fsdp: the whole weights, gathered from every process's shards (every process takes part)
     weights = sharding.full_state_dict(run.encoder) if cfg.fsdp and cfg.save_final else None
+    interrupted = False
+    if run.dist_info.is_main and cfg.save_final:
+        try:
+            result.final_path = save_final(cfg, run.encoder, run.tokenizer, state_dict=weights,
+                                           while_writing=signals.interrupting)
+        except faults.Interrupted:
+            interrupted = True
+    if faults.any_rank(interrupted, run.dist_info, run.device):
+        path = checkpoint_path(cfg.output_dir, position.step)
+        if path not in finished_checkpoints(cfg.output_dir):
+            path = save(run)
+        raise faults.Preempted(signals.requested or "a signal to another process", path)
     if not run.dist_info.is_main:
         return result
     if position.best is not None and cfg.save_best:
         result.best_path = os.path.join(cfg.output_dir, "best")
-    if cfg.save_final:
-        faults.check_finite_weights(run.encoder, "the final model", state_dict=weights)
-        result.final_path = save_pretrained(run.encoder, run.tokenizer, os.path.join(cfg.output_dir, "final"),
-                                            max_length=cfg.max_length, merge_in_place=False,
-                                            base_model=cfg.model, state_dict=weights,
-                                            matryoshka_dims=cfg.trained_widths(run.encoder.embedding_dim))
-    last = result.history[-1] if result.history else {}
-    print(f"done: {position.step} steps | last loss {last.get('loss', float('nan')):.4f} | "
-          f"{last.get('pairs_per_s', 0):.1f} pairs/s | {last.get('tokens_per_s', 0):.0f} tokens/s | "
-          f"peak memory {peak_memory_gb(run.device):.2f} GB"
+    if not result.history:  # resumed from a checkpoint of the last step: nothing was left to train
+        print(f"done: the run had already reached its last step ({position.step}) when it was resumed; nothing "
+              f"left to train{f', final model exported to {result.final_path}' if result.final_path else ''}",
+              flush=True)
+        return result
+    last = result.history[-1]
+    print(f"done: {position.step} steps | last loss {last['loss']:.4f} | {last['pairs_per_s']:.1f} pairs/s | "
+          f"{last['tokens_per_s']:.0f} tokens/s | peak memory {peak_memory_gb(run.device):.2f} GB"
           + (f" | best dev Spearman {position.best:.4f}" if position.best is not None else ""), flush=True)
     return result
 
@@ -659,8 +712,11 @@ def _drop_rows_after(path: str, step: int) -> None:
 
     with open(path) as f:
         rows = [line if line.endswith("\n") else line + "\n" for line in f if line.strip() and kept(line)]
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:  # replaced whole, never truncated in place: a kill now loses no row
         f.writelines(rows)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 def _tensorboard(output_dir: str):

@@ -31,7 +31,9 @@ takes. The embedding side (the model's forward, GradCache's mini-batches) is unt
 Differences from the parents, on inputs where the parents return NaN: angle_kernels raises a ValueError for
 NaN/Inf embeddings or labels (switch the check off with `angle_kernels.set_input_checks(False)`), and gives
 zero vectors cosine 0 instead of NaN (sentence-transformers normalises with the same epsilon, so finite
-inputs agree).
+inputs agree). A wrong number of input columns (dataset columns other than the label) raises a ValueError naming
+the loss, the count and the inputs it takes, where some parents raise an IndexError; CoSENTLoss refuses more than
+two columns, whose extra ones its parent ignores.
 """
 
 from __future__ import annotations
@@ -130,6 +132,29 @@ def _check_label_count(loss: torch.nn.Module, labels: Tensor, batch_size: int) -
         )
 
 
+# The input columns each loss takes (a dataset's columns other than its label column, in order), as
+# sentence-transformers documents them: (fewest, most or None, what they are). The parents fail on too few with an
+# IndexError (CoSENTLoss, AnglELoss, CachedGISTEmbedLoss) or a message that names neither the loss nor the inputs,
+# and CoSENTLoss silently ignores every column after the second; here each raises _check_columns' ValueError.
+_PAIRS = (2, 2, "(input_A, input_B) pairs with a float similarity score as the label (for (anchor, positive, "
+          "negative...) tuples use AnglELoss or MultipleNegativesRankingLoss)")
+_PAIRS_OR_TUPLES = (2, None, "(input_A, input_B) pairs with a float similarity score as the label, or (anchor, "
+                    "positive, negative_1, ..., negative_n) tuples")
+_ANCHORED = (2, None, "(anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples")
+_GIST = (2, 3, "(anchor, positive) pairs or (anchor, positive, negative) triplets")
+
+
+def _check_columns(loss: torch.nn.Module, count: int) -> None:
+    """A ValueError naming the loss, the number of input columns it got and what it takes (loss._input_columns)."""
+    fewest, most, inputs = loss._input_columns
+    if count < fewest or (most is not None and count > most):
+        expected = (f"{fewest} or more" if most is None else str(fewest) if fewest == most else
+                    " or ".join(map(str, range(fewest, most + 1))))
+        raise ValueError(
+            f"{loss.__class__.__name__} got {count} input column{'' if count == 1 else 's'}; it expects {expected}: "
+            f"{inputs}. Every dataset column other than the label column ('label' or 'score') is an input column.")
+
+
 class CoSENTLoss(_st_losses.CoSENTLoss):
     """sentence-transformers' CoSENTLoss computed by angle_kernels (`cosine_loss`): same arguments, same results.
 
@@ -144,7 +169,12 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
         scale: inverse temperature of the scores (default 20).
         similarity_fct: pairwise similarity (default `util.pairwise_cos_sim`).
         backend: keyword-only; angle_kernels backend ("auto", "torch", "triton", "cuda"; default: auto).
+
+    Inputs: exactly two columns; other counts raise a ValueError saying what is expected (the parent raises an
+    IndexError for one column and ignores the columns after the second).
     """
+
+    _input_columns = _PAIRS
 
     def __init__(self, model, scale: float = 20.0, similarity_fct=_st_util.pairwise_cos_sim, *,
                  backend: str | None = None) -> None:
@@ -156,11 +186,13 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
         return _pair_score_kind(self.similarity_fct) is not None
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
+        _check_columns(self, len(embeddings))
         if not self.uses_fused_path:
             return super().compute_loss_from_embeddings(embeddings, labels)
         return self._fused_loss(embeddings, labels)
 
     def _fused_loss(self, embeddings: list[Tensor], labels: Tensor, nested=None) -> Tensor:
+        _check_columns(self, len(embeddings))
         _check_label_count(self, labels, embeddings[0].shape[-2])
         return _fused_pair_ranking(embeddings[0], embeddings[1], labels, _pair_score_kind(self.similarity_fct),
                                    self.scale, self.backend, nested)
@@ -183,6 +215,8 @@ class AnglELoss(_st_losses.AnglELoss):
         backend: keyword-only; angle_kernels backend ("auto", "torch", "triton", "cuda"; default: auto).
     """
 
+    _input_columns = _PAIRS_OR_TUPLES
+
     def __init__(self, model, scale: float = 20.0, *, backend: str | None = None) -> None:
         super().__init__(model, scale=scale)
         self.backend = backend
@@ -192,11 +226,13 @@ class AnglELoss(_st_losses.AnglELoss):
         return _pair_score_kind(self.similarity_fct) is not None
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
+        _check_columns(self, len(embeddings))
         if not self.uses_fused_path:
             return super().compute_loss_from_embeddings(embeddings, labels)
         return self._fused_loss(embeddings, labels)
 
     def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None, nested=None) -> Tensor:
+        _check_columns(self, len(embeddings))
         kind = _pair_score_kind(self.similarity_fct)
         anchors = embeddings[0]
         if len(embeddings) > 2:
@@ -280,8 +316,7 @@ def _fused_mnrl(loss, embeddings: list[Tensor], nested=None) -> Tensor:
     with the defaults: older 6.x parents lack some attributes); on every prefix when nested has dims
     (MatryoshkaLoss, which normalises each truncated embedding: every similarity is then a cosine,
     util.dot_score's too), on every layer of stacks [L, rows, D] when nested.stacked."""
-    if len(embeddings) < 2:
-        raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
+    _check_columns(loss, len(embeddings))
     truncated = nested is not None and nested.dims is not None
     return _functional.multiple_negatives_ranking_loss(
         embeddings[0], embeddings[1], embeddings[2:], scale=loss.scale,
@@ -298,11 +333,14 @@ class _FusedMNRL:
     """The fused loss of the MultipleNegativesRankingLoss family, mixed in before the sentence-transformers
     parent (whose computation `super()` reaches for the configurations `_mnrl_unfused_reason` names)."""
 
+    _input_columns = _ANCHORED
+
     @property
     def uses_fused_path(self) -> bool:
         return _mnrl_unfused_reason(self) is None
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
+        _check_columns(self, len(embeddings))
         if _mnrl_unfused_reason(self) is not None:
             return super().compute_loss_from_embeddings(embeddings, labels)
         return self._fused_loss(embeddings, labels)
@@ -325,12 +363,20 @@ class _FusedCachedMNRL:
     """The loss stage of the cached (GradCache) MultipleNegativesRankingLoss family, fused; mixed in before the
     sentence-transformers parent, whose embedding side is untouched."""
 
+    _input_columns = _ANCHORED
+
     @property
     def uses_fused_path(self) -> bool:
         return _mnrl_unfused_reason(self) is None
 
+    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+        sentence_features = list(sentence_features)
+        _check_columns(self, len(sentence_features))  # before embedding any mini-batch
+        return super().forward(sentence_features, labels)
+
     def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
                        with_backward: bool = False) -> Tensor:
+        _check_columns(self, len(reps))
         if _mnrl_unfused_reason(self) is not None:
             return super().calculate_loss(reps, labels, with_backward=with_backward)
         return self._fused_cached_loss(reps, with_backward)
@@ -524,6 +570,8 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
     shorter, else on the decoded texts re-tokenised for the guide).
     """
 
+    _input_columns = _GIST
+
     def __init__(self, model, guide, temperature: float = 0.01, margin_strategy: Literal["absolute", "relative"] =
                  "absolute", margin: float = 0.0, contrast_anchors: bool = True, contrast_positives: bool = True,
                  gather_across_devices: bool = False, *, backend: str | None = None) -> None:
@@ -554,12 +602,11 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
 
     def forward(self, sentence_features, labels: Tensor) -> Tensor:
         sentence_features = list(sentence_features)
+        _check_columns(self, len(sentence_features))  # before embedding anything
         guide_features = self._guide_features(sentence_features)  # before the model writes into the features
         embeddings = _embed_columns(self.model, sentence_features)
         with torch.no_grad():
             guide_embeddings = _embed_columns(self.guide, guide_features)
-        if len(embeddings) not in (2, 3):
-            raise ValueError(f"Expected 2 or 3 embeddings, got {len(embeddings)}")
         return _fused_gist(self, embeddings, guide_embeddings)
 
 
@@ -567,6 +614,8 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
     """sentence-transformers' CachedGISTEmbedLoss (GradCache) with the loss stage computed by angle_kernels
     (`gist_loss`) on the whole cached batch at once; the embedding side (model and guide mini-batches) is the
     parent's. Same arguments, plus keyword-only `backend`; always fused."""
+
+    _input_columns = _ANCHORED
 
     def __init__(self, model, guide, temperature: float = 0.01, mini_batch_size: int = 32,
                  mini_batch_num_tokens: int | None = None, show_progress_bar: bool = False,
@@ -585,8 +634,14 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
     def uses_fused_path(self) -> bool:
         return True
 
+    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+        sentence_features = list(sentence_features)
+        _check_columns(self, len(sentence_features))  # before embedding any mini-batch
+        return super().forward(sentence_features, labels)
+
     def calculate_loss(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *,
                        with_backward: bool = False) -> Tensor:
+        _check_columns(self, len(reps))
         if len(reps) != len(reps_guided):
             raise ValueError("reps and reps_guided must have the same length")
         loss = _fused_gist(self, [torch.cat(column) for column in reps], [torch.cat(column) for column in reps_guided])

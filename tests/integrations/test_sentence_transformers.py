@@ -8,6 +8,8 @@ float32 with the float32 tolerances of shared/docs/measuring.md.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -278,3 +280,36 @@ def load_sentence_transformer_like(model, max_seq_length: int):
     shorter = copy.deepcopy(model)
     shorter.max_seq_length = max_seq_length
     return shorter
+
+
+# --------------------------------------------------------------------------------------------------------
+# The number of input columns: a ValueError naming the loss, the count and what it takes (not an IndexError)
+# --------------------------------------------------------------------------------------------------------
+# (class name, column counts it refuses); the valid counts are those of the cases above
+WRONG_COLUMNS = [("CoSENTLoss", (1, 3)), ("AnglELoss", (1,)), ("MultipleNegativesRankingLoss", (1,)),
+                 ("MultipleNegativesSymmetricRankingLoss", (1,))]
+
+
+def test_a_wrong_number_of_columns_names_the_loss_and_what_it_expects():
+    u = torch.randn(4, 8)
+    for class_name, counts in WRONG_COLUMNS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            loss = getattr(ours, class_name)(None)
+        for count in counts:
+            expected = rf"^{class_name} got {count} input columns?; it expects .*\((anchor|input_A)"
+            with pytest.raises(ValueError, match=expected):
+                loss.compute_loss_from_embeddings([u.clone() for _ in range(count)], torch.ones(4))
+
+
+def test_a_wrong_number_of_columns_with_a_model(model64, guide64):
+    """The cached losses and GISTEmbed refuse before embedding anything; the wrappers refuse as their inner loss."""
+    cases = [(ours.CachedMultipleNegativesRankingLoss(model64), 1, "CachedMultipleNegativesRankingLoss"),
+             (ours.GISTEmbedLoss(model64, guide64), 1, "GISTEmbedLoss"),
+             (ours.GISTEmbedLoss(model64, guide64), 4, "GISTEmbedLoss"),
+             (ours.CachedGISTEmbedLoss(model64, guide64), 1, "CachedGISTEmbedLoss"),
+             (ours.MatryoshkaLoss(model64, ours.CoSENTLoss(model64), [32, 16]), 3, "CoSENTLoss"),
+             (ours.AdaptiveLayerLoss(model64, ours.AnglELoss(model64)), 1, "AnglELoss")]
+    for loss, count, name in cases:
+        with pytest.raises(ValueError, match=rf"^{name} got {count} input columns?; it expects"):
+            loss(batch_columns(model64, count), torch.ones(6))

@@ -74,6 +74,39 @@ def test_bad_folders_and_files_are_refused(tmp_path, capsys):
     assert exc.value.code == 2 and "no such file or folder" in capsys.readouterr().err
 
 
+def test_malformed_files_name_the_file_and_line(tmp_path):
+    """Byte-order marks are dropped; bytes that are not UTF-8 and unusable gold scores are DataErrors with the line."""
+    sick_lines = ["pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment",
+                  "1\ta b\tc d\t4.5\tNEUTRAL", "2\te f\tg h\t1.0\tNEUTRAL"]
+    sick = tmp_path / "SICK_test_annotated.txt"
+    sick.write_text("\ufeff" + "\n".join(sick_lines) + "\n", encoding="utf-8")
+    assert [ex.label for ex in read_dataset(str(sick)).examples] == [4.5, 1.0]
+    folder = _year_folder(tmp_path, "STS14", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    _write(folder / "STS.gs.MSRpar.txt", ["\ufeff4.0", "0.4", "3.2"])
+    assert read_dataset(str(folder)).examples[0].label == 4.0
+    gold = folder / "STS.gs.MSRpar.txt"
+    bad = [(sick, sick_lines[:2] + ["2\te f\tg h\t\tNEUTRAL"], r"line 3: label \('relatedness_score'\) is empty"),
+           (sick, sick_lines[:2] + ["2\te f"], "line 3: expected at least 4 tab-separated fields; got 2"),
+           (sick, sick_lines[:2] + ["2\te f\tg h\t1e300\tNEUTRAL"], r"line 3: bad label .*'1e300'.*at most 1e\+06"),
+           (gold, ["4.0", "1e300", "3.2"], r"STS.gs.MSRpar.txt, line 2: bad label '1e300'.*at most 1e\+06")]
+    for path, lines, message in bad:
+        original = path.read_bytes()
+        _write(path, lines)
+        with pytest.raises(DataError, match=message):
+            read_dataset(str(path if path == sick else folder))
+        path.write_bytes(original)
+    cafe = "caf\u00e9".encode("cp1252")  # Latin-1 / Windows-1252 bytes
+    for path, line, data in ((sick, 3, "\n".join(sick_lines[:2]).encode() + b"\n2\t" + cafe + b"\tg h\t1\tX\n"),
+                             (folder / "STS.input.headlines.txt", 2, b"a b\tc d\n" + cafe + b"\tx\ne f\tg h\n")):
+        original = path.read_bytes()
+        path.write_bytes(data)
+        offset = data.index(cafe) + 3
+        message = rf"{path.name}, line {line}: not UTF-8: the bytes b'\\xe9' at byte offset {offset} "
+        with pytest.raises(DataError, match=message):
+            read_dataset(str(path if path == sick else folder))
+        path.write_bytes(original)
+
+
 def test_spearman_in_the_all_setting_and_the_json(tmp_path):
     """One correlation over every rated pair of the year's subsets together (not a mean over subsets)."""
     encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")

@@ -1,18 +1,20 @@
 """Damaged checkpoints and full disks: every checkpoint carries a manifest (sizes and SHA-256 of its files, written
 last); `--resume auto` skips the folders that do not match it and resumes from the newest one that does, exactly;
-`--resume PATH` to a damaged folder is an error; a write that fails leaves the previous checkpoint intact."""
+`--resume PATH` to a damaged folder is an error; a write that fails leaves the previous checkpoint intact; a manifest
+naming a file outside its folder is refused unread."""
 
 import errno
 import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
 from train_helpers import run_config
 
 import angle_train.checkpoint as checkpoint
-from angle_train.checkpoint import MANIFEST_FILE, STATE_FILE, checkpoint_problem, finished_checkpoints
+from angle_train.checkpoint import MANIFEST_FILE, STATE_FILE, checkpoint_problem, finished_checkpoints, write_manifest
 from angle_train.tiny import demo_examples
 from angle_train.trainer import StopTraining, train
 
@@ -145,3 +147,38 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch
     assert checkpoint_problem(str(tmp_path / "checkpoints" / "step-00000002")) is None
     resumed = train(_config(tmp_path, resume="auto"), train_examples=DATA, on_step=_stop_after(3))
     assert [r["step"] for r in resumed.history] == [3]
+
+
+@pytest.mark.parametrize("place", ["../ (parent)", "absolute", "subfolder", "symlink to outside"])
+def test_a_manifest_naming_a_file_outside_its_folder_is_refused_unread(tmp_path, monkeypatch, place):
+    """Issue 29, item 9: a manifest names only files of its own folder. One that names another file (a path with ../,
+    an absolute path, a file in a subfolder, or a link to a file outside) is refused before any file is hashed, even
+    when that file matches its checksum."""
+    folder = tmp_path / "run" / "checkpoints" / "step-00000002"
+    folder.mkdir(parents=True)
+    torch.save({"position": {}}, folder / STATE_FILE)
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"not part of the checkpoint")
+    if place == "../ (parent)":
+        name, why = os.path.relpath(outside, folder), "is not a file name of the folder"
+    elif place == "absolute":
+        name, why = str(outside), "is not a file name of the folder"
+    elif place == "subfolder":
+        name, why = "sub/secret.bin", "is not a file name of the folder"
+    else:
+        (folder / "secret.bin").symlink_to(outside)
+        name, why = "secret.bin", "is a link to a file outside the folder"
+    write_manifest(str(folder))
+    if place == "subfolder":
+        (folder / "sub").mkdir()
+        shutil.copy(outside, folder / "sub" / "secret.bin")
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    manifest["files"].pop("secret.bin", None)
+    manifest["files"][name] = {"bytes": outside.stat().st_size, "sha256": checkpoint._sha256(str(outside))}
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
+    hashed = []
+    real_sha256 = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda file: hashed.append(file) or real_sha256(file))
+
+    assert checkpoint_problem(str(folder)) == f"{MANIFEST_FILE} names {name!r}, which {why}"
+    assert hashed == []

@@ -64,6 +64,20 @@ def test_reading_sentences(tmp_path):
         load_sentences(str(tmp_path / "bad.jsonl"))
 
 
+def test_malformed_sentence_files(tmp_path):
+    """Other tools' encodings: a byte-order mark is dropped, bytes that are not UTF-8 are a DataError with the line."""
+    (tmp_path / "bom.txt").write_text("\ufeffa red car\nthe dog\n", encoding="utf-8")
+    assert load_sentences(str(tmp_path / "bom.txt")) == (["a red car", "the dog"], 0)
+    (tmp_path / "bom.csv").write_text("\ufefftext,id\na red car,1\n", encoding="utf-8")
+    assert load_sentences(str(tmp_path / "bom.csv")) == (["a red car"], 0)
+    (tmp_path / "latin1.txt").write_bytes("a red car\nun caf\u00e9\n".encode("cp1252"))
+    with pytest.raises(DataError, match=r"latin1.txt, line 2: not UTF-8: the bytes b'\\xe9' at byte offset 16"):
+        load_sentences(str(tmp_path / "latin1.txt"))
+    (tmp_path / "short.csv").write_text("id,text\n1,a red car\n2\n")
+    with pytest.raises(DataError, match=r"short.csv, line 3: fewer fields \(1\) than the header's 2"):
+        load_sentences(str(tmp_path / "short.csv"))
+
+
 def _batch_chunks(encoder, batch, rows=None):
     return [(*pad_batch(c, encoder.pad_token_id, encoder.padding_side), dropout) for c, dropout in batch.passes(rows)]
 

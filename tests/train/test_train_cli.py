@@ -1,5 +1,6 @@
 """The angle-train command line: --help, booleans, config files, errors."""
 
+import re
 import subprocess
 import sys
 
@@ -44,14 +45,124 @@ def test_booleans_parse(argv, expected):
     assert config_from_args(argv).bf16 is expected
 
 
-def test_bad_values_are_rejected(capsys):
-    for argv in (["--bf16", "maybe"], ["--batch-size", "0"], ["--pooling", "mean"], ["--bf16", "1", "--fp16", "1"],
-                 ["--ibn-partition", "joint"], ["--false-negative-strategy", "percent"],
-                 ["--false-negative-margin", "tight"]):
-        with pytest.raises(SystemExit) as exc:
-            config_from_args(argv)
-        assert exc.value.code == 2, argv
-    assert "expected a boolean" in capsys.readouterr().err or True
+@pytest.mark.parametrize("argv, said", [
+    (["--bf16", "maybe"], "expected a boolean"), (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--pooling", "mean"], "invalid choice"), (["--bf16", "1", "--fp16", "1"], "--bf16 and --fp16"),
+    (["--ibn-partition", "joint"], "invalid choice"), (["--false-negative-strategy", "percent"], "invalid choice"),
+    (["--false-negative-margin", "tight"], "invalid float"),
+    # every number is range-checked, naming its flag (issue 29): NaN and infinities are never settings
+    (["--warmup", "nan"], "--warmup must be a finite number"), (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--epochs", "nan"], "--epochs must be a finite"), (["--epochs", "inf"], "--epochs must be a finite"),
+    (["--epochs", "0"], "--epochs must be > 0"), (["--seed", str(2**70)], "--seed must be between 0 and"),
+    (["--seed", "-1"], "--seed must be between 0 and"), (["--max-grad-norm", "nan"], "--max-grad-norm must be a"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0"), (["--lora-dropout", "nan"], "--lora-dropout must"),
+    (["--lora-dropout", "1"], "--lora-dropout must be >= 0 and < 1"), (["--cosine-tau", "-20"], "--cosine-tau must"),
+    (["--ibn-tau", "0"], "--ibn-tau must be > 0"), (["--angle-tau", "inf"], "--angle-tau must be a finite"),
+    (["--lr", "inf"], "--lr must be a finite number"), (["--lr", "0"], "--lr must be > 0"),
+    (["--eval-batch-size", "0"], "--eval-batch-size must be >= 1"), (["--ibn-w", "-1"], "--ibn-w must be >= 0"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite"), (["--triplet-w", "-0.1"], "--triplet-w must be"),
+    (["--lora-alpha", "0"], "--lora-alpha must be > 0"), (["--keep-checkpoints", "-1"], "--keep-checkpoints must"),
+    (["--false-negative-margin", "nan"], "--false-negative-margin must be a finite number"),
+    (["--arccon-tau", "0"], "--arccon-tau"), (["--espresso-dim", "0"], "--espresso-dim must be >= 1"),
+])
+def test_bad_values_are_rejected_naming_the_flag(argv, said, capsys):
+    """At parse time, so before any model or data is loaded."""
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(argv)
+    assert exc.value.code == 2, argv
+    assert said in capsys.readouterr().err, argv
+
+
+class NothingLoads:
+    """Stands in for the model and data loaders (and the network) of angle_train.trainer: a check that is meant to
+    come before them fails the test if they are reached."""
+
+    def __init__(self, monkeypatch):
+        import socket
+
+        from angle_train import trainer
+
+        for name in ("build_encoder", "read_data", "read_dev_data", "read_sentences"):
+            monkeypatch.setattr(trainer, name, self.refuse(name))
+        monkeypatch.setattr(socket.socket, "connect", self.refuse("the network"))
+
+    @staticmethod
+    def refuse(what):
+        def called(*args, **kwargs):
+            raise AssertionError(f"{what} was reached")
+        return called
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--train-data", "data/nope.jsonl"], "--train-data data/nope.jsonl: no such file or folder"),
+    (["--train-data", "nope.csv"], "--train-data nope.csv: no such file"),
+    (["--dev-data", "./sts/dev.tsv"], "--dev-data ./sts/dev.tsv: no such file"),
+    (["--model", "runs/first/final"], "--model runs/first/final: no such file or folder"),
+    (["--model", "data/my-model"], "--model data/my-model: no such"),  # data/ exists: a folder here, not a hub owner
+    (["--model", "/models/nope"], "--model /models/nope: no such"),
+    (["--resume", "runs/x/checkpoints/step-00000010"], "--resume runs/x/checkpoints/step-00000010: no such"),
+])
+def test_a_missing_local_path_fails_before_anything_loads(argv, said, tmp_path, monkeypatch):
+    """A path that does not exist is never passed on to Hugging Face, which would look it up on the Hub (retrying
+    the network for ~30 s, then failing with a message about repo ids)."""
+    from angle_train.trainer import train
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    NothingLoads(monkeypatch)
+    with pytest.raises(ValueError, match="Hugging Face hub name") as error:
+        train(config_from_args(["--output-dir", "out", "--device", "cpu", *argv]))
+    assert said in str(error.value)
+
+
+def test_hub_names_are_not_taken_for_paths(tmp_path, monkeypatch):
+    from angle_train.config import names_local_path
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("sentence-transformers/all-MiniLM-L6-v2", "bert-base-uncased", "mteb/stsbenchmark-sts",
+                 "builtin:demo", "SeanLee97/angle-llama-7b-nli-v2"):
+        assert not names_local_path(name), name
+    for name in ("./model", "../data", "/abs/model", "~/model", "runs/a/final", "train.jsonl", "x/y.csv"):
+        assert names_local_path(name), name
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--batch-size", "1"], "--batch-size 1 with format B"),
+    (["--data-format", "A", "--train-data", "pairs.csv", "--ibn-w", "0", "--angle-w", "0"],
+     "every loss weight of format A (--cosine-w, --ibn-w, --angle-w) is 0"),
+    (["--query-prompt", "query: ", "--data-format", "A", "--train-data", "pairs.csv"], "--query-prompt"),
+])
+def test_settings_the_data_cannot_train_are_refused_before_the_model_loads(argv, said, tmp_path, monkeypatch):
+    from angle_train import trainer
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pairs.csv").write_text("text1,text2,label\na b,a c,1\nd e,f g,0\n")
+    monkeypatch.setattr(trainer, "build_encoder", NothingLoads.refuse("the model"))
+    with pytest.raises(ValueError, match=re.escape(said)):
+        trainer.train(config_from_args(["--output-dir", "out", "--device", "cpu", "--progress", "0", *argv]))
+
+
+def test_max_length_beyond_the_models_position_table_is_refused_before_any_text_is_tokenised(tmp_path, monkeypatch):
+    """The built-in tiny BERT has 128 positions (a RoBERTa would lose 2 to its padding offset): --max-length 129
+    would fail at the first long batch, after minutes and again on every resume."""
+    from angle_train import trainer
+
+    monkeypatch.setattr(trainer, "TokenizedPairs", NothingLoads.refuse("tokenisation"))
+    with pytest.raises(ValueError, match="--max-length 129 is longer than builtin:tiny-bert can read: its position "
+                                         "table holds 128 positions"):
+        trainer.train(config_from_args(["--output-dir", str(tmp_path), "--device", "cpu", "--max-length", "129"]))
+
+
+def test_the_position_limit_of_each_architecture():
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel, RobertaConfig, RobertaModel
+
+    from angle_train.models import position_limit
+
+    small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50,
+                 max_position_embeddings=40)
+    assert position_limit(BertModel(BertConfig(**small))) == 40
+    assert position_limit(RobertaModel(RobertaConfig(pad_token_id=1, **small))) == 38  # positions from pad + 1
+    assert position_limit(LlamaModel(LlamaConfig(num_key_value_heads=2, **small))) is None  # rotary: no table
 
 
 def test_config_files_and_precedence(tmp_path):
@@ -131,7 +242,6 @@ def test_loss_flags_reach_angle_loss(tmp_path):
 
 def test_every_flag_in_the_readmes_commands_exists():
     """The angle-train and angle-eval commands written in the READMEs use flags the parsers know."""
-    import re
     from pathlib import Path
 
     from angle_train import cli, evaluate

@@ -119,3 +119,72 @@ def test_epoch_order_is_a_pure_function_and_bucketing_groups_lengths():
     plain = epoch_batches(400, 8, seed=3, epoch=1)
     spread_plain = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in plain)
     assert spread_bucketed < spread_plain / 2
+
+
+# Malformed files as other tools write them: each must be a DataError naming the file and line (README table).
+LATIN1 = "caf\u00e9".encode("cp1252")  # b'caf\xe9': Windows-1252 / Latin-1, not UTF-8
+NOT_UTF8 = {  # (name, bytes): the bad bytes on line 3
+    "a.jsonl": b'{"text1": "x", "text2": "y", "label": 1}\n{"text1": "p", "text2": "q", "label": 0}\n'
+               b'{"text1": "' + LATIN1 + b'", "text2": "y", "label": 1}\n',
+    "a.csv": b"text1,text2,label\nx,y,1\n" + LATIN1 + b",y,1\n",
+    "b.tsv": b"query\tpositive\nx\ty\n" + LATIN1 + b"\ty\n",
+    "sts.csv": b"g\tx\t2012\t1\t2.0\ta\tb\ng\tx\t2012\t2\t3.0\tc\td\ng\tx\t2012\t3\t1.0\t" + LATIN1 + b"\td\n",
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_UTF8))
+def test_bytes_that_are_not_utf8_name_the_file_line_and_offset(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(NOT_UTF8[name])
+    offset = NOT_UTF8[name].index(LATIN1) + 3
+    with pytest.raises(DataError, match=rf"{name}, line 3: not UTF-8: the bytes b'\\xe9' at byte offset {offset} "):
+        load_examples(str(path))
+
+
+def test_utf16_is_named_as_such(tmp_path):
+    path = tmp_path / "excel.csv"  # spreadsheets' "Unicode text" export
+    path.write_bytes("text1,text2,label\nx,y,1\n".encode("utf-16"))
+    with pytest.raises(DataError, match="excel.csv, line 1: .*UTF-16"):
+        load_examples(str(path))
+
+
+@pytest.mark.parametrize("name, text", [
+    ("bom.csv", "text1,text2,label\nx,y,1\n"),
+    ("bom.tsv", "text1\ttext2\tlabel\nx\ty\t1\n"),
+    ("bom.jsonl", '{"text1": "x", "text2": "y", "label": 1}\n'),
+    ("bom-sts.csv", "g\tx\t2012\t1\t1.0\tx\ty\n"),
+])
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text("\ufeff" + text, encoding="utf-8")  # as spreadsheet programs save "CSV UTF-8"
+    examples, fmt = load_examples(str(path))
+    assert fmt == "A" and examples[0].texts == ("x", "y") and examples[0].label == 1.0
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("null.jsonl", '{"text1": "x", "text2": "y", "label": 1}\n{"text1": "x", "text2": "y", "label": null}\n',
+     "null.jsonl, line 2: label is null"),
+    ("null_score.jsonl", '{"sentence1": "x", "sentence2": "y", "score": null}\n',
+     "line 1: label \\('score'\\) is null"),
+    ("empty.csv", "text1,text2,label\nx,y,1\nx,y,\n", "empty.csv, line 3: label is empty"),
+    ("blank.tsv", "text1\ttext2\tlabel\nx\ty\t \n", "blank.tsv, line 2: label is empty"),
+    ("short.csv", "text1,text2,label\nx,y,1\nx,y\n", "short.csv, line 3: fewer fields \\(2\\) than the header's 3"),
+    ("null_text.jsonl", '{"query": "x", "positive": null}\n', "line 1: column 'positive' is null"),
+    ("huge.jsonl", '{"text1": "x", "text2": "y", "label": 1e300}\n', r"line 1: bad label 1e\+300: .*at most 1e\+06"),
+    ("inf.jsonl", '{"text1": "x", "text2": "y", "label": 1e400}\n', "line 1: bad label inf"),
+    ("big_int.jsonl", '{"text1": "x", "text2": "y", "label": 1' + "0" * 400 + '}\n', "line 1: bad label 1000"),
+    ("bigger_int.jsonl", '{"text1": "x", "text2": "y", "label": 1' + "0" * 5000 + '}\n', "line 1: not usable JSON"),
+    ("huge.csv", "text1,text2,label\nx,y,1\nx,y,-2e6\n", r"huge.csv, line 3: bad label '-2e6': .*at most 1e\+06"),
+    ("huge-sts.csv", "g\tx\t2012\t1\t1.0\ta\tb\ng\tx\t2012\t2\t1e300\ta\tb\n", r"line 2: bad label '1e300'"),
+])
+def test_null_empty_and_out_of_range_labels(tmp_path, name, text, message):
+    path = _write(tmp_path, name, text)
+    with pytest.raises(DataError, match=message):
+        load_examples(path)
+
+
+def test_labels_up_to_the_limit_are_kept(tmp_path):
+    from angle_train.data import LABEL_LIMIT
+
+    path = _write(tmp_path, "edge.csv", f"text1,text2,label\nx,y,{LABEL_LIMIT:g}\nx,y,-{LABEL_LIMIT:g}\nx,y,4.5\n")
+    assert [e.label for e in load_examples(path)[0]] == [LABEL_LIMIT, -LABEL_LIMIT, 4.5]

@@ -106,7 +106,7 @@ def test_a_run_trains_every_layer_and_reports_the_compressed_width(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--espresso", "--matryoshka-dims", "16"], "leave out --matryoshka-dims"),
-    (["--espresso", "--espresso-dim", "0"], "espresso_dim must be >= 1"),
+    (["--espresso", "--espresso-dim", "0"], "--espresso-dim must be >= 1"),
 ])
 def test_bad_settings_are_refused(capsys, argv, message):
     with pytest.raises(SystemExit):

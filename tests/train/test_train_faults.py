@@ -116,6 +116,36 @@ def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
     assert state["position"]["bad_streak"] == 1
 
 
+class OverflowingForward:
+    """Wraps an encoder's forward pass so that it overflows (Inf and NaN embeddings, as an fp16 activation overflow
+    gives) during the optimizer steps in `bad` (the loop says which step comes next via on_step)."""
+
+    def __init__(self, encoder, bad):
+        self.forward, self.bad, self.step = encoder.forward, set(bad), 1
+        encoder.forward = self
+
+    def __call__(self, input_ids, attention_mask):
+        out = self.forward(input_ids, attention_mask)
+        return out * float("inf") if self.step in self.bad else out  # +-Inf, NaN where a feature is 0
+
+    def on_step(self, step, row):
+        self.step = step + 1
+
+
+@pytest.mark.parametrize("objective", ["angle", "arccse"])
+def test_non_finite_embeddings_skip_the_step_and_the_run_goes_on(tmp_path, objective, capsys):
+    """The loss's own input check (a ValueError for direct callers) does not stop training: the step whose forward
+    pass overflowed is skipped like a non-finite loss, said so in the log, and the run finishes."""
+    encoder, tokenizer = make_encoder()
+    poisoned = OverflowingForward(encoder, bad=[2])
+    data = DATA if objective == "angle" else [text for ex in DATA[0] for text in ex.texts]
+    result = train(_config(tmp_path, objective=objective, save_final=True), train_examples=data,
+                   model=(encoder, tokenizer), on_step=poisoned.on_step)
+    assert [row["skipped"] for row in result.history] == [False, True, False, False]
+    assert "step 2: skipped, non-finite embeddings" in capsys.readouterr().out
+    assert (tmp_path / "final").is_dir() and all(torch.isfinite(p).all() for p in result.encoder.parameters())
+
+
 def test_no_checkpoint_is_written_from_non_finite_weights(tmp_path):
     run = setup(_config(tmp_path), model=make_encoder(), train_examples=DATA)
     run.log.close()
@@ -158,6 +188,49 @@ def test_a_second_sigterm_terminates_the_process():
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-1000:])
+
+
+class SignalWhileExporting:
+    """save_pretrained that writes part of the export, then receives SIGTERM (as a preempted job does)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __call__(self, encoder, tokenizer, path, **kwargs):
+        os.makedirs(path, exist_ok=True)
+        Path(path, "config.json").write_text("{}")
+        signal.raise_signal(signal.SIGTERM)
+        return self.real(encoder, tokenizer, path, **kwargs)
+
+
+def test_sigterm_during_the_final_export_checkpoints_and_resume_exports_the_same_model(tmp_path, monkeypatch):
+    """SIGTERM while final/ is written: the export is abandoned (no final/, no final.tmp), a checkpoint of the last
+    step is written (with the default --save-every 0 there was none) and the run stops resumable (faults.Preempted:
+    status 75 from the CLI); --resume auto then only exports: the same final/ as an uninterrupted run."""
+    from angle_train import checkpoint
+    from angle_train.export import load_pretrained
+
+    def outside_the_loop(signum, frame):  # where the loop's handlers are not installed, fail the test, not pytest
+        raise AssertionError("SIGTERM arrived outside StopSignals")
+
+    full = train(_config(tmp_path / "full", save_final=True), model=make_encoder(), train_examples=DATA)
+    previous = signal.signal(signal.SIGTERM, outside_the_loop)
+    try:
+        monkeypatch.setattr(checkpoint, "save_pretrained", SignalWhileExporting(checkpoint.save_pretrained))
+        with pytest.raises(faults.Preempted) as stopped:
+            train(_config(tmp_path / "run", save_final=True), model=make_encoder(), train_examples=DATA)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    monkeypatch.undo()
+    assert stopped.value.checkpoint.endswith("step-00000004") and checkpoint_problem(stopped.value.checkpoint) is None
+    assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / "final.tmp").exists()
+    resumed = train(_config(tmp_path / "run", save_final=True, resume="auto"), model=make_encoder(),
+                    train_examples=DATA)
+    assert resumed.history == [] and resumed.final_path == str(tmp_path / "run" / "final")
+    expected = load_pretrained(full.final_path)[0].state_dict()
+    got = load_pretrained(resumed.final_path)[0].state_dict()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
 
 
 def _cli(out, *flags):  # 300 steps (a few seconds): the signal must come before the last step, or the run ends

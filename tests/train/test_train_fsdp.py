@@ -1,15 +1,25 @@
 """--fsdp (issue 14, item 3): full fine-tuning sharded over 2 gloo processes (FSDP2) = one process training on the
 whole batch, with the gradient cache and cross-device negatives; sharded checkpoints resume exactly and are checked
-against their manifest before torch.distributed.checkpoint reads them; exports hold the whole weights."""
+against their manifest before torch.distributed.checkpoint reads them; exports hold the whole weights. A planted
+`.metadata` or `.distcp` (issue 29, item 1) is refused by name before any code in it runs."""
 
+import dataclasses
+import io
+import json
 import os
+import pickle
+import shutil
+import warnings
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from train_helpers import free_port, make_encoder, run_config
 
-from angle_train.checkpoint import checkpoint_path, checkpoint_problem
+from angle_train.checkpoint import (MANIFEST_FILE, Position, UnsafeCheckpointError, checkpoint_path, checkpoint_problem,
+                                   checkpoint_to_resume, finished_checkpoints, load_checkpoint, save_checkpoint,
+                                   write_manifest)
+from angle_train.distributed import DistInfo
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -93,6 +103,14 @@ def test_fsdp_run_equals_single_process_and_resumes_exactly(tmp_path):
         f.write(b"\x00\x01\x02")
     assert "does not match its checksum" in checkpoint_problem(checkpoint)
 
+    # a hostile .metadata (with a manifest rewritten to match) is refused on both processes; its code never runs
+    newest = finished_checkpoints(str(tmp_path / "fsdp"))[-1]
+    marker = tmp_path / "the-planted-code-ran"
+    _plant(newest, "metadata: code inside the real metadata", str(marker))
+    with pytest.raises(Exception, match=r"(?s)UnsafeCheckpointError: refusing to load .*\.metadata.*mkdir"):
+        _spawn(tmp_path / "fsdp", resume="auto", save_final=True, eval_every=2)
+    assert not marker.exists()
+
 
 def test_fsdp_refusals(tmp_path):
     from angle_train.cli import config_from_args
@@ -103,3 +121,163 @@ def test_fsdp_refusals(tmp_path):
     train_examples, _ = _examples()
     with pytest.raises(ValueError, match="launch with torchrun"):
         train(_config(tmp_path, fsdp=True), model=make_encoder("bert"), train_examples=train_examples)
+
+
+# ------------------------------------------------------------------ planted .metadata and .distcp files (one process)
+
+
+class RunsCodeWhenUnpickled:
+    """What a hostile file can hold: unpickling it calls os.mkdir(marker), standing in for any code."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def _sets_an_attribute_of_dcp_metadata_class() -> bytes:
+    """A pickle that runs no function of its own but, through BUILD applied to a class, sets an attribute `planted` on
+    DCP's Metadata class (any later checkpoint load in the process would see the change)."""
+    name = b"planted"
+    return (b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n"  # PROTO 2, GLOBAL the class
+            b"N}X" + len(name).to_bytes(4, "little") + name + b"\x88s\x86b.")  # BUILD (None, {name: True}); STOP
+
+
+def _plant(folder: str, kind: str, marker: str) -> str:
+    """Rewrite the sharded checkpoint `folder` as an attacker would (a hostile object in DCP's files, the manifest
+    rewritten to match); return the name of the file the load must refuse."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata_file, shard_file = os.path.join(folder, ".metadata"), os.path.join(folder, "__0_0.distcp")
+    with open(metadata_file, "rb") as f:
+        metadata = pickle.load(f)  # the real file, written by this test
+    hostile_file = ".metadata"
+    if kind == "metadata: a hostile object":
+        data = pickle.dumps(RunsCodeWhenUnpickled(marker))
+    elif kind == "metadata: code inside the real metadata":  # loads as a valid Metadata, after running the code
+        metadata.planner_data["planted"] = RunsCodeWhenUnpickled(marker)
+        data = pickle.dumps(metadata)
+    elif kind == "metadata: changes a class":
+        data = _sets_an_attribute_of_dcp_metadata_class()
+    elif kind in ("metadata: a shard outside the folder", "metadata: a shard linked out of the folder"):
+        shutil.copy(shard_file, os.path.join(folder, "..", "__0_0.distcp"))
+        shard = "../__0_0.distcp"  # DCP would read it
+        if kind == "metadata: a shard linked out of the folder":  # a link the manifest does not list
+            shard = "__9_0.distcp"
+            os.symlink(os.path.join("..", "__0_0.distcp"), os.path.join(folder, shard))
+        metadata.storage_data = {index: dataclasses.replace(info, relative_path=shard)
+                                 for index, info in metadata.storage_data.items()}
+        data = pickle.dumps(metadata)
+    else:  # a .distcp entry replaced by a hostile one, appended to the shard file; .metadata points to it
+        hostile_file = "__0_0.distcp"
+        wanted = BytesStorageMetadata if kind == "distcp: optimizer settings" else None
+        fqn = next(fqn for fqn, entry in metadata.state_dict_metadata.items()
+                   if (wanted is None) != isinstance(entry, BytesStorageMetadata))
+        blob = io.BytesIO()
+        torch.save(RunsCodeWhenUnpickled(marker), blob)
+        offset = os.path.getsize(shard_file)
+        with open(shard_file, "ab") as f:
+            f.write(blob.getvalue())
+        metadata.storage_data = {
+            index: dataclasses.replace(info, offset=offset, length=len(blob.getvalue())) if index.fqn == fqn else info
+            for index, info in metadata.storage_data.items()}
+        data = pickle.dumps(metadata)
+    with open(metadata_file, "wb") as f:
+        f.write(data)
+    write_manifest(folder)  # whoever can plant a file can rewrite the manifest too
+    if kind == "metadata: a shard linked out of the folder":
+        with open(os.path.join(folder, MANIFEST_FILE)) as f:
+            manifest = json.load(f)
+        del manifest["files"]["__9_0.distcp"]
+        with open(os.path.join(folder, MANIFEST_FILE), "w") as f:
+            json.dump(manifest, f)
+    return os.path.join(folder, hostile_file)
+
+
+SINGLE_PROCESS_DCP = "torch.distributed is disabled"  # DCP's warning when it saves or loads without a process group
+
+
+def _trainables(cfg, seed=0):
+    from angle_train.trainer import make_optimizer, make_schedule
+
+    encoder, _ = make_encoder("bert", seed=seed)
+    optimizer = make_optimizer(cfg, encoder, torch.device("cpu"))
+    return {"encoder": encoder, "optimizer": optimizer, "scheduler": make_schedule(cfg, optimizer, 4),
+            "scaler": torch.amp.GradScaler("cpu", enabled=False)}
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """An output folder holding a sharded checkpoint (step 2) written by one process: DCP without a process group
+    writes the same files as under FSDP (.metadata, one __0_0.distcp), with one shard per tensor. Also the weights and
+    optimizer state it holds."""
+    out = tmp_path_factory.mktemp("sharded")
+    cfg = _config(out, fsdp=True)
+    trainables = _trainables(cfg)
+    for p in trainables["encoder"].parameters():
+        p.grad = torch.full_like(p, 0.5)
+    trainables["optimizer"].step()  # AdamW state beside the settings (param_groups: DCP's non-tensor entries)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", SINGLE_PROCESS_DCP)
+        save_checkpoint(cfg, Position(step=2, epoch=0, batch=2), DistInfo(), sharded=True, **trainables)
+    return out, trainables["encoder"].state_dict(), trainables["optimizer"].state_dict()
+
+
+def _resume(out, **settings):
+    """--resume auto's steps in this process: the checkpoint checkpoint_to_resume picks, loaded by load_checkpoint."""
+    cfg = _config(out, fsdp=True, resume="auto", **settings)
+    path = checkpoint_to_resume(cfg)
+    trainables = _trainables(cfg, seed=1)
+    position = load_checkpoint(path, cfg, DistInfo(), **trainables)
+    return position, trainables
+
+
+@pytest.mark.filterwarnings(f"ignore:{SINGLE_PROCESS_DCP}")
+def test_a_sharded_checkpoint_loads_exactly_in_one_process(sharded_run, tmp_path):
+    """The control for the refusals below: what DCP writes is admitted by the restricted readers."""
+    out, weights, optimizer = sharded_run
+    shutil.copytree(out, tmp_path / "run")
+    position, trainables = _resume(tmp_path / "run")
+    assert position == Position(step=2, epoch=0, batch=2)
+    for name, value in trainables["encoder"].state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    loaded = trainables["optimizer"].state_dict()
+    assert loaded["param_groups"] == optimizer["param_groups"]
+    for key, state in optimizer["state"].items():
+        for name, value in state.items():
+            assert torch.equal(loaded["state"][key][name], value), (key, name)
+
+
+@pytest.mark.filterwarnings(f"ignore:{SINGLE_PROCESS_DCP}")
+@pytest.mark.parametrize("kind", ["metadata: a hostile object", "metadata: code inside the real metadata",
+                                  "metadata: changes a class", "metadata: a shard outside the folder",
+                                  "metadata: a shard linked out of the folder",
+                                  "distcp: optimizer settings", "distcp: a tensor"])
+def test_a_planted_dcp_file_is_refused_by_name_before_its_code_runs(sharded_run, tmp_path, kind):
+    """Issue 29, item 1: DCP itself reads .metadata with pickle.load and non-tensor entries of a .distcp with
+    torch.load(weights_only=False); angle_train reads both through loaders that admit only what DCP writes."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    out, _, _ = sharded_run
+    shutil.copytree(out, tmp_path / "run")
+    marker = tmp_path / "the-planted-code-ran"
+    hostile = _plant(finished_checkpoints(str(tmp_path / "run"))[-1], kind, str(marker))
+    try:
+        with pytest.raises(UnsafeCheckpointError) as refused:
+            _resume(tmp_path / "run")
+        message = str(refused.value)
+        assert f"refusing to load {hostile}" in message, message
+        if kind == "metadata: a shard outside the folder":
+            assert "'../__0_0.distcp', outside the checkpoint folder" in message, message
+        elif kind == "metadata: a shard linked out of the folder":
+            assert "'__9_0.distcp', outside the checkpoint folder" in message, message
+        elif kind == "metadata: changes a class":
+            assert "Metadata" in message, message
+        else:
+            assert "mkdir" in message, message  # names what the file would have called
+        assert not marker.exists()
+        assert not hasattr(Metadata, "planted")
+    finally:
+        if hasattr(Metadata, "planted"):  # undo the unfixed loader's change, for the tests after this one
+            del Metadata.planted

@@ -107,10 +107,71 @@ def test_a_checkpoint_killed_while_being_written_is_never_resumed_from(tmp_path,
 def test_a_new_run_or_other_data_settings_are_refused_where_a_run_left_checkpoints(tmp_path):
     data = (demo_examples(20, seed=3), "B")
     train(_config(tmp_path, max_steps=3), train_examples=data)
-    with pytest.raises(ValueError, match="already holds checkpoints of an earlier run.*--resume auto"):
+    with pytest.raises(ValueError, match="holds an earlier run .checkpoints.*--resume auto"):
         train(_config(tmp_path, max_steps=3), train_examples=data)
     with pytest.raises(ValueError, match=r"cannot resume .*batch_size: 8 -> 4.*would skip or repeat training data"):
         train(_config(tmp_path, max_steps=3, batch_size=4, resume="auto"), train_examples=data)
+
+
+def test_a_finished_run_is_refused_unless_overwrite_is_asked(tmp_path, capsys):
+    """With the defaults (no checkpoints), a second run into a finished run's folder is refused, with or without
+    --resume auto (nothing to resume); --overwrite deletes that run's outputs (best/ too), and nothing else."""
+    data = (demo_examples(20, seed=3), "B")
+    first = train(_config(tmp_path, max_steps=2, save_every=0, save_final=True), train_examples=data)
+    (tmp_path / "best").mkdir()  # as an evaluated run leaves it
+    (tmp_path / "notes.txt").write_text("mine")
+    for resume in (None, "auto"):
+        with pytest.raises(ValueError, match=r"holds an earlier run \(best/, final/, metrics.jsonl\).*--overwrite 1"):
+            train(_config(tmp_path, max_steps=2, save_every=0, resume=resume), train_examples=data)
+    assert (tmp_path / "best").is_dir() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    again = train(_config(tmp_path, max_steps=1, save_every=0, save_final=True, overwrite=True), train_examples=data)
+    assert not (tmp_path / "best").exists() and (tmp_path / "notes.txt").read_text() == "mine"
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+    assert again.final_path == first.final_path and (tmp_path / "final" / "config.json").exists()
+
+
+def test_resuming_a_run_at_its_last_step_only_finishes_it(tmp_path, capsys):
+    data = (demo_examples(20, seed=3), "B")
+    train(_config(tmp_path, max_steps=2, save_every=2), train_examples=data)
+    capsys.readouterr()
+    resumed = train(_config(tmp_path, max_steps=2, save_every=2, resume="auto"), train_examples=data)
+    out = capsys.readouterr().out
+    assert resumed.history == [] and "had already reached its last step (2)" in out and "nan" not in out
+
+
+def test_metrics_rows_survive_a_failure_while_they_are_rewritten(tmp_path, monkeypatch):
+    """On resume the rows after the checkpoint are dropped by writing a new file and renaming it: a write that
+    fails (a full disk) leaves every row where it was, where truncating the file in place would lose them."""
+    from angle_train import trainer
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 6))
+    metrics.write_text(rows)
+
+    class FullDisk:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def writelines(self, lines):
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    def failing_open(path, mode="r", *args, **kwargs):
+        file = open(path, mode, *args, **kwargs)
+        return FullDisk(file) if "w" in mode else file
+
+    monkeypatch.setattr(trainer, "open", failing_open, raising=False)
+    with pytest.raises(OSError, match="No space"):
+        trainer._drop_rows_after(str(metrics), 3)
+    assert metrics.read_text() == rows
 
 
 class RunsCodeWhenUnpickled:
