@@ -9,7 +9,11 @@ are on by default and can be switched off for training loops that trust their in
     ANGLE_KERNELS_CHECK_INPUTS=0                     # from the environment, read at import
 
 Under torch.compile the value checks are skipped (they would need a host sync and break the graph); run a
-step eagerly, or keep the eager path for validation, when inputs are untrusted.
+step eagerly, or keep the eager path for validation, when inputs are untrusted. They also skip meta tensors
+(shape-only: the losses then return meta outputs of the right shape, as torch ops do).
+
+Two rules every loss shares are stated here once: `check_scale` (a logit scale or temperature is finite and
+> 0) and `promote_embeddings` (embeddings of different float dtypes are promoted to a common dtype).
 """
 
 from __future__ import annotations
@@ -73,6 +77,13 @@ def check_scalar(name: str, value, *, positive: bool = False) -> float:
     return value
 
 
+def check_scale(name: str, value) -> float:
+    """The one rule for every loss's logit scale or temperature (tau, scale, temperature, cosine_tau, ibn_tau,
+    angle_tau): a finite real number > 0, returned as a float; anything else raises ValueError (TypeError for a
+    non-number) naming the argument. angle-emb 0.6.1 accepts tau <= 0 (README: deviations)."""
+    return check_scalar(name, value, positive=True)
+
+
 def check_choice(name: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
@@ -120,6 +131,22 @@ def check_embedding_group(*named: tuple[str, torch.Tensor]) -> None:
         check_finite(name, t)
 
 
+def promote_embeddings(*tensors):
+    """Embedding tensors used together in one loss, returned in one dtype: PROMOTED, never refused, by torch's type
+    promotion (torch.promote_types: float32 with float64 computes in float64, bfloat16 with float32 in float32), so
+    no input is silently narrowed to another's dtype. A tensor is cast (differentiably: its gradient comes back in
+    its own dtype) only when its dtype differs; anything that is not a floating tensor is returned unchanged for
+    the structure checks to name."""
+    floating = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if len({t.dtype for t in floating}) <= 1:
+        return list(tensors)
+    common = floating[0].dtype
+    for t in floating[1:]:
+        common = torch.promote_types(common, t.dtype)
+    return [t.to(common) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != common else t
+            for t in tensors]
+
+
 def check_labels(name: str, y, rows: int, device: torch.device) -> torch.Tensor:
     """y of shape [rows] or [rows, 1], real values on `device`; returned flattened to [rows]."""
     if not isinstance(y, torch.Tensor):
@@ -127,7 +154,8 @@ def check_labels(name: str, y, rows: int, device: torch.device) -> torch.Tensor:
     if y.is_complex():
         raise TypeError(f"{name} must hold real labels, got {y.dtype}")
     if tuple(y.shape) not in ((rows,), (rows, 1)):
-        raise ValueError(f"{name} must have shape [{rows}] or [{rows}, 1] to match the embeddings, got {tuple(y.shape)}")
+        raise ValueError(f"{name} must have shape [{rows}] or [{rows}, 1] to match the embeddings, "
+                         f"got {tuple(y.shape)}")
     check_same_device((name, y), ("the embeddings", device))
     y = y.reshape(rows)
     if y.dtype == torch.bool:
@@ -139,7 +167,7 @@ def check_labels(name: str, y, rows: int, device: torch.device) -> torch.Tensor:
 
 def check_binary_labels(name: str, y: torch.Tensor, loss: str) -> None:
     """The in-batch-negative loss reads labels as 'pair is positive' (1) or 'negatives only' (0)."""
-    if input_checks_enabled() and not bool(((y == 0) | (y == 1)).all()):
+    if input_checks_enabled() and y.device.type != "meta" and not bool(((y == 0) | (y == 1)).all()):
         bad = y[(y != 0) & (y != 1)][:5].tolist()
         raise ValueError(
             f"{name} for {loss} must be 0 or 1 (1: the pair is a positive pair; 0: its rows serve only as "

@@ -10,6 +10,10 @@ tolerances of the input dtype.
 Common conventions (the numbers and checks in code: `angle_kernels.contract`)
     * Norms use F.normalize's epsilon: ||x|| is replaced by max(||x||, 1e-12), so a zero vector has
       cosine 0 with everything and never produces NaN.
+    * Finite inputs never overflow a cosine: rows whose squared norms or dot products would exceed the compute
+      dtype (float32 rows around 1.8e19, float64 around 1.3e154) are computed scaled by a power of two per row
+      (exact; 1 for rows whose largest magnitude is below 2), as torch_ops/common.py states. Raw dot products
+      (similarity_lse with normalize=False) are not scale-invariant and are computed as given.
     * "Compute dtype": float64 inputs compute and return float64; float32, bfloat16 and float16 inputs
       accumulate in float32 and return float32. Gradients come back in the dtype of the input they
       belong to.

@@ -7,9 +7,13 @@ the keyword-only `backend` argument ("auto", "torch", "triton", "cuda"; default:
 ANGLE_KERNELS_BACKEND, else "auto"). No loss materialises an N x N matrix.
 
 Every loss returns a 0-dim tensor: float64 for float64 inputs, float32 otherwise (bfloat16/float16 inputs are
-accumulated in float32). Where the reference misbehaves, these functions do the safe thing (README:
-"Deviations from the reference"): zero vectors give finite values, labels outside {0, 1} for the in-batch
-negative loss raise ValueError, fp16 norms above 256 do not overflow, bad input raises ValueError/TypeError.
+accumulated in float32). Embeddings of different float dtypes in one loss are promoted to their common dtype
+(checks.promote_embeddings: float32 with float64 computes, and returns, float64). Where the reference misbehaves,
+these functions do the safe thing (README: "Deviations from the reference"): zero vectors give finite values,
+labels outside {0, 1} for the in-batch negative loss raise ValueError, fp16 norms above 256 do not overflow,
+finite rows whose squared norms or dot products overflow the compute dtype are scaled by powers of two (every
+backend, exact: the cosines do not change), bad input raises ValueError/TypeError, and every tau, scale and
+temperature must be finite and > 0 (checks.check_scale, one rule for all). Meta tensors give meta outputs.
 
 Matryoshka training: every loss but gist_loss takes `dims` (prefix widths d_1, ..., d_k <= D, in any order) and
 `dim_weights` (default 1 each) and returns sum_i dim_weights[i] * loss(embeddings[..., :dims[i]]), the loss of
@@ -100,7 +104,7 @@ def check_arccon_options(margin_degrees, tau) -> tuple[float, float]:
     margin = checks.check_scalar("margin_degrees", margin_degrees)
     if not 0.0 <= margin <= 180.0:
         raise ValueError(f"margin_degrees must be between 0 and 180 degrees, got {margin}")
-    return math.radians(margin), checks.check_scalar("tau", tau, positive=True)
+    return math.radians(margin), checks.check_scale("tau", tau)
 
 
 def check_two_views(h1, h2) -> None:
@@ -628,7 +632,7 @@ def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *
 
     O(N log N) time and O(N) extra memory (the reference builds N x N matrices).
     """
-    tau = checks.check_scalar("tau", tau)
+    tau = checks.check_scale("tau", tau)
     layers, (first,) = check_layer_stack(layer_weights, ("y_pred", y_pred))
     labels = check_zigzag(y_true, first)
     nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers)
@@ -663,7 +667,7 @@ def angle_loss(
             width even.
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
-    tau = checks.check_scalar("tau", tau)
+    tau = checks.check_scale("tau", tau)
     checks.check_choice("pooling_strategy", pooling_strategy, POOLING_STRATEGIES)
     layers, (first,) = check_layer_stack(layer_weights, ("y_pred", y_pred))
     labels = check_zigzag(y_true, first)
@@ -706,7 +710,7 @@ def in_batch_negative_loss(
         dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
-    tau = checks.check_scalar("tau", tau)
+    tau = checks.check_scale("tau", tau)
     checks.check_scalar("negative_weights", negative_weights)
     layers, (first,) = check_layer_stack(layer_weights, ("y_pred", y_pred))
     labels = check_zigzag(y_true, first)
@@ -740,7 +744,8 @@ def contrastive_with_negative_loss(
         dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see the module docstring).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
-    tau = checks.check_scalar("tau", tau)
+    tau = checks.check_scale("tau", tau)
+    text, pos, neg = checks.promote_embeddings(text, pos, neg)
     named = [("text", text), ("pos", pos), *((("neg", neg),) if neg is not None else ())]
     layers, first = check_layer_stack(layer_weights, *named)
     checks.check_embedding_group(*((name, t) for (name, _), t in zip(named, first)))
@@ -776,6 +781,7 @@ def arccon_loss(
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     margin, tau = check_arccon_options(margin_degrees, tau)
+    h1, h2 = checks.promote_embeddings(h1, h2)
     layers, first = check_layer_stack(layer_weights, ("h1", h1), ("h2", h2))
     check_two_views(*first)
     nested = check_nested(dims, dim_weights, h1.shape[-1], layer_weights=layer_weights, layers=layers)
@@ -805,6 +811,7 @@ def triplet_loss(
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     margin = checks.check_scalar("margin", margin)
+    anchor, weak, strong = checks.promote_embeddings(anchor, weak, strong)
     layers, first = check_layer_stack(layer_weights, ("anchor", anchor), ("weak", weak), ("strong", strong))
     check_triplets(*first)
     nested = check_nested(dims, dim_weights, anchor.shape[-1], layer_weights=layer_weights, layers=layers)
@@ -862,7 +869,8 @@ def multiple_negatives_ranking_loss(
         queries, positives: [B, D]; negatives: any number of [B, D] tensors (hard-negative columns).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
-    scale = checks.check_scalar("scale", scale)
+    scale = checks.check_scale("scale", scale)
+    queries, positives, *negatives = checks.promote_embeddings(queries, positives, *negatives)
     directions, hardness_strength, false_negative_margin = check_in_batch_options(
         directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy,
         similarity)
@@ -925,14 +933,16 @@ def gist_loss(
         anchors, positives: [B, D]; negatives: [B, D] tensors (hard-negative columns), one guide tensor each.
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
-    temperature = checks.check_scalar("temperature", temperature, positive=True)
+    temperature = checks.check_scale("temperature", temperature)
     margin = checks.check_scalar("margin", margin)
     checks.check_choice("margin_strategy", margin_strategy, MARGIN_STRATEGIES)
     for name, value in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives),
                         ("gather_across_devices", gather_across_devices)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    negatives, guide_negatives = list(negatives), list(guide_negatives)
+    anchors, positives, *negatives = checks.promote_embeddings(anchors, positives, *negatives)
+    guide_anchors, guide_positives, *guide_negatives = checks.promote_embeddings(guide_anchors, guide_positives,
+                                                                                 *guide_negatives)
     if len(negatives) != len(guide_negatives):
         raise ValueError(f"every negative column needs its guide embeddings: {len(negatives)} negatives, "
                          f"{len(guide_negatives)} guide_negatives")

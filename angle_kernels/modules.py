@@ -71,7 +71,8 @@ class AngleLoss(nn.Module):
 
     Args:
         cosine_w, ibn_w, cln_w, angle_w: term weights (a term is computed only when its weight is > 0).
-        cosine_tau, ibn_tau, angle_tau: the terms' scales.
+        cosine_tau, ibn_tau, angle_tau: the terms' scales (finite, > 0: checks.check_scale; the reference
+            accepts any value).
         angle_pooling_strategy: 'sum' or 'mean'.
         dataset_format: 'A', 'B' or 'C'.
         ibn_partition: keyword-only; "angle" (default) or "gte" (see above).
@@ -111,9 +112,9 @@ class AngleLoss(nn.Module):
         self.ibn_w = checks.check_scalar("ibn_w", ibn_w)
         self.cln_w = checks.check_scalar("cln_w", cln_w)
         self.angle_w = checks.check_scalar("angle_w", angle_w)
-        self.cosine_tau = checks.check_scalar("cosine_tau", cosine_tau)
-        self.ibn_tau = checks.check_scalar("ibn_tau", ibn_tau)
-        self.angle_tau = checks.check_scalar("angle_tau", angle_tau)
+        self.cosine_tau = checks.check_scale("cosine_tau", cosine_tau)
+        self.ibn_tau = checks.check_scale("ibn_tau", ibn_tau)
+        self.angle_tau = checks.check_scale("angle_tau", angle_tau)
         checks.check_choice("angle_pooling_strategy", angle_pooling_strategy, POOLING_STRATEGIES)
         self.angle_pooling_strategy = angle_pooling_strategy
         self.dataset_format = dataset_format
@@ -243,7 +244,7 @@ class ArcCSELoss(nn.Module):
 
     Args:
         margin_degrees: ArcCon's additive angular margin in degrees (10).
-        tau: ArcCon's temperature (0.05).
+        tau: ArcCon's temperature (0.05; finite, > 0).
         triplet_weight: lambda (0.1).
         triplet_margin: the triplet loss's margin (0.0).
         dims, dim_weights: keyword-only; Matryoshka training (angle_kernels.functional), both terms.
@@ -271,6 +272,10 @@ class ArcCSELoss(nn.Module):
         given = [t is not None for t in (anchor, weak, strong)]
         if any(given) and not all(given):
             raise ValueError("ArcCSELoss needs all three of anchor, weak and strong for the triplet term, or none")
+        if all(given):
+            h1, h2, anchor, weak, strong = checks.promote_embeddings(h1, h2, anchor, weak, strong)
+        else:
+            h1, h2 = checks.promote_embeddings(h1, h2)
         triplets = [("anchor", anchor), ("weak", weak), ("strong", strong)] if all(given) else []
         layers, first = check_layer_stack(layer_weights, ("h1", h1), ("h2", h2), *triplets)
         check_two_views(*first[:2])

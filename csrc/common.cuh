@@ -10,6 +10,13 @@
 //   * Sizes, strides and flat indices are int64_t: a [2N, D] input with N * D > 2^31 must not overflow.
 //   * Norms follow F.normalize: |x| is replaced by max(|x|, kNormEps), and the derivative of the norm is
 //     dropped where the clamp is active (the clamp is flat there).
+//   * Row scaling: finite rows can have squared norms and dot products beyond the compute type (float rows
+//     around 1.8e19, double around 1.3e154). Cosines are invariant under a positive scaling of either row, so
+//     the kernels compute on x_s = s x with one power of two per row: s = 1 for rows whose largest magnitude is
+//     below 2 (bit for bit the unscaled computation), else 2^-floor(log2 max|x|) (the rule of the Triton and
+//     torch backends: angle_kernels/torch_ops/common.py). Exact: |x| = |x_s| / s, the clamp becomes
+//     max(|x_s|, eps s), and dL/dx = s dL/dx_s. A kernel that reads a row in pieces finds s online: a running
+//     exponent, with the sums of the pieces before multiplied by 2^(old - new) when a later piece raises it.
 #pragma once
 
 #include <cstdint>
@@ -60,21 +67,74 @@ __device__ __forceinline__ float sqrt_acc(float x) { return sqrtf(x); }
 __device__ __forceinline__ double sqrt_acc(double x) { return sqrt(x); }
 __device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_acc(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float abs_acc(float x) { return fabsf(x); }
+__device__ __forceinline__ double abs_acc(double x) { return fabs(x); }
 
 template <typename acc>
 __device__ __forceinline__ acc neg_inf() {
   return -static_cast<acc>(INFINITY);
 }
 
-// 1 / max(|x|, eps): the factor that turns a raw dot product into a cosine.
+// ---- row scaling (see the conventions above) ------------------------------------------------------------
+// max(0, floor(log2(largest))) for largest >= 0, read from the bits (exact), at most bias - 1 so that the scale
+// 2^-exponent stays a normal number.
+__device__ __forceinline__ int row_exponent(float largest) {
+  const int e = ((__float_as_int(largest) >> 23) & 0xFF) - 127;
+  return min(max(e, 0), 126);
+}
+__device__ __forceinline__ int row_exponent(double largest) {
+  const int e = static_cast<int>((__double_as_longlong(largest) >> 52) & 0x7FF) - 1023;
+  return min(max(e, 0), 1022);
+}
+// 2^e for an integer e <= bias - 1, built from its bits (exact); 0 below the normal range.
+template <typename acc>
+__device__ __forceinline__ acc pow2(int e);
+template <>
+__device__ __forceinline__ float pow2<float>(int e) {
+  return __int_as_float(max(e + 127, 0) << 23);
+}
+template <>
+__device__ __forceinline__ double pow2<double>(int e) {
+  return __longlong_as_double(static_cast<long long>(max(e + 1023, 0)) << 52);
+}
+// The clamp of a row scaled by `scale`: kNormEps * scale, floored at the smallest normal number (so that a zero
+// part of a huge row divides by a positive number).
+template <typename acc>
+__device__ __forceinline__ acc scaled_eps(acc scale) {
+  const acc tiny = sizeof(acc) == sizeof(double) ? static_cast<acc>(2.2250738585072014e-308)
+                                                 : static_cast<acc>(1.1754943508222875e-38f);
+  return max_acc(scale * static_cast<acc>(kNormEps), tiny);
+}
+// Online step of a running exponent: raises it to cover a piece whose largest magnitude is `largest`; returns
+// the factor 2^(old - new) <= 1 that brings what was summed at the old scale to the new one (1 if unchanged).
+template <typename acc>
+__device__ __forceinline__ acc raise_exponent(int* exponent, acc largest) {
+  const int raised = max(*exponent, row_exponent(largest));
+  if (raised == *exponent) return acc(1);
+  const acc factor = pow2<acc>(*exponent - raised);
+  *exponent = raised;
+  return factor;
+}
+
+// 1 / max(|x|, eps): the factor that turns a raw dot product into a cosine. With `scale`, the norm is that of
+// the scaled row s x: 1 / max(|x_s|, eps s), for dot products of scaled rows.
 template <typename acc>
 __device__ __forceinline__ acc inv_clamped_norm(acc norm) {
   return acc(1) / max_acc(norm, static_cast<acc>(kNormEps));
 }
-// 1 / |x|^2 where the norm is not clamped, else 0: the weight of the norm-derivative term.
+template <typename acc>
+__device__ __forceinline__ acc inv_clamped_norm(acc norm, acc scale) {
+  return acc(1) / max_acc(norm, scaled_eps(scale));
+}
+// 1 / |x|^2 where the norm is not clamped, else 0: the weight of the norm-derivative term (with `scale`: of the
+// scaled row, 1 / |x_s|^2 where |x_s| > eps s).
 template <typename acc>
 __device__ __forceinline__ acc inv_sq_norm_or_zero(acc norm) {
   return norm > static_cast<acc>(kNormEps) ? acc(1) / (norm * norm) : acc(0);
+}
+template <typename acc>
+__device__ __forceinline__ acc inv_sq_norm_or_zero(acc norm, acc scale) {
+  return norm > scaled_eps(scale) ? acc(1) / (norm * norm) : acc(0);
 }
 
 // ---- warp reductions ----------------------------------------------------------------------------------
@@ -82,6 +142,11 @@ template <typename acc>
 __device__ __forceinline__ acc warp_sum(acc v) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+__device__ __forceinline__ int warp_max(int v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
 

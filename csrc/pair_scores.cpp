@@ -14,7 +14,8 @@
 
 namespace angle_kernels {
 
-// x: [G, K, D] with strides (stride_g, stride_k, stride_d). Outputs cos, angle: [G*(K-1)]; stats: [G*(K-1), 4].
+// x: [G, K, D] with strides (stride_g, stride_k, stride_d). Outputs cos, angle: [G*(K-1)]; stats: [G*(K-1), 6]
+// (the scaled rows' norms, cos, w and the rows' scales: csrc/pair_scores.cu).
 template <typename scalar_t>
 cudaError_t pair_scores_fwd(const scalar_t* x, int64_t num_groups, int64_t group_size, int64_t dim, int64_t stride_g,
                             int64_t stride_k, int64_t stride_d, bool with_angle, acc_t<scalar_t>* cos_out,
@@ -43,6 +44,8 @@ namespace {
 using angle_kernels::acc_t;
 using namespace angle_kernels::binding;
 
+constexpr int64_t kPairStats = 6;  // saved per pair: csrc/pair_scores.cu's kPairStats, cuda_ops/pair_scores.PAIR_STATS
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_scores_fwd(const at::Tensor& x, bool with_angle) {
   check_cuda_tensor(x, "x");
   TORCH_CHECK_VALUE(x.dim() == 3, "angle_kernels (cuda): pair_scores x must be [G, K, D], got shape ", x.sizes());
@@ -54,7 +57,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_scores_fwd(const at::Tensor&
   const auto opts = x.options().dtype(compute_dtype(x.scalar_type()));
   at::Tensor cos = at::empty({groups, group_size - 1}, opts);
   at::Tensor angle = at::empty({groups, group_size - 1}, opts);
-  at::Tensor stats = at::empty({groups, group_size - 1, 4}, opts);
+  at::Tensor stats = at::empty({groups, group_size - 1, kPairStats}, opts);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   dispatch_float_types(x.scalar_type(), "x", [&](auto tag) {
     using scalar_t = typename decltype(tag)::type;
@@ -77,7 +80,8 @@ at::Tensor pair_scores_bwd(const at::Tensor& grad_cos, const at::Tensor& grad_an
   const std::vector<int64_t> pair_shape{groups, group_size - 1};
   TORCH_CHECK_VALUE(grad_cos.sizes() == at::IntArrayRef(pair_shape) && grad_angle.sizes() == at::IntArrayRef(pair_shape),
                     "angle_kernels (cuda): pair_scores gradients must be [G, K-1]");
-  TORCH_CHECK_VALUE(stats.sizes() == at::IntArrayRef({groups, group_size - 1, 4}) && stats.scalar_type() == acc_dtype,
+  TORCH_CHECK_VALUE(stats.sizes() == at::IntArrayRef({groups, group_size - 1, kPairStats}) &&
+                        stats.scalar_type() == acc_dtype,
                     "angle_kernels (cuda): pair_scores saved stats do not match x");
   check_same_device(grad_cos, "grad_cos", x);
   check_same_device(grad_angle, "grad_angle", x);

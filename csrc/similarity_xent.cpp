@@ -16,7 +16,8 @@
 
 namespace angle_kernels {
 
-// Forward. Writes the row norms (q_norm [rows_q]; c_norm [rows_c], may equal q_norm when symmetric), the
+// Forward. Writes the row norms and scales (q_norm [2 * rows_q]: the norms of the rows scaled by their powers of
+// two, then the scales; c_norm [2 * rows_c] likewise, may equal q_norm when symmetric), the
 // per-row logsumexps over all columns and over the positives, and row_loss[i] = w_i (lse_all - lse_pos).
 // The loss is sum(row_loss) / rows_q (the binding reduces it).
 template <typename scalar_t>
@@ -142,8 +143,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> similarit
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t rows = q.size(0), cols = in.c.size(0);
   const auto opts = q.options().dtype(compute_dtype(q.scalar_type()));
-  at::Tensor q_norm = at::empty({rows}, opts);
-  at::Tensor c_norm = at::empty({in.symmetric ? 0 : cols}, opts);  // the symmetric case reuses q_norm
+  // [the scaled rows' norms | the rows' scales] (csrc/similarity_xent.cu, huge rows)
+  at::Tensor q_norm = at::empty({2 * rows}, opts);
+  at::Tensor c_norm = at::empty({in.symmetric ? 0 : 2 * cols}, opts);  // the symmetric case reuses q_norm
   at::Tensor lse_all = at::empty({rows}, opts);
   at::Tensor lse_pos = at::empty({rows}, opts);
   at::Tensor row_loss = at::empty({rows}, opts);
@@ -184,8 +186,8 @@ std::tuple<at::Tensor, at::Tensor> similarity_xent_bwd(const at::Tensor& grad_lo
   at::globalContext().alertNotDeterministic("angle_kernels::cuda_similarity_xent_bwd");
   check_saved(lse_all, rows, "lse_all");
   check_saved(lse_pos, rows, "lse_pos");
-  check_saved(q_norm, rows, "q_norm");
-  if (!in.symmetric) check_saved(c_norm, cols, "c_norm");
+  check_saved(q_norm, 2 * rows, "q_norm");
+  if (!in.symmetric) check_saved(c_norm, 2 * cols, "c_norm");
   const auto acc_opts = q.options().dtype(acc_dtype);
   const at::Tensor g = grad_loss.to(acc_dtype).contiguous();
   at::Tensor dq_acc = at::zeros({rows, dim}, acc_opts);

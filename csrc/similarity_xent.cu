@@ -30,11 +30,19 @@
 //   * The backward's dq / dc products run on CUDA cores in fp32 (fp64) and are added to the scratch with
 //     atomics: simple and exact to rounding, but not deterministic bit-for-bit and not tensor-core speed.
 //     A faster backward (per-block dq ownership, WMMA for the gradient products) is future work.
+//   * Huge rows (common.cuh, row scaling): the row-norm pass also finds each row's scale s (a power of two, 1 for
+//     ordinary rows and for every __half row, whose products cannot overflow the fp32 accumulation), online, and
+//     the norm buffers hold [the scaled rows' norms | the scales] (2 * rows values). The tiles are dot products
+//     of the scaled rows: each operand element is multiplied by its row's scale as it is staged into shared
+//     memory (exact; one multiply per staged element, which 64 multiply-adds of the tile then use; a barrier
+//     per tile publishes the scales first), and the gradient chunks take x_hat = (s x) / max(|x_s|, eps s).
+//     The finish kernel applies s once more: dx = s * (acc * inv_s - coef * inv_s^2 * x_s).
 
 #include <mma.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -80,8 +88,10 @@ struct XentShared {
   alignas(128) acc dots[Tile::BM][kDotsLd];
   alignas(128) operand_t q_tile[Tile::BM][Tile::BK + Tile::KPAD];
   alignas(128) operand_t c_tile[Tile::BN][Tile::BK + Tile::KPAD];
-  acc row_inv_norm[Tile::BM];
+  acc row_inv_norm[Tile::BM];  // 1 / max(|q_s|, eps s): of the scaled rows
   acc col_inv_norm[Tile::BN];
+  acc row_scale[Tile::BM];  // the rows' scales (powers of two)
+  acc col_scale[Tile::BN];
   int64_t row_target[Tile::BM];
   int64_t row_group[Tile::BM];     // gid[i]
   int64_t target_group[Tile::BM];  // gid[t_i]
@@ -114,23 +124,40 @@ struct XentParams {
 };
 
 // ---------------------------------------------------------------------------------------------------------
-// Row norms: one warp per row, |x_i| in the compute type.
+// Row norms: one warp per row. norms[row] = |x_s|, the norm of the scaled row, and norms[rows + row] = s, its
+// scale, found online (each lane's running exponent, then the warp's largest).
 // ---------------------------------------------------------------------------------------------------------
 template <typename scalar_t>
 __global__ void __launch_bounds__(kXentThreads)
     _row_norms_kernel(const scalar_t* __restrict__ x, int64_t rows, int64_t dim, int64_t stride_row,
                       int64_t stride_dim, acc_t<scalar_t>* __restrict__ norms) {
   using acc = acc_t<scalar_t>;
+  constexpr bool kScaleRows = !std::is_same<scalar_t, __half>::value;  // __half: no product can overflow
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kXentThreads / kWarpSize) + threadIdx.x / kWarpSize;
   if (row >= rows) return;
   const int lane = threadIdx.x % kWarpSize;
   acc sum_sq = 0;
+  int exponent = 0;
+  acc scale = 1;
   for (int64_t d = lane; d < dim; d += kWarpSize) {
-    const acc v = load_as<acc>(x + row * stride_row + d * stride_dim);
+    acc v = load_as<acc>(x + row * stride_row + d * stride_dim);
+    if (kScaleRows) {
+      const acc factor = raise_exponent(&exponent, abs_acc(v));
+      if (factor != acc(1)) {
+        sum_sq *= factor * factor;
+        scale = pow2<acc>(-exponent);
+      }
+      v *= scale;
+    }
     sum_sq += v * v;
   }
-  sum_sq = warp_sum(sum_sq);
-  if (lane == 0) norms[row] = sqrt_acc(sum_sq);
+  const int row_exp = warp_max(exponent);
+  const acc factor = pow2<acc>(exponent - row_exp);
+  sum_sq = warp_sum(sum_sq * (factor * factor));
+  if (lane == 0) {
+    norms[row] = sqrt_acc(sum_sq);
+    norms[rows + row] = pow2<acc>(-row_exp);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -150,9 +177,19 @@ __device__ __forceinline__ acc margin_cos(acc cos, const acc cos_m, const acc si
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The raw dot tile S[r][j] = q[row0 + r] . c[col0 + j] over all of D (zero outside the matrices).
-// Ends with the tile in shared memory; the caller synchronises before reading it.
+// The dot tile of the scaled rows S[r][j] = q_s[row0 + r] . c_s[col0 + j] over all of D (zero outside the
+// matrices). Reads the rows' scales from the tile's metadata, which must be in shared memory (and published by a
+// barrier) before the call. Ends with the tile in shared memory; the caller synchronises before reading it.
 // ---------------------------------------------------------------------------------------------------------
+// One element of a scaled row as an operand: s x in the operand type, exact (s is a power of two; always 1 for
+// __half, whose rows are never scaled).
+__device__ __forceinline__ float scaled_operand(const float* p, float scale) { return *p * scale; }
+__device__ __forceinline__ double scaled_operand(const double* p, double scale) { return *p * scale; }
+__device__ __forceinline__ __half scaled_operand(const __half* p, float) { return *p; }
+__device__ __forceinline__ __nv_bfloat16 scaled_operand(const __nv_bfloat16* p, float scale) {
+  return scale == 1.0f ? *p : __float2bfloat16_rn(__bfloat162float(*p) * scale);
+}
+
 template <typename scalar_t>
 __device__ __forceinline__ void load_operand_tiles(const XentParams<scalar_t>& p, XentShared<scalar_t>& sh,
                                                    int64_t row0, int64_t col0, int64_t k0) {
@@ -162,26 +199,14 @@ __device__ __forceinline__ void load_operand_tiles(const XentParams<scalar_t>& p
     const int r = idx / Tile::BK, k = idx % Tile::BK;
     const int64_t row = row0 + r, d = k0 + k;
     operand_t v{};  // zero (value-initialised); operand_t(0.0f) does not exist for __half/bf16 in torch's build
-    if (row < p.rows_q && d < p.dim) {
-      if constexpr (Tile::kUseWmma) {
-        v = p.q[row * p.q_stride_row + d * p.q_stride_dim];
-      } else {
-        v = load_as<operand_t>(p.q + row * p.q_stride_row + d * p.q_stride_dim);
-      }
-    }
+    if (row < p.rows_q && d < p.dim) v = scaled_operand(p.q + row * p.q_stride_row + d * p.q_stride_dim, sh.row_scale[r]);
     sh.q_tile[r][k] = v;
   }
   for (int idx = threadIdx.x; idx < Tile::BN * Tile::BK; idx += kXentThreads) {
     const int j = idx / Tile::BK, k = idx % Tile::BK;
     const int64_t col = col0 + j, d = k0 + k;
     operand_t v{};
-    if (col < p.rows_c && d < p.dim) {
-      if constexpr (Tile::kUseWmma) {
-        v = p.c[col * p.c_stride_row + d * p.c_stride_dim];
-      } else {
-        v = load_as<operand_t>(p.c + col * p.c_stride_row + d * p.c_stride_dim);
-      }
-    }
+    if (col < p.rows_c && d < p.dim) v = scaled_operand(p.c + col * p.c_stride_row + d * p.c_stride_dim, sh.col_scale[j]);
     sh.c_tile[j][k] = v;
   }
 }
@@ -262,7 +287,9 @@ __device__ __forceinline__ void load_row_meta(const XentParams<scalar_t>& p, con
     const int64_t i = row0 + r;
     const bool valid = i < p.rows_q;
     const int64_t t = p.target == kTargetPartner ? (i ^ 1) : i;
-    sh.row_inv_norm[r] = valid ? inv_clamped_norm(q_norm[i]) : acc_t<scalar_t>(0);
+    const acc_t<scalar_t> scale = valid ? q_norm[p.rows_q + i] : acc_t<scalar_t>(1);  // [norms | scales]
+    sh.row_scale[r] = scale;
+    sh.row_inv_norm[r] = valid ? inv_clamped_norm(q_norm[i], scale) : acc_t<scalar_t>(0);
     sh.row_target[r] = valid ? t : -1;
     sh.row_group[r] = (valid && p.group_ids) ? p.group_ids[i] : 0;
     sh.target_group[r] = (valid && p.group_ids) ? p.group_ids[t] : 0;  // t < rows_c = rows_q (checked by the binding)
@@ -276,7 +303,9 @@ __device__ __forceinline__ void load_col_meta(const XentParams<scalar_t>& p, con
   for (int j = threadIdx.x; j < Tile::BN; j += kXentThreads) {
     const int64_t col = col0 + j;
     const bool valid = col < p.rows_c;
-    sh.col_inv_norm[j] = valid ? inv_clamped_norm(c_norm[col]) : acc_t<scalar_t>(0);
+    const acc_t<scalar_t> scale = valid ? c_norm[p.rows_c + col] : acc_t<scalar_t>(1);  // [norms | scales]
+    sh.col_scale[j] = scale;
+    sh.col_inv_norm[j] = valid ? inv_clamped_norm(c_norm[col], scale) : acc_t<scalar_t>(0);
     sh.col_group[j] = (valid && p.group_ids) ? p.group_ids[col] : 0;
   }
 }
@@ -306,7 +335,8 @@ __global__ void __launch_bounds__(kXentThreads)
   lse_pos.init();
   for (int64_t col0 = 0; col0 < p.rows_c; col0 += Tile::BN) {
     load_col_meta(p, c_norm, sh, col0);
-    compute_dot_tile(p, sh, row0, col0);  // its first barrier also publishes the metadata above
+    __syncthreads();  // the tile's loads read the rows' scales from the metadata
+    compute_dot_tile(p, sh, row0, col0);
     __syncthreads();
     if (i < p.rows_q) {
       const int64_t t = sh.row_target[r];
@@ -372,6 +402,7 @@ __global__ void __launch_bounds__(kXentThreads)
     sh.row_grad_scale[rr] = valid ? grad_over_rows * (p.row_weights ? p.row_weights[row] : acc(1)) : acc(0);
   }
   for (int j = threadIdx.x; j < Tile::BN; j += kXentThreads) sh.col_sum[j] = acc(0);
+  __syncthreads();  // the tile's loads read the rows' scales from the metadata
   compute_dot_tile(p, sh, row0, col0);
   __syncthreads();
 
@@ -422,15 +453,18 @@ __global__ void __launch_bounds__(kXentThreads)
     for (int idx = threadIdx.x; idx < Tile::BM * kXentGradChunk; idx += kXentThreads) {
       const int rr = idx / kXentGradChunk, dd = idx % kXentGradChunk;
       const int64_t row = row0 + rr, d = d0 + dd;
+      // q_hat = q / max(|q|, eps) = (s q) / max(|q_s|, eps s): the scaled row times its inverse norm
       sh.q_chunk[rr][dd] = (row < p.rows_q && d < p.dim)
-                               ? load_as<acc>(p.q + row * p.q_stride_row + d * p.q_stride_dim) * sh.row_inv_norm[rr]
+                               ? load_as<acc>(p.q + row * p.q_stride_row + d * p.q_stride_dim) * sh.row_scale[rr] *
+                                     sh.row_inv_norm[rr]
                                : acc(0);
     }
     for (int idx = threadIdx.x; idx < Tile::BN * kXentGradChunk; idx += kXentThreads) {
       const int jj = idx / kXentGradChunk, dd = idx % kXentGradChunk;
       const int64_t col = col0 + jj, d = d0 + dd;
       sh.c_chunk[jj][dd] = (col < p.rows_c && d < p.dim)
-                               ? load_as<acc>(p.c + col * p.c_stride_row + d * p.c_stride_dim) * sh.col_inv_norm[jj]
+                               ? load_as<acc>(p.c + col * p.c_stride_row + d * p.c_stride_dim) * sh.col_scale[jj] *
+                                     sh.col_inv_norm[jj]
                                : acc(0);
     }
     __syncthreads();
@@ -456,7 +490,8 @@ __global__ void __launch_bounds__(kXentThreads)
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Finish: dx[i, d] = acc[i, d] / max(|x_i|, eps) - coef[i] x[i, d] / |x_i|^2, cast to the input dtype.
+// Finish: dx[i, d] = acc[i, d] / max(|x_i|, eps) - coef[i] x[i, d] / |x_i|^2, cast to the input dtype; on the
+// scaled rows (norms: [|x_s| | s]): dx = s (acc / max(|x_s|, eps s) - coef x_s / |x_s|^2).
 // ---------------------------------------------------------------------------------------------------------
 template <typename scalar_t>
 __global__ void __launch_bounds__(kXentThreads)
@@ -469,9 +504,10 @@ __global__ void __launch_bounds__(kXentThreads)
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kXentThreads + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * kXentThreads) {
     const int64_t row = idx / dim, d = idx % dim;
-    const acc norm = norms[row];
-    const acc xv = load_as<acc>(x + row * stride_row + d * stride_dim);
-    dx[idx] = from_acc<scalar_t>(grad_acc[idx] * inv_clamped_norm(norm) - coef[row] * inv_sq_norm_or_zero(norm) * xv);
+    const acc norm = norms[row], scale = norms[rows + row];
+    const acc xv = load_as<acc>(x + row * stride_row + d * stride_dim) * scale;
+    dx[idx] = from_acc<scalar_t>(
+        (grad_acc[idx] * inv_clamped_norm(norm, scale) - coef[row] * inv_sq_norm_or_zero(norm, scale) * xv) * scale);
   }
 }
 

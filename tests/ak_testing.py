@@ -120,6 +120,30 @@ def fuzz_embeddings(seed: int, rows: int, dim: int, scale: float, dtype: torch.d
     return x.to(dtype)
 
 
+# Finite inputs whose squared norms and dot products overflow the compute dtype (float32 and bfloat16 rows past
+# ~1.8e19, float64 past ~1.3e154): (dtype, magnitude) pairs. Not beyond ~2^100 in float32/bfloat16: the gradients,
+# ~1 / |x|, would fall among the subnormal numbers (below 2^-126), where no implementation keeps the tolerances.
+HUGE_MAGNITUDES = [(torch.float32, 2.0**64), (torch.float32, 2.0**100), (torch.bfloat16, 2.0**64),
+                   (torch.bfloat16, 2.0**100), (torch.float64, 2.0**996)]
+# The op tests' share of them (each Triton case costs interpreter time): one per dtype.
+HUGE_OP_MAGNITUDES = [(torch.float32, 2.0**64), (torch.bfloat16, 2.0**100), (torch.float64, 2.0**996)]
+
+
+def huge_magnitude_id(case) -> str:
+    dtype, magnitude = case
+    return f"{str(dtype).replace('torch.', '')}-2^{int(math.log2(magnitude))}"
+
+
+def huge_row_factors(x: torch.Tensor, magnitude: float) -> torch.Tensor:
+    """Per-row powers of two for x [..., D], shaped [..., 1] in x's dtype: `magnitude` on most rows, 1 on every fifth
+    (flattened order), so that scaled and unscaled rows meet. Every cosine is invariant under them: a loss of
+    x * factors is the loss of x, and its gradient with respect to x (the factors applied inside the differentiated
+    function) is the gradient of x's loss, so the float64 oracle on x judges it at the usual tolerances."""
+    factors = torch.full((x[..., 0].numel(),), magnitude, dtype=torch.float64)
+    factors[::5] = 1.0
+    return factors.reshape(*x.shape[:-1], 1).to(x.dtype)
+
+
 def float64_cannot_resolve(loss: torch.Tensor) -> bool:
     """True for a softmax cross-entropy loss in (0, 1e-6): it is logsumexp(l) - l_target of logits of size up
     to tau, and its gradient (softmax minus target, ~loss in size) is known in float64 only to ~1e-16 absolute,

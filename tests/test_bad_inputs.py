@@ -1,5 +1,7 @@
 """Bad inputs raise a ValueError/TypeError that names the argument; value checks can be switched off;
-zero vectors (where the reference's angle loss returns NaN) give finite, correct results.
+zero vectors (where the reference's angle loss returns NaN) give finite, correct results; so do finite rows whose
+squared norms overflow the compute dtype (every backend scales rows by powers of two); every tau, scale and
+temperature follows one rule (finite, > 0); mixed float dtypes are promoted; meta tensors give meta outputs.
 
 Value checks (NaN/Inf, label values) read the data and so force a device sync on GPUs: they are switchable
 with angle_kernels.set_input_checks(False), the context manager angle_kernels.input_checks(False) and the
@@ -18,7 +20,10 @@ import pytest
 import torch
 
 import oracle
-from ak_testing import GRAD_TOL, VALUE_TOL, assert_close, grads_of, randn, zigzag_labels
+from ak_testing import (
+    GRAD_TOL, HUGE_MAGNITUDES, VALUE_TOL, assert_close, check_against_oracle, grads_of, huge_magnitude_id,
+    huge_row_factors, randn, zigzag_labels,
+)
 from angle_kernels import checks
 
 BAD_VALUES = [float("nan"), float("inf"), float("-inf")]
@@ -423,3 +428,189 @@ def test_all_zero_batch_is_finite(ak):
         assert torch.isfinite(value) and torch.isfinite(grad).all()
     # every score is 0: log(1 + number of ordered pairs) = log(1 + 6)
     assert abs(ak.cosine_loss(y, x).item() - torch.log(torch.tensor(7.0)).item()) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------------------
+# the logit scale / temperature: one rule for every loss (finite and > 0)
+# --------------------------------------------------------------------------------------------------------
+def _scale_sites(ak, gen):
+    """(argument name, call(value)) for every public loss and module argument that scales or divides logits."""
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "binary")
+    b = [randn(gen, 3, 8) for _ in range(3)]
+    return [
+        ("tau", lambda v: ak.cosine_loss(y, x, tau=v)),
+        ("tau", lambda v: ak.angle_loss(y, x, tau=v)),
+        ("tau", lambda v: ak.in_batch_negative_loss(y, x, tau=v)),
+        ("tau", lambda v: ak.contrastive_with_negative_loss(*b, tau=v)),
+        ("tau", lambda v: ak.arccon_loss(b[0], b[1], tau=v)),
+        ("scale", lambda v: ak.multiple_negatives_ranking_loss(b[0], b[1], [b[2]], scale=v)),
+        ("temperature", lambda v: ak.gist_loss(b[0], b[1], b[0], b[1], temperature=v)),
+        ("cosine_tau", lambda v: ak.AngleLoss(cosine_tau=v, dataset_format="A")),
+        ("ibn_tau", lambda v: ak.AngleLoss(ibn_tau=v, dataset_format="A")),
+        ("angle_tau", lambda v: ak.AngleLoss(angle_tau=v, dataset_format="A")),
+        ("tau", lambda v: ak.ArcCSELoss(tau=v)),
+    ]
+
+
+SCALE_VALUES = [0.0, -1.0, float("nan"), float("inf")]
+
+
+def test_scales_and_temperatures_must_be_finite_and_positive(ak, gen):
+    """tau, scale and temperature: one rule for every loss and module, checks.check_scale (angle-emb accepts
+    tau <= 0 in cosine/angle/in-batch-negative/contrastive losses and AngleLoss: README deviations)."""
+    sites = _scale_sites(ak, gen)
+    for name, call in sites:
+        for value in SCALE_VALUES:
+            with pytest.raises(ValueError, match=rf"\b{name}\b.*(> 0|finite)"):
+                call(value)
+        call(0.5)  # a positive value is fine
+    assert len(sites) * len(SCALE_VALUES) == 44  # the README's count of bad-scale cases
+
+
+# --------------------------------------------------------------------------------------------------------
+# embeddings of different float dtypes in one loss: promoted (torch's type promotion), never silently narrowed
+# --------------------------------------------------------------------------------------------------------
+def _mixed_dtype_cases(ak, gen):
+    """(name, ours(*tensors), oracle(*tensors), tensors): every loss taking several embedding tensors."""
+    b = [randn(gen, 4, 8, dtype=torch.float64) for _ in range(5)]
+    return [
+        ("contrastive", lambda t, p, n: ak.contrastive_with_negative_loss(t, p, n),
+         oracle.contrastive_with_negative_loss, b[:3]),
+        ("arccon", lambda h1, h2: ak.arccon_loss(h1, h2), oracle.arccon_loss, b[:2]),
+        ("triplet", lambda a, w, s: ak.triplet_loss(a, w, s, 0.1), lambda a, w, s: oracle.triplet_loss(a, w, s, 0.1),
+         b[:3]),
+        ("mnrl", lambda q, p, n: ak.multiple_negatives_ranking_loss(q, p, [n]),
+         lambda q, p, n: oracle.multiple_negatives_ranking_loss(q, p, [n]), b[:3]),
+        ("gist", lambda a, p, ga, gp: ak.gist_loss(a, p, ga, gp, temperature=0.05),
+         lambda a, p, ga, gp: oracle.gist_loss(a, p, ga, gp, temperature=0.05), b[:4]),
+        ("ArcCSELoss", lambda h1, h2, a, w, s: ak.ArcCSELoss()(h1, h2, a, w, s), oracle.arccse_loss, b[:5]),
+    ]
+
+
+@pytest.mark.parametrize("first", [torch.float32, torch.float64], ids=str)
+def test_mixed_float32_float64_embeddings_are_promoted_to_float64(ak, gen, first):
+    """float32 with float64 computes in float64 (checks.promote_embeddings: torch's type promotion), whichever
+    comes first; each gradient comes back in its own input's dtype."""
+    second = torch.float64 if first == torch.float32 else torch.float32
+    for name, ours, exact, tensors in _mixed_dtype_cases(ak, gen):
+        inputs = [t.to(first if k % 2 == 0 else second) for k, t in enumerate(tensors)]
+        value, grads = grads_of(ours, *inputs)
+        assert value.dtype == torch.float64, f"{name}: computed in {value.dtype}, not promoted to float64"
+        assert [g.dtype for g in grads] == [t.dtype for t in inputs], f"{name}: gradient dtypes"
+        true_value, true_grads = grads_of(exact, *[t.double() for t in inputs])
+        assert_close(value, true_value, VALUE_TOL[torch.float64], f"{name} mixed value")
+        for k, (g, true_g) in enumerate(zip(grads, true_grads)):
+            if name == "gist" and k >= 2:
+                continue  # the guide carries no gradient
+            assert_close(g, true_g, GRAD_TOL[inputs[k].dtype], f"{name} mixed grad {k}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# meta tensors: shape-only inputs give shape-only outputs, as torch ops do (the value checks skip them)
+# --------------------------------------------------------------------------------------------------------
+def _meta_calls(ak):
+    x = torch.empty(6, 8, device="meta", requires_grad=True)
+    y = torch.empty(6, device="meta")
+    b = [torch.empty(3, 8, device="meta", requires_grad=True) for _ in range(3)]
+    return [
+        ("cosine_loss", lambda: ak.cosine_loss(y, x)),
+        ("angle_loss", lambda: ak.angle_loss(y, x)),
+        ("in_batch_negative_loss", lambda: ak.in_batch_negative_loss(y, x)),
+        ("in_batch_negative_loss group_ids", lambda: ak.in_batch_negative_loss(
+            y, x, group_ids=torch.empty(6, dtype=torch.int64, device="meta"))),
+        ("contrastive_with_negative_loss", lambda: ak.contrastive_with_negative_loss(*b)),
+        ("arccon_loss", lambda: ak.arccon_loss(b[0], b[1])),
+        ("triplet_loss", lambda: ak.triplet_loss(*b)),
+        ("multiple_negatives_ranking_loss", lambda: ak.multiple_negatives_ranking_loss(b[0], b[1], [b[2]])),
+        ("multiple_negatives_ranking_loss gte", lambda: ak.multiple_negatives_ranking_loss(
+            b[0], b[1], [b[2]], directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"))),
+        ("gist_loss", lambda: ak.gist_loss(b[0], b[1], b[0].detach(), b[1].detach())),
+        ("AngleLoss A", lambda: ak.AngleLoss(dataset_format="A", cosine_w=1.0)(y, x)),
+        ("AngleLoss B", lambda: ak.AngleLoss(dataset_format="B")(y, x)),
+        ("AngleLoss C", lambda: ak.AngleLoss(dataset_format="C", cosine_w=1.0)(
+            torch.empty(9, device="meta"), torch.empty(9, 8, device="meta", requires_grad=True))),
+        ("ArcCSELoss", lambda: ak.ArcCSELoss()(b[0], b[1], *b)),
+    ]
+
+
+def test_meta_inputs_give_meta_outputs(ak):
+    for name, call in _meta_calls(ak):
+        out = call()
+        assert out.device.type == "meta" and out.shape == () and out.dtype == torch.float32, name
+        assert out.requires_grad, name
+
+
+# --------------------------------------------------------------------------------------------------------
+# finite inputs whose squares or dot products overflow the compute dtype: rows are scaled by powers of two
+# --------------------------------------------------------------------------------------------------------
+def _huge_cases(ak, gen):
+    """(name, ours(*tensors), oracle(*tensors), tensors at ordinary magnitude): every loss."""
+    n, d = 6, 10
+    graded, binary = zigzag_labels(gen, n, "ties"), zigzag_labels(gen, n, "binary")
+    binary[:2] = 1.0  # at least one positive pair for the in-batch-negative terms
+    groups = torch.tensor([0, 1, 2, 3, 0, 5, 6, 7, 8, 9, 10, 11])
+    x = randn(gen, 2 * n, d)
+    t = [randn(gen, 5, d) for _ in range(5)]
+    format_c = torch.ones(9)
+    gte = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+    dims = (4, 10)
+    return [
+        ("cosine_loss", lambda x: ak.cosine_loss(graded, x), lambda x: oracle.cosine_loss(graded, x), [x]),
+        ("angle_loss sum", lambda x: ak.angle_loss(graded, x, 20.0), lambda x: oracle.angle_loss(graded, x, 20.0),
+         [x]),
+        ("angle_loss mean", lambda x: ak.angle_loss(graded, x, 20.0, "mean"),
+         lambda x: oracle.angle_loss(graded, x, 20.0, "mean"), [x]),
+        ("in_batch_negative_loss", lambda x: ak.in_batch_negative_loss(binary, x, group_ids=groups),
+         lambda x: oracle.in_batch_negative_loss(binary, x, group_ids=groups), [x]),
+        ("contrastive_with_negative_loss", lambda a, b, c: ak.contrastive_with_negative_loss(a, b, c),
+         oracle.contrastive_with_negative_loss, t[:3]),
+        ("arccon_loss", lambda a, b: ak.arccon_loss(a, b), oracle.arccon_loss, t[:2]),
+        ("triplet_loss", lambda a, b, c: ak.triplet_loss(a, b, c, 0.1),
+         lambda a, b, c: oracle.triplet_loss(a, b, c, 0.1), t[:3]),
+        ("multiple_negatives_ranking_loss", lambda a, b, c: ak.multiple_negatives_ranking_loss(a, b, [c]),
+         lambda a, b, c: oracle.multiple_negatives_ranking_loss(a, b, [c]), t[:3]),
+        ("multiple_negatives_ranking_loss gte+hardness", lambda a, b, c: ak.multiple_negatives_ranking_loss(
+            a, b, [c], directions=gte, hardness_mode="all_negatives", hardness_strength=2.0),
+         lambda a, b, c: oracle.multiple_negatives_ranking_loss(
+             a, b, [c], directions=gte, hardness_mode="all_negatives", hardness_strength=2.0), t[:3]),
+        ("multiple_negatives_ranking_loss filter", lambda a, b, c: ak.multiple_negatives_ranking_loss(
+            a, b, [c], false_negative_margin=0.3),
+         lambda a, b, c: oracle.multiple_negatives_ranking_loss(a, b, [c], false_negative_margin=0.3), t[:3]),
+        ("gist_loss", lambda a, b, c: ak.gist_loss(a, b, a.detach() + c.detach(), b.detach(), [c], [c.detach()],
+                                                   temperature=0.05, margin=0.05),
+         lambda a, b, c: oracle.gist_loss(a, b, a + c, b, [c], [c], temperature=0.05, margin=0.05), t[:3]),
+        ("AngleLoss A", lambda x: ak.AngleLoss(dataset_format="A", cosine_w=1.0, angle_w=1.0)(binary, x),
+         lambda x: oracle.angle_loss_module(binary, x, dataset_format="A", cosine_w=1.0, angle_w=1.0), [x]),
+        ("AngleLoss B", lambda x: ak.AngleLoss(dataset_format="B")(binary, x),
+         lambda x: oracle.angle_loss_module(binary, x, dataset_format="B"), [x]),
+        ("AngleLoss C", lambda x: ak.AngleLoss(dataset_format="C", cosine_w=1.0)(format_c, x[:9]),
+         lambda x: oracle.angle_loss_module(format_c, x[:9], dataset_format="C", cosine_w=1.0), [x]),
+        ("ArcCSELoss", lambda a, b, c, w, s: ak.ArcCSELoss()(a, b, c, w, s), oracle.arccse_loss, t[:5]),
+        ("cosine_loss dims", lambda x: ak.cosine_loss(graded, x, dims=dims),
+         lambda x: sum(oracle.cosine_loss(graded, x[:, :w]) for w in dims), [x]),
+        ("in_batch_negative_loss dims", lambda x: ak.in_batch_negative_loss(binary, x, dims=dims),
+         lambda x: sum(oracle.in_batch_negative_loss(binary, x[:, :w]) for w in dims), [x]),
+        ("contrastive dims", lambda a, b: ak.contrastive_with_negative_loss(a, b, dims=dims),
+         lambda a, b: sum(oracle.contrastive_with_negative_loss(a[:, :w], b[:, :w]) for w in dims), t[:2]),
+    ]
+
+
+@pytest.mark.parametrize("dtype, magnitude", HUGE_MAGNITUDES, ids=[huge_magnitude_id(c) for c in HUGE_MAGNITUDES])
+def test_huge_finite_embeddings_give_the_reference_values(ak, gen, dtype, magnitude):
+    """Rows whose squared norms and dot products overflow the compute dtype (the inputs themselves are finite):
+    every loss returns the reference's finite value and gradients. Cosines are scale-invariant per row, so the
+    float64 reference on the rows before they were multiplied by powers of two (ak_testing.huge_row_factors) is the
+    exact answer, and the gradient with respect to those rows (the factors are applied inside the differentiated
+    function) is held to the usual tolerances (bfloat16: the half-precision rule against eager bfloat16 on the
+    ordinary rows). Most rows are huge, every fifth is not, so scaled and unscaled rows meet."""
+    cases = _huge_cases(ak, gen)
+    for name, ours, exact, tensors in cases:
+        factors = [huge_row_factors(t.to(dtype), magnitude) for t in tensors]
+
+        def huge(*leaves, ours=ours, factors=factors):
+            big = [leaf * f for leaf, f in zip(leaves, factors)]
+            assert all(torch.isfinite(b).all() for b in big)
+            return ours(*big)
+
+        check_against_oracle(huge, exact, [t.to(dtype) for t in tensors], f"{name} {dtype} x{magnitude:g}")
+    assert len(cases) == 18  # the README's count: 18 losses x 5 (dtype, magnitude)

@@ -1,6 +1,6 @@
 """pair_scores on the CUDA kernels of csrc/pair_scores.cu: ops, fake implementations, autograd, and the op.
 
-    cuda_pair_scores_fwd(x, with_angle)  -> cos [G, K-1], angle [G, K-1], stats [G, K-1, 4]
+    cuda_pair_scores_fwd(x, with_angle)  -> cos [G, K-1], angle [G, K-1], stats [G, K-1, 6]
     cuda_pair_scores_bwd(grad_cos, grad_angle, x, stats, with_angle) -> dx [G, K, D]
 """
 
@@ -13,7 +13,7 @@ from ._library import define, op
 
 PATHS = ("full",)  # the one code path (no dims), verified on GPUs on its own (angle_kernels.verified)
 
-PAIR_STATS = 4  # |u|, |v|, cos, w per pair (csrc/pair_scores.cu)
+PAIR_STATS = 6  # |u_s|, |v_s|, cos, w, s_u, s_v per pair: the scaled rows' norms and scales (csrc/pair_scores.cu)
 
 FWD = define("cuda_pair_scores_fwd", "(Tensor x, bool with_angle) -> (Tensor, Tensor, Tensor)")
 BWD = define(

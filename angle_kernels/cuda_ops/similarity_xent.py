@@ -1,7 +1,8 @@
 """similarity_xent on the CUDA kernels of csrc/similarity_xent.cu: ops, fake implementations, autograd, and the op.
 
     cuda_similarity_xent_fwd(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids)
-        -> loss [], lse_all [M], lse_pos [M], q_norm [M], c_norm [Mc, or 0 when c is None]
+        -> loss [], lse_all [M], lse_pos [M], q_norm [2M], c_norm [2Mc, or 0 when c is None]
+    (q_norm, c_norm: the norms of the rows scaled by their powers of two, then the scales: csrc/similarity_xent.cu)
     cuda_similarity_xent_bwd(grad_loss, q, c, lse_all, lse_pos, q_norm, c_norm, scale, target, row_weights,
                              exclude_diagonal, margin, group_ids) -> dq [M, D], dc [Mc, D] (or [0] when c is None)
 """
@@ -34,8 +35,8 @@ def _fwd_fake(q, c, scale, target, row_weights, exclude_diagonal, margin, group_
     rows = q.shape[0]
     cols = 0 if c is None else c.shape[0]
     per_row = q.new_empty((rows,), dtype=acc)
-    return q.new_empty((), dtype=acc), per_row, per_row.new_empty((rows,)), per_row.new_empty((rows,)), \
-        per_row.new_empty((cols,))
+    return q.new_empty((), dtype=acc), per_row, per_row.new_empty((rows,)), per_row.new_empty((2 * rows,)), \
+        per_row.new_empty((2 * cols,))
 
 
 @torch.library.register_fake(BWD)

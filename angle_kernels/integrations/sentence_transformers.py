@@ -106,16 +106,14 @@ def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str
         # pairwise_angle_sim pads an odd dimension with one zero column before splitting into halves
         first = torch.nn.functional.pad(first, (0, 1))
         second = torch.nn.functional.pad(second, (0, 1))
-    scale = _checks.check_scalar("scale", scale)
+    scale = _checks.check_scale("scale", scale)
     stack = None if nested is None or not nested.stacked else nested.table
     _, (first_layer, second_layer) = _functional.check_layer_stack(stack, ("embeddings_a", first),
                                                                    ("embeddings_b", second))
     _checks.check_embedding_group(("embeddings_a", first_layer), ("embeddings_b", second_layer))
     _checks.check_same_shape("embeddings_a", first, "embeddings_b", second)
     labels = _checks.check_labels("labels", labels, first.shape[-2], first.device)
-    if second.dtype != first.dtype:
-        common = torch.promote_types(first.dtype, second.dtype)
-        first, second = first.to(common), second.to(common)
+    first, second = _checks.promote_embeddings(first, second)
     ops = resolve_backend(backend, first)
     pairs = torch.stack((first, second), dim=-2)
     if kind == "cosine":

@@ -1,10 +1,28 @@
-"""Small helpers shared by the pure-PyTorch ops."""
+"""Small helpers shared by the pure-PyTorch ops.
+
+Row scaling. Finite rows can have squared norms and dot products beyond the compute dtype (float32 rows around
+1.8e19, float64 around 1.3e154): x x^T overflows to inf and the loss to NaN. Every cosine is invariant under a
+positive scaling of either row, so the ops compute on scaled rows x_s = s x with a per-row power of two s
+(`row_scales`: 1 for rows whose largest magnitude is below 2, which therefore compute bit for bit as unscaled
+ones; 2^-floor(log2 max|x|) above, bringing the row's largest entry into [1, 2)). A power of two is exact in
+every dtype, so nothing else changes: |x| = |x_s| / s, the norm clamp max(|x|, eps) becomes max(|x_s|, eps s)
+(`scaled_eps`), and the gradient with respect to x is s times the gradient with respect to x_s, computed by the
+same formulas on the scaled rows (s is piecewise constant in x, its derivative 0 wherever it is defined: the
+chain rule through it is this multiplication). The scale costs one max-reduction over each row and a multiply,
+folded into the compute-dtype copy that bfloat16/float16 inputs already make.
+
+On CPU tensors the ops skip both when every row's squared norm is below SAFE_SQUARED_NORM (`unscaled_is_exact`:
+asking costs no device sync there, and the squared norms are computed anyway): such rows cannot overflow, and
+computing them unscaled gives bit for bit what the scaled computation gives (powers of two commute with every
+product, sum, square root and reciprocal short of under- or overflow). Elsewhere, and inside torch.compile traces
+(`may_skip_scaling`), the rows are always scaled, since asking would cost a host sync per chunk or a graph break.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ..contract import NORM_EPS
+from ..contract import NORM_EPS, compute_dtype
 
 # Work is cut into pieces of about this many elements, so temporaries stay a few MB whatever N is.
 CHUNK_ELEMENTS = 1 << 22
@@ -19,20 +37,89 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
 
 
-def inverse_norms_from_norms(norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# float32 and float64 as bits: (integer dtype, mantissa bits, exponent bias)
+_FLOAT_BITS = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
+# Rows whose squared norms are below these (in the compute dtype) need no scaling: no product of two of them
+# overflows, and the powers of their inverse norms the backward formulas use (up to the third) stay normal.
+SAFE_SQUARED_NORM = {torch.float32: 2.0**80, torch.float64: 2.0**600}
+
+
+def may_skip_scaling(x: torch.Tensor) -> bool:
+    """Whether the ops may ask x's values if its rows need scaling: on CPU (no device sync), outside torch.compile
+    traces (a data-dependent branch would break the graph). Elsewhere the rows are scaled without asking."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def unscaled_is_exact(squared_norms: torch.Tensor) -> bool:
+    """Whether rows with these squared norms (compute dtype) compute exactly as their scaled versions without
+    being scaled: every one below SAFE_SQUARED_NORM. Asked only where may_skip_scaling; False elsewhere."""
+    if not may_skip_scaling(squared_norms):
+        return False
+    return bool((squared_norms < SAFE_SQUARED_NORM[squared_norms.dtype]).all())
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """The per-row powers of two s of the module docstring, [...] for x [..., D], in x's compute dtype: 1 where
+    max|x_row| < 2, else 2^-floor(log2(max|x_row|)) (never below 2^-(bias - 1), so s stays a normal number)."""
+    dtype = compute_dtype(x.dtype)
+    if x.device.type == "cpu":  # two reductions (aminmax is much slower on CPU)
+        low, high = x.amin(dim=-1), x.amax(dim=-1)
+    else:  # one read of x
+        low, high = torch.aminmax(x, dim=-1)
+    largest = torch.maximum(high, low.neg()).to(dtype)  # max |x|, exact in any dtype
+    int_dtype, mantissa, bias = _FLOAT_BITS[dtype]
+    exponent = ((largest.view(int_dtype) >> mantissa) & (2 * bias + 1)) - bias  # floor(log2): exact, from the bits
+    exponent = exponent.clamp(0, bias - 1)
+    return ((bias - exponent) << mantissa).view(dtype)
+
+
+def scaled_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_s = s x in the compute dtype, s) for the rows of x [..., D]; `scale`: s when already known (backward). A
+    new tensor (the multiply folded into the compute-dtype copy of 16-bit inputs)."""
+    if scale is None:
+        scale = row_scales(x)
+    if x.dtype == scale.dtype:
+        return torch.mul(x, scale.unsqueeze(-1)), scale
+    return x.to(scale.dtype).mul_(scale.unsqueeze(-1)), scale
+
+
+def cosine_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, scales) for cosines of x's rows [M, D]: where may_skip_scaling and unscaled_is_exact, x in the compute
+    dtype (a copy only for 16-bit inputs) and scales of 1; otherwise scaled_rows(x)."""
+    dtype = compute_dtype(x.dtype)
+    if may_skip_scaling(x):
+        xc = x.to(dtype)
+        if unscaled_is_exact(row_dots(xc, xc)):
+            return xc, torch.ones(x.shape[:-1], dtype=dtype, device=x.device)
+    return scaled_rows(x)
+
+
+def scaled_eps(scale: torch.Tensor) -> torch.Tensor:
+    """The norm clamp of scaled rows, eps * s, floored at the dtype's smallest normal number (so that a zero row
+    scaled by a tiny s, a prefix of a huge row, divides by a positive number)."""
+    return (scale * NORM_EPS).clamp_min(torch.finfo(scale.dtype).tiny)
+
+
+def inverse_norms_from_norms(norms: torch.Tensor, scale: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """1 / max(|x|, eps) from |x|, and the mask of vectors whose norm was not clamped (only those have a norm
-    gradient)."""
-    return 1.0 / norms.clamp_min(NORM_EPS), norms > NORM_EPS
+    gradient). With `scale` (broadcastable to norms), the norms are those of scaled rows: 1 / max(|x_s|, eps s)."""
+    if scale is None:
+        return 1.0 / norms.clamp_min(NORM_EPS), norms > NORM_EPS
+    eps = scaled_eps(scale)
+    return 1.0 / torch.maximum(norms, eps), norms > eps
 
 
-def inverse_norms_from_squares(squared_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_norms_from_squares(squared_norms: torch.Tensor, scale: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """inverse_norms_from_norms from |x|^2."""
-    return inverse_norms_from_norms(squared_norms.clamp_min(0).sqrt())
+    return inverse_norms_from_norms(squared_norms.clamp_min(0).sqrt(), scale)
 
 
-def inverse_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """inverse_norms_from_squares for the rows of a [M, D] tensor, in its own dtype."""
-    return inverse_norms_from_squares(row_dots(x, x))
+def inverse_norms(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """inverse_norms_from_squares for the rows of a [M, D] tensor (scaled by `scale` when given), in its own
+    dtype."""
+    return inverse_norms_from_squares(row_dots(x, x), scale)
 
 
 def prefix_slices(dims: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -40,16 +127,22 @@ def prefix_slices(dims: tuple[int, ...]) -> list[tuple[int, int]]:
     return list(zip((0,) + dims[:-1], dims))
 
 
-def prefix_inverse_norms(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def prefix_inverse_norms(x: torch.Tensor, dims: tuple[int, ...], scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """inverse_norms of every prefix x[:, :d] (d in dims) as [M, k] tensors, from running sums of the squared
-    norms of the slices: x is read once for all prefixes."""
+    norms of the slices: x is read once for all prefixes. `scale` [M]: x holds scaled rows, one scale per row for
+    every prefix."""
     squares = torch.stack([row_dots(x[:, lo:hi], x[:, lo:hi]) for lo, hi in prefix_slices(dims)], dim=1)
-    return inverse_norms_from_squares(squares.cumsum(dim=1))
+    return inverse_norms_from_squares(squares.cumsum(dim=1), None if scale is None else scale[:, None])
 
 
 def normalise_backward(x: torch.Tensor, inv_norm: torch.Tensor, has_norm_grad: torch.Tensor,
-                       d_hat: torch.Tensor) -> torch.Tensor:
+                       d_hat: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Gradient with respect to x of x_hat = x * inv_norm, given d_hat = dL/dx_hat (overwritten):
-    dx = inv * d_hat - inv^3 * (x . d_hat) * x, the second term only where the norm was not clamped."""
+    dx = inv * d_hat - inv^3 * (x . d_hat) * x, the second term only where the norm was not clamped.
+
+    With `scale` [M], x and inv_norm are the scaled rows s x and their inverse norms (row_scales): the same
+    formula is then the gradient with respect to s x, and s times it the gradient with respect to x."""
     radial = torch.where(has_norm_grad, inv_norm**3 * row_dots(x, d_hat), torch.zeros_like(inv_norm))
-    return d_hat.mul_(inv_norm[:, None]).addcmul_(x, radial[:, None], value=-1.0)
+    dx = d_hat.mul_(inv_norm[:, None]).addcmul_(x, radial[:, None], value=-1.0)
+    return dx if scale is None else dx.mul_(scale[:, None])

@@ -19,6 +19,13 @@ x[..., s_j] @ x[..., s_j]^T over the slices s_j = [d_{j-1}, d_j), j <= i, so eve
 from one read of x; the angle's cross terms pair the halves of each prefix, a product per prefix. Backward: the
 slice s_j of dx gets (sum over i >= j of A_i) @ x[..., s_j] (suffix sums of the star matrices: one product per
 slice), and each prefix its own B_i term on its halves.
+
+Huge rows (torch_ops/common.py, row scaling): a chunk is taken in its scaled form x_s = s x (one power of two per
+row, 1 for ordinary rows), so the Gram matrices hold scaled norms and dots that cannot overflow, and the norm
+clamp is eps s; on CPU a chunk whose squared norms are all safe is computed as it is (_scaled_forward). Forward
+saves s [G, K]; backward rebuilds x_s from x and s and folds s into the rows of the star matrices (dx = s dL/dx_s:
+A and B times s row by row). The cost off the CPU: a max-reduction over each chunk in forward and the scaled copy
+in both passes (folded into the float32 copy bf16/fp16 inputs make anyway; one more pass for float32/float64).
 """
 
 from __future__ import annotations
@@ -27,25 +34,56 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..contract import compute_dtype
-from .common import inverse_norms_from_squares, rows_per_chunk
+from .common import inverse_norms_from_squares, may_skip_scaling, rows_per_chunk, scaled_rows, unscaled_is_exact
 
 FEATURES = ("dims",)
 
 
-def _group_chunks(x: torch.Tensor):
-    """Yield (start, end, x[start:end] in the compute dtype); a copy only for bf16/fp16 inputs."""
+def _chunk_bounds(x: torch.Tensor):
+    """(start, end) of the chunks of x's groups, about CHUNK_ELEMENTS elements each."""
     groups, k, d = x.shape
     step = rows_per_chunk(k * d)
-    dtype = compute_dtype(x.dtype)
     for start in range(0, groups, step):
-        end = min(groups, start + step)
-        yield start, end, x[start:end].to(dtype)
+        yield start, min(groups, start + step)
 
 
-def _scores_of_gram(gram: torch.Tensor, xc: torch.Tensor, width: int, with_angle: bool):
+def _chunk_rows(x_chunk: torch.Tensor, scale: torch.Tensor | None):
+    """A chunk of groups in the compute dtype as the formulas take it: scaled row by row by `scale` [g, K] (a copy;
+    for bf16/fp16 inputs the compute-dtype copy they need anyway), or as it is when scale is None (scales of 1)."""
+    if scale is None:
+        return x_chunk.to(compute_dtype(x_chunk.dtype))
+    return scaled_rows(x_chunk, scale)[0]
+
+
+def _scaled_forward(x: torch.Tensor, scale: torch.Tensor, compute):
+    """Run compute(start, end, chunk, its scales) over the chunks of x, each chunk scaled by its rows' powers of two,
+    which are written into `scale` [G, K]; returns whether any chunk was scaled (else every scale is 1). On CPU
+    (common.may_skip_scaling) a chunk is first computed unscaled, and kept so when the squared norms compute()
+    returns pass common.unscaled_is_exact (then bit for bit what the scaled rows give, with no copy); elsewhere
+    every chunk is scaled without asking (asking costs a host sync or a graph break)."""
+    any_scaled = False
+    for start, end in _chunk_bounds(x):
+        chunk = x[start:end]
+        if may_skip_scaling(x):
+            ones = scale[start:end].fill_(1)
+            if unscaled_is_exact(compute(start, end, _chunk_rows(chunk, None), ones)):
+                continue
+        xc, scale[start:end] = scaled_rows(chunk)
+        compute(start, end, xc, scale[start:end])
+        any_scaled = True
+    return any_scaled
+
+
+def _new_scales(x: torch.Tensor) -> torch.Tensor:
+    """The [G, K] buffer forward fills with the rows' scales (_scaled_forward)."""
+    return torch.empty(x.shape[:2], dtype=compute_dtype(x.dtype), device=x.device)
+
+
+def _scores_of_gram(gram: torch.Tensor, xc: torch.Tensor, scale: torch.Tensor, width: int, with_angle: bool):
     """(inverse norms, has-norm-gradient mask, cos, cross) of a chunk of groups from its Gram [g, K, K] of the
-    first `width` features; cross = (b.c - a.d) / P from the halves of those features (zeros without the angle)."""
-    r, mask = inverse_norms_from_squares(torch.diagonal(gram, dim1=1, dim2=2))
+    first `width` features of the scaled rows xc (scales [g, K]); cross = (b.c - a.d) / P from the halves of those
+    features (zeros without the angle)."""
+    r, mask = inverse_norms_from_squares(torch.diagonal(gram, dim1=1, dim2=2), scale)
     inv_p = r[:, :1] * r[:, 1:]  # 1 / P for each pair (anchor, k)
     cos = gram[:, 0, 1:] * inv_p
     cross = torch.zeros_like(cos)
@@ -57,9 +95,9 @@ def _scores_of_gram(gram: torch.Tensor, xc: torch.Tensor, width: int, with_angle
     return r, mask, cos, cross
 
 
-def _save_and_output(ctx, x, inv_norm, has_norm_grad, cos, cross, with_angle: bool):
+def _save_and_output(ctx, x, scale, inv_norm, has_norm_grad, cos, cross, with_angle: bool):
     """Save what backward needs and return (cos, angle); without the angle, angle is zeros and not differentiable."""
-    ctx.save_for_backward(x, inv_norm, has_norm_grad, cos, cross)
+    ctx.save_for_backward(x, scale, inv_norm, has_norm_grad, cos, cross)
     ctx.with_angle = with_angle
     angle = cos + cross if with_angle else torch.zeros_like(cos)  # a fresh tensor: cross is saved for backward
     ctx.mark_non_differentiable(*(() if with_angle else (angle,)))
@@ -82,24 +120,30 @@ class PairScoresFunction(torch.autograd.Function):
         has_norm_grad = torch.empty(groups, k, dtype=torch.bool, device=x.device)
         cos = torch.empty(groups, k - 1, dtype=dtype, device=x.device)
         cross = torch.empty(groups, k - 1, dtype=dtype, device=x.device)  # (b.c - a.d) / P
-        for start, end, xc in _group_chunks(x):
+        scale = _new_scales(x)
+
+        def compute(start, end, xc, sc):
             gram = torch.bmm(xc, xc.transpose(1, 2))  # [g, K, K]
             (inv_norm[start:end], has_norm_grad[start:end], cos[start:end],
-             cross[start:end]) = _scores_of_gram(gram, xc, d, with_angle)
-        return _save_and_output(ctx, x, inv_norm, has_norm_grad, cos, cross, with_angle)
+             cross[start:end]) = _scores_of_gram(gram, xc, sc, d, with_angle)
+            return torch.diagonal(gram, dim1=1, dim2=2)  # the squared norms
+
+        ctx.any_scaled = _scaled_forward(x, scale, compute)
+        return _save_and_output(ctx, x, scale, inv_norm, has_norm_grad, cos, cross, with_angle)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
-        x, inv_norm, has_norm_grad, cos, cross = ctx.saved_tensors
+        x, scale, inv_norm, has_norm_grad, cos, cross = ctx.saved_tensors
         groups, k, d = x.shape
         grad_cos, grad_angle, _ = _upstream(grad_cos, grad_angle, cos, ctx.with_angle)
         use_angle = ctx.with_angle and d % 2 == 0
-        a, b = _star_matrices(grad_cos, grad_angle, inv_norm, has_norm_grad, cos, cross, use_angle)
+        a, b = _star_matrices(grad_cos, grad_angle, inv_norm, has_norm_grad, cos, cross, use_angle, scale)
 
         dx = torch.empty_like(x)
         half = d // 2
-        for start, end, xc in _group_chunks(x):
+        for start, end in _chunk_bounds(x):
+            xc = _chunk_rows(x[start:end], scale[start:end] if ctx.any_scaled else None)
             a_c = a[start:end]
             if not use_angle:
                 dx[start:end] = torch.bmm(a_c, xc)
@@ -145,9 +189,11 @@ def _chunk_output(dx: torch.Tensor, start: int, end: int, xc: torch.Tensor) -> t
     return dx[start:end] if dx.dtype == xc.dtype else torch.empty_like(xc)
 
 
-def _star_matrices(grad_cos, grad_angle, inv_norm, has_norm_grad, cos, cross, use_angle: bool):
+def _star_matrices(grad_cos, grad_angle, inv_norm, has_norm_grad, cos, cross, use_angle: bool, scale):
     """The K x K matrices A, B of every group ([G, K, K] each; B None without the angle) such that
-    dx[g] = A[g] @ x[g] + B[g] @ J(x[g]), from the saved scores and norms of one width."""
+    dx[g] = A[g] @ x_s[g] + B[g] @ J(x_s[g]), from the saved scores and (scaled) norms of one width: the formulas
+    give the gradient with respect to the scaled rows x_s, and the rows of A and B carry the scales [G, K] that
+    make it the gradient with respect to x."""
     groups, k = inv_norm.shape
     inv_p = inv_norm[:, :1] * inv_norm[:, 1:]
     s = grad_cos + grad_angle
@@ -166,7 +212,8 @@ def _star_matrices(grad_cos, grad_angle, inv_norm, has_norm_grad, cos, cross, us
         b = torch.zeros(groups, k, k, dtype=cos.dtype, device=cos.device)
         b[:, 0, 1:] = grad_angle * inv_p
         b[:, 1:, 0] = -grad_angle * inv_p
-    return a, b
+        b.mul_(scale[:, :, None])
+    return a.mul_(scale[:, :, None]), b
 
 
 class PrefixPairScoresFunction(torch.autograd.Function):
@@ -182,27 +229,33 @@ class PrefixPairScoresFunction(torch.autograd.Function):
         cos = torch.empty(n_dims, groups, k - 1, dtype=dtype, device=x.device)
         cross = torch.empty(n_dims, groups, k - 1, dtype=dtype, device=x.device)
         bounds = (0, *dims)
-        for start, end, xc in _group_chunks(x):
+        scale = _new_scales(x)  # one per row for all its prefixes: its largest magnitude over the whole width
+
+        def compute(start, end, xc, sc):
             gram = torch.zeros(end - start, k, k, dtype=dtype, device=x.device)
             for i, d in enumerate(dims):
                 piece = xc[..., bounds[i]:d]
                 gram.baddbmm_(piece, piece.transpose(1, 2))  # the running Gram of prefix i
                 (inv_norm[i, start:end], has_norm_grad[i, start:end], cos[i, start:end],
-                 cross[i, start:end]) = _scores_of_gram(gram, xc, d, with_angle)
+                 cross[i, start:end]) = _scores_of_gram(gram, xc, sc, d, with_angle)
+            return torch.diagonal(gram, dim1=1, dim2=2)  # the widest prefix's squared norms
+
         ctx.dims = dims
-        return _save_and_output(ctx, x, inv_norm, has_norm_grad, cos, cross, with_angle)
+        ctx.any_scaled = _scaled_forward(x, scale, compute)
+        return _save_and_output(ctx, x, scale, inv_norm, has_norm_grad, cos, cross, with_angle)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
-        x, inv_norm, has_norm_grad, cos, cross = ctx.saved_tensors
+        x, scale, inv_norm, has_norm_grad, cos, cross = ctx.saved_tensors
         dims = ctx.dims
         grad_cos, grad_angle, use_angle = _upstream(grad_cos, grad_angle, cos, ctx.with_angle)
         stars = [_star_matrices(grad_cos[i], grad_angle[i], inv_norm[i], has_norm_grad[i], cos[i], cross[i],
-                                use_angle) for i in range(len(dims))]
+                                use_angle, scale) for i in range(len(dims))]
         dx = torch.empty_like(x)
         bounds = (0, *dims)
-        for start, end, xc in _group_chunks(x):
+        for start, end in _chunk_bounds(x):
+            xc = _chunk_rows(x[start:end], scale[start:end] if ctx.any_scaled else None)
             out = _chunk_output(dx, start, end, xc)
             if dims[-1] < x.shape[-1]:
                 out[..., dims[-1]:] = 0  # in no prefix

@@ -16,6 +16,10 @@ product, of the filter embeddings) is recomputed in backward too, so only lse an
 Backward: dL/dcos_ij = g_i * scale * softmax_ij over K_i (the penalty is a stop-gradient, so it changes the
 probabilities but not the slope), then the gradients of the normalised rows, d q_hat = G c_hat and
 d c_hat += G^T q_hat, and the normalisation's backward once at the end.
+
+Huge rows: with normalize, q, c and the filter embeddings are taken scaled by a power of two per row
+(torch_ops/common.py, row scaling: cosines do not change), the gradients multiplied by the scales at the end.
+Raw dot products are not scale-invariant: normalize=False computes on the rows as given.
 """
 
 from __future__ import annotations
@@ -24,19 +28,23 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..contract import compute_dtype
-from .common import inverse_norms, normalise_backward, rows_per_chunk
+from .common import cosine_rows, inverse_norms, normalise_backward, rows_per_chunk
 
 
-def _scaling(x: torch.Tensor, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inverse norms, has-norm-gradient mask) of x's rows; ones and all-False for raw dot products."""
+def _scaling(x: torch.Tensor, normalize: bool):
+    """(rows in the compute dtype, their scales, inverse norms, has-norm-gradient mask): with normalize the rows
+    scaled by their powers of two (common.row_scales); for raw dot products the rows as they are, and ones,
+    ones and all-False."""
     if normalize:
-        return inverse_norms(x)
-    return torch.ones(x.shape[0], dtype=x.dtype, device=x.device), torch.zeros(x.shape[0], dtype=torch.bool,
-                                                                                device=x.device)
+        xs, scale = cosine_rows(x)
+        return (xs, scale, *inverse_norms(xs, scale))
+    dtype = compute_dtype(x.dtype)
+    ones = torch.ones(x.shape[0], dtype=dtype, device=x.device)
+    return x.to(dtype), ones, ones, torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a is b's data seen the same way (b being a's copy in the compute dtype when they are one)."""
+    """Whether a is b's data seen the same way (a filter input that is the op's own q or c, detached)."""
     return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride())
 
@@ -45,20 +53,19 @@ class _Tiles:
     """Recomputes the logits of one row block (kept columns only; the rest are -inf), identically in forward
     and backward."""
 
-    def __init__(self, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty, penalty_on,
+    def __init__(self, q_in, c_in, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty, penalty_on,
                  filter_q, filter_c, filter_threshold, filter_keeps_target, normalize):
         self.qf, self.cf, self.q_inv, self.c_inv = qf, cf, q_inv, c_inv
         self.scale, self.target_offset, self.period = scale, target_offset, period
         self.exclude, self.penalty, self.penalty_on = exclude, penalty, penalty_on
         self.filter_threshold, self.filter_keeps_target = filter_threshold, filter_keeps_target
-        # A filter on the model's own scores (filter_q, filter_c: q and c detached) reuses the score tile.
-        self.own_scores_filter = filter_threshold is not None and _same_values(filter_q, qf) and _same_values(
-            filter_c, cf)
+        # A filter on the model's own scores (filter_q, filter_c: q and c detached, the inputs q_in and c_in) reuses
+        # the score tile.
+        self.own_scores_filter = filter_threshold is not None and _same_values(filter_q, q_in) and _same_values(
+            filter_c, c_in)
         if filter_threshold is not None and not self.own_scores_filter:
-            dtype = compute_dtype(filter_q.dtype)
-            self.filter_q, self.filter_c = filter_q.to(dtype), filter_c.to(dtype)
-            self.filter_q_inv = _scaling(self.filter_q, normalize)[0]
-            self.filter_c_inv = _scaling(self.filter_c, normalize)[0]
+            self.filter_q, _, self.filter_q_inv, _ = _scaling(filter_q, normalize)
+            self.filter_c, _, self.filter_c_inv, _ = _scaling(filter_c, normalize)
         self.block = rows_per_chunk(cf.shape[0])
 
     def blocks(self):
@@ -100,16 +107,16 @@ class SimilarityLseFunction(torch.autograd.Function):
     def forward(ctx, q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
                 filter_threshold, filter_keeps_target, normalize):
         dtype = compute_dtype(q.dtype)
-        qf, cf = q.detach().to(dtype), c.detach().to(dtype)
-        q_inv, q_has_grad = _scaling(qf, normalize)
-        c_inv, c_has_grad = _scaling(cf, normalize)
+        q_in, c_in = q.detach(), c.detach()
+        qf, q_scale, q_inv, q_has_grad = _scaling(q_in, normalize)
+        cf, c_scale, c_inv, c_has_grad = _scaling(c_in, normalize)
         options = (scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
                    filter_keeps_target, normalize)
-        tiles = _Tiles(qf, cf, q_inv, c_inv, *options)
+        tiles = _Tiles(q_in, c_in, qf, cf, q_inv, c_inv, *options)
         lse = torch.empty(qf.shape[0], dtype=dtype, device=q.device)
         for start, end in tiles.blocks():
             lse[start:end] = torch.logsumexp(tiles.logits(start, end), dim=1)
-        ctx.save_for_backward(qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse)
+        ctx.save_for_backward(q_in, c_in, qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale)
         ctx.options = options
         ctx.input_dtypes = (q.dtype, c.dtype)
         return lse
@@ -117,8 +124,8 @@ class SimilarityLseFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_lse):
-        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse = ctx.saved_tensors
-        tiles = _Tiles(qf, cf, q_inv, c_inv, *ctx.options)
+        q_in, c_in, qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale = ctx.saved_tensors
+        tiles = _Tiles(q_in, c_in, qf, cf, q_inv, c_inv, *ctx.options)
         # Rows with no kept column (lse = -inf) have no softmax: their weight is 0, and their lse is replaced by
         # 0 so that exp(-inf - lse) is 0 rather than NaN.
         empty = torch.isneginf(lse)
@@ -131,8 +138,8 @@ class SimilarityLseFunction(torch.autograd.Function):
             d_qhat[start:end].addmm_(grad * c_inv[None, :], cf)
             d_chat.addmm_(grad.mul_(q_inv[start:end, None]).T, qf[start:end])
         q_dtype, c_dtype = ctx.input_dtypes
-        dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat).to(q_dtype)
-        dc = normalise_backward(cf, c_inv, c_has_grad, d_chat).to(c_dtype)
+        dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat, q_scale).to(q_dtype)
+        dc = normalise_backward(cf, c_inv, c_has_grad, d_chat, c_scale).to(c_dtype)
         return dq, dc, *([None] * 11)
 
 

@@ -39,6 +39,10 @@ one matrix product per slice and side, the sums accumulated from the largest pre
 are held for that: the dims path takes blocks of CHUNK_ELEMENTS / (k + 1) logits, and never keeps its tiles
 from forward). Each prefix's radial term, -[|x| > eps] inv_i^2 (sum_j Ghat_ij dots_ij) x[:, :d_i], needs only
 the row (column) sums of Ghat_i * dots_i, k numbers per row, applied once at the end slice by slice.
+
+Huge rows: q and c are taken scaled by a power of two per row (torch_ops/common.py, row scaling; one scale per row
+for all its prefixes), in the compute-dtype copy the ops make anyway, so no tile overflows; every formula above
+runs on the scaled rows, and the gradients are multiplied by the scales once at the end.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, compute_dtype
-from .common import inverse_norms, normalise_backward, prefix_inverse_norms, prefix_slices, rows_per_chunk
+from .common import (
+    cosine_rows, inverse_norms, normalise_backward, prefix_inverse_norms, prefix_slices, rows_per_chunk,
+)
 
 FEATURES = ("dims",)  # the contract's optional features this op implements (contract.OPTIONAL_FEATURES)
 
@@ -180,10 +186,10 @@ class SimilarityXentFunction(GradientsFormedInForward):
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, with_grad):
         symmetric = c is None
         dtype = compute_dtype(q.dtype)
-        qf = q.detach().to(dtype)
-        cf = qf if symmetric else c.detach().to(dtype)
-        q_inv, q_has_grad = inverse_norms(qf)
-        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else inverse_norms(cf)
+        qf, q_scale = cosine_rows(q.detach())
+        cf, c_scale = (qf, q_scale) if symmetric else cosine_rows(c.detach())
+        q_inv, q_has_grad = inverse_norms(qf, q_scale)
+        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else inverse_norms(cf, c_scale)
         tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids)
 
         m = qf.shape[0]
@@ -211,8 +217,8 @@ class SimilarityXentFunction(GradientsFormedInForward):
         ctx.with_grad = with_grad
         ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
         if with_grad:
-            dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat)
-            dc = None if symmetric else normalise_backward(cf, c_inv, c_has_grad, d_chat)
+            dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat, q_scale)
+            dc = None if symmetric else normalise_backward(cf, c_inv, c_has_grad, d_chat, c_scale)
             ctx.save_for_backward(dq, dc)
         return loss
 
@@ -224,10 +230,10 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims):
         symmetric = c is None
         dtype = compute_dtype(q.dtype)
-        qf = q.detach().to(dtype)
-        cf = qf if symmetric else c.detach().to(dtype)
-        q_inv, q_has_grad = prefix_inverse_norms(qf, dims)  # [M, k]
-        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else prefix_inverse_norms(cf, dims)
+        qf, q_scale = cosine_rows(q.detach())
+        cf, c_scale = (qf, q_scale) if symmetric else cosine_rows(c.detach())
+        q_inv, q_has_grad = prefix_inverse_norms(qf, dims, q_scale)  # [M, k]
+        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else prefix_inverse_norms(cf, dims, c_scale)
         tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids, dims)
 
         m, k = qf.shape[0], len(dims)
@@ -242,7 +248,7 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
         loss = (weights[:, None] * (lse_all - lse_pos)).sum(dim=0) / m
 
         ctx.save_for_backward(qf, None if symmetric else cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids,
-                              lse_all, lse_pos, weights)
+                              lse_all, lse_pos, weights, q_scale, None if symmetric else c_scale)
         ctx.options = (scale, target, exclude_diagonal, margin)
         ctx.dims = dims
         ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
@@ -251,7 +257,8 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights = ctx.saved_tensors
+        (qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights, q_scale,
+         c_scale) = ctx.saved_tensors
         symmetric = cf is None
         cf = qf if symmetric else cf
         dims = ctx.dims
@@ -289,8 +296,9 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
                     running += g_hats.pop()
 
         q_dtype, c_dtype = ctx.input_dtypes
-        dq = _prefix_radial_backward(qf, q_inv, q_has_grad, q_radial, dq, slices).to(q_dtype)
-        dc = None if symmetric else _prefix_radial_backward(cf, c_inv, c_has_grad, c_radial, dc, slices).to(c_dtype)
+        dq = _prefix_radial_backward(qf, q_inv, q_has_grad, q_radial, dq, slices).mul_(q_scale[:, None]).to(q_dtype)
+        dc = None if symmetric else _prefix_radial_backward(cf, c_inv, c_has_grad, c_radial, dc, slices).mul_(
+            c_scale[:, None]).to(c_dtype)
         return dq, dc, None, None, None, None, None, None, None
 
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the Triton kernels' launchers (no kernels here)."""
+"""Helpers shared by the Triton kernels' launchers, and the few @triton.jit helpers every kernel file uses (no
+kernels here)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,56 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 def acc_dtype_of(dtype: torch.dtype):
     """The Triton accumulation dtype for inputs of `dtype`."""
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Row scaling (inlined into the kernels). Finite rows can have squared norms and dot products beyond the
+# accumulation dtype (float32 rows around 1.8e19, float64 around 1.3e154). Every cosine is invariant under a
+# positive scaling of either row, so the kernels compute on x_s = s x with one power of two per row: s = 1 for
+# rows whose largest magnitude is below 2 (they compute bit for bit as before), else 2^-floor(log2 max|x|), which
+# brings the row's largest entry into [1, 2) (torch_ops/common.py states the same rule for the torch backend).
+# Powers of two are exact: |x| = |x_s| / s, the clamp max(|x|, eps) is max(|x_s|, eps s) (`scaled_eps`), and
+# dL/dx = s dL/dx_s. A kernel that reads a row in chunks finds s online: a running exponent per row, the sums of
+# the chunks before multiplied by 2^(old - new) when a later chunk raises it (as an online softmax rescales its
+# running sum). The exponents come from the floats' bits, exactly.
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def row_exponent(largest, ACC: tl.constexpr):
+    """max(0, floor(log2(largest))) as int32 for largest >= 0 in ACC, at most bias - 1 so that 2^-exponent stays a
+    normal number: the row scale of a row (or chunk) whose largest magnitude is `largest` is 2^-row_exponent."""
+    if ACC == tl.float64:
+        exponent = ((largest.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023
+        return tl.minimum(tl.maximum(exponent, 0), 1022).to(tl.int32)
+    else:
+        exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        return tl.minimum(tl.maximum(exponent, 0), 126)
+
+
+@triton.jit
+def pow2(exponent, ACC: tl.constexpr):
+    """2^exponent in ACC for an int32 exponent <= bias - 1, built from its bits (exact); 0 below the normal range."""
+    if ACC == tl.float64:
+        return (tl.maximum(exponent.to(tl.int64) + 1023, 0) << 52).to(tl.float64, bitcast=True)
+    else:
+        return (tl.maximum(exponent + 127, 0) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def raise_exponent(exponent, chunk_largest, ACC: tl.constexpr):
+    """The online step: (the row's exponent after a chunk whose largest magnitude is chunk_largest, the factor
+    2^(old - new) <= 1 that brings what was summed at the old scale to the new one, the new scale 2^-new)."""
+    new = tl.maximum(exponent, row_exponent(chunk_largest, ACC))
+    return new, pow2(exponent - new, ACC), pow2(-new, ACC)
+
+
+@triton.jit
+def scaled_eps(scale, EPS: tl.constexpr, ACC: tl.constexpr):
+    """The norm clamp of a row scaled by `scale`: EPS * scale, floored at ACC's smallest normal number (so that a
+    zero prefix of a huge row divides by a positive number)."""
+    if ACC == tl.float64:
+        return tl.maximum(scale * EPS, 2.2250738585072014e-308)
+    else:
+        return tl.maximum(scale * EPS, 1.1754943508222875e-38)
 
 
 class CompileCase(NamedTuple):

@@ -31,6 +31,17 @@ thread per live vector). Compiled for sm_90 at D = 768 as a launch specialises i
 of 16; triton 3.9, `_compile_check --full`): 28-94 registers (fp64 forward up to 122), no spills, at most 4 KB of
 shared memory, so occupancy is limited by neither.
 
+Huge rows. Finite rows whose squared norms overflow the accumulator (float32/bf16 rows around 1.8e19, float64
+around 1.3e154) are scaled by a power of two per row in the same sweep that reads them (_common's row scaling):
+each chunk's largest magnitude may raise the row's running exponent, and the partial sums gathered at the old
+scale are multiplied by 2^(old - new), as an online softmax rescales its sum. The forward saves the scaled rows'
+norms and the scales; the backward multiplies each loaded element by its row's scale, applies the formulas above
+(the gradient with respect to the scaled rows) and multiplies the result by the scale again (dL/dx = s dL/dx_s).
+Ordinary rows (largest magnitude below 2) have scale 1 and compute bit for bit as unscaled. The price, no extra
+pass: per element about 2 FLOPs forward (an abs and a max for the chunk's largest magnitude, a multiply by the
+scale) plus the rescale of the partial sums once per chunk, and 2 multiplies per element backward: next to nothing
+in a bandwidth-bound op. Registers (sm_90, D = 768): forward 40-79, backward 32-88, prefix backward up to 246.
+
 Nested prefixes (dims = d_1 < ... < d_k, Matryoshka): outputs [k, G, K-1], prefix i being the scores of
 x[..., :d_i]. The floor is the same bytes as one width: read x once forward, once backward, write dx once; the
 per-prefix outputs are O(k * G * K) scalars. Forward, one program per group: without the angle, the sweep walks
@@ -54,7 +65,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from ..contract import NORM_EPS, compute_dtype
-from ._common import CompileCase, acc_dtype_of, new_output
+from ._common import CompileCase, acc_dtype_of, new_output, pow2, raise_exponent, scaled_eps
 
 _MAX_BLOCK = 1024
 # The nested backward keeps a column block of every prefix's terms and twin columns live at once: smaller blocks
@@ -93,10 +104,11 @@ def _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC: t
 
 
 @triton.jit
-def _sweep_halves(anchor_ptr, partner_ptr, partner_ok, half, stride_d, uu, vv, uv, cross,
+def _sweep_halves(anchor_ptr, partner_ptr, partner_ok, half, stride_d, uu, vv, uv, cross, exp_u, exp_v,
                   BLOCK: tl.constexpr, ACC: tl.constexpr):
-    """Accumulate the elementwise partial sums of the first 2 * half features, halves swept together:
-    a, b = u[i], u[i + half]; c, d = v[i], v[i + half]."""
+    """Accumulate the elementwise partial sums of the first 2 * half features of the scaled rows, halves swept
+    together: a, b = u[i], u[i + half]; c, d = v[i], v[i + half]. exp_u (scalar) and exp_v ([P]) are the rows'
+    running scale exponents (_common.raise_exponent): a chunk that raises one rescales what was summed before."""
     offs = tl.arange(0, BLOCK)
     for start in range(0, half, BLOCK):
         cols = (start + offs).to(tl.int64)
@@ -104,37 +116,59 @@ def _sweep_halves(anchor_ptr, partner_ptr, partner_ok, half, stride_d, uu, vv, u
         tile_ok = partner_ok[:, None] & col_ok[None, :]
         a, c = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
         b, d = _load_block(anchor_ptr, partner_ptr, cols + half, col_ok, tile_ok, stride_d, ACC)
+        exp_u, fu, su = raise_exponent(exp_u, tl.max(tl.maximum(tl.abs(a), tl.abs(b)), axis=0), ACC)
+        exp_v, fv, sv = raise_exponent(exp_v, tl.max(tl.maximum(tl.abs(c), tl.abs(d)), axis=1), ACC)
+        fuv = (fu * fv)[:, None]
+        uu = uu * (fu * fu)
+        vv = vv * (fv * fv)[:, None]
+        uv = uv * fuv
+        cross = cross * fuv
+        a = a * su
+        b = b * su
+        c = c * sv[:, None]
+        d = d * sv[:, None]
         uu += a * a + b * b
         vv += c * c + d * d
         uv += a[None, :] * c + b[None, :] * d
         cross += b[None, :] * c - a[None, :] * d
-    return uu, vv, uv, cross
+    return uu, vv, uv, cross, exp_u, exp_v
 
 
 @triton.jit
-def _sweep_columns(anchor_ptr, partner_ptr, partner_ok, lo, hi, stride_d, uu, vv, uv,
+def _sweep_columns(anchor_ptr, partner_ptr, partner_ok, lo, hi, stride_d, uu, vv, uv, exp_u, exp_v,
                    BLOCK: tl.constexpr, ACC: tl.constexpr):
-    """Accumulate the elementwise partial sums of the features [lo, hi) (no angle cross terms)."""
+    """Accumulate the elementwise partial sums of the features [lo, hi) of the scaled rows (no angle cross terms);
+    exp_u, exp_v: the running scale exponents, as in _sweep_halves."""
     offs = tl.arange(0, BLOCK)
     for start in range(lo, hi, BLOCK):
         cols = (start + offs).to(tl.int64)
         col_ok = cols < hi
         tile_ok = partner_ok[:, None] & col_ok[None, :]
         u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
+        exp_u, fu, su = raise_exponent(exp_u, tl.max(tl.abs(u), axis=0), ACC)
+        exp_v, fv, sv = raise_exponent(exp_v, tl.max(tl.abs(v), axis=1), ACC)
+        uu = uu * (fu * fu)
+        vv = vv * (fv * fv)[:, None]
+        uv = uv * (fu * fv)[:, None]
+        u = u * su
+        v = v * sv[:, None]
         uu += u * u
         vv += v * v
         uv += u[None, :] * v
-    return uu, vv, uv
+    return uu, vv, uv, exp_u, exp_v
 
 
 @triton.jit
-def _store_scores(uu, vv, uv, cross, cos_ptr, angle_ptr, norms_ptr, cross_ptr, pair_out, norm_out, partner,
-                  partner_ok, WITH_ANGLE: tl.constexpr, EPS: tl.constexpr):
+def _store_scores(uu, vv, uv, cross, exp_u, exp_v, cos_ptr, angle_ptr, norms_ptr, scales_ptr, cross_ptr, pair_out,
+                  norm_out, partner, partner_ok, WITH_ANGLE: tl.constexpr, ACC: tl.constexpr, EPS: tl.constexpr):
     """Reduce the partial sums and store cos, w = (b.c - a.d) / P, cos + w (WITH_ANGLE) of the pairs at
-    pair_out + partner, and the raw norms of the anchor (norm_out) and partners (norm_out + 1 + partner)."""
+    pair_out + partner, and the scaled rows' norms and their scales, of the anchor (norm_out) and partners
+    (norm_out + 1 + partner)."""
+    su = pow2(-exp_u, ACC)
+    sv = pow2(-exp_v, ACC)
     norm_u = tl.sqrt(tl.sum(uu, axis=0))
     norm_v = tl.sqrt(tl.sum(vv, axis=1))  # [P]
-    inv_p = 1.0 / (tl.maximum(norm_u, EPS) * tl.maximum(norm_v, EPS))
+    inv_p = 1.0 / (tl.maximum(norm_u, scaled_eps(su, EPS, ACC)) * tl.maximum(norm_v, scaled_eps(sv, EPS, ACC)))
     cos = tl.sum(uv, axis=1) * inv_p
     w = tl.sum(cross, axis=1) * inv_p
     tl.store(cos_ptr + pair_out + partner, cos, mask=partner_ok)
@@ -143,6 +177,16 @@ def _store_scores(uu, vv, uv, cross, cos_ptr, angle_ptr, norms_ptr, cross_ptr, p
         tl.store(angle_ptr + pair_out + partner, cos + w, mask=partner_ok)
     tl.store(norms_ptr + norm_out, norm_u)
     tl.store(norms_ptr + norm_out + 1 + partner, norm_v, mask=partner_ok)
+    tl.store(scales_ptr + norm_out, su)
+    tl.store(scales_ptr + norm_out + 1 + partner, sv, mask=partner_ok)
+
+
+@triton.jit
+def _empty_sums(PARTNERS_PAD: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """(uu, vv, uv, cross, exp_u, exp_v) before the first chunk: zero sums, scale exponents 0 (scale 1)."""
+    return (tl.zeros([BLOCK], dtype=ACC), tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC),
+            tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC), tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC),
+            tl.max(tl.zeros([PARTNERS_PAD], dtype=tl.int32), axis=0), tl.zeros([PARTNERS_PAD], dtype=tl.int32))
 
 
 @triton.jit
@@ -150,7 +194,8 @@ def _pair_scores_fwd_kernel(
     x_ptr,  # [G, K, D], any strides
     cos_ptr,  # [G, K-1] out, compute dtype
     angle_ptr,  # [G, K-1] out (written only WITH_ANGLE)
-    norms_ptr,  # [G, K] out: raw (unclamped) row norms, for backward
+    norms_ptr,  # [G, K] out: norms of the scaled rows (unclamped), for backward
+    scales_ptr,  # [G, K] out: the rows' scales (powers of two), for backward
     cross_ptr,  # [G, K-1] out: w = (b.c - a.d) / P, for backward
     K,
     D,
@@ -166,26 +211,25 @@ def _pair_scores_fwd_kernel(
 ):
     group, partner, partner_ok, anchor_ptr, partner_ptr = _group_rows(x_ptr, stride_g, stride_k, K, PARTNERS_PAD)
 
-    uu = tl.zeros([BLOCK], dtype=ACC)
-    vv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
-    uv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
-    cross = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
+    uu, vv, uv, cross, exp_u, exp_v = _empty_sums(PARTNERS_PAD, BLOCK, ACC)
     if WITH_ANGLE:
-        uu, vv, uv, cross = _sweep_halves(anchor_ptr, partner_ptr, partner_ok, HALF, stride_d, uu, vv, uv, cross,
-                                          BLOCK, ACC)
+        uu, vv, uv, cross, exp_u, exp_v = _sweep_halves(anchor_ptr, partner_ptr, partner_ok, HALF, stride_d, uu, vv,
+                                                        uv, cross, exp_u, exp_v, BLOCK, ACC)
     else:
-        uu, vv, uv = _sweep_columns(anchor_ptr, partner_ptr, partner_ok, 0, D, stride_d, uu, vv, uv, BLOCK, ACC)
-    _store_scores(uu, vv, uv, cross, cos_ptr, angle_ptr, norms_ptr, cross_ptr, group * (K - 1), group * K,
-                  partner, partner_ok, WITH_ANGLE, EPS)
+        uu, vv, uv, exp_u, exp_v = _sweep_columns(anchor_ptr, partner_ptr, partner_ok, 0, D, stride_d, uu, vv, uv,
+                                                  exp_u, exp_v, BLOCK, ACC)
+    _store_scores(uu, vv, uv, cross, exp_u, exp_v, cos_ptr, angle_ptr, norms_ptr, scales_ptr, cross_ptr,
+                  group * (K - 1), group * K, partner, partner_ok, WITH_ANGLE, ACC, EPS)
 
 
 @triton.jit
-def _pair_coefficients(grad_cos_ptr, grad_angle_ptr, norms_ptr, cos_ptr, cross_ptr, pair_in, norm_in, partner,
-                       partner_ok, WITH_ANGLE: tl.constexpr, PARTNERS_PAD: tl.constexpr, ACC: tl.constexpr,
+def _pair_coefficients(grad_cos_ptr, grad_angle_ptr, norms_ptr, scales_ptr, cos_ptr, cross_ptr, pair_in, norm_in,
+                       partner, partner_ok, WITH_ANGLE: tl.constexpr, PARTNERS_PAD: tl.constexpr, ACC: tl.constexpr,
                        EPS: tl.constexpr):
-    """The per-pair coefficients of the backward formulas (module docstring), from the forward's saved norms, cos
-    and w and the upstream gradients of the pairs at pair_in: (along [P, 1], rotated [P, 1], the anchor's
-    radial coefficient (scalar), the partners' [P, 1]). Padded partners get 0 everywhere, so they add nothing."""
+    """The per-pair coefficients of the backward formulas on the scaled rows (module docstring), from the
+    forward's saved norms, scales, cos and w and the upstream gradients of the pairs at pair_in: (along [P, 1],
+    rotated [P, 1], the anchor's radial coefficient (scalar), the partners' [P, 1], the anchor's scale (scalar),
+    the partners' [P, 1]). Padded partners get 0 everywhere (scale 1), so they add nothing."""
     gc = tl.load(grad_cos_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
     if WITH_ANGLE:
         ga = tl.load(grad_angle_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
@@ -195,18 +239,22 @@ def _pair_coefficients(grad_cos_ptr, grad_angle_ptr, norms_ptr, cos_ptr, cross_p
     w = tl.load(cross_ptr + pair_in, mask=partner_ok, other=0.0).to(ACC)
     norm_u = tl.load(norms_ptr + norm_in).to(ACC)
     norm_v = tl.load(norms_ptr + norm_in + 1 + partner, mask=partner_ok, other=1.0).to(ACC)
-    inv_u = 1.0 / tl.maximum(norm_u, EPS)
-    inv_v = 1.0 / tl.maximum(norm_v, EPS)
+    su = tl.load(scales_ptr + norm_in).to(ACC)
+    sv = tl.load(scales_ptr + norm_in + 1 + partner, mask=partner_ok, other=1.0).to(ACC)
+    eps_u = scaled_eps(su, EPS, ACC)
+    eps_v = scaled_eps(sv, EPS, ACC)
+    inv_u = 1.0 / tl.maximum(norm_u, eps_u)
+    inv_v = 1.0 / tl.maximum(norm_v, eps_v)
     # d(1/max(|x|, eps))/dx = -x/|x|^3 only where the norm was not clamped.
-    radial_u = tl.where(norm_u > EPS, inv_u * inv_u, 0.0)
-    radial_v = tl.where(norm_v > EPS, inv_v * inv_v, 0.0)
+    radial_u = tl.where(norm_u > eps_u, inv_u * inv_u, 0.0)
+    radial_v = tl.where(norm_v > eps_v, inv_v * inv_v, 0.0)
     g_sum = gc + ga
     along = g_sum * inv_u * inv_v  # coefficient of the other row
     rotated = ga * inv_u * inv_v  # coefficient of the other row's rotated halves
     shrink = g_sum * cos + ga * w  # coefficient of the row's own radial term
     anchor_shrink = tl.sum(shrink, axis=0) * radial_u
     partner_shrink = shrink * radial_v
-    return along[:, None], rotated[:, None], anchor_shrink, partner_shrink[:, None]
+    return along[:, None], rotated[:, None], anchor_shrink, partner_shrink[:, None], su, sv[:, None]
 
 
 @triton.jit
@@ -215,7 +263,8 @@ def _pair_scores_bwd_kernel(
     dx_ptr,  # [G, K, D] out, contiguous, x's dtype
     grad_cos_ptr,  # [G, K-1] contiguous, compute dtype
     grad_angle_ptr,  # [G, K-1] contiguous (read only WITH_ANGLE)
-    norms_ptr,  # [G, K] from forward
+    norms_ptr,  # [G, K] from forward (scaled rows)
+    scales_ptr,  # [G, K] from forward
     cos_ptr,  # [G, K-1] from forward
     cross_ptr,  # [G, K-1] from forward
     K,
@@ -233,10 +282,11 @@ def _pair_scores_bwd_kernel(
     group, partner, partner_ok, anchor_ptr, partner_ptr = _group_rows(x_ptr, stride_g, stride_k, K, PARTNERS_PAD)
     d_anchor_ptr = dx_ptr + group * K * D  # dx is contiguous
     d_partner_ptr = d_anchor_ptr + (partner + 1).to(tl.int64)[:, None] * D
-    along_2d, rotated_2d, anchor_shrink, partner_shrink_2d = _pair_coefficients(
-        grad_cos_ptr, grad_angle_ptr, norms_ptr, cos_ptr, cross_ptr, group * (K - 1) + partner, group * K, partner,
-        partner_ok, WITH_ANGLE, PARTNERS_PAD, ACC, EPS)
+    along_2d, rotated_2d, anchor_shrink, partner_shrink_2d, su, sv_2d = _pair_coefficients(
+        grad_cos_ptr, grad_angle_ptr, norms_ptr, scales_ptr, cos_ptr, cross_ptr, group * (K - 1) + partner,
+        group * K, partner, partner_ok, WITH_ANGLE, PARTNERS_PAD, ACC, EPS)
 
+    # The formulas give dL/dx_s on the scaled rows x_s = s x; dL/dx is s times it.
     offs = tl.arange(0, BLOCK)
     out_ty = dx_ptr.dtype.element_ty
     if WITH_ANGLE:
@@ -246,10 +296,14 @@ def _pair_scores_bwd_kernel(
             tile_ok = partner_ok[:, None] & col_ok[None, :]
             a, c = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
             b, d = _load_block(anchor_ptr, partner_ptr, cols + HALF, col_ok, tile_ok, stride_d, ACC)
-            da = tl.sum(along_2d * c - rotated_2d * d, axis=0) - anchor_shrink * a
-            db = tl.sum(along_2d * d + rotated_2d * c, axis=0) - anchor_shrink * b
-            dc = along_2d * a[None, :] + rotated_2d * b[None, :] - partner_shrink_2d * c
-            dd = along_2d * b[None, :] - rotated_2d * a[None, :] - partner_shrink_2d * d
+            a = a * su
+            b = b * su
+            c = c * sv_2d
+            d = d * sv_2d
+            da = (tl.sum(along_2d * c - rotated_2d * d, axis=0) - anchor_shrink * a) * su
+            db = (tl.sum(along_2d * d + rotated_2d * c, axis=0) - anchor_shrink * b) * su
+            dc = (along_2d * a[None, :] + rotated_2d * b[None, :] - partner_shrink_2d * c) * sv_2d
+            dd = (along_2d * b[None, :] - rotated_2d * a[None, :] - partner_shrink_2d * d) * sv_2d
             tl.store(d_anchor_ptr + cols, da.to(out_ty), mask=col_ok)
             tl.store(d_anchor_ptr + cols + HALF, db.to(out_ty), mask=col_ok)
             tl.store(d_partner_ptr + cols[None, :], dc.to(out_ty), mask=tile_ok)
@@ -260,8 +314,10 @@ def _pair_scores_bwd_kernel(
             col_ok = cols < D
             tile_ok = partner_ok[:, None] & col_ok[None, :]
             u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
-            du = tl.sum(along_2d * v, axis=0) - anchor_shrink * u
-            dv = along_2d * u[None, :] - partner_shrink_2d * v
+            u = u * su
+            v = v * sv_2d
+            du = (tl.sum(along_2d * v, axis=0) - anchor_shrink * u) * su
+            dv = (along_2d * u[None, :] - partner_shrink_2d * v) * sv_2d
             tl.store(d_anchor_ptr + cols, du.to(out_ty), mask=col_ok)
             tl.store(d_partner_ptr + cols[None, :], dv.to(out_ty), mask=tile_ok)
 
@@ -274,7 +330,8 @@ def _prefix_pair_scores_fwd_kernel(
     x_ptr,  # [G, K, D], any strides
     cos_ptr,  # [k, G, K-1] out, compute dtype
     angle_ptr,  # [k, G, K-1] out (written only WITH_ANGLE)
-    norms_ptr,  # [k, G, K] out: raw row norms of every prefix, for backward
+    norms_ptr,  # [k, G, K] out: norms of every prefix of the scaled rows, for backward
+    scales_ptr,  # [k, G, K] out: the scale of every prefix of the rows, for backward
     cross_ptr,  # [k, G, K-1] out: w of every prefix, for backward
     G,
     K,
@@ -291,25 +348,19 @@ def _prefix_pair_scores_fwd_kernel(
 ):
     group, partner, partner_ok, anchor_ptr, partner_ptr = _group_rows(x_ptr, stride_g, stride_k, K, PARTNERS_PAD)
 
-    uu = tl.zeros([BLOCK], dtype=ACC)
-    vv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
-    uv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
-    cross = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
+    uu, vv, uv, cross, exp_u, exp_v = _empty_sums(PARTNERS_PAD, BLOCK, ACC)
     lo = 0
     for i in tl.static_range(N_DIMS):
         if WITH_ANGLE:  # the halves of each prefix pair other features: a sweep of its own (reads hit the cache)
-            uu = tl.zeros([BLOCK], dtype=ACC)
-            vv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
-            uv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
-            cross = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
-            uu, vv, uv, cross = _sweep_halves(anchor_ptr, partner_ptr, partner_ok, DIMS[i] // 2, stride_d,
-                                              uu, vv, uv, cross, BLOCK, ACC)
-        else:  # running sums: prefix i adds the slice [d_{i-1}, d_i) to prefix i - 1's
-            uu, vv, uv = _sweep_columns(anchor_ptr, partner_ptr, partner_ok, lo, DIMS[i], stride_d, uu, vv, uv,
-                                        BLOCK, ACC)
+            uu, vv, uv, cross, exp_u, exp_v = _empty_sums(PARTNERS_PAD, BLOCK, ACC)
+            uu, vv, uv, cross, exp_u, exp_v = _sweep_halves(anchor_ptr, partner_ptr, partner_ok, DIMS[i] // 2,
+                                                            stride_d, uu, vv, uv, cross, exp_u, exp_v, BLOCK, ACC)
+        else:  # running sums: prefix i adds the slice [d_{i-1}, d_i) to prefix i - 1's (and its scale follows)
+            uu, vv, uv, exp_u, exp_v = _sweep_columns(anchor_ptr, partner_ptr, partner_ok, lo, DIMS[i], stride_d,
+                                                      uu, vv, uv, exp_u, exp_v, BLOCK, ACC)
             lo = DIMS[i]
-        _store_scores(uu, vv, uv, cross, cos_ptr, angle_ptr, norms_ptr, cross_ptr, (i * G + group) * (K - 1),
-                      (i * G + group) * K, partner, partner_ok, WITH_ANGLE, EPS)
+        _store_scores(uu, vv, uv, cross, exp_u, exp_v, cos_ptr, angle_ptr, norms_ptr, scales_ptr, cross_ptr,
+                      (i * G + group) * (K - 1), (i * G + group) * K, partner, partner_ok, WITH_ANGLE, ACC, EPS)
 
 
 @triton.jit
@@ -319,6 +370,7 @@ def _prefix_pair_scores_bwd_kernel(
     grad_cos_ptr,  # [k, G, K-1] contiguous, compute dtype
     grad_angle_ptr,  # [k, G, K-1] contiguous (read only WITH_ANGLE)
     norms_ptr,  # [k, G, K] from forward
+    scales_ptr,  # [k, G, K] from forward
     cos_ptr,  # [k, G, K-1] from forward
     cross_ptr,  # [k, G, K-1] from forward
     G,
@@ -339,21 +391,25 @@ def _prefix_pair_scores_bwd_kernel(
     d_anchor_ptr = dx_ptr + group * K * D  # dx is contiguous
     d_partner_ptr = d_anchor_ptr + (partner + 1).to(tl.int64)[:, None] * D
 
-    # dx is written once: each column block adds the terms of every prefix that contains it (0 past d_k)
+    # dx is written once: each column block adds the terms of every prefix that contains it (0 past d_k), each on
+    # the rows scaled by that prefix's scales and multiplied by them at the end (dL/dx = s dL/dx_s)
     offs = tl.arange(0, BLOCK)
     out_ty = dx_ptr.dtype.element_ty
     for start in range(0, D, BLOCK):
         cols = (start + offs).to(tl.int64)
         col_ok = cols < D
         tile_ok = partner_ok[:, None] & col_ok[None, :]
-        u, v = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
+        u_raw, v_raw = _load_block(anchor_ptr, partner_ptr, cols, col_ok, tile_ok, stride_d, ACC)
         du = tl.zeros([BLOCK], dtype=ACC)
         dv = tl.zeros([PARTNERS_PAD, BLOCK], dtype=ACC)
         for i in tl.static_range(N_DIMS):
-            along_2d, rotated_2d, anchor_shrink, partner_shrink_2d = _pair_coefficients(
-                grad_cos_ptr, grad_angle_ptr, norms_ptr, cos_ptr, cross_ptr, (i * G + group) * (K - 1) + partner,
-                (i * G + group) * K, partner, partner_ok, WITH_ANGLE, PARTNERS_PAD, ACC, EPS)
+            along_2d, rotated_2d, anchor_shrink, partner_shrink_2d, su, sv_2d = _pair_coefficients(
+                grad_cos_ptr, grad_angle_ptr, norms_ptr, scales_ptr, cos_ptr, cross_ptr,
+                (i * G + group) * (K - 1) + partner, (i * G + group) * K, partner, partner_ok, WITH_ANGLE,
+                PARTNERS_PAD, ACC, EPS)
             inside = cols < DIMS[i]
+            u = u_raw * su
+            v = v_raw * sv_2d
             du_i = tl.sum(along_2d * v, axis=0) - anchor_shrink * u
             dv_i = along_2d * u[None, :] - partner_shrink_2d * v
             if WITH_ANGLE:
@@ -365,11 +421,13 @@ def _prefix_pair_scores_bwd_kernel(
                 twin = tl.where(first, cols + half, cols - half)
                 twin_u, twin_v = _load_block(anchor_ptr, partner_ptr, twin, inside, tile_ok & inside[None, :],
                                              stride_d, ACC)
+                twin_u = twin_u * su
+                twin_v = twin_v * sv_2d
                 sign = tl.where(first, -1.0, 1.0).to(ACC)
                 du_i += sign * tl.sum(rotated_2d * twin_v, axis=0)
                 dv_i -= sign[None, :] * rotated_2d * twin_u[None, :]
-            du += tl.where(inside, du_i, 0.0)
-            dv += tl.where(inside[None, :], dv_i, 0.0)
+            du += tl.where(inside, du_i * su, 0.0)
+            dv += tl.where(inside[None, :], dv_i * sv_2d, 0.0)
         tl.store(d_anchor_ptr + cols, du.to(out_ty), mask=col_ok)
         tl.store(d_partner_ptr + cols[None, :], dv.to(out_ty), mask=tile_ok)
 
@@ -387,17 +445,18 @@ def launch_config(k: int, d: int, with_angle: bool, max_block: int = _MAX_BLOCK)
 
 
 def _new_scores(lead: tuple[int, ...], x: torch.Tensor, with_angle: bool):
-    """(cos, angle, raw norms, w) outputs of shape lead + (K-1,) (the norms lead + (K,)) in the compute dtype,
-    for the kernels to write; without the angle, angle is zeros by contract (the kernels do not write it)."""
+    """(cos, angle, norms of the scaled rows, the rows' scales, w) outputs of shape lead + (K-1,) (norms and scales
+    lead + (K,)) in the compute dtype, for the kernels to write; without the angle, angle is zeros by contract (the
+    kernels do not write it)."""
     k, dtype = x.shape[1], compute_dtype(x.dtype)
     cos, cross = (new_output((*lead, k - 1), dtype, x.device) for _ in range(2))
-    norms = new_output((*lead, k), dtype, x.device)
+    norms, scales = (new_output((*lead, k), dtype, x.device) for _ in range(2))
     angle = new_output((*lead, k - 1), dtype, x.device) if with_angle else torch.zeros_like(cos)
-    return cos, angle, norms, cross
+    return cos, angle, norms, scales, cross
 
 
-def _save_for_backward(ctx, x, norms, cos, cross, angle, with_angle: bool):
-    ctx.save_for_backward(x, norms, cos, cross)
+def _save_for_backward(ctx, x, norms, scales, cos, cross, angle, with_angle: bool):
+    ctx.save_for_backward(x, norms, scales, cos, cross)
     ctx.with_angle = with_angle
     if not with_angle:
         ctx.mark_non_differentiable(angle)
@@ -416,26 +475,26 @@ class PairScoresFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, with_angle: bool):
         groups, k, d = x.shape
-        cos, angle, norms, cross = _new_scores((groups,), x, with_angle)
+        cos, angle, norms, scales, cross = _new_scores((groups,), x, with_angle)
         cfg = launch_config(k, d, with_angle)
         if groups > 0:
             _pair_scores_fwd_kernel[(groups,)](
-                x, cos, angle, norms, cross, k, d, d // 2, x.stride(0), x.stride(1), x.stride(2),
+                x, cos, angle, norms, scales, cross, k, d, d // 2, x.stride(0), x.stride(1), x.stride(2),
                 WITH_ANGLE=with_angle, ACC=acc_dtype_of(x.dtype), EPS=NORM_EPS, **cfg,
             )
-        return _save_for_backward(ctx, x, norms, cos, cross, angle, with_angle)
+        return _save_for_backward(ctx, x, norms, scales, cos, cross, angle, with_angle)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
-        x, norms, cos, cross = ctx.saved_tensors
+        x, norms, scales, cos, cross = ctx.saved_tensors
         groups, k, d = x.shape
         grad_cos, grad_angle, with_angle = _upstream(ctx, cos, grad_cos, grad_angle)
         dx = new_output((groups, k, d), x.dtype, x.device)
         cfg = launch_config(k, d, with_angle)
         if groups > 0:
             _pair_scores_bwd_kernel[(groups,)](
-                x, dx, grad_cos, grad_angle, norms, cos, cross, k, d, d // 2,
+                x, dx, grad_cos, grad_angle, norms, scales, cos, cross, k, d, d // 2,
                 x.stride(0), x.stride(1), x.stride(2),
                 WITH_ANGLE=with_angle, ACC=acc_dtype_of(x.dtype), EPS=NORM_EPS, **cfg,
             )
@@ -448,28 +507,29 @@ class PrefixPairScoresFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, with_angle: bool, dims: tuple[int, ...]):
         groups, k, d = x.shape
-        cos, angle, norms, cross = _new_scores((len(dims), groups), x, with_angle)
+        cos, angle, norms, scales, cross = _new_scores((len(dims), groups), x, with_angle)
         cfg = launch_config(k, dims[-1], with_angle)
         if groups > 0:
             _prefix_pair_scores_fwd_kernel[(groups,)](
-                x, cos, angle, norms, cross, groups, k, x.stride(0), x.stride(1), x.stride(2),
+                x, cos, angle, norms, scales, cross, groups, k, x.stride(0), x.stride(1), x.stride(2),
                 DIMS=tuple(dims), N_DIMS=len(dims), WITH_ANGLE=with_angle, ACC=acc_dtype_of(x.dtype), EPS=NORM_EPS,
                 **cfg,
             )
         ctx.dims = tuple(dims)
-        return _save_for_backward(ctx, x, norms, cos, cross, angle, with_angle)
+        return _save_for_backward(ctx, x, norms, scales, cos, cross, angle, with_angle)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_cos: torch.Tensor, grad_angle: torch.Tensor):
-        x, norms, cos, cross = ctx.saved_tensors
+        x, norms, scales, cos, cross = ctx.saved_tensors
         groups, k, d = x.shape
         grad_cos, grad_angle, with_angle = _upstream(ctx, cos, grad_cos, grad_angle)
         dx = new_output((groups, k, d), x.dtype, x.device)
         cfg = launch_config(k, d, False, _MAX_PREFIX_BWD_BLOCK)  # it sweeps the whole width in column blocks
         if groups > 0:
             _prefix_pair_scores_bwd_kernel[(groups,)](
-                x, dx, grad_cos, grad_angle, norms, cos, cross, groups, k, d, x.stride(0), x.stride(1), x.stride(2),
+                x, dx, grad_cos, grad_angle, norms, scales, cos, cross, groups, k, d, x.stride(0), x.stride(1),
+                x.stride(2),
                 DIMS=ctx.dims, N_DIMS=len(ctx.dims), WITH_ANGLE=with_angle, ACC=acc_dtype_of(x.dtype), EPS=NORM_EPS,
                 **cfg,
             )

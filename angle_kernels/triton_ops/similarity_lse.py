@@ -58,6 +58,11 @@ recompile (_RUNTIME_INT_ARGS).
 
 Raw dot products (normalize=False) run the same kernels: the launcher passes norms of one (so "cos" is the dot)
 and skips the finish kernel (with no normalisation, the raw gradient buffer is the gradient).
+
+Huge rows (similarity_xent's docstring): with normalize, the row-norm kernel gives every row of q, c and the
+filter embeddings its scale (a power of two, 1 for ordinary rows), the tiles are dot products of the scaled rows
+(the scaled K-loop only when some scale is not 1), and the finish kernel multiplies the gradients by the scales.
+Raw dot products are not scale-invariant and are computed as given (their scores can genuinely overflow).
 """
 
 from __future__ import annotations
@@ -77,11 +82,13 @@ from .similarity_xent import (
     _dot_precision,
     _dot_tile,
     _interpreter_blocks,
+    _inverse_norms,
     _online_lse_update,
     _operand_dtype,
     _row_norms,
     _similarity_xent_bwd_finish_kernel,
     _tile_launch,
+    any_scaled,
     autotuned,
     gradient_tile_scale,
     kernels_for,
@@ -95,29 +102,30 @@ PATHS = ("fused",)  # the one code path, verified on GPUs on its own (angle_kern
 
 
 @triton.jit
-def _lse_row_state(q_norm_ptr, fq_norm_ptr, threshold_ptr, rows, M, Mc, target_offset,
-                   HAS_FILTER: tl.constexpr, EPS: tl.constexpr):
-    """Per-row (valid, inverse norm, target column, the filter's inverse norm and threshold).
+def _lse_row_state(q_norm_ptr, q_scale_ptr, fq_norm_ptr, fq_scale_ptr, threshold_ptr, rows, M, Mc, target_offset,
+                   HAS_FILTER: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr, FILTER_ACC: tl.constexpr):
+    """Per-row (valid, inverse norms of the scaled and of the raw row (similarity_xent._inverse_norms), target
+    column, the filter's inverse norm (of its scaled row) and threshold).
 
     The target columns are int32 (the masks are index compares on [BLOCK_M, BLOCK_N] tiles: half the registers
     of int64), clamped to Mc: any t_i >= Mc names no column, and neither a column j < Mc nor j % period can
     equal Mc."""
     row_ok = rows < M
-    inv_q = 1.0 / tl.maximum(tl.load(q_norm_ptr + rows, mask=row_ok, other=1.0), EPS)
+    inv_q, unit_q = _inverse_norms(q_norm_ptr, q_scale_ptr, rows, row_ok, EPS, ACC)
     targets = tl.minimum(rows + target_offset, Mc).to(tl.int32)
     if HAS_FILTER:
-        inv_fq = 1.0 / tl.maximum(tl.load(fq_norm_ptr + rows, mask=row_ok, other=1.0), EPS)
+        inv_fq, _unit_fq = _inverse_norms(fq_norm_ptr, fq_scale_ptr, rows, row_ok, EPS, FILTER_ACC)
         threshold = tl.load(threshold_ptr + rows, mask=row_ok, other=0.0)
     else:  # unused
         inv_fq = inv_q
         threshold = inv_q
-    return row_ok, inv_q, targets, inv_fq, threshold
+    return row_ok, inv_q, unit_q, targets, inv_fq, threshold
 
 
 @triton.jit
 def _lse_logits_tile(
-    q_ptr, c_ptr, c_norm_ptr, fq_ptr, fc_ptr, fc_norm_ptr,
-    rows, cols, row_ok, col_ok, inv_q, targets, inv_fq, threshold,
+    q_ptr, c_ptr, c_norm_ptr, fq_ptr, fc_ptr, fc_norm_ptr, q_scale_ptr, c_scale_ptr, fq_scale_ptr, fc_scale_ptr,
+    scaled, rows, cols, row_ok, col_ok, inv_q, targets, inv_fq, threshold,
     D, DF, period, scale, penalty,
     stride_qm, stride_qd, stride_cm, stride_cd, stride_fqm, stride_fqd, stride_fcm, stride_fcd,
     EXCLUDE: tl.constexpr, PENALTY_ON: tl.constexpr, PERIODIC: tl.constexpr, HAS_FILTER: tl.constexpr,
@@ -125,23 +133,24 @@ def _lse_logits_tile(
     FILTER_ACC: tl.constexpr, FILTER_OPERAND: tl.constexpr, FILTER_PRECISION: tl.constexpr, EPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """(cos, inv_c, logits): the tile's cosines, its columns' inverse norms, and l_ij on the kept columns K_i,
-    -inf elsewhere (padding rows and columns included).
+    """(cos, unit_c, logits): the tile's cosines, its raw columns' inverse norms (unit columns), and l_ij on the
+    kept columns K_i, -inf elsewhere (padding rows and columns included). The dots are those of the scaled rows
+    (similarity_xent._add_dots; `scaled`: whether any scale is not 1).
 
     Order for registers: the filter's tile is reduced to one mask before the main dot tile is computed, and the
     index masks are formed after it, so that one [BLOCK_M, BLOCK_N] mask at most is live across a K-loop."""
     if HAS_FILTER:
         filter_dots = _dot_tile(fq_ptr, fc_ptr, rows, cols, row_ok, col_ok, DF, stride_fqm, stride_fqd,
-                                stride_fcm, stride_fcd, FILTER_ACC, FILTER_OPERAND, FILTER_PRECISION,
-                                BLOCK_M, BLOCK_N, BLOCK_K)
-        inv_fc = 1.0 / tl.maximum(tl.load(fc_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
+                                stride_fcm, stride_fcd, fq_scale_ptr, fc_scale_ptr, scaled, FILTER_ACC,
+                                FILTER_OPERAND, FILTER_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        inv_fc, _unit_fc = _inverse_norms(fc_norm_ptr, fc_scale_ptr, cols, col_ok, EPS, FILTER_ACC)
         dropped = filter_dots * inv_fq[:, None] * inv_fc[None, :] > threshold[:, None]
         if FILTER_KEEPS_TARGET:
             dropped = dropped & (cols.to(tl.int32)[None, :] != targets[:, None])
 
     dots = _dot_tile(q_ptr, c_ptr, rows, cols, row_ok, col_ok, D, stride_qm, stride_qd, stride_cm, stride_cd,
-                     ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
+                     q_scale_ptr, c_scale_ptr, scaled, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    inv_c, unit_c = _inverse_norms(c_norm_ptr, c_scale_ptr, cols, col_ok, EPS, ACC)
     cos = dots * inv_q[:, None] * inv_c[None, :]
 
     col_index = cols.to(tl.int32)
@@ -166,7 +175,7 @@ def _lse_logits_tile(
         else:  # "all"
             hard = ~is_target
         logits = tl.where(hard, logits + penalty * cos, logits)
-    return cos, inv_c, tl.where(kept, logits, float("-inf"))
+    return cos, unit_c, tl.where(kept, logits, float("-inf"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -181,8 +190,10 @@ _RUNTIME_INT_ARGS = ("M", "Mc", "M_BUCKET", "Mc_BUCKET", "target_offset", "perio
 
 @triton.jit(do_not_specialize=_RUNTIME_INT_ARGS)
 def _similarity_lse_fwd_kernel(
-    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,  # norms of the scaled rows
     fq_ptr, fc_ptr, fq_norm_ptr, fc_norm_ptr, threshold_ptr,  # the filter's (placeholders without one)
+    q_scale_ptr, c_scale_ptr, fq_scale_ptr, fc_scale_ptr,  # the rows' scales (powers of two)
+    scaled_ptr,  # [1] int32: whether any scale is not 1 (similarity_xent._add_dots)
     lse_ptr,  # [M] out, compute dtype
     M, Mc, D, DF, target_offset, period,
     M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
@@ -196,17 +207,20 @@ def _similarity_lse_fwd_kernel(
     # Scalars come through memory, not as arguments: Triton passes Python floats as fp32.
     scale = tl.load(params_ptr)
     penalty = tl.load(params_ptr + 1)
+    scaled = tl.load(scaled_ptr) != 0
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok, inv_q, targets, inv_fq, threshold = _lse_row_state(
-        q_norm_ptr, fq_norm_ptr, threshold_ptr, rows, M, Mc, target_offset, HAS_FILTER, EPS)
+    row_ok, inv_q, unit_q, targets, inv_fq, threshold = _lse_row_state(
+        q_norm_ptr, q_scale_ptr, fq_norm_ptr, fq_scale_ptr, threshold_ptr, rows, M, Mc, target_offset, HAS_FILTER,
+        EPS, ACC, FILTER_ACC)
 
     running_max = tl.full([BLOCK_M], float("-inf"), ACC)
     running_sum = tl.zeros([BLOCK_M], ACC)
     for col_start in range(0, Mc, BLOCK_N):
         cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_ok = cols < Mc
-        cos, inv_c, logits = _lse_logits_tile(
-            q_ptr, c_ptr, c_norm_ptr, fq_ptr, fc_ptr, fc_norm_ptr, rows, cols, row_ok, col_ok, inv_q, targets,
+        cos, unit_c, logits = _lse_logits_tile(
+            q_ptr, c_ptr, c_norm_ptr, fq_ptr, fc_ptr, fc_norm_ptr, q_scale_ptr, c_scale_ptr, fq_scale_ptr,
+            fc_scale_ptr, scaled, rows, cols, row_ok, col_ok, inv_q, targets,
             inv_fq, threshold, D, DF, period, scale, penalty, stride_qm, stride_qd, stride_cm, stride_cd,
             stride_fqm, stride_fqd, stride_fcm, stride_fcd, EXCLUDE, PENALTY_ON, PERIODIC, HAS_FILTER,
             FILTER_KEEPS_TARGET, ACC, OPERAND, PRECISION, FILTER_ACC, FILTER_OPERAND, FILTER_PRECISION, EPS,
@@ -231,8 +245,10 @@ def _grad_logits_tile(logits, lse, coef, scale):
 
 @triton.jit(do_not_specialize=_RUNTIME_INT_ARGS)
 def _similarity_lse_bwd_dq_kernel(
-    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,  # norms of the scaled rows
     fq_ptr, fc_ptr, fq_norm_ptr, fc_norm_ptr, threshold_ptr,
+    q_scale_ptr, c_scale_ptr, fq_scale_ptr, fc_scale_ptr,  # the rows' scales (powers of two)
+    scaled_ptr,  # [1] int32: whether any scale is not 1 (similarity_xent._add_dots)
     lse_ptr, coef_ptr,  # [M]: the forward's lse; grad_lse, 0 where lse = -inf
     dq_raw_ptr,  # [M, D] fp32/fp64 out: sum_j G_ij inv_c_j c_j
     dq_radial_ptr,  # [M] out: sum_j G_ij cos_ij
@@ -247,9 +263,11 @@ def _similarity_lse_bwd_dq_kernel(
 ):
     scale = tl.load(params_ptr)
     penalty = tl.load(params_ptr + 1)
+    scaled = tl.load(scaled_ptr) != 0
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok, inv_q, targets, inv_fq, threshold = _lse_row_state(
-        q_norm_ptr, fq_norm_ptr, threshold_ptr, rows, M, Mc, target_offset, HAS_FILTER, EPS)
+    row_ok, inv_q, unit_q, targets, inv_fq, threshold = _lse_row_state(
+        q_norm_ptr, q_scale_ptr, fq_norm_ptr, fq_scale_ptr, threshold_ptr, rows, M, Mc, target_offset, HAS_FILTER,
+        EPS, ACC, FILTER_ACC)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
 
@@ -257,8 +275,9 @@ def _similarity_lse_bwd_dq_kernel(
     for col_start in range(0, Mc, BLOCK_N):
         cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_ok = cols < Mc
-        cos, inv_c, logits = _lse_logits_tile(
-            q_ptr, c_ptr, c_norm_ptr, fq_ptr, fc_ptr, fc_norm_ptr, rows, cols, row_ok, col_ok, inv_q, targets,
+        cos, unit_c, logits = _lse_logits_tile(
+            q_ptr, c_ptr, c_norm_ptr, fq_ptr, fc_ptr, fc_norm_ptr, q_scale_ptr, c_scale_ptr, fq_scale_ptr,
+            fc_scale_ptr, scaled, rows, cols, row_ok, col_ok, inv_q, targets,
             inv_fq, threshold, D, DF, period, scale, penalty, stride_qm, stride_qd, stride_cm, stride_cd,
             stride_fqm, stride_fqd, stride_fcm, stride_fcd, EXCLUDE, PENALTY_ON, PERIODIC, HAS_FILTER,
             FILTER_KEEPS_TARGET, ACC, OPERAND, PRECISION, FILTER_ACC, FILTER_OPERAND, FILTER_PRECISION, EPS,
@@ -266,15 +285,17 @@ def _similarity_lse_bwd_dq_kernel(
         g = _grad_logits_tile(logits, lse, coef, scale)
         g = g.to(OPERAND)  # the radial sum takes the rounded tile the products take (as the prefix kernels)
         radial += tl.sum(g.to(ACC) * cos, axis=1)
-        _accumulate_grad_tile(g, c_ptr, cols, col_ok, inv_c, dq_raw_ptr, rows, row_ok, col_start > 0,
+        _accumulate_grad_tile(g, c_ptr, cols, col_ok, unit_c, dq_raw_ptr, rows, row_ok, col_start > 0,
                               D, stride_cm, stride_cd, ACC, OPERAND, PRECISION, BLOCK_K)
     tl.store(dq_radial_ptr + rows, radial, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INT_ARGS)
 def _similarity_lse_bwd_dc_kernel(
-    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,  # norms of the scaled rows
     fq_ptr, fc_ptr, fq_norm_ptr, fc_norm_ptr, threshold_ptr,
+    q_scale_ptr, c_scale_ptr, fq_scale_ptr, fc_scale_ptr,  # the rows' scales (powers of two)
+    scaled_ptr,  # [1] int32: whether any scale is not 1 (similarity_xent._add_dots)
     lse_ptr, coef_ptr,  # [M]: the forward's lse; grad_lse, 0 where lse = -inf
     dc_raw_ptr,  # [Mc, D] fp32/fp64 out: sum_i G_ij inv_q_i q_i
     dc_radial_ptr,  # [Mc] out: sum_i G_ij cos_ij
@@ -289,18 +310,21 @@ def _similarity_lse_bwd_dc_kernel(
 ):
     scale = tl.load(params_ptr)
     penalty = tl.load(params_ptr + 1)
+    scaled = tl.load(scaled_ptr) != 0
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < Mc
 
     radial = tl.zeros([BLOCK_N], ACC)
     for row_start in range(0, M, BLOCK_M):
         rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_ok, inv_q, targets, inv_fq, threshold = _lse_row_state(
-            q_norm_ptr, fq_norm_ptr, threshold_ptr, rows, M, Mc, target_offset, HAS_FILTER, EPS)
+        row_ok, inv_q, unit_q, targets, inv_fq, threshold = _lse_row_state(
+            q_norm_ptr, q_scale_ptr, fq_norm_ptr, fq_scale_ptr, threshold_ptr, rows, M, Mc, target_offset,
+            HAS_FILTER, EPS, ACC, FILTER_ACC)
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
-        cos, inv_c, logits = _lse_logits_tile(
-            q_ptr, c_ptr, c_norm_ptr, fq_ptr, fc_ptr, fc_norm_ptr, rows, cols, row_ok, col_ok, inv_q, targets,
+        cos, unit_c, logits = _lse_logits_tile(
+            q_ptr, c_ptr, c_norm_ptr, fq_ptr, fc_ptr, fc_norm_ptr, q_scale_ptr, c_scale_ptr, fq_scale_ptr,
+            fc_scale_ptr, scaled, rows, cols, row_ok, col_ok, inv_q, targets,
             inv_fq, threshold, D, DF, period, scale, penalty, stride_qm, stride_qd, stride_cm, stride_cd,
             stride_fqm, stride_fqd, stride_fcm, stride_fcd, EXCLUDE, PENALTY_ON, PERIODIC, HAS_FILTER,
             FILTER_KEEPS_TARGET, ACC, OPERAND, PRECISION, FILTER_ACC, FILTER_OPERAND, FILTER_PRECISION, EPS,
@@ -308,7 +332,7 @@ def _similarity_lse_bwd_dc_kernel(
         g = _grad_logits_tile(logits, lse, coef, scale)
         g = g.to(OPERAND)  # the radial sum takes the rounded tile the products take (as the prefix kernels)
         radial += tl.sum(g.to(ACC) * cos, axis=0)
-        _accumulate_grad_tile(tl.trans(g), q_ptr, rows, row_ok, inv_q, dc_raw_ptr, cols, col_ok,
+        _accumulate_grad_tile(tl.trans(g), q_ptr, rows, row_ok, unit_q, dc_raw_ptr, cols, col_ok,
                               row_start > 0, D, stride_qm, stride_qd, ACC, OPERAND, PRECISION, BLOCK_K)
     tl.store(dc_radial_ptr + cols, radial, mask=col_ok)
 
@@ -337,9 +361,11 @@ def _filter_operand(fq_dtype: torch.dtype, fc_dtype: torch.dtype):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _unit_norms(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Norms of one for every row: the kernels' cosines are then raw dot products (normalize=False)."""
-    return torch.ones(x.shape[0], dtype=dtype, device=x.device)
+def _unit_norms(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norms and scales of one for every row: the kernels' cosines are then raw dot products (normalize=False;
+    they are not scale-invariant, so no row is scaled)."""
+    ones = torch.ones(x.shape[0], dtype=dtype, device=x.device)
+    return ones, ones
 
 
 class SimilarityLseFunction(torch.autograd.Function):
@@ -351,18 +377,19 @@ class SimilarityLseFunction(torch.autograd.Function):
         m, d = q_in.shape
         mc = c_in.shape[0]
         norms = _row_norms if normalize else _unit_norms
-        q_norm = norms(q_in, dtype)
-        c_norm = norms(c_in, dtype)
+        q_norm, q_scale = norms(q_in, dtype)
+        c_norm, c_scale = norms(c_in, dtype)
         has_filter = filter_threshold is not None
         if has_filter:
             filter_dtype = compute_dtype(filter_q.dtype)
             fq, fc = filter_q, filter_c
-            fq_norm, fc_norm = norms(fq, filter_dtype), norms(fc, filter_dtype)
+            (fq_norm, fq_scale), (fc_norm, fc_scale) = norms(fq, filter_dtype), norms(fc, filter_dtype)
             threshold = filter_threshold  # contiguous, in filter_dtype (contract.check_similarity_lse)
             filter_operand = _filter_operand(fq.dtype, fc.dtype)
             filter_precision = _dot_precision(fq.dtype if fq.dtype == fc.dtype else filter_dtype)
         else:  # placeholders: never read
             filter_dtype, fq, fc, fq_norm, fc_norm, threshold = dtype, q_in, c_in, q_norm, c_norm, q_norm
+            fq_scale, fc_scale = q_scale, c_scale
             filter_operand, filter_precision = _operand_dtype(q.dtype), _dot_precision(q.dtype)
         if penalty == 0.0:
             penalty_on = "none"  # the same logits, one variant fewer
@@ -378,7 +405,8 @@ class SimilarityLseFunction(torch.autograd.Function):
                    _autotune_bucket(m), _autotune_bucket(mc),
                    q_in.stride(0), q_in.stride(1), c_in.stride(0), c_in.stride(1),
                    fq.stride(0), fq.stride(1), fc.stride(0), fc.stride(1), params)
-        inputs = (q_in, c_in, q_norm, c_norm, fq, fc, fq_norm, fc_norm, threshold)
+        inputs = (q_in, c_in, q_norm, c_norm, fq, fc, fq_norm, fc_norm, threshold, q_scale, c_scale, fq_scale, fc_scale,
+                  any_scaled(q_scale, c_scale, fq_scale, fc_scale))
 
         lse = new_output((m,), dtype, q.device)
         blocks = _interpreter_blocks(m, mc, max(d, runtime[3]))
@@ -395,6 +423,7 @@ class SimilarityLseFunction(torch.autograd.Function):
     def backward(ctx, grad_lse):
         *inputs, lse = ctx.saved_tensors
         q_in, c_in, q_norm, c_norm = inputs[:4]
+        q_scale, c_scale = inputs[9:11]
         m, d = q_in.shape
         mc = c_in.shape[0]
         dtype = lse.dtype
@@ -404,7 +433,7 @@ class SimilarityLseFunction(torch.autograd.Function):
         finish = dict(HAS_B=False, ACC=ctx.static["ACC"], EPS=NORM_EPS,
                       BLOCK_D=min(triton.next_power_of_2(d), 1024), num_warps=4)
 
-        def gradient(kernel, grid, x_in, x_norm, rows):
+        def gradient(kernel, grid, x_in, x_norm, x_scale, rows):
             """One side's gradient: its tile kernel accumulates the raw sum and the radial term, then the finish
             kernel applies the normalisation's backward (without normalisation the raw sum is the gradient)."""
             raw = new_output((rows, d), dtype, x_in.device)
@@ -413,15 +442,15 @@ class SimilarityLseFunction(torch.autograd.Function):
             if not ctx.normalize:
                 return (raw * unscale).to(x_in.dtype)
             out = new_output((rows, d), x_in.dtype, x_in.device)
-            _similarity_xent_bwd_finish_kernel[(rows,)](x_in, x_norm, raw, radial, raw, radial, out, unscale, rows, d,
-                                                        x_in.stride(0), x_in.stride(1), **finish)
+            _similarity_xent_bwd_finish_kernel[(rows,)](x_in, x_norm, x_scale, raw, radial, raw, radial, out, unscale,
+                                                        rows, d, x_in.stride(0), x_in.stride(1), **finish)
             return out
 
         dq = dc = None
         if ctx.needs_input_grad[0]:
-            dq = gradient(dq_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), q_in, q_norm, m)
+            dq = gradient(dq_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), q_in, q_norm, q_scale, m)
         if ctx.needs_input_grad[1]:
-            dc = gradient(dc_kernel, lambda b: (triton.cdiv(mc, b["BLOCK_N"]),), c_in, c_norm, mc)
+            dc = gradient(dc_kernel, lambda b: (triton.cdiv(mc, b["BLOCK_N"]),), c_in, c_norm, c_scale, mc)
         return dq, dc, *([None] * 11)
 
 
@@ -457,7 +486,7 @@ def compile_cases(full: bool) -> list[CompileCase]:
                 **config.kwargs)
             blocks = "x".join(str(v) for v in config.kwargs.values())
             label = f"x={x_dtype} exclude/penalty/filter={rich} tile={blocks} w={config.num_warps}"
-            pointers = {"q_ptr": x_dtype, "c_ptr": x_dtype, "fq_ptr": x_dtype, "fc_ptr": x_dtype}
+            pointers = {"q_ptr": x_dtype, "c_ptr": x_dtype, "fq_ptr": x_dtype, "fc_ptr": x_dtype, "scaled_ptr": "i32"}
             cases += [CompileCase(kernel, label, pointer_dtype, constexprs, config.num_warps, config.num_stages,
                                   pointers) for kernel in _TILE_KERNELS]
     for x_dtype in dict.fromkeys(x for x, _ in variants):

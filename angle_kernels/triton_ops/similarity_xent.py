@@ -75,6 +75,21 @@ in the same ratio sum_i d_i / D. Compiled for sm_90 as a launch specialises it (
 contiguous rows, D a multiple of 16): forward 185 registers, dq 250, dc 255, no spill (other configs: see
 _GPU_CONFIGS_16BIT). Not timed on a GPU.
 
+Huge rows. Finite rows can have squared norms and dot products beyond the accumulator (float32/bf16 rows around
+1.8e19, float64 around 1.3e154); cosines are invariant under a positive scaling of either row, so the kernels work
+on rows scaled by a power of two each (_common's row scaling: 1 for rows whose largest magnitude is below 2, which
+compute bit for bit as before; none for float16, whose products cannot overflow fp32). The pass that already read
+every row for its norms (`_row_norms_kernel`, one read of q and of c) finds the scales online and stores the
+clamped norms of the scaled rows, max(|x_s|, eps s), and the scales. The tiles are dot products of the scaled rows:
+when any scale differs from 1 (a flag on the device, computed without a host sync), the K-loops multiply each
+loaded chunk by its rows' scales in the operand dtype (exact), one multiply per loaded element against BLOCK_N
+(BLOCK_M) multiply-adds of the tile that use it; otherwise they run the plain loop, as before. The gradient
+products take x_hat = x * s / max(|x_s|, eps s) (exact to rounding while |x| < ~2^125 in fp32), and the finish
+kernels apply dL/dx = s dL/dx_s on the scaled rows: s * (inv_s raw - inv_s^2 radial x_s). Registers, sm_90 bf16
+(first config): forward 182, dq 190-194, dc 248, no spills (174, 183, 255 before); the prefix forward 255 with an
+8-byte spill (185, none, before: the scaled K-loop nested in the prefix loop is what takes them), its backward
+236-242. fp32 variants spilled before and still do.
+
 Blocks for an H200 (autotuned among a few configs when not interpreting; see _GPU_CONFIGS_*): for bf16,
 BLOCK_M = 128 rows (two 64-row wgmma warpgroups with 8 warps), BLOCK_N = 64 columns, BLOCK_K = 32, 3
 pipeline stages: 36-41 KB of shared memory; at 174-255 registers x 256 threads a program holds most of an
@@ -106,7 +121,7 @@ from torch.autograd.function import once_differentiable
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, NORM_EPS, compute_dtype
 from ..dispatch import triton_interpreting
 from . import _common
-from ._common import CompileCase, Tuning, TunedKernel, new_output
+from ._common import CompileCase, Tuning, TunedKernel, new_output, pow2, raise_exponent, scaled_eps
 
 _TF32_ENV = "ANGLE_KERNELS_ALLOW_TF32"
 FEATURES = ("dims",)  # the contract's optional features this op implements (contract.OPTIONAL_FEATURES)
@@ -123,32 +138,63 @@ PATHS = ("fused", "dense", "dims")
 @triton.jit
 def _dot_tile(
     a_ptr, b_ptr, rows, cols, row_ok, col_ok, D,
-    stride_am, stride_ad, stride_bm, stride_bd,
+    stride_am, stride_ad, stride_bm, stride_bd, a_scale_ptr, b_scale_ptr, scaled,
     ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """[BLOCK_M, BLOCK_N] raw dot products a[rows] . b[cols], a K-loop over D."""
+    """[BLOCK_M, BLOCK_N] dot products of the scaled rows a_s[rows] . b_s[cols] (see _add_dots), a K-loop over D."""
     dots = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     return _add_dots(dots, a_ptr, b_ptr, rows, cols, row_ok, col_ok, 0, D, stride_am, stride_ad, stride_bm,
-                     stride_bd, ACC, OPERAND, PRECISION, BLOCK_K)
+                     stride_bd, a_scale_ptr, b_scale_ptr, scaled, ACC, OPERAND, PRECISION, BLOCK_K)
 
 
 @triton.jit
 def _add_dots(
     dots, a_ptr, b_ptr, rows, cols, row_ok, col_ok, k_lo, k_hi,
-    stride_am, stride_ad, stride_bm, stride_bd,
+    stride_am, stride_ad, stride_bm, stride_bd, a_scale_ptr, b_scale_ptr, scaled,
     ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dots + the dot products of a[rows] and b[cols] over the columns k_lo .. k_hi - 1, a K-loop."""
-    for k_start in range(k_lo, k_hi, BLOCK_K):
-        ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
-        k_ok = ks < k_hi
-        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ad,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + ks[:, None] * stride_bd + cols[None, :] * stride_bm,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        dots = tl.dot(a.to(OPERAND), b.to(OPERAND), dots, input_precision=PRECISION, out_dtype=ACC)
+    """dots + the dot products of the scaled rows a_s[rows] and b_s[cols] (x_s = s x, the rows' powers of two in
+    a_scale_ptr, b_scale_ptr) over the columns k_lo .. k_hi - 1, a K-loop.
+
+    `scaled` (a runtime flag, the same for every program of a launch) says whether any scale differs from 1: only
+    then does the loop multiply each loaded chunk by its rows' scales (exact: powers of two, in the operand dtype
+    too); ordinary inputs take the loop without them, the one they always took, at its speed."""
+    if scaled:
+        for k_start in range(k_lo, k_hi, BLOCK_K):
+            ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+            k_ok = ks < k_hi
+            a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ad,
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr + ks[:, None] * stride_bd + cols[None, :] * stride_bm,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            # the scales are reloaded (from the cache) at each step rather than kept live across the loop, and
+            # multiply in the operand dtype (exact for powers of two; bf16 under the interpreter is fp32 already)
+            a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=1.0).to(OPERAND)
+            b_scale = tl.load(b_scale_ptr + cols, mask=col_ok, other=1.0).to(OPERAND)
+            a = a.to(OPERAND) * a_scale[:, None]
+            b = b.to(OPERAND) * b_scale[None, :]
+            dots = tl.dot(a, b, dots, input_precision=PRECISION, out_dtype=ACC)
+    else:
+        for k_start in range(k_lo, k_hi, BLOCK_K):
+            ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+            k_ok = ks < k_hi
+            a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ad,
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr + ks[:, None] * stride_bd + cols[None, :] * stride_bm,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            dots = tl.dot(a.to(OPERAND), b.to(OPERAND), dots, input_precision=PRECISION, out_dtype=ACC)
     return dots
+
+
+@triton.jit
+def _inverse_norms(norm_ptr, scale_ptr, idx, ok, EPS: tl.constexpr, ACC: tl.constexpr):
+    """(1 / max(|x_s|, eps s), 1 / max(|x|, eps)) of the rows idx, from the scaled rows' clamped norms
+    max(|x_s|, eps s) (_row_norms_kernel stores them so) and the scales: the first turns dots of scaled rows into
+    cosines, the second (the same for ordinary rows, whose s is 1) makes unit rows of the raw ones (a kernel that
+    does not use it does not load the scales)."""
+    inv = 1.0 / tl.load(norm_ptr + idx, mask=ok, other=1.0).to(ACC)
+    return inv, inv * tl.load(scale_ptr + idx, mask=ok, other=1.0).to(ACC)
 
 
 @triton.jit
@@ -216,11 +262,13 @@ def _online_lse_update(running_max, running_sum, logits):
 
 @triton.jit
 def _row_state(
-    q_norm_ptr, group_ptr, rows, M, EPS: tl.constexpr, PARTNER_TARGET: tl.constexpr, HAS_GROUPS: tl.constexpr,
+    q_norm_ptr, q_scale_ptr, group_ptr, rows, M, EPS: tl.constexpr, ACC: tl.constexpr, PARTNER_TARGET: tl.constexpr,
+    HAS_GROUPS: tl.constexpr,
 ):
-    """Per-row inverse norms, target columns and (optionally) the group ids of the row and its target."""
+    """Per-row (valid, inverse norms of the scaled and of the raw rows (_inverse_norms), target columns and,
+    optionally, the group ids of the row and its target)."""
     row_ok = rows < M
-    inv_q = 1.0 / tl.maximum(tl.load(q_norm_ptr + rows, mask=row_ok, other=1.0), EPS)
+    inv_q, unit_q = _inverse_norms(q_norm_ptr, q_scale_ptr, rows, row_ok, EPS, ACC)  # unit_q: loaded only if used
     if PARTNER_TARGET:
         targets = rows ^ 1
     else:
@@ -231,22 +279,24 @@ def _row_state(
     else:
         group_row = rows
         group_target = rows
-    return row_ok, inv_q, targets, group_row, group_target
+    return row_ok, inv_q, unit_q, targets, group_row, group_target
 
 
 @triton.jit
-def _column_state(c_norm_ptr, group_ptr, cols, col_ok, EPS: tl.constexpr, HAS_GROUPS: tl.constexpr):
-    """Per-column (inverse norm, group id: the column's own index without groups).
+def _column_state(c_norm_ptr, c_scale_ptr, group_ptr, cols, col_ok, EPS: tl.constexpr, ACC: tl.constexpr,
+                  HAS_GROUPS: tl.constexpr):
+    """Per-column (inverse norms of the scaled and of the raw column (_inverse_norms), group id: the column's own
+    index without groups).
 
     The tile kernels load these after their dot K-loop, not before: live across it, they cost the forward kernel
     some 70 registers (spilling in its fp32 variant, from the sm_90 compile).
     """
-    inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + cols, mask=col_ok, other=1.0), EPS)
+    inv_c, unit_c = _inverse_norms(c_norm_ptr, c_scale_ptr, cols, col_ok, EPS, ACC)
     if HAS_GROUPS:
         group_col = tl.load(group_ptr + cols, mask=col_ok, other=0)
     else:
         group_col = cols
-    return inv_c, group_col
+    return inv_c, unit_c, group_col
 
 
 @triton.jit
@@ -313,7 +363,8 @@ def _accumulate_grad_tile(
     g_operand, x_ptr, x_idx, x_ok, inv_x, out_ptr, out_idx, out_ok, accumulate, D, stride_xm, stride_xd,
     ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[out_idx] (+)= g @ (inv_x * x[x_idx]) over all D columns: `_accumulate_grad_columns` unscaled."""
+    """out[out_idx] (+)= g @ (inv_x * x[x_idx]) over all D columns: `_accumulate_grad_columns` unscaled. inv_x:
+    the raw rows' inverse norms (unit rows)."""
     _accumulate_grad_columns(g_operand, x_ptr, x_idx, x_ok, inv_x, out_ptr, out_idx, out_ok, inv_x, accumulate, D,
                              D, stride_xm, stride_xd, ACC, OPERAND, PRECISION, False, BLOCK_K)
 
@@ -363,7 +414,9 @@ _BATCH_SIZE_ARGS = ("M", "Mc", "M_BUCKET", "Mc_BUCKET")
 
 @triton.jit(do_not_specialize=_BATCH_SIZE_ARGS)
 def _similarity_xent_fwd_kernel(
-    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr,
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,  # norms of the scaled rows
+    q_scale_ptr, c_scale_ptr, scaled_ptr,  # the rows' scales; [1] int32: whether any is not 1 (_add_dots)
+    group_ptr,
     lse_all_ptr, lse_pos_ptr,  # [M] out, compute dtype
     M, Mc, D,
     M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
@@ -375,17 +428,20 @@ def _similarity_xent_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     scale, cos_m, sin_m = _loss_params(params_ptr)
+    scaled = tl.load(scaled_ptr) != 0
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok, inv_q, targets, group_row, group_target = _row_state(
-        q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+    row_ok, inv_q, _unit_q, targets, group_row, group_target = _row_state(
+        q_norm_ptr, q_scale_ptr, group_ptr, rows, M, EPS, ACC, PARTNER_TARGET, HAS_GROUPS)
 
     max_all, sum_all, max_pos, sum_pos, target_logit = _empty_lse_states(BLOCK_M, ACC)
     for col_start in range(0, Mc, BLOCK_N):
         cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_ok = cols < Mc
         dots = _dot_tile(q_ptr, c_ptr, rows, cols, row_ok, col_ok, D, stride_qm, stride_qd, stride_cm,
-                         stride_cd, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        inv_c, group_col = _column_state(c_norm_ptr, group_ptr, cols, col_ok, EPS, HAS_GROUPS)
+                         stride_cd, q_scale_ptr, c_scale_ptr, scaled, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N,
+                         BLOCK_K)
+        inv_c, _unit_c, group_col = _column_state(c_norm_ptr, c_scale_ptr, group_ptr, cols, col_ok, EPS, ACC,
+                                                  HAS_GROUPS)
         max_all, sum_all, max_pos, sum_pos, target_logit = _fold_dots_into_lse(
             max_all, sum_all, max_pos, sum_pos, target_logit, dots, rows, cols, row_ok, col_ok, inv_q, inv_c,
             targets, group_row, group_target, group_col, scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN,
@@ -398,7 +454,8 @@ def _similarity_xent_fwd_kernel(
 
 @triton.jit(do_not_specialize=_BATCH_SIZE_ARGS)
 def _similarity_xent_bwd_dq_kernel(
-    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, q_scale_ptr, c_scale_ptr, scaled_ptr, group_ptr, lse_all_ptr, lse_pos_ptr,
+    coef_ptr,
     dq_raw_ptr,  # [M, D] fp32/fp64 out: sum_j G_ij inv_c_j c_j
     dq_radial_ptr,  # [M] out: sum_j G_ij cos_ij
     M, Mc, D,
@@ -411,9 +468,10 @@ def _similarity_xent_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     scale, cos_m, sin_m = _loss_params(params_ptr)
+    scaled = tl.load(scaled_ptr) != 0
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok, inv_q, targets, group_row, group_target = _row_state(
-        q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+    row_ok, inv_q, _unit_q, targets, group_row, group_target = _row_state(
+        q_norm_ptr, q_scale_ptr, group_ptr, rows, M, EPS, ACC, PARTNER_TARGET, HAS_GROUPS)
     lse_all = tl.load(lse_all_ptr + rows, mask=row_ok, other=0.0)
     lse_pos = tl.load(lse_pos_ptr + rows, mask=row_ok, other=0.0)
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
@@ -423,8 +481,10 @@ def _similarity_xent_bwd_dq_kernel(
         cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_ok = cols < Mc
         dots = _dot_tile(q_ptr, c_ptr, rows, cols, row_ok, col_ok, D, stride_qm, stride_qd, stride_cm,
-                         stride_cd, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        inv_c, group_col = _column_state(c_norm_ptr, group_ptr, cols, col_ok, EPS, HAS_GROUPS)
+                         stride_cd, q_scale_ptr, c_scale_ptr, scaled, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N,
+                         BLOCK_K)
+        inv_c, unit_c, group_col = _column_state(c_norm_ptr, c_scale_ptr, group_ptr, cols, col_ok, EPS, ACC,
+                                                 HAS_GROUPS)
         cos, logits, is_target, valid, positive, slope = _logits_tile(
             dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
             scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
@@ -433,14 +493,15 @@ def _similarity_xent_bwd_dq_kernel(
         g = g.to(OPERAND)  # the radial sum takes the rounded tile the products take (as the prefix kernels)
         radial += tl.sum(g.to(ACC) * cos, axis=1)
         # g @ c_hat[cols] into this program's rows of the buffer (the inverse norms on c_hat: see the helper)
-        _accumulate_grad_tile(g, c_ptr, cols, col_ok, inv_c, dq_raw_ptr, rows, row_ok, col_start > 0,
+        _accumulate_grad_tile(g, c_ptr, cols, col_ok, unit_c, dq_raw_ptr, rows, row_ok, col_start > 0,
                               D, stride_cm, stride_cd, ACC, OPERAND, PRECISION, BLOCK_K)
     tl.store(dq_radial_ptr + rows, radial, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=_BATCH_SIZE_ARGS)
 def _similarity_xent_bwd_dc_kernel(
-    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, q_scale_ptr, c_scale_ptr, scaled_ptr, group_ptr, lse_all_ptr, lse_pos_ptr,
+    coef_ptr,
     dc_raw_ptr,  # [Mc, D] out: sum_i G_ij inv_q_i q_i
     dc_radial_ptr,  # [Mc] out: sum_i G_ij cos_ij
     M, Mc, D,
@@ -453,20 +514,22 @@ def _similarity_xent_bwd_dc_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     scale, cos_m, sin_m = _loss_params(params_ptr)
+    scaled = tl.load(scaled_ptr) != 0
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < Mc
-    inv_c, group_col = _column_state(c_norm_ptr, group_ptr, cols, col_ok, EPS, HAS_GROUPS)
+    inv_c, _unit_c, group_col = _column_state(c_norm_ptr, c_scale_ptr, group_ptr, cols, col_ok, EPS, ACC, HAS_GROUPS)
 
     radial = tl.zeros([BLOCK_N], ACC)
     for row_start in range(0, M, BLOCK_M):
         rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_ok, inv_q, targets, group_row, group_target = _row_state(
-            q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+        row_ok, inv_q, unit_q, targets, group_row, group_target = _row_state(
+            q_norm_ptr, q_scale_ptr, group_ptr, rows, M, EPS, ACC, PARTNER_TARGET, HAS_GROUPS)
         lse_all = tl.load(lse_all_ptr + rows, mask=row_ok, other=0.0)
         lse_pos = tl.load(lse_pos_ptr + rows, mask=row_ok, other=0.0)
         coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
         dots = _dot_tile(q_ptr, c_ptr, rows, cols, row_ok, col_ok, D, stride_qm, stride_qd, stride_cm,
-                         stride_cd, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                         stride_cd, q_scale_ptr, c_scale_ptr, scaled, ACC, OPERAND, PRECISION, BLOCK_M, BLOCK_N,
+                         BLOCK_K)
         cos, logits, is_target, valid, positive, slope = _logits_tile(
             dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
             scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
@@ -475,7 +538,7 @@ def _similarity_xent_bwd_dc_kernel(
         g = g.to(OPERAND)  # the radial sum takes the rounded tile the products take (as the prefix kernels)
         radial += tl.sum(g.to(ACC) * cos, axis=0)
         # g^T @ q_hat[rows] ([BLOCK_N, BLOCK_M] x [BLOCK_M, D]) into this program's columns of the buffer
-        _accumulate_grad_tile(tl.trans(g), q_ptr, rows, row_ok, inv_q, dc_raw_ptr, cols, col_ok,
+        _accumulate_grad_tile(tl.trans(g), q_ptr, rows, row_ok, unit_q, dc_raw_ptr, cols, col_ok,
                               row_start > 0, D, stride_qm, stride_qd, ACC, OPERAND, PRECISION, BLOCK_K)
     tl.store(dc_radial_ptr + cols, radial, mask=col_ok)
 
@@ -483,7 +546,8 @@ def _similarity_xent_bwd_dc_kernel(
 @triton.jit
 def _similarity_xent_bwd_finish_kernel(
     x_ptr,  # [R, D] the input rows (q or c), any strides
-    norm_ptr,  # [R] raw norms
+    norm_ptr,  # [R] clamped norms of the scaled rows, max(|x_s|, eps s)
+    scale_ptr,  # [R] the rows' scales
     raw_a_ptr, radial_a_ptr,  # [R, D], [R]: one side's accumulation
     raw_b_ptr, radial_b_ptr,  # the other side's (read only HAS_B: the symmetric case, c is q)
     dx_ptr,  # [R, D] out, contiguous, x's dtype
@@ -491,23 +555,27 @@ def _similarity_xent_bwd_finish_kernel(
     R, D, stride_xm, stride_xd,
     HAS_B: tl.constexpr, ACC: tl.constexpr, EPS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """dx = unscale * (inv * raw - [|x| > eps] inv^2 radial x): the normalisation's backward, applied once."""
+    """dx = unscale * (inv * raw - [|x| > eps] inv^2 radial x): the normalisation's backward, applied once, on the
+    scaled rows x_s = s x (inv their inverse norms): dx = s * unscale * (inv_s raw - [|x_s| > eps s] inv_s^2 radial
+    x_s), whose every factor stays in range for huge rows."""
     row = tl.program_id(0).to(tl.int64)
     unscale = tl.load(unscale_ptr).to(ACC)
-    norm = tl.load(norm_ptr + row).to(ACC)
-    inv = 1.0 / tl.maximum(norm, EPS)
+    norm = tl.load(norm_ptr + row).to(ACC)  # max(|x_s|, eps s)
+    row_scale = tl.load(scale_ptr + row).to(ACC)
+    eps = scaled_eps(row_scale, EPS, ACC)
+    inv = 1.0 / norm
     radial = tl.load(radial_a_ptr + row).to(ACC)
     if HAS_B:
         radial += tl.load(radial_b_ptr + row).to(ACC)
-    shrink = tl.where(norm > EPS, inv * inv * radial, 0.0)
+    shrink = tl.where(norm > eps, inv * inv * radial, 0.0)
     for start in range(0, D, BLOCK_D):
         ks = (start + tl.arange(0, BLOCK_D)).to(tl.int64)
         ok = ks < D
         raw = tl.load(raw_a_ptr + row * D + ks, mask=ok, other=0.0).to(ACC)
         if HAS_B:
             raw += tl.load(raw_b_ptr + row * D + ks, mask=ok, other=0.0).to(ACC)
-        x = tl.load(x_ptr + row * stride_xm + ks * stride_xd, mask=ok, other=0.0).to(ACC)
-        dx = (inv * raw - shrink * x) * unscale
+        x = tl.load(x_ptr + row * stride_xm + ks * stride_xd, mask=ok, other=0.0).to(ACC) * row_scale
+        dx = (inv * raw - shrink * x) * unscale * row_scale
         tl.store(dx_ptr + row * D + ks, dx.to(dx_ptr.dtype.element_ty), mask=ok)
 
 
@@ -525,7 +593,9 @@ def _online_lse_update_prefix(max_state, sum_state, this, logits):
 
 @triton.jit(do_not_specialize=_PREFIX_RUNTIME_ARGS)
 def _similarity_xent_prefix_fwd_kernel(
-    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr,  # norms: [K, M] and [K, Mc], prefix by prefix
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,  # norms of the scaled rows: [K, M] and [K, Mc], prefix by prefix
+    q_scale_ptr, c_scale_ptr, scaled_ptr,  # the rows' scales [M], [Mc] (one per row for all its prefixes); [1] flag
+    group_ptr,
     lse_all_ptr, lse_pos_ptr,  # [K, M] out, compute dtype
     M, Mc, D,
     M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
@@ -539,6 +609,7 @@ def _similarity_xent_prefix_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     scale, cos_m, sin_m = _loss_params(params_ptr)
+    scaled = tl.load(scaled_ptr) != 0
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     prefixes = tl.arange(0, KP)
     # One online logsumexp pair per row and prefix: [BLOCK_M, KP] states, column i updated at prefix i's
@@ -557,12 +628,12 @@ def _similarity_xent_prefix_fwd_kernel(
             group_col = cols
         dots = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         for i in range(0, K):
-            row_ok, inv_q, targets, group_row, group_target = _row_state(
-                q_norm_ptr + i * M, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+            row_ok, inv_q, _unit_q, targets, group_row, group_target = _row_state(
+                q_norm_ptr + i * M, q_scale_ptr, group_ptr, rows, M, EPS, ACC, PARTNER_TARGET, HAS_GROUPS)
             dots = _add_dots(dots, q_ptr, c_ptr, rows, cols, row_ok, col_ok, tl.load(bounds_ptr + i),
-                             tl.load(bounds_ptr + i + 1), stride_qm, stride_qd, stride_cm, stride_cd, ACC, OPERAND,
-                             PRECISION, BLOCK_K)
-            inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + i * Mc + cols, mask=col_ok, other=1.0), EPS)
+                             tl.load(bounds_ptr + i + 1), stride_qm, stride_qd, stride_cm, stride_cd, q_scale_ptr,
+                             c_scale_ptr, scaled, ACC, OPERAND, PRECISION, BLOCK_K)
+            inv_c, _unit_c = _inverse_norms(c_norm_ptr + i * Mc, c_scale_ptr, cols, col_ok, EPS, ACC)
             cos, logits, is_target, valid, positive, slope = _logits_tile(
                 dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
                 scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
@@ -588,24 +659,27 @@ def _similarity_xent_prefix_fwd_kernel(
 
 @triton.jit
 def _prefix_grad_tile(
-    dots, i, q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr, bounds_ptr,
+    dots, i, q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, q_scale_ptr, c_scale_ptr, scaled, group_ptr, lse_all_ptr,
+    lse_pos_ptr, coef_ptr, bounds_ptr,
     rows, cols, col_ok, group_col, M, Mc, stride_qm, stride_qd, stride_cm, stride_cd, scale, cos_m, sin_m,
     PARTNER_TARGET: tl.constexpr, EXCLUDE_DIAGONAL: tl.constexpr, HAS_MARGIN: tl.constexpr,
     HAS_GROUPS: tl.constexpr, ACC: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
     EPS: tl.constexpr, SIN_SQ_FLOOR: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Prefix i's step of a backward tile: the dot tile extended over slice i, then (dots, prefix i's dL/dcos
-    tile in the operand dtype, its cosines, row_ok, inv_q, inv_c, the width d_i).
+    tile in the operand dtype, its cosines, row_ok, the inverse norms of prefix i of the scaled rows and columns,
+    those of the raw ones (unit rows), the width d_i).
 
     The radial sums take the rounded g the products use: a short prefix's gradient is nearly all radial (a
     width of 1 has none), and only the same g on both sides cancels it.
     """
     width = tl.load(bounds_ptr + i + 1)
-    row_ok, inv_q, targets, group_row, group_target = _row_state(
-        q_norm_ptr + i * M, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+    row_ok, inv_q, unit_q, targets, group_row, group_target = _row_state(
+        q_norm_ptr + i * M, q_scale_ptr, group_ptr, rows, M, EPS, ACC, PARTNER_TARGET, HAS_GROUPS)
     dots = _add_dots(dots, q_ptr, c_ptr, rows, cols, row_ok, col_ok, tl.load(bounds_ptr + i), width,
-                     stride_qm, stride_qd, stride_cm, stride_cd, ACC, OPERAND, PRECISION, BLOCK_K)
-    inv_c = 1.0 / tl.maximum(tl.load(c_norm_ptr + i * Mc + cols, mask=col_ok, other=1.0), EPS)
+                     stride_qm, stride_qd, stride_cm, stride_cd, q_scale_ptr, c_scale_ptr, scaled, ACC, OPERAND,
+                     PRECISION, BLOCK_K)
+    inv_c, unit_c = _inverse_norms(c_norm_ptr + i * Mc, c_scale_ptr, cols, col_ok, EPS, ACC)
     cos, logits, is_target, valid, positive, slope = _logits_tile(
         dots, rows, cols, row_ok, col_ok, inv_q, inv_c, targets, group_row, group_target, group_col,
         scale, cos_m, sin_m, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, SIN_SQ_FLOOR)
@@ -614,13 +688,15 @@ def _prefix_grad_tile(
     coef = tl.load(coef_ptr + i * M + rows, mask=row_ok, other=0.0)
     g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
                        HAS_MARGIN, HAS_GROUPS)
-    return dots, g.to(OPERAND), cos, row_ok, inv_q, inv_c, width
+    return dots, g.to(OPERAND), cos, row_ok, inv_q, inv_c, unit_q, unit_c, width
 
 
 @triton.jit(do_not_specialize=_PREFIX_RUNTIME_ARGS)
 def _similarity_xent_prefix_bwd_dq_kernel(
-    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,  # [K, *] per prefix
-    dq_raw_ptr,  # [M, D] fp32/fp64, zeroed: sum_i inv_q_i sum_j G_ij inv_c_j c_j[:d_i]
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,  # norms [K, *] per prefix, of the scaled rows
+    q_scale_ptr, c_scale_ptr, scaled_ptr,  # the rows' scales; [1] flag (_add_dots)
+    group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,  # [K, *] per prefix
+    dq_raw_ptr,  # [M, D] fp32/fp64, zeroed: sum_i inv_q_i sum_j G_ij c_hat_j[:d_i] (inv_q_i of the scaled rows)
     dq_radial_ptr,  # [K, M] out: sum_j G_ij cos_ij per prefix
     M, Mc, D,
     M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
@@ -634,6 +710,7 @@ def _similarity_xent_prefix_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     scale, cos_m, sin_m = _loss_params(params_ptr)
+    scaled = tl.load(scaled_ptr) != 0
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     prefixes = tl.arange(0, KP)
     radial = tl.zeros([BLOCK_M, KP], ACC)
@@ -646,15 +723,15 @@ def _similarity_xent_prefix_bwd_dq_kernel(
             group_col = cols
         dots = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         for i in range(0, K):
-            dots, g, cos, row_ok, inv_q, inv_c, width = _prefix_grad_tile(
-                dots, i, q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,
-                bounds_ptr, rows, cols, col_ok, group_col, M, Mc, stride_qm, stride_qd, stride_cm, stride_cd, scale,
-                cos_m, sin_m, PARTNER_TARGET, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, ACC, OPERAND, PRECISION, EPS,
-                SIN_SQ_FLOOR, BLOCK_K)
+            dots, g, cos, row_ok, inv_q, inv_c, unit_q, unit_c, width = _prefix_grad_tile(
+                dots, i, q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, q_scale_ptr, c_scale_ptr, scaled, group_ptr,
+                lse_all_ptr, lse_pos_ptr, coef_ptr, bounds_ptr, rows, cols, col_ok, group_col, M, Mc, stride_qm,
+                stride_qd, stride_cm, stride_cd, scale, cos_m, sin_m, PARTNER_TARGET, EXCLUDE_DIAGONAL, HAS_MARGIN,
+                HAS_GROUPS, ACC, OPERAND, PRECISION, EPS, SIN_SQ_FLOOR, BLOCK_K)
             radial += tl.where(prefixes[None, :] == i, tl.sum(g.to(ACC) * cos, axis=1)[:, None], 0.0)
             # inv_q_i (g @ c_hat[cols, :d_i]) into this program's rows: inv_q_i differs per prefix, so it goes
             # on the fp32/fp64 product (see the helper), and the buffer was zeroed (prefixes overlap).
-            _accumulate_grad_columns(g, c_ptr, cols, col_ok, inv_c, dq_raw_ptr, rows, row_ok, inv_q,
+            _accumulate_grad_columns(g, c_ptr, cols, col_ok, unit_c, dq_raw_ptr, rows, row_ok, inv_q,
                                      True, width, D, stride_cm, stride_cd, ACC, OPERAND, PRECISION, True, BLOCK_K)
     ok = (rows < M)[:, None] & (prefixes[None, :] < K)
     tl.store(dq_radial_ptr + prefixes[None, :] * M + rows[:, None], radial, mask=ok)
@@ -662,8 +739,10 @@ def _similarity_xent_prefix_bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=_PREFIX_RUNTIME_ARGS)
 def _similarity_xent_prefix_bwd_dc_kernel(
-    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,  # [K, *] per prefix
-    dc_raw_ptr,  # [Mc, D] fp32/fp64, zeroed: sum_i inv_c_i sum_j G_ij inv_q_j q_j[:d_i]
+    q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,  # norms [K, *] per prefix, of the scaled rows
+    q_scale_ptr, c_scale_ptr, scaled_ptr,  # the rows' scales; [1] flag (_add_dots)
+    group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,  # [K, *] per prefix
+    dc_raw_ptr,  # [Mc, D] fp32/fp64, zeroed: sum_i inv_c_i sum_j G_ij q_hat_j[:d_i] (inv_c_i of the scaled rows)
     dc_radial_ptr,  # [K, Mc] out: sum_i G_ij cos_ij per prefix
     M, Mc, D,
     M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
@@ -677,6 +756,7 @@ def _similarity_xent_prefix_bwd_dc_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     scale, cos_m, sin_m = _loss_params(params_ptr)
+    scaled = tl.load(scaled_ptr) != 0
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < Mc
     prefixes = tl.arange(0, KP)
@@ -689,13 +769,13 @@ def _similarity_xent_prefix_bwd_dc_kernel(
         rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
         dots = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         for i in range(0, K):
-            dots, g, cos, row_ok, inv_q, inv_c, width = _prefix_grad_tile(
-                dots, i, q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr, coef_ptr,
-                bounds_ptr, rows, cols, col_ok, group_col, M, Mc, stride_qm, stride_qd, stride_cm, stride_cd, scale,
-                cos_m, sin_m, PARTNER_TARGET, EXCLUDE_DIAGONAL, HAS_MARGIN, HAS_GROUPS, ACC, OPERAND, PRECISION, EPS,
-                SIN_SQ_FLOOR, BLOCK_K)
+            dots, g, cos, row_ok, inv_q, inv_c, unit_q, unit_c, width = _prefix_grad_tile(
+                dots, i, q_ptr, c_ptr, q_norm_ptr, c_norm_ptr, q_scale_ptr, c_scale_ptr, scaled, group_ptr,
+                lse_all_ptr, lse_pos_ptr, coef_ptr, bounds_ptr, rows, cols, col_ok, group_col, M, Mc, stride_qm,
+                stride_qd, stride_cm, stride_cd, scale, cos_m, sin_m, PARTNER_TARGET, EXCLUDE_DIAGONAL, HAS_MARGIN,
+                HAS_GROUPS, ACC, OPERAND, PRECISION, EPS, SIN_SQ_FLOOR, BLOCK_K)
             radial += tl.where(prefixes[None, :] == i, tl.sum(g.to(ACC) * cos, axis=0)[:, None], 0.0)
-            _accumulate_grad_columns(tl.trans(g), q_ptr, rows, row_ok, inv_q, dc_raw_ptr, cols, col_ok, inv_c, True,
+            _accumulate_grad_columns(tl.trans(g), q_ptr, rows, row_ok, unit_q, dc_raw_ptr, cols, col_ok, inv_c, True,
                                      width, D, stride_qm, stride_qd, ACC, OPERAND, PRECISION, True, BLOCK_K)
     ok = col_ok[:, None] & (prefixes[None, :] < K)
     tl.store(dc_radial_ptr + prefixes[None, :] * Mc + cols[:, None], radial, mask=ok)
@@ -704,8 +784,9 @@ def _similarity_xent_prefix_bwd_dc_kernel(
 @triton.jit(do_not_specialize=("R", "K"))
 def _similarity_xent_prefix_bwd_finish_kernel(
     x_ptr,  # [R, D] the input rows (q or c), any strides
-    norm_ptr,  # [K, R] raw norms of every prefix
-    raw_a_ptr, radial_a_ptr,  # [R, D], [K, R]: one side's accumulation (inverse norms already applied)
+    norm_ptr,  # [K, R] clamped norms of every prefix of the scaled rows
+    scale_ptr,  # [R] the rows' scales
+    raw_a_ptr, radial_a_ptr,  # [R, D], [K, R]: one side's accumulation (scaled inverse norms already applied)
     raw_b_ptr, radial_b_ptr,  # the other side's (read only HAS_B: the symmetric case, c is q)
     dx_ptr,  # [R, D] out, contiguous, x's dtype
     unscale_ptr,  # [1] compute dtype: the factor the gradient tiles left out (see gradient_tile_scale)
@@ -714,17 +795,20 @@ def _similarity_xent_prefix_bwd_finish_kernel(
     HAS_B: tl.constexpr, ACC: tl.constexpr, EPS: tl.constexpr, KP: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dx = unscale * (raw - sum over the prefixes i with d_i > column of [|x[:d_i]| > eps] inv_i^2 radial_i x):
-    each prefix's normalisation backward, applied once."""
+    each prefix's normalisation backward, applied once, on the scaled rows x_s = s x (raw then holds the scaled
+    inverse norms' products): dx = s * unscale * (raw - sum_i [|x_s[:d_i]| > eps s] inv_s,i^2 radial_i x_s)."""
     row = tl.program_id(0).to(tl.int64)
     unscale = tl.load(unscale_ptr).to(ACC)
+    row_scale = tl.load(scale_ptr + row).to(ACC)
+    eps = scaled_eps(row_scale, EPS, ACC)
     prefixes = tl.arange(0, KP)
     has = prefixes < K
-    norm = tl.load(norm_ptr + prefixes * R + row, mask=has, other=1.0).to(ACC)
-    inv = 1.0 / tl.maximum(norm, EPS)
+    norm = tl.load(norm_ptr + prefixes * R + row, mask=has, other=1.0).to(ACC)  # max(|x_s[:d_i]|, eps s)
+    inv = 1.0 / norm
     radial = tl.load(radial_a_ptr + prefixes * R + row, mask=has, other=0.0).to(ACC)
     if HAS_B:
         radial += tl.load(radial_b_ptr + prefixes * R + row, mask=has, other=0.0).to(ACC)
-    shrink = tl.where(norm > EPS, inv * inv * radial, 0.0)
+    shrink = tl.where(norm > eps, inv * inv * radial, 0.0)
     widths = tl.load(bounds_ptr + 1 + prefixes, mask=has, other=0)
     for start in range(0, D, BLOCK_D):
         ks = (start + tl.arange(0, BLOCK_D)).to(tl.int64)
@@ -732,10 +816,56 @@ def _similarity_xent_prefix_bwd_finish_kernel(
         raw = tl.load(raw_a_ptr + row * D + ks, mask=ok, other=0.0).to(ACC)
         if HAS_B:
             raw += tl.load(raw_b_ptr + row * D + ks, mask=ok, other=0.0).to(ACC)
-        x = tl.load(x_ptr + row * stride_xm + ks * stride_xd, mask=ok, other=0.0).to(ACC)
+        x = tl.load(x_ptr + row * stride_xm + ks * stride_xd, mask=ok, other=0.0).to(ACC) * row_scale
         column_shrink = tl.sum(tl.where(ks[:, None] < widths[None, :], shrink[None, :], 0.0), axis=1)
-        dx = (raw - column_shrink * x) * unscale
+        dx = (raw - column_shrink * x) * unscale * row_scale
         tl.store(dx_ptr + row * D + ks, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=("R", "D", "K"))
+def _row_norms_kernel(
+    x_ptr,  # [R, D], any strides
+    norm_ptr,  # [K, R] out: clamped norms max(|x_s|, eps s) of the prefixes of the scaled rows (K = 1 without dims)
+    scale_ptr,  # [R] out: the rows' scales (powers of two)
+    bounds_ptr,  # [K + 1] int32: 0, d_1, ..., d_K (read only HAS_DIMS)
+    R, D, K, stride_xm, stride_xd,
+    SCALE_ROWS: tl.constexpr, HAS_DIMS: tl.constexpr, ACC: tl.constexpr, EPS: tl.constexpr, KP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The rows' scales and the clamped norms of the scaled rows (or of their prefixes), in one read: each chunk's
+    largest magnitudes may raise the rows' running scale exponents (_common.raise_exponent), and what was summed at
+    the old scales, the running squares and the finished prefixes', is rescaled. One scale per row for all its
+    prefixes (the tiles' running dot products share it); SCALE_ROWS False keeps every scale 1. The norms are
+    stored clamped, max(|x_s|, eps s): the tile kernels take their inverse as it is, and a norm that was not
+    clamped is one above eps s."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    prefixes = tl.arange(0, KP)
+    squares = tl.zeros([BLOCK_R, BLOCK_D], ACC)  # elementwise partial sums over every column so far
+    finished = tl.zeros([BLOCK_R, KP], ACC)  # the squared norms of the prefixes done
+    exponent = tl.zeros([BLOCK_R], tl.int32)
+    lo = D * 0
+    for i in range(0, K):
+        if HAS_DIMS:
+            hi = tl.load(bounds_ptr + i + 1)
+        else:
+            hi = D
+        for start in range(lo, hi, BLOCK_D):
+            ks = (start + tl.arange(0, BLOCK_D)).to(tl.int64)
+            ok = row_ok[:, None] & (ks < hi)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xd, mask=ok, other=0.0).to(ACC)
+            if SCALE_ROWS:
+                exponent, factor, row_scale = raise_exponent(exponent, tl.max(tl.abs(x), axis=1), ACC)
+                squares = squares * (factor * factor)[:, None]
+                finished = finished * (factor * factor)[:, None]
+                x = x * row_scale[:, None]
+            squares += x * x
+        finished = tl.where(prefixes[None, :] == i, tl.sum(squares, axis=1)[:, None], finished)
+        lo = hi
+    row_scale = pow2(-exponent, ACC)
+    clamped = tl.maximum(tl.sqrt(finished), scaled_eps(row_scale, EPS, ACC)[:, None])  # max(|x_s|, eps s)
+    tl.store(norm_ptr + prefixes[None, :] * R + rows[:, None], clamped, mask=row_ok[:, None] & (prefixes < K)[None, :])
+    tl.store(scale_ptr + rows, row_scale, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -843,13 +973,39 @@ def _tile_launch(kernel: TunedKernel, grid_of, blocks, *args, **constexprs):
     kernel.launch(grid_of, blocks, *args, **constexprs)
 
 
-def _row_norms(x: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...] | None = None) -> torch.Tensor:
-    """[R] row norms of x, or with dims [K, R] norms of every prefix x[:, :d] (d in dims), from running sums of
-    the slices' squared norms."""
-    if dims is None:
-        return torch.linalg.vector_norm(x, dim=1, dtype=dtype)
-    squares = torch.stack([_row_norms(x[:, lo:hi], dtype).square() for lo, hi in zip((0,) + dims[:-1], dims)])
-    return squares.cumsum(dim=0).sqrt().contiguous()
+# The row-norm kernel's blocks: a few whole rows per program on a GPU (bandwidth-bound, one read of the rows); few
+# programs under the interpreter.
+_GPU_NORM_BLOCKS = dict(BLOCK_R=4, BLOCK_D=512, num_warps=4)
+
+
+def _row_norms(x: torch.Tensor, dtype: torch.dtype, bounds: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norms, scales) of x's rows in one read (`_row_norms_kernel`): the clamped norms max(|x_s|, eps s) of the
+    scaled rows [R], or with `bounds` ([K + 1] int32: 0, d_1, ..., d_K) of every prefix x_s[:, :d_i], [K, R]; and
+    each row's scale [R] (a power of two, 1 for ordinary rows; 1 for every float16 row, whose products cannot
+    overflow)."""
+    rows, width = x.shape
+    k = 1 if bounds is None else bounds.shape[0] - 1
+    norms = new_output((rows,) if bounds is None else (k, rows), dtype, x.device)
+    scales = new_output((rows,), dtype, x.device)
+    if triton_interpreting():
+        blocks = dict(BLOCK_R=max(1, min(64, triton.next_power_of_2(rows))), num_warps=4,
+                      BLOCK_D=max(16, min(256, triton.next_power_of_2(width))))
+    else:
+        blocks = dict(_GPU_NORM_BLOCKS,
+                      BLOCK_D=max(16, min(_GPU_NORM_BLOCKS["BLOCK_D"], triton.next_power_of_2(width))))
+    _row_norms_kernel[(triton.cdiv(rows, blocks["BLOCK_R"]),)](
+        x, norms, scales, norms if bounds is None else bounds, rows, width, k, x.stride(0), x.stride(1),
+        SCALE_ROWS=x.dtype != torch.float16, HAS_DIMS=bounds is not None,
+        ACC=tl.float64 if dtype == torch.float64 else tl.float32, EPS=NORM_EPS, KP=triton.next_power_of_2(k),
+        **blocks)
+    return norms, scales
+
+
+def any_scaled(*scales: torch.Tensor) -> torch.Tensor:
+    """[1] int32 on the scales' device: 1 when any row scale differs from 1, the `scaled` flag of the tile kernels'
+    K-loops (_add_dots). No host sync."""
+    return torch.stack([(s != 1).any() for s in scales]).any().to(torch.int32).reshape(1)
 
 
 def gradient_tile_scale(per_row: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -877,8 +1033,10 @@ class SimilarityXentFunction(torch.autograd.Function):
         c_in = q_in if symmetric else c.detach()
         m, d = q_in.shape
         mc = c_in.shape[0]
-        q_norm = _row_norms(q_in, dtype, dims)
-        c_norm = q_norm if symmetric else _row_norms(c_in, dtype, dims)
+        bounds = None if dims is None else torch.tensor((0,) + dims, dtype=torch.int32).to(q.device)
+        q_norm, q_scale = _row_norms(q_in, dtype, bounds)
+        c_norm, c_scale = (q_norm, q_scale) if symmetric else _row_norms(c_in, dtype, bounds)
+        scaled = any_scaled(q_scale, c_scale)
         groups = group_ids.contiguous() if group_ids is not None else q_norm  # placeholder pointer if unused
         static = dict(
             PARTNER_TARGET=target == "partner", EXCLUDE_DIAGONAL=bool(exclude_diagonal),
@@ -890,9 +1048,8 @@ class SimilarityXentFunction(torch.autograd.Function):
         params = torch.tensor([float(scale), math.cos(margin), math.sin(margin)], dtype=dtype).to(q.device)
         runtime = (m, mc, d, _autotune_bucket(m), _autotune_bucket(mc),
                    q_in.stride(0), q_in.stride(1), c_in.stride(0), c_in.stride(1), params)
-        bounds, per_row = None, (m,)
+        per_row = (m,)
         if dims is not None:
-            bounds = torch.tensor((0,) + dims, dtype=torch.int32).to(q.device)
             runtime += (bounds, len(dims))
             static["KP"] = triton.next_power_of_2(len(dims))
             per_row = (len(dims), m)
@@ -902,13 +1059,13 @@ class SimilarityXentFunction(torch.autograd.Function):
         blocks = _interpreter_blocks(m, mc, d)
         fwd_kernel, _, _ = kernels_for(_TUNED if dims is None else _PREFIX_TUNED, q.dtype)
         _tile_launch(fwd_kernel, lambda b: (triton.cdiv(m, b["BLOCK_M"]),), blocks,
-                     q_in, c_in, q_norm, c_norm, groups, lse_all, lse_pos, *runtime, **static)
+                     q_in, c_in, q_norm, c_norm, q_scale, c_scale, scaled, groups, lse_all, lse_pos, *runtime, **static)
 
         weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
         loss = (weights * (lse_all - lse_pos)).sum(dim=-1) / m
 
-        ctx.save_for_backward(q_in, None if symmetric else c_in, q_norm, c_norm, groups, lse_all, lse_pos, weights,
-                              bounds)
+        ctx.save_for_backward(q_in, None if symmetric else c_in, q_norm, c_norm, q_scale, c_scale, scaled, groups,
+                              lse_all, lse_pos, weights, bounds)
         ctx.symmetric = symmetric
         ctx.static = static
         ctx.runtime = runtime
@@ -917,7 +1074,8 @@ class SimilarityXentFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        q_in, c_saved, q_norm, c_norm, groups, lse_all, lse_pos, weights, bounds = ctx.saved_tensors
+        (q_in, c_saved, q_norm, c_norm, q_scale, c_scale, scaled, groups, lse_all, lse_pos, weights,
+         bounds) = ctx.saved_tensors
         symmetric = ctx.symmetric
         c_in = q_in if symmetric else c_saved
         m, d = q_in.shape
@@ -926,7 +1084,7 @@ class SimilarityXentFunction(torch.autograd.Function):
         prefixes = bounds is not None
         coef, unscale = gradient_tile_scale(weights * grad_loss.to(dtype)[..., None], m)  # [M], or [K, M] with dims
         blocks = _interpreter_blocks(m, mc, d)
-        common = (q_in, c_in, q_norm, c_norm, groups, lse_all, lse_pos, coef)
+        common = (q_in, c_in, q_norm, c_norm, q_scale, c_scale, scaled, groups, lse_all, lse_pos, coef)
 
         def per_row(rows):  # the radial sums' layout
             return (lse_all.shape[0], rows) if prefixes else (rows,)
@@ -948,24 +1106,24 @@ class SimilarityXentFunction(torch.autograd.Function):
         if prefixes:
             finish["KP"] = ctx.static["KP"]
 
-        def finish_launch(x, norm, raw_a, radial_a, raw_b, radial_b, has_b):
+        def finish_launch(x, norm, x_scale, raw_a, radial_a, raw_b, radial_b, has_b):
             dx = new_output(x.shape, x.dtype, x.device)
             rows = x.shape[0]
             if prefixes:
                 _similarity_xent_prefix_bwd_finish_kernel[(rows,)](
-                    x, norm, raw_a, radial_a, raw_b, radial_b, dx, unscale, bounds, rows, d, bounds.shape[0] - 1,
-                    x.stride(0), x.stride(1), HAS_B=has_b, **finish)
+                    x, norm, x_scale, raw_a, radial_a, raw_b, radial_b, dx, unscale, bounds, rows, d,
+                    bounds.shape[0] - 1, x.stride(0), x.stride(1), HAS_B=has_b, **finish)
             else:
                 _similarity_xent_bwd_finish_kernel[(rows,)](
-                    x, norm, raw_a, radial_a, raw_b, radial_b, dx, unscale, rows, d, x.stride(0), x.stride(1),
-                    HAS_B=has_b, **finish)
+                    x, norm, x_scale, raw_a, radial_a, raw_b, radial_b, dx, unscale, rows, d, x.stride(0),
+                    x.stride(1), HAS_B=has_b, **finish)
             return dx
 
         if symmetric:
-            dq = finish_launch(q_in, q_norm, dq_raw, dq_radial, dc_raw, dc_radial, True)
+            dq = finish_launch(q_in, q_norm, q_scale, dq_raw, dq_radial, dc_raw, dc_radial, True)
             return dq, None, None, None, None, None, None, None, None
-        dq = finish_launch(q_in, q_norm, dq_raw, dq_radial, dq_raw, dq_radial, False)
-        dc = finish_launch(c_in, c_norm, dc_raw, dc_radial, dc_raw, dc_radial, False)
+        dq = finish_launch(q_in, q_norm, q_scale, dq_raw, dq_radial, dq_raw, dq_radial, False)
+        dc = finish_launch(c_in, c_norm, c_scale, dc_raw, dc_radial, dc_raw, dc_radial, False)
         return dq, dc, None, None, None, None, None, None, None
 
 
@@ -1016,7 +1174,8 @@ def compile_cases(full: bool) -> list[CompileCase]:
                               SIN_SQ_FLOOR=MARGIN_SIN_SQUARED_FLOOR, **config.kwargs)
             blocks = "x".join(str(v) for v in config.kwargs.values())
             label = f"x={x_dtype} groups={has_groups} margin={has_margin} tile={blocks} w={config.num_warps}"
-            pointers = {"q_ptr": x_dtype, "c_ptr": x_dtype, "group_ptr": "i64", "bounds_ptr": "i32"}
+            pointers = {"q_ptr": x_dtype, "c_ptr": x_dtype, "group_ptr": "i64", "bounds_ptr": "i32",
+                        "scaled_ptr": "i32"}
             cases += [CompileCase(kernel, label, pointer_dtype, constexprs, config.num_warps, config.num_stages,
                                   pointers) for kernel in _TILE_KERNELS]
             cases += [CompileCase(kernel, f"{label} KP=4", pointer_dtype, dict(constexprs, KP=4), config.num_warps,
@@ -1027,4 +1186,10 @@ def compile_cases(full: bool) -> list[CompileCase]:
         cases.append(CompileCase(_similarity_xent_prefix_bwd_finish_kernel, f"x={x_dtype} KP=4", pointer_dtype,
                                  dict(HAS_B=True, ACC=acc, EPS=NORM_EPS, KP=4, BLOCK_D=1024), 4,
                                  pointers=finish_pointers))
+        norm_blocks = {k: v for k, v in _GPU_NORM_BLOCKS.items() if k != "num_warps"}
+        for has_dims, kp in ((False, 1), (True, 4)):
+            cases.append(CompileCase(_row_norms_kernel, f"x={x_dtype} dims={has_dims}", pointer_dtype,
+                                     dict(SCALE_ROWS=x_dtype != "fp16", HAS_DIMS=has_dims, ACC=acc, EPS=NORM_EPS, KP=kp,
+                                          **norm_blocks), _GPU_NORM_BLOCKS["num_warps"],
+                                     pointers={"x_ptr": x_dtype, "bounds_ptr": "i32"}))
     return cases

@@ -24,16 +24,18 @@ grad_loss = 1 when autograd will ask for them, and backward scales them
 (torch_ops.similarity_xent.GradientsFormedInForward). The normalisation's backward is applied once at the end
 (torch_ops.common.normalise_backward).
 
-Precision. S: the raw 16-bit inputs' products accumulated in fp32 (cuBLAS, out_dtype=float32), then scaled by
-the fp32 inverse norms in the kernels, as the fused kernels do. G is rounded to the input dtype for its products
-(bf16/fp16), as flash attention rounds its dS; for fp16 it carries neither 1/M nor the inverse norms, which would
-take it out of fp16's range (1/M = 8e-6 at M = 131,072 puts most of a row's softmax below fp16's smallest
-subnormal; 1/eps for a zero row overflows): a row's weight enters as w_i / max|w| and w_max / M multiplies the
-fp32 products. fp32 inputs use exact fp32 products unless torch's own TF32 switch is on
-(torch.backends.cuda.matmul.allow_tf32; the fused kernels' ANGLE_KERNELS_ALLOW_TF32 does not apply here); fp64
-stays fp64. On CPU (tests, under the interpreter) and with a torch
-that lacks mixed-dtype products, the 16-bit operands are converted to fp32 first: the same values and the same
-accumulation, slower.
+Precision. S: the 16-bit inputs' products accumulated in fp32 (cuBLAS, out_dtype=float32), then scaled by
+the fp32 inverse norms in the kernels, as the fused kernels do. The products take the rows scaled by their powers of
+two (similarity_xent's huge rows: s = 1 for ordinary rows, so these are their values), copies in the input dtype
+made once per call: an elementwise pass and (M + Mc) D elements of memory (M D when c is q), against 6 M Mc D FLOPs.
+G is rounded to the input dtype for its products (bf16/fp16), as flash attention rounds its dS; for fp16 it
+carries neither 1/M nor the inverse norms, which would take it out of fp16's range (1/M = 8e-6 at M = 131,072
+puts most of a row's softmax below fp16's smallest subnormal; 1/eps for a zero row overflows): a row's weight
+enters as w_i / max|w| and w_max / M multiplies the fp32 products. fp32 inputs use exact fp32 products unless
+torch's own TF32 switch is on (torch.backends.cuda.matmul.allow_tf32; the fused kernels' ANGLE_KERNELS_ALLOW_TF32
+does not apply here); fp64 stays fp64. On CPU (tests, under the interpreter) and with a torch that lacks
+mixed-dtype products, the 16-bit operands are converted to fp32 first: the same values and the same accumulation,
+slower.
 
 The floor. FLOPs: 6 M Mc D, all in dense products (the fused kernels execute 10). Bytes beyond the products' own
 operand reads: per logit, S written once (4) and read twice (8), G written (2, in place over S for fp32/fp64) and
@@ -108,12 +110,12 @@ def takes(width: int, columns: int, dims) -> bool:
 # ----------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _local_row_state(q_norm_ptr, group_ptr, local, row0, n_rows, M, EPS: tl.constexpr,
-                     PARTNER_TARGET: tl.constexpr, HAS_GROUPS: tl.constexpr):
+def _local_row_state(q_norm_ptr, q_scale_ptr, group_ptr, local, row0, n_rows, M, EPS: tl.constexpr,
+                     ACC: tl.constexpr, PARTNER_TARGET: tl.constexpr, HAS_GROUPS: tl.constexpr):
     """The row state (similarity_xent._row_state) of the block's local rows `local`: rows row0 + local."""
     rows = row0 + local
-    row_ok, inv_q, targets, group_row, group_target = _row_state(
-        q_norm_ptr, group_ptr, rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+    row_ok, inv_q, _unit_q, targets, group_row, group_target = _row_state(
+        q_norm_ptr, q_scale_ptr, group_ptr, rows, M, EPS, ACC, PARTNER_TARGET, HAS_GROUPS)
     return rows, row_ok & (local < n_rows), inv_q, targets, group_row, group_target
 
 
@@ -125,8 +127,9 @@ _BLOCK_ARGS = ("row0", "n_rows", "M", "Mc")
 
 @triton.jit(do_not_specialize=_BLOCK_ARGS)
 def _dense_xent_stats_kernel(
-    s_ptr,  # [n_rows, Mc] in: the block's raw dots q_i . c_j, compute dtype, rows stride_s apart
-    q_norm_ptr, c_norm_ptr, group_ptr,
+    s_ptr,  # [n_rows, Mc] in: the block's dots of the scaled rows q_s,i . c_s,j, compute dtype, rows stride_s apart
+    q_norm_ptr, c_norm_ptr, q_scale_ptr, c_scale_ptr,  # norms of the scaled rows, the rows' scales
+    group_ptr,
     lse_all_ptr, lse_pos_ptr,  # [M] out: rows row0 .. row0 + n_rows - 1
     row0, n_rows, M, Mc, stride_s,
     params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
@@ -137,13 +140,14 @@ def _dense_xent_stats_kernel(
     scale, cos_m, sin_m = _loss_params(params_ptr)
     local = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows, row_ok, inv_q, targets, group_row, group_target = _local_row_state(
-        q_norm_ptr, group_ptr, local, row0, n_rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+        q_norm_ptr, q_scale_ptr, group_ptr, local, row0, n_rows, M, EPS, ACC, PARTNER_TARGET, HAS_GROUPS)
 
     max_all, sum_all, max_pos, sum_pos, target_logit = _empty_lse_states(BLOCK_M, ACC)
     for col_start in range(0, Mc, BLOCK_N):
         cols = (col_start + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_ok = cols < Mc
-        inv_c, group_col = _column_state(c_norm_ptr, group_ptr, cols, col_ok, EPS, HAS_GROUPS)
+        inv_c, _unit_c, group_col = _column_state(c_norm_ptr, c_scale_ptr, group_ptr, cols, col_ok, EPS, ACC,
+                                                  HAS_GROUPS)
         dots = tl.load(s_ptr + local[:, None] * stride_s + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                        other=0.0)
         max_all, sum_all, max_pos, sum_pos, target_logit = _fold_dots_into_lse(
@@ -158,9 +162,9 @@ def _dense_xent_stats_kernel(
 
 @triton.jit(do_not_specialize=_BLOCK_ARGS)
 def _dense_xent_grad_kernel(
-    s_ptr,  # [n_rows, Mc] in: the block's raw dots, compute dtype, rows stride_s apart
+    s_ptr,  # [n_rows, Mc] in: the block's dots of the scaled rows, compute dtype, rows stride_s apart
     g_ptr,  # [n_rows, Mc] out: dL/dcos_ij times M / max|w|, in the products' operand dtype; may be s_ptr
-    q_norm_ptr, c_norm_ptr, group_ptr, lse_all_ptr, lse_pos_ptr,
+    q_norm_ptr, c_norm_ptr, q_scale_ptr, c_scale_ptr, group_ptr, lse_all_ptr, lse_pos_ptr,
     coef_ptr,  # [M]: w_i / max|w|
     row0, n_rows, M, Mc, stride_s, stride_g,
     params_ptr,  # [3] in the compute dtype: scale, cos(margin), sin(margin)
@@ -171,10 +175,10 @@ def _dense_xent_grad_kernel(
     scale, cos_m, sin_m = _loss_params(params_ptr)
     local = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows, row_ok, inv_q, targets, group_row, group_target = _local_row_state(
-        q_norm_ptr, group_ptr, local, row0, n_rows, M, EPS, PARTNER_TARGET, HAS_GROUPS)
+        q_norm_ptr, q_scale_ptr, group_ptr, local, row0, n_rows, M, EPS, ACC, PARTNER_TARGET, HAS_GROUPS)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < Mc
-    inv_c, group_col = _column_state(c_norm_ptr, group_ptr, cols, col_ok, EPS, HAS_GROUPS)
+    inv_c, _unit_c, group_col = _column_state(c_norm_ptr, c_scale_ptr, group_ptr, cols, col_ok, EPS, ACC, HAS_GROUPS)
     lse_all = tl.load(lse_all_ptr + rows, mask=row_ok, other=0.0)
     lse_pos = tl.load(lse_pos_ptr + rows, mask=row_ok, other=0.0)
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
@@ -268,8 +272,15 @@ def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulat
 
 
 def _unit_rows(x: torch.Tensor, inv_norm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x / max(|x|, eps), computed in `dtype` and rounded to x's dtype (the products' operand)."""
+    """x / max(|x|, eps), computed in `dtype` and rounded to x's dtype (the products' operand); x may be the
+    scaled rows, inv_norm theirs."""
     return (x.to(dtype) * inv_norm[:, None]).to(x.dtype)
+
+
+def _scaled_copy(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x_s = s x in x's dtype (exact: powers of two; s is 1 for ordinary rows and for float16), the products'
+    operand in place of x."""
+    return x * scale.to(x.dtype)[:, None]
 
 
 class DenseSimilarityXentFunction(GradientsFormedInForward):
@@ -283,8 +294,11 @@ class DenseSimilarityXentFunction(GradientsFormedInForward):
         q_in = q.detach()
         c_in = q_in if symmetric else c.detach()
         m, mc = q_in.shape[0], c_in.shape[0]
-        q_norm = _row_norms(q_in, dtype)
-        c_norm = q_norm if symmetric else _row_norms(c_in, dtype)
+        q_norm, q_scale = _row_norms(q_in, dtype)
+        c_norm, c_scale = (q_norm, q_scale) if symmetric else _row_norms(c_in, dtype)
+        # The products take the scaled rows (huge rows: similarity_xent's docstring), copies in the input dtype.
+        q_in = _scaled_copy(q_in, q_scale)
+        c_in = q_in if symmetric else _scaled_copy(c_in, c_scale)
         groups = group_ids.contiguous() if group_ids is not None else q_norm  # placeholder pointer if unused
         static = dict(
             PARTNER_TARGET=target == "partner", EXCLUDE_DIAGONAL=bool(exclude_diagonal),
@@ -302,8 +316,8 @@ class DenseSimilarityXentFunction(GradientsFormedInForward):
         block = block_rows(m, mc)
         dots = torch.empty((block, mc), dtype=dtype, device=q.device)
         if with_grad:
-            q_inv, q_has_grad = inverse_norms_from_norms(q_norm)
-            c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else inverse_norms_from_norms(c_norm)
+            q_inv, q_has_grad = inverse_norms_from_norms(q_norm, q_scale)
+            c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else inverse_norms_from_norms(c_norm, c_scale)
             q_hat = _unit_rows(q_in, q_inv, dtype)
             c_hat = q_hat if symmetric else _unit_rows(c_in, c_inv, dtype)
             # the gradient tile in the products' operand dtype, over the dots when that is the compute dtype
@@ -318,12 +332,13 @@ class DenseSimilarityXentFunction(GradientsFormedInForward):
             layout = (r0, n, m, mc, dots.stride(0))
             blocks = _blocks(n, mc, _GPU_STATS_BLOCKS)
             _dense_xent_stats_kernel[(triton.cdiv(n, blocks["BLOCK_M"]),)](
-                dots, q_norm, c_norm, groups, lse_all, lse_pos, *layout, params, **static, **blocks)
+                dots, q_norm, c_norm, q_scale, c_scale, groups, lse_all, lse_pos, *layout, params, **static, **blocks)
             if not with_grad:
                 continue
             blocks = _blocks(n, mc, _GPU_GRAD_BLOCKS)
             _dense_xent_grad_kernel[(triton.cdiv(n, blocks["BLOCK_M"]), triton.cdiv(mc, blocks["BLOCK_N"]))](
-                dots, grad, q_norm, c_norm, groups, lse_all, lse_pos, coef, *layout, grad.stride(0), params,
+                dots, grad, q_norm, c_norm, q_scale, c_scale, groups, lse_all, lse_pos, coef, *layout, grad.stride(0),
+                params,
                 **static, **blocks)
             _product_into(d_qhat[r0:r0 + n], grad[:n], c_hat, accumulate=True)
             _product_into(d_chat, grad[:n].T, q_hat[r0:r0 + n], accumulate=True)
@@ -334,8 +349,9 @@ class DenseSimilarityXentFunction(GradientsFormedInForward):
         if with_grad:
             del dots, grad, q_hat, c_hat
             unscale = weight_max / m
-            dq = normalise_backward(q_in.to(dtype), q_inv, q_has_grad, d_qhat.mul_(unscale))
-            dc = None if symmetric else normalise_backward(c_in.to(dtype), c_inv, c_has_grad, d_chat.mul_(unscale))
+            dq = normalise_backward(q_in.to(dtype), q_inv, q_has_grad, d_qhat.mul_(unscale), q_scale)
+            dc = None if symmetric else normalise_backward(c_in.to(dtype), c_inv, c_has_grad, d_chat.mul_(unscale),
+                                                           c_scale)
             ctx.save_for_backward(dq, dc)
         return loss
 

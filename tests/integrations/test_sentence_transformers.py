@@ -42,7 +42,8 @@ CASES = [
     ("AnglELoss", {}, 4, [1.0, 0.8, 1.0, 0.6, 0.9, 1.0], True),
     ("MultipleNegativesRankingLoss", {}, 2, None, True),
     ("MultipleNegativesRankingLoss", {"scale": 10.0}, 3, None, True),
-    ("MultipleNegativesRankingLoss", {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}, 3, None, True),
+    ("MultipleNegativesRankingLoss", {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"},
+     3, None, True),
     ("MultipleNegativesRankingLoss", {"directions": ALL_DIRECTIONS, "partition_mode": "joint"}, 3, None, True),
     ("MultipleNegativesRankingLoss", {"hardness_mode": "in_batch_negatives", "hardness_strength": 5.0}, 3, None, True),
     ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.dot_score, "scale": 1.0}, 2, None, True),
@@ -65,7 +66,8 @@ CASES = [
     ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 3, "scale": 10.0}, 3, None, True),
 ]
 
-FUSED_FUNCTIONS = ("ranking_terms", "contrastive", "multiple_negatives", "gist")  # the computing halves the integration calls
+# the computing halves the integration calls
+FUSED_FUNCTIONS = ("ranking_terms", "contrastive", "multiple_negatives", "gist")
 
 
 @pytest.fixture(scope="module")
@@ -300,6 +302,19 @@ def test_a_wrong_number_of_columns_names_the_loss_and_what_it_expects():
             expected = rf"^{class_name} got {count} input columns?; it expects .*\((anchor|input_A)"
             with pytest.raises(ValueError, match=expected):
                 loss.compute_loss_from_embeddings([u.clone() for _ in range(count)], torch.ones(4))
+
+
+@pytest.mark.parametrize("scale", [0.0, -20.0, float("nan"), float("inf")])
+def test_the_pair_losses_take_the_scale_rule_of_every_loss(scale):
+    """scale must be finite and > 0 (angle_kernels.checks.check_scale), as in every angle_kernels loss; the parents
+    accept it (a scale <= 0 flips or flattens the ranking, NaN / inf give NaN)."""
+    u, v = torch.randn(4, 8), torch.randn(4, 8)
+    for class_name in ("CoSENTLoss", "AnglELoss"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            loss = getattr(ours, class_name)(None, scale=scale)
+        with pytest.raises(ValueError, match="scale must be"):
+            loss.compute_loss_from_embeddings([u, v], torch.rand(4))
 
 
 def test_a_wrong_number_of_columns_with_a_model(model64, guide64):

@@ -90,7 +90,7 @@ def test_fake_shapes_pair_scores(dtype):
     with FakeTensorMode():
         x = torch.empty(5, 3, 10, dtype=dtype)
         cos, angle, stats = _op("cuda_pair_scores_fwd")(x, True)
-        assert cos.shape == angle.shape == (5, 2) and stats.shape == (5, 2, 4)
+        assert cos.shape == angle.shape == (5, 2) and stats.shape == (5, 2, 6)  # norms, cos, w, scales
         assert cos.dtype == angle.dtype == stats.dtype == acc
         dx = _op("cuda_pair_scores_bwd")(cos, angle, x, stats, True)
         assert dx.shape == x.shape and dx.dtype == dtype
@@ -119,8 +119,9 @@ def test_fake_shapes_similarity_xent(dtype, with_c):
             q, c, 20.0, "diagonal" if with_c else "partner", None, not with_c, 0.0, None
         )
         assert loss.shape == () and loss.dtype == acc
-        assert lse_all.shape == lse_pos.shape == q_norm.shape == (6,)
-        assert c_norm.shape == ((9,) if with_c else (0,))
+        assert lse_all.shape == lse_pos.shape == (6,)
+        assert q_norm.shape == (12,)  # the scaled rows' norms, then the rows' scales
+        assert c_norm.shape == ((18,) if with_c else (0,))
         dq, dc = _op("cuda_similarity_xent_bwd")(
             loss, q, c, lse_all, lse_pos, q_norm, c_norm, 20.0, "partner", None, False, 0.0, None
         )

@@ -15,8 +15,8 @@ from torch.autograd import gradcheck
 
 import oracle
 from ak_testing import (
-    GRAD_TOL, HALF_DTYPES, VALUE_TOL, assert_close, assert_half_rule, check_against_oracle, generator, leaf_like,
-    outputs_and_grads, randn, skip_unless_feature,
+    GRAD_TOL, HALF_DTYPES, HUGE_OP_MAGNITUDES, VALUE_TOL, assert_close, assert_half_rule, check_against_oracle,
+    generator, huge_magnitude_id, huge_row_factors, leaf_like, outputs_and_grads, randn, skip_unless_feature,
 )
 
 SHAPES = [  # (G, K, D)
@@ -174,3 +174,41 @@ def test_prefixes_gradcheck(backend):
     x = randn(generator("pair_scores_dims_gradcheck"), 3, 3, 8, dtype=torch.float64).to(backend.device)
     assert gradcheck(lambda t: backend.ops.pair_scores(t, True, (2, 4, 8)), [x.requires_grad_()], eps=1e-6,
                      atol=1e-6, fast_mode=backend.name == "triton")  # the interpreter: a projection, not 13 s
+
+
+# ---- rows whose squared norms overflow the compute dtype (finite inputs): scaled by powers of two, same answers
+def _huge_base(shape, dtype, key):
+    """Ordinary rows whose last columns are 2^10 larger, so that a row's largest entries come in a later block of
+    the kernels' sweep (the online rescale of what the earlier blocks summed)."""
+    x = randn(generator("huge", key, shape, dtype), *shape, dtype=torch.float64)
+    width = shape[-1]
+    x[..., min(1024, width // 2):width // 2] *= 2.0**10  # the last columns of the first half (angle: halves swept)
+    x[..., -max(1, width % 1024 if width > 1024 else width // 3):] *= 2.0**10  # the last block of the row
+    return x.to(dtype)
+
+
+def _huge(fn, magnitude):
+    """fn on its input multiplied row by row by huge powers of two (huge_row_factors), inside the function."""
+    return lambda x: fn(x * huge_row_factors(x, magnitude))
+
+
+@pytest.mark.parametrize("dtype, magnitude", HUGE_OP_MAGNITUDES, ids=[huge_magnitude_id(c) for c in HUGE_OP_MAGNITUDES])
+@pytest.mark.parametrize("with_angle", [True, False], ids=["angle", "cos_only"])
+@pytest.mark.parametrize("shape", [(5, 3, 6), (3, 2, 2060)], ids=str)
+def test_huge_rows(backend, shape, with_angle, dtype, magnitude):
+    """Rows around 1.8e19 (float32, bfloat16: their squares overflow) and 1e300 (float64) give the oracle's scores
+    of the ordinary rows (cosines are scale-invariant per row) and gradients (the factors inside the function)."""
+    x = _huge_base(shape, dtype, "full")
+    check_against_oracle(_huge(_ops(backend, with_angle), magnitude), _oracle(with_angle), [x],
+                         f"pair_scores{shape} x{magnitude:g}", device=backend.device)
+
+
+@pytest.mark.parametrize("dtype, magnitude", HUGE_OP_MAGNITUDES[:2], ids=[huge_magnitude_id(c) for c in
+                                                                          HUGE_OP_MAGNITUDES[:2]])
+@pytest.mark.parametrize("with_angle", [True, False], ids=["angle", "cos_only"])
+def test_prefixes_of_huge_rows(backend, with_angle, dtype, magnitude):
+    skip_unless_feature(backend, "pair_scores", "dims")
+    x = _huge_base((5, 3, 12), dtype, "dims")
+    dims = (2, 6, 12)
+    check_against_oracle(_huge(_prefix_ops(backend, with_angle, dims), magnitude), _prefix_oracle(with_angle, dims),
+                         [x], f"pair_scores dims={dims} x{magnitude:g}", device=backend.device)

@@ -18,7 +18,8 @@ from torch.autograd import gradcheck
 
 import oracle
 from ak_testing import (
-    HALF_DTYPES, assert_close, check_against_oracle, generator, leaf_like, randn, skip_unless_implemented,
+    HALF_DTYPES, HUGE_OP_MAGNITUDES, assert_close, check_against_oracle, generator, huge_magnitude_id,
+    huge_row_factors, leaf_like, randn, skip_unless_implemented,
 )
 
 # name -> (M, Mc, D, options). "filter": (D' of the filter embeddings, threshold offset): the threshold of row
@@ -203,3 +204,29 @@ def test_dot_products_are_not_cosines(backend):
     assert_close(lse_scaled[1:], lse[1:], 1e-12, "rows left alone")
     assert abs(float(lse_scaled[0] - lse[0])) > 0.1
     assert_close(lse_scaled, oracle.similarity_lse(q_scaled, c, **kwargs), 1e-10, "scaled row")
+
+
+@pytest.mark.parametrize("dtype, magnitude", HUGE_OP_MAGNITUDES, ids=[huge_magnitude_id(c) for c in HUGE_OP_MAGNITUDES])
+@pytest.mark.parametrize("name", ["everything", "false_negative_filter", "doc_to_doc"])
+def test_huge_rows(backend, name, dtype, magnitude):
+    """Rows around 1.8e19 (float32, bfloat16: squared norms and dots overflow) and 1e300 (float64), mixed with
+    ordinary ones, in q, c and the filter's embeddings: the oracle's lse and gradients of the ordinary rows
+    (cosines are scale-invariant per row; raw dot products are not, and are left out)."""
+    q, c, kwargs = _inputs(name, dtype)
+    on_device = _on(backend.device, kwargs)
+    for key in ("filter_q", "filter_c"):  # float32 guide embeddings: at most 2^100 (huge_row_factors)
+        if key in on_device:
+            guide = on_device[key]
+            on_device[key] = guide * huge_row_factors(guide, magnitude if guide.dtype == torch.float64 else 2.0**100)
+
+    def huge(x):
+        return x * huge_row_factors(x, magnitude)
+
+    def ours(q, c):
+        options = dict(on_device)
+        if name == "false_negative_filter":  # the filter is the model's own rows
+            options.update(filter_q=huge(q).detach(), filter_c=huge(c).detach())
+        return backend.ops.similarity_lse(huge(q), huge(c), **options)
+
+    check_against_oracle(ours, lambda q, c: oracle.similarity_lse(q, c, **kwargs), [q, c],
+                         f"{name} {dtype} x{magnitude:g}", device=backend.device)

@@ -26,8 +26,9 @@ from torch.autograd import gradcheck
 
 import oracle
 from ak_testing import (
-    BACKEND_NAMES, HALF_DTYPES, Backend, ShapeRecorder, assert_close, backend_or_skip, check_against_oracle, generator,
-    leaf_like, outputs_and_grads, randn, skip_unless_feature,
+    BACKEND_NAMES, HALF_DTYPES, HUGE_OP_MAGNITUDES, Backend, ShapeRecorder, assert_close, backend_or_skip,
+    check_against_oracle, generator, huge_magnitude_id, huge_row_factors, leaf_like, outputs_and_grads, randn,
+    skip_unless_feature,
 )
 
 DENSE_TEST_BLOCK_ROWS = 16  # the dense scheme's row blocks here: most cases span several, the last one partial
@@ -101,13 +102,19 @@ def _prefix_oracle(q, c=None, dims=None, **kwargs):
     return torch.stack([oracle.similarity_xent(q[:, :d], None if c is None else c[:, :d], **kwargs) for d in dims])
 
 
-def _check(backend, q, c, kwargs, what):
-    """ours and the oracle on (q, c), differentiating both when c is given."""
+def _check(backend, q, c, kwargs, what, magnitude=None):
+    """ours and the oracle on (q, c), differentiating both when c is given. magnitude: ours sees the rows
+    multiplied by huge powers of two (ak_testing.huge_row_factors, inside the differentiated function), which no
+    cosine sees."""
     on_device = _on(backend.device, kwargs)
+
+    def huge(x):
+        return x if magnitude is None else x * huge_row_factors(x, magnitude)
+
     if c is None:
-        return check_against_oracle(lambda q: backend.ops.similarity_xent(q, None, **on_device),
+        return check_against_oracle(lambda q: backend.ops.similarity_xent(huge(q), None, **on_device),
                                     lambda q: _prefix_oracle(q, None, **kwargs), [q], what, device=backend.device)
-    return check_against_oracle(lambda q, c: backend.ops.similarity_xent(q, c, **on_device),
+    return check_against_oracle(lambda q, c: backend.ops.similarity_xent(huge(q), huge(c), **on_device),
                                 lambda q, c: _prefix_oracle(q, c, **kwargs), [q, c], what, device=backend.device)
 
 
@@ -465,3 +472,17 @@ def test_gradcheck(backend, name, dims):
         return backend.ops.similarity_xent(q, c, **on_device)
 
     assert gradcheck(op, tuple(inputs), eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=backend.name == "triton")
+
+
+@pytest.mark.parametrize("dtype, magnitude", HUGE_OP_MAGNITUDES, ids=[huge_magnitude_id(c) for c in HUGE_OP_MAGNITUDES])
+@pytest.mark.parametrize("name", ["in_batch_negatives", "contrastive_with_negatives", "arccon",
+                                  "dims:in_batch_negatives", "dims:contrastive_with_negatives"])
+def test_huge_rows(backend, name, dtype, magnitude):
+    """Rows around 1.8e19 (float32, bfloat16: squared norms and dots overflow) and 1e300 (float64), mixed with
+    ordinary ones: the oracle's loss and gradients of the ordinary rows (cosines are scale-invariant per row)."""
+    if name.startswith("dims:"):
+        skip_unless_feature(backend, "similarity_xent", "dims")
+        q, c, kwargs = _dims_inputs(name[5:], dtype)
+    else:
+        q, c, kwargs = _inputs(name, dtype)
+    _check(backend, q, c, kwargs, f"{name} {dtype} x{magnitude:g}", magnitude)
