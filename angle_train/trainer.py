@@ -73,9 +73,10 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     (called as loss_fn(labels, embeddings)) replaces angle_kernels.AngleLoss, e.g. to compare with another
     implementation; on_step(step, row) is called after every optimizer step and may raise StopTraining.
 
-    Faults (faults.py): raises faults.Preempted after SIGTERM / SIGINT (once the step in progress is done and a
-    checkpoint written), faults.NonFiniteTrainingError after --max-bad-steps skipped steps in a row, and
-    torch.OutOfMemoryError with what to change (unless --auto-chunk recovers).
+    Faults (faults.py): raises faults.Preempted after SIGTERM / SIGINT (once the step in progress is done, or the
+    final export abandoned, and a checkpoint written), faults.NonFiniteTrainingError after --max-bad-steps skipped
+    steps in a row, and torch.OutOfMemoryError with what to change (unless --auto-chunk recovers). Settings, paths,
+    the output folder and the data are checked before the model loads (setup).
     """
     run = setup(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn)
     # --profile: the second step of this run (the first warms up the allocator and the kernels)
@@ -261,7 +262,7 @@ def check_model_settings(cfg: TrainConfig, encoder) -> None:
     limit, --matryoshka-dims and --espresso within its width and layers."""
     limit = position_limit(encoder.backbone)
     if limit is not None and cfg.max_length > limit:
-        raise ValueError(f"--max-length {cfg.max_length} is longer than {cfg.model} can read: its position table "
+        raise ValueError(f"--max-length {cfg.max_length} is longer than the model can read: its position table "
                          f"holds {limit} positions; use --max-length {limit} or less")
     if cfg.matryoshka_dims:
         check_matryoshka_dims(cfg, encoder.embedding_dim)

@@ -148,8 +148,8 @@ def test_max_length_beyond_the_models_position_table_is_refused_before_any_text_
     from angle_train import trainer
 
     monkeypatch.setattr(trainer, "TokenizedPairs", NothingLoads.refuse("tokenisation"))
-    with pytest.raises(ValueError, match="--max-length 129 is longer than builtin:tiny-bert can read: its position "
-                                         "table holds 128 positions"):
+    with pytest.raises(ValueError, match="--max-length 129 is longer than the model can read: its position table "
+                                         "holds 128 positions"):
         trainer.train(config_from_args(["--output-dir", str(tmp_path), "--device", "cpu", "--max-length", "129"]))
 
 
