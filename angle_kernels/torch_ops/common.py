@@ -83,15 +83,23 @@ def scaled_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[tor
     return x.to(scale.dtype).mul_(scale.unsqueeze(-1)), scale
 
 
-def cosine_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, scales) for cosines of x's rows [M, D]: where may_skip_scaling and unscaled_is_exact, x in the compute
-    dtype (a copy only for 16-bit inputs) and scales of 1; otherwise scaled_rows(x)."""
-    dtype = compute_dtype(x.dtype)
+def cosine_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(rows, scales, squared norms) for cosines of x's rows [M, D]: on CPU, when unscaled_is_exact, x in the
+    compute dtype (a copy only for 16-bit inputs), None (no scaling: every later step takes its unscaled form, as
+    before row scaling existed) and the squared norms the check computed (for inverse_norms, not computed twice);
+    otherwise scaled_rows(x) and None."""
     if may_skip_scaling(x):
-        xc = x.to(dtype)
-        if unscaled_is_exact(row_dots(xc, xc)):
-            return xc, torch.ones(x.shape[:-1], dtype=dtype, device=x.device)
-    return scaled_rows(x)
+        xc = x.to(compute_dtype(x.dtype))
+        squares = row_dots(xc, xc)
+        if unscaled_is_exact(squares):
+            return xc, None, squares
+    return (*scaled_rows(x), None)
+
+
+def unscaled(dx: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The gradient with respect to x from the one with respect to the scaled rows s x (in place): s dx; dx as it is
+    when the rows were not scaled (scale None)."""
+    return dx if scale is None else dx.mul_(scale[:, None])
 
 
 def scaled_eps(scale: torch.Tensor) -> torch.Tensor:
@@ -116,10 +124,11 @@ def inverse_norms_from_squares(squared_norms: torch.Tensor, scale: torch.Tensor 
     return inverse_norms_from_norms(squared_norms.clamp_min(0).sqrt(), scale)
 
 
-def inverse_norms(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_norms(x: torch.Tensor, scale: torch.Tensor | None = None, squares: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """inverse_norms_from_squares for the rows of a [M, D] tensor (scaled by `scale` when given), in its own
-    dtype."""
-    return inverse_norms_from_squares(row_dots(x, x), scale)
+    dtype; `squares`: their squared norms, when already computed (cosine_rows)."""
+    return inverse_norms_from_squares(row_dots(x, x) if squares is None else squares, scale)
 
 
 def prefix_slices(dims: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -144,5 +153,4 @@ def normalise_backward(x: torch.Tensor, inv_norm: torch.Tensor, has_norm_grad: t
     With `scale` [M], x and inv_norm are the scaled rows s x and their inverse norms (row_scales): the same
     formula is then the gradient with respect to s x, and s times it the gradient with respect to x."""
     radial = torch.where(has_norm_grad, inv_norm**3 * row_dots(x, d_hat), torch.zeros_like(inv_norm))
-    dx = d_hat.mul_(inv_norm[:, None]).addcmul_(x, radial[:, None], value=-1.0)
-    return dx if scale is None else dx.mul_(scale[:, None])
+    return unscaled(d_hat.mul_(inv_norm[:, None]).addcmul_(x, radial[:, None], value=-1.0), scale)

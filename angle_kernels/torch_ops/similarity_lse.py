@@ -32,15 +32,15 @@ from .common import cosine_rows, inverse_norms, normalise_backward, rows_per_chu
 
 
 def _scaling(x: torch.Tensor, normalize: bool):
-    """(rows in the compute dtype, their scales, inverse norms, has-norm-gradient mask): with normalize the rows
-    scaled by their powers of two (common.row_scales); for raw dot products the rows as they are, and ones,
-    ones and all-False."""
+    """(rows in the compute dtype, their scales or None, inverse norms, has-norm-gradient mask): with normalize
+    cosine_rows (the rows scaled by their powers of two where needed: common.row_scales); for raw dot products the
+    rows as they are, no scales, inverse norms of ones and all-False."""
     if normalize:
-        xs, scale = cosine_rows(x)
-        return (xs, scale, *inverse_norms(xs, scale))
+        xs, scale, squares = cosine_rows(x)
+        return (xs, scale, *inverse_norms(xs, scale, squares))
     dtype = compute_dtype(x.dtype)
     ones = torch.ones(x.shape[0], dtype=dtype, device=x.device)
-    return x.to(dtype), ones, ones, torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    return x.to(dtype), None, ones, torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:

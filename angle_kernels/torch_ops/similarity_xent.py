@@ -54,7 +54,7 @@ from torch.autograd.function import once_differentiable
 
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, compute_dtype
 from .common import (
-    cosine_rows, inverse_norms, normalise_backward, prefix_inverse_norms, prefix_slices, rows_per_chunk,
+    cosine_rows, inverse_norms, normalise_backward, prefix_inverse_norms, prefix_slices, rows_per_chunk, unscaled,
 )
 
 FEATURES = ("dims",)  # the contract's optional features this op implements (contract.OPTIONAL_FEATURES)
@@ -186,10 +186,10 @@ class SimilarityXentFunction(GradientsFormedInForward):
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, with_grad):
         symmetric = c is None
         dtype = compute_dtype(q.dtype)
-        qf, q_scale = cosine_rows(q.detach())
-        cf, c_scale = (qf, q_scale) if symmetric else cosine_rows(c.detach())
-        q_inv, q_has_grad = inverse_norms(qf, q_scale)
-        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else inverse_norms(cf, c_scale)
+        qf, q_scale, q_squares = cosine_rows(q.detach())
+        cf, c_scale, c_squares = (qf, q_scale, q_squares) if symmetric else cosine_rows(c.detach())
+        q_inv, q_has_grad = inverse_norms(qf, q_scale, q_squares)
+        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else inverse_norms(cf, c_scale, c_squares)
         tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids)
 
         m = qf.shape[0]
@@ -230,8 +230,8 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims):
         symmetric = c is None
         dtype = compute_dtype(q.dtype)
-        qf, q_scale = cosine_rows(q.detach())
-        cf, c_scale = (qf, q_scale) if symmetric else cosine_rows(c.detach())
+        qf, q_scale, _ = cosine_rows(q.detach())
+        cf, c_scale, _ = (qf, q_scale, None) if symmetric else cosine_rows(c.detach())
         q_inv, q_has_grad = prefix_inverse_norms(qf, dims, q_scale)  # [M, k]
         c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else prefix_inverse_norms(cf, dims, c_scale)
         tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids, dims)
@@ -296,9 +296,9 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
                     running += g_hats.pop()
 
         q_dtype, c_dtype = ctx.input_dtypes
-        dq = _prefix_radial_backward(qf, q_inv, q_has_grad, q_radial, dq, slices).mul_(q_scale[:, None]).to(q_dtype)
-        dc = None if symmetric else _prefix_radial_backward(cf, c_inv, c_has_grad, c_radial, dc, slices).mul_(
-            c_scale[:, None]).to(c_dtype)
+        dq = unscaled(_prefix_radial_backward(qf, q_inv, q_has_grad, q_radial, dq, slices), q_scale).to(q_dtype)
+        dc = None if symmetric else unscaled(_prefix_radial_backward(cf, c_inv, c_has_grad, c_radial, dc, slices),
+                                             c_scale).to(c_dtype)
         return dq, dc, None, None, None, None, None, None, None
 
 
