@@ -162,12 +162,8 @@ def _add_dots(
     too); ordinary inputs take the loop without them, the one they always took, at its speed."""
     if scaled:
         for k_start in range(k_lo, k_hi, BLOCK_K):
-            ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
-            k_ok = ks < k_hi
-            a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ad,
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptr + ks[:, None] * stride_bd + cols[None, :] * stride_bm,
-                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            a, b = _k_chunk(a_ptr, b_ptr, rows, cols, row_ok, col_ok, k_start, k_hi, stride_am, stride_ad, stride_bm,
+                            stride_bd, BLOCK_K)
             # the scales are reloaded (from the cache) at each step rather than kept live across the loop, and
             # multiply in the operand dtype (exact for powers of two; bf16 under the interpreter is fp32 already)
             a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=1.0).to(OPERAND)
@@ -177,14 +173,24 @@ def _add_dots(
             dots = tl.dot(a, b, dots, input_precision=PRECISION, out_dtype=ACC)
     else:
         for k_start in range(k_lo, k_hi, BLOCK_K):
-            ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
-            k_ok = ks < k_hi
-            a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ad,
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptr + ks[:, None] * stride_bd + cols[None, :] * stride_bm,
-                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            a, b = _k_chunk(a_ptr, b_ptr, rows, cols, row_ok, col_ok, k_start, k_hi, stride_am, stride_ad, stride_bm,
+                            stride_bd, BLOCK_K)
             dots = tl.dot(a.to(OPERAND), b.to(OPERAND), dots, input_precision=PRECISION, out_dtype=ACC)
     return dots
+
+
+@triton.jit
+def _k_chunk(a_ptr, b_ptr, rows, cols, row_ok, col_ok, k_start, k_hi, stride_am, stride_ad, stride_bm, stride_bd,
+             BLOCK_K: tl.constexpr):
+    """The K-chunk [k_start, k_start + BLOCK_K) of a's rows [BLOCK_M, BLOCK_K] and of b's columns, transposed
+    [BLOCK_K, BLOCK_N], zero past k_hi and outside the rows / columns."""
+    ks = (k_start + tl.arange(0, BLOCK_K)).to(tl.int64)
+    k_ok = ks < k_hi
+    a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ad, mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0)
+    b = tl.load(b_ptr + ks[:, None] * stride_bd + cols[None, :] * stride_bm, mask=k_ok[:, None] & col_ok[None, :],
+                other=0.0)
+    return a, b
 
 
 @triton.jit
