@@ -139,7 +139,7 @@ def huge_row_factors(x: torch.Tensor, magnitude: float) -> torch.Tensor:
     (flattened order), so that scaled and unscaled rows meet. Every cosine is invariant under them: a loss of
     x * factors is the loss of x, and its gradient with respect to x (the factors applied inside the differentiated
     function) is the gradient of x's loss, so the float64 oracle on x judges it at the usual tolerances."""
-    factors = torch.full((x[..., 0].numel(),), magnitude, dtype=torch.float64)
+    factors = torch.full((x[..., 0].numel(),), magnitude, dtype=torch.float64, device=x.device)
     factors[::5] = 1.0
     return factors.reshape(*x.shape[:-1], 1).to(x.dtype)
 

@@ -146,6 +146,15 @@ def test_stale_entries_are_reported():
     assert verified.stale_entries([made]) == [made]
     current = {**made, "source": verified.source_fingerprint("triton", "pair_scores")}
     assert verified.stale_entries([current]) == []
+    # cuda: its op module and the csrc/ sources the extension is built from
+    from angle_kernels.cuda_ops import _extension
+
+    cuda_current = verified.entry("cuda", "pair_scores", "full", {
+        **CUDA_ID, "source": verified.source_fingerprint("cuda", "pair_scores"),
+        "build": _extension.csrc_fingerprint()}, "run")
+    assert verified.stale_entries([cuda_current]) == []
+    old_build = {**cuda_current, "build": "0" * 16}
+    assert verified.stale_entries([old_build]) == [old_build]
 
 
 def test_a_process_that_cannot_tell_its_identity_has_nothing_verified(cache, monkeypatch):
