@@ -72,6 +72,14 @@ class TrainConfig:
                           group="optimisation", at_least=1)
     chunk_size: int = opt(0, "gradient cache: texts per forward pass (0 = plain backprop of the whole batch); "
                           "memory then grows with chunk_size, not batch_size", group="optimisation", at_least=0)
+    chunk_tokens: int = opt(0, "gradient cache with a token budget per forward pass instead of --chunk-size: as many "
+                            "texts as fit in N tokens, padding included (0 = off)", group="optimisation", at_least=0)
+    sort_passes: bool = opt(True, "cut the gradient cache's passes from the batch's texts sorted by length (less "
+                            "padding; the loss and its gradient are the same, dropout masks fall differently)",
+                            group="optimisation")
+    pass_tokens: int = opt(0, "plain backprop: forward the batch in length-sorted sub-batches of at most N tokens, "
+                           "padding included, all kept for one backward (0 = one pass)", group="optimisation",
+                           at_least=0)
     epochs: float = opt(1.0, "passes over the training data", group="optimisation", above=0)
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = use epochs)", group="optimisation", at_least=0)
     lr: float = opt(2e-5, "peak learning rate (AdamW)", group="optimisation", above=0)
@@ -87,8 +95,8 @@ class TrainConfig:
     fsdp: bool = opt(False, "full fine-tuning with weights, gradients and AdamW state sharded over the processes "
                      "(PyTorch FSDP2), for models DDP cannot hold; launch with torchrun (2+ processes); not with "
                      "--lora (LoRA + DDP is the way for adapters)", group="optimisation")
-    auto_chunk: bool = opt(False, "on out-of-memory, halve --chunk-size (from plain backprop: half the batch) and "
-                           "retry the step (one process only)", group="optimisation")
+    auto_chunk: bool = opt(False, "on out-of-memory, halve --chunk-tokens or --chunk-size (from plain backprop: half "
+                           "the batch's texts) and retry the step (one process only)", group="optimisation")
     seed: int = opt(42, "random seed (data order, dropout, LoRA init)", group="optimisation",
                     at_least=0, at_most=MAX_SEED)
     # ---- loss: angle_kernels.AngleLoss's weights and temperatures (defaults are angle-emb 0.6.1's)
@@ -161,6 +169,11 @@ class TrainConfig:
         self._validate_ranges()
         if self.bf16 and self.fp16:
             raise ValueError("choose at most one of --bf16 and --fp16")
+        if self.chunk_size and self.chunk_tokens:
+            raise ValueError("choose at most one of --chunk-size (texts per pass) and --chunk-tokens (tokens per pass)")
+        if self.pass_tokens and (self.chunk_size or self.chunk_tokens):
+            raise ValueError("--pass-tokens cuts plain backprop's forward; with the gradient cache (--chunk-size or "
+                             "--chunk-tokens) the chunks are the passes: leave out --pass-tokens")
         self._validate_matryoshka()
         if self.espresso and self.matryoshka_dims:
             raise ValueError("--espresso trains its own two widths (--espresso-dim and the full one): leave out "

@@ -418,16 +418,70 @@ class Batch:
     dropout_rows: int | None = None
 
     def chunks(self, rows_per_chunk: int | None) -> list[list[list[int]]]:
-        """The rows in forward passes of at most rows_per_chunk (0 / None: one pass)."""
+        """The rows in forward passes of at most rows_per_chunk (0 / None: one pass), in batch order."""
         return [seqs for seqs, _ in self.passes(rows_per_chunk)]
 
     def passes(self, rows_per_chunk: int | None) -> list[tuple[list[list[int]], bool]]:
-        """(rows, with dropout) of each forward pass: chunks of at most rows_per_chunk rows, none of which mixes
-        rows with and without dropout."""
+        """(rows, with dropout) of each forward pass, in batch order: chunks of at most rows_per_chunk rows, none
+        of which mixes rows with and without dropout."""
+        return self.plan(rows=rows_per_chunk, sort=False).passes
+
+    def plan(self, *, rows: int | None = None, tokens: int | None = None, sort: bool = True) -> PassPlan:
+        """The batch cut into forward passes (PassPlan): within each dropout group (passes never mix rows with and
+        without dropout), the rows sorted by length, longest first, when `sort` (then a pass pads to little more
+        than its own rows: the loss and its gradient are unchanged, the embeddings are put back in batch order
+        before the loss), then cut into passes of at most `rows` rows or at most `tokens` padded tokens (rows x
+        the pass's longest row; a row longer than the budget has a pass of its own); neither: one pass per group."""
+        if rows and tokens:
+            raise ValueError("a pass plan takes a row count or a token budget, not both")
         split = len(self.seqs) if self.dropout_rows is None else self.dropout_rows
-        groups = [(self.seqs[:split], True), (self.seqs[split:], False)]
-        return [(seqs[i:i + (rows_per_chunk or len(seqs))], dropout) for seqs, dropout in groups if seqs
-                for i in range(0, len(seqs), rows_per_chunk or len(seqs))]
+        passes, order = [], []
+        for group, dropout in ((range(split), True), (range(split, len(self.seqs)), False)):
+            if sort and (rows or tokens):  # one pass pads to its longest row in any order
+                group = sorted(group, key=lambda i: -len(self.seqs[i]))
+            group = list(group)
+            for cut in _cut(group, [len(self.seqs[i]) for i in group], rows, tokens):
+                passes.append(([self.seqs[i] for i in cut], dropout))
+                order += cut
+        return PassPlan(passes, order)
+
+
+def _cut(rows: list[int], lengths: list[int], max_rows: int | None, max_tokens: int | None) -> list[list[int]]:
+    """`rows` (with their lengths) cut in order into runs of at most max_rows rows or max_tokens padded tokens."""
+    cuts, start = [], 0
+    while start < len(rows):
+        end, longest = start + 1, lengths[start]
+        while end < len(rows) and (max_rows is None or max_rows <= 0 or end - start < max_rows):
+            widest = max(longest, lengths[end])
+            if max_tokens and (end - start + 1) * widest > max_tokens:
+                break
+            end, longest = end + 1, widest
+        cuts.append(rows[start:end])
+        start = end
+    return cuts
+
+
+@dataclass
+class PassPlan:
+    """A batch's rows in forward passes (Batch.plan)."""
+
+    passes: list[tuple[list[list[int]], bool]]  # (rows' token ids, with dropout) of each pass
+    order: list[int]  # the batch row of each embedded row, passes concatenated
+
+    def restore_index(self) -> list[int] | None:
+        """Where each batch row sits among the embedded rows (embeddings[..., restore, :] is in batch order), or
+        None when the passes keep batch order."""
+        if self.order == sorted(self.order):
+            return None
+        restore = [0] * len(self.order)
+        for position, row in enumerate(self.order):
+            restore[row] = position
+        return restore
+
+    def token_counts(self) -> tuple[int, int]:
+        """(real tokens, tokens the encoder processes: every pass padded to its longest row)."""
+        real = sum(len(seq) for seqs, _ in self.passes for seq in seqs)
+        return real, sum(len(seqs) * max(len(seq) for seq in seqs) for seqs, _ in self.passes)
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:

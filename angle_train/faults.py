@@ -165,12 +165,14 @@ class StopSignals:
               f"(send it again to stop at once)", flush=True)
 
 
-def oom_message(cfg, step: int, texts_per_pass: int, rows: int) -> str:
-    """What ran out of memory and what to change."""
-    mode = (f"the gradient cache with --chunk-size {cfg.chunk_size}" if cfg.chunk_size
+def oom_message(cfg, step: int, per_pass: int, rows: int) -> str:
+    """What ran out of memory and what to change (per_pass: the per-pass budget, tokens with --chunk-tokens)."""
+    mode = (f"the gradient cache with --chunk-tokens {cfg.chunk_tokens}" if cfg.chunk_tokens else
+            f"the gradient cache with --chunk-size {cfg.chunk_size}" if cfg.chunk_size
             else "plain backprop (--chunk-size 0: the whole batch's activations at once)")
+    unit = "tokens" if cfg.chunk_tokens else "texts"
     return (f"out of memory in optimizer step {step + 1}: --batch-size {cfg.batch_size} pairs ({rows} texts on this "
-            f"process, {texts_per_pass} per forward pass), --max-length {cfg.max_length}, {mode}. To fit: a smaller "
-            "--chunk-size (with the gradient cache memory follows the chunk, not the batch), "
+            f"process, {per_pass} {unit} per forward pass), --max-length {cfg.max_length}, {mode}. To fit: a "
+            "smaller --chunk-size or --chunk-tokens (with the gradient cache memory follows the chunk, not the batch), "
             "--gradient-checkpointing 1, a shorter --max-length, or --auto-chunk 1 to halve the chunk size and "
             "retry the step automatically")

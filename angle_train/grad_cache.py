@@ -66,41 +66,47 @@ def embed(model, chunk) -> torch.Tensor:
         model.train(was_training)
 
 
-def plain_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bool = True) -> torch.Tensor:
+def plain_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bool = True,
+               restore: torch.Tensor | None = None) -> torch.Tensor:
     """Embed every chunk with a graph, loss on all embeddings, backward. Returns the detached loss.
 
     `model` maps (input_ids, attention_mask) to embeddings (the Encoder, or its DDP wrapper); `chunks` is
     a list of (input_ids, attention_mask) or (input_ids, attention_mask, dropout): see embed. One chunk is the
-    usual case. `sync=False` skips DDP's gradient
+    usual case. `restore` puts the chunks' rows back in the order of `labels` (data.PassPlan.restore_index:
+    chunks of length-sorted rows); None: they are in that order. `sync=False` skips DDP's gradient
     all-reduce (gradient accumulation in progress). The backward runs in two calls, the loss's down to the
     embeddings, then the encoder's from their gradients (the same gradients as one call): the profile's phases.
     """
     with no_sync(model, skip_sync=not sync):
         with phase("encoder forward"):
             local = torch.cat([embed(model, chunk) for chunk in chunks], dim=-2)
-        loss, grad = _loss_backward(local.detach(), labels, loss_fn, loss_scale)
+        loss, grad = _loss_backward(local.detach(), labels, loss_fn, loss_scale, restore)
         with phase("encoder backward"):
             local.backward(grad)
     return loss
 
 
-def _loss_backward(local: torch.Tensor, labels, loss_fn, loss_scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _loss_backward(local: torch.Tensor, labels, loss_fn, loss_scale, restore: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(detached loss, its gradient with respect to `local`): the loss on every process's embeddings, of which
-    `local` (detached from the encoder) are this process's; the all-gather's backward is included."""
+    `local` (detached from the encoder, rows in pass order: `restore` puts them in batch order) are this
+    process's; the all-gather's backward (and the reordering's) is included."""
     local.requires_grad_(True)
+    rows = local if restore is None else local.index_select(-2, restore)
     with phase("all-gather"):
-        labels, embeddings = gather_labels(labels), all_gather_rows(local)
+        labels, embeddings = gather_labels(labels), all_gather_rows(rows)
     with phase("loss"):
         loss = loss_fn(labels, embeddings)
         (loss * loss_scale).backward()
     return loss.detach(), local.grad
 
 
-def grad_cache_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bool = True
-                    ) -> torch.Tensor:
+def grad_cache_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bool = True,
+                    restore: torch.Tensor | None = None) -> torch.Tensor:
     """Same gradients as plain_step(model, chunks, ...) with one chunk's activations in memory at a time.
 
-    `sync=False` skips the DDP all-reduce on the last chunk too (gradient accumulation in progress).
+    `sync=False` skips the DDP all-reduce on the last chunk too (gradient accumulation in progress); `restore`
+    as plain_step's.
     """
     device = chunks[0][0].device  # a chunk: (input_ids, attention_mask[, dropout]), as plain_step's
     rng_states, cached = [], []
@@ -112,7 +118,7 @@ def grad_cache_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, syn
             with phase("encoder forward"):
                 cached.append(embed(inner, chunk))
     # Loss on all embeddings; backward stops at the (gathered) embeddings.
-    loss, cache = _loss_backward(torch.cat(cached, dim=-2), labels, loss_fn, loss_scale)
+    loss, cache = _loss_backward(torch.cat(cached, dim=-2), labels, loss_fn, loss_scale, restore)
     grads = cache.split([e.shape[-2] for e in cached], dim=-2)
     # Pass 2: re-embed with a graph, same dropout masks, inject the cached gradients.
     for i, (chunk, rng, grad) in enumerate(zip(chunks, rng_states, grads)):

@@ -9,9 +9,11 @@
     finish(run)                        export the final model, print a summary
 
 Inside one optimizer step, for each of its grad_accum batches (the data order is a pure function of
-(seed, epoch)): this process's slice of the batch is cut into chunks of chunk_size texts (or kept whole)
-and backpropagated by plain backprop or the gradient cache (grad_cache.py), with the embeddings of every
-process gathered into one loss (distributed.py).
+(seed, epoch)): this process's slice of the batch is cut into forward passes (data.Batch.plan: its texts sorted by
+length, then chunks of chunk_size texts or chunk_tokens tokens for the gradient cache, sub-batches of pass_tokens
+tokens for plain backprop, or kept whole) and backpropagated by plain backprop or the gradient cache
+(grad_cache.py), with the embeddings put back in batch order and every process's gathered into one loss
+(distributed.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from .checkpoint import (
     save_best, save_checkpoint, save_final,
 )
 from .config import TrainConfig
-from .data import Example, TokenizedPairs, epoch_batches, load_examples, pad_batch
+from .data import Example, PassPlan, TokenizedPairs, epoch_batches, load_examples, pad_batch
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
     LoraSettings, check_dim, load_encoder, position_limit, prepare_tokenizer, truncate, wrap_backbone,
@@ -87,7 +89,7 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
                 with profiling(run.device, enabled=run.position.step + 1 == profile_at) as profile:
                     row = optimizer_step(run)
                 if profile is not None:
-                    report_profile(run, profile, row["step"])
+                    report_profile(run, profile, row)
                 run.log.step(row)
                 run.result.history.append(row)
                 step = row["step"]
@@ -109,16 +111,20 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
         run.log.close()
 
 
-def report_profile(run: Run, profile, step: int) -> None:
-    """Print the profiled step's phases and write them to output_dir/profile.json (main process)."""
+def report_profile(run: Run, profile, row: dict) -> None:
+    """Print the profiled step's phases and write them to output_dir/profile.json (main process), with the
+    fraction of the tokens its forward passes processed that were real text (the rest: padding)."""
     if not run.dist_info.is_main:
         return
-    cfg = run.cfg
+    cfg, step, useful = run.cfg, row["step"], row["useful_tokens"]
     settings = {"batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "chunk_size": cfg.chunk_size,
-                "processes": run.dist_info.world_size, "device": str(run.device), "model": cfg.model}
+                "chunk_tokens": cfg.chunk_tokens, "pass_tokens": cfg.pass_tokens, "sort_passes": cfg.sort_passes,
+                "useful_tokens": useful, "processes": run.dist_info.world_size, "device": str(run.device),
+                "model": cfg.model}
     path = os.path.join(cfg.output_dir, "profile.json")
     profile.save(path, step, **settings)
-    print("\n" + profile.table(step) + f"\n(written to {path})", flush=True)
+    print("\n" + profile.table(step) + f"\nreal tokens: {useful:.0%} of those the encoder processed (the rest is "
+          f"padding)\n(written to {path})", flush=True)
 
 
 def save(run: Run) -> str:
@@ -227,8 +233,8 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
         n_total = sum(p.numel() for p in encoder.parameters())
         print(f"angle_train: {cfg.model} | {n_trainable:,}/{n_total:,} trainable | {dataset.describe()} | "
               f"{total_steps} steps of {cfg.batch_size}x{cfg.grad_accum} {'sentences' if fmt is None else 'pairs'} | "
-              f"{f'grad cache, chunks of {cfg.chunk_size} texts' if cfg.chunk_size else 'plain backprop'} | "
-              f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
+              f"{describe_passes(cfg)} ({expected_useful_tokens(cfg, dataset, position.epoch, dist_info):.0%} of "
+              f"the tokens real) | {dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
         if resume_from:
             print(f"resumed from {resume_from} at step {position.step}", flush=True)
     encoder.train()
@@ -412,7 +418,7 @@ def optimizer_step(run: Run) -> dict:
     cfg, position = run.cfg, run.position
     batches = next_batches(run)
     run.guarded_loss.seen = False
-    loss = accumulate_gradients(run, batches)
+    loss, (real_tokens, padded_tokens) = accumulate_gradients(run, batches)
     with phase("optimizer"):
         run.scaler.unscale_(run.optimizer)
         params = [p for p in run.encoder.parameters() if p.grad is not None]
@@ -436,7 +442,8 @@ def optimizer_step(run: Run) -> dict:
     position.step += 1
     position.batch += cfg.grad_accum
     row = {"step": position.step, "epoch": position.epoch, "loss": loss, "lr": run.scheduler.get_last_lr()[0],
-           "grad_norm": grad_norm, "skipped": not finite, "bad_steps": position.bad_steps}
+           "grad_norm": grad_norm, "skipped": not finite, "bad_steps": position.bad_steps,
+           "useful_tokens": real_tokens / padded_tokens}
     if not finite:
         report_bad_step(run, row, skipped_at, len(batches))
     return row
@@ -463,53 +470,96 @@ def report_bad_step(run: Run, row: dict, data_position: tuple[int, int], n_batch
             "raise --warmup, train in float32 or bf16 rather than fp16, or check the data at that position")
 
 
-def accumulate_gradients(run: Run, batches: list[list[int]]) -> float:
-    """Backpropagate the step's grad_accum batches (the gradients add up); return their mean loss.
+def accumulate_gradients(run: Run, batches: list[list[int]]) -> tuple[float, tuple[int, int]]:
+    """Backpropagate the step's grad_accum batches (the gradients add up); return their mean loss and this
+    process's (real, padded) token counts of the forward passes.
 
     Out of memory: with --auto-chunk (one process), the step starts again from its first batch with half the
-    chunk size (plain backprop becomes the gradient cache with half of this process's texts per pass), the
-    random generators reset so dropout draws as it would have; without it, an error that says what to change."""
+    per-pass budget (--chunk-tokens if set, else --chunk-size; plain backprop becomes the gradient cache with half
+    of this process's texts per pass), the random generators reset so dropout draws as it would have; without it,
+    an error that says what to change."""
     cfg = run.cfg
     start = RngState(run.device)
     while True:
         try:
-            loss = _backpropagate(run, batches)
+            loss, tokens = _backpropagate(run, batches)
             break
         except torch.OutOfMemoryError as exc:
             run.optimizer.zero_grad(set_to_none=True)
-            rows = len(run.dataset.batch(batches[0][:cfg.batch_size // run.dist_info.world_size]).seqs)
-            per_pass = cfg.chunk_size or rows
-            if not cfg.auto_chunk or per_pass <= 1:
-                raise torch.OutOfMemoryError(faults.oom_message(cfg, run.position.step, per_pass, rows)) from exc
+            seqs = run.dataset.batch(batches[0][:cfg.batch_size // run.dist_info.world_size]).seqs
+            per_pass = cfg.chunk_tokens or cfg.chunk_size or len(seqs)
+            smallest = max(len(seq) for seq in seqs) if cfg.chunk_tokens else 1  # one text per pass
+            if not cfg.auto_chunk or per_pass <= smallest:
+                raise torch.OutOfMemoryError(faults.oom_message(cfg, run.position.step, per_pass, len(seqs))) from exc
         # retry, out of the except block: the failed attempt's frames (and the tensors they hold) are gone
-        cfg.chunk_size = per_pass // 2
-        print(f"\nout of memory with {per_pass} texts per forward pass: retrying step {run.position.step + 1} with "
-              f"--chunk-size {cfg.chunk_size}", flush=True)
+        flag = "--chunk-tokens" if cfg.chunk_tokens else "--chunk-size"
+        if cfg.chunk_tokens:
+            cfg.chunk_tokens = per_pass // 2
+        else:
+            cfg.chunk_size, cfg.pass_tokens = per_pass // 2, 0
+        print(f"\nout of memory with {per_pass} {'tokens' if cfg.chunk_tokens else 'texts'} per forward pass: "
+              f"retrying step {run.position.step + 1} with {flag} {per_pass // 2}", flush=True)
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
         start.restore()
     for indices in batches:
         run.log.count(pairs=len(indices), tokens=sum(run.dataset.lengths_of(indices)))
-    return loss
+    return loss, tokens
 
 
-def _backpropagate(run: Run, batches: list[list[int]]) -> float:
+def _backpropagate(run: Run, batches: list[list[int]]) -> tuple[float, tuple[int, int]]:
     cfg = run.cfg
-    step_fn = grad_cache_step if cfg.chunk_size else plain_step
+    step_fn = grad_cache_step if cfg.chunk_size or cfg.chunk_tokens else plain_step
     share = cfg.batch_size // run.dist_info.world_size
-    loss_sum = 0.0
+    loss_sum, real, padded = 0.0, 0, 0
     with run.encoder.all_layers_out(cfg.espresso):  # Espresso: every layer's embeddings, for the loss only
         for j, indices in enumerate(batches):
             mine = indices[run.dist_info.rank * share:(run.dist_info.rank + 1) * share]
             with phase("data"):
                 batch = run.dataset.batch(mine)
+                plan = pass_plan(cfg, batch)
                 chunks = [(*pad_batch(c, run.encoder.pad_token_id, run.encoder.padding_side, run.device), dropout)
-                          for c, dropout in batch.passes(cfg.chunk_size)]
+                          for c, dropout in plan.passes]
+                restore = plan.restore_index()
+                restore = None if restore is None else torch.tensor(restore, device=run.device)
             loss_scale = run.scaler.scale(torch.tensor(1.0 / cfg.grad_accum, device=run.device))
             loss = step_fn(run.model, chunks, batch.labels.to(run.device), run.guarded_loss, loss_scale=loss_scale,
-                           sync=j == cfg.grad_accum - 1)  # DDP all-reduces the gradients once, after the last batch
+                           sync=j == cfg.grad_accum - 1, restore=restore)  # DDP: one all-reduce, after the last batch
             loss_sum += loss.item()
-    return loss_sum / cfg.grad_accum
+            batch_real, batch_padded = plan.token_counts()
+            real, padded = real + batch_real, padded + batch_padded
+    return loss_sum / cfg.grad_accum, (real, padded)
+
+
+def pass_plan(cfg: TrainConfig, batch) -> PassPlan:
+    """The forward passes of this process's share of a batch, as the settings cut them (data.Batch.plan)."""
+    if cfg.pass_tokens:
+        return batch.plan(tokens=cfg.pass_tokens)  # sub-batches exist to cut padding: always sorted
+    return batch.plan(rows=cfg.chunk_size, tokens=cfg.chunk_tokens, sort=cfg.sort_passes)
+
+
+def describe_passes(cfg: TrainConfig) -> str:
+    """The run header's words for how a batch is cut into forward passes."""
+    order = ", texts sorted by length" if cfg.sort_passes else ""
+    if cfg.chunk_tokens:
+        return f"grad cache, passes of up to {cfg.chunk_tokens} tokens{order}"
+    if cfg.chunk_size:
+        return f"grad cache, chunks of {cfg.chunk_size} texts{order}"
+    if cfg.pass_tokens:
+        return f"plain backprop in sub-batches of up to {cfg.pass_tokens} tokens, texts sorted by length"
+    return "plain backprop"
+
+
+def expected_useful_tokens(cfg: TrainConfig, dataset, epoch: int, dist_info, batches: int = 64) -> float:
+    """The fraction of the tokens the encoder will process that are real text, over this process's share of the
+    epoch's first `batches` batches (the run header's estimate; each step's is in its metrics row)."""
+    share = cfg.batch_size // dist_info.world_size
+    real = padded = 0
+    for indices in batch_order(cfg, dataset, epoch)[:batches]:
+        batch_real, batch_padded = pass_plan(
+            cfg, dataset.batch(indices[dist_info.rank * share:(dist_info.rank + 1) * share])).token_counts()
+        real, padded = real + batch_real, padded + batch_padded
+    return real / padded if padded else 1.0
 
 
 def next_batches(run: Run) -> list[list[int]]:

@@ -48,6 +48,9 @@ def test_booleans_parse(argv, expected):
 @pytest.mark.parametrize("argv, said", [
     (["--bf16", "maybe"], "expected a boolean"), (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--pooling", "mean"], "invalid choice"), (["--bf16", "1", "--fp16", "1"], "--bf16 and --fp16"),
+    (["--chunk-size", "8", "--chunk-tokens", "512"], "--chunk-size (texts per pass) and --chunk-tokens"),
+    (["--pass-tokens", "512", "--chunk-size", "8"], "leave out --pass-tokens"),
+    (["--chunk-tokens", "-1"], "--chunk-tokens must be >= 0"),
     (["--ibn-partition", "joint"], "invalid choice"), (["--false-negative-strategy", "percent"], "invalid choice"),
     (["--false-negative-margin", "tight"], "invalid float"),
     # every number is range-checked, naming its flag (issue 29): NaN and infinities are never settings

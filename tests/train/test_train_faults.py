@@ -297,10 +297,29 @@ def test_out_of_memory_names_what_to_change(tmp_path):
     with pytest.raises(torch.OutOfMemoryError) as error:
         train(_config(tmp_path, chunk_size=8), model=(_oom_above(encoder, 4, []), tokenizer), train_examples=DATA)
     message = str(error.value)
-    for needed in ("optimizer step 1", "--batch-size 8", "16 texts on this process, 8 per forward pass",
+    for needed in ("optimizer step 1", "--batch-size 8", "16 texts on this process, 8 texts per forward pass",
                    "--max-length 12", "--chunk-size", "--gradient-checkpointing", "--auto-chunk"):
         assert needed in message, needed
     assert "simulated" in str(error.value.__cause__)
+
+
+def test_auto_chunk_halves_a_token_budget_and_gives_the_same_training(tmp_path):
+    """--chunk-tokens 400 (all 16 texts of at most 12 tokens in one pass), halved until no pass holds more than
+    the 4 texts that fit: the same training as that budget from the start (dropout off)."""
+    seen = []
+    encoder, tokenizer = make_encoder()
+    cfg = _config(tmp_path / "auto", chunk_tokens=400, auto_chunk=True)
+    auto = train(cfg, model=(_oom_above(encoder, 4, seen), tokenizer), train_examples=DATA)
+    halvings = [400 // 2**k for k in range(1, 5)]
+    assert cfg.chunk_tokens in halvings and seen[:2] == [16, 16]  # 400 and 200: every text in one pass
+    last_failure = max(i for i, rows in enumerate(seen) if rows > 4)
+    assert last_failure == halvings.index(cfg.chunk_tokens)  # one failed pass per budget tried, then none
+    assert seen[last_failure + 1:] and max(seen[last_failure + 1:]) <= 4
+    fixed = train(_config(tmp_path / "fixed", chunk_tokens=cfg.chunk_tokens), model=make_encoder(), train_examples=DATA)
+    for a, b in zip(auto.history, fixed.history, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-9 * abs(b["loss"])
+    for name, value in fixed.encoder.state_dict().items():
+        torch.testing.assert_close(auto.encoder.state_dict()[name], value, rtol=1e-9, atol=1e-12, msg=name)
 
 
 def test_auto_chunk_halves_the_chunk_and_gives_the_same_training(tmp_path):

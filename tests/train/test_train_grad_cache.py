@@ -8,7 +8,7 @@ from train_helpers import demo_batch, graded_or_contrastive_loss, make_encoder, 
 
 from angle_kernels import AngleLoss
 from angle_train.cli import config_from_args
-from angle_train.data import pad_batch
+from angle_train.data import Batch, pad_batch
 from angle_train.grad_cache import RngState, grad_cache_step, plain_step
 from angle_train.trainer import build_loss
 
@@ -103,3 +103,88 @@ def test_grad_cache_float32_close_to_plain():
     _, cached, _ = _grads(encoder, grad_cache_step, chunks, batch.labels, loss_fn, seed=1)
     for name in plain:
         torch.testing.assert_close(cached[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------ length-sorted passes and token budgets
+
+
+def _plan_chunks(encoder, plan):
+    chunks = [pad_batch(c, encoder.pad_token_id, encoder.padding_side) for c, _ in plan.passes]
+    restore = plan.restore_index()
+    return chunks, None if restore is None else torch.tensor(restore)
+
+
+def _grads_in_passes(encoder, step, plan, labels, loss_fn, seed):
+    chunks, restore = _plan_chunks(encoder, plan)
+    encoder.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = step(encoder, chunks, labels, loss_fn, restore=restore)
+    return loss, param_grads(encoder)
+
+
+def test_a_pass_plan_sorts_within_dropout_groups_and_keeps_every_row_once():
+    seqs = [[7] * n for n in (5, 2, 9, 3, 7, 1, 4, 6)]
+    batch = Batch(seqs, torch.zeros(8), dropout_rows=5)
+    plan = batch.plan(tokens=14)
+    assert sorted(plan.order) == list(range(8))
+    lengths = [[len(s) for s in seqs] for seqs, _ in plan.passes]
+    # dropout rows (5, 2, 9, 3, 7) then the rest (1, 4, 6), each longest first, at most 14 padded tokens a pass
+    # (the 9-token row alone: a second row would make 18)
+    assert lengths == [[9], [7, 5], [3, 2], [6, 4], [1]]
+    assert [dropout for _, dropout in plan.passes] == [True, True, True, False, False]
+    restore = plan.restore_index()
+    embedded = [row for seqs, _ in plan.passes for row in seqs]
+    assert [embedded[i] for i in restore] == seqs  # restore puts the embedded rows back in batch order
+    assert plan.token_counts() == (37, 9 + 2 * 7 + 2 * 3 + 2 * 6 + 1)
+    # a row longer than the budget still gets its pass; without sorting the order is kept
+    assert [[len(s) for s in c] for c, _ in batch.plan(tokens=4).passes][0] == [9]
+    unsorted = batch.plan(rows=2, sort=False)
+    assert unsorted.restore_index() is None and unsorted.passes == batch.passes(2)
+    with pytest.raises(ValueError, match="not both"):
+        batch.plan(rows=2, tokens=8)
+
+
+@pytest.mark.parametrize("arch, fmt, cut", [("bert", "A", {"rows": 3}), ("llama", "B", {"tokens": 40}),
+                                            ("llama", "A", {"tokens": 25})])
+def test_sorted_passes_give_the_gradients_of_one_plain_pass(arch, fmt, cut):
+    """Dropout off, float64: the gradient cache over length-sorted passes (rows or a token budget), their
+    embeddings put back in batch order before the loss, gives plain backprop's loss and gradients."""
+    encoder, tokenizer = make_encoder(arch, dropout=0.0)
+    batch = demo_batch(tokenizer, 10, fmt)
+    loss_fn = graded_or_contrastive_loss(fmt)
+    plan = batch.plan(**cut)
+    assert plan.restore_index() is not None and len(plan.passes) > 2  # the test needs a real reordering
+    loss_p, plain, _ = _grads(encoder, plain_step, _chunks(encoder, batch, None), batch.labels, loss_fn, seed=0)
+    loss_c, cached = _grads_in_passes(encoder, grad_cache_step, plan, batch.labels, loss_fn, seed=0)
+    torch.testing.assert_close(loss_c, loss_p, rtol=1e-10, atol=1e-12)
+    _assert_same(cached, plain)
+    # plain backprop in the same sorted sub-batches (--pass-tokens): the same too
+    loss_s, sub_batches = _grads_in_passes(encoder, plain_step, plan, batch.labels, loss_fn, seed=0)
+    torch.testing.assert_close(loss_s, loss_p, rtol=1e-10, atol=1e-12)
+    _assert_same(sub_batches, plain)
+
+
+def test_sorted_passes_without_restoring_the_order_give_other_gradients():
+    """Negative control for the test above: the loss pairs rows by position, so skipping `restore` changes it."""
+    encoder, tokenizer = make_encoder("bert", dropout=0.0)
+    batch = demo_batch(tokenizer, 10, "B")
+    loss_fn = graded_or_contrastive_loss("B")
+    plan = batch.plan(rows=3)
+    loss_p, _, _ = _grads(encoder, plain_step, _chunks(encoder, batch, None), batch.labels, loss_fn, seed=0)
+    chunks, _ = _plan_chunks(encoder, plan)
+    loss_wrong = grad_cache_step(encoder, chunks, batch.labels, loss_fn)
+    assert abs(float(loss_wrong) - float(loss_p)) > 1e-6
+
+
+def test_sorted_passes_with_dropout_equal_plain_backprop_over_the_same_passes():
+    """Dropout on: the gradient cache over sorted token-budget passes replays each pass's masks, so it equals
+    plain backprop over the same passes."""
+    encoder, tokenizer = make_encoder("bert", dropout=0.2)
+    encoder.train()
+    batch = demo_batch(tokenizer, 12, "B")
+    loss_fn = AngleLoss(dataset_format="B")
+    plan = batch.plan(tokens=30)
+    loss_p, plain = _grads_in_passes(encoder, plain_step, plan, batch.labels, loss_fn, seed=5)
+    loss_c, cached = _grads_in_passes(encoder, grad_cache_step, plan, batch.labels, loss_fn, seed=5)
+    torch.testing.assert_close(loss_c, loss_p, rtol=1e-12, atol=0)
+    _assert_same(cached, plain)

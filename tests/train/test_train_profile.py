@@ -32,6 +32,7 @@ def test_plain_backprop_profile(tmp_path, capsys):
     assert all(p["seconds"] >= 0 for p in phases.values())
     out = capsys.readouterr().out
     assert "profile of step 2" in out and "encoder backward" in out
+    assert 0 < profile["useful_tokens"] <= 1 and f"real tokens: {profile['useful_tokens']:.0%}" in out
 
 
 def test_gradient_cache_profile_counts_every_chunk_and_batch(tmp_path):
@@ -41,6 +42,9 @@ def test_gradient_cache_profile_counts_every_chunk_and_batch(tmp_path):
     assert phases["encoder re-forward"]["calls"] == chunks and phases["encoder backward"]["calls"] == chunks
     assert phases["encoder forward"]["calls"] == chunks and phases["loss"]["calls"] == 2
     assert phases["optimizer"]["calls"] == 1
+    # the chunks are cut from length-sorted texts: less padding than one pass over the batch
+    plain = profiled_run(tmp_path / "plain")
+    assert profile["sort_passes"] and profile["useful_tokens"] > plain["useful_tokens"]
 
 
 def test_phases_do_nothing_outside_a_profiled_step():
