@@ -47,6 +47,7 @@ from .models import (
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
 
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -388,7 +389,9 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.devic
         raise ValueError("the model has no trainable parameters")
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    fused = device.type == "cuda"  # fused AdamW: one kernel for all parameters
+    # fused AdamW: one kernel over all parameters, on CUDA and on CPU (where the unfused default is torch's
+    # per-parameter loop: the foreach kernels exist only on GPU backends); the same update to rounding
+    fused = device.type in FUSED_ADAMW_DEVICES and all(p.is_floating_point() for p in params)
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, fused=fused or None)
 
 

@@ -126,3 +126,33 @@ def test_lora_export_merges_the_adapter(tmp_path):
     torch.testing.assert_close(reloaded.encode(TEXTS, tok, batch_size=4), ours, rtol=1e-4, atol=1e-5)
     # the live model is untouched by the export (a copy was merged)
     torch.testing.assert_close(encoder.encode(TEXTS, tokenizer, batch_size=2), ours, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_optimizer_is_fused_adamw_with_the_default_update(dtype):
+    """make_optimizer asks for fused AdamW on CPU (one kernel instead of torch's per-parameter loop): three steps of
+    it on the same gradients leave the weights where the unfused default leaves them, to rounding."""
+    from train_helpers import make_encoder
+
+    from angle_train.trainer import make_optimizer
+
+    cfg = run_config("unused", lr=1e-2, weight_decay=0.1)
+    fused_model, _ = make_encoder("bert", dtype=dtype)
+    plain_model, _ = make_encoder("bert", dtype=dtype)
+    plain_model.load_state_dict(fused_model.state_dict())
+    fused = make_optimizer(cfg, fused_model, torch.device("cpu"))
+    assert fused.defaults["fused"] is True
+    params = list(plain_model.parameters())
+    plain = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},  # as it groups
+                               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=1e-2, foreach=False)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for a, b in zip(fused_model.parameters(), plain_model.parameters()):
+            a.grad = torch.randn(a.shape, generator=generator, dtype=dtype)
+            b.grad = a.grad.clone()
+        fused.step()
+        plain.step()
+    names = dict(plain_model.named_parameters())
+    for name, value in fused_model.named_parameters():
+        torch.testing.assert_close(value, names[name], msg=name)
