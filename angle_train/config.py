@@ -12,6 +12,10 @@ from .data import Prompts
 
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet", ".arrow", ".gz")
 MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every library the run uses accepts
+# Plain backprop's sub-batches on CPU (--pass-tokens): MiniLM on STS-B, 2 cores, forward + backward per step, one
+# padded pass vs length-sorted sub-batches of at most this many tokens: 371 -> 291 ms at 16 pairs, 2199 -> 950 ms
+# at 64 (256 to 1,024 tokens all within 10% of the best; on a GPU, big passes: one pass until measured there).
+CPU_PASS_TOKENS = 512
 
 
 def opt(default, help: str, **extra):
@@ -77,9 +81,10 @@ class TrainConfig:
     sort_passes: bool = opt(True, "cut the gradient cache's passes from the batch's texts sorted by length (less "
                             "padding; the loss and its gradient are the same, dropout masks fall differently)",
                             group="optimisation")
-    pass_tokens: int = opt(0, "plain backprop: forward the batch in length-sorted sub-batches of at most N tokens, "
-                           "padding included, all kept for one backward (0 = one pass)", group="optimisation",
-                           at_least=0)
+    pass_tokens: int = opt(None, "plain backprop: forward the batch in length-sorted sub-batches of at most N tokens, "
+                           "padding included, all kept for one backward (0 = one pass; default: 512 on CPU, where it "
+                           "measured 1.3x faster at 16 pairs and 2.3x at 64 on STS-B, one pass on GPU)",
+                           group="optimisation", at_least=0)
     epochs: float = opt(1.0, "passes over the training data", group="optimisation", above=0)
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = use epochs)", group="optimisation", at_least=0)
     lr: float = opt(2e-5, "peak learning rate (AdamW)", group="optimisation", above=0)
@@ -171,7 +176,7 @@ class TrainConfig:
             raise ValueError("choose at most one of --bf16 and --fp16")
         if self.chunk_size and self.chunk_tokens:
             raise ValueError("choose at most one of --chunk-size (texts per pass) and --chunk-tokens (tokens per pass)")
-        if self.pass_tokens and (self.chunk_size or self.chunk_tokens):
+        if self.pass_tokens and (self.chunk_size or self.chunk_tokens):  # only when given: None is the default
             raise ValueError("--pass-tokens cuts plain backprop's forward; with the gradient cache (--chunk-size or "
                              "--chunk-tokens) the chunks are the passes: leave out --pass-tokens")
         self._validate_matryoshka()
@@ -216,6 +221,12 @@ class TrainConfig:
             if name and names_local_path(name) and not os.path.exists(name):
                 raise ValueError(f"{flag} {name}: no such file or folder (a local path, not a Hugging Face hub name: "
                                  "nothing was looked up on the Hub)")
+
+    def resolve_passes(self, device_type: str) -> None:
+        """Set --pass-tokens's default for the device (the value the run uses and config.json records)."""
+        if self.pass_tokens is None:
+            grad_cache = bool(self.chunk_size or self.chunk_tokens)
+            self.pass_tokens = CPU_PASS_TOKENS if device_type == "cpu" and not grad_cache else 0
 
     def prompts(self) -> Prompts:
         """The prompt of each role of a text (data.Prompts), from --prompt, --query-prompt and --doc-prompt."""

@@ -176,6 +176,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     cfg.check_paths(model=model is None, train_data=train_examples is None, dev_data=dev_examples is None)
     resume_from = checkpoint_to_resume(cfg)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg.resolve_passes(device.type)
     dist_info = distributed.init_distributed(device.type)
     if dist_info.enabled and device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank)

@@ -33,6 +33,7 @@ def test_plain_backprop_profile(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "profile of step 2" in out and "encoder backward" in out
     assert 0 < profile["useful_tokens"] <= 1 and f"real tokens: {profile['useful_tokens']:.0%}" in out
+    assert "plain backprop in sub-batches of up to 512 tokens" in out and "% of the tokens real)" in out  # header
 
 
 def test_gradient_cache_profile_counts_every_chunk_and_batch(tmp_path):
