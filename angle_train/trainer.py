@@ -496,13 +496,12 @@ def accumulate_gradients(run: Run, batches: list[list[int]]) -> tuple[float, tup
             if not cfg.auto_chunk or per_pass <= smallest:
                 raise torch.OutOfMemoryError(faults.oom_message(cfg, run.position.step, per_pass, len(seqs))) from exc
         # retry, out of the except block: the failed attempt's frames (and the tensors they hold) are gone
-        flag = "--chunk-tokens" if cfg.chunk_tokens else "--chunk-size"
         if cfg.chunk_tokens:
-            cfg.chunk_tokens = per_pass // 2
-        else:
-            cfg.chunk_size, cfg.pass_tokens = per_pass // 2, 0
-        print(f"\nout of memory with {per_pass} {'tokens' if cfg.chunk_tokens else 'texts'} per forward pass: "
-              f"retrying step {run.position.step + 1} with {flag} {per_pass // 2}", flush=True)
+            cfg.chunk_tokens, flag, unit = per_pass // 2, "--chunk-tokens", "tokens"
+        else:  # plain backprop (its sub-batches too) becomes the gradient cache
+            cfg.chunk_size, cfg.pass_tokens, flag, unit = per_pass // 2, 0, "--chunk-size", "texts"
+        print(f"\nout of memory with {per_pass} {unit} per forward pass: retrying step {run.position.step + 1} with "
+              f"{flag} {per_pass // 2}", flush=True)
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
         start.restore()
