@@ -478,6 +478,13 @@ class PassPlan:
             restore[row] = position
         return restore
 
+    def tensors(self, pad_id: int, side: str, device=None) -> tuple[list[tuple], torch.Tensor | None]:
+        """What the steps take (grad_cache.plain_step / grad_cache_step): each pass padded (pad_batch) with its
+        dropout flag, and restore_index as a tensor (None: batch order)."""
+        chunks = [(*pad_batch(seqs, pad_id, side, device), dropout) for seqs, dropout in self.passes]
+        restore = self.restore_index()
+        return chunks, None if restore is None else torch.tensor(restore, device=device)
+
     def token_counts(self) -> tuple[int, int]:
         """(real tokens, tokens the encoder processes: every pass padded to its longest row)."""
         real = sum(len(seq) for seqs, _ in self.passes for seq in seqs)

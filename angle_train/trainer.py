@@ -39,7 +39,7 @@ from .checkpoint import (
     save_best, save_checkpoint, save_final,
 )
 from .config import TrainConfig
-from .data import Example, PassPlan, TokenizedPairs, epoch_batches, load_examples, pad_batch
+from .data import Example, PassPlan, TokenizedPairs, epoch_batches, load_examples
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
     LoraSettings, check_dim, load_encoder, position_limit, prepare_tokenizer, truncate, wrap_backbone,
@@ -521,10 +521,7 @@ def _backpropagate(run: Run, batches: list[list[int]]) -> tuple[float, tuple[int
             with phase("data"):
                 batch = run.dataset.batch(mine)
                 plan = pass_plan(cfg, batch)
-                chunks = [(*pad_batch(c, run.encoder.pad_token_id, run.encoder.padding_side, run.device), dropout)
-                          for c, dropout in plan.passes]
-                restore = plan.restore_index()
-                restore = None if restore is None else torch.tensor(restore, device=run.device)
+                chunks, restore = plan.tensors(run.encoder.pad_token_id, run.encoder.padding_side, run.device)
             loss_scale = run.scaler.scale(torch.tensor(1.0 / cfg.grad_accum, device=run.device))
             loss = step_fn(run.model, chunks, batch.labels.to(run.device), run.guarded_loss, loss_scale=loss_scale,
                            sync=j == cfg.grad_accum - 1, restore=restore)  # DDP: one all-reduce, after the last batch

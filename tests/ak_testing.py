@@ -134,6 +134,18 @@ def huge_magnitude_id(case) -> str:
     return f"{str(dtype).replace('torch.', '')}-2^{int(math.log2(magnitude))}"
 
 
+def moved_to(device: torch.device, value):
+    """`value` with its tensors moved to `device`: a tensor, or a tuple or dict of them and other things (left as
+    they are): the arguments of an op call, for the backend's device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(moved_to(device, v) for v in value)
+    if isinstance(value, dict):
+        return {k: moved_to(device, v) for k, v in value.items()}
+    return value
+
+
 def huge_row_factors(x: torch.Tensor, magnitude: float) -> torch.Tensor:
     """Per-row powers of two for x [..., D], shaped [..., 1] in x's dtype: `magnitude` on most rows, 1 on every fifth
     (flattened order), so that scaled and unscaled rows meet. Every cosine is invariant under them: a loss of

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ak_testing import moved_to
+
 from angle_kernels import contract, dispatch, verified
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,35 +75,24 @@ SIMILARITY_CASES = [
 ]
 
 
-def _on(device, value):
-    """`value` (a tensor, or a tuple or dict of them and other things) with its tensors moved to `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_on(device, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _on(device, v) for k, v in value.items()}
-    return value
-
-
 # Every backend, each on its own device (Triton compiled takes CUDA tensors): the checks are the contract's, so
 # every backend must refuse alike.
 @pytest.mark.parametrize("args, error, fragment", PAIR_SCORES_CASES)
 def test_pair_scores_rejects(backend, args, error, fragment):
     with pytest.raises(error, match=re.escape(fragment)):
-        dispatch.pair_scores(*_on(backend.device, args), backend=backend.name)
+        dispatch.pair_scores(*moved_to(backend.device, args), backend=backend.name)
 
 
 @pytest.mark.parametrize("args, error, fragment", RANKING_CASES)
 def test_ranking_loss_rejects(backend, args, error, fragment):
     with pytest.raises(error, match=re.escape(fragment)):
-        dispatch.ranking_loss(*_on(backend.device, args), backend=backend.name)
+        dispatch.ranking_loss(*moved_to(backend.device, args), backend=backend.name)
 
 
 @pytest.mark.parametrize("kwargs, error, fragment", SIMILARITY_CASES)
 def test_similarity_xent_rejects(backend, kwargs, error, fragment):
     with pytest.raises(error, match=re.escape(fragment)):
-        dispatch.similarity_xent(**_on(backend.device, kwargs), backend=backend.name)
+        dispatch.similarity_xent(**moved_to(backend.device, kwargs), backend=backend.name)
 
 
 def test_the_backend_gets_inputs_in_normal_form(monkeypatch):

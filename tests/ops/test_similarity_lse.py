@@ -19,7 +19,7 @@ from torch.autograd import gradcheck
 import oracle
 from ak_testing import (
     HALF_DTYPES, HUGE_OP_MAGNITUDES, assert_close, check_against_oracle, generator, huge_magnitude_id,
-    huge_row_factors, leaf_like, randn, skip_unless_implemented,
+    huge_row_factors, leaf_like, moved_to, randn, skip_unless_implemented,
 )
 
 # name -> (M, Mc, D, options). "filter": (D' of the filter embeddings, threshold offset): the threshold of row
@@ -87,10 +87,6 @@ def _inputs(name, dtype):
     return q, c, kwargs
 
 
-def _on(device, kwargs):
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-
-
 @pytest.fixture
 def backend(backend):
     """The backends that implement similarity_lse (the CUDA backend gains it after its GPU validation)."""
@@ -114,7 +110,7 @@ def test_against_oracle(backend, name, dtype):
     q, c, kwargs = _inputs(name, dtype)
     if not torch.isfinite(oracle.similarity_lse(q.double(), c.double(), **kwargs)).all():
         pytest.skip("a row keeps no column in this dtype's draw: see test_rows_that_keep_no_column")
-    on_device = _on(backend.device, kwargs)
+    on_device = moved_to(backend.device, kwargs)
     check_against_oracle(lambda q, c: backend.ops.similarity_lse(q, c, **on_device),
                          lambda q, c: oracle.similarity_lse(q, c, **kwargs), [q, c], f"{name} {dtype}",
                          device=backend.device)
@@ -142,7 +138,7 @@ def test_rows_that_keep_no_column(backend):
     q, c, kwargs = _inputs("guided_no_target_kept", torch.float64)
     kwargs["filter_threshold"] = kwargs["filter_threshold"].clone()
     kwargs["filter_threshold"][[1, 4]] = -2.0  # every filter cosine is above -2: rows 1 and 4 keep nothing
-    on_device = _on(backend.device, kwargs)
+    on_device = moved_to(backend.device, kwargs)
     weights = torch.linspace(0.5, 1.5, q.shape[0], dtype=torch.float64)
 
     def finite_part(lse, w):
@@ -169,7 +165,7 @@ def test_rows_that_keep_no_column(backend):
 @pytest.mark.parametrize("name", ["guided", "query_to_doc_gathered", "doc_to_doc", "dot_query_to_doc"])
 def test_gradcheck_float64(backend, name):
     q, c, kwargs = _inputs(name, torch.float64)
-    on_device = _on(backend.device, kwargs)
+    on_device = moved_to(backend.device, kwargs)
     leaves = [q.to(backend.device).requires_grad_(), c.to(backend.device).requires_grad_()]
     # fast_mode for the Triton interpreter (a random projection of the Jacobian: 30-45 s -> seconds per case); the
     # full Jacobian is checked on the torch backend, and both against the float64 oracle above
@@ -183,7 +179,7 @@ def test_the_penalty_changes_probabilities_not_slopes(backend):
     gradient scale * p_ij."""
     q, c, kwargs = _inputs("hard_in_batch_negatives", torch.float64)
     kwargs.update(penalty=-kwargs["scale"])
-    on_device = _on(backend.device, kwargs)
+    on_device = moved_to(backend.device, kwargs)
     check_against_oracle(lambda q, c: backend.ops.similarity_lse(q, c, **on_device),
                          lambda q, c: oracle.similarity_lse(q, c, **kwargs), [q, c], "penalty = -scale",
                          device=backend.device)
@@ -198,7 +194,7 @@ def test_dot_products_are_not_cosines(backend):
     q, c, kwargs = _inputs("dot_query_to_doc", torch.float64)
     q_scaled = q.clone()
     q_scaled[0] *= 3.0
-    on_device = _on(backend.device, kwargs)
+    on_device = moved_to(backend.device, kwargs)
     lse, lse_scaled = (backend.ops.similarity_lse(x.to(backend.device), c.to(backend.device), **on_device).cpu()
                        for x in (q, q_scaled))
     assert_close(lse_scaled[1:], lse[1:], 1e-12, "rows left alone")
@@ -213,7 +209,7 @@ def test_huge_rows(backend, name, dtype, magnitude):
     ordinary ones, in q, c and the filter's embeddings: the oracle's lse and gradients of the ordinary rows
     (cosines are scale-invariant per row; raw dot products are not, and are left out)."""
     q, c, kwargs = _inputs(name, dtype)
-    on_device = _on(backend.device, kwargs)
+    on_device = moved_to(backend.device, kwargs)
     for key in ("filter_q", "filter_c"):  # float32 guide embeddings: at most 2^100 (huge_row_factors)
         if key in on_device:
             guide = on_device[key]

@@ -27,8 +27,8 @@ from torch.autograd import gradcheck
 import oracle
 from ak_testing import (
     BACKEND_NAMES, HALF_DTYPES, HUGE_OP_MAGNITUDES, Backend, ShapeRecorder, assert_close, backend_or_skip,
-    check_against_oracle, generator, huge_magnitude_id, huge_row_factors, leaf_like, outputs_and_grads, randn,
-    skip_unless_feature,
+    check_against_oracle, generator, huge_magnitude_id, huge_row_factors, leaf_like, moved_to, outputs_and_grads,
+    randn, skip_unless_feature,
 )
 
 DENSE_TEST_BLOCK_ROWS = 16  # the dense scheme's row blocks here: most cases span several, the last one partial
@@ -91,10 +91,6 @@ def _inputs(name, dtype):
     return q, c, kwargs
 
 
-def _on(device, kwargs):
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-
-
 def _prefix_oracle(q, c=None, dims=None, **kwargs):
     """The oracle, or with dims its k calls on the truncated inputs, stacked: what the contract says dims is."""
     if dims is None:
@@ -106,7 +102,7 @@ def _check(backend, q, c, kwargs, what, magnitude=None):
     """ours and the oracle on (q, c), differentiating both when c is given. magnitude: ours sees the rows
     multiplied by huge powers of two (ak_testing.huge_row_factors, inside the differentiated function), which no
     cosine sees."""
-    on_device = _on(backend.device, kwargs)
+    on_device = moved_to(backend.device, kwargs)
 
     def huge(x):
         return x if magnitude is None else x * huge_row_factors(x, magnitude)
@@ -173,7 +169,7 @@ def test_float16_zero_and_tiny_rows_never_give_nan(backend):
     q[3] = 0.0
     q[5] *= 1e-3
     kwargs = dict(scale=20.0, target="partner", row_weights=torch.ones(8), exclude_diagonal=True)
-    on_device = _on(backend.device, kwargs)
+    on_device = moved_to(backend.device, kwargs)
     (loss,), (dq,) = outputs_and_grads(lambda q: backend.ops.similarity_xent(q, None, **on_device),
                                        [leaf_like(q, device=backend.device)])
     (exact_loss,), (exact_dq,) = outputs_and_grads(lambda q: oracle.similarity_xent(q, None, **kwargs),
@@ -289,7 +285,7 @@ def test_dense_scheme_holds_one_block_of_logits(monkeypatch, symmetric):
     leaves = [leaf_like(randn(gen, rows, 4), device=device)]
     if not symmetric:
         leaves.append(leaf_like(randn(gen, c_rows, 4), device=device))
-    kwargs = _on(device, dict(scale=20.0, target="partner", exclude_diagonal=symmetric, margin=0.1,
+    kwargs = moved_to(device, dict(scale=20.0, target="partner", exclude_diagonal=symmetric, margin=0.1,
                               row_weights=torch.rand(rows, generator=gen),
                               group_ids=torch.randint(0, 10, (rows,), generator=gen) if symmetric else None))
     recorder = ShapeRecorder()
@@ -477,7 +473,7 @@ def test_gradcheck(backend, name, dims):
         if kwargs.get("margin"):
             c = q + 0.8 * c
         inputs.append(leaf_like(c, device=backend.device))
-    on_device = _on(backend.device, kwargs)
+    on_device = moved_to(backend.device, kwargs)
 
     def op(q, c=None):
         return backend.ops.similarity_xent(q, c, **on_device)

@@ -108,14 +108,8 @@ def test_grad_cache_float32_close_to_plain():
 # ------------------------------------------------------------------ length-sorted passes and token budgets
 
 
-def _plan_chunks(encoder, plan):
-    chunks = [pad_batch(c, encoder.pad_token_id, encoder.padding_side) for c, _ in plan.passes]
-    restore = plan.restore_index()
-    return chunks, None if restore is None else torch.tensor(restore)
-
-
 def _grads_in_passes(encoder, step, plan, labels, loss_fn, seed):
-    chunks, restore = _plan_chunks(encoder, plan)
+    chunks, restore = plan.tensors(encoder.pad_token_id, encoder.padding_side)
     encoder.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     loss = step(encoder, chunks, labels, loss_fn, restore=restore)
@@ -171,7 +165,7 @@ def test_sorted_passes_without_restoring_the_order_give_other_gradients():
     loss_fn = graded_or_contrastive_loss("B")
     plan = batch.plan(rows=3)
     loss_p, _, _ = _grads(encoder, plain_step, _chunks(encoder, batch, None), batch.labels, loss_fn, seed=0)
-    chunks, _ = _plan_chunks(encoder, plan)
+    chunks, _ = plan.tensors(encoder.pad_token_id, encoder.padding_side)
     loss_wrong = grad_cache_step(encoder, chunks, batch.labels, loss_fn)
     assert abs(float(loss_wrong) - float(loss_p)) > 1e-6
 
