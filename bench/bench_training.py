@@ -516,8 +516,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--contenders", default=None,
-                   help="comma-separated names of CONTENDERS (default: all; ours-tokens joins them once angle-train "
-                        "has --chunk-tokens)")
+                   help="comma-separated names of CONTENDERS (default: all)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; --smoke: 1)")
     p.add_argument("--steps", default=None,
                    help="S1,S2: the short and the long run's steps (default 2,6; --smoke: 1,2)")
