@@ -39,7 +39,9 @@ Each loss is two halves, and each formula is written once, in its computing half
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -60,6 +62,14 @@ __all__ = [
 ]
 
 POOLING_STRATEGIES = ("sum", "mean")
+
+# The types of the Matryoshka and layer-wise keywords of every loss (see the module docstring), named for the
+# annotations: dims, the prefix widths, a tuple or list of ints (another sequence, e.g. a range, raises
+# TypeError); dim_weights, one real number per dim; layer_weights, one real number per layer of the stack or, with
+# dims, one row of weights per layer (one per dim), or a tensor holding either.
+Dims = Union[tuple[int, ...], list[int]]
+DimWeights = Sequence[float]
+LayerWeights = Union[Sequence[float], Sequence[Sequence[float]], torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -87,7 +97,7 @@ def check_angle_dim(dim: int, name: str = "y_pred") -> None:
         )
 
 
-def check_group_ids(group_ids, rows: int, y_pred: torch.Tensor) -> torch.Tensor | None:
+def check_group_ids(group_ids: torch.Tensor | None, rows: int, y_pred: torch.Tensor) -> torch.Tensor | None:
     """Optional text ids of the rows, one per row of y_pred: returned as int64."""
     if group_ids is None:
         return None
@@ -99,7 +109,7 @@ def check_group_ids(group_ids, rows: int, y_pred: torch.Tensor) -> torch.Tensor 
     return group_ids.long()
 
 
-def check_arccon_options(margin_degrees, tau) -> tuple[float, float]:
+def check_arccon_options(margin_degrees: float, tau: float) -> tuple[float, float]:
     """ArcCon's margin (degrees, 0..180) and temperature (> 0), returned as (margin in radians, tau)."""
     margin = checks.check_scalar("margin_degrees", margin_degrees)
     if not 0.0 <= margin <= 180.0:
@@ -107,12 +117,12 @@ def check_arccon_options(margin_degrees, tau) -> tuple[float, float]:
     return math.radians(margin), checks.check_scale("tau", tau)
 
 
-def check_two_views(h1, h2) -> None:
+def check_two_views(h1: torch.Tensor, h2: torch.Tensor) -> None:
     checks.check_embedding_group(("h1", h1), ("h2", h2))
     checks.check_same_shape("h1", h1, "h2", h2)
 
 
-def check_triplets(anchor, weak, strong) -> None:
+def check_triplets(anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Tensor) -> None:
     checks.check_embedding_group(("anchor", anchor), ("weak", weak), ("strong", strong))
     checks.check_same_shape("anchor", anchor, "weak", weak)
     checks.check_same_shape("anchor", anchor, "strong", strong)
@@ -146,14 +156,14 @@ class Nested:
         weights the final width of the earlier layers 0)."""
         return [(layer, i, weight) for layer, row in enumerate(self.table) for i, weight in enumerate(row) if weight]
 
-    def weighted_sum(self, term) -> torch.Tensor:
+    def weighted_sum(self, term: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
         """sum over self.terms() of weight * term(l, i)."""
         total = None
         for layer, i, weight in self.terms():
             total = weight * term(layer, i) if total is None else total + weight * term(layer, i)
         return total
 
-    def over_layers(self, loss_of_layer) -> torch.Tensor:
+    def over_layers(self, loss_of_layer: Callable[[int, Nested | None], torch.Tensor]) -> torch.Tensor:
         """A stack's loss from a loss of one layer: sum over the layers l of loss_of_layer(l, nested_l), nested_l
         the unstacked Nested of layer l's non-zero weights (None when the layer's only term is its full width,
         whose weight then multiplies the loss)."""
@@ -170,8 +180,8 @@ class Nested:
         return total
 
 
-def check_nested(dims, dim_weights, width: int, even: bool = False, *, layer_weights=None,
-                 layers: int | None = None) -> Nested | None:
+def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, even: bool = False, *,
+                 layer_weights: LayerWeights | None = None, layers: int | None = None) -> Nested | None:
     """dims: None (the plain loss) or distinct prefix widths <= width in any order (sentence-transformers users
     list them largest first); dim_weights: None (all 1) or one finite number per dim, in dims' order. even: the
     angle score needs even widths. Returned sorted ascending, the weights permuted alike.
@@ -216,7 +226,7 @@ def check_nested(dims, dim_weights, width: int, even: bool = False, *, layer_wei
     return Nested(dims, tuple(tuple(row[i] for i in order) for row in table), stacked=True)
 
 
-def _checked_prefixes(dims, dim_weights) -> tuple[list[int], list[float]]:
+def _checked_prefixes(dims: Dims, dim_weights: DimWeights | None) -> tuple[list[int], list[float]]:
     """dims as a list of distinct Python ints and their weights (1 each when dim_weights is None), in the order
     given; the widths' range is check_dims'."""
     if not isinstance(dims, (tuple, list)) or not dims:
@@ -233,7 +243,8 @@ def _checked_prefixes(dims, dim_weights) -> tuple[list[int], list[float]]:
     return list(dims), weights
 
 
-def check_layer_stack(layer_weights, *named: tuple[str, torch.Tensor]) -> tuple[int | None, list[torch.Tensor]]:
+def check_layer_stack(layer_weights: LayerWeights | None,
+                      *named: tuple[str, torch.Tensor]) -> tuple[int | None, list[torch.Tensor]]:
     """Layer-wise inputs: with layer_weights None, (None, the tensors) unchanged. Otherwise every tensor must be a
     stack [L, rows, D] of L layers' embeddings (the same L): the values of layers 1.. are checked here and
     (L, the first layers) returned, for the caller's usual checks of a single layer's embeddings."""
@@ -256,7 +267,8 @@ def check_layer_stack(layer_weights, *named: tuple[str, torch.Tensor]) -> tuple[
     return layers, [t[0] for t in tensors]
 
 
-def espresso_layer_weights(n_layers: int, compression_size: int, width: int) -> tuple[tuple[int, ...], list]:
+def espresso_layer_weights(n_layers: int, compression_size: int,
+                           width: int) -> tuple[tuple[int, ...], list[list[float]]]:
     """(dims, layer_weights rows) of Espresso (ESE) as angle-emb 0.6.1's AngleESETrainer weighs it, for a stack of
     n_layers pooled layers (hidden states 0 .. n_layers - 2, the last hidden state last): the last layer weighs
     1 at the compressed width and 1 at the full width; earlier layer i weighs 1 / (1 + ln(1 + i)) / (n_layers - 1)
@@ -288,8 +300,10 @@ SIMILARITIES = ("cosine", "dot")
 IBN_PARTITIONS = {"angle": ("query_to_doc",), "gte": DIRECTIONS}
 
 
-def check_in_batch_options(directions, partition_mode, hardness_mode, hardness_strength,
-                           false_negative_margin, false_negative_strategy, similarity="cosine") -> tuple:
+def check_in_batch_options(directions: tuple[str, ...] | list[str], partition_mode: str, hardness_mode: str | None,
+                           hardness_strength: float, false_negative_margin: float | None,
+                           false_negative_strategy: str,
+                           similarity: str = "cosine") -> tuple[tuple[str, ...], float, float | None]:
     """The options of multiple_negatives_ranking_loss as sentence-transformers 6.2 checks them, plus the
     false-negative filter's; returned normalised (directions a tuple, floats)."""
     directions = tuple(directions) if isinstance(directions, (tuple, list)) else directions
@@ -310,7 +324,8 @@ def check_in_batch_options(directions, partition_mode, hardness_mode, hardness_s
     return directions, hardness_strength, check_false_negative_filter(false_negative_margin, false_negative_strategy)
 
 
-def check_false_negative_filter(false_negative_margin, false_negative_strategy) -> float | None:
+def check_false_negative_filter(false_negative_margin: float | None,
+                                false_negative_strategy: str) -> float | None:
     """The positive-aware false-negative filter's options (multiple_negatives_ranking_loss, AngleLoss): the margin,
     None (off) or a finite real returned as a float, and its strategy."""
     if false_negative_margin is not None:
@@ -365,7 +380,8 @@ def ranking_terms(
                  for which, tau in enumerate((cosine_tau, angle_tau)))
 
 
-def _pair_score_table(ops: Ops, groups: torch.Tensor, with_angle: bool, nested: Nested):
+def _pair_score_table(ops: Ops, groups: torch.Tensor, with_angle: bool,
+                      nested: Nested) -> tuple[torch.Tensor, ...]:
     """pair_scores of groups [G, K, D] (stacked: [L, G, K, D]) on every prefix of `nested`, as (cos, angle) of
     shape [L, k, G, K-1] (L = 1 unstacked, k = 1 without dims): one op call for every layer and prefix, the
     layers' groups being more groups."""
@@ -376,8 +392,9 @@ def _pair_score_table(ops: Ops, groups: torch.Tensor, with_angle: bool, nested: 
     return tuple(t.reshape(shape[0], shape[1], shape[2], shape[3] - 1).transpose(0, 1) for t in (cos, angle))
 
 
-def _ranking_terms_of(ops: Ops, cos: torch.Tensor, angle: torch.Tensor, labels: torch.Tensor, cosine_tau,
-                      angle_tau, pooling_strategy: str, width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _ranking_terms_of(ops: Ops, cos: torch.Tensor, angle: torch.Tensor, labels: torch.Tensor,
+                      cosine_tau: float | None, angle_tau: float | None, pooling_strategy: str,
+                      width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The CoSENT terms of one set of pair scores [G, K-1] of embeddings `width` wide (see ranking_terms)."""
     cosine_term = angle_term = None
     if cosine_tau is not None:
@@ -616,8 +633,9 @@ def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: li
 # ------------------------------------------------------------------------------------------------------------
 # The public losses: check, resolve the backend, compute
 # ------------------------------------------------------------------------------------------------------------
-def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *, dims=None, dim_weights=None,
-                layer_weights=None, backend: str | None = None) -> torch.Tensor:
+def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *, dims: Dims | None = None,
+                dim_weights: DimWeights | None = None, layer_weights: LayerWeights | None = None,
+                backend: str | None = None) -> torch.Tensor:
     """CoSENT: rank pairs by cosine similarity (AnglE paper, Eq. 1).
 
     loss = log(1 + sum over pairs (i, j) with label_i < label_j of exp(tau * (cos_i - cos_j)))
@@ -646,9 +664,9 @@ def angle_loss(
     tau: float = 1.0,
     pooling_strategy: str = "sum",
     *,
-    dims=None,
-    dim_weights=None,
-    layer_weights=None,
+    dims: Dims | None = None,
+    dim_weights: DimWeights | None = None,
+    layer_weights: LayerWeights | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """AnglE's angle objective (paper Eq. 7): rank pairs by the normalised complex division of their embeddings.
@@ -685,9 +703,9 @@ def in_batch_negative_loss(
     negative_weights: float = 0.0,
     *,
     group_ids: torch.Tensor | None = None,
-    dims=None,
-    dim_weights=None,
-    layer_weights=None,
+    dims: Dims | None = None,
+    dim_weights: DimWeights | None = None,
+    layer_weights: LayerWeights | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """In-batch negatives (AnglE paper, Eq. 2) over all 2N rows, computed in blocks (no 2N x 2N matrix).
@@ -726,9 +744,9 @@ def contrastive_with_negative_loss(
     neg: torch.Tensor | None = None,
     tau: float = 20.0,
     *,
-    dims=None,
-    dim_weights=None,
-    layer_weights=None,
+    dims: Dims | None = None,
+    dim_weights: DimWeights | None = None,
+    layer_weights: LayerWeights | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Contrastive loss of queries against their positives, with optional hard negatives (one direction).
@@ -761,9 +779,9 @@ def arccon_loss(
     margin_degrees: float = 10.0,
     tau: float = 0.05,
     *,
-    dims=None,
-    dim_weights=None,
-    layer_weights=None,
+    dims: Dims | None = None,
+    dim_weights: DimWeights | None = None,
+    layer_weights: LayerWeights | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """ArcCon, the additive angular margin contrastive loss of ArcCSE (Zhang et al., ACL 2022, Eq. 3).
@@ -794,9 +812,9 @@ def triplet_loss(
     strong: torch.Tensor,
     margin: float = 0.0,
     *,
-    dims=None,
-    dim_weights=None,
-    layer_weights=None,
+    dims: Dims | None = None,
+    dim_weights: DimWeights | None = None,
+    layer_weights: LayerWeights | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """ArcCSE's triplet loss (Eq. 4): mean over triplets of max(0, cos(anchor, strong) - cos(anchor, weak) + margin).
@@ -824,7 +842,7 @@ def multiple_negatives_ranking_loss(
     negatives: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
     *,
     scale: float = 20.0,
-    directions: tuple[str, ...] = ("query_to_doc",),
+    directions: tuple[str, ...] | list[str] = ("query_to_doc",),
     partition_mode: str = "joint",
     hardness_mode: str | None = None,
     hardness_strength: float = 0.0,
@@ -832,9 +850,9 @@ def multiple_negatives_ranking_loss(
     false_negative_strategy: str = "absolute",
     similarity: str = "cosine",
     gather_across_devices: bool = False,
-    dims=None,
-    dim_weights=None,
-    layer_weights=None,
+    dims: Dims | None = None,
+    dim_weights: DimWeights | None = None,
+    layer_weights: LayerWeights | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """InfoNCE with in-batch negatives, every option of sentence-transformers 6.2's MultipleNegativesRankingLoss

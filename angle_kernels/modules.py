@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 
 from . import checks
-from .dispatch import resolve_backend
+from .dispatch import Ops, resolve_backend
 from .contract import compute_dtype
 from .functional import (
     IBN_PARTITIONS,
     POOLING_STRATEGIES,
+    Dims,
+    DimWeights,
+    LayerWeights,
+    Nested,
     arccon,
     as_pairs,
     check_angle_dim,
@@ -102,11 +108,11 @@ class AngleLoss(nn.Module):
         ibn_partition: str = "angle",
         false_negative_margin: float | None = None,
         false_negative_strategy: str = "absolute",
-        dims=None,
-        dim_weights=None,
+        dims: Dims | None = None,
+        dim_weights: DimWeights | None = None,
         backend: str | None = None,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
         self.cosine_w = checks.check_scalar("cosine_w", cosine_w)
         self.ibn_w = checks.check_scalar("ibn_w", ibn_w)
@@ -126,7 +132,7 @@ class AngleLoss(nn.Module):
         self.dims, self.dim_weights = dims, dim_weights
         self.backend = backend
 
-    def _nested(self, width: int, layer_weights, layers: int | None):
+    def _nested(self, width: int, layer_weights: LayerWeights | None, layers: int | None) -> Nested | None:
         return check_nested(self.dims, self.dim_weights, width, even=self.angle_w > 0, layer_weights=layer_weights,
                             layers=layers)
 
@@ -140,7 +146,8 @@ class AngleLoss(nn.Module):
             f"dim_weights={self.dim_weights}"
         )
 
-    def forward(self, labels: torch.Tensor, outputs: torch.Tensor, *, layer_weights=None) -> torch.Tensor:
+    def forward(self, labels: torch.Tensor | None, outputs: torch.Tensor, *,
+                layer_weights: LayerWeights | None = None) -> torch.Tensor:
         if self.dataset_format not in DATASET_FORMATS:
             raise ValueError(
                 f"AngleLoss needs dataset_format 'A' (text1, text2, label), 'B' (query, positive) or "
@@ -159,15 +166,19 @@ class AngleLoss(nn.Module):
                                      outputs[..., 1::2, :], [], self._nested(first.shape[1], *stack))
         return self._format_c(outputs, first, stack)
 
-    def _contrastive(self, ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list,
-                     nested) -> torch.Tensor:
+    if TYPE_CHECKING:  # for type checkers only: calling the module runs forward (nn.Module's __call__ is untyped)
+        __call__ = forward
+
+    def _contrastive(self, ops: Ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
+                     nested: Nested | None) -> torch.Tensor:
         """The contrastive terms of formats B and C: query i against [positives; negatives], with the partition
         and the filter chosen (with the defaults, contrastive(queries, [positives; negatives]), the reference's)."""
         return multiple_negatives(ops, queries, positives, negatives, self.ibn_tau, IBN_PARTITIONS[self.ibn_partition],
                                   false_negative_margin=self.false_negative_margin,
                                   false_negative_strategy=self.false_negative_strategy, nested=nested)
 
-    def _ranking_terms(self, ops, groups: torch.Tensor, labels: torch.Tensor, nested):
+    def _ranking_terms(self, ops: Ops, groups: torch.Tensor, labels: torch.Tensor,
+                       nested: Nested | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(cosine_w * cosine, angle_w * angle) on the pairs (groups[g, 0], groups[g, k]), from one pair-score
         pass; a disabled term is None."""
         if self.cosine_w <= 0 and self.angle_w <= 0:
@@ -183,7 +194,8 @@ class AngleLoss(nn.Module):
         return (None if cosine_term is None else self.cosine_w * cosine_term,
                 None if angle_term is None else self.angle_w * angle_term)
 
-    def _format_a(self, labels: torch.Tensor, outputs: torch.Tensor, first: torch.Tensor, stack) -> torch.Tensor:
+    def _format_a(self, labels: torch.Tensor | None, outputs: torch.Tensor, first: torch.Tensor,
+                  stack: tuple[LayerWeights | None, int | None]) -> torch.Tensor:
         row_labels = check_zigzag(labels, first, names=("labels", "outputs"))
         if self.ibn_w > 0:
             checks.check_binary_labels("labels", row_labels, "AngleLoss's in-batch-negative term (ibn_w > 0)")
@@ -198,7 +210,8 @@ class AngleLoss(nn.Module):
                 nested=nested)
         return _sum_terms([cosine_term, ibn_term, angle_term], outputs)  # the reference's order of summation
 
-    def _format_c(self, outputs: torch.Tensor, first: torch.Tensor, stack) -> torch.Tensor:
+    def _format_c(self, outputs: torch.Tensor, first: torch.Tensor,
+                  stack: tuple[LayerWeights | None, int | None]) -> torch.Tensor:
         checks.check_embeddings("outputs", first, rows_multiple_of=3,
                                 layout="format C: query, positive, negative rows")
         rows, dim = first.shape
@@ -226,7 +239,7 @@ class AngleLoss(nn.Module):
 _ANY_WIDTH = 1 << 62
 
 
-def _sum_terms(terms: list, outputs: torch.Tensor) -> torch.Tensor:
+def _sum_terms(terms: list[torch.Tensor | None], outputs: torch.Tensor) -> torch.Tensor:
     terms = [t for t in terms if t is not None]
     if not terms:
         return torch.zeros((), dtype=compute_dtype(outputs.dtype), device=outputs.device)
@@ -254,7 +267,8 @@ class ArcCSELoss(nn.Module):
     """
 
     def __init__(self, margin_degrees: float = 10.0, tau: float = 0.05, triplet_weight: float = 0.1,
-                 triplet_margin: float = 0.0, *, dims=None, dim_weights=None, backend: str | None = None):
+                 triplet_margin: float = 0.0, *, dims: Dims | None = None, dim_weights: DimWeights | None = None,
+                 backend: str | None = None) -> None:
         super().__init__()
         self.margin_radians, self.tau = check_arccon_options(margin_degrees, tau)
         self.margin_degrees = float(margin_degrees)
@@ -268,7 +282,9 @@ class ArcCSELoss(nn.Module):
         return (f"margin_degrees={self.margin_degrees}, tau={self.tau}, triplet_weight={self.triplet_weight}, "
                 f"triplet_margin={self.triplet_margin}, dims={self.dims}, dim_weights={self.dim_weights}")
 
-    def forward(self, h1, h2, anchor=None, weak=None, strong=None, *, layer_weights=None):
+    def forward(self, h1: torch.Tensor, h2: torch.Tensor, anchor: torch.Tensor | None = None,
+                weak: torch.Tensor | None = None, strong: torch.Tensor | None = None, *,
+                layer_weights: LayerWeights | None = None) -> torch.Tensor:
         given = [t is not None for t in (anchor, weak, strong)]
         if any(given) and not all(given):
             raise ValueError("ArcCSELoss needs all three of anchor, weak and strong for the triplet term, or none")
@@ -287,3 +303,6 @@ class ArcCSELoss(nn.Module):
             check_triplets(*first[2:])
             loss = loss + self.triplet_weight * triplet(ops, anchor, weak, strong, self.triplet_margin, nested)
         return loss
+
+    if TYPE_CHECKING:  # for type checkers only: calling the module runs forward (nn.Module's __call__ is untyped)
+        __call__ = forward

@@ -6,10 +6,16 @@ Precedence: built-in defaults < --config file < flags on the command line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from dataclasses import MISSING, fields
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from angle_kernels import __version__
 
 from .config import TrainConfig
 
@@ -47,6 +53,64 @@ earlier run is refused unless --overwrite 1 (which deletes that run's outputs) o
 """
 
 
+# The exceptions a user fixes by changing a flag, a file or the environment (is_user_error): main() shows them as
+# one line, `PROG: error: MESSAGE`, with argparse's status 2; --debug shows their traceback instead.
+#   OSError from anywhere (FileNotFoundError, PermissionError, a full disk, the Hub out of reach): it is about a
+#     file, a folder or the network, and its message names it.
+#   ValueError raised by angle_train's or angle_kernels' own code: their checks of the settings, the data and the
+#     checkpoints raise ValueError (DataError and UnsafeCheckpointError are ValueErrors) with a message that names the
+#     flag, or the file and line. A ValueError raised inside torch, transformers or numpy more likely means a bug
+#     here, and keeps its traceback.
+# Not TypeError: angle_train's deliberate ones guard its Python API (a prompt that is not a string), which the
+# command line cannot reach (a config file's setting that is not a text where one is expected is refused as the file
+# is read), while an accidental one (a bad call, None where a number was meant) is the commonest bug. Any other
+# exception is a bug too and propagates.
+USER_ERROR_PACKAGES = ("angle_train", "angle_kernels")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line, `PROG: error: MESSAGE` (status 2), without the usage block
+    before it: angle-train's usage runs to dozens of lines, which buried the message (--help still shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Whether `exc` is the user's to fix (the rules above USER_ERROR_PACKAGES)."""
+    if isinstance(exc, OSError):
+        return True
+    if not isinstance(exc, ValueError):
+        return False
+    innermost = exc.__traceback__
+    while innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    return innermost.tb_frame.f_globals.get("__name__", "").split(".")[0] in USER_ERROR_PACKAGES
+
+
+@contextlib.contextmanager
+def user_errors_exit(parser: argparse.ArgumentParser, *, debug: bool):
+    """Inside: a user error (is_user_error) ends the program as a bad flag does, one line and status 2, or with
+    `debug` propagates with its traceback, as any other exception does. Under torchrun each process that meets
+    the error exits so, and torchrun reports the failed processes."""
+    try:
+        yield
+    except (OSError, ValueError) as exc:
+        if debug or not is_user_error(exc):
+            raise
+        parser.error(str(exc))
+
+
+def version_text(prog: str) -> str:
+    """`PROG VERSION (torch X, transformers Y)`, for --version and bug reports; transformers' version comes from its
+    installed package's metadata, without importing it (which takes seconds)."""
+    try:
+        transformers_version = version("transformers")
+    except PackageNotFoundError:
+        transformers_version = "not installed"
+    return f"{prog} {__version__} (torch {torch.__version__}, transformers {transformers_version})"
+
+
 def parse_bool(text) -> bool:
     if isinstance(text, bool):
         return text
@@ -64,13 +128,16 @@ def _kind(f) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="angle-train",
         description="Fine-tune a text embedding model (BERT-style encoder or LLM with LoRA) with the AnglE "
                     "objective: in-batch negatives across GPUs, a gradient cache for very large batches, exact "
                     "resume, Spearman evaluation, export to Hugging Face / sentence-transformers.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON file of settings (keys = flag names)")
+    parser.add_argument("--debug", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
+                        help="show the traceback of a mistake in the settings, files or data (default: one line)")
+    parser.add_argument("--version", action="version", version=version_text("angle-train"))
     groups = {}
     for f in fields(TrainConfig):
         group_name = f.metadata.get("group", "other")
@@ -95,34 +162,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_config_file(path: str) -> dict:
+    """The settings of a YAML, TOML or JSON file. A missing file, another suffix, a syntax error or a file that is
+    not a mapping raises FileNotFoundError or ValueError naming --config and the file."""
     if not os.path.isfile(path):
-        raise SystemExit(f"angle-train: --config {path}: no such file")
+        raise FileNotFoundError(f"--config {path}: no such file")
     if path.endswith((".yaml", ".yml")):
         import yaml
 
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        language, load, syntax_error = "YAML", yaml.safe_load, yaml.YAMLError
     elif path.endswith(".toml"):
         try:
             import tomllib
         except ImportError:  # Python < 3.11
             import tomli as tomllib
 
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        language, load, syntax_error = "TOML", tomllib.load, tomllib.TOMLDecodeError
     elif path.endswith(".json"):
-        with open(path) as f:
-            data = json.load(f)
+        language, load, syntax_error = "JSON", json.load, json.JSONDecodeError
     else:
-        raise SystemExit(f"angle-train: --config {path}: use a .yaml, .yml, .toml or .json file")
+        raise ValueError(f"--config {path}: use a .yaml, .yml, .toml or .json file")
+    with open(path, "rb") as f:  # bytes: tomllib needs them; json and yaml detect UTF-8/16/32 in them
+        try:
+            data = load(f)
+        except (syntax_error, UnicodeDecodeError) as exc:  # raised in the parsers' code: reworded to name --config
+            raise ValueError(f"--config {path}: not valid {language}: {exc}") from None
+    if data is None:  # an empty YAML file
+        data = {}
     if not isinstance(data, dict):
-        raise SystemExit(f"angle-train: --config {path}: expected a mapping of settings")
+        raise ValueError(f"--config {path}: expected a mapping of settings (name: value); got {type(data).__name__}")
     return data
 
 
 def config_from_args(argv=None) -> TrainConfig:
+    """The TrainConfig of a command line. A bad flag, --config file or setting ends the program with one line
+    and status 2 (with --debug, a bad file or setting raises its error instead)."""
     parser = build_parser()
     args = vars(parser.parse_args(argv))
+    with user_errors_exit(parser, debug=args.pop("debug")):
+        return config_from_settings(parser, args)
+
+
+def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainConfig:
+    """The TrainConfig of parsed flags (`args`: the flags given, and --config): the --config file's settings, then
+    the flags over them; a bad setting in the file is a parser error, a bad combination a ValueError (validate)."""
     by_name = {f.name: f for f in fields(TrainConfig)}
     for f in fields(TrainConfig):  # config-file keys may use a flag's alias too (text_prompt sets prompt)
         by_name.update({alias[2:].replace("-", "_"): f for alias in f.metadata.get("aliases", ())})
@@ -149,32 +231,39 @@ def config_from_args(argv=None) -> TrainConfig:
                     value = float(value)
                 elif kind == "list" and isinstance(value, str):
                     value = [value]
+                elif kind == "str" and not isinstance(value, str):  # YAML reads `prompt: 5` or `device: no` as such
+                    raise TypeError(f"expected a text; got {type(value).__name__} {value!r}")
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"--config: setting {key!r}: {exc}")
+            choices = by_name[name].metadata.get("choices")
+            for item in value if kind == "list" else [value]:
+                if choices and item not in choices:  # argparse checks the flags' values, not the file's
+                    parser.error(f"--config: setting {key!r}: invalid choice {item!r} (choose from "
+                                 f"{', '.join(choices)})")
             values[name] = value
     args.pop("config", None)
     values.update(args)
-    try:
-        return TrainConfig(**values).validate()
-    except ValueError as exc:
-        parser.error(str(exc))
+    return TrainConfig(**values).validate()
 
 
 def main(argv=None) -> int:
-    """Train as the flags say. Exit status: 0 done; 2 bad settings; 3 too many non-finite steps in a row;
-    75 stopped by SIGTERM / SIGINT after writing a checkpoint (resume with --resume auto)."""
-    cfg = config_from_args(argv)
+    """Train as the flags say. Exit status: 0 done; 2 a mistake in the settings, files or data (one line on stderr,
+    the traceback with --debug); 3 too many non-finite steps in a row; 75 stopped by SIGTERM / SIGINT after writing a
+    checkpoint (resume with --resume auto)."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
     from . import faults
     from .trainer import train
 
-    try:
-        result = train(cfg)
-    except faults.Preempted as exc:
-        print(f"angle-train: {exc}", flush=True)
-        return faults.EXIT_PREEMPTED
-    except faults.NonFiniteTrainingError as exc:
-        print(f"angle-train: {exc}", file=sys.stderr, flush=True)
-        return faults.EXIT_NON_FINITE
+    with user_errors_exit(parser, debug=args.pop("debug")):
+        try:
+            result = train(config_from_settings(parser, args))
+        except faults.Preempted as exc:
+            print(f"angle-train: {exc}", flush=True)
+            return faults.EXIT_PREEMPTED
+        except faults.NonFiniteTrainingError as exc:
+            print(f"angle-train: {exc}", file=sys.stderr, flush=True)
+            return faults.EXIT_NON_FINITE
     if result.final_path:
         print(f"final model: {result.final_path}")
     if result.best_path:

@@ -16,6 +16,11 @@ MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every l
 # padded pass vs length-sorted sub-batches of at most this many tokens: 371 -> 291 ms at 16 pairs, 2199 -> 950 ms
 # at 64 (256 to 1,024 tokens all within 10% of the best; on a GPU, big passes: one pass until measured there).
 CPU_PASS_TOKENS = 512
+# Packed rows on CPU (--pack): MiniLM on STS-B, 2 cores, forward + backward of a plain step through angle-train's own
+# pass plans (bench/results/cpu-2026-11-26-training/packing/): length-sorted padded sub-batches of 512 tokens
+# 351 ms at 16 pairs, packed rows of 128 tokens 212 ms (64: 222, 256: 233); at 64 pairs 911 vs 737 ms (64: 655,
+# 256: 723, 512: 781: a row's attention grows with its width squared). On a GPU: padded passes until measured there.
+CPU_PACK_WIDTH = 128
 
 
 def opt(default, help: str, **extra):
@@ -85,6 +90,13 @@ class TrainConfig:
                            "padding included, all kept for one backward (0 = one pass; default: 512 on CPU, where it "
                            "measured 1.3x faster at 16 pairs and 2.3x at 64 on STS-B, one pass on GPU)",
                            group="optimisation", at_least=0)
+    pack: int = opt(None, "pack each forward pass's texts into rows of N tokens, several texts per row and no "
+                    "padding between them (a block-diagonal attention mask keeps them apart, positions restart per "
+                    "text; the embeddings are those of a padded pass). Plain backprop then forwards the batch in one "
+                    "packed pass, and --chunk-tokens counts real tokens. 0 = off; default: 128 on CPU, where it "
+                    "measured 1.2-1.65x faster than sorted padded passes on STS-B, for models that take it (sdpa or "
+                    "eager attention, checked at start-up), off on GPU",
+                    group="optimisation", at_least=0)
     epochs: float = opt(1.0, "passes over the training data", group="optimisation", above=0)
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = use epochs)", group="optimisation", at_least=0)
     lr: float = opt(2e-5, "peak learning rate (AdamW)", group="optimisation", above=0)
@@ -162,7 +174,13 @@ class TrainConfig:
                           "final/ or logged steps), deleting what that run wrote; without it such a start is refused",
                           group="run")
     log_every: int = opt(10, "write metrics every N optimizer steps", group="run", at_least=0)
-    progress: bool = opt(True, "show a tqdm progress bar", group="run")
+    report_to: list = opt(["none"],  # noqa: RUF009 (opt() builds a default_factory for lists)
+                          "where the metrics go besides OUTPUT_DIR/metrics.jsonl (always written): none, tensorboard, "
+                          "wandb (offline without credentials), or all; optional packages: pip install "
+                          "angle_kernels[tracking]", group="run", metavar="NAME", choices=["none", "all",
+                                                                                          "tensorboard", "wandb"])
+    progress: bool = opt(True, "show tqdm progress bars: training, and the dev evaluation where stderr is a terminal",
+                         group="run")
     profile: bool = opt(False, "time the phases of the run's second optimizer step (data, encoder forward, all-gather, "
                         "loss, encoder backward, optimizer), print them and write output_dir/profile.json",
                         group="run")
@@ -179,6 +197,9 @@ class TrainConfig:
         if self.pass_tokens and (self.chunk_size or self.chunk_tokens):  # only when given: None is the default
             raise ValueError("--pass-tokens cuts plain backprop's forward; with the gradient cache (--chunk-size or "
                              "--chunk-tokens) the chunks are the passes: leave out --pass-tokens")
+        if self.pass_tokens and self.pack:
+            raise ValueError("--pass-tokens cuts plain backprop's forward into padded sub-batches; --pack packs it "
+                             "into rows with no padding: choose one")
         self._validate_matryoshka()
         if self.espresso and self.matryoshka_dims:
             raise ValueError("--espresso trains its own two widths (--espresso-dim and the full one): leave out "
@@ -222,11 +243,15 @@ class TrainConfig:
                 raise ValueError(f"{flag} {name}: no such file or folder (a local path, not a Hugging Face hub name: "
                                  "nothing was looked up on the Hub)")
 
-    def resolve_passes(self, device_type: str) -> None:
-        """Set --pass-tokens's default for the device (the value the run uses and config.json records)."""
+    def resolve_passes(self, device_type: str, packing_works: bool = True) -> None:
+        """Set the defaults of --pack and --pass-tokens for the device (the values the run uses and config.json
+        records): packed rows where they measured faster and the model takes them (`packing_works`), else
+        plain backprop's padded sub-batches on CPU."""
+        if self.pack is None:  # not with --pass-tokens given: padded sub-batches asked for
+            self.pack = CPU_PACK_WIDTH if device_type == "cpu" and packing_works and not self.pass_tokens else 0
         if self.pass_tokens is None:
             grad_cache = bool(self.chunk_size or self.chunk_tokens)
-            self.pass_tokens = CPU_PASS_TOKENS if device_type == "cpu" and not grad_cache else 0
+            self.pass_tokens = CPU_PASS_TOKENS if device_type == "cpu" and not grad_cache and not self.pack else 0
 
     def prompts(self) -> Prompts:
         """The prompt of each role of a text (data.Prompts), from --prompt, --query-prompt and --doc-prompt."""

@@ -1,4 +1,5 @@
-"""Data: read pair files into examples, tokenise them once, and cut them into padded batches.
+"""Data: read pair files into examples, tokenise them once, and cut them into batches and forward passes (padded,
+or packed into rows with several texts each: PassPlan, PackedTexts).
 
 Formats (the column names a file must have; `label` may also be called `score`, `text1`/`text2` may also
 be `sentence1`/`sentence2`):
@@ -426,12 +427,15 @@ class Batch:
         of which mixes rows with and without dropout."""
         return self.plan(rows=rows_per_chunk, sort=False).passes
 
-    def plan(self, *, rows: int | None = None, tokens: int | None = None, sort: bool = True) -> PassPlan:
+    def plan(self, *, rows: int | None = None, tokens: int | None = None, sort: bool = True,
+             pack_width: int = 0) -> PassPlan:
         """The batch cut into forward passes (PassPlan): within each dropout group (passes never mix rows with and
         without dropout), the rows sorted by length, longest first, when `sort` (then a pass pads to little more
         than its own rows: the loss and its gradient are unchanged, the embeddings are put back in batch order
-        before the loss), then cut into passes of at most `rows` rows or at most `tokens` padded tokens (rows x
-        the pass's longest row; a row longer than the budget has a pass of its own); neither: one pass per group."""
+        before the loss), then cut into passes of at most `rows` rows or at most `tokens` tokens; neither: one
+        pass per group. A pass's tokens are its rows x its longest row (padding included), or with `pack_width`
+        its real tokens: each pass's texts are then packed into rows of that many tokens (PackedTexts), so a
+        pass processes little more than its real tokens. A text longer than the budget has a pass of its own."""
         if rows and tokens:
             raise ValueError("a pass plan takes a row count or a token budget, not both")
         split = len(self.seqs) if self.dropout_rows is None else self.dropout_rows
@@ -440,25 +444,99 @@ class Batch:
             if sort and (rows or tokens):  # one pass pads to its longest row in any order
                 group = sorted(group, key=lambda i: -len(self.seqs[i]))
             group = list(group)
-            for cut in _cut(group, [len(self.seqs[i]) for i in group], rows, tokens):
+            for cut in _cut(group, [len(self.seqs[i]) for i in group], rows, tokens, padded=not pack_width):
                 passes.append(([self.seqs[i] for i in cut], dropout))
                 order += cut
-        return PassPlan(passes, order)
+        return PassPlan(passes, order, pack_width)
 
 
-def _cut(rows: list[int], lengths: list[int], max_rows: int | None, max_tokens: int | None) -> list[list[int]]:
-    """`rows` (with their lengths) cut in order into runs of at most max_rows rows or max_tokens padded tokens."""
+def _cut(rows: list[int], lengths: list[int], max_rows: int | None, max_tokens: int | None,
+         padded: bool = True) -> list[list[int]]:
+    """`rows` (with their lengths) cut in order into runs of at most max_rows rows or max_tokens tokens: padded
+    tokens (rows x the run's longest) when `padded`, else real tokens (the sum of the lengths)."""
     cuts, start = [], 0
     while start < len(rows):
-        end, longest = start + 1, lengths[start]
+        end, longest, total = start + 1, lengths[start], lengths[start]
         while end < len(rows) and (max_rows is None or max_rows <= 0 or end - start < max_rows):
-            widest = max(longest, lengths[end])
-            if max_tokens and (end - start + 1) * widest > max_tokens:
+            widest, total = max(longest, lengths[end]), total + lengths[end]
+            if max_tokens and ((end - start + 1) * widest if padded else total) > max_tokens:
                 break
             end, longest = end + 1, widest
         cuts.append(rows[start:end])
         start = end
     return cuts
+
+
+def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
+    """The texts (by index) in rows of at most `width` tokens (a text longer than that in a row of its own), so
+    that rows x the fullest row, the tokens the encoder processes, is small: first fit by decreasing length into
+    rows of `width`, or of the narrower widths that share the same total among fewer rows evenly (a pass of 38
+    tokens in rows of 24 costs 2 x 24; in rows of 19 it may cost 2 x 19), or of the longest text's width,
+    whichever processes the fewest. The last makes packing never cost more than one padded pass of the texts."""
+    total, longest = sum(lengths), max(lengths)
+    fewest_rows = -(-total // width)
+    candidates = {width, longest} | {max(longest, -(-total // rows)) for rows in range(fewest_rows, fewest_rows + 3)}
+    packings = [_first_fit_decreasing(lengths, min(candidate, width)) for candidate in sorted(candidates)]
+    return min(packings, key=lambda rows: len(rows) * max(sum(lengths[t] for t in row) for row in rows))
+
+
+def _first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
+    """Each text (longest first) into the first row with room for it, or a new row."""
+    rows, free = [], []
+    for text in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, room in enumerate(free):
+            if lengths[text] <= room:
+                rows[r].append(text)
+                free[r] -= lengths[text]
+                break
+        else:
+            rows.append([text])
+            free.append(width - lengths[text])
+    return rows
+
+
+@dataclass
+class PackedTexts:
+    """How one forward pass's texts lie in packed rows (PassPlan with pack_width; read by models.Encoder): the
+    input ids are [rows, width] with several texts per row and no padding between them.
+
+    text_of_token [rows, width]: which text (0 .. texts - 1, in the pass's order) each position holds, -1 for the
+    padding at the end of a row; position_ids [rows, width]: each token's position within its own text (0 for
+    padding); token_index [texts, longest]: the flat index (row * width + column) of each text's tokens, in order,
+    right-padded with 0; token_mask [texts, longest]: 1 where token_index is a real token."""
+
+    text_of_token: torch.Tensor
+    position_ids: torch.Tensor
+    token_index: torch.Tensor
+    token_mask: torch.Tensor
+
+    @classmethod
+    def build(cls, seqs: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tensor, PackedTexts]:
+        """(input_ids [rows, width'], layout) for these texts packed into rows of `width` tokens (pack_rows); width'
+        is the fullest row's length."""
+        lengths = [len(seq) for seq in seqs]
+        rows = pack_rows(lengths, width)
+        row_width = max(sum(lengths[t] for t in row) for row in rows)
+        input_ids = torch.full((len(rows), row_width), pad_id, dtype=torch.long)
+        text_of_token = torch.full((len(rows), row_width), -1, dtype=torch.long)
+        position_ids = torch.zeros((len(rows), row_width), dtype=torch.long)
+        token_index = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
+        token_mask = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
+        for r, row in enumerate(rows):
+            start = 0
+            for text in row:
+                end = start + lengths[text]
+                input_ids[r, start:end] = torch.tensor(seqs[text])
+                text_of_token[r, start:end] = text
+                position_ids[r, start:end] = torch.arange(lengths[text])
+                token_index[text, :lengths[text]] = torch.arange(r * row_width + start, r * row_width + end)
+                token_mask[text, :lengths[text]] = 1
+                start = end
+        return input_ids, cls(text_of_token, position_ids, token_index, token_mask)
+
+    def to(self, device) -> PackedTexts:
+        return PackedTexts(*(tensor.to(device) for tensor in
+                             (self.text_of_token, self.position_ids, self.token_index, self.token_mask)))
 
 
 @dataclass
@@ -467,6 +545,7 @@ class PassPlan:
 
     passes: list[tuple[list[list[int]], bool]]  # (rows' token ids, with dropout) of each pass
     order: list[int]  # the batch row of each embedded row, passes concatenated
+    pack_width: int = 0  # > 0: each pass's texts packed into rows of this many tokens (PackedTexts)
 
     def restore_index(self) -> list[int] | None:
         """Where each batch row sits among the embedded rows (embeddings[..., restore, :] is in batch order), or
@@ -479,16 +558,32 @@ class PassPlan:
         return restore
 
     def tensors(self, pad_id: int, side: str, device=None) -> tuple[list[tuple], torch.Tensor | None]:
-        """What the steps take (grad_cache.plain_step / grad_cache_step): each pass padded (pad_batch) with its
-        dropout flag, and restore_index as a tensor (None: batch order)."""
-        chunks = [(*pad_batch(seqs, pad_id, side, device), dropout) for seqs, dropout in self.passes]
+        """What the steps take (grad_cache.plain_step / grad_cache_step): each pass as (input_ids, attention_mask,
+        dropout), padded (pad_batch), or packed as (input_ids, attention_mask, dropout, PackedTexts); and
+        restore_index as a tensor (None: batch order)."""
+        chunks = []
+        for seqs, dropout in self.passes:
+            if not self.pack_width:
+                chunks.append((*pad_batch(seqs, pad_id, side, device), dropout))
+                continue
+            input_ids, layout = PackedTexts.build(seqs, self.pack_width, pad_id)
+            attention_mask = (layout.text_of_token >= 0).long()
+            chunks.append((input_ids.to(device), attention_mask.to(device), dropout, layout.to(device)))
         restore = self.restore_index()
         return chunks, None if restore is None else torch.tensor(restore, device=device)
 
     def token_counts(self) -> tuple[int, int]:
-        """(real tokens, tokens the encoder processes: every pass padded to its longest row)."""
+        """(real tokens, tokens the encoder processes: every pass padded to its longest row, or its packed rows
+        padded to the fullest)."""
         real = sum(len(seq) for seqs, _ in self.passes for seq in seqs)
-        return real, sum(len(seqs) * max(len(seq) for seq in seqs) for seqs, _ in self.passes)
+        if not self.pack_width:
+            return real, sum(len(seqs) * max(len(seq) for seq in seqs) for seqs, _ in self.passes)
+        processed = 0
+        for seqs, _ in self.passes:
+            lengths = [len(seq) for seq in seqs]
+            rows = pack_rows(lengths, self.pack_width)
+            processed += len(rows) * max(sum(lengths[t] for t in row) for row in rows)
+        return real, processed
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """`angle-eval`: the AnglE paper's evaluation of an embedding model, from datasets in their original layouts.
 
     angle-eval MODEL PATH [PATH ...] [--pooling P] [--max-length L] [--prompt T] [--query-prompt T]
-               [--doc-prompt T] [--batch-size B] [--json OUT]
+               [--doc-prompt T] [--batch-size B] [--json OUT] [--progress 0|1] [--debug] [--version]
 
 MODEL is an `angle_train` export (a folder with angle_train.json: its pooling, prompts and maximum length are
 used unless overridden), or a hub name / local folder of a Hugging Face model (pooling as --pooling says, or the
@@ -21,12 +21,15 @@ encoder default). Each PATH is read in the layout it is distributed in:
 The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting:
 one correlation over every pair of a year's subsets together. `--json OUT` writes {dataset name: score} (the
 retrieval metrics as {name: {"recall@1": ..., ...}}). The trainer's dev evaluation uses the same Spearman
-(trainer.sts_spearman_by_dim).
+(trainer.sts_spearman_by_dim). A progress bar per dataset counts the texts embedded, on stderr when it is a terminal
+(--progress 1 / 0: always / never). A mistake in the arguments, files or data is one line on stderr and status 2
+(its traceback with --debug).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -37,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .cli import OneLineErrorParser, parse_bool, user_errors_exit, version_text
+from .config import names_local_path
 from .data import DataError, Example, Prompts, check_label, load_examples, open_text, read_stsb
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
@@ -152,10 +157,36 @@ def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, block: 
             "ndcg@10": float(ndcg.mean())}
 
 
-def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length: int = 512) -> dict:
+@contextlib.contextmanager
+def encoding_progress(encoder, texts: int, description: str, progress: bool | None = None):
+    """A tqdm bar on stderr counting the texts `encoder` embeds inside the with block, out of `texts`. progress:
+    True or False, or None: shown when stderr is a terminal (not in a log file or a pipe). It counts at the
+    encoder's forward (a hook), which leaves Encoder.encode's batching as it is."""
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        yield
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=texts, desc=description, unit="text", file=sys.stderr, dynamic_ncols=True)
+
+    def count(module, inputs, embeddings) -> None:  # returns None: a value returned would replace the embeddings
+        bar.update(embeddings.shape[-2])  # one embedding per text: [texts, D], or [layers, texts, D] for a stack
+
+    hook = encoder.register_forward_hook(count)
+    try:
+        yield
+    finally:
+        hook.remove()
+        bar.close()
+
+
+def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length: int = 512,
+             progress: bool | None = None) -> dict:
     """{name: Spearman x 100} for the STS sets and {name: {metric: value}} for the retrieval sets, with the
     encoder's prompts (encoder.prompts: the text prompt for STS pairs, the query and document prompts for
-    retrieval)."""
+    retrieval). progress: a bar per dataset (encoding_progress; None: when stderr is a terminal)."""
     from .trainer import sts_spearman
 
     names = [dataset.name for dataset in datasets]
@@ -164,14 +195,32 @@ def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length:
     results = {}
     for dataset in datasets:
         if isinstance(dataset, StsSet):
-            results[dataset.name] = 100.0 * sts_spearman(encoder, tokenizer, dataset.examples, batch_size=batch_size,
-                                                         max_length=max_length)
+            with encoding_progress(encoder, 2 * len(dataset.examples), dataset.name, progress):
+                results[dataset.name] = 100.0 * sts_spearman(encoder, tokenizer, dataset.examples,
+                                                             batch_size=batch_size, max_length=max_length)
         else:
             embed = {"batch_size": batch_size, "max_length": max_length}
-            results[dataset.name] = retrieval_metrics(
-                encoder.encode(dataset.queries, tokenizer, prompt_name="query", **embed),
-                encoder.encode(dataset.documents, tokenizer, prompt_name="document", **embed))
+            with encoding_progress(encoder, len(dataset.queries) + len(dataset.documents), dataset.name, progress):
+                results[dataset.name] = retrieval_metrics(
+                    encoder.encode(dataset.queries, tokenizer, prompt_name="query", **embed),
+                    encoder.encode(dataset.documents, tokenizer, prompt_name="document", **embed))
     return results
+
+
+def check_model(model: str) -> None:
+    """Refuse a MODEL that can only be a local path but is not a model folder, before anything loads: transformers
+    would look a missing path up on the Hub and fail with a message about repo ids, or fail on a folder without
+    config.json (a run's OUTPUT_DIR, a dataset given first) with a traceback."""
+    from .export import META_FILE
+
+    if names_local_path(model) and not os.path.exists(model):
+        raise FileNotFoundError(f"MODEL {model}: no such folder (a local path, not a Hugging Face hub name: nothing "
+                                "was looked up on the Hub)")
+    if os.path.exists(model) and not any(os.path.isfile(os.path.join(model, name))
+                                         for name in ("config.json", META_FILE)):
+        raise ValueError(f"MODEL {model}: not a model folder (no config.json or {META_FILE}); an angle-train run "
+                         "keeps its models in OUTPUT_DIR/final and OUTPUT_DIR/best, and MODEL comes before the "
+                         "datasets: angle-eval MODEL PATH [PATH ...]")
 
 
 def load_model(model: str, *, pooling: str | None = None, device: str = "cpu"):
@@ -204,45 +253,65 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def positive_int(text: str) -> int:
+    """argparse's type for --batch-size and --max-length: 0 would fail deep in the encoding with a bare message."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1; got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="angle-eval", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(prog="angle-eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="an angle_train export, or a hub name / local folder of a Hugging Face model")
     parser.add_argument("paths", nargs="+", metavar="PATH", help="datasets in their original layouts (see above)")
     parser.add_argument("--pooling", choices=["cls", "cls_avg", "avg", "max", "last"], default=None)
-    parser.add_argument("--max-length", type=int, default=None, help="default: the export's, else 512")
+    parser.add_argument("--max-length", type=positive_int, default=None, help="default: the export's, else 512")
     parser.add_argument("--prompt", default=None, help="the text prompt, for STS pairs (default: the export's); "
                         "'{text}' marks the text, '' is none; also the default of the next two")
     parser.add_argument("--query-prompt", default=None, help="the retrieval queries' prompt (default: the export's)")
     parser.add_argument("--doc-prompt", default=None, help="the retrieval documents' prompt (default: the export's)")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=positive_int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results there")
+    parser.add_argument("--progress", type=parse_bool, nargs="?", const=True, default=None, metavar="0|1",
+                        help="a progress bar per dataset on stderr (default: when stderr is a terminal)")
+    parser.add_argument("--debug", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
+                        help="show the traceback of a mistake in the arguments, files or data (default: one line)")
+    parser.add_argument("--version", action="version", version=version_text("angle-eval"))
     return parser
 
 
 def main(argv=None) -> int:
+    """Evaluate as the arguments say. Exit status: 0 done; 1 a score is not finite; 2 a mistake in the arguments,
+    files or data (one line on stderr, the traceback with --debug)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
+    with user_errors_exit(parser, debug=args.debug):
+        check_model(args.model)
         datasets = [read_dataset(path) for path in args.paths]
-    except DataError as exc:
-        parser.error(str(exc))
-    names = [dataset.name for dataset in datasets]
-    if len(set(names)) != len(names):
-        parser.error(f"two PATHs give datasets of the same name ({', '.join(names)}): pass each once")
-    encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling, device=args.device)
-    saved = encoder.prompts
-    encoder.prompts = Prompts(text=saved.text if args.prompt is None else args.prompt,
-                              query=saved.query if args.query_prompt is None else args.query_prompt,
-                              document=saved.document if args.doc_prompt is None else args.doc_prompt)
-    results = evaluate(encoder, tokenizer, datasets, batch_size=args.batch_size,
-                       max_length=args.max_length or meta.get("max_length") or 512)
-    print(table(results))
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+        names = [dataset.name for dataset in datasets]
+        if len(set(names)) != len(names):
+            parser.error(f"two PATHs give datasets of the same name ({', '.join(names)}): pass each once")
+        json_folder = os.path.dirname(os.path.abspath(args.json_out)) if args.json_out else None
+        if json_folder and not os.path.isdir(json_folder):  # found out now, not after the evaluation
+            raise FileNotFoundError(f"--json {args.json_out}: no folder {json_folder} to write it in")
+        encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling, device=args.device)
+        saved = encoder.prompts
+        encoder.prompts = Prompts(text=saved.text if args.prompt is None else args.prompt,
+                                  query=saved.query if args.query_prompt is None else args.query_prompt,
+                                  document=saved.document if args.doc_prompt is None else args.doc_prompt)
+        results = evaluate(encoder, tokenizer, datasets, batch_size=args.batch_size,
+                           max_length=args.max_length or meta.get("max_length") or 512, progress=args.progress)
+        print(table(results))
+        if args.json_out:
+            with open(args.json_out, "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=2)
+                f.write("\n")
     return 0 if all(not isinstance(v, float) or math.isfinite(v) for v in results.values()) else 1
 
 

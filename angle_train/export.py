@@ -21,6 +21,7 @@ adapter_model.safetensors) and angle_train.json: small, for best-checkpoint keep
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -73,7 +74,8 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
             backbone = encoder.backbone = backbone.merge_and_unload()
         else:
             backbone = copy.deepcopy(backbone).merge_and_unload()
-    backbone.save_pretrained(path, **({"state_dict": state_dict} if state_dict is not None else {}))
+    with unused_modules_back(backbone, encoder.unused_modules, state_dict) as state_dict:
+        backbone.save_pretrained(path, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(path)
     _write_json(os.path.join(path, META_FILE), meta)
     if encoder.bidirectional:
@@ -85,6 +87,27 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
         print(f"note: pooling {encoder.pooling!r} has no sentence-transformers equivalent; "
               f"{path} is a Hugging Face folder only")
     return path
+
+
+@contextlib.contextmanager
+def unused_modules_back(backbone, modules: dict, state_dict: dict | None):
+    """Inside: the modules training dropped (Encoder.unused_modules: BERT's pooler, as the base model had it) are
+    part of `backbone` again, and of `state_dict` when one is given, so that an export holds every weight its
+    architecture has and loading it misses none. Yields the state dict to save (None: the backbone's own)."""
+    if not modules:
+        yield state_dict
+        return
+    dtype = next(backbone.parameters()).dtype
+    for name, module in modules.items():
+        setattr(backbone, name, module.to(dtype))
+    try:
+        if state_dict is not None:
+            state_dict = {**state_dict, **{f"{name}.{key}": value for name, module in modules.items()
+                                           for key, value in module.state_dict().items()}}
+        yield state_dict
+    finally:
+        for name in modules:
+            setattr(backbone, name, None)
 
 
 def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max_length: int) -> None:

@@ -53,15 +53,18 @@ class RngState:
 
 
 def embed(model, chunk) -> torch.Tensor:
-    """The embeddings of a chunk (input_ids, attention_mask[, dropout]): with dropout=False (ArcCSE's triplet
-    encodings) the model runs in eval mode, so no dropout, and still builds its graph when gradients are on."""
-    ids, mask, *flag = chunk
-    if not flag or flag[0]:
-        return model(ids, mask)
+    """The embeddings of a chunk (input_ids, attention_mask[, dropout[, packed]]): with dropout=False (ArcCSE's
+    triplet encodings) the model runs in eval mode, so no dropout, and still builds its graph when gradients are on;
+    `packed` (data.PackedTexts) says how the chunk's texts lie in its rows (models.Encoder.forward)."""
+    ids, mask, *rest = chunk
+    dropout = rest[0] if rest else True
+    inputs = (ids, mask) if len(rest) < 2 else (ids, mask, rest[1])
+    if dropout:
+        return model(*inputs)
     was_training = model.training
     model.train(False)
     try:
-        return model(ids, mask)
+        return model(*inputs)
     finally:
         model.train(was_training)
 
@@ -70,9 +73,9 @@ def plain_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, sync: bo
                restore: torch.Tensor | None = None) -> torch.Tensor:
     """Embed every chunk with a graph, loss on all embeddings, backward. Returns the detached loss.
 
-    `model` maps (input_ids, attention_mask) to embeddings (the Encoder, or its DDP wrapper); `chunks` is
-    a list of (input_ids, attention_mask) or (input_ids, attention_mask, dropout): see embed. One chunk is the
-    usual case. `restore` puts the chunks' rows back in the order of `labels` (data.PassPlan.restore_index:
+    `model` maps (input_ids, attention_mask[, packed]) to embeddings (the Encoder, or its DDP wrapper); `chunks`
+    is a list of (input_ids, attention_mask[, dropout[, packed]]): see embed. One chunk is the usual case for
+    padded rows. `restore` puts the chunks' rows back in the order of `labels` (data.PassPlan.restore_index:
     chunks of length-sorted rows); None: they are in that order. `sync=False` skips DDP's gradient
     all-reduce (gradient accumulation in progress). The backward runs in two calls, the loss's down to the
     embeddings, then the encoder's from their gradients (the same gradients as one call): the profile's phases.
@@ -108,7 +111,7 @@ def grad_cache_step(model, chunks, labels, loss_fn, loss_scale: float = 1.0, syn
     `sync=False` skips the DDP all-reduce on the last chunk too (gradient accumulation in progress); `restore`
     as plain_step's.
     """
-    device = chunks[0][0].device  # a chunk: (input_ids, attention_mask[, dropout]), as plain_step's
+    device = chunks[0][0].device  # a chunk: (input_ids, attention_mask[, dropout[, packed]]), as plain_step's
     rng_states, cached = [], []
     # Pass 1: embeddings only. The DDP wrapper is bypassed: no graph, nothing to synchronise.
     inner = getattr(model, "module", model)

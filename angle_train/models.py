@@ -18,6 +18,14 @@ is transformers' own `create_bidirectional_mask` for the model's attention imple
 passed to the model as a prepared 4D mask (which the model uses as it is instead of building its causal one); the
 attention modules' `is_causal` is switched off too, for the kernels that take no mask (flash attention).
 
+Packed rows (`forward(..., packed=data.PackedTexts)`, angle-train's `--pack`): several texts share a row with no
+padding between them. A 4D mask keeps them apart (a token attends to its own text's tokens only: block-diagonal,
+causal within a block for a decoder LM that is not bidirectional), position ids restart at each text (after the
+padding row for RoBERTa-style tables: `position_offset`), and before pooling each text's hidden states are gathered
+back into a right-padded row of its own, so every pooling strategy below reads the same tokens as in a padded
+batch. It needs an attention implementation that takes the mask as given (sdpa, eager); `packing_problem` checks a
+model before training uses it.
+
 Pooling turns the per-token hidden states [B, L, H] into one embedding per text [B, H]. Every strategy
 honours the attention mask, so padding never leaks into an embedding, and works for both padding sides:
 right padding (BERT-style encoders) puts the real tokens first, left padding (decoder-only LLMs, so that
@@ -38,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .data import Prompts, apply_prompt, pad_batch
+from .data import PackedTexts, Prompts, apply_prompt, pad_batch
 
 # ------------------------------------------------------------------------------------------------ pooling
 
@@ -90,6 +98,11 @@ DECODER_MODEL_TYPES = {
 }
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The attention implementations that take the packed rows' 4D mask (Encoder._packed_mask).
+PACKING_ATTENTION = ("sdpa", "eager")
+# The largest relative difference between packed and padded embeddings that is rounding (Encoder.packing_problem),
+# by compute dtype.
+PACKING_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 @dataclass
@@ -141,6 +154,10 @@ class Encoder(nn.Module):
         self.layer_stack = False
         # the prompts the model was trained with, by role: set by the trainer and by export.load_pretrained
         self.prompts = Prompts()
+        # modules of the base model that the embeddings never use (BERT's pooler: wrap_backbone), by their attribute
+        # name in the backbone: not trained, not moved, in a dict so that they are no submodules; put back for the
+        # exports (export.save_pretrained)
+        self.unused_modules: dict[str, nn.Module] = {}
 
     @property
     def device(self) -> torch.device:
@@ -156,23 +173,94 @@ class Encoder(nn.Module):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                packed: PackedTexts | None = None) -> torch.Tensor:
+        """Embeddings [B, H] of the rows of input_ids [B, L] (attention_mask: 1 = real token), or with `packed`
+        (data.PackedTexts: several texts per row) of each text, in the layout's text order (module docstring)."""
         kwargs = {}
+        if packed is not None:
+            inputs = {"input_ids": input_ids, "attention_mask": self._packed_mask(packed.text_of_token)}
+            kwargs["position_ids"] = packed.position_ids + self.position_offset
+        else:
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+            if self.is_decoder:
+                # With left padding the real tokens do not start at position 0: count positions from the
+                # first real token, so a text gets the same rotary positions whatever its batch mates.
+                kwargs["position_ids"] = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+            if self.bidirectional:
+                inputs = self._bidirectional_inputs(input_ids, attention_mask)
         if self.is_decoder:
-            # With left padding the real tokens do not start at position 0: count positions from the
-            # first real token, so a text gets the same rotary positions whatever its batch mates.
-            kwargs["position_ids"] = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
             kwargs["use_cache"] = False
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if self.bidirectional:
-            inputs = self._bidirectional_inputs(input_ids, attention_mask)
         with self._autocast():
             out = self.backbone(**inputs, output_hidden_states=self.layer_stack, **kwargs)
         if not self.layer_stack:
-            return pool(out.last_hidden_state.float(), attention_mask, self.pooling)
+            return self._pool(out.last_hidden_state, attention_mask, packed)
         # hidden states 0 .. L - 2 (0: the embedding layer's output) and the last, as angle-emb's Espresso takes them
         layers = [*out.hidden_states[:self.num_layers - 1], out.last_hidden_state]
-        return torch.stack([pool(hidden.float(), attention_mask, self.pooling) for hidden in layers])
+        return torch.stack([self._pool(hidden, attention_mask, packed) for hidden in layers])
+
+    def _pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor, packed: PackedTexts | None) -> torch.Tensor:
+        """pool() in float32; packed rows are first unpacked to one right-padded row per text, so every pooling
+        strategy reads a text's tokens exactly as in a padded batch."""
+        if packed is None:
+            return pool(hidden.float(), attention_mask, self.pooling)
+        per_text = hidden.flatten(0, 1)[packed.token_index]  # [texts, longest, H]
+        return pool(per_text.float(), packed.token_mask, self.pooling)
+
+    def _packed_mask(self, text_of_token: torch.Tensor) -> torch.Tensor:
+        """The 4D attention mask [rows, 1, L, L] of packed rows: a token attends to the tokens of its own text only
+        (and, in a causal decoder, to those before it); padding attends to itself, so no row of the softmax is
+        empty. sdpa takes it as booleans (True = attend), eager attention adds it to the scores (0 or the most
+        negative float)."""
+        same_text = text_of_token.unsqueeze(2) == text_of_token.unsqueeze(1)
+        allowed = (same_text & (text_of_token >= 0).unsqueeze(2)) | torch.eye(
+            text_of_token.shape[1], dtype=torch.bool, device=text_of_token.device)
+        if self.is_decoder and not self.bidirectional:
+            allowed &= torch.ones_like(allowed[0], dtype=torch.bool).tril()
+        allowed = allowed.unsqueeze(1)
+        if self.attention_implementation == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+    @property
+    def attention_implementation(self) -> str | None:
+        return getattr(self.backbone.config, "_attn_implementation", None)
+
+    @torch.no_grad()
+    def packing_problem(self, seqs: list[list[int]], width: int) -> str | None:
+        """Why packed rows (data.PackedTexts) cannot go through this model, or None when they can. They need an
+        attention that takes a 4D mask (sdpa or eager; flash and flex attention take other forms of it), and a
+        model that honours the mask and the position ids as given: checked by embedding `seqs` (a few texts of
+        the training data) both ways, without dropout, so an architecture that builds its own mask or positions
+        is caught before it trains on wrong embeddings."""
+        if self.attention_implementation not in PACKING_ATTENTION:
+            return (f"packed rows need {' or '.join(PACKING_ATTENTION)} attention; this model uses "
+                    f"{self.attention_implementation!r}")
+        was_training = self.training
+        self.eval()
+        try:
+            padded = self(*pad_batch(seqs, self.pad_token_id, self.padding_side, self.device))
+            input_ids, layout = PackedTexts.build(seqs, width, self.pad_token_id)
+            packed = self(input_ids.to(self.device), (layout.text_of_token >= 0).long().to(self.device),
+                          layout.to(self.device))
+        finally:
+            self.train(was_training)
+        # rounding only: float32 differs by ~1e-6 of the norm, bf16 by ~1e-2; wrong positions or a leaking mask by
+        # a large fraction of it
+        error = float((packed - padded).norm(dim=-1).max() / padded.norm(dim=-1).min())
+        compute_dtype = next(self.parameters()).dtype if self.autocast is None else AUTOCAST_DTYPES[self.autocast]
+        tolerance = PACKING_TOLERANCE.get(compute_dtype, PACKING_TOLERANCE[torch.float32])
+        if not error <= tolerance:
+            return (f"packed rows embed differently from padded ones on this model (relative difference {error:.2g} "
+                    f"> {tolerance:g}): it does not take the packed rows' attention mask or position ids as given")
+        return None
+
+    @property
+    def position_offset(self) -> int:
+        """The first position id of a text: 0, or after the padding row of a learned table that numbers positions
+        from there (RoBERTa, XLM-R: padding_idx + 1), as the model itself counts when it is not given positions."""
+        table = position_table(self.backbone)
+        return 0 if table is None or table.padding_idx is None else table.padding_idx + 1
 
     @property
     def bidirectional(self) -> bool:
@@ -249,17 +337,24 @@ class Encoder(nn.Module):
         return torch.nn.functional.normalize(out, dim=-1) if normalize else out
 
 
-def position_limit(backbone: nn.Module) -> int | None:
-    """The most tokens the model can read at once where it has a hard limit, or None. A learned position table
-    (BERT, RoBERTa, MiniLM...: `position_embeddings`, max_position_embeddings rows) fails on longer inputs, and an
-    architecture that numbers positions after its padding row (RoBERTa, XLM-R: padding_idx + 1 onwards) loses those
-    rows too. Rotary models (LLaMA, Mistral, Qwen) have no table and no hard limit."""
+def position_table(backbone: nn.Module) -> nn.Embedding | None:
+    """The model's learned position table (BERT, RoBERTa, MiniLM...: `position_embeddings`), or None (rotary)."""
     for module in backbone.modules():
         table = getattr(module, "position_embeddings", None)
         if isinstance(table, nn.Embedding):
-            reserved = 0 if table.padding_idx is None else table.padding_idx + 1
-            return table.num_embeddings - reserved
+            return table
     return None
+
+
+def position_limit(backbone: nn.Module) -> int | None:
+    """The most tokens the model can read at once where it has a hard limit, or None. A learned position table
+    (max_position_embeddings rows) fails on longer inputs, and an architecture that numbers positions after its
+    padding row (RoBERTa, XLM-R: padding_idx + 1 onwards) loses those rows too. Rotary models (LLaMA, Mistral, Qwen)
+    have no table and no hard limit."""
+    table = position_table(backbone)
+    if table is None:
+        return None
+    return table.num_embeddings - (0 if table.padding_idx is None else table.padding_idx + 1)
 
 
 def check_dim(dim: int | None, width: int) -> None:
@@ -299,8 +394,11 @@ def wrap_backbone(
     if is_decoder is None:
         is_decoder = is_decoder_config(backbone.config)
     # BERT-style models carry a pooler (dense + tanh on [CLS]) that our pooling never reads: drop it so its
-    # parameters neither train nor trip DDP's unused-parameter check.
+    # parameters neither train nor trip DDP's unused-parameter check, and keep its weights for the exports, which
+    # then hold every weight the architecture has (loading them warns of no missing weight).
+    dropped = {}
     if getattr(backbone, "pooler", None) is not None:
+        dropped["pooler"] = backbone.pooler.requires_grad_(False)
         backbone.pooler = None
     if gradient_checkpointing:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -318,8 +416,10 @@ def wrap_backbone(
         )
         backbone = get_peft_model(backbone, config)
     pooling = pooling or ("last" if is_decoder else "cls")
-    return Encoder(backbone, pooling=pooling, is_decoder=is_decoder, pad_token_id=pad_token_id, autocast=autocast,
-                   bidirectional=bidirectional)
+    encoder = Encoder(backbone, pooling=pooling, is_decoder=is_decoder, pad_token_id=pad_token_id, autocast=autocast,
+                      bidirectional=bidirectional)
+    encoder.unused_modules = dropped
+    return encoder
 
 
 def load_encoder(

@@ -3,7 +3,7 @@
     run = setup(cfg)                   model, data, loss, optimizer, schedule, logging; resumed if asked
     while steps remain:
         row = optimizer_step(run)      grad_accum batches of batch_size pairs, then clip, AdamW, schedule
-        run.log.step(row)              throughput and memory; metrics.jsonl (+ TensorBoard), progress bar
+        run.log.step(row)              throughput and memory; metrics.jsonl (+ --report-to), progress bar
         evaluate(run)                  every eval_every steps and at the end: dev Spearman, keep the best
         save_checkpoint(...)           every save_every steps: a checkpoint that resumes exactly
     finish(run)                        export the final model, print a summary
@@ -11,7 +11,8 @@
 Inside one optimizer step, for each of its grad_accum batches (the data order is a pure function of
 (seed, epoch)): this process's slice of the batch is cut into forward passes (data.Batch.plan: its texts sorted by
 length, then chunks of chunk_size texts or chunk_tokens tokens for the gradient cache, sub-batches of pass_tokens
-tokens for plain backprop, or kept whole) and backpropagated by plain backprop or the gradient cache
+tokens for plain backprop, or kept whole; with --pack each pass's texts packed into rows, no padding between them)
+and backpropagated by plain backprop or the gradient cache
 (grad_cache.py), with the embeddings put back in batch order and every process's gathered into one loss
 (distributed.py).
 """
@@ -33,7 +34,7 @@ import torch
 from angle_kernels import AngleLoss, ArcCSELoss
 from angle_kernels.functional import check_nested, espresso_layer_weights
 
-from . import arccse, distributed, faults, sharding
+from . import arccse, distributed, faults, sharding, tracking
 from .checkpoint import (
     Position, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint, remove_earlier_run,
     save_best, save_checkpoint, save_final,
@@ -48,6 +49,8 @@ from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
 
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+# Examples whose texts check packed rows against padded ones at start-up (check_packing): a few forward passes.
+PACKING_CHECK_EXAMPLES = 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -62,6 +65,7 @@ class TrainResult:
     best_spearman: float | None = None
     best_path: str | None = None
     final_path: str | None = None
+    curves_path: str | None = None  # OUTPUT_DIR/curves.png (tracking.plot_curves), when drawn
     encoder: object = None
     tokenizer: object = None
 
@@ -120,8 +124,8 @@ def report_profile(run: Run, profile, row: dict) -> None:
     cfg, step, useful = run.cfg, row["step"], row["useful_tokens"]
     settings = {"batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "chunk_size": cfg.chunk_size,
                 "chunk_tokens": cfg.chunk_tokens, "pass_tokens": cfg.pass_tokens, "sort_passes": cfg.sort_passes,
-                "useful_tokens": useful, "processes": run.dist_info.world_size, "device": str(run.device),
-                "model": cfg.model}
+                "pack": cfg.pack, "useful_tokens": useful, "processes": run.dist_info.world_size,
+                "device": str(run.device), "model": cfg.model}
     path = os.path.join(cfg.output_dir, "profile.json")
     profile.save(path, step, **settings)
     print("\n" + profile.table(step) + f"\nreal tokens: {useful:.0%} of those the encoder processed (the rest is "
@@ -176,6 +180,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     cfg.check_paths(model=model is None, train_data=train_examples is None, dev_data=dev_examples is None)
     resume_from = checkpoint_to_resume(cfg)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    packing_asked = cfg.pack is not None
     cfg.resolve_passes(device.type)
     dist_info = distributed.init_distributed(device.type)
     if dist_info.enabled and device.type == "cuda":
@@ -215,6 +220,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
                                             mask_rates=cfg.mask_rates, seed=cfg.seed, prompt=prompts)
     else:
         dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompts)
+    check_packing(cfg, encoder, dataset, device, packing_asked, dist_info)
     loss_name = ("ArcCSELoss" if cfg.objective == "arccse" else "AngleLoss") if loss_fn is None else \
         "the loss_fn given to train()"
     if loss_fn is None:
@@ -276,6 +282,24 @@ def check_model_settings(cfg: TrainConfig, encoder) -> None:
         check_matryoshka_dims(cfg, encoder.embedding_dim)
     if cfg.espresso:
         check_espresso(cfg, encoder)
+
+
+def check_packing(cfg: TrainConfig, encoder, dataset, device: torch.device, asked: bool, dist_info) -> None:
+    """With --pack, that the model embeds packed rows as it embeds padded ones (Encoder.packing_problem, on the
+    first texts of the data). Packing asked for (--pack N) and impossible is an error; packing by default falls
+    back to the padded passes, said in one line."""
+    if not cfg.pack:
+        return
+    sample = dataset.batch(list(range(min(len(dataset), PACKING_CHECK_EXAMPLES)))).seqs
+    problem = encoder.packing_problem(sample, cfg.pack)
+    if problem is None:
+        return
+    if asked:
+        raise ValueError(f"--pack {cfg.pack}: {problem}; use --pack 0")
+    cfg.pack = cfg.pass_tokens = None
+    cfg.resolve_passes(device.type, packing_works=False)
+    if dist_info.is_main:
+        print(f"angle_train: padded passes, not packed rows: {problem}", flush=True)
 
 
 def build_loss(cfg: TrainConfig, fmt: str | None, encoder=None, world_size: int = 1
@@ -535,19 +559,20 @@ def pass_plan(cfg: TrainConfig, batch) -> PassPlan:
     """The forward passes of this process's share of a batch, as the settings cut them (data.Batch.plan)."""
     if cfg.pass_tokens:
         return batch.plan(tokens=cfg.pass_tokens)  # sub-batches exist to cut padding: always sorted
-    return batch.plan(rows=cfg.chunk_size, tokens=cfg.chunk_tokens, sort=cfg.sort_passes)
+    return batch.plan(rows=cfg.chunk_size, tokens=cfg.chunk_tokens, sort=cfg.sort_passes, pack_width=cfg.pack)
 
 
 def describe_passes(cfg: TrainConfig) -> str:
     """The run header's words for how a batch is cut into forward passes."""
     order = ", texts sorted by length" if cfg.sort_passes else ""
+    packed = f", packed into rows of {cfg.pack} tokens" if cfg.pack else ""
     if cfg.chunk_tokens:
-        return f"grad cache, passes of up to {cfg.chunk_tokens} tokens{order}"
+        return f"grad cache, passes of up to {cfg.chunk_tokens} {'real ' if cfg.pack else ''}tokens{order}{packed}"
     if cfg.chunk_size:
-        return f"grad cache, chunks of {cfg.chunk_size} texts{order}"
+        return f"grad cache, chunks of {cfg.chunk_size} texts{order}{packed}"
     if cfg.pass_tokens:
         return f"plain backprop in sub-batches of up to {cfg.pass_tokens} tokens, texts sorted by length"
-    return "plain backprop"
+    return f"plain backprop{packed}"
 
 
 def expected_useful_tokens(cfg: TrainConfig, dataset, epoch: int, dist_info, batches: int = 64) -> float:
@@ -591,8 +616,13 @@ def evaluate(run: Run) -> None:
     truncated = sorted((d for d in run.cfg.trained_widths(width) if d < width), reverse=True)
     improved = False
     if run.dist_info.is_main or sharded:  # a sharded encoder embeds on every process at once
-        scores = sts_spearman_by_dim(run.encoder, run.tokenizer, run.dev_examples, [None, *truncated],
-                                     batch_size=run.cfg.eval_batch_size, max_length=run.cfg.max_length)
+        from .evaluate import encoding_progress  # evaluate.py imports this module
+
+        # a bar with --progress 1 where stderr is a terminal, on the main process
+        with encoding_progress(run.encoder, 2 * len(run.dev_examples), "dev",
+                               progress=None if run.cfg.progress and run.dist_info.is_main else False):
+            scores = sts_spearman_by_dim(run.encoder, run.tokenizer, run.dev_examples, [None, *truncated],
+                                         batch_size=run.cfg.eval_batch_size, max_length=run.cfg.max_length)
         improved = position.best is None or scores[None] > position.best
     if sharded:  # the gather below is a collective: every process follows the main process's decision
         improved = distributed.broadcast_from_main(improved, run.dist_info)
@@ -669,6 +699,7 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
         return result
     if position.best is not None and cfg.save_best:
         result.best_path = os.path.join(cfg.output_dir, "best")
+    result.curves_path = tracking.plot_curves(run.log.metrics_path, os.path.join(cfg.output_dir, "curves.png"))
     if not result.history:  # resumed from a checkpoint of the last step: nothing was left to train
         print(f"done: the run had already reached its last step ({position.step}) when it was resumed; nothing "
               f"left to train{f', final model exported to {result.final_path}' if result.final_path else ''}",
@@ -686,19 +717,20 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
 
 class RunLog:
     """What a run reports. Every process measures pairs/s and tokens/s (real tokens, padding excluded) over the
-    steps since the last metrics row; the main process writes config.json, metrics.jsonl (+ TensorBoard when
-    installed) and the progress bar (loss, pairs/s, tokens/s, peak memory)."""
+    steps since the last metrics row; the main process writes config.json, metrics.jsonl (and the --report-to
+    reporters: tracking.py) and the progress bar (loss, pairs/s, tokens/s, peak memory)."""
 
     def __init__(self, cfg: TrainConfig, is_main: bool, device: torch.device, total_steps: int, start_step: int):
         self.log_every, self.total_steps, self.device = max(1, cfg.log_every), total_steps, device
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl") if is_main else None
-        self.tensorboard = self.bar = None
+        self.reporters, self.bar = [], None
         os.makedirs(cfg.output_dir, exist_ok=True)
         if is_main:
             with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
                 json.dump(asdict(cfg), f, indent=2)
             _drop_rows_after(self.metrics_path, start_step)
-            self.tensorboard = _tensorboard(cfg.output_dir)
+            self.reporters = tracking.open_reporters(tracking.resolve_report_to(cfg.report_to), cfg.output_dir,
+                                                     asdict(cfg))
             self.bar = _progress(cfg, total_steps, start_step)
         self._start_window()
 
@@ -726,21 +758,20 @@ class RunLog:
             self._start_window()
 
     def write(self, row: dict) -> None:
-        """Append a row to metrics.jsonl and TensorBoard (main process only; a no-op elsewhere)."""
+        """Append a row to metrics.jsonl and hand it to the --report-to reporters (main process only; a no-op
+        elsewhere)."""
         if self.metrics_path is None:
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.tensorboard is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, row["step"])
+        for reporter in self.reporters:
+            reporter.log(row)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for reporter in self.reporters:
+            reporter.close()
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -768,14 +799,6 @@ def _drop_rows_after(path: str, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-
-
-def _tensorboard(output_dir: str):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(os.path.join(output_dir, "tensorboard"))
 
 
 def _progress(cfg: TrainConfig, total: int, start: int):

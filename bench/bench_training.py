@@ -113,8 +113,10 @@ SMOKE_SETTINGS = {
 CONTENDERS = {
     "ours": ("ours", ("--chunk-size", "{chunk}")),
     "ours-tokens": ("ours", ("--chunk-tokens", "{token_budget}")),
+    # padded passes instead of packed rows (the CPU default): length-sorted sub-batches (plain), sorted chunks (cached)
+    "ours-padded": ("ours", ("--chunk-size", "{chunk}", "--pack", "0")),
     # angle-train as it was before its passes were sorted: one padded pass (plain), chunks in batch order (cached)
-    "ours-unsorted": ("ours", ("--chunk-size", "{chunk}", "--pass-tokens", "0", "--sort-passes", "0")),
+    "ours-unsorted": ("ours", ("--chunk-size", "{chunk}", "--pack", "0", "--pass-tokens", "0", "--sort-passes", "0")),
     "st": ("st", ("--mini-batch-size", "{chunk}")),
     "st-tokens": ("st", ("--mini-batch-num-tokens", "{token_budget}")),
 }
@@ -378,8 +380,9 @@ def table_lines(rows: list[dict], results: dict) -> list[str]:
             lines.append(f"| {name} | {s['batch']} | {s['max_length']} | {s['chunk'] or 'all (plain)'} | "
                          f"{s['mean_tokens_per_pair']:.1f} | {s.get('token_budget', '-')} | {s['pairs']} pairs |")
     lines += ["", "Token budget = texts per pass x the mean padded width of such a pass (of one column of a shuffled "
-              "batch); sentence-transformers' mini_batch_num_tokens counts real tokens, angle-train's --chunk-tokens "
-              "counts padding too. A negative step time: the runs' noise exceeds the steps' time (use longer runs)."]
+              "batch); sentence-transformers' mini_batch_num_tokens counts real tokens, and so does angle-train's "
+              "--chunk-tokens with packed rows (its CPU default; padded passes: padding too). A negative step time: "
+              "the runs' noise exceeds the steps' time (use longer runs)."]
     lines += ["", "Contenders: " + "; ".join(f"{n} = {k} {' '.join(f)}".rstrip()
                                              for n, (k, f) in results["contenders"].items())]
     for skip in results["skipped"]:

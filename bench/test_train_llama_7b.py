@@ -52,8 +52,8 @@ def spy_measure(monkeypatch, replace=None):
 @pytest.mark.parametrize(
     "flag, value, message",
     [
-        ("--steps", "0", "--steps: expected a positive integer, got 0"),
-        ("--seq-len", "-4", "--seq-len: expected a positive integer"),
+        ("--steps", "0", "--steps: expected a whole number >= 1; got 0"),
+        ("--seq-len", "-4", "--seq-len: expected a whole number >= 1"),
         ("--gc-batches", "16,8", "--gc-batches: expected positive integers in increasing order"),
         ("--chunk-size", "3", "--chunk-size: expected 0 or a positive even integer"),
         ("--time-budget", "0", "--time-budget: expected a positive number of seconds"),

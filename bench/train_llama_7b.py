@@ -43,6 +43,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from angle_train.evaluate import positive_int  # noqa: E402 (after REPO is on the path) argparse's type for counts
+
 LLAMA_7B = {
     "hidden_size": 4096,
     "intermediate_size": 11008,
@@ -75,14 +77,6 @@ def now() -> float:
 
 
 # ----------------------------------------------------------------------------------------------- arguments
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def chunk_size(text: str) -> int:

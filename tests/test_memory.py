@@ -27,7 +27,6 @@ and in CI; -m "not slow" skips them for a quick local loop.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -35,6 +34,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from ak_testing import reference_loss_path
 
 THREADS = 2
 GB = 1e9
@@ -110,11 +111,9 @@ print("RESULT " + json.dumps(dict(extra=extra, base=base, peak=peak, reset=reset
 
 
 def _reference_path() -> str | None:
-    spec = importlib.util.find_spec("angle_emb")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "loss.py"
-    return str(path) if path.exists() else None
+    """angle_emb/loss.py, which the worker loads by path (the angle_emb package itself is never imported)."""
+    path = reference_loss_path()
+    return None if path is None else str(path)
 
 
 def _measure(provider: str, loss: str, n: int, d: int, timeout: int = 600) -> dict:

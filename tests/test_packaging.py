@@ -48,7 +48,7 @@ REQUIRED_SUBPACKAGES = ("angle_kernels/torch_ops", "angle_kernels/triton_ops", "
 OPTIONAL_SUBPACKAGES = ("angle_kernels/integrations",)  # required when the source tree has it
 CSRC_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
 TOP_LEVEL_FILES = ("README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml", "setup.py", "MANIFEST.in", "PKG-INFO")
-EXTRAS = ("train", "bench", "test")
+EXTRAS = ("train", "bench", "test", "tracking", "triton")
 
 # What the copy of the checkout leaves out: version control, environments and build outputs. tests/ and bench/
 # ARE copied, so "the sdist has no tests" is a real check of MANIFEST.in.

@@ -42,7 +42,9 @@ import functools
 import importlib
 import math
 import threading
+from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -59,7 +61,7 @@ _MODULES = ("angle_emb.loss", "angle_emb.angle", "angle_emb")
 
 _lock = threading.Lock()
 _originals: dict[tuple[str, str], object] = {}  # (module name, attribute) -> the object patch() replaced
-_ese_original: list = []  # AngleESETrainer.compute_loss as patch() found it (empty when not patched)
+_ese_original: list[Any] = []  # AngleESETrainer.compute_loss as patch() found it (empty when not patched)
 
 
 def _import_angle_emb() -> list[ModuleType]:
@@ -133,7 +135,7 @@ def unpatch() -> None:
 
 
 @contextlib.contextmanager
-def patched(backend: str | None = None):
+def patched(backend: str | None = None) -> Iterator[None]:
     """Context manager: angle-emb uses angle_kernels inside the block.
 
     On exit the originals come back, unless patch() was already in effect on entry (then it stays patched,
@@ -151,7 +153,8 @@ def patched(backend: str | None = None):
 # ------------------------------------------------------------------------------------------------------------
 # Espresso (AngleESETrainer): every layer's loss in one fused call
 # ------------------------------------------------------------------------------------------------------------
-def _fused_ese_compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+def _fused_ese_compute_loss(self: Any, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                            **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """AngleESETrainer.compute_loss with the AnglE loss of every layer in one angle_kernels call.
 
     Same value as the reference (up to floating-point rounding): the pooler's forward, the PCA-KL compression

@@ -41,8 +41,8 @@ from __future__ import annotations
 import inspect
 import random
 import warnings
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
@@ -56,6 +56,9 @@ try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still w
 except ImportError:  # pragma: no cover - older sentence-transformers
     from sentence_transformers import losses as _st_losses
 from sentence_transformers import util as _st_util
+
+if TYPE_CHECKING:  # for the annotations only
+    from sentence_transformers import SentenceTransformer
 
 try:  # the parent AdaptiveLayerLoss's hidden-state cache, which the fused layer-wise losses read the layer from
     from sentence_transformers.sentence_transformer.losses.adaptive_layer import (
@@ -87,7 +90,7 @@ _HARDNESS = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]
 # --------------------------------------------------------------------------------------------------------
 
 
-def _pair_score_kind(similarity_fct: Callable) -> str | None:
+def _pair_score_kind(similarity_fct: Callable[..., Tensor]) -> str | None:
     """'cosine' or 'angle' when similarity_fct is one our ranking losses compute; None otherwise."""
     if similarity_fct is _st_util.pairwise_cos_sim:
         return "cosine"
@@ -174,7 +177,8 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
 
     _input_columns = _PAIRS
 
-    def __init__(self, model, scale: float = 20.0, similarity_fct=_st_util.pairwise_cos_sim, *,
+    def __init__(self, model: SentenceTransformer, scale: float = 20.0,
+                 similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.pairwise_cos_sim, *,
                  backend: str | None = None) -> None:
         super().__init__(model, scale=scale, similarity_fct=similarity_fct)
         self.backend = backend
@@ -189,7 +193,8 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
             return super().compute_loss_from_embeddings(embeddings, labels)
         return self._fused_loss(embeddings, labels)
 
-    def _fused_loss(self, embeddings: list[Tensor], labels: Tensor, nested=None) -> Tensor:
+    def _fused_loss(self, embeddings: list[Tensor], labels: Tensor,
+                    nested: _functional.Nested | None = None) -> Tensor:
         _check_columns(self, len(embeddings))
         _check_label_count(self, labels, embeddings[0].shape[-2])
         return _fused_pair_ranking(embeddings[0], embeddings[1], labels, _pair_score_kind(self.similarity_fct),
@@ -215,7 +220,7 @@ class AnglELoss(_st_losses.AnglELoss):
 
     _input_columns = _PAIRS_OR_TUPLES
 
-    def __init__(self, model, scale: float = 20.0, *, backend: str | None = None) -> None:
+    def __init__(self, model: SentenceTransformer, scale: float = 20.0, *, backend: str | None = None) -> None:
         super().__init__(model, scale=scale)
         self.backend = backend
 
@@ -229,7 +234,8 @@ class AnglELoss(_st_losses.AnglELoss):
             return super().compute_loss_from_embeddings(embeddings, labels)
         return self._fused_loss(embeddings, labels)
 
-    def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None, nested=None) -> Tensor:
+    def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None,
+                    nested: _functional.Nested | None = None) -> Tensor:
         _check_columns(self, len(embeddings))
         kind = _pair_score_kind(self.similarity_fct)
         anchors = embeddings[0]
@@ -255,7 +261,8 @@ class AnglELoss(_st_losses.AnglELoss):
 # --------------------------------------------------------------------------------------------------------
 
 
-def _parent_kwargs(parent_init, given: dict, defaults: dict) -> dict:
+def _parent_kwargs(parent_init: Callable[..., None], given: dict[str, Any],
+                   defaults: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of `given` that the installed parent's __init__ accepts.
 
     Older sentence-transformers 6.x releases lack some of the newer MultipleNegativesRankingLoss arguments
@@ -280,7 +287,7 @@ _MNRL_DEFAULTS = {"gather_across_devices": False, "directions": ("query_to_doc",
                   "show_progress_bar": False}
 
 
-def _mnrl_similarity(loss) -> str | None:
+def _mnrl_similarity(loss: torch.nn.Module) -> str | None:
     """The functional API's name of the loss's similarity_fct: "cosine" (util.cos_sim), "dot" (util.dot_score),
     or None for another function."""
     if loss.similarity_fct is _st_util.cos_sim:
@@ -290,7 +297,7 @@ def _mnrl_similarity(loss) -> str | None:
     return None
 
 
-def _mnrl_unfused_reason(loss) -> str | None:
+def _mnrl_unfused_reason(loss: torch.nn.Module) -> str | None:
     """Why a MultipleNegativesRankingLoss configuration cannot run fused; None when it can: every configuration
     with cosine or dot-product similarity (any directions, partition mode, hardness, gathering) runs fused."""
     if _mnrl_similarity(loss) is None:
@@ -298,7 +305,7 @@ def _mnrl_unfused_reason(loss) -> str | None:
     return None
 
 
-def _nested_options(nested: _functional.Nested | None) -> dict:
+def _nested_options(nested: _functional.Nested | None) -> dict[str, Any]:
     """The functional losses' dims / dim_weights / layer_weights keywords that state `nested` again."""
     if nested is None:
         return {}
@@ -309,7 +316,7 @@ def _nested_options(nested: _functional.Nested | None) -> dict:
     return dict(dims=nested.dims, layer_weights=[list(row) for row in nested.table])
 
 
-def _fused_mnrl(loss, embeddings: list[Tensor], nested=None) -> Tensor:
+def _fused_mnrl(loss: torch.nn.Module, embeddings: list[Tensor], nested: _functional.Nested | None = None) -> Tensor:
     """The loss's configuration computed by angle_kernels.functional.multiple_negatives_ranking_loss (getattr
     with the defaults: older 6.x parents lack some attributes); on every prefix when nested has dims
     (MatryoshkaLoss, which normalises each truncated embedding: every similarity is then a cosine,
@@ -343,7 +350,8 @@ class _FusedMNRL:
             return super().compute_loss_from_embeddings(embeddings, labels)
         return self._fused_loss(embeddings, labels)
 
-    def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None, nested=None) -> Tensor:
+    def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None,
+                    nested: _functional.Nested | None = None) -> Tensor:
         return _fused_mnrl(self, embeddings, nested)
 
 
@@ -367,7 +375,7 @@ class _FusedCachedMNRL:
     def uses_fused_path(self) -> bool:
         return _mnrl_unfused_reason(self) is None
 
-    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         sentence_features = list(sentence_features)
         _check_columns(self, len(sentence_features))  # before embedding any mini-batch
         return super().forward(sentence_features, labels)
@@ -379,7 +387,8 @@ class _FusedCachedMNRL:
             return super().calculate_loss(reps, labels, with_backward=with_backward)
         return self._fused_cached_loss(reps, with_backward)
 
-    def _fused_cached_loss(self, reps: list[list[Tensor]], with_backward: bool, nested=None) -> Tensor:
+    def _fused_cached_loss(self, reps: list[list[Tensor]], with_backward: bool,
+                           nested: _functional.Nested | None = None) -> Tensor:
         loss = _fused_mnrl(self, [torch.cat(column) for column in reps], nested)
         return _grad_cache_step(loss, with_backward)
 
@@ -408,7 +417,7 @@ class MultipleNegativesRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesRanki
 
     def __init__(
         self,
-        model,
+        model: SentenceTransformer,
         scale: float = 20.0,
         similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
         gather_across_devices: bool = False,
@@ -449,7 +458,7 @@ class CachedMultipleNegativesRankingLoss(_FusedCachedMNRL, _st_losses.CachedMult
 
     def __init__(
         self,
-        model,
+        model: SentenceTransformer,
         scale: float = 20.0,
         similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
         mini_batch_size: int = 32,
@@ -479,7 +488,7 @@ class CachedMultipleNegativesRankingLoss(_FusedCachedMNRL, _st_losses.CachedMult
 _SYMMETRIC = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}
 
 
-def _become_symmetric(loss, parent: type) -> None:
+def _become_symmetric(loss: torch.nn.Module, parent: type) -> None:
     """Warn as the deprecated parent does when instantiated itself, and make sure the fused path sees the
     symmetric directions (older 6.x parents compute them without these attributes)."""
     warnings.warn(getattr(parent, "__deprecated__", f"{parent.__name__} is deprecated"), DeprecationWarning,
@@ -502,7 +511,7 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
         the parent's code.
         """
 
-        def __init__(self, model, scale: float = 20.0,
+        def __init__(self, model: SentenceTransformer, scale: float = 20.0,
                      similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
                      gather_across_devices: bool = False, *, backend: str | None = None) -> None:
             super().__init__(model, scale=scale, similarity_fct=similarity_fct,
@@ -519,7 +528,7 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
         gather_across_devices, show_progress_bar), plus keyword-only `backend`.
         """
 
-        def __init__(self, model, scale: float = 20.0,
+        def __init__(self, model: SentenceTransformer, scale: float = 20.0,
                      similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
                      mini_batch_size: int = 32, mini_batch_num_tokens: int | None = None,
                      gather_across_devices: bool = False, show_progress_bar: bool = False, *,
@@ -536,7 +545,7 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
 # --------------------------------------------------------------------------------------------------------
 # GISTEmbed: a guide model's similarities filter the in-batch negatives
 # --------------------------------------------------------------------------------------------------------
-def _embed_columns(model, features: list[dict]) -> list[Tensor]:
+def _embed_columns(model: torch.nn.Module, features: list[dict[str, Tensor]]) -> list[Tensor]:
     """One sentence embedding per column, as the parents embed them (sentence-transformers >= 6.2 merges
     like-width columns into one forward pass; older releases run one forward per column)."""
     try:
@@ -546,13 +555,13 @@ def _embed_columns(model, features: list[dict]) -> list[Tensor]:
     return embed_columns(model, features)
 
 
-def _gist_options(loss) -> dict:
+def _gist_options(loss: torch.nn.Module) -> dict[str, Any]:
     return dict(temperature=loss.temperature, margin_strategy=loss.margin_strategy, margin=loss.margin,
                 contrast_anchors=loss.contrast_anchors, contrast_positives=loss.contrast_positives,
                 gather_across_devices=getattr(loss, "gather_across_devices", False), backend=loss.backend)
 
 
-def _fused_gist(loss, embeddings: list[Tensor], guide_embeddings: list[Tensor]) -> Tensor:
+def _fused_gist(loss: torch.nn.Module, embeddings: list[Tensor], guide_embeddings: list[Tensor]) -> Tensor:
     return _functional.gist_loss(embeddings[0], embeddings[1], guide_embeddings[0], guide_embeddings[1],
                                  embeddings[2:], guide_embeddings[2:], **_gist_options(loss))
 
@@ -570,9 +579,10 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
 
     _input_columns = _GIST
 
-    def __init__(self, model, guide, temperature: float = 0.01, margin_strategy: Literal["absolute", "relative"] =
-                 "absolute", margin: float = 0.0, contrast_anchors: bool = True, contrast_positives: bool = True,
-                 gather_across_devices: bool = False, *, backend: str | None = None) -> None:
+    def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, temperature: float = 0.01,
+                 margin_strategy: Literal["absolute", "relative"] = "absolute", margin: float = 0.0,
+                 contrast_anchors: bool = True, contrast_positives: bool = True, gather_across_devices: bool = False,
+                 *, backend: str | None = None) -> None:
         optional = _parent_kwargs(_st_losses.GISTEmbedLoss.__init__, {
             "gather_across_devices": gather_across_devices}, _MNRL_DEFAULTS)
         super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,
@@ -583,7 +593,7 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
     def uses_fused_path(self) -> bool:
         return True
 
-    def _guide_features(self, sentence_features: list[dict]) -> list[dict]:
+    def _guide_features(self, sentence_features: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """What the guide embeds: shallow copies of the model's features (the guide writes its outputs into
         them), or, when the tokenisers differ, the decoded texts tokenised by the guide."""
         if not self.must_retokenize:
@@ -598,7 +608,7 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
             out.append(_st_util.batch_to_device(self.guide.preprocess(texts), self.guide.device))
         return out
 
-    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         sentence_features = list(sentence_features)
         _check_columns(self, len(sentence_features))  # before embedding anything
         guide_features = self._guide_features(sentence_features)  # before the model writes into the features
@@ -615,7 +625,8 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
 
     _input_columns = _ANCHORED
 
-    def __init__(self, model, guide, temperature: float = 0.01, mini_batch_size: int = 32,
+    def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, temperature: float = 0.01,
+                 mini_batch_size: int = 32,
                  mini_batch_num_tokens: int | None = None, show_progress_bar: bool = False,
                  margin_strategy: Literal["absolute", "relative"] = "absolute", margin: float = 0.0,
                  contrast_anchors: bool = True, contrast_positives: bool = True, gather_across_devices: bool = False,
@@ -632,7 +643,7 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
     def uses_fused_path(self) -> bool:
         return True
 
-    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         sentence_features = list(sentence_features)
         _check_columns(self, len(sentence_features))  # before embedding any mini-batch
         return super().forward(sentence_features, labels)
@@ -649,7 +660,7 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
 # --------------------------------------------------------------------------------------------------------
 # Matryoshka: every nested dimension from one read of the embeddings
 # --------------------------------------------------------------------------------------------------------
-def _matryoshka_unfused_reason(inner, dims: tuple[int, ...]) -> str | None:
+def _matryoshka_unfused_reason(inner: torch.nn.Module, dims: Sequence[int]) -> str | None:
     """Why MatryoshkaLoss over `inner` cannot run as one fused call; None when it can."""
     if not hasattr(inner, "_fused_loss") and not hasattr(inner, "_fused_cached_loss"):
         return f"{type(inner).__name__} is not one of angle_kernels' fused drop-ins with a Matryoshka path"
@@ -676,7 +687,8 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     hardness) run one pass per dimension inside angle_kernels for now: still one call, not yet one read.
     """
 
-    def __init__(self, model, loss, matryoshka_dims, matryoshka_weights=None, n_dims_per_step: int = -1) -> None:
+    def __init__(self, model: SentenceTransformer, loss: torch.nn.Module, matryoshka_dims: Sequence[int],
+                 matryoshka_weights: Sequence[float] | None = None, n_dims_per_step: int = -1) -> None:
         super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
         if self.uses_gradient_cache:
             # the parent decorated loss.calculate_loss with its per-dimension loop: keep it as the fallback
@@ -697,7 +709,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
         return _functional.check_nested([self.matryoshka_dims[i] for i in indices],
                                         [float(self.matryoshka_weights[i]) for i in indices], width)
 
-    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         if self.uses_gradient_cache or not self.uses_fused_path:
             return super().forward(sentence_features, labels)
         embeddings = _embed_columns(self.model, list(sentence_features))
@@ -708,11 +720,11 @@ class _FusedCachedMatryoshka:
     """A cached loss's calculate_loss under MatryoshkaLoss: one fused call for every selected dimension on the
     whole cached batch, or the parent's per-dimension decorator when the configuration runs unfused."""
 
-    def __init__(self, matryoshka: MatryoshkaLoss, parent_decorator) -> None:
+    def __init__(self, matryoshka: MatryoshkaLoss, parent_decorator: Callable[..., Tensor]) -> None:
         self.matryoshka = matryoshka
         self.parent_decorator = parent_decorator
 
-    def __call__(self, reps: list[list[Tensor]], *args, with_backward: bool = False, **kwargs) -> Tensor:
+    def __call__(self, reps: list[list[Tensor]], *args: Any, with_backward: bool = False, **kwargs: Any) -> Tensor:
         if not self.matryoshka.uses_fused_path:
             return self.parent_decorator(reps, *args, with_backward=with_backward, **kwargs)
         nested = self.matryoshka._selected(reps[0][0].shape[-1], sort=False)
@@ -722,7 +734,7 @@ class _FusedCachedMatryoshka:
 # --------------------------------------------------------------------------------------------------------
 # Layer-wise: AdaptiveLayerLoss and Matryoshka2dLoss, every sampled layer (and dimension) in one fused call
 # --------------------------------------------------------------------------------------------------------
-def _layerwise_unfused_reason(inner) -> str | None:
+def _layerwise_unfused_reason(inner: torch.nn.Module) -> str | None:
     """Why a layer-wise loss over `inner` (the inner loss, or our MatryoshkaLoss over it) cannot run as one
     fused call over the stacked layers; None when it can."""
     if isinstance(inner, MatryoshkaLoss):
@@ -750,7 +762,7 @@ class _LayerRecorder(torch.nn.Module):
     layer in force (and, for a Matryoshka inner loss, draws its dimensions in the parent's order) and returns
     0. `fused_loss` then computes every recorded layer's weighted loss in one call on the stacked embeddings."""
 
-    def __init__(self, layerwise, inner) -> None:
+    def __init__(self, layerwise: torch.nn.Module, inner: torch.nn.Module) -> None:
         super().__init__()
         self.layerwise = [layerwise]  # a list: not registered as a submodule (it owns this recorder)
         self.inner = inner
@@ -758,7 +770,7 @@ class _LayerRecorder(torch.nn.Module):
         self.columns: list[list[Tensor]] = []
         self.draws: list[_functional.Nested] = []  # a Matryoshka inner loss's dimensions of each layer
 
-    def forward(self, sentence_features, labels) -> Tensor:
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         layerwise = self.layerwise[0]
         decorator = next(m.forward for m in layerwise.model.modules()
                          if isinstance(m.__dict__.get("forward"), _TransformerDecorator))
@@ -769,7 +781,7 @@ class _LayerRecorder(torch.nn.Module):
             self.draws.append(self.inner._selected(embeddings[0].shape[-1], sort=True))
         return embeddings[0].new_zeros(())
 
-    def fused_loss(self, labels) -> Tensor | None:
+    def fused_loss(self, labels: Tensor) -> Tensor | None:
         """sum over the recorded layers l (and drawn dims i) of weight_l * w_i * loss(layer l[..., :d_i]) as the
         parent weighs them: the final layer by last_layer_weight, a sampled layer by its layer weighting divided
         by the number sampled times prior_layers_weight; None when every weight is 0."""
@@ -800,7 +812,7 @@ class _FusedLayerwise:
     def uses_fused_path(self) -> bool:
         return _layerwise_unfused_reason(self.loss) is None
 
-    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         if not self.uses_fused_path:
             return super().forward(sentence_features, labels)
         inner = self.loss
@@ -838,9 +850,11 @@ class Matryoshka2dLoss(_FusedLayerwise, _st_losses.Matryoshka2dLoss):
     the fused path; `uses_fused_path` says whether it runs.
     """
 
-    def __init__(self, model, loss, matryoshka_dims, matryoshka_weights=None, n_layers_per_step: int = 1,
+    def __init__(self, model: SentenceTransformer, loss: torch.nn.Module, matryoshka_dims: Sequence[int],
+                 matryoshka_weights: Sequence[float] | None = None, n_layers_per_step: int = 1,
                  n_dims_per_step: int = 1, last_layer_weight: float = 1.0, prior_layers_weight: float = 1.0,
-                 kl_div_weight: float = 1.0, kl_temperature: float = 0.3, layer_weighting="uniform") -> None:
+                 kl_div_weight: float = 1.0, kl_temperature: float = 0.3,
+                 layer_weighting: Literal["uniform", "log", "linear"] | Callable[[int], float] = "uniform") -> None:
         # the parent's __init__ wraps `loss` in sentence-transformers' MatryoshkaLoss; ours instead, then the
         # grandparent's __init__ exactly as the parent calls it
         matryoshka = MatryoshkaLoss(model, loss, matryoshka_dims, matryoshka_weights=matryoshka_weights,

@@ -33,11 +33,11 @@ def st_module():
 
 @pytest.fixture(scope="session")
 def angle_emb_package():
-    """The angle_emb package (its import pulls in datasets, bitsandbytes, ...), or a clean skip."""
+    """The angle_emb package with angle_emb.angle and angle_emb.loss (its import pulls in transformers, peft,
+    datasets and bitsandbytes: ak_testing.import_angle_emb_package), or a clean skip."""
+    from ak_testing import import_angle_emb_package
+
     try:
-        import angle_emb  # noqa: F401
-        import angle_emb.angle
-        import angle_emb.loss
+        return import_angle_emb_package()
     except Exception as exc:  # ImportError, or a dependency failing at import time
         pytest.skip(f"angle-emb cannot be imported: {type(exc).__name__}: {exc}")
-    return angle_emb

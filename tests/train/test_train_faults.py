@@ -124,8 +124,8 @@ class OverflowingForward:
         self.forward, self.bad, self.step = encoder.forward, set(bad), 1
         encoder.forward = self
 
-    def __call__(self, input_ids, attention_mask):
-        out = self.forward(input_ids, attention_mask)
+    def __call__(self, *inputs):  # (input_ids, attention_mask[, packed])
+        out = self.forward(*inputs)
         return out * float("inf") if self.step in self.bad else out  # +-Inf, NaN where a feature is 0
 
     def on_step(self, step, row):
@@ -279,7 +279,8 @@ def test_sigterm_checkpoints_and_resume_is_bit_identical(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ out of memory
 def _oom_above(encoder, rows: int, seen: list):
-    """Make the encoder raise torch.OutOfMemoryError on forward passes of more than `rows` texts."""
+    """Make the encoder raise torch.OutOfMemoryError on forward passes of more than `rows` padded texts (the tests
+    below train with --pack 0: the halving does not depend on the layout of a pass, their counts of texts do)."""
     forward = encoder.forward
 
     def limited(input_ids, attention_mask):
@@ -295,7 +296,8 @@ def _oom_above(encoder, rows: int, seen: list):
 def test_out_of_memory_names_what_to_change(tmp_path):
     encoder, tokenizer = make_encoder()
     with pytest.raises(torch.OutOfMemoryError) as error:
-        train(_config(tmp_path, chunk_size=8), model=(_oom_above(encoder, 4, []), tokenizer), train_examples=DATA)
+        train(_config(tmp_path, chunk_size=8, pack=0), model=(_oom_above(encoder, 4, []), tokenizer),
+              train_examples=DATA)
     message = str(error.value)
     for needed in ("optimizer step 1", "--batch-size 8", "16 texts on this process, 8 texts per forward pass",
                    "--max-length 12", "--chunk-size", "--gradient-checkpointing", "--auto-chunk"):
@@ -308,14 +310,15 @@ def test_auto_chunk_halves_a_token_budget_and_gives_the_same_training(tmp_path):
     the 4 texts that fit: the same training as that budget from the start (dropout off)."""
     seen = []
     encoder, tokenizer = make_encoder()
-    cfg = _config(tmp_path / "auto", chunk_tokens=400, auto_chunk=True)
+    cfg = _config(tmp_path / "auto", chunk_tokens=400, auto_chunk=True, pack=0)
     auto = train(cfg, model=(_oom_above(encoder, 4, seen), tokenizer), train_examples=DATA)
     halvings = [400 // 2**k for k in range(1, 5)]
     assert cfg.chunk_tokens in halvings and seen[:2] == [16, 16]  # 400 and 200: every text in one pass
     last_failure = max(i for i, rows in enumerate(seen) if rows > 4)
     assert last_failure == halvings.index(cfg.chunk_tokens)  # one failed pass per budget tried, then none
     assert seen[last_failure + 1:] and max(seen[last_failure + 1:]) <= 4
-    fixed = train(_config(tmp_path / "fixed", chunk_tokens=cfg.chunk_tokens), model=make_encoder(), train_examples=DATA)
+    fixed = train(_config(tmp_path / "fixed", chunk_tokens=cfg.chunk_tokens, pack=0), model=make_encoder(),
+                  train_examples=DATA)
     for a, b in zip(auto.history, fixed.history, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-9 * abs(b["loss"])
     for name, value in fixed.encoder.state_dict().items():
@@ -327,10 +330,10 @@ def test_auto_chunk_halves_the_chunk_and_gives_the_same_training(tmp_path):
     chunks of 4 from the start (dropout off), and the later steps keep the chunk that fit."""
     seen = []
     encoder, tokenizer = make_encoder()
-    auto = train(_config(tmp_path / "auto", auto_chunk=True), model=(_oom_above(encoder, 4, seen), tokenizer),
+    auto = train(_config(tmp_path / "auto", auto_chunk=True, pack=0), model=(_oom_above(encoder, 4, seen), tokenizer),
                  train_examples=DATA)
     assert seen[:3] == [16, 8, 4] and set(seen[3:]) == {4}
-    fixed = train(_config(tmp_path / "fixed", chunk_size=4), model=make_encoder(), train_examples=DATA)
+    fixed = train(_config(tmp_path / "fixed", chunk_size=4, pack=0), model=make_encoder(), train_examples=DATA)
     for a, b in zip(auto.history, fixed.history):
         assert abs(a["loss"] - b["loss"]) <= 1e-9 * abs(b["loss"])
     for name, value in fixed.encoder.state_dict().items():

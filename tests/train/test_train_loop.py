@@ -108,6 +108,38 @@ def test_export_is_loadable_by_sentence_transformers(tmp_path):
     torch.testing.assert_close(reloaded.encode(TEXTS, tok), ours, rtol=1e-5, atol=1e-6)
 
 
+def test_an_export_keeps_the_pooler_training_dropped(tmp_path, capfd):
+    """BERT's pooler (dense + tanh on [CLS]) never trains (no embedding reads it), but an export without it makes
+    every load warn that its weights are missing: the export writes the base model's pooler back."""
+    from transformers import AutoModel, BertConfig, BertModel
+    from train_helpers import make_encoder
+
+    from angle_train.models import wrap_backbone
+
+    _, tokenizer = make_encoder("bert")
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, pad_token_id=tokenizer.pad_token_id)
+    backbone = BertModel(config)  # with its pooler
+    pooler = {name: value.clone() for name, value in backbone.pooler.state_dict().items()}
+    encoder = wrap_backbone(backbone, pooling="avg", pad_token_id=tokenizer.pad_token_id)
+    assert not any("pooler" in name for name, _ in encoder.named_parameters())  # nothing of it trains
+    path = save_pretrained(encoder, tokenizer, str(tmp_path / "bert"), max_length=32)
+    loaded, info = AutoModel.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for name, value in pooler.items():
+        torch.testing.assert_close(loaded.pooler.state_dict()[name], value, rtol=0, atol=0)
+    assert encoder.backbone.pooler is None  # and the live model is as it was
+    st = pytest.importorskip("sentence_transformers")
+    capfd.readouterr()
+    st.SentenceTransformer(path, device="cpu")
+    loading = capfd.readouterr()
+    assert "MISSING" not in loading.out + loading.err and "newly initialized" not in loading.out + loading.err
+    # an export of the reloaded model keeps it too
+    reloaded, tok, _ = load_pretrained(path)
+    again = save_pretrained(reloaded, tok, str(tmp_path / "again"), max_length=32)
+    assert not AutoModel.from_pretrained(again, output_loading_info=True)[1]["missing_keys"]
+
+
 def test_lora_export_merges_the_adapter(tmp_path):
     pytest.importorskip("peft")
     from train_helpers import make_encoder

@@ -7,6 +7,7 @@ import pytest
 import torch
 from train_helpers import demo_batch, graded_or_contrastive_loss, make_encoder, param_grads, run_config
 
+from angle_train.config import CPU_PACK_WIDTH
 from angle_train.data import pad_batch
 from angle_train.grad_cache import plain_step
 from angle_train.profiling import PHASES, phase, profiling
@@ -33,7 +34,8 @@ def test_plain_backprop_profile(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "profile of step 2" in out and "encoder backward" in out
     assert 0 < profile["useful_tokens"] <= 1 and f"real tokens: {profile['useful_tokens']:.0%}" in out
-    assert "plain backprop in sub-batches of up to 512 tokens" in out and "% of the tokens real)" in out  # header
+    header = f"plain backprop, packed into rows of {CPU_PACK_WIDTH} tokens"
+    assert header in out and "% of the tokens real)" in out
 
 
 def test_gradient_cache_profile_counts_every_chunk_and_batch(tmp_path):
@@ -43,9 +45,9 @@ def test_gradient_cache_profile_counts_every_chunk_and_batch(tmp_path):
     assert phases["encoder re-forward"]["calls"] == chunks and phases["encoder backward"]["calls"] == chunks
     assert phases["encoder forward"]["calls"] == chunks and phases["loss"]["calls"] == 2
     assert phases["optimizer"]["calls"] == 1
-    # the chunks are cut from length-sorted texts: less padding than one pass over the batch
-    plain = profiled_run(tmp_path / "plain")
-    assert profile["sort_passes"] and profile["useful_tokens"] > plain["useful_tokens"]
+    # the chunks are packed (the CPU default): less padding than one padded pass over the batch
+    plain = profiled_run(tmp_path / "plain", pack=0, pass_tokens=0)
+    assert profile["pack"] and profile["useful_tokens"] > plain["useful_tokens"]
 
 
 def test_phases_do_nothing_outside_a_profiled_step():

