@@ -178,6 +178,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     the model, and what the model's limits need."""
     cfg.validate()
     cfg.check_paths(model=model is None, train_data=train_examples is None, dev_data=dev_examples is None)
+    tracking.resolve_report_to(cfg.report_to)  # a tracker that cannot run: refused before the model loads
     resume_from = checkpoint_to_resume(cfg)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     packing_asked = cfg.pack is not None
