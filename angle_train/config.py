@@ -87,9 +87,9 @@ class TrainConfig:
                             "padding; the loss and its gradient are the same, dropout masks fall differently)",
                             group="optimisation")
     pass_tokens: int = opt(None, "plain backprop: forward the batch in length-sorted sub-batches of at most N tokens, "
-                           "padding included, all kept for one backward (0 = one pass; default: 512 on CPU when its passes "
-                           "are not packed (--pack 0), where it measured 1.3x faster at 16 pairs and 2.3x at 64 on "
-                           "STS-B, one pass on GPU)",
+                           "padding included, all kept for one backward (0 = one pass; default: 512 on CPU when its "
+                           "passes are not packed (--pack 0), where it measured 1.3x faster at 16 pairs and 2.3x at 64 "
+                           "on STS-B, one pass on GPU)",
                            group="optimisation", at_least=0)
     pack: int = opt(None, "pack each forward pass's texts into rows of N tokens, several texts per row and no "
                     "padding between them (a block-diagonal attention mask keeps them apart, positions restart per "
