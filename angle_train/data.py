@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import json
 import math
 import os
@@ -477,7 +478,17 @@ def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
     fewest_rows = -(-total // width)
     candidates = {width, longest} | {max(longest, -(-total // rows)) for rows in range(fewest_rows, fewest_rows + 3)}
     packings = [_first_fit_decreasing(lengths, min(candidate, width)) for candidate in sorted(candidates)]
-    return min(packings, key=lambda rows: len(rows) * max(sum(lengths[t] for t in row) for row in rows))
+    return min(packings, key=lambda rows: processed_tokens(rows, lengths))
+
+
+def row_width(rows: list[list[int]], lengths: list[int]) -> int:
+    """The fullest row's tokens: the width every row of a packed pass is padded to."""
+    return max(sum(lengths[t] for t in row) for row in rows)
+
+
+def processed_tokens(rows: list[list[int]], lengths: list[int]) -> int:
+    """The tokens the encoder processes for texts of these lengths packed into these rows (pack_rows)."""
+    return len(rows) * row_width(rows, lengths)
 
 
 def _first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
@@ -511,15 +522,16 @@ class PackedTexts:
     token_mask: torch.Tensor
 
     @classmethod
-    def build(cls, seqs: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tensor, PackedTexts]:
-        """(input_ids [rows, width'], layout) for these texts packed into rows of `width` tokens (pack_rows); width'
-        is the fullest row's length."""
+    def build(cls, seqs: list[list[int]], width: int, pad_id: int,
+              rows: list[list[int]] | None = None) -> tuple[torch.Tensor, PackedTexts]:
+        """(input_ids [rows, width'], layout) for these texts packed into rows of `width` tokens (`rows`: their
+        pack_rows, when already known); width' is the fullest row's length."""
         lengths = [len(seq) for seq in seqs]
-        rows = pack_rows(lengths, width)
-        row_width = max(sum(lengths[t] for t in row) for row in rows)
-        input_ids = torch.full((len(rows), row_width), pad_id, dtype=torch.long)
-        text_of_token = torch.full((len(rows), row_width), -1, dtype=torch.long)
-        position_ids = torch.zeros((len(rows), row_width), dtype=torch.long)
+        rows = pack_rows(lengths, width) if rows is None else rows
+        fullest = row_width(rows, lengths)
+        input_ids = torch.full((len(rows), fullest), pad_id, dtype=torch.long)
+        text_of_token = torch.full((len(rows), fullest), -1, dtype=torch.long)
+        position_ids = torch.zeros((len(rows), fullest), dtype=torch.long)
         token_index = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
         token_mask = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
         for r, row in enumerate(rows):
@@ -529,10 +541,15 @@ class PackedTexts:
                 input_ids[r, start:end] = torch.tensor(seqs[text])
                 text_of_token[r, start:end] = text
                 position_ids[r, start:end] = torch.arange(lengths[text])
-                token_index[text, :lengths[text]] = torch.arange(r * row_width + start, r * row_width + end)
+                token_index[text, :lengths[text]] = torch.arange(r * fullest + start, r * fullest + end)
                 token_mask[text, :lengths[text]] = 1
                 start = end
         return input_ids, cls(text_of_token, position_ids, token_index, token_mask)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """[rows, width] 1 on the texts' tokens, 0 on the padding at the end of a row (the usual 2D mask)."""
+        return (self.text_of_token >= 0).long()
 
     def to(self, device) -> PackedTexts:
         return PackedTexts(*(tensor.to(device) for tensor in
@@ -562,13 +579,12 @@ class PassPlan:
         dropout), padded (pad_batch), or packed as (input_ids, attention_mask, dropout, PackedTexts); and
         restore_index as a tensor (None: batch order)."""
         chunks = []
-        for seqs, dropout in self.passes:
+        for i, (seqs, dropout) in enumerate(self.passes):
             if not self.pack_width:
                 chunks.append((*pad_batch(seqs, pad_id, side, device), dropout))
                 continue
-            input_ids, layout = PackedTexts.build(seqs, self.pack_width, pad_id)
-            attention_mask = (layout.text_of_token >= 0).long()
-            chunks.append((input_ids.to(device), attention_mask.to(device), dropout, layout.to(device)))
+            input_ids, layout = PackedTexts.build(seqs, self.pack_width, pad_id, self.packings[i])
+            chunks.append((input_ids.to(device), layout.attention_mask.to(device), dropout, layout.to(device)))
         restore = self.restore_index()
         return chunks, None if restore is None else torch.tensor(restore, device=device)
 
@@ -578,12 +594,14 @@ class PassPlan:
         real = sum(len(seq) for seqs, _ in self.passes for seq in seqs)
         if not self.pack_width:
             return real, sum(len(seqs) * max(len(seq) for seq in seqs) for seqs, _ in self.passes)
-        processed = 0
-        for seqs, _ in self.passes:
-            lengths = [len(seq) for seq in seqs]
-            rows = pack_rows(lengths, self.pack_width)
-            processed += len(rows) * max(sum(lengths[t] for t in row) for row in rows)
-        return real, processed
+        return real, sum(processed_tokens(rows, [len(seq) for seq in seqs])
+                         for rows, (seqs, _) in zip(self.packings, self.passes))
+
+    @functools.cached_property
+    def packings(self) -> list[list[list[int]]]:
+        """With pack_width: each pass's texts in rows (pack_rows), worked out once for both tensors() and
+        token_counts()."""
+        return [pack_rows([len(seq) for seq in seqs], self.pack_width) for seqs, _ in self.passes]
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -241,8 +241,7 @@ class Encoder(nn.Module):
         try:
             padded = self(*pad_batch(seqs, self.pad_token_id, self.padding_side, self.device))
             input_ids, layout = PackedTexts.build(seqs, width, self.pad_token_id)
-            packed = self(input_ids.to(self.device), (layout.text_of_token >= 0).long().to(self.device),
-                          layout.to(self.device))
+            packed = self(input_ids.to(self.device), layout.attention_mask.to(self.device), layout.to(self.device))
         finally:
             self.train(was_training)
         # rounding only: float32 differs by ~1e-6 of the norm, bf16 by ~1e-2; wrong positions or a leaking mask by

@@ -52,7 +52,7 @@ def test_packed_layout_puts_each_text_where_its_index_says():
 def _embed_both(encoder, seqs, width=WIDTH):
     packed_ids, layout = PackedTexts.build(seqs, width, encoder.pad_token_id)
     assert packed_ids.shape[0] < len(seqs)  # the test needs rows that hold several texts
-    packed = encoder(packed_ids, (layout.text_of_token >= 0).long(), layout)
+    packed = encoder(packed_ids, layout.attention_mask, layout)
     padded = encoder(*pad_batch(seqs, encoder.pad_token_id, encoder.padding_side))
     return packed, padded
 
@@ -82,7 +82,7 @@ def test_a_leaking_mask_or_wrong_positions_change_the_embeddings():
     seqs = demo_batch(tokenizer, 6, "B").seqs
     _, padded = _embed_both(encoder, seqs)
     packed_ids, layout = PackedTexts.build(seqs, WIDTH, encoder.pad_token_id)
-    mask = (layout.text_of_token >= 0).long()
+    mask = layout.attention_mask
     from_zero = dataclasses.replace(layout, position_ids=torch.zeros_like(layout.position_ids))
     assert (encoder(packed_ids, mask, from_zero) - padded).abs().max() > 1e-2
     encoder._packed_mask = lambda text_of_token: (text_of_token >= 0)[:, None, None, :]  # every real token
