@@ -4,7 +4,9 @@ import contextlib
 
 import pytest
 import torch
-from train_helpers import demo_batch, graded_or_contrastive_loss, make_encoder, param_grads
+from train_helpers import (
+    assert_same_grads, demo_batch, graded_or_contrastive_loss, grads_in_passes, make_encoder, param_grads,
+)
 
 from angle_kernels import AngleLoss
 from angle_train.cli import config_from_args
@@ -24,12 +26,6 @@ def _grads(encoder, step, chunks, labels, loss_fn, seed):
     return loss, param_grads(encoder), torch.get_rng_state()
 
 
-def _assert_same(a, b):
-    assert a.keys() == b.keys() and len(a) > 0
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-9, atol=1e-12, msg=name)
-
-
 @pytest.mark.parametrize("arch, lora", [("bert", False), ("llama", True)])
 def test_grad_cache_equals_plain_backprop_with_dropout(arch, lora):
     """Dropout ON: equality needs the second pass to replay the first pass's dropout masks."""
@@ -41,7 +37,7 @@ def test_grad_cache_equals_plain_backprop_with_dropout(arch, lora):
     loss_p, plain, rng_p = _grads(encoder, plain_step, chunks, batch.labels, loss_fn, seed=5)
     loss_c, cached, rng_c = _grads(encoder, grad_cache_step, chunks, batch.labels, loss_fn, seed=5)
     torch.testing.assert_close(loss_c, loss_p, rtol=1e-12, atol=0)
-    _assert_same(cached, plain)
+    assert_same_grads(cached, plain)
     assert torch.equal(rng_p, rng_c)  # the generator ends where plain backprop leaves it
 
 
@@ -68,7 +64,7 @@ def test_grad_cache_in_chunks_equals_one_plain_pass_over_the_whole_batch(arch, f
     loss_p, plain, _ = _grads(encoder, plain_step, _chunks(encoder, batch, None), batch.labels, loss_fn, seed=0)
     loss_c, cached, _ = _grads(encoder, grad_cache_step, _chunks(encoder, batch, 3), batch.labels, loss_fn, seed=0)
     torch.testing.assert_close(loss_c, loss_p, rtol=1e-10, atol=1e-12)
-    _assert_same(cached, plain)
+    assert_same_grads(cached, plain)
 
 
 @pytest.mark.parametrize("arch, fmt, flags", [
@@ -87,7 +83,7 @@ def test_matryoshka_grad_cache_equals_plain_backprop(arch, fmt, flags):
     loss_p, plain, _ = _grads(encoder, plain_step, chunks, batch.labels, loss_fn, seed=3)
     loss_c, cached, _ = _grads(encoder, grad_cache_step, chunks, batch.labels, loss_fn, seed=3)
     torch.testing.assert_close(loss_c, loss_p, rtol=1e-12, atol=0)
-    _assert_same(cached, plain)
+    assert_same_grads(cached, plain)
     # the widths change this batch's loss, so the equality above is about the Matryoshka loss
     full_width, _, _ = _grads(encoder, plain_step, chunks, batch.labels, build_loss(config_from_args(flags), fmt),
                               seed=3)
@@ -106,14 +102,6 @@ def test_grad_cache_float32_close_to_plain():
 
 
 # ------------------------------------------------------------------ length-sorted passes and token budgets
-
-
-def _grads_in_passes(encoder, step, plan, labels, loss_fn, seed):
-    chunks, restore = plan.tensors(encoder.pad_token_id, encoder.padding_side)
-    encoder.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = step(encoder, chunks, labels, loss_fn, restore=restore)
-    return loss, param_grads(encoder)
 
 
 def test_a_pass_plan_sorts_within_dropout_groups_and_keeps_every_row_once():
@@ -149,13 +137,13 @@ def test_sorted_passes_give_the_gradients_of_one_plain_pass(arch, fmt, cut):
     plan = batch.plan(**cut)
     assert plan.restore_index() is not None and len(plan.passes) > 2  # the test needs a real reordering
     loss_p, plain, _ = _grads(encoder, plain_step, _chunks(encoder, batch, None), batch.labels, loss_fn, seed=0)
-    loss_c, cached = _grads_in_passes(encoder, grad_cache_step, plan, batch.labels, loss_fn, seed=0)
+    loss_c, cached = grads_in_passes(encoder, grad_cache_step, plan, batch.labels, loss_fn, seed=0)
     torch.testing.assert_close(loss_c, loss_p, rtol=1e-10, atol=1e-12)
-    _assert_same(cached, plain)
+    assert_same_grads(cached, plain)
     # plain backprop in the same sorted sub-batches (--pass-tokens): the same too
-    loss_s, sub_batches = _grads_in_passes(encoder, plain_step, plan, batch.labels, loss_fn, seed=0)
+    loss_s, sub_batches = grads_in_passes(encoder, plain_step, plan, batch.labels, loss_fn, seed=0)
     torch.testing.assert_close(loss_s, loss_p, rtol=1e-10, atol=1e-12)
-    _assert_same(sub_batches, plain)
+    assert_same_grads(sub_batches, plain)
 
 
 def test_sorted_passes_without_restoring_the_order_give_other_gradients():
@@ -178,7 +166,7 @@ def test_sorted_passes_with_dropout_equal_plain_backprop_over_the_same_passes():
     batch = demo_batch(tokenizer, 12, "B")
     loss_fn = AngleLoss(dataset_format="B")
     plan = batch.plan(tokens=30)
-    loss_p, plain = _grads_in_passes(encoder, plain_step, plan, batch.labels, loss_fn, seed=5)
-    loss_c, cached = _grads_in_passes(encoder, grad_cache_step, plan, batch.labels, loss_fn, seed=5)
+    loss_p, plain = grads_in_passes(encoder, plain_step, plan, batch.labels, loss_fn, seed=5)
+    loss_c, cached = grads_in_passes(encoder, grad_cache_step, plan, batch.labels, loss_fn, seed=5)
     torch.testing.assert_close(loss_c, loss_p, rtol=1e-12, atol=0)
-    _assert_same(cached, plain)
+    assert_same_grads(cached, plain)

@@ -7,7 +7,9 @@ import dataclasses
 
 import pytest
 import torch
-from train_helpers import demo_batch, graded_or_contrastive_loss, make_encoder, param_grads, run_config
+from train_helpers import (
+    assert_same_grads, demo_batch, graded_or_contrastive_loss, grads_in_passes, make_encoder, param_grads, run_config,
+)
 
 from angle_train.config import CPU_PACK_WIDTH, CPU_PASS_TOKENS
 from angle_train.data import Batch, PackedTexts, pack_rows, pad_batch
@@ -112,20 +114,6 @@ def test_the_layer_stack_of_packed_rows_is_that_of_padded_rows():
     torch.testing.assert_close(packed, padded, rtol=1e-10, atol=1e-12)
 
 
-def _grads(encoder, step, plan, labels, loss_fn, seed):
-    encoder.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    chunks, restore = plan.tensors(encoder.pad_token_id, encoder.padding_side)
-    loss = step(encoder, chunks, labels, loss_fn, restore=restore)
-    return loss, param_grads(encoder)
-
-
-def _assert_same_grads(a, b):
-    assert a.keys() == b.keys() and len(a) > 0
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-9, atol=1e-12, msg=name)
-
-
 @pytest.mark.parametrize("arch, fmt, cut", [("bert", "A", {}), ("bert", "B", {"rows": 5}),
                                             ("llama", "B", {"tokens": 40}), ("llama", "A", {"rows": 4})])
 def test_packed_passes_give_the_gradients_of_one_padded_pass(arch, fmt, cut):
@@ -134,13 +122,13 @@ def test_packed_passes_give_the_gradients_of_one_padded_pass(arch, fmt, cut):
     encoder, tokenizer = make_encoder(arch, dropout=0.0)
     batch = demo_batch(tokenizer, 10, fmt)
     loss_fn = graded_or_contrastive_loss(fmt)
-    loss_ref, reference = _grads(encoder, plain_step, batch.plan(sort=False), batch.labels, loss_fn, seed=0)
+    loss_ref, reference = grads_in_passes(encoder, plain_step, batch.plan(sort=False), batch.labels, loss_fn, seed=0)
     packed = batch.plan(**cut, pack_width=WIDTH)
     assert packed.token_counts()[1] < batch.plan(sort=False).token_counts()[1]  # packing removed padding
     for step in (plain_step, grad_cache_step):
-        loss, grads = _grads(encoder, step, packed, batch.labels, loss_fn, seed=0)
+        loss, grads = grads_in_passes(encoder, step, packed, batch.labels, loss_fn, seed=0)
         torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=1e-12)
-        _assert_same_grads(grads, reference)
+        assert_same_grads(grads, reference)
 
 
 def test_a_token_budget_counts_real_tokens_when_packing():
@@ -159,10 +147,10 @@ def test_packed_passes_with_dropout_equal_plain_backprop_over_the_same_passes():
     loss_fn = graded_or_contrastive_loss("B")
     plan = batch.plan(tokens=60, pack_width=WIDTH)
     assert len(plan.passes) > 1
-    loss_p, plain = _grads(encoder, plain_step, plan, batch.labels, loss_fn, seed=5)
-    loss_c, cached = _grads(encoder, grad_cache_step, plan, batch.labels, loss_fn, seed=5)
+    loss_p, plain = grads_in_passes(encoder, plain_step, plan, batch.labels, loss_fn, seed=5)
+    loss_c, cached = grads_in_passes(encoder, grad_cache_step, plan, batch.labels, loss_fn, seed=5)
     torch.testing.assert_close(loss_c, loss_p, rtol=1e-12, atol=0)
-    _assert_same_grads(cached, plain)
+    assert_same_grads(cached, plain)
 
 
 def test_the_start_up_check_finds_models_that_cannot_take_packed_rows(monkeypatch):

@@ -41,6 +41,23 @@ def param_grads(module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
+def grads_in_passes(encoder, step, plan, labels, loss_fn, seed: int):
+    """(loss, parameter gradients) of one step (grad_cache.plain_step or grad_cache_step) over a PassPlan's passes,
+    their rows put back in batch order, the generators seeded first."""
+    chunks, restore = plan.tensors(encoder.pad_token_id, encoder.padding_side)
+    encoder.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = step(encoder, chunks, labels, loss_fn, restore=restore)
+    return loss, param_grads(encoder)
+
+
+def assert_same_grads(a: dict, b: dict) -> None:
+    """Two param_grads dicts name the same parameters (at least one) with gradients equal to float64 rounding."""
+    assert a.keys() == b.keys() and len(a) > 0
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
 def graded_or_contrastive_loss(fmt: str):
     """AngleLoss for a data format: the ranking terms for graded format-A labels (the in-batch-negative term
     needs 0/1 labels), the defaults otherwise."""
