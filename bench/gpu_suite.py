@@ -280,12 +280,21 @@ class Schedule:
     """The steps of a stage and their time limits, as a schedule from the stage's start: step k must end by the
     sum of the limits of steps 0..k, so a step that ends early leaves its time to the next one."""
 
-    def __init__(self, steps: tuple[tuple[str, float], ...], start: float):
-        self.start = start
+    def __init__(self, steps: tuple[tuple[str, float], ...], start: float, skip: tuple[str, ...] = (),
+                 limit_s: float | None = None):
+        """`skip`: steps that do not run (measured by an earlier command) and get no time; `limit_s`: where the
+        device time left is shorter than the stage, every step ends by then at the latest."""
+        self.start, self.skipped = start, set(skip)
         self.ends, total = {}, 0.0
         for name, limit in steps:
+            if name in self.skipped:
+                continue
             total += limit
-            self.ends[name] = total
+            self.ends[name] = total if limit_s is None else min(total, limit_s)
+        self.budget_s = total if limit_s is None else min(total, limit_s)
+
+    def runs(self, step: str) -> bool:
+        return step not in self.skipped
 
     def deadline(self, step: str) -> Deadline:
         return Deadline(self.ends[step], self.start)
@@ -739,7 +748,7 @@ def loss_sweep(record: StageRecord, deadline: Deadline, angle_emb_loss: str | No
     argv = ["--device", "cuda", "--out", str(folder), "--dtypes", SWEEP_DTYPE,
             "--losses", ",".join(bench_losses.LOSSES),
             "--providers", "ours-triton,ours-torch,reference,sentence-transformers,eager", "--d", "768",
-            "--n", "1024,16384,262144,1048576", "--n-quadratic", "1024,4096,16384", "--max-run-seconds", "5",
+            "--n", "1024,8192,262144,1048576", "--n-quadratic", "1024,4096,16384", "--max-run-seconds", "5",
             "--max-ref-gb", "60", "--time-budget", f"{budget:.0f}"]
     if wheel:
         argv += ["--angle-emb-loss", wheel]
@@ -752,9 +761,11 @@ def stage_second(args, record: StageRecord, schedule: Schedule) -> None:
     limits = guarded(record, "limits", lambda: harness.measure_limits("cuda", ["float32", SWEEP_DTYPE]))
     if limits["status"] != "ok":
         return
-    guarded(record, "op_sweep", lambda: op_sweep(record, schedule.deadline("op_sweep"), limits, [("triton", "torch")],
-                                                 ops=bf16_ops()))
-    guarded(record, "loss_sweep", lambda: loss_sweep(record, schedule.deadline("loss_sweep"), args.angle_emb_loss))
+    if schedule.runs("op_sweep"):
+        guarded(record, "op_sweep", lambda: op_sweep(record, schedule.deadline("op_sweep"), limits,
+                                                     [("triton", "torch")], ops=bf16_ops()))
+    if schedule.runs("loss_sweep"):
+        guarded(record, "loss_sweep", lambda: loss_sweep(record, schedule.deadline("loss_sweep"), args.angle_emb_loss))
 
     def cuda_sweep():
         deadline = schedule.deadline("cuda_op_sweep")
@@ -766,7 +777,8 @@ def stage_second(args, record: StageRecord, schedule: Schedule) -> None:
         # the CUDA backend gets a pass of its own: a CUDA error in it loses the process's context, not the rows above
         return {"build": built, **op_sweep(record, deadline, limits, [("cuda",)], ops=bf16_ops(), step="cuda_op_sweep")}
 
-    guarded(record, "cuda_op_sweep", cuda_sweep)
+    if schedule.runs("cuda_op_sweep"):
+        guarded(record, "cuda_op_sweep", cuda_sweep)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -931,12 +943,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--angle-emb-loss", default=None,
                         help=f"second: angle-emb 0.6.1's wheel or its loss.py (default {DEFAULT_ANGLE_EMB_WHEEL.name} "
                              "in .whl/ when present)")
+    parser.add_argument("--skip", type=lambda text: tuple(filter(None, text.split(","))), default=(),
+                        help="second: steps not to run, comma-separated (op_sweep, loss_sweep, cuda_op_sweep: "
+                             "measured by an earlier command); they get no time in the schedule")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds the whole stage may take when less device time is left than its limit: "
+                             "every step ends by then (so two stages fit one command)")
     parser.add_argument("--resume-from", default=None,
                         help="third: a folder with the previous command's results (its llama7b/ is copied first, "
                              "and the benchmark continues where it stopped)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.time_limit is not None and args.time_limit <= 0:
+        parser.error("--time-limit must be a positive number of seconds")
+    if args.stage in STAGES:
+        skippable = [name for name, _ in SECOND_STEPS if name != "limits"] if args.stage == "second" else []
+        unknown = [name for name in args.skip if name not in skippable]
+        if unknown:
+            parser.error(f"--skip {','.join(unknown)}: stage {args.stage} can skip "
+                         f"{', '.join(skippable) or 'no step'}")
     return args
 
 
@@ -959,8 +985,10 @@ def main(argv=None) -> int:
         os.environ["ANGLE_KERNELS_CUDA_JIT"] = "0"  # the extension comes from the background build, or not at all
     out.mkdir(parents=True, exist_ok=True)
     stage = STAGES[args.stage]
-    record = StageRecord(out, args.stage, stage.budget_s, argv)
-    schedule = Schedule(stage.steps, PROCESS_START)
+    schedule = Schedule(stage.steps, PROCESS_START, skip=args.skip, limit_s=args.time_limit)
+    record = StageRecord(out, args.stage, schedule.budget_s, argv)
+    if args.skip:
+        record.data["skipped"] = list(args.skip)
     status = "failed"
     try:
         guarded(record, "preflight", lambda: preflight(record, on_gpu and stage.needs_build))

@@ -65,7 +65,8 @@ def test_help_and_readme_state_every_stage_and_step_with_its_limit(capsys):
 
 
 def test_bad_arguments_are_refused(capsys):
-    for argv in (["a", "out"], ["first", "out", "--workers", "0"]):
+    for argv in (["a", "out"], ["first", "out", "--workers", "0"], ["second", "out", "--skip", "limits"],
+                 ["first", "out", "--skip", "headline"], ["third", "out", "--time-limit", "0"]):
         with pytest.raises(SystemExit) as exit_info:
             gpu_suite.parse_args(argv)
         assert exit_info.value.code == 2
@@ -141,6 +142,18 @@ def test_a_schedule_gives_a_step_the_time_the_steps_before_it_left():
     assert 25 < schedule.deadline("two").left() <= 30  # 130 s from the start
     deadline = gpu_suite.Deadline(130, start)
     assert deadline.fits(20) and not deadline.fits(40)
+
+
+def test_a_schedule_leaves_out_skipped_steps_and_ends_by_the_time_limit():
+    start = time.monotonic()
+    schedule = gpu_suite.Schedule((("one", 60), ("two", 70), ("three", 80)), start, skip=("two",), limit_s=100)
+    assert schedule.runs("one") and not schedule.runs("two") and schedule.runs("three")
+    assert 55 < schedule.deadline("one").left() <= 60
+    assert 95 < schedule.deadline("three").left() <= 100  # 140 s of steps, cut at the limit
+    assert schedule.budget_s == 100
+    assert gpu_suite.Schedule((("one", 60), ("two", 70)), start, skip=("one",)).budget_s == 70
+    args = gpu_suite.parse_args(["second", "out", "--skip", "op_sweep,cuda_op_sweep", "--time-limit", "300"])
+    assert args.skip == ("op_sweep", "cuda_op_sweep") and args.time_limit == 300
 
 
 def test_the_record_and_the_archive_are_written_after_every_step(tmp_path):
