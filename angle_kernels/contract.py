@@ -32,9 +32,9 @@ SCORE_DTYPES = (torch.float32, torch.float64)
 TARGETS = ("partner", "diagonal")
 LSE_EXCLUDES = ("none", "target", "own")
 LSE_PENALTIES = ("none", "other", "own", "all")
-# The ops, by name. A backend is a package whose __init__ defines is_available() and which has one module per
-# op, named after the op and defining a function of that name (torch_ops/ranking_loss.py -> ranking_loss):
-# dispatch finds the ops by these names, so adding an op never edits a backend's __init__.
+# The ops, by name. A backend is a package whose __init__ defines is_available() and load_ops(), and which has one
+# module per op, named after the op and defining a function of that name (torch_ops/ranking_loss.py ->
+# ranking_loss); load_ops() imports the op modules and returns them by these names (docs/dispatch.md).
 OPS = ("pair_scores", "ranking_loss", "similarity_xent", "similarity_lse")
 # The optional features of the contract: an op module lists those its op implements in FEATURES (a tuple of these
 # names); dispatch sends a call that uses a feature its backend's op lacks elsewhere (see dispatch.Ops). Every op

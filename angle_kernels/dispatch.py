@@ -1,126 +1,42 @@
 """The ops every loss is built from, and the choice of backend that computes them.
 
-Every public loss in `angle_kernels.functional` is assembled from a few differentiable ops. Each backend
-(`torch_ops`: pure PyTorch, any device; `triton_ops`: fused Triton kernels for CUDA tensors; `cuda_ops`:
-the CUDA C++ extension in `csrc/`) implements them with exactly the semantics below (a backend may lack an op
-for a while: the cuda backend has no similarity_lse yet; "auto" then computes it elsewhere), as
-`torch.autograd.Function`s with explicit backward passes, and must agree with the others to the
-tolerances of the input dtype.
+Every public loss in `angle_kernels.functional` is assembled from four differentiable ops. Their semantics, the
+contract every backend is held to (to the tolerances of the input dtype), are the docstrings of the functions
+`pair_scores`, `ranking_loss`, `similarity_xent` and `similarity_lse` below. The backends implement them as
+`torch.autograd.Function`s with explicit backward passes: `torch_ops` (pure PyTorch, any device), `triton_ops`
+(fused Triton kernels for CUDA tensors), `cuda_ops` (the CUDA C++ extension in csrc/; no similarity_lse yet).
 
 Common conventions (the numbers and checks in code: `angle_kernels.contract`)
     * Norms use F.normalize's epsilon: ||x|| is replaced by max(||x||, 1e-12), so a zero vector has
       cosine 0 with everything and never produces NaN.
     * Finite inputs never overflow a cosine: rows whose squared norms or dot products would exceed the compute
       dtype (float32 rows around 1.8e19, float64 around 1.3e154) are computed scaled by a power of two per row
-      (exact; 1 for rows whose largest magnitude is below 2), as torch_ops/common.py states. Raw dot products
-      (similarity_lse with normalize=False) are not scale-invariant and are computed as given.
+      (exact; torch_ops/common.py). Raw dot products (similarity_lse with normalize=False) are computed as given.
     * "Compute dtype": float64 inputs compute and return float64; float32, bfloat16 and float16 inputs
-      accumulate in float32 and return float32. Gradients come back in the dtype of the input they
-      belong to.
+      accumulate in float32 and return float32. Gradients come back in the dtype of the input they belong to.
     * No op ever materialises an N x N matrix.
     * Every op's inputs are validated once, here (`Ops`, through `contract.check_<op>`), whatever the
       backend: shapes, dtypes, devices and options, never values (no device sync). Backends trust them.
+    * Optional features (`contract.OPTIONAL_FEATURES`; today dims, the nested prefixes of pair_scores and
+      similarity_xent): an op module declares those its op implements in FEATURES.
 
-pair_scores(x, with_angle) -> (cos, angle)
-    x: [G, K, D] (K >= 2). Pair k of group g is (u, v) = (x[g, 0], x[g, k]) for k = 1 .. K-1.
-    The zigzag layout [2N, D] is x.view(N, 2, D); format C's [query, positive, negative] rows are
-    x.view(B, 3, D).
-    cos[g, k-1]   = u . v / (max(|u|, eps) * max(|v|, eps))
-    angle[g, k-1] = (u . v + b . c - a . d) / (max(|u|, eps) * max(|v|, eps))
-        where a, b are the first and second halves of u and c, d those of v: this is the reference's
-        sum-pooled complex division before abs() and tau. Requires an even D. With with_angle=False the
-        second output is all zeros, does not depend on x, and D may be odd.
-    Both outputs: [G, K-1] in the compute dtype. Backward takes (grad_cos, grad_angle) and returns dx
-    [G, K, D] in x's dtype (the anchor row accumulates the gradient of all its pairs).
+Calling the ops: `pair_scores(..., backend=None)`, `ranking_loss`, `similarity_xent` and `similarity_lse` validate
+and run an op on the chosen backend; `resolve_backend(requested, *tensors)` returns the `Ops` of a backend, whose
+methods do the same without choosing again and whose `computes(op, *args)` says which backend and code path would
+compute a call. `raw_backend(name)` is a backend's own, unvalidated ops, as its package's `load_ops()` names them.
 
-ranking_loss(scores, labels) -> loss
-    scores: [N] float32/float64; labels: [N], any real dtype, same device.
-    loss = log(1 + sum over (i, j) with labels[i] < labels[j] of exp(scores[i] - scores[j]))
-    Strict inequality: tied labels contribute nothing; all labels equal gives exactly 0.
-    Returns a 0-dim tensor of scores' dtype; gradient with respect to scores only.
+Choosing the backend: `requested` is "auto", "torch", "triton" or "cuda"; None means $ANGLE_KERNELS_BACKEND, then
+"auto".
+    * "auto" is the torch backend on CPU tensors. On CUDA tensors it chooses per call the first GPU backend
+      (triton, then cuda when its extension is already compiled) that implements the call and whose code path for
+      it has passed its correctness run on this hardware and software (`angle_kernels.verified`); otherwise the
+      torch backend, with one RuntimeWarning per process. It never starts the JIT build of csrc/.
+    * An explicit backend runs what it is asked: an unverified GPU code path costs a RuntimeWarning once per
+      (backend, op, path); "cuda" JIT-builds csrc/ when no compiled extension is found; "triton" on CPU tensors
+      runs under the Triton interpreter, only with TRITON_INTERPRET=1. A backend that cannot run raises
+      RuntimeError with the reason; an op or feature it does not implement, a ValueError naming it.
 
-similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
-                group_ids=None) -> loss
-    q: [M, D]; c: [Mc, D], or None meaning c is q itself (the symmetric in-batch-negative case).
-    l[i, j] = scale * cos(q_i, c_j), except at the target column t_i, where
-        l[i, t_i] = scale * cos(min(arccos(cos(q_i, c_t)) + margin, pi))     (margin in radians, 0..pi)
-        with sin(theta) = sqrt(max(1 - cos^2, 1e-6)) so the gradient stays finite as |cos| -> 1;
-        margin == 0 leaves the target logit as scale * cos.
-    target: "partner" (t_i = i xor 1, the zigzag pair partner) or "diagonal" (t_i = i).
-    Columns C_i: all j < Mc, without j == i when exclude_diagonal.
-    Positives P_i: {t_i}, plus, when group_ids ([M] int64, only with c=None) is given, every column
-        j in C_i with group_ids[j] == group_ids[i] or group_ids[j] == group_ids[t_i] (identical texts
-        count as positives, not negatives).
-    loss = (1 / M) * sum_i w_i * (logsumexp_{j in C_i} l[i, j] - logsumexp_{j in P_i} l[i, j])
-        with w = row_weights ([M], float, 0 for rows without a target) or all ones.
-    Returns a 0-dim tensor in the compute dtype. Backward gives dq (and dc unless c is None), in the
-    inputs' dtypes. Extra memory O(M + Mc) rows: per-row logsumexps, with the tiles recomputed in backward
-    (triton's fused kernels, cuda), or the gradients formed in forward while a block of whole rows is held
-    (torch; triton's dense scheme for wide embeddings).
-
-similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
-               filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False,
-               normalize=True) -> lse
-    The per-row log partition function of a block of in-batch scores, the building block of the
-    in-batch-negative family (joint and per-direction partitions, hardness weighting, guided and
-    false-negative filtering): each loss combines a few of these [M] vectors and its positive scores.
-    q: [M, D]; c: [Mc, D], same dtype and device. Row i's target column is t_i = target_offset + i (it may
-    lie outside 0 .. Mc-1: then no column is the target). With period > 0, row i's "own" columns are the
-    j with j % period == t_i (the target and, e.g., the row's own hard negatives laid out period apart);
-    with period == 0 only j == t_i is own.
-    Scores: s(x, y) = cos(x, y) when normalize, else the raw dot product x . y (util.dot_score's logits).
-    Logits: l[i, j] = scale * s(q_i, c_j) + penalty * stop_gradient(s(q_i, c_j)) * H[i, j], where the
-        hardness set H (penalty_on) is "none": no column; "other": the columns that are not own; "own": the
-        own columns but the target; "all": every column but the target.
-    Kept columns K_i: every j < Mc, minus the target when exclude="target", minus every own column when
-        exclude="own", and, when filter_threshold ([M], float) is given, minus every j with
-        s(filter_q_i, filter_c_j) > filter_threshold[i] (filter_q [M, D'] and filter_c [Mc, D'], any float
-        dtype, e.g. a guide model's embeddings, or q and c themselves for a filter on the model's own
-        scores), except the target when filter_keeps_target. The filter and the penalty carry no gradient.
-    lse[i] = logsumexp_{j in K_i} l[i, j], -inf when K_i is empty. Returns [M] in the compute dtype.
-    Backward takes grad_lse [M] and gives dq and dc (inputs' dtypes); rows with lse = -inf contribute
-    nothing. O(M + Mc) extra memory: tiled, per-row state only; backward recomputes tiles.
-
-Nested prefixes (Matryoshka): pair_scores(x, with_angle, dims) and similarity_xent(..., dims)
-    dims=None, or k strictly increasing widths d_1 < ... < d_k <= D (a tuple of ints): the op is computed on
-    every prefix x[..., :d_i] of its embeddings at once, exactly as k calls on the truncated inputs would
-    compute it (each prefix with its own norms; the angle score at prefix d splits x[..., :d] in halves, so
-    with_angle needs every d_i even), and its outputs gain a leading axis of k: pair_scores returns
-    ([k, G, K-1], [k, G, K-1]), similarity_xent [k] (one loss per prefix). Backward adds each prefix's
-    gradient into its leading columns. The point is one read of the embeddings for all k prefixes (a kernel
-    walking D in chunks has every prefix's dot products and norms as running sums) and O(k) extra state per
-    row. dims is an optional feature: a backend's op declares it (see contract.OPTIONAL_FEATURES); a call
-    that uses it on a backend whose op lacks it goes, under "auto", to another backend (see Choosing the backend)
-    and raises a ValueError naming the feature otherwise.
-
-Stacked layers (layer-wise / Espresso training, functional's layer_weights) are not a feature of the ops: a
-    stack [L, G, K, D] of pair groups is pair_scores on [L * G, K, D] (one call for every layer and prefix), and
-    the softmax ops, whose rows must not see another layer's columns, are called once per layer.
-
-Calling the ops
-    angle_kernels.dispatch.pair_scores(x, with_angle, *, backend=None), .ranking_loss(scores, labels, *,
-    backend=None), .similarity_xent(..., *, backend=None) and .similarity_lse(..., *, backend=None) validate
-    and run an op on the chosen backend; resolve_backend(...) returns the `Ops` of a backend, whose methods do
-    the same without choosing again, and whose computes(op, *args) says which backend and code path would
-    compute a call. An op (or optional feature) an explicitly chosen backend does not implement raises a
-    ValueError naming it.
-
-Choosing the backend: the default is the verified path
-    resolve_backend(requested, *tensors) -> Ops: requested is None/"auto", "torch", "triton" or "cuda"; None
-    falls back to the environment variable ANGLE_KERNELS_BACKEND, then "auto".
-    * "auto" on CPU tensors is the torch backend. On CUDA tensors it chooses per call: the first GPU backend
-      (triton, then cuda when its extension is already compiled: prebuilt by setup.py, or JIT-built earlier in
-      this process) that implements the call and whose code path for it (the op module's PATHS / code_path: the
-      Triton similarity_xent's fused, dense and dims paths, ...) has passed its correctness run on matching
-      hardware and software, by the rule and from the sources in `angle_kernels.verified` (the project's table
-      and the user's cache, which `python -m angle_kernels.verify` fills); otherwise the torch backend, saying
-      so with one RuntimeWarning per process. "auto" never starts the JIT build of csrc/ (minutes of nvcc
-      inside a loss call).
-    * An explicit backend runs what it is asked. A GPU backend's code path that is not verified on this GPU
-      costs a RuntimeWarning once per process and (backend, op, path). An explicit "cuda" JIT-builds csrc/ when
-      no compiled extension is found; an explicit backend that cannot run raises RuntimeError with the reason.
-      "triton" on CPU tensors runs the kernels under the Triton interpreter and is allowed only when
-      TRITON_INTERPRET=1 (the tests' mode: no verification applies there).
+Why it works this way, and the path from a loss to a kernel: docs/dispatch.md.
 """
 
 from __future__ import annotations
@@ -134,6 +50,7 @@ import warnings
 import torch
 
 from . import contract, verified
+from ._runtime import triton_interpreting  # also dispatch.triton_interpreting, as before
 
 BACKENDS = ("torch", "triton", "cuda")
 
@@ -255,35 +172,28 @@ class AutoOps(Ops):
 
 
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
-_PACKAGES = {name: f"angle_kernels.{name}_ops" for name in BACKENDS}
+# Backend name -> its package, imported when the backend is first asked for. Each package's __init__ names its op
+# modules in load_ops(): angle_kernels/torch_ops/__init__.py, triton_ops/__init__.py, cuda_ops/__init__.py.
+_PACKAGES = {"torch": "angle_kernels.torch_ops", "triton": "angle_kernels.triton_ops", "cuda": "angle_kernels.cuda_ops"}
 # What "auto" tries for CUDA tensors, in order, before the PyTorch path.
 _AUTO_GPU_BACKENDS = ("triton", "cuda")
 
 
 def raw_backend(name: str) -> contract.Backend:
-    """Backend `name`'s own ops, which trust their inputs (the losses call them through `Ops`, tests directly),
-    found by the convention stated at contract.OPS, with what its op modules declare: `features` (op -> the
-    optional features it implements, contract.OPTIONAL_FEATURES), `paths` (op -> its code paths, PATHS: one,
-    "default", when it declares none) and `code_paths` (op -> its code_path function, None with one path).
-    Imports the op modules; does not ask whether they can run."""
-    package = _PACKAGES[name]
-    modules = {op: _module_or_none(f"{package}.{op}") for op in contract.OPS}
+    """Backend `name`'s own ops, which trust their inputs (the losses call them through `Ops`, tests directly): the
+    op modules its package's load_ops() returns (an op it does not name is one it lacks: None), with what they
+    declare: `features` (op -> the optional features it implements, contract.OPTIONAL_FEATURES), `paths` (op -> its
+    code paths, PATHS: one, "default", when it declares none) and `code_paths` (op -> its code_path function, None
+    with one path). Imports the op modules; does not ask whether they can run."""
+    package = importlib.import_module(_PACKAGES[name])
+    found = package.load_ops()
+    modules = {op: found.get(op) for op in contract.OPS}
     ops = {op: None if module is None else getattr(module, op) for op, module in modules.items()}
     features = {op: frozenset(getattr(module, "FEATURES", ())) for op, module in modules.items()}
     paths = {op: tuple(getattr(module, "PATHS", ("default",))) for op, module in modules.items()}
     code_paths = {op: getattr(module, "code_path", None) for op, module in modules.items()}
-    return types.SimpleNamespace(is_available=importlib.import_module(package).is_available, features=features,
-                                 paths=paths, code_paths=code_paths, **ops)
-
-
-def _module_or_none(module_name: str):
-    """The op's module, or None when the backend has no module for it (an op it does not implement yet)."""
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise  # a module the op's module imports is missing: a broken backend, not a missing op
-        return None
+    return types.SimpleNamespace(is_available=package.is_available, features=features, paths=paths,
+                                 code_paths=code_paths, **ops)
 
 
 def _features(**options) -> tuple[str, ...]:
@@ -347,11 +257,6 @@ def _warn_unverified(ops: Ops, op: str, args: tuple) -> None:
         "what passes (shown once per process for each backend, op and code path).", RuntimeWarning, stacklevel=5)
 
 
-def triton_interpreting() -> bool:
-    """True when TRITON_INTERPRET asks Triton to run kernels through its interpreter (CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
     """Return the Ops of the backend that computes ops on `tensors` (see the module docstring)."""
     name = requested if requested is not None else os.environ.get(_ENV_VAR, "auto")
@@ -399,20 +304,65 @@ def _named_tensor(name: str, value):
 
 
 def pair_scores(x, with_angle, dims=None, *, backend: str | None = None):
-    """(cos, angle) of the pairs (x[g, 0], x[g, k]) of x [G, K, D], per prefix with dims (see the module
-    docstring)."""
+    """(cos, angle) of the pairs (x[g, 0], x[g, k]) of x [G, K, D], per prefix with dims. The contract:
+
+    pair_scores(x, with_angle, dims=None) -> (cos, angle)
+        x: [G, K, D] (K >= 2). Pair k of group g is (u, v) = (x[g, 0], x[g, k]) for k = 1 .. K-1.
+        The zigzag layout [2N, D] is x.view(N, 2, D); format C's [query, positive, negative] rows are
+        x.view(B, 3, D).
+        cos[g, k-1]   = u . v / (max(|u|, eps) * max(|v|, eps))
+        angle[g, k-1] = (u . v + b . c - a . d) / (max(|u|, eps) * max(|v|, eps))
+            where a, b are the first and second halves of u and c, d those of v: this is the reference's
+            sum-pooled complex division before abs() and tau. Requires an even D. With with_angle=False the
+            second output is all zeros, does not depend on x, and D may be odd.
+        Both outputs: [G, K-1] in the compute dtype. Backward takes (grad_cos, grad_angle) and returns dx
+        [G, K, D] in x's dtype (the anchor row accumulates the gradient of all its pairs).
+        dims: nested prefixes (Matryoshka). None, or k strictly increasing widths d_1 < ... < d_k <= D (a tuple of
+        ints): the op is computed on every prefix x[..., :d_i] at once, exactly as k calls on the truncated inputs
+        would compute it (each prefix with its own norms; the angle score at prefix d splits x[..., :d] in halves, so
+        with_angle needs every d_i even), and the outputs gain a leading axis of k: ([k, G, K-1], [k, G, K-1]).
+        Backward adds each prefix's gradient into its leading columns. An optional feature (module docstring).
+    """
     return resolve_backend(backend, _named_tensor("x", x)).pair_scores(x, with_angle, dims)
 
 
 def ranking_loss(scores, labels, *, backend: str | None = None):
-    """log(1 + sum over label_i < label_j of exp(s_i - s_j)) (see the module docstring)."""
+    """log(1 + sum over label_i < label_j of exp(s_i - s_j)). The contract:
+
+    ranking_loss(scores, labels) -> loss
+        scores: [N] float32/float64; labels: [N], any real dtype, same device.
+        loss = log(1 + sum over (i, j) with labels[i] < labels[j] of exp(scores[i] - scores[j]))
+        Strict inequality: tied labels contribute nothing; all labels equal gives exactly 0.
+        Returns a 0-dim tensor of scores' dtype; gradient with respect to scores only.
+    """
     return resolve_backend(backend, _named_tensor("scores", scores)).ranking_loss(scores, labels)
 
 
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
                     dims=None, *, backend: str | None = None):
-    """Softmax cross-entropy over scaled cosines, never M x Mc in memory, per prefix with dims (see the module
-    docstring)."""
+    """Softmax cross-entropy over scaled cosines, never M x Mc in memory, per prefix with dims. The contract:
+
+    similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
+                    group_ids=None, dims=None) -> loss
+        q: [M, D]; c: [Mc, D], or None meaning c is q itself (the symmetric in-batch-negative case).
+        l[i, j] = scale * cos(q_i, c_j), except at the target column t_i, where
+            l[i, t_i] = scale * cos(min(arccos(cos(q_i, c_t)) + margin, pi))     (margin in radians, 0..pi)
+            with sin(theta) = sqrt(max(1 - cos^2, 1e-6)) so the gradient stays finite as |cos| -> 1;
+            margin == 0 leaves the target logit as scale * cos.
+        target: "partner" (t_i = i xor 1, the zigzag pair partner) or "diagonal" (t_i = i).
+        Columns C_i: all j < Mc, without j == i when exclude_diagonal.
+        Positives P_i: {t_i}, plus, when group_ids ([M] int64, only with c=None) is given, every column
+            j in C_i with group_ids[j] == group_ids[i] or group_ids[j] == group_ids[t_i] (identical texts
+            count as positives, not negatives).
+        loss = (1 / M) * sum_i w_i * (logsumexp_{j in C_i} l[i, j] - logsumexp_{j in P_i} l[i, j])
+            with w = row_weights ([M], float, 0 for rows without a target) or all ones.
+        Returns a 0-dim tensor in the compute dtype. Backward gives dq (and dc unless c is None), in the
+        inputs' dtypes. Extra memory O(M + Mc) rows: per-row logsumexps, with the tiles recomputed in backward
+        (triton's fused kernels, cuda), or the gradients formed in forward while a block of whole rows is held
+        (torch; triton's dense scheme for wide embeddings).
+        dims: nested prefixes, as pair_scores' (each prefix q[:, :d_i], c[:, :d_i] with its own norms, exactly as k
+        calls on the truncated inputs): the loss is [k], one per prefix. An optional feature (module docstring).
+    """
     return resolve_backend(backend, _named_tensor("q", q)).similarity_xent(
         q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims
     )
@@ -421,8 +371,32 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
 def similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
                    filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False, normalize=True,
                    *, backend: str | None = None):
-    """Per-row log partition functions [M] of scale * cos(q, c) (or of dot products: normalize=False) with
-    exclusions, hardness and filters (see the module docstring)."""
+    """Per-row log partition functions [M] of scaled cosines (or dot products) with exclusions, hardness and
+    filters. The contract:
+
+    similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
+                   filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False,
+                   normalize=True) -> lse
+        The per-row log partition function of a block of in-batch scores, the building block of the
+        in-batch-negative family (joint and per-direction partitions, hardness weighting, guided and
+        false-negative filtering): each loss combines a few of these [M] vectors and its positive scores.
+        q: [M, D]; c: [Mc, D], same dtype and device. Row i's target column is t_i = target_offset + i (it may
+        lie outside 0 .. Mc-1: then no column is the target). With period > 0, row i's "own" columns are the
+        j with j % period == t_i (the target and, e.g., the row's own hard negatives laid out period apart);
+        with period == 0 only j == t_i is own.
+        Scores: s(x, y) = cos(x, y) when normalize, else the raw dot product x . y (util.dot_score's logits).
+        Logits: l[i, j] = scale * s(q_i, c_j) + penalty * stop_gradient(s(q_i, c_j)) * H[i, j], where the
+            hardness set H (penalty_on) is "none": no column; "other": the columns that are not own; "own": the
+            own columns but the target; "all": every column but the target.
+        Kept columns K_i: every j < Mc, minus the target when exclude="target", minus every own column when
+            exclude="own", and, when filter_threshold ([M], float) is given, minus every j with
+            s(filter_q_i, filter_c_j) > filter_threshold[i] (filter_q [M, D'] and filter_c [Mc, D'], any float
+            dtype, e.g. a guide model's embeddings, or q and c themselves for a filter on the model's own
+            scores), except the target when filter_keeps_target. The filter and the penalty carry no gradient.
+        lse[i] = logsumexp_{j in K_i} l[i, j], -inf when K_i is empty. Returns [M] in the compute dtype.
+        Backward takes grad_lse [M] and gives dq and dc (inputs' dtypes); rows with lse = -inf contribute
+        nothing. O(M + Mc) extra memory: tiled, per-row state only; backward recomputes tiles.
+    """
     return resolve_backend(backend, _named_tensor("q", q)).similarity_lse(
         q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
         filter_keeps_target, normalize)

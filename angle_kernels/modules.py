@@ -1,4 +1,7 @@
-"""nn.Module front ends: AngleLoss (drop-in for angle_emb.AngleLoss 0.6.1) and ArcCSELoss."""
+"""nn.Module front ends: AngleLoss (drop-in for angle_emb.AngleLoss 0.6.1) and ArcCSELoss.
+
+Each forward checks its inputs once (angle_kernels.options, checks) and calls the formulas of angle_kernels.terms
+directly, never the public functions (which would check the same inputs again)."""
 
 from __future__ import annotations
 
@@ -10,15 +13,13 @@ from torch import nn
 from . import checks
 from .dispatch import Ops, resolve_backend
 from .contract import compute_dtype
-from .functional import (
+from .options import (
     IBN_PARTITIONS,
     POOLING_STRATEGIES,
     Dims,
     DimWeights,
     LayerWeights,
     Nested,
-    arccon,
-    as_pairs,
     check_angle_dim,
     check_arccon_options,
     check_false_negative_filter,
@@ -27,11 +28,8 @@ from .functional import (
     check_triplets,
     check_two_views,
     check_zigzag,
-    in_batch_negatives,
-    multiple_negatives,
-    ranking_terms,
-    triplet,
 )
+from .terms import arccon, as_pairs, in_batch_negatives, multiple_negatives, ranking_terms, triplet
 
 DATASET_FORMATS = ("A", "B", "C")
 
@@ -59,7 +57,7 @@ class AngleLoss(nn.Module):
 
     - ibn_partition "angle": the reference's terms. "gte": GTE's improved contrastive loss (Li et al., 2023), one
       softmax per pair over query -> every document, query -> every other query, document -> every query and
-      document -> every other document (functional.multiple_negatives with all four directions, "joint"). In
+      document -> every other document (terms.multiple_negatives with all four directions, "joint"). In
       format A the pairs labelled 1 get a term (divided by N, the number of pairs) and the others serve only as
       negatives; in format C the ibn term is GTE's on (q, pos) and the cln term GTE's with the hard negatives as
       more documents (query -> own and others' negatives; document -> other documents, own negative excluded).

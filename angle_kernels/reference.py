@@ -6,8 +6,8 @@ gradients come from autograd through the formulas. It is the oracle the backends
 
     * `python -m angle_kernels.verify`, which checks the GPU backends on the local GPU from an installed
       package (the tests are not installed);
-    * the test suite and the benchmarks (tests/oracle.py re-exports this module and adds the public losses,
-      transcribed from the reference package's formulas).
+    * the test suite and the benchmarks (angle_kernels.testing.oracle re-exports this module and adds the public
+      losses, transcribed from the reference package's formulas).
 
 Semantics are the ones the package adopts, which equal angle-emb 0.6.1 on valid inputs: every norm ||x|| is
 replaced by max(||x||, 1e-12), F.normalize's epsilon; excluded logits are -inf.

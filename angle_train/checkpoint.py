@@ -25,9 +25,9 @@ and rng-rank{r}.pt hold only tensors and plain Python values (numpy's generator 
 an array) and are read with torch.load(weights_only=True). --fsdp's files are read the same way: the entries of
 the .distcp files with torch.load(weights_only=True), and .metadata with an unpickler that admits only the
 classes DCP writes there (sharding.py), in place of DCP's own pickle.load and torch.load(weights_only=False). A
-file holding anything else is refused with UnsafeCheckpointError, which names it, before anything in it runs. A
-manifest names only files of its own folder: one naming another path (../x, /x, sub/x, a link out of the folder)
-does not match, and nothing it names is read.
+file holding anything else is refused with UnsafeCheckpointError (safe_loading.py), which names it, before
+anything in it runs. A manifest names only files of its own folder: one naming another path (../x, /x, sub/x,
+a link out of the folder) does not match, and nothing it names is read.
 
 Two starts are refused: a fresh run in an output folder that holds an earlier run (unless --overwrite: it would
 replace or orphan that run's outputs), and a resume whose data settings (RESUME_MUST_MATCH) differ from the
@@ -40,7 +40,6 @@ import contextlib
 import hashlib
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -53,6 +52,7 @@ from .config import TrainConfig
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
+from .safe_loading import is_file_name, read_tensors_and_plain_values
 from .sharding import load_sharded, save_sharded
 
 # Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
@@ -63,14 +63,6 @@ STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
 CHECKPOINT_NAME = re.compile(r"step-(\d+)")  # a complete checkpoint; NAME.tmp and NAME.old are not
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file holding objects that only running code from the file could rebuild."""
-
-
-UNTRUSTED = ("angle_train never writes such a file, so it was written or changed by something else; resume only from "
-             "checkpoints you trust")  # the end of an UnsafeCheckpointError's message
 
 
 @dataclass
@@ -209,12 +201,6 @@ def write_manifest(folder: str) -> None:
     os.replace(tmp, os.path.join(folder, MANIFEST_FILE))
 
 
-def _is_file_name(name) -> bool:
-    """Whether `name` names a file of a folder itself: not a path (../x, /x, sub/x), nor the folder or its parent."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
-            and not any(sep and sep in name for sep in ("/", os.sep, os.altsep)))
-
-
 def checkpoint_problem(folder: str) -> str | None:
     """Why `folder` is not a complete checkpoint matching its manifest, or None when it is: every file the
     manifest lists is a file of the folder itself, present with its size and checksum, and the state file is among
@@ -237,7 +223,7 @@ def checkpoint_problem(folder: str) -> str | None:
     # is opened: a manifest naming ../x, /x or sub/x, or a link out of the folder, would have another file hashed.
     real_folder = os.path.realpath(folder)
     for name, expected in files.items():
-        if not _is_file_name(name):
+        if not is_file_name(name):
             return f"{MANIFEST_FILE} names {name!r}, which is not a file name of the folder"
         if os.path.dirname(os.path.realpath(os.path.join(folder, name))) != real_folder:
             return f"{MANIFEST_FILE} names {name!r}, which is a link to a file outside the folder"
@@ -313,7 +299,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                     ) -> Position:
     """Restore what save_checkpoint wrote into the given objects and this process's generators; return the
     position to continue from. Both files are read and checked before anything is changed."""
-    state = _read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
+    state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
     _refuse_changed_data_settings(path, state["config"], cfg)
     sharded = state.get("sharded", False)
     if sharded != cfg.fsdp:
@@ -326,7 +312,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     if not os.path.exists(rng_file):
         raise ValueError(f"checkpoint {path} has no RNG state for rank {dist_info.rank}: resume with the same "
                          "number of processes")
-    rng_state = _read_tensors_and_plain_values(rng_file)
+    rng_state = read_tensors_and_plain_values(rng_file)
     if sharded:  # DCP's files, through readers that refuse anything but what DCP writes (sharding.py)
         load_sharded(path, encoder, optimizer)
     else:
@@ -337,25 +323,6 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
         scaler.load_state_dict(state["scaler"])
     _set_rng_state(rng_state)
     return Position(**state["position"])
-
-
-def _read_tensors_and_plain_values(file, name: str | None = None):
-    """torch.load that rebuilds only tensors and plain Python values, so reading the file cannot run code. `file`: a
-    path, or a stream cut from the file `name` (an entry of a DCP shard file: sharding.py)."""
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise _refusal(name or file, exc) from None
-
-
-def _refusal(file: str, exc: pickle.UnpicklingError) -> UnsafeCheckpointError:
-    """The error for a file (or an entry of one) that torch.load(weights_only=True) refused with `exc`."""
-    # torch names what it refused in the lines that mention GLOBAL (the pickle opcode that imports a callable)
-    found = "; ".join(line.strip() for line in str(exc).splitlines() if "GLOBAL" in line)
-    return UnsafeCheckpointError(
-        f"refusing to load {file}: it holds Python objects other than tensors and plain values"
-        f"{f' ({found})' if found else ''}, and rebuilding them would run code that came with the file. "
-        f"{UNTRUSTED}")
 
 
 def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig) -> None:

@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
-from angle_kernels.functional import check_arccon_options
+from angle_kernels.options import check_arccon_options
 
 from .data import Prompts
 

@@ -13,7 +13,8 @@ import tempfile
 
 from .cli import config_from_args
 from .tiny import demo_sts_examples
-from .trainer import sts_spearman, train
+from .evaluate import sts_spearman
+from .trainer import train
 
 DEMO_DEFAULTS = ["--model", "builtin:tiny-bert", "--train-data", "builtin:demo", "--batch-size", "64", "--epochs",
                  "2", "--lr", "3e-3", "--warmup", "0.1", "--max-length", "16", "--log-every", "8", "--pooling",

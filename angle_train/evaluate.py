@@ -21,7 +21,7 @@ encoder default). Each PATH is read in the layout it is distributed in:
 The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting:
 one correlation over every pair of a year's subsets together. `--json OUT` writes {dataset name: score} (the
 retrieval metrics as {name: {"recall@1": ..., ...}}). The trainer's dev evaluation uses the same Spearman
-(trainer.sts_spearman_by_dim). A progress bar per dataset counts the texts embedded, on stderr when it is a terminal
+(sts_spearman_by_dim). A progress bar per dataset counts the texts embedded, on stderr when it is a terminal
 (--progress 1 / 0: always / never). A mistake in the arguments, files or data is one line on stderr and status 2
 (its traceback with --debug).
 """
@@ -40,9 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .cli import OneLineErrorParser, parse_bool, user_errors_exit, version_text
+from .command_line import OneLineErrorParser, parse_bool, user_errors_exit, version_text
 from .config import names_local_path
 from .data import DataError, Example, Prompts, check_label, load_examples, open_text, read_stsb
+from .models import check_dim, truncate
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
 ORIGINAL_FILES = re.compile(r"STS20(1[2-6])\.input\.(.+)\.txt$")
@@ -157,6 +158,36 @@ def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, block: 
             "ndcg@10": float(ndcg.mean())}
 
 
+def sts_spearman(encoder, tokenizer, examples: list[Example], *, batch_size: int = 128, max_length: int = 512,
+                 prompt: str | None = None, dim: int | None = None) -> float:
+    """Spearman's rho (scipy) of cos(embed(text1), embed(text2)) against the labels of format-A examples; prompt: a
+    template for both texts (default: the encoder's text prompt); dim: the cosine of the first `dim` features only
+    (a Matryoshka prefix; None: the whole embeddings)."""
+    return sts_spearman_by_dim(encoder, tokenizer, examples, [dim], batch_size=batch_size, max_length=max_length,
+                               prompt=prompt)[dim]
+
+
+def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, batch_size: int = 128,
+                        max_length: int = 512, prompt: str | None = None) -> dict:
+    """{dim: sts_spearman(..., dim=dim)} for each of dims (None: the whole embeddings), the texts embedded once."""
+    from scipy.stats import spearmanr
+
+    if not examples or len(examples[0].texts) != 2:
+        raise ValueError("STS evaluation needs format-A examples (text1, text2, label)")
+    for dim in dims:
+        check_dim(dim, encoder.embedding_dim)  # before embedding the texts, not after
+    first = encoder.encode([ex.texts[0] for ex in examples], tokenizer, batch_size=batch_size,
+                           max_length=max_length, prompt=prompt)
+    second = encoder.encode([ex.texts[1] for ex in examples], tokenizer, batch_size=batch_size,
+                            max_length=max_length, prompt=prompt)
+    labels = [ex.label for ex in examples]
+    scores = {}
+    for dim in dims:
+        cosine = torch.nn.functional.cosine_similarity(truncate(first, dim), truncate(second, dim), dim=-1)
+        scores[dim] = float(spearmanr(cosine.numpy(), labels).statistic)
+    return scores
+
+
 @contextlib.contextmanager
 def encoding_progress(encoder, texts: int, description: str, progress: bool | None = None):
     """A tqdm bar on stderr counting the texts `encoder` embeds inside the with block, out of `texts`. progress:
@@ -187,8 +218,6 @@ def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length:
     """{name: Spearman x 100} for the STS sets and {name: {metric: value}} for the retrieval sets, with the
     encoder's prompts (encoder.prompts: the text prompt for STS pairs, the query and document prompts for
     retrieval). progress: a bar per dataset (encoding_progress; None: when stderr is a terminal)."""
-    from .trainer import sts_spearman
-
     names = [dataset.name for dataset in datasets]
     if len(set(names)) != len(names):
         raise ValueError(f"two datasets have the same name ({names}): evaluate each year folder or file once")

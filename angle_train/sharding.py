@@ -20,7 +20,7 @@ So load_sharded hands DCP a reader and a planner of its own: `.metadata` is unpi
 DCP writes there (DCP_METADATA_GLOBALS: its metadata records, torch.Size, dtypes, the layout, a Path), setting
 attributes only on the records the file builds, and naming shard files inside the folder only; every `.distcp`
 entry is read with torch.load(weights_only=True). A file holding anything else is refused with
-checkpoint.UnsafeCheckpointError naming it, on every process, before anything in it runs.
+safe_loading.UnsafeCheckpointError naming it, on every process, before anything in it runs.
 """
 
 from __future__ import annotations
@@ -97,12 +97,12 @@ def save_sharded(folder: str, encoder: nn.Module, optimizer: torch.optim.Optimiz
 def load_sharded(folder: str, encoder: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read what save_sharded wrote into the sharded encoder and its optimizer (every process calls it). DCP's files
     are read through the restricted readers below: a file holding anything DCP does not write is refused with
-    checkpoint.UnsafeCheckpointError (on every process) before anything in it runs."""
+    safe_loading.UnsafeCheckpointError (on every process) before anything in it runs."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from .checkpoint import UnsafeCheckpointError
+    from .safe_loading import UnsafeCheckpointError
 
     reader_class, planner_class = _restricted_dcp_classes()
     reader = reader_class(folder)  # reads .metadata now: a refusal here comes before any collective of dcp.load
@@ -150,11 +150,11 @@ DCP_METADATA_GLOBALS = {
 def read_dcp_metadata(folder: str, file_name: str = METADATA_FILE):
     """DCP's Metadata from `folder`/.metadata, unpickled admitting only DCP_METADATA_GLOBALS and dtypes, setting
     attributes only on the records the file itself builds, and pointing only at shard files inside the folder:
-    anything else is refused with checkpoint.UnsafeCheckpointError naming the file, before it runs."""
+    anything else is refused with safe_loading.UnsafeCheckpointError naming the file, before it runs."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from .checkpoint import UNTRUSTED, UnsafeCheckpointError, _is_file_name
+    from .safe_loading import UNTRUSTED, UnsafeCheckpointError, is_file_name
 
     file = os.path.join(folder, file_name)
     real_folder = os.path.realpath(folder)
@@ -173,7 +173,7 @@ def read_dcp_metadata(folder: str, file_name: str = METADATA_FILE):
         name = info.relative_path if isinstance(info, _StorageInfo) else info
         if name in checked:
             continue
-        if not (_is_file_name(name) and os.path.dirname(os.path.realpath(os.path.join(folder, name))) == real_folder):
+        if not (is_file_name(name) and os.path.dirname(os.path.realpath(os.path.join(folder, name))) == real_folder):
             raise UnsafeCheckpointError(f"refusing to load {file}: it points DCP at {name!r}, outside the checkpoint "
                                         f"folder. {UNTRUSTED}")
         checked.add(name)
@@ -230,7 +230,7 @@ def _restricted_dcp_classes():
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    from .checkpoint import _read_tensors_and_plain_values, _refusal
+    from .safe_loading import read_tensors_and_plain_values, refusal
 
     class RestrictedReader(FileSystemReader):
         def __init__(self, folder: str):
@@ -254,7 +254,7 @@ def _restricted_dcp_classes():
                 return super().read_data(plan, planner)
             except pickle.UnpicklingError as exc:  # a tensor entry that DCP's torch.load(weights_only=True) refused
                 files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
-                raise _refusal(" or ".join(os.path.join(self.folder, name) for name in files), exc) from None
+                raise refusal(" or ".join(os.path.join(self.folder, name) for name in files), exc) from None
 
     class RestrictedPlanner(DefaultLoadPlanner):
         def __init__(self, folder: str):
@@ -263,7 +263,7 @@ def _restricted_dcp_classes():
 
         def load_bytes(self, read_item, value):
             file = os.path.join(self.folder, self.metadata.storage_data[read_item.storage_index].relative_path)
-            plain = _read_tensors_and_plain_values(value, name=file)
+            plain = read_tensors_and_plain_values(value, name=file)
             # DCP's own load_bytes files the value into the state dict, unpickling it with weights_only=False: hand it
             # the value just read, pickled afresh (plain values only), rather than the file's bytes
             rewritten = io.BytesIO()

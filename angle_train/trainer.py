@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from angle_kernels import AngleLoss, ArcCSELoss
-from angle_kernels.functional import check_nested, espresso_layer_weights
+from angle_kernels.options import check_nested, espresso_layer_weights
 
 from . import arccse, distributed, faults, sharding, tracking
 from .checkpoint import (
@@ -41,10 +41,9 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .data import Example, PassPlan, TokenizedPairs, epoch_batches, load_examples
+from .evaluate import StsSet, encoding_progress, read_dataset, sts_spearman_by_dim
 from .grad_cache import RngState, grad_cache_step, plain_step
-from .models import (
-    LoraSettings, check_dim, load_encoder, position_limit, prepare_tokenizer, truncate, wrap_backbone,
-)
+from .models import LoraSettings, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
 
@@ -386,8 +385,6 @@ def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list
 def read_dev_data(source: str, split: str) -> list[Example]:
     """--dev-data: a file or folder in any layout angle-eval reads (an STS12-16 year folder, STS-B, SICK, format-A
     JSONL/CSV), else a built-in or Hugging Face dataset (format A)."""
-    from .evaluate import StsSet, read_dataset
-
     if not os.path.exists(source):
         return read_data(source, "A", split)[0]
     data = read_dataset(source)
@@ -617,8 +614,6 @@ def evaluate(run: Run) -> None:
     truncated = sorted((d for d in run.cfg.trained_widths(width) if d < width), reverse=True)
     improved = False
     if run.dist_info.is_main or sharded:  # a sharded encoder embeds on every process at once
-        from .evaluate import encoding_progress  # evaluate.py imports this module
-
         # a bar with --progress 1 where stderr is a terminal, on the main process
         with encoding_progress(run.encoder, 2 * len(run.dev_examples), "dev",
                                progress=None if run.cfg.progress and run.dist_info.is_main else False):
@@ -641,36 +636,6 @@ def evaluate(run: Run) -> None:
         print(f"\nstep {position.step}: dev Spearman {score:.4f}" + (" (best)" if improved else "")
               + "".join(f" | @{d} {scores[d]:.4f}" for d in truncated), flush=True)
     position.best = distributed.broadcast_from_main(position.best, run.dist_info)
-
-
-def sts_spearman(encoder, tokenizer, examples: list[Example], *, batch_size: int = 128, max_length: int = 512,
-                 prompt: str | None = None, dim: int | None = None) -> float:
-    """Spearman's rho (scipy) of cos(embed(text1), embed(text2)) against the labels of format-A examples; prompt: a
-    template for both texts (default: the encoder's text prompt); dim: the cosine of the first `dim` features only
-    (a Matryoshka prefix; None: the whole embeddings)."""
-    return sts_spearman_by_dim(encoder, tokenizer, examples, [dim], batch_size=batch_size, max_length=max_length,
-                               prompt=prompt)[dim]
-
-
-def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, batch_size: int = 128,
-                        max_length: int = 512, prompt: str | None = None) -> dict:
-    """{dim: sts_spearman(..., dim=dim)} for each of dims (None: the whole embeddings), the texts embedded once."""
-    from scipy.stats import spearmanr
-
-    if not examples or len(examples[0].texts) != 2:
-        raise ValueError("STS evaluation needs format-A examples (text1, text2, label)")
-    for dim in dims:
-        check_dim(dim, encoder.embedding_dim)  # before embedding the texts, not after
-    first = encoder.encode([ex.texts[0] for ex in examples], tokenizer, batch_size=batch_size,
-                           max_length=max_length, prompt=prompt)
-    second = encoder.encode([ex.texts[1] for ex in examples], tokenizer, batch_size=batch_size,
-                            max_length=max_length, prompt=prompt)
-    labels = [ex.label for ex in examples]
-    scores = {}
-    for dim in dims:
-        cosine = torch.nn.functional.cosine_similarity(truncate(first, dim), truncate(second, dim), dim=-1)
-        scores[dim] = float(spearmanr(cosine.numpy(), labels).statistic)
-    return scores
 
 
 # -------------------------------------------------------------------------------------------------- finish

@@ -2,12 +2,12 @@
 """The ArcCSE family (Zhang et al., ACL 2022): ArcCon (`arccon`, Eq. 3) and the triplet loss (`triplet`, Eq. 4),
 built on similarity_xent with an angular margin and on pair_scores of [anchor, weak, strong] triplets.
 
-Inputs: arccon, h1 and h2 [N, D], two views of N sentences; triplet, anchor, weak and strong [N, D].
-Settings: ArcCSELoss's defaults (margin 10 degrees, tau 0.05, triplet margin 0). Neither angle-emb nor
-sentence-transformers has these losses. The baseline is eager PyTorch: tests/oracle.py's literal formulas (for
-ArcCon the full N x N cosine matrix, the margin on its diagonal, a logsumexp per row) computing in the inputs'
-dtype (`oracle.computing_in`), which is what a plain PyTorch implementation does. ArcCon costs N^2 D FLOPs
-like the similarity family; the triplet loss is memory bound like pair scores.
+Inputs: arccon, h1 and h2 [N, D], two views of N sentences; triplet, anchor, weak and strong [N, D]. Settings:
+ArcCSELoss's defaults (margin 10 degrees, tau 0.05, triplet margin 0). Neither angle-emb nor
+sentence-transformers has these losses. The baseline is eager PyTorch: angle_kernels.testing.oracle's literal
+formulas (for ArcCon the full N x N cosine matrix, the margin on its diagonal, a logsumexp per row) computing in
+the inputs' dtype (`oracle.computing_in`), which is what a plain PyTorch implementation does. ArcCon costs N^2 D
+FLOPs like the similarity family; the triplet loss is memory bound like pair scores.
 
 Op (the GPU run's op sweep): similarity_xent as ArcCon calls it, with the angular margin on the targets.
 
@@ -76,8 +76,8 @@ LOSSES = [
             "ours": Implementation(
                 f"angle_kernels.arccon_loss(margin_degrees={MARGIN_DEGREES:g}, tau={TAU:g})", ours_arccon),
             "eager": Implementation(
-                f"tests/oracle.py arccon_loss(margin_degrees={MARGIN_DEGREES:g}, tau={TAU:g}) in the inputs' dtype",
-                eager_arccon),
+                f"angle_kernels.testing.oracle.arccon_loss(margin_degrees={MARGIN_DEGREES:g}, tau={TAU:g}) "
+                "in the inputs' dtype", eager_arccon),
         },
         # The eager N x N matrices (cosines, logits, the positives' mask, their gradients): +39 MB at N = 1024
         # and +117 MB at N = 2048 (D = 768, float32, CPU, 2026-11-23), 25-31 bytes per element after the
@@ -91,7 +91,8 @@ LOSSES = [
         implementations={
             "ours": Implementation(f"angle_kernels.triplet_loss(margin={TRIPLET_MARGIN:g})", ours_triplet),
             "eager": Implementation(
-                f"tests/oracle.py triplet_loss(margin={TRIPLET_MARGIN:g}) in the inputs' dtype", eager_triplet),
+                f"angle_kernels.testing.oracle.triplet_loss(margin={TRIPLET_MARGIN:g}) in the inputs' dtype",
+                eager_triplet),
         },
     ),
 ]
@@ -119,6 +120,7 @@ OPS = [
 
 
 if __name__ == "__main__":
-    import bench_losses
+    import loss_sweep
 
-    sys.exit(bench_losses.main(["--losses", ",".join(loss.name for loss in LOSSES), *sys.argv[1:]]))
+    names = [loss.name for loss in LOSSES]
+    sys.exit(loss_sweep.main(["--losses", ",".join(names), *sys.argv[1:]], {loss.name: loss for loss in LOSSES}, names))

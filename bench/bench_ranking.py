@@ -124,6 +124,7 @@ OPS = [
 
 
 if __name__ == "__main__":
-    import bench_losses
+    import loss_sweep
 
-    sys.exit(bench_losses.main(["--losses", ",".join(loss.name for loss in LOSSES), *sys.argv[1:]]))
+    names = [loss.name for loss in LOSSES]
+    sys.exit(loss_sweep.main(["--losses", ",".join(names), *sys.argv[1:]], {loss.name: loss for loss in LOSSES}, names))

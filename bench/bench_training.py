@@ -62,12 +62,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+import harness  # first: sets OMP_WAIT_POLICY before torch loads
+import sts_quality  # where the model and STS-B are; HF offline
 
-import harness  # noqa: E402  (puts the checkout first on sys.path, sets OMP_WAIT_POLICY before torch loads)
-import sts_quality  # noqa: E402  (where the model and STS-B are; HF offline)
+HERE = Path(__file__).resolve().parent
 
 REPO = harness.REPO
 

@@ -12,9 +12,12 @@ and every stage of the GPU run (gpu_suite.py) time, measure memory, count work a
 * what a benchmark is: `LossBench` (a loss and who provides it), `OpBench` (an op on every backend)
 * reports: atomic writes, markdown tables, number formats; `describe_environment`; `call_in_fork`
 
-The error measure is `rel_err` of tests/oracle.py, whose float64 formulas are also the reference of the large
-checks and, run in another dtype (`oracle.computing_in`), the eager baseline: importing this module puts
-tests/ on the path for `import oracle`.
+The error measure is `rel_err` of angle_kernels.testing.oracle, whose float64 formulas are also the reference of the
+large checks and, run in another dtype (`oracle.computing_in`), the eager baseline.
+
+The benchmarks measure the angle_kernels that Python imports: the checkout, installed in editable mode
+(scripts/setup.sh), or put on PYTHONPATH (scripts/gpu_check.sh does, on the GPU machine where nothing is installed).
+A script here is run as `python bench/NAME.py`, which puts bench/ on the path for `import harness`.
 """
 
 from __future__ import annotations
@@ -36,12 +39,6 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-# A benchmark measures the checkout it lives in (and the CUDA extension the GPU run builds in place there), not
-# some other installed copy of angle_kernels; tests/ provides the float64 oracle and rel_err.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-if str(REPO / "tests") not in sys.path:
-    sys.path.append(str(REPO / "tests"))
 
 # GNU OpenMP's threads spin while they wait for each other. On a machine shared with other jobs that turns
 # every parallel op into a wait for a descheduled thread: one cosine fwd+bwd (N=1024, D=256, 2 threads)
@@ -76,7 +73,7 @@ class Implementation:
 
     calls: what is called, for the results' legend. make(context, inputs) returns a closure computing the
     scalar loss from `inputs`; the context is the provider's own: our backend's name, angle-emb's loss
-    module, sentence-transformers' losses module, or tests/oracle.py (see providers.py).
+    module, sentence-transformers' losses module, or angle_kernels.testing.oracle (see providers.py).
     """
 
     calls: str
@@ -480,17 +477,20 @@ COPY_BYTES = {"cuda": 2**30, "cpu": 2**28}
 MATMUL_SIZES = {"cuda": (8192,), "cpu": (2048, 4096)}
 
 
+def _copy_seconds(device: str, copy_bytes: int) -> float:
+    """The fastest time of a copy of `copy_bytes` bytes on `device` (its buffers are freed on return)."""
+    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    return time_run(device, lambda: dst.copy_(src)).min_s
+
+
 def measure_limits(device: str, dtypes, copy_bytes: int | None = None, matmul_size: int | None = None) -> dict:
     """The device's copy bandwidth (bytes read + written per second) and matmul rates of `dtypes` (names),
     measured now: the denominators of the achieved rates (`limit_rate`). Each is the fastest of its runs (a
     limit is what the hardware can do; on a shared CPU the median would count other jobs' time as its own).
     On CPU with torch's thread count."""
     copy_bytes = copy_bytes or COPY_BYTES[device]
-    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    copy_s = time_run(device, lambda: dst.copy_(src)).min_s
-    limits = {"copy_GBps": 2 * copy_bytes / copy_s / GB}
-    del src, dst
+    limits = {"copy_GBps": 2 * copy_bytes / _copy_seconds(device, copy_bytes) / GB}
     for name in dtypes:
         rates = []
         for size in (matmul_size,) if matmul_size else MATMUL_SIZES[device]:

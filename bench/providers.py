@@ -6,8 +6,8 @@ A *provider* is one implementation of some of the losses, in one of four familie
                            ours-triton, ours-cuda)
     reference              angle-emb 0.6.1's eager code: its `angle_emb/loss.py`, loaded by file path
     sentence-transformers  its losses, fed precomputed embeddings (`PrecomputedEmbeddings`)
-    eager                  eager PyTorch: tests/oracle.py's N x N formulas computing in the inputs' dtype
-                           (`oracle.computing_in`), for the ArcCSE losses, which neither package has
+    eager                  eager PyTorch: angle_kernels.testing.oracle's N x N formulas computing in the inputs'
+                           dtype (`oracle.computing_in`), for the ArcCSE losses, which neither package has
 
 What a family calls for each loss is written next to the loss, in its family's module (bench_ranking.py,
 bench_similarity.py, bench_arccse.py: `LossBench.implementations`). Every provider of a loss is handed the
@@ -34,7 +34,7 @@ import harness
 import torch
 from torch import nn
 
-from oracle import rel_err  # tests/oracle.py (on the path through harness): the one error measure
+from angle_kernels.testing.oracle import rel_err  # the one error measure
 
 # The temperature (scale) of the AnglE losses for every provider: AngleLoss's and sentence-transformers' default.
 TAU = 20.0
@@ -45,8 +45,9 @@ FAMILIES = ("ours", "reference", "sentence-transformers", "eager")
 @dataclass(frozen=True)
 class Provider:
     """One provider: `name` is its column in the tables, `context` what its implementations are handed
-    (our backend's name, angle-emb's loss module, sentence-transformers' losses module, or tests/oracle.py),
-    `losses` the ones it computes. Ratios are taken against the primary "ours" (`primary_ours`)."""
+    (our backend's name, angle-emb's loss module, sentence-transformers' losses module, or
+    angle_kernels.testing.oracle), `losses` the ones it computes. Ratios are taken against the primary "ours"
+    (`primary_ours`)."""
 
     name: str
     family: str
@@ -205,7 +206,7 @@ def available_providers(device: str, losses: list[harness.LossBench], angle_emb_
     loaders = (
         ("reference", "angle-emb", lambda: load_reference_module(angle_emb_loss)),
         ("sentence-transformers", "sentence-transformers", sentence_transformers_losses),
-        ("eager", "eager-pytorch", lambda: importlib.import_module("oracle")),
+        ("eager", "eager-pytorch", lambda: importlib.import_module("angle_kernels.testing.oracle")),
     )
     for family, name, load in loaders:
         if family not in wanted or not provides_any(family):

@@ -26,7 +26,6 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 
 def stsb_dir() -> str:
@@ -67,7 +66,8 @@ def run(*, epochs: float = 0.5, batch_size: int = 16, lr: float = 5e-5, eval_eve
     from angle_train.data import load_examples
     from angle_train.export import load_pretrained
     from angle_train.models import load_encoder
-    from angle_train.trainer import sts_spearman, train
+    from angle_train.evaluate import sts_spearman
+    from angle_train.trainer import train
 
     if threads:
         torch.set_num_threads(threads)

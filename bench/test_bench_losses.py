@@ -4,7 +4,7 @@
     pytest bench/ --benchmark-only        # only the timed cases, with pytest-benchmark's statistics
     pytest bench/ --benchmark-only --benchmark-columns=median,iqr,rounds -k "cosine"
 
-The sweep over sizes, with memory, lives in bench_losses.py; these cases are the quick, always-runnable
+The sweep over sizes, with memory, is bench_losses.py (loss_sweep.py); these cases are the quick, always-runnable
 counterpart (one small size per loss, forward + backward, every provider that is installed).
 """
 
@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+import bench_losses
+import harness
+import loss_sweep
+import providers as P
 
-import bench_losses  # noqa: E402
-import harness  # noqa: E402
-import providers as P  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 LOSSES = bench_losses.LOSSES
 SMALL = {"cosine": (256, 128), "angle": (256, 128), "ibn": (128, 128), "contrastive": (128, 128),
@@ -166,7 +165,7 @@ def test_memory_estimates_grow_as_the_baselines_do():
     eager = P.Provider("eager-pytorch", "eager", None, {"arccon": arccon})
 
     def estimate(provider, loss, n):
-        return bench_losses.estimate_extra_bytes(provider, loss, n, 768, torch.float32)
+        return loss_sweep.estimate_extra_bytes(provider, loss, n, 768, torch.float32)
 
     small, large = estimate(ref, cosine, 4096), estimate(ref, cosine, 16384)
     assert 8 < large / small <= 16  # N^2 term plus a linear part
@@ -183,7 +182,7 @@ def test_a_budget_cuts_the_largest_sizes_not_whole_losses():
     """Every selected loss gets its first size before any loss gets its second, and so on."""
     args = bench_losses.parse_args(["--losses", "cosine,ibn,arccon,triplet", "--n", "16,64,256",
                                     "--n-quadratic", "8,32", "--device", "cpu"])
-    schedule = [(loss.name, n) for loss, n in bench_losses.size_schedule(args)]
+    schedule = [(loss.name, n) for loss, n in loss_sweep.size_schedule(args, [LOSSES[name] for name in args.losses])]
     assert schedule == [("cosine", 16), ("ibn", 8), ("arccon", 8), ("triplet", 16),
                         ("cosine", 64), ("ibn", 32), ("arccon", 32), ("triplet", 64),
                         ("cosine", 256), ("triplet", 256)]
@@ -235,11 +234,12 @@ def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
         return {"status": "ok", "median_s": 0.01, "min_s": 0.01, "time_s": 0.01, "extra_bytes": 1000,
                 "floor": loss.work_floor(n, d, dtype), "rate": 1.0, "rate_unit": "B/s", "rate_fraction": None}
 
-    monkeypatch.setattr(bench_losses, "run_one", fake_run_one)
+    monkeypatch.setattr(loss_sweep, "run_one", fake_run_one)
     env = {"date": "now", "command": "test", "torch": torch.__version__, "threads": 1, "cpu": "test"}
-    report = bench_losses.Report(tmp_path, env, args, {}, {}, {}, ["ours-torch"], "ours-torch")
+    losses = [LOSSES["cosine"]]
+    report = loss_sweep.Report(tmp_path, env, args, losses, {}, {}, {}, ["ours-torch"], "ours-torch")
     with pytest.raises(KeyboardInterrupt):
-        bench_losses.sweep(args, [provider], {}, on_row=lambda rows: report.write(rows, complete=False))
+        loss_sweep.sweep(args, losses, [provider], {}, on_row=lambda rows: report.write(rows, complete=False))
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["complete"] is False and [r["n"] for r in data["results"]] == [16]
     assert "| 16 |" in (tmp_path / "table.md").read_text()

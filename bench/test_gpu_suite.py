@@ -17,12 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+import gpu_suite
+import harness
 
-import gpu_suite  # noqa: E402
-import harness  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the rehearsal is what happens without a CUDA device")
 README = (HERE.parent / "README.md").read_text()

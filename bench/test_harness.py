@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+import harness
 
-import harness  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def test_time_cpu_stops_after_the_minimum_runs_once_its_time_is_spent():
@@ -64,8 +62,6 @@ def test_cuda_memory_is_measured_on_a_warm_run():
 
 
 _CPU_MEASUREMENT = """
-import sys
-sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import torch
 import harness
 
@@ -89,8 +85,9 @@ def test_cpu_measurement_sees_what_a_pass_allocates():
     process, and memory earlier tests freed (but malloc kept) would make the pass's pages look resident."""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", _CPU_MEASUREMENT, str(HERE), str(HERE.parent / "tests")],
-                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    # `python -c` puts its working directory first on the path: bench/, for `import harness`
+    out = subprocess.run([sys.executable, "-c", _CPU_MEASUREMENT], cwd=HERE, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
     extra_bytes, runs, loss_value, grads_were_reset = int(out[0]), int(out[1]), float(out[2]), out[3]
     assert extra_bytes >= 48 * 2**20, out
     assert runs == 3 and loss_value == 4.0

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+import train_llama_7b as T
 
-import train_llama_7b as T  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 REAL_MEASURE = T.measure  # the spies below wrap this one, never an earlier spy
 

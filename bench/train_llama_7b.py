@@ -39,11 +39,11 @@ import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import harness  # first: sets OMP_WAIT_POLICY before torch loads; the atomic writes of the results
 
-from angle_train.evaluate import positive_int  # noqa: E402 (after REPO is on the path) argparse's type for counts
+from angle_train.evaluate import positive_int  # argparse's type for counts
 
 LLAMA_7B = {
     "hidden_size": 4096,
@@ -54,6 +54,17 @@ LLAMA_7B = {
     "vocab_size": 32000,
     "max_position_embeddings": 4096,
 }
+# The ~1B model of issue 28's 32,768-pair step: TinyLlama-1.1B's shape (grouped-query attention, 4 KV heads)
+LLAMA_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+}
+MODELS = {"7b": LLAMA_7B, "1b": LLAMA_1B}
 TINY = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -117,6 +128,8 @@ def parse_args(argv):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     p.add_argument("--out", required=True, help="folder for results.json and results.md (a re-run continues there)")
+    p.add_argument("--size", choices=sorted(MODELS), default="7b",
+                   help="the model: 7b (LLaMA-2-7B's shape, the default) or 1b (TinyLlama-1.1B's)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (runs on CPU): smoke-test the script")
     p.add_argument("--seq-len", type=positive_int, default=64, help="tokens per text (default 64)")
     p.add_argument("--lora-r", type=positive_int, default=32, help="LoRA rank (default 32; alpha = 2r)")
@@ -156,6 +169,10 @@ def parse_args(argv):
 
 
 # ------------------------------------------------------------------------------------------ model and steps
+def model_config(args) -> dict:
+    return TINY if args.tiny else MODELS[args.size]
+
+
 def build(args, device):
     import torch
     from transformers import LlamaConfig, LlamaModel
@@ -163,7 +180,7 @@ def build(args, device):
     from angle_train.models import LoraSettings, wrap_backbone
 
     config = LlamaConfig(
-        **(TINY if args.tiny else LLAMA_7B), pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0
+        **model_config(args), pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0
     )
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     previous = torch.get_default_dtype()
@@ -316,7 +333,7 @@ def settings_of(args, loss_dtype: str, env: dict) -> dict:
     """Everything a measurement depends on: a resumed run must match it, or its rows would mix two benchmarks.
     (--plain-max, --gc-batches and --time-budget only choose which settings run; they may change.)"""
     return {
-        "model_config": TINY if args.tiny else LLAMA_7B,
+        "model_config": model_config(args),
         "seq_len": args.seq_len,
         "lora_r": args.lora_r,
         "loss_impl": args.loss_impl,
@@ -349,14 +366,6 @@ def load_results(path: str, settings: dict, restart: bool) -> tuple[dict | None,
             "settings to continue them, use another --out, or pass --restart to discard them."
         )
     return stored, None
-
-
-def write_atomically(path: str, text: str) -> None:
-    """A kill while writing leaves the previous complete file, never a truncated one."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def measured(rows: list[dict]) -> list[dict]:
@@ -416,8 +425,9 @@ def markdown(results: dict) -> str:
 
 def save(out: str, results: dict) -> None:
     summarise(results)
-    write_atomically(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
-    write_atomically(os.path.join(out, "results.md"), markdown(results))
+    # harness.write_text_atomic: a kill while writing leaves the previous complete file, never a truncated one
+    harness.write_text_atomic(Path(out, "results.json"), json.dumps(results, indent=2) + "\n")
+    harness.write_text_atomic(Path(out, "results.md"), markdown(results))
 
 
 # ------------------------------------------------------------------------------------------------ the plan

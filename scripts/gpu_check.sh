@@ -8,7 +8,8 @@
 # README's "Running on a GPU" says how to run them on a lent GPU. Each step stops itself inside its limit, and
 # the stage packs its results into OUT_DIR after every step (at most 8 files); without a CUDA device `first`
 # rehearses its preflight and packing, and every stage says so and exits 0.
-# PYTHON picks the interpreter (default python3: the GPU image's).
+# PYTHON picks the interpreter (default python3: the GPU image's). Nothing is installed there: the checkout goes on
+# PYTHONPATH, so that angle_kernels (with angle_kernels.testing, the tests' and benchmarks' oracle) imports from it.
 set -euo pipefail
 if [ $# -lt 2 ]; then
   sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
@@ -18,7 +19,9 @@ STAGE=$1
 OUT=$2
 shift 2
 cd "$(dirname "$0")/.."
+REPO_ROOT=$PWD
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 "${PYTHON:-python3}" bench/gpu_suite.py "$STAGE" "$OUT" "$@" 2>&1 | tee -a "$OUT/console_$STAGE.log"
 exit "${PIPESTATUS[0]}"

@@ -17,8 +17,11 @@ fi
 OUT=$1
 K=$2
 cd "$(dirname "$0")/.."
+REPO_ROOT=$PWD
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD ANGLE_KERNELS_TRITON_TEST_DEVICE=cuda ANGLE_KERNELS_CUDA_JIT=0
+# nothing is installed on the GPU machine: the checkout goes on the path (angle_kernels, angle_kernels.testing)
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 ANGLE_KERNELS_TRITON_TEST_DEVICE=cuda ANGLE_KERNELS_CUDA_JIT=0
 PY=${PYTHON:-python3}
 # as gpu_suite.py builds it: the image's TORCH_CUDA_ARCH_LIST, else this GPU's capability
 ARCH=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c 'import torch; print(".".join(map(str, torch.cuda.get_device_capability(0))))')} || exit 1

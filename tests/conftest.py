@@ -1,26 +1,20 @@
 """Fixtures for every test under tests/: seeded generators, the backends under test, the reference package.
 
 Subfolders (tests/ops, tests/train, tests/integrations) have their own conftest files; nothing here changes
-global state for them: no autouse fixtures, no global torch settings. The helpers live in tests/ak_testing.py
-and the oracle in tests/oracle.py (import them from there, not from conftest: every folder's conftest is
-imported under the same name).
+global state for them: no autouse fixtures, no global torch settings. The helpers live in
+angle_kernels.testing.helpers and the oracle in angle_kernels.testing.oracle (import them from there, not from
+conftest: every folder's conftest is imported under the same name).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:  # so `import oracle` / `import ak_testing` work from every test module
-    sys.path.insert(0, str(TESTS_DIR))
-
-from ak_testing import (  # noqa: E402
+from angle_kernels.testing.helpers import (
     BACKEND_NAMES,
     Backend,
     backend_or_skip,
@@ -57,7 +51,7 @@ def ref_loss() -> ModuleType:
 @pytest.fixture(scope="session")
 def ref_angle_loss_class():
     """angle_emb.AngleLoss from the installed package (it lives in angle_emb/angle.py, the trainer's module: the
-    full package import, see ak_testing.import_angle_emb_package)."""
+    full package import, see angle_kernels.testing.helpers.import_angle_emb_package)."""
     try:
         return import_angle_emb_package().AngleLoss
     except Exception as exc:  # pragma: no cover - depends on the environment

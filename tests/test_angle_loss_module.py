@@ -1,16 +1,16 @@
 """AngleLoss, the module that weighs the AnglE terms, in its three dataset formats.
 
-Format A: zigzag pairs with labels (cosine + in-batch negatives + angle); B: [query, positive] rows
-(contrastive only); C: [query, positive, negative] rows (contrastive with and without negatives, plus the angle
-and cosine terms on (q, pos) pairs labelled 1 and (q, neg) pairs labelled 0). Against the float64 oracle
-(tests/oracle.py, assembled as angle_emb 0.6.1's AngleLoss.__call__) on every backend and over weight settings
-on the default backend, float32 and float64, and bf16/fp16 at the half rule; parity with angle_emb.AngleLoss
-(skipped when angle-emb is not installed); gradcheck in float64 and hypothesis fuzzing.
+Format A: zigzag pairs with labels (cosine + in-batch negatives + angle); B: [query, positive] rows (contrastive
+only); C: [query, positive, negative] rows (contrastive with and without negatives, plus the angle and cosine
+terms on (q, pos) pairs labelled 1 and (q, neg) pairs labelled 0). Against the float64 oracle
+(angle_kernels.testing.oracle, assembled as angle_emb 0.6.1's AngleLoss.__call__) on every backend and over
+weight settings on the default backend, float32 and float64, and bf16/fp16 at the half rule; parity with
+angle_emb.AngleLoss (skipped when angle-emb is not installed); gradcheck in float64 and hypothesis fuzzing.
 The options of the in-batch-negative terms (ibn_partition "gte", the false-negative filter) against the oracle's
 dense formulas in float64, every format, with label-0 pairs and odd N; the defaults bitwise the reference's terms
 as the package computes them; a margin that filters nothing, a planted duplicate that must be filtered; bad
 options refused.
-Tolerances and the half-precision rule: tests/ak_testing.py.
+Tolerances and the half-precision rule: angle_kernels.testing.helpers.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 import angle_kernels as ak
-import oracle
-from ak_testing import (
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import (
     FUZZ, HALF_DTYPES, REFERENCE_ATOL, assert_close, check_against_oracle, float64_cannot_resolve, fuzz_embeddings,
     generator, grads_of, leaf_like, outputs_and_grads, randn, skip_unless_implemented, zigzag_labels,
 )

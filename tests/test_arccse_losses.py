@@ -1,9 +1,9 @@
 """ArcCSE: arccon_loss (ArcCon, an additive angular margin on the positive), triplet_loss and ArcCSELoss.
 
-No reference code exists: the oracle (tests/oracle.py) transcribes the paper, ArcCon with arccos directly.
+No reference code exists: the oracle (angle_kernels.testing.oracle) transcribes the paper, ArcCon with arccos directly.
 Against it on every backend, then over sizes, margins (0 to 179 degrees, and past pi), taus on the default
 backend in float32 and float64, bf16/fp16 at the half rule; gradcheck in float64 and hypothesis fuzzing.
-Tolerances and the half-precision rule: tests/ak_testing.py.
+Tolerances and the half-precision rule: angle_kernels.testing.helpers.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 import angle_kernels as ak
-import oracle
-from ak_testing import (
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import (
     FUZZ, HALF_DTYPES, check_against_oracle, float64_cannot_resolve, fuzz_embeddings, generator, leaf_like, randn,
 )
 

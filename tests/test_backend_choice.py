@@ -14,9 +14,6 @@ same rule one level down: cuda_ops.is_available / _extension.load with allow_bui
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.util
 import sys
 import warnings
 from types import ModuleType, SimpleNamespace
@@ -97,8 +94,8 @@ def backends(monkeypatch):
     cuda = FakeBackend("fake_cuda_backend", (None, "no prebuilt angle_kernels._C (fake)"), takes_allow_build=True)
     for module, name in ((triton, "triton"), (cuda, "cuda")):
         monkeypatch.setitem(sys.modules, module.__name__, module)
-        for op in contract.OPS:  # one module per op, named after it (the convention dispatch relies on)
-            monkeypatch.setitem(sys.modules, f"{module.__name__}.{op}", _fake_op_module(name, op, computed))
+        module.op_modules = {op: _fake_op_module(name, op, computed) for op in contract.OPS}
+        module.load_ops = lambda module=module: dict(module.op_modules)  # what a backend package's __init__ names
     monkeypatch.setattr(dispatch, "_PACKAGES", {"torch": "angle_kernels.torch_ops", "triton": triton.__name__,
                                                 "cuda": cuda.__name__})
     monkeypatch.setattr(dispatch, "_loaded", {"torch": (dispatch._TORCH_OPS, "")})
@@ -215,23 +212,12 @@ def test_auto_reports_a_backend_that_raises_while_probed(backends):
 def test_a_backend_whose_op_module_fails_to_import_is_reported(backends, monkeypatch):
     """An available backend whose kernels do not import (a Triton API change, a missing dependency) is passed
     over with the import error as the reason, and an explicit request for it raises with that reason."""
-    broken = f"{backends.triton.__name__}.ranking_loss"
-    monkeypatch.delitem(sys.modules, broken)
     monkeypatch.setitem(sys.modules, "fake_kernel_dependency", None)  # what the op module imports is missing
 
-    class Loader(importlib.abc.Loader):
-        def create_module(self, spec):
-            return None
+    def load_ops():  # as a backend's load_ops() fails when its `from . import ranking_loss` does
+        import fake_kernel_dependency  # noqa: F401
 
-        def exec_module(self, module):
-            import fake_kernel_dependency  # noqa: F401
-
-    class Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            return importlib.util.spec_from_loader(name, Loader()) if name == broken else None
-
-    monkeypatch.setattr(sys, "meta_path", [Finder(), *sys.meta_path])
-    monkeypatch.setattr(backends.triton, "__path__", [], raising=False)  # a package, so its submodules are found
+    monkeypatch.setattr(backends.triton, "load_ops", load_ops)
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     _, warned = _recording_warnings(auto.ranking_loss, *_scores())
     assert "fake_kernel_dependency" in warned[0], warned
@@ -243,7 +229,7 @@ def test_an_op_a_backend_lacks_goes_to_torch_under_auto_and_is_refused_when_expl
     """A backend without a module for an op (an op it does not implement yet) still serves its other ops; "auto"
     computes the missing one elsewhere even where everything is verified; an explicit request raises a ValueError
     naming the op."""
-    monkeypatch.setitem(sys.modules, f"{backends.triton.__name__}.ranking_loss", None)  # no such module
+    monkeypatch.delitem(backends.triton.op_modules, "ranking_loss")  # load_ops() names no such module
     backends.verified.update({("triton", "ranking_loss", "fused"), ("triton", "similarity_xent", "fused")})
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     scores, labels = _scores()

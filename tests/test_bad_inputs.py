@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import oracle
-from ak_testing import (
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import (
     GRAD_TOL, HUGE_MAGNITUDES, VALUE_TOL, assert_close, check_against_oracle, grads_of, huge_magnitude_id,
     huge_row_factors, randn, zigzag_labels,
 )
@@ -599,10 +599,11 @@ def _huge_cases(ak, gen):
 def test_huge_finite_embeddings_give_the_reference_values(ak, gen, dtype, magnitude):
     """Rows whose squared norms and dot products overflow the compute dtype (the inputs themselves are finite):
     every loss returns the reference's finite value and gradients. Cosines are scale-invariant per row, so the
-    float64 reference on the rows before they were multiplied by powers of two (ak_testing.huge_row_factors) is the
-    exact answer, and the gradient with respect to those rows (the factors are applied inside the differentiated
-    function) is held to the usual tolerances (bfloat16: the half-precision rule against eager bfloat16 on the
-    ordinary rows). Most rows are huge, every fifth is not, so scaled and unscaled rows meet."""
+    float64 reference on the rows before they were multiplied by powers of two
+    (angle_kernels.testing.helpers.huge_row_factors) is the exact answer, and the gradient with respect to those
+    rows (the factors are applied inside the differentiated function) is held to the usual tolerances (bfloat16:
+    the half-precision rule against eager bfloat16 on the ordinary rows). Most rows are huge, every fifth is not,
+    so scaled and unscaled rows meet."""
     cases = _huge_cases(ak, gen)
     for name, ours, exact, tensors in cases:
         factors = [huge_row_factors(t.to(dtype), magnitude) for t in tensors]

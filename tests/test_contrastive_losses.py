@@ -1,12 +1,12 @@
 """in_batch_negative_loss and contrastive_with_negative_loss, the softmax cross-entropy losses over cosines.
 
-* against the float64 oracle (tests/oracle.py) on every backend, then over sizes, label sets (binary, all
+* against the float64 oracle (angle_kernels.testing.oracle) on every backend, then over sizes, label sets (binary, all
   ones, all zeros), taus and group ids (identical texts as extra positives) on the default backend, float32
   and float64, and bf16/fp16 at the half rule;
 * parity with angle-emb 0.6.1's angle_emb.loss (skipped when it is not installed), including its
   negative_weights argument, which provably changes nothing;
 * gradcheck in float64 and hypothesis fuzzing against the oracle.
-Tolerances and the half-precision rule: tests/ak_testing.py.
+Tolerances and the half-precision rule: angle_kernels.testing.helpers.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 import angle_kernels as ak
-import oracle
-from ak_testing import (
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import (
     FUZZ, HALF_DTYPES, REFERENCE_ATOL, assert_half_rule, check_against_oracle, float64_cannot_resolve,
     fuzz_embeddings, generator, leaf_like, outputs_and_grads, randn, zigzag_labels,
 )

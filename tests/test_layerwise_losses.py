@@ -1,11 +1,12 @@
 """Layer-wise (Espresso / 2D-Matryoshka) training: `layer_weights` on every loss and on AngleLoss / ArcCSELoss.
 
 Embeddings stacked [L, rows, D] give sum over (layer l, prefix i) of weight[l][i] * loss(x[l, ..., :d_i]); the
-oracle here is exactly that sum of the float64 oracle's calls on each layer's truncated embeddings (tests/oracle.py),
-values and gradients, on every backend (a case with dims skips the backends whose op lacks the nested prefixes),
-float64 and float32 plus bf16 at the half rule. Three weightings: one weight per layer (the full width), one
-per layer times dim_weights, and a table with zeros (Espresso's: the earlier layers only at the narrow width).
-Also: the pair-score losses make one op call for the whole stack, and bad stacks or weights are refused.
+oracle here is exactly that sum of the float64 oracle's calls on each layer's truncated embeddings
+(angle_kernels.testing.oracle), values and gradients, on every backend (a case with dims skips the backends whose
+op lacks the nested prefixes), float64 and float32 plus bf16 at the half rule. Three weightings: one weight per
+layer (the full width), one per layer times dim_weights, and a table with zeros (Espresso's: the earlier layers
+only at the narrow width). Also: the pair-score losses make one op call for the whole stack, and bad stacks or
+weights are refused.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 import angle_kernels as ak
-import oracle
-from ak_testing import HALF_DTYPES, check_against_oracle, generator, randn, skip_unless_feature
+from angle_kernels.testing.cases import LOSS_CASES, MODULES_WITH_BOTH_OPS, Draw
+from angle_kernels.testing.helpers import HALF_DTYPES, check_against_oracle, generator, skip_unless_feature
 
 LAYERS, WIDTH = 3, 16
 # name -> (the keyword arguments of our call, the weight of (layer, width) for the oracle)
@@ -36,109 +37,22 @@ def _layerwise(oracle_fn, weights):
     return loss
 
 
-def _zigzag(gen, dtype, pairs=6, binary=False):
-    labels = (torch.rand(pairs, generator=gen) > 0.4).double() if binary else torch.rand(pairs, generator=gen)
-    return labels.repeat_interleave(2), randn(gen, LAYERS, 2 * pairs, WIDTH, dtype=dtype)
+def _draw(gen, dtype):
+    """Inputs of the shared loss cases as stacks of LAYERS layers: 6 zigzag pairs, 7 rows (6 for MNRL)."""
+    return Draw(gen, dtype, lead=(LAYERS,), width=WIDTH, pairs=6, rows=7, mnrl_rows=6)
 
 
-def _stacks(gen, dtype, count, rows=7):
-    return [randn(gen, LAYERS, rows, WIDTH, dtype=dtype) for _ in range(count)]
+def _zigzag(gen, dtype):
+    return _draw(gen, dtype).zigzag()
 
 
-# name -> (the op whose dims feature the loss needs, make(gen, dtype, kwargs) -> (inputs, ours(*x, backend), oracle
-# of one layer's call))
-def _cosine(gen, dtype, kwargs):
-    y_true, y_pred = _zigzag(gen, dtype)
-    return ([y_pred], lambda x, backend: ak.cosine_loss(y_true, x, **kwargs, backend=backend),
-            lambda x: oracle.cosine_loss(y_true, x))
+def _stacks(gen, dtype, count):
+    return _draw(gen, dtype).inputs(count)
 
 
-def _angle(gen, dtype, kwargs):
-    y_true, y_pred = _zigzag(gen, dtype)
-    return ([y_pred], lambda x, backend: ak.angle_loss(y_true, x, 20.0, "mean", **kwargs, backend=backend),
-            lambda x: oracle.angle_loss(y_true, x, 20.0, "mean"))
-
-
-def _in_batch(gen, dtype, kwargs):
-    y_true, y_pred = _zigzag(gen, dtype, binary=True)
-    return ([y_pred], lambda x, backend: ak.in_batch_negative_loss(y_true, x, **kwargs, backend=backend),
-            lambda x: oracle.in_batch_negative_loss(y_true, x))
-
-
-def _contrastive(gen, dtype, kwargs):
-    return (_stacks(gen, dtype, 3), lambda q, p, n, backend: ak.contrastive_with_negative_loss(
-                q, p, n, **kwargs, backend=backend),
-            oracle.contrastive_with_negative_loss)
-
-
-def _arccon(gen, dtype, kwargs):
-    return (_stacks(gen, dtype, 2), lambda a, b, backend: ak.arccon_loss(a, b, **kwargs, backend=backend),
-            oracle.arccon_loss)
-
-
-def _triplet(gen, dtype, kwargs):
-    return (_stacks(gen, dtype, 3), lambda a, w, s, backend: ak.triplet_loss(a, w, s, 0.1, **kwargs, backend=backend),
-            lambda a, w, s: oracle.triplet_loss(a, w, s, 0.1))
-
-
-def _mnrl(options):
-    def make(gen, dtype, kwargs):
-        return (_stacks(gen, dtype, 3, rows=6), lambda q, p, n, backend: ak.multiple_negatives_ranking_loss(
-                    q, p, (n,), **kwargs, backend=backend, **options),
-                lambda q, p, n: oracle.multiple_negatives_ranking_loss(q, p, (n,), 20.0, **options))
-    return make
-
-
-def _split(kwargs):
-    """AngleLoss / ArcCSELoss take dims at construction and layer_weights in forward."""
-    kwargs = dict(kwargs)
-    return kwargs.pop("layer_weights"), kwargs
-
-
-def _angle_module(dataset_format):
-    def make(gen, dtype, kwargs):
-        layer_weights, nested = _split(kwargs)
-        if dataset_format == "A":
-            labels, outputs = _zigzag(gen, dtype, binary=True)
-        else:
-            labels, outputs = torch.zeros(18), randn(gen, LAYERS, 18, WIDTH, dtype=dtype)
-        weights = dict(cosine_w=1.0, angle_w=0.5, dataset_format=dataset_format)
-        module = ak.AngleLoss(**weights, **nested)
-
-        def ours(x, backend):
-            module.backend = backend
-            return module(labels, x, layer_weights=layer_weights)
-        return [outputs], ours, lambda x: oracle.angle_loss_module(labels, x, **weights)
-    return make
-
-
-def _arccse_module(gen, dtype, kwargs):
-    layer_weights, nested = _split(kwargs)
-    module = ak.ArcCSELoss(**nested)
-
-    def ours(*xs, backend):
-        module.backend = backend
-        return module(*xs, layer_weights=layer_weights)
-    return _stacks(gen, dtype, 5), ours, oracle.arccse_loss
-
-
-CASES = {
-    "cosine_loss": ("pair_scores", _cosine),
-    "angle_loss": ("pair_scores", _angle),
-    "triplet_loss": ("pair_scores", _triplet),
-    "in_batch_negative_loss": ("similarity_xent", _in_batch),
-    "contrastive_with_negative_loss": ("similarity_xent", _contrastive),
-    "arccon_loss": ("similarity_xent", _arccon),
-    "mnrl_standard": ("similarity_xent", _mnrl({})),
-    "mnrl_gte_hardness": ("similarity_xent", _mnrl(dict(directions=("query_to_doc", "query_to_query",
-                                                                    "doc_to_query", "doc_to_doc"),
-                                                        hardness_mode="in_batch_negatives", hardness_strength=3.0))),
-    "AngleLoss_A": ("pair_scores", _angle_module("A")),
-    "AngleLoss_B": ("similarity_xent", _angle_module("B")),
-    "AngleLoss_C": ("pair_scores", _angle_module("C")),
-    "ArcCSELoss": ("pair_scores", _arccse_module),
-}
-MODULES_WITH_BOTH_OPS = ("AngleLoss_A", "AngleLoss_C", "ArcCSELoss")
+# name -> (the op whose dims feature the loss needs, make(draw, kwargs) -> (inputs, ours(*x, backend), oracle of one
+# layer's call)): the cases shared with the Matryoshka tests, but for mnrl_symmetric (those tests' own)
+CASES = {name: case for name, case in LOSS_CASES.items() if name != "mnrl_symmetric"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF_DTYPES[:1]], ids=str)
@@ -151,7 +65,7 @@ def test_against_the_oracle_of_each_layer(backend, name, weighting, dtype):
         skip_unless_feature(backend, op, "dims")
         if name in MODULES_WITH_BOTH_OPS:
             skip_unless_feature(backend, "similarity_xent", "dims")
-    inputs, ours, one_layer = make(generator("layerwise", name, weighting, dtype), dtype, kwargs)
+    inputs, ours, one_layer = make(_draw(generator("layerwise", name, weighting, dtype), dtype), kwargs)
     check_against_oracle(lambda *x: ours(*x, backend=backend.name), _layerwise(one_layer, weights), inputs,
                          f"{name} {weighting} {dtype}", device=backend.device)
 

@@ -1,6 +1,6 @@
 """Matryoshka (dims / dim_weights) on every loss and on AngleLoss / ArcCSELoss: the result must be
 sum_i w_i * loss(embeddings[..., :d_i]), the weighted sum over the truncated embeddings, computed here by the
-float64 oracle of each truncated call (tests/oracle.py), values and gradients, on every backend whose ops
+float64 oracle of each truncated call (angle_kernels.testing.oracle), values and gradients, on every backend whose ops
 implement the nested prefixes (the others are skipped), float64 and float32 plus bf16 at the half rule.
 Also: dims in any order with their weights, the fallback of a backend lacking the feature, bad arguments.
 """
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import angle_kernels as ak
-import oracle
-from ak_testing import HALF_DTYPES, check_against_oracle, generator, randn, skip_unless_feature
+from angle_kernels.testing.cases import LOSS_CASES, MODULES_WITH_BOTH_OPS, Draw
+from angle_kernels.testing.helpers import HALF_DTYPES, check_against_oracle, generator, skip_unless_feature
 
 WIDTH = 24
 DIMS = (24, 8, 16, 6)  # any order: the losses sort them, with their weights
@@ -30,105 +30,18 @@ def _cut(inputs, d):
     return [x[..., :d] for x in inputs]
 
 
-def _zigzag(gen, dtype, pairs=7, binary=False):
-    labels = (torch.rand(pairs, generator=gen) > 0.4).double() if binary else torch.rand(pairs, generator=gen)
-    return labels.repeat_interleave(2), randn(gen, 2 * pairs, WIDTH, dtype=dtype)
+def _draw(gen, dtype):
+    """Inputs of the shared loss cases: 7 zigzag pairs, 9 rows (8 for MNRL), WIDTH features."""
+    return Draw(gen, dtype, lead=(), width=WIDTH, pairs=7, rows=9, mnrl_rows=8)
 
 
-# name -> (the op whose dims feature the loss needs, make(gen, dtype) -> (inputs, ours(*inputs, backend), oracle))
-def _cosine(gen, dtype):
-    y_true, y_pred = _zigzag(gen, dtype)
-    return ([y_pred], lambda x, backend: ak.cosine_loss(y_true, x, dims=DIMS, dim_weights=WEIGHTS, backend=backend),
-            _weighted(lambda x: oracle.cosine_loss(y_true, x), _cut))
+def _zigzag(gen, dtype):
+    return _draw(gen, dtype).zigzag()
 
 
-def _angle(gen, dtype):
-    y_true, y_pred = _zigzag(gen, dtype)
-    return ([y_pred], lambda x, backend: ak.angle_loss(y_true, x, 20.0, "mean", dims=DIMS, dim_weights=WEIGHTS,
-                                                       backend=backend),
-            _weighted(lambda x: oracle.angle_loss(y_true, x, 20.0, "mean"), _cut))
-
-
-def _in_batch(gen, dtype):
-    y_true, y_pred = _zigzag(gen, dtype, binary=True)
-    return ([y_pred], lambda x, backend: ak.in_batch_negative_loss(y_true, x, dims=DIMS, dim_weights=WEIGHTS,
-                                                                   backend=backend),
-            _weighted(lambda x: oracle.in_batch_negative_loss(y_true, x), _cut))
-
-
-def _contrastive(gen, dtype):
-    inputs = [randn(gen, 9, WIDTH, dtype=dtype) for _ in range(3)]
-    return (inputs, lambda q, p, n, backend: ak.contrastive_with_negative_loss(q, p, n, dims=DIMS,
-                                                                               dim_weights=WEIGHTS, backend=backend),
-            _weighted(oracle.contrastive_with_negative_loss, _cut))
-
-
-def _arccon(gen, dtype):
-    inputs = [randn(gen, 9, WIDTH, dtype=dtype) for _ in range(2)]
-    return (inputs, lambda a, b, backend: ak.arccon_loss(a, b, dims=DIMS, dim_weights=WEIGHTS, backend=backend),
-            _weighted(oracle.arccon_loss, _cut))
-
-
-def _triplet(gen, dtype):
-    inputs = [randn(gen, 9, WIDTH, dtype=dtype) for _ in range(3)]
-    return (inputs, lambda a, w, s, backend: ak.triplet_loss(a, w, s, 0.1, dims=DIMS, dim_weights=WEIGHTS,
-                                                             backend=backend),
-            _weighted(lambda a, w, s: oracle.triplet_loss(a, w, s, 0.1), _cut))
-
-
-def _mnrl(options):
-    def make(gen, dtype):
-        inputs = [randn(gen, 8, WIDTH, dtype=dtype) for _ in range(3)]
-        return (inputs, lambda q, p, n, backend: ak.multiple_negatives_ranking_loss(
-                    q, p, (n,), dims=DIMS, dim_weights=WEIGHTS, backend=backend, **options),
-                _weighted(lambda q, p, n: oracle.multiple_negatives_ranking_loss(q, p, (n,), 20.0, **options), _cut))
-    return make
-
-
-def _angle_module(dataset_format):
-    def make(gen, dtype):
-        if dataset_format == "A":
-            labels, outputs = _zigzag(gen, dtype, binary=True)
-        else:
-            labels, outputs = torch.zeros(18), randn(gen, 18, WIDTH, dtype=dtype)
-        weights = dict(cosine_w=1.0, angle_w=0.5, dataset_format=dataset_format)
-        module = ak.AngleLoss(**weights, dims=DIMS, dim_weights=WEIGHTS)
-
-        def ours(x, backend):
-            module.backend = backend
-            return module(labels, x)
-        return [outputs], ours, _weighted(lambda x: oracle.angle_loss_module(labels, x, **weights), _cut)
-    return make
-
-
-def _arccse_module(gen, dtype):
-    inputs = [randn(gen, 9, WIDTH, dtype=dtype) for _ in range(5)]
-    module = ak.ArcCSELoss(dims=DIMS, dim_weights=WEIGHTS)
-
-    def ours(*xs, backend):
-        module.backend = backend
-        return module(*xs)
-    return inputs, lambda *xs, backend: ours(*xs, backend=backend), _weighted(oracle.arccse_loss, _cut)
-
-
-CASES = {
-    "cosine_loss": ("pair_scores", _cosine),
-    "angle_loss": ("pair_scores", _angle),
-    "triplet_loss": ("pair_scores", _triplet),
-    "in_batch_negative_loss": ("similarity_xent", _in_batch),
-    "contrastive_with_negative_loss": ("similarity_xent", _contrastive),
-    "arccon_loss": ("similarity_xent", _arccon),
-    "mnrl_standard": ("similarity_xent", _mnrl({})),
-    "mnrl_symmetric": ("similarity_xent", _mnrl(dict(directions=("query_to_doc", "doc_to_query"),
-                                                      partition_mode="per_direction"))),
-    # similarity_lse has no dims: one pass per prefix, still against the same oracle
-    "mnrl_gte_hardness": ("similarity_xent", _mnrl(dict(directions=("query_to_doc", "query_to_query",
-                                                                    "doc_to_query", "doc_to_doc"),
-                                                        hardness_mode="in_batch_negatives", hardness_strength=3.0))),
-    "AngleLoss_A": ("pair_scores", _angle_module("A")),
-    "AngleLoss_C": ("pair_scores", _angle_module("C")),
-    "ArcCSELoss": ("pair_scores", _arccse_module),
-}
+# name -> (the op whose dims feature the loss needs, make(draw, kwargs) -> (inputs, ours(*inputs, backend), oracle
+# of one call)): the cases shared with the layer-wise tests, but for AngleLoss_B (those tests' own)
+CASES = {name: case for name, case in LOSS_CASES.items() if name != "AngleLoss_B"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF_DTYPES[:1]], ids=str)
@@ -136,11 +49,12 @@ CASES = {
 def test_against_the_oracle_of_the_truncated_losses(backend, name, dtype):
     op, make = CASES[name]
     skip_unless_feature(backend, op, "dims")
-    if op == "pair_scores" and name in ("AngleLoss_A", "AngleLoss_C", "ArcCSELoss"):
+    if op == "pair_scores" and name in MODULES_WITH_BOTH_OPS:
         skip_unless_feature(backend, "similarity_xent", "dims")
-    inputs, ours, exact = make(generator("matryoshka", name, dtype), dtype)
-    check_against_oracle(lambda *x: ours(*x, backend=backend.name), exact, inputs, f"{name} {dtype}",
-                         device=backend.device)
+    inputs, ours, one_call = make(_draw(generator("matryoshka", name, dtype), dtype),
+                                  dict(dims=DIMS, dim_weights=WEIGHTS))
+    check_against_oracle(lambda *x: ours(*x, backend=backend.name), _weighted(one_call, _cut), inputs,
+                         f"{name} {dtype}", device=backend.device)
 
 
 def test_one_dim_is_the_truncated_loss():

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from ak_testing import reference_loss_path
+from angle_kernels.testing.helpers import reference_loss_path
 
 THREADS = 2
 GB = 1e9

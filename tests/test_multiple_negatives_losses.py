@@ -4,7 +4,7 @@ gist_loss (its GISTEmbedLoss), fused.
 * the grid: directions x partition_mode x hardness_mode x number of hard-negative columns x similarity_fct
   (util.cos_sim at scale 20, util.dot_score at scale 1), each against
   sentence-transformers' own compute_loss_from_embeddings on the same float64 embeddings (value and gradient
-  of every input, to rounding), and against the float64 oracle (tests/oracle.py);
+  of every input, to rounding), and against the float64 oracle (angle_kernels.testing.oracle);
 * the false-negative filter (no sentence-transformers counterpart) against the oracle, on every backend;
 * every backend on representative combinations (dot products included), float32 and bf16 at the half rule;
   gradcheck in float64;
@@ -24,8 +24,8 @@ import torch
 from torch.autograd import gradcheck
 
 import angle_kernels as ak
-import oracle
-from ak_testing import (
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import (
     ShapeRecorder, assert_close, check_against_oracle, generator, leaf_like, outputs_and_grads, randn,
     skip_unless_implemented,
 )

@@ -1,4 +1,5 @@
-"""The oracle itself (tests/oracle.py) checked where it can be: so that it can be trusted where it is used alone.
+"""The oracle itself (angle_kernels.testing.oracle) checked where it can be: so that it can be trusted where it
+is used alone.
 
 * Its losses against the reference, angle-emb 0.6.1's angle_emb.loss and AngleLoss, in float64 (skipped when
   angle-emb is not installed): then every oracle-based loss test means parity too.
@@ -14,8 +15,8 @@ import math
 import pytest
 import torch
 
-import oracle
-from ak_testing import REFERENCE_ATOL, assert_close, grads_of, randn, zigzag_labels
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import REFERENCE_ATOL, assert_close, grads_of, randn, zigzag_labels
 
 LABEL_KINDS = ["graded", "ties", "binary", "equal"]
 TAUS = [0.05, 1.0, 20.0]

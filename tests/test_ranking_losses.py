@@ -1,12 +1,12 @@
 """cosine_loss and angle_loss, CoSENT's ranking term on cosine or angle scores of zigzag pairs.
 
-* against the float64 oracle (tests/oracle.py) on every backend, then over sizes (N = 1, 3, 37, 1000 pairs;
+* against the float64 oracle (angle_kernels.testing.oracle) on every backend, then over sizes (N = 1, 3, 37, 1000 pairs;
   D = 2, 6, 130, 768), label structures (continuous, heavy ties, binary, all equal), taus, label dtypes and
   shapes ([2N] and [2N, 1]) on the default backend, float32 and float64, and bf16/fp16 at the half rule;
 * parity with the reference itself, angle-emb 0.6.1's angle_emb.loss (skipped when it is not installed):
   the reference evaluated in float64 on the same values is the exact result there;
 * gradcheck in float64 and hypothesis fuzzing against the oracle.
-Tolerances and the half-precision rule: tests/ak_testing.py.
+Tolerances and the half-precision rule: angle_kernels.testing.helpers.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 import angle_kernels as ak
-import oracle
-from ak_testing import (
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import (
     FUZZ, HALF_DTYPES, REFERENCE_ATOL, assert_half_rule, check_against_oracle, fuzz_embeddings, generator,
     label_sets, leaf_like, outputs_and_grads, randn, zigzag_labels,
 )

@@ -97,11 +97,8 @@ def _missing_requirement() -> str:
 
 
 def define_schemas() -> None:
-    """Import the op modules (one per op of contract.OPS that this backend implements): they define the schemas
-    the kernels attach to."""
-    from ..dispatch import raw_backend
-
-    raw_backend("cuda")
+    """Import the op modules (those `cuda_ops.load_ops` returns): they define the schemas the kernels attach to."""
+    from . import pair_scores, ranking_loss, similarity_xent  # noqa: F401  (imported for their definitions)
 
 
 @functools.lru_cache(maxsize=None)

@@ -49,6 +49,8 @@ from torch import Tensor
 
 from .. import checks as _checks
 from .. import functional as _functional
+from .. import options as _options
+from .. import terms as _terms
 from ..dispatch import resolve_backend
 
 try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still works there with a warning
@@ -100,7 +102,7 @@ def _pair_score_kind(similarity_fct: Callable[..., Tensor]) -> str | None:
 
 
 def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str, scale: float,
-                        backend: str | None, nested: _functional.Nested | None = None) -> Tensor:
+                        backend: str | None, nested: _options.Nested | None = None) -> Tensor:
     """The CoSENT objective over pairs (first[i], second[i]) scored by scale * cos or scale * |angle sim|:
     angle_kernels' ranking term on the pairs [N, 2, D] (one copy of the embeddings; no N x N anywhere), on
     every prefix when nested (MatryoshkaLoss), and on every layer of stacks [L, N, D] when nested.stacked
@@ -111,8 +113,8 @@ def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str
         second = torch.nn.functional.pad(second, (0, 1))
     scale = _checks.check_scale("scale", scale)
     stack = None if nested is None or not nested.stacked else nested.table
-    _, (first_layer, second_layer) = _functional.check_layer_stack(stack, ("embeddings_a", first),
-                                                                   ("embeddings_b", second))
+    _, (first_layer, second_layer) = _options.check_layer_stack(stack, ("embeddings_a", first),
+                                                                ("embeddings_b", second))
     _checks.check_embedding_group(("embeddings_a", first_layer), ("embeddings_b", second_layer))
     _checks.check_same_shape("embeddings_a", first, "embeddings_b", second)
     labels = _checks.check_labels("labels", labels, first.shape[-2], first.device)
@@ -120,8 +122,8 @@ def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str
     ops = resolve_backend(backend, first)
     pairs = torch.stack((first, second), dim=-2)
     if kind == "cosine":
-        return _functional.ranking_terms(ops, pairs, labels, cosine_tau=scale, nested=nested)[0]
-    return _functional.ranking_terms(ops, pairs, labels, angle_tau=scale, pooling_strategy="sum", nested=nested)[1]
+        return _terms.ranking_terms(ops, pairs, labels, cosine_tau=scale, nested=nested)[0]
+    return _terms.ranking_terms(ops, pairs, labels, angle_tau=scale, pooling_strategy="sum", nested=nested)[1]
 
 
 def _check_label_count(loss: torch.nn.Module, labels: Tensor, batch_size: int) -> None:
@@ -194,7 +196,7 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
         return self._fused_loss(embeddings, labels)
 
     def _fused_loss(self, embeddings: list[Tensor], labels: Tensor,
-                    nested: _functional.Nested | None = None) -> Tensor:
+                    nested: _options.Nested | None = None) -> Tensor:
         _check_columns(self, len(embeddings))
         _check_label_count(self, labels, embeddings[0].shape[-2])
         return _fused_pair_ranking(embeddings[0], embeddings[1], labels, _pair_score_kind(self.similarity_fct),
@@ -235,7 +237,7 @@ class AnglELoss(_st_losses.AnglELoss):
         return self._fused_loss(embeddings, labels)
 
     def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None,
-                    nested: _functional.Nested | None = None) -> Tensor:
+                    nested: _options.Nested | None = None) -> Tensor:
         _check_columns(self, len(embeddings))
         kind = _pair_score_kind(self.similarity_fct)
         anchors = embeddings[0]
@@ -305,33 +307,27 @@ def _mnrl_unfused_reason(loss: torch.nn.Module) -> str | None:
     return None
 
 
-def _nested_options(nested: _functional.Nested | None) -> dict[str, Any]:
-    """The functional losses' dims / dim_weights / layer_weights keywords that state `nested` again."""
-    if nested is None:
-        return {}
-    if not nested.stacked:
-        return dict(dims=nested.dims, dim_weights=nested.weights)
-    if nested.dims is None:
-        return dict(layer_weights=[row[0] for row in nested.table])
-    return dict(dims=nested.dims, layer_weights=[list(row) for row in nested.table])
-
-
-def _fused_mnrl(loss: torch.nn.Module, embeddings: list[Tensor], nested: _functional.Nested | None = None) -> Tensor:
-    """The loss's configuration computed by angle_kernels.functional.multiple_negatives_ranking_loss (getattr
-    with the defaults: older 6.x parents lack some attributes); on every prefix when nested has dims
+def _fused_mnrl(loss: torch.nn.Module, embeddings: list[Tensor], nested: _options.Nested | None = None) -> Tensor:
+    """The loss's configuration (getattr with the defaults: older 6.x parents lack some attributes) computed by
+    angle_kernels.terms.multiple_negatives, with the checks of the public multiple_negatives_ranking_loss and
+    `nested` as parsed by the caller (no second parse of the dims): on every prefix when nested has dims
     (MatryoshkaLoss, which normalises each truncated embedding: every similarity is then a cosine,
     util.dot_score's too), on every layer of stacks [L, rows, D] when nested.stacked."""
     _check_columns(loss, len(embeddings))
     truncated = nested is not None and nested.dims is not None
-    return _functional.multiple_negatives_ranking_loss(
-        embeddings[0], embeddings[1], embeddings[2:], scale=loss.scale,
-        directions=getattr(loss, "directions", ("query_to_doc",)),
-        partition_mode=getattr(loss, "partition_mode", "joint"),
-        hardness_mode=getattr(loss, "hardness_mode", None),
-        hardness_strength=getattr(loss, "hardness_strength", 0.0),
-        similarity="cosine" if truncated else _mnrl_similarity(loss),
-        gather_across_devices=getattr(loss, "gather_across_devices", False), backend=loss.backend,
-        **_nested_options(nested))
+    similarity = "cosine" if truncated else _mnrl_similarity(loss)
+    partition_mode, hardness_mode = getattr(loss, "partition_mode", "joint"), getattr(loss, "hardness_mode", None)
+    scale = _checks.check_scale("scale", loss.scale)
+    queries, positives, *negatives = _checks.promote_embeddings(*embeddings)
+    directions, hardness_strength, _ = _options.check_in_batch_options(
+        getattr(loss, "directions", ("query_to_doc",)), partition_mode, hardness_mode,
+        getattr(loss, "hardness_strength", 0.0), None, "absolute", similarity)
+    stack = None if nested is None or not nested.stacked else nested.table
+    _, gathered = _options.check_in_batch_columns(queries, positives, negatives, stack,
+                                                  getattr(loss, "gather_across_devices", False))
+    return _terms.multiple_negatives(resolve_backend(loss.backend, queries), queries, positives, negatives, scale,
+                                     directions, partition_mode, hardness_mode, hardness_strength, None, "absolute",
+                                     gathered, similarity, nested)
 
 
 class _FusedMNRL:
@@ -351,7 +347,7 @@ class _FusedMNRL:
         return self._fused_loss(embeddings, labels)
 
     def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None,
-                    nested: _functional.Nested | None = None) -> Tensor:
+                    nested: _options.Nested | None = None) -> Tensor:
         return _fused_mnrl(self, embeddings, nested)
 
 
@@ -388,7 +384,7 @@ class _FusedCachedMNRL:
         return self._fused_cached_loss(reps, with_backward)
 
     def _fused_cached_loss(self, reps: list[list[Tensor]], with_backward: bool,
-                           nested: _functional.Nested | None = None) -> Tensor:
+                           nested: _options.Nested | None = None) -> Tensor:
         loss = _fused_mnrl(self, [torch.cat(column) for column in reps], nested)
         return _grad_cache_step(loss, with_backward)
 
@@ -698,7 +694,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     def uses_fused_path(self) -> bool:
         return _matryoshka_unfused_reason(self.loss, self.matryoshka_dims) is None
 
-    def _selected(self, width: int, sort: bool) -> _functional.Nested:
+    def _selected(self, width: int, sort: bool) -> _options.Nested:
         """The dimensions of this step with their weights: all, or n_dims_per_step drawn as the parent draws
         them (its forward sorts the draw, its cached decorator does not; the sum is the same either way)."""
         indices = range(len(self.matryoshka_dims))
@@ -706,8 +702,8 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
             indices = random.sample(indices, self.n_dims_per_step)
             if sort:
                 indices.sort()
-        return _functional.check_nested([self.matryoshka_dims[i] for i in indices],
-                                        [float(self.matryoshka_weights[i]) for i in indices], width)
+        return _options.check_nested([self.matryoshka_dims[i] for i in indices],
+                                     [float(self.matryoshka_weights[i]) for i in indices], width)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         if self.uses_gradient_cache or not self.uses_fused_path:
@@ -768,7 +764,7 @@ class _LayerRecorder(torch.nn.Module):
         self.inner = inner
         self.layers: list[int | None] = []  # None: the final layer
         self.columns: list[list[Tensor]] = []
-        self.draws: list[_functional.Nested] = []  # a Matryoshka inner loss's dimensions of each layer
+        self.draws: list[_options.Nested] = []  # a Matryoshka inner loss's dimensions of each layer
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         layerwise = self.layerwise[0]
@@ -797,7 +793,7 @@ class _LayerRecorder(torch.nn.Module):
         if not any(w != 0 for w in (rows if dims is None else sum(rows, []))):
             return None
         width = self.columns[0][0].shape[-1]
-        nested = _functional.check_nested(dims, None, width, layer_weights=rows, layers=len(rows))
+        nested = _options.check_nested(dims, None, width, layer_weights=rows, layers=len(rows))
         stacks = [torch.stack(layer_columns) for layer_columns in zip(*self.columns)]  # per column: [L, rows, D]
         return inner._fused_loss(stacks, labels, nested)
 

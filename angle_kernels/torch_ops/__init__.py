@@ -1,8 +1,21 @@
 """The pure-PyTorch backend: exact, O(N) extra memory (never an N x N matrix), runs on any device.
 
-One module per op, named after it (`contract.OPS`): pair_scores.py, ranking_loss.py, similarity_xent.py;
-`dispatch` finds them by name. Inputs arrive validated by `angle_kernels.dispatch`."""
+One module per op, named after it (`contract.OPS`): pair_scores.py, ranking_loss.py, similarity_xent.py,
+similarity_lse.py; `load_ops()` names them and `dispatch` calls it. Inputs arrive validated by
+`angle_kernels.dispatch`."""
+
+from __future__ import annotations
+
+from types import ModuleType
 
 
 def is_available() -> tuple[bool, str]:
     return True, ""
+
+
+def load_ops() -> dict[str, ModuleType]:
+    """This backend's op modules by op name (`contract.OPS`): each defines the function named after its op."""
+    from . import pair_scores, ranking_loss, similarity_lse, similarity_xent
+
+    return {"pair_scores": pair_scores, "ranking_loss": ranking_loss, "similarity_xent": similarity_xent,
+            "similarity_lse": similarity_lse}

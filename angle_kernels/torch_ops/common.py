@@ -16,13 +16,17 @@ asking costs no device sync there, and the squared norms are computed anyway): s
 computing them unscaled gives bit for bit what the scaled computation gives (powers of two commute with every
 product, sum, square root and reciprocal short of under- or overflow). Elsewhere, and inside torch.compile traces
 (`may_skip_scaling`), the rows are always scaled, since asking would cost a host sync per chunk or a graph break.
+
+The normalisation's own helpers (row_dots, scaled_eps, inverse_norms_from_norms, normalise_backward, unscaled) live
+in angle_kernels/normalisation.py, below the backends: the Triton dense scheme uses them too.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..contract import NORM_EPS, compute_dtype
+from ..contract import compute_dtype
+from ..normalisation import inverse_norms_from_norms, row_dots
 
 # Work is cut into pieces of about this many elements, so temporaries stay a few MB whatever N is.
 CHUNK_ELEMENTS = 1 << 22
@@ -30,11 +34,6 @@ CHUNK_ELEMENTS = 1 << 22
 
 def rows_per_chunk(row_elements: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, row_elements))
-
-
-def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum(a * b, dim=-1) for [M, D] tensors as a batched GEMV: no [M, D] temporary."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
 
 
 # float32 and float64 as bits: (integer dtype, mantissa bits, exponent bias)
@@ -96,28 +95,6 @@ def cosine_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, tor
     return (*scaled_rows(x), None)
 
 
-def unscaled(dx: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """The gradient with respect to x from the one with respect to the scaled rows s x (in place): s dx; dx as it is
-    when the rows were not scaled (scale None)."""
-    return dx if scale is None else dx.mul_(scale[:, None])
-
-
-def scaled_eps(scale: torch.Tensor) -> torch.Tensor:
-    """The norm clamp of scaled rows, eps * s, floored at the dtype's smallest normal number (so that a zero row
-    scaled by a tiny s, a prefix of a huge row, divides by a positive number)."""
-    return (scale * NORM_EPS).clamp_min(torch.finfo(scale.dtype).tiny)
-
-
-def inverse_norms_from_norms(norms: torch.Tensor, scale: torch.Tensor | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 / max(|x|, eps) from |x|, and the mask of vectors whose norm was not clamped (only those have a norm
-    gradient). With `scale` (broadcastable to norms), the norms are those of scaled rows: 1 / max(|x_s|, eps s)."""
-    if scale is None:
-        return 1.0 / norms.clamp_min(NORM_EPS), norms > NORM_EPS
-    eps = scaled_eps(scale)
-    return 1.0 / torch.maximum(norms, eps), norms > eps
-
-
 def inverse_norms_from_squares(squared_norms: torch.Tensor, scale: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """inverse_norms_from_norms from |x|^2."""
@@ -144,13 +121,3 @@ def prefix_inverse_norms(x: torch.Tensor, dims: tuple[int, ...], scale: torch.Te
     squares = torch.stack([row_dots(x[:, lo:hi], x[:, lo:hi]) for lo, hi in prefix_slices(dims)], dim=1)
     return inverse_norms_from_squares(squares.cumsum(dim=1), None if scale is None else scale[:, None])
 
-
-def normalise_backward(x: torch.Tensor, inv_norm: torch.Tensor, has_norm_grad: torch.Tensor,
-                       d_hat: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient with respect to x of x_hat = x * inv_norm, given d_hat = dL/dx_hat (overwritten):
-    dx = inv * d_hat - inv^3 * (x . d_hat) * x, the second term only where the norm was not clamped.
-
-    With `scale` [M], x and inv_norm are the scaled rows s x and their inverse norms (row_scales): the same
-    formula is then the gradient with respect to s x, and s times it the gradient with respect to x."""
-    radial = torch.where(has_norm_grad, inv_norm**3 * row_dots(x, d_hat), torch.zeros_like(inv_norm))
-    return unscaled(d_hat.mul_(inv_norm[:, None]).addcmul_(x, radial[:, None], value=-1.0), scale)

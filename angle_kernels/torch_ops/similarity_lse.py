@@ -28,7 +28,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..contract import compute_dtype
-from .common import cosine_rows, inverse_norms, normalise_backward, rows_per_chunk
+from ..normalisation import normalise_backward
+from .common import cosine_rows, inverse_norms, rows_per_chunk
 
 
 def _scaling(x: torch.Tensor, normalize: bool):

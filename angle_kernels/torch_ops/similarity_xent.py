@@ -1,48 +1,34 @@
 """Softmax cross-entropy over cosine similarities, in row blocks: never the full M x Mc matrix.
 
-Computes the contract's similarity_xent (see angle_kernels/dispatch.py), which covers the in-batch-negative
-loss (q = c, diagonal excluded, partner targets, rows without a target weighted 0, identical texts as extra
-positives), the contrastive loss with negatives (rectangular, diagonal targets) and ArcCon (diagonal targets
-with an additive angular margin on the target logit):
+Computes the contract's similarity_xent (angle_kernels.dispatch.similarity_xent), which covers the
+in-batch-negative loss (q = c, diagonal excluded, partner targets, rows without a target weighted 0, identical
+texts as extra positives), the contrastive loss with negatives (rectangular, diagonal targets) and ArcCon
+(diagonal targets with an additive angular margin on the target logit):
 
     loss = (1/M) sum_i w_i * (logsumexp_{j in C_i} l_ij - logsumexp_{j in P_i} l_ij)
 
-Rows are processed a block at a time against all columns: a block x Mc tile of cosines is one matrix product
-of the raw rows, scaled by the inverse norms (no normalised copy of the inputs is made). Each tile holds whole
-rows, so its logsumexps, and with them its gradient, are known as soon as it is computed:
+Rows are processed a block at a time against all columns: a block x Mc tile of cosines is one matrix product of
+the raw rows, scaled by the inverse norms (no normalised copy of the inputs is made). Each tile holds whole rows,
+so its logsumexps, and with them its gradient, are known as soon as it is computed:
 
     dL/dl_ij = w_i / M * (softmax_all_ij - softmax_pos_ij)
 
-chained through the margin on the target column. The loss is a scalar, so forward computes the gradients for
-grad_loss = 1 right away when they will be needed (grad mode on and an input that requires them: similarity_xent
-decides), accumulating the gradients of the normalised rows, d q_hat = G c_hat and d c_hat += G^T q_hat, and
-backward only scales them by grad_loss. Three matrix products per block (the logits, d q_hat, d c_hat), as eager
-code does, where recomputing the logits in backward would take four; the price is computing gradients that a
-forward under enable_grad whose backward never runs does not use. The normalisation's backward is applied once
-at the end: dx = (d x_hat - x_hat (x_hat . d x_hat)) / |x| (just d x_hat / eps where the norm was clamped).
-Peak extra memory is O(block x Mc) for the tiles plus O((M + Mc) x D) for the gradients, which are kept from
-forward to backward in the compute dtype.
+chained through the margin on the target column. Forward forms the gradients for grad_loss = 1 when autograd
+will ask for them (angle_kernels.formed_gradients), accumulating d q_hat = G c_hat and d c_hat += G^T q_hat, and
+backward only scales them by grad_loss: three matrix products per block, where recomputing the logits in backward
+would take four. The normalisation's backward is applied once at the end (angle_kernels.normalisation). Peak extra
+memory is O(block x Mc) for the tiles plus O((M + Mc) x D) for the gradients, kept in the compute dtype.
 
-Nested prefixes (dims = (d_1 < ... < d_k), `PrefixSimilarityXentFunction`): one loss per prefix q[:, :d_i],
-c[:, :d_i], each with its own norms. The prefixes share their dot products: over the slices s_j = [d_{j-1}, d_j),
-a block's dot tile is the running sum of the slice products q[blk, s_j] @ c[:, s_j]^T, turned into prefix j's
-logits at the end of slice j, so q and c are read once per block for all prefixes (the matrix products of the
-single full-width loss, plus k elementwise passes over the tile); the inverse norms come from running sums of
-the slices' squared norms. Forward keeps k pairs of logsumexps per row. Backward (which recomputes the tiles:
-the k losses' gradients are only known once grad_loss, a [k] vector, is) forms each prefix's tile
-gradient with its inverse norms folded in, Ghat_i = G_i * q_inv_i * c_inv_j (so that d/dq of prefix i's loss is
-Ghat_i c[:, :d_i] minus the radial term), and since slice j belongs to every prefix i >= j,
+Nested prefixes (dims = (d_1 < ... < d_k), `PrefixSimilarityXentFunction`): one loss per prefix, each with its own
+norms. A block's dot tile is the running sum of the slice products q[blk, s_j] @ c[:, s_j]^T over the slices
+s_j = [d_{j-1}, d_j), turned into prefix j's logits at the end of slice j, so q and c are read once per block for
+all prefixes. Backward recomputes the tiles and, since slice j belongs to every prefix i >= j, takes one product
+per slice and side with the suffix sums of the prefixes' gradient tiles (held together: the dims path takes blocks
+of CHUNK_ELEMENTS / (k + 1) logits); each prefix's radial term is applied once at the end, slice by slice.
 
-    dq[blk, s_j] += (sum_{i >= j} Ghat_i) @ c[:, s_j],    dc[:, s_j] += (sum_{i >= j} Ghat_i)^T @ q[blk, s_j]
-
-one matrix product per slice and side, the sums accumulated from the largest prefix down (the k tiles Ghat_i
-are held for that: the dims path takes blocks of CHUNK_ELEMENTS / (k + 1) logits, and never keeps its tiles
-from forward). Each prefix's radial term, -[|x| > eps] inv_i^2 (sum_j Ghat_ij dots_ij) x[:, :d_i], needs only
-the row (column) sums of Ghat_i * dots_i, k numbers per row, applied once at the end slice by slice.
-
-Huge rows: q and c are taken scaled by a power of two per row (torch_ops/common.py, row scaling; one scale per row
-for all its prefixes), in the compute-dtype copy the ops make anyway, so no tile overflows; every formula above
-runs on the scaled rows, and the gradients are multiplied by the scales once at the end.
+Huge rows: q and c are taken scaled by a power of two per row (torch_ops/common.py, row scaling), in the
+compute-dtype copy the ops make anyway; every formula runs on the scaled rows, and the gradients are multiplied by
+the scales once at the end. The derivations: docs/torch-similarity.md.
 """
 
 from __future__ import annotations
@@ -53,9 +39,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, compute_dtype
-from .common import (
-    cosine_rows, inverse_norms, normalise_backward, prefix_inverse_norms, prefix_slices, rows_per_chunk, unscaled,
-)
+from ..formed_gradients import GradientsFormedInForward, gradients_wanted
+from ..normalisation import normalise_backward, unscaled
+from .common import cosine_rows, inverse_norms, prefix_inverse_norms, prefix_slices, rows_per_chunk
 
 FEATURES = ("dims",)  # the contract's optional features this op implements (contract.OPTIONAL_FEATURES)
 
@@ -153,29 +139,6 @@ def _block_lse(logits, local, targets, positives):
     if positives is None:
         return lse_all, logits[local, targets]
     return lse_all, torch.logsumexp(logits.masked_fill(~positives, float("-inf")), dim=1)
-
-
-def gradients_wanted(q: torch.Tensor, c: torch.Tensor | None) -> bool:
-    """Whether autograd will ask for this call's gradients: grad mode on and an input that requires them."""
-    return torch.is_grad_enabled() and (q.requires_grad or (c is not None and c.requires_grad))
-
-
-class GradientsFormedInForward(torch.autograd.Function):
-    """A scalar loss whose forward (a subclass's) formed its input gradients for grad_loss = 1 when with_grad,
-    saved them (dq, dc or None) with ctx.with_grad and ctx.input_dtypes; backward scales them by grad_loss.
-    The triton backend's dense scheme (triton_ops/similarity_xent_dense.py) shares this contract."""
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss):
-        if not ctx.with_grad:  # the launchers pass with_grad = gradients_wanted(...) whenever autograd records
-            raise RuntimeError("similarity_xent: forward ran without its gradients (with_grad=False), so it has no "
-                               "backward")
-        dq, dc = ctx.saved_tensors
-        q_dtype, c_dtype = ctx.input_dtypes
-        scale = grad_loss.to(dq.dtype)
-        return ((dq * scale).to(q_dtype), None if dc is None else (dc * scale).to(c_dtype),
-                None, None, None, None, None, None, None)
 
 
 class SimilarityXentFunction(GradientsFormedInForward):

@@ -4,16 +4,19 @@ Each kernel file reads top to bottom: what it computes, the bytes and FLOPs it m
 autograd.Function, the launcher.
 
 One module per op, named after it (`contract.OPS`), plus the modules an op launches from (similarity_xent_dense:
-the dense scheme of similarity_xent); `dispatch` finds the ops by name and imports them only once
-`is_available()` says the kernels can run here (CUDA, or CPU tensors under TRITON_INTERPRET=1), so importing
-this package never fails and costs nothing without triton. Inputs arrive validated by `angle_kernels.dispatch`.
+the dense scheme of similarity_xent; _similarity_tiles: the tile library of the similarity family, see
+docs/triton-similarity.md). `load_ops()` names the op modules; `dispatch` calls it only once `is_available()` says
+the kernels can run here (CUDA, or CPU tensors under TRITON_INTERPRET=1), so importing this package never fails and
+costs nothing without triton. Inputs arrive validated by `angle_kernels.dispatch`.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
-from ..dispatch import triton_interpreting
+from .._runtime import triton_interpreting
 
 
 def is_available() -> tuple[bool, str]:
@@ -28,3 +31,11 @@ def is_available() -> tuple[bool, str]:
         return True, ""
     return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU through the interpreter)"
 
+
+def load_ops() -> dict[str, ModuleType]:
+    """This backend's op modules by op name (`contract.OPS`): each defines the function named after its op (the
+    launcher), its PATHS and, with several, code_path."""
+    from . import pair_scores, ranking_loss, similarity_lse, similarity_xent
+
+    return {"pair_scores": pair_scores, "ranking_loss": ranking_loss, "similarity_xent": similarity_xent,
+            "similarity_lse": similarity_lse}

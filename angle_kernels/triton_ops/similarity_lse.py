@@ -1,68 +1,38 @@
 """Per-row log partition functions of cosine logits with exclusions, hardness and filters: never M x Mc.
 
-Computes the contract's similarity_lse (angle_kernels/dispatch.py), the building block of the in-batch-negative
-family. Row i's target column is t_i = target_offset + i (possibly >= Mc: then no column is), its own columns
-are the j with j % period == t_i (only j == t_i when period == 0), and
+Computes the contract's similarity_lse (angle_kernels.dispatch.similarity_lse), the building block of the
+in-batch-negative family. Row i's target column is t_i = target_offset + i (possibly >= Mc: then no column is), its
+own columns are the j with j % period == t_i (only j == t_i when period == 0), and
 
     l_ij  = scale * cos(q_i, c_j) + penalty * sg(cos(q_i, c_j)) * H_ij        (sg: stop-gradient)
     lse_i = logsumexp_{j in K_i} l_ij                                           (-inf when K_i is empty)
 
-H (penalty_on) is none / the columns that are not own / the own columns but the target / every column but the
-target; K_i is every column, minus the target (exclude="target") or the own columns (exclude="own"), minus the
-columns the filter drops, cos(filter_q_i, filter_c_j) > filter_threshold_i (the target spared when
-filter_keeps_target). Every one of these sets is a function of (i, j) computed in the tile from indices and
-the filter's own dot tile, so the kernels keep per-row state only. Column indices are compared as int32 (half
-the registers of int64 index tiles; Mc < 2^31), the targets clamped to Mc, which no column index equals.
+The hardness set H (penalty_on) and the kept columns K_i (exclude, the filter) are functions of (i, j) computed in
+the tile from indices and the filter's own dot tile, so the kernels keep per-row state only.
 
-Forward (`_similarity_lse_fwd_kernel`): as similarity_xent's forward, one program per BLOCK_M rows walks all
-BLOCK_N column blocks. Per tile: with a filter, its dot tile over D' (the filter's own width and dtype,
-compared in filter_q's compute dtype) becomes a drop mask; then the raw dot tile over D, scaled by the inverse
-norms into cosines, becomes the masked logits, folded into an online logsumexp per row. It stores lse [M].
+Forward (`_similarity_lse_fwd_kernel`): one program per BLOCK_M rows walks all BLOCK_N column blocks. Per tile, with
+a filter, its dot tile over D' (the filter's own width and dtype) becomes a drop mask; then the dot tile over D,
+scaled by the inverse norms into cosines, becomes the masked logits, folded into an online logsumexp per row. It
+stores lse [M].
 
-Backward. dlse_i / dl_ij = p_ij = exp(l_ij - lse_i) on the kept columns (0 elsewhere, and on the rows whose
-lse is -inf, whose grad_lse the launcher zeroes), and dl_ij / dcos_ij = scale (the penalty carries no
-gradient), so with G_ij = grad_lse_i * scale * p_ij the normalisation's backward is similarity_xent's:
+Backward. With G_ij = grad_lse_i * scale * exp(l_ij - lse_i) on the kept columns (0 elsewhere and on rows whose lse
+is -inf; the penalty carries no gradient), the normalisation's backward is similarity_xent's:
 
     dq_i = inv_q_i * sum_j G_ij inv_c_j c_j  -  [|q_i| > eps] inv_q_i^2 (sum_j G_ij cos_ij) q_i
 
-and its mirror image for dc. The structure is similarity_xent's too, for the same reasons (no atomics, no
-[BLOCK, D] accumulator in registers): `_similarity_lse_bwd_dq_kernel` owns a row block and walks the columns,
+and its mirror image for dc. `_similarity_lse_bwd_dq_kernel` owns a row block and walks the columns,
 `_similarity_lse_bwd_dc_kernel` owns a column block and walks the rows, each recomputing the tiles (the filter's
-included: no M x Mc bit mask is kept) and adding its tile's G @ x_hat into its own rows of a fp32 (fp64) [M, D] /
-[Mc, D] buffer (similarity_xent's `_accumulate_grad_tile`); similarity_xent's finish kernel then applies the
-normalisation's backward once per row. A side that needs no gradient (a detached c, e.g. a memory bank) skips
-its kernel. The filter inputs get no gradient. The forward and backward kernels recompute the filter's cosines
-with the same code; on a GPU they are tuned separately and may run different tiles, which should not change a
-dot's k-order (sequential over K either way) but is not verified: a filter cosine within rounding of its
-threshold could be decided differently by forward and backward.
+included) and adding G @ x_hat into its own rows of a fp32 (fp64) buffer; the tile library's finish kernel then
+applies the normalisation's backward once per row. A side that needs no gradient skips its kernel; normalize=False
+runs the same kernels with norms of one and no finish kernel.
 
-The floor. FLOPs: forward 2 M Mc D, plus 2 M Mc D' for the filter; backward: each of the two kernels
-recomputes the tile (2 M Mc D + 2 M Mc D') and forms its gradient (2 M Mc D): 8 M Mc D + 4 M Mc D', against
-a nominal backward of 4 M Mc D (the recomputations are the price of O(M + Mc) memory; a side that needs no
-gradient skips its half).
-E.g. M = 16384 queries against Mc = 32768 columns (positive and one hard negative each), D = 1024, a guide
-model's D' = 384: 1.5e12 forward, 5.2e12 backward FLOPs, 1.9 ms + 6.6 ms at 790 TFLOP/s bf16. Bytes: what
-must move is the inputs once, (M + Mc)(D + D') elements, and 4 M bytes of lse (8 for float64); the kernels
-re-read c (and filter_c) once per row block, mostly from L2, and the backward's gradient buffers cost a
-read-modify-write per block pass, BLOCK_N / 2 FLOPs per byte, as analysed in similarity_xent's docstring
-(likely the backward's bound on an H100/H200). The mask and penalty math per tile is O(M Mc), about D/4 times
-fewer operations than the dots.
+The floor. FLOPs: forward 2 M Mc D, plus 2 M Mc D' for the filter; backward 8 M Mc D + 4 M Mc D' against a nominal
+4 M Mc D (the recomputations are the price of O(M + Mc) memory). Bytes: the inputs once, (M + Mc)(D + D')
+elements, and 4 M bytes of lse; the backward's gradient buffers cost a read-modify-write per block pass, BLOCK_N / 2
+FLOPs per byte (likely its bound on an H100/H200).
 
-Blocks, autotuning and precision are similarity_xent's (its config lists, its operand-dtype rule for the
-interpreter's bf16 quirk, its TF32 switch): the filter's dots get the same treatment in their own dtype, or in
-filter_q's compute dtype when filter_q and filter_c differ in dtype. The tune key holds the power-of-two
-buckets of M and Mc, D, D' and the flags that change the work per tile (filter, penalty, dot precision): the
-flags that only change a mask (exclude, period > 0, filter_keeps_target) compile their own variant but reuse
-the tuning, and the integers that vary from call to call (M, Mc, target_offset, period) neither re-tune nor
-recompile (_RUNTIME_INT_ARGS).
-
-Raw dot products (normalize=False) run the same kernels: the launcher passes norms of one (so "cos" is the dot)
-and skips the finish kernel (with no normalisation, the raw gradient buffer is the gradient).
-
-Huge rows (similarity_xent's docstring): with normalize, the row-norm kernel gives every row of q, c and the
-filter embeddings its scale (a power of two, 1 for ordinary rows), the tiles are dot products of the scaled rows
-(the scaled K-loop only when some scale is not 1), and the finish kernel multiplies the gradients by the scales.
-Raw dot products are not scale-invariant and are computed as given (their scores can genuinely overflow).
+Tiles, blocks, autotuning, precision and huge rows are the family's (_similarity_tiles.py); the tune key, the
+filter's forward/backward caveat and a worked example of the floor: docs/triton-similarity.md.
 """
 
 from __future__ import annotations
@@ -74,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from ..contract import NORM_EPS, compute_dtype
 from ._common import CompileCase, acc_dtype_of, new_output
-from .similarity_xent import (
+from ._similarity_tiles import (
     _GPU_CONFIGS_16BIT,
     _GPU_CONFIGS_32BIT,
     _accumulate_grad_tile,
@@ -104,7 +74,7 @@ PATHS = ("fused",)  # the one code path, verified on GPUs on its own (angle_kern
 @triton.jit
 def _lse_row_state(q_norm_ptr, q_scale_ptr, fq_norm_ptr, fq_scale_ptr, threshold_ptr, rows, M, Mc, target_offset,
                    HAS_FILTER: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr, FILTER_ACC: tl.constexpr):
-    """Per-row (valid, inverse norms of the scaled and of the raw row (similarity_xent._inverse_norms), target
+    """Per-row (valid, inverse norms of the scaled and of the raw row (_similarity_tiles._inverse_norms), target
     column, the filter's inverse norm (of its scaled row) and threshold).
 
     The target columns are int32 (the masks are index compares on [BLOCK_M, BLOCK_N] tiles: half the registers
@@ -135,7 +105,7 @@ def _lse_logits_tile(
 ):
     """(cos, unit_c, logits): the tile's cosines, its raw columns' inverse norms (unit columns), and l_ij on the
     kept columns K_i, -inf elsewhere (padding rows and columns included). The dots are those of the scaled rows
-    (similarity_xent._add_dots; `scaled`: whether any scale is not 1).
+    (_similarity_tiles._add_dots; `scaled`: whether any scale is not 1).
 
     Order for registers: the filter's tile is reduced to one mask before the main dot tile is computed, and the
     index masks are formed after it, so that one [BLOCK_M, BLOCK_N] mask at most is live across a K-loop."""
@@ -193,7 +163,7 @@ def _similarity_lse_fwd_kernel(
     q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,  # norms of the scaled rows
     fq_ptr, fc_ptr, fq_norm_ptr, fc_norm_ptr, threshold_ptr,  # the filter's (placeholders without one)
     q_scale_ptr, c_scale_ptr, fq_scale_ptr, fc_scale_ptr,  # the rows' scales (powers of two)
-    scaled_ptr,  # [1] int32: whether any scale is not 1 (similarity_xent._add_dots)
+    scaled_ptr,  # [1] int32: whether any scale is not 1 (_similarity_tiles._add_dots)
     lse_ptr,  # [M] out, compute dtype
     M, Mc, D, DF, target_offset, period,
     M_BUCKET, Mc_BUCKET,  # autotune keys only (next powers of two of M and Mc), unused in the body
@@ -248,7 +218,7 @@ def _similarity_lse_bwd_dq_kernel(
     q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,  # norms of the scaled rows
     fq_ptr, fc_ptr, fq_norm_ptr, fc_norm_ptr, threshold_ptr,
     q_scale_ptr, c_scale_ptr, fq_scale_ptr, fc_scale_ptr,  # the rows' scales (powers of two)
-    scaled_ptr,  # [1] int32: whether any scale is not 1 (similarity_xent._add_dots)
+    scaled_ptr,  # [1] int32: whether any scale is not 1 (_similarity_tiles._add_dots)
     lse_ptr, coef_ptr,  # [M]: the forward's lse; grad_lse, 0 where lse = -inf
     dq_raw_ptr,  # [M, D] fp32/fp64 out: sum_j G_ij inv_c_j c_j
     dq_radial_ptr,  # [M] out: sum_j G_ij cos_ij
@@ -295,7 +265,7 @@ def _similarity_lse_bwd_dc_kernel(
     q_ptr, c_ptr, q_norm_ptr, c_norm_ptr,  # norms of the scaled rows
     fq_ptr, fc_ptr, fq_norm_ptr, fc_norm_ptr, threshold_ptr,
     q_scale_ptr, c_scale_ptr, fq_scale_ptr, fc_scale_ptr,  # the rows' scales (powers of two)
-    scaled_ptr,  # [1] int32: whether any scale is not 1 (similarity_xent._add_dots)
+    scaled_ptr,  # [1] int32: whether any scale is not 1 (_similarity_tiles._add_dots)
     lse_ptr, coef_ptr,  # [M]: the forward's lse; grad_lse, 0 where lse = -inf
     dc_raw_ptr,  # [Mc, D] fp32/fp64 out: sum_i G_ij inv_q_i q_i
     dc_radial_ptr,  # [Mc] out: sum_i G_ij cos_ij
@@ -342,7 +312,8 @@ def _similarity_lse_bwd_dc_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 _TILE_KERNELS = (_similarity_lse_fwd_kernel, _similarity_lse_bwd_dq_kernel, _similarity_lse_bwd_dc_kernel)
-# similarity_xent's configs and bucketing (see there); the key names the flags that change the work per tile.
+# The tile library's configs and bucketing (_similarity_tiles; see similarity_xent._TUNE_KEY); the key names the
+# flags that change the work per tile.
 _TUNE_KEY = ["M_BUCKET", "Mc_BUCKET", "D", "DF", "PENALTY_ON", "HAS_FILTER", "PRECISION", "FILTER_PRECISION"]
 
 _TUNED = autotuned(_TILE_KERNELS, _TUNE_KEY)

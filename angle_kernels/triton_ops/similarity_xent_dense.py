@@ -1,14 +1,9 @@
 """similarity_xent as a blocked scheme of dense matrix products: cuBLAS for the products, Triton for the tile math.
 
-Computes the contract's similarity_xent without dims (angle_kernels/dispatch.py), the loss of similarity_xent.py's
-fused kernels, by another schedule; `triton_ops.similarity_xent` takes it where `takes` says so (below).
-
-Why a second schedule. The fused kernels keep O(M) state by recomputing every logits tile in backward, once for
-dq and once for dc: 10 M Mc D FLOPs executed where the loss needs 6 (2 for the logits, 2 for each side's
-gradient), in hand-written dots whose backward also re-reads an fp32 gradient buffer per column block. For wide
-embeddings (D in the thousands) the products are nearly all the work, and the fastest way to do them is as few,
-large, dense matrix products. This scheme holds a block of b whole rows of logits at a time: their logsumexps,
-and with them their gradients, are known while the block is held, so nothing is recomputed:
+Computes the contract's similarity_xent without dims (angle_kernels.dispatch.similarity_xent), the loss of
+similarity_xent.py's fused kernels by another schedule; `triton_ops.similarity_xent` takes it where `takes` says so
+(wide embeddings). It holds a block of b whole rows of logits at a time: their logsumexps, and with them their
+gradients, are known while the block is held, so nothing is recomputed:
 
     for each block of rows R = [r0, r0 + b):
         S        = q[R] @ c^T                     [b, Mc] raw dots, fp32      cuBLAS, 2 b Mc D FLOPs
@@ -17,35 +12,23 @@ and with them their gradients, are known while the block is held, so nothing is 
         dq_hat[R] = G @ c_hat                                                 cuBLAS, 2 b Mc D FLOPs
         dc_hat   += G^T @ q_hat[R]                                            cuBLAS, 2 b Mc D FLOPs
 
-G is dL/dcos up to the factor max|w| / M (see Precision), from the fused backward's own tile code
-(_grad_cos_tile), and x_hat = x / max(|x|, eps) are unit-row copies of the inputs in the input dtype (16-bit
-operands: tensor cores). The loss is a scalar, so, as in the torch backend, forward forms the gradients for
-grad_loss = 1 when autograd will ask for them, and backward scales them
-(torch_ops.similarity_xent.GradientsFormedInForward). The normalisation's backward is applied once at the end
-(torch_ops.common.normalise_backward).
+G is dL/dcos up to the factor max|w| / M, from the fused backward's own tile code (the tile library's
+_grad_cos_tile), and x_hat = x / max(|x|, eps) are unit-row copies of the (power-of-two scaled) inputs in the input
+dtype. Forward forms the gradients for grad_loss = 1 when autograd will ask for them and backward scales them
+(angle_kernels.formed_gradients); the normalisation's backward is applied once at the end
+(angle_kernels.normalisation.normalise_backward).
 
-Precision. S: the 16-bit inputs' products accumulated in fp32 (cuBLAS, out_dtype=float32), then scaled by
-the fp32 inverse norms in the kernels, as the fused kernels do. The products take the rows scaled by their powers of
-two (similarity_xent's huge rows: s = 1 for ordinary rows, so these are their values), copies in the input dtype
-made once per call: an elementwise pass and (M + Mc) D elements of memory (M D when c is q), against 6 M Mc D FLOPs.
-G is rounded to the input dtype for its products (bf16/fp16), as flash attention rounds its dS; for fp16 it
-carries neither 1/M nor the inverse norms, which would take it out of fp16's range (1/M = 8e-6 at M = 131,072
-puts most of a row's softmax below fp16's smallest subnormal; 1/eps for a zero row overflows): a row's weight
-enters as w_i / max|w| and w_max / M multiplies the fp32 products. fp32 inputs use exact fp32 products unless
-torch's own TF32 switch is on (torch.backends.cuda.matmul.allow_tf32; the fused kernels' ANGLE_KERNELS_ALLOW_TF32
-does not apply here); fp64 stays fp64. On CPU (tests, under the interpreter) and with a torch that lacks
-mixed-dtype products, the 16-bit operands are converted to fp32 first: the same values and the same accumulation,
-slower.
+Precision. S: the 16-bit products accumulated in fp32 (cuBLAS, out_dtype=float32), scaled by the fp32 inverse norms
+in the kernels. G is rounded to the input dtype for its products and carries w_i / max|w|, never 1/M nor the
+inverse norms (fp16 would underflow or overflow); w_max / M multiplies the fp32 products. fp32 inputs follow torch's
+TF32 switch (not ANGLE_KERNELS_ALLOW_TF32); fp64 stays fp64. Without mixed-dtype products (CPU, an older torch) the
+16-bit operands are converted to fp32 first: the same values and accumulation, slower.
 
-The floor. FLOPs: 6 M Mc D, all in dense products (the fused kernels execute 10). Bytes beyond the products' own
-operand reads: per logit, S written once (4) and read twice (8), G written (2, in place over S for fp32/fp64) and
-read by two products (4): 18 bytes per logit against 6 D FLOPs, 1,365 FLOPs per byte at D = 4096, 256 at D = 768,
-where an H100 balances about 265 (800 TFLOP/s bf16 over 3 TB/s): the tile passes should cost about a fifth of the
-products' time at D = 4096 and as much as them at D = 768. Plus dc_hat's read-modify-write, Mc x D x 8 bytes per
-block against 2 b Mc D FLOPs (b / 4 FLOPs per byte: 512 at b = 2048). Extra memory: the tile, b x Mc x (4 + 2)
-bytes with b = min(2048, 2^28 / Mc) rows (at most 1.5 GiB), the unit rows (2 (M + Mc) D bytes) and the fp32
-gradients (4 (M + Mc) D): O(M + Mc), never M x Mc. Not measured on a GPU yet, nor are the tile kernels'
-blocks tuned (issue 10).
+The floor. FLOPs: 6 M Mc D, all in dense products (the fused kernels execute 10). Bytes beyond the products' operand
+reads: 18 per logit (S written once and read twice, G written and read by two products) against 6 D FLOPs: 1,365
+FLOPs per byte at D = 4096, 256 at D = 768, where an H100 balances about 265; plus dc_hat's read-modify-write, b / 4
+FLOPs per byte. Extra memory: the tile (b x Mc x 6 bytes, at most 1.5 GiB), the unit rows and the fp32 gradients:
+O(M + Mc), never M x Mc. Why a second schedule, and the numbers in full: docs/triton-similarity.md.
 """
 
 from __future__ import annotations
@@ -58,12 +41,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .._runtime import triton_interpreting
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, NORM_EPS, compute_dtype
-from ..dispatch import triton_interpreting
-from ..torch_ops.common import inverse_norms_from_norms, normalise_backward
-from ..torch_ops.similarity_xent import GradientsFormedInForward, gradients_wanted
+from ..formed_gradients import GradientsFormedInForward, gradients_wanted
+from ..normalisation import inverse_norms_from_norms, normalise_backward
 from ._common import CompileCase, new_output
-from .similarity_xent import (
+from ._similarity_tiles import (
     _column_state,
     _empty_lse_states,
     _final_lse,
@@ -86,11 +69,12 @@ MAX_BLOCK_ROWS = 2048
 MIN_BLOCK_ROWS = 512
 
 # From this embedding width up, the triton backend takes this scheme for the full-width loss (`takes`); below
-# it, and always with dims, the fused kernels. A guess from the two floors, not a measurement: the tile passes'
-# 18 bytes per logit against 6 D FLOPs are still above an H100's FLOPs-to-bytes balance at D = 1024, while the
-# fused backward's gradient-buffer traffic (BLOCK_N / 2 FLOPs per byte) binds it at every width. Measuring both
-# on a GPU and setting this is part of issue 10 (the GPU op sweep times both schemes at every width).
-MIN_WIDTH = 1024
+# it, and always with dims, the fused kernels. Measured on an H100, bf16 (bench/results/h100-80gb-hbm3-2026-11-26/
+# second): at D = 768 the dense scheme is 1.1x, 2.8x and 5x faster than the fused kernels for in-batch negatives
+# at N = 1,024, 4,096 and 16,384 pairs, 1.4x and 3.7x for ArcCon at 4,096 and 16,384 (the fused kernels 1.5x
+# faster at 1,024, where both are launch-bound: 1.8 vs 2.6 ms); at D = 4,096, 5x to 9x. Narrower widths are not
+# measured yet, so the fused kernels keep them.
+MIN_WIDTH = 768
 
 
 def block_rows(m: int, mc: int) -> int:
@@ -112,7 +96,7 @@ def takes(width: int, columns: int, dims) -> bool:
 @triton.jit
 def _local_row_state(q_norm_ptr, q_scale_ptr, group_ptr, local, row0, n_rows, M, EPS: tl.constexpr,
                      ACC: tl.constexpr, PARTNER_TARGET: tl.constexpr, HAS_GROUPS: tl.constexpr):
-    """The row state (similarity_xent._row_state) of the block's local rows `local`: rows row0 + local."""
+    """The row state (_similarity_tiles._row_state) of the block's local rows `local`: rows row0 + local."""
     rows = row0 + local
     row_ok, inv_q, _unit_q, targets, group_row, group_target = _row_state(
         q_norm_ptr, q_scale_ptr, group_ptr, rows, M, EPS, ACC, PARTNER_TARGET, HAS_GROUPS)
@@ -296,7 +280,7 @@ class DenseSimilarityXentFunction(GradientsFormedInForward):
         m, mc = q_in.shape[0], c_in.shape[0]
         q_norm, q_scale = _row_norms(q_in, dtype)
         c_norm, c_scale = (q_norm, q_scale) if symmetric else _row_norms(c_in, dtype)
-        # The products take the scaled rows (huge rows: similarity_xent's docstring), copies in the input dtype.
+        # The products take the scaled rows (huge rows: docs/triton-similarity.md), copies in the input dtype.
         q_in = _scaled_copy(q_in, q_scale)
         c_in = q_in if symmetric else _scaled_copy(c_in, c_scale)
         groups = group_ids.contiguous() if group_ids is not None else q_norm  # placeholder pointer if unused

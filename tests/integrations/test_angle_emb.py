@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from oracle import rel_err
+from angle_kernels.testing.oracle import rel_err
 
 import angle_kernels
 from angle_kernels.integrations import angle_emb as integration
@@ -124,7 +124,7 @@ def test_patched_trainer_computes_the_same_loss(ae, tiny_model_dir, tmp_path, da
     """AngleTrainer.compute_loss on a tiny BERT: same loss and parameter gradients, patched or not."""
     from transformers import AutoTokenizer, BertModel, TrainingArguments
 
-    from tiny_model import SENTENCES
+    from angle_kernels.testing.tiny_model import SENTENCES
 
     angle_mod = ae["angle_emb.angle"]
     model = BertModel.from_pretrained(tiny_model_dir).to(torch.float64)
@@ -186,7 +186,7 @@ def test_patch_without_angle_emb_raises_a_clear_error(monkeypatch):
 @pytest.fixture(scope="module")
 def deep_model_dir(tmp_path_factory):
     pytest.importorskip("transformers")
-    from tiny_model import build_tiny_model_dir
+    from angle_kernels.testing.tiny_model import build_tiny_model_dir
 
     return build_tiny_model_dir(tmp_path_factory.mktemp("deep_bert_ese"), seed=5, layers=4)
 
@@ -207,7 +207,7 @@ def test_patched_ese_trainer_computes_the_same_loss_in_one_call(ae, deep_model_d
     computes the terms of every layer (the reference: L + 1 calls)."""
     from transformers import AutoTokenizer, BertModel, TrainingArguments
 
-    from tiny_model import SENTENCES
+    from angle_kernels.testing.tiny_model import SENTENCES
 
     angle_mod = ae["angle_emb.angle"]
     model = BertModel.from_pretrained(deep_model_dir).to(dtype)
@@ -260,7 +260,7 @@ def test_unpatch_restores_the_ese_trainer(ae):
 
 
 def test_espresso_layer_weights_follow_the_reference():
-    dims, rows = angle_kernels.functional.espresso_layer_weights(4, 8, 32)
+    dims, rows = angle_kernels.options.espresso_layer_weights(4, 8, 32)
     assert dims == (8, 32)
     assert rows[-1] == [1.0, 1.0]
     assert rows[:3] == [[1.0 / (1.0 + math.log(1 + i)) / 3, 0.0] for i in range(3)]

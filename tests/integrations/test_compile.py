@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import angle_kernels as ak
-from ak_testing import backend_or_skip
-from oracle import rel_err
+from angle_kernels.testing.helpers import backend_or_skip
+from angle_kernels.testing.oracle import rel_err
 
 PAIRS = 6
 GRADED = torch.tensor([0.0, 2.0, 1.0, 1.0, 3.0, 0.5]).repeat_interleave(2)

@@ -43,8 +43,8 @@ import os
 import pytest
 import torch
 
-from ak_testing import ShapeRecorder
-from oracle import rel_err
+from angle_kernels.testing.helpers import ShapeRecorder
+from angle_kernels.testing.oracle import rel_err
 
 pytest.importorskip("sentence_transformers")
 
@@ -212,19 +212,19 @@ def gist_loss_and_grads(loss, model: list[torch.Tensor], guide: list[torch.Tenso
 def counting(function: str):
     """Counts (the yielded list's length) the calls of angle_kernels.functional.`function`, the computing half
     of the drop-ins' fused path."""
-    import angle_kernels.functional as ak_functional
+    from angle_kernels import terms
 
-    calls, original = [], getattr(ak_functional, function)
+    calls, original = [], getattr(terms, function)
 
     def counted(*args, **kwargs):
         calls.append(None)
         return original(*args, **kwargs)
 
-    setattr(ak_functional, function, counted)
+    setattr(terms, function, counted)
     try:
         yield calls
     finally:
-        setattr(ak_functional, function, original)
+        setattr(terms, function, original)
 
 
 def _rank_cases(rank: int, world: int) -> dict:

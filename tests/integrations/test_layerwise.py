@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-import angle_kernels.functional as ak_functional
+from angle_kernels import terms
 
 pytest.importorskip("sentence_transformers")
 
@@ -21,7 +21,7 @@ from angle_kernels.integrations import sentence_transformers as ours  # noqa: E4
 from sentence_transformers import util as st_util  # noqa: E402
 from test_matryoshka import Seeded  # noqa: E402
 from test_sentence_transformers import ALL_DIRECTIONS, GRADED, batch_columns, compare, st_losses  # noqa: E402
-from tiny_model import build_tiny_model_dir, load_sentence_transformer  # noqa: E402
+from angle_kernels.testing.tiny_model import build_tiny_model_dir, load_sentence_transformer  # noqa: E402
 
 LAYERS = 4  # hidden layers: the parents sample from the embedding output and the first 3 (the 4th is the final)
 HARD = {"directions": ALL_DIRECTIONS, "hardness_mode": "hard_negatives", "hardness_strength": 2.0}
@@ -61,15 +61,21 @@ def deep_model64(tmp_path_factory):
 
 @pytest.fixture
 def entry_calls(monkeypatch):
-    """Count the integration's calls into angle_kernels' losses: ranking_terms (CoSENT, AnglE) and the public
-    multiple_negatives_ranking_loss (whose stacked layers run one similarity pass per layer inside)."""
-    calls = []
-    for name in ("ranking_terms", "multiple_negatives_ranking_loss"):
-        def counting(*args, _original=getattr(ak_functional, name), _name=name, **kwargs):
-            calls.append(_name)
-            return _original(*args, **kwargs)
+    """Count the integration's calls into angle_kernels' computing layer: ranking_terms (CoSENT, AnglE) and
+    multiple_negatives (whose stacked layers run one similarity pass per layer inside, by calling itself once per
+    layer: only the outermost call is the integration's)."""
+    calls, depth = [], [0]
+    for name in ("ranking_terms", "multiple_negatives"):
+        def counting(*args, _original=getattr(terms, name), _name=name, **kwargs):
+            if not depth[0]:
+                calls.append(_name)
+            depth[0] += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
 
-        monkeypatch.setattr(ak_functional, name, counting)
+        monkeypatch.setattr(terms, name, counting)
     return calls
 
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("sentence_transformers")
 
-import angle_kernels.functional as ak_functional  # noqa: E402
+from angle_kernels import terms  # noqa: E402
 from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
 from sentence_transformers import util as st_util  # noqa: E402
 from test_sentence_transformers import (  # noqa: E402
@@ -87,7 +87,7 @@ def test_the_sampled_dimensions_change_with_the_seed(model64):
 
 def test_the_fused_functions_are_the_ones_counted():
     assert {"ranking_terms", "multiple_negatives"} <= set(FUSED_FUNCTIONS)
-    assert all(hasattr(ak_functional, name) for name in FUSED_FUNCTIONS)
+    assert all(hasattr(terms, name) for name in FUSED_FUNCTIONS)
 
 
 @pytest.mark.parametrize("inner, kwargs", [("GISTEmbedLoss", {}), ("CachedGISTEmbedLoss", {"mini_batch_size": 4})])

@@ -13,11 +13,11 @@ import warnings
 import pytest
 import torch
 
-from oracle import rel_err
+from angle_kernels.testing.oracle import rel_err
 
 pytest.importorskip("sentence_transformers")
 
-import angle_kernels.functional as ak_functional  # noqa: E402
+from angle_kernels import terms  # noqa: E402
 from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
 from sentence_transformers import util as st_util  # noqa: E402
 
@@ -26,7 +26,7 @@ try:
 except ImportError:  # pragma: no cover
     from sentence_transformers import losses as st_losses
 
-from tiny_model import SENTENCES, load_sentence_transformer  # noqa: E402
+from angle_kernels.testing.tiny_model import SENTENCES, load_sentence_transformer  # noqa: E402
 
 GRADED = [0.1, 0.5, 0.5, 0.9, 0.3, 0.1]  # with ties
 ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -80,13 +80,13 @@ def fused_calls(monkeypatch):
     """Count calls of the angle_kernels computing halves the integration computes with."""
     calls = {name: 0 for name in FUSED_FUNCTIONS}
     for name in FUSED_FUNCTIONS:
-        original = getattr(ak_functional, name)
+        original = getattr(terms, name)
 
         def counting(*args, _original=original, _name=name, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(ak_functional, name, counting)
+        monkeypatch.setattr(terms, name, counting)
     return calls
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from angle_kernels.triton_ops import _common
 from angle_kernels.triton_ops import similarity_lse as lse_module
 from angle_kernels.triton_ops import similarity_xent as xent_module
-from ak_testing import TRITON_DEVICE
+from angle_kernels.testing.helpers import TRITON_DEVICE
 
 RUNS_PER_CONFIG = 3
 # Every table of TunedKernels the launchers read at call time: (module, attribute).

@@ -1,4 +1,5 @@
-"""The op tests: each op on every backend (the `backend` fixture of tests/conftest.py) against tests/oracle.py.
+"""The op tests: each op on every backend (the `backend` fixture of tests/conftest.py) against the oracle,
+angle_kernels.testing.oracle.
 
 Triton runs through the interpreter on CPU tensors or, on a machine with a CUDA device, through the real
 compiler on CUDA tensors: the root conftest.py decides which (TRITON_INTERPRET) before triton is imported,
@@ -19,7 +20,7 @@ import pkgutil
 import pytest
 import torch
 
-from ak_testing import TRITON_DEVICE
+from angle_kernels.testing.helpers import TRITON_DEVICE
 
 INTERPRETING = TRITON_DEVICE.type == "cpu"
 

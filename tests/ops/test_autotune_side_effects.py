@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ak_testing import TRITON_DEVICE, backend_or_skip
+from angle_kernels.testing.helpers import TRITON_DEVICE, backend_or_skip
 
 pytest.importorskip("triton")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ak_testing import moved_to
+from angle_kernels.testing.helpers import moved_to
 
 from angle_kernels import contract, dispatch, verified
 

@@ -1,10 +1,10 @@
 """pair_scores(x, with_angle[, dims]) on every backend against the float64 oracle: outputs and gradients.
 
-The backward gets fixed random cotangents for both outputs (ak_testing.cotangent). float64 and float32 at the
-tolerances of ak_testing, bfloat16 and float16 at the half-precision rule. Shapes: one group, zigzag pairs,
-format C triples, K = 4, odd and non-power-of-two D, D longer than one Triton block, more groups than one
-chunk of the torch backend. Every output must be finite: under pytest the Triton launchers fill their outputs
-with NaN before the kernels run, so an element never written fails.
+The backward gets fixed random cotangents for both outputs (angle_kernels.testing.helpers.cotangent). float64 and
+float32 at the tolerances of angle_kernels.testing.helpers, bfloat16 and float16 at the half-precision rule.
+Shapes: one group, zigzag pairs, format C triples, K = 4, odd and non-power-of-two D, D longer than one Triton
+block, more groups than one chunk of the torch backend. Every output must be finite: under pytest the Triton
+launchers fill their outputs with NaN before the kernels run, so an element never written fails.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-import oracle
-from ak_testing import (
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import (
     GRAD_TOL, HALF_DTYPES, HUGE_OP_MAGNITUDES, VALUE_TOL, assert_close, assert_half_rule, check_against_oracle,
     generator, huge_magnitude_id, huge_row_factors, leaf_like, outputs_and_grads, randn, skip_unless_feature,
 )

@@ -14,8 +14,10 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-import oracle
-from ak_testing import backend_or_skip, check_against_oracle, generator, leaf_like, outputs_and_grads, randn
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import (
+    backend_or_skip, check_against_oracle, generator, leaf_like, outputs_and_grads, randn
+)
 
 # The Triton scans take log(0) = -inf of two empty sums on purpose; NumPy warns about it under the interpreter.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-import oracle
-from ak_testing import (
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import (
     HALF_DTYPES, HUGE_OP_MAGNITUDES, assert_close, check_against_oracle, generator, huge_magnitude_id,
     huge_row_factors, leaf_like, moved_to, randn, skip_unless_implemented,
 )

@@ -24,8 +24,8 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-import oracle
-from ak_testing import (
+from angle_kernels.testing import oracle
+from angle_kernels.testing.helpers import (
     BACKEND_NAMES, HALF_DTYPES, HUGE_OP_MAGNITUDES, Backend, ShapeRecorder, assert_close, backend_or_skip,
     check_against_oracle, generator, huge_magnitude_id, huge_row_factors, leaf_like, moved_to, outputs_and_grads,
     randn, skip_unless_feature,
@@ -100,8 +100,8 @@ def _prefix_oracle(q, c=None, dims=None, **kwargs):
 
 def _check(backend, q, c, kwargs, what, magnitude=None):
     """ours and the oracle on (q, c), differentiating both when c is given. magnitude: ours sees the rows
-    multiplied by huge powers of two (ak_testing.huge_row_factors, inside the differentiated function), which no
-    cosine sees."""
+    multiplied by huge powers of two (angle_kernels.testing.helpers.huge_row_factors, inside the differentiated
+    function), which no cosine sees."""
     on_device = moved_to(backend.device, kwargs)
 
     def huge(x):

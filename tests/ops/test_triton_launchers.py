@@ -22,7 +22,7 @@ import warnings
 import pytest
 import torch
 
-from ak_testing import backend_or_skip, generator, randn
+from angle_kernels.testing.helpers import backend_or_skip, generator, randn
 
 pytest.importorskip("triton")  # a third-party dependency: without it there is nothing to test here
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ak_testing import TRITON_DEVICE
+from angle_kernels.testing.helpers import TRITON_DEVICE
 
 pytest.importorskip("triton")
 

@@ -16,10 +16,10 @@ import torch
 import torch.multiprocessing as mp
 from train_helpers import free_port, make_encoder, run_config
 
-from angle_train.checkpoint import (MANIFEST_FILE, Position, UnsafeCheckpointError, checkpoint_path, checkpoint_problem,
-                                   checkpoint_to_resume, finished_checkpoints, load_checkpoint, save_checkpoint,
-                                   write_manifest)
+from angle_train.checkpoint import (MANIFEST_FILE, Position, checkpoint_path, checkpoint_problem, checkpoint_to_resume,
+                                   finished_checkpoints, load_checkpoint, save_checkpoint, write_manifest)
 from angle_train.distributed import DistInfo
+from angle_train.safe_loading import UnsafeCheckpointError
 
 pytest.importorskip("torch.distributed.fsdp")
 

@@ -66,7 +66,7 @@ def test_format_a_with_eval_keeps_the_best_model(tmp_path):
     assert sum("dev_spearman" in r for r in rows) == 2 and sum("loss" in r for r in rows) == 3
     best, tokenizer, meta = load_pretrained(result.best_path)
     assert meta["pooling"] == "avg"
-    from angle_train.trainer import sts_spearman
+    from angle_train.evaluate import sts_spearman
 
     assert sts_spearman(best, tokenizer, demo_sts_examples(64), max_length=16) == pytest.approx(
         result.best_spearman, abs=1e-5

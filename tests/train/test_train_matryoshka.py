@@ -13,7 +13,8 @@ from angle_train.cli import config_from_args
 from angle_train.config import TrainConfig
 from angle_train.export import load_pretrained, save_pretrained
 from angle_train.tiny import demo_examples, demo_sts_examples
-from angle_train.trainer import setup, sts_spearman, train
+from angle_train.evaluate import sts_spearman
+from angle_train.trainer import setup, train
 
 TEXTS = ["a small red car", "the dog is black and big", "it was a golden kite , very long", "box"]
 WIDTH = 32  # make_encoder's hidden size

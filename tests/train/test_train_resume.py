@@ -10,9 +10,9 @@ import pytest
 import torch
 from train_helpers import make_encoder, run_config
 
-from angle_train.checkpoint import (Position, UnsafeCheckpointError, checkpoint_path, load_checkpoint, save_checkpoint,
-                                   write_manifest)
+from angle_train.checkpoint import Position, checkpoint_path, load_checkpoint, save_checkpoint, write_manifest
 from angle_train.distributed import DistInfo
+from angle_train.safe_loading import UnsafeCheckpointError
 from angle_train.tiny import demo_examples
 from angle_train.trainer import StopTraining, make_optimizer, make_schedule, train
 

@@ -3,7 +3,8 @@
 A plain module rather than conftest.py: pytest imports every folder's conftest.py under the one name
 "conftest" (the last loaded wins sys.modules["conftest"]), so `from conftest import ...` would find another
 folder's conftest. tests/conftest.py provides the fixtures and imports these; the error measure, rel_err,
-lives in tests/oracle.py with the oracle (bench/ uses it too).
+lives in angle_kernels.testing.oracle with the oracle (bench/ uses it too). Needs hypothesis (the fuzz settings
+and strategies); pytest only in the helpers that skip a case, which import it when they run.
 
 How results are judged (shared/docs/measuring.md), by `check_against_oracle`:
     * float64 inputs: VALUE_TOL / GRAD_TOL against the float64 oracle (only summation order differs);
@@ -25,14 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-import oracle
 from angle_kernels.reference import GRAD_TOL, HALF_RULE_FLOOR, VALUE_TOL  # noqa: F401  (re-exported to the tests)
-from oracle import rel_err
+from angle_kernels.testing import oracle
+from angle_kernels.testing.oracle import rel_err
 
 # VALUE_TOL, GRAD_TOL: the tolerances of shared/docs/measuring.md (float32 loss values far below 1e-5 and gradients
 # below 1e-4; float64 much tighter: only the order of summation differs), stated once, with the reference, since
@@ -193,6 +193,8 @@ def backend_or_skip(name: str) -> Backend:
     Only a missing dependency skips: no triton installed, no CUDA device, no compiled CUDA extension. A
     backend whose own code fails to import or load fails the test (an import bug is not a skip).
     """
+    import pytest
+
     from angle_kernels.dispatch import resolve_backend
 
     if name == "torch":
@@ -244,6 +246,8 @@ class ShapeRecorder:
 
 def skip_unless_implemented(backend: Backend, op: str) -> None:
     """Skip a case of a backend that does not implement `op` yet (a backend may lack an op: dispatch.raw_backend)."""
+    import pytest
+
     if getattr(backend.ops.backend, op) is None:
         pytest.skip(f"the {backend.name} backend does not implement {op} yet")
 
@@ -251,6 +255,8 @@ def skip_unless_implemented(backend: Backend, op: str) -> None:
 def skip_unless_feature(backend: Backend, op: str, feature: str) -> None:
     """Skip a case of a backend whose `op` lacks the optional `feature` (contract.OPTIONAL_FEATURES: an op module
     declares the ones it implements in FEATURES; dispatch.raw_backend collects them)."""
+    import pytest
+
     skip_unless_implemented(backend, op)
     if feature not in backend.ops.backend.features[op]:
         pytest.skip(f"the {backend.name} backend's {op} does not implement {feature}= yet")
@@ -358,7 +364,7 @@ def check_against_oracle(ours_fn, oracle_fn, inputs, what, device="cpu", value_t
                          value_atol=0.0):
     """Ours against the exact result on the same values: every output and the gradient of every input.
 
-    oracle_fn: a function of tests/oracle.py, or of the reference package (angle-emb): run on the inputs in
+    oracle_fn: a function of angle_kernels.testing.oracle, or of the reference package (angle-emb): run on the inputs in
     float64 it is the exact result; run on them in their own dtype (inside oracle.computing_in(dtype), which
     makes the oracle's formulas compute in that dtype) it is eager PyTorch's, the half-precision rule's baseline.
     inputs: the differentiable tensors, already in the dtype under test (ours gets leaves with their strides,

@@ -19,8 +19,8 @@ Everything computes in float64 whatever dtype the inputs arrive in, on the input
 `computing_in(dtype)` the very same formulas run in another dtype instead: that is "eager PyTorch in that
 dtype", the baseline of the half-precision rule. Gradients come from autograd through these formulas.
 
-This module is imported by the tests and by bench/ (with tests/ on sys.path): it imports nothing but torch
-and angle_kernels.reference, in particular neither pytest nor other test modules.
+This module (angle_kernels.testing.oracle) is imported by the tests and by bench/: it imports nothing but torch
+and angle_kernels.reference, in particular neither pytest nor the test helpers.
 """
 
 from __future__ import annotations

@@ -1,0 +1,528 @@
+"""Benchmark our losses against the reference (angle-emb 0.6.1), sentence-transformers and eager PyTorch.
+
+The loss sweep's machinery, over whichever losses it is given (name -> LossBench): bench_losses.py runs it over
+every family's losses (its registry), and each family's module over its own (bench_ranking.py, bench_similarity.py,
+bench_arccse.py, bench_matryoshka.py). Imports go one way: this module and the families import harness.py and
+providers.py, bench_losses.py imports the families and this module, none of which imports it back.
+bench_losses.py says what is measured and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import harness  # first: sets OMP_WAIT_POLICY before torch loads
+import providers as P
+import torch
+from harness import GB, MB
+
+
+# --------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.replace("_", "").split(",") if x]
+
+
+def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
+    """The sweep's options; --losses names some of `losses` (name -> LossBench), `default_losses` by default."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--losses", default=",".join(default_losses),
+                        help="comma-separated subset of " + ",".join(losses))
+    parser.add_argument("--n", type=int_list, default=[256, 1024, 4096, 16384],
+                        help="sizes N of the losses whose cost grows as N (cosine, angle, triplet)")
+    parser.add_argument("--n-quadratic", type=int_list, default=[256, 512, 1024],
+                        help="sizes N of the losses whose cost grows as N^2 D (ibn, contrastive, arccon)")
+    parser.add_argument("--d", type=int_list, default=[768], help="embedding sizes D")
+    parser.add_argument("--dtypes", default="float32", help="comma-separated: " + ",".join(harness.DTYPES))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--providers", default=",".join(P.FAMILIES),
+                        help="families to include: ours (or some of our backends: ours-triton, ours-cuda, "
+                             "ours-torch), reference, sentence-transformers, eager")
+    parser.add_argument("--angle-emb-loss", default=None,
+                        help="angle-emb's loss.py or an angle-emb wheel (default: the installed package's loss.py)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--repeats", type=int, default=5, help="CPU: timed runs per case after the warm-up (at most)")
+    parser.add_argument("--time-per-case", type=float, default=3.0,
+                        help="CPU: stop timing a case after this many seconds once 3 runs are done")
+    parser.add_argument("--max-run-seconds", type=float, default=10.0,
+                        help="skip a size whose predicted single run (extrapolated from the previous size) is longer")
+    parser.add_argument("--max-ref-gb", type=float, default=2.0,
+                        help="skip a baseline (angle-emb, sentence-transformers, eager) at sizes whose estimated "
+                             "extra memory exceeds this")
+    parser.add_argument("--case-timeout", type=float, default=600.0,
+                        help="CPU: kill a case's child process after this many seconds")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds for the whole sweep: once spent (or when a case's predicted run would overrun "
+                             "it), the remaining cases are recorded as skipped")
+    parser.add_argument("--stat", default="median", choices=("median", "min"),
+                        help="which time the table, ratios and plot show (both are in results.json); "
+                             "min is steadier on a machine shared with other jobs")
+    parser.add_argument("--allow-tf32", action="store_true", help="CUDA: let float32 matmuls use TF32 (all providers)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the agreement check of all providers before the sweep")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--out", default=None, help="output folder (default bench/results/<device>-<date>)")
+    args = parser.parse_args(argv)
+    args.losses = [x for x in args.losses.split(",") if x]
+    for loss in args.losses:
+        if loss not in losses:
+            parser.error(f"--losses: unknown loss {loss!r}; choose from {', '.join(losses)}")
+    args.dtypes = [x for x in args.dtypes.split(",") if x]
+    for name in args.dtypes:
+        if name not in harness.DTYPES:
+            parser.error(f"--dtypes: unknown dtype {name!r}; choose from {', '.join(harness.DTYPES)}")
+    args.providers = [x for x in args.providers.split(",") if x]
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here")
+    return args
+
+
+def sizes_of(args, loss) -> list[int]:
+    return sorted(args.n_quadratic if loss.grows == "N^2" else args.n)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Measuring one case
+# --------------------------------------------------------------------------------------------------------
+
+
+def measure_cpu_case(provider, loss, n, d, dtype, threads, repeats, time_per_case, seed, headroom_bytes):
+    """Runs in a forked child (harness.call_in_fork): warm up, build inputs, measure memory and time."""
+    torch.set_num_threads(threads)
+    # Warm-up at a tiny size first, so one-time costs (lazy imports, thread pools) stay out of the numbers.
+    tiny = loss.build_inputs(8, min(d, 64), dtype, "cpu", seed + 1)
+    harness.fwd_bwd(provider.make(loss.name, tiny), harness.grad_leaves(tiny))
+    del tiny
+    inputs = loss.build_inputs(n, d, dtype, "cpu", seed)
+    measured = harness.measure_fwd_bwd(provider.make(loss.name, inputs), harness.grad_leaves(inputs), "cpu",
+                                       repeats, time_per_case, address_space_headroom=headroom_bytes)
+    return {**measured, "input_bytes": harness.input_bytes(inputs), "threads": torch.get_num_threads()}
+
+
+def measure_cuda_case(provider, loss, n, d, dtype, seed):
+    torch.cuda.synchronize()
+    harness.free_cuda_memory()
+    inputs = loss.build_inputs(n, d, dtype, "cuda", seed)
+    measured = harness.measure_fwd_bwd(provider.make(loss.name, inputs), harness.grad_leaves(inputs), "cuda")
+    return {**measured, "input_bytes": harness.input_bytes(inputs)}
+
+
+def probe_check_and_limits_cpu(args, losses, providers):
+    """In a child: which of our backends work, do all providers agree on a small input, and the CPU's limits."""
+    torch.set_num_threads(args.threads)
+    usable, missing = P.ours_backends("cpu", probe=True)
+    working = [p for p in providers if p.family != "ours" or p.context in usable]
+    missing = {f"ours-{name}": why for name, why in missing.items()}
+    checks = {}
+    if not args.no_check:
+        for loss in losses:
+            checks[loss.name] = P.check_agreement(working, loss, "cpu", dtype=torch.float64)
+    return [p.name for p in working], missing, checks, harness.measure_limits("cpu", args.dtypes)
+
+
+def estimate_extra_bytes(provider, loss, n: int, d: int, dtype: torch.dtype) -> int:
+    """A rough upper estimate of the peak extra memory of one forward + backward pass.
+
+    For the eager baselines this is dominated by their N^2 matrices (`LossBench.bytes_per_element`); for
+    ours and sentence-transformers' sort-based CoSENT/AnglE it is a few copies of the embeddings.
+    """
+    elem = max(harness.element_bytes(dtype), 4)
+    linear = 8 * loss.embedding_rows(n) * d * elem
+    per_element = loss.bytes_per_element.get(provider.family)
+    if per_element is None:
+        return linear
+    return int(per_element * loss.eager_matrix_elements(n)) + linear
+
+
+def predicted_run_seconds(previous, loss, family, n) -> float | None:
+    """Extrapolate a run time from the previous measured size: N^2 work for the quadratic losses and for
+    the eager baselines' N x N matrices, N otherwise."""
+    if previous is None or previous[1] < 0.05:  # below 50 ms, overheads and noise dominate: no forecast
+        return None
+    prev_n, prev_s = previous
+    power = 2 if (loss.grows == "N^2" or loss.bytes_per_element.get(family)) else 1
+    return prev_s * (n / prev_n) ** power
+
+
+def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None) -> dict:
+    estimate = estimate_extra_bytes(provider, loss, n, d, dtype)
+    out = {"estimate_bytes": estimate, "floor": loss.work_floor(n, d, dtype)}
+    forecast = predicted_run_seconds(previous, loss, provider.family, n)
+    if deadline is not None:
+        left = deadline - time.perf_counter()
+        if left <= 0 or (forecast is not None and harness.RUNS_PER_CASE * forecast > left):
+            return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent"}
+    if provider.family != "ours" and estimate > args.max_ref_gb * GB:
+        return {**out, "status": "skipped",
+                "note": f"skipped: needs ~{harness.fmt_bytes(estimate)} (> --max-ref-gb {args.max_ref_gb:g})"}
+    available = harness.free_bytes(args.device)
+    if available is not None and estimate > 0.8 * available:
+        return {**out, "status": "skipped",
+                "note": f"skipped: needs ~{harness.fmt_bytes(estimate)}, {harness.fmt_bytes(available)} free"}
+    if forecast is not None and forecast > args.max_run_seconds:
+        return {**out, "status": "skipped",
+                "note": f"skipped: ~{forecast:.0f} s per run (> --max-run-seconds {args.max_run_seconds:g})"}
+
+    if args.device == "cpu":
+        headroom = max(3 * estimate, 2 * GB)
+        if available is not None:
+            headroom = min(headroom, int(0.8 * available))
+        payload = harness.call_in_fork(measure_cpu_case, provider, loss, n, d, dtype, args.threads, args.repeats,
+                                       args.time_per_case, args.seed, headroom, timeout=args.case_timeout)
+    else:
+        try:
+            payload = ("ok", measure_cuda_case(provider, loss, n, d, dtype, args.seed))
+        except Exception as exc:
+            kind = "oom" if harness.is_oom(exc) else "error"
+            payload = (kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=6))
+        if payload[0] != "ok":  # outside the except block: the traceback no longer pins the case's tensors
+            harness.free_cuda_memory()
+
+    if payload[0] == "ok":
+        row = {**out, "status": "ok", **payload[1]}
+        row["time_s"] = row[f"{args.stat}_s"]  # what the table, ratios and plot show
+        row.update(harness.achieved_rate(out["floor"], row["time_s"], limits, harness.dtype_name(dtype)))
+        return row
+    if payload[0] in ("oom", "killed"):
+        return {**out, "status": "OOM", "note": f"OOM: {payload[1]}"}
+    if payload[0] == "timeout":
+        return {**out, "status": "error", "note": f"{payload[1]} (--case-timeout)"}
+    return {**out, "status": "error", "note": payload[1], "traceback": payload[2] if len(payload) > 2 else None}
+
+
+# --------------------------------------------------------------------------------------------------------
+# The sweep
+# --------------------------------------------------------------------------------------------------------
+
+
+def size_schedule(args, losses) -> list[tuple[object, int]]:
+    """(loss, N) in the order they run: every loss's smallest size, then every loss's second size, and so on,
+    so that a time budget cuts the largest sizes rather than whole losses."""
+    ranked = [(rank, position, loss, n) for position, loss in enumerate(losses)
+              for rank, n in enumerate(sizes_of(args, loss))]
+    return [(loss, n) for _, _, loss, n in sorted(ranked, key=lambda item: item[:2])]
+
+
+def sweep(args, losses, providers, limits, on_row=None, deadline=None) -> list[dict]:
+    """Every case, size by size with all providers of a size run back to back (so that a change in the
+    machine's load between sizes hits every provider alike). on_row(results) runs after every case; no case
+    starts past `deadline` (time.perf_counter()), or when its forecast would overrun it."""
+    results = []
+    for dtype_name in args.dtypes:
+        dtype = harness.DTYPES[dtype_name]
+        for d in args.d:
+            previous = {}  # (loss, provider name) -> (n, min seconds) of its last measured size
+            for loss, n in size_schedule(args, losses):
+                for provider in providers:
+                    if not provider.provides(loss.name):
+                        continue
+                    row = {"loss": loss.name, "n": n, "d": d, "dtype": dtype_name, "provider": provider.name,
+                           "family": provider.family, "calls": provider.calls(loss.name)}
+                    row.update(run_one(args, provider, loss, n, d, dtype, previous.get((loss.name, provider.name)),
+                                       limits, deadline))
+                    if row["status"] == "ok":
+                        previous[(loss.name, provider.name)] = (n, row["min_s"])  # the least noisy forecast
+                    results.append(row)
+                    print(progress_line(row), flush=True)
+                    if on_row is not None:
+                        on_row(results)
+    return results
+
+
+def progress_line(row) -> str:
+    head = f"  {row['loss']:<11} N={row['n']:<7} D={row['d']:<5} {row['dtype']:<8} {row['provider']:<22}"
+    if row["status"] == "ok":
+        return head + (f" {row['median_s'] * 1e3:10.2f} ms (min {row['min_s'] * 1e3:.2f})"
+                       f"  +{harness.fmt_bytes(row['extra_bytes'])}")
+    return head + f" {row.get('note', row['status'])}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------------------------
+
+
+def cell(row) -> str:
+    if row is None:
+        return "n/a"
+    if row["status"] != "ok":
+        return row.get("note", row["status"])
+    return f"{harness.fmt_seconds(row['time_s'])}, +{harness.fmt_bytes(max(row['extra_bytes'], 0))}"
+
+
+def ratio_cell(base, ours) -> str:
+    """'time x, memory y': baseline / ours; > 1 means ours is faster / needs less."""
+    if base is None or ours is None or base["status"] != "ok" or ours["status"] != "ok":
+        return "—"
+    time_ratio = base["time_s"] / ours["time_s"]
+    # RSS moves in pages and reuses freed memory: below 1 MB a ratio of memory says nothing.
+    if ours["extra_bytes"] >= MB and base["extra_bytes"] >= MB:
+        mem = f"{base['extra_bytes'] / ours['extra_bytes']:.3g}x"
+    else:
+        mem = "—"
+    return f"{time_ratio:.3g}x, {mem}"
+
+
+def rate_cell(row) -> str:
+    if row is None or row.get("status") != "ok":
+        return ""
+    return harness.fmt_rate(row["rate"], row["rate_unit"], row.get("rate_fraction"))
+
+
+def render_markdown(results, env, args, losses, limits, checks, missing, provider_names, primary) -> str:
+    device_name = env.get("gpu") or env.get("cpu")
+    lines = [f"# Loss benchmark: forward + backward, {args.device.upper()} ({device_name})", "",
+             f"- date (UTC): {env['date']}; command: `{env['command']}`"]
+    thread_text = (f"{env['threads']} threads of {env.get('logical_cpus')} logical CPUs, "
+                   f"OMP_WAIT_POLICY={env.get('omp_wait_policy')}" if args.device == "cpu" else "")
+    lines.append(f"- torch {env['torch']}, triton {env.get('triton')}, sentence-transformers "
+                 f"{env.get('sentence_transformers')}, angle-emb {env.get('angle_emb')}, angle_kernels "
+                 f"{env.get('angle_kernels')}" + (f"; {thread_text}" if thread_text else ""))
+    if args.device == "cuda":
+        lines.append(f"- GPU {env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}")
+    if limits:
+        lines.append(f"- measured limits: {harness.describe_limits(limits)}")
+    load = env.get("load_average_1min")
+    if load and args.device == "cpu":
+        busy = max(load.values()) > (env.get("logical_cpus") or 1)
+        lines.append(f"- load average (1 min) at start / end of the sweep: {load['start']} / {load['end']}"
+                     + (" — more runnable tasks than CPUs: other jobs shared the machine, so times are noisy "
+                        "(memory numbers are not affected)" if busy else ""))
+    memory = "peak RSS of a fresh forked process" if args.device == "cpu" else "max_memory_allocated"
+    lines.append(f"- time: {args.stat} of {harness.timing_description(args.device, args.repeats)}; "
+                 f"memory: peak extra over the inputs ({memory}), gradients included")
+    lines.append(f"- cells: `time, +extra memory`; ratio columns: `baseline time / {primary} time, baseline memory / "
+                 f"{primary} memory` (above 1: ours is faster / smaller)")
+    if missing:
+        lines.append("- not available here: " + "; ".join(f"{k} ({v})" for k, v in missing.items()))
+    if checks:
+        agreement = [f"{loss}/{name} vs {err['against']}: value {err['value']:.1e}, grad {err['grad']:.1e}"
+                     for loss, errs in checks.items() for name, err in errs.items()]
+        check_dtype = "float64" if args.device == "cpu" else "float32"
+        lines.append(f"- agreement check (N=24, D=32, {check_dtype}): " + "; ".join(agreement))
+    lines.append("")
+
+    index = {(r["loss"], r["n"], r["d"], r["dtype"], r["provider"]): r for r in results}
+    for loss in losses:
+        names = [name for name in provider_names if any(k[0] == loss.name and k[4] == name for k in index)]
+        baselines = [name for name in names if name != primary]
+        for dtype_name in args.dtypes:
+            for d in args.d:
+                header = ["N"] + names + [f"{name} ÷ {primary}" for name in baselines if primary in names]
+                header.append(f"{primary} achieved")
+                rows = []
+                for n in sizes_of(args, loss):
+                    by_provider = {name: index.get((loss.name, n, d, dtype_name, name)) for name in names}
+                    ours = by_provider.get(primary)
+                    cells = [f"{n:,}"] + [cell(by_provider[name]) for name in names]
+                    if primary in names:
+                        cells += [ratio_cell(by_provider[name], ours) for name in baselines]
+                    rows.append(cells + [rate_cell(ours)])
+                lines += [f"## {loss.name} (D={d}, {dtype_name})", "", *harness.markdown_table(header, rows), ""]
+    return "\n".join(lines)
+
+
+class Report:
+    """table.md and results.json in the output folder, rewritten as the sweep goes (a killed run keeps them)."""
+
+    def __init__(self, out: Path, env, args, losses, limits, checks, missing, provider_names, primary):
+        self.out, self.env, self.args, self.losses, self.limits = out, env, args, losses, limits
+        self.checks, self.missing, self.provider_names, self.primary = checks, missing, provider_names, primary
+        self.started = time.perf_counter()
+
+    def write(self, results: list[dict], complete: bool) -> str:
+        table = render_markdown(results, self.env, self.args, self.losses, self.limits, self.checks, self.missing,
+                                self.provider_names, self.primary)
+        payload = {"environment": self.env, "args": dict(vars(self.args)), "hardware_limits": self.limits,
+                   "agreement_checks": self.checks, "not_available": self.missing, "ratios_against": self.primary,
+                   "complete": complete, "sweep_seconds": time.perf_counter() - self.started, "results": results}
+        harness.write_text_atomic(self.out / "table.md", table + "\n")
+        harness.write_json_atomic(self.out / "results.json", payload)
+        return table
+
+
+def size_label(n: float) -> str:
+    n = int(round(n))
+    if n >= 2**20 and n % 2**20 == 0:
+        return f"{n // 2**20}M"
+    if n >= 2**10 and n % 2**10 == 0:
+        return f"{n // 2**10}k"
+    return str(n)
+
+
+COLORS = {"ours-triton": "#d62728", "ours-cuda": "#9467bd", "ours-torch": "#1f77b4",
+          "angle-emb": "#ff7f0e", "sentence-transformers": "#2ca02c", "eager-pytorch": "#8c564b"}
+MARKERS = {"ours-triton": "o", "ours-cuda": "D", "ours-torch": "o", "angle-emb": "s", "sentence-transformers": "^",
+           "eager-pytorch": "v"}
+
+
+def plot(results, args, losses, env, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+    fig, axes = plt.subplots(2, len(losses), figsize=(4.2 * len(losses), 7.2), squeeze=False)
+    series = sorted({(r["provider"], r["d"], r["dtype"]) for r in results},
+                    key=lambda s: (list(COLORS).index(s[0]) if s[0] in COLORS else 99, s[1], s[2]))
+    multi = len(args.d) > 1 or len(args.dtypes) > 1
+    for col, loss in enumerate(losses):
+        ax_time, ax_mem = axes[0][col], axes[1][col]
+        skipped_notes = []
+        for provider, d, dtype_name in series:
+            rows = sorted((r for r in results if r["loss"] == loss.name and r["provider"] == provider
+                           and r["d"] == d and r["dtype"] == dtype_name), key=lambda r: r["n"])
+            ok = [r for r in rows if r["status"] == "ok"]
+            label = provider + (f" D={d} {dtype_name}" if multi else "")
+            style = dict(color=COLORS.get(provider), marker=MARKERS.get(provider, "o"), markersize=5, linewidth=1.6,
+                         label=label)
+            if ok:
+                ax_time.plot([r["n"] for r in ok], [r["time_s"] * 1e3 for r in ok], **style)
+                ax_mem.plot([r["n"] for r in ok], [max(r["extra_bytes"], 0.1 * MB) / MB for r in ok], **style)
+            not_run = [r for r in rows if r["status"] != "ok"]
+            if not_run:
+                first = not_run[0]
+                reason = "OOM" if first["status"] == "OOM" else first.get("note", first["status"]).split(" (")[0]
+                skipped_notes.append(f"{provider}: N≥{first['n']:,} {reason.replace('skipped: ', 'skip, ')}")
+        ax_time.set_title(loss.name, fontsize=12, fontweight="bold")
+        sizes = sizes_of(args, loss)
+        for ax, ylabel in ((ax_time, f"{args.stat} time, fwd+bwd (ms)"), (ax_mem, "peak extra memory (MB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.xaxis.set_major_locator(FixedLocator(sizes))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: size_label(v)))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlim(sizes[0] / 1.4, sizes[-1] * 1.4)
+            ax.grid(True, which="major", alpha=0.35)
+            ax.grid(True, which="minor", alpha=0.1)
+            ax.set_xlabel(loss.size_label)
+            if col == 0:
+                ax.set_ylabel(ylabel)
+        if skipped_notes:
+            ax_mem.text(0.98, 0.03, "\n".join(skipped_notes), transform=ax_mem.transAxes, fontsize=7,
+                        va="bottom", ha="right", color="#444444",
+                        bbox=dict(boxstyle="round", facecolor="white", alpha=0.8, edgecolor="#cccccc"))
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=len(handles), frameon=False)
+    device_name = env.get("gpu") or env.get("cpu")
+    thread_text = f", {env['threads']} threads" if args.device == "cpu" else ""
+    dims = ",".join(str(d) for d in args.d)
+    fig.suptitle(f"Forward + backward, D={dims}, {','.join(args.dtypes)}: {args.device.upper()} {device_name}"
+                 f"{thread_text}, torch {env['torch']}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------------------
+
+
+def main(argv, losses: dict, default_losses) -> int:
+    """The sweep over the losses --losses names among `losses` (name -> LossBench; `default_losses` by default),
+    with the rest of the command line `argv` (None: sys.argv[1:])."""
+    args = parse_args(argv, losses, default_losses)
+    # --time-budget counts from here: probing the providers, the agreement check and the limits use it too.
+    deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out = Path(args.out) if args.out else harness.HERE / "results" / f"{args.device}-{now:%Y-%m-%d}"
+    out.mkdir(parents=True, exist_ok=True)
+    losses = [losses[name] for name in args.losses]
+
+    if args.device == "cpu":
+        # Import everything and build the provider objects here, computing nothing; then probe our backends,
+        # check agreement and measure the limits in a child (see harness.call_in_fork).
+        providers, missing = P.available_providers("cpu", losses, args.angle_emb_loss, include=args.providers,
+                                                   probe=False)
+        status = harness.call_in_fork(probe_check_and_limits_cpu, args, losses, providers, timeout=args.case_timeout)
+        if status[0] != "ok":
+            print(f"provider probe failed: {status[1:]}", file=sys.stderr)
+            return 1
+        working, missing_ours, checks, limits = status[1]
+        providers = [p for p in providers if p.name in working]
+        missing.update(missing_ours)
+    else:
+        # fp32 matmuls in true fp32 for every provider (shared/docs/measuring.md: TF32 only behind a flag)
+        torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
+        torch.backends.cudnn.allow_tf32 = args.allow_tf32
+        providers, missing = P.available_providers("cuda", losses, args.angle_emb_loss, include=args.providers)
+        checks = {}
+        if not args.no_check:
+            for loss in losses:
+                checks[loss.name] = P.check_agreement(providers, loss, "cuda", dtype=torch.float32)
+        limits = harness.measure_limits("cuda", args.dtypes)
+
+    primary = P.primary_ours(providers, args.device)
+    primary_name = primary.name if primary else (providers[0].name if providers else "?")
+    env = harness.describe_environment(args.device)
+    env["threads"] = args.threads if args.device == "cpu" else env["threads"]
+    env["date"] = f"{now:%Y-%m-%d %H:%M}"
+    env["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    env["command"] = " ".join(["python", "bench/bench_losses.py"] + (sys.argv[1:] if argv is None else list(argv)))
+    env["angle_emb"] = angle_emb_version(providers)
+
+    print(f"# {args.device}: {env.get('gpu') or env.get('cpu')}, torch {env['torch']}, threads {env['threads']}")
+    print(f"# providers: {', '.join(p.name for p in providers)}; ratios against {primary_name}")
+    print(f"# measured limits: {harness.describe_limits(limits)}")
+    for name, why in missing.items():
+        print(f"# not available: {name}: {why}")
+    bad = []
+    for loss, errs in checks.items():
+        for name, err in errs.items():
+            ok = err["value"] < 1e-5 and err["grad"] < 1e-4
+            print(f"# check {loss:<11} {name:<22} vs {err['against']}: value {err['value']:.2e}, grad {err['grad']:.2e}"
+                  + ("" if ok else "   <-- DISAGREES") + (f" ({err['error']})" if "error" in err else ""))
+            if not ok:
+                bad.append(f"{loss}/{name}")
+    if bad:
+        print(f"# WARNING: providers disagree on {', '.join(bad)}: their timings compare different computations")
+
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    started = time.perf_counter()
+
+    report = Report(out, env, args, losses, limits, checks, missing, [p.name for p in providers], primary_name)
+    results = sweep(args, losses, providers, limits, on_row=lambda rows: report.write(rows, complete=False),
+                    deadline=deadline)
+    elapsed = time.perf_counter() - started
+    if load_before is not None:
+        env["load_average_1min"] = {"start": round(load_before, 2), "end": round(os.getloadavg()[0], 2)}
+    table = report.write(results, complete=True)
+    if not args.no_plot:
+        plot(results, args, losses, env, out / "plot.png")
+    print()
+    print(table)
+    print(f"\nsweep took {elapsed:.0f} s; wrote {out / 'table.md'}, {out / 'results.json'}"
+          + ("" if args.no_plot else f", {out / 'plot.png'}"))
+    return 0
+
+
+def angle_emb_version(providers) -> str | None:
+    if not any(p.family == "reference" for p in providers):
+        return None
+    try:
+        from importlib.metadata import version
+
+        return version("angle-emb")
+    except Exception:
+        return "loss.py from " + next(p.notes.get("source", "?") for p in providers if p.family == "reference")
