@@ -32,7 +32,8 @@ Layers: each public function here checks its arguments with `angle_kernels.optio
 the backend and calls one formula of `angle_kernels.terms` (the computing layer: `ranking_terms`,
 `in_batch_negatives`, `contrastive`, `arccon`, `triplet`, `multiple_negatives`, `gist`), where each formula is
 written once. `AngleLoss`, `ArcCSELoss` and the integrations check their own inputs once with `options` and
-call `terms` directly. Imports go downward only: functional -> terms -> options -> checks, contract, dispatch.
+call `terms` directly. Imports go downward only: functional -> terms -> options -> checks, contract,
+distributed (and functional, terms -> dispatch).
 """
 
 from __future__ import annotations

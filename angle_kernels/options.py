@@ -265,7 +265,6 @@ def espresso_layer_weights(n_layers: int, compression_size: int,
     return (compression_size, width), [[w, 0.0] for w in earlier] + [[1.0, 1.0]]
 
 
-
 def check_in_batch_options(directions: tuple[str, ...] | list[str], partition_mode: str, hardness_mode: str | None,
                            hardness_strength: float, false_negative_margin: float | None,
                            false_negative_strategy: str,

@@ -3,8 +3,9 @@
 Every function here takes a `dispatch.Ops` (a resolved backend: `dispatch.resolve_backend`) and inputs the
 caller has already checked and parsed with `angle_kernels.options` (and `checks`): embeddings of one float
 dtype, labels as tensors, options normalised (scales as floats, margins in radians, directions as tuples,
-Matryoshka / layer-wise weights as an `options.Nested` or None). They check nothing themselves (the ops check
-their own contract) and return a 0-dim loss (per-row losses for multiple_negatives_rows).
+Matryoshka / layer-wise weights as an `options.Nested` or None). They check only what the fronts cannot see
+before the formula runs (the ops check their own contract) and return a 0-dim loss (per-row losses for
+multiple_negatives_rows).
 
     ranking_terms        CoSENT terms of the cosine and the angle scores (cosine_loss, angle_loss, AngleLoss,
                          CoSENTLoss / AnglELoss), from one pair-score pass

@@ -97,8 +97,15 @@ def _major_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
+# The modules below the backends that hold code an op runs (docs/dispatch.md, "Layers"): an op module's imports of
+# them count as its own. contract.py does not (yet): its constants and compute dtype reach the kernels too, but
+# counting it would void every verification at once; to add with the next GPU verification run.
+SHARED_BELOW_BACKENDS = ("_runtime", "normalisation", "formed_gradients")
+
+
 def _backend_modules(backend: str, op: str) -> list[Path]:
-    """The op's module in the backend's package and every module of that package it imports, transitively."""
+    """The op's module in the backend's package and every module of that package it imports, transitively, with
+    the shared modules below the backends (SHARED_BELOW_BACKENDS) they import."""
     package = _PACKAGE_DIR / f"{backend}_ops"
     todo, found = [package / f"{op}.py"], set()
     while todo:
@@ -106,10 +113,16 @@ def _backend_modules(backend: str, op: str) -> list[Path]:
         if path in found or not path.exists():
             continue
         found.add(path)
+        in_backend = path.parent == package
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import y / from . import x
-                names = [node.module] if node.module else [alias.name for alias in node.names]
-                todo += [package / f"{name.split('.')[0]}.py" for name in names]
+            if not isinstance(node, ast.ImportFrom) or node.level not in (1, 2):
+                continue
+            names = [node.module] if node.module else [alias.name for alias in node.names]
+            names = [name.split(".")[0] for name in names]
+            if in_backend and node.level == 1:  # from .x import y / from . import x
+                todo += [package / f"{name}.py" for name in names]
+            elif node.level == (2 if in_backend else 1):  # from ..normalisation import y
+                todo += [_PACKAGE_DIR / f"{name}.py" for name in names if name in SHARED_BELOW_BACKENDS]
     return sorted(found)
 
 

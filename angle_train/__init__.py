@@ -1,7 +1,8 @@
 """angle_train: a lean training loop for AnglE (and ArcCSE) embedding fine-tuning (BERT-style encoders and LLMs).
 
     trainer.py      train(): setup, one optimizer step, evaluate, save, finish; logging and throughput
-    checkpoint.py   resumable checkpoints (atomic, code-free loading, exact resume), best/
+    checkpoint.py   resumable checkpoints (atomic, code-free loading, exact resume), best/; safe_loading.py: the
+                    code-free reads it shares with sharding.py
     config.py       TrainConfig: every setting, its default and its help text
     models.py       pooling (cls, cls_avg, avg, max, last) + base model = Encoder; LoRA, checkpointing, autocast,
                     bidirectional attention for decoder LMs
@@ -12,9 +13,11 @@
     sharding.py     --fsdp: FSDP2 sharding, sharded checkpoints (torch.distributed.checkpoint), full weights
     arccse.py       --objective arccse: raw sentences, masked copies, the five-block batch and its loss
     faults.py       non-finite steps, SIGTERM/SIGINT, out-of-memory advice
-    evaluate.py     the `angle-eval` command: STS Spearman in the paper's setting, retrieval metrics
+    evaluate.py     the `angle-eval` command: STS Spearman in the paper's setting (sts_spearman, also the
+                    trainer's dev score), retrieval metrics
     export.py       Hugging Face / LoRA adapter / sentence-transformers folders
-    cli.py          the `angle-train` command;  demo.py: `python -m angle_train.demo`
+    cli.py          the `angle-train` command;  demo.py: `python -m angle_train.demo`; command_line.py: what
+                    both commands share (one-line errors, --version, booleans)
     tiny.py         built-in tiny models, tokenizer and datasets (offline demo and tests)
 
 The loss is angle_kernels.AngleLoss. Heavy imports (transformers, peft, scipy) happen inside the functions

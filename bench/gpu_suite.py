@@ -958,8 +958,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="third: the model of the LoRA benchmark (train_llama_7b.py --size): 7b, or 1b for the "
                              "32,768-pair step of a ~1B model")
     parser.add_argument("--resume-from", default=None,
-                        help="third: a folder with the previous command's results (its llama7b/ is copied first, "
-                             "and the benchmark continues where it stopped)")
+                        help="third: a folder with the previous command's results (its llama7b/, or llama1b/, is "
+                             "copied first, and the benchmark continues where it stopped)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")

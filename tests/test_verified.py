@@ -100,7 +100,9 @@ def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
 
 def test_a_source_fingerprint_covers_the_op_module_and_what_it_imports_from_its_backend(tmp_path, monkeypatch):
     names = {path.name for path in verified._backend_modules("triton", "similarity_lse")}
-    assert names == {"similarity_lse.py", "_similarity_tiles.py", "_common.py"}
+    assert names == {"similarity_lse.py", "_similarity_tiles.py", "_common.py", "_runtime.py"}
+    names = {path.name for path in verified._backend_modules("triton", "similarity_xent")}
+    assert {"similarity_xent_dense.py", "normalisation.py", "formed_gradients.py"} <= names  # the dense scheme's
     assert {path.name for path in verified._backend_modules("triton", "pair_scores")} == {"pair_scores.py",
                                                                                           "_common.py"}
     assert {path.name for path in verified._backend_modules("cuda", "ranking_loss")} == {"ranking_loss.py",

@@ -418,7 +418,7 @@ def _row_norms_kernel(
 # together); 128 x 128 spills far more. fp32 with input_precision="ieee" cannot use tensor cores (FMA dots hold
 # both operands in registers): its backward kernels sit at 255 registers and spill up to 552 bytes (prefix: 848),
 # so the exact-fp32 path is expected to be slow; bf16/fp16 is the training path. None of this is measured on a
-# GPU yet: autotuning picks among these on the first call of each key (see similarity_xent._TUNE_KEY).
+# GPU yet: autotuning picks among these on the first call of each key (each op module's _TUNE_KEY).
 _GPU_CONFIGS_16BIT = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),

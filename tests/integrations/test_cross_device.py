@@ -210,7 +210,7 @@ def gist_loss_and_grads(loss, model: list[torch.Tensor], guide: list[torch.Tenso
 
 @contextlib.contextmanager
 def counting(function: str):
-    """Counts (the yielded list's length) the calls of angle_kernels.functional.`function`, the computing half
+    """Counts (the yielded list's length) the calls of angle_kernels.terms.`function`, the computing half
     of the drop-ins' fused path."""
     from angle_kernels import terms
 

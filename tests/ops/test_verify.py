@@ -29,7 +29,7 @@ TINY_WIDE = 64  # the width of verify.cases("tiny")'s dense cases
 
 @pytest.fixture
 def tiny_dense(monkeypatch):
-    """The dense scheme taken from the tiny cases' wide width, not from 1024."""
+    """The dense scheme taken from the tiny cases' wide width, not from its MIN_WIDTH (768)."""
     monkeypatch.setattr(similarity_xent_dense, "MIN_WIDTH", TINY_WIDE)
 
 
@@ -52,6 +52,17 @@ def test_the_triton_backend_passes_on_every_code_path(tiny_dense):
     merged = verify.outcomes(results + others)
     assert {path: merged[("triton", "pair_scores", path)] for path in ("full", "dims")} == {
         "full": "passed", "dims": "passed"}
+
+
+@pytest.mark.parametrize("sizes", ["standard", "large"])
+def test_every_gpu_case_takes_the_code_path_it_verifies(sizes):
+    """The GPU run's cases (shapes only: meta tensors) each take the path they are named for, with the thresholds
+    as they are (no tiny_dense): a case that took another path would leave its own unverifiable."""
+    ops = verify.resolve_backend("triton", torch.empty(0, device="meta"))
+    for case in verify.cases(sizes):
+        leaves, arguments = case.build(torch.Generator().manual_seed(0), case.dtypes[0], "meta")
+        args, kwargs = arguments(*leaves)
+        assert ops.computes(case.op, *args, **kwargs) == ("triton", case.path), case.name
 
 
 def test_a_case_that_misses_its_path_fails_instead_of_checking_another():
