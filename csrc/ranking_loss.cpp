@@ -16,15 +16,18 @@
 namespace angle_kernels {
 
 // scores: [n] with element stride `stride` (float or double). order, group_first, group_past: contiguous [n]
-// int64 from the binding's sort (see ranking_loss.cu). prefix/suffix: float64 scratch [n]. loss_out: [1].
+// int64 from the binding's sort (see ranking_loss.cu). scratch: float64, ranking_fwd_scratch_size(n) elements
+// (ranking_bwd_scratch_size(n) for backward), laid out by the launcher. loss_out: [1].
+int64_t ranking_fwd_scratch_size(int64_t n);
+int64_t ranking_bwd_scratch_size(int64_t n);
 template <typename scalar_t>
 cudaError_t ranking_fwd(const scalar_t* scores, int64_t stride, const int64_t* order, const int64_t* group_first,
-                        int64_t n, double* prefix_scratch, scalar_t* loss_out, cudaStream_t stream);
+                        int64_t n, double* scratch, scalar_t* loss_out, cudaStream_t stream);
 // grad_loss: [1] on the device; grad_scores: contiguous [n], fully overwritten.
 template <typename scalar_t>
 cudaError_t ranking_bwd(const scalar_t* grad_loss, const scalar_t* scores, int64_t stride, const int64_t* order,
-                        const int64_t* group_first, const int64_t* group_past, int64_t n, double* prefix_scratch,
-                        double* suffix_scratch, scalar_t* grad_scores, cudaStream_t stream);
+                        const int64_t* group_first, const int64_t* group_past, int64_t n, double* scratch,
+                        scalar_t* grad_scores, cudaStream_t stream);
 
 }  // namespace angle_kernels
 
@@ -64,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ranking_fwd(const at:
   // [group_first[p], group_past[p]): the sorted positions whose label equals sorted_labels[p].
   at::Tensor group_first = at::searchsorted(sorted_labels, sorted_labels, /*out_int32=*/false, /*right=*/false);
   at::Tensor group_past = at::searchsorted(sorted_labels, sorted_labels, /*out_int32=*/false, /*right=*/true);
-  at::Tensor prefix = at::empty({n}, scores.options().dtype(at::kDouble));
+  at::Tensor scratch = at::empty({angle_kernels::ranking_fwd_scratch_size(n)}, scores.options().dtype(at::kDouble));
   at::Tensor loss = at::empty({}, scores.options());
   const at::Tensor order_c = order.contiguous();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(scores.device().index()).stream();
@@ -73,8 +76,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ranking_fwd(const at:
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
       check_launch(angle_kernels::ranking_fwd<scalar_t>(data_of<scalar_t>(scores), scores.stride(0),
                                                         data_of<int64_t>(order_c), data_of<int64_t>(group_first), n,
-                                                        mutable_data_of<double>(prefix), mutable_data_of<scalar_t>(loss),
-                                                        stream),
+                                                        mutable_data_of<double>(scratch),
+                                                        mutable_data_of<scalar_t>(loss), stream),
                    "ranking_loss forward");
     }
   });
@@ -96,8 +99,7 @@ at::Tensor ranking_bwd(const at::Tensor& grad_loss, const at::Tensor& scores, co
   const c10::cuda::CUDAGuard guard(scores.device());
   const at::Tensor g = grad_loss.to(scores.scalar_type()).contiguous();
   const at::Tensor order_c = order.contiguous(), first_c = group_first.contiguous(), past_c = group_past.contiguous();
-  at::Tensor prefix = at::empty({n}, scores.options().dtype(at::kDouble));
-  at::Tensor suffix = at::empty({n}, scores.options().dtype(at::kDouble));
+  at::Tensor scratch = at::empty({angle_kernels::ranking_bwd_scratch_size(n)}, scores.options().dtype(at::kDouble));
   at::Tensor grad = at::empty({n}, scores.options().memory_format(at::MemoryFormat::Contiguous));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(scores.device().index()).stream();
   dispatch_float_types(scores.scalar_type(), "scores", [&](auto tag) {
@@ -105,8 +107,8 @@ at::Tensor ranking_bwd(const at::Tensor& grad_loss, const at::Tensor& scores, co
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
       check_launch(angle_kernels::ranking_bwd<scalar_t>(
                        data_of<scalar_t>(g), data_of<scalar_t>(scores), scores.stride(0), data_of<int64_t>(order_c),
-                       data_of<int64_t>(first_c), data_of<int64_t>(past_c), n, mutable_data_of<double>(prefix),
-                       mutable_data_of<double>(suffix), mutable_data_of<scalar_t>(grad), stream),
+                       data_of<int64_t>(first_c), data_of<int64_t>(past_c), n, mutable_data_of<double>(scratch),
+                       mutable_data_of<scalar_t>(grad), stream),
                    "ranking_loss backward");
     }
   });

@@ -25,6 +25,10 @@ SHAPES = [  # (G, K, D)
     (5, 3, 6),  # format C: [query, positive, negative]
     (7, 4, 18),  # K = 4: the anchor accumulates three pairs' gradients
     (3, 2, 2060),  # D / 2 = 1030 > 1024: the Triton kernels loop over two blocks
+    # The CUDA kernels' vector path (16-byte loads: contiguous rows, D a multiple of twice the vector width, 8
+    # bf16/fp16, 4 fp32, 2 fp64 elements); the shapes above take its strided path in 16-bit dtypes.
+    (5, 3, 64),  # K = 3, short rows (bf16: 8 vectors a row)
+    (3, 2, 2064),  # long rows: 258 bf16 vectors, not a multiple of a warp's step
 ]
 
 
@@ -194,7 +198,7 @@ def _huge(fn, magnitude):
 
 @pytest.mark.parametrize("dtype, magnitude", HUGE_OP_MAGNITUDES, ids=[huge_magnitude_id(c) for c in HUGE_OP_MAGNITUDES])
 @pytest.mark.parametrize("with_angle", [True, False], ids=["angle", "cos_only"])
-@pytest.mark.parametrize("shape", [(5, 3, 6), (3, 2, 2060)], ids=str)
+@pytest.mark.parametrize("shape", [(5, 3, 6), (3, 2, 2060), (5, 3, 64)], ids=str)
 def test_huge_rows(backend, shape, with_angle, dtype, magnitude):
     """Rows around 1.8e19 (float32, bfloat16: their squares overflow) and 1e300 (float64) give the oracle's scores
     of the ordinary rows (cosines are scale-invariant per row) and gradients (the factors inside the function)."""
