@@ -27,10 +27,12 @@ compute a call. `raw_backend(name)` is a backend's own, unvalidated ops, as its 
 
 Choosing the backend: `requested` is "auto", "torch", "triton" or "cuda"; None means $ANGLE_KERNELS_BACKEND, then
 "auto".
-    * "auto" is the torch backend on CPU tensors. On CUDA tensors it chooses per call the first GPU backend
-      (triton, then cuda when its extension is already compiled) that implements the call and whose code path for
-      it has passed its correctness run on this hardware and software (`angle_kernels.verified`); otherwise the
-      torch backend, with one RuntimeWarning per process. It never starts the JIT build of csrc/.
+    * "auto" is the torch backend on CPU tensors. On CUDA tensors it may compute a call on each GPU backend
+      (triton, and cuda when its extension is already compiled) that implements it and whose code path for it has
+      passed its correctness run on this hardware and software (`angle_kernels.verified`), and on the torch
+      backend; among those, the one measured fastest for the call's size on this GPU (`angle_kernels.measured`),
+      else the first in the order triton, cuda, torch. Computing on torch because no GPU backend may costs one
+      RuntimeWarning per process. It never starts the JIT build of csrc/.
     * An explicit backend runs what it is asked: an unverified GPU code path costs a RuntimeWarning once per
       (backend, op, path); "cuda" JIT-builds csrc/ when no compiled extension is found; "triton" on CPU tensors
       runs under the Triton interpreter, only with TRITON_INTERPRET=1. A backend that cannot run raises
@@ -49,7 +51,7 @@ import warnings
 
 import torch
 
-from . import contract, verified
+from . import contract, measured, verified
 from ._runtime import triton_interpreting  # also dispatch.triton_interpreting, as before
 
 BACKENDS = ("torch", "triton", "cuda")
@@ -129,9 +131,10 @@ class Ops:
 
 
 class AutoOps(Ops):
-    """backend="auto" for CUDA tensors: each call on the first GPU backend of `candidates` (those that load here:
-    triton, then cuda) that implements it and whose code path for it is verified on this GPU (`verified`), else
-    on the torch backend, saying so once per process (`reasons`: why the unloaded GPU backends are missing)."""
+    """backend="auto" for CUDA tensors: each call on the backend `measured.fastest` picks among the GPU backends of
+    `candidates` (those that load here: triton, then cuda) that implement it and whose code path for it is verified
+    on this GPU (`verified`), and the torch backend; on torch, when no GPU backend may compute it, saying so once
+    per process (`reasons`: why the unloaded GPU backends are missing)."""
 
     def __init__(self, candidates: list[Ops], reasons: dict[str, str]):
         super().__init__("auto", _TORCH_OPS.backend)
@@ -141,15 +144,17 @@ class AutoOps(Ops):
     def __repr__(self) -> str:
         return f"AutoOps({[c.name for c in self.candidates]!r})"
 
+    def _verified_for(self, op: str, args: tuple, features: tuple[str, ...]) -> list[Ops]:
+        """The candidates that implement the call and whose code path for it is verified on this GPU."""
+        return [candidate for candidate in self.candidates
+                if candidate.lacking(op, features) is None and candidate.is_verified(op, args)]
+
     def _choose(self, op: str, args: tuple, features: tuple[str, ...]) -> Ops:
-        for candidate in self.candidates:
-            if candidate.lacking(op, features) is None and candidate.is_verified(op, args):
-                return candidate
-        return _TORCH_OPS
+        return measured.fastest(op, args, [*self._verified_for(op, args, features), _TORCH_OPS])
 
     def _computing(self, op: str, args: tuple, features: tuple[str, ...] = ()) -> contract.Backend:
         chosen = self._choose(op, args, features)
-        if chosen is _TORCH_OPS and not _warned_auto_on_gpu:
+        if chosen is _TORCH_OPS and not _warned_auto_on_gpu and not self._verified_for(op, args, features):
             self._warn_torch_on_gpu(op, args, features)
         return chosen.backend
 

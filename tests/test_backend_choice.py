@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import angle_kernels.cuda_ops as cuda_ops
-from angle_kernels import contract, dispatch, verified
+from angle_kernels import contract, dispatch, measured, verified
 from angle_kernels.cuda_ops import _extension
 
 FAKE_CUDA_TENSOR = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
@@ -107,6 +107,7 @@ def backends(monkeypatch):
     passed: set = set()
     monkeypatch.setattr(verified, "is_verified", lambda backend, op, path, device: (backend, op, path) in passed)
     monkeypatch.setattr(verified, "describe", lambda backend, op, device: "a fake GPU (sm_90)")
+    monkeypatch.setattr(measured, "capability", lambda device: "fake")  # no measured speeds: the fixed order
     return SimpleNamespace(triton=triton, cuda=cuda, verified=passed, computed=computed)
 
 
@@ -372,3 +373,99 @@ def test_auto_follows_the_table_and_the_users_cache_through_the_match_rule(backe
         assert auto.computes("pair_scores", q.view(3, 2, 8), True) == ("torch", "default")  # verified on sm_80
     finally:
         verified.forget()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Among the backends auto may use, the one measured fastest (angle_kernels.measured)
+# ---------------------------------------------------------------------------------------------------------
+def _measured_here(monkeypatch, points):
+    """This fake GPU (capability "fake") measured `points` in float64, the dtype of the tests' inputs."""
+    monkeypatch.setattr(measured, "MEASURED", {("fake", torch.float64): tuple(points)})
+
+
+def test_auto_takes_the_backend_measured_fastest_among_those_it_may_use(backends, monkeypatch):
+    """Verified CUDA measured slower than torch: torch computes, and without the one-per-process warning (a GPU
+    backend was verified; torch is simply faster). The Triton code path's own time is looked up first."""
+    backends.cuda.answer = (True, "")
+    backends.verified.update({("cuda", "similarity_xent", "fused"), ("cuda", "ranking_loss", "fused")})
+    _measured_here(monkeypatch, [
+        ("similarity_xent", "full", 36, 8, {"triton/fused": 1.0, "triton/dims": 9.0, "torch": 2.0, "cuda": 5.0}),
+        ("ranking_loss", "full", 6, 1, {"triton": 9.0, "torch": 2.0, "cuda": 1.0}),
+    ])
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    q = _embeddings()  # M = Mc = 6: 36 logits, D = 8
+    _, warned = _recording_warnings(auto.similarity_xent, q, None, 20.0, "partner")
+    assert warned == [] and backends.computed == []  # torch computed it
+    auto.ranking_loss(*_scores())
+    assert backends.computed == [("cuda", "ranking_loss")]  # cuda measured fastest there
+    assert auto.computes("similarity_xent", q, None, 20.0, "partner") == ("torch", "default")
+    backends.verified.add(("triton", "similarity_xent", "fused"))  # now triton may: "triton/fused" is fastest
+    assert auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
+
+
+def test_auto_keeps_the_fixed_order_within_a_tie_and_where_nothing_near_was_measured(backends, monkeypatch):
+    backends.cuda.answer = (True, "")
+    backends.verified.update({("triton", "ranking_loss", "fused"), ("cuda", "ranking_loss", "fused"),
+                              ("cuda", "pair_scores", "fused")})
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    scores, labels = _scores()
+    x = _embeddings().view(3, 2, 8)  # 3 pairs, D = 8
+    # cuda within TIE of triton: a tie, which goes to triton; torch measured slower than both
+    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {"triton": 1.0, "cuda": 0.95, "torch": 3.0})])
+    assert auto.computes("ranking_loss", scores, labels)[0] == "triton"
+    # cuda clearly faster: cuda
+    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {"triton": 1.0, "cuda": 0.8, "torch": 3.0})])
+    assert auto.computes("ranking_loss", scores, labels)[0] == "cuda"
+    # the only point is more than SPAN times the call's size away: the fixed order (triton first)
+    far = int(6 * measured.SPAN * 2)
+    _measured_here(monkeypatch, [("ranking_loss", "full", far, 1, {"triton": 1.0, "cuda": 0.1, "torch": 3.0})])
+    assert auto.computes("ranking_loss", scores, labels)[0] == "triton"
+    # a point that did not time every backend auto may use compares nothing: the fixed order
+    _measured_here(monkeypatch, [("pair_scores", "full", 3, 8, {"torch": 0.1, "triton": 1.0})])
+    assert auto.computes("pair_scores", x, True)[0] == "cuda"
+    # another variant (dims) or another dtype: not measured
+    _measured_here(monkeypatch, [("pair_scores", "dims", 3, 8, {"torch": 0.1, "cuda": 1.0})])
+    assert auto.computes("pair_scores", x, True)[0] == "cuda"
+    monkeypatch.setattr(measured, "MEASURED", {("fake", torch.bfloat16): (
+        ("pair_scores", "full", 3, 8, {"torch": 0.1, "cuda": 1.0}),)})
+    assert auto.computes("pair_scores", x, True)[0] == "cuda"
+
+
+def test_the_measured_points_name_real_backends_and_code_paths():
+    """Every key of every point is a backend, or backend/path with a path the real op module declares; every point
+    compares at least two; sizes and widths are positive."""
+    paths = {("triton", "similarity_xent"): ("fused", "dense", "dims")}
+    for (capability, dtype), points in measured.MEASURED.items():
+        assert capability.count(".") == 1 and dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+        for op, variant, size, width, times in points:
+            assert op in contract.OPS and variant in ("full", "dims", "margin")
+            assert size > 0 and width > 0 and len(times) >= 2
+            for key, ms in times.items():
+                backend, _, path = key.partition("/")
+                assert backend in dispatch.BACKENDS and ms > 0, key
+                if path:
+                    assert path in paths[(backend, op)], key
+    import angle_kernels.triton_ops.similarity_xent as triton_xent
+
+    assert tuple(triton_xent.PATHS) == paths[("triton", "similarity_xent")]
+
+
+def test_on_the_h100_table_verified_cuda_yields_to_faster_torch_and_triton(backends, monkeypatch):
+    """The committed H100 bf16 points: in-batch negatives at 2N = 32,768 rows, D = 768, with only CUDA's fused
+    path verified, computes on torch (203 vs 535 ms); with Triton's dense path verified too, on Triton (16.8 ms);
+    the ranking term at 1M scores with both verified goes to Triton (0.93 vs 44.4 ms), at 65,536 to torch."""
+    monkeypatch.setattr(measured, "capability", lambda device: "9.0")
+    backends.cuda.answer = (True, "")
+    backends.verified.update({("cuda", "similarity_xent", "fused"), ("cuda", "ranking_loss", "fused"),
+                              ("triton", "ranking_loss", "fused")})
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    q = torch.empty(32768, 768, dtype=torch.bfloat16, device="meta")
+    args = contract.check_similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
+    assert auto._choose("similarity_xent", args, ()).name == "torch"
+    triton_ops = next(c for c in auto.candidates if c.name == "triton")
+    monkeypatch.setattr(triton_ops, "code_path", lambda op, args: "dense" if op == "similarity_xent" else "fused")
+    backends.verified.add(("triton", "similarity_xent", "dense"))
+    assert auto._choose("similarity_xent", args, ()).name == "triton"
+    for n, expected in ((1 << 20, "triton"), (1 << 16, "torch")):
+        scores = torch.empty(n, dtype=torch.float32, device="meta")
+        assert auto._choose("ranking_loss", (scores, scores), ()).name == expected
