@@ -52,9 +52,8 @@ from .options import (
     check_angle_dim,
     check_arccon_options,
     check_group_ids,
-    check_in_batch_columns,
-    check_in_batch_options,
     check_layer_stack,
+    check_multiple_negatives,
     check_nested,
     check_triplets,
     check_two_views,
@@ -330,16 +329,12 @@ def multiple_negatives_ranking_loss(
         queries, positives: [B, D]; negatives: any number of [B, D] tensors (hard-negative columns).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
-    scale = checks.check_scale("scale", scale)
-    queries, positives, *negatives = checks.promote_embeddings(queries, positives, *negatives)
-    directions, hardness_strength, false_negative_margin = check_in_batch_options(
-        directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy,
-        similarity)
-    layers, gathered = check_in_batch_columns(queries, positives, negatives, layer_weights, gather_across_devices)
-    nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers)
-    return terms.multiple_negatives(resolve_backend(backend, queries), queries, positives, list(negatives), scale,
-                                    directions, partition_mode, hardness_mode, hardness_strength,
-                                    false_negative_margin, false_negative_strategy, gathered, similarity, nested)
+    call = check_multiple_negatives(
+        queries, positives, negatives, scale=scale, directions=directions, partition_mode=partition_mode,
+        hardness_mode=hardness_mode, hardness_strength=hardness_strength, false_negative_margin=false_negative_margin,
+        false_negative_strategy=false_negative_strategy, similarity=similarity,
+        gather_across_devices=gather_across_devices, dims=dims, dim_weights=dim_weights, layer_weights=layer_weights)
+    return terms.multiple_negatives(resolve_backend(backend, call.queries), *call)
 
 
 def gist_loss(

@@ -7,9 +7,11 @@ the integrations, angle_train) parses and checks before it calls the formulas of
 * The type aliases of the Matryoshka and layer-wise keywords (Dims, DimWeights, LayerWeights), named for the
   annotations of the public signatures.
 * The checks of a loss's inputs (check_zigzag, check_angle_dim, check_group_ids, check_two_views,
-  check_triplets, check_in_batch_columns) and of its options (check_arccon_options, check_in_batch_options,
+  check_triplets) and of its options (check_arccon_options, check_in_batch_options,
   check_false_negative_filter); they raise the ValueError/TypeError that names the argument, using the shared
-  rules of `angle_kernels.checks`.
+  rules of `angle_kernels.checks`. `check_multiple_negatives` is the whole of multiple_negatives_ranking_loss's
+  (its inputs, options and Matryoshka keywords, and the gathering of its columns across devices), which the
+  public loss and the sentence-transformers MNRL family share.
 * Matryoshka and layer-wise (Espresso) training: `check_nested` parses dims / dim_weights / layer_weights into
   a `Nested` (the prefixes ascending, a table of weights per layer and prefix), the one form the computing
   layer takes; `check_layer_stack` checks stacked embeddings [L, rows, D]; `espresso_layer_weights` gives
@@ -25,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import NamedTuple, Union
 
 import torch
 
@@ -299,9 +301,9 @@ def check_false_negative_filter(false_negative_margin: float | None,
     return false_negative_margin
 
 
-def check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, negatives: Sequence[torch.Tensor],
-                           layer_weights: LayerWeights | None,
-                           gather_across_devices: bool) -> tuple[int | None, tuple | None]:
+def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, negatives: Sequence[torch.Tensor],
+                            layer_weights: LayerWeights | None,
+                            gather_across_devices: bool) -> tuple[int | None, tuple | None]:
     """The embeddings of multiple_negatives_ranking_loss (already promoted to one dtype): stacks [L, rows, D]
     with layer_weights (check_layer_stack; not combined with gathering), every column [B, D] of the queries'
     shape, gathered with gradients from every rank first when gather_across_devices and torch.distributed runs
@@ -329,3 +331,54 @@ def check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, negat
     for name, t in named[1:]:
         checks.check_same_shape("queries", named[0][1], name, t)
     return layers, gathered
+
+
+class MultipleNegativesCall(NamedTuple):
+    """multiple_negatives_ranking_loss's arguments, checked: those of terms.multiple_negatives after its ops."""
+
+    queries: torch.Tensor
+    positives: torch.Tensor
+    negatives: list[torch.Tensor]
+    scale: float
+    directions: tuple[str, ...]
+    partition_mode: str
+    hardness_mode: str | None
+    hardness_strength: float
+    false_negative_margin: float | None
+    false_negative_strategy: str
+    gathered: tuple | None
+    similarity: str
+    nested: Nested | None
+
+
+def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, negatives: Sequence[torch.Tensor], *,
+                             scale: float, directions: tuple[str, ...] | list[str], partition_mode: str,
+                             hardness_mode: str | None, hardness_strength: float,
+                             false_negative_margin: float | None, false_negative_strategy: str, similarity: str,
+                             gather_across_devices: bool, dims: Dims | None = None,
+                             dim_weights: DimWeights | None = None, layer_weights: LayerWeights | None = None,
+                             nested: Nested | None = None) -> MultipleNegativesCall:
+    """Every check of multiple_negatives_ranking_loss, in its order: the scale; the embeddings promoted to one
+    dtype; the options (check_in_batch_options); the columns [B, D] of the queries' shape, or stacks [L, rows, D]
+    with layer_weights; then, when gather_across_devices and torch.distributed runs several processes, the
+    columns gathered with gradients from every rank (the call's `gathered`); then dims / dim_weights /
+    layer_weights parsed into a Nested. A front end that has parsed its Nested already (once per call) passes it
+    as `nested` instead of dims, dim_weights and layer_weights: it is checked against these embeddings (its
+    layers and its widest prefix), not parsed again."""
+    scale = checks.check_scale("scale", scale)
+    queries, positives, *negatives = checks.promote_embeddings(queries, positives, *negatives)
+    directions, hardness_strength, false_negative_margin = check_in_batch_options(
+        directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy,
+        similarity)
+    if nested is not None:
+        if dims is not None or dim_weights is not None or layer_weights is not None:
+            raise ValueError("pass either a parsed nested or dims / dim_weights / layer_weights, not both")
+        layer_weights = nested.table if nested.stacked else None
+    layers, gathered = _check_in_batch_columns(queries, positives, negatives, layer_weights, gather_across_devices)
+    if nested is None:
+        nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers)
+    elif nested.dims is not None:
+        check_dims(nested.dims, queries.shape[-1])
+    return MultipleNegativesCall(queries, positives, list(negatives), scale, directions, partition_mode,
+                                 hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy,
+                                 gathered, similarity, nested)

@@ -615,3 +615,22 @@ def test_huge_finite_embeddings_give_the_reference_values(ak, gen, dtype, magnit
 
         check_against_oracle(huge, exact, [t.to(dtype) for t in tensors], f"{name} {dtype} x{magnitude:g}")
     assert len(cases) == 18  # the README's count: 18 losses x 5 (dtype, magnitude)
+
+
+def test_a_parsed_nested_is_checked_against_the_embeddings_it_comes_with():
+    """The sentence-transformers MNRL family passes its Nested parsed once per call to the shared check
+    (options.check_multiple_negatives) rather than dims: one wider than the embeddings is refused there, as is a
+    call that passes both forms."""
+    from angle_kernels import options
+
+    q, p = torch.randn(4, 8), torch.randn(4, 8)
+    kwargs = dict(scale=20.0, directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
+                  hardness_strength=0.0, false_negative_margin=None, false_negative_strategy="absolute",
+                  similarity="cosine", gather_across_devices=False)
+    fits = options.check_nested((4, 8), None, 8)
+    assert options.check_multiple_negatives(q, p, [], nested=fits, **kwargs).nested is fits
+    too_wide = options.check_nested((4, 16), None, 16)
+    with pytest.raises(ValueError, match="16"):
+        options.check_multiple_negatives(q, p, [], nested=too_wide, **kwargs)
+    with pytest.raises(ValueError, match="either a parsed nested or dims"):
+        options.check_multiple_negatives(q, p, [], nested=fits, dims=(4, 8), **kwargs)

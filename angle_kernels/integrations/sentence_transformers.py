@@ -315,19 +315,14 @@ def _fused_mnrl(loss: torch.nn.Module, embeddings: list[Tensor], nested: _option
     util.dot_score's too), on every layer of stacks [L, rows, D] when nested.stacked."""
     _check_columns(loss, len(embeddings))
     truncated = nested is not None and nested.dims is not None
-    similarity = "cosine" if truncated else _mnrl_similarity(loss)
-    partition_mode, hardness_mode = getattr(loss, "partition_mode", "joint"), getattr(loss, "hardness_mode", None)
-    scale = _checks.check_scale("scale", loss.scale)
-    queries, positives, *negatives = _checks.promote_embeddings(*embeddings)
-    directions, hardness_strength, _ = _options.check_in_batch_options(
-        getattr(loss, "directions", ("query_to_doc",)), partition_mode, hardness_mode,
-        getattr(loss, "hardness_strength", 0.0), None, "absolute", similarity)
-    stack = None if nested is None or not nested.stacked else nested.table
-    _, gathered = _options.check_in_batch_columns(queries, positives, negatives, stack,
-                                                  getattr(loss, "gather_across_devices", False))
-    return _terms.multiple_negatives(resolve_backend(loss.backend, queries), queries, positives, negatives, scale,
-                                     directions, partition_mode, hardness_mode, hardness_strength, None, "absolute",
-                                     gathered, similarity, nested)
+    queries, positives, *negatives = embeddings
+    call = _options.check_multiple_negatives(
+        queries, positives, negatives, scale=loss.scale, directions=getattr(loss, "directions", ("query_to_doc",)),
+        partition_mode=getattr(loss, "partition_mode", "joint"), hardness_mode=getattr(loss, "hardness_mode", None),
+        hardness_strength=getattr(loss, "hardness_strength", 0.0), false_negative_margin=None,
+        false_negative_strategy="absolute", similarity="cosine" if truncated else _mnrl_similarity(loss),
+        gather_across_devices=getattr(loss, "gather_across_devices", False), nested=nested)
+    return _terms.multiple_negatives(resolve_backend(loss.backend, call.queries), *call)
 
 
 class _FusedMNRL:
