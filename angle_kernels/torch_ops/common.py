@@ -28,12 +28,28 @@ import torch
 from ..contract import compute_dtype
 from ..normalisation import inverse_norms_from_norms, row_dots
 
-# Work is cut into pieces of about this many elements, so temporaries stay a few MB whatever N is.
+# Work is cut into pieces of about this many elements (a row block's tile of logits, a chunk of groups), so
+# temporaries stay bounded whatever N is; the budget depends on the device the tensors live on (`chunk_elements`):
+# * CPU: CHUNK_ELEMENTS, 1 << 22 (16 MB of float32): pieces that stay near the caches;
+# * any other device (CUDA): ACCELERATOR_CHUNK_ELEMENTS, 1 << 25 (128 MB of float32, 256 MB of float64). There each
+#   eager op is a kernel launch of ~5-10 us of host time whatever its size, and a block takes a few dozen of them
+#   (with dims, more per prefix): with the CPU's budget, 32,768 columns make blocks of 128 rows, 21 with dims
+#   (k = 5), and the dims path spent its time launching (781 blocks at N = 16,384 pairs), the full-width one on
+#   matrix products with a 128-row side. 1 << 25 elements make a block's products and full-tile passes outlast
+#   its launches, while the extra memory stays a few tiles (each op's module docstring says how many).
 CHUNK_ELEMENTS = 1 << 22
+ACCELERATOR_CHUNK_ELEMENTS = 1 << 25
 
 
-def rows_per_chunk(row_elements: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, row_elements))
+def chunk_elements(device: torch.device | str) -> int:
+    """The piece size, in elements, for tensors on `device`: CHUNK_ELEMENTS on the CPU, ACCELERATOR_CHUNK_ELEMENTS
+    on any other device (read at call time, so tests may shrink either)."""
+    return CHUNK_ELEMENTS if torch.device(device).type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
+
+
+def rows_per_chunk(row_elements: int, device: torch.device | str) -> int:
+    """How many rows of `row_elements` elements each make one piece on `device` (chunk_elements), at least 1."""
+    return max(1, chunk_elements(device) // max(1, row_elements))
 
 
 # float32 and float64 as bits: (integer dtype, mantissa bits, exponent bias)

@@ -26,6 +26,11 @@ clamp is eps s; on CPU a chunk whose squared norms are all safe is computed as i
 saves s [G, K]; backward rebuilds x_s from x and s and folds s into the rows of the star matrices (dx = s dL/dx_s:
 A and B times s row by row). The cost off the CPU: a max-reduction over each chunk in forward and the scaled copy
 in both passes (folded into the float32 copy bf16/fp16 inputs make anyway; one more pass for float32/float64).
+
+Memory: a chunk holds `common.chunk_elements(device)` elements of x (CPU: 1 << 22; other devices: 1 << 25, 128 MB
+as float32: at K = 2, D = 768 that is 21,845 groups, 13 chunks for 262,144 pairs); at most two chunk-sized
+temporaries in the compute dtype are alive at once (the chunk's scaled copy and, for 16-bit inputs with dims, its
+gradient before it is cast into dx), next to dx itself and O(G * K^2) numbers.
 """
 
 from __future__ import annotations
@@ -40,9 +45,9 @@ FEATURES = ("dims",)
 
 
 def _chunk_bounds(x: torch.Tensor):
-    """(start, end) of the chunks of x's groups, about CHUNK_ELEMENTS elements each."""
+    """(start, end) of the chunks of x's groups, about common.chunk_elements(x.device) elements each."""
     groups, k, d = x.shape
-    step = rows_per_chunk(k * d)
+    step = rows_per_chunk(k * d, x.device)
     for start in range(0, groups, step):
         yield start, min(groups, start + step)
 
@@ -70,6 +75,7 @@ def _scaled_forward(x: torch.Tensor, scale: torch.Tensor, compute):
                 continue
         xc, scale[start:end] = scaled_rows(chunk)
         compute(start, end, xc, scale[start:end])
+        del xc  # before the next chunk's copy is made
         any_scaled = True
     return any_scaled
 
@@ -147,12 +153,14 @@ class PairScoresFunction(torch.autograd.Function):
             a_c = a[start:end]
             if not use_angle:
                 dx[start:end] = torch.bmm(a_c, xc)
+                del xc  # before the next chunk's copy is made
                 continue
             b_c = b[start:end]
             first, second = xc[..., :half], xc[..., half:]
             # dx = A x + B J(x), J(x) = (-second, first)
             dx[start:end, :, :half] = torch.bmm(a_c, first).baddbmm_(b_c, second, alpha=-1)
             dx[start:end, :, half:] = torch.bmm(a_c, second).baddbmm_(b_c, first)
+            del xc, first, second  # before the next chunk's copy is made
         return dx, None
 
 
@@ -272,6 +280,7 @@ class PrefixPairScoresFunction(torch.autograd.Function):
                     _add_star_product(b_c, xc[..., :half], out[..., half:d], _B_PATTERN, accumulate=True)
             if out.dtype != dx.dtype:
                 dx[start:end] = out
+            del xc, out  # before the next chunk's copies are made
         return dx, None, None
 
 

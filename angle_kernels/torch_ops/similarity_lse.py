@@ -17,6 +17,12 @@ Backward: dL/dcos_ij = g_i * scale * softmax_ij over K_i (the penalty is a stop-
 probabilities but not the slope), then the gradients of the normalised rows, d q_hat = G c_hat and
 d c_hat += G^T q_hat, and the normalisation's backward once at the end.
 
+Memory: a block holds `common.chunk_elements(device)` logits (CPU: 1 << 22; other devices: 1 << 25, 128 MB of
+float32), b x Mc for b rows; at most three tile-sized float32 temporaries are alive at once (cosines, logits and
+the penalty term or the filter's own cosines; in backward the logits, their shifted copy and the softmax) with up
+to four boolean masks of the same shape (a quarter of a tile each), on top of O((M + Mc) x D) for the
+compute-dtype copies and the gradients.
+
 Huge rows: with normalize, q, c and the filter embeddings are taken scaled by a power of two per row
 (torch_ops/common.py, row scaling: cosines do not change), the gradients multiplied by the scales at the end.
 Raw dot products are not scale-invariant: normalize=False computes on the rows as given.
@@ -67,7 +73,7 @@ class _Tiles:
         if filter_threshold is not None and not self.own_scores_filter:
             self.filter_q, _, self.filter_q_inv, _ = _scaling(filter_q, normalize)
             self.filter_c, _, self.filter_c_inv, _ = _scaling(filter_c, normalize)
-        self.block = rows_per_chunk(cf.shape[0])
+        self.block = rows_per_chunk(cf.shape[0], cf.device)
 
     def blocks(self):
         m = self.qf.shape[0]
@@ -85,8 +91,15 @@ class _Tiles:
         cos.mul_(self.q_inv[start:end, None]).mul_(self.c_inv[None, :])
         logits = cos * self.scale
         if self.penalty != 0.0 and self.penalty_on != "none":
-            hard = {"other": ~is_own, "own": is_own & ~is_target, "all": ~is_target}[self.penalty_on]
-            logits += torch.where(hard, self.penalty * cos, torch.zeros_like(cos))
+            # the columns without the penalty: every column but the hard ones
+            if self.penalty_on == "other":
+                soft = is_own
+            elif self.penalty_on == "own":
+                soft = ~is_own | is_target
+            else:  # "all"
+                soft = is_target
+            logits += (self.penalty * cos).masked_fill_(soft, 0.0)
+            del soft
         dropped = {"none": None, "target": is_target, "own": is_own}[self.exclude]
         if self.filter_threshold is not None:
             if self.own_scores_filter:
@@ -138,6 +151,7 @@ class SimilarityLseFunction(torch.autograd.Function):
             grad.mul_(row_scale[start:end, None])  # dL/dcos_ij
             d_qhat[start:end].addmm_(grad * c_inv[None, :], cf)
             d_chat.addmm_(grad.mul_(q_inv[start:end, None]).T, qf[start:end])
+            del grad  # before the next block's tile is made
         q_dtype, c_dtype = ctx.input_dtypes
         dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat, q_scale).to(q_dtype)
         dc = normalise_backward(cf, c_inv, c_has_grad, d_chat, c_scale).to(c_dtype)

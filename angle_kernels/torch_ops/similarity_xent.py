@@ -16,15 +16,26 @@ so its logsumexps, and with them its gradient, are known as soon as it is comput
 chained through the margin on the target column. Forward forms the gradients for grad_loss = 1 when autograd
 will ask for them (angle_kernels.formed_gradients), accumulating d q_hat = G c_hat and d c_hat += G^T q_hat, and
 backward only scales them by grad_loss: three matrix products per block, where recomputing the logits in backward
-would take four. The normalisation's backward is applied once at the end (angle_kernels.normalisation). Peak extra
-memory is O(block x Mc) for the tiles plus O((M + Mc) x D) for the gradients, kept in the compute dtype.
+would take four. The normalisation's backward is applied once at the end (angle_kernels.normalisation).
 
 Nested prefixes (dims = (d_1 < ... < d_k), `PrefixSimilarityXentFunction`): one loss per prefix, each with its own
-norms. A block's dot tile is the running sum of the slice products q[blk, s_j] @ c[:, s_j]^T over the slices
-s_j = [d_{j-1}, d_j), turned into prefix j's logits at the end of slice j, so q and c are read once per block for
-all prefixes. Backward recomputes the tiles and, since slice j belongs to every prefix i >= j, takes one product
-per slice and side with the suffix sums of the prefixes' gradient tiles (held together: the dims path takes blocks
-of CHUNK_ELEMENTS / (k + 1) logits); each prefix's radial term is applied once at the end, slice by slice.
+norms. A block's dot tiles, one per prefix, are held together as one [k, block, Mc] tensor: prefix i's is the
+running sum of the slice products q[blk, s_j] @ c[:, s_j]^T over the slices s_j = [d_{j-1}, d_j), j <= i, each
+product written into its place, so q and c are read once per block for all prefixes. Forward turns the k tiles
+into logits in place and takes their logsumexps (and the target columns, the margin, the excluded diagonal) for
+all prefixes at once: per block, k matrix products and a dozen ops whatever k (on a GPU every op is a launch).
+Backward recomputes the dot tiles the same way and walks the prefixes from the widest down: prefix j's gradient
+tile Ghat_j (its inverse norms folded in) is formed from its dot tile (whose place then takes Ghat_j * dots_j, the
+products of its radial sums) and added at once into the running sum of the prefixes i >= j, which, since slice j
+belongs to every prefix i >= j, takes slice j's two matrix products (dq and dc); each prefix's radial term is
+applied once at the end, slice by slice.
+
+Memory. The blocks hold `common.chunk_elements(device)` logits (CPU: 1 << 22; other devices: 1 << 25, 128 MB of
+float32): a block of b rows takes b x Mc of them, and with dims b x Mc x (k + 1). Tile-sized temporaries alive at
+once: full width 3 (the logits, the softmax and one product's operand or a subtraction), 4 with group_ids (the
+positives' softmax) plus two boolean masks; with dims the k dot tiles and 2 more (a gradient tile and the running
+sum; 3 with group_ids), at most (k + 3) / (k + 1) of a piece. On top of them, O((M + Mc) x D) for the compute-dtype
+copies and the gradients.
 
 Huge rows: q and c are taken scaled by a power of two per row (torch_ops/common.py, row scaling), in the
 compute-dtype copy the ops make anyway; every formula runs on the scaled rows, and the gradients are multiplied by
@@ -68,8 +79,8 @@ class _Tiles:
         self.qf, self.cf, self.q_inv, self.c_inv = qf, cf, q_inv, c_inv
         self.scale, self.target, self.exclude_diagonal, self.margin = scale, target, exclude_diagonal, margin
         self.group_ids, self.dims = group_ids, dims
-        # With dims, backward holds the k prefixes' gradient tiles of a block at once (see the module docstring).
-        self.block = rows_per_chunk(cf.shape[0] * (1 if dims is None else len(dims) + 1))
+        # With dims, a block holds the k prefixes' dot tiles at once (see the module docstring).
+        self.block = rows_per_chunk(cf.shape[0] * (1 if dims is None else len(dims) + 1), cf.device)
 
     def blocks(self):
         m = self.qf.shape[0]
@@ -109,16 +120,43 @@ class _Tiles:
         cos_t = self.to_logits(tile, rows, local, targets, self.q_inv[start:end], self.c_inv)
         return tile, local, targets, cos_t, positives
 
-    def prefix_logits(self, start: int, end: int, rows, local, targets):
-        """Yields (i, dot products, logits, target cosines) of prefix i = 0 .. k-1 for a row block: the dot tile
-        is a running sum over the slices, the logits a fresh copy (the dot tile must not be modified)."""
-        dots = None
+    def prefix_dots(self, start: int, end: int) -> torch.Tensor:
+        """The dot tiles of every prefix of a row block, [k, b, Mc]: prefix i's is the running sum of the slice
+        products q[blk, s_j] @ c[:, s_j]^T over j <= i, each product written into its place."""
+        q, c = self.qf[start:end], self.cf
+        dots = torch.empty(len(self.dims), end - start, c.shape[0], dtype=q.dtype, device=q.device)
         for i, (lo, hi) in enumerate(prefix_slices(self.dims)):
-            q_slice, c_slice = self.qf[start:end, lo:hi], self.cf[:, lo:hi]
-            dots = q_slice @ c_slice.T if dots is None else dots.addmm_(q_slice, c_slice.T)
-            logits = dots.clone()
-            cos_t = self.to_logits(logits, rows, local, targets, self.q_inv[start:end, i], self.c_inv[:, i])
-            yield i, dots, logits, cos_t
+            if i == 0:
+                torch.mm(q[:, lo:hi], c[:, lo:hi].T, out=dots[0])
+            else:
+                torch.addmm(dots[i - 1], q[:, lo:hi], c[:, lo:hi].T, out=dots[i])
+        return dots
+
+    def prefix_margins(self, dots, start: int, end: int, local, targets):
+        """(scale * margin logit, its slope) of every prefix's target column, [k, b] each, from a block's dot tiles
+        (before they are changed): None without a margin. The target cosines are computed as in the tiles."""
+        if self.margin == 0.0:
+            return None
+        rows_inv, columns_inv = self.q_inv[start:end].T, self.c_inv[targets].T  # [k, b]
+        cos_t = dots[:, local, targets].mul_(rows_inv).mul_(columns_inv)
+        value, slope = margin_logit(cos_t, self.margin)
+        return value.mul_(self.scale), slope
+
+    def prefix_logits(self, dots, row_factor, column_factor, rows, local, targets, margin_logits, in_place: bool):
+        """The logits of a block from its dot tiles: dots [k, b, Mc] (every prefix) or [b, Mc] (one prefix),
+        row_factor scale * q_inv ([k, b] or [b]), column_factor c_inv ([k, Mc] or [Mc]), margin_logits the
+        matching part of prefix_margins' first output or None; in place, or into a new tile. Forward and backward
+        compute them identically from the same dots."""
+        if in_place:
+            logits = dots.mul_(row_factor[..., :, None])
+        else:
+            logits = torch.mul(dots, row_factor[..., :, None])
+        logits.mul_(column_factor[..., None, :])
+        if margin_logits is not None:
+            logits[..., local, targets] = margin_logits
+        if self.exclude_diagonal:
+            logits[..., local, rows] = float("-inf")
+        return logits
 
     def grad_cos(self, logits, local, targets, cos_t, positives, lse_all, lse_pos, row_scale):
         """dL/dcos of a block (scale included) from its logits and per-row logsumexps; overwrites nothing."""
@@ -168,6 +206,7 @@ class SimilarityXentFunction(GradientsFormedInForward):
             logits, local, targets, cos_t, positives = tiles.logits(start, end)
             lse_all[start:end], lse_pos[start:end] = _block_lse(logits, local, targets, positives)
             if not with_grad:
+                del logits  # before the next block's tile is made
                 continue
             grad = tiles.grad_cos(logits, local, targets, cos_t, positives, lse_all[start:end], lse_pos[start:end],
                                   row_scale[start:end])
@@ -175,6 +214,7 @@ class SimilarityXentFunction(GradientsFormedInForward):
             # cos_ij = q_hat_i . c_hat_j  =>  dq_hat_i = sum_j grad_ij c_hat_j,  dc_hat_j = sum_i grad_ij q_hat_i
             d_qhat[start:end].addmm_(grad * c_inv[None, :], cf)
             d_chat.addmm_(grad.mul_(q_inv[start:end, None]).T, qf[start:end])
+            del grad
         loss = (weights * (lse_all - lse_pos)).sum() / m
 
         ctx.with_grad = with_grad
@@ -202,10 +242,21 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
         m, k = qf.shape[0], len(dims)
         lse_all = torch.empty(m, k, dtype=dtype, device=q.device)
         lse_pos = torch.empty(m, k, dtype=dtype, device=q.device)
+        c_factor = c_inv.T.contiguous()  # [k, Mc]: each prefix's inverse norms as a contiguous row
         for start, end in tiles.blocks():
             rows, local, targets, positives = tiles.rows(start, end)
-            for i, _, logits, _ in tiles.prefix_logits(start, end, rows, local, targets):
-                lse_all[start:end, i], lse_pos[start:end, i] = _block_lse(logits, local, targets, positives)
+            dots = tiles.prefix_dots(start, end)
+            margins = tiles.prefix_margins(dots, start, end, local, targets)
+            logits = tiles.prefix_logits(dots, (q_inv[start:end] * scale).T, c_factor, rows, local, targets,
+                                         None if margins is None else margins[0], in_place=True)
+            if positives is None:
+                lse_pos[start:end] = logits[:, local, targets].T
+            else:
+                not_positive = ~positives
+                for i in range(k):
+                    lse_pos[start:end, i] = _logsumexp_in_place(logits[i].masked_fill(not_positive, float("-inf")))
+            lse_all[start:end] = _logsumexp_in_place(logits).T
+            del dots, logits
 
         weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
         loss = (weights[:, None] * (lse_all - lse_pos)).sum(dim=0) / m
@@ -228,7 +279,9 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
         tiles = _Tiles(qf, cf, q_inv, c_inv, *ctx.options, group_ids, dims)
         m, k = qf.shape[0], len(dims)
         slices = prefix_slices(dims)
+        # dL/dl_ij of prefix p = row_scale_ip * (softmax_all - softmax_pos); folded with q_inv into one row factor.
         row_scale = weights[:, None] * (grad_loss.to(qf.dtype)[None, :] * tiles.scale / m)  # [M, k]
+        c_factor = c_inv.T.contiguous()  # [k, Mc]
 
         # The raw gradients sum_i Ghat_i c[:, :d_i] (inverse norms included) and the radial sums of every prefix;
         # for the in-batch-negative loss q and c are the same tensor and share them.
@@ -238,25 +291,37 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
         c_radial = q_radial if symmetric else torch.zeros(cf.shape[0], k, dtype=qf.dtype, device=qf.device)
         for start, end in tiles.blocks():
             rows, local, targets, positives = tiles.rows(start, end)
-            g_hats = []
-            for i, dots, logits, cos_t in tiles.prefix_logits(start, end, rows, local, targets):
-                grad = tiles.grad_cos(logits, local, targets, cos_t, positives, lse_all[start:end, i],
-                                      lse_pos[start:end, i], row_scale[start:end, i])
-                del logits
-                g_hat = grad.mul_(q_inv[start:end, i, None]).mul_(c_inv[None, :, i])
-                radial = g_hat * dots  # sum_j Ghat_ij dots_ij = sum_j G_ij cos_ij
-                q_radial[start:end, i] += radial.sum(dim=1)
-                c_radial[:, i] += radial.sum(dim=0)
-                del radial
-                g_hats.append(g_hat)
-            # Slice j belongs to the prefixes j .. k-1: walk down, adding each prefix's tile to the running sum.
-            running = g_hats.pop()
+            dots = tiles.prefix_dots(start, end)
+            margins = tiles.prefix_margins(dots, start, end, local, targets)
+            logit_factor = (q_inv[start:end] * tiles.scale).T  # [k, b]
+            grad_factor = (row_scale[start:end] * q_inv[start:end]).T  # [k, b]
+            target_grads = _target_grads(lse_all[start:end].T, lse_pos[start:end].T, grad_factor, margins,
+                                         positives is not None)
+            not_positive = None if positives is None else ~positives
+            running = None  # sum over the prefixes i >= j of Ghat_i, walking j down from the widest prefix
             for j in reversed(range(k)):
+                g_hat = tiles.prefix_logits(dots[j], logit_factor[j], c_factor[j], rows, local, targets,
+                                            None if margins is None else margins[0][j], in_place=False)
+                softmax_pos = None
+                if not_positive is not None:
+                    softmax_pos = torch.sub(g_hat, lse_pos[start:end, j, None]).exp_().masked_fill_(not_positive, 0.0)
+                g_hat.sub_(lse_all[start:end, j, None]).exp_()  # softmax over the columns C_i
+                if softmax_pos is not None:
+                    g_hat.sub_(softmax_pos)
+                    del softmax_pos
+                g_hat.mul_(grad_factor[j, :, None])
+                if target_grads is not None:  # the target column: the -1 of the one-hot, the margin's slope
+                    g_hat[local, targets] = target_grads[j]
+                g_hat.mul_(c_factor[j, None, :])  # Ghat_j = dL/dcos * q_inv * c_inv
+                dots[j].mul_(g_hat)  # Ghat_j * dots_j: its row and column sums are the radial sums
+                running = g_hat if running is None else running.add_(g_hat)
+                del g_hat
                 lo, hi = slices[j]
                 dq[start:end, lo:hi].addmm_(running, cf[:, lo:hi])
                 dc[:, lo:hi].addmm_(running.T, qf[start:end, lo:hi])
-                if j:
-                    running += g_hats.pop()
+            q_radial[start:end].add_(dots.sum(dim=2).T)  # sum_j Ghat_ij dots_ij
+            c_radial.add_(dots.sum(dim=1).T)
+            del dots, running
 
         q_dtype, c_dtype = ctx.input_dtypes
         dq = unscaled(_prefix_radial_backward(qf, q_inv, q_has_grad, q_radial, dq, slices), q_scale).to(q_dtype)
@@ -273,6 +338,32 @@ def _prefix_radial_backward(x, inv, has_norm_grad, radial, d_raw, slices):
     for j, (lo, hi) in enumerate(slices):
         d_raw[:, lo:hi].addcmul_(x[:, lo:hi], shrink[:, j, None], value=-1.0)
     return d_raw
+
+
+def _logsumexp_in_place(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(x, dim=-1) by the same steps, but exponentiating x in place (overwritten): no temporary the
+    size of x (torch's makes one)."""
+    maxes = torch.amax(x, dim=-1, keepdim=True)
+    maxes.masked_fill_(maxes.abs() == float("inf"), 0.0)
+    sums = x.sub_(maxes).exp_().sum(dim=-1)
+    return sums.log_().add_(maxes.squeeze(-1))
+
+
+def _target_grads(lse_all, lse_pos, grad_factor, margins, has_positives: bool):
+    """What every prefix's gradient tile holds on its target column once multiplied by its row factor, [k, b] (all
+    inputs [k, b]; margins as prefix_margins gives them), computed for all prefixes at once so that the tiles only
+    take one write there: softmax_all - 1 without group_ids (the target's logit is lse_pos), softmax_all -
+    softmax_pos with them, times the margin's slope. None where the tiles are right as they are (group_ids, no
+    margin)."""
+    if not has_positives:
+        values = torch.exp(lse_pos - lse_all).sub_(1.0)
+    elif margins is not None:
+        logit = margins[0]
+        values = torch.exp(logit - lse_all).sub_(torch.exp(logit - lse_pos))
+    else:
+        return None
+    values.mul_(grad_factor)
+    return values if margins is None else values.mul_(margins[1])
 
 
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,

@@ -1,0 +1,218 @@
+"""How the torch backend cuts its work into pieces, per device (angle_kernels/torch_ops/common.py): the CPU keeps
+its budget of CHUNK_ELEMENTS elements (pieces near the caches); any other device takes ACCELERATOR_CHUNK_ELEMENTS,
+8x more, so that on a GPU a block's matrix products outlast its kernel launches, while the extra memory stays a
+few tiles of at most 128 MiB (float32).
+
+The ops run here on the meta device, which stands for a GPU: it is not the CPU (so it takes the accelerator
+budget and the GPU's code path, rows always scaled), and it computes nothing, so GPU-sized calls cost only their
+dispatches. What is checked, at 2N = 16,384 columns:
+* every op that blocks (similarity_xent with and without dims, similarity_lse, pair_scores with and without
+  dims) makes its tiles as many rows as the accelerator budget gives, 8x the rows of its CPU tiles;
+* the peak of the memory it allocates (every storage an op returns, tracked until freed; temporaries inside a
+  single ATen op, such as logsumexp's, are not seen) stays within a few budgets plus a few embedding-sized
+  buffers, as the op modules' docstrings state;
+* the dims path of similarity_xent makes, per block in forward, the same number of ops whatever k beyond its k
+  matrix products (the per-prefix small ops that made it launch-bound on a GPU are done once per block).
+The CPU side: its budget and the rows it gives are pinned, and the ops still cut CPU tensors by CHUNK_ELEMENTS.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import angle_kernels.torch_ops.common as torch_common
+from angle_kernels.dispatch import raw_backend
+from angle_kernels.testing.helpers import ShapeRecorder, generator, leaf_like, randn
+
+META = torch.device("meta")
+COLUMNS, WIDTH = 16_384, 64
+MIB = 2**20
+
+
+def test_the_cpu_budget_is_unchanged():
+    """The CPU's pieces are those the CPU results and timings were made with: 1 << 22 elements."""
+    assert torch_common.CHUNK_ELEMENTS == 1 << 22
+    assert torch_common.chunk_elements("cpu") == torch_common.chunk_elements(torch.device("cpu")) == 1 << 22
+    assert torch_common.rows_per_chunk(32_768, torch.device("cpu")) == 128  # in-batch negatives, N = 16,384
+    assert torch_common.rows_per_chunk(32_768 * 4, "cpu") == 32  # with dims, k = 3
+    assert torch_common.rows_per_chunk(1 << 30, "cpu") == 1  # never zero rows
+
+
+@pytest.mark.parametrize("device", [torch.device("cuda"), torch.device("cuda", 1), "cuda:0", META],
+                         ids=["cuda", "cuda:1", "str", "meta"])
+def test_other_devices_take_larger_bounded_pieces(device):
+    """Off the CPU, 8x the CPU's rows per block (at 2N = 32,768 columns: 1,024 rows instead of 128; with dims,
+    k = 3: 256 instead of 32), and a tile of at most 128 MiB in float32. (A torch.device object for CUDA needs no
+    GPU: this is the rule itself.)"""
+    budget = torch_common.chunk_elements(device)
+    assert budget == 8 * torch_common.CHUNK_ELEMENTS
+    assert 4 * budget <= 128 * MIB
+    assert torch_common.rows_per_chunk(32_768, device) == 1024
+    assert torch_common.rows_per_chunk(32_768 * 4, device) == 256
+    assert torch_common.rows_per_chunk(1 << 30, device) == 1
+
+
+class _PeakMemory(TorchDispatchMode):
+    """The peak, in bytes, of the storages the ops inside return (those of `existing` tensors excluded), each
+    counted until it is freed."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.existing = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
+        self.live, self.peak = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {key: entry for key, entry in self.live.items() if not entry[0].expired()}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                if ref.cdata not in self.existing and ref.cdata not in self.live:
+                    self.live[ref.cdata] = (ref, storage.nbytes())
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def _run(call, leaves):
+    """Forward + backward of call(*leaves) on the meta device: (shapes of every tensor made, peak bytes)."""
+    recorder, peak = ShapeRecorder(), _PeakMemory(leaves)
+    with peak, recorder.mode:
+        out = call(*leaves)
+        if isinstance(out, tuple):
+            out = sum(o.sum() for o in out)
+        recorder.phase = "backward"
+        out.sum().backward()
+    return recorder.shapes, peak.peak
+
+
+def _meta_leaf(*shape):
+    return torch.empty(*shape, device=META, dtype=torch.bfloat16).requires_grad_()
+
+
+def _similarity_cases():
+    """name -> (leaves, call, rows M, columns Mc, tiles of Mc logits per block row, tile budgets the peak may
+    reach): the first walk's tile holds `parts` x Mc logits per row (dims: k + 1)."""
+    ops = raw_backend("torch")
+    m, mc = COLUMNS // 2, COLUMNS
+    groups = torch.zeros(mc, dtype=torch.long, device=META)
+    return {
+        "xent_in_batch": (lambda: [_meta_leaf(mc, WIDTH)], lambda x: ops.similarity_xent(
+            x, None, 20.0, "partner", exclude_diagonal=True), mc, mc, 1, 3),
+        "xent_groups": (lambda: [_meta_leaf(mc, WIDTH)], lambda x: ops.similarity_xent(
+            x, None, 20.0, "partner", exclude_diagonal=True, group_ids=groups), mc, mc, 1, 5),
+        "xent_arccon": (lambda: [_meta_leaf(m, WIDTH), _meta_leaf(mc, WIDTH)], lambda q, c: ops.similarity_xent(
+            q, c, 20.0, "diagonal", margin=0.1), m, mc, 1, 3),
+        "xent_dims": (lambda: [_meta_leaf(m, WIDTH), _meta_leaf(mc, WIDTH)], lambda q, c: ops.similarity_xent(
+            q, c, 20.0, "diagonal", dims=(8, 32, 64)), m, mc, 4, 2),
+        "xent_dims_groups": (lambda: [_meta_leaf(mc, WIDTH)], lambda x: ops.similarity_xent(
+            x, None, 20.0, "partner", exclude_diagonal=True, margin=0.1, group_ids=groups, dims=(8, 32, 64)),
+            mc, mc, 4, 2),
+        "lse": (lambda: [_meta_leaf(m, WIDTH), _meta_leaf(mc, WIDTH)], lambda q, c: ops.similarity_lse(
+            q, c, 20.0, 0, m, "own", 2.0, "other", None, None, None, False, True), m, mc, 1, 4),
+    }
+
+
+SIMILARITY_CASES = sorted(_similarity_cases())
+
+
+@pytest.mark.parametrize("name", SIMILARITY_CASES)
+def test_similarity_ops_take_the_accelerator_blocks(name):
+    """The block tiles ([b, Mc], or [k, b, Mc] with dims) have the rows rows_per_chunk gives the device, 8x the
+    CPU's, and the peak stays within the op's tile budgets (each of ACCELERATOR_CHUNK_ELEMENTS float32 logits)
+    plus 8 embedding-sized float32 buffers."""
+    make, call, m, mc, parts, budgets = _similarity_cases()[name]
+    leaves = make()
+    shapes, peak = _run(call, leaves)
+    rows = {shape[-2] for _, shape in shapes if len(shape) >= 2 and shape[-1] == mc and shape[-2] < m}
+    expected = torch_common.rows_per_chunk(mc * parts, META)
+    assert 8 * torch_common.rows_per_chunk(mc * parts, "cpu") <= expected < m
+    assert max(rows) == expected, f"{name}: tiles of {sorted(rows)} rows, expected {expected}"
+    embeddings = 8 * (m + mc) * WIDTH * 4
+    bound = budgets * 4 * torch_common.ACCELERATOR_CHUNK_ELEMENTS + embeddings
+    assert peak <= bound, f"{name}: peak {peak / MIB:.0f} MiB, bound {bound / MIB:.0f} MiB"
+
+
+@pytest.mark.parametrize("dims", [None, (64, 256, 768)], ids=["full", "dims"])
+def test_pair_scores_takes_the_accelerator_chunks(dims):
+    """pair_scores cuts its groups into chunks of rows_per_chunk(K * D) groups on the device (8x the CPU's), and
+    its peak stays within 3 chunks of float32 plus 4 input-sized float32 buffers."""
+    groups, k, d = 65_536, 2, 768
+    x = _meta_leaf(groups, k, d)
+    shapes, peak = _run(lambda x: raw_backend("torch").pair_scores(x, True, dims), [x])
+    chunk = {shape[0] for _, shape in shapes if len(shape) == 3 and shape[1:] == (k, d) and shape[0] < groups}
+    expected = torch_common.rows_per_chunk(k * d, META)
+    assert 8 * torch_common.rows_per_chunk(k * d, "cpu") <= expected < groups
+    assert max(chunk) == expected, f"chunks of {sorted(chunk)} groups, expected {expected}"
+    bound = 3 * 4 * torch_common.ACCELERATOR_CHUNK_ELEMENTS + 4 * x.numel() * 4
+    assert peak <= bound, f"peak {peak / MIB:.0f} MiB, bound {bound / MIB:.0f} MiB"
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["c=None", "c"])
+def test_the_cpu_still_cuts_by_its_own_budget(monkeypatch, symmetric):
+    """On CPU tensors the ops read CHUNK_ELEMENTS (shrunk here to 8 rows of 40 logits), not the accelerator's."""
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 8 * 40)
+    monkeypatch.setattr(torch_common, "ACCELERATOR_CHUNK_ELEMENTS", 1 << 40)
+    gen = generator("cpu_blocks", symmetric)
+    rows = 40 if symmetric else 24
+    leaves = [leaf_like(randn(gen, rows, 48, dtype=torch.float64))]
+    if not symmetric:
+        leaves.append(leaf_like(randn(gen, 40, 48, dtype=torch.float64)))
+    kwargs = {"target": "partner" if symmetric else "diagonal", "exclude_diagonal": symmetric}
+    recorder = ShapeRecorder()
+    with recorder.mode:
+        loss = raw_backend("torch").similarity_xent(leaves[0], leaves[1] if len(leaves) > 1 else None, 20.0,
+                                                    **kwargs)
+        loss.backward()
+    assert max(shape[0] for _, shape in recorder.shapes if len(shape) == 2 and shape[1] == 40 and shape[0] < rows) == 8
+
+
+# ATen ops that launch nothing (views, allocations), and the matrix products.
+_VIEWS = frozenset({"t", "transpose", "slice", "select", "unsqueeze", "expand", "alias", "view", "_unsafe_view",
+                    "diagonal", "detach", "as_strided", "permute", "squeeze", "empty", "empty_like", "empty_strided"})
+_PRODUCTS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm_"})
+
+
+class _OpCounter(TorchDispatchMode):
+    """ATen ops dispatched (views excluded: they launch nothing), and the matrix products among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _VIEWS:
+            self.ops["products" if name in _PRODUCTS else "other"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_ops_per_block(monkeypatch, dims, rows: int = 64, columns: int = 96) -> dict:
+    """The ops per block of one forward of the dims path (no gradient wanted), from calls with 2 and 8 blocks:
+    {"products": matrix products, "other": every other op that is not a view}."""
+    gen = generator("dims_ops", dims)
+    q, c = randn(gen, rows, 32).to(META), randn(gen, columns, 32).to(META)
+    counts = {}
+    for blocks in (2, 8):
+        monkeypatch.setattr(torch_common, "ACCELERATOR_CHUNK_ELEMENTS", (rows // blocks) * columns * (len(dims) + 1))
+        counter = _OpCounter()
+        with counter:
+            raw_backend("torch").similarity_xent(q, c, 20.0, "diagonal", margin=0.1, dims=dims)
+        counts[blocks] = counter.ops
+    return {kind: (counts[8][kind] - counts[2][kind]) / 6 for kind in ("products", "other")}
+
+
+def test_dims_forward_ops_per_block_do_not_grow_with_k(monkeypatch):
+    """Per block, the dims forward makes its k matrix products and a fixed number of other ops, the same for
+    k = 2 and k = 5: its logits, target columns (here with a margin) and logsumexps are computed for all prefixes
+    at once (before, about 11 ops per prefix, 30 with a margin)."""
+    two = _forward_ops_per_block(monkeypatch, (8, 32))
+    five = _forward_ops_per_block(monkeypatch, (4, 8, 16, 24, 32))
+    assert (two["products"], five["products"]) == (2, 5)
+    assert two["other"] == five["other"], (two, five)
