@@ -60,6 +60,50 @@ constexpr int kPairStats = 6;  // |u_s|, |v_s|, cos, w, s_u, s_v
 constexpr int kPairCoefs = 5;  // the backward's per-pair coefficients in shared memory: alpha, beta, gamma_u, gamma_v, s_v
 
 // ---------------------------------------------------------------------------------------------------------
+// What both paths share: a pair's outputs from its reduced sums (forward), its backward coefficients.
+// ---------------------------------------------------------------------------------------------------------
+// cos, angle and the saved stats of one pair from the sums over its scaled rows (|u_s|^2, |v_s|^2, u_s.v_s and
+// b.c - a.d) and the rows' scale exponents.
+template <typename acc>
+__device__ __forceinline__ void finish_pair(int64_t pair, acc uu, acc vv, acc uv, acc cross, int exp_u, int exp_v,
+                                            bool with_angle, acc* __restrict__ cos_out, acc* __restrict__ angle_out,
+                                            acc* __restrict__ stats_out) {
+  const acc scale_u = pow2<acc>(-exp_u), scale_v = pow2<acc>(-exp_v);
+  const acc norm_u = sqrt_acc(uu), norm_v = sqrt_acc(vv);
+  const acc inv_p = inv_clamped_norm(norm_u, scale_u) * inv_clamped_norm(norm_v, scale_v);
+  const acc cos = uv * inv_p;
+  const acc w = with_angle ? cross * inv_p : acc(0);
+  cos_out[pair] = cos;
+  angle_out[pair] = with_angle ? cos + w : acc(0);
+  acc* stats = stats_out + pair * kPairStats;
+  stats[0] = norm_u;
+  stats[1] = norm_v;
+  stats[2] = cos;
+  stats[3] = w;
+  stats[4] = scale_u;
+  stats[5] = scale_v;
+}
+
+// The backward's coefficients of one pair, coef[0..4] = (alpha, beta, gamma_u, gamma_v, s_v), from its saved stats
+// and its output gradients (see the backward kernels).
+template <typename acc>
+__device__ __forceinline__ void pair_coefficients(int64_t pair, const acc* __restrict__ stats,
+                                                  const acc* __restrict__ grad_cos, const acc* __restrict__ grad_angle,
+                                                  bool with_angle, acc* coef) {
+  const acc* s = stats + pair * kPairStats;
+  const acc norm_u = s[0], norm_v = s[1], cos = s[2], w = s[3], scale_u = s[4], scale_v = s[5];
+  const acc ga = with_angle ? grad_angle[pair] : acc(0);  // with_angle = false: angle does not depend on x
+  const acc gs = grad_cos[pair] + ga;
+  const acc inv_p = inv_clamped_norm(norm_u, scale_u) * inv_clamped_norm(norm_v, scale_v);
+  const acc projection = gs * cos + ga * w;
+  coef[0] = gs * inv_p;
+  coef[1] = ga * inv_p;
+  coef[2] = projection * inv_sq_norm_or_zero(norm_u, scale_u);
+  coef[3] = projection * inv_sq_norm_or_zero(norm_v, scale_v);
+  coef[4] = scale_v;
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // General path, forward: one warp per pair. Each lane walks D (or D/2 element pairs when the angle is needed) with a
 // stride of 32, accumulating |u|^2, |v|^2, u.v and b.c - a.d in the compute type; one warp reduction each.
 // ---------------------------------------------------------------------------------------------------------
@@ -134,22 +178,7 @@ __global__ void __launch_bounds__(kPairScoresThreads)
   uv = warp_sum(uv);
   cross = warp_sum(cross);
 
-  if (lane == 0) {
-    const acc scale_u = pow2<acc>(-warp_exp_u), scale_v = pow2<acc>(-warp_exp_v);
-    const acc norm_u = sqrt_acc(uu), norm_v = sqrt_acc(vv);
-    const acc inv_p = inv_clamped_norm(norm_u, scale_u) * inv_clamped_norm(norm_v, scale_v);
-    const acc cos = uv * inv_p;
-    const acc w = with_angle ? cross * inv_p : acc(0);
-    cos_out[pair] = cos;
-    angle_out[pair] = with_angle ? cos + w : acc(0);
-    acc* stats = stats_out + pair * kPairStats;
-    stats[0] = norm_u;
-    stats[1] = norm_v;
-    stats[2] = cos;
-    stats[3] = w;
-    stats[4] = scale_u;
-    stats[5] = scale_v;
-  }
+  if (lane == 0) finish_pair(pair, uu, vv, uv, cross, warp_exp_u, warp_exp_v, with_angle, cos_out, angle_out, stats_out);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -177,18 +206,7 @@ __global__ void __launch_bounds__(kPairScoresThreads)
   // This warp's coefficients: kPairCoefs per pair (alpha, beta, gamma_u, gamma_v, s_v).
   acc* coef = reinterpret_cast<acc*>(pair_coef_smem) + static_cast<int64_t>(warp) * pairs_per_group * kPairCoefs;
   for (int64_t p = lane; p < pairs_per_group; p += kWarpSize) {
-    const int64_t pair = g * pairs_per_group + p;
-    const acc* s = stats + pair * kPairStats;
-    const acc norm_u = s[0], norm_v = s[1], cos = s[2], w = s[3], scale_u = s[4], scale_v = s[5];
-    const acc ga = with_angle ? grad_angle[pair] : acc(0);  // with_angle = false: angle does not depend on x
-    const acc gs = grad_cos[pair] + ga;
-    const acc inv_p = inv_clamped_norm(norm_u, scale_u) * inv_clamped_norm(norm_v, scale_v);
-    const acc projection = gs * cos + ga * w;
-    coef[kPairCoefs * p + 0] = gs * inv_p;
-    coef[kPairCoefs * p + 1] = ga * inv_p;
-    coef[kPairCoefs * p + 2] = projection * inv_sq_norm_or_zero(norm_u, scale_u);
-    coef[kPairCoefs * p + 3] = projection * inv_sq_norm_or_zero(norm_v, scale_v);
-    coef[kPairCoefs * p + 4] = scale_v;
+    pair_coefficients(g * pairs_per_group + p, stats, grad_cos, grad_angle, with_angle, coef + kPairCoefs * p);
   }
   __syncwarp();
   const acc s_u = stats[g * pairs_per_group * kPairStats + 4];  // the anchor's scale (the same in every pair)
@@ -472,20 +490,7 @@ __global__ void __launch_bounds__(kPairScoresThreads)
   cross = team_sum(cross, team);
 
   if (active && rank == 0) {
-    const acc scale_u = pow2<acc>(-team_exp_u), scale_v = pow2<acc>(-team_exp_v);
-    const acc norm_u = sqrt_acc(uu), norm_v = sqrt_acc(vv);
-    const acc inv_p = inv_clamped_norm(norm_u, scale_u) * inv_clamped_norm(norm_v, scale_v);
-    const acc cos = uv * inv_p;
-    const acc w = with_angle ? cross * inv_p : acc(0);
-    cos_out[pair] = cos;
-    angle_out[pair] = with_angle ? cos + w : acc(0);
-    acc* stats = stats_out + pair * kPairStats;
-    stats[0] = norm_u;
-    stats[1] = norm_v;
-    stats[2] = cos;
-    stats[3] = w;
-    stats[4] = scale_u;
-    stats[5] = scale_v;
+    finish_pair(pair, uu, vv, uv, cross, team_exp_u, team_exp_v, with_angle, cos_out, angle_out, stats_out);
   }
 }
 
@@ -521,18 +526,7 @@ __global__ void __launch_bounds__(kPairScoresThreads)
   acc* coef = reinterpret_cast<acc*>(pair_coef_vec_smem) +
               static_cast<int64_t>(team_in_block) * pairs_per_group * kPairCoefs;
   for (int64_t p = rank; active && p < pairs_per_group; p += team) {
-    const int64_t pair = g * pairs_per_group + p;
-    const acc* s = stats + pair * kPairStats;
-    const acc norm_u = s[0], norm_v = s[1], cos = s[2], w = s[3], scale_u = s[4], scale_v = s[5];
-    const acc ga = with_angle ? grad_angle[pair] : acc(0);  // with_angle = false: angle does not depend on x
-    const acc gs = grad_cos[pair] + ga;
-    const acc inv_p = inv_clamped_norm(norm_u, scale_u) * inv_clamped_norm(norm_v, scale_v);
-    const acc projection = gs * cos + ga * w;
-    coef[kPairCoefs * p + 0] = gs * inv_p;
-    coef[kPairCoefs * p + 1] = ga * inv_p;
-    coef[kPairCoefs * p + 2] = projection * inv_sq_norm_or_zero(norm_u, scale_u);
-    coef[kPairCoefs * p + 3] = projection * inv_sq_norm_or_zero(norm_v, scale_v);
-    coef[kPairCoefs * p + 4] = scale_v;
+    pair_coefficients(g * pairs_per_group + p, stats, grad_cos, grad_angle, with_angle, coef + kPairCoefs * p);
   }
   __syncwarp();  // a team lies within one warp: its coefficients are visible to all its lanes
   if (!active) return;  // no warp-wide operation follows
