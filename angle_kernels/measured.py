@@ -115,8 +115,10 @@ def call_point(op: str, args: tuple) -> tuple[str, int, int] | None:
     return None
 
 
-def capability(device: torch.device) -> str:
-    """The compute capability ("major.minor") of a CUDA device."""
+def capability(device: torch.device) -> str | None:
+    """The compute capability ("major.minor") of a CUDA device; None for any other device (nothing measured)."""
+    if device.type != "cuda":
+        return None
     return ".".join(map(str, torch.cuda.get_device_capability(device)))
 
 
