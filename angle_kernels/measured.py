@@ -31,8 +31,6 @@ import torch
 TIE = 0.10  # times this close to the fastest count as equal: the same op's time moves by a few % between runs
 SPAN = 16.0  # a measured point speaks for sizes (and widths) up to this factor away from its own
 
-FIXED_ORDER = ("triton", "cuda", "torch")
-
 
 class Candidate(Protocol):
     """What the rule needs of a backend (dispatch.Ops): its name and the code path it takes for a call."""
@@ -129,6 +127,8 @@ def nearest_point(op: str, args: tuple) -> dict[str, float] | None:
     if where is None:
         return None
     variant, size, width = where
+    if size <= 0:  # an empty call: nothing to choose by
+        return None
     points = MEASURED.get((capability(args[0].device), args[0].dtype), ())
     best, best_distance = None, math.inf
     for p_op, p_variant, p_size, p_width, times in points:
@@ -143,7 +143,8 @@ def nearest_point(op: str, args: tuple) -> dict[str, float] | None:
 
 
 def fastest(op: str, args: tuple, allowed: list[Candidate]) -> Candidate:
-    """The backend of `allowed` (in FIXED_ORDER) that computes the call: the rule of the module docstring."""
+    """The backend of `allowed` (in the fixed order: triton, cuda, torch) that computes the call: the rule of the
+    module docstring."""
     if len(allowed) == 1:
         return allowed[0]
     times = nearest_point(op, args)

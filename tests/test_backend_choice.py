@@ -469,3 +469,13 @@ def test_on_the_h100_table_verified_cuda_yields_to_faster_torch_and_triton(backe
     for n, expected in ((1 << 20, "triton"), (1 << 16, "torch")):
         scores = torch.empty(n, dtype=torch.float32, device="meta")
         assert auto._choose("ranking_loss", (scores, scores), ()).name == expected
+
+
+def test_an_empty_call_keeps_the_fixed_order(backends, monkeypatch):
+    """No size to compare (an empty ranking term): the fixed order, not a log of zero."""
+    backends.cuda.answer = (True, "")
+    backends.verified.update({("triton", "ranking_loss", "fused"), ("cuda", "ranking_loss", "fused")})
+    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {"triton": 9.0, "cuda": 1.0, "torch": 1.0})])
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    empty = pretend_cuda(torch.empty(0, dtype=torch.float64))
+    assert auto.computes("ranking_loss", empty, torch.empty(0, dtype=torch.int64))[0] == "triton"
