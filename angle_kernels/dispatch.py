@@ -29,7 +29,8 @@ Choosing the backend: `requested` is "auto", "torch", "triton" or "cuda"; None m
 "auto".
     * "auto" is the torch backend on CPU tensors. On CUDA tensors it may compute a call on each GPU backend
       (triton, and cuda when its extension is already compiled) that implements it and whose code path for it has
-      passed its correctness run on this hardware and software (`angle_kernels.verified`), and on the torch
+      passed its correctness run on this hardware and software (`angle_kernels.verified`) or, verified at large size
+      on some GPU, passed a check of the first call of its kind here (`angle_kernels.first_use`), and on the torch
       backend; among those, the one measured fastest for the call's size on this GPU (`angle_kernels.measured`),
       else the first in the order triton, cuda, torch. Computing on torch because no GPU backend may costs one
       RuntimeWarning per process. It never starts the JIT build of csrc/.
@@ -51,7 +52,7 @@ import warnings
 
 import torch
 
-from . import contract, measured, verified
+from . import contract, first_use, measured, verified
 from ._runtime import triton_interpreting  # also dispatch.triton_interpreting, as before
 
 BACKENDS = ("torch", "triton", "cuda")
@@ -91,7 +92,8 @@ class Ops:
         return self._computing("similarity_lse", args).similarity_lse(*args)
 
     def computes(self, op: str, *args, **kwargs) -> tuple[str, str]:
-        """(backend, code path) that would compute `op` on these arguments (the op's own, validated the same way)."""
+        """(backend, code path) that would compute `op` on these arguments (the op's own, validated the same way);
+        for "auto", after the first-use check the call would run (`first_use`)."""
         bound = inspect.signature(getattr(Ops, op)).bind(self, *args, **kwargs)
         bound.apply_defaults()
         values = list(bound.arguments.values())[1:]
@@ -149,12 +151,33 @@ class AutoOps(Ops):
         return [candidate for candidate in self.candidates
                 if candidate.lacking(op, features) is None and candidate.is_verified(op, args)]
 
+    def _checkable_for(self, op: str, args: tuple, features: tuple[str, ...]) -> list[Ops]:
+        """The candidates that implement the call, are not verified for it here, but may compute it after a first-use
+        check of its kind (their code passed the large-size checks on some GPU: `first_use.may_check`)."""
+        return [candidate for candidate in self.candidates
+                if candidate.lacking(op, features) is None and not candidate.is_verified(op, args)
+                and first_use.may_check(candidate.name, op, candidate.code_path(op, args), args[0].device)]
+
     def _choose(self, op: str, args: tuple, features: tuple[str, ...]) -> Ops:
-        return measured.fastest(op, args, [*self._verified_for(op, args, features), _TORCH_OPS])
+        return self._choice(op, args, features)[0]
+
+    def _choice(self, op: str, args: tuple, features: tuple[str, ...]) -> tuple[Ops, bool]:
+        """(the backend that computes the call, whether some GPU backend may compute it). The fastest of the verified
+        candidates, the checkable ones and torch (`measured.fastest`); a checkable one is checked only when it is the
+        one chosen (`first_use.decide`: the first call of its kind), and when this kind of call failed its check the
+        choice is made again without it: nothing is checked that would not compute."""
+        verified_here = self._verified_for(op, args, features)
+        checkable = self._checkable_for(op, args, features)
+        while True:
+            allowed = [c for c in self.candidates if c in verified_here or c in checkable]
+            chosen = measured.fastest(op, args, [*allowed, _TORCH_OPS])
+            if chosen not in checkable or first_use.decide(chosen, op, args).computes:
+                return chosen, bool(allowed)
+            checkable.remove(chosen)
 
     def _computing(self, op: str, args: tuple, features: tuple[str, ...] = ()) -> contract.Backend:
-        chosen = self._choose(op, args, features)
-        if chosen is _TORCH_OPS and not _warned_auto_on_gpu and not self._verified_for(op, args, features):
+        chosen, gpu_allowed = self._choice(op, args, features)
+        if chosen is _TORCH_OPS and not gpu_allowed and not _warned_auto_on_gpu:
             self._warn_torch_on_gpu(op, args, features)
         return chosen.backend
 
@@ -165,12 +188,12 @@ class AutoOps(Ops):
         for candidate in self.candidates:
             lacking = candidate.lacking(op, features)
             why[candidate.name] = (f"it does not implement {lacking} yet" if lacking is not None else
-                                   f"its code path {candidate.code_path(op, args)!r} has not passed a correctness "
-                                   f"run on {verified.describe(candidate.name, op, args[0].device)}")
+                                   first_use.reason(candidate, op, args))
         warnings.warn(
             f"angle_kernels: backend='auto' computes {op} with the PyTorch backend on this GPU, as it does every op "
-            "and code path no GPU backend has passed a correctness run for on matching hardware and software ("
-            + "; ".join(f"{name}: {reason}" for name, reason in why.items()) + "). `python -m angle_kernels.verify` "
+            "and code path no GPU backend has passed a correctness run for on matching hardware and software, or a "
+            "first-use check for the kind of call (" + "; ".join(f"{name}: {reason}" for name, reason in why.items())
+            + "). `python -m angle_kernels.verify` "
             "runs those checks on this GPU in a few minutes and records what passes, which 'auto' then uses. Choose "
             f"a backend with backend='torch'|'triton'|'cuda' or {_ENV_VAR} to silence this warning (shown once per "
             "process).", RuntimeWarning, stacklevel=5)
@@ -257,9 +280,11 @@ def _warn_unverified(ops: Ops, op: str, args: tuple) -> None:
     _warned_unverified.add((ops.name, op, path))
     warnings.warn(
         f"angle_kernels: backend={ops.name!r} computes {op} on its code path {path!r}, which has not passed a "
-        f"correctness run on {verified.describe(ops.name, op, args[0].device)}. backend='auto' would compute it "
-        "with the PyTorch backend; `python -m angle_kernels.verify` checks the GPU backends on this GPU and records "
-        "what passes (shown once per process for each backend, op and code path).", RuntimeWarning, stacklevel=5)
+        f"correctness run on {verified.describe(ops.name, op, path, args[0].device)}. backend='auto' would compute it "
+        + ("after a check of the first call of each kind here (its code passed the large-size checks on another GPU)"
+           if first_use.may_check(ops.name, op, path, args[0].device) else "with the PyTorch backend")
+        + "; `python -m angle_kernels.verify` checks the GPU backends on this GPU and records what passes (shown once "
+        "per process for each backend, op and code path).", RuntimeWarning, stacklevel=5)
 
 
 def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:

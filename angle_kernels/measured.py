@@ -2,23 +2,49 @@
 
 On CUDA tensors `auto` may compute a call on every GPU backend whose code path for it is verified there
 (`angle_kernels.verified`), and always on the PyTorch backend. Being verified says nothing about speed: on an H100
-the CUDA extension is slower than PyTorch on the similarity losses and, from 65,536 scores, on the ranking term,
-and PyTorch beats both GPU backends on the smallest in-batch-negative batches (all launch-bound). So:
+the CUDA extension measured slower than PyTorch on the similarity losses and, from 65,536 scores, on the ranking
+term, and PyTorch beat both GPU backends on the smallest in-batch-negative batches (all launch-bound). So:
 
     Among the backends that may compute the call, `auto` takes the one with the lowest time at the nearest point
-    measured for this op, variant, dtype and GPU (its compute capability), provided every one of them was timed
-    there; a time within TIE of the fastest counts as equal to it, and equals go by the fixed order: triton,
-    cuda, torch. Without such a point (another GPU or dtype, a size or width more than SPAN times away from every
-    measured one, an op or variant never measured), the fixed order decides.
+    measured for this op, variant, dtype and GPU (its compute capability), provided that point timed every one of
+    them on the code path the call takes, with the code installed here; a time within TIE of the fastest counts as
+    equal to it, and equals go by the fixed order: triton, cuda, torch (torch before cuda for the ops of
+    AFTER_TORCH, whose CUDA scheme measured slower at every size). Points equally near the call each decide
+    so, and when they disagree the fixed order decides (never the order of the table). Without such a point
+    (another GPU or dtype, a size or width more than SPAN times away from every measured one, an op or variant
+    never measured, a backend not timed there, or timed on another code path or on code changed since), the fixed
+    order decides.
 
-A point is a (capability, op, variant, dtype, size, width) with the median time in ms of forward + backward per
-backend, keyed "backend/path" where one backend's code paths were timed apart (the Triton similarity_xent's
-fused and dense schemes), else "backend": a call's own code path is looked up first. Sizes (`call_point`): pairs
-for pair_scores, scores for ranking_loss, logits (M x Mc) for similarity_xent; width is D (1 for ranking_loss).
+A point is (op, variant, size, width, times, fingerprints): the median time in ms of forward + backward per code
+path it timed, keyed "backend/path" (the op module's PATHS; the torch backend's one path is "default"), and the
+fingerprint of the code each time measured, keyed the same way (`code_fingerprint`: the rule of
+angle_kernels.fingerprints, and for cuda also the op's CUDA sources the extension was built from). A time counts
+for a call only while this installation runs the code it measured: an edit to a path's code retires its times
+until a GPU run measures them again, exactly as it voids the path's verification. Sizes (`call_point`): pairs for
+pair_scores, scores for ranking_loss, logits (M x Mc) for similarity_xent; width is D (1 for ranking_loss).
 Variants: "full", "dims" (nested prefixes), "margin" (similarity_xent with an angular margin, ArcCon).
 
-The points are those of the op sweeps committed under bench/results/ (`python bench/speed_table.py` prints them
-from a run's second.json), each run cited beside its rows. Next runs replace them.
+The points are those of the op sweeps committed under bench/results/ (`python bench/speed_table.py` prints them,
+paths and fingerprints included, from a run's second.json), each run cited beside its rows. Next runs replace them.
+
+What the table is worth against the fixed order (`python bench/speed_table.py --decisions`, from the points
+below, each call at a point and each set of backends auto may use there):
+    * With Triton among them (the H100 today: every Triton path is verified there), the table departs from the
+      fixed order only at launch-bound sizes, and by at most half a millisecond a call on the paths calls take
+      (the similarity family's dense scheme from D = 768; 3.7 ms had the fused one run at D = 4,096): torch for
+      in-batch negatives at N = 1,024 pairs, D = 768 (1.47 ms against Triton's 1.77 dense / 1.95 fused) and for
+      the ranking term at 65,536 scores (1.01 against 1.29); CUDA for ArcCon at N = 1,024, D = 768, where the call
+      takes Triton's dense path (2.16 against 2.62). Alone, that would not pay for a table.
+    * Without Triton (its path unverified or unloaded where CUDA's is verified: the CUDA similarity_xent is
+      verified on the H100), CUDA measured 2.6-9x slower than torch on in-batch negatives at every size (3.5 ms a
+      call at N = 1,024 pairs, D = 768, up to 2.2 s at 16,384 pairs, D = 4,096), 2.7-2.8x on ArcCon from
+      N = 4,096, and 2.9-87x on the ranking term from 65,536 scores, but faster than torch on pair scores. That is
+      what the table is kept for: it orders CUDA against torch by measurement, per op and size; and where the
+      similarity_xent times no longer count (torch's changed), AFTER_TORCH keeps the slower scheme behind torch.
+    * With this checkout's code, the times of the torch pair_scores and similarity_xent and of the CUDA pair_scores
+      and ranking_loss measured code that has changed since (their fingerprints differ), so the only decision the
+      table makes today is torch for the ranking term near 65,536 scores; everything else goes by the fixed order
+      until the next op sweep measures the current code.
 """
 
 from __future__ import annotations
@@ -27,6 +53,8 @@ import math
 from typing import Protocol
 
 import torch
+
+from . import verified
 
 TIE = 0.10  # times this close to the fastest count as equal: the same op's time moves by a few % between runs
 SPAN = 16.0  # a measured point speaks for sizes (and widths) up to this factor away from its own
@@ -40,55 +68,125 @@ class Candidate(Protocol):
     def code_path(self, op: str, args: tuple) -> str: ...
 
 
-# (op, variant, size, width, {backend or backend/path: ms}); bf16 embeddings, forward + backward, median of
-# triton.testing.do_bench. Triton and torch: bench/results/h100-80gb-hbm3-2026-11-26/second (op_sweep); CUDA:
-# bench/results/h100-80gb-hbm3-2026-11-26b/gpu (cuda_op_sweep), the same machine type and versions. The torch
-# times predate the larger GPU blocks of the torch backend (torch_ops/common.py): slower than it is now.
+# (op, variant, size, width, {backend/path: ms}, {backend/path: fingerprint}); bf16 embeddings, forward + backward,
+# median of triton.testing.do_bench. Triton and torch: bench/results/h100-80gb-hbm3-2026-11-26/second (op_sweep,
+# sources at commit 7ab8295); CUDA: bench/results/h100-80gb-hbm3-2026-11-26b/gpu (cuda_op_sweep, sources at
+# a0dd5ba), the same machine type and versions. Those runs did not record paths and fingerprints: `python
+# bench/speed_table.py --commit 7ab8295 .../second/second.json --commit a0dd5ba .../gpu/second.json` computed them
+# from the sources at those commits. Since then the torch backend's pair_scores and similarity_xent (its larger GPU
+# blocks, torch_ops/common.py) and the CUDA pair_scores and ranking_loss kernels (rewritten) changed: their times
+# no longer count; the Triton paths, the torch ranking term and the CUDA similarity_xent are unchanged.
 _H100_BF16_EMBEDDINGS = (
-    ("pair_scores", "full", 16384, 768, {"triton": 0.579, "torch": 7.57, "cuda": 0.565}),
-    ("pair_scores", "full", 16384, 4096, {"triton": 0.585, "torch": 18.7, "cuda": 0.591}),
-    ("pair_scores", "full", 262144, 768, {"triton": 1.09, "torch": 61.6, "cuda": 1.6}),
-    ("pair_scores", "full", 262144, 4096, {"triton": 4.62, "torch": 344.0, "cuda": 7.88}),
-    ("pair_scores", "full", 1048576, 768, {"triton": 4.29, "torch": 232.0, "cuda": 6.25}),
-    ("pair_scores", "dims", 16384, 768, {"triton": 0.712, "torch": 30.6}),
-    ("pair_scores", "dims", 16384, 4096, {"triton": 1.94, "torch": 119.0}),
-    ("pair_scores", "dims", 262144, 768, {"triton": 6.72, "torch": 365.0}),
-    ("pair_scores", "dims", 262144, 4096, {"triton": 30.0, "torch": 1370.0}),
+    ("pair_scores", "dims", 16384, 768,
+     {"triton/dims": 0.712, "torch/default": 30.6},
+     {"triton/dims": "11ab4505b78faacc", "torch/default": "16a527b64105e2aa"}),
+    ("pair_scores", "dims", 16384, 4096,
+     {"triton/dims": 1.94, "torch/default": 119.0},
+     {"triton/dims": "11ab4505b78faacc", "torch/default": "16a527b64105e2aa"}),
+    ("pair_scores", "dims", 262144, 768,
+     {"triton/dims": 6.72, "torch/default": 365.0},
+     {"triton/dims": "11ab4505b78faacc", "torch/default": "16a527b64105e2aa"}),
+    ("pair_scores", "dims", 262144, 4096,
+     {"triton/dims": 30.0, "torch/default": 1370.0},
+     {"triton/dims": "11ab4505b78faacc", "torch/default": "16a527b64105e2aa"}),
+    ("pair_scores", "full", 16384, 768,
+     {"triton/full": 0.579, "torch/default": 7.57, "cuda/full": 0.565},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "16a527b64105e2aa",
+      "cuda/full": "651d5f038fa54119+089992e506c212ee"}),
+    ("pair_scores", "full", 16384, 4096,
+     {"triton/full": 0.585, "torch/default": 18.7, "cuda/full": 0.591},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "16a527b64105e2aa",
+      "cuda/full": "651d5f038fa54119+089992e506c212ee"}),
+    ("pair_scores", "full", 262144, 768,
+     {"triton/full": 1.09, "torch/default": 61.6, "cuda/full": 1.6},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "16a527b64105e2aa",
+      "cuda/full": "651d5f038fa54119+089992e506c212ee"}),
+    ("pair_scores", "full", 262144, 4096,
+     {"triton/full": 4.62, "torch/default": 344.0, "cuda/full": 7.88},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "16a527b64105e2aa",
+      "cuda/full": "651d5f038fa54119+089992e506c212ee"}),
+    ("pair_scores", "full", 1048576, 768,
+     {"triton/full": 4.29, "torch/default": 232.0, "cuda/full": 6.25},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "16a527b64105e2aa",
+      "cuda/full": "651d5f038fa54119+089992e506c212ee"}),
+    # Matryoshka: N queries against 2N candidates at 3 (D = 768) or 4 (D = 4,096) prefixes
+    ("similarity_xent", "dims", 2097152, 768,
+     {"triton/dims": 4.31, "torch/default": 22.4},
+     {"triton/dims": "51903531b5c5fc92", "torch/default": "30bf9959ddb60941"}),
+    ("similarity_xent", "dims", 2097152, 4096,
+     {"triton/dims": 16.3, "torch/default": 20.8},
+     {"triton/dims": "51903531b5c5fc92", "torch/default": "30bf9959ddb60941"}),
+    ("similarity_xent", "dims", 33554432, 768,
+     {"triton/dims": 14.8, "torch/default": 191.0},
+     {"triton/dims": "51903531b5c5fc92", "torch/default": "30bf9959ddb60941"}),
+    ("similarity_xent", "dims", 33554432, 4096,
+     {"triton/dims": 71.5, "torch/default": 149.0},
+     {"triton/dims": "51903531b5c5fc92", "torch/default": "30bf9959ddb60941"}),
+    ("similarity_xent", "dims", 536870912, 768,
+     {"triton/dims": 149.0, "torch/default": 2600.0},
+     {"triton/dims": "51903531b5c5fc92", "torch/default": "30bf9959ddb60941"}),
+    ("similarity_xent", "dims", 536870912, 4096,
+     {"triton/dims": 767.0, "torch/default": 2910.0},
+     {"triton/dims": "51903531b5c5fc92", "torch/default": "30bf9959ddb60941"}),
     # in-batch negatives: N pairs, M = Mc = 2N rows (N = 1,024, 4,096, 16,384)
     ("similarity_xent", "full", 4194304, 768,
-     {"triton/fused": 1.95, "triton/dense": 1.77, "torch": 1.47, "cuda": 4.99}),
+     {"triton/fused": 1.95, "triton/dense": 1.77, "torch/default": 1.47, "cuda/fused": 4.99},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "30bf9959ddb60941",
+      "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4"}),
     ("similarity_xent", "full", 4194304, 4096,
-     {"triton/fused": 6.53, "triton/dense": 1.27, "torch": 2.81, "cuda": 25.9}),
+     {"triton/fused": 6.53, "triton/dense": 1.27, "torch/default": 2.81, "cuda/fused": 25.9},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "30bf9959ddb60941",
+      "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4"}),
     ("similarity_xent", "full", 67108864, 768,
-     {"triton/fused": 5.58, "triton/dense": 2.01, "torch": 14.0, "cuda": 40.4}),
+     {"triton/fused": 5.58, "triton/dense": 2.01, "torch/default": 14.0, "cuda/fused": 40.4},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "30bf9959ddb60941",
+      "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4"}),
     ("similarity_xent", "full", 67108864, 4096,
-     {"triton/fused": 28.5, "triton/dense": 4.55, "torch": 46.8, "cuda": 252.0}),
+     {"triton/fused": 28.5, "triton/dense": 4.55, "torch/default": 46.8, "cuda/fused": 252.0},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "30bf9959ddb60941",
+      "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4"}),
     ("similarity_xent", "full", 1073741824, 768,
-     {"triton/fused": 84.2, "triton/dense": 16.8, "torch": 203.0, "cuda": 535.0}),
+     {"triton/fused": 84.2, "triton/dense": 16.8, "torch/default": 203.0, "cuda/fused": 535.0},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "30bf9959ddb60941",
+      "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4"}),
     ("similarity_xent", "full", 1073741824, 4096,
-     {"triton/fused": 447.0, "triton/dense": 52.2, "torch": 692.0, "cuda": 2880.0}),
+     {"triton/fused": 447.0, "triton/dense": 52.2, "torch/default": 692.0, "cuda/fused": 2880.0},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "30bf9959ddb60941",
+      "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4"}),
     # ArcCon: N rows against the N rows of the other view
     ("similarity_xent", "margin", 1048576, 768,
-     {"triton/fused": 1.8, "triton/dense": 2.62, "torch": 3.67, "cuda": 2.16}),
+     {"triton/fused": 1.8, "triton/dense": 2.62, "torch/default": 3.67, "cuda/fused": 2.16},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "30bf9959ddb60941",
+      "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4"}),
     ("similarity_xent", "margin", 16777216, 768,
-     {"triton/fused": 2.91, "triton/dense": 2.13, "torch": 4.82, "cuda": 13.7}),
+     {"triton/fused": 2.91, "triton/dense": 2.13, "torch/default": 4.82, "cuda/fused": 13.7},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "30bf9959ddb60941",
+      "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4"}),
     ("similarity_xent", "margin", 268435456, 768,
-     {"triton/fused": 21.7, "triton/dense": 5.94, "torch": 54.3, "cuda": 145.0}),
-    # Matryoshka: N queries against 2N candidates at 3 (D = 768) or 4 (D = 4,096) prefixes
-    ("similarity_xent", "dims", 2097152, 768, {"triton": 4.31, "torch": 22.4}),
-    ("similarity_xent", "dims", 2097152, 4096, {"triton": 16.3, "torch": 20.8}),
-    ("similarity_xent", "dims", 33554432, 768, {"triton": 14.8, "torch": 191.0}),
-    ("similarity_xent", "dims", 33554432, 4096, {"triton": 71.5, "torch": 149.0}),
-    ("similarity_xent", "dims", 536870912, 768, {"triton": 149.0, "torch": 2600.0}),
-    ("similarity_xent", "dims", 536870912, 4096, {"triton": 767.0, "torch": 2910.0}),
+     {"triton/fused": 21.7, "triton/dense": 5.94, "torch/default": 54.3, "cuda/fused": 145.0},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "30bf9959ddb60941",
+      "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4"}),
 )
 
-# The ranking term's float32 scores (what the losses give it), the same runs.
+# The ranking term's float32 scores (what the losses give it), the same runs: up to 4,096 scores the Triton
+# backend takes its pairwise tiles, above them sort and scan (triton_ops/ranking_loss.py SMALL_N_MAX).
 _H100_FP32_SCORES = (
-    ("ranking_loss", "full", 4096, 1, {"triton": 0.499, "torch": 1.13, "cuda": 0.483}),
-    ("ranking_loss", "full", 65536, 1, {"triton": 1.29, "torch": 1.01, "cuda": 2.9}),
-    ("ranking_loss", "full", 1048576, 1, {"triton": 0.93, "torch": 1.18, "cuda": 44.4}),
-    ("ranking_loss", "full", 4194304, 1, {"triton": 1.96, "torch": 2.11, "cuda": 184.0}),
+    ("ranking_loss", "full", 4096, 1,
+     {"triton/pairwise": 0.499, "torch/default": 1.13, "cuda/sort": 0.483},
+     {"triton/pairwise": "a0e64ba30d279396", "torch/default": "e463ec94d83b8b79",
+      "cuda/sort": "4b85a09f9216361e+249cdc38bcd80eed"}),
+    ("ranking_loss", "full", 65536, 1,
+     {"triton/sort": 1.29, "torch/default": 1.01, "cuda/sort": 2.9},
+     {"triton/sort": "9d8df70c3ad9fcb7", "torch/default": "e463ec94d83b8b79",
+      "cuda/sort": "4b85a09f9216361e+249cdc38bcd80eed"}),
+    ("ranking_loss", "full", 1048576, 1,
+     {"triton/sort": 0.93, "torch/default": 1.18, "cuda/sort": 44.4},
+     {"triton/sort": "9d8df70c3ad9fcb7", "torch/default": "e463ec94d83b8b79",
+      "cuda/sort": "4b85a09f9216361e+249cdc38bcd80eed"}),
+    ("ranking_loss", "full", 4194304, 1,
+     {"triton/sort": 1.96, "torch/default": 2.11, "cuda/sort": 184.0},
+     {"triton/sort": "9d8df70c3ad9fcb7", "torch/default": "e463ec94d83b8b79",
+      "cuda/sort": "4b85a09f9216361e+249cdc38bcd80eed"}),
 )
 
 # (capability, dtype of the op's first input) -> the points measured there.
@@ -120,42 +218,94 @@ def capability(device: torch.device) -> str | None:
     return ".".join(map(str, torch.cuda.get_device_capability(device)))
 
 
-def nearest_point(op: str, args: tuple) -> dict[str, float] | None:
-    """The times measured nearest to this call (same GPU, dtype, op and variant; size and width within SPAN), or
-    None. Nearness: the distance of log size plus that of log width."""
+def joined_fingerprint(backend: str, code: dict) -> str | None:
+    """A path's code fields (verified.CODE_FIELDS: the path's fingerprint and, for cuda, its op's CUDA sources')
+    as the one string a point records, joined by "+"; None when one is unknown."""
+    values = [code.get(name) for name in verified.CODE_FIELDS.get(backend, ("fingerprint",))]
+    return None if None in values else "+".join(values)
+
+
+# (backend, op, path) -> code_fingerprint, once per process. A plain dict, as in dispatch (torch.compile traces it).
+_installed: dict[tuple[str, str, str], str | None] = {}
+
+
+def code_fingerprint(backend: str, op: str, path: str) -> str | None:
+    """The fingerprint of this installation's code for a path, as points record it (verified.code_identity; for
+    cuda the build the loaded extension reports), or None when it cannot be told (no usable time then)."""
+    key = (backend, op, path)
+    if key not in _installed:
+        try:
+            _installed[key] = joined_fingerprint(backend, verified.code_identity(backend, op, path))
+        except Exception:  # noqa: BLE001 (choosing a backend must not fail on this question)
+            _installed[key] = None
+    return _installed[key]
+
+
+def nearest_points(op: str, args: tuple) -> list[tuple]:
+    """The points measured nearest to this call (same GPU, dtype, op and variant; size and width within SPAN): all
+    those at the least distance, the distance of log size plus that of log width; none for an empty call."""
     where = call_point(op, args)
     if where is None:
-        return None
+        return []
     variant, size, width = where
     if size <= 0:  # an empty call: nothing to choose by
-        return None
-    points = MEASURED.get((capability(args[0].device), args[0].dtype), ())
-    best, best_distance = None, math.inf
-    for p_op, p_variant, p_size, p_width, times in points:
+        return []
+    nearest, least = [], math.inf
+    for point in MEASURED.get((capability(args[0].device), args[0].dtype), ()):
+        p_op, p_variant, p_size, p_width = point[:4]
         if (p_op, p_variant) != (op, variant):
             continue
         size_ratio, width_ratio = abs(math.log(size / p_size)), abs(math.log(width / p_width))
         if max(size_ratio, width_ratio) > math.log(SPAN):
             continue
-        if size_ratio + width_ratio < best_distance:
-            best, best_distance = times, size_ratio + width_ratio
-    return best
+        distance = size_ratio + width_ratio
+        if math.isclose(distance, least, rel_tol=1e-9, abs_tol=1e-12):
+            nearest.append(point)
+        elif distance < least:
+            nearest, least = [point], distance
+    return nearest
+
+
+def _decision(point: tuple, op: str, keys: list[str], allowed: list[Candidate]) -> Candidate:
+    """What one point says: the quickest of `allowed` (each on its path, `keys`), ties to the fixed order; the
+    fixed order when a candidate has no usable time there."""
+    times, prints = point[4], point[5]
+    timed = []
+    for candidate, key in zip(allowed, keys):
+        ms = times.get(key)
+        if ms is None or prints.get(key) is None or prints[key] != code_fingerprint(candidate.name, op,
+                                                                                  key.partition("/")[2]):
+            return allowed[0]  # not timed there, or timed on other code: no comparison to make
+        timed.append((candidate, ms))
+    quickest = min(ms for _, ms in timed)
+    return next(candidate for candidate, ms in timed if ms <= quickest * (1 + TIE))
+
+
+# Exceptions to the fixed order, each for a reason that holds at every size: the CUDA similarity_xent (a fused
+# scheme whose backward runs on CUDA cores with float atomics) measured 2.6-9x slower than the torch backend at
+# every in-batch size and 2.7-2.8x on ArcCon from N = 4,096 on the H100 (bench/results/h100-80gb-hbm3-2026-11-26b),
+# and the torch backend has only become faster since (its larger GPU blocks): where no time of the current code
+# decides, torch comes before it.
+AFTER_TORCH = {("cuda", "similarity_xent")}
+
+
+def fixed_order(op: str, allowed: list[Candidate]) -> list[Candidate]:
+    """`allowed` (triton, cuda, torch) with the exceptions of AFTER_TORCH moved behind torch."""
+    late = [c for c in allowed if (c.name, op) in AFTER_TORCH]
+    rest = [c for c in allowed if c not in late]
+    at = next((i + 1 for i, c in enumerate(rest) if c.name == "torch"), len(rest))
+    return rest[:at] + late + rest[at:]
 
 
 def fastest(op: str, args: tuple, allowed: list[Candidate]) -> Candidate:
     """The backend of `allowed` (in the fixed order: triton, cuda, torch) that computes the call: the rule of the
-    module docstring."""
+    module docstring, with the exceptions of AFTER_TORCH."""
+    allowed = fixed_order(op, allowed)
     if len(allowed) == 1:
         return allowed[0]
-    times = nearest_point(op, args)
-    if times is None:
+    nearest = nearest_points(op, args)
+    if not nearest:
         return allowed[0]
-    timed = []
-    for candidate in allowed:
-        key = f"{candidate.name}/{candidate.code_path(op, args)}"
-        ms = times.get(key, times.get(candidate.name))
-        if ms is None:  # a backend not timed there: no comparison to make
-            return allowed[0]
-        timed.append((candidate, ms))
-    quickest = min(ms for _, ms in timed)
-    return next(candidate for candidate, ms in timed if ms <= quickest * (1 + TIE))
+    keys = [f"{candidate.name}/{candidate.code_path(op, args)}" for candidate in allowed]
+    decided = {id(choice): choice for choice in (_decision(point, op, keys, allowed) for point in nearest)}
+    return next(iter(decided.values())) if len(decided) == 1 else allowed[0]

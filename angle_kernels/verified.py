@@ -2,9 +2,9 @@
 
 `backend="auto"` computes a call on a GPU backend only when that backend's (op, code path) has passed a
 correctness run (forward and backward against the float64 reference, every dtype, the half-precision rule) on
-matching hardware and software; everything else runs on the PyTorch backend, which the CPU test suite verifies
-end to end. An explicit `backend="triton"` or `"cuda"` runs whatever it is asked, warning once per (backend, op,
-path) and process when it is not verified here.
+matching hardware and software, or has passed a first-use check here (`angle_kernels.first_use`); everything else
+runs on the PyTorch backend, which the CPU test suite verifies end to end. An explicit `backend="triton"` or
+`"cuda"` runs whatever it is asked, warning once per (backend, op, path) and process when it is not verified here.
 
 Code paths. A GPU backend's op module lists the paths a call can take (`PATHS`: for example the Triton
 similarity_xent's fused kernels, its dense scheme and its prefix kernels for dims) and, when there are several,
@@ -13,77 +13,83 @@ backward (docs/gpu-hazards.md) lived on one path of an op whose other paths were
 
 Sources of verifications, read once per process:
     * VERIFIED below: the project's table, extended by the commit that brings a GPU run's results
-      (`scripts/gpu_check.sh first` writes the entries to add, as verified.json, beside its results);
-    * the user's cache, CACHE_FILE in cache_dir(): `python -m angle_kernels.verify` checks the GPU backends on
-      the local GPU and records what passed there (and removes what failed).
+      (`scripts/gpu_check.sh first` writes the entries to add, as verified.json, beside its results): the
+      large-size checks (`python -m angle_kernels.verify --sizes large`);
+    * the user's cache (`angle_kernels.user_cache`, section "verified"): `python -m angle_kernels.verify` checks
+      the GPU backends on the local GPU and records what passed there (and removes what failed).
 
 The match rule: an entry covers a call when its backend, op and path are the call's and every field of
 MATCH_FIELDS[backend] equals this process's value (`identity`):
-    * triton: the GPU's compute capability; torch's and Triton's major.minor versions; `source`, a fingerprint of
-      the op's Triton code (its module in triton_ops/ and every triton_ops module it imports, byte for byte: any
-      edit to a verified kernel voids its verification, which tests/test_verified.py reports).
-    * cuda: the compute capability; torch's major.minor and the CUDA version it was built with; `build`, the
-      fingerprint of the csrc/ sources the loaded extension was built from (compiled into it); `source`, the
-      fingerprint of the op's module in cuda_ops/ (its schemas and autograd formula).
+    * both backends: the GPU's compute capability, torch's major.minor version, and `fingerprint`, the
+      fingerprint of the code the path executes (`angle_kernels.fingerprints`: its Triton kernels and every
+      launcher and helper they reach; docstrings, comments and moves between modules excluded), so an edit voids
+      exactly the verifications of the paths that run the edited code;
+    * triton: Triton's major.minor version;
+    * cuda: the CUDA version torch was built with, and `build`, the fingerprint of the op's CUDA sources the
+      loaded extension reports it was built from (fingerprints.csrc_fingerprint, compiled into it).
+
+A path whose code passed the table's large-size checks on some GPU (CODE_FIELDS equal) may also compute on a GPU
+or versions the table does not cover, after a check on its first call there: `checked_elsewhere` says whether it
+may, `angle_kernels.first_use` runs the checks.
 """
 
 from __future__ import annotations
 
-import ast
 import datetime
-import hashlib
 import importlib
-import json
-import os
-import tempfile
-from pathlib import Path
 
 import torch
 
+from . import fingerprints, user_cache
+
 # The project's verifications: entries as `entry()` makes them, added by the commit that brings a GPU run's
-# results (its verified.json), with the results folder as "evidence".
+# results (its verified.json), with the results folder as "evidence". Every one passed the large-size checks.
 _EVERY_DTYPE = ["bfloat16", "float16", "float32", "float64"]
 _RANKING_DTYPES = ["float32", "float64"]  # the ranking op takes fp32/fp64 scores (contract)
-_H100 = {"capability": "9.0", "torch": "2.11", "gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-26"}
-# H100, torch 2.11, Triton 3.6: `scripts/gpu_check.sh first` (its large-size checks; the op tests' failures were
-# the tests' own, fixed and rerun by scripts/gpu_recheck.sh)
+_H100 = {"capability": "9.0", "torch": "2.11", "gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-26", "sizes": "large"}
+# H100, torch 2.11, Triton 3.6, sources at commit 7ab8295: `scripts/gpu_check.sh first` (its large-size checks;
+# the op tests' failures were the tests' own, fixed and rerun by scripts/gpu_recheck.sh).
 _H100_TRITON = {**_H100, "triton": "3.6", "evidence": "bench/results/h100-80gb-hbm3-2026-11-26/first"}
-# The Triton similarity_xent (fused, dense, dims) and similarity_lse entries of that run (sources d9c821cf1acf786b
-# and 0aeef789db8f43fa) were removed when the structure refactor moved their shared tiles into _similarity_tiles.py
-# and the dense scheme's MIN_WIDTH went to 768: the next `scripts/gpu_check.sh first` verifies them again.
-# The CUDA entries (H100, torch 2.11, CUDA 13.0, bench/results/h100-80gb-hbm3-2026-11-26/recheck: pair_scores full
-# 24fec6476fc4a093, similarity_xent fused a9e5136ee9aae84f, ranking_loss sort 391fdec5b48e0388, all built from
-# csrc/ f28761a549abfa30) were removed when the ranking term's kernels became a multi-block scan and pair_scores
-# gained a vector path (2026-11-27; the build fingerprint covers all of csrc/): the next `first` verifies the
-# rebuilt extension again.
+# The CUDA backend on the same machine, built from the same commit: scripts/gpu_recheck.sh.
+_H100_CUDA = {**_H100, "cuda": "13.0", "evidence": "bench/results/h100-80gb-hbm3-2026-11-26/recheck"}
+# Every entry of those runs, with the fingerprint of the code each path executed then (by the rule of
+# angle_kernels.fingerprints, computed at 7ab8295 by scripts/compare_fingerprints.py; its output,
+# docs/verification-history.md, compares each with this checkout's). Restored on 2026-11-28, after the rule
+# changed from whole files to executed code: the Triton similarity_xent (fused, dense, dims) and similarity_lse
+# entries (removed when the structure refactor moved their tiles to _similarity_tiles.py: the code they execute is
+# unchanged, docstrings and one import aside; MIN_WIDTH chooses between paths and is part of none, see
+# docs/verification.md) and the CUDA similarity_xent entry (removed with the whole-csrc/ build fingerprint when
+# the other ops' CUDA sources changed: its own sources are unchanged). Not restored: the CUDA pair_scores and
+# ranking_loss entries (their kernels were rewritten on 2026-11-27: csrc/pair_scores.cu's vector path,
+# csrc/ranking_loss.cu's multi-block scan) wait for the next GPU run.
 VERIFIED: tuple[dict, ...] = (
-    {"backend": "triton", "op": "pair_scores", "path": "full", "source": "e74e1b8edc21e65d",
+    {"backend": "triton", "op": "pair_scores", "path": "full", "fingerprint": "efb179d27d83ab85",
      "dtypes": _EVERY_DTYPE, **_H100_TRITON},
-    {"backend": "triton", "op": "pair_scores", "path": "dims", "source": "e74e1b8edc21e65d",
+    {"backend": "triton", "op": "pair_scores", "path": "dims", "fingerprint": "11ab4505b78faacc",
      "dtypes": _EVERY_DTYPE, **_H100_TRITON},
-    {"backend": "triton", "op": "ranking_loss", "path": "pairwise", "source": "04d83fb661829764",
+    {"backend": "triton", "op": "ranking_loss", "path": "pairwise", "fingerprint": "a0e64ba30d279396",
      "dtypes": _RANKING_DTYPES, **_H100_TRITON},
-    {"backend": "triton", "op": "ranking_loss", "path": "sort", "source": "04d83fb661829764",
+    {"backend": "triton", "op": "ranking_loss", "path": "sort", "fingerprint": "9d8df70c3ad9fcb7",
      "dtypes": _RANKING_DTYPES, **_H100_TRITON},
+    {"backend": "triton", "op": "similarity_xent", "path": "fused", "fingerprint": "45d6ada46e5358f5",
+     "dtypes": _EVERY_DTYPE, **_H100_TRITON},
+    {"backend": "triton", "op": "similarity_xent", "path": "dense", "fingerprint": "5ef298652026e4ee",
+     "dtypes": _EVERY_DTYPE, **_H100_TRITON},
+    {"backend": "triton", "op": "similarity_xent", "path": "dims", "fingerprint": "51903531b5c5fc92",
+     "dtypes": _EVERY_DTYPE, **_H100_TRITON},
+    {"backend": "triton", "op": "similarity_lse", "path": "fused", "fingerprint": "7734c06fbe9d86d2",
+     "dtypes": _EVERY_DTYPE, **_H100_TRITON},
+    {"backend": "cuda", "op": "similarity_xent", "path": "fused", "fingerprint": "9039d98ffeec4bf3",
+     "build": "76c163ff636742a4", "dtypes": _EVERY_DTYPE, **_H100_CUDA},
 )
 
 MATCH_FIELDS = {
-    "triton": ("capability", "torch", "triton", "source"),
-    "cuda": ("capability", "torch", "cuda", "build", "source"),
+    "triton": ("capability", "torch", "triton", "fingerprint"),
+    "cuda": ("capability", "torch", "cuda", "fingerprint", "build"),
 }
+# The fields that say which code passed (the others say where it ran).
+CODE_FIELDS = {"triton": ("fingerprint",), "cuda": ("fingerprint", "build")}
 GPU_BACKENDS = tuple(MATCH_FIELDS)
-CACHE_ENV = "ANGLE_KERNELS_CACHE_DIR"
-CACHE_FILE = "verified.json"
-CACHE_FORMAT = 1
-_PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def cache_dir() -> Path:
-    """Where the user's verifications live: $ANGLE_KERNELS_CACHE_DIR, else $XDG_CACHE_HOME/angle_kernels, else
-    ~/.cache/angle_kernels."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "angle_kernels"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -93,124 +99,81 @@ def _major_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
-# The modules below the backends that hold code an op runs (docs/dispatch.md, "Layers"): an op module's imports of
-# them count as its own. contract.py does not (yet): its constants and compute dtype reach the kernels too, but
-# counting it would void every verification at once; to add with the next GPU verification run.
-SHARED_BELOW_BACKENDS = ("_runtime", "normalisation", "formed_gradients")
+def code_identity(backend: str, op: str, path: str) -> dict:
+    """The CODE_FIELDS of this installation's code for a path (cuda: as the loaded extension reports its build;
+    None when no extension is loaded)."""
+    ident = {"fingerprint": fingerprints.path_fingerprint(backend, op, path)}
+    if backend == "cuda":
+        from .cuda_ops import _extension
+
+        ident["build"] = (_extension.build_fingerprints() or {}).get(op)
+    return ident
 
 
-def _backend_modules(backend: str, op: str) -> list[Path]:
-    """The op's module in the backend's package and every module of that package it imports, transitively, with
-    the shared modules below the backends (SHARED_BELOW_BACKENDS) they import."""
-    package = _PACKAGE_DIR / f"{backend}_ops"
-    todo, found = [package / f"{op}.py"], set()
-    while todo:
-        path = todo.pop()
-        if path in found or not path.exists():
-            continue
-        found.add(path)
-        in_backend = path.parent == package
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.ImportFrom) or node.level not in (1, 2):
-                continue
-            names = [node.module] if node.module else [alias.name for alias in node.names]
-            names = [name.split(".")[0] for name in names]
-            if in_backend and node.level == 1:  # from .x import y / from . import x
-                todo += [package / f"{name}.py" for name in names]
-            elif node.level == (2 if in_backend else 1):  # from ..normalisation import y
-                todo += [_PACKAGE_DIR / f"{name}.py" for name in names if name in SHARED_BELOW_BACKENDS]
-    return sorted(found)
+def identity(backend: str, op: str, path: str, device: torch.device) -> dict:
+    """This process's values of MATCH_FIELDS[backend] for a code path on the CUDA `device`, plus the GPU's name."""
+    ident = {"capability": _capability(device), "torch": _major_minor(torch.__version__),
+             "gpu": torch.cuda.get_device_name(device), **code_identity(backend, op, path)}
+    if backend == "triton":
+        import triton
 
-
-def source_fingerprint(backend: str, op: str) -> str:
-    """16 hex digits of SHA-256 over the op's modules in the backend's package (`_backend_modules`)."""
-    digest = hashlib.sha256()
-    for path in _backend_modules(backend, op):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
+        ident["triton"] = _major_minor(triton.__version__)
+    else:
+        ident["cuda"] = torch.version.cuda
+    return ident
 
 
 def _capability(device: torch.device) -> str:
     return ".".join(map(str, torch.cuda.get_device_capability(device)))
 
 
-def identity(backend: str, op: str, device: torch.device) -> dict:
-    """This process's values of MATCH_FIELDS[backend] for `op` on the CUDA `device`, plus the GPU's name."""
-    ident = {"capability": _capability(device), "torch": _major_minor(torch.__version__),
-             "source": source_fingerprint(backend, op), "gpu": torch.cuda.get_device_name(device)}
-    if backend == "triton":
-        import triton
-
-        ident["triton"] = _major_minor(triton.__version__)
-    else:
-        from .cuda_ops import _extension
-
-        ident["cuda"] = torch.version.cuda
-        ident["build"] = _extension.build_fingerprint()
-    return ident
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Entries, the cache, the rule
 # ---------------------------------------------------------------------------------------------------------
-def entry(backend: str, op: str, path: str, ident: dict, evidence: str, dtypes=()) -> dict:
-    """A verification: what passed (backend, op, path), where (`ident`), when, and what shows it."""
-    fields = {name: ident[name] for name in MATCH_FIELDS[backend]}
+def entry(backend: str, op: str, path: str, ident: dict, evidence: str, dtypes=(), sizes: str = "standard") -> dict:
+    """A verification: what passed (backend, op, path), where (`ident`), when, at which sizes ("large": the
+    project's GPU run; "standard": `python -m angle_kernels.verify`'s default), and what shows it."""
+    fields = {name: ident.get(name) for name in MATCH_FIELDS[backend]}
     return {"backend": backend, "op": op, "path": path, **fields, "gpu": ident.get("gpu"),
-            "dtypes": list(dtypes), "date": datetime.date.today().isoformat(), "evidence": evidence}
+            "dtypes": list(dtypes), "sizes": sizes, "date": datetime.date.today().isoformat(), "evidence": evidence}
+
+
+def _same_path(candidate: dict, backend: str, op: str, path: str) -> bool:
+    return (candidate.get("backend"), candidate.get("op"), candidate.get("path")) == (backend, op, path)
 
 
 def covers(candidate: dict, backend: str, op: str, path: str, ident: dict) -> bool:
     """The match rule (module docstring)."""
-    if (candidate.get("backend"), candidate.get("op"), candidate.get("path")) != (backend, op, path):
-        return False
-    return all(ident.get(name) is not None and candidate.get(name) == ident.get(name)
-               for name in MATCH_FIELDS[backend])
+    return _same_path(candidate, backend, op, path) and all(
+        ident.get(name) is not None and candidate.get(name) == ident.get(name) for name in MATCH_FIELDS[backend])
 
 
-def read_cache(path: Path | None = None) -> list[dict]:
-    """The entries of the user's cache; [] when there is none. A file that is not this format's is ignored
-    with a warning (a broken cache must not break a loss call)."""
-    path = path or cache_dir() / CACHE_FILE
-    if not path.exists():
-        return []
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), list):
-            raise ValueError(f"not format {CACHE_FORMAT}")
-        return [e for e in data["entries"] if isinstance(e, dict)]
-    except (OSError, ValueError) as exc:
-        import warnings
-
-        warnings.warn(f"angle_kernels: ignoring the verification cache {path}: {exc}", RuntimeWarning, stacklevel=2)
-        return []
+def same_code(candidate: dict, backend: str, op: str, path: str, ident: dict) -> bool:
+    """Whether an entry verified the code this identity runs for the path, wherever it ran (CODE_FIELDS)."""
+    return _same_path(candidate, backend, op, path) and all(
+        ident.get(name) is not None and candidate.get(name) == ident.get(name) for name in CODE_FIELDS[backend])
 
 
-def write_cache(passed: list[dict], failed: list[dict], path: Path | None = None) -> Path:
-    """Record a verification run: `passed` entries replace the cache's entries for the same (backend, op, path)
-    and identity; the identities of `failed` entries lose theirs. Written atomically."""
-    path = path or cache_dir() / CACHE_FILE
+def read_cache() -> list[dict]:
+    """The entries `python -m angle_kernels.verify` recorded in the user's cache."""
+    return user_cache.read()["verified"]
+
+
+def write_cache(passed: list[dict], failed: list[dict]) -> None:
+    """Record a verification run in the user's cache: `passed` entries replace the entries for the same (backend,
+    op, path) and identity; the identities of `failed` entries lose theirs."""
     replaced = passed + failed
 
-    def same(a: dict, b: dict) -> bool:
-        return covers(a, b["backend"], b["op"], b["path"], b)
+    def change(contents: dict) -> None:
+        kept = [old for old in contents["verified"]
+                if not any(covers(old, new["backend"], new["op"], new["path"], new) for new in replaced)]
+        contents["verified"] = kept + passed
 
-    kept = [old for old in read_cache(path) if not any(same(old, new) for new in replaced)]
-    write_json_atomic(path, {"format": CACHE_FORMAT, "entries": kept + passed})
-    return path
-
-
-def write_json_atomic(path: Path, data) -> None:
-    """`data` as JSON in `path` (its folder created), written aside and renamed: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".verified-", suffix=".json", delete=False,
-                                     encoding="utf-8") as tmp:
-        json.dump(data, tmp, indent=1)
-    os.replace(tmp.name, path)
+    user_cache.update(change)
 
 
-# Per process: the entries (table + cache, read at the first question), identities per (backend, op, device)
-# and answers per (backend, op, path, device index). Plain dicts: after the first call of a kind, a lookup.
+# Per process: the entries (table + cache, read at the first question), identities per (backend, op, path,
+# device) and answers per (backend, op, path, device index). Plain dicts: after the first call of a kind, a lookup.
 _entries: list[dict] | None = None
 _identities: dict = {}
 _answers: dict = {}
@@ -232,20 +195,32 @@ def forget() -> None:
     _answers.clear()
 
 
+def identity_here(backend: str, op: str, path: str, device: torch.device) -> dict:
+    """`identity`, asked once per process and (backend, op, path, device); a process that cannot tell it (a query
+    that fails) gets an identity without the match fields, which matches nothing."""
+    key = (backend, op, path, device.index)
+    if key not in _identities:
+        try:
+            _identities[key] = identity(backend, op, path, device)
+        except Exception as exc:  # noqa: BLE001 (a loss call must not fail on this question)
+            _identities[key] = {"gpu": f"a GPU whose identity is unknown ({type(exc).__name__}: {exc})"}
+    return _identities[key]
+
+
 def is_verified(backend: str, op: str, path: str, device: torch.device) -> bool:
-    """Whether a verification covers `backend`'s `op` on code path `path` on the CUDA `device`. A process that
-    cannot tell its own identity (a query that fails) has nothing verified: the answer is then False."""
+    """Whether a verification covers `backend`'s `op` on code path `path` on the CUDA `device`."""
     key = (backend, op, path, device.index)
     if key not in _answers:
-        ident_key = (backend, op, device.index)
-        if ident_key not in _identities:
-            try:
-                _identities[ident_key] = identity(backend, op, device)
-            except Exception as exc:  # noqa: BLE001 (a loss call must not fail on this question)
-                _identities[ident_key] = {"gpu": f"a GPU whose identity is unknown ({type(exc).__name__}: {exc})"}
-        ident = _identities[ident_key]
+        ident = identity_here(backend, op, path, device)
         _answers[key] = any(covers(e, backend, op, path, ident) for e in entries())
     return _answers[key]
+
+
+def checked_elsewhere(backend: str, op: str, path: str, device: torch.device) -> bool:
+    """Whether the code this process runs for the path passed the project's large-size checks on some GPU (an
+    entry of VERIFIED with the same CODE_FIELDS): such a path may compute here after a first-use check."""
+    ident = identity_here(backend, op, path, device)
+    return any(e.get("sizes") == "large" and same_code(e, backend, op, path, ident) for e in VERIFIED)
 
 
 def covers_every_path(backend: str, device: torch.device) -> bool:
@@ -254,9 +229,9 @@ def covers_every_path(backend: str, device: torch.device) -> bool:
     return all(is_verified(backend, op, path, device) for op, paths in paths_of(backend).items() for path in paths)
 
 
-def describe(backend: str, op: str, device: torch.device) -> str:
-    """The identity a verification of `backend`'s `op` must match here, in words (for warnings)."""
-    ident = _identities.get((backend, op, device.index)) or identity(backend, op, device)
+def describe(backend: str, op: str, path: str, device: torch.device) -> str:
+    """The identity a verification of `backend`'s code path must match here, in words (for warnings)."""
+    ident = identity_here(backend, op, path, device)
     if "capability" not in ident:
         return ident["gpu"]
     return f"{ident['gpu']} (sm_{ident['capability'].replace('.', '')}), " + ", ".join(
@@ -264,14 +239,17 @@ def describe(backend: str, op: str, device: torch.device) -> str:
 
 
 def stale_entries(table=None) -> list[dict]:
-    """The table's entries whose `source` (and, for cuda, `build`: the csrc/ sources) no longer match this
-    checkout's code (an edited verified kernel)."""
-    from .cuda_ops._extension import csrc_fingerprint
-
+    """The table's entries whose code fields no longer match this checkout's code: the path's fingerprint and, for
+    cuda, the op's CUDA sources (where csrc/ is present)."""
     stale = []
     for e in VERIFIED if table is None else table:
-        if e.get("source") != source_fingerprint(e["backend"], e["op"]) or (
-                e["backend"] == "cuda" and e.get("build") != csrc_fingerprint()):
+        current = {"fingerprint": fingerprints.path_fingerprint(e["backend"], e["op"], e["path"])}
+        if e["backend"] == "cuda":
+            try:
+                current["build"] = fingerprints.csrc_fingerprint(e["op"])
+            except FileNotFoundError:  # an installation without csrc/: the loaded extension reports its build
+                current["build"] = e.get("build")
+        if not same_code(e, e["backend"], e["op"], e["path"], current):
             stale.append(e)
     return stale
 

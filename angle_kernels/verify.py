@@ -1,6 +1,7 @@
 """Check the GPU backends on this GPU and record what passes, so that backend="auto" uses it.
 
     python -m angle_kernels.verify [--backend triton|cuda|all] [--sizes standard|large] [--out FILE]
+    python -m angle_kernels.verify --list | --forget
 
 For every GPU backend that can run here (triton; cuda only when its extension is already built: this command
 never builds it), every op it implements and every code path of that op (the op module's PATHS, see
@@ -13,11 +14,14 @@ second must be right too.
 
 A code path passes when every case of it passes in every dtype (bfloat16, float32, float16, then float64: in
 that order, so a time limit cuts the rarest first); it is then recorded in the user's cache
-(`verified.cache_dir()`), and a path that fails loses any earlier record for this GPU and software. Paths whose
+(`angle_kernels.user_cache`), and a path that fails loses any earlier record for this GPU and software. Paths whose
 checks did not all run (--time-limit) are neither. Takes a few minutes on an H100, most of it compiling and
 autotuning. `--sizes large` uses the sizes of the project's own GPU run (scripts/gpu_check.sh first, which runs
 one process per dtype and turns their merged results into the entries for the project's table,
 `verified.VERIFIED`).
+
+`--list` prints what the user's cache holds (these verifications and the first-use checks of
+`angle_kernels.first_use`) and where; `--forget` removes it, so that every path is checked again.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from . import reference, verified
+from . import reference, user_cache, verified
 from .contract import SCORE_DTYPES, compute_dtype  # ranking_loss takes scores in SCORE_DTYPES only
 from .dispatch import resolve_backend
 
@@ -124,7 +128,10 @@ def cases(sizes: str = "standard") -> list[Case]:
     # The fused kernels' full-width cases sit below the dense scheme's MIN_WIDTH (768: wider inputs take the
     # dense scheme), at a common small-encoder width; tests/ops/test_verify.py checks every case takes its path.
     narrow = 32 if tiny else 512
-    dims = (8, 16, 32) if tiny else (64, 256, 768)
+    # Matryoshka at its usual five widths (the prefix kernels' KP = 8 specialisation) and at three (KP = 4)
+    dims, five = ((8, 16, 32), (4, 8, 16, 24, 32)) if tiny else ((64, 256, 768), (64, 128, 256, 512, 768))
+    # the dense scheme from its MIN_WIDTH (768) up, not only at the wide width
+    at_min_width = [] if tiny else [_xent_case("dense", rows, None, d)]
     return [
         _pair_case("full", pairs, 2, d),
         _pair_case("full", pairs // 4, 3, d),
@@ -135,8 +142,9 @@ def cases(sizes: str = "standard") -> list[Case]:
         _xent_case("fused", rows // 2, rows, narrow),
         _xent_case("dense", rows, None, wide),
         _xent_case("dense", rows // 2, rows, wide),
+        *at_min_width,
         _xent_case("dims", rows, None, d, dims=dims),
-        _xent_case("dims", rows // 2, rows, d, dims=dims),
+        _xent_case("dims", rows // 2, rows, d, dims=five),
         _lse_case("fused", rows // 2, 3 * (rows // 2), d),
     ]
 
@@ -252,14 +260,15 @@ def outcomes(results: list[dict]) -> dict[tuple[str, str, str], str]:
     return found
 
 
-def entries_from(results: list[dict], identity_of, evidence: str) -> tuple[list[dict], list[dict]]:
-    """(passed, failed) verification entries of the results; identity_of(backend, op) gives the identity."""
+def entries_from(results: list[dict], identity_of, evidence: str, sizes: str) -> tuple[list[dict], list[dict]]:
+    """(passed, failed) verification entries of the results, checked at `sizes`; identity_of(backend, op, path)
+    gives the identity."""
     passed, failed = [], []
     for (backend, op, path), state in outcomes(results).items():
         if state == "incomplete":
             continue
         dtypes = sorted({r["dtype"] for r in results if (r["backend"], r["op"], r["path"]) == (backend, op, path)})
-        made = verified.entry(backend, op, path, identity_of(backend, op), evidence, dtypes)
+        made = verified.entry(backend, op, path, identity_of(backend, op, path), evidence, dtypes, sizes)
         (passed if state == "passed" else failed).append(made)
     return passed, failed
 
@@ -297,6 +306,23 @@ def _row(r: dict) -> str:
                    f"{'ok' if r['pass'] else 'FAIL'}  {r['seconds']:.1f} s")
 
 
+def describe_cache() -> str:
+    """The user's cache in words: where it is, each verification and each first-use check, one line each."""
+    where = user_cache.cache_file()
+    contents = user_cache.read(where)
+    lines = [f"{where}: {len(contents['verified'])} verifications, {len(contents['checks'])} first-use checks"]
+    for e in contents["verified"]:
+        compiler = f"triton {e.get('triton')}" if e.get("backend") == "triton" else f"cuda {e.get('cuda')}"
+        lines.append(f"verified  {e.get('backend')} {e.get('op')} {e.get('path')} on {e.get('gpu')} "
+                     f"(sm_{str(e.get('capability')).replace('.', '')}, torch {e.get('torch')}, {compiler}; "
+                     f"code {e.get('fingerprint')}) at {e.get('sizes')} sizes, {e.get('date')}")
+    for r in contents["checks"]:
+        bucket = ", ".join(f"{k}={v}" for k, v in sorted((r.get("bucket") or {}).items()))
+        lines.append(f"{'passed' if r.get('pass') else 'FAILED'}    {r.get('backend')} {r.get('op')} {r.get('path')} "
+                     f"{r.get('dtype')} [{bucket}] on {r.get('gpu')} (code {r.get('fingerprint')}), {r.get('date')}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m angle_kernels.verify", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -310,7 +336,19 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="also write every check and the passed/failed entries there, as JSON, as it goes")
     parser.add_argument("--no-record", action="store_true", help="do not update the user's cache")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--list", action="store_true", help="print the user's cache (verifications and first-use "
+                       "checks) and exit")
+    cache.add_argument("--forget", action="store_true", help="remove the user's cache and exit: every path is checked "
+                       "again")
     args = parser.parse_args(argv)
+    if args.list:
+        print(describe_cache())
+        return 0
+    if args.forget:
+        where = user_cache.cache_file()
+        print(f"removed {where}" if user_cache.forget() else f"nothing to remove: {where} does not exist")
+        return 0
     if args.time_limit is not None and not args.time_limit > 0:
         parser.error("--time-limit must be a positive number of seconds")
     dtypes = []
@@ -342,8 +380,8 @@ def main(argv=None) -> int:
     done: list[dict] = []
     for backend in usable:
         done += run_checks(backend, device, cases(args.sizes), dtypes, deadline=deadline, on_result=on_result)
-    passed, failed = entries_from(done, lambda backend, op: verified.identity(backend, op, device),
-                                  f"python -m angle_kernels.verify --sizes {args.sizes}")
+    passed, failed = entries_from(done, lambda backend, op, path: verified.identity(backend, op, path, device),
+                                  f"python -m angle_kernels.verify --sizes {args.sizes}", args.sizes)
     report.update(results=done, passed=passed, failed=failed)
     if args.out is not None:
         verified.write_json_atomic(args.out, report)

@@ -7,7 +7,9 @@ the same inputs and is measured for one forward + backward pass with the shared 
 
 * time: the median (or min) of several runs after a warm-up run. CPU: wall clock with the thread count
   stated; CUDA: triton.testing.do_bench's median (it flushes the L2 cache between runs), or CUDA events for
-  a slow case or when Triton is missing.
+  a slow case or when Triton is missing. On CUDA each case's first call (its compiles and autotuning) runs
+  before and apart, its time recorded as cold_s; --warm-up-budget gives those first calls an allowance of their
+  own within --time-budget.
 * peak extra memory: CPU: each case runs in a freshly forked child of this (compute-free) process; its
   peak RSS (VmHWM, reset through /proc/self/clear_refs once the inputs exist) minus the RSS right before
   the pass. CUDA: max_memory_allocated() minus memory_allocated() before the pass (inputs included in

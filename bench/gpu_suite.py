@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""The GPU run: correctness, speed and training of angle_kernels on one lent GPU, one stage per command.
+"""The GPU run: correctness, speed and training of angle_kernels on one GPU, one stage per command.
 
     python bench/gpu_suite.py STAGE OUT_DIR [options]   (bash scripts/gpu_check.sh STAGE OUT_DIR: the same,
                                                           with the console teed to OUT_DIR/console_<STAGE>.log)
     python bench/gpu_suite.py summary DIR                gathers every stage record under DIR into DIR/summary.md
 
-Why stages. A session that gets a GPU gets 15 minutes of device time in all (the machine's start, every
-command, the transfers and any idle time), and one command runs at most 10 minutes (shared/docs/gpu-machine.md).
+Why stages. The run is made for short access to a GPU machine: about 15 minutes of machine time in all (its start,
+every command, the transfers and any idle time), and at most 10 minutes per command (docs/gpu-runs.md).
 So the first command must prove as much as it can in 8 minutes and leave time for a rerun; the speed and
 training measurements are commands of their own, for later GPU time. Every step of a stage has its own time
 limit, counted as a schedule from the start of the process (a step that ends early leaves its time to the
@@ -32,10 +32,13 @@ keeps every step packed before the kill, and the console has the rest.
     second  520 s   limits 40 s (copy bandwidth, bf16/fp32 matmul); op_sweep 180 s (bf16, Triton with both
                     similarity_xent schemes, torch); loss_sweep 240 s (bf16: ours, angle-emb 0.6.1's loss.py from the
                     carried wheel, sentence-transformers); cuda_op_sweep 60 s (if the extension, built in the
-                    background, passes its probe); --skip leaves out steps an earlier command measured
+                    background, passes its probe); --skip leaves out steps an earlier command measured. Each sweep
+                    warms every case with one untimed first call (compiles, autotuning) charged to an allowance of
+                    its own (op 120 s, loss 150 s, CUDA 10 s of its limit), recorded apart from the warm runs
+                    (cold_s), and records the code path each row timed with its fingerprint (speed_table.py)
     third   520 s   llama7b: the LoRA training benchmark (bench/train_llama_7b.py; 7B, or --llama-size 1b),
                     resumable: run it again with --resume-from the previous results until it prints that it is done
-                    (--time-limit fits a stage into the device time left, e.g. after another stage in one command)
+                    (--time-limit fits a stage into the machine time left, e.g. after another stage in one command)
 
 Where there is no CUDA device, `first` runs its preflight and packs it (a rehearsal of the command line, the
 imports and the 8-file limit), then says "no CUDA device" and exits 0; the other stages say so at once. The
@@ -284,7 +287,7 @@ class Schedule:
     def __init__(self, steps: tuple[tuple[str, float], ...], start: float, skip: tuple[str, ...] = (),
                  limit_s: float | None = None):
         """`skip`: steps that do not run (measured by an earlier command) and get no time; `limit_s`: where the
-        device time left is shorter than the stage, every step ends by then at the latest."""
+        machine time left is shorter than the stage, every step ends by then at the latest."""
         self.start, self.skipped = start, set(skip)
         self.ends, total = {}, 0.0
         for name, limit in steps:
@@ -499,7 +502,8 @@ def write_verifications(record: StageRecord, steps: tuple[str, ...], evidence: s
 
     results = [c for step in steps for c in record.data["steps"].get(step, {}).get("checks", [])]
     device = torch.device("cuda", 0)
-    passed, failed = verify.entries_from(results, lambda b, op: verified.identity(b, op, device), evidence)
+    passed, failed = verify.entries_from(results, lambda b, op, path: verified.identity(b, op, path, device), evidence,
+                                          "large")
     payload = {"passed": passed, "failed": failed, "evidence": evidence,
                "note": "add `passed` to angle_kernels/verified.py's VERIFIED in the commit that brings these results"}
     harness.write_json_atomic(record.out_dir / "verified.json", payload)
@@ -608,60 +612,107 @@ def op_cases(ops=None):
     return sorted(cases, key=lambda case: case[0])
 
 
-# A Triton similarity case at a new row-count bucket also autotunes: three configs of three kernels, each timed
-# over several runs, on top of harness.RUNS_PER_CASE.
-RUNS_PER_AUTOTUNED_CASE = 40
+# A sweep's cases each get one untimed first call before their timed runs (harness.cold_call: the compiles and
+# the autotuning at the case's shape), charged to the sweep's warm-up allowance, not to its timed runs
+# (harness.SweepBudget); the first call's time is recorded apart (cold_s). Seconds of each sweep's limit (its step
+# in SECOND_STEPS) the warm-up may take: the op sweep of bench/results/h100-80gb-hbm3-2026-11-26/second took 196 s
+# for 73 rows whose warm runs add up to 13 s, most of the rest in first calls; the loss sweep of
+# .../h100-80gb-hbm3-2026-11-26b about 17 s a case at N = 1,024; the CUDA extension is built beforehand and
+# compiles nothing.
+SWEEP_WARM_UP_S = {"op_sweep": 120, "loss_sweep": 150, "cuda_op_sweep": 10}
+# What a first call needs at least where nothing smaller of the case was warmed yet: a Triton kernel's compiles
+# and autotuning (about 15 s for a similarity case on an H100), another backend's first launches; and what a
+# case's timed runs need at least.
+FIRST_COLD_CALL_S = {"triton": 15.0, "other": 2.0}
+MIN_TIMED_S = 3.0
+# Where a stage's --time-limit leaves a sweep less time than its limit, the warm-up takes at most this share.
+MAX_WARM_UP_SHARE = 2 / 3
+
+
+def warm_up_allowance(step: str, seconds_left: float) -> float:
+    """Seconds of the `seconds_left` a sweep has that its first calls may take (SWEEP_WARM_UP_S, MAX_WARM_UP_SHARE)."""
+    return min(SWEEP_WARM_UP_S[step], MAX_WARM_UP_SHARE * max(0.0, seconds_left))
+
+
+# A case whose one warm run is forecast longer than this is left out (its timed runs would take minutes).
 MAX_RUN_SECONDS = 10.0
+
+
+def recording_ops(ops):
+    """A backend's Ops (the same backend, the same validation) that notes the (op, code path) of every call it
+    computes while `.taken` is a list (None: nothing noted, as in the timed runs), so that a sweep's row says which
+    path it timed."""
+    from angle_kernels.dispatch import Ops
+
+    class RecordingOps(Ops):
+        taken: list | None = None
+
+        def _computing(self, op, args, features=()):
+            if self.taken is not None:
+                self.taken.append((op, self.code_path(op, args)))
+            return super()._computing(op, args, features)
+
+    return RecordingOps(ops.name, ops.backend)
 
 
 def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, device: str = "cuda", ops=None,
              step: str = "op_sweep") -> dict:
-    """Every op forward + backward per backend: median time (warm), peak extra memory (warm run), achieved rate
-    as a fraction of the limits measured in this run. `passes` are groups of backend names swept one group
-    after the other; rows are recorded as they are measured, and the sweep stops at an error that loses the
-    process's CUDA context. (device and ops are parameters so that the test suite can run it at tiny sizes
-    on CPU.)"""
+    """Every op forward + backward per backend: each case's first call (compiles, autotuning: `cold_s`, charged to
+    the warm-up's allowance, SWEEP_WARM_UP_S), then its median time (warm), peak extra memory (warm run) and
+    achieved rate as a fraction of the limits measured in this run; each row with the code path it timed and that
+    path's fingerprint (angle_kernels.measured.code_fingerprint: bench/speed_table.py reads them). `passes` are
+    groups of backend names swept one group after the other; rows are recorded as they are measured, and the sweep
+    stops at an error that loses the process's CUDA context. (device and ops are parameters so that the test suite
+    can run it at tiny sizes on CPU.)"""
     import torch
 
     from angle_kernels.dispatch import resolve_backend
 
     probe = torch.zeros(1, device=device)
+    budget = harness.SweepBudget(deadline.left(), warm_up_allowance(step, deadline.left()))
     rows: list[dict] = []
-    last_seconds: dict = {}  # (op, d, dtype, backend) -> (n, seconds of one warm run)
+    last: dict = {}  # (op, d, dtype, backend) -> (n, seconds of one warm run, seconds of the first call)
+
+    def progress() -> dict:  # the rows, and what the warm-up and the timed runs have spent of their allowances
+        return {"rows": rows, **budget.summary()}
 
     for names in passes:
-        backends = {name: resolve_backend(name, probe) for name in names}
+        backends = {name: recording_ops(resolve_backend(name, probe)) for name in names}
         for rank, bench, n, d, dtype_name in op_cases(ops):
             dtype = harness.DTYPES[dtype_name]
             for backend, module in row_backends(bench, backends):
                 row = {"op": bench.name, "n": n, "d": d, "dtype": dtype_name, "backend": backend}
-                previous = last_seconds.get((bench.name, d, dtype_name, backend))
+                previous = last.get((bench.name, d, dtype_name, backend))
                 power = 2 if bench.grows == "N^2" else 1
                 forecast = None if previous is None else previous[1] * (n / previous[0]) ** power
-                autotuned = backend in ("triton", "triton-fused") and bench.name.startswith("similarity")
-                runs = RUNS_PER_AUTOTUNED_CASE if autotuned else harness.RUNS_PER_CASE
+                first_call = FIRST_COLD_CALL_S["triton" if backend.startswith("triton") else "other"]
+                warm_up_need = first_call if previous is None else previous[2] + (forecast or 0.0)
+                timed_need = max(MIN_TIMED_S, harness.RUNS_PER_CASE * (forecast or 0.0) + 2)
                 need_bytes = bench.memory_bytes(n, d, dtype)
                 free = harness.free_bytes(device)
                 if free is not None and need_bytes > 0.5 * free:
                     row.update(status="skipped", note=f"needs ~{harness.fmt_bytes(need_bytes)}")
-                elif forecast is not None and (forecast > MAX_RUN_SECONDS or not deadline.fits(runs * forecast + 5)):
-                    row.update(status="skipped", note=f"~{forecast:.1f} s per run: does not fit the budget")
-                elif not deadline.fits(15):
-                    row.update(status="skipped", note="budget spent")
+                elif forecast is not None and forecast > MAX_RUN_SECONDS:
+                    row.update(status="skipped", note=f"~{forecast:.1f} s per run: longer than {MAX_RUN_SECONDS:g} s")
+                elif not budget.fits("warm_up", warm_up_need):
+                    row.update(status="skipped", note="the warm-up's allowance is spent")
+                elif not budget.fits("timed", timed_need):
+                    row.update(status="skipped", note="budget spent" if forecast is None else
+                               f"~{forecast:.1f} s per run: does not fit the budget")
                 else:
                     with harness.triton_xent_scheme(backend):
-                        row.update(measure_op(bench, module, backend, n, d, dtype, limits, device))
+                        row.update(measure_op(bench, module, backend, n, d, dtype, limits, device, budget))
                     if row["status"] == "ok":
-                        last_seconds[(bench.name, d, dtype_name, backend)] = (n, row["run_s"])
+                        last[(bench.name, d, dtype_name, backend)] = (n, row["run_s"], row["cold_s"])
                 rows.append(row)
-                record.step(step, {"status": "running", "rows": rows})
+                record.step(step, {"status": "running", **progress()})
                 print("  " + op_row_text(row), flush=True)
                 harness.free_cuda_memory()
                 if lost_cuda_context(row.get("note", "")):
-                    return {"status": "failed", "rows": rows,
+                    return {"status": "failed", **progress(),
                             "error": f"{backend} {bench.name} N={n} D={d} {dtype_name}: {row['note']} (sweep "
                                      "stopped: the process's CUDA context is lost)"}
-    return {"rows": rows}
+    return progress()
 
 
 def row_backends(bench, backends: dict) -> list:
@@ -681,21 +732,39 @@ def lost_cuda_context(error: str) -> bool:
     return any(marker in error for marker in markers)
 
 
-def measure_op(bench, ops, backend: str, n: int, d: int, dtype, limits: dict, device: str) -> dict:
+def measure_op(bench, ops, backend: str, n: int, d: int, dtype, limits: dict, device: str,
+               budget: harness.SweepBudget | None = None) -> dict:
+    """One case: its inputs, its first call (`cold_s`; the code path it took and that path's fingerprint, from
+    `ops`, a recording_ops), then its warm runs (harness.measure_fwd_bwd); each part charged to `budget`."""
     import torch
 
+    from angle_kernels import measured
+
     generator = torch.Generator(device=device).manual_seed(n)
+    op = bench.name.partition("(")[0]
+    result: dict = {}
     try:
         run, leaves, floor = bench.setup(ops, backend, n, d, dtype, device, generator)
-        measured = harness.measure_fwd_bwd(run, leaves, device)
+        ops.taken = []
+        try:
+            with harness.charging(budget, "warm_up"):
+                result["cold_s"] = harness.cold_call(run, leaves, device)
+        finally:
+            taken, ops.taken = ops.taken, None
+        paths = sorted({path for taken_op, path in taken if taken_op == op})
+        result["path"] = paths[0] if len(paths) == 1 else None
+        result["fingerprint"] = None if result["path"] is None else measured.code_fingerprint(ops.name, op,
+                                                                                                result["path"])
+        with harness.charging(budget, "timed"):
+            timed = harness.measure_fwd_bwd(run, leaves, device)
     except Exception as exc:  # noqa: BLE001 (a case's failure is a row, not the end of the sweep)
         status = "OOM" if harness.is_oom(exc) else "error"
-        return {"status": status, "note": f"{type(exc).__name__}: {exc}"[:300]}
-    seconds = measured["median_s"]
+        return {**result, "status": status, "note": f"{type(exc).__name__}: {exc}"[:300]}
+    seconds = timed["median_s"]
     needed = harness.achieved_rate(floor, seconds, limits, harness.dtype_name(dtype))
-    result = {"status": "ok", "ms": seconds * 1e3, "min_ms": measured["min_s"] * 1e3, "timing": measured["timing"],
-              "run_s": measured["memory_run_s"], "extra_bytes": measured["extra_bytes"], "floor": floor,
-              "rate_needed": needed["rate"], "fraction_needed": needed["rate_fraction"]}
+    result.update({"status": "ok", "ms": seconds * 1e3, "min_ms": timed["min_s"] * 1e3, "timing": timed["timing"],
+                   "run_s": timed["memory_run_s"], "extra_bytes": timed["extra_bytes"], "floor": floor,
+                   "rate_needed": needed["rate"], "fraction_needed": needed["rate_fraction"]})
     if "executed" in floor:
         executed = {"kind": floor["kind"], "amount": floor["executed"]}
         result["fraction_executed"] = harness.achieved_rate(executed, seconds, limits,
@@ -709,7 +778,7 @@ def op_row_text(row: dict) -> str:
         return head + f" {row['status']}: {row.get('note', '')}"
     unit = "copy BW" if row["floor"]["kind"] == "bytes" else "matmul"
     fraction = row.get("fraction_needed")
-    text = f" {row['ms']:9.3f} ms  +{row['extra_bytes'] / 1e6:9.1f} MB"
+    text = f" {row['ms']:9.3f} ms  +{row['extra_bytes'] / 1e6:9.1f} MB  (first call {row['cold_s']:.1f} s)"
     if fraction is not None:
         text += f"  {100 * fraction:.0f}% of {unit}"
         if row.get("fraction_executed") is not None:
@@ -743,16 +812,17 @@ def loss_sweep(record: StageRecord, deadline: Deadline, angle_emb_loss: str | No
     wheel = angle_emb_loss or (str(DEFAULT_ANGLE_EMB_WHEEL) if DEFAULT_ANGLE_EMB_WHEEL.exists() else None)
     if wheel is None:
         print(f"no angle-emb wheel at {DEFAULT_ANGLE_EMB_WHEEL} and no --angle-emb-loss: the sweep runs without the "
-              "reference (README, Running on a GPU)", flush=True)
+              "reference (docs/gpu-runs.md, what to bring)", flush=True)
     budget = deadline.left() - 15  # for the plot and the last write
     if budget <= 0:
         raise RuntimeError("no time left in the step's limit")
+    warm_up = warm_up_allowance("loss_sweep", budget)
     folder = record.work / f"losses-{SWEEP_DTYPE}"
     argv = ["--device", "cuda", "--out", str(folder), "--dtypes", SWEEP_DTYPE,
             "--losses", ",".join(bench_losses.LOSSES),
             "--providers", "ours-triton,ours-torch,reference,sentence-transformers,eager", "--d", "768",
             "--n", "8192,262144,1048576", "--n-quadratic", "4096,16384,32768", "--max-run-seconds", "5",
-            "--max-ref-gb", "60", "--time-budget", f"{budget:.0f}"]
+            "--max-ref-gb", "60", "--time-budget", f"{budget:.0f}", "--warm-up-budget", f"{warm_up:.0f}"]
     if wheel:
         argv += ["--angle-emb-loss", wheel]
     if bench_losses.main(argv) != 0:
@@ -902,16 +972,24 @@ def render_stage(data: dict) -> str:
         for r in rows:
             head = [r["op"], r["n"], r["d"], r["dtype"], r["backend"]]
             if r["status"] != "ok":
-                op_rows.append(head + [r["status"], "", r.get("note", "")[:100]])
+                op_rows.append(head + [r["status"], "", r.get("note", "")[:100], ""])
                 continue
             unit = "copy" if r["floor"]["kind"] == "bytes" else "matmul"
             fractions = "" if r.get("fraction_needed") is None else f"{100 * r['fraction_needed']:.0f}%"
             if r.get("fraction_executed") is not None:
                 fractions += f" / {100 * r['fraction_executed']:.0f}%"
-            op_rows.append(head + [f"{r['ms']:.3f}", f"{r['extra_bytes'] / 1e6:.1f}", f"{fractions} of {unit}"])
+            first_call = f"{r['cold_s']:.2f}" if "cold_s" in r else ""
+            op_rows.append(head + [f"{r['ms']:.3f}", f"{r['extra_bytes'] / 1e6:.1f}", f"{fractions} of {unit}",
+                                   first_call])
         lines += ["", *harness.markdown_table(
-            ["op", "N", "D", "dtype", "backend", "ms", "extra MB", "fraction of the limit (needed / executed)"],
-            op_rows)]
+            ["op", "N", "D", "dtype", "backend", "ms", "extra MB", "fraction of the limit (needed / executed)",
+             "first call s"], op_rows)]
+        spent = [f"{name}: warm-up {step['warm_up']['spent_s']} s of {step['warm_up']['allowed_s']} s ("
+                 f"{step['warm_up']['cases']} first calls), timed runs {step['timed']['spent_s']} s of "
+                 f"{step['timed']['allowed_s']} s" for name in ("op_sweep", "cuda_op_sweep")
+                 for step in [data["steps"].get(name, {})] if "warm_up" in step]
+        if spent:
+            lines += ["", *(f"- {line}" for line in spent)]
     return "\n".join(lines)
 
 
@@ -952,7 +1030,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="second: steps not to run, comma-separated (op_sweep, loss_sweep, cuda_op_sweep: "
                              "measured by an earlier command); they get no time in the schedule")
     parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds the whole stage may take when less device time is left than its limit: "
+                        help="seconds the whole stage may take when less machine time is left than its limit: "
                              "every step ends by then (so two stages fit one command)")
     parser.add_argument("--llama-size", choices=("7b", "1b"), default="7b",
                         help="third: the model of the LoRA benchmark (train_llama_7b.py --size): 7b, or 1b for the "

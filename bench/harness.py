@@ -238,6 +238,58 @@ def fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> torch
     return loss
 
 
+def cold_call(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], device: str) -> float:
+    """Seconds of the first call of a case, one forward + backward, waited for: on a GPU the compiles and the
+    autotuning of every kernel it launches at that shape. The warm-up of a case, timed apart from its warm runs."""
+    started = time.perf_counter()
+    fwd_bwd(run, leaves)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+class SweepBudget:
+    """A sweep's time in two allowances, each charged with its own seconds: "warm_up", every case's first call
+    (`cold_call`: compiles and autotuning, whatever they cost), and "timed", its measured runs. The compiles never
+    eat the time of the measurements (a GPU loss sweep once spent its whole budget compiling at its smallest size)
+    and what they cost is on record. Both end by the sweep's end, `seconds` from now: the timed runs get what is
+    left after the warm-up's allowance."""
+
+    PARTS = ("warm_up", "timed")
+
+    def __init__(self, seconds: float, warm_up_s: float):
+        self.end = time.monotonic() + seconds
+        left = max(0.0, seconds)
+        self.allowed = {"warm_up": min(warm_up_s, left), "timed": max(0.0, left - warm_up_s)}
+        self.spent = {"warm_up": 0.0, "timed": 0.0}
+        self.calls = {"warm_up": 0, "timed": 0}
+
+    def left(self, part: str) -> float:
+        return min(self.allowed[part] - self.spent[part], self.end - time.monotonic())
+
+    def fits(self, part: str, seconds: float) -> bool:
+        return seconds <= self.left(part)
+
+    def charge(self, part: str, seconds: float) -> None:
+        self.spent[part] += seconds
+        self.calls[part] += 1
+
+    def summary(self) -> dict:
+        return {part: {"allowed_s": round(self.allowed[part], 1), "spent_s": round(self.spent[part], 1),
+                       "cases": self.calls[part]} for part in self.PARTS}
+
+
+@contextlib.contextmanager
+def charging(budget: SweepBudget | None, part: str):
+    """The block's seconds charged to `part` of `budget` (none: nothing), whether it ends or raises."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        if budget is not None:
+            budget.charge(part, time.monotonic() - started)
+
+
 @dataclass
 class Timing:
     median_s: float

@@ -65,6 +65,11 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the whole sweep: once spent (or when a case's predicted run would overrun "
                              "it), the remaining cases are recorded as skipped")
+    parser.add_argument("--warm-up-budget", type=float, default=None,
+                        help="CUDA, with --time-budget: seconds of it for the cases' first calls (one untimed call "
+                             "per case before its timed runs: the compiles and the autotuning at its shape, recorded "
+                             "as cold_s), charged apart from the timed runs, which get the rest; once either is "
+                             "spent, the remaining cases are recorded as skipped")
     parser.add_argument("--stat", default="median", choices=("median", "min"),
                         help="which time the table, ratios and plot show (both are in results.json); "
                              "min is steadier on a machine shared with other jobs")
@@ -88,6 +93,9 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
+    if args.warm_up_budget is not None and (args.device != "cuda" or args.time_budget is None):
+        parser.error("--warm-up-budget splits --time-budget on CUDA (on a CPU each case runs in a process of its "
+                     "own, warmed up at a tiny size first)")
     return args
 
 
@@ -113,12 +121,19 @@ def measure_cpu_case(provider, loss, n, d, dtype, threads, repeats, time_per_cas
     return {**measured, "input_bytes": harness.input_bytes(inputs), "threads": torch.get_num_threads()}
 
 
-def measure_cuda_case(provider, loss, n, d, dtype, seed):
-    torch.cuda.synchronize()
+def measure_in_process(provider, loss, n, d, dtype, seed, device: str = "cuda", budget=None) -> dict:
+    """A case in this process (CUDA): its inputs, its first call (`cold_s`: compiles and autotuning at this shape,
+    charged to `budget`'s warm-up, harness.SweepBudget), then its warm runs (charged to its timed runs)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
     harness.free_cuda_memory()
-    inputs = loss.build_inputs(n, d, dtype, "cuda", seed)
-    measured = harness.measure_fwd_bwd(provider.make(loss.name, inputs), harness.grad_leaves(inputs), "cuda")
-    return {**measured, "input_bytes": harness.input_bytes(inputs)}
+    inputs = loss.build_inputs(n, d, dtype, device, seed)
+    run, leaves = provider.make(loss.name, inputs), harness.grad_leaves(inputs)
+    with harness.charging(budget, "warm_up"):
+        cold_s = harness.cold_call(run, leaves, device)
+    with harness.charging(budget, "timed"):
+        measured = harness.measure_fwd_bwd(run, leaves, device)
+    return {**measured, "cold_s": cold_s, "input_bytes": harness.input_bytes(inputs)}
 
 
 def probe_check_and_limits_cpu(args, losses, providers):
@@ -158,11 +173,21 @@ def predicted_run_seconds(previous, loss, family, n) -> float | None:
     return prev_s * (n / prev_n) ** power
 
 
-def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None) -> dict:
+# What a first call needs at least of the warm-up's allowance when nothing smaller of the (loss, provider) was
+# measured yet: a Triton loss's compiles and autotuning, about 15 s on an H100.
+FIRST_CALL_S = 15.0
+
+
+def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None) -> dict:
     estimate = estimate_extra_bytes(provider, loss, n, d, dtype)
     out = {"estimate_bytes": estimate, "floor": loss.work_floor(n, d, dtype)}
     forecast = predicted_run_seconds(previous, loss, provider.family, n)
-    if deadline is not None:
+    if budget is not None:
+        if not budget.fits("warm_up", FIRST_CALL_S if previous is None else (forecast or 0.0) + 1.0):
+            return {**out, "status": "skipped", "note": f"skipped: --warm-up-budget {args.warm_up_budget:g} s spent"}
+        if not budget.fits("timed", harness.RUNS_PER_CASE * (forecast or 0.0) + 1.0):
+            return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent"}
+    elif deadline is not None:
         left = deadline - time.perf_counter()
         if left <= 0 or (forecast is not None and harness.RUNS_PER_CASE * forecast > left):
             return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent"}
@@ -185,7 +210,7 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None) 
                                        args.time_per_case, args.seed, headroom, timeout=args.case_timeout)
     else:
         try:
-            payload = ("ok", measure_cuda_case(provider, loss, n, d, dtype, args.seed))
+            payload = ("ok", measure_in_process(provider, loss, n, d, dtype, args.seed, args.device, budget))
         except Exception as exc:
             kind = "oom" if harness.is_oom(exc) else "error"
             payload = (kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=6))
@@ -217,10 +242,11 @@ def size_schedule(args, losses) -> list[tuple[object, int]]:
     return [(loss, n) for _, _, loss, n in sorted(ranked, key=lambda item: item[:2])]
 
 
-def sweep(args, losses, providers, limits, on_row=None, deadline=None) -> list[dict]:
+def sweep(args, losses, providers, limits, on_row=None, deadline=None, budget=None) -> list[dict]:
     """Every case, size by size with all providers of a size run back to back (so that a change in the
     machine's load between sizes hits every provider alike). on_row(results) runs after every case; no case
-    starts past `deadline` (time.perf_counter()), or when its forecast would overrun it."""
+    starts past `deadline` (time.perf_counter()), or when its forecast would overrun it, or, with a `budget`
+    (harness.SweepBudget), when its first call or its timed runs would overrun their allowance."""
     results = []
     for dtype_name in args.dtypes:
         dtype = harness.DTYPES[dtype_name]
@@ -233,7 +259,7 @@ def sweep(args, losses, providers, limits, on_row=None, deadline=None) -> list[d
                     row = {"loss": loss.name, "n": n, "d": d, "dtype": dtype_name, "provider": provider.name,
                            "family": provider.family, "calls": provider.calls(loss.name)}
                     row.update(run_one(args, provider, loss, n, d, dtype, previous.get((loss.name, provider.name)),
-                                       limits, deadline))
+                                       limits, deadline, budget))
                     if row["status"] == "ok":
                         previous[(loss.name, provider.name)] = (n, row["min_s"])  # the least noisy forecast
                     results.append(row)
@@ -246,8 +272,9 @@ def sweep(args, losses, providers, limits, on_row=None, deadline=None) -> list[d
 def progress_line(row) -> str:
     head = f"  {row['loss']:<11} N={row['n']:<7} D={row['d']:<5} {row['dtype']:<8} {row['provider']:<22}"
     if row["status"] == "ok":
+        first = f"  (first call {row['cold_s']:.1f} s)" if "cold_s" in row else ""
         return head + (f" {row['median_s'] * 1e3:10.2f} ms (min {row['min_s'] * 1e3:.2f})"
-                       f"  +{harness.fmt_bytes(row['extra_bytes'])}")
+                       f"  +{harness.fmt_bytes(row['extra_bytes'])}{first}")
     return head + f" {row.get('note', row['status'])}"
 
 
@@ -305,6 +332,11 @@ def render_markdown(results, env, args, losses, limits, checks, missing, provide
     memory = "peak RSS of a fresh forked process" if args.device == "cpu" else "max_memory_allocated"
     lines.append(f"- time: {args.stat} of {harness.timing_description(args.device, args.repeats)}; "
                  f"memory: peak extra over the inputs ({memory}), gradients included")
+    colds = [r["cold_s"] for r in results if "cold_s" in r]
+    if colds:
+        lines.append(f"- first calls (one untimed call per case before its timed runs: compiles, autotuning): "
+                     f"{len(colds)} cases, {sum(colds):.1f} s in all, the longest {max(colds):.1f} s (cold_s in "
+                     "results.json)")
     lines.append(f"- cells: `time, +extra memory`; ratio columns: `baseline time / {primary} time, baseline memory / "
                  f"{primary} memory` (above 1: ours is faster / smaller)")
     if missing:
@@ -343,6 +375,7 @@ class Report:
         self.out, self.env, self.args, self.losses, self.limits = out, env, args, losses, limits
         self.checks, self.missing, self.provider_names, self.primary = checks, missing, provider_names, primary
         self.started = time.perf_counter()
+        self.budget: harness.SweepBudget | None = None  # --warm-up-budget's split of --time-budget, when given
 
     def write(self, results: list[dict], complete: bool) -> str:
         table = render_markdown(results, self.env, self.args, self.losses, self.limits, self.checks, self.missing,
@@ -350,6 +383,8 @@ class Report:
         payload = {"environment": self.env, "args": dict(vars(self.args)), "hardware_limits": self.limits,
                    "agreement_checks": self.checks, "not_available": self.missing, "ratios_against": self.primary,
                    "complete": complete, "sweep_seconds": time.perf_counter() - self.started, "results": results}
+        if self.budget is not None:
+            payload["budget"] = self.budget.summary()
         harness.write_text_atomic(self.out / "table.md", table + "\n")
         harness.write_json_atomic(self.out / "results.json", payload)
         return table
@@ -502,8 +537,10 @@ def main(argv, losses: dict, default_losses) -> int:
     started = time.perf_counter()
 
     report = Report(out, env, args, losses, limits, checks, missing, [p.name for p in providers], primary_name)
+    if args.warm_up_budget is not None:  # the rest of --time-budget, split (parse_args: CUDA, with --time-budget)
+        report.budget = harness.SweepBudget(deadline - time.perf_counter(), args.warm_up_budget)
     results = sweep(args, losses, providers, limits, on_row=lambda rows: report.write(rows, complete=False),
-                    deadline=deadline)
+                    deadline=deadline, budget=report.budget)
     elapsed = time.perf_counter() - started
     if load_before is not None:
         env["load_average_1min"] = {"start": round(load_before, 2), "end": round(os.getloadavg()[0], 2)}

@@ -227,7 +227,7 @@ def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
     provider = P.Provider("ours-torch", "ours", "torch", {"cosine": LOSSES["cosine"]})
     measured = []
 
-    def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None):
+    def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None):
         if measured:
             raise KeyboardInterrupt("the machine's time limit")
         measured.append(n)
@@ -254,6 +254,36 @@ def test_time_budget_skips_what_does_not_fit(tmp_path):
     data = json.loads((out / "results.json").read_text())
     assert data["complete"] is True and len(data["results"]) == 4
     assert all(r["status"] == "skipped" and "--time-budget" in r["note"] for r in data["results"])
+
+
+def test_a_case_in_process_times_its_first_call_apart_and_charges_each_part():
+    """The CUDA sweep's case (measure_in_process), here on CPU: one untimed first call (cold_s: compiles and
+    autotuning on a GPU) charged to the warm-up, then the warm runs charged to the timed runs."""
+    providers, _ = P.available_providers("cpu", [LOSSES["cosine"]], include=["ours-torch"], probe=False)
+    budget = harness.SweepBudget(60, warm_up_s=20)
+    row = loss_sweep.measure_in_process(providers[0], LOSSES["cosine"], 16, 8, torch.float32, 0, "cpu", budget)
+    assert row["cold_s"] > 0 and row["median_s"] > 0
+    summary = budget.summary()
+    assert summary["warm_up"] == {"allowed_s": 20, "spent_s": pytest.approx(row["cold_s"], abs=0.05), "cases": 1}
+    assert summary["timed"]["allowed_s"] == 40 and summary["timed"]["cases"] == 1
+
+
+def test_the_warm_up_budget_skips_a_case_before_it_runs_and_needs_cuda_and_a_time_budget(capsys):
+    args = bench_losses.parse_args(["--losses", "cosine", "--providers", "ours", "--device", "cpu"])
+    args.warm_up_budget, args.time_budget = 5.0, 100.0
+    providers, _ = P.available_providers("cpu", [LOSSES["cosine"]], include=["ours-torch"], probe=False)
+    spent = harness.SweepBudget(100, warm_up_s=5)
+    spent.charge("warm_up", 5)
+    row = loss_sweep.run_one(args, providers[0], LOSSES["cosine"], 16, 8, torch.float32, None, {}, budget=spent)
+    assert row["status"] == "skipped" and "--warm-up-budget 5 s spent" in row["note"]
+    no_time = harness.SweepBudget(5, warm_up_s=5)  # everything to the warm-up: nothing left for timed runs
+    row = loss_sweep.run_one(args, providers[0], LOSSES["cosine"], 16, 8, torch.float32, (8, 0.001), {},
+                             budget=no_time)
+    assert row["status"] == "skipped" and "--time-budget" in row["note"]
+    for argv in (["--device", "cpu", "--warm-up-budget", "5", "--time-budget", "10"], ["--warm-up-budget", "5"]):
+        with pytest.raises(SystemExit):
+            bench_losses.parse_args(argv)
+    assert "--warm-up-budget splits --time-budget" in capsys.readouterr().err
 
 
 def test_providers_can_be_narrowed_to_some_of_our_backends():

@@ -23,7 +23,7 @@ import harness
 HERE = Path(__file__).resolve().parent
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the rehearsal is what happens without a CUDA device")
-README = (HERE.parent / "README.md").read_text()
+GPU_RUNS = (HERE.parent / "docs" / "gpu-runs.md").read_text()
 
 
 def _record(tmp_path, stage="first"):
@@ -46,18 +46,17 @@ def test_first_fits_eight_minutes_and_the_others_nine():
 
 
 def test_help_and_readme_state_every_stage_and_step_with_its_limit(capsys):
-    """The limits live in gpu_suite (STAGES, FIRST_STEPS); --help and the README repeat them for readers and must
-    say the same."""
+    """The limits live in gpu_suite (STAGES, FIRST_STEPS); --help and docs/gpu-runs.md repeat them for readers and
+    must say the same."""
     with pytest.raises(SystemExit) as exit_info:
         gpu_suite.parse_args(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for stage, spec in gpu_suite.STAGES.items():
         assert re.search(rf"^\s+{stage}\s+{spec.budget_s:.0f} s\s", text, re.M), f"--help: stage {stage}"
-        assert re.search(rf"gpu_check.sh {stage} OUT[^|]*\| {spec.budget_s:.0f} s \|", README), f"README: {stage}"
-    section = README[README.index("## Running on a GPU"):README.index("## Architecture")]
+        assert re.search(rf"gpu_check.sh {stage} OUT[^|]*\| {spec.budget_s:.0f} s \|", GPU_RUNS), f"docs: {stage}"
     for step, limit in gpu_suite.FIRST_STEPS:
-        assert re.search(rf"\| `{step}` \| {limit:.0f} s \|", section), f"README: first's step {step}"
+        assert re.search(rf"\| `{step}` \| {limit:.0f} s \|", GPU_RUNS), f"docs/gpu-runs.md: first's step {step}"
         assert f"{step}" in text and f"{limit:.0f} s" in text, f"--help: first's step {step}"
     assert "summary" in text and "--resume-from" in text
 
@@ -271,8 +270,9 @@ def test_the_verifications_file_lists_what_passed(tmp_path, monkeypatch):
     from angle_kernels import verified
 
     record = _record(tmp_path)
-    ident = {"capability": "9.0", "torch": "2.11", "triton": "3.6", "source": "0123456789abcdef", "gpu": "H100"}
-    monkeypatch.setattr(verified, "identity", lambda backend, op, device: ident)
+    ident = {"capability": "9.0", "torch": "2.11", "triton": "3.6", "gpu": "H100"}
+    monkeypatch.setattr(verified, "identity", lambda backend, op, path, device: {
+        **ident, "fingerprint": f"fingerprint of {path}"})
     check = {"backend": "triton", "op": "ranking_loss", "path": "pairwise", "case": "N=3000",
              "dtypes_required": ["float32", "float64"]}
     record.step("large_checks", {"checks": [{**check, "dtype": "float32", "pass": True},
@@ -284,6 +284,8 @@ def test_the_verifications_file_lists_what_passed(tmp_path, monkeypatch):
     assert [(e["op"], e["path"]) for e in written["passed"]] == [("ranking_loss", "pairwise")]
     assert written["passed"][0]["evidence"] == "bench/results/h100-x/first"
     assert written["passed"][0]["dtypes"] == ["float32", "float64"]
+    assert written["passed"][0]["fingerprint"] == "fingerprint of pairwise"  # the code that path ran
+    assert written["passed"][0]["sizes"] == "large"
 
 
 def test_the_headline_runs_side_by_side_at_tiny_sizes_on_cpu(tmp_path, capsys):
@@ -337,6 +339,14 @@ def test_op_sweep_measures_every_op_at_tiny_sizes_on_cpu(tmp_path):
     on_disk = json.loads((tmp_path / "out" / "second.json").read_text())["steps"]["op_sweep"]["rows"]
     assert len(on_disk) == len(rows)
     assert "| pair_scores | 8 | 6 | bfloat16 | torch |" in (tmp_path / "out" / "second.md").read_text()
+    # every case's first call timed apart and charged to the warm-up; the path each row timed, with its fingerprint
+    from angle_kernels import measured
+
+    assert all(row["cold_s"] > 0 and row["path"] == "default" for row in rows)
+    assert all(row["fingerprint"] == measured.code_fingerprint("torch", row["op"].partition("(")[0], "default")
+               for row in rows)
+    assert result["warm_up"]["cases"] == result["timed"]["cases"] == len(rows)
+    assert result["warm_up"]["allowed_s"] == gpu_suite.SWEEP_WARM_UP_S["op_sweep"]
 
 
 def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monkeypatch):
@@ -371,6 +381,71 @@ def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monk
     dense_row = labels["similarity_xent(ibn)", "triton-dense"]
     assert fused_row["floor"]["executed"] == 10 * 16 * 16 * 6 and dense_row["floor"]["executed"] == 6 * 16 * 16 * 6
     assert ran.count("SimilarityXentFunctionBackward") == 1 and ran.count("DenseSimilarityXentFunctionBackward") == 1
+
+
+def test_op_sweep_rows_say_which_path_they_timed_and_speed_table_reads_them(tmp_path):
+    """Each row records the code path its first call took (the forced scheme of a triton-fused/-dense row) and the
+    fingerprint of that path's code; bench/speed_table.py turns the record into points without a --commit."""
+    from angle_kernels import fingerprints
+    from angle_kernels.dispatch import triton_interpreting
+
+    import speed_table
+
+    if not triton_interpreting():
+        pytest.skip("runs the triton backend on CPU tensors: needs TRITON_INTERPRET=1 (the root conftest's default)")
+    ops = [dataclasses.replace(tiny(bench), sizes=(8,), dtypes=("float32",))
+           for bench in gpu_suite.all_ops() if bench.name in ("similarity_xent(ibn)", "ranking_loss")]
+    record = _record(tmp_path, "second")
+    record.step("preflight", {"status": "ok", "environment": {"capability": "cpu"}})
+    limits = {"copy_GBps": 10.0, "matmul_float32_TFLOPs": 0.1}
+    result = gpu_suite.op_sweep(record, gpu_suite.Deadline(600, time.monotonic()), limits, [("triton", "torch")],
+                                device="cpu", ops=ops)
+    record.step("op_sweep", result)
+    paths = {(row["op"], row["backend"]): row["path"] for row in result["rows"]}
+    xent = "similarity_xent(ibn)"
+    assert paths == {(xent, "triton-fused"): "fused", (xent, "triton-dense"): "dense", (xent, "torch"): "default",
+                     ("ranking_loss", "triton"): "pairwise", ("ranking_loss", "torch"): "default"}
+    for row in result["rows"]:
+        backend, op = row["backend"].partition("-")[0], row["op"].partition("(")[0]
+        assert row["fingerprint"] == fingerprints.path_fingerprint(backend, op, row["path"])
+    points = speed_table.points([(str(tmp_path / "out" / "second.json"), None)])
+    assert {point[0]: set(point[4]) for table in points.values() for point in table} == {
+        "similarity_xent": {"triton/fused", "triton/dense", "torch/default"},
+        "ranking_loss": {"triton/pairwise", "torch/default"}}
+
+
+def test_first_calls_are_charged_to_the_warm_up_and_never_to_the_timed_runs(tmp_path, monkeypatch):
+    """With no warm-up allowance left, no case starts (none is timed cold); the budget's parts are kept apart, each
+    charged whether its block ends or raises; a stage cut short gives its sweeps' warm-ups at most two thirds."""
+    for step, seconds in gpu_suite.SWEEP_WARM_UP_S.items():  # the stage's help says them
+        assert f"{step.removesuffix('_op_sweep').removesuffix('_sweep').replace('cuda', 'CUDA')} {seconds} s" in (
+            gpu_suite.__doc__)
+    ops = [dataclasses.replace(tiny(bench), sizes=(8,), dtypes=("float32",))
+           for bench in gpu_suite.all_ops() if bench.name == "pair_scores"]
+    monkeypatch.setitem(gpu_suite.SWEEP_WARM_UP_S, "op_sweep", 0)
+    result = gpu_suite.op_sweep(_record(tmp_path, "second"), gpu_suite.Deadline(600, time.monotonic()), {},
+                                [("torch",)], device="cpu", ops=ops)
+    assert result["rows"] and all(row["status"] == "skipped" and "warm-up" in row["note"] for row in result["rows"])
+    assert result["warm_up"]["cases"] == result["timed"]["cases"] == 0
+    budget = harness.SweepBudget(100, warm_up_s=30)
+    assert budget.allowed == {"warm_up": 30, "timed": 70}
+    assert budget.fits("warm_up", 30) and not budget.fits("timed", 71)
+    with pytest.raises(RuntimeError), harness.charging(budget, "warm_up"):
+        raise RuntimeError("a first call that failed still took its time")
+    assert budget.calls == {"warm_up": 1, "timed": 0}
+    assert gpu_suite.warm_up_allowance("loss_sweep", 225) == gpu_suite.SWEEP_WARM_UP_S["loss_sweep"] == 150
+    assert gpu_suite.warm_up_allowance("loss_sweep", 90) == 60
+
+
+def test_the_loss_sweep_gets_its_warm_up_allowance(tmp_path, monkeypatch):
+    import bench_losses
+
+    seen = []
+    monkeypatch.setattr(bench_losses, "main", lambda argv: seen.append(argv) or 0)
+    gpu_suite.loss_sweep(_record(tmp_path, "second"), gpu_suite.Deadline(240, time.monotonic()), None)
+    argv = seen[0]
+    assert float(argv[argv.index("--warm-up-budget") + 1]) == 150
+    assert 220 <= float(argv[argv.index("--time-budget") + 1]) <= 225
 
 
 def test_summary_gathers_the_stages_of_separate_commands(tmp_path):

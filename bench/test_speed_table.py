@@ -1,49 +1,136 @@
-"""bench/speed_table.py against the committed GPU runs: the points it reads from their op sweeps are the points
-`angle_kernels.measured` holds, so the table auto chooses by is the evidence committed beside it."""
+"""bench/speed_table.py against the committed GPU runs: the points it reads from their op sweeps, with the code
+path and the fingerprint of the code each time measured, are the points `angle_kernels.measured` holds, so the
+table auto chooses by is the evidence committed beside it; and which of those times this checkout's code still
+matches."""
 
 from __future__ import annotations
 
+import ast
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 import speed_table
-from angle_kernels import measured
+from angle_kernels import fingerprints, measured
 
 RESULTS = Path(__file__).resolve().parent / "results"
-H100_RUNS = [RESULTS / "h100-80gb-hbm3-2026-11-26" / "second" / "second.json",  # Triton, torch
-             RESULTS / "h100-80gb-hbm3-2026-11-26b" / "gpu" / "second.json"]  # CUDA
+# Each committed run with the commit its sources were at (the runs' READMEs): they did not record fingerprints.
+H100_RUNS = [(RESULTS / "h100-80gb-hbm3-2026-11-26" / "second" / "second.json", "7ab8295"),  # Triton, torch
+             (RESULTS / "h100-80gb-hbm3-2026-11-26b" / "gpu" / "second.json", "a0dd5ba")]  # CUDA
 
 
+def _has_commits(*commits: str) -> bool:
+    return all(subprocess.run(["git", "-C", str(speed_table.REPO), "cat-file", "-e", f"{c}^{{commit}}"],
+                              capture_output=True).returncode == 0 for c in commits)
+
+
+@pytest.mark.skipif(not _has_commits(*(c for _, c in H100_RUNS)), reason="the git history of the runs' commits")
 def test_the_measured_table_is_what_the_committed_h100_runs_measured():
-    read = speed_table.points([str(path) for path in H100_RUNS])
+    read = speed_table.points([(str(path), commit) for path, commit in H100_RUNS])
     assert sorted(read) == [("9.0", "bfloat16"), ("9.0", "float32")]
     for (capability, dtype), rows in read.items():
         held = measured.MEASURED[(capability, getattr(torch, dtype))]
         assert sorted(held) == sorted(rows), (capability, dtype)
 
 
-def test_points_need_two_backends_and_the_ranking_term_is_keyed_by_its_float32_scores(tmp_path):
-    run = {"steps": {"preflight": {"environment": {"capability": "8.0"}},
-                     "op_sweep": {"rows": [
-                         {"op": "ranking_loss", "n": 10, "d": 1, "dtype": "bfloat16", "backend": "triton",
-                          "status": "ok", "ms": 1.23456},
-                         {"op": "ranking_loss", "n": 10, "d": 1, "dtype": "bfloat16", "backend": "torch",
-                          "status": "ok", "ms": 2.0},
-                         {"op": "pair_scores", "n": 10, "d": 8, "dtype": "bfloat16", "backend": "torch",
-                          "status": "ok", "ms": 2.0},  # alone: no point
-                         {"op": "pair_scores", "n": 10, "d": 8, "dtype": "bfloat16", "backend": "triton",
-                          "status": "error"}]}}}
-    path = tmp_path / "second.json"
-    path.write_text(json.dumps(run))
-    assert speed_table.points([str(path)]) == {
-        ("8.0", "float32"): [("ranking_loss", "full", 10, 1, {"triton": 1.23, "torch": 2.0})]}
+def test_the_h100_times_of_code_changed_since_no_longer_count():
+    """Since the sweeps, the torch backend's GPU blocks changed its pair_scores and similarity_xent and the CUDA
+    pair_scores and ranking_loss kernels were rewritten: their recorded fingerprints differ from this checkout's, so
+    auto no longer uses their times; the Triton paths and the torch ranking term are unchanged and still count.
+    (The CUDA paths' sources: csrc/, present in a checkout.)"""
+    recorded = {(key.partition("/")[0], op, key.partition("/")[2], fingerprint)
+                for points in measured.MEASURED.values() for op, *_, times, prints in points
+                for key, fingerprint in prints.items()}
+    assert all(set(point[5]) == set(point[4]) for points in measured.MEASURED.values() for point in points)
+    tree = fingerprints.folder_tree()
+    here = {(backend, op, path): speed_table.fingerprint_at(backend, op, path, tree)
+            for backend, op, path, _ in recorded}
+    current = {(backend, op) for backend, op, path, fingerprint in recorded if fingerprint == here[backend, op, path]}
+    changed = {(backend, op) for backend, op, path, fingerprint in recorded if fingerprint != here[backend, op, path]}
+    assert changed == {("torch", "pair_scores"), ("torch", "similarity_xent"), ("cuda", "pair_scores"),
+                       ("cuda", "ranking_loss")}
+    assert current == {("triton", "pair_scores"), ("triton", "ranking_loss"), ("triton", "similarity_xent"),
+                       ("torch", "ranking_loss"), ("cuda", "similarity_xent")}
+
+
+def _run(tmp_path, rows, name="second.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"steps": {"preflight": {"environment": {"capability": "8.0"}},
+                                          "op_sweep": {"rows": rows}}}))
+    return str(path)
+
+
+def _row(op, n, d, backend, ms, status="ok", **recorded):
+    return {"op": op, "n": n, "d": d, "dtype": "bfloat16", "backend": backend, "status": status, "ms": ms,
+            **recorded}
+
+
+def test_a_run_that_recorded_its_paths_and_fingerprints_needs_no_commit(tmp_path):
+    """Points need two backends; the ranking term is keyed by its float32 scores; every time by the path it timed,
+    with the fingerprint the sweep recorded for it."""
+    path = _run(tmp_path, [
+        _row("ranking_loss", 10, 1, "triton", 1.23456, path="pairwise", fingerprint="p1"),
+        _row("ranking_loss", 10, 1, "torch", 2.0, path="default", fingerprint="t1"),
+        _row("pair_scores", 10, 8, "torch", 2.0, path="default", fingerprint="t2"),  # alone: no point
+        _row("pair_scores", 10, 8, "triton", None, status="error")])
+    assert speed_table.points([(path, None)]) == {("8.0", "float32"): [
+        ("ranking_loss", "full", 10, 1, {"triton/pairwise": 1.23, "torch/default": 2.0},
+         {"triton/pairwise": "p1", "torch/default": "t1"})]}
+
+
+def test_a_run_without_fingerprints_needs_the_commit_it_measured(tmp_path):
+    path = _run(tmp_path, [_row("ranking_loss", 10, 1, "triton", 1.0), _row("ranking_loss", 10, 1, "torch", 2.0)])
+    with pytest.raises(ValueError, match="--commit"):
+        speed_table.points([(path, None)])
+    with pytest.raises(ValueError, match="not a commit"):
+        speed_table.points([(path, "0" * 40)])
+
+
+def test_the_path_of_a_row_that_did_not_record_it():
+    """The Triton ranking term: pairwise up to the tree's SMALL_N_MAX, sort above it (so a sort-path call is never
+    decided by a pairwise time); forced schemes, one-path backends and dims by their label or variant."""
+    tree = fingerprints.Tree(lambda relative: "SMALL_N_MAX = 4096\n" if relative.endswith("ranking_loss.py") else None,
+                             "a tree")
+    assert speed_table.derived_path("triton", "ranking_loss", "full", 4096, tree) == "pairwise"
+    assert speed_table.derived_path("triton", "ranking_loss", "full", 4097, tree) == "sort"
+    assert speed_table.derived_path("triton-dense", "similarity_xent", "full", 9, tree) == "dense"
+    assert speed_table.derived_path("triton", "similarity_xent", "dims", 9, tree) == "dims"
+    assert speed_table.derived_path("triton", "pair_scores", "full", 9, tree) == "full"
+    assert speed_table.derived_path("cuda", "ranking_loss", "full", 9, tree) == "sort"
+    assert speed_table.derived_path("torch", "similarity_xent", "margin", 9, tree) == "default"
+    with pytest.raises(ValueError, match="must record"):  # which scheme ran is not in the row
+        speed_table.derived_path("triton", "similarity_xent", "full", 9, tree)
+
+
+def test_the_printed_points_are_the_literals_within_120_columns():
+    for points in measured.MEASURED.values():
+        for point in points:
+            text = speed_table.point_text(point)
+            assert ast.literal_eval(text.strip().rstrip(",")) == point
+            assert max(map(len, text.splitlines())) <= 120
+
+
+def test_the_decisions_the_table_makes_against_the_fixed_order(capsys):
+    """What measured.py's docstring says the table is worth: with this checkout's code, the one decision it still
+    makes is torch for the ranking term at 65,536 scores (over Triton's sort path); as measured, CUDA yields to
+    torch on in-batch negatives at every size."""
+    found = speed_table.decisions()
+    today = [(d["op"], d["size"], d["fixed_order"], d["table"]) for d in found if d["matches_this_code"]]
+    assert today == [("ranking_loss", 65536, "triton/sort", "torch/default")]
+    cuda_first = {d["size"] for d in found if d["op"] == "similarity_xent" and d["variant"] == "full"
+                  and d["fixed_order"] == "cuda/fused" and d["table"] == "torch/default"}
+    assert cuda_first == {4 * n * n for n in (1024, 4096, 16384)}
+    assert max(d["saves_ms"] for d in found if d["fixed_order"].startswith("triton")) < 4
+    assert speed_table.main(["--decisions"]) == 0
+    assert "torch/default rather than triton/sort" in capsys.readouterr().out
 
 
 def test_help_and_no_arguments(capsys):
     assert speed_table.main(["--help"]) == 0 and "measured.py" in capsys.readouterr().out
     assert speed_table.main([]) == 2
+    assert speed_table.main(["--commit"]) == 2
     with pytest.raises(FileNotFoundError):
         speed_table.main(["/nonexistent/second.json"])

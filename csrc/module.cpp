@@ -9,21 +9,35 @@
 // The one file that needs pybind11 (torch/extension.h); the bindings include lean torch headers (binding.h).
 
 //
-// csrc_hash() tells which sources a build came from: the builds (setup.py, the JIT build) define
-// ANGLE_KERNELS_CSRC_HASH as 16 hex digits of SHA-256 over csrc/ (angle_kernels/cuda_ops/_extension.py,
-// csrc_fingerprint), and angle_kernels.verified matches GPU verifications of the CUDA backend against it. A build
-// without it answers 0, which matches none.
+// op_fingerprints() tells which sources a build came from, per op: the builds (setup.py, the JIT build) define
+// ANGLE_KERNELS_FINGERPRINT_<OP> as 16 hex digits of SHA-256 over the op's sources (csrc/<op>.cu, csrc/<op>.cpp
+// and the headers they include, without comments: angle_kernels/fingerprints.py, csrc_fingerprint), and
+// angle_kernels.verified matches GPU verifications of the CUDA backend's op against it. A build without one
+// answers 0 for that op, which matches none. A new op adds its line below.
 
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <map>
+#include <string>
 
-#ifndef ANGLE_KERNELS_CSRC_HASH
-#define ANGLE_KERNELS_CSRC_HASH 0ULL
+#ifndef ANGLE_KERNELS_FINGERPRINT_PAIR_SCORES
+#define ANGLE_KERNELS_FINGERPRINT_PAIR_SCORES 0ULL
+#endif
+#ifndef ANGLE_KERNELS_FINGERPRINT_RANKING_LOSS
+#define ANGLE_KERNELS_FINGERPRINT_RANKING_LOSS 0ULL
+#endif
+#ifndef ANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT
+#define ANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT 0ULL
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CUDA kernels of angle_kernels; the ops are torch.ops.angle_kernels.cuda_*";
-  m.def("csrc_hash", []() { return static_cast<std::uint64_t>(ANGLE_KERNELS_CSRC_HASH); },
-        "the fingerprint of the csrc/ sources this extension was built from (0: unknown)");
+  m.def("op_fingerprints", []() {
+    return std::map<std::string, std::uint64_t>{
+        {"pair_scores", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_PAIR_SCORES)},
+        {"ranking_loss", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_RANKING_LOSS)},
+        {"similarity_xent", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT)},
+    };
+  }, "op -> the fingerprint of the CUDA sources this extension built it from (0: unknown)");
 }

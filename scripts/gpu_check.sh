@@ -4,8 +4,8 @@
 #     bash scripts/gpu_check.sh STAGE OUT_DIR [gpu_suite.py options]
 #
 # STAGE is first (8 minutes: correctness of both GPU backends, one headline number), second (the sweeps) or
-# third (training at scale); `python bench/gpu_suite.py --help` lists each step and its time limit, and the
-# README's "Running on a GPU" says how to run them on a lent GPU. Each step stops itself inside its limit, and
+# third (training at scale); `python bench/gpu_suite.py --help` lists each step and its time limit, and
+# docs/gpu-runs.md says how to run them and what to commit after. Each step stops itself inside its limit, and
 # the stage packs its results into OUT_DIR after every step (at most 8 files); without a CUDA device `first`
 # rehearses its preflight and packing, and every stage says so and exits 0.
 # PYTHON picks the interpreter (default python3: the GPU image's). Nothing is installed there: the checkout goes on

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import angle_kernels.cuda_ops as cuda_ops
-from angle_kernels import contract, dispatch, measured, verified
+from angle_kernels import contract, dispatch, measured, user_cache, verified
 from angle_kernels.cuda_ops import _extension
 
 FAKE_CUDA_TENSOR = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
@@ -106,7 +106,7 @@ def backends(monkeypatch):
     monkeypatch.delenv("ANGLE_KERNELS_BACKEND", raising=False)
     passed: set = set()
     monkeypatch.setattr(verified, "is_verified", lambda backend, op, path, device: (backend, op, path) in passed)
-    monkeypatch.setattr(verified, "describe", lambda backend, op, device: "a fake GPU (sm_90)")
+    monkeypatch.setattr(verified, "describe", lambda backend, op, path, device: "a fake GPU (sm_90)")
     monkeypatch.setattr(measured, "capability", lambda device: "fake")  # no measured speeds: the fixed order
     return SimpleNamespace(triton=triton, cuda=cuda, verified=passed, computed=computed)
 
@@ -161,13 +161,14 @@ def test_auto_uses_a_gpu_backend_for_exactly_the_verified_ops_and_paths(backends
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     q = _embeddings()
     auto.similarity_xent(q, None, 20.0, "partner", dims=(4, 8))  # triton, verified for dims
-    auto.similarity_xent(q, None, 20.0, "partner")  # triton's fused path is not verified: cuda's is
+    # triton's fused path is not verified, cuda's is, and its scheme comes after torch (measured.AFTER_TORCH)
+    auto.similarity_xent(q, None, 20.0, "partner")
     auto.ranking_loss(*_scores())  # cuda
     _, warned = _recording_warnings(auto.pair_scores, q.view(3, 2, 8), True)  # nobody's: torch, warning
-    assert backends.computed == [("triton", "similarity_xent"), ("cuda", "similarity_xent"), ("cuda", "ranking_loss")]
+    assert backends.computed == [("triton", "similarity_xent"), ("cuda", "ranking_loss")]
     assert len(warned) == 1 and "pair_scores" in warned[0]
     assert auto.computes("similarity_xent", q, None, 20.0, "partner", dims=(4, 8)) == ("triton", "dims")
-    assert auto.computes("similarity_xent", q, None, 20.0, "partner") == ("cuda", "fused")
+    assert auto.computes("similarity_xent", q, None, 20.0, "partner") == ("torch", "default")
     assert auto.computes("pair_scores", q.view(3, 2, 8), True) == ("torch", "default")
 
 
@@ -354,10 +355,10 @@ def test_auto_follows_the_table_and_the_users_cache_through_the_match_rule(backe
     """End to end through angle_kernels.verified's own rule: a table entry for Triton's dims path and a cache entry
     for its fused path (made by `verify` on this identity) send exactly those calls to Triton; an entry for another
     GPU (sm_80) sends nothing."""
-    ident = {"capability": "9.0", "torch": "2.11", "triton": "3.6", "source": "0123456789abcdef", "gpu": "H100"}
+    ident = {"capability": "9.0", "torch": "2.11", "triton": "3.6", "fingerprint": "0123456789abcdef", "gpu": "H100"}
     monkeypatch.setattr(verified, "is_verified", _REAL_IS_VERIFIED)
-    monkeypatch.setattr(verified, "identity", lambda backend, op, device: ident)
-    monkeypatch.setenv(verified.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(verified, "identity", lambda backend, op, path, device: ident)
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(verified, "VERIFIED", (
         verified.entry("triton", "similarity_xent", "dims", ident, "bench/results/h100/first"),
         verified.entry("triton", "pair_scores", "full", {**ident, "capability": "8.0"}, "an A100 run")))
@@ -378,19 +379,25 @@ def test_auto_follows_the_table_and_the_users_cache_through_the_match_rule(backe
 # ---------------------------------------------------------------------------------------------------------
 # Among the backends auto may use, the one measured fastest (angle_kernels.measured)
 # ---------------------------------------------------------------------------------------------------------
-def _measured_here(monkeypatch, points):
-    """This fake GPU (capability "fake") measured `points` in float64, the dtype of the tests' inputs."""
-    monkeypatch.setattr(measured, "MEASURED", {("fake", torch.float64): tuple(points)})
+def _measured_here(monkeypatch, points, changed=()):
+    """This fake GPU (capability "fake") measured `points` ((op, variant, size, width, {backend/path: ms})) in
+    float64, the dtype of the tests' inputs, each time on the code installed here but those of the (op,
+    backend/path) in `changed`, which measured code that has changed since."""
+    monkeypatch.setattr(measured, "code_fingerprint", lambda backend, op, path: "installed")
+    full = [(*point, {key: "older" if (point[0], key) in changed else "installed" for key in point[4]})
+            for point in points]
+    monkeypatch.setattr(measured, "MEASURED", {("fake", torch.float64): tuple(full)})
 
 
 def test_auto_takes_the_backend_measured_fastest_among_those_it_may_use(backends, monkeypatch):
     """Verified CUDA measured slower than torch: torch computes, and without the one-per-process warning (a GPU
-    backend was verified; torch is simply faster). The Triton code path's own time is looked up first."""
+    backend was verified; torch is simply faster). Each backend's time is that of the code path the call takes."""
     backends.cuda.answer = (True, "")
     backends.verified.update({("cuda", "similarity_xent", "fused"), ("cuda", "ranking_loss", "fused")})
     _measured_here(monkeypatch, [
-        ("similarity_xent", "full", 36, 8, {"triton/fused": 1.0, "triton/dims": 9.0, "torch": 2.0, "cuda": 5.0}),
-        ("ranking_loss", "full", 6, 1, {"triton": 9.0, "torch": 2.0, "cuda": 1.0}),
+        ("similarity_xent", "full", 36, 8,
+         {"triton/fused": 1.0, "triton/dims": 9.0, "torch/default": 2.0, "cuda/fused": 5.0}),
+        ("ranking_loss", "full", 6, 1, {"triton/fused": 9.0, "torch/default": 2.0, "cuda/fused": 1.0}),
     ])
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     q = _embeddings()  # M = Mc = 6: 36 logits, D = 8
@@ -410,72 +417,162 @@ def test_auto_keeps_the_fixed_order_within_a_tie_and_where_nothing_near_was_meas
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     scores, labels = _scores()
     x = _embeddings().view(3, 2, 8)  # 3 pairs, D = 8
+    ranking = {"triton/fused": 1.0, "cuda/fused": 0.95, "torch/default": 3.0}
     # cuda within TIE of triton: a tie, which goes to triton; torch measured slower than both
-    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {"triton": 1.0, "cuda": 0.95, "torch": 3.0})])
+    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, ranking)])
     assert auto.computes("ranking_loss", scores, labels)[0] == "triton"
     # cuda clearly faster: cuda
-    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {"triton": 1.0, "cuda": 0.8, "torch": 3.0})])
+    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {**ranking, "cuda/fused": 0.8})])
     assert auto.computes("ranking_loss", scores, labels)[0] == "cuda"
     # the only point is more than SPAN times the call's size away: the fixed order (triton first)
     far = int(6 * measured.SPAN * 2)
-    _measured_here(monkeypatch, [("ranking_loss", "full", far, 1, {"triton": 1.0, "cuda": 0.1, "torch": 3.0})])
+    _measured_here(monkeypatch, [("ranking_loss", "full", far, 1, {**ranking, "cuda/fused": 0.1})])
     assert auto.computes("ranking_loss", scores, labels)[0] == "triton"
     # a point that did not time every backend auto may use compares nothing: the fixed order
-    _measured_here(monkeypatch, [("pair_scores", "full", 3, 8, {"torch": 0.1, "triton": 1.0})])
+    _measured_here(monkeypatch, [("pair_scores", "full", 3, 8, {"torch/default": 0.1, "triton/fused": 1.0})])
     assert auto.computes("pair_scores", x, True)[0] == "cuda"
     # another variant (dims) or another dtype: not measured
-    _measured_here(monkeypatch, [("pair_scores", "dims", 3, 8, {"torch": 0.1, "cuda": 1.0})])
+    _measured_here(monkeypatch, [("pair_scores", "dims", 3, 8, {"torch/default": 0.1, "cuda/fused": 1.0})])
     assert auto.computes("pair_scores", x, True)[0] == "cuda"
     monkeypatch.setattr(measured, "MEASURED", {("fake", torch.bfloat16): (
-        ("pair_scores", "full", 3, 8, {"torch": 0.1, "cuda": 1.0}),)})
+        ("pair_scores", "full", 3, 8, {"torch/default": 0.1, "cuda/fused": 1.0},
+         {"torch/default": "installed", "cuda/fused": "installed"}),)})
     assert auto.computes("pair_scores", x, True)[0] == "cuda"
+
+
+def test_times_of_code_changed_since_they_were_measured_are_not_used(backends, monkeypatch):
+    """A time counts only while the code it measured is the code installed here (its fingerprint): one measured on
+    code changed since is as if never measured, and a backend without a usable time leaves the fixed order."""
+    backends.cuda.answer = (True, "")
+    backends.verified.update({("cuda", "ranking_loss", "fused")})
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    point = ("ranking_loss", "full", 6, 1, {"cuda/fused": 5.0, "torch/default": 1.0})
+    _measured_here(monkeypatch, [point])
+    assert auto.computes(*(("ranking_loss",) + _scores()))[0] == "torch"
+    _measured_here(monkeypatch, [point], changed={("ranking_loss", "torch/default")})
+    assert auto.computes(*(("ranking_loss",) + _scores()))[0] == "cuda"
+    _measured_here(monkeypatch, [point], changed={("ranking_loss", "cuda/fused")})
+    assert auto.computes(*(("ranking_loss",) + _scores()))[0] == "cuda"
+    # a nearer point of changed code does not hand the call to a farther one: the fixed order
+    times = {"cuda/fused": 5.0, "torch/default": 1.0}
+    monkeypatch.setattr(measured, "MEASURED", {("fake", torch.float64): (
+        ("ranking_loss", "full", 6, 1, times, {"cuda/fused": "installed", "torch/default": "older"}),
+        ("ranking_loss", "full", 12, 1, times, {"cuda/fused": "installed", "torch/default": "installed"}))})
+    assert auto.computes(*(("ranking_loss",) + _scores()))[0] == "cuda"
+
+
+def test_the_installed_code_of_a_path_no_module_declares_has_no_fingerprint():
+    """code_fingerprint never raises: a path without code here (or a cuda path without a loaded extension) has
+    none, so no time counts for it; a real path's is this checkout's (angle_kernels.fingerprints)."""
+    from angle_kernels import fingerprints
+
+    assert measured.code_fingerprint("triton", "ranking_loss", "no-such-path") is None
+    assert measured.code_fingerprint("torch", "ranking_loss", "default") == fingerprints.path_fingerprint(
+        "torch", "ranking_loss", "default")
+    assert measured.joined_fingerprint("cuda", {"fingerprint": "a", "build": "b"}) == "a+b"
+    assert measured.joined_fingerprint("cuda", {"fingerprint": "a", "build": None}) is None
+
+
+def test_a_sort_path_call_is_not_decided_by_a_time_of_the_pairwise_path(backends, monkeypatch):
+    """Times are per code path: a Triton ranking call that takes the sort path finds at the nearest point only the
+    pairwise path's time (measured below the crossover): no time of its own path, so the fixed order (triton), not
+    torch, which beat the pairwise tiles there."""
+    backends.verified.update({("triton", "ranking_loss", "sort")})
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    triton = next(c for c in auto.candidates if c.name == "triton")
+    monkeypatch.setattr(triton, "code_path", lambda op, args: "sort")
+    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {"triton/pairwise": 9.0, "torch/default": 1.0}),
+                                 ("ranking_loss", "full", 48, 1, {"triton/sort": 9.0, "torch/default": 1.0})])
+    assert auto.computes(*(("ranking_loss",) + _scores())) == ("triton", "sort")
+    monkeypatch.setattr(triton, "code_path", lambda op, args: "pairwise")
+    backends.verified.add(("triton", "ranking_loss", "pairwise"))
+    assert auto.computes(*(("ranking_loss",) + _scores()))[0] == "torch"
+
+
+def test_equally_near_points_decide_only_when_they_agree_whatever_their_order(backends, monkeypatch):
+    """6 scores lie as near 3 as 12 (log distance): both points decide; when they disagree, the fixed order, in
+    either order of the table; when they agree, their choice."""
+    backends.verified.update({("triton", "ranking_loss", "fused")})
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    torch_faster = {"triton/fused": 2.0, "torch/default": 1.0}
+    triton_faster = {"triton/fused": 1.0, "torch/default": 2.0}
+    for sizes in ((3, 12), (12, 3)):
+        _measured_here(monkeypatch, [("ranking_loss", "full", sizes[0], 1, torch_faster),
+                                     ("ranking_loss", "full", sizes[1], 1, triton_faster)])
+        assert auto.computes(*(("ranking_loss",) + _scores()))[0] == "triton"
+        _measured_here(monkeypatch, [("ranking_loss", "full", sizes[1], 1, triton_faster),
+                                     ("ranking_loss", "full", sizes[0], 1, torch_faster)])
+        assert auto.computes(*(("ranking_loss",) + _scores()))[0] == "triton"
+    _measured_here(monkeypatch, [("ranking_loss", "full", 3, 1, torch_faster),
+                                 ("ranking_loss", "full", 12, 1, {"triton/fused": 3.0, "torch/default": 1.0})])
+    assert auto.computes(*(("ranking_loss",) + _scores()))[0] == "torch"
+    # a nearer point alone decides
+    _measured_here(monkeypatch, [("ranking_loss", "full", 5, 1, torch_faster),
+                                 ("ranking_loss", "full", 12, 1, triton_faster)])
+    assert auto.computes(*(("ranking_loss",) + _scores()))[0] == "torch"
 
 
 def test_the_measured_points_name_real_backends_and_code_paths():
-    """Every key of every point is a backend, or backend/path with a path the real op module declares; every point
-    compares at least two; sizes and widths are positive."""
-    paths = {("triton", "similarity_xent"): ("fused", "dense", "dims")}
+    """Every time of every point is keyed backend/path, with a path the real op module declares (the torch
+    backend's one: "default") and a fingerprint recorded under the same key (16 hex digits; cuda: the Python
+    path's and the CUDA sources', joined by "+"); every point compares at least two backends; sizes and widths are
+    positive."""
+    import re
+
+    from angle_kernels import fingerprints
+
     for (capability, dtype), points in measured.MEASURED.items():
         assert capability.count(".") == 1 and dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-        for op, variant, size, width, times in points:
+        for op, variant, size, width, times, prints in points:
             assert op in contract.OPS and variant in ("full", "dims", "margin")
-            assert size > 0 and width > 0 and len(times) >= 2
+            assert size > 0 and width > 0 and len({key.partition("/")[0] for key in times}) >= 2
+            assert set(prints) == set(times)
             for key, ms in times.items():
                 backend, _, path = key.partition("/")
                 assert backend in dispatch.BACKENDS and ms > 0, key
-                if path:
-                    assert path in paths[(backend, op)], key
-    import angle_kernels.triton_ops.similarity_xent as triton_xent
-
-    assert tuple(triton_xent.PATHS) == paths[("triton", "similarity_xent")]
+                assert (backend, op, path) in fingerprints.PATH_CODE, key
+                pattern = r"[0-9a-f]{16}\+[0-9a-f]{16}" if backend == "cuda" else r"[0-9a-f]{16}"
+                assert re.fullmatch(pattern, prints[key]), key
 
 
-def test_on_the_h100_table_verified_cuda_yields_to_faster_torch_and_triton(backends, monkeypatch):
-    """The committed H100 bf16 points: in-batch negatives at 2N = 32,768 rows, D = 768, with only CUDA's fused
-    path verified, computes on torch (203 vs 535 ms); with Triton's dense path verified too, on Triton (16.8 ms);
-    the ranking term at 1M scores with both verified goes to Triton (0.93 vs 44.4 ms), at 65,536 to torch."""
+def test_on_the_h100_table_only_times_of_unchanged_code_decide(backends, monkeypatch):
+    """The committed H100 points with this checkout's code. The ranking term at 65,536 scores goes to torch (1.01
+    ms against Triton's sort path, 1.29: neither changed since), at 1M to Triton. In-batch negatives at 2N = 32,768
+    rows, D = 768, with only CUDA's fused path verified: the torch time measured the torch backend before its GPU
+    blocks changed, so no time decides and the fixed order does, where the CUDA similarity_xent comes after torch
+    (measured.AFTER_TORCH); with the torch code it measured (203 ms against 535), torch by its time. With the
+    exception removed, the stale time would have sent the call to the slower CUDA scheme."""
     monkeypatch.setattr(measured, "capability", lambda device: "9.0")
     backends.cuda.answer = (True, "")
-    backends.verified.update({("cuda", "similarity_xent", "fused"), ("cuda", "ranking_loss", "fused"),
-                              ("triton", "ranking_loss", "fused")})
+    backends.verified.update({("cuda", "similarity_xent", "fused"), ("triton", "ranking_loss", "sort")})
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
-    q = torch.empty(32768, 768, dtype=torch.bfloat16, device="meta")
-    args = contract.check_similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
-    assert auto._choose("similarity_xent", args, ()).name == "torch"
-    triton_ops = next(c for c in auto.candidates if c.name == "triton")
-    monkeypatch.setattr(triton_ops, "code_path", lambda op, args: "dense" if op == "similarity_xent" else "fused")
-    backends.verified.add(("triton", "similarity_xent", "dense"))
-    assert auto._choose("similarity_xent", args, ()).name == "triton"
+    triton = next(c for c in auto.candidates if c.name == "triton")
+    cuda = next(c for c in auto.candidates if c.name == "cuda")
+    monkeypatch.setattr(triton, "code_path", lambda op, args: "sort")
+    monkeypatch.setattr(cuda, "code_path", lambda op, args: "fused")
     for n, expected in ((1 << 20, "triton"), (1 << 16, "torch")):
         scores = torch.empty(n, dtype=torch.float32, device="meta")
         assert auto._choose("ranking_loss", (scores, scores), ()).name == expected
+    recorded = next(prints for op, variant, size, width, _, prints in measured.MEASURED[("9.0", torch.bfloat16)]
+                    if (op, variant, size, width) == ("similarity_xent", "full", 32768 * 32768, 768))
+    installed = measured.code_fingerprint
+    monkeypatch.setattr(measured, "code_fingerprint", lambda backend, op, path: (
+        recorded["cuda/fused"] if backend == "cuda" else installed(backend, op, path)))  # as if built from csrc/
+    q = torch.empty(32768, 768, dtype=torch.bfloat16, device="meta")
+    args = contract.check_similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
+    assert auto._choose("similarity_xent", args, ()).name == "torch"
+    monkeypatch.setattr(measured, "AFTER_TORCH", set())
+    assert auto._choose("similarity_xent", args, ()).name == "cuda"
+    monkeypatch.setattr(measured, "code_fingerprint", lambda backend, op, path: recorded[f"{backend}/{path}"])
+    assert auto._choose("similarity_xent", args, ()).name == "torch"
 
 
 def test_an_empty_call_keeps_the_fixed_order(backends, monkeypatch):
     """No size to compare (an empty ranking term): the fixed order, not a log of zero."""
     backends.cuda.answer = (True, "")
     backends.verified.update({("triton", "ranking_loss", "fused"), ("cuda", "ranking_loss", "fused")})
-    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {"triton": 9.0, "cuda": 1.0, "torch": 1.0})])
+    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1,
+                                  {"triton/fused": 9.0, "cuda/fused": 1.0, "torch/default": 1.0})])
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     empty = pretend_cuda(torch.empty(0, dtype=torch.float64))
     assert auto.computes("ranking_loss", empty, torch.empty(0, dtype=torch.int64))[0] == "triton"

@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
+from angle_kernels import fingerprints
 from angle_kernels.cuda_ops import _extension
 
 REPO = Path(__file__).resolve().parents[1]
@@ -365,11 +366,20 @@ def test_setup_py_skips_an_extension_that_fails_to_compile(tmp_path, capsys):
 
 @pytest.mark.slow  # one compile of torch/extension.h: about a minute on two cores
 def test_the_extension_module_reports_the_sources_it_was_built_from(tmp_path):
-    """module.cpp, built with the host flags every build passes (_extension.cxx_flags), answers csrc_hash() ==
-    the fingerprint of csrc/: what angle_kernels.verified matches a CUDA verification against. module.cpp needs
-    no CUDA, so here it is built alone, as a CPU extension."""
+    """module.cpp, built with the host flags every build passes (_extension.cxx_flags), answers op_fingerprints() ==
+    each op's CUDA-source fingerprint: what angle_kernels.verified matches a CUDA verification against. module.cpp
+    needs no CUDA, so here it is built alone, as a CPU extension."""
     module = cpp_extension.load(name="angle_kernels_module_only", sources=[str(CSRC / "module.cpp")],
                                 extra_cflags=_extension.cxx_flags(), build_directory=str(tmp_path),
                                 is_python_module=True, verbose=False)
-    assert f"{module.csrc_hash():016x}" == _extension.csrc_fingerprint()
-    assert len(_extension.csrc_fingerprint()) == 16
+    expected = {op: int(fingerprints.csrc_fingerprint(op), 16) for op in _extension.CSRC_OPS}
+    assert module.op_fingerprints() == expected
+
+
+def test_every_op_with_cuda_sources_has_its_fingerprint_in_the_module():
+    """module.cpp names one macro per csrc/<op>.cu (a new op without its line would report no fingerprint and match
+    no verification)."""
+    text = (CSRC / "module.cpp").read_text()
+    assert _extension.CSRC_OPS == ("pair_scores", "ranking_loss", "similarity_xent")
+    for op in _extension.CSRC_OPS:
+        assert f"{_extension.FINGERPRINT_MACRO}{op.upper()}" in text and f'{{"{op}",' in text, op

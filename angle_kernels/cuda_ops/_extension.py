@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -34,23 +33,40 @@ CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 # (an installed wheel) reports it missing instead of building nothing.
 MODULE_SOURCE = "module.cpp"
 SOURCES = tuple(sorted({MODULE_SOURCE, *(path.name for ext in ("cu", "cpp") for path in CSRC_DIR.glob(f"*.{ext}"))}))
-# The macro through which a build tells what it was built from (module.cpp exposes it as csrc_hash()): what
-# angle_kernels.verified matches a GPU verification of this backend against.
-HASH_MACRO = "ANGLE_KERNELS_CSRC_HASH"
+# The ops whose kernels csrc/ holds (csrc/<op>.cu), and the macro through which a build tells, for each, the
+# fingerprint of the sources it was built from (module.cpp exposes them as op_fingerprints()): what
+# angle_kernels.verified matches a GPU verification of this backend's op against.
+CSRC_OPS = tuple(sorted(path.stem for path in CSRC_DIR.glob("*.cu")))
+FINGERPRINT_MACRO = "ANGLE_KERNELS_FINGERPRINT_"
 
 
-def csrc_fingerprint(csrc_dir: Path = CSRC_DIR) -> str:
-    """16 hex digits of SHA-256 over every source and header in csrc/ (names and bytes): the extension's source."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in csrc_dir.iterdir() if p.suffix in (".cu", ".cuh", ".cpp", ".h")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
+def _fingerprints():
+    """angle_kernels.fingerprints (standard library only), loaded by path when this file is (setup.py loads it by
+    path while the package is being built and cannot be imported)."""
+    if __package__:
+        from .. import fingerprints
+
+        return fingerprints
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "fingerprints.py"
+    spec = importlib.util.spec_from_file_location("_angle_kernels_fingerprints", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
 
 
 def cxx_flags(csrc_dir: Path = CSRC_DIR) -> list[str]:
-    """The host compiler's flags of a build: CXX_FLAGS and the sources' fingerprint (an integer literal, which
-    survives every layer of quoting between setuptools, ninja and the compiler)."""
-    return [*CXX_FLAGS, f"-D{HASH_MACRO}=0x{csrc_fingerprint(csrc_dir)}ULL"]
+    """The host compiler's flags of a build: CXX_FLAGS and each op's source fingerprint
+    (`fingerprints.csrc_fingerprint`), as integer literals, which survive every layer of quoting between setuptools,
+    ninja and the compiler."""
+    fingerprints = _fingerprints()
+    tree = fingerprints.folder_tree(csrc_dir.parent)
+    ops = sorted(path.stem for path in csrc_dir.glob("*.cu"))
+    return [*CXX_FLAGS, *(f"-D{FINGERPRINT_MACRO}{op.upper()}=0x{fingerprints.csrc_fingerprint(op, tree)}ULL"
+                          for op in ops)]
 
 
 def _find_nvcc() -> str | None:
@@ -117,14 +133,16 @@ _jit_outcome: tuple[bool, str] | None = None
 _jit_module = None  # the JIT-built Python module, once built
 
 
-def build_fingerprint() -> str | None:
-    """The csrc_fingerprint the loaded extension was built from (its csrc_hash()), or None when no extension is
-    loaded in this process or it was built without one."""
+def build_fingerprints() -> dict[str, str] | None:
+    """op -> the fingerprint of the op's CUDA sources the loaded extension was built from (its op_fingerprints()),
+    or None when no extension is loaded in this process; an op built without one is left out."""
     module = _jit_module
     if module is None and _import_prebuilt()[0]:
         import angle_kernels._C as module
-    value = getattr(module, "csrc_hash", lambda: 0)() if module is not None else 0
-    return f"{value:016x}" if value else None
+    if module is None:
+        return None
+    reported = getattr(module, "op_fingerprints", dict)()
+    return {op: f"{value:016x}" for op, value in reported.items() if value}
 
 
 def load(allow_build: bool = True) -> tuple[bool, str]:

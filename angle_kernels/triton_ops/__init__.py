@@ -8,10 +8,24 @@ the dense scheme of similarity_xent; _similarity_tiles: the tile library of the 
 docs/triton-similarity.md). `load_ops()` names the op modules; `dispatch` calls it only once `is_available()` says
 the kernels can run here (CUDA, or CPU tensors under TRITON_INTERPRET=1), so importing this package never fails and
 costs nothing without triton. Inputs arrive validated by `angle_kernels.dispatch`.
+
+Autotuning results persist across processes: the op modules build their autotuners when `load_ops()` imports them,
+with Triton's own autotune disk cache on (TRITON_CACHE_AUTOTUNING, read when an autotuner is built; the files go to
+Triton's cache folder, TRITON_CACHE_DIR or ~/.triton/cache), so a second process on the same machine pays no
+autotuning for the shapes a first one tuned (the compiled kernels are in that folder already, by Triton's default),
+and both run the same configs. A user who set TRITON_CACHE_AUTOTUNING (to anything, "0" included) or
+`triton.knobs.autotuning.cache` keeps their choice. Triton keys each result by the kernel's source, its configs,
+the GPU architecture and the Triton version, so an edit or an upgrade tunes again. Triton 3.6 (the H100 runs') and
+3.9 have the cache; a Triton whose `triton.autotune` lacks `cache_results` tunes again in every process (keeping
+results in angle_kernels' user cache instead would mean building the autotuners differently, in triton_ops/_common.py,
+which every Triton path's fingerprint covers).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import os
 from types import ModuleType
 
 import torch
@@ -32,10 +46,34 @@ def is_available() -> tuple[bool, str]:
     return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU through the interpreter)"
 
 
+AUTOTUNE_CACHE_ENV = "TRITON_CACHE_AUTOTUNING"
+
+
+@contextlib.contextmanager
+def autotuning_results_kept():
+    """Within the block, autotuners Triton builds keep their results on disk (the module docstring): the
+    environment variable it reads set to "1" unless the user chose, and removed again after the block, so that
+    other libraries' autotuners and this process's subprocesses are left as the user set them."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    chosen = AUTOTUNE_CACHE_ENV in os.environ or (knobs is not None and "cache" in vars(knobs.autotuning))
+    if chosen or "cache_results" not in inspect.signature(triton.autotune).parameters:
+        yield
+        return
+    os.environ[AUTOTUNE_CACHE_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(AUTOTUNE_CACHE_ENV, None)
+
+
 def load_ops() -> dict[str, ModuleType]:
     """This backend's op modules by op name (`contract.OPS`): each defines the function named after its op (the
-    launcher), its PATHS and, with several, code_path."""
-    from . import pair_scores, ranking_loss, similarity_lse, similarity_xent
+    launcher), its PATHS and, with several, code_path. Importing them builds their autotuners, with their results
+    kept on disk (`autotuning_results_kept`)."""
+    with autotuning_results_kept():
+        from . import pair_scores, ranking_loss, similarity_lse, similarity_xent
 
     return {"pair_scores": pair_scores, "ranking_loss": ranking_loss, "similarity_xent": similarity_xent,
             "similarity_lse": similarity_lse}

@@ -91,7 +91,7 @@ def test_a_time_limit_leaves_checks_out_and_their_paths_unrecorded():
     results = verify.run_checks("triton", TRITON_DEVICE, verify.cases("tiny")[:2], (torch.float64,), deadline=0.0)
     assert [r["pass"] for r in results] == [None, None]
     assert set(verify.outcomes(results).values()) == {"incomplete"}
-    assert verify.entries_from(results, lambda backend, op: {}, "test") == ([], [])
+    assert verify.entries_from(results, lambda backend, op, path: {}, "test", "standard") == ([], [])
 
 
 def test_without_a_gpu_the_command_says_so(capsys, monkeypatch):

@@ -1,0 +1,564 @@
+"""A check on first use: a GPU code path verified at large size on some GPU, checked here before it computes.
+
+`backend="auto"` computes a call on a GPU backend whose code path is verified on this GPU and software
+(`angle_kernels.verified`). A path the table does not cover here, but whose code (its fingerprint) passed the
+project's large-size checks on some GPU (`verified.checked_elsewhere`), may compute too, once this kind of call has
+passed a first-use check here. Paths never verified at large size anywhere are never trusted this way: faults that
+depend on size (32-bit offsets, grids past a limit) are the large-size run's to find, not a check on one call's
+inputs.
+
+A kind of call: (backend, op, code path, dtype of the first input, `bucket`) under this process's identity
+(`verified.identity_here`: every field of verified.MATCH_FIELDS[backend]). The bucket is what selects the compiled
+kernels and the autotuner's config for the call: a check speaks for the kernels it ran, so it covers exactly the
+calls that run the same ones (see `bucket`).
+
+The first call of a kind looks for its record in the user's cache (`angle_kernels.user_cache`, section "checks");
+without one it checks the call under the cache's lock, re-reading the cache first (another process of the same job
+may just have recorded it: that record is then used and nothing is checked), and records the outcome. The answer is
+kept for the process. A pass: the GPU path computes that kind of call from then on. A failure: the PyTorch backend
+computes it, with one RuntimeWarning per kind and process saying what failed; the record keeps later processes
+from checking again (`python -m angle_kernels.verify --forget` removes it).
+
+The check (`run_check`): on detached copies of the call's own inputs, the GPU path's op against the PyTorch backend
+in float64 on the same rounded values, outputs and the gradients of sum_k <output_k, w_k> for weights w drawn from a
+seeded generator on the device (the same for both), judged by the reference's rule (`reference.allowed_error`: the
+tolerances of float64 and float32, the half-precision rule for bfloat16 and float16). Eager PyTorch's own error,
+which the rule needs for every dtype but float64, is measured on a sample of the call (its first rows, pairs or
+scores; `sample`), where the reference's N x N matrices stay a few MB. NaN or Inf never passes.
+
+Bounds (`checked_part`): a call whose float64 copies exceed ELEMENT_BUDGET elements, or whose float64 reference
+exceeds FLOP_BUDGET, is checked on a part of it that takes the same code path and bucket (its first rows, groups or
+scores); when no such part fits, the call stays on PyTorch without a record. docs/verification.md states what
+that costs a first call.
+
+Never while torch.compile traces or a CUDA graph is captured (`tracing`): there only records count; nothing is
+checked and nothing is recorded. ANGLE_KERNELS_SELF_CHECK=0 turns the checks off (only verifications count; records
+are not read); 1, the default, turns them on; any other value is a ValueError at the first call that asks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import json
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import reference, user_cache, verified
+from ._runtime import triton_interpreting
+
+ENV = "ANGLE_KERNELS_SELF_CHECK"
+# Budgets of one check (docs/verification.md, "A check on first use"): the elements of the float64 copies of the
+# checked inputs (1 GiB; their gradients as much again) and the FLOPs of the float64 reference (the torch backend's
+# 6 M Mc D of the similarity ops; the linear ops are bounded by their elements). About half a second of an H100's
+# float64 products at most; the package's target sizes (2N = 32,768 rows, D = 768 .. 4,096) fit whole or as a part.
+ELEMENT_BUDGET = 1 << 27
+FLOP_BUDGET = 1 << 44
+# Eager PyTorch's error is measured on at most this many rows (and columns) of a similarity op or scores of the
+# ranking term, or this many elements of pair_scores' input: the reference's N x N matrices stay a few MB.
+SAMPLE_ROWS = 512
+SAMPLE_ELEMENTS = 1 << 20
+SEED = 0
+# The differentiable inputs of each op (positions in its validated arguments): the check's leaves.
+LEAVES = {"pair_scores": (0,), "ranking_loss": (0,), "similarity_xent": (0, 1), "similarity_lse": (0, 1)}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Whether the GPU path may compute a kind of call and, when it may not after a check or for want of one, why
+    (after "<backend>: " in a warning)."""
+
+    computes: bool
+    why: str = ""
+    record: dict | None = None  # the record in the user's cache it comes from
+
+
+# Per process: the outcome of each kind of call (a plain dict: after the first call of a kind, a lookup) and the
+# setting, once read.
+_outcomes: dict = {}
+_enabled: bool | None = None
+
+
+def forget() -> None:
+    """Drop what this process has decided (tests; a process that removed the records)."""
+    global _enabled
+    _outcomes.clear()
+    _enabled = None
+
+
+def enabled() -> bool:
+    """ANGLE_KERNELS_SELF_CHECK: unset or 1, checks on; 0, off; anything else raises ValueError naming it."""
+    global _enabled
+    if _enabled is None:
+        value = os.environ.get(ENV, "1").strip()
+        if value not in ("0", "1"):
+            raise ValueError(f"{ENV} must be 0 (no first-use checks: only verified code paths compute on the GPU) or "
+                             f"1 (the default: check a verified code path's first call on this GPU), got {value!r}")
+        _enabled = value == "1"
+    return _enabled
+
+
+def tracing(device: torch.device) -> bool:
+    """Whether torch.compile is tracing (torch.compiler.is_compiling, torch._dynamo's on older torch) or the
+    current CUDA stream is capturing a graph: then no check may run."""
+    compiler = getattr(torch, "compiler", None)
+    is_compiling = getattr(compiler, "is_compiling", None)
+    if is_compiling is None:
+        is_compiling = getattr(getattr(torch, "_dynamo", None), "is_compiling", lambda: False)
+    if is_compiling():
+        return True
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kinds of call
+# ---------------------------------------------------------------------------------------------------------
+def _pow2(n: int) -> int:
+    """The autotune bucket of a row count: its next power of two (_similarity_tiles._autotune_bucket)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _int_class(n: int) -> str:
+    """How Triton specialises an integer argument (a size, a stride): 1, a multiple of 16, or neither; each class
+    compiles a kernel of its own."""
+    return "1" if n == 1 else "16" if n % 16 == 0 else "n"
+
+
+def _layout(t: torch.Tensor | None) -> str | None:
+    """The specialisation classes of a tensor argument's strides, and whether its start is 16-byte aligned
+    relative to its storage (Triton specialises pointers on 16-byte alignment; allocations are aligned)."""
+    if t is None:
+        return None
+    aligned = t.storage_offset() * t.element_size() % 16 == 0
+    return ".".join(_int_class(s) for s in t.stride()) + ("" if aligned else ".unaligned")
+
+
+def _precision(dtype: torch.dtype, path: str) -> str:
+    """Whether fp32 products run in TF32 (a kernel variant, and another accuracy): the fused kernels follow
+    ANGLE_KERNELS_ALLOW_TF32 (_similarity_tiles._dot_precision), the dense scheme's products torch's switch."""
+    if dtype != torch.float32:
+        return "ieee"
+    if path == "dense":
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    allowed = os.environ.get("ANGLE_KERNELS_ALLOW_TF32", "0") not in ("", "0") and not triton_interpreting()
+    return "tf32" if allowed else "ieee"
+
+
+def bucket(backend: str, op: str, path: str, args: tuple) -> dict:
+    """What selects the compiled kernels and the autotuned config of a call with these validated arguments.
+
+    Triton: the similarity ops' autotune key (each op module's _TUNE_KEY: the power-of-two buckets of M and Mc, D,
+    the variant flags, the dot precision; KP, the prefixes' power of two, with dims) with the flags that are
+    constexprs outside the key (similarity_lse's exclusion, periodicity, filter), pair_scores' (K, D, with_angle,
+    dims: constexprs of its kernels), nothing more for the ranking term but its labels' dtype; and for each the
+    specialisation classes of the integer arguments and strides the kernels take (`_int_class`, `_layout`). CUDA
+    (kernels compiled ahead, templated on the dtype): the op's variant flags and shapes that choose a kernel."""
+    if op == "similarity_xent":
+        q, c, _, target, _, exclude_diagonal, margin, group_ids, dims = args
+        m, d = q.shape
+        mc = m if c is None else c.shape[0]
+        found = {"partner": target == "partner", "exclude_diagonal": exclude_diagonal, "groups": group_ids is not None,
+                 "margin": margin != 0.0, "symmetric": c is None}
+        if backend == "triton":
+            found.update(M=_pow2(m), Mc=_pow2(mc), D=d, precision=_precision(q.dtype, path),
+                         sizes=_int_class(m) + "." + _int_class(mc), q=_layout(q), c=_layout(c))
+            if dims is not None:
+                found["KP"] = _pow2(len(dims))
+        return found
+    if op == "similarity_lse":
+        (q, c, _, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, _, filter_keeps_target,
+         normalize) = args
+        has_filter = filter_q is not None
+        found = {"exclude": exclude, "penalty_on": penalty_on if penalty != 0.0 else "none", "periodic": period > 0,
+                 "filter": has_filter, "filter_keeps_target": filter_keeps_target and has_filter,
+                 "normalize": normalize}
+        if backend == "triton":
+            (m, d), mc = q.shape, c.shape[0]
+            found.update(M=_pow2(m), Mc=_pow2(mc), D=d, DF=filter_q.shape[1] if has_filter else 0,
+                         precision=_precision(q.dtype, path),
+                         filter_dtypes=[str(t.dtype) for t in (filter_q, filter_c)] if has_filter else None,
+                         sizes=".".join(_int_class(n) for n in (m, mc, target_offset, period)),
+                         q=_layout(q), c=_layout(c), filter_q=_layout(filter_q), filter_c=_layout(filter_c))
+        return found
+    if op == "pair_scores":
+        x, with_angle, dims = args
+        found = {"K": x.shape[1], "D": x.shape[2], "with_angle": with_angle,
+                 "dims": None if dims is None else list(dims), "x": _layout(x)}
+        if backend == "triton" and dims is not None:  # the prefix kernels take the number of groups
+            found["groups"] = _int_class(x.shape[0])
+        return found
+    scores, labels = args  # ranking_loss
+    found = {"labels": str(labels.dtype)}
+    if backend == "triton":
+        found["sizes"] = _int_class(scores.shape[0])
+    return found
+
+
+def kind_of(candidate, op: str, args: tuple) -> dict:
+    """The kind of call (module docstring), as a record stores it."""
+    path = candidate.code_path(op, args)
+    ident = verified.identity_here(candidate.name, op, path, args[0].device)
+    kind = {"backend": candidate.name, "op": op, "path": path, "dtype": str(args[0].dtype).replace("torch.", ""),
+            "bucket": bucket(candidate.name, op, path, args),
+            **{name: ident.get(name) for name in verified.MATCH_FIELDS[candidate.name]}}
+    return json.loads(json.dumps(kind))  # as it reads back from the cache (tuples become lists)
+
+
+def _matches(record: dict, kind: dict) -> bool:
+    return all(record.get(name) == value for name, value in kind.items())
+
+
+def _recorded(kind: dict) -> dict | None:
+    """The first record of this kind in the user's cache (the first one recorded wins)."""
+    return next((r for r in user_cache.read()["checks"] if _matches(r, kind)), None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The decision dispatch asks for
+# ---------------------------------------------------------------------------------------------------------
+def may_check(backend: str, op: str, path: str, device: torch.device) -> bool:
+    """Whether a code path not verified here may compute after first-use checks: they are on, and its code passed
+    the project's large-size checks on some GPU."""
+    return enabled() and verified.checked_elsewhere(backend, op, path, device)
+
+
+def decide(candidate, op: str, args: tuple) -> Outcome:
+    """Whether `candidate` (a dispatch.Ops of a GPU backend whose code path for the call is not verified here) may
+    compute this call of `op` (validated arguments) on its GPU: by this kind of call's check or record. Checks the
+    first call of a kind (module docstring); later calls of it are a lookup."""
+    path = candidate.code_path(op, args)
+    device = args[0].device
+    if not may_check(candidate.name, op, path, device):
+        return Outcome(False)
+    if tracing(device):  # recorded outcomes only, and nothing kept: an eager call of this kind checks
+        try:
+            record = _recorded(kind_of(candidate, op, args))
+        except Exception:  # noqa: BLE001 (symbolic shapes: no bucket to look up)
+            record = None
+        if record is None:
+            return Outcome(False, f"{_unverified(candidate, op, args)}, and under torch.compile tracing or CUDA-graph "
+                                  "capture no first-use check runs (a call outside them checks its kind)")
+        return _from_record(record)
+    key = (candidate.name, op, path, args[0].dtype, _frozen(bucket(candidate.name, op, path, args)), device.index)
+    outcome = _outcomes.get(key)
+    if outcome is None:
+        kind = kind_of(candidate, op, args)
+        outcome = _check_or_recorded(candidate, op, args, kind)
+        if outcome is None:  # this call cannot be checked; the next of its kind may be
+            return Outcome(False, f"{_unverified(candidate, op, args)}, and this call's inputs are empty or not all "
+                                  "finite (the next call of its kind is checked)")
+        _outcomes[key] = outcome
+        if not outcome.computes:
+            _tell(candidate.name, op, kind, outcome)
+    return outcome
+
+
+def reason(candidate, op: str, args: tuple) -> str:
+    """Why `candidate` does not compute this call, when `decide` says so, for dispatch's warning (after
+    "<backend>: ")."""
+    outcome = decide(candidate, op, args)
+    if outcome.why:
+        return outcome.why
+    path = candidate.code_path(op, args)
+    if not enabled() and verified.checked_elsewhere(candidate.name, op, path, args[0].device):
+        return f"{_unverified(candidate, op, args)} (first-use checks are off: {ENV}=0)"
+    return _unverified(candidate, op, args)
+
+
+def _unverified(candidate, op: str, args: tuple) -> str:
+    path = candidate.code_path(op, args)
+    return (f"its code path {path!r} has not passed a correctness run on "
+            f"{verified.describe(candidate.name, op, path, args[0].device)}")
+
+
+def _tell(backend: str, op: str, kind: dict, outcome: Outcome) -> None:
+    """One RuntimeWarning per process and kind of call that the PyTorch backend computes instead of a GPU path
+    verified elsewhere."""
+    failed = outcome.record is not None
+    warnings.warn(
+        f"angle_kernels: backend='auto' computes {op} with the PyTorch backend for calls like this one "
+        f"({kind['dtype']}; {', '.join(f'{name}={value}' for name, value in kind['bucket'].items())}): {backend}: "
+        f"{outcome.why}. "
+        + ("`python -m angle_kernels.verify --forget` removes the recorded outcome (the next call checks again); "
+           if failed else "")
+        + "`python -m angle_kernels.verify` runs the full checks on this GPU and records what passes (shown once per "
+          "process for each kind of call).", RuntimeWarning, stacklevel=8)
+
+
+def _frozen(value):
+    """A bucket as a dict key."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _from_record(record: dict, recorded: bool = True) -> Outcome:
+    """The outcome a check's record says (`recorded`: it is in the user's cache, not only in this process)."""
+    kept = record if recorded else None
+    if record.get("pass") is True:
+        return Outcome(True, record=kept)
+    if record.get("error"):
+        failed = f"it raised {record['error']}"
+    else:
+        errors, allowed = record.get("errors") or {}, record.get("allowed") or {}
+        failed = "; ".join(f"{kind} error {_number(errors.get(kind)):.2e} > allowed {_number(allowed.get(kind)):.2e}"
+                           for kind in ("value", "grad")
+                           if not _number(errors.get(kind)) <= _number(allowed.get(kind))) or "failed"
+    part = f", checked on {record['part']}" if record.get("part") else ""
+    where = (f"recorded {record.get('date')} in {user_cache.cache_file()}" if recorded else
+             "not recorded: the cache folder cannot be written")
+    return Outcome(False, f"its code path {record.get('path')!r} failed its first-use check for this kind of call on "
+                          f"{record.get('gpu')} ({failed}{part}; {where})", kept)
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def _check_or_recorded(candidate, op: str, args: tuple, kind: dict) -> Outcome | None:
+    """This kind's recorded outcome, or the outcome of checking this call (recorded); None when this call cannot
+    be checked but a later one of its kind may (empty inputs, or not all finite)."""
+    record = _recorded(kind)
+    if record is not None:
+        return _from_record(record)
+    chosen = checked_part(candidate, op, args)
+    if chosen is None:
+        return Outcome(False, f"{_unverified(candidate, op, args)}, and calls of this kind are too large for a "
+                              f"first-use check (at most {ELEMENT_BUDGET:,} float64 elements and {FLOP_BUDGET:.1e} "
+                              "float64 FLOPs), even on a part of the same code path and bucket")
+    part, what = chosen
+    if not _checkable(op, part):
+        return None
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(user_cache.locked())
+            recording = True
+        except OSError:  # a cache folder that cannot be written: check, and keep the answer for this process
+            recording = False
+        record = _recorded(kind) if recording else None
+        if record is not None:  # another process of the job checked this kind while this one waited
+            return _from_record(record)
+        try:
+            result = run_check(candidate, op, part)
+        except torch.cuda.OutOfMemoryError:
+            return Outcome(False, f"{_unverified(candidate, op, args)}, and its first-use check ran out of GPU memory "
+                                  "(this process keeps the PyTorch backend for this kind of call)")
+        ident = verified.identity_here(candidate.name, op, kind["path"], args[0].device)
+        record = {**kind, "gpu": ident.get("gpu"), **result, "part": what, "date": datetime.date.today().isoformat()}
+        if recording:
+            try:
+                user_cache.update(lambda contents: contents["checks"].append(record))
+            except OSError:
+                recording = False
+    return _from_record(record, recorded=recording)
+
+
+def _checkable(op: str, args: tuple) -> bool:
+    """Whether a call can be checked: its leaves hold elements (an empty call checks nothing) and all are finite."""
+    leaves = [args[i] for i in LEAVES[op] if args[i] is not None]
+    return all(leaf.numel() > 0 and bool(torch.isfinite(leaf).all()) for leaf in leaves)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What is checked: the call, or a part of it in the same code path and bucket
+# ---------------------------------------------------------------------------------------------------------
+def first_rows(op: str, args: tuple, rows: int, columns: int | None = None) -> tuple:
+    """The call on the first `rows` rows of q (with their row weights, group ids, filter rows and thresholds), and
+    with `columns` the first rows of c (and of filter_c); pair_scores: the first groups; ranking_loss: the first
+    scores and labels. Views: strides and alignment are the call's."""
+    part = list(args)
+
+    def head(i, n):
+        if part[i] is not None and n is not None:
+            part[i] = part[i][:n]
+
+    if op == "similarity_xent":
+        for i in (0, 4, 7):  # q, row_weights, group_ids
+            head(i, rows)
+        head(1, columns)
+    elif op == "similarity_lse":
+        for i in (0, 8, 10):  # q, filter_q, filter_threshold
+            head(i, rows)
+        for i in (1, 9):  # c, filter_c
+            head(i, columns)
+    else:  # pair_scores' groups, the ranking term's scores and labels
+        for i in range(len(part)):
+            if isinstance(part[i], torch.Tensor):
+                head(i, rows)
+    return tuple(part)
+
+
+def _cost(op: str, args: tuple) -> tuple[int, int]:
+    """(elements of the float64 copies of the leaves, FLOPs of the float64 reference) of a call."""
+    elements = sum(args[i].numel() for i in LEAVES[op] if args[i] is not None)
+    if op not in ("similarity_xent", "similarity_lse"):
+        return elements, 0  # linear in the elements
+    q, c = args[0], args[1]
+    m, width = q.shape
+    mc = m if c is None else c.shape[0]
+    if op == "similarity_xent" and args[8] is not None:
+        width = sum(args[8])  # one product per prefix
+    if op == "similarity_lse" and args[8] is not None:
+        width += args[8].shape[1] // 3  # the filter's products: forward only
+    return elements, 6 * m * mc * width
+
+
+def _fewest_like(n: int, at_least: int = 1, even: bool = False) -> int:
+    """The fewest rows k <= n in n's power-of-two bucket and specialisation class (even ones when `even`), from
+    at_least: just over half the bucket."""
+    start = max(at_least, _pow2(n) // 2 + 1)
+    for k in range(start, min(n, start + 64) + 1):
+        if _pow2(k) == _pow2(n) and _int_class(k) == _int_class(n) and not (even and k % 2):
+            return k
+    return n
+
+
+def _most_like(n: int, cap: int) -> int:
+    """The most rows k <= min(n, cap) in n's specialisation class (0 when none)."""
+    k = min(n, cap)
+    if _int_class(n) == "1" or k < 1:
+        return min(k, 1)
+    if _int_class(n) == "16":
+        return k - k % 16
+    return k if k % 16 else k - 1
+
+
+def _parts(op: str, args: tuple):
+    """(part, what it is) candidates for the check, the whole call first, then smaller ones."""
+    yield args, None
+    if op in ("similarity_xent", "similarity_lse"):
+        q, c = args[0], args[1]
+        m = q.shape[0]
+        partner = op == "similarity_xent" and args[3] == "partner"
+        rows = _fewest_like(m, even=partner)
+        if c is None:
+            yield first_rows(op, args, rows), f"the first {rows:,} of {m:,} rows"
+            return
+        mc = c.shape[0]
+        yield first_rows(op, args, rows), f"the first {rows:,} of {m:,} rows of q"
+        columns = _fewest_like(mc, at_least=rows)
+        yield (first_rows(op, args, rows, columns),
+               f"the first {rows:,} of {m:,} rows of q and {columns:,} of {mc:,} rows of c")
+        return
+    whole = args[0].shape[0]
+    per_row = max(1, args[0][:1].numel())
+    rows = _most_like(whole, ELEMENT_BUDGET // per_row)
+    if 0 < rows < whole:
+        unit = "groups" if op == "pair_scores" else "scores"
+        yield first_rows(op, args, rows), f"the first {rows:,} of {whole:,} {unit}"
+
+
+def checked_part(candidate, op: str, args: tuple) -> tuple[tuple, str | None] | None:
+    """(the arguments to check, what they are: None for the whole call) for a call of `candidate`: the call itself
+    when it fits ELEMENT_BUDGET and FLOP_BUDGET, else the first part of `_parts` that fits and takes the same code
+    path and bucket; None when none does."""
+    path = candidate.code_path(op, args)
+    same = bucket(candidate.name, op, path, args)
+    for part, what in _parts(op, args):
+        elements, flops = _cost(op, part)
+        if elements > ELEMENT_BUDGET or flops > FLOP_BUDGET:
+            continue
+        if candidate.code_path(op, part) == path and bucket(candidate.name, op, path, part) == same:
+            return part, what
+    return None
+
+
+def sample(op: str, args: tuple) -> tuple:
+    """The first rows of a call (columns too: at most SAMPLE_ROWS of each), pairs (SAMPLE_ELEMENTS of input) or
+    scores (SAMPLE_ROWS), where eager PyTorch's error is measured: its reference matrices stay a few MB."""
+    if op in ("similarity_xent", "similarity_lse"):
+        columns = None if args[1] is None else min(args[1].shape[0], SAMPLE_ROWS)
+        return first_rows(op, args, min(args[0].shape[0], SAMPLE_ROWS), columns)
+    if op == "pair_scores":
+        return first_rows(op, args, max(1, SAMPLE_ELEMENTS // max(1, args[0][:1].numel())))
+    return first_rows(op, args, SAMPLE_ROWS)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------------------------------------
+def _torch_op(op: str):
+    """The PyTorch backend's own op (torch_ops, as dispatch.raw_backend("torch") names it)."""
+    return getattr(importlib.import_module("angle_kernels.torch_ops").load_ops()[op], op)
+
+
+@contextlib.contextmanager
+def _isolated(device: torch.device):
+    """Autograd on, autocast off (the float64 reference must stay float64), whatever the caller's mode."""
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        yield
+
+
+def _outputs_and_grads(function, op: str, args: tuple, to: torch.dtype | None, weights=None, gen=None):
+    """function(*args) with fresh leaves (copies of the call's, converted `to` a dtype), and the gradients of
+    sum_k <output_k, weights_k> with respect to them (weights drawn from gen when not given)."""
+    args, leaves = list(args), []
+    for i in LEAVES[op]:
+        if args[i] is not None:
+            leaf = args[i].detach()
+            args[i] = (leaf.clone() if to is None else leaf.to(to, copy=True)).requires_grad_()
+            leaves.append(args[i])
+    outputs = function(*args)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    if weights is None:
+        weights = [torch.randn(o.shape, generator=gen, dtype=torch.float64, device=o.device) for o in outputs]
+    torch.autograd.backward([(o.double() * w).sum() for o, w in zip(outputs, weights) if o.requires_grad])
+    return [o.detach() for o in outputs], [leaf.grad for leaf in leaves], weights
+
+
+def error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """reference.rel_err's measure, ||out - ref|| / ||ref|| in float64 (||out|| where ref is 0), computed on the
+    device; entries equal in both count as no error, so an lse of -inf in both (a row with no kept column) is
+    right. NaN, or an infinity in one only, gives NaN or Inf: never within an allowed error."""
+    out = out.detach().to(torch.float64).reshape(-1)
+    ref = ref.detach().to(device=out.device, dtype=torch.float64).reshape(-1)
+    if out.shape != ref.shape:
+        return math.inf
+    same = out == ref
+    diff = torch.linalg.vector_norm(torch.where(same, 0.0, out - ref))
+    scale = torch.linalg.vector_norm(torch.where(same & ref.isinf(), 0.0, ref))
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+def _errors(got, want) -> dict:
+    return {"value": max(error(o, w) for o, w in zip(got[0], want[0])),
+            "grad": max(error(g, w) for g, w in zip(got[1], want[1]))}
+
+
+def run_check(candidate, op: str, args: tuple) -> dict:
+    """Check `candidate`'s own op (its raw backend's, no dispatch) on these validated arguments against the
+    PyTorch backend in float64: {"pass", "errors", "allowed", "eager", "seconds"}, or {"pass": False, "error"}
+    when the GPU path raises. Raises what the reference raises (out of memory)."""
+    device, dtype = args[0].device, args[0].dtype
+    started = time.perf_counter()
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    with _isolated(device):
+        try:
+            got = _outputs_and_grads(getattr(candidate.backend, op), op, args, None, gen=gen)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (a GPU path that cannot run this call fails its check)
+            return {"pass": False, "error": f"{type(exc).__name__}: {exc}"[:300],
+                    "seconds": round(time.perf_counter() - started, 3)}
+        weights = got[2]
+        exact = _outputs_and_grads(_torch_op(op), op, args, torch.float64, weights)
+        errors = _errors(got[:2], exact[:2])
+        del got, exact
+        eager = None
+        if dtype != torch.float64:
+            few = sample(op, args)
+            with reference.computing_in(dtype):
+                in_dtype = _outputs_and_grads(getattr(reference, op), op, few, None, gen=gen)
+            exact_few = _outputs_and_grads(getattr(reference, op), op, few, torch.float64, in_dtype[2])
+            eager = _errors(in_dtype[:2], exact_few[:2])
+    allowed = {kind: reference.allowed_error(dtype, kind, None if eager is None else eager[kind])
+               for kind in ("value", "grad")}
+    passed = all(errors[kind] <= allowed[kind] for kind in ("value", "grad"))
+    return {"pass": passed, "errors": errors, "allowed": allowed, "eager": eager,
+            "seconds": round(time.perf_counter() - started, 3)}

@@ -1,0 +1,337 @@
+"""The first-use check (angle_kernels.first_use) on a GPU the table does not cover, played on CPU.
+
+backend="auto" is driven with the Triton backend's real kernels (through the interpreter on CPU tensors; compiled on
+CUDA tensors where the session has a GPU) on a stand-in GPU: `verified.identity` reports a compute capability and
+versions no entry matches, with this checkout's fingerprints, and the table holds large-size entries of those
+fingerprints from another GPU for every Triton path but pair_scores' dims path. So nothing is verified here, every
+path but that one may compute after a check, and the user's cache is a temporary folder. Checked: one check per kind
+of call (a new bucket or dtype checks again); a planted wrong result (value or gradient) is refused, the PyTorch
+backend computes, one warning, a failing record; records are reused by another process, and a record another
+process made while this one waited for the lock is used; no check while tracing (records only); SELF_CHECK=0 and a
+path outside the table never check; an oversized call is checked on a part in the same code path and bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from angle_kernels.testing.helpers import TRITON_DEVICE
+
+pytest.importorskip("triton")
+
+from angle_kernels import contract, dispatch, first_use, measured, user_cache, verified
+
+DEVICE = TRITON_DEVICE
+NOT_IN_THE_TABLE = ("pair_scores", "dims")
+
+
+def stand_in_identity(backend: str, op: str, path: str, device: torch.device) -> dict:
+    """A GPU and versions no entry covers, running this checkout's code."""
+    return {"capability": "0.1", "torch": "0.0", "triton": "0.0", "cuda": "0.0", "gpu": "a stand-in GPU",
+            **verified.code_identity(backend, op, path)}
+
+
+def stand_in_table() -> tuple[dict, ...]:
+    """Large-size entries from another GPU (sm_90) for this checkout's Triton paths, but pair_scores' dims path."""
+    return tuple(
+        verified.entry("triton", op, path, {**stand_in_identity("triton", op, path, DEVICE), "capability": "9.0"},
+                       "another GPU's large-size run", sizes="large")
+        for op, paths in verified.paths_of("triton").items() for path in paths if (op, path) != NOT_IN_THE_TABLE)
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path):
+    """`auto` on the stand-in GPU, with a fresh cache and process state; `.checks` lists the (op, path, dtype) of
+    every check run, `.triton` is auto's Triton candidate."""
+    monkeypatch.setattr(verified, "identity", stand_in_identity)
+    monkeypatch.setattr(verified, "VERIFIED", stand_in_table())
+    monkeypatch.setattr(measured, "capability", lambda device: None)  # no measured speeds: the fixed order
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path / "cache"))
+    for name in (first_use.ENV, "ANGLE_KERNELS_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(dispatch, "_warned_auto_on_gpu", False)
+    monkeypatch.setattr(dispatch, "_auto_ops", {})
+    checks = []
+    real_check = first_use.run_check
+
+    def counted(candidate, op, args):
+        checks.append((op, candidate.code_path(op, args), str(args[0].dtype).replace("torch.", "")))
+        return real_check(candidate, op, args)
+
+    monkeypatch.setattr(first_use, "run_check", counted)
+    verified.forget()
+    first_use.forget()
+    # auto for CUDA tensors; on CPU it is asked with a stand-in (it reads only is_cuda), then called with CPU tensors
+    on_gpu = torch.empty(0, device=DEVICE) if DEVICE.type == "cuda" else SimpleNamespace(
+        is_cuda=True, device=torch.device("cuda", 0))
+    auto = dispatch.resolve_backend("auto", on_gpu)
+    triton = next(c for c in auto.candidates if c.name == "triton")
+    yield SimpleNamespace(auto=auto, triton=triton, checks=checks, cache=tmp_path / "cache" / user_cache.CACHE_FILE)
+    verified.forget()
+    first_use.forget()
+
+
+def _q(rows: int, dtype=torch.float32, width: int = 16) -> torch.Tensor:
+    return torch.randn(rows, width, dtype=dtype, device=DEVICE)
+
+
+def _records() -> list[dict]:
+    return user_cache.read()["checks"]
+
+
+def _runtime_warnings(fn, *args, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args, **kwargs)
+    return result, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_the_first_call_of_each_kind_is_checked_once(gpu):
+    q = _q(8).requires_grad_()
+    loss, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner", exclude_diagonal=True)
+    assert warned == [] and gpu.checks == [("similarity_xent", "fused", "float32")]
+    assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner", exclude_diagonal=True) == ("triton", "fused")
+    loss.backward()
+    want = dispatch.similarity_xent(q.detach(), None, 20.0, "partner", exclude_diagonal=True, backend="torch")
+    assert torch.allclose(loss.detach(), want, rtol=1e-5)
+    # 6 rows share 8's bucket and class: the same kind, no check; 12 rows (bucket 16), bf16, another op: checked
+    gpu.auto.similarity_xent(_q(6), None, 20.0, "partner", exclude_diagonal=True)
+    assert len(gpu.checks) == 1
+    gpu.auto.similarity_xent(_q(12), None, 20.0, "partner", exclude_diagonal=True)
+    gpu.auto.similarity_xent(_q(8, torch.bfloat16), None, 20.0, "partner", exclude_diagonal=True)
+    gpu.auto.similarity_xent(_q(8, torch.bfloat16), None, 20.0, "partner", exclude_diagonal=True)
+    x = torch.randn(5, 2, 16, device=DEVICE)
+    assert gpu.auto.computes("pair_scores", x, True) == ("triton", "full")
+    assert gpu.checks[1:] == [("similarity_xent", "fused", "float32"), ("similarity_xent", "fused", "bfloat16"),
+                              ("pair_scores", "full", "float32")]
+    records = _records()
+    assert [(r["op"], r["dtype"], r["pass"]) for r in records] == [
+        ("similarity_xent", "float32", True), ("similarity_xent", "float32", True),
+        ("similarity_xent", "bfloat16", True), ("pair_scores", "float32", True)]
+    assert [r["bucket"]["M"] for r in records[:3]] == [8, 16, 8]
+    first = records[0]
+    assert first["gpu"] == "a stand-in GPU" and first["capability"] == "0.1" and first["part"] is None
+    assert first["fingerprint"] == verified.code_identity("triton", "similarity_xent", "fused")["fingerprint"]
+    assert first["errors"]["grad"] <= first["allowed"]["grad"] and records[2]["eager"] is not None
+
+
+class _Skewed(torch.autograd.Function):
+    """The identity forward, a gradient 1 % too large backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.01
+
+
+@pytest.mark.parametrize("wrong", ["value", "grad", "raised"])
+def test_a_wrong_result_is_refused_and_recorded(gpu, monkeypatch, wrong):
+    real = gpu.triton.backend.similarity_xent
+    planted = []
+
+    def wrong_op(q, c, *rest):
+        planted.append(1)
+        if wrong == "raised":
+            raise RuntimeError("a planted launch failure")
+        if wrong == "grad":
+            return real(_Skewed.apply(q), c, *rest)
+        return real(q, c, *rest) * 1.01
+
+    monkeypatch.setattr(gpu.triton.backend, "similarity_xent", wrong_op)
+    q = _q(8)
+    first, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    second, again = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    assert planted == [1]  # the check's call: torch computed both
+    want = dispatch.similarity_xent(q, None, 20.0, "partner", backend="torch")
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("torch", "default")
+    told = [w for w in warned if "for calls like this one" in w]
+    what = "it raised RuntimeError: a planted launch failure" if wrong == "raised" else f"{wrong} error"
+    assert len(told) == 1 and what in told[0] and "failed its first-use check" in told[0]
+    assert "--forget" in told[0] and again == []
+    auto_on_torch = [w for w in warned if "as it does every op" in w]
+    assert len(auto_on_torch) == 1 and "triton: its code path 'fused' failed its first-use check" in auto_on_torch[0]
+    (record,) = _records()
+    assert record["pass"] is False
+    if wrong != "raised":
+        assert record["errors"][wrong] > record["allowed"][wrong]
+    # a new process (this one, forgetting what it decided) reads the failure: no check, torch, told again
+    first_use.forget()
+    _, told_again = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    assert planted == [1] and len(gpu.checks) == 1 and len(told_again) == 1
+
+
+_ANOTHER_PROCESS = """
+import sys
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, {tests!r})
+import test_first_use as here
+from angle_kernels import dispatch, first_use, verified
+
+verified.identity = here.stand_in_identity
+verified.VERIFIED = here.stand_in_table()
+
+
+def no_check(*args):
+    raise AssertionError("checked again")
+
+
+first_use.run_check = no_check
+on_gpu = torch.empty(0, device=here.DEVICE) if here.DEVICE.type == "cuda" else SimpleNamespace(
+    is_cuda=True, device=torch.device("cuda", 0))
+auto = dispatch.resolve_backend("auto", on_gpu)
+print(auto.computes("similarity_xent", here._q(8), None, 20.0, "partner"))
+"""
+
+
+def test_a_record_is_reused_by_another_process(gpu):
+    assert gpu.auto.computes("similarity_xent", _q(8), None, 20.0, "partner") == ("triton", "fused")
+    assert len(gpu.checks) == 1 and len(_records()) == 1
+    script = _ANOTHER_PROCESS.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "('triton', 'fused')"
+    assert len(_records()) == 1
+
+
+def test_a_record_made_while_waiting_for_the_lock_is_used(gpu, monkeypatch):
+    """Another process of the job checked the same kind while this one waited for the lock: its record wins."""
+    q = _q(8)
+    args = contract.check_similarity_xent(q, None, 20.0, "partner", None, False, 0.0, None)
+    theirs = {**first_use.kind_of(gpu.triton, "similarity_xent", args), "gpu": "another process", "pass": True}
+    real_locked = user_cache.locked
+
+    @contextlib.contextmanager
+    def recorded_meanwhile(path=None):
+        with real_locked(path):
+            contents = user_cache.read()
+            contents["checks"].append(theirs)
+            user_cache.write_json_atomic(user_cache.cache_file(), contents)
+            yield
+
+    monkeypatch.setattr(user_cache, "locked", recorded_meanwhile)
+    assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
+    assert gpu.checks == [] and _records() == [theirs]
+
+
+def test_no_check_while_tracing_only_records_count(gpu, monkeypatch):
+    q = _q(8)
+    monkeypatch.setattr(first_use, "tracing", lambda device: True)
+    assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("torch", "default")
+    assert gpu.checks == [] and not gpu.cache.exists()
+    monkeypatch.setattr(first_use, "tracing", lambda device: False)
+    assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")  # checked, recorded
+    first_use.forget()  # what this process decided: gone; the record stays
+    monkeypatch.setattr(first_use, "tracing", lambda device: True)
+    assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
+    assert len(gpu.checks) == 1
+
+
+def test_self_check_0_keeps_verified_paths_only_and_other_values_raise(gpu, monkeypatch):
+    monkeypatch.setenv(first_use.ENV, "0")
+    q = _q(8)
+    _, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("torch", "default")
+    assert gpu.checks == [] and not gpu.cache.exists()
+    assert len(warned) == 1 and f"first-use checks are off: {first_use.ENV}=0" in warned[0]
+    monkeypatch.setenv(first_use.ENV, "yes")
+    first_use.forget()
+    with pytest.raises(ValueError, match=first_use.ENV):
+        gpu.auto.similarity_xent(q, None, 20.0, "partner")
+
+
+def test_a_path_no_gpu_verified_at_large_size_is_never_checked(gpu):
+    x = torch.randn(4, 2, 16, device=DEVICE)
+    _, warned = _runtime_warnings(gpu.auto.pair_scores, x, True, (8, 16))
+    assert gpu.auto.computes("pair_scores", x, True, (8, 16)) == ("torch", "default")
+    assert gpu.checks == [] and not gpu.cache.exists()
+    assert len(warned) == 1 and "its code path 'dims' has not passed a correctness run on a stand-in GPU" in warned[0]
+    assert "first-use" not in warned[0].split("(", 1)[1]
+
+
+def test_an_oversized_call_is_checked_on_a_part_of_the_same_bucket(gpu, monkeypatch):
+    monkeypatch.setattr(first_use, "ELEMENT_BUDGET", 18 * 16)  # 24 rows of 16 are too many, 18 fit
+    q = _q(24, torch.bfloat16)
+    assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
+    (record,) = _records()
+    assert record["part"] == "the first 18 of 24 rows" and record["pass"] is True and record["bucket"]["M"] == 32
+    monkeypatch.setattr(first_use, "ELEMENT_BUDGET", 16 * 16)  # 16 rows would leave the bucket: not checked
+    _, warned = _runtime_warnings(gpu.auto.similarity_xent, _q(24), None, 20.0, "partner")
+    assert len(gpu.checks) == 1 and len(_records()) == 1
+    assert len(warned) == 2 and all("too large for a first-use check" in w for w in warned)
+
+
+def _bucket_and_path(triton, op, args):
+    path = triton.code_path(op, args)
+    return first_use.bucket("triton", op, path, args), path
+
+
+@pytest.mark.parametrize("call, part_shapes, what", [
+    # in-batch negatives at the target size: D = 768 whole, D = 4,096 on just over half the rows (bucket 32,768)
+    (("similarity_xent", (32768, 768), None, "partner"), None, None),
+    (("similarity_xent", (32768, 4096), None, "partner"), [(16400, 4096)], "the first 16,400 of 32,768 rows"),
+    # Matryoshka at D = 4,096: N queries against 2N candidates, rows of both
+    (("similarity_xent", (16384, 4096), (32768, 4096), "diagonal", (512, 1024, 2048, 4096)),
+     [(8208, 4096), (16400, 4096)], "the first 8,208 of 16,384 rows of q and 16,400 of 32,768 rows of c"),
+    (("pair_scores", (1 << 20, 2, 4096)), [(16384, 2, 4096)], "the first 16,384 of 1,048,576 groups"),
+    (("ranking_loss", ((1 << 28) + 3,)), [((1 << 27) - 1,)], "the first 134,217,727 of 268,435,459 scores"),
+])
+def test_the_part_of_an_oversized_call_keeps_its_code_path_and_bucket(call, part_shapes, what):
+    triton = dispatch.Ops("triton", dispatch.raw_backend("triton"))
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    op = call[0]
+    if op == "similarity_xent":
+        q, c = torch.empty(call[1], **meta), None if call[2] is None else torch.empty(call[2], **meta)
+        dims = call[4] if len(call) > 4 else None
+        args = contract.check_similarity_xent(q, c, 20.0, call[3], None, c is None, 0.0, None, dims)
+    elif op == "pair_scores":
+        args = contract.check_pair_scores(torch.empty(call[1], **meta), True)
+    else:
+        scores = torch.empty(call[1], device="meta", dtype=torch.float32)
+        args = contract.check_ranking_loss(scores, torch.empty(call[1], device="meta", dtype=torch.int64))
+    part, described = first_use.checked_part(triton, op, args)
+    assert described == what
+    if part_shapes is None:
+        assert part is args
+        return
+    leaves = [part[i] for i in first_use.LEAVES[op] if part[i] is not None]
+    assert [tuple(leaf.shape) for leaf in leaves] == part_shapes
+    assert _bucket_and_path(triton, op, part) == _bucket_and_path(triton, op, args)
+    elements, flops = first_use._cost(op, part)
+    assert elements <= first_use.ELEMENT_BUDGET and flops <= first_use.FLOP_BUDGET
+
+
+def test_no_part_when_even_the_smallest_leaves_the_budget(monkeypatch):
+    triton = dispatch.Ops("triton", dispatch.raw_backend("triton"))
+    q = torch.empty(32768, 4096, device="meta", dtype=torch.bfloat16)
+    args = contract.check_similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
+    monkeypatch.setattr(first_use, "ELEMENT_BUDGET", 16384 * 4096)  # the bucket needs more than 16,384 rows
+    assert first_use.checked_part(triton, "similarity_xent", args) is None
+
+
+def test_a_cache_that_cannot_be_written_still_checks_for_the_process(gpu, monkeypatch, tmp_path):
+    not_a_folder = tmp_path / "a file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(not_a_folder))
+    q = _q(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unreadable cache is ignored with a warning of its own
+        assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
+        assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
+    assert len(gpu.checks) == 1 and not_a_folder.read_text() == ""

@@ -1,0 +1,242 @@
+"""angle_kernels.fingerprints: what each GPU code path's fingerprint covers.
+
+Controls in both directions, on a copy of the package and csrc/: edits that cannot change what runs (a docstring,
+a comment, reformatting, moving a function to another module, a path-selection threshold) leave every fingerprint
+unchanged; edits that can (a constant inside a kernel, an autotune config, a grid, a helper, a build flag) change
+the fingerprints of exactly the paths that run the edited code. That every function a path really runs is inside
+its fingerprint is tests/ops/test_fingerprint_completeness.py's subject (a trace under the interpreter).
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+
+import pytest
+
+from angle_kernels import fingerprints
+
+ROOT = Path(fingerprints.__file__).resolve().parent.parent
+TRITON_PATHS = sorted(key for key in fingerprints.PATH_CODE if key[0] == "triton")
+EVERY_PATH = sorted(fingerprints.PATH_CODE)
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return {key: fingerprints.path_closure(*key).fingerprint for key in EVERY_PATH}
+
+
+@pytest.fixture
+def copy(tmp_path):
+    """A copy of the package and csrc/, and a function that edits one of its files: edit(relative, old, new)."""
+    shutil.copytree(ROOT / "angle_kernels", tmp_path / "angle_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
+
+    def edit(relative: str, old: str, new: str, after: str = "") -> None:
+        """Replace the first `old` after `after` (a definition's header, say) by `new`."""
+        path = tmp_path / relative
+        text = path.read_text()
+        start = text.index(after)
+        assert old in text[start:], f"{old!r} not in {relative} after {after!r}"
+        path.write_text(text[:start] + text[start:].replace(old, new, 1))
+        edit.tree = fingerprints.folder_tree(tmp_path)  # a fresh tree: one is parsed once
+
+    edit.tree = fingerprints.folder_tree(tmp_path)
+    edit.root = tmp_path
+    return edit
+
+
+def changed(baseline, tree) -> set:
+    """The paths whose fingerprint differs from this checkout's in `tree`."""
+    return {key for key in EVERY_PATH if fingerprints.path_closure(*key, tree=tree).fingerprint != baseline[key]}
+
+
+def triton(op: str, *paths: str) -> set:
+    return {("triton", op, path) for path in paths}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Edits that change nothing that runs
+# ---------------------------------------------------------------------------------------------------------
+def test_the_copy_has_this_checkouts_fingerprints(baseline, copy):
+    assert changed(baseline, copy.tree) == set()
+
+
+def test_docstrings_comments_and_layout_change_nothing(baseline, copy):
+    copy("angle_kernels/triton_ops/_similarity_tiles.py", '    """The autotune key of a row count',
+         '    """A reworded docstring.\n\n    The autotune key of a row count')
+    copy("angle_kernels/triton_ops/similarity_xent.py", "_TUNED = autotuned(_TILE_KERNELS, _TUNE_KEY)",
+         "# a comment about the tuning\n_TUNED = autotuned(\n    _TILE_KERNELS,\n    _TUNE_KEY,  # trailing\n)")
+    copy("angle_kernels/triton_ops/pair_scores.py", "def launch_config(", "\n\n# a comment\ndef launch_config(")
+    copy("angle_kernels/triton_ops/ranking_loss.py", '"""', '"""An edited module docstring. ')
+    assert changed(baseline, copy.tree) == set()
+
+
+def test_moving_a_function_to_another_module_changes_nothing(baseline, copy):
+    """_online_lse_update (a leaf: it calls no other definition) moves from the tile library to _common and is
+    imported from there by name."""
+    tiles = copy.root / "angle_kernels/triton_ops/_similarity_tiles.py"
+    tree = ast.parse(tiles.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_online_lse_update")
+    lines = tiles.read_text().splitlines(keepends=True)
+    start = node.decorator_list[0].lineno - 1
+    moved = "".join(lines[start:node.end_lineno])
+    tiles.write_text("".join(lines[:start] + lines[node.end_lineno:]).replace(
+        "from ._common import Tuning,", "from ._common import _online_lse_update\nfrom ._common import Tuning,"))
+    common = copy.root / "angle_kernels/triton_ops/_common.py"
+    common.write_text(common.read_text() + "\n\n" + moved)
+    copy.tree = fingerprints.folder_tree(copy.root)
+    assert "_online_lse_update" not in {d.name for d in ast.parse(tiles.read_text()).body if isinstance(d, ast.FunctionDef)}
+    assert changed(baseline, copy.tree) == set()
+
+
+def test_an_import_moved_into_a_function_changes_nothing(baseline, copy):
+    copy("angle_kernels/triton_ops/similarity_xent.py", "from . import similarity_xent_dense\n", "")
+    copy("angle_kernels/triton_ops/similarity_xent.py", '''    if code_path(q, c, scale, target, dims=dims) == "dense":''',
+         '''    from . import similarity_xent_dense
+
+    if code_path(q, c, scale, target, dims=dims) == "dense":''')
+    copy("angle_kernels/triton_ops/similarity_xent.py", '''    if dims is not None:
+        return "dims"''', '''    from . import similarity_xent_dense
+
+    if dims is not None:
+        return "dims"''')
+    assert changed(baseline, copy.tree) == set()
+
+
+def test_a_path_selection_threshold_belongs_to_no_path(baseline, copy):
+    """MIN_WIDTH decides which inputs the dense scheme receives, not what it runs (docs/verification.md)."""
+    copy("angle_kernels/triton_ops/similarity_xent_dense.py", "MIN_WIDTH = 768", "MIN_WIDTH = 1024")
+    copy("angle_kernels/triton_ops/ranking_loss.py", "SMALL_N_MAX = 4096", "SMALL_N_MAX = 8192")
+    assert changed(baseline, copy.tree) == set()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Edits that change what runs: exactly the paths that run them
+# ---------------------------------------------------------------------------------------------------------
+def test_a_constant_inside_a_kernel(baseline, copy):
+    text = (copy.root / "angle_kernels/triton_ops/similarity_xent_dense.py").read_text()
+    kernel = text[text.index("def _dense_xent_grad_kernel("):]
+    body_line = next(line for line in kernel.splitlines()[1:] if "tl.program_id(0)" in line)
+    copy("angle_kernels/triton_ops/similarity_xent_dense.py", body_line, body_line.replace(
+        "tl.program_id(0)", "(tl.program_id(0) + 0)"), after="def _dense_xent_grad_kernel(")
+    assert changed(baseline, copy.tree) == triton("similarity_xent", "dense")
+
+
+def test_a_prefix_kernel_changes_only_the_dims_path(baseline, copy):
+    text = (copy.root / "angle_kernels/triton_ops/similarity_xent.py").read_text()
+    kernel = text[text.index("def _similarity_xent_prefix_fwd_kernel("):]
+    line = next(line for line in kernel.splitlines()[1:] if "tl.program_id(0)" in line)
+    copy("angle_kernels/triton_ops/similarity_xent.py", line, line.replace("tl.program_id(0)", "(tl.program_id(0) * 1)"),
+         after="def _similarity_xent_prefix_fwd_kernel(")
+    assert changed(baseline, copy.tree) == triton("similarity_xent", "dims")
+
+
+def test_an_autotune_config(baseline, copy):
+    """The tile library's 16-bit configs: the fused kernels of similarity_xent (full width and dims) and of
+    similarity_lse; the dense scheme launches with fixed blocks and does not use them."""
+    text = (copy.root / "angle_kernels/triton_ops/_similarity_tiles.py").read_text()
+    start = text.index("_GPU_CONFIGS_16BIT = [")
+    config = text[start:text.index("]\n", start)]
+    copy("angle_kernels/triton_ops/_similarity_tiles.py", config, config.replace("num_stages=3", "num_stages=4", 1))
+    assert changed(baseline, copy.tree) == triton("similarity_xent", "fused", "dims") | triton("similarity_lse", "fused")
+
+
+def test_a_grid_expression(baseline, copy):
+    copy("angle_kernels/triton_ops/pair_scores.py", "            _pair_scores_fwd_kernel[(groups,)](",
+         "            _pair_scores_fwd_kernel[(groups + 0,)](")
+    assert changed(baseline, copy.tree) == triton("pair_scores", "full")
+
+
+def test_a_helper_shared_by_every_triton_path(baseline, copy):
+    text = (copy.root / "angle_kernels/triton_ops/_common.py").read_text()
+    body = text[text.index("def new_output("):]
+    line = next(line for line in body.splitlines() if line.strip().startswith("return"))
+    copy("angle_kernels/triton_ops/_common.py", line, line.replace("return", "return (", 1) + ")", after="def new_output(")
+    assert changed(baseline, copy.tree) == set()  # parentheses only: the same tree
+    copy("angle_kernels/triton_ops/_common.py", "def poison_outputs() -> bool:",
+         "def poison_outputs() -> bool:\n    os.environ.get('ANOTHER')")
+    assert changed(baseline, copy.tree) == set(TRITON_PATHS)
+
+
+def test_a_constant_of_the_contract_changes_the_paths_that_read_it(baseline, copy):
+    copy("angle_kernels/contract.py", "MARGIN_SIN_SQUARED_FLOOR = ", "MARGIN_SIN_SQUARED_FLOOR = 2 * ")
+    assert changed(baseline, copy.tree) == (triton("similarity_xent", "fused", "dense", "dims")
+                                            | {("torch", "similarity_xent", "default")})
+
+
+def test_the_other_paths_code_behind_a_branch_is_not_in_a_path(baseline, copy):
+    """The full-width pair-score path runs PairScoresFunction, never PrefixPairScoresFunction."""
+    text = (copy.root / "angle_kernels/triton_ops/pair_scores.py").read_text()
+    start = text.index("class PrefixPairScoresFunction")
+    line = next(line for line in text[start:].splitlines() if "cfg = launch_config(k, dims[-1], with_angle)" in line)
+    copy("angle_kernels/triton_ops/pair_scores.py", line, line.replace("dims[-1]", "dims[-1] + 0"),
+         after="class PrefixPairScoresFunction")
+    assert changed(baseline, copy.tree) == triton("pair_scores", "dims")
+
+
+def test_the_cuda_python_side_and_its_registrations(baseline, copy):
+    """The autograd formula is registered at import, never named by the op: it is part of the path."""
+    copy("angle_kernels/cuda_ops/similarity_xent.py", "    if grad_loss is None:\n        return (None,) * 8",
+         "    if grad_loss is None:\n        return (None,) * 8 + ()")
+    assert changed(baseline, copy.tree) == {("cuda", "similarity_xent", "fused")}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA sources
+# ---------------------------------------------------------------------------------------------------------
+def csrc_changed(tree) -> set:
+    return {op for op in ("pair_scores", "ranking_loss", "similarity_xent")
+            if fingerprints.csrc_fingerprint(op, tree) != fingerprints.csrc_fingerprint(op)}
+
+
+def test_cuda_comments_change_nothing_code_changes_its_op(copy):
+    copy("csrc/similarity_xent.cu", "#include \"common.cuh\"", "#include \"common.cuh\"  // the shared helpers\n/* a\n"
+         " block comment */\n\n")
+    assert csrc_changed(copy.tree) == set()
+    text = (copy.root / "csrc/ranking_loss.cu").read_text()
+    line = next(line for line in text.splitlines() if "__global__" in line)
+    copy("csrc/ranking_loss.cu", line, "  " + line + " ")  # spaces only
+    assert csrc_changed(copy.tree) == set()
+    copy("csrc/ranking_loss.cu", line, "__device__ int an_added_function() { return 1; }\n" + line)
+    assert csrc_changed(copy.tree) == {"ranking_loss"}
+
+
+def test_a_shared_header_or_a_build_flag_changes_every_op(copy):
+    copy("csrc/common.cuh", "#include \"launcher_types.h\"", "#include \"launcher_types.h\"\n#define AN_ADDED_MACRO 1")
+    assert csrc_changed(copy.tree) == {"pair_scores", "ranking_loss", "similarity_xent"}
+
+
+def test_build_flags_enter_every_op(copy):
+    copy("angle_kernels/cuda_ops/_extension.py", 'NVCC_FLAGS = ["-O3", "-lineinfo"]', 'NVCC_FLAGS = ["-O2", "-lineinfo"]')
+    assert csrc_changed(copy.tree) == {"pair_scores", "ranking_loss", "similarity_xent"}
+
+
+def test_comments_are_stripped_but_strings_are_kept():
+    text = 'a = "// not a comment"; // a comment\n/* gone */ b = \'/\'; /* also\n gone */ c = 1;\n'
+    assert fingerprints.strip_c_comments(text) == 'a = "// not a comment";\nb = \'/\';\nc = 1;'
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The table of paths
+# ---------------------------------------------------------------------------------------------------------
+def test_every_declared_gpu_path_has_its_code_and_nothing_else():
+    from angle_kernels import verified
+
+    declared = {(backend, op, path) for backend in verified.GPU_BACKENDS
+                for op, paths in verified.paths_of(backend).items() for path in paths}
+    assert {key for key in fingerprints.PATH_CODE if key[0] != "torch"} == declared
+
+
+def test_the_canonical_form_ignores_fields_a_newer_python_adds_empty():
+    node = ast.parse("def f(x):\n    return x\n").body[0]
+    before = fingerprints.canonical(node)
+    node.type_params = []  # Python 3.12's field, empty
+    assert fingerprints.canonical(node) == before
+
+
+def test_an_unknown_root_is_an_error_naming_it():
+    with pytest.raises(KeyError, match="triton_ops.pair_scores:no_such_function"):
+        fingerprints.closure(["triton_ops.pair_scores:no_such_function"])

@@ -1,0 +1,176 @@
+"""angle_kernels.user_cache: a file every `auto` call on a GPU may read, so it never raises and never hangs.
+
+Checked: every malformed file (wrong JSON shape, invalid JSON or UTF-8, deep nesting, another format version, an
+oversized file, a FIFO, a folder) reads as empty with one warning per process; updates from concurrent processes
+are all kept (the lock) and a reader never sees half a file (the atomic replace); `python -m angle_kernels.verify
+--list` and `--forget` show and clear it.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import threading
+import warnings
+
+import pytest
+
+from angle_kernels import user_cache
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path / "cache"))
+    user_cache._warned.clear()
+    yield user_cache.cache_file()
+    user_cache._warned.clear()
+
+
+def read_warning(path) -> tuple[dict, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        contents = user_cache.read(path)
+    return contents, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+EMPTY = {"format": user_cache.FORMAT, "verified": [], "checks": []}
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[]", "a JSON list"),
+    ("null", "a JSON NoneType"),
+    ("3.5", "a JSON float"),
+    ('"a string"', "a JSON str"),
+    ("{not json", "not JSON"),
+    ('{"format": 1, "entries": []}', "format 1"),
+    ('{"verified": []}', "format None"),
+    ("[" * 100_000 + "]" * 100_000, "not JSON"),  # past the parser's recursion limit
+    ('{"format": 2, "checks": [' + "[" * 20 + "]" * 20 + "]}", "nested deeper"),
+])
+def test_a_malformed_file_reads_as_empty_with_one_warning(cache, text, why):
+    cache.parent.mkdir(parents=True)
+    cache.write_text(text)
+    contents, warned = read_warning(cache)
+    assert contents == EMPTY
+    assert len(warned) == 1 and why in warned[0] and str(cache) in warned[0]
+    assert read_warning(cache) == (EMPTY, [])  # once per process
+
+
+def test_bytes_that_are_not_utf8(cache):
+    cache.parent.mkdir(parents=True)
+    cache.write_bytes(b'{"format": 2, "verified": [\xff\xfe]}')
+    contents, warned = read_warning(cache)
+    assert contents == EMPTY and len(warned) == 1
+
+
+def test_sections_of_the_wrong_shape_keep_only_their_records(cache):
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"format": user_cache.FORMAT, "verified": {"a": 1}, "checks": [1, "x", {"op": "y"}]}))
+    contents, warned = read_warning(cache)
+    assert contents["verified"] == [] and contents["checks"] == [{"op": "y"}] and warned == []
+
+
+def test_an_oversized_file_is_not_read(cache, monkeypatch):
+    monkeypatch.setattr(user_cache, "MAX_BYTES", 100)
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"format": user_cache.FORMAT, "verified": [{"pad": "x" * 200}]}))
+    contents, warned = read_warning(cache)
+    assert contents == EMPTY and "more than 100" in warned[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_does_not_hang_the_reader(cache):
+    cache.parent.mkdir(parents=True)
+    os.mkfifo(cache)
+    done = []
+    reader = threading.Thread(target=lambda: done.append(read_warning(cache)), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert done, "reading a FIFO blocked"
+    contents, warned = done[0]
+    assert contents == EMPTY and "not a regular file" in warned[0]
+
+
+def test_a_folder_in_its_place(cache):
+    cache.mkdir(parents=True)
+    contents, warned = read_warning(cache)
+    assert contents == EMPTY and "not a regular file" in warned[0]
+
+
+def test_an_update_replaces_an_unusable_file_and_keeps_the_other_section(cache):
+    cache.parent.mkdir(parents=True)
+    cache.write_text("[1, 2]")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        user_cache.update(lambda c: c["checks"].append({"op": "x"}))
+    user_cache.update(lambda c: c["verified"].append({"op": "y"}))
+    assert read_warning(cache) == ({**EMPTY, "verified": [{"op": "y"}], "checks": [{"op": "x"}]}, [])
+    assert sorted(p.name for p in cache.parent.iterdir()) == [cache.name, cache.name + ".lock"]  # no temporaries
+
+
+def _append_records(folder: str, worker: int, count: int) -> None:
+    os.environ[user_cache.CACHE_ENV] = folder
+    for i in range(count):
+        user_cache.update(lambda c: c["checks"].append({"worker": worker, "i": i}))
+
+
+def test_concurrent_writers_keep_every_record(cache):
+    """Four processes append 25 records each, with readers in between: the lock keeps all 100, and no read sees a
+    partial file."""
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    workers = [context.Process(target=_append_records, args=(str(cache.parent), w, 25)) for w in range(4)]
+    for worker in workers:
+        worker.start()
+    seen = 0
+    while any(worker.is_alive() for worker in workers):
+        contents, warned = read_warning(cache)
+        assert warned == []
+        seen = max(seen, len(contents["checks"]))
+    for worker in workers:
+        worker.join()
+        assert worker.exitcode == 0
+    records = user_cache.read()["checks"]
+    assert sorted((r["worker"], r["i"]) for r in records) == [(w, i) for w in range(4) for i in range(25)]
+
+
+def test_the_lock_is_reentrant_within_a_process(cache):
+    with user_cache.locked():
+        user_cache.update(lambda c: c["verified"].append({"op": "inside"}))
+    assert user_cache.read()["verified"] == [{"op": "inside"}]
+
+
+def test_verify_lists_and_forgets_the_cache(cache, capsys):
+    def add(contents):
+        contents["verified"].append({"backend": "triton", "op": "pair_scores", "path": "full", "gpu": "H100",
+                                     "capability": "9.0", "torch": "2.13", "triton": "3.6", "fingerprint": "ab" * 8,
+                                     "sizes": "standard"})
+        contents["checks"].append({"backend": "triton", "op": "similarity_xent", "path": "dense", "dtype": "bfloat16",
+                                   "bucket": {"D": 768}, "pass": False, "gpu": "H200", "fingerprint": "cd" * 8})
+
+    user_cache.update(add)
+    from angle_kernels import verify
+
+    def command(*argv) -> str:
+        assert verify.main(list(argv)) == 0
+        return capsys.readouterr().out
+
+    listed = command("--list")
+    assert "1 verifications, 1 first-use checks" in listed and str(cache) in listed
+    assert "verified  triton pair_scores full on H100 (sm_90" in listed and "abababab" in listed
+    assert "FAILED    triton similarity_xent dense bfloat16 [D=768] on H200" in listed
+    assert f"removed {cache}" in command("--forget") and not cache.exists()
+    assert "nothing to remove" in command("--forget")
+    assert "0 verifications, 0 first-use checks" in command("--list")
+
+
+def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path / "mine"))
+    assert user_cache.cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv(user_cache.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert user_cache.cache_dir() == tmp_path / "xdg" / "angle_kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert user_cache.cache_dir() == tmp_path / "home" / ".cache" / "angle_kernels"
