@@ -1,4 +1,5 @@
-"""Pytest setup shared by tests/ and bench/: where the Triton kernels run, and the debug switches tests rely on.
+"""Pytest setup shared by tests/ and bench/: where the Triton kernels run, the debug switches tests rely on, the
+garbage collector, and torch's thread count.
 
 Triton interpreter. The Triton kernels run through the interpreter (TRITON_INTERPRET=1, CPU tensors) exactly
 when the session has no CUDA device, and with the real compiler on CUDA tensors when it has one, so that
@@ -18,13 +19,27 @@ OpenMP. GNU OpenMP's threads spin while they wait for each other; on a machine s
 turns every parallel op into a wait for a descheduled thread (see bench/bench_losses.py). libgomp reads
 OMP_WAIT_POLICY when torch loads it, so it is set here, before the `import torch` below; an explicit value
 in the environment wins.
+
+Garbage collection. Once the tests are collected, everything alive then (the modules collection imported,
+torch's and transformers' among them: about 700,000 objects) is moved out of the collector's sight (gc.freeze):
+each full collection would otherwise walk it again, a third of a second each, and the benchmark harness collects
+before every memory measurement. Objects freed by reference counting still are; only a reference cycle among
+what was frozen stays, until the session ends.
+
+Threads. Every test runs torch on one thread (an autouse fixture): the tests' tensors and models are small, where a
+second thread saves little, and a loaded CI machine punishes oversubscription. The thread count is process-wide
+state, so a test (or fixture) that changed it would change it for every test after it: each test starts from one
+thread and leaves the count as it found it. Tests with large work (the STS-B fine-tuning and evaluation) opt out
+with @pytest.mark.all_threads and run on torch's default count (ALL_THREADS). Processes a test starts set their own.
 """
 
+import gc
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("ANGLE_KERNELS_POISON_OUTPUTS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402  (after OMP_WAIT_POLICY)
 
 TEST_DEVICE_ENV = "ANGLE_KERNELS_TRITON_TEST_DEVICE"
@@ -44,3 +59,24 @@ if use_triton_interpreter():
     os.environ["TRITON_INTERPRET"] = "1"
 else:
     os.environ.pop("TRITON_INTERPRET", None)
+
+
+def pytest_collection_finish(session):
+    gc.collect()  # what is garbage now is freed, not frozen
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # in sight again for the collection at exit (nanobind's modules, triton's, report what it misses)
+
+
+ALL_THREADS = torch.get_num_threads()  # torch's default here (OMP_NUM_THREADS, else the cores), before any test
+
+
+@pytest.fixture(autouse=True)
+def one_thread(request):
+    """One torch thread for the test, or ALL_THREADS for a test marked all_threads; the count it found afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(ALL_THREADS if request.node.get_closest_marker("all_threads") else 1)
+    yield
+    torch.set_num_threads(before)

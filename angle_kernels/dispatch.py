@@ -30,20 +30,25 @@ Choosing the backend: `requested` is "auto", "torch", "triton" or "cuda"; None m
     * "auto" is the torch backend on CPU tensors. On CUDA tensors it may compute a call on each GPU backend
       (triton, and cuda when its extension is already compiled) that implements it and whose code path for it has
       passed its correctness run on this hardware and software (`angle_kernels.verified`) or, verified at large size
-      on some GPU, passed a check of the first call of its kind here (`angle_kernels.first_use`), and on the torch
-      backend; among those, the one measured fastest for the call's size on this GPU (`angle_kernels.measured`),
-      else the first in the order triton, cuda, torch. Computing on torch because no GPU backend may costs one
-      RuntimeWarning per process. It never starts the JIT build of csrc/.
+      on some GPU, passed a check of the first call of its kind here (`angle_kernels.first_use`), on the torch
+      backend's GPU path for the call where it has one and that path may compute by the same rule (16-bit
+      products: torch_ops/similarity_xent.py's "mixed"), and on the torch backend's default path, always; among
+      those, the one measured fastest for the call's size on this GPU (`angle_kernels.measured`), else the first in
+      the order triton, cuda, torch (its GPU path, then its default one). Computing on torch because no GPU code
+      path may costs one RuntimeWarning per process. It never starts the JIT build of csrc/.
     * An explicit backend runs what it is asked: an unverified GPU code path costs a RuntimeWarning once per
       (backend, op, path); "cuda" JIT-builds csrc/ when no compiled extension is found; "triton" on CPU tensors
       runs under the Triton interpreter, only with TRITON_INTERPRET=1. A backend that cannot run raises
-      RuntimeError with the reason; an op or feature it does not implement, a ValueError naming it.
+      RuntimeError with the reason; an op or feature it does not implement, a ValueError naming it. "torch" on CUDA
+      tensors takes its GPU path only where that path is verified here (`TorchOps`), never unverified code: it is
+      the choice of the arithmetic the CPU suite verifies (docs/dispatch.md).
 
 Why it works this way, and the path from a loss to a kernel: docs/dispatch.md.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -135,8 +140,9 @@ class Ops:
 class AutoOps(Ops):
     """backend="auto" for CUDA tensors: each call on the backend `measured.fastest` picks among the GPU backends of
     `candidates` (those that load here: triton, then cuda) that implement it and whose code path for it is verified
-    on this GPU (`verified`), and the torch backend; on torch, when no GPU backend may compute it, saying so once
-    per process (`reasons`: why the unloaded GPU backends are missing)."""
+    on this GPU (`verified`) or passes its first-use check, the torch backend's GPU path where the call has one, by
+    the same rule (`_gpu_paths`), and the torch backend's default path; on that, when no GPU code path may compute
+    the call, saying so once per process (`reasons`: why the unloaded GPU backends are missing)."""
 
     def __init__(self, candidates: list[Ops], reasons: dict[str, str]):
         super().__init__("auto", _TORCH_OPS.backend)
@@ -146,16 +152,24 @@ class AutoOps(Ops):
     def __repr__(self) -> str:
         return f"AutoOps({[c.name for c in self.candidates]!r})"
 
+    def _gpu_paths(self, op: str, args: tuple, features: tuple[str, ...]) -> list[Ops]:
+        """Who may be asked to compute the call on a GPU code path: the candidates that implement it, then the torch
+        backend's GPU path (`_TORCH_GPU_OPS`) where the call has one (a 16-bit call: "mixed"); the torch backend's
+        default path needs no asking."""
+        found = [candidate for candidate in self.candidates if candidate.lacking(op, features) is None]
+        if verified.needs_verification("torch", _TORCH_GPU_OPS.code_path(op, args)):
+            found.append(_TORCH_GPU_OPS)
+        return found
+
     def _verified_for(self, op: str, args: tuple, features: tuple[str, ...]) -> list[Ops]:
-        """The candidates that implement the call and whose code path for it is verified on this GPU."""
-        return [candidate for candidate in self.candidates
-                if candidate.lacking(op, features) is None and candidate.is_verified(op, args)]
+        """The GPU code paths for the call (`_gpu_paths`) verified on this GPU."""
+        return [candidate for candidate in self._gpu_paths(op, args, features) if candidate.is_verified(op, args)]
 
     def _checkable_for(self, op: str, args: tuple, features: tuple[str, ...]) -> list[Ops]:
-        """The candidates that implement the call, are not verified for it here, but may compute it after a first-use
-        check of its kind (their code passed the large-size checks on some GPU: `first_use.may_check`)."""
-        return [candidate for candidate in self.candidates
-                if candidate.lacking(op, features) is None and not candidate.is_verified(op, args)
+        """The GPU code paths for the call not verified for it here that may compute it after a first-use check of
+        its kind (their code passed the large-size checks on some GPU: `first_use.may_check`)."""
+        return [candidate for candidate in self._gpu_paths(op, args, features)
+                if not candidate.is_verified(op, args)
                 and first_use.may_check(candidate.name, op, candidate.code_path(op, args), args[0].device)]
 
     def _choose(self, op: str, args: tuple, features: tuple[str, ...]) -> Ops:
@@ -169,7 +183,7 @@ class AutoOps(Ops):
         verified_here = self._verified_for(op, args, features)
         checkable = self._checkable_for(op, args, features)
         while True:
-            allowed = [c for c in self.candidates if c in verified_here or c in checkable]
+            allowed = [c for c in self._gpu_paths(op, args, features) if c in verified_here or c in checkable]
             chosen = measured.fastest(op, args, [*allowed, _TORCH_OPS])
             if chosen not in checkable or first_use.decide(chosen, op, args).computes:
                 return chosen, bool(allowed)
@@ -189,6 +203,8 @@ class AutoOps(Ops):
             lacking = candidate.lacking(op, features)
             why[candidate.name] = (f"it does not implement {lacking} yet" if lacking is not None else
                                    first_use.reason(candidate, op, args))
+        if _TORCH_GPU_OPS in self._gpu_paths(op, args, features):
+            why["torch"] = first_use.reason(_TORCH_GPU_OPS, op, args)
         warnings.warn(
             f"angle_kernels: backend='auto' computes {op} with the PyTorch backend on this GPU, as it does every op "
             "and code path no GPU backend has passed a correctness run for on matching hardware and software, or a "
@@ -197,6 +213,23 @@ class AutoOps(Ops):
             "runs those checks on this GPU in a few minutes and records what passes, which 'auto' then uses. Choose "
             f"a backend with backend='torch'|'triton'|'cuda' or {_ENV_VAR} to silence this warning (shown once per "
             "process).", RuntimeWarning, stacklevel=5)
+
+
+class TorchOps(Ops):
+    """backend="torch" for CUDA tensors: each call on the torch backend's GPU path (`_TORCH_GPU_OPS`) where the call
+    has one and it is verified on this GPU (`verified`: the project's table or `python -m angle_kernels.verify`'s
+    records), else on its default path; no warning either way. Never a first-use check: an explicit "torch" is the
+    choice of the arithmetic the CPU suite verifies, and takes the faster one only where a full verification covers
+    it (docs/dispatch.md)."""
+
+    def __init__(self):
+        super().__init__("torch", _TORCH_OPS.backend)
+
+    def _choose(self, op: str, args: tuple, features: tuple[str, ...]) -> Ops:
+        return _TORCH_GPU_OPS if _TORCH_GPU_OPS.is_verified(op, args) else _TORCH_OPS
+
+    def _computing(self, op: str, args: tuple, features: tuple[str, ...] = ()) -> contract.Backend:
+        return self._choose(op, args, features).backend
 
 
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
@@ -224,6 +257,15 @@ def raw_backend(name: str) -> contract.Backend:
                                  code_paths=code_paths, **ops)
 
 
+def _held_to(backend: contract.Backend, path: str) -> contract.Backend:
+    """`backend` with every op held to the code path `path`: the op functions of modules that declare several paths
+    called with path=path, and `path` as every op's one code path."""
+    ops = {op: functools.partial(fn, path=path) if fn is not None and len(backend.paths[op]) > 1 else fn
+           for op, fn in ((op, getattr(backend, op)) for op in contract.OPS)}
+    return types.SimpleNamespace(**{**vars(backend), **ops, "paths": {op: (path,) for op in contract.OPS},
+                                    "code_paths": {op: None for op in contract.OPS}})
+
+
 def _features(**options) -> tuple[str, ...]:
     """The names of the optional features a call uses (those given a value other than None)."""
     return tuple(name for name, value in options.items() if value is not None)
@@ -235,7 +277,12 @@ def _features(**options) -> tuple[str, ...]:
 # an explicit answer, once there, is final for "auto" too (a build that succeeded is usable, one that failed
 # means no prebuilt extension either). Plain dicts rather than functools.lru_cache so that torch.compile can
 # trace resolve_backend: once a backend is loaded, looking it up is a constant.
-_TORCH_OPS = Ops("torch", raw_backend("torch"))
+# The torch backend twice: held to its default path (float32/float64 products, allowed everywhere: what "auto" falls
+# back to, and an explicit "torch" on CPU tensors), and on the path its op modules name (`code_path`: on a GPU, 16-bit
+# products), which "auto" and an explicit "torch" on CUDA tensors take where it may compute (AutoOps, TorchOps).
+_TORCH_OPS = Ops("torch", _held_to(raw_backend("torch"), verified.ALWAYS_ALLOWED["torch"]))
+_TORCH_GPU_OPS = Ops("torch", raw_backend("torch"))
+_TORCH_ON_GPU = TorchOps()
 _loaded: dict[str, tuple[Ops | None, str]] = {"torch": (_TORCH_OPS, "")}
 _loaded_without_build: dict[str, tuple[Ops | None, str]] = {}
 # The (backend, op, path) an explicit GPU backend has warned about computing unverified, and whether "auto" has
@@ -320,10 +367,19 @@ def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
             "backend 'triton' on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
             "before importing triton, or use backend='torch'"
         )
+    if name == "torch" and on_cuda:
+        return _TORCH_ON_GPU
     ops, why = _load(name, allow_build=True)
     if ops is None:
         raise RuntimeError(f"backend {name!r} is not available here: {why}")
     return ops
+
+
+def path_ops(name: str, *tensors: torch.Tensor) -> Ops:
+    """Backend `name`'s Ops computing every call on the code path its op modules name, verified here or not: what
+    `python -m angle_kernels.verify` checks. resolve_backend's for triton and cuda; for torch, its GPU paths (which an
+    explicit "torch" takes only where verified)."""
+    return _TORCH_GPU_OPS if name == "torch" else resolve_backend(name, *tensors)
 
 
 def _named_tensor(name: str, value):

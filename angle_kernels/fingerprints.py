@@ -62,9 +62,11 @@ SELECTORS: dict[tuple[str, str], str] = {
     ("triton", "pair_scores"): "triton_ops.pair_scores:code_path",
     ("triton", "ranking_loss"): "triton_ops.ranking_loss:code_path",
     ("triton", "similarity_xent"): "triton_ops.similarity_xent:code_path",
+    ("torch", "similarity_xent"): "torch_ops.similarity_xent:code_path",
 }
 
 _XENT = "triton_ops.similarity_xent:similarity_xent"
+_TORCH_XENT = "torch_ops.similarity_xent:similarity_xent"
 PATH_CODE: dict[tuple[str, str, str], PathCode] = {
     ("triton", "pair_scores", "full"): PathCode(("triton_ops.pair_scores:pair_scores",),
                                                 ("PrefixPairScoresFunction",)),
@@ -81,10 +83,15 @@ PATH_CODE: dict[tuple[str, str, str], PathCode] = {
     ("cuda", "pair_scores", "full"): PathCode(("cuda_ops.pair_scores:pair_scores",)),
     ("cuda", "ranking_loss", "sort"): PathCode(("cuda_ops.ranking_loss:ranking_loss",)),
     ("cuda", "similarity_xent", "fused"): PathCode(("cuda_ops.similarity_xent:similarity_xent",)),
-    # The PyTorch backend, one path per op: not verified on GPUs (the CPU tests verify it everywhere), but the speed
-    # table (angle_kernels.measured) records what it timed by these fingerprints too.
+    # The PyTorch backend: its default paths need no verification (the CPU tests verify them everywhere), but the
+    # speed table (angle_kernels.measured) records what it timed by these fingerprints too; its GPU path "mixed"
+    # (16-bit products) is verified like the GPU backends' paths.
     **{("torch", op, "default"): PathCode((f"torch_ops.{op}:{op}",))
-       for op in ("pair_scores", "ranking_loss", "similarity_xent", "similarity_lse")},
+       for op in ("pair_scores", "ranking_loss", "similarity_lse")},
+    ("torch", "similarity_xent", "default"): PathCode(
+        (_TORCH_XENT,), ("MixedSimilarityXentFunction", "MixedPrefixSimilarityXentFunction", "_mixed_product_into")),
+    ("torch", "similarity_xent", "mixed"): PathCode(
+        (_TORCH_XENT,), ("SimilarityXentFunction", "PrefixSimilarityXentFunction")),
 }
 
 # Decorators that only wrap the function they decorate (a kernel, a method): anything else registers it somewhere
@@ -220,6 +227,8 @@ def _bindings(module: str, is_package: bool, statements) -> dict:
                     target = _absolute(module, is_package, 0, alias.name)
                     if target is not None and alias.asname:
                         found[alias.asname] = ("module", target)
+                    elif target is not None:  # import angle_kernels.x binds the package itself
+                        found[PACKAGE] = ("module", "")
     return found
 
 
@@ -230,14 +239,23 @@ def _bound_names(statement: ast.AST) -> list[str]:
         return [statement.name]
     targets = []
     if isinstance(statement, ast.Assign):
-        targets = statement.targets
+        targets = list(statement.targets)
     elif isinstance(statement, (ast.AnnAssign, ast.AugAssign)):
         targets = [statement.target]
     names = []
-    for target in targets:
-        for node in ast.walk(target):
-            if isinstance(node, ast.Name):
-                names.append(node.id)
+    while targets:
+        target = targets.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            targets.extend(target.elts)
+        elif isinstance(target, ast.Starred):
+            targets.append(target.value)
+        elif isinstance(target, (ast.Subscript, ast.Attribute)):  # X[k] = v, X.a = v: X, not k
+            base = target.value
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
+            targets.append(base)
+        elif isinstance(target, ast.Name):
+            names.append(target.id)
     return names
 
 

@@ -158,7 +158,9 @@ def bucket(backend: str, op: str, path: str, args: tuple) -> dict:
     constexprs outside the key (similarity_lse's exclusion, periodicity, filter), pair_scores' (K, D, with_angle,
     dims: constexprs of its kernels), nothing more for the ranking term but its labels' dtype; and for each the
     specialisation classes of the integer arguments and strides the kernels take (`_int_class`, `_layout`). CUDA
-    (kernels compiled ahead, templated on the dtype): the op's variant flags and shapes that choose a kernel."""
+    (kernels compiled ahead, templated on the dtype): the op's variant flags and shapes that choose a kernel. The
+    torch backend's GPU path (cuBLAS products, eager tile code): the variant flags, and with dims or not (another
+    autograd Function)."""
     if op == "similarity_xent":
         q, c, _, target, _, exclude_diagonal, margin, group_ids, dims = args
         m, d = q.shape
@@ -170,6 +172,8 @@ def bucket(backend: str, op: str, path: str, args: tuple) -> dict:
                          sizes=_int_class(m) + "." + _int_class(mc), q=_layout(q), c=_layout(c))
             if dims is not None:
                 found["KP"] = _pow2(len(dims))
+        if backend == "torch":
+            found["dims"] = dims is not None
         return found
     if op == "similarity_lse":
         (q, c, _, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, _, filter_keeps_target,

@@ -8,17 +8,17 @@ term, and PyTorch beat both GPU backends on the smallest in-batch-negative batch
     Among the backends that may compute the call, `auto` takes the one with the lowest time at the nearest point
     measured for this op, variant, dtype and GPU (its compute capability), provided that point timed every one of
     them on the code path the call takes, with the code installed here; a time within TIE of the fastest counts as
-    equal to it, and equals go by the fixed order: triton, cuda, torch (torch before cuda for the ops of
-    AFTER_TORCH, whose CUDA scheme measured slower at every size). Points equally near the call each decide
-    so, and when they disagree the fixed order decides (never the order of the table). Without such a point
-    (another GPU or dtype, a size or width more than SPAN times away from every measured one, an op or variant
-    never measured, a backend not timed there, or timed on another code path or on code changed since), the fixed
-    order decides.
+    equal to it, and equals go by the fixed order: triton, cuda, torch (its GPU path, then its default one; torch
+    before cuda for the ops of AFTER_TORCH, whose CUDA scheme measured slower at every size). Points equally near
+    the call each decide so, and when they disagree the fixed order decides (never the order of the table). Without
+    such a point (another GPU or dtype, a size or width more than SPAN times away from every measured one, an op or
+    variant never measured, a backend not timed there, or timed on another code path or on code changed since),
+    the fixed order decides.
 
 A point is (op, variant, size, width, times, fingerprints): the median time in ms of forward + backward per code
-path it timed, keyed "backend/path" (the op module's PATHS; the torch backend's one path is "default"), and the
-fingerprint of the code each time measured, keyed the same way (`code_fingerprint`: the rule of
-angle_kernels.fingerprints, and for cuda also the op's CUDA sources the extension was built from). A time counts
+path it timed, keyed "backend/path" (the op module's PATHS: the torch backend's "default", or its "mixed" 16-bit
+products on a GPU), and the fingerprint of the code each time measured, keyed the same way (`code_fingerprint`: the
+rule of angle_kernels.fingerprints, and for cuda also the op's CUDA sources the extension was built from). A time counts
 for a call only while this installation runs the code it measured: an edit to a path's code retires its times
 until a GPU run measures them again, exactly as it voids the path's verification. Sizes (`call_point`): pairs for
 pair_scores, scores for ranking_loss, logits (M x Mc) for similarity_xent; width is D (1 for ranking_loss).
@@ -290,10 +290,11 @@ AFTER_TORCH = {("cuda", "similarity_xent")}
 
 
 def fixed_order(op: str, allowed: list[Candidate]) -> list[Candidate]:
-    """`allowed` (triton, cuda, torch) with the exceptions of AFTER_TORCH moved behind torch."""
+    """`allowed` (triton, cuda, torch: its GPU path, then its default one) with the exceptions of AFTER_TORCH moved
+    behind torch (behind both of its paths)."""
     late = [c for c in allowed if (c.name, op) in AFTER_TORCH]
     rest = [c for c in allowed if c not in late]
-    at = next((i + 1 for i, c in enumerate(rest) if c.name == "torch"), len(rest))
+    at = max((i + 1 for i, c in enumerate(rest) if c.name == "torch"), default=len(rest))
     return rest[:at] + late + rest[at:]
 
 

@@ -3,8 +3,9 @@
 `backend="auto"` computes a call on a GPU backend only when that backend's (op, code path) has passed a
 correctness run (forward and backward against the float64 reference, every dtype, the half-precision rule) on
 matching hardware and software, or has passed a first-use check here (`angle_kernels.first_use`); everything else
-runs on the PyTorch backend, which the CPU test suite verifies end to end. An explicit `backend="triton"` or
-`"cuda"` runs whatever it is asked, warning once per (backend, op, path) and process when it is not verified here.
+runs on the PyTorch backend's default path, which the CPU test suite verifies end to end. An explicit
+`backend="triton"` or `"cuda"` runs whatever it is asked, warning once per (backend, op, path) and process when it
+is not verified here; an explicit "torch" takes its GPU path only where it is verified here.
 
 Code paths. A GPU backend's op module lists the paths a call can take (`PATHS`: for example the Triton
 similarity_xent's fused kernels, its dense scheme and its prefix kernels for dims) and, when there are several,
@@ -20,13 +21,16 @@ Sources of verifications, read once per process:
 
 The match rule: an entry covers a call when its backend, op and path are the call's and every field of
 MATCH_FIELDS[backend] equals this process's value (`identity`):
-    * both backends: the GPU's compute capability, torch's major.minor version, and `fingerprint`, the
+    * every backend: the GPU's compute capability, torch's major.minor version, and `fingerprint`, the
       fingerprint of the code the path executes (`angle_kernels.fingerprints`: its Triton kernels and every
       launcher and helper they reach; docstrings, comments and moves between modules excluded), so an edit voids
       exactly the verifications of the paths that run the edited code;
     * triton: Triton's major.minor version;
     * cuda: the CUDA version torch was built with, and `build`, the fingerprint of the op's CUDA sources the
-      loaded extension reports it was built from (fingerprints.csrc_fingerprint, compiled into it).
+      loaded extension reports it was built from (fingerprints.csrc_fingerprint, compiled into it);
+    * torch: nothing more. Its GPU paths (16-bit products on a GPU: torch_ops/similarity_xent.py's "mixed") are
+      verified like the GPU backends' paths; its default path (ALWAYS_ALLOWED), the same float32/float64
+      arithmetic on every device, which the CPU suite verifies, needs no verification anywhere.
 
 A path whose code passed the table's large-size checks on some GPU (CODE_FIELDS equal) may also compute on a GPU
 or versions the table does not cover, after a check on its first call there: `checked_elsewhere` says whether it
@@ -86,10 +90,21 @@ VERIFIED: tuple[dict, ...] = (
 MATCH_FIELDS = {
     "triton": ("capability", "torch", "triton", "fingerprint"),
     "cuda": ("capability", "torch", "cuda", "fingerprint", "build"),
+    "torch": ("capability", "torch", "fingerprint"),
 }
 # The fields that say which code passed (the others say where it ran).
-CODE_FIELDS = {"triton": ("fingerprint",), "cuda": ("fingerprint", "build")}
+CODE_FIELDS = {"triton": ("fingerprint",), "cuda": ("fingerprint", "build"), "torch": ("fingerprint",)}
+# The backends with GPU code paths that need a verification (the torch backend: its 16-bit products on a GPU).
 GPU_BACKENDS = tuple(MATCH_FIELDS)
+# The one path of a backend that computes anywhere without a verification: the torch backend's default arithmetic
+# (products in float32 or float64, the same formulas on every device), which the CPU test suite verifies end to end.
+ALWAYS_ALLOWED = {"torch": "default"}
+
+
+def needs_verification(backend: str, path: str) -> bool:
+    """Whether `backend`'s code path must be verified (or pass a first-use check) before "auto" computes with it on a
+    GPU: every GPU backend's path but ALWAYS_ALLOWED's."""
+    return ALWAYS_ALLOWED.get(backend) != path
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -118,7 +133,7 @@ def identity(backend: str, op: str, path: str, device: torch.device) -> dict:
         import triton
 
         ident["triton"] = _major_minor(triton.__version__)
-    else:
+    elif backend == "cuda":
         ident["cuda"] = torch.version.cuda
     return ident
 
@@ -208,7 +223,10 @@ def identity_here(backend: str, op: str, path: str, device: torch.device) -> dic
 
 
 def is_verified(backend: str, op: str, path: str, device: torch.device) -> bool:
-    """Whether a verification covers `backend`'s `op` on code path `path` on the CUDA `device`."""
+    """Whether a verification covers `backend`'s `op` on code path `path` on the CUDA `device` (always, for a path
+    that needs none: ALWAYS_ALLOWED)."""
+    if not needs_verification(backend, path):
+        return True
     key = (backend, op, path, device.index)
     if key not in _answers:
         ident = identity_here(backend, op, path, device)
@@ -255,7 +273,8 @@ def stale_entries(table=None) -> list[dict]:
 
 
 def paths_of(backend: str) -> dict[str, tuple[str, ...]]:
-    """op -> the code paths its module in the backend's package declares (PATHS), for the ops it implements."""
+    """op -> the code paths its module in the backend's package declares (PATHS; "default" where it declares
+    none), for the ops it implements."""
     from . import contract
 
     found = {}
@@ -264,5 +283,5 @@ def paths_of(backend: str) -> dict[str, tuple[str, ...]]:
             module = importlib.import_module(f"angle_kernels.{backend}_ops.{op}")
         except ModuleNotFoundError:
             continue
-        found[op] = tuple(module.PATHS)
+        found[op] = tuple(getattr(module, "PATHS", ("default",)))
     return found

@@ -1,11 +1,12 @@
 """Check the GPU backends on this GPU and record what passes, so that backend="auto" uses it.
 
-    python -m angle_kernels.verify [--backend triton|cuda|all] [--sizes standard|large] [--out FILE]
+    python -m angle_kernels.verify [--backend all|triton|cuda|torch[,...]] [--sizes standard|large] [--out FILE]
     python -m angle_kernels.verify --list | --forget
 
 For every GPU backend that can run here (triton; cuda only when its extension is already built: this command
-never builds it), every op it implements and every code path of that op (the op module's PATHS, see
-`angle_kernels.verified`), on fresh random inputs on the GPU, forward and backward: the backend against
+never builds it; torch: its GPU path, 16-bit products), every op it implements and every code path of that op that
+needs a verification (the op module's PATHS, see `angle_kernels.verified`; not the torch backend's default path),
+on fresh random inputs on the GPU, forward and backward: the backend against
 `angle_kernels.reference` in float64, computed on the GPU from the same rounded inputs, judged by the reference's
 rule (`reference.allowed_error`): float64 and float32 against tolerances, bfloat16 and float16 at most twice
 eager PyTorch's own error in that dtype. Every case runs twice: its first call compiles and autotunes (the
@@ -39,10 +40,11 @@ import torch
 
 from . import reference, user_cache, verified
 from .contract import SCORE_DTYPES, compute_dtype  # ranking_loss takes scores in SCORE_DTYPES only
-from .dispatch import resolve_backend
+from .dispatch import path_ops, resolve_backend
 
 # The order dtypes are checked in: what training uses first.
 DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # the torch backend's GPU path takes only these
 # Above this many elements of its N x N matrix the reference ranking term is replaced by the torch backend in
 # float64 (itself held to the reference by the test suite): the sort path exists only at large N.
 REFERENCE_MAX_ELEMENTS = 2**26
@@ -85,7 +87,7 @@ def _ranking_case(path: str, n: int) -> Case:
     return Case("ranking_loss", path, f"N={n}", build, SCORE_DTYPES)
 
 
-def _xent_case(path: str, m: int, mc: int | None, d: int, dims=None) -> Case:
+def _xent_case(path: str, m: int, mc: int | None, d: int, dims=None, dtypes=DTYPES) -> Case:
     """In-batch negatives (mc None: c is q; partner targets, duplicate texts, zero-weighted rows) or the
     contrastive loss with an ArcCon-style angular margin (diagonal targets, candidates c)."""
     def build(gen, dtype, device):
@@ -99,7 +101,7 @@ def _xent_case(path: str, m: int, mc: int | None, d: int, dims=None) -> Case:
         return [q, c], lambda q, c: ((q, c, 20.0), dict(target="diagonal", margin=math.radians(10), dims=dims))
 
     shape = f"M={m}" + ("" if mc is None else f" Mc={mc}") + f" D={d}" + (f" dims={dims}" if dims else "")
-    return Case("similarity_xent", path, ("ibn " if mc is None else "contrastive ") + shape, build)
+    return Case("similarity_xent", path, ("ibn " if mc is None else "contrastive ") + shape, build, dtypes)
 
 
 def _lse_case(path: str, m: int, mc: int, d: int) -> Case:
@@ -132,6 +134,13 @@ def cases(sizes: str = "standard") -> list[Case]:
     dims, five = ((8, 16, 32), (4, 8, 16, 24, 32)) if tiny else ((64, 256, 768), (64, 128, 256, 512, 768))
     # the dense scheme from its MIN_WIDTH (768) up, not only at the wide width
     at_min_width = [] if tiny else [_xent_case("dense", rows, None, d)]
+    # the torch backend's 16-bit products (its "mixed" path, bf16 and fp16 only): in-batch negatives, the
+    # contrastive loss with a margin at the wide width, Matryoshka at three and five widths; more than one row block
+    # at large sizes (the GPU's blocks hold 2^25 logits: 4,096 rows of 8,192 columns)
+    mixed = [_xent_case("mixed", rows, None, d, dtypes=HALF_DTYPES),
+             _xent_case("mixed", rows // 2, rows, wide, dtypes=HALF_DTYPES),
+             _xent_case("mixed", rows, None, d, dims=dims, dtypes=HALF_DTYPES),
+             _xent_case("mixed", rows // 2, rows, d, dims=five, dtypes=HALF_DTYPES)]
     return [
         _pair_case("full", pairs, 2, d),
         _pair_case("full", pairs // 4, 3, d),
@@ -146,6 +155,7 @@ def cases(sizes: str = "standard") -> list[Case]:
         _xent_case("dims", rows, None, d, dims=dims),
         _xent_case("dims", rows // 2, rows, d, dims=five),
         _lse_case("fused", rows // 2, 3 * (rows // 2), d),
+        *mixed,
     ]
 
 
@@ -210,8 +220,9 @@ def check(ops, case: Case, dtype: torch.dtype, device, seed: int = 0) -> dict:
 def run_checks(backend: str, device, case_list: list[Case], dtypes=DTYPES, deadline: float | None = None,
                on_result=None) -> list[dict]:
     """Every case of `case_list` on `backend` in every one of its dtypes, dtype by dtype (see DTYPES), until the
-    monotonic `deadline`; on_result(results) after each. Cases of ops or paths the backend lacks are left out."""
-    ops = resolve_backend(backend, torch.empty(0, device=device))
+    monotonic `deadline`; on_result(results) after each. Cases of ops or paths the backend lacks are left out. The
+    backend computes on the paths its op modules name, verified or not (dispatch.path_ops)."""
+    ops = path_ops(backend, torch.empty(0, device=device))
     results = []
     for dtype in dtypes:
         for case in case_list:
@@ -276,11 +287,13 @@ def entries_from(results: list[dict], identity_of, evidence: str, sizes: str) ->
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
-def _runnable_backends(wanted: str) -> tuple[list[str], dict[str, str]]:
+def _runnable_backends(wanted: list[str]) -> tuple[list[str], dict[str, str]]:
     """The GPU backends to check, and why the others are left out (cuda: only an already built extension)."""
     usable, why_not = [], {}
-    for name in verified.GPU_BACKENDS if wanted == "all" else (wanted,):
-        if name == "cuda":
+    for name in verified.GPU_BACKENDS if "all" in wanted else wanted:
+        if name == "torch":  # its GPU path runs wherever torch has CUDA
+            ok, why = True, ""
+        elif name == "cuda":
             from .cuda_ops import _extension
 
             ok, why = _extension.load(allow_build=False)
@@ -312,9 +325,10 @@ def describe_cache() -> str:
     contents = user_cache.read(where)
     lines = [f"{where}: {len(contents['verified'])} verifications, {len(contents['checks'])} first-use checks"]
     for e in contents["verified"]:
-        compiler = f"triton {e.get('triton')}" if e.get("backend") == "triton" else f"cuda {e.get('cuda')}"
+        backend = e.get("backend")
+        compiler = f", {backend} {e.get(backend)}" if backend in ("triton", "cuda") else ""
         lines.append(f"verified  {e.get('backend')} {e.get('op')} {e.get('path')} on {e.get('gpu')} "
-                     f"(sm_{str(e.get('capability')).replace('.', '')}, torch {e.get('torch')}, {compiler}; "
+                     f"(sm_{str(e.get('capability')).replace('.', '')}, torch {e.get('torch')}{compiler}; "
                      f"code {e.get('fingerprint')}) at {e.get('sizes')} sizes, {e.get('date')}")
     for r in contents["checks"]:
         bucket = ", ".join(f"{k}={v}" for k, v in sorted((r.get("bucket") or {}).items()))
@@ -323,10 +337,22 @@ def describe_cache() -> str:
     return "\n".join(lines)
 
 
+def _backend_names(value: str) -> list[str]:
+    """--backend's value: "all", or GPU backends, comma-separated."""
+    names = [name.strip() for name in value.split(",")]
+    unknown = [name for name in names if name not in ("all", *verified.GPU_BACKENDS)]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"not a GPU backend: {', '.join(map(repr, unknown))} (all, "
+                                         f"{', '.join(verified.GPU_BACKENDS)})")
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m angle_kernels.verify", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=("all", *verified.GPU_BACKENDS), default="all")
+    parser.add_argument("--backend", type=_backend_names, default=["all"],
+                        help=f"all (the default), or one or more of {', '.join(verified.GPU_BACKENDS)}, "
+                             "comma-separated")
     parser.add_argument("--sizes", choices=("standard", "large"), default="standard")
     parser.add_argument("--dtypes", default=",".join(_dtype_name(d) for d in DTYPES),
                         help="comma-separated, in the order to check them (default: %(default)s); a path is "

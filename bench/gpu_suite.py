@@ -21,9 +21,10 @@ keeps every step packed before the kill, and the console has the rest.
     stage   limit   what
     first   465 s   its steps, each with its own limit:
                     preflight 35 s: imports, versions, tools; starts the CUDA extension's build in the background
-                    large_checks 165 s: the Triton backend's every op and code path at large sizes against float64
-                        (`python -m angle_kernels.verify --sizes large`, one process per dtype side by side: bf16,
-                        fp32, fp16, fp64); the paths that pass go to OUT_DIR/verified.json
+                    large_checks 165 s: the Triton backend's every op and code path, and the torch backend's GPU
+                        path (16-bit products), at large sizes against float64 (`python -m angle_kernels.verify
+                        --backend torch,triton --sizes large`, one process per dtype side by side: bf16, fp32, fp16,
+                        fp64); the paths that pass go to OUT_DIR/verified.json
                     cuda_backend 100 s: waits for the build, probes it, its verify checks, `pytest tests/ops -k cuda`
                     triton_tests 125 s: the Triton backend's op tests and sm_90 compile check (`pytest -v`, xdist,
                         a per-test timeout, one autotune config except where a test exercises autotuning)
@@ -37,7 +38,10 @@ keeps every step packed before the kill, and the console has the rest.
                     its own (op 120 s, loss 150 s, CUDA 10 s of its limit), recorded apart from the warm runs
                     (cold_s), and records the code path each row timed with its fingerprint (speed_table.py)
     third   520 s   llama7b: the LoRA training benchmark (bench/train_llama_7b.py; 7B, or --llama-size 1b),
-                    resumable: run it again with --resume-from the previous results until it prints that it is done
+                    resumable: run it again with --resume-from the previous results until it prints that it is done;
+                    --train-bench: train_bench instead, angle-train against sentence-transformers' trainer
+                    (bench/bench_training.py --gpu: MiniLM and BERT-base, plain at 64 pairs, gradient cache at 1,024 to
+                    65,536), resumable the same way
                     (--time-limit fits a stage into the machine time left, e.g. after another stage in one command)
 
 Where there is no CUDA device, `first` runs its preflight and packs it (a rehearsal of the command line, the
@@ -448,19 +452,20 @@ def run_side_by_side(commands: dict[str, tuple[list[str], Path]], timeout_s: flo
 
 def verify_side_by_side(record: StageRecord, deadline: Deadline, backend: str,
                         groups: dict[str, str] | None = None, sizes: str = "large") -> dict:
-    """`python -m angle_kernels.verify` for `backend` at `sizes`, one process per group of dtypes (name ->
-    comma-separated dtypes; default one per dtype) side by side: each compiles and autotunes its own kernels, and
-    the compiles, not the GPU, take the time. Their results merged: the checks, each code path's outcome
-    ("passed" only once every dtype ran and passed), the failed paths."""
+    """`python -m angle_kernels.verify` for `backend` (or several, comma-separated) at `sizes`, one process per
+    group of dtypes (name -> comma-separated dtypes; default one per dtype) side by side: each compiles and
+    autotunes its own kernels, and the compiles, not the GPU, take the time. Their results merged: the checks,
+    each code path's outcome ("passed" only once every dtype ran and passed), the failed paths."""
     from angle_kernels import verify
 
     groups = groups or {dtype: dtype for dtype in VERIFY_DTYPES}
     commands, outputs = {}, []
+    label = backend.replace(",", "+")
     for name, dtypes in groups.items():
-        out = record.work / f"verify_{backend}_{name}.json"
+        out = record.work / f"verify_{label}_{name}.json"
         cmd = [sys.executable, "-m", "angle_kernels.verify", "--backend", backend, "--sizes", sizes, "--dtypes",
                dtypes, "--time-limit", f"{max(1.0, deadline.left() - 20):.0f}", "--out", str(out), "--no-record"]
-        commands[name] = (cmd, record.work / f"verify_{backend}_{name}.log")
+        commands[name] = (cmd, record.work / f"verify_{label}_{name}.log")
         outputs.append(out)
     runs = run_side_by_side(commands, deadline.left() - 5, subprocess_env())
     results = []
@@ -585,7 +590,8 @@ def headline(device: str = "cuda", n: int = 16384, d: int = 768, dtype: str = "b
 
 
 def stage_first(args, record: StageRecord, schedule: Schedule) -> None:
-    guarded(record, "large_checks", lambda: verify_side_by_side(record, schedule.deadline("large_checks"), "triton"))
+    guarded(record, "large_checks", lambda: verify_side_by_side(record, schedule.deadline("large_checks"),
+                                                                "torch,triton"))
     guarded(record, "cuda_backend", lambda: cuda_backend(record, schedule.deadline("cuda_backend"), args.workers))
     guarded(record, "verifications", lambda: write_verifications(
         record, ("large_checks", "cuda_backend"), f"bench/results/{results_folder()}/first"))
@@ -898,6 +904,52 @@ def stage_third(args, record: StageRecord, schedule: Schedule) -> None:
     guarded(record, "llama7b", train)
 
 
+# third --train-bench: angle-train against SentenceTransformerTrainer, its own step (the stage's whole limit)
+TRAIN_BENCH_STEPS = (("train_bench", 520),)
+
+
+def stage_train_bench(args, record: StageRecord, schedule: Schedule) -> None:
+    """bench/bench_training.py --gpu --resume inside the step's limit (--time-budget), continuing its results.json
+    (with --resume-from, the previous command's, copied first). Its data, built models and caches go to a scratch
+    folder outside the packed work folder: BERT-base's weights and the 65,536-pair data would not come back."""
+    out = record.work / "train_bench"
+    deadline = schedule.deadline("train_bench")
+
+    def resume():
+        source = Path(args.resume_from)
+        source = source / "train_bench" if (source / "train_bench").is_dir() else source
+        if not (source / "results.json").exists():
+            raise FileNotFoundError(f"--resume-from {args.resume_from}: no results.json there or in its train_bench/")
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source / "results.json", out / "results.json")
+        return {"from": str(source)}
+
+    if args.resume_from and guarded(record, "resume", resume)["status"] != "ok":
+        return
+
+    def train():
+        # The benchmark starts no run that cannot end inside its budget (and kills one with no forecast at its
+        # end); the kill 10 s later is for the rest, and still leaves every run saved before it.
+        budget = deadline.left() - 20
+        scratch = Path(tempfile.mkdtemp(prefix="angle_kernels_train_bench_"))
+        try:
+            cmd = [sys.executable, "bench/bench_training.py", "--gpu", "--out", str(out), "--scratch", str(scratch),
+                   "--resume", "--time-budget", f"{budget:.0f}"]
+            result = run_logged(cmd, record.work / "train_bench.log", budget + 10, subprocess_env())
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if result["returncode"] != 0 or not (out / "results.json").exists():
+            raise RuntimeError(f"bench_training.py: {result['last_line']} (train_bench.log)")
+        result["left"] = json.loads((out / "results.json").read_text()).get("left", [])
+        result["done"] = not result["left"]
+        print("training benchmark: " + ("done" if result["done"] else
+                                        f"left: {', '.join(result['left'])}: run `third --train-bench` again with "
+                                        "--resume-from the committed third/ folder"), flush=True)
+        return result
+
+    guarded(record, "train_bench", train)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Stages, markdown, summary, command line
 # --------------------------------------------------------------------------------------------------------
@@ -914,8 +966,8 @@ STAGES = {
                    FIRST_STEPS, stage_first, needs_build=True),
     "second": Stage("hardware limits, op sweep and loss sweep (bf16)", (("preflight", 0),) + SECOND_STEPS,
                     stage_second, needs_build=True),
-    "third": Stage("7B LoRA training benchmark (resumable)", (("preflight", 0),) + THIRD_STEPS, stage_third,
-                   needs_build=False),
+    "third": Stage("training benchmarks, resumable: 7B LoRA, or (--train-bench) angle-train vs sentence-transformers",
+                   (("preflight", 0),) + THIRD_STEPS, stage_third, needs_build=False),
 }
 
 
@@ -1035,14 +1087,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--llama-size", choices=("7b", "1b"), default="7b",
                         help="third: the model of the LoRA benchmark (train_llama_7b.py --size): 7b, or 1b for the "
                              "32,768-pair step of a ~1B model")
+    parser.add_argument("--train-bench", action="store_true",
+                        help="third: the training benchmark (bench/bench_training.py --gpu: angle-train against "
+                             "sentence-transformers' trainer) instead of the LoRA one; resumable with --resume-from")
     parser.add_argument("--resume-from", default=None,
-                        help="third: a folder with the previous command's results (its llama7b/, or llama1b/, is "
-                             "copied first, and the benchmark continues where it stopped)")
+                        help="third: a folder with the previous command's results (its llama7b/, or llama1b/, or "
+                             "with --train-bench its train_bench/, is copied first, and the benchmark continues where "
+                             "it stopped)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if args.time_limit is not None and args.time_limit <= 0:
         parser.error("--time-limit must be a positive number of seconds")
+    if args.train_bench and args.stage != "third":
+        parser.error("--train-bench chooses stage third's benchmark")
     if args.stage in STAGES:
         skippable = [name for name, _ in SECOND_STEPS if name != "limits"] if args.stage == "second" else []
         unknown = [name for name in args.skip if name not in skippable]
@@ -1071,7 +1129,9 @@ def main(argv=None) -> int:
         os.environ["ANGLE_KERNELS_CUDA_JIT"] = "0"  # the extension comes from the background build, or not at all
     out.mkdir(parents=True, exist_ok=True)
     stage = STAGES[args.stage]
-    schedule = Schedule(stage.steps, PROCESS_START, skip=args.skip, limit_s=args.time_limit)
+    train_bench = args.stage == "third" and args.train_bench
+    steps = (("preflight", 0),) + TRAIN_BENCH_STEPS if train_bench else stage.steps
+    schedule = Schedule(steps, PROCESS_START, skip=args.skip, limit_s=args.time_limit)
     record = StageRecord(out, args.stage, schedule.budget_s, argv)
     if args.skip:
         record.data["skipped"] = list(args.skip)
@@ -1083,7 +1143,7 @@ def main(argv=None) -> int:
                   f"{out}; the GPU steps need a GPU, and nothing else was run.")
             status = "rehearsed"
             return 0
-        stage.run(args, record, schedule)
+        (stage_train_bench if train_bench else stage.run)(args, record, schedule)
         steps = record.data["steps"].values()
         status = "ok" if all(step.get("status") == "ok" for step in steps) else "failed"
     finally:

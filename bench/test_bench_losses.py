@@ -188,19 +188,49 @@ def test_a_budget_cuts_the_largest_sizes_not_whole_losses():
                         ("cosine", 256), ("triplet", 256)]
 
 
-def run_script(*argv: str) -> subprocess.CompletedProcess:
-    """bench_losses.py in a subprocess: the script forks one child per case, which is only safe from a process
-    that has not yet run a parallel (OpenMP) torch op, and this pytest process has."""
-    cmd = [sys.executable, str(HERE / "bench_losses.py"), *argv]
+# The script's runs that the tests below check, by name: each test's arguments (and --out, a folder of its own).
+SCRIPT_RUNS = {
+    "end_to_end": ("--losses", "cosine,ibn", "--n", "16,64", "--n-quadratic", "16", "--d", "32",
+                   "--providers", "ours,reference", "--repeats", "3", "--max-ref-gb", "0.00005"),
+    "time_budget": ("--losses", "cosine,triplet", "--n", "16,64", "--d", "32", "--providers", "ours",
+                    "--time-budget", "0", "--no-plot", "--no-check"),
+}
+
+
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory):
+    """run(name) -> (the finished run of bench_losses.py with SCRIPT_RUNS[name], its --out folder). Every run
+    starts at the first call, side by side: each is mostly one process's imports and waits, which overlap. (In a
+    pytest-xdist worker, only the run asked for: the workers already run side by side, and the other test may be
+    another worker's.)
+
+    A subprocess: the script forks one child per case, which is only safe from a process that has not yet run a
+    parallel (OpenMP) torch op, and this pytest process has."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    started = {}
+
+    def run(name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        for each in [name] if os.environ.get("PYTEST_XDIST_WORKER") else SCRIPT_RUNS:
+            if each not in started:
+                folder = tmp_path_factory.mktemp(each)
+                cmd = [sys.executable, str(HERE / "bench_losses.py"), *SCRIPT_RUNS[each], "--out", str(folder / "out")]
+                with open(folder / "stdout.txt", "w") as stdout, open(folder / "stderr.txt", "w") as stderr:
+                    started[each] = (subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env), folder)
+        proc, folder = started[name]
+        returncode = proc.wait(timeout=240)
+        return (subprocess.CompletedProcess(proc.args, returncode, (folder / "stdout.txt").read_text(),
+                                            (folder / "stderr.txt").read_text()), folder / "out")
+
+    yield run
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
-def test_script_end_to_end(tmp_path):
+def test_script_end_to_end(script_runs):
     """bench_losses.py at tiny sizes writes a table, JSON and a plot, and skips what exceeds the budget."""
-    out = tmp_path / "out"
-    proc = run_script("--losses", "cosine,ibn", "--n", "16,64", "--n-quadratic", "16", "--d", "32",
-                      "--providers", "ours,reference", "--repeats", "3", "--max-ref-gb", "0.00005", "--out", str(out))
+    proc, out = script_runs("end_to_end")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = (out / "table.md").read_text()
     data = json.loads((out / "results.json").read_text())
@@ -245,11 +275,9 @@ def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
     assert "| 16 |" in (tmp_path / "table.md").read_text()
 
 
-def test_time_budget_skips_what_does_not_fit(tmp_path):
+def test_time_budget_skips_what_does_not_fit(script_runs):
     """--time-budget 0: nothing is measured, every case is marked, and the outputs are still complete."""
-    out = tmp_path / "out"
-    proc = run_script("--losses", "cosine,triplet", "--n", "16,64", "--d", "32", "--providers", "ours",
-                      "--time-budget", "0", "--no-plot", "--no-check", "--out", str(out))
+    proc, out = script_runs("time_budget")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["complete"] is True and len(data["results"]) == 4

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +83,167 @@ def test_smoke_run_end_to_end(tmp_path, smoke_assets):
     assert results["settings"]["cached256"]["token_budget"] > 0
     assert results["versions"]["sentence-transformers"] and results["machine"]["torch_threads"] >= 1
     assert not list(out.glob("cached256-*"))  # every run's temporary folder is gone
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The GPU settings, dry-run on CPU: the trainers replaced by a stand-in that writes what each writes
+# ----------------------------------------------------------------------------------------------------------
+
+OURS_STEP_S, ST_STEP_S, FIRST_STEP_S, START_S = 0.1, 0.2, 1.0, 2.0
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def stand_in_trainers(calls: list, stop_at: int | None = None, oom=lambda argv: False):
+    """run_child's stand-in: for angle-train a metrics.jsonl row per step and its summary line, for st-train its
+    report (or exit 4 for padding-free inputs, as without flash_attn); wall clock = START_S + the steps' seconds.
+    Call number `stop_at` runs past its time limit (a run the time budget kills); a run `oom(argv)` picks runs out
+    of memory."""
+
+    def run(argv, workdir, timeout, env=None):
+        calls.append(argv)
+        steps, batch = int(_flag(argv, "--max-steps")), int(_flag(argv, "--batch-size"))
+        out = Path(_flag(argv, "--output-dir"))
+        out.mkdir(parents=True, exist_ok=True)
+        if len(calls) == stop_at:
+            return {"seconds": timeout, "peak_rss_bytes": 1, "returncode": -9, "timed_out": True, "tail": ["..."]}
+        if oom(argv):
+            return {"seconds": START_S, "peak_rss_bytes": 1, "returncode": 1, "timed_out": False,
+                    "tail": ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 GiB"]}
+        record = {"peak_rss_bytes": 10**8, "returncode": 0, "timed_out": False, "tail": []}
+        step_s = ST_STEP_S if "st-train" in argv else OURS_STEP_S
+        times = [FIRST_STEP_S] + [step_s] * (steps - 1)
+        if "st-train" in argv:
+            if "--unpad-inputs" in argv:
+                return {**record, "seconds": START_S, "returncode": bt.ST_UNSUPPORTED,
+                        "tail": ["unsupported: flash_attn is not installed"]}
+            (out / "st_report.json").write_text(json.dumps({"global_step": steps, "step_seconds": times,
+                                                            "losses": [1.0] * steps, "peak_memory_bytes": 2**30}))
+        else:
+            rows = [{"step": k + 1, "loss": 1.0, "pairs_per_s": batch / t, "peak_mem_gb": 0.5}
+                    for k, t in enumerate(times)]
+            (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            record["tail"] = [f"done: {steps} steps | last loss 1.0000"]
+        return {**record, "seconds": START_S + steps * step_s}
+
+    return run
+
+
+def test_gpu_settings_dry_run_names_every_setting_and_contender(tmp_path, monkeypatch):
+    """The GPU settings' code path on CPU (--gpu --smoke --device cpu): the tiny models (bert-base built from its
+    config), generated data, every contender's command (parsed by the real parsers), warm-ups, the step times, the
+    cold first step apart from the warm ones, a contender out of memory (not run again in that setting), and a
+    table and results.json that name every setting and contender."""
+    from angle_train.cli import build_parser
+
+    calls = []
+
+    def st_at_the_largest_batch(argv):
+        return argv[2] == "st-train" and Path(_flag(argv, "--train-data")).stem == "bert-base-cached64k"
+
+    monkeypatch.setattr(bt, "run_child", stand_in_trainers(calls, oom=st_at_the_largest_batch))
+    out = tmp_path / "out"
+    assert bt.main(["--gpu", "--smoke", "--device", "cpu", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    table = (out / "table.md").read_text()
+    settings, contenders = list(bt.GPU_SMOKE_SETTINGS), list(bt.GPU_CONTENDERS)
+    assert set(results["settings"]) == set(settings) and set(results["contenders"]) == set(contenders)
+    assert results["data"].startswith("48 generated pairs") and set(results["models"]) == {"minilm", "bert-base"}
+    assert all(m["attention"] == "sdpa" for m in results["models"].values())
+    rows = {(r["setting"], r["contender"]): r for r in results["summary"]}
+    measured = ("ours-packed", "ours-padded", "st")
+    assert set(rows) == {(s, c) for s in settings for c in measured}
+    largest = rows.pop(("bert-base-cached64k", "st"))
+    assert largest["failed_runs"] == 1 and largest["failure"] == "out of memory" and "step_s" not in largest
+    assert sum(map(st_at_the_largest_batch, calls)) == 1  # its long run was not tried
+    assert "| bert-base-cached64k | st | no estimate (1 runs failed: out of memory) |" in table
+    for (setting, contender), row in rows.items():
+        step = ST_STEP_S if contender == "st" else OURS_STEP_S
+        assert row["step_s"] == pytest.approx(step) and row["in_process_step_s"] == pytest.approx(step)
+        assert row["first_step_s"] == pytest.approx(FIRST_STEP_S)
+        assert (row.get("first_step_empty_caches_s") is not None) == (contender != "st" or setting == settings[0])
+        assert row.get("st_best_over_this") == (None if setting == "bert-base-cached64k" else
+                                                pytest.approx(ST_STEP_S / step))
+        assert f"| {setting} | {contender} |" in table
+    assert all(x["contender"] == "st-unpadded" and x["unsupported"] for x in results["skipped"])
+    assert {x["setting"] for x in results["skipped"]} == set(settings)
+    assert "Absent: st-unpadded (every setting): unsupported: flash_attn is not installed" in table
+    assert all(f"| {s} |" in table for s in settings) and "first step, empty caches" in table
+    # every command as the trainers' own parsers read it
+    ours = [build_parser().parse_args(argv[3:]) for argv in calls if argv[1:3] == ["-m", "angle_train.cli"]]
+    st = [bt.st_parser().parse_args(argv[3:]) for argv in calls if argv[2] == "st-train"]
+    assert ours and st and len(ours) + len(st) == len(calls)
+    assert all(a.device == "cpu" and a.bf16 and a.log_every == 1 and a.model_dtype == "float32" for a in ours)
+    assert {a.pack for a in ours} == {0, bt.DEFAULT_PACK_WIDTH}
+    assert all(a.bf16 and a.log_losses and a.attention in ("sdpa", "flash_attention_2") for a in st)
+    assert {Path(a.model).name for a in ours} == {"model", "bert-base"}
+    assert not list(out.glob("*-cached*-*"))  # every run's temporary folder is gone
+
+
+def test_gpu_settings_resume_after_the_time_budget_stops_them(tmp_path, monkeypatch):
+    """A run killed at the end of its time allowance stops the command and abandons its round; --resume runs that
+    round again whole and nothing recorded whole; results made otherwise are refused."""
+    out = tmp_path / "out"
+    argv = ["--gpu", "--smoke", "--device", "cpu", "--out", str(out), "--settings", "minilm-plain64,bert-base-cached1k",
+            "--contenders", "ours-packed,st", "--reps", "2", "--time-budget", "300", "--resume"]
+    calls = []
+    monkeypatch.setattr(bt, "run_child", stand_in_trainers(calls, stop_at=9))
+    assert bt.main(argv) == 0
+    first = json.loads((out / "results.json").read_text())
+    # minilm-plain64: 2 warm-ups, rep 1's 4 runs; bert-base-cached1k: 1 warm-up (angle-train's), then its rep 1:
+    # ours-packed's short run, and st's (the 9th) runs out of time: the round's 2 runs are abandoned
+    assert len(calls) == 9 and first["left"] == ["bert-base-cached1k rep 1", "minilm-plain64 rep 2",
+                                                 "bert-base-cached1k rep 2"]
+    assert [r["stopped"] for r in first["runs"] if r.get("stopped")] == ["time budget"]
+    assert sum(bool(r.get("abandoned")) for r in first["runs"]) == 2
+    calls.clear()
+    monkeypatch.setattr(bt, "run_child", stand_in_trainers(calls))
+    assert bt.main(argv) == 0
+    second = json.loads((out / "results.json").read_text())
+    assert second["left"] == [] and len(second["resumed_by"]) == 1
+    # bert-base-cached1k: 2 warm-ups (this command's first) and rep 1; minilm-plain64: 1 warm-up and rep 2;
+    # bert-base-cached1k rep 2. Nothing recorded whole runs again.
+    assert len(calls) == 2 + 4 + 1 + 4 + 4
+    assert [Path(_flag(a, "--train-data")).stem for a in calls].count("minilm-plain64") == 1 + 4
+    rows = {(r["setting"], r["contender"]): r for r in second["summary"]}
+    assert len(rows) == 4 and all(len(r["estimates_s"]) == 2 for r in rows.values())
+    assert bt.main([*argv, "--pack-width", "64"]) == 2  # other settings: refused
+
+
+def test_gpu_suite_third_train_bench_runs_this_benchmark_resumably(tmp_path, monkeypatch):
+    """`gpu_suite.py third --train-bench`: its one step runs this benchmark's GPU settings with --resume inside the
+    step's limit (here in-process, as a dry run on CPU with the stand-in trainers), its data and models outside the
+    packed folder; --resume-from copies the previous command's results.json, and a second command continues it."""
+    import gpu_suite
+
+    args = gpu_suite.parse_args(["third", str(tmp_path / "out"), "--train-bench"])
+    with pytest.raises(SystemExit):
+        gpu_suite.parse_args(["first", str(tmp_path / "out"), "--train-bench"])
+    commands = []
+
+    def run_logged(cmd, log_path, timeout_s, env=None, prefix=""):
+        assert cmd[1] == "bench/bench_training.py" and timeout_s > float(cmd[cmd.index("--time-budget") + 1])
+        commands.append(cmd)
+        dry_run = ["--smoke", "--device", "cpu", "--settings", "minilm-plain64", "--contenders", "ours-packed,st"]
+        returncode = bt.main([*cmd[2:], *dry_run, "--reps", str(len(commands))])
+        return {"returncode": returncode, "timed_out": False, "seconds": 1.0, "last_line": "", "log": log_path.name}
+
+    monkeypatch.setattr(gpu_suite, "run_logged", run_logged)
+    monkeypatch.setattr(bt, "run_child", stand_in_trainers([]))
+    steps = (("preflight", 0),) + gpu_suite.TRAIN_BENCH_STEPS
+    for command, resume_from in enumerate((None, tmp_path / "first" / "work")):
+        (tmp_path / f"out{command}").mkdir()
+        record = gpu_suite.StageRecord(tmp_path / f"out{command}", "third", 520, ["third"],
+                                       work=tmp_path / ("first" if command == 0 else "second") / "work")
+        args.resume_from = resume_from and str(resume_from)
+        gpu_suite.stage_train_bench(args, record, gpu_suite.Schedule(steps, time.monotonic()))
+        step = record.data["steps"]["train_bench"]
+        assert step["status"] == "ok" and step["done"], step
+        results = json.loads((record.work / "train_bench" / "results.json").read_text())
+        assert results["reps"] == command + 1 and len(results.get("resumed_by", [])) == command
+        assert sorted(p.name for p in (record.work / "train_bench").iterdir()) == ["results.json", "table.md"]
+    assert record.data["steps"]["resume"]["status"] == "ok"
+    scratch = Path(commands[0][commands[0].index("--scratch") + 1])
+    assert not scratch.exists()  # the data and models are gone with the step

@@ -143,7 +143,8 @@ def render(rows: list[dict]) -> str:
         differs = ", ".join(f"`{name}`" for name in r["differs"][:8]) + (" ..." if len(r["differs"]) > 8 else "")
         run = "/".join(r["evidence"].split("/")[-2:])
         lines.append(
-            f"| {r['backend']} | {r['op']} | {r['path']} | `{run}` | {r['commit']} | {'yes' if r['confirmed'] else 'NO'} | {r['then']} | {r['now']} | "
+            f"| {r['backend']} | {r['op']} | {r['path']} | `{run}` | {r['commit']} | "
+            f"{'yes' if r['confirmed'] else 'NO'} | {r['then']} | {r['now']} | "
             f"{r.get('build_then', '')} | {r.get('build_now', '')} | {'yes' if r['equal'] else 'no'} | "
             f"{differs or '(nothing)'} |")
     lines.append("")

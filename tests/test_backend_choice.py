@@ -189,6 +189,61 @@ def test_explicit_gpu_backend_runs_unverified_code_with_one_warning_per_op_and_p
     assert on_cpu == []  # CPU tensors (the interpreter): no verification applies
 
 
+@pytest.fixture
+def torch_gpu_path(monkeypatch):
+    """The torch similarity_xent's selector answering "mixed" for 16-bit rows on any device, so that PretendCuda
+    bfloat16 calls have the torch backend's GPU path (which on the CPU converts its operands to float32 for each
+    product: the same values)."""
+    from angle_kernels.torch_ops import similarity_xent as torch_xent
+
+    monkeypatch.setattr(torch_xent, "takes_mixed_products", lambda x: x.dtype in (torch.bfloat16, torch.float16))
+
+
+def test_the_torch_backends_gpu_path_computes_only_where_it_may(backends, torch_gpu_path):
+    """A bfloat16 call on a GPU has the torch backend's "mixed" path (16-bit products), which needs a verification;
+    its "default" path (float32 products) never does. Unverified: auto computes on the default path, its one
+    warning naming the torch path's reason too; an explicit "torch" computes there silently; what verify checks
+    (path_ops) takes "mixed". Verified: auto and an explicit "torch" take "mixed", silently, for full-width and dims
+    calls alike; a float64 call stays on "default"."""
+    backends.triton.answer = (False, "no triton here (fake)")
+    q16, q64 = pretend_cuda(torch.randn(6, 8).bfloat16()), _embeddings()
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    explicit = dispatch.resolve_backend("torch", FAKE_CUDA_TENSOR)
+    assert dispatch.resolve_backend("torch", torch.zeros(2)) is dispatch._TORCH_OPS  # CPU tensors: default only
+    for ops in (auto, explicit):
+        assert ops.computes("similarity_xent", q16, None, 20.0, "partner") == ("torch", "default")
+    default_loss, warned = _recording_warnings(auto.similarity_xent, q16, None, 20.0, "partner")
+    assert len(warned) == 1 and "torch: its code path 'mixed' has not passed a correctness run" in warned[0]
+    assert _recording_warnings(explicit.similarity_xent, q16, None, 20.0, "partner")[1] == []
+    assert dispatch.path_ops("torch", FAKE_CUDA_TENSOR).computes("similarity_xent", q16, None, 20.0, "partner") == (
+        "torch", "mixed")
+
+    backends.verified.add(("torch", "similarity_xent", "mixed"))
+    for ops in (auto, explicit):
+        assert ops.computes("similarity_xent", q16, None, 20.0, "partner") == ("torch", "mixed")
+        assert ops.computes("similarity_xent", q16, None, 20.0, "partner", dims=(4, 8)) == ("torch", "mixed")
+        assert ops.computes("similarity_xent", q64, None, 20.0, "partner") == ("torch", "default")
+        assert ops.computes("pair_scores", q16.view(3, 2, 8), True) == ("torch", "default")
+        mixed_loss, warned = _recording_warnings(ops.similarity_xent, q16, None, 20.0, "partner")
+        assert warned == [] and torch.allclose(mixed_loss, default_loss, rtol=1e-5)
+    assert backends.computed == []  # the fake GPU backends computed nothing
+
+
+def test_the_torch_backends_gpu_path_comes_after_the_gpu_backends(backends, torch_gpu_path):
+    """Where Triton's path and the torch backend's GPU path are both verified, the fixed order takes Triton; where
+    the CUDA scheme comes after torch (measured.AFTER_TORCH), it comes after both of torch's paths."""
+    backends.cuda.answer = (True, "")
+    backends.verified.update({("torch", "similarity_xent", "mixed"), ("cuda", "similarity_xent", "fused")})
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    q16 = pretend_cuda(torch.randn(6, 8).bfloat16())
+    assert auto.computes("similarity_xent", q16, None, 20.0, "partner") == ("torch", "mixed")
+    backends.verified.add(("triton", "similarity_xent", "fused"))
+    assert auto.computes("similarity_xent", q16, None, 20.0, "partner") == ("triton", "fused")
+    torch_paths = [dispatch._TORCH_GPU_OPS, dispatch._TORCH_OPS]
+    cuda = next(c for c in auto.candidates if c.name == "cuda")
+    assert measured.fixed_order("similarity_xent", [cuda, *torch_paths]) == [*torch_paths, cuda]
+
+
 def test_auto_warns_with_the_reason_a_backend_is_unavailable_and_never_builds(backends):
     backends.triton.answer = (False, "triton does not import: ImportError: fake libcuda mismatch")
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)

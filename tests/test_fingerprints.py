@@ -48,9 +48,9 @@ def copy(tmp_path):
     return edit
 
 
-def changed(baseline, tree) -> set:
-    """The paths whose fingerprint differs from this checkout's in `tree`."""
-    return {key for key in EVERY_PATH if fingerprints.path_closure(*key, tree=tree).fingerprint != baseline[key]}
+def changed(baseline, tree, keys=EVERY_PATH) -> set:
+    """The paths (of `keys`) whose fingerprint differs from this checkout's in `tree`."""
+    return {key for key in keys if fingerprints.path_closure(*key, tree=tree).fingerprint != baseline[key]}
 
 
 def triton(op: str, *paths: str) -> set:
@@ -88,13 +88,15 @@ def test_moving_a_function_to_another_module_changes_nothing(baseline, copy):
     common = copy.root / "angle_kernels/triton_ops/_common.py"
     common.write_text(common.read_text() + "\n\n" + moved)
     copy.tree = fingerprints.folder_tree(copy.root)
-    assert "_online_lse_update" not in {d.name for d in ast.parse(tiles.read_text()).body if isinstance(d, ast.FunctionDef)}
+    defined = {d.name for d in ast.parse(tiles.read_text()).body if isinstance(d, ast.FunctionDef)}
+    assert "_online_lse_update" not in defined
     assert changed(baseline, copy.tree) == set()
 
 
 def test_an_import_moved_into_a_function_changes_nothing(baseline, copy):
     copy("angle_kernels/triton_ops/similarity_xent.py", "from . import similarity_xent_dense\n", "")
-    copy("angle_kernels/triton_ops/similarity_xent.py", '''    if code_path(q, c, scale, target, dims=dims) == "dense":''',
+    copy("angle_kernels/triton_ops/similarity_xent.py",
+         '''    if code_path(q, c, scale, target, dims=dims) == "dense":''',
          '''    from . import similarity_xent_dense
 
     if code_path(q, c, scale, target, dims=dims) == "dense":''')
@@ -107,9 +109,14 @@ def test_an_import_moved_into_a_function_changes_nothing(baseline, copy):
 
 
 def test_a_path_selection_threshold_belongs_to_no_path(baseline, copy):
-    """MIN_WIDTH decides which inputs the dense scheme receives, not what it runs (docs/verification.md)."""
+    """MIN_WIDTH decides which inputs the dense scheme receives, not what it runs (docs/verification.md); the torch
+    similarity_xent's selector (code_path, takes_mixed_products) which calls take its 16-bit products."""
     copy("angle_kernels/triton_ops/similarity_xent_dense.py", "MIN_WIDTH = 768", "MIN_WIDTH = 1024")
     copy("angle_kernels/triton_ops/ranking_loss.py", "SMALL_N_MAX = 4096", "SMALL_N_MAX = 8192")
+    copy("angle_kernels/torch_ops/similarity_xent.py", 'return "mixed" if takes_mixed_products(q) else "default"',
+         'return "default" if not takes_mixed_products(q) else "mixed"')
+    copy("angle_kernels/torch_ops/common.py", "return x.dtype in MIXED_DTYPES and mixed_products(x.device).mm",
+         "return mixed_products(x.device).mm and x.dtype in MIXED_DTYPES")
     assert changed(baseline, copy.tree) == set()
 
 
@@ -129,7 +136,8 @@ def test_a_prefix_kernel_changes_only_the_dims_path(baseline, copy):
     text = (copy.root / "angle_kernels/triton_ops/similarity_xent.py").read_text()
     kernel = text[text.index("def _similarity_xent_prefix_fwd_kernel("):]
     line = next(line for line in kernel.splitlines()[1:] if "tl.program_id(0)" in line)
-    copy("angle_kernels/triton_ops/similarity_xent.py", line, line.replace("tl.program_id(0)", "(tl.program_id(0) * 1)"),
+    copy("angle_kernels/triton_ops/similarity_xent.py", line,
+         line.replace("tl.program_id(0)", "(tl.program_id(0) * 1)"),
          after="def _similarity_xent_prefix_fwd_kernel(")
     assert changed(baseline, copy.tree) == triton("similarity_xent", "dims")
 
@@ -141,7 +149,8 @@ def test_an_autotune_config(baseline, copy):
     start = text.index("_GPU_CONFIGS_16BIT = [")
     config = text[start:text.index("]\n", start)]
     copy("angle_kernels/triton_ops/_similarity_tiles.py", config, config.replace("num_stages=3", "num_stages=4", 1))
-    assert changed(baseline, copy.tree) == triton("similarity_xent", "fused", "dims") | triton("similarity_lse", "fused")
+    assert changed(baseline, copy.tree) == (triton("similarity_xent", "fused", "dims")
+                                            | triton("similarity_lse", "fused"))
 
 
 def test_a_grid_expression(baseline, copy):
@@ -154,7 +163,8 @@ def test_a_helper_shared_by_every_triton_path(baseline, copy):
     text = (copy.root / "angle_kernels/triton_ops/_common.py").read_text()
     body = text[text.index("def new_output("):]
     line = next(line for line in body.splitlines() if line.strip().startswith("return"))
-    copy("angle_kernels/triton_ops/_common.py", line, line.replace("return", "return (", 1) + ")", after="def new_output(")
+    copy("angle_kernels/triton_ops/_common.py", line, line.replace("return", "return (", 1) + ")",
+         after="def new_output(")
     assert changed(baseline, copy.tree) == set()  # parentheses only: the same tree
     copy("angle_kernels/triton_ops/_common.py", "def poison_outputs() -> bool:",
          "def poison_outputs() -> bool:\n    os.environ.get('ANOTHER')")
@@ -164,7 +174,28 @@ def test_a_helper_shared_by_every_triton_path(baseline, copy):
 def test_a_constant_of_the_contract_changes_the_paths_that_read_it(baseline, copy):
     copy("angle_kernels/contract.py", "MARGIN_SIN_SQUARED_FLOOR = ", "MARGIN_SIN_SQUARED_FLOOR = 2 * ")
     assert changed(baseline, copy.tree) == (triton("similarity_xent", "fused", "dense", "dims")
-                                            | {("torch", "similarity_xent", "default")})
+                                            | {("torch", "similarity_xent", "default"), ("torch", "similarity_xent",
+                                                                                        "mixed")})
+
+
+TORCH_XENT, TORCH_COMMON = "angle_kernels/torch_ops/similarity_xent.py", "angle_kernels/torch_ops/common.py"
+
+
+@pytest.mark.parametrize("relative, old, new, paths", [
+    (TORCH_XENT, "tile = products(self.qf[start:end], self.cf.T)", "tile = products(self.qf[start:end], self.cf.T) * 1",
+     ("default", "mixed")),
+    (TORCH_COMMON, "a, b = a.to(out.dtype), b.to(out.dtype)", "a, b = a.to(out.dtype) * 1, b.to(out.dtype)",
+     ("mixed",)),
+    (TORCH_XENT, "tile_scale = weights / weight_max * scale", "tile_scale = weights * scale / weight_max", ("mixed",)),
+    (TORCH_XENT, "d_qhat[start:end].addmm_(grad * c_inv[None, :], cf)", "d_qhat[start:end].addmm_(c_inv * grad, cf)",
+     ("default",))], ids=["shared-tiles", "mixed-products", "mixed-tile-scale", "default-products"])
+def test_the_torch_backends_paths_share_their_tiles_and_not_their_products(baseline, copy, relative, old, new, paths):
+    """The torch similarity_xent's two paths: the tile code is both paths', the 16-bit products and the mixed
+    Functions only "mixed"'s, the default Functions' products only "default"'s. (Among the torch backend's paths:
+    no other backend's code imports torch_ops, tests/test_structure.py.)"""
+    copy(relative, old, new)
+    torch_paths = [key for key in EVERY_PATH if key[0] == "torch"]
+    assert changed(baseline, copy.tree, torch_paths) == {("torch", "similarity_xent", path) for path in paths}
 
 
 def test_the_other_paths_code_behind_a_branch_is_not_in_a_path(baseline, copy):
@@ -210,7 +241,8 @@ def test_a_shared_header_or_a_build_flag_changes_every_op(copy):
 
 
 def test_build_flags_enter_every_op(copy):
-    copy("angle_kernels/cuda_ops/_extension.py", 'NVCC_FLAGS = ["-O3", "-lineinfo"]', 'NVCC_FLAGS = ["-O2", "-lineinfo"]')
+    copy("angle_kernels/cuda_ops/_extension.py", 'NVCC_FLAGS = ["-O3", "-lineinfo"]',
+         'NVCC_FLAGS = ["-O2", "-lineinfo"]')
     assert csrc_changed(copy.tree) == {"pair_scores", "ranking_loss", "similarity_xent"}
 
 
@@ -227,7 +259,7 @@ def test_every_declared_gpu_path_has_its_code_and_nothing_else():
 
     declared = {(backend, op, path) for backend in verified.GPU_BACKENDS
                 for op, paths in verified.paths_of(backend).items() for path in paths}
-    assert {key for key in fingerprints.PATH_CODE if key[0] != "torch"} == declared
+    assert set(fingerprints.PATH_CODE) == declared  # the torch backend's default paths too (the speed table's keys)
 
 
 def test_the_canonical_form_ignores_fields_a_newer_python_adds_empty():

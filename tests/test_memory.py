@@ -1,12 +1,14 @@
-"""Peak extra memory of forward + backward, measured in fresh subprocesses (the project guide shared/docs/measuring.md, CPU).
+"""Peak extra memory of forward + backward, a fresh process per case (the guide shared/docs/measuring.md, CPU).
 
-Each case runs in its own Python process: build the inputs, run a small warm-up of the same loss (so one-time
-library allocations do not count), reset the peak-RSS counter (Linux: write 5 to /proc/self/clear_refs),
-take the current RSS as the baseline, run forward + backward once, and report the peak RSS (VmHWM) minus the
-baseline. (resource.getrusage's ru_maxrss cannot be used for the peak: Linux carries the parent's high-water
-mark across fork + exec into it, so a worker started from a large pytest process would report at least the
-parent's peak.) The extra includes the gradient of the embeddings (one input-sized tensor), which the
-reference allocates too.
+Each case runs in a process of its own: build the inputs, run a small warm-up of the same loss (so one-time
+library allocations do not count), reset the peak-RSS counter (Linux: write 5 to /proc/self/clear_refs), take the
+current RSS as the baseline, run forward + backward once, and report the peak RSS (VmHWM) minus the baseline.
+(resource.getrusage's ru_maxrss cannot be used for the peak: Linux carries the parent's high-water mark across
+fork (and exec) into it, so a case would report at least the peak of the process it started from.) The extra
+includes the gradient of the embeddings (one input-sized tensor), which the reference allocates too. The
+processes are forked, one per case, from a server process (started with the measuring environment below) that
+imports torch and angle_kernels and runs nothing else: each case starts as a fresh process would after its
+imports, without paying them (about 2 s a case on two cores).
 
 What is asserted (float32, 2 threads):
 * cosine_loss and angle_loss at N = 16,384 pairs, D = 768: ours needs under 1/10 of the reference's extra
@@ -14,14 +16,15 @@ What is asserted (float32, 2 threads):
   (the quadratic fit; shared/docs/measuring.md quotes +4.1 GB measured directly for cosine at 16,384).
 * in_batch_negative_loss at N = 16,384: ours under 1/10 of the reference's similarity matrix alone,
   4 * (2N)^2 bytes = 4.3 GB (the reference runs out of memory at 24 GB there), at D = 768 as the issue
-  asks (its O(M^2 D) compute takes about 2 minutes on two cores) and at D = 64.
+  asks (its O(M^2 D) compute takes 45 s to 2 minutes on two cores). That covers the narrower widths: the
+  torch backend's blocks of logits do not depend on D, the rest of its extra memory is O(M D).
 * 1,048,576 pairs (D = 128, 1 GiB of inputs) run forward + backward for cosine and angle with finite results
   and extra memory linear in the input (under 2.5x its size). Skipped when the machine has less than 12 GB
   available.
 * Scaling: extra memory grows about linearly in N: from N to 4N the ratio stays under 6 (quadratic: 16).
 
-Every case here carries the `slow` marker (registered in pyproject.toml): each runs fresh subprocesses, from
-about 5 s to 2 min (the in-batch-negative case at N = 16,384, D = 768) on two idle cores. They run by default
+Every case here carries the `slow` marker (registered in pyproject.toml): each runs fresh processes, from
+about a second to 2 min (the in-batch-negative case at N = 16,384, D = 768) on two idle cores. They run by default
 and in CI; -m "not slow" skips them for a quick local loop.
 """
 
@@ -29,8 +32,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -40,11 +47,29 @@ from angle_kernels.testing.helpers import reference_loss_path
 THREADS = 2
 GB = 1e9
 
-WORKER = r"""
-import gc, importlib.util, json, os, resource, sys, time
-args = json.loads(sys.argv[1])
+# The measuring server: imports torch and angle_kernels, then forks one child per case line read from stdin (the
+# child runs `measure` and exits), and after each answers "EXIT <status>". It runs no torch op itself: a fork after
+# one would leave the child an OpenMP pool whose threads did not survive the fork.
+SERVER = r"""
+import gc, importlib.util, json, os, resource, sys, time, traceback
 import torch
-torch.set_num_threads(args["threads"])
+import angle_kernels  # noqa: F401  (what the cases of ours import)
+
+def serve():
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                measure(json.loads(line))
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print("EXIT " + str(os.waitstatus_to_exitcode(status)), flush=True)
 
 def current_rss():
     with open("/proc/self/statm") as f:
@@ -52,8 +77,8 @@ def current_rss():
 
 def peak_rss():
     # VmHWM, the process's own high-water mark (the one clear_refs resets). ru_maxrss is not usable here:
-    # Linux carries the parent's high-water mark across fork + exec into it (signal->maxrss), so a worker
-    # started from a large pytest process never reports less than the parent's peak.
+    # Linux carries the parent's high-water mark across fork (and exec) into it (signal->maxrss), so a case
+    # never reports less than the peak of the process it was started from.
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -71,42 +96,46 @@ def reset_peak():
     except OSError:
         return False
 
-if args["provider"] == "ours":
-    import angle_kernels as module
-else:
-    spec = importlib.util.spec_from_file_location("reference_loss", args["reference_path"])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-fn = getattr(module, args["loss"])
-
-def make(n, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2 * n, d, generator=g).requires_grad_(True)
-    if args["loss"] == "in_batch_negative_loss":
-        per_pair = torch.randint(0, 2, (n,), generator=g).float()
+def measure(args):
+    torch.set_num_threads(args["threads"])
+    if args["provider"] == "ours":
+        module = angle_kernels
     else:
-        per_pair = torch.randint(0, 5, (n,), generator=g).float()  # heavy ties
-    y = per_pair.repeat_interleave(2)
-    return (y if args["provider"] == "ours" else y[:, None]), x
+        spec = importlib.util.spec_from_file_location("reference_loss", args["reference_path"])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    fn = getattr(module, args["loss"])
 
-warm_y, warm_x = make(64, args["d"], 1)
-fn(warm_y, warm_x).backward()
-del warm_y, warm_x
-y, x = make(args["n"], args["d"], 0)
-gc.collect()
-reset = reset_peak()
-peak_before = peak_rss()
-base = current_rss()
-start = time.perf_counter()
-out = fn(y, x)
-out.backward()
-seconds = time.perf_counter() - start
-peak = peak_rss()
-finite = bool(torch.isfinite(out).item() and torch.isfinite(x.grad).all().item())
-# Without a peak reset, ru_maxrss may still hold an earlier, larger peak: then only a lower bound is known.
-extra = peak - base if reset or peak > peak_before else 0
-print("RESULT " + json.dumps(dict(extra=extra, base=base, peak=peak, reset=reset, seconds=seconds,
-                                  finite=finite, loss=float(out), input_bytes=x.numel() * x.element_size())))
+    def make(n, d, seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(2 * n, d, generator=g).requires_grad_(True)
+        if args["loss"] == "in_batch_negative_loss":
+            per_pair = torch.randint(0, 2, (n,), generator=g).float()
+        else:
+            per_pair = torch.randint(0, 5, (n,), generator=g).float()  # heavy ties
+        y = per_pair.repeat_interleave(2)
+        return (y if args["provider"] == "ours" else y[:, None]), x
+
+    warm_y, warm_x = make(64, args["d"], 1)
+    fn(warm_y, warm_x).backward()
+    del warm_y, warm_x
+    y, x = make(args["n"], args["d"], 0)
+    gc.collect()
+    reset = reset_peak()
+    peak_before = peak_rss()
+    base = current_rss()
+    start = time.perf_counter()
+    out = fn(y, x)
+    out.backward()
+    seconds = time.perf_counter() - start
+    peak = peak_rss()
+    finite = bool(torch.isfinite(out).item() and torch.isfinite(x.grad).all().item())
+    # Without a peak reset, ru_maxrss may still hold an earlier, larger peak: then only a lower bound is known.
+    extra = peak - base if reset or peak > peak_before else 0
+    print("RESULT " + json.dumps(dict(extra=extra, base=base, peak=peak, reset=reset, seconds=seconds,
+                                      finite=finite, loss=float(out), input_bytes=x.numel() * x.element_size())))
+
+serve()
 """
 
 
@@ -116,24 +145,84 @@ def _reference_path() -> str | None:
     return None if path is None else str(path)
 
 
-def _measure(provider: str, loss: str, n: int, d: int, timeout: int = 600) -> dict:
-    import angle_kernels
+class _Server:
+    """The SERVER process and its answers (read by a thread, so that a case can be given a time limit)."""
 
-    package_root = str(Path(angle_kernels.__file__).resolve().parents[1])
-    args = dict(provider=provider, loss=loss, n=n, d=d, threads=THREADS, reference_path=_reference_path())
-    # A fixed glibc mmap threshold: every buffer above 128 KiB is its own mapping, returned to the system when
-    # freed. (By default glibc raises the threshold to the size of the last freed buffer, up to 32 MiB, after
-    # which freed tiles stay in the heap and RSS measures the allocator's caching instead of live memory.)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root] + sys.path), OMP_NUM_THREADS=str(THREADS),
-               MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
-    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(args)], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, f"{provider} {loss} N={n} D={d} failed:\n{done.stderr[-3000:]}"
-    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    result = json.loads(line[len("RESULT "):])
-    print(f"[memory] {provider:9s} {loss:24s} N={n:8d} D={d:4d}: extra {result['extra'] / GB:7.3f} GB, "
-          f"{result['seconds']:6.2f} s, peak reset: {result['reset']}")
-    return result
+    def __init__(self, folder: Path):
+        import angle_kernels
+
+        package_root = str(Path(angle_kernels.__file__).resolve().parents[1])
+        # A fixed glibc mmap threshold: every buffer above 128 KiB is its own mapping, returned to the system when
+        # freed. (By default glibc raises the threshold to the size of the last freed buffer, up to 32 MiB, after
+        # which freed tiles stay in the heap and RSS measures the allocator's caching instead of live memory.)
+        # glibc reads it at the server's start; the forked cases inherit it.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root] + sys.path), OMP_NUM_THREADS=str(THREADS),
+                   MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
+        self.stderr_path = folder / "server-stderr.txt"
+        with open(self.stderr_path, "w") as stderr:
+            self.proc = subprocess.Popen([sys.executable, "-c", SERVER], env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)  # the server ended
+
+    def run(self, args: dict, timeout: float) -> tuple[int | None, list[str], str]:
+        """(the case's exit status, or None when the server ended or the time ran out; its output lines; what it
+        wrote to stderr)."""
+        errors_from = self.stderr_path.stat().st_size
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        deadline, lines, status = time.monotonic() + timeout, [], None
+        try:
+            while (line := self.lines.get(timeout=max(0.0, deadline - time.monotonic()))) is not None:
+                if line.startswith("EXIT "):
+                    status = int(line[len("EXIT "):])
+                    break
+                lines.append(line)
+        except queue.Empty:
+            self.close()
+        with open(self.stderr_path) as f:
+            f.seek(errors_from)
+            return status, lines, f.read()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self):
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and a case still running
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def measure(tmp_path_factory):
+    """measure(provider, loss, n, d) -> the RESULT of one case, run in its own process (see SERVER)."""
+    folder = tmp_path_factory.mktemp("memory")
+    server = None
+
+    def run(provider: str, loss: str, n: int, d: int, timeout: int = 600) -> dict:
+        nonlocal server
+        if server is None or not server.alive():
+            server = _Server(folder)
+        args = dict(provider=provider, loss=loss, n=n, d=d, threads=THREADS, reference_path=_reference_path())
+        status, lines, errors = server.run(args, timeout)
+        assert status == 0, f"{provider} {loss} N={n} D={d} failed (exit status {status}):\n{errors[-3000:]}"
+        result = json.loads([ln for ln in lines if ln.startswith("RESULT ")][-1][len("RESULT "):])
+        print(f"[memory] {provider:9s} {loss:24s} N={n:8d} D={d:4d}: extra {result['extra'] / GB:7.3f} GB, "
+              f"{result['seconds']:6.2f} s, peak reset: {result['reset']}")
+        return result
+
+    yield run
+    if server is not None:
+        server.proc.stdin.close()  # the server's loop ends
+        try:
+            server.proc.wait(timeout=60)
+        finally:
+            server.close()
 
 
 def _available_bytes() -> int:
@@ -153,18 +242,18 @@ D_TARGET = 768
 
 
 @pytest.mark.parametrize("loss", ["cosine_loss", "angle_loss"])
-def test_ranking_losses_need_a_tenth_of_the_reference(loss, record_property):
+def test_ranking_losses_need_a_tenth_of_the_reference(loss, measure, record_property):
     if _reference_path() is None:
         pytest.skip("angle-emb is not installed")
     small, large = 2048, 4096
-    e_small = _measure("reference", loss, small, D_TARGET)["extra"]
-    e_large = _measure("reference", loss, large, D_TARGET)["extra"]
+    e_small = measure("reference", loss, small, D_TARGET)["extra"]
+    e_large = measure("reference", loss, large, D_TARGET)["extra"]
     # extra = a N + b N^2 through the two measurements
     b = (e_large - 2 * e_small) / (large * large - 2 * small * small)
     a = (e_small - b * small * small) / small
     assert b > 0, f"the reference's memory is expected to grow quadratically (fit b = {b})"
     reference_at_target = a * N_TARGET + b * N_TARGET**2
-    ours = _measure("ours", loss, N_TARGET, D_TARGET)
+    ours = measure("ours", loss, N_TARGET, D_TARGET)
     record_property("reference_extrapolated_bytes", reference_at_target)
     record_property("ours_extra_bytes", ours["extra"])
     assert ours["finite"]
@@ -174,10 +263,10 @@ def test_ranking_losses_need_a_tenth_of_the_reference(loss, record_property):
     )
 
 
-@pytest.mark.parametrize("d", [64, D_TARGET])
-def test_in_batch_negatives_need_a_tenth_of_the_reference_matrix(d, record_property):
+def test_in_batch_negatives_need_a_tenth_of_the_reference_matrix(measure, record_property):
     reference_lower_bound = 4 * (2 * N_TARGET) ** 2  # its float32 2N x 2N similarity matrix alone: 4.3 GB
-    ours = _measure("ours", "in_batch_negative_loss", N_TARGET, d)
+    d = D_TARGET
+    ours = measure("ours", "in_batch_negative_loss", N_TARGET, d)
     record_property("ours_extra_bytes", ours["extra"])
     assert ours["finite"]
     assert ours["extra"] < reference_lower_bound / 10, (
@@ -187,12 +276,12 @@ def test_in_batch_negatives_need_a_tenth_of_the_reference_matrix(d, record_prope
 
 
 @pytest.mark.parametrize("loss", ["cosine_loss", "angle_loss"])
-def test_a_million_pairs(loss, record_property):
+def test_a_million_pairs(loss, measure, record_property):
     n, d = 1 << 20, 128
     input_bytes = 2 * n * d * 4
     if _available_bytes() < 12 * GB:
         pytest.skip(f"needs 12 GB available, the machine has {_available_bytes() / GB:.1f} GB")
-    ours = _measure("ours", loss, n, d)
+    ours = measure("ours", loss, n, d)
     record_property("ours_extra_bytes", ours["extra"])
     record_property("ours_peak_rss_bytes", ours["peak"])
     print(f"[memory] {loss} N={n}: peak RSS {ours['peak'] / GB:.2f} GB (inputs {input_bytes / GB:.2f} GB)")
@@ -206,8 +295,8 @@ def test_a_million_pairs(loss, record_property):
     "loss,n,d",
     [("cosine_loss", 65_536, 128), ("angle_loss", 65_536, 128), ("in_batch_negative_loss", 1_024, 128)],
 )
-def test_extra_memory_grows_linearly(loss, n, d):
-    small = _measure("ours", loss, n, d)["extra"]
-    large = _measure("ours", loss, 4 * n, d)["extra"]
+def test_extra_memory_grows_linearly(loss, n, d, measure):
+    small = measure("ours", loss, n, d)["extra"]
+    large = measure("ours", loss, 4 * n, d)["extra"]
     assert small > 0 and large > 0
     assert large / small < 6, f"{loss}: extra {small / GB:.3f} GB at N={n}, {large / GB:.3f} GB at N={4 * n}"

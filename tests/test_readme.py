@@ -2,31 +2,63 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+# Blocks run two at a time, each mostly one interpreter's imports; one at a time in a pytest-xdist worker, where the
+# workers already run side by side (and where this session's items are not all this worker's).
+AT_ONCE = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
 def test_readme_has_quickstarts():
     assert len(BLOCKS) >= 4, "the README lost its Python quickstarts"
 
 
-@pytest.mark.slow  # a fresh interpreter per block; some train for a few steps (up to ~10 s each)
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_block_runs(index, tmp_path):
-    code = BLOCKS[index]
-    for module in re.findall(r"^\s*(?:import|from) (\w+)", code, flags=re.M):
-        if module not in ("os", "tempfile", "torch", "angle_kernels"):
-            pytest.importorskip(module)
+def _missing_modules(code: str) -> list[str]:
+    """The modules a block imports that are not installed here (its test is skipped)."""
+    imported = re.findall(r"^\s*(?:import|from) (\w+)", code, flags=re.M)
+    return [m for m in imported if m not in ("os", "tempfile", "torch", "angle_kernels")
+            and importlib.util.find_spec(m) is None]
+
+
+@pytest.fixture(scope="module")
+def block_run(request, tmp_path_factory):
+    """block_run(index) -> that block's finished run, a fresh interpreter in a folder of its own. With AT_ONCE = 2,
+    the first call submits the blocks of every test of this session, run two at a time."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
+    futures = {}
+
+    def run(index: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", BLOCKS[index]], cwd=tmp_path_factory.mktemp(f"block{index}"),
+                              env=env, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        def result(index: int) -> subprocess.CompletedProcess:
+            if AT_ONCE == 1:
+                return run(index)
+            if not futures:
+                selected = sorted({item.callspec.params["index"] for item in request.session.items
+                                   if getattr(item, "function", None) is test_readme_block_runs})
+                futures.update({i: pool.submit(run, i) for i in selected if not _missing_modules(BLOCKS[i])})
+            return futures[index].result()
+
+        yield result
+
+
+@pytest.mark.slow  # a fresh interpreter per block; some train for a few steps (up to ~15 s each)
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_block_runs(index, block_run):
+    code = BLOCKS[index]
+    for module in _missing_modules(code):
+        pytest.importorskip(module)
+    result = block_run(index)
     assert result.returncode == 0, f"README block {index} failed:\n{code}\n--- stderr ---\n{result.stderr[-4000:]}"

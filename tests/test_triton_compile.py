@@ -1,7 +1,7 @@
 """Compile every Triton kernel for a real GPU target (sm_90) without a GPU, and check the autotuning setup.
 
-The interpreter tests (the triton cases of tests/ops) accept code that a GPU compile rejects: dot operand layouts and dtypes,
-fp64 math lowering, scan/reduce combine functions, register allocation. This test compiles each kernel with
+The interpreter tests (the triton cases of tests/ops) accept code that a GPU compile rejects: dot operand layouts and
+dtypes, fp64 math lowering, scan/reduce combine functions, register allocation. This test compiles each kernel with
 Triton's own ptxas for sm_90 (fp32 and bf16 signatures, plus fp64 for the ranking scans; the CI subset of
 `angle_kernels.triton_ops._compile_check`, about 40 s on 2 cores) and checks that nothing failed and that no
 kernel of an op module was left out.
@@ -51,32 +51,45 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 
 
 _DESCRIBE_AUTOTUNERS = """
-import importlib, json
-module = importlib.import_module("angle_kernels.triton_ops.{op}")
-print(json.dumps([
-    {{"kernel": tuner.fn.__name__, "keys": list(tuner.keys), "args": list(tuner.arg_names),
-     "not_specialized": [p.name for p in tuner.fn.params if p.do_not_specialize],
-     "reset_to_zero": list(tuner.reset_to_zero), "restore_value": list(tuner.restore_value),
-     "declared": [list(tuned.tuning.reset_to_zero), list(tuned.tuning.restore_value)],
-     "configs": len(tuner.configs)}}
-    for kernels in module.{tuned}.values() for tuned in kernels for tuner in [tuned.launcher]
-]))
+import importlib, json, sys
+tables = {}
+for op, table in json.loads(sys.argv[1]):
+    module = importlib.import_module("angle_kernels.triton_ops." + op)
+    tables[op + "." + table] = [
+        {"kernel": tuner.fn.__name__, "keys": list(tuner.keys), "args": list(tuner.arg_names),
+         "not_specialized": [p.name for p in tuner.fn.params if p.do_not_specialize],
+         "reset_to_zero": list(tuner.reset_to_zero), "restore_value": list(tuner.restore_value),
+         "declared": [list(tuned.tuning.reset_to_zero), list(tuned.tuning.restore_value)],
+         "configs": len(tuner.configs)}
+        for kernels in getattr(module, table).values() for tuned in kernels for tuner in [tuned.launcher]]
+print(json.dumps(tables))
 """
+# The TunedKernel tables whose autotuners the tests below read: (op module, table name).
+TABLES = (("similarity_xent", "_TUNED"), ("similarity_xent", "_PREFIX_TUNED"), ("similarity_lse", "_TUNED"))
 
 
-def _autotuners(op, tmp_path, tuned="_TUNED", env=None) -> list:
+def _describe_autotuners(tables, tmp_path, env=None) -> dict:
+    """{"op.table": [each autotuner's keys, arguments, declarations, configs]} for `tables`, read in one
+    compiled-mode process (its start, importing triton and the kernels, is most of what a description costs)."""
     proc = subprocess.run(
-        [sys.executable, "-c", _DESCRIBE_AUTOTUNERS.format(op=op, tuned=tuned)],
+        [sys.executable, "-c", _DESCRIBE_AUTOTUNERS, json.dumps(tables)],
         cwd=REPO, env={**_compiled_mode_env(tmp_path), **(env or {})}, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-8000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_similarity_xent_autotunes_on_row_count_buckets(tmp_path):
+@pytest.fixture(scope="module")
+def autotuners(tmp_path_factory):
+    """Every table of TABLES described once, with the default settings: autotuners(op, table) -> its list."""
+    described = _describe_autotuners(TABLES, tmp_path_factory.mktemp("autotuners"))
+    return lambda op, table="_TUNED": described[f"{op}.{table}"]
+
+
+def test_similarity_xent_autotunes_on_row_count_buckets(autotuners):
     """A new batch size must neither re-tune (the key holds power-of-two buckets of M and Mc, not M and Mc)
     nor recompile (M, Mc and the buckets are not specialised on their values)."""
-    tuners = _autotuners("similarity_xent", tmp_path)
+    tuners = autotuners("similarity_xent")
     assert sorted(t["kernel"] for t in tuners) == sorted(
         2 * ["_similarity_xent_fwd_kernel", "_similarity_xent_bwd_dq_kernel", "_similarity_xent_bwd_dc_kernel"])
     for tuner in tuners:
@@ -87,10 +100,10 @@ def test_similarity_xent_autotunes_on_row_count_buckets(tmp_path):
         assert tuner["not_specialized"] == ["M", "Mc", "M_BUCKET", "Mc_BUCKET"], tuner["kernel"]
 
 
-def test_similarity_xent_prefix_kernels_autotune_on_row_count_buckets(tmp_path):
+def test_similarity_xent_prefix_kernels_autotune_on_row_count_buckets(autotuners):
     """The dims kernels (nested prefixes) likewise, with the number of prefixes rounded up to a power of two (KP,
     a constexpr) in the key; the number of prefixes itself is not specialised (the widths are in a tensor)."""
-    tuners = _autotuners("similarity_xent", tmp_path, tuned="_PREFIX_TUNED")
+    tuners = autotuners("similarity_xent", "_PREFIX_TUNED")
     assert sorted(t["kernel"] for t in tuners) == sorted(2 * [
         "_similarity_xent_prefix_fwd_kernel", "_similarity_xent_prefix_bwd_dq_kernel",
         "_similarity_xent_prefix_bwd_dc_kernel"])
@@ -105,22 +118,21 @@ def test_similarity_xent_prefix_kernels_autotune_on_row_count_buckets(tmp_path):
         assert tuner["reset_to_zero"] == resets and tuner["declared"] == [resets, []], tuner
 
 
-def test_the_autotuners_get_exactly_what_the_launches_declare(tmp_path):
+def test_the_autotuners_get_exactly_what_the_launches_declare(autotuners, tmp_path):
     """triton.autotune receives each TunedKernel's own Tuning (what tests/ops/test_autotune_side_effects.py
     replays under the interpreter), every config by default, and only the first with ANGLE_KERNELS_AUTOTUNE=first."""
-    tables = (("similarity_xent", "_TUNED"), ("similarity_xent", "_PREFIX_TUNED"), ("similarity_lse", "_TUNED"))
-    for op, tuned in tables:
-        for tuner in _autotuners(op, tmp_path, tuned):
+    for op, table in TABLES:
+        for tuner in autotuners(op, table):
             assert [tuner["reset_to_zero"], tuner["restore_value"]] == tuner["declared"], tuner
             assert tuner["configs"] == 3, tuner
-    env = {"ANGLE_KERNELS_AUTOTUNE": "first"}
-    assert {t["configs"] for t in _autotuners("similarity_xent", tmp_path, "_PREFIX_TUNED", env)} == {1}
+    first = _describe_autotuners([("similarity_xent", "_PREFIX_TUNED")], tmp_path, {"ANGLE_KERNELS_AUTOTUNE": "first"})
+    assert {t["configs"] for t in first["similarity_xent._PREFIX_TUNED"]} == {1}
 
 
-def test_similarity_lse_autotunes_on_row_count_buckets(tmp_path):
+def test_similarity_lse_autotunes_on_row_count_buckets(autotuners):
     """As similarity_xent's; besides the batch sizes, a rank's target offset and the period vary from call to
     call and are not specialised either."""
-    tuners = _autotuners("similarity_lse", tmp_path)
+    tuners = autotuners("similarity_lse")
     assert sorted(t["kernel"] for t in tuners) == sorted(
         2 * ["_similarity_lse_fwd_kernel", "_similarity_lse_bwd_dq_kernel", "_similarity_lse_bwd_dc_kernel"])
     for tuner in tuners:

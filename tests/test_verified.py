@@ -17,6 +17,7 @@ TRITON_ID = {"capability": "9.0", "torch": "2.11", "triton": "3.6", "fingerprint
              "gpu": "H100"}
 CUDA_ID = {"capability": "9.0", "torch": "2.11", "cuda": "13.0", "fingerprint": "00112233aabbccdd",
            "build": "fedcba9876543210", "gpu": "H100"}
+TORCH_ID = {"capability": "9.0", "torch": "2.11", "fingerprint": "0f1e2d3c4b5a6978", "gpu": "H100"}
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def cache(tmp_path, monkeypatch):
     verified.forget()
 
 
-@pytest.mark.parametrize("backend, ident", [("triton", TRITON_ID), ("cuda", CUDA_ID)])
+@pytest.mark.parametrize("backend, ident", [("triton", TRITON_ID), ("cuda", CUDA_ID), ("torch", TORCH_ID)])
 def test_an_entry_covers_exactly_its_path_on_the_same_identity(backend, ident):
     made = verified.entry(backend, "similarity_xent", "dims", ident, "test", ["bfloat16"])
     assert verified.covers(made, backend, "similarity_xent", "dims", ident)
@@ -48,6 +49,26 @@ def test_the_code_fields_are_the_fingerprints_and_every_other_field_says_where()
         assert set(verified.CODE_FIELDS[backend]) <= set(fields)
         assert "fingerprint" in verified.CODE_FIELDS[backend] and "capability" not in verified.CODE_FIELDS[backend]
     assert verified.CODE_FIELDS["cuda"] == ("fingerprint", "build")
+
+
+def test_the_torch_backends_default_path_needs_no_verification(cache, monkeypatch):
+    """The torch backend's default path (float32/float64 products, verified by the CPU suite) is verified anywhere,
+    whatever the table, the cache and the identity say; its GPU path ("mixed") only by an entry, as any GPU
+    backend's path; its identity is the GPU's, torch's and the path's fingerprint, no compiler."""
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(verified, "identity", lambda backend, op, path, dev: TORCH_ID)
+    monkeypatch.setattr(verified, "VERIFIED", ())
+    assert not verified.needs_verification("torch", "default") and verified.needs_verification("torch", "mixed")
+    assert verified.needs_verification("triton", "default")  # no other backend has a path allowed everywhere
+    assert verified.is_verified("torch", "similarity_xent", "default", device)
+    assert verified.is_verified("torch", "pair_scores", "default", device)
+    assert not verified.is_verified("torch", "similarity_xent", "mixed", device)
+    verified.write_cache([verified.entry("torch", "similarity_xent", "mixed", TORCH_ID, "verify")], [])
+    verified.forget()
+    assert verified.is_verified("torch", "similarity_xent", "mixed", device)
+    assert verified.paths_of("torch") == {"pair_scores": ("default",), "ranking_loss": ("default",),
+                                          "similarity_xent": ("default", "mixed"), "similarity_lse": ("default",)}
+    assert set(verified.MATCH_FIELDS["torch"]) == {"capability", "torch", "fingerprint"}
 
 
 def test_an_extension_built_without_its_fingerprint_matches_nothing():

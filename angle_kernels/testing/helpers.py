@@ -1,4 +1,5 @@
-"""The helpers every test shares: seeds, inputs, the backends under test, and the checks against the oracle.
+"""The helpers every test shares: seeds, inputs, the backends under test, the checks against the oracle, and
+the start of multi-process tests' processes.
 
 A plain module rather than conftest.py: pytest imports every folder's conftest.py under the one name
 "conftest" (the last loaded wins sys.modules["conftest"]), so `from conftest import ...` would find another
@@ -407,6 +408,43 @@ def check_against_oracle(ours_fn, oracle_fn, inputs, what, device="cpu", value_t
                 f"which eager float32 meets ({rel_err(eager[name], ref):.3e})")
         assert_half_rule(out, eager[name], ref, f"{what} {name}")
     return ours_out, exact_out
+
+
+# ----------------------------------------------------------------------------------------------------
+# processes
+# ----------------------------------------------------------------------------------------------------
+# What the rank processes of the multi-process tests import: loaded once, in the server start_ranks forks them
+# from (a module that is not installed is left out by the server).
+RANK_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+                "angle_kernels", "angle_train.trainer", "sentence_transformers")
+
+
+def start_ranks(fn, args: tuple = (), nprocs: int = 2) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs), each process forked from a server that has imported
+    RANK_PRELOAD (multiprocessing's "forkserver"), and raises what a process raised, as spawn does.
+
+    A spawned process imports torch, transformers and the test module afresh, which on two cores took 4-5 s of a
+    2-process test whose own work takes half a second (14 s for 3 processes that import sentence-transformers); a
+    forked one finds them imported (the server's own start, once per session, about as long as one spawn). Each
+    process gets this process's environment, working directory and sys.path at the call, as a spawned one does;
+    only the preloaded modules were imported once, under the environment of the first call. The processes cannot
+    be forked from the test process itself: it has run parallel torch ops, and OpenMP's threads do not survive a
+    fork; the server runs none."""
+    import multiprocessing
+
+    import torch.multiprocessing
+
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"  # (Windows)
+    if method == "forkserver":
+        multiprocessing.get_context(method).set_forkserver_preload(list(RANK_PRELOAD))  # before its first start
+    torch.multiprocessing.start_processes(_in_environment, args=(dict(os.environ), fn, args), nprocs=nprocs,
+                                          join=True, start_method=method)
+
+
+def _in_environment(rank: int, environ: dict, fn, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(rank, *args)
 
 
 # ----------------------------------------------------------------------------------------------------

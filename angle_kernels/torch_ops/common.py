@@ -19,14 +19,25 @@ product, sum, square root and reciprocal short of under- or overflow). Elsewhere
 
 The normalisation's own helpers (row_dots, scaled_eps, inverse_norms_from_norms, normalise_backward, unscaled) live
 in angle_kernels/normalisation.py, below the backends: the Triton dense scheme uses them too.
+
+16-bit operands ("mixed" code paths, docs/torch-similarity.md). On a GPU whose torch has matrix products of
+bfloat16/float16 operands with float32 accumulation and output (`mixed_products`), a 16-bit call's products take
+its 16-bit rows as they are, at the tensor cores' rate, where the default path converts them to float32 first.
+The operands: `half_rows` (bfloat16 rows scaled by their powers of two, exact there; float16 rows as they are, since
+their products cannot overflow float32) and `unit_rows` / `unit_slices` (rows divided by their norms, computed in
+float32 and rounded to 16 bits, every entry at most 1). `product_into` forms every product: in the operands' dtype
+where that is the compute dtype, else by `_mixed_product_into`, the one branch only a GPU takes (elsewhere, the
+CPU tests included, the 16-bit operands are converted to float32 first: the same values, the same accumulation).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..contract import compute_dtype
-from ..normalisation import inverse_norms_from_norms, row_dots
+from ..normalisation import inverse_norms_from_norms, row_dots, unscaled
 
 # Work is cut into pieces of about this many elements (a row block's tile of logits, a chunk of groups), so
 # temporaries stay bounded whatever N is; the budget depends on the device the tensors live on (`chunk_elements`):
@@ -117,11 +128,19 @@ def inverse_norms_from_squares(squared_norms: torch.Tensor, scale: torch.Tensor 
     return inverse_norms_from_norms(squared_norms.clamp_min(0).sqrt(), scale)
 
 
+def row_squares(x: torch.Tensor) -> torch.Tensor:
+    """|x_r|^2 of the rows of x [M, D] in its compute dtype: a batched GEMV (row_dots) for rows in the compute dtype;
+    for 16-bit rows their norms taken in float32 (no float32 copy of the rows), squared."""
+    if x.dtype == compute_dtype(x.dtype):
+        return row_dots(x, x)
+    return torch.linalg.vector_norm(x, dim=-1, dtype=compute_dtype(x.dtype)).square_()
+
+
 def inverse_norms(x: torch.Tensor, scale: torch.Tensor | None = None, squares: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """inverse_norms_from_squares for the rows of a [M, D] tensor (scaled by `scale` when given), in its own
+    """inverse_norms_from_squares for the rows of a [M, D] tensor (scaled by `scale` when given), in its compute
     dtype; `squares`: their squared norms, when already computed (cosine_rows)."""
-    return inverse_norms_from_squares(row_dots(x, x) if squares is None else squares, scale)
+    return inverse_norms_from_squares(row_squares(x) if squares is None else squares, scale)
 
 
 def prefix_slices(dims: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -134,6 +153,133 @@ def prefix_inverse_norms(x: torch.Tensor, dims: tuple[int, ...], scale: torch.Te
     """inverse_norms of every prefix x[:, :d] (d in dims) as [M, k] tensors, from running sums of the squared
     norms of the slices: x is read once for all prefixes. `scale` [M]: x holds scaled rows, one scale per row for
     every prefix."""
-    squares = torch.stack([row_dots(x[:, lo:hi], x[:, lo:hi]) for lo, hi in prefix_slices(dims)], dim=1)
+    squares = torch.stack([row_squares(x[:, lo:hi]) for lo, hi in prefix_slices(dims)], dim=1)
     return inverse_norms_from_squares(squares.cumsum(dim=1), None if scale is None else scale[:, None])
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 16-bit operands with float32 accumulation (module docstring)
+# ---------------------------------------------------------------------------------------------------------
+MIXED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class MixedProducts(NamedTuple):
+    """What this torch offers on a device for products of 16-bit operands with float32 results."""
+
+    mm: bool  # torch.mm(a, b, out_dtype=torch.float32, out=...): CUDA only, recent torch
+    addmm_into_fp32: bool  # torch.addmm(c, a, b, out_dtype=torch.float32, out=c) with a float32 c: some releases
+    # require c in the operands' dtype
+
+
+_mixed_products: dict[torch.device, MixedProducts] = {}
+
+
+def mixed_products(device: torch.device) -> MixedProducts:
+    """MixedProducts on `device`, asked once per device by 1 x 1 products (a sync, once). Nothing off CUDA, and
+    nothing while torch.compile traces before the question was asked (asked then, it would break the graph)."""
+    if device not in _mixed_products:
+        if device.type != "cuda" or not hasattr(torch.ops.aten.mm, "dtype_out"):
+            found = MixedProducts(False, False)
+        elif torch.compiler.is_compiling():
+            return MixedProducts(False, False)
+        else:
+            one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+            out = torch.ones(1, 1, device=device)
+            try:
+                mm = torch.mm(one, one, out_dtype=torch.float32, out=out).item() == 1.0
+            except (RuntimeError, NotImplementedError):
+                mm = False
+            try:
+                addmm = mm and torch.addmm(out, one, one, out_dtype=torch.float32, out=out).item() == 2.0
+            except (RuntimeError, NotImplementedError):
+                addmm = False
+            found = MixedProducts(mm, addmm)
+        _mixed_products[device] = found
+    return _mixed_products[device]
+
+
+def takes_mixed_products(x: torch.Tensor) -> bool:
+    """Whether a call on rows x may take a "mixed" code path: 16-bit rows on a device with mixed products."""
+    return x.dtype in MIXED_DTYPES and mixed_products(x.device).mm
+
+
+def half_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(operand rows, their scales or None) of 16-bit rows x [M, D] for the mixed paths: bfloat16 rows scaled by
+    their powers of two (row_scales: a new tensor, exact, bfloat16 having float32's exponent range), so that no
+    float32 dot product or squared norm of them overflows; float16 rows as they are (scale None): every float16 is
+    below 2^16, and their float32 dot products stay far from float32's range."""
+    if x.dtype == torch.float16:
+        return x, None
+    scale = row_scales(x)
+    return x * scale.to(x.dtype)[:, None], scale
+
+
+def unit_rows(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """x * inv per row ([M]), computed in float32 and rounded to x's 16-bit dtype: unit rows, entries at most 1."""
+    return torch.mul(x, inv[:, None], out=torch.empty_like(x))
+
+
+def unit_slices(x: torch.Tensor, inv: torch.Tensor, slices: list[tuple[int, int]]) -> torch.Tensor:
+    """unit_rows slice by slice: columns [lo_j, hi_j) of x times inv[:, j] ([M, k]), the inverse norm of the prefix
+    that slice ends (so every entry is at most 1: a slice is part of its prefix), rounded to x's dtype."""
+    out = torch.empty_like(x)
+    for j, (lo, hi) in enumerate(slices):
+        torch.mul(x[:, lo:hi], inv[:, j, None], out=out[:, lo:hi])
+    return out
+
+
+def normalise_backward_of_rows(x: torch.Tensor, inv_norm: torch.Tensor, has_norm_grad: torch.Tensor,
+                               d_hat: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """normalisation.normalise_backward for rows x in any dtype (the mixed paths' 16-bit operands) and d_hat in the
+    compute dtype (overwritten): the same formula, x's dot products with d_hat taken in the compute dtype a piece of
+    rows at a time (no compute-dtype copy of x)."""
+    step = rows_per_chunk(x.shape[1], x.device)
+    dots = torch.cat([row_dots(x[r:r + step].to(d_hat.dtype), d_hat[r:r + step]) for r in range(0, x.shape[0], step)])
+    radial = torch.where(has_norm_grad, inv_norm**3 * dots, torch.zeros_like(inv_norm))
+    return unscaled(d_hat.mul_(inv_norm[:, None]).addcmul_(x, radial[:, None], value=-1.0), scale)
+
+
+def products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, a new [rows of a, columns of b] tensor in the compute dtype (product_into)."""
+    if a.dtype == compute_dtype(a.dtype):
+        return a @ b
+    out = torch.empty(a.shape[0], b.shape[1], dtype=compute_dtype(a.dtype), device=a.device)
+    _mixed_product_into(out, a, b, None)
+    return out
+
+
+def product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: torch.Tensor | None = None) -> None:
+    """out = add + a @ b (add: None, out itself, or another tensor of out's shape) in out's dtype, the compute
+    dtype: operands in that dtype as they are, 16-bit operands accumulated in float32 (_mixed_product_into)."""
+    if a.dtype != out.dtype:
+        _mixed_product_into(out, a, b, add)
+    elif add is None:
+        torch.mm(a, b, out=out)
+    else:
+        torch.addmm(add, a, b, out=out)
+
+
+def _mixed_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: torch.Tensor | None) -> None:
+    """out = add + a @ b for 16-bit a and b and a float32 out: cuBLAS's mixed-dtype products where this torch has
+    them on out's device (the branch only a GPU takes); elsewhere (the CPU, where the tests run the mixed paths) the
+    operands converted to float32 first, exactly the products mm(out_dtype=float32) computes, but for the order of
+    the float32 accumulation."""
+    offered = mixed_products(out.device)
+    if not offered.mm:
+        a, b = a.to(out.dtype), b.to(out.dtype)
+        if add is None:
+            torch.mm(a, b, out=out)
+        else:
+            torch.addmm(add, a, b, out=out)
+    elif add is None:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif offered.addmm_into_fp32:
+        torch.addmm(add, a, b, out_dtype=out.dtype, out=out)
+    elif add is not out:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+        out.add_(add)
+    else:  # a sum into out: the product of a piece of rows at a time in a temporary, then added
+        step = rows_per_chunk(out.shape[1], out.device)
+        for r in range(0, out.shape[0], step):
+            out[r:r + step].add_(torch.mm(a[r:r + step], b, out_dtype=out.dtype))

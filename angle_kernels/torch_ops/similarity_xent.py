@@ -40,6 +40,18 @@ copies and the gradients.
 Huge rows: q and c are taken scaled by a power of two per row (torch_ops/common.py, row scaling), in the
 compute-dtype copy the ops make anyway; every formula runs on the scaled rows, and the gradients are multiplied by
 the scales once at the end. The derivations: docs/torch-similarity.md.
+
+Code paths (PATHS; `code_path` names the one a call takes where the backend may take its GPU path, which dispatch
+decides). "default": the products in the compute dtype, float32 copies of 16-bit inputs included; the arithmetic the
+CPU suite verifies, allowed everywhere. "mixed": 16-bit inputs on a GPU whose torch has products of 16-bit operands
+with float32 accumulation and output (common.mixed_products), the Triton dense scheme's arithmetic: the logits from
+the 16-bit rows (bfloat16 scaled by their powers of two; common.half_rows), the gradient tiles rounded to the input
+dtype with only w_i / max|w| (and with dims grad_loss_i / max|grad_loss|) in them, multiplied by unit rows (full
+width; with dims, each slice divided by the norm of the prefix it ends, so every operand entry is at most 1), and
+max|w| / M, the inverse norms and the upstream gradient applied to the float32 sums (`MixedSimilarityXentFunction`,
+`MixedPrefixSimilarityXentFunction`). The same tile code as "default" (_Tiles), the products by common.product_into;
+on the CPU (tests) its products convert the 16-bit operands to float32: the same values. Not verified on a GPU yet:
+dispatch takes it only where it is (angle_kernels.verified).
 """
 
 from __future__ import annotations
@@ -52,9 +64,30 @@ from torch.autograd.function import once_differentiable
 from ..contract import MARGIN_SIN_SQUARED_FLOOR, compute_dtype
 from ..formed_gradients import GradientsFormedInForward, gradients_wanted
 from ..normalisation import normalise_backward, unscaled
-from .common import cosine_rows, inverse_norms, prefix_inverse_norms, prefix_slices, rows_per_chunk
+from .common import (
+    cosine_rows,
+    half_rows,
+    inverse_norms,
+    normalise_backward_of_rows,
+    prefix_inverse_norms,
+    prefix_slices,
+    product_into,
+    products,
+    rows_per_chunk,
+    takes_mixed_products,
+    unit_rows,
+    unit_slices,
+)
 
 FEATURES = ("dims",)  # the contract's optional features this op implements (contract.OPTIONAL_FEATURES)
+PATHS = ("default", "mixed")  # module docstring
+
+
+def code_path(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
+              dims=None) -> str:
+    """The path a call takes where the backend may take its GPU path: "mixed" for 16-bit rows on a device with
+    mixed-dtype products (common.takes_mixed_products), "default" otherwise."""
+    return "mixed" if takes_mixed_products(q) else "default"
 
 
 def _target_columns(target: str, rows: torch.Tensor) -> torch.Tensor:
@@ -116,7 +149,7 @@ class _Tiles:
     def logits(self, start: int, end: int):
         """(logits [b, Mc], local row index, target columns, target cosines, positives mask or None)."""
         rows, local, targets, positives = self.rows(start, end)
-        tile = self.qf[start:end] @ self.cf.T
+        tile = products(self.qf[start:end], self.cf.T)
         cos_t = self.to_logits(tile, rows, local, targets, self.q_inv[start:end], self.c_inv)
         return tile, local, targets, cos_t, positives
 
@@ -124,12 +157,9 @@ class _Tiles:
         """The dot tiles of every prefix of a row block, [k, b, Mc]: prefix i's is the running sum of the slice
         products q[blk, s_j] @ c[:, s_j]^T over j <= i, each product written into its place."""
         q, c = self.qf[start:end], self.cf
-        dots = torch.empty(len(self.dims), end - start, c.shape[0], dtype=q.dtype, device=q.device)
+        dots = torch.empty(len(self.dims), end - start, c.shape[0], dtype=self.q_inv.dtype, device=q.device)
         for i, (lo, hi) in enumerate(prefix_slices(self.dims)):
-            if i == 0:
-                torch.mm(q[:, lo:hi], c[:, lo:hi].T, out=dots[0])
-            else:
-                torch.addmm(dots[i - 1], q[:, lo:hi], c[:, lo:hi].T, out=dots[i])
+            product_into(dots[i], q[:, lo:hi], c[:, lo:hi].T, add=None if i == 0 else dots[i - 1])
         return dots
 
     def prefix_margins(self, dots, start: int, end: int, local, targets):
@@ -157,6 +187,26 @@ class _Tiles:
         if self.exclude_diagonal:
             logits[..., local, rows] = float("-inf")
         return logits
+
+    def walk(self, row_scale, add_gradients=None):
+        """(lse_all, lse_pos) [M] of the full-width loss, one row block at a time; with add_gradients, each block's
+        dL/dcos tile (grad_cos with row_scale's rows) is handed to add_gradients(grad, start, end) while the block is
+        held."""
+        m = self.qf.shape[0]
+        lse_all = torch.empty(m, dtype=row_scale.dtype, device=row_scale.device)
+        lse_pos = torch.empty(m, dtype=row_scale.dtype, device=row_scale.device)
+        for start, end in self.blocks():
+            logits, local, targets, cos_t, positives = self.logits(start, end)
+            lse_all[start:end], lse_pos[start:end] = _block_lse(logits, local, targets, positives)
+            if add_gradients is None:
+                del logits  # before the next block's tile is made
+                continue
+            grad = self.grad_cos(logits, local, targets, cos_t, positives, lse_all[start:end], lse_pos[start:end],
+                                 row_scale[start:end])
+            del logits
+            add_gradients(grad, start, end)
+            del grad
+        return lse_all, lse_pos
 
     def grad_cos(self, logits, local, targets, cos_t, positives, lse_all, lse_pos, row_scale):
         """dL/dcos of a block (scale included) from its logits and per-row logsumexps; overwrites nothing."""
@@ -196,25 +246,17 @@ class SimilarityXentFunction(GradientsFormedInForward):
         m = qf.shape[0]
         weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
         row_scale = weights * (scale / m)  # dL/dl_ij = row_scale_i * (softmax_all_ij - softmax_pos_ij)
-        lse_all = torch.empty(m, dtype=dtype, device=q.device)
-        lse_pos = torch.empty(m, dtype=dtype, device=q.device)
         # Gradients with respect to the normalised rows q_hat = q * q_inv and c_hat = c * c_inv; for the
         # in-batch-negative loss q and c are the same tensor and share one buffer.
         d_qhat = torch.zeros_like(qf) if with_grad else None
         d_chat = d_qhat if symmetric or not with_grad else torch.zeros_like(cf)
-        for start, end in tiles.blocks():
-            logits, local, targets, cos_t, positives = tiles.logits(start, end)
-            lse_all[start:end], lse_pos[start:end] = _block_lse(logits, local, targets, positives)
-            if not with_grad:
-                del logits  # before the next block's tile is made
-                continue
-            grad = tiles.grad_cos(logits, local, targets, cos_t, positives, lse_all[start:end], lse_pos[start:end],
-                                  row_scale[start:end])
-            del logits
+
+        def add_gradients(grad, start, end):
             # cos_ij = q_hat_i . c_hat_j  =>  dq_hat_i = sum_j grad_ij c_hat_j,  dc_hat_j = sum_i grad_ij q_hat_i
             d_qhat[start:end].addmm_(grad * c_inv[None, :], cf)
             d_chat.addmm_(grad.mul_(q_inv[start:end, None]).T, qf[start:end])
-            del grad
+
+        lse_all, lse_pos = tiles.walk(row_scale, add_gradients if with_grad else None)
         loss = (weights * (lse_all - lse_pos)).sum() / m
 
         ctx.with_grad = with_grad
@@ -226,47 +268,134 @@ class SimilarityXentFunction(GradientsFormedInForward):
         return loss
 
 
+class MixedSimilarityXentFunction(GradientsFormedInForward):
+    """SimilarityXentFunction on the "mixed" path (module docstring): the same walk over the row blocks, with the
+    16-bit rows as the logits' operands and each block's gradient tile rounded to the input dtype and multiplied by
+    16-bit unit rows, float32 accumulation throughout."""
+
+    @staticmethod
+    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, with_grad):
+        symmetric = c is None
+        dtype = compute_dtype(q.dtype)
+        qs, q_scale = half_rows(q.detach())
+        cs, c_scale = (qs, q_scale) if symmetric else half_rows(c.detach())
+        q_inv, q_has_grad = inverse_norms(qs, q_scale)
+        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else inverse_norms(cs, c_scale)
+        tiles = _Tiles(qs, cs, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids)
+
+        m = qs.shape[0]
+        weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
+        # The tiles carry w_i / max|w| times scale, at most scale (times the margin's slope) in magnitude, never 1/M
+        # nor the inverse norms (16 bits would underflow or overflow); max|w| / M multiplies the float32 sums.
+        weight_max = weights.abs().max().clamp_min(torch.finfo(dtype).tiny)
+        tile_scale = weights / weight_max * scale
+        if with_grad:
+            q_hat = unit_rows(qs, q_inv)
+            c_hat = q_hat if symmetric else unit_rows(cs, c_inv)
+            d_qhat = torch.zeros(qs.shape, dtype=dtype, device=q.device)  # one buffer when c is q
+            d_chat = d_qhat if symmetric else torch.zeros(cs.shape, dtype=dtype, device=q.device)
+
+        def add_gradients(grad, start, end):
+            tile = grad.to(q.dtype)
+            product_into(d_qhat[start:end], tile, c_hat, add=d_qhat[start:end])
+            product_into(d_chat, tile.T, q_hat[start:end], add=d_chat)
+
+        lse_all, lse_pos = tiles.walk(tile_scale, add_gradients if with_grad else None)
+        loss = (weights * (lse_all - lse_pos)).sum() / m
+
+        ctx.with_grad = with_grad
+        ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
+        if with_grad:
+            q_hat = c_hat = None  # before the normalisation's backward
+            unscale = weight_max / m
+            dq = normalise_backward_of_rows(qs, q_inv, q_has_grad, d_qhat.mul_(unscale), q_scale)
+            dc = None if symmetric else normalise_backward_of_rows(cs, c_inv, c_has_grad, d_chat.mul_(unscale),
+                                                                   c_scale)
+            ctx.save_for_backward(dq, dc)
+        return loss
+
+
+def _prefix_losses(ctx, q, c, qf, cf, q_scale, c_scale, scale, target, row_weights, exclude_diagonal, margin,
+                   group_ids, dims):
+    """The forward of both dims Functions, from their operands qf and cf (cf None when c is q): the [k] losses; saves
+    what backward needs."""
+    symmetric = c is None
+    cf = qf if symmetric else cf
+    dtype = compute_dtype(q.dtype)
+    q_inv, q_has_grad = prefix_inverse_norms(qf, dims, q_scale)  # [M, k]
+    c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else prefix_inverse_norms(cf, dims, c_scale)
+    tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids, dims)
+
+    m, k = qf.shape[0], len(dims)
+    lse_all = torch.empty(m, k, dtype=dtype, device=q.device)
+    lse_pos = torch.empty(m, k, dtype=dtype, device=q.device)
+    c_factor = c_inv.T.contiguous()  # [k, Mc]: each prefix's inverse norms as a contiguous row
+    for start, end in tiles.blocks():
+        rows, local, targets, positives = tiles.rows(start, end)
+        dots = tiles.prefix_dots(start, end)
+        margins = tiles.prefix_margins(dots, start, end, local, targets)
+        logits = tiles.prefix_logits(dots, (q_inv[start:end] * scale).T, c_factor, rows, local, targets,
+                                     None if margins is None else margins[0], in_place=True)
+        if positives is None:
+            lse_pos[start:end] = logits[:, local, targets].T
+        else:
+            not_positive = ~positives
+            for i in range(k):
+                lse_pos[start:end, i] = _logsumexp_in_place(logits[i].masked_fill(not_positive, float("-inf")))
+        lse_all[start:end] = _logsumexp_in_place(logits).T
+        del dots, logits
+
+    weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
+    loss = (weights[:, None] * (lse_all - lse_pos)).sum(dim=0) / m
+
+    ctx.save_for_backward(qf, None if symmetric else cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids,
+                          lse_all, lse_pos, weights, q_scale, None if symmetric else c_scale)
+    ctx.options = (scale, target, exclude_diagonal, margin)
+    ctx.dims = dims
+    ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
+    return loss
+
+
+def _prefix_gradient_tiles(tiles, start, end, lse_all, lse_pos, c_factor, row_factor):
+    """(dots, gradient) of a row block of the dims backward: its dot tiles [k, b, Mc] (prefix_dots, recomputed as in
+    forward), and gradient(j), a new tile: prefix j's dL/dlogit (softmax over C_i minus softmax over P_i) times
+    row_factor[j] ([k, b]) per row, the target column's entry (the one-hot's -1, the margin's slope) included,
+    formed from dots[j] (which the caller may overwrite afterwards)."""
+    rows, local, targets, positives = tiles.rows(start, end)
+    dots = tiles.prefix_dots(start, end)
+    margins = tiles.prefix_margins(dots, start, end, local, targets)
+    logit_factor = (tiles.q_inv[start:end] * tiles.scale).T  # [k, b]
+    target_grads = _target_grads(lse_all[start:end].T, lse_pos[start:end].T, row_factor, margins,
+                                 positives is not None)
+    not_positive = None if positives is None else ~positives
+
+    def gradient(j: int) -> torch.Tensor:
+        g_hat = tiles.prefix_logits(dots[j], logit_factor[j], c_factor[j], rows, local, targets,
+                                    None if margins is None else margins[0][j], in_place=False)
+        softmax_pos = None
+        if not_positive is not None:
+            softmax_pos = torch.sub(g_hat, lse_pos[start:end, j, None]).exp_().masked_fill_(not_positive, 0.0)
+        g_hat.sub_(lse_all[start:end, j, None]).exp_()  # softmax over the columns C_i
+        if softmax_pos is not None:
+            g_hat.sub_(softmax_pos)
+            del softmax_pos
+        g_hat.mul_(row_factor[j, :, None])
+        if target_grads is not None:  # the target column: the -1 of the one-hot, the margin's slope
+            g_hat[local, targets] = target_grads[j]
+        return g_hat
+
+    return dots, gradient
+
+
 class PrefixSimilarityXentFunction(torch.autograd.Function):
     """similarity_xent on every prefix of dims at once: a [k] loss (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims):
-        symmetric = c is None
-        dtype = compute_dtype(q.dtype)
         qf, q_scale, _ = cosine_rows(q.detach())
-        cf, c_scale, _ = (qf, q_scale, None) if symmetric else cosine_rows(c.detach())
-        q_inv, q_has_grad = prefix_inverse_norms(qf, dims, q_scale)  # [M, k]
-        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else prefix_inverse_norms(cf, dims, c_scale)
-        tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids, dims)
-
-        m, k = qf.shape[0], len(dims)
-        lse_all = torch.empty(m, k, dtype=dtype, device=q.device)
-        lse_pos = torch.empty(m, k, dtype=dtype, device=q.device)
-        c_factor = c_inv.T.contiguous()  # [k, Mc]: each prefix's inverse norms as a contiguous row
-        for start, end in tiles.blocks():
-            rows, local, targets, positives = tiles.rows(start, end)
-            dots = tiles.prefix_dots(start, end)
-            margins = tiles.prefix_margins(dots, start, end, local, targets)
-            logits = tiles.prefix_logits(dots, (q_inv[start:end] * scale).T, c_factor, rows, local, targets,
-                                         None if margins is None else margins[0], in_place=True)
-            if positives is None:
-                lse_pos[start:end] = logits[:, local, targets].T
-            else:
-                not_positive = ~positives
-                for i in range(k):
-                    lse_pos[start:end, i] = _logsumexp_in_place(logits[i].masked_fill(not_positive, float("-inf")))
-            lse_all[start:end] = _logsumexp_in_place(logits).T
-            del dots, logits
-
-        weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
-        loss = (weights[:, None] * (lse_all - lse_pos)).sum(dim=0) / m
-
-        ctx.save_for_backward(qf, None if symmetric else cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids,
-                              lse_all, lse_pos, weights, q_scale, None if symmetric else c_scale)
-        ctx.options = (scale, target, exclude_diagonal, margin)
-        ctx.dims = dims
-        ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
-        return loss
+        cf, c_scale, _ = (None, q_scale, None) if c is None else cosine_rows(c.detach())
+        return _prefix_losses(ctx, q, c, qf, cf, q_scale, c_scale, scale, target, row_weights, exclude_diagonal,
+                              margin, group_ids, dims)
 
     @staticmethod
     @once_differentiable
@@ -290,28 +419,11 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
         q_radial = torch.zeros(m, k, dtype=qf.dtype, device=qf.device)
         c_radial = q_radial if symmetric else torch.zeros(cf.shape[0], k, dtype=qf.dtype, device=qf.device)
         for start, end in tiles.blocks():
-            rows, local, targets, positives = tiles.rows(start, end)
-            dots = tiles.prefix_dots(start, end)
-            margins = tiles.prefix_margins(dots, start, end, local, targets)
-            logit_factor = (q_inv[start:end] * tiles.scale).T  # [k, b]
             grad_factor = (row_scale[start:end] * q_inv[start:end]).T  # [k, b]
-            target_grads = _target_grads(lse_all[start:end].T, lse_pos[start:end].T, grad_factor, margins,
-                                         positives is not None)
-            not_positive = None if positives is None else ~positives
+            dots, gradient = _prefix_gradient_tiles(tiles, start, end, lse_all, lse_pos, c_factor, grad_factor)
             running = None  # sum over the prefixes i >= j of Ghat_i, walking j down from the widest prefix
             for j in reversed(range(k)):
-                g_hat = tiles.prefix_logits(dots[j], logit_factor[j], c_factor[j], rows, local, targets,
-                                            None if margins is None else margins[0][j], in_place=False)
-                softmax_pos = None
-                if not_positive is not None:
-                    softmax_pos = torch.sub(g_hat, lse_pos[start:end, j, None]).exp_().masked_fill_(not_positive, 0.0)
-                g_hat.sub_(lse_all[start:end, j, None]).exp_()  # softmax over the columns C_i
-                if softmax_pos is not None:
-                    g_hat.sub_(softmax_pos)
-                    del softmax_pos
-                g_hat.mul_(grad_factor[j, :, None])
-                if target_grads is not None:  # the target column: the -1 of the one-hot, the margin's slope
-                    g_hat[local, targets] = target_grads[j]
+                g_hat = gradient(j)
                 g_hat.mul_(c_factor[j, None, :])  # Ghat_j = dL/dcos * q_inv * c_inv
                 dots[j].mul_(g_hat)  # Ghat_j * dots_j: its row and column sums are the radial sums
                 running = g_hat if running is None else running.add_(g_hat)
@@ -326,6 +438,90 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
         q_dtype, c_dtype = ctx.input_dtypes
         dq = unscaled(_prefix_radial_backward(qf, q_inv, q_has_grad, q_radial, dq, slices), q_scale).to(q_dtype)
         dc = None if symmetric else unscaled(_prefix_radial_backward(cf, c_inv, c_has_grad, c_radial, dc, slices),
+                                             c_scale).to(c_dtype)
+        return dq, dc, None, None, None, None, None, None, None
+
+
+class MixedPrefixSimilarityXentFunction(torch.autograd.Function):
+    """PrefixSimilarityXentFunction on the "mixed" path (module docstring). Forward: the same, on the 16-bit rows.
+    Backward: the running sum of the prefixes' gradient tiles is kept in the frame of the prefix being walked,
+    R'_j = sum_{i >= j} G_i (q_inv_i / q_inv_j) (c_inv_i / c_inv_j), where G_i carries neither inverse norm (every
+    ratio is at most 1: a longer prefix has the larger norm), so that rounded to 16 bits it stays in range; its
+    products take each slice s_j divided by prefix j's norm (common.unit_slices, entries at most 1), and slice j of
+    the float32 sums is multiplied by prefix j's inverse norm at the end:
+    dq[:, s_j] = q_inv_j * sum_blocks R'_j @ c_unit[:, s_j], dc[:, s_j] = c_inv_j * sum_blocks R'_j^T q_unit[blk, s_j].
+    """
+
+    @staticmethod
+    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims):
+        qs, q_scale = half_rows(q.detach())
+        cs, c_scale = (None, q_scale) if c is None else half_rows(c.detach())
+        return _prefix_losses(ctx, q, c, qs, cs, q_scale, c_scale, scale, target, row_weights, exclude_diagonal,
+                              margin, group_ids, dims)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        (qs, cs, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights, q_scale,
+         c_scale) = ctx.saved_tensors
+        symmetric = cs is None
+        cs = qs if symmetric else cs
+        dims = ctx.dims
+        tiles = _Tiles(qs, cs, q_inv, c_inv, *ctx.options, group_ids, dims)
+        dtype = q_inv.dtype
+        m, k = qs.shape[0], len(dims)
+        slices = prefix_slices(dims)
+        # The tiles' row factors: w_i / max|w| and grad_loss_p / max|grad_loss| times scale, at most scale in
+        # magnitude; `unscale` (max|w| max|grad_loss| / M) multiplies the float32 sums.
+        tiny = torch.finfo(dtype).tiny
+        weight_max = weights.abs().max().clamp_min(tiny)
+        grad_loss = grad_loss.to(dtype)
+        grad_max = grad_loss.abs().max().clamp_min(tiny)
+        row_factor = (weights / weight_max)[:, None] * (grad_loss / grad_max * tiles.scale)[None, :]  # [M, k]
+        unscale = weight_max * grad_max / m
+        c_factor = c_inv.T.contiguous()  # [k, Mc]
+        # from prefix j + 1's frame to prefix j's: the ratios of their inverse norms, at most 1
+        q_ratio = q_inv[:, 1:] / q_inv[:, :-1]  # [M, k - 1]
+        c_ratio = (c_inv[:, 1:] / c_inv[:, :-1]).T.contiguous()  # [k - 1, Mc]
+        q_unit = unit_slices(qs, q_inv, slices)
+        c_unit = q_unit if symmetric else unit_slices(cs, c_inv, slices)
+
+        dq = torch.zeros(qs.shape, dtype=dtype, device=qs.device)  # slice j in prefix j's frame until the end
+        dc = dq if symmetric else torch.zeros(cs.shape, dtype=dtype, device=qs.device)
+        q_radial = torch.zeros(m, k, dtype=dtype, device=qs.device)
+        c_radial = q_radial if symmetric else torch.zeros(cs.shape[0], k, dtype=dtype, device=qs.device)
+        for start, end in tiles.blocks():
+            dots, gradient = _prefix_gradient_tiles(tiles, start, end, lse_all, lse_pos, c_factor,
+                                                    row_factor[start:end].T)
+            running = None  # R'_j
+            for j in reversed(range(k)):
+                g = gradient(j)
+                dots[j].mul_(g)  # G_j * dots_j: with both inverse norms, the radial products
+                if running is not None:  # R'_j = G_j + (q_inv_j+1 / q_inv_j) (c_inv_j+1 / c_inv_j) R'_j+1
+                    g.addcmul_(running.mul_(q_ratio[start:end, j, None]), c_ratio[j, None, :])
+                running = g
+                del g
+                tile = running.to(qs.dtype)
+                lo, hi = slices[j]
+                product_into(dq[start:end, lo:hi], tile, c_unit[:, lo:hi], add=dq[start:end, lo:hi])
+                product_into(dc[:, lo:hi], tile.T, q_unit[start:end, lo:hi], add=dc[:, lo:hi])
+                del tile
+            # the radial sums sum_j Ghat_ij dots_ij, Ghat = G q_inv c_inv: one batched product per side
+            q_radial[start:end].add_(torch.bmm(dots, c_factor.unsqueeze(2)).squeeze(2).T * q_inv[start:end])
+            c_radial.add_(torch.bmm(dots.transpose(1, 2), q_inv[start:end].T.unsqueeze(2)).squeeze(2).T * c_inv)
+            del dots, running
+        q_unit = c_unit = None
+
+        for j, (lo, hi) in enumerate(slices):  # each slice out of its prefix's frame
+            dq[:, lo:hi].mul_(q_inv[:, j, None] * unscale)
+            if not symmetric:
+                dc[:, lo:hi].mul_(c_inv[:, j, None] * unscale)
+        q_radial.mul_(unscale)
+        if not symmetric:
+            c_radial.mul_(unscale)
+        q_dtype, c_dtype = ctx.input_dtypes
+        dq = unscaled(_prefix_radial_backward(qs, q_inv, q_has_grad, q_radial, dq, slices), q_scale).to(q_dtype)
+        dc = None if symmetric else unscaled(_prefix_radial_backward(cs, c_inv, c_has_grad, c_radial, dc, slices),
                                              c_scale).to(c_dtype)
         return dq, dc, None, None, None, None, None, None, None
 
@@ -367,10 +563,18 @@ def _target_grads(lse_all, lse_pos, grad_factor, margins, has_positives: bool):
 
 
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
-                    dims=None):
+                    dims=None, path=None):
+    """The op on the code path `path` (PATHS), by default the one `code_path` names: dispatch holds the backend to
+    "default" where "mixed" may not compute (angle_kernels.verified)."""
+    if path is None:
+        path = code_path(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims)
+    if path not in PATHS:
+        raise ValueError(f"the torch backend's similarity_xent has no code path {path!r}; its paths: {PATHS}")
+    mixed = path == "mixed"
     if dims is not None:
-        return PrefixSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin,
-                                                  group_ids, dims)
+        function = MixedPrefixSimilarityXentFunction if mixed else PrefixSimilarityXentFunction
+        return function.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims)
     # The gradients are computed in forward when autograd will ask for them (module docstring).
-    return SimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
-                                        gradients_wanted(q, c))
+    function = MixedSimilarityXentFunction if mixed else SimilarityXentFunction
+    return function.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
+                          gradients_wanted(q, c))

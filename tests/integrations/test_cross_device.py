@@ -43,7 +43,7 @@ import os
 import pytest
 import torch
 
-from angle_kernels.testing.helpers import ShapeRecorder
+from angle_kernels.testing.helpers import ShapeRecorder, start_ranks
 from angle_kernels.testing.oracle import rel_err
 
 pytest.importorskip("sentence_transformers")
@@ -361,11 +361,9 @@ def gather_cotangent(rank: int, world: int) -> torch.Tensor:
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def ranks(request, tmp_path_factory):
     """(world size, [what each rank wrote]): the processes run once per world size."""
-    import torch.multiprocessing as mp
-
     world = request.param
     out_dir = tmp_path_factory.mktemp(f"cross_device_{world}")
-    mp.spawn(_rank_main, args=(world, str(out_dir / "store"), str(out_dir)), nprocs=world, join=True)
+    start_ranks(_rank_main, (world, str(out_dir / "store"), str(out_dir)), nprocs=world)
     return world, [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 
 

@@ -54,7 +54,6 @@ MATRYOSHKA_2D_CASES = [
 @pytest.fixture(scope="module")
 def deep_model64(tmp_path_factory):
     pytest.importorskip("transformers")
-    torch.set_num_threads(1)
     return load_sentence_transformer(build_tiny_model_dir(tmp_path_factory.mktemp("deep_bert"), seed=3,
                                                           layers=LAYERS)).to(torch.float64)
 

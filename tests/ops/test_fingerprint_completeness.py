@@ -2,7 +2,8 @@
 
 The fingerprint is computed statically, by following names from the path's roots; this test watches what really
 runs. Each Triton code path is run through the interpreter (forward and backward) on calls that reach every
-branch of its launchers: 16-, 32- and 64-bit inputs, with and without the options that select host code (groups, margins,
+branch of its launchers: 16-, 32- and 64-bit inputs, with and without the options that select host code (groups,
+margins,
 weights, a second candidate set, the angle, huge rows, empty inputs), with a tracer that records every function
 of the package that is called. Each must be a definition of the path's closure, or of its op's selector (which
 chooses the path and belongs to none). The CUDA backend's Python side cannot run here; its closures are checked

@@ -173,6 +173,33 @@ def test_a_wrong_result_is_refused_and_recorded(gpu, monkeypatch, wrong):
     assert planted == [1] and len(gpu.checks) == 1 and len(told_again) == 1
 
 
+def test_the_torch_backends_gpu_path_is_checked_on_first_use(gpu, monkeypatch):
+    """The torch backend's "mixed" path (16-bit products; its selector here taking it for 16-bit rows on any
+    device), verified at large size on another GPU and the only path the table holds: the first bfloat16 call of
+    each kind (full width, dims) is checked against the float64 torch backend and recorded, and computes on it; a
+    float32 call has no such path and is never checked."""
+    from angle_kernels.torch_ops import similarity_xent as torch_xent
+
+    monkeypatch.setattr(torch_xent, "takes_mixed_products", lambda x: x.dtype in (torch.bfloat16, torch.float16))
+    here = stand_in_identity("torch", "similarity_xent", "mixed", DEVICE)
+    monkeypatch.setattr(verified, "VERIFIED", (verified.entry(
+        "torch", "similarity_xent", "mixed", {**here, "capability": "9.0"}, "another GPU's large-size run",
+        sizes="large"),))
+    verified.forget()
+    q = _q(8, torch.bfloat16)
+    _, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner", exclude_diagonal=True)
+    assert warned == [] and gpu.auto.computes("similarity_xent", q, None, 20.0, "partner", exclude_diagonal=True) == (
+        "torch", "mixed")
+    gpu.auto.similarity_xent(q, None, 20.0, "partner", exclude_diagonal=True, dims=(8, 16))
+    assert gpu.checks == 2 * [("similarity_xent", "mixed", "bfloat16")]
+    records = _records()
+    assert [(r["backend"], r["bucket"]["dims"], r["pass"]) for r in records] == [("torch", False, True),
+                                                                                 ("torch", True, True)]
+    assert records[0]["fingerprint"] == here["fingerprint"] and "triton" not in records[0]
+    assert gpu.auto.computes("similarity_xent", _q(8), None, 20.0, "partner") == ("torch", "default")
+    assert len(gpu.checks) == 2
+
+
 _ANOTHER_PROCESS = """
 import sys
 from types import SimpleNamespace

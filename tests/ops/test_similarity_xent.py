@@ -13,10 +13,18 @@ The triton backend computes the full-width loss by two schemes: its fused kernel
 dense scheme (cuBLAS products and Triton tile kernels, triton_ops/similarity_xent_dense.py). Here the `backend`
 fixture adds "triton-dense", the dense scheme called directly at every width, in blocks of a few rows, so that
 every case below holds it to the same oracle.
+
+The torch backend computes 16-bit calls on a GPU by its "mixed" path (16-bit operands, float32 accumulation:
+torch_ops/similarity_xent.py). The `backend` fixture adds "torch-mixed", the torch backend held to that path on
+the CPU, where each product converts its 16-bit operands to float32 (the values a GPU's mixed-dtype products take,
+accumulated in another order): every case below holds its arithmetic to the oracle, the 16-bit ones under the
+half-precision rule, the float32 and float64 ones (operands and tiles then stay in that dtype) as an exact check of
+its algebra.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 
@@ -50,11 +58,25 @@ def dense_scheme_backend(monkeypatch, block_rows: int = DENSE_TEST_BLOCK_ROWS) -
     return Backend("triton-dense", Ops("triton-dense", dense), triton_backend.device)
 
 
-@pytest.fixture(params=BACKEND_NAMES + ("triton-dense",))
+def torch_mixed_backend() -> Backend:
+    """The torch backend with its similarity_xent held to the "mixed" path (module docstring), on the CPU."""
+    from angle_kernels.dispatch import Ops, raw_backend
+    from angle_kernels.torch_ops import similarity_xent as torch_xent
+
+    raw = raw_backend("torch")
+    mixed = types.SimpleNamespace(**dict(vars(raw), similarity_xent=functools.partial(torch_xent.similarity_xent,
+                                                                                      path="mixed")))
+    return Backend("torch-mixed", Ops("torch-mixed", mixed), torch.device("cpu"))
+
+
+@pytest.fixture(params=BACKEND_NAMES + ("triton-dense", "torch-mixed"))
 def backend(request, monkeypatch) -> Backend:
-    """tests/conftest.py's backends, and the triton backend's dense scheme (module docstring)."""
+    """tests/conftest.py's backends, the triton backend's dense scheme and the torch backend's mixed path (module
+    docstring)."""
     if request.param == "triton-dense":
         return dense_scheme_backend(monkeypatch)
+    if request.param == "torch-mixed":
+        return torch_mixed_backend()
     return backend_or_skip(request.param)
 
 # name -> (M, Mc or None for c = None, D, options). Options: scale, target, exclude_diagonal, margin (radians);
@@ -209,6 +231,9 @@ def test_more_rows_than_one_block_of_the_torch_backend(backend):
     if backend.name.startswith("triton") and backend.device.type == "cpu":
         pytest.skip("about 30 s in the Triton interpreter (33 x 33 tiles of 64 x 64; the dense scheme's 129 blocks "
                     "of 16 rows): runs when compiled")
+    if backend.name == "torch-mixed":
+        pytest.skip("the torch backend's walk over its blocks, which both paths share; the mixed path's sums across "
+                    "blocks: test_torch_mixed_path_in_row_blocks")
     gen = generator("blocks")
     q = randn(gen, 2050, 16)
     kwargs = dict(scale=20.0, target="partner", exclude_diagonal=True,
@@ -481,8 +506,11 @@ def test_gradcheck(backend, name, dims):
     # The CUDA backward accumulates with float atomics (docs/gpu-hazards.md): two backward passes may differ in
     # the last bits, which gradcheck's reentrancy check would call a failure at its default tolerance of 0.
     nondet_tol = 1e-12 if backend.name == "cuda" else 0.0
+    # Both Triton schemes in fast_mode (a random projection of the Jacobian: the full one through the interpreter
+    # takes 3-6 s a case), and the torch backend's mixed path (CI time); the full Jacobian is checked on the torch
+    # backend, and every scheme against the float64 oracle above.
     assert gradcheck(op, tuple(inputs), eps=1e-6, atol=1e-6, rtol=1e-4, nondet_tol=nondet_tol,
-                     fast_mode=backend.name == "triton")
+                     fast_mode=backend.name in ("triton", "triton-dense", "torch-mixed"))
 
 
 @pytest.mark.parametrize("dtype, magnitude", HUGE_OP_MAGNITUDES, ids=[huge_magnitude_id(c) for c in HUGE_OP_MAGNITUDES])
@@ -497,3 +525,112 @@ def test_huge_rows(backend, name, dtype, magnitude):
     else:
         q, c, kwargs = _inputs(name, dtype)
     _check(backend, q, c, kwargs, f"{name} {dtype} x{magnitude:g}", magnitude)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The torch backend's "mixed" path (16-bit products on a GPU), beyond the fixture's cases (module docstring)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(CASES) + [f"dims:{name}" for name in sorted(DIMS_CASES)])
+def test_torch_mixed_path_on_every_case_in_16_bits(name, dtype):
+    """Every option (groups, weights, margins, the excluded diagonal, c given or not, several tiles, single rows)
+    and every dims case, in bfloat16 and float16, under the half-precision rule."""
+    q, c, kwargs = _dims_inputs(name[5:], dtype) if name.startswith("dims:") else _inputs(name, dtype)
+    _check(torch_mixed_backend(), q, c, kwargs, f"mixed {name} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["in_batch_negatives", "contrastive_with_negatives", "dims:in_batch_negatives",
+                                  "dims:contrastive_with_negatives"])
+def test_torch_mixed_path_in_row_blocks(monkeypatch, name, dtype):
+    """Blocks of a few rows (the tile shrunk): the gradients summed over blocks (c's, and q's shared with c's when c
+    is q), and with dims the running sum carried from one prefix's frame to the next in every block."""
+    import angle_kernels.torch_ops.common as torch_common
+
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 3 * 74 * 5)  # blocks of 3 to 29 rows (38 or 74 columns)
+    q, c, kwargs = _dims_inputs(name[5:], dtype) if name.startswith("dims:") else _inputs(name, dtype)
+    _check(torch_mixed_backend(), q, c, kwargs, f"mixed {name} {dtype} in blocks")
+
+
+@pytest.mark.parametrize("dims", [None, (8, 16, 24)], ids=["full", "dims"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["c=None", "c"])
+def test_torch_mixed_path_multiplies_16_bit_operands_only(monkeypatch, symmetric, dims):
+    """Every matrix product of the mixed path takes 16-bit operands into a float32 result (common.product_into's
+    mixed branch, the one a GPU runs with cuBLAS): at full width three per block in forward (the logits, dq, dc)
+    and none in backward; with dims k per block in forward and 3k in backward. The default path on the same
+    bfloat16 inputs takes none (it multiplies float32 copies)."""
+    import angle_kernels.torch_ops.common as torch_common
+    from angle_kernels.dispatch import raw_backend
+
+    taken = []
+    real = torch_common._mixed_product_into
+
+    def recorded(out, a, b, add):
+        taken.append((a.dtype, b.dtype, out.dtype))
+        real(out, a, b, add)
+
+    monkeypatch.setattr(torch_common, "_mixed_product_into", recorded)
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 8 * 40 * (1 if dims is None else 4))  # blocks of 8 rows
+    gen = generator("mixed_products", symmetric, dims)
+    rows, blocks = (40, 5) if symmetric else (24, 3)
+    leaves = [leaf_like(randn(gen, rows, 24, dtype=torch.bfloat16))]
+    if not symmetric:
+        leaves.append(leaf_like(randn(gen, 40, 24, dtype=torch.bfloat16)))
+    kwargs = dict(scale=20.0, target="partner" if symmetric else "diagonal", exclude_diagonal=symmetric, dims=dims)
+    c = leaves[1] if len(leaves) > 1 else None
+    raw_backend("torch").similarity_xent(leaves[0], c, **kwargs).sum().backward()
+    assert taken == []  # the CPU's code path is "default"
+    loss = torch_mixed_backend().ops.similarity_xent(leaves[0], c, **kwargs)
+    forward = len(taken)
+    loss.sum().backward()
+    k = 1 if dims is None else len(dims)
+    assert (forward, len(taken) - forward) == ((3 * blocks, 0) if dims is None else (k * blocks, 3 * k * blocks))
+    assert set(taken) == {(torch.bfloat16, torch.bfloat16, torch.float32)}
+
+
+@pytest.mark.parametrize("offered", [(True, True), (True, False), (False, False)],
+                         ids=["mixed-addmm", "mixed-mm-only", "converted"])
+@pytest.mark.parametrize("add", ["none", "out", "other"])
+def test_torch_mixed_products_take_every_torch_route(monkeypatch, offered, add):
+    """common._mixed_product_into on each route a CUDA torch may offer (common.mixed_products), for a fresh product,
+    one added into its output and one added to another tensor: bf16 operands, a float32 result of the right shape
+    written in place (a row slice, as the backends' gradient slices are). Without a CUDA device, on the meta device
+    (torch's real argument checks for the mixed-dtype overloads, which the CPU lacks; its own route, converting,
+    is every test's above); with one, on it, against the float32 product."""
+    import angle_kernels.torch_ops.common as torch_common
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("meta")
+    if device.type == "cuda" and any(want and not has
+                                     for want, has in zip(offered, torch_common.mixed_products(device))):
+        pytest.skip(f"torch {torch.__version__} does not offer this route on {device}")
+    monkeypatch.setitem(torch_common._mixed_products, device, torch_common.MixedProducts(*offered))
+    monkeypatch.setattr(torch_common, "ACCELERATOR_CHUNK_ELEMENTS", 3 * 6)  # the last route: pieces of 3 rows
+    gen = generator("torch_products", *offered, add)
+    a = randn(gen, 8, 5).to(device, torch.bfloat16)
+    b = randn(gen, 6, 5).to(device, torch.bfloat16).T
+    out = randn(gen, 12, 6).to(device)[2:10]
+    other = randn(gen, 8, 6).to(device)
+    added = {"none": None, "out": out, "other": other}[add]
+    expected = a.float() @ b.float() + (0 if added is None else added)
+    torch_common._mixed_product_into(out, a, b, added)
+    assert out.shape == (8, 6) and out.dtype == torch.float32
+    if device.type != "meta":
+        torch.testing.assert_close(out, expected)
+
+
+def test_the_torch_backends_code_path_is_mixed_only_for_16_bits_with_mixed_products(monkeypatch):
+    """code_path: "default" on the CPU (no mixed-dtype products) and for float32 / float64 anywhere; "mixed" for
+    bfloat16 and float16 rows on a device that offers them (the meta device standing in for a GPU). The op refuses
+    a path it does not have."""
+    import angle_kernels.torch_ops.common as torch_common
+    from angle_kernels.torch_ops import similarity_xent as torch_xent
+
+    def path(dtype, device):
+        return torch_xent.code_path(torch.empty(4, 8, dtype=dtype, device=device), None, 20.0, "partner")
+
+    every = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    assert {path(dtype, "cpu") for dtype in every} == {path(dtype, "meta") for dtype in every} == {"default"}
+    monkeypatch.setitem(torch_common._mixed_products, torch.device("meta"), torch_common.MixedProducts(True, False))
+    assert [path(dtype, "meta") for dtype in every] == ["mixed", "mixed", "default", "default"]
+    with pytest.raises(ValueError, match="no code path 'fused'"):
+        torch_xent.similarity_xent(torch.randn(4, 8), None, 20.0, "partner", path="fused")

@@ -12,7 +12,9 @@ dispatches. What is checked, at 2N = 16,384 columns:
   single ATen op, such as logsumexp's, are not seen) stays within a few budgets plus a few embedding-sized
   buffers, as the op modules' docstrings state;
 * the dims path of similarity_xent makes, per block in forward, the same number of ops whatever k beyond its k
-  matrix products (the per-prefix small ops that made it launch-bound on a GPU are done once per block).
+  matrix products (the per-prefix small ops that made it launch-bound on a GPU are done once per block);
+* similarity_xent's "mixed" path (16-bit products, the meta device offering them) takes the same blocks and holds
+  no more than the default path.
 The CPU side: its budget and the rows it gives are pinned, and the ops still cut CPU tensors by CHUNK_ELEMENTS.
 """
 
@@ -216,3 +218,30 @@ def test_dims_forward_ops_per_block_do_not_grow_with_k(monkeypatch):
     five = _forward_ops_per_block(monkeypatch, (4, 8, 16, 24, 32))
     assert (two["products"], five["products"]) == (2, 5)
     assert two["other"] == five["other"], (two, five)
+
+
+@pytest.mark.parametrize("name, addmm", [("xent_in_batch", True), ("xent_in_batch", False), ("xent_groups", True),
+                                         ("xent_arccon", False), ("xent_dims", True), ("xent_dims", False)],
+                         ids=lambda value: {True: "addmm-into-fp32", False: "mm-then-add"}.get(value, value))
+def test_the_mixed_path_holds_no_more_than_the_default_path(monkeypatch, name, addmm):
+    """similarity_xent's "mixed" path (16-bit products: torch_ops/similarity_xent.py) on the same bfloat16 calls,
+    the meta device offering mixed-dtype products (with fp32 accumulation into an addmm's output, or without it:
+    then products of a piece of rows added in): the same blocks, and a peak at most the default path's but for a
+    few numbers per row (with dims, the ratios of consecutive prefixes' inverse norms). Its 16-bit operands (the
+    scaled rows and unit rows, 2 + 2 bytes an element) take the place of the float32 copy (4), its 16-bit gradient
+    tile that of a float32 product operand."""
+    make, call, m, mc, _, _ = _similarity_cases()[name]
+    default_shapes, default_peak = _run(call, make())
+    monkeypatch.setitem(torch_common._mixed_products, META, torch_common.MixedProducts(True, addmm))
+    products = []
+    real = torch_common._mixed_product_into
+    monkeypatch.setattr(torch_common, "_mixed_product_into", lambda *args: products.append(1) or real(*args))
+    mixed_shapes, mixed_peak = _run(call, make())
+    assert products, "the call did not take the mixed path"
+    per_row = 4 * 4 * (m + mc)  # four float32 numbers per row of q and of c
+    assert mixed_peak <= default_peak + per_row, f"{name}: mixed {mixed_peak} B, default {default_peak} B"
+
+    def tile_rows(shapes):
+        return max(shape[-2] for _, shape in shapes if len(shape) >= 2 and shape[-1] == mc and shape[-2] < m)
+
+    assert tile_rows(mixed_shapes) == tile_rows(default_shapes)

@@ -5,6 +5,7 @@ forward and backward against angle_kernels.reference, twice per case, judged by 
 the Triton backend passes on every path (the dense scheme's cases with its MIN_WIDTH lowered to their width);
 the checks cover every path the backend declares; and the checks catch the autotuner bug of the dims backward
 when the autotuner's first call is replayed (tests/ops/autotune_replay.py) without the kernels' declarations.
+The torch backend's GPU path ("mixed", 16-bit products) passes its checks too, its selector taking it on the CPU.
 The verification records and the match rule: tests/test_verified.py.
 """
 
@@ -54,15 +55,45 @@ def test_the_triton_backend_passes_on_every_code_path(tiny_dense):
         "full": "passed", "dims": "passed"}
 
 
+@pytest.fixture
+def meta_mixed_products(monkeypatch):
+    """The meta device offering mixed-dtype products, as a GPU with a recent torch does: there 16-bit calls have the
+    torch backend's "mixed" path."""
+    import angle_kernels.torch_ops.common as torch_common
+
+    monkeypatch.setitem(torch_common._mixed_products, torch.device("meta"), torch_common.MixedProducts(True, True))
+
+
 @pytest.mark.parametrize("sizes", ["standard", "large"])
-def test_every_gpu_case_takes_the_code_path_it_verifies(sizes):
+def test_every_gpu_case_takes_the_code_path_it_verifies(sizes, meta_mixed_products):
     """The GPU run's cases (shapes only: meta tensors) each take the path they are named for, with the thresholds
-    as they are (no tiny_dense): a case that took another path would leave its own unverifiable."""
-    ops = verify.resolve_backend("triton", torch.empty(0, device="meta"))
+    as they are (no tiny_dense), on the backend that declares it (the torch backend's "mixed" in every dtype its
+    case takes): a case that took another path would leave its own unverifiable."""
+    meta = torch.empty(0, device="meta")
     for case in verify.cases(sizes):
-        leaves, arguments = case.build(torch.Generator().manual_seed(0), case.dtypes[0], "meta")
-        args, kwargs = arguments(*leaves)
-        assert ops.computes(case.op, *args, **kwargs) == ("triton", case.path), case.name
+        backend = "torch" if case.path == "mixed" else "triton"
+        ops = verify.path_ops(backend, meta)
+        for dtype in case.dtypes if backend == "torch" else case.dtypes[:1]:
+            leaves, arguments = case.build(torch.Generator().manual_seed(0), dtype, "meta")
+            args, kwargs = arguments(*leaves)
+            assert ops.computes(case.op, *args, **kwargs) == (backend, case.path), case.name
+
+
+def test_the_torch_backends_gpu_path_passes_its_checks(monkeypatch):
+    """The torch backend's checks: its "mixed" path alone (the path that needs a verification), in bfloat16 and
+    float16, every case passing; on the CPU its products convert their 16-bit operands (the same values), and here
+    its selector takes "mixed" on the CPU, where it would take "default" (no mixed-dtype products there)."""
+    from angle_kernels.torch_ops import similarity_xent as torch_xent
+
+    monkeypatch.setattr(torch_xent, "takes_mixed_products", lambda x: x.dtype in verify.HALF_DTYPES)
+    results = verify.run_checks("torch", torch.device("cpu"), verify.cases("tiny"))
+    failed = [verify._row(r) for r in results if r["pass"] is not True]
+    assert not failed, "\n".join(failed)
+    assert verify.outcomes(results) == {("torch", "similarity_xent", "mixed"): "passed"}
+    assert {r["dtype"] for r in results} == {"bfloat16", "float16"} and len(results) == 8
+    declared = {(op, path) for op, paths in verify.verified.paths_of("torch").items() for path in paths
+                if verify.verified.needs_verification("torch", path)}
+    assert declared == {("similarity_xent", "mixed")}  # every torch path that needs a verification has its checks
 
 
 def test_a_case_that_misses_its_path_fails_instead_of_checking_another():

@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from train_helpers import assert_ranks_match, free_port, make_encoder, param_grads, run_config
 
+from angle_kernels.testing.helpers import start_ranks
 from angle_train.arccse import BLOCKS, ArcCSEObjective, TokenizedSentences, load_sentences, span_length
 from angle_train.data import DataError, pad_batch
 from angle_train.grad_cache import embed, grad_cache_step, plain_step
@@ -187,7 +187,7 @@ def test_two_processes_share_negatives_and_equal_one(tmp_path):
     """2 gloo processes, 4 sentences each, every block gathered: the losses and weights of one process on all 8."""
     from angle_train.trainer import train
 
-    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path / "ddp")), nprocs=2, join=True)
+    start_ranks(_rank_main, (2, free_port(), str(tmp_path / "ddp")))
     single = train(_config(tmp_path / "single"), model=make_encoder("bert"), train_examples=SENTENCES * 3)
     assert_ranks_match(tmp_path / "ddp", "rank{rank}.pt", single)
 

@@ -4,11 +4,11 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from train_helpers import (
     assert_ranks_match, demo_batch, free_port, graded_or_contrastive_loss, make_encoder, param_grads, run_config,
 )
 
+from angle_kernels.testing.helpers import start_ranks
 from angle_train.cli import config_from_args
 from angle_train.data import pad_batch
 from angle_train.distributed import wrap_ddp
@@ -65,7 +65,7 @@ def _rank_main(rank, world, port, arch, fmt, chunk_rows, flags, out_dir):
 def test_two_process_all_gather_equals_single_process(tmp_path, arch, fmt, chunk_rows, flags):
     """chunk_rows=None: plain backprop; 3: gradient cache with no_sync on all but the last chunk. flags: the loss
     options of angle-train's command line (the default AngleLoss of the format without)."""
-    mp.spawn(_rank_main, args=(2, free_port(), arch, fmt, chunk_rows, flags, str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_rank_main, (2, free_port(), arch, fmt, chunk_rows, flags, str(tmp_path)))
     encoder, batch, loss_fn = _setup(arch, fmt, flags)
     chunks = [pad_batch(batch.seqs, encoder.pad_token_id, encoder.padding_side)]
     if flags and flags != ESPRESSO:  # each option changes this batch's loss (none, then one option more at a time)
@@ -116,7 +116,7 @@ def test_two_process_training_run_equals_single_process(tmp_path):
     from angle_train.tiny import demo_examples
     from angle_train.trainer import train
 
-    mp.spawn(_trainer_rank_main, args=(2, free_port(), str(tmp_path / "ddp")), nprocs=2, join=True)
+    start_ranks(_trainer_rank_main, (2, free_port(), str(tmp_path / "ddp")))
     single = train(_trainer_config(str(tmp_path / "single")), model=make_encoder("bert", dropout=0.0),
                    train_examples=(demo_examples(24, seed=2), "B"))
     assert_ranks_match(tmp_path / "ddp", "trainer-rank{rank}.pt", single)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from train_helpers import free_port, make_encoder, run_config
 
 from angle_kernels import AngleLoss
+from angle_kernels.testing.helpers import start_ranks
 from angle_train import faults
 from angle_train.checkpoint import checkpoint_problem, finished_checkpoints, save_checkpoint
 from angle_train.tiny import demo_examples
@@ -247,30 +247,37 @@ def _final_weights(out):
 
 def test_sigterm_checkpoints_and_resume_is_bit_identical(tmp_path):
     """A real angle-train process: SIGTERM mid-run finishes the step, writes a checkpoint and exits with status 75;
-    --resume auto then ends with the weights of an uninterrupted run, bit for bit."""
+    --resume auto then ends with the weights of an uninterrupted run, bit for bit. (The uninterrupted run goes
+    alongside the other two: each process uses one thread.)"""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    full = subprocess.run(_cli(tmp_path / "full"), env=env, capture_output=True, text=True, timeout=600)
-    assert full.returncode == 0, full.stderr[-2000:]
+    full_log = tmp_path / "full.log"
+    with open(full_log, "w") as log:
+        full = subprocess.Popen(_cli(tmp_path / "full"), env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        out = tmp_path / "stopped"
+        process = subprocess.Popen(_cli(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
+        while time.monotonic() < deadline and process.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == faults.EXIT_PREEMPTED, output[-2000:]
+        assert "SIGTERM: finishing this optimizer step" in output
+        done = finished_checkpoints(str(out))
+        assert len(done) == 1 and checkpoint_problem(done[0]) is None
+        stopped_at = int(done[0].rsplit("-", 1)[1])
+        assert 3 <= stopped_at < 300 and not (out / "final").exists()
 
-    out = tmp_path / "stopped"
-    process = subprocess.Popen(_cli(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=300)
-    assert process.returncode == faults.EXIT_PREEMPTED, output[-2000:]
-    assert "SIGTERM: finishing this optimizer step" in output
-    done = finished_checkpoints(str(out))
-    assert len(done) == 1 and checkpoint_problem(done[0]) is None
-    stopped_at = int(done[0].rsplit("-", 1)[1])
-    assert 3 <= stopped_at < 300 and not (out / "final").exists()
-
-    resumed = subprocess.run(_cli(out, "--resume", "auto"), env=env, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resumed from {done[0]} at step {stopped_at}" in resumed.stdout
+        resumed = subprocess.run(_cli(out, "--resume", "auto"), env=env, capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert f"resumed from {done[0]} at step {stopped_at}" in resumed.stdout
+        assert full.wait(timeout=600) == 0, full_log.read_text()[-2000:]
+    finally:
+        if full.poll() is None:
+            full.kill()
+            full.wait()
     expected, got = _final_weights(tmp_path / "full"), _final_weights(out)
     assert expected.keys() == got.keys()
     for name, value in expected.items():
@@ -386,7 +393,7 @@ def test_every_process_agrees(tmp_path, case):
     """A NaN in one process's gradient skips the step on both (same weights, unchanged); SIGTERM to one process
     stops both after the same step with one checkpoint holding both processes' RNG states; --auto-chunk is refused
     under DDP."""
-    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path), case), nprocs=2, join=True)
+    start_ranks(_rank_main, (2, free_port(), str(tmp_path), case))
     got = [torch.load(tmp_path / f"{case}-rank{rank}.pt", weights_only=False) for rank in range(2)]
     if case == "nan_on_rank1":
         assert got[0]["skipped"] and got[1]["skipped"]

@@ -13,9 +13,9 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from train_helpers import free_port, make_encoder, run_config
 
+from angle_kernels.testing.helpers import start_ranks
 from angle_train.checkpoint import (MANIFEST_FILE, Position, checkpoint_path, checkpoint_problem, checkpoint_to_resume,
                                    finished_checkpoints, load_checkpoint, save_checkpoint, write_manifest)
 from angle_train.distributed import DistInfo
@@ -61,7 +61,7 @@ def _rank_main(rank, world, port, out_dir, settings, stop_after):
 
 
 def _spawn(out_dir, stop_after=0, **settings):
-    mp.spawn(_rank_main, args=(2, free_port(), str(out_dir), settings, stop_after), nprocs=2, join=True)
+    start_ranks(_rank_main, (2, free_port(), str(out_dir), settings, stop_after))
     return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(2)]
 
 
