@@ -672,7 +672,7 @@ def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, devi
     can run it at tiny sizes on CPU.)"""
     import torch
 
-    from angle_kernels.dispatch import resolve_backend
+    from angle_kernels.dispatch import path_ops, resolve_backend
 
     probe = torch.zeros(1, device=device)
     budget = harness.SweepBudget(deadline.left(), warm_up_allowance(step, deadline.left()))
@@ -684,9 +684,13 @@ def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, devi
 
     for names in passes:
         backends = {name: recording_ops(resolve_backend(name, probe)) for name in names}
+        if "torch" in names and probe.is_cuda:  # and the torch backend's GPU path, verified here or not
+            backends["torch-gpu"] = recording_ops(path_ops("torch", probe))
         for rank, bench, n, d, dtype_name in op_cases(ops):
             dtype = harness.DTYPES[dtype_name]
             for backend, module in row_backends(bench, backends):
+                if backend == "torch-gpu" and dtype_name not in TORCH_GPU_PATH_DTYPES:
+                    continue  # the torch backend's GPU path is its 16-bit products: in float32, the "torch" rows
                 row = {"op": bench.name, "n": n, "d": d, "dtype": dtype_name, "backend": backend}
                 previous = last.get((bench.name, d, dtype_name, backend))
                 power = 2 if bench.grows == "N^2" else 1
@@ -721,12 +725,21 @@ def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, devi
     return progress()
 
 
+# The dtypes in which the torch backend's GPU path differs from its default one (torch_ops: the 16-bit products).
+TORCH_GPU_PATH_DTYPES = ("bfloat16", "float16")
+
+
 def row_backends(bench, backends: dict) -> list:
     """(row label, backend Ops) of an op's rows: each backend once, but the triton backend's two similarity_xent
     schemes both, forced, where the op has them (OpBench.triton_schemes), so that the width from which it takes
-    the dense one (similarity_xent_dense.MIN_WIDTH) can be set from numbers."""
+    the dense one (similarity_xent_dense.MIN_WIDTH) can be set from numbers; and "torch-gpu", the torch backend on
+    the code path its op module names (`dispatch.path_ops`: on a GPU its 16-bit products, "mixed", which "torch"
+    takes only once verified), for the ops where that is another path."""
     rows = []
+    op = bench.name.partition("(")[0]
     for name, module in backends.items():
+        if name == "torch-gpu" and len(module.backend.paths.get(op, ())) < 2:
+            continue  # the op has one torch path: the "torch" rows time it
         labels = list(harness.TRITON_XENT_SCHEMES) if name == "triton" and bench.triton_schemes else [name]
         rows += [(label, module) for label in labels]
     return rows

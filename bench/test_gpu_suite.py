@@ -471,3 +471,17 @@ def test_summary_gathers_the_stages_of_separate_commands(tmp_path):
 def test_the_cuda_probe_is_valid_python():
     """first and second run it in a subprocess on the GPU; a typo would cost a GPU command to find."""
     compile(gpu_suite._CUDA_PROBE, "_CUDA_PROBE", "exec")
+
+
+def test_the_op_sweep_times_the_torch_backends_gpu_path_where_it_has_one():
+    """"torch-gpu" rows (the torch backend on the path its op module names: on a GPU its 16-bit products) only for
+    the ops whose torch module has a second path; "torch" rows for every op."""
+    from angle_kernels import dispatch
+
+    backends = {"torch": dispatch._TORCH_OPS, "torch-gpu": dispatch._TORCH_GPU_OPS}
+    labels = {bench.name: [label for label, _ in gpu_suite.row_backends(bench, backends)]
+              for bench in gpu_suite.all_ops()}
+    assert labels["similarity_xent(ibn)"] == ["torch", "torch-gpu"]
+    assert labels["similarity_xent(dims)"] == ["torch", "torch-gpu"]
+    assert labels["pair_scores"] == labels["ranking_loss"] == ["torch"]
+    assert gpu_suite.TORCH_GPU_PATH_DTYPES == ("bfloat16", "float16")

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Set everything up (scripts/setup.sh) and run the whole test suite on CPU.
 # The Triton kernels run under the Triton interpreter in their own test folder; nothing needs a GPU.
+# Two pytest-xdist workers (PYTEST_WORKERS; 0 runs in this process), each test file on one worker (--dist
+# loadfile: a file's module fixtures are built once); every test runs torch on one thread (conftest.py), so two
+# workers use two cores. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export TORCH_EXTENSIONS_DIR="$PWD/.torch_extensions"
-python -m pytest -q "$@"
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
