@@ -131,6 +131,15 @@ def check_embedding_group(*named: tuple[str, torch.Tensor]) -> None:
         check_finite(name, t)
 
 
+def check_columns(name: str, columns):
+    """A loss's hard-negative columns: a tuple or list of [B, D] tensors, one per column. A tensor itself is refused
+    with what to pass: iterated, its rows would be read as columns, each of the wrong shape."""
+    if isinstance(columns, torch.Tensor):
+        raise TypeError(f"{name} must be a tuple or list of [B, D] tensors, one per hard-negative column; got a tensor "
+                        f"of shape {tuple(columns.shape)}: pass ({name},) for one column")
+    return columns
+
+
 def promote_embeddings(*tensors):
     """Embedding tensors used together in one loss, returned in one dtype: PROMOTED, never refused, by torch's type
     promotion (torch.promote_types: float32 with float64 computes in float64, bfloat16 with float32 in float32), so

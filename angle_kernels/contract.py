@@ -38,9 +38,12 @@ LSE_PENALTIES = ("none", "other", "own", "all")
 OPS = ("pair_scores", "ranking_loss", "similarity_xent", "similarity_lse")
 # The optional features of the contract: an op module lists those its op implements in FEATURES (a tuple of these
 # names); dispatch sends a call that uses a feature its backend's op lacks elsewhere (see dispatch.Ops). Every op
-# function still takes the whole argument list, and gets None for a feature it does not declare.
+# function still takes the whole argument list, and gets None for a feature it does not declare; a feature added
+# after the backends' functions were written is passed by keyword, and only to the ops that declare it.
 #   dims: nested prefixes (Matryoshka) for pair_scores and similarity_xent.
-OPTIONAL_FEATURES = ("dims",)
+#   reference: similarity_lse's value relative to each row's logit with a reference row (raw dot products), exact
+#     where the logits overflow the compute dtype; keyword-only; dispatch subtracts the logit for an op without it.
+OPTIONAL_FEATURES = ("dims", "reference")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -88,6 +91,8 @@ class Backend(Protocol):
         filter_threshold: torch.Tensor | None,
         filter_keeps_target: bool,
         normalize: bool,
+        *,
+        reference: torch.Tensor | None = None,  # only where the op declares the feature
     ) -> torch.Tensor: ...
 
 
@@ -262,3 +267,19 @@ def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, p
         filter_q, filter_c = filter_q.detach(), filter_c.detach()
     return (q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
             filter_keeps_target, normalize)
+
+
+def check_lse_reference(q, normalize: bool, reference) -> torch.Tensor | None:
+    """similarity_lse's optional reference rows: None, or [M, D] in q's dtype and on its device (raw dot products
+    only)."""
+    if reference is None:
+        return None
+    _tensor("reference", reference, 2, EMBEDDING_DTYPES)
+    if reference.shape != q.shape:
+        raise ValueError(f"reference must have q's shape {tuple(q.shape)}, got {tuple(reference.shape)}")
+    if reference.dtype != q.dtype:
+        raise TypeError(f"reference must have q's dtype {q.dtype}, got {reference.dtype}")
+    _on_device_of("reference", reference, "q", q)
+    if normalize:
+        raise ValueError("reference is for raw dot products (normalize=False)")
+    return reference

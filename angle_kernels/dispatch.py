@@ -11,14 +11,17 @@ Common conventions (the numbers and checks in code: `angle_kernels.contract`)
       cosine 0 with everything and never produces NaN.
     * Finite inputs never overflow a cosine: rows whose squared norms or dot products would exceed the compute
       dtype (float32 rows around 1.8e19, float64 around 1.3e154) are computed scaled by a power of two per row
-      (exact; torch_ops/common.py). Raw dot products (similarity_lse with normalize=False) are computed as given.
+      (exact; torch_ops/common.py). Raw dot products (similarity_lse with normalize=False) overflow where their
+      true values do; its optional `reference` keeps the value of a loss exact there (the torch backend).
     * "Compute dtype": float64 inputs compute and return float64; float32, bfloat16 and float16 inputs
       accumulate in float32 and return float32. Gradients come back in the dtype of the input they belong to.
     * No op ever materialises an N x N matrix.
     * Every op's inputs are validated once, here (`Ops`, through `contract.check_<op>`), whatever the
       backend: shapes, dtypes, devices and options, never values (no device sync). Backends trust them.
     * Optional features (`contract.OPTIONAL_FEATURES`; today dims, the nested prefixes of pair_scores and
-      similarity_xent): an op module declares those its op implements in FEATURES.
+      similarity_xent, and similarity_lse's reference): an op module declares those its op implements in
+      FEATURES. A call with dims goes to a backend that has them; one with reference stays where it is, and a
+      backend without it subtracts the reference logit from the op's value.
 
 Calling the ops: `pair_scores(..., backend=None)`, `ranking_loss`, `similarity_xent` and `similarity_lse` validate
 and run an op on the chosen backend; `resolve_backend(requested, *tensors)` returns the `Ops` of a backend, whose
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import os
 import types
@@ -91,16 +95,25 @@ class Ops:
 
     def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
                        penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
-                       filter_keeps_target=False, normalize=True):
+                       filter_keeps_target=False, normalize=True, reference=None):
         args = contract.check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on,
                                              filter_q, filter_c, filter_threshold, filter_keeps_target, normalize)
-        return self._computing("similarity_lse", args).similarity_lse(*args)
+        reference = contract.check_lse_reference(q, normalize, reference)
+        # reference does not steer the choice: a backend whose op lacks it computes the same value by subtraction
+        backend = self._computing("similarity_lse", args)
+        if reference is None:
+            return backend.similarity_lse(*args)
+        if "reference" in backend.features["similarity_lse"]:
+            return backend.similarity_lse(*args, reference=reference)  # keyword-only (contract.OPTIONAL_FEATURES)
+        dtype = contract.compute_dtype(q.dtype)  # exact while the logits fit the compute dtype (else inf - inf)
+        return backend.similarity_lse(*args) - args[2] * torch.linalg.vecdot(q.to(dtype), reference.to(dtype))
 
     def computes(self, op: str, *args, **kwargs) -> tuple[str, str]:
         """(backend, code path) that would compute `op` on these arguments (the op's own, validated the same way);
         for "auto", after the first-use check the call would run (`first_use`)."""
         bound = inspect.signature(getattr(Ops, op)).bind(self, *args, **kwargs)
         bound.apply_defaults()
+        bound.arguments.pop("reference", None)  # similarity_lse's, which does not steer the choice
         values = list(bound.arguments.values())[1:]
         checked = getattr(contract, f"check_{op}")(*values)
         chosen = self._choose(op, checked, _features(dims=bound.arguments.get("dims")))
@@ -362,6 +375,9 @@ def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
 
     if name == "cuda" and not on_cuda:
         raise ValueError("backend 'cuda' needs CUDA tensors; the inputs are on " f"{tensors[0].device}")
+    if name == "triton" and importlib.util.find_spec("triton") is None:  # no setting helps: say what to install
+        raise RuntimeError("backend 'triton' needs the triton package, which is not installed: pip install "
+                           "'angle_kernels[triton]' (a CUDA build of torch brings it), or use backend='torch'")
     if name == "triton" and not on_cuda and not triton_interpreting():
         raise ValueError(
             "backend 'triton' on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -456,7 +472,7 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
 
 def similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
                    filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False, normalize=True,
-                   *, backend: str | None = None):
+                   *, reference=None, backend: str | None = None):
     """Per-row log partition functions [M] of scaled cosines (or dot products) with exclusions, hardness and
     filters. The contract:
 
@@ -482,7 +498,12 @@ def similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penal
         lse[i] = logsumexp_{j in K_i} l[i, j], -inf when K_i is empty. Returns [M] in the compute dtype.
         Backward takes grad_lse [M] and gives dq and dc (inputs' dtypes); rows with lse = -inf contribute
         nothing. O(M + Mc) extra memory: tiled, per-row state only; backward recomputes tiles.
+        Optional feature reference (keyword-only; raw dot products): rows r [M, D] in q's dtype; the op then
+        returns lse[i] - scale * q_i . r_i (and the gradient of r too), computed so that it is exact where the
+        logits overflow the compute dtype and their difference does not (huge rows whose positive dominates give
+        0, not inf - inf); where r_i is the row of row i's target column its logit is the target column's own.
+        Finite inputs never give NaN through it; a value beyond the dtype is +-inf.
     """
     return resolve_backend(backend, _named_tensor("q", q)).similarity_lse(
         q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
-        filter_keeps_target, normalize)
+        filter_keeps_target, normalize, reference=reference)

@@ -376,6 +376,8 @@ def gist_loss(
                         ("gather_across_devices", gather_across_devices)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    negatives = checks.check_columns("negatives", negatives)
+    guide_negatives = checks.check_columns("guide_negatives", guide_negatives)
     anchors, positives, *negatives = checks.promote_embeddings(anchors, positives, *negatives)
     guide_anchors, guide_positives, *guide_negatives = checks.promote_embeddings(guide_anchors, guide_positives,
                                                                                  *guide_negatives)

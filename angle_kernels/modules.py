@@ -34,6 +34,12 @@ from .terms import arccon, as_pairs, in_batch_negatives, multiple_negatives, ran
 DATASET_FORMATS = ("A", "B", "C")
 
 
+def _check_dataset_format(dataset_format) -> None:
+    if dataset_format not in DATASET_FORMATS:
+        raise ValueError(f"AngleLoss needs dataset_format 'A' (text1, text2, label), 'B' (query, positive) or "
+                         f"'C' (query, positive, negative); got {dataset_format!r}")
+
+
 class AngleLoss(nn.Module):
     """The AnglE objective (paper Eq. 8) assembled exactly as angle-emb 0.6.1's `AngleLoss`.
 
@@ -67,10 +73,10 @@ class AngleLoss(nn.Module):
       the positive stays. In format A with ibn_partition "angle" it filters AnglE's rows (each row against all
       other 2N - 1 rows, its partner the target, the threshold from the pair's cosine; divided by 2N).
 
-    Differences from the reference: a ValueError (not NotImplementedError) for an unknown or missing
-    dataset_format; a 0-dim zero tensor (not the float 0.0) when every weight is 0; format C's
-    `if cll > 0` check, which forces a GPU sync, is dropped (it only differs when the contrastive terms are
-    exactly 0, where adding 0 changes nothing); graded labels with ibn_w > 0 raise ValueError instead of
+    Differences from the reference: a ValueError (not NotImplementedError) for an unknown dataset_format, at
+    construction, or a missing one, at the call; a 0-dim zero tensor (not the float 0.0) when every weight is 0;
+    format C's `if cll > 0` check, which forces a GPU sync, is dropped (it only differs when the contrastive terms
+    are exactly 0, where adding 0 changes nothing); graded labels with ibn_w > 0 raise ValueError instead of
     being truncated.
 
     Args:
@@ -78,7 +84,7 @@ class AngleLoss(nn.Module):
         cosine_tau, ibn_tau, angle_tau: the terms' scales (finite, > 0: checks.check_scale; the reference
             accepts any value).
         angle_pooling_strategy: 'sum' or 'mean'.
-        dataset_format: 'A', 'B' or 'C'.
+        dataset_format: 'A', 'B' or 'C' (None: set the attribute before the first call).
         ibn_partition: keyword-only; "angle" (default) or "gte" (see above).
         false_negative_margin: keyword-only; None (default: no filter) or a real number (see above).
         false_negative_strategy: keyword-only; "absolute" (default) or "relative".
@@ -121,6 +127,8 @@ class AngleLoss(nn.Module):
         self.angle_tau = checks.check_scale("angle_tau", angle_tau)
         checks.check_choice("angle_pooling_strategy", angle_pooling_strategy, POOLING_STRATEGIES)
         self.angle_pooling_strategy = angle_pooling_strategy
+        if dataset_format is not None:  # None: set before the first call, as angle-emb's AngleLoss() leaves it
+            _check_dataset_format(dataset_format)
         self.dataset_format = dataset_format
         checks.check_choice("ibn_partition", ibn_partition, tuple(IBN_PARTITIONS))
         self.ibn_partition = ibn_partition
@@ -146,11 +154,7 @@ class AngleLoss(nn.Module):
 
     def forward(self, labels: torch.Tensor | None, outputs: torch.Tensor, *,
                 layer_weights: LayerWeights | None = None) -> torch.Tensor:
-        if self.dataset_format not in DATASET_FORMATS:
-            raise ValueError(
-                f"AngleLoss needs dataset_format 'A' (text1, text2, label), 'B' (query, positive) or "
-                f"'C' (query, positive, negative); got {self.dataset_format!r}"
-            )
+        _check_dataset_format(self.dataset_format)
         # first: outputs, or the first layer of a stack (the values of the others are checked here)
         layers, (first,) = check_layer_stack(layer_weights, ("outputs", outputs))
         stack = (layer_weights, layers)

@@ -366,6 +366,7 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
     as `nested` instead of dims, dim_weights and layer_weights: it is checked against these embeddings (its
     layers and its widest prefix), not parsed again."""
     scale = checks.check_scale("scale", scale)
+    negatives = checks.check_columns("negatives", negatives)
     queries, positives, *negatives = checks.promote_embeddings(queries, positives, *negatives)
     directions, hardness_strength, false_negative_margin = check_in_batch_options(
         directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy,

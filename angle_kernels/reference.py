@@ -30,8 +30,8 @@ import torch
 from .contract import MARGIN_SIN_SQUARED_FLOOR
 from .contract import NORM_EPS as EPS
 
-# How a result is judged against this reference (shared/docs/measuring.md), by the tests and by
-# `angle_kernels.verify`: float64 and float32 inputs against tolerances on the outputs (VALUE_TOL) and the
+# How a result is judged against this reference, by the tests and by `angle_kernels.verify` (the rule is stated
+# here, once): float64 and float32 inputs against tolerances on the outputs (VALUE_TOL) and the
 # gradients (GRAD_TOL), float32 computed against float64 on the same float32 values; bfloat16 / float16 inputs by
 # the half-precision rule: an error against float64 at most twice eager PyTorch's own error in that dtype (these
 # formulas inside `computing_in(dtype)`), plus HALF_RULE_FLOOR, a relative 1e-6 (what float32 accumulation may

@@ -270,34 +270,40 @@ def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Te
                             false_negative_margin: float | None = None, false_negative_strategy: str = "absolute",
                             gathered: tuple | None = None, similarity: str = "cosine") -> torch.Tensor:
     """The loss of each query [B] of multiple_negatives (same arguments), from per-row log partitions of
-    similarity_lse blocks and the positive scores: log_partition_i - scale * s(queries_i, positives_i)."""
+    similarity_lse blocks and the positive scores: log_partition_i - scale * s(queries_i, positives_i). Dot
+    products are not bounded: each block gives its partition relative to the positive logit (the op's
+    `reference`: the pair's other text), so that logits beyond the compute dtype whose difference is not still
+    give the exact loss (a row whose positive dominates: 0), not inf - inf."""
     rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
     negative_columns = [t.to(positives.dtype) for t in all_negatives]
     offset, world_rows = rank * queries.shape[0], all_queries.shape[0]
     documents = torch.cat([all_positives, *negative_columns])  # row i's positive: column offset + i
-    positive = positive_scores(ops, queries, positives, similarity)
+    relative = similarity == "dot"
+    positive = None if relative and false_negative_margin is None else positive_scores(ops, queries, positives,
+                                                                                         similarity)
     threshold = None
     if false_negative_margin is not None:
         threshold = margin_threshold(positive, false_negative_strategy, false_negative_margin)
 
-    def block(anchors, columns, **options):
+    def block(anchors, columns, partners, **options):
         filtering = {} if threshold is None else dict(filter_q=anchors.detach(), filter_c=columns.detach(),
                                                       filter_threshold=threshold, filter_keeps_target=True)
         return ops.similarity_lse(anchors, columns.to(anchors.dtype), scale, target_offset=offset, **options,
-                                  **filtering, normalize=similarity == "cosine")
+                                  **filtering, normalize=not relative,
+                                  reference=partners.to(anchors.dtype) if relative else None)
 
     hard = hardness_mode is not None and hardness_strength > 0.0
     penalty = dict(penalty=hardness_strength, penalty_on=HARDNESS_MODES[hardness_mode]) if hard else {}
-    log_partitions = [block(queries, documents, period=world_rows, **penalty)]  # query_to_doc
+    log_partitions = [block(queries, documents, positives, period=world_rows, **penalty)]  # query_to_doc
     if "query_to_query" in directions:
-        log_partitions.append(block(queries, all_queries, exclude="target"))
+        log_partitions.append(block(queries, all_queries, positives, exclude="target"))
     if "doc_to_query" in directions:
-        log_partitions.append(block(positives, all_queries))
+        log_partitions.append(block(positives, all_queries, queries))
     if "doc_to_doc" in directions:
-        log_partitions.append(block(positives, documents, period=world_rows, exclude="own"))
+        log_partitions.append(block(positives, documents, queries, period=world_rows, exclude="own"))
     stacked = torch.stack(log_partitions)
     log_z = torch.logsumexp(stacked, dim=0) if partition_mode == "joint" else stacked.mean(dim=0)
-    return log_z - scale * positive
+    return log_z if relative else log_z - scale * positive
 
 
 def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],

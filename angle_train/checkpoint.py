@@ -31,7 +31,10 @@ a link out of the folder) does not match, and nothing it names is read.
 
 Two starts are refused: a fresh run in an output folder that holds an earlier run (unless --overwrite: it would
 replace or orphan that run's outputs), and a resume whose data settings (RESUME_MUST_MATCH) differ from the
-checkpoint's (it would silently skip or repeat training data).
+checkpoint's (it would silently skip or repeat training data). The optimizer and schedule settings
+(RESUME_APPLIES) may change on resume and take effect from the resumed step: the learning rate there is the one the
+new settings' schedule gives at that step (as if the run had used them from the start), AdamW's moments carry over,
+and the run says which settings changed.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ from .sharding import load_sharded, save_sharded
 # Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
 RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
                      "epochs", "max_steps", "objective", "text_column", "mask_rates")
+
+# Settings of the optimizer and the learning-rate schedule that a resumed run applies from the step it resumes at
+# (load_checkpoint); the others are read from the settings at every step, or fixed by RESUME_MUST_MATCH.
+RESUME_APPLIES = ("lr", "weight_decay", "warmup", "schedule", "max_grad_norm")
 
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
@@ -139,8 +146,10 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
     return None
 
 
-# What a run writes into its output_dir; --overwrite deletes these (and their .tmp/.old leftovers), nothing else.
-RUN_OUTPUTS = ("checkpoints", "best", "final", "metrics.jsonl", "config.json", "profile.json", "tensorboard")
+# What a run writes into its output_dir; --overwrite deletes these (and their .tmp/.old leftovers), nothing else:
+# wandb/ too, whose offline runs a later `wandb sync` would upload as if they were the new run's.
+RUN_OUTPUTS = ("checkpoints", "best", "final", "metrics.jsonl", "config.json", "profile.json", "tensorboard",
+               "curves.png", "wandb")
 
 
 def earlier_run_outputs(output_dir: str) -> list[str]:
@@ -301,6 +310,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     position to continue from. Both files are read and checked before anything is changed."""
     state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
     _refuse_changed_data_settings(path, state["config"], cfg)
+    changed = _changed_optimizer_settings(state["config"], cfg)
     sharded = state.get("sharded", False)
     if sharded != cfg.fsdp:
         raise ValueError(f"checkpoint {path} was written {'with' if sharded else 'without'} --fsdp; resume it "
@@ -313,16 +323,41 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
         raise ValueError(f"checkpoint {path} has no RNG state for rank {dist_info.rank}: resume with the same "
                          "number of processes")
     rng_state = read_tensors_and_plain_values(rng_file)
+    settings = [dict(group) for group in optimizer.param_groups]  # as this run built them, before loading over them
     if sharded:  # DCP's files, through readers that refuse anything but what DCP writes (sharding.py)
         load_sharded(path, encoder, optimizer)
     else:
         encoder.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    _apply_optimizer_settings(optimizer, scheduler, state["scheduler"], settings)
     if state["scaler"]:  # empty when fp16 loss scaling was off
         scaler.load_state_dict(state["scaler"])
     _set_rng_state(rng_state)
-    return Position(**state["position"])
+    position = Position(**state["position"])
+    if changed and dist_info.is_main:
+        detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        print(f"resuming with changed settings ({detail}): from step {position.step} on, the learning rate is the one "
+              "the new settings' schedule gives there", flush=True)
+    return position
+
+
+def _changed_optimizer_settings(saved: dict, cfg: TrainConfig) -> dict:
+    """{setting: (checkpoint's value, this run's)} of the RESUME_APPLIES settings that differ."""
+    current = asdict(cfg)
+    return {k: (saved.get(k), current[k]) for k in RESUME_APPLIES if k in saved and saved[k] != current[k]}
+
+
+def _apply_optimizer_settings(optimizer, scheduler, saved_schedule: dict, settings: list[dict]) -> None:
+    """Restore the schedule's position (saved_schedule) with this run's settings: each parameter group's
+    hyper-parameters as this run built them (`settings`: lr, weight decay... per group, before the checkpoint's were
+    loaded over them), the schedule's peak its --lr, and the learning rate the one this run's schedule gives at the
+    saved step. With unchanged settings that is the saved learning rate, bit for bit."""
+    scheduler.load_state_dict(saved_schedule)  # the step count; its peak (base_lrs) is replaced below
+    scheduler.base_lrs = [group["initial_lr"] for group in settings]
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, built, lr in zip(optimizer.param_groups, settings, lrs):
+        group.update({key: value for key, value in built.items() if key != "params"}, lr=lr)
+    scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
 
 
 def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig) -> None:
@@ -360,25 +395,27 @@ def _set_rng_state(state: dict) -> None:
 # ------------------------------------------------------------------------------------------------- best/
 
 
-def save_best(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None) -> str:
+def save_best(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *,
+              model_card: str | None = None) -> str:
     """Export the model to output_dir/best (only the adapter for LoRA), replacing the previous best once the
-    new one is complete. state_dict: a sharded (--fsdp) encoder's whole weights (sharding.full_state_dict)."""
+    new one is complete. state_dict: a sharded (--fsdp) encoder's whole weights (sharding.full_state_dict);
+    model_card: its README.md."""
     return _export(cfg, encoder, tokenizer, "best", "the best model", adapter_only=is_peft_model(encoder.backbone),
-                   state_dict=state_dict)
+                   state_dict=state_dict, model_card=model_card)
 
 
 def save_final(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *,
-               while_writing=contextlib.nullcontext) -> str:
+               while_writing=contextlib.nullcontext, model_card: str | None = None) -> str:
     """Export the final model to output_dir/final (a LoRA model merged into its base), written as final.tmp and
     swapped in once complete, as best/ is. while_writing(): a context around the writing of final.tmp (the
     loop's StopSignals.interrupting, so that a signal abandons the export); a write that ends in an exception
     leaves no final.tmp behind."""
     return _export(cfg, encoder, tokenizer, "final", "the final model", adapter_only=False, state_dict=state_dict,
-                   while_writing=while_writing)
+                   while_writing=while_writing, model_card=model_card)
 
 
 def _export(cfg: TrainConfig, encoder, tokenizer, name: str, what: str, *, adapter_only: bool, state_dict,
-            while_writing=contextlib.nullcontext) -> str:
+            while_writing=contextlib.nullcontext, model_card: str | None = None) -> str:
     path = os.path.join(cfg.output_dir, name)
     check_finite_weights(encoder, f"{what} to {path}", state_dict=state_dict)
     tmp = path + ".tmp"
@@ -387,7 +424,8 @@ def _export(cfg: TrainConfig, encoder, tokenizer, name: str, what: str, *, adapt
         with while_writing():
             save_pretrained(encoder, tokenizer, tmp, max_length=cfg.max_length, adapter_only=adapter_only,
                             merge_in_place=False, base_model=cfg.model, state_dict=state_dict,
-                            matryoshka_dims=cfg.trained_widths(encoder.embedding_dim))
+                            matryoshka_dims=cfg.trained_widths(encoder.embedding_dim),
+                            export_max_length=cfg.export_max_length, model_card=model_card)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import MISSING, fields
 
-from .command_line import OneLineErrorParser, parse_bool, user_errors_exit, version_text
+from .command_line import OneLineErrorParser, check_train_extra, parse_bool, user_errors_exit, version_text
 from .config import TrainConfig
 
 EXAMPLES = """\
@@ -179,6 +179,7 @@ def main(argv=None) -> int:
     from .trainer import train
 
     with user_errors_exit(parser, debug=args.pop("debug")):
+        check_train_extra()
         try:
             result = train(config_from_settings(parser, args))
         except faults.Preempted as exc:

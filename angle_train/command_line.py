@@ -1,10 +1,11 @@
 """What both command lines (angle-train: cli.py, angle-eval: evaluate.py) share: one-line errors for the mistakes
-a user fixes, --version's text and the booleans flags take."""
+a user fixes (a missing install extra among them), --version's text, the booleans flags take and the device."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -27,6 +28,12 @@ FALSE_WORDS = {"0", "false", "no", "n", "off"}
 # is read), while an accidental one (a bad call, None where a number was meant) is the commonest bug. Any other
 # exception is a bug too and propagates.
 USER_ERROR_PACKAGES = ("angle_train", "angle_kernels")
+# The import names of the packages of the `train` extra (pyproject.toml) the commands import. A ModuleNotFoundError
+# for one of them is the user's to fix by installing the extra (install_hint); any other is a bug.
+TRAIN_EXTRA_MODULES = ("transformers", "tokenizers", "safetensors", "huggingface_hub", "scipy", "tqdm", "yaml",
+                       "datasets", "peft", "matplotlib", "tomli")
+# Those every run of either command imports: checked at start-up (check_train_extra), not found missing minutes in.
+REQUIRED_MODULES = ("transformers", "tokenizers", "safetensors", "scipy")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -49,17 +56,52 @@ def is_user_error(exc: BaseException) -> bool:
     return innermost.tb_frame.f_globals.get("__name__", "").split(".")[0] in USER_ERROR_PACKAGES
 
 
+def install_hint(modules) -> str:
+    """What to install when these modules of the train extra are missing."""
+    return (f"{', '.join(modules)} {'is' if len(modules) == 1 else 'are'} not installed: angle-train and angle-eval "
+            "need the train extra: pip install 'angle_kernels[train]'")
+
+
+def missing_extra_module(exc: ImportError) -> str | None:
+    """The train extra's module whose absence `exc` reports (itself or the error it was raised from), or None."""
+    while exc is not None:
+        name = (getattr(exc, "name", None) or "").split(".")[0]
+        if isinstance(exc, ModuleNotFoundError) and name in TRAIN_EXTRA_MODULES:
+            return name
+        exc = exc.__cause__ if isinstance(exc.__cause__, ImportError) else None
+    return None
+
+
+def check_train_extra() -> None:
+    """Refuse to start without the train extra's packages every run needs (REQUIRED_MODULES), naming the extra."""
+    missing = [name for name in REQUIRED_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(install_hint(missing), name=missing[0])
+
+
 @contextlib.contextmanager
 def user_errors_exit(parser: argparse.ArgumentParser, *, debug: bool):
-    """Inside: a user error (is_user_error) ends the program as a bad flag does, one line and status 2, or with
-    `debug` propagates with its traceback, as any other exception does. Under torchrun each process that meets
-    the error exits so, and torchrun reports the failed processes."""
+    """Inside: a user error (is_user_error; a missing package of the train extra, missing_extra_module) ends the
+    program as a bad flag does, one line and status 2, or with `debug` propagates with its traceback, as any other
+    exception does. Under torchrun each process that meets the error exits so, and torchrun reports the failed
+    processes."""
     try:
         yield
+    except ImportError as exc:
+        module = missing_extra_module(exc)
+        if debug or module is None:
+            raise
+        parser.error(str(exc) if "pip install" in str(exc) else install_hint([module]))
     except (OSError, ValueError) as exc:
         if debug or not is_user_error(exc):
             raise
         parser.error(str(exc))
+
+
+def resolve_device(requested: str | None) -> torch.device:
+    """The device a command runs on: the one asked for (--device), else CUDA when there is a CUDA device, else the
+    CPU; angle-train and angle-eval choose the same way."""
+    return torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def version_text(prog: str) -> str:

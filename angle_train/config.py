@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
+import re
+import shlex
+from dataclasses import MISSING, dataclass, field, fields
 
 from angle_kernels.options import check_arccon_options
 
-from .data import Prompts
+from .data import Prompts, parse_columns
 
+# The folders angle-train writes models into (OUTPUT_DIR/final, best and checkpoints/step-N): OWNER/final is read as
+# a run's folder, not a hub id, so a typo in it fails at once instead of after the Hub's retries.
+RUN_FOLDER_NAMES = re.compile(r"final|best|step-\d+")
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet", ".arrow", ".gz")
 MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every library the run uses accepts
 # Plain backprop's sub-batches on CPU (--pass-tokens): MiniLM on STS-B, 2 cores, forward + backward per step, one
@@ -36,7 +41,8 @@ class TrainConfig:
     model: str = opt("builtin:tiny-bert", "Hugging Face hub name or local folder of the base model (encoder or "
                      "decoder-only LM; loaded without LM head), or builtin:tiny-bert / builtin:tiny-llama",
                      group="model")
-    pooling: str = opt(None, "cls, cls_avg, avg, max or last (default: cls for encoders, last for decoder LMs)",
+    pooling: str = opt(None, "cls, cls_avg, avg, max or last (default: the model folder's own, from its "
+                       "sentence-transformers pooling config; else cls for encoders, last for decoder LMs)",
                        group="model", choices=["cls", "cls_avg", "avg", "max", "last"])
     max_length: int = opt(128, "truncate every text to this many tokens (prompt included)", group="model",
                           at_least=1)
@@ -70,6 +76,11 @@ class TrainConfig:
     train_split: str = opt("train", "split of a Hugging Face training dataset", group="data")
     data_format: str = opt(None, "A (text1,text2,label), B (query,positive), C (query,positive,negative); "
                            "default: detected from the columns", group="data", choices=["A", "B", "C"])
+    columns: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
+                        "the columns of a JSONL/CSV/TSV file or Hugging Face dataset to read under the format's names "
+                        "(text1, text2, label, query, positive, negative), e.g. text1=sent_a text2=sent_b "
+                        "label=similarity; for --train-data and a --dev-data read by column names", group="data",
+                        metavar="NAME=COLUMN")
     dev_data: str = opt(None, "STS-style dev set (format A) for Spearman evaluation", group="data")
     dev_split: str = opt("validation", "split of a Hugging Face dev dataset", group="data")
     bucket: int = opt(0, "length bucketing: sort runs of BUCKET batches by length (0 = off)", group="data",
@@ -114,7 +125,9 @@ class TrainConfig:
                      "(PyTorch FSDP2), for models DDP cannot hold; launch with torchrun (2+ processes); not with "
                      "--lora (LoRA + DDP is the way for adapters)", group="optimisation")
     auto_chunk: bool = opt(False, "on out-of-memory, halve --chunk-tokens or --chunk-size (from plain backprop: half "
-                           "the batch's texts) and retry the step (one process only)", group="optimisation")
+                           "the batch's texts) and retry the step (one process only). GPUs report every failed "
+                           "allocation; on the CPU it works where the allocator refuses one, while Linux's "
+                           "out-of-memory killer may end the process first", group="optimisation")
     seed: int = opt(42, "random seed (data order, dropout, LoRA init)", group="optimisation",
                     at_least=0, at_most=MAX_SEED)
     # ---- loss: angle_kernels.AngleLoss's weights and temperatures (defaults are angle-emb 0.6.1's)
@@ -163,12 +176,18 @@ class TrainConfig:
     output_dir: str = opt("runs/angle", "where checkpoints, metrics.jsonl, best/ and final/ go", group="run")
     eval_every: int = opt(0, "evaluate on dev_data every N optimizer steps (0 = only at the end)", group="run",
                           at_least=0)
+    eval_on_start: bool = opt(True, "with --dev-data, evaluate the model before the first step too (step 0): the "
+                              "score training has to beat", group="run")
     eval_batch_size: int = opt(128, "texts per forward pass during evaluation", group="run", at_least=1)
     save_every: int = opt(0, "write a resumable checkpoint every N optimizer steps (0 = never)", group="run",
                           at_least=0)
     keep_checkpoints: int = opt(2, "how many resumable checkpoints to keep (0 = all)", group="run", at_least=0)
     save_best: bool = opt(True, "keep the model with the best dev Spearman in output_dir/best", group="run")
     save_final: bool = opt(True, "export the final model to output_dir/final", group="run")
+    export_max_length: int = opt(None, "the maximum length best/ and final/ record for inference (sentence-"
+                                 "transformers' max_seq_length, angle-eval's default); default: the base model's "
+                                 "max_seq_length when its folder has one, else --max-length", group="run",
+                                 at_least=1)
     resume: str = opt(None, "a checkpoint folder to resume from, or 'auto' (the latest in output_dir)",
                       group="run")
     overwrite: bool = opt(False, "start afresh in an output_dir that holds an earlier run (its checkpoints, best/, "
@@ -180,8 +199,8 @@ class TrainConfig:
                           "wandb (offline without credentials), or all; optional packages: pip install "
                           "angle_kernels[tracking]", group="run", metavar="NAME", choices=["none", "all",
                                                                                           "tensorboard", "wandb"])
-    progress: bool = opt(True, "show tqdm progress bars: training, and the dev evaluation where stderr is a terminal",
-                         group="run")
+    progress: bool = opt(True, "show progress bars: training's, the dev evaluation's where stderr is a terminal, and "
+                         "transformers' own as weights load and save (0: none of them)", group="run")
     profile: bool = opt(False, "time the phases of the run's second optimizer step (data, encoder forward, all-gather, "
                         "loss, encoder backward, optimizer), print them and write output_dir/profile.json",
                         group="run")
@@ -209,6 +228,7 @@ class TrainConfig:
             raise ValueError("--fsdp shards a full fine-tuning; with --lora the adapters are small: use DDP (leave "
                              "out --fsdp)")
         self._validate_arccse()
+        self.column_map()
         return self
 
     def _validate_ranges(self) -> None:
@@ -253,6 +273,31 @@ class TrainConfig:
         if self.pass_tokens is None:
             grad_cache = bool(self.chunk_size or self.chunk_tokens)
             self.pass_tokens = CPU_PASS_TOKENS if device_type == "cpu" and not grad_cache and not self.pack else 0
+
+    def command_line(self) -> str:
+        """The angle-train command that makes these settings: the flags of those that differ from the defaults (the
+        model card's record of a run, however it was started: flags, a --config file or train() from Python); the
+        model and the training data always."""
+        words = ["angle-train"]
+        for f in fields(self):
+            value, default = getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default
+            if (value == default and f.name not in ("model", "train_data")) or value is None:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                words += [flag, "1" if value else "0"]
+            elif isinstance(value, (list, tuple)):
+                words += [flag, *map(str, value)]
+            else:
+                words += [flag, str(value)]
+        return shlex.join(words)
+
+    def column_map(self) -> dict[str, str]:
+        """--columns as {name: the file's column} (data.parse_columns)."""
+        mapping = parse_columns(self.columns)
+        if mapping and self.objective == "arccse":
+            raise ValueError("--columns maps pairs' columns; --objective arccse reads one column: use --text-column")
+        return mapping
 
     def prompts(self) -> Prompts:
         """The prompt of each role of a text (data.Prompts), from --prompt, --query-prompt and --doc-prompt."""
@@ -306,7 +351,8 @@ class TrainConfig:
 def names_local_path(name: str) -> bool:
     """Whether a model or data name can only be a local path, never a Hugging Face hub id (NAME or OWNER/NAME):
     it exists, starts like a path (/, ./, ../, ~), ends like a data file (.jsonl, .csv...), has more than two
-    parts, or its first part is a folder here (data/train.jsonl)."""
+    parts, its first part is a folder here (data/train.jsonl), or it ends in a folder angle-train writes
+    (RUN_FOLDER_NAMES: runs/final, out/best, run/step-40)."""
     if name.startswith("builtin:"):
         return False
     if os.path.exists(name) or os.path.isabs(name) or name.startswith(("./", "../", "~", ".\\", "..\\")):
@@ -314,6 +360,8 @@ def names_local_path(name: str) -> bool:
     if name.lower().endswith(DATA_FILE_SUFFIXES):
         return True
     parts = name.replace("\\", "/").split("/")
+    if len(parts) == 2 and RUN_FOLDER_NAMES.fullmatch(parts[1]):
+        return True
     return len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
 
 

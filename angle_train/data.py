@@ -2,7 +2,8 @@
 or packed into rows with several texts each: PassPlan, PackedTexts).
 
 Formats (the column names a file must have; `label` may also be called `score`, `text1`/`text2` may also
-be `sentence1`/`sentence2`):
+be `sentence1`/`sentence2`; other names are mapped with `columns`, angle-train's --columns, e.g.
+{"text1": "sent_a", "text2": "sent_b", "label": "similarity"}):
     A  text1, text2, label      graded or 0/1 similarity; rows of a batch are [t1, t2, t1, t2, ...] (zigzag)
     B  query, positive          rows [q, p, q, p, ...]; the other pairs of the batch are the negatives
     C  query, positive, negative  rows [q, p, n, q, p, n, ...] (stride 3)
@@ -45,6 +46,10 @@ ROWS_PER_EXAMPLE = {"A": 2, "B": 2, "C": 3}
 # The role of each text of an example, which picks its prompt (Prompts): format A's texts are symmetric.
 ROLES = {"A": ("text", "text"), "B": ("query", "document"), "C": ("query", "document", "document")}
 ALIASES = {"sentence1": "text1", "sentence2": "text2", "score": "label"}
+# The names a --columns mapping gives a file's columns (NAME=COLUMN), and the hint of how to map them.
+COLUMN_NAMES = ("text1", "text2", "label", "query", "positive", "negative")
+COLUMNS_HINT = ("map yours with --columns, e.g. --columns text1=COLUMN text2=COLUMN label=COLUMN (from Python: "
+                "columns={'text1': COLUMN, ...})")
 # The largest |label| a file may hold. Labels are graded similarity scores (STS 0-5, SICK 1-5) or 0/1; the losses
 # only compare them (the ranking terms) or test them for 0 / 1 (the in-batch-negative term), on float32 batches
 # (TokenizedPairs.batch). Past 3.4e38 a label becomes inf there and the loss refuses the whole batch without a line
@@ -120,15 +125,49 @@ class Prompts:
 # ----------------------------------------------------------------------------------------------- reading
 
 
-def detect_format(columns, where: str) -> str:
-    names = {ALIASES.get(c, c) for c in columns}
+def detect_format(columns, where: str, renaming: dict | None = None) -> str:
+    """The format (A, B or C) whose columns these are, after the --columns renaming ({file column: name})."""
+    names = {ALIASES.get(c, c) for c in (renaming or {}).values()} | {ALIASES.get(c, c) for c in columns}
     for fmt in ("C", "A", "B"):
         if set(FORMATS[fmt]) <= names:
             return fmt
     raise DataError(
         f"{where}: cannot tell the format from the columns {sorted(columns)}; expected text1,text2,label (A), "
-        "query,positive (B) or query,positive,negative (C)"
+        f"query,positive (B) or query,positive,negative (C): {COLUMNS_HINT}"
     )
+
+
+def check_columns(columns: dict | None) -> dict:
+    """A --columns mapping {name: the file's column} with known names (COLUMN_NAMES), as a dict ({} for none)."""
+    columns = dict(columns or {})
+    for name, column in columns.items():
+        if name not in COLUMN_NAMES:
+            raise DataError(f"--columns {name}={column}: unknown name {name!r} (the names are "
+                            f"{', '.join(COLUMN_NAMES)})")
+    return columns
+
+
+def parse_columns(items) -> dict:
+    """The --columns flag's NAME=COLUMN items (several in one, comma-separated, too) as {name: the file's column},
+    checked (check_columns); angle-train and angle-eval read it the same way."""
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"--columns: expected NAME=COLUMN items; got {items!r}")
+    mapping = {}
+    for item in (part for value in items for part in str(value).split(",") if part):
+        name, equals, column = item.partition("=")
+        if not equals or not name or not column:
+            raise ValueError(f"--columns {item}: expected NAME=COLUMN (e.g. text1=sent_a)")
+        mapping[name.strip()] = column.strip()
+    return check_columns(mapping)
+
+
+def column_renaming(columns: dict, present, where: str) -> dict:
+    """{the file's column: its name} for a --columns mapping, each mapped column checked present."""
+    for name, column in columns.items():
+        if column not in present:
+            raise DataError(f"--columns {name}={column}: {where} has no column {column!r} (it has "
+                            f"{sorted(c for c in present if c is not None)})")
+    return {column: name for name, column in columns.items()}
 
 
 def check_text(value, where: str, column: str) -> str:
@@ -205,12 +244,21 @@ def _where_not_utf8(path: str) -> str | None:
     return None
 
 
-def _example_from_row(row: dict, fmt: str, where: str) -> Example:
-    names = {ALIASES.get(k, k): k for k in row if k is not None}  # the format's name -> the file's
-    row = {ALIASES.get(k, k): v for k, v in row.items() if k is not None}
+def _example_from_row(row: dict, fmt: str, where: str, renaming: dict | None = None) -> Example:
+    """The example of a row {the file's column: value}, its columns renamed by --columns ({column: name}), then
+    by ALIASES."""
+    renaming = renaming or {}
+
+    def name_of(column: str) -> str:
+        named = renaming.get(column, column)
+        return ALIASES.get(named, named)
+
+    names = {name_of(k): k for k in row if k is not None}  # the format's name -> the file's
+    row = {name_of(k): v for k, v in row.items() if k is not None}
     missing = [c for c in FORMATS[fmt] if c not in row]
     if missing:
-        raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {sorted(row)})")
+        raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {sorted(names.values())}): "
+                        f"{COLUMNS_HINT}")
     texts = [check_text(row[column], where, column) for column in FORMATS[fmt] if column != "label"]
     label = 1.0
     if fmt == "A":
@@ -266,11 +314,12 @@ def jsonl_rows(path: str):
             yield where, row
 
 
-def read_jsonl(path: str, fmt: str | None) -> tuple[list[Example], str]:
-    examples = []
+def read_jsonl(path: str, fmt: str | None, columns: dict | None = None) -> tuple[list[Example], str]:
+    examples, columns = [], check_columns(columns)
     for where, row in jsonl_rows(path):
-        fmt = fmt or detect_format(row.keys(), where)
-        examples.append(_example_from_row(row, fmt, where))
+        renaming = column_renaming(columns, row.keys(), where)
+        fmt = fmt or detect_format(row.keys(), where, renaming)
+        examples.append(_example_from_row(row, fmt, where, renaming))
     return examples, fmt
 
 
@@ -300,15 +349,22 @@ def delimited_rows(path: str, delimiter: str, check_header=None):
             raise DataError(f"{path}, line {reader.line_num}: {exc}") from None
 
 
-def read_delimited(path: str, fmt: str | None, delimiter: str) -> tuple[list[Example], str]:
-    def check_header(fieldnames):
-        nonlocal fmt
-        fmt = fmt or detect_format(fieldnames, f"{path}, line 1 (header)")
-        missing = [c for c in FORMATS[fmt] if c not in {ALIASES.get(n, n) for n in fieldnames}]
-        if missing:
-            raise DataError(f"{path}, line 1 (header): missing column(s) {missing} for format {fmt}")
+def read_delimited(path: str, fmt: str | None, delimiter: str, columns: dict | None = None
+                   ) -> tuple[list[Example], str]:
+    columns, renaming = check_columns(columns), {}
 
-    examples = [_example_from_row(row, fmt, where) for where, row in delimited_rows(path, delimiter, check_header)]
+    def check_header(fieldnames):
+        nonlocal fmt, renaming
+        where = f"{path}, line 1 (header)"
+        renaming = column_renaming(columns, fieldnames, where)
+        fmt = fmt or detect_format(fieldnames, where, renaming)
+        named = {ALIASES.get(renaming.get(n, n), renaming.get(n, n)) for n in fieldnames}
+        missing = [c for c in FORMATS[fmt] if c not in named]
+        if missing:
+            raise DataError(f"{where}: missing column(s) {missing} for format {fmt}: {COLUMNS_HINT}")
+
+    examples = [_example_from_row(row, fmt, where, renaming)
+                for where, row in delimited_rows(path, delimiter, check_header)]
     return examples, fmt
 
 
@@ -317,7 +373,8 @@ def open_hf_dataset(name_or_path: str, split: str):
     try:
         import datasets
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("reading Hugging Face datasets needs the `datasets` package") from exc
+        raise ImportError("reading Hugging Face datasets needs the `datasets` package: pip install "
+                          "'angle_kernels[train]'") from exc
     if not os.path.isdir(name_or_path):
         return datasets.load_dataset(name_or_path, split=split)
     dataset = datasets.load_from_disk(name_or_path)
@@ -328,16 +385,21 @@ def open_hf_dataset(name_or_path: str, split: str):
     return dataset
 
 
-def read_hf_dataset(name_or_path: str, fmt: str | None, split: str) -> tuple[list[Example], str]:
+def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dict | None = None
+                    ) -> tuple[list[Example], str]:
     dataset = open_hf_dataset(name_or_path, split)
-    fmt = fmt or detect_format(dataset.column_names, f"{name_or_path} [{split}]")
-    examples = [_example_from_row(row, fmt, f"{name_or_path} [{split}], row {i}") for i, row in enumerate(dataset)]
+    where = f"{name_or_path} [{split}]"
+    renaming = column_renaming(check_columns(columns), dataset.column_names, where)
+    fmt = fmt or detect_format(dataset.column_names, where, renaming)
+    examples = [_example_from_row(row, fmt, f"{where}, row {i}", renaming) for i, row in enumerate(dataset)]
     return examples, fmt
 
 
-def load_examples(source: str, *, fmt: str | None = None, split: str = "train", layout: str | None = None
-                  ) -> tuple[list[Example], str]:
-    """Read `source` into (examples, format). `fmt` forces A/B/C; `layout="stsb"` forces the STS-B reader."""
+def load_examples(source: str, *, fmt: str | None = None, split: str = "train", layout: str | None = None,
+                  columns: dict | None = None) -> tuple[list[Example], str]:
+    """Read `source` into (examples, format). `fmt` forces A/B/C; `layout="stsb"` forces the STS-B reader;
+    `columns` maps the format's names to a JSONL/CSV/TSV file's or a dataset's columns ({"text1": "sent_a", ...}:
+    angle-train's --columns)."""
     if fmt is not None and fmt not in FORMATS:
         raise ValueError(f"format must be one of 'A', 'B', 'C' or None (detect); got {fmt!r}")
     if layout not in (None, "stsb"):
@@ -350,13 +412,13 @@ def load_examples(source: str, *, fmt: str | None = None, split: str = "train", 
             raise DataError(f"{source}: the STS-B layout is format A (text1, text2, label); got format={fmt!r}")
         examples, fmt = read_stsb(source), "A"
     elif is_file and source.endswith((".jsonl", ".json")):
-        examples, fmt = read_jsonl(source, fmt)
+        examples, fmt = read_jsonl(source, fmt, columns)
     elif is_file and source.endswith((".csv", ".tsv")):
-        examples, fmt = read_delimited(source, fmt, "\t" if source.endswith(".tsv") else ",")
+        examples, fmt = read_delimited(source, fmt, "\t" if source.endswith(".tsv") else ",", columns)
     elif is_file:
         raise DataError(f"{source}: unknown file type; use .jsonl, .csv, .tsv or the STS-B layout")
     else:
-        examples, fmt = read_hf_dataset(source, fmt, split)
+        examples, fmt = read_hf_dataset(source, fmt, split, columns)
     if not examples:
         raise DataError(f"{source}: no examples (the file has no data rows)")
     return examples, fmt

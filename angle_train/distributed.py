@@ -50,6 +50,12 @@ def init_distributed(device_type: str) -> DistInfo:
     return info
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun's environment gives it (RANK; 0 for a single process), known before the
+    process group is joined (init_distributed)."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
 def wrap_ddp(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """DistributedDataParallel without per-forward buffer broadcasts (our buffers never change)."""
     import inspect

@@ -1,11 +1,13 @@
 """`angle-eval`: the AnglE paper's evaluation of an embedding model, from datasets in their original layouts.
 
     angle-eval MODEL PATH [PATH ...] [--pooling P] [--max-length L] [--prompt T] [--query-prompt T]
-               [--doc-prompt T] [--batch-size B] [--json OUT] [--progress 0|1] [--debug] [--version]
+               [--doc-prompt T] [--columns NAME=COLUMN ...] [--batch-size B] [--device D] [--json OUT]
+               [--progress 0|1] [--debug] [--version]
 
 MODEL is an `angle_train` export (a folder with angle_train.json: its pooling, prompts and maximum length are
-used unless overridden), or a hub name / local folder of a Hugging Face model (pooling as --pooling says, or the
-encoder default). Each PATH is read in the layout it is distributed in:
+used unless overridden), or a hub name / local folder of a Hugging Face model (pooling as --pooling says, else as
+its sentence-transformers files say, else the encoder default; the choice is printed). The device is --device, else
+CUDA when there is one, as for angle-train. Each PATH is read in the layout it is distributed in:
 
     STS12 .. STS16   a year's folder as SentEval lays it out (STS.input.SUBSET.txt with STS.gs.SUBSET.txt) or
                      as originally released (STS2016.input.SUBSET.txt / STS2016.gs.SUBSET.txt); a pair whose gold
@@ -17,6 +19,10 @@ encoder default). Each PATH is read in the layout it is distributed in:
     retrieval        a format-B file (query, positive: JSONL / CSV): every positive is a document of the corpus,
                      each query's own positive the one relevant; recall@1, recall@10 and nDCG@10 (cosine); the
                      queries take the query prompt, the documents the document prompt (data.Prompts)
+    pairs            a format-A file (text1, text2, label: JSONL / CSV), scored as STS-B is
+
+JSONL / CSV / TSV files with other column names are read with --columns (angle-train's): e.g. text1=sent_a
+text2=sent_b label=similarity.
 
 The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting:
 one correlation over every pair of a year's subsets together. `--json OUT` writes {dataset name: score} (the
@@ -40,9 +46,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .command_line import OneLineErrorParser, parse_bool, user_errors_exit, version_text
+from . import preflight
+from .command_line import (
+    OneLineErrorParser, check_train_extra, parse_bool, resolve_device, user_errors_exit, version_text,
+)
 from .config import names_local_path
-from .data import DataError, Example, Prompts, check_label, load_examples, open_text, read_stsb
+from .data import DataError, Example, Prompts, check_label, load_examples, open_text, parse_columns, read_stsb
 from .models import check_dim, truncate
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
@@ -65,8 +74,9 @@ class RetrievalSet:
 
 
 # ------------------------------------------------------------------------------------------------- reading
-def read_dataset(path: str) -> StsSet | RetrievalSet:
-    """The dataset at `path`, recognised by its layout (module docstring); a DataError says what was expected."""
+def read_dataset(path: str, *, columns: dict | None = None) -> StsSet | RetrievalSet:
+    """The dataset at `path`, recognised by its layout (module docstring); a DataError says what was expected.
+    columns: the names of a JSONL/CSV file's columns (data.load_examples)."""
     if os.path.isdir(path):
         return read_sts_year(path)
     if not os.path.isfile(path):
@@ -83,7 +93,7 @@ def read_dataset(path: str) -> StsSet | RetrievalSet:
             pass
         else:  # the paper's STS-B is the test split; another split keeps its file name
             return StsSet("STS-B" if stem == "sts-test" else f"STS-B ({stem})", read_stsb(path))
-    examples, fmt = load_examples(path)
+    examples, fmt = load_examples(path, columns=columns)
     if fmt == "A":
         return StsSet(stem, examples)
     return RetrievalSet(stem, [ex.texts[0] for ex in examples], [ex.texts[1] for ex in examples])
@@ -213,6 +223,33 @@ def encoding_progress(encoder, texts: int, description: str, progress: bool | No
         bar.close()
 
 
+@contextlib.contextmanager
+def library_progress_bars(enabled: bool | None):
+    """Inside, unless `enabled` (True, or None: as the libraries decide), the progress bars of transformers (loading
+    weights, "Writing model shards") and huggingface_hub (downloads) are off: --progress 0 prints none. As they were
+    after."""
+    if enabled is not False:
+        yield
+        return
+    switches = []
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging as transformers_logging
+
+        switches.append((transformers_logging.is_progress_bar_enabled(), transformers_logging.enable_progress_bar))
+        transformers_logging.disable_progress_bar()
+    with contextlib.suppress(ImportError):
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+        switches.append((not are_progress_bars_disabled(), enable_progress_bars))
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        for was_on, switch_on in switches:
+            if was_on:
+                switch_on()
+
+
 def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length: int = 512,
              progress: bool | None = None) -> dict:
     """{name: Spearman x 100} for the STS sets and {name: {metric: value}} for the retrieval sets, with the
@@ -252,15 +289,17 @@ def check_model(model: str) -> None:
                          "datasets: angle-eval MODEL PATH [PATH ...]")
 
 
-def load_model(model: str, *, pooling: str | None = None, device: str = "cpu"):
-    """(encoder, tokenizer, settings) for an angle_train export or a Hugging Face model."""
+def load_model(model: str, *, pooling: str | None = None, device: str | torch.device = "cpu"):
+    """(encoder, tokenizer, settings) for an angle_train export or a Hugging Face model; the pooling `pooling`,
+    else the export's, else the model folder's own (models.load_encoder); encoder.pooling_source says which."""
     from .export import META_FILE, load_pretrained
     from .models import load_encoder
 
     if os.path.isfile(os.path.join(model, META_FILE)):
         encoder, tokenizer, meta = load_pretrained(model, device=device)
+        encoder.pooling_source = f"the export's {META_FILE}"
         if pooling is not None:
-            encoder.pooling = pooling
+            encoder.pooling, encoder.pooling_source = pooling, "--pooling"
         return encoder, tokenizer, meta
     encoder, tokenizer = load_encoder(model, pooling=pooling, device=device)
     return encoder, tokenizer, {}
@@ -304,8 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "'{text}' marks the text, '' is none; also the default of the next two")
     parser.add_argument("--query-prompt", default=None, help="the retrieval queries' prompt (default: the export's)")
     parser.add_argument("--doc-prompt", default=None, help="the retrieval documents' prompt (default: the export's)")
+    parser.add_argument("--columns", nargs="+", default=[], metavar="NAME=COLUMN",
+                        help="the columns of JSONL/CSV/TSV PATHs to read under the format's names (text1, text2, "
+                        "label, query, positive), as angle-train's --columns: PATH ... --columns text1=sent_a "
+                        "text2=sent_b label=similarity")
     parser.add_argument("--batch-size", type=positive_int, default=128)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda if available, as "
+                        "angle-train)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results there")
     parser.add_argument("--progress", type=parse_bool, nargs="?", const=True, default=None, metavar="0|1",
                         help="a progress bar per dataset on stderr (default: when stderr is a terminal)")
@@ -315,27 +359,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def encoding_length(requested: int | None, meta: dict, encoder, tokenizer, model: str) -> int:
+    """The tokens per text the evaluation encodes: --max-length, else the export's, else 512 or the model's position
+    limit if lower; checked before any text is encoded: within the position limit (as angle-train checks it) and
+    with room for text beside the tokenizer's special tokens (preflight.check_tokenizer)."""
+    from .models import position_limit
+
+    limit = position_limit(encoder.backbone)
+    length = requested or meta.get("max_length") or min(512, limit or 512)
+    if limit is not None and length > limit:
+        given = f"--max-length {length}" if requested else f"max_length {length} (the export's angle_train.json)"
+        raise ValueError(f"{given} is longer than {model} can read: its position table holds {limit} positions; use "
+                         f"--max-length {limit} or less")
+    preflight.check_tokenizer(tokenizer, encoder, model, length)
+    return length
+
+
 def main(argv=None) -> int:
     """Evaluate as the arguments say. Exit status: 0 done; 1 a score is not finite; 2 a mistake in the arguments,
     files or data (one line on stderr, the traceback with --debug)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     with user_errors_exit(parser, debug=args.debug):
+        check_train_extra()
+        preflight.check_device(args.device)
         check_model(args.model)
-        datasets = [read_dataset(path) for path in args.paths]
+        preflight.check_model_folder(args.model, "MODEL")
+        columns = parse_columns(args.columns)
+        datasets = [read_dataset(path, columns=columns) for path in args.paths]
         names = [dataset.name for dataset in datasets]
         if len(set(names)) != len(names):
             parser.error(f"two PATHs give datasets of the same name ({', '.join(names)}): pass each once")
         json_folder = os.path.dirname(os.path.abspath(args.json_out)) if args.json_out else None
         if json_folder and not os.path.isdir(json_folder):  # found out now, not after the evaluation
             raise FileNotFoundError(f"--json {args.json_out}: no folder {json_folder} to write it in")
-        encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling, device=args.device)
+        with library_progress_bars(args.progress):
+            encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling,
+                                                  device=resolve_device(args.device))
+        print(f"angle-eval: pooling {encoder.pooling} ({encoder.pooling_source})", file=sys.stderr, flush=True)
         saved = encoder.prompts
         encoder.prompts = Prompts(text=saved.text if args.prompt is None else args.prompt,
                                   query=saved.query if args.query_prompt is None else args.query_prompt,
                                   document=saved.document if args.doc_prompt is None else args.doc_prompt)
         results = evaluate(encoder, tokenizer, datasets, batch_size=args.batch_size,
-                           max_length=args.max_length or meta.get("max_length") or 512, progress=args.progress)
+                           max_length=encoding_length(args.max_length, meta, encoder, tokenizer, args.model),
+                           progress=args.progress)
         print(table(results))
         if args.json_out:
             with open(args.json_out, "w", encoding="utf-8") as f:

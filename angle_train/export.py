@@ -9,9 +9,16 @@
       go into config_sentence_transformers.json's `prompts` ({"text", "query", "document"}, default "text"):
       `st.encode(q, prompt_name="query")` = `encoder.encode(q, tokenizer, prompt_name="query")`. Its prompts are
       prefixes only: a template with text after '{text}' (the AnglE prompt) is recorded only in angle_train.json,
-      so then wrap the texts yourself or load the folder with `load_pretrained` (a note says so);
+      so then wrap the texts yourself or load the folder with `load_pretrained` (a note says so). When the base
+      model (`base_model`) is a sentence-transformers folder, the export keeps what training did not change
+      (st_folder): its modules after the pooling (Normalize: unit embeddings; Dense layers as the base had them,
+      untrained, with a note), its pooling config (when the pooling is the same), its max_seq_length (unless
+      `export_max_length` says otherwise; a longer training length wins), its prompts when the run has none and
+      its similarity function;
+    * README.md, the model card (`model_card`: the trainer's, with the command, data, loss, steps and scores);
     * angle_train.json: pooling, prompts, bidirectional attention (then no sentence-transformers files: it would
-      load the model causal), max length, padding side, for `load_pretrained`; for a Matryoshka-trained
+      load the model causal), max length (for inference, as sentence-transformers' max_seq_length; the training
+      length as train_max_length), padding side, for `load_pretrained`; for a Matryoshka-trained
       model also `matryoshka_dims`, the prefix widths it was trained at, largest first. Truncation is a load-time
       choice in sentence-transformers (`SentenceTransformer(path, truncate_dim=256)`, which does not read a saved
       value), and `encoder.encode(texts, tokenizer, dim=256)` here.
@@ -26,12 +33,14 @@ import copy
 import dataclasses
 import json
 import os
+import shutil
 
+from . import st_folder
 from .data import Prompts, prompt_prefix
 
-ST_POOLING_KEYS = {"cls": "pooling_mode_cls_token", "avg": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens",
-                   "last": "pooling_mode_lasttoken"}
+ST_POOLING_KEYS = st_folder.POOLING_KEYS
 META_FILE = "angle_train.json"
+CARD_FILE = "README.md"
 
 
 def is_peft_model(module) -> bool:
@@ -46,19 +55,24 @@ def _write_json(path: str, obj) -> None:
 
 def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_only: bool = False,
                     merge_in_place: bool = False, base_model: str | None = None, matryoshka_dims=None,
-                    state_dict: dict | None = None) -> str:
+                    state_dict: dict | None = None, export_max_length: int | None = None,
+                    model_card: str | None = None) -> str:
     """Write the folder described in the module docstring (with encoder.prompts); returns path.
 
-    merge_in_place=True merges LoRA weights into the live model (no copy: for the end of training on a large
-    model); otherwise a copy is merged and the encoder keeps training unchanged. state_dict: the backbone's
-    weights to write in place of its own (a sharded model's, gathered by sharding.full_state_dict).
+    max_length: the length the model was trained at; the folder records export_max_length, else the base model's
+    max_seq_length or max_length, whichever is longer, for inference. merge_in_place=True merges LoRA weights into
+    the live model (no copy: for the end of training on a large model); otherwise a copy is merged and the encoder
+    keeps training unchanged. state_dict: the backbone's weights to write in place of its own (a sharded model's,
+    gathered by sharding.full_state_dict). model_card: README.md's text.
     """
     os.makedirs(path, exist_ok=True)
     backbone = encoder.backbone
+    base = st_folder.find_folder(base_model) if base_model else None
+    inference_length = export_max_length or max(max_length, (st_folder.max_seq_length(base) if base else None) or 0)
     meta = {"pooling": encoder.pooling, "is_decoder": encoder.is_decoder, "bidirectional": encoder.bidirectional,
             "padding_side": encoder.padding_side,
-            "prompt": encoder.prompts.text, "prompts": dataclasses.asdict(encoder.prompts), "max_length": max_length,
-            "base_model": base_model,
+            "prompt": encoder.prompts.text, "prompts": dataclasses.asdict(encoder.prompts),
+            "max_length": inference_length, "train_max_length": max_length, "base_model": base_model,
             "lora": is_peft_model(backbone), "adapter_only": adapter_only,
             "matryoshka_dims": sorted(matryoshka_dims, reverse=True) if matryoshka_dims else None}
     if adapter_only:
@@ -67,6 +81,7 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
         backbone.save_pretrained(path)
         tokenizer.save_pretrained(path)
         _write_json(os.path.join(path, META_FILE), meta)
+        _write_card(path, model_card)
         return path
     if is_peft_model(backbone):
         backbone.save_pretrained(os.path.join(path, "adapter"))
@@ -78,11 +93,12 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
         backbone.save_pretrained(path, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(path)
     _write_json(os.path.join(path, META_FILE), meta)
+    _write_card(path, model_card)
     if encoder.bidirectional:
         print(f"note: {path} is a Hugging Face folder only: sentence-transformers would load the model with its "
               "causal mask, not the bidirectional attention it was trained with (load_pretrained restores it)")
     elif encoder.pooling in ST_POOLING_KEYS:
-        _write_sentence_transformers_files(path, encoder, encoder.embedding_dim, max_length)
+        _write_sentence_transformers_files(path, encoder, encoder.embedding_dim, inference_length, base)
     else:
         print(f"note: pooling {encoder.pooling!r} has no sentence-transformers equivalent; "
               f"{path} is a Hugging Face folder only")
@@ -110,26 +126,57 @@ def unused_modules_back(backbone, modules: dict, state_dict: dict | None):
             setattr(backbone, name, None)
 
 
-def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max_length: int) -> None:
-    _write_json(os.path.join(path, "modules.json"), [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ])
-    _write_json(os.path.join(path, "sentence_bert_config.json"), {"max_seq_length": max_length, "do_lower_case": False})
+def _write_card(path: str, text: str | None) -> None:
+    if text:
+        with open(os.path.join(path, CARD_FILE), "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max_length: int,
+                                       base: str | None) -> None:
+    """modules.json, sentence_bert_config.json, config_sentence_transformers.json and the Pooling module's config:
+    the encoder's, over the base model's (`base`: its sentence-transformers folder, or None) where it has them."""
+    base_modules = st_folder.modules(base) if base else []
+    usable = (len(base_modules) >= 2 and base_modules[0].get("path") == ""
+              and base_modules[0].get("type", "").endswith(".Transformer") and st_folder.pooling_module(base))
+    after = st_folder.modules_after_pooling(base) if usable else []
+    pooling_entry = st_folder.pooling_module(base) if usable else \
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+    _write_json(os.path.join(path, "modules.json"), [base_modules[0] if usable else
+                                                      {"idx": 0, "name": "0", "path": "",
+                                                       "type": "sentence_transformers.models.Transformer"},
+                                                      pooling_entry, *after])
+    for module in after:  # Normalize (often no files), Dense (its config and weights): as the base has them
+        source = os.path.join(base, module.get("path", ""))
+        if module.get("path") and os.path.isdir(source):
+            shutil.copytree(source, os.path.join(path, module["path"]), dirs_exist_ok=True)
+    changing = [module["type"].rsplit(".", 1)[-1] for module in after if not module["type"].endswith(".Normalize")]
+    if changing:
+        print(f"note: {path} keeps the base model's {', '.join(changing)} module(s) after the pooling as the base had "
+              "them: angle-train trains the transformer under the pooling (its dev scores are of the pooled "
+              "embeddings), not these", flush=True)
+    _write_json(os.path.join(path, "sentence_bert_config.json"),
+                {"do_lower_case": False, **(st_folder.settings(base) if usable else {}), "max_seq_length": max_length})
     prompts = encoder.prompts.as_dict()
     prefixes = {role: prompt_prefix(template) for role, template in prompts.items()}
     if None in prefixes.values():
         print(f"note: a prompt of {prompts} puts text after '{{text}}', which sentence-transformers' prefix prompts "
               f"cannot express; {path} records it in {META_FILE} only (load_pretrained applies it)")
         prefixes = {}
-    _write_json(os.path.join(path, "config_sentence_transformers.json"), {
-        "prompts": prefixes, "default_prompt_name": "text" if "text" in prefixes else None,
-        "similarity_fn_name": "cosine"})
+    config = {"similarity_fn_name": "cosine", **(st_folder.config(base) if usable else {})}
+    if prefixes or "prompts" not in config:  # the run's prompts, else the base's
+        config.update(prompts=prefixes, default_prompt_name="text" if "text" in prefixes else None)
+    _write_json(os.path.join(path, st_folder.CONFIG_FILE), config)
+    pooling_folder = os.path.join(path, pooling_entry["path"])
+    os.makedirs(pooling_folder, exist_ok=True)
+    base_pooling = st_folder.pooling(base) if usable else None
+    if base_pooling and base_pooling[0] == encoder.pooling:  # the base's settings (include_prompt...) kept
+        shutil.copyfile(os.path.join(base, base_pooling[1]), os.path.join(pooling_folder, "config.json"))
+        return
     pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_mean_sqrt_len_tokens": False,
                "pooling_mode_weightedmean_tokens": False, "include_prompt": True}
     pooling.update({key: name == encoder.pooling for name, key in ST_POOLING_KEYS.items()})
-    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
-    _write_json(os.path.join(path, "1_Pooling", "config.json"), pooling)
+    _write_json(os.path.join(pooling_folder, "config.json"), pooling)
 
 
 def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, **kwargs):

@@ -16,7 +16,11 @@
                       a checkpoint of the last step instead: --resume auto then only exports.
     out of memory     the error names the batch, the texts per forward pass, the sequence length and what to
                       change (oom_message); with --auto-chunk the step is retried with half the chunk size
-                      (the gradient cache makes the gradients independent of the chunk size).
+                      (the gradient cache makes the gradients independent of the chunk size). On a GPU that is
+                      torch.OutOfMemoryError; on the CPU an allocation the allocator refuses (a RuntimeError:
+                      is_out_of_memory), where the system lets it fail rather than ending the process (Linux's
+                      overcommit and its out-of-memory killer often end the process first, which nothing inside
+                      it can catch).
     full disk, damaged checkpoints: checkpoint.py.
 """
 
@@ -112,8 +116,9 @@ class StopSignals:
     process; a second one ends it at once, whatever handlers were installed before: SIGINT raises
     KeyboardInterrupt (Python's own behaviour), SIGTERM takes its default action (the process terminates).
     Inside `interrupting()` (the final export: long, and not worth finishing when a checkpoint resumes the run
-    as well) the first signal raises Interrupted there and then. Outside the main thread (where Python cannot
-    install handlers) a no-op."""
+    as well) the first signal raises Interrupted there and then. Once the run is complete (`complete()`: every step
+    done and the final model, if any, in place) a first signal only says so: there is nothing left to checkpoint, and
+    the run ends as it would have. Outside the main thread (where Python cannot install handlers) a no-op."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -121,6 +126,7 @@ class StopSignals:
         self.requested: str | None = None
         self._previous: dict = {}
         self._interrupting = False
+        self._completed: str | None = None  # what the complete run left (complete())
 
     @contextlib.contextmanager
     def interrupting(self):
@@ -132,6 +138,11 @@ class StopSignals:
             yield
         finally:
             self._interrupting = False
+
+    def complete(self, what: str) -> None:
+        """The run is complete (`what`: where its result is, for the message): a first signal from now on says so
+        instead of promising a checkpoint."""
+        self._completed = what
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -157,12 +168,26 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.requested = name
+        if self._completed is not None:
+            print(f"\n{name}: the run is complete ({self._completed}); nothing left to checkpoint, finishing up (send "
+                  "it again to stop at once)", flush=True)
+            return
         if self._interrupting:
             print(f"\n{name}: abandoning the final export, writing a checkpoint and stopping (send it again to stop "
                   "at once)", flush=True)
             raise Interrupted(name)
         print(f"\n{name}: finishing this optimizer step, then writing a checkpoint and stopping "
               f"(send it again to stop at once)", flush=True)
+
+
+# What the allocators that report a failed allocation as a plain RuntimeError say (torch.OutOfMemoryError is CUDA's).
+OUT_OF_MEMORY_MARKERS = ("DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` reports memory running out: torch.OutOfMemoryError, or the CPU's (or Apple GPU's) RuntimeError."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in OUT_OF_MEMORY_MARKERS))
 
 
 def oom_message(cfg, step: int, per_pass: int, rows: int) -> str:

@@ -41,11 +41,13 @@ the last real token sits at the last position) puts them last.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from . import st_folder
 from .data import PackedTexts, Prompts, apply_prompt, pad_batch
 
 # ------------------------------------------------------------------------------------------------ pooling
@@ -145,6 +147,8 @@ class Encoder(nn.Module):
             raise ValueError(f"autocast must be None, 'bf16' or 'fp16'; got {autocast!r}")
         self.backbone = backbone
         self.pooling = pooling
+        # where the pooling came from, in words for the run header and angle-eval (load_encoder, wrap_backbone)
+        self.pooling_source = "given"
         self.is_decoder = is_decoder
         self.padding_side = "left" if is_decoder else "right"
         self.pad_token_id = pad_token_id
@@ -414,11 +418,27 @@ def wrap_backbone(
             bias="none",
         )
         backbone = get_peft_model(backbone, config)
+    source = "--pooling" if pooling else f"the default for {'decoder LMs' if is_decoder else 'encoders'}"
     pooling = pooling or ("last" if is_decoder else "cls")
     encoder = Encoder(backbone, pooling=pooling, is_decoder=is_decoder, pad_token_id=pad_token_id, autocast=autocast,
                       bidirectional=bidirectional)
     encoder.unused_modules = dropped
+    encoder.pooling_source = source
     return encoder
+
+
+def own_pooling(name_or_path: str) -> tuple[str, str] | None:
+    """(pooling, the file that names it) of a model's folder: an angle_train export's angle_train.json (every strategy;
+    cls_avg and bidirectional exports have no sentence-transformers files), else its sentence-transformers Pooling
+    module (st_folder.pooling); None when neither names one."""
+    from .export import META_FILE
+
+    meta = os.path.join(name_or_path, META_FILE)
+    pooling = st_folder.read_json(meta).get("pooling") if os.path.isfile(meta) else None
+    if pooling in POOLING_STRATEGIES:
+        return pooling, META_FILE
+    folder = st_folder.find_folder(name_or_path)
+    return st_folder.pooling(folder) if folder else None
 
 
 def load_encoder(
@@ -435,10 +455,14 @@ def load_encoder(
     trust_remote_code: bool = False,
     bidirectional: bool = False,
 ):
-    """Load (encoder, tokenizer) from a hub name or local folder; `lora_path` resumes/evaluates an adapter."""
+    """Load (encoder, tokenizer) from a hub name or local folder; `lora_path` resumes/evaluates an adapter. pooling:
+    None takes the folder's own (own_pooling), else the default (cls for encoders, last for decoder LMs);
+    encoder.pooling_source says which."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    folder_pooling = own_pooling(name_or_path) if pooling is None else None
+    pooling = folder_pooling[0] if folder_pooling else pooling
     if is_decoder is None:
         is_decoder = is_decoder_config(config)
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code),
@@ -453,4 +477,6 @@ def load_encoder(
     encoder = wrap_backbone(backbone, pooling=pooling, pad_token_id=tokenizer.pad_token_id, is_decoder=is_decoder,
                             lora=lora, gradient_checkpointing=gradient_checkpointing, autocast=autocast,
                             bidirectional=bidirectional)
+    if folder_pooling:
+        encoder.pooling_source = f"the model folder's {folder_pooling[1]}"
     return encoder.to(device), tokenizer

@@ -8,9 +8,12 @@ dev_spearman@d per trained width), on the main process only:
 
     tensorboard  OUTPUT_DIR/tensorboard (`pip install tensorboard`; `tensorboard --logdir OUTPUT_DIR/tensorboard`)
     wandb        a Weights & Biases run in OUTPUT_DIR/wandb (`pip install wandb`), project $WANDB_PROJECT or
-                 "angle-train". Online only with credentials (WANDB_API_KEY, or `wandb login`), else offline, so a
-                 machine without network or account never waits on one (`wandb sync OUTPUT_DIR/wandb/offline-run-*`
-                 uploads later); WANDB_MODE, when set, decides.
+                 "angle-train". Online only with credentials (WANDB_API_KEY, or `wandb login`) and the server
+                 answering within WANDB_PROBE_S seconds, else offline, so a machine without network or account never
+                 waits on one (`wandb sync OUTPUT_DIR/wandb/offline-run-*` uploads later); WANDB_MODE, when set,
+                 decides (a value wandb does not take is refused at start-up, before the model loads). wandb.init
+                 itself is given WANDB_INIT_TIMEOUT_S seconds; a start that fails online (a server that accepts
+                 connections but does not answer) continues offline, with a note.
 
 Both are optional extras (`pip install angle_kernels[tracking]`): asking for one that is not installed fails at
 start-up, naming the package. At the end of a run `plot_curves` draws OUTPUT_DIR/curves.png from metrics.jsonl:
@@ -19,11 +22,22 @@ loss, learning rate and dev Spearman (one line per width) by step (matplotlib; s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import netrc
 import os
+import re
+import socket
+import threading
+import urllib.parse
 
 REPORTERS = ("tensorboard", "wandb")
+# The narrowest span of the curves' dev Spearman axis (spearman_axis): 2 points of Spearman x 100.
+MIN_SPEARMAN_SPAN = 0.02
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb.init's mode takes
+# How long the wandb server may take to accept a connection before the run goes offline, and wandb.init to start.
+WANDB_PROBE_S = 3.0
+WANDB_INIT_TIMEOUT_S = 30.0
 REPORT_TO_CHOICES = ("none", "all", *REPORTERS)
 # The import that each reporter needs, and what to install for it.
 PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
@@ -47,6 +61,9 @@ def resolve_report_to(names) -> list[str]:
         except ImportError as exc:
             raise ValueError(f"--report-to {name} needs the {package} package: pip install {package} (or the "
                              "angle_kernels[tracking] extra)") from exc
+    mode = os.environ.get("WANDB_MODE")
+    if "wandb" in chosen and mode and mode not in WANDB_MODES:
+        raise ValueError(f"--report-to wandb: WANDB_MODE={mode} is not a mode wandb takes ({', '.join(WANDB_MODES)})")
     return chosen
 
 
@@ -73,16 +90,42 @@ class TensorBoardReporter:
 
 def wandb_mode() -> str:
     """WANDB_MODE when set; else online with credentials (WANDB_API_KEY or a `wandb login` entry in ~/.netrc), else
-    offline: wandb would otherwise ask for a key on the terminal, or wait on a network that is not there."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
+    offline: wandb would otherwise ask for a key on the terminal. Online (asked for or not) only when the server
+    answers (server_answers), else offline with a note: wandb would wait on a network that is not there."""
+    mode = os.environ.get("WANDB_MODE")
+    if not mode:
+        try:
+            logged_in = netrc.netrc().authenticators("api.wandb.ai") is not None
+        except (OSError, netrc.NetrcParseError):
+            logged_in = False
+        mode = "online" if os.environ.get("WANDB_API_KEY") or logged_in else "offline"
+    if mode in ("online", "run", "shared"):
+        server = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+        if not server_answers(server, WANDB_PROBE_S):
+            print(f"note: wandb server {server} did not answer within {WANDB_PROBE_S:g} s: logging offline (wandb sync "
+                  "uploads the run later)", flush=True)
+            return "offline"
+    return mode
+
+
+def server_answers(url: str, timeout: float) -> bool:
+    """Whether a TCP connection to the host of `url` opens within `timeout` seconds (the name lookup included, which
+    has no timeout of its own: it runs in a thread that is left behind when it takes longer)."""
+    parts = urllib.parse.urlsplit(url if "://" in url else f"https://{url}")
     try:
-        logged_in = netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (OSError, netrc.NetrcParseError):
-        logged_in = False
-    return "online" if logged_in else "offline"
+        address = (parts.hostname, parts.port or (80 if parts.scheme == "http" else 443))
+    except ValueError:  # a port that is not a number
+        return False
+    answered = []
+
+    def connect() -> None:
+        with contextlib.suppress(OSError), socket.create_connection(address, timeout=timeout):
+            answered.append(True)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered)
 
 
 class WandbReporter:
@@ -92,8 +135,18 @@ class WandbReporter:
         folder = os.path.join(output_dir, "wandb")
         os.makedirs(folder, exist_ok=True)
         self.mode = wandb_mode()
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "angle-train"), dir=output_dir, config=config,
-                              mode=self.mode, name=os.path.basename(os.path.abspath(output_dir)))
+        options = {"project": os.environ.get("WANDB_PROJECT", "angle-train"), "dir": output_dir, "config": config,
+                   "name": os.path.basename(os.path.abspath(output_dir))}
+        try:
+            self.run = wandb.init(mode=self.mode, settings=wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S),
+                                  **options)
+        except Exception as exc:  # wandb's errors for a server that does not answer have no common base but this
+            if self.mode == "offline":
+                raise
+            print(f"note: wandb could not start online ({type(exc).__name__}: {exc}): logging offline (wandb sync "
+                  "uploads the run later)", flush=True)
+            self.mode = "offline"
+            self.run = wandb.init(mode="offline", **options)
 
     def log(self, row: dict) -> None:
         self.run.log(numeric(row), step=row["step"])
@@ -115,22 +168,42 @@ def open_reporters(names: list[str], output_dir: str, config: dict) -> list:
 CURVES_METADATA_KEY = "angle_train curves"
 
 
+def metrics_row(line: bytes | str) -> dict | None:
+    """The row a metrics.jsonl line holds: a JSON object whose "step" is a whole number; None for anything else (a
+    line torn by a kill, bytes that are not UTF-8, a number, a step that is not one)."""
+    try:
+        row = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
+    except ValueError:  # UnicodeDecodeError is one
+        return None
+    if not isinstance(row, dict) or type(row.get("step")) is not int:
+        return None
+    return row
+
+
 def read_metrics(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl (a torn last line, from a killed run, is skipped)."""
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
-    return rows
+    """The rows of a metrics.jsonl; lines that are not rows (metrics_row) are skipped."""
+    with open(path, "rb") as f:
+        return [row for row in map(metrics_row, f) if row is not None]
 
 
-def plot_curves(metrics_path: str, png_path: str) -> str | None:
-    """Draw the training curves of a metrics.jsonl into png_path: loss and learning rate by step, and dev Spearman
-    at every evaluated width when the run evaluated. Returns png_path, or None (with a note) without matplotlib or
-    without a training row."""
+def has_numbers(row: dict, *keys: str) -> bool:
+    """Whether a metrics row holds a number at each of `keys` (a hand-edited or damaged row may hold anything)."""
+    return all(type(row.get(key)) in (int, float) for key in keys)
+
+
+def spearman_axis(scores: list[float]) -> tuple[float, float]:
+    """The dev Spearman axis's limits: the scores with a margin, at least MIN_SPEARMAN_SPAN wide (centred on them),
+    so that a few ten-thousandths of noise do not fill the panel like a trend."""
+    low, high = min(scores), max(scores)
+    margin = max((high - low) * 0.1, (MIN_SPEARMAN_SPAN - (high - low)) / 2)
+    return low - margin, high + margin
+
+
+def plot_curves(metrics_path: str, png_path: str, lr_curve: list[tuple[int, float]] | None = None) -> str | None:
+    """Draw the training curves of a metrics.jsonl into png_path: loss (each row's, the mean since the previous row)
+    and learning rate by step, and dev Spearman at every evaluated width when the run evaluated (its axis
+    spearman_axis's). lr_curve: (step, rate) of the whole schedule, from step 0, warmup included (the trainer's);
+    else the rows' rates. Returns png_path, or None (with a note) without matplotlib or without a training row."""
     try:
         import matplotlib
 
@@ -140,8 +213,8 @@ def plot_curves(metrics_path: str, png_path: str) -> str | None:
         print("note: no curves.png (pip install matplotlib to have one)", flush=True)
         return None
     rows = read_metrics(metrics_path)
-    train_rows = [row for row in rows if "loss" in row]
-    eval_rows = [row for row in rows if "dev_spearman" in row]
+    train_rows = [row for row in rows if has_numbers(row, "loss", "lr")]
+    eval_rows = [row for row in rows if has_numbers(row, "dev_spearman")]
     if not train_rows:
         return None
     panels = 3 if eval_rows else 2
@@ -149,21 +222,26 @@ def plot_curves(metrics_path: str, png_path: str) -> str | None:
     steps = [row["step"] for row in train_rows]
     axes[0].plot(steps, [row["loss"] for row in train_rows], marker="." if len(steps) < 50 else None)
     axes[0].set(title="training loss", xlabel="step")
-    axes[1].plot(steps, [row["lr"] for row in train_rows])
+    lr_curve = lr_curve or [(row["step"], row["lr"]) for row in train_rows]
+    axes[1].plot(*zip(*lr_curve))
     axes[1].set(title="learning rate", xlabel="step")
     if eval_rows:
-        widths = sorted({key for row in eval_rows for key in row if key.startswith("dev_spearman")},
+        widths = sorted({key for row in eval_rows for key in row if re.fullmatch(r"dev_spearman(@\d+)?", key)},
                         key=lambda key: (key != "dev_spearman", -int(key.split("@")[1]) if "@" in key else 0))
         for key in widths:
-            points = [(row["step"], row[key]) for row in eval_rows if key in row]
+            points = [(row["step"], row[key]) for row in eval_rows if has_numbers(row, key)]
             label = "full width" if key == "dev_spearman" else f"first {key.split('@')[1]} features"
             axes[2].plot(*zip(*points), marker="o", label=label)
-        axes[2].set(title="dev Spearman", xlabel="step")
+        axes[2].set(title="dev Spearman", xlabel="step",
+                    ylim=spearman_axis([row[key] for row in eval_rows for key in widths if has_numbers(row, key)]))
         axes[2].legend(fontsize="small")
     for axis in axes:
         axis.grid(alpha=0.3)
     # the steps drawn, in the PNG's text chunk too: what a reader (or a test) checks without reading pixels
-    drawn = {"steps": steps, "dev_steps": [row["step"] for row in eval_rows]}
+    drawn = {"steps": steps, "dev_steps": [row["step"] for row in eval_rows],
+             "lr_steps": [step for step, _ in lr_curve], "lr": [rate for _, rate in lr_curve]}
+    if eval_rows:
+        drawn["dev_ylim"] = list(axes[2].get_ylim())
     figure.savefig(png_path, dpi=110, metadata={CURVES_METADATA_KEY: json.dumps(drawn)})
     plt.close(figure)
     return png_path

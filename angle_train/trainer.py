@@ -25,23 +25,25 @@ import math
 import os
 import random
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
-from angle_kernels import AngleLoss, ArcCSELoss
+from angle_kernels import AngleLoss, ArcCSELoss, __version__
 from angle_kernels.options import check_nested, espresso_layer_weights
 
-from . import arccse, distributed, faults, sharding, tracking
+from . import arccse, distributed, faults, preflight, run_lock, sharding, tracking
 from .checkpoint import (
     Position, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint, remove_earlier_run,
     save_best, save_checkpoint, save_final,
 )
+from .command_line import resolve_device
 from .config import TrainConfig
-from .data import Example, PassPlan, TokenizedPairs, epoch_batches, load_examples
-from .evaluate import StsSet, encoding_progress, read_dataset, sts_spearman_by_dim
+from .data import FORMATS, Example, PassPlan, TokenizedPairs, epoch_batches, load_examples
+from .evaluate import StsSet, encoding_progress, library_progress_bars, read_dataset, sts_spearman_by_dim
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import LoraSettings, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
 from .profiling import phase, profiling
@@ -84,11 +86,19 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     steps in a row, and torch.OutOfMemoryError with what to change (unless --auto-chunk recovers). Settings, paths,
     the output folder and the data are checked before the model loads (setup).
     """
+    with library_progress_bars(cfg.progress):  # --progress 0: transformers' loading and saving bars too
+        return _train(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn,
+                      on_step=on_step)
+
+
+def _train(cfg: TrainConfig, *, model, train_examples, dev_examples, loss_fn, on_step) -> TrainResult:
     run = setup(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn)
     # --profile: the second step of this run (the first warms up the allocator and the kernels)
     profile_at = min(run.position.step + 2, run.total_steps) if cfg.profile else 0
     try:
         with faults.StopSignals() as signals:
+            if run.dev_examples and cfg.eval_on_start and run.position.step == 0:
+                evaluate(run)  # step 0: the score training has to beat
             while run.position.step < run.total_steps:
                 with profiling(run.device, enabled=run.position.step + 1 == profile_at) as profile:
                     row = optimizer_step(run)
@@ -113,6 +123,8 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
         return run.result
     finally:
         run.log.close()
+        if run.lock is not None:
+            run.lock.release()
 
 
 def report_profile(run: Run, profile, row: dict) -> None:
@@ -167,19 +179,42 @@ class Run:
     epoch_order: list[list[int]]  # the batches of position.epoch: example indices, batch_size per batch
     log: RunLog
     result: TrainResult
+    lock: run_lock.RunLock | None = None  # the output folder's lock, held by the main process (setup)
+    command: str = ""  # the angle-train command of the settings (TrainConfig.command_line): the model cards'
+    loss_name: str = "AngleLoss"  # AngleLoss, ArcCSELoss, or the loss_fn given to train()
+    given: tuple = ()  # which of train()'s model, train_examples, dev_examples replaced flags (the model cards)
 
 
 def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=None, loss_fn=None) -> Run:
+    """Take the output folder's lock (run_lock.py: one run per folder; the main process of a torchrun job), then
+    build the run (_setup); a setup that fails releases the lock. The run's end releases it (train())."""
+    cfg.validate()
+    preflight.check_device(cfg.device)
+    if model is None:
+        preflight.check_model_folder(cfg.model, "--model")
+    lock = run_lock.acquire(cfg.output_dir) if distributed.launched_rank() == 0 else None
+    try:
+        run = _setup(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    run.lock = lock
+    return run
+
+
+def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=None, loss_fn=None) -> Run:
     """Build everything the loop needs (see train() for the overrides) and restore a checkpoint if asked.
 
     Cheap checks come first, so a mistake fails in seconds, before the model loads: the settings, the paths, the
     output folder (an earlier run is not overwritten by accident), the data and what the data format needs; then
     the model, and what the model's limits need."""
     cfg.validate()
+    command = cfg.command_line()  # as given, before the defaults below are resolved: the model cards' record
     cfg.check_paths(model=model is None, train_data=train_examples is None, dev_data=dev_examples is None)
     tracking.resolve_report_to(cfg.report_to)  # a tracker that cannot run: refused before the model loads
     resume_from = checkpoint_to_resume(cfg)
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(cfg.device)
     packing_asked = cfg.pack is not None
     cfg.resolve_passes(device.type)
     dist_info = distributed.init_distributed(device.type)
@@ -191,18 +226,23 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     if cfg.fsdp and not dist_info.enabled:
         raise ValueError("--fsdp shards the model over several processes: launch with torchrun "
                          "--nproc-per-node N (N >= 2), or leave out --fsdp on one")
-    if resume_from is None and cfg.overwrite and dist_info.is_main:
-        remove_earlier_run(cfg.output_dir)
-    distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
     prompts = cfg.prompts()
 
     if cfg.objective == "arccse":
         sentences, fmt = read_sentences(cfg, train_examples), None
+        check_data_size(cfg, len(sentences), "sentences", train_examples is None)
     else:
-        examples, fmt = train_examples or read_data(cfg.train_data, cfg.data_format, cfg.train_split)
+        examples, fmt = train_examples or read_data(cfg.train_data, cfg.data_format, cfg.train_split,
+                                                    cfg.column_map())
         check_format_settings(cfg, fmt)
+        if loss_fn is None:
+            check_labels(cfg, examples, fmt, train_examples is None)
+        check_data_size(cfg, len(examples), "examples", train_examples is None)
     if dev_examples is None and cfg.dev_data:
-        dev_examples = read_dev_data(cfg.dev_data, cfg.dev_split)
+        dev_examples = read_dev_data(cfg.dev_data, cfg.dev_split, cfg.column_map())
+    if dev_examples is not None and len(dev_examples) < 2:
+        raise ValueError(f"--dev-data {cfg.dev_data or ''}: {len(dev_examples)} pair(s); the dev Spearman needs at "
+                         "least 2 scored pairs")
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
@@ -212,6 +252,10 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
         encoder.bidirectional = True  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
     check_model_settings(cfg, encoder)
+    preflight.check_tokenizer(tokenizer, encoder, cfg.model if model is None else "the model given to train()",
+                              cfg.max_length)
+    cfg.pooling = encoder.pooling  # config.json and the checkpoints record the pooling the run uses
+    pooling_source = encoder.pooling_source if model is None else "the model given to train()"
     if cfg.fsdp:
         sharding.shard(encoder)  # before the optimizer, which holds the shards
 
@@ -231,6 +275,11 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     scheduler = make_schedule(cfg, optimizer, total_steps)
     # fp16 gradients underflow without loss scaling; with enabled=False every scaler call is a no-op.
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16)
+    if resume_from is None and cfg.overwrite and dist_info.is_main:
+        # only now, with the flags, the data and the model checked: a start refused by any of them leaves the
+        # earlier run whole
+        remove_earlier_run(cfg.output_dir)
+    distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
     position = Position()
     if resume_from:
         position = load_checkpoint(resume_from, cfg, dist_info, encoder=encoder, optimizer=optimizer,
@@ -242,7 +291,8 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
         print(f"angle_train: {cfg.model} | {n_trainable:,}/{n_total:,} trainable | {dataset.describe()} | "
               f"{total_steps} steps of {cfg.batch_size}x{cfg.grad_accum} {'sentences' if fmt is None else 'pairs'} | "
               f"{describe_passes(cfg)} ({expected_useful_tokens(cfg, dataset, position.epoch, dist_info):.0%} of "
-              f"the tokens real) | {dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
+              f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
+              f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
         if resume_from:
             print(f"resumed from {resume_from} at step {position.step}", flush=True)
     encoder.train()
@@ -253,7 +303,10 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
                optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps, position=position,
                epoch_order=batch_order(cfg, dataset, position.epoch),
                log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step),
-               result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_spearman=position.best))
+               result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_spearman=position.best),
+               command=command, loss_name=loss_name,
+               given=tuple(name for name, value in (("model", model), ("train_examples", train_examples),
+                                                    ("dev_examples", dev_examples)) if value is not None))
 
 
 def check_format_settings(cfg: TrainConfig, fmt: str) -> None:
@@ -271,13 +324,38 @@ def check_format_settings(cfg: TrainConfig, fmt: str) -> None:
         raise ValueError(f"every loss weight of format {fmt} ({flags}) is 0: the loss would be 0 and train nothing")
 
 
+def check_data_size(cfg: TrainConfig, rows: int, what: str, from_file: bool) -> None:
+    """Enough data for one optimizer step, checked before the model loads (epoch_batches would find out after)."""
+    needed = cfg.batch_size * cfg.grad_accum
+    if rows < needed:
+        source = f"--train-data {cfg.train_data}" if from_file else "the training data"
+        raise ValueError(f"{source} has {rows} {what}, fewer than one optimizer step takes (--batch-size "
+                         f"{cfg.batch_size} x --grad-accum {cfg.grad_accum} = {needed}): lower --batch-size or "
+                         "--grad-accum, or add data")
+
+
+def check_labels(cfg: TrainConfig, examples: list[Example], fmt: str, from_file: bool) -> None:
+    """Format A's labels against the loss weights, before the model loads: the in-batch-negative term (--ibn-w)
+    takes 0/1 labels only, and graded ones (STS scores) would stop the run at its first step."""
+    if fmt != "A" or cfg.ibn_w == 0:
+        return
+    graded = next((ex.label for ex in examples if ex.label not in (0.0, 1.0)), None)
+    if graded is not None:
+        source = f"--train-data {cfg.train_data}" if from_file else "the training data"
+        raise ValueError(f"--ibn-w {cfg.ibn_w:g}: the in-batch-negative term needs 0/1 labels (a pair is similar or "
+                         f"not), and {source} has graded labels (such as {graded:g}): train on them with the ranking "
+                         "terms, --ibn-w 0 --cosine-w 1 --angle-w 1, or give 0/1 labels")
+
+
 def check_model_settings(cfg: TrainConfig, encoder) -> None:
-    """The settings against the loaded model, before any text is tokenised: --max-length within the model's position
-    limit, --matryoshka-dims and --espresso within its width and layers."""
+    """The settings against the loaded model, before any text is tokenised: --max-length and --export-max-length
+    within the model's position limit (the second is what best/ and final/ tell sentence-transformers and angle-eval
+    to encode: beyond the limit they would fail), --matryoshka-dims and --espresso within its width and layers."""
     limit = position_limit(encoder.backbone)
-    if limit is not None and cfg.max_length > limit:
-        raise ValueError(f"--max-length {cfg.max_length} is longer than the model can read: its position table "
-                         f"holds {limit} positions; use --max-length {limit} or less")
+    for flag, length in (("--max-length", cfg.max_length), ("--export-max-length", cfg.export_max_length)):
+        if limit is not None and length is not None and length > limit:
+            raise ValueError(f"{flag} {length} is longer than the model can read: its position table holds {limit} "
+                             f"positions; use {flag} {limit} or less")
     if cfg.matryoshka_dims:
         check_matryoshka_dims(cfg, encoder.embedding_dim)
     if cfg.espresso:
@@ -362,10 +440,10 @@ def build_encoder(cfg: TrainConfig, device: torch.device):
                         bidirectional=cfg.bidirectional)
 
 
-def read_data(source: str, fmt: str | None, split: str):
+def read_data(source: str, fmt: str | None, split: str, columns: dict | None = None):
     if source in BUILTIN_DATASETS:
         return builtin_examples(source)
-    return load_examples(source, fmt=fmt, split=split)
+    return load_examples(source, fmt=fmt, split=split, columns=columns)
 
 
 def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list[str]:
@@ -382,12 +460,13 @@ def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list
     return sentences
 
 
-def read_dev_data(source: str, split: str) -> list[Example]:
+def read_dev_data(source: str, split: str, columns: dict | None = None) -> list[Example]:
     """--dev-data: a file or folder in any layout angle-eval reads (an STS12-16 year folder, STS-B, SICK, format-A
-    JSONL/CSV), else a built-in or Hugging Face dataset (format A)."""
+    JSONL/CSV), else a built-in or Hugging Face dataset (format A); `columns`: --columns, for the layouts read by
+    column names."""
     if not os.path.exists(source):
-        return read_data(source, "A", split)[0]
-    data = read_dataset(source)
+        return read_data(source, "A", split, columns)[0]
+    data = read_dataset(source, columns=columns)
     if not isinstance(data, StsSet):
         raise ValueError(f"--dev-data {source}: STS-style pairs with scores are needed (format A); this is "
                          "(query, positive) data: score it with angle-eval's retrieval metrics instead")
@@ -418,8 +497,12 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.devic
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, fused=fused or None)
 
 
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    return int(cfg.warmup * total_steps) if cfg.warmup < 1 else int(cfg.warmup)
+
+
 def make_schedule(cfg: TrainConfig, optimizer, total_steps: int):
-    warmup = int(cfg.warmup * total_steps) if cfg.warmup < 1 else int(cfg.warmup)
+    warmup = warmup_steps(cfg, total_steps)
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -500,7 +583,8 @@ def accumulate_gradients(run: Run, batches: list[list[int]]) -> tuple[float, tup
     """Backpropagate the step's grad_accum batches (the gradients add up); return their mean loss and this
     process's (real, padded) token counts of the forward passes.
 
-    Out of memory: with --auto-chunk (one process), the step starts again from its first batch with half the
+    Out of memory (faults.is_out_of_memory: on a GPU, or an allocation the CPU allocator refused): with
+    --auto-chunk (one process), the step starts again from its first batch with half the
     per-pass budget (--chunk-tokens if set, else --chunk-size; plain backprop becomes the gradient cache with half
     of this process's texts per pass), the random generators reset so dropout draws as it would have; without it,
     an error that says what to change."""
@@ -510,7 +594,9 @@ def accumulate_gradients(run: Run, batches: list[list[int]]) -> tuple[float, tup
         try:
             loss, tokens = _backpropagate(run, batches)
             break
-        except torch.OutOfMemoryError as exc:
+        except RuntimeError as exc:  # torch.OutOfMemoryError on GPUs; the CPU allocator raises a RuntimeError
+            if not faults.is_out_of_memory(exc):
+                raise
             run.optimizer.zero_grad(set_to_none=True)
             seqs = run.dataset.batch(batches[0][:cfg.batch_size // run.dist_info.world_size]).seqs
             per_pass = cfg.chunk_tokens or cfg.chunk_size or len(seqs)
@@ -625,7 +711,8 @@ def evaluate(run: Run) -> None:
     if improved and run.cfg.save_best:
         weights = sharding.full_state_dict(run.encoder) if sharded else None  # every process, when sharded
         if run.dist_info.is_main:
-            save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights)
+            save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights,
+                      model_card=model_card(run, "best", {"step": position.step, "dev_spearman": scores[None]}))
     if run.dist_info.is_main:
         score = scores[None]
         position.best = score if improved else position.best
@@ -636,6 +723,62 @@ def evaluate(run: Run) -> None:
         print(f"\nstep {position.step}: dev Spearman {score:.4f}" + (" (best)" if improved else "")
               + "".join(f" | @{d} {scores[d]:.4f}" for d in truncated), flush=True)
     position.best = distributed.broadcast_from_main(position.best, run.dist_info)
+
+
+def model_card(run: Run, name: str, current: dict | None = None) -> str:
+    """README.md of the export `name` (best or final): the base model, the command, the data, the loss, the steps,
+    the dev scores so far (metrics.jsonl's, and `current`: the evaluation that made this best/) and how to load it."""
+    cfg, position = run.cfg, run.position
+    path = run.log.metrics_path
+    rows = tracking.read_metrics(path) if path and os.path.exists(path) else []
+    evals = [row for row in rows if tracking.has_numbers(row, "dev_spearman")] + ([current] if current else [])
+    fmt = getattr(run.dataset, "fmt", None)
+    data = (f"{len(run.dataset):,} sentences (ArcCSE)" if fmt is None else
+            f"{len(run.dataset):,} examples in format {fmt} ({', '.join(FORMATS[fmt])})")
+    if run.loss_name == "AngleLoss":
+        weights = ("cosine_w", "ibn_w", "cln_w", "angle_w") if fmt == "C" else ("cosine_w", "ibn_w", "angle_w")
+        loss = (f"AngleLoss (format {fmt}): " + ", ".join(f"{w}={getattr(cfg, w):g}" for w in weights)
+                + f"; scales cosine_tau={cfg.cosine_tau:g}, ibn_tau={cfg.ibn_tau:g}, angle_tau={cfg.angle_tau:g}")
+    elif run.loss_name == "ArcCSELoss":
+        loss = (f"ArcCSELoss: ArcCon (margin {cfg.arccon_margin:g} degrees, tau {cfg.arccon_tau:g}) + "
+                f"{cfg.triplet_w:g} x triplet (masked copies at {cfg.mask_rates})")
+    else:
+        loss = run.loss_name
+    widths = cfg.trained_widths(run.encoder.embedding_dim)
+
+    def source(argument: str, flag_value) -> str:  # what the flag names, or what train() was given in its place
+        return f"the {argument.replace('_', ' ')} given to train()" if argument in run.given else f"`{flag_value}`"
+
+    base = source("model", cfg.model)
+    train_data, dev_data = source("train_examples", cfg.train_data), source("dev_examples", cfg.dev_data)
+    lines = ["---", "library_name: sentence-transformers", "tags: [sentence-transformers, angle-train]", "---", "",
+             f"# {os.path.basename(os.path.normpath(cfg.output_dir))}/{name}", "",
+             f"A text embedding model fine-tuned from {base} with angle-train (angle_kernels {__version__}); "
+             f"{'the best model by dev Spearman' if name == 'best' else 'the model after the last step'}.", "",
+             "## Training", "", "```bash", run.command, "```", ""]
+    if run.given:  # the command's --model / --train-data / --dev-data are then not what trained the model
+        lines += [f"From Python: train() was given the {', '.join(g.replace('_', ' ') for g in run.given)} in place of "
+                  "the flags above.", ""]
+    lines += [f"- base model: {base}, pooling {run.encoder.pooling}, embeddings of {run.encoder.embedding_dim} "
+              f"dimensions" + (f" (trained truncatable to {', '.join(map(str, widths))})" if widths else ""),
+              f"- data: {train_data}, {data}"
+              + (f"; dev: {dev_data}, {len(run.dev_examples):,} scored pairs" if run.dev_examples else ""),
+              f"- loss: {loss}",
+              f"- steps: {position.step} optimizer step{'s' * (position.step != 1)} of {run.total_steps}, each "
+              f"{cfg.batch_size} x {cfg.grad_accum} {'sentences' if fmt is None else 'pairs'}; lr {cfg.lr:g} "
+              f"({cfg.schedule}, warmup {warmup_steps(cfg, run.total_steps)} steps); texts cut at {cfg.max_length} "
+              "tokens", ""]
+    if evals:
+        lines += ["## Evaluation", "", f"Dev Spearman (cosine similarity against the gold scores) on {dev_data}:",
+                  "", "| step | dev Spearman |", "|---|---|"]
+        lines += [f"| {row['step']} | {row['dev_spearman']:.4f} |" for row in evals]
+        lines += [""]
+    lines += ["## Usage", "", "```python", "from sentence_transformers import SentenceTransformer", "",
+              'model = SentenceTransformer("path/to/this/folder")',
+              'embeddings = model.encode(["A first sentence.", "A second one."])', "```", "",
+              "or `angle_train.load_pretrained(path)` (with its pooling, prompts and attention as trained), and "
+              "`angle-eval path ...` for STS and retrieval scores.", ""]
+    return "\n".join(lines)
 
 
 # -------------------------------------------------------------------------------------------------- finish
@@ -653,7 +796,7 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
     if run.dist_info.is_main and cfg.save_final:
         try:
             result.final_path = save_final(cfg, run.encoder, run.tokenizer, state_dict=weights,
-                                           while_writing=signals.interrupting)
+                                           while_writing=signals.interrupting, model_card=model_card(run, "final"))
         except faults.Interrupted:
             interrupted = True
     if faults.any_rank(interrupted, run.dist_info, run.device):
@@ -661,21 +804,38 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
         if path not in finished_checkpoints(cfg.output_dir):
             path = save(run)
         raise faults.Preempted(signals.requested or "a signal to another process", path)
+    signals.complete(f"final model: {result.final_path}" if result.final_path else f"all {run.total_steps} steps "
+                     "done")
     if not run.dist_info.is_main:
         return result
     if position.best is not None and cfg.save_best:
         result.best_path = os.path.join(cfg.output_dir, "best")
-    result.curves_path = tracking.plot_curves(run.log.metrics_path, os.path.join(cfg.output_dir, "curves.png"))
+    result.curves_path = tracking.plot_curves(run.log.metrics_path, os.path.join(cfg.output_dir, "curves.png"),
+                                              lr_curve=lr_curve(run))
     if not result.history:  # resumed from a checkpoint of the last step: nothing was left to train
         print(f"done: the run had already reached its last step ({position.step}) when it was resumed; nothing "
               f"left to train{f', final model exported to {result.final_path}' if result.final_path else ''}",
               flush=True)
         return result
     last = result.history[-1]
-    print(f"done: {position.step} steps | last loss {last['loss']:.4f} | {last['pairs_per_s']:.1f} pairs/s | "
+    mean_loss, steps = run.log.last_loss or (last["loss"], 1)
+    print(f"done: {position.step} steps | loss {mean_loss:.4f} (mean of the last {steps} step{'s' * (steps != 1)}) | "
+          f"{last['pairs_per_s']:.1f} pairs/s | "
           f"{last['tokens_per_s']:.0f} tokens/s | peak memory {peak_memory_gb(run.device):.2f} GB"
           + (f" | best dev Spearman {position.best:.4f}" if position.best is not None else ""), flush=True)
     return result
+
+
+def lr_curve(run: Run, points: int = 2000) -> list[tuple[int, float]]:
+    """(step, learning rate after it) of the whole schedule as planned, from step 0 (the first step's rate) through
+    the warmup to the last step: the curves' learning-rate panel (metrics rows come only every --log-every steps,
+    which would cut the warmup short). At most about `points` steps, the schedule's corners (the warmup's end, the
+    last step) among them: it is linear between them, cosine aside. A step skipped as non-finite delays the rates
+    actually used by one step."""
+    warmup, total = warmup_steps(run.cfg, run.total_steps), run.total_steps
+    steps = sorted(set(range(0, total + 1, max(1, total // points))) | {min(warmup, total), total})
+    rate = run.scheduler.base_lrs[0]
+    return [(step, rate * run.scheduler.lr_lambdas[0](step)) for step in steps]
 
 
 # ---------------------------------------------------------------------------------------------------- logging
@@ -683,13 +843,16 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
 
 class RunLog:
     """What a run reports. Every process measures pairs/s and tokens/s (real tokens, padding excluded) over the
-    steps since the last metrics row; the main process writes config.json, metrics.jsonl (and the --report-to
-    reporters: tracking.py) and the progress bar (loss, pairs/s, tokens/s, peak memory)."""
+    steps since the last metrics row, whose loss is the mean over those steps too, as the Hugging Face Trainer
+    logs it (steps skipped as non-finite left out; TrainResult.history keeps each step's own); the main process
+    writes config.json, metrics.jsonl (and the --report-to reporters: tracking.py) and the progress bar (loss,
+    pairs/s, tokens/s, peak memory)."""
 
     def __init__(self, cfg: TrainConfig, is_main: bool, device: torch.device, total_steps: int, start_step: int):
         self.log_every, self.total_steps, self.device = max(1, cfg.log_every), total_steps, device
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl") if is_main else None
         self.reporters, self.bar = [], None
+        self.last_loss: tuple[float, int] | None = None  # the last row's mean loss, over how many steps
         os.makedirs(cfg.output_dir, exist_ok=True)
         if is_main:
             with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
@@ -702,6 +865,7 @@ class RunLog:
 
     def _start_window(self) -> None:
         self.pairs = self.tokens = 0
+        self.losses: list[float] = []
         self.window_start = time.perf_counter()
 
     def count(self, *, pairs: int, tokens: int) -> None:
@@ -715,12 +879,16 @@ class RunLog:
         elapsed = time.perf_counter() - self.window_start
         row.update(pairs_per_s=self.pairs / elapsed, tokens_per_s=self.tokens / elapsed,
                    peak_mem_gb=peak_memory_gb(self.device))
+        if not row.get("skipped") and math.isfinite(row["loss"]):
+            self.losses.append(row["loss"])
+        mean_loss = sum(self.losses) / len(self.losses) if self.losses else row["loss"]
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{row['loss']:.4f}", pairs_s=f"{row['pairs_per_s']:.1f}",
+            self.bar.set_postfix(loss=f"{mean_loss:.4f}", pairs_s=f"{row['pairs_per_s']:.1f}",
                                  tok_s=f"{row['tokens_per_s']:.0f}", mem=f"{row['peak_mem_gb']:.2f}G")
         if every(self.log_every, row["step"]) or row["step"] == self.total_steps:
-            self.write(row)
+            self.write({**row, "loss": mean_loss})
+            self.last_loss = (mean_loss, len(self.losses))
             self._start_window()
 
     def write(self, row: dict) -> None:
@@ -748,18 +916,24 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def _drop_rows_after(path: str, step: int) -> None:
-    """On resume, drop the rows a killed run wrote after its last checkpoint (they are about to be redone)."""
+    """On resume, drop the rows a killed run wrote after its last checkpoint (they are about to be redone), and a
+    last line without its newline (torn by the kill). Lines that are not metrics rows (tracking.metrics_row: not
+    JSON, not UTF-8, no whole-number step) are dropped with a warning naming them."""
     if not os.path.exists(path):
         return
-
-    def kept(line: str) -> bool:
-        try:
-            return json.loads(line)["step"] <= step
-        except (ValueError, KeyError):  # a line torn by the kill: it belongs to the work being redone
-            return False
-
-    with open(path) as f:
-        rows = [line if line.endswith("\n") else line + "\n" for line in f if line.strip() and kept(line)]
+    with open(path, "rb") as f:
+        *lines, _torn = f.read().split(b"\n")  # the last piece: empty after a final newline, else torn
+    rows, unreadable = [], []
+    for number, line in enumerate(lines, start=1):
+        row = tracking.metrics_row(line) if line.strip() else {"step": -1}
+        if row is None:
+            unreadable.append(number)
+        elif 0 <= row["step"] <= step:
+            rows.append(line.decode("utf-8") + "\n")
+    if unreadable:
+        shown = ", ".join(map(str, unreadable[:10])) + (", ..." if len(unreadable) > 10 else "")
+        print(f"angle-train: warning: {path}: dropped {len(unreadable)} line(s) that are not metrics rows (line "
+              f"{shown})", file=sys.stderr, flush=True)
     with open(path + ".tmp", "w") as f:  # replaced whole, never truncated in place: a kill now loses no row
         f.writelines(rows)
         f.flush()

@@ -76,7 +76,7 @@ def pair_ranking_loss(name: str, implementations: dict, reference_bytes_per_elem
 
 # The reference's peak extra memory per N x N element (float32, forward + backward), rounded up from
 # bench_losses.py on CPU at D = 768 (2026-11-21): +306 MB (cosine) and +363 MB (angle) at N = 4096, about 14-18
-# bytes per element after the linear part. shared/docs/measuring.md quotes +4.1 GB for the cosine loss at
+# bytes per element after the linear part. +4.1 GB was measured for the cosine loss at
 # N = 16384, where the estimate gives 5.1 GB: it errs high.
 LOSSES = [
     pair_ranking_loss("cosine", {

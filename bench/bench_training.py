@@ -45,7 +45,7 @@ or flash_attn lack them, the table says so). Data: STS-B train's texts where --s
 says which); a setting of more pairs than that repeats them in reshuffled passes. Each setting has its own run
 lengths (GPU_SHAPES; --steps overrides them all), long enough that the steps outweigh the start-up's noise.
 
-How it measures (shared/docs/measuring.md): every run is a fresh subprocess (`sys.executable`), timed by the wall
+How it measures: every run is a fresh subprocess (`sys.executable`), timed by the wall
 clock around it, its peak RSS read from `os.wait4`. The time of one optimizer step is the DIFFERENCE of a short and a
 long run of the same contender, (T(S2) - T(S1)) / (S2 - S1), so start-up, model loading and tokenisation cancel.
 Within each repetition the contenders are interleaved (ours-S1, st-S1, ours-S2, st-S2, ...), after one untimed

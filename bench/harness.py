@@ -182,7 +182,7 @@ def input_bytes(inputs: dict) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Work floors (shared/docs/measuring.md): what a forward + backward pass cannot avoid
+# Work floors: what a forward + backward pass cannot avoid
 # --------------------------------------------------------------------------------------------------------
 # A floor is {"kind": "bytes" | "flops", "amount": ...}: bytes are set against the copy bandwidth, FLOPs
 # against the matmul rate of the dtype. Each loss uses the floor of the op it is built on.

@@ -498,7 +498,7 @@ def main(argv, losses: dict, default_losses) -> int:
         providers = [p for p in providers if p.name in working]
         missing.update(missing_ours)
     else:
-        # fp32 matmuls in true fp32 for every provider (shared/docs/measuring.md: TF32 only behind a flag)
+        # fp32 matmuls in true fp32 for every provider (TF32 only behind a flag)
         torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
         torch.backends.cudnn.allow_tf32 = args.allow_tf32
         providers, missing = P.available_providers("cuda", losses, args.angle_emb_loss, include=args.providers)
@@ -539,6 +539,9 @@ def main(argv, losses: dict, default_losses) -> int:
     report = Report(out, env, args, losses, limits, checks, missing, [p.name for p in providers], primary_name)
     if args.warm_up_budget is not None:  # the rest of --time-budget, split (parse_args: CUDA, with --time-budget)
         report.budget = harness.SweepBudget(deadline - time.perf_counter(), args.warm_up_budget)
+    if len(losses) > 1:  # size_schedule's order: the progress lines below alternate between the losses
+        print("# progress: every loss at one size, then every loss at the next (a time budget cuts the largest sizes, "
+              "not whole losses); the tables at the end group the results by loss", flush=True)
     results = sweep(args, losses, providers, limits, on_row=lambda rows: report.write(rows, complete=False),
                     deadline=deadline, budget=report.budget)
     elapsed = time.perf_counter() - started

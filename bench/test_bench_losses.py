@@ -172,7 +172,7 @@ def test_memory_estimates_grow_as_the_baselines_do():
     assert estimate(ours, cosine, 16384) == 4 * estimate(ours, cosine, 4096)
     assert estimate(ours, arccon, 16384) == 4 * estimate(ours, arccon, 4096)
     assert 8 < estimate(eager, arccon, 16384) / estimate(eager, arccon, 4096) <= 16
-    # the reference's cosine loss at N = 16384 needs about 4.1 GB (shared/docs/measuring.md): the estimate errs high
+    # the reference's cosine loss at N = 16384 needs about 4.1 GB (measured directly): the estimate errs high
     assert 4.1e9 < estimate(ref, cosine, 16384) < 8e9
     # eager ArcCon needed +117 MB at N = 2048 (bench_arccse.py): the estimate errs high, not wildly
     assert 117e6 < estimate(eager, arccon, 2048) < 4 * 117e6

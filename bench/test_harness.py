@@ -136,7 +136,7 @@ def test_achieved_rate_is_the_floor_over_the_time_as_a_fraction_of_the_limit():
 
 
 def test_work_floors_follow_the_measuring_guide():
-    """shared/docs/measuring.md: pair scores read 2N x D twice and write it once; in-batch negatives over
+    """The work floors: pair scores read 2N x D twice and write it once; in-batch negatives over
     M = 2N rows need 6 M^2 D FLOPs; every backend executes at least that."""
     n, d = 1000, 768
     assert harness.pair_scores_floor(2 * n, d, torch.bfloat16) == {"kind": "bytes", "amount": 3 * 2 * n * d * 2}

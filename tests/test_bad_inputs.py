@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from angle_kernels.testing import oracle
+from angle_kernels.testing.oracle import rel_err
 from angle_kernels.testing.helpers import (
     GRAD_TOL, HUGE_MAGNITUDES, VALUE_TOL, assert_close, check_against_oracle, grads_of, huge_magnitude_id,
     huge_row_factors, randn, zigzag_labels,
@@ -634,3 +635,38 @@ def test_a_parsed_nested_is_checked_against_the_embeddings_it_comes_with():
         options.check_multiple_negatives(q, p, [], nested=too_wide, **kwargs)
     with pytest.raises(ValueError, match="either a parsed nested or dims"):
         options.check_multiple_negatives(q, p, [], nested=fits, dims=(4, 8), **kwargs)
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"directions": ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")},
+    {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"},
+    {"hardness_mode": "all_negatives", "hardness_strength": 2.0},
+], ids=["plain", "gte", "symmetric", "hardness"])
+def test_dot_product_logits_beyond_the_dtype(ak, gen, options):
+    """MNRL with similarity="dot" on float32 rows whose logits exceed float32 (rows of size 2^66: dot products
+    near 2^132 > 3.4e38): the float64 reference's value and gradients, never inf - inf. Half the pairs are huge,
+    with a dominant positive (their loss is exactly 0), the rest ordinary rows that meet huge columns (losses near
+    1e21). The huge rows are scaled basis vectors, so that float64 forms their products exactly and the reference
+    is exact too (on random huge rows its own rounding, about 1e25, would exceed the losses)."""
+    queries, positives = torch.randn(2, 6, 8, generator=gen)
+    negatives = torch.randn(6, 8, generator=gen)
+    for row in (0, 2, 4):
+        queries[row] = torch.eye(8)[row] * 2.0 ** 66
+        positives[row] = (torch.eye(8)[row] + 0.5 * torch.eye(8)[row + 1]) * 2.0 ** 66
+    leaves = [t.requires_grad_() for t in (queries, positives, negatives)]
+    loss = ak.multiple_negatives_ranking_loss(queries, positives, (negatives,), scale=20.0, similarity="dot",
+                                              **options)
+    grads = torch.autograd.grad(loss, leaves)
+    exact_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    exact = oracle.multiple_negatives_ranking_loss(*exact_leaves[:2], [exact_leaves[2]], scale=20.0,
+                                                   similarity="dot", **options)
+    exact_grads = torch.autograd.grad(exact, exact_leaves)
+    assert 1e20 < exact.item() < 1e23
+    assert torch.isfinite(loss) and rel_err(loss, exact) < VALUE_TOL[torch.float32]
+    for name, ours, theirs in zip(("queries", "positives", "negatives"), grads, exact_grads):
+        assert torch.isfinite(ours).all(), name
+        # GTE's doc_to_query entry of a huge pair ties its positive: the exact row loss is log 2, but float64 rounds
+        # max + log 2 to max and the reference's softmax there sums to 2 (its gradient is off by the positive row)
+        if "query_to_query" not in options.get("directions", ()):
+            assert rel_err(ours, theirs) < GRAD_TOL[torch.float32], name

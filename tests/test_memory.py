@@ -1,4 +1,4 @@
-"""Peak extra memory of forward + backward, a fresh process per case (the guide shared/docs/measuring.md, CPU).
+"""Peak extra memory of forward + backward, a fresh process per case (CPU).
 
 Each case runs in a process of its own: build the inputs, run a small warm-up of the same loss (so one-time
 library allocations do not count), reset the peak-RSS counter (Linux: write 5 to /proc/self/clear_refs), take the
@@ -13,7 +13,7 @@ imports, without paying them (about 2 s a case on two cores).
 What is asserted (float32, 2 threads):
 * cosine_loss and angle_loss at N = 16,384 pairs, D = 768: ours needs under 1/10 of the reference's extra
   memory. The reference is measured at N = 2,048 and 4,096 and extrapolated with extra = a N + b N^2
-  (the quadratic fit; shared/docs/measuring.md quotes +4.1 GB measured directly for cosine at 16,384).
+  (the quadratic fit; +4.1 GB was measured directly for cosine at 16,384).
 * in_batch_negative_loss at N = 16,384: ours under 1/10 of the reference's similarity matrix alone,
   4 * (2N)^2 bytes = 4.3 GB (the reference runs out of memory at 24 GB there), at D = 768 as the issue
   asks (its O(M^2 D) compute takes 45 s to 2 minutes on two cores). That covers the narrower widths: the

@@ -298,3 +298,13 @@ def test_wheel_installs_into_a_fresh_venv_without_changing_torch(dists, tmp_path
     assert proc.stdout.startswith("OK angle_kernels"), proc.stdout
     help_run = _run([str(bin_dir / "angle-train"), "--help"], RUN_TIMEOUT_S, cwd=tmp_path, env=env)
     assert help_run.stdout.startswith("usage: angle-train"), help_run.stdout[:500]
+
+
+def test_shipped_files_cite_no_path_outside_the_repository():
+    """What a clone or the package holds (the packages, READMEs, docs, scripts) names no file outside the
+    repository: a reader of a clone has no `../shared` (its data and guides are named by their public sources)."""
+    shipped = [REPO / "README.md", REPO / "angle_train" / "README.md", REPO / "CHANGELOG.md"]
+    for folder in ("angle_kernels", "angle_train", "docs", "scripts"):
+        shipped += [p for p in (REPO / folder).rglob("*") if p.suffix in (".py", ".md", ".sh")]
+    citing = [str(p.relative_to(REPO)) for p in shipped if re.search(r"shared/(docs|data)", p.read_text())]
+    assert not citing, f"files naming ../shared: {citing}"

@@ -7,7 +7,7 @@ Two levels, both written to be checked by eye:
       package, as `angle_kernels.reference` (so that `python -m angle_kernels.verify` has them where the tests
       are not installed), and are re-exported here;
     * the public losses, transcribed from the REFERENCE formulas (angle-emb 0.6.1's angle_emb.loss and
-      AngleLoss, the ArcCSE paper; see shared/docs/objective.md), not from the way the package assembles
+      AngleLoss; the ArcCSE paper, Zhang et al., ACL 2022), not from the way the package assembles
       them out of its ops. They reuse the building blocks below (a cosine is a cosine) and the ranking term,
       which is the same formula in the reference and in the op contract.
 
@@ -130,7 +130,7 @@ def in_batch_negative_loss(
     count in the mean over 2N rows. With group_ids ([2N], one id per row, equal ids = identical texts),
     row i's positives are its partner plus every j != i with group_ids[j] in {group_ids[i],
     group_ids[partner]}, and the row's term is -log(sum of the positives' probabilities)
-    (the package's extension, shared/docs/objective.md: the paper's identical-sentence-pair detection).
+    (the package's extension: the AnglE paper's detection of identical sentences, which angle-emb dropped).
 
     negative_weights: the reference adds it to the partner logit of rows labelled 0, which have no
     target and so contribute 0 either way: it cannot change the loss. The oracle accepts and ignores it.

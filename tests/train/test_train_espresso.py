@@ -115,7 +115,7 @@ def test_bad_settings_are_refused(capsys, argv, message):
 
 
 def test_settings_that_do_not_fit_the_model_fail_in_setup(tmp_path):
-    argv = ["--output-dir", str(tmp_path), "--device", "cpu", "--progress", "0", "--espresso"]
+    argv = ["--output-dir", str(tmp_path), "--device", "cpu", "--progress", "0", "--batch-size", "8", "--espresso"]
     with pytest.raises(ValueError, match=r"--espresso-dim 7 .*even"):
         setup(config_from_args([*argv, "--espresso-dim", "7"]), model=make_encoder(layers=LAYERS),
               train_examples=(demo_examples(16), "B"))

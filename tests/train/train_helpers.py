@@ -69,10 +69,11 @@ def graded_or_contrastive_loss(fmt: str):
 
 
 def run_config(output_dir, **settings):
-    """A TrainConfig for a test run: on the CPU, no progress bar, no final export, unless `settings` say otherwise."""
+    """A TrainConfig for a test run: on the CPU, no progress bar, no final export, no evaluation before the first step,
+    unless `settings` say otherwise."""
     from angle_train.config import TrainConfig
 
-    quiet = {"device": "cpu", "progress": False, "save_final": False}
+    quiet = {"device": "cpu", "progress": False, "save_final": False, "eval_on_start": False}
     return TrainConfig(output_dir=str(output_dir), **{**quiet, **settings})
 
 

@@ -1,0 +1,127 @@
+"""What angle-train and angle-eval check of what they are given before any work: the --device, a local model folder
+(before it loads) and the loaded tokenizer (before any text is encoded). Each problem is a ValueError naming the
+flag or the file, which both commands show as one line (exit status 2).
+
+A model folder (`check_model_folder`) is refused when it
+    is an angle-train run's output folder (its config.json holds the run's settings, not a model's): the error names
+    the run's final/ (or best/), the folder that holds its model;
+    has a damaged angle_train.json or config.json (not JSON, or not an object), or damaged sentence-transformers
+    files (modules.json, its Pooling module's config.json, sentence_bert_config.json...: st_folder.check);
+    has a damaged weights file (*.safetensors whose header is cut short or does not cover the file's tensors);
+    has no tokenizer files: transformers would then build a vocabulary of the special tokens alone, every word would
+    read as unknown, and the scores would be those of a model reading nothing, without an error.
+A loaded tokenizer (`check_tokenizer`) is refused when its vocabulary is far smaller than the model's embedding table
+(the same failure, seen from the other side, for a model that is not a local folder) and when --max-length leaves
+no room for text beside the special tokens it adds (a tokenizer cannot truncate below them: the setting would be
+silently exceeded, and long texts would end in a tensor-size error).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+
+import torch
+
+from . import st_folder
+
+# The files a tokenizer is read from (any one suffices): transformers' fast tokenizer file, WordPiece/BPE
+# vocabularies, sentencepiece and tiktoken models.
+TOKENIZER_FILE_PATTERNS = ("tokenizer.json", "tokenizer.model", "vocab.*", "merges.txt", "*.model", "*.tiktoken",
+                           "spiece.*", "sentencepiece*", "tekken.json")
+# A tokenizer whose vocabulary is below this fraction of the model's embedding rows lost its vocabulary (models pad
+# their tables to a multiple of 64 or 128 and reserve rows: a few percent more rows than tokens, never twice as many).
+SMALLEST_VOCABULARY_FRACTION = 0.5
+
+
+def check_device(name: str | None, flag: str = "--device") -> None:
+    """Refuse a --device that is not a device name, or names a device this machine does not have (a CUDA device on
+    a machine without one, cuda:7 on a machine with 2), before any work. None: the default choice (always there)."""
+    if name is None:
+        return
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{flag} {name}: not a device; use cpu, cuda or cuda:N (or mps)") from None
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu...
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise ValueError(f"{flag} {name}: this machine has no {device.type} device that torch {torch.__version__} can "
+                         "use; use --device cpu")
+    count = getattr(backend, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"{flag} {name}: this machine has {count} {device.type} device(s), {device.type}:0 to "
+                         f"{device.type}:{count - 1}")
+
+
+def _json_object(file: str, flag: str, folder: str) -> dict | None:
+    """The JSON object in `file`, None when there is no such file; a file that is not one is refused."""
+    if not os.path.isfile(file):
+        return None
+    try:
+        return st_folder.read_json(file)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {folder}: {exc}") from None
+
+
+def is_run_settings(config: dict | None) -> bool:
+    """Whether a config.json holds an angle-train run's settings (trainer.RunLog writes them) rather than a model's."""
+    return config is not None and "model_type" not in config and {"output_dir", "train_data"} <= config.keys()
+
+
+def check_model_folder(path: str, flag: str) -> None:
+    """Refuse a local model folder that cannot be used as given (the module docstring), before it loads; anything
+    that is not a folder here (a hub name, a path found missing elsewhere) is left alone."""
+    from .export import META_FILE
+
+    if not os.path.isdir(path):
+        return
+    config = _json_object(os.path.join(path, "config.json"), flag, path)
+    meta = _json_object(os.path.join(path, META_FILE), flag, path)
+    if meta is None and (config is None or is_run_settings(config)):
+        models = [name for name in ("final", "best") if os.path.isdir(os.path.join(path, name))]
+        if is_run_settings(config) or models:
+            where = (f"its model is in {os.path.join(path, models[0])}" if models else
+                     "it holds no final/ or best/ model yet")
+            raise ValueError(f"{flag} {path} is an angle-train run's output folder, not a model: {where}")
+        return  # not a model folder at all: the commands' own checks say so
+    if os.path.isfile(os.path.join(path, st_folder.MODULES_FILE)):  # read for the pooling, and by exports from it
+        try:
+            st_folder.check(path)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{flag} {path}: {exc}") from None
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            _check_safetensors(os.path.join(path, name), flag, path)
+    names = os.listdir(path)
+    if not any(fnmatch.fnmatch(name, pattern) for name in names for pattern in TOKENIZER_FILE_PATTERNS):
+        raise ValueError(f"{flag} {path}: no tokenizer files (tokenizer.json, vocab.txt, a sentencepiece .model...): "
+                         "transformers would build a vocabulary of special tokens alone and read every word as "
+                         "unknown. Copy the tokenizer files of the model it was trained from into it")
+
+
+def _check_safetensors(file: str, flag: str, folder: str) -> None:
+    """A safetensors file whose header is whole and covers every tensor it lists (a truncated copy is not)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, "pt"):
+            pass
+    except Exception as exc:  # safetensors' own error type (SafetensorError) derives from Exception only
+        raise ValueError(f"{flag} {folder}: the weights file {file} is damaged ({exc}); copy it again from where it "
+                         "came from") from None
+
+
+def check_tokenizer(tokenizer, encoder, model: str, max_length: int, flag: str = "--max-length") -> None:
+    """The loaded tokenizer against its model and --max-length (module docstring)."""
+    table = encoder.backbone.get_input_embeddings()
+    rows = getattr(table, "num_embeddings", None)
+    if rows and len(tokenizer) < SMALLEST_VOCABULARY_FRACTION * rows:
+        raise ValueError(f"the tokenizer of {model} has {len(tokenizer)} tokens for a model of {rows} token "
+                         "embeddings: its vocabulary files are missing or not its own")
+    special = tokenizer.num_special_tokens_to_add(pair=False)
+    if max_length < special + 1:
+        raise ValueError(f"{flag} {max_length} leaves no room for text: the tokenizer of {model} adds {special} "
+                         f"special token(s) to every text; use {flag} {special + 1} or more")

@@ -1,0 +1,47 @@
+"""Mistakes at the edges of the loss API, refused where they are made with a message that says what to pass: an
+unknown AngleLoss format at construction (not at the first call), negatives given as a bare tensor rather than a
+tuple of columns, and backend="triton" where the triton package is not installed (what to install, not a setting
+that cannot help)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import angle_kernels as ak
+
+
+@pytest.mark.parametrize("fmt", ["D", "a", 1])
+def test_angle_loss_refuses_an_unknown_format_at_construction(fmt):
+    with pytest.raises(ValueError, match=r"dataset_format .*'A'.*'B'.*'C'"):
+        ak.AngleLoss(dataset_format=fmt)
+
+
+def test_angle_loss_without_a_format_still_constructs():
+    """angle-emb builds AngleLoss() and sets the format later: None stays accepted until the call."""
+    loss = ak.AngleLoss()
+    loss.dataset_format = "B"
+    assert torch.isfinite(loss(torch.ones(8), torch.randn(8, 16)))
+
+
+@pytest.mark.parametrize("loss", [
+    lambda q, p, n: ak.multiple_negatives_ranking_loss(q, p, n),
+    lambda q, p, n: ak.gist_loss(q, p, q, p, n, n),
+])
+def test_negatives_as_a_bare_tensor_say_to_pass_a_tuple(loss):
+    queries, positives, negatives = torch.randn(3, 4, 8).unbind(0)
+    with pytest.raises(TypeError, match=r"negatives must be a tuple .*\(negatives,\)"):
+        loss(queries, positives, negatives)
+    assert torch.isfinite(loss(queries, positives, (negatives,)))
+
+
+@pytest.mark.parametrize("interpreting", ["0", "1"])
+def test_backend_triton_without_triton_says_what_to_install(interpreting, monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` fails, as where it is not installed
+    monkeypatch.setenv("TRITON_INTERPRET", interpreting)
+    y_pred, y_true = torch.randn(8, 16), torch.rand(4).repeat_interleave(2)
+    with pytest.raises(RuntimeError, match=r"pip install 'angle_kernels\[triton\]'.*backend='torch'") as raised:
+        ak.cosine_loss(y_true, y_pred, backend="triton")
+    assert "TRITON_INTERPRET" not in str(raised.value)  # a setting cannot help without the package

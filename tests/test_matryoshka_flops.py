@@ -1,0 +1,66 @@
+"""The torch backend's Matryoshka softmax loss does one width's matrix-product FLOPs (torch's FLOP counter).
+
+MNRL with dims (768, 512, 256, 128, 64) at 64 pairs, D = 768, forward + backward, against the same call at one
+width (768): the products of a dims call are cumulative over the prefixes' slices and its gradients are formed in
+forward from the dot tiles it holds (torch_ops/similarity_xent.py, PrefixSimilarityXentFunction), so the counted
+FLOPs stay within 10% of one width's. torch's counter has no formula for the in-place addmm_ the backends
+accumulate gradients with: it is given the out-of-place one's (2 m k n).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import angle_kernels
+
+DIMS = (768, 512, 256, 128, 64)
+
+
+def _addmm_in_place(self_shape, a_shape, b_shape, out_shape=None, **kwargs):
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+def _flops(loss, q, p, **options) -> int:
+    q, p = q.detach().requires_grad_(), p.detach().requires_grad_()
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_in_place}) as counter:
+        loss(q, p, backend="torch", **options).backward()
+    return counter.get_total_flops()
+
+
+def test_dims_take_one_widths_flops():
+    gen = torch.Generator().manual_seed(0)
+    q, p = torch.randn(64, 768, generator=gen), torch.randn(64, 768, generator=gen)
+    loss = angle_kernels.multiple_negatives_ranking_loss
+    one_width = _flops(loss, q, p)
+    nested = _flops(loss, q, p, dims=DIMS)
+    assert one_width >= 6 * 64 * 64 * 768  # the counter sees the gradients' products
+    assert nested <= 1.1 * one_width, f"dims: {nested / one_width:.3f}x one width's FLOPs"
+    # with other prefix weights too, from the second call on (forward forms the gradients for the last direction)
+    weights = (1.0, 0.5, 0.25, 0.25, 2.0)
+    _flops(loss, q, p, dims=DIMS, dim_weights=weights)
+    assert _flops(loss, q, p, dims=DIMS, dim_weights=weights) <= 1.1 * one_width
+
+
+def test_formed_gradients_equal_recomputed_ones():
+    """Gradients formed in forward for the last direction, scaled, equal those computed for grad_loss itself."""
+    from angle_kernels.torch_ops import similarity_xent as torch_xent
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(20, 16, generator=gen, dtype=torch.float64)
+    dims = (4, 8, 16)
+    grads = []
+    for upstream in (torch.tensor([1.0, 0.5, 2.0]), torch.tensor([3.0, 1.5, 6.0]), torch.tensor([1.0, 0.0, -1.0])):
+        leaf = q.clone().requires_grad_()
+        torch_xent.similarity_xent(leaf, None, 20.0, "partner", exclude_diagonal=True, dims=dims,
+                                   path="default").backward(upstream.to(torch.float64))
+        grads.append(leaf.grad)
+    reference = []
+    for upstream in (torch.tensor([1.0, 0.5, 2.0]), torch.tensor([3.0, 1.5, 6.0]), torch.tensor([1.0, 0.0, -1.0])):
+        torch_xent._LAST_DIRECTIONS.clear()  # nothing formed for this direction: computed in backward
+        leaf = q.clone().requires_grad_()
+        torch_xent.similarity_xent(leaf, None, 20.0, "partner", exclude_diagonal=True, dims=dims,
+                                   path="default").backward(upstream.to(torch.float64))
+        reference.append(leaf.grad)
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)

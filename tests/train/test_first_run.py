@@ -1,0 +1,243 @@
+"""What a first run meets, from a user who knows sentence-transformers: the model folder's own pooling (said, and
+overridable), the data's problems found before the model loads with the flag to change named, column names mapped
+with --columns, a missing install extra named, a missing local folder never looked up on the Hub, and one way of
+choosing the device for angle-train and angle-eval. Tiny models: seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from train_helpers import make_encoder, run_config
+
+from angle_train import cli, command_line, evaluate, trainer
+from angle_train.config import names_local_path
+from angle_train.data import DataError, load_examples
+from angle_train.evaluate import sts_spearman
+from angle_train.export import META_FILE, save_pretrained
+from angle_train.models import load_encoder
+from angle_train.tiny import demo_examples, demo_sts_examples
+
+PROGRAMS = {"angle-train": cli.main, "angle-eval": evaluate.main}
+
+
+def run(program: str, argv, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the program's main(argv): its return value, or the status it exits with."""
+    try:
+        status = PROGRAMS[program](argv)
+    except SystemExit as exit_info:
+        status = exit_info.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def one_line_error(program: str, status: int, err: str) -> str:
+    assert status == 2 and "Traceback" not in err, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"{program}: error: "), err
+    return line
+
+
+def write_stsb(path, examples):
+    """An STS Benchmark file (tab-separated, score in field 5, texts in 6 and 7)."""
+    path.write_text("".join(f"main-captions\tMSRvid\t2012test\t{i:04d}\t{ex.label:.2f}\t{ex.texts[0]}\t{ex.texts[1]}\n"
+                            for i, ex in enumerate(examples)), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def st_folder(tmp_path_factory):
+    """A tiny BERT saved as a sentence-transformers folder with mean pooling and no angle_train.json: a model from
+    elsewhere, whose folder says how it pools."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    folder = save_pretrained(encoder, tokenizer, str(tmp_path_factory.mktemp("st") / "model"), max_length=16)
+    os.remove(os.path.join(folder, META_FILE))
+    return folder
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """The model must not load: the checks under test come before it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the data was checked")
+
+    monkeypatch.setattr(trainer, "build_encoder", refuse)
+
+
+# ---------------------------------------------------------------------------------------------- pooling
+
+
+def test_pooling_comes_from_the_model_folder(st_folder):
+    encoder, _ = load_encoder(st_folder)
+    assert encoder.pooling == "avg" and "1_Pooling" in encoder.pooling_source
+    encoder, _ = load_encoder(st_folder, pooling="cls")
+    assert (encoder.pooling, encoder.pooling_source) == ("cls", "--pooling")
+
+
+def test_an_exports_pooling_comes_from_its_angle_train_json(tmp_path):
+    """cls_avg has no sentence-transformers equivalent (nor has a bidirectional export any sentence-transformers
+    files): training on from such an export takes its pooling from angle_train.json, not the encoder default."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="cls_avg")
+    folder = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    assert not os.path.exists(os.path.join(folder, "modules.json"))
+    encoder, _ = load_encoder(folder)
+    assert (encoder.pooling, encoder.pooling_source) == ("cls_avg", f"the model folder's {META_FILE}")
+
+
+def test_training_takes_the_folder_pooling_and_says_so(st_folder, tmp_path, capsys):
+    result = trainer.train(run_config(tmp_path, model=st_folder, max_steps=1, batch_size=8, max_length=16),
+                           train_examples=(demo_examples(16), "B"))
+    assert result.encoder.pooling == "avg"
+    assert "pooling avg (the model folder's 1_Pooling/config.json)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "config.json").read_text())["pooling"] == "avg"  # as the run used it
+
+
+def test_angle_eval_takes_the_folder_pooling_and_says_so(st_folder, tmp_path, capsys):
+    examples = demo_sts_examples(24)
+    sts = write_stsb(tmp_path / "sts-test.csv", examples)
+    scores = {}
+    for pooling in ("avg", "cls"):
+        flags = [] if pooling == "avg" else ["--pooling", "cls"]
+        status, _, err = run("angle-eval", [st_folder, sts, "--json", str(tmp_path / "r.json"), *flags], capsys)
+        assert status == 0, err
+        source = "the model folder's 1_Pooling/config.json" if pooling == "avg" else "--pooling"
+        assert f"angle-eval: pooling {pooling} ({source})" in err
+        scores[pooling] = json.loads((tmp_path / "r.json").read_text())["STS-B"]
+        encoder, tokenizer = load_encoder(st_folder, pooling=pooling)
+        assert scores[pooling] == pytest.approx(100 * sts_spearman(encoder, tokenizer, examples), abs=1e-9)
+    assert scores["avg"] != scores["cls"]
+
+
+# ------------------------------------------------------------------------------------- data, before the model
+
+
+def test_graded_labels_with_in_batch_negatives_name_the_flag_before_the_model_loads(tmp_path, no_model_load,
+                                                                                     capsys):
+    sts = write_stsb(tmp_path / "sts-train.csv", demo_sts_examples(16))
+    argv = ["--train-data", sts, "--batch-size", "8", "--output-dir", str(tmp_path / "out"), "--device", "cpu",
+            "--progress", "0"]
+    line = one_line_error("angle-train", *run("angle-train", argv, capsys)[::2])
+    assert "--ibn-w" in line and "graded labels" in line and "--ibn-w 0" in line
+    with pytest.raises(AssertionError, match="the model was loaded"):  # with --ibn-w 0 the data passes
+        run("angle-train", [*argv, "--ibn-w", "0", "--cosine-w", "1"], capsys)
+
+
+def test_too_few_rows_for_a_step_name_the_flags_before_the_model_loads(tmp_path, no_model_load, capsys):
+    sts = write_stsb(tmp_path / "sts-train.csv", demo_sts_examples(6))
+    argv = ["--train-data", sts, "--ibn-w", "0", "--cosine-w", "1", "--batch-size", "4", "--grad-accum", "2",
+            "--output-dir", str(tmp_path / "out"), "--device", "cpu", "--progress", "0"]
+    line = one_line_error("angle-train", *run("angle-train", argv, capsys)[::2])
+    assert "6 examples" in line and "--batch-size 4" in line and "--grad-accum 2" in line
+
+
+CSV = "sent_a,sent_b,similarity\na man plays a guitar,a man is playing music,4.2\nthe cat sleeps,a dog runs,0.4\n"
+MAPPING = {"text1": "sent_a", "text2": "sent_b", "label": "similarity"}
+
+
+def test_columns_map_a_files_names(tmp_path):
+    csv = tmp_path / "pairs.csv"
+    csv.write_text(CSV)
+    with pytest.raises(DataError, match=r"--columns text1=COLUMN text2=COLUMN label=COLUMN"):
+        load_examples(str(csv))
+    examples, fmt = load_examples(str(csv), columns=MAPPING)
+    assert fmt == "A" and examples[0].texts == ("a man plays a guitar", "a man is playing music")
+    assert examples[1].label == 0.4
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps({"q": a, "doc": b}) + "\n" for a, b in [("x y", "y z"), ("u v", "v w")]))
+    examples, fmt = load_examples(str(jsonl), columns={"query": "q", "positive": "doc"})
+    assert fmt == "B" and examples[1].texts == ("u v", "v w")
+    with pytest.raises(DataError, match=r"--columns label=score: .*no column 'score'"):
+        load_examples(str(csv), columns={**MAPPING, "label": "score"})
+
+
+def test_columns_map_a_hugging_face_datasets_names(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    folder = str(tmp_path / "hf")
+    datasets.Dataset.from_dict({"anchor": ["x y", "u v"], "pos": ["y z", "v w"]}).save_to_disk(folder)
+    examples, fmt = load_examples(folder, columns={"query": "anchor", "positive": "pos"})
+    assert fmt == "B" and examples[0].texts == ("x y", "y z")
+
+
+def test_the_columns_flag(tmp_path, capsys):
+    csv = tmp_path / "pairs.csv"
+    csv.write_text("sent_a,sent_b,similarity\n" + "".join(f"{ex.texts[0]},{ex.texts[1]},{ex.label}\n"
+                                                          for ex in demo_sts_examples(16)))
+    base = ["--train-data", str(csv), "--ibn-w", "0", "--cosine-w", "1", "--batch-size", "8", "--max-steps", "1",
+            "--output-dir", str(tmp_path / "out"), "--device", "cpu", "--progress", "0", "--save-final", "0"]
+    assert run("angle-train", [*base, "--columns", "text1=sent_a", "text2=sent_b", "label=similarity"],
+               capsys)[0] == 0
+    line = one_line_error("angle-train", *run("angle-train", [*base, "--columns", "sent_a"], capsys)[::2])
+    assert "--columns sent_a: expected NAME=COLUMN" in line
+    line = one_line_error("angle-train", *run("angle-train", [*base, "--columns", "sentence=sent_a"], capsys)[::2])
+    assert "--columns sentence=sent_a: unknown name 'sentence'" in line
+
+
+def test_angle_eval_reads_mapped_columns(st_folder, tmp_path, capsys):
+    """angle-eval's --columns, as angle-train's: the hint of an unreadable header names a flag it has."""
+    csv = tmp_path / "pairs.csv"
+    csv.write_text("sent_a,sent_b,similarity\n" + "".join(f"{ex.texts[0]},{ex.texts[1]},{ex.label}\n"
+                                                          for ex in demo_sts_examples(16)))
+    line = one_line_error("angle-eval", *run("angle-eval", [st_folder, str(csv)], capsys)[::2])
+    assert "--columns text1=COLUMN" in line
+    argv = [st_folder, str(csv), "--json", str(tmp_path / "r.json"), "--columns", "text1=sent_a", "text2=sent_b",
+            "label=similarity"]
+    status, _, err = run("angle-eval", argv, capsys)
+    assert status == 0, err
+    assert set(json.loads((tmp_path / "r.json").read_text())) == {"pairs"}
+
+
+# --------------------------------------------------------------------------------------------- installation
+
+
+@pytest.mark.parametrize("program", ["angle-train", "angle-eval"])
+def test_a_missing_train_extra_is_named(program, st_folder, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as after `pip install angle_kernels` without the extra
+    sts = write_stsb(tmp_path / "sts-test.csv", demo_sts_examples(8))
+    argv = {"angle-train": ["--output-dir", str(tmp_path / "out"), "--device", "cpu", "--progress", "0"],
+            "angle-eval": [st_folder, sts]}[program]
+    line = one_line_error(program, *run(program, argv, capsys)[::2])
+    assert "tokenizers" in line and "pip install 'angle_kernels[train]'" in line
+
+
+def test_an_import_of_the_extra_failing_later_is_named(monkeypatch):
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit) as exit_info, command_line.user_errors_exit(parser, debug=False):
+        raise ModuleNotFoundError("No module named 'datasets'", name="datasets")
+    assert exit_info.value.code == 2
+    with pytest.raises(ModuleNotFoundError), command_line.user_errors_exit(parser, debug=False):
+        raise ModuleNotFoundError("No module named 'not_ours'", name="not_ours")  # a bug: its traceback
+
+
+# ------------------------------------------------------------------------------------ paths and the device
+
+
+@pytest.mark.parametrize("name", ["out-nope/final", "out-nope/best", "out-nope/step-40"])
+def test_an_output_folder_that_does_not_exist_is_never_looked_up_on_the_hub(name, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert names_local_path(name) and not names_local_path("sentence-transformers/all-MiniLM-L6-v2")
+    line = one_line_error("angle-train", *run("angle-train", ["--model", name, "--device", "cpu"], capsys)[::2])
+    assert f"--model {name}: no such file or folder" in line
+    write_stsb(tmp_path / "sts-test.csv", demo_sts_examples(8))
+    line = one_line_error("angle-eval", *run("angle-eval", [name, "sts-test.csv"], capsys)[::2])
+    assert f"MODEL {name}: no such folder" in line
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_angle_eval_chooses_the_device_as_angle_train_does(cuda, st_folder, tmp_path, monkeypatch):
+    """Both default to CUDA when there is one (TrainConfig.device's rule, command_line.resolve_device)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    asked = {}
+
+    def load_model(model, **settings):
+        asked.update(settings)
+        raise KeyboardInterrupt  # stop here: this machine may have no CUDA device
+
+    monkeypatch.setattr(evaluate, "load_model", load_model)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.main([st_folder, write_stsb(tmp_path / "sts-test.csv", demo_sts_examples(8))])
+    expected = "cuda" if cuda else "cpu"
+    assert str(asked["device"]) == expected == str(command_line.resolve_device(None))
+    assert str(command_line.resolve_device("cpu")) == "cpu"

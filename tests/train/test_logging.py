@@ -1,0 +1,65 @@
+"""What a run reports, as the Hugging Face Trainer reports it: the logged loss is the mean over the steps since the
+last row (not the last step's), the dev set is scored before the first step (the score training has to beat), the
+learning-rate curve shows the warmup from step 0, the dev axis does not blow noise up into a trend, and with
+--progress 0 no progress bar prints (transformers' weight loading and saving included). Tiny models: seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from train_helpers import make_encoder, run_config
+
+from angle_train import tracking
+from angle_train.config import TrainConfig
+from angle_train.tiny import demo_examples, demo_sts_examples
+from angle_train.trainer import train
+
+
+def _train(out, **settings):
+    cfg = run_config(out, **{"batch_size": 8, "max_steps": 6, "log_every": 3, "warmup": 3, "lr": 1e-3, **settings})
+    result = train(cfg, model=make_encoder("bert"), train_examples=(demo_examples(64), "B"),
+                   dev_examples=demo_sts_examples(16))
+    return result, tracking.read_metrics(str(out / "metrics.jsonl"))
+
+
+def test_the_logged_loss_is_the_mean_over_its_interval(tmp_path):
+    result, rows = _train(tmp_path)
+    logged = [row for row in rows if "loss" in row]
+    losses = [row["loss"] for row in result.history]  # every step's own
+    assert [row["step"] for row in logged] == [3, 6]
+    assert logged[0]["loss"] == pytest.approx(sum(losses[:3]) / 3, rel=1e-12)
+    assert logged[1]["loss"] == pytest.approx(sum(losses[3:]) / 3, rel=1e-12)
+    assert logged[1]["loss"] != pytest.approx(losses[5], rel=1e-9)
+
+
+def test_the_dev_set_is_scored_before_the_first_step(tmp_path):
+    assert TrainConfig().eval_on_start  # on by default
+    result, rows = _train(tmp_path / "on", eval_every=3, eval_on_start=True)
+    assert [row["step"] for row in result.evals] == [0, 3, 6]
+    assert [row["step"] for row in rows if "dev_spearman" in row] == [0, 3, 6]
+    result, _ = _train(tmp_path / "off", eval_every=3, eval_on_start=False)
+    assert [row["step"] for row in result.evals] == [3, 6]
+
+
+def test_the_curves_show_the_warmup_and_a_calm_dev_axis(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    result, rows = _train(tmp_path, eval_every=3, eval_on_start=True, log_every=3, max_steps=6, warmup=3)
+    with Image.open(tmp_path / "curves.png") as image:
+        drawn = json.loads(image.text[tracking.CURVES_METADATA_KEY])
+    assert drawn["lr_steps"] == [0, 1, 2, 3, 4, 5, 6]  # every step, the warmup's first ones too
+    lr = drawn["lr"]
+    assert lr[:4] == pytest.approx([1e-3 * k / 4 for k in (1, 2, 3, 4)]) and lr[-1] == pytest.approx(0.0)
+    low, high = drawn["dev_ylim"]
+    scores = [row["dev_spearman"] for row in result.evals]
+    assert high - low >= tracking.MIN_SPEARMAN_SPAN and low <= min(scores) and max(scores) <= high
+
+
+def test_progress_0_prints_no_bar(tmp_path, capsys):
+    cfg = run_config(tmp_path, batch_size=8, max_steps=1, save_final=True, progress=False)
+    train(cfg, model=make_encoder("bert", dtype=torch.float32), train_examples=(demo_examples(16), "B"))
+    err = capsys.readouterr().err
+    assert "Writing model shards" not in err and "%|" not in err, err
