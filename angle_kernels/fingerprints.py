@@ -20,7 +20,8 @@ fingerprint covers that code and nothing else:
       op's fingerprint compiled in and reports them (`cuda_ops._extension.build_fingerprints`).
 
 Which path a call takes is not part of any path: each op's selector (`SELECTORS`, e.g. the Triton similarity_xent's
-`code_path`, with the dense scheme's MIN_WIDTH) only decides which inputs reach which path; every path computes
+`code_path`, with the dense scheme's MIN_WIDTH) only decides which inputs reach which path (and a router,
+`ROUTERS`, only calls the launcher of the path it names); every path computes
 the whole contract for any input it receives (the CPU tests run every path on every case, the selector's thresholds
 lowered), so moving a threshold changes no path's code. docs/verification.md has the reasoning and the evidence
 this relies on.
@@ -59,26 +60,41 @@ class PathCode:
 
 # The function of each (backend, op) that decides which path a call takes.
 SELECTORS: dict[tuple[str, str], str] = {
-    ("triton", "pair_scores"): "triton_ops.pair_scores:code_path",
+    ("triton", "pair_scores"): "triton_ops.pair_scores_paths:code_path",
     ("triton", "ranking_loss"): "triton_ops.ranking_loss:code_path",
-    ("triton", "similarity_xent"): "triton_ops.similarity_xent:code_path",
+    ("triton", "similarity_xent"): "triton_ops.similarity_xent_paths:code_path",
     ("torch", "similarity_xent"): "torch_ops.similarity_xent:code_path",
 }
 
+# The op functions that only call the launcher of the path their op's selector names (an op whose paths live in
+# several modules: the Triton similarity_xent's, similarity_xent_paths.py), part of no path as the selectors are.
+# tests/ops/test_fingerprint_completeness.py traces each path through them: a router that called another path's
+# launcher would run code outside the path's fingerprint.
+ROUTERS: dict[tuple[str, str], str] = {
+    ("triton", "similarity_xent"): "triton_ops.similarity_xent_paths:similarity_xent",
+    ("triton", "pair_scores"): "triton_ops.pair_scores_paths:pair_scores",
+}
+
 _XENT = "triton_ops.similarity_xent:similarity_xent"
+# similarity_xent.py's own selector, which its entry function (the root of its three paths) calls: skipped by them
+# as the op's selector is (the op's is triton_ops.similarity_xent_paths:code_path, which calls it).
+_XENT_SELECTOR = "triton_ops.similarity_xent:code_path"
 _TORCH_XENT = "torch_ops.similarity_xent:similarity_xent"
 PATH_CODE: dict[tuple[str, str, str], PathCode] = {
     ("triton", "pair_scores", "full"): PathCode(("triton_ops.pair_scores:pair_scores",),
                                                 ("PrefixPairScoresFunction",)),
     ("triton", "pair_scores", "dims"): PathCode(("triton_ops.pair_scores:pair_scores",), ("PairScoresFunction",)),
+    ("triton", "pair_scores", "dims_one_read"): PathCode(("triton_ops._pair_scores_one_read:pair_scores",)),
     ("triton", "ranking_loss", "pairwise"): PathCode(("triton_ops.ranking_loss:ranking_loss",), ("_log_sums_sorted",)),
     ("triton", "ranking_loss", "sort"): PathCode(("triton_ops.ranking_loss:ranking_loss",), ("_log_sums_tiled",)),
     ("triton", "similarity_xent", "fused"): PathCode(
-        (_XENT,), ("triton_ops.similarity_xent_dense:similarity_xent", "_PREFIX_TUNED",
+        (_XENT,), (_XENT_SELECTOR, "triton_ops.similarity_xent_dense:similarity_xent", "_PREFIX_TUNED",
                    "_similarity_xent_prefix_bwd_finish_kernel")),
-    ("triton", "similarity_xent", "dense"): PathCode((_XENT,), ("SimilarityXentFunction",)),
+    ("triton", "similarity_xent", "dense"): PathCode((_XENT,), (_XENT_SELECTOR, "SimilarityXentFunction")),
     ("triton", "similarity_xent", "dims"): PathCode(
-        (_XENT,), ("triton_ops.similarity_xent_dense:similarity_xent", "_TUNED", "_similarity_xent_bwd_finish_kernel")),
+        (_XENT,), (_XENT_SELECTOR, "triton_ops.similarity_xent_dense:similarity_xent", "_TUNED",
+                   "_similarity_xent_bwd_finish_kernel")),
+    ("triton", "similarity_xent", "dense_dims"): PathCode(("triton_ops._similarity_xent_dense_dims:similarity_xent",)),
     ("triton", "similarity_lse", "fused"): PathCode(("triton_ops.similarity_lse:similarity_lse",)),
     ("cuda", "pair_scores", "full"): PathCode(("cuda_ops.pair_scores:pair_scores",)),
     ("cuda", "ranking_loss", "sort"): PathCode(("cuda_ops.ranking_loss:ranking_loss",)),
@@ -443,10 +459,10 @@ def closure(roots, skips=(), tree: Tree | None = None) -> Closure:
 
 
 def path_closure(backend: str, op: str, path: str, tree: Tree | None = None) -> Closure:
-    """The closure of a GPU code path (PATH_CODE), its op's selector skipped."""
+    """The closure of a GPU code path (PATH_CODE), its op's selector and router skipped."""
     code = PATH_CODE[(backend, op, path)]
-    selector = SELECTORS.get((backend, op))
-    return closure(code.roots, code.skips + ((selector,) if selector else ()), tree)
+    choosers = tuple(found for found in (SELECTORS.get((backend, op)), ROUTERS.get((backend, op))) if found)
+    return closure(code.roots, code.skips + choosers, tree)
 
 
 @lru_cache(maxsize=None)

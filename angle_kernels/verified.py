@@ -243,8 +243,15 @@ def checked_elsewhere(backend: str, op: str, path: str, device: torch.device) ->
 
 def covers_every_path(backend: str, device: torch.device) -> bool:
     """Whether every code path of every op the backend implements is verified on the CUDA `device` (then
-    backend="auto" computes everything there with it)."""
-    return all(is_verified(backend, op, path, device) for op, paths in paths_of(backend).items() for path in paths)
+    backend="auto" computes everything there with it), but those no call takes until a GPU run has verified them
+    (triton_ops.paths_awaiting_verification)."""
+    awaiting = set()
+    if backend == "triton":
+        from .triton_ops import paths_awaiting_verification
+
+        awaiting = paths_awaiting_verification()
+    return all(is_verified(backend, op, path, device) for op, paths in paths_of(backend).items() for path in paths
+               if (op, path) not in awaiting)
 
 
 def describe(backend: str, op: str, path: str, device: torch.device) -> str:
@@ -274,13 +281,16 @@ def stale_entries(table=None) -> list[dict]:
 
 def paths_of(backend: str) -> dict[str, tuple[str, ...]]:
     """op -> the code paths its module in the backend's package declares (PATHS; "default" where it declares
-    none), for the ops it implements."""
+    none), for the ops it implements. The op's module is named after the op, or as the package's OP_MODULES
+    names it (the Triton similarity_xent's: similarity_xent_paths)."""
     from . import contract
 
+    package = importlib.import_module(f"angle_kernels.{backend}_ops")
+    modules = getattr(package, "OP_MODULES", {})
     found = {}
     for op in contract.OPS:
         try:
-            module = importlib.import_module(f"angle_kernels.{backend}_ops.{op}")
+            module = importlib.import_module(f"angle_kernels.{backend}_ops.{modules.get(op, op)}")
         except ModuleNotFoundError:
             continue
         found[op] = tuple(getattr(module, "PATHS", ("default",)))

@@ -122,7 +122,8 @@ def cases(sizes: str = "standard") -> list[Case]:
     """Every op and code path's cases at `sizes`: "standard" (a few minutes on an H100 with the compiles),
     "large" (the project's GPU run: past the interpreter's reach, seconds each), "tiny" (the CPU tests, through
     the Triton interpreter; its dense cases, at width 64, take the dense scheme only where a test lowers the
-    scheme's MIN_WIDTH)."""
+    scheme's MIN_WIDTH, its one-read pair-score cases the one-read kernels only where a test lowers their
+    ONE_READ_MIN_WIDTH)."""
     tiny = sizes == "tiny"
     pairs = {"tiny": 6, "standard": 16384, "large": 131072}[sizes]
     rows = {"tiny": 24, "standard": 2048, "large": 8192}[sizes]
@@ -130,8 +131,21 @@ def cases(sizes: str = "standard") -> list[Case]:
     # The fused kernels' full-width cases sit below the dense scheme's MIN_WIDTH (768: wider inputs take the
     # dense scheme), at a common small-encoder width; tests/ops/test_verify.py checks every case takes its path.
     narrow = 32 if tiny else 512
-    # Matryoshka at its usual five widths (the prefix kernels' KP = 8 specialisation) and at three (KP = 4)
-    dims, five = ((8, 16, 32), (4, 8, 16, 24, 32)) if tiny else ((64, 256, 768), (64, 128, 256, 512, 768))
+    # Matryoshka at its usual five widths (the prefix kernels' KP = 8 specialisation) and at three (KP = 4): on the
+    # prefix kernels below the dense scheme's MIN_WIDTH, on the dense dims scheme from it up (at MIN_WIDTH and at
+    # the wide width)
+    at_d = ((8, 16, 32), (4, 8, 16, 24, 32)) if tiny else ((64, 256, 768), (64, 128, 256, 512, 768))
+    dims, five = at_d if tiny else ((64, 256, narrow), (64, 128, 256, 384, narrow))
+    dense_dims = [(rows, None, wide, (8, 16, 64) if tiny else (64, 256, wide)),
+                  (rows // 2, rows, wide, (4, 8, 16, 32, 64) if tiny else (64, 128, 256, 512, wide))]
+    if not tiny:
+        dense_dims += [(rows, None, d, at_d[0]), (rows // 2, rows, d, at_d[1])]
+    # the pair scores of every prefix in one read (from ONE_READ_MIN_WIDTH, 768, up): five widths at 768 and at the
+    # wide width (format C triples there); the prefix kernels' case below it
+    scaled = tuple(wide // 2**i for i in (4, 3, 2, 1, 0))
+    one_read = [_pair_case("dims_one_read", pairs, 2, wide if tiny else d,
+                           dims=(4, 8, 16, 40, 64) if tiny else at_d[1]),
+                _pair_case("dims_one_read", max(1, pairs // 4), 3, wide, dims=scaled)]
     # the dense scheme from its MIN_WIDTH (768) up, not only at the wide width
     at_min_width = [] if tiny else [_xent_case("dense", rows, None, d)]
     # the torch backend's 16-bit products (its "mixed" path, bf16 and fp16 only): in-batch negatives, the
@@ -139,12 +153,13 @@ def cases(sizes: str = "standard") -> list[Case]:
     # at large sizes (the GPU's blocks hold 2^25 logits: 4,096 rows of 8,192 columns)
     mixed = [_xent_case("mixed", rows, None, d, dtypes=HALF_DTYPES),
              _xent_case("mixed", rows // 2, rows, wide, dtypes=HALF_DTYPES),
-             _xent_case("mixed", rows, None, d, dims=dims, dtypes=HALF_DTYPES),
-             _xent_case("mixed", rows // 2, rows, d, dims=five, dtypes=HALF_DTYPES)]
+             _xent_case("mixed", rows, None, d, dims=at_d[0], dtypes=HALF_DTYPES),
+             _xent_case("mixed", rows // 2, rows, d, dims=at_d[1], dtypes=HALF_DTYPES)]
     return [
         _pair_case("full", pairs, 2, d),
         _pair_case("full", pairs // 4, 3, d),
-        _pair_case("dims", pairs, 2, d, dims=dims),
+        _pair_case("dims", pairs, 2, narrow, dims=dims),
+        *one_read,
         _ranking_case("pairwise", 40 if tiny else 3000),
         _ranking_case("sort", {"tiny": 4200, "standard": 6000, "large": 2_000_000}[sizes]),
         _xent_case("fused", rows, None, narrow),
@@ -152,8 +167,9 @@ def cases(sizes: str = "standard") -> list[Case]:
         _xent_case("dense", rows, None, wide),
         _xent_case("dense", rows // 2, rows, wide),
         *at_min_width,
-        _xent_case("dims", rows, None, d, dims=dims),
-        _xent_case("dims", rows // 2, rows, d, dims=five),
+        _xent_case("dims", rows, None, narrow, dims=dims),
+        _xent_case("dims", rows // 2, rows, narrow, dims=five),
+        *[_xent_case("dense_dims", m, mc, width, dims=prefixes) for m, mc, width, prefixes in dense_dims],
         _lse_case("fused", rows // 2, 3 * (rows // 2), d),
         *mixed,
     ]
@@ -223,6 +239,15 @@ def run_checks(backend: str, device, case_list: list[Case], dtypes=DTYPES, deadl
     monotonic `deadline`; on_result(results) after each. Cases of ops or paths the backend lacks are left out. The
     backend computes on the paths its op modules name, verified or not (dispatch.path_ops)."""
     ops = path_ops(backend, torch.empty(0, device=device))
+    if backend == "triton":  # the paths awaiting their first verification take their cases too
+        from .triton_ops import awaiting_verification_on
+
+        with awaiting_verification_on():
+            return _run_checks(ops, backend, device, case_list, dtypes, deadline, on_result)
+    return _run_checks(ops, backend, device, case_list, dtypes, deadline, on_result)
+
+
+def _run_checks(ops, backend: str, device, case_list: list[Case], dtypes, deadline, on_result) -> list[dict]:
     results = []
     for dtype in dtypes:
         for case in case_list:

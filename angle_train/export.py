@@ -36,10 +36,10 @@ import os
 import shutil
 
 from . import st_folder
+from .st_folder import META_FILE
 from .data import Prompts, prompt_prefix
 
 ST_POOLING_KEYS = st_folder.POOLING_KEYS
-META_FILE = "angle_train.json"
 CARD_FILE = "README.md"
 
 

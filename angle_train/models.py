@@ -431,12 +431,10 @@ def own_pooling(name_or_path: str) -> tuple[str, str] | None:
     """(pooling, the file that names it) of a model's folder: an angle_train export's angle_train.json (every strategy;
     cls_avg and bidirectional exports have no sentence-transformers files), else its sentence-transformers Pooling
     module (st_folder.pooling); None when neither names one."""
-    from .export import META_FILE
-
-    meta = os.path.join(name_or_path, META_FILE)
+    meta = os.path.join(name_or_path, st_folder.META_FILE)
     pooling = st_folder.read_json(meta).get("pooling") if os.path.isfile(meta) else None
     if pooling in POOLING_STRATEGIES:
-        return pooling, META_FILE
+        return pooling, st_folder.META_FILE
     folder = st_folder.find_folder(name_or_path)
     return st_folder.pooling(folder) if folder else None
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 
+# angle_train's own record in the folders it exports (pooling, prompts, max length, trained widths: export.py)
+META_FILE = "angle_train.json"
 MODULES_FILE = "modules.json"
 SETTINGS_FILE = "sentence_bert_config.json"
 CONFIG_FILE = "config_sentence_transformers.json"

@@ -114,13 +114,32 @@ def setup_nested_similarity_xent(ops, backend, n, d, dtype, device, generator):
     return run, [q, c], {**harness.similarity_floor(m, mc, d), "executed": executed}
 
 
+def setup_one_width_similarity_xent(ops, backend, n, d, dtype, device, generator):
+    """setup_nested_similarity_xent's loss at the full width alone (no dims): the same shape, so that a sweep
+    times the prefixes' cost against one width's in the same run."""
+    q = torch.randn(n, d, device=device, generator=generator).to(dtype).requires_grad_()
+    c = torch.randn(2 * n, d, device=device, generator=generator).to(dtype).requires_grad_()
+
+    def run():
+        return ops.similarity_xent(q, c, P.TAU, "diagonal")
+
+    m, mc = n, 2 * n
+    return run, [q, c], {**harness.similarity_floor(m, mc, d),
+                         "executed": harness.similarity_flops_executed(backend, m, mc, d)}
+
+
 OPS = [
     OpBench("pair_scores(dims)", sizes=(16384, 262144), dims=(768, 4096), dtypes=("bfloat16", "float32"),
             grows="N", setup=setup_nested_pair_scores,
             memory_bytes=lambda n, d, dtype: 6 * n * d * harness.element_bytes(dtype)),
+    # both triton schemes: the fused prefix kernels and the dense dims scheme
     OpBench("similarity_xent(dims)", sizes=(1024, 4096, 16384), dims=(768, 4096), dtypes=("bfloat16", "float32"),
             grows="N^2", setup=setup_nested_similarity_xent,
-            memory_bytes=lambda n, d, dtype: 3 * 3 * n * d * 4),
+            memory_bytes=lambda n, d, dtype: 3 * 3 * n * d * 4, triton_schemes=True),
+    # one width at the dims rows' shape (N x 2N), bf16: the ratio the Matryoshka targets are stated in
+    OpBench("similarity_xent(one width)", sizes=(1024, 4096, 16384), dims=(768, 4096), dtypes=("bfloat16",),
+            grows="N^2", setup=setup_one_width_similarity_xent,
+            memory_bytes=lambda n, d, dtype: 3 * 3 * n * d * 4, triton_schemes=True),
 ]
 
 

@@ -13,17 +13,23 @@ For CoSENT (N pairs) and MultipleNegativesRankingLoss (N queries, a positive and
     ST L x Matryoshka sentence-transformers' MatryoshkaLoss once per layer: the loss part of its Matryoshka2dLoss
                       with n_layers_per_step=-1 (its AdaptiveLayerLoss calls the inner loss once per layer)
 
-Target (issue 13): the k-dim loss at most 1.3x the single loss. The layer rows are compared with L times the
-single loss. Timing: minimum of repeated runs (`harness.measure_fwd_bwd`); memory: peak extra bytes of a run.
+Target: the k-dim loss at most 1.3x the single loss (MNRL on CPU: 1.5x). The layer rows are compared with L times
+the single loss. Timing: minimum of repeated runs (`harness.measure_fwd_bwd`); memory: peak extra bytes of a run.
+With --interleave R, the rows chosen by --rows are instead timed in R rounds, each row once per round in a rotating
+order (a machine whose speed drifts slows every contender alike), and the table gives each row's median, its spread
+(min-max) and the ratio of the medians; no memory column.
 
     python bench/bench_matryoshka_ratios.py [--d 768 4096] [--pairs 4096] [--queries 1024] [--layers 12]
                                             [--dtype float32] [--device auto] [--out DIR]
+                                            [--losses cosent mnrl] [--rows single "fused k=5"] [--interleave 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -106,6 +112,36 @@ def measure(rows: dict, device: str, repeats: int, time_per_case: float) -> dict
     return results
 
 
+def measure_interleaved(rows: dict, device: str, rounds: int) -> dict:
+    """name -> sorted seconds of `rounds` forward + backward runs, the rows taking turns (module docstring)."""
+    names = list(rows)
+    for run, leaves in rows.values():  # warm: one-time costs out of every timed run
+        harness.fwd_bwd(run, leaves)
+        harness.fwd_bwd(run, leaves)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            run, leaves = rows[name]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            harness.fwd_bwd(run, leaves)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t) for name, t in times.items()}
+
+
+def interleaved_table(loss: str, size: str, d: int, times: dict) -> list[str]:
+    first = next(iter(times))
+    base = statistics.median(times[first])
+    body = [[name, harness.fmt_seconds(statistics.median(t)),
+             f"{harness.fmt_seconds(t[0])} - {harness.fmt_seconds(t[-1])}",
+             f"{statistics.median(t) / base:.2f}x"] for name, t in times.items()]
+    return [f"### {loss}, {size}, D = {d}, dims {nested_dims(d)} ({len(times[first])} interleaved rounds)", "",
+            *harness.markdown_table(["", "median", "spread (min - max)", f"/ {first}"], body), ""]
+
+
 def table(loss: str, size: str, d: int, layers: int, results: dict) -> list[str]:
     single = results["single"]
     body = []
@@ -128,6 +164,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--time-per-case", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=None, help="write table.md there")
+    parser.add_argument("--losses", nargs="+", default=["cosent", "mnrl"], choices=["cosent", "mnrl"])
+    parser.add_argument("--rows", nargs="+", default=None, help="only these rows (e.g. single 'fused k=5')")
+    parser.add_argument("--interleave", type=int, default=0, metavar="R",
+                        help="time the rows in R interleaved rounds (medians, spreads) instead")
     args = parser.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = getattr(torch, args.dtype)
@@ -137,13 +177,20 @@ def main(argv: list[str]) -> int:
              f"`python bench/bench_matryoshka_ratios.py {' '.join(argv)}`", "",
              f"Environment: {harness.describe_environment(device)}", ""]
     for d in args.d:
-        for loss, make, size in (("CoSENT", cosine_rows, f"N = {args.pairs} pairs"),
-                                 ("MultipleNegativesRankingLoss", mnrl_rows,
-                                  f"N = {args.queries} queries, 2N candidates")):
+        for key, loss, make, size in (("cosent", "CoSENT", cosine_rows, f"N = {args.pairs} pairs"),
+                                      ("mnrl", "MultipleNegativesRankingLoss", mnrl_rows,
+                                       f"N = {args.queries} queries, 2N candidates")):
+            if key not in args.losses:
+                continue
             n = args.pairs if loss == "CoSENT" else args.queries
             print(f"{loss} {size} D={d}", flush=True)
             rows = make(n, d, args.layers, dtype, device, generator, st_losses)
-            lines += table(loss, size, d, args.layers, measure(rows, device, args.repeats, args.time_per_case))
+            if args.rows:
+                rows = {name: rows[name] for name in args.rows}
+            if args.interleave:
+                lines += interleaved_table(loss, size, d, measure_interleaved(rows, device, args.interleave))
+            else:
+                lines += table(loss, size, d, args.layers, measure(rows, device, args.repeats, args.time_per_case))
             del rows
     text = "\n".join(lines) + "\n"
     print(text)

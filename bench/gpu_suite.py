@@ -56,6 +56,7 @@ sweep's; the checks and their float64 reference are the package's own (angle_ker
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import glob
 import importlib
@@ -670,6 +671,24 @@ def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, devi
     groups of backend names swept one group after the other; rows are recorded as they are measured, and the sweep
     stops at an error that loses the process's CUDA context. (device and ops are parameters so that the test suite
     can run it at tiny sizes on CPU.)"""
+    with _awaiting_verification_on():  # the Triton paths that await their first verification are timed too
+        return _op_sweep(record, deadline, limits, passes, device=device, ops=ops, step=step)
+
+
+def _awaiting_verification_on():
+    """triton_ops.awaiting_verification_on() where Triton imports; else nothing to switch on."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return contextlib.nullcontext()
+    from angle_kernels.triton_ops import awaiting_verification_on
+
+    return awaiting_verification_on()
+
+
+def _op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, device: str = "cuda", ops=None,
+              step: str = "op_sweep") -> dict:
+    """The sweep of op_sweep (its docstring), inside its context."""
     import torch
 
     from angle_kernels.dispatch import path_ops, resolve_backend

@@ -133,9 +133,10 @@ class OpBench:
     triton_schemes: bool = False
 
 
-# The triton backend's two schemes for the full-width similarity_xent, by the row label the sweeps give them, and
-# the MIN_WIDTH of triton_ops.similarity_xent_dense (the width from which it takes the dense one) that forces each
-# (the dense one only where its tile fits, similarity_xent_dense.takes: up to 2^19 columns).
+# The triton backend's two schemes for similarity_xent, by the row label the sweeps give them, and the MIN_WIDTH of
+# triton_ops.similarity_xent_dense (the width from which it takes the dense one) that forces each: the fused kernels
+# (with dims, the prefix kernels) or the dense products (with dims, _similarity_xent_dense_dims), the dense ones only
+# where their tiles fit (similarity_xent_dense.takes: up to 2^19 columns; with dims, _similarity_xent_dense_dims.takes).
 TRITON_XENT_SCHEMES = {"triton-fused": sys.maxsize, "triton-dense": 0}
 
 
@@ -147,13 +148,14 @@ def triton_xent_scheme(label: str):
         yield
         return
     from angle_kernels.triton_ops import similarity_xent_dense as dense
+    from angle_kernels.triton_ops import similarity_xent_paths as paths
 
-    saved = dense.MIN_WIDTH
-    dense.MIN_WIDTH = TRITON_XENT_SCHEMES[label]
+    saved = dense.MIN_WIDTH, paths.DENSE_DIMS_MIN_WIDTH
+    dense.MIN_WIDTH = paths.DENSE_DIMS_MIN_WIDTH = TRITON_XENT_SCHEMES[label]
     try:
         yield
     finally:
-        dense.MIN_WIDTH = saved
+        dense.MIN_WIDTH, paths.DENSE_DIMS_MIN_WIDTH = saved
 
 
 def random_embeddings(generator: torch.Generator, rows: int, d: int, dtype: torch.dtype,
@@ -210,15 +212,19 @@ def similarity_flops_executed(backend: str, m: int, mc: int, d: int, dims: tuple
     needs. Triton's fused kernels ("triton-fused"): the dq and dc kernels each recompute the logit tiles
     (2 + 4 + 4); its dense scheme ("triton-dense") and torch: forward forms the gradients while it holds each
     block's logits (2 + 4); "triton" is the one of the two its similarity_xent takes at width d. CUDA: one
-    backward kernel recomputes once and forms dq and dc with atomics (2 + 2 + 4). With nested prefixes (dims,
-    always the fused kernels on triton): Triton's dq and dc kernels recompute the tile (2 m mc d each) and form
-    their gradient prefix by prefix (2 m mc sum(d_i) each); torch recomputes the tiles in backward, its slice
-    products costing what the full width's do (2 + 2 + 4)."""
+    backward kernel recomputes once and forms dq and dc with atomics (2 + 2 + 4). With nested prefixes (dims):
+    Triton's fused prefix kernels ("triton-fused") recompute the tile in the dq and dc kernels (2 m mc d each) and
+    form their gradient prefix by prefix (2 m mc sum(d_i) each); its dense dims scheme ("triton-dense",
+    triton_ops/_similarity_xent_dense_dims.py) and torch on a GPU recompute the tiles in backward, their slice
+    products costing what the full width's do (2 + 2 + 4); torch on the CPU forms them in forward (2 + 4) for the
+    weights its last backward of the kind received (torch_ops/similarity_xent.py; the GPU sweeps count the GPU's)."""
     if backend == "triton":
-        from angle_kernels.triton_ops.similarity_xent_dense import takes
+        from angle_kernels.triton_ops import similarity_xent_paths
 
-        backend = "triton-dense" if takes(d, mc, dims) else "triton-fused"
-    if dims is not None and backend.startswith("triton"):
+        rows, columns = torch.empty(m, d, device="meta"), torch.empty(mc, d, device="meta")
+        path = similarity_xent_paths.code_path(rows, columns, 1.0, "diagonal", dims=dims)
+        backend = "triton-dense" if path in ("dense", "dense_dims") else "triton-fused"
+    if dims is not None and backend == "triton-fused":
         return m * mc * (6 * d + 4 * sum(dims))
     units = {"triton-fused": 10, "cuda": 8}.get(backend, 8 if dims is not None else 6)
     return units * m * mc * d

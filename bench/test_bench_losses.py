@@ -354,9 +354,13 @@ def test_a_backend_covers_every_path_only_when_each_is_verified(monkeypatch):
     from angle_kernels import verified
 
     paths = verified.paths_of("triton")
-    assert paths["similarity_xent"] == ("fused", "dense", "dims")
+    assert paths["similarity_xent"] == ("fused", "dense", "dims", "dense_dims")
     missing = ("similarity_xent", "dims")
     monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: (op, path) != missing)
     assert not verified.covers_every_path("triton", torch.device("cuda", 0))
     monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: True)
+    assert verified.covers_every_path("triton", torch.device("cuda", 0))
+    # a path that no call takes until a GPU run verifies it (triton_ops.paths_awaiting_verification) is not needed
+    awaiting = ("similarity_xent", "dense_dims")
+    monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: (op, path) != awaiting)
     assert verified.covers_every_path("triton", torch.device("cuda", 0))

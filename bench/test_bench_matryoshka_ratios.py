@@ -26,3 +26,11 @@ def test_script_writes_its_table(tmp_path):
                         "--time-per-case", "0", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "table.md").read_text()
     assert text.count("| fused L x k |") == 2 and "MultipleNegativesRankingLoss" in text
+
+
+def test_interleaved_rounds_give_medians_and_spreads(tmp_path):
+    assert ratios.main(["--d", "16", "--queries", "8", "--layers", "2", "--losses", "mnrl", "--rows", "single",
+                        "fused k=5", "--interleave", "3", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "table.md").read_text()
+    assert "(3 interleaved rounds)" in text and "| spread (min - max) | / single |" in text
+    assert "| single |" in text and "| fused k=5 |" in text and "CoSENT" not in text and "ST Matryoshka" not in text

@@ -233,13 +233,16 @@ def test_the_large_checks_merge_one_run_per_dtype(tmp_path, monkeypatch):
     """first's large_checks step runs `python -m angle_kernels.verify` once per dtype side by side and merges
     their JSON: here the runs are the real checks at tiny sizes through the interpreter (verify itself needs a
     GPU), written where the step reads them. A path passes only when every dtype ran; one failure fails it.
-    pair_scores' two paths show both (the merge treats every op alike; tests/ops/test_verify.py runs every op's
-    checks)."""
+    pair_scores' paths show both (the merge treats every op alike; tests/ops/test_verify.py runs every op's
+    checks; the one-read path's tiny cases, at width 64, take it with its ONE_READ_MIN_WIDTH lowered)."""
     from angle_kernels import verify
     from angle_kernels.dispatch import triton_interpreting
 
     if not triton_interpreting():
         pytest.skip("runs the triton backend on CPU tensors: needs TRITON_INTERPRET=1 (the root conftest's default)")
+    from angle_kernels.triton_ops import pair_scores_paths
+
+    monkeypatch.setattr(pair_scores_paths, "ONE_READ_MIN_WIDTH", 64)
     record = _record(tmp_path)
     tiny = [c for c in verify.cases("tiny") if c.op == "pair_scores"]
 

@@ -30,7 +30,8 @@ if sys.argv[1] == "knob":
     triton.knobs.autotuning.cache = False
     os.environ.pop("TRITON_CACHE_AUTOTUNING")  # the knob alone says what the user chose
 modules = triton_ops.load_ops()
-autotuners = [kernel.launcher for module in (modules["similarity_xent"], modules["similarity_lse"])
+from angle_kernels.triton_ops import similarity_xent  # the fused kernels' module (load_ops names its router)
+autotuners = [kernel.launcher for module in (similarity_xent, modules["similarity_lse"])
               for kernel in module._TUNED["16bit"] + module._TUNED["32bit"]
               if isinstance(kernel.launcher, triton.runtime.Autotuner)]
 print(json.dumps({"caching": sorted({a.cache_results for a in autotuners}), "count": len(autotuners),

@@ -340,7 +340,7 @@ def test_the_real_gpu_backends_declare_their_code_paths():
             assert backend.paths[op] != ("default",), f"{name}'s {op} declares no PATHS"
             assert (backend.code_paths[op] is None) == (len(backend.paths[op]) == 1), (name, op)
     triton = dispatch.raw_backend("triton")
-    assert triton.paths["similarity_xent"] == ("fused", "dense", "dims")
+    assert triton.paths["similarity_xent"] == ("fused", "dense", "dims", "dense_dims")
     x, q = torch.randn(4, 2, 8), torch.randn(8, 8)
     assert triton.code_paths["pair_scores"](x, True, None) == "full"
     assert triton.code_paths["pair_scores"](x, True, (4, 8)) == "dims"
@@ -350,6 +350,14 @@ def test_the_real_gpu_backends_declare_their_code_paths():
     assert triton.code_paths["similarity_xent"](q, None, 20.0, "partner") == "fused"
     wide = torch.empty(8, 4096, device="meta")
     assert triton.code_paths["similarity_xent"](wide, None, 20.0, "partner") == "dense"
+    wide_dims = (wide, None, 20.0, "partner", None, True, 0.0, None, (64, 4096))
+    assert triton.code_paths["similarity_xent"](*wide_dims) == "dims"  # until a GPU run verifies the dense dims
+    from angle_kernels.triton_ops import awaiting_verification_on
+
+    with awaiting_verification_on():
+        assert triton.code_paths["similarity_xent"](*wide_dims) == "dense_dims"
+        assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, (64, 768)) == "dims_one_read"
+    assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, (64, 768)) == "dims"
 
 
 # ---------------------------------------------------------------------------------------------------------

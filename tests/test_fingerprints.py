@@ -117,6 +117,11 @@ def test_a_path_selection_threshold_belongs_to_no_path(baseline, copy):
          'return "default" if not takes_mixed_products(q) else "mixed"')
     copy("angle_kernels/torch_ops/common.py", "return x.dtype in MIXED_DTYPES and mixed_products(x.device).mm",
          "return mixed_products(x.device).mm and x.dtype in MIXED_DTYPES")
+    # the Triton similarity_xent's selector (similarity_xent_paths.code_path and the dense dims scheme's `takes`,
+    # with its tile limit) and its router (similarity_xent_paths.similarity_xent), which calls the chosen launcher
+    copy("angle_kernels/triton_ops/_similarity_xent_dense_dims.py", "MIN_BLOCK_ROWS = 512", "MIN_BLOCK_ROWS = 256")
+    copy("angle_kernels/triton_ops/similarity_xent_paths.py", 'if code_path(q, c, scale, target, dims=dims) == '
+         '"dense_dims":', 'if "dense_dims" == code_path(q, c, scale, target, dims=dims):')
     assert changed(baseline, copy.tree) == set()
 
 
@@ -130,6 +135,23 @@ def test_a_constant_inside_a_kernel(baseline, copy):
     copy("angle_kernels/triton_ops/similarity_xent_dense.py", body_line, body_line.replace(
         "tl.program_id(0)", "(tl.program_id(0) + 0)"), after="def _dense_xent_grad_kernel(")
     assert changed(baseline, copy.tree) == triton("similarity_xent", "dense")
+
+
+def test_the_dense_dims_scheme_changes_only_its_path(baseline, copy):
+    """The dense dims scheme's host code and its kernel are its path's alone; the dense scheme's forward kernel,
+    which it launches per prefix, is both schemes'."""
+    relative = "angle_kernels/triton_ops/_similarity_xent_dense_dims.py"
+    copy(relative, "q_ratio = q_inv[1:] / q_inv[:-1]", "q_ratio = q_inv[1:] / q_inv[:-1] * 1")
+    assert changed(baseline, copy.tree) == triton("similarity_xent", "dense_dims")
+    copy(relative, "g = g + previous * q_ratio[:, None] * c_ratio[None, :]",
+         "g = g + previous * c_ratio[None, :] * q_ratio[:, None]")
+    assert changed(baseline, copy.tree) == triton("similarity_xent", "dense_dims")
+    text = (copy.root / "angle_kernels/triton_ops/similarity_xent_dense.py").read_text()
+    kernel = text[text.index("def _dense_xent_stats_kernel("):]
+    body_line = next(line for line in kernel.splitlines()[1:] if "tl.program_id(0)" in line)
+    copy("angle_kernels/triton_ops/similarity_xent_dense.py", body_line, body_line.replace(
+        "tl.program_id(0)", "(tl.program_id(0) + 0)"), after="def _dense_xent_stats_kernel(")
+    assert changed(baseline, copy.tree) == triton("similarity_xent", "dense", "dense_dims")
 
 
 def test_a_prefix_kernel_changes_only_the_dims_path(baseline, copy):
@@ -173,7 +195,7 @@ def test_a_helper_shared_by_every_triton_path(baseline, copy):
 
 def test_a_constant_of_the_contract_changes_the_paths_that_read_it(baseline, copy):
     copy("angle_kernels/contract.py", "MARGIN_SIN_SQUARED_FLOOR = ", "MARGIN_SIN_SQUARED_FLOOR = 2 * ")
-    assert changed(baseline, copy.tree) == (triton("similarity_xent", "fused", "dense", "dims")
+    assert changed(baseline, copy.tree) == (triton("similarity_xent", "fused", "dense", "dims", "dense_dims")
                                             | {("torch", "similarity_xent", "default"), ("torch", "similarity_xent",
                                                                                         "mixed")})
 

@@ -116,8 +116,9 @@ def measure(args):
         y = per_pair.repeat_interleave(2)
         return (y if args["provider"] == "ours" else y[:, None]), x
 
+    options = args.get("options", {})
     warm_y, warm_x = make(64, args["d"], 1)
-    fn(warm_y, warm_x).backward()
+    fn(warm_y, warm_x, **options).backward()
     del warm_y, warm_x
     y, x = make(args["n"], args["d"], 0)
     gc.collect()
@@ -125,7 +126,7 @@ def measure(args):
     peak_before = peak_rss()
     base = current_rss()
     start = time.perf_counter()
-    out = fn(y, x)
+    out = fn(y, x, **options)
     out.backward()
     seconds = time.perf_counter() - start
     peak = peak_rss()
@@ -204,11 +205,12 @@ def measure(tmp_path_factory):
     folder = tmp_path_factory.mktemp("memory")
     server = None
 
-    def run(provider: str, loss: str, n: int, d: int, timeout: int = 600) -> dict:
+    def run(provider: str, loss: str, n: int, d: int, timeout: int = 600, **options) -> dict:
         nonlocal server
         if server is None or not server.alive():
             server = _Server(folder)
-        args = dict(provider=provider, loss=loss, n=n, d=d, threads=THREADS, reference_path=_reference_path())
+        args = dict(provider=provider, loss=loss, n=n, d=d, threads=THREADS, reference_path=_reference_path(),
+                    options=options)
         status, lines, errors = server.run(args, timeout)
         assert status == 0, f"{provider} {loss} N={n} D={d} failed (exit status {status}):\n{errors[-3000:]}"
         result = json.loads([ln for ln in lines if ln.startswith("RESULT ")][-1][len("RESULT "):])
@@ -300,3 +302,11 @@ def test_extra_memory_grows_linearly(loss, n, d, measure):
     large = measure("ours", loss, 4 * n, d)["extra"]
     assert small > 0 and large > 0
     assert large / small < 6, f"{loss}: extra {small / GB:.3f} GB at N={n}, {large / GB:.3f} GB at N={4 * n}"
+
+
+def test_matryoshka_needs_about_one_widths_memory(measure):
+    """in_batch_negative_loss with dims (768, 512, 256, 128, 64) at 1,024 pairs, D = 768: peak extra memory within
+    1.5x the same call at one width (the torch backend forms the dims gradients in forward, like one width)."""
+    one = measure("ours", "in_batch_negative_loss", 1024, 768)["extra"]
+    nested = measure("ours", "in_batch_negative_loss", 1024, 768, dims=[768, 512, 256, 128, 64])["extra"]
+    assert 0 < nested <= 1.5 * one, f"dims: extra {nested / GB:.4f} GB, one width {one / GB:.4f} GB"

@@ -145,17 +145,18 @@ class _Tiles:
         top = logits.amax(dim=1)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row without kept columns: -inf below
         inverse = self.q_inv[start:end]  # 1 / s_i
-        spread = torch.exp((logits - top[:, None]).mul_(inverse[:, None])).sum(dim=1).log_()
+        spread = logits.sub_(top[:, None]).mul_(inverse[:, None]).exp_().sum(dim=1).log_()  # the tile's last use
         return (top if reference is None else top - reference).mul_(inverse).add_(spread)
 
     def softmax(self, logits: torch.Tensor, start: int, end: int, lse: torch.Tensor) -> torch.Tensor:
         """The softmax over each row's kept columns (rows without any: 0), from the row's logsumexp (cosines) or,
-        for dot products, in the anchor row's scale (a hard maximum where the logits overflow, never inf - inf)."""
+        for dot products, in the anchor row's scale (a hard maximum where the logits overflow, never inf - inf);
+        formed in place of `logits` (one tile per block at a time)."""
         if self.anchor_scale is None:
-            return torch.exp(logits - lse[start:end, None])
+            return logits.sub_(lse[start:end, None]).exp_()
         top = logits.amax(dim=1)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        weights = torch.exp((logits - top[:, None]).mul_(self.q_inv[start:end, None]))
+        weights = logits.sub_(top[:, None]).mul_(self.q_inv[start:end, None]).exp_()
         return weights.div_(weights.sum(dim=1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny))
 
 
@@ -177,6 +178,7 @@ class SimilarityLseFunction(torch.autograd.Function):
             logits, target_logits = tiles.logits(start, end)
             block_reference = None if references is None else _block_reference(references, target_logits, start, end)
             lse[start:end] = tiles.row_values(logits, start, end, block_reference)
+            del logits  # before the next block's tile is made
         ctx.save_for_backward(q_in, c_in, qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale, r_in)
         ctx.options = options
         ctx.input_dtypes = (q.dtype, c.dtype, None if reference is None else reference.dtype)

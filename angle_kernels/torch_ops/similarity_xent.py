@@ -24,11 +24,17 @@ running sum of the slice products q[blk, s_j] @ c[:, s_j]^T over the slices s_j 
 product written into its place, so q and c are read once per block for all prefixes. Forward turns the k tiles
 into logits in place and takes their logsumexps (and the target columns, the margin, the excluded diagonal) for
 all prefixes at once: per block, k matrix products and a dozen ops whatever k (on a GPU every op is a launch).
-Backward recomputes the dot tiles the same way and walks the prefixes from the widest down: prefix j's gradient
-tile Ghat_j (its inverse norms folded in) is formed from its dot tile (whose place then takes Ghat_j * dots_j, the
-products of its radial sums) and added at once into the running sum of the prefixes i >= j, which, since slice j
-belongs to every prefix i >= j, takes slice j's two matrix products (dq and dc); each prefix's radial term is
-applied once at the end, slice by slice.
+The gradients walk the prefixes from the widest down: prefix j's gradient tile Ghat_j (its inverse norms and
+grad_loss_j folded in) is formed from its dot tile (whose place then takes Ghat_j * dots_j, the products of its
+radial sums) and added at once into the running sum of the prefixes i >= j, which, since slice j belongs to every
+prefix i >= j, takes slice j's two matrix products (dq and dc); each prefix's radial term is applied once at the
+end, slice by slice. The loss is a [k] vector, so its gradients depend on grad_loss's direction, which forward does
+not know: the default path forms them in forward, from the dot tiles it holds (its logits then made beside them,
+a prefix at a time), for the direction the last backward of the same dims received (ones at first: equal weights),
+and backward scales them when its grad_loss has that direction, else recomputes the dot tiles and forms them for
+its own. A training loop weights the prefixes the same way at every step: from its second step, the products total
+one width's, 6 M Mc D (2 forward, 4 for the gradients), not 8 (tests/test_matryoshka_flops.py). The mixed path
+forms them in backward.
 
 Memory. The blocks hold `common.chunk_elements(device)` logits (CPU: 1 << 22; other devices: 1 << 25, 128 MB of
 float32): a block of b rows takes b x Mc of them, and with dims b x Mc x (k + 1). Tile-sized temporaries alive at
@@ -316,9 +322,11 @@ class MixedSimilarityXentFunction(GradientsFormedInForward):
 
 
 def _prefix_losses(ctx, q, c, qf, cf, q_scale, c_scale, scale, target, row_weights, exclude_diagonal, margin,
-                   group_ids, dims):
+                   group_ids, dims, on_block=None):
     """The forward of both dims Functions, from their operands qf and cf (cf None when c is q): the [k] losses; saves
-    what backward needs."""
+    what backward needs. on_block(tiles, start, end, dots, lse_all, lse_pos, weights, q_has_grad, c_has_grad), when
+    given, is called for each row block once its logsumexps are known, with its dot tiles intact (the logits are
+    then made prefix by prefix beside them)."""
     symmetric = c is None
     cf = qf if symmetric else cf
     dtype = compute_dtype(q.dtype)
@@ -330,22 +338,36 @@ def _prefix_losses(ctx, q, c, qf, cf, q_scale, c_scale, scale, target, row_weigh
     lse_all = torch.empty(m, k, dtype=dtype, device=q.device)
     lse_pos = torch.empty(m, k, dtype=dtype, device=q.device)
     c_factor = c_inv.T.contiguous()  # [k, Mc]: each prefix's inverse norms as a contiguous row
+    weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
     for start, end in tiles.blocks():
         rows, local, targets, positives = tiles.rows(start, end)
         dots = tiles.prefix_dots(start, end)
         margins = tiles.prefix_margins(dots, start, end, local, targets)
-        logits = tiles.prefix_logits(dots, (q_inv[start:end] * scale).T, c_factor, rows, local, targets,
-                                     None if margins is None else margins[0], in_place=True)
-        if positives is None:
-            lse_pos[start:end] = logits[:, local, targets].T
-        else:
-            not_positive = ~positives
-            for i in range(k):
-                lse_pos[start:end, i] = _logsumexp_in_place(logits[i].masked_fill(not_positive, float("-inf")))
-        lse_all[start:end] = _logsumexp_in_place(logits).T
-        del dots, logits
+        row_factor = (q_inv[start:end] * scale).T
+        not_positive = None if positives is None else ~positives
+        if on_block is None:  # every prefix's logits at once, in place of the dots
+            logits = tiles.prefix_logits(dots, row_factor, c_factor, rows, local, targets,
+                                         None if margins is None else margins[0], in_place=True)
+            if positives is None:
+                lse_pos[start:end] = logits[:, local, targets].T
+            else:
+                for i in range(k):
+                    lse_pos[start:end, i] = _logsumexp_in_place(logits[i].masked_fill(not_positive, float("-inf")))
+            lse_all[start:end] = _logsumexp_in_place(logits).T
+            del dots, logits
+            continue
+        for i in range(k):  # a prefix at a time, beside the dots (which on_block takes)
+            logits = tiles.prefix_logits(dots[i], row_factor[i], c_factor[i], rows, local, targets,
+                                         None if margins is None else margins[0][i], in_place=False)
+            if positives is None:
+                lse_pos[start:end, i] = logits[local, targets]
+            else:
+                lse_pos[start:end, i] = _logsumexp_in_place(logits.masked_fill(not_positive, float("-inf")))
+            lse_all[start:end, i] = _logsumexp_in_place(logits)
+            del logits
+        on_block(tiles, start, end, dots, lse_all, lse_pos, weights, q_has_grad, c_has_grad)
+        del dots
 
-    weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
     loss = (weights[:, None] * (lse_all - lse_pos)).sum(dim=0) / m
 
     ctx.save_for_backward(qf, None if symmetric else cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids,
@@ -356,13 +378,14 @@ def _prefix_losses(ctx, q, c, qf, cf, q_scale, c_scale, scale, target, row_weigh
     return loss
 
 
-def _prefix_gradient_tiles(tiles, start, end, lse_all, lse_pos, c_factor, row_factor):
+def _prefix_gradient_tiles(tiles, start, end, lse_all, lse_pos, c_factor, row_factor, dots=None):
     """(dots, gradient) of a row block of the dims backward: its dot tiles [k, b, Mc] (prefix_dots, recomputed as in
     forward), and gradient(j), a new tile: prefix j's dL/dlogit (softmax over C_i minus softmax over P_i) times
     row_factor[j] ([k, b]) per row, the target column's entry (the one-hot's -1, the margin's slope) included,
-    formed from dots[j] (which the caller may overwrite afterwards)."""
+    formed from dots[j] (which the caller may overwrite afterwards). dots: the block's dot tiles where forward holds
+    them (not recomputed)."""
     rows, local, targets, positives = tiles.rows(start, end)
-    dots = tiles.prefix_dots(start, end)
+    dots = tiles.prefix_dots(start, end) if dots is None else dots
     margins = tiles.prefix_margins(dots, start, end, local, targets)
     logit_factor = (tiles.q_inv[start:end] * tiles.scale).T  # [k, b]
     target_grads = _target_grads(lse_all[start:end].T, lse_pos[start:end].T, row_factor, margins,
@@ -387,59 +410,130 @@ def _prefix_gradient_tiles(tiles, start, end, lse_all, lse_pos, c_factor, row_fa
     return dots, gradient
 
 
+# The direction of the last upstream gradient a dims backward received, per kind of call (dims and the options that
+# tell one loss from another): the one its next forward forms the gradients for (PrefixSimilarityXentFunction). A
+# training loop weights the prefixes the same way at every step.
+_LAST_DIRECTIONS: dict = {}
+
+
+def _direction(grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+    """(grad_loss divided by its largest magnitude, that magnitude), from a CPU float64 copy (on a GPU, a wait for the
+    k numbers); (None, 0.0) when it is all zeros or has no values (the meta device)."""
+    if grad_loss.is_meta:
+        return None, 0.0
+    grad = grad_loss.detach().to("cpu", torch.float64)
+    largest = grad.abs().max().item()
+    return (grad / largest, largest) if largest > 0 else (None, 0.0)
+
+
+class _PrefixGradients:
+    """The gradients of the dims loss for one upstream gradient grad_loss [k], summed over the row blocks
+    (add_block) and finished by the radial terms (finish)."""
+
+    def __init__(self, qf, cf, q_inv, c_inv, weights, grad_loss, scale, symmetric, dims):
+        m, k = qf.shape[0], len(dims)
+        self.qf, self.cf, self.q_inv, self.c_inv, self.symmetric = qf, cf, q_inv, c_inv, symmetric
+        self.slices = prefix_slices(dims)
+        # dL/dl_ij of prefix p = row_scale_ip * (softmax_all - softmax_pos); folded with q_inv into one row factor.
+        self.row_scale = weights[:, None] * (grad_loss.to(qf.dtype)[None, :] * scale / m)  # [M, k]
+        self.c_factor = c_inv.T.contiguous()  # [k, Mc]
+        # The raw gradients sum_i Ghat_i c[:, :d_i] (inverse norms included) and the radial sums of every prefix;
+        # for the in-batch-negative loss q and c are the same tensor and share them.
+        self.dq = torch.zeros_like(qf)
+        self.dc = self.dq if symmetric else torch.zeros_like(cf)
+        self.q_radial = torch.zeros(m, k, dtype=qf.dtype, device=qf.device)
+        self.c_radial = self.q_radial if symmetric else torch.zeros(cf.shape[0], k, dtype=qf.dtype, device=qf.device)
+
+    def add_block(self, tiles, start, end, lse_all, lse_pos, dots=None):
+        """Add a row block's terms; dots: its dot tiles where the caller holds them (overwritten), else recomputed."""
+        qf, cf, dq, dc = self.qf, self.cf, self.dq, self.dc
+        grad_factor = (self.row_scale[start:end] * self.q_inv[start:end]).T  # [k, b]
+        dots, gradient = _prefix_gradient_tiles(tiles, start, end, lse_all, lse_pos, self.c_factor, grad_factor, dots)
+        running = None  # sum over the prefixes i >= j of Ghat_i, walking j down from the widest prefix
+        for j in reversed(range(len(self.slices))):
+            g_hat = gradient(j)
+            g_hat.mul_(self.c_factor[j, None, :])  # Ghat_j = dL/dcos * q_inv * c_inv
+            dots[j].mul_(g_hat)  # Ghat_j * dots_j: its row and column sums are the radial sums
+            running = g_hat if running is None else running.add_(g_hat)
+            del g_hat
+            lo, hi = self.slices[j]
+            dq[start:end, lo:hi].addmm_(running, cf[:, lo:hi])
+            dc[:, lo:hi].addmm_(running.T, qf[start:end, lo:hi])
+        self.q_radial[start:end].add_(dots.sum(dim=2).T)  # sum_j Ghat_ij dots_ij
+        self.c_radial.add_(dots.sum(dim=1).T)
+
+    def finish(self, q_has_grad, c_has_grad, q_scale, c_scale):
+        """(dq, dc) in the compute dtype (dc None when c is q)."""
+        dq = unscaled(_prefix_radial_backward(self.qf, self.q_inv, q_has_grad, self.q_radial, self.dq, self.slices),
+                      q_scale)
+        dc = None if self.symmetric else unscaled(_prefix_radial_backward(
+            self.cf, self.c_inv, c_has_grad, self.c_radial, self.dc, self.slices), c_scale)
+        return dq, dc
+
+
 class PrefixSimilarityXentFunction(torch.autograd.Function):
-    """similarity_xent on every prefix of dims at once: a [k] loss (see the module docstring)."""
+    """similarity_xent on every prefix of dims at once: a [k] loss (see the module docstring).
+
+    On the CPU, when autograd will ask for its gradients, forward forms them for the upstream gradient the last
+    backward of these dims received (its direction; ones the first time), in the same walk over the row blocks, from
+    the dot tiles it holds: the products total one width's (2 M Mc D forward, 4 M Mc D for the gradients), where
+    forming them in backward would recompute the dots (8 M Mc D). Backward scales them when its grad_loss is that
+    direction times a number (to rounding), else computes them again for its own (and remembers its direction).
+    On other devices backward computes them: reading grad_loss's direction would wait for the device."""
 
     @staticmethod
-    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims):
+    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims, with_grad):
         qf, q_scale, _ = cosine_rows(q.detach())
         cf, c_scale, _ = (None, q_scale, None) if c is None else cosine_rows(c.detach())
-        return _prefix_losses(ctx, q, c, qf, cf, q_scale, c_scale, scale, target, row_weights, exclude_diagonal,
-                              margin, group_ids, dims)
+        ctx.formed = None
+        ctx.kind = (tuple(dims), c is None, target, exclude_diagonal, margin, group_ids is None, row_weights is None)
+        on_block = None
+        if with_grad and q.device.type == "cpu":
+            direction = _LAST_DIRECTIONS.get(ctx.kind)
+            direction = torch.ones(len(dims), dtype=torch.float64) if direction is None else direction
+            formed, has_grads = [], []
+
+            def on_block(tiles, start, end, dots, lse_all, lse_pos, weights, q_has_grad, c_has_grad):
+                if not formed:
+                    has_grads.extend((q_has_grad, c_has_grad))
+                    formed.append(_PrefixGradients(tiles.qf, tiles.cf, tiles.q_inv, tiles.c_inv, weights,
+                                                   direction.to(tiles.qf.device), tiles.scale, c is None, dims))
+                formed[0].add_block(tiles, start, end, lse_all, lse_pos, dots)
+
+        loss = _prefix_losses(ctx, q, c, qf, cf, q_scale, c_scale, scale, target, row_weights, exclude_diagonal,
+                              margin, group_ids, dims, on_block)
+        if on_block is not None:
+            gradients = formed[0].finish(*has_grads, q_scale, c_scale) if formed else None
+            ctx.formed = (direction, gradients)
+        return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
+        formed, ctx.formed = ctx.formed, None
+        if formed is not None:  # the CPU: reading grad_loss's direction costs no wait
+            direction, largest = _direction(grad_loss)
+            formed_direction, gradients = formed
+            # grad_loss = largest * the direction formed for, to rounding: the formed gradients times largest
+            ulps = 4 * torch.finfo(grad_loss.dtype).eps
+            if (direction is not None and gradients is not None
+                    and torch.allclose(direction, formed_direction, rtol=ulps, atol=ulps)):
+                (dq, dc), (q_dtype, c_dtype) = gradients, ctx.input_dtypes
+                return ((dq * largest).to(q_dtype), None if dc is None else (dc * largest).to(c_dtype),
+                        None, None, None, None, None, None, None, None)
+            if direction is not None:
+                _LAST_DIRECTIONS[ctx.kind] = direction
         (qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights, q_scale,
          c_scale) = ctx.saved_tensors
         symmetric = cf is None
         cf = qf if symmetric else cf
-        dims = ctx.dims
-        tiles = _Tiles(qf, cf, q_inv, c_inv, *ctx.options, group_ids, dims)
-        m, k = qf.shape[0], len(dims)
-        slices = prefix_slices(dims)
-        # dL/dl_ij of prefix p = row_scale_ip * (softmax_all - softmax_pos); folded with q_inv into one row factor.
-        row_scale = weights[:, None] * (grad_loss.to(qf.dtype)[None, :] * tiles.scale / m)  # [M, k]
-        c_factor = c_inv.T.contiguous()  # [k, Mc]
-
-        # The raw gradients sum_i Ghat_i c[:, :d_i] (inverse norms included) and the radial sums of every prefix;
-        # for the in-batch-negative loss q and c are the same tensor and share them.
-        dq = torch.zeros_like(qf)
-        dc = dq if symmetric else torch.zeros_like(cf)
-        q_radial = torch.zeros(m, k, dtype=qf.dtype, device=qf.device)
-        c_radial = q_radial if symmetric else torch.zeros(cf.shape[0], k, dtype=qf.dtype, device=qf.device)
+        tiles = _Tiles(qf, cf, q_inv, c_inv, *ctx.options, group_ids, ctx.dims)
+        gradients = _PrefixGradients(qf, cf, q_inv, c_inv, weights, grad_loss, tiles.scale, symmetric, ctx.dims)
         for start, end in tiles.blocks():
-            grad_factor = (row_scale[start:end] * q_inv[start:end]).T  # [k, b]
-            dots, gradient = _prefix_gradient_tiles(tiles, start, end, lse_all, lse_pos, c_factor, grad_factor)
-            running = None  # sum over the prefixes i >= j of Ghat_i, walking j down from the widest prefix
-            for j in reversed(range(k)):
-                g_hat = gradient(j)
-                g_hat.mul_(c_factor[j, None, :])  # Ghat_j = dL/dcos * q_inv * c_inv
-                dots[j].mul_(g_hat)  # Ghat_j * dots_j: its row and column sums are the radial sums
-                running = g_hat if running is None else running.add_(g_hat)
-                del g_hat
-                lo, hi = slices[j]
-                dq[start:end, lo:hi].addmm_(running, cf[:, lo:hi])
-                dc[:, lo:hi].addmm_(running.T, qf[start:end, lo:hi])
-            q_radial[start:end].add_(dots.sum(dim=2).T)  # sum_j Ghat_ij dots_ij
-            c_radial.add_(dots.sum(dim=1).T)
-            del dots, running
-
+            gradients.add_block(tiles, start, end, lse_all, lse_pos)
+        dq, dc = gradients.finish(q_has_grad, c_has_grad, q_scale, c_scale)
         q_dtype, c_dtype = ctx.input_dtypes
-        dq = unscaled(_prefix_radial_backward(qf, q_inv, q_has_grad, q_radial, dq, slices), q_scale).to(q_dtype)
-        dc = None if symmetric else unscaled(_prefix_radial_backward(cf, c_inv, c_has_grad, c_radial, dc, slices),
-                                             c_scale).to(c_dtype)
-        return dq, dc, None, None, None, None, None, None, None
+        return dq.to(q_dtype), None if dc is None else dc.to(c_dtype), None, None, None, None, None, None, None, None
 
 
 class MixedPrefixSimilarityXentFunction(torch.autograd.Function):
@@ -509,7 +603,7 @@ class MixedPrefixSimilarityXentFunction(torch.autograd.Function):
             # the radial sums sum_j Ghat_ij dots_ij, Ghat = G q_inv c_inv: one batched product per side
             q_radial[start:end].add_(torch.bmm(dots, c_factor.unsqueeze(2)).squeeze(2).T * q_inv[start:end])
             c_radial.add_(torch.bmm(dots.transpose(1, 2), q_inv[start:end].T.unsqueeze(2)).squeeze(2).T * c_inv)
-            del dots, running
+            del dots, running, gradient  # gradient holds the block's dots: freed before the next block's
         q_unit = c_unit = None
 
         for j, (lo, hi) in enumerate(slices):  # each slice out of its prefix's frame
@@ -571,9 +665,12 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
     if path not in PATHS:
         raise ValueError(f"the torch backend's similarity_xent has no code path {path!r}; its paths: {PATHS}")
     mixed = path == "mixed"
-    if dims is not None:
-        function = MixedPrefixSimilarityXentFunction if mixed else PrefixSimilarityXentFunction
-        return function.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims)
+    if dims is not None and mixed:
+        return MixedPrefixSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin,
+                                                       group_ids, dims)
+    if dims is not None:  # forms the gradients in forward when autograd will ask for them (its docstring)
+        return PrefixSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin,
+                                                  group_ids, dims, gradients_wanted(q, c))
     # The gradients are computed in forward when autograd will ask for them (module docstring).
     function = MixedSimilarityXentFunction if mixed else SimilarityXentFunction
     return function.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,

@@ -3,8 +3,11 @@
 Each kernel file reads top to bottom: what it computes, the bytes and FLOPs it must move, the kernels, the
 autograd.Function, the launcher.
 
-One module per op, named after it (`contract.OPS`), plus the modules an op launches from (similarity_xent_dense:
-the dense scheme of similarity_xent; _similarity_tiles: the tile library of the similarity family, see
+One module per op, named after it (`contract.OPS`; similarity_xent's is similarity_xent_paths, which chooses
+among the paths of similarity_xent.py and _similarity_xent_dense_dims.py, and pair_scores' is pair_scores_paths,
+which chooses among those of pair_scores.py and _pair_scores_one_read.py), plus the modules an op launches from
+(similarity_xent_dense: the dense scheme of similarity_xent; _similarity_xent_dense_dims: the dense scheme with
+dims, which launches the dense scheme's kernels; _similarity_tiles: the tile library of the similarity family, see
 docs/triton-similarity.md). `load_ops()` names the op modules; `dispatch` calls it only once `is_available()` says
 the kernels can run here (CUDA, or CPU tensors under TRITON_INTERPRET=1), so importing this package never fails and
 costs nothing without triton. Inputs arrive validated by `angle_kernels.dispatch`.
@@ -68,12 +71,46 @@ def autotuning_results_kept():
         os.environ.pop(AUTOTUNE_CACHE_ENV, None)
 
 
+# The op modules not named after their op (`load_ops`; angle_kernels.verified.paths_of reads the paths they declare
+# without loading the backend).
+OP_MODULES = {"similarity_xent": "similarity_xent_paths", "pair_scores": "pair_scores_paths"}
+
+
+@contextlib.contextmanager
+def awaiting_verification_on():
+    """Within the block, the code paths that await their first GPU verification take the calls they are meant for
+    (the one-read pair scores, the dense dims scheme: each switched on at its module's PROPOSED width), so that
+    `angle_kernels.verify` checks them and the GPU op sweep times them; outside it, every call keeps the paths
+    verified before them (their selectors' widths are None until a GPU run has verified them)."""
+    from . import pair_scores_paths, similarity_xent_paths
+
+    saved = pair_scores_paths.ONE_READ_MIN_WIDTH, similarity_xent_paths.DENSE_DIMS_MIN_WIDTH
+    if saved[0] is None:
+        pair_scores_paths.ONE_READ_MIN_WIDTH = pair_scores_paths.PROPOSED_ONE_READ_MIN_WIDTH
+    if saved[1] is None:
+        similarity_xent_paths.DENSE_DIMS_MIN_WIDTH = similarity_xent_paths.PROPOSED_DENSE_DIMS_MIN_WIDTH
+    try:
+        yield
+    finally:
+        pair_scores_paths.ONE_READ_MIN_WIDTH, similarity_xent_paths.DENSE_DIMS_MIN_WIDTH = saved
+
+
+def paths_awaiting_verification() -> set[tuple[str, str]]:
+    """(op, path) of the code paths that await their first GPU verification and are switched off: no call takes
+    them outside `awaiting_verification_on`."""
+    from . import pair_scores_paths, similarity_xent_paths
+
+    switches = {("pair_scores", "dims_one_read"): pair_scores_paths.ONE_READ_MIN_WIDTH,
+                ("similarity_xent", "dense_dims"): similarity_xent_paths.DENSE_DIMS_MIN_WIDTH}
+    return {path for path, width in switches.items() if width is None}
+
+
 def load_ops() -> dict[str, ModuleType]:
     """This backend's op modules by op name (`contract.OPS`): each defines the function named after its op (the
     launcher), its PATHS and, with several, code_path. Importing them builds their autotuners, with their results
     kept on disk (`autotuning_results_kept`)."""
     with autotuning_results_kept():
-        from . import pair_scores, ranking_loss, similarity_lse, similarity_xent
+        from . import pair_scores_paths, ranking_loss, similarity_lse, similarity_xent_paths
 
-    return {"pair_scores": pair_scores, "ranking_loss": ranking_loss, "similarity_xent": similarity_xent,
+    return {"pair_scores": pair_scores_paths, "ranking_loss": ranking_loss, "similarity_xent": similarity_xent_paths,
             "similarity_lse": similarity_lse}

@@ -27,7 +27,9 @@ if TRITON_DEVICE.type != "cpu":
     pytest.skip("the traces run under the Triton interpreter", allow_module_level=True)
 
 from angle_kernels import contract, dispatch, fingerprints, verify  # noqa: E402
-from angle_kernels.triton_ops import ranking_loss, similarity_xent_dense  # noqa: E402
+from angle_kernels.triton_ops import (  # noqa: E402
+    pair_scores_paths, ranking_loss, similarity_xent_dense, similarity_xent_paths,
+)
 
 PACKAGE_DIR = Path(fingerprints.__file__).resolve().parent
 
@@ -100,6 +102,7 @@ def _validated(op: str, args, kwargs) -> tuple:
     """The op's arguments as the backends receive them: every one, by position, checked (contract.check_<op>)."""
     bound = inspect.signature(getattr(dispatch.Ops, op)).bind(None, *args, **kwargs)
     bound.apply_defaults()
+    bound.arguments.pop("reference", None)  # similarity_lse's keyword-only feature, checked apart (dispatch.Ops)
     return getattr(contract, f"check_{op}")(*list(bound.arguments.values())[1:])
 
 
@@ -136,6 +139,9 @@ def _extra_calls(dtype):
     q = torch.randn(12, 32, generator=gen, dtype=torch.float64).to(dtype)
     c = torch.randn(20, 32, generator=gen, dtype=torch.float64).to(dtype)
     wide_q = torch.randn(12, 64, generator=gen, dtype=torch.float64).to(dtype)
+    wide_x = torch.randn(5, 3, 66, generator=gen, dtype=torch.float64).to(dtype)
+    wide_huge = wide_x.clone()
+    wide_huge[1] *= 2.0 ** 70 if dtype in (torch.float32, torch.float64, torch.bfloat16) else 1.0
     leaf = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
     ranking = []
     if dtype in (torch.float32, torch.float64):  # the ranking term takes float32/float64 scores
@@ -150,11 +156,15 @@ def _extra_calls(dtype):
         ("pair_scores", "full", (leaf(x[:0]), True), {}),
         ("pair_scores", "dims", (leaf(x), False), {"dims": (8, 16)}),
         ("pair_scores", "dims", (leaf(huge), True), {"dims": (8, 16)}),
+        ("pair_scores", "dims_one_read", (leaf(wide_x), False), {"dims": (8, 64)}),
+        ("pair_scores", "dims_one_read", (leaf(wide_huge), True), {"dims": (8, 66)}),
+        ("pair_scores", "dims_one_read", (leaf(wide_x[:0]), True), {"dims": (64,)}),
         ("similarity_xent", "fused", (leaf(q), None, 20.0, "partner"), {}),
         ("similarity_xent", "fused", (q.detach(), c.detach(), 20.0, "diagonal"), {}),
         ("similarity_xent", "dims", (leaf(q), leaf(c), 20.0, "diagonal"), {"dims": (16, 32)}),
         ("similarity_xent", "dense", (leaf(wide_q), None, 20.0, "partner"), {}),
         ("similarity_xent", "dense", (wide_q.detach(), None, 20.0, "partner"), {"margin": 0.1}),
+        ("similarity_xent", "dense_dims", (wide_q.detach(), None, 20.0, "partner"), {"margin": 0.1, "dims": (16, 64)}),
         ("similarity_lse", "fused", (leaf(q), leaf(c), 20.0), {"exclude": "target", "normalize": False}),
         ("similarity_lse", "fused", (leaf(q), leaf(c), 20.0), {"period": 12, "exclude": "own", "penalty": 1.0,
                                                                "penalty_on": "all"}),
@@ -166,6 +176,10 @@ def _allowed(backend: str, op: str, path: str) -> set:
     selector = fingerprints.SELECTORS.get((backend, op))
     if selector is not None:
         members |= fingerprints.closure([selector]).members
+    router = fingerprints.ROUTERS.get((backend, op))
+    if router is not None:  # the router itself, not what it calls (each path's launcher: its own closure)
+        module, name = router.split(":")
+        members.add((module, name))
     return members
 
 
@@ -175,6 +189,8 @@ def test_every_function_a_triton_path_runs_is_in_its_fingerprint(monkeypatch):
     # ranking term's sort path at 200 scores
     monkeypatch.setattr(similarity_xent_dense, "MIN_WIDTH", 64)
     monkeypatch.setattr(ranking_loss, "SMALL_N_MAX", 64)
+    monkeypatch.setattr(pair_scores_paths, "ONE_READ_MIN_WIDTH", 64)  # the one-read pair scores from width 64
+    monkeypatch.setattr(similarity_xent_paths, "DENSE_DIMS_MIN_WIDTH", 64)  # and the dense dims scheme
     # float16 differs from bfloat16 only inside functions both run (a constexpr, an operand dtype): the trace is of
     # which functions run
     dtypes = (torch.bfloat16, torch.float32, torch.float64)

@@ -354,17 +354,22 @@ def test_dense_scheme_products_take_every_torch_route(monkeypatch, offered, accu
 
 
 @pytest.mark.parametrize("width, rows, dims, scheme", [
-    (16, 8, None, "Dense"), (15, 8, None, ""), (16, 8, (8, 16), ""), (16, 10, None, "")],
-    ids=["wide", "narrow", "wide-with-dims", "wide-but-too-many-columns"])
+    (16, 8, None, "Dense"), (15, 8, None, ""), (16, 8, (8, 16), "DenseDims"), (15, 8, (8, 15), ""),
+    (16, 10, None, "")],
+    ids=["wide", "narrow", "wide-with-dims", "narrow-with-dims", "wide-but-too-many-columns"])
 def test_triton_backend_takes_the_dense_scheme_where_it_says(monkeypatch, width, rows, dims, scheme):
     """triton's similarity_xent sends the full-width loss to the dense scheme from its MIN_WIDTH up while a tile of
-    MIN_BLOCK_ROWS rows fits, else to the fused kernels, as it does dims at any width (the grad_fn says which
-    computed the loss). Here the limits are shrunk: width 16, tiles of 256 rows within 2,048 logits (8 columns
-    fit, 10 do not)."""
+    MIN_BLOCK_ROWS rows fits, else to the fused kernels; dims from the same width up to the dense dims scheme
+    (its own tile limit: tests/ops/test_similarity_xent_dense_dims.py), else to the fused prefix kernels (the
+    grad_fn says which computed the loss). Here the limits are shrunk: width 16, tiles of 256 rows within 2,048
+    logits (8 columns fit, 10 do not)."""
     from angle_kernels.triton_ops import similarity_xent_dense
+
+    from angle_kernels.triton_ops import similarity_xent_paths
 
     backend = backend_or_skip("triton")
     monkeypatch.setattr(similarity_xent_dense, "MIN_WIDTH", 16)
+    monkeypatch.setattr(similarity_xent_paths, "DENSE_DIMS_MIN_WIDTH", 16)
     monkeypatch.setattr(similarity_xent_dense, "TILE_ELEMENTS", 2048)
     monkeypatch.setattr(similarity_xent_dense, "MIN_BLOCK_ROWS", 256)
     q = leaf_like(randn(generator("scheme", width, rows), rows, width), device=backend.device)

@@ -19,7 +19,9 @@ from angle_kernels.testing.helpers import TRITON_DEVICE
 pytest.importorskip("triton")
 
 from angle_kernels import verify  # noqa: E402
-from angle_kernels.triton_ops import _common, similarity_xent_dense  # noqa: E402
+from angle_kernels.triton_ops import (  # noqa: E402
+    _common, pair_scores_paths, similarity_xent_dense, similarity_xent_paths,
+)
 from autotune_replay import ReplayedAutotuner, install  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float64)
@@ -30,8 +32,13 @@ TINY_WIDE = 64  # the width of verify.cases("tiny")'s dense cases
 
 @pytest.fixture
 def tiny_dense(monkeypatch):
-    """The dense scheme taken from the tiny cases' wide width, not from its MIN_WIDTH (768)."""
+    """The dense scheme taken from the tiny cases' wide width, not from its MIN_WIDTH (768), and so the one-read pair
+    scores (ONE_READ_MIN_WIDTH, 768)."""
     monkeypatch.setattr(similarity_xent_dense, "MIN_WIDTH", TINY_WIDE)
+    for name in ("ONE_READ_MIN_WIDTH", "PROPOSED_ONE_READ_MIN_WIDTH"):
+        monkeypatch.setattr(pair_scores_paths, name, TINY_WIDE)
+    for name in ("DENSE_DIMS_MIN_WIDTH", "PROPOSED_DENSE_DIMS_MIN_WIDTH"):
+        monkeypatch.setattr(similarity_xent_paths, name, TINY_WIDE)
 
 
 @pytest.mark.slow  # about 20 s through the interpreter (the sort path's scan at N = 4,200 is half of it)
@@ -51,8 +58,8 @@ def test_the_triton_backend_passes_on_every_code_path(tiny_dense):
     others = verify.run_checks("triton", TRITON_DEVICE, pairs, (torch.float32, torch.float16))
     assert all(r["pass"] for r in others), [verify._row(r) for r in others if not r["pass"]]
     merged = verify.outcomes(results + others)
-    assert {path: merged[("triton", "pair_scores", path)] for path in ("full", "dims")} == {
-        "full": "passed", "dims": "passed"}
+    assert {path: merged[("triton", "pair_scores", path)] for path in ("full", "dims", "dims_one_read")} == {
+        "full": "passed", "dims": "passed", "dims_one_read": "passed"}
 
 
 @pytest.fixture
@@ -69,7 +76,14 @@ def test_every_gpu_case_takes_the_code_path_it_verifies(sizes, meta_mixed_produc
     """The GPU run's cases (shapes only: meta tensors) each take the path they are named for, with the thresholds
     as they are (no tiny_dense), on the backend that declares it (the torch backend's "mixed" in every dtype its
     case takes): a case that took another path would leave its own unverifiable."""
+    from angle_kernels.triton_ops import awaiting_verification_on
+
     meta = torch.empty(0, device="meta")
+    with awaiting_verification_on():  # as run_checks takes them: the paths awaiting a verification switched on
+        _every_case_takes_its_path(sizes, meta)
+
+
+def _every_case_takes_its_path(sizes, meta):
     for case in verify.cases(sizes):
         backend = "torch" if case.path == "mixed" else "triton"
         ops = verify.path_ops(backend, meta)
