@@ -30,9 +30,10 @@ radial sums) and added at once into the running sum of the prefixes i >= j, whic
 prefix i >= j, takes slice j's two matrix products (dq and dc); each prefix's radial term is applied once at the
 end, slice by slice. The loss is a [k] vector, so its gradients depend on grad_loss's direction, which forward does
 not know: the default path forms them in forward, from the dot tiles it holds (its logits then made beside them,
-a prefix at a time), for the direction the last backward of the same dims received (ones at first: equal weights),
-and backward scales them when its grad_loss has that direction, else recomputes the dot tiles and forms them for
-its own. A training loop weights the prefixes the same way at every step: from its second step, the products total
+a prefix at a time), for the grad_loss the last backward of the same kind received (ones at first: equal weights),
+and backward returns them when its grad_loss equals that one (bit for bit what it would compute), else recomputes
+the dot tiles and forms them for its own. On the CPU only (reading grad_loss elsewhere waits for the device). A
+training loop weights the prefixes the same way at every step: from its second step, the products total
 one width's, 6 M Mc D (2 forward, 4 for the gradients), not 8 (tests/test_matryoshka_flops.py). The mixed path
 forms them in backward.
 
@@ -410,20 +411,17 @@ def _prefix_gradient_tiles(tiles, start, end, lse_all, lse_pos, c_factor, row_fa
     return dots, gradient
 
 
-# The direction of the last upstream gradient a dims backward received, per kind of call (dims and the options that
-# tell one loss from another): the one its next forward forms the gradients for (PrefixSimilarityXentFunction). A
-# training loop weights the prefixes the same way at every step.
-_LAST_DIRECTIONS: dict = {}
+# The upstream gradient (grad_loss [k], as float64 on the CPU) the last dims backward of each kind of call (dims and
+# the options that tell one loss from another) received: the one its next forward forms the gradients for
+# (PrefixSimilarityXentFunction). A training loop weights the prefixes the same way at every step. Used only when the
+# next backward's grad_loss is equal to it, value for value: the gradients are then those backward would compute, bit
+# for bit, whatever ran before (a resumed run equals an uninterrupted one).
+_LAST_UPSTREAM: dict = {}
 
 
-def _direction(grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, float]:
-    """(grad_loss divided by its largest magnitude, that magnitude), from a CPU float64 copy (on a GPU, a wait for the
-    k numbers); (None, 0.0) when it is all zeros or has no values (the meta device)."""
-    if grad_loss.is_meta:
-        return None, 0.0
-    grad = grad_loss.detach().to("cpu", torch.float64)
-    largest = grad.abs().max().item()
-    return (grad / largest, largest) if largest > 0 else (None, 0.0)
+def _upstream(grad_loss: torch.Tensor) -> torch.Tensor | None:
+    """grad_loss's values as a CPU float64 tensor (exact for every floating dtype); None on the meta device."""
+    return None if grad_loss.is_meta else grad_loss.detach().to("cpu", torch.float64)
 
 
 class _PrefixGradients:
@@ -475,11 +473,11 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
     """similarity_xent on every prefix of dims at once: a [k] loss (see the module docstring).
 
     On the CPU, when autograd will ask for its gradients, forward forms them for the upstream gradient the last
-    backward of these dims received (its direction; ones the first time), in the same walk over the row blocks, from
+    backward of these dims received (ones the first time), in the same walk over the row blocks, from
     the dot tiles it holds: the products total one width's (2 M Mc D forward, 4 M Mc D for the gradients), where
-    forming them in backward would recompute the dots (8 M Mc D). Backward scales them when its grad_loss is that
-    direction times a number (to rounding), else computes them again for its own (and remembers its direction).
-    On other devices backward computes them: reading grad_loss's direction would wait for the device."""
+    forming them in backward would recompute the dots (8 M Mc D). Backward returns them when its grad_loss equals
+    that one, value for value (they are then bit for bit what it would compute), else computes them for its own (and
+    remembers it). On other devices backward computes them: reading grad_loss would wait for the device."""
 
     @staticmethod
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims, with_grad):
@@ -489,7 +487,7 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
         ctx.kind = (tuple(dims), c is None, target, exclude_diagonal, margin, group_ids is None, row_weights is None)
         on_block = None
         if with_grad and q.device.type == "cpu":
-            direction = _LAST_DIRECTIONS.get(ctx.kind)
+            direction = _LAST_UPSTREAM.get(ctx.kind)
             direction = torch.ones(len(dims), dtype=torch.float64) if direction is None else direction
             formed, has_grads = [], []
 
@@ -511,18 +509,15 @@ class PrefixSimilarityXentFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         formed, ctx.formed = ctx.formed, None
-        if formed is not None:  # the CPU: reading grad_loss's direction costs no wait
-            direction, largest = _direction(grad_loss)
-            formed_direction, gradients = formed
-            # grad_loss = largest * the direction formed for, to rounding: the formed gradients times largest
-            ulps = 4 * torch.finfo(grad_loss.dtype).eps
-            if (direction is not None and gradients is not None
-                    and torch.allclose(direction, formed_direction, rtol=ulps, atol=ulps)):
+        if formed is not None:  # the CPU: reading grad_loss costs no wait
+            upstream = _upstream(grad_loss)
+            formed_for, gradients = formed
+            if upstream is not None and gradients is not None and torch.equal(upstream, formed_for):
                 (dq, dc), (q_dtype, c_dtype) = gradients, ctx.input_dtypes
-                return ((dq * largest).to(q_dtype), None if dc is None else (dc * largest).to(c_dtype),
+                return (dq.to(q_dtype), None if dc is None else dc.to(c_dtype),
                         None, None, None, None, None, None, None, None)
-            if direction is not None:
-                _LAST_DIRECTIONS[ctx.kind] = direction
+            if upstream is not None:
+                _LAST_UPSTREAM[ctx.kind] = upstream
         (qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, lse_all, lse_pos, weights, q_scale,
          c_scale) = ctx.saved_tensors
         symmetric = cf is None
