@@ -241,3 +241,13 @@ def test_angle_eval_chooses_the_device_as_angle_train_does(cuda, st_folder, tmp_
     expected = "cuda" if cuda else "cpu"
     assert str(asked["device"]) == expected == str(command_line.resolve_device(None))
     assert str(command_line.resolve_device("cpu")) == "cpu"
+
+
+def test_angle_eval_progress_0_prints_no_bar(st_folder, tmp_path, capsys):
+    """--progress 0: no bar at all on stderr, transformers' own (loading the weights) included; --progress 1 shows
+    them (so the first half can fail)."""
+    sts = write_stsb(tmp_path / "sts-test.csv", demo_sts_examples(24))
+    for progress in ("1", "0"):
+        status, _, err = run("angle-eval", [st_folder, sts, "--progress", progress], capsys)
+        assert status == 0, err
+        assert ("%|" in err) == (progress == "1"), err

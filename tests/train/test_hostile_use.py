@@ -138,6 +138,21 @@ def test_resume_applies_changed_optimizer_settings_from_the_resumed_step(tmp_pat
     assert [g["weight_decay"] for g in run.optimizer.param_groups] == [0.2, 0.0]
 
 
+def test_resume_applies_a_changed_warmup_and_gradient_clipping(tmp_path, capsys):
+    """--warmup changed on resume: the learning rate at the resumed steps is the new schedule's (still warming up
+    at step 3 of 4); --max-grad-norm is read at every step; both are what config.json records."""
+    train(_config(tmp_path / "run"), train_examples=DATA, on_step=lambda step, row: step == 2 and _stop())
+    new = {"warmup": 4, "max_grad_norm": 0.5}
+    fresh = train(_config(tmp_path / "fresh", **new), train_examples=DATA)
+    capsys.readouterr()
+    resumed = train(_config(tmp_path / "run", resume="auto", **new), train_examples=DATA)
+    assert [r["lr"] for r in resumed.history] == [r["lr"] for r in fresh.history[2:]]
+    assert resumed.history[0]["lr"] < 3e-3  # in the new warmup, where the old schedule had reached its peak
+    assert "(warmup 1.0 -> 4.0, max_grad_norm 1.0 -> 0.5)" in capsys.readouterr().out
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert {k: recorded[k] for k in new} == new
+
+
 def _stop():
     raise StopTraining
 
