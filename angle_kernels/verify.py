@@ -28,6 +28,7 @@ one process per dtype and turns their merged results into the entries for the pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -239,12 +240,17 @@ def run_checks(backend: str, device, case_list: list[Case], dtypes=DTYPES, deadl
     monotonic `deadline`; on_result(results) after each. Cases of ops or paths the backend lacks are left out. The
     backend computes on the paths its op modules name, verified or not (dispatch.path_ops)."""
     ops = path_ops(backend, torch.empty(0, device=device))
-    if backend == "triton":  # the paths awaiting their first verification take their cases too
-        from .triton_ops import awaiting_verification_on
+    with _paths_to_check(backend):
+        return _run_checks(ops, backend, device, case_list, dtypes, deadline, on_result)
 
-        with awaiting_verification_on():
-            return _run_checks(ops, backend, device, case_list, dtypes, deadline, on_result)
-    return _run_checks(ops, backend, device, case_list, dtypes, deadline, on_result)
+
+def _paths_to_check(backend: str):
+    """The Triton backend's paths that await their first verification switched on, so they take their cases."""
+    if backend != "triton":
+        return contextlib.nullcontext()
+    from .triton_ops import awaiting_verification_on
+
+    return awaiting_verification_on()
 
 
 def _run_checks(ops, backend: str, device, case_list: list[Case], dtypes, deadline, on_result) -> list[dict]:

@@ -27,6 +27,7 @@ which every Triton path's fingerprint covers).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import os
 from types import ModuleType
@@ -76,33 +77,42 @@ def autotuning_results_kept():
 OP_MODULES = {"similarity_xent": "similarity_xent_paths", "pair_scores": "pair_scores_paths"}
 
 
+# The code paths that await their first GPU verification: (op, path) -> (the module of the op's selector, the width
+# from which the selector sends calls to the path: None, off, until a GPU run has verified it; the module's
+# PROPOSED_<width> is the one it is switched on at).
+AWAITING_VERIFICATION = {
+    ("pair_scores", "dims_one_read"): ("pair_scores_paths", "ONE_READ_MIN_WIDTH"),
+    ("similarity_xent", "dense_dims"): ("similarity_xent_paths", "DENSE_DIMS_MIN_WIDTH"),
+}
+
+
+def _switches():
+    """(the selector's module, its width's name) of each path of AWAITING_VERIFICATION, the modules imported."""
+    return {path: (importlib.import_module(f"{__name__}.{module}"), width)
+            for path, (module, width) in AWAITING_VERIFICATION.items()}
+
+
 @contextlib.contextmanager
 def awaiting_verification_on():
     """Within the block, the code paths that await their first GPU verification take the calls they are meant for
-    (the one-read pair scores, the dense dims scheme: each switched on at its module's PROPOSED width), so that
-    `angle_kernels.verify` checks them and the GPU op sweep times them; outside it, every call keeps the paths
-    verified before them (their selectors' widths are None until a GPU run has verified them)."""
-    from . import pair_scores_paths, similarity_xent_paths
-
-    saved = pair_scores_paths.ONE_READ_MIN_WIDTH, similarity_xent_paths.DENSE_DIMS_MIN_WIDTH
-    if saved[0] is None:
-        pair_scores_paths.ONE_READ_MIN_WIDTH = pair_scores_paths.PROPOSED_ONE_READ_MIN_WIDTH
-    if saved[1] is None:
-        similarity_xent_paths.DENSE_DIMS_MIN_WIDTH = similarity_xent_paths.PROPOSED_DENSE_DIMS_MIN_WIDTH
+    (each switched off one at its module's PROPOSED width), so that `angle_kernels.verify` checks them and the GPU
+    op sweep times them; outside it, every call keeps the paths verified before them."""
+    switches = list(_switches().values())
+    saved = [getattr(module, width) for module, width in switches]
+    for (module, width), value in zip(switches, saved):
+        if value is None:
+            setattr(module, width, getattr(module, f"PROPOSED_{width}"))
     try:
         yield
     finally:
-        pair_scores_paths.ONE_READ_MIN_WIDTH, similarity_xent_paths.DENSE_DIMS_MIN_WIDTH = saved
+        for (module, width), value in zip(switches, saved):
+            setattr(module, width, value)
 
 
 def paths_awaiting_verification() -> set[tuple[str, str]]:
     """(op, path) of the code paths that await their first GPU verification and are switched off: no call takes
     them outside `awaiting_verification_on`."""
-    from . import pair_scores_paths, similarity_xent_paths
-
-    switches = {("pair_scores", "dims_one_read"): pair_scores_paths.ONE_READ_MIN_WIDTH,
-                ("similarity_xent", "dense_dims"): similarity_xent_paths.DENSE_DIMS_MIN_WIDTH}
-    return {path for path, width in switches.items() if width is None}
+    return {path for path, (module, width) in _switches().items() if getattr(module, width) is None}
 
 
 def load_ops() -> dict[str, ModuleType]:
