@@ -38,9 +38,10 @@ LSE_PENALTIES = ("none", "other", "own", "all")
 OPS = ("pair_scores", "ranking_loss", "similarity_xent", "similarity_lse")
 # The optional features of the contract: an op module lists those its op implements in FEATURES (a tuple of these
 # names); dispatch sends a call that uses a feature its backend's op lacks elsewhere (see dispatch.Ops). Every op
-# function still takes the whole argument list, and gets None for a feature it does not declare; a feature added
-# after the backends' functions were written is passed by keyword, and only to the ops that declare it.
-#   dims: nested prefixes (Matryoshka) for pair_scores and similarity_xent.
+# function still takes the whole argument list (dims last, positional, as `Backend` writes it), and gets None for
+# a feature it does not declare; reference, added after the backends' functions were written, is passed by keyword,
+# and only to the ops that declare it.
+#   dims: nested prefixes (Matryoshka) for pair_scores, similarity_xent and similarity_lse.
 #   reference: similarity_lse's value relative to each row's logit with a reference row (raw dot products), exact
 #     where the logits overflow the compute dtype; keyword-only; dispatch subtracts the logit for an op without it.
 OPTIONAL_FEATURES = ("dims", "reference")
@@ -91,6 +92,7 @@ class Backend(Protocol):
         filter_threshold: torch.Tensor | None,
         filter_keeps_target: bool,
         normalize: bool,
+        dims: tuple[int, ...] | None,
         *,
         reference: torch.Tensor | None = None,  # only where the op declares the feature
     ) -> torch.Tensor: ...
@@ -226,9 +228,11 @@ def _integer(name: str, value, minimum: int) -> int:
 
 
 def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
-                         filter_threshold, filter_keeps_target, normalize=True) -> tuple:
+                         filter_threshold, filter_keeps_target, normalize=True, dims=None) -> tuple:
     """The arguments of similarity_lse, checked against the contract and returned in normal form (the filter
-    inputs detached, its threshold contiguous in filter_q's compute dtype, in which the filter compares)."""
+    inputs detached, its threshold contiguous in filter_q's compute dtype, in which the filter compares). With
+    dims the filter embeddings are cut to each prefix like q and c (at least d_k wide) and the threshold is
+    [k, M], one row per prefix."""
     _tensor("q", q, 2, EMBEDDING_DTYPES)
     _tensor("c", c, 2, EMBEDDING_DTYPES)
     if q.shape[0] == 0 or q.shape[1] == 0 or c.shape[0] == 0 or c.shape[1] != q.shape[1]:
@@ -251,22 +255,29 @@ def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, p
     given = [t is not None for t in (filter_q, filter_c, filter_threshold)]
     if any(given) and not all(given):
         raise ValueError("filter_q, filter_c and filter_threshold go together: give all three or none")
+    dims = check_dims(dims, q.shape[1])
     if all(given):
         _tensor("filter_q", filter_q, 2, EMBEDDING_DTYPES)
         _tensor("filter_c", filter_c, 2, EMBEDDING_DTYPES)
         if filter_q.shape[0] != q.shape[0] or filter_c.shape[0] != c.shape[0] or filter_q.shape[1] != filter_c.shape[1]:
             raise ValueError(f"filter_q and filter_c must be [M={q.shape[0]}, D'] and [Mc={c.shape[0]}, D'], got "
                              f"shapes {tuple(filter_q.shape)} and {tuple(filter_c.shape)}")
-        _tensor("filter_threshold", filter_threshold, 1)
-        if not filter_threshold.is_floating_point() or filter_threshold.shape[0] != q.shape[0]:
-            raise ValueError(f"filter_threshold must be a float [M={q.shape[0]}] tensor, got "
-                             f"{filter_threshold.dtype} of shape {tuple(filter_threshold.shape)}")
+        if dims is not None and filter_q.shape[1] < dims[-1]:
+            raise ValueError(f"with dims, filter_q and filter_c are cut to each prefix like q and c: they must be at "
+                             f"least {dims[-1]} wide, got width {filter_q.shape[1]}")
+        rows = (q.shape[0],) if dims is None else (len(dims), q.shape[0])
+        _tensor("filter_threshold", filter_threshold, filter_threshold.dim() if isinstance(
+            filter_threshold, torch.Tensor) else 1)
+        if not filter_threshold.is_floating_point() or tuple(filter_threshold.shape) != rows:
+            shape = f"[M={q.shape[0]}]" if dims is None else f"[k={len(dims)}, M={q.shape[0]}] (one row per prefix)"
+            raise ValueError(f"filter_threshold must be a float {shape} tensor, got {filter_threshold.dtype} of shape "
+                             f"{tuple(filter_threshold.shape)}")
         for name, t in (("filter_q", filter_q), ("filter_c", filter_c), ("filter_threshold", filter_threshold)):
             _on_device_of(name, t, "q", q)
         filter_threshold = filter_threshold.detach().to(compute_dtype(filter_q.dtype)).contiguous()
         filter_q, filter_c = filter_q.detach(), filter_c.detach()
     return (q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
-            filter_keeps_target, normalize)
+            filter_keeps_target, normalize, dims)
 
 
 def check_lse_reference(q, normalize: bool, reference) -> torch.Tensor | None:

@@ -18,10 +18,10 @@ Common conventions (the numbers and checks in code: `angle_kernels.contract`)
     * No op ever materialises an N x N matrix.
     * Every op's inputs are validated once, here (`Ops`, through `contract.check_<op>`), whatever the
       backend: shapes, dtypes, devices and options, never values (no device sync). Backends trust them.
-    * Optional features (`contract.OPTIONAL_FEATURES`; today dims, the nested prefixes of pair_scores and
-      similarity_xent, and similarity_lse's reference): an op module declares those its op implements in
-      FEATURES. A call with dims goes to a backend that has them; one with reference stays where it is, and a
-      backend without it subtracts the reference logit from the op's value.
+    * Optional features (`contract.OPTIONAL_FEATURES`; today dims, the nested prefixes of pair_scores,
+      similarity_xent and similarity_lse, and similarity_lse's reference): an op module declares those its op
+      implements in FEATURES. A call with dims goes to a backend that has them; one with reference stays where it
+      is, and a backend without it subtracts the reference logit from the op's value.
 
 Calling the ops: `pair_scores(..., backend=None)`, `ranking_loss`, `similarity_xent` and `similarity_lse` validate
 and run an op on the chosen backend; `resolve_backend(requested, *tensors)` returns the `Ops` of a backend, whose
@@ -95,29 +95,46 @@ class Ops:
 
     def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
                        penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
-                       filter_keeps_target=False, normalize=True, reference=None):
+                       filter_keeps_target=False, normalize=True, dims=None, reference=None):
         args = contract.check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on,
-                                             filter_q, filter_c, filter_threshold, filter_keeps_target, normalize)
+                                             filter_q, filter_c, filter_threshold, filter_keeps_target, normalize,
+                                             dims)
         reference = contract.check_lse_reference(q, normalize, reference)
         # reference does not steer the choice: a backend whose op lacks it computes the same value by subtraction
-        backend = self._computing("similarity_lse", args)
+        backend = self._computing("similarity_lse", args, _features(dims=dims))
         if reference is None:
             return backend.similarity_lse(*args)
         if "reference" in backend.features["similarity_lse"]:
             return backend.similarity_lse(*args, reference=reference)  # keyword-only (contract.OPTIONAL_FEATURES)
         dtype = contract.compute_dtype(q.dtype)  # exact while the logits fit the compute dtype (else inf - inf)
-        return backend.similarity_lse(*args) - args[2] * torch.linalg.vecdot(q.to(dtype), reference.to(dtype))
+        widths = [q.shape[1]] if args[-1] is None else args[-1]
+        logits = torch.stack([args[2] * torch.linalg.vecdot(q[:, :d].to(dtype), reference[:, :d].to(dtype))
+                              for d in widths])
+        return backend.similarity_lse(*args) - (logits[0] if args[-1] is None else logits)
+
+    def takes_in_one_call(self, op: str, *args, **kwargs) -> bool:
+        """Whether the optional features a call of `op` uses (kwargs, e.g. dims) are computed in one call where the
+        call would run without them: this backend implements them, and for "auto" the backend it chooses with them
+        is a GPU backend's, or the PyTorch backend's default path where it would compute the call without them
+        too (so that a loss never moves a call from a GPU kernel to PyTorch for a feature; it then makes one call
+        per prefix instead)."""
+        features = _features(**{name: kwargs.get(name) for name in contract.OPTIONAL_FEATURES})
+        return self.lacking(op, features) is None
 
     def computes(self, op: str, *args, **kwargs) -> tuple[str, str]:
         """(backend, code path) that would compute `op` on these arguments (the op's own, validated the same way);
         for "auto", after the first-use check the call would run (`first_use`)."""
+        checked, features = self._checked(op, args, kwargs)
+        chosen = self._choose(op, checked, features)
+        return chosen.name, chosen.code_path(op, checked)
+
+    def _checked(self, op: str, args: tuple, kwargs: dict) -> tuple[tuple, tuple[str, ...]]:
+        """(the validated arguments, the optional features that steer the choice) of a call of `op`."""
         bound = inspect.signature(getattr(Ops, op)).bind(self, *args, **kwargs)
         bound.apply_defaults()
         bound.arguments.pop("reference", None)  # similarity_lse's, which does not steer the choice
         values = list(bound.arguments.values())[1:]
-        checked = getattr(contract, f"check_{op}")(*values)
-        chosen = self._choose(op, checked, _features(dims=bound.arguments.get("dims")))
-        return chosen.name, chosen.code_path(op, checked)
+        return getattr(contract, f"check_{op}")(*values), _features(dims=bound.arguments.get("dims"))
 
     def code_path(self, op: str, args: tuple) -> str:
         """The code path (the op module's PATHS) a call with these validated arguments takes on this backend."""
@@ -187,6 +204,13 @@ class AutoOps(Ops):
 
     def _choose(self, op: str, args: tuple, features: tuple[str, ...]) -> Ops:
         return self._choice(op, args, features)[0]
+
+    def takes_in_one_call(self, op: str, *args, **kwargs) -> bool:
+        checked, features = self._checked(op, args, kwargs)
+        if not features:
+            return True
+        plain, _ = self._checked(op, args, {k: v for k, v in kwargs.items() if k not in contract.OPTIONAL_FEATURES})
+        return self._choose(op, checked, features) is not _TORCH_OPS or self._choose(op, plain, ()) is _TORCH_OPS
 
     def _choice(self, op: str, args: tuple, features: tuple[str, ...]) -> tuple[Ops, bool]:
         """(the backend that computes the call, whether some GPU backend may compute it). The fastest of the verified
@@ -472,13 +496,13 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
 
 def similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
                    filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False, normalize=True,
-                   *, reference=None, backend: str | None = None):
+                   dims=None, *, reference=None, backend: str | None = None):
     """Per-row log partition functions [M] of scaled cosines (or dot products) with exclusions, hardness and
-    filters. The contract:
+    filters, per prefix with dims. The contract:
 
     similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
                    filter_q=None, filter_c=None, filter_threshold=None, filter_keeps_target=False,
-                   normalize=True) -> lse
+                   normalize=True, dims=None) -> lse
         The per-row log partition function of a block of in-batch scores, the building block of the
         in-batch-negative family (joint and per-direction partitions, hardness weighting, guided and
         false-negative filtering): each loss combines a few of these [M] vectors and its positive scores.
@@ -503,7 +527,11 @@ def similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penal
         logits overflow the compute dtype and their difference does not (huge rows whose positive dominates give
         0, not inf - inf); where r_i is the row of row i's target column its logit is the target column's own.
         Finite inputs never give NaN through it; a value beyond the dtype is +-inf.
+        dims: nested prefixes, as pair_scores' (optional feature): returns [k, M], row p the lse of the prefixes
+            q[:, :d_p], c[:, :d_p] (each with its own norms), exactly as k calls on the truncated inputs; the filter
+            embeddings are cut the same way (at least d_k wide), filter_threshold is then [k, M] (row p for prefix
+            p) and reference is cut too. Backward takes grad [k, M].
     """
     return resolve_backend(backend, _named_tensor("q", q)).similarity_lse(
         q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
-        filter_keeps_target, normalize, reference=reference)
+        filter_keeps_target, normalize, dims, reference=reference)

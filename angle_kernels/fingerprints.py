@@ -63,6 +63,7 @@ SELECTORS: dict[tuple[str, str], str] = {
     ("triton", "pair_scores"): "triton_ops.pair_scores_paths:code_path",
     ("triton", "ranking_loss"): "triton_ops.ranking_loss:code_path",
     ("triton", "similarity_xent"): "triton_ops.similarity_xent_paths:code_path",
+    ("triton", "similarity_lse"): "triton_ops.similarity_lse_paths:code_path",
     ("torch", "similarity_xent"): "torch_ops.similarity_xent:code_path",
 }
 
@@ -73,6 +74,7 @@ SELECTORS: dict[tuple[str, str], str] = {
 ROUTERS: dict[tuple[str, str], str] = {
     ("triton", "similarity_xent"): "triton_ops.similarity_xent_paths:similarity_xent",
     ("triton", "pair_scores"): "triton_ops.pair_scores_paths:pair_scores",
+    ("triton", "similarity_lse"): "triton_ops.similarity_lse_paths:similarity_lse",
 }
 
 _XENT = "triton_ops.similarity_xent:similarity_xent"
@@ -96,6 +98,9 @@ PATH_CODE: dict[tuple[str, str, str], PathCode] = {
                    "_similarity_xent_bwd_finish_kernel")),
     ("triton", "similarity_xent", "dense_dims"): PathCode(("triton_ops._similarity_xent_dense_dims:similarity_xent",)),
     ("triton", "similarity_lse", "fused"): PathCode(("triton_ops.similarity_lse:similarity_lse",)),
+    ("triton", "similarity_lse", "dense"): PathCode(("triton_ops._similarity_lse_dense:similarity_lse",)),
+    ("triton", "similarity_lse", "dense_dims"): PathCode(("triton_ops._similarity_lse_dense:similarity_lse_dims",)),
+    ("triton", "similarity_lse", "fused_prefixes"): PathCode(("triton_ops.similarity_lse_paths:fused_prefixes",)),
     ("cuda", "pair_scores", "full"): PathCode(("cuda_ops.pair_scores:pair_scores",)),
     ("cuda", "ranking_loss", "sort"): PathCode(("cuda_ops.ranking_loss:ranking_loss",)),
     ("cuda", "similarity_xent", "fused"): PathCode(("cuda_ops.similarity_xent:similarity_xent",)),

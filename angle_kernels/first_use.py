@@ -177,11 +177,11 @@ def bucket(backend: str, op: str, path: str, args: tuple) -> dict:
         return found
     if op == "similarity_lse":
         (q, c, _, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, _, filter_keeps_target,
-         normalize) = args
+         normalize, dims) = args
         has_filter = filter_q is not None
         found = {"exclude": exclude, "penalty_on": penalty_on if penalty != 0.0 else "none", "periodic": period > 0,
                  "filter": has_filter, "filter_keeps_target": filter_keeps_target and has_filter,
-                 "normalize": normalize}
+                 "normalize": normalize, "dims": None if dims is None else list(dims)}
         if backend == "triton":
             (m, d), mc = q.shape, c.shape[0]
             found.update(M=_pow2(m), Mc=_pow2(mc), D=d, DF=filter_q.shape[1] if has_filter else 0,
@@ -387,8 +387,10 @@ def first_rows(op: str, args: tuple, rows: int, columns: int | None = None) -> t
             head(i, rows)
         head(1, columns)
     elif op == "similarity_lse":
-        for i in (0, 8, 10):  # q, filter_q, filter_threshold
+        for i in (0, 8):  # q, filter_q
             head(i, rows)
+        if part[10] is not None and rows is not None:  # filter_threshold: [M], or [k, M] with dims
+            part[10] = part[10][..., :rows]
         for i in (1, 9):  # c, filter_c
             head(i, columns)
     else:  # pair_scores' groups, the ranking term's scores and labels

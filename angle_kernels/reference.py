@@ -250,8 +250,12 @@ def similarity_lse(
     filter_threshold: torch.Tensor | None = None,
     filter_keeps_target: bool = False,
     normalize: bool = True,
+    dims: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """lse_i = logsumexp over the kept columns of l_ij, from the full M x Mc logits (see dispatch.py).
+
+    dims: the [k, M] of k calls on the prefixes q[:, :d_p], c[:, :d_p] (the filter embeddings cut alike, the
+    threshold's row p), stacked: what the contract says dims is.
 
     cos_ij is the cosine, or the plain dot product q_i . c_j when not normalize (also in the filter).
     t_i = target_offset + i; own: j % period == t_i (period 0: j == t_i).
@@ -260,6 +264,12 @@ def similarity_lse(
     filter, every j with cos(filter_q_i, filter_c_j) > filter_threshold_i (but the target when
     filter_keeps_target).
     """
+    if dims is not None:
+        has_filter = filter_threshold is not None
+        return torch.stack([similarity_lse(
+            q[:, :d], c[:, :d], scale, target_offset, period, exclude, penalty, penalty_on,
+            filter_q[:, :d] if has_filter else None, filter_c[:, :d] if has_filter else None,
+            filter_threshold[p] if has_filter else None, filter_keeps_target, normalize) for p, d in enumerate(dims)])
     similarity = cosine_matrix if normalize else dot_matrix
     cos = similarity(in_compute_dtype(q), in_compute_dtype(c))  # [M, Mc]
     rows, cols = cos.shape

@@ -196,12 +196,16 @@ def triplet(ops: Ops, anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Te
     return nested.weighted_sum(lambda layer, i: per_term[layer, i])
 
 
-def positive_scores(ops: Ops, a: torch.Tensor, b: torch.Tensor, similarity: str = "cosine") -> torch.Tensor:
-    """s(a_i, b_i) per row in the compute dtype: the cosine (one pair-score pass) or the dot product."""
+def positive_scores(ops: Ops, a: torch.Tensor, b: torch.Tensor, similarity: str = "cosine",
+                    dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """s(a_i, b_i) per row in the compute dtype: the cosine (one pair-score pass) or the dot product; [k, rows] of
+    every prefix with dims."""
     if similarity == "cosine":
-        return ops.pair_scores(torch.stack((a, b.to(a.dtype)), dim=1), False)[0][:, 0]
+        return ops.pair_scores(torch.stack((a, b.to(a.dtype)), dim=1), False, dims)[0][..., 0]
     dtype = compute_dtype(a.dtype)
-    return torch.linalg.vecdot(a.to(dtype), b.to(dtype))
+    if dims is None:
+        return torch.linalg.vecdot(a.to(dtype), b.to(dtype))
+    return torch.stack([torch.linalg.vecdot(a[:, :d].to(dtype), b[:, :d].to(dtype)) for d in dims])
 
 
 def _own_rows_first(local: torch.Tensor, gathered: torch.Tensor, rank: int) -> list[torch.Tensor]:
@@ -225,9 +229,9 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
     rank * B + i. Two paths: the standard and the per-direction symmetric losses without hardness or filter are
     the similarity_xent op (one kernel computes each row's partition and positive); everything else combines
     per-row log partitions of similarity_lse blocks with the positive scores; so do dot-product logits
-    (similarity="dot"), which similarity_xent does not compute. nested: the first path computes every prefix
-    in one pass of the op; the second runs once per prefix on the truncated embeddings (similarity_lse has no
-    dims yet).
+    (similarity="dot"), which similarity_xent does not compute. nested: both paths compute every prefix in one
+    pass of their op (the second, per prefix on the truncated embeddings where the backend that would compute
+    similarity_lse without dims lacks them: `Ops.takes_in_one_call`).
     """
     if nested is not None and nested.stacked:
         if gathered is not None:
@@ -254,7 +258,11 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
     if nested is None:
         return multiple_negatives_rows(ops, queries, positives, negatives, *options, gathered, similarity).mean()
 
-    def truncated(d):  # similarity_lse has no dims yet: one pass per prefix
+    if ops.takes_in_one_call("similarity_lse", queries, positives.to(queries.dtype), scale, dims=nested.dims):
+        return nested.combine(multiple_negatives_rows(ops, queries, positives, negatives, *options, gathered,
+                                                      similarity, dims=nested.dims).mean(dim=-1))
+
+    def truncated(d):  # one pass per prefix
         cut = [t[:, :d] for t in (queries, positives, all_queries, all_positives)]
         negatives_cut, all_negatives_cut = [t[:, :d] for t in negatives], [t[:, :d] for t in all_negatives]
         return multiple_negatives_rows(ops, cut[0], cut[1], negatives_cut, *options,
@@ -268,19 +276,21 @@ def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Te
                             scale: float, directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
                             hardness_mode: str | None = None, hardness_strength: float = 0.0,
                             false_negative_margin: float | None = None, false_negative_strategy: str = "absolute",
-                            gathered: tuple | None = None, similarity: str = "cosine") -> torch.Tensor:
+                            gathered: tuple | None = None, similarity: str = "cosine",
+                            dims: tuple[int, ...] | None = None) -> torch.Tensor:
     """The loss of each query [B] of multiple_negatives (same arguments), from per-row log partitions of
     similarity_lse blocks and the positive scores: log_partition_i - scale * s(queries_i, positives_i). Dot
     products are not bounded: each block gives its partition relative to the positive logit (the op's
     `reference`: the pair's other text), so that logits beyond the compute dtype whose difference is not still
-    give the exact loss (a row whose positive dominates: 0), not inf - inf."""
+    give the exact loss (a row whose positive dominates: 0), not inf - inf. dims: the losses [k, B] of every
+    prefix, each op called once for all of them."""
     rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
     negative_columns = [t.to(positives.dtype) for t in all_negatives]
     offset, world_rows = rank * queries.shape[0], all_queries.shape[0]
     documents = torch.cat([all_positives, *negative_columns])  # row i's positive: column offset + i
     relative = similarity == "dot"
     positive = None if relative and false_negative_margin is None else positive_scores(ops, queries, positives,
-                                                                                         similarity)
+                                                                                         similarity, dims)
     threshold = None
     if false_negative_margin is not None:
         threshold = margin_threshold(positive, false_negative_strategy, false_negative_margin)
@@ -289,7 +299,7 @@ def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Te
         filtering = {} if threshold is None else dict(filter_q=anchors.detach(), filter_c=columns.detach(),
                                                       filter_threshold=threshold, filter_keeps_target=True)
         return ops.similarity_lse(anchors, columns.to(anchors.dtype), scale, target_offset=offset, **options,
-                                  **filtering, normalize=not relative,
+                                  **filtering, normalize=not relative, dims=dims,
                                   reference=partners.to(anchors.dtype) if relative else None)
 
     hard = hardness_mode is not None and hardness_strength > 0.0

@@ -105,18 +105,20 @@ def _xent_case(path: str, m: int, mc: int | None, d: int, dims=None, dtypes=DTYP
     return Case("similarity_xent", path, ("ibn " if mc is None else "contrastive ") + shape, build, dtypes)
 
 
-def _lse_case(path: str, m: int, mc: int, d: int) -> Case:
+def _lse_case(path: str, m: int, mc: int, d: int, dims=None) -> Case:
     """A query block against its documents and hard negatives laid out m apart (period), with a hardness penalty
-    on the other columns and a false-negative filter on the model's own scores."""
+    on the other columns and a false-negative filter on the model's own scores (with dims: each prefix's)."""
     def build(gen, dtype, device):
         q = _randn(gen, m, d, dtype=dtype, device=device)
         c = _randn(gen, mc, d, dtype=dtype, device=device)
-        threshold = torch.full((m,), 0.1, dtype=compute_dtype(dtype), device=device)
+        rows = (m,) if dims is None else (len(dims), m)
+        threshold = torch.full(rows, 0.1, dtype=compute_dtype(dtype), device=device)
+        options = {} if dims is None else {"dims": dims}
         return [q, c], lambda q, c: ((q, c, 20.0), dict(
             period=m, penalty=2.0, penalty_on="other", filter_q=q.detach(), filter_c=c.detach(),
-            filter_threshold=threshold, filter_keeps_target=True))
+            filter_threshold=threshold, filter_keeps_target=True, **options))
 
-    return Case("similarity_lse", path, f"M={m} Mc={mc} D={d}", build)
+    return Case("similarity_lse", path, f"M={m} Mc={mc} D={d}" + (f" dims={dims}" if dims else ""), build)
 
 
 def cases(sizes: str = "standard") -> list[Case]:
@@ -147,6 +149,17 @@ def cases(sizes: str = "standard") -> list[Case]:
     one_read = [_pair_case("dims_one_read", pairs, 2, wide if tiny else d,
                            dims=(4, 8, 16, 40, 64) if tiny else at_d[1]),
                 _pair_case("dims_one_read", max(1, pairs // 4), 3, wide, dims=scaled)]
+    # similarity_lse on the dense scheme (from its proposed width, 768, up: at it and at the wide width), with dims in
+    # one pass at three and five widths; the fused kernels below it, once and per prefix (the dims calls the dense
+    # scheme does not take)
+    lse_at = ((8, 16, 64), (4, 8, 16, 32, 64)) if tiny else ((64, 256, wide), (64, 128, 256, 512, wide))
+    lse_dense = [_lse_case("dense", rows // 2, 3 * (rows // 2), wide),
+                 _lse_case("dense_dims", rows // 2, 3 * (rows // 2), wide, dims=lse_at[0]),
+                 _lse_case("dense_dims", rows // 2, 3 * (rows // 2), wide, dims=lse_at[1]),
+                 _lse_case("fused_prefixes", rows // 2, 3 * (rows // 2), narrow, dims=dims)]
+    if not tiny:
+        lse_dense += [_lse_case("dense", rows // 2, 3 * (rows // 2), d),
+                      _lse_case("dense_dims", rows // 2, 3 * (rows // 2), d, dims=at_d[1])]
     # the dense scheme from its MIN_WIDTH (768) up, not only at the wide width
     at_min_width = [] if tiny else [_xent_case("dense", rows, None, d)]
     # the torch backend's 16-bit products (its "mixed" path, bf16 and fp16 only): in-batch negatives, the
@@ -171,7 +184,8 @@ def cases(sizes: str = "standard") -> list[Case]:
         _xent_case("dims", rows, None, narrow, dims=dims),
         _xent_case("dims", rows // 2, rows, narrow, dims=five),
         *[_xent_case("dense_dims", m, mc, width, dims=prefixes) for m, mc, width, prefixes in dense_dims],
-        _lse_case("fused", rows // 2, 3 * (rows // 2), d),
+        _lse_case("fused", rows // 2, 3 * (rows // 2), narrow),
+        *lse_dense,
         *mixed,
     ]
 

@@ -128,6 +128,23 @@ def setup_one_width_similarity_xent(ops, backend, n, d, dtype, device, generator
                          "executed": harness.similarity_flops_executed(backend, m, mc, d)}
 
 
+def setup_nested_similarity_lse(ops, backend, n, d, dtype, device, generator):
+    """bench_similarity.setup_similarity_lse's op at every prefix (k = 5 at D = 768 and 4,096), each prefix's row
+    weighted by a random number: against the "similarity_lse" rows (one width, the same N x 2N shape)."""
+    dims = tuple(sorted(nested_dims(d)))
+    q = harness.random_embeddings(generator, n, d, dtype, device)
+    c = harness.random_embeddings(generator, 2 * n, d, dtype, device)
+    weights = torch.randn(len(dims), n, device=device, generator=generator)
+
+    def run():
+        lse = ops.similarity_lse(q, c, P.TAU, period=n, penalty=2.0, penalty_on="other", dims=dims)
+        return (lse * weights).sum()
+
+    m, mc = n, 2 * n
+    return run, [q, c], {**harness.similarity_floor(m, mc, d),
+                         "executed": harness.similarity_lse_flops_executed(backend, m, mc, d, dims)}
+
+
 OPS = [
     OpBench("pair_scores(dims)", sizes=(16384, 262144), dims=(768, 4096), dtypes=("bfloat16", "float32"),
             grows="N", setup=setup_nested_pair_scores,
@@ -139,6 +156,11 @@ OPS = [
     # one width at the dims rows' shape (N x 2N), bf16: the ratio the Matryoshka targets are stated in
     OpBench("similarity_xent(one width)", sizes=(1024, 4096, 16384), dims=(768, 4096), dtypes=("bfloat16",),
             grows="N^2", setup=setup_one_width_similarity_xent,
+            memory_bytes=lambda n, d, dtype: 3 * 3 * n * d * 4, triton_schemes=True),
+    # both triton schemes: the fused kernels per prefix and the dense dims scheme (one pass), against the
+    # "similarity_lse" rows (bench_similarity.py: one width at the same shape)
+    OpBench("similarity_lse(dims)", sizes=(1024, 4096, 16384), dims=(768, 4096), dtypes=("bfloat16",),
+            grows="N^2", setup=setup_nested_similarity_lse,
             memory_bytes=lambda n, d, dtype: 3 * 3 * n * d * 4, triton_schemes=True),
 ]
 

@@ -2,7 +2,8 @@
 """The Matryoshka and layer-wise cost table: what k = 5 nested dims (and L layers of them) cost against the single
 full-width loss, measured side by side in one run, forward + backward, time and peak extra memory.
 
-For CoSENT (N pairs) and MultipleNegativesRankingLoss (N queries, a positive and a hard negative each), at each D:
+For CoSENT (N pairs) and MultipleNegativesRankingLoss (N queries, a positive and a hard negative each; "mnrl-gte":
+with GTE's four directions and hardness weighting, its blocks the similarity_lse op, no ST rows), at each D:
 
     single            our loss at the full width, one call                       (the 1.0x of every ratio)
     fused k=5         our loss with dims (bench_matryoshka.nested_dims): one call, one read of the embeddings
@@ -21,12 +22,14 @@ order (a machine whose speed drifts slows every contender alike), and the table 
 
     python bench/bench_matryoshka_ratios.py [--d 768 4096] [--pairs 4096] [--queries 1024] [--layers 12]
                                             [--dtype float32] [--device auto] [--out DIR]
-                                            [--losses cosent mnrl] [--rows single "fused k=5"] [--interleave 15]
+                                            [--losses cosent mnrl mnrl-gte] [--rows single "fused k=5"]
+                                            [--interleave 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -76,8 +79,14 @@ def cosine_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses
     }
 
 
-def mnrl_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses) -> dict:
-    """name -> (run, leaves) of the MultipleNegativesRankingLoss rows of the table."""
+# MNRL with GTE's four directions and hardness weighting: every block a similarity_lse call (the "mnrl-gte" rows)
+GTE_OPTIONS = dict(directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
+                   hardness_mode="in_batch_negatives", hardness_strength=3.0)
+
+
+def mnrl_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses, options: dict | None = None) -> dict:
+    """name -> (run, leaves) of the MultipleNegativesRankingLoss rows of the table; with `options` (GTE_OPTIONS) our
+    loss with those options, and no sentence-transformers rows."""
     import angle_kernels as ak
 
     dims = nested_dims(d)
@@ -87,17 +96,27 @@ def mnrl_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses) 
     st = st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model, scale=P.TAU), dims)
 
     def ours(a, b, c, **kwargs):
-        return ak.multiple_negatives_ranking_loss(a, b, (c,), scale=P.TAU, **kwargs)
+        return ak.multiple_negatives_ranking_loss(a, b, (c,), scale=P.TAU, **kwargs, **(options or {}))
+    rows = _ours_only(ours, q, p, neg, stack, dims, layers)
+    if options:
+        return rows
+    st_rows = {"ST Matryoshka": (lambda: st(P.columns(q, p, neg), None), [q, p, neg]),
+               "ST L x Matryoshka": (lambda: sum(st(P.columns(*(t[layer] for t in stack)), None)
+                                                 for layer in range(layers)), stack)}
+    order = ("single", "fused k=5", "ours k calls", "ST Matryoshka", "fused L x k", "ours L x k calls",
+             "ST L x Matryoshka")
+    return {name: {**rows, **st_rows}[name] for name in order}
+
+
+def _ours_only(ours, q, p, neg, stack, dims, layers) -> dict:
+    """The rows of our loss (`ours`, its options bound) on the given inputs."""
     return {
         "single": (lambda: ours(q, p, neg), [q, p, neg]),
         "fused k=5": (lambda: ours(q, p, neg, dims=dims), [q, p, neg]),
         "ours k calls": (lambda: sum(ours(q[:, :w], p[:, :w], neg[:, :w]) for w in dims), [q, p, neg]),
-        "ST Matryoshka": (lambda: st(P.columns(q, p, neg), None), [q, p, neg]),
         "fused L x k": (lambda: ours(*stack, dims=dims, layer_weights=[1.0] * layers), stack),
         "ours L x k calls": (lambda: sum(ours(*(t[layer, :, :w] for t in stack)) for layer in range(layers)
                                          for w in dims), stack),
-        "ST L x Matryoshka": (lambda: sum(st(P.columns(*(t[layer] for t in stack)), None) for layer in range(layers)),
-                              stack),
     }
 
 
@@ -164,7 +183,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--time-per-case", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=None, help="write table.md there")
-    parser.add_argument("--losses", nargs="+", default=["cosent", "mnrl"], choices=["cosent", "mnrl"])
+    parser.add_argument("--losses", nargs="+", default=["cosent", "mnrl"], choices=["cosent", "mnrl", "mnrl-gte"])
     parser.add_argument("--rows", nargs="+", default=None, help="only these rows (e.g. single 'fused k=5')")
     parser.add_argument("--interleave", type=int, default=0, metavar="R",
                         help="time the rows in R interleaved rounds (medians, spreads) instead")
@@ -177,9 +196,12 @@ def main(argv: list[str]) -> int:
              f"`python bench/bench_matryoshka_ratios.py {' '.join(argv)}`", "",
              f"Environment: {harness.describe_environment(device)}", ""]
     for d in args.d:
-        for key, loss, make, size in (("cosent", "CoSENT", cosine_rows, f"N = {args.pairs} pairs"),
-                                      ("mnrl", "MultipleNegativesRankingLoss", mnrl_rows,
-                                       f"N = {args.queries} queries, 2N candidates")):
+        queries = f"N = {args.queries} queries, 2N candidates"
+        for key, loss, make, size in (
+                ("cosent", "CoSENT", cosine_rows, f"N = {args.pairs} pairs"),
+                ("mnrl", "MultipleNegativesRankingLoss", mnrl_rows, queries),
+                ("mnrl-gte", "MultipleNegativesRankingLoss, GTE directions and hardness",
+                 functools.partial(mnrl_rows, options=GTE_OPTIONS), queries)):
             if key not in args.losses:
                 continue
             n = args.pairs if loss == "CoSENT" else args.queries

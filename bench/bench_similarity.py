@@ -171,11 +171,32 @@ def setup_in_batch_negatives(ops, backend, n, d, dtype, device, generator):
     return run, [x], floor
 
 
+def setup_similarity_lse(ops, backend, n, d, dtype, device, generator):
+    """similarity_lse of N queries against their N documents and N hard negatives (period N: MNRL's
+    query-to-document block) with a hardness penalty on the other columns, each row's lse weighted by a random
+    number: the op every MNRL option is built on, at the shape of similarity_xent(dims)'s rows (N x 2N)."""
+    q = harness.random_embeddings(generator, n, d, dtype, device)
+    c = harness.random_embeddings(generator, 2 * n, d, dtype, device)
+    weights = torch.randn(n, device=device, generator=generator)
+
+    def run():
+        return (ops.similarity_lse(q, c, P.TAU, period=n, penalty=2.0, penalty_on="other") * weights).sum()
+
+    m, mc = n, 2 * n
+    return run, [q, c], {**harness.similarity_floor(m, mc, d),
+                         "executed": harness.similarity_lse_flops_executed(backend, m, mc, d)}
+
+
 OPS = [
     OpBench("similarity_xent(ibn)", sizes=(1024, 4096, 16384, 65536), dims=(768, 4096),
             dtypes=("bfloat16", "float32"), grows="N^2", setup=setup_in_batch_negatives,
             memory_bytes=lambda n, d, dtype: 3 * 2 * n * d * 4,  # x, dx and float32 workspaces of 2N x D
             triton_schemes=True),
+    # both triton schemes: the fused kernels and the dense products (the target: within 1.3x of similarity_xent's
+    # dense scheme at the same shape, the similarity_xent(one width) rows)
+    OpBench("similarity_lse", sizes=(1024, 4096, 16384), dims=(768, 4096), dtypes=("bfloat16", "float32"),
+            grows="N^2", setup=setup_similarity_lse,
+            memory_bytes=lambda n, d, dtype: 3 * 3 * n * d * 4, triton_schemes=True),
 ]
 
 

@@ -119,7 +119,7 @@ class OpBench:
     from the op's outputs with backend module `ops`, leaves are the tensors it differentiates, and floor is
     the op's work floor, with "executed" FLOPs where the backend does more than the maths needs.
     memory_bytes(n, d, dtype): a rough upper estimate of what a case holds, to skip one that cannot fit.
-    triton_schemes: the op is the full-width similarity_xent, which the triton backend computes by two schemes
+    triton_schemes: the op is similarity_xent or similarity_lse, which the triton backend computes by two schemes
     (fused kernels, dense products: see TRITON_XENT_SCHEMES); the sweep measures both on every case.
     """
 
@@ -133,29 +133,33 @@ class OpBench:
     triton_schemes: bool = False
 
 
-# The triton backend's two schemes for similarity_xent, by the row label the sweeps give them, and the MIN_WIDTH of
-# triton_ops.similarity_xent_dense (the width from which it takes the dense one) that forces each: the fused kernels
-# (with dims, the prefix kernels) or the dense products (with dims, _similarity_xent_dense_dims), the dense ones only
-# where their tiles fit (similarity_xent_dense.takes: up to 2^19 columns; with dims, _similarity_xent_dense_dims.takes).
+# The triton backend's two schemes for similarity_xent and similarity_lse, by the row label the sweeps give them, and
+# the width from which it takes the dense one (similarity_xent_dense.MIN_WIDTH, the DENSE_*_MIN_WIDTH of the op
+# modules) that forces each: the fused kernels (with dims, the prefix kernels; similarity_lse's once per prefix) or
+# the dense products (with dims, _similarity_xent_dense_dims and _similarity_lse_dense), the dense ones only where
+# their tiles fit (similarity_xent_dense.takes: up to 2^19 columns; with dims, _similarity_xent_dense_dims.takes;
+# _similarity_lse_dense.takes).
 TRITON_XENT_SCHEMES = {"triton-fused": sys.maxsize, "triton-dense": 0}
 
 
 @contextlib.contextmanager
 def triton_xent_scheme(label: str):
-    """Within the block, the triton backend's similarity_xent takes the scheme `label` names (TRITON_XENT_SCHEMES)
-    at every width; any other label changes nothing."""
+    """Within the block, the triton backend's similarity_xent and similarity_lse take the scheme `label` names
+    (TRITON_XENT_SCHEMES) at every width; any other label changes nothing."""
     if label not in TRITON_XENT_SCHEMES:
         yield
         return
+    from angle_kernels.triton_ops import similarity_lse_paths as lse_paths
     from angle_kernels.triton_ops import similarity_xent_dense as dense
     from angle_kernels.triton_ops import similarity_xent_paths as paths
 
-    saved = dense.MIN_WIDTH, paths.DENSE_DIMS_MIN_WIDTH
-    dense.MIN_WIDTH = paths.DENSE_DIMS_MIN_WIDTH = TRITON_XENT_SCHEMES[label]
+    saved = dense.MIN_WIDTH, paths.DENSE_DIMS_MIN_WIDTH, lse_paths.DENSE_MIN_WIDTH, lse_paths.DENSE_DIMS_MIN_WIDTH
+    width = TRITON_XENT_SCHEMES[label]
+    dense.MIN_WIDTH = paths.DENSE_DIMS_MIN_WIDTH = lse_paths.DENSE_MIN_WIDTH = lse_paths.DENSE_DIMS_MIN_WIDTH = width
     try:
         yield
     finally:
-        dense.MIN_WIDTH, paths.DENSE_DIMS_MIN_WIDTH = saved
+        dense.MIN_WIDTH, paths.DENSE_DIMS_MIN_WIDTH, lse_paths.DENSE_MIN_WIDTH, lse_paths.DENSE_DIMS_MIN_WIDTH = saved
 
 
 def random_embeddings(generator: torch.Generator, rows: int, d: int, dtype: torch.dtype,
@@ -228,6 +232,25 @@ def similarity_flops_executed(backend: str, m: int, mc: int, d: int, dims: tuple
         return m * mc * (6 * d + 4 * sum(dims))
     units = {"triton-fused": 10, "cuda": 8}.get(backend, 8 if dims is not None else 6)
     return units * m * mc * d
+
+
+def similarity_lse_flops_executed(backend: str, m: int, mc: int, d: int, dims: tuple[int, ...] | None = None) -> int:
+    """The FLOPs each backend executes for similarity_lse forward + backward (no filter), beside the 6 m mc d the
+    maths needs (similarity_floor). Triton's fused kernels ("triton-fused"): the dq and dc kernels each recompute
+    the logit tiles (2 + 4 + 4), with dims once per prefix (10 m mc sum(d_i)); its dense scheme ("triton-dense",
+    triton_ops/_similarity_lse_dense.py, with dims in one pass) forms the tiles again in backward (2 + 2 + 4), the
+    same with dims (cumulative slice products); "triton" is the one of the two its similarity_lse takes. torch:
+    the tiles again in backward (2 + 2 + 4), per prefix with dims."""
+    if backend == "triton":
+        from angle_kernels.triton_ops import similarity_lse_paths
+
+        rows, columns = torch.empty(m, d, device="meta"), torch.empty(mc, d, device="meta")
+        path = similarity_lse_paths.code_path(rows, columns, 1.0, dims=dims)
+        backend = "triton-dense" if path in ("dense", "dense_dims") else "triton-fused"
+    widths = d if dims is None else sum(dims)
+    if backend == "triton-fused":
+        return 10 * m * mc * widths
+    return 8 * m * mc * (d if backend == "triton-dense" else widths)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The op sweep's row names (bench_*.py OpBench names) -> (op, variant, size from the sweep's N): pairs for
 # pair_scores, scores for the ranking term, logits M x Mc for similarity_xent (in-batch negatives: M = Mc = 2N;
-# ArcCon: N x N; Matryoshka: N queries against 2N candidates).
+# ArcCon: N x N; Matryoshka: N queries against 2N candidates) and similarity_lse (N queries against 2N documents).
 SWEEP_ROWS = {
     "pair_scores": ("pair_scores", "full", lambda n: n),
     "pair_scores(dims)": ("pair_scores", "dims", lambda n: n),
@@ -43,6 +43,8 @@ SWEEP_ROWS = {
     "similarity_xent(ibn)": ("similarity_xent", "full", lambda n: 4 * n * n),
     "similarity_xent(arccon)": ("similarity_xent", "margin", lambda n: n * n),
     "similarity_xent(dims)": ("similarity_xent", "dims", lambda n: 2 * n * n),
+    "similarity_lse": ("similarity_lse", "full", lambda n: 2 * n * n),
+    "similarity_lse(dims)": ("similarity_lse", "dims", lambda n: 2 * n * n),
 }
 # The dtype of the op's first input: the ranking term takes float32 scores whatever the sweep's dtype column says.
 FIRST_INPUT_DTYPE = {"ranking_loss": "float32"}

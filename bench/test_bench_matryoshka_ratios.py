@@ -21,6 +21,16 @@ def test_rows_of_a_group_compute_the_same_loss(make):
     assert values["fused k=5"] != pytest.approx(values["single"])  # the widths do add terms
 
 
+def test_gte_rows_of_a_group_compute_the_same_loss():
+    """The "mnrl-gte" rows (similarity_lse blocks): the fused call equals our per-width calls."""
+    rows = ratios.mnrl_rows(16, 24, 3, torch.float64, "cpu", torch.Generator().manual_seed(0),
+                            P.sentence_transformers_losses(), options=ratios.GTE_OPTIONS)
+    values = {name: float(run().detach()) for name, (run, _) in rows.items()}
+    assert not any(name.startswith("ST") for name in values)
+    assert values["ours k calls"] == pytest.approx(values["fused k=5"], rel=1e-12)
+    assert values["ours L x k calls"] == pytest.approx(values["fused L x k"], rel=1e-12)
+
+
 def test_script_writes_its_table(tmp_path):
     assert ratios.main(["--d", "16", "--pairs", "8", "--queries", "8", "--layers", "2", "--repeats", "1",
                         "--time-per-case", "0", "--out", str(tmp_path)]) == 0

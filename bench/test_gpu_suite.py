@@ -388,6 +388,34 @@ def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monk
     assert ran.count("SimilarityXentFunctionBackward") == 1 and ran.count("DenseSimilarityXentFunctionBackward") == 1
 
 
+def test_op_sweep_times_both_triton_schemes_of_similarity_lse_with_and_without_dims(tmp_path):
+    """similarity_lse's rows (one width, and dims at the same shape) each get a row per triton scheme, forced: the
+    fused kernels (per prefix with dims) and the dense products (one pass with dims), with the FLOPs each executes.
+    Under the interpreter on CPU."""
+    from angle_kernels.dispatch import triton_interpreting
+    from angle_kernels.triton_ops import similarity_lse_paths
+
+    if not triton_interpreting():
+        pytest.skip("runs the triton backend on CPU tensors: needs TRITON_INTERPRET=1 (the root conftest's default)")
+    ops = [dataclasses.replace(tiny(bench), sizes=(8,), dtypes=("float32",))
+           for bench in gpu_suite.all_ops() if bench.name in ("similarity_lse", "similarity_lse(dims)")]
+    record = _record(tmp_path, "second")
+    limits = {"copy_GBps": 10.0, "matmul_float32_TFLOPs": 0.1}
+    rows = gpu_suite.op_sweep(record, gpu_suite.Deadline(600, time.monotonic()), limits, [("triton",)],
+                              device="cpu", ops=ops)["rows"]
+    assert similarity_lse_paths.DENSE_MIN_WIDTH is None and similarity_lse_paths.DENSE_DIMS_MIN_WIDTH is None
+    assert all(row["status"] == "ok" for row in rows), rows
+    paths = {(row["op"], row["backend"]): row["path"] for row in rows}
+    assert paths == {("similarity_lse", "triton-fused"): "fused", ("similarity_lse", "triton-dense"): "dense",
+                     ("similarity_lse(dims)", "triton-fused"): "fused_prefixes",
+                     ("similarity_lse(dims)", "triton-dense"): "dense_dims"}
+    executed = {(row["op"], row["backend"]): row["floor"]["executed"] for row in rows}
+    assert executed[("similarity_lse", "triton-fused")] == 10 * 8 * 16 * 6
+    assert executed[("similarity_lse", "triton-dense")] == executed[("similarity_lse(dims)", "triton-dense")] == (
+        8 * 8 * 16 * 6)
+    assert executed[("similarity_lse(dims)", "triton-fused")] == 10 * 8 * 16 * (2 + 4 + 6)
+
+
 def test_op_sweep_rows_say_which_path_they_timed_and_speed_table_reads_them(tmp_path):
     """Each row records the code path its first call took (the forced scheme of a triton-fused/-dense row) and the
     fingerprint of that path's code; bench/speed_table.py turns the record into points without a --commit."""

@@ -300,6 +300,32 @@ def test_an_op_a_backend_lacks_goes_to_torch_under_auto_and_is_refused_when_expl
         explicit.ranking_loss(scores, labels)
 
 
+def test_a_feature_never_moves_a_call_from_a_gpu_backend_to_torch(backends, monkeypatch):
+    """takes_in_one_call: a loss uses an optional feature (similarity_lse's dims) in one call only where that call
+    stays on the backend the call without it would take; else it makes one call per prefix (terms.py)."""
+    q, c = _embeddings(), pretend_cuda(torch.randn(9, 8, dtype=torch.float64))
+
+    def one_call(ops):
+        return ops.takes_in_one_call("similarity_lse", q, c, 20.0, dims=(4, 8))
+
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    assert one_call(auto)  # nothing verified: torch with or without dims
+    backends.verified.add(("triton", "similarity_lse", "fused"))
+    assert not one_call(auto)  # triton lacks dims: the per-prefix calls stay on its verified kernels
+    module = backends.triton.op_modules["similarity_lse"]
+    monkeypatch.setattr(module, "FEATURES", ("dims",), raising=False)
+    monkeypatch.setattr(module, "PATHS", ("fused", "dims"))
+    monkeypatch.setattr(module, "code_path", lambda *args: "fused" if args[-1] is None else "dims", raising=False)
+    for cache in ("_loaded_without_build", "_auto_ops"):  # the backend loaded again, with its new declarations
+        monkeypatch.setattr(dispatch, cache, {})
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    assert not one_call(auto)  # its dims path is not verified: with dims the call would go to torch
+    backends.verified.add(("triton", "similarity_lse", "dims"))
+    assert one_call(auto)
+    assert one_call(dispatch.resolve_backend("torch", torch.zeros(1)))
+    assert one_call(auto) and auto.takes_in_one_call("similarity_lse", q, c, 20.0)  # no feature: nothing moves
+
+
 def test_auto_uses_a_prebuilt_cuda_extension_without_building(backends):
     backends.triton.answer = (False, "no triton (fake)")
     backends.cuda.answer = (True, "")
@@ -354,9 +380,16 @@ def test_the_real_gpu_backends_declare_their_code_paths():
     assert triton.code_paths["similarity_xent"](*wide_dims) == "dims"  # until a GPU run verifies the dense dims
     from angle_kernels.triton_ops import awaiting_verification_on
 
+    assert triton.paths["similarity_lse"] == ("fused", "dense", "dense_dims", "fused_prefixes")
+    lse_wide = (wide, torch.empty(16, 4096, device="meta"), 20.0, 0, 0, "none", 0.0, "none", None, None, None, False,
+                True)
+    assert triton.code_paths["similarity_lse"](*lse_wide) == "fused"  # until a GPU run verifies the dense scheme
+    assert triton.code_paths["similarity_lse"](*lse_wide, (64, 4096)) == "fused_prefixes"
     with awaiting_verification_on():
         assert triton.code_paths["similarity_xent"](*wide_dims) == "dense_dims"
         assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, (64, 768)) == "dims_one_read"
+        assert triton.code_paths["similarity_lse"](*lse_wide) == "dense"
+        assert triton.code_paths["similarity_lse"](*lse_wide, (64, 4096)) == "dense_dims"
     assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, (64, 768)) == "dims"
 
 

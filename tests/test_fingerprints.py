@@ -154,6 +154,22 @@ def test_the_dense_dims_scheme_changes_only_its_path(baseline, copy):
     assert changed(baseline, copy.tree) == triton("similarity_xent", "dense", "dense_dims")
 
 
+def test_the_dense_similarity_lse_scheme_changes_only_its_paths(baseline, copy):
+    """The dense similarity_lse scheme's host code and kernels are its two paths' (one width is the scheme at one
+    prefix); the fused kernels per prefix are the fallback's and the fused path's; the selector's widths and tile
+    limit belong to no path."""
+    relative = "angle_kernels/triton_ops/_similarity_lse_dense.py"
+    copy(relative, "MIN_BLOCK_ROWS = 512", "MIN_BLOCK_ROWS = 256")
+    copy("angle_kernels/triton_ops/similarity_lse_paths.py", "PROPOSED_DENSE_MIN_WIDTH = 768",
+         "PROPOSED_DENSE_MIN_WIDTH = 1024")
+    assert changed(baseline, copy.tree) == set()
+    copy(relative, "q_ratio = q_inv[1:] / q_inv[:-1]", "q_ratio = q_inv[1:] / q_inv[:-1] * 1")
+    assert changed(baseline, copy.tree) == triton("similarity_lse", "dense", "dense_dims")
+    copy("angle_kernels/triton_ops/similarity_lse_paths.py", "return None if x is None else x[:, :d]",
+         "return x if x is None else x[:, :d]")
+    assert changed(baseline, copy.tree) == triton("similarity_lse", "dense", "dense_dims", "fused_prefixes")
+
+
 def test_a_prefix_kernel_changes_only_the_dims_path(baseline, copy):
     text = (copy.root / "angle_kernels/triton_ops/similarity_xent.py").read_text()
     kernel = text[text.index("def _similarity_xent_prefix_fwd_kernel("):]
@@ -166,13 +182,13 @@ def test_a_prefix_kernel_changes_only_the_dims_path(baseline, copy):
 
 def test_an_autotune_config(baseline, copy):
     """The tile library's 16-bit configs: the fused kernels of similarity_xent (full width and dims) and of
-    similarity_lse; the dense scheme launches with fixed blocks and does not use them."""
+    similarity_lse (once, and per prefix for dims); the dense schemes launch with fixed blocks and do not use them."""
     text = (copy.root / "angle_kernels/triton_ops/_similarity_tiles.py").read_text()
     start = text.index("_GPU_CONFIGS_16BIT = [")
     config = text[start:text.index("]\n", start)]
     copy("angle_kernels/triton_ops/_similarity_tiles.py", config, config.replace("num_stages=3", "num_stages=4", 1))
     assert changed(baseline, copy.tree) == (triton("similarity_xent", "fused", "dims")
-                                            | triton("similarity_lse", "fused"))
+                                            | triton("similarity_lse", "fused", "fused_prefixes"))
 
 
 def test_a_grid_expression(baseline, copy):

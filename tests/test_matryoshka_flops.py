@@ -1,4 +1,4 @@
-"""The torch backend's Matryoshka softmax loss does one width's matrix-product FLOPs (torch's FLOP counter).
+"""The torch backend's Matryoshka softmax losses do one width's matrix-product FLOPs (torch's FLOP counter).
 
 MNRL with dims (768, 512, 256, 128, 64) at 64 pairs, D = 768, forward + backward, against the same call at one
 width (768): the products of a dims call are cumulative over the prefixes' slices and its gradients are formed in
@@ -40,6 +40,21 @@ def test_dims_take_one_widths_flops():
     weights = (1.0, 0.5, 0.25, 0.25, 2.0)
     _flops(loss, q, p, dims=DIMS, dim_weights=weights)
     assert _flops(loss, q, p, dims=DIMS, dim_weights=weights) <= 1.1 * one_width
+
+
+def test_dims_of_every_option_take_one_widths_flops():
+    """MNRL's options (GTE's four directions, hardness weighting, a false-negative filter) are similarity_lse
+    blocks: with dims each block is one call for every prefix, its products cumulative over the slices
+    (torch_ops/similarity_lse.py, PrefixSimilarityLseFunction), so the FLOPs stay within 10% of one width's."""
+    gen = torch.Generator().manual_seed(2)
+    q, p = torch.randn(64, 768, generator=gen), torch.randn(64, 768, generator=gen)
+    loss = angle_kernels.multiple_negatives_ranking_loss
+    options = dict(directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
+                   hardness_mode="in_batch_negatives", hardness_strength=3.0, false_negative_margin=0.1)
+    one_width = _flops(loss, q, p, **options)
+    assert one_width >= 4 * 8 * 64 * 64 * 768  # four blocks, each forward + recomputed backward tiles
+    nested = _flops(loss, q, p, dims=DIMS, **options)
+    assert nested <= 1.1 * one_width, f"dims: {nested / one_width:.3f}x one width's FLOPs"
 
 
 def test_formed_gradients_equal_recomputed_ones():

@@ -133,10 +133,12 @@ LOSS_CASES = {
     "mnrl_standard": ("similarity_xent", _mnrl({})),
     "mnrl_symmetric": ("similarity_xent", _mnrl(dict(directions=("query_to_doc", "doc_to_query"),
                                                       partition_mode="per_direction"))),
-    # similarity_lse has no dims: one pass per prefix, still against the same oracle
-    "mnrl_gte_hardness": ("similarity_xent", _mnrl(dict(directions=("query_to_doc", "query_to_query",
-                                                                    "doc_to_query", "doc_to_doc"),
-                                                        hardness_mode="in_batch_negatives", hardness_strength=3.0))),
+    # the similarity_lse blocks (every prefix in one call where the backend's similarity_lse has dims)
+    "mnrl_gte_hardness": ("similarity_lse", _mnrl(dict(directions=("query_to_doc", "query_to_query",
+                                                                   "doc_to_query", "doc_to_doc"),
+                                                       hardness_mode="in_batch_negatives", hardness_strength=3.0))),
+    "mnrl_false_negatives": ("similarity_lse", _mnrl(dict(directions=("query_to_doc", "doc_to_query"),
+                                                          false_negative_margin=0.1))),
     "AngleLoss_A": ("pair_scores", _angle_module("A")),
     "AngleLoss_B": ("similarity_xent", _angle_module("B")),
     "AngleLoss_C": ("pair_scores", _angle_module("C")),

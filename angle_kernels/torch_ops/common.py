@@ -157,6 +157,24 @@ def prefix_inverse_norms(x: torch.Tensor, dims: tuple[int, ...], scale: torch.Te
     return inverse_norms_from_squares(squares.cumsum(dim=1), None if scale is None else scale[:, None])
 
 
+def logsumexp_in_place(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(x, dim=-1) by the same steps, but exponentiating x in place (overwritten): no temporary the
+    size of x (torch's makes one)."""
+    maxes = torch.amax(x, dim=-1, keepdim=True)
+    maxes.masked_fill_(maxes.abs() == float("inf"), 0.0)
+    sums = x.sub_(maxes).exp_().sum(dim=-1)
+    return sums.log_().add_(maxes.squeeze(-1))
+
+
+def prefix_radial_backward(x, inv, has_norm_grad, radial, d_raw, slices):
+    """d_raw (overwritten) minus every prefix's radial term [|x| > eps] inv_i^2 radial_i x[:, :d_i]: on slice j,
+    the sum of the terms of the prefixes i >= j."""
+    shrink = torch.where(has_norm_grad, inv * inv * radial, torch.zeros_like(inv))  # [R, k]
+    shrink = shrink.flip(1).cumsum(dim=1).flip(1)
+    for j, (lo, hi) in enumerate(slices):
+        d_raw[:, lo:hi].addcmul_(x[:, lo:hi], shrink[:, j, None], value=-1.0)
+    return d_raw
+
 
 # ---------------------------------------------------------------------------------------------------------
 # 16-bit operands with float32 accumulation (module docstring)

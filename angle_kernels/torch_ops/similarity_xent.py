@@ -75,8 +75,10 @@ from .common import (
     cosine_rows,
     half_rows,
     inverse_norms,
+    logsumexp_in_place,
     normalise_backward_of_rows,
     prefix_inverse_norms,
+    prefix_radial_backward,
     prefix_slices,
     product_into,
     products,
@@ -353,8 +355,8 @@ def _prefix_losses(ctx, q, c, qf, cf, q_scale, c_scale, scale, target, row_weigh
                 lse_pos[start:end] = logits[:, local, targets].T
             else:
                 for i in range(k):
-                    lse_pos[start:end, i] = _logsumexp_in_place(logits[i].masked_fill(not_positive, float("-inf")))
-            lse_all[start:end] = _logsumexp_in_place(logits).T
+                    lse_pos[start:end, i] = logsumexp_in_place(logits[i].masked_fill(not_positive, float("-inf")))
+            lse_all[start:end] = logsumexp_in_place(logits).T
             del dots, logits
             continue
         for i in range(k):  # a prefix at a time, beside the dots (which on_block takes)
@@ -363,8 +365,8 @@ def _prefix_losses(ctx, q, c, qf, cf, q_scale, c_scale, scale, target, row_weigh
             if positives is None:
                 lse_pos[start:end, i] = logits[local, targets]
             else:
-                lse_pos[start:end, i] = _logsumexp_in_place(logits.masked_fill(not_positive, float("-inf")))
-            lse_all[start:end, i] = _logsumexp_in_place(logits)
+                lse_pos[start:end, i] = logsumexp_in_place(logits.masked_fill(not_positive, float("-inf")))
+            lse_all[start:end, i] = logsumexp_in_place(logits)
             del logits
         on_block(tiles, start, end, dots, lse_all, lse_pos, weights, q_has_grad, c_has_grad)
         del dots
@@ -462,9 +464,9 @@ class _PrefixGradients:
 
     def finish(self, q_has_grad, c_has_grad, q_scale, c_scale):
         """(dq, dc) in the compute dtype (dc None when c is q)."""
-        dq = unscaled(_prefix_radial_backward(self.qf, self.q_inv, q_has_grad, self.q_radial, self.dq, self.slices),
+        dq = unscaled(prefix_radial_backward(self.qf, self.q_inv, q_has_grad, self.q_radial, self.dq, self.slices),
                       q_scale)
-        dc = None if self.symmetric else unscaled(_prefix_radial_backward(
+        dc = None if self.symmetric else unscaled(prefix_radial_backward(
             self.cf, self.c_inv, c_has_grad, self.c_radial, self.dc, self.slices), c_scale)
         return dq, dc
 
@@ -609,29 +611,10 @@ class MixedPrefixSimilarityXentFunction(torch.autograd.Function):
         if not symmetric:
             c_radial.mul_(unscale)
         q_dtype, c_dtype = ctx.input_dtypes
-        dq = unscaled(_prefix_radial_backward(qs, q_inv, q_has_grad, q_radial, dq, slices), q_scale).to(q_dtype)
-        dc = None if symmetric else unscaled(_prefix_radial_backward(cs, c_inv, c_has_grad, c_radial, dc, slices),
+        dq = unscaled(prefix_radial_backward(qs, q_inv, q_has_grad, q_radial, dq, slices), q_scale).to(q_dtype)
+        dc = None if symmetric else unscaled(prefix_radial_backward(cs, c_inv, c_has_grad, c_radial, dc, slices),
                                              c_scale).to(c_dtype)
         return dq, dc, None, None, None, None, None, None, None
-
-
-def _prefix_radial_backward(x, inv, has_norm_grad, radial, d_raw, slices):
-    """d_raw (overwritten) minus every prefix's radial term [|x| > eps] inv_i^2 radial_i x[:, :d_i]: on slice j,
-    the sum of the terms of the prefixes i >= j."""
-    shrink = torch.where(has_norm_grad, inv * inv * radial, torch.zeros_like(inv))  # [R, k]
-    shrink = shrink.flip(1).cumsum(dim=1).flip(1)
-    for j, (lo, hi) in enumerate(slices):
-        d_raw[:, lo:hi].addcmul_(x[:, lo:hi], shrink[:, j, None], value=-1.0)
-    return d_raw
-
-
-def _logsumexp_in_place(x: torch.Tensor) -> torch.Tensor:
-    """torch.logsumexp(x, dim=-1) by the same steps, but exponentiating x in place (overwritten): no temporary the
-    size of x (torch's makes one)."""
-    maxes = torch.amax(x, dim=-1, keepdim=True)
-    maxes.masked_fill_(maxes.abs() == float("inf"), 0.0)
-    sums = x.sub_(maxes).exp_().sum(dim=-1)
-    return sums.log_().add_(maxes.squeeze(-1))
 
 
 def _target_grads(lse_all, lse_pos, grad_factor, margins, has_positives: bool):

@@ -4,10 +4,12 @@ Each kernel file reads top to bottom: what it computes, the bytes and FLOPs it m
 autograd.Function, the launcher.
 
 One module per op, named after it (`contract.OPS`; similarity_xent's is similarity_xent_paths, which chooses
-among the paths of similarity_xent.py and _similarity_xent_dense_dims.py, and pair_scores' is pair_scores_paths,
-which chooses among those of pair_scores.py and _pair_scores_one_read.py), plus the modules an op launches from
-(similarity_xent_dense: the dense scheme of similarity_xent; _similarity_xent_dense_dims: the dense scheme with
-dims, which launches the dense scheme's kernels; _similarity_tiles: the tile library of the similarity family, see
+among the paths of similarity_xent.py and _similarity_xent_dense_dims.py, pair_scores' is pair_scores_paths,
+which chooses among those of pair_scores.py and _pair_scores_one_read.py, and similarity_lse's is
+similarity_lse_paths, which chooses among those of similarity_lse.py and _similarity_lse_dense.py), plus the modules
+an op launches from (similarity_xent_dense: the dense scheme of similarity_xent; _similarity_xent_dense_dims: the
+dense scheme with dims, which launches the dense scheme's kernels; _similarity_lse_dense: the dense scheme of
+similarity_lse, at one width and with dims; _similarity_tiles: the tile library of the similarity family, see
 docs/triton-similarity.md). `load_ops()` names the op modules; `dispatch` calls it only once `is_available()` says
 the kernels can run here (CUDA, or CPU tensors under TRITON_INTERPRET=1), so importing this package never fails and
 costs nothing without triton. Inputs arrive validated by `angle_kernels.dispatch`.
@@ -74,15 +76,21 @@ def autotuning_results_kept():
 
 # The op modules not named after their op (`load_ops`; angle_kernels.verified.paths_of reads the paths they declare
 # without loading the backend).
-OP_MODULES = {"similarity_xent": "similarity_xent_paths", "pair_scores": "pair_scores_paths"}
+OP_MODULES = {"similarity_xent": "similarity_xent_paths", "pair_scores": "pair_scores_paths",
+              "similarity_lse": "similarity_lse_paths"}
 
 
 # The code paths that await their first GPU verification: (op, path) -> (the module of the op's selector, the width
 # from which the selector sends calls to the path: None, off, until a GPU run has verified it; the module's
-# PROPOSED_<width> is the one it is switched on at).
+# PROPOSED_<width> is the one it is switched on at). A new path that takes calls without a switch (similarity_lse's
+# "fused_prefixes", the dims calls the dense scheme does not take) is not here: calls take it from the start, so it
+# counts among the paths a backend must have verified to cover every path (verified.covers_every_path), and
+# backend="auto" sends its calls elsewhere until it is verified.
 AWAITING_VERIFICATION = {
     ("pair_scores", "dims_one_read"): ("pair_scores_paths", "ONE_READ_MIN_WIDTH"),
     ("similarity_xent", "dense_dims"): ("similarity_xent_paths", "DENSE_DIMS_MIN_WIDTH"),
+    ("similarity_lse", "dense"): ("similarity_lse_paths", "DENSE_MIN_WIDTH"),
+    ("similarity_lse", "dense_dims"): ("similarity_lse_paths", "DENSE_DIMS_MIN_WIDTH"),
 }
 
 
@@ -120,7 +128,7 @@ def load_ops() -> dict[str, ModuleType]:
     launcher), its PATHS and, with several, code_path. Importing them builds their autotuners, with their results
     kept on disk (`autotuning_results_kept`)."""
     with autotuning_results_kept():
-        from . import pair_scores_paths, ranking_loss, similarity_lse, similarity_xent_paths
+        from . import pair_scores_paths, ranking_loss, similarity_lse_paths, similarity_xent_paths
 
     return {"pair_scores": pair_scores_paths, "ranking_loss": ranking_loss, "similarity_xent": similarity_xent_paths,
-            "similarity_lse": similarity_lse}
+            "similarity_lse": similarity_lse_paths}

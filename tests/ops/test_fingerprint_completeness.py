@@ -28,7 +28,7 @@ if TRITON_DEVICE.type != "cpu":
 
 from angle_kernels import contract, dispatch, fingerprints, verify  # noqa: E402
 from angle_kernels.triton_ops import (  # noqa: E402
-    pair_scores_paths, ranking_loss, similarity_xent_dense, similarity_xent_paths,
+    pair_scores_paths, ranking_loss, similarity_lse_paths, similarity_xent_dense, similarity_xent_paths,
 )
 
 PACKAGE_DIR = Path(fingerprints.__file__).resolve().parent
@@ -139,6 +139,7 @@ def _extra_calls(dtype):
     q = torch.randn(12, 32, generator=gen, dtype=torch.float64).to(dtype)
     c = torch.randn(20, 32, generator=gen, dtype=torch.float64).to(dtype)
     wide_q = torch.randn(12, 64, generator=gen, dtype=torch.float64).to(dtype)
+    wide_c = torch.randn(20, 64, generator=gen, dtype=torch.float64).to(dtype)
     wide_x = torch.randn(5, 3, 66, generator=gen, dtype=torch.float64).to(dtype)
     wide_huge = wide_x.clone()
     wide_huge[1] *= 2.0 ** 70 if dtype in (torch.float32, torch.float64, torch.bfloat16) else 1.0
@@ -168,6 +169,15 @@ def _extra_calls(dtype):
         ("similarity_lse", "fused", (leaf(q), leaf(c), 20.0), {"exclude": "target", "normalize": False}),
         ("similarity_lse", "fused", (leaf(q), leaf(c), 20.0), {"period": 12, "exclude": "own", "penalty": 1.0,
                                                                "penalty_on": "all"}),
+        # the dense similarity_lse scheme: a separate filter (in float32: filter_q's compute dtype where they
+        # differ), raw dot products, one side's gradient only; the fused kernels per prefix without a filter
+        ("similarity_lse", "dense", (leaf(wide_q), leaf(wide_c), 20.0), {
+            "filter_q": wide_q.float(), "filter_c": wide_c.double(), "filter_threshold": torch.zeros(12)}),
+        ("similarity_lse", "dense", (wide_q.detach(), leaf(wide_c), 0.5), {"normalize": False, "exclude": "target"}),
+        ("similarity_lse", "dense_dims", (leaf(wide_q), wide_c.detach(), 20.0), {
+            "dims": (16, 64), "filter_q": wide_q.float(), "filter_c": wide_c.float(),
+            "filter_threshold": torch.zeros(2, 12), "penalty": 1.0, "penalty_on": "other"}),
+        ("similarity_lse", "fused_prefixes", (leaf(q), leaf(c), 0.5), {"dims": (8, 32), "normalize": False}),
     ]
 
 
@@ -191,6 +201,8 @@ def test_every_function_a_triton_path_runs_is_in_its_fingerprint(monkeypatch):
     monkeypatch.setattr(ranking_loss, "SMALL_N_MAX", 64)
     monkeypatch.setattr(pair_scores_paths, "ONE_READ_MIN_WIDTH", 64)  # the one-read pair scores from width 64
     monkeypatch.setattr(similarity_xent_paths, "DENSE_DIMS_MIN_WIDTH", 64)  # and the dense dims scheme
+    monkeypatch.setattr(similarity_lse_paths, "DENSE_MIN_WIDTH", 64)  # and similarity_lse's dense scheme
+    monkeypatch.setattr(similarity_lse_paths, "DENSE_DIMS_MIN_WIDTH", 64)
     # float16 differs from bfloat16 only inside functions both run (a constexpr, an operand dtype): the trace is of
     # which functions run
     dtypes = (torch.bfloat16, torch.float32, torch.float64)

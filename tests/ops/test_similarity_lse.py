@@ -20,7 +20,7 @@ from angle_kernels.reference import GRAD_TOL, VALUE_TOL
 from angle_kernels.testing import oracle
 from angle_kernels.testing.helpers import (
     HALF_DTYPES, HUGE_OP_MAGNITUDES, assert_close, check_against_oracle, generator, huge_magnitude_id,
-    huge_row_factors, leaf_like, moved_to, randn, skip_unless_implemented,
+    huge_row_factors, leaf_like, moved_to, randn, skip_unless_feature, skip_unless_implemented,
 )
 
 # name -> (M, Mc, D, options). "filter": (D' of the filter embeddings, threshold offset): the threshold of row
@@ -260,3 +260,147 @@ def test_reference_rows(same_as_target):
         for name, g, e in zip("qcr", grads, expected_grads):
             assert_close(g, e, GRAD_TOL[dtype], f"d{name}")
     assert gradcheck(ours, [t.requires_grad_() for t in (q, c, r)])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dims: every prefix in one call, [k, M], against the oracle's k calls on the truncated inputs
+# ---------------------------------------------------------------------------------------------------------
+# name -> the CASES entry it extends, and its prefixes (one of width 1, one short of D, D itself)
+DIMS_CASES = {
+    "query_to_doc": (1, 17, 40),
+    "doc_to_doc": (8, 40),
+    "hard_all_negatives": (3, 20, 39),
+    "guided": (5, 24, 40),  # the guide's rows (64 wide) cut to each prefix too
+    "false_negative_filter": (2, 16, 40),
+    "everything": (12, 20, 33),
+    "several_tiles": (64, 100, 130),
+    "dot_everything": (20, 28, 33),
+}
+
+
+def _dims_inputs(name, dtype):
+    """A case of CASES with dims: its filter's threshold one row per prefix, from the truncated embeddings, 0.1
+    higher than the case's (narrow prefixes score more alike: rows would keep no column)."""
+    q, c, kwargs = _inputs(name, dtype)
+    dims = DIMS_CASES[name]
+    if "filter_q" in kwargs:
+        _, _, _, options = CASES[name]
+        offset = (options["filter"][1] if "filter" in options else options["self_filter"]) - 0.1
+        fq, fc = kwargs["filter_q"], kwargs["filter_c"]
+        kwargs["filter_threshold"] = torch.stack([_filter_threshold(
+            fq[:, :d], fc[:, :d], kwargs["target_offset"], offset, kwargs["normalize"]) for d in dims])
+    return q, c, dict(kwargs, dims=dims)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF_DTYPES], ids=str)
+@pytest.mark.parametrize("name", list(DIMS_CASES))
+def test_dims_against_oracle(backend, name, dtype):
+    skip_unless_feature(backend, "similarity_lse", "dims")
+    q, c, kwargs = _dims_inputs(name, dtype)
+    if not torch.isfinite(oracle.similarity_lse(q.double(), c.double(), **kwargs)).all():
+        pytest.skip("a row keeps no column in this dtype's draw: see test_rows_that_keep_no_column")
+    on_device = moved_to(backend.device, kwargs)
+
+    def ours(q, c):
+        options = dict(on_device)
+        if "self_filter" in CASES[name][3]:  # the filter on the model's own scores: the op's own inputs
+            options.update(filter_q=q.detach(), filter_c=c.detach())
+        return backend.ops.similarity_lse(q, c, **options)
+
+    check_against_oracle(ours, lambda q, c: oracle.similarity_lse(q, c, **kwargs), [q, c], f"{name} {dtype} dims",
+                         device=backend.device)
+
+
+def test_dims_in_blocks_equal_one_width_calls(monkeypatch):
+    """The torch backend's dims path over several row blocks: each prefix equal, to rounding, to the one-width path
+    on the truncated inputs, values and gradients (float64), rows that keep no column included (-inf, no
+    gradient)."""
+    from angle_kernels.dispatch import resolve_backend
+    from angle_kernels.torch_ops import common
+
+    monkeypatch.setattr(common, "CHUNK_ELEMENTS", 200)  # blocks of a few rows
+    q, c, kwargs = _dims_inputs("everything", torch.float64)
+    kwargs["filter_threshold"][1, :3] = -2.0  # the filter drops every column of three rows of the second prefix
+    ops = resolve_backend("torch", q)
+    leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
+    value = ops.similarity_lse(*leaves, **kwargs)
+    assert torch.isneginf(value[1, :2]).all() and torch.isfinite(value[0]).all()
+    weights = torch.randn(value.shape, generator=generator("dims weights"), dtype=torch.float64)
+    grads = torch.autograd.grad(torch.where(torch.isinf(value), 0.0, value * weights).sum(), leaves)
+    per_prefix, cut_grads = [], [torch.zeros_like(q), torch.zeros_like(c)]
+    for p, d in enumerate(kwargs["dims"]):
+        cut = [t[:, :d].clone().requires_grad_() for t in (q, c)]
+        options = {k: v for k, v in kwargs.items() if k != "dims"}
+        options.update(filter_q=options["filter_q"][:, :d], filter_c=options["filter_c"][:, :d],
+                       filter_threshold=options["filter_threshold"][p])
+        one = ops.similarity_lse(*cut, **options)
+        per_prefix.append(one)
+        for total, g in zip(cut_grads, torch.autograd.grad(torch.where(torch.isinf(one), 0.0, one * weights[p]).sum(),
+                                                           cut)):
+            total[:, :d] += g
+    torch.testing.assert_close(value, torch.stack(per_prefix).detach(), rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, cut_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["guided", "doc_to_doc", "dot_everything"])
+def test_dims_gradcheck_float64(name):
+    from angle_kernels.dispatch import resolve_backend
+
+    q, c, kwargs = _dims_inputs(name, torch.float64)
+    if name == "dot_everything":  # the penalty's detached part is not what gradcheck differentiates
+        kwargs.update(penalty=0.0, penalty_on="none")
+    ops = resolve_backend("torch", q)
+
+    def ours(q, c):
+        options = dict(kwargs)
+        if "self_filter" in CASES[name][3]:
+            options.update(filter_q=q.detach(), filter_c=c.detach())
+        value = ops.similarity_lse(q, c, **options)
+        return torch.where(torch.isinf(value), 0.0, value)
+
+    assert gradcheck(ours, [q.clone().requires_grad_(), c.clone().requires_grad_()], eps=1e-6, atol=1e-6)
+
+
+def test_dims_reference_rows():
+    """reference with dims: row p is lse_p - scale * q_i[:d_p] . r_i[:d_p], gradients of q, c and r included, on
+    the torch backend (which implements both) and through dispatch's subtraction for a backend without reference
+    (the same values)."""
+    from angle_kernels.dispatch import resolve_backend
+
+    gen = generator("reference dims")
+    q, c = randn(gen, 7, 12, dtype=torch.float64), randn(gen, 20, 12, dtype=torch.float64)
+    r = c[3:10].clone()
+    dims = (3, 8, 12)
+    options = dict(target_offset=3, period=10, exclude="own", normalize=False, dims=dims)
+    ops = resolve_backend("torch", q)
+
+    def ours(q, c, r):
+        return ops.similarity_lse(q, c, 0.3, reference=r, **options)
+
+    def exact(q, c, r):
+        return oracle.similarity_lse(q, c, 0.3, **options) - 0.3 * torch.stack([(q[:, :d] * r[:, :d]).sum(dim=1)
+                                                                                for d in dims])
+
+    leaves = [t.clone().requires_grad_() for t in (q, c, r)]
+    exact_leaves = [t.clone().requires_grad_() for t in (q, c, r)]
+    value, expected = ours(*leaves), exact(*exact_leaves)
+    assert_close(value, expected, VALUE_TOL[torch.float64], "reference lse with dims")
+    for name, g, e in zip("qcr", torch.autograd.grad(value.sum(), leaves),
+                          torch.autograd.grad(expected.sum(), exact_leaves)):
+        assert_close(g, e, GRAD_TOL[torch.float64], f"d{name}")
+    assert gradcheck(ours, [t.clone().requires_grad_() for t in (q, c, r)])
+
+
+def test_dims_checks_name_the_argument():
+    from angle_kernels.dispatch import resolve_backend
+
+    q, c, kwargs = _dims_inputs("guided", torch.float32)
+    ops = resolve_backend("torch", q)
+    with pytest.raises(ValueError, match=r"filter_threshold must be a float \[k=3, M=12\]"):
+        ops.similarity_lse(q, c, **dict(kwargs, filter_threshold=kwargs["filter_threshold"][0]))
+    with pytest.raises(ValueError, match="at least 40 wide"):
+        ops.similarity_lse(q, c, **dict(kwargs, filter_q=kwargs["filter_q"][:, :30],
+                                        filter_c=kwargs["filter_c"][:, :30]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ops.similarity_lse(q, c, **dict(kwargs, dims=(24, 5, 40)))

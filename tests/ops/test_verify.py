@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from angle_kernels import verify  # noqa: E402
 from angle_kernels.triton_ops import (  # noqa: E402
-    _common, pair_scores_paths, similarity_xent_dense, similarity_xent_paths,
+    _common, pair_scores_paths, similarity_lse_paths, similarity_xent_dense, similarity_xent_paths,
 )
 from autotune_replay import ReplayedAutotuner, install  # noqa: E402
 
@@ -33,12 +33,15 @@ TINY_WIDE = 64  # the width of verify.cases("tiny")'s dense cases
 @pytest.fixture
 def tiny_dense(monkeypatch):
     """The dense scheme taken from the tiny cases' wide width, not from its MIN_WIDTH (768), and so the one-read pair
-    scores (ONE_READ_MIN_WIDTH, 768)."""
+    scores (ONE_READ_MIN_WIDTH, 768) and the dense similarity_lse scheme."""
     monkeypatch.setattr(similarity_xent_dense, "MIN_WIDTH", TINY_WIDE)
     for name in ("ONE_READ_MIN_WIDTH", "PROPOSED_ONE_READ_MIN_WIDTH"):
         monkeypatch.setattr(pair_scores_paths, name, TINY_WIDE)
     for name in ("DENSE_DIMS_MIN_WIDTH", "PROPOSED_DENSE_DIMS_MIN_WIDTH"):
         monkeypatch.setattr(similarity_xent_paths, name, TINY_WIDE)
+    for name in ("DENSE_MIN_WIDTH", "PROPOSED_DENSE_MIN_WIDTH", "DENSE_DIMS_MIN_WIDTH",
+                 "PROPOSED_DENSE_DIMS_MIN_WIDTH"):
+        monkeypatch.setattr(similarity_lse_paths, name, TINY_WIDE)
 
 
 @pytest.mark.slow  # about 20 s through the interpreter (the sort path's scan at N = 4,200 is half of it)
