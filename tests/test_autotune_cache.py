@@ -29,9 +29,10 @@ before = os.environ.get("TRITON_CACHE_AUTOTUNING")
 if sys.argv[1] == "knob":
     triton.knobs.autotuning.cache = False
     os.environ.pop("TRITON_CACHE_AUTOTUNING")  # the knob alone says what the user chose
-modules = triton_ops.load_ops()
-from angle_kernels.triton_ops import similarity_xent  # the fused kernels' module (load_ops names its router)
-autotuners = [kernel.launcher for module in (similarity_xent, modules["similarity_lse"])
+triton_ops.load_ops()
+# the fused kernels' modules (load_ops names the routers of their ops)
+from angle_kernels.triton_ops import similarity_lse, similarity_xent
+autotuners = [kernel.launcher for module in (similarity_xent, similarity_lse)
               for kernel in module._TUNED["16bit"] + module._TUNED["32bit"]
               if isinstance(kernel.launcher, triton.runtime.Autotuner)]
 print(json.dumps({"caching": sorted({a.cache_results for a in autotuners}), "count": len(autotuners),
