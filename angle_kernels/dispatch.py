@@ -4,7 +4,7 @@ Every public loss in `angle_kernels.functional` is assembled from four different
 contract every backend is held to (to the tolerances of the input dtype), are the docstrings of the functions
 `pair_scores`, `ranking_loss`, `similarity_xent` and `similarity_lse` below. The backends implement them as
 `torch.autograd.Function`s with explicit backward passes: `torch_ops` (pure PyTorch, any device), `triton_ops`
-(fused Triton kernels for CUDA tensors), `cuda_ops` (the CUDA C++ extension in csrc/; no similarity_lse yet).
+(fused Triton kernels for CUDA tensors), `cuda_ops` (the CUDA C++ extension in csrc/).
 
 Common conventions (the numbers and checks in code: `angle_kernels.contract`)
     * Norms use F.normalize's epsilon: ||x|| is replaced by max(||x||, 1e-12), so a zero vector has

@@ -65,6 +65,8 @@ SELECTORS: dict[tuple[str, str], str] = {
     ("triton", "similarity_xent"): "triton_ops.similarity_xent_paths:code_path",
     ("triton", "similarity_lse"): "triton_ops.similarity_lse_paths:code_path",
     ("torch", "similarity_xent"): "torch_ops.similarity_xent:code_path",
+    ("cuda", "pair_scores"): "cuda_ops.pair_scores:code_path",
+    ("cuda", "similarity_lse"): "cuda_ops.similarity_lse:code_path",
 }
 
 # The op functions that only call the launcher of the path their op's selector names (an op whose paths live in
@@ -101,9 +103,12 @@ PATH_CODE: dict[tuple[str, str, str], PathCode] = {
     ("triton", "similarity_lse", "dense"): PathCode(("triton_ops._similarity_lse_dense:similarity_lse",)),
     ("triton", "similarity_lse", "dense_dims"): PathCode(("triton_ops._similarity_lse_dense:similarity_lse_dims",)),
     ("triton", "similarity_lse", "fused_prefixes"): PathCode(("triton_ops.similarity_lse_paths:fused_prefixes",)),
-    ("cuda", "pair_scores", "full"): PathCode(("cuda_ops.pair_scores:pair_scores",)),
+    ("cuda", "pair_scores", "full"): PathCode(("cuda_ops.pair_scores:pair_scores",), ("_prefixes",)),
+    ("cuda", "pair_scores", "dims"): PathCode(("cuda_ops.pair_scores:pair_scores",), ("_single_width",)),
     ("cuda", "ranking_loss", "sort"): PathCode(("cuda_ops.ranking_loss:ranking_loss",)),
     ("cuda", "similarity_xent", "fused"): PathCode(("cuda_ops.similarity_xent:similarity_xent",)),
+    ("cuda", "similarity_lse", "dense"): PathCode(("cuda_ops.similarity_lse:similarity_lse",)),
+    ("cuda", "similarity_lse", "dense_dims"): PathCode(("cuda_ops.similarity_lse:similarity_lse",)),
     # The PyTorch backend: its default paths need no verification (the CPU tests verify them everywhere), but the
     # speed table (angle_kernels.measured) records what it timed by these fingerprints too; its GPU path "mixed"
     # (16-bit products) is verified like the GPU backends' paths.

@@ -105,20 +105,31 @@ def _xent_case(path: str, m: int, mc: int | None, d: int, dims=None, dtypes=DTYP
     return Case("similarity_xent", path, ("ibn " if mc is None else "contrastive ") + shape, build, dtypes)
 
 
-def _lse_case(path: str, m: int, mc: int, d: int, dims=None) -> Case:
+def _lse_case(path: str, m: int, mc: int, d: int, dims=None, guided: bool = False) -> Case:
     """A query block against its documents and hard negatives laid out m apart (period), with a hardness penalty
-    on the other columns and a false-negative filter on the model's own scores (with dims: each prefix's)."""
+    on the other columns and a false-negative filter on the model's own scores (with dims: each prefix's). guided:
+    raw dot products (normalize=False) with a guide model's filter instead (float32 embeddings of the same width,
+    dropping about the top sixth of each row's columns; the target kept), excluding the own columns."""
     def build(gen, dtype, device):
         q = _randn(gen, m, d, dtype=dtype, device=device)
         c = _randn(gen, mc, d, dtype=dtype, device=device)
         rows = (m,) if dims is None else (len(dims), m)
-        threshold = torch.full(rows, 0.1, dtype=compute_dtype(dtype), device=device)
         options = {} if dims is None else {"dims": dims}
+        if guided:  # one standard deviation of a guide's dot product over each width
+            fq = _randn(gen, m, d, dtype=torch.float32, device=device)
+            fc = _randn(gen, mc, d, dtype=torch.float32, device=device)
+            widths = torch.tensor([d] if dims is None else list(dims), dtype=torch.float32, device=device)
+            threshold = widths.sqrt()[:, None].expand(len(widths), m).reshape(rows).contiguous()
+            return [q, c], lambda q, c: ((q, c, 2.0 / math.sqrt(d)), dict(
+                period=m, exclude="own", penalty=0.5 / math.sqrt(d), penalty_on="all", filter_q=fq, filter_c=fc,
+                filter_threshold=threshold, filter_keeps_target=True, normalize=False, **options))
+        threshold = torch.full(rows, 0.1, dtype=compute_dtype(dtype), device=device)
         return [q, c], lambda q, c: ((q, c, 20.0), dict(
             period=m, penalty=2.0, penalty_on="other", filter_q=q.detach(), filter_c=c.detach(),
             filter_threshold=threshold, filter_keeps_target=True, **options))
 
-    return Case("similarity_lse", path, f"M={m} Mc={mc} D={d}" + (f" dims={dims}" if dims else ""), build)
+    name = ("guided dots " if guided else "") + f"M={m} Mc={mc} D={d}" + (f" dims={dims}" if dims else "")
+    return Case("similarity_lse", path, name, build)
 
 
 def cases(sizes: str = "standard") -> list[Case]:
@@ -149,11 +160,14 @@ def cases(sizes: str = "standard") -> list[Case]:
     one_read = [_pair_case("dims_one_read", pairs, 2, wide if tiny else d,
                            dims=(4, 8, 16, 40, 64) if tiny else at_d[1]),
                 _pair_case("dims_one_read", max(1, pairs // 4), 3, wide, dims=scaled)]
-    # similarity_lse on the dense scheme (from its proposed width, 768, up: at it and at the wide width), with dims in
-    # one pass at three and five widths; the fused kernels below it, once and per prefix (the dims calls the dense
-    # scheme does not take)
+    # similarity_lse on the dense scheme (from its proposed width, 768, up: at it and at the wide width; raw dot
+    # products with a guide's filter at the wide width), with dims in one pass at three and five widths; the fused
+    # kernels below it, once and per prefix (the dims calls the dense scheme does not take). The CUDA backend's
+    # similarity_lse has the dense scheme alone (its paths "dense" and "dense_dims"): it takes the dense cases at
+    # every width
     lse_at = ((8, 16, 64), (4, 8, 16, 32, 64)) if tiny else ((64, 256, wide), (64, 128, 256, 512, wide))
     lse_dense = [_lse_case("dense", rows // 2, 3 * (rows // 2), wide),
+                 _lse_case("dense", rows // 2, 3 * (rows // 2), wide, guided=True),
                  _lse_case("dense_dims", rows // 2, 3 * (rows // 2), wide, dims=lse_at[0]),
                  _lse_case("dense_dims", rows // 2, 3 * (rows // 2), wide, dims=lse_at[1]),
                  _lse_case("fused_prefixes", rows // 2, 3 * (rows // 2), narrow, dims=dims)]
@@ -173,6 +187,9 @@ def cases(sizes: str = "standard") -> list[Case]:
         _pair_case("full", pairs, 2, d),
         _pair_case("full", pairs // 4, 3, d),
         _pair_case("dims", pairs, 2, narrow, dims=dims),
+        # format C triples at five widths; widths off the 16-byte vectors (the CUDA kernels' per-element path)
+        _pair_case("dims", max(1, pairs // 4), 3, narrow, dims=five),
+        _pair_case("dims", max(1, pairs // 4), 2, narrow, dims=(6, 12, 26) if tiny else (60, 250, narrow)),
         *one_read,
         _ranking_case("pairwise", 40 if tiny else 3000),
         _ranking_case("sort", {"tiny": 4200, "standard": 6000, "large": 2_000_000}[sizes]),

@@ -85,7 +85,8 @@ def fingerprint_at(backend: str, op: str, path: str, tree: fingerprints.Tree) ->
 
 def derived_path(label: str, op: str, variant: str, size: int, tree: fingerprints.Tree | None) -> str:
     """The code path a row of a sweep that did not record it timed: the scheme a "triton-<scheme>" row forced, the
-    one path of the torch and cuda backends, the variant's path of Triton's pair_scores and similarity_xent dims,
+    one path of the torch backend and of the cuda backend's ops with one, the variant's path of the pair_scores of
+    Triton and cuda and of Triton's similarity_xent dims,
     and for the Triton ranking term the rule of its code_path (pairwise up to SMALL_N_MAX scores) as the tree
     states SMALL_N_MAX."""
     backend, _, scheme = label.partition("-")
@@ -96,7 +97,7 @@ def derived_path(label: str, op: str, variant: str, size: int, tree: fingerprint
     paths = [path for (b, o, path) in fingerprints.PATH_CODE if (b, o) == (backend, op)]
     if len(paths) == 1:
         return paths[0]
-    if backend == "triton" and (variant == "dims" or op == "pair_scores"):
+    if (backend == "triton" or (backend, op) == ("cuda", "pair_scores")) and (variant == "dims" or op == "pair_scores"):
         return "dims" if variant == "dims" else "full"
     if backend == "triton" and op == "ranking_loss" and tree is not None:
         return "pairwise" if size <= _module_constant(tree, "triton_ops/ranking_loss.py", "SMALL_N_MAX") else "sort"

@@ -30,6 +30,9 @@
 #ifndef ANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT
 #define ANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT 0ULL
 #endif
+#ifndef ANGLE_KERNELS_FINGERPRINT_SIMILARITY_LSE
+#define ANGLE_KERNELS_FINGERPRINT_SIMILARITY_LSE 0ULL
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CUDA kernels of angle_kernels; the ops are torch.ops.angle_kernels.cuda_*";
@@ -38,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         {"pair_scores", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_PAIR_SCORES)},
         {"ranking_loss", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_RANKING_LOSS)},
         {"similarity_xent", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT)},
+        {"similarity_lse", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_SIMILARITY_LSE)},
     };
   }, "op -> the fingerprint of the CUDA sources this extension built it from (0: unknown)");
 }

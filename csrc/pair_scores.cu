@@ -49,6 +49,28 @@
 // max (with the abs folded in) and a multiply forward, two multiplies backward; the exponent check runs once a piece.
 // The vector backward evaluates the general backward's expressions element for element: given the same stats, both
 // paths write the same dx bits.
+//
+// Nested prefixes (dims = d_1 < ... < d_k <= D, the contract's Matryoshka widths): cos, angle [k, G, K-1] and stats
+// [k, G, K-1, 6], prefix i being the scores of x[..., :d_i] with its own norms, scales and halves, from one read of
+// each row. The slices [d_{i-1}, d_i) partition the prefixes: the forward sweeps them in order, adding each slice's
+// |u|^2, |v|^2 and u.v to running totals (the totals after slice i are prefix i's), with one running scale exponent
+// per row (prefix i's scale is its value after slice i: the exponent of the prefix's largest magnitude, as a call on
+// x[..., :d_i] finds it). With the angle, prefix i's cross term pairs j with j + d_i/2, a shift of its own: a second
+// sweep over the prefix's halves after its slice, which re-reads the pair's rows from cache. The backward writes each
+// dx element once: a column of slice s takes the sum over the prefixes i >= s of their terms, whose coefficients are
+// summed per slice (one width's arithmetic per element), plus with the angle one rotated term per prefix containing
+// it. The same teams and 16-byte vectors as above where every prefix is a multiple of the vector width (of twice it
+// with the angle, so that no vector straddles a slice boundary or a prefix's middle), else one element per lane
+// position (any strides and widths): kernels written once on "chunks" of either width (see Chunk).
+// The floor is one width's at d_k: the forward reads G*K*d_k elements and writes 8 scalars per pair and prefix
+// (cos, angle and the 6 stats), the backward reads the rows once and writes dx once (columns past d_k: zeros).
+// Zigzag bf16 pairs at D = 768 with dims (64, 128, 256, 512, 768): 3,072 bytes read forward and 3,072 read + 3,072
+// written backward per pair, as at one width, and 160 bytes of scalars written forward (32 at one width), 160 read
+// backward. FLOPs per element pair: forward 3 FMAs (|u|^2, |v|^2, u.v) as at one width; with the angle the cross
+// sweeps add 2 FMAs on sum(d_i) = 1,728 columns' halves (2.25 row-lengths, from L1/L2, not DRAM); backward 4 FMAs
+// (du, dv) per element and partner as at one width, plus with the angle 2 FMAs and 2 cached twin loads per prefix
+// containing the column (2.25 on average here). k calls on the truncated rows instead read sum(d_i) columns (2.25x,
+// from DRAM once the rows exceed L2) and run every prefix's arithmetic from column 0.
 
 #include "common.cuh"
 
@@ -685,6 +707,366 @@ __global__ void __launch_bounds__(kPairScoresThreads)
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Nested prefixes (dims): every prefix x[..., :d_i] of a pair in one read of each row.
+// ---------------------------------------------------------------------------------------------------------
+// The prefix widths d_1 < ... < d_k, passed by value (a __grid_constant__ parameter: read in place, indexed at run
+// time without a local copy). The slices [d_{i-1}, d_i) (d_0 = 0) partition the prefixes: prefix i is slices 1 .. i.
+constexpr int kMaxPrefixes = 32;  // more prefixes: the op makes one call per group of 32 (cuda_ops/pair_scores.py)
+struct PrefixWidths {
+  int64_t width[kMaxPrefixes];
+  int count;
+};
+constexpr int kSliceCoefs = 4;  // per pair and slice: A, B, C, the partner's scale at the slice's prefix
+constexpr int kRotCoefs = 3;    // per pair and prefix: r beta, t beta, s_v of the prefix (the rotated terms)
+
+// A chunk: the W consecutive elements of a row one lane takes at a position. The vector path's chunk is a 16-byte
+// vector (W = Vec16::kSize, rows contiguous and aligned: the full path's use_vector_path), the general path's one
+// element (W = 1, any stride). The prefix kernels are written once on chunks, so both paths run the same code.
+template <typename scalar_t, bool kVec>
+struct Chunk;
+template <typename scalar_t>
+struct Chunk<scalar_t, true> {
+  using acc = acc_t<scalar_t>;
+  using Raw = uint4;
+  static constexpr int kWidth = Vec16<scalar_t>::kSize;
+  __device__ __forceinline__ static Raw zero() { return make_uint4(0u, 0u, 0u, 0u); }
+  __device__ __forceinline__ static Raw load(const scalar_t* row, int64_t col, int64_t) { return load16(row + col); }
+  __device__ __forceinline__ static void unpack(const Raw& r, acc (&o)[kWidth]) { Vec16<scalar_t>::unpack(r, o); }
+  __device__ __forceinline__ static void store(scalar_t* row, int64_t col, const acc (&o)[kWidth]) {
+    store16(row + col, Vec16<scalar_t>::pack(o));
+  }
+};
+template <typename scalar_t>
+struct Chunk<scalar_t, false> {
+  using acc = acc_t<scalar_t>;
+  using Raw = acc;  // the element, already in the compute type
+  static constexpr int kWidth = 1;
+  __device__ __forceinline__ static Raw zero() { return acc(0); }
+  __device__ __forceinline__ static Raw load(const scalar_t* row, int64_t col, int64_t stride_d) {
+    return load_as<acc>(row + col * stride_d);
+  }
+  __device__ __forceinline__ static void unpack(const Raw& r, acc (&o)[1]) { o[0] = r; }
+  __device__ __forceinline__ static void store(scalar_t* row, int64_t col, const acc (&o)[1]) {
+    row[col] = from_acc<scalar_t>(o[0]);  // dx is contiguous
+  }
+};
+
+// Chunk positions per lane per step, loads issued before use as in the full path: the slice sweep loads u and v
+// (4 positions: 8 vectors in flight), the cross sweep a, b, c, d (2 positions), the backward the anchor and each
+// partner (2 positions; the rotated terms' twins are cache hits, loaded where used). Unlike the full backward, the
+// prefixes' backward does not load the next partner ahead (K > 2): a first version, to be profiled on a GPU.
+constexpr int kDimsSliceStep = 4;
+constexpr int kDimsCrossStep = 2;
+constexpr int kDimsBwdStep = 2;
+
+// ---------------------------------------------------------------------------------------------------------
+// Prefixes, forward: one team per pair (the vector forward's teams). For each slice in order, each lane sums |u|^2,
+// |v|^2 and u.v over its chunks of the slice, its running exponents starting at the totals' (so no lane lowers
+// them); the team agrees on the largest exponent, reduces, and adds the slice to the running totals (brought to the
+// new exponent first). The totals after slice i are prefix i's sums, at the scale a call on x[..., :d_i] computes
+// (the exponent of the largest magnitude of the prefix): the row has one running exponent, each prefix reads it
+// where its slice ends. With the angle, prefix i's cross term pairs column j with j + d_i/2, a shift of its own:
+// after slice i a second sweep over the prefix's halves, at its final scales (no rescaling), reads the pair's rows
+// again: cache hits (the team has just read them), not DRAM. Prefix i's outputs go to [i, G, K-1] (stats: 6 each).
+// ---------------------------------------------------------------------------------------------------------
+template <typename scalar_t, bool kVec>
+__global__ void __launch_bounds__(kPairScoresThreads)
+    _pair_scores_dims_fwd_kernel(const scalar_t* __restrict__ x, int64_t num_groups, int64_t group_size,
+                                 int64_t stride_g, int64_t stride_k, int64_t stride_d,
+                                 const __grid_constant__ PrefixWidths dims, bool with_angle, int log2_team,
+                                 acc_t<scalar_t>* __restrict__ cos_out, acc_t<scalar_t>* __restrict__ angle_out,
+                                 acc_t<scalar_t>* __restrict__ stats_out) {
+  using acc = acc_t<scalar_t>;
+  using C = Chunk<scalar_t, kVec>;
+  constexpr int W = C::kWidth;
+  const int team = 1 << log2_team;
+  const int rank = static_cast<int>(threadIdx.x) & (team - 1);
+  const int64_t pairs_per_group = group_size - 1;
+  const int64_t num_pairs = num_groups * pairs_per_group;
+  const int64_t block_first_pair = static_cast<int64_t>(blockIdx.x) * (kPairScoresThreads >> log2_team);
+  // A warp none of whose teams has a pair exits whole; any other warp stays whole for the team shuffles.
+  if (block_first_pair + ((threadIdx.x & ~(kWarpSize - 1)) >> log2_team) >= num_pairs) return;
+  const int64_t pair = block_first_pair + (threadIdx.x >> log2_team);
+  const bool active = pair < num_pairs;  // an idle team sweeps nothing and reduces zeros
+  const int64_t g = active ? pair / pairs_per_group : 0;
+  const int64_t k = active ? 1 + pair % pairs_per_group : 1;
+  const scalar_t* u = x + g * stride_g;
+  const scalar_t* v = u + k * stride_k;
+
+  acc uu_total = 0, vv_total = 0, uv_total = 0;  // the prefix so far, at the exponents below (the team agrees)
+  int exp_u_total = 0, exp_v_total = 0;
+  int64_t lo = 0;
+  for (int i = 0; i < dims.count; ++i) {
+    const int64_t hi = dims.width[i];
+    acc uu = 0, vv = 0, uv = 0;
+    int exp_u = exp_u_total, exp_v = exp_v_total;
+    acc s_u = pow2<acc>(-exp_u), s_v = pow2<acc>(-exp_v);
+    const int64_t end = active ? hi / W : 0;
+    for (int64_t base = lo / W + rank; base < end; base += static_cast<int64_t>(team) * kDimsSliceStep) {
+      typename C::Raw raw[kDimsSliceStep][2];  // u, v of each position; zeros past the slice (they add nothing)
+#pragma unroll
+      for (int j = 0; j < kDimsSliceStep; ++j) {
+        const int64_t pos = base + static_cast<int64_t>(j) * team;
+        raw[j][0] = raw[j][1] = C::zero();
+        if (pos < end) {
+          raw[j][0] = C::load(u, pos * W, stride_d);
+          raw[j][1] = C::load(v, pos * W, stride_d);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kDimsSliceStep; ++j) {
+        acc a[W], c[W];
+        C::unpack(raw[j][0], a);
+        C::unpack(raw[j][1], c);
+        acc largest_u = 0, largest_v = 0;
+#pragma unroll
+        for (int e = 0; e < W; ++e) {
+          largest_u = max_acc(largest_u, abs_acc(a[e]));
+          largest_v = max_acc(largest_v, abs_acc(c[e]));
+        }
+        const acc fu = raise_exponent(&exp_u, largest_u), fv = raise_exponent(&exp_v, largest_v);
+        if (fu != acc(1) || fv != acc(1)) {
+          uu *= fu * fu;
+          vv *= fv * fv;
+          uv *= fu * fv;
+          s_u = pow2<acc>(-exp_u);
+          s_v = pow2<acc>(-exp_v);
+        }
+#pragma unroll
+        for (int e = 0; e < W; ++e) {
+          const acc ae = a[e] * s_u, ce = c[e] * s_v;
+          uu += ae * ae;
+          vv += ce * ce;
+          uv += ae * ce;
+        }
+      }
+    }
+    // The slice's sums at the team's exponents, then added to the totals brought to them (every lane holds the
+    // totals: the reductions leave the same values in all lanes of the team).
+    const int team_exp_u = team_max(exp_u, team), team_exp_v = team_max(exp_v, team);
+    {
+      const acc fu = pow2<acc>(exp_u - team_exp_u), fv = pow2<acc>(exp_v - team_exp_v);
+      uu *= fu * fu;
+      vv *= fv * fv;
+      uv *= fu * fv;
+    }
+    uu = team_sum(uu, team);
+    vv = team_sum(vv, team);
+    uv = team_sum(uv, team);
+    {
+      const acc fu = pow2<acc>(exp_u_total - team_exp_u), fv = pow2<acc>(exp_v_total - team_exp_v);
+      uu_total = uu_total * (fu * fu) + uu;
+      vv_total = vv_total * (fv * fv) + vv;
+      uv_total = uv_total * (fu * fv) + uv;
+    }
+    exp_u_total = team_exp_u;
+    exp_v_total = team_exp_v;
+
+    acc cross = 0;  // b.c - a.d of the prefix's halves, at its final scales
+    if (with_angle) {
+      const int64_t half = hi / 2;
+      const acc su = pow2<acc>(-exp_u_total), sv = pow2<acc>(-exp_v_total);
+      const int64_t half_end = active ? half / W : 0;
+      for (int64_t base = rank; base < half_end; base += static_cast<int64_t>(team) * kDimsCrossStep) {
+        typename C::Raw raw[kDimsCrossStep][4];  // a, b, c, d of each position
+#pragma unroll
+        for (int j = 0; j < kDimsCrossStep; ++j) {
+          const int64_t pos = base + static_cast<int64_t>(j) * team;
+          raw[j][0] = raw[j][1] = raw[j][2] = raw[j][3] = C::zero();
+          if (pos < half_end) {
+            raw[j][0] = C::load(u, pos * W, stride_d);
+            raw[j][1] = C::load(u, half + pos * W, stride_d);
+            raw[j][2] = C::load(v, pos * W, stride_d);
+            raw[j][3] = C::load(v, half + pos * W, stride_d);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kDimsCrossStep; ++j) {
+          acc a[W], b[W], c[W], d[W];
+          C::unpack(raw[j][0], a);
+          C::unpack(raw[j][1], b);
+          C::unpack(raw[j][2], c);
+          C::unpack(raw[j][3], d);
+#pragma unroll
+          for (int e = 0; e < W; ++e) {
+            cross += (b[e] * su) * (c[e] * sv);
+            cross -= (a[e] * su) * (d[e] * sv);
+          }
+        }
+      }
+      cross = team_sum(cross, team);
+    }
+    if (active && rank == 0) {
+      finish_pair(static_cast<int64_t>(i) * num_pairs + pair, uu_total, vv_total, uv_total, cross, exp_u_total,
+                  exp_v_total, with_angle, cos_out, angle_out, stats_out);
+    }
+    lo = hi;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Prefixes, backward: one team per group, dx written once per element. A column j of slice s belongs to the
+// prefixes i >= s; in the frame of prefix s (u_s = su_s u, v_s = sv_s v: every element of the slice below 2) the
+// terms of the single-width formulas summed over those prefixes are, with r_i = su_i / su_s and t_i = sv_i / sv_s
+// (exact powers of two <= 1) and prefix i's coefficients alpha, beta, gamma_u, gamma_v (pair_coefficients):
+//   du = su_s [sum_p (A_p v_s - B_p u_s) + sum_p sum_{i >= s} sign_i r_i beta_ip (sv_ip v_p[twin_i])]
+//   dv_p = sv_s [A_p u_s - C_p v_s - sum_{i >= s} sign_i t_ip beta_ip (su_i u[twin_i])]
+//   A_p = sum_{i >= s} r_i t_ip alpha_ip,  B_p = sum_{i >= s} r_i^2 gamma_u_ip,  C_p = sum_{i >= s} t_ip^2 gamma_v_ip
+// where twin_i = j + d_i/2, sign_i = -1 in prefix i's first half, j - d_i/2 and +1 in its second (the rotated terms,
+// with the angle only). At the start of each slice the team's lanes compute A, B, C and the rotated coefficients of
+// its pairs into the team's slice of shared memory; every element then takes one width's arithmetic plus, with the
+// angle, one twin per prefix containing it (cache hits: the group's rows are being read). Columns past d_k get 0.
+// ---------------------------------------------------------------------------------------------------------
+template <typename scalar_t, bool kVec>
+__global__ void __launch_bounds__(kPairScoresThreads)
+    _pair_scores_dims_bwd_kernel(const acc_t<scalar_t>* __restrict__ grad_cos,
+                                 const acc_t<scalar_t>* __restrict__ grad_angle, const scalar_t* __restrict__ x,
+                                 const acc_t<scalar_t>* __restrict__ stats, int64_t num_groups, int64_t group_size,
+                                 int64_t dim, int64_t stride_g, int64_t stride_k, int64_t stride_d,
+                                 const __grid_constant__ PrefixWidths dims, bool with_angle, int log2_team,
+                                 scalar_t* __restrict__ dx) {
+  using acc = acc_t<scalar_t>;
+  using C = Chunk<scalar_t, kVec>;
+  constexpr int W = C::kWidth;
+  extern __shared__ __align__(16) unsigned char pair_dims_smem[];
+  const int team = 1 << log2_team;
+  const int rank = static_cast<int>(threadIdx.x) & (team - 1);
+  const int team_in_block = static_cast<int>(threadIdx.x) >> log2_team;
+  const int64_t pairs_per_group = group_size - 1;
+  const int64_t num_pairs = num_groups * pairs_per_group;
+  const int64_t block_first_group = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> log2_team);
+  // A warp none of whose teams has a group exits whole; any other warp stays whole for the __syncwarp below.
+  if (block_first_group + ((threadIdx.x & ~(kWarpSize - 1)) >> log2_team) >= num_groups) return;
+  const int64_t g = block_first_group + team_in_block;
+  const bool active = g < num_groups;
+
+  // The team's shared memory: kSliceCoefs per pair (A, B, C, sv_s), kRotCoefs per prefix and pair, su per prefix.
+  const int64_t per_team = pairs_per_group * (kSliceCoefs + static_cast<int64_t>(dims.count) * kRotCoefs) + dims.count;
+  acc* slice_coef = reinterpret_cast<acc*>(pair_dims_smem) + team_in_block * per_team;
+  acc* rot_coef = slice_coef + pairs_per_group * kSliceCoefs;
+  acc* prefix_su = rot_coef + pairs_per_group * dims.count * kRotCoefs;
+
+  const scalar_t* u = x + g * stride_g;
+  scalar_t* du_out = dx + g * group_size * dim;  // dx is contiguous [G, K, D]
+  int64_t lo = 0;
+  for (int s = 0; s < dims.count; ++s) {
+    const int64_t hi = dims.width[s];
+    __syncwarp();  // the previous slice's coefficients are no longer read (a team lies within one warp)
+    for (int64_t p = rank; active && p < pairs_per_group; p += team) {
+      const acc* own = stats + (static_cast<int64_t>(s) * num_pairs + g * pairs_per_group + p) * kPairStats;
+      const acc su_s = own[4], sv_s = own[5];
+      acc sum_a = 0, sum_b = 0, sum_c = 0;
+      for (int i = s; i < dims.count; ++i) {
+        const int64_t prefix_pair = static_cast<int64_t>(i) * num_pairs + g * pairs_per_group + p;
+        acc coef[kPairCoefs];  // alpha, beta, gamma_u, gamma_v, s_v of prefix i
+        pair_coefficients(prefix_pair, stats, grad_cos, grad_angle, with_angle, coef);
+        const acc su_i = stats[prefix_pair * kPairStats + 4];
+        const acc r = su_i / su_s, t = coef[4] / sv_s;  // powers of two: exact
+        sum_a += (r * t) * coef[0];
+        sum_b += (r * r) * coef[2];
+        sum_c += (t * t) * coef[3];
+        acc* rot = rot_coef + (static_cast<int64_t>(i) * pairs_per_group + p) * kRotCoefs;
+        rot[0] = r * coef[1];
+        rot[1] = t * coef[1];
+        rot[2] = coef[4];
+        if (p == 0) prefix_su[i] = su_i;  // the anchor's scale, the same in every pair
+      }
+      acc* own_coef = slice_coef + p * kSliceCoefs;
+      own_coef[0] = sum_a;
+      own_coef[1] = sum_b;
+      own_coef[2] = sum_c;
+      own_coef[3] = sv_s;
+    }
+    __syncwarp();
+    if (active) {
+      const acc su_s = prefix_su[s];
+      const int64_t end = hi / W;
+      for (int64_t base = lo / W + rank; base < end; base += static_cast<int64_t>(team) * kDimsBwdStep) {
+        bool in[kDimsBwdStep];
+        int64_t col[kDimsBwdStep];
+        acc a[kDimsBwdStep][W], du[kDimsBwdStep][W];
+#pragma unroll
+        for (int j = 0; j < kDimsBwdStep; ++j) {
+          const int64_t pos = base + static_cast<int64_t>(j) * team;
+          in[j] = pos < end;
+          col[j] = pos * W;
+          typename C::Raw raw = C::zero();
+          if (in[j]) raw = C::load(u, col[j], stride_d);
+          C::unpack(raw, a[j]);
+#pragma unroll
+          for (int e = 0; e < W; ++e) {
+            a[j][e] *= su_s;
+            du[j][e] = 0;
+          }
+        }
+        for (int64_t p = 0; p < pairs_per_group; ++p) {
+          const scalar_t* v = u + (p + 1) * stride_k;
+          scalar_t* dv_out = du_out + (p + 1) * dim;
+          const acc* cp = slice_coef + p * kSliceCoefs;
+          const acc coef_a = cp[0], coef_b = cp[1], coef_c = cp[2], sv_s = cp[3];
+          typename C::Raw raw_c[kDimsBwdStep];
+#pragma unroll
+          for (int j = 0; j < kDimsBwdStep; ++j) {
+            raw_c[j] = C::zero();
+            if (in[j]) raw_c[j] = C::load(v, col[j], stride_d);
+          }
+#pragma unroll
+          for (int j = 0; j < kDimsBwdStep; ++j) {
+            acc c[W], dv[W];
+            C::unpack(raw_c[j], c);
+#pragma unroll
+            for (int e = 0; e < W; ++e) {
+              c[e] *= sv_s;
+              du[j][e] += coef_a * c[e] - coef_b * a[j][e];
+              dv[e] = coef_a * a[j][e] - coef_c * c[e];
+            }
+            if (with_angle && in[j]) {
+              // The rotated terms: a chunk lies in one half of every prefix (the vector path's prefixes are
+              // multiples of two vectors), so its twin is one chunk.
+              for (int i = s; i < dims.count; ++i) {
+                const int64_t half = dims.width[i] / 2;
+                const bool first = col[j] < half;
+                const int64_t twin = first ? col[j] + half : col[j] - half;
+                const acc* rot = rot_coef + (static_cast<int64_t>(i) * pairs_per_group + p) * kRotCoefs;
+                const acc sign = first ? acc(-1) : acc(1);
+                const acc rb = sign * rot[0], tb = sign * rot[1], sv_i = rot[2], su_i = prefix_su[i];
+                acc tu[W], tv[W];
+                C::unpack(C::load(u, twin, stride_d), tu);
+                C::unpack(C::load(v, twin, stride_d), tv);
+#pragma unroll
+                for (int e = 0; e < W; ++e) {
+                  du[j][e] += rb * (tv[e] * sv_i);
+                  dv[e] -= tb * (tu[e] * su_i);
+                }
+              }
+            }
+#pragma unroll
+            for (int e = 0; e < W; ++e) dv[e] *= sv_s;
+            if (in[j]) C::store(dv_out, col[j], dv);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kDimsBwdStep; ++j) {
+#pragma unroll
+          for (int e = 0; e < W; ++e) du[j][e] *= su_s;
+          if (in[j]) C::store(du_out, col[j], du[j]);
+        }
+      }
+    }
+    lo = hi;
+  }
+  // The columns no prefix contains.
+  if (active) {
+    acc zeros[W];
+#pragma unroll
+    for (int e = 0; e < W; ++e) zeros[e] = 0;
+    for (int64_t pos = lo / W + rank; pos < dim / W; pos += team) {
+      for (int64_t row = 0; row < group_size; ++row) C::store(du_out + row * dim, pos * W, zeros);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Launchers. Return cudaSuccess, the launch error, or cudaErrorInvalidValue for arguments the kernels
 // cannot handle (the binding turns that into a readable message first).
 // ---------------------------------------------------------------------------------------------------------
@@ -790,13 +1172,127 @@ cudaError_t pair_scores_bwd(const acc_t<scalar_t>* grad_cos, const acc_t<scalar_
   return cudaGetLastError();
 }
 
+// ---- nested prefixes (dims) ----
+// The prefixes' launchers take the widths as a host array (dims[0..num_dims), ascending, at most dim; with the angle
+// even) of at most kMaxPrefixes.
+inline bool fill_prefix_widths(const int64_t* dims, int64_t num_dims, int64_t dim, bool with_angle,
+                               PrefixWidths* widths) {
+  if (num_dims < 1 || num_dims > kMaxPrefixes) return false;
+  widths->count = static_cast<int>(num_dims);
+  for (int i = 0; i < kMaxPrefixes; ++i) widths->width[i] = i < num_dims ? dims[i] : 0;
+  for (int64_t i = 0; i < num_dims; ++i) {
+    if (dims[i] < 1 || dims[i] > dim || (i > 0 && dims[i] <= dims[i - 1]) || (with_angle && dims[i] % 2 != 0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The vector path with prefixes: the full path's conditions for the whole row (without the angle's: the halves that
+// matter are the prefixes'), and every prefix a multiple of the vector width (with the angle of twice it, so that
+// each prefix's second half starts on a vector). Then no chunk straddles a slice boundary or a prefix's middle,
+// every chunk of a slice takes the slice's coefficients, and a rotated term's twin is one aligned vector. Matryoshka
+// widths are multiples of 16 or 32 in practice; any other widths take the general path (per-element chunks).
+template <typename scalar_t>
+bool use_dims_vector_path(const scalar_t* x, int64_t num_groups, int64_t dim, int64_t stride_g, int64_t stride_k,
+                          int64_t stride_d, const PrefixWidths& widths, bool with_angle) {
+  constexpr int64_t V = Vec16<scalar_t>::kSize;
+  if (!use_vector_path(x, num_groups, dim, stride_g, stride_k, stride_d, false)) return false;
+  for (int i = 0; i < widths.count; ++i) {
+    if (widths.width[i] % (with_angle ? 2 * V : V) != 0) return false;
+  }
+  return true;
+}
+
+template <typename scalar_t>
+cudaError_t pair_scores_dims_fwd(const scalar_t* x, int64_t num_groups, int64_t group_size, int64_t dim,
+                                 int64_t stride_g, int64_t stride_k, int64_t stride_d, const int64_t* dims,
+                                 int64_t num_dims, bool with_angle, acc_t<scalar_t>* cos_out,
+                                 acc_t<scalar_t>* angle_out, acc_t<scalar_t>* stats_out, cudaStream_t stream) {
+  PrefixWidths widths;
+  if (group_size < 2 || dim < 1 || num_groups < 0 || !fill_prefix_widths(dims, num_dims, dim, with_angle, &widths)) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t pairs = num_groups * (group_size - 1);
+  if (pairs == 0) return cudaSuccess;
+  const bool vec = use_dims_vector_path(x, num_groups, dim, stride_g, stride_k, stride_d, widths, with_angle);
+  const int log2_team = vector_team_log2(widths.width[widths.count - 1] / (vec ? Vec16<scalar_t>::kSize : 1));
+  const int64_t teams_per_block = kPairScoresThreads >> log2_team;
+  const int64_t blocks = (pairs + teams_per_block - 1) / teams_per_block;
+  if (blocks > kMaxBlocks) return cudaErrorInvalidValue;
+  const auto kernel =
+      vec ? _pair_scores_dims_fwd_kernel<scalar_t, true> : _pair_scores_dims_fwd_kernel<scalar_t, false>;
+  kernel<<<static_cast<unsigned>(blocks), kPairScoresThreads, 0, stream>>>(
+      x, num_groups, group_size, stride_g, stride_k, stride_d, widths, with_angle, log2_team, cos_out, angle_out,
+      stats_out);
+  return cudaGetLastError();
+}
+
+// The backward's shared memory per group (team): kSliceCoefs per pair, kRotCoefs per prefix and pair, one scale per
+// prefix.
+template <typename scalar_t>
+size_t pair_scores_dims_coef_bytes(int64_t group_size, int64_t num_dims) {
+  const int64_t pairs = group_size - 1;
+  return static_cast<size_t>(pairs * (kSliceCoefs + num_dims * kRotCoefs) + num_dims) * sizeof(acc_t<scalar_t>);
+}
+
+// Largest K the prefixes' backward supports with num_dims prefixes: one group's coefficients in shared memory.
+template <typename scalar_t>
+int64_t pair_scores_dims_bwd_max_group_size(int64_t num_dims) {
+  const int64_t values = static_cast<int64_t>(kMaxStaticSmem / sizeof(acc_t<scalar_t>)) - num_dims;
+  return 1 + values / (kSliceCoefs + num_dims * kRotCoefs);
+}
+
+template <typename scalar_t>
+cudaError_t pair_scores_dims_bwd(const acc_t<scalar_t>* grad_cos, const acc_t<scalar_t>* grad_angle,
+                                 const scalar_t* x, const acc_t<scalar_t>* stats, int64_t num_groups,
+                                 int64_t group_size, int64_t dim, int64_t stride_g, int64_t stride_k,
+                                 int64_t stride_d, const int64_t* dims, int64_t num_dims, bool with_angle,
+                                 scalar_t* dx, cudaStream_t stream) {
+  PrefixWidths widths;
+  if (group_size < 2 || dim < 1 || num_groups < 0 || !fill_prefix_widths(dims, num_dims, dim, with_angle, &widths)) {
+    return cudaErrorInvalidValue;
+  }
+  if (num_groups == 0) return cudaSuccess;
+  const size_t coef_bytes_per_group = pair_scores_dims_coef_bytes<scalar_t>(group_size, num_dims);
+  if (coef_bytes_per_group > kMaxStaticSmem) return cudaErrorInvalidValue;
+  const bool vec = use_dims_vector_path(x, num_groups, dim, stride_g, stride_k, stride_d, widths, with_angle) &&
+                   reinterpret_cast<uintptr_t>(dx) % 16 == 0;
+  int log2_team = vector_team_log2(widths.width[widths.count - 1] / (vec ? Vec16<scalar_t>::kSize : 1));
+  // As many teams per block as the coefficients allow: fewer warps first, then fewer (larger) teams per warp.
+  int threads = kPairScoresThreads;
+  while (coef_bytes_per_group * static_cast<size_t>(threads >> log2_team) > kMaxStaticSmem) {
+    if (threads > kWarpSize) {
+      threads /= 2;
+    } else {
+      ++log2_team;
+    }
+  }
+  const int64_t teams_per_block = threads >> log2_team;
+  const int64_t blocks = (num_groups + teams_per_block - 1) / teams_per_block;
+  if (blocks > kMaxBlocks) return cudaErrorInvalidValue;
+  const auto kernel =
+      vec ? _pair_scores_dims_bwd_kernel<scalar_t, true> : _pair_scores_dims_bwd_kernel<scalar_t, false>;
+  kernel<<<static_cast<unsigned>(blocks), threads, coef_bytes_per_group * teams_per_block, stream>>>(
+      grad_cos, grad_angle, x, stats, num_groups, group_size, dim, stride_g, stride_k, stride_d, widths, with_angle,
+      log2_team, dx);
+  return cudaGetLastError();
+}
+
 // Explicit instantiations: the binding (csrc/pair_scores.cpp) declares these and links against them.
 #define ANGLE_KERNELS_INSTANTIATE_PAIR_SCORES(T)                                                                  \
   template cudaError_t pair_scores_fwd<T>(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,    \
                                           acc_t<T>*, acc_t<T>*, acc_t<T>*, cudaStream_t);                          \
   template cudaError_t pair_scores_bwd<T>(const acc_t<T>*, const acc_t<T>*, const T*, const acc_t<T>*, int64_t,    \
                                           int64_t, int64_t, int64_t, int64_t, int64_t, bool, T*, cudaStream_t);    \
-  template int64_t pair_scores_bwd_max_group_size<T>();
+  template int64_t pair_scores_bwd_max_group_size<T>();                                                           \
+  template cudaError_t pair_scores_dims_fwd<T>(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,     \
+                                               const int64_t*, int64_t, bool, acc_t<T>*, acc_t<T>*, acc_t<T>*,     \
+                                               cudaStream_t);                                                      \
+  template cudaError_t pair_scores_dims_bwd<T>(const acc_t<T>*, const acc_t<T>*, const T*, const acc_t<T>*,       \
+                                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,              \
+                                               const int64_t*, int64_t, bool, T*, cudaStream_t);                   \
+  template int64_t pair_scores_dims_bwd_max_group_size<T>(int64_t);
 ANGLE_KERNELS_INSTANTIATE_PAIR_SCORES(float)
 ANGLE_KERNELS_INSTANTIATE_PAIR_SCORES(double)
 ANGLE_KERNELS_INSTANTIATE_PAIR_SCORES(__half)

@@ -216,13 +216,13 @@ def test_a_constant_of_the_contract_changes_the_paths_that_read_it(baseline, cop
                                                                                         "mixed")})
 
 
-TORCH_XENT, TORCH_COMMON = "angle_kernels/torch_ops/similarity_xent.py", "angle_kernels/torch_ops/common.py"
+TORCH_XENT, PRODUCTS = "angle_kernels/torch_ops/similarity_xent.py", "angle_kernels/products.py"
 
 
 @pytest.mark.parametrize("relative, old, new, paths", [
     (TORCH_XENT, "tile = products(self.qf[start:end], self.cf.T)", "tile = products(self.qf[start:end], self.cf.T) * 1",
      ("default", "mixed")),
-    (TORCH_COMMON, "a, b = a.to(out.dtype), b.to(out.dtype)", "a, b = a.to(out.dtype) * 1, b.to(out.dtype)",
+    (PRODUCTS, "a, b = a.to(out.dtype), b.to(out.dtype)", "a, b = a.to(out.dtype) * 1, b.to(out.dtype)",
      ("mixed",)),
     (TORCH_XENT, "tile_scale = weights / weight_max * scale", "tile_scale = weights * scale / weight_max", ("mixed",)),
     (TORCH_XENT, "d_qhat[start:end].addmm_(grad * c_inv[None, :], cf)", "d_qhat[start:end].addmm_(c_inv * grad, cf)",

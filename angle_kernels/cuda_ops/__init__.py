@@ -16,11 +16,12 @@ from types import ModuleType
 
 
 def load_ops() -> dict[str, ModuleType]:
-    """This backend's op modules by op name (`contract.OPS`; similarity_lse has none yet). Importing them defines
-    the angle_kernels::cuda_* schemas; `_extension.define_schemas` imports the same modules."""
-    from . import pair_scores, ranking_loss, similarity_xent
+    """This backend's op modules by op name (`contract.OPS`). Importing them defines the angle_kernels::cuda_*
+    schemas; `_extension.define_schemas` imports the same modules."""
+    from . import pair_scores, ranking_loss, similarity_lse, similarity_xent
 
-    return {"pair_scores": pair_scores, "ranking_loss": ranking_loss, "similarity_xent": similarity_xent}
+    return {"pair_scores": pair_scores, "ranking_loss": ranking_loss, "similarity_xent": similarity_xent,
+            "similarity_lse": similarity_lse}
 
 
 def is_available(allow_build: bool = True) -> tuple[bool, str]:

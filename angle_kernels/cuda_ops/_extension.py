@@ -114,7 +114,7 @@ def _missing_requirement() -> str:
 
 def define_schemas() -> None:
     """Import the op modules (those `cuda_ops.load_ops` returns): they define the schemas the kernels attach to."""
-    from . import pair_scores, ranking_loss, similarity_xent  # noqa: F401  (imported for their definitions)
+    from . import pair_scores, ranking_loss, similarity_lse, similarity_xent  # noqa: F401  (for their definitions)
 
 
 @functools.lru_cache(maxsize=None)

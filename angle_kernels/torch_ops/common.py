@@ -25,19 +25,25 @@ bfloat16/float16 operands with float32 accumulation and output (`mixed_products`
 its 16-bit rows as they are, at the tensor cores' rate, where the default path converts them to float32 first.
 The operands: `half_rows` (bfloat16 rows scaled by their powers of two, exact there; float16 rows as they are, since
 their products cannot overflow float32) and `unit_rows` / `unit_slices` (rows divided by their norms, computed in
-float32 and rounded to 16 bits, every entry at most 1). `product_into` forms every product: in the operands' dtype
-where that is the compute dtype, else by `_mixed_product_into`, the one branch only a GPU takes (elsewhere, the
-CPU tests included, the 16-bit operands are converted to float32 first: the same values, the same accumulation).
+float32 and rounded to 16 bits, every entry at most 1). The products themselves (`product_into`, `products`,
+`mixed_products`) are angle_kernels/products.py's, shared with the CUDA backend.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ..contract import compute_dtype
-from ..normalisation import inverse_norms_from_norms, row_dots, unscaled
+from ..normalisation import inverse_norms_from_norms, row_dots, row_scales, unscaled
+from ..products import (  # noqa: F401  (the torch ops import them from here)
+    MIXED_DTYPES,
+    MixedProducts,
+    _mixed_product_into,
+    _mixed_products,
+    mixed_products,
+    product_into,
+    products,
+)
 
 # Work is cut into pieces of about this many elements (a row block's tile of logits, a chunk of groups), so
 # temporaries stay bounded whatever N is; the budget depends on the device the tensors live on (`chunk_elements`):
@@ -63,8 +69,6 @@ def rows_per_chunk(row_elements: int, device: torch.device | str) -> int:
     return max(1, chunk_elements(device) // max(1, row_elements))
 
 
-# float32 and float64 as bits: (integer dtype, mantissa bits, exponent bias)
-_FLOAT_BITS = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
 # Rows whose squared norms are below these (in the compute dtype) need no scaling: no product of two of them
 # overflows, and the powers of their inverse norms the backward formulas use (up to the third) stay normal.
 SAFE_SQUARED_NORM = {torch.float32: 2.0**80, torch.float64: 2.0**600}
@@ -82,21 +86,6 @@ def unscaled_is_exact(squared_norms: torch.Tensor) -> bool:
     if not may_skip_scaling(squared_norms):
         return False
     return bool((squared_norms < SAFE_SQUARED_NORM[squared_norms.dtype]).all())
-
-
-def row_scales(x: torch.Tensor) -> torch.Tensor:
-    """The per-row powers of two s of the module docstring, [...] for x [..., D], in x's compute dtype: 1 where
-    max|x_row| < 2, else 2^-floor(log2(max|x_row|)) (never below 2^-(bias - 1), so s stays a normal number)."""
-    dtype = compute_dtype(x.dtype)
-    if x.device.type == "cpu":  # two reductions (aminmax is much slower on CPU)
-        low, high = x.amin(dim=-1), x.amax(dim=-1)
-    else:  # one read of x
-        low, high = torch.aminmax(x, dim=-1)
-    largest = torch.maximum(high, low.neg()).to(dtype)  # max |x|, exact in any dtype
-    int_dtype, mantissa, bias = _FLOAT_BITS[dtype]
-    exponent = ((largest.view(int_dtype) >> mantissa) & (2 * bias + 1)) - bias  # floor(log2): exact, from the bits
-    exponent = exponent.clamp(0, bias - 1)
-    return ((bias - exponent) << mantissa).view(dtype)
 
 
 def scaled_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,44 +168,6 @@ def prefix_radial_backward(x, inv, has_norm_grad, radial, d_raw, slices):
 # ---------------------------------------------------------------------------------------------------------
 # 16-bit operands with float32 accumulation (module docstring)
 # ---------------------------------------------------------------------------------------------------------
-MIXED_DTYPES = (torch.bfloat16, torch.float16)
-
-
-class MixedProducts(NamedTuple):
-    """What this torch offers on a device for products of 16-bit operands with float32 results."""
-
-    mm: bool  # torch.mm(a, b, out_dtype=torch.float32, out=...): CUDA only, recent torch
-    addmm_into_fp32: bool  # torch.addmm(c, a, b, out_dtype=torch.float32, out=c) with a float32 c: some releases
-    # require c in the operands' dtype
-
-
-_mixed_products: dict[torch.device, MixedProducts] = {}
-
-
-def mixed_products(device: torch.device) -> MixedProducts:
-    """MixedProducts on `device`, asked once per device by 1 x 1 products (a sync, once). Nothing off CUDA, and
-    nothing while torch.compile traces before the question was asked (asked then, it would break the graph)."""
-    if device not in _mixed_products:
-        if device.type != "cuda" or not hasattr(torch.ops.aten.mm, "dtype_out"):
-            found = MixedProducts(False, False)
-        elif torch.compiler.is_compiling():
-            return MixedProducts(False, False)
-        else:
-            one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
-            out = torch.ones(1, 1, device=device)
-            try:
-                mm = torch.mm(one, one, out_dtype=torch.float32, out=out).item() == 1.0
-            except (RuntimeError, NotImplementedError):
-                mm = False
-            try:
-                addmm = mm and torch.addmm(out, one, one, out_dtype=torch.float32, out=out).item() == 2.0
-            except (RuntimeError, NotImplementedError):
-                addmm = False
-            found = MixedProducts(mm, addmm)
-        _mixed_products[device] = found
-    return _mixed_products[device]
-
-
 def takes_mixed_products(x: torch.Tensor) -> bool:
     """Whether a call on rows x may take a "mixed" code path: 16-bit rows on a device with mixed products."""
     return x.dtype in MIXED_DTYPES and mixed_products(x.device).mm
@@ -256,48 +207,3 @@ def normalise_backward_of_rows(x: torch.Tensor, inv_norm: torch.Tensor, has_norm
     dots = torch.cat([row_dots(x[r:r + step].to(d_hat.dtype), d_hat[r:r + step]) for r in range(0, x.shape[0], step)])
     radial = torch.where(has_norm_grad, inv_norm**3 * dots, torch.zeros_like(inv_norm))
     return unscaled(d_hat.mul_(inv_norm[:, None]).addcmul_(x, radial[:, None], value=-1.0), scale)
-
-
-def products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b, a new [rows of a, columns of b] tensor in the compute dtype (product_into)."""
-    if a.dtype == compute_dtype(a.dtype):
-        return a @ b
-    out = torch.empty(a.shape[0], b.shape[1], dtype=compute_dtype(a.dtype), device=a.device)
-    _mixed_product_into(out, a, b, None)
-    return out
-
-
-def product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: torch.Tensor | None = None) -> None:
-    """out = add + a @ b (add: None, out itself, or another tensor of out's shape) in out's dtype, the compute
-    dtype: operands in that dtype as they are, 16-bit operands accumulated in float32 (_mixed_product_into)."""
-    if a.dtype != out.dtype:
-        _mixed_product_into(out, a, b, add)
-    elif add is None:
-        torch.mm(a, b, out=out)
-    else:
-        torch.addmm(add, a, b, out=out)
-
-
-def _mixed_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: torch.Tensor | None) -> None:
-    """out = add + a @ b for 16-bit a and b and a float32 out: cuBLAS's mixed-dtype products where this torch has
-    them on out's device (the branch only a GPU takes); elsewhere (the CPU, where the tests run the mixed paths) the
-    operands converted to float32 first, exactly the products mm(out_dtype=float32) computes, but for the order of
-    the float32 accumulation."""
-    offered = mixed_products(out.device)
-    if not offered.mm:
-        a, b = a.to(out.dtype), b.to(out.dtype)
-        if add is None:
-            torch.mm(a, b, out=out)
-        else:
-            torch.addmm(add, a, b, out=out)
-    elif add is None:
-        torch.mm(a, b, out_dtype=out.dtype, out=out)
-    elif offered.addmm_into_fp32:
-        torch.addmm(add, a, b, out_dtype=out.dtype, out=out)
-    elif add is not out:
-        torch.mm(a, b, out_dtype=out.dtype, out=out)
-        out.add_(add)
-    else:  # a sum into out: the product of a piece of rows at a time in a temporary, then added
-        step = rows_per_chunk(out.shape[1], out.device)
-        for r in range(0, out.shape[0], step):
-            out[r:r + step].add_(torch.mm(a[r:r + step], b, out_dtype=out.dtype))

@@ -43,13 +43,14 @@ def test_unavailable_without_a_gpu_says_why():
 
 def _schema_kind(schema_type) -> str:
     return {"Tensor": "Tensor", "Optional[Tensor]": "Tensor?", "float": "float", "bool": "bool", "str": "str",
-            "int": "int"}[str(schema_type)]
+            "int": "int", "List[int]": "int[]"}[str(schema_type)]
 
 
 def _cpp_kind(parameter: str) -> str:
     if "Tensor" in parameter:
         return "Tensor?" if "optional" in parameter else "Tensor"
-    for cpp, kind in (("double", "float"), ("bool", "bool"), ("string", "str"), ("int64_t", "int")):
+    for cpp, kind in (("IntArrayRef", "int[]"), ("double", "float"), ("bool", "bool"), ("string", "str"),
+                      ("int64_t", "int")):
         if cpp in parameter:
             return kind
     raise AssertionError(f"unexpected C++ parameter type in {parameter!r}")
@@ -94,6 +95,49 @@ def test_fake_shapes_pair_scores(dtype):
         assert cos.dtype == angle.dtype == stats.dtype == acc
         dx = _op("cuda_pair_scores_bwd")(cos, angle, x, stats, True)
         assert dx.shape == x.shape and dx.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dims", [[4], [2, 6, 10], [2, 4, 6, 8, 10]], ids=str)
+def test_fake_shapes_pair_scores_dims(dtype, dims):
+    """The prefix ops: a leading axis of k on every output, dx as x."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    k = len(dims)
+    with FakeTensorMode():
+        x = torch.empty(5, 3, 10, dtype=dtype)
+        cos, angle, stats = _op("cuda_pair_scores_dims_fwd")(x, True, dims)
+        assert cos.shape == angle.shape == (k, 5, 2) and stats.shape == (k, 5, 2, 6)
+        assert cos.dtype == angle.dtype == stats.dtype == acc
+        dx = _op("cuda_pair_scores_dims_bwd")(cos, angle, x, stats, True, dims)
+        assert dx.shape == x.shape and dx.dtype == dtype
+
+
+def test_pair_scores_code_paths():
+    assert CUDA.paths["pair_scores"] == ("full", "dims") and CUDA.features["pair_scores"] == frozenset({"dims"})
+    x = torch.empty(2, 2, 8)
+    assert CUDA.code_paths["pair_scores"](x, True) == "full"
+    assert CUDA.code_paths["pair_scores"](x, True, (4, 8)) == "dims"
+
+
+def test_make_fx_traces_the_prefix_ops():
+    """pair_scores with dims traced with fake tensors, forward and backward through the dims ops; more prefixes
+    than one call takes are split into calls of MAX_PREFIXES."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from angle_kernels.cuda_ops import pair_scores as cuda_pair_scores
+
+    dims = tuple(range(2, 2 * cuda_pair_scores.MAX_PREFIXES + 4, 2))  # MAX_PREFIXES + 1 widths
+
+    def grads(x):
+        x = x.requires_grad_()
+        cos, angle = CUDA.pair_scores(x, True, dims)
+        assert cos.shape == angle.shape == (len(dims), 4, 1)
+        return torch.autograd.grad(cos.sum() + angle.sum(), (x,))
+
+    graph = make_fx(grads, tracing_mode="fake")(torch.randn(4, 2, dims[-1]))
+    text = str(graph.graph)
+    assert text.count(f"{NAMESPACE}.cuda_pair_scores_dims_fwd") == 2
+    assert text.count(f"{NAMESPACE}.cuda_pair_scores_dims_bwd") == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -148,3 +192,79 @@ def test_make_fx_traces_forward_and_backward():
     for op in ("pair_scores", "ranking", "similarity_xent"):
         for step in ("fwd", "bwd"):
             assert f"{NAMESPACE}.cuda_{op}_{step}" in text, f"cuda_{op}_{step} missing from the traced graph"
+
+
+@pytest.mark.parametrize("filter_kind", ["none", "own", "separate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_fake_shapes_similarity_lse(dtype, filter_kind):
+    """The tile ops of one row block: per-row statistics [b]; the gradient tile [b, Mc] in the operand dtype and the
+    radial sums [b], [Mc]."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    rows, b, mc = 11, 5, 9
+    with FakeTensorMode():
+        dots = torch.empty(b, mc, dtype=acc)
+        row_inv, col_inv = torch.empty(rows, dtype=acc), torch.empty(mc, dtype=acc)
+        filter_dots = torch.empty(b, mc, dtype=torch.float64) if filter_kind == "separate" else None
+        filter_row_inv = torch.empty(rows, dtype=torch.float64) if filter_kind == "separate" else None
+        filter_col_inv = torch.empty(mc, dtype=torch.float64) if filter_kind == "separate" else None
+        threshold = None if filter_kind == "none" else torch.empty(
+            rows, dtype=torch.float64 if filter_kind == "separate" else acc)
+        tiles = (dots, row_inv, col_inv, row_inv, filter_dots, filter_row_inv, filter_col_inv, threshold)
+        options = (0, 3, 20.0, 1.0, "own", "other", True)
+        lse, top, log_sum = _op("cuda_similarity_lse_stats")(*tiles, 4, *options)
+        assert lse.shape == top.shape == log_sum.shape == (b,) and lse.dtype == top.dtype == log_sum.dtype == acc
+        per_row = torch.empty(rows, dtype=acc)
+        operand = str(dtype).replace("torch.", "")
+        grad, following, row_radial, col_radial = _op("cuda_similarity_lse_grad")(
+            *tiles, per_row, per_row, per_row, None, None, None, 4, *options, True, False, operand)
+        assert grad.shape == (b, mc) and grad.dtype == dtype and following.shape == (0, mc)
+        assert row_radial.shape == (b,) and col_radial.shape == (mc,) and row_radial.dtype == col_radial.dtype == acc
+        # with dims: the running sum over the prefixes in and out (the tile's type); the rounded copy only where
+        # the operand dtype is not the tile's
+        running = torch.empty(b, mc, dtype=acc)
+        grad, following, _, _ = _op("cuda_similarity_lse_grad")(
+            *tiles, per_row, per_row, per_row, running, per_row, col_inv, 4, *options, True, True, operand)
+        assert following.shape == (b, mc) and following.dtype == acc
+        assert grad.shape == ((0, mc) if dtype == acc else (b, mc)) and grad.dtype == dtype
+
+
+def test_similarity_lse_code_paths():
+    assert CUDA.paths["similarity_lse"] == ("dense", "dense_dims")
+    assert CUDA.features["similarity_lse"] == frozenset({"dims"})
+    q, c = torch.empty(3, 8), torch.empty(5, 8)
+    assert CUDA.code_paths["similarity_lse"](q, c, 20.0) == "dense"
+    assert CUDA.code_paths["similarity_lse"](q, c, 20.0, dims=(4, 8)) == "dense_dims"
+
+
+@pytest.mark.parametrize("dims", [None, (2, 4, 8)], ids=str)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_make_fx_traces_similarity_lse(normalize, dims):
+    """similarity_lse traced with fake tensors: forward calls the statistics op once per row block and prefix,
+    backward the gradient op as often (a filter on other embeddings, so both tiles are formed)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    k = 1 if dims is None else len(dims)
+
+    def grads(q, c, fq, fc, threshold):
+        q, c = q.requires_grad_(), c.requires_grad_()
+        lse = CUDA.similarity_lse(q, c, 20.0, 0, 0, "none", 1.0, "other", fq, fc, threshold, True, normalize, dims)
+        assert lse.shape == ((6,) if dims is None else (k, 6))
+        return torch.autograd.grad(lse.sum(), (q, c))
+
+    threshold = torch.randn(6) if dims is None else torch.randn(k, 6)
+    graph = make_fx(grads, tracing_mode="fake")(torch.randn(6, 8, dtype=torch.bfloat16),
+                                                torch.randn(10, 8, dtype=torch.bfloat16), torch.randn(6, 8),
+                                                torch.randn(10, 8), threshold)
+    text = str(graph.graph)
+    assert text.count(f"{NAMESPACE}.cuda_similarity_lse_stats") == k
+    assert text.count(f"{NAMESPACE}.cuda_similarity_lse_grad") == k
+
+
+def test_the_prefix_limit_is_the_kernels():
+    """cuda_ops/pair_scores.MAX_PREFIXES (how many widths one call of the dims ops takes) is the kernels' and the
+    binding's kMaxPrefixes."""
+    from angle_kernels.cuda_ops import pair_scores as cuda_pair_scores
+
+    for name in ("pair_scores.cu", "pair_scores.cpp"):
+        found = re.search(r"constexpr\s+\w+\s+kMaxPrefixes\s*=\s*(\d+)\s*;", (CSRC / name).read_text())
+        assert found and int(found.group(1)) == cuda_pair_scores.MAX_PREFIXES, name

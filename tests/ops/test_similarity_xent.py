@@ -564,17 +564,18 @@ def test_torch_mixed_path_multiplies_16_bit_operands_only(monkeypatch, symmetric
     mixed branch, the one a GPU runs with cuBLAS): at full width three per block in forward (the logits, dq, dc)
     and none in backward; with dims k per block in forward and 3k in backward. The default path on the same
     bfloat16 inputs takes none (it multiplies float32 copies)."""
+    import angle_kernels.products as shared_products
     import angle_kernels.torch_ops.common as torch_common
     from angle_kernels.dispatch import raw_backend
 
     taken = []
-    real = torch_common._mixed_product_into
+    real = shared_products._mixed_product_into
 
     def recorded(out, a, b, add):
         taken.append((a.dtype, b.dtype, out.dtype))
         real(out, a, b, add)
 
-    monkeypatch.setattr(torch_common, "_mixed_product_into", recorded)
+    monkeypatch.setattr(shared_products, "_mixed_product_into", recorded)
     monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 8 * 40 * (1 if dims is None else 4))  # blocks of 8 rows
     gen = generator("mixed_products", symmetric, dims)
     rows, blocks = (40, 5) if symmetric else (24, 3)
@@ -597,19 +598,19 @@ def test_torch_mixed_path_multiplies_16_bit_operands_only(monkeypatch, symmetric
                          ids=["mixed-addmm", "mixed-mm-only", "converted"])
 @pytest.mark.parametrize("add", ["none", "out", "other"])
 def test_torch_mixed_products_take_every_torch_route(monkeypatch, offered, add):
-    """common._mixed_product_into on each route a CUDA torch may offer (common.mixed_products), for a fresh product,
+    """products._mixed_product_into on each route a CUDA torch may offer (products.mixed_products), for a fresh product,
     one added into its output and one added to another tensor: bf16 operands, a float32 result of the right shape
     written in place (a row slice, as the backends' gradient slices are). Without a CUDA device, on the meta device
     (torch's real argument checks for the mixed-dtype overloads, which the CPU lacks; its own route, converting,
     is every test's above); with one, on it, against the float32 product."""
-    import angle_kernels.torch_ops.common as torch_common
+    import angle_kernels.products as shared_products
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("meta")
     if device.type == "cuda" and any(want and not has
-                                     for want, has in zip(offered, torch_common.mixed_products(device))):
+                                     for want, has in zip(offered, shared_products.mixed_products(device))):
         pytest.skip(f"torch {torch.__version__} does not offer this route on {device}")
-    monkeypatch.setitem(torch_common._mixed_products, device, torch_common.MixedProducts(*offered))
-    monkeypatch.setattr(torch_common, "ACCELERATOR_CHUNK_ELEMENTS", 3 * 6)  # the last route: pieces of 3 rows
+    monkeypatch.setitem(shared_products._mixed_products, device, shared_products.MixedProducts(*offered))
+    monkeypatch.setattr(shared_products, "TEMPORARY_ELEMENTS", 3 * 6)  # the last route: pieces of 3 rows
     gen = generator("torch_products", *offered, add)
     a = randn(gen, 8, 5).to(device, torch.bfloat16)
     b = randn(gen, 6, 5).to(device, torch.bfloat16).T
@@ -617,7 +618,7 @@ def test_torch_mixed_products_take_every_torch_route(monkeypatch, offered, add):
     other = randn(gen, 8, 6).to(device)
     added = {"none": None, "out": out, "other": other}[add]
     expected = a.float() @ b.float() + (0 if added is None else added)
-    torch_common._mixed_product_into(out, a, b, added)
+    shared_products._mixed_product_into(out, a, b, added)
     assert out.shape == (8, 6) and out.dtype == torch.float32
     if device.type != "meta":
         torch.testing.assert_close(out, expected)

@@ -232,10 +232,12 @@ def test_the_mixed_path_holds_no_more_than_the_default_path(monkeypatch, name, a
     tile that of a float32 product operand."""
     make, call, m, mc, _, _ = _similarity_cases()[name]
     default_shapes, default_peak = _run(call, make())
-    monkeypatch.setitem(torch_common._mixed_products, META, torch_common.MixedProducts(True, addmm))
+    import angle_kernels.products as shared_products
+
+    monkeypatch.setitem(shared_products._mixed_products, META, shared_products.MixedProducts(True, addmm))
     products = []
-    real = torch_common._mixed_product_into
-    monkeypatch.setattr(torch_common, "_mixed_product_into", lambda *args: products.append(1) or real(*args))
+    real = shared_products._mixed_product_into
+    monkeypatch.setattr(shared_products, "_mixed_product_into", lambda *args: products.append(1) or real(*args))
     mixed_shapes, mixed_peak = _run(call, make())
     assert products, "the call did not take the mixed path"
     per_row = 4 * 4 * (m + mc)  # four float32 numbers per row of q and of c

@@ -96,6 +96,27 @@ def _every_case_takes_its_path(sizes, meta):
             assert ops.computes(case.op, *args, **kwargs) == (backend, case.path), case.name
 
 
+@pytest.mark.parametrize("sizes", ["standard", "large"])
+def test_the_cuda_pair_scores_paths_have_cases_in_every_dtype(sizes):
+    """The CUDA backend's pair_scores paths each have cases that take them (its selector asked directly: the backend
+    loads only on a GPU), in every dtype; the dims cases on both of its kernels' paths (16-byte vectors and per
+    element, by the prefixes' widths)."""
+    from angle_kernels.cuda_ops import pair_scores as cuda_pair_scores
+
+    taken = {}
+    for case in verify.cases(sizes):
+        if case.op != "pair_scores" or case.path not in cuda_pair_scores.PATHS:
+            continue
+        leaves, arguments = case.build(torch.Generator().manual_seed(0), torch.bfloat16, "meta")
+        args, kwargs = arguments(*leaves)
+        assert cuda_pair_scores.code_path(*args, **kwargs) == case.path, case.name
+        assert case.dtypes == verify.DTYPES, case.name
+        taken.setdefault(case.path, []).append(kwargs.get("dims"))
+    assert set(taken) == set(cuda_pair_scores.PATHS)
+    vector_widths = {dims is not None and all(d % 16 == 0 for d in dims) for dims in taken["dims"]}
+    assert vector_widths == {True, False}  # 16: twice bf16's vector width, the angle's condition
+
+
 def test_the_torch_backends_gpu_path_passes_its_checks(monkeypatch):
     """The torch backend's checks: its "mixed" path alone (the path that needs a verification), in bfloat16 and
     float16, every case passing; on the CPU its products convert their 16-bit operands (the same values), and here
@@ -146,3 +167,23 @@ def test_without_a_gpu_the_command_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert verify.main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sizes", ["standard", "large"])
+def test_the_cuda_similarity_lse_paths_have_cases_in_every_dtype(sizes):
+    """The CUDA backend's similarity_lse paths (the dense scheme at one width and with dims) each have cases that take
+    them (its selector asked directly: the backend loads only on a GPU), in every dtype, among them raw dot products
+    with a guide's filter."""
+    from angle_kernels.cuda_ops import similarity_lse as cuda_lse
+
+    taken = {}
+    for case in verify.cases(sizes):
+        if case.op != "similarity_lse" or case.path not in cuda_lse.PATHS:
+            continue
+        leaves, arguments = case.build(torch.Generator().manual_seed(0), torch.bfloat16, "meta")
+        args, kwargs = arguments(*leaves)
+        assert cuda_lse.code_path(*args, **kwargs) == case.path, case.name
+        assert case.dtypes == verify.DTYPES, case.name
+        taken.setdefault(case.path, []).append(kwargs.get("normalize", True))
+    assert set(taken) == set(cuda_lse.PATHS)
+    assert set(taken["dense"]) == {True, False}
