@@ -16,8 +16,11 @@ fingerprint covers that code and nothing else:
       `torch.library.register_autograd`, and functions registered by a decorator other than Triton's) run whenever
       the module is used: they enter with the first definition of their module that a path reaches.
     * CUDA C++ (`csrc_fingerprint`): per op, csrc/<op>.cu and csrc/<op>.cpp with the csrc/ headers they include,
-      comments and blank lines removed, and the compiler flags of the build. The extension is built with every
-      op's fingerprint compiled in and reports them (`cuda_ops._extension.build_fingerprints`).
+      comments and blank lines removed, and the compiler flags of the build; a code path whose kernels live in
+      sources of their own (`CSRC_SOURCES`: the CUDA similarity_xent's dense scheme, csrc/similarity_xent_dense.*)
+      takes those instead, so that editing them voids its verifications and not those of the op's other paths. The
+      extension is built with every source's fingerprint compiled in and reports them
+      (`cuda_ops._extension.build_fingerprints`).
 
 Which path a call takes is not part of any path: each op's selector (`SELECTORS`, e.g. the Triton similarity_xent's
 `code_path`, with the dense scheme's MIN_WIDTH) only decides which inputs reach which path (and a router,
@@ -66,6 +69,7 @@ SELECTORS: dict[tuple[str, str], str] = {
     ("triton", "similarity_lse"): "triton_ops.similarity_lse_paths:code_path",
     ("torch", "similarity_xent"): "torch_ops.similarity_xent:code_path",
     ("cuda", "pair_scores"): "cuda_ops.pair_scores:code_path",
+    ("cuda", "similarity_xent"): "cuda_ops.similarity_xent_paths:code_path",
     ("cuda", "similarity_lse"): "cuda_ops.similarity_lse:code_path",
 }
 
@@ -77,6 +81,7 @@ ROUTERS: dict[tuple[str, str], str] = {
     ("triton", "similarity_xent"): "triton_ops.similarity_xent_paths:similarity_xent",
     ("triton", "pair_scores"): "triton_ops.pair_scores_paths:pair_scores",
     ("triton", "similarity_lse"): "triton_ops.similarity_lse_paths:similarity_lse",
+    ("cuda", "similarity_xent"): "cuda_ops.similarity_xent_paths:similarity_xent",
 }
 
 _XENT = "triton_ops.similarity_xent:similarity_xent"
@@ -107,6 +112,8 @@ PATH_CODE: dict[tuple[str, str, str], PathCode] = {
     ("cuda", "pair_scores", "dims"): PathCode(("cuda_ops.pair_scores:pair_scores",), ("_single_width",)),
     ("cuda", "ranking_loss", "sort"): PathCode(("cuda_ops.ranking_loss:ranking_loss",)),
     ("cuda", "similarity_xent", "fused"): PathCode(("cuda_ops.similarity_xent:similarity_xent",)),
+    ("cuda", "similarity_xent", "dense"): PathCode(("cuda_ops.similarity_xent_dense:similarity_xent",)),
+    ("cuda", "similarity_xent", "dense_dims"): PathCode(("cuda_ops.similarity_xent_dense:similarity_xent_dims",)),
     ("cuda", "similarity_lse", "dense"): PathCode(("cuda_ops.similarity_lse:similarity_lse",)),
     ("cuda", "similarity_lse", "dense_dims"): PathCode(("cuda_ops.similarity_lse:similarity_lse",)),
     # The PyTorch backend: its default paths need no verification (the CPU tests verify them everywhere), but the
@@ -119,6 +126,20 @@ PATH_CODE: dict[tuple[str, str, str], PathCode] = {
     ("torch", "similarity_xent", "mixed"): PathCode(
         (_TORCH_XENT,), ("SimilarityXentFunction", "PrefixSimilarityXentFunction")),
 }
+
+# The CUDA sources (csrc/<name>.cu, csrc/<name>.cpp and their headers) of the CUDA code paths whose kernels are not
+# their op's (csrc/<op>.*): (op, path) -> name. Every other CUDA path runs its op's.
+CSRC_SOURCES: dict[tuple[str, str], str] = {
+    ("similarity_xent", "dense"): "similarity_xent_dense",
+    ("similarity_xent", "dense_dims"): "similarity_xent_dense",
+}
+
+
+def csrc_source(op: str, path: str) -> str:
+    """The name of the CUDA sources a CUDA code path runs (csrc_fingerprint's argument): CSRC_SOURCES', else the
+    op's."""
+    return CSRC_SOURCES.get((op, path), op)
+
 
 # Decorators that only wrap the function they decorate (a kernel, a method): anything else registers it somewhere
 # (torch.library.register_fake, ...), which makes it run without being named.
@@ -502,7 +523,8 @@ def strip_c_comments(text: str) -> str:
 
 
 def csrc_files(op: str, tree: Tree | None = None) -> dict[str, str]:
-    """csrc/<op>.cu, csrc/<op>.cpp and the csrc/ headers they include (transitively): name -> text."""
+    """csrc/<op>.cu, csrc/<op>.cpp and the csrc/ headers they include (transitively): name -> text. `op` is an op's
+    name or a name of CSRC_SOURCES."""
     tree = tree or folder_tree()
     todo, found = [f"{op}.cu", f"{op}.cpp"], {}
     while todo:

@@ -100,10 +100,15 @@ def _mixed_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add
         torch.mm(a, b, out_dtype=out.dtype, out=out)
     elif offered.addmm_into_fp32:
         torch.addmm(add, a, b, out_dtype=out.dtype, out=out)
-    elif add is not out:
+    elif not _same_elements(add, out):
         torch.mm(a, b, out_dtype=out.dtype, out=out)
         out.add_(add)
     else:  # a sum into out: the product of a piece of rows at a time in a temporary, then added
         step = max(1, TEMPORARY_ELEMENTS // max(1, out.shape[1]))
         for r in range(0, out.shape[0], step):
             out[r:r + step].add_(torch.mm(a[r:r + step], b, out_dtype=out.dtype))
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are the same elements (one view, or two view objects of it: out[:n] taken twice)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())

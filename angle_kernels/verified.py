@@ -26,8 +26,9 @@ MATCH_FIELDS[backend] equals this process's value (`identity`):
       launcher and helper they reach; docstrings, comments and moves between modules excluded), so an edit voids
       exactly the verifications of the paths that run the edited code;
     * triton: Triton's major.minor version;
-    * cuda: the CUDA version torch was built with, and `build`, the fingerprint of the op's CUDA sources the
-      loaded extension reports it was built from (fingerprints.csrc_fingerprint, compiled into it);
+    * cuda: the CUDA version torch was built with, and `build`, the fingerprint of the path's CUDA sources (the
+      op's, or the path's own: fingerprints.csrc_source) the loaded extension reports it was built from
+      (fingerprints.csrc_fingerprint, compiled into it);
     * torch: nothing more. Its GPU paths (16-bit products on a GPU: torch_ops/similarity_xent.py's "mixed") are
       verified like the GPU backends' paths; its default path (ALWAYS_ALLOWED), the same float32/float64
       arithmetic on every device, which the CPU suite verifies, needs no verification anywhere.
@@ -121,7 +122,7 @@ def code_identity(backend: str, op: str, path: str) -> dict:
     if backend == "cuda":
         from .cuda_ops import _extension
 
-        ident["build"] = (_extension.build_fingerprints() or {}).get(op)
+        ident["build"] = (_extension.build_fingerprints() or {}).get(fingerprints.csrc_source(op, path))
     return ident
 
 
@@ -244,12 +245,10 @@ def checked_elsewhere(backend: str, op: str, path: str, device: torch.device) ->
 def covers_every_path(backend: str, device: torch.device) -> bool:
     """Whether every code path of every op the backend implements is verified on the CUDA `device` (then
     backend="auto" computes everything there with it), but those no call takes until a GPU run has verified them
-    (triton_ops.paths_awaiting_verification)."""
+    (triton_ops.paths_awaiting_verification, cuda_ops.paths_awaiting_verification)."""
     awaiting = set()
-    if backend == "triton":
-        from .triton_ops import paths_awaiting_verification
-
-        awaiting = paths_awaiting_verification()
+    if backend in ("triton", "cuda"):
+        awaiting = importlib.import_module(f"angle_kernels.{backend}_ops").paths_awaiting_verification()
     return all(is_verified(backend, op, path, device) for op, paths in paths_of(backend).items() for path in paths
                if (op, path) not in awaiting)
 
@@ -265,13 +264,13 @@ def describe(backend: str, op: str, path: str, device: torch.device) -> str:
 
 def stale_entries(table=None) -> list[dict]:
     """The table's entries whose code fields no longer match this checkout's code: the path's fingerprint and, for
-    cuda, the op's CUDA sources (where csrc/ is present)."""
+    cuda, the path's CUDA sources (fingerprints.csrc_source; where csrc/ is present)."""
     stale = []
     for e in VERIFIED if table is None else table:
         current = {"fingerprint": fingerprints.path_fingerprint(e["backend"], e["op"], e["path"])}
         if e["backend"] == "cuda":
             try:
-                current["build"] = fingerprints.csrc_fingerprint(e["op"])
+                current["build"] = fingerprints.csrc_fingerprint(fingerprints.csrc_source(e["op"], e["path"]))
             except FileNotFoundError:  # an installation without csrc/: the loaded extension reports its build
                 current["build"] = e.get("build")
         if not same_code(e, e["backend"], e["op"], e["path"], current):

@@ -174,7 +174,10 @@ def cases(sizes: str = "standard") -> list[Case]:
     if not tiny:
         lse_dense += [_lse_case("dense", rows // 2, 3 * (rows // 2), d),
                       _lse_case("dense_dims", rows // 2, 3 * (rows // 2), d, dims=at_d[1])]
-    # the dense scheme from its MIN_WIDTH (768) up, not only at the wide width
+    # the dense scheme from its MIN_WIDTH (768) up, not only at the wide width. The CUDA backend's dense scheme
+    # takes the same "dense" cases (switched on at its proposed width, 768) and its dense dims scheme, which takes
+    # every dims call there, the "dense_dims" ones: in-batch negatives and the contrastive loss with a margin, four
+    # row blocks at large sizes, every dtype
     at_min_width = [] if tiny else [_xent_case("dense", rows, None, d)]
     # the torch backend's 16-bit products (its "mixed" path, bf16 and fp16 only): in-batch negatives, the
     # contrastive loss with a margin at the wide width, Matryoshka at three and five widths; more than one row block
@@ -276,11 +279,14 @@ def run_checks(backend: str, device, case_list: list[Case], dtypes=DTYPES, deadl
 
 
 def _paths_to_check(backend: str):
-    """The Triton backend's paths that await their first verification switched on, so they take their cases."""
-    if backend != "triton":
+    """The GPU backend's paths that await their first verification (triton_ops.AWAITING_VERIFICATION,
+    cuda_ops.AWAITING_VERIFICATION) switched on, so they take their cases."""
+    if backend == "triton":
+        from .triton_ops import awaiting_verification_on
+    elif backend == "cuda":
+        from .cuda_ops import awaiting_verification_on
+    else:
         return contextlib.nullcontext()
-    from .triton_ops import awaiting_verification_on
-
     return awaiting_verification_on()
 
 

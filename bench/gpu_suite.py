@@ -671,7 +671,8 @@ def op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, devi
     groups of backend names swept one group after the other; rows are recorded as they are measured, and the sweep
     stops at an error that loses the process's CUDA context. (device and ops are parameters so that the test suite
     can run it at tiny sizes on CPU.)"""
-    with _awaiting_verification_on():  # the Triton paths that await their first verification are timed too
+    # the GPU backends' paths that await their first verification are timed too
+    with _awaiting_verification_on(), _cuda_awaiting_verification_on():
         return _op_sweep(record, deadline, limits, passes, device=device, ops=ops, step=step)
 
 
@@ -682,6 +683,13 @@ def _awaiting_verification_on():
     except ImportError:
         return contextlib.nullcontext()
     from angle_kernels.triton_ops import awaiting_verification_on
+
+    return awaiting_verification_on()
+
+
+def _cuda_awaiting_verification_on():
+    """cuda_ops.awaiting_verification_on(): the CUDA backend's op modules import on every machine."""
+    from angle_kernels.cuda_ops import awaiting_verification_on
 
     return awaiting_verification_on()
 

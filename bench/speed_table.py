@@ -77,7 +77,7 @@ def fingerprint_at(backend: str, op: str, path: str, tree: fingerprints.Tree) ->
     try:
         code = {"fingerprint": fingerprints.path_closure(backend, op, path, tree).fingerprint}
         if backend == "cuda":
-            code["build"] = fingerprints.csrc_fingerprint(op, tree)
+            code["build"] = fingerprints.csrc_fingerprint(fingerprints.csrc_source(op, path), tree)
     except (KeyError, FileNotFoundError):
         return None
     return measured.joined_fingerprint(backend, code)
@@ -86,7 +86,8 @@ def fingerprint_at(backend: str, op: str, path: str, tree: fingerprints.Tree) ->
 def derived_path(label: str, op: str, variant: str, size: int, tree: fingerprints.Tree | None) -> str:
     """The code path a row of a sweep that did not record it timed: the scheme a "triton-<scheme>" row forced, the
     one path of the torch backend and of the cuda backend's ops with one, the variant's path of the pair_scores of
-    Triton and cuda and of Triton's similarity_xent dims,
+    Triton and cuda and of Triton's similarity_xent dims, the cuda similarity_xent's fused kernels (its one path
+    before its dense ones),
     and for the Triton ranking term the rule of its code_path (pairwise up to SMALL_N_MAX scores) as the tree
     states SMALL_N_MAX."""
     backend, _, scheme = label.partition("-")
@@ -99,6 +100,8 @@ def derived_path(label: str, op: str, variant: str, size: int, tree: fingerprint
         return paths[0]
     if (backend == "triton" or (backend, op) == ("cuda", "pair_scores")) and (variant == "dims" or op == "pair_scores"):
         return "dims" if variant == "dims" else "full"
+    if (backend, op) == ("cuda", "similarity_xent"):  # runs before its dense paths, which record them: fused
+        return "fused"
     if backend == "triton" and op == "ranking_loss" and tree is not None:
         return "pairwise" if size <= _module_constant(tree, "triton_ops/ranking_loss.py", "SMALL_N_MAX") else "sort"
     raise ValueError(f"a {label} {op} row without its code path: the run must record it")

@@ -13,7 +13,8 @@
 // ANGLE_KERNELS_FINGERPRINT_<OP> as 16 hex digits of SHA-256 over the op's sources (csrc/<op>.cu, csrc/<op>.cpp
 // and the headers they include, without comments: angle_kernels/fingerprints.py, csrc_fingerprint), and
 // angle_kernels.verified matches GPU verifications of the CUDA backend's op against it. A build without one
-// answers 0 for that op, which matches none. A new op adds its line below.
+// answers 0 for that op, which matches none. A new op adds its line below, and so do the sources some code paths of
+// an op run instead of the op's (csrc/similarity_xent_dense.*: fingerprints.CSRC_SOURCES), under their own name.
 
 #include <torch/extension.h>
 
@@ -33,6 +34,9 @@
 #ifndef ANGLE_KERNELS_FINGERPRINT_SIMILARITY_LSE
 #define ANGLE_KERNELS_FINGERPRINT_SIMILARITY_LSE 0ULL
 #endif
+#ifndef ANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT_DENSE
+#define ANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT_DENSE 0ULL
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CUDA kernels of angle_kernels; the ops are torch.ops.angle_kernels.cuda_*";
@@ -42,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         {"ranking_loss", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_RANKING_LOSS)},
         {"similarity_xent", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT)},
         {"similarity_lse", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_SIMILARITY_LSE)},
+        {"similarity_xent_dense", static_cast<std::uint64_t>(ANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT_DENSE)},
     };
   }, "op -> the fingerprint of the CUDA sources this extension built it from (0: unknown)");
 }

@@ -111,10 +111,11 @@ def compare() -> list[dict]:
                    "then": fingerprints.path_closure(*key, tree=then).fingerprint,
                    "now": fingerprints.path_closure(*key, tree=here).fingerprint,
                    "differs": differing_definitions(key, then, here)}
-            if e["backend"] == "cuda":
-                row["build_then"] = fingerprints.csrc_fingerprint(e["op"], then)
-                row["build_now"] = fingerprints.csrc_fingerprint(e["op"], here)
-                files_then, files_now = (fingerprints.csrc_files(e["op"], tree) for tree in (then, here))
+            if e["backend"] == "cuda":  # the path's CUDA sources (its op's unless CSRC_SOURCES names its own)
+                source = fingerprints.csrc_source(e["op"], e["path"])
+                row["build_then"] = fingerprints.csrc_fingerprint(source, then)
+                row["build_now"] = fingerprints.csrc_fingerprint(source, here)
+                files_then, files_now = (fingerprints.csrc_files(source, tree) for tree in (then, here))
                 row["differs"] += [f"csrc/{file}" for file in sorted(set(files_then) | set(files_now))
                                    if fingerprints.strip_c_comments(files_then.get(file, ""))
                                    != fingerprints.strip_c_comments(files_now.get(file, ""))]

@@ -377,9 +377,10 @@ def test_the_extension_module_reports_the_sources_it_was_built_from(tmp_path):
 
 
 def test_every_op_with_cuda_sources_has_its_fingerprint_in_the_module():
-    """module.cpp names one macro per csrc/<op>.cu (a new op without its line would report no fingerprint and match
-    no verification)."""
+    """module.cpp names one macro per csrc/<name>.cu, an op's or a code path's own sources (fingerprints.CSRC_SOURCES):
+    one without its line would report no fingerprint and match no verification."""
     text = (CSRC / "module.cpp").read_text()
-    assert _extension.CSRC_OPS == ("pair_scores", "ranking_loss", "similarity_lse", "similarity_xent")
+    assert _extension.CSRC_OPS == ("pair_scores", "ranking_loss", "similarity_lse", "similarity_xent",
+                                   "similarity_xent_dense")
     for op in _extension.CSRC_OPS:
         assert f"{_extension.FINGERPRINT_MACRO}{op.upper()}" in text and f'{{"{op}",' in text, op

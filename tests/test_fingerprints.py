@@ -253,6 +253,26 @@ def test_the_cuda_python_side_and_its_registrations(baseline, copy):
     assert changed(baseline, copy.tree) == {("cuda", "similarity_xent", "fused")}
 
 
+def test_the_cuda_dense_similarity_xent_scheme_changes_only_its_paths(baseline, copy):
+    """The CUDA backend's dense similarity_xent scheme (cuda_ops/similarity_xent_dense.py): its one-width host code
+    is the dense path's, its dims host code the dense dims path's, a helper both run both's; the selector's width
+    belongs to no path, and the verified fused path is in none of it."""
+    relative = "angle_kernels/cuda_ops/similarity_xent_dense.py"
+    cuda_xent = {("cuda", "similarity_xent", path) for path in ("dense", "dense_dims")}
+    copy("angle_kernels/cuda_ops/similarity_xent_paths.py", "PROPOSED_DENSE_MIN_WIDTH = 768",
+         "PROPOSED_DENSE_MIN_WIDTH = 1024")
+    copy(relative, "MIN_BLOCK_ROWS = 512", "MIN_BLOCK_ROWS = 256")  # read by the selector alone (takes)
+    assert changed(baseline, copy.tree) == set()
+    copy(relative, "coef = (weights / weight_max).contiguous()", "coef = (weights / weight_max * 1).contiguous()")
+    assert changed(baseline, copy.tree) == {("cuda", "similarity_xent", "dense")}
+    copy(relative, "q_ratio = (q_rows.inv[1:] / q_rows.inv[:-1]).contiguous()",
+         "q_ratio = (q_rows.inv[1:] / q_rows.inv[:-1] * 1).contiguous()")
+    assert changed(baseline, copy.tree) == cuda_xent
+    copy(relative, "out = torch.empty_like(rows.scaled)", "out = torch.zeros_like(rows.scaled)",
+         after="def _unit_slices(")
+    assert changed(baseline, copy.tree) == cuda_xent
+
+
 # ---------------------------------------------------------------------------------------------------------
 # CUDA sources
 # ---------------------------------------------------------------------------------------------------------
@@ -271,6 +291,35 @@ def test_cuda_comments_change_nothing_code_changes_its_op(copy):
     assert csrc_changed(copy.tree) == set()
     copy("csrc/ranking_loss.cu", line, "__device__ int an_added_function() { return 1; }\n" + line)
     assert csrc_changed(copy.tree) == {"ranking_loss"}
+
+
+def cuda_builds(tree) -> dict:
+    """(op, path) -> the fingerprint of the CUDA sources each CUDA code path runs (fingerprints.csrc_source)."""
+    from angle_kernels import verified
+
+    return {(op, path): fingerprints.csrc_fingerprint(fingerprints.csrc_source(op, path), tree)
+            for op, paths in verified.paths_of("cuda").items() for path in paths}
+
+
+def test_the_dense_similarity_xent_kernels_change_only_the_dense_paths(copy):
+    """csrc/similarity_xent_dense.* (and its types header) are the CUDA dense scheme's own sources
+    (fingerprints.CSRC_SOURCES): an edit there changes the sources' fingerprint of its two paths and of no other
+    path, the verified fused path's included; an edit of the op's own sources leaves them alone."""
+    before = cuda_builds(copy.tree)
+    dense = {("similarity_xent", "dense"), ("similarity_xent", "dense_dims")}
+    text = (copy.root / "csrc/similarity_xent_dense.cu").read_text()
+    line = next(line for line in text.splitlines() if "__global__" in line)
+    copy("csrc/similarity_xent_dense.cu", line, "__device__ int an_added_function() { return 1; }\n" + line)
+    after = cuda_builds(copy.tree)
+    assert {key for key in before if before[key] != after[key]} == dense
+    copy("csrc/similarity_xent_dense_types.h", "constexpr int kXentGradRows = 16;", "constexpr int kXentGradRows = 8;")
+    again = cuda_builds(copy.tree)
+    assert {key for key in before if after[key] != again[key]} == dense
+    fused_text = (copy.root / "csrc/similarity_xent.cu").read_text()
+    fused_line = next(line for line in fused_text.splitlines() if "__global__" in line)
+    copy("csrc/similarity_xent.cu", fused_line, "__device__ int an_added_function() { return 1; }\n" + fused_line)
+    last = cuda_builds(copy.tree)
+    assert {key for key in before if again[key] != last[key]} == {("similarity_xent", "fused")}
 
 
 def test_a_shared_header_or_a_build_flag_changes_every_op(copy):

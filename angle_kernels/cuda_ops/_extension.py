@@ -33,9 +33,10 @@ CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 # (an installed wheel) reports it missing instead of building nothing.
 MODULE_SOURCE = "module.cpp"
 SOURCES = tuple(sorted({MODULE_SOURCE, *(path.name for ext in ("cu", "cpp") for path in CSRC_DIR.glob(f"*.{ext}"))}))
-# The ops whose kernels csrc/ holds (csrc/<op>.cu), and the macro through which a build tells, for each, the
-# fingerprint of the sources it was built from (module.cpp exposes them as op_fingerprints()): what
-# angle_kernels.verified matches a GPU verification of this backend's op against.
+# The kernel sources csrc/ holds (csrc/<name>.cu: an op's, named after it, or one some code paths of an op run
+# instead, fingerprints.CSRC_SOURCES), and the macro through which a build tells, for each, the fingerprint of the
+# sources it was built from (module.cpp exposes them as op_fingerprints()): what angle_kernels.verified matches a GPU
+# verification of this backend's code path against.
 CSRC_OPS = tuple(sorted(path.stem for path in CSRC_DIR.glob("*.cu")))
 FINGERPRINT_MACRO = "ANGLE_KERNELS_FINGERPRINT_"
 
@@ -114,7 +115,7 @@ def _missing_requirement() -> str:
 
 def define_schemas() -> None:
     """Import the op modules (those `cuda_ops.load_ops` returns): they define the schemas the kernels attach to."""
-    from . import pair_scores, ranking_loss, similarity_lse, similarity_xent  # noqa: F401  (for their definitions)
+    from . import pair_scores, ranking_loss, similarity_lse, similarity_xent_paths  # noqa: F401  (their definitions)
 
 
 @functools.lru_cache(maxsize=None)

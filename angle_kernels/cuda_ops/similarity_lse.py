@@ -247,11 +247,12 @@ class DenseSimilarityLseFunction(torch.autograd.Function):
         for r0 in range(0, m, block):
             n = min(block, m - r0)
             for i, ((lo, hi), (f_lo, f_hi)) in enumerate(zip(s.slices, s.filter_slices)):
-                product_into(dots[:n], s.q.scaled[r0:r0 + n, lo:hi], s.c.scaled[:, lo:hi].T,
-                             add=dots[:n] if i > 0 else None)
+                tile = dots[:n]
+                product_into(tile, s.q.scaled[r0:r0 + n, lo:hi], s.c.scaled[:, lo:hi].T, add=tile if i > 0 else None)
                 if separate:
-                    product_into(filter_dots[:n], s.fq[r0:r0 + n, f_lo:f_hi], s.fc[:, f_lo:f_hi].T,
-                                 add=filter_dots[:n] if i > 0 else None)
+                    filter_tile = filter_dots[:n]
+                    product_into(filter_tile, s.fq[r0:r0 + n, f_lo:f_hi], s.fc[:, f_lo:f_hi].T,
+                                 add=filter_tile if i > 0 else None)
                 stats[i].append(_stats(*s.tile_args(i, dots[:n], filter_dots[:n] if separate else None), r0,
                                        *s.options))
         del dots, filter_dots

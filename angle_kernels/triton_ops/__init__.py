@@ -29,13 +29,13 @@ which every Triton path's fingerprint covers).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import os
 from types import ModuleType
 
 import torch
 
+from .. import path_switches
 from .._runtime import triton_interpreting
 
 
@@ -94,33 +94,17 @@ AWAITING_VERIFICATION = {
 }
 
 
-def _switches():
-    """(the selector's module, its width's name) of each path of AWAITING_VERIFICATION, the modules imported."""
-    return {path: (importlib.import_module(f"{__name__}.{module}"), width)
-            for path, (module, width) in AWAITING_VERIFICATION.items()}
-
-
-@contextlib.contextmanager
 def awaiting_verification_on():
-    """Within the block, the code paths that await their first GPU verification take the calls they are meant for
-    (each switched off one at its module's PROPOSED width), so that `angle_kernels.verify` checks them and the GPU
-    op sweep times them; outside it, every call keeps the paths verified before them."""
-    switches = list(_switches().values())
-    saved = [getattr(module, width) for module, width in switches]
-    for (module, width), value in zip(switches, saved):
-        if value is None:
-            setattr(module, width, getattr(module, f"PROPOSED_{width}"))
-    try:
-        yield
-    finally:
-        for (module, width), value in zip(switches, saved):
-            setattr(module, width, value)
+    """Within the block, the paths of AWAITING_VERIFICATION take the calls they are meant for (switched on at their
+    PROPOSED widths), so that `angle_kernels.verify` checks them and the GPU op sweep times them; outside it, every
+    call keeps the paths verified before them (angle_kernels.path_switches)."""
+    return path_switches.switched_on(__name__, AWAITING_VERIFICATION)
 
 
 def paths_awaiting_verification() -> set[tuple[str, str]]:
     """(op, path) of the code paths that await their first GPU verification and are switched off: no call takes
     them outside `awaiting_verification_on`."""
-    return {path for path, (module, width) in _switches().items() if getattr(module, width) is None}
+    return path_switches.switched_off(__name__, AWAITING_VERIFICATION)
 
 
 def load_ops() -> dict[str, ModuleType]:

@@ -268,3 +268,61 @@ def test_the_prefix_limit_is_the_kernels():
     for name in ("pair_scores.cu", "pair_scores.cpp"):
         found = re.search(r"constexpr\s+\w+\s+kMaxPrefixes\s*=\s*(\d+)\s*;", (CSRC / name).read_text())
         assert found and int(found.group(1)) == cuda_pair_scores.MAX_PREFIXES, name
+
+
+@pytest.mark.parametrize("groups", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_fake_shapes_similarity_xent_dense(dtype, groups):
+    """The dense similarity_xent scheme's tile ops of one row block: lse_all and lse_pos [b]; the gradient tile
+    [b, Mc] in the operand dtype and the radial sums [b], [Mc]; with dims the running sum in and out."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    rows, b = 11, 5
+    with FakeTensorMode():
+        dots = torch.empty(b, rows, dtype=acc)
+        inv = torch.empty(rows, dtype=acc)
+        tiles = (dots, inv, inv, torch.empty(rows, dtype=torch.int64) if groups else None)
+        options = (20.0, "partner", True, 0.1)
+        lse_all, lse_pos = _op("cuda_similarity_xent_dense_stats")(*tiles, 4, *options)
+        assert lse_all.shape == lse_pos.shape == (b,) and lse_all.dtype == lse_pos.dtype == acc
+        operand = str(dtype).replace("torch.", "")
+        grad, following, row_radial, col_radial = _op("cuda_similarity_xent_dense_grad")(
+            *tiles, inv, inv, inv, None, None, None, 4, *options, False, False, operand)
+        assert grad.shape == (b, rows) and grad.dtype == dtype and following.shape == (0, rows)
+        assert row_radial.shape == (b,) and col_radial.shape == (rows,) and row_radial.dtype == col_radial.dtype == acc
+        running = torch.empty(b, rows, dtype=acc)
+        grad, following, _, _ = _op("cuda_similarity_xent_dense_grad")(
+            *tiles, inv, inv, inv, running, inv, inv, 4, *options, True, True, operand)
+        assert following.shape == (b, rows) and following.dtype == acc
+        assert grad.shape == ((0, rows) if dtype == acc else (b, rows)) and grad.dtype == dtype
+
+
+def test_similarity_xent_code_paths():
+    """The fused kernels at one width until the dense scheme is switched on; dims on the dense dims scheme."""
+    assert CUDA.paths["similarity_xent"] == ("fused", "dense", "dense_dims")
+    assert CUDA.features["similarity_xent"] == frozenset({"dims"})
+    q = torch.empty(6, 1024)
+    assert CUDA.code_paths["similarity_xent"](q, None, 20.0, "partner") == "fused"
+    assert CUDA.code_paths["similarity_xent"](q, None, 20.0, "partner", dims=(8, 1024)) == "dense_dims"
+
+
+@pytest.mark.parametrize("dims", [None, (2, 4, 8)], ids=str)
+def test_make_fx_traces_similarity_xent_dense(dims):
+    """The dense scheme traced with fake tensors: at one width forward calls the statistics and gradient ops once
+    per row block (the gradients formed in forward); with dims forward the statistics op once per prefix and
+    backward the gradient op as often."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    k = 1 if dims is None else len(dims)
+
+    def grads(q, c):
+        q, c = q.requires_grad_(), c.requires_grad_()
+        loss = CUDA.similarity_xent(q, c, 20.0, "diagonal", None, False, 0.1, None, dims,
+                                    path="dense" if dims is None else "dense_dims")
+        assert loss.shape == (() if dims is None else (k,))
+        return torch.autograd.grad(loss.sum(), (q, c))
+
+    graph = make_fx(grads, tracing_mode="fake")(torch.randn(6, 8, dtype=torch.bfloat16),
+                                                torch.randn(10, 8, dtype=torch.bfloat16))
+    text = str(graph.graph)
+    assert text.count(f"{NAMESPACE}.cuda_similarity_xent_dense_stats") == k
+    assert text.count(f"{NAMESPACE}.cuda_similarity_xent_dense_grad") == k

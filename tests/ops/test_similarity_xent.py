@@ -323,6 +323,17 @@ def test_dense_scheme_holds_one_block_of_logits(monkeypatch, symmetric):
     assert largest == 8 * c_rows, f"largest tensor {largest} elements; the tile is 8 x {c_rows}"
 
 
+def test_a_sum_into_its_own_output_is_recognised_through_another_view():
+    """products._mixed_product_into adds into out without overwriting it first when `add` holds out's elements,
+    whether it is out itself or another view object of them (a block's tile taken twice, tile[:n])."""
+    from angle_kernels.products import _same_elements
+
+    tile = torch.zeros(6, 4)
+    assert _same_elements(tile[:3], tile[:3]) and _same_elements(tile, tile)
+    assert not _same_elements(tile[:3], tile[1:4]) and not _same_elements(tile[:, :2], tile[:, 2:])
+    assert not _same_elements(tile, tile.T.contiguous())
+
+
 @pytest.mark.parametrize("offered", [(True, True), (True, False), (False, False)],
                          ids=["mixed-addmm", "mixed-mm-only", "converted"])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
@@ -596,7 +607,7 @@ def test_torch_mixed_path_multiplies_16_bit_operands_only(monkeypatch, symmetric
 
 @pytest.mark.parametrize("offered", [(True, True), (True, False), (False, False)],
                          ids=["mixed-addmm", "mixed-mm-only", "converted"])
-@pytest.mark.parametrize("add", ["none", "out", "other"])
+@pytest.mark.parametrize("add", ["none", "out", "out_view", "other"])
 def test_torch_mixed_products_take_every_torch_route(monkeypatch, offered, add):
     """products._mixed_product_into on each route a CUDA torch may offer (products.mixed_products), for a fresh product,
     one added into its output and one added to another tensor: bf16 operands, a float32 result of the right shape
@@ -616,7 +627,7 @@ def test_torch_mixed_products_take_every_torch_route(monkeypatch, offered, add):
     b = randn(gen, 6, 5).to(device, torch.bfloat16).T
     out = randn(gen, 12, 6).to(device)[2:10]
     other = randn(gen, 8, 6).to(device)
-    added = {"none": None, "out": out, "other": other}[add]
+    added = {"none": None, "out": out, "out_view": out[:], "other": other}[add]  # out_view: out's elements
     expected = a.float() @ b.float() + (0 if added is None else added)
     shared_products._mixed_product_into(out, a, b, added)
     assert out.shape == (8, 6) and out.dtype == torch.float32

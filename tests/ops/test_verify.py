@@ -187,3 +187,28 @@ def test_the_cuda_similarity_lse_paths_have_cases_in_every_dtype(sizes):
         taken.setdefault(case.path, []).append(kwargs.get("normalize", True))
     assert set(taken) == set(cuda_lse.PATHS)
     assert set(taken["dense"]) == {True, False}
+
+
+@pytest.mark.parametrize("sizes", ["standard", "large"])
+def test_the_cuda_similarity_xent_paths_have_cases_in_every_dtype(sizes):
+    """The CUDA backend's similarity_xent paths (the fused kernels, the dense scheme switched on as run_checks
+    switches it, the dense dims scheme) each have cases that take them (its selector asked directly: the backend
+    loads only on a GPU), in every dtype; the dense schemes with and without c, over several row blocks at large
+    sizes."""
+    from angle_kernels.cuda_ops import awaiting_verification_on, similarity_xent_dense, similarity_xent_paths
+
+    taken = {}
+    with awaiting_verification_on():
+        for case in verify.cases(sizes):
+            if case.op != "similarity_xent" or case.path not in similarity_xent_paths.PATHS:
+                continue
+            leaves, arguments = case.build(torch.Generator().manual_seed(0), torch.bfloat16, "meta")
+            args, kwargs = arguments(*leaves)
+            assert similarity_xent_paths.code_path(*args, **kwargs) == case.path, case.name
+            assert case.dtypes == verify.DTYPES, case.name
+            taken.setdefault(case.path, []).append((args[1] is None, args[0].shape[0]))
+    assert set(taken) == set(similarity_xent_paths.PATHS)
+    for path in ("dense", "dense_dims"):
+        assert {symmetric for symmetric, _ in taken[path]} == {True, False}, path
+        if sizes == "large":
+            assert max(rows for _, rows in taken[path]) > similarity_xent_dense.MAX_BLOCK_ROWS, path
