@@ -16,23 +16,22 @@ namespace angle_kernels {
 template <typename acc>
 cudaError_t similarity_lse_stats(const LseTiles<acc>& tiles, acc* lse, acc* top, acc* log_sum,
                                  cudaStream_t stream);
-// Backward: the gradient tile (with dims, the running sum over the prefixes: LseRunning) rounded to `operand`
-// (LseOperand) into grad [n_rows, cols] (rows ld_grad apart; null when the products take running.next), and with
+// Backward: the gradient tile (with dims, the running sum over the prefixes: DenseRunning) rounded to `operand`
+// (DenseOperand) into grad [n_rows, cols] (rows ld_grad apart; null when the products take running.next), and with
 // `radial` the partial radial sums row_partial [column tiles, n_rows] and col_partial [row tiles, cols]
 // (kLseGradCols, kLseGradRows). top, log_sum, coef: [rows], by global row.
 template <typename acc>
 cudaError_t similarity_lse_grad(const LseTiles<acc>& tiles, const acc* top, const acc* log_sum, const acc* coef,
-                                const LseRunning<acc>& running, bool radial, int operand, void* grad,
+                                const DenseRunning<acc>& running, bool radial, int operand, void* grad,
                                 int64_t ld_grad, acc* row_partial, acc* col_partial, cudaStream_t stream);
 
 }  // namespace angle_kernels
 
 // ---- the binding ---------------------------------------------------------------------------------------------
 #include "binding.h"
+#include "dense_binding.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/sum.h>
-#include <ATen/ops/zeros.h>
 
 #include <optional>
 #include <string>
@@ -41,6 +40,7 @@ cudaError_t similarity_lse_grad(const LseTiles<acc>& tiles, const acc* top, cons
 namespace {
 
 using namespace angle_kernels::binding;
+using namespace angle_kernels::dense_binding;
 
 int parse_exclude(c10::string_view exclude) {
   if (exclude == "none") return angle_kernels::kLseExcludeNone;
@@ -61,32 +61,6 @@ int parse_penalty_on(c10::string_view penalty_on) {
   return -1;
 }
 
-int parse_operand(c10::string_view operand, at::ScalarType acc_dtype) {
-  int code = -1;
-  if (operand == "float32") code = angle_kernels::kLseOperandFloat;
-  if (operand == "float64") code = angle_kernels::kLseOperandDouble;
-  if (operand == "float16") code = angle_kernels::kLseOperandHalf;
-  if (operand == "bfloat16") code = angle_kernels::kLseOperandBFloat16;
-  const bool fits = acc_dtype == at::kDouble ? code == angle_kernels::kLseOperandDouble
-                                             : code >= 0 && code != angle_kernels::kLseOperandDouble;
-  TORCH_CHECK_VALUE(fits, "angle_kernels (cuda): similarity_lse operand_dtype '", std::string(operand),
-                    "' does not go with tiles of ", acc_dtype);
-  return code;
-}
-
-at::ScalarType operand_type(int code) {
-  switch (code) {
-    case angle_kernels::kLseOperandDouble:
-      return at::kDouble;
-    case angle_kernels::kLseOperandHalf:
-      return at::kHalf;
-    case angle_kernels::kLseOperandBFloat16:
-      return at::kBFloat16;
-    default:
-      return at::kFloat;
-  }
-}
-
 // The checked tensors of one call, kept alive while the kernels read them.
 struct LseInputs {
   at::Tensor dots, row_inv, col_inv, row_unscale, filter_dots, filter_row_inv, filter_col_inv, threshold;
@@ -101,22 +75,12 @@ LseInputs prepare_lse(const at::Tensor& dots, const at::Tensor& row_inv, const a
                       const std::optional<at::Tensor>& filter_row_inv, const std::optional<at::Tensor>& filter_col_inv,
                       const std::optional<at::Tensor>& threshold, int64_t row0) {
   LseInputs in;
-  check_cuda_tensor(dots, "dots");
+  const int64_t rows = row_inv.numel();
+  check_dots(dots, row0, rows, "similarity_lse");
+  const int64_t n_rows = dots.size(0), cols = dots.size(1);
   const at::ScalarType acc_dtype = dots.scalar_type();
-  TORCH_CHECK_TYPE(acc_dtype == at::kFloat || acc_dtype == at::kDouble,
-                   "angle_kernels (cuda): similarity_lse dots must be float32 or float64, got ", acc_dtype);
-  TORCH_CHECK_VALUE(dots.dim() == 2 && dots.size(0) >= 1 && dots.size(1) >= 1 && dots.stride(1) == 1 &&
-                        dots.stride(0) >= dots.size(1),
-                    "angle_kernels (cuda): similarity_lse dots must be [n_rows >= 1, cols >= 1] with unit column "
-                    "stride, got shape ", dots.sizes(), " strides ", dots.strides());
-  const int64_t n_rows = dots.size(0), cols = dots.size(1), rows = row_inv.numel();
-  TORCH_CHECK_VALUE(row0 >= 0 && row0 + n_rows <= rows, "angle_kernels (cuda): similarity_lse rows ", row0, " .. ",
-                    row0 + n_rows, " of the block lie past the ", rows, " rows");
   const auto vector = [&](const at::Tensor& t, int64_t n, at::ScalarType type, const char* name) {
-    check_same_device(t, name, dots);
-    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n && t.is_contiguous() && t.scalar_type() == type,
-                      "angle_kernels (cuda): similarity_lse ", name, " must be a contiguous [", n, "] ", type,
-                      " tensor, got ", t.scalar_type(), " of shape ", t.sizes());
+    check_vector(t, n, type, name, dots, "similarity_lse");
     return t;
   };
   in.dots = dots;
@@ -204,11 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> similarity_lse_stats(
                                                           mutable_data_of<acc>(log_sum), stream),
                  "similarity_lse row statistics");
   };
-  if (dots.scalar_type() == at::kDouble) {
-    run(TypeTag<double>{});
-  } else {
-    run(TypeTag<float>{});
-  }
+  dispatch_tile_type(dots.scalar_type(), run);
   return {lse, top, log_sum};
 }
 
@@ -228,68 +188,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> similarity_lse_grad(
   const LseInputs in =
       prepare_lse(dots, row_inv, col_inv, row_unscale, filter_dots, filter_row_inv, filter_col_inv, threshold, row0);
   const at::ScalarType acc_dtype = dots.scalar_type();
-  const int64_t rows = row_inv.numel(), n_rows = dots.size(0), cols = dots.size(1);
-  const auto check_row_state = [&](const at::Tensor& t, const char* name) {
-    check_same_device(t, name, dots);
-    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == rows && t.is_contiguous() && t.scalar_type() == acc_dtype,
-                      "angle_kernels (cuda): similarity_lse ", name, " must be a contiguous [", rows, "] ",
-                      acc_dtype, " tensor");
-  };
-  check_row_state(top, "top");
-  check_row_state(log_sum, "log_sum");
-  check_row_state(coef, "coef");
-  TORCH_CHECK_VALUE(running.has_value() == row_ratio.has_value() && running.has_value() == col_ratio.has_value(),
-                    "angle_kernels (cuda): similarity_lse running, row_ratio and col_ratio go together");
-  if (running.has_value()) {
-    check_same_device(*running, "running", dots);
-    TORCH_CHECK_VALUE(running->dim() == 2 && running->size(0) == n_rows && running->size(1) == cols &&
-                          running->is_contiguous() && running->scalar_type() == acc_dtype,
-                      "angle_kernels (cuda): similarity_lse running must be a contiguous [n_rows, cols] tensor of "
-                      "the tile's type");
-    check_row_state(*row_ratio, "row_ratio");
-    check_same_device(*col_ratio, "col_ratio", dots);
-    TORCH_CHECK_VALUE(col_ratio->dim() == 1 && col_ratio->size(0) == cols && col_ratio->is_contiguous() &&
-                          col_ratio->scalar_type() == acc_dtype,
-                      "angle_kernels (cuda): similarity_lse col_ratio must be a contiguous [cols] tensor of the "
-                      "tile's type");
-  }
-  const int operand = parse_operand(operand_dtype, acc_dtype);
-  const c10::cuda::CUDAGuard guard(dots.device());
-  const int64_t col_tiles = (cols + angle_kernels::kLseGradCols - 1) / angle_kernels::kLseGradCols;
-  const int64_t row_tiles = (n_rows + angle_kernels::kLseGradRows - 1) / angle_kernels::kLseGradRows;
-  const bool rounded = !keep_running || operand_type(operand) != acc_dtype;
-  at::Tensor grad = at::empty({rounded ? n_rows : 0, cols}, dots.options().dtype(operand_type(operand)));
-  at::Tensor next = at::empty({keep_running ? n_rows : 0, cols}, dots.options());
-  // the per-tile radial partials, reduced below in a fixed order (no atomics: deterministic)
-  at::Tensor row_partial = at::empty({radial ? col_tiles : 0, n_rows}, dots.options());
-  at::Tensor col_partial = at::empty({radial ? row_tiles : 0, cols}, dots.options());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dots.device().index()).stream();
-  const auto run = [&](auto tag) {
+  const int64_t rows = row_inv.numel();
+  check_row_state(top, "top", dots, rows, "similarity_lse");
+  check_row_state(log_sum, "log_sum", dots, rows, "similarity_lse");
+  check_row_state(coef, "coef", dots, rows, "similarity_lse");
+  check_running(dots, rows, running, row_ratio, col_ratio, "similarity_lse");
+  const int operand = parse_operand(operand_dtype, acc_dtype, "similarity_lse");
+  const auto launch = [&](auto tag, const auto& sums, void* grad, auto* row_partial, auto* col_partial,
+                          cudaStream_t stream) {
     using acc = typename decltype(tag)::type;
     const auto tiles = make_tiles<acc>(in, row0, target_offset, period, scale, penalty, exclude, penalty_on,
                                        filter_keeps_target);
-    angle_kernels::LseRunning<acc> sums{};
-    if (running.has_value()) {
-      sums.previous = data_of<acc>(*running);
-      sums.row_ratio = data_of<acc>(*row_ratio);
-      sums.col_ratio = data_of<acc>(*col_ratio);
-    }
-    sums.next = keep_running ? mutable_data_of<acc>(next) : nullptr;
-    sums.ld = cols;
-    check_launch(angle_kernels::similarity_lse_grad<acc>(
-                     tiles, data_of<acc>(top), data_of<acc>(log_sum), data_of<acc>(coef), sums, radial, operand,
-                     rounded ? grad.mutable_data_ptr() : nullptr, cols,
-                     radial ? mutable_data_of<acc>(row_partial) : nullptr,
-                     radial ? mutable_data_of<acc>(col_partial) : nullptr, stream),
+    check_launch(angle_kernels::similarity_lse_grad<acc>(tiles, data_of<acc>(top), data_of<acc>(log_sum),
+                                                         data_of<acc>(coef), sums, radial, operand, grad,
+                                                         dots.size(1), row_partial, col_partial, stream),
                  "similarity_lse gradient tile");
   };
-  if (acc_dtype == at::kDouble) {
-    run(TypeTag<double>{});
-  } else {
-    run(TypeTag<float>{});
-  }
-  if (!radial) return {grad, next, at::zeros({n_rows}, dots.options()), at::zeros({cols}, dots.options())};
-  return {grad, next, row_partial.sum(0), col_partial.sum(0)};
+  return run_grad(dots, operand, radial, keep_running, angle_kernels::kLseGradRows, angle_kernels::kLseGradCols,
+                  running, row_ratio, col_ratio, launch);
 }
 
 }  // namespace

@@ -20,7 +20,7 @@
 // gradient's magnitude nor an inverse norm, so its 16-bit copy neither underflows nor overflows. With dims (every
 // prefix d_1 < ... < d_k in one pass) the same kernels run once per prefix on its tile P_i (a running sum of slice
 // products), and backward, from the widest prefix down, also folds the running sum H_j = G_j + (q_inv_j+1 /
-// q_inv_j) (c_inv_j+1 / c_inv_j) H_j+1 (LseRunning): the tile the products of slice j take.
+// q_inv_j) (c_inv_j+1 / c_inv_j) H_j+1 (DenseRunning): the tile the products of slice j take.
 //
 // Scores and huge rows (LseTiles in similarity_lse_types.h): the score is v_ij = P_ij row_inv_i col_inv_j. For
 // cosines row_inv, col_inv are the inverse clamped norms of the scaled rows and row_unscale is 1. For raw dot
@@ -42,6 +42,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "dense_tiles.cuh"
 #include "similarity_lse_types.h"
 
 namespace angle_kernels {
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(kLseStatsThreads)
 // ---------------------------------------------------------------------------------------------------------
 // Backward: the gradient tile. Block (x, y) covers columns [256 x, 256 x + 256) (one per thread) and local rows
 // [16 y, 16 y + 16). G_ij = coef_i scale exp((w_ij - m_i) a_i - log_sum_i) on kept columns, else 0 (and 0 on
-// rows whose m is -inf). With dims (LseRunning), H = G + row_ratio_i col_ratio_j H_previous is the running sum
+// rows whose m is -inf). With dims (DenseRunning), H = G + row_ratio_i col_ratio_j H_previous is the running sum
 // over the prefixes from the widest down, written in acc to `next` (where a narrower prefix follows); H (G with
 // one width) is rounded to out_t and stored in `grad` (skipped when null: the products then take `next`). With
 // `radial`, the radial sums of G times the score (the rounded G with one width, the tile its products take):
@@ -200,7 +201,7 @@ __global__ void __launch_bounds__(kLseStatsThreads)
 template <typename acc, typename facc, typename out_t>
 __global__ void __launch_bounds__(kLseGradThreads)
     _lse_grad_kernel(const LseTiles<acc> t, const acc* __restrict__ top, const acc* __restrict__ log_sum,
-                     const acc* __restrict__ coef, const LseRunning<acc> running, bool radial,
+                     const acc* __restrict__ coef, const DenseRunning<acc> running, bool radial,
                      out_t* __restrict__ grad, int64_t ld_grad, acc* __restrict__ row_partial,
                      acc* __restrict__ col_partial) {
   constexpr int kWarps = kLseGradThreads / kWarpSize;
@@ -241,12 +242,7 @@ __global__ void __launch_bounds__(kLseGradThreads)
       if (lse_logit<acc, facc>(t, r, local, col, col_mod, col_inv, fcol_inv, &v, &w) && m > neg_inf<acc>()) {
         g = row_values[2][k] * scale * exp_acc((w - m) * r.unscale - row_values[1][k]);
       }
-      // H_j = G_j + (q_inv_j+1 / q_inv_j) (c_inv_j+1 / c_inv_j) H_j+1: the running sum over the wider prefixes
-      acc h = g;
-      if (running.previous != nullptr) {
-        h += running.previous[local * running.ld + col] * row_values[3][k] * col_ratio;
-      }
-      if (running.next != nullptr) running.next[local * running.ld + col] = h;
+      const acc h = dense_running_sum(running, local, col, g, row_values[3][k], col_ratio);
       out_t rounded{};
       if (grad != nullptr) {
         rounded = from_acc<out_t>(h);
@@ -261,31 +257,14 @@ __global__ void __launch_bounds__(kLseGradThreads)
     row_terms[k] = term;
   }
   if (!radial) return;  // uniform over the grid: no barrier is skipped by part of a block
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-#pragma unroll
-  for (int k = 0; k < kLseGradRows; ++k) {
-    const acc sum = warp_sum(row_terms[k]);
-    if (lane == 0) row_sums[warp][k] = sum;
-  }
-  if (col_ok) col_partial[static_cast<int64_t>(blockIdx.y) * t.cols + col] = col_sum;
-  __syncthreads();
-  if (threadIdx.x < kLseGradRows) {
-    const int64_t local = static_cast<int64_t>(blockIdx.y) * kLseGradRows + threadIdx.x;
-    acc sum = row_sums[0][threadIdx.x];
-    for (int other = 1; other < kWarps; ++other) sum += row_sums[other][threadIdx.x];
-    if (local < t.n_rows) row_partial[static_cast<int64_t>(blockIdx.x) * t.n_rows + local] = sum;
-  }
+  dense_radial_partials<kLseGradRows, kLseGradThreads>(row_terms, col_sum, col_ok, col, t.n_rows, t.cols,
+                                                        row_sums, row_partial, col_partial);
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------------------------
 namespace {
-
-bool lse_tiles_ok(int64_t n_rows, int64_t cols) {
-  return n_rows >= 1 && cols >= 1 && n_rows <= 0x7fffffff && (n_rows + kLseGradRows - 1) / kLseGradRows <= 65535 &&
-         (cols + kLseGradCols - 1) / kLseGradCols <= 0x7fffffff;
-}
 
 template <typename acc, typename facc>
 cudaError_t launch_stats(const LseTiles<acc>& t, acc* lse, acc* top, acc* log_sum, cudaStream_t stream) {
@@ -295,7 +274,7 @@ cudaError_t launch_stats(const LseTiles<acc>& t, acc* lse, acc* top, acc* log_su
 
 template <typename acc, typename facc, typename out_t>
 cudaError_t launch_grad(const LseTiles<acc>& t, const acc* top, const acc* log_sum, const acc* coef,
-                        const LseRunning<acc>& running, bool radial, void* grad, int64_t ld_grad, acc* row_partial,
+                        const DenseRunning<acc>& running, bool radial, void* grad, int64_t ld_grad, acc* row_partial,
                         acc* col_partial, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((t.cols + kLseGradCols - 1) / kLseGradCols),
                   static_cast<unsigned>((t.n_rows + kLseGradRows - 1) / kLseGradRows));
@@ -306,27 +285,13 @@ cudaError_t launch_grad(const LseTiles<acc>& t, const acc* top, const acc* log_s
 
 template <typename acc, typename facc>
 cudaError_t launch_grad_for(const LseTiles<acc>& t, const acc* top, const acc* log_sum, const acc* coef,
-                            const LseRunning<acc>& running, bool radial, int operand, void* grad, int64_t ld_grad,
+                            const DenseRunning<acc>& running, bool radial, int operand, void* grad, int64_t ld_grad,
                             acc* row_partial, acc* col_partial, cudaStream_t stream) {
-  if constexpr (std::is_same<acc, double>::value) {
-    if (operand != kLseOperandDouble) return cudaErrorInvalidValue;
-    return launch_grad<acc, facc, double>(t, top, log_sum, coef, running, radial, grad, ld_grad, row_partial,
-                                          col_partial, stream);
-  } else {
-    switch (operand) {
-      case kLseOperandFloat:
-        return launch_grad<acc, facc, float>(t, top, log_sum, coef, running, radial, grad, ld_grad, row_partial,
-                                             col_partial, stream);
-      case kLseOperandHalf:
-        return launch_grad<acc, facc, __half>(t, top, log_sum, coef, running, radial, grad, ld_grad, row_partial,
-                                              col_partial, stream);
-      case kLseOperandBFloat16:
-        return launch_grad<acc, facc, __nv_bfloat16>(t, top, log_sum, coef, running, radial, grad, ld_grad,
-                                                     row_partial, col_partial, stream);
-      default:
-        return cudaErrorInvalidValue;
-    }
-  }
+  return dense_launch_for_operand<acc>(operand, [&](auto tag) {
+    using out_t = typename decltype(tag)::type;
+    return launch_grad<acc, facc, out_t>(t, top, log_sum, coef, running, radial, grad, ld_grad, row_partial,
+                                         col_partial, stream);
+  });
 }
 
 }  // namespace
@@ -336,21 +301,22 @@ cudaError_t launch_grad_for(const LseTiles<acc>& t, const acc* top, const acc* l
 template <typename acc>
 cudaError_t similarity_lse_stats(const LseTiles<acc>& tiles, acc* lse, acc* top, acc* log_sum,
                                  cudaStream_t stream) {
-  if (!lse_tiles_ok(tiles.n_rows, tiles.cols)) return cudaErrorInvalidValue;
+  if (!dense_tiles_ok(tiles.n_rows, tiles.cols, kLseGradRows, kLseGradCols)) return cudaErrorInvalidValue;
   const bool fp64 = tiles.filter == kLseFilterSeparate ? tiles.filter_fp64 : std::is_same<acc, double>::value;
   return fp64 ? launch_stats<acc, double>(tiles, lse, top, log_sum, stream)
               : launch_stats<acc, float>(tiles, lse, top, log_sum, stream);
 }
 
-// The gradient tile of one row block (with dims, the running sum `running`), rounded to `operand` (LseOperand)
+// The gradient tile of one row block (with dims, the running sum `running`), rounded to `operand` (DenseOperand)
 // into grad [n_rows, cols] (rows ld_grad apart; may be null with running.next), and with `radial` the partial
 // radial sums row_partial [column tiles, n_rows], col_partial [row tiles, cols] (see _lse_grad_kernel). top,
 // log_sum, coef: [rows], by global row.
 template <typename acc>
 cudaError_t similarity_lse_grad(const LseTiles<acc>& tiles, const acc* top, const acc* log_sum, const acc* coef,
-                                const LseRunning<acc>& running, bool radial, int operand, void* grad,
+                                const DenseRunning<acc>& running, bool radial, int operand, void* grad,
                                 int64_t ld_grad, acc* row_partial, acc* col_partial, cudaStream_t stream) {
-  if (!lse_tiles_ok(tiles.n_rows, tiles.cols) || (grad == nullptr && running.next == nullptr)) {
+  if (!dense_tiles_ok(tiles.n_rows, tiles.cols, kLseGradRows, kLseGradCols) ||
+      (grad == nullptr && running.next == nullptr)) {
     return cudaErrorInvalidValue;
   }
   const bool fp64 = tiles.filter == kLseFilterSeparate ? tiles.filter_fp64 : std::is_same<acc, double>::value;
@@ -363,10 +329,10 @@ cudaError_t similarity_lse_grad(const LseTiles<acc>& tiles, const acc* top, cons
 template cudaError_t similarity_lse_stats<float>(const LseTiles<float>&, float*, float*, float*, cudaStream_t);
 template cudaError_t similarity_lse_stats<double>(const LseTiles<double>&, double*, double*, double*, cudaStream_t);
 template cudaError_t similarity_lse_grad<float>(const LseTiles<float>&, const float*, const float*, const float*,
-                                                const LseRunning<float>&, bool, int, void*, int64_t, float*, float*,
+                                                const DenseRunning<float>&, bool, int, void*, int64_t, float*, float*,
                                                 cudaStream_t);
 template cudaError_t similarity_lse_grad<double>(const LseTiles<double>&, const double*, const double*,
-                                                 const double*, const LseRunning<double>&, bool, int, void*, int64_t,
+                                                 const double*, const DenseRunning<double>&, bool, int, void*, int64_t,
                                                  double*, double*, cudaStream_t);
 
 }  // namespace angle_kernels

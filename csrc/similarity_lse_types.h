@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "dense_types.h"
 #include "launcher_types.h"
 
 namespace angle_kernels {
@@ -15,8 +16,6 @@ enum LsePenaltyOn : int { kLsePenaltyNone = 0, kLsePenaltyOther = 1, kLsePenalty
 // No filter; a filter on the block's own scores (filter_q, filter_c are q and c: no second tile); a filter on
 // other embeddings, whose dots come in a tile of their own.
 enum LseFilter : int { kLseFilterNone = 0, kLseFilterOwnScores = 1, kLseFilterSeparate = 2 };
-// The element type the gradient kernel rounds its tile to: the products' operand dtype.
-enum LseOperand : int { kLseOperandFloat = 0, kLseOperandDouble = 1, kLseOperandHalf = 2, kLseOperandBFloat16 = 3 };
 
 // The gradient kernel's tile: kLseGradRows rows by kLseGradCols columns per block (one column per thread). The
 // binding sizes the per-tile radial partial sums by them: [column tiles, n_rows] and [row tiles, cols].
@@ -50,19 +49,6 @@ struct LseTiles {
   double scale, penalty;
   int exclude;     // LseExclude
   int penalty_on;  // LsePenaltyOn (kLsePenaltyNone when penalty is 0)
-};
-
-// With dims, the gradient kernel's running sum over the prefixes, from the widest down (cuda_ops/similarity_lse.py):
-// H_j = G_j + row_ratio_i col_ratio_j H_j+1 read from `previous` (null for the widest prefix) and written to `next`
-// (null for the narrowest), both [n_rows, cols] rows ld apart; the ratios q_inv_j+1 / q_inv_j [rows] and
-// c_inv_j+1 / c_inv_j [cols] take H_j+1 into prefix j's frame. All null with one width.
-template <typename acc>
-struct LseRunning {
-  const acc* previous;
-  acc* next;
-  int64_t ld;
-  const acc* row_ratio;
-  const acc* col_ratio;
 };
 
 }  // namespace angle_kernels

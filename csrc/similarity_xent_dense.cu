@@ -24,7 +24,7 @@
 // (nothing recomputed: 6 M Mc D FLOPs). With dims (every prefix d_1 < ... < d_k) the same kernels run once per
 // prefix on its tile P_i (a running sum of slice products, each prefix with its own norms and lse), and backward,
 // from the widest prefix down, also folds the running sum R_j = G_j + (q_inv_j+1 / q_inv_j) (c_inv_j+1 / c_inv_j)
-// R_j+1 (XentRunning): the tile the products of slice j take.
+// R_j+1 (DenseRunning): the tile the products of slice j take.
 //
 // Determinism: no atomics. Each row's statistics come from one block in a fixed reduction order; the radial sums
 // are written per tile and reduced by the binding (at::sum); the products are cuBLAS's.
@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "dense_tiles.cuh"
 #include "similarity_xent_dense_types.h"
 
 namespace angle_kernels {
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(kXentStatsThreads, 2)
 // ---------------------------------------------------------------------------------------------------------
 // The gradient tile. Block (x, y) covers columns [256 x, 256 x + 256) (one per thread) and local rows
 // [16 y, 16 y + 16). G_ij = coef_i scale (exp(l_ij - lse_all_i) - p_ij), p_ij = exp(l_ij - lse_pos_i) on P_i with
-// groups, [j == t_i] without, times the margin's slope at the target; 0 off C_i. With dims (XentRunning),
+// groups, [j == t_i] without, times the margin's slope at the target; 0 off C_i. With dims (DenseRunning),
 // R = G + row_ratio_i col_ratio_j R_previous is the running sum over the prefixes from the widest down, written in
 // acc to `next` (where a narrower prefix follows); R (G at one width) is rounded to out_t and stored in `grad`
 // (skipped when null: the products then take `next`). With `radial`, the radial sums of G_j cos_ij: each thread's
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(kXentStatsThreads, 2)
 template <typename acc, typename out_t>
 __global__ void __launch_bounds__(kXentGradThreads)
     _xent_dense_grad_kernel(const XentTiles<acc> t, const acc* __restrict__ lse_all, const acc* __restrict__ lse_pos,
-                            const acc* __restrict__ coef, const XentRunning<acc> running, bool radial,
+                            const acc* __restrict__ coef, const DenseRunning<acc> running, bool radial,
                             out_t* __restrict__ grad, int64_t ld_grad, acc* __restrict__ row_partial,
                             acc* __restrict__ col_partial) {
   constexpr int kWarps = kXentGradThreads / kWarpSize;
@@ -229,32 +230,15 @@ __global__ void __launch_bounds__(kXentGradThreads)
         if (is_target) g *= slope;
         term = g * cos;
       }
-      // R_j = G_j + (q_inv_j+1 / q_inv_j) (c_inv_j+1 / c_inv_j) R_j+1: the running sum over the wider prefixes
-      acc h = g;
-      if (running.previous != nullptr) {
-        h += running.previous[local * running.ld + col] * row_values[3][k] * col_ratio;
-      }
-      if (running.next != nullptr) running.next[local * running.ld + col] = h;
+      const acc h = dense_running_sum(running, local, col, g, row_values[3][k], col_ratio);
       if (grad != nullptr) grad[local * ld_grad + col] = from_acc<out_t>(h);
     }
     col_sum += term;
     row_terms[k] = term;
   }
   if (!radial) return;  // uniform over the grid: no barrier is skipped by part of a block
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-#pragma unroll
-  for (int k = 0; k < kXentGradRows; ++k) {
-    const acc sum = warp_sum(row_terms[k]);
-    if (lane == 0) row_sums[warp][k] = sum;
-  }
-  if (col_ok) col_partial[static_cast<int64_t>(blockIdx.y) * t.cols + col] = col_sum;
-  __syncthreads();
-  if (threadIdx.x < kXentGradRows) {
-    const int64_t local = static_cast<int64_t>(blockIdx.y) * kXentGradRows + threadIdx.x;
-    acc sum = row_sums[0][threadIdx.x];
-    for (int other = 1; other < kWarps; ++other) sum += row_sums[other][threadIdx.x];
-    if (local < t.n_rows) row_partial[static_cast<int64_t>(blockIdx.x) * t.n_rows + local] = sum;
-  }
+  dense_radial_partials<kXentGradRows, kXentGradThreads>(row_terms, col_sum, col_ok, col, t.n_rows, t.cols,
+                                                          row_sums, row_partial, col_partial);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -262,15 +246,9 @@ __global__ void __launch_bounds__(kXentGradThreads)
 // ---------------------------------------------------------------------------------------------------------
 namespace {
 
-bool xent_tiles_ok(int64_t n_rows, int64_t cols) {
-  return n_rows >= 1 && cols >= 1 && n_rows <= 0x7fffffff &&
-         (n_rows + kXentGradRows - 1) / kXentGradRows <= 65535 &&
-         (cols + kXentGradCols - 1) / kXentGradCols <= 0x7fffffff;
-}
-
 template <typename acc, typename out_t>
 cudaError_t launch_grad(const XentTiles<acc>& t, const acc* lse_all, const acc* lse_pos, const acc* coef,
-                        const XentRunning<acc>& running, bool radial, void* grad, int64_t ld_grad, acc* row_partial,
+                        const DenseRunning<acc>& running, bool radial, void* grad, int64_t ld_grad, acc* row_partial,
                         acc* col_partial, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((t.cols + kXentGradCols - 1) / kXentGradCols),
                   static_cast<unsigned>((t.n_rows + kXentGradRows - 1) / kXentGradRows));
@@ -285,52 +263,39 @@ cudaError_t launch_grad(const XentTiles<acc>& t, const acc* lse_all, const acc* 
 template <typename acc>
 cudaError_t similarity_xent_dense_stats(const XentTiles<acc>& tiles, acc* lse_all, acc* lse_pos,
                                         cudaStream_t stream) {
-  if (!xent_tiles_ok(tiles.n_rows, tiles.cols)) return cudaErrorInvalidValue;
+  if (!dense_tiles_ok(tiles.n_rows, tiles.cols, kXentGradRows, kXentGradCols)) return cudaErrorInvalidValue;
   _xent_dense_stats_kernel<acc><<<static_cast<unsigned>(tiles.n_rows), kXentStatsThreads, 0, stream>>>(
       tiles, lse_all, lse_pos);
   return cudaGetLastError();
 }
 
-// The gradient tile of one row block (with dims, the running sum `running`), rounded to `operand` (XentOperand)
+// The gradient tile of one row block (with dims, the running sum `running`), rounded to `operand` (DenseOperand)
 // into grad [n_rows, cols] (rows ld_grad apart; may be null with running.next), and with `radial` the partial
 // radial sums row_partial [column tiles, n_rows], col_partial [row tiles, cols] (see _xent_dense_grad_kernel).
 // lse_all, lse_pos, coef: [rows], by global row.
 template <typename acc>
 cudaError_t similarity_xent_dense_grad(const XentTiles<acc>& tiles, const acc* lse_all, const acc* lse_pos,
-                                       const acc* coef, const XentRunning<acc>& running, bool radial, int operand,
+                                       const acc* coef, const DenseRunning<acc>& running, bool radial, int operand,
                                        void* grad, int64_t ld_grad, acc* row_partial, acc* col_partial,
                                        cudaStream_t stream) {
-  if (!xent_tiles_ok(tiles.n_rows, tiles.cols) || (grad == nullptr && running.next == nullptr)) {
+  if (!dense_tiles_ok(tiles.n_rows, tiles.cols, kXentGradRows, kXentGradCols) ||
+      (grad == nullptr && running.next == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  if constexpr (std::is_same<acc, double>::value) {
-    if (operand != kXentOperandDouble) return cudaErrorInvalidValue;
-    return launch_grad<acc, double>(tiles, lse_all, lse_pos, coef, running, radial, grad, ld_grad, row_partial,
-                                    col_partial, stream);
-  } else {
-    switch (operand) {
-      case kXentOperandFloat:
-        return launch_grad<acc, float>(tiles, lse_all, lse_pos, coef, running, radial, grad, ld_grad, row_partial,
-                                       col_partial, stream);
-      case kXentOperandHalf:
-        return launch_grad<acc, __half>(tiles, lse_all, lse_pos, coef, running, radial, grad, ld_grad, row_partial,
-                                        col_partial, stream);
-      case kXentOperandBFloat16:
-        return launch_grad<acc, __nv_bfloat16>(tiles, lse_all, lse_pos, coef, running, radial, grad, ld_grad,
-                                               row_partial, col_partial, stream);
-      default:
-        return cudaErrorInvalidValue;
-    }
-  }
+  return dense_launch_for_operand<acc>(operand, [&](auto tag) {
+    using out_t = typename decltype(tag)::type;
+    return launch_grad<acc, out_t>(tiles, lse_all, lse_pos, coef, running, radial, grad, ld_grad, row_partial,
+                                   col_partial, stream);
+  });
 }
 
 template cudaError_t similarity_xent_dense_stats<float>(const XentTiles<float>&, float*, float*, cudaStream_t);
 template cudaError_t similarity_xent_dense_stats<double>(const XentTiles<double>&, double*, double*, cudaStream_t);
 template cudaError_t similarity_xent_dense_grad<float>(const XentTiles<float>&, const float*, const float*,
-                                                       const float*, const XentRunning<float>&, bool, int, void*,
+                                                       const float*, const DenseRunning<float>&, bool, int, void*,
                                                        int64_t, float*, float*, cudaStream_t);
 template cudaError_t similarity_xent_dense_grad<double>(const XentTiles<double>&, const double*, const double*,
-                                                        const double*, const XentRunning<double>&, bool, int, void*,
+                                                        const double*, const DenseRunning<double>&, bool, int, void*,
                                                         int64_t, double*, double*, cudaStream_t);
 
 }  // namespace angle_kernels

@@ -5,17 +5,10 @@
 
 #include <cstdint>
 
+#include "dense_types.h"
 #include "launcher_types.h"
 
 namespace angle_kernels {
-
-// The element type the gradient kernel rounds its tile to: the products' operand dtype.
-enum XentOperand : int {
-  kXentOperandFloat = 0,
-  kXentOperandDouble = 1,
-  kXentOperandHalf = 2,
-  kXentOperandBFloat16 = 3
-};
 
 // The gradient kernel's tile: kXentGradRows rows by kXentGradCols columns per block (one column per thread). The
 // binding sizes the per-tile radial partial sums by them: [column tiles, n_rows] and [row tiles, cols].
@@ -40,20 +33,6 @@ struct XentTiles {
   int64_t row0, n_rows, rows, cols;
   double scale, cos_margin, sin_margin;
   bool partner_target, exclude_diagonal, has_margin;
-};
-
-// With dims, the gradient kernel's running sum over the prefixes, from the widest down
-// (cuda_ops/similarity_xent_dense.py): R_j = G_j + row_ratio_i col_ratio_j R_j+1 read from `previous` (null for the
-// widest prefix) and written to `next` (null for the narrowest), both [n_rows, cols] rows ld apart; the ratios
-// q_inv_j+1 / q_inv_j [rows] and c_inv_j+1 / c_inv_j [cols] take R_j+1 into prefix j's frame. All null with one
-// width.
-template <typename acc>
-struct XentRunning {
-  const acc* previous;
-  acc* next;
-  int64_t ld;
-  const acc* row_ratio;
-  const acc* col_ratio;
 };
 
 }  // namespace angle_kernels

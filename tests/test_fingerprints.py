@@ -268,9 +268,11 @@ def test_the_cuda_dense_similarity_xent_scheme_changes_only_its_paths(baseline, 
     copy(relative, "q_ratio = (q_rows.inv[1:] / q_rows.inv[:-1]).contiguous()",
          "q_ratio = (q_rows.inv[1:] / q_rows.inv[:-1] * 1).contiguous()")
     assert changed(baseline, copy.tree) == cuda_xent
-    copy(relative, "out = torch.empty_like(rows.scaled)", "out = torch.zeros_like(rows.scaled)",
-         after="def _unit_slices(")
-    assert changed(baseline, copy.tree) == cuda_xent
+    # a helper shared with the CUDA similarity_lse's dense scheme (cuda_ops/_dense_tiles.py): every path running it
+    copy("angle_kernels/cuda_ops/_dense_tiles.py", "out = torch.empty_like(rows.scaled)",
+         "out = torch.zeros_like(rows.scaled)", after="def unit_slices(")
+    cuda_lse = {("cuda", "similarity_lse", path) for path in ("dense", "dense_dims")}
+    assert changed(baseline, copy.tree) == cuda_xent | cuda_lse
 
 
 # ---------------------------------------------------------------------------------------------------------

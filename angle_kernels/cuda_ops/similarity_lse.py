@@ -59,6 +59,7 @@ from torch.autograd.function import once_differentiable
 from ..contract import compute_dtype
 from ..normalisation import inverse_norms_from_norms, row_scales
 from ..products import product_into
+from ._dense_tiles import column_slices, grad_fake, grad_schema, operand_name, prefix_tiles, running_sums, unit_slices
 from ._library import define, op
 
 FEATURES = ("dims",)  # the contract's optional features this op implements (not reference: dispatch subtracts it)
@@ -74,13 +75,7 @@ _TILE_ARGS = ("Tensor dots, Tensor row_inv, Tensor col_inv, Tensor row_unscale, 
 _OPTION_ARGS = "int target_offset, int period, float scale, float penalty, str exclude, str penalty_on, " \
                "bool filter_keeps_target"
 STATS = define("cuda_similarity_lse_stats", f"({_TILE_ARGS}, int row0, {_OPTION_ARGS}) -> (Tensor, Tensor, Tensor)")
-GRAD = define("cuda_similarity_lse_grad",
-              f"({_TILE_ARGS}, Tensor top, Tensor log_sum, Tensor coef, Tensor? running, Tensor? row_ratio, "
-              f"Tensor? col_ratio, int row0, {_OPTION_ARGS}, bool radial, bool keep_running, str operand_dtype) "
-              "-> (Tensor, Tensor, Tensor, Tensor)")
-
-_OPERAND_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-                   "bfloat16": torch.bfloat16}
+GRAD = define("cuda_similarity_lse_grad", grad_schema(_TILE_ARGS, "Tensor top, Tensor log_sum", _OPTION_ARGS))
 
 
 @torch.library.register_fake(STATS)
@@ -94,11 +89,7 @@ def _stats_fake(dots, row_inv, col_inv, row_unscale, filter_dots, filter_row_inv
 def _grad_fake(dots, row_inv, col_inv, row_unscale, filter_dots, filter_row_inv, filter_col_inv, threshold, top,
                log_sum, coef, running, row_ratio, col_ratio, row0, target_offset, period, scale, penalty, exclude,
                penalty_on, filter_keeps_target, radial, keep_running, operand_dtype):
-    n, mc = dots.shape
-    operand = _OPERAND_DTYPES[operand_dtype]
-    rounded = not keep_running or operand != dots.dtype  # else the products take the running sum itself
-    grad = dots.new_empty((n if rounded else 0, mc), dtype=operand)
-    return grad, dots.new_empty((n if keep_running else 0, mc)), dots.new_empty((n,)), dots.new_empty((mc,))
+    return grad_fake(dots, keep_running, operand_dtype)
 
 
 # The kernels as this module calls them (tests/ops/test_cuda_similarity_lse_emulation.py puts CPU models of them
@@ -181,14 +172,10 @@ class _Scheme(NamedTuple):
                 row(self.filter_col_inv), row(self.threshold))
 
 
-def _slices(dims: tuple) -> list:
-    return list(zip((0,) + dims[:-1], dims))
-
-
 def _scheme(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
             filter_keeps_target, normalize, dims) -> _Scheme:
     dtype = compute_dtype(q.dtype)
-    slices = _slices(dims or (q.shape[1],))
+    slices = column_slices(dims or (q.shape[1],))
     k = len(slices)
     q_rows, c_rows = _rows(q, dtype, normalize, slices), _rows(c, dtype, normalize, slices)
     if normalize:  # cosines: the inverse norms on both sides, logits as they are
@@ -208,7 +195,7 @@ def _scheme(q, c, scale, target_offset, period, exclude, penalty, penalty_on, fi
             filter_dtype = compute_dtype(filter_q.dtype)
             if filter_q.dtype != filter_c.dtype:  # as the other backends: both in filter_q's compute dtype
                 filter_q, filter_c = filter_q.to(filter_dtype), filter_c.to(filter_dtype)
-            filter_slices = slices if dims is not None else _slices((filter_q.shape[1],))
+            filter_slices = slices if dims is not None else column_slices((filter_q.shape[1],))
             fq_rows = _rows(filter_q, filter_dtype, normalize, filter_slices)
             fc_rows = _rows(filter_c, filter_dtype, normalize, filter_slices)
             fq, fc = fq_rows.scaled, fc_rows.scaled
@@ -218,13 +205,6 @@ def _scheme(q, c, scale, target_offset, period, exclude, penalty, penalty_on, fi
                penalty_on if penalty != 0.0 else "none", bool(filter_keeps_target))
     return _Scheme(slices, filter_slices, q_rows, c_rows, row_inv, col_inv, row_unscale, fq, fc, filter_row_inv,
                    filter_col_inv, threshold, options)
-
-
-def _prefix_tiles(out: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, slices: list) -> None:
-    """out[i] = rows[:, :d_i] @ columns[:, :d_i]^T for every prefix i (out [k, b, Mc]): each the previous one plus
-    its slice's product."""
-    for i, (lo, hi) in enumerate(slices):
-        product_into(out[i], rows[:, lo:hi], columns[:, lo:hi].T, add=out[i - 1] if i > 0 else None)
 
 
 class DenseSimilarityLseFunction(torch.autograd.Function):
@@ -285,8 +265,8 @@ class DenseSimilarityLseFunction(torch.autograd.Function):
         # The backward products' operands, in the input dtype: for cosines each slice in the frame of the prefix it
         # ends (times that prefix's inverse norm: entries at most 1), for dot products the rows themselves (s x / s).
         if normalize:
-            q_unit = _unit_slices(s.q, s.slices, dtype) if want_c else None
-            c_unit = _unit_slices(s.c, s.slices, dtype) if want_q else None
+            q_unit = unit_slices(s.q, s.slices, dtype) if want_c else None
+            c_unit = unit_slices(s.c, s.slices, dtype) if want_q else None
             q_frame, c_frame = s.q.inv, s.c.inv
         else:
             q_unit, c_unit = ctx.rows
@@ -298,7 +278,7 @@ class DenseSimilarityLseFunction(torch.autograd.Function):
         d_c = torch.zeros(s.c.scaled.shape, dtype=dtype, device=device) if want_c else None
         q_radial = torch.zeros((k, m), dtype=dtype, device=device)  # sum_c G_ic cos_ic of every prefix
         c_radial = torch.zeros((k, mc), dtype=dtype, device=device)
-        operand = str(q_dtype).replace("torch.", "")
+        operand = operand_name(q_dtype)
 
         block = block_rows(m, mc, k, separate)
         dots = torch.empty((k, block, mc), dtype=dtype, device=device)
@@ -306,16 +286,16 @@ class DenseSimilarityLseFunction(torch.autograd.Function):
         for r0 in range(0, m, block):
             n = min(block, m - r0)
             rows = slice(r0, r0 + n)
-            _prefix_tiles(dots[:, :n], s.q.scaled[rows], s.c.scaled, s.slices)
+            prefix_tiles(dots[:, :n], s.q.scaled[rows], s.c.scaled, s.slices)
             if separate:
-                _prefix_tiles(filter_dots[:, :n], s.fq[rows], s.fc, s.filter_slices)
-            running = None
-            for j in reversed(range(k)):  # the widest prefix first: H_j = G_j + ratios H_j+1
-                folded = () if running is None else (running, q_ratio[j], c_ratio[j])
-                g, running, row_radial, col_radial = _grad(
-                    *s.tile_args(j, dots[j, :n], filter_dots[j, :n] if separate else None), top[j], log_sum[j],
-                    coef[j], *(folded or (None, None, None)), r0, *s.options, normalize, j > 0, operand)
-                products = g if g.numel() else running  # H_j in the operand dtype
+                prefix_tiles(filter_dots[:, :n], s.fq[rows], s.fc, s.filter_slices)
+
+            def grad_tile(j, *folded):  # prefix j's op, folding in H_j+1 (folded): H_j = G_j + ratios H_j+1
+                return _grad(*s.tile_args(j, dots[j, :n], filter_dots[j, :n] if separate else None), top[j],
+                             log_sum[j], coef[j], *folded, r0, *s.options, normalize, j > 0, operand)
+
+            # the widest prefix first; products: H_j in the operand dtype
+            for j, products, row_radial, col_radial in running_sums(k, grad_tile, q_ratio, c_ratio):
                 if normalize:
                     q_radial[j, rows] = row_radial
                     c_radial[j] += col_radial
@@ -324,9 +304,8 @@ class DenseSimilarityLseFunction(torch.autograd.Function):
                     product_into(d_q[rows, lo:hi], products, c_unit[:, lo:hi])
                 if want_c:
                     product_into(d_c[:, lo:hi], products.T, q_unit[rows, lo:hi], add=d_c[:, lo:hi])
-                del g, products
-            del running
-        del dots, filter_dots
+                del products
+        dots = filter_dots = None  # the tiles go (grad_tile reads them: a cell, so not `del`)
 
         def finish(rows: _Rows, radial, d_raw, x_dtype):
             """max|grad| back in; for cosines each slice out of its prefix's frame and the normalisation's backward
@@ -345,16 +324,6 @@ class DenseSimilarityLseFunction(torch.autograd.Function):
         dq = finish(s.q, q_radial, d_q, q_dtype) if want_q else None
         dc = finish(s.c, c_radial, d_c, c_dtype) if want_c else None
         return dq, dc, *([None] * 12)
-
-
-def _unit_slices(rows: _Rows, slices: list, dtype: torch.dtype) -> torch.Tensor:
-    """The scaled rows' slices s_j, each times the inverse norm of the prefix it ends, computed in `dtype` and
-    rounded to the rows' dtype (entries at most 1: a slice is part of its prefix); columns past the widest prefix
-    are not read."""
-    out = torch.empty_like(rows.scaled)
-    for j, (lo, hi) in enumerate(slices):
-        out[:, lo:hi] = rows.scaled[:, lo:hi].to(dtype) * rows.inv[j][:, None]
-    return out
 
 
 def code_path(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",

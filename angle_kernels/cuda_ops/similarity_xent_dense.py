@@ -68,6 +68,7 @@ from ..contract import compute_dtype
 from ..formed_gradients import GradientsFormedInForward, gradients_wanted
 from ..normalisation import inverse_norms_from_norms, normalise_backward, row_scales
 from ..products import product_into
+from ._dense_tiles import column_slices, grad_fake, grad_schema, operand_name, prefix_tiles, running_sums, unit_slices
 from ._library import define, op
 
 FEATURES = ("dims",)
@@ -84,12 +85,7 @@ _TILE_ARGS = "Tensor dots, Tensor row_inv, Tensor col_inv, Tensor? groups"
 _OPTION_ARGS = "float scale, str target, bool exclude_diagonal, float margin"
 STATS = define("cuda_similarity_xent_dense_stats", f"({_TILE_ARGS}, int row0, {_OPTION_ARGS}) -> (Tensor, Tensor)")
 GRAD = define("cuda_similarity_xent_dense_grad",
-              f"({_TILE_ARGS}, Tensor lse_all, Tensor lse_pos, Tensor coef, Tensor? running, Tensor? row_ratio, "
-              f"Tensor? col_ratio, int row0, {_OPTION_ARGS}, bool radial, bool keep_running, str operand_dtype) "
-              "-> (Tensor, Tensor, Tensor, Tensor)")
-
-_OPERAND_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-                   "bfloat16": torch.bfloat16}
+              grad_schema(_TILE_ARGS, "Tensor lse_all, Tensor lse_pos", _OPTION_ARGS))
 
 
 @torch.library.register_fake(STATS)
@@ -100,11 +96,7 @@ def _stats_fake(dots, row_inv, col_inv, groups, row0, scale, target, exclude_dia
 @torch.library.register_fake(GRAD)
 def _grad_fake(dots, row_inv, col_inv, groups, lse_all, lse_pos, coef, running, row_ratio, col_ratio, row0, scale,
                target, exclude_diagonal, margin, radial, keep_running, operand_dtype):
-    n, mc = dots.shape
-    operand = _OPERAND_DTYPES[operand_dtype]
-    rounded = not keep_running or operand != dots.dtype  # else the products take the running sum itself
-    grad = dots.new_empty((n if rounded else 0, mc), dtype=operand)
-    return grad, dots.new_empty((n if keep_running else 0, mc)), dots.new_empty((n,)), dots.new_empty((mc,))
+    return grad_fake(dots, keep_running, operand_dtype)
 
 
 # The kernels as this module calls them (tests/ops/test_cuda_similarity_xent_dense_emulation.py puts CPU models of
@@ -153,27 +145,9 @@ def _rows(x: torch.Tensor, dtype: torch.dtype, slices: list) -> _Rows:
     return _Rows(scaled, scale, inv.contiguous(), has_grad)
 
 
-def _slices(dims: tuple) -> list:
-    return list(zip((0,) + dims[:-1], dims))
-
-
-def _unit_slices(rows: _Rows, slices: list, dtype: torch.dtype) -> torch.Tensor:
-    """The scaled rows' slices s_j, each times the inverse norm of the prefix it ends, computed in `dtype` and
-    rounded to the rows' dtype (entries at most 1: a slice is part of its prefix); columns past the widest prefix are
-    not read."""
-    out = torch.empty_like(rows.scaled)
-    for j, (lo, hi) in enumerate(slices):
-        out[:, lo:hi] = rows.scaled[:, lo:hi].to(dtype) * rows.inv[j][:, None]
-    return out
-
-
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """out += a @ b (out one view object: product_into adds in place only when `add` is `out` itself)."""
     product_into(out, a, b, add=out)
-
-
-def _operand_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -204,8 +178,8 @@ class DenseSimilarityXentFunction(GradientsFormedInForward):
         block = block_rows(m, mc, 1.5)
         dots = torch.empty((block, mc), dtype=dtype, device=q.device)
         if with_grad:
-            q_unit = _unit_slices(q_rows, slices, dtype)
-            c_unit = q_unit if symmetric else _unit_slices(c_rows, slices, dtype)
+            q_unit = unit_slices(q_rows, slices, dtype)
+            c_unit = q_unit if symmetric else unit_slices(c_rows, slices, dtype)
             # dL/dq_hat and dL/dc_hat, without the factor weight_max / M; one buffer when c is q
             d_q = torch.zeros(q_in.shape, dtype=dtype, device=q.device)
             d_c = d_q if symmetric else torch.zeros(c_in.shape, dtype=dtype, device=q.device)
@@ -217,7 +191,7 @@ class DenseSimilarityXentFunction(GradientsFormedInForward):
             if not with_grad:
                 continue
             grad, _, _, _ = _grad(dots[:n], row_inv, col_inv, group_ids, lse_all, lse_pos, coef, None, None, None,
-                                  r0, *options, False, False, _operand_name(q.dtype))
+                                  r0, *options, False, False, operand_name(q.dtype))
             _accumulate(d_q[rows], grad, c_unit)
             _accumulate(d_c, grad.T, q_unit[rows])
             del grad
@@ -248,11 +222,6 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
 # ----------------------------------------------------------------------------------------------------------
 # dims: the prefixes' tiles as running sums of slice products
 # ----------------------------------------------------------------------------------------------------------
-def _prefix_tiles(out: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, slices: list) -> None:
-    """out[i] = rows[:, :d_i] @ columns[:, :d_i]^T for every prefix i (out [k, b, Mc]): each the previous one plus
-    its slice's product."""
-    for i, (lo, hi) in enumerate(slices):
-        product_into(out[i], rows[:, lo:hi], columns[:, lo:hi].T, add=out[i - 1] if i > 0 else None)
 
 
 def _prefix_norm_backward(rows: _Rows, radial: torch.Tensor, d_raw: torch.Tensor, slices: list,
@@ -280,7 +249,7 @@ class DenseDimsSimilarityXentFunction(torch.autograd.Function):
         q_in = q.detach()
         c_in = q_in if symmetric else c.detach()
         m, mc = q_in.shape[0], c_in.shape[0]
-        slices = _slices(dims)
+        slices = column_slices(dims)
         k = len(slices)
         q_rows = _rows(q_in, dtype, slices)
         c_rows = q_rows if symmetric else _rows(c_in, dtype, slices)
@@ -333,13 +302,13 @@ class DenseDimsSimilarityXentFunction(torch.autograd.Function):
 
         q_ratio = (q_rows.inv[1:] / q_rows.inv[:-1]).contiguous()  # [k - 1, M]: from prefix j + 1's frame to j's
         c_ratio = (c_rows.inv[1:] / c_rows.inv[:-1]).contiguous()
-        q_unit = _unit_slices(q_rows, slices, dtype)
-        c_unit = q_unit if symmetric else _unit_slices(c_rows, slices, dtype)
+        q_unit = unit_slices(q_rows, slices, dtype)
+        c_unit = q_unit if symmetric else unit_slices(c_rows, slices, dtype)
         d_q = torch.zeros(q_rows.scaled.shape, dtype=dtype, device=device)  # slice j in prefix j's frame
         d_c = d_q if symmetric else torch.zeros(c_rows.scaled.shape, dtype=dtype, device=device)
         q_radial = torch.zeros((k, m), dtype=dtype, device=device)  # sum_c G_ic cos_ic per prefix
         c_radial = q_radial if symmetric else torch.zeros((k, mc), dtype=dtype, device=device)
-        operand = _operand_name(q_dtype)
+        operand = operand_name(q_dtype)
 
         # backward's tiles: the k prefixes' P, two running sums and the 16-bit copy
         block = block_rows(m, mc, k + 2.5)
@@ -347,22 +316,22 @@ class DenseDimsSimilarityXentFunction(torch.autograd.Function):
         for r0 in range(0, m, block):
             n = min(block, m - r0)
             rows = slice(r0, r0 + n)
-            _prefix_tiles(dots[:, :n], q_rows.scaled[rows], c_rows.scaled, slices)
-            running = None
-            for j in reversed(range(k)):  # the widest prefix first: R_j = G_j + ratios R_j+1
-                folded = (None, None, None) if running is None else (running, q_ratio[j], c_ratio[j])
-                grad, running, row_radial, col_radial = _grad(
-                    dots[j, :n], q_rows.inv[j], c_rows.inv[j], group_ids, lse_all[j], lse_pos[j], coef[j], *folded,
-                    r0, *options, True, j > 0, operand)
-                products = grad if grad.numel() else running  # R_j in the operand dtype
+            prefix_tiles(dots[:, :n], q_rows.scaled[rows], c_rows.scaled, slices)
+
+            def grad_tile(j, *folded):  # prefix j's op, folding in R_j+1 (folded): R_j = G_j + ratios R_j+1
+                return _grad(dots[j, :n], q_rows.inv[j], c_rows.inv[j], group_ids, lse_all[j], lse_pos[j], coef[j],
+                             *folded, r0, *options, True, j > 0, operand)
+
+            # the widest prefix first; products: R_j in the operand dtype
+            for j, products, row_radial, col_radial in running_sums(k, grad_tile, q_ratio, c_ratio):
                 q_radial[j, rows] += row_radial
                 c_radial[j] += col_radial
                 lo, hi = slices[j]
                 _accumulate(d_q[rows, lo:hi], products, c_unit[:, lo:hi])
                 _accumulate(d_c[:, lo:hi], products.T, q_unit[rows, lo:hi])
-                del grad, products
-            del running
-        del dots, q_unit, c_unit
+                del products
+        dots = None  # the tiles go (grad_tile reads them: a cell, so not `del`)
+        del q_unit, c_unit
 
         if symmetric:
             return (_prefix_norm_backward(q_rows, q_radial, d_q, slices, unscale).to(q_dtype),

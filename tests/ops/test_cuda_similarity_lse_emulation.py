@@ -18,7 +18,7 @@ huge rows, and float32 / float64 / bfloat16 / float16 inputs. What each part mir
     _grad_kernel    _lse_grad_kernel: the grid of 256-column by 16-row tiles (the rows' state staged in shared
                     memory per block: the same values, read from the vectors here), the element's G (0 off the kept
                     columns and on rows whose m is -inf), with dims the running sum H = G + ratios H_previous
-                    (LseRunning) and its fp32 copy, the rounding to the operand type, the radial terms (of the
+                    (DenseRunning) and its fp32 copy, the rounding to the operand type, the radial terms (of the
                     rounded G with one width, of G per prefix), each thread's column sum in row order, each row's
                     warp sums (butterfly) and the 8 warps' sum in order, and the per-tile partials.
     _stats, _grad   the binding (csrc/similarity_lse.cpp): its checks of shapes, dtypes and contiguity, which filter a
@@ -49,20 +49,15 @@ from angle_kernels.cuda_ops import similarity_lse as cuda_lse
 from angle_kernels.testing.helpers import (
     HUGE_OP_MAGNITUDES, assert_close, check_against_oracle, huge_magnitude_id, huge_row_factors, leaf_like,
 )
+from dense_tile_models import NEG_INF, WARP, GradGrid, constant, grad_binding
 from test_similarity_lse import CASES, DIMS_CASES, _dims_inputs, _inputs
 
 CU = (Path(__file__).resolve().parents[2] / "csrc" / "similarity_lse.cu").read_text()
 TYPES = (Path(__file__).resolve().parents[2] / "csrc" / "similarity_lse_types.h").read_text()
 
 
-def _constant(text: str, name: str) -> int:
-    return int(re.search(rf"constexpr int {name} = (\d+);", text).group(1))
-
-
-STATS_THREADS = _constant(CU, "kLseStatsThreads")
-GRAD_ROWS, GRAD_COLS = _constant(TYPES, "kLseGradRows"), _constant(TYPES, "kLseGradCols")
-WARP = 32
-NEG_INF = float("-inf")
+STATS_THREADS = constant(CU, "kLseStatsThreads")
+GRAD_ROWS, GRAD_COLS = constant(TYPES, "kLseGradRows"), constant(TYPES, "kLseGradCols")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -149,16 +144,12 @@ def _stats_kernel(t: dict):
 
 def _grad_kernel(t: dict, top, log_sum, coef, running: dict, radial: bool, out_dtype: torch.dtype | None):
     """_lse_grad_kernel on the whole grid at once: the tile's rows [row tiles * 16, 1] (y, k), its columns
-    [1, column tiles * 256] (x, threadIdx.x). running: LseRunning (previous, keep_next, row_ratio, col_ratio);
+    [1, column tiles * 256] (x, threadIdx.x). running: DenseRunning (previous, keep_next, row_ratio, col_ratio);
     out_dtype None: no rounded tile (grad null). Returns (rounded H or None, next H or None, row and column
     partials)."""
     acc = t["dots"].dtype
-    n, cols = t["n_rows"], t["cols"]
-    row_tiles, col_tiles = -(-n // GRAD_ROWS), -(-cols // GRAD_COLS)
-    local = torch.arange(row_tiles * GRAD_ROWS)[:, None]
-    col = torch.arange(col_tiles * GRAD_COLS)[None, :]
-    ok = (local < n) & (col < cols)
-    safe_local, safe_col = torch.where(local < n, local, 0), torch.where(col < cols, col, 0)
+    grid = GradGrid(t["n_rows"], t["cols"], GRAD_ROWS, GRAD_COLS)
+    n, cols, ok, safe_local, safe_col = grid.n, grid.cols, grid.ok, grid.safe_local, grid.safe_col
     col_mod = safe_col % t["period"] if t["period"] > 0 else torch.zeros_like(safe_col)
     kept, v, w = _logit(t, safe_local, safe_col, col_mod)
     row = t["row0"] + safe_local
@@ -167,12 +158,7 @@ def _grad_kernel(t: dict, top, log_sum, coef, running: dict, radial: bool, out_d
     live = ok & kept & (m > NEG_INF)
     g = torch.where(live, coef[row] * torch.tensor(t["scale"], dtype=acc)
                     * torch.exp((w - torch.where(live, m, 0.0)) * a - log_sum[row]), torch.zeros_like(v))
-    h = g
-    if running["previous"] is not None:  # H_j = G_j + ratios H_j+1, the previous sum read at the same element
-        previous = running["previous"][safe_local, safe_col]
-        col_ratio = torch.where(col < cols, running["col_ratio"][safe_col], 0.0)
-        h = torch.where(ok, h + previous * running["row_ratio"][row] * col_ratio, h)
-    following = h[:n, :cols].contiguous() if running["keep_next"] else None  # a fresh [n_rows, cols] tensor
+    h, following = grid.fold(g, running, row)  # H_j = G_j + ratios H_j+1
     rounded = None if out_dtype is None else h.to(out_dtype)
     grad = None if rounded is None else rounded[:n, :cols].contiguous()
     if not radial:
@@ -180,20 +166,7 @@ def _grad_kernel(t: dict, top, log_sum, coef, running: dict, radial: bool, out_d
     one_width = running["previous"] is None and following is None  # the rounded G; a prefix's radial sums take G
     radial_g = rounded.to(acc) if one_width else g
     term = torch.where(ok & (g != 0), radial_g * torch.where(ok, v, 0.0), torch.zeros_like(g))
-    per_tile = term.reshape(row_tiles, GRAD_ROWS, col_tiles * GRAD_COLS)
-    col_sum = torch.zeros((row_tiles, col_tiles * GRAD_COLS), dtype=acc)
-    for k in range(GRAD_ROWS):  # each thread's column sum, in row order
-        col_sum = col_sum + per_tile[:, k]
-    col_partial = col_sum[:, :cols]
-    lanes = term.reshape(row_tiles * GRAD_ROWS, col_tiles, GRAD_COLS // WARP, WARP)
-    for offset in (16, 8, 4, 2, 1):  # warp_sum: the butterfly
-        lanes = lanes + lanes[..., torch.arange(WARP) ^ offset]
-    warp_sums = lanes[..., 0]  # [rows, column tiles, warps]
-    row_sum = warp_sums[..., 0]
-    for other in range(1, GRAD_COLS // WARP):  # threads 0..15 sum the warps in order
-        row_sum = row_sum + warp_sums[..., other]
-    row_partial = row_sum.T[:, :n]  # [column tiles, n_rows]
-    return grad, following, row_partial.sum(0), col_partial.sum(0)  # the binding's at::sum over the tiles
+    return grad, following, *grid.radial(term)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -227,23 +200,11 @@ def emulated_grad(dots, row_inv, col_inv, row_unscale, filter_dots, filter_row_i
                   penalty_on, filter_keeps_target, radial, keep_running, operand_dtype):
     t = _tiles(dots, row_inv, col_inv, row_unscale, filter_dots, filter_row_inv, filter_col_inv, threshold, row0,
                target_offset, period, scale, penalty, exclude, penalty_on, filter_keeps_target)
-    n, cols = dots.shape
-    out_dtype = cuda_lse._OPERAND_DTYPES[operand_dtype]
-    assert (dots.dtype == torch.float64) == (out_dtype == torch.float64)
     for state in (top, log_sum, coef):
         assert state.shape == (row_inv.numel(),) and state.dtype == dots.dtype
-    assert (running is None) == (row_ratio is None) == (col_ratio is None)
-    if running is not None:
-        assert running.shape == dots.shape and running.is_contiguous() and running.dtype == dots.dtype
-        assert row_ratio.shape == row_inv.shape and col_ratio.shape == col_inv.shape
-    rounded = not keep_running or out_dtype != dots.dtype
-    grad, following, row_radial, col_radial = _grad_kernel(
-        t, top, log_sum, coef, dict(previous=running, keep_next=keep_running, row_ratio=row_ratio,
-                                    col_ratio=col_ratio), radial, out_dtype if rounded else None)
-    empty = dots.new_empty((0, cols))
-    if not radial:
-        row_radial, col_radial = torch.zeros(n, dtype=dots.dtype), torch.zeros(cols, dtype=dots.dtype)
-    return (grad if rounded else empty.to(out_dtype)), (following if keep_running else empty), row_radial, col_radial
+    return grad_binding(lambda running, radial, out_dtype: _grad_kernel(t, top, log_sum, coef, running, radial,
+                                                                        out_dtype),
+                        dots, row_inv, col_inv, running, row_ratio, col_ratio, radial, keep_running, operand_dtype)
 
 
 @pytest.fixture
@@ -359,7 +320,7 @@ def test_emulated_huge_dot_products(emulated, dtype, magnitude):
 @pytest.mark.parametrize("name", list(DIMS_CASES))
 def test_emulated_dims_against_the_reference(emulated, name, dtype):
     """dims: the prefixes' tiles as running sums of slice products, the statistics per prefix, and backward's running
-    sum H_j from the widest prefix down (the kernel's LseRunning), each slice's products in its prefix's frame and
+    sum H_j from the widest prefix down (the kernel's DenseRunning), each slice's products in its prefix's frame and
     every prefix's radial terms, against the oracle's calls on the truncated inputs."""
     q, c, kwargs = _dims_inputs(name, dtype)
     if not torch.isfinite(reference.similarity_lse(q.double(), c.double(), **kwargs)).all():

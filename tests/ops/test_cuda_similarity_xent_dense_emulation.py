@@ -22,7 +22,7 @@ bfloat16 / float16 inputs. What each part mirrors in csrc/similarity_xent_dense.
     _grad_kernel    _xent_dense_grad_kernel: the grid of 256-column by 16-row tiles (the rows' state staged in shared
                     memory per block: the same values, read from the vectors here), the element's G (softmax over C_i
                     minus that over P_i or the target's 1, times coef, scale and the margin's slope, 0 off C_i), with
-                    dims the running sum R = G + ratios R_previous (XentRunning) and its fp32 copy, the rounding to
+                    dims the running sum R = G + ratios R_previous (DenseRunning) and its fp32 copy, the rounding to
                     the operand type, the radial terms G cos, each thread's column sum in row order, each row's warp
                     sums (butterfly) and the 8 warps' sum in order, and the per-tile partials.
     _stats, _grad   the binding (csrc/similarity_xent_dense.cpp): its checks of shapes, dtypes and contiguity, the
@@ -51,6 +51,7 @@ from angle_kernels.contract import MARGIN_SIN_SQUARED_FLOOR, check_similarity_xe
 from angle_kernels.cuda_ops import similarity_xent_dense as cuda_dense
 from angle_kernels.cuda_ops import similarity_xent_paths
 from angle_kernels.testing.helpers import HUGE_OP_MAGNITUDES, check_against_oracle, huge_magnitude_id, huge_row_factors
+from dense_tile_models import NEG_INF, WARP, GradGrid, constant, grad_binding
 from test_similarity_xent import CASES, DIMS_CASES, _dims_inputs, _inputs
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -58,15 +59,9 @@ CU = (CSRC / "similarity_xent_dense.cu").read_text()
 TYPES = (CSRC / "similarity_xent_dense_types.h").read_text()
 
 
-def _constant(text: str, name: str) -> int:
-    return int(re.search(rf"constexpr int {name} = (\d+);", text).group(1))
-
-
-STATS_THREADS = _constant(CU, "kXentStatsThreads")
-GRAD_ROWS, GRAD_COLS = _constant(TYPES, "kXentGradRows"), _constant(TYPES, "kXentGradCols")
+STATS_THREADS = constant(CU, "kXentStatsThreads")
+GRAD_ROWS, GRAD_COLS = constant(TYPES, "kXentGradRows"), constant(TYPES, "kXentGradCols")
 SIN_SQ_FLOOR = float(re.search(r"constexpr double kXentSinSqFloor = ([0-9.e+-]+);", CU).group(1))
-WARP = 32
-NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -167,16 +162,12 @@ def _stats_kernel(t: dict):
 
 def _grad_kernel(t: dict, lse_all, lse_pos, coef, running: dict, radial: bool, out_dtype):
     """_xent_dense_grad_kernel on the whole grid at once: the tile's rows [row tiles * 16, 1] (y, k), its columns
-    [1, column tiles * 256] (x, threadIdx.x). running: XentRunning (previous, keep_next, row_ratio, col_ratio);
+    [1, column tiles * 256] (x, threadIdx.x). running: DenseRunning (previous, keep_next, row_ratio, col_ratio);
     out_dtype None: no rounded tile (grad null). Returns (rounded R or None, next R or None, row and column
     partials)."""
     acc = t["dots"].dtype
-    n, cols = t["n_rows"], t["cols"]
-    row_tiles, col_tiles = -(-n // GRAD_ROWS), -(-cols // GRAD_COLS)
-    local = torch.arange(row_tiles * GRAD_ROWS)[:, None]
-    col = torch.arange(col_tiles * GRAD_COLS)[None, :]
-    ok = (local < n) & (col < cols)
-    safe_local, safe_col = torch.where(local < n, local, 0), torch.where(col < cols, col, 0)
+    grid = GradGrid(t["n_rows"], t["cols"], GRAD_ROWS, GRAD_COLS)
+    n, cols, ok, safe_local, safe_col = grid.n, grid.cols, grid.ok, grid.safe_local, grid.safe_col
     valid, cos, logit, is_target, positive, slope = _logit(t, safe_local, safe_col)
     row = t["row0"] + safe_local
     live = ok & valid
@@ -188,30 +179,11 @@ def _grad_kernel(t: dict, lse_all, lse_pos, coef, running: dict, radial: bool, o
     g = coef[row] * torch.tensor(t["scale"], dtype=acc) * (torch.exp(safe_logit - lse_all[row]) - p_pos)
     g = torch.where(is_target, g * slope, g)
     g = torch.where(live, g, torch.zeros_like(g))
-    h = g
-    if running["previous"] is not None:  # R_j = G_j + ratios R_j+1, the previous sum read at the same element
-        previous = running["previous"][safe_local, safe_col]
-        col_ratio = torch.where(col < cols, running["col_ratio"][safe_col], 0.0)
-        h = torch.where(ok, h + previous * running["row_ratio"][row] * col_ratio, h)
-    following = h[:n, :cols].contiguous() if running["keep_next"] else None  # a fresh [n_rows, cols] tensor
+    h, following = grid.fold(g, running, row)  # R_j = G_j + ratios R_j+1
     grad = None if out_dtype is None else h.to(out_dtype)[:n, :cols].contiguous()
     if not radial:
         return grad, following, None, None
-    term = torch.where(live, g * cos, torch.zeros_like(g))
-    per_tile = term.reshape(row_tiles, GRAD_ROWS, col_tiles * GRAD_COLS)
-    col_sum = torch.zeros((row_tiles, col_tiles * GRAD_COLS), dtype=acc)
-    for k in range(GRAD_ROWS):  # each thread's column sum, in row order
-        col_sum = col_sum + per_tile[:, k]
-    col_partial = col_sum[:, :cols]
-    lanes = term.reshape(row_tiles * GRAD_ROWS, col_tiles, GRAD_COLS // WARP, WARP)
-    for offset in (16, 8, 4, 2, 1):  # warp_sum: the butterfly
-        lanes = lanes + lanes[..., torch.arange(WARP) ^ offset]
-    warp_sums = lanes[..., 0]  # [rows, column tiles, warps]
-    row_sum = warp_sums[..., 0]
-    for other in range(1, GRAD_COLS // WARP):  # threads 0..15 sum the warps in order
-        row_sum = row_sum + warp_sums[..., other]
-    row_partial = row_sum.T[:, :n]  # [column tiles, n_rows]
-    return grad, following, row_partial.sum(0), col_partial.sum(0)  # the binding's at::sum over the tiles
+    return grad, following, *grid.radial(torch.where(live, g * cos, torch.zeros_like(g)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -238,23 +210,11 @@ def emulated_stats(*args):
 def emulated_grad(dots, row_inv, col_inv, groups, lse_all, lse_pos, coef, running, row_ratio, col_ratio, row0, scale,
                   target, exclude_diagonal, margin, radial, keep_running, operand_dtype):
     t = _tiles(dots, row_inv, col_inv, groups, row0, scale, target, exclude_diagonal, margin)
-    n, cols = dots.shape
-    out_dtype = cuda_dense._OPERAND_DTYPES[operand_dtype]
-    assert (dots.dtype == torch.float64) == (out_dtype == torch.float64)
     for state in (lse_all, lse_pos, coef):
         assert state.shape == (row_inv.numel(),) and state.dtype == dots.dtype and state.is_contiguous()
-    assert (running is None) == (row_ratio is None) == (col_ratio is None)
-    if running is not None:
-        assert running.shape == dots.shape and running.is_contiguous() and running.dtype == dots.dtype
-        assert row_ratio.shape == row_inv.shape and col_ratio.shape == col_inv.shape
-    rounded = not keep_running or out_dtype != dots.dtype
-    grad, following, row_radial, col_radial = _grad_kernel(
-        t, lse_all, lse_pos, coef, dict(previous=running, keep_next=keep_running, row_ratio=row_ratio,
-                                        col_ratio=col_ratio), radial, out_dtype if rounded else None)
-    empty = dots.new_empty((0, cols))
-    if not radial:
-        row_radial, col_radial = torch.zeros(n, dtype=dots.dtype), torch.zeros(cols, dtype=dots.dtype)
-    return (grad if rounded else empty.to(out_dtype)), (following if keep_running else empty), row_radial, col_radial
+    return grad_binding(lambda running, radial, out_dtype: _grad_kernel(t, lse_all, lse_pos, coef, running, radial,
+                                                                        out_dtype),
+                        dots, row_inv, col_inv, running, row_ratio, col_ratio, radial, keep_running, operand_dtype)
 
 
 @pytest.fixture
@@ -311,7 +271,7 @@ def test_emulated_dense_against_the_reference(emulated, name, dtype):
 @pytest.mark.parametrize("name", sorted(DIMS_CASES))
 def test_emulated_dims_against_the_reference(emulated, name, dtype):
     """dims: the prefixes' tiles as running sums of slice products, the statistics per prefix, and backward's running
-    sum R_j from the widest prefix down (the kernel's XentRunning), each slice's products in its prefix's frame and
+    sum R_j from the widest prefix down (the kernel's DenseRunning), each slice's products in its prefix's frame and
     every prefix's radial terms, against the reference's calls on the truncated inputs."""
     q, c, kwargs = _dims_inputs(name, dtype)
     _check(emulated, q, c, kwargs, f"{name} {dtype} dims={kwargs['dims']}")
