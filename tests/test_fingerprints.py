@@ -138,13 +138,13 @@ def test_a_constant_inside_a_kernel(baseline, copy):
 
 
 def test_the_dense_dims_scheme_changes_only_its_path(baseline, copy):
-    """The dense dims scheme's host code and its kernel are its path's alone; the dense scheme's forward kernel,
-    which it launches per prefix, is both schemes'."""
+    """The dense dims scheme's host code and its kernel are its path's alone; its kernel's epilogue is the dense
+    similarity_lse scheme's too; the dense scheme's forward kernel, which it launches per prefix, is both
+    schemes'."""
     relative = "angle_kernels/triton_ops/_similarity_xent_dense_dims.py"
     copy(relative, "q_ratio = q_inv[1:] / q_inv[:-1]", "q_ratio = q_inv[1:] / q_inv[:-1] * 1")
     assert changed(baseline, copy.tree) == triton("similarity_xent", "dense_dims")
-    copy(relative, "g = g + previous * q_ratio[:, None] * c_ratio[None, :]",
-         "g = g + previous * c_ratio[None, :] * q_ratio[:, None]")
+    copy(relative, "g_cos = g * tl.where(ok, cos, 0.0)", "g_cos = tl.where(ok, cos, 0.0) * g")
     assert changed(baseline, copy.tree) == triton("similarity_xent", "dense_dims")
     text = (copy.root / "angle_kernels/triton_ops/similarity_xent_dense.py").read_text()
     kernel = text[text.index("def _dense_xent_stats_kernel("):]
@@ -152,6 +152,12 @@ def test_the_dense_dims_scheme_changes_only_its_path(baseline, copy):
     copy("angle_kernels/triton_ops/similarity_xent_dense.py", body_line, body_line.replace(
         "tl.program_id(0)", "(tl.program_id(0) + 0)"), after="def _dense_xent_stats_kernel(")
     assert changed(baseline, copy.tree) == triton("similarity_xent", "dense", "dense_dims")
+    # the gradient kernels' epilogue, shared with the dense similarity_lse scheme: every path running it (edits
+    # accumulate in the copy: the dense scheme's too)
+    copy(relative, "g = g + previous * q_ratio[:, None] * c_ratio[None, :]",
+         "g = g + previous * c_ratio[None, :] * q_ratio[:, None]")
+    assert changed(baseline, copy.tree) == triton("similarity_xent", "dense", "dense_dims") | triton(
+        "similarity_lse", "dense", "dense_dims")
 
 
 def test_the_dense_similarity_lse_scheme_changes_only_its_paths(baseline, copy):

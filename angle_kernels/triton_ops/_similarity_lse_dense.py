@@ -61,7 +61,7 @@ from ..contract import compute_dtype
 from ..normalisation import inverse_norms_from_norms
 from ._common import CompileCase, new_output
 from ._similarity_tiles import _row_norms
-from ._similarity_xent_dense_dims import _prefix_norm_backward, _prefix_tiles, _unit_slices
+from ._similarity_xent_dense_dims import _prefix_norm_backward, _prefix_tiles, _radial_and_running_sum, _unit_slices
 from .similarity_lse import _grad_logits_tile
 from .similarity_xent_dense import _GPU_GRAD_BLOCKS, _GPU_STATS_BLOCKS, _blocks, _product_into, _scaled_copy
 
@@ -249,19 +249,9 @@ def _dense_lse_grad_kernel(
         FILTER_KEEPS_TARGET, ACC, FILTER_ACC)
     g = _grad_logits_tile(logits, lse, coef, scale)  # 0 off K_i and on the padding
     g_cos = g * tl.where(ok, cos, 0.0)
-    tl.store(row_radial_ptr + tl.program_id(1).to(tl.int64) * n_rows + local, tl.sum(g_cos, axis=1),
-             mask=local < n_rows)
-    tl.store(col_radial_ptr + tl.program_id(0).to(tl.int64) * Mc + cols, tl.sum(g_cos, axis=0), mask=col_ok)
-
-    at = local[:, None] * stride_r + cols[None, :]
-    if not FIRST:
-        q_ratio = tl.load(q_ratio_ptr + rows, mask=row_ok, other=0.0)
-        c_ratio = tl.load(c_ratio_ptr + cols, mask=col_ok, other=0.0)
-        previous = tl.load(running_ptr + at, mask=ok, other=0.0)
-        g = g + previous * q_ratio[:, None] * c_ratio[None, :]
-    tl.store(running_ptr + at, g, mask=ok)
-    if HAS_OPERAND:
-        tl.store(operand_ptr + at, g.to(operand_ptr.dtype.element_ty), mask=ok)
+    _radial_and_running_sum(g, g_cos, running_ptr, operand_ptr, q_ratio_ptr, c_ratio_ptr, row_radial_ptr,
+                            col_radial_ptr, local, rows, row_ok, cols, col_ok, ok, n_rows, Mc, stride_r, FIRST,
+                            HAS_OPERAND)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -110,6 +110,28 @@ def takes(width: int, columns: int, dims) -> bool:
 # Kernel: one prefix's step of the backward, on its tile of a row block
 # ----------------------------------------------------------------------------------------------------------
 
+@triton.jit
+def _radial_and_running_sum(g, g_cos, running_ptr, operand_ptr, q_ratio_ptr, c_ratio_ptr, row_radial_ptr,
+                            col_radial_ptr, local, rows, row_ok, cols, col_ok, ok, n_rows, Mc, stride_r,
+                            FIRST: tl.constexpr, HAS_OPERAND: tl.constexpr):
+    """The epilogue of a dims gradient tile (this module's kernel and the dense similarity_lse's): the tile's radial
+    partial sums (g_cos: G_j times the scores, per row and per column), then the running sum R'_j = G_j + (q_inv_j+1
+    / q_inv_j) (c_inv_j+1 / c_inv_j) R'_j+1 stored over R'_j+1, and its copy in the products' operand dtype."""
+    tl.store(row_radial_ptr + tl.program_id(1).to(tl.int64) * n_rows + local, tl.sum(g_cos, axis=1),
+             mask=local < n_rows)
+    tl.store(col_radial_ptr + tl.program_id(0).to(tl.int64) * Mc + cols, tl.sum(g_cos, axis=0), mask=col_ok)
+
+    at = local[:, None] * stride_r + cols[None, :]
+    if not FIRST:
+        q_ratio = tl.load(q_ratio_ptr + rows, mask=row_ok, other=0.0)
+        c_ratio = tl.load(c_ratio_ptr + cols, mask=col_ok, other=0.0)
+        previous = tl.load(running_ptr + at, mask=ok, other=0.0)
+        g = g + previous * q_ratio[:, None] * c_ratio[None, :]
+    tl.store(running_ptr + at, g, mask=ok)
+    if HAS_OPERAND:
+        tl.store(operand_ptr + at, g.to(operand_ptr.dtype.element_ty), mask=ok)
+
+
 @triton.jit(do_not_specialize=_BLOCK_ARGS)
 def _dense_dims_grad_kernel(
     s_ptr,  # [n_rows, Mc] in: prefix j's dots of the block's scaled rows, compute dtype, rows stride_s apart
@@ -150,19 +172,9 @@ def _dense_dims_grad_kernel(
     g = _grad_cos_tile(logits, is_target, valid, positive, slope, lse_all, lse_pos, coef, scale,
                        HAS_MARGIN, HAS_GROUPS)
     g_cos = g * tl.where(ok, cos, 0.0)  # g is 0 outside the valid entries; cos is finite everywhere
-    tl.store(row_radial_ptr + tl.program_id(1).to(tl.int64) * n_rows + local, tl.sum(g_cos, axis=1),
-             mask=local < n_rows)
-    tl.store(col_radial_ptr + tl.program_id(0).to(tl.int64) * Mc + cols, tl.sum(g_cos, axis=0), mask=col_ok)
-
-    at = local[:, None] * stride_r + cols[None, :]
-    if not FIRST:
-        q_ratio = tl.load(q_ratio_ptr + rows, mask=row_ok, other=0.0)
-        c_ratio = tl.load(c_ratio_ptr + cols, mask=col_ok, other=0.0)
-        previous = tl.load(running_ptr + at, mask=ok, other=0.0)
-        g = g + previous * q_ratio[:, None] * c_ratio[None, :]
-    tl.store(running_ptr + at, g, mask=ok)
-    if HAS_OPERAND:
-        tl.store(operand_ptr + at, g.to(operand_ptr.dtype.element_ty), mask=ok)
+    _radial_and_running_sum(g, g_cos, running_ptr, operand_ptr, q_ratio_ptr, c_ratio_ptr, row_radial_ptr,
+                            col_radial_ptr, local, rows, row_ok, cols, col_ok, ok, n_rows, Mc, stride_r, FIRST,
+                            HAS_OPERAND)
 
 
 def _unit_slices(x: torch.Tensor, inv: torch.Tensor, dims: tuple, dtype: torch.dtype) -> torch.Tensor:
