@@ -469,7 +469,7 @@ def main(argv=None) -> int:
         print(_row(results[-1]), flush=True)
         report["results"] = done + results
         if args.out is not None:
-            verified.write_json_atomic(args.out, report)
+            user_cache.write_json_atomic(args.out, report)
 
     done: list[dict] = []
     for backend in usable:
@@ -478,7 +478,7 @@ def main(argv=None) -> int:
                                   f"python -m angle_kernels.verify --sizes {args.sizes}", args.sizes)
     report.update(results=done, passed=passed, failed=failed)
     if args.out is not None:
-        verified.write_json_atomic(args.out, report)
+        user_cache.write_json_atomic(args.out, report)
     for state, made in (("passed", passed), ("FAILED", failed)):
         for e in made:
             sm = e["capability"].replace(".", "")

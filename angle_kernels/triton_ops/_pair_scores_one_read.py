@@ -192,8 +192,9 @@ def _one_read_prefix_bwd_kernel(
             along_sum = tl.zeros([PARTNERS_PAD, 1], dtype=ACC)  # A
             anchor_shrink_sum = tl.sum(tl.zeros([PARTNERS_PAD], dtype=ACC), axis=0)  # B
             partner_shrink_sum = tl.zeros([PARTNERS_PAD, 1], dtype=ACC)  # C
-            du = tl.zeros([SLICE_BLOCKS[s]], dtype=ACC)
-            dv = tl.zeros([PARTNERS_PAD, SLICE_BLOCKS[s]], dtype=ACC)
+            # zeros_like: a shape list in a kernel takes constexprs only, and SLICE_BLOCKS[s] is a plain int
+            du = tl.zeros_like(u)
+            dv = tl.zeros_like(v)
             for i in tl.static_range(s, N_DIMS):
                 along_2d, rotated_2d, anchor_shrink, partner_shrink_2d, su, sv_2d = _pair_coefficients(
                     grad_cos_ptr, grad_angle_ptr, norms_ptr, scales_ptr, cos_ptr, cross_ptr,

@@ -80,7 +80,8 @@ def test_equals_the_prefix_kernels():
                      lambda t: PrefixPairScoresFunction.apply(t, True, dims)):
         leaf = x.clone().requires_grad_()
         cos, angle = function(leaf)
-        (cos * torch.linspace(-1, 1, cos.numel(), dtype=cos.dtype).view_as(cos) + 0.5 * angle).sum().backward()
+        weights = torch.linspace(-1, 1, cos.numel(), dtype=cos.dtype, device=cos.device).view_as(cos)
+        (cos * weights + 0.5 * angle).sum().backward()
         results.append((cos.detach(), angle.detach(), leaf.grad))
     for ours, theirs in zip(*results):
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)

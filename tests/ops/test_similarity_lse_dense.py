@@ -209,17 +209,19 @@ def test_dense_dims_equals_the_dense_path_per_prefix(triton_lse, name):
     from angle_kernels.triton_ops import similarity_lse_paths
 
     q, c, kwargs = _inputs(name, torch.float64)
+    kwargs = moved_to(triton_lse.device, kwargs)
     dims = kwargs["dims"]
     args = (kwargs["scale"], kwargs["target_offset"], kwargs["period"], kwargs["exclude"], kwargs["penalty"],
             kwargs["penalty_on"])
     fq, fc, threshold = (kwargs.get(key) for key in ("filter_q", "filter_c", "filter_threshold"))
     upstream = torch.randn(len(dims), q.shape[0], generator=generator("upstream", name), dtype=torch.float64)
+    upstream = upstream.to(triton_lse.device)
 
-    leaves = [leaf_like(q), leaf_like(c)]
+    leaves = [leaf_like(q, device=triton_lse.device), leaf_like(c, device=triton_lse.device)]
     together = similarity_lse_paths.similarity_lse(*leaves, *args, fq, fc, threshold, kwargs["filter_keeps_target"],
                                                    kwargs["normalize"], dims=dims, path="dense_dims")
     (together * upstream).sum().backward()
-    apart_leaves = [leaf_like(q), leaf_like(c)]
+    apart_leaves = [leaf_like(q, device=triton_lse.device), leaf_like(c, device=triton_lse.device)]
     apart = torch.stack([similarity_lse_paths.similarity_lse(
         apart_leaves[0][:, :d], apart_leaves[1][:, :d], *args, None if fq is None else fq[:, :d].double(),
         None if fc is None else fc[:, :d].double(), None if threshold is None else threshold[i].double(),

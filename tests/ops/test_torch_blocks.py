@@ -220,6 +220,19 @@ def test_dims_forward_ops_per_block_do_not_grow_with_k(monkeypatch):
     assert two["other"] == five["other"], (two, five)
 
 
+def _meta_addmm_into_fp32_runs() -> bool:
+    """Whether torch.addmm(c, a, b, out_dtype=float32, out=c) on meta tensors runs under a dispatch mode, as the
+    peak-memory test runs it."""
+    out = torch.zeros(2, 2, device=META)
+    a = torch.zeros(2, 2, device=META, dtype=torch.bfloat16)
+    try:
+        with _PeakMemory([out, a]):
+            torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
 @pytest.mark.parametrize("name, addmm", [("xent_in_batch", True), ("xent_in_batch", False), ("xent_groups", True),
                                          ("xent_arccon", False), ("xent_dims", True), ("xent_dims", False)],
                          ids=lambda value: {True: "addmm-into-fp32", False: "mm-then-add"}.get(value, value))
@@ -230,6 +243,9 @@ def test_the_mixed_path_holds_no_more_than_the_default_path(monkeypatch, name, a
     few numbers per row (with dims, the ratios of consecutive prefixes' inverse norms). Its 16-bit operands (the
     scaled rows and unit rows, 2 + 2 bytes an element) take the place of the float32 copy (4), its 16-bit gradient
     tile that of a float32 product operand."""
+    if addmm and not _meta_addmm_into_fp32_runs():
+        pytest.skip("this torch's meta addmm with out_dtype fails under a dispatch mode (torch 2.11: its "
+                    "decomposition takes out_dtype for beta); the meta device cannot model the call")
     make, call, m, mc, _, _ = _similarity_cases()[name]
     default_shapes, default_peak = _run(call, make())
     import angle_kernels.products as shared_products

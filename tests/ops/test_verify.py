@@ -81,15 +81,17 @@ def test_every_gpu_case_takes_the_code_path_it_verifies(sizes, meta_mixed_produc
     case takes): a case that took another path would leave its own unverifiable."""
     from angle_kernels.triton_ops import awaiting_verification_on
 
-    meta = torch.empty(0, device="meta")
+    # the backend is resolved for a tensor of the device the cases run on: a GPU where there is one, else the
+    # interpreter's CPU (outside the interpreter the Triton backend takes CPU tensors for no call)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     with awaiting_verification_on():  # as run_checks takes them: the paths awaiting a verification switched on
-        _every_case_takes_its_path(sizes, meta)
+        _every_case_takes_its_path(sizes, torch.empty(0, device=device))
 
 
-def _every_case_takes_its_path(sizes, meta):
+def _every_case_takes_its_path(sizes, probe):
     for case in verify.cases(sizes):
         backend = "torch" if case.path == "mixed" else "triton"
-        ops = verify.path_ops(backend, meta)
+        ops = verify.path_ops(backend, probe)
         for dtype in case.dtypes if backend == "torch" else case.dtypes[:1]:
             leaves, arguments = case.build(torch.Generator().manual_seed(0), dtype, "meta")
             args, kwargs = arguments(*leaves)
