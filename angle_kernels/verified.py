@@ -57,6 +57,8 @@ _H100 = {"capability": "9.0", "torch": "2.11", "gpu": "NVIDIA H100 80GB HBM3", "
 _H100_TRITON = {**_H100, "triton": "3.6", "evidence": "bench/results/h100-80gb-hbm3-2026-11-26/first"}
 # The CUDA backend on the same machine, built from the same commit: scripts/gpu_recheck.sh.
 _H100_CUDA = {**_H100, "cuda": "13.0", "evidence": "bench/results/h100-80gb-hbm3-2026-11-26/recheck"}
+_H200 = {"capability": "9.0", "torch": "2.11", "gpu": "NVIDIA H200", "date": "2026-11-28", "sizes": "large",
+         "evidence": "bench/results/h200-2026-11-28/first"}
 # Every entry of those runs, with the fingerprint of the code each path executed then (by the rule of
 # angle_kernels.fingerprints, computed at 7ab8295 by scripts/compare_fingerprints.py; its output,
 # docs/verification-history.md, compares each with this checkout's). Restored on 2026-11-28, after the rule
@@ -86,6 +88,16 @@ VERIFIED: tuple[dict, ...] = (
      "dtypes": _EVERY_DTYPE, **_H100_TRITON},
     {"backend": "cuda", "op": "similarity_xent", "path": "fused", "fingerprint": "9039d98ffeec4bf3",
      "build": "76c163ff636742a4", "dtypes": _EVERY_DTYPE, **_H100_CUDA},
+    # H200, torch 2.11, Triton 3.6, sources at commit fd3308d: `scripts/gpu_check.sh first` (its large-size checks).
+    # The same run passed every entry above again (same fingerprints, an sm_90 GPU like the H100: the entries above
+    # cover it already) and verified these paths for the first time; the 16-bit products of the torch backend in
+    # the dtypes they serve.
+    {"backend": "torch", "op": "similarity_xent", "path": "mixed", "fingerprint": "b33166b630c71c45",
+     "dtypes": ["bfloat16", "float16"], **_H200},
+    {"backend": "triton", "op": "pair_scores", "path": "dims_one_read", "fingerprint": "fdceae6baa083c7a",
+     "dtypes": _EVERY_DTYPE, **_H200, "triton": "3.6"},
+    {"backend": "triton", "op": "similarity_xent", "path": "dense_dims", "fingerprint": "baec28435cd67c56",
+     "dtypes": _EVERY_DTYPE, **_H200, "triton": "3.6"},
 )
 
 MATCH_FIELDS = {

@@ -72,6 +72,11 @@ def _randn(gen, *shape, dtype, device):
     return torch.randn(*shape, generator=gen, dtype=torch.float64, device=device).to(dtype)
 
 
+def _signs(gen, *shape, device):
+    """float32 entries +-1, equally likely."""
+    return torch.randint(0, 2, shape, generator=gen, device=device).mul_(2).sub_(1).to(torch.float32)
+
+
 def _pair_case(path: str, groups: int, k: int, d: int, dims=None) -> Case:
     def build(gen, dtype, device):
         return [_randn(gen, groups, k, d, dtype=dtype, device=device)], lambda x: ((x, True), {"dims": dims})
@@ -109,15 +114,19 @@ def _lse_case(path: str, m: int, mc: int, d: int, dims=None, guided: bool = Fals
     """A query block against its documents and hard negatives laid out m apart (period), with a hardness penalty
     on the other columns and a false-negative filter on the model's own scores (with dims: each prefix's). guided:
     raw dot products (normalize=False) with a guide model's filter instead (float32 embeddings of the same width,
-    dropping about the top sixth of each row's columns; the target kept), excluding the own columns."""
+    dropping about the top sixth of each row's columns; the target kept), excluding the own columns. The guide's
+    entries are +-1: its dot products are integers, exact in float32 as in float64, and the thresholds (square
+    roots) either integers or far from any, so that no filter score sits within float32 rounding of its threshold
+    (among 50M scores some would: the backend, filtering in float32 as the guide's dtype says, and the float64
+    reference would then keep different columns, and the check would judge the tie, not the kernel)."""
     def build(gen, dtype, device):
         q = _randn(gen, m, d, dtype=dtype, device=device)
         c = _randn(gen, mc, d, dtype=dtype, device=device)
         rows = (m,) if dims is None else (len(dims), m)
         options = {} if dims is None else {"dims": dims}
         if guided:  # one standard deviation of a guide's dot product over each width
-            fq = _randn(gen, m, d, dtype=torch.float32, device=device)
-            fc = _randn(gen, mc, d, dtype=torch.float32, device=device)
+            fq = _signs(gen, m, d, device=device)
+            fc = _signs(gen, mc, d, device=device)
             widths = torch.tensor([d] if dims is None else list(dims), dtype=torch.float32, device=device)
             threshold = widths.sqrt()[:, None].expand(len(widths), m).reshape(rows).contiguous()
             return [q, c], lambda q, c: ((q, c, 2.0 / math.sqrt(d)), dict(
@@ -266,6 +275,22 @@ def check(ops, case: Case, dtype: torch.dtype, device, seed: int = 0) -> dict:
                          for call in ("first", "second") for kind in ("value", "grad"))
     result["seconds"] = round(time.perf_counter() - started, 2)
     return result
+
+
+def unverified_cases(backend: str, case_list: list[Case], device,
+                     table: tuple[dict, ...] | None = None) -> tuple[list[Case], list[str]]:
+    """(the cases of `case_list` whose code path on `backend` the project's table does not cover on `device` with
+    this installation's code, the "backend op path" names of the covered paths left out)."""
+    table = verified.VERIFIED if table is None else table
+    kept, covered = [], []
+    for case in case_list:
+        ident = verified.identity(backend, case.op, case.path, device)
+        if any(verified.covers(entry, backend, case.op, case.path, ident) for entry in table):
+            name = f"{backend} {case.op} {case.path}"
+            covered += [] if name in covered else [name]
+        else:
+            kept.append(case)
+    return kept, covered
 
 
 def run_checks(backend: str, device, case_list: list[Case], dtypes=DTYPES, deadline: float | None = None,
@@ -430,6 +455,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="also write every check and the passed/failed entries there, as JSON, as it goes")
     parser.add_argument("--no-record", action="store_true", help="do not update the user's cache")
+    parser.add_argument("--unverified-only", action="store_true",
+                        help="leave out the code paths the project's table (verified.VERIFIED) already covers on "
+                             "this GPU with this code: the project's GPU run checks what changed")
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--list", action="store_true", help="print the user's cache (verifications and first-use "
                        "checks) and exit")
@@ -473,7 +501,13 @@ def main(argv=None) -> int:
 
     done: list[dict] = []
     for backend in usable:
-        done += run_checks(backend, device, cases(args.sizes), dtypes, deadline=deadline, on_result=on_result)
+        case_list = cases(args.sizes)
+        if args.unverified_only:
+            case_list, covered = unverified_cases(backend, case_list, device)
+            report.setdefault("already_verified", []).extend(covered)
+            for key in covered:
+                print(f"already verified (the project's table): {key}")
+        done += run_checks(backend, device, case_list, dtypes, deadline=deadline, on_result=on_result)
     passed, failed = entries_from(done, lambda backend, op, path: verified.identity(backend, op, path, device),
                                   f"python -m angle_kernels.verify --sizes {args.sizes}", args.sizes)
     report.update(results=done, passed=passed, failed=failed)

@@ -36,6 +36,7 @@ from angle_kernels import fingerprints  # noqa: E402
 RUNS = (
     ("bench/results/h100-80gb-hbm3-2026-11-26/first", "verified.json", "7ab8295"),
     ("bench/results/h100-80gb-hbm3-2026-11-26/recheck", "verify_cuda.json", "7ab8295"),
+    ("bench/results/h200-2026-11-28/first", "verified.json", "fd3308d"),
 )
 
 _OLD_RULE = """
@@ -100,14 +101,14 @@ def compare() -> list[dict]:
     for folder, name, commit in RUNS:
         entries = json.loads((ROOT / folder / name).read_text())["passed"]
         then = git_tree(commit)
-        recorded = old_rule(commit, sorted({(e["backend"], e["op"]) for e in entries}))
+        # entries of runs before the rule of executed code recorded whole-file fingerprints ("source"): the
+        # commit's own rule reproduces them; later entries record the path's fingerprint by today's rule
+        old = [e for e in entries if "fingerprint" not in e]
+        recorded = old_rule(commit, sorted({(e["backend"], e["op"]) for e in old})) if old else {}
         for e in entries:
             key = (e["backend"], e["op"], e["path"])
-            confirmed = recorded[f"{e['backend']}/{e['op']}"] == e["source"] and (
-                e["backend"] != "cuda" or recorded["csrc"] == e["build"])
             row = {"backend": e["backend"], "op": e["op"], "path": e["path"], "evidence": folder, "commit": commit,
-                   "head": head, "recorded": {k: e[k] for k in ("source", "build") if k in e},
-                   "confirmed": confirmed,
+                   "head": head, "recorded": {k: e[k] for k in ("source", "fingerprint", "build") if k in e},
                    "then": fingerprints.path_closure(*key, tree=then).fingerprint,
                    "now": fingerprints.path_closure(*key, tree=here).fingerprint,
                    "differs": differing_definitions(key, then, here)}
@@ -115,6 +116,13 @@ def compare() -> list[dict]:
                 source = fingerprints.csrc_source(e["op"], e["path"])
                 row["build_then"] = fingerprints.csrc_fingerprint(source, then)
                 row["build_now"] = fingerprints.csrc_fingerprint(source, here)
+            if "fingerprint" in e:
+                confirmed = row["then"] == e["fingerprint"] and row.get("build_then") == e.get("build")
+            else:
+                confirmed = recorded[f"{e['backend']}/{e['op']}"] == e["source"] and (
+                    e["backend"] != "cuda" or recorded["csrc"] == e["build"])
+            row["confirmed"] = confirmed
+            if e["backend"] == "cuda":
                 files_then, files_now = (fingerprints.csrc_files(source, tree) for tree in (then, here))
                 row["differs"] += [f"csrc/{file}" for file in sorted(set(files_then) | set(files_now))
                                    if fingerprints.strip_c_comments(files_then.get(file, ""))

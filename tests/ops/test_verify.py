@@ -214,3 +214,21 @@ def test_the_cuda_similarity_xent_paths_have_cases_in_every_dtype(sizes):
         assert {symmetric for symmetric, _ in taken[path]} == {True, False}, path
         if sizes == "large":
             assert max(rows for _, rows in taken[path]) > similarity_xent_dense.MAX_BLOCK_ROWS, path
+
+
+def test_unverified_only_leaves_out_the_paths_the_table_covers_here(monkeypatch):
+    """--unverified-only (the project's GPU run): a path the table covers on this GPU with this code is left out
+    and named; an entry for other code (another fingerprint) covers nothing, so its path is checked."""
+    from angle_kernels import verified
+
+    here = {"capability": "9.0", "torch": "2.11", "triton": "3.6", "gpu": "H200"}
+    monkeypatch.setattr(verified, "identity", lambda backend, op, path, device: {
+        **here, "fingerprint": f"code of {op} {path}"})
+    table = ({"backend": "triton", "op": "pair_scores", "path": "full", **here,
+              "fingerprint": "code of pair_scores full"},
+             {"backend": "triton", "op": "pair_scores", "path": "dims", **here, "fingerprint": "older code"})
+    every = verify.cases("large")
+    kept, covered = verify.unverified_cases("triton", every, None, table)
+    assert covered == ["triton pair_scores full"]
+    assert [c for c in every if (c.op, c.path) != ("pair_scores", "full")] == kept
+    assert any((c.op, c.path) == ("pair_scores", "dims") for c in kept)
