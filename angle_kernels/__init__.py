@@ -8,13 +8,13 @@ extension, or an exact pure-PyTorch path (any device).
     loss = ak.cosine_loss(y_true, y_pred)                      # CoSENT
     loss = ak.AngleLoss(cosine_w=1, ibn_w=0, angle_w=1, dataset_format="A")(labels, outputs)
 
-See `help(angle_kernels.functional)` for the losses, `angle_kernels.dispatch` for the ops and backends, and
-`angle_kernels.checks` for input validation (and how to switch its device syncs off).
+See `help(angle_kernels.losses)` for the losses (by family), `angle_kernels.dispatch` for the ops and backends, and
+`angle_kernels.inputs` for input validation (and how to switch its device syncs off).
 """
 
 from . import functional
 from ._version import __version__
-from .checks import input_checks, input_checks_enabled, set_input_checks
+from .inputs import input_checks, input_checks_enabled, set_input_checks
 from .dispatch import BACKENDS, resolve_backend
 from .functional import *  # noqa: F403  (the losses: functional.__all__)
 from .modules import AngleLoss, ArcCSELoss

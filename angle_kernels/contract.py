@@ -2,13 +2,14 @@
 
 The semantics of the ops are stated once, in `angle_kernels.dispatch`. This module holds what that
 statement needs in code: the numbers it names (the norm epsilon, the margin's sin^2 floor), the compute-dtype
-rule, the `Backend` protocol the backends implement, and one validation function per op. Dispatch calls
-the validation for every backend before it calls the op (`dispatch.Ops`), so a backend trusts its inputs: it
-never re-checks shapes, dtypes, devices or option values, and it gets them in a normal form (Python floats and
-bools, int64 group ids, no bool labels).
+rule, the `Backend` protocol the backends implement, and one validation function per op, which returns the
+validated call as that op's frozen dataclass (`Call`: fields by name, `.args` in the backends' positional order).
+Dispatch calls the validation for every backend before it calls the op (`dispatch.Ops`), so a backend trusts its
+inputs: it never re-checks shapes, dtypes, devices or option values, and it gets them in a normal form (Python
+floats and bools, int64 group ids, no bool labels).
 
 The checks here read only metadata (shapes, dtypes, devices): they never force a device sync. Checks that read
-values (NaN/Inf, label values) belong to the public losses (`angle_kernels.checks`).
+values (NaN/Inf, label values) belong to the public losses (`angle_kernels.inputs`).
 
 The CUDA sources repeat the two constants (`csrc/common.cuh` kNormEps, `csrc/similarity_xent.cu`
 kSinSqFloor): tests/ops/test_contract.py reads them from there and holds them equal to these.
@@ -16,9 +17,10 @@ kSinSqFloor): tests/ops/test_contract.py reads them from there and holds them eq
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -99,9 +101,59 @@ class Backend(Protocol):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Validation, one function per op. Each raises TypeError/ValueError naming the argument, and returns the
-# arguments in the normal form the backends expect.
+# Validation, one function per op. Each raises TypeError/ValueError naming the argument, and returns the call:
+# its arguments in the normal form the backends expect, by name (one frozen dataclass per op, beside its check).
 # ------------------------------------------------------------------------------------------------------------
+class Call:
+    """What every op's validated call offers: the op's name, the positional arguments its backend functions take,
+    and the device (is_cuda), dtype and optional features that choose the backend. Each op's call is a frozen
+    dataclass of its arguments by name, `class <Op>Call(Call, op="<op>")`; the semantics of the fields: the op's
+    docstring in `angle_kernels.dispatch`."""
+
+    op: ClassVar[str]
+    _names: ClassVar[tuple[str, ...]]
+
+    def __init_subclass__(cls, op: str, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.op = op
+        # Made a dataclass here rather than by a decorator: angle_kernels.fingerprints counts a decorated top-level
+        # definition as a registration that runs with its module, so a decorator would enter every GPU path that
+        # reaches this module (compute_dtype, NORM_EPS) into its fingerprint and void its verifications.
+        # eq=False: equality (and hash) by identity; field-wise equality would compare tensors element by element.
+        dataclasses.dataclass(frozen=True, eq=False)(cls)
+        # read on every op call: the fields' names, found once per class (a plain tuple: torch.compile traces it)
+        cls._names = tuple(field.name for field in dataclasses.fields(cls))
+
+    @property
+    def args(self) -> tuple:
+        """The arguments in the backends' positional order (`Backend`): the fields' order. Not dataclasses.astuple,
+        which deep-copies the tensors."""
+        return tuple(getattr(self, name) for name in self._names)
+
+    @property
+    def _leading(self) -> torch.Tensor:
+        """The first argument, the tensor whose device and dtype the call's are (x, scores or q)."""
+        return getattr(self, self._names[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self._leading.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._leading.dtype
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._leading.is_cuda
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The optional features (OPTIONAL_FEATURES) the call uses, which steer the choice of backend: dims when
+        given. reference is no field of a call: it never steers the choice (dispatch.Ops.similarity_lse)."""
+        return ("dims",) if getattr(self, "dims", None) is not None else ()
+
+
 def _tensor(name: str, t, dims: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -143,7 +195,15 @@ def check_dims(dims, width: int, even: bool = False, name: str = "dims") -> tupl
     return widths
 
 
-def check_pair_scores(x, with_angle, dims=None) -> tuple[torch.Tensor, bool, tuple[int, ...] | None]:
+class PairScoresCall(Call, op="pair_scores"):
+    """A validated call of pair_scores (`check_pair_scores`)."""
+
+    x: torch.Tensor
+    with_angle: bool
+    dims: tuple[int, ...] | None
+
+
+def check_pair_scores(x, with_angle, dims=None) -> PairScoresCall:
     """x: [G, K, D] floating, K >= 2, D >= 1 (even when with_angle); G may be 0; dims: see check_dims."""
     _tensor("x", x, 3, EMBEDDING_DTYPES)
     if x.shape[1] < 2 or x.shape[2] < 1:
@@ -152,10 +212,17 @@ def check_pair_scores(x, with_angle, dims=None) -> tuple[torch.Tensor, bool, tup
         raise TypeError(f"with_angle must be a bool, got {type(with_angle).__name__}")
     if with_angle and x.shape[2] % 2:
         raise ValueError(f"x: the angle score splits each vector in halves and needs an even D, got D={x.shape[2]}")
-    return x, with_angle, check_dims(dims, x.shape[2], even=with_angle)
+    return PairScoresCall(x, with_angle, check_dims(dims, x.shape[2], even=with_angle))
 
 
-def check_ranking_loss(scores, labels) -> tuple[torch.Tensor, torch.Tensor]:
+class RankingLossCall(Call, op="ranking_loss"):
+    """A validated call of ranking_loss (`check_ranking_loss`)."""
+
+    scores: torch.Tensor
+    labels: torch.Tensor
+
+
+def check_ranking_loss(scores, labels) -> RankingLossCall:
     """scores: [N] float32/float64; labels: [N] real, on scores' device. Bool labels come back as int64."""
     _tensor("scores", scores, 1, SCORE_DTYPES)
     _tensor("labels", labels, 1)
@@ -166,10 +233,25 @@ def check_ranking_loss(scores, labels) -> tuple[torch.Tensor, torch.Tensor]:
     _on_device_of("labels", labels, "scores", scores)
     if labels.dtype == torch.bool:
         labels = labels.to(torch.int64)
-    return scores, labels
+    return RankingLossCall(scores, labels)
 
 
-def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims=None) -> tuple:
+class SimilarityXentCall(Call, op="similarity_xent"):
+    """A validated call of similarity_xent (`check_similarity_xent`)."""
+
+    q: torch.Tensor
+    c: torch.Tensor | None
+    scale: float
+    target: str
+    row_weights: torch.Tensor | None
+    exclude_diagonal: bool
+    margin: float
+    group_ids: torch.Tensor | None
+    dims: tuple[int, ...] | None
+
+
+def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
+                          dims=None) -> SimilarityXentCall:
     """The arguments of similarity_xent, checked against the contract and returned in normal form."""
     _tensor("q", q, 2, EMBEDDING_DTYPES)
     m, d = q.shape
@@ -216,7 +298,8 @@ def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, ma
             raise ValueError(f"group_ids must be [M={m}], got shape {tuple(group_ids.shape)}")
         _on_device_of("group_ids", group_ids, "q", q)
         group_ids = group_ids.to(torch.int64)
-    return q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, check_dims(dims, d)
+    return SimilarityXentCall(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
+                              check_dims(dims, d))
 
 
 def _integer(name: str, value, minimum: int) -> int:
@@ -227,8 +310,28 @@ def _integer(name: str, value, minimum: int) -> int:
     return int(value)
 
 
+class SimilarityLseCall(Call, op="similarity_lse"):
+    """A validated call of similarity_lse (`check_similarity_lse`), without its keyword-only reference
+    (`check_lse_reference`)."""
+
+    q: torch.Tensor
+    c: torch.Tensor
+    scale: float
+    target_offset: int
+    period: int
+    exclude: str
+    penalty: float
+    penalty_on: str
+    filter_q: torch.Tensor | None
+    filter_c: torch.Tensor | None
+    filter_threshold: torch.Tensor | None
+    filter_keeps_target: bool
+    normalize: bool
+    dims: tuple[int, ...] | None
+
+
 def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
-                         filter_threshold, filter_keeps_target, normalize=True, dims=None) -> tuple:
+                         filter_threshold, filter_keeps_target, normalize=True, dims=None) -> SimilarityLseCall:
     """The arguments of similarity_lse, checked against the contract and returned in normal form (the filter
     inputs detached, its threshold contiguous in filter_q's compute dtype, in which the filter compares). With
     dims the filter embeddings are cut to each prefix like q and c (at least d_k wide) and the threshold is
@@ -276,8 +379,8 @@ def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, p
             _on_device_of(name, t, "q", q)
         filter_threshold = filter_threshold.detach().to(compute_dtype(filter_q.dtype)).contiguous()
         filter_q, filter_c = filter_q.detach(), filter_c.detach()
-    return (q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
-            filter_keeps_target, normalize, dims)
+    return SimilarityLseCall(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
+                             filter_threshold, filter_keeps_target, normalize, dims)
 
 
 def check_lse_reference(q, normalize: bool, reference) -> torch.Tensor | None:

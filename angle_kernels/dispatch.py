@@ -80,37 +80,37 @@ class Ops:
         return f"Ops({self.name!r})"
 
     def pair_scores(self, x, with_angle, dims=None):
-        args = contract.check_pair_scores(x, with_angle, dims)
-        return self._computing("pair_scores", args, _features(dims=dims)).pair_scores(*args)
+        call = contract.check_pair_scores(x, with_angle, dims)
+        return self._computing("pair_scores", call).pair_scores(*call.args)
 
     def ranking_loss(self, scores, labels):
-        args = contract.check_ranking_loss(scores, labels)
-        return self._computing("ranking_loss", args).ranking_loss(*args)
+        call = contract.check_ranking_loss(scores, labels)
+        return self._computing("ranking_loss", call).ranking_loss(*call.args)
 
     def similarity_xent(self, q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
                         group_ids=None, dims=None):
-        args = contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
+        call = contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
                                               dims)
-        return self._computing("similarity_xent", args, _features(dims=dims)).similarity_xent(*args)
+        return self._computing("similarity_xent", call).similarity_xent(*call.args)
 
     def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
                        penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
                        filter_keeps_target=False, normalize=True, dims=None, reference=None):
-        args = contract.check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on,
+        call = contract.check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on,
                                              filter_q, filter_c, filter_threshold, filter_keeps_target, normalize,
                                              dims)
         reference = contract.check_lse_reference(q, normalize, reference)
         # reference does not steer the choice: a backend whose op lacks it computes the same value by subtraction
-        backend = self._computing("similarity_lse", args, _features(dims=dims))
+        backend = self._computing("similarity_lse", call)
         if reference is None:
-            return backend.similarity_lse(*args)
+            return backend.similarity_lse(*call.args)
         if "reference" in backend.features["similarity_lse"]:
-            return backend.similarity_lse(*args, reference=reference)  # keyword-only (contract.OPTIONAL_FEATURES)
+            return backend.similarity_lse(*call.args, reference=reference)  # keyword-only (OPTIONAL_FEATURES)
         dtype = contract.compute_dtype(q.dtype)  # exact while the logits fit the compute dtype (else inf - inf)
-        widths = [q.shape[1]] if args[-1] is None else args[-1]
-        logits = torch.stack([args[2] * torch.linalg.vecdot(q[:, :d].to(dtype), reference[:, :d].to(dtype))
+        widths = [q.shape[1]] if call.dims is None else call.dims
+        logits = torch.stack([call.scale * torch.linalg.vecdot(q[:, :d].to(dtype), reference[:, :d].to(dtype))
                               for d in widths])
-        return backend.similarity_lse(*args) - (logits[0] if args[-1] is None else logits)
+        return backend.similarity_lse(*call.args) - (logits[0] if call.dims is None else logits)
 
     def takes_in_one_call(self, op: str, *args, **kwargs) -> bool:
         """Whether the optional features a call of `op` uses (kwargs, e.g. dims) are computed in one call where the
@@ -124,26 +124,27 @@ class Ops:
     def computes(self, op: str, *args, **kwargs) -> tuple[str, str]:
         """(backend, code path) that would compute `op` on these arguments (the op's own, validated the same way);
         for "auto", after the first-use check the call would run (`first_use`)."""
-        checked, features = self._checked(op, args, kwargs)
-        chosen = self._choose(op, checked, features)
-        return chosen.name, chosen.code_path(op, checked)
+        call = self._checked(op, args, kwargs)
+        chosen = self._choose(op, call)
+        return chosen.name, chosen.code_path(op, call)
 
-    def _checked(self, op: str, args: tuple, kwargs: dict) -> tuple[tuple, tuple[str, ...]]:
-        """(the validated arguments, the optional features that steer the choice) of a call of `op`."""
+    def _checked(self, op: str, args: tuple, kwargs: dict) -> contract.Call:
+        """The validated call of `op` with these arguments (similarity_lse's reference left out: it does not steer
+        the choice)."""
         bound = inspect.signature(getattr(Ops, op)).bind(self, *args, **kwargs)
         bound.apply_defaults()
-        bound.arguments.pop("reference", None)  # similarity_lse's, which does not steer the choice
+        bound.arguments.pop("reference", None)
         values = list(bound.arguments.values())[1:]
-        return getattr(contract, f"check_{op}")(*values), _features(dims=bound.arguments.get("dims"))
+        return getattr(contract, f"check_{op}")(*values)
 
-    def code_path(self, op: str, args: tuple) -> str:
-        """The code path (the op module's PATHS) a call with these validated arguments takes on this backend."""
+    def code_path(self, op: str, call: contract.Call) -> str:
+        """The code path (the op module's PATHS) a validated call takes on this backend."""
         choose = self.backend.code_paths[op]
-        return choose(*args) if choose is not None else self.backend.paths[op][0]
+        return choose(*call.args) if choose is not None else self.backend.paths[op][0]
 
-    def is_verified(self, op: str, args: tuple) -> bool:
-        """Whether this backend's code path for the call has passed its correctness run on the arguments' GPU."""
-        return verified.is_verified(self.name, op, self.code_path(op, args), args[0].device)
+    def is_verified(self, op: str, call: contract.Call) -> bool:
+        """Whether this backend's code path for the call has passed its correctness run on the call's GPU."""
+        return verified.is_verified(self.name, op, self.code_path(op, call), call.device)
 
     def lacking(self, op: str, features: tuple[str, ...] = ()) -> str | None:
         """What of `op` with `features` this backend does not implement ("op" or "op with feature="), or None."""
@@ -152,18 +153,20 @@ class Ops:
         missing = [f for f in features if f not in self.backend.features[op]]
         return f"{op} with {missing[0]}=" if missing else None
 
-    def _choose(self, op: str, args: tuple, features: tuple[str, ...]) -> Ops:
-        lacking = self.lacking(op, features)
+    def _choose(self, op: str, call: contract.Call) -> Ops:
+        lacking = self.lacking(op, call.features)
         if lacking is not None:
             raise ValueError(f"backend {self.name!r} does not implement {lacking} yet; choose another backend "
                              "('torch' implements every op and feature)")
         return self
 
-    def _computing(self, op: str, args: tuple, features: tuple[str, ...] = ()) -> contract.Backend:
+    def _computing(self, op: str, call: contract.Call) -> contract.Backend:
         """The backend that computes this call: this one (see _choose), warning when it is unverified here."""
-        chosen = self._choose(op, args, features)
-        if chosen.name in verified.GPU_BACKENDS and args[0].is_cuda and not chosen.is_verified(op, args):
-            _warn_unverified(chosen, op, args)
+        chosen = self._choose(op, call)
+        if chosen.name in verified.GPU_BACKENDS and call.is_cuda:
+            path = chosen.code_path(op, call)
+            if not verified.is_verified(chosen.name, op, path, call.device):
+                _warn_unverified(chosen, op, call, path)
         return chosen.backend
 
 
@@ -182,66 +185,74 @@ class AutoOps(Ops):
     def __repr__(self) -> str:
         return f"AutoOps({[c.name for c in self.candidates]!r})"
 
-    def _gpu_paths(self, op: str, args: tuple, features: tuple[str, ...]) -> list[Ops]:
-        """Who may be asked to compute the call on a GPU code path: the candidates that implement it, then the torch
-        backend's GPU path (`_TORCH_GPU_OPS`) where the call has one (a 16-bit call: "mixed"); the torch backend's
-        default path needs no asking."""
-        found = [candidate for candidate in self.candidates if candidate.lacking(op, features) is None]
-        if verified.needs_verification("torch", _TORCH_GPU_OPS.code_path(op, args)):
-            found.append(_TORCH_GPU_OPS)
+    def _gpu_paths(self, op: str, call: contract.Call) -> dict[Ops, str]:
+        """Who may be asked to compute the call on a GPU code path, each with the code path it takes for the call
+        (decided here, once per call): the candidates that implement it, then the torch backend's GPU path
+        (`_TORCH_GPU_OPS`) where the call has one (a 16-bit call: "mixed"); the torch backend's default path needs
+        no asking."""
+        found = {candidate: candidate.code_path(op, call) for candidate in self.candidates
+                 if candidate.lacking(op, call.features) is None}
+        torch_path = _TORCH_GPU_OPS.code_path(op, call)
+        if verified.needs_verification("torch", torch_path):
+            found[_TORCH_GPU_OPS] = torch_path
         return found
 
-    def _verified_for(self, op: str, args: tuple, features: tuple[str, ...]) -> list[Ops]:
+    @staticmethod
+    def _verified_for(op: str, call: contract.Call, paths: dict[Ops, str]) -> list[Ops]:
         """The GPU code paths for the call (`_gpu_paths`) verified on this GPU."""
-        return [candidate for candidate in self._gpu_paths(op, args, features) if candidate.is_verified(op, args)]
+        return [candidate for candidate, path in paths.items()
+                if verified.is_verified(candidate.name, op, path, call.device)]
 
-    def _checkable_for(self, op: str, args: tuple, features: tuple[str, ...]) -> list[Ops]:
+    @staticmethod
+    def _checkable_for(op: str, call: contract.Call, paths: dict[Ops, str], verified_here: list[Ops]) -> list[Ops]:
         """The GPU code paths for the call not verified for it here that may compute it after a first-use check of
         its kind (their code passed the large-size checks on some GPU: `first_use.may_check`)."""
-        return [candidate for candidate in self._gpu_paths(op, args, features)
-                if not candidate.is_verified(op, args)
-                and first_use.may_check(candidate.name, op, candidate.code_path(op, args), args[0].device)]
+        return [candidate for candidate, path in paths.items()
+                if candidate not in verified_here and first_use.may_check(candidate.name, op, path, call.device)]
 
-    def _choose(self, op: str, args: tuple, features: tuple[str, ...]) -> Ops:
-        return self._choice(op, args, features)[0]
+    def _choose(self, op: str, call: contract.Call) -> Ops:
+        return self._choice(op, call, self._gpu_paths(op, call))[0]
 
     def takes_in_one_call(self, op: str, *args, **kwargs) -> bool:
-        checked, features = self._checked(op, args, kwargs)
-        if not features:
+        call = self._checked(op, args, kwargs)
+        if not call.features:
             return True
-        plain, _ = self._checked(op, args, {k: v for k, v in kwargs.items() if k not in contract.OPTIONAL_FEATURES})
-        return self._choose(op, checked, features) is not _TORCH_OPS or self._choose(op, plain, ()) is _TORCH_OPS
+        plain = self._checked(op, args, {k: v for k, v in kwargs.items() if k not in contract.OPTIONAL_FEATURES})
+        return self._choose(op, call) is not _TORCH_OPS or self._choose(op, plain) is _TORCH_OPS
 
-    def _choice(self, op: str, args: tuple, features: tuple[str, ...]) -> tuple[Ops, bool]:
-        """(the backend that computes the call, whether some GPU backend may compute it). The fastest of the verified
-        candidates, the checkable ones and torch (`measured.fastest`); a checkable one is checked only when it is the
-        one chosen (`first_use.decide`: the first call of its kind), and when this kind of call failed its check the
-        choice is made again without it: nothing is checked that would not compute."""
-        verified_here = self._verified_for(op, args, features)
-        checkable = self._checkable_for(op, args, features)
+    def _choice(self, op: str, call: contract.Call, paths: dict[Ops, str]) -> tuple[Ops, bool]:
+        """(the backend that computes the call, whether some GPU backend may compute it), given the GPU code paths
+        for it (`_gpu_paths`). The fastest of the verified candidates, the checkable ones and torch
+        (`measured.fastest`); a checkable one is checked only when it is the one chosen (`first_use.decide`: the
+        first call of its kind), and when this kind of call failed its check the choice is made again without it:
+        nothing is checked that would not compute."""
+        verified_here = self._verified_for(op, call, paths)
+        checkable = self._checkable_for(op, call, paths, verified_here)
+        fallback = {_TORCH_OPS: _TORCH_OPS.code_path(op, call)}
         while True:
-            allowed = [c for c in self._gpu_paths(op, args, features) if c in verified_here or c in checkable]
-            chosen = measured.fastest(op, args, [*allowed, _TORCH_OPS])
-            if chosen not in checkable or first_use.decide(chosen, op, args).computes:
+            allowed = {c: path for c, path in paths.items() if c in verified_here or c in checkable}
+            chosen = measured.fastest(op, call, {**allowed, **fallback})
+            if chosen not in checkable or first_use.decide(chosen, op, call, paths[chosen]).computes:
                 return chosen, bool(allowed)
             checkable.remove(chosen)
 
-    def _computing(self, op: str, args: tuple, features: tuple[str, ...] = ()) -> contract.Backend:
-        chosen, gpu_allowed = self._choice(op, args, features)
+    def _computing(self, op: str, call: contract.Call) -> contract.Backend:
+        paths = self._gpu_paths(op, call)
+        chosen, gpu_allowed = self._choice(op, call, paths)
         if chosen is _TORCH_OPS and not gpu_allowed and not _warned_auto_on_gpu:
-            self._warn_torch_on_gpu(op, args, features)
+            self._warn_torch_on_gpu(op, call, paths)
         return chosen.backend
 
-    def _warn_torch_on_gpu(self, op: str, args: tuple, features: tuple[str, ...]) -> None:
+    def _warn_torch_on_gpu(self, op: str, call: contract.Call, paths: dict[Ops, str]) -> None:
         global _warned_auto_on_gpu
         _warned_auto_on_gpu = True
         why = dict(self.reasons)
         for candidate in self.candidates:
-            lacking = candidate.lacking(op, features)
+            lacking = candidate.lacking(op, call.features)
             why[candidate.name] = (f"it does not implement {lacking} yet" if lacking is not None else
-                                   first_use.reason(candidate, op, args))
-        if _TORCH_GPU_OPS in self._gpu_paths(op, args, features):
-            why["torch"] = first_use.reason(_TORCH_GPU_OPS, op, args)
+                                   first_use.reason(candidate, op, call, paths[candidate]))
+        if _TORCH_GPU_OPS in paths:
+            why["torch"] = first_use.reason(_TORCH_GPU_OPS, op, call, paths[_TORCH_GPU_OPS])
         warnings.warn(
             f"angle_kernels: backend='auto' computes {op} with the PyTorch backend on this GPU, as it does every op "
             "and code path no GPU backend has passed a correctness run for on matching hardware and software, or a "
@@ -262,11 +273,11 @@ class TorchOps(Ops):
     def __init__(self):
         super().__init__("torch", _TORCH_OPS.backend)
 
-    def _choose(self, op: str, args: tuple, features: tuple[str, ...]) -> Ops:
-        return _TORCH_GPU_OPS if _TORCH_GPU_OPS.is_verified(op, args) else _TORCH_OPS
+    def _choose(self, op: str, call: contract.Call) -> Ops:
+        return _TORCH_GPU_OPS if _TORCH_GPU_OPS.is_verified(op, call) else _TORCH_OPS
 
-    def _computing(self, op: str, args: tuple, features: tuple[str, ...] = ()) -> contract.Backend:
-        return self._choose(op, args, features).backend
+    def _computing(self, op: str, call: contract.Call) -> contract.Backend:
+        return self._choose(op, call).backend
 
 
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
@@ -355,18 +366,17 @@ def _load(backend: str, allow_build: bool) -> tuple[Ops | None, str]:
     return answers[backend]
 
 
-def _warn_unverified(ops: Ops, op: str, args: tuple) -> None:
+def _warn_unverified(ops: Ops, op: str, call: contract.Call, path: str) -> None:
     """Tell the user, once per process and (backend, op, path), that an explicitly chosen GPU backend runs code
-    that has not passed its correctness run on this GPU."""
-    path = ops.code_path(op, args)
+    (`path`, the call's code path) that has not passed its correctness run on this GPU."""
     if (ops.name, op, path) in _warned_unverified:
         return
     _warned_unverified.add((ops.name, op, path))
     warnings.warn(
         f"angle_kernels: backend={ops.name!r} computes {op} on its code path {path!r}, which has not passed a "
-        f"correctness run on {verified.describe(ops.name, op, path, args[0].device)}. backend='auto' would compute it "
+        f"correctness run on {verified.describe(ops.name, op, path, call.device)}. backend='auto' would compute it "
         + ("after a check of the first call of each kind here (its code passed the large-size checks on another GPU)"
-           if first_use.may_check(ops.name, op, path, args[0].device) else "with the PyTorch backend")
+           if first_use.may_check(ops.name, op, path, call.device) else "with the PyTorch backend")
         + "; `python -m angle_kernels.verify` checks the GPU backends on this GPU and records what passes (shown once "
         "per process for each backend, op and code path).", RuntimeWarning, stacklevel=5)
 

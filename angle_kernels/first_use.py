@@ -46,11 +46,11 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from . import reference, user_cache, verified
+from . import contract, reference, user_cache, verified
 from ._runtime import triton_interpreting
 
 ENV = "ANGLE_KERNELS_SELF_CHECK"
@@ -65,8 +65,9 @@ FLOP_BUDGET = 1 << 44
 SAMPLE_ROWS = 512
 SAMPLE_ELEMENTS = 1 << 20
 SEED = 0
-# The differentiable inputs of each op (positions in its validated arguments): the check's leaves.
-LEAVES = {"pair_scores": (0,), "ranking_loss": (0,), "similarity_xent": (0, 1), "similarity_lse": (0, 1)}
+# The differentiable inputs of each op (fields of its validated call, contract.check_<op>): the check's leaves.
+LEAVES = {"pair_scores": ("x",), "ranking_loss": ("scores",), "similarity_xent": ("q", "c"),
+          "similarity_lse": ("q", "c")}
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,8 @@ def _precision(dtype: torch.dtype, path: str) -> str:
     return "tf32" if allowed else "ieee"
 
 
-def bucket(backend: str, op: str, path: str, args: tuple) -> dict:
-    """What selects the compiled kernels and the autotuned config of a call with these validated arguments.
+def bucket(backend: str, op: str, path: str, call: contract.Call) -> dict:
+    """What selects the compiled kernels and the autotuned config of a validated call.
 
     Triton: the similarity ops' autotune key (each op module's _TUNE_KEY: the power-of-two buckets of M and Mc, D,
     the variant flags, the dot precision; KP, the prefixes' power of two, with dims) with the flags that are
@@ -162,11 +163,11 @@ def bucket(backend: str, op: str, path: str, args: tuple) -> dict:
     torch backend's GPU path (cuBLAS products, eager tile code): the variant flags, and with dims or not (another
     autograd Function)."""
     if op == "similarity_xent":
-        q, c, _, target, _, exclude_diagonal, margin, group_ids, dims = args
+        q, c, dims = call.q, call.c, call.dims
         m, d = q.shape
         mc = m if c is None else c.shape[0]
-        found = {"partner": target == "partner", "exclude_diagonal": exclude_diagonal, "groups": group_ids is not None,
-                 "margin": margin != 0.0, "symmetric": c is None}
+        found = {"partner": call.target == "partner", "exclude_diagonal": call.exclude_diagonal,
+                 "groups": call.group_ids is not None, "margin": call.margin != 0.0, "symmetric": c is None}
         if backend == "triton":
             found.update(M=_pow2(m), Mc=_pow2(mc), D=d, precision=_precision(q.dtype, path),
                          sizes=_int_class(m) + "." + _int_class(mc), q=_layout(q), c=_layout(c))
@@ -176,40 +177,39 @@ def bucket(backend: str, op: str, path: str, args: tuple) -> dict:
             found["dims"] = dims is not None
         return found
     if op == "similarity_lse":
-        (q, c, _, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, _, filter_keeps_target,
-         normalize, dims) = args
+        q, c, filter_q, filter_c, dims = call.q, call.c, call.filter_q, call.filter_c, call.dims
         has_filter = filter_q is not None
-        found = {"exclude": exclude, "penalty_on": penalty_on if penalty != 0.0 else "none", "periodic": period > 0,
-                 "filter": has_filter, "filter_keeps_target": filter_keeps_target and has_filter,
-                 "normalize": normalize, "dims": None if dims is None else list(dims)}
+        found = {"exclude": call.exclude, "penalty_on": call.penalty_on if call.penalty != 0.0 else "none",
+                 "periodic": call.period > 0, "filter": has_filter,
+                 "filter_keeps_target": call.filter_keeps_target and has_filter, "normalize": call.normalize,
+                 "dims": None if dims is None else list(dims)}
         if backend == "triton":
             (m, d), mc = q.shape, c.shape[0]
             found.update(M=_pow2(m), Mc=_pow2(mc), D=d, DF=filter_q.shape[1] if has_filter else 0,
                          precision=_precision(q.dtype, path),
                          filter_dtypes=[str(t.dtype) for t in (filter_q, filter_c)] if has_filter else None,
-                         sizes=".".join(_int_class(n) for n in (m, mc, target_offset, period)),
+                         sizes=".".join(_int_class(n) for n in (m, mc, call.target_offset, call.period)),
                          q=_layout(q), c=_layout(c), filter_q=_layout(filter_q), filter_c=_layout(filter_c))
         return found
     if op == "pair_scores":
-        x, with_angle, dims = args
-        found = {"K": x.shape[1], "D": x.shape[2], "with_angle": with_angle,
+        x, dims = call.x, call.dims
+        found = {"K": x.shape[1], "D": x.shape[2], "with_angle": call.with_angle,
                  "dims": None if dims is None else list(dims), "x": _layout(x)}
         if backend == "triton" and dims is not None:  # the prefix kernels take the number of groups
             found["groups"] = _int_class(x.shape[0])
         return found
-    scores, labels = args  # ranking_loss
-    found = {"labels": str(labels.dtype)}
+    found = {"labels": str(call.labels.dtype)}  # ranking_loss
     if backend == "triton":
-        found["sizes"] = _int_class(scores.shape[0])
+        found["sizes"] = _int_class(call.scores.shape[0])
     return found
 
 
-def kind_of(candidate, op: str, args: tuple) -> dict:
+def kind_of(candidate, op: str, call: contract.Call) -> dict:
     """The kind of call (module docstring), as a record stores it."""
-    path = candidate.code_path(op, args)
-    ident = verified.identity_here(candidate.name, op, path, args[0].device)
-    kind = {"backend": candidate.name, "op": op, "path": path, "dtype": str(args[0].dtype).replace("torch.", ""),
-            "bucket": bucket(candidate.name, op, path, args),
+    path = candidate.code_path(op, call)
+    ident = verified.identity_here(candidate.name, op, path, call.device)
+    kind = {"backend": candidate.name, "op": op, "path": path, "dtype": str(call.dtype).replace("torch.", ""),
+            "bucket": bucket(candidate.name, op, path, call),
             **{name: ident.get(name) for name in verified.MATCH_FIELDS[candidate.name]}}
     return json.loads(json.dumps(kind))  # as it reads back from the cache (tuples become lists)
 
@@ -232,53 +232,50 @@ def may_check(backend: str, op: str, path: str, device: torch.device) -> bool:
     return enabled() and verified.checked_elsewhere(backend, op, path, device)
 
 
-def decide(candidate, op: str, args: tuple) -> Outcome:
-    """Whether `candidate` (a dispatch.Ops of a GPU backend whose code path for the call is not verified here) may
-    compute this call of `op` (validated arguments) on its GPU: by this kind of call's check or record. Checks the
+def decide(candidate, op: str, call: contract.Call, path: str) -> Outcome:
+    """Whether `candidate` (a dispatch.Ops of a GPU backend whose code path `path` for the call is not verified
+    here) may compute this validated call of `op` on its GPU: by this kind of call's check or record. Checks the
     first call of a kind (module docstring); later calls of it are a lookup."""
-    path = candidate.code_path(op, args)
-    device = args[0].device
+    device = call.device
     if not may_check(candidate.name, op, path, device):
         return Outcome(False)
     if tracing(device):  # recorded outcomes only, and nothing kept: an eager call of this kind checks
         try:
-            record = _recorded(kind_of(candidate, op, args))
+            record = _recorded(kind_of(candidate, op, call))
         except Exception:  # noqa: BLE001 (symbolic shapes: no bucket to look up)
             record = None
         if record is None:
-            return Outcome(False, f"{_unverified(candidate, op, args)}, and under torch.compile tracing or CUDA-graph "
-                                  "capture no first-use check runs (a call outside them checks its kind)")
+            return Outcome(False, f"{_unverified(candidate, op, path, device)}, and under torch.compile tracing or "
+                                  "CUDA-graph capture no first-use check runs (a call outside them checks its kind)")
         return _from_record(record)
-    key = (candidate.name, op, path, args[0].dtype, _frozen(bucket(candidate.name, op, path, args)), device.index)
+    key = (candidate.name, op, path, call.dtype, _frozen(bucket(candidate.name, op, path, call)), device.index)
     outcome = _outcomes.get(key)
     if outcome is None:
-        kind = kind_of(candidate, op, args)
-        outcome = _check_or_recorded(candidate, op, args, kind)
+        kind = kind_of(candidate, op, call)
+        outcome = _check_or_recorded(candidate, op, call, kind)
         if outcome is None:  # this call cannot be checked; the next of its kind may be
-            return Outcome(False, f"{_unverified(candidate, op, args)}, and this call's inputs are empty or not all "
-                                  "finite (the next call of its kind is checked)")
+            return Outcome(False, f"{_unverified(candidate, op, path, device)}, and this call's inputs are empty or "
+                                  "not all finite (the next call of its kind is checked)")
         _outcomes[key] = outcome
         if not outcome.computes:
             _tell(candidate.name, op, kind, outcome)
     return outcome
 
 
-def reason(candidate, op: str, args: tuple) -> str:
-    """Why `candidate` does not compute this call, when `decide` says so, for dispatch's warning (after
-    "<backend>: ")."""
-    outcome = decide(candidate, op, args)
+def reason(candidate, op: str, call: contract.Call, path: str) -> str:
+    """Why `candidate` does not compute this call on its code path `path`, when `decide` says so, for dispatch's
+    warning (after "<backend>: ")."""
+    outcome = decide(candidate, op, call, path)
     if outcome.why:
         return outcome.why
-    path = candidate.code_path(op, args)
-    if not enabled() and verified.checked_elsewhere(candidate.name, op, path, args[0].device):
-        return f"{_unverified(candidate, op, args)} (first-use checks are off: {ENV}=0)"
-    return _unverified(candidate, op, args)
+    if not enabled() and verified.checked_elsewhere(candidate.name, op, path, call.device):
+        return f"{_unverified(candidate, op, path, call.device)} (first-use checks are off: {ENV}=0)"
+    return _unverified(candidate, op, path, call.device)
 
 
-def _unverified(candidate, op: str, args: tuple) -> str:
-    path = candidate.code_path(op, args)
+def _unverified(candidate, op: str, path: str, device: torch.device) -> str:
     return (f"its code path {path!r} has not passed a correctness run on "
-            f"{verified.describe(candidate.name, op, path, args[0].device)}")
+            f"{verified.describe(candidate.name, op, path, device)}")
 
 
 def _tell(backend: str, op: str, kind: dict, outcome: Outcome) -> None:
@@ -325,17 +322,17 @@ def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
-def _check_or_recorded(candidate, op: str, args: tuple, kind: dict) -> Outcome | None:
+def _check_or_recorded(candidate, op: str, call: contract.Call, kind: dict) -> Outcome | None:
     """This kind's recorded outcome, or the outcome of checking this call (recorded); None when this call cannot
     be checked but a later one of its kind may (empty inputs, or not all finite)."""
     record = _recorded(kind)
     if record is not None:
         return _from_record(record)
-    chosen = checked_part(candidate, op, args)
+    chosen = checked_part(candidate, op, call)
     if chosen is None:
-        return Outcome(False, f"{_unverified(candidate, op, args)}, and calls of this kind are too large for a "
-                              f"first-use check (at most {ELEMENT_BUDGET:,} float64 elements and {FLOP_BUDGET:.1e} "
-                              "float64 FLOPs), even on a part of the same code path and bucket")
+        return Outcome(False, f"{_unverified(candidate, op, kind['path'], call.device)}, and calls of this kind are "
+                              f"too large for a first-use check (at most {ELEMENT_BUDGET:,} float64 elements and "
+                              f"{FLOP_BUDGET:.1e} float64 FLOPs), even on a part of the same code path and bucket")
     part, what = chosen
     if not _checkable(op, part):
         return None
@@ -351,9 +348,10 @@ def _check_or_recorded(candidate, op: str, args: tuple, kind: dict) -> Outcome |
         try:
             result = run_check(candidate, op, part)
         except torch.cuda.OutOfMemoryError:
-            return Outcome(False, f"{_unverified(candidate, op, args)}, and its first-use check ran out of GPU memory "
-                                  "(this process keeps the PyTorch backend for this kind of call)")
-        ident = verified.identity_here(candidate.name, op, kind["path"], args[0].device)
+            return Outcome(False, f"{_unverified(candidate, op, kind['path'], call.device)}, and its first-use check "
+                                  "ran out of GPU memory (this process keeps the PyTorch backend for this kind of "
+                                  "call)")
+        ident = verified.identity_here(candidate.name, op, kind["path"], call.device)
         record = {**kind, "gpu": ident.get("gpu"), **result, "part": what, "date": datetime.date.today().isoformat()}
         if recording:
             try:
@@ -363,55 +361,52 @@ def _check_or_recorded(candidate, op: str, args: tuple, kind: dict) -> Outcome |
     return _from_record(record, recorded=recording)
 
 
-def _checkable(op: str, args: tuple) -> bool:
+def _leaves(op: str, call: contract.Call) -> list[torch.Tensor]:
+    """The call's leaves (LEAVES) that it has (similarity_xent's c may be None)."""
+    return [leaf for leaf in (getattr(call, name) for name in LEAVES[op]) if leaf is not None]
+
+
+def _checkable(op: str, call: contract.Call) -> bool:
     """Whether a call can be checked: its leaves hold elements (an empty call checks nothing) and all are finite."""
-    leaves = [args[i] for i in LEAVES[op] if args[i] is not None]
-    return all(leaf.numel() > 0 and bool(torch.isfinite(leaf).all()) for leaf in leaves)
+    return all(leaf.numel() > 0 and bool(torch.isfinite(leaf).all()) for leaf in _leaves(op, call))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # What is checked: the call, or a part of it in the same code path and bucket
 # ---------------------------------------------------------------------------------------------------------
-def first_rows(op: str, args: tuple, rows: int, columns: int | None = None) -> tuple:
+def first_rows(op: str, call: contract.Call, rows: int, columns: int | None = None) -> contract.Call:
     """The call on the first `rows` rows of q (with their row weights, group ids, filter rows and thresholds), and
     with `columns` the first rows of c (and of filter_c); pair_scores: the first groups; ranking_loss: the first
     scores and labels. Views: strides and alignment are the call's."""
-    part = list(args)
-
-    def head(i, n):
-        if part[i] is not None and n is not None:
-            part[i] = part[i][:n]
+    def head(t, n):
+        return t if t is None or n is None else t[:n]
 
     if op == "similarity_xent":
-        for i in (0, 4, 7):  # q, row_weights, group_ids
-            head(i, rows)
-        head(1, columns)
-    elif op == "similarity_lse":
-        for i in (0, 8):  # q, filter_q
-            head(i, rows)
-        if part[10] is not None and rows is not None:  # filter_threshold: [M], or [k, M] with dims
-            part[10] = part[10][..., :rows]
-        for i in (1, 9):  # c, filter_c
-            head(i, columns)
-    else:  # pair_scores' groups, the ranking term's scores and labels
-        for i in range(len(part)):
-            if isinstance(part[i], torch.Tensor):
-                head(i, rows)
-    return tuple(part)
+        return replace(call, q=head(call.q, rows), row_weights=head(call.row_weights, rows),
+                       group_ids=head(call.group_ids, rows), c=head(call.c, columns))
+    if op == "similarity_lse":
+        threshold = call.filter_threshold  # [M], or [k, M] with dims
+        if threshold is not None and rows is not None:
+            threshold = threshold[..., :rows]
+        return replace(call, q=head(call.q, rows), filter_q=head(call.filter_q, rows), filter_threshold=threshold,
+                       c=head(call.c, columns), filter_c=head(call.filter_c, columns))
+    if op == "pair_scores":
+        return replace(call, x=head(call.x, rows))
+    return replace(call, scores=head(call.scores, rows), labels=head(call.labels, rows))
 
 
-def _cost(op: str, args: tuple) -> tuple[int, int]:
+def _cost(op: str, call: contract.Call) -> tuple[int, int]:
     """(elements of the float64 copies of the leaves, FLOPs of the float64 reference) of a call."""
-    elements = sum(args[i].numel() for i in LEAVES[op] if args[i] is not None)
+    elements = sum(leaf.numel() for leaf in _leaves(op, call))
     if op not in ("similarity_xent", "similarity_lse"):
         return elements, 0  # linear in the elements
-    q, c = args[0], args[1]
+    q, c = call.q, call.c
     m, width = q.shape
     mc = m if c is None else c.shape[0]
-    if op == "similarity_xent" and args[8] is not None:
-        width = sum(args[8])  # one product per prefix
-    if op == "similarity_lse" and args[8] is not None:
-        width += args[8].shape[1] // 3  # the filter's products: forward only
+    if op == "similarity_xent" and call.dims is not None:
+        width = sum(call.dims)  # one product per prefix
+    if op == "similarity_lse" and call.filter_q is not None:
+        width += call.filter_q.shape[1] // 3  # the filter's products: forward only
     return elements, 6 * m * mc * width
 
 
@@ -435,38 +430,39 @@ def _most_like(n: int, cap: int) -> int:
     return k if k % 16 else k - 1
 
 
-def _parts(op: str, args: tuple):
+def _parts(op: str, call: contract.Call):
     """(part, what it is) candidates for the check, the whole call first, then smaller ones."""
-    yield args, None
+    yield call, None
     if op in ("similarity_xent", "similarity_lse"):
-        q, c = args[0], args[1]
+        q, c = call.q, call.c
         m = q.shape[0]
-        partner = op == "similarity_xent" and args[3] == "partner"
+        partner = op == "similarity_xent" and call.target == "partner"
         rows = _fewest_like(m, even=partner)
         if c is None:
-            yield first_rows(op, args, rows), f"the first {rows:,} of {m:,} rows"
+            yield first_rows(op, call, rows), f"the first {rows:,} of {m:,} rows"
             return
         mc = c.shape[0]
-        yield first_rows(op, args, rows), f"the first {rows:,} of {m:,} rows of q"
+        yield first_rows(op, call, rows), f"the first {rows:,} of {m:,} rows of q"
         columns = _fewest_like(mc, at_least=rows)
-        yield (first_rows(op, args, rows, columns),
+        yield (first_rows(op, call, rows, columns),
                f"the first {rows:,} of {m:,} rows of q and {columns:,} of {mc:,} rows of c")
         return
-    whole = args[0].shape[0]
-    per_row = max(1, args[0][:1].numel())
+    first = call.x if op == "pair_scores" else call.scores  # [G, K, D] groups or [N] scores
+    whole = first.shape[0]
+    per_row = max(1, first[:1].numel())
     rows = _most_like(whole, ELEMENT_BUDGET // per_row)
     if 0 < rows < whole:
         unit = "groups" if op == "pair_scores" else "scores"
-        yield first_rows(op, args, rows), f"the first {rows:,} of {whole:,} {unit}"
+        yield first_rows(op, call, rows), f"the first {rows:,} of {whole:,} {unit}"
 
 
-def checked_part(candidate, op: str, args: tuple) -> tuple[tuple, str | None] | None:
-    """(the arguments to check, what they are: None for the whole call) for a call of `candidate`: the call itself
-    when it fits ELEMENT_BUDGET and FLOP_BUDGET, else the first part of `_parts` that fits and takes the same code
-    path and bucket; None when none does."""
-    path = candidate.code_path(op, args)
-    same = bucket(candidate.name, op, path, args)
-    for part, what in _parts(op, args):
+def checked_part(candidate, op: str, call: contract.Call) -> tuple[contract.Call, str | None] | None:
+    """(the call to check, what it is: None for the whole call) for a call of `candidate`: the call itself when it
+    fits ELEMENT_BUDGET and FLOP_BUDGET, else the first part of `_parts` that fits and takes the same code path and
+    bucket; None when none does."""
+    path = candidate.code_path(op, call)
+    same = bucket(candidate.name, op, path, call)
+    for part, what in _parts(op, call):
         elements, flops = _cost(op, part)
         if elements > ELEMENT_BUDGET or flops > FLOP_BUDGET:
             continue
@@ -475,15 +471,15 @@ def checked_part(candidate, op: str, args: tuple) -> tuple[tuple, str | None] | 
     return None
 
 
-def sample(op: str, args: tuple) -> tuple:
+def sample(op: str, call: contract.Call) -> contract.Call:
     """The first rows of a call (columns too: at most SAMPLE_ROWS of each), pairs (SAMPLE_ELEMENTS of input) or
     scores (SAMPLE_ROWS), where eager PyTorch's error is measured: its reference matrices stay a few MB."""
     if op in ("similarity_xent", "similarity_lse"):
-        columns = None if args[1] is None else min(args[1].shape[0], SAMPLE_ROWS)
-        return first_rows(op, args, min(args[0].shape[0], SAMPLE_ROWS), columns)
+        columns = None if call.c is None else min(call.c.shape[0], SAMPLE_ROWS)
+        return first_rows(op, call, min(call.q.shape[0], SAMPLE_ROWS), columns)
     if op == "pair_scores":
-        return first_rows(op, args, max(1, SAMPLE_ELEMENTS // max(1, args[0][:1].numel())))
-    return first_rows(op, args, SAMPLE_ROWS)
+        return first_rows(op, call, max(1, SAMPLE_ELEMENTS // max(1, call.x[:1].numel())))
+    return first_rows(op, call, SAMPLE_ROWS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -501,21 +497,21 @@ def _isolated(device: torch.device):
         yield
 
 
-def _outputs_and_grads(function, op: str, args: tuple, to: torch.dtype | None, weights=None, gen=None):
-    """function(*args) with fresh leaves (copies of the call's, converted `to` a dtype), and the gradients of
+def _outputs_and_grads(function, op: str, call: contract.Call, to: torch.dtype | None, weights=None, gen=None):
+    """function(*call.args) with fresh leaves (copies of the call's, converted `to` a dtype), and the gradients of
     sum_k <output_k, weights_k> with respect to them (weights drawn from gen when not given)."""
-    args, leaves = list(args), []
-    for i in LEAVES[op]:
-        if args[i] is not None:
-            leaf = args[i].detach()
-            args[i] = (leaf.clone() if to is None else leaf.to(to, copy=True)).requires_grad_()
-            leaves.append(args[i])
-    outputs = function(*args)
+    leaves = {}
+    for name in LEAVES[op]:
+        value = getattr(call, name)
+        if value is not None:
+            leaf = value.detach()
+            leaves[name] = (leaf.clone() if to is None else leaf.to(to, copy=True)).requires_grad_()
+    outputs = function(*replace(call, **leaves).args)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     if weights is None:
         weights = [torch.randn(o.shape, generator=gen, dtype=torch.float64, device=o.device) for o in outputs]
     torch.autograd.backward([(o.double() * w).sum() for o, w in zip(outputs, weights) if o.requires_grad])
-    return [o.detach() for o in outputs], [leaf.grad for leaf in leaves], weights
+    return [o.detach() for o in outputs], [leaf.grad for leaf in leaves.values()], weights
 
 
 def error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -537,28 +533,28 @@ def _errors(got, want) -> dict:
             "grad": max(error(g, w) for g, w in zip(got[1], want[1]))}
 
 
-def run_check(candidate, op: str, args: tuple) -> dict:
-    """Check `candidate`'s own op (its raw backend's, no dispatch) on these validated arguments against the
-    PyTorch backend in float64: {"pass", "errors", "allowed", "eager", "seconds"}, or {"pass": False, "error"}
-    when the GPU path raises. Raises what the reference raises (out of memory)."""
-    device, dtype = args[0].device, args[0].dtype
+def run_check(candidate, op: str, call: contract.Call) -> dict:
+    """Check `candidate`'s own op (its raw backend's, no dispatch) on this validated call against the PyTorch
+    backend in float64: {"pass", "errors", "allowed", "eager", "seconds"}, or {"pass": False, "error"} when the GPU
+    path raises. Raises what the reference raises (out of memory)."""
+    device, dtype = call.device, call.dtype
     started = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(SEED)
     with _isolated(device):
         try:
-            got = _outputs_and_grads(getattr(candidate.backend, op), op, args, None, gen=gen)
+            got = _outputs_and_grads(getattr(candidate.backend, op), op, call, None, gen=gen)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 (a GPU path that cannot run this call fails its check)
             return {"pass": False, "error": f"{type(exc).__name__}: {exc}"[:300],
                     "seconds": round(time.perf_counter() - started, 3)}
         weights = got[2]
-        exact = _outputs_and_grads(_torch_op(op), op, args, torch.float64, weights)
+        exact = _outputs_and_grads(_torch_op(op), op, call, torch.float64, weights)
         errors = _errors(got[:2], exact[:2])
         del got, exact
         eager = None
         if dtype != torch.float64:
-            few = sample(op, args)
+            few = sample(op, call)
             with reference.computing_in(dtype):
                 in_dtype = _outputs_and_grads(getattr(reference, op), op, few, None, gen=gen)
             exact_few = _outputs_and_grads(getattr(reference, op), op, few, torch.float64, in_dtype[2])

@@ -54,18 +54,17 @@ from typing import Protocol
 
 import torch
 
-from . import verified
+from . import contract, verified
 
 TIE = 0.10  # times this close to the fastest count as equal: the same op's time moves by a few % between runs
 SPAN = 16.0  # a measured point speaks for sizes (and widths) up to this factor away from its own
 
 
 class Candidate(Protocol):
-    """What the rule needs of a backend (dispatch.Ops): its name and the code path it takes for a call."""
+    """What the rule needs of a backend (dispatch.Ops): its name (the code path it takes for a call comes with it:
+    `fastest`)."""
 
     name: str
-
-    def code_path(self, op: str, args: tuple) -> str: ...
 
 
 # (op, variant, size, width, {backend/path: ms}, {backend/path: fingerprint}); bf16 embeddings, forward + backward,
@@ -194,19 +193,17 @@ MEASURED: dict[tuple[str, torch.dtype], tuple] = {("9.0", torch.bfloat16): _H100
                                                   ("9.0", torch.float32): _H100_FP32_SCORES}
 
 
-def call_point(op: str, args: tuple) -> tuple[str, int, int] | None:
-    """(variant, size, width) of a call with the op's validated arguments (contract.check_<op>), or None for an op
-    no sweep measures."""
+def call_point(op: str, call: contract.Call) -> tuple[str, int, int] | None:
+    """(variant, size, width) of a validated call (contract.check_<op>), or None for an op no sweep measures."""
     if op == "pair_scores":
-        x, _, dims = args
-        groups, k, width = x.shape
-        return ("dims" if dims else "full"), groups * (k - 1), width
+        groups, k, width = call.x.shape
+        return ("dims" if call.dims else "full"), groups * (k - 1), width
     if op == "ranking_loss":
-        return "full", args[0].shape[0], 1
+        return "full", call.scores.shape[0], 1
     if op == "similarity_xent":
-        q, c, margin, dims = args[0], args[1], args[6], args[8]
+        q, c = call.q, call.c
         columns = q.shape[0] if c is None else c.shape[0]
-        variant = "dims" if dims else "margin" if margin > 0 else "full"
+        variant = "dims" if call.dims else "margin" if call.margin > 0 else "full"
         return variant, q.shape[0] * columns, q.shape[1]
     return None
 
@@ -241,17 +238,17 @@ def code_fingerprint(backend: str, op: str, path: str) -> str | None:
     return _installed[key]
 
 
-def nearest_points(op: str, args: tuple) -> list[tuple]:
+def nearest_points(op: str, call: contract.Call) -> list[tuple]:
     """The points measured nearest to this call (same GPU, dtype, op and variant; size and width within SPAN): all
     those at the least distance, the distance of log size plus that of log width; none for an empty call."""
-    where = call_point(op, args)
+    where = call_point(op, call)
     if where is None:
         return []
     variant, size, width = where
     if size <= 0:  # an empty call: nothing to choose by
         return []
     nearest, least = [], math.inf
-    for point in MEASURED.get((capability(args[0].device), args[0].dtype), ()):
+    for point in MEASURED.get((capability(call.device), call.dtype), ()):
         p_op, p_variant, p_size, p_width = point[:4]
         if (p_op, p_variant) != (op, variant):
             continue
@@ -298,15 +295,16 @@ def fixed_order(op: str, allowed: list[Candidate]) -> list[Candidate]:
     return rest[:at] + late + rest[at:]
 
 
-def fastest(op: str, args: tuple, allowed: list[Candidate]) -> Candidate:
-    """The backend of `allowed` (in the fixed order: triton, cuda, torch) that computes the call: the rule of the
-    module docstring, with the exceptions of AFTER_TORCH."""
-    allowed = fixed_order(op, allowed)
+def fastest(op: str, call: contract.Call, paths: dict[Candidate, str]) -> Candidate:
+    """The backend of `paths` (those that may compute the call, in the fixed order: triton, cuda, torch; each with
+    the code path it takes for the call) that computes the call: the rule of the module docstring, with the
+    exceptions of AFTER_TORCH."""
+    allowed = fixed_order(op, list(paths))
     if len(allowed) == 1:
         return allowed[0]
-    nearest = nearest_points(op, args)
+    nearest = nearest_points(op, call)
     if not nearest:
         return allowed[0]
-    keys = [f"{candidate.name}/{candidate.code_path(op, args)}" for candidate in allowed]
+    keys = [f"{candidate.name}/{paths[candidate]}" for candidate in allowed]
     decided = {id(choice): choice for choice in (_decision(point, op, keys, allowed) for point in nearest)}
     return next(iter(decided.values())) if len(decided) == 1 else allowed[0]

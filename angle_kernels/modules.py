@@ -1,6 +1,6 @@
 """nn.Module front ends: AngleLoss (drop-in for angle_emb.AngleLoss 0.6.1) and ArcCSELoss.
 
-Each forward checks its inputs once (angle_kernels.options, checks) and calls the formulas of angle_kernels.terms
+Each forward checks its inputs once (angle_kernels.inputs) and calls the formulas of angle_kernels.losses
 directly, never the public functions (which would check the same inputs again)."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import checks
 from .dispatch import Ops, resolve_backend
 from .contract import compute_dtype
-from .options import (
+from .inputs import (
     IBN_PARTITIONS,
     POOLING_STRATEGIES,
     Dims,
@@ -22,14 +21,22 @@ from .options import (
     Nested,
     check_angle_dim,
     check_arccon_options,
+    check_binary_labels,
+    check_choice,
+    check_embeddings,
     check_false_negative_filter,
     check_layer_stack,
     check_nested,
+    check_scalar,
+    check_scale,
     check_triplets,
     check_two_views,
     check_zigzag,
+    promote_embeddings,
 )
-from .terms import arccon, as_pairs, in_batch_negatives, multiple_negatives, ranking_terms, triplet
+from .losses.angle import as_pairs, in_batch_negatives, ranking_terms
+from .losses.arccse import arccon, triplet
+from .losses.retrieval import multiple_negatives
 
 DATASET_FORMATS = ("A", "B", "C")
 
@@ -63,7 +70,7 @@ class AngleLoss(nn.Module):
 
     - ibn_partition "angle": the reference's terms. "gte": GTE's improved contrastive loss (Li et al., 2023), one
       softmax per pair over query -> every document, query -> every other query, document -> every query and
-      document -> every other document (terms.multiple_negatives with all four directions, "joint"). In
+      document -> every other document (losses.retrieval.multiple_negatives with all four directions, "joint"). In
       format A the pairs labelled 1 get a term (divided by N, the number of pairs) and the others serve only as
       negatives; in format C the ibn term is GTE's on (q, pos) and the cln term GTE's with the hard negatives as
       more documents (query -> own and others' negatives; document -> other documents, own negative excluded).
@@ -81,7 +88,7 @@ class AngleLoss(nn.Module):
 
     Args:
         cosine_w, ibn_w, cln_w, angle_w: term weights (a term is computed only when its weight is > 0).
-        cosine_tau, ibn_tau, angle_tau: the terms' scales (finite, > 0: checks.check_scale; the reference
+        cosine_tau, ibn_tau, angle_tau: the terms' scales (finite, > 0: check_scale; the reference
             accepts any value).
         angle_pooling_strategy: 'sum' or 'mean'.
         dataset_format: 'A', 'B' or 'C' (None: set the attribute before the first call).
@@ -118,19 +125,19 @@ class AngleLoss(nn.Module):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        self.cosine_w = checks.check_scalar("cosine_w", cosine_w)
-        self.ibn_w = checks.check_scalar("ibn_w", ibn_w)
-        self.cln_w = checks.check_scalar("cln_w", cln_w)
-        self.angle_w = checks.check_scalar("angle_w", angle_w)
-        self.cosine_tau = checks.check_scale("cosine_tau", cosine_tau)
-        self.ibn_tau = checks.check_scale("ibn_tau", ibn_tau)
-        self.angle_tau = checks.check_scale("angle_tau", angle_tau)
-        checks.check_choice("angle_pooling_strategy", angle_pooling_strategy, POOLING_STRATEGIES)
+        self.cosine_w = check_scalar("cosine_w", cosine_w)
+        self.ibn_w = check_scalar("ibn_w", ibn_w)
+        self.cln_w = check_scalar("cln_w", cln_w)
+        self.angle_w = check_scalar("angle_w", angle_w)
+        self.cosine_tau = check_scale("cosine_tau", cosine_tau)
+        self.ibn_tau = check_scale("ibn_tau", ibn_tau)
+        self.angle_tau = check_scale("angle_tau", angle_tau)
+        check_choice("angle_pooling_strategy", angle_pooling_strategy, POOLING_STRATEGIES)
         self.angle_pooling_strategy = angle_pooling_strategy
         if dataset_format is not None:  # None: set before the first call, as angle-emb's AngleLoss() leaves it
             _check_dataset_format(dataset_format)
         self.dataset_format = dataset_format
-        checks.check_choice("ibn_partition", ibn_partition, tuple(IBN_PARTITIONS))
+        check_choice("ibn_partition", ibn_partition, tuple(IBN_PARTITIONS))
         self.ibn_partition = ibn_partition
         self.false_negative_margin = check_false_negative_filter(false_negative_margin, false_negative_strategy)
         self.false_negative_strategy = false_negative_strategy
@@ -161,7 +168,7 @@ class AngleLoss(nn.Module):
         if self.dataset_format == "A":
             return self._format_a(labels, outputs, first, stack)
         if self.dataset_format == "B":
-            checks.check_embeddings("outputs", first, rows_multiple_of=2, layout="format B: query, positive rows")
+            check_embeddings("outputs", first, rows_multiple_of=2, layout="format B: query, positive rows")
             # outputs is checked whole, so the computing half is called rather than the public function, which
             # would scan the same rows for NaN/Inf again (one more device sync per step).
             return self._contrastive(resolve_backend(self.backend, outputs), outputs[..., 0::2, :],
@@ -175,7 +182,8 @@ class AngleLoss(nn.Module):
                      nested: Nested | None) -> torch.Tensor:
         """The contrastive terms of formats B and C: query i against [positives; negatives], with the partition
         and the filter chosen (with the defaults, contrastive(queries, [positives; negatives]), the reference's)."""
-        return multiple_negatives(ops, queries, positives, negatives, self.ibn_tau, IBN_PARTITIONS[self.ibn_partition],
+        return multiple_negatives(ops, queries, positives, negatives, scale=self.ibn_tau,
+                                  directions=IBN_PARTITIONS[self.ibn_partition],
                                   false_negative_margin=self.false_negative_margin,
                                   false_negative_strategy=self.false_negative_strategy, nested=nested)
 
@@ -200,7 +208,7 @@ class AngleLoss(nn.Module):
                   stack: tuple[LayerWeights | None, int | None]) -> torch.Tensor:
         row_labels = check_zigzag(labels, first, names=("labels", "outputs"))
         if self.ibn_w > 0:
-            checks.check_binary_labels("labels", row_labels, "AngleLoss's in-batch-negative term (ibn_w > 0)")
+            check_binary_labels("labels", row_labels, "AngleLoss's in-batch-negative term (ibn_w > 0)")
         ops = resolve_backend(self.backend, outputs)
         nested = self._nested(first.shape[1], *stack)
         cosine_term, angle_term = self._ranking_terms(ops, as_pairs(outputs), row_labels[0::2], nested)
@@ -214,7 +222,7 @@ class AngleLoss(nn.Module):
 
     def _format_c(self, outputs: torch.Tensor, first: torch.Tensor,
                   stack: tuple[LayerWeights | None, int | None]) -> torch.Tensor:
-        checks.check_embeddings("outputs", first, rows_multiple_of=3,
+        check_embeddings("outputs", first, rows_multiple_of=3,
                                 layout="format C: query, positive, negative rows")
         rows, dim = first.shape
         groups = rows // 3
@@ -274,8 +282,8 @@ class ArcCSELoss(nn.Module):
         super().__init__()
         self.margin_radians, self.tau = check_arccon_options(margin_degrees, tau)
         self.margin_degrees = float(margin_degrees)
-        self.triplet_weight = checks.check_scalar("triplet_weight", triplet_weight)
-        self.triplet_margin = checks.check_scalar("triplet_margin", triplet_margin)
+        self.triplet_weight = check_scalar("triplet_weight", triplet_weight)
+        self.triplet_margin = check_scalar("triplet_margin", triplet_margin)
         check_nested(dims, dim_weights, _ANY_WIDTH)  # the widths are checked against the embeddings' in forward
         self.dims, self.dim_weights = dims, dim_weights
         self.backend = backend
@@ -291,9 +299,9 @@ class ArcCSELoss(nn.Module):
         if any(given) and not all(given):
             raise ValueError("ArcCSELoss needs all three of anchor, weak and strong for the triplet term, or none")
         if all(given):
-            h1, h2, anchor, weak, strong = checks.promote_embeddings(h1, h2, anchor, weak, strong)
+            h1, h2, anchor, weak, strong = promote_embeddings(h1, h2, anchor, weak, strong)
         else:
-            h1, h2 = checks.promote_embeddings(h1, h2)
+            h1, h2 = promote_embeddings(h1, h2)
         triplets = [("anchor", anchor), ("weak", weak), ("strong", strong)] if all(given) else []
         layers, first = check_layer_stack(layer_weights, ("h1", h1), ("h2", h2), *triplets)
         check_two_views(*first[:2])

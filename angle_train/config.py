@@ -8,7 +8,7 @@ import re
 import shlex
 from dataclasses import MISSING, dataclass, field, fields
 
-from angle_kernels.options import check_arccon_options
+from angle_kernels.inputs import check_arccon_options
 
 from .data import Prompts, parse_columns
 

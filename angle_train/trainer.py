@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from angle_kernels import AngleLoss, ArcCSELoss, __version__
-from angle_kernels.options import check_nested, espresso_layer_weights
+from angle_kernels.inputs import check_nested, espresso_layer_weights
 
 from . import arccse, distributed, faults, preflight, run_lock, sharding, tracking
 from .checkpoint import (

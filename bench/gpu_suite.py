@@ -663,10 +663,10 @@ def recording_ops(ops):
     class RecordingOps(Ops):
         taken: list | None = None
 
-        def _computing(self, op, args, features=()):
+        def _computing(self, op, call):
             if self.taken is not None:
-                self.taken.append((op, self.code_path(op, args)))
-            return super()._computing(op, args, features)
+                self.taken.append((op, self.code_path(op, call)))
+            return super()._computing(op, call)
 
     return RecordingOps(ops.name, ops.backend)
 

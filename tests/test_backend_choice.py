@@ -576,11 +576,11 @@ def test_a_sort_path_call_is_not_decided_by_a_time_of_the_pairwise_path(backends
     backends.verified.update({("triton", "ranking_loss", "sort")})
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     triton = next(c for c in auto.candidates if c.name == "triton")
-    monkeypatch.setattr(triton, "code_path", lambda op, args: "sort")
+    monkeypatch.setattr(triton, "code_path", lambda op, call: "sort")
     _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {"triton/pairwise": 9.0, "torch/default": 1.0}),
                                  ("ranking_loss", "full", 48, 1, {"triton/sort": 9.0, "torch/default": 1.0})])
     assert auto.computes(*(("ranking_loss",) + _scores())) == ("triton", "sort")
-    monkeypatch.setattr(triton, "code_path", lambda op, args: "pairwise")
+    monkeypatch.setattr(triton, "code_path", lambda op, call: "pairwise")
     backends.verified.add(("triton", "ranking_loss", "pairwise"))
     assert auto.computes(*(("ranking_loss",) + _scores()))[0] == "torch"
 
@@ -644,23 +644,23 @@ def test_on_the_h100_table_only_times_of_unchanged_code_decide(backends, monkeyp
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     triton = next(c for c in auto.candidates if c.name == "triton")
     cuda = next(c for c in auto.candidates if c.name == "cuda")
-    monkeypatch.setattr(triton, "code_path", lambda op, args: "sort")
-    monkeypatch.setattr(cuda, "code_path", lambda op, args: "fused")
+    monkeypatch.setattr(triton, "code_path", lambda op, call: "sort")
+    monkeypatch.setattr(cuda, "code_path", lambda op, call: "fused")
     for n, expected in ((1 << 20, "triton"), (1 << 16, "torch")):
         scores = torch.empty(n, dtype=torch.float32, device="meta")
-        assert auto._choose("ranking_loss", (scores, scores), ()).name == expected
+        assert auto._choose("ranking_loss", contract.check_ranking_loss(scores, scores)).name == expected
     recorded = next(prints for op, variant, size, width, _, prints in measured.MEASURED[("9.0", torch.bfloat16)]
                     if (op, variant, size, width) == ("similarity_xent", "full", 32768 * 32768, 768))
     installed = measured.code_fingerprint
     monkeypatch.setattr(measured, "code_fingerprint", lambda backend, op, path: (
         recorded["cuda/fused"] if backend == "cuda" else installed(backend, op, path)))  # as if built from csrc/
     q = torch.empty(32768, 768, dtype=torch.bfloat16, device="meta")
-    args = contract.check_similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
-    assert auto._choose("similarity_xent", args, ()).name == "torch"
+    call = contract.check_similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
+    assert auto._choose("similarity_xent", call).name == "torch"
     monkeypatch.setattr(measured, "AFTER_TORCH", set())
-    assert auto._choose("similarity_xent", args, ()).name == "cuda"
+    assert auto._choose("similarity_xent", call).name == "cuda"
     monkeypatch.setattr(measured, "code_fingerprint", lambda backend, op, path: recorded[f"{backend}/{path}"])
-    assert auto._choose("similarity_xent", args, ()).name == "torch"
+    assert auto._choose("similarity_xent", call).name == "torch"
 
 
 def test_an_empty_call_keeps_the_fixed_order(backends, monkeypatch):

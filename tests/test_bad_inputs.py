@@ -25,7 +25,7 @@ from angle_kernels.testing.helpers import (
     GRAD_TOL, HUGE_MAGNITUDES, VALUE_TOL, assert_close, check_against_oracle, grads_of, huge_magnitude_id,
     huge_row_factors, randn, zigzag_labels,
 )
-from angle_kernels import checks
+from angle_kernels import inputs
 
 BAD_VALUES = [float("nan"), float("inf"), float("-inf")]
 
@@ -331,8 +331,8 @@ def _nan_batch(gen):
 def test_set_input_checks_off_skips_value_checks(ak, gen, monkeypatch):
     y, x = _nan_batch(gen)
     finiteness_scans = []
-    original = checks._all_finite  # the one NaN/Inf scan: watched, so that a scan with the checks off shows
-    monkeypatch.setattr(checks, "_all_finite", lambda t: finiteness_scans.append(t.shape) or original(t))
+    original = inputs._all_finite  # the one NaN/Inf scan: watched, so that a scan with the checks off shows
+    monkeypatch.setattr(inputs, "_all_finite", lambda *ts: finiteness_scans.append(len(ts)) or original(*ts))
     previous = ak.set_input_checks(False)
     try:
         out = ak.cosine_loss(y, x)  # returns without raising (garbage in, NaN out: the caller opted out)
@@ -457,7 +457,7 @@ SCALE_VALUES = [0.0, -1.0, float("nan"), float("inf")]
 
 
 def test_scales_and_temperatures_must_be_finite_and_positive(ak, gen):
-    """tau, scale and temperature: one rule for every loss and module, checks.check_scale (angle-emb accepts
+    """tau, scale and temperature: one rule for every loss and module, inputs.check_scale (angle-emb accepts
     tau <= 0 in cosine/angle/in-batch-negative/contrastive losses and AngleLoss: README deviations)."""
     sites = _scale_sites(ak, gen)
     for name, call in sites:
@@ -490,7 +490,7 @@ def _mixed_dtype_cases(ak, gen):
 
 @pytest.mark.parametrize("first", [torch.float32, torch.float64], ids=str)
 def test_mixed_float32_float64_embeddings_are_promoted_to_float64(ak, gen, first):
-    """float32 with float64 computes in float64 (checks.promote_embeddings: torch's type promotion), whichever
+    """float32 with float64 computes in float64 (inputs.promote_embeddings: torch's type promotion), whichever
     comes first; each gradient comes back in its own input's dtype."""
     second = torch.float64 if first == torch.float32 else torch.float32
     for name, ours, exact, tensors in _mixed_dtype_cases(ak, gen):
@@ -620,21 +620,20 @@ def test_huge_finite_embeddings_give_the_reference_values(ak, gen, dtype, magnit
 
 def test_a_parsed_nested_is_checked_against_the_embeddings_it_comes_with():
     """The sentence-transformers MNRL family passes its Nested parsed once per call to the shared check
-    (options.check_multiple_negatives) rather than dims: one wider than the embeddings is refused there, as is a
+    (inputs.check_multiple_negatives) rather than dims: one wider than the embeddings is refused there, as is a
     call that passes both forms."""
-    from angle_kernels import options
 
     q, p = torch.randn(4, 8), torch.randn(4, 8)
     kwargs = dict(scale=20.0, directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
                   hardness_strength=0.0, false_negative_margin=None, false_negative_strategy="absolute",
                   similarity="cosine", gather_across_devices=False)
-    fits = options.check_nested((4, 8), None, 8)
-    assert options.check_multiple_negatives(q, p, [], nested=fits, **kwargs).nested is fits
-    too_wide = options.check_nested((4, 16), None, 16)
+    fits = inputs.check_nested((4, 8), None, 8)
+    assert inputs.check_multiple_negatives(q, p, [], nested=fits, **kwargs).nested is fits
+    too_wide = inputs.check_nested((4, 16), None, 16)
     with pytest.raises(ValueError, match="16"):
-        options.check_multiple_negatives(q, p, [], nested=too_wide, **kwargs)
+        inputs.check_multiple_negatives(q, p, [], nested=too_wide, **kwargs)
     with pytest.raises(ValueError, match="either a parsed nested or dims"):
-        options.check_multiple_negatives(q, p, [], nested=fits, dims=(4, 8), **kwargs)
+        inputs.check_multiple_negatives(q, p, [], nested=fits, dims=(4, 8), **kwargs)
 
 
 @pytest.mark.parametrize("options", [

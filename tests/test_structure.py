@@ -177,3 +177,109 @@ def test_the_checker_sees_each_violation(tmp_path):
     assert private_name_violations(made) == ["angle_kernels.triton_ops.a takes _tile from angle_kernels.triton_ops.b"]
     # a.py -> b.py only under TYPE_CHECKING, so no cycle there; one.py <-> two.py is one (a function-level import)
     assert cycles(made) == [["angle_train.one", "angle_train.two"]]
+
+
+def test_no_module_reads_an_ops_arguments_by_position():
+    """The ops' validated arguments travel as calls read by name (contract.check_<op> returns the op's dataclass;
+    only the backends receive `call.args`, positionally): no top-level module of angle_kernels (angle_kernels/*.py,
+    not the backends' packages, testing/ or another subpackage) subscripts `args` or `.args` with an integer
+    (args[0], args[-1]). Negative control: a small source that does, each read found, and the reads that are not by
+    position (args[i], args[1:]) not."""
+    def positional_reads(source: str, name: str) -> list[str]:
+        found = []
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Subscript):
+                continue
+            target = node.value
+            if not ((isinstance(target, ast.Name) and target.id == "args")
+                    or (isinstance(target, ast.Attribute) and target.attr == "args")):
+                continue
+            index = node.slice
+            if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.USub):
+                index = index.operand
+            if isinstance(index, ast.Constant) and isinstance(index.value, int):
+                found.append((node.lineno, node.col_offset, f"{name}:{node.lineno}: {ast.unparse(node)}"))
+        return [read for _, _, read in sorted(found)]  # in source order (ast.walk goes breadth first)
+
+    modules = sorted((REPO / "angle_kernels").glob("*.py"))  # the package's own modules, not its subpackages
+    assert any(path.name == "dispatch.py" for path in modules)
+    assert [read for path in modules for read in positional_reads(path.read_text(), path.name)] == []
+    control = "def f(args, call, i):\n    return args[0] + args[-1] + call.args[2] + args[i] + args[1:]\n"
+    assert positional_reads(control, "control.py") == [
+        "control.py:2: args[0]", "control.py:2: args[-1]", "control.py:2: call.args[2]"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A loss call reaches its backend op through few package files
+# ---------------------------------------------------------------------------------------------------------
+MAX_FILES_BEFORE_THE_OP = 4
+
+
+def files_before_the_op(call) -> list[str]:
+    """The files of angle_kernels (relative paths) whose code runs while `call()` makes its first backend op call,
+    in the order they are entered, up to the op module of the backend (torch_ops/, triton_ops/, cuda_ops/)."""
+    import sys
+
+    import angle_kernels
+
+    root = str(Path(angle_kernels.__file__).parent)
+    entered: list[str] = []
+    reached = []
+
+    def profile(frame, event, arg):
+        if event != "call" or reached:
+            return
+        name = frame.f_code.co_filename
+        if not name.startswith(root):
+            return
+        relative = Path(name).relative_to(root).as_posix()
+        if relative.split("/")[0] in BACKENDS:
+            reached.append(relative)
+        elif relative not in entered:
+            entered.append(relative)
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(previous)
+    assert reached, "the call never reached a backend op"
+    return entered
+
+
+def test_a_loss_call_reaches_its_backend_op_through_at_most_four_files():
+    """in_batch_negative_loss and multiple_negatives_ranking_loss on CPU: the family's module, the input checks,
+    dispatch and the op's contract, nothing more (traced)."""
+    import torch
+
+    import angle_kernels as ak
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(16, 8, generator=gen, requires_grad=True)
+    labels = torch.tensor([1.0, 1.0, 0.0, 0.0] * 4)
+    calls = {
+        "in_batch_negative_loss": lambda: ak.in_batch_negative_loss(labels, rows),
+        "multiple_negatives_ranking_loss": lambda: ak.multiple_negatives_ranking_loss(rows[:8], rows[8:]),
+        "cosine_loss": lambda: ak.cosine_loss(labels, rows),
+    }
+    for name, call in calls.items():
+        files = files_before_the_op(call)
+        assert len(files) <= MAX_FILES_BEFORE_THE_OP, f"{name}: {files}"
+
+
+def test_the_file_count_sees_every_file_entered():
+    """The negative control: the same loss call after a call into one more package file counts one file more."""
+    import torch
+
+    import angle_kernels as ak
+    from angle_kernels import distributed
+
+    labels, rows = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.randn(4, 6)
+    alone = files_before_the_op(lambda: ak.cosine_loss(labels, rows))
+
+    def after_one_more():
+        distributed.rank_and_world_size()
+        ak.cosine_loss(labels, rows)
+
+    assert files_before_the_op(after_one_more) == ["distributed.py", *alone]

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from .. import functional as _functional
-from .. import options as _options
+from .. import inputs as _inputs
 from ..modules import AngleLoss as _AngleLoss
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "PATCHED_NAMES"]
@@ -181,7 +181,7 @@ def _fused_ese_compute_loss(self: Any, model: torch.nn.Module, inputs: dict[str,
     students = [get_pooling(all_layer_outputs[i], inputs, strategy, side) for i in range(self.n_layers - 1)]
 
     size = self.ese_compression_size
-    dims, rows = _options.espresso_layer_weights(self.n_layers, size, teacher_outputs.shape[-1])
+    dims, rows = _inputs.espresso_layer_weights(self.n_layers, size, teacher_outputs.shape[-1])
     layered = copy.copy(self.loss_fct)  # the trainer's loss configuration, with Espresso's two widths
     layered.dims, layered.dim_weights = dims, None
     loss = layered(labels, torch.stack(students + [teacher_outputs]), layer_weights=rows)

@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from .. import checks as _checks
 from .. import functional as _functional
-from .. import options as _options
-from .. import terms as _terms
+from .. import inputs as _inputs
+from ..losses import angle as _angle_losses
+from ..losses import retrieval as _retrieval_losses
 from ..dispatch import resolve_backend
 
 try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still works there with a warning
@@ -102,7 +102,7 @@ def _pair_score_kind(similarity_fct: Callable[..., Tensor]) -> str | None:
 
 
 def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str, scale: float,
-                        backend: str | None, nested: _options.Nested | None = None) -> Tensor:
+                        backend: str | None, nested: _inputs.Nested | None = None) -> Tensor:
     """The CoSENT objective over pairs (first[i], second[i]) scored by scale * cos or scale * |angle sim|:
     angle_kernels' ranking term on the pairs [N, 2, D] (one copy of the embeddings; no N x N anywhere), on
     every prefix when nested (MatryoshkaLoss), and on every layer of stacks [L, N, D] when nested.stacked
@@ -111,19 +111,19 @@ def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str
         # pairwise_angle_sim pads an odd dimension with one zero column before splitting into halves
         first = torch.nn.functional.pad(first, (0, 1))
         second = torch.nn.functional.pad(second, (0, 1))
-    scale = _checks.check_scale("scale", scale)
+    scale = _inputs.check_scale("scale", scale)
     stack = None if nested is None or not nested.stacked else nested.table
-    _, (first_layer, second_layer) = _options.check_layer_stack(stack, ("embeddings_a", first),
+    _, (first_layer, second_layer) = _inputs.check_layer_stack(stack, ("embeddings_a", first),
                                                                 ("embeddings_b", second))
-    _checks.check_embedding_group(("embeddings_a", first_layer), ("embeddings_b", second_layer))
-    _checks.check_same_shape("embeddings_a", first, "embeddings_b", second)
-    labels = _checks.check_labels("labels", labels, first.shape[-2], first.device)
-    first, second = _checks.promote_embeddings(first, second)
+    _inputs.check_embedding_group(("embeddings_a", first_layer), ("embeddings_b", second_layer))
+    _inputs.check_same_shape("embeddings_a", first, "embeddings_b", second)
+    labels = _inputs.check_labels("labels", labels, first.shape[-2], first.device)
+    first, second = _inputs.promote_embeddings(first, second)
     ops = resolve_backend(backend, first)
     pairs = torch.stack((first, second), dim=-2)
     if kind == "cosine":
-        return _terms.ranking_terms(ops, pairs, labels, cosine_tau=scale, nested=nested)[0]
-    return _terms.ranking_terms(ops, pairs, labels, angle_tau=scale, pooling_strategy="sum", nested=nested)[1]
+        return _angle_losses.ranking_terms(ops, pairs, labels, cosine_tau=scale, nested=nested)[0]
+    return _angle_losses.ranking_terms(ops, pairs, labels, angle_tau=scale, pooling_strategy="sum", nested=nested)[1]
 
 
 def _check_label_count(loss: torch.nn.Module, labels: Tensor, batch_size: int) -> None:
@@ -196,7 +196,7 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
         return self._fused_loss(embeddings, labels)
 
     def _fused_loss(self, embeddings: list[Tensor], labels: Tensor,
-                    nested: _options.Nested | None = None) -> Tensor:
+                    nested: _inputs.Nested | None = None) -> Tensor:
         _check_columns(self, len(embeddings))
         _check_label_count(self, labels, embeddings[0].shape[-2])
         return _fused_pair_ranking(embeddings[0], embeddings[1], labels, _pair_score_kind(self.similarity_fct),
@@ -237,7 +237,7 @@ class AnglELoss(_st_losses.AnglELoss):
         return self._fused_loss(embeddings, labels)
 
     def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None,
-                    nested: _options.Nested | None = None) -> Tensor:
+                    nested: _inputs.Nested | None = None) -> Tensor:
         _check_columns(self, len(embeddings))
         kind = _pair_score_kind(self.similarity_fct)
         anchors = embeddings[0]
@@ -307,22 +307,22 @@ def _mnrl_unfused_reason(loss: torch.nn.Module) -> str | None:
     return None
 
 
-def _fused_mnrl(loss: torch.nn.Module, embeddings: list[Tensor], nested: _options.Nested | None = None) -> Tensor:
+def _fused_mnrl(loss: torch.nn.Module, embeddings: list[Tensor], nested: _inputs.Nested | None = None) -> Tensor:
     """The loss's configuration (getattr with the defaults: older 6.x parents lack some attributes) computed by
-    angle_kernels.terms.multiple_negatives, with the checks of the public multiple_negatives_ranking_loss and
+    angle_kernels.losses.retrieval.multiple_negatives, with the checks of the public multiple_negatives_ranking_loss and
     `nested` as parsed by the caller (no second parse of the dims): on every prefix when nested has dims
     (MatryoshkaLoss, which normalises each truncated embedding: every similarity is then a cosine,
     util.dot_score's too), on every layer of stacks [L, rows, D] when nested.stacked."""
     _check_columns(loss, len(embeddings))
     truncated = nested is not None and nested.dims is not None
     queries, positives, *negatives = embeddings
-    call = _options.check_multiple_negatives(
+    call = _inputs.check_multiple_negatives(
         queries, positives, negatives, scale=loss.scale, directions=getattr(loss, "directions", ("query_to_doc",)),
         partition_mode=getattr(loss, "partition_mode", "joint"), hardness_mode=getattr(loss, "hardness_mode", None),
         hardness_strength=getattr(loss, "hardness_strength", 0.0), false_negative_margin=None,
         false_negative_strategy="absolute", similarity="cosine" if truncated else _mnrl_similarity(loss),
         gather_across_devices=getattr(loss, "gather_across_devices", False), nested=nested)
-    return _terms.multiple_negatives(resolve_backend(loss.backend, call.queries), *call)
+    return _retrieval_losses.multiple_negatives(resolve_backend(loss.backend, call.queries), **call._asdict())
 
 
 class _FusedMNRL:
@@ -342,7 +342,7 @@ class _FusedMNRL:
         return self._fused_loss(embeddings, labels)
 
     def _fused_loss(self, embeddings: list[Tensor], labels: Tensor | None,
-                    nested: _options.Nested | None = None) -> Tensor:
+                    nested: _inputs.Nested | None = None) -> Tensor:
         return _fused_mnrl(self, embeddings, nested)
 
 
@@ -379,7 +379,7 @@ class _FusedCachedMNRL:
         return self._fused_cached_loss(reps, with_backward)
 
     def _fused_cached_loss(self, reps: list[list[Tensor]], with_backward: bool,
-                           nested: _options.Nested | None = None) -> Tensor:
+                           nested: _inputs.Nested | None = None) -> Tensor:
         loss = _fused_mnrl(self, [torch.cat(column) for column in reps], nested)
         return _grad_cache_step(loss, with_backward)
 
@@ -689,7 +689,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     def uses_fused_path(self) -> bool:
         return _matryoshka_unfused_reason(self.loss, self.matryoshka_dims) is None
 
-    def _selected(self, width: int, sort: bool) -> _options.Nested:
+    def _selected(self, width: int, sort: bool) -> _inputs.Nested:
         """The dimensions of this step with their weights: all, or n_dims_per_step drawn as the parent draws
         them (its forward sorts the draw, its cached decorator does not; the sum is the same either way)."""
         indices = range(len(self.matryoshka_dims))
@@ -697,7 +697,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
             indices = random.sample(indices, self.n_dims_per_step)
             if sort:
                 indices.sort()
-        return _options.check_nested([self.matryoshka_dims[i] for i in indices],
+        return _inputs.check_nested([self.matryoshka_dims[i] for i in indices],
                                      [float(self.matryoshka_weights[i]) for i in indices], width)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
@@ -759,7 +759,7 @@ class _LayerRecorder(torch.nn.Module):
         self.inner = inner
         self.layers: list[int | None] = []  # None: the final layer
         self.columns: list[list[Tensor]] = []
-        self.draws: list[_options.Nested] = []  # a Matryoshka inner loss's dimensions of each layer
+        self.draws: list[_inputs.Nested] = []  # a Matryoshka inner loss's dimensions of each layer
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         layerwise = self.layerwise[0]
@@ -788,7 +788,7 @@ class _LayerRecorder(torch.nn.Module):
         if not any(w != 0 for w in (rows if dims is None else sum(rows, []))):
             return None
         width = self.columns[0][0].shape[-1]
-        nested = _options.check_nested(dims, None, width, layer_weights=rows, layers=len(rows))
+        nested = _inputs.check_nested(dims, None, width, layer_weights=rows, layers=len(rows))
         stacks = [torch.stack(layer_columns) for layer_columns in zip(*self.columns)]  # per column: [L, rows, D]
         return inner._fused_loss(stacks, labels, nested)
 

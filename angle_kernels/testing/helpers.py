@@ -500,3 +500,15 @@ def import_angle_emb_package() -> ModuleType:
     finally:
         logger.setLevel(level)
     return angle_emb
+
+
+def patch_formula(monkeypatch, name: str, replacement) -> None:
+    """Replace the loss formula `name` (e.g. "ranking_terms") wherever a caller looks it up: its family module of
+    angle_kernels.losses, the family modules that import it, and angle_kernels.terms (its alias): the tests that
+    count a formula's calls see every caller's."""
+    import angle_kernels.terms
+    from angle_kernels.losses import angle, arccse, retrieval
+
+    for module in (angle, arccse, retrieval, angle_kernels.terms):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, replacement)

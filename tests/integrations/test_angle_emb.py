@@ -260,7 +260,7 @@ def test_unpatch_restores_the_ese_trainer(ae):
 
 
 def test_espresso_layer_weights_follow_the_reference():
-    dims, rows = angle_kernels.options.espresso_layer_weights(4, 8, 32)
+    dims, rows = angle_kernels.inputs.espresso_layer_weights(4, 8, 32)
     assert dims == (8, 32)
     assert rows[-1] == [1.0, 1.0]
     assert rows[:3] == [[1.0 / (1.0 + math.log(1 + i)) / 3, 0.0] for i in range(3)]

@@ -210,9 +210,12 @@ def gist_loss_and_grads(loss, model: list[torch.Tensor], guide: list[torch.Tenso
 
 @contextlib.contextmanager
 def counting(function: str):
-    """Counts (the yielded list's length) the calls of angle_kernels.terms.`function`, the computing half
-    of the drop-ins' fused path."""
+    """Counts (the yielded list's length) the calls of the loss formula `function` (angle_kernels.losses), the
+    computing half of the drop-ins' fused path."""
+    import pytest
+
     from angle_kernels import terms
+    from angle_kernels.testing.helpers import patch_formula
 
     calls, original = [], getattr(terms, function)
 
@@ -220,11 +223,9 @@ def counting(function: str):
         calls.append(None)
         return original(*args, **kwargs)
 
-    setattr(terms, function, counted)
-    try:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        patch_formula(monkeypatch, function, counted)
         yield calls
-    finally:
-        setattr(terms, function, original)
 
 
 def _rank_cases(rank: int, world: int) -> dict:

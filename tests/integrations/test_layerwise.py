@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from angle_kernels import terms
+from angle_kernels.testing.helpers import patch_formula  # noqa: E402
 
 pytest.importorskip("sentence_transformers")
 
@@ -74,7 +75,7 @@ def entry_calls(monkeypatch):
             finally:
                 depth[0] -= 1
 
-        monkeypatch.setattr(terms, name, counting)
+        patch_formula(monkeypatch, name, counting)
     return calls
 
 

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from angle_kernels.testing.helpers import patch_formula
 from angle_kernels.testing.oracle import rel_err
 
 pytest.importorskip("sentence_transformers")
@@ -86,7 +87,7 @@ def fused_calls(monkeypatch):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(terms, name, counting)
+        patch_formula(monkeypatch, name, counting)
     return calls
 
 

@@ -226,7 +226,7 @@ def _call(op, kwargs):
         if options.pop("own_filter", False):
             options.update(filter_q=q.detach(), filter_c=c.detach())
         options = {"filter_q": None, "filter_c": None, "filter_threshold": None, **options}
-        args = check_similarity_lse(q, c, **options)
+        args = check_similarity_lse(q, c, **options).args
         return op(*args, path=cuda_lse.code_path(*args))
     return run
 

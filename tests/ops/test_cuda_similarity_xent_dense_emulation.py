@@ -236,9 +236,9 @@ def _prefix_reference(q, c=None, dims=None, **kwargs):
 
 
 def _checked(q, c, kwargs) -> tuple:
-    """The op's arguments through the contract's checks, in normal form, as dispatch passes them."""
+    """The op's arguments through the contract's checks, in normal form, as dispatch passes them (positional)."""
     options = dict(dict(row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None), **kwargs)
-    return check_similarity_xent(q, c, **options)
+    return check_similarity_xent(q, c, **options).args
 
 
 def _check(op, q, c, kwargs, what, magnitude=None):

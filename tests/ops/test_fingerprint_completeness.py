@@ -99,11 +99,12 @@ def _run_traced(calls) -> set:
 
 
 def _validated(op: str, args, kwargs) -> tuple:
-    """The op's arguments as the backends receive them: every one, by position, checked (contract.check_<op>)."""
+    """The op's arguments as the backends receive them: every one, by position, checked (contract.check_<op>'s
+    call, its .args)."""
     bound = inspect.signature(getattr(dispatch.Ops, op)).bind(None, *args, **kwargs)
     bound.apply_defaults()
     bound.arguments.pop("reference", None)  # similarity_lse's keyword-only feature, checked apart (dispatch.Ops)
-    return getattr(contract, f"check_{op}")(*list(bound.arguments.values())[1:])
+    return getattr(contract, f"check_{op}")(*list(bound.arguments.values())[1:]).args
 
 
 def _forward_backward(function, args):

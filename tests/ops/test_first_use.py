@@ -63,9 +63,9 @@ def gpu(monkeypatch, tmp_path):
     checks = []
     real_check = first_use.run_check
 
-    def counted(candidate, op, args):
-        checks.append((op, candidate.code_path(op, args), str(args[0].dtype).replace("torch.", "")))
-        return real_check(candidate, op, args)
+    def counted(candidate, op, call):
+        checks.append((op, candidate.code_path(op, call), str(call.dtype).replace("torch.", "")))
+        return real_check(candidate, op, call)
 
     monkeypatch.setattr(first_use, "run_check", counted)
     verified.forget()
@@ -240,8 +240,8 @@ def test_a_record_is_reused_by_another_process(gpu):
 def test_a_record_made_while_waiting_for_the_lock_is_used(gpu, monkeypatch):
     """Another process of the job checked the same kind while this one waited for the lock: its record wins."""
     q = _q(8)
-    args = contract.check_similarity_xent(q, None, 20.0, "partner", None, False, 0.0, None)
-    theirs = {**first_use.kind_of(gpu.triton, "similarity_xent", args), "gpu": "another process", "pass": True}
+    call = contract.check_similarity_xent(q, None, 20.0, "partner", None, False, 0.0, None)
+    theirs = {**first_use.kind_of(gpu.triton, "similarity_xent", call), "gpu": "another process", "pass": True}
     real_locked = user_cache.locked
 
     @contextlib.contextmanager
@@ -304,9 +304,9 @@ def test_an_oversized_call_is_checked_on_a_part_of_the_same_bucket(gpu, monkeypa
     assert len(warned) == 2 and all("too large for a first-use check" in w for w in warned)
 
 
-def _bucket_and_path(triton, op, args):
-    path = triton.code_path(op, args)
-    return first_use.bucket("triton", op, path, args), path
+def _bucket_and_path(triton, op, call):
+    path = triton.code_path(op, call)
+    return first_use.bucket("triton", op, path, call), path
 
 
 @pytest.mark.parametrize("call, part_shapes, what", [
@@ -326,20 +326,20 @@ def test_the_part_of_an_oversized_call_keeps_its_code_path_and_bucket(call, part
     if op == "similarity_xent":
         q, c = torch.empty(call[1], **meta), None if call[2] is None else torch.empty(call[2], **meta)
         dims = call[4] if len(call) > 4 else None
-        args = contract.check_similarity_xent(q, c, 20.0, call[3], None, c is None, 0.0, None, dims)
+        checked = contract.check_similarity_xent(q, c, 20.0, call[3], None, c is None, 0.0, None, dims)
     elif op == "pair_scores":
-        args = contract.check_pair_scores(torch.empty(call[1], **meta), True)
+        checked = contract.check_pair_scores(torch.empty(call[1], **meta), True)
     else:
         scores = torch.empty(call[1], device="meta", dtype=torch.float32)
-        args = contract.check_ranking_loss(scores, torch.empty(call[1], device="meta", dtype=torch.int64))
-    part, described = first_use.checked_part(triton, op, args)
+        checked = contract.check_ranking_loss(scores, torch.empty(call[1], device="meta", dtype=torch.int64))
+    part, described = first_use.checked_part(triton, op, checked)
     assert described == what
     if part_shapes is None:
-        assert part is args
+        assert part is checked
         return
-    leaves = [part[i] for i in first_use.LEAVES[op] if part[i] is not None]
+    leaves = [getattr(part, name) for name in first_use.LEAVES[op] if getattr(part, name) is not None]
     assert [tuple(leaf.shape) for leaf in leaves] == part_shapes
-    assert _bucket_and_path(triton, op, part) == _bucket_and_path(triton, op, args)
+    assert _bucket_and_path(triton, op, part) == _bucket_and_path(triton, op, checked)
     elements, flops = first_use._cost(op, part)
     assert elements <= first_use.ELEMENT_BUDGET and flops <= first_use.FLOP_BUDGET
 
@@ -347,9 +347,9 @@ def test_the_part_of_an_oversized_call_keeps_its_code_path_and_bucket(call, part
 def test_no_part_when_even_the_smallest_leaves_the_budget(monkeypatch):
     triton = dispatch.Ops("triton", dispatch.raw_backend("triton"))
     q = torch.empty(32768, 4096, device="meta", dtype=torch.bfloat16)
-    args = contract.check_similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
+    call = contract.check_similarity_xent(q, None, 20.0, "partner", None, True, 0.0, None)
     monkeypatch.setattr(first_use, "ELEMENT_BUDGET", 16384 * 4096)  # the bucket needs more than 16,384 rows
-    assert first_use.checked_part(triton, "similarity_xent", args) is None
+    assert first_use.checked_part(triton, "similarity_xent", call) is None
 
 
 def test_a_cache_that_cannot_be_written_still_checks_for_the_process(gpu, monkeypatch, tmp_path):

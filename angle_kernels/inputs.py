@@ -1,0 +1,599 @@
+"""The losses' arguments as users pass them, checked: every bad one raises a ValueError or TypeError that names it.
+(The ops' own contract, what a backend receives, is `angle_kernels.contract`.)
+
+Tensors. Shape, dtype and device checks cost nothing and always run. The checks that read tensor values
+(NaN/Inf in embeddings and labels, label values for the in-batch-negative loss) force a device-to-host sync on
+GPUs; they are on by default and can be switched off for training loops that trust their inputs:
+
+    angle_kernels.set_input_checks(False)            # for the whole process
+    with angle_kernels.input_checks(False): ...      # for a block
+    ANGLE_KERNELS_CHECK_INPUTS=0                     # from the environment, read at import
+
+Under torch.compile the value checks are skipped (they would need a host sync and break the graph); run a
+step eagerly, or keep the eager path for validation, when inputs are untrusted. They also skip meta tensors
+(shape-only: the losses then return meta outputs of the right shape, as torch ops do). Two rules every loss
+shares are stated here once: `check_scale` (a logit scale or temperature is finite and > 0) and
+`promote_embeddings` (embeddings of different float dtypes are promoted to a common dtype).
+
+Options, what every front end (the functional losses, AngleLoss and ArcCSELoss, the integrations, angle_train)
+parses before it calls a loss family's formulas (`angle_kernels.losses`):
+* The option tables: POOLING_STRATEGIES, DIRECTIONS, PARTITION_MODES, HARDNESS_MODES (sentence-transformers'
+  hardness modes -> the columns similarity_lse penalises), MARGIN_STRATEGIES, SIMILARITIES, IBN_PARTITIONS
+  (AngleLoss's in-batch-negative partitions -> multiple_negatives' directions).
+* The type aliases of the Matryoshka and layer-wise keywords (Dims, DimWeights, LayerWeights), named for the
+  annotations of the public signatures.
+* The checks of a loss's inputs (check_zigzag, check_angle_dim, check_group_ids, check_two_views,
+  check_triplets) and of its options (check_arccon_options, check_in_batch_options,
+  check_false_negative_filter). `check_multiple_negatives` is the whole of multiple_negatives_ranking_loss's (its
+  inputs, options and Matryoshka keywords, and the gathering of its columns across devices), which the public
+  loss and the sentence-transformers MNRL family share.
+* Matryoshka and layer-wise (Espresso) training: `check_nested` parses dims / dim_weights / layer_weights into
+  a `Nested` (the prefixes ascending, a table of weights per layer and prefix), the one form the formulas take;
+  `check_layer_stack` checks stacked embeddings [L, rows, D]; `espresso_layer_weights` gives Espresso's dims and
+  per-layer weights.
+
+Each check exists once; a front end that has parsed an option passes the parsed value (e.g. a Nested) down
+rather than parsing it again. This module imports only contract and distributed: nothing here computes a loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Union
+
+import torch
+
+from .contract import check_dims
+from .distributed import all_gather_with_grad, rank_and_world_size
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------------------------
+
+_value_checks = os.environ.get("ANGLE_KERNELS_CHECK_INPUTS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def set_input_checks(enabled: bool) -> bool:
+    """Turn the value checks (NaN/Inf, label values) on or off; returns the previous setting."""
+    global _value_checks
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    previous, _value_checks = _value_checks, enabled
+    return previous
+
+
+def input_checks_enabled() -> bool:
+    """Whether the value checks run now: switched on, and not inside a torch.compile trace."""
+    return _value_checks and not torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def input_checks(enabled: bool):
+    """Context manager: value checks on or off inside the block, restored afterwards."""
+    previous = set_input_checks(enabled)
+    try:
+        yield
+    finally:
+        set_input_checks(previous)
+
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every value of the tensors (one device) is finite, with one device-to-host sync for all of them."""
+    # One fused reduction per tensor and one sync: NaN or Inf anywhere makes a sum non-finite. A non-finite sum can
+    # also come from finite values overflowing, so only then look element by element, a chunk at a time.
+    tensors = tuple(t for t in tensors if t.device.type != "meta")  # meta: no data to scan (shapes only)
+    if not tensors:
+        return True
+    totals = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors]
+    if bool(torch.isfinite(totals[0] if len(totals) == 1 else torch.stack([x.double() for x in totals])).all()):
+        return True
+    return all(bool(torch.isfinite(chunk).all()) for t in tensors for chunk in t.reshape(-1).split(1 << 24))
+
+
+def check_scalar(name: str, value, *, positive: bool = False) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def check_scale(name: str, value) -> float:
+    """The one rule for every loss's logit scale or temperature (tau, scale, temperature, cosine_tau, ibn_tau,
+    angle_tau): a finite real number > 0, returned as a float; anything else raises ValueError (TypeError for a
+    non-number) naming the argument. angle-emb 0.6.1 accepts tau <= 0 (README: deviations)."""
+    return check_scalar(name, value, positive=True)
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def check_embeddings(
+    name: str, t, *, rows_multiple_of: int = 1, layout: str = "", check_values: bool = True
+) -> torch.Tensor:
+    """A [rows, D] floating tensor with rows > 0, D > 0, rows divisible by rows_multiple_of, finite values
+    (the last only with check_values and while value checks are on)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (float32, float64, bfloat16, float16), got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(t.shape)}")
+    rows, dim = t.shape
+    if rows == 0 or dim == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): a loss needs at least one row and one column")
+    if rows % rows_multiple_of:
+        raise ValueError(
+            f"{name} must have a multiple of {rows_multiple_of} rows ({layout}), got {rows} rows"
+        )
+    if check_values:
+        check_finite(name, t)
+    return t
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    if input_checks_enabled() and not _all_finite(t.detach()):
+        raise ValueError(f"{name} contains NaN or Inf values")
+
+
+def check_embedding_group(*named: tuple[str, torch.Tensor]) -> None:
+    """Embedding tensors used together: each is [rows, D] and floating, all have the same D and live on one
+    device, and only then (the one check that syncs) are their values checked."""
+    for name, t in named:
+        check_embeddings(name, t, check_values=False)
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.shape[1] != first.shape[1]:
+            raise ValueError(f"{name} must have {first.shape[1]} columns like {first_name}, got shape {tuple(t.shape)}")
+    check_same_device(*named)
+    if input_checks_enabled() and not _all_finite(*(t.detach() for _, t in named)):  # one sync for the group
+        for name, t in named:
+            check_finite(name, t)  # names the first tensor at fault
+
+
+def check_columns(name: str, columns):
+    """A loss's hard-negative columns: a tuple or list of [B, D] tensors, one per column. A tensor itself is refused
+    with what to pass: iterated, its rows would be read as columns, each of the wrong shape."""
+    if isinstance(columns, torch.Tensor):
+        raise TypeError(f"{name} must be a tuple or list of [B, D] tensors, one per hard-negative column; got a tensor "
+                        f"of shape {tuple(columns.shape)}: pass ({name},) for one column")
+    return columns
+
+
+def promote_embeddings(*tensors):
+    """Embedding tensors used together in one loss, returned in one dtype: PROMOTED, never refused, by torch's type
+    promotion (torch.promote_types: float32 with float64 computes in float64, bfloat16 with float32 in float32), so
+    no input is silently narrowed to another's dtype. A tensor is cast (differentiably: its gradient comes back in
+    its own dtype) only when its dtype differs; anything that is not a floating tensor is returned unchanged for
+    the structure checks to name."""
+    floating = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if len({t.dtype for t in floating}) <= 1:
+        return list(tensors)
+    common = floating[0].dtype
+    for t in floating[1:]:
+        common = torch.promote_types(common, t.dtype)
+    return [t.to(common) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != common else t
+            for t in tensors]
+
+
+def check_labels(name: str, y, rows: int, device: torch.device, *, check_values: bool = True) -> torch.Tensor:
+    """y of shape [rows] or [rows, 1], real values on `device` (finite: with check_values, while value checks are
+    on); returned flattened to [rows]."""
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
+    if y.is_complex():
+        raise TypeError(f"{name} must hold real labels, got {y.dtype}")
+    if tuple(y.shape) not in ((rows,), (rows, 1)):
+        raise ValueError(f"{name} must have shape [{rows}] or [{rows}, 1] to match the embeddings, "
+                         f"got {tuple(y.shape)}")
+    check_same_device((name, y), ("the embeddings", device))
+    y = y.reshape(rows)
+    if y.dtype == torch.bool:
+        y = y.to(torch.int64)
+    if check_values and input_checks_enabled() and y.is_floating_point() and not _all_finite(y):
+        raise ValueError(f"{name} contains NaN or Inf values")
+    return y
+
+
+def check_binary_labels(name: str, y: torch.Tensor, loss: str) -> None:
+    """The in-batch-negative loss reads labels as 'pair is positive' (1) or 'negatives only' (0)."""
+    if input_checks_enabled() and y.device.type != "meta" and not bool(((y == 0) | (y == 1)).all()):
+        bad = y[(y != 0) & (y != 1)][:5].tolist()
+        raise ValueError(
+            f"{name} for {loss} must be 0 or 1 (1: the pair is a positive pair; 0: its rows serve only as "
+            f"negatives); got values such as {bad}. Graded similarity labels belong to cosine_loss/angle_loss "
+            "(with AngleLoss, set ibn_w=0). The reference silently truncates such labels to wrong targets."
+        )
+
+
+def check_same_device(*named) -> None:
+    """named: (name, tensor or device) pairs that must all live on one device."""
+    devices = [(n, t.device if isinstance(t, torch.Tensor) else torch.device(t)) for n, t in named]
+    first_name, first = devices[0]
+    for n, d in devices[1:]:
+        if d != first:
+            raise ValueError(f"{first_name} is on {first} but {n} is on {d}: all inputs must be on one device")
+
+
+def check_same_shape(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")
+
+# ---------------------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------------------
+
+# The option tables
+POOLING_STRATEGIES = ("sum", "mean")
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+PARTITION_MODES = ("joint", "per_direction")
+# sentence-transformers' hardness modes -> the columns of the query-to-document block similarity_lse penalises
+HARDNESS_MODES = {"in_batch_negatives": "other", "hard_negatives": "own", "all_negatives": "all"}
+MARGIN_STRATEGIES = ("absolute", "relative")
+# the similarity of the in-batch family's logits: "cosine" (util.cos_sim) or the raw dot product (util.dot_score)
+SIMILARITIES = ("cosine", "dot")
+# AngleLoss's in-batch-negative partitions -> the directions of multiple_negatives in one softmax per query:
+# AnglE's query -> documents, or GTE's improved contrastive loss
+IBN_PARTITIONS = {"angle": ("query_to_doc",), "gte": DIRECTIONS}
+
+# The types of the Matryoshka and layer-wise keywords of every loss (see angle_kernels.functional), named for
+# the annotations: dims, the prefix widths, a tuple or list of ints (another sequence, e.g. a range, raises
+# TypeError); dim_weights, one real number per dim; layer_weights, one real number per layer of the stack or, with
+# dims, one row of weights per layer (one per dim), or a tensor holding either.
+Dims = Union[tuple[int, ...], list[int]]
+DimWeights = Sequence[float]
+LayerWeights = Union[Sequence[float], Sequence[Sequence[float]], torch.Tensor]
+
+
+def check_zigzag(
+    y_true: torch.Tensor, y_pred: torch.Tensor, names: tuple[str, str] = ("y_true", "y_pred")
+) -> torch.Tensor:
+    """Check a zigzag batch (structure and device first, values last) and return its labels, one per row [2N].
+
+    names: what the caller calls (y_true, y_pred), for the error messages (AngleLoss: labels, outputs)."""
+    check_embeddings(
+        names[1], y_pred, rows_multiple_of=2, layout="zigzag pairs on rows 2k and 2k+1", check_values=False
+    )
+    labels = check_labels(names[0], y_true, y_pred.shape[0], y_pred.device, check_values=False)
+    values = (labels, y_pred.detach()) if labels.is_floating_point() else (y_pred.detach(),)
+    if input_checks_enabled() and not _all_finite(*values):  # one sync for both; then name the one at fault
+        check_labels(names[0], labels, y_pred.shape[0], y_pred.device)
+        check_finite(names[1], y_pred)
+    return labels
+
+
+def check_angle_dim(dim: int, name: str = "y_pred") -> None:
+    if dim % 2:
+        raise ValueError(
+            f"angle_loss splits each embedding into real and imaginary halves, so {name} needs an even number of "
+            f"columns; got {dim}"
+        )
+
+
+def check_group_ids(group_ids: torch.Tensor | None, rows: int, y_pred: torch.Tensor) -> torch.Tensor | None:
+    """Optional text ids of the rows, one per row of y_pred: returned as int64."""
+    if group_ids is None:
+        return None
+    if not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point() or group_ids.is_complex():
+        raise TypeError("group_ids must be an integer torch.Tensor of text ids, one per row of y_pred")
+    if tuple(group_ids.shape) != (rows,):
+        raise ValueError(f"group_ids must have shape [{rows}] (one id per row of y_pred), got {tuple(group_ids.shape)}")
+    check_same_device(("y_pred", y_pred), ("group_ids", group_ids))
+    return group_ids.long()
+
+
+def check_arccon_options(margin_degrees: float, tau: float) -> tuple[float, float]:
+    """ArcCon's margin (degrees, 0..180) and temperature (> 0), returned as (margin in radians, tau)."""
+    margin = check_scalar("margin_degrees", margin_degrees)
+    if not 0.0 <= margin <= 180.0:
+        raise ValueError(f"margin_degrees must be between 0 and 180 degrees, got {margin}")
+    return math.radians(margin), check_scale("tau", tau)
+
+
+def check_two_views(h1: torch.Tensor, h2: torch.Tensor) -> None:
+    check_embedding_group(("h1", h1), ("h2", h2))
+    check_same_shape("h1", h1, "h2", h2)
+
+
+def check_triplets(anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Tensor) -> None:
+    check_embedding_group(("anchor", anchor), ("weak", weak), ("strong", strong))
+    check_same_shape("anchor", anchor, "weak", weak)
+    check_same_shape("anchor", anchor, "strong", strong)
+
+
+@dataclass(frozen=True)
+class Nested:
+    """Matryoshka and layer-wise (Espresso) training: the loss on every prefix x[..., :d] of the embeddings (dims;
+    None: the full width only), of every layer of a stack [L, rows, D] when `stacked`, weighted and summed:
+    sum over (l, i) of table[l][i] * loss(x[l, ..., :dims[i]]), as sentence-transformers' MatryoshkaLoss (one
+    layer) and Matryoshka2dLoss / AdaptiveLayerLoss (the layers' weights times the prefixes') do. dims ascend: the
+    ops' contract; each row of the table follows them. Unstacked inputs have a one-row table."""
+
+    dims: tuple[int, ...] | None
+    table: tuple[tuple[float, ...], ...]  # [L][k]: L = 1 unstacked, k = 1 without dims
+    stacked: bool = False
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """The prefixes' weights of unstacked inputs."""
+        return self.table[0]
+
+    def combine(self, per_prefix: torch.Tensor) -> torch.Tensor:
+        """sum_i weights[i] * per_prefix[i] for the [k] losses of the prefixes of unstacked inputs (a 0-dim loss
+        of the full width times its weight)."""
+        weights = torch.tensor(self.weights, dtype=per_prefix.dtype, device=per_prefix.device)
+        return per_prefix @ weights if per_prefix.dim() else per_prefix * weights[0]
+
+    def terms(self) -> list[tuple[int, int, float]]:
+        """(layer l, prefix i, weight) of every term with a non-zero weight: only those are computed (Espresso
+        weights the final width of the earlier layers 0)."""
+        return [(layer, i, weight) for layer, row in enumerate(self.table) for i, weight in enumerate(row) if weight]
+
+    def weighted_sum(self, term: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+        """sum over self.terms() of weight * term(l, i)."""
+        total = None
+        for layer, i, weight in self.terms():
+            total = weight * term(layer, i) if total is None else total + weight * term(layer, i)
+        return total
+
+    def over_layers(self, loss_of_layer: Callable[[int, Nested | None], torch.Tensor]) -> torch.Tensor:
+        """A stack's loss from a loss of one layer: sum over the layers l of loss_of_layer(l, nested_l), nested_l
+        the unstacked Nested of layer l's non-zero weights (None when the layer's only term is its full width,
+        whose weight then multiplies the loss)."""
+        total = None
+        for layer, row in enumerate(self.table):
+            if self.dims is None:
+                value = row[0] * loss_of_layer(layer, None) if row[0] != 0 else None
+            else:
+                keep = [i for i, weight in enumerate(row) if weight != 0]
+                value = loss_of_layer(layer, Nested(tuple(self.dims[i] for i in keep), (tuple(row[i] for i in keep),)))\
+                    if keep else None
+            if value is not None:
+                total = value if total is None else total + value
+        return total
+
+
+def combined(loss: torch.Tensor, nested: Nested | None) -> torch.Tensor:
+    """An op's loss as the caller wants it: itself, or the weighted sum of its [k] per-prefix losses."""
+    return loss if nested is None else nested.combine(loss)
+
+
+def nested_dims(nested: Nested | None) -> tuple[int, ...] | None:
+    """The prefixes an op computes for `nested` in one call (its dims), or None."""
+    return None if nested is None else nested.dims
+
+
+def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, even: bool = False, *,
+                 layer_weights: LayerWeights | None = None, layers: int | None = None) -> Nested | None:
+    """dims: None (the plain loss) or distinct prefix widths <= width in any order (sentence-transformers users
+    list them largest first); dim_weights: None (all 1) or one finite number per dim, in dims' order. even: the
+    angle score needs even widths. Returned sorted ascending, the weights permuted alike.
+
+    layer_weights / layers: a stack of `layers` layers' embeddings [L, rows, D] (check_layer_stack gives L) and
+    its weights: one number per layer (times the prefixes' dim_weights), or, with dims, one row of len(dims)
+    numbers per layer (in dims' order; they replace dim_weights, which must then be None). At least one weight
+    is non-zero."""
+    if layer_weights is None:
+        if dims is None:
+            if dim_weights is not None:
+                raise ValueError("dim_weights needs dims (the prefix widths they weight)")
+            return None
+        dims, weights = _checked_prefixes(dims, dim_weights)
+        order = sorted(range(len(dims)), key=dims.__getitem__)
+        return Nested(check_dims(tuple(dims[i] for i in order), width, even), (tuple(weights[i] for i in order),))
+    if not isinstance(layer_weights, (tuple, list, torch.Tensor)) or len(layer_weights) != layers:
+        raise ValueError(f"layer_weights must have one entry per layer of the stack ({layers}), got {layer_weights!r}")
+    layer_weights = layer_weights.tolist() if isinstance(layer_weights, torch.Tensor) else list(layer_weights)
+    rows_given = any(isinstance(row, (tuple, list)) for row in layer_weights)
+    if rows_given and (dims is None or dim_weights is not None):
+        raise ValueError("layer_weights given as rows (one weight per layer and dim) need dims and replace "
+                         "dim_weights (leave it None)")
+    if dims is None:
+        table = [[check_scalar(f"layer_weights[{layer}]", w)] for layer, w in enumerate(layer_weights)]
+        order = [0]
+    else:
+        dims, dim_weights = _checked_prefixes(dims, None if rows_given else dim_weights)
+        table = []
+        for layer, row in enumerate(layer_weights):
+            if rows_given:
+                if not isinstance(row, (tuple, list)) or len(row) != len(dims):
+                    raise ValueError(f"layer_weights[{layer}] must have one weight per dim ({len(dims)}), got {row!r}")
+                table.append([check_scalar(f"layer_weights[{layer}][{i}]", w) for i, w in enumerate(row)])
+            else:
+                scale = check_scalar(f"layer_weights[{layer}]", row)
+                table.append([scale * w for w in dim_weights])
+        order = sorted(range(len(dims)), key=dims.__getitem__)
+        dims = check_dims(tuple(dims[i] for i in order), width, even)
+    if not any(w != 0 for row in table for w in row):
+        raise ValueError("layer_weights: every (layer, dim) weight is 0, which leaves no loss to compute")
+    return Nested(dims, tuple(tuple(row[i] for i in order) for row in table), stacked=True)
+
+
+def _checked_prefixes(dims: Dims, dim_weights: DimWeights | None) -> tuple[list[int], list[float]]:
+    """dims as a list of distinct Python ints and their weights (1 each when dim_weights is None), in the order
+    given; the widths' range is check_dims'."""
+    if not isinstance(dims, (tuple, list)) or not dims:
+        raise TypeError(f"dims must be None or a non-empty sequence of ints, got {dims!r}")
+    weights = [1.0] * len(dims) if dim_weights is None else list(dim_weights)
+    if len(weights) != len(dims):
+        raise ValueError(f"dim_weights must have one weight per dim: {len(dims)} dims, {len(weights)} weights")
+    weights = [check_scalar(f"dim_weights[{i}]", w) for i, w in enumerate(weights)]
+    for i, d in enumerate(dims):
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"dims[{i}] must be a Python int, got {type(d).__name__}")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"dims must be distinct, got {tuple(dims)}")
+    return list(dims), weights
+
+
+def check_layer_stack(layer_weights: LayerWeights | None,
+                      *named: tuple[str, torch.Tensor]) -> tuple[int | None, list[torch.Tensor]]:
+    """Layer-wise inputs: with layer_weights None, (None, the tensors) unchanged. Otherwise every tensor must be a
+    stack [L, rows, D] of L layers' embeddings (the same L): the values of layers 1.. are checked here and
+    (L, the first layers) returned, for the caller's usual checks of a single layer's embeddings."""
+    tensors = [t for _, t in named]
+    if layer_weights is None:
+        return None, tensors
+    layers = None
+    for name, t in named:
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: with layer_weights, embeddings are a stack [L, rows, D] of the layers' "
+                             f"embeddings; got {shape}")
+        if layers is None:
+            layers = t.shape[0]
+        if t.shape[0] != layers or layers == 0:
+            raise ValueError(f"{name}: every stack needs the same number L >= 1 of layers ({layers}), got "
+                             f"{t.shape[0]}")
+    for name, t in named:
+        check_finite(name, t[1:])
+    return layers, [t[0] for t in tensors]
+
+
+def espresso_layer_weights(n_layers: int, compression_size: int,
+                           width: int) -> tuple[tuple[int, ...], list[list[float]]]:
+    """(dims, layer_weights rows) of Espresso (ESE) as angle-emb 0.6.1's AngleESETrainer weighs it, for a stack of
+    n_layers pooled layers (hidden states 0 .. n_layers - 2, the last hidden state last): the last layer weighs
+    1 at the compressed width and 1 at the full width; earlier layer i weighs 1 / (1 + ln(1 + i)) / (n_layers - 1)
+    at the compressed width (the reference's per-layer loss, averaged over the earlier layers) and 0 at the full
+    width. A compression size >= width keeps the whole width (the reference's slice is then the full embedding,
+    so the last layer's loss counts twice)."""
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 2:
+        raise ValueError(f"n_layers: Espresso needs a model of at least 2 layers, got {n_layers!r}")
+    if isinstance(compression_size, bool) or not isinstance(compression_size, int) or compression_size < 1:
+        raise ValueError(f"compression_size must be a positive int, got {compression_size!r}")
+    earlier = [1.0 / (1.0 + math.log(1 + i)) / (n_layers - 1) for i in range(n_layers - 1)]
+    if compression_size >= width:
+        return (width,), [[w] for w in earlier] + [[2.0]]
+    return (compression_size, width), [[w, 0.0] for w in earlier] + [[1.0, 1.0]]
+
+
+def check_in_batch_options(directions: tuple[str, ...] | list[str], partition_mode: str, hardness_mode: str | None,
+                           hardness_strength: float, false_negative_margin: float | None,
+                           false_negative_strategy: str,
+                           similarity: str = "cosine") -> tuple[tuple[str, ...], float, float | None]:
+    """The options of multiple_negatives_ranking_loss as sentence-transformers 6.2 checks them, plus the
+    false-negative filter's; returned normalised (directions a tuple, floats)."""
+    directions = tuple(directions) if isinstance(directions, (tuple, list)) else directions
+    if not isinstance(directions, tuple) or not directions or not set(directions) <= set(DIRECTIONS):
+        raise ValueError(f"directions must be a non-empty tuple of {DIRECTIONS}, got {directions!r}")
+    if "query_to_doc" not in directions:
+        raise ValueError("directions must include 'query_to_doc' (it holds the positive pair)")
+    check_choice("partition_mode", partition_mode, PARTITION_MODES)
+    if partition_mode == "per_direction" and set(directions) & {"query_to_query", "doc_to_doc"}:
+        raise ValueError("partition_mode='per_direction' needs every direction to contain the positive pair: "
+                         "'query_to_query' and 'doc_to_doc' do not; use partition_mode='joint'")
+    if hardness_mode is not None:
+        check_choice("hardness_mode", hardness_mode, tuple(HARDNESS_MODES))
+    hardness_strength = check_scalar("hardness_strength", hardness_strength)
+    if hardness_strength < 0:
+        raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+    check_choice("similarity", similarity, SIMILARITIES)
+    return directions, hardness_strength, check_false_negative_filter(false_negative_margin, false_negative_strategy)
+
+
+def check_false_negative_filter(false_negative_margin: float | None,
+                                false_negative_strategy: str) -> float | None:
+    """The positive-aware false-negative filter's options (multiple_negatives_ranking_loss, AngleLoss): the margin,
+    None (off) or a finite real returned as a float, and its strategy."""
+    if false_negative_margin is not None:
+        false_negative_margin = check_scalar("false_negative_margin", false_negative_margin)
+    check_choice("false_negative_strategy", false_negative_strategy, MARGIN_STRATEGIES)
+    return false_negative_margin
+
+
+def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, negatives: Sequence[torch.Tensor],
+                            layer_weights: LayerWeights | None,
+                            gather_across_devices: bool) -> tuple[int | None, tuple | None]:
+    """The embeddings of multiple_negatives_ranking_loss (already promoted to one dtype): stacks [L, rows, D]
+    with layer_weights (check_layer_stack; not combined with gathering), every column [B, D] of the queries'
+    shape, gathered with gradients from every rank first when gather_across_devices and torch.distributed runs
+    several processes. Returns (L or None, gathered): gathered is None or (rank, all queries, all positives,
+    all negatives), losses.retrieval.multiple_negatives' `gathered`."""
+    if not isinstance(gather_across_devices, bool):
+        raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
+    named = [("queries", queries), ("positives", positives)]
+    named += [(f"negatives[{i}]", t) for i, t in enumerate(negatives)]
+    layers, first = check_layer_stack(layer_weights, *named)
+    if layers is not None:
+        if gather_across_devices:
+            raise ValueError("stacked layers (layer_weights) do not combine with gather_across_devices yet")
+        named = [(name, t) for (name, _), t in zip(named, first)]
+    # asked only when gathering: a call that does not gather never queries torch.distributed
+    rank, world_size = rank_and_world_size() if gather_across_devices else (0, 1)
+    gathered = None
+    if gather_across_devices and world_size > 1:
+        # Checked after gathering: every rank sees the same values, so a NaN on one rank makes all of them
+        # raise (rather than one raising and the others waiting in the next collective).
+        everything = [all_gather_with_grad(t) for _, t in named]
+        check_embedding_group(*((name, t) for (name, _), t in zip(named, everything)))
+        gathered = (rank, everything[0], everything[1], everything[2:])
+    else:
+        check_embedding_group(*named)
+    for name, t in named[1:]:
+        check_same_shape("queries", named[0][1], name, t)
+    return layers, gathered
+
+
+class MultipleNegativesCall(NamedTuple):
+    """multiple_negatives_ranking_loss's arguments, checked: the keywords of losses.retrieval.multiple_negatives."""
+
+    queries: torch.Tensor
+    positives: torch.Tensor
+    negatives: list[torch.Tensor]
+    scale: float
+    directions: tuple[str, ...]
+    partition_mode: str
+    hardness_mode: str | None
+    hardness_strength: float
+    false_negative_margin: float | None
+    false_negative_strategy: str
+    gathered: tuple | None
+    similarity: str
+    nested: Nested | None
+
+
+def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, negatives: Sequence[torch.Tensor], *,
+                             scale: float, directions: tuple[str, ...] | list[str], partition_mode: str,
+                             hardness_mode: str | None, hardness_strength: float,
+                             false_negative_margin: float | None, false_negative_strategy: str, similarity: str,
+                             gather_across_devices: bool, dims: Dims | None = None,
+                             dim_weights: DimWeights | None = None, layer_weights: LayerWeights | None = None,
+                             nested: Nested | None = None) -> MultipleNegativesCall:
+    """Every check of multiple_negatives_ranking_loss, in its order: the scale; the embeddings promoted to one
+    dtype; the options (check_in_batch_options); the columns [B, D] of the queries' shape, or stacks [L, rows, D]
+    with layer_weights; then, when gather_across_devices and torch.distributed runs several processes, the
+    columns gathered with gradients from every rank (the call's `gathered`); then dims / dim_weights /
+    layer_weights parsed into a Nested. A front end that has parsed its Nested already (once per call) passes it
+    as `nested` instead of dims, dim_weights and layer_weights: it is checked against these embeddings (its
+    layers and its widest prefix), not parsed again."""
+    scale = check_scale("scale", scale)
+    negatives = check_columns("negatives", negatives)
+    queries, positives, *negatives = promote_embeddings(queries, positives, *negatives)
+    directions, hardness_strength, false_negative_margin = check_in_batch_options(
+        directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy,
+        similarity)
+    if nested is not None:
+        if dims is not None or dim_weights is not None or layer_weights is not None:
+            raise ValueError("pass either a parsed nested or dims / dim_weights / layer_weights, not both")
+        layer_weights = nested.table if nested.stacked else None
+    layers, gathered = _check_in_batch_columns(queries, positives, negatives, layer_weights, gather_across_devices)
+    if nested is None:
+        nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers)
+    elif nested.dims is not None:
+        check_dims(nested.dims, queries.shape[-1])
+    return MultipleNegativesCall(queries, positives, list(negatives), scale, directions, partition_mode,
+                                 hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy,
+                                 gathered, similarity, nested)

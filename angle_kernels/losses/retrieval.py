@@ -1,0 +1,345 @@
+"""The retrieval losses (sentence-transformers 6.2's MultipleNegativesRankingLoss and GISTEmbedLoss), from the
+public functions to the op calls.
+
+    multiple_negatives_ranking_loss   InfoNCE with in-batch negatives, every option (`multiple_negatives`: the
+                                      standard and symmetric losses as similarity_xent calls, everything else from
+                                      similarity_lse blocks, `multiple_negatives_rows`)
+    gist_loss                         in-batch negatives filtered by a guide model (`gist`)
+
+Each public function checks its arguments (`angle_kernels.inputs`), resolves the backend and calls its formula,
+written once here; the sentence-transformers integration checks its inputs once and calls the formulas directly.
+Shared conventions: angle_kernels.losses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..contract import compute_dtype
+from ..dispatch import Ops, resolve_backend
+from ..distributed import all_gather_with_grad, rank_and_world_size
+from ..inputs import (
+    HARDNESS_MODES,
+    MARGIN_STRATEGIES,
+    Dims,
+    DimWeights,
+    LayerWeights,
+    Nested,
+    check_choice,
+    check_columns,
+    check_embedding_group,
+    check_multiple_negatives,
+    check_same_shape,
+    check_scalar,
+    check_scale,
+    combined,
+    nested_dims,
+    promote_embeddings,
+)
+
+__all__ = ["multiple_negatives_ranking_loss", "gist_loss"]
+
+
+def multiple_negatives_ranking_loss(
+    queries: torch.Tensor,
+    positives: torch.Tensor,
+    negatives: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+    *,
+    scale: float = 20.0,
+    directions: tuple[str, ...] | list[str] = ("query_to_doc",),
+    partition_mode: str = "joint",
+    hardness_mode: str | None = None,
+    hardness_strength: float = 0.0,
+    false_negative_margin: float | None = None,
+    false_negative_strategy: str = "absolute",
+    similarity: str = "cosine",
+    gather_across_devices: bool = False,
+    dims: Dims | None = None,
+    dim_weights: DimWeights | None = None,
+    layer_weights: LayerWeights | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """InfoNCE with in-batch negatives, every option of sentence-transformers 6.2's MultipleNegativesRankingLoss
+    (same values and gradients), plus a false-negative filter, without any B x B score matrix.
+
+    Row i scores its query against the documents [positives; negatives[0]; negatives[1]; ...] (logits
+    scale * cos), its positive being positives[i]; `directions` adds the other interaction blocks of the row:
+    "query_to_query" (the other queries, itself excluded), "doc_to_query" (its positive against every query),
+    "doc_to_doc" (its positive against the documents that belong to other queries). partition_mode="joint":
+    one softmax over every selected block (GTE's improved contrastive loss uses all four); "per_direction":
+    one per direction, their log partition functions averaged ("query_to_doc" and "doc_to_query": symmetric
+    InfoNCE). loss = mean_i (log_partition_i - scale * cos(queries_i, positives_i)).
+
+    hardness_mode / hardness_strength (alpha): adds alpha * stop_gradient(cos) to the query-to-document logits
+    of "in_batch_negatives" (the documents of other queries), "hard_negatives" (the row's own negatives) or
+    "all_negatives" (every column but the positive), as sentence-transformers defines them.
+    false_negative_margin: a column whose cosine with the row's anchor exceeds the positive's cosine minus the
+    margin ("absolute") or minus |positive| * margin ("relative", false_negative_strategy) leaves the
+    partition function, in every block (the positive itself stays): positive-aware false-negative filtering
+    as in NV-Retriever; None (default) keeps every column.
+    similarity: "cosine" (default; util.cos_sim) or "dot" (util.dot_score: raw dot products, for models whose
+    embeddings are not normalised); every score above, the positive's, the hardness penalty's and the
+    filter's, is then that similarity.
+    gather_across_devices: with torch.distributed initialised, the columns come from every process
+    (all_gather_with_grad) and each process's loss is the mean over its own rows, as in sentence-transformers;
+    every process must pass the same shapes.
+    dims, dim_weights: Matryoshka (see angle_kernels.losses). The standard and symmetric losses compute every
+    prefix in one pass; the other options (joint partitions, hardness, the filter, dot products) one pass per
+    prefix for now.
+
+    Args:
+        queries, positives: [B, D]; negatives: any number of [B, D] tensors (hard-negative columns).
+        backend: "auto" (default), "torch", "triton" or "cuda".
+    """
+    call = check_multiple_negatives(
+        queries, positives, negatives, scale=scale, directions=directions, partition_mode=partition_mode,
+        hardness_mode=hardness_mode, hardness_strength=hardness_strength, false_negative_margin=false_negative_margin,
+        false_negative_strategy=false_negative_strategy, similarity=similarity,
+        gather_across_devices=gather_across_devices, dims=dims, dim_weights=dim_weights, layer_weights=layer_weights)
+    return multiple_negatives(resolve_backend(backend, call.queries), **call._asdict())
+
+
+def gist_loss(
+    anchors: torch.Tensor,
+    positives: torch.Tensor,
+    guide_anchors: torch.Tensor,
+    guide_positives: torch.Tensor,
+    negatives: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+    guide_negatives: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+    *,
+    temperature: float = 0.01,
+    margin_strategy: str = "absolute",
+    margin: float = 0.0,
+    contrast_anchors: bool = True,
+    contrast_positives: bool = True,
+    gather_across_devices: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """GISTEmbed (Solatorio, 2024) as sentence-transformers 6.2's GISTEmbedLoss computes it: InfoNCE whose
+    in-batch negatives are filtered by a guide model, without any B x B score matrix.
+
+    Row i's logits (cos / temperature) are anchor i against every positive (its own, column i, is the target),
+    plus, with contrast_anchors, against every anchor, with contrast_positives, positive i against every
+    positive, and anchor i against each negative column. A column leaves row i's partition function when its
+    guide similarity exceeds the guide's anchor-positive similarity g_i minus the margin ("absolute": g_i -
+    margin; "relative": g_i - |g_i| * margin); the target column always stays. The guide's embeddings
+    (guide_anchors, guide_positives, guide_negatives: same rows, any width) carry no gradient.
+    gather_across_devices: with torch.distributed initialised, the positives and negatives (and their guide
+    embeddings) come from every rank; the anchors stay local, as in sentence-transformers.
+
+    Args:
+        anchors, positives: [B, D]; negatives: [B, D] tensors (hard-negative columns), one guide tensor each.
+        backend: "auto" (default), "torch", "triton" or "cuda".
+    """
+    temperature = check_scale("temperature", temperature)
+    margin = check_scalar("margin", margin)
+    check_choice("margin_strategy", margin_strategy, MARGIN_STRATEGIES)
+    for name, value in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives),
+                        ("gather_across_devices", gather_across_devices)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    negatives = check_columns("negatives", negatives)
+    guide_negatives = check_columns("guide_negatives", guide_negatives)
+    anchors, positives, *negatives = promote_embeddings(anchors, positives, *negatives)
+    guide_anchors, guide_positives, *guide_negatives = promote_embeddings(guide_anchors, guide_positives,
+                                                                                 *guide_negatives)
+    if len(negatives) != len(guide_negatives):
+        raise ValueError(f"every negative column needs its guide embeddings: {len(negatives)} negatives, "
+                         f"{len(guide_negatives)} guide_negatives")
+    named = [("positives", positives), *((f"negatives[{i}]", t) for i, t in enumerate(negatives))]
+    guide_named = [("guide_positives", guide_positives),
+                   *((f"guide_negatives[{i}]", t) for i, t in enumerate(guide_negatives))]
+    rank, world_size = rank_and_world_size()
+    gathered = None
+    if gather_across_devices and world_size > 1:
+        model_side = [all_gather_with_grad(t) for _, t in named]
+        with torch.no_grad():
+            guide_side = [all_gather_with_grad(t) for _, t in guide_named]
+        check_embedding_group(("anchors", anchors), *((n, t) for (n, _), t in zip(named, model_side)))
+        check_embedding_group(("guide_anchors", guide_anchors),
+                                     *((n, t) for (n, _), t in zip(guide_named, guide_side)))
+        gathered = (rank, model_side[0], model_side[1:], guide_side[0], guide_side[1:])
+    else:
+        check_embedding_group(("anchors", anchors), *named)
+        check_embedding_group(("guide_anchors", guide_anchors), *guide_named)
+    for name, t in named:
+        check_same_shape("anchors", anchors, name, t)
+    for name, t in guide_named:
+        check_same_shape("guide_anchors", guide_anchors, name, t)
+    if guide_anchors.shape[0] != anchors.shape[0]:
+        raise ValueError(f"guide_anchors must have the anchors' {anchors.shape[0]} rows, got {guide_anchors.shape[0]}")
+    return gist(resolve_backend(backend, anchors), anchors, positives, negatives, guide_anchors.detach(),
+                      guide_positives.detach(), [t.detach() for t in guide_negatives], temperature, margin_strategy,
+                      margin, contrast_anchors, contrast_positives, gathered)
+
+
+# The formulas
+
+
+def margin_threshold(positive: torch.Tensor, strategy: str, margin: float) -> torch.Tensor:
+    """Where a false-negative filter starts: columns scoring above this leave the partition function.
+    "absolute": positive - margin; "relative": positive - |positive| * margin (GIST's two strategies)."""
+    positive = positive.detach()
+    return positive - margin if strategy == "absolute" else positive - positive.abs() * margin
+
+
+def contrastive(ops: Ops, queries: torch.Tensor, candidates: torch.Tensor, tau: float,
+                nested: Nested | None = None) -> torch.Tensor:
+    """Mean cross-entropy of query i among the candidates (logits tau * cos), target candidates[i]."""
+    if nested is not None and nested.stacked:
+        return nested.over_layers(lambda layer, sub: contrastive(ops, queries[layer], candidates[layer], tau, sub))
+    loss = ops.similarity_xent(queries, candidates.to(queries.dtype), tau, "diagonal", dims=nested_dims(nested))
+    return combined(loss, nested)
+
+
+def positive_scores(ops: Ops, a: torch.Tensor, b: torch.Tensor, similarity: str = "cosine",
+                    dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """s(a_i, b_i) per row in the compute dtype: the cosine (one pair-score pass) or the dot product; [k, rows] of
+    every prefix with dims."""
+    if similarity == "cosine":
+        return ops.pair_scores(torch.stack((a, b.to(a.dtype)), dim=1), False, dims)[0][..., 0]
+    dtype = compute_dtype(a.dtype)
+    if dims is None:
+        return torch.linalg.vecdot(a.to(dtype), b.to(dtype))
+    return torch.stack([torch.linalg.vecdot(a[:, :d].to(dtype), b[:, :d].to(dtype)) for d in dims])
+
+
+def _own_rows_first(local: torch.Tensor, gathered: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """The rows of `gathered` (every rank's `local`, in rank order) with this rank's own rows first, as pieces for
+    one torch.cat; the own rows are `local` itself (same values; its gradient then comes straight from this
+    rank's loss, the other ranks' through the gather's backward)."""
+    rows = local.shape[0]
+    return [local, gathered[:rank * rows], gathered[(rank + 1) * rows:]]
+
+
+def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
+                       scale: float, directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
+                       hardness_mode: str | None = None, hardness_strength: float = 0.0,
+                       false_negative_margin: float | None = None, false_negative_strategy: str = "absolute",
+                       gathered: tuple | None = None, similarity: str = "cosine",
+                       nested: Nested | None = None) -> torch.Tensor:
+    """sentence-transformers' MultipleNegativesRankingLoss on checked inputs (see the public function).
+
+    gathered: None, or (rank, all queries, all positives, all negatives) when the columns come from every rank
+    (all_gather_with_grad); this rank's rows are scored against them, its row i's positive being column
+    rank * B + i. Two paths: the standard and the per-direction symmetric losses without hardness or filter are
+    the similarity_xent op (one kernel computes each row's partition and positive); everything else combines
+    per-row log partitions of similarity_lse blocks with the positive scores; so do dot-product logits
+    (similarity="dot"), which similarity_xent does not compute. nested: both paths compute every prefix in one
+    pass of their op (the second, per prefix on the truncated embeddings where the backend that would compute
+    similarity_lse without dims lacks them: `Ops.takes_in_one_call`).
+    """
+    # the options every path passes on unchanged, by name
+    options = dict(scale=scale, directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
+                   hardness_strength=hardness_strength, false_negative_margin=false_negative_margin,
+                   false_negative_strategy=false_negative_strategy)
+    if nested is not None and nested.stacked:
+        if gathered is not None:
+            raise ValueError("stacked layers (layer_weights) do not combine with gather_across_devices yet")
+        return nested.over_layers(lambda layer, sub: multiple_negatives(
+            ops, queries[layer], positives[layer], [t[layer] for t in negatives], similarity=similarity, nested=sub,
+            **options))
+    hard = hardness_mode is not None and hardness_strength > 0.0
+    plain = (set(directions) == {"query_to_doc"} or partition_mode == "per_direction") and not hard and (
+        similarity == "cosine")
+    rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
+    if plain and false_negative_margin is None:
+        # logsumexp over the columns does not depend on their order: with this rank's positives first, row i's
+        # target is column i, the op's "diagonal" target, gathered or not
+        own_first = [positives] if gathered is None else _own_rows_first(positives, all_positives, rank)
+        loss = contrastive(ops, queries, torch.cat([*own_first, *(t.to(positives.dtype) for t in all_negatives)]),
+                           scale, nested)
+        if "doc_to_query" in directions:
+            query_columns = queries if gathered is None else torch.cat(_own_rows_first(queries, all_queries, rank))
+            loss = (loss + contrastive(ops, positives, query_columns, scale, nested)) / 2
+        return loss
+    if nested is None:
+        return multiple_negatives_rows(ops, queries, positives, negatives, gathered=gathered, similarity=similarity,
+                                       **options).mean()
+
+    if ops.takes_in_one_call("similarity_lse", queries, positives.to(queries.dtype), scale, dims=nested.dims):
+        return nested.combine(multiple_negatives_rows(ops, queries, positives, negatives, gathered=gathered,
+                                                      similarity=similarity, dims=nested.dims,
+                                                      **options).mean(dim=-1))
+
+    def truncated(d):  # one pass per prefix
+        cut = [t[:, :d] for t in (queries, positives, all_queries, all_positives)]
+        negatives_cut, all_negatives_cut = [t[:, :d] for t in negatives], [t[:, :d] for t in all_negatives]
+        return multiple_negatives_rows(
+            ops, cut[0], cut[1], negatives_cut, similarity=similarity,
+            gathered=None if gathered is None else (rank, cut[2], cut[3], all_negatives_cut), **options).mean()
+
+    return nested.combine(torch.stack([truncated(d) for d in nested.dims]))
+
+
+def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
+                            scale: float, directions: tuple = ("query_to_doc",), partition_mode: str = "joint",
+                            hardness_mode: str | None = None, hardness_strength: float = 0.0,
+                            false_negative_margin: float | None = None, false_negative_strategy: str = "absolute",
+                            gathered: tuple | None = None, similarity: str = "cosine",
+                            dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The loss of each query [B] of multiple_negatives (same arguments), from per-row log partitions of
+    similarity_lse blocks and the positive scores: log_partition_i - scale * s(queries_i, positives_i). Dot
+    products are not bounded: each block gives its partition relative to the positive logit (the op's
+    `reference`: the pair's other text), so that logits beyond the compute dtype whose difference is not still
+    give the exact loss (a row whose positive dominates: 0), not inf - inf. dims: the losses [k, B] of every
+    prefix, each op called once for all of them."""
+    rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
+    negative_columns = [t.to(positives.dtype) for t in all_negatives]
+    offset, world_rows = rank * queries.shape[0], all_queries.shape[0]
+    documents = torch.cat([all_positives, *negative_columns])  # row i's positive: column offset + i
+    relative = similarity == "dot"
+    positive = None if relative and false_negative_margin is None else positive_scores(ops, queries, positives,
+                                                                                         similarity, dims)
+    threshold = None
+    if false_negative_margin is not None:
+        threshold = margin_threshold(positive, false_negative_strategy, false_negative_margin)
+
+    def block(anchors, columns, partners, **options):
+        filtering = {} if threshold is None else dict(filter_q=anchors.detach(), filter_c=columns.detach(),
+                                                      filter_threshold=threshold, filter_keeps_target=True)
+        return ops.similarity_lse(anchors, columns.to(anchors.dtype), scale, target_offset=offset, **options,
+                                  **filtering, normalize=not relative, dims=dims,
+                                  reference=partners.to(anchors.dtype) if relative else None)
+
+    hard = hardness_mode is not None and hardness_strength > 0.0
+    penalty = dict(penalty=hardness_strength, penalty_on=HARDNESS_MODES[hardness_mode]) if hard else {}
+    log_partitions = [block(queries, documents, positives, period=world_rows, **penalty)]  # query_to_doc
+    if "query_to_query" in directions:
+        log_partitions.append(block(queries, all_queries, positives, exclude="target"))
+    if "doc_to_query" in directions:
+        log_partitions.append(block(positives, all_queries, queries))
+    if "doc_to_doc" in directions:
+        log_partitions.append(block(positives, documents, queries, period=world_rows, exclude="own"))
+    stacked = torch.stack(log_partitions)
+    log_z = torch.logsumexp(stacked, dim=0) if partition_mode == "joint" else stacked.mean(dim=0)
+    return log_z if relative else log_z - scale * positive
+
+
+def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
+         guide_anchors: torch.Tensor, guide_positives: torch.Tensor, guide_negatives: list[torch.Tensor],
+         temperature: float, margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
+         contrast_positives: bool = True, gathered: tuple | None = None) -> torch.Tensor:
+    """sentence-transformers' GISTEmbedLoss on checked inputs (see gist_loss). gathered: None, or (rank, all
+    positives, all negatives, all guide positives, all guide negatives) from every rank (the anchors stay
+    local, as in sentence-transformers)."""
+    rank, all_positives, all_negatives, all_guide_positives, all_guide_negatives = gathered or (
+        0, positives, negatives, guide_positives, guide_negatives)
+    scale = 1.0 / temperature
+    cos_positive = positive_scores(ops, anchors, positives)
+    guide_positive = positive_scores(ops, guide_anchors, guide_positives)
+    threshold = margin_threshold(guide_positive, margin_strategy, margin)
+
+    def block(rows, columns, guide_rows, guide_columns, keep_positive=False):
+        return ops.similarity_lse(rows, columns.to(rows.dtype), scale, target_offset=rank * rows.shape[0],
+                                  filter_q=guide_rows, filter_c=guide_columns.to(guide_rows.dtype),
+                                  filter_threshold=threshold, filter_keeps_target=keep_positive)
+
+    log_partitions = [block(anchors, all_positives, guide_anchors, all_guide_positives, keep_positive=True)]
+    if contrast_anchors:
+        log_partitions.append(block(anchors, anchors, guide_anchors, guide_anchors))
+    if contrast_positives:
+        log_partitions.append(block(positives, all_positives, guide_positives, all_guide_positives))
+    for negative, guide_negative in zip(all_negatives, all_guide_negatives):
+        log_partitions.append(block(anchors, negative, guide_anchors, guide_negative))
+    return (torch.logsumexp(torch.stack(log_partitions), dim=0) - scale * cos_positive).mean()
