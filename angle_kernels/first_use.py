@@ -21,7 +21,7 @@ from checking again (`python -m angle_kernels.verify --forget` removes it).
 
 The check (`run_check`): on detached copies of the call's own inputs, the GPU path's op against the PyTorch backend
 in float64 on the same rounded values, outputs and the gradients of sum_k <output_k, w_k> for weights w drawn from a
-seeded generator on the device (the same for both), judged by the reference's rule (`reference.allowed_error`: the
+seeded generator on the device (the same for both), judged by the reference's rule (`float64_ops.allowed_error`: the
 tolerances of float64 and float32, the half-precision rule for bfloat16 and float16). Eager PyTorch's own error,
 which the rule needs for every dtype but float64, is measured on a sample of the call (its first rows, pairs or
 scores; `sample`), where the reference's N x N matrices stay a few MB. NaN or Inf never passes.
@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import contract, reference, user_cache, verified
+from . import contract, float64_ops, user_cache, verified
 from ._runtime import triton_interpreting
 
 ENV = "ANGLE_KERNELS_SELF_CHECK"
@@ -515,7 +515,7 @@ def _outputs_and_grads(function, op: str, call: contract.Call, to: torch.dtype |
 
 
 def error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """reference.rel_err's measure, ||out - ref|| / ||ref|| in float64 (||out|| where ref is 0), computed on the
+    """float64_ops.rel_err's measure, ||out - ref|| / ||ref|| in float64 (||out|| where ref is 0), computed on the
     device; entries equal in both count as no error, so an lse of -inf in both (a row with no kept column) is
     right. NaN, or an infinity in one only, gives NaN or Inf: never within an allowed error."""
     out = out.detach().to(torch.float64).reshape(-1)
@@ -555,11 +555,11 @@ def run_check(candidate, op: str, call: contract.Call) -> dict:
         eager = None
         if dtype != torch.float64:
             few = sample(op, call)
-            with reference.computing_in(dtype):
-                in_dtype = _outputs_and_grads(getattr(reference, op), op, few, None, gen=gen)
-            exact_few = _outputs_and_grads(getattr(reference, op), op, few, torch.float64, in_dtype[2])
+            with float64_ops.computing_in(dtype):
+                in_dtype = _outputs_and_grads(getattr(float64_ops, op), op, few, None, gen=gen)
+            exact_few = _outputs_and_grads(getattr(float64_ops, op), op, few, torch.float64, in_dtype[2])
             eager = _errors(in_dtype[:2], exact_few[:2])
-    allowed = {kind: reference.allowed_error(dtype, kind, None if eager is None else eager[kind])
+    allowed = {kind: float64_ops.allowed_error(dtype, kind, None if eager is None else eager[kind])
                for kind in ("value", "grad")}
     passed = all(errors[kind] <= allowed[kind] for kind in ("value", "grad"))
     return {"pass": passed, "errors": errors, "allowed": allowed, "eager": eager,

@@ -7,8 +7,8 @@ For every GPU backend that can run here (triton; cuda only when its extension is
 never builds it; torch: its GPU path, 16-bit products), every op it implements and every code path of that op that
 needs a verification (the op module's PATHS, see `angle_kernels.verified`; not the torch backend's default path),
 on fresh random inputs on the GPU, forward and backward: the backend against
-`angle_kernels.reference` in float64, computed on the GPU from the same rounded inputs, judged by the reference's
-rule (`reference.allowed_error`): float64 and float32 against tolerances, bfloat16 and float16 at most twice
+`angle_kernels.float64_ops` in float64, computed on the GPU from the same rounded inputs, judged by the reference's
+rule (`float64_ops.allowed_error`): float64 and float32 against tolerances, bfloat16 and float16 at most twice
 eager PyTorch's own error in that dtype. Every case runs twice: its first call compiles and autotunes (the
 autotuner runs every config several times on the call's own buffers, and the result must still be right), the
 second must be right too.
@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from . import reference, user_cache, verified
+from . import float64_ops, user_cache, verified
 from .contract import SCORE_DTYPES, compute_dtype  # ranking_loss takes scores in SCORE_DTYPES only
 from .dispatch import path_ops, resolve_backend
 
@@ -236,8 +236,8 @@ def _outputs_and_grads(ops, case: Case, arguments, leaves, weights=None, gen=Non
 
 
 def _errors(got, want) -> dict:
-    return {"value": max(reference.rel_err(o, w) for o, w in zip(got[0], want[0])),
-            "grad": max(reference.rel_err(g, w) for g, w in zip(got[1], want[1]))}
+    return {"value": max(float64_ops.rel_err(o, w) for o, w in zip(got[0], want[0])),
+            "grad": max(float64_ops.rel_err(g, w) for g, w in zip(got[1], want[1]))}
 
 
 def _reference_for(case: Case, leaves: list):
@@ -245,7 +245,7 @@ def _reference_for(case: Case, leaves: list):
     for its N x N matrix, the torch backend in float64."""
     if case.op == "ranking_loss" and leaves[0].shape[0] ** 2 > REFERENCE_MAX_ELEMENTS:
         return resolve_backend("torch", leaves[0]), "torch float64"
-    return reference, "reference"
+    return float64_ops, "reference"
 
 
 def check(ops, case: Case, dtype: torch.dtype, device, seed: int = 0) -> dict:
@@ -266,10 +266,10 @@ def check(ops, case: Case, dtype: torch.dtype, device, seed: int = 0) -> dict:
     second = _outputs_and_grads(ops, case, arguments, leaves, weights)
     eager = None
     if dtype != torch.float64 and against == "reference":
-        with reference.computing_in(dtype):
-            eager = _errors(_outputs_and_grads(reference, case, arguments, leaves, weights), exact)
+        with float64_ops.computing_in(dtype):
+            eager = _errors(_outputs_and_grads(float64_ops, case, arguments, leaves, weights), exact)
     result = {"against": against, "first": _errors(first, exact), "second": _errors(second, exact), "eager": eager}
-    result["allowed"] = {kind: reference.allowed_error(dtype, kind, None if eager is None else eager[kind])
+    result["allowed"] = {kind: float64_ops.allowed_error(dtype, kind, None if eager is None else eager[kind])
                          for kind in ("value", "grad")}
     result["pass"] = all(result[call][kind] <= result["allowed"][kind]
                          for call in ("first", "second") for kind in ("value", "grad"))

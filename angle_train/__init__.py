@@ -16,7 +16,7 @@
     evaluate.py     the `angle-eval` command: STS Spearman in the paper's setting (sts_spearman, also the
                     trainer's dev score), retrieval metrics
     export.py       Hugging Face / LoRA adapter / sentence-transformers folders
-    cli.py          the `angle-train` command;  demo.py: `python -m angle_train.demo`; command_line.py: what
+    cli.py          the `angle-train` command;  demo.py: `python -m angle_train.demo`; cli_common.py: what
                     both commands share (one-line errors, --version, booleans)
     tiny.py         built-in tiny models, tokenizer and datasets (offline demo and tests)
 

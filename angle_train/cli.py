@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import MISSING, fields
 
-from .command_line import OneLineErrorParser, check_train_extra, parse_bool, user_errors_exit, version_text
+from .cli_common import OneLineErrorParser, check_train_extra, parse_bool, user_errors_exit, version_text
 from .config import TrainConfig
 
 EXAMPLES = """\

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from . import preflight
-from .command_line import (
+from .cli_common import (
     OneLineErrorParser, check_train_extra, parse_bool, resolve_device, user_errors_exit, version_text,
 )
 from .config import names_local_path

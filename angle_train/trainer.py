@@ -40,7 +40,7 @@ from .checkpoint import (
     Position, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint, remove_earlier_run,
     save_best, save_checkpoint, save_final,
 )
-from .command_line import resolve_device
+from .cli_common import resolve_device
 from .config import TrainConfig
 from .data import FORMATS, Example, PassPlan, TokenizedPairs, epoch_batches, load_examples
 from .evaluate import StsSet, encoding_progress, library_progress_bars, read_dataset, sts_spearman_by_dim

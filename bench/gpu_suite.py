@@ -403,7 +403,7 @@ FIRST_STEPS = (("preflight", 35), ("large_checks", 100), ("cuda_backend", 165), 
                ("headline", 40))
 # The modules the steps import (in this process or their subprocesses): a missing one is found in the first
 # seconds, not in the step that needs it. Optional ones only speed a step up or bound it.
-PREFLIGHT_MODULES = ("torch", "triton", "numpy", "angle_kernels", "angle_kernels.reference", "angle_kernels.verify",
+PREFLIGHT_MODULES = ("torch", "triton", "numpy", "angle_kernels", "angle_kernels.float64_ops", "angle_kernels.verify",
                      "angle_kernels.integrations.sentence_transformers", "sentence_transformers", "transformers",
                      "pytest", "hypothesis", "scipy", "matplotlib", "bench_losses", "providers")
 OPTIONAL_MODULES = ("xdist", "pytest_timeout")

@@ -354,6 +354,60 @@ def test_set_input_checks_off_skips_value_checks(ak, gen, monkeypatch):
     assert finiteness_scans, "the NaN scan is expected to run when checks are on"
 
 
+def _value_check_syncs(call) -> int:
+    """The device-to-host syncs (aten._local_scalar_dense) the input checks make during call(): those made outside
+    the backend's op (the torch backend makes its own on CPU, which are not the checks')."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from angle_kernels.dispatch import resolve_backend
+
+    counted = []
+
+    class Syncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                counted.append(func)
+            return func(*args, **(kwargs or {}))
+
+    backend = resolve_backend("torch", torch.empty(0)).backend
+    op_syncs = []
+
+    def watched(op):  # the backend's own syncs, taken out of the count
+        def run(*args, **kwargs):
+            before = len(counted)
+            result = op(*args, **kwargs)
+            op_syncs.append(len(counted) - before)
+            return result
+        return run
+
+    originals = {name: getattr(backend, name) for name in ("pair_scores", "ranking_loss", "similarity_xent",
+                                                            "similarity_lse")}
+    try:
+        for name, op in originals.items():
+            setattr(backend, name, watched(op))
+        with Syncs():
+            call()
+    finally:
+        for name, op in originals.items():
+            setattr(backend, name, op)
+    return len(counted) - sum(op_syncs)
+
+
+def test_value_checks_sync_once_per_group_of_tensors(ak, gen):
+    """A device sync stalls a GPU's queue: the value checks scan a loss's embeddings (and its labels) in one
+    reduction per group, one sync; the in-batch-negative loss adds one for its label values; none when off."""
+    q, p = randn(gen, 16, 8).requires_grad_(), randn(gen, 16, 8).requires_grad_()
+    y = randn(gen, 32, 8).requires_grad_()
+    labels = torch.ones(32)
+    calls = {"multiple_negatives_ranking_loss": (lambda: ak.multiple_negatives_ranking_loss(q, p), 1),
+             "cosine_loss": (lambda: ak.cosine_loss(torch.rand(16).repeat_interleave(2), y), 1),
+             "in_batch_negative_loss": (lambda: ak.in_batch_negative_loss(labels, y), 2)}
+    for name, (call, syncs) in calls.items():
+        assert _value_check_syncs(call) == syncs, name
+        with ak.input_checks(False):
+            assert _value_check_syncs(call) == 0, name
+
+
 def test_input_checks_context_manager(ak, gen):
     y, x = _nan_batch(gen)
     with ak.input_checks(False):

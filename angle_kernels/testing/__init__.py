@@ -1,7 +1,7 @@
 """The oracle and helpers of the project's tests and benchmarks (like torch.testing): not part of the loss API.
 
     oracle       the float64 oracle: literal N x N transcriptions of every op and every public loss; imports
-                 nothing but torch and angle_kernels.reference (no pytest), so the benchmarks use it too
+                 nothing but torch and angle_kernels.float64_ops (no pytest), so the benchmarks use it too
     helpers      seeds and inputs, the backends under test, running a function and its backward, and the checks
                  against the oracle (the tolerances, the half-precision rule); needs hypothesis, and pytest in the
                  helpers that skip a case (imported there)

@@ -7,7 +7,7 @@ folder's conftest. tests/conftest.py provides the fixtures and imports these; th
 lives in angle_kernels.testing.oracle with the oracle (bench/ uses it too). Needs hypothesis (the fuzz settings
 and strategies); pytest only in the helpers that skip a case, which import it when they run.
 
-How results are judged (the rule angle_kernels.reference states, above VALUE_TOL), by `check_against_oracle`:
+How results are judged (the rule angle_kernels.float64_ops states, above VALUE_TOL), by `check_against_oracle`:
     * float64 inputs: VALUE_TOL / GRAD_TOL against the float64 oracle (only summation order differs);
     * float32 inputs: the same tables, against the oracle in float64 on the same float32 values;
     * bfloat16 / float16 inputs: the half-precision rule, `assert_half_rule`: the error against float64 at
@@ -31,7 +31,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from angle_kernels.reference import GRAD_TOL, HALF_RULE_FLOOR, VALUE_TOL  # noqa: F401  (re-exported to the tests)
+from angle_kernels.float64_ops import GRAD_TOL, HALF_RULE_FLOOR, VALUE_TOL  # noqa: F401  (re-exported to the tests)
 from angle_kernels.testing import oracle
 from angle_kernels.testing.oracle import rel_err
 

@@ -4,7 +4,7 @@ Two levels, both written to be checked by eye:
     * the four ops, with the signatures and semantics of the contract in angle_kernels/dispatch.py's
       docstring: pair_scores, ranking_loss, similarity_xent, similarity_lse. Every one builds its full matrix
       (N x N, M x Mc), so that the package's O(N)-memory algorithms can be judged against it. They live in the
-      package, as `angle_kernels.reference` (so that `python -m angle_kernels.verify` has them where the tests
+      package, as `angle_kernels.float64_ops` (so that `python -m angle_kernels.verify` has them where the tests
       are not installed), and are re-exported here;
     * the public losses, transcribed from the REFERENCE formulas (angle-emb 0.6.1's angle_emb.loss and
       AngleLoss; the ArcCSE paper, Zhang et al., ACL 2022), not from the way the package assembles
@@ -20,7 +20,7 @@ Everything computes in float64 whatever dtype the inputs arrive in, on the input
 dtype", the baseline of the half-precision rule. Gradients come from autograd through these formulas.
 
 This module (angle_kernels.testing.oracle) is imported by the tests and by bench/: it imports nothing but torch
-and angle_kernels.reference, in particular neither pytest nor the test helpers.
+and angle_kernels.float64_ops, in particular neither pytest nor the test helpers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 # The op level (building blocks, the four ops, the error measure and computing_in) is the package's own float64
 # reference, which `python -m angle_kernels.verify` uses on GPUs where the tests are not installed.
-from angle_kernels.reference import (  # noqa: F401  (re-exported: the tests' and benchmarks' oracle)
+from angle_kernels.float64_ops import (  # noqa: F401  (re-exported: the tests' and benchmarks' oracle)
     EPS,
     MARGIN_SIN_SQUARED_FLOOR,
     computing_in,

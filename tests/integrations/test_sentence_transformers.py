@@ -3,7 +3,7 @@
 On the same tiny model and batch, each subclass must give the parent's loss value and the same gradients
 on every model parameter; configurations our losses cannot express must run the parent's computation.
 The model runs in float64 here, so both sides agree to rounding (relative error ~1e-15); one case runs in
-float32 with the float32 tolerances of angle_kernels.reference.
+float32 with the float32 tolerances of angle_kernels.float64_ops.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The kernels of csrc/pair_scores.cu's "Nested prefixes (dims)" section cannot run without a GPU. This file transcribes
 their index arithmetic and reductions into Python loops over lanes, chunks and elements, in the kernels' compute
 type (NumPy float32 for float32, float16 and bfloat16 inputs, float64 for float64), and checks what the model
-computes against `angle_kernels.reference.pair_scores` on the truncated inputs (float64): values, gradients, and
+computes against `angle_kernels.float64_ops.pair_scores` on the truncated inputs (float64): values, gradients, and
 that the backward writes every element of dx exactly once. It is a model of the kernels, not a proof: it runs the
 transcription, not the compiled code, so it cannot see a compiler's choices (FMA contraction, which the GPU applies
 to `a * b + c` and the model rounds twice; NaN handling of fmaxf), memory-model errors (a missing __syncwarp, races
@@ -45,7 +45,7 @@ import numpy as np
 import pytest
 import torch
 
-from angle_kernels import reference
+from angle_kernels import float64_ops
 
 KERNEL_FILE = Path(__file__).resolve().parents[2] / "csrc" / "pair_scores.cu"
 EPS = 1e-12
@@ -384,7 +384,7 @@ def emulate(x: torch.Tensor, with_angle: bool, dims, grad_cos: torch.Tensor, gra
 def _reference(x: torch.Tensor, with_angle: bool, dims, grad_cos, grad_angle):
     """Values and dx of the float64 reference on the truncated inputs (each prefix its own call)."""
     exact = x.detach().double().requires_grad_()
-    cos, angle = reference.pair_scores(exact, with_angle, tuple(dims))
+    cos, angle = float64_ops.pair_scores(exact, with_angle, tuple(dims))
     (cos * grad_cos.double()).sum().add_((angle * grad_angle.double()).sum()).backward()
     return cos.detach(), angle.detach(), exact.grad
 
@@ -402,9 +402,9 @@ def _check(x, with_angle, dims, vector_path: bool, seed: int = 0):
     assert vec == vector_path, "the case takes the other path than it is written for"
     assert (writes == 1).all(), "the backward writes some dx element other than once"
     want_cos, want_angle, want_dx = _reference(x, with_angle, dims, grad_cos, grad_angle)
-    assert reference.rel_err(cos, want_cos) <= VALUE_TOL[x.dtype]
-    assert reference.rel_err(angle, want_angle) <= VALUE_TOL[x.dtype]
-    assert reference.rel_err(dx, want_dx) <= GRAD_TOL[x.dtype], reference.rel_err(dx, want_dx)
+    assert float64_ops.rel_err(cos, want_cos) <= VALUE_TOL[x.dtype]
+    assert float64_ops.rel_err(angle, want_angle) <= VALUE_TOL[x.dtype]
+    assert float64_ops.rel_err(dx, want_dx) <= GRAD_TOL[x.dtype], float64_ops.rel_err(dx, want_dx)
 
 
 def _inputs(groups, group_size, dim, dtype, seed=0, huge=()):

@@ -3,7 +3,7 @@
 The CUDA backend's similarity_lse (angle_kernels/cuda_ops/similarity_lse.py) makes the dot-product tiles with torch
 products and hands each row block to two ops, cuda_similarity_lse_stats and cuda_similarity_lse_grad. Here those
 two ops are replaced (monkeypatched at the module's `_stats` and `_grad`) by PyTorch transcriptions of their
-kernels and binding, and the op is checked against angle_kernels.reference.similarity_lse (float64) on CPU tensors,
+kernels and binding, and the op is checked against angle_kernels.float64_ops.similarity_lse (float64) on CPU tensors,
 forward and backward, for every option of the contract, odd shapes, several row blocks, rows that keep no column,
 huge rows, and float32 / float64 / bfloat16 / float16 inputs. What each part mirrors in csrc/similarity_lse.cu:
 
@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from angle_kernels import reference
+from angle_kernels import float64_ops
 from angle_kernels.contract import check_similarity_lse
 from angle_kernels.cuda_ops import similarity_lse as cuda_lse
 from angle_kernels.testing.helpers import (
@@ -239,13 +239,13 @@ def _is_self_filter(name: str) -> bool:
 @pytest.mark.parametrize("name", list(CASES))
 def test_emulated_kernels_against_the_reference(emulated, name, dtype):
     q, c, kwargs = _inputs(name, dtype)
-    if not torch.isfinite(reference.similarity_lse(q.double(), c.double(), **kwargs)).all():
+    if not torch.isfinite(float64_ops.similarity_lse(q.double(), c.double(), **kwargs)).all():
         pytest.skip("a row keeps no column in this dtype's draw (test_emulated_rows_that_keep_no_column)")
     ours = dict(kwargs)
     if _is_self_filter(name):  # the filter is the op's own q and c (the very tensors), as the losses pass them
         ours.update(own_filter=True)
         ours.pop("filter_q"), ours.pop("filter_c")
-    check_against_oracle(_call(emulated, ours), lambda q, c: reference.similarity_lse(q, c, **kwargs), [q, c],
+    check_against_oracle(_call(emulated, ours), lambda q, c: float64_ops.similarity_lse(q, c, **kwargs), [q, c],
                          f"{name} {dtype}")
 
 
@@ -257,7 +257,7 @@ def test_emulated_rows_that_keep_no_column(emulated):
     weights = torch.linspace(0.5, 1.5, q.shape[0], dtype=torch.float64)
     leaves, exact_leaves = [leaf_like(q), leaf_like(c)], [leaf_like(q), leaf_like(c)]
     lse = _call(emulated, kwargs)(*leaves)
-    exact = reference.similarity_lse(*exact_leaves, **kwargs)
+    exact = float64_ops.similarity_lse(*exact_leaves, **kwargs)
     for out, x in ((lse, leaves), (exact, exact_leaves)):
         torch.where(torch.isfinite(out), out, torch.zeros_like(out)).mul(weights).sum().backward()
     empty = torch.isneginf(exact.detach())
@@ -292,7 +292,7 @@ def test_emulated_huge_rows(emulated, name, dtype, magnitude):
     def ours(q, c):
         return _call(emulated, options)(huge(q), huge(c))
 
-    check_against_oracle(ours, lambda q, c: reference.similarity_lse(q, c, **kwargs), [q, c],
+    check_against_oracle(ours, lambda q, c: float64_ops.similarity_lse(q, c, **kwargs), [q, c],
                          f"{name} {dtype} x{magnitude:g}")
 
 
@@ -310,9 +310,9 @@ def test_emulated_huge_dot_products(emulated, dtype, magnitude):
                   filter_threshold=torch.quantile(dots, 0.8, dim=1).float())
     oracle_kwargs = {k: v for k, v in kwargs.items() if k != "own_filter"}
     oracle_kwargs.update(filter_q=q, filter_c=c)
-    exact = reference.similarity_lse(q.double(), c.double(), **oracle_kwargs)
+    exact = float64_ops.similarity_lse(q.double(), c.double(), **oracle_kwargs)
     assert torch.isfinite(exact).all()
-    check_against_oracle(_call(emulated, kwargs), lambda q, c: reference.similarity_lse(q, c, **oracle_kwargs),
+    check_against_oracle(_call(emulated, kwargs), lambda q, c: float64_ops.similarity_lse(q, c, **oracle_kwargs),
                          [q, c], f"huge dots {dtype}")
 
 
@@ -323,13 +323,13 @@ def test_emulated_dims_against_the_reference(emulated, name, dtype):
     sum H_j from the widest prefix down (the kernel's DenseRunning), each slice's products in its prefix's frame and
     every prefix's radial terms, against the oracle's calls on the truncated inputs."""
     q, c, kwargs = _dims_inputs(name, dtype)
-    if not torch.isfinite(reference.similarity_lse(q.double(), c.double(), **kwargs)).all():
+    if not torch.isfinite(float64_ops.similarity_lse(q.double(), c.double(), **kwargs)).all():
         pytest.skip("a row keeps no column in this dtype's draw")
     ours = dict(kwargs)
     if _is_self_filter(name):
         ours.update(own_filter=True)
         ours.pop("filter_q"), ours.pop("filter_c")
-    check_against_oracle(_call(emulated, ours), lambda q, c: reference.similarity_lse(q, c, **kwargs), [q, c],
+    check_against_oracle(_call(emulated, ours), lambda q, c: float64_ops.similarity_lse(q, c, **kwargs), [q, c],
                          f"{name} {dtype} dims")
 
 
@@ -338,7 +338,7 @@ def test_emulated_dims_against_the_reference(emulated, name, dtype):
 def test_emulated_dims_huge_rows(emulated, name, dtype, magnitude):
     """dims with huge rows: one scale per row for all its prefixes, each prefix's norms of the scaled rows."""
     q, c, kwargs = _dims_inputs(name, dtype)
-    if not torch.isfinite(reference.similarity_lse(q.double(), c.double(), **kwargs)).all():
+    if not torch.isfinite(float64_ops.similarity_lse(q.double(), c.double(), **kwargs)).all():
         pytest.skip("a row keeps no column in this dtype's draw")
     options = dict(kwargs)
     for key in ("filter_q", "filter_c"):
@@ -350,7 +350,7 @@ def test_emulated_dims_huge_rows(emulated, name, dtype, magnitude):
     def ours(q, c):
         return _call(emulated, options)(q * huge_row_factors(q, magnitude), c * huge_row_factors(c, magnitude))
 
-    check_against_oracle(ours, lambda q, c: reference.similarity_lse(q, c, **kwargs), [q, c],
+    check_against_oracle(ours, lambda q, c: float64_ops.similarity_lse(q, c, **kwargs), [q, c],
                          f"{name} dims {dtype} x{magnitude:g}")
 
 
@@ -363,13 +363,13 @@ def test_emulated_dims_narrower_than_the_rows(emulated, name):
     if "filter_q" in kwargs:
         kwargs["filter_threshold"] = torch.stack([kwargs["filter_threshold"] - 0.1] * len(dims))
     kwargs["dims"] = dims
-    if not torch.isfinite(reference.similarity_lse(q, c, **kwargs)).all():
+    if not torch.isfinite(float64_ops.similarity_lse(q, c, **kwargs)).all():
         pytest.skip("a row keeps no column in this draw")
     ours = dict(kwargs)
     if _is_self_filter(name):
         ours.update(own_filter=True)
         ours.pop("filter_q"), ours.pop("filter_c")
-    check_against_oracle(_call(emulated, ours), lambda q, c: reference.similarity_lse(q, c, **kwargs), [q, c],
+    check_against_oracle(_call(emulated, ours), lambda q, c: float64_ops.similarity_lse(q, c, **kwargs), [q, c],
                          f"{name} dims {dims}")
 
 
@@ -377,7 +377,7 @@ def test_emulated_blocks_of_five_rows(emulated, monkeypatch):
     """Row blocks smaller than a gradient tile, with every option on (row0 > 0 in every index)."""
     monkeypatch.setattr(cuda_lse, "MAX_BLOCK_ROWS", 5)
     q, c, kwargs = _inputs("everything", torch.float64)
-    check_against_oracle(_call(emulated, kwargs), lambda q, c: reference.similarity_lse(q, c, **kwargs), [q, c],
+    check_against_oracle(_call(emulated, kwargs), lambda q, c: float64_ops.similarity_lse(q, c, **kwargs), [q, c],
                          "everything, blocks of 5 rows")
 
 

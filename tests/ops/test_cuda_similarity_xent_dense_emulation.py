@@ -6,7 +6,7 @@ and "dense_dims") makes the dot-product tiles with torch products and hands each
 cuda_similarity_xent_dense_stats and cuda_similarity_xent_dense_grad. Here those two ops are replaced
 (monkeypatched at the module's `_stats` and `_grad`) by PyTorch transcriptions of their kernels and binding, and the
 op (through the backend's op module, similarity_xent_paths, on the path it names) is checked against
-angle_kernels.reference.similarity_xent (float64; with dims, its k calls on the truncated inputs) on CPU tensors,
+angle_kernels.float64_ops.similarity_xent (float64; with dims, its k calls on the truncated inputs) on CPU tensors,
 forward and backward, for every option of the contract (partner and diagonal targets, exclude_diagonal, group ids,
 the margin, row weights, c None or given), odd shapes, several row blocks, huge rows, and float64 / float32 /
 bfloat16 / float16 inputs. What each part mirrors in csrc/similarity_xent_dense.cu:
@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from angle_kernels import reference
+from angle_kernels import float64_ops
 from angle_kernels.contract import MARGIN_SIN_SQUARED_FLOOR, check_similarity_xent
 from angle_kernels.cuda_ops import similarity_xent_dense as cuda_dense
 from angle_kernels.cuda_ops import similarity_xent_paths
@@ -231,8 +231,8 @@ def emulated(monkeypatch):
 def _prefix_reference(q, c=None, dims=None, **kwargs):
     """The reference, or with dims its k calls on the truncated inputs, stacked: what the contract says dims is."""
     if dims is None:
-        return reference.similarity_xent(q, c, **kwargs)
-    return torch.stack([reference.similarity_xent(q[:, :d], None if c is None else c[:, :d], **kwargs) for d in dims])
+        return float64_ops.similarity_xent(q, c, **kwargs)
+    return torch.stack([float64_ops.similarity_xent(q[:, :d], None if c is None else c[:, :d], **kwargs) for d in dims])
 
 
 def _checked(q, c, kwargs) -> tuple:
@@ -310,7 +310,7 @@ def test_emulated_forward_without_gradients(emulated):
     """Inputs that need no gradient: forward forms none (with_grad False) and gives the same loss."""
     q, c, kwargs = _inputs("contrastive", torch.float64)
     args = _checked(q, c, kwargs)
-    assert torch.allclose(emulated(*args), reference.similarity_xent(q, c, **kwargs), rtol=1e-12, atol=0)
+    assert torch.allclose(emulated(*args), float64_ops.similarity_xent(q, c, **kwargs), rtol=1e-12, atol=0)
 
 
 def test_the_selector_keeps_the_verified_path_until_switched_on():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from angle_kernels.reference import GRAD_TOL, VALUE_TOL
+from angle_kernels.float64_ops import GRAD_TOL, VALUE_TOL
 from angle_kernels.testing import oracle
 from angle_kernels.testing.helpers import (
     HALF_DTYPES, HUGE_OP_MAGNITUDES, assert_close, check_against_oracle, generator, huge_magnitude_id,

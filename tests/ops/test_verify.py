@@ -1,7 +1,7 @@
 """`python -m angle_kernels.verify` on CPU: its checks of the Triton backend, through the interpreter, at tiny sizes.
 
 What a user's GPU run does is what runs here, minus the GPU: every code path of every op the backend declares,
-forward and backward against angle_kernels.reference, twice per case, judged by the reference's rule. Checked:
+forward and backward against angle_kernels.float64_ops, twice per case, judged by the reference's rule. Checked:
 the Triton backend passes on every path (the dense scheme's cases with its MIN_WIDTH lowered to their width);
 the checks cover every path the backend declares; and the checks catch the autotuner bug of the dims backward
 when the autotuner's first call is replayed (tests/ops/autotune_replay.py) without the kernels' declarations.

@@ -13,7 +13,7 @@ import pytest
 import torch
 from train_helpers import make_encoder, run_config
 
-from angle_train import cli, command_line, evaluate, trainer
+from angle_train import cli, cli_common, evaluate, trainer
 from angle_train.config import names_local_path
 from angle_train.data import DataError, load_examples
 from angle_train.evaluate import sts_spearman
@@ -204,10 +204,10 @@ def test_a_missing_train_extra_is_named(program, st_folder, tmp_path, monkeypatc
 
 def test_an_import_of_the_extra_failing_later_is_named(monkeypatch):
     parser = cli.build_parser()
-    with pytest.raises(SystemExit) as exit_info, command_line.user_errors_exit(parser, debug=False):
+    with pytest.raises(SystemExit) as exit_info, cli_common.user_errors_exit(parser, debug=False):
         raise ModuleNotFoundError("No module named 'datasets'", name="datasets")
     assert exit_info.value.code == 2
-    with pytest.raises(ModuleNotFoundError), command_line.user_errors_exit(parser, debug=False):
+    with pytest.raises(ModuleNotFoundError), cli_common.user_errors_exit(parser, debug=False):
         raise ModuleNotFoundError("No module named 'not_ours'", name="not_ours")  # a bug: its traceback
 
 
@@ -227,7 +227,7 @@ def test_an_output_folder_that_does_not_exist_is_never_looked_up_on_the_hub(name
 
 @pytest.mark.parametrize("cuda", [True, False])
 def test_angle_eval_chooses_the_device_as_angle_train_does(cuda, st_folder, tmp_path, monkeypatch):
-    """Both default to CUDA when there is one (TrainConfig.device's rule, command_line.resolve_device)."""
+    """Both default to CUDA when there is one (TrainConfig.device's rule, cli_common.resolve_device)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     asked = {}
 
@@ -239,8 +239,8 @@ def test_angle_eval_chooses_the_device_as_angle_train_does(cuda, st_folder, tmp_
     with pytest.raises(KeyboardInterrupt):
         evaluate.main([st_folder, write_stsb(tmp_path / "sts-test.csv", demo_sts_examples(8))])
     expected = "cuda" if cuda else "cpu"
-    assert str(asked["device"]) == expected == str(command_line.resolve_device(None))
-    assert str(command_line.resolve_device("cpu")) == "cpu"
+    assert str(asked["device"]) == expected == str(cli_common.resolve_device(None))
+    assert str(cli_common.resolve_device("cpu")) == "cpu"
 
 
 def test_angle_eval_progress_0_prints_no_bar(st_folder, tmp_path, capsys):

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""The per-call cost of a small loss call: ours against the eager formula, forward + backward, side by side.
+
+At 256 pairs and D = 64 (the defaults) a call is a few hundred microseconds of arithmetic, so what this measures is
+what every call pays besides it: argument checks, dispatch, the op's bookkeeping. Four loss families, each against
+its eager formula (the N x N matrix written out in PyTorch, as the reference packages compute it):
+
+    cosine_loss              CoSENT on pair scores and the ranking term   eager: cosines, the pairwise logsumexp
+    in_batch_negative_loss   AnglE's in-batch negatives (similarity_xent) eager: masked 2N x 2N cross-entropy
+    mnrl                     multiple_negatives_ranking_loss (similarity_xent) eager: N x N cross-entropy
+    gist_loss                guided negatives (similarity_lse)             eager: three guided N x N blocks
+
+Every round times each row once (so a machine whose speed drifts slows every contender alike); the table gives each
+row's median over the rounds after the first ten, and ours / eager. Target: within 1.2x of the eager formula. One
+thread by default (--threads), as the per-call figures in the CHANGELOG were measured.
+
+    python bench/bench_per_call.py [--pairs 256] [--dim 64] [--rounds 80] [--threads 1] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import angle_kernels as ak
+
+
+def _cosine_matrix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
+
+
+def contenders(pairs: int, dim: int, seed: int = 0) -> dict[str, tuple]:
+    """Row name -> (call, leaves), ours and the eager formula of each family on the same inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    q, p = (torch.randn(pairs, dim, generator=gen).requires_grad_() for _ in range(2))
+    guide_q, guide_p = (torch.randn(pairs, dim, generator=gen) for _ in range(2))
+    y = torch.randn(2 * pairs, dim, generator=gen).requires_grad_()
+    graded = torch.rand(pairs, generator=gen).repeat_interleave(2)
+    positive = torch.ones(2 * pairs)
+    partner = torch.arange(2 * pairs) ^ 1
+    diagonal = torch.arange(pairs)
+
+    def eager_cosine():
+        cos = F.cosine_similarity(y[0::2], y[1::2]) * 20.0
+        labels = graded[0::2]
+        diff = cos[None, :] - cos[:, None] - (1 - (labels[:, None] > labels[None, :]).float()) * 1e12
+        return torch.logsumexp(torch.cat([torch.zeros(1), diff.flatten()]), 0)
+
+    def eager_in_batch():
+        logits = _cosine_matrix(y, y) * 20.0
+        return F.cross_entropy(logits.masked_fill(torch.eye(2 * pairs, dtype=torch.bool), float("-inf")), partner)
+
+    def eager_mnrl():
+        return F.cross_entropy(_cosine_matrix(q, p) * 20.0, diagonal)
+
+    def eager_gist():  # sentence-transformers' GISTEmbedLoss, absolute margin 0, temperature 0.01
+        ap, aa, pp = _cosine_matrix(q, p), _cosine_matrix(q, q), _cosine_matrix(p, p)
+        guide_ap, guide_aa, guide_pp = (_cosine_matrix(guide_q, guide_p), _cosine_matrix(guide_q, guide_q),
+                                        _cosine_matrix(guide_p, guide_p))
+        guided = guide_ap.diagonal().view(-1, 1)
+        ap = ap.masked_fill((guide_ap > guided) & ~torch.eye(pairs, dtype=torch.bool), float("-inf"))
+        aa, pp = aa.masked_fill(guide_aa > guided, float("-inf")), pp.masked_fill(guide_pp > guided, float("-inf"))
+        return F.cross_entropy(torch.cat([ap, aa, pp], dim=1) / 0.01, diagonal)
+
+    return {
+        "cosine_loss": (lambda: ak.cosine_loss(graded, y, 20.0), [y]),
+        "eager cosine": (eager_cosine, [y]),
+        "in_batch_negative_loss": (lambda: ak.in_batch_negative_loss(positive, y), [y]),
+        "eager in-batch": (eager_in_batch, [y]),
+        "mnrl": (lambda: ak.multiple_negatives_ranking_loss(q, p), [q, p]),
+        "eager mnrl": (eager_mnrl, [q, p]),
+        "gist_loss": (lambda: ak.gist_loss(q, p, guide_q, guide_p), [q, p]),
+        "eager gist": (eager_gist, [q, p]),
+    }
+
+
+def measure(pairs: int = 256, dim: int = 64, rounds: int = 80, warm_rounds: int = 10) -> dict[str, float]:
+    """Row name -> median ms of forward + backward over the rounds after `warm_rounds`, every row once per round."""
+    rows = contenders(pairs, dim)
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(rounds):
+        for name, (call, leaves) in rows.items():
+            for leaf in leaves:
+                leaf.grad = None
+            start = time.perf_counter()
+            call().backward()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[warm_rounds:] or t) * 1e3 for name, t in times.items()}
+
+
+def table(medians: dict[str, float]) -> str:
+    pairs = [("cosine_loss", "eager cosine"), ("in_batch_negative_loss", "eager in-batch"), ("mnrl", "eager mnrl"),
+             ("gist_loss", "eager gist")]
+    lines = ["| loss | ours ms | eager ms | ours / eager |", "|---|---|---|---|"]
+    for ours, eager in pairs:
+        lines.append(f"| {ours} | {medians[ours]:.3f} | {medians[eager]:.3f} | {medians[ours] / medians[eager]:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=80)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print the medians as JSON instead of the table")
+    args = parser.parse_args(argv)
+    for name in ("pairs", "dim", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    torch.set_num_threads(args.threads)
+    medians = measure(args.pairs, args.dim, args.rounds, warm_rounds=min(10, args.rounds - 1))
+    print(json.dumps(medians) if args.json else table(medians))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
