@@ -13,7 +13,8 @@ torch is deliberately not a build requirement, so a CUDA build needs the torch a
 Environment:
     ANGLE_KERNELS_BUILD_CUDA=0      never build the extension
     ANGLE_KERNELS_BUILD_CUDA=1      require it: fail the install if it cannot be built or does not compile
-    TORCH_CUDA_ARCH_LIST            target GPUs (default "8.0;9.0": A100 and H100/H200)
+    TORCH_CUDA_ARCH_LIST            target GPUs (default "8.0;8.6;8.9;9.0": A100; A10, A40, RTX 30xx; L4, L40,
+                                    RTX 40xx; H100/H200)
     MAX_JOBS                        parallel compile jobs for ninja (torch's variable)
 """
 
@@ -25,7 +26,7 @@ import sys
 
 from setuptools import setup
 
-DEFAULT_ARCH_LIST = "8.0;9.0"
+DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0"
 
 
 def _log(message: str) -> None:

@@ -10,7 +10,7 @@
 #   2. its CUDA major version matches nvcc's (torch's extension builder refuses a mismatch);
 #   3. `setup.py build_ext` builds the extension exactly as `pip install --no-build-isolation .` would, with
 #      torch's own compiler flags (ANGLE_KERNELS_BUILD_CUDA=1: a compile failure fails this step), for
-#      TORCH_CUDA_ARCH_LIST (default "8.0;9.0");
+#      TORCH_CUDA_ARCH_LIST (default "8.0;8.6;8.9;9.0", as setup.py);
 #   4. the op schemas are defined (importing the cuda_ops op modules), then torch.ops.load_library loads the
 #      .so: that runs its TORCH_LIBRARY_IMPL registration, which fails if a C++ signature does not match its
 #      schema, and the script checks that every op now has a CUDA kernel.
@@ -26,7 +26,7 @@ esac
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${1:-${ANGLE_CUDA_CHECK_DIR:-/tmp/angle_kernels_cuda_check}}
 TORCH_CUDA_SPEC=${TORCH_CUDA_SPEC:-torch==2.13.0}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;8.6;8.9;9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p "$WORK"
 started=$(date +%s)

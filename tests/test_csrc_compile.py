@@ -1,6 +1,7 @@
 """Compile every CUDA kernel file in csrc/ with nvcc and the flags torch's extension builder really passes, for
-sm_90 (H100/H200) and sm_80 (A100); check each binding against the kernel file it binds; and check that setup.py
-survives a failed compile and keeps a kernel file's object apart from its binding's.
+setup.py's architectures: sm_90 (H100/H200), sm_80 (A100), sm_86 and sm_89 (A10, L4, RTX 30xx/40xx); check each
+binding against the kernel file it binds; and check that setup.py survives a failed compile and keeps a kernel
+file's object apart from its binding's.
 
 csrc/ holds, per op, `<op>.cu` (kernels and launchers, torch-free) and `<op>.cpp` (its torch binding: the
 launcher declarations, the checks, the TORCH_LIBRARY_IMPL block), plus shared headers and module.cpp (the Python
@@ -46,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 CSRC = REPO / "csrc"
 KERNEL_FILES = sorted(p.name for p in CSRC.glob("*.cu"))  # csrc/<op>.cu
 BINDING_FILES = sorted(p.name for p in CSRC.glob("*.cpp"))  # csrc/<op>.cpp and module.cpp
-ARCHS = ("sm_80", "sm_90")
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # setup.DEFAULT_ARCH_LIST
 FORBIDDEN_INCLUDE = re.compile(r"#\s*include\s*[<\"](torch/|c10/|ATen/)")
 LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 # A kernel: `__global__ void [__launch_bounds__(...)] name(`, qualifiers allowed before `void`.
@@ -109,6 +110,12 @@ def _cuda_include() -> Path | None:
     return next((c for c in candidates if (c / "cuda_runtime_api.h").exists()), None)
 
 
+def test_the_compile_check_covers_the_builds_architectures():
+    """ARCHS are the architectures setup.py builds for by default (TORCH_CUDA_ARCH_LIST unset)."""
+    built = re.search(r'^DEFAULT_ARCH_LIST = "([^"]+)"', (REPO / "setup.py").read_text(), re.MULTILINE).group(1)
+    assert sorted(ARCHS) == sorted(f"sm_{arch.replace('.', '')}" for arch in built.split(";"))
+
+
 @pytest.mark.parametrize("name", KERNEL_FILES)
 def test_kernel_files_define_kernels(name):
     """The regex that the compile check takes its expected kernels from finds this file's kernels."""
@@ -150,7 +157,7 @@ def compiled(tmp_path_factory):
     """Compile all kernel files concurrently; {name: (returncode, combined output, the sm_90 object)}.
 
     sm_90: a full `nvcc -c` (host and device code, so the launchers are compiled too) in C++17, the standard
-    of the GPU machine's torch 2.11; sm_80: device code only (`-cubin`, all that differs between
+    of the GPU machine's torch 2.11; the others: device code only (`-cubin`, all that differs between
     architectures, half the time) in C++20, the standard torch 2.13's builder passes."""
     out_dir = tmp_path_factory.mktemp("nvcc")
     procs = {}
@@ -159,14 +166,15 @@ def compiled(tmp_path_factory):
         procs[name] = [
             subprocess.Popen([*common, "-std=c++17", "-arch=sm_90", "-c", "-o", str(out_dir / f"{name}.sm_90.o")],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-            subprocess.Popen([*common, "-std=c++20", "-arch=sm_80", "-cubin",
-                              "-o", str(out_dir / f"{name}.sm_80.cubin")],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+            *(subprocess.Popen([*common, "-std=c++20", f"-arch={arch}", "-cubin",
+                                "-o", str(out_dir / f"{name}.{arch}.cubin")],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for arch in ARCHS if arch != "sm_90"),
         ]
     results = {}
-    for name, pair in procs.items():
+    for name, runs in procs.items():
         outputs, returncode = [], 0
-        for proc in pair:
+        for proc in runs:
             output, _ = proc.communicate(timeout=300)
             outputs.append(output)
             returncode = returncode or proc.returncode

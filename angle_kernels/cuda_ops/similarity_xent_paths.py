@@ -20,6 +20,8 @@ verified path, and sends dims calls to another backend until a GPU run verifies 
 
 from __future__ import annotations
 
+import torch
+
 from . import similarity_xent as fused
 from . import similarity_xent_dense as dense
 
@@ -31,14 +33,19 @@ PROPOSED_DENSE_MIN_WIDTH = 768
 
 def code_path(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
               dims=None) -> str:
-    """The one of PATHS that computes this call: dims -> the dense dims scheme; one width from DENSE_MIN_WIDTH up,
-    where the dense scheme's tiles fit -> the dense scheme; otherwise the fused kernels."""
+    """The one of PATHS that computes this call: dims -> the dense dims scheme; one width from DENSE_MIN_WIDTH up, or
+    at any width under torch.use_deterministic_algorithms(True), where the dense scheme's tiles fit -> the dense
+    scheme; otherwise the fused kernels."""
     if dims is not None:
         return "dense_dims"
     columns = q.shape[0] if c is None else c.shape[0]
-    if DENSE_MIN_WIDTH is not None and q.shape[1] >= DENSE_MIN_WIDTH and dense.takes(q.shape[1], columns):
+    if not dense.takes(q.shape[1], columns):
+        return "fused"
+    if DENSE_MIN_WIDTH is not None and q.shape[1] >= DENSE_MIN_WIDTH:
         return "dense"
-    return "fused"
+    # The fused backward adds into its gradients with float atomics (order-dependent bits; under torch's
+    # deterministic mode it raises, as torch's own such ops do); the dense scheme reduces in a fixed order.
+    return "dense" if torch.are_deterministic_algorithms_enabled() else "fused"
 
 
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,

@@ -330,6 +330,22 @@ def test_the_selector_keeps_the_verified_path_until_switched_on():
     assert similarity_xent_paths.DENSE_MIN_WIDTH is None
 
 
+def test_deterministic_mode_takes_the_dense_scheme():
+    """Under torch.use_deterministic_algorithms(True) a one-width call takes the dense scheme at any width (its
+    reductions have a fixed order; the fused backward adds with float atomics), where its tiles fit; outside it,
+    the verified fused kernels as before."""
+    narrow = torch.zeros(8, 64)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert similarity_xent_paths.code_path(narrow, None, 20.0, "partner") == "dense"
+        assert similarity_xent_paths.code_path(narrow, narrow, 20.0, "diagonal") == "dense"
+        assert similarity_xent_paths.code_path(narrow, None, 20.0, "partner", dims=(32, 64)) == "dense_dims"
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert similarity_xent_paths.code_path(narrow, None, 20.0, "partner") == "fused"
+
+
 def test_the_model_reads_the_kernels_constants():
     assert STATS_THREADS % WARP == 0 and GRAD_COLS % WARP == 0 and GRAD_ROWS >= 1
     assert re.search(r"constexpr int kXentGradThreads = kXentGradCols;", CU)
