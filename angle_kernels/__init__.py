@@ -12,16 +12,16 @@ See `help(angle_kernels.losses)` for the losses (by family), `angle_kernels.disp
 `angle_kernels.inputs` for input validation (and how to switch its device syncs off).
 """
 
-from . import functional
+from . import functional, losses  # noqa: F401  (functional: the losses' former module, kept)
 from ._version import __version__
 from .inputs import input_checks, input_checks_enabled, set_input_checks
 from .dispatch import BACKENDS, resolve_backend
-from .functional import *  # noqa: F403  (the losses: functional.__all__)
+from .losses import *  # noqa: F403  (the losses: losses.__all__)
 from .modules import AngleLoss, ArcCSELoss
 
 __all__ = [
     "__version__",
-    *functional.__all__,
+    *losses.__all__,
     "AngleLoss",
     "ArcCSELoss",
     "set_input_checks",
