@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .dispatch import Ops, resolve_backend
-from .contract import compute_dtype
+from .dispatch import resolve_backend
 from .inputs import (
     IBN_PARTITIONS,
     POOLING_STRATEGIES,
@@ -34,9 +33,8 @@ from .inputs import (
     check_zigzag,
     promote_embeddings,
 )
-from .losses.angle import as_pairs, in_batch_negatives, ranking_terms
+from .losses.angle import AngleSettings, angle_objective_a, angle_objective_b, angle_objective_c
 from .losses.arccse import arccon, triplet
-from .losses.retrieval import multiple_negatives
 
 DATASET_FORMATS = ("A", "B", "C")
 
@@ -159,104 +157,46 @@ class AngleLoss(nn.Module):
             f"dim_weights={self.dim_weights}"
         )
 
+    def settings(self) -> AngleSettings:
+        """The terms' weights, scales and in-batch options as forward computes them (read at each call: angle-emb
+        sets attributes after construction)."""
+        return AngleSettings(self.cosine_w, self.ibn_w, self.cln_w, self.angle_w, self.cosine_tau, self.ibn_tau,
+                             self.angle_tau, self.angle_pooling_strategy, self.ibn_partition,
+                             self.false_negative_margin, self.false_negative_strategy)
+
     def forward(self, labels: torch.Tensor | None, outputs: torch.Tensor, *,
                 layer_weights: LayerWeights | None = None) -> torch.Tensor:
         _check_dataset_format(self.dataset_format)
         # first: outputs, or the first layer of a stack (the values of the others are checked here)
         layers, (first,) = check_layer_stack(layer_weights, ("outputs", outputs))
-        stack = (layer_weights, layers)
+        settings = self.settings()
         if self.dataset_format == "A":
-            return self._format_a(labels, outputs, first, stack)
-        if self.dataset_format == "B":
+            row_labels = check_zigzag(labels, first, names=("labels", "outputs"))
+            if settings.ibn_w > 0:
+                check_binary_labels("labels", row_labels, "AngleLoss's in-batch-negative term (ibn_w > 0)")
+        elif self.dataset_format == "B":
             check_embeddings("outputs", first, rows_multiple_of=2, layout="format B: query, positive rows")
-            # outputs is checked whole, so the computing half is called rather than the public function, which
-            # would scan the same rows for NaN/Inf again (one more device sync per step).
-            return self._contrastive(resolve_backend(self.backend, outputs), outputs[..., 0::2, :],
-                                     outputs[..., 1::2, :], [], self._nested(first.shape[1], *stack))
-        return self._format_c(outputs, first, stack)
+        else:
+            check_embeddings("outputs", first, rows_multiple_of=3, layout="format C: query, positive, negative rows")
+        if self.dataset_format != "B" and settings.angle_w > 0:
+            check_angle_dim(first.shape[-1], "outputs")
+        ops = resolve_backend(self.backend, outputs)
+        nested = self._nested(first.shape[1], layer_weights, layers)
+        # outputs is checked whole above, so the formulas are called rather than the public functions, which would
+        # scan the same rows for NaN/Inf again (one more device sync per step)
+        if self.dataset_format == "A":
+            return angle_objective_a(ops, settings, row_labels, outputs, nested)
+        if self.dataset_format == "B":
+            return angle_objective_b(ops, settings, outputs, nested)
+        return angle_objective_c(ops, settings, outputs, nested)
 
     if TYPE_CHECKING:  # for type checkers only: calling the module runs forward (nn.Module's __call__ is untyped)
         __call__ = forward
-
-    def _contrastive(self, ops: Ops, queries: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
-                     nested: Nested | None) -> torch.Tensor:
-        """The contrastive terms of formats B and C: query i against [positives; negatives], with the partition
-        and the filter chosen (with the defaults, contrastive(queries, [positives; negatives]), the reference's)."""
-        return multiple_negatives(ops, queries, positives, negatives, scale=self.ibn_tau,
-                                  directions=IBN_PARTITIONS[self.ibn_partition],
-                                  false_negative_margin=self.false_negative_margin,
-                                  false_negative_strategy=self.false_negative_strategy, nested=nested)
-
-    def _ranking_terms(self, ops: Ops, groups: torch.Tensor, labels: torch.Tensor,
-                       nested: Nested | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(cosine_w * cosine, angle_w * angle) on the pairs (groups[g, 0], groups[g, k]), from one pair-score
-        pass; a disabled term is None."""
-        if self.cosine_w <= 0 and self.angle_w <= 0:
-            return None, None
-        if self.angle_w > 0:
-            check_angle_dim(groups.shape[-1], "outputs")
-        cosine_term, angle_term = ranking_terms(
-            ops, groups, labels,
-            cosine_tau=self.cosine_tau if self.cosine_w > 0 else None,
-            angle_tau=self.angle_tau if self.angle_w > 0 else None,
-            pooling_strategy=self.angle_pooling_strategy, nested=nested,
-        )
-        return (None if cosine_term is None else self.cosine_w * cosine_term,
-                None if angle_term is None else self.angle_w * angle_term)
-
-    def _format_a(self, labels: torch.Tensor | None, outputs: torch.Tensor, first: torch.Tensor,
-                  stack: tuple[LayerWeights | None, int | None]) -> torch.Tensor:
-        row_labels = check_zigzag(labels, first, names=("labels", "outputs"))
-        if self.ibn_w > 0:
-            check_binary_labels("labels", row_labels, "AngleLoss's in-batch-negative term (ibn_w > 0)")
-        ops = resolve_backend(self.backend, outputs)
-        nested = self._nested(first.shape[1], *stack)
-        cosine_term, angle_term = self._ranking_terms(ops, as_pairs(outputs), row_labels[0::2], nested)
-        ibn_term = None
-        if self.ibn_w > 0:
-            ibn_term = self.ibn_w * in_batch_negatives(
-                ops, row_labels, outputs, self.ibn_tau, partition=self.ibn_partition,
-                false_negative_margin=self.false_negative_margin, false_negative_strategy=self.false_negative_strategy,
-                nested=nested)
-        return _sum_terms([cosine_term, ibn_term, angle_term], outputs)  # the reference's order of summation
-
-    def _format_c(self, outputs: torch.Tensor, first: torch.Tensor,
-                  stack: tuple[LayerWeights | None, int | None]) -> torch.Tensor:
-        check_embeddings("outputs", first, rows_multiple_of=3,
-                                layout="format C: query, positive, negative rows")
-        rows, dim = first.shape
-        groups = rows // 3
-        x = outputs.reshape(*outputs.shape[:-2], groups, 3, dim)
-        query, positive, negative = x[..., 0, :], x[..., 1, :], x[..., 2, :]
-        ops = resolve_backend(self.backend, outputs)
-        nested = self._nested(first.shape[1], *stack)
-        # The computing halves, called directly: outputs was checked whole just above.
-        contrastive_term = None
-        if self.ibn_w > 0 or self.cln_w > 0:
-            contrastive_term = 0.0
-            if self.ibn_w > 0:
-                contrastive_term = self.ibn_w * self._contrastive(ops, query, positive, [], nested)
-            if self.cln_w > 0:
-                contrastive_term = contrastive_term + self.cln_w * self._contrastive(ops, query, positive, [negative],
-                                                                                     nested)
-            contrastive_term = contrastive_term / 2
-        pair_labels = torch.cat((torch.ones(groups, device=outputs.device), torch.zeros(groups, device=outputs.device)))
-        cosine_term, angle_term = self._ranking_terms(ops, x, pair_labels, nested)
-        return _sum_terms([contrastive_term, angle_term, cosine_term], outputs)  # the reference's order
 
 
 # check_nested's width bound before the embeddings are known (the real one is checked in forward)
 _ANY_WIDTH = 1 << 62
 
-
-def _sum_terms(terms: list[torch.Tensor | None], outputs: torch.Tensor) -> torch.Tensor:
-    terms = [t for t in terms if t is not None]
-    if not terms:
-        return torch.zeros((), dtype=compute_dtype(outputs.dtype), device=outputs.device)
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
 
 
 class ArcCSELoss(nn.Module):

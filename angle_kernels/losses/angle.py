@@ -6,6 +6,8 @@
                                      call (`in_batch_negatives`; GTE's partition and the false-negative filter
                                      through the similarity_lse blocks of angle_kernels.losses.retrieval)
     contrastive_with_negative_loss   queries against [positives; negatives] (retrieval's `contrastive`)
+    AngleLoss's objective            formats A, B and C (`angle_objective_a`, `_b`, `_c`: the terms above, weighted
+                                     and summed as angle-emb 0.6.1's AngleLoss does; the module checks, then calls)
 
 Each public function checks its arguments (`angle_kernels.inputs`), resolves the backend and calls its formula,
 written once here; `AngleLoss` (angle_kernels.modules) and the integrations check their inputs once and call the
@@ -14,6 +16,8 @@ angle_kernels.losses.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -41,7 +45,7 @@ from ..inputs import (
     nested_dims,
     promote_embeddings,
 )
-from .retrieval import contrastive, multiple_negatives_rows
+from .retrieval import contrastive, multiple_negatives, multiple_negatives_rows
 
 __all__ = ["cosine_loss", "angle_loss", "in_batch_negative_loss", "contrastive_with_negative_loss"]
 
@@ -306,3 +310,100 @@ def in_batch_negatives(
     both_rows = (multiple_negatives_rows(ops, queries, documents, [], directions=one_row, **options)
                  + multiple_negatives_rows(ops, documents, queries, [], directions=one_row, **options))
     return (pairs * both_rows).sum() / y_pred.shape[0]
+
+
+# AngleLoss (angle_kernels.modules): the AnglE objective, paper Eq. 8, assembled as angle-emb 0.6.1's AngleLoss
+class AngleSettings(NamedTuple):
+    """AngleLoss's checked settings: the terms' weights and scales, the angle's pooling and the in-batch options (a
+    term is computed only when its weight is > 0)."""
+
+    cosine_w: float
+    ibn_w: float
+    cln_w: float
+    angle_w: float
+    cosine_tau: float
+    ibn_tau: float
+    angle_tau: float
+    angle_pooling_strategy: str
+    ibn_partition: str
+    false_negative_margin: float | None
+    false_negative_strategy: str
+
+
+def angle_objective_a(ops: Ops, settings: AngleSettings, row_labels: torch.Tensor, outputs: torch.Tensor,
+                      nested: Nested | None) -> torch.Tensor:
+    """Format A (text1, text2, label; zigzag rows, labels one per row, 0/1 when ibn_w > 0): cosine_w * cosine +
+    ibn_w * in-batch negatives + angle_w * angle, summed in the reference's order."""
+    cosine_term, angle_term = _weighted_ranking_terms(ops, settings, as_pairs(outputs), row_labels[0::2], nested)
+    ibn_term = None
+    if settings.ibn_w > 0:
+        ibn_term = settings.ibn_w * in_batch_negatives(
+            ops, row_labels, outputs, settings.ibn_tau, partition=settings.ibn_partition,
+            false_negative_margin=settings.false_negative_margin,
+            false_negative_strategy=settings.false_negative_strategy, nested=nested)
+    return _sum_terms([cosine_term, ibn_term, angle_term], outputs)
+
+
+def angle_objective_b(ops: Ops, settings: AngleSettings, outputs: torch.Tensor, nested: Nested | None) -> torch.Tensor:
+    """Format B (query, positive; zigzag rows): the contrastive term of the queries against the positives (the
+    weights and labels ignored, as in the reference)."""
+    return _angle_contrastive(ops, settings, outputs[..., 0::2, :], outputs[..., 1::2, :], [], nested)
+
+
+def angle_objective_c(ops: Ops, settings: AngleSettings, outputs: torch.Tensor, nested: Nested | None) -> torch.Tensor:
+    """Format C (query, positive, negative rows): (ibn_w * contrastive(q, pos) + cln_w * contrastive(q, pos, neg))
+    / 2 + angle_w * angle + cosine_w * cosine, the ranking terms putting the (q, pos) pairs (label 1) above the
+    (q, neg) pairs (label 0); the reference's order of summation."""
+    rows, dim = outputs.shape[-2:]
+    groups = rows // 3
+    x = outputs.reshape(*outputs.shape[:-2], groups, 3, dim)
+    query, positive, negative = x[..., 0, :], x[..., 1, :], x[..., 2, :]
+    contrastive_term = None
+    if settings.ibn_w > 0 or settings.cln_w > 0:
+        contrastive_term = 0.0
+        if settings.ibn_w > 0:
+            contrastive_term = settings.ibn_w * _angle_contrastive(ops, settings, query, positive, [], nested)
+        if settings.cln_w > 0:
+            contrastive_term = contrastive_term + settings.cln_w * _angle_contrastive(ops, settings, query, positive,
+                                                                                      [negative], nested)
+        contrastive_term = contrastive_term / 2
+    pair_labels = torch.cat((torch.ones(groups, device=outputs.device), torch.zeros(groups, device=outputs.device)))
+    cosine_term, angle_term = _weighted_ranking_terms(ops, settings, x, pair_labels, nested)
+    return _sum_terms([contrastive_term, angle_term, cosine_term], outputs)
+
+
+def _angle_contrastive(ops: Ops, settings: AngleSettings, queries: torch.Tensor, positives: torch.Tensor,
+                       negatives: list[torch.Tensor], nested: Nested | None) -> torch.Tensor:
+    """The contrastive terms of formats B and C: query i against [positives; negatives], with the partition and the
+    filter chosen (with the defaults, contrastive(queries, [positives; negatives]), the reference's)."""
+    return multiple_negatives(ops, queries, positives, negatives, scale=settings.ibn_tau,
+                              directions=IBN_PARTITIONS[settings.ibn_partition],
+                              false_negative_margin=settings.false_negative_margin,
+                              false_negative_strategy=settings.false_negative_strategy, nested=nested)
+
+
+def _weighted_ranking_terms(ops: Ops, settings: AngleSettings, groups: torch.Tensor, labels: torch.Tensor,
+                            nested: Nested | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(cosine_w * cosine, angle_w * angle) on the pairs (groups[g, 0], groups[g, k]), from one pair-score pass; a
+    disabled term is None."""
+    if settings.cosine_w <= 0 and settings.angle_w <= 0:
+        return None, None
+    cosine_term, angle_term = ranking_terms(
+        ops, groups, labels,
+        cosine_tau=settings.cosine_tau if settings.cosine_w > 0 else None,
+        angle_tau=settings.angle_tau if settings.angle_w > 0 else None,
+        pooling_strategy=settings.angle_pooling_strategy, nested=nested,
+    )
+    return (None if cosine_term is None else settings.cosine_w * cosine_term,
+            None if angle_term is None else settings.angle_w * angle_term)
+
+
+def _sum_terms(terms: list[torch.Tensor | None], outputs: torch.Tensor) -> torch.Tensor:
+    """The terms that were computed, summed in the given order; a 0-dim zero when none was."""
+    computed = [t for t in terms if t is not None]
+    if not computed:
+        return torch.zeros((), dtype=compute_dtype(outputs.dtype), device=outputs.device)
+    total = computed[0]
+    for term in computed[1:]:
+        total = total + term
+    return total
