@@ -503,6 +503,18 @@ def test_summary_gathers_the_stages_of_separate_commands(tmp_path):
         gpu_suite.summarize(tmp_path / "first" / "missing")
 
 
+def test_a_stage_summary_renders_every_record_it_may_meet(tmp_path):
+    """The records of earlier runs, whose verifications step counted its failed paths (an int), still render; and a
+    record that cannot render leaves its summary saying so while the record itself is written."""
+    record = _record(tmp_path)
+    record.step("verifications", {"status": "ok", "passed": 11, "failed": 1})
+    assert "failed: 1" in (tmp_path / "out" / "first.md").read_text()
+    record.data["steps"]["preflight"] = {"status": "ok", "environment": {"gpu": "NVIDIA H200", "capability": None}}
+    record.save()
+    assert "did not render" in (tmp_path / "out" / "first.md").read_text()
+    assert json.loads((tmp_path / "out" / "first.json").read_text())["steps"]["verifications"]["failed"] == 1
+
+
 def test_the_cuda_probe_is_valid_python():
     """first and second run it in a subprocess on the GPU; a typo would cost a GPU command to find."""
     compile(gpu_suite._CUDA_PROBE, "_CUDA_PROBE", "exec")
