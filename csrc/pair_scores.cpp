@@ -63,12 +63,44 @@ using namespace angle_kernels::binding;
 
 constexpr int64_t kPairStats = 6;  // saved per pair: csrc/pair_scores.cu's kPairStats, cuda_ops/pair_scores.PAIR_STATS
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_scores_fwd(const at::Tensor& x, bool with_angle) {
+// x [G, K, D] on a CUDA device, K >= 2 and D >= 1, checked (every entry point's first check; the ops are public).
+void check_groups(const at::Tensor& x) {
   check_cuda_tensor(x, "x");
   TORCH_CHECK_VALUE(x.dim() == 3, "angle_kernels (cuda): pair_scores x must be [G, K, D], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(1) >= 2, "angle_kernels (cuda): pair_scores x needs K >= 2 rows per group, got ", x.size(1));
+  TORCH_CHECK_VALUE(x.size(2) >= 1, "angle_kernels (cuda): pair_scores x needs D >= 1");
+}
+
+// The backward's inputs, checked against x (the gradients [leading..., G, K-1], the forward's saved stats) and in the
+// launchers' layout, with dx allocated; under the caller's device guard.
+struct GradInputs {
+  at::Tensor grad_cos, grad_angle, stats, dx;
+  cudaStream_t stream;
+};
+
+GradInputs grad_inputs(const at::Tensor& grad_cos, const at::Tensor& grad_angle, const at::Tensor& x,
+                       const at::Tensor& stats, std::vector<int64_t> pair_shape, const char* shape_name) {
+  const at::ScalarType acc_dtype = compute_dtype(x.scalar_type());
+  pair_shape.push_back(x.size(0));
+  pair_shape.push_back(x.size(1) - 1);
+  TORCH_CHECK_VALUE(
+      grad_cos.sizes() == at::IntArrayRef(pair_shape) && grad_angle.sizes() == at::IntArrayRef(pair_shape),
+      "angle_kernels (cuda): pair_scores gradients must be ", shape_name);
+  std::vector<int64_t> stats_shape = pair_shape;
+  stats_shape.push_back(kPairStats);
+  TORCH_CHECK_VALUE(stats.sizes() == at::IntArrayRef(stats_shape) && stats.scalar_type() == acc_dtype,
+                    "angle_kernels (cuda): pair_scores saved stats do not match x");
+  check_same_device(grad_cos, "grad_cos", x);
+  check_same_device(grad_angle, "grad_angle", x);
+  check_same_device(stats, "stats", x);
+  return {grad_cos.to(acc_dtype).contiguous(), grad_angle.to(acc_dtype).contiguous(), stats.contiguous(),
+          at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous)),
+          c10::cuda::getCurrentCUDAStream(x.device().index()).stream()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_scores_fwd(const at::Tensor& x, bool with_angle) {
+  check_groups(x);
   const int64_t groups = x.size(0), group_size = x.size(1), dim = x.size(2);
-  TORCH_CHECK_VALUE(group_size >= 2, "angle_kernels (cuda): pair_scores x needs K >= 2 rows per group, got ", group_size);
-  TORCH_CHECK_VALUE(dim >= 1, "angle_kernels (cuda): pair_scores x needs D >= 1");
   TORCH_CHECK_VALUE(!with_angle || dim % 2 == 0, "angle_kernels (cuda): the angle score needs an even D, got ", dim);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto opts = x.options().dtype(compute_dtype(x.scalar_type()));
@@ -89,39 +121,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_scores_fwd(const at::Tensor&
 
 at::Tensor pair_scores_bwd(const at::Tensor& grad_cos, const at::Tensor& grad_angle, const at::Tensor& x,
                            const at::Tensor& stats, bool with_angle) {
-  check_cuda_tensor(x, "x");
-  TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) >= 2, "angle_kernels (cuda): pair_scores x must be [G, K>=2, D]");
+  check_groups(x);
   const int64_t groups = x.size(0), group_size = x.size(1), dim = x.size(2);
   TORCH_CHECK_VALUE(!with_angle || dim % 2 == 0, "angle_kernels (cuda): the angle score needs an even D, got ", dim);
-  const at::ScalarType acc_dtype = compute_dtype(x.scalar_type());
-  const std::vector<int64_t> pair_shape{groups, group_size - 1};
-  TORCH_CHECK_VALUE(grad_cos.sizes() == at::IntArrayRef(pair_shape) && grad_angle.sizes() == at::IntArrayRef(pair_shape),
-                    "angle_kernels (cuda): pair_scores gradients must be [G, K-1]");
-  TORCH_CHECK_VALUE(stats.sizes() == at::IntArrayRef({groups, group_size - 1, kPairStats}) &&
-                        stats.scalar_type() == acc_dtype,
-                    "angle_kernels (cuda): pair_scores saved stats do not match x");
-  check_same_device(grad_cos, "grad_cos", x);
-  check_same_device(grad_angle, "grad_angle", x);
-  check_same_device(stats, "stats", x);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor gc = grad_cos.to(acc_dtype).contiguous();
-  const at::Tensor ga = grad_angle.to(acc_dtype).contiguous();
-  const at::Tensor st = stats.contiguous();
-  at::Tensor dx = at::empty({groups, group_size, dim}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  GradInputs in = grad_inputs(grad_cos, grad_angle, x, stats, {}, "[G, K-1]");
   dispatch_float_types(x.scalar_type(), "x", [&](auto tag) {
     using scalar_t = typename decltype(tag)::type;
     using acc = acc_t<scalar_t>;
     const int64_t max_group = angle_kernels::pair_scores_bwd_max_group_size<scalar_t>();
     TORCH_CHECK_VALUE(group_size <= max_group, "angle_kernels (cuda): pair_scores backward supports K <= ", max_group,
                       " rows per group, got ", group_size, "; use backend='torch' or 'triton'");
-    check_launch(angle_kernels::pair_scores_bwd<scalar_t>(data_of<acc>(gc), data_of<acc>(ga), data_of<scalar_t>(x),
-                                                          data_of<acc>(st), groups, group_size, dim, x.stride(0),
-                                                          x.stride(1), x.stride(2), with_angle,
-                                                          mutable_data_of<scalar_t>(dx), stream),
+    check_launch(angle_kernels::pair_scores_bwd<scalar_t>(data_of<acc>(in.grad_cos), data_of<acc>(in.grad_angle),
+                                                          data_of<scalar_t>(x), data_of<acc>(in.stats), groups,
+                                                          group_size, dim, x.stride(0), x.stride(1), x.stride(2),
+                                                          with_angle, mutable_data_of<scalar_t>(in.dx), in.stream),
                  "pair_scores backward");
   });
-  return dx;
+  return in.dx;
 }
 
 constexpr int64_t kMaxPrefixes = 32;  // csrc/pair_scores.cu's kMaxPrefixes, cuda_ops/pair_scores.MAX_PREFIXES
@@ -142,11 +159,8 @@ void check_dims(const std::vector<int64_t>& dims, int64_t dim, bool with_angle) 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_scores_dims_fwd(const at::Tensor& x, bool with_angle,
                                                                     at::IntArrayRef dims) {
   const std::vector<int64_t> widths = dims.vec();
-  check_cuda_tensor(x, "x");
-  TORCH_CHECK_VALUE(x.dim() == 3, "angle_kernels (cuda): pair_scores x must be [G, K, D], got shape ", x.sizes());
+  check_groups(x);
   const int64_t groups = x.size(0), group_size = x.size(1), dim = x.size(2);
-  TORCH_CHECK_VALUE(group_size >= 2, "angle_kernels (cuda): pair_scores x needs K >= 2 rows per group, got ",
-                    group_size);
   check_dims(widths, dim, with_angle);
   const int64_t num_dims = static_cast<int64_t>(widths.size());
   const c10::cuda::CUDAGuard guard(x.device());
@@ -170,28 +184,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_scores_dims_fwd(const at::Te
 at::Tensor pair_scores_dims_bwd(const at::Tensor& grad_cos, const at::Tensor& grad_angle, const at::Tensor& x,
                                 const at::Tensor& stats, bool with_angle, at::IntArrayRef dims) {
   const std::vector<int64_t> widths = dims.vec();
-  check_cuda_tensor(x, "x");
-  TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) >= 2, "angle_kernels (cuda): pair_scores x must be [G, K>=2, D]");
+  check_groups(x);
   const int64_t groups = x.size(0), group_size = x.size(1), dim = x.size(2);
   check_dims(widths, dim, with_angle);
   const int64_t num_dims = static_cast<int64_t>(widths.size());
-  const at::ScalarType acc_dtype = compute_dtype(x.scalar_type());
-  const std::vector<int64_t> pair_shape{num_dims, groups, group_size - 1};
-  TORCH_CHECK_VALUE(
-      grad_cos.sizes() == at::IntArrayRef(pair_shape) && grad_angle.sizes() == at::IntArrayRef(pair_shape),
-      "angle_kernels (cuda): pair_scores gradients must be [k, G, K-1]");
-  TORCH_CHECK_VALUE(stats.sizes() == at::IntArrayRef({num_dims, groups, group_size - 1, kPairStats}) &&
-                        stats.scalar_type() == acc_dtype,
-                    "angle_kernels (cuda): pair_scores saved stats do not match x");
-  check_same_device(grad_cos, "grad_cos", x);
-  check_same_device(grad_angle, "grad_angle", x);
-  check_same_device(stats, "stats", x);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor gc = grad_cos.to(acc_dtype).contiguous();
-  const at::Tensor ga = grad_angle.to(acc_dtype).contiguous();
-  const at::Tensor st = stats.contiguous();
-  at::Tensor dx = at::empty({groups, group_size, dim}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  GradInputs in = grad_inputs(grad_cos, grad_angle, x, stats, {num_dims}, "[k, G, K-1]");
   dispatch_float_types(x.scalar_type(), "x", [&](auto tag) {
     using scalar_t = typename decltype(tag)::type;
     using acc = acc_t<scalar_t>;
@@ -200,12 +198,12 @@ at::Tensor pair_scores_dims_bwd(const at::Tensor& grad_cos, const at::Tensor& gr
                       " prefixes supports K <= ", max_group, " rows per group, got ", group_size,
                       "; use backend='torch' or 'triton'");
     check_launch(angle_kernels::pair_scores_dims_bwd<scalar_t>(
-                     data_of<acc>(gc), data_of<acc>(ga), data_of<scalar_t>(x), data_of<acc>(st), groups, group_size,
-                     dim, x.stride(0), x.stride(1), x.stride(2), widths.data(), num_dims, with_angle,
-                     mutable_data_of<scalar_t>(dx), stream),
+                     data_of<acc>(in.grad_cos), data_of<acc>(in.grad_angle), data_of<scalar_t>(x),
+                     data_of<acc>(in.stats), groups, group_size, dim, x.stride(0), x.stride(1), x.stride(2),
+                     widths.data(), num_dims, with_angle, mutable_data_of<scalar_t>(in.dx), in.stream),
                  "pair_scores backward (dims)");
   });
-  return dx;
+  return in.dx;
 }
 
 }  // namespace
