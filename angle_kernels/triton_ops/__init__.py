@@ -80,8 +80,9 @@ OP_MODULES = {"similarity_xent": "similarity_xent_paths", "pair_scores": "pair_s
               "similarity_lse": "similarity_lse_paths"}
 
 
-# The code paths that await their first GPU verification: (op, path) -> (the module of the op's selector, the width
-# from which the selector sends calls to the path: None, off, until a GPU run has verified it; the module's
+# The code paths switched off until a GPU run has verified them and the op sweep has timed them against the paths
+# they replace (dims_one_read and dense_dims: verified on 2026-11-28, not yet timed): (op, path) -> (the module of
+# the op's selector, the width from which the selector sends calls to the path: None, off; the module's
 # PROPOSED_<width> is the one it is switched on at). A new path that takes calls without a switch (similarity_lse's
 # "fused_prefixes", the dims calls the dense scheme does not take) is not here: calls take it from the start, so it
 # counts among the paths a backend must have verified to cover every path (verified.covers_every_path), and
