@@ -35,10 +35,11 @@ keeps every step packed before the kill, and the console has the rest.
     second  520 s   limits 40 s (copy bandwidth, bf16/fp32 matmul); op_sweep 180 s (bf16, Triton with both
                     similarity_xent schemes, torch); loss_sweep 240 s (bf16: ours, angle-emb 0.6.1's loss.py from the
                     carried wheel, sentence-transformers); cuda_op_sweep 60 s (if the extension, built in the
-                    background, passes its probe); --skip leaves out steps an earlier command measured. Each sweep
-                    warms every case with one untimed first call (compiles, autotuning) charged to an allowance of
-                    its own (op 120 s, loss 150 s, CUDA 10 s of its limit), recorded apart from the warm runs
-                    (cold_s), and records the code path each row timed with its fingerprint (speed_table.py)
+                    background, passes its probe); --skip leaves out steps an earlier command measured (first
+                    too: triton_tests, headline, for a rerun of its checks on the same code). Each sweep warms
+                    every case with one untimed first call (compiles, autotuning) charged to an allowance of its
+                    own (op 120 s, loss 150 s, CUDA 10 s of its limit), recorded apart from the warm runs (cold_s),
+                    and records the code path each row timed with its fingerprint (speed_table.py)
     third   520 s   llama7b: the LoRA training benchmark (bench/train_llama_7b.py; 7B, or --llama-size 1b),
                     resumable: run it again with --resume-from the previous results until it prints that it is done;
                     --train-bench: train_bench instead, angle-train against sentence-transformers' trainer
@@ -399,6 +400,8 @@ def probe_cuda_backend(record: StageRecord, deadline: Deadline) -> dict:
 # first: correctness in 8 minutes, and one headline number
 # --------------------------------------------------------------------------------------------------------
 
+# first's steps that a rerun on the same code may leave out (the checks and the verifications always run).
+FIRST_SKIPPABLE = ("triton_tests", "headline")
 FIRST_STEPS = (("preflight", 35), ("large_checks", 100), ("cuda_backend", 165), ("triton_tests", 125),
                ("headline", 40))
 # The modules the steps import (in this process or their subprocesses): a missing one is found in the first
@@ -476,15 +479,17 @@ def verify_side_by_side(record: StageRecord, deadline: Deadline, backend: str,
         commands[name] = (cmd, record.work / f"verify_{label}_{name}.log")
         outputs.append(out)
     runs = run_side_by_side(commands, deadline.left() - 5, subprocess_env())
-    results = []
+    results, already_verified = [], []
     for out in outputs:
         if out.exists():
-            results += json.loads(out.read_text())["results"]
+            report = json.loads(out.read_text())
+            results += report["results"]
+            already_verified += [key for key in report.get("already_verified", []) if key not in already_verified]
     outcomes = {" ".join(key): state for key, state in verify.outcomes(results).items()}
     failed = [key for key, state in outcomes.items() if state == "failed"]
     return {"status": "failed" if failed else "ok", "checks": [_compact_check(r) for r in results],
-            "outcomes": outcomes, "failed": failed, "runs": {k: {n: v for n, v in r.items() if n != "log"}
-                                                             for k, r in runs.items()}}
+            "outcomes": outcomes, "failed": failed, "already_verified": already_verified,
+            "runs": {k: {n: v for n, v in r.items() if n != "log"} for k, r in runs.items()}}
 
 
 def _compact_check(r: dict) -> dict:
@@ -537,7 +542,7 @@ def cuda_backend(record: StageRecord, deadline: Deadline, workers: int) -> dict:
     # for its op tests (26 s on an H200)
     checks = verify_side_by_side(record, Deadline(deadline.left() - 40, time.monotonic()), "cuda")
     result.update(checks=checks["checks"], outcomes=checks["outcomes"], failed=checks["failed"],
-                  already_verified=checks["already_verified"])
+                  already_verified=checks.get("already_verified", []))
     record.step("cuda_backend", {"status": "running", **result})
     result["pytest"] = run_pytest(PYTEST_CUDA, record.work / "pytest_cuda.log", deadline.left() - 3, workers)
     failed = checks["failed"] or result["pytest"]["status"] != "ok"
@@ -605,9 +610,12 @@ def stage_first(args, record: StageRecord, schedule: Schedule) -> None:
     guarded(record, "cuda_backend", lambda: cuda_backend(record, schedule.deadline("cuda_backend"), args.workers))
     guarded(record, "verifications", lambda: write_verifications(
         record, ("large_checks", "cuda_backend"), f"bench/results/{results_folder()}/first"))
-    guarded(record, "triton_tests", lambda: run_pytest(PYTEST_TRITON, record.work / "pytest_triton.log",
-                                                       schedule.deadline("triton_tests").left() - 3, args.workers))
-    guarded(record, "headline", lambda: headline(out=record.work / "headline.json", **HEADLINE))
+    if schedule.runs("triton_tests"):
+        guarded(record, "triton_tests", lambda: run_pytest(PYTEST_TRITON, record.work / "pytest_triton.log",
+                                                           schedule.deadline("triton_tests").left() - 3,
+                                                           args.workers))
+    if schedule.runs("headline"):
+        guarded(record, "headline", lambda: headline(out=record.work / "headline.json", **HEADLINE))
 
 
 def all_ops() -> list:
@@ -1152,7 +1160,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.train_bench and args.stage != "third":
         parser.error("--train-bench chooses stage third's benchmark")
     if args.stage in STAGES:
-        skippable = [name for name, _ in SECOND_STEPS if name != "limits"] if args.stage == "second" else []
+        skippable = {"first": FIRST_SKIPPABLE, "second": [name for name, _ in SECOND_STEPS if name != "limits"]
+                     }.get(args.stage, [])
         unknown = [name for name in args.skip if name not in skippable]
         if unknown:
             parser.error(f"--skip {','.join(unknown)}: stage {args.stage} can skip "

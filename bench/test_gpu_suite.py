@@ -63,7 +63,7 @@ def test_help_and_readme_state_every_stage_and_step_with_its_limit(capsys):
 
 def test_bad_arguments_are_refused(capsys):
     for argv in (["a", "out"], ["first", "out", "--workers", "0"], ["second", "out", "--skip", "limits"],
-                 ["first", "out", "--skip", "headline"], ["third", "out", "--time-limit", "0"]):
+                 ["first", "out", "--skip", "large_checks"], ["third", "out", "--time-limit", "0"]):
         with pytest.raises(SystemExit) as exit_info:
             gpu_suite.parse_args(argv)
         assert exit_info.value.code == 2
@@ -532,3 +532,18 @@ def test_the_op_sweep_times_the_torch_backends_gpu_path_where_it_has_one():
     assert labels["similarity_xent(dims)"] == ["torch", "torch-gpu"]
     assert labels["pair_scores"] == labels["ranking_loss"] == ["torch"]
     assert gpu_suite.TORCH_GPU_PATH_DTYPES == ("bfloat16", "float16")
+
+
+def test_first_may_leave_out_its_op_tests_and_headline_on_a_rerun(monkeypatch):
+    """`first --skip triton_tests,headline` (its checks again, on code whose op tests and headline an earlier
+    command ran): the checks and the verifications run, the skipped steps do not; the other steps cannot be
+    skipped (test_bad_arguments_are_refused)."""
+    args = gpu_suite.parse_args(["first", "out", "--skip", "triton_tests,headline"])
+    ran = []
+    monkeypatch.setattr(gpu_suite, "guarded", lambda record, name, fn: ran.append(name))
+    schedule = gpu_suite.Schedule(gpu_suite.FIRST_STEPS, 0.0, skip=args.skip)
+    gpu_suite.stage_first(args, None, schedule)
+    assert ran == ["large_checks", "cuda_backend", "verifications"]
+    ran.clear()
+    gpu_suite.stage_first(gpu_suite.parse_args(["first", "out"]), None, gpu_suite.Schedule(gpu_suite.FIRST_STEPS, 0.0))
+    assert ran == ["large_checks", "cuda_backend", "verifications", "triton_tests", "headline"]

@@ -45,6 +45,9 @@ def tiny_dense(monkeypatch):
 
 
 @pytest.mark.slow  # about 20 s through the interpreter (the sort path's scan at N = 4,200 is half of it)
+# On a GPU its first compiles of every path's kernels take longer than the GPU run's per-test limit (90 s on an
+# H200), and that run's large-size checks (`python -m angle_kernels.verify --sizes large`) run these paths anyway.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the large-size checks run every path")
 def test_the_triton_backend_passes_on_every_code_path(tiny_dense):
     results = verify.run_checks("triton", TRITON_DEVICE, verify.cases("tiny"), DTYPES)
     assert {r["case"].split(" D=")[-1] for r in results if r["path"] == "dense"} == {str(TINY_WIDE)}
@@ -232,3 +235,17 @@ def test_unverified_only_leaves_out_the_paths_the_table_covers_here(monkeypatch)
     assert covered == ["triton pair_scores full"]
     assert [c for c in every if (c.op, c.path) != ("pair_scores", "full")] == kept
     assert any((c.op, c.path) == ("pair_scores", "dims") for c in kept)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_unverified_only_takes_every_backends_cases(monkeypatch, backend):
+    """The cases name Triton's paths; a backend that lacks one of them (the torch backend's pair scores compute on
+    "default", not "full") keeps the case for run_checks to leave out instead of asking for a fingerprint the path
+    does not have."""
+    from angle_kernels import fingerprints, verified
+
+    monkeypatch.setattr(verified, "identity", lambda backend, op, path, device: {
+        "capability": "9.0", "torch": "2.11", "fingerprint": fingerprints.path_fingerprint(backend, op, path)})
+    every = verify.cases("large")
+    kept, covered = verify.unverified_cases(backend, every, None, ())
+    assert kept == every and covered == []
