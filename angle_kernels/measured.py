@@ -21,7 +21,8 @@ products on a GPU), and the fingerprint of the code each time measured, keyed th
 rule of angle_kernels.fingerprints, and for cuda also the op's CUDA sources the extension was built from). A time counts
 for a call only while this installation runs the code it measured: an edit to a path's code retires its times
 until a GPU run measures them again, exactly as it voids the path's verification. Sizes (`call_point`): pairs for
-pair_scores, scores for ranking_loss, logits (M x Mc) for similarity_xent; width is D (1 for ranking_loss).
+pair_scores, scores for ranking_loss, logits (M x Mc) for similarity_xent and similarity_lse; width is D (1 for
+ranking_loss).
 Variants: "full", "dims" (nested prefixes), "margin" (similarity_xent with an angular margin, ArcCon).
 
 The points are those of the op sweeps committed under bench/results/ (`python bench/speed_table.py` prints them,
@@ -29,22 +30,16 @@ paths and fingerprints included, from a run's second.json), each run cited besid
 
 What the table is worth against the fixed order (`python bench/speed_table.py --decisions`, from the points
 below, each call at a point and each set of backends auto may use there):
-    * With Triton among them (the H100 today: every Triton path is verified there), the table departs from the
-      fixed order only at launch-bound sizes, and by at most half a millisecond a call on the paths calls take
-      (the similarity family's dense scheme from D = 768; 3.7 ms had the fused one run at D = 4,096): torch for
-      in-batch negatives at N = 1,024 pairs, D = 768 (1.47 ms against Triton's 1.77 dense / 1.95 fused) and for
-      the ranking term at 65,536 scores (1.01 against 1.29); CUDA for ArcCon at N = 1,024, D = 768, where the call
-      takes Triton's dense path (2.16 against 2.62). Alone, that would not pay for a table.
-    * Without Triton (its path unverified or unloaded where CUDA's is verified: the CUDA similarity_xent is
-      verified on the H100), CUDA measured 2.6-9x slower than torch on in-batch negatives at every size (3.5 ms a
-      call at N = 1,024 pairs, D = 768, up to 2.2 s at 16,384 pairs, D = 4,096), 2.7-2.8x on ArcCon from
-      N = 4,096, and 2.9-87x on the ranking term from 65,536 scores, but faster than torch on pair scores. That is
-      what the table is kept for: it orders CUDA against torch by measurement, per op and size; and where the
-      similarity_xent times no longer count (torch's changed), AFTER_TORCH keeps the slower scheme behind torch.
-    * With this checkout's code, the times of the torch pair_scores and similarity_xent and of the CUDA pair_scores
-      and ranking_loss measured code that has changed since (their fingerprints differ), so the only decision the
-      table makes today is torch for the ranking term near 65,536 scores; everything else goes by the fixed order
-      until the next op sweep measures the current code.
+    * With Triton among them (sm_90 today: every Triton path is verified but similarity_lse's two dims paths, whose
+      calls go to torch until then), on the paths calls take, the H200's points send to torch Matryoshka in-batch
+      negatives at 1,024 x 2,048 logits, D = 4,096 (torch's 16-bit products 5.35 ms against the dense dims scheme's
+      6.62) and the ranking term near 65,536 scores (1.10 against 1.24); everywhere else Triton measured fastest or
+      within TIE of it. Once the fused kernels per prefix are verified, similarity_lse with dims at D = 4,096 goes
+      to torch too (8.5 ms against 19.5).
+    * Without Triton (its path unverified or unloaded where CUDA's is verified), the H100's CUDA similarity_xent
+      measured 2.6-9x slower than torch on in-batch negatives at every size and 2.7-2.8x on ArcCon from N = 4,096:
+      AFTER_TORCH keeps it behind torch. No op sweep has timed the CUDA backend since its pair scores, ranking term
+      and dense schemes were rewritten: their H100 times measured other code and count for nothing.
 """
 
 from __future__ import annotations
@@ -188,9 +183,135 @@ _H100_FP32_SCORES = (
       "cuda/sort": "4b85a09f9216361e+249cdc38bcd80eed"}),
 )
 
+# The same op sweep on an H200 (the same compute capability), sources at 14e83fd with 40ac9b5's fix of the checks'
+# selection: bench/results/h200-2026-11-28/second-op-sweep (`scripts/gpu_check.sh second --skip
+# loss_sweep,cuda_op_sweep --time-limit 195`; the run's own paths and fingerprints). It measured this code: the
+# torch backend's current GPU blocks and "mixed" products, Triton's dense dims scheme and the dense similarity_lse;
+# its budget reached 16,384 rows of in-batch negatives once (larger points are the H100's). No CUDA rows.
+_H200_BF16_EMBEDDINGS = (
+    ("pair_scores", "dims", 16384, 768,
+     {"triton/dims_one_read": 0.459, "torch/default": 6.78},
+     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "2547b1eca00431bb"}),
+    ("pair_scores", "dims", 16384, 4096,
+     {"triton/dims_one_read": 0.948, "torch/default": 11.4},
+     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "2547b1eca00431bb"}),
+    ("pair_scores", "dims", 262144, 768,
+     {"triton/dims_one_read": 5.07, "torch/default": 35.5},
+     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "2547b1eca00431bb"}),
+    ("pair_scores", "dims", 262144, 4096,
+     {"triton/dims_one_read": 14.6, "torch/default": 247.0},
+     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "2547b1eca00431bb"}),
+    ("pair_scores", "full", 16384, 768,
+     {"triton/full": 0.851, "torch/default": 2.48},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+    ("pair_scores", "full", 16384, 4096,
+     {"triton/full": 0.394, "torch/default": 6.98},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+    ("pair_scores", "full", 262144, 768,
+     {"triton/full": 0.963, "torch/default": 21.4},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+    ("pair_scores", "full", 262144, 4096,
+     {"triton/full": 3.8, "torch/default": 110.0},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+    ("pair_scores", "full", 1048576, 768,
+     {"triton/full": 3.77, "torch/default": 85.0},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+    ("pair_scores", "full", 1048576, 4096,
+     {"triton/full": 15.2, "torch/default": 442.0},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+    ("similarity_lse", "dims", 2097152, 768,
+     {"triton/fused_prefixes": 6.18, "triton/dense_dims": 4.8, "torch/default": 6.32},
+     {"triton/fused_prefixes": "09b0e7b72e8d98c5", "triton/dense_dims": "b409e85b230bf86a",
+      "torch/default": "82899cd9bc80d6e2"}),
+    ("similarity_lse", "dims", 2097152, 4096,
+     {"triton/fused_prefixes": 19.5, "triton/dense_dims": 6.85, "torch/default": 8.5},
+     {"triton/fused_prefixes": "09b0e7b72e8d98c5", "triton/dense_dims": "b409e85b230bf86a",
+      "torch/default": "82899cd9bc80d6e2"}),
+    ("similarity_lse", "dims", 33554432, 768,
+     {"triton/fused_prefixes": 12.7, "triton/dense_dims": 8.75, "torch/default": 27.3},
+     {"triton/fused_prefixes": "09b0e7b72e8d98c5", "triton/dense_dims": "b409e85b230bf86a",
+      "torch/default": "82899cd9bc80d6e2"}),
+    ("similarity_lse", "dims", 33554432, 4096,
+     {"triton/dense_dims": 11.3, "torch/default": 47.3},
+     {"triton/dense_dims": "b409e85b230bf86a", "torch/default": "82899cd9bc80d6e2"}),
+    ("similarity_lse", "full", 2097152, 768,
+     {"triton/fused": 1.92, "triton/dense": 3.14, "torch/default": 3.52},
+     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2"}),
+    ("similarity_lse", "full", 2097152, 4096,
+     {"triton/fused": 5.15, "triton/dense": 2.64, "torch/default": 3.48},
+     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2"}),
+    ("similarity_lse", "full", 33554432, 768,
+     {"triton/fused": 4.49, "triton/dense": 4.34, "torch/default": 6.71},
+     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2"}),
+    ("similarity_lse", "full", 33554432, 4096,
+     {"triton/fused": 21.5, "triton/dense": 4.25, "torch/default": 25.3},
+     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2"}),
+    ("similarity_xent", "dims", 2097152, 768,
+     {"triton/dims": 4.31, "triton/dense_dims": 4.68, "torch/default": 4.54, "torch/mixed": 6.47},
+     {"triton/dims": "51903531b5c5fc92", "triton/dense_dims": "baec28435cd67c56", "torch/default": "382d011fd3adc6d7",
+      "torch/mixed": "b33166b630c71c45"}),
+    ("similarity_xent", "dims", 2097152, 4096,
+     {"triton/dims": 16.7, "triton/dense_dims": 6.62, "torch/default": 5.77, "torch/mixed": 5.35},
+     {"triton/dims": "51903531b5c5fc92", "triton/dense_dims": "baec28435cd67c56", "torch/default": "382d011fd3adc6d7",
+      "torch/mixed": "b33166b630c71c45"}),
+    ("similarity_xent", "dims", 33554432, 768,
+     {"triton/dims": 15.0, "triton/dense_dims": 9.32, "torch/default": 16.3, "torch/mixed": 23.1},
+     {"triton/dims": "51903531b5c5fc92", "triton/dense_dims": "baec28435cd67c56", "torch/default": "382d011fd3adc6d7",
+      "torch/mixed": "b33166b630c71c45"}),
+    ("similarity_xent", "dims", 33554432, 4096,
+     {"triton/dims": 73.3, "triton/dense_dims": 11.4, "torch/default": 39.9, "torch/mixed": 18.1},
+     {"triton/dims": "51903531b5c5fc92", "triton/dense_dims": "baec28435cd67c56", "torch/default": "382d011fd3adc6d7",
+      "torch/mixed": "b33166b630c71c45"}),
+    ("similarity_xent", "full", 4194304, 768,
+     {"triton/fused": 1.91, "triton/dense": 1.66, "torch/default": 1.88, "torch/mixed": 1.62},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
+      "torch/mixed": "b33166b630c71c45"}),
+    ("similarity_xent", "full", 4194304, 4096,
+     {"triton/fused": 6.66, "triton/dense": 1.33, "torch/default": 2.75, "torch/mixed": 1.76},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
+      "torch/mixed": "b33166b630c71c45"}),
+    ("similarity_xent", "full", 67108864, 768,
+     {"triton/fused": 5.02, "triton/dense": 1.74, "torch/default": 8.76, "torch/mixed": 3.45},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
+      "torch/mixed": "b33166b630c71c45"}),
+    ("similarity_xent", "full", 67108864, 4096,
+     {"triton/fused": 27.8, "triton/dense": 4.23, "torch/default": 36.0, "torch/mixed": 5.26},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
+      "torch/mixed": "b33166b630c71c45"}),
+    ("similarity_xent", "margin", 1048576, 768,
+     {"triton/fused": 1.82, "triton/dense": 1.71, "torch/default": 2.36, "torch/mixed": 2.57},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
+      "torch/mixed": "b33166b630c71c45"}),
+    ("similarity_xent", "margin", 16777216, 768,
+     {"triton/fused": 2.94, "triton/dense": 1.97, "torch/default": 3.31, "torch/mixed": 3.73},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
+      "torch/mixed": "b33166b630c71c45"}),
+)
+
+_H200_FP32_SCORES = (
+    ("ranking_loss", "full", 4096, 1,
+     {"triton/pairwise": 0.434, "torch/default": 0.937},
+     {"triton/pairwise": "a0e64ba30d279396", "torch/default": "e463ec94d83b8b79"}),
+    ("ranking_loss", "full", 65536, 1,
+     {"triton/sort": 1.24, "torch/default": 1.1},
+     {"triton/sort": "9d8df70c3ad9fcb7", "torch/default": "e463ec94d83b8b79"}),
+    ("ranking_loss", "full", 1048576, 1,
+     {"triton/sort": 1.18, "torch/default": 1.18},
+     {"triton/sort": "9d8df70c3ad9fcb7", "torch/default": "e463ec94d83b8b79"}),
+)
+
+
+def _replacing(newer: tuple, older: tuple) -> tuple:
+    """The points of `newer`, and those of `older` at the places (op, variant, size, width) `newer` did not measure:
+    a later run of the same compute capability replaces an earlier one's points where it measured."""
+    measured_again = {point[:4] for point in newer}
+    return newer + tuple(point for point in older if point[:4] not in measured_again)
+
+
 # (capability, dtype of the op's first input) -> the points measured there.
-MEASURED: dict[tuple[str, torch.dtype], tuple] = {("9.0", torch.bfloat16): _H100_BF16_EMBEDDINGS,
-                                                  ("9.0", torch.float32): _H100_FP32_SCORES}
+MEASURED: dict[tuple[str, torch.dtype], tuple] = {
+    ("9.0", torch.bfloat16): _replacing(_H200_BF16_EMBEDDINGS, _H100_BF16_EMBEDDINGS),
+    ("9.0", torch.float32): _replacing(_H200_FP32_SCORES, _H100_FP32_SCORES)}
 
 
 def call_point(op: str, call: contract.Call) -> tuple[str, int, int] | None:
@@ -205,6 +326,8 @@ def call_point(op: str, call: contract.Call) -> tuple[str, int, int] | None:
         columns = q.shape[0] if c is None else c.shape[0]
         variant = "dims" if call.dims else "margin" if call.margin > 0 else "full"
         return variant, q.shape[0] * columns, q.shape[1]
+    if op == "similarity_lse":
+        return ("dims" if call.dims else "full"), call.q.shape[0] * call.c.shape[0], call.q.shape[1]
     return None
 
 
@@ -278,12 +401,15 @@ def _decision(point: tuple, op: str, keys: list[str], allowed: list[Candidate]) 
     return next(candidate for candidate, ms in timed if ms <= quickest * (1 + TIE))
 
 
-# Exceptions to the fixed order, each for a reason that holds at every size: the CUDA similarity_xent (a fused
-# scheme whose backward runs on CUDA cores with float atomics) measured 2.6-9x slower than the torch backend at
-# every in-batch size and 2.7-2.8x on ArcCon from N = 4,096 on the H100 (bench/results/h100-80gb-hbm3-2026-11-26b),
-# and the torch backend has only become faster since (its larger GPU blocks): where no time of the current code
-# decides, torch comes before it.
-AFTER_TORCH = {("cuda", "similarity_xent")}
+# Exceptions to the fixed order, where no time of the current code decides: torch comes before them. The CUDA
+# similarity_xent (a fused scheme whose backward runs on CUDA cores with float atomics) measured 2.6-9x slower than
+# the torch backend at every in-batch size and 2.7-2.8x on ArcCon from N = 4,096 on the H100
+# (bench/results/h100-80gb-hbm3-2026-11-26b), and the torch backend has only become faster since (its larger GPU
+# blocks). The CUDA backend's other ops were verified on an H200 (2026-11-28) in code no op sweep has timed (its
+# pair scores and ranking term rewritten after the H100 measured them 2.9-87x slower than torch on the ranking
+# term, its similarity_lse new): correct is not fast, so they too wait behind torch until a point times them.
+AFTER_TORCH = {("cuda", "similarity_xent"), ("cuda", "pair_scores"), ("cuda", "ranking_loss"),
+               ("cuda", "similarity_lse")}
 
 
 def fixed_order(op: str, allowed: list[Candidate]) -> list[Candidate]:

@@ -3,8 +3,10 @@ backends (triton_ops, cuda_ops).
 
 A backend package lists its switched paths in a table, (op, path) -> (the module of the op's selector, within the
 package, and the name of the width from which the selector sends calls to the path: None, off, until a GPU run has
-verified it; the module's PROPOSED_<width> is the one it is switched on at). `switched_on` switches them on for a
-block (`angle_kernels.verify` checks them, the GPU op sweep times them); `switched_off` names those that are off.
+verified it; the module's PROPOSED_<width> is the one it is switched on at; once verified, the width the op sweep
+measured it faster from). `switched_on` sets every one to its PROPOSED width for a block (`angle_kernels.verify`
+checks them, its cases laid out around those widths whatever a speed measurement set; the GPU op sweep times them);
+`switched_off` names those that are off.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ def _switches(package: str, table: dict) -> dict:
 
 @contextlib.contextmanager
 def switched_on(package: str, table: dict):
-    """Within the block, the table's paths take the calls they are meant for (each switched-off one at its module's
-    PROPOSED width); outside it, every call keeps the paths verified before them."""
+    """Within the block, the table's paths take the calls they are meant for (each at its module's PROPOSED width);
+    outside it, every call takes the paths as the modules' widths say."""
     switches = list(_switches(package, table).values())
     saved = [getattr(module, width) for module, width in switches]
-    for (module, width), value in zip(switches, saved):
-        if value is None:
-            setattr(module, width, getattr(module, f"PROPOSED_{width}"))
+    for module, width in switches:
+        setattr(module, width, getattr(module, f"PROPOSED_{width}"))
     try:
         yield
     finally:

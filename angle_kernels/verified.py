@@ -59,6 +59,7 @@ _H100_TRITON = {**_H100, "triton": "3.6", "evidence": "bench/results/h100-80gb-h
 _H100_CUDA = {**_H100, "cuda": "13.0", "evidence": "bench/results/h100-80gb-hbm3-2026-11-26/recheck"}
 _H200 = {"capability": "9.0", "torch": "2.11", "gpu": "NVIDIA H200", "date": "2026-11-28", "sizes": "large",
          "evidence": "bench/results/h200-2026-11-28/first"}
+_H200_CHECKS = {**_H200, "evidence": "bench/results/h200-2026-11-28/first-checks"}
 # Every entry of those runs, with the fingerprint of the code each path executed then (by the rule of
 # angle_kernels.fingerprints, computed at 7ab8295 by scripts/compare_fingerprints.py; its output,
 # docs/verification-history.md, compares each with this checkout's). Restored on 2026-11-28, after the rule
@@ -98,6 +99,23 @@ VERIFIED: tuple[dict, ...] = (
      "dtypes": _EVERY_DTYPE, **_H200, "triton": "3.6"},
     {"backend": "triton", "op": "similarity_xent", "path": "dense_dims", "fingerprint": "baec28435cd67c56",
      "dtypes": _EVERY_DTYPE, **_H200, "triton": "3.6"},
+    # The same H200, sources at 14e83fd with 40ac9b5's fix of the checks' selection: `scripts/gpu_check.sh first
+    # --skip triton_tests,headline` (its large-size checks of the paths above left out): the CUDA backend's rewritten
+    # kernels and its dense scheme, and the Triton similarity_lse dense scheme.
+    {"backend": "triton", "op": "similarity_lse", "path": "dense", "fingerprint": "81a85b600be697cc",
+     "dtypes": _EVERY_DTYPE, **_H200_CHECKS, "triton": "3.6"},
+    {"backend": "cuda", "op": "pair_scores", "path": "full", "fingerprint": "6a8db345bda6e7d2",
+     "build": "f2009f8c30ce51fb", "dtypes": _EVERY_DTYPE, **_H200_CHECKS, "cuda": "13.0"},
+    {"backend": "cuda", "op": "pair_scores", "path": "dims", "fingerprint": "827753944930c13a",
+     "build": "f2009f8c30ce51fb", "dtypes": _EVERY_DTYPE, **_H200_CHECKS, "cuda": "13.0"},
+    {"backend": "cuda", "op": "ranking_loss", "path": "sort", "fingerprint": "4b85a09f9216361e",
+     "build": "d5b614b1855acd82", "dtypes": _RANKING_DTYPES, **_H200_CHECKS, "cuda": "13.0"},
+    {"backend": "cuda", "op": "similarity_xent", "path": "dense", "fingerprint": "abc9b7c6cb7c3b46",
+     "build": "41fc678dc111ff10", "dtypes": _EVERY_DTYPE, **_H200_CHECKS, "cuda": "13.0"},
+    {"backend": "cuda", "op": "similarity_xent", "path": "dense_dims", "fingerprint": "8f6f75b12223eca5",
+     "build": "41fc678dc111ff10", "dtypes": _EVERY_DTYPE, **_H200_CHECKS, "cuda": "13.0"},
+    {"backend": "cuda", "op": "similarity_lse", "path": "dense", "fingerprint": "6711b448b53e809c",
+     "build": "e218dc84321aba71", "dtypes": _EVERY_DTYPE, **_H200_CHECKS, "cuda": "13.0"},
 )
 
 MATCH_FIELDS = {

@@ -146,9 +146,10 @@ def setup_nested_similarity_lse(ops, backend, n, d, dtype, device, generator):
 
 
 OPS = [
+    # both triton schemes: the kernels per prefix and the one-read kernels
     OpBench("pair_scores(dims)", sizes=(16384, 262144), dims=(768, 4096), dtypes=("bfloat16", "float32"),
             grows="N", setup=setup_nested_pair_scores,
-            memory_bytes=lambda n, d, dtype: 6 * n * d * harness.element_bytes(dtype)),
+            memory_bytes=lambda n, d, dtype: 6 * n * d * harness.element_bytes(dtype), triton_schemes=True),
     # both triton schemes: the fused prefix kernels and the dense dims scheme
     OpBench("similarity_xent(dims)", sizes=(1024, 4096, 16384), dims=(768, 4096), dtypes=("bfloat16", "float32"),
             grows="N^2", setup=setup_nested_similarity_xent,

@@ -754,7 +754,7 @@ def _op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, dev
                     row.update(status="skipped", note="budget spent" if forecast is None else
                                f"~{forecast:.1f} s per run: does not fit the budget")
                 else:
-                    with harness.triton_xent_scheme(backend):
+                    with harness.triton_scheme(backend):
                         row.update(measure_op(bench, module, backend, n, d, dtype, limits, device, budget))
                     if row["status"] == "ok":
                         last[(bench.name, d, dtype_name, backend)] = (n, row["run_s"], row["cold_s"])
@@ -774,9 +774,9 @@ TORCH_GPU_PATH_DTYPES = ("bfloat16", "float16")
 
 
 def row_backends(bench, backends: dict) -> list:
-    """(row label, backend Ops) of an op's rows: each backend once, but the triton backend's two similarity_xent
-    schemes both, forced, where the op has them (OpBench.triton_schemes), so that the width from which it takes
-    the dense one (similarity_xent_dense.MIN_WIDTH) can be set from numbers; and "torch-gpu", the torch backend on
+    """(row label, backend Ops) of an op's rows: each backend once, but the triton backend's two schemes both,
+    forced, where the op has them (OpBench.triton_schemes: harness.TRITON_SCHEMES), so that the width from which it
+    takes the one-pass scheme can be set from numbers; and "torch-gpu", the torch backend on
     the code path its op module names (`dispatch.path_ops`: on a GPU its 16-bit products, "mixed", which "torch"
     takes only once verified), for the ops where that is another path."""
     rows = []
@@ -784,7 +784,7 @@ def row_backends(bench, backends: dict) -> list:
     for name, module in backends.items():
         if name == "torch-gpu" and len(module.backend.paths.get(op, ())) < 2:
             continue  # the op has one torch path: the "torch" rows time it
-        labels = list(harness.TRITON_XENT_SCHEMES) if name == "triton" and bench.triton_schemes else [name]
+        labels = list(harness.TRITON_SCHEMES) if name == "triton" and bench.triton_schemes else [name]
         rows += [(label, module) for label in labels]
     return rows
 

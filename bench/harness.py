@@ -119,8 +119,9 @@ class OpBench:
     from the op's outputs with backend module `ops`, leaves are the tensors it differentiates, and floor is
     the op's work floor, with "executed" FLOPs where the backend does more than the maths needs.
     memory_bytes(n, d, dtype): a rough upper estimate of what a case holds, to skip one that cannot fit.
-    triton_schemes: the op is similarity_xent or similarity_lse, which the triton backend computes by two schemes
-    (fused kernels, dense products: see TRITON_XENT_SCHEMES); the sweep measures both on every case.
+    triton_schemes: the op is one the triton backend computes by two schemes (similarity_xent, similarity_lse: fused
+    kernels or dense products; pair scores with dims: kernels per prefix or one read; see TRITON_SCHEMES); the
+    sweep measures both on every case.
     """
 
     name: str
@@ -133,33 +134,42 @@ class OpBench:
     triton_schemes: bool = False
 
 
-# The triton backend's two schemes for similarity_xent and similarity_lse, by the row label the sweeps give them, and
-# the width from which it takes the dense one (similarity_xent_dense.MIN_WIDTH, the DENSE_*_MIN_WIDTH of the op
-# modules) that forces each: the fused kernels (with dims, the prefix kernels; similarity_lse's once per prefix) or
-# the dense products (with dims, _similarity_xent_dense_dims and _similarity_lse_dense), the dense ones only where
-# their tiles fit (similarity_xent_dense.takes: up to 2^19 columns; with dims, _similarity_xent_dense_dims.takes;
-# _similarity_lse_dense.takes).
-TRITON_XENT_SCHEMES = {"triton-fused": sys.maxsize, "triton-dense": 0}
+# The triton backend's two schemes, by the row label the sweeps give them, and the width from which it takes the
+# one-pass scheme that forces each: "triton-fused", the kernels per width (similarity_xent's and similarity_lse's
+# fused kernels; with dims, the prefix kernels, similarity_lse's once per prefix, and the pair scores' per-prefix
+# kernels), or "triton-dense", one pass over every width (the dense products: similarity_xent_dense,
+# _similarity_xent_dense_dims, _similarity_lse_dense, only where their tiles fit, see their `takes`; the one-read
+# pair scores). The widths: similarity_xent_dense.MIN_WIDTH and the op modules' DENSE_*_MIN_WIDTH and
+# ONE_READ_MIN_WIDTH.
+TRITON_SCHEMES = {"triton-fused": sys.maxsize, "triton-dense": 0}
+
+
+def _scheme_switches() -> list[tuple[object, str]]:
+    """(module, width name) of every switch between the triton backend's two schemes."""
+    from angle_kernels.triton_ops import pair_scores_paths, similarity_lse_paths, similarity_xent_dense
+    from angle_kernels.triton_ops import similarity_xent_paths
+
+    return [(similarity_xent_dense, "MIN_WIDTH"), (similarity_xent_paths, "DENSE_DIMS_MIN_WIDTH"),
+            (similarity_lse_paths, "DENSE_MIN_WIDTH"), (similarity_lse_paths, "DENSE_DIMS_MIN_WIDTH"),
+            (pair_scores_paths, "ONE_READ_MIN_WIDTH")]
 
 
 @contextlib.contextmanager
-def triton_xent_scheme(label: str):
-    """Within the block, the triton backend's similarity_xent and similarity_lse take the scheme `label` names
-    (TRITON_XENT_SCHEMES) at every width; any other label changes nothing."""
-    if label not in TRITON_XENT_SCHEMES:
+def triton_scheme(label: str):
+    """Within the block, the triton backend's ops take the scheme `label` names (TRITON_SCHEMES) at every width;
+    any other label changes nothing."""
+    if label not in TRITON_SCHEMES:
         yield
         return
-    from angle_kernels.triton_ops import similarity_lse_paths as lse_paths
-    from angle_kernels.triton_ops import similarity_xent_dense as dense
-    from angle_kernels.triton_ops import similarity_xent_paths as paths
-
-    saved = dense.MIN_WIDTH, paths.DENSE_DIMS_MIN_WIDTH, lse_paths.DENSE_MIN_WIDTH, lse_paths.DENSE_DIMS_MIN_WIDTH
-    width = TRITON_XENT_SCHEMES[label]
-    dense.MIN_WIDTH = paths.DENSE_DIMS_MIN_WIDTH = lse_paths.DENSE_MIN_WIDTH = lse_paths.DENSE_DIMS_MIN_WIDTH = width
+    switches = _scheme_switches()
+    saved = [getattr(module, name) for module, name in switches]
+    for module, name in switches:
+        setattr(module, name, TRITON_SCHEMES[label])
     try:
         yield
     finally:
-        dense.MIN_WIDTH, paths.DENSE_DIMS_MIN_WIDTH, lse_paths.DENSE_MIN_WIDTH, lse_paths.DENSE_DIMS_MIN_WIDTH = saved
+        for (module, name), value in zip(switches, saved):
+            setattr(module, name, value)
 
 
 def random_embeddings(generator: torch.Generator, rows: int, d: int, dtype: torch.dtype,

@@ -361,6 +361,6 @@ def test_a_backend_covers_every_path_only_when_each_is_verified(monkeypatch):
     monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: True)
     assert verified.covers_every_path("triton", torch.device("cuda", 0))
     # a path that no call takes until a GPU run verifies it (triton_ops.paths_awaiting_verification) is not needed
-    awaiting = ("similarity_xent", "dense_dims")
+    awaiting = ("similarity_lse", "dense_dims")
     monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: (op, path) != awaiting)
     assert verified.covers_every_path("triton", torch.device("cuda", 0))

@@ -234,7 +234,7 @@ def test_the_large_checks_merge_one_run_per_dtype(tmp_path, monkeypatch):
     their JSON: here the runs are the real checks at tiny sizes through the interpreter (verify itself needs a
     GPU), written where the step reads them. A path passes only when every dtype ran; one failure fails it.
     pair_scores' paths show both (the merge treats every op alike; tests/ops/test_verify.py runs every op's
-    checks; the one-read path's tiny cases, at width 64, take it with its ONE_READ_MIN_WIDTH lowered)."""
+    checks; the one-read path's tiny cases, at width 64, take it with its PROPOSED_ONE_READ_MIN_WIDTH lowered)."""
     from angle_kernels import verify
     from angle_kernels.dispatch import triton_interpreting
 
@@ -242,7 +242,8 @@ def test_the_large_checks_merge_one_run_per_dtype(tmp_path, monkeypatch):
         pytest.skip("runs the triton backend on CPU tensors: needs TRITON_INTERPRET=1 (the root conftest's default)")
     from angle_kernels.triton_ops import pair_scores_paths
 
-    monkeypatch.setattr(pair_scores_paths, "ONE_READ_MIN_WIDTH", 64)
+    for name in ("ONE_READ_MIN_WIDTH", "PROPOSED_ONE_READ_MIN_WIDTH"):  # the checks take the PROPOSED width
+        monkeypatch.setattr(pair_scores_paths, name, 64)
     record = _record(tmp_path)
     tiny = [c for c in verify.cases("tiny") if c.op == "pair_scores"]
 
@@ -405,9 +406,10 @@ def test_op_sweep_times_both_triton_schemes_of_similarity_lse_with_and_without_d
            for bench in gpu_suite.all_ops() if bench.name in ("similarity_lse", "similarity_lse(dims)")]
     record = _record(tmp_path, "second")
     limits = {"copy_GBps": 10.0, "matmul_float32_TFLOPs": 0.1}
+    switches = (similarity_lse_paths.DENSE_MIN_WIDTH, similarity_lse_paths.DENSE_DIMS_MIN_WIDTH)
     rows = gpu_suite.op_sweep(record, gpu_suite.Deadline(600, time.monotonic()), limits, [("triton",)],
                               device="cpu", ops=ops)["rows"]
-    assert similarity_lse_paths.DENSE_MIN_WIDTH is None and similarity_lse_paths.DENSE_DIMS_MIN_WIDTH is None
+    assert (similarity_lse_paths.DENSE_MIN_WIDTH, similarity_lse_paths.DENSE_DIMS_MIN_WIDTH) == switches  # restored
     assert all(row["status"] == "ok" for row in rows), rows
     paths = {(row["op"], row["backend"]): row["path"] for row in rows}
     assert paths == {("similarity_lse", "triton-fused"): "fused", ("similarity_lse", "triton-dense"): "dense",
@@ -547,3 +549,23 @@ def test_first_may_leave_out_its_op_tests_and_headline_on_a_rerun(monkeypatch):
     ran.clear()
     gpu_suite.stage_first(gpu_suite.parse_args(["first", "out"]), None, gpu_suite.Schedule(gpu_suite.FIRST_STEPS, 0.0))
     assert ran == ["large_checks", "cuda_backend", "verifications", "triton_tests", "headline"]
+
+
+def test_op_sweep_times_both_triton_schemes_of_the_pair_scores_with_dims(tmp_path):
+    """pair_scores(dims) gets a row per triton scheme, forced: the kernels per prefix ("dims") and the one-read
+    kernels ("dims_one_read"), so that ONE_READ_MIN_WIDTH can be set from one run's numbers; the switch is
+    restored. Under the interpreter on CPU."""
+    from angle_kernels.dispatch import triton_interpreting
+    from angle_kernels.triton_ops import pair_scores_paths
+
+    if not triton_interpreting():
+        pytest.skip("runs the triton backend on CPU tensors: needs TRITON_INTERPRET=1 (the root conftest's default)")
+    ops = [dataclasses.replace(tiny(bench), sizes=(8,), dtypes=("float32",))
+           for bench in gpu_suite.all_ops() if bench.name == "pair_scores(dims)"]
+    switch = pair_scores_paths.ONE_READ_MIN_WIDTH
+    rows = gpu_suite.op_sweep(_record(tmp_path, "second"), gpu_suite.Deadline(600, time.monotonic()),
+                              {"copy_GBps": 10.0, "matmul_float32_TFLOPs": 0.1}, [("triton",)], device="cpu",
+                              ops=ops)["rows"]
+    assert pair_scores_paths.ONE_READ_MIN_WIDTH == switch
+    assert all(row["status"] == "ok" for row in rows), rows
+    assert {row["backend"]: row["path"] for row in rows} == {"triton-fused": "dims", "triton-dense": "dims_one_read"}

@@ -108,6 +108,8 @@ def backends(monkeypatch):
     monkeypatch.setattr(verified, "is_verified", lambda backend, op, path, device: (backend, op, path) in passed)
     monkeypatch.setattr(verified, "describe", lambda backend, op, path, device: "a fake GPU (sm_90)")
     monkeypatch.setattr(measured, "capability", lambda device: "fake")  # no measured speeds: the fixed order
+    # the fixed order's mechanism with one exception (the real table's: test_untimed_cuda_ops_wait_behind_torch)
+    monkeypatch.setattr(measured, "AFTER_TORCH", {("cuda", "similarity_xent")})
     return SimpleNamespace(triton=triton, cuda=cuda, verified=passed, computed=computed)
 
 
@@ -377,14 +379,14 @@ def test_the_real_gpu_backends_declare_their_code_paths():
     wide = torch.empty(8, 4096, device="meta")
     assert triton.code_paths["similarity_xent"](wide, None, 20.0, "partner") == "dense"
     wide_dims = (wide, None, 20.0, "partner", None, True, 0.0, None, (64, 4096))
-    assert triton.code_paths["similarity_xent"](*wide_dims) == "dims"  # until a GPU run verifies the dense dims
+    assert triton.code_paths["similarity_xent"](*wide_dims) == "dense_dims"  # verified and timed: on from 768
     from angle_kernels.triton_ops import awaiting_verification_on
 
     assert triton.paths["similarity_lse"] == ("fused", "dense", "dense_dims", "fused_prefixes")
     lse_wide = (wide, torch.empty(16, 4096, device="meta"), 20.0, 0, 0, "none", 0.0, "none", None, None, None, False,
                 True)
-    assert triton.code_paths["similarity_lse"](*lse_wide) == "fused"  # until a GPU run verifies the dense scheme
-    assert triton.code_paths["similarity_lse"](*lse_wide, (64, 4096)) == "fused_prefixes"
+    assert triton.code_paths["similarity_lse"](*lse_wide) == "dense"  # verified and timed: on from 2,048
+    assert triton.code_paths["similarity_lse"](*lse_wide, (64, 4096)) == "fused_prefixes"  # until it is verified
     with awaiting_verification_on():
         assert triton.code_paths["similarity_xent"](*wide_dims) == "dense_dims"
         assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, (64, 768)) == "dims_one_read"
@@ -475,6 +477,9 @@ def test_auto_follows_the_table_and_the_users_cache_through_the_match_rule(backe
 # ---------------------------------------------------------------------------------------------------------
 # Among the backends auto may use, the one measured fastest (angle_kernels.measured)
 # ---------------------------------------------------------------------------------------------------------
+REAL_AFTER_TORCH = measured.AFTER_TORCH
+
+
 def _measured_here(monkeypatch, points, changed=()):
     """This fake GPU (capability "fake") measured `points` ((op, variant, size, width, {backend/path: ms})) in
     float64, the dtype of the tests' inputs, each time on the code installed here but those of the (op,
@@ -504,6 +509,18 @@ def test_auto_takes_the_backend_measured_fastest_among_those_it_may_use(backends
     assert auto.computes("similarity_xent", q, None, 20.0, "partner") == ("torch", "default")
     backends.verified.add(("triton", "similarity_xent", "fused"))  # now triton may: "triton/fused" is fastest
     assert auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
+
+
+def test_similarity_lse_calls_are_decided_by_their_points_too(backends, monkeypatch):
+    """similarity_lse's points (M x Mc logits, width D: bench/speed_table.py's sizes) decide its calls as the other
+    ops' do: torch where it measured faster than Triton's path, Triton where Triton did."""
+    backends.verified.add(("triton", "similarity_lse", "fused"))
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    q, c = _embeddings(), pretend_cuda(torch.randn(12, 8, dtype=torch.float64))  # 72 logits, D = 8
+    for triton_ms, expected in ((9.0, "torch"), (1.0, "triton")):
+        _measured_here(monkeypatch, [("similarity_lse", "full", 72, 8, {"triton/fused": triton_ms,
+                                                                         "torch/default": 2.0})])
+        assert auto.computes("similarity_lse", q, c, 20.0)[0] == expected
 
 
 def test_auto_keeps_the_fixed_order_within_a_tie_and_where_nothing_near_was_measured(backends, monkeypatch):
@@ -661,6 +678,23 @@ def test_on_the_h100_table_only_times_of_unchanged_code_decide(backends, monkeyp
     assert auto._choose("similarity_xent", call).name == "cuda"
     monkeypatch.setattr(measured, "code_fingerprint", lambda backend, op, path: recorded[f"{backend}/{path}"])
     assert auto._choose("similarity_xent", call).name == "torch"
+
+
+def test_untimed_cuda_ops_wait_behind_torch(backends, monkeypatch):
+    """The real exceptions (measured.AFTER_TORCH): every CUDA op, verified or not, comes after torch where no time
+    of its current code decides (its similarity_xent measured slower, the others never timed since they changed),
+    and a point that times it faster sends the call to it."""
+    monkeypatch.setattr(measured, "AFTER_TORCH", REAL_AFTER_TORCH)
+    backends.cuda.answer = (True, "")
+    backends.verified.update({("cuda", op, "fused") for op in contract.OPS})
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    q = _embeddings()
+    assert auto.computes("ranking_loss", *_scores())[0] == "torch"
+    assert auto.computes("pair_scores", q.view(3, 2, 8), True)[0] == "torch"
+    assert auto.computes("similarity_xent", q, None, 20.0, "partner")[0] == "torch"
+    assert auto.computes("similarity_lse", q, q, 20.0)[0] == "torch"
+    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {"torch/default": 2.0, "cuda/fused": 1.0})])
+    assert auto.computes("ranking_loss", *_scores())[0] == "cuda"
 
 
 def test_an_empty_call_keeps_the_fixed_order(backends, monkeypatch):

@@ -3,11 +3,11 @@
 The op's paths: the fused kernels of similarity_lse.py ("fused", one width), the blocked dense products of
 _similarity_lse_dense.py at one width ("dense") and at every prefix of dims in one pass ("dense_dims"), and the
 fused kernels once per prefix ("fused_prefixes", `fused_prefixes` below: the dims calls the dense scheme does not
-take). The dense paths await their first GPU verification: until a GPU run has verified them (docs/gpu-runs.md) they
-take no call (DENSE_MIN_WIDTH, DENSE_DIMS_MIN_WIDTH None), so that one width stays on the verified fused kernels and
-dims on the fused kernels per prefix. This module only chooses: `code_path` names the path a call takes, and
-`similarity_lse` calls that path's launcher (similarity_lse.py's own entry function, unchanged, for "fused"). Each
-path is verified on GPUs on its own (angle_kernels.verified), and its fingerprint is that of its launcher's code
+take). The dense scheme at one width takes calls from DENSE_MIN_WIDTH up; the dense dims scheme awaits its first GPU
+verification and takes none until a GPU run has verified it (docs/gpu-runs.md): dims calls stay on the fused kernels
+per prefix. This module only chooses: `code_path` names the path a call takes, and `similarity_lse` calls that
+path's launcher (similarity_lse.py's own entry function, unchanged, for "fused"). Each path is verified on GPUs on
+its own (angle_kernels.verified), and its fingerprint is that of its launcher's code
 (angle_kernels.fingerprints.PATH_CODE); the choice belongs to no path.
 """
 
@@ -24,9 +24,15 @@ PATHS = fused.PATHS + ("dense", "dense_dims", "fused_prefixes")
 # From these widths up, one-width calls take the dense scheme and dims calls the dense dims scheme, where their
 # tiles fit (_similarity_lse_dense.takes); None: none do. `angle_kernels.verify` and the GPU op sweep switch them on
 # at the PROPOSED widths (triton_ops.awaiting_verification_on): the dense similarity_xent scheme's MIN_WIDTH, from
-# which that scheme was measured faster than the fused kernels (similarity_xent_dense.MIN_WIDTH); the same tile
-# work per logit here, and the fused similarity_lse kernels were measured at 5x the dense scheme's time at D = 768.
-DENSE_MIN_WIDTH: int | None = None
+# which that scheme was measured faster than the fused kernels (similarity_xent_dense.MIN_WIDTH; the same tile work
+# per logit here). DENSE_DIMS_MIN_WIDTH stays off until the dense dims scheme is verified.
+# One width: verified on an H200 (2026-11-28) and timed there against the fused kernels in bf16
+# (bench/results/h200-2026-11-28/second-op-sweep): at D = 768 slower at 1,024 x 2,048 logits (3.14 against 1.92 ms)
+# and equal at 4,096 x 8,192 (4.34 against 4.49); at D = 4,096 faster at both (2.64 against 5.15, 4.25 against
+# 21.5). The fused kernels' time grows with D, the dense scheme's hardly: linear between the two widths, the dense
+# scheme overtakes them by D = 1,800 at the smaller shape and by 800 at the larger, hence 2,048 (no width between
+# 768 and 4,096 is timed yet).
+DENSE_MIN_WIDTH: int | None = 2048
 PROPOSED_DENSE_MIN_WIDTH = 768
 DENSE_DIMS_MIN_WIDTH: int | None = None
 PROPOSED_DENSE_DIMS_MIN_WIDTH = 768

@@ -2,7 +2,7 @@
 
 The op's paths: those of similarity_xent.py (the fused kernels at full width, the dense scheme for wide embeddings,
 the fused prefix kernels for dims) and the dense scheme with dims (_similarity_xent_dense_dims.py), which takes
-dims calls from DENSE_DIMS_MIN_WIDTH up (off until a GPU run verifies it). This module only chooses: `code_path`
+dims calls from DENSE_DIMS_MIN_WIDTH up. This module only chooses: `code_path`
 names the path a call takes, and `similarity_xent` calls that path's launcher, similarity_xent.py's own entry
 function for its three paths (which chooses among them the same way) or the dense dims scheme's. Each path is
 verified on GPUs on its own (angle_kernels.verified), and its fingerprint is that of its launcher's code
@@ -16,12 +16,13 @@ from . import similarity_xent as fused_and_dense
 
 FEATURES = fused_and_dense.FEATURES  # the contract's optional features this op implements
 PATHS = fused_and_dense.PATHS + ("dense_dims",)
-# From this width up, dims calls take the dense dims scheme where its tiles fit; None: none do. The scheme awaits its
-# first GPU verification: until a GPU run has verified it (docs/gpu-runs.md), every dims call stays on the verified
-# prefix kernels, so that `auto` keeps computing it on Triton (an unverified path would send it to PyTorch).
-# `angle_kernels.verify` and the GPU op sweep switch it on at PROPOSED_DENSE_DIMS_MIN_WIDTH
-# (triton_ops.awaiting_verification_on): the dense scheme's MIN_WIDTH, the same rule as for one width.
-DENSE_DIMS_MIN_WIDTH: int | None = None
+# From this width up, dims calls take the dense dims scheme where its tiles fit; None: none do (a path switched off
+# until a GPU run verifies it, triton_ops.AWAITING_VERIFICATION; `angle_kernels.verify` and the GPU op sweep switch
+# it on at PROPOSED_DENSE_DIMS_MIN_WIDTH). Verified on an H200 (2026-11-28) and timed there against the prefix
+# kernels in bf16 (bench/results/h200-2026-11-28/second-op-sweep): at D = 768 equal at 1,024 x 2,048 logits (4.68
+# against 4.31 ms; best runs 4.14 and 4.12) and 1.6x faster at 4,096 x 8,192 (9.3 against 15.0 ms); at D = 4,096
+# 2.5x and 6.4x faster.
+DENSE_DIMS_MIN_WIDTH: int | None = 768
 PROPOSED_DENSE_DIMS_MIN_WIDTH = 768
 
 

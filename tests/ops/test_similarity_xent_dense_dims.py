@@ -170,11 +170,10 @@ def test_holds_one_block_of_tiles(monkeypatch, dense_dims, symmetric):
 
 
 def test_the_backend_takes_the_scheme_where_it_says(monkeypatch):
-    """Until a GPU run verifies it, the scheme takes no call (DENSE_DIMS_MIN_WIDTH None: every dims call stays on
-    the verified prefix kernels); switched on (awaiting_verification_on: verify's checks, the GPU op sweep),
-    triton's similarity_xent sends it dims calls from the dense scheme's MIN_WIDTH up while a block of
-    MIN_BLOCK_ROWS rows of its k + 1.5 tiles fits; narrower ones, and more columns, to the prefix kernels; the
-    full-width loss as before."""
+    """Verified and timed (DENSE_DIMS_MIN_WIDTH 768, the dense scheme's MIN_WIDTH): triton's similarity_xent sends
+    it dims calls from that width up while a block of MIN_BLOCK_ROWS rows of its k + 1.5 tiles fits; narrower ones,
+    and more columns, to the prefix kernels; the full-width loss as before. Switched off (None: a path awaiting
+    its verification), every dims call stays on the prefix kernels."""
     pytest.importorskip("triton")
     from angle_kernels.triton_ops import _similarity_xent_dense_dims, similarity_xent_dense, similarity_xent_paths
 
@@ -186,11 +185,11 @@ def test_the_backend_takes_the_scheme_where_it_says(monkeypatch):
     from angle_kernels.triton_ops import awaiting_verification_on
 
     five = (64, 128, 256, 512, 768)
-    assert similarity_xent_paths.DENSE_DIMS_MIN_WIDTH is None
+    assert similarity_xent_paths.DENSE_DIMS_MIN_WIDTH == similarity_xent_dense.MIN_WIDTH == 768
+    with awaiting_verification_on():  # verify's checks and the op sweep: at its PROPOSED width
+        assert similarity_xent_paths.DENSE_DIMS_MIN_WIDTH == similarity_xent_paths.PROPOSED_DENSE_DIMS_MIN_WIDTH
+    monkeypatch.setattr(similarity_xent_paths, "DENSE_DIMS_MIN_WIDTH", None)
     assert path(768, 32768, five) == path(4096, 32768, five[:-1] + (4096,)) == "dims"
-    with awaiting_verification_on():
-        assert similarity_xent_paths.DENSE_DIMS_MIN_WIDTH == similarity_xent_dense.MIN_WIDTH == 768
-    assert similarity_xent_paths.DENSE_DIMS_MIN_WIDTH is None  # switched off again
     monkeypatch.setattr(similarity_xent_paths, "DENSE_DIMS_MIN_WIDTH", 768)
     assert path(768, 32768, five) == "dense_dims"
     assert path(4096, 32768, five[:-1] + (4096,)) == "dense_dims"

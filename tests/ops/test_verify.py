@@ -249,3 +249,25 @@ def test_unverified_only_takes_every_backends_cases(monkeypatch, backend):
     every = verify.cases("large")
     kept, covered = verify.unverified_cases(backend, every, None, ())
     assert kept == every and covered == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_lse_cases_filter_scores_keep_clear_of_their_thresholds(dtype):
+    """similarity_lse's filtered cases (not the guided ones, whose dot products are integers): every prefix's cosine
+    of the model's own embeddings, as the backend computes it in float32 from the inputs' dtype, is at least half
+    a grid step (1 / (2 width)) from that prefix's threshold, so the backend and the float64 reference keep the
+    same columns (random embeddings put some of the GPU run's 250M scores within float32 rounding of it)."""
+    lse = [case for case in verify.cases("tiny") + verify.cases("standard")
+           if case.op == "similarity_lse" and not case.name.startswith("guided")]
+    assert lse
+    for case in lse:
+        (q, c), arguments = case.build(torch.Generator().manual_seed(0), dtype, "cpu")
+        q, c = q[:256], c[:512]  # enough rows to see the grid, few enough to compare exactly here
+        _, kwargs = arguments(q, c)
+        widths = kwargs.get("dims") or (q.shape[1],)
+        thresholds = kwargs["filter_threshold"].reshape(len(widths), -1)[:, 0]
+        for width, threshold in zip(widths, thresholds.tolist()):
+            a, b = q[:, :width].float(), c[:, :width].float()
+            cosines = (a @ b.T) / (a.norm(dim=1)[:, None] * b.norm(dim=1)[None, :])
+            assert (cosines - threshold).abs().min() >= 0.5 / width, (case.name, width)
+            assert 0 < (cosines > threshold).float().mean() < 0.5, (case.name, width)  # the filter drops some
