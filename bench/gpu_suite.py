@@ -33,13 +33,14 @@ keeps every step packed before the kill, and the console has the rest.
                     headline 40 s: our MNRL drop-in on Triton vs sentence-transformers' MultipleNegativesRankingLoss
                         vs our torch path, N = 16,384 pairs, D = 768, bf16, interleaved rounds
     second  520 s   limits 40 s (copy bandwidth, bf16/fp32 matmul); op_sweep 180 s (bf16, Triton with both
-                    similarity_xent schemes, torch); loss_sweep 240 s (bf16: ours, angle-emb 0.6.1's loss.py from the
-                    carried wheel, sentence-transformers); cuda_op_sweep 60 s (if the extension, built in the
-                    background, passes its probe); --skip leaves out steps an earlier command measured (first
-                    too: triton_tests, headline, for a rerun of its checks on the same code). Each sweep warms
-                    every case with one untimed first call (compiles, autotuning) charged to an allowance of its
-                    own (op 120 s, loss 150 s, CUDA 10 s of its limit), recorded apart from the warm runs (cold_s),
-                    and records the code path each row timed with its fingerprint (speed_table.py)
+                    schemes where an op has two, torch; --ops names the benchmarks to run); loss_sweep 240 s (bf16:
+                    ours, angle-emb 0.6.1's loss.py from the carried wheel, sentence-transformers); cuda_op_sweep
+                    60 s (if the extension, built in the background, passes its probe); --skip leaves out steps an
+                    earlier command measured (first too: triton_tests, headline, for a rerun of its checks on the
+                    same code). Each sweep warms every case with one untimed first call (compiles, autotuning)
+                    charged to an allowance of its own (op 120 s, loss 150 s, CUDA 10 s of its limit), recorded
+                    apart from the warm runs (cold_s), and records the code path each row timed with its
+                    fingerprint (speed_table.py)
     third   520 s   llama7b: the LoRA training benchmark (bench/train_llama_7b.py; 7B, or --llama-size 1b),
                     resumable: run it again with --resume-from the previous results until it prints that it is done;
                     --train-bench: train_bench instead, angle-train against sentence-transformers' trainer
@@ -860,11 +861,13 @@ SECOND_STEPS = (("limits", 40), ("op_sweep", 180), ("loss_sweep", 240), ("cuda_o
 SWEEP_DTYPE = "bfloat16"
 
 
-def bf16_ops() -> list:
-    """Every family's op benchmarks, in bf16 only (what training uses; float32 waits for more GPU time)."""
+def bf16_ops(names: tuple[str, ...] = ()) -> list:
+    """Every family's op benchmarks (those named in `names`, where given), in bf16 only (what training uses; float32
+    waits for more GPU time)."""
     import dataclasses
 
-    return [dataclasses.replace(bench, dtypes=(SWEEP_DTYPE,)) for bench in all_ops()]
+    return [dataclasses.replace(bench, dtypes=(SWEEP_DTYPE,)) for bench in all_ops()
+            if not names or bench.name in names]
 
 
 def loss_sweep(record: StageRecord, deadline: Deadline, angle_emb_loss: str | None) -> dict:
@@ -899,7 +902,7 @@ def stage_second(args, record: StageRecord, schedule: Schedule) -> None:
         return
     if schedule.runs("op_sweep"):
         guarded(record, "op_sweep", lambda: op_sweep(record, schedule.deadline("op_sweep"), limits,
-                                                     [("triton", "torch")], ops=bf16_ops()))
+                                                     [("triton", "torch")], ops=bf16_ops(args.ops)))
     if schedule.runs("loss_sweep"):
         guarded(record, "loss_sweep", lambda: loss_sweep(record, schedule.deadline("loss_sweep"), args.angle_emb_loss))
 
@@ -911,7 +914,8 @@ def stage_second(args, record: StageRecord, schedule: Schedule) -> None:
         built = build.wait(Deadline(deadline.left() - 60, time.monotonic()))
         probe_cuda_backend(record, deadline)
         # the CUDA backend gets a pass of its own: a CUDA error in it loses the process's context, not the rows above
-        return {"build": built, **op_sweep(record, deadline, limits, [("cuda",)], ops=bf16_ops(), step="cuda_op_sweep")}
+        return {"build": built, **op_sweep(record, deadline, limits, [("cuda",)], ops=bf16_ops(args.ops),
+                                           step="cuda_op_sweep")}
 
     if schedule.runs("cuda_op_sweep"):
         guarded(record, "cuda_op_sweep", cuda_sweep)
@@ -1139,6 +1143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip", type=lambda text: tuple(filter(None, text.split(","))), default=(),
                         help="second: steps not to run, comma-separated (op_sweep, loss_sweep, cuda_op_sweep: "
                              "measured by an earlier command); they get no time in the schedule")
+    parser.add_argument("--ops", type=lambda text: tuple(filter(None, text.split(","))), default=(),
+                        help="second: the op sweeps' benchmarks to run, comma-separated (e.g. "
+                             "'pair_scores(dims),similarity_lse(dims)'; default every one)")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds the whole stage may take when less machine time is left than its limit: "
                              "every step ends by then (so two stages fit one command)")
@@ -1157,6 +1164,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--workers must be at least 1")
     if args.time_limit is not None and args.time_limit <= 0:
         parser.error("--time-limit must be a positive number of seconds")
+    if args.ops:
+        if args.stage != "second":
+            parser.error("--ops chooses stage second's op benchmarks")
+        known = [bench.name for bench in all_ops()]
+        unknown = [name for name in args.ops if name not in known]
+        if unknown:
+            parser.error(f"--ops {','.join(unknown)}: not an op benchmark; they are {', '.join(known)}")
     if args.train_bench and args.stage != "third":
         parser.error("--train-bench chooses stage third's benchmark")
     if args.stage in STAGES:

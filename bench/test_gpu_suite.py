@@ -569,3 +569,16 @@ def test_op_sweep_times_both_triton_schemes_of_the_pair_scores_with_dims(tmp_pat
     assert pair_scores_paths.ONE_READ_MIN_WIDTH == switch
     assert all(row["status"] == "ok" for row in rows), rows
     assert {row["backend"]: row["path"] for row in rows} == {"triton-fused": "dims", "triton-dense": "dims_one_read"}
+
+
+def test_second_sweeps_only_the_named_op_benchmarks(monkeypatch):
+    """`second --ops A,B`: the op sweeps take those benchmarks alone (the next run's time goes to the switches it
+    must set); an unknown name, or --ops with another stage, is refused before anything runs."""
+    args = gpu_suite.parse_args(["second", "out", "--ops", "pair_scores(dims),similarity_lse(dims)"])
+    assert [bench.name for bench in gpu_suite.bf16_ops(args.ops)] == ["pair_scores(dims)", "similarity_lse(dims)"]
+    assert all(bench.dtypes == (gpu_suite.SWEEP_DTYPE,) for bench in gpu_suite.bf16_ops(args.ops))
+    assert len(gpu_suite.bf16_ops()) == len(gpu_suite.all_ops())
+    for argv in (["second", "out", "--ops", "pair_scores(dimz)"], ["first", "out", "--ops", "pair_scores"]):
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_suite.parse_args(argv)
+        assert exit_info.value.code == 2

@@ -20,6 +20,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # Each committed run with the commit its sources were at (the runs' READMEs): they did not record fingerprints.
 H100_RUNS = [(RESULTS / "h100-80gb-hbm3-2026-11-26" / "second" / "second.json", "7ab8295"),  # Triton, torch
              (RESULTS / "h100-80gb-hbm3-2026-11-26b" / "gpu" / "second.json", "a0dd5ba")]  # CUDA
+# The H200's op sweep recorded its paths and fingerprints.
+H200_RUN = RESULTS / "h200-2026-11-28" / "second-op-sweep" / "second.json"
 
 
 def _has_commits(*commits: str) -> bool:
@@ -28,19 +30,24 @@ def _has_commits(*commits: str) -> bool:
 
 
 @pytest.mark.skipif(not _has_commits(*(c for _, c in H100_RUNS)), reason="the git history of the runs' commits")
-def test_the_measured_table_is_what_the_committed_h100_runs_measured():
-    read = speed_table.points([(str(path), commit) for path, commit in H100_RUNS])
-    assert sorted(read) == [("9.0", "bfloat16"), ("9.0", "float32")]
-    for (capability, dtype), rows in read.items():
+def test_the_measured_table_is_what_the_committed_runs_measured():
+    """The H200's points, and the H100's where the H200 did not measure (the same compute capability)."""
+    h100 = speed_table.points([(str(path), commit) for path, commit in H100_RUNS])
+    h200 = speed_table.points([(str(H200_RUN), None)])
+    assert sorted(h100) == sorted(h200) == [("9.0", "bfloat16"), ("9.0", "float32")]
+    for (capability, dtype), rows in h100.items():
+        newer = h200[(capability, dtype)]
+        measured_again = {point[:4] for point in newer}
+        expected = newer + [point for point in rows if point[:4] not in measured_again]
         held = measured.MEASURED[(capability, getattr(torch, dtype))]
-        assert sorted(held) == sorted(rows), (capability, dtype)
+        assert sorted(held) == sorted(expected), (capability, dtype)
 
 
-def test_the_h100_times_of_code_changed_since_no_longer_count():
-    """Since the sweeps, the torch backend's GPU blocks changed its pair_scores and similarity_xent and the CUDA
-    pair_scores and ranking_loss kernels were rewritten: their recorded fingerprints differ from this checkout's, so
-    auto no longer uses their times; the Triton paths and the torch ranking term are unchanged and still count.
-    (The CUDA paths' sources: csrc/, present in a checkout.)"""
+def test_the_times_of_code_changed_since_no_longer_count():
+    """The H200 measured this checkout's code. Of the H100's points it left (the largest sizes), the torch
+    similarity_xent's and the CUDA ranking term's times measured code changed since (the torch backend's GPU blocks,
+    the rewritten scan): their recorded fingerprints differ from this checkout's, so auto does not use them; the
+    rest still count. (The CUDA paths' sources: csrc/, present in a checkout.)"""
     recorded = {(key.partition("/")[0], op, key.partition("/")[2], fingerprint)
                 for points in measured.MEASURED.values() for op, *_, times, prints in points
                 for key, fingerprint in prints.items()}
@@ -50,10 +57,9 @@ def test_the_h100_times_of_code_changed_since_no_longer_count():
             for backend, op, path, _ in recorded}
     current = {(backend, op) for backend, op, path, fingerprint in recorded if fingerprint == here[backend, op, path]}
     changed = {(backend, op) for backend, op, path, fingerprint in recorded if fingerprint != here[backend, op, path]}
-    assert changed == {("torch", "pair_scores"), ("torch", "similarity_xent"), ("cuda", "pair_scores"),
-                       ("cuda", "ranking_loss")}
-    assert current == {("triton", "pair_scores"), ("triton", "ranking_loss"), ("triton", "similarity_xent"),
-                       ("torch", "ranking_loss"), ("cuda", "similarity_xent")}
+    assert changed == {("torch", "similarity_xent"), ("cuda", "ranking_loss")}
+    assert current == {(backend, op) for backend in ("triton", "torch") for op in (
+        "pair_scores", "ranking_loss", "similarity_xent", "similarity_lse")} | {("cuda", "similarity_xent")}
 
 
 def _run(tmp_path, rows, name="second.json"):
@@ -113,17 +119,40 @@ def test_the_printed_points_are_the_literals_within_120_columns():
             assert max(map(len, text.splitlines())) <= 120
 
 
+def _triton_path_taken(op: str, variant: str, width: int, listed: str) -> str:
+    """The Triton path a call of this op, variant and width takes with this checkout's switches (the ranking term's
+    by its size, as the decision lists it)."""
+    from angle_kernels.triton_ops import similarity_lse_paths, similarity_xent_dense, similarity_xent_paths
+
+    if op == "similarity_xent":
+        if variant == "dims":
+            return "dense_dims" if width >= similarity_xent_paths.DENSE_DIMS_MIN_WIDTH else "dims"
+        return "dense" if width >= similarity_xent_dense.MIN_WIDTH else "fused"
+    if op == "similarity_lse":
+        if variant == "dims":
+            switch = similarity_lse_paths.DENSE_DIMS_MIN_WIDTH
+            return "dense_dims" if switch is not None and width >= switch else "fused_prefixes"
+        return "dense" if width >= similarity_lse_paths.DENSE_MIN_WIDTH else "fused"
+    return listed
+
+
 def test_the_decisions_the_table_makes_against_the_fixed_order(capsys):
-    """What measured.py's docstring says the table is worth: with this checkout's code, the one decision it still
-    makes is torch for the ranking term at 65,536 scores (over Triton's sort path); as measured, CUDA yields to
-    torch on in-batch negatives at every size."""
+    """What measured.py's docstring says the table is worth: with this checkout's code, against the Triton paths
+    calls take, torch for Matryoshka in-batch negatives at D = 4,096 and 1,024 x 2,048 logits (over the dense dims
+    scheme), for similarity_lse with dims there (over the fused kernels per prefix) and for the ranking term at 65,536
+    scores (over Triton's sort path); as measured, CUDA yields to torch on in-batch negatives."""
     found = speed_table.decisions()
-    today = [(d["op"], d["size"], d["fixed_order"], d["table"]) for d in found if d["matches_this_code"]]
-    assert today == [("ranking_loss", 65536, "triton/sort", "torch/default")]
+    today = {(d["op"], d["size"], d["fixed_order"], d["table"]) for d in found if d["matches_this_code"]
+             and d["fixed_order"].partition("/")[2] == _triton_path_taken(
+                 d["op"], d["variant"], d["width"], d["fixed_order"].partition("/")[2])}
+    assert today == {("similarity_xent", 2097152, "triton/dense_dims", "torch/mixed"),
+                     ("similarity_xent", 2097152, "triton/dense_dims", "torch/default"),
+                     ("similarity_lse", 2097152, "triton/fused_prefixes", "torch/default"),
+                     ("ranking_loss", 65536, "triton/sort", "torch/default")}
     cuda_first = {d["size"] for d in found if d["op"] == "similarity_xent" and d["variant"] == "full"
                   and d["fixed_order"] == "cuda/fused" and d["table"] == "torch/default"}
-    assert cuda_first == {4 * n * n for n in (1024, 4096, 16384)}
-    assert max(d["saves_ms"] for d in found if d["fixed_order"].startswith("triton")) < 4
+    assert cuda_first == {4 * 16384 * 16384}  # where the H100's points remain (the H200 timed no CUDA)
+    assert max(d["saves_ms"] for d in found if (d["op"], d["size"], d["fixed_order"], d["table"]) in today) < 12
     assert speed_table.main(["--decisions"]) == 0
     assert "torch/default rather than triton/sort" in capsys.readouterr().out
 
