@@ -408,8 +408,7 @@ def _decision(point: tuple, op: str, keys: list[str], allowed: list[Candidate]) 
 # blocks). The CUDA backend's other ops were verified on an H200 (2026-11-28) in code no op sweep has timed (its
 # pair scores and ranking term rewritten after the H100 measured them 2.9-87x slower than torch on the ranking
 # term, its similarity_lse new): correct is not fast, so they too wait behind torch until a point times them.
-AFTER_TORCH = {("cuda", "similarity_xent"), ("cuda", "pair_scores"), ("cuda", "ranking_loss"),
-               ("cuda", "similarity_lse")}
+AFTER_TORCH = {("cuda", op) for op in contract.OPS}
 
 
 def fixed_order(op: str, allowed: list[Candidate]) -> list[Candidate]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -119,21 +120,22 @@ def test_the_printed_points_are_the_literals_within_120_columns():
             assert max(map(len, text.splitlines())) <= 120
 
 
-def _triton_path_taken(op: str, variant: str, width: int, listed: str) -> str:
-    """The Triton path a call of this op, variant and width takes with this checkout's switches (the ranking term's
-    by its size, as the decision lists it)."""
-    from angle_kernels.triton_ops import similarity_lse_paths, similarity_xent_dense, similarity_xent_paths
+def _triton_path_taken(op: str, variant: str, size: int, width: int, listed: str) -> str:
+    """The Triton path a call at this point takes, as the backend's own selectors choose it with this checkout's
+    switches (the similarity ops at the sweep's shapes: 2N x 2N logits at full width and with a margin, N x 2N with
+    dims and for similarity_lse, five prefixes; the ranking term's path as the decision lists it)."""
+    if op not in ("similarity_xent", "similarity_lse"):
+        return listed
+    pytest.importorskip("triton")
+    from angle_kernels.triton_ops import similarity_lse_paths, similarity_xent_paths
 
+    square = op == "similarity_xent" and variant in ("full", "margin")
+    q = torch.empty(2, width, device="meta")
+    c = torch.empty(math.isqrt(size if square else 2 * size), width, device="meta")
+    dims = tuple(width // 2**i for i in (4, 3, 2, 1, 0)) if variant == "dims" else None
     if op == "similarity_xent":
-        if variant == "dims":
-            return "dense_dims" if width >= similarity_xent_paths.DENSE_DIMS_MIN_WIDTH else "dims"
-        return "dense" if width >= similarity_xent_dense.MIN_WIDTH else "fused"
-    if op == "similarity_lse":
-        if variant == "dims":
-            switch = similarity_lse_paths.DENSE_DIMS_MIN_WIDTH
-            return "dense_dims" if switch is not None and width >= switch else "fused_prefixes"
-        return "dense" if width >= similarity_lse_paths.DENSE_MIN_WIDTH else "fused"
-    return listed
+        return similarity_xent_paths.code_path(q, c, 20.0, "partner", dims=dims)
+    return similarity_lse_paths.code_path(q, c, 20.0, dims=dims)
 
 
 def test_the_decisions_the_table_makes_against_the_fixed_order(capsys):
@@ -144,7 +146,7 @@ def test_the_decisions_the_table_makes_against_the_fixed_order(capsys):
     found = speed_table.decisions()
     today = {(d["op"], d["size"], d["fixed_order"], d["table"]) for d in found if d["matches_this_code"]
              and d["fixed_order"].partition("/")[2] == _triton_path_taken(
-                 d["op"], d["variant"], d["width"], d["fixed_order"].partition("/")[2])}
+                 d["op"], d["variant"], d["size"], d["width"], d["fixed_order"].partition("/")[2])}
     assert today == {("similarity_xent", 2097152, "triton/dense_dims", "torch/mixed"),
                      ("similarity_xent", 2097152, "triton/dense_dims", "torch/default"),
                      ("similarity_lse", 2097152, "triton/fused_prefixes", "torch/default"),
