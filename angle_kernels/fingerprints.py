@@ -82,6 +82,9 @@ ROUTERS: dict[tuple[str, str], str] = {
     ("triton", "pair_scores"): "triton_ops.pair_scores_paths:pair_scores",
     ("triton", "similarity_lse"): "triton_ops.similarity_lse_paths:similarity_lse",
     ("cuda", "similarity_xent"): "cuda_ops.similarity_xent_paths:similarity_xent",
+    # On CPU tensors its "default" path computes in the softmax form (_similarity_xent_softmax.py): no GPU runs that,
+    # so it is in no fingerprint; on a GPU the router calls the root of both paths below.
+    ("torch", "similarity_xent"): "torch_ops.similarity_xent_paths:similarity_xent",
 }
 
 _XENT = "triton_ops.similarity_xent:similarity_xent"

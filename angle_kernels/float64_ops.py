@@ -133,6 +133,20 @@ def masked_logsumexp(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(values.masked_fill(~keep, -math.inf), dim=-1)
 
 
+def masked_log_partition(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """masked_logsumexp in two parts, (m, log s) with logsumexp = m + log s: m the largest kept entry (no gradient:
+    the logsumexp does not depend on it) and log s = log1p(sum of exp(v - m) over the other kept entries) (every row
+    must keep one). A difference of two logsumexps of one row, (m1 - m2) + (log s1 - log s2), then keeps the digits
+    of a small log s that m + log s rounds away at m's magnitude (a loss whose target logit dominates its row)."""
+    shifted = values.masked_fill(~keep, -math.inf)
+    top, where = shifted.detach().max(dim=-1, keepdim=True)
+    shifted = shifted - top
+    is_top = torch.zeros_like(keep).scatter_(-1, where, True)
+    # exp(v - m) - 1 at the largest entry (0, with the derivative exp(0) = 1), exp(v - m) elsewhere
+    terms = torch.where(is_top, torch.expm1(shifted), torch.exp(shifted))
+    return top.squeeze(-1), torch.log1p(terms.sum(dim=-1))
+
+
 # ----------------------------------------------------------------------------------------------------
 # the ops (angle_kernels/dispatch.py)
 # ----------------------------------------------------------------------------------------------------
@@ -232,7 +246,9 @@ def similarity_xent(
         same_text = (ids[None, :] == ids[:, None]) | (ids[None, :] == ids[t.reshape(-1)][:, None])
         positives = positives | (same_text & columns)
 
-    per_row = masked_logsumexp(logits, columns) - masked_logsumexp(logits, positives)
+    (top_all, log_sum_all), (top_pos, log_sum_pos) = (masked_log_partition(logits, columns),
+                                                      masked_log_partition(logits, positives))
+    per_row = (top_all - top_pos) + (log_sum_all - log_sum_pos)  # the maxima first (masked_log_partition)
     weights = torch.ones_like(per_row) if row_weights is None else in_compute_dtype(row_weights.to(cos.device))
     return (weights * per_row).sum() / rows
 

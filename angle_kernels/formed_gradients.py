@@ -3,8 +3,8 @@
 The loss is a scalar, so a forward that holds a block of whole rows of logits knows their gradients for
 grad_loss = 1 as soon as it has their logsumexps: it forms them right away when autograd will ask for them
 (`gradients_wanted`), and backward only scales them by grad_loss (`GradientsFormedInForward`). Used by the torch
-backend's similarity_xent (torch_ops/similarity_xent.py) and the Triton backend's dense scheme
-(triton_ops/similarity_xent_dense.py).
+backend's similarity_xent (torch_ops/similarity_xent.py, and on the CPU torch_ops/_similarity_xent_softmax.py) and
+the Triton backend's dense scheme (triton_ops/similarity_xent_dense.py).
 """
 
 from __future__ import annotations

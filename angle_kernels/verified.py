@@ -31,7 +31,8 @@ MATCH_FIELDS[backend] equals this process's value (`identity`):
       (fingerprints.csrc_fingerprint, compiled into it);
     * torch: nothing more. Its GPU paths (16-bit products on a GPU: torch_ops/similarity_xent.py's "mixed") are
       verified like the GPU backends' paths; its default path (ALWAYS_ALLOWED), the same float32/float64
-      arithmetic on every device, which the CPU suite verifies, needs no verification anywhere.
+      arithmetic on every device (similarity_xent's in its softmax form on CPU tensors and its blocked form
+      elsewhere, both held to the oracle by the CPU suite), needs no verification anywhere.
 
 A path whose code passed the table's large-size checks on some GPU (CODE_FIELDS equal) may also compute on a GPU
 or versions the table does not cover, after a check on its first call there: `checked_elsewhere` says whether it

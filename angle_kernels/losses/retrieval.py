@@ -247,8 +247,9 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
         # logsumexp over the columns does not depend on their order: with this rank's positives first, row i's
         # target is column i, the op's "diagonal" target, gathered or not
         own_first = [positives] if gathered is None else _own_rows_first(positives, all_positives, rank)
-        loss = contrastive(ops, queries, torch.cat([*own_first, *(t.to(positives.dtype) for t in all_negatives)]),
-                           scale, nested)
+        columns = [*own_first, *(t.to(positives.dtype) for t in all_negatives)]
+        # one block of columns is passed as it is: a cat would copy it and add an autograd node for nothing
+        loss = contrastive(ops, queries, columns[0] if len(columns) == 1 else torch.cat(columns), scale, nested)
         if "doc_to_query" in directions:
             query_columns = queries if gathered is None else torch.cat(_own_rows_first(queries, all_queries, rank))
             loss = (loss + contrastive(ops, positives, query_columns, scale, nested)) / 2

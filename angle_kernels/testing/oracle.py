@@ -41,6 +41,7 @@ from angle_kernels.float64_ops import (  # noqa: F401  (re-exported: the tests' 
     dot,
     dot_matrix,
     in_compute_dtype,
+    masked_log_partition,
     masked_logsumexp,
     norm,
     normalize,
@@ -169,9 +170,11 @@ def in_batch_negative_loss(
         same_as_partner = ids[None, :] == ids[partner][:, None]
         positive = positive | ((same_as_self | same_as_partner) & not_self)
 
-    log_all = torch.logsumexp(logits, dim=1)
-    log_positive = masked_logsumexp(logits, positive)
-    per_row = labels * (log_all - log_positive)
+    # logsumexp over every column minus over the positives, the largest logits subtracted first (their difference is
+    # exact): a row whose positives dominate keeps the digits of its small loss
+    (top_all, log_sum_all), (top_positive, log_sum_positive) = (
+        masked_log_partition(logits, torch.ones_like(positive)), masked_log_partition(logits, positive))
+    per_row = labels * ((top_all - top_positive) + (log_sum_all - log_sum_positive))
     return per_row.sum() / rows
 
 
@@ -287,7 +290,9 @@ def arccon_loss(h1: torch.Tensor, h2: torch.Tensor, margin_degrees: float = 10.0
     positive_logit = torch.cos(torch.clamp(theta + margin, max=math.pi)) / tau
     is_positive = torch.eye(n, dtype=torch.bool, device=cos.device)
     logits = torch.where(is_positive, positive_logit[:, None].expand(n, n), cos / tau)
-    return (torch.logsumexp(logits, dim=1) - positive_logit).mean()
+    # logsumexp - positive_logit, the largest logit subtracted first: a loss near 1e-6 keeps its digits
+    top, log_sum = masked_log_partition(logits, torch.ones_like(is_positive))
+    return ((top - positive_logit) + log_sum).mean()
 
 
 def triplet_loss(anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Tensor, margin: float = 0.0) -> torch.Tensor:

@@ -50,8 +50,11 @@ the scales once at the end. The derivations: docs/torch-similarity.md.
 
 Code paths (PATHS; `code_path` names the one a call takes where the backend may take its GPU path, which dispatch
 decides). "default": the products in the compute dtype, float32 copies of 16-bit inputs included; the arithmetic the
-CPU suite verifies, allowed everywhere. "mixed": 16-bit inputs on a GPU whose torch has products of 16-bit operands
-with float32 accumulation and output (common.mixed_products), the Triton dense scheme's arithmetic: the logits from
+CPU suite verifies, allowed everywhere. On CPU tensors its full-width calls compute in the softmax form instead
+(_similarity_xent_softmax.py: the same schedule with fewer passes over each tile; similarity_xent_paths.py, the
+op module the backend names, routes them): the blocked form here is what the default path runs on a GPU.
+"mixed": 16-bit inputs on a GPU whose torch has products of 16-bit operands with float32 accumulation and output
+(common.mixed_products), the Triton dense scheme's arithmetic: the logits from
 the 16-bit rows (bfloat16 scaled by their powers of two; common.half_rows), the gradient tiles rounded to the input
 dtype with only w_i / max|w| (and with dims grad_loss_i / max|grad_loss|) in them, multiplied by unit rows (full
 width; with dims, each slice divided by the norm of the prefix it ends, so every operand entry is at most 1), and

@@ -19,7 +19,9 @@ torch_ops/similarity_xent.py). The `backend` fixture adds "torch-mixed", the tor
 the CPU, where each product converts its 16-bit operands to float32 (the values a GPU's mixed-dtype products take,
 accumulated in another order): every case below holds its arithmetic to the oracle, the 16-bit ones under the
 half-precision rule, the float32 and float64 ones (operands and tiles then stay in that dtype) as an exact check of
-its algebra.
+its algebra. Its "default" path computes CPU calls in the softmax form (torch_ops/_similarity_xent_softmax.py, the
+"torch" backend here) and GPU calls in the blocked form (torch_ops/similarity_xent.py): the fixture adds
+"torch-blocked", that form on the CPU.
 """
 
 from __future__ import annotations
@@ -58,25 +60,32 @@ def dense_scheme_backend(monkeypatch, block_rows: int = DENSE_TEST_BLOCK_ROWS) -
     return Backend("triton-dense", Ops("triton-dense", dense), triton_backend.device)
 
 
-def torch_mixed_backend() -> Backend:
-    """The torch backend with its similarity_xent held to the "mixed" path (module docstring), on the CPU."""
+def torch_path_backend(path: str) -> Backend:
+    """The torch backend with its similarity_xent computed by torch_ops/similarity_xent.py on the code path `path`
+    (module docstring), on the CPU: "mixed", or "default" in the blocked form a GPU runs."""
     from angle_kernels.dispatch import Ops, raw_backend
     from angle_kernels.torch_ops import similarity_xent as torch_xent
 
+    name = {"mixed": "torch-mixed", "default": "torch-blocked"}[path]
     raw = raw_backend("torch")
-    mixed = types.SimpleNamespace(**dict(vars(raw), similarity_xent=functools.partial(torch_xent.similarity_xent,
-                                                                                      path="mixed")))
-    return Backend("torch-mixed", Ops("torch-mixed", mixed), torch.device("cpu"))
+    held = types.SimpleNamespace(**dict(vars(raw), similarity_xent=functools.partial(torch_xent.similarity_xent,
+                                                                                     path=path)))
+    return Backend(name, Ops(name, held), torch.device("cpu"))
 
 
-@pytest.fixture(params=BACKEND_NAMES + ("triton-dense", "torch-mixed"))
+def torch_mixed_backend() -> Backend:
+    """The torch backend with its similarity_xent held to the "mixed" path (module docstring), on the CPU."""
+    return torch_path_backend("mixed")
+
+
+@pytest.fixture(params=BACKEND_NAMES + ("triton-dense", "torch-mixed", "torch-blocked"))
 def backend(request, monkeypatch) -> Backend:
-    """tests/conftest.py's backends, the triton backend's dense scheme and the torch backend's mixed path (module
-    docstring)."""
+    """tests/conftest.py's backends, the triton backend's dense scheme and the torch backend's mixed path and
+    blocked form (module docstring)."""
     if request.param == "triton-dense":
         return dense_scheme_backend(monkeypatch)
-    if request.param == "torch-mixed":
-        return torch_mixed_backend()
+    if request.param in ("torch-mixed", "torch-blocked"):
+        return torch_path_backend({"torch-mixed": "mixed", "torch-blocked": "default"}[request.param])
     return backend_or_skip(request.param)
 
 # name -> (M, Mc or None for c = None, D, options). Options: scale, target, exclude_diagonal, margin (radians);
@@ -242,13 +251,13 @@ def test_more_rows_than_one_block_of_the_torch_backend(backend):
     _check(backend, q, None, kwargs, "several row blocks")
 
 
-@pytest.mark.parametrize("scheme", ["torch", "triton-dense"])
+@pytest.mark.parametrize("scheme", ["torch", "torch-blocked", "triton-dense"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["c=None", "c"])
 def test_three_matrix_products_per_block(monkeypatch, symmetric, scheme):
-    """The torch backend and the triton backend's dense scheme compute a block's gradient while they hold the
-    block's logits: forward takes three matrix products per row block (logits, dq, dc) and backward none, as eager
-    code does (recomputing the logits in backward would take four); without gradients (no_grad, or no input that
-    requires them) one per block."""
+    """The torch backend (both forms of its default path) and the triton backend's dense scheme compute a block's
+    gradient while they hold the block's logits: forward takes three matrix products per row block (logits, dq, dc)
+    and backward none, as eager code does (recomputing the logits in backward would take four); without gradients
+    (no_grad, or no input that requires them) one per block."""
     import angle_kernels.torch_ops.common as torch_common
     from angle_kernels.dispatch import raw_backend
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -262,9 +271,10 @@ def test_three_matrix_products_per_block(monkeypatch, symmetric, scheme):
             self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
             return func(*args, **(kwargs or {}))
 
-    if scheme == "torch":
+    if scheme.startswith("torch"):
         monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 8 * 40)  # 40 columns: blocks of 8 rows
-        ops, device = raw_backend("torch"), torch.device("cpu")
+        ops = raw_backend("torch") if scheme == "torch" else torch_path_backend("default").ops.backend
+        device = torch.device("cpu")
     else:
         dense = dense_scheme_backend(monkeypatch, block_rows=8)
         ops, device = dense.ops.backend, dense.device

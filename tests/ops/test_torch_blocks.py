@@ -14,7 +14,10 @@ dispatches. What is checked, at 2N = 16,384 columns:
 * the dims path of similarity_xent makes, per block in forward, the same number of ops whatever k beyond its k
   matrix products (the per-prefix small ops that made it launch-bound on a GPU are done once per block);
 * similarity_xent's "mixed" path (16-bit products, the meta device offering them) takes the same blocks and holds
-  no more than the default path.
+  no more than the default path;
+* the softmax form in which the default path computes CPU calls (torch_ops/_similarity_xent_softmax.py), run here
+  on the meta device directly, takes the same blocks and holds two tiles (the logits and their softmax; with
+  group_ids the positives' softmax and masks besides).
 The CPU side: its budget and the rows it gives are pinned, and the ops still cut CPU tensors by CHUNK_ELEMENTS.
 """
 
@@ -98,10 +101,11 @@ def _meta_leaf(*shape):
     return torch.empty(*shape, device=META, dtype=torch.bfloat16).requires_grad_()
 
 
-def _similarity_cases():
+def _similarity_cases(ops=None):
     """name -> (leaves, call, rows M, columns Mc, tiles of Mc logits per block row, tile budgets the peak may
-    reach): the first walk's tile holds `parts` x Mc logits per row (dims: k + 1)."""
-    ops = raw_backend("torch")
+    reach): the first walk's tile holds `parts` x Mc logits per row (dims: k + 1). ops: the torch backend's raw ops
+    by default."""
+    ops = raw_backend("torch") if ops is None else ops
     m, mc = COLUMNS // 2, COLUMNS
     groups = torch.zeros(mc, dtype=torch.long, device=META)
     return {
@@ -173,6 +177,23 @@ def test_the_cpu_still_cuts_by_its_own_budget(monkeypatch, symmetric):
                                                     **kwargs)
         loss.backward()
     assert max(shape[0] for _, shape in recorder.shapes if len(shape) == 2 and shape[1] == 40 and shape[0] < rows) == 8
+
+
+@pytest.mark.parametrize("name, budgets", [("xent_in_batch", 2), ("xent_groups", 3.75), ("xent_arccon", 2)])
+def test_the_softmax_form_holds_two_tiles(name, budgets):
+    """The softmax form of the default path (what CPU calls compute by) on the blocked form's calls: its blocks are
+    the blocked form's, and its peak stays within two tiles of float32 logits (the logits and their softmax), with
+    group_ids three and the boolean positives masks (a quarter tile each), plus 8 embedding-sized float32 buffers
+    (the rows' float32 copies, unit rows and gradients)."""
+    from angle_kernels.torch_ops import _similarity_xent_softmax
+
+    softmax_ops = type("SoftmaxOps", (), {"similarity_xent": staticmethod(_similarity_xent_softmax.similarity_xent)})
+    make, call, m, mc, _, _ = _similarity_cases(softmax_ops)[name]
+    shapes, peak = _run(call, make())
+    rows = {shape[-2] for _, shape in shapes if len(shape) >= 2 and shape[-1] == mc and shape[-2] < m}
+    assert max(rows) == torch_common.rows_per_chunk(mc, META), f"{name}: tiles of {sorted(rows)} rows"
+    bound = budgets * 4 * torch_common.ACCELERATOR_CHUNK_ELEMENTS + 8 * (m + mc) * WIDTH * 4
+    assert peak <= bound, f"{name}: peak {peak / MIB:.0f} MiB, bound {bound / MIB:.0f} MiB"
 
 
 # ATen ops that launch nothing (views, allocations), and the matrix products.
