@@ -41,7 +41,7 @@ from angle_kernels.float64_ops import (  # noqa: F401  (re-exported: the tests' 
     dot,
     dot_matrix,
     in_compute_dtype,
-    masked_log_partition,
+    log_partition_ratio,
     masked_logsumexp,
     norm,
     normalize,
@@ -170,11 +170,10 @@ def in_batch_negative_loss(
         same_as_partner = ids[None, :] == ids[partner][:, None]
         positive = positive | ((same_as_self | same_as_partner) & not_self)
 
-    # logsumexp over every column minus over the positives, the largest logits subtracted first (their difference is
-    # exact): a row whose positives dominate keeps the digits of its small loss
-    (top_all, log_sum_all), (top_positive, log_sum_positive) = (
-        masked_log_partition(logits, torch.ones_like(positive)), masked_log_partition(logits, positive))
-    per_row = labels * ((top_all - top_positive) + (log_sum_all - log_sum_positive))
+    # logsumexp over the columns minus over the positives, as softplus of the other columns' against the positives':
+    # a row whose positives dominate keeps the digits of its small loss
+    kept = torch.isfinite(logits.detach())  # the columns neither the diagonal nor the filter removed
+    per_row = labels * log_partition_ratio(logits, kept, positive & kept)
     return per_row.sum() / rows
 
 
@@ -290,9 +289,9 @@ def arccon_loss(h1: torch.Tensor, h2: torch.Tensor, margin_degrees: float = 10.0
     positive_logit = torch.cos(torch.clamp(theta + margin, max=math.pi)) / tau
     is_positive = torch.eye(n, dtype=torch.bool, device=cos.device)
     logits = torch.where(is_positive, positive_logit[:, None].expand(n, n), cos / tau)
-    # logsumexp - positive_logit, the largest logit subtracted first: a loss near 1e-6 keeps its digits
-    top, log_sum = masked_log_partition(logits, torch.ones_like(is_positive))
-    return ((top - positive_logit) + log_sum).mean()
+    # logsumexp - positive_logit as softplus of the other logits' logsumexp against it: a loss near 1e-6 keeps its
+    # digits
+    return log_partition_ratio(logits, torch.ones_like(is_positive), is_positive).mean()
 
 
 def triplet_loss(anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Tensor, margin: float = 0.0) -> torch.Tensor:

@@ -93,6 +93,7 @@ class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
             if exclude_diagonal:
                 logits[local, rows] = float("-inf")
             grad = torch.softmax(logits, dim=1)  # softmax_all; its positive columns are zeroed below
+            softmax_pos = None
             top, log_sum = _log_partition(logits, grad)
             if positives is None:  # P_i is the target: lse_pos is its logit
                 far = top.sub_(logits[local, targets]).add_(log_sum)
@@ -105,6 +106,7 @@ class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
             del logits
             row_losses[start:end] = _row_losses(grad.sum(dim=1), far)
             if not with_grad:
+                del grad, softmax_pos  # before the next block's tiles are made
                 continue
             # softmax_all - softmax_pos: softmax_all off the positives; at a positive column j, softmax_pos_j
             # (exp(-row loss) - 1) (softmax_all_j = softmax_pos_j exp(lse_pos - lse_all)), which keeps its digits

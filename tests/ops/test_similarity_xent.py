@@ -667,16 +667,13 @@ def test_the_softmax_form_keeps_the_digits_of_small_losses():
     """Rows whose target dominates have losses near 1e-6 that lse - l_target rounds away at the logits' magnitude
     (scale 20, float32 ulp 2e-6): the softmax form takes them as -log1p(-r) from the softmax's mass off the target
     (torch_ops/_similarity_xent_softmax.py). ArcCon in float32 against the float64 reference: the softmax form
-    within 5e-6 of it, where the blocked form (and eager code) is 2e-5 off on the same case."""
+    within 5e-6 of it (1.5e-6 measured; the blocked form, like eager code, 2.3e-5 on this machine: the mean of
+    seven rows' roundings at half an ulp of 20, so not asserted)."""
     from angle_kernels.testing.helpers import fuzz_embeddings
 
     h1 = fuzz_embeddings(1, 7, 14, 1.0, torch.float64)
     h2 = h1 + 0.3 * fuzz_embeddings(2, 7, 14, 1.0, torch.float64)
     kwargs = dict(scale=20.0, target="diagonal", margin=math.radians(10.0))
     reference = oracle.similarity_xent(h1, h2, **kwargs).item()
-    errors = {}
-    for name in ("torch", "torch-blocked"):
-        ops = backend_or_skip("torch").ops if name == "torch" else torch_path_backend("default").ops
-        errors[name] = abs(ops.similarity_xent(h1.float(), h2.float(), **kwargs).item() / reference - 1)
-    assert errors["torch"] < 5e-6, errors
-    assert errors["torch-blocked"] > 1e-5, errors  # the case tells the two apart
+    loss = backend_or_skip("torch").ops.similarity_xent(h1.float(), h2.float(), **kwargs).item()
+    assert abs(loss / reference - 1) < 5e-6

@@ -179,17 +179,26 @@ def test_the_cpu_still_cuts_by_its_own_budget(monkeypatch, symmetric):
     assert max(shape[0] for _, shape in recorder.shapes if len(shape) == 2 and shape[1] == 40 and shape[0] < rows) == 8
 
 
+@pytest.mark.parametrize("gradients", [True, False], ids=["forward+backward", "no_grad"])
 @pytest.mark.parametrize("name, budgets", [("xent_in_batch", 2), ("xent_groups", 3.75), ("xent_arccon", 2)])
-def test_the_softmax_form_holds_two_tiles(name, budgets):
+def test_the_softmax_form_holds_two_tiles(name, budgets, gradients):
     """The softmax form of the default path (what CPU calls compute by) on the blocked form's calls: its blocks are
     the blocked form's, and its peak stays within two tiles of float32 logits (the logits and their softmax), with
     group_ids three and the boolean positives masks (a quarter tile each), plus 8 embedding-sized float32 buffers
-    (the rows' float32 copies, unit rows and gradients)."""
+    (the rows' float32 copies, unit rows and gradients); under no_grad too (a block's softmax freed before the next
+    block's tiles)."""
     from angle_kernels.torch_ops import _similarity_xent_softmax
 
     softmax_ops = type("SoftmaxOps", (), {"similarity_xent": staticmethod(_similarity_xent_softmax.similarity_xent)})
     make, call, m, mc, _, _ = _similarity_cases(softmax_ops)[name]
-    shapes, peak = _run(call, make())
+    if gradients:
+        shapes, peak = _run(call, make())
+    else:
+        leaves = [leaf.detach() for leaf in make()]
+        recorder, peak_memory = ShapeRecorder(), _PeakMemory(leaves)
+        with torch.no_grad(), peak_memory, recorder.mode:
+            call(*leaves)
+        shapes, peak = recorder.shapes, peak_memory.peak
     rows = {shape[-2] for _, shape in shapes if len(shape) >= 2 and shape[-1] == mc and shape[-2] < m}
     assert max(rows) == torch_common.rows_per_chunk(mc, META), f"{name}: tiles of {sorted(rows)} rows"
     bound = budgets * 4 * torch_common.ACCELERATOR_CHUNK_ELEMENTS + 8 * (m + mc) * WIDTH * 4
