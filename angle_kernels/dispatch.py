@@ -102,15 +102,16 @@ class Ops:
         reference = contract.check_lse_reference(q, normalize, reference)
         # reference does not steer the choice: a backend whose op lacks it computes the same value by subtraction
         backend = self._computing("similarity_lse", call)
+        args = _each_tensor_once(call.args)
         if reference is None:
-            return backend.similarity_lse(*call.args)
+            return backend.similarity_lse(*args)
         if "reference" in backend.features["similarity_lse"]:
-            return backend.similarity_lse(*call.args, reference=reference)  # keyword-only (OPTIONAL_FEATURES)
+            return backend.similarity_lse(*args, reference=reference)  # keyword-only (OPTIONAL_FEATURES)
         dtype = contract.compute_dtype(q.dtype)  # exact while the logits fit the compute dtype (else inf - inf)
         widths = [q.shape[1]] if call.dims is None else call.dims
         logits = torch.stack([call.scale * torch.linalg.vecdot(q[:, :d].to(dtype), reference[:, :d].to(dtype))
                               for d in widths])
-        return backend.similarity_lse(*call.args) - (logits[0] if call.dims is None else logits)
+        return backend.similarity_lse(*args) - (logits[0] if call.dims is None else logits)
 
     def takes_in_one_call(self, op: str, *args, **kwargs) -> bool:
         """Whether the optional features a call of `op` uses (kwargs, e.g. dims) are computed in one call where the
@@ -286,6 +287,24 @@ _ENV_VAR = "ANGLE_KERNELS_BACKEND"
 _PACKAGES = {"torch": "angle_kernels.torch_ops", "triton": "angle_kernels.triton_ops", "cuda": "angle_kernels.cuda_ops"}
 # What "auto" tries for CUDA tensors, in order, before the PyTorch path.
 _AUTO_GPU_BACKENDS = ("triton", "cuda")
+
+
+def _each_tensor_once(args: tuple) -> tuple:
+    """A call's arguments with every tensor passed again (similarity_lse's q as its c: the query-to-query block, GIST's
+    anchors against themselves and their guide's likewise) passed the second time as a view of itself, inside
+    torch.compile traces: dynamo cannot trace an autograd.Function.apply that takes one tensor twice ("duplicate
+    tensor input"). A view is the same data, and its gradient reaches the tensor. Outside traces, args as they are."""
+    if not torch.compiler.is_compiling():
+        return args
+    passed: list[torch.Tensor] = []
+    distinct = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if any(arg is earlier for earlier in passed):
+                arg = arg.view_as(arg)
+            passed.append(arg)
+        distinct.append(arg)
+    return tuple(distinct)
 
 
 def raw_backend(name: str) -> contract.Backend:

@@ -85,6 +85,8 @@ ROUTERS: dict[tuple[str, str], str] = {
     # On CPU tensors its "default" path computes in the softmax form (_similarity_xent_softmax.py): no GPU runs that,
     # so it is in no fingerprint; on a GPU the router calls the root of both paths below.
     ("torch", "similarity_xent"): "torch_ops.similarity_xent_paths:similarity_xent",
+    # Likewise: on CPU tensors it computes cosines at full width in the softmax form (_similarity_lse_softmax.py).
+    ("torch", "similarity_lse"): "torch_ops.similarity_lse_paths:similarity_lse",
 }
 
 _XENT = "triton_ops.similarity_xent:similarity_xent"

@@ -46,7 +46,27 @@ def loss_functions(backend: str) -> dict:
     }
 
 
-LOSSES = loss_functions("torch")
+GUIDE = torch.randn(2 * PAIRS, 24, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+def similarity_lse_losses(backend: str) -> dict:
+    """name -> loss of one [12, D] tensor: the losses computed from similarity_lse blocks, with the options that
+    make a block take one tensor twice (a query block against itself, GIST's anchors against themselves) or filter
+    by the model's own scores or by a guide's."""
+    return {
+        "mnrl_all_directions": lambda x: ak.multiple_negatives_ranking_loss(x[0:6], x[6:12], directions=ALL_DIRECTIONS,
+                                                                            backend=backend),
+        "mnrl_hardness": lambda x: ak.multiple_negatives_ranking_loss(
+            x[0:6], x[6:12], hardness_mode="in_batch_negatives", hardness_strength=2.0, backend=backend),
+        "mnrl_false_negative_filter": lambda x: ak.multiple_negatives_ranking_loss(
+            x[0:6], x[6:12], false_negative_margin=0.1, backend=backend),
+        "gist_loss": lambda x: ak.gist_loss(x[0:6], x[6:12], GUIDE[0:6].to(x), GUIDE[6:12].to(x), backend=backend),
+    }
+
+
+# On the torch backend; on a GPU, test_cuda_backend_one_graph_and_equal_to_eager runs loss_functions("cuda").
+LOSSES = {**loss_functions("torch"), **similarity_lse_losses("torch")}
 
 
 def embeddings(name: str, dtype=torch.float64) -> torch.Tensor:
@@ -118,7 +138,7 @@ def test_inductor_float32(name):
     assert rel_err(grad, ref_grad) < 1e-4
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", sorted(loss_functions("cuda")))
 def test_cuda_backend_one_graph_and_equal_to_eager(name):
     """The CUDA extension's ops through torch.compile(fullgraph=True) (their fake implementations and autograd
     formulas) with the default inductor backend: one graph, equal to eager. Needs the built extension on a GPU."""

@@ -11,6 +11,7 @@ odd sizes, a single row or column, more rows and columns than one tile.
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ from torch.autograd import gradcheck
 from angle_kernels.float64_ops import GRAD_TOL, VALUE_TOL
 from angle_kernels.testing import oracle
 from angle_kernels.testing.helpers import (
-    HALF_DTYPES, HUGE_OP_MAGNITUDES, assert_close, check_against_oracle, generator, huge_magnitude_id,
-    huge_row_factors, leaf_like, moved_to, randn, skip_unless_feature, skip_unless_implemented,
+    BACKEND_NAMES, HALF_DTYPES, HUGE_OP_MAGNITUDES, Backend, assert_close, backend_or_skip, check_against_oracle,
+    generator, huge_magnitude_id, huge_row_factors, leaf_like, moved_to, randn, skip_unless_feature,
+    skip_unless_implemented,
 )
 
 # name -> (M, Mc, D, options). "filter": (D' of the filter embeddings, threshold offset): the threshold of row
@@ -88,12 +90,27 @@ def _inputs(name, dtype):
     return q, c, kwargs
 
 
-@pytest.fixture
-def backend(backend):
+def torch_blocked_backend() -> Backend:
+    """The torch backend with similarity_lse computed in the blocked form (torch_ops/similarity_lse.py, what its
+    calls on a GPU run) on the CPU, where its router sends cosines at full width to the softmax form."""
+    from angle_kernels.dispatch import Ops, raw_backend
+    from angle_kernels.torch_ops import similarity_lse as blocked
+
+    held = types.SimpleNamespace(**dict(vars(raw_backend("torch")), similarity_lse=blocked.similarity_lse))
+    return Backend("torch-blocked", Ops("torch-blocked", held), torch.device("cpu"))
+
+
+@pytest.fixture(params=BACKEND_NAMES + ("torch-blocked",))
+def backend(request) -> Backend:
     """The backends that implement similarity_lse: all three (the CUDA backend's cases run on a GPU; on CPU its
-    kernels are emulated, tests/ops/test_cuda_similarity_lse_emulation.py)."""
-    skip_unless_implemented(backend, "similarity_lse")
-    return backend
+    kernels are emulated, tests/ops/test_cuda_similarity_lse_emulation.py), and "torch-blocked": the torch
+    backend's CPU calls of cosines at full width compute in the softmax form (torch_ops/_similarity_lse_softmax.py),
+    its GPU calls in the blocked form, held to the same oracle here."""
+    if request.param == "torch-blocked":
+        return torch_blocked_backend()
+    found = backend_or_skip(request.param)
+    skip_unless_implemented(found, "similarity_lse")
+    return found
 
 
 def test_the_cases_drop_some_columns_and_keep_others():

@@ -17,7 +17,8 @@ dispatches. What is checked, at 2N = 16,384 columns:
   no more than the default path;
 * the softmax form in which the default path computes CPU calls (torch_ops/_similarity_xent_softmax.py), run here
   on the meta device directly, takes the same blocks and holds two tiles (the logits and their softmax; with
-  group_ids the positives' softmax and masks besides).
+  group_ids the positives' softmax and masks besides); so does similarity_lse's softmax form
+  (torch_ops/_similarity_lse_softmax.py), within the blocked form's budget.
 The CPU side: its budget and the rows it gives are pinned, and the ops still cut CPU tensors by CHUNK_ELEMENTS.
 """
 
@@ -108,6 +109,8 @@ def _similarity_cases(ops=None):
     ops = raw_backend("torch") if ops is None else ops
     m, mc = COLUMNS // 2, COLUMNS
     groups = torch.zeros(mc, dtype=torch.long, device=META)
+    guide_q, guide_c = torch.empty(m, WIDTH, device=META), torch.empty(mc, WIDTH, device=META)  # GIST's guide
+    threshold = torch.empty(m, device=META)
     return {
         "xent_in_batch": (lambda: [_meta_leaf(mc, WIDTH)], lambda x: ops.similarity_xent(
             x, None, 20.0, "partner", exclude_diagonal=True), mc, mc, 1, 3),
@@ -122,6 +125,8 @@ def _similarity_cases(ops=None):
             mc, mc, 4, 2),
         "lse": (lambda: [_meta_leaf(m, WIDTH), _meta_leaf(mc, WIDTH)], lambda q, c: ops.similarity_lse(
             q, c, 20.0, 0, m, "own", 2.0, "other", None, None, None, False, True), m, mc, 1, 4),
+        "lse_guided": (lambda: [_meta_leaf(m, WIDTH), _meta_leaf(mc, WIDTH)], lambda q, c: ops.similarity_lse(
+            q, c, 20.0, 0, 0, "none", 0.0, "none", guide_q, guide_c, threshold, True, True), m, mc, 1, 4),
     }
 
 
@@ -191,6 +196,38 @@ def test_the_softmax_form_holds_two_tiles(name, budgets, gradients):
 
     softmax_ops = type("SoftmaxOps", (), {"similarity_xent": staticmethod(_similarity_xent_softmax.similarity_xent)})
     make, call, m, mc, _, _ = _similarity_cases(softmax_ops)[name]
+    if gradients:
+        shapes, peak = _run(call, make())
+    else:
+        leaves = [leaf.detach() for leaf in make()]
+        recorder, peak_memory = ShapeRecorder(), _PeakMemory(leaves)
+        with torch.no_grad(), peak_memory, recorder.mode:
+            call(*leaves)
+        shapes, peak = recorder.shapes, peak_memory.peak
+    rows = {shape[-2] for _, shape in shapes if len(shape) >= 2 and shape[-1] == mc and shape[-2] < m}
+    assert max(rows) == torch_common.rows_per_chunk(mc, META), f"{name}: tiles of {sorted(rows)} rows"
+    bound = budgets * 4 * torch_common.ACCELERATOR_CHUNK_ELEMENTS + 8 * (m + mc) * WIDTH * 4
+    assert peak <= bound, f"{name}: peak {peak / MIB:.0f} MiB, bound {bound / MIB:.0f} MiB"
+
+
+@pytest.mark.parametrize("gradients", [True, False], ids=["forward+backward", "no_grad"])
+@pytest.mark.parametrize("name", ["lse", "lse_guided"])
+def test_the_lse_softmax_form_holds_the_blocked_forms_tiles(name, gradients):
+    """similarity_lse's softmax form (what CPU calls of cosines at full width compute by) on the blocked form's
+    calls: its blocks are the blocked form's, and its peak stays within the blocked form's tile budget (the
+    cosines, the logits and the penalty's or the filter's tile, then the logits and their softmax, with the boolean
+    masks), plus 8 embedding-sized float32 buffers (the rows' float32 copies, unit rows and gradients)."""
+    from angle_kernels.torch_ops import _similarity_lse_softmax
+
+    def softmax_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
+                    filter_threshold, filter_keeps_target, normalize):
+        assert normalize
+        return _similarity_lse_softmax.similarity_lse(q, c, scale, target_offset, period, exclude, penalty,
+                                                      penalty_on, filter_q, filter_c, filter_threshold,
+                                                      filter_keeps_target)
+
+    softmax_ops = type("SoftmaxOps", (), {"similarity_lse": staticmethod(softmax_lse)})
+    make, call, m, mc, _, budgets = _similarity_cases(softmax_ops)[name]
     if gradients:
         shapes, peak = _run(call, make())
     else:

@@ -1,0 +1,152 @@
+"""similarity_lse of cosines at full width in the softmax form: what the torch backend computes on the CPU.
+
+The contract is torch_ops/similarity_lse.py's (its module docstring): per row i, lse_i = logsumexp over the kept
+columns K_i of l_ij = scale * cos_ij (+ the hardness penalty), -inf where K_i is empty, and in backward
+dL/dcos_ij = g_i * scale * softmax_ij over K_i. The schedule is the same too (a block of rows against all columns,
+the score and filter tiles made again in backward, only lse and the rows kept: never the M x Mc matrix), computed
+with fewer passes over each block's tiles, which is what a call costs on a CPU once its products are paid for:
+
+    * the products take unit rows q_hat = q / max(|q|, eps), c_hat and likewise the filter's rows (made once,
+      O((M + Mc) D)): a tile is its cosines, with no inverse norms multiplied into it (blocked form: two passes per
+      tile, and two more per gradient tile in backward);
+    * a row's lse is m_i - max_j log_softmax_ij (m_i the row's largest kept logit: the largest entry of its
+      log_softmax is -log sum_j exp(l_ij - m_i)), and backward's softmax is `torch.softmax` of the block's logits:
+      torch's fused softmax kernels, where the blocked form subtracts and exponentiates the tile in separate passes
+      (on CPUs where torch's elementwise exp is MKL's, several times the softmax's time per entry, most of all on
+      the entries that underflow);
+    * g_i * scale multiplies the [b, D] products, not the tile.
+
+The masks (exclusions, penalty, filter) are the blocked form's own (similarity_lse._Tiles.masked_logits). Memory:
+as the blocked form, at most three tile-sized float32 temporaries per block (cosines, logits and the filter's
+cosines; in backward the logits and their softmax), with its boolean masks, on top of O((M + Mc) D) for the unit
+rows and the gradients. Huge rows are scaled as there (common.cosine_rows); unit rows are exact cosines' operands
+whatever the scale.
+
+Raw dot products, dims and `reference` compute as everywhere (similarity_lse.py). On a GPU every call keeps the
+blocked form: the op sweeps timed that code and `auto`'s choices depend on its times (angle_kernels.measured);
+torch_ops/similarity_lse_paths.py routes the calls.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..contract import compute_dtype
+from ..normalisation import normalise_backward
+from .common import may_skip_scaling
+from .similarity_lse import _same_values, _scaling, _Tiles
+
+
+def _unit_rows(rows: torch.Tensor, inverse_norms: torch.Tensor) -> torch.Tensor:
+    return rows * inverse_norms[:, None]
+
+
+def _filter_unit_rows(rows: torch.Tensor) -> torch.Tensor:
+    scaled, _, inverse_norms, _ = _scaling(rows, True)
+    return _unit_rows(scaled, inverse_norms)
+
+
+def _row_lse(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's logsumexp [b] of a block of logits [b, Mc] (-inf outside the kept columns): m - max log_softmax,
+    -inf for a row without kept columns (whose log_softmax is NaN)."""
+    top = logits.amax(dim=1)
+    spread = torch.log_softmax(logits, dim=1).amax(dim=1)  # -log sum_j exp(l_ij - m_i)
+    return torch.where(torch.isneginf(top), top, top - spread)
+
+
+def _may_have(mask: torch.Tensor) -> bool:
+    """Whether any entry of `mask` may be True: its values are asked where that costs no device sync and breaks no
+    compiled graph (common.may_skip_scaling's rule); elsewhere it may."""
+    return not may_skip_scaling(mask) or bool(mask.any())
+
+
+class _NamedFilterTiles(_Tiles):
+    """similarity_lse._Tiles (the blocks and the masks) told whether its filter scores the model's own q and c
+    (`own_scores`), instead of finding out by comparing data pointers, which torch.compile cannot trace. The filter's
+    rows are _UnitTiles' own."""
+
+    def __init__(self, q_in, c_in, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty, penalty_on,
+                 filter_threshold, filter_keeps_target, own_scores):
+        super().__init__(q_in, c_in, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty, penalty_on,
+                         None, None, None, filter_keeps_target, True)  # no filter: no data pointers compared
+        self.filter_threshold, self.own_scores_filter = filter_threshold, own_scores
+
+
+def _filter_on_own_scores(q, c, filter_q, filter_c, filter_threshold) -> bool:
+    """Whether the call's filter is on the model's own scores (filter_q and filter_c are q and c detached: the
+    score tile serves as the filter's). Inside torch.compile traces it is taken as one on other embeddings, whose
+    products give the same values."""
+    return (filter_threshold is not None and not torch.compiler.is_compiling() and _same_values(filter_q, q)
+            and _same_values(filter_c, c))
+
+
+class _UnitTiles:
+    """The logits of a row block from unit rows, identically in forward and backward: the score tile, the filter's
+    (for a filter on other embeddings than q and c), then the blocked form's masks."""
+
+    def __init__(self, tiles: _Tiles, q_hat: torch.Tensor, c_hat: torch.Tensor, filter_q: torch.Tensor | None,
+                 filter_c: torch.Tensor | None):
+        self.tiles, self.q_hat, self.c_hat = tiles, q_hat, c_hat
+        self.guided = tiles.filter_threshold is not None and not tiles.own_scores_filter
+        if self.guided:
+            self.filter_q_hat, self.filter_c_hat = _filter_unit_rows(filter_q), _filter_unit_rows(filter_c)
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        cos = torch.mm(self.q_hat[start:end], self.c_hat.T)
+        guide = torch.mm(self.filter_q_hat[start:end], self.filter_c_hat.T) if self.guided else None
+        return self.tiles.masked_logits(cos, start, end, self.tiles.filter_threshold, guide)[0]
+
+
+class SoftmaxSimilarityLseFunction(torch.autograd.Function):
+    """similarity_lse of cosines (normalize=True) at full width, without reference (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
+                filter_threshold, filter_keeps_target):
+        dtype = compute_dtype(q.dtype)
+        q_in, c_in = q.detach(), c.detach()
+        qf, q_scale, q_inv, q_has_grad = _scaling(q_in, True)
+        cf, c_scale, c_inv, c_has_grad = _scaling(c_in, True)
+        own_scores = _filter_on_own_scores(q_in, c_in, filter_q, filter_c, filter_threshold)
+        tiles = _NamedFilterTiles(q_in, c_in, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty,
+                                  penalty_on, filter_threshold, filter_keeps_target, own_scores)
+        unit_tiles = _UnitTiles(tiles, _unit_rows(qf, q_inv), _unit_rows(cf, c_inv), filter_q, filter_c)
+        lse = torch.empty(qf.shape[0], dtype=dtype, device=q.device)
+        for start, end in tiles.blocks():
+            lse[start:end] = _row_lse(unit_tiles.logits(start, end))  # the tile freed before the next is made
+        ctx.save_for_backward(qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale)
+        ctx.unit_tiles = unit_tiles  # the unit rows and the filter's, O((M + Mc) D): not made again in backward
+        ctx.input_dtypes = (q.dtype, c.dtype)
+        return lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_lse):
+        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale = ctx.saved_tensors
+        unit_tiles = ctx.unit_tiles
+        q_hat, c_hat = unit_tiles.q_hat, unit_tiles.c_hat
+        # Rows with no kept column (lse = -inf) have no softmax (torch.softmax gives NaN there): their weight is 0.
+        empty = torch.isneginf(lse)
+        row_scale = torch.where(empty, torch.zeros_like(lse), grad_lse.to(lse.dtype) * unit_tiles.tiles.scale)
+        d_qhat, d_chat = torch.zeros_like(qf), torch.zeros_like(cf)
+        for start, end in unit_tiles.tiles.blocks():
+            weights = torch.softmax(unit_tiles.logits(start, end), dim=1)  # softmax over K_i
+            block_empty = empty[start:end]
+            if _may_have(block_empty):
+                weights.masked_fill_(block_empty[:, None], 0.0)
+            block_scale = row_scale[start:end, None]  # dL/dcos_ij = block_scale_i * weights_ij
+            d_qhat[start:end].addcmul_(torch.mm(weights, c_hat), block_scale)
+            d_chat.addmm_(weights.T, q_hat[start:end] * block_scale)
+            del weights  # before the next block's tile is made
+        q_dtype, c_dtype = ctx.input_dtypes
+        dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat, q_scale).to(q_dtype)
+        dc = normalise_backward(cf, c_inv, c_has_grad, d_chat, c_scale).to(c_dtype)
+        return dq, dc, *([None] * 10)
+
+
+def similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
+                   filter_threshold, filter_keeps_target):
+    """The op of cosines at full width, without reference, in the softmax form (module docstring)."""
+    return SoftmaxSimilarityLseFunction.apply(q, c, scale, target_offset, period, exclude, penalty, penalty_on,
+                                              filter_q, filter_c, filter_threshold, filter_keeps_target)
