@@ -184,18 +184,11 @@ def test_the_cpu_still_cuts_by_its_own_budget(monkeypatch, symmetric):
     assert max(shape[0] for _, shape in recorder.shapes if len(shape) == 2 and shape[1] == 40 and shape[0] < rows) == 8
 
 
-@pytest.mark.parametrize("gradients", [True, False], ids=["forward+backward", "no_grad"])
-@pytest.mark.parametrize("name, budgets", [("xent_in_batch", 2), ("xent_groups", 3.75), ("xent_arccon", 2)])
-def test_the_softmax_form_holds_two_tiles(name, budgets, gradients):
-    """The softmax form of the default path (what CPU calls compute by) on the blocked form's calls: its blocks are
-    the blocked form's, and its peak stays within two tiles of float32 logits (the logits and their softmax), with
-    group_ids three and the boolean positives masks (a quarter tile each), plus 8 embedding-sized float32 buffers
-    (the rows' float32 copies, unit rows and gradients); under no_grad too (a block's softmax freed before the next
-    block's tiles)."""
-    from angle_kernels.torch_ops import _similarity_xent_softmax
-
-    softmax_ops = type("SoftmaxOps", (), {"similarity_xent": staticmethod(_similarity_xent_softmax.similarity_xent)})
-    make, call, m, mc, _, _ = _similarity_cases(softmax_ops)[name]
+def _check_a_softmax_form(ops, name: str, budgets: float, gradients: bool) -> None:
+    """Case `name` of _similarity_cases on `ops` (a softmax form), with backward or under no_grad: its tiles have the
+    rows of the blocked form's, and its peak stays within `budgets` tiles of float32 logits plus 8 embedding-sized
+    float32 buffers (the rows' float32 copies, unit rows and gradients)."""
+    make, call, m, mc, _, _ = _similarity_cases(ops)[name]
     if gradients:
         shapes, peak = _run(call, make())
     else:
@@ -208,6 +201,19 @@ def test_the_softmax_form_holds_two_tiles(name, budgets, gradients):
     assert max(rows) == torch_common.rows_per_chunk(mc, META), f"{name}: tiles of {sorted(rows)} rows"
     bound = budgets * 4 * torch_common.ACCELERATOR_CHUNK_ELEMENTS + 8 * (m + mc) * WIDTH * 4
     assert peak <= bound, f"{name}: peak {peak / MIB:.0f} MiB, bound {bound / MIB:.0f} MiB"
+
+
+@pytest.mark.parametrize("gradients", [True, False], ids=["forward+backward", "no_grad"])
+@pytest.mark.parametrize("name, budgets", [("xent_in_batch", 2), ("xent_groups", 3.75), ("xent_arccon", 2)])
+def test_the_softmax_form_holds_two_tiles(name, budgets, gradients):
+    """The softmax form of the default path (what CPU calls compute by) on the blocked form's calls: its blocks are
+    the blocked form's, and its peak stays within two tiles of float32 logits (the logits and their softmax), with
+    group_ids three and the boolean positives masks (a quarter tile each); under no_grad too (a block's softmax
+    freed before the next block's tiles)."""
+    from angle_kernels.torch_ops import _similarity_xent_softmax
+
+    softmax_ops = type("SoftmaxOps", (), {"similarity_xent": staticmethod(_similarity_xent_softmax.similarity_xent)})
+    _check_a_softmax_form(softmax_ops, name, budgets, gradients)
 
 
 @pytest.mark.parametrize("gradients", [True, False], ids=["forward+backward", "no_grad"])
@@ -216,30 +222,15 @@ def test_the_lse_softmax_form_holds_the_blocked_forms_tiles(name, gradients):
     """similarity_lse's softmax form (what CPU calls of cosines at full width compute by) on the blocked form's
     calls: its blocks are the blocked form's, and its peak stays within the blocked form's tile budget (the
     cosines, the logits and the penalty's or the filter's tile, then the logits and their softmax, with the boolean
-    masks), plus 8 embedding-sized float32 buffers (the rows' float32 copies, unit rows and gradients)."""
+    masks)."""
     from angle_kernels.torch_ops import _similarity_lse_softmax
 
-    def softmax_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
-                    filter_threshold, filter_keeps_target, normalize):
-        assert normalize
-        return _similarity_lse_softmax.similarity_lse(q, c, scale, target_offset, period, exclude, penalty,
-                                                      penalty_on, filter_q, filter_c, filter_threshold,
-                                                      filter_keeps_target)
+    def softmax_lse(*args):  # the blocked form's arguments, whose last, normalize, is True here
+        assert args[-1] is True
+        return _similarity_lse_softmax.similarity_lse(*args[:-1])
 
     softmax_ops = type("SoftmaxOps", (), {"similarity_lse": staticmethod(softmax_lse)})
-    make, call, m, mc, _, budgets = _similarity_cases(softmax_ops)[name]
-    if gradients:
-        shapes, peak = _run(call, make())
-    else:
-        leaves = [leaf.detach() for leaf in make()]
-        recorder, peak_memory = ShapeRecorder(), _PeakMemory(leaves)
-        with torch.no_grad(), peak_memory, recorder.mode:
-            call(*leaves)
-        shapes, peak = recorder.shapes, peak_memory.peak
-    rows = {shape[-2] for _, shape in shapes if len(shape) >= 2 and shape[-1] == mc and shape[-2] < m}
-    assert max(rows) == torch_common.rows_per_chunk(mc, META), f"{name}: tiles of {sorted(rows)} rows"
-    bound = budgets * 4 * torch_common.ACCELERATOR_CHUNK_ELEMENTS + 8 * (m + mc) * WIDTH * 4
-    assert peak <= bound, f"{name}: peak {peak / MIB:.0f} MiB, bound {bound / MIB:.0f} MiB"
+    _check_a_softmax_form(softmax_ops, name, _similarity_cases()[name][-1], gradients)
 
 
 # ATen ops that launch nothing (views, allocations), and the matrix products.
