@@ -3,8 +3,9 @@
 The contract is torch_ops/similarity_lse.py's (its module docstring): per row i, lse_i = logsumexp over the kept
 columns K_i of l_ij = scale * cos_ij (+ the hardness penalty), -inf where K_i is empty, and in backward
 dL/dcos_ij = g_i * scale * softmax_ij over K_i. The schedule is the same too (a block of rows against all columns,
-the score and filter tiles made again in backward, only lse and the rows kept: never the M x Mc matrix), computed
-with fewer passes over each block's tiles, which is what a call costs on a CPU once its products are paid for:
+the score and filter tiles made again in backward, only lse and the rows kept between the passes; the one exception
+below keeps at most one tile, never an M x Mc matrix beyond the tile budget), computed with fewer passes over each
+block's tiles, which is what a call costs on a CPU once its products are paid for:
 
     * the products take unit rows q_hat = q / max(|q|, eps), c_hat and likewise the filter's rows (made once,
       O((M + Mc) D)): a tile is its cosines, with no inverse norms multiplied into it (blocked form: two passes per
@@ -14,7 +15,15 @@ with fewer passes over each block's tiles, which is what a call costs on a CPU o
       torch's fused softmax kernels, where the blocked form subtracts and exponentiates the tile in separate passes
       (on CPUs where torch's elementwise exp is MKL's, several times the softmax's time per entry, most of all on
       the entries that underflow);
-    * g_i * scale multiplies the [b, D] products, not the tile.
+    * g_i * scale multiplies the [b, D] products, not the tile;
+    * a call whose rows make one block (M x Mc within the tile budget, common.chunk_elements: 1 << 22 logits on
+      the CPU, 2,048 x 2,048) and whose gradients autograd will ask for keeps that block's softmax for backward (its
+      lse then taken from the softmax, as m_i - log max_j softmax_ij): backward makes only the two gradient
+      products, not the score and filter tiles, their masks and softmax again (eager code's count of products:
+      GIST up to ~2,000 pairs makes 12 products per call instead of 18). The kept tile is the one forward made, freed
+      with the graph after backward: a loss of several calls (GIST's three blocks, MNRL's directions) holds one
+      tile per call between forward and backward, each at most the budget (16 MiB of float32 on the CPU); a call of
+      several blocks keeps none.
 
 The masks (exclusions, penalty, filter) are the blocked form's own (similarity_lse._Tiles.masked_logits). Memory:
 as the blocked form, at most three tile-sized float32 temporaries per block (cosines, logits and the filter's
@@ -33,6 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..contract import compute_dtype
+from ..formed_gradients import gradients_wanted
 from ..normalisation import normalise_backward
 from .common import may_skip_scaling
 from .similarity_lse import _same_values, _scaling, _Tiles
@@ -47,6 +57,12 @@ def _filter_unit_rows(rows: torch.Tensor) -> torch.Tensor:
     return _unit_rows(scaled, inverse_norms)
 
 
+def _may_have(mask: torch.Tensor) -> bool:
+    """Whether any entry of `mask` may be True: its values are asked where that costs no device sync and breaks no
+    compiled graph (common.may_skip_scaling's rule); elsewhere it may."""
+    return not may_skip_scaling(mask) or bool(mask.any())
+
+
 def _row_lse(logits: torch.Tensor) -> torch.Tensor:
     """Each row's logsumexp [b] of a block of logits [b, Mc] (-inf outside the kept columns): m - max log_softmax,
     -inf for a row without kept columns (whose log_softmax is NaN)."""
@@ -55,10 +71,17 @@ def _row_lse(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(top), top, top - spread)
 
 
-def _may_have(mask: torch.Tensor) -> bool:
-    """Whether any entry of `mask` may be True: its values are asked where that costs no device sync and breaks no
-    compiled graph (common.may_skip_scaling's rule); elsewhere it may."""
-    return not may_skip_scaling(mask) or bool(mask.any())
+def _row_lse_and_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's logsumexp [b], the block's softmax [b, Mc]) of a block of logits: lse = m - log max_j softmax_ij
+    (the softmax at the largest logit is exp(m - lse), at least 1 / Mc: no underflow); a row without kept columns
+    gets lse = -inf and a softmax row of zeros (its weight in backward, where torch.softmax gives NaN)."""
+    top = logits.amax(dim=1)
+    weights = torch.softmax(logits, dim=1)
+    empty = torch.isneginf(top)
+    lse = torch.where(empty, top, top - weights.amax(dim=1).log_())
+    if _may_have(empty):
+        weights.masked_fill_(empty[:, None], 0.0)
+    return lse, weights
 
 
 class _NamedFilterTiles(_Tiles):
@@ -103,7 +126,7 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
-                filter_threshold, filter_keeps_target):
+                filter_threshold, filter_keeps_target, with_grad):
         dtype = compute_dtype(q.dtype)
         q_in, c_in = q.detach(), c.detach()
         qf, q_scale, q_inv, q_has_grad = _scaling(q_in, True)
@@ -113,9 +136,14 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
                                   penalty_on, filter_threshold, filter_keeps_target, own_scores)
         unit_tiles = _UnitTiles(tiles, _unit_rows(qf, q_inv), _unit_rows(cf, c_inv), filter_q, filter_c)
         lse = torch.empty(qf.shape[0], dtype=dtype, device=q.device)
-        for start, end in tiles.blocks():
-            lse[start:end] = _row_lse(unit_tiles.logits(start, end))  # the tile freed before the next is made
-        ctx.save_for_backward(qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale)
+        blocks = list(tiles.blocks())
+        weights = None  # the one block's softmax, kept for backward (module docstring)
+        if with_grad and len(blocks) == 1:
+            lse, weights = _row_lse_and_softmax(unit_tiles.logits(*blocks[0]))
+        else:
+            for start, end in blocks:
+                lse[start:end] = _row_lse(unit_tiles.logits(start, end))  # the tile freed before the next is made
+        ctx.save_for_backward(qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale, weights)
         ctx.unit_tiles = unit_tiles  # the unit rows and the filter's, O((M + Mc) D): not made again in backward
         ctx.input_dtypes = (q.dtype, c.dtype)
         return lse
@@ -123,7 +151,7 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_lse):
-        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale = ctx.saved_tensors
+        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale, kept = ctx.saved_tensors
         unit_tiles = ctx.unit_tiles
         q_hat, c_hat = unit_tiles.q_hat, unit_tiles.c_hat
         # Rows with no kept column (lse = -inf) have no softmax (torch.softmax gives NaN there): their weight is 0.
@@ -131,10 +159,13 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
         row_scale = torch.where(empty, torch.zeros_like(lse), grad_lse.to(lse.dtype) * unit_tiles.tiles.scale)
         d_qhat, d_chat = torch.zeros_like(qf), torch.zeros_like(cf)
         for start, end in unit_tiles.tiles.blocks():
-            weights = torch.softmax(unit_tiles.logits(start, end), dim=1)  # softmax over K_i
-            block_empty = empty[start:end]
-            if _may_have(block_empty):
-                weights.masked_fill_(block_empty[:, None], 0.0)
+            if kept is not None:  # the call's one block: its softmax from forward, empty rows zeroed there
+                weights = kept
+            else:
+                weights = torch.softmax(unit_tiles.logits(start, end), dim=1)  # softmax over K_i
+                block_empty = empty[start:end]
+                if _may_have(block_empty):
+                    weights.masked_fill_(block_empty[:, None], 0.0)
             block_scale = row_scale[start:end, None]  # dL/dcos_ij = block_scale_i * weights_ij
             d_qhat[start:end].addcmul_(torch.mm(weights, c_hat), block_scale)
             d_chat.addmm_(weights.T, q_hat[start:end] * block_scale)
@@ -142,11 +173,12 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
         q_dtype, c_dtype = ctx.input_dtypes
         dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat, q_scale).to(q_dtype)
         dc = normalise_backward(cf, c_inv, c_has_grad, d_chat, c_scale).to(c_dtype)
-        return dq, dc, *([None] * 10)
+        return dq, dc, *([None] * 11)
 
 
 def similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
                    filter_threshold, filter_keeps_target):
     """The op of cosines at full width, without reference, in the softmax form (module docstring)."""
     return SoftmaxSimilarityLseFunction.apply(q, c, scale, target_offset, period, exclude, penalty, penalty_on,
-                                              filter_q, filter_c, filter_threshold, filter_keeps_target)
+                                              filter_q, filter_c, filter_threshold, filter_keeps_target,
+                                              gradients_wanted(q, c))

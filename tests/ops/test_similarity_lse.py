@@ -100,14 +100,23 @@ def torch_blocked_backend() -> Backend:
     return Backend("torch-blocked", Ops("torch-blocked", held), torch.device("cpu"))
 
 
-@pytest.fixture(params=BACKEND_NAMES + ("torch-blocked",))
-def backend(request) -> Backend:
+@pytest.fixture(params=BACKEND_NAMES + ("torch-blocked", "torch-row-blocks"))
+def backend(request, monkeypatch) -> Backend:
     """The backends that implement similarity_lse: all three (the CUDA backend's cases run on a GPU; on CPU its
-    kernels are emulated, tests/ops/test_cuda_similarity_lse_emulation.py), and "torch-blocked": the torch
-    backend's CPU calls of cosines at full width compute in the softmax form (torch_ops/_similarity_lse_softmax.py),
-    its GPU calls in the blocked form, held to the same oracle here."""
+    kernels are emulated, tests/ops/test_cuda_similarity_lse_emulation.py), and two more forms of the torch backend,
+    held to the same oracle: "torch-blocked", the blocked form its GPU calls compute by (its CPU calls of cosines at
+    full width compute in the softmax form, torch_ops/_similarity_lse_softmax.py), and "torch-row-blocks", the torch
+    backend with a tile budget of a few rows (common.CHUNK_ELEMENTS): the softmax form over several row blocks,
+    which keeps no softmax for backward (at the default budget every case here is one block, whose softmax
+    backward reuses)."""
     if request.param == "torch-blocked":
         return torch_blocked_backend()
+    if request.param == "torch-row-blocks":
+        from angle_kernels.torch_ops import common
+
+        monkeypatch.setattr(common, "CHUNK_ELEMENTS", 256)
+        found = backend_or_skip("torch")
+        return Backend("torch-row-blocks", found.ops, found.device)
     found = backend_or_skip(request.param)
     skip_unless_implemented(found, "similarity_lse")
     return found

@@ -18,7 +18,8 @@ dispatches. What is checked, at 2N = 16,384 columns:
 * the softmax form in which the default path computes CPU calls (torch_ops/_similarity_xent_softmax.py), run here
   on the meta device directly, takes the same blocks and holds two tiles (the logits and their softmax; with
   group_ids the positives' softmax and masks besides); so does similarity_lse's softmax form
-  (torch_ops/_similarity_lse_softmax.py), within the blocked form's budget.
+  (torch_ops/_similarity_lse_softmax.py), within the blocked form's budget; on CPU tensors, a call of one block
+  keeps its softmax for backward, which then makes only its two gradient products.
 The CPU side: its budget and the rows it gives are pinned, and the ops still cut CPU tensors by CHUNK_ELEMENTS.
 """
 
@@ -276,6 +277,31 @@ def test_dims_forward_ops_per_block_do_not_grow_with_k(monkeypatch):
     five = _forward_ops_per_block(monkeypatch, (4, 8, 16, 24, 32))
     assert (two["products"], five["products"]) == (2, 5)
     assert two["other"] == five["other"], (two, five)
+
+
+def test_the_lse_softmax_form_keeps_a_one_block_calls_softmax(monkeypatch):
+    """similarity_lse's softmax form with a guide (GIST's blocks), on CPU tensors: a call whose rows make one block
+    keeps its softmax, so backward makes only the two gradient products (eager code's count); over B blocks backward
+    makes each block's score and guide tiles again, 4 products per block. Forward makes 2 per block either way (the
+    rest, in both passes, are the row norms' and the normalisation backward's, the same for any B)."""
+    from angle_kernels.torch_ops import _similarity_lse_softmax
+
+    gen = generator("lse_softmax_kept")
+    q, c = leaf_like(randn(gen, 24, 16)), leaf_like(randn(gen, 40, 16))
+    guide_q, guide_c, threshold = randn(gen, 24, 8), randn(gen, 40, 8), torch.full((24,), 0.3)
+    counts = {}
+    for blocks, budget in ((1, torch_common.CHUNK_ELEMENTS), (3, 8 * 40)):
+        monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", budget)
+        forward, backward = _OpCounter(), _OpCounter()
+        with forward:
+            lse = _similarity_lse_softmax.similarity_lse(q, c, 20.0, 0, 0, "none", 0.0, "none", guide_q, guide_c,
+                                                         threshold, True)
+        with backward:
+            lse.sum().backward()
+        counts[blocks] = forward.ops["products"], backward.ops["products"]
+    (forward_one, backward_one), (forward_three, backward_three) = counts[1], counts[3]
+    assert forward_three - forward_one == 2 * (3 - 1), counts
+    assert backward_three - backward_one == 4 * 3 - 2, counts
 
 
 def _meta_addmm_into_fp32_runs() -> bool:
