@@ -189,6 +189,24 @@ def test_rows_that_keep_no_column(backend):
     assert torch.count_nonzero(leaves[0].grad[empty.to(backend.device)]) == 0
 
 
+def test_a_retained_graph_gives_the_same_gradients_twice(backend):
+    """backward twice through one forward (retain_graph=True), with different upstream gradients: each is the
+    oracle's. On the torch backend's CPU calls of one tile the softmax forward kept is backward's: it must come out
+    of the first backward unchanged."""
+    q, c, kwargs = _inputs("guided", torch.float64)
+    on_device = moved_to(backend.device, kwargs)
+    leaves = [leaf_like(q, device=backend.device), leaf_like(c, device=backend.device)]
+    lse = backend.ops.similarity_lse(*leaves, **on_device)
+    exact_leaves = [leaf_like(q), leaf_like(c)]
+    exact = oracle.similarity_lse(*exact_leaves, **kwargs)
+    for seed in ("first", "second"):
+        weights = randn(generator("retained graph", seed), q.shape[0], dtype=torch.float64)
+        ours = torch.autograd.grad(lse @ weights.to(backend.device), leaves, retain_graph=True)
+        wanted = torch.autograd.grad(exact @ weights, exact_leaves, retain_graph=True)
+        for got, want, what in zip(ours, wanted, ("dq", "dc")):
+            assert_close(got.cpu(), want, 1e-8, f"{what}, {seed} backward")
+
+
 # No penalty in these cases: it is a stop-gradient, which finite differences see.
 @pytest.mark.parametrize("name", ["guided", "query_to_doc_gathered", "doc_to_doc", "dot_query_to_doc"])
 def test_gradcheck_float64(backend, name):
