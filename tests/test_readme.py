@@ -51,19 +51,21 @@ def block_run(request, tmp_path_factory):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
     futures = {}
 
-    def run(index: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", _offline(BLOCKS[index])],
-                              cwd=tmp_path_factory.mktemp(f"block{index}"), env=env, capture_output=True, text=True,
-                              timeout=600)
+    def run(index: int, folder: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _offline(BLOCKS[index])], cwd=folder, env=env,
+                              capture_output=True, text=True, timeout=600)
 
     with ThreadPoolExecutor(AT_ONCE) as pool:
         def result(index: int) -> subprocess.CompletedProcess:
             if AT_ONCE == 1:
-                return run(index)
+                return run(index, tmp_path_factory.mktemp(f"block{index}"))
             if not futures:
                 selected = sorted({item.callspec.params["index"] for item in request.session.items
                                    if getattr(item, "function", None) is test_readme_block_runs})
-                futures.update({i: pool.submit(run, i) for i in selected if not _missing_modules(BLOCKS[i])})
+                # the folders made here, in this thread: pytest's mktemp is not safe to call from two threads at once
+                folders = {i: tmp_path_factory.mktemp(f"block{i}") for i in selected}
+                futures.update({i: pool.submit(run, i, folders[i]) for i in selected
+                                if not _missing_modules(BLOCKS[i])})
             return futures[index].result()
 
         yield result
