@@ -1,4 +1,4 @@
-"""similarity_lse of cosines at full width in the softmax form: what the torch backend computes on the CPU.
+"""similarity_lse at full width in the softmax form: what the torch backend computes on the CPU.
 
 The contract is torch_ops/similarity_lse.py's (its module docstring): per row i, lse_i = logsumexp over the kept
 columns K_i of l_ij = scale * cos_ij (+ the hardness penalty), -inf where K_i is empty, and in backward
@@ -31,8 +31,13 @@ cosines; in backward the logits and their softmax), with its boolean masks, on t
 rows and the gradients. Huge rows are scaled as there (common.cosine_rows); unit rows are exact cosines' operands
 whatever the scale.
 
-Raw dot products, dims and `reference` compute as everywhere (similarity_lse.py). On a GPU every call keeps the
-blocked form: the op sweeps timed that code and `auto`'s choices depend on its times (angle_kernels.measured);
+Raw dot products (normalize=False, with or without `reference`: MNRL's util.dot_score logits) take the same form
+(SoftmaxDotLseFunction) where the blocked form's row scaling would change no bit (`takes_dot_products`: rows whose
+products cannot overflow, and no filter but one on the model's own scores): the logits are the rows' products times
+the scale, a row's value its lse less its reference logit (similarity_lse.py's `_reference_logits`); other dot
+product calls (a guide's filter, rows near the dtype's range, inside torch.compile traces, where the values cannot be
+asked) compute as everywhere, and so do dims (similarity_lse.py). On a GPU every call keeps the blocked form: the op
+sweeps timed that code and `auto`'s choices depend on its times (angle_kernels.measured);
 torch_ops/similarity_lse_paths.py routes the calls.
 """
 
@@ -44,8 +49,8 @@ from torch.autograd.function import once_differentiable
 from ..contract import compute_dtype
 from ..formed_gradients import gradients_wanted
 from ..normalisation import normalise_backward
-from .common import may_skip_scaling
-from .similarity_lse import _same_values, _scaling, _Tiles
+from .common import SAFE_SQUARED_NORM, may_skip_scaling, row_squares
+from .similarity_lse import _block_reference, _reference_logits, _same_values, _scaling, _Tiles
 
 
 def _unit_rows(rows: torch.Tensor, inverse_norms: torch.Tensor) -> torch.Tensor:
@@ -115,10 +120,53 @@ class _UnitTiles:
         if self.guided:
             self.filter_q_hat, self.filter_c_hat = _filter_unit_rows(filter_q), _filter_unit_rows(filter_c)
 
-    def logits(self, start: int, end: int) -> torch.Tensor:
+    def logits(self, start: int, end: int) -> tuple[torch.Tensor, None]:
+        """(the block's logits, no reference logit: _row_values' `logits_of`)."""
         cos = torch.mm(self.q_hat[start:end], self.c_hat.T)
         guide = torch.mm(self.filter_q_hat[start:end], self.filter_c_hat.T) if self.guided else None
-        return self.tiles.masked_logits(cos, start, end, self.tiles.filter_threshold, guide)[0]
+        return self.tiles.masked_logits(cos, start, end, self.tiles.filter_threshold, guide)[0], None
+
+
+def _row_values(tiles: _Tiles, logits_of, keep: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(each row's value [M], the softmax kept for backward or None): the lse of its block's logits, less its reference
+    logit where `logits_of(start, end)` (-> (logits, reference logits [b] or None)) gives one. With `keep` (autograd
+    will ask for the gradients) a call of one block keeps that block's softmax (module docstring); otherwise each
+    block's tile is freed before the next is made."""
+    blocks = list(tiles.blocks())
+    if keep and len(blocks) == 1:
+        logits, reference = logits_of(*blocks[0])
+        lse, weights = _row_lse_and_softmax(logits)
+        return (lse if reference is None else lse - reference), weights
+    values = torch.empty(tiles.qf.shape[0], dtype=dtype, device=tiles.qf.device)
+    for start, end in blocks:
+        logits, reference = logits_of(start, end)
+        lse = _row_lse(logits)
+        values[start:end] = lse if reference is None else lse - reference
+        del logits
+    return values, None
+
+
+def _score_gradients(tiles: _Tiles, logits_of, kept: torch.Tensor | None, values: torch.Tensor,
+                     grad_values: torch.Tensor, q_rows: torch.Tensor, c_rows: torch.Tensor):
+    """(dL/dq_rows, dL/dc_rows, g_i * scale [M]) for scores q_rows c_rows^T (unit rows: cosines; the rows: dot
+    products): dL/dscore_ij = g_i * scale * softmax_ij over K_i, the softmax `kept` by forward or made again from
+    `logits_of` a block at a time. Rows with no kept column (value -inf, where torch.softmax gives NaN) weigh 0."""
+    empty = torch.isneginf(values)
+    row_scale = torch.where(empty, torch.zeros_like(values), grad_values.to(values.dtype) * tiles.scale)
+    d_q, d_c = torch.zeros_like(q_rows), torch.zeros_like(c_rows)
+    for start, end in tiles.blocks():
+        if kept is not None:  # the call's one block: its softmax from forward, empty rows zeroed there
+            weights = kept
+        else:
+            weights = torch.softmax(logits_of(start, end)[0], dim=1)  # softmax over K_i
+            block_empty = empty[start:end]
+            if _may_have(block_empty):
+                weights.masked_fill_(block_empty[:, None], 0.0)
+        block_scale = row_scale[start:end, None]  # dL/dscore_ij = block_scale_i * weights_ij
+        d_q[start:end].addcmul_(torch.mm(weights, c_rows), block_scale)
+        d_c.addmm_(weights.T, q_rows[start:end] * block_scale)
+        del weights  # before the next block's tile is made
+    return d_q, d_c, row_scale
 
 
 class SoftmaxSimilarityLseFunction(torch.autograd.Function):
@@ -135,15 +183,8 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
         tiles = _NamedFilterTiles(q_in, c_in, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty,
                                   penalty_on, filter_threshold, filter_keeps_target, own_scores)
         unit_tiles = _UnitTiles(tiles, _unit_rows(qf, q_inv), _unit_rows(cf, c_inv), filter_q, filter_c)
-        lse = torch.empty(qf.shape[0], dtype=dtype, device=q.device)
-        blocks = list(tiles.blocks())
-        weights = None  # the one block's softmax, kept for backward (module docstring)
-        if with_grad and len(blocks) == 1:
-            lse, weights = _row_lse_and_softmax(unit_tiles.logits(*blocks[0]))
-        else:
-            for start, end in blocks:
-                lse[start:end] = _row_lse(unit_tiles.logits(start, end))  # the tile freed before the next is made
-        ctx.save_for_backward(qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale, weights)
+        lse, kept = _row_values(tiles, unit_tiles.logits, with_grad, dtype)
+        ctx.save_for_backward(qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale, kept)
         ctx.unit_tiles = unit_tiles  # the unit rows and the filter's, O((M + Mc) D): not made again in backward
         ctx.input_dtypes = (q.dtype, c.dtype)
         return lse
@@ -154,26 +195,79 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
         qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale, kept = ctx.saved_tensors
         unit_tiles = ctx.unit_tiles
         q_hat, c_hat = unit_tiles.q_hat, unit_tiles.c_hat
-        # Rows with no kept column (lse = -inf) have no softmax (torch.softmax gives NaN there): their weight is 0.
-        empty = torch.isneginf(lse)
-        row_scale = torch.where(empty, torch.zeros_like(lse), grad_lse.to(lse.dtype) * unit_tiles.tiles.scale)
-        d_qhat, d_chat = torch.zeros_like(qf), torch.zeros_like(cf)
-        for start, end in unit_tiles.tiles.blocks():
-            if kept is not None:  # the call's one block: its softmax from forward, empty rows zeroed there
-                weights = kept
-            else:
-                weights = torch.softmax(unit_tiles.logits(start, end), dim=1)  # softmax over K_i
-                block_empty = empty[start:end]
-                if _may_have(block_empty):
-                    weights.masked_fill_(block_empty[:, None], 0.0)
-            block_scale = row_scale[start:end, None]  # dL/dcos_ij = block_scale_i * weights_ij
-            d_qhat[start:end].addcmul_(torch.mm(weights, c_hat), block_scale)
-            d_chat.addmm_(weights.T, q_hat[start:end] * block_scale)
-            del weights  # before the next block's tile is made
+        d_qhat, d_chat, _ = _score_gradients(unit_tiles.tiles, unit_tiles.logits, kept, lse, grad_lse, q_hat, c_hat)
         q_dtype, c_dtype = ctx.input_dtypes
         dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat, q_scale).to(q_dtype)
         dc = normalise_backward(cf, c_inv, c_has_grad, d_chat, c_scale).to(c_dtype)
         return dq, dc, *([None] * 11)
+
+
+class SoftmaxDotLseFunction(torch.autograd.Function):
+    """similarity_lse of raw dot products (normalize=False) at full width, with or without reference, for rows that
+    need no scaling and a filter on the model's own scores or none (`takes_dot_products`): the logits are the
+    rows' products times the scale (every row's power of two is 1, so the blocked form's anchor-row scale is the
+    identity), and each row's value is its lse less its reference logit (similarity_lse.py's `_reference_logits`,
+    the target column's own logit where the reference row is that column's)."""
+
+    @staticmethod
+    def forward(ctx, q, c, reference, scale, target_offset, period, exclude, penalty, penalty_on, filter_threshold,
+                filter_keeps_target, own_scores, with_grad):
+        dtype = compute_dtype(q.dtype)
+        q_in, c_in = q.detach(), c.detach()
+        qf, cf = q_in.to(dtype), c_in.to(dtype)
+        tiles = _NamedFilterTiles(q_in, c_in, qf, cf, None, None, scale, target_offset, period, exclude, penalty,
+                                  penalty_on, filter_threshold, filter_keeps_target, own_scores)
+        r_in = None if reference is None else reference.detach()
+        references = None if r_in is None else _reference_logits(tiles, None, c_in, r_in)
+
+        def logits_of(start, end):
+            logits, target_logits = tiles.masked_logits(torch.mm(qf[start:end], cf.T), start, end, filter_threshold,
+                                                        None)
+            return logits, None if references is None else _block_reference(references, target_logits, start, end)
+
+        values, kept = _row_values(tiles, logits_of, with_grad, dtype)
+        ctx.save_for_backward(qf, cf, r_in, values, kept)
+        ctx.tiles, ctx.logits_of = tiles, logits_of
+        ctx.input_dtypes = (q.dtype, c.dtype, None if reference is None else reference.dtype)
+        return values
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_values):
+        qf, cf, r_in, values, kept = ctx.saved_tensors
+        d_q, d_c, row_scale = _score_gradients(ctx.tiles, ctx.logits_of, kept, values, grad_values, qf, cf)
+        q_dtype, c_dtype, r_dtype = ctx.input_dtypes
+        dr = None
+        if r_in is not None:  # the reference logit scale * q_i . r_i enters with the opposite sign
+            rows = r_in.to(qf.dtype)
+            d_q.addcmul_(rows, row_scale[:, None], value=-1.0)
+            dr = (qf * row_scale[:, None]).neg_().to(r_dtype)
+        return d_q.to(q_dtype), d_c.to(c_dtype), dr, *([None] * 10)
+
+
+def takes_dot_products(q, c, reference, scale, penalty, filter_q, filter_c, filter_threshold) -> bool:
+    """Whether SoftmaxDotLseFunction computes this call of raw dot products: asked on the CPU outside torch.compile
+    traces only (common.may_skip_scaling; elsewhere the blocked form computes), with no filter or one on the model's
+    own scores, for rows whose squared norms are below common.SAFE_SQUARED_NORM and logits within a quarter of the
+    dtype's range, (scale + |penalty|) * the largest squared norm: no product of two rows then overflows, and
+    every row's power of two (row scaling, common.py) is one whose removal changes no bit."""
+    if not may_skip_scaling(q):
+        return False
+    if filter_threshold is not None and not _filter_on_own_scores(q.detach(), c.detach(), filter_q, filter_c,
+                                                                 filter_threshold):
+        return False
+    dtype = compute_dtype(q.dtype)
+    largest = max(float(row_squares(x.detach()).max()) for x in (q, c, *(() if reference is None else (reference,))))
+    return largest < SAFE_SQUARED_NORM[dtype] and (scale + abs(penalty)) * largest < torch.finfo(dtype).max / 4
+
+
+def dot_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
+                       filter_threshold, filter_keeps_target, reference=None):
+    """The op of raw dot products at full width in the softmax form, for calls `takes_dot_products` accepts."""
+    own_scores = filter_threshold is not None
+    return SoftmaxDotLseFunction.apply(q, c, reference, scale, target_offset, period, exclude, penalty, penalty_on,
+                                       filter_threshold, filter_keeps_target, own_scores,
+                                       gradients_wanted(q, c) or (reference is not None and reference.requires_grad))
 
 
 def similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,

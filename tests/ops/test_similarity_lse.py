@@ -274,19 +274,47 @@ def test_huge_rows(backend, name, dtype, magnitude):
                          f"{name} {dtype} x{magnitude:g}", device=backend.device)
 
 
+def test_cpu_dot_products_take_the_softmax_form_where_it_is_exact():
+    """The torch backend's CPU calls of raw dot products compute in the softmax form (takes_dot_products) without a
+    filter or with one on the model's own scores, for rows whose products cannot overflow; a filter on other
+    embeddings, rows near the float32 range and a scale that would take the logits there go to the blocked form,
+    whose rows are scaled by powers of two."""
+    from angle_kernels.torch_ops._similarity_lse_softmax import takes_dot_products
+
+    def takes(name, dtype=torch.float32, factor=1.0, scale=None):
+        q, c, kwargs = _inputs(name, dtype)
+        q = q * factor
+        if "self_filter" in CASES[name][3]:
+            kwargs.update(filter_q=q.detach())
+        return takes_dot_products(q, c, None, kwargs["scale"] if scale is None else scale, kwargs["penalty"],
+                                  kwargs.get("filter_q"), kwargs.get("filter_c"), kwargs.get("filter_threshold"))
+
+    assert takes("dot_query_to_doc") and takes("dot_everything") and takes("dot_everything", torch.bfloat16)
+    assert not takes("dot_guided_several_tiles")  # a guide: the blocked form
+    assert not takes("dot_query_to_doc", factor=2.0**40)  # squared norms past 2^80
+    assert takes("dot_query_to_doc", torch.float64, factor=2.0**40)
+    assert not takes("dot_query_to_doc", scale=1e37)
+
+
+@pytest.mark.parametrize("form", ["torch", "torch-row-blocks", "torch-blocked"])
 @pytest.mark.parametrize("same_as_target", [False, True], ids=["other_rows", "target_rows"])
-def test_reference_rows(same_as_target):
+def test_reference_rows(same_as_target, form, monkeypatch):
     """The optional `reference` (raw dot products): lse_i - scale * q_i . r_i and the gradients of q, c and r, on the
     torch backend (the one that declares it) against float64 autograd, and float64 gradcheck; with r_i the row of
-    row i's target column (how the MNRL family passes its positives) and with other rows."""
+    row i's target column (how the MNRL family passes its positives) and with other rows. Its three forms: on the
+    CPU the softmax form (one tile, whose softmax backward reuses; "torch-row-blocks": several), and the blocked
+    form its GPU calls and huge rows take."""
     from angle_kernels.dispatch import resolve_backend
+    from angle_kernels.torch_ops import common
 
     gen = generator("reference", same_as_target)
     q, c = randn(gen, 7, 12, dtype=torch.float64), randn(gen, 20, 12, dtype=torch.float64)
     r = c[3:10].clone() if same_as_target else randn(gen, 7, 12, dtype=torch.float64)
     options = dict(target_offset=3, period=10, exclude="own", normalize=False)  # no penalty: its detached part
     # is not what gradcheck differentiates
-    ops = resolve_backend("torch", q)
+    ops = torch_blocked_backend().ops if form == "torch-blocked" else resolve_backend("torch", q)
+    if form == "torch-row-blocks":
+        monkeypatch.setattr(common, "CHUNK_ELEMENTS", 60)  # blocks of 3 rows
 
     def ours(q, c, r):
         return ops.similarity_lse(q, c, 0.3, reference=r, **options)
