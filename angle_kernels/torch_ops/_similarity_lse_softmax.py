@@ -257,7 +257,9 @@ def takes_dot_products(q, c, reference, scale, penalty, filter_q, filter_c, filt
                                                                  filter_threshold):
         return False
     dtype = compute_dtype(q.dtype)
-    largest = max(float(row_squares(x.detach()).max()) for x in (q, c, *(() if reference is None else (reference,))))
+    rows = (q, c) if reference is None else (q, c, reference)
+    # torch's max, not Python's: a NaN anywhere makes `largest` NaN, and the call then goes to the blocked form
+    largest = float(torch.stack([row_squares(x.detach()).max().double() for x in rows]).max())
     return largest < SAFE_SQUARED_NORM[dtype] and (scale + abs(penalty)) * largest < torch.finfo(dtype).max / 4
 
 

@@ -277,8 +277,8 @@ def test_huge_rows(backend, name, dtype, magnitude):
 def test_cpu_dot_products_take_the_softmax_form_where_it_is_exact():
     """The torch backend's CPU calls of raw dot products compute in the softmax form (takes_dot_products) without a
     filter or with one on the model's own scores, for rows whose products cannot overflow; a filter on other
-    embeddings, rows near the float32 range and a scale that would take the logits there go to the blocked form,
-    whose rows are scaled by powers of two."""
+    embeddings, rows near the float32 range, a scale that would take the logits there and rows that are not finite
+    go to the blocked form, whose rows are scaled by powers of two."""
     from angle_kernels.torch_ops._similarity_lse_softmax import takes_dot_products
 
     def takes(name, dtype=torch.float32, factor=1.0, scale=None):
@@ -294,6 +294,7 @@ def test_cpu_dot_products_take_the_softmax_form_where_it_is_exact():
     assert not takes("dot_query_to_doc", factor=2.0**40)  # squared norms past 2^80
     assert takes("dot_query_to_doc", torch.float64, factor=2.0**40)
     assert not takes("dot_query_to_doc", scale=1e37)
+    assert not takes("dot_query_to_doc", factor=float("nan"))  # NaN rows (value checks off): the blocked form
 
 
 @pytest.mark.parametrize("form", ["torch", "torch-row-blocks", "torch-blocked"])
