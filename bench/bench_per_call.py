@@ -12,9 +12,12 @@ its eager formula (the N x N matrix written out in PyTorch, as the reference pac
 
 Every round times each row once (so a machine whose speed drifts slows every contender alike); the table gives each
 row's median over the rounds after the first ten, and ours / eager. Target: within 1.2x of the eager formula. One
-thread by default (--threads), as the per-call figures in the CHANGELOG were measured.
+thread by default (--threads), as the per-call figures in the CHANGELOG were measured. `--losses` times only some
+families: with one, its two rows alternate call after call, as in a training loop that calls one loss (with all
+four, each call follows the other families' calls, which have evicted some of its data and code from the caches:
+the fixed cost of a small call grows).
 
-    python bench/bench_per_call.py [--pairs 256] [--dim 64] [--rounds 80] [--threads 1] [--json]
+    python bench/bench_per_call.py [--pairs 256] [--dim 64] [--rounds 80] [--threads 1] [--losses mnrl,...] [--json]
 """
 
 from __future__ import annotations
@@ -79,9 +82,16 @@ def contenders(pairs: int, dim: int, seed: int = 0) -> dict[str, tuple]:
     }
 
 
-def measure(pairs: int = 256, dim: int = 64, rounds: int = 80, warm_rounds: int = 10) -> dict[str, float]:
-    """Row name -> median ms of forward + backward over the rounds after `warm_rounds`, every row once per round."""
-    rows = contenders(pairs, dim)
+FAMILIES = {"cosine_loss": "eager cosine", "in_batch_negative_loss": "eager in-batch", "mnrl": "eager mnrl",
+            "gist_loss": "eager gist"}  # ours -> its eager row
+
+
+def measure(pairs: int = 256, dim: int = 64, rounds: int = 80, warm_rounds: int = 10,
+            losses: tuple[str, ...] = tuple(FAMILIES)) -> dict[str, float]:
+    """Row name -> median ms of forward + backward over the rounds after `warm_rounds`, every row of the `losses`
+    families (FAMILIES' keys) once per round."""
+    rows = {name: row for name, row in contenders(pairs, dim).items()
+            if name in losses or name in (FAMILIES[family] for family in losses)}
     times: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(rounds):
         for name, (call, leaves) in rows.items():
@@ -94,11 +104,11 @@ def measure(pairs: int = 256, dim: int = 64, rounds: int = 80, warm_rounds: int 
 
 
 def table(medians: dict[str, float]) -> str:
-    pairs = [("cosine_loss", "eager cosine"), ("in_batch_negative_loss", "eager in-batch"), ("mnrl", "eager mnrl"),
-             ("gist_loss", "eager gist")]
     lines = ["| loss | ours ms | eager ms | ours / eager |", "|---|---|---|---|"]
-    for ours, eager in pairs:
-        lines.append(f"| {ours} | {medians[ours]:.3f} | {medians[eager]:.3f} | {medians[ours] / medians[eager]:.2f} |")
+    for ours, eager in FAMILIES.items():
+        if ours in medians:
+            ratio = medians[ours] / medians[eager]
+            lines.append(f"| {ours} | {medians[ours]:.3f} | {medians[eager]:.3f} | {ratio:.2f} |")
     return "\n".join(lines)
 
 
@@ -108,13 +118,19 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=80)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--losses", default=",".join(FAMILIES),
+                        help=f"comma-separated families to time, of {','.join(FAMILIES)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print the medians as JSON instead of the table")
     args = parser.parse_args(argv)
     for name in ("pairs", "dim", "rounds", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    losses = tuple(name.strip() for name in args.losses.split(",") if name.strip())
+    unknown = [name for name in losses if name not in FAMILIES]
+    if unknown or not losses:
+        parser.error(f"--losses takes a comma-separated subset of {','.join(FAMILIES)}, got {args.losses!r}")
     torch.set_num_threads(args.threads)
-    medians = measure(args.pairs, args.dim, args.rounds, warm_rounds=min(10, args.rounds - 1))
+    medians = measure(args.pairs, args.dim, args.rounds, warm_rounds=min(10, args.rounds - 1), losses=losses)
     print(json.dumps(medians) if args.json else table(medians))
     return 0
 

@@ -3,6 +3,8 @@ and the script prints its table."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import bench_per_call
@@ -21,7 +23,18 @@ def test_the_script_prints_its_table(capsys):
     assert out.count("\n") == 6 and "| mnrl |" in out
 
 
-def test_bad_flags_are_refused(capsys):
+def test_a_subset_of_families_is_timed_alone(capsys):
+    assert bench_per_call.main(["--pairs", "8", "--dim", "4", "--rounds", "2", "--losses", "mnrl", "--json"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)) == ["eager mnrl", "mnrl"]
+    assert bench_per_call.main(["--pairs", "8", "--dim", "4", "--rounds", "2", "--losses", "gist_loss,mnrl"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 4 and "| mnrl |" in out and "| gist_loss |" in out
+
+
+@pytest.mark.parametrize("flags, message", [(["--rounds", "0"], "--rounds must be a positive integer"),
+                                            (["--losses", "mnrl,ranking"], "--losses takes a comma-separated subset"),
+                                            (["--losses", ","], "--losses takes a comma-separated subset")])
+def test_bad_flags_are_refused(capsys, flags, message):
     with pytest.raises(SystemExit):
-        bench_per_call.main(["--rounds", "0"])
-    assert "--rounds must be a positive integer" in capsys.readouterr().err
+        bench_per_call.main(flags)
+    assert message in capsys.readouterr().err

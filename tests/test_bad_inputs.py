@@ -723,3 +723,17 @@ def test_dot_product_logits_beyond_the_dtype(ak, gen, options):
         # max + log 2 to max and the reference's softmax there sums to 2 (its gradient is off by the positive row)
         if "query_to_query" not in options.get("directions", ()):
             assert rel_err(ours, theirs) < GRAD_TOL[torch.float32], name
+
+
+def test_the_finiteness_scan_reads_one_total_and_looks_closer_only_when_it_is_not_finite():
+    """inputs._all_finite adds the tensors' sums into one number: NaN or Inf in any tensor makes it non-finite; finite
+    tensors whose sums (or the sum of their sums) overflow are then looked at element by element, and pass."""
+    big = torch.full((2, 3), 3e37)  # a sum of 1.8e38; two of them past float32's 3.4e38
+    bigger = torch.full((4, 3), 3e37)  # its own sum overflows
+    assert inputs._all_finite(big) and inputs._all_finite(big, big) and inputs._all_finite(bigger)
+    assert inputs._all_finite(big, bigger.double())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        spoiled = big.clone()
+        spoiled[1, 2] = bad
+        assert not inputs._all_finite(big, spoiled) and not inputs._all_finite(spoiled.double(), big)
+    assert inputs._all_finite(torch.ones(3), torch.zeros(0))

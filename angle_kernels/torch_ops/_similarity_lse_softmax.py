@@ -28,8 +28,9 @@ block's tiles, which is what a call costs on a CPU once its products are paid fo
 The masks (exclusions, penalty, filter) are the blocked form's own (similarity_lse._Tiles.masked_logits). Memory:
 as the blocked form, at most three tile-sized float32 temporaries per block (cosines, logits and the filter's
 cosines; in backward the logits and their softmax), with its boolean masks, on top of O((M + Mc) D) for the unit
-rows and the gradients. Huge rows are scaled as there (common.cosine_rows); unit rows are exact cosines' operands
-whatever the scale.
+rows and the gradients. Huge rows are scaled as there; unit rows are exact cosines' operands whatever the scale. The
+rows' norms and the normalisation's backward are _cpu_rows.py's (torch's vector norm and vecdot, not the blocked
+form's batched GEMVs, which a CPU runs 4-7x slower).
 
 Raw dot products (normalize=False, with or without `reference`: MNRL's util.dot_score logits) take the same form
 (SoftmaxDotLseFunction) where the blocked form's row scaling would change no bit (`takes_dot_products`: rows whose
@@ -48,9 +49,9 @@ from torch.autograd.function import once_differentiable
 
 from ..contract import compute_dtype
 from ..formed_gradients import gradients_wanted
-from ..normalisation import normalise_backward
-from .common import SAFE_SQUARED_NORM, may_skip_scaling, row_squares
-from .similarity_lse import _block_reference, _reference_logits, _same_values, _scaling, _Tiles
+from ._cpu_rows import SAFE_NORM, normalise_backward, normalised_rows, row_norms
+from .common import may_skip_scaling
+from .similarity_lse import _block_reference, _reference_logits, _same_values, _Tiles
 
 
 def _unit_rows(rows: torch.Tensor, inverse_norms: torch.Tensor) -> torch.Tensor:
@@ -58,7 +59,7 @@ def _unit_rows(rows: torch.Tensor, inverse_norms: torch.Tensor) -> torch.Tensor:
 
 
 def _filter_unit_rows(rows: torch.Tensor) -> torch.Tensor:
-    scaled, _, inverse_norms, _ = _scaling(rows, True)
+    (scaled, _, inverse_norms, _), = normalised_rows(rows)
     return _unit_rows(scaled, inverse_norms)
 
 
@@ -177,8 +178,7 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
                 filter_threshold, filter_keeps_target, with_grad):
         dtype = compute_dtype(q.dtype)
         q_in, c_in = q.detach(), c.detach()
-        qf, q_scale, q_inv, q_has_grad = _scaling(q_in, True)
-        cf, c_scale, c_inv, c_has_grad = _scaling(c_in, True)
+        (qf, q_scale, q_inv, q_has_grad), (cf, c_scale, c_inv, c_has_grad) = normalised_rows(q_in, c_in)
         own_scores = _filter_on_own_scores(q_in, c_in, filter_q, filter_c, filter_threshold)
         tiles = _NamedFilterTiles(q_in, c_in, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty,
                                   penalty_on, filter_threshold, filter_keeps_target, own_scores)
@@ -248,9 +248,9 @@ class SoftmaxDotLseFunction(torch.autograd.Function):
 def takes_dot_products(q, c, reference, scale, penalty, filter_q, filter_c, filter_threshold) -> bool:
     """Whether SoftmaxDotLseFunction computes this call of raw dot products: asked on the CPU outside torch.compile
     traces only (common.may_skip_scaling; elsewhere the blocked form computes), with no filter or one on the model's
-    own scores, for rows whose squared norms are below common.SAFE_SQUARED_NORM and logits within a quarter of the
-    dtype's range, (scale + |penalty|) * the largest squared norm: no product of two rows then overflows, and
-    every row's power of two (row scaling, common.py) is one whose removal changes no bit."""
+    own scores, for rows whose norms are below _cpu_rows.SAFE_NORM (the roots of common.SAFE_SQUARED_NORM) and logits
+    within a quarter of the dtype's range, (scale + |penalty|) * the largest squared norm: no product of two rows
+    then overflows, and every row's power of two (row scaling, common.py) is one whose removal changes no bit."""
     if not may_skip_scaling(q):
         return False
     if filter_threshold is not None and not _filter_on_own_scores(q.detach(), c.detach(), filter_q, filter_c,
@@ -259,8 +259,8 @@ def takes_dot_products(q, c, reference, scale, penalty, filter_q, filter_c, filt
     dtype = compute_dtype(q.dtype)
     rows = (q, c) if reference is None else (q, c, reference)
     # torch's max, not Python's: a NaN anywhere makes `largest` NaN, and the call then goes to the blocked form
-    largest = float(torch.stack([row_squares(x.detach()).max().double() for x in rows]).max())
-    return largest < SAFE_SQUARED_NORM[dtype] and (scale + abs(penalty)) * largest < torch.finfo(dtype).max / 4
+    largest = float(torch.stack([row_norms(x.detach()).max().double() for x in rows]).max())
+    return largest < SAFE_NORM[dtype] and (scale + abs(penalty)) * largest**2 < torch.finfo(dtype).max / 4
 
 
 def dot_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,

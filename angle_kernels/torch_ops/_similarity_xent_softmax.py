@@ -25,7 +25,9 @@ Per block: the logits product, the scale, the softmax, two row maxima and a row 
 positives' masked softmax too), then the two gradient products: about half of the blocked form's full-tile passes.
 Memory: two tiles (the logits and the softmax; with group_ids three, plus the boolean positives masks) of
 `common.chunk_elements` logits, and the unit rows and gradient buffers, O((M + Mc) D). Huge rows are scaled as in
-the blocked form (common.cosine_rows); the unit rows are exact cosines' operands whatever the scale.
+the blocked form (_cpu_rows.normalised_rows: common.cosine_rows' rule, its norms and the normalisation's backward by
+torch's vector norm and vecdot, not batched GEMVs, which a CPU runs 4-7x slower); the unit rows are exact cosines'
+operands whatever the scale.
 
 dims (nested prefixes) compute as on the "default" path everywhere (similarity_xent.PrefixSimilarityXentFunction).
 On a GPU the "default" path keeps the blocked form (similarity_xent.SimilarityXentFunction): the op sweeps timed that
@@ -39,8 +41,7 @@ import torch
 
 from ..contract import compute_dtype
 from ..formed_gradients import GradientsFormedInForward, gradients_wanted
-from ..normalisation import normalise_backward
-from .common import cosine_rows, inverse_norms
+from ._cpu_rows import normalise_backward, normalised_rows
 from .similarity_xent import PrefixSimilarityXentFunction, _Tiles, margin_logit
 
 
@@ -57,6 +58,40 @@ def _row_losses(off_positives: torch.Tensor, far: torch.Tensor) -> torch.Tensor:
     return torch.where(off_positives <= 0.5, torch.log1p(off_positives.neg()).neg_(), far)
 
 
+class _DiagonalEntries:
+    """The entries (i, start + i) of a row block's [b, Mc] tile, read and written through a view of its diagonal: the
+    targets of target "diagonal" and every row's own column (what exclude_diagonal removes)."""
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end = start, end
+
+    def of(self, tile: torch.Tensor) -> torch.Tensor:
+        """The entries [b] (a view of the tile)."""
+        return tile[:, self.start:self.end].diagonal()
+
+    def set(self, tile: torch.Tensor, values) -> None:
+        """Writes `values` (a [b] tensor or a number) into the entries."""
+        if isinstance(values, torch.Tensor):
+            self.of(tile).copy_(values)
+        else:
+            self.of(tile).fill_(values)
+
+
+class _IndexedEntries:
+    """A row block's target entries (local[i], columns[i]) of its tile by index (the blocked form's indices): target
+    "partner", and every target with group_ids, whose masks take the indices anyway."""
+
+    def __init__(self, local: torch.Tensor, columns: torch.Tensor):
+        self.local, self.columns = local, columns
+
+    def of(self, tile: torch.Tensor) -> torch.Tensor:
+        """The entries [b] (a copy)."""
+        return tile[self.local, self.columns]
+
+    def set(self, tile: torch.Tensor, values) -> None:
+        tile[self.local, self.columns] = values
+
+
 class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
     """The full-width loss, and with with_grad its gradients for grad_loss = 1, in one walk over the row blocks
     (module docstring); backward scales them (GradientsFormedInForward)."""
@@ -65,39 +100,42 @@ class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, with_grad):
         symmetric = c is None
         dtype = compute_dtype(q.dtype)
-        qf, q_scale, q_squares = cosine_rows(q.detach())
-        cf, c_scale, c_squares = (qf, q_scale, q_squares) if symmetric else cosine_rows(c.detach())
-        q_inv, q_has_grad = inverse_norms(qf, q_scale, q_squares)
-        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else inverse_norms(cf, c_scale, c_squares)
+        parts = normalised_rows(q.detach()) if symmetric else normalised_rows(q.detach(), c.detach())
+        (qf, q_scale, q_inv, q_has_grad), (cf, c_scale, c_inv, c_has_grad) = parts[0], parts[-1]
         q_hat = qf * q_inv[:, None]
         c_hat = q_hat if symmetric else cf * c_inv[:, None]
         # the blocks and their rows' targets and positives, as the blocked form lays them out
         tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids)
 
         m = qf.shape[0]
-        weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
-        row_scale = weights * (scale / m)  # dL/dcos_ij = row_scale_i * (softmax_all_ij - softmax_pos_ij)
+        # dL/dcos_ij = row_scale_i * (softmax_all_ij - softmax_pos_ij): one number for the rows without row weights
+        weights = None if row_weights is None else row_weights.to(dtype)
+        row_scale = scale / m if weights is None else weights * (scale / m)
         row_losses = torch.empty(m, dtype=dtype, device=q.device)  # lse_all - lse_pos
         # Gradients with respect to the unit rows; one buffer when c is q (in-batch negatives).
         d_qhat = torch.zeros_like(qf) if with_grad else None
         d_chat = d_qhat if symmetric or not with_grad else torch.zeros_like(cf)
         for start, end in tiles.blocks():
-            rows, local, targets, positives = tiles.rows(start, end)
+            if target == "diagonal" and group_ids is None:
+                positives, targets = None, _DiagonalEntries(start, end)
+            else:
+                _, local, columns, positives = tiles.rows(start, end)
+                targets = _IndexedEntries(local, columns)
             logits = torch.mm(q_hat[start:end], c_hat.T)  # cosines
             slope = None
             if margin != 0.0:
-                value, slope = margin_logit(logits[local, targets], margin)
+                value, slope = margin_logit(targets.of(logits), margin)
             logits.mul_(scale)
             if margin != 0.0:
-                logits[local, targets] = scale * value
-            if exclude_diagonal:
-                logits[local, rows] = float("-inf")
+                targets.set(logits, scale * value)
+            if exclude_diagonal:  # row i's own column, start + i
+                _DiagonalEntries(start, end).set(logits, float("-inf"))
             grad = torch.softmax(logits, dim=1)  # softmax_all; its positive columns are zeroed below
             softmax_pos = None
             top, log_sum = _log_partition(logits, grad)
             if positives is None:  # P_i is the target: lse_pos is its logit
-                far = top.sub_(logits[local, targets]).add_(log_sum)
-                grad[local, targets] = 0.0
+                far = top.sub_(targets.of(logits)).add_(log_sum)
+                targets.set(grad, 0.0)
             else:
                 softmax_pos = torch.softmax(logits.masked_fill_(~positives, float("-inf")), dim=1)
                 top_pos, log_sum_pos = _log_partition(logits, softmax_pos)
@@ -113,18 +151,22 @@ class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
             # where the positives dominate the row and the two softmaxes' difference would cancel
             shrink = torch.expm1(row_losses[start:end].neg())
             if positives is None:  # softmax_pos is 1 at the target
-                grad[local, targets] = shrink
+                targets.set(grad, shrink)
             else:
                 grad.add_(softmax_pos.mul_(shrink[:, None]))  # softmax_pos is 0 off the positives
                 del softmax_pos
             if slope is not None:
-                grad[local, targets] *= slope
+                targets.set(grad, targets.of(grad) * slope)
             # cos_ij = q_hat_i . c_hat_j: dq_hat_i = sum_j g_ij c_hat_j, dc_hat_j = sum_i g_ij q_hat_i (g: dL/dcos)
-            block_scale = row_scale[start:end, None]
-            d_qhat[start:end].addcmul_(torch.mm(grad, c_hat), block_scale)
-            d_chat.addmm_(grad.T, q_hat[start:end] * block_scale)
+            if weights is None:
+                d_qhat[start:end].add_(torch.mm(grad, c_hat), alpha=row_scale)
+                d_chat.addmm_(grad.T, q_hat[start:end], alpha=row_scale)
+            else:
+                block_scale = row_scale[start:end, None]
+                d_qhat[start:end].addcmul_(torch.mm(grad, c_hat), block_scale)
+                d_chat.addmm_(grad.T, q_hat[start:end] * block_scale)
             del grad
-        loss = (weights * row_losses).sum() / m
+        loss = row_losses.mean() if weights is None else (weights * row_losses).sum() / m
 
         ctx.with_grad = with_grad
         ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)

@@ -78,12 +78,20 @@ def torch_mixed_backend() -> Backend:
     return torch_path_backend("mixed")
 
 
-@pytest.fixture(params=BACKEND_NAMES + ("triton-dense", "torch-mixed", "torch-blocked"))
+@pytest.fixture(params=BACKEND_NAMES + ("triton-dense", "torch-mixed", "torch-blocked", "torch-row-blocks"))
 def backend(request, monkeypatch) -> Backend:
-    """tests/conftest.py's backends, the triton backend's dense scheme and the torch backend's mixed path and
-    blocked form (module docstring)."""
+    """tests/conftest.py's backends, the triton backend's dense scheme, the torch backend's mixed path and blocked
+    form (module docstring), and "torch-row-blocks": the torch backend with a tile budget of a few rows
+    (common.CHUNK_ELEMENTS), its CPU softmax form over several row blocks (at the default budget every case here is
+    one block), where a block's diagonal targets and own columns start past its first column."""
     if request.param == "triton-dense":
         return dense_scheme_backend(monkeypatch)
+    if request.param == "torch-row-blocks":
+        from angle_kernels.torch_ops import common
+
+        monkeypatch.setattr(common, "CHUNK_ELEMENTS", 256)
+        found = backend_or_skip("torch")
+        return Backend("torch-row-blocks", found.ops, found.device)
     if request.param in ("torch-mixed", "torch-blocked"):
         return torch_path_backend({"torch-mixed": "mixed", "torch-blocked": "default"}[request.param])
     return backend_or_skip(request.param)
