@@ -256,3 +256,13 @@ def test_gist_refuses_negatives_without_guide_embeddings():
         ak.gist_loss(model_side[0], model_side[1], guide[0], guide[1], model_side[2:], ())
     with pytest.raises(ValueError, match="margin_strategy"):
         ak.gist_loss(model_side[0], model_side[1], guide[0], guide[1], margin_strategy="percent")
+
+
+def test_gist_names_the_guide_tensor_of_the_wrong_size():
+    """A guide tensor with the wrong number of rows is the one the error names: guide_anchors against the anchors,
+    the guide's other tensors against guide_anchors."""
+    model_side, guide, _ = _gist_inputs("relative_one_negative", torch.float64)
+    with pytest.raises(ValueError, match=r"guide_anchors must have the anchors' \d+ rows"):
+        ak.gist_loss(model_side[0], model_side[1], guide[0][1:], guide[1])
+    with pytest.raises(ValueError, match="guide_positives must have the shape of guide_anchors"):
+        ak.gist_loss(model_side[0], model_side[1], guide[0], guide[1][1:])

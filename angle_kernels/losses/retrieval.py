@@ -164,10 +164,11 @@ def gist_loss(
         check_embedding_group(("guide_anchors", guide_anchors), *guide_named)
     for name, t in named:
         check_same_shape("anchors", anchors, name, t)
-    for name, t in guide_named:
-        check_same_shape("guide_anchors", guide_anchors, name, t)
+    # the guide's anchors against the model's first, so that a guide tensor of the wrong size is the one named
     if guide_anchors.shape[0] != anchors.shape[0]:
         raise ValueError(f"guide_anchors must have the anchors' {anchors.shape[0]} rows, got {guide_anchors.shape[0]}")
+    for name, t in guide_named:
+        check_same_shape("guide_anchors", guide_anchors, name, t)
     return gist(resolve_backend(backend, anchors), anchors, positives, negatives, guide_anchors.detach(),
                       guide_positives.detach(), [t.detach() for t in guide_negatives], temperature, margin_strategy,
                       margin, contrast_anchors, contrast_positives, gathered)
