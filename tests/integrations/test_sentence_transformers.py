@@ -13,12 +13,10 @@ import warnings
 import pytest
 import torch
 
-from angle_kernels.testing.helpers import patch_formula
 from angle_kernels.testing.oracle import rel_err
 
 pytest.importorskip("sentence_transformers")
 
-from angle_kernels import terms  # noqa: E402
 from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
 from sentence_transformers import util as st_util  # noqa: E402
 
@@ -66,30 +64,6 @@ CASES = [
     ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 4}, 2, None, True),
     ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 3, "scale": 10.0}, 3, None, True),
 ]
-
-# the computing halves the integration calls
-FUSED_FUNCTIONS = ("ranking_terms", "contrastive", "multiple_negatives", "gist")
-
-
-@pytest.fixture(scope="module")
-def model64(tiny_model_dir):
-    return load_sentence_transformer(tiny_model_dir).to(torch.float64)
-
-
-@pytest.fixture
-def fused_calls(monkeypatch):
-    """Count calls of the angle_kernels computing halves the integration computes with."""
-    calls = {name: 0 for name in FUSED_FUNCTIONS}
-    for name in FUSED_FUNCTIONS:
-        original = getattr(terms, name)
-
-        def counting(*args, _original=original, _name=name, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        patch_formula(monkeypatch, name, counting)
-    return calls
-
 
 def batch_columns(model, columns: int):
     """Fresh feature dicts (the model writes its outputs into them, so they are never reused): six texts
@@ -239,17 +213,6 @@ GIST_CASES = [
     ("CachedGISTEmbedLoss", {"mini_batch_size": 3, "margin_strategy": "relative", "margin": 0.05,
                              "temperature": 0.05}, 4),
 ]
-
-
-@pytest.fixture(scope="module")
-def guide64(tiny_model_dir):
-    """A guide that is a perturbed copy of the model: related similarities, so it filters some columns."""
-    guide = load_sentence_transformer(tiny_model_dir).to(torch.float64)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in guide.parameters():
-            p.add_(0.3 * p.std().nan_to_num() * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return guide
 
 
 @pytest.mark.parametrize("class_name, kwargs, columns", GIST_CASES,
