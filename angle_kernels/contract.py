@@ -17,7 +17,9 @@ kSinSqFloor): tests/ops/test_contract.py reads them from there and holds them eq
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 from typing import ClassVar, Protocol
@@ -28,6 +30,13 @@ import torch
 NORM_EPS = 1e-12
 # The margin logit uses sin(theta) = sqrt(max(1 - cos^2, this)): its gradient stays finite as |cos| -> 1.
 MARGIN_SIN_SQUARED_FLOOR = 1e-6
+# A false-negative filter (GIST's guide; MNRL's and AngleLoss's false_negative_margin) drops a column whose score
+# exceeds its row's threshold by more than this (times |q_i| |p_i| for dot products): a column tied with the
+# threshold in exact arithmetic stays, as the strict inequality has it. A text repeated in the batch makes such ties
+# (the duplicate of row i's positive scores exactly the positive's score), which the two computations round apart:
+# the threshold comes from a pair score, the column from a tile of products (measured up to 10 float32 roundings of
+# 2^-24 apart; this is 256 of them), so without it the duplicate's fate would be the rounding's.
+FILTER_TIE_ALLOWANCE = 2.0**-16
 
 EMBEDDING_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SCORE_DTYPES = (torch.float32, torch.float64)
@@ -52,6 +61,37 @@ OPTIONAL_FEATURES = ("dims", "reference")
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; float32, bfloat16 and float16 accumulate (and return results) in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def outside_autocast(tensor: torch.Tensor):
+    """A context in which torch.autocast is off for `tensor`'s device type (a no-op context where it is not on).
+
+    The losses and the ops compute in the compute dtype whatever autocast region they are called in (the AMP recipe
+    puts the loss inside one): autocast would run their products in 16 bits, mixing dtypes inside the backends'
+    autograd Functions, round loss terms to 16 bits, and refuse to stack bfloat16 rows in a float16 region. Their
+    16-bit inputs still compute as 16-bit inputs do anywhere. Backward is autograd's: called inside a region (which
+    PyTorch advises against), the backends' backward passes would run under autocast."""
+    device_type = tensor.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def computed_outside_autocast(loss):
+    """A loss function (or forward) that runs outside_autocast of its first tensor argument (one directly, or the
+    first of a list or tuple of them): the public losses, the modules' forwards and the integrations' computing
+    halves, so that every op and every step of the formulas between them computes as outside a region."""
+
+    @functools.wraps(loss)
+    def computed(*args, **kwargs):
+        for value in (*args, *kwargs.values()):
+            first = value[0] if isinstance(value, (list, tuple)) and value else value
+            if isinstance(first, torch.Tensor):
+                with outside_autocast(first):
+                    return loss(*args, **kwargs)
+        return loss(*args, **kwargs)
+
+    return computed
 
 
 class Backend(Protocol):

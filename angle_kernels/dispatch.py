@@ -79,19 +79,24 @@ class Ops:
     def __repr__(self) -> str:
         return f"Ops({self.name!r})"
 
+    # Each op runs with autocast off (contract.outside_autocast): it computes in its compute dtype in any region.
+
     def pair_scores(self, x, with_angle, dims=None):
         call = contract.check_pair_scores(x, with_angle, dims)
-        return self._computing("pair_scores", call).pair_scores(*call.args)
+        with contract.outside_autocast(x):
+            return self._computing("pair_scores", call).pair_scores(*call.args)
 
     def ranking_loss(self, scores, labels):
         call = contract.check_ranking_loss(scores, labels)
-        return self._computing("ranking_loss", call).ranking_loss(*call.args)
+        with contract.outside_autocast(scores):
+            return self._computing("ranking_loss", call).ranking_loss(*call.args)
 
     def similarity_xent(self, q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
                         group_ids=None, dims=None):
         call = contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
                                               dims)
-        return self._computing("similarity_xent", call).similarity_xent(*call.args)
+        with contract.outside_autocast(q):
+            return self._computing("similarity_xent", call).similarity_xent(*call.args)
 
     def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
                        penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
@@ -100,6 +105,10 @@ class Ops:
                                              filter_q, filter_c, filter_threshold, filter_keeps_target, normalize,
                                              dims)
         reference = contract.check_lse_reference(q, normalize, reference)
+        with contract.outside_autocast(q):
+            return self._similarity_lse(call, reference)
+
+    def _similarity_lse(self, call: contract.SimilarityLseCall, reference: torch.Tensor | None):
         # reference does not steer the choice: a backend whose op lacks it computes the same value by subtraction
         backend = self._computing("similarity_lse", call)
         args = _each_tensor_once(call.args)
@@ -107,6 +116,7 @@ class Ops:
             return backend.similarity_lse(*args)
         if "reference" in backend.features["similarity_lse"]:
             return backend.similarity_lse(*args, reference=reference)  # keyword-only (OPTIONAL_FEATURES)
+        q = call.q
         dtype = contract.compute_dtype(q.dtype)  # exact while the logits fit the compute dtype (else inf - inf)
         widths = [q.shape[1]] if call.dims is None else call.dims
         logits = torch.stack([call.scale * torch.linalg.vecdot(q[:, :d].to(dtype), reference[:, :d].to(dtype))

@@ -266,3 +266,61 @@ def test_gist_names_the_guide_tensor_of_the_wrong_size():
         ak.gist_loss(model_side[0], model_side[1], guide[0][1:], guide[1])
     with pytest.raises(ValueError, match="guide_positives must have the shape of guide_anchors"):
         ak.gist_loss(model_side[0], model_side[1], guide[0], guide[1][1:])
+
+
+# A text repeated in the batch: its column ties with the positive's score in exact arithmetic, and a strict filter
+# keeps it (sentence-transformers' GISTEmbedLoss does, its threshold being an entry of the same score matrix). Ours
+# takes the threshold from a pair score and the columns from tiles of products, which round apart by a few ulps: the
+# allowance contract.FILTER_TIE_ALLOWANCE keeps the tie, whatever the rounding (without it, about half of these
+# batches dropped the duplicate).
+
+
+def _strict_filter_mnrl(q, p, scale, margin, similarity):
+    """MNRL with a false-negative filter, the threshold taken from the score matrix's own diagonal (float64)."""
+    q, p = q.double(), p.double()
+    scores = q @ p.T if similarity == "dot" else torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(
+        p, dim=1).T
+    positive = scores.diagonal()
+    drop = (scores > (positive - margin)[:, None]) & ~torch.eye(len(q), dtype=torch.bool)
+    logits = (scale * scores).masked_fill(drop, -math.inf)
+    return (torch.logsumexp(logits, dim=1) - scale * positive).mean()
+
+
+@pytest.mark.parametrize("similarity", ["cosine", "dot"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_the_filter_keeps_a_duplicate_of_the_positive(dtype, similarity):
+    scale = 20.0 if similarity == "cosine" else 1.0
+    gen = generator("duplicate positive", str(dtype), similarity)
+    for _ in range(40):
+        q = randn(gen, 6, 48)
+        p = q + randn(gen, 6, 48)
+        p[2] = p[0]  # row 0's positive is also row 2's: column 2 of row 0 ties with its positive
+        q, p = q.to(dtype), p.to(dtype)
+        ours = ak.multiple_negatives_ranking_loss(q, p, false_negative_margin=0.0, similarity=similarity, scale=scale)
+        exact = _strict_filter_mnrl(q, p, scale, 0.0, similarity)
+        assert abs(float(ours) - float(exact)) < 1e-4 * max(1.0, abs(float(exact))), (float(ours), float(exact))
+
+
+def _sentence_transformers_gist(a, p, guide_a, guide_p, temperature):
+    """sentence-transformers 6.2's GISTEmbedLoss (absolute margin 0), in float64."""
+    a, p, guide_a, guide_p = (torch.nn.functional.normalize(t.double(), dim=1) for t in (a, p, guide_a, guide_p))
+    guide_ap = guide_a @ guide_p.T
+    threshold = guide_ap.diagonal()[:, None]
+    eye = torch.eye(len(a), dtype=torch.bool)
+    blocks = [(a @ p.T).masked_fill((guide_ap > threshold) & ~eye, -math.inf),
+              (a @ a.T).masked_fill(guide_a @ guide_a.T > threshold, -math.inf),
+              (p @ p.T).masked_fill(guide_p @ guide_p.T > threshold, -math.inf)]
+    return torch.nn.functional.cross_entropy(torch.cat(blocks, dim=1) / temperature, torch.arange(len(a)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_gist_keeps_a_duplicate_of_the_positive(dtype):
+    gen = generator("gist duplicate positive", str(dtype))
+    for _ in range(40):
+        a = randn(gen, 6, 48)
+        p = a + 0.8 * randn(gen, 6, 48)
+        a[2], p[2] = a[0], p[0]  # row 2 repeats row 0's pair: row 0's column 2 ties with its positive in the guide
+        a, p = a.to(dtype), p.to(dtype)
+        ours = ak.gist_loss(a, p, a, p)  # the model as its own guide
+        exact = _sentence_transformers_gist(a, p, a, p, temperature=0.01)
+        assert abs(float(ours) - float(exact)) < 1e-3, (float(ours), float(exact))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import compute_dtype
+from ..contract import FILTER_TIE_ALLOWANCE, compute_dtype, computed_outside_autocast
 from ..dispatch import Ops, resolve_backend
 from ..distributed import all_gather_with_grad, rank_and_world_size
 from ..inputs import (
@@ -40,6 +40,7 @@ from ..inputs import (
 __all__ = ["multiple_negatives_ranking_loss", "gist_loss"]
 
 
+@computed_outside_autocast
 def multiple_negatives_ranking_loss(
     queries: torch.Tensor,
     positives: torch.Tensor,
@@ -99,6 +100,7 @@ def multiple_negatives_ranking_loss(
     return multiple_negatives(resolve_backend(backend, call.queries), **call._asdict())
 
 
+@computed_outside_autocast
 def gist_loss(
     anchors: torch.Tensor,
     positives: torch.Tensor,
@@ -177,11 +179,15 @@ def gist_loss(
 # The formulas
 
 
-def margin_threshold(positive: torch.Tensor, strategy: str, margin: float) -> torch.Tensor:
+def margin_threshold(positive: torch.Tensor, strategy: str, margin: float,
+                     magnitude: torch.Tensor | None = None) -> torch.Tensor:
     """Where a false-negative filter starts: columns scoring above this leave the partition function.
-    "absolute": positive - margin; "relative": positive - |positive| * margin (GIST's two strategies)."""
+    "absolute": positive - margin; "relative": positive - |positive| * margin (GIST's two strategies); plus the
+    allowance for ties, contract.FILTER_TIE_ALLOWANCE, times `magnitude` where the scores are dot products (each
+    row's |q_i| |p_i|, the scale of their rounding; broadcast against positive's last dimension)."""
     positive = positive.detach()
-    return positive - margin if strategy == "absolute" else positive - positive.abs() * margin
+    threshold = positive - margin if strategy == "absolute" else positive - positive.abs() * margin
+    return threshold + (FILTER_TIE_ALLOWANCE if magnitude is None else FILTER_TIE_ALLOWANCE * magnitude)
 
 
 def contrastive(ops: Ops, queries: torch.Tensor, candidates: torch.Tensor, tau: float,
@@ -203,6 +209,13 @@ def positive_scores(ops: Ops, a: torch.Tensor, b: torch.Tensor, similarity: str 
     if dims is None:
         return torch.linalg.vecdot(a.to(dtype), b.to(dtype))
     return torch.stack([torch.linalg.vecdot(a[:, :d].to(dtype), b[:, :d].to(dtype)) for d in dims])
+
+
+def _norm_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a_i| |b_i| per row in the compute dtype: the scale of the rounding of the dot products a_i . c_j where c_j
+    is b_i or a copy of it (a bound for every prefix's)."""
+    dtype = compute_dtype(a.dtype)
+    return torch.linalg.vector_norm(a, dim=-1, dtype=dtype) * torch.linalg.vector_norm(b, dim=-1, dtype=dtype)
 
 
 def _own_rows_first(local: torch.Tensor, gathered: torch.Tensor, rank: int) -> list[torch.Tensor]:
@@ -295,7 +308,8 @@ def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Te
                                                                                          similarity, dims)
     threshold = None
     if false_negative_margin is not None:
-        threshold = margin_threshold(positive, false_negative_strategy, false_negative_margin)
+        magnitude = None if similarity == "cosine" else _norm_products(queries, positives)
+        threshold = margin_threshold(positive, false_negative_strategy, false_negative_margin, magnitude)
 
     def block(anchors, columns, partners, **options):
         filtering = {} if threshold is None else dict(filter_q=anchors.detach(), filter_c=columns.detach(),

@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from angle_kernels.contract import FILTER_TIE_ALLOWANCE
+
 # The op level (building blocks, the four ops, the error measure and computing_in) is the package's own float64
 # reference, which `python -m angle_kernels.verify` uses on GPUs where the tests are not installed.
 from angle_kernels.float64_ops import (  # noqa: F401  (re-exported: the tests' and benchmarks' oracle)
@@ -54,11 +56,13 @@ from angle_kernels.float64_ops import (  # noqa: F401  (re-exported: the tests' 
 )
 
 
-def margin_threshold(positive: torch.Tensor, strategy: str, margin: float) -> torch.Tensor:
-    """Where a false-negative filter starts, from each row's positive cosine c (no gradient): c - margin
-    ("absolute") or c - |c| * margin ("relative"); columns scoring above it are dropped."""
+def margin_threshold(positive: torch.Tensor, strategy: str, margin: float, magnitude=1.0) -> torch.Tensor:
+    """Where a false-negative filter starts, from each row's positive score c (no gradient): c - margin
+    ("absolute") or c - |c| * margin ("relative"), plus FILTER_TIE_ALLOWANCE times `magnitude` (1 for cosines,
+    |q_i| |p_i| for dot products): columns scoring above it are dropped, those tied with it (within the allowance)
+    kept."""
     c = positive.detach()
-    return c - margin if strategy == "absolute" else c - c.abs() * margin
+    return (c - margin if strategy == "absolute" else c - c.abs() * margin) + FILTER_TIE_ALLOWANCE * magnitude
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,7 +236,8 @@ def multiple_negatives_ranking_loss(
             block = block + torch.where(penalised, hardness_strength * cos.detach(), torch.zeros_like(cos))
         drop = removed
         if false_negative_margin is not None:
-            t = margin_threshold(positive_cos, false_negative_strategy, false_negative_margin)
+            magnitude = 1.0 if similarity == "cosine" else norm(q) * norm(p)
+            t = margin_threshold(positive_cos, false_negative_strategy, false_negative_margin, magnitude)
             drop = drop | ((cos.detach() > t[:, None]) & ~is_positive)
         logits[name] = block.masked_fill(drop, -math.inf)
     if partition_mode == "joint":

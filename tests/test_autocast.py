@@ -1,0 +1,102 @@
+"""Every loss computes the same inside a torch.autocast region as outside it (the AMP recipe puts the loss inside).
+
+Autocast would run the ops' products in 16 bits, mixing dtypes inside the backends' autograd Functions (it raised:
+`KeyError: torch.bfloat16`, "mat1 and mat2 must have the same dtype"), round loss terms to 16 bits, and refuse to
+stack bfloat16 rows in a float16 region. The losses, their formulas and the ops run with autocast off
+(contract.outside_autocast), so a call inside a region gives the value and gradients of the same call outside it, bit
+for bit: float32 embeddings stay float32, 16-bit embeddings compute as 16-bit embeddings do anywhere. Backward runs
+outside the region, as PyTorch's recipe has it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import angle_kernels as ak
+from angle_kernels.dispatch import resolve_backend
+
+GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+GRADED = torch.tensor([0.1, 0.5, 0.5, 0.9]).repeat_interleave(2)
+BINARY = torch.tensor([1.0, 0.0, 1.0, 1.0]).repeat_interleave(2)
+
+
+def _laid_out(y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rows the calls take, made from y [6, 8, D] before the region (stacking them is the caller's work): y's
+    six groups of rows, four pairs (y[0, k], y[1, k]) on rows 2k and 2k + 1 ("pairs", [8, D]), and (query,
+    positive, negative) triples in groups of three ("triples", [24, D])."""
+    return {"y": y, "pairs": torch.stack((y[0, :4], y[1, :4]), dim=1).reshape(8, -1),
+            "triples": torch.stack((y[0], y[1], y[2]), dim=1).reshape(24, -1)}
+
+
+CALLS = {
+    "cosine_loss": lambda r: ak.cosine_loss(GRADED, r["pairs"]),
+    "cosine_loss dims": lambda r: ak.cosine_loss(GRADED, r["pairs"], dims=(16, 8, 4), dim_weights=(1.0, 0.5, 2.0)),
+    "angle_loss": lambda r: ak.angle_loss(GRADED, r["pairs"]),
+    "in_batch_negative_loss": lambda r: ak.in_batch_negative_loss(BINARY, r["pairs"]),
+    "contrastive_with_negative_loss": lambda r: ak.contrastive_with_negative_loss(r["y"][0], r["y"][1], r["y"][2]),
+    "arccon_loss": lambda r: ak.arccon_loss(r["y"][0], r["y"][1]),
+    "triplet_loss": lambda r: ak.triplet_loss(r["y"][0], r["y"][1], r["y"][2]),
+    "mnrl": lambda r: ak.multiple_negatives_ranking_loss(r["y"][0], r["y"][1], (r["y"][2],)),
+    "mnrl dims": lambda r: ak.multiple_negatives_ranking_loss(r["y"][0], r["y"][1], dims=(16, 8)),
+    "mnrl gte hardness": lambda r: ak.multiple_negatives_ranking_loss(
+        r["y"][0], r["y"][1], (r["y"][2],), directions=GTE, hardness_mode="all_negatives", hardness_strength=2.0),
+    "mnrl filter dims": lambda r: ak.multiple_negatives_ranking_loss(
+        r["y"][0], r["y"][1], (r["y"][2],), false_negative_margin=0.1, dims=(16, 8)),
+    "mnrl dot": lambda r: ak.multiple_negatives_ranking_loss(r["y"][0], r["y"][1], (r["y"][2],), similarity="dot",
+                                                             scale=1.0),
+    "mnrl dot dims": lambda r: ak.multiple_negatives_ranking_loss(r["y"][0], r["y"][1], similarity="dot", scale=1.0,
+                                                                  dims=(16, 8)),
+    "gist_loss": lambda r: ak.gist_loss(r["y"][0], r["y"][1], r["y"][3].detach(), r["y"][4].detach(), (r["y"][2],),
+                                        (r["y"][5].detach(),)),
+    "AngleLoss A": lambda r: ak.AngleLoss(dataset_format="A", cosine_w=1.0)(BINARY, r["pairs"]),
+    "AngleLoss B": lambda r: ak.AngleLoss(dataset_format="B")(None, r["pairs"]),
+    "AngleLoss C gte": lambda r: ak.AngleLoss(dataset_format="C", ibn_partition="gte")(None, r["triples"]),
+    "ArcCSELoss": lambda r: ak.ArcCSELoss()(r["y"][0], r["y"][1], r["y"][2], r["y"][3], r["y"][4]),
+}
+
+
+def _value_and_grad(call, y: torch.Tensor, autocast_dtype: torch.dtype | None = None):
+    """The call's loss and the gradient of y, the call inside an autocast region of that dtype (None: none)."""
+    leaf = y.detach().clone().requires_grad_()
+    rows = _laid_out(leaf)
+    region = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+              else torch.autocast("cpu", enabled=False))
+    with region:
+        loss = call(rows)
+    loss.backward()
+    return loss.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+@pytest.mark.parametrize("embedding_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_a_loss_inside_autocast_computes_as_outside(name, embedding_dtype, autocast_dtype):
+    y = torch.randn(6, 8, 16, generator=torch.Generator().manual_seed(0)).to(embedding_dtype)
+    value, grad = _value_and_grad(CALLS[name], y)
+    value_inside, grad_inside = _value_and_grad(CALLS[name], y, autocast_dtype)
+    assert value_inside.dtype == value.dtype == torch.float32
+    assert torch.equal(value_inside, value), f"{name}: {value_inside.item()!r} inside autocast, {value.item()!r}"
+    assert grad_inside.dtype == grad.dtype == embedding_dtype
+    assert torch.equal(grad_inside, grad), f"{name}: gradients differ by {(grad_inside - grad).abs().max().item()}"
+
+
+@pytest.mark.parametrize("op", ["pair_scores", "similarity_xent", "similarity_lse"])
+def test_an_op_called_inside_autocast_computes_as_outside(op):
+    ops = resolve_backend(None, torch.zeros(1))
+    q, c = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)).unbind(0)
+    calls = {"pair_scores": lambda: ops.pair_scores(torch.stack((q, c), dim=1), True)[0].sum(),
+             "similarity_xent": lambda: ops.similarity_xent(q, c, 20.0, "diagonal"),
+             "similarity_lse": lambda: ops.similarity_lse(q, c, 20.0, penalty=1.0, penalty_on="other").sum()}
+    outside = calls[op]()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = calls[op]()
+    assert torch.equal(inside, outside)
+
+
+def test_the_losses_leave_the_region_as_they_found_it():
+    y = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ak.multiple_negatives_ranking_loss(y[:2], y[2:])
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.mm(y, y.T).dtype == torch.bfloat16  # the caller's own products still autocast
