@@ -278,8 +278,9 @@ def test_gist_names_the_guide_tensor_of_the_wrong_size():
 def _strict_filter_mnrl(q, p, scale, margin, similarity):
     """MNRL with a false-negative filter, the threshold taken from the score matrix's own diagonal (float64)."""
     q, p = q.double(), p.double()
-    scores = q @ p.T if similarity == "dot" else torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(
-        p, dim=1).T
+    if similarity == "cosine":
+        q, p = torch.nn.functional.normalize(q, dim=1), torch.nn.functional.normalize(p, dim=1)
+    scores = q @ p.T
     positive = scores.diagonal()
     drop = (scores > (positive - margin)[:, None]) & ~torch.eye(len(q), dtype=torch.bool)
     logits = (scale * scores).masked_fill(drop, -math.inf)
