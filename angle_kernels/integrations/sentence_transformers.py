@@ -694,14 +694,19 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
 
     def _selected(self, width: int, sort: bool) -> _inputs.Nested:
         """The dimensions of this step with their weights: all, or n_dims_per_step drawn as the parent draws
-        them (its forward sorts the draw, its cached decorator does not; the sum is the same either way)."""
+        them (its forward sorts the draw, its cached decorator does not; the sum is the same either way). A
+        dimension listed more than once (the parent accepts it: one weighted term per entry) is one prefix
+        weighted by the sum of its entries' weights."""
         indices = range(len(self.matryoshka_dims))
         if 0 < self.n_dims_per_step < len(indices):
             indices = random.sample(indices, self.n_dims_per_step)
             if sort:
                 indices.sort()
-        return _inputs.check_nested([self.matryoshka_dims[i] for i in indices],
-                                     [float(self.matryoshka_weights[i]) for i in indices], width)
+        weights: dict[int, float] = {}
+        for i in indices:
+            dim = self.matryoshka_dims[i]
+            weights[dim] = weights.get(dim, 0.0) + float(self.matryoshka_weights[i])
+        return _inputs.check_nested(list(weights), list(weights.values()), width)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         if self.uses_gradient_cache or not self.uses_fused_path:

@@ -37,6 +37,10 @@ CASES = [
     ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.euclidean_sim}, 2, None, (32, 16), None, -1, False),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 3, None, (32, 16, 8), None, -1, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3}, 2, None, (32, 16, 8, 4), (4, 3, 2, 1), 2, True),
+    # a dimension listed twice: one weighted term per entry, as the parent sums them
+    ("MultipleNegativesRankingLoss", {}, 2, None, (32, 16, 16), None, -1, True),
+    ("CoSENTLoss", {}, 2, GRADED, (32, 8, 8, 4), (1.0, 0.5, 2.0, 1.0), 3, True),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 2, None, (16, 32, 16), (1.0, 1.0, 0.5), -1, True),
 ]
 
 
