@@ -77,10 +77,28 @@ def outside_autocast(tensor: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def computed_outside_autocast(loss):
-    """A loss function (or forward) that runs outside_autocast of its first tensor argument (one directly, or the
-    first of a list or tuple of them): the public losses, the modules' forwards and the integrations' computing
-    halves, so that every op and every step of the formulas between them computes as outside a region."""
+class _FirstDerivativesOnly(torch.autograd.Function):
+    """The identity on a loss, whose backward refuses to be differentiated: the backends' backward passes compute
+    gradients with untracked ops (formed in forward, or kernels), so a second derivative through them (create_graph,
+    e.g. a gradient penalty) would silently count their gradients as constants."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():  # autograd differentiates backward only under create_graph=True
+            raise RuntimeError("angle_kernels' losses have first derivatives only: backward with create_graph=True "
+                               "(second derivatives, e.g. a gradient penalty) is not supported")
+        return grad
+
+
+def loss_entry(loss):
+    """A loss function (or forward) as the public losses, the modules' forwards and the integrations' computing
+    halves run: outside_autocast of its first tensor argument (one directly, or the first of a list or tuple of
+    them), so that every op and every step of the formulas between them computes as outside a region; and its
+    result, where autograd records it, refuses a second derivative with a clear error (_FirstDerivativesOnly)."""
 
     @functools.wraps(loss)
     def computed(*args, **kwargs):
@@ -88,8 +106,13 @@ def computed_outside_autocast(loss):
             first = value[0] if isinstance(value, (list, tuple)) and value else value
             if isinstance(first, torch.Tensor):
                 with outside_autocast(first):
-                    return loss(*args, **kwargs)
-        return loss(*args, **kwargs)
+                    result = loss(*args, **kwargs)
+                break
+        else:
+            result = loss(*args, **kwargs)
+        if isinstance(result, torch.Tensor) and result.requires_grad and torch.is_grad_enabled():
+            return _FirstDerivativesOnly.apply(result)
+        return result
 
     return computed
 

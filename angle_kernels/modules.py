@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .contract import computed_outside_autocast
+from .contract import loss_entry
 from .dispatch import resolve_backend
 from .inputs import (
     IBN_PARTITIONS,
@@ -165,7 +165,7 @@ class AngleLoss(nn.Module):
                              self.angle_tau, self.angle_pooling_strategy, self.ibn_partition,
                              self.false_negative_margin, self.false_negative_strategy)
 
-    @computed_outside_autocast
+    @loss_entry
     def forward(self, labels: torch.Tensor | None, outputs: torch.Tensor, *,
                 layer_weights: LayerWeights | None = None) -> torch.Tensor:
         _check_dataset_format(self.dataset_format)
@@ -234,7 +234,7 @@ class ArcCSELoss(nn.Module):
         return (f"margin_degrees={self.margin_degrees}, tau={self.tau}, triplet_weight={self.triplet_weight}, "
                 f"triplet_margin={self.triplet_margin}, dims={self.dims}, dim_weights={self.dim_weights}")
 
-    @computed_outside_autocast
+    @loss_entry
     def forward(self, h1: torch.Tensor, h2: torch.Tensor, anchor: torch.Tensor | None = None,
                 weak: torch.Tensor | None = None, strong: torch.Tensor | None = None, *,
                 layer_weights: LayerWeights | None = None) -> torch.Tensor:

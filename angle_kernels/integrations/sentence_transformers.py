@@ -51,7 +51,7 @@ from .. import functional as _functional
 from .. import inputs as _inputs
 from ..losses import angle as _angle_losses
 from ..losses import retrieval as _retrieval_losses
-from ..contract import computed_outside_autocast
+from ..contract import loss_entry
 from ..dispatch import resolve_backend
 
 try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still works there with a warning
@@ -102,7 +102,7 @@ def _pair_score_kind(similarity_fct: Callable[..., Tensor]) -> str | None:
     return None
 
 
-@computed_outside_autocast
+@loss_entry
 def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str, scale: float,
                         backend: str | None, nested: _inputs.Nested | None = None) -> Tensor:
     """The CoSENT objective over pairs (first[i], second[i]) scored by scale * cos or scale * |angle sim|:
@@ -309,7 +309,7 @@ def _mnrl_unfused_reason(loss: torch.nn.Module) -> str | None:
     return None
 
 
-@computed_outside_autocast
+@loss_entry
 def _fused_mnrl(loss: torch.nn.Module, embeddings: list[Tensor], nested: _inputs.Nested | None = None) -> Tensor:
     """The loss's configuration (getattr with the defaults: older 6.x parents lack some attributes) computed by
     angle_kernels.losses.retrieval.multiple_negatives, with the checks of the public multiple_negatives_ranking_loss and

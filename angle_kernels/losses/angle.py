@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..contract import compute_dtype, computed_outside_autocast
+from ..contract import compute_dtype, loss_entry
 from ..dispatch import Ops, resolve_backend
 from ..inputs import (
     IBN_PARTITIONS,
@@ -50,7 +50,7 @@ from .retrieval import contrastive, multiple_negatives, multiple_negatives_rows
 __all__ = ["cosine_loss", "angle_loss", "in_batch_negative_loss", "contrastive_with_negative_loss"]
 
 
-@computed_outside_autocast
+@loss_entry
 def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *, dims: Dims | None = None,
                 dim_weights: DimWeights | None = None, layer_weights: LayerWeights | None = None,
                 backend: str | None = None) -> torch.Tensor:
@@ -76,7 +76,7 @@ def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *
     return ranking_terms(ops, as_pairs(y_pred), labels[0::2], cosine_tau=tau, nested=nested)[0]
 
 
-@computed_outside_autocast
+@loss_entry
 def angle_loss(
     y_true: torch.Tensor,
     y_pred: torch.Tensor,
@@ -115,7 +115,7 @@ def angle_loss(
                                pooling_strategy=pooling_strategy, nested=nested)[1]
 
 
-@computed_outside_autocast
+@loss_entry
 def in_batch_negative_loss(
     y_true: torch.Tensor,
     y_pred: torch.Tensor,
@@ -158,7 +158,7 @@ def in_batch_negative_loss(
     return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids, nested=nested)
 
 
-@computed_outside_autocast
+@loss_entry
 def contrastive_with_negative_loss(
     text: torch.Tensor,
     pos: torch.Tensor,

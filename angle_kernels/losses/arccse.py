@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import computed_outside_autocast
+from ..contract import loss_entry
 from ..dispatch import Ops, resolve_backend
 from ..inputs import (
     Dims,
@@ -34,7 +34,7 @@ from .angle import pair_score_table
 __all__ = ["arccon_loss", "triplet_loss"]
 
 
-@computed_outside_autocast
+@loss_entry
 def arccon_loss(
     h1: torch.Tensor,
     h2: torch.Tensor,
@@ -68,7 +68,7 @@ def arccon_loss(
     return arccon(resolve_backend(backend, h1), h1, h2, margin, tau, nested)
 
 
-@computed_outside_autocast
+@loss_entry
 def triplet_loss(
     anchor: torch.Tensor,
     weak: torch.Tensor,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import FILTER_TIE_ALLOWANCE, compute_dtype, computed_outside_autocast
+from ..contract import FILTER_TIE_ALLOWANCE, compute_dtype, loss_entry
 from ..dispatch import Ops, resolve_backend
 from ..distributed import all_gather_with_grad, rank_and_world_size
 from ..inputs import (
@@ -40,7 +40,7 @@ from ..inputs import (
 __all__ = ["multiple_negatives_ranking_loss", "gist_loss"]
 
 
-@computed_outside_autocast
+@loss_entry
 def multiple_negatives_ranking_loss(
     queries: torch.Tensor,
     positives: torch.Tensor,
@@ -100,7 +100,7 @@ def multiple_negatives_ranking_loss(
     return multiple_negatives(resolve_backend(backend, call.queries), **call._asdict())
 
 
-@computed_outside_autocast
+@loss_entry
 def gist_loss(
     anchors: torch.Tensor,
     positives: torch.Tensor,

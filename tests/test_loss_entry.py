@@ -1,11 +1,15 @@
-"""Every loss computes the same inside a torch.autocast region as outside it (the AMP recipe puts the loss inside).
+"""What every loss call does around its computation (contract.loss_entry): it computes the same inside a
+torch.autocast region as outside it, and it refuses second derivatives with a clear error.
 
-Autocast would run the ops' products in 16 bits, mixing dtypes inside the backends' autograd Functions (it raised:
-`KeyError: torch.bfloat16`, "mat1 and mat2 must have the same dtype"), round loss terms to 16 bits, and refuse to
-stack bfloat16 rows in a float16 region. The losses, their formulas and the ops run with autocast off
-(contract.outside_autocast), so a call inside a region gives the value and gradients of the same call outside it, bit
-for bit: float32 embeddings stay float32, 16-bit embeddings compute as 16-bit embeddings do anywhere. Backward runs
-outside the region, as PyTorch's recipe has it.
+Autocast (the AMP recipe puts the loss inside a region) would run the ops' products in 16 bits, mixing dtypes inside
+the backends' autograd Functions (it raised: `KeyError: torch.bfloat16`, "mat1 and mat2 must have the same dtype"),
+round loss terms to 16 bits, and refuse to stack bfloat16 rows in a float16 region. The losses, their formulas and
+the ops run with autocast off (contract.outside_autocast), so a call inside a region gives the value and gradients of
+the same call outside it, bit for bit: float32 embeddings stay float32, 16-bit embeddings compute as 16-bit
+embeddings do anywhere. Backward runs outside the region, as PyTorch's recipe has it.
+
+The backends' backward passes are not differentiable (gradients formed in forward, kernels): a second derivative
+(create_graph=True, a gradient penalty) silently took their gradients as constants; it now raises.
 """
 
 from __future__ import annotations
@@ -100,3 +104,20 @@ def test_the_losses_leave_the_region_as_they_found_it():
         ak.multiple_negatives_ranking_loss(y[:2], y[2:])
         assert torch.is_autocast_enabled("cpu")
         assert torch.mm(y, y.T).dtype == torch.bfloat16  # the caller's own products still autocast
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_a_second_derivative_is_refused(name):
+    y = torch.randn(6, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    loss = CALLS[name](_laid_out(y))
+    with pytest.raises(RuntimeError, match="first derivatives only.*create_graph=True"):
+        torch.autograd.grad(loss + (y**2).sum(), y, create_graph=True)
+    (grad,) = torch.autograd.grad(CALLS[name](_laid_out(y)), y)  # first derivatives as before
+    assert torch.isfinite(grad).all()
+
+
+def test_a_loss_without_autograd_is_a_plain_tensor():
+    y = torch.randn(4, 8, requires_grad=True)
+    with torch.no_grad():
+        assert ak.multiple_negatives_ranking_loss(y[:2], y[2:]).grad_fn is None
+    assert ak.multiple_negatives_ranking_loss(y[:2].detach(), y[2:].detach()).grad_fn is None
