@@ -8,6 +8,8 @@
         torch.distributed.checkpoint: __{r}_0.distcp per process and .metadata (sharding.py)
         manifest.json    the size and SHA-256 of every other file, written last
     OUTPUT_DIR/best/                        the model with the best dev Spearman so far (an export: export.py)
+    OUTPUT_DIR/checkpoints/best-step-N/     a best/ that a newer best replaced, kept while a kept checkpoint knows it
+                                            as the best (so that a resume can put it back: reconcile_best)
     OUTPUT_DIR/final/                       the model after the last step (an export)
 
 A folder is written as NAME.tmp and swapped in only once complete, so a run killed while writing leaves
@@ -42,11 +44,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import re
 import shutil
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import asdict, dataclass, field
 
 import numpy
 import torch
@@ -57,6 +61,7 @@ from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
 from .safe_loading import is_file_name, read_tensors_and_plain_values
 from .sharding import load_sharded, save_sharded
+from .st_folder import META_FILE
 
 # Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
 RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
@@ -75,8 +80,10 @@ CHECKPOINT_NAME = re.compile(r"step-(\d+)")  # a complete checkpoint; NAME.tmp a
 @dataclass
 class Position:
     """Where the run stands: optimizer steps done, the epoch and the index of the batch the next step starts
-    at, the best dev Spearman so far (None before the first evaluation), and the steps skipped as non-finite
-    (in all, and in a row up to now)."""
+    at, the best dev Spearman so far (None before the first evaluation) and the step it was measured at, the steps
+    skipped as non-finite (in all, and in a row up to now), and the losses of the steps since the last metrics row
+    (whose mean the next row logs: restored on resume, so that a resumed run logs what an uninterrupted one does).
+    Checkpoints written before best_step and loss_window existed load with their defaults."""
 
     step: int = 0
     epoch: int = 0
@@ -84,6 +91,8 @@ class Position:
     best: float | None = None
     bad_steps: int = 0
     bad_streak: int = 0
+    best_step: int | None = None
+    loss_window: list = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------------ folders
@@ -285,6 +294,7 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
         if cfg.keep_checkpoints > 0:
             for old in finished_checkpoints(cfg.output_dir)[:-cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
+        prune_kept_bests(cfg.output_dir)
     barrier(dist_info)
     return path
 
@@ -315,9 +325,8 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     if sharded != cfg.fsdp:
         raise ValueError(f"checkpoint {path} was written {'with' if sharded else 'without'} --fsdp; resume it "
                          f"{'with' if sharded else 'without'} --fsdp (and the same number of processes)")
-    missing = set() if sharded else set(encoder.trainable_state_dict()) - set(state["model"])
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks trainable weights, e.g. {sorted(missing)[:3]}: another model?")
+    if not sharded:
+        _refuse_other_weights(path, state["config"], cfg, state["model"], encoder.trainable_state_dict())
     rng_file = os.path.join(path, _rng_file(dist_info.rank))
     if not os.path.exists(rng_file):
         raise ValueError(f"checkpoint {path} has no RNG state for rank {dist_info.rank}: resume with the same "
@@ -339,6 +348,42 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
         print(f"resuming with changed settings ({detail}): from step {position.step} on, the learning rate is the one "
               "the new settings' schedule gives there", flush=True)
     return position
+
+
+# The settings that shape the trainable weights of a LoRA run: a checkpoint's adapters fit only the same ones.
+LORA_SHAPE_SETTINGS = ("lora", "lora_r", "lora_targets")
+
+
+def _refuse_other_weights(path: str, saved_cfg: dict, cfg: TrainConfig, saved: dict, current: dict) -> None:
+    """Refuse a checkpoint whose trainable weights do not fit this run's (other names or shapes), before anything
+    is loaded: with LoRA settings that differ from the checkpoint's, naming them; else as another model's."""
+    missing, extra = set(current) - set(saved), set(saved) - set(current)
+    reshaped = sorted(k for k in set(current) & set(saved) if tuple(saved[k].shape) != tuple(current[k].shape))
+    if not (missing or extra or reshaped):
+        return
+    now = asdict(cfg)
+    changed = {k: (saved_cfg[k], now[k]) for k in LORA_SHAPE_SETTINGS if k in saved_cfg and saved_cfg[k] != now[k]}
+    if changed:
+        detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        flags = ", ".join(_flag_text(k, old) for k, (old, _) in changed.items())
+        raise ValueError(f"cannot resume from {path}: its LoRA settings differ from the flags ({detail}), so its "
+                         f"trained weights do not fit this model; resume with the checkpoint's ({flags}), or start a "
+                         "new run in a new --output-dir")
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks trainable weights, e.g. {sorted(missing)[:3]}: another model?")
+    example = reshaped[0] if reshaped else min(extra)
+    raise ValueError(f"checkpoint {path} holds trainable weights this model does not have in that shape (e.g. "
+                     f"{example}): another model?")
+
+
+def _flag_text(name: str, value) -> str:
+    """The flag that sets `name` to `value`, as typed ("--lora-r 4"; an empty list: the flag left out)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, list):
+        return f"{flag} {' '.join(map(str, value))}" if value else f"no {flag}"
+    if isinstance(value, bool):
+        return f"{flag} {int(value)}"
+    return f"{flag} {value}"
 
 
 def _changed_optimizer_settings(saved: dict, cfg: TrainConfig) -> dict:
@@ -393,15 +438,145 @@ def _set_rng_state(state: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- best/
+#
+# best/ records the step and the dev Spearman that made it the best (angle_train.json's "best"), and a checkpoint the
+# best it knew (Position.best, best_step). A run resumed from a checkpoint must end with a best/ of that history: the
+# killed run may have replaced best/ after the checkpoint, with a model the resumed run never produces. So a best/
+# that a finished checkpoint knew as the best is not deleted when a newer best replaces it: it is moved to
+# checkpoints/best-step-N, and deleted once no kept checkpoint knows it (prune_kept_bests). On resume, reconcile_best
+# puts the checkpoint's best back in best/ (from there, or from the output folder the checkpoint belongs to when the
+# run resumes into another one).
+
+BEST_RECORD_KEY = "best"  # angle_train.json of best/: {"step": N, "dev_spearman": score}
+KEPT_BEST_NAME = re.compile(r"best-step-(\d+)")
+
+
+def kept_best_path(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, "checkpoints", f"best-step-{step:08d}")
+
+
+def best_record(folder: str) -> dict | None:
+    """The {"step", "dev_spearman"} a best/ export records (None: no such folder, or one written without it)."""
+    try:
+        with open(os.path.join(folder, META_FILE), encoding="utf-8") as f:
+            record = json.load(f).get(BEST_RECORD_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        return None
+    return record
+
+
+def best_holds(folder: str, position: Position) -> bool:
+    """Whether `folder` is the export of the best model `position` knows (its step and score)."""
+    record = best_record(folder)
+    return (record is not None and position.best is not None and record["step"] == position.best_step
+            and record.get("dev_spearman") == position.best)
+
+
+def _kept_bests(output_dir: str) -> dict[int, str]:
+    root = os.path.join(output_dir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return {int(match.group(1)): os.path.join(root, name) for name in names
+            if (match := KEPT_BEST_NAME.fullmatch(name))}
+
+
+def _checkpoint_steps(output_dir: str) -> list[int]:
+    return [int(CHECKPOINT_NAME.fullmatch(os.path.basename(path)).group(1))
+            for path in finished_checkpoints(output_dir)]
+
+
+def _keep_best_of_checkpoints(output_dir: str) -> None:
+    """Before best/ is replaced: move it to checkpoints/best-step-N when a finished checkpoint was written while it
+    was the best (a checkpoint of step N or later: every earlier checkpoint predates it)."""
+    best = os.path.join(output_dir, "best")
+    record = best_record(best)
+    if record is None or not any(step >= record["step"] for step in _checkpoint_steps(output_dir)):
+        return
+    kept = kept_best_path(output_dir, record["step"])
+    if os.path.exists(kept):
+        shutil.rmtree(best)
+    else:
+        os.replace(best, kept)
+
+
+def prune_kept_bests(output_dir: str) -> None:
+    """Delete the kept bests (checkpoints/best-step-N) that no kept checkpoint knows as its best: a checkpoint knows
+    the best of step N if it was written at step N or later and before the next best."""
+    kept = _kept_bests(output_dir)
+    if not kept:
+        return
+    current = best_record(os.path.join(output_dir, "best"))
+    best_steps = set(kept) | ({current["step"]} if current else set())
+    steps = _checkpoint_steps(output_dir)
+    for step, path in kept.items():
+        following = min((s for s in best_steps if s > step), default=math.inf)
+        if not any(step <= s < following for s in steps):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def save_best(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *,
-              model_card: str | None = None) -> str:
+              model_card: str | None = None, step: int | None = None, score: float | None = None) -> str:
     """Export the model to output_dir/best (only the adapter for LoRA), replacing the previous best once the
-    new one is complete. state_dict: a sharded (--fsdp) encoder's whole weights (sharding.full_state_dict);
-    model_card: its README.md."""
+    new one is complete (kept as checkpoints/best-step-N while a checkpoint knows it). state_dict: a sharded (--fsdp)
+    encoder's whole weights (sharding.full_state_dict); model_card: its README.md; step and score: the evaluation
+    that made it the best, recorded in its angle_train.json."""
+    record = None if step is None else {"step": step, "dev_spearman": score}
     return _export(cfg, encoder, tokenizer, "best", "the best model", adapter_only=is_peft_model(encoder.backbone),
-                   state_dict=state_dict, model_card=model_card)
+                   state_dict=state_dict, model_card=model_card, record=record)
+
+
+def reconcile_best(cfg: TrainConfig, resume_from: str, position: Position) -> str:
+    """On resume (main process, with --save-best): make output_dir/best the export of the checkpoint's best model.
+    Returns "ok" (best/ holds it now, or the checkpoint knows no best), "export" (it can only be rebuilt from the
+    checkpoint's weights, which are that model: the caller exports them) or "missing" (nowhere to be found: best/ is
+    then removed rather than left holding another model, and written again when this run's dev score beats the
+    checkpoint's). A best/ that records no step (an older angle_train's) is left as it is."""
+    best = os.path.join(cfg.output_dir, "best")
+    record = best_record(best)
+    if position.best is None or position.best_step is None:
+        if position.best is None and record is not None and record["step"] > position.step:
+            _remove_stale_best(best, record, "no best model yet")  # a killed run's, written after the checkpoint
+        return "ok"
+    if best_holds(best, position):
+        return "ok"
+    source_dir = _output_dir_of(resume_from)
+    candidates = [kept_best_path(cfg.output_dir, position.best_step)]
+    if source_dir is not None and os.path.realpath(source_dir) != os.path.realpath(cfg.output_dir):
+        candidates += [os.path.join(source_dir, "best"), kept_best_path(source_dir, position.best_step)]
+    for source in candidates:
+        if best_holds(source, position):
+            tmp = best + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            if source == candidates[0]:
+                os.replace(source, tmp)  # this folder's own: moved back (kept again when a newer best replaces it)
+            else:
+                shutil.copytree(source, tmp)  # another run's folder: copied, never taken from it
+            _swap_in(tmp, best)
+            print(f"best/: restored the checkpoint's best model (step {position.best_step}, dev Spearman "
+                  f"{position.best:.4f}) from {source}", flush=True)
+            return "ok"
+    if position.best_step == position.step:
+        return "export"
+    if record is not None or os.path.isdir(best):
+        _remove_stale_best(best, record, f"the checkpoint's best is step {position.best_step}")
+    print(f"angle-train: warning: the best model of {resume_from} (step {position.best_step}, dev Spearman "
+          f"{position.best:.4f}) is neither in {best} nor beside the checkpoint; {best} is written again when this "
+          "run's dev Spearman beats it", file=sys.stderr, flush=True)
+    return "missing"
+
+
+def _remove_stale_best(best: str, record: dict | None, why: str) -> None:
+    what = f"step {record['step']}" if record else "no recorded step"
+    print(f"best/: removed {best} ({what}): it is not the best model of the checkpoint resumed from ({why})",
+          flush=True)
+    shutil.rmtree(best)
+
+
+def _output_dir_of(checkpoint: str) -> str | None:
+    """The output folder a checkpoint folder (OUTPUT_DIR/checkpoints/step-N) belongs to, or None."""
+    parent = os.path.dirname(os.path.abspath(checkpoint))
+    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
 
 
 def save_final(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *,
@@ -415,7 +590,7 @@ def save_final(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = N
 
 
 def _export(cfg: TrainConfig, encoder, tokenizer, name: str, what: str, *, adapter_only: bool, state_dict,
-            while_writing=contextlib.nullcontext, model_card: str | None = None) -> str:
+            while_writing=contextlib.nullcontext, model_card: str | None = None, record: dict | None = None) -> str:
     path = os.path.join(cfg.output_dir, name)
     check_finite_weights(encoder, f"{what} to {path}", state_dict=state_dict)
     tmp = path + ".tmp"
@@ -425,9 +600,12 @@ def _export(cfg: TrainConfig, encoder, tokenizer, name: str, what: str, *, adapt
             save_pretrained(encoder, tokenizer, tmp, max_length=cfg.max_length, adapter_only=adapter_only,
                             merge_in_place=False, base_model=cfg.model, state_dict=state_dict,
                             matryoshka_dims=cfg.trained_widths(encoder.embedding_dim),
-                            export_max_length=cfg.export_max_length, model_card=model_card)
+                            export_max_length=cfg.export_max_length, model_card=model_card,
+                            extra_meta=None if record is None else {BEST_RECORD_KEY: record})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if name == "best":
+        _keep_best_of_checkpoints(cfg.output_dir)
     _swap_in(tmp, path)
     return path

@@ -116,6 +116,36 @@ def read_config_file(path: str) -> dict:
     return data
 
 
+def _file_value(value, kind: str, items: str | None):
+    """A --config file's value for a setting of `kind`, taken as the flag takes its words: a bool from a boolean or
+    one of the flags' words; an int from a whole number or its text (a fraction or a boolean is refused, as
+    `--seed 1.5` and `--seed true` are); a float from a number or its text (not a boolean); a text from a text
+    (YAML reads `prompt: 5` or `device: no` as other types); a list from a list, or from one value, as the flag's one
+    word, each item a number or a text for the number lists (`items: "number"`), a text for the others."""
+    if kind == "bool":
+        return parse_bool(value)
+    if kind in ("int", "float"):
+        convert = int if kind == "int" else float
+        whole = isinstance(value, int) or (isinstance(value, str) and kind == "int")
+        if isinstance(value, bool) or not (whole or (kind == "float" and isinstance(value, (float, str)))):
+            raise ValueError(f"invalid {kind} value: {value!r}")
+        try:
+            return convert(value)
+        except ValueError:
+            raise ValueError(f"invalid {kind} value: {value!r}") from None
+    if kind == "list":
+        values = value if isinstance(value, list) else [value]
+        allowed = (int, float, str) if items == "number" else (str,)
+        for item in values:
+            if isinstance(item, bool) or not isinstance(item, allowed):
+                raise TypeError(f"expected {'numbers' if items == 'number' else 'texts'} (a list, or one value); got "
+                                f"{type(item).__name__} {item!r}")
+        return values
+    if kind == "str" and not isinstance(value, str):
+        raise TypeError(f"expected a text; got {type(value).__name__} {value!r}")
+    return value
+
+
 def config_from_args(argv=None) -> TrainConfig:
     """The TrainConfig of a command line. A bad flag, --config file or setting ends the program with one line
     and status 2 (with --debug, a bad file or setting raises its error instead)."""
@@ -146,16 +176,7 @@ def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainCo
                 values[name] = None
                 continue
             try:
-                if kind == "bool":
-                    value = parse_bool(value)
-                elif kind == "int":
-                    value = int(value)
-                elif kind == "float":
-                    value = float(value)
-                elif kind == "list" and isinstance(value, str):
-                    value = [value]
-                elif kind == "str" and not isinstance(value, str):  # YAML reads `prompt: 5` or `device: no` as such
-                    raise TypeError(f"expected a text; got {type(value).__name__} {value!r}")
+                value = _file_value(value, kind, by_name[name].metadata.get("items"))
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"--config: setting {key!r}: {exc}")
             choices = by_name[name].metadata.get("choices")

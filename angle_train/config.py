@@ -140,7 +140,7 @@ class TrainConfig:
     triplet_w: float = opt(0.1, "arccse: lambda, the triplet loss's weight", group="loss", at_least=0)
     mask_rates: list = opt([0.2, 0.4],  # noqa: RUF009 (opt() builds a default_factory for lists)
                            "arccse: the fractions of a sentence's tokens masked (one contiguous span) in its weakly "
-                           "and strongly masked copies", group="loss", metavar="RATE")
+                           "and strongly masked copies", group="loss", metavar="RATE", items="number")
     text_column: str = opt("text", "arccse: the column of a JSONL/CSV file or dataset holding the sentences",
                            group="data")
     cosine_w: float = opt(0.0, "weight of the cosine (CoSENT) ranking term", group="loss", at_least=0)
@@ -163,10 +163,11 @@ class TrainConfig:
                                 "Matryoshka training (default: off): prefix widths, e.g. 768 512 256 128 64; every "
                                 "loss term on every prefix embeddings[:, :d], weighted and summed (even widths while "
                                 "--angle-w > 0; not with format A's --ibn-partition gte or false-negative filter). "
-                                "Dev Spearman is then reported at each width too", group="loss", metavar="DIM")
+                                "Dev Spearman is then reported at each width too", group="loss", metavar="DIM",
+                                items="number")
     matryoshka_weights: list = opt([],  # noqa: RUF009
                                    "weight of each --matryoshka-dims width, in the same order (default: 1 each)",
-                                   group="loss", metavar="WEIGHT")
+                                   group="loss", metavar="WEIGHT", items="number")
     espresso: bool = opt(False, "Espresso (ESE) layer-wise training, as angle-emb's AngleESETrainer weighs it: the "
                          "loss of the last layer at the full and the --espresso-dim width, plus every earlier "
                          "hidden state's (pooled) at the --espresso-dim width weighted 1 / (1 + ln(1 + i)), averaged; "

@@ -168,7 +168,7 @@ def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, block: 
             "ndcg@10": float(ndcg.mean())}
 
 
-def sts_spearman(encoder, tokenizer, examples: list[Example], *, batch_size: int = 128, max_length: int = 512,
+def sts_spearman(encoder, tokenizer, examples: list[Example], *, batch_size: int = 128, max_length: int | None = None,
                  prompt: str | None = None, dim: int | None = None) -> float:
     """Spearman's rho (scipy) of cos(embed(text1), embed(text2)) against the labels of format-A examples; prompt: a
     template for both texts (default: the encoder's text prompt); dim: the cosine of the first `dim` features only
@@ -178,7 +178,7 @@ def sts_spearman(encoder, tokenizer, examples: list[Example], *, batch_size: int
 
 
 def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, batch_size: int = 128,
-                        max_length: int = 512, prompt: str | None = None) -> dict:
+                        max_length: int | None = None, prompt: str | None = None) -> dict:
     """{dim: sts_spearman(..., dim=dim)} for each of dims (None: the whole embeddings), the texts embedded once."""
     from scipy.stats import spearmanr
 
@@ -250,7 +250,7 @@ def library_progress_bars(enabled: bool | None):
                 switch_on()
 
 
-def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length: int = 512,
+def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length: int | None = None,
              progress: bool | None = None) -> dict:
     """{name: Spearman x 100} for the STS sets and {name: {metric: value}} for the retrieval sets, with the
     encoder's prompts (encoder.prompts: the text prompt for STS pairs, the query and document prompts for

@@ -56,14 +56,15 @@ def _write_json(path: str, obj) -> None:
 def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_only: bool = False,
                     merge_in_place: bool = False, base_model: str | None = None, matryoshka_dims=None,
                     state_dict: dict | None = None, export_max_length: int | None = None,
-                    model_card: str | None = None) -> str:
+                    model_card: str | None = None, extra_meta: dict | None = None) -> str:
     """Write the folder described in the module docstring (with encoder.prompts); returns path.
 
     max_length: the length the model was trained at; the folder records export_max_length, else the base model's
     max_seq_length or max_length, whichever is longer, for inference. merge_in_place=True merges LoRA weights into
     the live model (no copy: for the end of training on a large model); otherwise a copy is merged and the encoder
     keeps training unchanged. state_dict: the backbone's weights to write in place of its own (a sharded model's,
-    gathered by sharding.full_state_dict). model_card: README.md's text.
+    gathered by sharding.full_state_dict). model_card: README.md's text. extra_meta: more entries of
+    angle_train.json (best/'s "best": the step and dev Spearman that made it the best).
     """
     os.makedirs(path, exist_ok=True)
     backbone = encoder.backbone
@@ -74,7 +75,8 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
             "prompt": encoder.prompts.text, "prompts": dataclasses.asdict(encoder.prompts),
             "max_length": inference_length, "train_max_length": max_length, "base_model": base_model,
             "lora": is_peft_model(backbone), "adapter_only": adapter_only,
-            "matryoshka_dims": sorted(matryoshka_dims, reverse=True) if matryoshka_dims else None}
+            "matryoshka_dims": sorted(matryoshka_dims, reverse=True) if matryoshka_dims else None,
+            **(extra_meta or {})}
     if adapter_only:
         if not is_peft_model(backbone):
             raise ValueError("adapter_only=True needs a LoRA (peft) model")
@@ -199,4 +201,5 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, *
                                           bidirectional=bidirectional, **kwargs)
     # exports written before per-role prompts have only "prompt" (every text's)
     encoder.prompts = Prompts(**meta.get("prompts", {"text": meta.get("prompt")}))
+    encoder.max_length = meta.get("max_length")  # encode()'s default, as sentence-transformers' max_seq_length
     return encoder, tokenizer, meta

@@ -158,6 +158,9 @@ class Encoder(nn.Module):
         self.layer_stack = False
         # the prompts the model was trained with, by role: set by the trainer and by export.load_pretrained
         self.prompts = Prompts()
+        # the tokens per text its export records for inference (angle_train.json's max_length: sentence-transformers'
+        # max_seq_length, angle-eval's default), set by export.load_pretrained: encode()'s default; None: 512
+        self.max_length: int | None = None
         # modules of the base model that the embeddings never use (BERT's pooler: wrap_backbone), by their attribute
         # name in the backbone: not trained, not moved, in a dict so that they are no submodules; put back for the
         # exports (export.save_pretrained)
@@ -315,14 +318,17 @@ class Encoder(nn.Module):
         return {k: v for k, v in self.state_dict().items() if k in names}
 
     @torch.no_grad()
-    def encode(self, texts, tokenizer, *, batch_size: int = 64, max_length: int = 512, prompt: str | None = None,
-               prompt_name: str = "text", normalize: bool = False, dim: int | None = None) -> torch.Tensor:
+    def encode(self, texts, tokenizer, *, batch_size: int = 64, max_length: int | None = None,
+               prompt: str | None = None, prompt_name: str = "text", normalize: bool = False,
+               dim: int | None = None) -> torch.Tensor:
         """Embed a list of strings for inference: batched, longest-first (less padding), original order out.
-        prompt: a template for these texts ('' for none); by default the model's own prompt for `prompt_name`
-        ('text', 'query' or 'document': data.Prompts), as in training. dim: keep the first `dim` features (a
-        Matryoshka-trained model's prefix); normalize applies after the cut, so the prefix has unit norm."""
+        max_length: tokens per text, prompt included (default: encoding_length). prompt: a template for these texts
+        ('' for none); by default the model's own prompt for `prompt_name` ('text', 'query' or 'document':
+        data.Prompts), as in training. dim: keep the first `dim` features (a Matryoshka-trained model's prefix);
+        normalize applies after the cut, so the prefix has unit norm."""
         if isinstance(texts, str):
             texts = [texts]
+        max_length = self.encoding_length(max_length)
         template = self.prompts.for_role(prompt_name) if prompt is None else prompt
         texts = [apply_prompt(t, template) for t in texts]
         ids = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=True)["input_ids"]
@@ -338,6 +344,21 @@ class Encoder(nn.Module):
         self.train(was_training)
         out = truncate(out, dim)
         return torch.nn.functional.normalize(out, dim=-1) if normalize else out
+
+    def encoding_length(self, max_length: int | None = None) -> int:
+        """The tokens per text encode() keeps: `max_length`, else the length the model's export records
+        (self.max_length, as sentence-transformers and angle-eval read it), else 512 or the model's position limit if
+        lower. A length beyond the position table (position_limit) is refused: the model cannot read it."""
+        limit = position_limit(self.backbone)
+        if max_length is None:
+            length = self.max_length or 512
+            return length if limit is None else min(length, limit)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive int or None; got {max_length!r}")
+        if limit is not None and max_length > limit:
+            raise ValueError(f"max_length {max_length} is longer than the model can read: its position table holds "
+                             f"{limit} positions; use max_length={limit} or less")
+        return max_length
 
 
 def position_table(backbone: nn.Module) -> nn.Embedding | None:
@@ -410,6 +431,8 @@ def wrap_backbone(
             from peft import LoraConfig, get_peft_model
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError("LoRA needs peft: pip install peft (or the angle_kernels[train] extra)") from exc
+        if lora.target_modules:
+            check_lora_targets(backbone, lora.target_modules)
         config = LoraConfig(
             r=lora.r,
             lora_alpha=lora.alpha,
@@ -425,6 +448,31 @@ def wrap_backbone(
     encoder.unused_modules = dropped
     encoder.pooling_source = source
     return encoder
+
+
+class LoraTargetError(ValueError):
+    """LoRA target module names that match no layer of the model, or a layer LoRA cannot adapt."""
+
+
+# The layer types peft's LoRA adapts (its torch.nn ones, and transformers' Conv1D: GPT-2's linear layers), by name.
+LORA_LAYER_TYPES = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention")
+
+
+def check_lora_targets(backbone: nn.Module, targets: list[str]) -> None:
+    """Refuse target module names as peft would match them (a module whose name is the target or ends with
+    '.' + target) that match no module of `backbone`, or a module of a type LoRA cannot adapt (a norm, an activation,
+    a whole block), naming the layers it can adapt; peft would refuse them with a traceback once it starts."""
+    names = [(name, module) for name, module in backbone.named_modules() if name]
+    adaptable = sorted({name.rsplit(".", 1)[-1] for name, module in names
+                        if type(module).__name__ in LORA_LAYER_TYPES})
+    for target in targets:
+        matched = [(name, module) for name, module in names if name == target or name.endswith("." + target)]
+        wrong = next((type(module).__name__ for _, module in matched
+                      if type(module).__name__ not in LORA_LAYER_TYPES), None)
+        if not matched or wrong:
+            problem = f"names a {wrong}, which LoRA cannot adapt" if matched else "matches no module of the model"
+            raise LoraTargetError(f"{target!r} {problem}; expected names of its linear (or embedding) layers: "
+                                  f"{', '.join(adaptable) or 'none'}")
 
 
 def own_pooling(name_or_path: str) -> tuple[str, str] | None:

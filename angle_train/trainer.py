@@ -37,15 +37,15 @@ from angle_kernels.inputs import check_nested, espresso_layer_weights
 
 from . import arccse, distributed, faults, preflight, run_lock, sharding, tracking
 from .checkpoint import (
-    Position, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint, remove_earlier_run,
-    save_best, save_checkpoint, save_final,
+    Position, best_holds, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint,
+    reconcile_best, remove_earlier_run, save_best, save_checkpoint, save_final,
 )
 from .cli_common import resolve_device
 from .config import TrainConfig
 from .data import FORMATS, Example, PassPlan, TokenizedPairs, epoch_batches, load_examples
 from .evaluate import StsSet, encoding_progress, library_progress_bars, read_dataset, sts_spearman_by_dim
 from .grad_cache import RngState, grad_cache_step, plain_step
-from .models import LoraSettings, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
+from .models import LoraSettings, LoraTargetError, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
 
@@ -64,7 +64,7 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)  # one row per optimizer step: step, loss, lr, ...
     evals: list[dict] = field(default_factory=list)  # step, dev_spearman, best_dev_spearman
     best_spearman: float | None = None
-    best_path: str | None = None
+    best_path: str | None = None  # OUTPUT_DIR/best when it holds the model of best_spearman, else None
     final_path: str | None = None
     curves_path: str | None = None  # OUTPUT_DIR/curves.png (tracking.plot_curves), when drawn
     encoder: object = None
@@ -96,6 +96,8 @@ def _train(cfg: TrainConfig, *, model, train_examples, dev_examples, loss_fn, on
     # --profile: the second step of this run (the first warms up the allocator and the kernels)
     profile_at = min(run.position.step + 2, run.total_steps) if cfg.profile else 0
     try:
+        if run.resumed_from and cfg.save_best:
+            restore_best(run)
         with faults.StopSignals() as signals:
             if run.dev_examples and cfg.eval_on_start and run.position.step == 0:
                 evaluate(run)  # step 0: the score training has to beat
@@ -144,7 +146,9 @@ def report_profile(run: Run, profile, row: dict) -> None:
 
 
 def save(run: Run) -> str:
-    """A resumable checkpoint of the run at its current position."""
+    """A resumable checkpoint of the run at its current position (the losses logged since the last metrics row
+    included)."""
+    run.position.loss_window = list(run.log.losses)
     return save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
                            scheduler=run.scheduler, scaler=run.scaler, sharded=run.cfg.fsdp)
 
@@ -183,6 +187,7 @@ class Run:
     command: str = ""  # the angle-train command of the settings (TrainConfig.command_line): the model cards'
     loss_name: str = "AngleLoss"  # AngleLoss, ArcCSELoss, or the loss_fn given to train()
     given: tuple = ()  # which of train()'s model, train_examples, dev_examples replaced flags (the model cards)
+    resumed_from: str | None = None  # the checkpoint the run continues from
 
 
 def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=None, loss_fn=None) -> Run:
@@ -302,9 +307,9 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                guarded_loss=faults.SkipNonFiniteEmbeddings(loss_fn),
                optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps, position=position,
                epoch_order=batch_order(cfg, dataset, position.epoch),
-               log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step),
+               log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step, position.loss_window),
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_spearman=position.best),
-               command=command, loss_name=loss_name,
+               command=command, loss_name=loss_name, resumed_from=resume_from,
                given=tuple(name for name, value in (("model", model), ("train_examples", train_examples),
                                                     ("dev_examples", dev_examples)) if value is not None))
 
@@ -425,6 +430,15 @@ def check_matryoshka_dims(cfg: TrainConfig, width: int) -> None:
 
 
 def build_encoder(cfg: TrainConfig, device: torch.device):
+    """(encoder, tokenizer) of --model with the run's settings; --lora-targets that cannot apply to it are refused
+    naming the flag."""
+    try:
+        return _build_encoder(cfg, device)
+    except LoraTargetError as exc:
+        raise ValueError(f"--lora-targets {' '.join(cfg.lora_targets)}: {exc}") from None
+
+
+def _build_encoder(cfg: TrainConfig, device: torch.device):
     autocast = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None
     lora = LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets or None) if cfg.lora else None
     if cfg.model in BUILTIN_MODELS:
@@ -712,17 +726,39 @@ def evaluate(run: Run) -> None:
         weights = sharding.full_state_dict(run.encoder) if sharded else None  # every process, when sharded
         if run.dist_info.is_main:
             save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights,
-                      model_card=model_card(run, "best", {"step": position.step, "dev_spearman": scores[None]}))
+                      model_card=model_card(run, "best", {"step": position.step, "dev_spearman": scores[None]}),
+                      step=position.step, score=scores[None])
     if run.dist_info.is_main:
         score = scores[None]
-        position.best = score if improved else position.best
+        if improved:
+            position.best, position.best_step = score, position.step
         row = {"step": position.step, "dev_spearman": score, **{f"dev_spearman@{d}": scores[d] for d in truncated},
                "best_dev_spearman": position.best}
         run.result.evals.append(row)
         run.log.write(row)
         print(f"\nstep {position.step}: dev Spearman {score:.4f}" + (" (best)" if improved else "")
               + "".join(f" | @{d} {scores[d]:.4f}" for d in truncated), flush=True)
-    position.best = distributed.broadcast_from_main(position.best, run.dist_info)
+    position.best, position.best_step = distributed.broadcast_from_main((position.best, position.best_step),
+                                                                        run.dist_info)
+
+
+def restore_best(run: Run) -> None:
+    """On resume: best/ made the export of the checkpoint's best model (checkpoint.reconcile_best), which a killed
+    run may have replaced after the checkpoint, or which lives in another output folder when the run resumes into a
+    new one. When only the checkpoint's own weights are that model (its best was measured at its step), they are
+    exported here, as evaluate() would have."""
+    action = reconcile_best(run.cfg, run.resumed_from, run.position) if run.dist_info.is_main else None
+    action = distributed.broadcast_from_main(action, run.dist_info)
+    if action != "export":
+        return
+    sharded = run.cfg.fsdp
+    weights = sharding.full_state_dict(run.encoder) if sharded else None  # every process, when sharded
+    if run.dist_info.is_main:
+        position = run.position
+        save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights, model_card=model_card(run, "best"),
+                  step=position.best_step, score=position.best)
+        print(f"best/: exported the checkpoint's best model (step {position.best_step}, dev Spearman "
+              f"{position.best:.4f}) from its weights", flush=True)
 
 
 def model_card(run: Run, name: str, current: dict | None = None) -> str:
@@ -808,8 +844,11 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
                      "done")
     if not run.dist_info.is_main:
         return result
-    if position.best is not None and cfg.save_best:
-        result.best_path = os.path.join(cfg.output_dir, "best")
+    best = os.path.join(cfg.output_dir, "best")
+    # only a best/ that holds the reported best (a checkpoint from an older angle_train records no step: its best/)
+    if position.best is not None and cfg.save_best and (
+            best_holds(best, position) or (position.best_step is None and os.path.isdir(best))):
+        result.best_path = best
     result.curves_path = tracking.plot_curves(run.log.metrics_path, os.path.join(cfg.output_dir, "curves.png"),
                                               lr_curve=lr_curve(run))
     if not result.history:  # resumed from a checkpoint of the last step: nothing was left to train
@@ -848,7 +887,8 @@ class RunLog:
     writes config.json, metrics.jsonl (and the --report-to reporters: tracking.py) and the progress bar (loss,
     pairs/s, tokens/s, peak memory)."""
 
-    def __init__(self, cfg: TrainConfig, is_main: bool, device: torch.device, total_steps: int, start_step: int):
+    def __init__(self, cfg: TrainConfig, is_main: bool, device: torch.device, total_steps: int, start_step: int,
+                 losses: list[float] | None = None):
         self.log_every, self.total_steps, self.device = max(1, cfg.log_every), total_steps, device
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl") if is_main else None
         self.reporters, self.bar = [], None
@@ -862,6 +902,8 @@ class RunLog:
                                                      asdict(cfg))
             self.bar = _progress(cfg, total_steps, start_step)
         self._start_window()
+        # resumed: the losses of the steps since the last row the checkpointed run wrote (Position.loss_window)
+        self.losses = list(losses or [])
 
     def _start_window(self) -> None:
         self.pairs = self.tokens = 0

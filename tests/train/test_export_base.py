@@ -135,3 +135,25 @@ def test_a_model_card_names_what_train_was_given(tmp_path):
     assert "fine-tuned from the model given to train()" in card
     assert "- data: the train examples given to train()" in card
     assert "dev: the dev examples given to train()" in card and "`builtin:" not in card
+
+
+def test_encode_cuts_texts_at_the_exports_max_length_within_the_positions(tmp_path):
+    """encode() on a loaded export cuts texts at the length the export records (sentence-transformers' max_seq_length,
+    angle-eval's default), not at 512; a length past the model's position table is refused with a message, not
+    torch's shape error."""
+    from angle_train.export import load_pretrained
+    from angle_train.models import position_limit
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    long_text = " ".join(["word", "other"] * 200)  # far more tokens than the model's positions
+    save_pretrained(encoder, tokenizer, str(tmp_path / "short"), max_length=16)
+    loaded, tok, meta = load_pretrained(str(tmp_path / "short"))
+    assert meta["max_length"] == 16
+    assert torch.equal(loaded.encode([long_text], tok), loaded.encode([long_text], tok, max_length=16))
+    assert not torch.equal(loaded.encode([long_text], tok), loaded.encode([long_text], tok, max_length=32))
+    limit = position_limit(loaded.backbone)
+    assert loaded.encode([long_text], tok, max_length=limit).shape == (1, loaded.embedding_dim)
+    with pytest.raises(ValueError, match=f"max_length {limit + 1} is longer than the model can read"):
+        loaded.encode([long_text], tok, max_length=limit + 1)
+    encoder.max_length = None  # no export's length: 512, within the position table
+    assert torch.equal(encoder.encode([long_text], tokenizer), encoder.encode([long_text], tokenizer, max_length=limit))

@@ -265,3 +265,64 @@ def test_every_flag_in_the_readmes_commands_exists():
                 assert flag in known[name], f"{where}: {name} has no flag {flag} ({line.strip()[:80]})"
                 checked += 1
     assert checked > 50
+
+
+@pytest.mark.parametrize("target, said", [
+    ("nonexistent", "'nonexistent' matches no module of the model"),
+    ("input_layernorm", "'input_layernorm' names a LlamaRMSNorm, which LoRA cannot adapt"),
+])
+def test_lora_targets_the_model_lacks_are_one_line(tmp_path, capsys, target, said):
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", "builtin:tiny-llama", "--lora", "1", "--lora-targets", target, "--output-dir", str(tmp_path),
+              "--max-steps", "1", "--batch-size", "8", "--device", "cpu", "--progress", "0"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1
+    assert err.startswith(f"angle-train: error: --lora-targets {target}: {said}") and "q_proj" in err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("changed, said", [
+    (["--lora-r", "8"], ("lora_r: 4 -> 8), so its trained weights do not fit this model; resume with the "
+                         "checkpoint's (--lora-r 4)")),
+    (["--lora-targets", "q_proj"], ("lora_targets: [] -> ['q_proj']), so its trained weights do not fit this model; "
+                                    "resume with the checkpoint's (no --lora-targets)")),
+])
+def test_resume_with_other_lora_shapes_is_one_line(tmp_path, capsys, changed, said):
+    common = ["--model", "builtin:tiny-llama", "--lora", "1", "--lora-r", "4", "--max-steps", "2", "--batch-size",
+              "8", "--max-length", "12", "--save-every", "2", "--output-dir", str(tmp_path), "--device", "cpu",
+              "--progress", "0", "--save-final", "0"]
+    assert main(common) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main([*common, *changed, "--resume", str(tmp_path / "checkpoints" / "step-00000002")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1
+    assert err.startswith("angle-train: error: cannot resume from ") and said in err
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("matryoshka_dims: 32\n", {"matryoshka_dims": [32]}),  # one value, as `--matryoshka-dims 32`
+    ("matryoshka_dims: [32]\nmatryoshka_weights: 1\n", {"matryoshka_dims": [32], "matryoshka_weights": [1.0]}),
+])
+def test_config_file_values_are_read_as_the_flags_read_them(tmp_path, text, expected):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    cfg = config_from_args(["--config", str(path)])
+    assert {name: getattr(cfg, name) for name in expected} == expected
+
+
+@pytest.mark.parametrize("text, said", [
+    ("max_length: 100.7\n", "--config: setting 'max_length': invalid int value: 100.7"),
+    ("seed: true\n", "--config: setting 'seed': invalid int value: True"),
+    ("lr: true\n", "--config: setting 'lr': invalid float value: True"),
+    ("objective: arccse\nmask_rates: 0.2\n", "--mask-rates: expected two fractions"),
+    ("matryoshka_dims: [true]\n", "--config: setting 'matryoshka_dims': expected numbers"),
+    ("lora_targets: 5\n", "--config: setting 'lora_targets': expected texts"),
+])
+def test_config_file_values_the_flags_would_refuse_are_one_line(tmp_path, capsys, text, said):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exited:
+        config_from_args(["--config", str(path)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"angle-train: error: {said}")

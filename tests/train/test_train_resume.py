@@ -13,7 +13,7 @@ from train_helpers import make_encoder, run_config
 from angle_train.checkpoint import Position, checkpoint_path, load_checkpoint, save_checkpoint, write_manifest
 from angle_train.distributed import DistInfo
 from angle_train.safe_loading import UnsafeCheckpointError
-from angle_train.tiny import demo_examples
+from angle_train.tiny import demo_examples, demo_sts_examples
 from angle_train.trainer import StopTraining, make_optimizer, make_schedule, train
 
 CASES = {
@@ -225,3 +225,115 @@ def test_a_checkpoint_restores_every_random_generator(tmp_path):
     position = load_checkpoint(path, cfg, DistInfo(), **trainables)
     assert draws() == after_save
     assert position == Position(step=3, epoch=1, batch=2, best=0.5)
+
+
+# ------------------------------------------------------------------------------- best/ and logging on resume
+
+DEV = demo_sts_examples(12, seed=5)
+
+
+def _scripted_dev_scores(monkeypatch, scores: list[float]):
+    """Each evaluation's dev Spearman taken in turn from `scores` (the models are random: the order of bests is
+    what the tests are about)."""
+    from angle_train import trainer
+
+    left = list(scores)
+    monkeypatch.setattr(trainer, "sts_spearman_by_dim", lambda encoder, tokenizer, examples, dims, **kw:
+                        {dim: left.pop(0) for dim in dims})
+
+
+def _best_config(out, **overrides):
+    return _config(out, **{"max_steps": 4, "save_every": 2, "keep_checkpoints": 0, "eval_every": 1, **overrides})
+
+
+def _stop_at(last):
+    def on_step(step, row):
+        if step == last:
+            raise StopTraining
+    return on_step
+
+
+def _record(folder):
+    with open(os.path.join(folder, "angle_train.json")) as f:
+        return json.load(f).get("best")
+
+
+def _files(folder):
+    return {name: (folder / name).read_bytes() for name in os.listdir(folder) if name.endswith(".safetensors")}
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_resume_puts_back_the_checkpoints_best_that_a_killed_run_replaced(tmp_path, monkeypatch, kept):
+    """Killed after best/ was replaced at step 3, past the step-2 checkpoint whose best is step 2's model: the resumed
+    run, which never beats it, ends with step 2's model in best/ (the superseded best kept beside the checkpoints,
+    or, when that copy is gone, the checkpoint's own weights exported), as the score it reports says."""
+    data = (demo_examples(20, seed=3), "B")
+    _scripted_dev_scores(monkeypatch, [0.1, 0.3, 0.5])
+    train(_best_config(tmp_path), train_examples=data, dev_examples=DEV, on_step=_stop_at(3))
+    assert _record(tmp_path / "best") == {"step": 3, "dev_spearman": 0.5}
+    step_2_best = _files(tmp_path / "checkpoints" / "best-step-00000002")
+    if not kept:
+        import shutil
+        shutil.rmtree(tmp_path / "checkpoints" / "best-step-00000002")
+    _scripted_dev_scores(monkeypatch, [0.2, 0.2])
+    resumed = train(_best_config(tmp_path, resume="auto"), train_examples=data, dev_examples=DEV)
+    assert [r["step"] for r in resumed.history] == [3, 4]
+    assert resumed.best_spearman == 0.3 and resumed.best_path == str(tmp_path / "best")
+    assert _record(tmp_path / "best") == {"step": 2, "dev_spearman": 0.3}
+    if kept:
+        assert _files(tmp_path / "best") == step_2_best
+    else:  # the step-2 checkpoint's weights are step 2's model
+        state = torch.load(tmp_path / "checkpoints" / "step-00000002" / "state.pt", weights_only=True)["model"]
+        from safetensors.torch import load_file
+        exported = load_file(tmp_path / "best" / "model.safetensors")
+        assert all(torch.equal(exported[name.removeprefix("backbone.")], value) for name, value in state.items())
+    # the step-4 checkpoint knows step 2's best too: nothing left beside the checkpoints but the checkpoints
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002", "step-00000004"]
+
+
+@pytest.mark.parametrize("source_best", [True, False])
+def test_resuming_into_a_new_folder_reports_only_a_best_model_it_holds(tmp_path, monkeypatch, capsys, source_best):
+    """--resume PATH into another --output-dir: the checkpoint's best model is copied from the folder the checkpoint
+    belongs to; where it is gone, no best path is claimed (a warning says so) until the run beats its score."""
+    data = (demo_examples(20, seed=3), "B")
+    _scripted_dev_scores(monkeypatch, [0.5, 0.3, 0.2, 0.1])
+    first = train(_best_config(tmp_path / "run1"), train_examples=data, dev_examples=DEV)
+    assert first.best_path == str(tmp_path / "run1" / "best")
+    if not source_best:
+        import shutil
+        shutil.rmtree(tmp_path / "run1" / "best")
+    _scripted_dev_scores(monkeypatch, [0.2, 0.1])
+    capsys.readouterr()
+    resumed = train(_best_config(tmp_path / "run2", resume=str(tmp_path / "run1" / "checkpoints" / "step-00000002")),
+                    train_examples=data, dev_examples=DEV)
+    assert resumed.best_spearman == 0.5
+    if source_best:
+        assert resumed.best_path == str(tmp_path / "run2" / "best")
+        assert _record(tmp_path / "run2" / "best") == {"step": 1, "dev_spearman": 0.5}
+        assert os.path.isdir(tmp_path / "run1" / "best")  # copied, not taken
+    else:
+        assert resumed.best_path is None and not (tmp_path / "run2" / "best").exists()
+        assert "warning: the best model of" in capsys.readouterr().err
+
+
+def test_resumed_metrics_rows_average_the_same_steps_as_the_uninterrupted_run(tmp_path, capsys):
+    """A row's loss is the mean over the steps since the previous row: the steps before the checkpoint included, so
+    that metrics.jsonl and the closing line of a resumed run are the uninterrupted run's."""
+    data = (demo_examples(20, seed=3), "B")
+    settings = {"max_steps": 8, "log_every": 4, "save_every": 3, "keep_checkpoints": 0}
+
+    def rows(folder):
+        with open(folder / "metrics.jsonl") as f:
+            return [(row["step"], row["loss"]) for row in map(json.loads, f)]
+
+    def closing_line():
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")).split(" | ")[1]
+
+    train(_config(tmp_path / "full", **settings), train_examples=data)
+    full_line = closing_line()
+    train(_config(tmp_path / "run", **settings), train_examples=data, on_step=_stop_at(5))
+    capsys.readouterr()
+    resumed = train(_config(tmp_path / "run", resume="auto", **settings), train_examples=data)
+    assert [r["step"] for r in resumed.history] == [4, 5, 6, 7, 8]  # from the step-3 checkpoint
+    assert rows(tmp_path / "run") == rows(tmp_path / "full") and len(rows(tmp_path / "full")) == 2
+    assert closing_line() == full_line
