@@ -15,6 +15,9 @@ Common conventions (the numbers and checks in code: `angle_kernels.contract`)
       true values do; its optional `reference` keeps the value of a loss exact there (the torch backend).
     * "Compute dtype": float64 inputs compute and return float64; float32, bfloat16 and float16 inputs
       accumulate in float32 and return float32. Gradients come back in the dtype of the input they belong to.
+      Inside a torch.autocast region an op computes as outside it (`Ops` switches autocast off while it runs:
+      `contract.outside_autocast`); the ops have first derivatives only (their backward passes are kernels or
+      gradients formed in forward; the losses refuse a second derivative: `contract.loss_entry`).
     * No op ever materialises an N x N matrix.
     * Every op's inputs are validated once, here (`Ops`, through `contract.check_<op>`), whatever the
       backend: shapes, dtypes, devices and options, never values (no device sync). Backends trust them.
