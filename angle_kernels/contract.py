@@ -22,9 +22,10 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol, TypeVar, cast
 
 import torch
+from typing_extensions import ParamSpec  # typing's from Python 3.10; torch depends on typing_extensions
 
 # F.normalize's epsilon: ||x|| is replaced by max(||x||, NORM_EPS), so a zero vector has cosine 0 with everything.
 NORM_EPS = 1e-12
@@ -94,14 +95,18 @@ class _FirstDerivativesOnly(torch.autograd.Function):
         return grad
 
 
-def loss_entry(loss):
+_Args = ParamSpec("_Args")
+_Result = TypeVar("_Result")
+
+
+def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
     """A loss function (or forward) as the public losses, the modules' forwards and the integrations' computing
     halves run: outside_autocast of its first tensor argument (one directly, or the first of a list or tuple of
     them), so that every op and every step of the formulas between them computes as outside a region; and its
     result, where autograd records it, refuses a second derivative with a clear error (_FirstDerivativesOnly)."""
 
     @functools.wraps(loss)
-    def computed(*args, **kwargs):
+    def computed(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
         for value in (*args, *kwargs.values()):
             first = value[0] if isinstance(value, (list, tuple)) and value else value
             if isinstance(first, torch.Tensor):
@@ -111,7 +116,7 @@ def loss_entry(loss):
         else:
             result = loss(*args, **kwargs)
         if isinstance(result, torch.Tensor) and result.requires_grad and torch.is_grad_enabled():
-            return _FirstDerivativesOnly.apply(result)
+            return cast(_Result, _FirstDerivativesOnly.apply(result))
         return result
 
     return computed
