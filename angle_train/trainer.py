@@ -341,15 +341,27 @@ def check_data_size(cfg: TrainConfig, rows: int, what: str, from_file: bool) -> 
 
 def check_labels(cfg: TrainConfig, examples: list[Example], fmt: str, from_file: bool) -> None:
     """Format A's labels against the loss weights, before the model loads: the in-batch-negative term (--ibn-w)
-    takes 0/1 labels only, and graded ones (STS scores) would stop the run at its first step."""
-    if fmt != "A" or cfg.ibn_w == 0:
+    takes 0/1 labels only, and graded ones (STS scores) would stop the run at its first step; and at least one
+    weighted term must have something to learn from (the ranking terms, --cosine-w and --angle-w, two different
+    labels; the in-batch-negative term a pair labelled 1), else every step's loss is 0 and the run trains nothing."""
+    if fmt != "A":
         return
-    graded = next((ex.label for ex in examples if ex.label not in (0.0, 1.0)), None)
-    if graded is not None:
-        source = f"--train-data {cfg.train_data}" if from_file else "the training data"
-        raise ValueError(f"--ibn-w {cfg.ibn_w:g}: the in-batch-negative term needs 0/1 labels (a pair is similar or "
-                         f"not), and {source} has graded labels (such as {graded:g}): train on them with the ranking "
-                         "terms, --ibn-w 0 --cosine-w 1 --angle-w 1, or give 0/1 labels")
+    source = f"--train-data {cfg.train_data}" if from_file else "the training data"
+    if cfg.ibn_w > 0:
+        graded = next((ex.label for ex in examples if ex.label not in (0.0, 1.0)), None)
+        if graded is not None:
+            raise ValueError(f"--ibn-w {cfg.ibn_w:g}: the in-batch-negative term needs 0/1 labels (a pair is similar "
+                             f"or not), and {source} has graded labels (such as {graded:g}): train on them with the "
+                             "ranking terms, --ibn-w 0 --cosine-w 1 --angle-w 1, or give 0/1 labels")
+    labels = {ex.label for ex in examples}
+    ranking = [flag for flag, weight in (("--cosine-w", cfg.cosine_w), ("--angle-w", cfg.angle_w)) if weight > 0]
+    if (ranking and len(labels) > 1) or (cfg.ibn_w > 0 and 1.0 in labels):
+        return
+    needs = ([f"the ranking terms ({', '.join(ranking)}) need pairs with different labels"] if ranking else []) + (
+        ["the in-batch-negative term (--ibn-w) needs pairs labelled 1"] if cfg.ibn_w > 0 else [])
+    label = " or ".join(f"{value:g}" for value in sorted(labels))  # one value: graded labels are refused above
+    raise ValueError(f"every label of {source} is {label}, and {' and '.join(needs)}: every step's loss would be 0 "
+                     "and train nothing; check the label column, or weight a term these labels can train")
 
 
 def check_model_settings(cfg: TrainConfig, encoder) -> None:

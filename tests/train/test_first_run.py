@@ -5,6 +5,7 @@ choosing the device for angle-train and angle-eval. Tiny models: seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -123,6 +124,25 @@ def test_graded_labels_with_in_batch_negatives_name_the_flag_before_the_model_lo
     assert "--ibn-w" in line and "graded labels" in line and "--ibn-w 0" in line
     with pytest.raises(AssertionError, match="the model was loaded"):  # with --ibn-w 0 the data passes
         run("angle-train", [*argv, "--ibn-w", "0", "--cosine-w", "1"], capsys)
+
+
+@pytest.mark.parametrize("label, weights, named", [
+    (0.0, [], ["--ibn-w", "labelled 1"]),  # the defaults: in-batch negatives (and the angle term) on all-0 pairs
+    (3.0, ["--ibn-w", "0", "--cosine-w", "1"], ["--cosine-w", "different labels"]),
+    (1.0, ["--ibn-w", "0", "--cosine-w", "1", "--angle-w", "1"], ["--cosine-w, --angle-w", "different labels"]),
+])
+def test_labels_no_weighted_term_can_learn_from_name_the_flags_before_the_model_loads(tmp_path, no_model_load, capsys,
+                                                                                       label, weights, named):
+    examples = [dataclasses.replace(example, label=label) for example in demo_sts_examples(16)]
+    sts = write_stsb(tmp_path / "sts-train.csv", examples)
+    argv = ["--train-data", sts, "--batch-size", "8", "--output-dir", str(tmp_path / "out"), "--device", "cpu",
+            "--progress", "0", *weights]
+    line = one_line_error("angle-train", *run("angle-train", argv, capsys)[::2])
+    assert f"every label of --train-data {sts} is {label:g}" in line and all(n in line for n in named), line
+    examples[0] = dataclasses.replace(examples[0], label=1.0 if label != 1.0 else 0.0)  # one to learn from
+    write_stsb(tmp_path / "sts-train.csv", examples)
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        run("angle-train", argv, capsys)
 
 
 def test_too_few_rows_for_a_step_name_the_flags_before_the_model_loads(tmp_path, no_model_load, capsys):
