@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Callable, ClassVar, Protocol, TypeVar, cast
+from typing import Callable, ClassVar, Protocol, TypeVar
 
 import torch
 from typing_extensions import ParamSpec  # typing's from Python 3.10; torch depends on typing_extensions
@@ -78,21 +78,14 @@ def outside_autocast(tensor: torch.Tensor):
     return contextlib.nullcontext()
 
 
-class _FirstDerivativesOnly(torch.autograd.Function):
-    """The identity on a loss, whose backward refuses to be differentiated: the backends' backward passes compute
-    gradients with untracked ops (formed in forward, or kernels), so a second derivative through them (create_graph,
-    e.g. a gradient penalty) would silently count their gradients as constants."""
-
-    @staticmethod
-    def forward(ctx, loss):
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():  # autograd differentiates backward only under create_graph=True
-            raise RuntimeError("angle_kernels' losses have first derivatives only: backward with create_graph=True "
-                               "(second derivatives, e.g. a gradient penalty) is not supported")
-        return grad
+def _refuse_second_derivatives(grad: torch.Tensor) -> None:
+    """A loss's gradient hook that refuses a second derivative: the backends' backward passes compute gradients with
+    untracked ops (formed in forward, or kernels), so a second derivative through them (create_graph, e.g. a
+    gradient penalty) would silently count their gradients as constants. Autograd runs backward, its hooks
+    included, under grad mode only when asked to differentiate it (create_graph=True)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("angle_kernels' losses have first derivatives only: backward with create_graph=True "
+                           "(second derivatives, e.g. a gradient penalty) is not supported")
 
 
 _Args = ParamSpec("_Args")
@@ -103,7 +96,8 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
     """A loss function (or forward) as the public losses, the modules' forwards and the integrations' computing
     halves run: outside_autocast of its first tensor argument (one directly, or the first of a list or tuple of
     them), so that every op and every step of the formulas between them computes as outside a region; and its
-    result, where autograd records it, refuses a second derivative with a clear error (_FirstDerivativesOnly)."""
+    result, where autograd records it, refuses a second derivative with a clear error (_refuse_second_derivatives,
+    a hook, so no node is added; not inside torch.compile traces, whose tracing would run it)."""
 
     @functools.wraps(loss)
     def computed(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
@@ -115,8 +109,8 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
                 break
         else:
             result = loss(*args, **kwargs)
-        if isinstance(result, torch.Tensor) and result.requires_grad and torch.is_grad_enabled():
-            return cast(_Result, _FirstDerivativesOnly.apply(result))
+        if isinstance(result, torch.Tensor) and result.requires_grad and not torch.compiler.is_compiling():
+            result.register_hook(_refuse_second_derivatives)
         return result
 
     return computed
