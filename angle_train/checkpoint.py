@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 import numpy
 import torch
 
-from .config import TrainConfig
+from .config import TrainConfig, flag_words
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
@@ -365,7 +365,8 @@ def _refuse_other_weights(path: str, saved_cfg: dict, cfg: TrainConfig, saved: d
     changed = {k: (saved_cfg[k], now[k]) for k in LORA_SHAPE_SETTINGS if k in saved_cfg and saved_cfg[k] != now[k]}
     if changed:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        flags = ", ".join(_flag_text(k, old) for k, (old, _) in changed.items())
+        flags = ", ".join(" ".join(flag_words(k, old)) if old != [] else f"no {flag_words(k, old)[0]}"
+                          for k, (old, _) in changed.items())
         raise ValueError(f"cannot resume from {path}: its LoRA settings differ from the flags ({detail}), so its "
                          f"trained weights do not fit this model; resume with the checkpoint's ({flags}), or start a "
                          "new run in a new --output-dir")
@@ -374,16 +375,6 @@ def _refuse_other_weights(path: str, saved_cfg: dict, cfg: TrainConfig, saved: d
     example = reshaped[0] if reshaped else min(extra)
     raise ValueError(f"checkpoint {path} holds trainable weights this model does not have in that shape (e.g. "
                      f"{example}): another model?")
-
-
-def _flag_text(name: str, value) -> str:
-    """The flag that sets `name` to `value`, as typed ("--lora-r 4"; an empty list: the flag left out)."""
-    flag = "--" + name.replace("_", "-")
-    if isinstance(value, list):
-        return f"{flag} {' '.join(map(str, value))}" if value else f"no {flag}"
-    if isinstance(value, bool):
-        return f"{flag} {int(value)}"
-    return f"{flag} {value}"
 
 
 def _changed_optimizer_settings(saved: dict, cfg: TrainConfig) -> dict:

@@ -284,13 +284,7 @@ class TrainConfig:
             value, default = getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default
             if (value == default and f.name not in ("model", "train_data")) or value is None:
                 continue
-            flag = "--" + f.name.replace("_", "-")
-            if isinstance(value, bool):
-                words += [flag, "1" if value else "0"]
-            elif isinstance(value, (list, tuple)):
-                words += [flag, *map(str, value)]
-            else:
-                words += [flag, str(value)]
+            words += flag_words(f.name, value)
         return shlex.join(words)
 
     def column_map(self) -> dict[str, str]:
@@ -347,6 +341,17 @@ class TrainConfig:
             raise ValueError(f"--matryoshka-weights must be finite and > 0 (leave a width out to not train it); "
                              f"got {weights}")
         self.matryoshka_dims, self.matryoshka_weights = dims, weights
+
+
+def flag_words(name: str, value) -> list[str]:
+    """The command-line words that give the setting `name` the value `value`: its flag, then a bool as 1 or 0, a
+    list as its items, anything else as its text (["--lora-r", "4"])."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag, "1" if value else "0"]
+    if isinstance(value, (list, tuple)):
+        return [flag, *map(str, value)]
+    return [flag, str(value)]
 
 
 def names_local_path(name: str) -> bool:
