@@ -327,33 +327,49 @@ def test_gist_keeps_a_duplicate_of_the_positive(dtype):
         assert abs(float(ours) - float(exact)) < 1e-3, (float(ours), float(exact))
 
 
-# bf16 rows on the losses whose terms come from several ops (similarity_lse's log partitions, pair_scores' positive
-# scores): each op's gradient comes back in bf16, and where the loss is small the terms nearly cancel, so rounding each
-# before they add left ~100% error (plain MNRL, one op: 0.2%). On the CPU the rows are cast to float32 first
-# (retrieval._terms_meet_in_float32): the best a bf16 gradient can be is the float32 computation's rounded once.
+# Small losses in bf16 on the losses whose terms come from several ops (similarity_lse's log partitions, pair_scores'
+# positive scores, each returning its gradient in bf16): where the positive's softmax weight is ~1 its two terms
+# nearly cancel, and with the positive inside the partitions each was rounded to bf16 before they met: 80-450%
+# relative error on the Triton backend (plain MNRL, one op: 0.2%). retrieval.loss_over_the_positive leaves it out.
+# Eager bf16 is no yardstick here (its bf16 logits give it 350-3,700% error on these batches): the bound is the
+# exact gradient correctly rounded to bf16, times 4 (each op of the loss rounds its own term once; measured:
+# 1.0-3.4x). The PyTorch backend adds the terms in float32 on the CPU (retrieval._rows_for); the Triton backend,
+# under the interpreter, reads the bf16 rows as on a GPU.
 SMALL_LOSS_CALLS = {
-    "hardness": lambda q, p, n: ak.multiple_negatives_ranking_loss(q, p, (n,), hardness_mode="all_negatives",
-                                                                   hardness_strength=1.0),
-    "gte": lambda q, p, n: ak.multiple_negatives_ranking_loss(q, p, (n,), directions=ALL),
-    "filter": lambda q, p, n: ak.multiple_negatives_ranking_loss(q, p, (n,), false_negative_margin=0.1),
-    "gist": lambda q, p, n: ak.gist_loss(q, p, q.detach(), p.detach(), (n,), (n.detach(),), temperature=0.05),
+    "hardness": dict(hardness_mode="all_negatives", hardness_strength=1.0),
+    "gte": dict(directions=ALL),
+    "symmetric": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
+                      hardness_mode="in_batch_negatives", hardness_strength=1.0),
+    "filter": dict(false_negative_margin=0.1),
+    "dot": dict(similarity="dot", scale=1.0, hardness_mode="all_negatives", hardness_strength=0.5),
+    "gist": dict(temperature=0.05),
 }
 
 
 @pytest.mark.parametrize("name", list(SMALL_LOSS_CALLS))
-def test_bf16_gradients_of_a_small_loss_are_rounded_once(name):
+def test_bf16_gradients_of_a_small_loss_are_within_4x_correct_rounding(backend, name):
+    skip_unless_implemented(backend, "similarity_lse")
     gen = generator("small loss", name)
-    q = randn(gen, 8, 64)
-    rows = [t.to(torch.bfloat16) for t in (q, q + randn(gen, 8, 64), randn(gen, 8, 64))]  # positives dominate
+    spread = 0.6 if name == "dot" else 1.0  # dot products at scale 1: smaller rows keep the loss small, not 0
+    q = randn(gen, 8, 64, scale=spread)
+    rows = [t.to(torch.bfloat16) for t in (q, q + randn(gen, 8, 64, scale=spread), randn(gen, 8, 64))]
+    options = SMALL_LOSS_CALLS[name]
+    if name == "gist":  # the model as its own guide
+        def ours(a, p, n):
+            return ak.gist_loss(a, p, a.detach(), p.detach(), (n,), (n.detach(),), backend=backend.name, **options)
 
-    def gradients(cast):
-        leaves = [t.clone().requires_grad_() for t in rows]
-        return torch.autograd.grad(SMALL_LOSS_CALLS[name](*(cast(t) for t in leaves)), leaves)
+        def exact(a, p, n):
+            return oracle.gist_loss(a, p, a.detach(), p.detach(), (n,), (n.detach(),), **options)
+    else:
+        def ours(q, p, n):
+            return ak.multiple_negatives_ranking_loss(q, p, (n,), backend=backend.name, **options)
 
-    exact = gradients(lambda t: t.double())
-    best = gradients(lambda t: t.float())  # in float32, rounded to bf16 once
-    ours = gradients(lambda t: t)
-    for got, floor, want in zip(ours, best, exact):
-        floor_err = float((floor.double() - want).norm() / want.norm())
-        err = float((got.double() - want).norm() / want.norm())
-        assert err <= 2 * floor_err + 1e-6, (name, err, floor_err)
+        def exact(q, p, n):
+            return oracle.multiple_negatives_ranking_loss(q, p, (n,), **options)
+    (loss,), ours_grads = outputs_and_grads(ours, [leaf_like(x, device=backend.device) for x in rows])
+    (want,), exact_grads = outputs_and_grads(exact, [leaf_like(x, dtype=torch.float64) for x in rows])
+    assert float(want) < 0.01 or name == "gte", float(want)  # small (gte: log 2, two blocks hold the positive)
+    assert abs(float(loss) - float(want)) <= 1e-3 * float(want) + 1e-6, (float(loss), float(want))
+    for k, (got, ref) in enumerate(zip(ours_grads, exact_grads)):
+        err, rounded = oracle.rel_err(got.cpu(), ref), oracle.rel_err(ref.to(torch.bfloat16), ref)
+        assert err <= 4 * rounded, f"{name} on {backend.name}, gradient {k}: {err:.2e} against rounding's {rounded:.2e}"

@@ -13,6 +13,8 @@ Shared conventions: angle_kernels.losses.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..contract import FILTER_TIE_ALLOWANCE, compute_dtype, loss_entry
@@ -211,15 +213,36 @@ def positive_scores(ops: Ops, a: torch.Tensor, b: torch.Tensor, similarity: str 
     return torch.stack([torch.linalg.vecdot(a[:, :d].to(dtype), b[:, :d].to(dtype)) for d in dims])
 
 
-def _terms_meet_in_float32(*rows: torch.Tensor) -> list[torch.Tensor]:
-    """The rows as float32 where they are 16-bit CPU tensors (one differentiable cast each), else as they are: for
-    a loss whose terms come from several ops (the log partitions from similarity_lse, the positive scores from
-    pair_scores). Each op returns its gradient in its input's dtype, so with 16-bit inputs each term's gradient
-    would be rounded to 16 bits before they add; where the loss is small they nearly cancel (softmax ~ one-hot),
-    and those roundings left gradients with ~100% relative error (plain MNRL: 0.2%). Cast first, the terms add in
-    float32 and the sum is rounded once. On the CPU every op computes 16-bit rows in float32 anyway, so the cast
-    costs one copy of the rows; GPU kernels read 16-bit rows as they are (a cast would make them read twice the
-    bytes and multiply in float32), so there the terms still meet in the input dtype."""
+def loss_over_the_positive(relative_log_partitions: list[torch.Tensor], holds_positive: list[bool],
+                           joint: bool) -> torch.Tensor:
+    """Each row's loss from its blocks' log partitions relative to its positive logit, x_b = lse_b - l_pos, in
+    which the positive was left out of every block: a block that held it (holds_positive[b]; e.g. query_to_doc,
+    and doc_to_query, whose target is the same pair) gets its exp(0) = 1 back here. joint: log(m + sum_b exp(x_b))
+    for the m blocks that held it; per direction: the mean over the blocks of log(1 + exp(x_b)) where b held it,
+    else x_b. Stacked with the x_b, log m keeps a row whose every other column left finite (its loss is log m).
+
+    Why not lse_b - l_pos with the positive inside: each op returns its gradient in its input's dtype, and where the
+    loss is small the positive's softmax weight is ~1, so the log partition's gradient and the positive score's
+    nearly cancel: with 16-bit rows each was rounded before they met, and the gradients had ~100% relative error
+    (bf16, loss ~1e-3). Left out, the positive's weight in the op is gone; every term the ops return is scaled by
+    the (small) weight of the columns that are not the positive, and no two large terms cancel."""
+    x = torch.stack(relative_log_partitions)
+    held = [b for b, holds in enumerate(holds_positive) if holds]
+    if joint:
+        return torch.logsumexp(torch.cat([torch.full_like(x[:1], math.log(len(held))), x]), dim=0)
+    return torch.stack([torch.logaddexp(x[b], torch.zeros_like(x[b])) if b in held else x[b]
+                        for b in range(len(x))]).mean(dim=0)
+
+
+def _rows_for(ops: Ops, *rows: torch.Tensor) -> list[torch.Tensor]:
+    """The rows as float32 where they are 16-bit CPU tensors the PyTorch backend computes (one differentiable cast
+    each), else as they are. The PyTorch backend computes 16-bit CPU rows in float32 anyway, so the cast costs one
+    copy (the ops then make none), and the gradients of the loss's several ops (log partitions, positive scores)
+    then add in float32 and are rounded to 16 bits once, not once per op. Triton reads 16-bit rows as they are (a
+    cast would double its bytes and put its products in float32), on a GPU as under the interpreter, so there each
+    op rounds its own term: `loss_over_the_positive` keeps those terms from cancelling."""
+    if ops.name not in ("torch", "auto"):
+        return list(rows)
     return [t.float() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t for t in rows]
 
 
@@ -306,14 +329,14 @@ def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Te
                             gathered: tuple | None = None, similarity: str = "cosine",
                             dims: tuple[int, ...] | None = None) -> torch.Tensor:
     """The loss of each query [B] of multiple_negatives (same arguments), from per-row log partitions of
-    similarity_lse blocks and the positive scores: log_partition_i - scale * s(queries_i, positives_i). Dot
-    products are not bounded: each block gives its partition relative to the positive logit (the op's
-    `reference`: the pair's other text), so that logits beyond the compute dtype whose difference is not still
-    give the exact loss (a row whose positive dominates: 0), not inf - inf. dims: the losses [k, B] of every
-    prefix, each op called once for all of them."""
-    queries, positives, *negatives = _terms_meet_in_float32(queries, positives, *negatives)
+    similarity_lse blocks and the positive scores: log_partition_i - scale * s(queries_i, positives_i), the positive
+    left out of the blocks and added back in closed form (`loss_over_the_positive`). Dot products are not bounded:
+    each block gives its partition relative to the positive logit (the op's `reference`: the pair's other text), so
+    that logits beyond the compute dtype whose difference is not still give the exact loss (a row whose positive
+    dominates: 0), not inf - inf. dims: the losses [k, B] of every prefix, each op called once for all of them."""
+    queries, positives, *negatives = _rows_for(ops, queries, positives, *negatives)
     if gathered is not None:
-        gathered = (gathered[0], *_terms_meet_in_float32(*gathered[1:3]), _terms_meet_in_float32(*gathered[3]))
+        gathered = (gathered[0], *_rows_for(ops, *gathered[1:3]), _rows_for(ops, *gathered[3]))
     rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
     negative_columns = [t.to(positives.dtype) for t in all_negatives]
     offset, world_rows = rank * queries.shape[0], all_queries.shape[0]
@@ -327,24 +350,26 @@ def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Te
         threshold = margin_threshold(positive, false_negative_strategy, false_negative_margin, magnitude)
 
     def block(anchors, columns, partners, **options):
+        """The log partition of a block relative to the positive logit (every block leaves the positive out)."""
         filtering = {} if threshold is None else dict(filter_q=anchors.detach(), filter_c=columns.detach(),
-                                                      filter_threshold=threshold, filter_keeps_target=True)
-        return ops.similarity_lse(anchors, columns.to(anchors.dtype), scale, target_offset=offset, **options,
-                                  **filtering, normalize=not relative, dims=dims,
-                                  reference=partners.to(anchors.dtype) if relative else None)
+                                                      filter_threshold=threshold)
+        lse = ops.similarity_lse(anchors, columns.to(anchors.dtype), scale, target_offset=offset, **options,
+                                 **filtering, normalize=not relative, dims=dims,
+                                 reference=partners.to(anchors.dtype) if relative else None)
+        return lse if relative else lse - scale * positive
 
     hard = hardness_mode is not None and hardness_strength > 0.0
     penalty = dict(penalty=hardness_strength, penalty_on=HARDNESS_MODES[hardness_mode]) if hard else {}
-    log_partitions = [block(queries, documents, positives, period=world_rows, **penalty)]  # query_to_doc
+    # (block, whether its target column is the positive pair), the positive left out of each
+    blocks = [(block(queries, documents, positives, period=world_rows, exclude="target", **penalty), True)]
     if "query_to_query" in directions:
-        log_partitions.append(block(queries, all_queries, positives, exclude="target"))
+        blocks.append((block(queries, all_queries, positives, exclude="target"), False))
     if "doc_to_query" in directions:
-        log_partitions.append(block(positives, all_queries, queries))
+        blocks.append((block(positives, all_queries, queries, exclude="target"), True))
     if "doc_to_doc" in directions:
-        log_partitions.append(block(positives, documents, queries, period=world_rows, exclude="own"))
-    stacked = torch.stack(log_partitions)
-    log_z = torch.logsumexp(stacked, dim=0) if partition_mode == "joint" else stacked.mean(dim=0)
-    return log_z if relative else log_z - scale * positive
+        blocks.append((block(positives, documents, queries, period=world_rows, exclude="own"), False))
+    return loss_over_the_positive([x for x, _ in blocks], [holds for _, holds in blocks],
+                                  joint=partition_mode == "joint")
 
 
 def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
@@ -354,10 +379,9 @@ def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: li
     """sentence-transformers' GISTEmbedLoss on checked inputs (see gist_loss). gathered: None, or (rank, all
     positives, all negatives, all guide positives, all guide negatives) from every rank (the anchors stay
     local, as in sentence-transformers)."""
-    anchors, positives, *negatives = _terms_meet_in_float32(anchors, positives, *negatives)
+    anchors, positives, *negatives = _rows_for(ops, anchors, positives, *negatives)
     if gathered is not None:
-        gathered = (gathered[0], *_terms_meet_in_float32(gathered[1]), _terms_meet_in_float32(*gathered[2]),
-                    *gathered[3:])
+        gathered = (gathered[0], *_rows_for(ops, gathered[1]), _rows_for(ops, *gathered[2]), *gathered[3:])
     rank, all_positives, all_negatives, all_guide_positives, all_guide_negatives = gathered or (
         0, positives, negatives, guide_positives, guide_negatives)
     scale = 1.0 / temperature
@@ -365,16 +389,19 @@ def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: li
     guide_positive = positive_scores(ops, guide_anchors, guide_positives)
     threshold = margin_threshold(guide_positive, margin_strategy, margin)
 
-    def block(rows, columns, guide_rows, guide_columns, keep_positive=False):
+    def block(rows, columns, guide_rows, guide_columns, exclude="none"):
+        """The log partition of a block relative to the positive logit."""
         return ops.similarity_lse(rows, columns.to(rows.dtype), scale, target_offset=rank * rows.shape[0],
-                                  filter_q=guide_rows, filter_c=guide_columns.to(guide_rows.dtype),
-                                  filter_threshold=threshold, filter_keeps_target=keep_positive)
+                                  exclude=exclude, filter_q=guide_rows,
+                                  filter_c=guide_columns.to(guide_rows.dtype),
+                                  filter_threshold=threshold) - scale * cos_positive
 
-    log_partitions = [block(anchors, all_positives, guide_anchors, all_guide_positives, keep_positive=True)]
+    # the positive (the anchor-positive block's target, which the filter never drops) is left out and added back
+    log_partitions = [block(anchors, all_positives, guide_anchors, all_guide_positives, exclude="target")]
     if contrast_anchors:
         log_partitions.append(block(anchors, anchors, guide_anchors, guide_anchors))
     if contrast_positives:
         log_partitions.append(block(positives, all_positives, guide_positives, all_guide_positives))
     for negative, guide_negative in zip(all_negatives, all_guide_negatives):
         log_partitions.append(block(anchors, negative, guide_anchors, guide_negative))
-    return (torch.logsumexp(torch.stack(log_partitions), dim=0) - scale * cos_positive).mean()
+    return loss_over_the_positive(log_partitions, [True] + [False] * (len(log_partitions) - 1), joint=True).mean()
