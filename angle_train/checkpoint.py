@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 import numpy
 import torch
 
-from .config import TrainConfig, flag_words
+from .config import TrainConfig, flag_of, flag_words
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
@@ -365,7 +365,7 @@ def _refuse_other_weights(path: str, saved_cfg: dict, cfg: TrainConfig, saved: d
     changed = {k: (saved_cfg[k], now[k]) for k in LORA_SHAPE_SETTINGS if k in saved_cfg and saved_cfg[k] != now[k]}
     if changed:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        flags = ", ".join(" ".join(flag_words(k, old)) if old != [] else f"no {flag_words(k, old)[0]}"
+        flags = ", ".join(" ".join(flag_words(k, old)) if old != [] else f"no {flag_of(k)}"
                           for k, (old, _) in changed.items())
         raise ValueError(f"cannot resume from {path}: its LoRA settings differ from the flags ({detail}), so its "
                          f"trained weights do not fit this model; resume with the checkpoint's ({flags}), or start a "

@@ -12,7 +12,7 @@ import sys
 from dataclasses import MISSING, fields
 
 from .cli_common import OneLineErrorParser, check_train_extra, parse_bool, user_errors_exit, version_text
-from .config import TrainConfig
+from .config import TrainConfig, flag_of
 
 EXAMPLES = """\
 examples:
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         group_name = f.metadata.get("group", "other")
         if group_name not in groups:
             groups[group_name] = parser.add_argument_group(group_name)
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_of(f.name)
         kind = _kind(f)
         default_text = f" (default: {f.default})" if f.default is not MISSING and f.default is not None else ""
         kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"] + default_text}

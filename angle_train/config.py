@@ -239,7 +239,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             if value is None or not {"at_least", "above", "below", "at_most"} & f.metadata.keys():
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flag = flag_of(f.name)
             kind = int if str(f.type) == "int" else float
             value = _number(flag, value, kind)
             if kind is float and not math.isfinite(value):
@@ -343,10 +343,15 @@ class TrainConfig:
         self.matryoshka_dims, self.matryoshka_weights = dims, weights
 
 
+def flag_of(name: str) -> str:
+    """The command-line flag of the setting `name` ("lora_r" -> "--lora-r")."""
+    return "--" + name.replace("_", "-")
+
+
 def flag_words(name: str, value) -> list[str]:
     """The command-line words that give the setting `name` the value `value`: its flag, then a bool as 1 or 0, a
     list as its items, anything else as its text (["--lora-r", "4"])."""
-    flag = "--" + name.replace("_", "-")
+    flag = flag_of(name)
     if isinstance(value, bool):
         return [flag, "1" if value else "0"]
     if isinstance(value, (list, tuple)):

@@ -41,7 +41,7 @@ from .checkpoint import (
     reconcile_best, remove_earlier_run, save_best, save_checkpoint, save_final,
 )
 from .cli_common import resolve_device
-from .config import TrainConfig
+from .config import TrainConfig, flag_of
 from .data import FORMATS, Example, PassPlan, TokenizedPairs, epoch_batches, load_examples
 from .evaluate import StsSet, encoding_progress, library_progress_bars, read_dataset, sts_spearman_by_dim
 from .grad_cache import RngState, grad_cache_step, plain_step
@@ -325,7 +325,7 @@ def check_format_settings(cfg: TrainConfig, fmt: str) -> None:
                          "nothing; use --batch-size 2 or more")
     weights = {"A": ("cosine_w", "ibn_w", "angle_w"), "C": ("cosine_w", "ibn_w", "cln_w", "angle_w")}.get(fmt, ())
     if weights and not any(getattr(cfg, name) > 0 for name in weights):
-        flags = ", ".join("--" + name.replace("_", "-") for name in weights)
+        flags = ", ".join(flag_of(name) for name in weights)
         raise ValueError(f"every loss weight of format {fmt} ({flags}) is 0: the loss would be 0 and train nothing")
 
 
