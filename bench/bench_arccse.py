@@ -115,7 +115,7 @@ OPS = [
     OpBench("similarity_xent(arccon)", sizes=(1024, 4096, 16384), dims=(768,), dtypes=("bfloat16", "float32"),
             grows="N^2", setup=setup_arccon,
             memory_bytes=lambda n, d, dtype: 4 * n * d * 4,  # h1, h2, their gradients, float32 workspaces
-            triton_schemes=True),
+            triton_schemes=True, cuda_schemes=True),
 ]
 
 

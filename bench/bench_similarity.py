@@ -191,7 +191,7 @@ OPS = [
     OpBench("similarity_xent(ibn)", sizes=(1024, 4096, 16384, 65536), dims=(768, 4096),
             dtypes=("bfloat16", "float32"), grows="N^2", setup=setup_in_batch_negatives,
             memory_bytes=lambda n, d, dtype: 3 * 2 * n * d * 4,  # x, dx and float32 workspaces of 2N x D
-            triton_schemes=True),
+            triton_schemes=True, cuda_schemes=True),
     # both triton schemes: the fused kernels and the dense products (the target: within 1.3x of similarity_xent's
     # dense scheme at the same shape, the similarity_xent(one width) rows)
     OpBench("similarity_lse", sizes=(1024, 4096, 16384), dims=(768, 4096), dtypes=("bfloat16", "float32"),

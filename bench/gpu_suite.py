@@ -32,14 +32,15 @@ keeps every step packed before the kill, and the console has the rest.
                         a per-test timeout, one autotune config except where a test exercises autotuning)
                     headline 40 s: our MNRL drop-in on Triton vs sentence-transformers' MultipleNegativesRankingLoss
                         vs our torch path, N = 16,384 pairs, D = 768, bf16, interleaved rounds
-    second  520 s   limits 40 s (copy bandwidth, bf16/fp32 matmul); op_sweep 180 s (bf16, Triton with both
-                    schemes where an op has two, torch; --ops names the benchmarks to run); loss_sweep 240 s (bf16:
-                    ours, angle-emb 0.6.1's loss.py from the carried wheel, sentence-transformers); cuda_op_sweep
-                    60 s (if the extension, built in the background, passes its probe); --skip leaves out steps an
-                    earlier command measured (first too: triton_tests, headline, for a rerun of its checks on the
-                    same code). Each sweep warms every case with one untimed first call (compiles, autotuning)
-                    charged to an allowance of its own (op 120 s, loss 150 s, CUDA 10 s of its limit), recorded
-                    apart from the warm runs (cold_s), and records the code path each row timed with its
+    second  520 s   limits 40 s (copy bandwidth, bf16/fp32 matmul); op_sweep 180 s (bf16, Triton with both schemes where
+                    an op has two, torch; --ops names the benchmarks to run); loss_sweep 240 s (bf16: ours, angle-emb
+                    0.6.1's loss.py from the carried wheel, sentence-transformers); cuda_op_sweep 60 s (if the
+                    extension, built in the background, passes its probe; its one-width similarity_xent on both schemes;
+                    with op_sweep and loss_sweep skipped, 90 s more for the build first, as the step cuda_build); --skip
+                    leaves out steps an earlier command measured (first too: triton_tests, headline, for a rerun of its
+                    checks on the same code). Each sweep warms every case with one untimed first call (compiles,
+                    autotuning) charged to an allowance of its own (op 120 s, loss 150 s, CUDA 10 s of its limit),
+                    recorded apart from the warm runs (cold_s), and records the code path each row timed with its
                     fingerprint (speed_table.py)
     third   520 s   llama7b: the LoRA training benchmark (bench/train_llama_7b.py; 7B, or --llama-size 1b),
                     resumable: run it again with --resume-from the previous results until it prints that it is done;
@@ -50,8 +51,9 @@ keeps every step packed before the kill, and the console has the rest.
 
 Where there is no CUDA device, `first` runs its preflight and packs it (a rehearsal of the command line, the
 imports and the 8-file limit), then says "no CUDA device" and exits 0; the other stages say so at once. The
-CUDA extension is never JIT-built inside a step (ANGLE_KERNELS_CUDA_JIT=0): the stage builds it in place in the
-background (`setup.py build_ext --inplace`, this GPU's architecture), and its processes import it.
+CUDA extension is never JIT-built inside a step (ANGLE_KERNELS_CUDA_JIT=0): a stage whose steps use it (first's
+cuda_backend, second's cuda_op_sweep, unless skipped) builds it in place in the background (`setup.py build_ext
+--inplace`, this GPU's architecture), and its processes import it.
 
 Timing, memory, hardware limits, work floors and report files come from harness.py, the same code as the CPU
 sweep's; the checks and their float64 reference are the package's own (angle_kernels.verify, .reference).
@@ -755,7 +757,7 @@ def _op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, dev
                     row.update(status="skipped", note="budget spent" if forecast is None else
                                f"~{forecast:.1f} s per run: does not fit the budget")
                 else:
-                    with harness.triton_scheme(backend):
+                    with harness.forced_scheme(backend):
                         row.update(measure_op(bench, module, backend, n, d, dtype, limits, device, budget))
                     if row["status"] == "ok":
                         last[(bench.name, d, dtype_name, backend)] = (n, row["run_s"], row["cold_s"])
@@ -775,9 +777,9 @@ TORCH_GPU_PATH_DTYPES = ("bfloat16", "float16")
 
 
 def row_backends(bench, backends: dict) -> list:
-    """(row label, backend Ops) of an op's rows: each backend once, but the triton backend's two schemes both,
-    forced, where the op has them (OpBench.triton_schemes: harness.TRITON_SCHEMES), so that the width from which it
-    takes the one-pass scheme can be set from numbers; and "torch-gpu", the torch backend on
+    """(row label, backend Ops) of an op's rows: each backend once, but a GPU backend's two schemes both, forced,
+    where the op has them (OpBench.triton_schemes, cuda_schemes: harness.TRITON_SCHEMES, CUDA_SCHEMES), so that the
+    width from which it takes the one-pass scheme can be set from numbers; and "torch-gpu", the torch backend on
     the code path its op module names (`dispatch.path_ops`: on a GPU its 16-bit products, "mixed", which "torch"
     takes only once verified), for the ops where that is another path."""
     rows = []
@@ -785,7 +787,12 @@ def row_backends(bench, backends: dict) -> list:
     for name, module in backends.items():
         if name == "torch-gpu" and len(module.backend.paths.get(op, ())) < 2:
             continue  # the op has one torch path: the "torch" rows time it
-        labels = list(harness.TRITON_SCHEMES) if name == "triton" and bench.triton_schemes else [name]
+        if name == "triton" and bench.triton_schemes:
+            labels = list(harness.TRITON_SCHEMES)
+        elif name == "cuda" and bench.cuda_schemes:
+            labels = list(harness.CUDA_SCHEMES)
+        else:
+            labels = [name]
         rows += [(label, module) for label in labels]
     return rows
 
@@ -857,7 +864,21 @@ def op_row_text(row: dict) -> str:
 
 # The loss sweep's first call of each loss compiles and autotunes its kernels (about 15 s a loss on an H100, measured
 # in bench/results/h100-80gb-hbm3-2026-11-26b): it gets the time the CUDA op sweep needed less of (40 s measured).
-SECOND_STEPS = (("limits", 40), ("op_sweep", 180), ("loss_sweep", 240), ("cuda_op_sweep", 60))
+# The CUDA extension builds in the background from the preflight on (44-65 s from scratch on an H200, 189 s beside
+# other compiles: bench/results/h200-2026-11-28/first*/first.json), while the sweeps before the CUDA op sweep run;
+# where a command skips both, "cuda_build" (no work of its own: its time goes to the next step) gives the build
+# their place. It is never skipped by hand (SECOND_IMPLIED).
+SECOND_STEPS = (("limits", 40), ("op_sweep", 180), ("loss_sweep", 240), ("cuda_build", 90), ("cuda_op_sweep", 60))
+SECOND_IMPLIED = ("cuda_build",)
+
+
+def implied_skips(stage: str, skip: tuple[str, ...]) -> tuple[str, ...]:
+    """`skip` and the steps it implies: second's cuda_build wherever a sweep before the CUDA op sweep runs (the
+    build overlaps it) or the CUDA op sweep does not."""
+    if stage != "second":
+        return tuple(skip)
+    overlapped = any(step not in skip for step in ("op_sweep", "loss_sweep"))
+    return tuple(skip) + (("cuda_build",) if overlapped or "cuda_op_sweep" in skip else ())
 SWEEP_DTYPE = "bfloat16"
 
 
@@ -1017,18 +1038,26 @@ def stage_train_bench(args, record: StageRecord, schedule: Schedule) -> None:
 
 
 class Stage:
-    def __init__(self, title: str, steps: tuple[tuple[str, float], ...], run, needs_build: bool):
-        self.title, self.steps, self.run, self.needs_build = title, steps, run, needs_build
-        self.budget_s = sum(limit for _, limit in steps)
+    """A stage: its steps and their limits, its function, and build_steps, the steps that use the CUDA extension
+    (the preflight starts its build in the background where one of them runs). budget_s: the whole stage's limit,
+    without the steps only some skips imply (`implied`: second's cuda_build)."""
+
+    def __init__(self, title: str, steps: tuple[tuple[str, float], ...], run, build_steps: tuple[str, ...],
+                 implied: tuple[str, ...] = ()):
+        self.title, self.steps, self.run, self.build_steps = title, steps, run, build_steps
+        self.budget_s = sum(limit for name, limit in steps if name not in implied)
+
+    def needs_build(self, schedule: Schedule) -> bool:
+        return any(schedule.runs(step) for step in self.build_steps)
 
 
 STAGES = {
     "first": Stage("preflight, large-size checks against float64, both GPU backends' op tests, the MNRL headline",
-                   FIRST_STEPS, stage_first, needs_build=True),
+                   FIRST_STEPS, stage_first, build_steps=("cuda_backend",)),
     "second": Stage("hardware limits, op sweep and loss sweep (bf16)", (("preflight", 0),) + SECOND_STEPS,
-                    stage_second, needs_build=True),
+                    stage_second, build_steps=("cuda_op_sweep",), implied=SECOND_IMPLIED),
     "third": Stage("training benchmarks, resumable: 7B LoRA, or (--train-bench) angle-train vs sentence-transformers",
-                   (("preflight", 0),) + THIRD_STEPS, stage_third, needs_build=False),
+                   (("preflight", 0),) + THIRD_STEPS, stage_third, build_steps=()),
 }
 
 
@@ -1174,7 +1203,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.train_bench and args.stage != "third":
         parser.error("--train-bench chooses stage third's benchmark")
     if args.stage in STAGES:
-        skippable = {"first": FIRST_SKIPPABLE, "second": [name for name, _ in SECOND_STEPS if name != "limits"]
+        skippable = {"first": FIRST_SKIPPABLE,
+                     "second": [name for name, _ in SECOND_STEPS if name not in ("limits", *SECOND_IMPLIED)]
                      }.get(args.stage, [])
         unknown = [name for name in args.skip if name not in skippable]
         if unknown:
@@ -1204,13 +1234,13 @@ def main(argv=None) -> int:
     stage = STAGES[args.stage]
     train_bench = args.stage == "third" and args.train_bench
     steps = (("preflight", 0),) + TRAIN_BENCH_STEPS if train_bench else stage.steps
-    schedule = Schedule(steps, PROCESS_START, skip=args.skip, limit_s=args.time_limit)
+    schedule = Schedule(steps, PROCESS_START, skip=implied_skips(args.stage, args.skip), limit_s=args.time_limit)
     record = StageRecord(out, args.stage, schedule.budget_s, argv)
     if args.skip:
         record.data["skipped"] = list(args.skip)
     status = "failed"
     try:
-        guarded(record, "preflight", lambda: preflight(record, on_gpu and stage.needs_build))
+        guarded(record, "preflight", lambda: preflight(record, on_gpu and stage.needs_build(schedule)))
         if not on_gpu:
             print("no CUDA device (torch.cuda.is_available() is False): the preflight ran and is packed in "
                   f"{out}; the GPU steps need a GPU, and nothing else was run.")

@@ -121,7 +121,8 @@ class OpBench:
     memory_bytes(n, d, dtype): a rough upper estimate of what a case holds, to skip one that cannot fit.
     triton_schemes: the op is one the triton backend computes by two schemes (similarity_xent, similarity_lse: fused
     kernels or dense products; pair scores with dims: kernels per prefix or one read; see TRITON_SCHEMES); the
-    sweep measures both on every case.
+    sweep measures both on every case. cuda_schemes: the same for the cuda backend (similarity_xent at one width:
+    CUDA_SCHEMES).
     """
 
     name: str
@@ -132,6 +133,7 @@ class OpBench:
     setup: Callable[..., tuple[Callable[[], torch.Tensor], list, dict]]
     memory_bytes: Callable[[int, int, torch.dtype], int]
     triton_schemes: bool = False
+    cuda_schemes: bool = False
 
 
 # The triton backend's two schemes, by the row label the sweeps give them, and the width from which it takes the
@@ -142,10 +144,17 @@ class OpBench:
 # pair scores). The widths: similarity_xent_dense.MIN_WIDTH and the op modules' DENSE_*_MIN_WIDTH and
 # ONE_READ_MIN_WIDTH.
 TRITON_SCHEMES = {"triton-fused": sys.maxsize, "triton-dense": 0}
+# The cuda backend's, likewise: similarity_xent at one width on its fused kernels ("cuda-fused") or its dense scheme
+# ("cuda-dense", where its tiles fit): cuda_ops.similarity_xent_paths.DENSE_MIN_WIDTH.
+CUDA_SCHEMES = {"cuda-fused": sys.maxsize, "cuda-dense": 0}
 
 
-def _scheme_switches() -> list[tuple[object, str]]:
-    """(module, width name) of every switch between the triton backend's two schemes."""
+def _scheme_switches(label: str) -> list[tuple[object, str]]:
+    """(module, width name) of every switch between the two schemes of the backend that `label` names."""
+    if label in CUDA_SCHEMES:
+        from angle_kernels.cuda_ops import similarity_xent_paths as cuda_similarity_xent_paths
+
+        return [(cuda_similarity_xent_paths, "DENSE_MIN_WIDTH")]
     from angle_kernels.triton_ops import pair_scores_paths, similarity_lse_paths, similarity_xent_dense
     from angle_kernels.triton_ops import similarity_xent_paths
 
@@ -155,16 +164,17 @@ def _scheme_switches() -> list[tuple[object, str]]:
 
 
 @contextlib.contextmanager
-def triton_scheme(label: str):
-    """Within the block, the triton backend's ops take the scheme `label` names (TRITON_SCHEMES) at every width;
-    any other label changes nothing."""
-    if label not in TRITON_SCHEMES:
+def forced_scheme(label: str):
+    """Within the block, the backend's ops take the scheme `label` names (TRITON_SCHEMES, CUDA_SCHEMES) at every
+    width; any other label changes nothing."""
+    widths = {**TRITON_SCHEMES, **CUDA_SCHEMES}
+    if label not in widths:
         yield
         return
-    switches = _scheme_switches()
+    switches = _scheme_switches(label)
     saved = [getattr(module, name) for module, name in switches]
     for module, name in switches:
-        setattr(module, name, TRITON_SCHEMES[label])
+        setattr(module, name, widths[label])
     try:
         yield
     finally:
@@ -225,8 +235,9 @@ def similarity_flops_executed(backend: str, m: int, mc: int, d: int, dims: tuple
     """The FLOPs each backend executes for similarity_xent forward + backward, beside the 6 m mc d the maths
     needs. Triton's fused kernels ("triton-fused"): the dq and dc kernels each recompute the logit tiles
     (2 + 4 + 4); its dense scheme ("triton-dense") and torch: forward forms the gradients while it holds each
-    block's logits (2 + 4); "triton" is the one of the two its similarity_xent takes at width d. CUDA: one
-    backward kernel recomputes once and forms dq and dc with atomics (2 + 2 + 4). With nested prefixes (dims):
+    block's logits (2 + 4); "triton" is the one of the two its similarity_xent takes at width d. CUDA's fused
+    kernels ("cuda-fused"): one backward kernel recomputes once and forms dq and dc with atomics (2 + 2 + 4); its
+    dense scheme ("cuda-dense") as Triton's; "cuda" is the one its similarity_xent takes. With nested prefixes (dims):
     Triton's fused prefix kernels ("triton-fused") recompute the tile in the dq and dc kernels (2 m mc d each) and
     form their gradient prefix by prefix (2 m mc sum(d_i) each); its dense dims scheme ("triton-dense",
     triton_ops/_similarity_xent_dense_dims.py) and torch on a GPU recompute the tiles in backward, their slice
@@ -240,7 +251,13 @@ def similarity_flops_executed(backend: str, m: int, mc: int, d: int, dims: tuple
         backend = "triton-dense" if path in ("dense", "dense_dims") else "triton-fused"
     if dims is not None and backend == "triton-fused":
         return m * mc * (6 * d + 4 * sum(dims))
-    units = {"triton-fused": 10, "cuda": 8}.get(backend, 8 if dims is not None else 6)
+    if backend == "cuda":
+        from angle_kernels.cuda_ops import similarity_xent_paths as cuda_similarity_xent_paths
+
+        rows, columns = torch.empty(m, d, device="meta"), torch.empty(mc, d, device="meta")
+        path = cuda_similarity_xent_paths.code_path(rows, columns, 1.0, "diagonal", dims=dims)
+        backend = "cuda-fused" if path == "fused" else "cuda-dense"
+    units = {"triton-fused": 10, "cuda-fused": 8}.get(backend, 8 if dims is not None else 6)
     return units * m * mc * d
 
 

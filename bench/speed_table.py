@@ -5,7 +5,10 @@
 
 Reads the rows of the `op_sweep` and `cuda_op_sweep` steps of `gpu_suite.py second` (their JSON), keeps the points
 where at least two backends were timed, and prints them as the Python literals `angle_kernels/measured.py` holds,
-one tuple per (capability, dtype). Copy them into measured.py with the run's folder as the evidence comment.
+one tuple per (capability, dtype). Copy them into measured.py with the runs' folders as the evidence comment. Pass
+every op sweep of one GPU together, in the order they ran (a later run's time of the same backend and path at the
+same point replaces an earlier one's): a command that swept one backend, or a few ops, gives no point or only
+those ops' points on its own, and what replaces a GPU's points must hold them all (exit status 1 when no point).
 
 Each time is keyed "backend/path", the code path it timed, and comes with the fingerprint of that path's code as
 it ran (`angle_kernels.measured.code_fingerprint`'s rule), keyed the same way. Both come from the run's own rows
@@ -248,7 +251,14 @@ def main(argv: list[str]) -> int:
                 return 2
         else:
             runs.append((argument, commit))
-    for (capability, dtype), rows in points(runs).items():
+    table = points(runs)
+    if not table:
+        print("no point: every (op, size, width) these runs timed has one backend's times. A point needs two "
+              "backends timed on the same GPU: pass every op sweep of that GPU together (e.g. the CUDA op sweep's "
+              "second.json beside the Triton and torch op sweep's), and replace the GPU's points in measured.py with "
+              "what they give together", file=sys.stderr)
+        return 1
+    for (capability, dtype), rows in table.items():
         print(f"# capability {capability}, {dtype}")
         print("(")
         for row in rows:

@@ -153,6 +153,53 @@ def test_a_schedule_leaves_out_skipped_steps_and_ends_by_the_time_limit():
     assert args.skip == ("op_sweep", "cuda_op_sweep") and args.time_limit == 300
 
 
+def test_the_cuda_op_sweep_alone_leaves_the_build_its_time():
+    """The CUDA extension builds in the background from the preflight on; with both sweeps before the CUDA op sweep
+    skipped, cuda_build gives it their place (a fresh build took 44-65 s on an H200): the sweep's wait for it ends
+    no sooner than 90 s after the limits. A command that runs a sweep before it, or no CUDA op sweep, gets no such
+    step; one that skips the CUDA op sweep starts no build; cuda_build is never skipped by hand."""
+    start = time.monotonic()
+
+    def schedule(*skip, limit=None):
+        return gpu_suite.Schedule(gpu_suite.STAGES["second"].steps, start, skip=gpu_suite.implied_skips("second", skip),
+                                  limit_s=limit)
+
+    alone = schedule("op_sweep", "loss_sweep")
+    build_wait_ends = alone.deadline("cuda_op_sweep").left() - 60  # stage_second's cuda_sweep waits until then
+    assert build_wait_ends >= 40 + 90 - 1 and alone.budget_s == 40 + 90 + 60
+    assert schedule("op_sweep", "loss_sweep", limit=150).deadline("cuda_op_sweep").left() <= 150
+    for skip in [(), ("op_sweep",), ("loss_sweep",), ("loss_sweep", "cuda_op_sweep")]:
+        assert not schedule(*skip).runs("cuda_build"), skip
+    assert schedule().budget_s == gpu_suite.STAGES["second"].budget_s == 520
+    second = gpu_suite.STAGES["second"]
+    assert second.needs_build(alone) and second.needs_build(schedule())
+    assert not second.needs_build(schedule("loss_sweep", "cuda_op_sweep"))
+    assert gpu_suite.STAGES["first"].needs_build(schedule())
+    with pytest.raises(SystemExit):
+        gpu_suite.parse_args(["second", "out", "--skip", "cuda_build"])
+
+
+def test_the_cuda_op_sweep_times_both_cuda_schemes_of_similarity_xent():
+    """The CUDA backend's one-width similarity_xent gets a row per scheme (its fused kernels, its dense scheme),
+    each forced through cuda_ops.similarity_xent_paths.DENSE_MIN_WIDTH and undone after, so that the width from
+    which `auto` may take the dense scheme can be set from numbers; its other ops one "cuda" row."""
+    from angle_kernels.cuda_ops import similarity_xent_paths
+
+    benches = {bench.name: bench for bench in gpu_suite.all_ops()}
+    fake_cuda = {"cuda": object()}
+    for name in ("similarity_xent(ibn)", "similarity_xent(arccon)"):
+        assert [label for label, _ in gpu_suite.row_backends(benches[name], fake_cuda)] == ["cuda-fused", "cuda-dense"]
+    assert [label for label, _ in gpu_suite.row_backends(benches["pair_scores"], fake_cuda)] == ["cuda"]
+    q = torch.empty(64, 768, device="meta")
+    saved = similarity_xent_paths.DENSE_MIN_WIDTH
+    for label, path in (("cuda-fused", "fused"), ("cuda-dense", "dense")):
+        with harness.forced_scheme(label):
+            assert similarity_xent_paths.code_path(q, None, 20.0, "partner") == path, label
+        assert similarity_xent_paths.DENSE_MIN_WIDTH == saved
+    assert harness.similarity_flops_executed("cuda-fused", 8, 8, 4) == 8 * 8 * 8 * 4
+    assert harness.similarity_flops_executed("cuda-dense", 8, 8, 4) == 6 * 8 * 8 * 4
+
+
 def test_the_record_and_the_archive_are_written_after_every_step(tmp_path):
     record = _record(tmp_path)
     out = tmp_path / "out"

@@ -88,6 +88,20 @@ def test_a_run_that_recorded_its_paths_and_fingerprints_needs_no_commit(tmp_path
          {"triton/pairwise": "p1", "torch/default": "t1"})]}
 
 
+def test_runs_of_one_backend_each_give_their_points_together(tmp_path, capsys):
+    """A CUDA op sweep alone (one backend) gives no point, and says so with exit status 1; with the Triton and torch
+    sweep of the same GPU beside it, the points hold all three, a later run's time replacing an earlier one's."""
+    cuda_only = _run(tmp_path, [_row("ranking_loss", 10, 1, "cuda", 3.0, path="sort", fingerprint="c1")], "cuda.json")
+    assert speed_table.main([cuda_only]) == 1
+    assert "no point" in capsys.readouterr().err
+    others = _run(tmp_path, [_row("ranking_loss", 10, 1, "triton", 1.0, path="pairwise", fingerprint="p1"),
+                             _row("ranking_loss", 10, 1, "torch", 2.0, path="default", fingerprint="t1")], "ops.json")
+    later = _run(tmp_path, [_row("ranking_loss", 10, 1, "torch", 1.5, path="default", fingerprint="t1")], "later.json")
+    ((*_, times, _),) = speed_table.points([(others, None), (cuda_only, None), (later, None)])[("8.0", "float32")]
+    assert times == {"triton/pairwise": 1.0, "torch/default": 1.5, "cuda/sort": 3.0}
+    assert speed_table.main([others, cuda_only]) == 0 and "cuda/sort" in capsys.readouterr().out
+
+
 def test_a_run_without_fingerprints_needs_the_commit_it_measured(tmp_path):
     path = _run(tmp_path, [_row("ranking_loss", 10, 1, "triton", 1.0), _row("ranking_loss", 10, 1, "torch", 2.0)])
     with pytest.raises(ValueError, match="--commit"):
