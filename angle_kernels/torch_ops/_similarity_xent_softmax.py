@@ -159,7 +159,7 @@ class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
                 targets.set(grad, targets.of(grad) * slope)
             # cos_ij = q_hat_i . c_hat_j: dq_hat_i = sum_j g_ij c_hat_j, dc_hat_j = sum_i g_ij q_hat_i (g: dL/dcos)
             if weights is None:
-                d_qhat[start:end].add_(torch.mm(grad, c_hat), alpha=row_scale)
+                d_qhat[start:end].addmm_(grad, c_hat, alpha=row_scale)
                 d_chat.addmm_(grad.T, q_hat[start:end], alpha=row_scale)
             else:
                 block_scale = row_scale[start:end, None]

@@ -168,6 +168,19 @@ def test_inductor_float32(name):
     assert rel_err(grad, ref_grad) < 1e-4
 
 
+def test_inductor_float32_on_the_softmax_form_of_the_similarity_softmax():
+    """One inductor case whatever ANGLE_KERNELS_TEST_INDUCTOR says: the CPU softmax form of similarity_xent (unweighted
+    rows: MNRL, contrastive, ArcCon) under the default backend. Its dq once added a product with `alpha`, which
+    inductor (torch 2.13) fuses into an addmm that drops alpha: the queries' gradient came out times B / scale."""
+    name = "contrastive_with_negative_loss"
+    torch._dynamo.reset()
+    compiled = torch.compile(LOSSES[name], fullgraph=True)
+    x = embeddings(name, torch.float32)
+    (ref_value, ref_grad), (value, grad) = eager_and_compiled(LOSSES[name], x, compiled)
+    assert rel_err(value, ref_value) < 1e-5
+    assert rel_err(grad, ref_grad) < 1e-4
+
+
 @pytest.mark.parametrize("name", sorted(loss_functions("cuda")))
 def test_cuda_backend_one_graph_and_equal_to_eager(name):
     """The CUDA extension's ops through torch.compile(fullgraph=True) (their fake implementations and autograd
