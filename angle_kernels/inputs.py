@@ -341,8 +341,11 @@ class Nested:
 
     def terms(self) -> list[tuple[int, int, float]]:
         """(layer l, prefix i, weight) of every term with a non-zero weight: only those are computed (Espresso
-        weights the final width of the earlier layers 0)."""
-        return [(layer, i, weight) for layer, row in enumerate(self.table) for i, weight in enumerate(row) if weight]
+        weights the final width of the earlier layers 0). Where every weight is 0 (sentence-transformers' Matryoshka
+        accepts it, e.g. a step whose sampled dims all weigh 0), the first term with its weight 0: the loss is then
+        0 with zero gradients, as the weighted sum of every term would be, not None."""
+        terms = [(layer, i, weight) for layer, row in enumerate(self.table) for i, weight in enumerate(row) if weight]
+        return terms or [(0, 0, 0.0)]
 
     def weighted_sum(self, term: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
         """sum over self.terms() of weight * term(l, i)."""

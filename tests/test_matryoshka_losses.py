@@ -57,6 +57,20 @@ def test_against_the_oracle_of_the_truncated_losses(backend, name, dtype):
                          f"{name} {dtype}", device=backend.device)
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_weights_that_are_all_zero_give_a_zero_loss_with_zero_gradients(name):
+    """As sentence-transformers' MatryoshkaLoss with every weight 0 (or a step whose sampled dims all weigh 0): a
+    loss of 0 with zero gradients, not None (which a trainer's backward cannot take) nor an error."""
+    _, make = CASES[name]
+    inputs, ours, _ = make(_draw(generator("zero weights", name), torch.float64),
+                           dict(dims=(8, 16), dim_weights=(0, 0)))
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    loss = ours(*leaves, backend="torch")
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and float(loss) == 0.0, (name, loss)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    assert all(g is not None and not g.any() for g in grads), name
+
+
 def test_one_dim_is_the_truncated_loss():
     """dims=(d,) is the loss on the first d features, exactly (no weight, no sum)."""
     gen = generator("matryoshka", "one")

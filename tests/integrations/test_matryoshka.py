@@ -16,7 +16,7 @@ pytest.importorskip("sentence_transformers")
 from angle_kernels import terms  # noqa: E402
 from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
 from sentence_transformers import util as st_util  # noqa: E402
-from test_sentence_transformers import ALL_DIRECTIONS, GRADED, compare, st_losses  # noqa: E402
+from test_sentence_transformers import ALL_DIRECTIONS, GRADED, compare, st_losses, value_and_grads  # noqa: E402
 
 SYMMETRIC = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}
 
@@ -74,6 +74,30 @@ def test_same_value_and_gradients_as_sentence_transformers(model64, fused_calls,
     elif inner != "MultipleNegativesRankingLoss":
         used = min(len(dims), per_step) if per_step > 0 else len(dims)
         assert calls == used, f"the parent's loop calls the inner loss once per dimension, got {fused_calls}"
+
+
+# every weight 0, or a step whose sampled dimensions all weigh 0: (inner class, kwargs, columns, labels, dims,
+# weights, n_dims_per_step)
+ZERO_WEIGHT_CASES = [
+    ("CoSENTLoss", {}, 2, GRADED, (32, 16), (0.0, 0.0), -1),
+    ("AnglELoss", {}, 2, GRADED, (32, 16, 8), (0.0, 0.0, 0.0), 2),
+    ("MultipleNegativesRankingLoss", {}, 2, None, (32, 16), (0.0, 0.0), -1),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 2, None, (32, 16), (0.0, 0.0), -1),
+]
+
+
+@pytest.mark.parametrize("inner, kwargs, columns, labels, dims, weights, per_step", ZERO_WEIGHT_CASES,
+                         ids=[c[0] for c in ZERO_WEIGHT_CASES])
+def test_weights_that_are_all_zero_give_the_parents_zero_loss_and_zero_gradients(model64, inner, kwargs, columns,
+                                                                                  labels, dims, weights, per_step):
+    """The parent sums weight * loss over the dimensions: 0, with zero gradients (a trainer steps on it). Ours gave
+    None for the pair-score losses (CoSENT, AnglE), which no backward takes."""
+    for module in (st_losses, ours):
+        loss = module.MatryoshkaLoss(model64, getattr(module, inner)(model64, **kwargs), dims, weights,
+                                     n_dims_per_step=per_step)
+        value, grads = value_and_grads(model64, Seeded(loss), columns, labels)
+        assert float(value) == 0.0, (module.__name__, value)
+        assert len(grads) > 10 and all(not g.any() for g in grads.values()), module.__name__
 
 
 def test_the_sampled_dimensions_change_with_the_seed(model64):
