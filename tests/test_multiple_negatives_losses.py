@@ -314,6 +314,24 @@ def _sentence_transformers_gist(a, p, guide_a, guide_p, temperature):
     return torch.nn.functional.cross_entropy(torch.cat(blocks, dim=1) / temperature, torch.arange(len(a)))
 
 
+def test_each_prefix_filters_dot_products_with_its_own_tie_allowance(backend):
+    """With dims, the filter's allowance for ties (2^-16 |q_i| |p_i| for dot products) is each prefix's own: a column
+    1e-4 above a narrow prefix's threshold leaves it, as in the loss of the truncated rows (the full rows' norms,
+    100x larger here, once gave every prefix a 100x wider allowance, and the column stayed)."""
+    skip_unless_implemented(backend, "similarity_lse")
+    q = torch.tensor([[1.0, 0.0, 10.0, 0.0], [0.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    p = torch.tensor([[1.0, 0.0, 0.0, 10.0], [0.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    n = torch.tensor([[0.9501, 0.0, 0.0, 0.0], [0.0, -1.0, 0.0, 0.0]], dtype=torch.float64)  # row 0: 0.9501 > 0.95
+    options = dict(scale=1.0, similarity="dot", false_negative_margin=0.05, backend=backend.name)
+    q, p, n = (t.to(backend.device) for t in (q, p, n))
+    nested = ak.multiple_negatives_ranking_loss(q, p, (n,), dims=(2, 4), **options)
+    per_prefix = [ak.multiple_negatives_ranking_loss(q[:, :d], p[:, :d], (n[:, :d],), **options) for d in (2, 4)]
+    exact = sum(oracle.multiple_negatives_ranking_loss(q[:, :d].cpu(), p[:, :d].cpu(), (n[:, :d].cpu(),),
+                                                       **{k: v for k, v in options.items() if k != "backend"})
+                for d in (2, 4))
+    assert abs(float(nested) - float(sum(per_prefix))) < 1e-9 and abs(float(nested) - float(exact)) < 1e-9
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_gist_keeps_a_duplicate_of_the_positive(dtype):
     gen = generator("gist duplicate positive", str(dtype))

@@ -246,11 +246,15 @@ def _rows_for(ops: Ops, *rows: torch.Tensor) -> list[torch.Tensor]:
     return [t.float() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t for t in rows]
 
 
-def _norm_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _norm_products(a: torch.Tensor, b: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
     """|a_i| |b_i| per row in the compute dtype: the scale of the rounding of the dot products a_i . c_j where c_j
-    is b_i or a copy of it (a bound for every prefix's)."""
+    is b_i or a copy of it; [k, rows] of every prefix's with dims (each prefix's filter compares its own products)."""
     dtype = compute_dtype(a.dtype)
-    return torch.linalg.vector_norm(a, dim=-1, dtype=dtype) * torch.linalg.vector_norm(b, dim=-1, dtype=dtype)
+
+    def products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(x, dim=-1, dtype=dtype) * torch.linalg.vector_norm(y, dim=-1, dtype=dtype)
+
+    return products(a, b) if dims is None else torch.stack([products(a[:, :d], b[:, :d]) for d in dims])
 
 
 def _own_rows_first(local: torch.Tensor, gathered: torch.Tensor, rank: int) -> list[torch.Tensor]:
@@ -346,7 +350,7 @@ def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Te
                                                                                          similarity, dims)
     threshold = None
     if false_negative_margin is not None:
-        magnitude = None if similarity == "cosine" else _norm_products(queries, positives)
+        magnitude = None if similarity == "cosine" else _norm_products(queries, positives, dims)
         threshold = margin_threshold(positive, false_negative_strategy, false_negative_margin, magnitude)
 
     def block(anchors, columns, partners, **options):
