@@ -10,11 +10,10 @@ term, and PyTorch beat both GPU backends on the smallest in-batch-negative batch
     them on the code path the call takes, with the code installed here; a time within TIE of the fastest counts as
     equal to it, and equals go by the fixed order: triton, cuda, torch (its GPU path, then its default one; torch
     before cuda for the ops of AFTER_TORCH: every op, the CUDA similarity_xent having measured slower at every size
-    and its other ops untimed since their rewrite). Points equally near
-    the call each decide so, and when they disagree the fixed order decides (never the order of the table). Without
-    such a point (another GPU or dtype, a size or width more than SPAN times away from every measured one, an op or
-    variant never measured, a backend not timed there, or timed on another code path or on code changed since),
-    the fixed order decides.
+    and its other ops untimed since their rewrite). Points equally near the call each decide so, and when they
+    disagree the fixed order decides (never the order of the table). Without such a point (another GPU or dtype, a
+    size or width more than SPAN times away from every measured one, an op or variant never measured, a backend not
+    timed there, or timed on another code path or on code changed since), the fixed order decides.
 
 A point is (op, variant, size, width, times, fingerprints): the median time in ms of forward + backward per code
 path it timed, keyed "backend/path" (the op module's PATHS: the torch backend's "default", or its "mixed" 16-bit
