@@ -319,6 +319,12 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     """Restore what save_checkpoint wrote into the given objects and this process's generators; return the
     position to continue from. Both files are read and checked before anything is changed."""
     state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
+    # every process sees the same files, so all refuse together, before any collective a refusal would leave waiting
+    written_by = _writers(path)
+    if written_by != dist_info.world_size:
+        raise ValueError(f"checkpoint {path} was written by {written_by} process(es) and this run has "
+                         f"{dist_info.world_size}: resume with {written_by} (each process's data slice and random "
+                         "state continue from its own)")
     _refuse_changed_data_settings(path, state["config"], cfg)
     changed = _changed_optimizer_settings(state["config"], cfg)
     sharded = state.get("sharded", False)
@@ -327,11 +333,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          f"{'with' if sharded else 'without'} --fsdp (and the same number of processes)")
     if not sharded:
         _refuse_other_weights(path, state["config"], cfg, state["model"], encoder.trainable_state_dict())
-    rng_file = os.path.join(path, _rng_file(dist_info.rank))
-    if not os.path.exists(rng_file):
-        raise ValueError(f"checkpoint {path} has no RNG state for rank {dist_info.rank}: resume with the same "
-                         "number of processes")
-    rng_state = read_tensors_and_plain_values(rng_file)
+    rng_state = read_tensors_and_plain_values(os.path.join(path, _rng_file(dist_info.rank)))
     settings = [dict(group) for group in optimizer.param_groups]  # as this run built them, before loading over them
     if sharded:  # DCP's files, through readers that refuse anything but what DCP writes (sharding.py)
         load_sharded(path, encoder, optimizer)
@@ -408,6 +410,11 @@ def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig) -> N
 
 def _rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
+
+
+def _writers(path: str) -> int:
+    """How many processes wrote the checkpoint at `path`: each writes its own _rng_file."""
+    return sum(re.fullmatch(r"rng-rank\d+\.pt", name) is not None for name in os.listdir(path))
 
 
 def _rng_state() -> dict:

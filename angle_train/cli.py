@@ -13,6 +13,7 @@ from dataclasses import MISSING, fields
 
 from .cli_common import OneLineErrorParser, check_train_extra, parse_bool, user_errors_exit, version_text
 from .config import TrainConfig, flag_of
+from .distributed import leave_process_group
 
 EXAMPLES = """\
 examples:
@@ -213,6 +214,8 @@ def main(argv=None) -> int:
         print(f"final model: {result.final_path}")
     if result.best_path:
         print(f"best model (dev Spearman {result.best_spearman:.4f}): {result.best_path}")
+    del result  # the run's model and tensors, before the process group goes (leave_process_group)
+    leave_process_group()
     return 0
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import functools
+import hashlib
 import json
 import math
 import os
@@ -393,6 +394,17 @@ def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dic
     fmt = fmt or detect_format(dataset.column_names, where, renaming)
     examples = [_example_from_row(row, fmt, f"{where}, row {i}", renaming) for i, row in enumerate(dataset)]
     return examples, fmt
+
+
+def data_fingerprint(items: list) -> str:
+    """A short hash of the training items (Examples or sentences): their count and at most 1,000 of them, evenly
+    spaced, with their positions: cheap at any size, and different for different data but by rare chance (the
+    processes of a run compare theirs: distributed.check_processes_agree)."""
+    step = max(1, len(items) // 1000)
+    digest = hashlib.sha256(str(len(items)).encode())
+    for i in range(0, len(items), step):
+        digest.update(repr((i, items[i])).encode())
+    return digest.hexdigest()[:16]
 
 
 def load_examples(source: str, *, fmt: str | None = None, split: str = "train", layout: str | None = None,

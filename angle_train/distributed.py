@@ -13,6 +13,7 @@ the same number of rows (the loop slices the batch equally; a mismatch raises a 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 
@@ -48,6 +49,35 @@ def init_distributed(device_type: str) -> DistInfo:
     if device_type == "cuda":
         torch.cuda.set_device(info.local_rank)
     return info
+
+
+def check_processes_agree(info: DistInfo, facts: dict) -> None:
+    """Refuse, on every process alike, a run whose processes disagree on what they train from (`facts`: the
+    checkpoint they resume, the number of examples, a fingerprint of the data, the number of steps): each process
+    reads the data and finds the checkpoint on its own, and a disagreement trained silently on mismatched slices,
+    then hung where one process planned fewer steps (or started fresh beside others that resumed)."""
+    if not info.enabled:
+        return
+    gathered: list = [None] * info.world_size
+    dist.all_gather_object(gathered, facts)
+    differing = [key for key in facts if any(other[key] != gathered[0][key] for other in gathered)]
+    if differing:
+        detail = "; ".join(f"{key}: " + ", ".join(f"process {rank} {other[key]!r}" for rank, other in
+                                                   enumerate(gathered)) for key in differing)
+        raise ValueError(f"the processes disagree ({detail}): every process must read the same training data and "
+                         "see the same --output-dir (on several machines: a shared file system)")
+
+
+def leave_process_group() -> None:
+    """At the end of a command's run: wait for every process, then leave the process group that init_distributed
+    joined. Left to the interpreter's exit, a gloo worker thread could free the last collective's tensors during
+    shutdown and abort the process (SIGABRT after a finished run: torchrun then reports the run failed); the garbage
+    collection first drops what the run held."""
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def launched_rank() -> int:

@@ -42,7 +42,7 @@ from .checkpoint import (
 )
 from .cli_common import resolve_device
 from .config import TrainConfig, flag_of
-from .data import FORMATS, Example, PassPlan, TokenizedPairs, epoch_batches, load_examples
+from .data import FORMATS, Example, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples
 from .evaluate import StsSet, encoding_progress, library_progress_bars, read_dataset, sts_spearman_by_dim
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import LoraSettings, LoraTargetError, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
@@ -261,20 +261,26 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                               cfg.max_length)
     cfg.pooling = encoder.pooling  # config.json and the checkpoints record the pooling the run uses
     pooling_source = encoder.pooling_source if model is None else "the model given to train()"
-    if cfg.fsdp:
-        sharding.shard(encoder)  # before the optimizer, which holds the shards
-
     if cfg.objective == "arccse":
         dataset = arccse.TokenizedSentences(sentences, tokenizer, max_length=cfg.max_length,
                                             mask_rates=cfg.mask_rates, seed=cfg.seed, prompt=prompts)
     else:
         dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompts)
+    total_steps = count_steps(cfg, len(dataset), dist_info.world_size)
+    items = sentences if cfg.objective == "arccse" else examples
+    distributed.check_processes_agree(dist_info, {
+        "checkpoint to resume": resume_from and os.path.basename(resume_from), "examples": len(items),
+        "data fingerprint": data_fingerprint(items), "steps": total_steps})
+    # the packing check's forward runs on the whole model: after sharding, a forward outside training left FSDP's
+    # root unit (a LLaMA's token embeddings and final norm) unsharded, and the optimizer held those plain tensors,
+    # which FSDP replaced at the first backward: they never trained
     check_packing(cfg, encoder, dataset, device, packing_asked, dist_info)
+    if cfg.fsdp:
+        sharding.shard(encoder)  # before the optimizer, which holds the shards
     loss_name = ("ArcCSELoss" if cfg.objective == "arccse" else "AngleLoss") if loss_fn is None else \
         "the loss_fn given to train()"
     if loss_fn is None:
         loss_fn = build_loss(cfg, fmt, encoder, world_size=dist_info.world_size)
-    total_steps = count_steps(cfg, len(dataset), dist_info.world_size)
 
     optimizer = make_optimizer(cfg, encoder, device)
     scheduler = make_schedule(cfg, optimizer, total_steps)

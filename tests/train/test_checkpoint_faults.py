@@ -182,3 +182,20 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused_unread(tmp_path,
 
     assert checkpoint_problem(str(folder)) == f"{MANIFEST_FILE} names {name!r}, which {why}"
     assert hashed == []
+
+
+def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(tmp_path):
+    """Each process's data slice and random state continue from its own: a checkpoint of one process refuses a run of
+    two, on every rank alike (only the second had refused, leaving the first in a collective), and one written by two
+    processes refuses a run of one (once accepted silently, dropping rank 1's state)."""
+    from angle_train.distributed import DistInfo
+
+    newest = _killed_run(tmp_path)[-1]
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match=r"written by 1 process\(es\) and this run has 2: resume with 1"):
+            checkpoint.load_checkpoint(newest, _config(tmp_path), DistInfo(rank, 2, rank), encoder=None,
+                                       optimizer=None, scheduler=None, scaler=None)
+    shutil.copy(os.path.join(newest, "rng-rank0.pt"), os.path.join(newest, "rng-rank1.pt"))  # as two processes write
+    with pytest.raises(ValueError, match=r"written by 2 process\(es\) and this run has 1: resume with 2"):
+        checkpoint.load_checkpoint(newest, _config(tmp_path), DistInfo(), encoder=None, optimizer=None, scheduler=None,
+                                   scaler=None)

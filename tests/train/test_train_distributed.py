@@ -57,6 +57,60 @@ def _rank_main(rank, world, port, arch, fmt, chunk_rows, flags, out_dir):
         dist.destroy_process_group()
 
 
+def _command_rank(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    from angle_train import cli
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    status = cli.main(["--model", "builtin:tiny-bert", "--train-data", "builtin:demo", "--device", "cpu",
+                       "--batch-size", "8", "--max-steps", "2", "--progress", "0", "--save-final", "0",
+                       "--output-dir", out_dir])
+    torch.save({"status": status, "left": not dist.is_initialized()}, os.path.join(out_dir, f"command{rank}.pt"))
+
+
+def _disagreeing_rank(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import train
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    examples = demo_examples(24 if rank == 0 else 20, seed=2)  # process 1 reads another (shorter) file
+    try:
+        train(run_config(out_dir, batch_size=8, max_steps=2, max_length=12), model=make_encoder("bert"),
+              train_examples=(examples, "B"))
+        outcome = "trained"
+    except ValueError as exc:
+        outcome = str(exc)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.save(outcome, os.path.join(out_dir, f"outcome{rank}.pt"))
+
+
+def test_processes_that_read_different_data_are_refused_together(tmp_path):
+    """Each process reads the data (and finds its checkpoint) on its own: processes that disagree trained on
+    mismatched slices and then hung where one planned fewer steps. Now every process refuses, before training."""
+    start_ranks(_disagreeing_rank, (2, free_port(), str(tmp_path)))
+    for rank in range(2):
+        outcome = torch.load(tmp_path / f"outcome{rank}.pt")
+        assert "the processes disagree" in outcome and "examples: process 0 24, process 1 20" in outcome, outcome
+
+
+def test_a_finished_command_leaves_the_process_group(tmp_path):
+    """angle-train under torchrun leaves its process group when its run is done (a barrier, then
+    destroy_process_group): left to the interpreter's exit, a gloo worker thread sometimes freed the last
+    collective's tensors during shutdown and aborted a finished run (SIGABRT, torchrun's exit status 1)."""
+    start_ranks(_command_rank, (2, free_port(), str(tmp_path)))
+    for rank in range(2):
+        assert torch.load(tmp_path / f"command{rank}.pt") == {"status": 0, "left": True}
+
+
 @pytest.mark.parametrize("arch, fmt, chunk_rows, flags", [("bert", "A", None, ()), ("llama", "B", 3, ()),
                                                         ("bert", "B", 3, GTE_FILTERED), ("bert", "B", 3, MATRYOSHKA),
                                                         ("llama", "B", 3, ESPRESSO)],

@@ -35,7 +35,7 @@ def _examples():
     return (demo_examples(24, seed=2), "B"), demo_sts_examples(16, seed=3)
 
 
-def _rank_main(rank, world, port, out_dir, settings, stop_after):
+def _rank_main(rank, world, port, out_dir, settings, stop_after, arch="bert"):
     import torch.distributed as dist
 
     from angle_train.trainer import StopTraining, train
@@ -50,7 +50,7 @@ def _rank_main(rank, world, port, out_dir, settings, stop_after):
 
     try:
         train_examples, dev_examples = _examples()
-        result = train(_config(out_dir, fsdp=True, **settings), model=make_encoder("bert", dropout=0.0),
+        result = train(_config(out_dir, fsdp=True, **settings), model=make_encoder(arch, dropout=0.0),
                        train_examples=train_examples, dev_examples=dev_examples, on_step=on_step)
         torch.save({"losses": [r["loss"] for r in result.history], "best": result.best_spearman},
                    os.path.join(out_dir, f"rank{rank}.pt"))
@@ -60,8 +60,8 @@ def _rank_main(rank, world, port, out_dir, settings, stop_after):
             dist.destroy_process_group()
 
 
-def _spawn(out_dir, stop_after=0, **settings):
-    start_ranks(_rank_main, (2, free_port(), str(out_dir), settings, stop_after))
+def _spawn(out_dir, stop_after=0, arch="bert", **settings):
+    start_ranks(_rank_main, (2, free_port(), str(out_dir), settings, stop_after, arch))
     return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(2)]
 
 
@@ -110,6 +110,28 @@ def test_fsdp_run_equals_single_process_and_resumes_exactly(tmp_path):
     with pytest.raises(Exception, match=r"(?s)UnsafeCheckpointError: refusing to load .*\.metadata.*mkdir"):
         _spawn(tmp_path / "fsdp", resume="auto", save_final=True, eval_every=2)
     assert not marker.exists()
+
+
+def test_fsdp_trains_every_weight_of_a_llama_with_packing(tmp_path):
+    """A LLaMA-style model, its texts packed into rows: the packing check's forward once ran after sharding and left
+    FSDP's root unit (token embeddings, final norm) unsharded, so the optimizer held tensors FSDP then replaced:
+    they never trained, the losses left one process's from step 2 and the sharded checkpoint raised KeyError."""
+    from angle_train.trainer import train
+
+    train_examples, dev_examples = _examples()
+    settings = dict(save_final=True, eval_every=2, pack=128)
+    single = train(_config(tmp_path / "single", **settings), model=make_encoder("llama"),
+                   train_examples=train_examples, dev_examples=dev_examples)
+    sharded = _spawn(tmp_path / "fsdp", arch="llama", **settings)
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(sharded[rank]["losses"]),
+                                   torch.tensor([r["loss"] for r in single.history]), rtol=1e-9, atol=1e-12)
+    ours, theirs = _weights(tmp_path / "fsdp" / "final"), _weights(tmp_path / "single" / "final")
+    initial = make_encoder("llama")[0].state_dict()
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-9, atol=1e-12, msg=f"final: {name}")
+    assert all(not torch.equal(ours[name], initial[name]) for name in ours if "embed_tokens" in name or
+               name.endswith("norm.weight")), "the root unit's weights did not train"
 
 
 def test_fsdp_refusals(tmp_path):
