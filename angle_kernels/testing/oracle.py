@@ -206,12 +206,15 @@ def multiple_negatives_ranking_loss(
     false_negative_margin: float | None = None,
     false_negative_strategy: str = "absolute",
     similarity: str = "cosine",
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """sentence-transformers 6.2's MultipleNegativesRankingLoss (one process), from the full score blocks, plus
     the package's false-negative filter: in every block, a column whose cosine with the row's anchor exceeds
     t_i = c_i - margin ("absolute") or c_i - |c_i| * margin ("relative"), c_i = cos(q_i, p_i), is dropped,
     except the row's positive pair (column i of query_to_doc and of doc_to_query). similarity="dot": every
-    cosine above is the plain dot product instead (util.dot_score)."""
+    cosine above is the plain dot product instead (util.dot_score). reduction="none": each row's loss [B] (the
+    gradients of rows whose terms are huge and cancel, taken one row at a time, then keep the other rows' small
+    contributions that a sum over rows in one backward would absorb)."""
     score_matrix = cosine_matrix if similarity == "cosine" else dot_matrix
     q, p = in_compute_dtype(queries), in_compute_dtype(positives)
     docs = torch.cat([p, *(in_compute_dtype(n) for n in negatives)], dim=0)  # [B (1 + k), D]
@@ -244,7 +247,8 @@ def multiple_negatives_ranking_loss(
         log_z = torch.logsumexp(torch.cat(list(logits.values()), dim=1), dim=1)
     else:
         log_z = sum(torch.logsumexp(block, dim=1) for block in logits.values()) / len(logits)
-    return (log_z - scale * positive_cos).mean()
+    rows = log_z - scale * positive_cos
+    return rows if reduction == "none" else rows.mean()
 
 
 def gist_loss(anchors, positives, guide_anchors, guide_positives, negatives=(), guide_negatives=(),
