@@ -76,7 +76,19 @@ class RetrievalSet:
 # ------------------------------------------------------------------------------------------------- reading
 def read_dataset(path: str, *, columns: dict | None = None) -> StsSet | RetrievalSet:
     """The dataset at `path`, recognised by its layout (module docstring); a DataError says what was expected.
-    columns: the names of a JSONL/CSV file's columns (data.load_examples)."""
+    columns: the names of a JSONL/CSV file's columns (data.load_examples). A scored set must allow a Spearman
+    correlation: at least 2 rated pairs, not every gold score equal (before any model loads, not a NaN after)."""
+    dataset = _read_dataset(path, columns=columns)
+    if isinstance(dataset, StsSet):
+        labels = {ex.label for ex in dataset.examples}
+        if len(dataset.examples) < 2:
+            raise DataError(f"{path}: {len(dataset.examples)} rated pair(s); a Spearman correlation needs at least 2")
+        if len(labels) == 1:
+            raise DataError(f"{path}: every gold score is {labels.pop():g}, so the Spearman correlation is undefined")
+    return dataset
+
+
+def _read_dataset(path: str, *, columns: dict | None = None) -> StsSet | RetrievalSet:
     if os.path.isdir(path):
         return read_sts_year(path)
     if not os.path.isfile(path):
@@ -405,11 +417,20 @@ def main(argv=None) -> int:
                            max_length=encoding_length(args.max_length, meta, encoder, tokenizer, args.model),
                            progress=args.progress)
         print(table(results))
-        if args.json_out:
+        if args.json_out:  # strict JSON: an undefined score (constant cosines: NaN) is null
             with open(args.json_out, "w", encoding="utf-8") as f:
-                json.dump(results, f, indent=2)
+                json.dump(_finite_or_none(results), f, indent=2, allow_nan=False)
                 f.write("\n")
     return 0 if all(not isinstance(v, float) or math.isfinite(v) for v in results.values()) else 1
+
+
+def _finite_or_none(value):
+    """`value` (numbers in dicts and lists) with every NaN or infinity replaced by None."""
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 if __name__ == "__main__":

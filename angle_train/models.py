@@ -328,6 +328,11 @@ class Encoder(nn.Module):
         normalize applies after the cut, so the prefix has unit norm."""
         if isinstance(texts, str):
             texts = [texts]
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int of at least 1, got {batch_size!r}")
+        check_dim(dim, self.embedding_dim)  # before the forward passes, not after them
+        if not texts:  # as sentence-transformers: no rows (the tokenizer cannot take an empty batch)
+            return torch.empty(0, dim or self.embedding_dim, dtype=torch.float32)
         max_length = self.encoding_length(max_length)
         template = self.prompts.for_role(prompt_name) if prompt is None else prompt
         texts = [apply_prompt(t, template) for t in texts]
@@ -335,7 +340,6 @@ class Encoder(nn.Module):
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         was_training = self.training
         self.eval()
-        check_dim(dim, self.embedding_dim)  # before the forward passes, not after them
         out = torch.empty(len(ids), self.embedding_dim, dtype=torch.float32)
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]

@@ -301,3 +301,16 @@ def test_ibn_options_in_repr():
                              false_negative_strategy="relative"))
     assert "ibn_partition='gte'" in text and "false_negative_margin=0.05" in text
     assert "false_negative_strategy='relative'" in text
+
+
+def test_a_pooling_strategy_set_after_construction_is_checked_at_the_call(gen):
+    """angle-emb reads its attributes at each call and raises for an unknown pooling strategy there; ours had checked
+    it at construction only and computed 'sum' for anything else set afterwards. With angle_w = 0 it is not read."""
+    outputs = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+    labels = torch.tensor([1.0, 0.0, 1.0, 0.0]).repeat_interleave(2)
+    loss = ak.AngleLoss(dataset_format="A", cosine_w=1.0, angle_w=1.0)
+    loss.angle_pooling_strategy = "max"
+    with pytest.raises(ValueError, match="angle_pooling_strategy"):
+        loss(labels, outputs)
+    loss.angle_w = 0.0
+    assert torch.isfinite(loss(labels, outputs))

@@ -197,12 +197,13 @@ def _fused_ese_compute_loss(self: Any, model: torch.nn.Module, inputs: dict[str,
         loss = loss + compression / (self.n_layers - 1)
 
     if self.teacher_name_or_path is not None:
-        with torch.no_grad():
+        with torch.no_grad():  # the term's value only, as angle-emb's in-place `loss +=` gives it (no gradient)
             self.teacher_pooler.model = self.teacher_pooler.model.to(self.pooler.model.device)
             align_outputs = self.teacher_pooler(inputs)
-            loss = loss + self.compute_distillation_loss(
+            alignment = self.compute_distillation_loss(
                 all_layer_outputs[-1] if self.teacher_pooling_strategy == "all" else teacher_outputs, align_outputs,
                 mse_weight=0.0, kl_temperature=1.0)
+        loss = loss + alignment  # outside no_grad: the loss keeps its graph
     if mask_target_labels is not None:
         loss = loss + self.compute_mlm_loss(mlm_logits, mask_target_labels)
     return (loss, teacher_outputs) if return_outputs else loss

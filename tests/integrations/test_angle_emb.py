@@ -249,6 +249,44 @@ def test_patched_ese_trainer_computes_the_same_loss_in_one_call(ae, deep_model_d
         assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < grad_tol, name
 
 
+def test_patched_ese_trainer_with_a_teacher_gives_the_same_loss_and_gradients(ae, deep_model_dir, tmp_path):
+    """Espresso with a teacher model (teacher_name_or_path): its alignment term adds to the loss's value without a
+    gradient, as angle-emb's in-place `loss +=` inside no_grad; the patched trainer once rebound the loss inside
+    no_grad, so it had no graph and backward raised."""
+    from transformers import AutoTokenizer, BertModel, TrainingArguments
+
+    from angle_kernels.testing.tiny_model import SENTENCES
+
+    angle_mod = ae["angle_emb.angle"]
+    model = BertModel.from_pretrained(deep_model_dir).to(torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(deep_model_dir)
+    pooler = angle_mod.Pooler(model, pooling_strategy="cls")
+    labels = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+
+    def loss_and_grads():
+        trainer = angle_mod.AngleESETrainer(pooler=pooler, model=model, args=args, dataset_format="A",
+                                            loss_kwargs=dict(cosine_w=1.0, ibn_w=1.0, angle_w=1.0),
+                                            ese_compression_size=8, teacher_name_or_path=str(deep_model_dir),
+                                            model_kwargs={})
+        trainer.teacher_pooler.model = trainer.teacher_pooler.model.to(torch.float64)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(11)
+        value = trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels))
+        value.backward()
+        return value.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_value, ref_grads = loss_and_grads()
+    with integration.patched():
+        value, grads = loss_and_grads()
+    assert rel_err(value, ref_value) < 1e-12, (value.item(), ref_value.item())
+    assert set(grads) == set(ref_grads) and grads
+    overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref_grads.values()]))
+    for name, ref in ref_grads.items():
+        scale = max(float(torch.linalg.vector_norm(ref)), 1e-6 * float(overall))
+        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < 1e-10, name
+
+
 def test_unpatch_restores_the_ese_trainer(ae):
     trainer = ae["angle_emb.angle"].AngleESETrainer
     original = trainer.compute_loss

@@ -73,6 +73,27 @@ def test_bad_folders_and_files_are_refused(tmp_path, capsys):
     assert exc.value.code == 2 and "no such file or folder" in capsys.readouterr().err
 
 
+def test_a_scored_set_without_a_spearman_correlation_is_refused_and_json_stays_strict(tmp_path):
+    """Gold scores all equal, or fewer than 2 rated pairs, leave the Spearman correlation undefined: refused before
+    the model loads (the table and --json had shown NaN, the JSON file with a bare NaN that strict parsers reject).
+    A NaN the model makes (every cosine equal: identical texts) is written as null."""
+    constant = _write(tmp_path / "constant.jsonl",
+                      [json.dumps({"text1": a, "text2": b, "label": 3.0}) for a, b in PAIRS])
+    one = _write(tmp_path / "one.jsonl", [json.dumps({"text1": "a", "text2": "b", "label": 1.0})])
+    with pytest.raises(DataError, match="every gold score is 3, so the Spearman correlation is undefined"):
+        read_dataset(str(constant))
+    with pytest.raises(DataError, match="1 rated pair\\(s\\); a Spearman correlation needs at least 2"):
+        read_dataset(str(one))
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    same = _write(tmp_path / "same.jsonl", [json.dumps({"text1": "a cat", "text2": "a cat", "label": float(i)})
+                                           for i in range(4)])
+    out = tmp_path / "results.json"
+    with pytest.warns(Warning):  # scipy: the input is constant
+        assert main([export, str(same), "--json", str(out)]) == 1
+    assert json.loads(out.read_text()) == {"same": None}
+
+
 def test_malformed_files_name_the_file_and_line(tmp_path):
     """Byte-order marks are dropped; bytes that are not UTF-8 and unusable gold scores are DataErrors with the line."""
     sick_lines = ["pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment",

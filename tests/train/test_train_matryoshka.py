@@ -95,6 +95,16 @@ def test_encode_dim_truncates_before_normalising():
             encoder.encode(TEXTS, tokenizer, dim=bad)
 
 
+def test_encode_refuses_a_batch_size_below_one_and_takes_no_texts():
+    """A negative batch_size made no batch and returned the uninitialised output as embeddings; an empty list crashed
+    inside the tokenizer."""
+    encoder, tokenizer = make_encoder(dtype=torch.float64)
+    for bad in (-1, 0, True, 2.0):
+        with pytest.raises(ValueError, match="batch_size must be an int of at least 1"):
+            encoder.encode(TEXTS, tokenizer, batch_size=bad)
+    assert encoder.encode([], tokenizer).shape == (0, WIDTH) and encoder.encode([], tokenizer, dim=8).shape == (0, 8)
+
+
 def test_sts_spearman_at_a_width():
     from scipy.stats import spearmanr
 
