@@ -96,15 +96,30 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     tokenizer.save_pretrained(path)
     _write_json(os.path.join(path, META_FILE), meta)
     _write_card(path, model_card)
-    if encoder.bidirectional:
-        print(f"note: {path} is a Hugging Face folder only: sentence-transformers would load the model with its "
-              "causal mask, not the bidirectional attention it was trained with (load_pretrained restores it)")
-    elif encoder.pooling in ST_POOLING_KEYS:
-        _write_sentence_transformers_files(path, encoder, encoder.embedding_dim, inference_length, base)
+    unloadable = sentence_transformers_cannot_load(encoder)
+    if unloadable:
+        print(f"note: {path} is a Hugging Face folder only: {unloadable}")
     else:
-        print(f"note: pooling {encoder.pooling!r} has no sentence-transformers equivalent; "
-              f"{path} is a Hugging Face folder only")
+        _write_sentence_transformers_files(path, encoder, encoder.embedding_dim, inference_length, base)
     return path
+
+
+def sentence_transformers_cannot_load(encoder) -> str | None:
+    """Why sentence-transformers cannot load `encoder`'s export as it was trained (then the export writes none of its
+    files), or None."""
+    if encoder.bidirectional:
+        return ("sentence-transformers would load the model with its causal mask, not the bidirectional attention it "
+                "was trained with (load_pretrained restores it)")
+    if encoder.pooling not in ST_POOLING_KEYS:
+        return f"pooling {encoder.pooling!r} has no sentence-transformers equivalent"
+    return None
+
+
+def prefix_prompts(encoder) -> dict[str, str] | None:
+    """{role: prefix} of the encoder's prompts as sentence-transformers' prompts express them, or None where a
+    prompt puts text after '{text}' (which they cannot)."""
+    prefixes = {role: prompt_prefix(template) for role, template in encoder.prompts.as_dict().items()}
+    return None if None in prefixes.values() else prefixes
 
 
 @contextlib.contextmanager
@@ -159,11 +174,10 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
               "embeddings), not these", flush=True)
     _write_json(os.path.join(path, "sentence_bert_config.json"),
                 {"do_lower_case": False, **(st_folder.settings(base) if usable else {}), "max_seq_length": max_length})
-    prompts = encoder.prompts.as_dict()
-    prefixes = {role: prompt_prefix(template) for role, template in prompts.items()}
-    if None in prefixes.values():
-        print(f"note: a prompt of {prompts} puts text after '{{text}}', which sentence-transformers' prefix prompts "
-              f"cannot express; {path} records it in {META_FILE} only (load_pretrained applies it)")
+    prefixes = prefix_prompts(encoder)
+    if prefixes is None:
+        print(f"note: a prompt of {encoder.prompts.as_dict()} puts text after '{{text}}', which sentence-transformers' "
+              f"prefix prompts cannot express; {path} records it in {META_FILE} only (load_pretrained applies it)")
         prefixes = {}
     config = {"similarity_fn_name": "cosine", **(st_folder.config(base) if usable else {})}
     if prefixes or "prompts" not in config:  # the run's prompts, else the base's

@@ -43,6 +43,7 @@ from .checkpoint import (
 from .cli_common import resolve_device
 from .config import TrainConfig, flag_of
 from .data import FORMATS, Example, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples
+from .export import prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import StsSet, encoding_progress, library_progress_bars, read_dataset, sts_spearman_by_dim
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import LoraSettings, LoraTargetError, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
@@ -827,12 +828,43 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
                   "", "| step | dev Spearman |", "|---|---|"]
         lines += [f"| {row['step']} | {row['dev_spearman']:.4f} |" for row in evals]
         lines += [""]
-    lines += ["## Usage", "", "```python", "from sentence_transformers import SentenceTransformer", "",
-              'model = SentenceTransformer("path/to/this/folder")',
-              'embeddings = model.encode(["A first sentence.", "A second one."])', "```", "",
-              "or `angle_train.load_pretrained(path)` (with its pooling, prompts and attention as trained), and "
-              "`angle-eval path ...` for STS and retrieval scores.", ""]
+    lines += ["## Usage", ""] + usage(run.encoder, widths) + [
+        "`angle-eval path ...` gives STS and retrieval scores.", ""]
+    if sentence_transformers_cannot_load(run.encoder):
+        lines[1] = "library_name: transformers"
     return "\n".join(lines)
+
+
+def usage(encoder, widths) -> list[str]:
+    """The model card's usage lines for an export of `encoder`: sentence-transformers where it loads the model as
+    trained (its prompts by name, its Matryoshka widths by truncate_dim), else angle_train.load_pretrained, which
+    applies the pooling, prompts and attention the model was trained with."""
+    own = ["from angle_train import load_pretrained", "",
+           'encoder, tokenizer, meta = load_pretrained("path/to/this/folder")',
+           'embeddings = encoder.encode(["A first sentence.", "A second one."], tokenizer)']
+    cannot = sentence_transformers_cannot_load(encoder)
+    if cannot:
+        return ["```python", *own, "```", "", f"Not through sentence-transformers: {cannot}.", ""]
+    roles = prefix_prompts(encoder)
+    lines = ["```python", "from sentence_transformers import SentenceTransformer", "",
+             'model = SentenceTransformer("path/to/this/folder")']
+    if roles and {"query", "document"} & roles.keys() and roles.get("query") != roles.get("document"):
+        lines += ['query_embeddings = model.encode(["a question"], prompt_name="query")',
+                  'document_embeddings = model.encode(["a passage"], prompt_name="document")']
+    else:
+        lines += ['embeddings = model.encode(["A first sentence.", "A second one."])']
+    if widths:
+        lines += [f"# a Matryoshka prefix: the first {min(widths)} dimensions, normalised",
+                  f'small = SentenceTransformer("path/to/this/folder", truncate_dim={min(widths)})',
+                  'small_embeddings = small.encode(["A first sentence."], normalize_embeddings=True)']
+    lines += ["```", ""]
+    if roles is None:
+        lines += [f"The prompts {encoder.prompts.as_dict()} put text after '{{text}}', which sentence-transformers' "
+                  "prompts cannot express: wrap the texts in them before `encode`, or load the model with "
+                  "angle-train, which applies them:", "", "```python", *own, "```", ""]
+    else:
+        lines += ["or `angle_train.load_pretrained(path)` (with its pooling, prompts and attention as trained).", ""]
+    return lines
 
 
 # -------------------------------------------------------------------------------------------------- finish

@@ -14,7 +14,7 @@ import torch
 from train_helpers import make_encoder, minilm_dir, run_config
 
 from angle_train import cli
-from angle_train.export import META_FILE, save_pretrained
+from angle_train.export import META_FILE, load_pretrained, save_pretrained
 
 TEXTS = ["A man is playing a guitar.", "Someone plays an instrument.", "The cat sleeps on the sofa."]
 
@@ -157,3 +157,31 @@ def test_encode_cuts_texts_at_the_exports_max_length_within_the_positions(tmp_pa
         loaded.encode([long_text], tok, max_length=limit + 1)
     encoder.max_length = None  # no export's length: 512, within the position table
     assert torch.equal(encoder.encode([long_text], tokenizer), encoder.encode([long_text], tokenizer, max_length=limit))
+
+
+def test_the_model_cards_usage_loads_the_model_as_trained(tmp_path):
+    """The card's code is the one that gives the trained embeddings: sentence-transformers, with the role prompts by
+    name and a Matryoshka width by truncate_dim, where it loads the model as trained; angle_train.load_pretrained
+    where it cannot (a pooling it lacks, bidirectional attention) or cannot apply a prompt. Its role-prompt code,
+    run, gives the query embeddings load_pretrained gives."""
+    from sentence_transformers import SentenceTransformer
+
+    from angle_train.data import Prompts
+    from angle_train.trainer import usage
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    assert 'model.encode(["A first sentence.", "A second one."])' in "\n".join(usage(encoder, []))
+    encoder.prompts = Prompts(query="query: ", document="passage: ")
+    text = "\n".join(usage(encoder, [32, 8, 16]))
+    assert 'prompt_name="query"' in text and 'prompt_name="document"' in text and "truncate_dim=8" in text
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "roles"), max_length=16)
+    theirs = SentenceTransformer(export, device="cpu").encode(["a question"], prompt_name="query",
+                                                              convert_to_tensor=True)
+    ours = load_pretrained(export)[0].encode(["a question"], tokenizer, prompt_name="query")
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+    encoder.prompts = Prompts(text='Summarize "{text}" in one word:')
+    assert "wrap the texts in them" in "\n".join(usage(encoder, []))
+    other, _ = make_encoder("bert", dtype=torch.float32, pooling="cls_avg")
+    text = "\n".join(usage(other, []))
+    assert "load_pretrained" in text and "Not through sentence-transformers: pooling 'cls_avg'" in text
+    assert "SentenceTransformer" not in text
