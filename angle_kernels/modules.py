@@ -180,10 +180,11 @@ class AngleLoss(nn.Module):
             check_embeddings("outputs", first, rows_multiple_of=2, layout="format B: query, positive rows")
         else:
             check_embeddings("outputs", first, rows_multiple_of=3, layout="format C: query, positive, negative rows")
-        if settings.angle_w > 0:  # as angle-emb, which reads the attribute at each call: set after construction too
+        if settings.angle_w > 0:
+            # as angle-emb, which reads the attribute at each call: one set after construction too
             check_choice("angle_pooling_strategy", settings.angle_pooling_strategy, POOLING_STRATEGIES)
-        if self.dataset_format != "B" and settings.angle_w > 0:
-            check_angle_dim(first.shape[-1], "outputs")
+            if self.dataset_format != "B":
+                check_angle_dim(first.shape[-1], "outputs")
         ops = resolve_backend(self.backend, outputs)
         nested = self._nested(first.shape[1], layer_weights, layers)
         # outputs is checked whole above, so the formulas are called rather than the public functions, which would

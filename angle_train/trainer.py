@@ -806,7 +806,8 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
 
     base = source("model", cfg.model)
     train_data, dev_data = source("train_examples", cfg.train_data), source("dev_examples", cfg.dev_data)
-    lines = ["---", "library_name: sentence-transformers", "tags: [sentence-transformers, angle-train]", "---", "",
+    library = "transformers" if sentence_transformers_cannot_load(run.encoder) else "sentence-transformers"
+    lines = ["---", f"library_name: {library}", "tags: [sentence-transformers, angle-train]", "---", "",
              f"# {os.path.basename(os.path.normpath(cfg.output_dir))}/{name}", "",
              f"A text embedding model fine-tuned from {base} with angle-train (angle_kernels {__version__}); "
              f"{'the best model by dev Spearman' if name == 'best' else 'the model after the last step'}.", "",
@@ -830,8 +831,6 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
         lines += [""]
     lines += ["## Usage", ""] + usage(run.encoder, widths) + [
         "`angle-eval path ...` gives STS and retrieval scores.", ""]
-    if sentence_transformers_cannot_load(run.encoder):
-        lines[1] = "library_name: transformers"
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import importlib
 import json
 import multiprocessing
 import os
@@ -243,20 +244,13 @@ def similarity_flops_executed(backend: str, m: int, mc: int, d: int, dims: tuple
     triton_ops/_similarity_xent_dense_dims.py) and torch on a GPU recompute the tiles in backward, their slice
     products costing what the full width's do (2 + 2 + 4); torch on the CPU forms them in forward (2 + 4) for the
     weights its last backward of the kind received (torch_ops/similarity_xent.py; the GPU sweeps count the GPU's)."""
-    if backend == "triton":
-        from angle_kernels.triton_ops import similarity_xent_paths
-
+    if backend in ("triton", "cuda"):  # the scheme the backend's similarity_xent takes at this shape
+        paths = importlib.import_module(f"angle_kernels.{backend}_ops.similarity_xent_paths")
         rows, columns = torch.empty(m, d, device="meta"), torch.empty(mc, d, device="meta")
-        path = similarity_xent_paths.code_path(rows, columns, 1.0, "diagonal", dims=dims)
-        backend = "triton-dense" if path in ("dense", "dense_dims") else "triton-fused"
+        path = paths.code_path(rows, columns, 1.0, "diagonal", dims=dims)
+        backend += "-dense" if path in ("dense", "dense_dims") else "-fused"
     if dims is not None and backend == "triton-fused":
         return m * mc * (6 * d + 4 * sum(dims))
-    if backend == "cuda":
-        from angle_kernels.cuda_ops import similarity_xent_paths as cuda_similarity_xent_paths
-
-        rows, columns = torch.empty(m, d, device="meta"), torch.empty(mc, d, device="meta")
-        path = cuda_similarity_xent_paths.code_path(rows, columns, 1.0, "diagonal", dims=dims)
-        backend = "cuda-fused" if path == "fused" else "cuda-dense"
     units = {"triton-fused": 10, "cuda-fused": 8}.get(backend, 8 if dims is not None else 6)
     return units * m * mc * d
 

@@ -227,11 +227,10 @@ def loss_over_the_positive(relative_log_partitions: list[torch.Tensor], holds_po
     (bf16, loss ~1e-3). Left out, the positive's weight in the op is gone; every term the ops return is scaled by
     the (small) weight of the columns that are not the positive, and no two large terms cancel."""
     x = torch.stack(relative_log_partitions)
-    held = [b for b, holds in enumerate(holds_positive) if holds]
     if joint:
-        return torch.logsumexp(torch.cat([torch.full_like(x[:1], math.log(len(held))), x]), dim=0)
-    return torch.stack([torch.logaddexp(x[b], torch.zeros_like(x[b])) if b in held else x[b]
-                        for b in range(len(x))]).mean(dim=0)
+        return torch.logsumexp(torch.cat([torch.full_like(x[:1], math.log(sum(holds_positive))), x]), dim=0)
+    return torch.stack([torch.logaddexp(x_b, torch.zeros_like(x_b)) if holds else x_b
+                        for x_b, holds in zip(x, holds_positive)]).mean(dim=0)
 
 
 def _rows_for(ops: Ops, *rows: torch.Tensor) -> list[torch.Tensor]:
