@@ -95,8 +95,9 @@ class AngleLoss(nn.Module):
         false_negative_margin: keyword-only; None (default: no filter) or a real number (see above).
         false_negative_strategy: keyword-only; "absolute" (default) or "relative".
         dims, dim_weights: keyword-only; Matryoshka training (angle_kernels.functional): every term on every
-            prefix of the embeddings, weighted and summed, the prefixes from one read of the embeddings. Not
-            combined yet with format A's "gte" partition or false-negative filter (a ValueError says so).
+            prefix of the embeddings, weighted and summed, the prefixes from one read of the embeddings (format A's
+            "gte" partition and false-negative filter: one similarity_lse call per block for every prefix where
+            the backend's similarity_lse has dims, else one per prefix).
             forward's keyword `layer_weights` (layer-wise, Espresso training): `outputs` is a stack [L, rows, D]
             of L layers' embeddings and the loss the weighted sum of the layers' losses (see functional).
         backend: keyword-only; "auto" (default), "torch", "triton" or "cuda".

@@ -1,7 +1,8 @@
 """`angle-eval`: the AnglE paper's evaluation of an embedding model, from datasets in their original layouts.
 
     angle-eval MODEL PATH [PATH ...] [--pooling P] [--max-length L] [--prompt T] [--query-prompt T]
-               [--doc-prompt T] [--columns NAME=COLUMN ...] [--batch-size B] [--device D] [--json OUT]
+               [--doc-prompt T] [--columns NAME=COLUMN ...] [--dims D ... | trained] [--batch-size B] [--device D]
+               [--json OUT]
                [--progress 0|1] [--debug] [--version]
 
 MODEL is an `angle_train` export (a folder with angle_train.json: its pooling, prompts and maximum length are
@@ -26,10 +27,12 @@ text2=sent_b label=similarity.
 
 The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting:
 one correlation over every pair of a year's subsets together. `--json OUT` writes {dataset name: score} (the
-retrieval metrics as {name: {"recall@1": ..., ...}}). The trainer's dev evaluation uses the same Spearman
-(sts_spearman_by_dim). A progress bar per dataset counts the texts embedded, on stderr when it is a terminal
-(--progress 1 / 0: always / never). A mistake in the arguments, files or data is one line on stderr and status 2
-(its traceback with --debug).
+retrieval metrics as {name: {"recall@1": ..., ...}}). `--dims 256 64` scores the first 256 and 64 features of every
+embedding too (a Matryoshka model's widths; `--dims trained`: those an angle_train export was trained at), from the
+same embeddings, under "name@256" and "name@64" (a row per width in the table). The trainer's dev evaluation uses
+the same Spearman (sts_spearman_by_dim). A progress bar per dataset counts the texts embedded, on stderr when it is
+a terminal (--progress 1 / 0: always / never). A mistake in the arguments, files or data is one line on stderr and
+status 2 (its traceback with --debug).
 """
 
 from __future__ import annotations
@@ -263,25 +266,37 @@ def library_progress_bars(enabled: bool | None):
 
 
 def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length: int | None = None,
-             progress: bool | None = None) -> dict:
+             progress: bool | None = None, dims=()) -> dict:
     """{name: Spearman x 100} for the STS sets and {name: {metric: value}} for the retrieval sets, with the
     encoder's prompts (encoder.prompts: the text prompt for STS pairs, the query and document prompts for
-    retrieval). progress: a bar per dataset (encoding_progress; None: when stderr is a terminal)."""
+    retrieval). dims: narrower widths (Matryoshka prefixes) scored too, from the same embeddings (each text embedded
+    once), under "name@d" as the trainer's dev_spearman@d. progress: a bar per dataset (encoding_progress; None:
+    when stderr is a terminal)."""
     names = [dataset.name for dataset in datasets]
     if len(set(names)) != len(names):
         raise ValueError(f"two datasets have the same name ({names}): evaluate each year folder or file once")
+    widths = [None, *dims]
+    for dim in dims:
+        check_dim(dim, encoder.embedding_dim)  # before any text is embedded
+    keys = [name if dim is None else f"{name}@{dim}" for name in names for dim in widths]
+    if len(set(keys)) != len(keys):  # a width twice, or a dataset named as another's truncated width
+        raise ValueError(f"the datasets {names} at the widths {list(dims)} give two results one name; pass each "
+                         "width once (and rename a file named NAME@WIDTH)")
     results = {}
     for dataset in datasets:
         if isinstance(dataset, StsSet):
             with encoding_progress(encoder, 2 * len(dataset.examples), dataset.name, progress):
-                results[dataset.name] = 100.0 * sts_spearman(encoder, tokenizer, dataset.examples,
-                                                             batch_size=batch_size, max_length=max_length)
+                scores = sts_spearman_by_dim(encoder, tokenizer, dataset.examples, widths, batch_size=batch_size,
+                                             max_length=max_length)
+            scores = {dim: 100.0 * score for dim, score in scores.items()}
         else:
             embed = {"batch_size": batch_size, "max_length": max_length}
             with encoding_progress(encoder, len(dataset.queries) + len(dataset.documents), dataset.name, progress):
-                results[dataset.name] = retrieval_metrics(
-                    encoder.encode(dataset.queries, tokenizer, prompt_name="query", **embed),
-                    encoder.encode(dataset.documents, tokenizer, prompt_name="document", **embed))
+                queries = encoder.encode(dataset.queries, tokenizer, prompt_name="query", **embed)
+                documents = encoder.encode(dataset.documents, tokenizer, prompt_name="document", **embed)
+            scores = {dim: retrieval_metrics(truncate(queries, dim), truncate(documents, dim)) for dim in widths}
+        results.update({dataset.name if dim is None else f"{dataset.name}@{dim}": score
+                        for dim, score in scores.items()})
     return results
 
 
@@ -317,16 +332,21 @@ def load_model(model: str, *, pooling: str | None = None, device: str | torch.de
     return encoder, tokenizer, {}
 
 
-def table(results: dict) -> str:
-    sts = {name: value for name, value in results.items() if not isinstance(value, dict)}
+def table(results: dict, dims=()) -> str:
+    """evaluate's results: the STS scores as a table, a column per dataset and their average, and a row per width
+    when `dims` (evaluate's) adds truncated ones; a line per retrieval result."""
+    truncated = {f"{name}@{dim}" for name in results for dim in dims}
+    sts = [name for name, value in results.items() if not isinstance(value, dict) and name not in truncated]
+    rows = {"all": {name: results[name] for name in sts}} | {f"@{d}": {n: results[f"{n}@{d}"] for n in sts}
+                                                             for d in dims}
     lines = []
     if sts:
-        names = list(sts)
-        if len(names) > 1:
-            names.append("Avg.")
-            sts["Avg."] = sum(sts.values()) / len(sts)
-        lines += ["| " + " | ".join(names) + " |", "|" + "---|" * len(names),
-                  "| " + " | ".join(f"{sts[n]:.2f}" for n in names) + " |"]
+        average, label = len(sts) > 1, len(rows) > 1
+        header = ["dims"] * label + sts + ["Avg."] * average
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for width, scores in rows.items():
+            cells = list(scores.values()) + [sum(scores.values()) / len(scores)] * average
+            lines.append("| " + " | ".join([width] * label + [f"{c:.2f}" for c in cells]) + " |")
     for name, metrics in results.items():
         if isinstance(metrics, dict):
             lines.append(f"{name}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -344,6 +364,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def width_or_trained(text: str) -> int | str:
+    """argparse's type for --dims: a width >= 1, or 'trained'."""
+    return text if text == "trained" else positive_int(text)
+
+
+def narrower_widths(requested, meta: dict, width: int, model: str) -> list:
+    """The widths below the embeddings' `width` that --dims asks for, largest first ('trained': the widths the export
+    was trained at, angle_train.json's matryoshka_dims); the full width is always scored."""
+    dims = set()
+    for value in requested:
+        if value == "trained":
+            if not meta.get("matryoshka_dims"):
+                raise ValueError(f"--dims trained: {model} records no trained widths (an angle_train export of a run "
+                                 "with --matryoshka-dims or --espresso does); give the widths as numbers")
+            dims.update(meta["matryoshka_dims"])
+        elif value > width:
+            raise ValueError(f"--dims {value} is wider than the embeddings of {model} ({width} features)")
+        else:
+            dims.add(value)
+    return sorted((d for d in dims if d < width), reverse=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="angle-eval", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -359,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the columns of JSONL/CSV/TSV PATHs to read under the format's names (text1, text2, "
                         "label, query, positive), as angle-train's --columns: PATH ... --columns text1=sent_a "
                         "text2=sent_b label=similarity")
+    parser.add_argument("--dims", nargs="+", type=width_or_trained, default=[], metavar="D",
+                        help="also score the first D features of every embedding (Matryoshka widths), each text "
+                        "embedded once; results under NAME@D; 'trained': the widths an angle_train export was "
+                        "trained at")
     parser.add_argument("--batch-size", type=positive_int, default=128)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda if available, as "
                         "angle-train)")
@@ -413,10 +459,11 @@ def main(argv=None) -> int:
         encoder.prompts = Prompts(text=saved.text if args.prompt is None else args.prompt,
                                   query=saved.query if args.query_prompt is None else args.query_prompt,
                                   document=saved.document if args.doc_prompt is None else args.doc_prompt)
+        dims = narrower_widths(args.dims, meta, encoder.embedding_dim, args.model)
         results = evaluate(encoder, tokenizer, datasets, batch_size=args.batch_size,
                            max_length=encoding_length(args.max_length, meta, encoder, tokenizer, args.model),
-                           progress=args.progress)
-        print(table(results))
+                           progress=args.progress, dims=dims)
+        print(table(results, dims=dims))
         if args.json_out:  # strict JSON: an undefined score (constant cosines: NaN) is null
             with open(args.json_out, "w", encoding="utf-8") as f:
                 json.dump(_finite_or_none(results), f, indent=2, allow_nan=False)

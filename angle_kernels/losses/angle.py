@@ -297,23 +297,31 @@ def in_batch_negatives(
         loss = ops.similarity_xent(y_pred, None, tau, "partner", row_weights=pairs.repeat_interleave(2),
                                    exclude_diagonal=True, group_ids=group_ids, dims=nested_dims(nested))
         return combined(loss, nested)
-    if nested is not None:
-        raise ValueError("dims (Matryoshka) works with the in-batch-negative term only with partition='angle' and "
-                         "no false-negative filter for now")
     if group_ids is not None:
         raise ValueError("group_ids works only with partition='angle' and no false-negative filter")
-    queries, documents = y_pred[0::2], y_pred[1::2]
     options = dict(scale=tau, false_negative_margin=false_negative_margin,
                    false_negative_strategy=false_negative_strategy)
-    if partition == "gte":
-        return (pairs * multiple_negatives_rows(ops, queries, documents, [], directions=IBN_PARTITIONS["gte"],
-                                                **options)).mean()
-    # A row against every other row is one query's "query_to_doc" and "query_to_query" blocks, with the pair's
-    # document as the query for row 2k + 1.
+    # GTE's term is one per pair (divided by N); AnglE's two rows of each pair (divided by 2N). A row against every
+    # other row is one query's "query_to_doc" and "query_to_query" blocks, with the pair's document as the query
+    # for row 2k + 1.
     one_row = ("query_to_doc", "query_to_query")
-    both_rows = (multiple_negatives_rows(ops, queries, documents, [], directions=one_row, **options)
-                 + multiple_negatives_rows(ops, documents, queries, [], directions=one_row, **options))
-    return (pairs * both_rows).sum() / y_pred.shape[0]
+
+    def pair_losses(queries, documents, dims=None):  # [N], or [k, N] for the prefixes `dims`
+        if partition == "gte":
+            return multiple_negatives_rows(ops, queries, documents, [], directions=IBN_PARTITIONS["gte"],
+                                           dims=dims, **options)
+        return (multiple_negatives_rows(ops, queries, documents, [], directions=one_row, dims=dims, **options)
+                + multiple_negatives_rows(ops, documents, queries, [], directions=one_row, dims=dims, **options))
+
+    rows = y_pred.shape[0] // 2 if partition == "gte" else y_pred.shape[0]
+    queries, documents = y_pred[0::2], y_pred[1::2]
+    if nested is None:
+        return (pairs * pair_losses(queries, documents)).sum() / rows
+    if ops.takes_in_one_call("similarity_lse", queries, documents, tau, dims=nested.dims):
+        return nested.combine((pairs * pair_losses(queries, documents, nested.dims)).sum(dim=-1) / rows)
+    # one pass per prefix where the backend computing similarity_lse without dims lacks them (as MNRL does)
+    return nested.combine(torch.stack([(pairs * pair_losses(queries[:, :d], documents[:, :d])).sum() / rows
+                                       for d in nested.dims]))
 
 
 # AngleLoss (angle_kernels.modules): the AnglE objective, paper Eq. 8, assembled as angle-emb 0.6.1's AngleLoss

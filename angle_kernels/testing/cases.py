@@ -95,14 +95,16 @@ def _split(kwargs):
     return construction, forward
 
 
-def _angle_module(dataset_format):
+def _angle_module(dataset_format, **options):
+    """AngleLoss in `dataset_format` with its cosine and angle terms and the default in-batch term, or that term with
+    `options` (ibn_partition, the false-negative filter)."""
     def make(draw, kwargs):
         construction, forward = _split(kwargs)
         if dataset_format == "A":
             labels, outputs = draw.zigzag(binary=True)
         else:
             labels, outputs = torch.zeros(18), draw.embeddings(18)
-        weights = dict(cosine_w=1.0, angle_w=0.5, dataset_format=dataset_format)
+        weights = dict(cosine_w=1.0, angle_w=0.5, dataset_format=dataset_format, **options)
         module = ak.AngleLoss(**weights, **construction)
 
         def ours(x, backend):
@@ -140,6 +142,9 @@ LOSS_CASES = {
     "mnrl_false_negatives": ("similarity_lse", _mnrl(dict(directions=("query_to_doc", "doc_to_query"),
                                                           false_negative_margin=0.1))),
     "AngleLoss_A": ("pair_scores", _angle_module("A")),
+    # format A's in-batch term on the similarity_lse blocks: GTE's partition, AnglE's with the filter
+    "AngleLoss_A_gte": ("similarity_lse", _angle_module("A", ibn_partition="gte")),
+    "AngleLoss_A_filter": ("similarity_lse", _angle_module("A", false_negative_margin=0.1)),
     "AngleLoss_B": ("similarity_xent", _angle_module("B")),
     "AngleLoss_C": ("pair_scores", _angle_module("C")),
     "ArcCSELoss": ("pair_scores", _arccse_module),

@@ -4,6 +4,7 @@ EmbeddingSimilarityEvaluator on the shipped STS-B test file for an exported mode
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,50 @@ def test_spearman_in_the_all_setting_and_the_json(tmp_path):
     cosine = torch.nn.functional.cosine_similarity(first, second)
     assert got["STS14"] == pytest.approx(100 * spearmanr(cosine.numpy(), [ex.label for ex in rated]).statistic,
                                          abs=1e-9)
+
+
+def test_matryoshka_widths_from_one_embedding_of_each_text(tmp_path, capsys):
+    """--dims scores the first D features too: each under NAME@D, equal to the truncated embeddings' scores, every
+    text embedded once for all widths; 'trained' reads the export's widths (the full width is the plain row)."""
+    from angle_train.models import truncate
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")  # 32 features
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16, matryoshka_dims=[32, 8, 16])
+    plain = save_pretrained(encoder, tokenizer, str(tmp_path / "plain"), max_length=16)
+    folder = _year_folder(tmp_path, "STS14", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    retrieval = _write(tmp_path / "nq-mini.jsonl", [json.dumps({"query": a, "positive": b}) for a, b in PAIRS])
+    out = tmp_path / "results.json"
+    encoded = []
+    original_encode = type(encoder).encode
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(encoder), "encode", lambda self, texts, *a, **k: (encoded.append(len(texts)),
+                                                                             original_encode(self, texts, *a, **k))[1])
+        assert main([export, str(folder), str(retrieval), "--dims", "trained", "--json", str(out)]) == 0
+    assert encoded == [5, 5, 6, 6]  # each dataset's texts once, for the three widths
+    got = json.loads(out.read_text())
+    assert list(got) == ["STS14", "STS14@16", "STS14@8", "nq-mini", "nq-mini@16", "nq-mini@8"]
+    rated = read_dataset(str(folder)).examples
+    first = encoder.encode([ex.texts[0] for ex in rated], tokenizer)
+    second = encoder.encode([ex.texts[1] for ex in rated], tokenizer)
+    queries = encoder.encode([a for a, _ in PAIRS], tokenizer)
+    documents = encoder.encode([b for _, b in PAIRS], tokenizer)
+    for dim, suffix in ((None, ""), (16, "@16"), (8, "@8")):
+        cosine = torch.nn.functional.cosine_similarity(truncate(first, dim), truncate(second, dim))
+        assert got["STS14" + suffix] == pytest.approx(
+            100 * spearmanr(cosine.numpy(), [ex.label for ex in rated]).statistic, abs=1e-9)
+        assert got["nq-mini" + suffix] == pytest.approx(retrieval_metrics(truncate(queries, dim),
+                                                                          truncate(documents, dim)), abs=1e-12)
+    assert got["STS14@8"] != got["STS14"]  # the widths score different embeddings
+    printed = capsys.readouterr().out
+    assert "| dims | STS14 |" in printed and "| @8 | " in printed and "nq-mini@16: recall@1" in printed
+    assert main([export, str(folder), "--dims", "8", "32", "8"]) == 0  # repeated and full widths: counted once
+    assert [line.split(" |")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| all", "| @8"]
+    for dims, message in ((["trained"], "--dims trained: .* records no trained widths"),
+                          (["33"], "--dims 33 is wider than the embeddings of .* \\(32 features\\)"),
+                          (["0"], "expected a whole number >= 1; got 0")):
+        with pytest.raises(SystemExit) as exc:
+            main([plain, str(folder), "--dims", *dims])
+        assert exc.value.code == 2 and re.search(message, capsys.readouterr().err)
 
 
 def test_retrieval_metrics_against_a_brute_force_ranking():
