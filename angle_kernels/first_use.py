@@ -68,6 +68,8 @@ SEED = 0
 # The differentiable inputs of each op (fields of its validated call, contract.check_<op>): the check's leaves.
 LEAVES = {"pair_scores": ("x",), "ranking_loss": ("scores",), "similarity_xent": ("q", "c"),
           "similarity_lse": ("q", "c")}
+# The code paths whose fp32 products are torch's (torch.mm: torch.backends.cuda.matmul.allow_tf32 applies)
+TORCH_PRODUCT_PATHS = ("dense", "dense_dims")
 
 
 @dataclass(frozen=True)
@@ -142,10 +144,11 @@ def _layout(t: torch.Tensor | None) -> str | None:
 
 def _precision(dtype: torch.dtype, path: str) -> str:
     """Whether fp32 products run in TF32 (a kernel variant, and another accuracy): the fused kernels follow
-    ANGLE_KERNELS_ALLOW_TF32 (_similarity_tiles._dot_precision), the dense scheme's products torch's switch."""
+    ANGLE_KERNELS_ALLOW_TF32 (_similarity_tiles._dot_precision), the dense schemes' products (torch.mm, one width
+    and dims) torch's switch."""
     if dtype != torch.float32:
         return "ieee"
-    if path == "dense":
+    if path in TORCH_PRODUCT_PATHS:
         return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     allowed = os.environ.get("ANGLE_KERNELS_ALLOW_TF32", "0") not in ("", "0") and not triton_interpreting()
     return "tf32" if allowed else "ieee"
@@ -239,16 +242,19 @@ def decide(candidate, op: str, call: contract.Call, path: str) -> Outcome:
     device = call.device
     if not may_check(candidate.name, op, path, device):
         return Outcome(False)
-    if tracing(device):  # recorded outcomes only, and nothing kept: an eager call of this kind checks
+    if tracing(device):  # this process's or recorded outcomes only, and nothing kept: an eager call checks its kind
         try:
-            record = _recorded(kind_of(candidate, op, call))
+            outcome = _outcomes.get(_key(candidate, op, call, path))
+            record = None if outcome is not None else _recorded(kind_of(candidate, op, call))
         except Exception:  # noqa: BLE001 (symbolic shapes: no bucket to look up)
-            record = None
+            outcome = record = None
+        if outcome is not None:  # decided by an eager call of this process (recorded or not: an unwritable cache)
+            return outcome
         if record is None:
             return Outcome(False, f"{_unverified(candidate, op, path, device)}, and under torch.compile tracing or "
                                   "CUDA-graph capture no first-use check runs (a call outside them checks its kind)")
         return _from_record(record)
-    key = (candidate.name, op, path, call.dtype, _frozen(bucket(candidate.name, op, path, call)), device.index)
+    key = _key(candidate, op, call, path)
     outcome = _outcomes.get(key)
     if outcome is None:
         kind = kind_of(candidate, op, call)
@@ -260,6 +266,11 @@ def decide(candidate, op: str, call: contract.Call, path: str) -> Outcome:
         if not outcome.computes:
             _tell(candidate.name, op, kind, outcome)
     return outcome
+
+
+def _key(candidate, op: str, call: contract.Call, path: str) -> tuple:
+    """The kind of call as this process's key of `_outcomes`."""
+    return (candidate.name, op, path, call.dtype, _frozen(bucket(candidate.name, op, path, call)), call.device.index)
 
 
 def reason(candidate, op: str, call: contract.Call, path: str) -> str:
@@ -307,7 +318,8 @@ def _from_record(record: dict, recorded: bool = True) -> Outcome:
     if record.get("error"):
         failed = f"it raised {record['error']}"
     else:
-        errors, allowed = record.get("errors") or {}, record.get("allowed") or {}
+        errors, allowed = (value if isinstance(value, dict) else {}
+                           for value in (record.get("errors"), record.get("allowed")))
         failed = "; ".join(f"{kind} error {_number(errors.get(kind)):.2e} > allowed {_number(allowed.get(kind)):.2e}"
                            for kind in ("value", "grad")
                            if not _number(errors.get(kind)) <= _number(allowed.get(kind))) or "failed"
@@ -366,9 +378,18 @@ def _leaves(op: str, call: contract.Call) -> list[torch.Tensor]:
     return [leaf for leaf in (getattr(call, name) for name in LEAVES[op]) if leaf is not None]
 
 
+def _tensors(call: contract.Call) -> dict[str, torch.Tensor]:
+    """The call's tensor arguments by name."""
+    return {name: value for name, value in zip(call._names, call.args) if isinstance(value, torch.Tensor)}
+
+
 def _checkable(op: str, call: contract.Call) -> bool:
-    """Whether a call can be checked: its leaves hold elements (an empty call checks nothing) and all are finite."""
-    return all(leaf.numel() > 0 and bool(torch.isfinite(leaf).all()) for leaf in _leaves(op, call))
+    """Whether a call can be checked: its leaves hold elements (an empty call checks nothing) and every floating
+    tensor of it (row weights, filter thresholds, labels too) is finite: a NaN the caller passes is no fault of the
+    code path, and a record of it would keep the path off for good. On detached tensors: nothing is saved for
+    autograd (inside torch.utils.checkpoint, a tensor saved by the first call only would fail its recomputation)."""
+    return all(leaf.numel() > 0 for leaf in _leaves(op, call)) and all(
+        bool(torch.isfinite(t.detach()).all()) for t in _tensors(call).values() if t.is_floating_point())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -492,26 +513,68 @@ def _torch_op(op: str):
 
 @contextlib.contextmanager
 def _isolated(device: torch.device):
-    """Autograd on, autocast off (the float64 reference must stay float64), whatever the caller's mode."""
-    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+    """Autograd on, autocast off (the float64 reference must stay float64), and the check's saved tensors kept as
+    they are, whatever the caller's mode: inside a region of torch.utils.checkpoint (or save_on_cpu) the caller's
+    saved-tensor hooks would pack the check's tensors, and its backward would start the region's recomputation."""
+    with (torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False),
+          torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is)):
         yield
 
 
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _fresh(value: torch.Tensor) -> torch.Tensor:
+    """A copy of `value` with its strides and its start's 16-byte alignment (the storage offset modulo 16 bytes):
+    the layout the kernels are specialised on (`_layout`), which a clone would make contiguous and aligned; a clone
+    where the layout cannot be copied (overlapping elements, e.g. an expanded tensor)."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()) if size > 0)
+    if value.numel() == 0 or any(stride <= 0 for stride in value.stride()):
+        return value.clone()
+    offset = value.storage_offset() % max(1, 16 // value.element_size())  # allocations start 16-byte aligned
+    storage = torch.empty(offset + extent, dtype=value.dtype, device=value.device)
+    fresh = storage.as_strided(value.shape, value.stride(), offset)
+    try:
+        return fresh.copy_(value)
+    except RuntimeError:  # elements that share memory
+        return value.clone()
+
+
 def _outputs_and_grads(function, op: str, call: contract.Call, to: torch.dtype | None, weights=None, gen=None):
-    """function(*call.args) with fresh leaves (copies of the call's, converted `to` a dtype), and the gradients of
-    sum_k <output_k, weights_k> with respect to them (weights drawn from gen when not given)."""
-    leaves = {}
+    """function(*call.args) with fresh leaves (copies of the call's, converted `to` a dtype; in the call's layout
+    when not converted), and the gradients of sum_k <output_k, weights_k> with respect to them (weights drawn from gen
+    when not given). The call's other tensors: made outside inference mode where they are inference tensors (an
+    autograd Function cannot save those), and a filter that is the rows of a leaf (a filter on the model's own
+    scores: the kernels take their own-filter route for it) made the fresh leaf's, when not converted."""
+    leaves, others = {}, {}
     for name in LEAVES[op]:
         value = getattr(call, name)
         if value is not None:
             leaf = value.detach()
-            leaves[name] = (leaf.clone() if to is None else leaf.to(to, copy=True)).requires_grad_()
-    outputs = function(*replace(call, **leaves).args)
+            leaves[name] = (_fresh(leaf) if to is None else leaf.to(to, copy=True)).requires_grad_()
+    originals = {name: getattr(call, name) for name in leaves}
+    for name, value in _tensors(call).items():
+        if name in leaves:
+            continue
+        same_rows = next((leaf for leaf_name, leaf in leaves.items() if _same_rows(value, originals[leaf_name])),
+                         None)
+        if same_rows is not None and to is None:
+            others[name] = same_rows.detach()
+        elif value.is_inference():
+            others[name] = value.clone()
+    outputs = function(*replace(call, **leaves, **others).args)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     if weights is None:
         weights = [torch.randn(o.shape, generator=gen, dtype=torch.float64, device=o.device) for o in outputs]
     torch.autograd.backward([(o.double() * w).sum() for o, w in zip(outputs, weights) if o.requires_grad])
     return [o.detach() for o in outputs], [leaf.grad for leaf in leaves.values()], weights
+
+
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same elements of the same memory (a detached view of the other)."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
 
 
 def error(out: torch.Tensor, ref: torch.Tensor) -> float:

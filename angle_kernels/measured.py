@@ -416,7 +416,10 @@ def fixed_order(op: str, allowed: list[Candidate]) -> list[Candidate]:
     behind torch (behind both of its paths)."""
     late = [c for c in allowed if (c.name, op) in AFTER_TORCH]
     rest = [c for c in allowed if c not in late]
-    at = max((i + 1 for i, c in enumerate(rest) if c.name == "torch"), default=len(rest))
+    at = len(rest)  # behind the last torch entry (a loop: torch.compile cannot trace max(generator, default=))
+    for i, candidate in enumerate(rest):
+        if candidate.name == "torch":
+            at = i + 1
     return rest[:at] + late + rest[at:]
 
 

@@ -41,10 +41,19 @@ _warned: set = set()
 
 
 def cache_dir() -> Path:
-    """$ANGLE_KERNELS_CACHE_DIR, else $XDG_CACHE_HOME/angle_kernels, else ~/.cache/angle_kernels."""
+    """$ANGLE_KERNELS_CACHE_DIR, else $XDG_CACHE_HOME/angle_kernels, else ~/.cache/angle_kernels; an OSError where
+    none is set and the home directory is unknown (HOME unset and no passwd entry: a container run under an
+    arbitrary user id)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "angle_kernels"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "angle_kernels"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError) as exc:
+        raise OSError(f"no folder for the cache: {CACHE_ENV} and XDG_CACHE_HOME are unset and the home directory "
+                      f"is unknown ({exc})") from None
+    return home / ".cache" / "angle_kernels"
 
 
 def cache_file() -> Path:
@@ -103,8 +112,14 @@ def _load(path: Path) -> tuple[dict, str | None]:
 
 def read(path: Path | None = None) -> dict:
     """The cache's contents ({"format", "verified", "checks"}); empty when there is none or it is unusable (one
-    RuntimeWarning per process and file saying why)."""
-    path = path or cache_file()
+    RuntimeWarning per process and file saying why), or when there is no folder for it (`cache_dir`)."""
+    try:
+        path = path or cache_file()
+    except OSError as exc:
+        if "" not in _warned:
+            _warned.add("")
+            warnings.warn(f"angle_kernels: no cache is read or written: {exc}", RuntimeWarning, stacklevel=2)
+        return _empty()
     contents, why = _load(path)
     if why is not None and str(path) not in _warned:
         _warned.add(str(path))
@@ -150,9 +165,15 @@ def locked(path: Path | None = None) -> Iterator[None]:
 
 def update(change: Callable[[dict], dict | None], path: Path | None = None) -> dict:
     """Apply `change` to the cache's contents under its lock and write the result atomically; returns it. `change`
-    edits the dict in place (or returns a new one). An unusable file is replaced."""
+    edits the dict in place (or returns a new one). An unusable file is replaced, but for one a later version of
+    the package wrote (a newer format: another environment's records, kept): an OSError, as for a folder that
+    cannot be written."""
     path = path or cache_file()
     with locked(path):
+        newer = _newer_format(path)
+        if newer is not None:
+            raise OSError(f"{path} was written in format {newer} by a later version of angle_kernels (this one writes "
+                          f"format {FORMAT}): left as it is")
         contents, _ = _load(path)
         changed = change(contents)
         contents = contents if changed is None else changed
@@ -161,9 +182,23 @@ def update(change: Callable[[dict], dict | None], path: Path | None = None) -> d
     return contents
 
 
+def _newer_format(path: Path) -> int | None:
+    """The format of the cache file when it is a later one than FORMAT, else None."""
+    try:
+        if not 0 < path.stat().st_size <= MAX_BYTES:
+            return None
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    found = data.get("format") if isinstance(data, dict) else None
+    return found if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT else None
+
+
 def forget(path: Path | None = None) -> bool:
-    """Remove the cache file (under its lock); True when there was one."""
+    """Remove the cache file (under its lock); True when there was one (none: nothing is created)."""
     path = path or cache_file()
+    if not os.path.lexists(path):
+        return False
     with locked(path):
         try:
             path.unlink()
@@ -174,9 +209,19 @@ def forget(path: Path | None = None) -> bool:
 
 
 def write_json_atomic(path: Path, data) -> None:
-    """`data` as JSON in `path` (its folder created), written aside and renamed: a reader never sees half a file."""
+    """`data` as JSON in `path` (its folder created), written aside and renamed: a reader never sees half a file,
+    and a write that fails (a full disk, `path` a folder) leaves no temporary file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.stem}-", suffix=".json", delete=False,
                                      encoding="utf-8") as tmp:
-        json.dump(data, tmp, indent=1)
-    os.replace(tmp.name, path)
+        try:
+            json.dump(data, tmp, indent=1)
+        except BaseException:
+            tmp.close()
+            os.unlink(tmp.name)
+            raise
+    try:
+        os.replace(tmp.name, path)
+    except BaseException:
+        os.unlink(tmp.name)
+        raise

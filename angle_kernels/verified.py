@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+from pathlib import Path
 
 import torch
 
@@ -206,9 +207,9 @@ def read_cache() -> list[dict]:
     return user_cache.read()["verified"]
 
 
-def write_cache(passed: list[dict], failed: list[dict]) -> None:
+def write_cache(passed: list[dict], failed: list[dict]) -> Path:
     """Record a verification run in the user's cache: `passed` entries replace the entries for the same (backend,
-    op, path) and identity; the identities of `failed` entries lose theirs."""
+    op, path) and identity; the identities of `failed` entries lose theirs. Returns the cache file."""
     replaced = passed + failed
 
     def change(contents: dict) -> None:
@@ -217,6 +218,7 @@ def write_cache(passed: list[dict], failed: list[dict]) -> None:
         contents["verified"] = kept + passed
 
     user_cache.update(change)
+    return user_cache.cache_file()
 
 
 # Per process: the entries (table + cache, read at the first question), identities per (backend, op, path,

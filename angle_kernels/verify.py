@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 import time
 import warnings
@@ -450,7 +451,8 @@ def describe_cache() -> str:
                      f"(sm_{str(e.get('capability')).replace('.', '')}, torch {e.get('torch')}{compiler}; "
                      f"code {e.get('fingerprint')}) at {e.get('sizes')} sizes, {e.get('date')}")
     for r in contents["checks"]:
-        bucket = ", ".join(f"{k}={v}" for k, v in sorted((r.get("bucket") or {}).items()))
+        bucket = r.get("bucket") if isinstance(r.get("bucket"), dict) else {}
+        bucket = ", ".join(f"{k}={v}" for k, v in sorted(bucket.items()))
         lines.append(f"{'passed' if r.get('pass') else 'FAILED'}    {r.get('backend')} {r.get('op')} {r.get('path')} "
                      f"{r.get('dtype')} [{bucket}] on {r.get('gpu')} (code {r.get('fingerprint')}), {r.get('date')}")
     return "\n".join(lines)
@@ -494,11 +496,20 @@ def main(argv=None) -> int:
         print(describe_cache())
         return 0
     if args.forget:
-        where = user_cache.cache_file()
-        print(f"removed {where}" if user_cache.forget() else f"nothing to remove: {where} does not exist")
+        try:
+            where = user_cache.cache_file()
+            print(f"removed {where}" if user_cache.forget() else f"nothing to remove: {where} does not exist")
+        except OSError as exc:
+            print(f"cannot remove the cache: {exc}", file=sys.stderr)
+            return 1
         return 0
     if args.time_limit is not None and not args.time_limit > 0:
         parser.error("--time-limit must be a positive number of seconds")
+    if args.out is not None:  # found out now, not after minutes of checks
+        if args.out.is_dir():
+            parser.error(f"--out {args.out} is a folder; give the path of a file to write")
+        if not args.out.parent.is_dir() or not os.access(args.out.parent, os.W_OK):
+            parser.error(f"--out {args.out}: no folder {args.out.parent} that can be written")
     dtypes = []
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name.strip(), None)

@@ -246,6 +246,29 @@ def test_the_torch_backends_gpu_path_comes_after_the_gpu_backends(backends, torc
     assert measured.fixed_order("similarity_xent", [cuda, *torch_paths]) == [*torch_paths, cuda]
 
 
+def test_the_fixed_order_traces_in_one_graph():
+    """`auto` orders its candidates inside a compiled model's graph on a GPU: torch.compile(fullgraph=True) must
+    trace measured.fixed_order (before: max() over a generator, which dynamo cannot trace, failed every fullgraph
+    compile of a loss with backend="auto" on a GPU)."""
+    import torch._dynamo
+
+    class Candidate:  # as dispatch.Ops: a Python object with a name (SimpleNamespace compares in C, untraced)
+        def __init__(self, name):
+            self.name = name
+
+    triton, cuda, torch_gpu, torch_default = (Candidate(name) for name in ("triton", "cuda", "torch", "torch"))
+    allowed = [triton, cuda, torch_gpu, torch_default]
+
+    def ordered_scale(x):
+        order = measured.fixed_order("similarity_xent", allowed)
+        return x * (order.index(cuda) + 1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(ordered_scale, fullgraph=True, backend="eager")
+    assert float(compiled(torch.ones(()))) == 4.0  # cuda behind both of torch's paths
+    assert measured.fixed_order("similarity_xent", allowed) == [triton, torch_gpu, torch_default, cuda]
+
+
 def test_auto_warns_with_the_reason_a_backend_is_unavailable_and_never_builds(backends):
     backends.triton.answer = (False, "triton does not import: ImportError: fake libcuda mismatch")
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)

@@ -174,3 +174,64 @@ def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert user_cache.cache_dir() == tmp_path / "home" / ".cache" / "angle_kernels"
+
+
+def test_without_a_home_directory_nothing_is_read_or_written(monkeypatch, tmp_path):
+    """HOME unset and no passwd entry (a container under an arbitrary user id): Path.home() raises. The cache is
+    then absent, with one warning (before: every `auto` call on a GPU raised RuntimeError from the cache path)."""
+    for name in (user_cache.CACHE_ENV, "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(user_cache.Path, "home", staticmethod(no_home))
+    user_cache._warned.clear()
+    with pytest.raises(OSError, match="home directory is unknown"):
+        user_cache.cache_dir()
+    contents, warned = read_warning(None)
+    assert contents == EMPTY and len(warned) == 1 and "no cache is read or written" in warned[0]
+    assert read_warning(None) == (EMPTY, [])  # once per process
+    user_cache._warned.clear()
+
+
+def test_a_newer_versions_file_is_left_as_it_is(cache):
+    """A cache written in a later format (another environment sharing the folder, a downgrade) is not used and
+    not replaced: an update raises OSError, which the first-use check and verify treat as an unwritable cache
+    (before: replaced, its records lost)."""
+    cache.parent.mkdir(parents=True)
+    newer = json.dumps({"format": user_cache.FORMAT + 1, "verified": [{"op": "theirs"}]})
+    cache.write_text(newer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert user_cache.read() == EMPTY
+        with pytest.raises(OSError, match=f"format {user_cache.FORMAT + 1} by a later version"):
+            user_cache.update(lambda c: c["checks"].append({"op": "ours"}))
+    assert cache.read_text() == newer
+    cache.write_text('{"format": 1}')  # an older one is replaced
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        user_cache.update(lambda c: c["checks"].append({"op": "ours"}))
+    assert user_cache.read()["checks"] == [{"op": "ours"}]
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    target = tmp_path / "out.json"
+    target.mkdir()  # os.replace cannot put a file over a folder
+    with pytest.raises(OSError):
+        user_cache.write_json_atomic(target, {"a": 1})
+    with pytest.raises(TypeError):
+        user_cache.write_json_atomic(tmp_path / "other.json", {"a": object()})  # not JSON
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_verify_checks_out_before_any_check_and_forget_creates_nothing(cache, capsys, tmp_path):
+    from angle_kernels import verify, verified
+
+    for out, message in ((tmp_path, "is a folder"), (tmp_path / "no" / "x.json", "no folder")):
+        with pytest.raises(SystemExit):
+            verify.main(["--out", str(out)])
+        assert message in capsys.readouterr().err
+    assert verify.main(["--forget"]) == 0 and "nothing to remove" in capsys.readouterr().out
+    assert not cache.parent.exists()  # no folder or lock file made to find nothing
+    assert verified.write_cache([], []) == cache  # what verify prints as where it recorded

@@ -362,3 +362,118 @@ def test_a_cache_that_cannot_be_written_still_checks_for_the_process(gpu, monkey
         assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
         assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
     assert len(gpu.checks) == 1 and not_a_folder.read_text() == ""
+    # under tracing (torch.compile, CUDA-graph capture) the process's own eager decision holds, recorded or not
+    monkeypatch.setattr(first_use, "tracing", lambda device: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The check as the caller's mode and inputs would not change it
+# ---------------------------------------------------------------------------------------------------------
+def _first_calls(auto, q, c):
+    """A first call of every op and of similarity_xent's and similarity_lse's tensor options (row weights, group
+    ids, a filter on the model's own scores with its thresholds), each a kind of its own."""
+    rows = q.shape[0]
+    yield lambda: auto.similarity_xent(q, None, 20.0, "partner", row_weights=torch.ones(rows, device=DEVICE))
+    yield lambda: auto.similarity_xent(q, None, 20.0, "partner", exclude_diagonal=True,
+                                       group_ids=torch.arange(rows, device=DEVICE))
+    yield lambda: auto.similarity_lse(q, c, 20.0, filter_q=q.detach(), filter_c=c.detach(),
+                                      filter_threshold=torch.full((rows,), 0.5, device=DEVICE))
+    yield lambda: auto.pair_scores(q.reshape(rows // 2, 2, -1), True)[0].sum()
+    yield lambda: auto.ranking_loss(q[:, 0] * 5, torch.arange(rows, device=DEVICE).float())
+
+
+def test_a_first_call_in_inference_mode_checks_as_any_other(gpu):
+    """Inside torch.inference_mode (a validation step) the call's other tensors are inference tensors, which an
+    autograd Function cannot save: the check makes them outside inference mode (before: 'Inference tensors cannot
+    be saved for backward', recorded as the path's failure, and every later process kept off it)."""
+    q, c = _q(8), _q(8)
+    with torch.inference_mode():
+        results = [call() for call in _first_calls(gpu.auto, q, c)]
+    assert all(torch.isfinite(r).all() for r in results)
+    assert [(r["op"], r["pass"], r.get("error")) for r in _records()] == [
+        ("similarity_xent", True, None), ("similarity_xent", True, None), ("similarity_lse", True, None),
+        ("pair_scores", True, None), ("ranking_loss", True, None)]
+
+
+def test_a_first_call_inside_activation_checkpointing_saves_what_later_calls_save(gpu):
+    """Non-reentrant torch.utils.checkpoint counts the tensors a region saves and compares the count when it
+    recomputes the region: the check (its autograd and its input checks) saves nothing under the caller's hooks
+    (before: the check's backward started the region's recomputation, both failed and were recorded, and the
+    caller's backward raised CheckpointError)."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, c = _q(8).requires_grad_(), _q(8).requires_grad_()
+    for call in _first_calls(gpu.auto, q, c):
+        saved = []
+        for _ in range(2):  # the first call of its kind (checked) and the second
+            count = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t)
+            with count:
+                call()
+            saved.append("|")
+        assert "".join(map(str, saved)).split("|")[:2] == ["1" * saved.index("|")] * 2
+    first_use.forget()
+    user_cache.forget()
+    loss = checkpoint(lambda x: gpu.auto.similarity_xent(x * 2, None, 20.0, "partner"), q, use_reentrant=False)
+    loss.backward()
+    assert [(r["op"], r["pass"]) for r in _records()] == [("similarity_xent", True)] and q.grad.isfinite().all()
+
+
+def test_the_check_runs_the_calls_layout_and_filter_route(gpu, monkeypatch):
+    """The kernels are specialised on the strides and the 16-byte alignment of their inputs (the bucket holds
+    them), and similarity_lse takes a route of its own for a filter on the model's own rows (a filter that is q and
+    c): the check runs the candidate on copies in the call's layout and with its filter as the copies' rows (before:
+    contiguous aligned clones, and a filter of other rows)."""
+    seen = []
+    real = gpu.triton.backend.similarity_lse
+
+    def spy(q, c, *args):
+        filter_q = args[contract.SimilarityLseCall._names.index("filter_q") - 2]
+        seen.append((q.stride(), q.storage_offset() * q.element_size() % 16, filter_q is not None
+                     and filter_q.data_ptr() == q.data_ptr()))
+        return real(q, c, *args)
+
+    monkeypatch.setattr(gpu.triton.backend, "similarity_lse", spy)
+    base = _q(8, width=40)
+    q, c = base[:, 1:33], _q(8, width=32)  # a row stride of 40 and a start 4 bytes past alignment
+    gpu.auto.similarity_lse(q, c, 20.0, filter_q=q, filter_c=c, filter_threshold=torch.full((8,), 0.5,
+                                                                                             device=DEVICE))
+    assert len(gpu.checks) == 1 and seen == [((40, 1), 4, True)] * 2  # the check's call, then the caller's
+
+
+def test_a_call_with_a_nan_in_any_of_its_tensors_is_not_checked(gpu):
+    """A NaN row weight or filter threshold is the caller's: the call is not checked and nothing is recorded (the
+    next call of its kind is checked); before, only the leaves were looked at and the failure was recorded."""
+    q, c = _q(8), _q(8)
+    weights = torch.ones(8, device=DEVICE)
+    weights[3] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gpu.auto.similarity_xent(q, None, 20.0, "partner", row_weights=weights)
+        gpu.auto.similarity_lse(q, c, 20.0, filter_q=q, filter_c=c,
+                                filter_threshold=torch.tensor([float("nan")] * 8, device=DEVICE))
+    assert gpu.checks == [] and _records() == []
+
+
+def test_tf32_is_part_of_the_kind_on_every_path_whose_products_torch_makes():
+    """The dense schemes' products are torch.mm's, which torch's TF32 switch governs (dense_dims had followed the
+    fused kernels' ANGLE_KERNELS_ALLOW_TF32: a check in IEEE products covered TF32 runs)."""
+    saved = torch.backends.cuda.matmul.allow_tf32  # a property of torch's module: no monkeypatch
+    try:
+        for path in first_use.TORCH_PRODUCT_PATHS:
+            precisions = []
+            for allowed in (False, True):
+                torch.backends.cuda.matmul.allow_tf32 = allowed
+                precisions.append(first_use._precision(torch.float32, path))
+            assert precisions == ["ieee", "tf32"], path
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert set(first_use.TORCH_PRODUCT_PATHS) >= {"dense", "dense_dims"}
+
+
+def test_a_record_of_another_shape_is_read_as_a_failure_not_an_error():
+    """Reading never raises: a record whose errors are not an object (another version's, a hand edit)."""
+    outcome = first_use._from_record({"pass": False, "path": "fused", "errors": [1.0], "allowed": "x"})
+    assert not outcome.computes and "failed" in outcome.why
