@@ -13,6 +13,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -121,6 +122,33 @@ def test_a_killed_command_keeps_its_log(tmp_path):
     assert "first result" in text and "after the kill" not in text and "killed after 3 s" in text
     not_started = gpu_suite.run_logged([sys.executable, "-c", "print(1)"], tmp_path / "late.log", timeout_s=0)
     assert not_started["timed_out"] and "no time left" in (tmp_path / "late.log").read_text()
+
+
+def test_sigterm_from_an_outside_limit_stops_the_stages_children(tmp_path):
+    """Each child runs in a session of its own (so that a step's timer kills its whole group), which an outside
+    limit's SIGTERM to the stage does not reach: the stage's handler kills the children's groups and leaves through
+    SystemExit, running the finally blocks (before: the children ran on, holding the GPU during the rerun)."""
+    import signal
+
+    stage = (f"import sys, signal; sys.path.insert(0, {str(HERE)!r}); import gpu_suite; "
+             "signal.signal(signal.SIGTERM, gpu_suite.stop_on_sigterm)\n"
+             "try:\n    gpu_suite.run_logged(['sh', '-c', 'echo $$; sleep 60'], __import__('pathlib').Path("
+             f"{str(tmp_path / 'child.log')!r}), timeout_s=60)\n"
+             "finally:\n    print('finally ran', flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", stage], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline().strip())  # the shell's pid, printed through run_logged
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and "finally ran" in rest
+    for _ in range(50):  # SIGKILLed; reaped by init once its parent is gone
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the stage's child outlived it")
 
 
 def test_commands_side_by_side_keep_their_own_logs_and_exit_codes(tmp_path, capsys):
@@ -406,6 +434,18 @@ def test_op_sweep_measures_every_op_at_tiny_sizes_on_cpu(tmp_path):
     assert result["warm_up"]["allowed_s"] == gpu_suite.SWEEP_WARM_UP_S["op_sweep"]
 
 
+def test_rows_skipped_past_the_deadline_cost_nothing(tmp_path, monkeypatch):
+    """A skipped row allocated nothing: it frees nothing (free_cuda_memory's gc.collect took ~0.4 s a row on the
+    GPU machine, outside every allowance, so a sweep past its deadline ran on by ~0.35 s per row left)."""
+    freed = []
+    monkeypatch.setattr(harness, "free_cuda_memory", lambda: freed.append(1))
+    record = _record(tmp_path, "second")
+    ops = [tiny(bench) for bench in gpu_suite.all_ops()]
+    result = gpu_suite.op_sweep(record, gpu_suite.Deadline(0.0, time.monotonic()), {"copy_GBps": 10.0},
+                                [("torch",)], device="cpu", ops=ops)
+    assert result["rows"] and all(row["status"] == "skipped" for row in result["rows"]) and freed == []
+
+
 def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monkeypatch):
     """The triton backend's full-width similarity_xent gets a row per scheme, each forced (its grad_fn says which
     ran), with the FLOPs that scheme executes; the other ops one "triton" row. Under the interpreter on CPU."""
@@ -594,8 +634,15 @@ def test_first_may_leave_out_its_op_tests_and_headline_on_a_rerun(monkeypatch):
     gpu_suite.stage_first(args, None, schedule)
     assert ran == ["large_checks", "cuda_backend", "verifications"]
     ran.clear()
-    gpu_suite.stage_first(gpu_suite.parse_args(["first", "out"]), None, gpu_suite.Schedule(gpu_suite.FIRST_STEPS, 0.0))
+    gpu_suite.stage_first(gpu_suite.parse_args(["first", "out"]), None,
+                          gpu_suite.Schedule(gpu_suite.FIRST_STEPS, time.monotonic()))
     assert ran == ["large_checks", "cuda_backend", "verifications", "triton_tests", "headline"]
+    # the headline has no limit of its own: past its end (a stage that overran) it does not start
+    ran.clear()
+    steps = {}
+    gpu_suite.stage_first(gpu_suite.parse_args(["first", "out"]), SimpleNamespace(step=steps.__setitem__),
+                          gpu_suite.Schedule(gpu_suite.FIRST_STEPS, time.monotonic() - 1000))
+    assert "headline" not in ran and steps["headline"]["status"] == "skipped"
 
 
 def test_op_sweep_times_both_triton_schemes_of_the_pair_scores_with_dims(tmp_path):

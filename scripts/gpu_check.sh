@@ -16,11 +16,11 @@ if [ $# -lt 2 ]; then
   exit 2
 fi
 STAGE=$1
-OUT=$2
+mkdir -p "$2"
+OUT=$(cd "$2" && pwd)  # a relative OUT_DIR is the caller's, not the repository root's
 shift 2
 cd "$(dirname "$0")/.."
 REPO_ROOT=$PWD
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 "${PYTHON:-python3}" bench/gpu_suite.py "$STAGE" "$OUT" "$@" 2>&1 | tee -a "$OUT/console_$STAGE.log"

@@ -14,11 +14,11 @@ if [ $# -lt 2 ]; then
   sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
-OUT=$1
+mkdir -p "$1"
+OUT=$(cd "$1" && pwd)  # a relative OUT_DIR is the caller's, not the repository root's
 K=$2
 cd "$(dirname "$0")/.."
 REPO_ROOT=$PWD
-mkdir -p "$OUT"
 # nothing is installed on the GPU machine: the checkout goes on the path (angle_kernels, angle_kernels.testing)
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 ANGLE_KERNELS_TRITON_TEST_DEVICE=cuda ANGLE_KERNELS_CUDA_JIT=0
