@@ -517,8 +517,14 @@ def _isolated(device: torch.device):
     they are, whatever the caller's mode: inside a region of torch.utils.checkpoint (or save_on_cpu) the caller's
     saved-tensor hooks would pack the check's tensors, and its backward would start the region's recomputation."""
     with (torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False),
-          torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is)):
+          torch.autograd.graph.saved_tensors_hooks(_saved, _as_is)):
         yield
+
+
+def _saved(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved tensor kept as a detached view (the input itself would make a reference cycle through a saved
+    output's grad_fn, which a backward that raises never breaks: the check's copies would outlive it)."""
+    return tensor.detach()
 
 
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
@@ -526,15 +532,18 @@ def _as_is(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fresh(value: torch.Tensor) -> torch.Tensor:
-    """A copy of `value` with its strides and its start's 16-byte alignment (the storage offset modulo 16 bytes):
-    the layout the kernels are specialised on (`_layout`), which a clone would make contiguous and aligned; a clone
-    where the layout cannot be copied (overlapping elements, e.g. an expanded tensor)."""
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()) if size > 0)
-    if value.numel() == 0 or any(stride <= 0 for stride in value.stride()):
+    """A copy of `value` in the layout the kernels are specialised on (`_layout`), which a clone would make
+    contiguous and aligned: strides of the same classes (1, a multiple of 16, or neither), as compact as those
+    allow (a prefix y[:, :64] of wide rows is not copied with the rows' whole width), and its start's 16-byte
+    alignment (the storage offset modulo 16 bytes). A clone where the layout cannot be copied (overlapping elements,
+    e.g. an expanded tensor)."""
+    strides = _compact_strides(value.shape, value.stride())
+    if value.numel() == 0 or strides is None:
         return value.clone()
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, strides))
     offset = value.storage_offset() % max(1, 16 // value.element_size())  # allocations start 16-byte aligned
     storage = torch.empty(offset + extent, dtype=value.dtype, device=value.device)
-    fresh = storage.as_strided(value.shape, value.stride(), offset)
+    fresh = storage.as_strided(value.shape, strides, offset)
     try:
         return fresh.copy_(value)
     except RuntimeError:  # elements that share memory
@@ -557,7 +566,9 @@ def _outputs_and_grads(function, op: str, call: contract.Call, to: torch.dtype |
     for name, value in _tensors(call).items():
         if name in leaves:
             continue
-        same_rows = next((leaf for leaf_name, leaf in leaves.items() if _same_rows(value, originals[leaf_name])),
+        # filter_q is q's rows before c's (q may be c: a query_to_query block passes one tensor four times)
+        own_first = sorted(leaves, key=lambda leaf_name: leaf_name != {"filter_q": "q", "filter_c": "c"}.get(name))
+        same_rows = next((leaves[leaf_name] for leaf_name in own_first if _same_rows(value, originals[leaf_name])),
                          None)
         if same_rows is not None and to is None:
             others[name] = same_rows.detach()
@@ -569,6 +580,24 @@ def _outputs_and_grads(function, op: str, call: contract.Call, to: torch.dtype |
         weights = [torch.randn(o.shape, generator=gen, dtype=torch.float64, device=o.device) for o in outputs]
     torch.autograd.backward([(o.double() * w).sum() for o, w in zip(outputs, weights) if o.requires_grad])
     return [o.detach() for o in outputs], [leaf.grad for leaf in leaves.values()], weights
+
+
+def _compact_strides(shape, strides) -> list[int] | None:
+    """The smallest strides, innermost first, that keep each stride's class (`_int_class`) and let no two elements
+    share memory; None where that is not possible (a stride of 0 or below, a class "1" stride outside)."""
+    compact, reach = list(strides), 1
+    for dim in sorted(range(len(shape)), key=lambda i: strides[i]):
+        if shape[dim] == 1:
+            continue  # any stride: the kernels never step along it
+        if strides[dim] <= 0:
+            return None
+        stride, wanted = reach, _int_class(strides[dim])
+        while _int_class(stride) != wanted:
+            if wanted == "1" or stride > reach + 16:
+                return None
+            stride += 1
+        compact[dim], reach = stride, stride * shape[dim]
+    return compact
 
 
 def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:

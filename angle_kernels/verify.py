@@ -493,7 +493,11 @@ def main(argv=None) -> int:
                        "again")
     args = parser.parse_args(argv)
     if args.list:
-        print(describe_cache())
+        try:
+            print(describe_cache())
+        except OSError as exc:  # no folder for the cache (no home directory)
+            print(f"no cache to list: {exc}", file=sys.stderr)
+            return 1
         return 0
     if args.forget:
         try:
@@ -508,6 +512,8 @@ def main(argv=None) -> int:
     if args.out is not None:  # found out now, not after minutes of checks
         if args.out.is_dir():
             parser.error(f"--out {args.out} is a folder; give the path of a file to write")
+        with contextlib.suppress(OSError):
+            args.out.parent.mkdir(parents=True, exist_ok=True)
         if not args.out.parent.is_dir() or not os.access(args.out.parent, os.W_OK):
             parser.error(f"--out {args.out}: no folder {args.out.parent} that can be written")
     dtypes = []
@@ -558,8 +564,12 @@ def main(argv=None) -> int:
         if state == "incomplete":
             print(f"not verified (checks left out by the time limit): {backend} {op} {path}")
     if not args.no_record and (passed or failed):
-        where = verified.write_cache(passed, failed)
-        print(f"recorded in {where}: backend='auto' uses the passed code paths from the next process on")
+        try:
+            where = verified.write_cache(passed, failed)
+            print(f"recorded in {where}: backend='auto' uses the passed code paths from the next process on")
+        except OSError as exc:  # a cache a later version wrote, no home directory, a folder that cannot be written
+            print(f"not recorded in the user's cache: {exc}" + (f" (the results are in {args.out})" if args.out
+                                                                   else ""), file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -1253,7 +1253,7 @@ def main(argv=None) -> int:
         os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, in this process too
         os.environ["ANGLE_KERNELS_CUDA_JIT"] = "0"  # the extension comes from the background build, or not at all
     out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    previous_handler = signal.signal(signal.SIGTERM, stop_on_sigterm)  # restored at the end: main() may be a call
     stage = STAGES[args.stage]
     train_bench = args.stage == "third" and args.train_bench
     steps = (("preflight", 0),) + TRAIN_BENCH_STEPS if train_bench else stage.steps
@@ -1277,6 +1277,7 @@ def main(argv=None) -> int:
         if build is not None and build.proc.poll() is None:  # a build nobody waited for must not outlive us
             os.killpg(build.proc.pid, signal.SIGKILL)
         record.finish(status)
+        signal.signal(signal.SIGTERM, previous_handler)
         shutil.rmtree(record.work, ignore_errors=True)  # packed in OUT/<stage>.tar.gz
         print("\n" + render_stage(record.data), flush=True)
     return 0 if status == "ok" else 1

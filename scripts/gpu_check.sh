@@ -17,7 +17,7 @@ if [ $# -lt 2 ]; then
 fi
 STAGE=$1
 mkdir -p "$2"
-OUT=$(cd "$2" && pwd)  # a relative OUT_DIR is the caller's, not the repository root's
+OUT=$(CDPATH='' cd -- "$2" && pwd)  # a relative OUT_DIR is the caller's, not the repository root's
 shift 2
 cd "$(dirname "$0")/.."
 REPO_ROOT=$PWD

@@ -14,8 +14,8 @@ if [ $# -lt 2 ]; then
   sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
-mkdir -p "$1"
-OUT=$(cd "$1" && pwd)  # a relative OUT_DIR is the caller's, not the repository root's
+mkdir -p "$1" || exit 2
+OUT=$(CDPATH='' cd -- "$1" && pwd) || exit 2  # a relative OUT_DIR is the caller's, not the repository root's
 K=$2
 cd "$(dirname "$0")/.."
 REPO_ROOT=$PWD

@@ -228,10 +228,13 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path):
 def test_verify_checks_out_before_any_check_and_forget_creates_nothing(cache, capsys, tmp_path):
     from angle_kernels import verify, verified
 
-    for out, message in ((tmp_path, "is a folder"), (tmp_path / "no" / "x.json", "no folder")):
+    (tmp_path / "a file").write_text("")
+    for out, message in ((tmp_path, "is a folder"), (tmp_path / "a file" / "x.json", "no folder")):
         with pytest.raises(SystemExit):
             verify.main(["--out", str(out)])
         assert message in capsys.readouterr().err
     assert verify.main(["--forget"]) == 0 and "nothing to remove" in capsys.readouterr().out
     assert not cache.parent.exists()  # no folder or lock file made to find nothing
     assert verified.write_cache([], []) == cache  # what verify prints as where it recorded
+    assert verify.main(["--out", str(tmp_path / "new" / "x.json")]) == 0  # a new folder is made (no GPU: then done)
+    assert (tmp_path / "new").is_dir()

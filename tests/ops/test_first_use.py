@@ -430,17 +430,28 @@ def test_the_check_runs_the_calls_layout_and_filter_route(gpu, monkeypatch):
     real = gpu.triton.backend.similarity_lse
 
     def spy(q, c, *args):
-        filter_q = args[contract.SimilarityLseCall._names.index("filter_q") - 2]
-        seen.append((q.stride(), q.storage_offset() * q.element_size() % 16, filter_q is not None
-                     and filter_q.data_ptr() == q.data_ptr()))
+        names = contract.SimilarityLseCall._names
+        filter_q, filter_c = (args[names.index(name) - 2] for name in ("filter_q", "filter_c"))
+        seen.append((first_use._layout(q), filter_q.data_ptr() == q.data_ptr(), filter_c.data_ptr() == c.data_ptr()))
         return real(q, c, *args)
 
     monkeypatch.setattr(gpu.triton.backend, "similarity_lse", spy)
+    threshold = torch.full((8,), 0.5, device=DEVICE)
     base = _q(8, width=40)
-    q, c = base[:, 1:33], _q(8, width=32)  # a row stride of 40 and a start 4 bytes past alignment
-    gpu.auto.similarity_lse(q, c, 20.0, filter_q=q, filter_c=c, filter_threshold=torch.full((8,), 0.5,
+    q, c = base[:, 1:33], _q(8, width=32)  # a row stride of 40 (neither 1 nor 16k), 4 bytes past alignment
+    gpu.auto.similarity_lse(q, c, 20.0, filter_q=q, filter_c=c, filter_threshold=threshold)
+    assert len(gpu.checks) == 1 and seen == [("n.1.unaligned", True, True)] * 2  # the check's call, the caller's
+    # a query_to_query block: q is c, and each filter is its own side's rows
+    seen.clear()
+    q = _q(12)
+    gpu.auto.similarity_lse(q, q, 20.0, filter_q=q, filter_c=q, filter_threshold=torch.full((12,), 0.5,
                                                                                              device=DEVICE))
-    assert len(gpu.checks) == 1 and seen == [((40, 1), 4, True)] * 2  # the check's call, then the caller's
+    assert len(gpu.checks) == 2 and seen == [("16.1", True, True)] * 2
+    # a Matryoshka prefix of wide rows is copied in strides of its classes, not with the rows' whole width
+    wide = _q(64, width=1024)[:, :32]
+    fresh = first_use._fresh(wide)
+    assert first_use._layout(fresh) == first_use._layout(wide) and torch.equal(fresh, wide)
+    assert fresh.untyped_storage().nbytes() <= 2 * wide.numel() * wide.element_size()
 
 
 def test_a_call_with_a_nan_in_any_of_its_tensors_is_not_checked(gpu):
