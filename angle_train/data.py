@@ -566,17 +566,31 @@ def processed_tokens(rows: list[list[int]], lengths: list[int]) -> int:
 
 
 def _first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
-    """Each text (longest first) into the first row with room for it, or a new row."""
-    rows, free = [], []
+    """Each text (longest first) into the first row with room for it, or a new row. The first row with room is
+    found in a tree of the rows' free room (each node the most free room of its span of rows): n texts cost
+    O(n log n), where a scan of the rows for every text cost texts x rows (9 s for 65,536 texts)."""
+    leaves = 1
+    while leaves < len(lengths):
+        leaves *= 2
+    most_room = [-1] * (2 * leaves)  # -1: no row there yet (a text takes at least 0 tokens)
+    rows: list[list[int]] = []
     for text in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, room in enumerate(free):
-            if lengths[text] <= room:
-                rows[r].append(text)
-                free[r] -= lengths[text]
-                break
+        need = lengths[text]
+        if most_room[1] >= need:  # the leftmost row with room: descend to the left child whenever it has room
+            node = 1
+            while node < leaves:
+                node = 2 * node if most_room[2 * node] >= need else 2 * node + 1
+            rows[node - leaves].append(text)
+            room = most_room[node] - need
         else:
+            node = leaves + len(rows)
             rows.append([text])
-            free.append(width - lengths[text])
+            room = width - need  # below 0 for a text longer than the width: nothing joins it
+        most_room[node] = room
+        node //= 2
+        while node:
+            most_room[node] = max(most_room[2 * node], most_room[2 * node + 1])
+            node //= 2
     return rows
 
 

@@ -19,6 +19,7 @@ and backpropagated by plain backprop or the gradient cache
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -98,10 +99,12 @@ def _train(cfg: TrainConfig, *, model, train_examples, dev_examples, loss_fn, on
     profile_at = min(run.position.step + 2, run.total_steps) if cfg.profile else 0
     try:
         if run.resumed_from and cfg.save_best:
-            restore_best(run)
+            with run.log.paused():
+                restore_best(run)
         with faults.StopSignals() as signals:
             if run.dev_examples and cfg.eval_on_start and run.position.step == 0:
-                evaluate(run)  # step 0: the score training has to beat
+                with run.log.paused():
+                    evaluate(run)  # step 0: the score training has to beat
             while run.position.step < run.total_steps:
                 with profiling(run.device, enabled=run.position.step + 1 == profile_at) as profile:
                     row = optimizer_step(run)
@@ -110,11 +113,12 @@ def _train(cfg: TrainConfig, *, model, train_examples, dev_examples, loss_fn, on
                 run.log.step(row)
                 run.result.history.append(row)
                 step = row["step"]
-                if run.dev_examples and (every(cfg.eval_every, step) or step == run.total_steps):
-                    evaluate(run)
-                saved = every(cfg.save_every, step)
-                if saved:
-                    save(run)
+                with run.log.paused():  # pairs/s and tokens/s measure training, not evaluation or checkpoints
+                    if run.dev_examples and (every(cfg.eval_every, step) or step == run.total_steps):
+                        evaluate(run)
+                    saved = every(cfg.save_every, step)
+                    if saved:
+                        save(run)
                 if on_step is not None:
                     on_step(step, row)
                 if faults.any_rank(signals.requested is not None, run.dist_info, run.device):
@@ -305,6 +309,14 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
               f"{describe_passes(cfg)} ({expected_useful_tokens(cfg, dataset, position.epoch, dist_info):.0%} of "
               f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
               f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
+        left = examples_left_out(cfg, len(dataset))
+        if left:  # said, not silent: a step takes whole batches of batch_size x grad_accum
+            print(f"angle_train: each epoch leaves out {left:,} of the {len(dataset):,} examples "
+                  f"({left / len(dataset):.1%}; another {left:,} each epoch, in its shuffled order): they do not fill "
+                  "a step of "
+                  f"{cfg.batch_size}x{cfg.grad_accum}" + ("; a batch size closer to a divisor of the data leaves "
+                                                           "out fewer" if left > 0.05 * len(dataset) else ""),
+                  flush=True)
         if resume_from:
             print(f"resumed from {resume_from} at step {position.step}", flush=True)
     encoder.train()
@@ -516,6 +528,13 @@ def count_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:
         raise ValueError(f"one optimizer step needs {cfg.batch_size * cfg.grad_accum} examples; the data has "
                          f"{n_examples}")
     return cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
+
+
+def examples_left_out(cfg: TrainConfig, n_examples: int) -> int:
+    """The examples of each epoch no step takes: a step takes grad_accum whole batches of batch_size, and the epoch's
+    last incomplete batch and the batches short of a whole step are dropped (epoch_batches, next_batches)."""
+    per_step = cfg.batch_size * cfg.grad_accum
+    return n_examples - (n_examples // cfg.batch_size // cfg.grad_accum) * per_step
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.AdamW:
@@ -962,6 +981,16 @@ class RunLog:
     def count(self, *, pairs: int, tokens: int) -> None:
         self.pairs += pairs
         self.tokens += tokens
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The time spent inside (evaluation, checkpoints, restoring best/) is left out of the window: pairs/s and
+        tokens/s measure the training steps (they had counted a dev evaluation into the next row's rate)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window_start += time.perf_counter() - started
 
     def step(self, row: dict) -> None:
         """Add throughput and peak memory to a step's row; write it every log_every steps and after the last."""

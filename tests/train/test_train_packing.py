@@ -196,3 +196,30 @@ def test_a_packed_run_trains_like_a_padded_one(tmp_path):
                        model=make_encoder("bert", dropout=0.0))
         losses[pack] = [row["loss"] for row in result.history]
     torch.testing.assert_close(torch.tensor(losses[None]), torch.tensor(losses[0]), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_first_fit_finds_the_first_row_with_room_as_a_scan_would(seed):
+    """_first_fit_decreasing finds each text's row in a tree of the rows' free room (n log n): the rows a scan of
+    every row would give, texts longer than the width and empty ones included."""
+    import random
+
+    from angle_train.data import _first_fit_decreasing
+
+    def scanned(lengths, width):
+        rows, free = [], []
+        for text in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            r = next((r for r, room in enumerate(free) if lengths[text] <= room), None)
+            if r is None:
+                rows.append([text])
+                free.append(width - lengths[text])
+            else:
+                rows[r].append(text)
+                free[r] -= lengths[text]
+        return rows
+
+    rng = random.Random(seed)
+    for _ in range(100):
+        width = rng.randint(1, 64)
+        lengths = [rng.randint(0, 80) for _ in range(rng.randint(1, 300))]
+        assert _first_fit_decreasing(lengths, width) == scanned(lengths, width), (width, lengths)
