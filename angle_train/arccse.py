@@ -30,6 +30,7 @@ from .data import (
     Batch,
     DataError,
     Prompts,
+    TokenRows,
     apply_prompt,
     check_text,
     delimited_rows,
@@ -38,6 +39,7 @@ from .data import (
     open_hf_dataset,
     open_text,
     read_stsb,
+    tokenize_in_chunks,
 )
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -131,21 +133,24 @@ class TokenizedSentences:
                              "none (decoder LMs usually do not): train ArcCSE with a masked-LM encoder (BERT, "
                              "RoBERTa, MiniLM...)")
         template = Prompts.coerce(prompt).for_role("text")
-        encoded = tokenizer([apply_prompt(s, template) for s in sentences], truncation=True, max_length=max_length,
-                            add_special_tokens=True, return_special_tokens_mask=True)
-        self.ids, self.weak, self.strong = [], [], []
+        texts = [apply_prompt(s, template) for s in sentences]
+        self.ids, self.weak, self.strong = TokenRows(), TokenRows(), TokenRows()  # 4 bytes a token (TokenRows)
         self.too_short = [0, 0]  # sentences whose span at each rate is 0 tokens
-        for index, (ids, special) in enumerate(zip(encoded["input_ids"], encoded["special_tokens_mask"])):
-            words = [j for j, flag in enumerate(special) if not flag]
-            maskable = range(words[0], words[-1] + 1) if words else range(0)
-            rng = random.Random(f"arccse-masks:{seed}:{index}")
-            copies = [mask_span(ids, maskable, rate, tokenizer.mask_token_id, rng) for rate in mask_rates]
-            for i, rate in enumerate(mask_rates):
-                self.too_short[i] += span_length(len(maskable), rate) == 0
-            self.ids.append(ids)
-            self.weak.append(copies[0])
-            self.strong.append(copies[1])
-        self.lengths = [len(ids) for ids in self.ids]
+        index = 0
+        for chunk, specials in tokenize_in_chunks(texts, tokenizer, special_tokens_mask=True, truncation=True,
+                                                  max_length=max_length, add_special_tokens=True):
+            for ids, special in zip(chunk, specials):
+                words = [j for j, flag in enumerate(special) if not flag]
+                maskable = range(words[0], words[-1] + 1) if words else range(0)
+                rng = random.Random(f"arccse-masks:{seed}:{index}")
+                copies = [mask_span(ids, maskable, rate, tokenizer.mask_token_id, rng) for rate in mask_rates]
+                for i, rate in enumerate(mask_rates):
+                    self.too_short[i] += span_length(len(maskable), rate) == 0
+                self.ids.extend([ids])
+                self.weak.extend([copies[0]])
+                self.strong.extend([copies[1]])
+                index += 1
+        self.lengths = [self.ids.length(i) for i in range(len(self.ids))]
         self.mask_rates = tuple(mask_rates)
 
     def __len__(self) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+from array import array
 import functools
 import hashlib
 import json
@@ -447,8 +448,53 @@ def first_line_is_stsb(path: str) -> bool:
 # ------------------------------------------------------------------------------------- tokens and batches
 
 
+# Texts per tokenizer call: the tokenizer's lists for that many texts are the transient memory of tokenising.
+TOKENIZE_CHUNK = 16384
+
+
+class TokenRows:
+    """The token ids of many texts, in one flat array of 32-bit ints with each text's end: 4 bytes a token, where
+    a list of Python ints per text took about 70 (1M pairs: 7.9 GB resident after tokenising, for every process of
+    a job). rows[i] is text i's ids as a list (a batch's rows are made when it is used)."""
+
+    def __init__(self, rows=()):
+        self._flat, self._ends = array("i"), array("q")
+        self.extend(rows)
+
+    def extend(self, rows) -> None:
+        for ids in rows:
+            self._flat.extend(ids)
+            self._ends.append(len(self._flat))
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> list[int]:
+        i = range(len(self))[i]
+        return self._flat[self._ends[i - 1] if i else 0:self._ends[i]].tolist()
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def length(self, i: int) -> int:
+        return self._ends[i] - (self._ends[i - 1] if i else 0)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TokenRows) and self._ends == other._ends and self._flat == other._flat
+
+
+def tokenize_in_chunks(texts: list[str], tokenizer, *, special_tokens_mask: bool = False, **options):
+    """(input ids, special-token masks or None) of `texts`, each a list per text, TOKENIZE_CHUNK texts per tokenizer
+    call and without the attention masks and token types nobody reads: the tokenizer's lists for all the texts at
+    once were the peak of tokenising a large dataset (yielded chunk by chunk: (ids, masks) per chunk)."""
+    for start in range(0, len(texts), TOKENIZE_CHUNK):
+        encoded = tokenizer(texts[start:start + TOKENIZE_CHUNK], return_attention_mask=False,
+                            return_token_type_ids=False, return_special_tokens_mask=special_tokens_mask, **options)
+        yield encoded["input_ids"], encoded["special_tokens_mask"] if special_tokens_mask else None
+
+
 class TokenizedPairs:
-    """Examples tokenised once up front (truncated, unpadded); batches are padded when they are used."""
+    """Examples tokenised once up front (truncated, unpadded; TokenRows); batches are padded when they are used."""
 
     def __init__(self, examples: list[Example], fmt: str, tokenizer, *, max_length: int,
                  prompt: str | Prompts | None = None):
@@ -462,25 +508,30 @@ class TokenizedPairs:
                 raise DataError(f"example {i} has {len(ex.texts)} texts; format {fmt} needs {self.rows_per_example}")
         templates = [Prompts.coerce(prompt).for_role(role) for role in ROLES[fmt]]
         flat = [apply_prompt(t, template) for ex in examples for t, template in zip(ex.texts, templates)]
-        ids = tokenizer(flat, truncation=True, max_length=max_length, add_special_tokens=True)["input_ids"]
+        self.rows = TokenRows()  # example i's texts: rows i * k .. i * k + k - 1
+        for ids, _ in tokenize_in_chunks(flat, tokenizer, truncation=True, max_length=max_length,
+                                         add_special_tokens=True):
+            self.rows.extend(ids)
+        del flat
         k = self.rows_per_example
-        self.ids = [ids[i * k:(i + 1) * k] for i in range(len(examples))]
         self.labels = [ex.label for ex in examples]
-        self.lengths = [max(len(x) for x in group) for group in self.ids]
+        self.lengths = [max(self.rows.length(i * k + j) for j in range(k)) for i in range(len(examples))]
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.labels)
 
     def describe(self) -> str:
         return f"{len(self):,} examples (format {self.fmt})"
 
     def lengths_of(self, indices: list[int]) -> list[int]:
         """Real (unpadded) token counts of all rows of these examples."""
-        return [len(seq) for i in indices for seq in self.ids[i]]
+        k = self.rows_per_example
+        return [self.rows.length(i * k + j) for i in indices for j in range(k)]
 
     def batch(self, indices: list[int]) -> Batch:
         """The rows of these examples in the loss layout (zigzag or stride 3) and one label per row."""
-        seqs = [seq for i in indices for seq in self.ids[i]]
+        k = self.rows_per_example
+        seqs = [self.rows[i * k + j] for i in indices for j in range(k)]
         labels = torch.tensor([self.labels[i] for i in indices for _ in range(self.rows_per_example)],
                               dtype=torch.float32)
         return Batch(seqs, labels)

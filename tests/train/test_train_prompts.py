@@ -50,10 +50,10 @@ def test_tokenized_pairs_apply_the_prompt_of_each_role(fmt):
     expected = {"A": ["the a red car", "the the car is red"],
                 "B": ["it was a red car", "very very the car is red"],
                 "C": ["it was a red car", "very very the car is red", "very very a blue boat"]}[fmt]
-    assert pairs.ids[0] == tokenizer(expected)["input_ids"]
+    assert pairs.batch([0]).seqs == tokenizer(expected)["input_ids"]
     # one string is the text prompt of every role, as before per-role prompts
     single = TokenizedPairs([Example(texts, 1.0)], fmt, tokenizer, max_length=32, prompt=TEXT)
-    assert single.ids[0] == tokenizer([TEXT + t for t in texts])["input_ids"]
+    assert single.batch([0]).seqs == tokenizer([TEXT + t for t in texts])["input_ids"]
 
 
 def test_cli_flags_config_keys_and_the_text_prompt_alias(tmp_path):
