@@ -38,6 +38,7 @@ from .data import (
     jsonl_rows,
     open_hf_dataset,
     open_text,
+    cut_note,
     read_stsb,
     tokenize_in_chunks,
 )
@@ -151,6 +152,7 @@ class TokenizedSentences:
                 self.strong.extend([copies[1]])
                 index += 1
         self.lengths = [self.ids.length(i) for i in range(len(self.ids))]
+        self.cut = cut_note(sum(length >= max_length for length in self.lengths), len(self.lengths), max_length)
         self.mask_rates = tuple(mask_rates)
 
     def __len__(self) -> int:
@@ -159,7 +161,7 @@ class TokenizedSentences:
     def describe(self) -> str:
         rates = " / ".join(f"{r:.0%}" for r in self.mask_rates)
         return (f"{len(self):,} sentences (ArcCSE: spans of {rates} masked; {self.too_short[0]:,} / "
-                f"{self.too_short[1]:,} too short to mask at those rates keep their tokens)")
+                f"{self.too_short[1]:,} too short to mask at those rates keep their tokens{self.cut})")
 
     def lengths_of(self, indices: list[int]) -> list[int]:
         """Real (unpadded) token counts of all rows of these sentences (five rows each)."""

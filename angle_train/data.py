@@ -493,6 +493,12 @@ def tokenize_in_chunks(texts: list[str], tokenizer, *, special_tokens_mask: bool
         yield encoded["input_ids"], encoded["special_tokens_mask"] if special_tokens_mask else None
 
 
+def cut_note(at_max: int, texts: int, max_length: int) -> str:
+    """"; N of M texts cut at --max-length L" for a run's header, where texts reach the limit (a text of exactly L
+    tokens counts too: the tokenizer does not say which it cut); "" where none does."""
+    return f"; {at_max:,} of {texts:,} texts cut at --max-length {max_length}" if at_max else ""
+
+
 class TokenizedPairs:
     """Examples tokenised once up front (truncated, unpadded; TokenRows); batches are padded when they are used."""
 
@@ -516,12 +522,15 @@ class TokenizedPairs:
         k = self.rows_per_example
         self.labels = [ex.label for ex in examples]
         self.lengths = [max(self.rows.length(i * k + j) for j in range(k)) for i in range(len(examples))]
+        self.max_length = max_length
+        self.at_max_length = sum(self.rows.length(r) >= max_length for r in range(len(self.rows)))
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def describe(self) -> str:
-        return f"{len(self):,} examples (format {self.fmt})"
+        return (f"{len(self):,} examples (format {self.fmt}"
+                f"{cut_note(self.at_max_length, len(self.rows), self.max_length)})")
 
     def lengths_of(self, indices: list[int]) -> list[int]:
         """Real (unpadded) token counts of all rows of these examples."""

@@ -213,3 +213,25 @@ def test_tokens_are_kept_in_one_flat_int32_array_and_tokenised_in_chunks(monkeyp
         assert pairs.lengths == [max(len(everything[2 * i]), len(everything[2 * i + 1])) for i in range(10)]
     flat = whole.rows._flat
     assert flat.itemsize == 4 and len(flat) == sum(map(len, everything)) and whole.rows == chunked.rows
+
+
+def test_the_header_counts_the_texts_cut_at_max_length():
+    """Truncation at --max-length is the flag's job, but a run says how many texts it cut (it was silent)."""
+    from train_helpers import make_encoder
+
+    from angle_train.arccse import TokenizedSentences
+    from angle_train.data import TokenizedPairs
+    from angle_train.tiny import demo_examples
+
+    _, tokenizer = make_encoder("bert")
+    examples = demo_examples(20)
+    lengths = [len(ids) for ids in tokenizer([t for ex in examples for t in ex.texts])["input_ids"]]
+    limit = sorted(lengths)[len(lengths) // 2]
+    at_limit = sum(length >= limit for length in lengths)
+    assert f"; {at_limit} of 40 texts cut at --max-length {limit})" in TokenizedPairs(
+        examples, "B", tokenizer, max_length=limit).describe()
+    assert "cut at" not in TokenizedPairs(examples, "B", tokenizer, max_length=max(lengths) + 1).describe()
+    sentences = [ex.texts[0] for ex in examples]
+    shortest = min(len(ids) for ids in tokenizer(sentences)["input_ids"])
+    described = TokenizedSentences(sentences, tokenizer, max_length=shortest, mask_rates=(0.1, 0.2), seed=0).describe()
+    assert f"; 20 of 20 texts cut at --max-length {shortest})" in described
