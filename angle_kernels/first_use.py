@@ -513,9 +513,10 @@ def _torch_op(op: str):
 
 @contextlib.contextmanager
 def _isolated(device: torch.device):
-    """Autograd on, autocast off (the float64 reference must stay float64), and the check's saved tensors kept as
-    they are, whatever the caller's mode: inside a region of torch.utils.checkpoint (or save_on_cpu) the caller's
-    saved-tensor hooks would pack the check's tensors, and its backward would start the region's recomputation."""
+    """Autograd on, autocast off (the float64 reference must stay float64), and the check's saved tensors under its
+    own hooks (`_saved`), whatever the caller's mode: inside a region of torch.utils.checkpoint (or save_on_cpu) the
+    caller's saved-tensor hooks would pack the check's tensors, and its backward would start the region's
+    recomputation."""
     with (torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False),
           torch.autograd.graph.saved_tensors_hooks(_saved, _as_is)):
         yield

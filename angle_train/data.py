@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import csv
-from array import array
 import functools
 import hashlib
 import json
 import math
 import os
 import random
+from array import array
 from dataclasses import dataclass
 
 import torch

@@ -311,12 +311,11 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
               f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
         left = examples_left_out(cfg, len(dataset))
         if left:  # said, not silent: a step takes whole batches of batch_size x grad_accum
+            advice = ("; a batch size closer to a divisor of the data leaves out fewer" if left > 0.05 * len(dataset)
+                      else "")
             print(f"angle_train: each epoch leaves out {left:,} of the {len(dataset):,} examples "
                   f"({left / len(dataset):.1%}; another {left:,} each epoch, in its shuffled order): they do not fill "
-                  "a step of "
-                  f"{cfg.batch_size}x{cfg.grad_accum}" + ("; a batch size closer to a divisor of the data leaves "
-                                                           "out fewer" if left > 0.05 * len(dataset) else ""),
-                  flush=True)
+                  f"a step of {cfg.batch_size}x{cfg.grad_accum}{advice}", flush=True)
         if resume_from:
             print(f"resumed from {resume_from} at step {position.step}", flush=True)
     encoder.train()
