@@ -207,8 +207,13 @@ def main(argv: list[str]) -> int:
             n = args.pairs if loss == "CoSENT" else args.queries
             print(f"{loss} {size} D={d}", flush=True)
             rows = make(n, d, args.layers, dtype, device, generator, st_losses)
-            if args.rows:
-                rows = {name: rows[name] for name in args.rows}
+            if args.rows:  # the table's ratios are to the single row: measured whenever a table is made
+                wanted = args.rows if args.interleave or "single" in args.rows else ["single", *args.rows]
+                unknown = [name for name in wanted if name not in rows]
+                if unknown:
+                    parser.error(f"--rows: no row {', '.join(map(repr, unknown))} for {key}; its rows: "
+                                 f"{', '.join(map(repr, rows))}")
+                rows = {name: rows[name] for name in wanted}
             if args.interleave:
                 lines += interleaved_table(loss, size, d, measure_interleaved(rows, device, args.interleave))
             else:

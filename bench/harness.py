@@ -518,6 +518,8 @@ def measure_fwd_bwd(run, leaves, device: str, repeats: int = 5, time_per_case: f
         timing = time_cuda(lambda: fwd_bwd(run, leaves), grad_to_none=leaves, expected_s=memory_run_s)
         peak_method = "max_memory_allocated of a warm run"
     else:
+        for leaf in leaves:  # gradients a caller's warm-up left would hide the measured pass's (it frees them first)
+            leaf.grad = None
         gc.collect()
         release_free_heap()
         if address_space_headroom is not None:

@@ -364,3 +364,17 @@ def test_a_backend_covers_every_path_only_when_each_is_verified(monkeypatch):
     awaiting = ("similarity_lse", "dense_dims")
     monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: (op, path) != awaiting)
     assert verified.covers_every_path("triton", torch.device("cuda", 0))
+
+
+def test_a_small_product_case_measures_no_one_time_blas_workspace():
+    """The child's warm-up makes one product large enough for the BLAS's one-time GEMM workspace (~3.4 MB on MKL),
+    which the tiny warm-up loss does not reach: the first measured product case had counted it (in-batch negatives
+    at 32 pairs, D = 64: 3.5 MB, against 0.1 MB)."""
+    loss = LOSSES["ibn"]
+    ours = next(p for p in P.available_providers("cpu", [loss], probe=False)[0] if p.name == "ours-torch")
+
+    def child():
+        return loss_sweep.measure_cpu_case(ours, loss, 32, 64, torch.float32, 2, 1, 0.1, 0, 2 * 10**9)["extra_bytes"]
+
+    status, extra = harness.call_in_fork(child)
+    assert status == "ok" and extra < 2 * 2**20, (status, extra)

@@ -38,6 +38,18 @@ def test_script_writes_its_table(tmp_path):
     assert text.count("| fused L x k |") == 2 and "MultipleNegativesRankingLoss" in text
 
 
+def test_rows_without_single_still_make_the_table(tmp_path, capsys):
+    """The table's ratios are to the single row: measured whenever --rows leaves it out (it raised KeyError after
+    measuring every row); an unknown row is refused naming the rows there are."""
+    assert ratios.main(["--d", "16", "--pairs", "8", "--layers", "2", "--losses", "cosent", "--repeats", "1",
+                        "--time-per-case", "0", "--rows", "fused k=5", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "table.md").read_text()
+    assert "| single |" in text and "| fused k=5 |" in text and "| ST Matryoshka |" not in text
+    with pytest.raises(SystemExit):
+        ratios.main(["--d", "16", "--pairs", "8", "--losses", "cosent", "--rows", "nope", "--out", str(tmp_path)])
+    assert "no row 'nope' for cosent; its rows: 'single'" in capsys.readouterr().err
+
+
 def test_interleaved_rounds_give_medians_and_spreads(tmp_path):
     assert ratios.main(["--d", "16", "--queries", "8", "--layers", "2", "--losses", "mnrl", "--rows", "single",
                         "fused k=5", "--interleave", "3", "--out", str(tmp_path)]) == 0

@@ -94,6 +94,28 @@ def test_cpu_measurement_sees_what_a_pass_allocates():
     assert grads_were_reset == "True"  # fwd_bwd resets them: nothing accumulates
 
 
+_CPU_MEASUREMENT_AFTER_A_WARM_UP = """
+import torch
+import harness
+
+leaf = torch.ones(8 * 2**20, requires_grad=True)  # its gradient: 32 MB
+run = lambda: (leaf * 2).sum()
+harness.fwd_bwd(run, [leaf])  # a caller's warm-up leaves the gradient allocated
+print(harness.measure_fwd_bwd(run, [leaf], "cpu", repeats=0)["extra_bytes"])
+"""
+
+
+def test_cpu_measurement_counts_the_gradients_after_a_callers_warm_up():
+    """A warm-up pass leaves each leaf's gradient allocated; read as memory already there, the measured pass (which
+    frees it first and allocates a new one) showed no gradient at all (bench_matryoshka_ratios: every row short by
+    its gradient's size). The leaves' gradients are dropped before the memory before the pass is read."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _CPU_MEASUREMENT_AFTER_A_WARM_UP], cwd=HERE, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert int(out[0]) >= 28 * 2**20, out
+
+
 def test_a_forked_child_reports_results_errors_oom_and_timeouts():
     assert harness.call_in_fork(pow, 2, 10, timeout=60) == ("ok", 1024)
     status, message, _ = harness.call_in_fork(int, "not a number", timeout=60)
