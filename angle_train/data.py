@@ -470,8 +470,10 @@ class TokenRows:
         return len(self._ends)
 
     def __getitem__(self, i: int) -> list[int]:
-        i = range(len(self))[i]
-        return self._flat[self._ends[i - 1] if i else 0:self._ends[i]].tolist()
+        ends = self._ends
+        if i < 0:
+            i += len(ends)
+        return self._flat[ends[i - 1] if i else 0:ends[i]].tolist()
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -647,10 +649,13 @@ def _first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
             rows.append([text])
             room = width - need  # below 0 for a text longer than the width: nothing joins it
         most_room[node] = room
-        node //= 2
-        while node:
-            most_room[node] = max(most_room[2 * node], most_room[2 * node + 1])
+        while node > 1:  # up the tree while the most room of a span changes
             node //= 2
+            left, right = most_room[2 * node], most_room[2 * node + 1]
+            most = left if left >= right else right
+            if most_room[node] == most:
+                break
+            most_room[node] = most
     return rows
 
 
@@ -677,22 +682,31 @@ class PackedTexts:
         lengths = [len(seq) for seq in seqs]
         rows = pack_rows(lengths, width) if rows is None else rows
         fullest = row_width(rows, lengths)
-        input_ids = torch.full((len(rows), fullest), pad_id, dtype=torch.long)
-        text_of_token = torch.full((len(rows), fullest), -1, dtype=torch.long)
-        position_ids = torch.zeros((len(rows), fullest), dtype=torch.long)
-        token_index = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
-        token_mask = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
+        longest = max(lengths)
+        first_slot = [0] * len(seqs)  # the flat index (row * fullest + column) of each text's first token
         for r, row in enumerate(rows):
-            start = 0
+            slot = r * fullest
             for text in row:
-                end = start + lengths[text]
-                input_ids[r, start:end] = torch.tensor(seqs[text])
-                text_of_token[r, start:end] = text
-                position_ids[r, start:end] = torch.arange(lengths[text])
-                token_index[text, :lengths[text]] = torch.arange(r * fullest + start, r * fullest + end)
-                token_mask[text, :lengths[text]] = 1
-                start = end
-        return input_ids, cls(text_of_token, position_ids, token_index, token_mask)
+                first_slot[text] = slot
+                slot += lengths[text]
+        # every text's tokens in text order, scattered at once (one tensor op each, not a few per text)
+        count = torch.tensor(lengths)
+        text_of = torch.repeat_interleave(torch.arange(len(seqs)), count)
+        position = torch.arange(int(count.sum())) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+        slots = torch.tensor(first_slot)[text_of] + position
+        input_ids = torch.full((len(rows) * fullest,), pad_id, dtype=torch.long)
+        input_ids[slots] = torch.tensor([token for seq in seqs for token in seq], dtype=torch.long)
+        text_of_token = torch.full((len(rows) * fullest,), -1, dtype=torch.long)
+        text_of_token[slots] = text_of
+        position_ids = torch.zeros(len(rows) * fullest, dtype=torch.long)
+        position_ids[slots] = position
+        token_index = torch.zeros(len(seqs) * longest, dtype=torch.long)
+        token_mask = torch.zeros(len(seqs) * longest, dtype=torch.long)
+        token_index[text_of * longest + position] = slots
+        token_mask[text_of * longest + position] = 1
+        grid = (len(rows), fullest)
+        return input_ids.view(grid), cls(text_of_token.view(grid), position_ids.view(grid),
+                                         token_index.view(len(seqs), longest), token_mask.view(len(seqs), longest))
 
     @property
     def attention_mask(self) -> torch.Tensor:
