@@ -50,6 +50,7 @@ import torch
 
 from .. import functional as _functional
 from .. import inputs as _inputs
+from ..dispatch import BACKENDS
 from ..modules import AngleLoss as _AngleLoss
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "PATCHED_NAMES"]
@@ -63,6 +64,18 @@ _MODULES = ("angle_emb.loss", "angle_emb.angle", "angle_emb")
 _lock = threading.Lock()
 _originals: dict[tuple[str, str], object] = {}  # (module name, attribute) -> the object patch() replaced
 _ese_original: list[Any] = []  # AngleESETrainer.compute_loss as patch() found it (empty when not patched)
+_ese_student_loss: list[Any] = []  # and its compute_student_loss, the hook a subclass overrides
+
+
+class AngleLossOnBackend(_AngleLoss):
+    """angle_kernels' AngleLoss whose backend, unless given, is the one patch(backend=...) set (an importable class:
+    a trainer's loss pickles, as angle-emb's does)."""
+
+    patched_backend: str | None = None
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("backend", type(self).patched_backend)
+        super().__init__(*args, **kwargs)
 
 
 def _import_angle_emb() -> list[ModuleType]:
@@ -87,11 +100,8 @@ def _replacements(backend: str | None) -> dict[str, object]:
     if backend is None:
         out["AngleLoss"] = _AngleLoss
     else:
-        out["AngleLoss"] = type("AngleLoss", (_AngleLoss,), {
-            "__init__": lambda self, *args, **kwargs: _AngleLoss.__init__(self, *args, backend=backend, **kwargs),
-            "__doc__": _AngleLoss.__doc__,
-            "__module__": _AngleLoss.__module__,
-        })
+        AngleLossOnBackend.patched_backend = backend
+        out["AngleLoss"] = AngleLossOnBackend
     return out
 
 
@@ -108,8 +118,10 @@ def patch(backend: str | None = None) -> None:
             (default) means each call chooses ("auto", or the ANGLE_KERNELS_BACKEND environment variable).
 
     Calling patch() again while patched re-binds the backend; the saved originals stay the reference's.
-    Raises ImportError when angle-emb is not installed.
+    Raises ImportError when angle-emb is not installed, ValueError for an unknown backend (before anything changes).
     """
+    if backend is not None and (not isinstance(backend, str) or backend.strip().lower() not in ("auto", *BACKENDS)):
+        raise ValueError(f"backend must be None or one of 'auto', 'torch', 'triton', 'cuda'; got {backend!r}")
     modules = _import_angle_emb()
     replacements = _replacements(backend)
     with _lock:
@@ -122,6 +134,7 @@ def patch(backend: str | None = None) -> None:
         trainer = getattr(importlib.import_module(ESE_TRAINER[0]), ESE_TRAINER[1], None)
         if trainer is not None and not _ese_original:
             _ese_original.append(trainer.compute_loss)
+            _ese_student_loss[:] = [getattr(trainer, "compute_student_loss", None)]
             trainer.compute_loss = _fused_ese_compute_loss
 
 
@@ -162,10 +175,12 @@ def _fused_ese_compute_loss(self: Any, model: torch.nn.Module, inputs: dict[str,
     terms (in the reference's order, so torch.svd_lowrank draws the same random projections), the teacher
     alignment and the MLM term are the reference's code; only its L + 1 calls of the loss become one
     `AngleLoss(dims=(compression size, D))` call with Espresso's layer weights. Falls back to the reference's
-    method when the trainer's loss is not angle_kernels' AngleLoss (a trainer created before patch()) or already
-    has dims of its own.
+    method when the trainer's loss is not angle_kernels' AngleLoss (a trainer created before patch()), already has
+    dims of its own, or the trainer's class overrides compute_student_loss (angle-emb's hook for the earlier
+    layers' terms, which the fused call does not make).
     """
-    if not isinstance(self.loss_fct, _AngleLoss) or self.loss_fct.dims is not None:
+    overridden = getattr(type(self), "compute_student_loss", None) is not _ese_student_loss[0]
+    if not isinstance(self.loss_fct, _AngleLoss) or self.loss_fct.dims is not None or overridden:
         return _ese_original[0](self, model, inputs, return_outputs=return_outputs, **kwargs)
     from angle_emb.angle import get_pooling
 

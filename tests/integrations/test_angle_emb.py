@@ -287,6 +287,51 @@ def test_patched_ese_trainer_with_a_teacher_gives_the_same_loss_and_gradients(ae
         assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < 1e-10, name
 
 
+def test_an_ese_trainer_that_overrides_its_student_loss_keeps_it(ae, deep_model_dir, tmp_path):
+    """compute_student_loss is angle-emb's hook for the earlier layers' terms; the fused call does not make it, so a
+    trainer class that overrides it computes by the reference's method (it was ignored: 26.94 against 17.16 for a
+    subclass whose students add nothing)."""
+    from transformers import AutoTokenizer, BertModel, TrainingArguments
+
+    from angle_kernels.testing.tiny_model import SENTENCES
+
+    angle_mod = ae["angle_emb.angle"]
+
+    class LastLayerOnly(angle_mod.AngleESETrainer):
+        def compute_student_loss(self, *args, **kwargs):
+            return 0.0
+
+    model = BertModel.from_pretrained(deep_model_dir).to(torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(deep_model_dir)
+    labels = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+
+    def loss():
+        trainer = LastLayerOnly(pooler=angle_mod.Pooler(model, pooling_strategy="cls"), model=model, args=args,
+                                dataset_format="A", ese_compression_size=8)
+        torch.manual_seed(0)
+        return float(trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
+
+    reference = loss()
+    with integration.patched():
+        assert loss() == pytest.approx(reference, rel=1e-12)
+
+
+def test_a_backend_is_checked_at_patch_and_the_patched_loss_pickles(ae):
+    """patch(backend=...) refuses an unknown backend before changing anything (it failed at the first loss, mid
+    training), and the AngleLoss it binds is an importable class: a trainer's loss pickles, as angle-emb's does."""
+    import pickle
+
+    with pytest.raises(ValueError, match="backend must be None or one of 'auto'.*got 'bogus'"):
+        integration.patch(backend="bogus")
+    assert not integration.is_patched()
+    with integration.patched(backend="torch"):
+        loss = ae["angle_emb.angle"].AngleLoss(cosine_w=1.0, angle_w=1.0, dataset_format="A")
+        assert loss.backend == "torch"
+        copy = pickle.loads(pickle.dumps(loss))
+    assert type(copy) is type(loss) and copy.backend == "torch"
+
+
 def test_unpatch_restores_the_ese_trainer(ae):
     trainer = ae["angle_emb.angle"].AngleESETrainer
     original = trainer.compute_loss
