@@ -780,10 +780,12 @@ class _LayerRecorder(torch.nn.Module):
             self.draws.append(self.inner._selected(embeddings[0].shape[-1], sort=True))
         return embeddings[0].new_zeros(())
 
-    def fused_loss(self, labels: Tensor) -> Tensor | None:
+    def fused_loss(self, labels: Tensor) -> Tensor:
         """sum over the recorded layers l (and drawn dims i) of weight_l * w_i * loss(layer l[..., :d_i]) as the
         parent weighs them: the final layer by last_layer_weight, a sampled layer by its layer weighting divided
-        by the number sampled times prior_layers_weight; None when every weight is 0."""
+        by the number sampled times prior_layers_weight. Where every weight is 0: 0, with zero gradients for every
+        recorded layer, as the parent's 0 * loss gives them (not None: an optimizer skips a parameter whose
+        gradient is None, and moves one whose gradient is 0 by its momentum)."""
         layerwise = self.layerwise[0]
         sampled = len(self.layers) - 1
         weights = [layerwise.last_layer_weight if layer is None else
@@ -794,7 +796,7 @@ class _LayerRecorder(torch.nn.Module):
             drawn = [dict(zip(draw.dims, draw.weights)) for draw in self.draws]
             rows = [[weight * chosen.get(d, 0.0) for d in dims] for weight, chosen in zip(weights, drawn)]
         if not any(w != 0 for w in (rows if dims is None else sum(rows, []))):
-            return None
+            return sum(column.sum() for layer in self.columns for column in layer) * 0.0
         width = self.columns[0][0].shape[-1]
         nested = _inputs.check_nested(dims, None, width, layer_weights=rows, layers=len(rows))
         stacks = [torch.stack(layer_columns) for layer_columns in zip(*self.columns)]  # per column: [L, rows, D]
@@ -820,8 +822,7 @@ class _FusedLayerwise:
             kl_terms = super().forward(sentence_features, labels)  # the parent's value with every inner loss 0
         finally:
             self.loss = inner
-        fused = recorder.fused_loss(labels)
-        return kl_terms if fused is None else kl_terms + fused
+        return kl_terms + recorder.fused_loss(labels)
 
 
 class AdaptiveLayerLoss(_FusedLayerwise, _st_losses.AdaptiveLayerLoss):

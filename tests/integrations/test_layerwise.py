@@ -166,3 +166,23 @@ def test_float32_within_float32_tolerances(deep_model64):
         replacement = make_replacement()
         assert replacement.uses_fused_path
         compare(model, Seeded(make_original()), Seeded(replacement), columns, labels, value_tol=1e-5, grad_tol=1e-4)
+
+
+def test_weights_that_are_all_zero_leave_every_layer_a_zero_gradient(deep_model64):
+    """Every layer weight 0 (AdaptiveLayerLoss's last_layer_weight and prior_layers_weight, Matryoshka2dLoss's dims'
+    weights): the parent's 0 * loss gives every parameter a zero gradient, and so does the fused call (it returned
+    None: those parameters' gradients stayed None, which AdamW skips where it moves zero-gradient ones by their
+    momentum, so training parted from step 3)."""
+    model = deep_model64
+    for make_original, make_replacement, columns in (
+            (lambda: st_losses.AdaptiveLayerLoss(model, st_losses.MultipleNegativesRankingLoss(model),
+                                                 last_layer_weight=0.0, prior_layers_weight=0.0),
+             lambda: ours.AdaptiveLayerLoss(model, ours.MultipleNegativesRankingLoss(model), last_layer_weight=0.0,
+                                            prior_layers_weight=0.0), 2),
+            (lambda: st_losses.Matryoshka2dLoss(model, st_losses.MultipleNegativesRankingLoss(model), (32, 16, 8),
+                                                matryoshka_weights=(0, 0, 0)),
+             lambda: ours.Matryoshka2dLoss(model, ours.MultipleNegativesRankingLoss(model), (32, 16, 8),
+                                           matryoshka_weights=(0, 0, 0)), 2)):
+        replacement = make_replacement()
+        assert replacement.uses_fused_path
+        compare(model, Seeded(make_original()), Seeded(replacement), columns, None, value_tol=1e-12, grad_tol=1e-10)
