@@ -77,37 +77,41 @@ def _depth(value, limit: int) -> int:
     return deepest
 
 
-def _load(path: Path) -> tuple[dict, str | None]:
-    """(the cache's contents, None) or (empty contents, why the file was not used)."""
+def _load(path: Path) -> tuple[dict, str | None, int | None]:
+    """(the cache's contents, None, None) or (empty contents, why the file was not used, its format where that is
+    a later one than FORMAT: a later version's file, which update() leaves as it is)."""
     try:
         info = path.stat()
     except FileNotFoundError:
-        return _empty(), None
+        return _empty(), None, None
     except OSError as exc:
-        return _empty(), f"cannot stat it ({exc})"
+        return _empty(), f"cannot stat it ({exc})", None
     if not stat.S_ISREG(info.st_mode):
-        return _empty(), "it is not a regular file"
+        return _empty(), "it is not a regular file", None
     if info.st_size > MAX_BYTES:
-        return _empty(), f"it holds {info.st_size} bytes, more than {MAX_BYTES}"
+        return _empty(), f"it holds {info.st_size} bytes, more than {MAX_BYTES}", None
     try:
         with open(path, "rb") as handle:
             raw = handle.read(MAX_BYTES + 1)
         data = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        return _empty(), f"it is not JSON this package wrote ({type(exc).__name__}: {str(exc)[:100]})"
+        return _empty(), f"it is not JSON this package wrote ({type(exc).__name__}: {str(exc)[:100]})", None
     if not isinstance(data, dict):
-        return _empty(), f"it holds a JSON {type(data).__name__}, not an object"
-    if data.get("format") != FORMAT:
-        return _empty(), (f"it was written in format {data.get('format')!r}, this version reads format {FORMAT} "
-                          "(its records are not used: `python -m angle_kernels.verify --forget` removes it)")
+        return _empty(), f"it holds a JSON {type(data).__name__}, not an object", None
+    found = data.get("format")
+    if found != FORMAT:
+        later = found if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT else None
+        why = (f"it was written in format {found!r}, this version reads format {FORMAT} (its records are not used: "
+               "`python -m angle_kernels.verify --forget` removes it)")
+        return _empty(), why, later
     if _depth(data, _MAX_DEPTH) > _MAX_DEPTH:
-        return _empty(), f"it is nested deeper than {_MAX_DEPTH} levels"
+        return _empty(), f"it is nested deeper than {_MAX_DEPTH} levels", None
     contents = _empty()
     for section in SECTIONS:
         value = data.get(section, [])
         if isinstance(value, list):
             contents[section] = [item for item in value if isinstance(item, dict)]
-    return contents, None
+    return contents, None, None
 
 
 def read(path: Path | None = None) -> dict:
@@ -120,7 +124,7 @@ def read(path: Path | None = None) -> dict:
             _warned.add("")
             warnings.warn(f"angle_kernels: no cache is read or written: {exc}", RuntimeWarning, stacklevel=2)
         return _empty()
-    contents, why = _load(path)
+    contents, why, _ = _load(path)
     if why is not None and str(path) not in _warned:
         _warned.add(str(path))
         warnings.warn(f"angle_kernels: ignoring the cache {path}: {why}", RuntimeWarning, stacklevel=2)
@@ -170,28 +174,15 @@ def update(change: Callable[[dict], dict | None], path: Path | None = None) -> d
     cannot be written."""
     path = path or cache_file()
     with locked(path):
-        newer = _newer_format(path)
+        contents, _, newer = _load(path)
         if newer is not None:
             raise OSError(f"{path} was written in format {newer} by a later version of angle_kernels (this one writes "
                           f"format {FORMAT}): left as it is")
-        contents, _ = _load(path)
         changed = change(contents)
         contents = contents if changed is None else changed
         contents["format"] = FORMAT
         write_json_atomic(path, contents)
     return contents
-
-
-def _newer_format(path: Path) -> int | None:
-    """The format of the cache file when it is a later one than FORMAT, else None."""
-    try:
-        if not 0 < path.stat().st_size <= MAX_BYTES:
-            return None
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    found = data.get("format") if isinstance(data, dict) else None
-    return found if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT else None
 
 
 def forget(path: Path | None = None) -> bool:

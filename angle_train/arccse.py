@@ -137,20 +137,19 @@ class TokenizedSentences:
         texts = [apply_prompt(s, template) for s in sentences]
         self.ids, self.weak, self.strong = TokenRows(), TokenRows(), TokenRows()  # 4 bytes a token (TokenRows)
         self.too_short = [0, 0]  # sentences whose span at each rate is 0 tokens
-        index = 0
         for chunk, specials in tokenize_in_chunks(texts, tokenizer, special_tokens_mask=True, truncation=True,
                                                   max_length=max_length, add_special_tokens=True):
+            copies = []  # (weak, strong) of each sentence of the chunk
             for ids, special in zip(chunk, specials):
                 words = [j for j, flag in enumerate(special) if not flag]
                 maskable = range(words[0], words[-1] + 1) if words else range(0)
-                rng = random.Random(f"arccse-masks:{seed}:{index}")
-                copies = [mask_span(ids, maskable, rate, tokenizer.mask_token_id, rng) for rate in mask_rates]
+                rng = random.Random(f"arccse-masks:{seed}:{len(self.ids) + len(copies)}")
+                copies.append([mask_span(ids, maskable, rate, tokenizer.mask_token_id, rng) for rate in mask_rates])
                 for i, rate in enumerate(mask_rates):
                     self.too_short[i] += span_length(len(maskable), rate) == 0
-                self.ids.extend([ids])
-                self.weak.extend([copies[0]])
-                self.strong.extend([copies[1]])
-                index += 1
+            self.ids.extend(chunk)
+            self.weak.extend(weak for weak, _ in copies)
+            self.strong.extend(strong for _, strong in copies)
         self.lengths = [self.ids.length(i) for i in range(len(self.ids))]
         self.cut = cut_note(sum(length >= max_length for length in self.lengths), len(self.lengths), max_length)
         self.mask_rates = tuple(mask_rates)

@@ -524,15 +524,14 @@ class TokenizedPairs:
         k = self.rows_per_example
         self.labels = [ex.label for ex in examples]
         self.lengths = [max(self.rows.length(i * k + j) for j in range(k)) for i in range(len(examples))]
-        self.max_length = max_length
-        self.at_max_length = sum(self.rows.length(r) >= max_length for r in range(len(self.rows)))
+        self.cut = cut_note(sum(self.rows.length(r) >= max_length for r in range(len(self.rows))), len(self.rows),
+                            max_length)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def describe(self) -> str:
-        return (f"{len(self):,} examples (format {self.fmt}"
-                f"{cut_note(self.at_max_length, len(self.rows), self.max_length)})")
+        return f"{len(self):,} examples (format {self.fmt}{self.cut})"
 
     def lengths_of(self, indices: list[int]) -> list[int]:
         """Real (unpadded) token counts of all rows of these examples."""
