@@ -167,8 +167,8 @@ class TokenizedSentences:
         return [self.lengths[i] for i in indices for _ in range(BLOCKS)]
 
     def batch(self, indices: list[int]) -> Batch:
-        views = [self.ids[i] for i in indices]
-        seqs = views + views + views + [self.weak[i] for i in indices] + [self.strong[i] for i in indices]
+        views = self.ids.take(indices)
+        seqs = TokenRows.concat([views, views, views, self.weak.take(indices), self.strong.take(indices)])
         return Batch(seqs, torch.ones(len(seqs)), dropout_rows=2 * len(indices))
 
 

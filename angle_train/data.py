@@ -26,11 +26,13 @@ import contextlib
 import csv
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
 import random
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -455,34 +457,101 @@ TOKENIZE_CHUNK = 16384
 class TokenRows:
     """The token ids of many texts, in one flat array of 32-bit ints with each text's end: 4 bytes a token, where
     a list of Python ints per text took about 70 (1M pairs: 7.9 GB resident after tokenising, for every process of
-    a job). rows[i] is text i's ids as a list (a batch's rows are made when it is used)."""
+    a job). rows[i] is text i's ids as a list. A batch's rows are taken in a few tensor ops (take, concat) and
+    become its passes' tensors the same way (flat: pad_batch, PackedTexts.build), with no list per text: a
+    32,768-pair batch's padded passes took 1.2 s of Python loops on one thread.
+
+    Rows built with extend live in growable arrays; rows made by take / concat live in tensors (extend turns
+    them back into arrays)."""
 
     def __init__(self, rows=()):
         self._flat, self._ends = array("i"), array("q")
         self.extend(rows)
 
+    @classmethod
+    def _of(cls, flat: torch.Tensor, ends: torch.Tensor) -> TokenRows:
+        rows = cls()
+        rows._flat, rows._ends = flat, ends
+        return rows
+
     def extend(self, rows) -> None:
+        if isinstance(self._flat, torch.Tensor):
+            self._flat, self._ends = array("i", self._flat.tolist()), array("q", self._ends.tolist())
         for ids in rows:
             self._flat.extend(ids)
             self._ends.append(len(self._flat))
 
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the flat int32 tokens, the int64 ends): views of the arrays, valid until the next extend (an array
+        that grows moves; torch.frombuffer does not hold it in place), so never kept."""
+        if isinstance(self._flat, torch.Tensor):
+            return self._flat, self._ends
+        if not self._ends:  # frombuffer refuses an empty buffer
+            return torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
+        flat = torch.frombuffer(self._flat, dtype=torch.int32) if self._flat else torch.empty(0, dtype=torch.int32)
+        return flat, torch.frombuffer(self._ends, dtype=torch.int64)
+
     def __len__(self) -> int:
         return len(self._ends)
 
-    def __getitem__(self, i: int) -> list[int]:
+    def __getitem__(self, i: int | slice) -> list[int] | TokenRows:
+        """Row i's ids as a list; a slice of the rows as TokenRows."""
+        if isinstance(i, slice):
+            return self.take(range(len(self))[i])
         ends = self._ends
         if i < 0:
             i += len(ends)
-        return self._flat[ends[i - 1] if i else 0:ends[i]].tolist()
+        return self._flat[int(ends[i - 1]) if i else 0:int(ends[i])].tolist()
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
     def length(self, i: int) -> int:
-        return self._ends[i] - (self._ends[i - 1] if i else 0)
+        return int(self._ends[i]) - (int(self._ends[i - 1]) if i else 0)
+
+    def lengths(self) -> list[int]:
+        """Every row's token count."""
+        return torch.diff(self._tensors()[1], prepend=torch.zeros(1, dtype=torch.int64)).tolist()
+
+    def take(self, indices) -> TokenRows:
+        """Rows `indices` (non-negative), in that order, as new rows: one gather of their tokens."""
+        flat, ends = self._tensors()
+        index = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < len(ends):
+            raise IndexError(f"rows {int(index.min())}..{int(index.max())} asked of {len(ends)}")
+        stop = ends[index]
+        lengths = stop - torch.where(index > 0, ends[(index - 1).clamp(min=0)], 0)
+        new_ends = torch.cumsum(lengths, 0)
+        total = int(new_ends[-1]) if index.numel() else 0
+        # token t of new row r comes from old position stop[r] - (new_ends[r] - t): one shift per row
+        source = torch.arange(total) + torch.repeat_interleave(stop - new_ends, lengths, output_size=total)
+        return TokenRows._of(flat[source], new_ends)
+
+    @classmethod
+    def concat(cls, parts: list[TokenRows]) -> TokenRows:
+        """The rows of every part, in order."""
+        pieces = [part._tensors() for part in parts]
+        shifts = torch.cumsum(torch.tensor([0] + [int(ends[-1]) if len(ends) else 0 for _, ends in pieces]), 0)
+        return cls._of(torch.cat([flat for flat, _ in pieces]),
+                       torch.cat([ends + shift for (_, ends), shift in zip(pieces, shifts.tolist())]))
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every token of every row in order, as int64 input ids; each row's length)."""
+        flat, ends = self._tensors()
+        return flat.long(), torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int64))
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, TokenRows) and self._ends == other._ends and self._flat == other._flat
+        if isinstance(other, TokenRows):
+            (flat, ends), (other_flat, other_ends) = self._tensors(), other._tensors()
+            return torch.equal(ends, other_ends) and torch.equal(flat, other_flat)
+        return isinstance(other, list) and list(self) == other
+
+    def __repr__(self) -> str:
+        return f"TokenRows({list(self)!r})"
+
+
+def as_token_rows(seqs: TokenRows | list[list[int]]) -> TokenRows:
+    return seqs if isinstance(seqs, TokenRows) else TokenRows(seqs)
 
 
 def tokenize_in_chunks(texts: list[str], tokenizer, *, special_tokens_mask: bool = False, **options):
@@ -541,24 +610,27 @@ class TokenizedPairs:
     def batch(self, indices: list[int]) -> Batch:
         """The rows of these examples in the loss layout (zigzag or stride 3) and one label per row."""
         k = self.rows_per_example
-        seqs = [self.rows[i * k + j] for i in indices for j in range(k)]
+        rows = (torch.as_tensor(indices, dtype=torch.long)[:, None] * k + torch.arange(k)).reshape(-1)
         labels = torch.tensor([self.labels[i] for i in indices for _ in range(self.rows_per_example)],
                               dtype=torch.float32)
-        return Batch(seqs, labels)
+        return Batch(self.rows.take(rows), labels)
 
 
 @dataclass
 class Batch:
-    seqs: list[list[int]]  # token ids per row, unpadded
+    seqs: TokenRows  # token ids per row, unpadded (a list of lists is taken too)
     labels: torch.Tensor  # [rows], the example's label on each of its rows
     # rows [0, dropout_rows) are embedded with dropout, the rest without (ArcCSE's triplets); None: every row with
     dropout_rows: int | None = None
 
-    def chunks(self, rows_per_chunk: int | None) -> list[list[list[int]]]:
+    def __post_init__(self):
+        self.seqs = as_token_rows(self.seqs)
+
+    def chunks(self, rows_per_chunk: int | None) -> list[TokenRows]:
         """The rows in forward passes of at most rows_per_chunk (0 / None: one pass), in batch order."""
         return [seqs for seqs, _ in self.passes(rows_per_chunk)]
 
-    def passes(self, rows_per_chunk: int | None) -> list[tuple[list[list[int]], bool]]:
+    def passes(self, rows_per_chunk: int | None) -> list[tuple[TokenRows, bool]]:
         """(rows, with dropout) of each forward pass, in batch order: chunks of at most rows_per_chunk rows, none
         of which mixes rows with and without dropout."""
         return self.plan(rows=rows_per_chunk, sort=False).passes
@@ -575,13 +647,14 @@ class Batch:
         if rows and tokens:
             raise ValueError("a pass plan takes a row count or a token budget, not both")
         split = len(self.seqs) if self.dropout_rows is None else self.dropout_rows
+        lengths = self.seqs.lengths()
         passes, order = [], []
         for group, dropout in ((range(split), True), (range(split, len(self.seqs)), False)):
             if sort and (rows or tokens):  # one pass pads to its longest row in any order
-                group = sorted(group, key=lambda i: -len(self.seqs[i]))
+                group = sorted(group, key=lambda i: -lengths[i])
             group = list(group)
-            for cut in _cut(group, [len(self.seqs[i]) for i in group], rows, tokens, padded=not pack_width):
-                passes.append(([self.seqs[i] for i in cut], dropout))
+            for cut in _cut(group, [lengths[i] for i in group], rows, tokens, padded=not pack_width):
+                passes.append((self.seqs.take(cut), dropout))
                 order += cut
         return PassPlan(passes, order, pack_width)
 
@@ -613,7 +686,7 @@ def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
     fewest_rows = -(-total // width)
     candidates = {width, longest} | {max(longest, -(-total // rows)) for rows in range(fewest_rows, fewest_rows + 3)}
     packings = [_first_fit_decreasing(lengths, min(candidate, width)) for candidate in sorted(candidates)]
-    return min(packings, key=lambda rows: processed_tokens(rows, lengths))
+    return min(packings, key=lambda packing: packing.processed_tokens).rows()
 
 
 def row_width(rows: list[list[int]], lengths: list[int]) -> int:
@@ -626,36 +699,60 @@ def processed_tokens(rows: list[list[int]], lengths: list[int]) -> int:
     return len(rows) * row_width(rows, lengths)
 
 
-def _first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
-    """Each text (longest first) into the first row with room for it, or a new row. The first row with room is
-    found in a tree of the rows' free room (each node the most free room of its span of rows): n texts cost
-    O(n log n), where a scan of the rows for every text cost texts x rows (9 s for 65,536 texts)."""
-    leaves = 1
-    while leaves < len(lengths):
-        leaves *= 2
-    most_room = [-1] * (2 * leaves)  # -1: no row there yet (a text takes at least 0 tokens)
-    rows: list[list[int]] = []
-    for text in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        need = lengths[text]
-        if most_room[1] >= need:  # the leftmost row with room: descend to the left child whenever it has room
-            node = 1
-            while node < leaves:
-                node = 2 * node if most_room[2 * node] >= need else 2 * node + 1
-            rows[node - leaves].append(text)
-            room = most_room[node] - need
-        else:
-            node = leaves + len(rows)
-            rows.append([text])
-            room = width - need  # below 0 for a text longer than the width: nothing joins it
-        most_room[node] = room
-        while node > 1:  # up the tree while the most room of a span changes
-            node //= 2
-            left, right = most_room[2 * node], most_room[2 * node + 1]
-            most = left if left >= right else right
-            if most_room[node] == most:
-                break
-            most_room[node] = most
-    return rows
+@dataclass
+class _Packing:
+    """Texts placed in rows (_first_fit_decreasing), as tensors."""
+
+    order: torch.Tensor  # the texts in the order they were placed
+    row_of: torch.Tensor  # the row of each, in that order
+    room: torch.Tensor  # each row's free room (below 0 under a text longer than the width)
+    width: int
+
+    @property
+    def processed_tokens(self) -> int:
+        """processed_tokens(self.rows(), lengths), from the rooms."""
+        return len(self.room) * (self.width - int(self.room.min())) if len(self.room) else 0
+
+    def rows(self) -> list[list[int]]:
+        """Each row's texts in placing order: a stable sort of the placed texts by row."""
+        rows_in_order, by_row = torch.sort(self.row_of, stable=True)
+        texts = self.order[by_row].tolist()
+        bounds = torch.cumsum(torch.bincount(rows_in_order, minlength=len(self.room)), 0).tolist()
+        return [texts[low:high] for low, high in zip([0] + bounds[:-1], bounds)]
+
+
+def _first_fit_decreasing(lengths: list[int], width: int) -> _Packing:
+    """Each text (longest first, ties in index order) into the first row with room for it, or a new row (a text
+    longer than the width: a row of its own that nothing joins).
+
+    Computed a length at a time: texts of one length fill the rows in order, each row taking as many as its room
+    holds (rooms only shrink, so a row passed over never takes one later), then new rows of width // length each.
+    That is a few tensor ops per distinct length, where placing each text in turn cost Python steps per text
+    (0.14-0.17 s for 65,536 texts, twice per pass for pack_rows' candidate widths)."""
+    length = torch.tensor(lengths, dtype=torch.long)
+    by_length, order = torch.sort(length, descending=True, stable=True)  # the order the texts are placed in
+    distinct, counts = torch.unique_consecutive(by_length, return_counts=True)
+    room = torch.empty(0, dtype=torch.long)  # each row's free room (below 0 under a text longer than the width)
+    row_of = torch.empty(len(lengths), dtype=torch.long)  # each placed text's row, in placing order
+    start = 0
+    for need, count in zip(distinct.tolist(), counts.tolist()):
+        placed = slice(start, start + count)
+        start += count
+        if need == 0:  # empty texts: all in the first row with room (none is needed), else a new row
+            fits = torch.nonzero(room >= 0)
+            row_of[placed] = int(fits[0]) if len(fits) else len(room)
+            if not len(fits):
+                room = torch.cat([room, torch.tensor([width])])
+            continue
+        ends = torch.cumsum(room.clamp(min=0) // need, 0)  # the texts rows 0..r hold together
+        existing = min(count, int(ends[-1]) if len(ends) else 0)
+        into_existing = torch.searchsorted(ends, torch.arange(existing), right=True)
+        per_row = max(1, width // need)
+        into_new = len(room) + torch.arange(count - existing) // per_row
+        row_of[placed] = torch.cat([into_existing, into_new])
+        room = room - need * torch.bincount(into_existing, minlength=len(room))
+        room = torch.cat([room, width - need * torch.bincount(into_new - len(room), minlength=0)])
+    return _Packing(order, row_of, room, width)
 
 
 @dataclass
@@ -674,27 +771,29 @@ class PackedTexts:
     token_mask: torch.Tensor
 
     @classmethod
-    def build(cls, seqs: list[list[int]], width: int, pad_id: int,
+    def build(cls, seqs: TokenRows | list[list[int]], width: int, pad_id: int,
               rows: list[list[int]] | None = None) -> tuple[torch.Tensor, PackedTexts]:
         """(input_ids [rows, width'], layout) for these texts packed into rows of `width` tokens (`rows`: their
         pack_rows, when already known); width' is the fullest row's length."""
-        lengths = [len(seq) for seq in seqs]
+        tokens, count = as_token_rows(seqs).flat()
+        lengths = count.tolist()
         rows = pack_rows(lengths, width) if rows is None else rows
-        fullest = row_width(rows, lengths)
+        # the texts row after row, each text's row, and its first column: the tokens of the row's texts before it
+        placed = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)
+        texts_per_row = torch.tensor([len(row) for row in rows])
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), texts_per_row)
+        before = torch.cumsum(count[placed], 0) - count[placed]  # tokens placed before the text, in any row
+        column = before - before[torch.cumsum(texts_per_row, 0) - texts_per_row][row_of]
+        fullest = int((column + count[placed]).max())
         longest = max(lengths)
-        first_slot = [0] * len(seqs)  # the flat index (row * fullest + column) of each text's first token
-        for r, row in enumerate(rows):
-            slot = r * fullest
-            for text in row:
-                first_slot[text] = slot
-                slot += lengths[text]
+        first_slot = torch.empty(len(lengths), dtype=torch.long)  # flat index (row * fullest + column) of each
+        first_slot[placed] = row_of * fullest + column  # text's first token
         # every text's tokens in text order, scattered at once (one tensor op each, not a few per text)
-        count = torch.tensor(lengths)
         text_of = torch.repeat_interleave(torch.arange(len(seqs)), count)
         position = torch.arange(int(count.sum())) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
-        slots = torch.tensor(first_slot)[text_of] + position
+        slots = first_slot[text_of] + position
         input_ids = torch.full((len(rows) * fullest,), pad_id, dtype=torch.long)
-        input_ids[slots] = torch.tensor([token for seq in seqs for token in seq], dtype=torch.long)
+        input_ids[slots] = tokens
         text_of_token = torch.full((len(rows) * fullest,), -1, dtype=torch.long)
         text_of_token[slots] = text_of
         position_ids = torch.zeros(len(rows) * fullest, dtype=torch.long)
@@ -712,8 +811,12 @@ class PackedTexts:
         """[rows, width] 1 on the texts' tokens, 0 on the padding at the end of a row (the usual 2D mask)."""
         return (self.text_of_token >= 0).long()
 
-    def to(self, device) -> PackedTexts:
-        return PackedTexts(*(tensor.to(device) for tensor in
+    def to(self, device, non_blocking: bool = False) -> PackedTexts:
+        return PackedTexts(*(tensor.to(device, non_blocking=non_blocking) for tensor in
+                             (self.text_of_token, self.position_ids, self.token_index, self.token_mask)))
+
+    def pin_memory(self) -> PackedTexts:
+        return PackedTexts(*(tensor.pin_memory() for tensor in
                              (self.text_of_token, self.position_ids, self.token_index, self.token_mask)))
 
 
@@ -721,7 +824,7 @@ class PackedTexts:
 class PassPlan:
     """A batch's rows in forward passes (Batch.plan)."""
 
-    passes: list[tuple[list[list[int]], bool]]  # (rows' token ids, with dropout) of each pass
+    passes: list[tuple[TokenRows, bool]]  # (rows' token ids, with dropout) of each pass
     order: list[int]  # the batch row of each embedded row, passes concatenated
     pack_width: int = 0  # > 0: each pass's texts packed into rows of this many tokens (PackedTexts)
 
@@ -752,34 +855,65 @@ class PassPlan:
     def token_counts(self) -> tuple[int, int]:
         """(real tokens, tokens the encoder processes: every pass padded to its longest row, or its packed rows
         padded to the fullest)."""
-        real = sum(len(seq) for seqs, _ in self.passes for seq in seqs)
+        lengths = [seqs.lengths() for seqs, _ in self.passes]
+        real = sum(map(sum, lengths))
         if not self.pack_width:
-            return real, sum(len(seqs) * max(len(seq) for seq in seqs) for seqs, _ in self.passes)
-        return real, sum(processed_tokens(rows, [len(seq) for seq in seqs])
-                         for rows, (seqs, _) in zip(self.packings, self.passes))
+            return real, sum(len(each) * max(each) for each in lengths)
+        return real, sum(processed_tokens(rows, each) for rows, each in zip(self.packings, lengths))
 
     @functools.cached_property
     def packings(self) -> list[list[list[int]]]:
         """With pack_width: each pass's texts in rows (pack_rows), worked out once for both tensors() and
         token_counts()."""
-        return [pack_rows([len(seq) for seq in seqs], self.pack_width) for seqs, _ in self.passes]
+        return [pack_rows(seqs.lengths(), self.pack_width) for seqs, _ in self.passes]
 
 
-def pad_batch(seqs: list[list[int]], pad_id: int, side: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+class OneAhead:
+    """The next piece of work made on one background thread while the caller does the current one (the trainer:
+    the next step's batches, cut into passes and padded or packed on the CPU, while the device runs this step;
+    torch releases the GIL inside its ops). get(key, make) returns what was started for `key`, waiting for it if
+    need be, or make() now where nothing or something else was started (the settings changed since: --auto-chunk
+    halves a step's passes after an out-of-memory error); start(key, make) starts the next. An error raised by
+    the work is raised by get().
+
+    On a GPU the thread works on `device` (its pinned memory is made there: a new thread's GPU is the first, where
+    every process of a job would otherwise make a CUDA context)."""
+
+    def __init__(self, device: torch.device | None = None):
+        on_gpu = {}
+        if device is not None and device.type == "cuda":
+            index = torch.cuda.current_device() if device.index is None else device.index
+            on_gpu = {"initializer": torch.cuda.set_device, "initargs": (index,)}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="angle-train-data", **on_gpu)
+        self._key, self._future = None, None
+
+    def get(self, key, make):
+        future = self._future if self._key == key else None
+        self._key, self._future = None, None  # a future for another key is dropped (its result never read)
+        return make() if future is None else future.result()
+
+    def start(self, key, make) -> None:
+        self._key, self._future = key, self._pool.submit(make)
+
+    def close(self) -> None:
+        """Stop: the work under way finishes (a step's data: under a second), nothing started is kept."""
+        self._key, self._future = None, None
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def pad_batch(seqs: TokenRows | list[list[int]], pad_id: int, side: str, device=None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic padding to the longest row of this batch: (input_ids, attention_mask), both [B, L] int64."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right'; got {side!r}")
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        if side == "right":
-            input_ids[row, :len(seq)] = torch.tensor(seq)
-            mask[row, :len(seq)] = 1
-        else:
-            input_ids[row, width - len(seq):] = torch.tensor(seq)
-            mask[row, width - len(seq):] = 1
-    return input_ids.to(device), mask.to(device)
+    if not len(seqs):
+        raise ValueError("pad_batch needs at least one row")
+    tokens, lengths = as_token_rows(seqs).flat()
+    columns = torch.arange(int(lengths.max()))
+    real = columns < lengths[:, None] if side == "right" else columns >= len(columns) - lengths[:, None]
+    input_ids = torch.full(real.shape, pad_id, dtype=torch.long)
+    input_ids[real] = tokens  # a mask's positions in row-major order: each row's tokens, row after row
+    return input_ids.to(device), real.long().to(device)
 
 
 def epoch_batches(n: int, batch_size: int, *, seed: int, epoch: int, lengths: list[int] | None = None,

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from . import st_folder
-from .data import PackedTexts, Prompts, apply_prompt, pad_batch
+from .data import PackedTexts, Prompts, TokenRows, apply_prompt, pad_batch
 
 # ------------------------------------------------------------------------------------------------ pooling
 
@@ -234,7 +234,7 @@ class Encoder(nn.Module):
         return getattr(self.backbone.config, "_attn_implementation", None)
 
     @torch.no_grad()
-    def packing_problem(self, seqs: list[list[int]], width: int) -> str | None:
+    def packing_problem(self, seqs: TokenRows | list[list[int]], width: int) -> str | None:
         """Why packed rows (data.PackedTexts) cannot go through this model, or None when they can. They need an
         attention that takes a 4D mask (sdpa or eager; flash and flex attention take other forms of it), and a
         model that honours the mask and the position ids as given: checked by embedding `seqs` (a few texts of

@@ -43,7 +43,9 @@ from .checkpoint import (
 )
 from .cli_common import resolve_device
 from .config import TrainConfig, flag_of
-from .data import FORMATS, Example, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples
+from .data import (
+    FORMATS, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples,
+)
 from .export import prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import StsSet, encoding_progress, library_progress_bars, read_dataset, sts_spearman_by_dim
 from .grad_cache import RngState, grad_cache_step, plain_step
@@ -129,6 +131,7 @@ def _train(cfg: TrainConfig, *, model, train_examples, dev_examples, loss_fn, on
     except StopTraining:
         return run.result
     finally:
+        run.data_ahead.close()
         run.log.close()
         if run.lock is not None:
             run.lock.release()
@@ -193,6 +196,7 @@ class Run:
     loss_name: str = "AngleLoss"  # AngleLoss, ArcCSELoss, or the loss_fn given to train()
     given: tuple = ()  # which of train()'s model, train_examples, dev_examples replaced flags (the model cards)
     resumed_from: str | None = None  # the checkpoint the run continues from
+    data_ahead: OneAhead = field(default_factory=OneAhead)  # the next step's batches, made while this one runs
 
 
 def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=None, loss_fn=None) -> Run:
@@ -327,7 +331,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                epoch_order=batch_order(cfg, dataset, position.epoch),
                log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step, position.loss_window),
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_spearman=position.best),
-               command=command, loss_name=loss_name, resumed_from=resume_from,
+               command=command, loss_name=loss_name, resumed_from=resume_from, data_ahead=OneAhead(device),
                given=tuple(name for name, value in (("model", model), ("train_examples", train_examples),
                                                     ("dev_examples", dev_examples)) if value is not None))
 
@@ -651,7 +655,7 @@ def accumulate_gradients(run: Run, batches: list[list[int]]) -> tuple[float, tup
             run.optimizer.zero_grad(set_to_none=True)
             seqs = run.dataset.batch(batches[0][:cfg.batch_size // run.dist_info.world_size]).seqs
             per_pass = cfg.chunk_tokens or cfg.chunk_size or len(seqs)
-            smallest = max(len(seq) for seq in seqs) if cfg.chunk_tokens else 1  # one text per pass
+            smallest = max(seqs.lengths()) if cfg.chunk_tokens else 1  # one text per pass
             if not cfg.auto_chunk or per_pass <= smallest:
                 raise torch.OutOfMemoryError(faults.oom_message(cfg, run.position.step, per_pass, len(seqs))) from exc
         # retry, out of the except block: the failed attempt's frames (and the tensors they hold) are gone
@@ -672,29 +676,83 @@ def accumulate_gradients(run: Run, batches: list[list[int]]) -> tuple[float, tup
 def _backpropagate(run: Run, batches: list[list[int]]) -> tuple[float, tuple[int, int]]:
     cfg = run.cfg
     step_fn = grad_cache_step if cfg.chunk_size or cfg.chunk_tokens else plain_step
-    share = cfg.batch_size // run.dist_info.world_size
     loss_sum, real, padded = 0.0, 0, 0
     with run.encoder.all_layers_out(cfg.espresso):  # Espresso: every layer's embeddings, for the loss only
-        for j, indices in enumerate(batches):
-            mine = indices[run.dist_info.rank * share:(run.dist_info.rank + 1) * share]
-            with phase("data"):
-                batch = run.dataset.batch(mine)
-                plan = pass_plan(cfg, batch)
-                chunks, restore = plan.tensors(run.encoder.pad_token_id, run.encoder.padding_side, run.device)
+        for j in range(len(batches)):
+            with phase("data"):  # the first: the wait for the step's batches, made while the step before ran
+                if j == 0:
+                    prepared = step_data(run, batches)
+                batch = prepared[j]
+                chunks = [tuple(_to(run.device, item) for item in chunk) for chunk in batch.chunks]
+                restore, labels = _to(run.device, batch.restore), _to(run.device, batch.labels)
             loss_scale = run.scaler.scale(torch.tensor(1.0 / cfg.grad_accum, device=run.device))
-            loss = step_fn(run.model, chunks, batch.labels.to(run.device), run.guarded_loss, loss_scale=loss_scale,
+            loss = step_fn(run.model, chunks, labels, run.guarded_loss, loss_scale=loss_scale,
                            sync=j == cfg.grad_accum - 1, restore=restore)  # DDP: one all-reduce, after the last batch
             loss_sum += loss.item()
-            batch_real, batch_padded = plan.token_counts()
-            real, padded = real + batch_real, padded + batch_padded
+            real, padded = real + batch.tokens[0], padded + batch.tokens[1]
     return loss_sum / cfg.grad_accum, (real, padded)
+
+
+@dataclass
+class PreparedBatch:
+    """One batch of a step as the CPU makes it (prepare_batches): this process's share of its rows in passes."""
+
+    labels: torch.Tensor  # [rows], batch order
+    chunks: list[tuple]  # each pass: (input_ids, attention_mask, dropout[, PackedTexts]) (PassPlan.tensors)
+    restore: torch.Tensor | None  # PassPlan.restore_index
+    tokens: tuple[int, int]  # (real, processed) tokens of the passes (PassPlan.token_counts)
+
+
+def step_data(run: Run, batches: list[list[int]]) -> list[PreparedBatch]:
+    """This step's batches as the CPU makes them (prepare_batches), made on a background thread while the step
+    before ran where that step started them for the same position and pass settings (run.data_ahead), else now;
+    then the next step's are started, within this epoch (the next epoch's order is made when it begins)."""
+    cfg, position = run.cfg, run.position
+    options = plan_options(cfg)
+    make = functools.partial(prepare_batches, run, options=options)
+    prepared = run.data_ahead.get((position.epoch, position.batch, options), functools.partial(make, batches))
+    after = position.batch + cfg.grad_accum
+    if position.step + 1 < run.total_steps and after + cfg.grad_accum <= len(run.epoch_order):
+        run.data_ahead.start((position.epoch, after, options),
+                             functools.partial(make, run.epoch_order[after:after + cfg.grad_accum]))
+    return prepared
+
+
+def prepare_batches(run: Run, batches: list[list[int]], *, options: tuple) -> list[PreparedBatch]:
+    """Each batch's share of this process, cut into passes (Batch.plan with these plan_options) as CPU tensors,
+    in pinned memory when the device is a GPU (copied to it without blocking)."""
+    share, rank = run.cfg.batch_size // run.dist_info.world_size, run.dist_info.rank
+    pin = run.device.type == "cuda"
+    prepared = []
+    for indices in batches:
+        batch = run.dataset.batch(indices[rank * share:(rank + 1) * share])
+        plan = batch.plan(**dict(options))
+        chunks, restore = plan.tensors(run.encoder.pad_token_id, run.encoder.padding_side)
+        labels = batch.labels
+        if pin:
+            chunks = [tuple(item.pin_memory() if isinstance(item, (torch.Tensor, PackedTexts)) else item
+                            for item in chunk) for chunk in chunks]
+            labels, restore = labels.pin_memory(), None if restore is None else restore.pin_memory()
+        prepared.append(PreparedBatch(labels, chunks, restore, plan.token_counts()))
+    return prepared
+
+
+def _to(device: torch.device, item):
+    """A pass's tensor (or PackedTexts) on the device, copied without blocking; anything else as it is."""
+    return item.to(device, non_blocking=True) if isinstance(item, (torch.Tensor, PackedTexts)) else item
+
+
+def plan_options(cfg: TrainConfig) -> tuple:
+    """Batch.plan's arguments under the current settings, as (name, value) pairs (a key of OneAhead)."""
+    if cfg.pass_tokens:
+        return (("tokens", cfg.pass_tokens),)  # sub-batches exist to cut padding: always sorted
+    return (("rows", cfg.chunk_size), ("tokens", cfg.chunk_tokens), ("sort", cfg.sort_passes),
+            ("pack_width", cfg.pack))
 
 
 def pass_plan(cfg: TrainConfig, batch) -> PassPlan:
     """The forward passes of this process's share of a batch, as the settings cut them (data.Batch.plan)."""
-    if cfg.pass_tokens:
-        return batch.plan(tokens=cfg.pass_tokens)  # sub-batches exist to cut padding: always sorted
-    return batch.plan(rows=cfg.chunk_size, tokens=cfg.chunk_tokens, sort=cfg.sort_passes, pack_width=cfg.pack)
+    return batch.plan(**dict(plan_options(cfg)))
 
 
 def describe_passes(cfg: TrainConfig) -> str:
@@ -710,12 +768,15 @@ def describe_passes(cfg: TrainConfig) -> str:
     return f"plain backprop{packed}"
 
 
-def expected_useful_tokens(cfg: TrainConfig, dataset, epoch: int, dist_info, batches: int = 64) -> float:
+def expected_useful_tokens(cfg: TrainConfig, dataset, epoch: int, dist_info, batches: int = 64,
+                           examples: int = 65_536) -> float:
     """The fraction of the tokens the encoder will process that are real text, over this process's share of the
-    epoch's first `batches` batches (the run header's estimate; each step's is in its metrics row)."""
+    epoch's first `batches` batches, or fewer batches of at most `examples` examples in all (at least one): the run
+    header's estimate (each step's is in its metrics row), which at 32,768 pairs a batch took 64 steps' data
+    preparation (30 s packed)."""
     share = cfg.batch_size // dist_info.world_size
     real = padded = 0
-    for indices in batch_order(cfg, dataset, epoch)[:batches]:
+    for indices in batch_order(cfg, dataset, epoch)[:max(1, min(batches, examples // cfg.batch_size))]:
         batch_real, batch_padded = pass_plan(
             cfg, dataset.batch(indices[dist_info.rank * share:(dist_info.rank + 1) * share])).token_counts()
         real, padded = real + batch_real, padded + batch_padded

@@ -3,6 +3,9 @@
 import json
 
 import pytest
+import torch
+
+from train_helpers import run_config
 
 from angle_train.data import DataError, epoch_batches, load_examples, pad_batch
 
@@ -107,6 +110,66 @@ def test_padding_sides():
     assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     ids, mask = pad_batch([[5, 6, 7], [8]], pad_id=0, side="left")
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def _padded_row_by_row(seqs, pad_id, side):
+    """The oracle of pad_batch: each row written into its place, one at a time."""
+    width = max(len(seq) for seq in seqs)
+    ids, mask = [], []
+    for seq in seqs:
+        padding = [pad_id] * (width - len(seq))
+        ids.append(seq + padding if side == "right" else padding + seq)
+        mask.append([1] * len(seq) + [0] * len(padding) if side == "right" else [0] * len(padding) + [1] * len(seq))
+    return ids, mask
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_random_rows_equals_writing_each_row(side):
+    """pad_batch places every row's tokens at once (a mask's positions in row-major order); the same tensors as
+    writing each row into its place, for lists and for TokenRows, empty rows included."""
+    import random
+
+    from angle_train.data import TokenRows
+
+    rng = random.Random(side)
+    for rows in (1, 2, 37):
+        seqs = [[rng.randrange(1, 30_000) for _ in range(rng.choice([0, 1, 2, 7, 31]))] for _ in range(rows)]
+        seqs[0] = seqs[0] or [3]  # a batch's longest row has a token
+        expected_ids, expected_mask = _padded_row_by_row(seqs, pad_id=-5, side=side)
+        for given in (seqs, TokenRows(seqs)):
+            ids, mask = pad_batch(given, pad_id=-5, side=side)
+            assert ids.dtype == mask.dtype == torch.long
+            assert ids.tolist() == expected_ids and mask.tolist() == expected_mask
+    with pytest.raises(ValueError, match="at least one row"):
+        pad_batch([], pad_id=0, side=side)
+
+
+def test_token_rows_take_concat_and_slices_equal_the_lists():
+    """A batch's rows come from TokenRows in a few tensor ops (take, concat, slices, flat, lengths): the same ids
+    as indexing lists, for array-backed rows (built with extend) and tensor-backed ones (made by take)."""
+    import random
+
+    from angle_train.data import TokenRows
+
+    rng = random.Random(0)
+    lists = [[rng.randrange(0, 2**31 - 1) for _ in range(rng.choice([0, 1, 5, 40]))] for _ in range(50)]
+    built = TokenRows(lists)
+    order = [rng.randrange(50) for _ in range(80)]  # repeats too
+    taken = built.take(order)
+    assert taken == [lists[i] for i in order] and taken.lengths() == [len(lists[i]) for i in order]
+    assert taken.take([3, 0, 3]) == [lists[order[3]], lists[order[0]], lists[order[3]]]
+    assert built[7:19:3] == lists[7:19:3] and taken[-1] == lists[order[-1]] and built[-2] == lists[-2]
+    assert built.take([]) == [] and len(built.take([])) == 0 and TokenRows().take([]) == []
+    joined = TokenRows.concat([taken, built, TokenRows(), built.take([4])])
+    assert joined == [lists[i] for i in order] + lists + [lists[4]]
+    tokens, lengths = joined.flat()
+    assert tokens.dtype == torch.long and tokens.tolist() == [t for row in joined for t in row]
+    assert lengths.tolist() == [len(row) for row in joined]
+    taken.extend([[1, 2], []])  # rows made by take grow as built ones do
+    assert taken == [lists[i] for i in order] + [[1, 2], []]
+    for bad in ([50], [-1]):
+        with pytest.raises(IndexError, match="asked of 50"):
+            built.take(bad)
 
 
 def test_epoch_order_is_a_pure_function_and_bucketing_groups_lengths():
@@ -235,3 +298,72 @@ def test_the_header_counts_the_texts_cut_at_max_length():
     shortest = min(len(ids) for ids in tokenizer(sentences)["input_ids"])
     described = TokenizedSentences(sentences, tokenizer, max_length=shortest, mask_rates=(0.1, 0.2), seed=0).describe()
     assert f"; 20 of 20 texts cut at --max-length {shortest})" in described
+
+
+def test_one_ahead_gives_the_work_started_for_its_key_and_makes_anything_else_now():
+    """OneAhead (the trainer's next step's batches): get(key) returns what start(key) made on its thread, once; a
+    different key (the settings changed: --auto-chunk) drops it and makes the value now; the work's error is
+    raised by get()."""
+    import threading
+
+    from angle_train.data import OneAhead
+
+    ahead = OneAhead()
+    ahead.start(("epoch 0", 2), lambda: threading.current_thread().name)
+    assert ahead.get(("epoch 0", 2), lambda: "now").startswith("angle-train-data")
+    assert ahead.get(("epoch 0", 2), lambda: "now") == "now"  # taken once
+    ahead.start("b", lambda: "ahead")
+    assert ahead.get("c", lambda: "now") == "now" and ahead.get("b", lambda: "now") == "now"
+    ahead.start("e", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        ahead.get("e", lambda: "now")
+    ahead.start("f", lambda: "never read")
+    ahead.close()
+    assert ahead.get("f", lambda: "now") == "now"
+
+
+def test_one_ahead_works_on_the_runs_gpu_and_pins_the_passes(monkeypatch):
+    """On a GPU the thread's current device is the run's (a new thread's is the first, where pinning memory would
+    make a context for every process of a job), and prepare_batches pins every tensor of a pass (copied to the GPU
+    without blocking). Checked on the CPU with the CUDA calls recorded."""
+    import threading
+    from types import SimpleNamespace
+
+    from train_helpers import make_encoder
+
+    from angle_train import trainer
+    from angle_train.data import OneAhead, TokenizedPairs
+    from angle_train.distributed import DistInfo
+    from angle_train.tiny import demo_examples
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append((index, threading.current_thread().name)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    for device, index in ((torch.device("cuda", 2), 2), (torch.device("cuda"), 5), (torch.device("cpu"), None)):
+        calls.clear()
+        ahead = OneAhead(device)
+        ahead.start(0, lambda: None)
+        ahead.get(0, lambda: None)
+        ahead.close()
+        assert calls == ([] if index is None else [(index, calls[0][1])])
+        assert index is None or calls[0][1].startswith("angle-train-data")
+
+    encoder, tokenizer = make_encoder()
+    dataset = TokenizedPairs(demo_examples(12), "B", tokenizer, max_length=16)
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor: pinned.append(tensor) or tensor.clone())
+    for pack in (0, 8):
+        run = SimpleNamespace(cfg=run_config("unused", batch_size=6), dist_info=DistInfo(), dataset=dataset,
+                              encoder=encoder, device=torch.device("cpu"))
+        options = (("rows", 5), ("tokens", None), ("sort", True), ("pack_width", pack))
+        expected = trainer.prepare_batches(run, [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]], options=options)
+        assert not pinned
+        run.device = torch.device("cuda")
+        got = trainer.prepare_batches(run, [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]], options=options)
+        passes = sum(len(batch.chunks) for batch in got)
+        per_pass = 2 if not pack else 2 + 4  # input ids and mask, and a PackedTexts' four tensors
+        assert len(pinned) == passes * per_pass + 2 * len(got)  # and each batch's labels and restore index
+        for a, b in zip(expected, got, strict=True):
+            assert a.tokens == b.tokens and torch.equal(a.labels, b.labels) and torch.equal(a.restore, b.restore)
+            assert str(a.chunks) == str(b.chunks)
+        pinned.clear()

@@ -48,6 +48,37 @@ def test_a_few_steps_lower_the_loss(tmp_path, overrides):
     assert row["pairs_per_s"] > 0 and row["tokens_per_s"] > row["pairs_per_s"] and row["peak_mem_gb"] > 0
 
 
+def test_batches_made_ahead_on_a_thread_train_exactly_as_batches_made_at_their_step(tmp_path, monkeypatch):
+    """Each step's batches are cut into passes and padded or packed on a background thread while the step before
+    runs (trainer.step_data), within an epoch; the first step of each epoch makes its own. Training (with dropout,
+    the gradient cache, grad_accum 2 and two epochs) is the same to the bit as making every step's batches at the
+    step."""
+    import threading
+
+    from angle_train import trainer
+
+    made_on_thread = []
+    prepare = trainer.prepare_batches
+
+    def recording(*args, **kwargs):
+        made_on_thread.append(threading.current_thread().name.startswith("angle-train-data"))
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "prepare_batches", recording)
+    settings = {"model": "builtin:tiny-bert", "chunk_size": 6, "grad_accum": 2, "max_steps": 0, "epochs": 2,
+                "batch_size": 8, "log_every": 1}
+    data = (demo_examples(50), "B")  # 6 batches an epoch: 3 steps
+    ahead = train(_config(tmp_path / "ahead", **settings), train_examples=data)
+    assert made_on_thread == [False, True, True] * 2
+    made_on_thread.clear()
+    monkeypatch.setattr(trainer.OneAhead, "start", lambda self, key, make: None)
+    at_step = train(_config(tmp_path / "at_step", **settings), train_examples=data)
+    assert made_on_thread == [False] * 6
+    assert [r["loss"] for r in ahead.history] == [r["loss"] for r in at_step.history]
+    for name, value in at_step.encoder.state_dict().items():
+        assert torch.equal(ahead.encoder.state_dict()[name], value), name
+
+
 def test_format_a_with_eval_keeps_the_best_model(tmp_path):
     cfg = _config(
         tmp_path,

@@ -200,11 +200,11 @@ def test_a_packed_run_trains_like_a_padded_one(tmp_path):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_first_fit_finds_the_first_row_with_room_as_a_scan_would(seed):
-    """_first_fit_decreasing finds each text's row in a tree of the rows' free room (n log n): the rows a scan of
-    every row would give, texts longer than the width and empty ones included."""
+    """_first_fit_decreasing places the texts a length at a time (tensor ops): the rows a scan of every row for
+    every text would give, texts longer than the width and empty ones included."""
     import random
 
-    from angle_train.data import _first_fit_decreasing
+    from angle_train.data import _first_fit_decreasing, processed_tokens
 
     def scanned(lengths, width):
         rows, free = [], []
@@ -222,7 +222,11 @@ def test_first_fit_finds_the_first_row_with_room_as_a_scan_would(seed):
     for _ in range(100):
         width = rng.randint(1, 64)
         lengths = [rng.randint(0, 80) for _ in range(rng.randint(1, 300))]
-        assert _first_fit_decreasing(lengths, width) == scanned(lengths, width), (width, lengths)
+        packing = _first_fit_decreasing(lengths, width)
+        assert packing.rows() == scanned(lengths, width), (width, lengths)
+        assert packing.processed_tokens == processed_tokens(packing.rows(), lengths)
+    lengths = [rng.randint(0, 140) for _ in range(1000)]  # a pass's worth: rows of 128, a few texts too long
+    assert _first_fit_decreasing(lengths, 128).rows() == scanned(lengths, 128)
 
 
 def test_packed_layout_built_at_once_is_the_layout_text_by_text():
@@ -261,3 +265,28 @@ def test_packed_layout_built_at_once_is_the_layout_text_by_text():
         assert torch.equal(ids, want_ids)
         assert all(torch.equal(got, want) for got, want in zip(
             (layout.text_of_token, layout.position_ids, layout.token_index, layout.token_mask), want_layout))
+
+
+def test_the_headers_real_token_estimate_reads_at_most_65536_examples(monkeypatch):
+    """The run header's estimate of the real tokens (expected_useful_tokens) cuts the epoch's first 64 batches'
+    passes, but no more than 65,536 examples of them (at least one batch): at 32,768 pairs a batch, 64 batches'
+    passes took half a minute of start-up."""
+    from angle_train.data import TokenizedPairs
+    from angle_train.distributed import DistInfo
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import expected_useful_tokens
+
+    _, tokenizer = make_encoder()
+    dataset = TokenizedPairs(demo_examples(80), "B", tokenizer, max_length=16)
+    taken = []
+    batch = dataset.batch
+    monkeypatch.setattr(dataset, "batch", lambda indices: taken.append(len(indices)) or batch(indices))
+    for batch_size, examples, expected in ((8, 65_536, [8] * 10), (4, 65_536, [4] * 20), (8, 24, [8] * 3),
+                                           (8, 4, [8])):
+        taken.clear()
+        cfg = run_config("unused", batch_size=batch_size, pack=CPU_PACK_WIDTH)
+        fraction = expected_useful_tokens(cfg, dataset, 0, DistInfo(), batches=64, examples=examples)
+        assert taken == expected and 0 < fraction <= 1
+    taken.clear()
+    expected_useful_tokens(run_config("unused", batch_size=8), dataset, 0, DistInfo(), batches=2)
+    assert taken == [8, 8]
