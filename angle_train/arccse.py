@@ -32,6 +32,8 @@ from .data import (
     Prompts,
     TokenRows,
     apply_prompt,
+    gather_token_rows,
+    share_of,
     check_text,
     delimited_rows,
     first_line_is_stsb,
@@ -128,28 +130,36 @@ class TokenizedSentences:
     layout. The interface the trainer uses is TokenizedPairs's."""
 
     def __init__(self, sentences: list[str], tokenizer, *, max_length: int, mask_rates: tuple[float, float],
-                 seed: int, prompt: str | Prompts | None = None):
+                 seed: int, prompt: str | Prompts | None = None, processes=None):
+        """processes (a distributed.DistInfo, every process calling with the same sentences): each process
+        tokenises and masks its share of the sentences and the shares are gathered (TokenizedPairs)."""
         if tokenizer.mask_token_id is None:
             raise ValueError("--objective arccse masks tokens with the tokenizer's mask token, and this tokenizer has "
                              "none (decoder LMs usually do not): train ArcCSE with a masked-LM encoder (BERT, "
                              "RoBERTa, MiniLM...)")
         template = Prompts.coerce(prompt).for_role("text")
-        texts = [apply_prompt(s, template) for s in sentences]
-        self.ids, self.weak, self.strong = TokenRows(), TokenRows(), TokenRows()  # 4 bytes a token (TokenRows)
-        self.too_short = [0, 0]  # sentences whose span at each rate is 0 tokens
+        share = share_of(len(sentences), processes)
+        texts = [apply_prompt(s, template) for s in sentences[share.start:share.stop]]
+        ids_rows, weak_rows, strong_rows = TokenRows(), TokenRows(), TokenRows()  # 4 bytes a token (TokenRows)
+        too_short = [0, 0]  # sentences whose span at each rate is 0 tokens
         for chunk, specials in tokenize_in_chunks(texts, tokenizer, special_tokens_mask=True, truncation=True,
                                                   max_length=max_length, add_special_tokens=True):
             copies = []  # (weak, strong) of each sentence of the chunk
             for ids, special in zip(chunk, specials):
                 words = [j for j, flag in enumerate(special) if not flag]
                 maskable = range(words[0], words[-1] + 1) if words else range(0)
-                rng = random.Random(f"arccse-masks:{seed}:{len(self.ids) + len(copies)}")
+                sentence = share.start + len(ids_rows) + len(copies)  # its index in `sentences`: the masks' seed
+                rng = random.Random(f"arccse-masks:{seed}:{sentence}")
                 copies.append([mask_span(ids, maskable, rate, tokenizer.mask_token_id, rng) for rate in mask_rates])
                 for i, rate in enumerate(mask_rates):
-                    self.too_short[i] += span_length(len(maskable), rate) == 0
-            self.ids.extend(chunk)
-            self.weak.extend(weak for weak, _ in copies)
-            self.strong.extend(strong for _, strong in copies)
+                    too_short[i] += span_length(len(maskable), rate) == 0
+            ids_rows.extend(chunk)
+            weak_rows.extend(weak for weak, _ in copies)
+            strong_rows.extend(strong for _, strong in copies)
+        counts = TokenRows([too_short])  # gathered with the rows: one row of two counts per process
+        self.ids, self.weak, self.strong, counts = gather_token_rows([ids_rows, weak_rows, strong_rows, counts],
+                                                                     processes)
+        self.too_short = [sum(each[i] for each in counts) for i in range(2)]
         self.lengths = [self.ids.length(i) for i in range(len(self.ids))]
         self.cut = cut_note(sum(length >= max_length for length in self.lengths), len(self.lengths), max_length)
         self.mask_rates = tuple(mask_rates)

@@ -469,6 +469,14 @@ class TokenRows:
         self.extend(rows)
 
     @classmethod
+    def from_flat(cls, flat: torch.Tensor, lengths: torch.Tensor) -> TokenRows:
+        """Rows from their tokens end to end and each row's length, kept in arrays as rows built with extend."""
+        rows = cls()
+        rows._flat.frombytes(flat.to(torch.int32).numpy().tobytes())
+        rows._ends.frombytes(torch.cumsum(lengths.to(torch.int64), 0).numpy().tobytes())
+        return rows
+
+    @classmethod
     def _of(cls, flat: torch.Tensor, ends: torch.Tensor) -> TokenRows:
         rows = cls()
         rows._flat, rows._ends = flat, ends
@@ -535,10 +543,10 @@ class TokenRows:
         return cls._of(torch.cat([flat for flat, _ in pieces]),
                        torch.cat([ends + shift for (_, ends), shift in zip(pieces, shifts.tolist())]))
 
-    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(every token of every row in order, as int64 input ids; each row's length)."""
+    def flat(self, dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every token of every row in order, as int64 input ids or `dtype`; each row's length)."""
         flat, ends = self._tensors()
-        return flat.long(), torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int64))
+        return flat.to(dtype), torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int64))
 
     def __eq__(self, other) -> bool:
         if isinstance(other, TokenRows):
@@ -564,6 +572,28 @@ def tokenize_in_chunks(texts: list[str], tokenizer, *, special_tokens_mask: bool
         yield encoded["input_ids"], encoded["special_tokens_mask"] if special_tokens_mask else None
 
 
+def share_of(count: int, processes=None) -> range:
+    """This process's contiguous share of `count` items (processes: a distributed.DistInfo; None or one process:
+    all of them); the first count % world_size processes take one more."""
+    if processes is None or not processes.enabled:
+        return range(count)
+    size, extra = divmod(count, processes.world_size)
+    start = processes.rank * size + min(processes.rank, extra)
+    return range(start, start + size + (processes.rank < extra))
+
+
+def gather_token_rows(parts: list[TokenRows], processes=None) -> list[TokenRows]:
+    """Each of `parts` joined over the processes in rank order (every process holding its share of the same rows:
+    share_of); `parts` itself with one process. A collective: every process calls it."""
+    if processes is None or not processes.enabled:
+        return parts
+    from .distributed import all_gather_flat
+
+    gathered = all_gather_flat(processes, [t for rows in parts for t in rows.flat(torch.int32)])
+    return [TokenRows.from_flat(torch.cat([mine[2 * i] for mine in gathered]),
+                                torch.cat([mine[2 * i + 1] for mine in gathered])) for i in range(len(parts))]
+
+
 def cut_note(at_max: int, texts: int, max_length: int) -> str:
     """"; N of M texts cut at --max-length L" for a run's header, where texts reach the limit (a text of exactly L
     tokens counts too: the tokenizer does not say which it cut); "" where none does."""
@@ -574,8 +604,10 @@ class TokenizedPairs:
     """Examples tokenised once up front (truncated, unpadded; TokenRows); batches are padded when they are used."""
 
     def __init__(self, examples: list[Example], fmt: str, tokenizer, *, max_length: int,
-                 prompt: str | Prompts | None = None):
-        """prompt: one template for every text, or Prompts (one per role: ROLES[fmt] says each text's role)."""
+                 prompt: str | Prompts | None = None, processes=None):
+        """prompt: one template for every text, or Prompts (one per role: ROLES[fmt] says each text's role).
+        processes (a distributed.DistInfo, every process calling with the same examples): each process tokenises
+        its share of the texts and the shares are gathered, in 1 / processes of the time one process takes."""
         if fmt not in FORMATS:
             raise ValueError(f"format must be one of 'A', 'B', 'C'; got {fmt!r}")
         self.fmt = fmt
@@ -585,11 +617,13 @@ class TokenizedPairs:
                 raise DataError(f"example {i} has {len(ex.texts)} texts; format {fmt} needs {self.rows_per_example}")
         templates = [Prompts.coerce(prompt).for_role(role) for role in ROLES[fmt]]
         flat = [apply_prompt(t, template) for ex in examples for t, template in zip(ex.texts, templates)]
-        self.rows = TokenRows()  # example i's texts: rows i * k .. i * k + k - 1
-        for ids, _ in tokenize_in_chunks(flat, tokenizer, truncation=True, max_length=max_length,
-                                         add_special_tokens=True):
-            self.rows.extend(ids)
+        share = share_of(len(flat), processes)
+        mine = TokenRows()
+        for ids, _ in tokenize_in_chunks(flat[share.start:share.stop], tokenizer, truncation=True,
+                                         max_length=max_length, add_special_tokens=True):
+            mine.extend(ids)
         del flat
+        self.rows, = gather_token_rows([mine], processes)  # example i's texts: rows i * k .. i * k + k - 1
         k = self.rows_per_example
         self.labels = [ex.label for ex in examples]
         self.lengths = [max(self.rows.length(i * k + j) for j in range(k)) for i in range(len(examples))]

@@ -111,6 +111,28 @@ def broadcast_from_main(value, info: DistInfo):
     return holder[0]
 
 
+def all_gather_flat(info: DistInfo, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Every process's 1-D CPU tensors (of any lengths; the same count and dtypes on every process), as
+    [process][i] in rank order, through a gloo group (NCCL gathers GPU tensors only, and start-up data has no
+    business in GPU memory). A collective: every process calls it."""
+    group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    sizes = torch.tensor([t.numel() for t in tensors])
+    all_sizes = [torch.empty_like(sizes) for _ in range(info.world_size)]
+    dist.all_gather(all_sizes, sizes, group=group)
+    gathered = [[] for _ in range(info.world_size)]
+    for i, tensor in enumerate(tensors):
+        longest = max(int(size[i]) for size in all_sizes)
+        padded = torch.zeros(longest, dtype=tensor.dtype)
+        padded[:tensor.numel()] = tensor
+        parts = [torch.empty_like(padded) for _ in range(info.world_size)]
+        dist.all_gather(parts, padded, group=group)
+        for rank, part in enumerate(parts):
+            gathered[rank].append(part[:int(all_sizes[rank][i])])
+    if group is not None:
+        dist.destroy_process_group(group)
+    return gathered
+
+
 def all_gather_rows(embeddings: torch.Tensor) -> torch.Tensor:
     """Every rank's embeddings joined along the rows (dim -2) in rank order, differentiable: [rows, D] along dim
     0, a layer stack [L, rows, D] (Espresso) along dim 1; `embeddings` itself when not distributed."""

@@ -270,16 +270,19 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                               cfg.max_length)
     cfg.pooling = encoder.pooling  # config.json and the checkpoints record the pooling the run uses
     pooling_source = encoder.pooling_source if model is None else "the model given to train()"
-    if cfg.objective == "arccse":
-        dataset = arccse.TokenizedSentences(sentences, tokenizer, max_length=cfg.max_length,
-                                            mask_rates=cfg.mask_rates, seed=cfg.seed, prompt=prompts)
-    else:
-        dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompts)
-    total_steps = count_steps(cfg, len(dataset), dist_info.world_size)
     items = sentences if cfg.objective == "arccse" else examples
+    total_steps = count_steps(cfg, len(items), dist_info.world_size)
     distributed.check_processes_agree(dist_info, {
         "checkpoint to resume": resume_from and os.path.basename(resume_from), "examples": len(items),
         "data fingerprint": data_fingerprint(items), "steps": total_steps})
+    # each process tokenises its share of the texts, and every process gets all of them (the same data: above)
+    if cfg.objective == "arccse":
+        dataset = arccse.TokenizedSentences(sentences, tokenizer, max_length=cfg.max_length,
+                                            mask_rates=cfg.mask_rates, seed=cfg.seed, prompt=prompts,
+                                            processes=dist_info)
+    else:
+        dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompts,
+                                 processes=dist_info)
     # the packing check's forward runs on the whole model: after sharding, a forward outside training left FSDP's
     # root unit (a LLaMA's token embeddings and final norm) unsharded, and the optimizer held those plain tensors,
     # which FSDP replaced at the first backward: they never trained

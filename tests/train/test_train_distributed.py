@@ -176,3 +176,60 @@ def test_two_process_training_run_equals_single_process(tmp_path):
     assert_ranks_match(tmp_path / "ddp", "trainer-rank{rank}.pt", single)
     checkpoint = tmp_path / "ddp" / "checkpoints" / "step-00000003"
     assert (checkpoint / "rng-rank0.pt").exists() and (checkpoint / "rng-rank1.pt").exists()
+
+
+def _tokenising_rank(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    from angle_train.arccse import TokenizedSentences
+    from angle_train.data import TokenizedPairs
+    from angle_train.distributed import DistInfo
+    from angle_train.tiny import demo_examples
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _, tokenizer = make_encoder("bert")
+        tokenised = []  # the texts this process's tokenizer was given
+        counting = lambda texts, **options: tokenised.extend(texts) or tokenizer(texts, **options)  # noqa: E731
+        counting.mask_token_id = tokenizer.mask_token_id
+        processes = DistInfo(rank, world)
+        examples = demo_examples(11)  # 22 texts: 8 on process 0, 7 and 7; 7 sentences: 3, 2 and 2
+        pairs = TokenizedPairs(examples, "B", counting, max_length=12, processes=processes)
+        pair_texts = len(tokenised)
+        sentences = TokenizedSentences([ex.texts[0] for ex in examples[:7]], counting, max_length=8,
+                                       mask_rates=(0.05, 0.4), seed=3, processes=processes)
+        torch.save({"pairs": (pairs.rows._flat.tolist(), pairs.rows._ends.tolist(), pairs.lengths, pairs.cut),
+                    "sentences": [(rows._flat.tolist(), rows._ends.tolist()) for rows in
+                                  (sentences.ids, sentences.weak, sentences.strong)]
+                    + [sentences.too_short, sentences.lengths, sentences.cut],
+                    "tokenised": (pair_texts, len(tokenised) - pair_texts)}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_process_tokenises_its_share_and_every_process_gets_the_whole_dataset(tmp_path):
+    """Under torchrun every process tokenised every text (1M pairs: the whole tokenising time in each of a node's
+    processes at once); now each tokenises its share of the texts (and ArcCSE's masked copies) and the shares are
+    gathered: the same token rows, lengths and counts as one process makes, with 22 texts and 7 sentences over 3
+    processes (shares that do not divide evenly)."""
+    from angle_train.arccse import TokenizedSentences
+    from angle_train.data import TokenizedPairs
+    from angle_train.tiny import demo_examples
+
+    start_ranks(_tokenising_rank, (3, free_port(), str(tmp_path)), nprocs=3)
+    _, tokenizer = make_encoder("bert")
+    examples = demo_examples(11)
+    pairs = TokenizedPairs(examples, "B", tokenizer, max_length=12)
+    sentences = TokenizedSentences([ex.texts[0] for ex in examples[:7]], tokenizer, max_length=8,
+                                   mask_rates=(0.05, 0.4), seed=3)
+    assert sentences.too_short == [7, 0]  # every sentence too short to mask at 5%: counts summed over the processes
+    for rank, shares in enumerate([(8, 3), (7, 2), (7, 2)]):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["tokenised"] == shares
+        assert got["pairs"] == (pairs.rows._flat.tolist(), pairs.rows._ends.tolist(), pairs.lengths, pairs.cut)
+        assert got["sentences"] == [(rows._flat.tolist(), rows._ends.tolist()) for rows in
+                                    (sentences.ids, sentences.weak, sentences.strong)] + [
+            sentences.too_short, sentences.lengths, sentences.cut]
