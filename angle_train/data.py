@@ -522,11 +522,13 @@ class TokenRows:
         return torch.diff(self._tensors()[1], prepend=torch.zeros(1, dtype=torch.int64)).tolist()
 
     def take(self, indices) -> TokenRows:
-        """Rows `indices` (non-negative), in that order, as new rows: one gather of their tokens."""
+        """Rows `indices` (from the end where negative, as a list's), in that order, as new rows: one gather of
+        their tokens."""
         flat, ends = self._tensors()
-        index = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        asked = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        index = torch.where(asked < 0, asked + len(ends), asked)
         if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < len(ends):
-            raise IndexError(f"rows {int(index.min())}..{int(index.max())} asked of {len(ends)}")
+            raise IndexError(f"rows {int(asked.min())}..{int(asked.max())} asked of {len(ends)}")
         stop = ends[index]
         lengths = stop - torch.where(index > 0, ends[(index - 1).clamp(min=0)], 0)
         new_ends = torch.cumsum(lengths, 0)
@@ -717,6 +719,8 @@ def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
     tokens in rows of 24 costs 2 x 24; in rows of 19 it may cost 2 x 19), or of the longest text's width,
     whichever processes the fewest. The last makes packing never cost more than one padded pass of the texts."""
     total, longest = sum(lengths), max(lengths)
+    if not total:  # empty texts only: one row holds them all
+        return [list(range(len(lengths)))]
     fewest_rows = -(-total // width)
     candidates = {width, longest} | {max(longest, -(-total // rows)) for rows in range(fewest_rows, fewest_rows + 3)}
     packings = [_first_fit_decreasing(lengths, min(candidate, width)) for candidate in sorted(candidates)]

@@ -167,7 +167,8 @@ def test_token_rows_take_concat_and_slices_equal_the_lists():
     assert lengths.tolist() == [len(row) for row in joined]
     taken.extend([[1, 2], []])  # rows made by take grow as built ones do
     assert taken == [lists[i] for i in order] + [[1, 2], []]
-    for bad in ([50], [-1]):
+    assert built.take([-1, -50, 3]) == [lists[-1], lists[-50], lists[3]]  # from the end, as a list's
+    for bad in ([50], [-51]):
         with pytest.raises(IndexError, match="asked of 50"):
             built.take(bad)
 
@@ -274,6 +275,7 @@ def test_tokens_are_kept_in_one_flat_int32_array_and_tokenised_in_chunks(monkeyp
         assert pairs.lengths_of([3, 0]) == [len(everything[6]), len(everything[7]), len(everything[0]),
                                             len(everything[1])]
         assert pairs.lengths == [max(len(everything[2 * i]), len(everything[2 * i + 1])) for i in range(10)]
+    assert whole.batch([-1, 0]).seqs == everything[-2:] + everything[:2]  # from the end, as a list's
     flat = whole.rows._flat
     assert flat.itemsize == 4 and len(flat) == sum(map(len, everything)) and whole.rows == chunked.rows
 

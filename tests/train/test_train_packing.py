@@ -28,6 +28,7 @@ def test_pack_rows_fills_rows_first_fit_by_decreasing_length():
     assert pack_rows([6, 5, 5, 5], 16) == [[0, 1], [2, 3]]
     # never more than one padded pass: rows of 24 (24 + 14) or of 19 (16 + 15 + 7) process 48, 5 x 8 = 40
     assert pack_rows([8, 8, 8, 7, 7], 24) == [[0], [1], [2], [3], [4]]
+    assert pack_rows([0, 0, 0], 8) == [[0, 1, 2]]  # empty texts only (a division by 0 before): one row
 
 
 @pytest.mark.parametrize("seed", range(20))
