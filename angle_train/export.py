@@ -13,8 +13,9 @@
       model (`base_model`) is a sentence-transformers folder, the export keeps what training did not change
       (st_folder): its modules after the pooling (Normalize: unit embeddings; Dense layers as the base had them,
       untrained, with a note), its pooling config (when the pooling is the same), its max_seq_length (unless
-      `export_max_length` says otherwise; a longer training length wins), its prompts when the run has none and
-      its similarity function;
+      `export_max_length` says otherwise; a longer training length wins) and its similarity function; the
+      prompts are always the run's (none: no prompts and no default, as training embedded the texts), and the
+      pooling always includes the prompt's tokens (as the Encoder pools);
     * README.md, the model card (`model_card`: the trainer's, with the command, data, loss, steps and scores);
     * angle_train.json: pooling, prompts, bidirectional attention (then no sentence-transformers files: it would
       load the model causal), max length (for inference, as sentence-transformers' max_seq_length; the training
@@ -180,14 +181,15 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
               f"prefix prompts cannot express; {path} records it in {META_FILE} only (load_pretrained applies it)")
         prefixes = {}
     config = {"similarity_fn_name": "cosine", **(st_folder.config(base) if usable else {})}
-    if prefixes or "prompts" not in config:  # the run's prompts, else the base's
-        config.update(prompts=prefixes, default_prompt_name="text" if "text" in prefixes else None)
+    # the run's prompts, never the base's: a base's default prompt would be added to every text training never saw
+    config.update(prompts=prefixes, default_prompt_name="text" if "text" in prefixes else None)
     _write_json(os.path.join(path, st_folder.CONFIG_FILE), config)
     pooling_folder = os.path.join(path, pooling_entry["path"])
     os.makedirs(pooling_folder, exist_ok=True)
     base_pooling = st_folder.pooling(base) if usable else None
-    if base_pooling and base_pooling[0] == encoder.pooling:  # the base's settings (include_prompt...) kept
-        shutil.copyfile(os.path.join(base, base_pooling[1]), os.path.join(pooling_folder, "config.json"))
+    if base_pooling and base_pooling[0] == encoder.pooling:  # the base's settings kept, but the prompt's tokens
+        with open(os.path.join(base, base_pooling[1]), encoding="utf-8") as f:  # pooled, as the Encoder pools them
+            _write_json(os.path.join(pooling_folder, "config.json"), {**json.load(f), "include_prompt": True})
         return
     pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_mean_sqrt_len_tokens": False,
                "pooling_mode_weightedmean_tokens": False, "include_prompt": True}

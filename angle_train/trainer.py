@@ -46,7 +46,7 @@ from .config import TrainConfig, flag_of
 from .data import (
     FORMATS, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples,
 )
-from .export import prefix_prompts, sentence_transformers_cannot_load
+from .export import is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import StsSet, encoding_progress, library_progress_bars, read_dataset, sts_spearman_by_dim
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import LoraSettings, LoraTargetError, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
@@ -224,6 +224,9 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     output folder (an earlier run is not overwritten by accident), the data and what the data format needs; then
     the model, and what the model's limits need."""
     cfg.validate()
+    # what train() was given in place of the flags (the model cards say so), before the flags fill them in
+    given = tuple(name for name, value in (("model", model), ("train_examples", train_examples),
+                                           ("dev_examples", dev_examples)) if value is not None)
     command = cfg.command_line()  # as given, before the defaults below are resolved: the model cards' record
     cfg.check_paths(model=model is None, train_data=train_examples is None, dev_data=dev_examples is None)
     tracking.resolve_report_to(cfg.report_to)  # a tracker that cannot run: refused before the model loads
@@ -335,8 +338,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step, position.loss_window),
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_spearman=position.best),
                command=command, loss_name=loss_name, resumed_from=resume_from, data_ahead=OneAhead(device),
-               given=tuple(name for name, value in (("model", model), ("train_examples", train_examples),
-                                                    ("dev_examples", dev_examples)) if value is not None))
+               given=given)
 
 
 def check_format_settings(cfg: TrainConfig, fmt: str) -> None:
@@ -888,7 +890,9 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
 
     base = source("model", cfg.model)
     train_data, dev_data = source("train_examples", cfg.train_data), source("dev_examples", cfg.dev_data)
-    library = "transformers" if sentence_transformers_cannot_load(run.encoder) else "sentence-transformers"
+    adapter_only = name == "best" and is_peft_model(run.encoder.backbone)  # as save_best writes it
+    library = "peft" if adapter_only else \
+        "transformers" if sentence_transformers_cannot_load(run.encoder) else "sentence-transformers"
     lines = ["---", f"library_name: {library}", "tags: [sentence-transformers, angle-train]", "---", "",
              f"# {os.path.basename(os.path.normpath(cfg.output_dir))}/{name}", "",
              f"A text embedding model fine-tuned from {base} with angle-train (angle_kernels {__version__}); "
@@ -911,19 +915,23 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
                   "", "| step | dev Spearman |", "|---|---|"]
         lines += [f"| {row['step']} | {row['dev_spearman']:.4f} |" for row in evals]
         lines += [""]
-    lines += ["## Usage", ""] + usage(run.encoder, widths) + [
+    lines += ["## Usage", ""] + usage(run.encoder, widths, adapter_only=adapter_only) + [
         "`angle-eval path ...` gives STS and retrieval scores.", ""]
     return "\n".join(lines)
 
 
-def usage(encoder, widths) -> list[str]:
+def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
     """The model card's usage lines for an export of `encoder`: sentence-transformers where it loads the model as
     trained (its prompts by name, its Matryoshka widths by truncate_dim), else angle_train.load_pretrained, which
-    applies the pooling, prompts and attention the model was trained with."""
+    applies the pooling, prompts and attention the model was trained with; an adapter-only export (a LoRA run's
+    best/) with load_pretrained alone (sentence-transformers loads the base with the adapter but none of the rest:
+    mean pooling, no prompt)."""
     own = ["from angle_train import load_pretrained", "",
            'encoder, tokenizer, meta = load_pretrained("path/to/this/folder")',
            'embeddings = encoder.encode(["A first sentence.", "A second one."], tokenizer)']
-    cannot = sentence_transformers_cannot_load(encoder)
+    cannot = ("this folder holds the LoRA adapter only (no sentence-transformers files): load_pretrained loads the "
+              "base model it names and applies the adapter") if adapter_only else \
+        sentence_transformers_cannot_load(encoder)
     if cannot:
         return ["```python", *own, "```", "", f"Not through sentence-transformers: {cannot}.", ""]
     roles = prefix_prompts(encoder)

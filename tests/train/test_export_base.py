@@ -61,7 +61,8 @@ def test_a_max_length_asked_for_is_recorded(minilm, tmp_path):
 def test_a_base_with_dense_layers_and_prompts_keeps_them(tmp_path):
     """A base saved by sentence-transformers 6 (Pooling, Dense, Normalize; prompts; its max_seq_length kept as the
     tokenizer's model_max_length, not in sentence_bert_config.json): the export has the same modules, prompts and
-    length, and embeds as the base does. Prompts the run trained with replace the base's."""
+    length, and embeds as the base does. The prompts are the run's, never the base's: a run that trained without
+    prompts exports none (the base's default prompt would be added to texts training embedded bare)."""
     st = pytest.importorskip("sentence_transformers")
     try:  # sentence-transformers 6's place; 5's is deprecated there
         from sentence_transformers.sentence_transformer import modules
@@ -72,7 +73,7 @@ def test_a_base_with_dense_layers_and_prompts_keeps_them(tmp_path):
 
     tiny = save_pretrained(*make_encoder("bert", dtype=torch.float32), str(tmp_path / "tiny"), max_length=16)
     transformer = modules.Transformer(tiny, max_seq_length=24)
-    pooling = modules.Pooling(32, pooling_mode="mean")
+    pooling = modules.Pooling(32, pooling_mode="mean", include_prompt=False)
     dense = modules.Dense(32, 8, activation_function=torch.nn.Tanh())
     base_model = st.SentenceTransformer(modules=[transformer, pooling, dense, modules.Normalize()], device="cpu",
                                         prompts={"query": "query: "})
@@ -84,7 +85,8 @@ def test_a_base_with_dense_layers_and_prompts_keeps_them(tmp_path):
     base_model = st.SentenceTransformer(base, device="cpu")
     assert [type(m).__name__ for m in export] == [type(m).__name__ for m in base_model] == \
         ["Transformer", "Pooling", "Dense", "Normalize"]
-    assert export.max_seq_length == base_model.max_seq_length == 24 and export.prompts == base_model.prompts
+    assert export.max_seq_length == base_model.max_seq_length == 24 and base_model.prompts["query"] == "query: "
+    assert not any(export.prompts.values()) and export.default_prompt_name is None
     texts = ["a b c", "d e f g"]
     torch.testing.assert_close(export.encode(texts, convert_to_tensor=True),
                                base_model.encode(texts, convert_to_tensor=True), rtol=0, atol=1e-6)
@@ -92,6 +94,8 @@ def test_a_base_with_dense_layers_and_prompts_keeps_them(tmp_path):
     export = st.SentenceTransformer(save_pretrained(encoder, tokenizer, str(tmp_path / "prompted"), max_length=16,
                                                     base_model=base), device="cpu")
     assert export.prompts["query"] == "search: "
+    # the base pooled without the prompt's tokens; the Encoder trained pooling them: so does the export
+    assert base_model[1].include_prompt is False and export[1].include_prompt is True
 
 
 def test_an_export_length_past_the_positions_is_refused(tmp_path, capsys):
@@ -115,6 +119,7 @@ def test_exports_carry_a_model_card(tmp_path, capsys):
         card = (out / name / "README.md").read_text()
         assert "builtin:tiny-bert" in card  # the base model
         assert "angle-train --model builtin:tiny-bert --train-data builtin:demo --dev-data builtin:demo-sts" in card
+        assert "dev: `builtin:demo-sts`" in card and "given to train()" not in card  # the flag's, not Python's
         assert "--batch-size 8" in card and "--max-steps 2" in card
         assert "format B" in card and "AngleLoss" in card and "ibn_w=1" in card  # the data and the loss
         assert "2 optimizer steps" in card or name == "best"
@@ -181,6 +186,8 @@ def test_the_model_cards_usage_loads_the_model_as_trained(tmp_path):
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
     encoder.prompts = Prompts(text='Summarize "{text}" in one word:')
     assert "wrap the texts in them" in "\n".join(usage(encoder, []))
+    adapter = "\n".join(usage(make_encoder("bert", dtype=torch.float32)[0], [16], adapter_only=True))
+    assert "load_pretrained" in adapter and "LoRA adapter only" in adapter and "SentenceTransformer" not in adapter
     other, _ = make_encoder("bert", dtype=torch.float32, pooling="cls_avg")
     text = "\n".join(usage(other, []))
     assert "load_pretrained" in text and "Not through sentence-transformers: pooling 'cls_avg'" in text
