@@ -61,6 +61,7 @@ from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
 from .safe_loading import is_file_name, read_tensors_and_plain_values
 from .sharding import load_sharded, save_sharded
+from . import st_folder
 from .st_folder import META_FILE
 
 # Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
@@ -124,7 +125,11 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
     left the new run's would sort before the old run's, so pruning would delete each of them as soon as it is
     written, and a later `--resume auto` would continue the old run. (`--resume auto` where nothing is left to
     resume is such a fresh start.)
+
+    An output folder whose config.json is not a run's settings (a model folder) is refused either way: the run
+    would replace that file, and --overwrite delete it.
     """
+    check_not_a_model_folder(cfg.output_dir)
     done = finished_checkpoints(cfg.output_dir)
     if cfg.resume == "auto":
         skipped = []
@@ -153,6 +158,24 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
         raise ValueError(f"output_dir {cfg.output_dir} holds an earlier run ({', '.join(left)}): {options} and "
                          "start afresh, or choose a new --output-dir")
     return None
+
+
+def check_not_a_model_folder(output_dir: str) -> None:
+    """Refuse an output_dir holding a config.json that is not an angle-train run's settings (a model's, or another
+    program's): a run writes its settings to output_dir/config.json."""
+    from .preflight import is_run_settings
+
+    path = os.path.join(output_dir, "config.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        config = st_folder.read_json(path)
+    except ValueError:
+        return  # not a model's (a model's is JSON): a run's, cut short while written, which --overwrite replaces
+    if not is_run_settings(config):
+        raise ValueError(f"--output-dir {output_dir} holds a config.json that is not an angle-train run's settings "
+                         "(a model folder?): a run writes its settings there (and --overwrite deletes them): choose "
+                         "another --output-dir")
 
 
 # What a run writes into its output_dir; --overwrite deletes these (and their .tmp/.old leftovers), nothing else:

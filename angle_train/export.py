@@ -68,6 +68,9 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     angle_train.json (best/'s "best": the step and dev Spearman that made it the best).
     """
     os.makedirs(path, exist_ok=True)
+    _clear_earlier_export(path)
+    if base_model and os.path.isdir(base_model):  # a local base, recorded so that it loads from anywhere
+        base_model = os.path.abspath(base_model)
     backbone = encoder.backbone
     base = st_folder.find_folder(base_model) if base_model else None
     inference_length = export_max_length or max(max_length, (st_folder.max_seq_length(base) if base else None) or 0)
@@ -148,6 +151,26 @@ def _write_card(path: str, text: str | None) -> None:
     if text:
         with open(os.path.join(path, CARD_FILE), "w", encoding="utf-8") as f:
             f.write(text)
+
+
+def _clear_earlier_export(path: str) -> None:
+    """Remove what an earlier export into `path` wrote that this one may not write again (its sentence-transformers
+    files and module folders, its adapter and card): left behind, they made sentence-transformers load the folder
+    as the earlier model (causal where this one is bidirectional, its pooling where this one has none). Only in a
+    folder that holds an export (angle_train.json); the weights and tokenizer files are written over anyway."""
+    if not os.path.isfile(os.path.join(path, META_FILE)):
+        return
+    try:
+        folders = [module["path"] for module in st_folder.modules(path) if module.get("path")]
+    except (OSError, ValueError):  # no modules.json, or a damaged one
+        folders = []
+    for name in (st_folder.MODULES_FILE, "sentence_bert_config.json", st_folder.CONFIG_FILE, "README.md", "adapter",
+                 "1_Pooling", *folders):
+        target = os.path.join(path, name)
+        if os.path.isdir(target) and os.path.realpath(target) != os.path.realpath(path):
+            shutil.rmtree(target)
+        elif os.path.isfile(target):
+            os.remove(target)
 
 
 def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max_length: int,

@@ -192,3 +192,25 @@ def test_the_model_cards_usage_loads_the_model_as_trained(tmp_path):
     text = "\n".join(usage(other, []))
     assert "load_pretrained" in text and "Not through sentence-transformers: pooling 'cls_avg'" in text
     assert "SentenceTransformer" not in text
+
+
+def test_an_export_over_an_earlier_one_leaves_none_of_its_sentence_transformers_files(tmp_path, monkeypatch):
+    """save_pretrained into a folder holding an earlier export: the earlier modules.json and pooling stayed, and
+    sentence-transformers loaded the new model with them (cls pooling for a cls_avg model: cosine 0.96 to the
+    model's own embeddings). A local base model is recorded as an absolute path (a relative one loaded only from
+    the folder the run started in)."""
+    from angle_train.st_folder import MODULES_FILE
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="cls")
+    folder = tmp_path / "model"
+    save_pretrained(encoder, tokenizer, str(folder), max_length=16, model_card="# the cls model")
+    assert (folder / MODULES_FILE).is_file() and (folder / "1_Pooling").is_dir()
+    other, _ = make_encoder("bert", dtype=torch.float32, pooling="cls_avg")  # no sentence-transformers equivalent
+    save_pretrained(other, tokenizer, str(folder), max_length=16)
+    assert not (folder / MODULES_FILE).exists() and not (folder / "1_Pooling").exists()
+    assert not (folder / "README.md").exists() and load_pretrained(str(folder))[2]["pooling"] == "cls_avg"
+    base = save_pretrained(encoder, tokenizer, str(tmp_path / "base"), max_length=16)
+    monkeypatch.chdir(tmp_path)
+    save_pretrained(encoder, tokenizer, str(tmp_path / "again"), max_length=16, base_model="./base")
+    with open(tmp_path / "again" / META_FILE) as f:
+        assert json.load(f)["base_model"] == base

@@ -357,6 +357,24 @@ def test_overwrite_removes_the_earlier_run_only_once_the_new_one_passed_its_chec
     assert not (out / "curves.png").exists() or (out / "curves.png").read_bytes() != b"the earlier run's curves"
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_output_dir_that_is_a_model_folder_is_refused_before_anything_is_written(overwrite, tmp_path):
+    """--output-dir pointing at a model's folder: the run wrote its settings over the model's config.json (and
+    --overwrite deleted it); now refused, the folder untouched. A run's own config.json, and a damaged one (a run's
+    write cut short), are the run's to replace."""
+    model = save_pretrained(*make_encoder("bert", dtype=torch.float32), str(tmp_path / "model"), max_length=12)
+    before = {name: (tmp_path / "model" / name).read_bytes() for name in sorted(os.listdir(model))
+              if (tmp_path / "model" / name).is_file()}
+    with pytest.raises(ValueError, match="holds a config.json that is not an angle-train run's settings"):
+        train(_config(model, max_steps=1, overwrite=overwrite), train_examples=DATA)
+    assert {name: (tmp_path / "model" / name).read_bytes() for name in before} == before
+    assert sorted(os.listdir(model)) == sorted(os.listdir(tmp_path / "model"))
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "config.json").write_text('{"output_dir": ')
+    train(_config(tmp_path / "cut", max_steps=1, save_every=0, overwrite=overwrite), train_examples=DATA)
+    train(_config(tmp_path / "cut", max_steps=1, save_every=0, overwrite=True), train_examples=DATA)
+
+
 def test_auto_chunk_recovers_from_cpu_out_of_memory(tmp_path):
     """The CPU allocator reports a failed allocation as a RuntimeError: --auto-chunk halves the pass as on a GPU."""
     encoder, tokenizer = make_encoder()
