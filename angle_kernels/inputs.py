@@ -172,6 +172,9 @@ def check_columns(name: str, columns):
     if isinstance(columns, torch.Tensor):
         raise TypeError(f"{name} must be a tuple or list of [B, D] tensors, one per hard-negative column; got a tensor "
                         f"of shape {tuple(columns.shape)}: pass ({name},) for one column")
+    if not isinstance(columns, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple or list of [B, D] tensors, one per hard-negative column (() for "
+                        f"none); got {type(columns).__name__}")
     return columns
 
 
@@ -399,7 +402,8 @@ def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, 
         dims, weights = _checked_prefixes(dims, dim_weights)
         order = sorted(range(len(dims)), key=dims.__getitem__)
         return Nested(check_dims(tuple(dims[i] for i in order), width, even), (tuple(weights[i] for i in order),))
-    if not isinstance(layer_weights, (tuple, list, torch.Tensor)) or len(layer_weights) != layers:
+    if not isinstance(layer_weights, (tuple, list, torch.Tensor)) or (
+            isinstance(layer_weights, torch.Tensor) and layer_weights.dim() == 0) or len(layer_weights) != layers:
         raise ValueError(f"layer_weights must have one entry per layer of the stack ({layers}), got {layer_weights!r}")
     layer_weights = layer_weights.tolist() if isinstance(layer_weights, torch.Tensor) else list(layer_weights)
     rows_given = any(isinstance(row, (tuple, list)) for row in layer_weights)
@@ -432,7 +436,10 @@ def _checked_prefixes(dims: Dims, dim_weights: DimWeights | None) -> tuple[list[
     given; the widths' range is check_dims'."""
     if not isinstance(dims, (tuple, list)) or not dims:
         raise TypeError(f"dims must be None or a non-empty sequence of ints, got {dims!r}")
-    weights = [1.0] * len(dims) if dim_weights is None else list(dim_weights)
+    try:
+        weights = [1.0] * len(dims) if dim_weights is None else list(dim_weights)
+    except TypeError:  # a number, or anything else that is not a sequence
+        raise TypeError(f"dim_weights must be None or a sequence of one weight per dim, got {dim_weights!r}") from None
     if len(weights) != len(dims):
         raise ValueError(f"dim_weights must have one weight per dim: {len(dims)} dims, {len(weights)} weights")
     weights = [check_scalar(f"dim_weights[{i}]", w) for i, w in enumerate(weights)]

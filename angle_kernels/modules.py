@@ -160,11 +160,16 @@ class AngleLoss(nn.Module):
         )
 
     def settings(self) -> AngleSettings:
-        """The terms' weights, scales and in-batch options as forward computes them (read at each call: angle-emb
-        sets attributes after construction)."""
-        return AngleSettings(self.cosine_w, self.ibn_w, self.cln_w, self.angle_w, self.cosine_tau, self.ibn_tau,
-                             self.angle_tau, self.angle_pooling_strategy, self.ibn_partition,
-                             self.false_negative_margin, self.false_negative_strategy)
+        """The terms' weights, scales and in-batch options as forward computes them, read and checked at each call
+        (angle-emb sets attributes after construction; one set to a bad value is refused as the constructor
+        refuses it, not computed with)."""
+        check_choice("ibn_partition", self.ibn_partition, tuple(IBN_PARTITIONS))  # the pooling: in forward
+        return AngleSettings(
+            *(check_scalar(name, getattr(self, name)) for name in ("cosine_w", "ibn_w", "cln_w", "angle_w")),
+            *(check_scale(name, getattr(self, name)) for name in ("cosine_tau", "ibn_tau", "angle_tau")),
+            self.angle_pooling_strategy, self.ibn_partition,
+            check_false_negative_filter(self.false_negative_margin, self.false_negative_strategy),
+            self.false_negative_strategy)
 
     @loss_entry
     def forward(self, labels: torch.Tensor | None, outputs: torch.Tensor, *,
@@ -226,8 +231,8 @@ class ArcCSELoss(nn.Module):
                  triplet_margin: float = 0.0, *, dims: Dims | None = None, dim_weights: DimWeights | None = None,
                  backend: str | None = None) -> None:
         super().__init__()
-        self.margin_radians, self.tau = check_arccon_options(margin_degrees, tau)
-        self.margin_degrees = float(margin_degrees)
+        check_arccon_options(margin_degrees, tau)
+        self.margin_degrees, self.tau = float(margin_degrees), float(tau)
         self.triplet_weight = check_scalar("triplet_weight", triplet_weight)
         self.triplet_margin = check_scalar("triplet_margin", triplet_margin)
         check_nested(dims, dim_weights, _ANY_WIDTH)  # the widths are checked against the embeddings' in forward
@@ -255,10 +260,14 @@ class ArcCSELoss(nn.Module):
         ops = resolve_backend(self.backend, h1)
         nested = check_nested(self.dims, self.dim_weights, first[0].shape[1], layer_weights=layer_weights,
                               layers=layers)
-        loss = arccon(ops, h1, h2, self.margin_radians, self.tau, nested)
-        if all(given) and self.triplet_weight != 0:
+        # read and checked at each call, as AngleLoss's settings: an attribute set after construction takes effect
+        margin_radians, tau = check_arccon_options(self.margin_degrees, self.tau)
+        triplet_weight, triplet_margin = (check_scalar(name, getattr(self, name))
+                                          for name in ("triplet_weight", "triplet_margin"))
+        loss = arccon(ops, h1, h2, margin_radians, tau, nested)
+        if all(given) and triplet_weight != 0:
             check_triplets(*first[2:])
-            loss = loss + self.triplet_weight * triplet(ops, anchor, weak, strong, self.triplet_margin, nested)
+            loss = loss + triplet_weight * triplet(ops, anchor, weak, strong, triplet_margin, nested)
         return loss
 
     if TYPE_CHECKING:  # for type checkers only: calling the module runs forward (nn.Module's __call__ is untyped)

@@ -314,3 +314,33 @@ def test_a_pooling_strategy_set_after_construction_is_checked_at_the_call(gen):
         loss(labels, outputs)
     loss.angle_w = 0.0
     assert torch.isfinite(loss(labels, outputs))
+
+
+@pytest.mark.parametrize("fmt", ["A", "C"])  # format B's one term has no weight
+def test_every_weight_zero_gives_a_zero_that_backward_takes(fmt):
+    """Every term's weight 0: a zero connected to the embeddings (zero gradients), as every other zero loss of the
+    package; it had no graph, and loss.backward() raised."""
+    gen = torch.Generator().manual_seed(0)
+    labels, x = _inputs(gen, fmt, 3, 6)
+    x.requires_grad_(True)
+    loss = ak.AngleLoss(dataset_format=fmt, cosine_w=0.0, ibn_w=0.0, cln_w=0.0, angle_w=0.0)(labels, x)
+    loss.backward()
+    assert loss.item() == 0.0 and loss.dtype == torch.float32 and torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("name, value, said", [
+    ("angle_tau", float("inf"), "angle_tau must be finite"), ("cosine_tau", 0.0, "cosine_tau must be > 0"),
+    ("ibn_w", float("nan"), "ibn_w must be finite"), ("ibn_partition", "bogus", "ibn_partition must be one of"),
+    ("false_negative_strategy", "bogus", "false_negative_strategy must be one of"),
+    ("false_negative_margin", float("nan"), "false_negative_margin must be finite")])
+def test_a_setting_assigned_after_construction_is_checked_at_the_call(name, value, said):
+    """angle-emb sets AngleLoss's attributes after construction; one set to a value the constructor refuses was
+    computed with (angle_tau = inf: a NaN loss; cosine_tau = -20: a finite wrong one); now refused at the call."""
+    labels, x = _inputs(torch.Generator().manual_seed(0), "A", 3, 6)
+    module = ak.AngleLoss(dataset_format="A")
+    setattr(module, name, value)
+    with pytest.raises(ValueError, match=said):
+        module(labels, x)
+    module = ak.AngleLoss(dataset_format="A")
+    module.angle_tau = 5.0  # a valid one takes effect
+    assert module(labels, x).item() == ak.AngleLoss(dataset_format="A", angle_tau=5.0)(labels, x).item()

@@ -188,3 +188,19 @@ def test_fuzz_triplet(n, dim, margin, dtype, seed):
     check_against_oracle(lambda a, w, s: ak.triplet_loss(a, w, s, margin),
                          lambda a, w, s: oracle.triplet_loss(a, w, s, margin), [anchor, weak, strong],
                          f"triplet n={n} margin={margin}")
+
+
+def test_settings_assigned_after_construction_take_effect_or_are_refused():
+    """ArcCSELoss kept the margin in radians from construction: margin_degrees set later showed in repr and was
+    ignored (10 degrees' loss for 40), and tau = -1 was computed with. Both are read and checked at each call."""
+    gen = torch.Generator().manual_seed(0)
+    h1, h2 = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+    module = ak.ArcCSELoss(10.0)
+    module.margin_degrees = 40.0
+    assert module(h1, h2).item() == ak.ArcCSELoss(40.0)(h1, h2).item() != ak.ArcCSELoss(10.0)(h1, h2).item()
+    for name, value, said in (("tau", -1.0, "tau must be > 0"), ("margin_degrees", 200.0, "between 0 and 180"),
+                              ("triplet_weight", float("nan"), "triplet_weight must be finite")):
+        module = ak.ArcCSELoss()
+        setattr(module, name, value)
+        with pytest.raises(ValueError, match=said):
+            module(h1, h2, h1, h2, h2)

@@ -113,6 +113,19 @@ def test_non_finite_scalars_raise(ak, gen):
         ak.arccon_loss(x[:3], x[3:], -5.0)
 
 
+def test_wrong_kinds_of_options_are_named(ak, gen):
+    """Options of the wrong kind raised Python's own TypeError, naming no argument: negatives=None ("Value after *
+    must be an iterable"), dim_weights=1.0 ("'float' object is not iterable"), a 0-d layer_weights ("len() of a 0-d
+    tensor")."""
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "binary")
+    with pytest.raises(TypeError, match=r"negatives must be a tuple or list .* got NoneType"):
+        ak.multiple_negatives_ranking_loss(x[:3], x[3:], None)
+    with pytest.raises(TypeError, match="dim_weights must be None or a sequence of one weight per dim, got 1.0"):
+        ak.cosine_loss(y, x, dims=[2, 8], dim_weights=1.0)
+    with pytest.raises(ValueError, match=r"layer_weights must have one entry per layer of the stack \(1\)"):
+        ak.cosine_loss(y, x[None], layer_weights=torch.tensor(1.0))
+
+
 # --------------------------------------------------------------------------------------------------------
 # shapes, emptiness, layouts
 # --------------------------------------------------------------------------------------------------------

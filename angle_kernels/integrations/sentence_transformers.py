@@ -201,6 +201,7 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
                     nested: _inputs.Nested | None = None) -> Tensor:
         _check_columns(self, len(embeddings))
         _check_label_count(self, labels, embeddings[0].shape[-2])
+        labels = labels.reshape(-1)  # any shape of B labels, as the parent's view(-1)
         return _fused_pair_ranking(embeddings[0], embeddings[1], labels, _pair_score_kind(self.similarity_fct),
                                    self.scale, self.backend, nested)
 
@@ -257,6 +258,7 @@ class AnglELoss(_st_losses.AnglELoss):
         if labels is None:
             raise ValueError("AnglELoss requires labels for datasets with pairs.")
         _check_label_count(self, labels, anchors.shape[-2])
+        labels = labels.reshape(-1)  # any shape of B labels, as the parent's view(-1)
         return _fused_pair_ranking(anchors, embeddings[1], labels, kind, self.scale, self.backend, nested)
 
 

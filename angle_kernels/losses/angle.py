@@ -411,10 +411,11 @@ def _weighted_ranking_terms(ops: Ops, settings: AngleSettings, groups: torch.Ten
 
 
 def _sum_terms(terms: list[torch.Tensor | None], outputs: torch.Tensor) -> torch.Tensor:
-    """The terms that were computed, summed in the given order; a 0-dim zero when none was."""
+    """The terms that were computed, summed in the given order; when none was (every weight 0), a 0-dim zero
+    connected to `outputs` (zero gradients, as every other zero loss here: backward() runs)."""
     computed = [t for t in terms if t is not None]
     if not computed:
-        return torch.zeros((), dtype=compute_dtype(outputs.dtype), device=outputs.device)
+        return outputs.flatten()[:0].sum().to(compute_dtype(outputs.dtype))
     total = computed[0]
     for term in computed[1:]:
         total = total + term

@@ -160,6 +160,17 @@ def test_bad_label_count_fails_like_the_parent():
         ours.AnglELoss(None).compute_loss_from_embeddings([u, u.clone()], None)
 
 
+def test_labels_of_any_shape_with_one_per_pair_are_taken_as_the_parent_takes_them():
+    """The parents take B labels of any shape (view(-1)); the pair path of ours refused [1, B]."""
+    gen = torch.Generator().manual_seed(0)
+    u, v = torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    labels = torch.tensor([GRADED])  # [1, 6]
+    for name in ("CoSENTLoss", "AnglELoss"):
+        ref = getattr(st_losses, name)(None).compute_loss_from_embeddings([u, v], labels)
+        got = getattr(ours, name)(None).compute_loss_from_embeddings([u, v], labels)
+        assert rel_err(got, ref) < 1e-6, name
+
+
 @pytest.mark.parametrize("class_name, columns, labels", [("CoSENTLoss", 2, True),
                                                          ("CachedMultipleNegativesRankingLoss", 2, False)])
 def test_sentence_transformer_trainer_runs_with_our_loss(tiny_model_dir, tmp_path, class_name, columns, labels):
