@@ -332,6 +332,21 @@ def test_each_prefix_filters_dot_products_with_its_own_tie_allowance(backend):
     assert abs(float(nested) - float(sum(per_prefix))) < 1e-9 and abs(float(nested) - float(exact)) < 1e-9
 
 
+@pytest.mark.parametrize("options", [{}, {"directions": ("query_to_doc", "query_to_query")},
+                                     {"false_negative_strategy": "relative"}], ids=["plain", "gte", "relative"])
+def test_the_dot_product_filter_holds_on_float32_rows_whose_norm_overflows(options):
+    """A float32 row of norm ~5e19 (its squared norm overflows; every dot product is finite): its tie allowance
+    (2^-16 |q_i| |p_i|) was taken in float32, became inf, and switched the row's filter off (loss 2.4e18 against
+    0.148). The norms are taken in float64: the float32 loss is the float64 one, rounded."""
+    gen = generator("dot filter huge row")
+    q, p = randn(gen, 4, 8, dtype=torch.float64), randn(gen, 4, 8, dtype=torch.float64)
+    p[2] *= 2.0 ** 64  # |p_2| ~ 5e19: its float32 squared norm overflows
+    kwargs = dict(scale=1.0, similarity="dot", false_negative_margin=0.1, **options)
+    exact = ak.multiple_negatives_ranking_loss(q, p, **kwargs)
+    got = ak.multiple_negatives_ranking_loss(q.float(), p.float(), **kwargs)
+    assert math.isfinite(float(exact)) and abs(float(got) - float(exact)) <= 1e-5 * abs(float(exact)) + 1e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_gist_keeps_a_duplicate_of_the_positive(dtype):
     gen = generator("gist duplicate positive", str(dtype))

@@ -189,7 +189,8 @@ def margin_threshold(positive: torch.Tensor, strategy: str, margin: float,
     row's |q_i| |p_i|, the scale of their rounding; broadcast against positive's last dimension)."""
     positive = positive.detach()
     threshold = positive - margin if strategy == "absolute" else positive - positive.abs() * margin
-    return threshold + (FILTER_TIE_ALLOWANCE if magnitude is None else FILTER_TIE_ALLOWANCE * magnitude)
+    allowance = FILTER_TIE_ALLOWANCE if magnitude is None else FILTER_TIE_ALLOWANCE * magnitude
+    return (threshold + allowance).to(threshold.dtype)
 
 
 def contrastive(ops: Ops, queries: torch.Tensor, candidates: torch.Tensor, tau: float,
@@ -246,12 +247,14 @@ def _rows_for(ops: Ops, *rows: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _norm_products(a: torch.Tensor, b: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
-    """|a_i| |b_i| per row in the compute dtype: the scale of the rounding of the dot products a_i . c_j where c_j
-    is b_i or a copy of it; [k, rows] of every prefix's with dims (each prefix's filter compares its own products)."""
-    dtype = compute_dtype(a.dtype)
+    """|a_i| |b_i| per row, in float64: the scale of the rounding of the dot products a_i . c_j where c_j is b_i
+    or a copy of it; [k, rows] of every prefix's with dims (each prefix's filter compares its own products). Not
+    in the compute dtype: a float32 row's norm overflows from |x| ~ 1.8e19 (its squares do), where every dot
+    product may still fit, and an infinite tie allowance switched that row's filter off."""
 
     def products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.vector_norm(x, dim=-1, dtype=dtype) * torch.linalg.vector_norm(y, dim=-1, dtype=dtype)
+        return (torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)
+                * torch.linalg.vector_norm(y, dim=-1, dtype=torch.float64))
 
     return products(a, b) if dims is None else torch.stack([products(a[:, :d], b[:, :d]) for d in dims])
 
