@@ -25,8 +25,9 @@ with angle_kernels' fused losses:
                                         embeddings; the KL terms are the parent's
 
 Argument combinations that the fused losses cannot express run the parent class's own computation,
-unchanged; each class's docstring lists them, and `loss.uses_fused_path` tells which path a configured loss
-takes. The embedding side (the model's forward, GradCache's mini-batches) is untouched.
+unchanged; each class's docstring lists them (and a tensor `scale`, a learned nn.Parameter, runs the parent's
+computation in CoSENTLoss, AnglELoss and the MNRL family, which train it), and `loss.uses_fused_path` tells which
+path a configured loss takes. The embedding side (the model's forward, GradCache's mini-batches) is untouched.
 
 Differences from the parents, on inputs where the parents return NaN: angle_kernels raises a ValueError for
 NaN/Inf embeddings or labels (switch the check off with `angle_kernels.set_input_checks(False)`), and gives
@@ -189,7 +190,7 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
 
     @property
     def uses_fused_path(self) -> bool:
-        return _pair_score_kind(self.similarity_fct) is not None
+        return _pair_score_kind(self.similarity_fct) is not None and not _tensor_scale(self)
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
         _check_columns(self, len(embeddings))
@@ -231,7 +232,7 @@ class AnglELoss(_st_losses.AnglELoss):
 
     @property
     def uses_fused_path(self) -> bool:
-        return _pair_score_kind(self.similarity_fct) is not None
+        return _pair_score_kind(self.similarity_fct) is not None and not _tensor_scale(self)
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
         _check_columns(self, len(embeddings))
@@ -303,11 +304,20 @@ def _mnrl_similarity(loss: torch.nn.Module) -> str | None:
     return None
 
 
+def _tensor_scale(loss: torch.nn.Module) -> bool:
+    """Whether the loss's scale is a tensor (a learned one: an nn.Parameter the parents train; the fused ops take a
+    number), which the parent's computation then runs with."""
+    return isinstance(getattr(loss, "scale", None), torch.Tensor)
+
+
 def _mnrl_unfused_reason(loss: torch.nn.Module) -> str | None:
     """Why a MultipleNegativesRankingLoss configuration cannot run fused; None when it can: every configuration
-    with cosine or dot-product similarity (any directions, partition mode, hardness, gathering) runs fused."""
+    with cosine or dot-product similarity (any directions, partition mode, hardness, gathering) and a number as its
+    scale runs fused."""
     if _mnrl_similarity(loss) is None:
         return "similarity_fct is neither util.cos_sim nor util.dot_score"
+    if _tensor_scale(loss):
+        return "scale is a tensor (a learned scale), which the fused ops do not train"
     return None
 
 

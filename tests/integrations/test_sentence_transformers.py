@@ -171,6 +171,25 @@ def test_labels_of_any_shape_with_one_per_pair_are_taken_as_the_parent_takes_the
         assert rel_err(got, ref) < 1e-6, name
 
 
+@pytest.mark.parametrize("name", ["CoSENTLoss", "AnglELoss", "MultipleNegativesRankingLoss"])
+def test_a_learned_scale_runs_the_parents_computation_which_trains_it(name):
+    """A scale set to an nn.Parameter (the parents train it): ours raised "scale must be a real number" while
+    uses_fused_path said True; now the parent's computation runs, with the parent's value and scale gradient."""
+    gen = torch.Generator().manual_seed(1)
+    u, v = torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    labels = torch.tensor(GRADED)
+    results = []
+    for module in (st_losses, ours):
+        loss = getattr(module, name)(None)
+        loss.scale = torch.nn.Parameter(torch.tensor(20.0))
+        value = loss.compute_loss_from_embeddings([u, v], labels)
+        value.backward()
+        results.append((float(value), float(loss.scale.grad)))
+        if module is ours:
+            assert not loss.uses_fused_path
+    assert results[0] == results[1] and results[0][1] != 0
+
+
 @pytest.mark.parametrize("class_name, columns, labels", [("CoSENTLoss", 2, True),
                                                          ("CachedMultipleNegativesRankingLoss", 2, False)])
 def test_sentence_transformer_trainer_runs_with_our_loss(tiny_model_dir, tmp_path, class_name, columns, labels):
