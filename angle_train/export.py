@@ -68,9 +68,10 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     angle_train.json (best/'s "best": the step and dev Spearman that made it the best).
     """
     os.makedirs(path, exist_ok=True)
-    _clear_earlier_export(path)
     if base_model and os.path.isdir(base_model):  # a local base, recorded so that it loads from anywhere
         base_model = os.path.abspath(base_model)
+    if not (base_model and os.path.realpath(base_model) == os.path.realpath(path)):  # (its files are read below)
+        _clear_earlier_export(path)
     backbone = encoder.backbone
     base = st_folder.find_folder(base_model) if base_model else None
     inference_length = export_max_length or max(max_length, (st_folder.max_seq_length(base) if base else None) or 0)
@@ -164,10 +165,13 @@ def _clear_earlier_export(path: str) -> None:
         folders = [module["path"] for module in st_folder.modules(path) if module.get("path")]
     except (OSError, ValueError):  # no modules.json, or a damaged one
         folders = []
+    inside = os.path.realpath(path) + os.sep
     for name in (st_folder.MODULES_FILE, "sentence_bert_config.json", st_folder.CONFIG_FILE, "README.md", "adapter",
                  "1_Pooling", *folders):
         target = os.path.join(path, name)
-        if os.path.isdir(target) and os.path.realpath(target) != os.path.realpath(path):
+        if not os.path.realpath(target).startswith(inside):  # a module path reaching out of the folder
+            continue
+        if os.path.isdir(target):
             shutil.rmtree(target)
         elif os.path.isfile(target):
             os.remove(target)

@@ -209,6 +209,10 @@ def test_an_export_over_an_earlier_one_leaves_none_of_its_sentence_transformers_
     save_pretrained(other, tokenizer, str(folder), max_length=16)
     assert not (folder / MODULES_FILE).exists() and not (folder / "1_Pooling").exists()
     assert not (folder / "README.md").exists() and load_pretrained(str(folder))[2]["pooling"] == "cls_avg"
+    (tmp_path / "outside").mkdir()  # a module path out of the folder is never removed
+    (folder / MODULES_FILE).write_text(json.dumps([{"idx": 0, "name": "0", "path": "../outside", "type": "x"}]))
+    save_pretrained(other, tokenizer, str(folder), max_length=16)
+    assert (tmp_path / "outside").is_dir() and not (folder / MODULES_FILE).exists()
     base = save_pretrained(encoder, tokenizer, str(tmp_path / "base"), max_length=16)
     monkeypatch.chdir(tmp_path)
     save_pretrained(encoder, tokenizer, str(tmp_path / "again"), max_length=16, base_model="./base")
