@@ -519,7 +519,11 @@ class TokenRows:
 
     def lengths(self) -> list[int]:
         """Every row's token count."""
-        return torch.diff(self._tensors()[1], prepend=torch.zeros(1, dtype=torch.int64)).tolist()
+        return self._row_lengths(self._tensors()[1]).tolist()
+
+    @staticmethod
+    def _row_lengths(ends: torch.Tensor) -> torch.Tensor:
+        return torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int64))
 
     def take(self, indices) -> TokenRows:
         """Rows `indices` (from the end where negative, as a list's), in that order, as new rows: one gather of
@@ -548,7 +552,7 @@ class TokenRows:
     def flat(self, dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
         """(every token of every row in order, as int64 input ids or `dtype`; each row's length)."""
         flat, ends = self._tensors()
-        return flat.to(dtype), torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int64))
+        return flat.to(dtype), self._row_lengths(ends)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, TokenRows):

@@ -166,7 +166,7 @@ def _clear_earlier_export(path: str) -> None:
     except (OSError, ValueError):  # no modules.json, or a damaged one
         folders = []
     inside = os.path.realpath(path) + os.sep
-    for name in (st_folder.MODULES_FILE, "sentence_bert_config.json", st_folder.CONFIG_FILE, "README.md", "adapter",
+    for name in (st_folder.MODULES_FILE, st_folder.SETTINGS_FILE, st_folder.CONFIG_FILE, CARD_FILE, "adapter",
                  "1_Pooling", *folders):
         target = os.path.join(path, name)
         if not os.path.realpath(target).startswith(inside):  # a module path reaching out of the folder
@@ -200,7 +200,7 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
         print(f"note: {path} keeps the base model's {', '.join(changing)} module(s) after the pooling as the base had "
               "them: angle-train trains the transformer under the pooling (its dev scores are of the pooled "
               "embeddings), not these", flush=True)
-    _write_json(os.path.join(path, "sentence_bert_config.json"),
+    _write_json(os.path.join(path, st_folder.SETTINGS_FILE),
                 {"do_lower_case": False, **(st_folder.settings(base) if usable else {}), "max_seq_length": max_length})
     prefixes = prefix_prompts(encoder)
     if prefixes is None:
