@@ -160,8 +160,9 @@ class TokenizedSentences:
         self.ids, self.weak, self.strong, counts = gather_token_rows([ids_rows, weak_rows, strong_rows, counts],
                                                                      processes)
         self.too_short = [sum(each[i] for each in counts) for i in range(2)]
-        self.lengths = [self.ids.length(i) for i in range(len(self.ids))]
-        self.cut = cut_note(sum(length >= max_length for length in self.lengths), len(self.lengths), max_length)
+        self._lengths = self.ids.length_tensor()
+        self.lengths = self._lengths.tolist()
+        self.cut = cut_note(int((self._lengths >= max_length).sum()), len(self.lengths), max_length)
         self.mask_rates = tuple(mask_rates)
 
     def __len__(self) -> int:
@@ -174,7 +175,7 @@ class TokenizedSentences:
 
     def lengths_of(self, indices: list[int]) -> list[int]:
         """Real (unpadded) token counts of all rows of these sentences (five rows each)."""
-        return [self.lengths[i] for i in indices for _ in range(BLOCKS)]
+        return self._lengths[torch.as_tensor(indices, dtype=torch.long)].repeat_interleave(BLOCKS).tolist()
 
     def batch(self, indices: list[int]) -> Batch:
         views = self.ids.take(indices)

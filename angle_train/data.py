@@ -519,7 +519,11 @@ class TokenRows:
 
     def lengths(self) -> list[int]:
         """Every row's token count."""
-        return self._row_lengths(self._tensors()[1]).tolist()
+        return self.length_tensor().tolist()
+
+    def length_tensor(self) -> torch.Tensor:
+        """Every row's token count, as an int64 tensor."""
+        return self._row_lengths(self._tensors()[1])
 
     @staticmethod
     def _row_lengths(ends: torch.Tensor) -> torch.Tensor:
@@ -630,11 +634,10 @@ class TokenizedPairs:
             mine.extend(ids)
         del flat
         self.rows, = gather_token_rows([mine], processes)  # example i's texts: rows i * k .. i * k + k - 1
-        k = self.rows_per_example
         self.labels = [ex.label for ex in examples]
-        self.lengths = [max(self.rows.length(i * k + j) for j in range(k)) for i in range(len(examples))]
-        self.cut = cut_note(sum(self.rows.length(r) >= max_length for r in range(len(self.rows))), len(self.rows),
-                            max_length)
+        self._row_lengths = self.rows.length_tensor().view(len(examples), self.rows_per_example)
+        self.lengths = self._row_lengths.amax(1).tolist()  # each example's longest text
+        self.cut = cut_note(int((self._row_lengths >= max_length).sum()), len(self.rows), max_length)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -644,8 +647,7 @@ class TokenizedPairs:
 
     def lengths_of(self, indices: list[int]) -> list[int]:
         """Real (unpadded) token counts of all rows of these examples."""
-        k = self.rows_per_example
-        return [self.rows.length(i * k + j) for i in indices for j in range(k)]
+        return self._row_lengths[torch.as_tensor(indices, dtype=torch.long)].reshape(-1).tolist()
 
     def batch(self, indices: list[int]) -> Batch:
         """The rows of these examples in the loss layout (zigzag or stride 3) and one label per row."""
