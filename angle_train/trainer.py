@@ -121,6 +121,7 @@ def _train(cfg: TrainConfig, *, model, train_examples, dev_examples, loss_fn, on
                     saved = every(cfg.save_every, step)
                     if saved:
                         save(run)
+                        fresh_gradient_buckets(run)
                 if on_step is not None:
                     on_step(step, row)
                 if faults.any_rank(signals.requested is not None, run.dist_info, run.device):
@@ -159,6 +160,17 @@ def save(run: Run) -> str:
     run.position.loss_window = list(run.log.losses)
     return save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
                            scheduler=run.scheduler, scaler=run.scaler, sharded=run.cfg.fsdp)
+
+
+def fresh_gradient_buckets(run: Run) -> None:
+    """Under DDP, a new wrapper after a checkpoint, as a run resumed from it starts with: DDP groups the gradients
+    into buckets in parameter order for its first backward, then by the order they became ready, and each bucket's
+    all-reduce sums an element over 3 or more processes in an order that depends on where it sits (2 processes
+    add a + b either way). With the same wrapper throughout, a resumed run's first step summed in another order
+    than the uninterrupted run's (weights apart by rounding, growing with training); now both start each checkpoint's
+    next step with a new wrapper (one broadcast of the weights, which are the same everywhere)."""
+    if isinstance(run.model, torch.nn.parallel.DistributedDataParallel):
+        run.model = distributed.wrap_ddp(run.encoder, run.device)
 
 
 def every(interval: int, step: int) -> bool:
