@@ -13,6 +13,7 @@ the same number of rows (the loop slices the batch equally; a mismatch raises a 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import os
 from dataclasses import dataclass
@@ -38,13 +39,15 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(device_type: str) -> DistInfo:
-    """Join the process group torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
+def init_distributed(device_type: str, timeout_s: int = 1800) -> DistInfo:
+    """Join the process group torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK), whose collectives
+    wait timeout_s seconds for every process (a group the caller made keeps its own)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return DistInfo()
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     info = DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     if device_type == "cuda":
         torch.cuda.set_device(info.local_rank)

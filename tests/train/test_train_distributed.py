@@ -278,3 +278,28 @@ def test_three_process_resume_is_bit_identical_to_the_uninterrupted_run(tmp_path
         got = torch.load(parts / f"resumed-rank{rank}.pt")
         assert got["losses"] == want["losses"][2:]
         assert all(torch.equal(got["weights"][name], weight) for name, weight in want["weights"].items()), rank
+
+
+def test_the_process_group_waits_ddp_timeout_seconds(monkeypatch, capsys):
+    """torch's default (10 minutes with NCCL) stopped a job whose main process evaluated, exported or wrote a
+    whole-model checkpoint for longer while the others waited; --ddp-timeout (default 1800 s, as the Hugging Face
+    Trainer's) sets the group's timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from angle_train import distributed
+
+    made = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **options: made.update(options))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    cfg = config_from_args(["--ddp-timeout", "7200"])
+    distributed.init_distributed("cpu", timeout_s=cfg.ddp_timeout)
+    assert made == {"backend": "gloo", "timeout": datetime.timedelta(hours=2)}
+    assert config_from_args([]).ddp_timeout == 1800
+    with pytest.raises(SystemExit):
+        config_from_args(["--ddp-timeout", "0"])
+    assert "--ddp-timeout must be >= 1; got 0" in capsys.readouterr().err
