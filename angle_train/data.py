@@ -696,7 +696,8 @@ class Batch:
                 group = sorted(group, key=lambda i: -lengths[i])
             group = list(group)
             for cut in _cut(group, [lengths[i] for i in group], rows, tokens, padded=not pack_width):
-                passes.append((self.seqs.take(cut), dropout))
+                whole = len(cut) == len(self.seqs) and cut == list(range(len(cut)))  # one pass of every row in order
+                passes.append((self.seqs if whole else self.seqs.take(cut), dropout))
                 order += cut
         return PassPlan(passes, order, pack_width)
 
@@ -705,6 +706,8 @@ def _cut(rows: list[int], lengths: list[int], max_rows: int | None, max_tokens: 
          padded: bool = True) -> list[list[int]]:
     """`rows` (with their lengths) cut in order into runs of at most max_rows rows or max_tokens tokens: padded
     tokens (rows x the run's longest) when `padded`, else real tokens (the sum of the lengths)."""
+    if not (max_rows and max_rows > 0) and not max_tokens:  # no limit: one run
+        return [rows] if rows else []
     cuts, start = [], 0
     while start < len(rows):
         end, longest, total = start + 1, lengths[start], lengths[start]
@@ -724,23 +727,19 @@ def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
     rows of `width`, or of the narrower widths that share the same total among fewer rows evenly (a pass of 38
     tokens in rows of 24 costs 2 x 24; in rows of 19 it may cost 2 x 19), or of the longest text's width,
     whichever processes the fewest. The last makes packing never cost more than one padded pass of the texts."""
+    return _best_packing(lengths, width).rows()
+
+
+def _best_packing(lengths: list[int], width: int) -> _Packing:
+    """pack_rows' packing, as tensors."""
     total, longest = sum(lengths), max(lengths)
     if not total:  # empty texts only: one row holds them all
-        return [list(range(len(lengths)))]
+        return _Packing(torch.arange(len(lengths)), torch.zeros(len(lengths), dtype=torch.long),
+                        torch.tensor([width]), width)
     fewest_rows = -(-total // width)
     candidates = {width, longest} | {max(longest, -(-total // rows)) for rows in range(fewest_rows, fewest_rows + 3)}
     packings = [_first_fit_decreasing(lengths, min(candidate, width)) for candidate in sorted(candidates)]
-    return min(packings, key=lambda packing: packing.processed_tokens).rows()
-
-
-def row_width(rows: list[list[int]], lengths: list[int]) -> int:
-    """The fullest row's tokens: the width every row of a packed pass is padded to."""
-    return max(sum(lengths[t] for t in row) for row in rows)
-
-
-def processed_tokens(rows: list[list[int]], lengths: list[int]) -> int:
-    """The tokens the encoder processes for texts of these lengths packed into these rows (pack_rows)."""
-    return len(rows) * row_width(rows, lengths)
+    return min(packings, key=lambda packing: packing.processed_tokens)
 
 
 @dataclass
@@ -754,14 +753,19 @@ class _Packing:
 
     @property
     def processed_tokens(self) -> int:
-        """processed_tokens(self.rows(), lengths), from the rooms."""
+        """The tokens the encoder processes for the texts in these rows: rows x the fullest row, from the rooms."""
         return len(self.room) * (self.width - int(self.room.min())) if len(self.room) else 0
 
+    def placement(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the texts row after row, each row's in placing order: a stable sort of the placed texts by row; the
+        number of texts in each row)."""
+        _, by_row = torch.sort(self.row_of, stable=True)
+        return self.order[by_row], torch.bincount(self.row_of, minlength=len(self.room))
+
     def rows(self) -> list[list[int]]:
-        """Each row's texts in placing order: a stable sort of the placed texts by row."""
-        rows_in_order, by_row = torch.sort(self.row_of, stable=True)
-        texts = self.order[by_row].tolist()
-        bounds = torch.cumsum(torch.bincount(rows_in_order, minlength=len(self.room)), 0).tolist()
+        """Each row's texts in placing order."""
+        placed, texts_per_row = self.placement()
+        texts, bounds = placed.tolist(), torch.cumsum(texts_per_row, 0).tolist()
         return [texts[low:high] for low, high in zip([0] + bounds[:-1], bounds)]
 
 
@@ -816,16 +820,19 @@ class PackedTexts:
 
     @classmethod
     def build(cls, seqs: TokenRows | list[list[int]], width: int, pad_id: int,
-              rows: list[list[int]] | None = None) -> tuple[torch.Tensor, PackedTexts]:
+              rows: list[list[int]] | _Packing | None = None) -> tuple[torch.Tensor, PackedTexts]:
         """(input_ids [rows, width'], layout) for these texts packed into rows of `width` tokens (`rows`: their
-        pack_rows, when already known); width' is the fullest row's length."""
+        pack_rows, or its packing, when already known); width' is the fullest row's length."""
         tokens, count = as_token_rows(seqs).flat()
         lengths = count.tolist()
-        rows = pack_rows(lengths, width) if rows is None else rows
         # the texts row after row, each text's row, and its first column: the tokens of the row's texts before it
-        placed = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)
-        texts_per_row = torch.tensor([len(row) for row in rows])
-        row_of = torch.repeat_interleave(torch.arange(len(rows)), texts_per_row)
+        if rows is None or isinstance(rows, _Packing):
+            placed, texts_per_row = (_best_packing(lengths, width) if rows is None else rows).placement()
+        else:
+            placed = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)
+            texts_per_row = torch.tensor([len(row) for row in rows], dtype=torch.long)
+        row_count = len(texts_per_row)
+        row_of = torch.repeat_interleave(torch.arange(row_count), texts_per_row)
         before = torch.cumsum(count[placed], 0) - count[placed]  # tokens placed before the text, in any row
         column = before - before[torch.cumsum(texts_per_row, 0) - texts_per_row][row_of]
         fullest = int((column + count[placed]).max())
@@ -836,17 +843,17 @@ class PackedTexts:
         text_of = torch.repeat_interleave(torch.arange(len(seqs)), count)
         position = torch.arange(int(count.sum())) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
         slots = first_slot[text_of] + position
-        input_ids = torch.full((len(rows) * fullest,), pad_id, dtype=torch.long)
+        input_ids = torch.full((row_count * fullest,), pad_id, dtype=torch.long)
         input_ids[slots] = tokens
-        text_of_token = torch.full((len(rows) * fullest,), -1, dtype=torch.long)
+        text_of_token = torch.full((row_count * fullest,), -1, dtype=torch.long)
         text_of_token[slots] = text_of
-        position_ids = torch.zeros(len(rows) * fullest, dtype=torch.long)
+        position_ids = torch.zeros(row_count * fullest, dtype=torch.long)
         position_ids[slots] = position
         token_index = torch.zeros(len(seqs) * longest, dtype=torch.long)
         token_mask = torch.zeros(len(seqs) * longest, dtype=torch.long)
         token_index[text_of * longest + position] = slots
         token_mask[text_of * longest + position] = 1
-        grid = (len(rows), fullest)
+        grid = (row_count, fullest)
         return input_ids.view(grid), cls(text_of_token.view(grid), position_ids.view(grid),
                                          token_index.view(len(seqs), longest), token_mask.view(len(seqs), longest))
 
@@ -903,13 +910,13 @@ class PassPlan:
         real = sum(map(sum, lengths))
         if not self.pack_width:
             return real, sum(len(each) * max(each) for each in lengths)
-        return real, sum(processed_tokens(rows, each) for rows, each in zip(self.packings, lengths))
+        return real, sum(packing.processed_tokens for packing in self.packings)
 
     @functools.cached_property
-    def packings(self) -> list[list[list[int]]]:
-        """With pack_width: each pass's texts in rows (pack_rows), worked out once for both tensors() and
+    def packings(self) -> list[_Packing]:
+        """With pack_width: each pass's texts in rows (pack_rows' packing), worked out once for both tensors() and
         token_counts()."""
-        return [pack_rows(seqs.lengths(), self.pack_width) for seqs, _ in self.passes]
+        return [_best_packing(seqs.lengths(), self.pack_width) for seqs, _ in self.passes]
 
 
 class OneAhead:
