@@ -670,7 +670,7 @@ def accumulate_gradients(run: Run, batches: list[list[int]]) -> tuple[float, tup
             if not faults.is_out_of_memory(exc):
                 raise
             run.optimizer.zero_grad(set_to_none=True)
-            seqs = run.dataset.batch(batches[0][:cfg.batch_size // run.dist_info.world_size]).seqs
+            seqs = run.dataset.batch(own_share(cfg, run.dist_info, batches[0])).seqs
             per_pass = cfg.chunk_tokens or cfg.chunk_size or len(seqs)
             smallest = max(seqs.lengths()) if cfg.chunk_tokens else 1  # one text per pass
             if not cfg.auto_chunk or per_pass <= smallest:
@@ -738,11 +738,10 @@ def step_data(run: Run, batches: list[list[int]]) -> list[PreparedBatch]:
 def prepare_batches(run: Run, batches: list[list[int]], *, options: tuple) -> list[PreparedBatch]:
     """Each batch's share of this process, cut into passes (Batch.plan with these plan_options) as CPU tensors,
     in pinned memory when the device is a GPU (copied to it without blocking)."""
-    share, rank = run.cfg.batch_size // run.dist_info.world_size, run.dist_info.rank
     pin = run.device.type == "cuda"
     prepared = []
     for indices in batches:
-        batch = run.dataset.batch(indices[rank * share:(rank + 1) * share])
+        batch = run.dataset.batch(own_share(run.cfg, run.dist_info, indices))
         plan = batch.plan(**dict(options))
         chunks, restore = plan.tensors(run.encoder.pad_token_id, run.encoder.padding_side)
         labels = batch.labels
@@ -752,6 +751,13 @@ def prepare_batches(run: Run, batches: list[list[int]], *, options: tuple) -> li
             labels, restore = labels.pin_memory(), None if restore is None else restore.pin_memory()
         prepared.append(PreparedBatch(labels, chunks, restore, plan.token_counts()))
     return prepared
+
+
+def own_share(cfg: TrainConfig, dist_info, indices: list[int]) -> list[int]:
+    """This process's share of a batch's examples: the rank-th of world_size equal slices (count_steps checks that
+    the batch size divides)."""
+    share = cfg.batch_size // dist_info.world_size
+    return indices[dist_info.rank * share:(dist_info.rank + 1) * share]
 
 
 def _to(device: torch.device, item):
@@ -791,11 +797,9 @@ def expected_useful_tokens(cfg: TrainConfig, dataset, epoch: int, dist_info, bat
     epoch's first `batches` batches, or fewer batches of at most `examples` examples in all (at least one): the run
     header's estimate (each step's is in its metrics row), which at 32,768 pairs a batch took 64 steps' data
     preparation (30 s packed)."""
-    share = cfg.batch_size // dist_info.world_size
     real = padded = 0
     for indices in batch_order(cfg, dataset, epoch)[:max(1, min(batches, examples // cfg.batch_size))]:
-        batch_real, batch_padded = pass_plan(
-            cfg, dataset.batch(indices[dist_info.rank * share:(dist_info.rank + 1) * share])).token_counts()
+        batch_real, batch_padded = pass_plan(cfg, dataset.batch(own_share(cfg, dist_info, indices))).token_counts()
         real, padded = real + batch_real, padded + batch_padded
     return real / padded if padded else 1.0
 
