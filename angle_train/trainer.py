@@ -168,9 +168,9 @@ def fresh_gradient_buckets(run: Run) -> None:
     all-reduce sums an element over 3 or more processes in an order that depends on where it sits (2 processes
     add a + b either way). With the same wrapper throughout, a resumed run's first step summed in another order
     than the uninterrupted run's (weights apart by rounding, growing with training); now both start each checkpoint's
-    next step with a new wrapper (one broadcast of the weights, which are the same everywhere)."""
+    next step with a new wrapper (the weights, the same everywhere, are not broadcast again)."""
     if isinstance(run.model, torch.nn.parallel.DistributedDataParallel):
-        run.model = distributed.wrap_ddp(run.encoder, run.device)
+        run.model = distributed.wrap_ddp(run.encoder, run.device, equal_weights=True)
 
 
 def every(interval: int, step: int) -> bool:
