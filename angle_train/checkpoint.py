@@ -81,7 +81,8 @@ CHECKPOINT_NAME = re.compile(r"step-(\d+)")  # a complete checkpoint; NAME.tmp a
 @dataclass
 class Position:
     """Where the run stands: optimizer steps done, the epoch and the index of the batch the next step starts
-    at, the best dev Spearman so far (None before the first evaluation) and the step it was measured at, the steps
+    at, the best dev score so far (None before the first evaluation; best_metric: which, tracking.DEV_METRICS) and
+    the step it was measured at, the steps
     skipped as non-finite (in all, and in a row up to now), and the losses of the steps since the last metrics row
     (whose mean the next row logs: restored on resume, so that a resumed run logs what an uninterrupted one does).
     Checkpoints written before best_step and loss_window existed load with their defaults."""
@@ -94,6 +95,7 @@ class Position:
     bad_streak: int = 0
     best_step: int | None = None
     loss_window: list = field(default_factory=list)
+    best_metric: str = "dev_spearman"
 
 
 # ------------------------------------------------------------------------------------------------ folders
@@ -468,7 +470,7 @@ def _set_rng_state(state: dict) -> None:
 # puts the checkpoint's best back in best/ (from there, or from the output folder the checkpoint belongs to when the
 # run resumes into another one).
 
-BEST_RECORD_KEY = "best"  # angle_train.json of best/: {"step": N, "dev_spearman": score}
+BEST_RECORD_KEY = "best"  # angle_train.json of best/: {"step": N, METRIC: score} (tracking.DEV_METRICS' key)
 KEPT_BEST_NAME = re.compile(r"best-step-(\d+)")
 
 
@@ -477,7 +479,7 @@ def kept_best_path(output_dir: str, step: int) -> str:
 
 
 def best_record(folder: str) -> dict | None:
-    """The {"step", "dev_spearman"} a best/ export records (None: no such folder, or one written without it)."""
+    """The {"step", METRIC} a best/ export records (None: no such folder, or one written without it)."""
     try:
         with open(os.path.join(folder, META_FILE), encoding="utf-8") as f:
             record = json.load(f).get(BEST_RECORD_KEY)
@@ -492,7 +494,7 @@ def best_holds(folder: str, position: Position) -> bool:
     """Whether `folder` is the export of the best model `position` knows (its step and score)."""
     record = best_record(folder)
     return (record is not None and position.best is not None and record["step"] == position.best_step
-            and record.get("dev_spearman") == position.best)
+            and record.get(position.best_metric) == position.best)
 
 
 def _kept_bests(output_dir: str) -> dict[int, str]:
@@ -537,12 +539,13 @@ def prune_kept_bests(output_dir: str) -> None:
 
 
 def save_best(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *,
-              model_card: str | None = None, step: int | None = None, score: float | None = None) -> str:
+              model_card: str | None = None, step: int | None = None, score: float | None = None,
+              metric: str = "dev_spearman") -> str:
     """Export the model to output_dir/best (only the adapter for LoRA), replacing the previous best once the
     new one is complete (kept as checkpoints/best-step-N while a checkpoint knows it). state_dict: a sharded (--fsdp)
     encoder's whole weights (sharding.full_state_dict); model_card: its README.md; step and score: the evaluation
-    that made it the best, recorded in its angle_train.json."""
-    record = None if step is None else {"step": step, "dev_spearman": score}
+    that made it the best, recorded in its angle_train.json under the key of its dev score `metric`."""
+    record = None if step is None else {"step": step, metric: score}
     return _export(cfg, encoder, tokenizer, "best", "the best model", adapter_only=is_peft_model(encoder.backbone),
                    state_dict=state_dict, model_card=model_card, record=record)
 

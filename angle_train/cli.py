@@ -14,6 +14,7 @@ from dataclasses import MISSING, fields
 from .cli_common import OneLineErrorParser, check_train_extra, parse_bool, user_errors_exit, version_text
 from .config import TrainConfig, flag_of
 from .distributed import leave_process_group
+from .tracking import DEV_METRICS
 
 EXAMPLES = """\
 examples:
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
     if result.final_path:
         print(f"final model: {result.final_path}")
     if result.best_path:
-        print(f"best model (dev Spearman {result.best_spearman:.4f}): {result.best_path}")
+        print(f"best model ({DEV_METRICS[result.best_metric]} {result.best_score:.4f}): {result.best_path}")
     del result  # the run's model and tensors, before the process group goes (leave_process_group)
     leave_process_group()
     return 0

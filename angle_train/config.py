@@ -81,7 +81,9 @@ class TrainConfig:
                         "(text1, text2, label, query, positive, negative), e.g. text1=sent_a text2=sent_b "
                         "label=similarity; for --train-data and a --dev-data read by column names", group="data",
                         metavar="NAME=COLUMN")
-    dev_data: str = opt(None, "STS-style dev set (format A) for Spearman evaluation", group="data")
+    dev_data: str = opt(None, "dev set picking the best model: scored pairs (STS-style, format A) by Spearman, or "
+                        "(query, positive) pairs (formats B/C) by nDCG@10 of retrieving each query's positive among "
+                        "every dev positive (recall@1 and @10 logged too)", group="data")
     dev_split: str = opt("validation", "split of a Hugging Face dev dataset", group="data")
     bucket: int = opt(0, "length bucketing: sort runs of BUCKET batches by length (0 = off)", group="data",
                       at_least=0)

@@ -30,7 +30,7 @@ one correlation over every pair of a year's subsets together. `--json OUT` write
 retrieval metrics as {name: {"recall@1": ..., ...}}). `--dims 256 64` scores the first 256 and 64 features of every
 embedding too (a Matryoshka model's widths; `--dims trained`: those an angle_train export was trained at), from the
 same embeddings, under "name@256" and "name@64" (a row per width in the table). The trainer's dev evaluation uses
-the same Spearman (sts_spearman_by_dim). A progress bar per dataset counts the texts embedded, on stderr when it is
+the same scores (dev_scores: the Spearman of scored pairs, the retrieval metrics of (query, positive) pairs). A progress bar per dataset counts the texts embedded, on stderr when it is
 a terminal (--progress 1 / 0: always / never). A mistake in the arguments, files or data is one line on stderr and
 status 2 (its traceback with --debug).
 """
@@ -211,6 +211,41 @@ def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, ba
         cosine = torch.nn.functional.cosine_similarity(truncate(first, dim), truncate(second, dim), dim=-1)
         scores[dim] = float(spearmanr(cosine.numpy(), labels).statistic)
     return scores
+
+
+def dev_metric(dataset: StsSet | RetrievalSet) -> str:
+    """The key of the dev score a run picks its best model by (tracking.DEV_METRICS): Spearman for scored pairs,
+    nDCG@10 for (query, positive) pairs."""
+    return "dev_spearman" if isinstance(dataset, StsSet) else "dev_ndcg@10"
+
+
+def dev_scores(encoder, tokenizer, dataset: StsSet | RetrievalSet, dims, *, batch_size: int = 128,
+               max_length: int | None = None) -> dict[str, float]:
+    """A training run's dev evaluation as its metrics row holds it, each text embedded once: dev_metric(dataset) at
+    the full width and as KEY@d at each of the narrower widths `dims`; for retrieval also dev_recall@1 and
+    dev_recall@10 at the full width. Spearman as sts_spearman_by_dim; retrieval as retrieval_metrics, with the
+    encoder's query and document prompts (as angle-eval scores a format-B file)."""
+    metric = dev_metric(dataset)
+    if isinstance(dataset, StsSet):
+        scores = sts_spearman_by_dim(encoder, tokenizer, dataset.examples, [None, *dims], batch_size=batch_size,
+                                     max_length=max_length)
+        return {metric if dim is None else f"{metric}@{dim}": score for dim, score in scores.items()}
+    for dim in dims:
+        check_dim(dim, encoder.embedding_dim)  # before embedding the texts, not after
+    queries = encoder.encode(dataset.queries, tokenizer, prompt_name="query", batch_size=batch_size,
+                             max_length=max_length)
+    documents = encoder.encode(dataset.documents, tokenizer, prompt_name="document", batch_size=batch_size,
+                               max_length=max_length)
+    full = retrieval_metrics(queries, documents)
+    scores = {metric: full["ndcg@10"], "dev_recall@1": full["recall@1"], "dev_recall@10": full["recall@10"]}
+    for dim in dims:
+        scores[f"{metric}@{dim}"] = retrieval_metrics(truncate(queries, dim), truncate(documents, dim))["ndcg@10"]
+    return scores
+
+
+def dev_texts(dataset: StsSet | RetrievalSet) -> int:
+    """How many texts a dev evaluation embeds."""
+    return 2 * len(dataset.examples) if isinstance(dataset, StsSet) else len(dataset.queries) + len(dataset.documents)
 
 
 @contextlib.contextmanager

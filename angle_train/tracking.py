@@ -3,8 +3,8 @@ of its training curves drawn at the end.
 
 `--report-to` takes the Hugging Face Trainer's names and meaning: `none` (the default), `tensorboard`, `wandb`, or
 `all` (both); several may be listed. Each reporter gets every metrics row the run writes (training rows: loss, lr,
-grad_norm, pairs_per_s, tokens_per_s, peak_mem_gb, useful_tokens, ...; evaluation rows: dev_spearman and
-dev_spearman@d per trained width), on the main process only:
+grad_norm, pairs_per_s, tokens_per_s, peak_mem_gb, useful_tokens, ...; evaluation rows: the dev score, DEV_METRICS,
+at the full width and at each narrower trained width as KEY@d), on the main process only:
 
     tensorboard  OUTPUT_DIR/tensorboard (`pip install tensorboard`; `tensorboard --logdir OUTPUT_DIR/tensorboard`)
     wandb        a Weights & Biases run in OUTPUT_DIR/wandb (`pip install wandb`), project $WANDB_PROJECT or
@@ -17,13 +17,14 @@ dev_spearman@d per trained width), on the main process only:
 
 Both are optional extras (`pip install angle_kernels[tracking]`): asking for one that is not installed fails at
 start-up, naming the package. At the end of a run `plot_curves` draws OUTPUT_DIR/curves.png from metrics.jsonl:
-loss, learning rate and dev Spearman (one line per width) by step (matplotlib; skipped with a note without it).
+loss, learning rate and the dev score (one line per width) by step (matplotlib; skipped with a note without it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import netrc
 import os
 import re
@@ -32,8 +33,12 @@ import threading
 import urllib.parse
 
 REPORTERS = ("tensorboard", "wandb")
-# The narrowest span of the curves' dev Spearman axis (spearman_axis): 2 points of Spearman x 100.
-MIN_SPEARMAN_SPAN = 0.02
+# The dev score a run picks its best model by, by the kind of its dev data: its metrics.jsonl key and its words.
+# STS pairs with gold scores: Spearman's rho of the cosines; (query, positive) pairs: nDCG@10 of cosine retrieval of
+# each query's own positive among every dev positive (evaluate.dev_scores; recall@1 and recall@10 are logged too).
+DEV_METRICS = {"dev_spearman": "dev Spearman", "dev_ndcg@10": "dev nDCG@10"}
+# The narrowest span of the curves' dev score axis (score_axis): 2 points of Spearman x 100.
+MIN_SCORE_SPAN = 0.02
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb.init's mode takes
 # How long the wandb server may take to accept a connection before the run goes offline, and wandb.init to start.
 WANDB_PROBE_S = 3.0
@@ -191,18 +196,28 @@ def has_numbers(row: dict, *keys: str) -> bool:
     return all(type(row.get(key)) in (int, float) for key in keys)
 
 
-def spearman_axis(scores: list[float]) -> tuple[float, float]:
-    """The dev Spearman axis's limits: the scores with a margin, at least MIN_SPEARMAN_SPAN wide (centred on them),
-    so that a few ten-thousandths of noise do not fill the panel like a trend."""
+def score_axis(scores: list[float]) -> tuple[float, float]:
+    """The dev score axis's limits: the scores with a margin, at least MIN_SCORE_SPAN wide (centred on them), so
+    that a few ten-thousandths of noise do not fill the panel like a trend."""
     low, high = min(scores), max(scores)
-    margin = max((high - low) * 0.1, (MIN_SPEARMAN_SPAN - (high - low)) / 2)
+    margin = max((high - low) * 0.1, (MIN_SCORE_SPAN - (high - low)) / 2)
     return low - margin, high + margin
+
+
+def dev_metric_of(rows: list[dict]) -> str | None:
+    """The DEV_METRICS key the rows' evaluations hold (None: no evaluation row)."""
+    return next((key for key in DEV_METRICS if any(has_numbers(row, key) for row in rows)), None)
+
+
+def width_of(key: str, metric: str) -> int | None:
+    """The width a dev score's key names: None for the metric itself (the full width), d for METRIC@d."""
+    return int(key[len(metric) + 1:]) if key != metric else None
 
 
 def plot_curves(metrics_path: str, png_path: str, lr_curve: list[tuple[int, float]] | None = None) -> str | None:
     """Draw the training curves of a metrics.jsonl into png_path: loss (each row's, the mean since the previous row)
-    and learning rate by step, and dev Spearman at every evaluated width when the run evaluated (its axis
-    spearman_axis's). lr_curve: (step, rate) of the whole schedule, from step 0, warmup included (the trainer's);
+    and learning rate by step, and the dev score at every evaluated width when the run evaluated (its axis
+    score_axis's). lr_curve: (step, rate) of the whole schedule, from step 0, warmup included (the trainer's);
     else the rows' rates. Returns png_path, or None (with a note) without matplotlib or without a training row."""
     try:
         import matplotlib
@@ -214,7 +229,8 @@ def plot_curves(metrics_path: str, png_path: str, lr_curve: list[tuple[int, floa
         return None
     rows = read_metrics(metrics_path)
     train_rows = [row for row in rows if has_numbers(row, "loss", "lr")]
-    eval_rows = [row for row in rows if has_numbers(row, "dev_spearman")]
+    metric = dev_metric_of(rows)
+    eval_rows = [row for row in rows if metric is not None and has_numbers(row, metric)]
     if not train_rows:
         return None
     panels = 3 if eval_rows else 2
@@ -226,14 +242,14 @@ def plot_curves(metrics_path: str, png_path: str, lr_curve: list[tuple[int, floa
     axes[1].plot(*zip(*lr_curve))
     axes[1].set(title="learning rate", xlabel="step")
     if eval_rows:
-        widths = sorted({key for row in eval_rows for key in row if re.fullmatch(r"dev_spearman(@\d+)?", key)},
-                        key=lambda key: (key != "dev_spearman", -int(key.split("@")[1]) if "@" in key else 0))
+        widths = sorted({key for row in eval_rows for key in row if re.fullmatch(re.escape(metric) + r"(@\d+)?", key)},
+                        key=lambda key: -(width_of(key, metric) or math.inf))
         for key in widths:
             points = [(row["step"], row[key]) for row in eval_rows if has_numbers(row, key)]
-            label = "full width" if key == "dev_spearman" else f"first {key.split('@')[1]} features"
+            label = "full width" if key == metric else f"first {width_of(key, metric)} features"
             axes[2].plot(*zip(*points), marker="o", label=label)
-        axes[2].set(title="dev Spearman", xlabel="step",
-                    ylim=spearman_axis([row[key] for row in eval_rows for key in widths if has_numbers(row, key)]))
+        axes[2].set(title=DEV_METRICS[metric], xlabel="step",
+                    ylim=score_axis([row[key] for row in eval_rows for key in widths if has_numbers(row, key)]))
         axes[2].legend(fontsize="small")
     for axis in axes:
         axis.grid(alpha=0.3)

@@ -4,7 +4,7 @@
     while steps remain:
         row = optimizer_step(run)      grad_accum batches of batch_size pairs, then clip, AdamW, schedule
         run.log.step(row)              throughput and memory; metrics.jsonl (+ --report-to), progress bar
-        evaluate(run)                  every eval_every steps and at the end: dev Spearman, keep the best
+        evaluate(run)                  every eval_every steps and at the end: the dev score, keep the best
         save_checkpoint(...)           every save_every steps: a checkpoint that resumes exactly
     finish(run)                        export the final model, print a summary
 
@@ -47,7 +47,9 @@ from .data import (
     FORMATS, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples,
 )
 from .export import is_peft_model, prefix_prompts, sentence_transformers_cannot_load
-from .evaluate import StsSet, encoding_progress, library_progress_bars, read_dataset, sts_spearman_by_dim
+from .evaluate import (
+    RetrievalSet, StsSet, dev_metric, dev_scores, dev_texts, encoding_progress, library_progress_bars, read_dataset,
+)
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import LoraSettings, LoraTargetError, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
 from .profiling import phase, profiling
@@ -66,13 +68,19 @@ class StopTraining(Exception):
 @dataclass
 class TrainResult:
     history: list[dict] = field(default_factory=list)  # one row per optimizer step: step, loss, lr, ...
-    evals: list[dict] = field(default_factory=list)  # step, dev_spearman, best_dev_spearman
-    best_spearman: float | None = None
-    best_path: str | None = None  # OUTPUT_DIR/best when it holds the model of best_spearman, else None
+    evals: list[dict] = field(default_factory=list)  # step, the dev score (best_metric's key), best_<key>, ...
+    best_score: float | None = None  # the best dev score: Spearman, or nDCG@10 for (query, positive) dev data
+    best_metric: str | None = None  # its key (tracking.DEV_METRICS), None without dev data
+    best_path: str | None = None  # OUTPUT_DIR/best when it holds the model of best_score, else None
     final_path: str | None = None
     curves_path: str | None = None  # OUTPUT_DIR/curves.png (tracking.plot_curves), when drawn
     encoder: object = None
     tokenizer: object = None
+
+    @property
+    def best_spearman(self) -> float | None:
+        """best_score where the dev data is scored pairs (Spearman), else None."""
+        return self.best_score if self.best_metric == "dev_spearman" else None
 
 
 def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=None, loss_fn=None, on_step=None
@@ -81,7 +89,8 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
 
     Overrides for library use and tests: model=(encoder, tokenizer) replaces cfg.model; train_examples
     ((examples, format); with --objective arccse a list of sentences) and dev_examples (a list of format-A
-    examples) replace the data paths; loss_fn
+    examples, or an evaluate.StsSet / RetrievalSet: (query, positive) pairs scored by nDCG@10) replace the data
+    paths; loss_fn
     (called as loss_fn(labels, embeddings)) replaces angle_kernels.AngleLoss, e.g. to compare with another
     implementation; on_step(step, row) is called after every optimizer step and may raise StopTraining.
 
@@ -104,7 +113,7 @@ def _train(cfg: TrainConfig, *, model, train_examples, dev_examples, loss_fn, on
             with run.log.paused():
                 restore_best(run)
         with faults.StopSignals() as signals:
-            if run.dev_examples and cfg.eval_on_start and run.position.step == 0:
+            if run.dev_set and cfg.eval_on_start and run.position.step == 0:
                 with run.log.paused():
                     evaluate(run)  # step 0: the score training has to beat
             while run.position.step < run.total_steps:
@@ -116,7 +125,7 @@ def _train(cfg: TrainConfig, *, model, train_examples, dev_examples, loss_fn, on
                 run.result.history.append(row)
                 step = row["step"]
                 with run.log.paused():  # pairs/s and tokens/s measure training, not evaluation or checkpoints
-                    if run.dev_examples and (every(cfg.eval_every, step) or step == run.total_steps):
+                    if run.dev_set and (every(cfg.eval_every, step) or step == run.total_steps):
                         evaluate(run)
                     saved = every(cfg.save_every, step)
                     if saved:
@@ -192,7 +201,7 @@ class Run:
     model: torch.nn.Module  # what the steps call: the encoder, or its DDP wrapper when there are several processes
     tokenizer: object
     dataset: TokenizedPairs | arccse.TokenizedSentences
-    dev_examples: list[Example] | None
+    dev_set: StsSet | RetrievalSet | None  # what the dev evaluation scores (evaluate.dev_scores)
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     guarded_loss: faults.SkipNonFiniteEmbeddings  # loss_fn as the steps call it: NaN/Inf embeddings make a bad step
     optimizer: torch.optim.Optimizer
@@ -267,11 +276,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         if loss_fn is None:
             check_labels(cfg, examples, fmt, train_examples is None)
         check_data_size(cfg, len(examples), "examples", train_examples is None)
-    if dev_examples is None and cfg.dev_data:
-        dev_examples = read_dev_data(cfg.dev_data, cfg.dev_split, cfg.column_map())
-    if dev_examples is not None and len(dev_examples) < 2:
-        raise ValueError(f"--dev-data {cfg.dev_data or ''}: {len(dev_examples)} pair(s); the dev Spearman needs at "
-                         "least 2 scored pairs")
+    dev_set = dev_set_of(dev_examples, cfg)
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
@@ -322,6 +327,9 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     if resume_from:
         position = load_checkpoint(resume_from, cfg, dist_info, encoder=encoder, optimizer=optimizer,
                                    scheduler=scheduler, scaler=scaler)
+        check_dev_metric(resume_from, position, dev_set)
+    if dev_set is not None:
+        position.best_metric = dev_metric(dev_set)
 
     if dist_info.is_main:
         n_trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
@@ -343,12 +351,13 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     encoder.train()
     return Run(cfg=cfg, device=device, dist_info=dist_info, encoder=encoder,
                model=distributed.wrap_ddp(encoder, device) if dist_info.enabled and not cfg.fsdp else encoder,
-               tokenizer=tokenizer, dataset=dataset, dev_examples=dev_examples, loss_fn=loss_fn,
+               tokenizer=tokenizer, dataset=dataset, dev_set=dev_set, loss_fn=loss_fn,
                guarded_loss=faults.SkipNonFiniteEmbeddings(loss_fn),
                optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps, position=position,
                epoch_order=batch_order(cfg, dataset, position.epoch),
                log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step, position.loss_window),
-               result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_spearman=position.best),
+               result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_score=position.best,
+                                  best_metric=dev_metric(dev_set) if dev_set is not None else None),
                command=command, loss_name=loss_name, resumed_from=resume_from, data_ahead=OneAhead(device),
                given=given)
 
@@ -525,17 +534,52 @@ def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list
     return sentences
 
 
-def read_dev_data(source: str, split: str, columns: dict | None = None) -> list[Example]:
+def read_dev_data(source: str, split: str, columns: dict | None = None) -> StsSet | RetrievalSet:
     """--dev-data: a file or folder in any layout angle-eval reads (an STS12-16 year folder, STS-B, SICK, format-A
-    JSONL/CSV), else a built-in or Hugging Face dataset (format A); `columns`: --columns, for the layouts read by
-    column names."""
-    if not os.path.exists(source):
-        return read_data(source, "A", split, columns)[0]
-    data = read_dataset(source, columns=columns)
-    if not isinstance(data, StsSet):
-        raise ValueError(f"--dev-data {source}: STS-style pairs with scores are needed (format A); this is "
-                         "(query, positive) data: score it with angle-eval's retrieval metrics instead")
-    return data.examples
+    JSONL/CSV: scored pairs; format B/C JSONL/CSV: (query, positive) pairs, each query's own positive the one relevant
+    document among every positive), else a built-in or Hugging Face dataset in any format; `columns`: --columns, for
+    the layouts read by column names."""
+    if os.path.exists(source):
+        return read_dataset(source, columns=columns)
+    examples, fmt = read_data(source, None, split, columns)
+    name = os.path.basename(source.rstrip("/"))
+    if fmt == "A":
+        return StsSet(name, examples)
+    return RetrievalSet(name, [ex.texts[0] for ex in examples], [ex.texts[1] for ex in examples])
+
+
+def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
+    """The dev set: train()'s dev_examples (format-A examples, or an StsSet / RetrievalSet), else --dev-data's, else
+    None; refused when it cannot give a score (fewer than 2 pairs, or gold scores all equal)."""
+    where = f"--dev-data {cfg.dev_data}" if dev_examples is None else "dev_examples"
+    if dev_examples is None:
+        if not cfg.dev_data:
+            return None
+        dev_set = read_dev_data(cfg.dev_data, cfg.dev_split, cfg.column_map())
+    else:
+        dev_set = dev_examples if isinstance(dev_examples, (StsSet, RetrievalSet)) else StsSet("dev", dev_examples)
+    if isinstance(dev_set, StsSet):
+        if len(dev_set.examples) < 2:
+            raise ValueError(f"{where}: {len(dev_set.examples)} pair(s); the dev Spearman needs at least 2 scored "
+                             "pairs")
+        if any(len(ex.texts) != 2 for ex in dev_set.examples):
+            raise ValueError(f"{where}: scored pairs (text1, text2, label) are needed for the dev Spearman")
+        if len({ex.label for ex in dev_set.examples}) == 1:
+            raise ValueError(f"{where}: every gold score is {dev_set.examples[0].label:g}, so the dev Spearman is "
+                             "undefined")
+    elif len(dev_set.queries) < 2:
+        raise ValueError(f"{where}: {len(dev_set.queries)} (query, positive) pair(s); retrieval needs at least 2")
+    return dev_set
+
+
+def check_dev_metric(resume_from: str, position: Position, dev_set: StsSet | RetrievalSet | None) -> None:
+    """A resumed run picks its best model by the checkpoint's dev score: a dev set of the other kind (scored pairs
+    against (query, positive) pairs) would compare nDCG@10 with Spearman."""
+    if position.best is None or dev_set is None or dev_metric(dev_set) == position.best_metric:
+        return
+    raise ValueError(f"cannot resume from {resume_from} with this --dev-data: the checkpoint's best model was picked "
+                     f"by {tracking.DEV_METRICS[position.best_metric]}, and this dev data is scored by "
+                     f"{tracking.DEV_METRICS[dev_metric(dev_set)]}; resume with dev data of the checkpoint's kind")
 
 
 def count_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:
@@ -824,39 +868,39 @@ def batch_order(cfg: TrainConfig, dataset: TokenizedPairs | arccse.TokenizedSent
 
 
 def evaluate(run: Run) -> None:
-    """Dev Spearman on the main process, and at each narrower trained width too (dev_spearman@d: --matryoshka-dims,
-    --espresso-dim);
-    a new best model by the full width's score is exported to output_dir/best. Every process then holds the
-    best score, which is part of the position a checkpoint saves."""
+    """The dev score on the main process (evaluate.dev_scores: Spearman for scored pairs, nDCG@10 for (query,
+    positive) pairs), and at each narrower trained width too (KEY@d: --matryoshka-dims, --espresso-dim); a new best
+    model by the full width's score is exported to output_dir/best. Every process then holds the best score, which
+    is part of the position a checkpoint saves."""
     position, sharded = run.position, run.cfg.fsdp
+    metric = position.best_metric
     width = run.encoder.embedding_dim
     truncated = sorted((d for d in run.cfg.trained_widths(width) if d < width), reverse=True)
     improved = False
     if run.dist_info.is_main or sharded:  # a sharded encoder embeds on every process at once
         # a bar with --progress 1 where stderr is a terminal, on the main process
-        with encoding_progress(run.encoder, 2 * len(run.dev_examples), "dev",
+        with encoding_progress(run.encoder, dev_texts(run.dev_set), "dev",
                                progress=None if run.cfg.progress and run.dist_info.is_main else False):
-            scores = sts_spearman_by_dim(run.encoder, run.tokenizer, run.dev_examples, [None, *truncated],
-                                         batch_size=run.cfg.eval_batch_size, max_length=run.cfg.max_length)
-        improved = position.best is None or scores[None] > position.best
+            scores = dev_scores(run.encoder, run.tokenizer, run.dev_set, truncated, batch_size=run.cfg.eval_batch_size,
+                                max_length=run.cfg.max_length)
+        improved = position.best is None or scores[metric] > position.best
     if sharded:  # the gather below is a collective: every process follows the main process's decision
         improved = distributed.broadcast_from_main(improved, run.dist_info)
     if improved and run.cfg.save_best:
         weights = sharding.full_state_dict(run.encoder) if sharded else None  # every process, when sharded
         if run.dist_info.is_main:
             save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights,
-                      model_card=model_card(run, "best", {"step": position.step, "dev_spearman": scores[None]}),
-                      step=position.step, score=scores[None])
+                      model_card=model_card(run, "best", {"step": position.step, **scores}),
+                      step=position.step, score=scores[metric], metric=metric)
     if run.dist_info.is_main:
-        score = scores[None]
+        score = scores[metric]
         if improved:
             position.best, position.best_step = score, position.step
-        row = {"step": position.step, "dev_spearman": score, **{f"dev_spearman@{d}": scores[d] for d in truncated},
-               "best_dev_spearman": position.best}
+        row = {"step": position.step, **scores, f"best_{metric}": position.best}
         run.result.evals.append(row)
         run.log.write(row)
-        print(f"\nstep {position.step}: dev Spearman {score:.4f}" + (" (best)" if improved else "")
-              + "".join(f" | @{d} {scores[d]:.4f}" for d in truncated), flush=True)
+        print(f"\nstep {position.step}: {tracking.DEV_METRICS[metric]} {score:.4f}" + (" (best)" if improved else "")
+              + "".join(f" | @{d} {scores[f'{metric}@{d}']:.4f}" for d in truncated), flush=True)
     position.best, position.best_step = distributed.broadcast_from_main((position.best, position.best_step),
                                                                         run.dist_info)
 
@@ -875,9 +919,9 @@ def restore_best(run: Run) -> None:
     if run.dist_info.is_main:
         position = run.position
         save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights, model_card=model_card(run, "best"),
-                  step=position.best_step, score=position.best)
-        print(f"best/: exported the checkpoint's best model (step {position.best_step}, dev Spearman "
-              f"{position.best:.4f}) from its weights", flush=True)
+                  step=position.best_step, score=position.best, metric=position.best_metric)
+        print(f"best/: exported the checkpoint's best model (step {position.best_step}, "
+              f"{tracking.DEV_METRICS[position.best_metric]} {position.best:.4f}) from its weights", flush=True)
 
 
 def model_card(run: Run, name: str, current: dict | None = None) -> str:
@@ -886,7 +930,8 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     cfg, position = run.cfg, run.position
     path = run.log.metrics_path
     rows = tracking.read_metrics(path) if path and os.path.exists(path) else []
-    evals = [row for row in rows if tracking.has_numbers(row, "dev_spearman")] + ([current] if current else [])
+    metric = run.position.best_metric
+    evals = [row for row in rows if tracking.has_numbers(row, metric)] + ([current] if current else [])
     fmt = getattr(run.dataset, "fmt", None)
     data = (f"{len(run.dataset):,} sentences (ArcCSE)" if fmt is None else
             f"{len(run.dataset):,} examples in format {fmt} ({', '.join(FORMATS[fmt])})")
@@ -907,12 +952,13 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     base = source("model", cfg.model)
     train_data, dev_data = source("train_examples", cfg.train_data), source("dev_examples", cfg.dev_data)
     adapter_only = name == "best" and is_peft_model(run.encoder.backbone)  # as save_best writes it
+    which = f"the best model by {tracking.DEV_METRICS[metric]}" if name == "best" else "the model after the last step"
     library = "peft" if adapter_only else \
         "transformers" if sentence_transformers_cannot_load(run.encoder) else "sentence-transformers"
     lines = ["---", f"library_name: {library}", "tags: [sentence-transformers, angle-train]", "---", "",
              f"# {os.path.basename(os.path.normpath(cfg.output_dir))}/{name}", "",
              f"A text embedding model fine-tuned from {base} with angle-train (angle_kernels {__version__}); "
-             f"{'the best model by dev Spearman' if name == 'best' else 'the model after the last step'}.", "",
+             f"{which}.", "",
              "## Training", "", "```bash", run.command, "```", ""]
     if run.given:  # the command's --model / --train-data / --dev-data are then not what trained the model
         lines += [f"From Python: train() was given the {', '.join(g.replace('_', ' ') for g in run.given)} in place of "
@@ -920,20 +966,30 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     lines += [f"- base model: {base}, pooling {run.encoder.pooling}, embeddings of {run.encoder.embedding_dim} "
               f"dimensions" + (f" (trained truncatable to {', '.join(map(str, widths))})" if widths else ""),
               f"- data: {train_data}, {data}"
-              + (f"; dev: {dev_data}, {len(run.dev_examples):,} scored pairs" if run.dev_examples else ""),
+              + (f"; dev: {dev_data}, {dev_description(run.dev_set)}" if run.dev_set else ""),
               f"- loss: {loss}",
               f"- steps: {position.step} optimizer step{'s' * (position.step != 1)} of {run.total_steps}, each "
               f"{cfg.batch_size} x {cfg.grad_accum} {'sentences' if fmt is None else 'pairs'}; lr {cfg.lr:g} "
               f"({cfg.schedule}, warmup {warmup_steps(cfg, run.total_steps)} steps); texts cut at {cfg.max_length} "
               "tokens", ""]
     if evals:
-        lines += ["## Evaluation", "", f"Dev Spearman (cosine similarity against the gold scores) on {dev_data}:",
-                  "", "| step | dev Spearman |", "|---|---|"]
-        lines += [f"| {row['step']} | {row['dev_spearman']:.4f} |" for row in evals]
+        label = tracking.DEV_METRICS[metric]
+        what = ("cosine similarity against the gold scores" if metric == "dev_spearman" else
+                "cosine retrieval of each query's own positive among every dev positive")
+        lines += ["## Evaluation", "", f"{label[0].upper() + label[1:]} ({what}) on {dev_data}:",
+                  "", f"| step | {tracking.DEV_METRICS[metric]} |", "|---|---|"]
+        lines += [f"| {row['step']} | {row[metric]:.4f} |" for row in evals]
         lines += [""]
     lines += ["## Usage", ""] + usage(run.encoder, widths, adapter_only=adapter_only) + [
         "`angle-eval path ...` gives STS and retrieval scores.", ""]
     return "\n".join(lines)
+
+
+def dev_description(dev_set: StsSet | RetrievalSet) -> str:
+    """The model card's words for the dev set's size."""
+    if isinstance(dev_set, StsSet):
+        return f"{len(dev_set.examples):,} scored pairs"
+    return f"{len(dev_set.queries):,} (query, positive) pairs"
 
 
 def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
@@ -980,7 +1036,7 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
     abandons it and stops the run resumable, as during a step: a checkpoint of the last step (on every process
     together), then faults.Preempted; `--resume auto` then only exports."""
     cfg, position, result = run.cfg, run.position, run.result
-    result.best_spearman = position.best
+    result.best_score = position.best
     # --fsdp: the whole weights, gathered from every process's shards (every process takes part)
     weights = sharding.full_state_dict(run.encoder) if cfg.fsdp and cfg.save_final else None
     interrupted = False
@@ -1016,7 +1072,8 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
     print(f"done: {position.step} steps | loss {mean_loss:.4f} (mean of the last {steps} step{'s' * (steps != 1)}) | "
           f"{last['pairs_per_s']:.1f} pairs/s | "
           f"{last['tokens_per_s']:.0f} tokens/s | peak memory {peak_memory_gb(run.device):.2f} GB"
-          + (f" | best dev Spearman {position.best:.4f}" if position.best is not None else ""), flush=True)
+          + (f" | best {tracking.DEV_METRICS[position.best_metric]} {position.best:.4f}"
+             if position.best is not None else ""), flush=True)
     return result
 
 

@@ -236,7 +236,8 @@ def test_stsb_spearman_equals_sentence_transformers_evaluator(tmp_path):
 
 
 def test_dev_data_reads_the_same_layouts(tmp_path):
-    """--dev-data goes through angle-eval's readers: an STS year folder or a SICK file works, format B is refused."""
+    """--dev-data goes through angle-eval's readers: an STS year folder or a SICK file is scored pairs, format B is
+    (query, positive) pairs."""
     from angle_train.tiny import demo_examples
     from angle_train.trainer import setup
     from train_helpers import run_config
@@ -245,8 +246,9 @@ def test_dev_data_reads_the_same_layouts(tmp_path):
     run = setup(run_config(tmp_path / "run", dev_data=str(folder), max_steps=1, batch_size=8), model=make_encoder(),
                 train_examples=(demo_examples(16), "B"))
     run.log.close()
-    assert [ex.texts for ex in run.dev_examples] == [ex.texts for ex in read_dataset(str(folder)).examples]
+    assert [ex.texts for ex in run.dev_set.examples] == [ex.texts for ex in read_dataset(str(folder)).examples]
     retrieval = _write(tmp_path / "pairs.jsonl", [json.dumps({"query": a, "positive": b}) for a, b in PAIRS])
-    with pytest.raises(ValueError, match="--dev-data .*format A"):
-        setup(run_config(tmp_path / "run2", dev_data=str(retrieval), max_steps=1, batch_size=8), model=make_encoder(),
-              train_examples=(demo_examples(16), "B"))
+    run = setup(run_config(tmp_path / "run2", dev_data=str(retrieval), max_steps=1, batch_size=8), model=make_encoder(),
+                train_examples=(demo_examples(16), "B"))
+    run.log.close()
+    assert run.dev_set == read_dataset(str(retrieval)) and run.position.best_metric == "dev_ndcg@10"

@@ -55,7 +55,7 @@ def test_the_curves_show_the_warmup_and_a_calm_dev_axis(tmp_path):
     assert lr[:4] == pytest.approx([1e-3 * k / 4 for k in (1, 2, 3, 4)]) and lr[-1] == pytest.approx(0.0)
     low, high = drawn["dev_ylim"]
     scores = [row["dev_spearman"] for row in result.evals]
-    assert high - low >= tracking.MIN_SPEARMAN_SPAN and low <= min(scores) and max(scores) <= high
+    assert high - low >= tracking.MIN_SCORE_SPAN and low <= min(scores) and max(scores) <= high
 
 
 def test_progress_0_prints_no_bar(tmp_path, capsys):

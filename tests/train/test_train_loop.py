@@ -105,6 +105,48 @@ def test_format_a_with_eval_keeps_the_best_model(tmp_path):
     assert os.path.isfile(tmp_path / "final" / "modules.json")
 
 
+def test_query_positive_dev_data_picks_the_best_model_by_retrieval(tmp_path):
+    """(query, positive) dev data (format B: angle-eval scores it by retrieval) was refused by --dev-data, so a
+    retrieval run had no dev score to pick its best model by. It is scored by nDCG@10 of retrieving each query's own
+    positive among every dev positive (recall@1 and @10 logged), at every trained width, and best/ is the model of
+    the best nDCG@10; a resume with scored pairs as dev data is refused (Spearman against nDCG@10)."""
+    from angle_train.evaluate import read_dataset, retrieval_metrics
+
+    dev_file = tmp_path / "dev.jsonl"
+    dev_file.write_text("".join(json.dumps({"query": ex.texts[0], "positive": ex.texts[1]}) + "\n"
+                                for ex in demo_examples(40, seed=9)), encoding="utf-8")
+    dev = read_dataset(str(dev_file))
+    cfg = _config(tmp_path / "run", eval_every=3, max_steps=6, save_every=3, save_final=False, eval_on_start=True,
+                  matryoshka_dims=[32, 16], dev_data=str(dev_file), query_prompt="query: ")
+    result = train(cfg, train_examples=(demo_examples(96), "B"))
+    assert [row["step"] for row in result.evals] == [0, 3, 6]
+    assert result.best_metric == "dev_ndcg@10" and result.best_spearman is None
+    assert result.best_score == max(row["dev_ndcg@10"] for row in result.evals)
+    assert {"dev_ndcg@10", "dev_ndcg@10@16", "dev_recall@1", "dev_recall@10", "best_dev_ndcg@10"} <= set(
+        result.evals[-1])
+    best, tokenizer, _ = load_pretrained(result.best_path)
+    queries = best.encode(dev.queries, tokenizer, prompt_name="query", max_length=16)
+    documents = best.encode(dev.documents, tokenizer, prompt_name="document", max_length=16)
+    best_row = next(row for row in result.evals if row["dev_ndcg@10"] == result.best_score)
+    metrics, narrow = retrieval_metrics(queries, documents), retrieval_metrics(queries[:, :16], documents[:, :16])
+    assert metrics["ndcg@10"] == pytest.approx(best_row["dev_ndcg@10"], abs=1e-6)
+    assert metrics["recall@1"] == pytest.approx(best_row["dev_recall@1"], abs=1e-6)
+    assert narrow["ndcg@10"] == pytest.approx(best_row["dev_ndcg@10@16"], abs=1e-6)
+    card = (tmp_path / "run" / "best" / "README.md").read_text(encoding="utf-8")
+    assert "the best model by dev nDCG@10" in card and "40 (query, positive) pairs" in card
+    if result.curves_path:  # with matplotlib: the dev panel draws the nDCG@10 rows
+        from PIL import Image
+
+        from angle_train.tracking import CURVES_METADATA_KEY
+
+        with Image.open(result.curves_path) as image:
+            assert json.loads(image.text[CURVES_METADATA_KEY])["dev_steps"] == [0, 3, 6]
+    with pytest.raises(ValueError, match="picked by dev nDCG@10, and this dev data is scored by dev Spearman"):
+        train(_config(tmp_path / "run", eval_every=3, max_steps=6, save_final=False, matryoshka_dims=[32, 16],
+                      query_prompt="query: ", resume="auto"),
+              train_examples=(demo_examples(96), "B"), dev_examples=demo_sts_examples(20))
+
+
 def test_bf16_autocast_and_the_angle_prompt():
     from train_helpers import make_encoder
 

@@ -238,8 +238,8 @@ def _scripted_dev_scores(monkeypatch, scores: list[float]):
     from angle_train import trainer
 
     left = list(scores)
-    monkeypatch.setattr(trainer, "sts_spearman_by_dim", lambda encoder, tokenizer, examples, dims, **kw:
-                        {dim: left.pop(0) for dim in dims})
+    monkeypatch.setattr(trainer, "dev_scores", lambda encoder, tokenizer, dev_set, dims, **kw:
+                        {"dev_spearman": left.pop(0), **{f"dev_spearman@{dim}": left.pop(0) for dim in dims}})
 
 
 def _best_config(out, **overrides):
