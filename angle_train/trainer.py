@@ -566,7 +566,7 @@ def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
             raise ValueError(f"{where}: scored pairs (text1, text2, label) are needed for the dev Spearman")
         if len({ex.label for ex in dev_set.examples}) == 1:
             raise ValueError(f"{where}: every gold score is {dev_set.examples[0].label:g}, so the dev Spearman is "
-                             "undefined")
+                             "undefined (to score (query, positive) pairs by retrieval, pass an evaluate.RetrievalSet)")
     elif len(dev_set.queries) < 2:
         raise ValueError(f"{where}: {len(dev_set.queries)} (query, positive) pair(s); retrieval needs at least 2")
     return dev_set
