@@ -106,27 +106,30 @@ def measure(args):
         spec.loader.exec_module(module)
     fn = getattr(module, args["loss"])
 
-    def make(n, d, seed):
+    def make(n, d, seed):  # (the loss's inputs, the tensor whose gradient it makes)
         g = torch.Generator().manual_seed(seed)
+        if args["loss"] == "multiple_negatives_ranking_loss":  # queries and positives, layer stacks [L, n, d]
+            q = torch.randn(args["layers"], n, d, generator=g).requires_grad_(True)
+            return (q, torch.randn(args["layers"], n, d, generator=g)), q
         x = torch.randn(2 * n, d, generator=g).requires_grad_(True)
         if args["loss"] == "in_batch_negative_loss":
             per_pair = torch.randint(0, 2, (n,), generator=g).float()
         else:
             per_pair = torch.randint(0, 5, (n,), generator=g).float()  # heavy ties
         y = per_pair.repeat_interleave(2)
-        return (y if args["provider"] == "ours" else y[:, None]), x
+        return ((y if args["provider"] == "ours" else y[:, None]), x), x
 
     options = args.get("options", {})
-    warm_y, warm_x = make(64, args["d"], 1)
-    fn(warm_y, warm_x, **options).backward()
-    del warm_y, warm_x
-    y, x = make(args["n"], args["d"], 0)
+    warm_inputs, _ = make(64, args["d"], 1)
+    fn(*warm_inputs, **options).backward()
+    del warm_inputs
+    inputs, x = make(args["n"], args["d"], 0)
     gc.collect()
     reset = reset_peak()
     peak_before = peak_rss()
     base = current_rss()
     start = time.perf_counter()
-    out = fn(y, x, **options)
+    out = fn(*inputs, **options)
     out.backward()
     seconds = time.perf_counter() - start
     peak = peak_rss()
@@ -205,12 +208,12 @@ def measure(tmp_path_factory):
     folder = tmp_path_factory.mktemp("memory")
     server = None
 
-    def run(provider: str, loss: str, n: int, d: int, timeout: int = 600, **options) -> dict:
+    def run(provider: str, loss: str, n: int, d: int, timeout: int = 600, layers: int = 1, **options) -> dict:
         nonlocal server
         if server is None or not server.alive():
             server = _Server(folder)
         args = dict(provider=provider, loss=loss, n=n, d=d, threads=THREADS, reference_path=_reference_path(),
-                    options=options)
+                    options=options, layers=layers)
         status, lines, errors = server.run(args, timeout)
         assert status == 0, f"{provider} {loss} N={n} D={d} failed (exit status {status}):\n{errors[-3000:]}"
         result = json.loads([ln for ln in lines if ln.startswith("RESULT ")][-1][len("RESULT "):])
@@ -310,3 +313,19 @@ def test_matryoshka_needs_about_one_widths_memory(measure):
     one = measure("ours", "in_batch_negative_loss", 1024, 768)["extra"]
     nested = measure("ours", "in_batch_negative_loss", 1024, 768, dims=[768, 512, 256, 128, 64])["extra"]
     assert 0 < nested <= 1.5 * one, f"dims: extra {nested / GB:.4f} GB, one width {one / GB:.4f} GB"
+
+
+def test_calls_awaiting_backward_keep_a_bounded_number_of_tiles(measure):
+    """The torch backend's similarity_lse keeps a call's softmax tile for backward when the call's logits make one
+    block (up to 2,048 x 2,048 on the CPU): every call of a loss kept its own, so MNRL with GTE's four directions over
+    an 8-layer stack held 32 tiles of 16 MiB between forward and backward at 2,048 queries (577 MB; 150 MB at 4,096,
+    which keeps none). The tiles kept at once now fit KEPT_TILES tile budgets in all: 2,048 queries need at most
+    those more than 4,096."""
+    from angle_kernels.torch_ops import _similarity_lse_softmax, common
+
+    kept = _similarity_lse_softmax.KEPT_TILES * common.chunk_elements("cpu") * 4  # bytes of float32
+    options = dict(directions=["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"],
+                   layer_weights=[1.0] * 8)
+    small = measure("ours", "multiple_negatives_ranking_loss", 2048, 64, layers=8, **options)["extra"]
+    large = measure("ours", "multiple_negatives_ranking_loss", 4096, 64, layers=8, **options)["extra"]
+    assert 0 < small <= large + kept, f"extra {small / GB:.3f} GB at 2,048 queries, {large / GB:.3f} GB at 4,096"

@@ -21,9 +21,13 @@ block's tiles, which is what a call costs on a CPU once its products are paid fo
       lse then taken from the softmax, as m_i - log max_j softmax_ij): backward makes only the two gradient
       products, not the score and filter tiles, their masks and softmax again (eager code's count of products:
       GIST up to ~2,000 pairs makes 12 products per call instead of 18). The kept tile is the one forward made, freed
-      with the graph after backward: a loss of several calls (GIST's three blocks, MNRL's directions) holds one
-      tile per call between forward and backward, each at most the budget (16 MiB of float32 on the CPU); a call of
-      several blocks keeps none.
+      with the graph after backward. The tiles kept at once, by every call between its forward and its backward,
+      hold at most KEPT_TILES tile budgets in all (64 MiB of float32 on the CPU, `_KEPT`): enough for one loss's
+      calls (GIST's blocks, with a negative column four; MNRL's four GTE directions), so that their backward passes
+      are the two gradient products each; a loss of more calls (those over every layer of a stack) keeps the first
+      calls' tiles that fit and makes the others' again in backward, so its memory does not grow with the number of
+      calls (each call keeping its own tile, 8 layers x 4 directions of 2,048 rows held 512 MB at once: more than at
+      4,096 rows, which keep none); a call of several blocks keeps none.
 
 The masks (exclusions, penalty, filter) are the blocked form's own (similarity_lse._Tiles.masked_logits). Memory:
 as the blocked form, at most three tile-sized float32 temporaries per block (cosines, logits and the filter's
@@ -44,13 +48,15 @@ torch_ops/similarity_lse_paths.py routes the calls.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..contract import compute_dtype
 from ..formed_gradients import gradients_wanted
 from ._cpu_rows import SAFE_NORM, normalise_backward, normalised_rows, row_norms
-from .common import may_skip_scaling
+from .common import chunk_elements, may_skip_scaling
 from .similarity_lse import _block_reference, _reference_logits, _same_values, _Tiles
 
 
@@ -128,23 +134,75 @@ class _UnitTiles:
         return self.tiles.masked_logits(cos, start, end, self.tiles.filter_threshold, guide)[0], None
 
 
-def _row_values(tiles: _Tiles, logits_of, keep: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(each row's value [M], the softmax kept for backward or None): the lse of its block's logits, less its reference
-    logit where `logits_of(start, end)` (-> (logits, reference logits [b] or None)) gives one. With `keep` (autograd
-    will ask for the gradients) a call of one block keeps that block's softmax (module docstring); otherwise each
-    block's tile is freed before the next is made."""
+class _KeptTiles:
+    """The elements of the softmax tiles kept between a call's forward and its backward, counted over every call of
+    the process against one tile budget (module docstring)."""
+
+    def __init__(self):
+        self._elements, self._lock = 0, threading.Lock()
+
+    def reserve(self, elements: int, budget: int) -> _Reservation | None:
+        """A reservation of `elements` where the tiles kept now leave room for them within `budget`, else None."""
+        with self._lock:
+            if self._elements + elements > budget:
+                return None
+            self._elements += elements
+        return _Reservation(self, elements)
+
+    def release(self, elements: int) -> None:
+        with self._lock:
+            self._elements -= elements
+
+    @property
+    def elements(self) -> int:
+        return self._elements
+
+
+class _Reservation:
+    """One kept tile's share of the budget: given back by backward once it has used the tile, or when the graph that
+    holds it goes without a backward (the reservation, held by the call's ctx, is collected with it)."""
+
+    def __init__(self, kept: _KeptTiles, elements: int):
+        self._kept, self._elements = kept, elements
+
+    def release(self) -> None:
+        if self._elements:
+            self._kept.release(self._elements)
+            self._elements = 0
+
+    def __del__(self):
+        self.release()
+
+
+# How many tile budgets (common.chunk_elements) the kept softmax tiles may hold together: GIST's four blocks (with a
+# negative column) or MNRL's four GTE directions at 2,048 rows keep all theirs (GIST, 2,048 pairs, D = 384, two
+# threads: 0.60-0.62x the eager formula's time keeping every tile, 0.83-0.87x keeping one budget's worth).
+KEPT_TILES = 4
+_KEPT = _KeptTiles()
+
+
+def _row_values(tiles: _Tiles, logits_of, keep: bool, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor | None, _Reservation | None]:
+    """(each row's value [M], the softmax kept for backward or None, its reservation of the kept tiles' budget): the
+    lse of its block's logits, less its reference logit where `logits_of(start, end)` (-> (logits, reference logits
+    [b] or None)) gives one. With `keep` (autograd will ask for the gradients) a call of one block keeps that block's
+    softmax where the tiles kept by calls awaiting their backward leave room for it (module docstring); otherwise
+    each block's tile is freed before the next is made."""
     blocks = list(tiles.blocks())
-    if keep and len(blocks) == 1:
+    m, mc = tiles.qf.shape[0], tiles.cf.shape[0]
+    budget = KEPT_TILES * chunk_elements(tiles.qf.device)
+    reservation = _KEPT.reserve(m * mc, budget) if keep and len(blocks) == 1 else None
+    if reservation is not None:
         logits, reference = logits_of(*blocks[0])
         lse, weights = _row_lse_and_softmax(logits)
-        return (lse if reference is None else lse - reference), weights
+        return (lse if reference is None else lse - reference), weights, reservation
     values = torch.empty(tiles.qf.shape[0], dtype=dtype, device=tiles.qf.device)
     for start, end in blocks:
         logits, reference = logits_of(start, end)
         lse = _row_lse(logits)
         values[start:end] = lse if reference is None else lse - reference
         del logits
-    return values, None
+    return values, None, None
 
 
 def _score_gradients(tiles: _Tiles, logits_of, kept: torch.Tensor | None, values: torch.Tensor,
@@ -170,6 +228,13 @@ def _score_gradients(tiles: _Tiles, logits_of, kept: torch.Tensor | None, values
     return d_q, d_c, row_scale
 
 
+def _release(ctx) -> None:
+    """After backward has used the call's kept tile (it stays saved until the graph goes: a second backward with
+    retain_graph reads it again), its share of the budget is free for the next calls."""
+    if ctx.kept_reservation is not None:
+        ctx.kept_reservation.release()
+
+
 class SoftmaxSimilarityLseFunction(torch.autograd.Function):
     """similarity_lse of cosines (normalize=True) at full width, without reference (module docstring)."""
 
@@ -183,7 +248,7 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
         tiles = _NamedFilterTiles(q_in, c_in, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty,
                                   penalty_on, filter_threshold, filter_keeps_target, own_scores)
         unit_tiles = _UnitTiles(tiles, _unit_rows(qf, q_inv), _unit_rows(cf, c_inv), filter_q, filter_c)
-        lse, kept = _row_values(tiles, unit_tiles.logits, with_grad, dtype)
+        lse, kept, ctx.kept_reservation = _row_values(tiles, unit_tiles.logits, with_grad, dtype)
         ctx.save_for_backward(qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale, kept)
         ctx.unit_tiles = unit_tiles  # the unit rows and the filter's, O((M + Mc) D): not made again in backward
         ctx.input_dtypes = (q.dtype, c.dtype)
@@ -196,6 +261,7 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
         unit_tiles = ctx.unit_tiles
         q_hat, c_hat = unit_tiles.q_hat, unit_tiles.c_hat
         d_qhat, d_chat, _ = _score_gradients(unit_tiles.tiles, unit_tiles.logits, kept, lse, grad_lse, q_hat, c_hat)
+        _release(ctx)
         q_dtype, c_dtype = ctx.input_dtypes
         dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat, q_scale).to(q_dtype)
         dc = normalise_backward(cf, c_inv, c_has_grad, d_chat, c_scale).to(c_dtype)
@@ -225,7 +291,7 @@ class SoftmaxDotLseFunction(torch.autograd.Function):
                                                         None)
             return logits, None if references is None else _block_reference(references, target_logits, start, end)
 
-        values, kept = _row_values(tiles, logits_of, with_grad, dtype)
+        values, kept, ctx.kept_reservation = _row_values(tiles, logits_of, with_grad, dtype)
         ctx.save_for_backward(qf, cf, r_in, values, kept)
         ctx.tiles, ctx.logits_of = tiles, logits_of
         ctx.input_dtypes = (q.dtype, c.dtype, None if reference is None else reference.dtype)
@@ -236,6 +302,7 @@ class SoftmaxDotLseFunction(torch.autograd.Function):
     def backward(ctx, grad_values):
         qf, cf, r_in, values, kept = ctx.saved_tensors
         d_q, d_c, row_scale = _score_gradients(ctx.tiles, ctx.logits_of, kept, values, grad_values, qf, cf)
+        _release(ctx)
         q_dtype, c_dtype, r_dtype = ctx.input_dtypes
         dr = None
         if r_in is not None:  # the reference logit scale * q_i . r_i enters with the opposite sign

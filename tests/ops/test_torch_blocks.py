@@ -26,6 +26,7 @@ The CPU side: its budget and the rows it gives are pinned, and the ops still cut
 from __future__ import annotations
 
 import collections
+import gc
 
 import pytest
 import torch
@@ -302,6 +303,42 @@ def test_the_lse_softmax_form_keeps_a_one_block_calls_softmax(monkeypatch):
     (forward_one, backward_one), (forward_three, backward_three) = counts[1], counts[3]
     assert forward_three - forward_one == 2 * (3 - 1), counts
     assert backward_three - backward_one == 4 * 3 - 2, counts
+
+
+def test_the_kept_softmax_tiles_of_all_calls_fit_their_budget_and_are_given_back(monkeypatch):
+    """Every call of one block kept its softmax until its backward, whatever the number of calls awaiting theirs (a
+    layer stack times GTE's directions: 32 tiles of 16 MiB at 2,048 rows). The tiles kept at once fit KEPT_TILES
+    tile budgets in all; the calls past it make their tiles again in backward, with the same values and gradients;
+    backward gives each kept tile's share back, and so does a graph dropped without a backward."""
+    from angle_kernels.torch_ops import _similarity_lse_softmax
+
+    kept = _similarity_lse_softmax._KEPT
+    gen = generator("lse_softmax_budget")
+    q, c = randn(gen, 24, 16).double(), randn(gen, 40, 16).double()
+    guide_q, guide_c, threshold = randn(gen, 24, 8).double(), randn(gen, 40, 8).double(), torch.full((24,), 0.3)
+    monkeypatch.setattr(torch_common, "CHUNK_ELEMENTS", 24 * 40)  # each call one block, the budget one tile
+    results, held = {}, {}
+    for tiles in (0, 2, 10):
+        monkeypatch.setattr(_similarity_lse_softmax, "KEPT_TILES", tiles)
+        qs = [leaf_like(q * (1 + k / 10)) for k in range(6)]  # six calls awaiting their backward together
+        values = [_similarity_lse_softmax.similarity_lse(x, c, 20.0, 0, 0, "none", 0.0, "none", guide_q, guide_c,
+                                                         threshold, True) for x in qs]
+        held[tiles] = kept.elements
+        torch.stack(values).sum().backward()
+        assert kept.elements == 0, "backward gave every kept tile back"
+        results[tiles] = [(v.detach(), x.grad) for v, x in zip(values, qs)]
+    assert held == {0: 0, 2: 2 * 24 * 40, 10: 6 * 24 * 40}
+    for tiles in (2, 10):
+        for (value, grad), (want_value, want_grad) in zip(results[tiles], results[0]):
+            torch.testing.assert_close(value, want_value, rtol=1e-13, atol=1e-13)
+            torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-13)
+    monkeypatch.setattr(_similarity_lse_softmax, "KEPT_TILES", 2)
+    dropped = _similarity_lse_softmax.similarity_lse(leaf_like(q), c, 20.0, 0, 0, "none", 0.0, "none", guide_q,
+                                                     guide_c, threshold, True)
+    assert kept.elements == 24 * 40
+    del dropped
+    gc.collect()
+    assert kept.elements == 0, "a graph dropped without a backward gave its kept tile back"
 
 
 def _meta_addmm_into_fp32_runs() -> bool:
