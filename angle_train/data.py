@@ -635,9 +635,9 @@ class TokenizedPairs:
         del flat
         self.rows, = gather_token_rows([mine], processes)  # example i's texts: rows i * k .. i * k + k - 1
         self.labels = [ex.label for ex in examples]
-        self._row_lengths = self.rows.length_tensor().view(len(examples), self.rows_per_example)
-        self.lengths = self._row_lengths.amax(1).tolist()  # each example's longest text
-        self.cut = cut_note(int((self._row_lengths >= max_length).sum()), len(self.rows), max_length)
+        self._text_lengths = self.rows.length_tensor().view(len(examples), self.rows_per_example)  # [examples, k]
+        self.lengths = self._text_lengths.amax(1).tolist()  # each example's longest text
+        self.cut = cut_note(int((self._text_lengths >= max_length).sum()), len(self.rows), max_length)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -647,7 +647,7 @@ class TokenizedPairs:
 
     def lengths_of(self, indices: list[int]) -> list[int]:
         """Real (unpadded) token counts of all rows of these examples."""
-        return self._row_lengths[torch.as_tensor(indices, dtype=torch.long)].reshape(-1).tolist()
+        return self._text_lengths[torch.as_tensor(indices, dtype=torch.long)].reshape(-1).tolist()
 
     def batch(self, indices: list[int]) -> Batch:
         """The rows of these examples in the loss layout (zigzag or stride 3) and one label per row."""
