@@ -209,8 +209,8 @@ class TrainConfig:
     device: str = opt(None, "cpu, cuda, cuda:1... (default: cuda if available)", group="run")
     ddp_timeout: int = opt(1800, "under torchrun: seconds a process waits for the others at a collective before the "
                            "job stops with an error (the Hugging Face Trainer's ddp_timeout; torch's own is 10 minutes "
-                           "with NCCL). The main process evaluates, exports best/ and final/ and writes whole-model "
-                           "checkpoints while the others wait: raise it where those take longer", group="run",
+                           "with NCCL). The main process exports best/ and final/ and writes whole-model checkpoints "
+                           "while the others wait: raise it where those take longer", group="run",
                            at_least=1)
 
     def validate(self) -> TrainConfig:

@@ -30,8 +30,9 @@ one correlation over every pair of a year's subsets together. `--json OUT` write
 retrieval metrics as {name: {"recall@1": ..., ...}}). `--dims 256 64` scores the first 256 and 64 features of every
 embedding too (a Matryoshka model's widths; `--dims trained`: those an angle_train export was trained at), from the
 same embeddings, under "name@256" and "name@64" (a row per width in the table). The trainer's dev evaluation uses
-the same scores (dev_scores: the Spearman of scored pairs, the retrieval metrics of (query, positive) pairs). A progress bar per dataset counts the texts embedded, on stderr when it is
-a terminal (--progress 1 / 0: always / never). A mistake in the arguments, files or data is one line on stderr and
+the same scores (dev_scores: the Spearman of scored pairs, the retrieval metrics of (query, positive) pairs). A
+progress bar per dataset counts the texts embedded, on stderr when it is a terminal (--progress 1 / 0: always /
+never). A mistake in the arguments, files or data is one line on stderr and
 status 2 (its traceback with --debug).
 """
 
@@ -195,8 +196,6 @@ def sts_spearman(encoder, tokenizer, examples: list[Example], *, batch_size: int
 def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, batch_size: int = 128,
                         max_length: int | None = None, prompt: str | None = None) -> dict:
     """{dim: sts_spearman(..., dim=dim)} for each of dims (None: the whole embeddings), the texts embedded once."""
-    from scipy.stats import spearmanr
-
     if not examples or len(examples[0].texts) != 2:
         raise ValueError("STS evaluation needs format-A examples (text1, text2, label)")
     for dim in dims:
@@ -205,7 +204,13 @@ def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, ba
                            max_length=max_length, prompt=prompt)
     second = encoder.encode([ex.texts[1] for ex in examples], tokenizer, batch_size=batch_size,
                             max_length=max_length, prompt=prompt)
-    labels = [ex.label for ex in examples]
+    return spearman_by_dim(first, second, [ex.label for ex in examples], dims)
+
+
+def spearman_by_dim(first: torch.Tensor, second: torch.Tensor, labels: list[float], dims) -> dict:
+    """{dim: Spearman's rho of cos(first[:, :dim], second[:, :dim]) against the labels} (dim None: whole rows)."""
+    from scipy.stats import spearmanr
+
     scores = {}
     for dim in dims:
         cosine = torch.nn.functional.cosine_similarity(truncate(first, dim), truncate(second, dim), dim=-1)
@@ -225,27 +230,33 @@ def dev_scores(encoder, tokenizer, dataset: StsSet | RetrievalSet, dims, *, batc
     the full width and as KEY@d at each of the narrower widths `dims`; for retrieval also dev_recall@1 and
     dev_recall@10 at the full width. Spearman as sts_spearman_by_dim; retrieval as retrieval_metrics, with the
     encoder's query and document prompts (as angle-eval scores a format-B file)."""
-    metric = dev_metric(dataset)
-    if isinstance(dataset, StsSet):
-        scores = sts_spearman_by_dim(encoder, tokenizer, dataset.examples, [None, *dims], batch_size=batch_size,
-                                     max_length=max_length)
-        return {metric if dim is None else f"{metric}@{dim}": score for dim, score in scores.items()}
     for dim in dims:
         check_dim(dim, encoder.embedding_dim)  # before embedding the texts, not after
-    queries = encoder.encode(dataset.queries, tokenizer, prompt_name="query", batch_size=batch_size,
-                             max_length=max_length)
-    documents = encoder.encode(dataset.documents, tokenizer, prompt_name="document", batch_size=batch_size,
-                               max_length=max_length)
+    embeddings = [encoder.encode(texts, tokenizer, prompt_name=role, batch_size=batch_size, max_length=max_length)
+                  for texts, role in dev_inputs(dataset)]
+    return scores_of_embeddings(dataset, embeddings, dims)
+
+
+def dev_inputs(dataset: StsSet | RetrievalSet) -> list[tuple[list[str], str]]:
+    """The texts a dev evaluation embeds, as (texts, prompt role) groups: a scored pair's first and second texts (the
+    text prompt), or the queries and the documents (the query and document prompts)."""
+    if isinstance(dataset, StsSet):
+        return [([ex.texts[0] for ex in dataset.examples], "text"), ([ex.texts[1] for ex in dataset.examples], "text")]
+    return [(dataset.queries, "query"), (dataset.documents, "document")]
+
+
+def scores_of_embeddings(dataset: StsSet | RetrievalSet, embeddings: list[torch.Tensor], dims) -> dict[str, float]:
+    """dev_scores from the embeddings of dev_inputs' groups."""
+    metric = dev_metric(dataset)
+    if isinstance(dataset, StsSet):
+        scores = spearman_by_dim(*embeddings, [ex.label for ex in dataset.examples], [None, *dims])
+        return {metric if dim is None else f"{metric}@{dim}": score for dim, score in scores.items()}
+    queries, documents = embeddings
     full = retrieval_metrics(queries, documents)
     scores = {metric: full["ndcg@10"], "dev_recall@1": full["recall@1"], "dev_recall@10": full["recall@10"]}
     for dim in dims:
         scores[f"{metric}@{dim}"] = retrieval_metrics(truncate(queries, dim), truncate(documents, dim))["ndcg@10"]
     return scores
-
-
-def dev_texts(dataset: StsSet | RetrievalSet) -> int:
-    """How many texts a dev evaluation embeds."""
-    return 2 * len(dataset.examples) if isinstance(dataset, StsSet) else len(dataset.queries) + len(dataset.documents)
 
 
 @contextlib.contextmanager

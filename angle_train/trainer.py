@@ -45,10 +45,12 @@ from .cli_common import resolve_device
 from .config import TrainConfig, flag_of
 from .data import (
     FORMATS, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples,
+    share_of,
 )
 from .export import is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
-    RetrievalSet, StsSet, dev_metric, dev_scores, dev_texts, encoding_progress, library_progress_bars, read_dataset,
+    RetrievalSet, StsSet, dev_inputs, dev_metric, encoding_progress, library_progress_bars, read_dataset,
+    scores_of_embeddings,
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import LoraSettings, LoraTargetError, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
@@ -868,21 +870,18 @@ def batch_order(cfg: TrainConfig, dataset: TokenizedPairs | arccse.TokenizedSent
 
 
 def evaluate(run: Run) -> None:
-    """The dev score on the main process (evaluate.dev_scores: Spearman for scored pairs, nDCG@10 for (query,
-    positive) pairs), and at each narrower trained width too (KEY@d: --matryoshka-dims, --espresso-dim); a new best
-    model by the full width's score is exported to output_dir/best. Every process then holds the best score, which
-    is part of the position a checkpoint saves."""
+    """The dev score (evaluate.dev_scores: Spearman for scored pairs, nDCG@10 for (query, positive) pairs), and at
+    each narrower trained width too (KEY@d: --matryoshka-dims, --espresso-dim); a new best model by the full width's
+    score is exported to output_dir/best. Every process then holds the best score, which is part of the position a
+    checkpoint saves."""
     position, sharded = run.position, run.cfg.fsdp
     metric = position.best_metric
     width = run.encoder.embedding_dim
     truncated = sorted((d for d in run.cfg.trained_widths(width) if d < width), reverse=True)
+    embeddings = dev_embeddings(run)
     improved = False
-    if run.dist_info.is_main or sharded:  # a sharded encoder embeds on every process at once
-        # a bar with --progress 1 where stderr is a terminal, on the main process
-        with encoding_progress(run.encoder, dev_texts(run.dev_set), "dev",
-                               progress=None if run.cfg.progress and run.dist_info.is_main else False):
-            scores = dev_scores(run.encoder, run.tokenizer, run.dev_set, truncated, batch_size=run.cfg.eval_batch_size,
-                                max_length=run.cfg.max_length)
+    if embeddings is not None:
+        scores = scores_of_embeddings(run.dev_set, embeddings, truncated)
         improved = position.best is None or scores[metric] > position.best
     if sharded:  # the gather below is a collective: every process follows the main process's decision
         improved = distributed.broadcast_from_main(improved, run.dist_info)
@@ -903,6 +902,27 @@ def evaluate(run: Run) -> None:
               + "".join(f" | @{d} {scores[f'{metric}@{d}']:.4f}" for d in truncated), flush=True)
     position.best, position.best_step = distributed.broadcast_from_main((position.best, position.best_step),
                                                                         run.dist_info)
+
+
+def dev_embeddings(run: Run) -> list[torch.Tensor] | None:
+    """The embeddings of the dev texts (evaluate.dev_inputs' groups) on the main process, None on the others. Under
+    DDP each process embeds its share of every group, gathered on the main process (a dev set takes 1 / processes of
+    the time it took the main process alone, while the others waited); a sharded (--fsdp) encoder embeds every text on
+    every process at once."""
+    cfg, processes = run.cfg, run.dist_info
+    groups = dev_inputs(run.dev_set)
+    shared = processes.enabled and not cfg.fsdp
+    shares = [share_of(len(texts), processes) if shared else range(len(texts)) for texts, _ in groups]
+    # a bar with --progress 1 where stderr is a terminal, on the main process: the texts it embeds
+    with encoding_progress(run.encoder, sum(map(len, shares)), "dev",
+                           progress=None if cfg.progress and processes.is_main else False):
+        mine = [run.encoder.encode(texts[share.start:share.stop], run.tokenizer, prompt_name=role,
+                                   batch_size=cfg.eval_batch_size, max_length=cfg.max_length)
+                for (texts, role), share in zip(groups, shares)]
+    if shared:
+        gathered = distributed.all_gather_flat(processes, [rows.reshape(-1) for rows in mine])
+        mine = [torch.cat([each[i] for each in gathered]).view(-1, rows.shape[1]) for i, rows in enumerate(mine)]
+    return mine if processes.is_main or cfg.fsdp else None
 
 
 def restore_best(run: Run) -> None:

@@ -303,3 +303,64 @@ def test_the_process_group_waits_ddp_timeout_seconds(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         config_from_args(["--ddp-timeout", "0"])
     assert "--ddp-timeout must be >= 1; got 0" in capsys.readouterr().err
+
+
+def _evaluating_rank(rank, world, port, out_dir):
+    """Two steps with an evaluation after each on 21 scored pairs and on 13 (query, positive) pairs; saves the
+    evaluations and how many texts this process embedded for them."""
+    import torch.distributed as dist
+
+    from angle_train.evaluate import RetrievalSet
+    from angle_train.models import Encoder
+    from angle_train.tiny import demo_examples, demo_sts_examples
+    from angle_train.trainer import train
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    embedded = []
+    encode = Encoder.encode
+    Encoder.encode = lambda self, texts, *args, **kwargs: embedded.append(len(texts)) or encode(self, texts, *args,
+                                                                                                **kwargs)
+    pairs = demo_examples(13, seed=4)
+    try:
+        results = {}
+        for name, dev in (("sts", demo_sts_examples(21, seed=3)),
+                          ("retrieval", RetrievalSet("dev", [ex.texts[0] for ex in pairs],
+                                                     [ex.texts[1] for ex in pairs]))):
+            embedded.clear()
+            result = train(run_config(os.path.join(out_dir, name), batch_size=8, max_steps=2, eval_every=1,
+                                      max_length=12, save_best=False), model=make_encoder("bert"),
+                           train_examples=(demo_examples(24, seed=2), "B"), dev_examples=dev)
+            results[name] = {"evals": result.evals, "embedded": sum(embedded)}
+        torch.save(results, os.path.join(out_dir, f"evals-rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        Encoder.encode = encode
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_each_process_embeds_its_share_of_the_dev_texts(tmp_path):
+    """Under DDP the main process embedded every dev text while the others waited at their next collective; now each
+    embeds its share of every group of texts (21 scored pairs: 11 + 10 of each side; 13 queries and 13 documents),
+    and the main process scores the gathered embeddings: the same evaluations as one process."""
+    from angle_train.evaluate import RetrievalSet
+    from angle_train.tiny import demo_examples, demo_sts_examples
+    from angle_train.trainer import train
+
+    start_ranks(_evaluating_rank, (2, free_port(), str(tmp_path / "ddp")))
+    pairs = demo_examples(13, seed=4)
+    for name, dev, shares in (("sts", demo_sts_examples(21, seed=3), (22, 20)),
+                              ("retrieval", RetrievalSet("dev", [ex.texts[0] for ex in pairs],
+                                                         [ex.texts[1] for ex in pairs]), (14, 12))):
+        single = train(run_config(tmp_path / "single" / name, batch_size=8, max_steps=2, eval_every=1, max_length=12,
+                                  save_best=False), model=make_encoder("bert"),
+                       train_examples=(demo_examples(24, seed=2), "B"), dev_examples=dev)
+        for rank in range(2):
+            got = torch.load(tmp_path / "ddp" / f"evals-rank{rank}.pt")[name]
+            assert got["embedded"] == 2 * shares[rank], (name, rank)  # two evaluations
+            if rank == 0:
+                assert [row.keys() for row in got["evals"]] == [row.keys() for row in single.evals]
+                for row, want in zip(got["evals"], single.evals):
+                    assert row == pytest.approx(want, abs=1e-9), name

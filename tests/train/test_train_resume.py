@@ -238,7 +238,7 @@ def _scripted_dev_scores(monkeypatch, scores: list[float]):
     from angle_train import trainer
 
     left = list(scores)
-    monkeypatch.setattr(trainer, "dev_scores", lambda encoder, tokenizer, dev_set, dims, **kw:
+    monkeypatch.setattr(trainer, "scores_of_embeddings", lambda dev_set, embeddings, dims:
                         {"dev_spearman": left.pop(0), **{f"dev_spearman@{dim}": left.pop(0) for dim in dims}})
 
 
