@@ -17,6 +17,7 @@ tests/integrations/test_cross_device.py.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -406,3 +407,41 @@ def test_bf16_gradients_of_a_small_loss_are_within_4x_correct_rounding(backend, 
     for k, (got, ref) in enumerate(zip(ours_grads, exact_grads)):
         err, rounded = oracle.rel_err(got.cpu(), ref), oracle.rel_err(ref.to(torch.bfloat16), ref)
         assert err <= 4 * rounded, f"{name} on {backend.name}, gradient {k}: {err:.2e} against rounding's {rounded:.2e}"
+
+
+@pytest.mark.parametrize("name", ["hardness", "filter", "dot", "gist", "angle_filter"])
+def test_a_small_loss_keeps_its_digits(backend, name):
+    """A batch whose positives dominate (each positive 0.05 of noise away from its query, D = 384: losses 1e-7 to
+    1e-5) in float32: the joint recombination of the blocks' log partitions took logsumexp([log m, x_b, ...]), which
+    rounds 1 + e^x before its log, so the loss came out in steps of float32's 1.2e-7 (10-100% off); logaddexp keeps
+    its digits (AngleLoss format A's filter: 2.38e-7 for 2.177e-7)."""
+    skip_unless_implemented(backend, "similarity_lse")
+    gen = generator("small loss digits", name)
+    q = randn(gen, 32, 384)
+    p, n = q + randn(gen, 32, 384, scale=0.05), randn(gen, 32, 384)
+    if name == "angle_filter":
+        rows = torch.stack([q, p], dim=1).reshape(64, 384)
+        labels = torch.ones(64)
+
+        def loss_of(x, exact):
+            if exact:
+                return oracle.in_batch_negative_loss(labels, x, false_negative_margin=0.1)
+            return ak.AngleLoss(dataset_format="A", ibn_w=1.0, angle_w=0.0, false_negative_margin=0.1,
+                                backend=backend.name)(labels.to(x.device), x)
+        inputs = [rows]
+    else:
+        # dot products of rows of norm ~20 (~384 with the positive) at scale 0.05: the loss small, not 0
+        options = dict(similarity="dot", scale=0.05) if name == "dot" else SMALL_LOSS_CALLS[name]
+
+        def loss_of(q, p, n, exact):
+            if name == "gist":
+                call = oracle.gist_loss if exact else functools.partial(ak.gist_loss, backend=backend.name)
+                return call(q, p, q.detach(), p.detach(), (n,), (n.detach(),), **options)
+            call = oracle.multiple_negatives_ranking_loss if exact else functools.partial(
+                ak.multiple_negatives_ranking_loss, backend=backend.name)
+            return call(q, p, (n,), **options)
+        inputs = [q, p, n]
+    want = float(loss_of(*[x.double() for x in inputs], exact=True))
+    got = float(loss_of(*[x.to(backend.device) for x in inputs], exact=False))
+    assert 0 < want < 1e-4, want
+    assert abs(got - want) <= 1e-4 * want, (got, want)

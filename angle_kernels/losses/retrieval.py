@@ -219,8 +219,10 @@ def loss_over_the_positive(relative_log_partitions: list[torch.Tensor], holds_po
     """Each row's loss from its blocks' log partitions relative to its positive logit, x_b = lse_b - l_pos, in
     which the positive was left out of every block: a block that held it (holds_positive[b]; e.g. query_to_doc,
     and doc_to_query, whose target is the same pair) gets its exp(0) = 1 back here. joint: log(m + sum_b exp(x_b))
-    for the m blocks that held it; per direction: the mean over the blocks of log(1 + exp(x_b)) where b held it,
-    else x_b. Stacked with the x_b, log m keeps a row whose every other column left finite (its loss is log m).
+    for the m blocks that held it, as logaddexp(logsumexp_b x_b, log m): no 1 + exp(x) is rounded before its log,
+    which kept a small loss's digits only to float32's 1.2e-7 (a row whose other columns are all gone, every
+    x_b = -inf, has the loss log m); per direction: the mean over the blocks of log(1 + exp(x_b)) where b held it,
+    else x_b.
 
     Why not lse_b - l_pos with the positive inside: each op returns its gradient in its input's dtype, and where the
     loss is small the positive's softmax weight is ~1, so the log partition's gradient and the positive score's
@@ -229,7 +231,11 @@ def loss_over_the_positive(relative_log_partitions: list[torch.Tensor], holds_po
     the (small) weight of the columns that are not the positive, and no two large terms cancel."""
     x = torch.stack(relative_log_partitions)
     if joint:
-        return torch.logsumexp(torch.cat([torch.full_like(x[:1], math.log(sum(holds_positive))), x]), dim=0)
+        held = sum(holds_positive)
+        # logsumexp over the blocks, -inf for a row of -inf only, whose gradient is then 0 (torch's is NaN there)
+        gone = torch.isneginf(x).all(dim=0)
+        lse = torch.logsumexp(torch.where(gone, torch.zeros_like(x), x), dim=0).masked_fill(gone, -math.inf)
+        return lse if held == 0 else torch.logaddexp(lse, torch.full_like(lse, math.log(held)))
     return torch.stack([torch.logaddexp(x_b, torch.zeros_like(x_b)) if holds else x_b
                         for x_b, holds in zip(x, holds_positive)]).mean(dim=0)
 
