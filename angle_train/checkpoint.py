@@ -351,6 +351,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          f"{dist_info.world_size}: resume with {written_by} (each process's data slice and random "
                          "state continue from its own)")
     _refuse_changed_data_settings(path, state["config"], cfg)
+    _refuse_another_model(path, state["config"], cfg)
     changed = _changed_optimizer_settings(state["config"], cfg)
     sharded = state.get("sharded", False)
     if sharded != cfg.fsdp:
@@ -374,7 +375,41 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
         detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         print(f"resuming with changed settings ({detail}): from step {position.step} on, the learning rate is the one "
               "the new settings' schedule gives there", flush=True)
+    noted = {k: (state["config"][k], v) for k, v in asdict(cfg).items()
+             if k in RESUME_NOTED and k in state["config"] and state["config"][k] != v}
+    if noted and dist_info.is_main:
+        detail = ", ".join(f"{flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in noted.items())
+        print(f"resuming with changed settings ({detail}): they apply from step {position.step} on", flush=True)
     return position
+
+
+# Settings that decide what the checkpoint's weights compute, beyond their names and shapes (_refuse_other_weights):
+# resumed under others, a run went on training another model under the checkpoint's name (an adapter trained at two
+# scales recorded with the second; a base model swapped under its adapter), silently.
+RESUME_MODEL_SETTINGS = ("model", "lora_alpha", "pooling", "bidirectional", "prompt", "query_prompt", "doc_prompt")
+# Settings a resumed run may change, said when it does: they apply from the resumed step on.
+RESUME_NOTED = ("max_length", "model_dtype")
+
+
+def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig) -> None:
+    current = asdict(cfg)
+    changed = {k: (saved[k], current[k]) for k in RESUME_MODEL_SETTINGS
+               if k in saved and not _same_setting(k, saved[k], current[k])}
+    if changed:
+        detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}), and "
+                         "they decide what its weights compute. Resume with the checkpoint's settings, or start a new "
+                         "run in a new --output-dir")
+
+
+def _same_setting(name: str, saved, current) -> bool:
+    """Whether a RESUME_MODEL_SETTINGS value is the checkpoint's: --model's local folder by where it is (a relative
+    path from another working directory, or a folder moved since the checkpoint, is the same model)."""
+    if saved == current:
+        return True
+    if name != "model" or not (isinstance(saved, str) and isinstance(current, str)) or not os.path.isdir(current):
+        return False
+    return not os.path.exists(saved) or os.path.realpath(saved) == os.path.realpath(current)
 
 
 # The settings that shape the trainable weights of a LoRA run: a checkpoint's adapters fit only the same ones.

@@ -71,7 +71,8 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, case):
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
     data = (demo_examples(20, seed=3), "B")
     train(_config(tmp_path / "bert", model="builtin:tiny-bert", max_steps=3), train_examples=data)
-    with pytest.raises(ValueError, match="lacks trainable weights"):
+    with pytest.raises(ValueError, match="--model: 'builtin:tiny-bert' -> 'builtin:tiny-llama'.*decide what its "
+                                         "weights compute"):
         train(
             _config(
                 tmp_path / "llama",
@@ -81,6 +82,38 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
             ),
             train_examples=data,
         )
+    checkpoint = str(tmp_path / "bert" / "checkpoints" / "step-00000003")
+    with pytest.raises(ValueError, match="lacks trainable weights"):  # a model given to train(): by its weights
+        train(_config(tmp_path / "llama2", max_steps=3, resume=checkpoint), model=make_encoder("llama", pooling="cls"),
+              train_examples=data)
+
+
+@pytest.mark.parametrize("change", [dict(lora_alpha=64), dict(pooling="avg"), dict(bidirectional=True),
+                                    dict(prompt="angle"), dict(model="base-moved")])
+def test_resume_refuses_settings_that_change_what_the_weights_compute(tmp_path, change, capsys, monkeypatch):
+    """A LoRA run resumed with another --lora-alpha, --pooling, --bidirectional or prompt (or another base model) went
+    on silently, training another model under the checkpoint's name (its adapter recorded with the new alpha). They
+    are refused; --model's folder is compared by where it is (a relative path, a folder moved since the checkpoint:
+    the same model), and a changed --max-length is said, as it applies from the resumed step on."""
+    from angle_train.models import prepare_tokenizer
+    from angle_train.tiny import build_backbone, build_tokenizer
+
+    base, tokenizer = tmp_path / "base", prepare_tokenizer(build_tokenizer(), True)
+    build_backbone("builtin:tiny-llama", len(tokenizer), hidden_size=32, layers=2).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    data = (demo_examples(20, seed=3), "B")
+    settings = dict(model=str(base), lora=True, lora_r=4, pooling="last", max_steps=4)
+    train(_config(tmp_path / "run", **settings), train_examples=data, on_step=_stop_at(3))  # a checkpoint at step 3
+    if change.get("model") == "base-moved":  # the folder moved, resumed from elsewhere by a relative path
+        base.rename(tmp_path / "moved")
+        monkeypatch.chdir(tmp_path)
+        resumed = train(_config(tmp_path / "run", **{**settings, "model": "moved", "max_length": 10, "resume": "auto"}),
+                        train_examples=data)
+        assert [row["step"] for row in resumed.history] == [4]
+        assert "resuming with changed settings (--max-length 12 -> 10)" in capsys.readouterr().out
+        return
+    with pytest.raises(ValueError, match=f"cannot resume from .*{next(iter(change)).replace('_', '-')}"):
+        train(_config(tmp_path / "run", **{**settings, **change, "resume": "auto"}), train_examples=data)
 
 
 def test_a_checkpoint_killed_while_being_written_is_never_resumed_from(tmp_path, monkeypatch):
