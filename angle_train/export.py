@@ -74,7 +74,7 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
         _clear_earlier_export(path)
     backbone = encoder.backbone
     base = st_folder.find_folder(base_model) if base_model else None
-    inference_length = export_max_length or max(max_length, (st_folder.max_seq_length(base) if base else None) or 0)
+    inference_length = encoding_length(max_length, base, export_max_length)
     meta = {"pooling": encoder.pooling, "is_decoder": encoder.is_decoder, "bidirectional": encoder.bidirectional,
             "padding_side": encoder.padding_side,
             "prompt": encoder.prompts.text, "prompts": dataclasses.asdict(encoder.prompts),
@@ -103,7 +103,7 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     _write_card(path, model_card)
     unloadable = sentence_transformers_cannot_load(encoder)
     if unloadable:
-        print(f"note: {path} is a Hugging Face folder only: {unloadable}")
+        print(f"note: {_shown(path)} is a Hugging Face folder only: {unloadable}")
     else:
         _write_sentence_transformers_files(path, encoder, encoder.embedding_dim, inference_length, base)
     return path
@@ -177,6 +177,18 @@ def _clear_earlier_export(path: str) -> None:
             os.remove(target)
 
 
+def encoding_length(max_length: int, base: str | None, export_max_length: int | None = None) -> int:
+    """The length an export records for inference (and a trained encoder's encode() cuts texts at): export_max_length,
+    else the training length max_length or the base model's max_seq_length (`base`: its sentence-transformers
+    folder, or None), whichever is longer."""
+    return export_max_length or max(max_length, (st_folder.max_seq_length(base) if base else None) or 0)
+
+
+def _shown(path: str) -> str:
+    """The folder a note names: an export written as NAME.tmp (checkpoint._export) is NAME once complete."""
+    return path[:-len(".tmp")] if path.endswith(".tmp") else path
+
+
 def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max_length: int,
                                        base: str | None) -> None:
     """modules.json, sentence_bert_config.json, config_sentence_transformers.json and the Pooling module's config:
@@ -197,15 +209,16 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
             shutil.copytree(source, os.path.join(path, module["path"]), dirs_exist_ok=True)
     changing = [module["type"].rsplit(".", 1)[-1] for module in after if not module["type"].endswith(".Normalize")]
     if changing:
-        print(f"note: {path} keeps the base model's {', '.join(changing)} module(s) after the pooling as the base had "
-              "them: angle-train trains the transformer under the pooling (its dev scores are of the pooled "
+        print(f"note: {_shown(path)} keeps the base model's {', '.join(changing)} module(s) after the pooling as the "
+              "base had them: angle-train trains the transformer under the pooling (its dev scores are of the pooled "
               "embeddings), not these", flush=True)
     _write_json(os.path.join(path, st_folder.SETTINGS_FILE),
                 {"do_lower_case": False, **(st_folder.settings(base) if usable else {}), "max_seq_length": max_length})
     prefixes = prefix_prompts(encoder)
     if prefixes is None:
         print(f"note: a prompt of {encoder.prompts.as_dict()} puts text after '{{text}}', which sentence-transformers' "
-              f"prefix prompts cannot express; {path} records it in {META_FILE} only (load_pretrained applies it)")
+              f"prefix prompts cannot express; {_shown(path)} records it in {META_FILE} only (load_pretrained applies "
+              "it)")
         prefixes = {}
     config = {"similarity_fn_name": "cosine", **(st_folder.config(base) if usable else {})}
     # the run's prompts, never the base's: a base's default prompt would be added to every text training never saw

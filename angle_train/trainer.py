@@ -36,7 +36,7 @@ import torch
 from angle_kernels import AngleLoss, ArcCSELoss, __version__
 from angle_kernels.inputs import check_nested, espresso_layer_weights
 
-from . import arccse, distributed, faults, preflight, run_lock, sharding, tracking
+from . import arccse, distributed, faults, preflight, run_lock, sharding, st_folder, tracking
 from .checkpoint import (
     Position, best_holds, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint,
     reconcile_best, remove_earlier_run, save_best, save_checkpoint, save_final,
@@ -47,7 +47,7 @@ from .data import (
     FORMATS, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples,
     share_of,
 )
-from .export import is_peft_model, prefix_prompts, sentence_transformers_cannot_load
+from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
     RetrievalSet, StsSet, dev_inputs, dev_metric, encoding_progress, library_progress_bars, read_dataset,
     scores_of_embeddings,
@@ -284,6 +284,9 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
     encoder, tokenizer = build_encoder(cfg, device) if model is None else (model[0].to(device), model[1])
     encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
+    # encode() on the trained encoder cuts texts where its exports' encode() will (the default, 512, was another)
+    base = st_folder.find_folder(cfg.model)
+    encoder.max_length = encoding_length(cfg.max_length, base, cfg.export_max_length)
     if cfg.bidirectional:
         encoder.bidirectional = True  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank

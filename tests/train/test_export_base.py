@@ -164,6 +164,25 @@ def test_encode_cuts_texts_at_the_exports_max_length_within_the_positions(tmp_pa
     assert torch.equal(encoder.encode([long_text], tokenizer), encoder.encode([long_text], tokenizer, max_length=limit))
 
 
+def test_the_trained_encoder_embeds_as_its_final_export_does(tmp_path, capsys):
+    """train()'s encoder cut texts at encode()'s default, 512 tokens, where its final/ export cuts them at the length
+    it records (the training length here): the same text embedded 0.7 apart. And the export's notes named the
+    temporary folder it is written in (final.tmp)."""
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import train
+
+    cfg = run_config(tmp_path, batch_size=8, max_steps=1, max_length=8, save_final=True, prompt="Say {text} now")
+    result = train(cfg, model=make_encoder("bert", dtype=torch.float32, pooling="avg"),
+                   train_examples=(demo_examples(16), "B"))
+    final, tokenizer, meta = load_pretrained(result.final_path)
+    texts = ["a car", " ".join(["a big red car drives"] * 6)]
+    assert result.encoder.max_length == meta["max_length"] == 8
+    torch.testing.assert_close(result.encoder.encode(texts, tokenizer), final.encode(texts, tokenizer),
+                               rtol=1e-5, atol=1e-6)
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'final'} records it in" in out and "final.tmp" not in out
+
+
 def test_the_model_cards_usage_loads_the_model_as_trained(tmp_path):
     """The card's code is the one that gives the trained embeddings: sentence-transformers, with the role prompts by
     name and a Matryoshka width by truncate_dim, where it loads the model as trained; angle_train.load_pretrained
