@@ -31,7 +31,7 @@ from .data import (
     DataError,
     Prompts,
     TokenRows,
-    apply_prompt,
+    prompted_texts,
     gather_token_rows,
     share_of,
     check_text,
@@ -139,7 +139,7 @@ class TokenizedSentences:
                              "RoBERTa, MiniLM...)")
         template = Prompts.coerce(prompt).for_role("text")
         share = share_of(len(sentences), processes)
-        texts = [apply_prompt(s, template) for s in sentences[share.start:share.stop]]
+        texts = prompted_texts(sentences[share.start:share.stop], template, tokenizer, max_length)
         ids_rows, weak_rows, strong_rows = TokenRows(), TokenRows(), TokenRows()  # 4 bytes a token (TokenRows)
         too_short = [0, 0]  # sentences whose span at each rate is 0 tokens
         for chunk, specials in tokenize_in_chunks(texts, tokenizer, special_tokens_mask=True, truncation=True,

@@ -44,7 +44,8 @@ class TrainConfig:
     pooling: str = opt(None, "cls, cls_avg, avg, max or last (default: the model folder's own, from its "
                        "sentence-transformers pooling config; else cls for encoders, last for decoder LMs)",
                        group="model", choices=["cls", "cls_avg", "avg", "max", "last"])
-    max_length: int = opt(128, "truncate every text to this many tokens (prompt included)", group="model",
+    max_length: int = opt(128, "truncate every text to this many tokens, prompt included (a text is cut, never the "
+                          "prompt's words after it)", group="model",
                           at_least=1)
     prompt: str = opt(None, "template applied to every text without a prompt of its own (format A's texts, dev "
                       "evaluation; angle-emb's text_prompt); '{text}' marks the text (else it is a prefix); 'angle' "

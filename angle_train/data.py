@@ -79,6 +79,43 @@ def apply_prompt(text: str, prompt: str | None) -> str:
     return prompt.replace("{text}", text) if "{text}" in prompt else prompt + text
 
 
+def prompted_texts(texts: list[str], prompt: str | None, tokenizer, max_length: int) -> list[str]:
+    """The texts in the prompt (apply_prompt), each text first cut so that the whole fits max_length tokens with the
+    prompt's words after '{text}' intact: the tokenizer's truncation, which cuts the end, then cuts none of them. A
+    prompt that closes after the text (the AnglE prompt's ' in one word:"') lost that close on every text reaching
+    --max-length, and last-token pooling then read a word of the text instead of the prompt's last token. (angle-emb
+    0.6.1 cuts the whole as this did; its 0.4 versions kept the prompt.) A text is cut at a token boundary and
+    decoded; a prompt with nothing after '{text}' leaves the texts whole, truncation cutting their ends only."""
+    head, found, tail = (prompt or "").partition("{text}")
+    if not (found and tail) or "{text}" in tail:
+        return [apply_prompt(text, prompt) for text in texts]
+    fixed = tokenizer.num_special_tokens_to_add(pair=False) + len(
+        tokenizer(head + tail, add_special_tokens=False)["input_ids"])
+    if max_length <= fixed:
+        raise ValueError(f"--max-length {max_length} leaves no room for a text in the prompt {prompt!r}, which takes "
+                         f"{fixed} tokens with the special ones: use a longer --max-length")
+    out = [apply_prompt(text, prompt) for text in texts]
+
+    def over(indices):  # those whose filled prompt takes more than max_length tokens
+        if not indices:
+            return []
+        ids = tokenizer([out[i] for i in indices], add_special_tokens=True)["input_ids"]
+        return [i for i, each in zip(indices, ids) if len(each) > max_length]
+
+    cut = over(list(range(len(texts))))
+    if not cut:
+        return out
+    text_ids = dict(zip(cut, tokenizer([texts[i] for i in cut], add_special_tokens=False)["input_ids"]))
+    room = max_length - fixed
+    for _ in range(4):  # a cut text's tokens may merge with the prompt's at its edges: cut a token more if still over
+        for i in cut:
+            out[i] = apply_prompt(tokenizer.decode(text_ids[i][:room]), prompt)
+        cut, room = over(cut), room - 1
+        if not cut:
+            break
+    return out
+
+
 def prompt_prefix(prompt: str) -> str | None:
     """The prompt as a plain prefix (what sentence-transformers' `prompts` can hold), or None when the text does not
     come last (the AnglE prompt closes a quote after it)."""
@@ -626,11 +663,17 @@ class TokenizedPairs:
             if len(ex.texts) != self.rows_per_example:
                 raise DataError(f"example {i} has {len(ex.texts)} texts; format {fmt} needs {self.rows_per_example}")
         templates = [Prompts.coerce(prompt).for_role(role) for role in ROLES[fmt]]
-        flat = [apply_prompt(t, template) for ex in examples for t, template in zip(ex.texts, templates)]
-        share = share_of(len(flat), processes)
+        k = self.rows_per_example
+        share = share_of(len(examples) * k, processes)  # of the texts, example after example
+        flat = [None] * len(share)
+        for j, template in enumerate(templates):  # this share's texts of each role, in their prompt
+            rows = [r for r in share if r % k == j]
+            for r, text in zip(rows, prompted_texts([examples[r // k].texts[j] for r in rows], template, tokenizer,
+                                                    max_length)):
+                flat[r - share.start] = text
         mine = TokenRows()
-        for ids, _ in tokenize_in_chunks(flat[share.start:share.stop], tokenizer, truncation=True,
-                                         max_length=max_length, add_special_tokens=True):
+        for ids, _ in tokenize_in_chunks(flat, tokenizer, truncation=True, max_length=max_length,
+                                         add_special_tokens=True):
             mine.extend(ids)
         del flat
         self.rows, = gather_token_rows([mine], processes)  # example i's texts: rows i * k .. i * k + k - 1

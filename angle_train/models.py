@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from . import st_folder
-from .data import PackedTexts, Prompts, TokenRows, apply_prompt, pad_batch
+from .data import PackedTexts, Prompts, TokenRows, pad_batch, prompted_texts
 
 # ------------------------------------------------------------------------------------------------ pooling
 
@@ -335,7 +335,7 @@ class Encoder(nn.Module):
             return torch.empty(0, dim or self.embedding_dim, dtype=torch.float32)
         max_length = self.encoding_length(max_length)
         template = self.prompts.for_role(prompt_name) if prompt is None else prompt
-        texts = [apply_prompt(t, template) for t in texts]
+        texts = prompted_texts(texts, template, tokenizer, max_length)
         ids = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=True)["input_ids"]
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         was_training = self.training

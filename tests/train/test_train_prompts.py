@@ -40,6 +40,37 @@ def test_a_prompt_is_a_prefix_only_when_the_text_comes_last():
     assert prompt_prefix(ANGLE_PROMPT) is None
 
 
+# A prompt that closes after the text, in words the tiny tokenizer knows (the AnglE prompt's are mostly [UNK] there)
+CLOSING = 'the red "{text}" in one big word:"'
+LONG = " ".join(["the big red car drives on a long road and it was"] * 4)
+
+
+def test_a_long_text_is_cut_and_the_prompt_after_it_kept():
+    """A text reaching --max-length lost the prompt's words after it (truncation cuts the end), so last-token pooling
+    read a word of the text, not the prompt's close; now the text is cut and the prompt whole, in training
+    (TokenizedPairs, ArcCSE's sentences) and in encode(). A text that fits, or a prefix prompt, is as before."""
+    from angle_train.arccse import TokenizedSentences
+    from angle_train.data import prompted_texts
+
+    encoder, tokenizer = make_encoder("llama", dtype=torch.float32, pooling="last")
+    close = tokenizer(CLOSING.partition("{text}")[2], add_special_tokens=True)["input_ids"][1:]  # ... word:" [SEP]
+    short, long = prompted_texts(["a red car", LONG], CLOSING, tokenizer, 20)
+    assert short == CLOSING.replace("{text}", "a red car")
+    ids = tokenizer(long, truncation=True, max_length=20)["input_ids"]
+    assert len(ids) == 20 and ids[-len(close):] == close and long.startswith('the red "the big red car ')
+    assert prompted_texts([LONG], "query: ", tokenizer, 20) == ["query: " + LONG]  # a prefix: the text's end is cut
+    with pytest.raises(ValueError, match="--max-length 8 leaves no room for a text in the prompt"):
+        prompted_texts([LONG], CLOSING, tokenizer, 8)
+    pairs = TokenizedPairs([Example((LONG, "a red car"), 1.0)], "B", tokenizer, max_length=20, prompt=CLOSING)
+    assert pairs.batch([0]).seqs[0] == ids
+    sentences = TokenizedSentences([LONG], make_encoder("bert")[1], max_length=20, mask_rates=(0.1, 0.3), seed=0,
+                                   prompt=CLOSING)
+    assert sentences.ids[0] == ids
+    encoder.prompts = Prompts(text=CLOSING)
+    torch.testing.assert_close(encoder.encode([LONG], tokenizer, max_length=20),
+                               encoder.encode([long], tokenizer, max_length=20, prompt=""), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fmt", ["A", "B", "C"])
 def test_tokenized_pairs_apply_the_prompt_of_each_role(fmt):
     _, tokenizer = make_encoder("bert")
