@@ -139,7 +139,7 @@ class TokenizedSentences:
                              "RoBERTa, MiniLM...)")
         template = Prompts.coerce(prompt).for_role("text")
         share = share_of(len(sentences), processes)
-        texts = prompted_texts(sentences[share.start:share.stop], template, tokenizer, max_length)
+        texts, prompt_cut = prompted_texts(sentences[share.start:share.stop], template, tokenizer, max_length)
         ids_rows, weak_rows, strong_rows = TokenRows(), TokenRows(), TokenRows()  # 4 bytes a token (TokenRows)
         too_short = [0, 0]  # sentences whose span at each rate is 0 tokens
         for chunk, specials in tokenize_in_chunks(texts, tokenizer, special_tokens_mask=True, truncation=True,
@@ -156,13 +156,17 @@ class TokenizedSentences:
             ids_rows.extend(chunk)
             weak_rows.extend(weak for weak, _ in copies)
             strong_rows.extend(strong for _, strong in copies)
-        counts = TokenRows([too_short])  # gathered with the rows: one row of two counts per process
+        # the sentences cut: by the prompt's room (a decoded cut may come back shorter) or reaching max_length
+        reaching = ids_rows.length_tensor() >= max_length
+        reaching[prompt_cut] = True
+        # gathered with the rows: one row of three counts per process
+        counts = TokenRows([too_short + [int(reaching.sum())]])
         self.ids, self.weak, self.strong, counts = gather_token_rows([ids_rows, weak_rows, strong_rows, counts],
                                                                      processes)
         self.too_short = [sum(each[i] for each in counts) for i in range(2)]
         self._lengths = self.ids.length_tensor()
         self.lengths = self._lengths.tolist()
-        self.cut = cut_note(int((self._lengths >= max_length).sum()), len(self.lengths), max_length)
+        self.cut = cut_note(sum(each[2] for each in counts), len(self.lengths), max_length)
         self.mask_rates = tuple(mask_rates)
 
     def __len__(self) -> int:

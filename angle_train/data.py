@@ -79,41 +79,44 @@ def apply_prompt(text: str, prompt: str | None) -> str:
     return prompt.replace("{text}", text) if "{text}" in prompt else prompt + text
 
 
-def prompted_texts(texts: list[str], prompt: str | None, tokenizer, max_length: int) -> list[str]:
-    """The texts in the prompt (apply_prompt), each text first cut so that the whole fits max_length tokens with the
-    prompt's words after '{text}' intact: the tokenizer's truncation, which cuts the end, then cuts none of them. A
-    prompt that closes after the text (the AnglE prompt's ' in one word:"') lost that close on every text reaching
-    --max-length, and last-token pooling then read a word of the text instead of the prompt's last token. (angle-emb
-    0.6.1 cuts the whole as this did; its 0.4 versions kept the prompt.) A text is cut at a token boundary and
-    decoded; a prompt with nothing after '{text}' leaves the texts whole, truncation cutting their ends only."""
+def prompted_texts(texts: list[str], prompt: str | None, tokenizer, max_length: int) -> tuple[list[str], list[int]]:
+    """(the texts in the prompt, the indices of those cut): each text in the prompt (apply_prompt), first cut so that
+    the whole fits max_length tokens with the prompt's words after its '{text}' intact: the tokenizer's truncation,
+    which cuts the end, then cuts none of them. A prompt that closes after the text (the AnglE prompt's ' in one
+    word:"') lost that close on every text reaching --max-length, and last-token pooling then read a word of the text
+    instead of the prompt's last token. (angle-emb 0.6.1 cuts the whole as this did; its 0.4 versions kept the
+    prompt.) A text is cut at a token boundary and decoded. A prompt with nothing after '{text}' leaves the texts
+    whole, truncation cutting their ends only; so does one with '{text}' twice (its text's copies are not cut). The
+    texts are checked TOKENIZE_CHUNK at a time: the tokenizer's lists for all of them at once were the peak of
+    tokenising a large dataset (tokenize_in_chunks)."""
     head, found, tail = (prompt or "").partition("{text}")
     if not (found and tail) or "{text}" in tail:
-        return [apply_prompt(text, prompt) for text in texts]
+        return [apply_prompt(text, prompt) for text in texts], []
     fixed = tokenizer.num_special_tokens_to_add(pair=False) + len(
         tokenizer(head + tail, add_special_tokens=False)["input_ids"])
     if max_length <= fixed:
         raise ValueError(f"--max-length {max_length} leaves no room for a text in the prompt {prompt!r}, which takes "
                          f"{fixed} tokens with the special ones: use a longer --max-length")
-    out = [apply_prompt(text, prompt) for text in texts]
+    lean = {"return_attention_mask": False, "return_token_type_ids": False}
+    out, cut = [apply_prompt(text, prompt) for text in texts], []
 
-    def over(indices):  # those whose filled prompt takes more than max_length tokens
-        if not indices:
-            return []
-        ids = tokenizer([out[i] for i in indices], add_special_tokens=True)["input_ids"]
+    def over(indices: list[int]) -> list[int]:  # those whose filled prompt takes more than max_length tokens
+        ids = tokenizer([out[i] for i in indices], add_special_tokens=True, **lean)["input_ids"] if indices else []
         return [i for i, each in zip(indices, ids) if len(each) > max_length]
 
-    cut = over(list(range(len(texts))))
-    if not cut:
-        return out
-    text_ids = dict(zip(cut, tokenizer([texts[i] for i in cut], add_special_tokens=False)["input_ids"]))
-    room = max_length - fixed
-    for _ in range(4):  # a cut text's tokens may merge with the prompt's at its edges: cut a token more if still over
-        for i in cut:
-            out[i] = apply_prompt(tokenizer.decode(text_ids[i][:room]), prompt)
-        cut, room = over(cut), room - 1
-        if not cut:
-            break
-    return out
+    for start in range(0, len(texts), TOKENIZE_CHUNK):
+        long = over(list(range(start, min(start + TOKENIZE_CHUNK, len(texts)))))
+        cut += long
+        text_ids = dict(zip(long, tokenizer([texts[i] for i in long], add_special_tokens=False, **lean)["input_ids"]
+                            if long else []))
+        room = max_length - fixed
+        for _ in range(4):  # a cut text's tokens may merge with the prompt's at its edges: cut a token more if over
+            for i in long:
+                out[i] = apply_prompt(tokenizer.decode(text_ids[i][:room]), prompt)
+            long, room = over(long), room - 1
+            if not long:
+                break
+    return out, cut
 
 
 def prompt_prefix(prompt: str) -> str | None:
@@ -665,22 +668,25 @@ class TokenizedPairs:
         templates = [Prompts.coerce(prompt).for_role(role) for role in ROLES[fmt]]
         k = self.rows_per_example
         share = share_of(len(examples) * k, processes)  # of the texts, example after example
-        flat = [None] * len(share)
+        flat, prompt_cut = [None] * len(share), torch.zeros(len(share), dtype=torch.bool)
         for j, template in enumerate(templates):  # this share's texts of each role, in their prompt
             rows = [r for r in share if r % k == j]
-            for r, text in zip(rows, prompted_texts([examples[r // k].texts[j] for r in rows], template, tokenizer,
-                                                    max_length)):
+            texts, cut = prompted_texts([examples[r // k].texts[j] for r in rows], template, tokenizer, max_length)
+            for r, text in zip(rows, texts):
                 flat[r - share.start] = text
+            prompt_cut[[rows[i] - share.start for i in cut]] = True
         mine = TokenRows()
         for ids, _ in tokenize_in_chunks(flat, tokenizer, truncation=True, max_length=max_length,
                                          add_special_tokens=True):
             mine.extend(ids)
         del flat
-        self.rows, = gather_token_rows([mine], processes)  # example i's texts: rows i * k .. i * k + k - 1
+        # the texts cut: by the prompt's room (a decoded cut may come back shorter) or reaching max_length
+        cut_here = int((prompt_cut | (mine.length_tensor() >= max_length)).sum())
+        self.rows, counts = gather_token_rows([mine, TokenRows([[cut_here]])], processes)
         self.labels = [ex.label for ex in examples]
         self._text_lengths = self.rows.length_tensor().view(len(examples), self.rows_per_example)  # [examples, k]
         self.lengths = self._text_lengths.amax(1).tolist()  # each example's longest text
-        self.cut = cut_note(int((self._text_lengths >= max_length).sum()), len(self.rows), max_length)
+        self.cut = cut_note(sum(each[0] for each in counts), len(self.rows), max_length)
 
     def __len__(self) -> int:
         return len(self.labels)

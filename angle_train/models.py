@@ -335,7 +335,7 @@ class Encoder(nn.Module):
             return torch.empty(0, dim or self.embedding_dim, dtype=torch.float32)
         max_length = self.encoding_length(max_length)
         template = self.prompts.for_role(prompt_name) if prompt is None else prompt
-        texts = prompted_texts(texts, template, tokenizer, max_length)
+        texts, _ = prompted_texts(texts, template, tokenizer, max_length)
         ids = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=True)["input_ids"]
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         was_training = self.training

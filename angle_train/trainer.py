@@ -362,7 +362,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                epoch_order=batch_order(cfg, dataset, position.epoch),
                log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step, position.loss_window),
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_score=position.best,
-                                  best_metric=dev_metric(dev_set) if dev_set is not None else None),
+                                  # the dev set's, or a checkpoint's best's when resumed without dev data
+                                  best_metric=position.best_metric if dev_set or position.best is not None else None),
                command=command, loss_name=loss_name, resumed_from=resume_from, data_ahead=OneAhead(device),
                given=given)
 

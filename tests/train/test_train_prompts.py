@@ -54,15 +54,15 @@ def test_a_long_text_is_cut_and_the_prompt_after_it_kept():
 
     encoder, tokenizer = make_encoder("llama", dtype=torch.float32, pooling="last")
     close = tokenizer(CLOSING.partition("{text}")[2], add_special_tokens=True)["input_ids"][1:]  # ... word:" [SEP]
-    short, long = prompted_texts(["a red car", LONG], CLOSING, tokenizer, 20)
-    assert short == CLOSING.replace("{text}", "a red car")
+    (short, long), cut = prompted_texts(["a red car", LONG], CLOSING, tokenizer, 20)
+    assert short == CLOSING.replace("{text}", "a red car") and cut == [1]
     ids = tokenizer(long, truncation=True, max_length=20)["input_ids"]
     assert len(ids) == 20 and ids[-len(close):] == close and long.startswith('the red "the big red car ')
-    assert prompted_texts([LONG], "query: ", tokenizer, 20) == ["query: " + LONG]  # a prefix: the text's end is cut
+    assert prompted_texts([LONG], "query: ", tokenizer, 20) == (["query: " + LONG], [])  # a prefix: truncation
     with pytest.raises(ValueError, match="--max-length 8 leaves no room for a text in the prompt"):
         prompted_texts([LONG], CLOSING, tokenizer, 8)
     pairs = TokenizedPairs([Example((LONG, "a red car"), 1.0)], "B", tokenizer, max_length=20, prompt=CLOSING)
-    assert pairs.batch([0]).seqs[0] == ids
+    assert pairs.batch([0]).seqs[0] == ids and "1 of 2 texts cut at --max-length 20" in pairs.describe()
     sentences = TokenizedSentences([LONG], make_encoder("bert")[1], max_length=20, mask_rates=(0.1, 0.3), seed=0,
                                    prompt=CLOSING)
     assert sentences.ids[0] == ids

@@ -324,6 +324,21 @@ def test_resume_puts_back_the_checkpoints_best_that_a_killed_run_replaced(tmp_pa
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002", "step-00000004"]
 
 
+def test_a_resume_without_dev_data_reports_the_checkpoints_best(tmp_path, monkeypatch, capsys):
+    """Resumed without --dev-data, a run whose checkpoint knows a best model reports it (and its kind of score): the
+    result took the metric from the dev data only, and the command's summary line raised KeyError after training."""
+    from angle_train import cli, trainer
+
+    data = (demo_examples(20, seed=3), "B")
+    _scripted_dev_scores(monkeypatch, [0.1, 0.3, 0.5])
+    train(_best_config(tmp_path), train_examples=data, dev_examples=DEV, on_step=_stop_at(2))
+    resumed = train(_best_config(tmp_path, resume="auto"), train_examples=data)
+    assert (resumed.best_metric, resumed.best_spearman, resumed.best_score) == ("dev_spearman", 0.3, 0.3)
+    monkeypatch.setattr(trainer, "train", lambda cfg: resumed)  # the command's summary lines for that result
+    assert cli.main(["--output-dir", str(tmp_path / "summary"), "--max-steps", "1"]) == 0
+    assert "best model (dev Spearman 0.3000)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("source_best", [True, False])
 def test_resuming_into_a_new_folder_reports_only_a_best_model_it_holds(tmp_path, monkeypatch, capsys, source_best):
     """--resume PATH into another --output-dir: the checkpoint's best model is copied from the folder the checkpoint
