@@ -27,7 +27,8 @@ block's tiles, which is what a call costs on a CPU once its products are paid fo
       are the two gradient products each; a loss of more calls (those over every layer of a stack) keeps the first
       calls' tiles that fit and makes the others' again in backward, so its memory does not grow with the number of
       calls (each call keeping its own tile, 8 layers x 4 directions of 2,048 rows held 512 MB at once: more than at
-      4,096 rows, which keep none); a call of several blocks keeps none.
+      4,096 rows, which keep none); a call of several blocks keeps none, and so does a call inside a torch.compile
+      trace (the budget is Python state dynamo cannot trace).
 
 The masks (exclusions, penalty, filter) are the blocked form's own (similarity_lse._Tiles.masked_logits). Memory:
 as the blocked form, at most three tile-sized float32 temporaries per block (cosines, logits and the filter's
@@ -186,12 +187,15 @@ def _row_values(tiles: _Tiles, logits_of, keep: bool, dtype: torch.dtype
     """(each row's value [M], the softmax kept for backward or None, its reservation of the kept tiles' budget): the
     lse of its block's logits, less its reference logit where `logits_of(start, end)` (-> (logits, reference logits
     [b] or None)) gives one. With `keep` (autograd will ask for the gradients) a call of one block keeps that block's
-    softmax where the tiles kept by calls awaiting their backward leave room for it (module docstring); otherwise
-    each block's tile is freed before the next is made."""
+    softmax where the tiles kept by calls awaiting their backward leave room for it (module docstring), outside
+    torch.compile traces; otherwise each block's tile is freed before the next is made."""
     blocks = list(tiles.blocks())
     m, mc = tiles.qf.shape[0], tiles.cf.shape[0]
     budget = KEPT_TILES * chunk_elements(tiles.qf.device)
-    reservation = _KEPT.reserve(m * mc, budget) if keep and len(blocks) == 1 else None
+    # inside a torch.compile trace nothing is kept (the budget's lock and reservations are Python state dynamo
+    # cannot trace): backward makes the tiles again there
+    traced = torch.compiler.is_compiling()
+    reservation = _KEPT.reserve(m * mc, budget) if keep and len(blocks) == 1 and not traced else None
     if reservation is not None:
         logits, reference = logits_of(*blocks[0])
         lse, weights = _row_lse_and_softmax(logits)
