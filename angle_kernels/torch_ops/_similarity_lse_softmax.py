@@ -137,7 +137,7 @@ class _UnitTiles:
 
 class _KeptTiles:
     """The elements of the softmax tiles kept between a call's forward and its backward, counted over every call of
-    the process against one tile budget (module docstring)."""
+    the process against one budget (KEPT_TILES tile budgets: module docstring)."""
 
     def __init__(self):
         self._elements, self._lock = 0, threading.Lock()
