@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from train_helpers import assert_ranks_match, free_port, make_encoder, param_grads, run_config
+from train_helpers import assert_ranks_match, free_port, make_encoder, param_grads, rank_of_a_job, run_config
 
 from angle_kernels.testing.helpers import start_ranks
 from angle_train.arccse import BLOCKS, ArcCSEObjective, TokenizedSentences, load_sentences, span_length
@@ -166,21 +166,12 @@ def test_resume_is_exact(tmp_path):
 
 
 def _rank_main(rank, world, port, out_dir):
-    import torch.distributed as dist
-
     from angle_train.trainer import train
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    try:
+    with rank_of_a_job(rank, world, port):
         result = train(_config(out_dir), model=make_encoder("bert"), train_examples=SENTENCES * 3)
         torch.save({"losses": [r["loss"] for r in result.history], "weights": result.encoder.state_dict()},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_two_processes_share_negatives_and_equal_one(tmp_path):

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 from train_helpers import (
-    assert_ranks_match, demo_batch, free_port, graded_or_contrastive_loss, make_encoder, param_grads, run_config,
+    as_torchrun_rank, assert_ranks_match, demo_batch, free_port, graded_or_contrastive_loss, make_encoder, param_grads,
+    rank_of_a_job, run_config,
 )
 
 from angle_kernels.testing.helpers import start_ranks
@@ -35,12 +36,7 @@ def _setup(arch, fmt, flags=()):
 
 
 def _rank_main(rank, world, port, arch, fmt, chunk_rows, flags, out_dir):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with rank_of_a_job(rank, world, port, join=True):
         encoder, batch, loss_fn = _setup(arch, fmt, flags)
         model = wrap_ddp(encoder, torch.device("cpu"))
         rows = len(batch.seqs) // world
@@ -52,9 +48,6 @@ def _rank_main(rank, world, port, arch, fmt, chunk_rows, flags, out_dir):
         step = plain_step if chunk_rows is None else grad_cache_step
         loss = step(model, chunks, labels, loss_fn)
         torch.save({"loss": loss, "grads": param_grads(encoder)}, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank tears gloo down while the other still talks to it (seen once: SIGABRT in CI)
-    finally:
-        dist.destroy_process_group()
 
 
 def _command_rank(rank, world, port, out_dir):
@@ -62,9 +55,7 @@ def _command_rank(rank, world, port, out_dir):
 
     from angle_train import cli
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    as_torchrun_rank(rank, world, port)
     status = cli.main(["--model", "builtin:tiny-bert", "--train-data", "builtin:demo", "--device", "cpu",
                        "--batch-size", "8", "--max-steps", "2", "--progress", "0", "--save-final", "0",
                        "--output-dir", out_dir])
@@ -77,9 +68,7 @@ def _disagreeing_rank(rank, world, port, out_dir):
     from angle_train.tiny import demo_examples
     from angle_train.trainer import train
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    as_torchrun_rank(rank, world, port)
     examples = demo_examples(24 if rank == 0 else 20, seed=2)  # process 1 reads another (shorter) file
     try:
         train(run_config(out_dir, batch_size=8, max_steps=2, max_length=12), model=make_encoder("bert"),
@@ -144,20 +133,11 @@ def _trainer_rank_main(rank, world, port, out_dir):
     from angle_train.tiny import demo_examples
     from angle_train.trainer import train
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    import torch.distributed as dist
-
-    try:
+    with rank_of_a_job(rank, world, port):
         result = train(_trainer_config(out_dir), model=make_encoder("bert", dropout=0.0),
                        train_examples=(demo_examples(24, seed=2), "B"))
         torch.save({"losses": [r["loss"] for r in result.history], "weights": result.encoder.state_dict()},
                    os.path.join(out_dir, f"trainer-rank{rank}.pt"))
-        dist.barrier()  # no rank tears gloo down while the other still talks to it
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _trainer_config(out_dir):
@@ -179,17 +159,12 @@ def test_two_process_training_run_equals_single_process(tmp_path):
 
 
 def _tokenising_rank(rank, world, port, out_dir):
-    import torch.distributed as dist
-
     from angle_train.arccse import TokenizedSentences
     from angle_train.data import TokenizedPairs
     from angle_train.distributed import DistInfo
     from angle_train.tiny import demo_examples
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with rank_of_a_job(rank, world, port, join=True):
         _, tokenizer = make_encoder("bert")
         tokenised = []  # the texts this process's tokenizer was given
         counting = lambda texts, **options: tokenised.extend(texts) or tokenizer(texts, **options)  # noqa: E731
@@ -205,9 +180,6 @@ def _tokenising_rank(rank, world, port, out_dir):
                                   (sentences.ids, sentences.weak, sentences.strong)]
                     + [sentences.too_short, sentences.lengths, sentences.cut],
                     "tokenised": (pair_texts, len(tokenised) - pair_texts)}, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_each_process_tokenises_its_share_and_every_process_gets_the_whole_dataset(tmp_path):
@@ -237,8 +209,6 @@ def test_each_process_tokenises_its_share_and_every_process_gets_the_whole_datas
 
 def _resuming_rank(rank, world, port, out_dir, stop_after, resume):
     """Trains 4 steps of 12 pairs (a checkpoint every 2), or stops after `stop_after`; saves losses and weights."""
-    import torch.distributed as dist
-
     from angle_train.tiny import demo_examples
     from angle_train.trainer import StopTraining, train
 
@@ -246,10 +216,7 @@ def _resuming_rank(rank, world, port, out_dir, stop_after, resume):
         if step == stop_after:
             raise StopTraining
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    try:
+    with rank_of_a_job(rank, world, port):
         cfg = run_config(out_dir, batch_size=12, max_steps=4, save_every=2, lr=1e-3, warmup=0, log_every=1,
                          max_length=12, resume="auto" if resume else None)
         result = train(cfg, model=make_encoder("bert"), train_examples=(demo_examples(48, seed=2), "B"),
@@ -257,10 +224,6 @@ def _resuming_rank(rank, world, port, out_dir, stop_after, resume):
         tag = "resumed" if resume else "stopped" if stop_after else "whole"
         torch.save({"losses": [r["loss"] for r in result.history], "weights": result.encoder.state_dict()},
                    os.path.join(out_dir, f"{tag}-rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_three_process_resume_is_bit_identical_to_the_uninterrupted_run(tmp_path):
@@ -308,37 +271,30 @@ def test_the_process_group_waits_ddp_timeout_seconds(monkeypatch, capsys):
 def _evaluating_rank(rank, world, port, out_dir):
     """Two steps with an evaluation after each on 21 scored pairs and on 13 (query, positive) pairs; saves the
     evaluations and how many texts this process embedded for them."""
-    import torch.distributed as dist
-
     from angle_train.evaluate import RetrievalSet
     from angle_train.models import Encoder
     from angle_train.tiny import demo_examples, demo_sts_examples
     from angle_train.trainer import train
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     embedded = []
     encode = Encoder.encode
     Encoder.encode = lambda self, texts, *args, **kwargs: embedded.append(len(texts)) or encode(self, texts, *args,
                                                                                                 **kwargs)
     pairs = demo_examples(13, seed=4)
     try:
-        results = {}
-        for name, dev in (("sts", demo_sts_examples(21, seed=3)),
-                          ("retrieval", RetrievalSet("dev", [ex.texts[0] for ex in pairs],
-                                                     [ex.texts[1] for ex in pairs]))):
-            embedded.clear()
-            result = train(run_config(os.path.join(out_dir, name), batch_size=8, max_steps=2, eval_every=1,
-                                      max_length=12, save_best=False), model=make_encoder("bert"),
-                           train_examples=(demo_examples(24, seed=2), "B"), dev_examples=dev)
-            results[name] = {"evals": result.evals, "embedded": sum(embedded)}
-        torch.save(results, os.path.join(out_dir, f"evals-rank{rank}.pt"))
-        dist.barrier()
+        with rank_of_a_job(rank, world, port):
+            results = {}
+            for name, dev in (("sts", demo_sts_examples(21, seed=3)),
+                              ("retrieval", RetrievalSet("dev", [ex.texts[0] for ex in pairs],
+                                                         [ex.texts[1] for ex in pairs]))):
+                embedded.clear()
+                result = train(run_config(os.path.join(out_dir, name), batch_size=8, max_steps=2, eval_every=1,
+                                          max_length=12, save_best=False), model=make_encoder("bert"),
+                               train_examples=(demo_examples(24, seed=2), "B"), dev_examples=dev)
+                results[name] = {"evals": result.evals, "embedded": sum(embedded)}
+            torch.save(results, os.path.join(out_dir, f"evals-rank{rank}.pt"))
     finally:
         Encoder.encode = encode
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_each_process_embeds_its_share_of_the_dev_texts(tmp_path):

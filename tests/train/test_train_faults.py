@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import free_port, make_encoder, run_config
+from train_helpers import free_port, make_encoder, rank_of_a_job, run_config
 
 from angle_kernels import AngleLoss
 from angle_kernels.testing.helpers import start_ranks
@@ -349,13 +349,8 @@ def test_auto_chunk_halves_the_chunk_and_gives_the_same_training(tmp_path):
 
 # -------------------------------------------------------------------------------------- 2 processes (gloo)
 def _rank_main(rank, world, port, out_dir, case):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     out = {}
-    try:
+    with rank_of_a_job(rank, world, port):
         if case == "auto_chunk":
             try:
                 setup(_config(out_dir, auto_chunk=True), model=make_encoder(), train_examples=DATA)
@@ -382,10 +377,6 @@ def _rank_main(rank, world, port, out_dir, case):
             except faults.Preempted as exc:
                 out["checkpoint"] = exc.checkpoint
         torch.save(out, os.path.join(out_dir, f"{case}-rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("case", ["nan_on_rank1", "sigterm_on_rank1", "auto_chunk"])

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from train_helpers import free_port, make_encoder, run_config
+from train_helpers import free_port, make_encoder, rank_of_a_job, run_config
 
 from angle_kernels.testing.helpers import start_ranks
 from angle_train.checkpoint import (MANIFEST_FILE, Position, checkpoint_path, checkpoint_problem, checkpoint_to_resume,
@@ -36,28 +36,18 @@ def _examples():
 
 
 def _rank_main(rank, world, port, out_dir, settings, stop_after, arch="bert"):
-    import torch.distributed as dist
-
     from angle_train.trainer import StopTraining, train
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
 
     def on_step(step, row):
         if step == stop_after:
             raise StopTraining
 
-    try:
+    with rank_of_a_job(rank, world, port):
         train_examples, dev_examples = _examples()
         result = train(_config(out_dir, fsdp=True, **settings), model=make_encoder(arch, dropout=0.0),
                        train_examples=train_examples, dev_examples=dev_examples, on_step=on_step)
         torch.save({"losses": [r["loss"] for r in result.history], "best": result.best_spearman},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank tears gloo down while the other still talks to it
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _spawn(out_dir, stop_after=0, arch="bert", **settings):

@@ -3,6 +3,7 @@ a run configuration for tests."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -95,6 +96,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    """This process as torchrun starts rank `rank` of `world`: its environment (MASTER_ADDR, MASTER_PORT, RANK,
+    WORLD_SIZE, LOCAL_RANK), from which train() joins the group, and one thread (the ranks share the cores)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+
+
+@contextlib.contextmanager
+def rank_of_a_job(rank: int, world: int, port: int, *, join: bool = False):
+    """Inside: this process as rank `rank` of a torchrun job (as_torchrun_rank), in the gloo group when `join` (else
+    train() joins it). Leaving without an error waits for every rank (none tears gloo down while another still talks
+    to it: seen once as SIGABRT in CI); the group is left either way."""
+    import torch.distributed as dist
+
+    as_torchrun_rank(rank, world, port)
+    if join:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def minilm_dir() -> str | None:
