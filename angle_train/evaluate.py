@@ -84,12 +84,19 @@ def read_dataset(path: str, *, columns: dict | None = None) -> StsSet | Retrieva
     correlation: at least 2 rated pairs, not every gold score equal (before any model loads, not a NaN after)."""
     dataset = _read_dataset(path, columns=columns)
     if isinstance(dataset, StsSet):
-        labels = {ex.label for ex in dataset.examples}
-        if len(dataset.examples) < 2:
-            raise DataError(f"{path}: {len(dataset.examples)} rated pair(s); a Spearman correlation needs at least 2")
-        if len(labels) == 1:
-            raise DataError(f"{path}: every gold score is {labels.pop():g}, so the Spearman correlation is undefined")
+        check_scored(dataset, path)
     return dataset
+
+
+def check_scored(dataset: StsSet, where: str, hint: str = "") -> None:
+    """Refuse (DataError, naming `where`) a scored set that cannot give a Spearman correlation: fewer than 2 rated
+    pairs, or every gold score equal (`hint` follows that message)."""
+    labels = {ex.label for ex in dataset.examples}
+    if len(dataset.examples) < 2:
+        raise DataError(f"{where}: {len(dataset.examples)} rated pair(s); a Spearman correlation needs at least 2")
+    if len(labels) == 1:
+        raise DataError(f"{where}: every gold score is {labels.pop():g}, so the Spearman correlation is undefined"
+                        + hint)
 
 
 def _read_dataset(path: str, *, columns: dict | None = None) -> StsSet | RetrievalSet:

@@ -49,8 +49,8 @@ from .data import (
 )
 from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
-    RetrievalSet, StsSet, dev_inputs, dev_metric, encoding_progress, library_progress_bars, read_dataset,
-    scores_of_embeddings,
+    RetrievalSet, StsSet, check_scored, dev_inputs, dev_metric, encoding_progress, library_progress_bars,
+    read_dataset, scores_of_embeddings,
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import LoraSettings, LoraTargetError, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
@@ -565,14 +565,9 @@ def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
     else:
         dev_set = dev_examples if isinstance(dev_examples, (StsSet, RetrievalSet)) else StsSet("dev", dev_examples)
     if isinstance(dev_set, StsSet):
-        if len(dev_set.examples) < 2:
-            raise ValueError(f"{where}: {len(dev_set.examples)} pair(s); the dev Spearman needs at least 2 scored "
-                             "pairs")
         if any(len(ex.texts) != 2 for ex in dev_set.examples):
             raise ValueError(f"{where}: scored pairs (text1, text2, label) are needed for the dev Spearman")
-        if len({ex.label for ex in dev_set.examples}) == 1:
-            raise ValueError(f"{where}: every gold score is {dev_set.examples[0].label:g}, so the dev Spearman is "
-                             "undefined (to score (query, positive) pairs by retrieval, pass an evaluate.RetrievalSet)")
+        check_scored(dev_set, where, " (to score (query, positive) pairs by retrieval, pass an evaluate.RetrievalSet)")
     elif len(dev_set.queries) < 2:
         raise ValueError(f"{where}: {len(dev_set.queries)} (query, positive) pair(s); retrieval needs at least 2")
     return dev_set
