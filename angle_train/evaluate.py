@@ -116,10 +116,15 @@ def _read_dataset(path: str, *, columns: dict | None = None) -> StsSet | Retriev
             pass
         else:  # the paper's STS-B is the test split; another split keeps its file name
             return StsSet("STS-B" if stem == "sts-test" else f"STS-B ({stem})", read_stsb(path))
-    examples, fmt = load_examples(path, columns=columns)
+    return dataset_of(stem, *load_examples(path, columns=columns))
+
+
+def dataset_of(name: str, examples: list[Example], fmt: str) -> StsSet | RetrievalSet:
+    """Examples as what is scored: format A as scored pairs, formats B and C as retrieval (each query's own positive
+    its one relevant document; a negative is not used)."""
     if fmt == "A":
-        return StsSet(stem, examples)
-    return RetrievalSet(stem, [ex.texts[0] for ex in examples], [ex.texts[1] for ex in examples])
+        return StsSet(name, examples)
+    return RetrievalSet(name, [ex.texts[0] for ex in examples], [ex.texts[1] for ex in examples])
 
 
 def read_sts_year(folder: str) -> StsSet:

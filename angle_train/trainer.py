@@ -49,7 +49,7 @@ from .data import (
 )
 from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
-    RetrievalSet, StsSet, check_scored, dev_inputs, dev_metric, encoding_progress, library_progress_bars,
+    RetrievalSet, StsSet, check_scored, dataset_of, dev_inputs, dev_metric, encoding_progress, library_progress_bars,
     read_dataset, scores_of_embeddings,
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
@@ -547,11 +547,7 @@ def read_dev_data(source: str, split: str, columns: dict | None = None) -> StsSe
     the layouts read by column names."""
     if os.path.exists(source):
         return read_dataset(source, columns=columns)
-    examples, fmt = read_data(source, None, split, columns)
-    name = os.path.basename(source.rstrip("/"))
-    if fmt == "A":
-        return StsSet(name, examples)
-    return RetrievalSet(name, [ex.texts[0] for ex in examples], [ex.texts[1] for ex in examples])
+    return dataset_of(os.path.basename(source.rstrip("/")), *read_data(source, None, split, columns))
 
 
 def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
