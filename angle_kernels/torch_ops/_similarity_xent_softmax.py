@@ -29,20 +29,31 @@ the blocked form (_cpu_rows.normalised_rows: common.cosine_rows' rule, its norms
 torch's vector norm and vecdot, not batched GEMVs, which a CPU runs 4-7x slower); the unit rows are exact cosines'
 operands whatever the scale.
 
-dims (nested prefixes) compute as on the "default" path everywhere (similarity_xent.PrefixSimilarityXentFunction).
-On a GPU the "default" path keeps the blocked form (similarity_xent.SimilarityXentFunction): the op sweeps timed that
-code and `auto`'s choices there depend on its times (angle_kernels.measured); torch_ops/similarity_xent_paths.py
-routes the calls.
+dims (nested prefixes; SoftmaxPrefixSimilarityXentFunction): the blocked form's schedule for them
+(similarity_xent.PrefixSimilarityXentFunction: each block's dot tiles of every prefix from one read of its rows, the
+prefixes walked from the widest down into a running sum of gradient tiles whose slice products make each slice's
+gradients, the gradients formed in forward for the upstream gradient of the last backward of the same kind) with each
+prefix's tile turned into its row losses and gradient tile by one softmax, as above: a small loss keeps its digits
+at every prefix (the blocked form's lse_all - lse_pos rounds it away: 0 for a float32 loss of 2e-7, its gradients
+17% off). Per block: the k dot tiles, a prefix's logits and softmax, and the running sum (k + 3 tiles, the blocked
+form's count: its blocks are the same).
+
+On a GPU the "default" path keeps the blocked form (similarity_xent.SimilarityXentFunction and
+PrefixSimilarityXentFunction): the op sweeps timed that code and `auto`'s choices there depend on its times
+(angle_kernels.measured); torch_ops/similarity_xent_paths.py routes the calls.
 """
 
 from __future__ import annotations
 
 import torch
 
+from torch.autograd.function import once_differentiable
+
 from ..contract import compute_dtype
 from ..formed_gradients import GradientsFormedInForward, gradients_wanted
 from ._cpu_rows import normalise_backward, normalised_rows
-from .similarity_xent import PrefixSimilarityXentFunction, _Tiles, margin_logit
+from .common import cosine_rows, prefix_inverse_norms
+from .similarity_xent import _LAST_UPSTREAM, _PrefixGradients, _Tiles, _upstream, margin_logit
 
 
 def _log_partition(logits: torch.Tensor, probabilities: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +67,41 @@ def _row_losses(off_positives: torch.Tensor, far: torch.Tensor) -> torch.Tensor:
     and the same value computed as (m_all - m_pos) + (log s_all - log s_pos) (`far`): -log(1 - r) where r <= 1/2,
     which keeps every digit of a small loss (a row whose positives dominate), `far` elsewhere (a loss >= log 2)."""
     return torch.where(off_positives <= 0.5, torch.log1p(off_positives.neg()).neg_(), far)
+
+
+def _losses_and_gradient(logits: torch.Tensor, targets, positives: torch.Tensor | None, slope: torch.Tensor | None,
+                         with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(each row's loss lse_all - lse_pos [b], and with with_grad its dL/dlogit tile softmax_all - softmax_pos [b, Mc]
+    times the margin's slope on the target column, else None) of a row block's logits [b, Mc] (overwritten with
+    group_ids), from one softmax (two with group_ids): the module docstring's formulas. targets: the block's target
+    entries (_DiagonalEntries or _IndexedEntries); positives: its positives mask, None where the target is the only
+    positive; slope: the margin's slope at the targets [b], None without a margin."""
+    grad = torch.softmax(logits, dim=1)  # softmax_all; its positive columns are zeroed below
+    softmax_pos = None
+    top, log_sum = _log_partition(logits, grad)
+    if positives is None:  # P_i is the target: lse_pos is its logit
+        far = top.sub_(targets.of(logits)).add_(log_sum)
+        targets.set(grad, 0.0)
+    else:
+        softmax_pos = torch.softmax(logits.masked_fill_(~positives, float("-inf")), dim=1)
+        top_pos, log_sum_pos = _log_partition(logits, softmax_pos)
+        far = top.sub_(top_pos).add_(log_sum.sub_(log_sum_pos))
+        grad.masked_fill_(positives, 0.0)
+    losses = _row_losses(grad.sum(dim=1), far)
+    if not with_grad:
+        return losses, None
+    # softmax_all - softmax_pos: softmax_all off the positives; at a positive column j, softmax_pos_j
+    # (exp(-row loss) - 1) (softmax_all_j = softmax_pos_j exp(lse_pos - lse_all)), which keeps its digits
+    # where the positives dominate the row and the two softmaxes' difference would cancel
+    shrink = torch.expm1(losses.neg())
+    if positives is None:  # softmax_pos is 1 at the target
+        targets.set(grad, shrink)
+    else:
+        grad.add_(softmax_pos.mul_(shrink[:, None]))  # softmax_pos is 0 off the positives
+        del softmax_pos
+    if slope is not None:
+        targets.set(grad, targets.of(grad) * slope)
+    return losses, grad
 
 
 class _DiagonalEntries:
@@ -130,33 +176,10 @@ class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
                 targets.set(logits, scale * value)
             if exclude_diagonal:  # row i's own column, start + i
                 _DiagonalEntries(start, end).set(logits, float("-inf"))
-            grad = torch.softmax(logits, dim=1)  # softmax_all; its positive columns are zeroed below
-            softmax_pos = None
-            top, log_sum = _log_partition(logits, grad)
-            if positives is None:  # P_i is the target: lse_pos is its logit
-                far = top.sub_(targets.of(logits)).add_(log_sum)
-                targets.set(grad, 0.0)
-            else:
-                softmax_pos = torch.softmax(logits.masked_fill_(~positives, float("-inf")), dim=1)
-                top_pos, log_sum_pos = _log_partition(logits, softmax_pos)
-                far = top.sub_(top_pos).add_(log_sum.sub_(log_sum_pos))
-                grad.masked_fill_(positives, 0.0)
-            del logits
-            row_losses[start:end] = _row_losses(grad.sum(dim=1), far)
-            if not with_grad:
-                del grad, softmax_pos  # before the next block's tiles are made
+            row_losses[start:end], grad = _losses_and_gradient(logits, targets, positives, slope, with_grad)
+            del logits  # before the gradient products (and the next block's tiles)
+            if grad is None:
                 continue
-            # softmax_all - softmax_pos: softmax_all off the positives; at a positive column j, softmax_pos_j
-            # (exp(-row loss) - 1) (softmax_all_j = softmax_pos_j exp(lse_pos - lse_all)), which keeps its digits
-            # where the positives dominate the row and the two softmaxes' difference would cancel
-            shrink = torch.expm1(row_losses[start:end].neg())
-            if positives is None:  # softmax_pos is 1 at the target
-                targets.set(grad, shrink)
-            else:
-                grad.add_(softmax_pos.mul_(shrink[:, None]))  # softmax_pos is 0 off the positives
-                del softmax_pos
-            if slope is not None:
-                targets.set(grad, targets.of(grad) * slope)
             # cos_ij = q_hat_i . c_hat_j: dq_hat_i = sum_j g_ij c_hat_j, dc_hat_j = sum_i g_ij q_hat_i (g: dL/dcos)
             if weights is None:
                 d_qhat[start:end].addmm_(grad, c_hat, alpha=row_scale)
@@ -177,11 +200,113 @@ class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
         return loss
 
 
+def _prefix_walk(tiles: _Tiles, gradients: _PrefixGradients | None) -> torch.Tensor:
+    """Every prefix's row losses lse_all - lse_pos [M, k], and with `gradients` their gradient terms added to it
+    (the upstream gradient it was made for), in one walk over the row blocks: per block the dot tiles of every prefix
+    from one read of its rows (_Tiles.prefix_dots, the blocked form's), then, from the widest prefix down, its
+    logits, one softmax giving its row losses and gradient tile (_losses_and_gradient), and that tile folded into the
+    running sum of the prefixes i >= j whose two slice products make slice j's gradients (the blocked form's
+    _PrefixGradients.add_block, with the gradient tile of the softmax form)."""
+    m, k = tiles.qf.shape[0], len(tiles.dims)
+    slices = None if gradients is None else gradients.slices
+    row_losses = torch.empty(m, k, dtype=tiles.q_inv.dtype, device=tiles.qf.device)
+    c_factor = tiles.c_inv.T.contiguous()  # [k, Mc]: each prefix's inverse norms as a contiguous row
+    for start, end in tiles.blocks():
+        rows, local, columns, positives = tiles.rows(start, end)
+        if tiles.target == "diagonal" and positives is None:
+            targets = _DiagonalEntries(start, end)
+        else:
+            targets = _IndexedEntries(local, columns)
+        dots = tiles.prefix_dots(start, end)
+        margins = tiles.prefix_margins(dots, start, end, local, columns)
+        logit_factor = (tiles.q_inv[start:end] * tiles.scale).T  # [k, b]
+        # dL/dcos of prefix j times its inverse norms: row_scale * q_inv per row (with c_inv per column below)
+        grad_factor = None if gradients is None else (gradients.row_scale[start:end] * tiles.q_inv[start:end]).T
+        running = None  # sum over the prefixes i >= j of Ghat_i, walking j down from the widest prefix
+        for j in reversed(range(k)):
+            logits = tiles.prefix_logits(dots[j], logit_factor[j], c_factor[j], rows, local, columns,
+                                         None if margins is None else margins[0][j], in_place=gradients is None)
+            row_losses[start:end, j], g_hat = _losses_and_gradient(
+                logits, targets, positives, None if margins is None else margins[1][j], gradients is not None)
+            del logits
+            if g_hat is None:
+                continue
+            g_hat.mul_(grad_factor[j, :, None]).mul_(c_factor[j, None, :])  # Ghat_j = dL/dcos * q_inv * c_inv
+            dots[j].mul_(g_hat)  # Ghat_j * dots_j: its row and column sums are the radial sums
+            running = g_hat if running is None else running.add_(g_hat)
+            del g_hat
+            lo, hi = slices[j]
+            gradients.dq[start:end, lo:hi].addmm_(running, tiles.cf[:, lo:hi])
+            gradients.dc[:, lo:hi].addmm_(running.T, tiles.qf[start:end, lo:hi])
+        if gradients is not None:
+            gradients.q_radial[start:end].add_(dots.sum(dim=2).T)
+            gradients.c_radial.add_(dots.sum(dim=1).T)
+        del dots, running
+    return row_losses
+
+
+class SoftmaxPrefixSimilarityXentFunction(torch.autograd.Function):
+    """similarity_xent on every prefix of dims at once, a [k] loss, in the softmax form: the blocked
+    PrefixSimilarityXentFunction's schedule and upstream-gradient rule (its docstring: forward forms the gradients
+    for the grad_loss the last backward of the same kind received, ones at first; backward returns them when its
+    grad_loss equals that one, else walks again for its own), each prefix's tile turned into its losses and
+    gradient by one softmax (_prefix_walk): a small loss keeps its digits, as at full width."""
+
+    @staticmethod
+    def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims, with_grad):
+        symmetric = c is None
+        qf, q_scale, _ = cosine_rows(q.detach())
+        cf, c_scale, _ = (qf, q_scale, None) if symmetric else cosine_rows(c.detach())
+        q_inv, q_has_grad = prefix_inverse_norms(qf, dims, q_scale)  # [M, k]
+        c_inv, c_has_grad = (q_inv, q_has_grad) if symmetric else prefix_inverse_norms(cf, dims, c_scale)
+        m, dtype = qf.shape[0], compute_dtype(q.dtype)
+        weights = torch.ones(m, dtype=dtype, device=q.device) if row_weights is None else row_weights.to(dtype)
+        tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids, dims)
+        ctx.kind = (tuple(dims), symmetric, target, exclude_diagonal, margin, group_ids is None, row_weights is None)
+        ctx.formed = None
+        gradients = None
+        if with_grad:
+            direction = _LAST_UPSTREAM.get(ctx.kind)
+            direction = torch.ones(len(dims), dtype=torch.float64) if direction is None else direction
+            gradients = _PrefixGradients(qf, cf, q_inv, c_inv, weights, direction.to(q.device), scale, symmetric,
+                                         dims)
+        loss = (weights[:, None] * _prefix_walk(tiles, gradients)).sum(dim=0) / m
+        if gradients is not None:
+            ctx.formed = (direction, gradients.finish(q_has_grad, c_has_grad, q_scale, c_scale))
+        ctx.save_for_backward(qf, None if symmetric else cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, weights,
+                              q_scale, None if symmetric else c_scale)
+        ctx.options = (scale, target, exclude_diagonal, margin)
+        ctx.dims = dims
+        ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        formed, ctx.formed = ctx.formed, None
+        upstream = _upstream(grad_loss)
+        q_dtype, c_dtype = ctx.input_dtypes
+        if formed is not None and upstream is not None and torch.equal(upstream, formed[0]):
+            dq, dc = formed[1]
+        else:
+            if upstream is not None:
+                _LAST_UPSTREAM[ctx.kind] = upstream
+            qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, group_ids, weights, q_scale, c_scale = ctx.saved_tensors
+            symmetric = cf is None
+            cf = qf if symmetric else cf
+            tiles = _Tiles(qf, cf, q_inv, c_inv, *ctx.options, group_ids, ctx.dims)
+            gradients = _PrefixGradients(qf, cf, q_inv, c_inv, weights, grad_loss, tiles.scale, symmetric, ctx.dims)
+            _prefix_walk(tiles, gradients)
+            dq, dc = gradients.finish(q_has_grad, c_has_grad, q_scale, c_scale)
+        return dq.to(q_dtype), None if dc is None else dc.to(c_dtype), None, None, None, None, None, None, None, None
+
+
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
                     dims=None):
-    """The op in the softmax form (module docstring); dims as the "default" path computes them."""
-    if dims is not None:  # forms the gradients in forward when autograd will ask for them (its docstring)
-        return PrefixSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin,
-                                                  group_ids, dims, gradients_wanted(q, c))
+    """The op in the softmax form (module docstring), with dims too; forms the gradients in forward when autograd
+    will ask for them."""
+    if dims is not None:
+        return SoftmaxPrefixSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin,
+                                                         group_ids, dims, gradients_wanted(q, c))
     return SoftmaxSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
                                                gradients_wanted(q, c))

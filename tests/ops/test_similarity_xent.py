@@ -685,3 +685,33 @@ def test_the_softmax_form_keeps_the_digits_of_small_losses():
     reference = oracle.similarity_xent(h1, h2, **kwargs).item()
     loss = backend_or_skip("torch").ops.similarity_xent(h1.float(), h2.float(), **kwargs).item()
     assert abs(loss / reference - 1) < 5e-6
+
+
+@pytest.mark.parametrize("target", ["diagonal", "partner"])
+def test_dims_keep_the_digits_of_small_losses(target):
+    """Every prefix of a dims call keeps a small loss's digits as a full-width call does: rows whose positive sits
+    0.02 of noise away (losses near 1e-7 at D = 64 and 128, where lse_all - lse_pos at the logits' magnitude, 20,
+    rounds to a multiple of float32's 1.9e-6: 0 or 100% off) in float32 against the float64 reference's k calls on
+    the truncated inputs, the loss and the gradients (whose positive column is softmax_all - softmax_pos, the same
+    cancellation); with row weights and group ids for the partner target (two softmaxes per tile)."""
+    gen = generator("small dims losses", target)
+    q = randn(gen, 16, 128, dtype=torch.float64)
+    if target == "diagonal":
+        c = q + 0.02 * randn(gen, 16, 128, dtype=torch.float64)
+        kwargs = dict(scale=20.0, target="diagonal", margin=math.radians(1.0), dims=(64, 128))
+    else:
+        q = torch.stack([q[:8], q[:8] + 0.02 * randn(gen, 8, 128, dtype=torch.float64)], dim=1).reshape(16, 128)
+        c = None
+        kwargs = dict(scale=20.0, target="partner", exclude_diagonal=True, row_weights=torch.rand(16, generator=gen),
+                      group_ids=torch.arange(16) // 2, dims=(64, 128))
+    upstream = torch.tensor([0.5, 1.0], dtype=torch.float64)
+    leaves64 = [leaf_like(x) for x in (q, c) if x is not None]
+    want = _prefix_oracle(leaves64[0], None if c is None else leaves64[1], **kwargs)
+    want_grads = torch.autograd.grad(want, leaves64, upstream)
+    assert 0 < want.max() < 1e-5, want
+    leaves = [leaf_like(x.float()) for x in (q, c) if x is not None]
+    got = backend_or_skip("torch").ops.similarity_xent(leaves[0], None if c is None else leaves[1], **kwargs)
+    got_grads = torch.autograd.grad(got, leaves, upstream.float())
+    assert torch.all((got.double() / want - 1).abs() < 1e-4), (got, want)
+    for got_grad, want_grad in zip(got_grads, want_grads):
+        assert (got_grad.double() - want_grad).norm() <= 1e-4 * want_grad.norm()
