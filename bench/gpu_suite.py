@@ -435,16 +435,18 @@ OPTIONAL_MODULES = ("xdist", "pytest_timeout")
 VERIFY_DTYPES = ("bfloat16", "float32", "float16", "float64")  # one process each, side by side
 
 
-def preflight(record: StageRecord, on_gpu: bool) -> dict:
-    """On a GPU, start the CUDA extension's build in the background first (record.build: minutes of nvcc that
-    the next steps overlap); then import every module the steps need and say which versions and tools are here."""
+def preflight(record: StageRecord, on_gpu: bool, build: bool) -> dict:
+    """With `build` (a GPU whose stage has a step that needs the CUDA extension), start its build in the background
+    first (record.build: minutes of nvcc that the next steps overlap); then import every module the steps need and
+    say which versions and tools are here, and on a GPU the machine (`environment`: every stage's record names its
+    GPU, which speed_table.py and the summary read)."""
     import setuptools
 
     nvcc = (Path(cuda_home()) / "bin" / "nvcc") if cuda_home() else shutil.which("nvcc")
     tools = {"nvcc": str(nvcc) if nvcc and Path(nvcc).exists() else None, "ninja": shutil.which("ninja"),
              "setuptools": setuptools.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count()}
     result = {"tools": tools}
-    if on_gpu:
+    if build:
         if tools["nvcc"]:
             record.build = BackgroundBuild(record.work)
             result["cuda_build"] = f"started for TORCH_CUDA_ARCH_LIST={record.build.arch_list}"
@@ -674,13 +676,16 @@ SWEEP_WARM_UP_S = {"op_sweep": 120, "loss_sweep": 150, "cuda_op_sweep": 10}
 # case's timed runs need at least.
 FIRST_COLD_CALL_S = {"triton": 15.0, "other": 2.0}
 MIN_TIMED_S = 3.0
-# Where a stage's --time-limit leaves a sweep less time than its limit, the warm-up takes at most this share.
-MAX_WARM_UP_SHARE = 2 / 3
+# The seconds of a step's limit a sweep leaves for the step's last write of its rows and the stage's packing: a
+# case is started only where its forecast ends before, so that a first call longer than forecast (the H200's op
+# sweep of 2026-11-28 ran 14 s past its 195 s) still ends inside the limit.
+SWEEP_END_MARGIN_S = 15.0
 
 
 def warm_up_allowance(step: str, seconds_left: float) -> float:
-    """Seconds of the `seconds_left` a sweep has that its first calls may take (SWEEP_WARM_UP_S, MAX_WARM_UP_SHARE)."""
-    return min(SWEEP_WARM_UP_S[step], MAX_WARM_UP_SHARE * max(0.0, seconds_left))
+    """Seconds of the `seconds_left` a sweep has that its first calls may take (SWEEP_WARM_UP_S, at most
+    harness.MAX_WARM_UP_SHARE of them)."""
+    return harness.warm_up_within(SWEEP_WARM_UP_S[step], seconds_left)
 
 
 # A case whose one warm run is forecast longer than this is left out (its timed runs would take minutes).
@@ -744,7 +749,8 @@ def _op_sweep(record: StageRecord, deadline: Deadline, limits: dict, passes, dev
     from angle_kernels.dispatch import path_ops, resolve_backend
 
     probe = torch.zeros(1, device=device)
-    budget = harness.SweepBudget(deadline.left(), warm_up_allowance(step, deadline.left()))
+    seconds = deadline.left() - SWEEP_END_MARGIN_S
+    budget = harness.SweepBudget(seconds, warm_up_allowance(step, seconds))
     rows: list[dict] = []
     last: dict = {}  # (op, d, dtype, backend) -> (n, seconds of one warm run, seconds of the first call)
 
@@ -923,7 +929,7 @@ def loss_sweep(record: StageRecord, deadline: Deadline, angle_emb_loss: str | No
     if wheel is None:
         print(f"no angle-emb wheel at {DEFAULT_ANGLE_EMB_WHEEL} and no --angle-emb-loss: the sweep runs without the "
               "reference (docs/gpu-runs.md, what to bring)", flush=True)
-    budget = deadline.left() - 15  # for the plot and the last write
+    budget = deadline.left() - SWEEP_END_MARGIN_S  # for the plot and the last write
     if budget <= 0:
         raise RuntimeError("no time left in the step's limit")
     warm_up = warm_up_allowance("loss_sweep", budget)
@@ -937,7 +943,12 @@ def loss_sweep(record: StageRecord, deadline: Deadline, angle_emb_loss: str | No
         argv += ["--angle-emb-loss", wheel]
     if bench_losses.main(argv) != 0:
         raise RuntimeError("bench_losses.py failed")
-    return {"folder": folder.name, "argv": argv}
+    results = json.loads((folder / "results.json").read_text())
+    measured = sum(row.get("status") == "ok" for row in results["results"])
+    if not measured:  # every case skipped (a budget spent before the sweep began, say): the step did not measure
+        raise RuntimeError(f"the loss sweep measured no case ({len(results['results'])} skipped; "
+                           f"{folder.name}/results.json: {results.get('budget')})")
+    return {"folder": folder.name, "argv": argv, "measured": measured}
 
 
 def stage_second(args, record: StageRecord, schedule: Schedule) -> None:
@@ -1264,7 +1275,7 @@ def main(argv=None) -> int:
         record.data["skipped"] = list(args.skip)
     status = "failed"
     try:
-        guarded(record, "preflight", lambda: preflight(record, on_gpu and stage.needs_build(schedule)))
+        guarded(record, "preflight", lambda: preflight(record, on_gpu, build=on_gpu and stage.needs_build(schedule)))
         if not on_gpu:
             print("no CUDA device (torch.cuda.is_available() is False): the preflight ran and is packed in "
                   f"{out}; the GPU steps need a GPU, and nothing else was run.")

@@ -298,6 +298,17 @@ def cold_call(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], devic
     return time.perf_counter() - started
 
 
+# Where a sweep has less time than its warm-up allowance was sized for (a stage's --time-limit, or the seconds the
+# agreement checks and the limits took before a loss sweep), the warm-up takes at most this share of what is left.
+MAX_WARM_UP_SHARE = 2 / 3
+
+
+def warm_up_within(allowance_s: float, seconds_left: float) -> float:
+    """Seconds of a sweep's `seconds_left` its first calls may take: its allowance, at most MAX_WARM_UP_SHARE of
+    them (the timed runs keep the rest)."""
+    return min(allowance_s, MAX_WARM_UP_SHARE * max(0.0, seconds_left))
+
+
 class SweepBudget:
     """A sweep's time in two allowances, each charged with its own seconds: "warm_up", every case's first call
     (`cold_call`: compiles and autotuning, whatever they cost), and "timed", its measured runs. The compiles never

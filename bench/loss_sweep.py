@@ -541,7 +541,10 @@ def main(argv, losses: dict, default_losses) -> int:
 
     report = Report(out, env, args, losses, limits, checks, missing, [p.name for p in providers], primary_name)
     if args.warm_up_budget is not None:  # the rest of --time-budget, split (parse_args: CUDA, with --time-budget)
-        report.budget = harness.SweepBudget(deadline - time.perf_counter(), args.warm_up_budget)
+        # The agreement checks and the limits have taken their seconds: the warm-up gets its allowance out of what
+        # is left, at most a share of it, so that the timed runs keep time (harness.warm_up_within)
+        left = deadline - time.perf_counter()
+        report.budget = harness.SweepBudget(left, harness.warm_up_within(args.warm_up_budget, left))
     if len(losses) > 1:  # size_schedule's order: the progress lines below alternate between the losses
         print("# progress: every loss at one size, then every loss at the next (a time budget cuts the largest sizes, "
               "not whole losses); the tables at the end group the results by loss", flush=True)

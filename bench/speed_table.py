@@ -132,7 +132,12 @@ def points(runs: list[tuple[str, str | None]]) -> dict[tuple[str, str], list[tup
         with open(path, encoding="utf-8") as f:
             run = json.load(f)
         tree = git_tree(commit) if commit else None
-        capability = run["steps"]["preflight"]["environment"].get("capability", "?")
+        environment = run["steps"].get("preflight", {}).get("environment")
+        if not environment:
+            raise ValueError(f"{path}: its preflight recorded no GPU (a record of a stage that started no CUDA build "
+                             "before bench/gpu_suite.py recorded the machine in every stage): its times cannot be "
+                             "told apart by GPU")
+        capability = environment.get("capability", "?")
         for step in STEPS:
             for row in run["steps"].get(step, {}).get("rows", []):
                 if row.get("status") != "ok" or row["op"] not in SWEEP_ROWS:

@@ -207,6 +207,24 @@ def test_the_cuda_op_sweep_alone_leaves_the_build_its_time():
         gpu_suite.parse_args(["second", "out", "--skip", "cuda_build"])
 
 
+
+@pytest.mark.parametrize("build", [True, False], ids=["with-build", "no-build"])
+def test_the_preflight_records_the_gpu_whether_or_not_it_starts_a_build(tmp_path, monkeypatch, build):
+    """On a GPU the preflight records the machine (`environment`: speed_table.py reads its capability, the summary
+    its GPU) in every stage, also one whose steps need no CUDA build (`second --skip loss_sweep,cuda_op_sweep`, the
+    command whose op sweep sets the one-read and dense-dims widths); it starts the build only when asked."""
+    started = []
+    monkeypatch.setattr(gpu_suite, "environment", lambda: {"gpu": "NVIDIA H200", "capability": "9.0"})
+    monkeypatch.setattr(gpu_suite, "BackgroundBuild", lambda work: started.append(work) or
+                        type("Build", (), {"arch_list": "9.0"})())
+    monkeypatch.setattr(gpu_suite, "cuda_home", lambda: None)
+    (tmp_path / "nvcc").touch()
+    monkeypatch.setattr(gpu_suite.shutil, "which", lambda name: str(tmp_path / name))
+    result = gpu_suite.preflight(_record(tmp_path, "second"), on_gpu=True, build=build)
+    assert result["environment"] == {"gpu": "NVIDIA H200", "capability": "9.0"}
+    assert bool(started) == build and ("cuda_build" in result) == build
+
+
 def test_the_cuda_op_sweep_times_both_cuda_schemes_of_similarity_xent():
     """The CUDA backend's one-width similarity_xent gets a row per scheme (its fused kernels, its dense scheme),
     each forced through cuda_ops.similarity_xent_paths.DENSE_MIN_WIDTH and undone after, so that the width from
@@ -563,15 +581,50 @@ def test_first_calls_are_charged_to_the_warm_up_and_never_to_the_timed_runs(tmp_
     assert gpu_suite.warm_up_allowance("loss_sweep", 90) == 60
 
 
-def test_the_loss_sweep_gets_its_warm_up_allowance(tmp_path, monkeypatch):
+def _fake_loss_sweep(monkeypatch, statuses):
+    """bench_losses.main replaced by one that records its argv and writes a results.json of rows of `statuses`."""
     import bench_losses
 
     seen = []
-    monkeypatch.setattr(bench_losses, "main", lambda argv: seen.append(argv) or 0)
-    gpu_suite.loss_sweep(_record(tmp_path, "second"), gpu_suite.Deadline(240, time.monotonic()), None)
+
+    def main(argv):
+        seen.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [{"status": status} for status in statuses]
+        (out / "results.json").write_text(json.dumps({"results": rows, "budget": {"timed": {"allowed_s": 0.0}}}))
+        return 0
+
+    monkeypatch.setattr(bench_losses, "main", main)
+    return seen
+
+
+def test_the_loss_sweep_gets_its_warm_up_allowance(tmp_path, monkeypatch):
+    seen = _fake_loss_sweep(monkeypatch, ["ok", "skipped"])
+    result = gpu_suite.loss_sweep(_record(tmp_path, "second"), gpu_suite.Deadline(240, time.monotonic()), None)
     argv = seen[0]
     assert float(argv[argv.index("--warm-up-budget") + 1]) == 150
     assert 220 <= float(argv[argv.index("--time-budget") + 1]) <= 225
+    assert result["measured"] == 1
+
+
+def test_a_loss_sweep_that_measured_nothing_fails_its_step(tmp_path, monkeypatch):
+    """Every case skipped (the budget spent before the first case: the step's seconds went to the agreement checks
+    and the limits) is a failed step, not an "ok" one with an empty table."""
+    _fake_loss_sweep(monkeypatch, ["skipped", "skipped"])
+    with pytest.raises(RuntimeError, match="measured no case"):
+        gpu_suite.loss_sweep(_record(tmp_path, "second"), gpu_suite.Deadline(240, time.monotonic()), None)
+
+
+def test_a_sweep_left_less_time_than_its_allowance_keeps_a_third_for_its_timed_runs():
+    """The warm-up allowance of a sweep is sized for its whole limit; where less is left (a --time-limit, or a loss
+    sweep whose agreement checks and limits took 118 s of its 225, as on the H100 of 2026-11-26), the warm-up takes
+    at most two thirds of what is left: 118 s gone left the timed runs 0 s before, and every case skipped."""
+    assert harness.warm_up_within(150, 225) == 150
+    assert harness.warm_up_within(150, 107) == pytest.approx(107 * 2 / 3)
+    assert harness.warm_up_within(150, -5) == 0.0
+    budget = harness.SweepBudget(107, harness.warm_up_within(150, 107))
+    assert budget.allowed["timed"] == pytest.approx(107 / 3)
 
 
 def test_summary_gathers_the_stages_of_separate_commands(tmp_path):
