@@ -36,7 +36,8 @@ replace or orphan that run's outputs), and a resume whose data settings (RESUME_
 checkpoint's (it would silently skip or repeat training data). The optimizer and schedule settings
 (RESUME_APPLIES) may change on resume and take effect from the resumed step: the learning rate there is the one the
 new settings' schedule gives at that step (as if the run had used them from the start), AdamW's moments carry over,
-and the run says which settings changed.
+and the run says which settings changed; so do the loss's settings and the precision (RESUME_NOTED). Other dev data
+than the one that measured the checkpoint's best score is refused (RESUME_DEV_SETTINGS).
 """
 
 from __future__ import annotations
@@ -352,6 +353,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          "state continue from its own)")
     _refuse_changed_data_settings(path, state["config"], cfg)
     _refuse_another_model(path, state["config"], cfg)
+    _refuse_another_dev_set(path, state["config"], Position(**state["position"]), cfg)
     changed = _changed_optimizer_settings(state["config"], cfg)
     sharded = state.get("sharded", False)
     if sharded != cfg.fsdp:
@@ -387,8 +389,31 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
 # resumed under others, a run went on training another model under the checkpoint's name (an adapter trained at two
 # scales recorded with the second; a base model swapped under its adapter), silently.
 RESUME_MODEL_SETTINGS = ("model", "lora_alpha", "pooling", "bidirectional", "prompt", "query_prompt", "doc_prompt")
-# Settings a resumed run may change, said when it does: they apply from the resumed step on.
-RESUME_NOTED = ("max_length", "model_dtype")
+# Settings a resumed run may change, said when it does: they apply from the resumed step on (the loss's among them:
+# the model card's command then names settings that trained only the steps from there).
+RESUME_NOTED = ("max_length", "model_dtype", "bf16", "fp16", "cosine_w", "ibn_w", "cln_w", "angle_w", "cosine_tau",
+                "ibn_tau", "angle_tau", "ibn_partition", "false_negative_margin", "false_negative_strategy",
+                "matryoshka_dims", "matryoshka_weights", "espresso", "espresso_dim", "arccon_margin", "arccon_tau",
+                "triplet_w")
+# The dev data a checkpoint's best score was measured on: scores on other dev data do not compare with it.
+RESUME_DEV_SETTINGS = ("dev_data", "dev_split")
+
+
+def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: TrainConfig) -> None:
+    """A resume with other dev data than the one that measured the checkpoint's best score is refused: the run would
+    compare scores on the new data with that score (and keep, or replace, best/ by it). Without --dev-data the best
+    stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared."""
+    if position.best is None or not cfg.dev_data or not saved.get("dev_data"):
+        return
+    current = asdict(cfg)
+    changed = {k: (saved.get(k), current[k]) for k in RESUME_DEV_SETTINGS if saved.get(k) != current[k]}
+    if changed:
+        detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        raise ValueError(f"cannot resume from {path} with other dev data ({detail}): its best model (step "
+                         f"{position.best_step}, {position.best_metric} {position.best:.4f}) was picked on the "
+                         "checkpoint's, and scores on other data do not compare with it. Resume with the checkpoint's "
+                         "dev data, or without --dev-data (the best stays the checkpoint's), or start a new run in a "
+                         "new --output-dir")
 
 
 def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig) -> None:

@@ -236,6 +236,7 @@ class TrainConfig:
             raise ValueError("--fsdp shards a full fine-tuning; with --lora the adapters are small: use DDP (leave "
                              "out --fsdp)")
         self._validate_arccse()
+        self._refuse_ignored_settings()
         self.column_map()
         return self
 
@@ -281,6 +282,39 @@ class TrainConfig:
         if self.pass_tokens is None:
             grad_cache = bool(self.chunk_size or self.chunk_tokens)
             self.pass_tokens = CPU_PASS_TOKENS if device_type == "cpu" and not grad_cache and not self.pack else 0
+
+    def changed(self, name: str) -> bool:
+        """Whether the setting `name` differs from its default (given by a flag, a --config file or train())."""
+        f = next(f for f in fields(self) if f.name == name)
+        return getattr(self, name) != (f.default_factory() if f.default is MISSING else f.default)
+
+    def _refuse_ignored_settings(self) -> None:
+        """Settings that apply only with another one, refused where that one is off: silently ignored, they would
+        leave the user believing a run trained as they asked."""
+        if not self.lora:
+            for name in LORA_SETTINGS:
+                if self.changed(name):
+                    raise ValueError(f"{flag_of(name)} sets up LoRA adapters, which train only with --lora 1: add "
+                                     "--lora 1, or leave it out")
+        if self.objective != "arccse":
+            for name in ARCCSE_SETTINGS:
+                if self.changed(name):
+                    raise ValueError(f"{flag_of(name)} is a setting of --objective arccse, and this run trains "
+                                     f"--objective {self.objective}: add --objective arccse, or leave it out")
+        if self.warmup >= 1 and self.warmup != int(self.warmup):
+            raise ValueError(f"--warmup {self.warmup:g}: a warmup of 1 or more is a number of steps, a whole one; a "
+                             "fraction of the steps is below 1")
+        half = {"float16": "--fp16", "bfloat16": "--bf16"}.get(self.model_dtype)
+        autocast = "--bf16" if self.bf16 else "--fp16" if self.fp16 else None
+        if half and autocast and (autocast != half or self.fp16):
+            raise ValueError(f"--model-dtype {self.model_dtype} with {autocast}: "
+                             + ("float16 weights take float16 gradients, which --fp16's loss scaling cannot unscale"
+                                if self.fp16 and half == "--fp16" else
+                                "the weights are one 16-bit type and the autocast the other")
+                             + f"; keep float32 weights (--model-dtype float32) with {autocast}, or leave out "
+                             f"{autocast}")
+        if not str(self.output_dir).strip():
+            raise ValueError("--output-dir must name a folder; got an empty one")
 
     def command_line(self) -> str:
         """The angle-train command that makes these settings: the flags of those that differ from the defaults (the
@@ -348,6 +382,11 @@ class TrainConfig:
             raise ValueError(f"--matryoshka-weights must be finite and > 0 (leave a width out to not train it); "
                              f"got {weights}")
         self.matryoshka_dims, self.matryoshka_weights = dims, weights
+
+
+# The settings that apply only with --lora 1, and only with --objective arccse (TrainConfig._refuse_ignored_settings)
+LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+ARCCSE_SETTINGS = ("text_column", "mask_rates", "arccon_margin", "arccon_tau", "triplet_w")
 
 
 def flag_of(name: str) -> str:

@@ -229,7 +229,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     preflight.check_device(cfg.device)
     if model is None:
         preflight.check_model_folder(cfg.model, "--model")
-    lock = run_lock.acquire(cfg.output_dir) if distributed.launched_rank() == 0 else None
+    lock = output_dir_lock(cfg.output_dir) if distributed.launched_rank() == 0 else None
     try:
         run = _setup(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn)
     except BaseException:
@@ -238,6 +238,18 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
         raise
     run.lock = lock
     return run
+
+
+def output_dir_lock(output_dir: str) -> run_lock.RunLock:
+    """run_lock.acquire, with a folder that cannot be made (a file in its place or in its path, no permission)
+    refused naming --output-dir."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output-dir {output_dir} is a file, not a folder: name a folder")
+    try:
+        return run_lock.acquire(output_dir)
+    except (FileExistsError, NotADirectoryError, PermissionError) as exc:
+        raise ValueError(f"--output-dir {output_dir}: the folder cannot be made or written ({exc.strerror}: "
+                         f"{exc.filename})") from None
 
 
 def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=None, loss_fn=None) -> Run:
@@ -279,6 +291,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
             check_labels(cfg, examples, fmt, train_examples is None)
         check_data_size(cfg, len(examples), "examples", train_examples is None)
     dev_set = dev_set_of(dev_examples, cfg)
+    check_data_settings(cfg, train_examples_given=train_examples is not None, dev_set=dev_set)
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
@@ -368,6 +381,30 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                given=given)
 
 
+# The loss weights a data format's loss does not read (angle_kernels.AngleLoss: format B's is the contrastive term
+# alone, as angle-emb's), refused when set
+FORMAT_IGNORES = {"A": ("cln_w",), "B": ("cosine_w", "ibn_w", "cln_w", "angle_w")}
+
+
+def check_data_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_set) -> None:
+    """Data settings that would be ignored, refused naming the flag: how to read a file or dataset (--data-format,
+    --train-split, and --columns unless a --dev-data file takes it) with built-in training data, --dev-split with a
+    built-in dev set, --eval-every without dev data."""
+    if cfg.train_data in BUILTIN_DATASETS and not train_examples_given:
+        # --columns reads a --dev-data file or dataset by column names too
+        columns_read = bool(cfg.dev_data) and cfg.dev_data not in BUILTIN_DATASETS
+        for name in ("data_format", "train_split") + (() if columns_read else ("columns",)):
+            if cfg.changed(name):
+                raise ValueError(f"{flag_of(name)} says how to read a file or dataset, and --train-data "
+                                 f"{cfg.train_data} is built in: leave out {flag_of(name)}")
+    if cfg.dev_data in BUILTIN_DATASETS and cfg.changed("dev_split"):
+        raise ValueError(f"--dev-split chooses a split of a Hugging Face dev dataset, and --dev-data {cfg.dev_data} "
+                         "is built in: leave out --dev-split")
+    if dev_set is None and cfg.changed("eval_every"):
+        raise ValueError(f"--eval-every {cfg.eval_every} evaluates on the dev data, and this run has none: give "
+                         "--dev-data, or leave out --eval-every")
+
+
 def check_format_settings(cfg: TrainConfig, fmt: str) -> None:
     """What the data format needs of the settings, checked once the data is read (before the model loads)."""
     if fmt == "A" and (cfg.query_prompt or cfg.doc_prompt):
@@ -377,6 +414,15 @@ def check_format_settings(cfg: TrainConfig, fmt: str) -> None:
         raise ValueError(f"--batch-size 1 with format {fmt}: every term of the loss compares a pair with the other "
                          "pairs of its batch (in-batch negatives, ranking), so one pair gives a loss of 0 and trains "
                          "nothing; use --batch-size 2 or more")
+    # a weight set to 0 turns off a term the format does not compute anyway (format B's odd Matryoshka widths take
+    # --angle-w 0); format B's one term is an in-batch-negative one, which --ibn-w does not weigh there
+    ignored = [flag_of(name) for name in FORMAT_IGNORES.get(fmt, ())
+               if cfg.changed(name) and (getattr(cfg, name) != 0 or (fmt, name) == ("B", "ibn_w"))]
+    if ignored:
+        raise ValueError(f"{', '.join(ignored)}: format {fmt} " + (
+            "trains the contrastive term of each query against the positives only (angle-emb's format B), so the "
+            "loss weights do not apply" if fmt == "B" else "has no hard negatives for --cln-w to weigh")
+            + f": leave out {', '.join(ignored)}")
     weights = {"A": ("cosine_w", "ibn_w", "angle_w"), "C": ("cosine_w", "ibn_w", "cln_w", "angle_w")}.get(fmt, ())
     if weights and not any(getattr(cfg, name) > 0 for name in weights):
         flags = ", ".join(flag_of(name) for name in weights)
@@ -1075,8 +1121,11 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
     if position.best is not None and cfg.save_best and (
             best_holds(best, position) or (position.best_step is None and os.path.isdir(best))):
         result.best_path = best
-    result.curves_path = tracking.plot_curves(run.log.metrics_path, os.path.join(cfg.output_dir, "curves.png"),
-                                              lr_curve=lr_curve(run))
+    try:
+        result.curves_path = tracking.plot_curves(run.log.metrics_path, os.path.join(cfg.output_dir, "curves.png"),
+                                                  lr_curve=lr_curve(run))
+    except OSError as exc:  # a picture of metrics.jsonl, which is written: a run whose models are in place is done
+        print(f"note: no curves.png ({exc.strerror or exc}): metrics.jsonl holds the curves' numbers", flush=True)
     if not result.history:  # resumed from a checkpoint of the last step: nothing was left to train
         print(f"done: the run had already reached its last step ({position.step}) when it was resumed; nothing "
               f"left to train{f', final model exported to {result.final_path}' if result.final_path else ''}",

@@ -52,6 +52,20 @@ TRAIN_MISTAKES = [
     (["--config", "mean.yaml"], "--config: setting 'pooling': invalid choice 'mean'"),
     (["--resume", "empty-checkpoint"], "cannot resume from empty-checkpoint"),
     (["--output-dir", "done"], "output_dir done holds an earlier run (final/)"),
+    (["--output-dir", ""], "--output-dir must name a folder"),
+    (["--output-dir", "pairs.xml"], "--output-dir pairs.xml is a file, not a folder"),
+    (["--output-dir", "pairs.xml/run"], "--output-dir pairs.xml/run: the folder cannot be made or written"),
+    # settings that apply only with another one, which is off: silently ignored before
+    (["--lora-r", "8"], "--lora-r sets up LoRA adapters, which train only with --lora 1"),
+    (["--text-column", "sentence"], "--text-column is a setting of --objective arccse"),
+    (["--warmup", "1.5"], "--warmup 1.5: a warmup of 1 or more is a number of steps, a whole one"),
+    (["--model-dtype", "float16", "--fp16", "1"], "float16 weights take float16 gradients"),
+    (["--model-dtype", "bfloat16", "--fp16", "1"], "the weights are one 16-bit type and the autocast the other"),
+    (["--eval-every", "5"], "--eval-every 5 evaluates on the dev data, and this run has none"),
+    (["--data-format", "A"], "--data-format says how to read a file or dataset, and --train-data builtin:demo is"),
+    (["--dev-data", "builtin:demo-sts", "--dev-split", "test"], "--dev-split chooses a split of a Hugging Face"),
+    (["--ibn-w", "0"], "--ibn-w: format B trains the contrastive term of each query against the positives only"),
+    (["--train-data", "builtin:demo-sts", "--cln-w", "2"], "--cln-w: format A has no hard negatives"),
 ]
 HUB_NAME = "owner/model"  # never looked up: each mistake below is found before the model loads
 EVAL_MISTAKES = [

@@ -4,6 +4,7 @@ that are not what they seem (a run's folder, damaged metadata or weights, no tok
 CPU out-of-memory with --auto-chunk, a signal after the final export. Nothing is lost and nothing is silent: each
 ends in one line naming the flag or file, a warning, or a run that does what it says. In-process, tiny models."""
 
+import errno
 import json
 import os
 import shutil
@@ -412,3 +413,15 @@ def test_a_signal_after_the_final_export_says_the_run_is_complete(tmp_path, caps
     out = capsys.readouterr().out
     assert f"SIGTERM: the run is complete (final model: {tmp_path / 'final'}); nothing left to checkpoint" in out
     assert "writing a checkpoint" not in out and result.final_path == str(tmp_path / "final")
+
+
+def test_a_full_disk_at_the_curves_leaves_a_finished_run_finished(tmp_path, capsys, monkeypatch):
+    """curves.png is drawn after final/ is in place: a write that fails there (a full disk) is a note, not an error
+    turning a finished run into a failed one (its models and metrics.jsonl are written)."""
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tracking, "plot_curves", disk_full)
+    result = train(_config(tmp_path, max_steps=2, save_every=0, save_final=True), train_examples=DATA)
+    assert result.final_path == str(tmp_path / "final") and result.curves_path is None
+    assert "note: no curves.png (No space left on device)" in capsys.readouterr().out
