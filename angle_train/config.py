@@ -322,8 +322,8 @@ class TrainConfig:
         model and the training data always."""
         words = ["angle-train"]
         for f in fields(self):
-            value, default = getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default
-            if (value == default and f.name not in ("model", "train_data")) or value is None:
+            value = getattr(self, f.name)
+            if (not self.changed(f.name) and f.name not in ("model", "train_data")) or value is None:
                 continue
             words += flag_words(f.name, value)
         return shlex.join(words)
