@@ -7,7 +7,7 @@
         --fsdp: state.pt without weights and optimizer; instead each process's shards of both, written by
         torch.distributed.checkpoint: __{r}_0.distcp per process and .metadata (sharding.py)
         manifest.json    the size and SHA-256 of every other file, written last
-    OUTPUT_DIR/best/                        the model with the best dev Spearman so far (an export: export.py)
+    OUTPUT_DIR/best/                        the model with the best dev score so far (an export: export.py)
     OUTPUT_DIR/checkpoints/best-step-N/     a best/ that a newer best replaced, kept while a kept checkpoint knows it
                                             as the best (so that a resume can put it back: reconcile_best)
     OUTPUT_DIR/final/                       the model after the last step (an export)
@@ -64,6 +64,7 @@ from .safe_loading import is_file_name, read_tensors_and_plain_values
 from .sharding import load_sharded, save_sharded
 from . import st_folder
 from .st_folder import META_FILE
+from .tracking import DEV_METRICS
 
 # Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
 RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
@@ -522,7 +523,7 @@ def _set_rng_state(state: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------- best/
 #
-# best/ records the step and the dev Spearman that made it the best (angle_train.json's "best"), and a checkpoint the
+# best/ records the step and the dev score that made it the best (angle_train.json's "best"), and a checkpoint the
 # best it knew (Position.best, best_step). A run resumed from a checkpoint must end with a best/ of that history: the
 # killed run may have replaced best/ after the checkpoint, with a model the resumed run never produces. So a best/
 # that a finished checkpoint knew as the best is not deleted when a newer best replaces it: it is moved to
@@ -624,6 +625,7 @@ def reconcile_best(cfg: TrainConfig, resume_from: str, position: Position) -> st
         return "ok"
     if best_holds(best, position):
         return "ok"
+    metric = DEV_METRICS[position.best_metric]  # the run's kind of dev score, named in the messages
     source_dir = _output_dir_of(resume_from)
     candidates = [kept_best_path(cfg.output_dir, position.best_step)]
     if source_dir is not None and os.path.realpath(source_dir) != os.path.realpath(cfg.output_dir):
@@ -637,16 +639,16 @@ def reconcile_best(cfg: TrainConfig, resume_from: str, position: Position) -> st
             else:
                 shutil.copytree(source, tmp)  # another run's folder: copied, never taken from it
             _swap_in(tmp, best)
-            print(f"best/: restored the checkpoint's best model (step {position.best_step}, dev Spearman "
+            print(f"best/: restored the checkpoint's best model (step {position.best_step}, {metric} "
                   f"{position.best:.4f}) from {source}", flush=True)
             return "ok"
     if position.best_step == position.step:
         return "export"
     if record is not None or os.path.isdir(best):
         _remove_stale_best(best, record, f"the checkpoint's best is step {position.best_step}")
-    print(f"angle-train: warning: the best model of {resume_from} (step {position.best_step}, dev Spearman "
+    print(f"angle-train: warning: the best model of {resume_from} (step {position.best_step}, {metric} "
           f"{position.best:.4f}) is neither in {best} nor beside the checkpoint; {best} is written again when this "
-          "run's dev Spearman beats it", file=sys.stderr, flush=True)
+          f"run's {metric} beats it", file=sys.stderr, flush=True)
     return "missing"
 
 

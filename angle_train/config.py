@@ -185,7 +185,8 @@ class TrainConfig:
     save_every: int = opt(0, "write a resumable checkpoint every N optimizer steps (0 = never)", group="run",
                           at_least=0)
     keep_checkpoints: int = opt(2, "how many resumable checkpoints to keep (0 = all)", group="run", at_least=0)
-    save_best: bool = opt(True, "keep the model with the best dev Spearman in output_dir/best", group="run")
+    save_best: bool = opt(True, "keep the model with the best dev score (Spearman, or nDCG@10 for (query, positive) "
+                          "pairs) in output_dir/best", group="run")
     save_final: bool = opt(True, "export the final model to output_dir/final", group="run")
     export_max_length: int = opt(None, "the maximum length best/ and final/ record for inference (sentence-"
                                  "transformers' max_seq_length, angle-eval's default); default: the base model's "

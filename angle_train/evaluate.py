@@ -25,15 +25,18 @@ CUDA when there is one, as for angle-train. Each PATH is read in the layout it i
 JSONL / CSV / TSV files with other column names are read with --columns (angle-train's): e.g. text1=sent_a
 text2=sent_b label=similarity.
 
-The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting:
-one correlation over every pair of a year's subsets together. `--json OUT` writes {dataset name: score} (the
-retrieval metrics as {name: {"recall@1": ..., ...}}). `--dims 256 64` scores the first 256 and 64 features of every
-embedding too (a Matryoshka model's widths; `--dims trained`: those an angle_train export was trained at), from the
-same embeddings, under "name@256" and "name@64" (a row per width in the table). The trainer's dev evaluation uses
-the same scores (dev_scores: the Spearman of scored pairs, the retrieval metrics of (query, positive) pairs). A
-progress bar per dataset counts the texts embedded, on stderr when it is a terminal (--progress 1 / 0: always /
-never). A mistake in the arguments, files or data is one line on stderr and
-status 2 (its traceback with --debug).
+The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting: one
+correlation over every pair of a year's subsets together. In retrieval a document scoring the same as a query's own
+positive ranks above it: a tie is never a win (sentence-transformers' InformationRetrievalEvaluator breaks ties by
+corpus id), so embeddings that are all alike rank every positive last, not first. A score that cannot be computed
+(embeddings holding NaN or Inf, or cosines all equal) is NaN: a line on stderr names the dataset, and the exit status
+is 1. `--json OUT` writes {dataset name: score} (the retrieval metrics as {name: {"recall@1": ..., ...}}; a NaN as
+null). `--dims 256 64` scores the first 256 and 64 features of every embedding too (a Matryoshka model's widths;
+`--dims trained`: those an angle_train export was trained at), from the same embeddings, under "name@256" and
+"name@64" (a row per width in the table). The trainer's dev evaluation uses the same scores (dev_scores: the Spearman
+of scored pairs, the retrieval metrics of (query, positive) pairs). A progress bar per dataset counts the texts
+embedded, on stderr when it is a terminal (--progress 1 / 0: always / never). A mistake in the arguments, files or
+data is one line on stderr and status 2 (its traceback with --debug).
 """
 
 from __future__ import annotations
@@ -180,16 +183,30 @@ def read_sick(path: str) -> list[Example]:
 
 
 # ------------------------------------------------------------------------------------------------- scoring
+RETRIEVAL_METRICS = ("recall@1", "recall@10", "ndcg@10")
+
+
+def non_finite_rows(*embeddings: torch.Tensor) -> int:
+    """How many of the embeddings (rows of each tensor) hold a NaN or an Inf."""
+    return sum(int((~torch.isfinite(rows)).any(dim=-1).sum()) for rows in embeddings)
+
+
 def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, block: int = 1024) -> dict:
     """recall@1, recall@10 and nDCG@10 of cosine retrieval where query i's one relevant document is document i,
-    ranked against every document (rows processed in blocks: no queries x documents matrix at once)."""
+    ranked against every document (rows processed in blocks: no queries x documents matrix at once). A document
+    scoring the same as the relevant one ranks above it: a tie is never a win, so embeddings that are all alike (a
+    collapsed model) rank every relevant document last, not first. Embeddings holding NaN or Inf have no cosine to
+    rank by: every metric is then NaN (angle-eval's exit status 1; never the trainer's best)."""
+    if non_finite_rows(queries, documents):
+        return dict.fromkeys(RETRIEVAL_METRICS, math.nan)
     queries = torch.nn.functional.normalize(queries.double(), dim=-1)
     documents = torch.nn.functional.normalize(documents.double(), dim=-1)
     ranks = []
     for start in range(0, queries.shape[0], block):
         scores = queries[start:start + block] @ documents.T
         own = scores[torch.arange(scores.shape[0]), torch.arange(start, start + scores.shape[0])]
-        ranks.append((scores > own[:, None]).sum(dim=1))  # 0 = ranked first (ties count in its favour)
+        # 0 = ranked first: the documents scoring at least the relevant one's score, less the relevant one itself
+        ranks.append((scores >= own[:, None]).sum(dim=1) - 1)
     rank = torch.cat(ranks).double()
     ndcg = torch.where(rank < 10, 1.0 / torch.log2(rank + 2.0), torch.zeros_like(rank))
     return {"recall@1": float((rank < 1).double().mean()), "recall@10": float((rank < 10).double().mean()),
@@ -220,12 +237,18 @@ def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, ba
 
 
 def spearman_by_dim(first: torch.Tensor, second: torch.Tensor, labels: list[float], dims) -> dict:
-    """{dim: Spearman's rho of cos(first[:, :dim], second[:, :dim]) against the labels} (dim None: whole rows)."""
+    """{dim: Spearman's rho of cos(first[:, :dim], second[:, :dim]) against the labels} (dim None: whole rows); NaN
+    where an embedding holds NaN or Inf (no cosine to correlate, as retrieval_metrics says) or every cosine is equal
+    (scipy's undefined correlation)."""
     from scipy.stats import spearmanr
 
     scores = {}
     for dim in dims:
-        cosine = torch.nn.functional.cosine_similarity(truncate(first, dim), truncate(second, dim), dim=-1)
+        first_rows, second_rows = truncate(first, dim), truncate(second, dim)
+        if non_finite_rows(first_rows, second_rows):
+            scores[dim] = math.nan
+            continue
+        cosine = torch.nn.functional.cosine_similarity(first_rows, second_rows, dim=-1)
         scores[dim] = float(spearmanr(cosine.numpy(), labels).statistic)
     return scores
 
@@ -526,7 +549,18 @@ def main(argv=None) -> int:
             with open(args.json_out, "w", encoding="utf-8") as f:
                 json.dump(_finite_or_none(results), f, indent=2, allow_nan=False)
                 f.write("\n")
-    return 0 if all(not isinstance(v, float) or math.isfinite(v) for v in results.values()) else 1
+    unscored = [name for name, value in results.items() if not _all_finite(value)]
+    for name in unscored:
+        print(f"angle-eval: {name}: no score (NaN): the model's embeddings hold NaN or Inf, or their cosines are all "
+              "equal", file=sys.stderr, flush=True)
+    return 1 if unscored else 0
+
+
+def _all_finite(value) -> bool:
+    """Whether every number in `value` (a score, or a retrieval result's dict of them) is finite."""
+    if isinstance(value, dict):
+        return all(_all_finite(v) for v in value.values())
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 def _finite_or_none(value):

@@ -65,7 +65,7 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     the live model (no copy: for the end of training on a large model); otherwise a copy is merged and the encoder
     keeps training unchanged. state_dict: the backbone's weights to write in place of its own (a sharded model's,
     gathered by sharding.full_state_dict). model_card: README.md's text. extra_meta: more entries of
-    angle_train.json (best/'s "best": the step and dev Spearman that made it the best).
+    angle_train.json (best/'s "best": the step and dev score that made it the best).
     """
     os.makedirs(path, exist_ok=True)
     if base_model and os.path.isdir(base_model):  # a local base, recorded so that it loads from anywhere

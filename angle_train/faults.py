@@ -6,6 +6,10 @@
                       the CLI), its last checkpoint untouched. Every process agrees (any_rank): one rank's NaN
                       skips the step everywhere. No checkpoint or export is written from non-finite weights
                       (check_finite_weights).
+    no dev score      a dev evaluation whose embeddings hold NaN or Inf (weights grown until the forward pass
+                      overflows: finite themselves), or whose Spearman is undefined (cosines all equal), is never
+                      a best model (trainer.improves), the first evaluation included; the log says why
+                      (trainer.report_unscored) and the run goes on, its non-finite steps skipped as above.
     SIGTERM / SIGINT  StopSignals records the first signal; the loop finishes the optimizer step in progress,
                       writes a checkpoint and raises Preempted (status EXIT_PREEMPTED = 75 from the CLI, "try
                       again": resume with --resume auto). Every process stops at the same step (any_rank). A

@@ -196,6 +196,12 @@ def has_numbers(row: dict, *keys: str) -> bool:
     return all(type(row.get(key)) in (int, float) for key in keys)
 
 
+def has_score(row: dict, key: str) -> bool:
+    """Whether a metrics row holds a finite number at `key`: an evaluation that gave no score (NaN: dev embeddings
+    holding NaN or Inf, or cosines all equal) has no point on the dev curve, whose axis limits must be finite."""
+    return has_numbers(row, key) and math.isfinite(row[key])
+
+
 def score_axis(scores: list[float]) -> tuple[float, float]:
     """The dev score axis's limits: the scores with a margin, at least MIN_SCORE_SPAN wide (centred on them), so
     that a few ten-thousandths of noise do not fill the panel like a trend."""
@@ -230,7 +236,7 @@ def plot_curves(metrics_path: str, png_path: str, lr_curve: list[tuple[int, floa
     rows = read_metrics(metrics_path)
     train_rows = [row for row in rows if has_numbers(row, "loss", "lr")]
     metric = dev_metric_of(rows)
-    eval_rows = [row for row in rows if metric is not None and has_numbers(row, metric)]
+    eval_rows = [row for row in rows if metric is not None and has_score(row, metric)]
     if not train_rows:
         return None
     panels = 3 if eval_rows else 2
@@ -245,11 +251,11 @@ def plot_curves(metrics_path: str, png_path: str, lr_curve: list[tuple[int, floa
         widths = sorted({key for row in eval_rows for key in row if re.fullmatch(re.escape(metric) + r"(@\d+)?", key)},
                         key=lambda key: -(width_of(key, metric) or math.inf))
         for key in widths:
-            points = [(row["step"], row[key]) for row in eval_rows if has_numbers(row, key)]
+            points = [(row["step"], row[key]) for row in eval_rows if has_score(row, key)]
             label = "full width" if key == metric else f"first {width_of(key, metric)} features"
             axes[2].plot(*zip(*points), marker="o", label=label)
         axes[2].set(title=DEV_METRICS[metric], xlabel="step",
-                    ylim=score_axis([row[key] for row in eval_rows for key in widths if has_numbers(row, key)]))
+                    ylim=score_axis([row[key] for row in eval_rows for key in widths if has_score(row, key)]))
         axes[2].legend(fontsize="small")
     for axis in axes:
         axis.grid(alpha=0.3)

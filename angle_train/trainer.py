@@ -50,7 +50,7 @@ from .data import (
 from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
     RetrievalSet, StsSet, check_scored, dataset_of, dev_inputs, dev_metric, encoding_progress, library_progress_bars,
-    read_dataset, scores_of_embeddings,
+    non_finite_rows, read_dataset, scores_of_embeddings,
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import LoraSettings, LoraTargetError, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
@@ -914,7 +914,8 @@ def evaluate(run: Run) -> None:
     """The dev score (evaluate.dev_scores: Spearman for scored pairs, nDCG@10 for (query, positive) pairs), and at
     each narrower trained width too (KEY@d: --matryoshka-dims, --espresso-dim); a new best model by the full width's
     score is exported to output_dir/best. Every process then holds the best score, which is part of the position a
-    checkpoint saves."""
+    checkpoint saves. A score that is not finite (dev embeddings holding NaN or Inf; a Spearman of cosines all equal)
+    is never a best (improves): its row holds the NaN and the log says why (report_unscored)."""
     position, sharded = run.position, run.cfg.fsdp
     metric = position.best_metric
     width = run.encoder.embedding_dim
@@ -923,7 +924,7 @@ def evaluate(run: Run) -> None:
     improved = False
     if embeddings is not None:
         scores = scores_of_embeddings(run.dev_set, embeddings, truncated)
-        improved = position.best is None or scores[metric] > position.best
+        improved = improves(scores[metric], position.best)
     if sharded:  # the gather below is a collective: every process follows the main process's decision
         improved = distributed.broadcast_from_main(improved, run.dist_info)
     if improved and run.cfg.save_best:
@@ -941,8 +942,36 @@ def evaluate(run: Run) -> None:
         run.log.write(row)
         print(f"\nstep {position.step}: {tracking.DEV_METRICS[metric]} {score:.4f}" + (" (best)" if improved else "")
               + "".join(f" | @{d} {scores[f'{metric}@{d}']:.4f}" for d in truncated), flush=True)
+        if not math.isfinite(score):
+            report_unscored(run, embeddings)
     position.best, position.best_step = distributed.broadcast_from_main((position.best, position.best_step),
                                                                         run.dist_info)
+
+
+def improves(score: float, best: float | None) -> bool:
+    """Whether a dev score makes a new best model. One that is not finite (the evaluation's NaN: dev embeddings
+    holding NaN or Inf, or a Spearman of cosines all equal) never does: NaN compares false with every number, so a
+    NaN first score would stay the best for good. A finite one beats a best that is not finite (a checkpoint written
+    before this rule)."""
+    return math.isfinite(score) and (best is None or not math.isfinite(best) or score > best)
+
+
+def report_unscored(run: Run, embeddings: list[torch.Tensor]) -> None:
+    """Say why the dev evaluation at this step gave no score, that best/ is left as it was, and what the run does:
+    it goes on, as after a skipped step (faults.py): a model whose weights overflowed has its optimizer steps skipped
+    too, and --max-bad-steps of them in a row stop the run."""
+    position, metric, limit = run.position, tracking.DEV_METRICS[run.position.best_metric], run.cfg.max_bad_steps
+    bad = non_finite_rows(*embeddings)
+    why = (f"{bad} of {sum(len(rows) for rows in embeddings)} dev embeddings hold NaN or Inf (an overflow in the "
+           "encoder's forward pass)" if bad else "every dev cosine is equal, so the correlation is undefined (the "
+           "embeddings collapsed)")
+    kept = ("no best model yet" if position.best is None else
+            f"the best stays {metric} {position.best:.4f}" + (f" (step {position.best_step})"
+                                                               if position.best_step is not None else ""))
+    goes_on = "" if position.step >= run.total_steps else (
+        "; training goes on: a step whose embeddings, loss or gradient norm are not finite is skipped"
+        + (f", and {limit} in a row stop the run" if limit else ""))
+    print(f"step {position.step}: no dev score: {why}; not a best model, {kept}{goes_on}", flush=True)
 
 
 def dev_embeddings(run: Run) -> list[torch.Tensor] | None:

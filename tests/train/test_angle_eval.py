@@ -3,6 +3,7 @@ in SentEval's "all" setting, retrieval metrics of format-B data, and agreement w
 EmbeddingSimilarityEvaluator on the shipped STS-B test file for an exported model."""
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -13,7 +14,7 @@ from scipy.stats import spearmanr
 from train_helpers import make_encoder, minilm_dir
 
 from angle_train.data import DataError
-from angle_train.evaluate import RetrievalSet, StsSet, main, read_dataset, retrieval_metrics
+from angle_train.evaluate import RetrievalSet, StsSet, main, read_dataset, retrieval_metrics, spearman_by_dim
 from angle_train.export import save_pretrained
 
 STSB = Path(os.environ.get("ANGLE_STSB_DIR", Path(__file__).resolve().parents[3] / "shared" / "data" / "stsbenchmark"))
@@ -195,12 +196,43 @@ def test_retrieval_metrics_against_a_brute_force_ranking():
     got = retrieval_metrics(queries, documents, block=8)
     sims = torch.nn.functional.normalize(queries.double(), dim=1) @ torch.nn.functional.normalize(documents.double(),
                                                                                                    dim=1).T
-    ranks = [int((sims[i] > sims[i, i]).sum()) for i in range(37)]
+    ranks = [sum(float(sims[i, j]) >= float(sims[i, i]) for j in range(37) if j != i) for i in range(37)]
     assert got["recall@1"] == pytest.approx(sum(r == 0 for r in ranks) / 37)
     assert got["recall@10"] == pytest.approx(sum(r < 10 for r in ranks) / 37)
     assert got["ndcg@10"] == pytest.approx(sum(1 / torch.log2(torch.tensor(r + 2.0)).item() for r in ranks
                                                if r < 10) / 37)
     assert got["recall@1"] >= 5 / 37
+
+
+def test_a_tie_is_never_a_win_and_non_finite_embeddings_are_never_a_score(tmp_path, capsys):
+    """A document scoring the same as a query's own positive ranks above it: embeddings that are all alike (a
+    collapsed model) rank every positive last, and NaN embeddings (a model whose weights overflowed) give NaN, where
+    both once ranked every positive first, a perfect nDCG@10. angle-eval says which dataset had no score and exits
+    with status 1, the JSON holding null."""
+    n = 12
+    collapsed = retrieval_metrics(torch.ones(n, 8), torch.ones(n, 8))
+    assert collapsed == {"recall@1": 0.0, "recall@10": 0.0, "ndcg@10": 0.0}  # rank 11 of 12 for every query
+    queries, documents = torch.eye(n), torch.eye(n)  # each query's own positive alone at cosine 1: all first
+    documents[1] = queries[0]
+    queries[1] = queries[0]  # queries 0 and 1 both score 1 against documents 0 and 1: each ties, second place
+    tied = retrieval_metrics(queries, documents, block=5)
+    assert tied["recall@1"] == pytest.approx((n - 2) / n) and tied["recall@10"] == 1.0
+    assert tied["ndcg@10"] == pytest.approx((n - 2 + 2 / math.log2(3)) / n)
+    for poisoned in ("nan", "inf"):
+        rows = torch.randn(n, 8)
+        rows[3, 0] = float(poisoned)
+        assert all(math.isnan(v) for v in retrieval_metrics(rows, torch.randn(n, 8)).values())
+        assert all(math.isnan(v) for v in retrieval_metrics(torch.randn(n, 8), rows).values())
+        assert math.isnan(spearman_by_dim(rows, torch.randn(n, 8), list(range(n)), [None])[None])
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    retrieval = _write(tmp_path / "nq-mini.jsonl", [json.dumps({"query": a, "positive": b}) for a, b in PAIRS])
+    out = tmp_path / "results.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(encoder), "encode", lambda self, texts, *a, **k: torch.full((len(texts), 32), math.nan))
+        assert main([export, str(retrieval), "--json", str(out)]) == 1
+    assert json.loads(out.read_text()) == {"nq-mini": {"recall@1": None, "recall@10": None, "ndcg@10": None}}
+    assert "angle-eval: nq-mini: no score (NaN)" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # about 20 s: 2 x 2,758 texts through all-MiniLM-L6-v2 on 2 cores

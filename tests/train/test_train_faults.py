@@ -5,6 +5,8 @@ a second signal stops at once, out of memory names what to change and --auto-chu
 Every process agrees under DDP (2 gloo processes)."""
 
 import copy
+import json
+import math
 import os
 import signal
 import subprocess
@@ -20,6 +22,7 @@ from angle_kernels import AngleLoss
 from angle_kernels.testing.helpers import start_ranks
 from angle_train import faults
 from angle_train.checkpoint import checkpoint_problem, finished_checkpoints, save_checkpoint
+from angle_train.tracking import CURVES_METADATA_KEY, DEV_METRICS
 from angle_train.tiny import demo_examples
 from angle_train.trainer import optimizer_step, setup, train
 
@@ -144,6 +147,50 @@ def test_non_finite_embeddings_skip_the_step_and_the_run_goes_on(tmp_path, objec
     assert [row["skipped"] for row in result.history] == [False, True, False, False]
     assert "step 2: skipped, non-finite embeddings" in capsys.readouterr().out
     assert (tmp_path / "final").is_dir() and all(torch.isfinite(p).all() for p in result.encoder.parameters())
+
+
+@pytest.mark.parametrize("dev, broken", [("retrieval", "nan"), ("sts", "nan"), ("sts", "collapsed")])
+@pytest.mark.filterwarnings("ignore:An input array is constant")  # scipy, on the collapsed model's cosines
+def test_a_dev_evaluation_without_a_finite_score_is_never_the_best(tmp_path, monkeypatch, capsys, dev, broken):
+    """Dev embeddings holding NaN (weights that overflowed, finite but huge) or all alike (collapsed: every cosine
+    equal, Spearman undefined) give no score: never a best, not even at the first evaluation (a NaN best stood for
+    good, no score comparing above it; NaN embeddings once scored dev nDCG@10 1.0 and were exported as best/). The
+    log says why and the run goes on; the next finite score is the best, and curves.png leaves the NaNs out."""
+    from angle_train import trainer
+    from angle_train.checkpoint import best_record
+    from angle_train.evaluate import RetrievalSet
+    from angle_train.tiny import demo_sts_examples
+
+    pairs = demo_examples(12, seed=5)
+    dev_set = (RetrievalSet("dev", [ex.texts[0] for ex in pairs], [ex.texts[1] for ex in pairs]) if dev == "retrieval"
+               else demo_sts_examples(12, seed=5))
+    embed = trainer.dev_embeddings
+
+    def broken_at_steps_1_and_3(run):
+        embeddings = embed(run)
+        if run.position.step not in (1, 3):
+            return embeddings
+        return [rows * math.nan if broken == "nan" else torch.ones_like(rows) for rows in embeddings]
+
+    monkeypatch.setattr(trainer, "dev_embeddings", broken_at_steps_1_and_3)
+    result = train(_config(tmp_path, max_steps=3, eval_every=1), model=make_encoder(), train_examples=DATA,
+                   dev_examples=dev_set)
+    metric = "dev_ndcg@10" if dev == "retrieval" else "dev_spearman"
+    first, second, third = (row[metric] for row in result.evals)
+    assert math.isnan(first) and math.isfinite(second) and math.isnan(third)
+    assert [row[f"best_{metric}"] for row in result.evals] == [None, second, second]
+    assert result.best_score == second and best_record(str(tmp_path / "best")) == {"step": 2, metric: second}
+    out = capsys.readouterr().out
+    why = ("24 of 24 dev embeddings hold NaN or Inf (an overflow in the encoder's forward pass)" if broken == "nan"
+           else "every dev cosine is equal, so the correlation is undefined (the embeddings collapsed)")
+    assert f"step 1: no dev score: {why}" in out and "not a best model, no best model yet; training goes on" in out
+    assert f"step 3: no dev score: {why}; not a best model, the best stays {DEV_METRICS[metric]} {second:.4f} " \
+           "(step 2)" in out
+    if result.curves_path is not None:  # with matplotlib
+        from PIL import Image
+
+        with Image.open(result.curves_path) as image:
+            assert json.loads(image.text[CURVES_METADATA_KEY])["dev_steps"] == [2]
 
 
 def test_no_checkpoint_is_written_from_non_finite_weights(tmp_path):

@@ -265,14 +265,14 @@ def test_a_checkpoint_restores_every_random_generator(tmp_path):
 DEV = demo_sts_examples(12, seed=5)
 
 
-def _scripted_dev_scores(monkeypatch, scores: list[float]):
-    """Each evaluation's dev Spearman taken in turn from `scores` (the models are random: the order of bests is
-    what the tests are about)."""
+def _scripted_dev_scores(monkeypatch, scores: list[float], metric: str = "dev_spearman"):
+    """Each evaluation's dev score (`metric`: the dev data's kind, tracking.DEV_METRICS) taken in turn from `scores`
+    (the models are random: the order of bests is what the tests are about)."""
     from angle_train import trainer
 
     left = list(scores)
     monkeypatch.setattr(trainer, "scores_of_embeddings", lambda dev_set, embeddings, dims:
-                        {"dev_spearman": left.pop(0), **{f"dev_spearman@{dim}": left.pop(0) for dim in dims}})
+                        {metric: left.pop(0), **{f"{metric}@{dim}": left.pop(0) for dim in dims}})
 
 
 def _best_config(out, **overrides):
@@ -362,6 +362,31 @@ def test_resuming_into_a_new_folder_reports_only_a_best_model_it_holds(tmp_path,
     else:
         assert resumed.best_path is None and not (tmp_path / "run2" / "best").exists()
         assert "warning: the best model of" in capsys.readouterr().err
+
+
+def test_resume_messages_about_the_best_model_name_the_runs_dev_score(tmp_path, monkeypatch, capsys):
+    """A run that picks best/ by dev nDCG@10 ((query, positive) dev data) says so when a resume restores its best
+    model and when it warns that the model is gone (both said dev Spearman, whatever the run's score)."""
+    import shutil
+
+    from angle_train.evaluate import RetrievalSet
+
+    data, pairs = (demo_examples(20, seed=3), "B"), demo_examples(12, seed=5)
+    dev = RetrievalSet("dev", [ex.texts[0] for ex in pairs], [ex.texts[1] for ex in pairs])
+    _scripted_dev_scores(monkeypatch, [0.5, 0.3, 0.2, 0.1], metric="dev_ndcg@10")
+    train(_best_config(tmp_path / "run1"), train_examples=data, dev_examples=dev)  # best: step 1
+    step_2 = str(tmp_path / "run1" / "checkpoints" / "step-00000002")
+    capsys.readouterr()
+    _scripted_dev_scores(monkeypatch, [0.2, 0.1], metric="dev_ndcg@10")
+    train(_best_config(tmp_path / "run2", resume=step_2), train_examples=data, dev_examples=dev)
+    assert (f"best/: restored the checkpoint's best model (step 1, dev nDCG@10 0.5000) from "
+            f"{tmp_path / 'run1' / 'best'}") in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "run1" / "best")
+    _scripted_dev_scores(monkeypatch, [0.2, 0.1], metric="dev_ndcg@10")
+    train(_best_config(tmp_path / "run3", resume=step_2), train_examples=data, dev_examples=dev)
+    warning = capsys.readouterr().err
+    assert f"the best model of {step_2} (step 1, dev nDCG@10 0.5000) is neither in" in warning
+    assert "written again when this run's dev nDCG@10 beats it" in warning
 
 
 def test_resumed_metrics_rows_average_the_same_steps_as_the_uninterrupted_run(tmp_path, capsys):
