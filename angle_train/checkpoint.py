@@ -1,6 +1,7 @@
 """Checkpoints: everything a killed run needs to continue exactly; the best and the final model.
 
-    OUTPUT_DIR/checkpoints/step-00000300/   every --save-every steps; the newest --keep-checkpoints are kept
+    OUTPUT_DIR/checkpoints/step-00000300/   every --save-every steps; the newest --keep-checkpoints are kept, and the
+                                            last good one too (Position.good_checkpoint: prune_checkpoints)
         state.pt         trainable weights, optimizer, LR schedule, loss scaler, data position, settings
         rng-rank{r}.pt   process r's random generators (python, numpy, torch, CUDA), so that dropout draws
                          the masks the uninterrupted run would have drawn
@@ -86,8 +87,10 @@ class Position:
     at, the best dev score so far (None before the first evaluation; best_metric: which, tracking.DEV_METRICS) and
     the step it was measured at, the steps
     skipped as non-finite (in all, and in a row up to now), and the losses of the steps since the last metrics row
-    (whose mean the next row logs: restored on resume, so that a resumed run logs what an uninterrupted one does).
-    Checkpoints written before best_step and loss_window existed load with their defaults."""
+    (whose mean the next row logs: restored on resume, so that a resumed run logs what an uninterrupted one does),
+    and the step of the last good checkpoint of output_dir: the newest one whose weights a finite step was taken
+    from (trainer.trust_checkpoint; None before there is one). Checkpoints written before best_step, loss_window and
+    good_checkpoint existed load with their defaults."""
 
     step: int = 0
     epoch: int = 0
@@ -98,6 +101,7 @@ class Position:
     best_step: int | None = None
     loss_window: list = field(default_factory=list)
     best_metric: str = "dev_spearman"
+    good_checkpoint: int | None = None
 
 
 # ------------------------------------------------------------------------------------------------ folders
@@ -291,7 +295,8 @@ def checkpoint_problem(folder: str) -> str | None:
 
 def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *, encoder, optimizer, scheduler,
                     scaler, sharded: bool = False) -> str:
-    """Write checkpoints/step-N (N = position.step), then delete the oldest beyond cfg.keep_checkpoints.
+    """Write checkpoints/step-N (N = position.step), then delete the oldest beyond cfg.keep_checkpoints but the last
+    good one (prune_checkpoints).
 
     Every process calls this: the main process writes the shared state, each process its own RNG state (and,
     sharded, its own shards of the weights and optimizer state).
@@ -318,12 +323,36 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
         with _failed_write_cleaned(tmp, cfg.output_dir):
             write_manifest(tmp)
         _swap_in(tmp, path)
-        if cfg.keep_checkpoints > 0:
-            for old in finished_checkpoints(cfg.output_dir)[:-cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        prune_kept_bests(cfg.output_dir)
+        prune_checkpoints(cfg.output_dir, keep=cfg.keep_checkpoints, good_step=position.good_checkpoint)
     barrier(dist_info)
     return path
+
+
+def prune_checkpoints(output_dir: str, *, keep: int, good_step: int | None) -> None:
+    """Delete the checkpoints older than the newest `keep` (0: none), except the last good one (good_step:
+    Position.good_checkpoint), then the kept bests no kept checkpoint knows (main process).
+
+    The newest checkpoints are not known to be good: the update before one of them may have left weights that are
+    finite but so large that every later step is non-finite (found only at the next step), and the checkpoints
+    written while those steps are skipped hold the same weights. Pruned by step alone, they pushed the last good
+    checkpoint out, and the run stopped with nothing to resume from but weights that could not train."""
+    if keep > 0:
+        for old in finished_checkpoints(output_dir)[:-keep]:
+            if _step_of(old) != good_step:
+                shutil.rmtree(old, ignore_errors=True)
+    prune_kept_bests(output_dir)
+
+
+def _step_of(checkpoint: str) -> int:
+    return int(CHECKPOINT_NAME.fullmatch(os.path.basename(checkpoint)).group(1))
+
+
+def is_own_checkpoint(output_dir: str, checkpoint: str) -> bool:
+    """Whether `checkpoint` is one of output_dir's own (OUTPUT_DIR/checkpoints/step-N, also through links), rather
+    than another output folder's."""
+    parent = os.path.dirname(os.path.abspath(checkpoint))
+    return (CHECKPOINT_NAME.fullmatch(os.path.basename(os.path.normpath(checkpoint))) is not None
+            and os.path.realpath(parent) == os.path.realpath(os.path.join(output_dir, "checkpoints")))
 
 
 @contextlib.contextmanager
@@ -566,8 +595,7 @@ def _kept_bests(output_dir: str) -> dict[int, str]:
 
 
 def _checkpoint_steps(output_dir: str) -> list[int]:
-    return [int(CHECKPOINT_NAME.fullmatch(os.path.basename(path)).group(1))
-            for path in finished_checkpoints(output_dir)]
+    return [_step_of(path) for path in finished_checkpoints(output_dir)]
 
 
 def _keep_best_of_checkpoints(output_dir: str) -> None:

@@ -184,7 +184,8 @@ class TrainConfig:
     eval_batch_size: int = opt(128, "texts per forward pass during evaluation", group="run", at_least=1)
     save_every: int = opt(0, "write a resumable checkpoint every N optimizer steps (0 = never)", group="run",
                           at_least=0)
-    keep_checkpoints: int = opt(2, "how many resumable checkpoints to keep (0 = all)", group="run", at_least=0)
+    keep_checkpoints: int = opt(2, "how many resumable checkpoints to keep (0 = all), besides the last good one (the "
+                                "newest a finite step was taken from)", group="run", at_least=0)
     save_best: bool = opt(True, "keep the model with the best dev score (Spearman, or nDCG@10 for (query, positive) "
                           "pairs) in output_dir/best", group="run")
     save_final: bool = opt(True, "export the final model to output_dir/final", group="run")

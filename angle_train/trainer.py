@@ -38,8 +38,8 @@ from angle_kernels.inputs import check_nested, espresso_layer_weights
 
 from . import arccse, distributed, faults, preflight, run_lock, sharding, st_folder, tracking
 from .checkpoint import (
-    Position, best_holds, checkpoint_path, checkpoint_to_resume, finished_checkpoints, load_checkpoint,
-    reconcile_best, remove_earlier_run, save_best, save_checkpoint, save_final,
+    Position, best_holds, checkpoint_path, checkpoint_to_resume, finished_checkpoints, is_own_checkpoint,
+    load_checkpoint, prune_checkpoints, reconcile_best, remove_earlier_run, save_best, save_checkpoint, save_final,
 )
 from .cli_common import resolve_device
 from .config import TrainConfig, flag_of
@@ -127,6 +127,8 @@ def _train(cfg: TrainConfig, *, model, train_examples, dev_examples, loss_fn, on
                 run.result.history.append(row)
                 step = row["step"]
                 with run.log.paused():  # pairs/s and tokens/s measure training, not evaluation or checkpoints
+                    if not row["skipped"] and run.unverified_checkpoint is not None:
+                        trust_checkpoint(run)
                     if run.dev_set and (every(cfg.eval_every, step) or step == run.total_steps):
                         evaluate(run)
                     saved = every(cfg.save_every, step)
@@ -169,8 +171,20 @@ def save(run: Run) -> str:
     """A resumable checkpoint of the run at its current position (the losses logged since the last metrics row
     included)."""
     run.position.loss_window = list(run.log.losses)
-    return save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
+    path = save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
                            scheduler=run.scheduler, scaler=run.scaler, sharded=run.cfg.fsdp)
+    run.unverified_checkpoint = run.position.step
+    return path
+
+
+def trust_checkpoint(run: Run) -> None:
+    """After a finite step taken from the weights of the newest checkpoint (no finite step came between: the steps
+    since it was written, if any, were skipped and changed nothing): that checkpoint is the last good one now
+    (Position.good_checkpoint), which pruning keeps beyond --keep-checkpoints until a newer one is good, and the
+    good one before it may go."""
+    run.position.good_checkpoint, run.unverified_checkpoint = run.unverified_checkpoint, None
+    if run.dist_info.is_main:
+        prune_checkpoints(run.cfg.output_dir, keep=run.cfg.keep_checkpoints, good_step=run.position.good_checkpoint)
 
 
 def fresh_gradient_buckets(run: Run) -> None:
@@ -219,6 +233,9 @@ class Run:
     loss_name: str = "AngleLoss"  # AngleLoss, ArcCSELoss, or the loss_fn given to train()
     given: tuple = ()  # which of train()'s model, train_examples, dev_examples replaced flags (the model cards)
     resumed_from: str | None = None  # the checkpoint the run continues from
+    # the step of output_dir's newest checkpoint of this run (written, or resumed from) until a finite step is taken
+    # from its weights (trust_checkpoint), None after that
+    unverified_checkpoint: int | None = None
     data_ahead: OneAhead = field(default_factory=OneAhead)  # the next step's batches, made while this one runs
 
 
@@ -341,11 +358,15 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         # earlier run whole
         remove_earlier_run(cfg.output_dir)
     distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
-    position = Position()
+    position, unverified_checkpoint = Position(), None
     if resume_from:
         position = load_checkpoint(resume_from, cfg, dist_info, encoder=encoder, optimizer=optimizer,
                                    scheduler=scheduler, scaler=scaler)
         check_dev_metric(resume_from, position, dev_set)
+        if is_own_checkpoint(cfg.output_dir, resume_from):
+            unverified_checkpoint = position.step
+        else:
+            position.good_checkpoint = None  # a step of the other folder's checkpoints, none of output_dir's
     if dev_set is not None:
         position.best_metric = dev_metric(dev_set)
 
@@ -378,7 +399,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                                   # the dev set's, or a checkpoint's best's when resumed without dev data
                                   best_metric=position.best_metric if dev_set or position.best is not None else None),
                command=command, loss_name=loss_name, resumed_from=resume_from, data_ahead=OneAhead(device),
-               given=given)
+               given=given, unverified_checkpoint=unverified_checkpoint)
 
 
 # The loss weights a data format's loss does not read (angle_kernels.AngleLoss: format B's is the contrastive term
@@ -730,12 +751,20 @@ def report_bad_step(run: Run, row: dict, data_position: tuple[int, int], n_batch
               "rate unchanged "
               f"({position.bad_streak} in a row{f', the run stops at {limit}' if limit else ''})", flush=True)
     if limit and position.bad_streak >= limit:
-        done = finished_checkpoints(run.cfg.output_dir)
-        kept = f"the last checkpoint, {done[-1]}, is untouched" if done else "no checkpoint was written"
+        advice = ("a lower --lr, more --warmup, float32 or bf16 rather than fp16, or a look at the data at that "
+                  "position")
+        good = None if position.good_checkpoint is None else checkpoint_path(run.cfg.output_dir,
+                                                                               position.good_checkpoint)
+        if good in finished_checkpoints(run.cfg.output_dir):
+            # not simply the newest checkpoint: the update before it may have left the weights these steps failed on
+            ahead = (f"The last good checkpoint (a finite step was taken from its weights) is {good}; any newer one "
+                     f"holds the weights these steps started from. Resume from it (--resume {good}) with {advice}")
+        else:
+            ahead = ("No checkpoint is known to be good (none has had a finite step taken from its weights). Try "
+                     f"{advice}")
         raise faults.NonFiniteTrainingError(
             f"{position.bad_streak} optimizer steps in a row (the last: step {row['step']}, data at {where}) had "
-            f"non-finite embeddings, loss or gradient norm; none of them changed the weights, and {kept}. Lower --lr, "
-            "raise --warmup, train in float32 or bf16 rather than fp16, or check the data at that position")
+            f"non-finite embeddings, loss or gradient norm; none of them changed the weights. {ahead}")
 
 
 def accumulate_gradients(run: Run, batches: list[list[int]]) -> tuple[float, tuple[int, int]]:

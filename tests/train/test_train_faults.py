@@ -1,8 +1,8 @@
 """Training faults other than damaged checkpoints (those: test_checkpoint_faults.py): a non-finite step is skipped
-and leaves everything as it was, too many in a row stop the run with the last checkpoint untouched, no checkpoint
-holds a non-finite weight, SIGTERM finishes the step and writes a checkpoint from which resume is bit-identical,
-a second signal stops at once, out of memory names what to change and --auto-chunk retries with half the chunk.
-Every process agrees under DDP (2 gloo processes)."""
+and leaves everything as it was, too many in a row stop the run naming the last good checkpoint (which pruning
+keeps), no checkpoint holds a non-finite weight, SIGTERM finishes the step and writes a checkpoint from which resume
+is bit-identical, a second signal stops at once, out of memory names what to change and --auto-chunk retries with
+half the chunk. Every process agrees under DDP (2 gloo processes)."""
 
 import copy
 import json
@@ -107,8 +107,11 @@ def test_resume_after_a_skipped_step_is_exact(tmp_path):
 
 
 def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
+    """The run stops naming step 1's checkpoint: step 2's weights (in the step-2 and step-3 checkpoints) gave the
+    failing steps."""
     poisoned = PoisonedLoss(bad=[3, 4, 5])
-    with pytest.raises(faults.NonFiniteTrainingError, match=r"2 optimizer steps in a row .*step 4.*step-00000003"):
+    with pytest.raises(faults.NonFiniteTrainingError, match=r"2 optimizer steps in a row .*step 4.*last good "
+                       r"checkpoint .* is \S*step-00000001;"):
         train(_config(tmp_path, max_steps=6, save_every=1, max_bad_steps=2, save_final=True), model=make_encoder(),
               train_examples=DATA, loss_fn=poisoned, on_step=poisoned.on_step)
     done = finished_checkpoints(str(tmp_path))
@@ -117,6 +120,29 @@ def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
     state = torch.load(os.path.join(done[-1], "state.pt"), weights_only=True)
     assert all(torch.isfinite(w).all() for w in state["model"].values())
     assert state["position"]["bad_streak"] == 1
+
+
+def test_checkpoints_written_while_steps_fail_never_push_out_the_last_good_one(tmp_path):
+    """--keep-checkpoints 2, a checkpoint every step, steps 4-6 non-finite: the checkpoints of steps 3-5 hold
+    weights that gave non-finite steps, and pruned by step alone they pushed out step 2's, the last one a finite
+    step was taken from. It stays, the error names it, and a run resumed from it trains on."""
+    poisoned = PoisonedLoss(bad=[4, 5, 6])
+    settings = {"max_steps": 8, "save_every": 1, "keep_checkpoints": 2, "max_bad_steps": 3}
+    good = os.path.join(str(tmp_path), "checkpoints", "step-00000002")
+    with pytest.raises(faults.NonFiniteTrainingError, match=f"last good checkpoint .* is {good};"):
+        train(_config(tmp_path, **settings), model=make_encoder(), train_examples=DATA, loss_fn=poisoned,
+              on_step=poisoned.on_step)
+    assert [os.path.basename(path) for path in finished_checkpoints(str(tmp_path))] == [
+        "step-00000002", "step-00000004", "step-00000005"]
+    assert checkpoint_problem(good) is None
+    assert torch.load(os.path.join(good, "state.pt"), weights_only=True)["position"]["bad_streak"] == 0
+    clean = PoisonedLoss(bad=[], first_step=3)
+    resumed = train(_config(tmp_path, **settings, resume=good), model=make_encoder(), train_examples=DATA,
+                    loss_fn=clean, on_step=clean.on_step)
+    assert [row["skipped"] for row in resumed.history] == [False] * 6
+    # once a step from a newer checkpoint is finite, the older good one goes: --keep-checkpoints again
+    assert [os.path.basename(path) for path in finished_checkpoints(str(tmp_path))] == [
+        "step-00000007", "step-00000008"]
 
 
 class OverflowingForward:
