@@ -32,13 +32,14 @@ file holding anything else is refused with UnsafeCheckpointError (safe_loading.p
 anything in it runs. A manifest names only files of its own folder: one naming another path (../x, /x, sub/x,
 a link out of the folder) does not match, and nothing it names is read.
 
-Two starts are refused: a fresh run in an output folder that holds an earlier run (unless --overwrite: it would
-replace or orphan that run's outputs), and a resume whose data settings (RESUME_MUST_MATCH) differ from the
-checkpoint's (it would silently skip or repeat training data). The optimizer and schedule settings
-(RESUME_APPLIES) may change on resume and take effect from the resumed step: the learning rate there is the one the
-new settings' schedule gives at that step (as if the run had used them from the start), AdamW's moments carry over,
-and the run says which settings changed; so do the loss's settings and the precision (RESUME_NOTED). Other dev data
-than the one that measured the checkpoint's best score is refused (RESUME_DEV_SETTINGS).
+Two starts are refused: a fresh run, or a resume from another output folder's checkpoint, in an output folder that
+holds an earlier run (unless --overwrite: it would replace or orphan that run's outputs), and a resume whose data
+settings (RESUME_MUST_MATCH) differ from the checkpoint's (it would silently skip or repeat training data). The
+optimizer and schedule settings (RESUME_APPLIES) may change on resume and take effect from the resumed step: the
+learning rate there is the one the new settings' schedule gives at that step (as if the run had used them from the
+start), AdamW's moments carry over, and the run says which settings changed; so do the loss's settings and the
+precision (RESUME_NOTED). Other dev data than the one that measured the checkpoint's best score is refused
+(RESUME_DEV_SETTINGS).
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
     would replace that run's final/ and metrics and leave its best/ beside the new run's, and with checkpoints
     left the new run's would sort before the old run's, so pruning would delete each of them as soon as it is
     written, and a later `--resume auto` would continue the old run. (`--resume auto` where nothing is left to
-    resume is such a fresh start.)
+    resume is such a fresh start.) So is a resume from a checkpoint of another output folder (`--resume PATH
+    --output-dir B`): the resumed run would replace B's best/, final/ and checkpoints and append to its metrics.
 
     An output folder whose config.json is not a run's settings (a model folder) is refused either way: the run
     would replace that file, and --overwrite delete it.
@@ -156,6 +158,8 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
         problem = checkpoint_problem(cfg.resume)
         if problem is not None:
             raise ValueError(f"cannot resume from {cfg.resume}: {problem}")
+        if not is_own_checkpoint(cfg.output_dir, cfg.resume):
+            _refuse_earlier_run_for_another_runs_checkpoint(cfg, done)
         return cfg.resume
     left = earlier_run_outputs(cfg.output_dir)
     if left and not cfg.overwrite:
@@ -166,6 +170,27 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
         raise ValueError(f"output_dir {cfg.output_dir} holds an earlier run ({', '.join(left)}): {options} and "
                          "start afresh, or choose a new --output-dir")
     return None
+
+
+def _refuse_earlier_run_for_another_runs_checkpoint(cfg: TrainConfig, done: list[str]) -> None:
+    """--resume PATH to a checkpoint of another output folder: refused where output_dir holds an earlier run, as a
+    fresh start is (checkpoint_to_resume), unless --overwrite, which deletes that run once the resume has passed its
+    checks (trainer._setup); and refused with --overwrite too when the checkpoint lies among what it would delete."""
+    left = earlier_run_outputs(cfg.output_dir)
+    if not left:
+        return
+    if not cfg.overwrite:
+        own = f", or --resume auto to continue it (latest checkpoint: {done[-1]})" if done else ""
+        raise ValueError(f"output_dir {cfg.output_dir} holds an earlier run ({', '.join(left)}), and {cfg.resume} "
+                         "is not one of its checkpoints: resumed there, it would replace that run's outputs and mix "
+                         "both runs' metrics. Choose a new --output-dir, pass --overwrite 1 to delete that run "
+                         f"first{own}")
+    resumed = os.path.realpath(cfg.resume)
+    for name in RUN_OUTPUTS:
+        deleted = os.path.realpath(os.path.join(cfg.output_dir, name))
+        if os.path.commonpath([resumed, deleted]) == deleted:
+            raise ValueError(f"--overwrite 1 would delete {cfg.resume}, the checkpoint to resume from, with the "
+                             f"earlier run in {cfg.output_dir}: choose a new --output-dir")
 
 
 def check_not_a_model_folder(output_dir: str) -> None:

@@ -353,20 +353,22 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     scheduler = make_schedule(cfg, optimizer, total_steps)
     # fp16 gradients underflow without loss scaling; with enabled=False every scaler call is a no-op.
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16)
-    if resume_from is None and cfg.overwrite and dist_info.is_main:
-        # only now, with the flags, the data and the model checked: a start refused by any of them leaves the
-        # earlier run whole
-        remove_earlier_run(cfg.output_dir)
-    distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
     position, unverified_checkpoint = Position(), None
+    continues_own_run = resume_from is not None and is_own_checkpoint(cfg.output_dir, resume_from)
     if resume_from:
         position = load_checkpoint(resume_from, cfg, dist_info, encoder=encoder, optimizer=optimizer,
                                    scheduler=scheduler, scaler=scaler)
         check_dev_metric(resume_from, position, dev_set)
-        if is_own_checkpoint(cfg.output_dir, resume_from):
+        if continues_own_run:
             unverified_checkpoint = position.step
         else:
             position.good_checkpoint = None  # a step of the other folder's checkpoints, none of output_dir's
+    if cfg.overwrite and not continues_own_run and dist_info.is_main:
+        # a fresh start, or a resume from another folder's checkpoint (checkpoint_to_resume), only now, with the
+        # flags, the data, the model and the checkpoint checked: a start refused by any of them leaves the earlier
+        # run whole
+        remove_earlier_run(cfg.output_dir)
+    distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
     if dev_set is not None:
         position.best_metric = dev_metric(dev_set)
 

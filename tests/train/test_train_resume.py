@@ -4,6 +4,7 @@ what would skip or repeat data, another model's weights, and files that would ru
 import json
 import os
 import random
+import shutil
 
 import numpy
 import pytest
@@ -161,6 +162,39 @@ def test_a_finished_run_is_refused_unless_overwrite_is_asked(tmp_path, capsys):
     assert not (tmp_path / "best").exists() and (tmp_path / "notes.txt").read_text() == "mine"
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
     assert again.final_path == first.final_path and (tmp_path / "final" / "config.json").exists()
+
+
+def test_resuming_another_folders_checkpoint_into_an_earlier_run_is_refused_unless_overwrite_is_asked(tmp_path):
+    """--resume PATH (run A's checkpoint) --output-dir B, where B holds a finished run: refused as a fresh start there
+    is (it replaced B's checkpoints and final/ and mixed both runs' rows in B's metrics.jsonl); --overwrite deletes
+    B's run once the resume has passed its checks, and never the checkpoint it resumes from."""
+    data = (demo_examples(20, seed=3), "B")
+    settings = {"max_steps": 4, "save_every": 2, "save_final": True}
+    train(_config(tmp_path / "a", **settings), train_examples=data)
+    train(_config(tmp_path / "b", **settings, seed=8), train_examples=data)
+    a_checkpoint = str(tmp_path / "a" / "checkpoints" / "step-00000002")
+    b_metrics = (tmp_path / "b" / "metrics.jsonl").read_text()
+    b_final = (tmp_path / "b" / "final" / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"holds an earlier run \(checkpoints/, final/, metrics.jsonl\).*is not "
+                                         r"one of its checkpoints.*--overwrite 1.*--resume auto.*step-00000004"):
+        train(_config(tmp_path / "b", **settings, resume=a_checkpoint), train_examples=data)
+    assert (tmp_path / "b" / "metrics.jsonl").read_text() == b_metrics
+    assert (tmp_path / "b" / "final" / "model.safetensors").read_bytes() == b_final
+    with pytest.raises(ValueError, match="batch_size: 8 -> 4"):  # refused by the checkpoint: B's run left whole
+        train(_config(tmp_path / "b", **settings, batch_size=4, resume=a_checkpoint, overwrite=True),
+              train_examples=data)
+    assert (tmp_path / "b" / "metrics.jsonl").read_text() == b_metrics
+    nested = tmp_path / "b" / "checkpoints" / "copied" / "step-00000002"
+    shutil.copytree(a_checkpoint, nested)
+    with pytest.raises(ValueError, match="--overwrite 1 would delete .*the checkpoint to resume from"):
+        train(_config(tmp_path / "b", **settings, resume=str(nested), overwrite=True), train_examples=data)
+    shutil.rmtree(nested.parent)
+    resumed = train(_config(tmp_path / "b", **settings, resume=a_checkpoint, overwrite=True), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [3, 4]
+    with open(tmp_path / "b" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [3, 4]
+    assert os.listdir(tmp_path / "b" / "checkpoints") == ["step-00000004"]
+    assert os.path.isdir(a_checkpoint)
 
 
 def test_resuming_a_run_at_its_last_step_only_finishes_it(tmp_path, capsys):
