@@ -12,6 +12,9 @@
     OUTPUT_DIR/checkpoints/best-step-N/     a best/ that a newer best replaced, kept while a kept checkpoint knows it
                                             as the best (so that a resume can put it back: reconcile_best)
     OUTPUT_DIR/final/                       the model after the last step (an export)
+    OUTPUT_DIR/set-aside/after-step-N/      what a resume from step N moved out of the way: the checkpoints after
+                                            step N (another line of training), with their bests, final/ and metrics
+                                            rows (set_aside_later_line)
 
 A folder is written as NAME.tmp and swapped in only once complete, so a run killed while writing leaves
 the previous checkpoint or export on disk (or none), never a half-written one. A write that fails (a full disk)
@@ -19,8 +22,9 @@ removes NAME.tmp and raises an OSError that names the previous checkpoint, which
 
 The manifest catches what the rename cannot: a folder damaged later (a truncated copy, a disk error, a file
 edited or deleted). `--resume auto` resumes from the newest checkpoint whose files match their manifest and
-says which newer ones it skipped and why; `--resume PATH` to a folder that does not match is an error. A
-folder without a manifest (damaged, or written by a version that did not write one) does not match.
+says which newer ones it skipped and why (and sets them aside: set_aside_later_line); `--resume PATH` to a folder
+that does not match is an error. A folder without a manifest (damaged, or written by a version that did not write
+one) does not match.
 
 Reading a checkpoint never runs code from it. Unpickling an arbitrary object can call any function its
 author chose, and a checkpoint folder may come from someone else (who can rewrite its manifest too), so state.pt
@@ -66,7 +70,7 @@ from .safe_loading import is_file_name, read_tensors_and_plain_values
 from .sharding import load_sharded, save_sharded
 from . import st_folder
 from .st_folder import META_FILE
-from .tracking import DEV_METRICS
+from .tracking import DEV_METRICS, metrics_row
 
 # Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
 RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
@@ -214,7 +218,7 @@ def check_not_a_model_folder(output_dir: str) -> None:
 # What a run writes into its output_dir; --overwrite deletes these (and their .tmp/.old leftovers), nothing else:
 # wandb/ too, whose offline runs a later `wandb sync` would upload as if they were the new run's.
 RUN_OUTPUTS = ("checkpoints", "best", "final", "metrics.jsonl", "config.json", "profile.json", "tensorboard",
-               "curves.png", "wandb")
+               "curves.png", "wandb", "set-aside")
 
 
 def earlier_run_outputs(output_dir: str) -> list[str]:
@@ -238,6 +242,61 @@ def remove_earlier_run(output_dir: str) -> None:
                 shutil.rmtree(path)
             elif os.path.exists(path):
                 os.remove(path)
+
+
+SET_ASIDE_DIR = "set-aside"
+
+
+def set_aside_later_line(output_dir: str, step: int) -> str | None:
+    """On a resume from output_dir's own checkpoint of `step` (main process, once the checkpoint is loaded): move
+    the checkpoints of later steps out of the way, into OUTPUT_DIR/set-aside/after-step-N/ (-2, -3... when that
+    exists), laid out as an output folder: checkpoints/ with the kept bests of later steps, best/ when a later step
+    measured it, final/, and metrics.jsonl with the rows of later steps (the resumed run drops them from its own,
+    as every resume does). Returns that folder, or None when no checkpoint is later (nothing is moved then).
+
+    Later checkpoints belong to the line of training being left: a rollback (`--resume PATH` to an older
+    checkpoint, say with a lower --lr), or checkpoints `--resume auto` skipped as damaged. Left in place they sorted
+    after the resumed run's own: pruning deleted its new checkpoints first, a checkpoint of the same step replaced
+    the left line's, and a later `--resume auto` continued the left line. Moved, never deleted: a set-aside
+    checkpoint can be resumed into a new --output-dir (which finds its best model beside it when a step after N
+    measured it; reconcile_best)."""
+    later = [path for path in finished_checkpoints(output_dir) if _step_of(path) > step]
+    if not later:
+        return None
+    name = os.path.join(output_dir, SET_ASIDE_DIR, f"after-step-{step:08d}")
+    folder, copies = name, 1
+    while os.path.exists(folder):
+        copies += 1
+        folder = f"{name}-{copies}"
+    os.makedirs(os.path.join(folder, "checkpoints"))
+    rows = _metrics_rows_after(os.path.join(output_dir, "metrics.jsonl"), step)
+    if rows:
+        with open(os.path.join(folder, "metrics.jsonl"), "wb") as f:
+            f.writelines(rows)
+    later += [path for best_step, path in sorted(_kept_bests(output_dir).items()) if best_step > step]
+    for path in later:
+        shutil.move(path, os.path.join(folder, "checkpoints", os.path.basename(path)))
+    moved = [os.path.basename(path) for path in later]
+    best = os.path.join(output_dir, "best")
+    record = best_record(best)
+    if record is not None and record["step"] > step:
+        shutil.move(best, os.path.join(folder, "best"))
+        moved.append("best/")
+    if os.path.isdir(os.path.join(output_dir, "final")):  # written at the last step, past this one
+        shutil.move(os.path.join(output_dir, "final"), os.path.join(folder, "final"))
+        moved.append("final/")
+    print(f"resuming from step {step}: moved what {output_dir} held from later steps ({', '.join(moved)}"
+          f"{f', {len(rows)} metrics rows' if rows else ''}) to {folder}, set aside rather than deleted", flush=True)
+    return folder
+
+
+def _metrics_rows_after(path: str, step: int) -> list[bytes]:
+    """The lines of a metrics.jsonl whose rows are of a step after `step` (each with its newline)."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, "rb") as f:
+        return [line if line.endswith(b"\n") else line + b"\n" for line in f
+                if (row := metrics_row(line)) is not None and row["step"] > step]
 
 
 def _swap_in(tmp: str, final: str) -> None:

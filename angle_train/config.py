@@ -193,8 +193,8 @@ class TrainConfig:
                                  "transformers' max_seq_length, angle-eval's default); default: the base model's "
                                  "max_seq_length when its folder has one, else --max-length", group="run",
                                  at_least=1)
-    resume: str = opt(None, "a checkpoint folder to resume from, or 'auto' (the latest in output_dir)",
-                      group="run")
+    resume: str = opt(None, "a checkpoint folder to resume from, or 'auto' (the latest in output_dir); output_dir's "
+                      "checkpoints of later steps are moved to output_dir/set-aside/", group="run")
     overwrite: bool = opt(False, "start afresh (or resume another output_dir's checkpoint) in an output_dir that "
                           "holds an earlier run (its checkpoints, best/, final/ or logged steps), deleting what that "
                           "run wrote; without it such a start is refused", group="run")

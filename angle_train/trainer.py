@@ -40,6 +40,7 @@ from . import arccse, distributed, faults, preflight, run_lock, sharding, st_fol
 from .checkpoint import (
     Position, best_holds, checkpoint_path, checkpoint_to_resume, finished_checkpoints, is_own_checkpoint,
     load_checkpoint, prune_checkpoints, reconcile_best, remove_earlier_run, save_best, save_checkpoint, save_final,
+    set_aside_later_line,
 )
 from .cli_common import resolve_device
 from .config import TrainConfig, flag_of
@@ -363,11 +364,13 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
             unverified_checkpoint = position.step
         else:
             position.good_checkpoint = None  # a step of the other folder's checkpoints, none of output_dir's
+    # only now, with the flags, the data, the model and the checkpoint checked: a start refused by any of them
+    # leaves the output folder as it was
     if cfg.overwrite and not continues_own_run and dist_info.is_main:
-        # a fresh start, or a resume from another folder's checkpoint (checkpoint_to_resume), only now, with the
-        # flags, the data, the model and the checkpoint checked: a start refused by any of them leaves the earlier
-        # run whole
+        # a fresh start, or a resume from another folder's checkpoint (checkpoint_to_resume)
         remove_earlier_run(cfg.output_dir)
+    elif continues_own_run and dist_info.is_main:
+        set_aside_later_line(cfg.output_dir, position.step)  # the checkpoints after it: another line of training
     distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
     if dev_set is not None:
         position.best_metric = dev_metric(dev_set)

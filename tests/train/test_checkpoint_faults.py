@@ -93,6 +93,8 @@ def test_resume_auto_skips_a_damaged_checkpoint_and_resumes_exactly_from_the_pre
     resumed = train(_config(tmp_path, resume="auto"), train_examples=DATA)
     out = capsys.readouterr().out
     assert f"skipping damaged checkpoint {newest}" in out and f"resumed from {older} at step 2" in out
+    # out of the way of the resumed run's checkpoints, not deleted
+    assert os.path.isdir(tmp_path / "set-aside" / "after-step-00000002" / "checkpoints" / "step-00000004")
     losses, weights = uninterrupted
     assert [r["step"] for r in resumed.history] == [3, 4, 5, 6, 7]
     assert [r["loss"] for r in resumed.history] == losses[2:]  # bit-identical to the uninterrupted run

@@ -11,7 +11,9 @@ import pytest
 import torch
 from train_helpers import make_encoder, run_config
 
-from angle_train.checkpoint import Position, checkpoint_path, load_checkpoint, save_checkpoint, write_manifest
+from angle_train.checkpoint import (
+    Position, checkpoint_path, checkpoint_problem, load_checkpoint, save_checkpoint, write_manifest,
+)
 from angle_train.distributed import DistInfo
 from angle_train.safe_loading import UnsafeCheckpointError
 from angle_train.tiny import demo_examples, demo_sts_examples
@@ -195,6 +197,37 @@ def test_resuming_another_folders_checkpoint_into_an_earlier_run_is_refused_unle
         assert [json.loads(line)["step"] for line in f] == [3, 4]
     assert os.listdir(tmp_path / "b" / "checkpoints") == ["step-00000004"]
     assert os.path.isdir(a_checkpoint)
+
+
+def test_a_rollback_sets_the_later_checkpoints_aside_and_resume_auto_follows_the_new_line(tmp_path, capsys):
+    """A finished run (checkpoints 2, 4, 6), rolled back to step 2 with another --lr and killed after its own
+    checkpoint 4: the first run's checkpoints 4 and 6 sorted after it, so `--resume auto` continued the first run
+    from its step 6. The rollback moves them (with that run's final/ and metrics rows of later steps) to
+    set-aside/after-step-00000002/, where they stay whole, and `--resume auto` continues the new line."""
+    data = (demo_examples(20, seed=3), "B")
+    settings = {"max_steps": 6, "save_every": 2, "keep_checkpoints": 0, "save_final": True}
+
+    def steps(path):
+        with open(path) as f:
+            return [json.loads(line)["step"] for line in f]
+
+    train(_config(tmp_path, **settings), train_examples=data)
+    capsys.readouterr()
+    rollback = train(_config(tmp_path, **settings, lr=1e-3, resume=str(checkpoint_path(str(tmp_path), 2))),
+                     train_examples=data, on_step=_stop_at(5))
+    assert [row["step"] for row in rollback.history] == [3, 4, 5]
+    aside = tmp_path / "set-aside" / "after-step-00000002"
+    assert f"moved what {tmp_path} held from later steps" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002", "step-00000004"]
+    assert sorted(os.listdir(aside / "checkpoints")) == ["step-00000004", "step-00000006"]
+    assert all(checkpoint_problem(str(path)) is None for path in (aside / "checkpoints").iterdir())
+    assert (aside / "final" / "model.safetensors").exists() and not (tmp_path / "final").exists()
+    assert steps(aside / "metrics.jsonl") == [3, 4, 5, 6] and steps(tmp_path / "metrics.jsonl") == [1, 2, 3, 4, 5]
+    resumed = train(_config(tmp_path, **settings, lr=1e-3, resume="auto"), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [5, 6]
+    assert f"resumed from {checkpoint_path(str(tmp_path), 4)} at step 4" in capsys.readouterr().out
+    assert steps(tmp_path / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
+    assert sorted(os.listdir(aside / "checkpoints")) == ["step-00000004", "step-00000006"]
 
 
 def test_resuming_a_run_at_its_last_step_only_finishes_it(tmp_path, capsys):
