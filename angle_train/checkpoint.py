@@ -465,9 +465,10 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
         raise ValueError(f"checkpoint {path} was written by {written_by} process(es) and this run has "
                          f"{dist_info.world_size}: resume with {written_by} (each process's data slice and random "
                          "state continue from its own)")
+    position = Position(**state["position"])
     _refuse_changed_data_settings(path, state["config"], cfg)
     _refuse_another_model(path, state["config"], cfg)
-    _refuse_another_dev_set(path, state["config"], Position(**state["position"]), cfg)
+    _refuse_another_dev_set(path, state["config"], position, cfg)
     changed = _changed_optimizer_settings(state["config"], cfg)
     sharded = state.get("sharded", False)
     if sharded != cfg.fsdp:
@@ -486,7 +487,6 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     if state["scaler"]:  # empty when fp16 loss scaling was off
         scaler.load_state_dict(state["scaler"])
     _set_rng_state(rng_state)
-    position = Position(**state["position"])
     if changed and dist_info.is_main:
         detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         print(f"resuming with changed settings ({detail}): from step {position.step} on, the learning rate is the one "
@@ -519,8 +519,7 @@ def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: Tra
     stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared."""
     if position.best is None or not cfg.dev_data or not saved.get("dev_data"):
         return
-    current = asdict(cfg)
-    changed = {k: (saved.get(k), current[k]) for k in RESUME_DEV_SETTINGS if saved.get(k) != current[k]}
+    changed = _differing_settings(saved, cfg, RESUME_DEV_SETTINGS)
     if changed:
         detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume from {path} with other dev data ({detail}): its best model (step "
@@ -597,9 +596,15 @@ def _apply_optimizer_settings(optimizer, scheduler, saved_schedule: dict, settin
     scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
 
 
-def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig) -> None:
+def _differing_settings(saved: dict, cfg: TrainConfig, names: tuple[str, ...]) -> dict:
+    """{setting: (the checkpoint's value, this run's)} of those of `names` that differ (a setting the checkpoint does
+    not record counts as None there)."""
     current = asdict(cfg)
-    changed = {k: (saved.get(k), current[k]) for k in RESUME_MUST_MATCH if saved.get(k) != current[k]}
+    return {k: (saved.get(k), current[k]) for k in names if saved.get(k) != current[k]}
+
+
+def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig) -> None:
+    changed = _differing_settings(saved, cfg, RESUME_MUST_MATCH)
     if changed:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}); "
