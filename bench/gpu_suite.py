@@ -16,7 +16,8 @@ What comes back from the machine is what lies under OUT_DIR, at most 8 files: so
 to a work folder, packed into OUT_DIR/<stage>.tar.gz after every step, beside OUT_DIR/<stage>.json and .md (the
 stage's record and its summary), OUT_DIR/verified.json (first: the verifications to add to
 angle_kernels.verified.VERIFIED) and the console log the shell script tees there. A command killed from outside
-keeps every step packed before the kill, and the console has the rest.
+keeps every step packed before the kill, and the console has the rest; its children (builds, test runs) are killed
+with it on SIGTERM, and on SIGKILL by the next stage, before its first step.
 
     stage   limit   what
     first   465 s   its steps, each with its own limit:
@@ -179,7 +180,7 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
         # errors="replace": one undecodable byte from a compiler must not stop the copying (and the supervision).
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 errors="replace", bufsize=1, start_new_session=True)
-        _live_groups.add(proc.pid)
+        track_group(proc.pid)
 
         def kill_group():
             try:
@@ -206,7 +207,7 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
             timer.cancel()
             if proc.poll() is None:  # this process is being stopped (an exception, Ctrl-C): take the child along
                 kill_group()
-            _live_groups.discard(proc.pid)
+            untrack_group(proc.pid)
         if timed_out.is_set():
             log.write(f"\nkilled after {timeout_s:.0f} s (the step's limit)\n")
     return {"returncode": proc.returncode, "timed_out": timed_out.is_set(),
@@ -214,9 +215,76 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
 
 
 
-# The process groups of the children run_logged is running (each in a session of its own, so that a step's timer
-# can kill its whole group): an outside limit's SIGTERM to the stage reaches none of them, so the stage kills them.
-_live_groups: set[int] = set()
+# The process groups of the stage's children (run_logged's commands, the background build; each in a session of its
+# own, so that a step's timer can kill its whole group): an outside limit's SIGTERM to the stage reaches none of
+# them, so the stage kills them (stop_on_sigterm). A SIGKILL reaches no handler: the groups are also listed in a file
+# of this process (CHILDREN_DIR/<pid>.json), and the next stage kills those of a stage that is gone
+# (kill_orphaned_children), before they hold the GPU through its measurements.
+_live_groups: dict[int, str] = {}  # group (its leader's pid) -> the leader's start time
+CHILDREN_DIR = Path(tempfile.gettempdir()) / "angle_kernels_gpu_suite"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/PID/stat: a pid may be reused), None where it is gone, a zombie
+    (dead: only its exit status is left) or there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces: field 3 onwards
+    return fields[19] if len(fields) > 19 and fields[0] != "Z" else None
+
+
+def _write_children_file() -> None:
+    path = CHILDREN_DIR / f"{os.getpid()}.json"
+    try:
+        if not _live_groups:
+            path.unlink(missing_ok=True)
+            return
+        CHILDREN_DIR.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps({"stage_start": _start_time(os.getpid()),
+                                       "groups": {str(pid): start for pid, start in _live_groups.items()}}))
+        os.replace(partial, path)
+    except OSError:  # a safeguard: never the reason a step fails
+        pass
+
+
+def track_group(pid: int) -> None:
+    _live_groups[pid] = _start_time(pid)
+    _write_children_file()
+
+
+def untrack_group(pid: int) -> None:
+    _live_groups.pop(pid, None)
+    _write_children_file()
+
+
+def kill_orphaned_children() -> list[str]:
+    """Kill the process groups that a stage killed by SIGKILL left running (its file lists them and the stage is gone:
+    no process of its pid and start time), each only while its leader is the process the file names, and wait (5 s
+    at most) until the leaders are gone, their GPU memory with them; returns a line for each group killed."""
+    killed: dict[int, str] = {}
+    for path in sorted(CHILDREN_DIR.glob("*.json")) if CHILDREN_DIR.is_dir() else []:
+        try:
+            listed = json.loads(path.read_text())
+            stage_pid = int(path.stem)
+        except (OSError, ValueError):
+            continue
+        stage_start = listed.get("stage_start")
+        if stage_start is not None and _start_time(stage_pid) == stage_start:
+            continue  # a stage still running (this one, or another command's): its children are its own
+        for pid, start in listed.get("groups", {}).items():
+            if start is not None and _start_time(int(pid)) == start:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(int(pid), signal.SIGKILL)
+                    killed[int(pid)] = f"process group {pid}, left running by the stage of pid {stage_pid}"
+        path.unlink(missing_ok=True)
+    for _ in range(50):
+        if all(_start_time(pid) is None for pid in killed):
+            break
+        time.sleep(0.1)
+    return list(killed.values())
 
 
 def stop_on_sigterm(signum, frame) -> None:
@@ -361,6 +429,7 @@ class BackgroundBuild:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=REPO, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        track_group(self.proc.pid)
 
     def wait(self, deadline: Deadline) -> dict:
         """The build's outcome, waiting for it until the deadline (then it is killed); raises unless it built."""
@@ -370,6 +439,7 @@ class BackgroundBuild:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             returncode = None
+        untrack_group(self.proc.pid)
         self.log.close()
         seconds = round(time.monotonic() - self.started, 1)
         lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
@@ -1274,6 +1344,11 @@ def main(argv=None) -> int:
     if args.skip:
         record.data["skipped"] = list(args.skip)
     status = "failed"
+    orphans = kill_orphaned_children()
+    for line in orphans:
+        print(f"killed {line} (killed from outside, its children ran on)", flush=True)
+    if orphans:
+        record.data["orphans_killed"] = orphans
     try:
         guarded(record, "preflight", lambda: preflight(record, on_gpu, build=on_gpu and stage.needs_build(schedule)))
         if not on_gpu:
@@ -1288,6 +1363,8 @@ def main(argv=None) -> int:
         build = getattr(record, "build", None)
         if build is not None and build.proc.poll() is None:  # a build nobody waited for must not outlive us
             os.killpg(build.proc.pid, signal.SIGKILL)
+        if build is not None:
+            untrack_group(build.proc.pid)
         record.finish(status)
         signal.signal(signal.SIGTERM, previous_handler)
         shutil.rmtree(record.work, ignore_errors=True)  # packed in OUT/<stage>.tar.gz

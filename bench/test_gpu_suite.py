@@ -4,6 +4,7 @@ the headline, the summary. (What the stages measure needs a GPU: scripts/gpu_che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -729,3 +730,41 @@ def test_second_sweeps_only_the_named_op_benchmarks(monkeypatch):
         with pytest.raises(SystemExit) as exit_info:
             gpu_suite.parse_args(argv)
         assert exit_info.value.code == 2
+
+
+def test_the_next_stage_kills_the_children_of_a_stage_killed_from_outside(tmp_path, monkeypatch):
+    """A SIGKILL to the stage reaches no handler, and its children (in sessions of their own) ran on, holding the GPU
+    through the next command's measurements: the next stage kills the groups the gone stage listed, and leaves
+    alone those of a stage still running."""
+    import signal
+
+    monkeypatch.setattr(gpu_suite, "CHILDREN_DIR", tmp_path / "children")
+
+    def stage(name):
+        code = (f"import sys, pathlib; sys.path.insert(0, {str(HERE)!r}); import gpu_suite; "
+                f"gpu_suite.CHILDREN_DIR = pathlib.Path({str(tmp_path / 'children')!r}); "
+                "gpu_suite.run_logged(['sh', '-c', 'echo $$; sleep 60'], pathlib.Path("
+                f"{str(tmp_path / (name + '.log'))!r}), timeout_s=60)")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        return proc, int(proc.stdout.readline().strip())
+
+    def alive(pid):
+        return gpu_suite._start_time(pid) is not None
+
+    killed_stage, orphan = stage("killed")
+    running_stage, kept = stage("running")
+    try:
+        killed_stage.send_signal(signal.SIGKILL)
+        killed_stage.wait(timeout=30)
+        assert alive(orphan)  # what happened before: the child ran on
+        lines = gpu_suite.kill_orphaned_children()
+        assert lines == [f"process group {orphan}, left running by the stage of pid {killed_stage.pid}"]
+        assert not alive(orphan) and alive(kept)
+        assert not (tmp_path / "children" / f"{killed_stage.pid}.json").exists()
+        assert gpu_suite.kill_orphaned_children() == [] and alive(kept)
+    finally:
+        for proc, child in ((killed_stage, orphan), (running_stage, kept)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child, signal.SIGKILL)
+            proc.kill()
+            proc.wait(timeout=30)
