@@ -101,6 +101,10 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
 def check_scalar(name: str, value, *, positive: bool = False) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
         value = value.item()
+    if isinstance(value, torch.Tensor) and value.numel() == 1:  # requires grad: a learned value
+        raise TypeError(f"{name} must be a real number, got a {type(value).__name__} that requires grad: the losses "
+                        f"take {name} as a constant and give it no gradient (a learned {name} would never change); "
+                        f"pass float({name}) to use its value")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)

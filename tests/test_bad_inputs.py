@@ -535,6 +535,17 @@ def test_scales_and_temperatures_must_be_finite_and_positive(ak, gen):
     assert len(sites) * len(SCALE_VALUES) == 44  # the README's count of bad-scale cases
 
 
+def test_a_learned_scale_is_refused_with_the_reason(ak, gen):
+    """A scale or temperature that requires grad (an nn.Parameter, as sentence-transformers' losses allow): the
+    losses take it as a constant, so it would never train; the error says so and how to pass its value (before:
+    "scale must be a real number, got Parameter"). A one-element tensor without grad is its value."""
+    for name, call in _scale_sites(ak, gen):
+        with pytest.raises(TypeError, match=rf"^{name} must be a real number, got a Parameter that requires grad: "
+                                            rf".*a learned {name} would never change.*float\({name}\)"):
+            call(torch.nn.Parameter(torch.tensor(0.5)))
+        call(torch.tensor(0.5))
+
+
 # --------------------------------------------------------------------------------------------------------
 # embeddings of different float dtypes in one loss: promoted (torch's type promotion), never silently narrowed
 # --------------------------------------------------------------------------------------------------------
