@@ -146,6 +146,9 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
     check_not_a_model_folder(cfg.output_dir)
     done = finished_checkpoints(cfg.output_dir)
     if cfg.resume == "auto":
+        good = _last_good_after_a_non_finite_stop(cfg.output_dir, done)
+        if good is not None:
+            return good
         skipped = []
         for path in reversed(done):
             problem = checkpoint_problem(path)
@@ -218,7 +221,48 @@ def check_not_a_model_folder(output_dir: str) -> None:
 # What a run writes into its output_dir; --overwrite deletes these (and their .tmp/.old leftovers), nothing else:
 # wandb/ too, whose offline runs a later `wandb sync` would upload as if they were the new run's.
 RUN_OUTPUTS = ("checkpoints", "best", "final", "metrics.jsonl", "config.json", "profile.json", "tensorboard",
-               "curves.png", "wandb", "set-aside")
+               "curves.png", "wandb", "set-aside", "stopped-non-finite.json")
+# Written when --max-bad-steps non-finite steps in a row stop the run (main process), naming its last good checkpoint
+# (Position.good_checkpoint); `--resume auto` continues from that one, and a resume removes the file.
+NON_FINITE_STOP = "stopped-non-finite.json"
+
+
+def record_non_finite_stop(output_dir: str, step: int, good_checkpoint: str | None) -> None:
+    """The run stops at `step` after non-finite steps in a row: NON_FINITE_STOP names its last good checkpoint
+    (None: none is known), for `--resume auto`."""
+    path = os.path.join(output_dir, NON_FINITE_STOP)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"step": step, "good_checkpoint": None if good_checkpoint is None
+                   else os.path.basename(good_checkpoint)}, f)
+    os.replace(path + ".tmp", path)
+
+
+def clear_non_finite_stop(output_dir: str) -> None:
+    """A resumed run continues a line of training: the stop NON_FINITE_STOP recorded is behind it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(output_dir, NON_FINITE_STOP))
+
+
+def _last_good_after_a_non_finite_stop(output_dir: str, done: list[str]) -> str | None:
+    """For `--resume auto` after a run stopped by non-finite steps in a row (NON_FINITE_STOP): its last good
+    checkpoint, when it is among `done` and matches its manifest, rather than the newest: the newer ones hold the
+    weights those steps started from, which the update before them may have spoiled (the resume sets them aside).
+    None otherwise (the newest is taken, as after any other stop)."""
+    try:
+        with open(os.path.join(output_dir, NON_FINITE_STOP)) as f:
+            name = json.load(f).get("good_checkpoint")
+    except (OSError, ValueError, AttributeError):
+        return None
+    good = next((path for path in done if os.path.basename(path) == name), None)
+    if good is None or checkpoint_problem(good) is not None:
+        print(f"--resume auto: the run in {output_dir} stopped after non-finite steps, and its last good checkpoint "
+              f"({name or 'none known'}) is not there to resume from: resuming from the newest one", flush=True)
+        return None
+    if good != done[-1]:
+        print(f"--resume auto: the run in {output_dir} stopped after non-finite steps: resuming from its last good "
+              f"checkpoint {good} (a finite step was taken from its weights), not the newest, {done[-1]}, whose "
+              "weights those steps started from; the newer ones are set aside", flush=True)
+    return good
 
 
 def earlier_run_outputs(output_dir: str) -> list[str]:

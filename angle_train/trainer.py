@@ -38,9 +38,9 @@ from angle_kernels.inputs import check_nested, espresso_layer_weights
 
 from . import arccse, distributed, faults, preflight, run_lock, sharding, st_folder, tracking
 from .checkpoint import (
-    Position, best_holds, checkpoint_path, checkpoint_to_resume, finished_checkpoints, is_own_checkpoint,
-    load_checkpoint, prune_checkpoints, reconcile_best, remove_earlier_run, save_best, save_checkpoint, save_final,
-    set_aside_later_line,
+    Position, best_holds, checkpoint_path, checkpoint_to_resume, clear_non_finite_stop, finished_checkpoints,
+    is_own_checkpoint, load_checkpoint, prune_checkpoints, reconcile_best, record_non_finite_stop, remove_earlier_run,
+    save_best, save_checkpoint, save_final, set_aside_later_line,
 )
 from .cli_common import resolve_device
 from .config import TrainConfig, flag_of
@@ -371,6 +371,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         remove_earlier_run(cfg.output_dir)
     elif continues_own_run and dist_info.is_main:
         set_aside_later_line(cfg.output_dir, position.step)  # the checkpoints after it: another line of training
+        clear_non_finite_stop(cfg.output_dir)
     distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
     if dev_set is not None:
         position.best_metric = dev_metric(dev_set)
@@ -760,10 +761,14 @@ def report_bad_step(run: Run, row: dict, data_position: tuple[int, int], n_batch
                   "position")
         good = None if position.good_checkpoint is None else checkpoint_path(run.cfg.output_dir,
                                                                                position.good_checkpoint)
-        if good in finished_checkpoints(run.cfg.output_dir):
+        known = good in finished_checkpoints(run.cfg.output_dir)
+        if run.dist_info.is_main:
+            record_non_finite_stop(run.cfg.output_dir, step=row["step"], good_checkpoint=good if known else None)
+        if known:
             # not simply the newest checkpoint: the update before it may have left the weights these steps failed on
             ahead = (f"The last good checkpoint (a finite step was taken from its weights) is {good}; any newer one "
-                     f"holds the weights these steps started from. Resume from it (--resume {good}) with {advice}")
+                     "holds the weights these steps started from. Resume from it (--resume auto takes it, or "
+                     f"--resume {good}) with {advice}")
         else:
             ahead = ("No checkpoint is known to be good (none has had a finite step taken from its weights). Try "
                      f"{advice}")

@@ -145,6 +145,29 @@ def test_checkpoints_written_while_steps_fail_never_push_out_the_last_good_one(t
         "step-00000007", "step-00000008"]
 
 
+def test_resume_auto_after_a_non_finite_stop_takes_the_last_good_checkpoint(tmp_path, capsys):
+    """Steps 4-6 non-finite stop the run; `--resume auto` took the newest checkpoint (step 5), whose weights gave
+    those steps, where the error named step 2's. It now resumes from step 2 (stopped-non-finite.json names it), sets
+    the newer ones aside, removes the file and trains on."""
+    poisoned = PoisonedLoss(bad=[4, 5, 6])
+    settings = {"max_steps": 8, "save_every": 1, "keep_checkpoints": 2, "max_bad_steps": 3}
+    with pytest.raises(faults.NonFiniteTrainingError):
+        train(_config(tmp_path, **settings), model=make_encoder(), train_examples=DATA, loss_fn=poisoned,
+              on_step=poisoned.on_step)
+    assert json.loads((tmp_path / "stopped-non-finite.json").read_text()) == {
+        "step": 6, "good_checkpoint": "step-00000002"}
+    clean = PoisonedLoss(bad=[], first_step=3)
+    resumed = train(_config(tmp_path, **settings, resume="auto"), model=make_encoder(), train_examples=DATA,
+                    loss_fn=clean, on_step=clean.on_step)
+    out = capsys.readouterr().out
+    assert "stopped after non-finite steps: resuming from its last good checkpoint" in out
+    assert [row["step"] for row in resumed.history] == [3, 4, 5, 6, 7, 8]
+    assert not any(row["skipped"] for row in resumed.history)
+    assert not (tmp_path / "stopped-non-finite.json").exists()
+    set_aside = tmp_path / "set-aside" / "after-step-00000002" / "checkpoints"
+    assert sorted(os.listdir(set_aside)) == ["step-00000004", "step-00000005"]
+
+
 class OverflowingForward:
     """Wraps an encoder's forward pass so that it overflows (Inf and NaN embeddings, as an fp16 activation overflow
     gives) during the optimizer steps in `bad` (the loop says which step comes next via on_step)."""
