@@ -690,7 +690,8 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     cosine). `uses_fused_path` says whether the fused call runs; otherwise (another inner loss, an inner loss
     configured unfused, odd dims with the angle similarity) the parent's per-dimension loop runs.
     MultipleNegativesRankingLoss options that need similarity_lse (joint partitions over several directions,
-    hardness) run one pass per dimension inside angle_kernels for now: still one call, not yet one read.
+    hardness) take every dimension in one call of that op too, but where the backend computing it at one width has
+    no dims for it (a GPU path not yet verified with dims: one pass per dimension inside angle_kernels there).
     """
 
     def __init__(self, model: SentenceTransformer, loss: torch.nn.Module, matryoshka_dims: Sequence[int],

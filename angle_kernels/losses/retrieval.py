@@ -86,9 +86,11 @@ def multiple_negatives_ranking_loss(
     gather_across_devices: with torch.distributed initialised, the columns come from every process
     (all_gather_with_grad) and each process's loss is the mean over its own rows, as in sentence-transformers;
     every process must pass the same shapes.
-    dims, dim_weights: Matryoshka (see angle_kernels.losses). The standard and symmetric losses compute every
-    prefix in one pass; the other options (joint partitions, hardness, the filter, dot products) one pass per
-    prefix for now.
+    dims, dim_weights: Matryoshka (see angle_kernels.losses). Every option computes every prefix in one call
+    of each op it makes (the standard and symmetric losses one similarity_xent call; the joint partitions,
+    hardness, the filter and dot products one similarity_lse call per block of columns), except where the backend
+    that would compute a call at one width has no dims for it (a GPU path not yet verified with dims): then one
+    call per prefix on the truncated embeddings (`Ops.takes_in_one_call`), never a move to a slower backend.
 
     Args:
         queries, positives: [B, D]; negatives: any number of [B, D] tensors (hard-negative columns).
