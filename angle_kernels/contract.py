@@ -88,6 +88,42 @@ def _refuse_second_derivatives(grad: torch.Tensor) -> None:
                            "(second derivatives, e.g. a gradient penalty) is not supported")
 
 
+def _without_inference_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments with every inference tensor (made under torch.inference_mode: SentenceTransformer.encode's
+    cached positives, a frozen teacher's or guide's embeddings), directly or in a list or tuple, replaced by a normal
+    copy, for a call whose result autograd records: the backends save their inputs for backward, which autograd
+    refuses for an inference tensor ("Inference tensors cannot be saved for backward"), where eager formulas of
+    such a side compute. A copy only where one is given; everything else is passed on as it is."""
+
+    def is_inference(value) -> bool:
+        return isinstance(value, torch.Tensor) and value.is_inference()
+
+    def usable(value):
+        if is_inference(value):
+            return value.clone()
+        if isinstance(value, (list, tuple)) and any(map(is_inference, value)):
+            copied = [usable(v) for v in value]
+            return copied if isinstance(value, list) else tuple(copied)
+        return value
+
+    if not any(is_inference(v) or isinstance(v, (list, tuple)) and any(map(is_inference, v))
+               for v in (*args, *kwargs.values())):
+        return args, kwargs
+    return tuple(map(usable, args)), {name: usable(v) for name, v in kwargs.items()}
+
+
+def first_derivatives_only(result):
+    """`result` (a tensor, or a tuple of them: a loss's, or a public op's) with every tensor that autograd records
+    refusing a second derivative (_refuse_second_derivatives, a hook: no node is added); not inside torch.compile
+    traces, whose tracing would run it."""
+    if torch.compiler.is_compiling():
+        return result
+    for tensor in result if isinstance(result, tuple) else (result,):
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(_refuse_second_derivatives)
+    return result
+
+
 _Args = ParamSpec("_Args")
 _Result = TypeVar("_Result")
 
@@ -101,6 +137,8 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
 
     @functools.wraps(loss)
     def computed(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+            args, kwargs = _without_inference_tensors(args, kwargs)
         for value in (*args, *kwargs.values()):
             first = value[0] if isinstance(value, (list, tuple)) and value else value
             if isinstance(first, torch.Tensor):
@@ -109,9 +147,7 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
                 break
         else:
             result = loss(*args, **kwargs)
-        if isinstance(result, torch.Tensor) and result.requires_grad and not torch.compiler.is_compiling():
-            result.register_hook(_refuse_second_derivatives)
-        return result
+        return first_derivatives_only(result)
 
     return computed
 

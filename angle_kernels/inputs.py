@@ -409,6 +409,10 @@ def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, 
     if not isinstance(layer_weights, (tuple, list, torch.Tensor)) or (
             isinstance(layer_weights, torch.Tensor) and layer_weights.dim() == 0) or len(layer_weights) != layers:
         raise ValueError(f"layer_weights must have one entry per layer of the stack ({layers}), got {layer_weights!r}")
+    if isinstance(layer_weights, torch.Tensor) and layer_weights.requires_grad:  # .tolist() would drop its graph
+        raise TypeError("layer_weights must be real numbers, got a tensor that requires grad: the losses take the "
+                        "weights as constants and give them no gradient (learned weights would never change); pass "
+                        "layer_weights.tolist() to use their values")
     layer_weights = layer_weights.tolist() if isinstance(layer_weights, torch.Tensor) else list(layer_weights)
     rows_given = any(isinstance(row, (tuple, list)) for row in layer_weights)
     if rows_given and (dims is None or dim_weights is not None):

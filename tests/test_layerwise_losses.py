@@ -105,6 +105,12 @@ def test_zero_weights_and_a_one_layer_stack():
     (dict(layer_weights=[[1.0, 1.0]] * 3, dims=(8, 16), dim_weights=(1.0, 2.0)), ValueError, "replace dim_weights"),
     (dict(layer_weights=[[1.0]] * 3, dims=(8, 16)), ValueError, r"layer_weights\[0\] must have one weight per dim"),
     (dict(layer_weights=[1.0, 1.0, 1.0], dims=(8, 32)), ValueError, "width 16"),
+    # learned weights (a softmax of a parameter): .tolist() dropped their graph, and they never trained
+    (dict(layer_weights=torch.nn.Parameter(torch.ones(3)).softmax(0)), TypeError,
+     r"layer_weights must be real numbers, got a tensor that requires grad.*layer_weights.tolist\(\)"),
+    (dict(layer_weights=list(torch.nn.Parameter(torch.ones(3)))), TypeError, r"layer_weights\[0\] .* requires grad"),
+    (dict(layer_weights=[1.0] * 3, dims=(8, 16), dim_weights=torch.nn.Parameter(torch.ones(2))), TypeError,
+     r"dim_weights\[0\] .* requires grad"),
 ])
 def test_bad_layer_weights_are_refused(kwargs, error, message):
     y_true, y_pred = _zigzag(generator("layerwise", "bad"), torch.float32)

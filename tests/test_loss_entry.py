@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import angle_kernels as ak
+from angle_kernels import dispatch
 from angle_kernels.dispatch import resolve_backend
 
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -121,3 +122,72 @@ def test_a_loss_without_autograd_is_a_plain_tensor():
     with torch.no_grad():
         assert ak.multiple_negatives_ranking_loss(y[:2], y[2:]).grad_fn is None
     assert ak.multiple_negatives_ranking_loss(y[:2].detach(), y[2:].detach()).grad_fn is None
+
+
+def test_inference_tensors_as_the_side_that_does_not_train():
+    """Positives or a guide's embeddings from SentenceTransformer.encode (made under torch.inference_mode) beside
+    queries that train: the backends save their inputs for backward, and autograd refused ("Inference tensors
+    cannot be saved for backward") where eager formulas compute; the loss takes a copy of such a tensor."""
+    y = torch.randn(6, 8, 16, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        frozen = y.clone()
+    assert frozen.is_inference()
+    calls = {
+        "mnrl gte": lambda q, side: ak.multiple_negatives_ranking_loss(q, side[1], (side[2],), directions=GTE),
+        "gist_loss": lambda q, side: ak.gist_loss(q, side[1], side[3], side[4], (side[2],), (side[5],)),
+        "cosine_loss": lambda q, side: ak.cosine_loss(GRADED, torch.stack((q[:4], side[1, :4]), 1).reshape(8, -1)),
+    }
+    for name, call in calls.items():
+        grads = []
+        for side in (y, frozen):
+            q = y[0].clone().requires_grad_()
+            loss = call(q, side)
+            loss.backward()
+            grads.append((loss.detach(), q.grad))
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1]), name
+
+
+@pytest.mark.parametrize("op", ["pair_scores", "ranking_loss", "similarity_xent", "similarity_lse"])
+def test_the_public_ops_refuse_a_second_derivative(op):
+    """The ops' backward passes are not differentiable: through the public ops (angle_kernels.dispatch), a gradient
+    penalty took their gradients as constants (0.95 relative error in its gradient) where the losses refused."""
+    q, c = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).unbind(0)
+    q.requires_grad_()
+    calls = {"pair_scores": lambda: dispatch.pair_scores(torch.stack((q, c), dim=1), True)[1].sum(),
+             "ranking_loss": lambda: dispatch.ranking_loss(q[:, 0], GRADED.double()),
+             "similarity_xent": lambda: dispatch.similarity_xent(q, c, 20.0, "diagonal"),
+             "similarity_lse": lambda: dispatch.similarity_lse(q, c, 20.0).sum()}
+    with pytest.raises(RuntimeError, match="first derivatives only.*create_graph=True"):
+        torch.autograd.grad(calls[op](), q, create_graph=True)
+    (grad,) = torch.autograd.grad(calls[op](), q)
+    assert torch.isfinite(grad).all()
+
+
+def test_a_non_reentrant_checkpoint_recomputes_calls_that_kept_their_tiles(monkeypatch):
+    """The PyTorch backend's similarity_lse keeps a call's softmax tile for backward while the tiles kept at once fit
+    their budget: torch.utils.checkpoint(use_reentrant=False) recomputes the forward while the first forward's tiles
+    are still reserved, so the recomputation kept fewer, saved fewer tensors, and the checkpoint raised
+    CheckpointError. The budget made small here (four 8 x 8 tiles) so that MNRL's four GTE directions fill it."""
+    from torch.utils.checkpoint import checkpoint
+
+    from angle_kernels.torch_ops import _similarity_lse_softmax
+
+    monkeypatch.setattr(_similarity_lse_softmax, "chunk_elements", lambda device: 16)
+    encoder = torch.nn.Linear(16, 16, dtype=torch.float64)
+    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).requires_grad_()
+
+    def loss_of(rows):
+        embedded = encoder(rows)
+        return ak.multiple_negatives_ranking_loss(embedded[0], embedded[1], directions=GTE, backend="torch")
+
+    def weight_gradient(loss):
+        encoder.zero_grad()
+        loss.backward()  # the reentrant checkpoint takes backward(), not autograd.grad
+        return encoder.weight.grad
+
+    held = _similarity_lse_softmax._KEPT.elements  # by graphs of earlier tests that are not yet collected, if any
+    expected = weight_gradient(loss_of(x)).clone()
+    for reentrant in (False, True):
+        grad = weight_gradient(checkpoint(loss_of, x, use_reentrant=reentrant))
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=0)
+    assert _similarity_lse_softmax._KEPT.elements == held  # every reservation given back

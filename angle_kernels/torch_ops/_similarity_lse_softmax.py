@@ -16,19 +16,19 @@ block's tiles, which is what a call costs on a CPU once its products are paid fo
       (on CPUs where torch's elementwise exp is MKL's, several times the softmax's time per entry, most of all on
       the entries that underflow);
     * g_i * scale multiplies the [b, D] products, not the tile;
-    * a call whose rows make one block (M x Mc within the tile budget, common.chunk_elements: 1 << 22 logits on
-      the CPU, 2,048 x 2,048) and whose gradients autograd will ask for keeps that block's softmax for backward (its
-      lse then taken from the softmax, as m_i - log max_j softmax_ij): backward makes only the two gradient
-      products, not the score and filter tiles, their masks and softmax again (eager code's count of products:
-      GIST up to ~2,000 pairs makes 12 products per call instead of 18). The kept tile is the one forward made, freed
-      with the graph after backward. The tiles kept at once, by every call between its forward and its backward,
-      hold at most KEPT_TILES tile budgets in all (64 MiB of float32 on the CPU, `_KEPT`): enough for one loss's
-      calls (GIST's blocks, with a negative column four; MNRL's four GTE directions), so that their backward passes
-      are the two gradient products each; a loss of more calls (those over every layer of a stack) keeps the first
-      calls' tiles that fit and makes the others' again in backward, so its memory does not grow with the number of
-      calls (each call keeping its own tile, 8 layers x 4 directions of 2,048 rows held 512 MB at once: more than at
-      4,096 rows, which keep none); a call of several blocks keeps none, and so does a call inside a torch.compile
-      trace (the budget is Python state dynamo cannot trace).
+    * a call whose rows make one block (M x Mc within the tile budget, common.chunk_elements: 1 << 22 logits on the CPU,
+      2,048 x 2,048) and whose gradients autograd will ask for keeps that block's softmax for backward (its lse then
+      taken from the softmax, as m_i - log max_j softmax_ij): backward makes only the two gradient products, not the
+      score and filter tiles, their masks and softmax again (eager code's count of products: GIST up to ~2,000 pairs
+      makes 12 products per call instead of 18). The kept tile is the one forward made, held by the call's ctx (not a
+      saved tensor: _take_kept_tile) and let go by its backward. The tiles kept at once, by every call between its
+      forward and its backward, hold at most KEPT_TILES tile budgets in all (64 MiB of float32 on the CPU, `_KEPT`):
+      enough for one loss's calls (GIST's blocks, with a negative column four; MNRL's four GTE directions), so that
+      their backward passes are the two gradient products each; a loss of more calls (those over every layer of a stack)
+      keeps the first calls' tiles that fit and makes the others' again in backward, so its memory does not grow with
+      the number of calls (each call keeping its own tile, 8 layers x 4 directions of 2,048 rows held 512 MB at once:
+      more than at 4,096 rows, which keep none); a call of several blocks keeps none, and so does a call inside a
+      torch.compile trace (the budget is Python state dynamo cannot trace).
 
 The masks (exclusions, penalty, filter) are the blocked form's own (similarity_lse._Tiles.masked_logits). Memory:
 as the blocked form, at most three tile-sized float32 temporaries per block (cosines, logits and the filter's
@@ -232,9 +232,19 @@ def _score_gradients(tiles: _Tiles, logits_of, kept: torch.Tensor | None, values
     return d_q, d_c, row_scale
 
 
+def _take_kept_tile(ctx) -> torch.Tensor | None:
+    """The softmax tile forward kept for this backward (or None), taken off the call's ctx: a second backward
+    (retain_graph) makes the tiles again. An attribute of ctx, not a saved tensor: whether a call keeps its tile
+    depends on what the calls before it keep, so a non-reentrant torch.utils.checkpoint, whose recomputation of the
+    forward (the first call's tiles still reserved) kept fewer, found fewer tensors saved and raised; with the tile
+    off the saved tensors, the backward uses the original forward's tile or, where it kept none, makes them."""
+    kept, ctx.kept_tile = ctx.kept_tile, None
+    return kept
+
+
 def _release(ctx) -> None:
-    """After backward has used the call's kept tile (it stays saved until the graph goes: a second backward with
-    retain_graph reads it again), its share of the budget is free for the next calls."""
+    """After backward has used the call's kept tile (taken off its ctx: _take_kept_tile), its share of the budget is
+    free for the next calls."""
     if ctx.kept_reservation is not None:
         ctx.kept_reservation.release()
 
@@ -252,8 +262,8 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
         tiles = _NamedFilterTiles(q_in, c_in, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty,
                                   penalty_on, filter_threshold, filter_keeps_target, own_scores)
         unit_tiles = _UnitTiles(tiles, _unit_rows(qf, q_inv), _unit_rows(cf, c_inv), filter_q, filter_c)
-        lse, kept, ctx.kept_reservation = _row_values(tiles, unit_tiles.logits, with_grad, dtype)
-        ctx.save_for_backward(qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale, kept)
+        lse, ctx.kept_tile, ctx.kept_reservation = _row_values(tiles, unit_tiles.logits, with_grad, dtype)
+        ctx.save_for_backward(qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale)
         ctx.unit_tiles = unit_tiles  # the unit rows and the filter's, O((M + Mc) D): not made again in backward
         ctx.input_dtypes = (q.dtype, c.dtype)
         return lse
@@ -261,7 +271,8 @@ class SoftmaxSimilarityLseFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_lse):
-        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale, kept = ctx.saved_tensors
+        qf, cf, q_inv, c_inv, q_has_grad, c_has_grad, lse, q_scale, c_scale = ctx.saved_tensors
+        kept = _take_kept_tile(ctx)
         unit_tiles = ctx.unit_tiles
         q_hat, c_hat = unit_tiles.q_hat, unit_tiles.c_hat
         d_qhat, d_chat, _ = _score_gradients(unit_tiles.tiles, unit_tiles.logits, kept, lse, grad_lse, q_hat, c_hat)
@@ -295,8 +306,8 @@ class SoftmaxDotLseFunction(torch.autograd.Function):
                                                         None)
             return logits, None if references is None else _block_reference(references, target_logits, start, end)
 
-        values, kept, ctx.kept_reservation = _row_values(tiles, logits_of, with_grad, dtype)
-        ctx.save_for_backward(qf, cf, r_in, values, kept)
+        values, ctx.kept_tile, ctx.kept_reservation = _row_values(tiles, logits_of, with_grad, dtype)
+        ctx.save_for_backward(qf, cf, r_in, values)
         ctx.tiles, ctx.logits_of = tiles, logits_of
         ctx.input_dtypes = (q.dtype, c.dtype, None if reference is None else reference.dtype)
         return values
@@ -304,7 +315,8 @@ class SoftmaxDotLseFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_values):
-        qf, cf, r_in, values, kept = ctx.saved_tensors
+        qf, cf, r_in, values = ctx.saved_tensors
+        kept = _take_kept_tile(ctx)
         d_q, d_c, row_scale = _score_gradients(ctx.tiles, ctx.logits_of, kept, values, grad_values, qf, cf)
         _release(ctx)
         q_dtype, c_dtype, r_dtype = ctx.input_dtypes
