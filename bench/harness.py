@@ -260,18 +260,18 @@ def similarity_lse_flops_executed(backend: str, m: int, mc: int, d: int, dims: t
     maths needs (similarity_floor). Triton's fused kernels ("triton-fused"): the dq and dc kernels each recompute
     the logit tiles (2 + 4 + 4), with dims once per prefix (10 m mc sum(d_i)); its dense scheme ("triton-dense",
     triton_ops/_similarity_lse_dense.py, with dims in one pass) forms the tiles again in backward (2 + 2 + 4), the
-    same with dims (cumulative slice products); "triton" is the one of the two its similarity_lse takes. torch:
-    the tiles again in backward (2 + 2 + 4), per prefix with dims."""
+    same with dims (cumulative slice products); "triton" is the one of the two its similarity_lse takes. torch and
+    cuda: the tiles again in backward (2 + 2 + 4), with dims too (their prefixes' tiles are running sums of slice
+    products: one width's products)."""
     if backend == "triton":
         from angle_kernels.triton_ops import similarity_lse_paths
 
         rows, columns = torch.empty(m, d, device="meta"), torch.empty(mc, d, device="meta")
         path = similarity_lse_paths.code_path(rows, columns, 1.0, dims=dims)
         backend = "triton-dense" if path in ("dense", "dense_dims") else "triton-fused"
-    widths = d if dims is None else sum(dims)
     if backend == "triton-fused":
-        return 10 * m * mc * widths
-    return 8 * m * mc * (d if backend == "triton-dense" else widths)
+        return 10 * m * mc * (d if dims is None else sum(dims))
+    return 8 * m * mc * d
 
 
 # --------------------------------------------------------------------------------------------------------

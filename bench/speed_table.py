@@ -17,14 +17,16 @@ same rule from the sources at the commit the run measured, read from git (`--com
 files it applies to; the run's README names its commit), and the path is derived from the row (`derived_path`).
 
 --decisions: for the points of measured.MEASURED, every set of backends `auto` may use and every call at a point
-where the table's choice differs from the fixed order (triton, cuda, torch), with the times: what the table is
-worth against the fixed order, as measured, and which of its times this checkout's code still matches.
+where the table's choice differs from auto's fixed order (measured.fixed_order: triton, cuda, torch's GPU path, its
+default one, with measured.AFTER_TORCH's backends behind torch), with the times: what the table is worth against
+the fixed order, as measured, and which of its times this checkout's code still matches.
 """
 
 from __future__ import annotations
 
 import ast
 import collections
+import dataclasses
 import functools
 import itertools
 import json
@@ -190,7 +192,15 @@ def point_text(point: tuple, indent: str = "    ") -> str:
 # ---------------------------------------------------------------------------------------------------------
 # What the table decides that the fixed order would not
 # ---------------------------------------------------------------------------------------------------------
-ORDER = ("triton", "cuda", "torch")
+ORDER = ("triton", "cuda")  # the GPU backends, in dispatch's order; torch's paths come after them
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Timed:
+    """A candidate of measured.fixed_order: a backend (`name`) on one of its timed paths (`key`, "backend/path")."""
+
+    name: str
+    key: str
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,22 +211,26 @@ def checkout_fingerprint(backend: str, op: str, path: str) -> str | None:
 
 def decisions(table: dict | None = None, here=checkout_fingerprint) -> list[dict]:
     """For every point of `table` (measured.MEASURED by default), every set of backends auto may use there (the
-    GPU backends the point timed, with torch always among them) and every combination of their timed paths: the
-    calls where measured.fastest's rule at that point chooses another backend than the first of the fixed order.
-    Each with the times, the time the table saves per call, and whether `here` (the fingerprint of a path's code:
-    this checkout's by default) still matches every time it compared."""
+    GPU backends the point timed, each on one of its timed paths, and torch on every path the point timed, its GPU
+    path before its default one, as dispatch offers them) in auto's fixed order (measured.fixed_order: AFTER_TORCH's
+    backends behind torch): the calls where measured.fastest's rule at that point chooses another candidate than the
+    first of that order. Each with the times, the time the table saves per call, and whether `here` (the
+    fingerprint of a path's code: this checkout's by default) still matches every time it compared."""
     found = []
     for (capability, dtype), table_points in (table or measured.MEASURED).items():
         for op, variant, size, width, times, prints in table_points:
             by_backend = collections.defaultdict(list)
             for key in times:
                 by_backend[key.partition("/")[0]].append(key)
+            torch_keys = sorted(by_backend["torch"], key=lambda key: key == "torch/default")  # default last
             current = {key: prints.get(key) is not None and prints[key] == here(*_backend_path(key, op))
                        for key in times}
-            gpu = [b for b in ORDER if b != "torch" and b in by_backend]
+            gpu = [b for b in ORDER if b in by_backend]
             for count in range(1, len(gpu) + 1):
                 for chosen in itertools.combinations(gpu, count):
-                    for keys in itertools.product(*(by_backend[b] for b in (*chosen, "torch"))):
+                    for gpu_keys in itertools.product(*(by_backend[b] for b in chosen)):
+                        offered = [_Timed(key.partition("/")[0], key) for key in (*gpu_keys, *torch_keys)]
+                        keys = [candidate.key for candidate in measured.fixed_order(op, offered)]
                         compared = {key: times[key] for key in keys}
                         quickest = min(compared.values())
                         table_key = next(k for k in keys if compared[k] <= quickest * (1 + measured.TIE))
