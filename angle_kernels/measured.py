@@ -187,7 +187,9 @@ _H100_FP32_SCORES = (
 # selection: bench/results/h200-2026-11-28/second-op-sweep (`scripts/gpu_check.sh second --skip
 # loss_sweep,cuda_op_sweep --time-limit 195`; the run's own paths and fingerprints). It measured this code: the
 # torch backend's current GPU blocks and "mixed" products, Triton's dense dims scheme and the dense similarity_lse;
-# its budget reached 16,384 rows of in-batch negatives once (larger points are the H100's). No CUDA rows.
+# its budget reached 16,384 rows of in-batch negatives once (larger points are the H100's). No CUDA rows. The
+# torch pair scores changed since (their backward's radial mask: torch_ops/pair_scores.py), so their times no
+# longer count; Triton's measured faster at each of their points, which the fixed order chooses anyway.
 _H200_BF16_EMBEDDINGS = (
     ("pair_scores", "dims", 16384, 768,
      {"triton/dims_one_read": 0.459, "torch/default": 6.78},

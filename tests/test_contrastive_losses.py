@@ -67,7 +67,7 @@ def test_every_backend(backend, dtype):
 @pytest.mark.parametrize("n,d", [(1, 2), (3, 6), (37, 130), (300, 768)])
 def test_in_batch_negative_loss(gen, n, d, dtype):
     x = randn(gen, 2 * n, d, dtype=dtype)
-    for kind in ("binary", "ones", "zeros"):
+    for kind in ("binary", "ones", "zeros", "mixed"):
         y_true = zigzag_labels(gen, n, kind)
         for tau in (1.0, 20.0):
             check_against_oracle(lambda x: ak.in_batch_negative_loss(y_true, x, tau),
@@ -148,7 +148,7 @@ def test_float16_norms_above_256(gen):
 # parity with angle-emb 0.6.1
 # --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", ["binary", "ones", "zeros"])
+@pytest.mark.parametrize("kind", ["binary", "ones", "zeros", "mixed"])  # mixed: a pair's rows may disagree
 @pytest.mark.parametrize("n,d", PARITY_SIZES)
 def test_in_batch_negative_loss_parity(ref_loss, gen, n, d, kind, dtype):
     y_true = zigzag_labels(gen, n, kind).to(dtype)[:, None]

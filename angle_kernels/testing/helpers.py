@@ -68,11 +68,14 @@ def randn(gen: torch.Generator, *shape, dtype=torch.float32, scale: float = 1.0)
 
 
 def zigzag_labels(gen: torch.Generator, n_pairs: int, kind: str = "graded") -> torch.Tensor:
-    """Labels [2N] (float32), the pair's label repeated on both rows.
+    """Labels [2N] (float32), the pair's label repeated on both rows (but for 'mixed').
 
     kind: 'graded' (continuous, no ties), 'ties' (3 levels, heavy ties), 'binary' (0/1),
-    'ones' (all 1), 'zeros' (all 0), 'equal' (all the same non-binary value).
+    'ones' (all 1), 'zeros' (all 0), 'equal' (all the same non-binary value), 'mixed' (0/1 per row: the two
+    rows of a pair may disagree, which the in-batch-negative loss reads as no target for either).
     """
+    if kind == "mixed":
+        return torch.randint(0, 2, (2 * n_pairs,), generator=gen).to(torch.float32)
     if kind == "graded":
         per_pair = torch.rand(n_pairs, generator=gen, dtype=torch.float64) * 5.0
     elif kind == "ties":

@@ -130,8 +130,8 @@ def in_batch_negative_loss(
 ) -> torch.Tensor:
     """Mean over the 2N rows of -log(probability of row i's positives) under softmax over j != i.
 
-    logits[i, j] = tau * cos(x_i, x_j), the diagonal excluded. Row i (of a pair labelled 1) has its
-    partner i xor 1 as target; rows of pairs labelled 0 have no target: they add 0 to the sum but
+    logits[i, j] = tau * cos(x_i, x_j), the diagonal excluded. Row i (of a pair whose two rows are labelled 1)
+    has its partner i xor 1 as target; the rows of other pairs have no target: they add 0 to the sum but
     count in the mean over 2N rows. With group_ids ([2N], one id per row, equal ids = identical texts),
     row i's positives are its partner plus every j != i with group_ids[j] in {group_ids[i],
     group_ids[partner]}, and the row's term is -log(sum of the positives' probabilities)
@@ -177,7 +177,10 @@ def in_batch_negative_loss(
     # logsumexp over the columns minus over the positives, as softplus of the other columns' against the positives':
     # a row whose positives dominate keeps the digits of its small loss
     kept = torch.isfinite(logits.detach())  # the columns neither the diagonal nor the filter removed
-    per_row = labels * log_partition_ratio(logits, kept, positive & kept)
+    # a row has its target when both rows of its pair are labelled 1 (the reference's rule: a pair labelled (1, 0)
+    # gives neither row one)
+    has_target = labels * labels[partner]
+    per_row = has_target * log_partition_ratio(logits, kept, positive & kept)
     return per_row.sum() / rows
 
 

@@ -206,7 +206,10 @@ def _star_matrices(grad_cos, grad_angle, inv_norm, has_norm_grad, cos, cross, us
     inv_p = inv_norm[:, :1] * inv_norm[:, 1:]
     s = grad_cos + grad_angle
     t = s * cos + grad_angle * cross
-    radial = -t.unsqueeze(-1) * (inv_norm.unsqueeze(1) ** 2 * has_norm_grad.unsqueeze(1))  # [G, K-1, K]
+    # where, not a product with the mask: a clamped norm of a huge row's zero prefix (scaled_eps) has an inverse
+    # whose square is inf, and inf * 0 was NaN
+    no_radial = torch.zeros((), dtype=inv_norm.dtype, device=inv_norm.device)
+    radial = -t.unsqueeze(-1) * torch.where(has_norm_grad.unsqueeze(1), inv_norm.unsqueeze(1) ** 2, no_radial)
     # A: row 0 (anchor) gets s/P on the partners and -sum_k t_k/|u|^2 on itself; row k gets s/P on the
     # anchor and -t_k/|v_k|^2 on itself. B: +g_angle/P on row 0, -g_angle/P on the anchor column.
     a = torch.zeros(groups, k, k, dtype=cos.dtype, device=cos.device)

@@ -317,6 +317,33 @@ def test_an_ese_trainer_that_overrides_its_student_loss_keeps_it(ae, deep_model_
         assert loss() == pytest.approx(reference, rel=1e-12)
 
 
+def test_an_ese_trainer_whose_loss_has_dims_of_its_own_keeps_them(ae, deep_model_dir, tmp_path):
+    """Patched, AngleLoss is angle_kernels' (angle-emb's takes no dims: its **kwargs drop them), so a trainer's loss
+    may have Matryoshka dims of its own (loss_kwargs dims=[4, 8]): the patched AngleESETrainer then computes by the
+    reference's method (angle-emb's compute_loss: one call of that loss per layer, with its dims), not by the fused
+    call, which would replace them with Espresso's (compression size, width): 16.10 against 32.20."""
+    from transformers import AutoTokenizer, BertModel, TrainingArguments
+
+    from angle_kernels.testing.tiny_model import SENTENCES
+
+    angle_mod = ae["angle_emb.angle"]
+    reference_method = angle_mod.AngleESETrainer.compute_loss  # angle-emb's own, taken before patching
+    model = BertModel.from_pretrained(deep_model_dir).to(torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(deep_model_dir)
+    labels = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+    with integration.patched(backend="torch"):
+        trainer = angle_mod.AngleESETrainer(pooler=angle_mod.Pooler(model, pooling_strategy="cls"), model=model,
+                                            args=args, dataset_format="A", ese_compression_size=8,
+                                            apply_ese_pca=False,
+                                            loss_kwargs=dict(cosine_w=1.0, ibn_w=1.0, angle_w=1.0, dims=[4, 8]))
+        assert list(trainer.loss_fct.dims) == [4, 8]  # angle_kernels' AngleLoss, with dims
+        with torch.no_grad():
+            expected = float(reference_method(trainer, model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
+            got = float(trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
 def test_a_backend_is_checked_at_patch_and_the_patched_loss_pickles(ae):
     """patch(backend=...) refuses an unknown backend before changing anything (it failed at the first loss, mid
     training), and the AngleLoss it binds is an importable class: a trainer's loss pickles, as angle-emb's does."""

@@ -32,13 +32,15 @@ def _rows(name: str, dtype: torch.dtype, kind: str) -> torch.Tensor:
         x[2] *= 2.0**70 if dtype != torch.float64 else 2.0**700
     elif kind == "zero":
         x[4] = 0.0
+    elif kind == "below_eps":  # a norm below eps = 1e-12, not zero: clamped, so no norm term in its gradient
+        x[4] *= 5e-13 / x[4].norm()
     elif kind == "nan":
         x[1, 3] = float("nan")
     return x.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("kind", ["plain", "huge", "zero", "nan"])
+@pytest.mark.parametrize("kind", ["plain", "huge", "zero", "below_eps", "nan"])
 def test_normalised_rows_are_the_blocked_forms(dtype, kind):
     """One tensor: the same rows and scales as the blocked form's helpers, the same has-norm-gradient mask, inverse
     norms within rounding of theirs and of float64's (the norm taken directly, not as the root of a sum of squares:
@@ -49,7 +51,7 @@ def test_normalised_rows_are_the_blocked_forms(dtype, kind):
     (rows, scale, inverse, has_grad), = _cpu_rows.normalised_rows(x)
     blocked_rows, blocked_scale, blocked_inverse, blocked_has_grad = _blocked_form_rows(x)
     torch.testing.assert_close(rows, blocked_rows, rtol=0, atol=0, equal_nan=True)
-    assert (scale is None) == (blocked_scale is None) == (kind == "plain" or kind == "zero")
+    assert (scale is None) == (blocked_scale is None) == (kind in ("plain", "zero", "below_eps"))
     if scale is not None:
         torch.testing.assert_close(scale, blocked_scale, rtol=0, atol=0)
     assert torch.equal(has_grad, blocked_has_grad)
@@ -91,7 +93,7 @@ def test_row_vecdots_in_pieces(monkeypatch, rows):
                                rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["plain", "huge", "zero"])
+@pytest.mark.parametrize("kind", ["plain", "huge", "zero", "below_eps"])
 def test_normalise_backward_is_the_blocked_forms(kind):
     """The gradient with respect to x of x / max(|x|, eps) (scaled rows with `scale`), against the blocked form's
     (normalisation.normalise_backward) and float64 autograd, each entry within float32's rounding of its row's

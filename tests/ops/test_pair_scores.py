@@ -109,6 +109,23 @@ def test_zero_vectors(backend, dtype):
     assert_close(dx[~huge], exact_dx[~huge], GRAD_TOL[dtype], "dx of the other rows")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_rows_shorter_than_eps(backend, dtype):
+    """Rows of norm 5e-13 and 3e-13, below eps = 1e-12 but not zero: their norm is clamped to eps, so the norm's own
+    gradient (the radial term) is 0 for them and not for their partners: a gradient that kept their radial term was
+    6.7% off the oracle (the zero rows of test_zero_vectors have no radial term either way)."""
+    x = randn(generator("below eps", dtype), 4, 3, 8, dtype=dtype)
+    x[1, 2] *= 5e-13 / x[1, 2].norm()  # a partner
+    x[2, 0] *= 3e-13 / x[2, 0].norm()  # an anchor
+    (cos, angle), (dx,) = outputs_and_grads(_ops(backend, True), [leaf_like(x, device=backend.device)])
+    (exact_cos, exact_angle), (exact_dx,) = outputs_and_grads(_oracle(True), [leaf_like(x, dtype=torch.float64)])
+    assert_close(cos, exact_cos, VALUE_TOL[dtype], "cos")
+    assert_close(angle, exact_angle, VALUE_TOL[dtype], "angle")
+    for group, row in ((1, 2), (2, 0)):
+        assert_close(dx[group, row], exact_dx[group, row], GRAD_TOL[dtype], f"dx of row {row} of group {group}")
+    assert_close(dx, exact_dx, GRAD_TOL[dtype], "dx")
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # NumPy, under the interpreter
 def test_float16_zero_partner_overflows_to_infinity_not_nan(backend):
     """In float16 a zero partner's true gradient (~1e12) is beyond the dtype's range: +-inf is the right answer
@@ -206,6 +223,35 @@ def test_huge_rows(backend, shape, with_angle, dtype, magnitude):
     x = _huge_base(shape, dtype, "full")
     check_against_oracle(_huge(_ops(backend, with_angle), magnitude), _oracle(with_angle), [x],
                          f"pair_scores{shape} x{magnitude:g}", device=backend.device)
+
+
+@pytest.mark.parametrize("with_angle", [True, False], ids=["angle", "cos_only"])
+def test_a_zero_prefix_of_a_huge_row(backend, with_angle):
+    """A float64 row whose last 4 of 8 entries are near 2^1000 and whose first 4 (the first prefix) are zero: its
+    scores are 0 and its gradients finite (the torch backend's were NaN: the clamped norm's inverse squared is inf,
+    and the mask multiplied it), against the same rows with that row's tail ordinary: every score equal (cosines are
+    scale-invariant), and the zero prefix's gradient the clamped row's, u_hat / eps, whatever the rest of the row
+    holds, on the backends that scale each prefix by its own power of two (Triton's kernels). The torch backend
+    scales the row once for every prefix, and clamps the prefix's norm to eps times that scale floored at the
+    smallest normal (normalisation.scaled_eps; eps * 2^-1000 is subnormal): 2^-22 rather than 1e-12, a gradient
+    2.4e5 times smaller (docs/gpu-runs.md, "dims on rows whose tail dwarfs the prefix")."""
+    skip_unless_feature(backend, "pair_scores", "dims")
+    ordinary = randn(generator("zero prefix", "huge"), 3, 2, 8, dtype=torch.float64)
+    ordinary[1, 1, :4] = 0.0
+    huge = ordinary.clone()
+    huge[1, 1, 4:] *= 2.0**1000
+    results = []
+    for x in (ordinary, huge):
+        (cos, angle), (dx,) = outputs_and_grads(_prefix_ops(backend, with_angle, (4, 8)),
+                                                [leaf_like(x, device=backend.device)])
+        results.append((cos.cpu(), angle.cpu(), dx.cpu()))
+    (cos, angle, dx), (huge_cos, huge_angle, huge_dx) = results
+    assert torch.isfinite(huge_dx).all()
+    assert_close(huge_cos, cos, 1e-12, "scores")
+    assert_close(huge_angle, angle, 1e-12, "angle scores")
+    if backend.name == "torch":
+        pytest.xfail("one scale per row for every prefix: the zero prefix's clamp is 2^-22, not eps")
+    assert_close(huge_dx[1, 1, :4], dx[1, 1, :4], 1e-12, "the zero prefix's gradient")
 
 
 @pytest.mark.parametrize("dtype, magnitude", HUGE_OP_MAGNITUDES[:2], ids=[huge_magnitude_id(c) for c in

@@ -144,6 +144,26 @@ def test_against_oracle(backend, name, dtype):
                          device=backend.device)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_a_filter_on_the_models_queries_and_a_guides_columns(backend, dtype):
+    """filter_q the op's own q, filter_c other embeddings (a guide's documents): not a filter on the model's own
+    scores, which the torch backend recognises to reuse its score tiles; taken for one (q's side alone compared),
+    its q . c tile stood in for q . guide and the lse was off by up to 12.6."""
+    q, c, kwargs = _inputs("query_to_doc", dtype)
+    guide_c = (0.5 * c.float() + randn(generator("similarity_lse", "a guide's columns", dtype), *c.shape)).to(dtype)
+    kwargs.update(filter_q=q.detach(), filter_c=guide_c, filter_keeps_target=True,
+                  filter_threshold=_filter_threshold(q, guide_c, kwargs["target_offset"], 0.05, True))
+    if not torch.isfinite(oracle.similarity_lse(q.double(), c.double(), **kwargs)).all():
+        pytest.skip("a row keeps no column in this dtype's draw: see test_rows_that_keep_no_column")
+    on_device = moved_to(backend.device, kwargs)
+
+    def ours(q, c):
+        return backend.ops.similarity_lse(q, c, **dict(on_device, filter_q=q.detach()))  # the op's own q
+
+    check_against_oracle(ours, lambda q, c: oracle.similarity_lse(q, c, **kwargs), [q, c], f"half own {dtype}",
+                         device=backend.device)
+
+
 def test_float16_gradient_of_a_small_upstream_gradient_does_not_underflow(backend):
     """As similarity_xent's test: the gradient tile of 1e-6 x lse must not flush to zero in float16 (short rows, so
     that the gradient itself is a normal float16 number)."""
@@ -187,6 +207,22 @@ def test_rows_that_keep_no_column(backend):
         assert torch.isfinite(ours.grad).all(), what
         assert_close(ours.grad.cpu(), ref.grad, 1e-8, what)
     assert torch.count_nonzero(leaves[0].grad[empty.to(backend.device)]) == 0
+
+
+def test_a_row_that_keeps_no_column_gives_its_reference_no_gradient():
+    """Raw dot products with reference rows (MNRL's similarity="dot"), on the torch backend: a row whose only column
+    is excluded has the value -inf and, as every such row, no gradient, its reference row's included (its reference
+    term kept its weight, g * scale: dq and dr of that row were not 0)."""
+    from angle_kernels.dispatch import similarity_lse
+
+    gen = generator("similarity_lse", "empty row reference")
+    leaves = [leaf_like(randn(gen, rows, 8).double()) for rows in (5, 1, 5)]
+    value = similarity_lse(leaves[0], leaves[1], 0.5, exclude="target", normalize=False, reference=leaves[2],
+                           backend="torch")  # row 0's only column is its target, excluded
+    assert torch.isneginf(value[0]) and torch.isfinite(value[1:]).all()
+    dq, dc, dr = torch.autograd.grad(value, leaves, torch.ones_like(value))  # its upstream gradient too: 1
+    assert torch.count_nonzero(dq[0]) == 0 and torch.count_nonzero(dr[0]) == 0
+    assert torch.count_nonzero(dq[1:]) > 0 and torch.count_nonzero(dr[1:]) > 0
 
 
 def test_a_retained_graph_gives_the_same_gradients_twice(backend):

@@ -561,6 +561,35 @@ def test_huge_rows(backend, name, dtype, magnitude):
     _check(backend, q, c, kwargs, f"{name} {dtype} x{magnitude:g}", magnitude)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_rows_in_the_dtypes_largest_binade(backend, dtype):
+    """Rows whose largest entries lie in the dtype's largest binade (float32: 1.5 x 2^127 = 2.6e38; float64:
+    1.5 x 2^1023), mixed with ordinary ones: each row's power-of-two scale is the largest the scale's exponent field
+    holds (normalisation.row_scales clamps the exponent below the bias; one more made the scale 0: such rows lost
+    their cosines, a loss of 7.98 against the oracle's 7.63)."""
+    q, c, kwargs = _inputs("contrastive_with_negatives", dtype)
+    # every row's largest |entry| 1.5: times 2^127 (2^1023) inside the differentiated function, in the top binade
+    q, c = (x / x.abs().amax(dim=1, keepdim=True) * 1.5 for x in (q, c))
+    _check(backend, q, c, kwargs, f"top binade {dtype}", 2.0**127 if dtype == torch.float32 else 2.0**1023)
+
+
+def test_rows_whose_largest_entries_are_negative(backend):
+    """A float32 row whose negative entries are 1e30 times its positive ones: its scale comes from its largest
+    magnitude, negative entries included (taken from its largest positive entry alone, the row stayed unscaled and
+    its squared norm overflowed: a loss of 7.98 against the oracle's 7.63)."""
+    q, c, kwargs = _inputs("contrastive_with_negatives", torch.float32)
+    q[1] = torch.where(c[1] < 0, c[1] * 1e30, c[1])  # its target's direction, stretched along the negative entries
+    on_device = moved_to(backend.device, kwargs)
+    (loss,), grads = outputs_and_grads(lambda q, c: backend.ops.similarity_xent(q, c, **on_device),
+                                       [leaf_like(q, device=backend.device), leaf_like(c, device=backend.device)])
+    (exact,), exact_grads = outputs_and_grads(lambda q, c: _prefix_oracle(q, c, **kwargs),
+                                              [leaf_like(q, dtype=torch.float64), leaf_like(c, dtype=torch.float64)])
+    # held to float64 at float32's tolerance, not to eager float32's error (eager's squared norms overflow here)
+    assert_close(loss.cpu(), exact, 1e-5, "loss")
+    for grad, want, name in zip(grads, exact_grads, ("dq", "dc")):
+        assert_close(grad.cpu(), want, 1e-4, name)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The torch backend's "mixed" path (16-bit products on a GPU), beyond the fixture's cases (module docstring)
 # ---------------------------------------------------------------------------------------------------------

@@ -341,6 +341,24 @@ def test_the_kept_softmax_tiles_of_all_calls_fit_their_budget_and_are_given_back
     assert kept.elements == 0, "a graph dropped without a backward gave its kept tile back"
 
 
+@pytest.mark.parametrize("with_reference", [False, True], ids=["dot", "dot_reference"])
+def test_the_dot_products_kept_tile_is_given_back(with_reference):
+    """Raw dot products (normalize=False: MNRL's similarity="dot", with its reference rows) keep their one block's
+    softmax as cosines do, and their backward gives the tile's share of the budget back (it kept it: every later
+    call of the process made its tiles again in backward)."""
+    from angle_kernels.dispatch import similarity_lse
+    from angle_kernels.torch_ops import _similarity_lse_softmax
+
+    kept = _similarity_lse_softmax._KEPT
+    gen = generator("dot kept tile", str(with_reference))
+    q, c, r = (leaf_like(randn(gen, rows, 16).double()) for rows in (24, 40, 24))
+    before = kept.elements
+    value = similarity_lse(q, c, 0.5, normalize=False, reference=r if with_reference else None, backend="torch")
+    assert kept.elements == before + 24 * 40
+    value.sum().backward()
+    assert kept.elements == before
+
+
 def _meta_addmm_into_fp32_runs() -> bool:
     """Whether torch.addmm(c, a, b, out_dtype=float32, out=c) on meta tensors runs under a dispatch mode, as the
     peak-memory test runs it."""
