@@ -137,7 +137,8 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
 
     @functools.wraps(loss)
     def computed(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
-        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+        # is_compiling first: dynamo cannot trace is_inference_mode_enabled (a graph break), and a trace holds none
+        if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             args, kwargs = _without_inference_tensors(args, kwargs)
         for value in (*args, *kwargs.values()):
             first = value[0] if isinstance(value, (list, tuple)) and value else value
