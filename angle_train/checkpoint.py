@@ -15,6 +15,8 @@
     OUTPUT_DIR/set-aside/after-step-N/      what a resume from step N moved out of the way: the checkpoints after
                                             step N (another line of training), with their bests, final/ and metrics
                                             rows (set_aside_later_line)
+    OUTPUT_DIR/stopped-non-finite.json      the last good checkpoint of a run that non-finite steps stopped, for
+                                            `--resume auto` (NON_FINITE_STOP)
 
 A folder is written as NAME.tmp and swapped in only once complete, so a run killed while writing leaves
 the previous checkpoint or export on disk (or none), never a half-written one. A write that fails (a full disk)
@@ -220,11 +222,11 @@ def check_not_a_model_folder(output_dir: str) -> None:
 
 # What a run writes into its output_dir; --overwrite deletes these (and their .tmp/.old leftovers), nothing else:
 # wandb/ too, whose offline runs a later `wandb sync` would upload as if they were the new run's.
-RUN_OUTPUTS = ("checkpoints", "best", "final", "metrics.jsonl", "config.json", "profile.json", "tensorboard",
-               "curves.png", "wandb", "set-aside", "stopped-non-finite.json")
 # Written when --max-bad-steps non-finite steps in a row stop the run (main process), naming its last good checkpoint
 # (Position.good_checkpoint); `--resume auto` continues from that one, and a resume removes the file.
 NON_FINITE_STOP = "stopped-non-finite.json"
+RUN_OUTPUTS = ("checkpoints", "best", "final", "metrics.jsonl", "config.json", "profile.json", "tensorboard",
+               "curves.png", "wandb", "set-aside", NON_FINITE_STOP)
 
 
 def record_non_finite_stop(output_dir: str, step: int, good_checkpoint: str | None) -> None:
