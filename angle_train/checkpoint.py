@@ -225,8 +225,9 @@ def check_not_a_model_folder(output_dir: str) -> None:
 # Written when --max-bad-steps non-finite steps in a row stop the run (main process), naming its last good checkpoint
 # (Position.good_checkpoint); `--resume auto` continues from that one, and a resume removes the file.
 NON_FINITE_STOP = "stopped-non-finite.json"
+SET_ASIDE_DIR = "set-aside"
 RUN_OUTPUTS = ("checkpoints", "best", "final", "metrics.jsonl", "config.json", "profile.json", "tensorboard",
-               "curves.png", "wandb", "set-aside", NON_FINITE_STOP)
+               "curves.png", "wandb", SET_ASIDE_DIR, NON_FINITE_STOP)
 
 
 def record_non_finite_stop(output_dir: str, step: int, good_checkpoint: str | None) -> None:
@@ -288,9 +289,6 @@ def remove_earlier_run(output_dir: str) -> None:
                 shutil.rmtree(path)
             elif os.path.exists(path):
                 os.remove(path)
-
-
-SET_ASIDE_DIR = "set-aside"
 
 
 def set_aside_later_line(output_dir: str, step: int) -> str | None:

@@ -172,42 +172,35 @@ def test_work_floors_follow_the_measuring_guide():
 def test_the_executed_flops_are_the_products_the_torch_backend_launches():
     """similarity_lse (one width and dims) and similarity_xent (one width), forward + backward on the torch
     backend's blocked forms (the code its GPU calls run, which the sweeps time; similarity_xent's dims take its
-    16-bit "mixed" Function there, which only a GPU runs): the products they launch (every 2-D mm / addmm, counted
-    by a dispatch mode) are what harness's executed-FLOPs formulas say (similarity_lse with dims was counted per
-    prefix, 2.25x the products at D = 768: the torch and cuda rows of similarity_lse(dims) reported 2.25x their
-    fraction of the matmul rate)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    16-bit "mixed" Function there, which only a GPU runs): the matrix products they launch (torch's FLOP counter:
+    mm, addmm, addmm_; its bmm are the rows' norms, batched GEMVs outside the formulas) are what harness's
+    executed-FLOPs formulas say (similarity_lse with dims was counted per prefix, 2.25x the products at D = 768: the
+    torch and cuda rows of similarity_lse(dims) reported 2.25x their fraction of the matmul rate)."""
+    from angle_kernels.testing.helpers import flop_counter
     from angle_kernels.torch_ops import similarity_lse as blocked_lse, similarity_xent as blocked_xent
 
-    class Products(TorchDispatchMode):
-        flops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            matrices = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2]
-            if func.overloadpacket.__name__ in ("mm", "addmm", "addmm_") and len(matrices) >= 2:
-                self.flops += 2 * matrices[-2].shape[0] * matrices[-2].shape[1] * matrices[-1].shape[1]
-            return func(*args, **(kwargs or {}))
-
+    aten = torch.ops.aten
     m, mc, d = 24, 48, 64
     generator = torch.Generator().manual_seed(0)
     q, c = torch.randn(m, d, generator=generator), torch.randn(mc, d, generator=generator)
-    for dims in (None, (16, 32, 64)):
-        weights = torch.randn(m if dims is None else (len(dims), m), generator=generator)
-        calls = {"similarity_lse": (lambda q, c: (blocked_lse.similarity_lse(
-                     q, c, 20.0, 0, m, "none", 2.0, "other", None, None, None, False, True, dims) * weights).sum(),
-                                    harness.similarity_lse_flops_executed),
-                 "similarity_xent": (lambda q, c: blocked_xent.similarity_xent(q, c, 20.0, "diagonal",
-                                                                               dims=dims).sum(),
-                                     harness.similarity_flops_executed)}
-        if dims is not None:
-            del calls["similarity_xent"]
-        for name, (call, formula) in calls.items():
-            counted = Products()
-            leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
-            with counted:
-                call(*leaves).backward()
-            assert counted.flops == formula("torch", m, mc, d, dims), (name, dims)
+    lse_weights = {dims: torch.randn(m if dims is None else (len(dims), m), generator=generator)
+                   for dims in (None, (16, 32, 64))}
+
+    def lse(dims):
+        return lambda q, c: (blocked_lse.similarity_lse(q, c, 20.0, 0, m, "none", 2.0, "other", None, None, None,
+                                                        False, True, dims) * lse_weights[dims]).sum()
+
+    cases = [("similarity_lse", None, lse(None), harness.similarity_lse_flops_executed),
+             ("similarity_lse", (16, 32, 64), lse((16, 32, 64)), harness.similarity_lse_flops_executed),
+             ("similarity_xent", None, lambda q, c: blocked_xent.similarity_xent(q, c, 20.0, "diagonal"),
+              harness.similarity_flops_executed)]
+    for name, dims, call, formula in cases:
+        leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
+        with flop_counter() as counter:
+            call(*leaves).backward()
+        counts = counter.get_flop_counts()["Global"]
+        products = sum(counts.get(op, 0) for op in (aten.mm, aten.addmm, aten.addmm_))
+        assert products == formula("torch", m, mc, d, dims), (name, dims)
 
 
 def test_reports_are_replaced_in_one_step(tmp_path):

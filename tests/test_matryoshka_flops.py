@@ -10,20 +10,16 @@ accumulate gradients with: it is given the out-of-place one's (2 m k n).
 from __future__ import annotations
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 import angle_kernels
+from angle_kernels.testing.helpers import flop_counter
 
 DIMS = (768, 512, 256, 128, 64)
 
 
-def _addmm_in_place(self_shape, a_shape, b_shape, out_shape=None, **kwargs):
-    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
-
-
 def _flops(loss, q, p, **options) -> int:
     q, p = q.detach().requires_grad_(), p.detach().requires_grad_()
-    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_in_place}) as counter:
+    with flop_counter() as counter:
         loss(q, p, backend="torch", **options).backward()
     return counter.get_total_flops()
 

@@ -248,6 +248,19 @@ class ShapeRecorder:
         self.mode = Mode()
 
 
+def _addmm_in_place_flops(self_shape, a_shape, b_shape, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+def flop_counter():
+    """torch's FLOP counter (torch.utils.flop_counter.FlopCounterMode, nothing displayed), given a formula for the
+    in-place addmm_ the backends accumulate gradients with, which it has none for: the out-of-place one's, 2 m k n.
+    `get_total_flops()` and, per op, `get_flop_counts()["Global"]` after the block."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_in_place_flops})
+
+
 def skip_unless_implemented(backend: Backend, op: str) -> None:
     """Skip a case of a backend that does not implement `op` yet (a backend may lack an op: dispatch.raw_backend)."""
     import pytest
