@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -113,6 +114,23 @@ def check_scalar(name: str, value, *, positive: bool = False) -> float:
     if positive and value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
     return value
+
+
+def type_name(value) -> str:
+    """The name of value's type as an error message gives it: builtins bare ("int"), others with their module
+    ("numpy.int64", "numpy.bool"), so that a numpy bool is not reported as a "bool"."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def check_flag(name: str, value) -> bool:
+    """An on/off option: a bool, or numpy's bool (a config read with numpy), returned as a Python bool; anything
+    else (0 and 1 included: a count or an index passed by mistake) raises TypeError naming the argument."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type_name(value)}")
 
 
 def check_scale(name: str, value) -> float:
@@ -451,12 +469,22 @@ def _checked_prefixes(dims: Dims, dim_weights: DimWeights | None) -> tuple[list[
     if len(weights) != len(dims):
         raise ValueError(f"dim_weights must have one weight per dim: {len(dims)} dims, {len(weights)} weights")
     weights = [check_scalar(f"dim_weights[{i}]", w) for i, w in enumerate(weights)]
-    for i, d in enumerate(dims):
-        if isinstance(d, bool) or not isinstance(d, int):
-            raise TypeError(f"dims[{i}] must be a Python int, got {type(d).__name__}")
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"dims must be distinct, got {tuple(dims)}")
-    return list(dims), weights
+    widths = [_width(f"dims[{i}]", d) for i, d in enumerate(dims)]
+    if len(set(widths)) != len(widths):
+        raise ValueError(f"dims must be distinct, got {tuple(widths)}")
+    return widths, weights
+
+
+def _width(name: str, value) -> int:
+    """A width given as an integer: a Python int, or one that converts exactly (operator.index: numpy's integers, a
+    one-element integer tensor), returned as a Python int; bools and floats raise TypeError naming the argument."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or (
+            isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an int, got {type_name(value)}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type_name(value)}") from None
 
 
 def check_layer_stack(layer_weights: LayerWeights | None,
@@ -543,8 +571,7 @@ def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, nega
     shape, gathered with gradients from every rank first when gather_across_devices and torch.distributed runs
     several processes. Returns (L or None, gathered): gathered is None or (rank, all queries, all positives,
     all negatives), losses.retrieval.multiple_negatives' `gathered`."""
-    if not isinstance(gather_across_devices, bool):
-        raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
+    gather_across_devices = check_flag("gather_across_devices", gather_across_devices)
     named = [("queries", queries), ("positives", positives)]
     named += [(f"negatives[{i}]", t) for i, t in enumerate(negatives)]
     layers, first = check_layer_stack(layer_weights, *named)

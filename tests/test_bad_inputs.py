@@ -126,6 +126,28 @@ def test_wrong_kinds_of_options_are_named(ak, gen):
         ak.cosine_loss(y, x[None], layer_weights=torch.tensor(1.0))
 
 
+def test_integers_of_other_kinds_are_widths_and_numpys_bool_a_flag(ak, gen):
+    """dims taken from numpy or a tensor (list(np.array([8, 4])), list(torch.tensor([8, 4]))) raised "dims[0] must
+    be a Python int, got int64"; they are the same widths as Python ints. Bools and floats are not widths. numpy's
+    bool is a flag; 0 and 1 are not, and a refused flag's type is named with its module (a numpy bool was reported
+    as "got bool")."""
+    np = pytest.importorskip("numpy")
+    q, p = randn(gen, 5, 8), randn(gen, 5, 8)
+    expected = ak.multiple_negatives_ranking_loss(q, p, dims=[8, 4])
+    for dims in (list(np.array([8, 4])), list(torch.tensor([8, 4])), [np.int32(8), np.uint8(4)]):
+        assert torch.equal(ak.multiple_negatives_ranking_loss(q, p, dims=dims), expected), dims
+    for bad, named in ((8.0, "float"), (True, "bool"), (np.float64(8), "numpy.float64"), (np.bool_(True), "numpy.bool"),
+                       (torch.tensor(8.0), "torch.Tensor")):
+        with pytest.raises(TypeError, match=rf"dims\[0\] must be an int, got {named}"):
+            ak.multiple_negatives_ranking_loss(q, p, dims=[bad, 4])
+    unfiltered = ak.gist_loss(q, p, q, p, contrast_anchors=False)
+    assert torch.equal(ak.gist_loss(q, p, q, p, contrast_anchors=np.bool_(False)), unfiltered)
+    with pytest.raises(TypeError, match="contrast_positives must be a bool, got int"):
+        ak.gist_loss(q, p, q, p, contrast_positives=1)
+    with pytest.raises(TypeError, match="gather_across_devices must be a bool, got numpy.float64"):
+        ak.multiple_negatives_ranking_loss(q, p, gather_across_devices=np.float64(0.0))
+
+
 # --------------------------------------------------------------------------------------------------------
 # shapes, emptiness, layouts
 # --------------------------------------------------------------------------------------------------------

@@ -336,7 +336,8 @@ def _fused_mnrl(loss: torch.nn.Module, embeddings: list[Tensor], nested: _inputs
         partition_mode=getattr(loss, "partition_mode", "joint"), hardness_mode=getattr(loss, "hardness_mode", None),
         hardness_strength=getattr(loss, "hardness_strength", 0.0), false_negative_margin=None,
         false_negative_strategy="absolute", similarity="cosine" if truncated else _mnrl_similarity(loss),
-        gather_across_devices=getattr(loss, "gather_across_devices", False), nested=nested)
+        gather_across_devices=bool(getattr(loss, "gather_across_devices", False)),  # read by truth value there
+        nested=nested)
     return _retrieval_losses.multiple_negatives(resolve_backend(loss.backend, call.queries), **call._asdict())
 
 
@@ -454,7 +455,8 @@ class CachedMultipleNegativesRankingLoss(_FusedCachedMNRL, _st_losses.CachedMult
     gradients, the loss is computed on the cached embeddings and back-propagated to them, and the
     mini-batches are embedded again with gradients. The parent computes the loss stage in chunks of
     `mini_batch_size` query rows so that the score matrix never exists whole; angle_kernels' tiled loss never
-    builds it at all, so here the whole batch is one call (forward and backward), whatever mini_batch_size is.
+    builds it at all, so here the whole batch is one call (forward and backward), whatever mini_batch_size is:
+    show_progress_bar shows the embedding passes' bars, and none for the loss stage (one call).
 
     Fused under the same condition as `MultipleNegativesRankingLoss` (cosine or dot product; every other option,
     gather_across_devices included, which gathers the cached embeddings as the parent does); otherwise the
@@ -565,9 +567,10 @@ def _embed_columns(model: torch.nn.Module, features: list[dict[str, Tensor]]) ->
 
 
 def _gist_options(loss: torch.nn.Module) -> dict[str, Any]:
+    # the parent reads its flags by truth value (`if self.contrast_anchors:`): 0, 1 and numpy's bools work there too
     return dict(temperature=loss.temperature, margin_strategy=loss.margin_strategy, margin=loss.margin,
-                contrast_anchors=loss.contrast_anchors, contrast_positives=loss.contrast_positives,
-                gather_across_devices=getattr(loss, "gather_across_devices", False), backend=loss.backend)
+                contrast_anchors=bool(loss.contrast_anchors), contrast_positives=bool(loss.contrast_positives),
+                gather_across_devices=bool(getattr(loss, "gather_across_devices", False)), backend=loss.backend)
 
 
 def _fused_gist(loss: torch.nn.Module, embeddings: list[Tensor], guide_embeddings: list[Tensor]) -> Tensor:
@@ -630,7 +633,8 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
 class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
     """sentence-transformers' CachedGISTEmbedLoss (GradCache) with the loss stage computed by angle_kernels
     (`gist_loss`) on the whole cached batch at once; the embedding side (model and guide mini-batches) is the
-    parent's. Same arguments, plus keyword-only `backend`; always fused."""
+    parent's. Same arguments, plus keyword-only `backend`; always fused. show_progress_bar shows the embedding
+    passes' bars, and none for the loss stage (one call)."""
 
     _input_columns = _ANCHORED
 
@@ -669,14 +673,19 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
 # --------------------------------------------------------------------------------------------------------
 # Matryoshka: every nested dimension from one read of the embeddings
 # --------------------------------------------------------------------------------------------------------
-def _matryoshka_unfused_reason(inner: torch.nn.Module, dims: Sequence[int]) -> str | None:
-    """Why MatryoshkaLoss over `inner` cannot run as one fused call; None when it can."""
+def _matryoshka_unfused_reason(inner: torch.nn.Module, dims: Sequence[int],
+                                weights: Sequence[float] | Tensor) -> str | None:
+    """Why MatryoshkaLoss over `inner` with these dims and weights cannot run as one fused call; None when it can."""
     if not hasattr(inner, "_fused_loss") and not hasattr(inner, "_fused_cached_loss"):
         return f"{type(inner).__name__} is not one of angle_kernels' fused drop-ins with a Matryoshka path"
     if not inner.uses_fused_path:
         return f"{type(inner).__name__} itself runs unfused in this configuration"
     if getattr(inner, "similarity_fct", None) is _st_util.pairwise_angle_sim and any(d % 2 for d in dims):
         return "the angle similarity pads an odd width with a zero column; the fused angle score needs even dims"
+    learned = weights.requires_grad if isinstance(weights, Tensor) else any(
+        isinstance(w, Tensor) and w.requires_grad for w in weights)
+    if learned:
+        return "matryoshka_weights require grad (learned weights): the fused call takes the weights as constants"
     return None
 
 
@@ -691,7 +700,8 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     sampling of `n_dims_per_step` dimensions (the same `random.sample` call, so the same dimensions under the
     same seed) and the parent's normalisation of each truncated embedding (a dot-product similarity is then a
     cosine). `uses_fused_path` says whether the fused call runs; otherwise (another inner loss, an inner loss
-    configured unfused, odd dims with the angle similarity) the parent's per-dimension loop runs.
+    configured unfused, odd dims with the angle similarity, learned matryoshka_weights) the parent's
+    per-dimension loop runs.
     MultipleNegativesRankingLoss options that need similarity_lse (joint partitions over several directions,
     hardness) take every dimension in one call of that op too, but where the backend computing it at one width has
     no dims for it (a GPU path not yet verified with dims: one pass per dimension inside angle_kernels there).
@@ -706,7 +716,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
 
     @property
     def uses_fused_path(self) -> bool:
-        return _matryoshka_unfused_reason(self.loss, self.matryoshka_dims) is None
+        return _matryoshka_unfused_reason(self.loss, self.matryoshka_dims, self.matryoshka_weights) is None
 
     def _selected(self, width: int, sort: bool) -> _inputs.Nested:
         """The dimensions of this step with their weights: all, or n_dims_per_step drawn as the parent draws
@@ -755,7 +765,7 @@ def _layerwise_unfused_reason(inner: torch.nn.Module) -> str | None:
     if isinstance(inner, MatryoshkaLoss):
         if inner.uses_gradient_cache:
             return "the parent does not support gradient-cache losses under layer-wise training"
-        reason = _matryoshka_unfused_reason(inner.loss, inner.matryoshka_dims)
+        reason = _matryoshka_unfused_reason(inner.loss, inner.matryoshka_dims, inner.matryoshka_weights)
         if reason is not None:
             return reason
         inner = inner.loss

@@ -30,6 +30,7 @@ from ..inputs import (
     check_choice,
     check_columns,
     check_embedding_group,
+    check_flag,
     check_multiple_negatives,
     check_same_shape,
     check_scalar,
@@ -140,10 +141,9 @@ def gist_loss(
     temperature = check_scale("temperature", temperature)
     margin = check_scalar("margin", margin)
     check_choice("margin_strategy", margin_strategy, MARGIN_STRATEGIES)
-    for name, value in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives),
-                        ("gather_across_devices", gather_across_devices)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    contrast_anchors = check_flag("contrast_anchors", contrast_anchors)
+    contrast_positives = check_flag("contrast_positives", contrast_positives)
+    gather_across_devices = check_flag("gather_across_devices", gather_across_devices)
     negatives = check_columns("negatives", negatives)
     guide_negatives = check_columns("guide_negatives", guide_negatives)
     anchors, positives, *negatives = promote_embeddings(anchors, positives, *negatives)

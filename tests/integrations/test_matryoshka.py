@@ -10,8 +10,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 pytest.importorskip("sentence_transformers")
+
+import numpy as np  # noqa: E402  (a dependency of sentence-transformers)
 
 from angle_kernels import terms  # noqa: E402
 from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
@@ -41,6 +44,11 @@ CASES = [
     ("MultipleNegativesRankingLoss", {}, 2, None, (32, 16, 16), None, -1, True),
     ("CoSENTLoss", {}, 2, GRADED, (32, 8, 8, 4), (1.0, 0.5, 2.0, 1.0), 3, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 2, None, (16, 32, 16), (1.0, 1.0, 0.5), -1, True),
+    # dims as numpy's integers and as a tensor's elements (list(np.array(...)), list(torch.tensor(...)))
+    ("MultipleNegativesRankingLoss", {}, 2, None, list(np.array([32, 16, 8])), None, -1, True),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 2, None, list(torch.tensor([32, 8])), None, -1,
+     True),
+    ("CoSENTLoss", {}, 2, GRADED, list(np.array([32, 8])), None, -1, True),
 ]
 
 
@@ -98,6 +106,28 @@ def test_weights_that_are_all_zero_give_the_parents_zero_loss_and_zero_gradients
         value, grads = value_and_grads(model64, Seeded(loss), columns, labels)
         assert float(value) == 0.0, (module.__name__, value)
         assert len(grads) > 10 and all(not g.any() for g in grads.values()), module.__name__
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["parameters", "one_tensor"])
+def test_learned_weights_run_the_parents_loop_which_trains_them(model64, as_tensor):
+    """matryoshka_weights that require grad (the parent trains them: its sum multiplies each dimension's loss by its
+    weight): the fused call took them as constants (float()), so they never got a gradient; now the parent's loop
+    runs, with its value and the weights' gradients."""
+    results = []
+    for module in (st_losses, ours):
+        if as_tensor:
+            weights = torch.tensor([1.0, 0.5], dtype=torch.float64, requires_grad=True)
+            leaves = [weights]
+        else:
+            weights = [torch.nn.Parameter(torch.tensor(w, dtype=torch.float64)) for w in (1.0, 0.5)]
+            leaves = weights
+        loss = module.MatryoshkaLoss(model64, module.MultipleNegativesRankingLoss(model64), (32, 16), weights)
+        value, _ = value_and_grads(model64, loss, 2, None)
+        results.append((float(value), [float(g) for leaf in leaves for g in leaf.grad.reshape(-1)]))
+        if module is ours:
+            assert not loss.uses_fused_path
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-12)
+    assert results[0][1] == pytest.approx(results[1][1], rel=1e-10) and all(results[1][1])
 
 
 def test_the_sampled_dimensions_change_with_the_seed(model64):

@@ -17,6 +17,8 @@ from angle_kernels.testing.oracle import rel_err
 
 pytest.importorskip("sentence_transformers")
 
+import numpy as np  # noqa: E402  (a dependency of sentence-transformers)
+
 from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
 from sentence_transformers import util as st_util  # noqa: E402
 
@@ -50,6 +52,9 @@ CASES = [
                                       "directions": ALL_DIRECTIONS, "hardness_mode": "hard_negatives",
                                       "hardness_strength": 0.5}, 3, None, True),
     ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.euclidean_sim, "scale": 1.0}, 2, None, False),
+    # flags the parent reads by truth value: numpy's bool, 0 and 1
+    ("MultipleNegativesRankingLoss", {"gather_across_devices": np.bool_(False)}, 2, None, True),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4, "gather_across_devices": 0}, 2, None, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 2, None, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 3, None, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3, "directions": ("query_to_doc", "doc_to_query"),
@@ -242,6 +247,9 @@ GIST_CASES = [
     ("CachedGISTEmbedLoss", {"mini_batch_size": 4}, 2),
     ("CachedGISTEmbedLoss", {"mini_batch_size": 3, "margin_strategy": "relative", "margin": 0.05,
                              "temperature": 0.05}, 4),
+    # flags the parent reads by truth value: 0, 1 and numpy's bool
+    ("GISTEmbedLoss", {"contrast_anchors": 0, "contrast_positives": np.bool_(True), "temperature": 0.05}, 2),
+    ("CachedGISTEmbedLoss", {"mini_batch_size": 4, "contrast_positives": 1, "gather_across_devices": 0}, 2),
 ]
 
 
