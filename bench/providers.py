@@ -14,16 +14,15 @@ bench_similarity.py, bench_arccse.py: `LossBench.implementations`). Every provid
 same input tensors and returns a closure computing the scalar loss; the harness times and measures
 `closure().backward()`. `check_agreement` verifies that all providers compute the same value and gradients.
 
-The reference is loaded by file path (`importlib.util.spec_from_file_location`) from the installed package's
-`angle_emb/loss.py`, from a `.py` path, or from an angle-emb wheel: that file needs only torch, while
-importing the `angle_emb` package pulls in datasets, bitsandbytes and more (absent on the GPU image).
+The reference is executed as a module of its own from the installed package's `angle_emb/loss.py`, from a `.py`
+path, or from an angle-emb wheel (read from the zip): that file needs only torch, while importing the `angle_emb`
+package pulls in datasets, bitsandbytes and more (absent on the GPU image).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,25 +103,20 @@ def ours_backends(device: str, probe: bool = True, only=None) -> tuple[list[str]
 # ---- the reference: angle_emb/loss.py loaded by path ------------------------------------------------------
 
 
-def find_reference_loss_file(given: str | None = None) -> Path:
-    """The path of angle-emb's loss.py: `given` (a .py file or an angle-emb wheel), else the installed package's.
+WHEEL_MEMBER = "angle_emb/loss.py"
 
-    A wheel is a zip: its angle_emb/loss.py is extracted to a temporary file. Raises FileNotFoundError
-    with a hint when nothing is found.
-    """
+
+def find_reference_loss_file(given: str | None = None) -> Path:
+    """The file that holds angle-emb's loss.py: `given` (a .py file, or an angle-emb wheel holding
+    angle_emb/loss.py), else the installed package's. Raises FileNotFoundError with a hint when nothing is found."""
     if given:
         path = Path(given).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"--angle-emb-loss: {path} does not exist")
         if path.suffix == ".whl":
             with zipfile.ZipFile(path) as wheel:
-                try:
-                    source = wheel.read("angle_emb/loss.py")
-                except KeyError:
-                    raise FileNotFoundError(f"--angle-emb-loss: {path} holds no angle_emb/loss.py") from None
-            extracted = Path(tempfile.mkdtemp(prefix="angle_emb_ref_")) / "loss.py"
-            extracted.write_bytes(source)
-            return extracted
+                if WHEEL_MEMBER not in wheel.namelist():
+                    raise FileNotFoundError(f"--angle-emb-loss: {path} holds no {WHEEL_MEMBER}")
         return path
     spec = importlib.util.find_spec("angle_emb")  # locates the package without importing it
     if spec is not None and spec.submodule_search_locations:
@@ -136,12 +130,18 @@ def find_reference_loss_file(given: str | None = None) -> Path:
 
 
 def load_reference_module(given: str | None = None) -> ModuleType:
-    """Execute angle-emb's loss.py as a stand-alone module (it imports only torch)."""
+    """Execute angle-emb's loss.py as a stand-alone module (it imports only torch); from a wheel, read from the zip
+    (nothing is extracted to disk)."""
     path = find_reference_loss_file(given)
-    spec = importlib.util.spec_from_file_location("angle_emb_reference_loss", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.__bench_source__ = str(path)
+    if path.suffix == ".whl":
+        with zipfile.ZipFile(path) as wheel:
+            source, origin = wheel.read(WHEEL_MEMBER), f"{path}!{WHEEL_MEMBER}"
+    else:
+        source, origin = path.read_bytes(), str(path)
+    module = ModuleType("angle_emb_reference_loss")
+    module.__file__ = origin
+    exec(compile(source, origin, "exec"), module.__dict__)
+    module.__bench_source__ = origin
     return module
 
 

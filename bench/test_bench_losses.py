@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def test_adapter_feeds_sentence_transformers_the_given_embeddings(all_providers)
     assert u.grad is not None and v.grad is not None and u.grad.abs().sum() > 0
 
 
-def test_reference_loads_from_a_wheel(tmp_path):
+def test_reference_loads_from_a_wheel(tmp_path, monkeypatch):
     """On the GPU image only the angle-emb wheel is carried: its loss.py must load from the zip."""
     try:
         installed = P.find_reference_loss_file()
@@ -147,14 +148,23 @@ def test_reference_loads_from_a_wheel(tmp_path):
     wheel = tmp_path / "angle_emb-0.6.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.write(installed, "angle_emb/loss.py")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temporary"))
+    (tmp_path / "temporary").mkdir()
     from_wheel = P.load_reference_module(str(wheel))
     from_file = P.load_reference_module(str(installed))
+    assert not any((tmp_path / "temporary").iterdir()), "loading from a wheel left files behind"
+    assert from_wheel.__bench_source__ == f"{wheel}!angle_emb/loss.py"
     gen = torch.Generator().manual_seed(5)
     y_pred = torch.randn(12, 8, generator=gen)
     y_true = torch.tensor([0.0, 0.0, 1.0, 1.0, 2.0, 2.0] * 2).unsqueeze(1)
     assert torch.equal(from_wheel.cosine_loss(y_true, y_pred), from_file.cosine_loss(y_true, y_pred))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         P.find_reference_loss_file(str(tmp_path / "missing.py"))
+    empty_wheel = tmp_path / "empty-0.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(empty_wheel, "w") as zf:
+        zf.writestr("other/loss.py", "")
+    with pytest.raises(FileNotFoundError, match="holds no angle_emb/loss.py"):
+        P.load_reference_module(str(empty_wheel))
 
 
 def test_memory_estimates_grow_as_the_baselines_do():
