@@ -414,6 +414,16 @@ def _warn_unverified(ops: Ops, op: str, call: contract.Call, path: str) -> None:
         "per process for each backend, op and code path).", RuntimeWarning, stacklevel=5)
 
 
+def check_backend(backend: str | None) -> str | None:
+    """A backend argument checked where it is given (a module's or a drop-in's constructor, patch()), not at its first
+    call, after the model and data have loaded: None (ANGLE_KERNELS_BACKEND, else "auto") or one of 'auto', 'torch',
+    'triton', 'cuda' in any case, with spaces around it as resolve_backend takes it; returned as given. Anything else
+    raises ValueError naming the argument."""
+    if backend is not None and (not isinstance(backend, str) or backend.strip().lower() not in BACKENDS + ("auto",)):
+        raise ValueError(f"backend must be None or one of 'auto', 'torch', 'triton', 'cuda'; got {backend!r}")
+    return backend
+
+
 def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
     """Return the Ops of the backend that computes ops on `tensors` (see the module docstring)."""
     name = requested if requested is not None else os.environ.get(_ENV_VAR, "auto")

@@ -100,14 +100,19 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
 
 
 def check_scalar(name: str, value, *, positive: bool = False) -> float:
+    """A real number given as a Python or numpy number, a one-element tensor that does not require grad, or a 0-d
+    numpy array, returned as a float; bools (a flag passed by mistake) and learned values raise TypeError naming the
+    argument, non-finite values (and, with positive, values <= 0) ValueError."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
         value = value.item()
     if isinstance(value, torch.Tensor) and value.numel() == 1:  # requires grad: a learned value
         raise TypeError(f"{name} must be a real number, got a {type(value).__name__} that requires grad: the losses "
                         f"take {name} as a constant and give it no gradient (a learned {name} would never change); "
                         f"pass float({name}) to use its value")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # a 0-d array: its number
+        value = value[()]
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type_name(value)}")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
@@ -424,6 +429,7 @@ def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, 
         dims, weights = _checked_prefixes(dims, dim_weights)
         order = sorted(range(len(dims)), key=dims.__getitem__)
         return Nested(check_dims(tuple(dims[i] for i in order), width, even), (tuple(weights[i] for i in order),))
+    layer_weights = _numpy_as_list(layer_weights)
     if not isinstance(layer_weights, (tuple, list, torch.Tensor)) or (
             isinstance(layer_weights, torch.Tensor) and layer_weights.dim() == 0) or len(layer_weights) != layers:
         raise ValueError(f"layer_weights must have one entry per layer of the stack ({layers}), got {layer_weights!r}")
@@ -460,6 +466,9 @@ def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, 
 def _checked_prefixes(dims: Dims, dim_weights: DimWeights | None) -> tuple[list[int], list[float]]:
     """dims as a list of distinct Python ints and their weights (1 each when dim_weights is None), in the order
     given; the widths' range is check_dims'."""
+    dims = _numpy_as_list(dims)
+    if isinstance(dims, torch.Tensor) and dims.dim() == 1 and not dims.is_floating_point():
+        dims = dims.tolist()
     if not isinstance(dims, (tuple, list)) or not dims:
         raise TypeError(f"dims must be None or a non-empty sequence of ints, got {dims!r}")
     try:
@@ -473,6 +482,21 @@ def _checked_prefixes(dims: Dims, dim_weights: DimWeights | None) -> tuple[list[
     if len(set(widths)) != len(widths):
         raise ValueError(f"dims must be distinct, got {tuple(widths)}")
     return widths, weights
+
+
+def _numpy_as_list(value):
+    """A numpy array of one or more dimensions as nested Python lists (its numbers as Python's), else the value."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", 0) >= 1:
+        return value.tolist()
+    return value
+
+
+def _count(value) -> int | None:
+    """An integer as _width takes it, as a Python int; None for anything else."""
+    try:
+        return _width("", value)
+    except TypeError:
+        return None
 
 
 def _width(name: str, value) -> int:
@@ -519,10 +543,13 @@ def espresso_layer_weights(n_layers: int, compression_size: int,
     at the compressed width (the reference's per-layer loss, averaged over the earlier layers) and 0 at the full
     width. A compression size >= width keeps the whole width (the reference's slice is then the full embedding,
     so the last layer's loss counts twice)."""
-    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 2:
+    layers, size = _count(n_layers), _count(compression_size)  # numpy's and a tensor's ints too
+    if layers is None or layers < 2:
         raise ValueError(f"n_layers: Espresso needs a model of at least 2 layers, got {n_layers!r}")
-    if isinstance(compression_size, bool) or not isinstance(compression_size, int) or compression_size < 1:
-        raise ValueError(f"compression_size must be a positive int, got {compression_size!r}")
+    if size is None or size < 1:
+        raise ValueError(f"compression_size (AngleESETrainer's ese_compression_size) must be a positive int, got "
+                         f"{compression_size!r}")
+    n_layers, compression_size = layers, size
     earlier = [1.0 / (1.0 + math.log(1 + i)) / (n_layers - 1) for i in range(n_layers - 1)]
     if compression_size >= width:
         return (width,), [[w] for w in earlier] + [[2.0]]

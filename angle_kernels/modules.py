@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .contract import loss_entry
-from .dispatch import resolve_backend
+from .dispatch import check_backend, resolve_backend
 from .inputs import (
     IBN_PARTITIONS,
     POOLING_STRATEGIES,
@@ -132,22 +132,26 @@ class AngleLoss(nn.Module):
         self.cosine_tau = check_scale("cosine_tau", cosine_tau)
         self.ibn_tau = check_scale("ibn_tau", ibn_tau)
         self.angle_tau = check_scale("angle_tau", angle_tau)
-        check_choice("angle_pooling_strategy", angle_pooling_strategy, POOLING_STRATEGIES)
-        self.angle_pooling_strategy = angle_pooling_strategy
         if dataset_format is not None:  # None: set before the first call, as angle-emb's AngleLoss() leaves it
             _check_dataset_format(dataset_format)
         self.dataset_format = dataset_format
+        if _pools(self.angle_w, dataset_format):  # a strategy no term uses is not read (angle-emb never reads it)
+            check_choice("angle_pooling_strategy", angle_pooling_strategy, POOLING_STRATEGIES)
+        self.angle_pooling_strategy = angle_pooling_strategy
         check_choice("ibn_partition", ibn_partition, tuple(IBN_PARTITIONS))
         self.ibn_partition = ibn_partition
         self.false_negative_margin = check_false_negative_filter(false_negative_margin, false_negative_strategy)
         self.false_negative_strategy = false_negative_strategy
         check_nested(dims, dim_weights, _ANY_WIDTH)  # the widths are checked against the embeddings' in forward
         self.dims, self.dim_weights = dims, dim_weights
-        self.backend = backend
+        self.backend = check_backend(backend)  # here, not at the first training step
 
-    def _nested(self, width: int, layer_weights: LayerWeights | None, layers: int | None) -> Nested | None:
-        return check_nested(self.dims, self.dim_weights, width, even=self.angle_w > 0, layer_weights=layer_weights,
-                            layers=layers)
+    def _nested(self, width: int, angle_w: float, layer_weights: LayerWeights | None,
+                layers: int | None) -> Nested | None:
+        """The dims and layer weights of a call; the prefixes must have even widths where the angle term splits
+        them in halves (angle_w > 0, formats A and C: format B has no angle term)."""
+        return check_nested(self.dims, self.dim_weights, width, even=_pools(angle_w, self.dataset_format),
+                            layer_weights=layer_weights, layers=layers)
 
     def extra_repr(self) -> str:
         return (
@@ -186,13 +190,12 @@ class AngleLoss(nn.Module):
             check_embeddings("outputs", first, rows_multiple_of=2, layout="format B: query, positive rows")
         else:
             check_embeddings("outputs", first, rows_multiple_of=3, layout="format C: query, positive, negative rows")
-        if settings.angle_w > 0:
+        if _pools(settings.angle_w, self.dataset_format):
             # as angle-emb, which reads the attribute at each call: one set after construction too
             check_choice("angle_pooling_strategy", settings.angle_pooling_strategy, POOLING_STRATEGIES)
-            if self.dataset_format != "B":
-                check_angle_dim(first.shape[-1], "outputs")
+            check_angle_dim(first.shape[-1], "outputs")
         ops = resolve_backend(self.backend, outputs)
-        nested = self._nested(first.shape[1], layer_weights, layers)
+        nested = self._nested(first.shape[1], settings.angle_w, layer_weights, layers)
         # outputs is checked whole above, so the formulas are called rather than the public functions, which would
         # scan the same rows for NaN/Inf again (one more device sync per step)
         if self.dataset_format == "A":
@@ -207,6 +210,12 @@ class AngleLoss(nn.Module):
 
 # check_nested's width bound before the embeddings are known (the real one is checked in forward)
 _ANY_WIDTH = 1 << 62
+
+
+def _pools(angle_w: float, dataset_format: str | None) -> bool:
+    """Whether AngleLoss computes its angle term: a positive weight, in formats A and C (format B has none; a format
+    not set yet may be either)."""
+    return angle_w > 0 and dataset_format != "B"
 
 
 
@@ -237,7 +246,7 @@ class ArcCSELoss(nn.Module):
         self.triplet_margin = check_scalar("triplet_margin", triplet_margin)
         check_nested(dims, dim_weights, _ANY_WIDTH)  # the widths are checked against the embeddings' in forward
         self.dims, self.dim_weights = dims, dim_weights
-        self.backend = backend
+        self.backend = check_backend(backend)  # here, not at the first training step
 
     def extra_repr(self) -> str:
         return (f"margin_degrees={self.margin_degrees}, tau={self.tau}, triplet_weight={self.triplet_weight}, "

@@ -127,6 +127,24 @@ def test_parity_with_all_equal_labels(ref_angle_loss_class, gen, kind):
         assert value.item() == 0.0
 
 
+def test_what_a_term_does_not_compute_is_not_checked(gen):
+    """Format B has no angle term: its prefixes may be odd (Espresso with an odd ese_compression_size: "the angle
+    score splits each prefix in halves and needs even widths" before), and its value is that of angle_w = 0; a
+    pooling strategy no term uses (angle_w = 0, or format B) is not read, as angle-emb never reads it. Where the
+    angle term runs, both are refused as before."""
+    x = randn(gen, 12, 32)
+    with_angle = ak.AngleLoss(dataset_format="B", dims=(7, 32))(None, x)
+    assert torch.equal(with_angle, ak.AngleLoss(dataset_format="B", dims=(7, 32), angle_w=0.0)(None, x))
+    labels = zigzag_labels(gen, 6, "binary")
+    plain = ak.AngleLoss(dataset_format="A", angle_w=0.0)(labels, x)
+    assert torch.equal(ak.AngleLoss(dataset_format="A", angle_w=0.0, angle_pooling_strategy="avg")(labels, x), plain)
+    ak.AngleLoss(dataset_format="B", angle_pooling_strategy="cls")(None, x)
+    with pytest.raises(ValueError, match="even widths"):
+        ak.AngleLoss(dataset_format="A", dims=(7, 32))(labels, x)
+    with pytest.raises(ValueError, match="angle_pooling_strategy"):
+        ak.AngleLoss(dataset_format="A", angle_pooling_strategy="avg")
+
+
 def test_defaults_match_reference(ref_angle_loss_class):
     ours, reference = ak.AngleLoss(), ref_angle_loss_class()
     assert isinstance(ours, torch.nn.Module)

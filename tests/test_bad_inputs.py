@@ -146,6 +146,19 @@ def test_integers_of_other_kinds_are_widths_and_numpys_bool_a_flag(ak, gen):
         ak.gist_loss(q, p, q, p, contrast_positives=1)
     with pytest.raises(TypeError, match="gather_across_devices must be a bool, got numpy.float64"):
         ak.multiple_negatives_ranking_loss(q, p, gather_across_devices=np.float64(0.0))
+    # numpy's arrays: a 0-d one is its number, a 1-d one of widths or weights a sequence (a misleading "must have
+    # one entry per layer of the stack (3), got array([...])" before)
+    assert torch.equal(ak.multiple_negatives_ranking_loss(q, p, scale=np.array(20.0)),
+                       ak.multiple_negatives_ranking_loss(q, p, scale=20.0))
+    assert torch.equal(ak.multiple_negatives_ranking_loss(q, p, dims=np.array([8, 4])), expected)
+    assert torch.equal(ak.multiple_negatives_ranking_loss(q, p, dims=torch.tensor([8, 4])), expected)
+    stack = torch.stack([q, q.flip(0), q * 2])
+    weights = [0.2, 0.3, 1.0]
+    assert torch.equal(ak.multiple_negatives_ranking_loss(stack, stack.flip(1), layer_weights=np.array(weights)),
+                       ak.multiple_negatives_ranking_loss(stack, stack.flip(1), layer_weights=weights))
+    for bad, named in ((True, "bool"), (np.bool_(True), "numpy.bool")):
+        with pytest.raises(TypeError, match=f"scale must be a real number, got {named}"):
+            ak.multiple_negatives_ranking_loss(q, p, scale=bad)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -192,8 +205,8 @@ def test_mismatched_shapes_raise(ak, gen):
         for bad_x in (randn(gen, 6), randn(gen, 6, 8, 1)):  # not 2-D
             with pytest.raises(ValueError, match="y_pred"):
                 call(torch.ones(6), bad_x)
-    with pytest.raises(ValueError, match="pos"):
-        ak.contrastive_with_negative_loss(randn(gen, 3, 8), randn(gen, 4, 8))
+    with pytest.raises(ValueError, match="pos"):  # fewer positives than queries (more are candidates, as angle-emb's)
+        ak.contrastive_with_negative_loss(randn(gen, 4, 8), randn(gen, 3, 8))
     with pytest.raises(ValueError, match="pos"):
         ak.contrastive_with_negative_loss(randn(gen, 3, 8), randn(gen, 3, 6))
     with pytest.raises(ValueError, match="neg"):
@@ -339,6 +352,12 @@ def test_bad_backend_raises(ak, gen, monkeypatch):
             call(backend="cuda")  # CPU tensors
         call(backend="torch")
         call(backend="auto")
+    # the modules check theirs where it is given, not at the first step of a training run
+    for module in (lambda **kw: ak.AngleLoss(**kw), lambda **kw: ak.ArcCSELoss(**kw)):
+        for bad in ("tritn", 123):
+            with pytest.raises(ValueError, match="backend must be None or one of 'auto'"):
+                module(backend=bad)
+        assert module(backend=" Torch ").backend == " Torch "  # as resolve_backend takes it
     monkeypatch.setenv("ANGLE_KERNELS_BACKEND", "bogus")
     with pytest.raises(ValueError, match="ANGLE_KERNELS_BACKEND"):
         ak.cosine_loss(y, x)

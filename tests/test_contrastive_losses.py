@@ -193,6 +193,19 @@ def test_distinct_group_ids_match_the_reference(ref_loss, gen, dtype):
                          "ibn distinct group_ids", value_atol=REFERENCE_ATOL)
 
 
+@pytest.mark.parametrize("with_neg", [False, True])
+def test_more_positives_than_queries_are_more_candidates_as_in_the_reference(ref_loss, gen, with_neg):
+    """angle-emb's contrastive_with_negative_loss takes pos with more rows than text (rows past B are candidates
+    like neg's); ours refused it ("pos must have the shape of text"). Fewer rows than text leave a query without its
+    positive: refused."""
+    inputs = [randn(gen, 4, 8), randn(gen, 6, 8)] + ([randn(gen, 3, 8)] if with_neg else [])
+    check_against_oracle(lambda *t: ak.contrastive_with_negative_loss(*t, tau=20.0),
+                         lambda *t: ref_loss.contrastive_with_negative_loss(*t, tau=20.0), inputs,
+                         f"contrastive, 6 positives for 4 queries, neg={with_neg}", value_atol=REFERENCE_ATOL)
+    with pytest.raises(ValueError, match="pos must have at least text's 4 rows"):
+        ak.contrastive_with_negative_loss(inputs[0], inputs[1][:3])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_neg", [False, True])
 @pytest.mark.parametrize("b,d", [(1, 2), (3, 6), (37, 130), (1000, 768)])

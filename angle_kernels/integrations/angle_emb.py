@@ -50,7 +50,7 @@ import torch
 
 from .. import functional as _functional
 from .. import inputs as _inputs
-from ..dispatch import BACKENDS
+from ..dispatch import check_backend
 from ..modules import AngleLoss as _AngleLoss
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "PATCHED_NAMES"]
@@ -76,6 +76,10 @@ class AngleLossOnBackend(_AngleLoss):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("backend", type(self).patched_backend)
         super().__init__(*args, **kwargs)
+
+
+# the loss classes whose forward is AngleLoss.forward itself: the fused Espresso call computes what it would
+_ANGLE_LOSS_CLASSES = (_AngleLoss, AngleLossOnBackend)
 
 
 def _import_angle_emb() -> list[ModuleType]:
@@ -120,8 +124,7 @@ def patch(backend: str | None = None) -> None:
     Calling patch() again while patched re-binds the backend; the saved originals stay the reference's.
     Raises ImportError when angle-emb is not installed, ValueError for an unknown backend (before anything changes).
     """
-    if backend is not None and (not isinstance(backend, str) or backend.strip().lower() not in ("auto", *BACKENDS)):
-        raise ValueError(f"backend must be None or one of 'auto', 'torch', 'triton', 'cuda'; got {backend!r}")
+    check_backend(backend)
     modules = _import_angle_emb()
     replacements = _replacements(backend)
     with _lock:
@@ -175,12 +178,15 @@ def _fused_ese_compute_loss(self: Any, model: torch.nn.Module, inputs: dict[str,
     terms (in the reference's order, so torch.svd_lowrank draws the same random projections), the teacher
     alignment and the MLM term are the reference's code; only its L + 1 calls of the loss become one
     `AngleLoss(dims=(compression size, D))` call with Espresso's layer weights. Falls back to the reference's
-    method when the trainer's loss is not angle_kernels' AngleLoss (a trainer created before patch()), already has
-    dims of its own, or the trainer's class overrides compute_student_loss (angle-emb's hook for the earlier
-    layers' terms, which the fused call does not make).
+    method when the trainer's loss is not angle_kernels' AngleLoss itself (a trainer created before patch(), or a
+    subclass, whose forward may add terms or see the 2-D slices the reference passes it), has forward hooks (they would
+    see one stack instead of L + 1 calls), already has dims of its own, or the trainer's class overrides
+    compute_student_loss (angle-emb's hook for the earlier layers' terms, which the fused call does not make).
     """
+    loss_fct = self.loss_fct
     overridden = getattr(type(self), "compute_student_loss", None) is not _ese_student_loss[0]
-    if not isinstance(self.loss_fct, _AngleLoss) or self.loss_fct.dims is not None or overridden:
+    hooked = isinstance(loss_fct, torch.nn.Module) and bool(loss_fct._forward_hooks or loss_fct._forward_pre_hooks)
+    if type(loss_fct) not in _ANGLE_LOSS_CLASSES or hooked or loss_fct.dims is not None or overridden:
         return _ese_original[0](self, model, inputs, return_outputs=return_outputs, **kwargs)
     from angle_emb.angle import get_pooling
 

@@ -53,7 +53,7 @@ from .. import inputs as _inputs
 from ..losses import angle as _angle_losses
 from ..losses import retrieval as _retrieval_losses
 from ..contract import loss_entry, outside_autocast
-from ..dispatch import resolve_backend
+from ..dispatch import check_backend, resolve_backend
 
 try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still works there with a warning
     from sentence_transformers.sentence_transformer import losses as _st_losses
@@ -186,7 +186,7 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
                  similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.pairwise_cos_sim, *,
                  backend: str | None = None) -> None:
         super().__init__(model, scale=scale, similarity_fct=similarity_fct)
-        self.backend = backend
+        self.backend = check_backend(backend)
 
     @property
     def uses_fused_path(self) -> bool:
@@ -228,7 +228,7 @@ class AnglELoss(_st_losses.AnglELoss):
 
     def __init__(self, model: SentenceTransformer, scale: float = 20.0, *, backend: str | None = None) -> None:
         super().__init__(model, scale=scale)
-        self.backend = backend
+        self.backend = check_backend(backend)
 
     @property
     def uses_fused_path(self) -> bool:
@@ -443,7 +443,7 @@ class MultipleNegativesRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesRanki
             "partition_mode": partition_mode, "hardness_mode": hardness_mode,
             "hardness_strength": hardness_strength}, _MNRL_DEFAULTS)
         super().__init__(model, scale=scale, similarity_fct=similarity_fct, **optional)
-        self.backend = backend
+        self.backend = check_backend(backend)
 
 
 
@@ -489,7 +489,7 @@ class CachedMultipleNegativesRankingLoss(_FusedCachedMNRL, _st_losses.CachedMult
             "hardness_mode": hardness_mode, "hardness_strength": hardness_strength}, _MNRL_DEFAULTS)
         super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
                          **optional)
-        self.backend = backend
+        self.backend = check_backend(backend)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -527,7 +527,7 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
                      gather_across_devices: bool = False, *, backend: str | None = None) -> None:
             super().__init__(model, scale=scale, similarity_fct=similarity_fct,
                              gather_across_devices=gather_across_devices)
-            self.backend = backend
+            self.backend = check_backend(backend)
             _become_symmetric(self, _st_losses.MultipleNegativesSymmetricRankingLoss)
 
     class CachedMultipleNegativesSymmetricRankingLoss(
@@ -549,7 +549,7 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
                 "show_progress_bar": show_progress_bar}, _MNRL_DEFAULTS)
             super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
                              **optional)
-            self.backend = backend
+            self.backend = check_backend(backend)
             _become_symmetric(self, _st_losses.CachedMultipleNegativesSymmetricRankingLoss)
 
 
@@ -599,7 +599,7 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
             "gather_across_devices": gather_across_devices}, _MNRL_DEFAULTS)
         super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,
                          contrast_anchors=contrast_anchors, contrast_positives=contrast_positives, **optional)
-        self.backend = backend
+        self.backend = check_backend(backend)
 
     @property
     def uses_fused_path(self) -> bool:
@@ -650,7 +650,7 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
         super().__init__(model, guide, temperature=temperature, mini_batch_size=mini_batch_size,
                          margin_strategy=margin_strategy, margin=margin, contrast_anchors=contrast_anchors,
                          contrast_positives=contrast_positives, **optional)
-        self.backend = backend
+        self.backend = check_backend(backend)
 
     @property
     def uses_fused_path(self) -> bool:

@@ -37,7 +37,6 @@ from ..inputs import (
     check_group_ids,
     check_layer_stack,
     check_nested,
-    check_same_shape,
     check_scalar,
     check_scale,
     check_zigzag,
@@ -177,8 +176,9 @@ def contrastive_with_negative_loss(
 
     Args:
         text: [B, D] query embeddings.
-        pos: [B, D] positive embeddings (pos[i] belongs to text[i]).
-        neg: optional [B', D] extra negative candidates (usually one hard negative per query).
+        pos: [B', D] positive embeddings, B' >= B: pos[i] belongs to text[i], rows past B are more candidates (as
+            angle-emb's code takes them).
+        neg: optional [B'', D] extra negative candidates (usually one hard negative per query).
         tau: logit scale.
         dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see angle_kernels.losses).
         backend: "auto" (default), "torch", "triton" or "cuda".
@@ -188,7 +188,9 @@ def contrastive_with_negative_loss(
     named = [("text", text), ("pos", pos), *((("neg", neg),) if neg is not None else ())]
     layers, first = check_layer_stack(layer_weights, *named)
     check_embedding_group(*((name, t) for (name, _), t in zip(named, first)))
-    check_same_shape("text", first[0], "pos", first[1])
+    if first[1].shape[0] < first[0].shape[0]:  # the widths are check_embedding_group's
+        raise ValueError(f"pos must have at least text's {first[0].shape[0]} rows (pos[i] is text[i]'s positive), got "
+                         f"shape {tuple(first[1].shape)}")
     nested = check_nested(dims, dim_weights, text.shape[-1], layer_weights=layer_weights, layers=layers)
     candidates = pos if neg is None else torch.cat((pos, neg.to(pos.dtype)), dim=-2)
     return contrastive(resolve_backend(backend, text), text, candidates, tau, nested)

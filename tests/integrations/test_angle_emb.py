@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -199,6 +200,8 @@ def deep_model_dir(tmp_path_factory):
     ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 64, True, torch.float64),  # compression >= width
     ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 8, True, torch.float32),
     ("B", {}, 8, True, torch.float32),
+    ("B", {}, 7, True, torch.float64),  # format B has no angle term: an odd compression size (refused before)
+    ("C", {"cosine_w": 0.5}, np.int64(12), True, torch.float64),  # numpy's int (refused before), as a config gives
 ])
 def test_patched_ese_trainer_computes_the_same_loss_in_one_call(ae, deep_model_dir, tmp_path, monkeypatch,
                                                                  dataset_format, loss_kwargs, compression, pca, dtype):
@@ -338,6 +341,40 @@ def test_an_ese_trainer_whose_loss_has_dims_of_its_own_keeps_them(ae, deep_model
                                             apply_ese_pca=False,
                                             loss_kwargs=dict(cosine_w=1.0, ibn_w=1.0, angle_w=1.0, dims=[4, 8]))
         assert list(trainer.loss_fct.dims) == [4, 8]  # angle_kernels' AngleLoss, with dims
+        with torch.no_grad():
+            expected = float(reference_method(trainer, model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
+            got = float(trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("change", ["subclass", "forward_hook"])
+def test_an_ese_trainer_whose_loss_computes_more_keeps_the_reference_calls(ae, deep_model_dir, tmp_path, change):
+    """A subclass of AngleLoss whose forward adds a term, or a forward hook that changes the loss: the fused call
+    (one call on a stack of every layer, with layer weights) gives them other inputs than the reference's L + 1 calls
+    of one layer each, and changed the loss silently (17.09 against 17.20 for a subclass adding 0.01 |outputs|^2):
+    the patched trainer computes by the reference's method for them."""
+    from transformers import AutoTokenizer, BertModel, TrainingArguments
+
+    from angle_kernels.testing.tiny_model import SENTENCES
+
+    class WithPenalty(angle_kernels.AngleLoss):
+        def forward(self, labels, outputs, **kwargs):
+            return super().forward(labels, outputs, **kwargs) + 0.01 * outputs.pow(2).sum()
+
+    angle_mod = ae["angle_emb.angle"]
+    reference_method = angle_mod.AngleESETrainer.compute_loss  # angle-emb's own, taken before patching
+    model = BertModel.from_pretrained(deep_model_dir).to(torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(deep_model_dir)
+    labels = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+    with integration.patched(backend="torch"):
+        trainer = angle_mod.AngleESETrainer(pooler=angle_mod.Pooler(model, pooling_strategy="cls"), model=model,
+                                            args=args, dataset_format="A", ese_compression_size=8,
+                                            apply_ese_pca=False)
+        if change == "subclass":
+            trainer.loss_fct = WithPenalty(dataset_format="A", backend="torch")
+        else:
+            trainer.loss_fct.register_forward_hook(lambda module, inputs, out: out + 0.01 * inputs[1].pow(2).sum())
         with torch.no_grad():
             expected = float(reference_method(trainer, model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
             got = float(trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))

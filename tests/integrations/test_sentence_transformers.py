@@ -176,6 +176,19 @@ def test_labels_of_any_shape_with_one_per_pair_are_taken_as_the_parent_takes_the
         assert rel_err(got, ref) < 1e-6, name
 
 
+def test_a_backend_is_checked_at_construction(model64, guide64):
+    """backend="tritn" was accepted by every drop-in and refused at the first training step, after the model and
+    data had loaded."""
+    for make in (lambda **kw: ours.CoSENTLoss(model64, **kw), lambda **kw: ours.AnglELoss(model64, **kw),
+                 lambda **kw: ours.MultipleNegativesRankingLoss(model64, **kw),
+                 lambda **kw: ours.CachedMultipleNegativesRankingLoss(model64, **kw),
+                 lambda **kw: ours.GISTEmbedLoss(model64, guide64, **kw),
+                 lambda **kw: ours.CachedGISTEmbedLoss(model64, guide64, **kw)):
+        with pytest.raises(ValueError, match="backend must be None or one of 'auto'.*got 'tritn'"):
+            make(backend="tritn")
+        assert make(backend="torch").backend == "torch"
+
+
 @pytest.mark.parametrize("name", ["CoSENTLoss", "AnglELoss", "MultipleNegativesRankingLoss"])
 def test_a_learned_scale_runs_the_parents_computation_which_trains_it(name):
     """A scale set to an nn.Parameter (the parents train it): ours raised "scale must be a real number" while
