@@ -13,7 +13,8 @@ on a GPU.
 
 Settings (SETTINGS; all built from STS-B train, written to OUT/data/ as JSONL that both contenders read):
     plain16    16 pairs per step (format A: text1, text2, score), max length 64, plain backprop.
-               ours: AngleLoss cosine (CoSENT) + angle (--cosine-w 1 --ibn-w 0 --angle-w 0.02); ST: CoSENTLoss.
+               ours: AngleLoss's cosine term alone, CoSENT (--cosine-w 1 --ibn-w 0 --angle-w 0); ST: CoSENTLoss,
+               the same function of the same embeddings.
     cached256  256 (text1, text2) pairs per step as (query, positive) (format B), max length 64, in-batch
                negatives, gradient cache of 32 texts per forward pass.
                ours: --ibn-w 1 --cosine-w 0 --angle-w 0 --chunk-size 32;
@@ -35,15 +36,15 @@ four sizes each, named MODEL-SIZE (minilm-plain64 ... bert-base-cached64k):
     plain64    64 pairs per step, plain backprop, as plain16 (every STS-B train pair)
     cached1k, cached4k, cached64k: 1,024, 4,096 and 65,536 (query, positive) pairs per step, as cached256 with a
                gradient cache of 512 texts per forward pass (8,192, 16,384 and 65,536 pairs of data)
-Both trainers: bf16 autocast over float32 weights, sdpa attention (transformers' default for BERT, recorded),
-every step logged (its time and loss). Contenders: ours-packed (--pack: packed rows of --pack-width tokens),
-ours-padded (--pack 0: padded passes, sorted by length in the gradient cache), st (SentenceTransformerTrainer,
-padded) and st-unpadded (its padding-free inputs, Transformer.unpad_inputs: they need FlashAttention-2's
-variable-length kernels, so that contender alone runs flash_attention_2; where the installed sentence-transformers
-or flash_attn lack them, the table says so). Data: STS-B train's texts where --stsb ($ANGLE_STSB_DIR,
-../shared/data/stsbenchmark) has them, else generated sentences of STS-B's lengths (deterministic; results.json
-says which); a setting of more pairs than that repeats them in reshuffled passes. Each setting has its own run
-lengths (GPU_SHAPES; --steps overrides them all), long enough that the steps outweigh the start-up's noise.
+Both trainers: bf16 autocast over float32 weights, sdpa attention (transformers' default for BERT, recorded).
+Contenders: ours-packed (--pack: packed rows of --pack-width tokens), ours-padded (--pack 0: padded passes, sorted
+by length in the gradient cache), st (SentenceTransformerTrainer, padded) and st-unpadded (its padding-free inputs,
+Transformer.unpad_inputs: they need FlashAttention-2's variable-length kernels, so that contender alone runs
+flash_attention_2; where the installed sentence-transformers or flash_attn lack them, the table says so). Data:
+STS-B train's texts where --stsb ($ANGLE_STSB_DIR, ../shared/data/stsbenchmark) has them, else generated sentences
+of STS-B's lengths (deterministic; results.json says which); a setting of more pairs than that repeats them in
+reshuffled passes. Each setting has its own run lengths (GPU_SHAPES; --steps overrides them all), long enough that
+the steps outweigh the start-up's noise.
 
 How it measures: every run is a fresh subprocess (`sys.executable`), timed by the wall
 clock around it, its peak RSS read from `os.wait4`. The time of one optimizer step is the DIFFERENCE of a short and a
@@ -55,11 +56,21 @@ S2 - S1 must make that small against (S2 - S1) steps (plain16's step is ~0.5 s o
 pairs/s = pairs per step / step time; tokens/s = real (unpadded) tokens of a step's texts (the model's tokenizer,
 truncated at the max length, averaged over the data) / step time; peak RSS: the median over the long runs.
 Both trainers: lr 2e-5, no warmup, linear decay, weight decay 0.01, gradient clipping at 1.0, seed 42, float32,
-CPU, no evaluation, no checkpoints, no final export, no progress bar, logging off (angle-train: one metrics row
-after the last step). Torch's default threads (recorded). The two trainers see different batches (each shuffles
-the data its own way, both seeded), so padding differs a little; the same batches come back in every repetition.
-angle-train tokenises its data once at start-up (cancelled by the difference), sentence-transformers each batch in
-its collator (part of its steps): each step time is what the trainer costs per step once it has started.
+CPU, no evaluation, no checkpoints, no final export, no progress bar, every step logged (its time and loss:
+angle-train's metrics row, st-train's logging_steps 1). Torch's default threads (recorded). angle-train tokenises
+its data once at start-up (cancelled by the difference), sentence-transformers each batch in its collator (part of
+its steps): each step time is what the trainer costs per step once it has started.
+
+The loss curves. Both trainers train on the same batches: st-train reads angle-train's (--batch-order angle-train:
+each epoch's order from angle_train.data.epoch_batches, the function angle-train's trainer calls, served in turn by
+a batch sampler; both drop each epoch's last incomplete batch), from the same weights, with the same loss (CoSENT;
+in-batch negatives at scale 20); how each cuts a batch into forward passes differs, which neither loss depends on.
+Dropout is off in both (--dropout off, the default: a copy of each model folder whose config sets its dropout
+probabilities to 0): each trainer would draw its masks from its own random stream, and the masks' noise alone moves
+a step's loss by several percent (--dropout model keeps it; the tables then say so). At every step logged by two
+runs of the same repetition and length, one of each trainer, |angle-train's loss - sentence-transformers'| /
+|sentence-transformers'|: the summary (each row's losses_vs_other_trainer; results.json's "losses", by setting)
+and both tables give the largest, where it is, and whether it is within 2% (LOSS_TARGET, the project's target).
 
 The cold first step. A run pays its first step's extra cost once (CUDA's start, the Triton kernels' compiles and
 autotuning, angle_kernels' first-use checks), and so does the other run of the pair: the difference cancels it with
@@ -85,8 +96,9 @@ again in that setting; a contender the installed sentence-transformers cannot ru
 last line says "done" or what is left; the exit status is 0 either way.
 
 Outputs in --out (default runs/bench_training): results.json (every raw timing, versions, machine, command line),
-table.md (printed at the end), data/ (the generated JSONL files; --scratch DIR puts them, the built models, the
-caches and the runs' folders there instead). Each run works in a temporary folder, deleted after it.
+table.md (printed at the end), data/ (the generated JSONL files), models/ (the models' copies without dropout;
+--gpu: BERT-base built from its config); --scratch DIR puts data/, models/, smoke/, the caches and the runs' folders
+there instead. Each run works in a temporary folder, deleted after it.
 """
 
 from __future__ import annotations
@@ -95,6 +107,7 @@ import argparse
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import random
 import re
@@ -142,7 +155,9 @@ class Setting:
     steps: tuple[int, int] | None = None  # GPU settings: (S1, S2), the run lengths of its step time
 
 
-OURS_PAIR_LOSS = ("--cosine-w", "1", "--ibn-w", "0", "--angle-w", "0.02")
+# CoSENT alone, the loss sentence-transformers' CoSENTLoss computes: the loss curves of the two trainers are compared
+# (an angle term on top made angle-train's loss another function of the same embeddings)
+OURS_PAIR_LOSS = ("--cosine-w", "1", "--ibn-w", "0", "--angle-w", "0")
 OURS_IBN_LOSS = ("--ibn-w", "1", "--cosine-w", "0", "--angle-w", "0")
 SETTINGS = {
     "plain16": Setting("plain16", "A", 16, 64, 0, OURS_PAIR_LOSS, "CoSENTLoss"),
@@ -225,7 +240,16 @@ GPU_CONTENDERS = {
 # Everything both trainers share, besides the setting's.
 LR, WEIGHT_DECAY, MAX_GRAD_NORM, SEED, POOLING = 2e-5, 0.01, 1.0, 42, "avg"
 ST_UNSUPPORTED = 4  # st-train's exit status when the installed sentence-transformers lacks what a contender asks
+# st-train's --batch-order: angle-train's batches (the benchmark's: the loss curves are compared), or its own sampler's
+BATCH_ORDERS = ("angle-train", "own")
+# --dropout: off in both trainers (their losses comparable step by step), or the models' own
+DROPOUT_CHOICES = ("off", "model")
+DROPOUT_SAID = {"off": "off in both trainers (each model's dropout probabilities set to 0): the losses comparable step "
+                       "by step",
+                "model": "the models' own, on in both trainers: each draws its own masks, so the losses differ step "
+                         "by step by their noise"}
 DEFAULT_PACK_WIDTH = CPU_PACK_WIDTH  # ours-packed's rows: angle-train's CPU default, measured best there
+LOSS_TARGET = 0.02  # the two trainers' losses within 2% of each other at every logged step (the project's target)
 STSB_TRAIN_PAIRS = 5749  # generated data (no STS-B here): as many pairs as STS-B train has
 WARM_UP_SHARE = 1 / 3  # of --time-budget, the most the warm-up runs (the compiles) may take; the rest: timed runs
 PER_SHAPE_CACHE_KINDS = ("ours",)  # kinds whose first step at a new shape compiles (Triton): warmed per setting
@@ -234,11 +258,11 @@ PER_SHAPE_CACHE_KINDS = ("ours",)  # kinds whose first step at a new shape compi
 @dataclass(frozen=True)
 class Target:
     """Where and how both trainers run: the device, bf16 autocast (over float32 weights) and whether every step is
-    logged (its time and loss: the cold first step, read apart)."""
+    logged (its time and loss: the cold first step read apart, the two trainers' losses compared step by step)."""
 
     device: str = "cpu"
     bf16: bool = False
-    log_steps: bool = False
+    log_steps: bool = True
 
 
 CPU_TARGET = Target()
@@ -387,7 +411,7 @@ def st_command(setting: Setting, flags: list[str], model: str, data: Path, steps
     return [sys.executable, str(Path(__file__).resolve()), "st-train", "--model", model, "--train-data", str(data),
             "--data-format", setting.fmt, "--max-length", str(setting.max_length), "--batch-size", str(setting.batch),
             "--max-steps", str(steps), "--output-dir", str(out), "--report", str(out / "st_report.json"),
-            *placement, *flags]
+            "--batch-order", "angle-train", *placement, *flags]
 
 
 COMMANDS = {"ours": ours_command, "st": st_command}
@@ -709,7 +733,8 @@ class Benchmark:
 def summarise(results: dict, settings: list[Setting], contenders: dict, steps_of) -> list[dict]:
     """One row per setting x contender: the per-repetition estimates and their median, spread and rates, and from
     the trainers' own per-step logs the first step (timed runs; the warm-up runs': empty caches), the median of
-    the later steps, and the peak memory. `steps_of(setting)` = (S1, S2). Abandoned rounds do not count."""
+    the later steps, the peak memory, and how far its losses are from the other trainer's (losses_apart).
+    `steps_of(setting)` = (S1, S2). Abandoned rounds do not count."""
     rows = []
     for setting in settings:
         s1, s2 = steps_of(setting)
@@ -750,6 +775,10 @@ def summarise(results: dict, settings: list[Setting], contenders: dict, steps_of
                 row["peak_memory_bytes"] = max(memory) if memory else None
             if cold:
                 row["first_step_empty_caches_s"] = statistics.median(cold)
+            other = [r for r in compared_runs(results, setting) if r["kind"] != kind]
+            apart = losses_apart(*((list(by.values()), other) if kind == "ours" else (other, list(by.values()))))
+            if apart is not None:
+                row["losses_vs_other_trainer"] = apart
             rows.append(row)
         st_times = [r["step_s"] for r in rows if r["setting"] == setting.name and r["kind"] == "st"
                     and r.get("step_s", 0) > 0]
@@ -757,23 +786,108 @@ def summarise(results: dict, settings: list[Setting], contenders: dict, steps_of
             if r["setting"] == setting.name and r.get("step_s", 0) > 0 and st_times:
                 r["st_best_over_this"] = min(st_times) / r["step_s"]
     return rows
+
+
+def compared_runs(results: dict, setting: Setting) -> list[dict]:
+    """The setting's runs whose losses are compared: every timed run that ended well, in a round not abandoned."""
+    return [r for r in results["runs"] if r["setting"] == setting.name and r["rep"] >= 1 and r["ok"]
+            and not r.get("abandoned")]
+
+
+def relative_difference(ours: float, theirs: float) -> float:
+    """|ours - theirs| / |theirs|: infinite where either is not finite, or only theirs is 0."""
+    if not (math.isfinite(ours) and math.isfinite(theirs)):
+        return math.inf
+    if ours == theirs:
+        return 0.0
+    return abs(ours - theirs) / abs(theirs) if theirs else math.inf
+
+
+def losses_apart(ours: list[dict], theirs: list[dict]) -> dict | None:
+    """How far angle-train's losses (its runs `ours`) are from sentence-transformers' (`theirs`): at every step both
+    runs of a pair logged, a pair being two runs of the same repetition and length (the same batches from the same
+    weights, the same learning rates), |ours - theirs| / |theirs|. The largest, where it is (contenders, repetition,
+    run length, step, the two losses), how many steps were compared, whether it is within LOSS_TARGET, and whether
+    every st-train run compared read angle-train's batches (its report's batch_order; else the batches differ and so
+    do the losses, whatever the trainers compute). None: no pair had logged its losses."""
+    largest, compared, same_batches = None, 0, True
+    for mine in ours:
+        for other in theirs:
+            if (mine["rep"], mine["steps"]) != (other["rep"], other["steps"]):
+                continue
+            a = (mine.get("in_process") or {}).get("losses") or []
+            b = (other.get("in_process") or {}).get("losses") or []
+            if not a or not b:
+                continue
+            said = other.get("said") if isinstance(other.get("said"), dict) else {}
+            same_batches = same_batches and said.get("batch_order") == "angle-train"
+            for step, (x, y) in enumerate(zip(a, b), start=1):
+                compared += 1
+                apart = relative_difference(x, y)
+                if largest is None or apart > largest["rel_diff"]:
+                    largest = {"rel_diff": apart, "contenders": [mine["contender"], other["contender"]],
+                               "rep": mine["rep"], "steps": mine["steps"], "step": step, "losses": [x, y]}
+    if largest is None:
+        return None
+    return {"max_rel_diff": largest["rel_diff"], "at": largest, "steps_compared": compared,
+            "within_target": largest["rel_diff"] <= LOSS_TARGET, "same_batches": same_batches}
+
+
+def loss_agreement(results: dict, settings: list[Setting]) -> dict:
+    """By setting: how far apart the two trainers' losses are (losses_apart over every pair of an angle-train and a
+    sentence-transformers contender), or why they were not compared."""
+    agreement = {}
+    for setting in settings:
+        if setting.name not in results["settings"]:
+            continue
+        runs = compared_runs(results, setting)
+        apart = losses_apart([r for r in runs if r["kind"] == "ours"], [r for r in runs if r["kind"] == "st"])
+        agreement[setting.name] = apart or {"why": "not compared: no run of each trainer of the same repetition and "
+                                                   "length logged its losses"}
+    return agreement
+
+
+def said_apart(apart: dict | None, dropout: str = "") -> str:
+    """A loss comparison in a table cell: the largest relative difference and whether it is within the target, and
+    what keeps the losses from being comparable step by step (other batches; dropout on)."""
+    if apart is None or "max_rel_diff" not in apart:
+        return "not compared"
+    where = apart["at"]
+    verdict = "within" if apart["within_target"] else "over"
+    notes = [f"{verdict} {LOSS_TARGET:.0%}", f"at step {where['step']} of a {where['steps']}-step run",
+             f"{apart['steps_compared']} steps compared"]
+    if not apart["same_batches"]:
+        notes.append("other batches: not comparable")
+    if dropout.startswith("the models' own"):
+        notes.append("dropout on: each trainer's own masks")
+    return f"{apart['max_rel_diff']:.2%} ({'; '.join(notes)})"
+
+
+LOSSES_SAID = ("Losses: both trainers train on the same batches (st-train reads angle-train's, --batch-order) from the "
+               "same weights with the same loss, and log every step's; at each step logged by two runs of the same "
+               "repetition and length, one of each trainer, |angle-train's - sentence-transformers'| / "
+               "|sentence-transformers'|: the largest, and whether it is within {target:.0%} (the target). "
+               "Dropout: {dropout}.")
+
+
 def table_lines(rows: list[dict], results: dict) -> list[str]:
     def rate(x):
         return "n/a" if x is None else f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
 
     body = []
     for r in rows:
+        losses = said_apart(r.get("losses_vs_other_trainer"), results.get("dropout", ""))
         if "step_s" not in r:
             body.append([r["setting"], r["contender"], f"no estimate ({r['failed_runs']} runs failed)", "", "", "",
-                         ""])
+                         "", losses])
             continue
         spread = f"{harness.fmt_seconds(r['min_s'])} - {harness.fmt_seconds(r['max_s'])}"
         ratio = f"{r['st_best_over_this']:.2f}x" if "st_best_over_this" in r else "n/a"
         rss = harness.fmt_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else "n/a"
         body.append([r["setting"], r["contender"], f"{harness.fmt_seconds(r['step_s'])} ({spread})",
-                     rate(r["pairs_per_s"]), rate(r["tokens_per_s"]), rss, ratio])
+                     rate(r["pairs_per_s"]), rate(r["tokens_per_s"]), rss, ratio, losses])
     header = ["setting", "contender", "step time: median (min - max)", "pairs/s", "tokens/s", "peak RSS",
-              "ST best / this"]
+              "ST best / this", "losses vs the other trainer: largest rel. diff"]
     m = results["machine"]
     lines = [f"# Training throughput: angle-train vs SentenceTransformerTrainer ({m['cpu']}, {m['cpu_count']} CPUs, "
              f"{m['torch_threads']} torch threads)", "",
@@ -782,12 +896,17 @@ def table_lines(rows: list[dict], results: dict) -> list[str]:
              f"median over {results['reps']} repetition(s), spread = min - max of the per-repetition estimates. "
              "ST best / this > 1: faster than sentence-transformers' fastest variant.", ""]
     lines += harness.markdown_table(header, body)
-    lines += ["", "| setting | pairs/step | max length | texts/pass | tokens/pair (real) | token budget | data |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| setting | pairs/step | max length | texts/pass | tokens/pair (real) | token budget | data | "
+              f"losses of the two trainers: largest rel. diff (target {LOSS_TARGET:.0%}) |",
+              "|---|---|---|---|---|---|---|---|"]
+    agreement = results.get("losses", {})
     for name, s in results["settings"].items():
         if "mean_tokens_per_pair" in s:
+            losses = agreement.get(name, {}).get("why") or said_apart(agreement.get(name), results.get("dropout", ""))
             lines.append(f"| {name} | {s['batch']} | {s['max_length']} | {s['chunk'] or 'all (plain)'} | "
-                         f"{s['mean_tokens_per_pair']:.1f} | {s.get('token_budget', '-')} | {s['pairs']} pairs |")
+                         f"{s['mean_tokens_per_pair']:.1f} | {s.get('token_budget', '-')} | {s['pairs']} pairs | "
+                         f"{losses} |")
+    lines += ["", LOSSES_SAID.format(target=LOSS_TARGET, dropout=results.get("dropout", "not recorded"))]
     lines += ["", "Token budget = texts per pass x the mean padded width of such a pass (of one column of a shuffled "
               "batch); sentence-transformers' mini_batch_num_tokens counts real tokens, and so does angle-train's "
               "--chunk-tokens with packed rows (its CPU default; padded passes: padding too). A negative step time: "
@@ -816,19 +935,22 @@ def gpu_table_lines(rows: list[dict], results: dict) -> list[str]:
         cold = [seconds(r.get("in_process_step_s")), seconds(r.get("first_step_s")),
                 seconds(r.get("first_step_empty_caches_s"))]
         memory = harness.fmt_bytes(r["peak_memory_bytes"]) if r.get("peak_memory_bytes") else "n/a"
+        losses = said_apart(r.get("losses_vs_other_trainer"), results.get("dropout", ""))
         if "step_s" not in r:
             why = f": {r['failure']}" if r.get("failure") else ""
             body.append([r["setting"], r["contender"], f"no estimate ({r['failed_runs']} runs failed{why})", "",
-                         *cold, "", "", memory, ""])
+                         *cold, "", "", memory, "", losses])
             continue
         spread = f"{harness.fmt_seconds(r['min_s'])} - {harness.fmt_seconds(r['max_s'])}"
         ratio = f"{r['st_best_over_this']:.2f}x" if "st_best_over_this" in r else "n/a"
         body.append([r["setting"], r["contender"], f"{harness.fmt_seconds(r['step_s'])} ({spread})",
-                     len(r["estimates_s"]), *cold, rate(r["pairs_per_s"]), rate(r["tokens_per_s"]), memory, ratio])
+                     len(r["estimates_s"]), *cold, rate(r["pairs_per_s"]), rate(r["tokens_per_s"]), memory, ratio,
+                     losses])
     on_gpu = results["shared"]["device"] == "cuda"
     header = ["setting", "contender", "step time: median (min - max)", "reps", "in-process step", "first step",
               "first step, empty caches", "pairs/s", "tokens/s",
-              "peak GPU memory" if on_gpu else "peak memory (trainer's count)", "ST best / this"]
+              "peak GPU memory" if on_gpu else "peak memory (trainer's count)", "ST best / this",
+              "losses vs the other trainer: largest rel. diff"]
     m = results["machine"]
     where = m.get("gpu") or f"{m.get('cpu')}, {m.get('cpu_count')} CPUs"
     title = (f"# Training throughput on a GPU: angle-train vs SentenceTransformerTrainer ({where}; "
@@ -844,14 +966,18 @@ def gpu_table_lines(rows: list[dict], results: dict) -> list[str]:
               "warm-up run's (the compiles and autotuning of its shapes, paid by the first angle-train contender "
               "of a setting). ST best / this > 1: faster than sentence-transformers' fastest variant."), ""]
     lines += harness.markdown_table(header, body)
-    lines += ["", "| setting | model | pairs/step | max length | texts/pass | S1, S2 | tokens/pair (real) | data |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| setting | model | pairs/step | max length | texts/pass | S1, S2 | tokens/pair (real) | data | "
+              f"losses of the two trainers: largest rel. diff (target {LOSS_TARGET:.0%}) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    agreement = results.get("losses", {})
     for name, s in results["settings"].items():
         if "mean_tokens_per_pair" in s:
             steps = results["steps"].get(name, ["?", "?"])
+            losses = agreement.get(name, {}).get("why") or said_apart(agreement.get(name), results.get("dropout", ""))
             lines.append(f"| {name} | {s['model']} | {s['batch']:,} | {s['max_length']} | "
                          f"{s['chunk'] or 'all (plain)'} | {steps[0]}, {steps[1]} | {s['mean_tokens_per_pair']:.1f} | "
-                         f"{s['pairs']:,} pairs |")
+                         f"{s['pairs']:,} pairs | {losses} |")
+    lines += ["", LOSSES_SAID.format(target=LOSS_TARGET, dropout=results.get("dropout", "not recorded"))]
     lines += [""] + [f"Model {role}: {m['what']}; angle-train's attention: {m['attention']}."
                      for role, m in results["models"].items()]
     lines += [f"Data: {results['data']}.", "Contenders: " + "; ".join(
@@ -924,6 +1050,28 @@ def default_attention(folder: str) -> str | None:
     return getattr(model.config, "_attn_implementation", None)
 
 
+def without_dropout(folder: str, copy: Path) -> str:
+    """`folder` as a model whose dropout is off, for both trainers alike: a folder `copy` of links to its files but
+    config.json, written with every dropout probability 0 (a number under a key naming dropout, at any depth: BERT's
+    hidden_dropout_prob and attention_probs_dropout_prob). Each trainer draws its dropout masks from its own random
+    stream, so with dropout on their losses differ step by step by the masks' noise (up to ~10% at a step of
+    all-MiniLM-L6-v2 on 64 pairs), whatever else they share."""
+
+    def zeroed(value, key=""):
+        if isinstance(value, dict):
+            return {k: zeroed(v, k) for k, v in value.items()}
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return 0.0 if numeric and "dropout" in key else value
+
+    source = Path(folder).resolve()
+    config = zeroed(json.loads((source / "config.json").read_text()))
+    shutil.rmtree(copy, ignore_errors=True)
+    copy.mkdir(parents=True)
+    for entry in source.iterdir():
+        if entry.name != "config.json":
+            (copy / entry.name).symlink_to(entry.resolve())
+    harness.write_json_atomic(copy / "config.json", config)
+    return str(copy)
 
 
 def build_smoke_assets(folder: Path) -> tuple[str, str]:
@@ -977,7 +1125,39 @@ def st_parser() -> argparse.ArgumentParser:
                    help="padding-free inputs (Transformer.unpad_inputs: the texts of a pass concatenated, flash "
                         "attention's variable-length kernels); unsupported (exit 4) where they cannot run")
     p.add_argument("--log-losses", action="store_true", help="log the loss of every step (into the report)")
+    p.add_argument("--batch-order", choices=BATCH_ORDERS, default="angle-train",
+                   help="angle-train: the batches angle-train trains on with the same --seed and --batch-size "
+                        "(angle_train.data.epoch_batches, epoch after epoch), read in turn, so that the two trainers' "
+                        "losses can be compared step by step; own: the trainer's seeded random sampler")
     return p
+
+
+class BatchesInTurn:
+    """A batch sampler that serves the given batches of row indices in turn: the trainer reads one epoch of exactly
+    these batches (one optimizer step each)."""
+
+    def __init__(self, batches: list[list[int]]):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def angle_train_batches(n: int, batch_size: int, *, seed: int, steps: int) -> list[list[int]]:
+    """The row indices of each of angle-train's first `steps` batches on `n` examples: each epoch's order from
+    angle_train.data.epoch_batches (what its trainer calls: no length bucketing, one batch a step), epoch after
+    epoch, the last incomplete batch of each dropped, as the trainer does."""
+    from angle_train.data import epoch_batches
+
+    batches: list[list[int]] = []
+    epoch = 0
+    while len(batches) < steps:
+        batches += epoch_batches(n, batch_size, seed=seed, epoch=epoch)
+        epoch += 1
+    return batches[:steps]
 
 
 def st_unsupported(why: str) -> int:
@@ -988,9 +1168,11 @@ def st_unsupported(why: str) -> int:
 def st_train(argv: list[str]) -> int:
     """Train with SentenceTransformerTrainer for --max-steps steps and nothing else: no evaluation, no saving,
     logging off (--log-losses: every step's loss). Format A: CoSENTLoss; format B: CachedMultipleNegativesRankingLoss
-    (MultipleNegativesRankingLoss with --mini-batch-size 0 and no token budget). Writes --report: the steps made,
-    the loss, threads, each step's seconds (a callback's clock, the device waited for at every step's end), the
-    attention, and the peak CUDA memory allocated. Exit status 4: the installed packages cannot run what is asked."""
+    (MultipleNegativesRankingLoss with --mini-batch-size 0 and no token budget). The batches: angle-train's, with
+    the same --seed and --batch-size (--batch-order), so that the losses of the two are comparable step by step. Writes
+    --report: the steps made, the loss, threads, each step's seconds (a callback's clock, the device waited for at
+    every step's end), the attention, the batch order and the peak CUDA memory allocated. Exit status 4: the
+    installed packages cannot run what is asked."""
     args = st_parser().parse_args(argv)
 
     import importlib.util
@@ -1073,13 +1255,16 @@ def st_train(argv: list[str]) -> int:
             if logs and "loss" in logs:
                 self.losses.append(float(logs["loss"]))
 
-    logging = {"logging_strategy": "steps", "logging_steps": 1} if args.log_losses else {"logging_strategy": "no"}
+    options = {"logging_strategy": "steps", "logging_steps": 1} if args.log_losses else {"logging_strategy": "no"}
+    if args.batch_order == "angle-train":  # a callable batch_sampler: sentence-transformers calls it with the dataset
+        batches = angle_train_batches(len(dataset), args.batch_size, seed=args.seed, steps=args.max_steps)
+        options["batch_sampler"] = lambda dataset, **_: BatchesInTurn(batches)
     training_args = SentenceTransformerTrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.lr, warmup_steps=0, lr_scheduler_type="linear", weight_decay=WEIGHT_DECAY,
         max_grad_norm=MAX_GRAD_NORM, seed=args.seed, data_seed=args.seed, save_strategy="no", eval_strategy="no",
         report_to="none", disable_tqdm=True, dataloader_drop_last=True, use_cpu=not cuda,
-        fp16=False, bf16=args.bf16, **logging)
+        fp16=False, bf16=args.bf16, **options)
     clock = StepClock()
     trainer = SentenceTransformerTrainer(model=model, args=training_args, train_dataset=dataset, loss=loss,
                                          callbacks=[clock])
@@ -1099,7 +1284,7 @@ def st_train(argv: list[str]) -> int:
             "unpadded": bool(getattr(model[0], "can_flatten_inputs", False)),
             "weights_dtype": str(next(model.parameters()).dtype), "bf16_autocast": args.bf16,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-            "step_seconds": clock.seconds, "losses": clock.losses}, default=str))
+            "batch_order": args.batch_order, "step_seconds": clock.seconds, "losses": clock.losses}, default=str))
     return 0
 
 
@@ -1173,6 +1358,11 @@ def parse_args(argv):
     p.add_argument("--resume", action="store_true",
                    help="continue OUT/results.json: the rounds recorded whole are kept (refused if made with other "
                         "settings, models, data, versions or on another machine)")
+    p.add_argument("--dropout", choices=DROPOUT_CHOICES, default="off",
+                   help="off (default): both trainers train the models with dropout off (a copy of each model folder "
+                        "whose config sets its dropout probabilities to 0), so that their losses can be compared step "
+                        "by step; model: the models' own dropout (each trainer draws its own masks: the losses then "
+                        "differ by their noise, which the tables say)")
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if args.gpu else "cpu")
     if not args.gpu and args.device != "cpu":
@@ -1254,7 +1444,7 @@ def prepare_cpu(args, parser, paths: dict):
 
     results = {"command": paths["command"], "argv": paths["argv"], "model": model, "stsb": str(stsb),
                "steps": list(args.steps), "reps": args.reps, "warmup_runs": args.warmup_runs,
-               "smoke": args.smoke, "versions": versions(),
+               "smoke": args.smoke, "dropout": DROPOUT_SAID[args.dropout], "versions": versions(),
                "machine": {"cpu": harness.cpu_model(), "cpu_count": os.cpu_count(),
                            "torch_threads": torch.get_num_threads(),
                            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
@@ -1278,7 +1468,9 @@ def prepare_cpu(args, parser, paths: dict):
     results["identity"] = identity_of(args, paths, {"": model_fingerprint(model)},
                                       f"STS-B {hashlib.sha256(train_file.read_bytes()).hexdigest()[:16]}",
                                       results["machine"]["cpu"], CPU_TARGET)
-    return results, {"": model}, examples, AutoTokenizer.from_pretrained(model), CPU_TARGET, None
+    trained = trained_models(args, {"": model}, paths["scratch"])
+    results["model_trained"] = trained[""]
+    return results, trained, examples, AutoTokenizer.from_pretrained(model), CPU_TARGET, None
 
 
 def prepare_gpu(args, parser, paths: dict):
@@ -1335,10 +1527,13 @@ def prepare_gpu(args, parser, paths: dict):
         if name != "sdpa":
             print(f"note: transformers gives {role} {name} attention, not sdpa (angle-train loads it so)", flush=True)
     steps = {s.name: list(s.steps if s.steps and not args.steps_given else args.steps) for s in args.setting_list}
+    trained = trained_models(args, models, scratch)
     results = {"command": paths["command"], "argv": paths["argv"], "gpu": True, "smoke": args.smoke,
                "models": {role: {"path": path, "what": MODELS[role] if not args.smoke else "a tiny BERT (--smoke)",
-                                 "fingerprint": model_fingerprint(path), "attention": attention[role]}
+                                 "fingerprint": model_fingerprint(path), "attention": attention[role],
+                                 "trained": trained[role]}
                           for role, path in models.items()},
+               "dropout": DROPOUT_SAID[args.dropout],
                "data": data, "steps": steps, "reps": args.reps, "warmup_runs": args.warmup_runs,
                "pack_width": args.pack_width, "versions": {**versions(), "flash-attn": optional_version("flash-attn"),
                                                            "datasets": optional_version("datasets")},
@@ -1351,17 +1546,27 @@ def prepare_gpu(args, parser, paths: dict):
                "settings": {}, "runs": [], "skipped": [], "summary": [], "left": [], "not_run": []}
     results["identity"] = identity_of(args, paths, {role: results["models"][role]["fingerprint"] for role in models},
                                       data_identity, machine_name, target)
-    return results, models, examples, AutoTokenizer.from_pretrained(models["minilm"]), target, env
+    return results, trained, examples, AutoTokenizer.from_pretrained(models["minilm"]), target, env
+
+
+def trained_models(args, models: dict, scratch: Path) -> dict:
+    """The folders the trainers load, by role: with --dropout off each model's copy without dropout
+    (SCRATCH/models/ROLE-no-dropout), else the model's own."""
+    if args.dropout == "model":
+        return dict(models)
+    return {role: without_dropout(path, scratch / "models" / f"{role or 'model'}-no-dropout")
+            for role, path in models.items()}
 
 
 def identity_of(args, paths: dict, models: dict, data: str, machine: str, target: Target) -> dict:
     """What every measurement of a results.json depends on (a resumed run must match it): the settings' table, the
-    contenders, the run lengths, the models, the data, the machine, the versions (the settings chosen, the
-    repetitions and the budget may change)."""
+    contenders, the run lengths, the models and their dropout, the data, the machine, the versions (the settings
+    chosen, the repetitions and the budget may change)."""
     return json.loads(json.dumps({
         "settings": {n: asdict(s) for n, s in args.table.items()}, "contenders": paths["available"],
         "steps": list(args.steps) if args.steps_given else None, "pack_width": args.pack_width,
-        "target": asdict(target), "models": models, "data": data, "machine": machine, "versions": versions()}))
+        "dropout": args.dropout, "target": asdict(target), "models": models, "data": data, "machine": machine,
+        "versions": versions()}))
 
 
 def main(argv=None, started: float | None = None) -> int:
@@ -1401,7 +1606,7 @@ def main(argv=None, started: float | None = None) -> int:
             stored["contenders"].update(results["contenders"])
             if isinstance(stored["steps"], dict):  # GPU: each setting's run lengths (the identity fixes them)
                 stored["steps"].update(results["steps"])
-            for key in ("models", "machine", "data", "stsb", "model"):  # this command's paths and machine
+            for key in ("models", "machine", "data", "stsb", "model", "model_trained"):  # this command's paths, machine
                 if key in results:
                     stored[key] = results[key]
             results = stored
@@ -1419,8 +1624,9 @@ def main(argv=None, started: float | None = None) -> int:
                                                   "stopped": bench.stopped})
     selected = [s for s in args.table.values() if s.name in results["settings"]]
     all_contenders = {n: tuple(v) for n, v in results["contenders"].items()}
-    results["summary"] = summarise(results, selected if args.gpu else args.setting_list,
-                                   all_contenders if args.gpu else contenders, bench.steps_of)
+    reported = selected if args.gpu else args.setting_list
+    results["summary"] = summarise(results, reported, all_contenders if args.gpu else contenders, bench.steps_of)
+    results["losses"] = loss_agreement(results, reported)
     bench.save()
     lines = (gpu_table_lines if args.gpu else table_lines)(results["summary"], results)
     harness.write_text_atomic(out / "table.md", "\n".join(lines) + "\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from pathlib import Path
 
@@ -65,24 +66,97 @@ def test_contender_commands_use_real_flags(tmp_path):
 
 
 def test_smoke_run_end_to_end(tmp_path, smoke_assets):
+    """Both trainers for real, in both kinds of loss (CoSENT on scored pairs, in-batch negatives with a gradient
+    cache): their losses are compared step by step, and with the same batches, the same loss and dropout off they
+    agree (a batch of other rows, or another loss, moves them by far more than the target)."""
     out = tmp_path / "out"
     model, stsb = smoke_assets
-    assert bt.main(["--smoke", "--model", model, "--stsb", stsb, "--settings", "cached256", "--contenders", "ours,st",
-                    "--reps", "1", "--steps", "1,2", "--out", str(out)]) == 0
+    assert bt.main(["--smoke", "--model", model, "--stsb", stsb, "--settings", "plain16,cached256", "--contenders",
+                    "ours,st", "--reps", "1", "--steps", "1,2", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert (out / "table.md").is_file() and "| cached256 | ours |" in (out / "table.md").read_text()
+    table = (out / "table.md").read_text()
+    assert "| cached256 | ours |" in table and "| plain16 | st |" in table
     runs = results["runs"]
-    assert {(r["contender"], r["steps"]) for r in runs} == {("ours", 1), ("ours", 2), ("st", 1), ("st", 2)}
+    assert {(r["setting"], r["contender"], r["steps"]) for r in runs} == {
+        (s, c, n) for s in ("plain16", "cached256") for c in ("ours", "st") for n in (1, 2)}
     for r in runs:
         assert r["ok"], r
         assert r["seconds"] > 0 and math.isfinite(r["seconds"]) and r["peak_rss_bytes"] > 0
-    rows = {r["contender"]: r for r in results["summary"]}
-    assert set(rows) == {"ours", "st"}
+        assert len(r["in_process"]["losses"]) == r["steps"]  # every step's loss logged
+    rows = {(r["setting"], r["contender"]): r for r in results["summary"]}
+    assert set(rows) == {(s, c) for s in ("plain16", "cached256") for c in ("ours", "st")}
     for row in rows.values():
         assert len(row["estimates_s"]) == 1 and math.isfinite(row["step_s"])
+        apart = row["losses_vs_other_trainer"]
+        assert apart["steps_compared"] == 1 + 2 and apart["same_batches"], apart
+        assert apart["max_rel_diff"] <= bt.LOSS_TARGET and apart["within_target"], apart
+    for setting in ("plain16", "cached256"):
+        assert results["losses"][setting]["within_target"] and results["losses"][setting]["steps_compared"] == 3
+        assert f"pairs | {bt.said_apart(results['losses'][setting], results['dropout'])} |" in table
+    assert "(within 2%" in table and "Dropout: off in both trainers" in table
+    trained = json.loads((Path(results["model_trained"]) / "config.json").read_text())
+    assert trained["hidden_dropout_prob"] == trained["attention_probs_dropout_prob"] == 0.0
     assert results["settings"]["cached256"]["token_budget"] > 0
     assert results["versions"]["sentence-transformers"] and results["machine"]["torch_threads"] >= 1
     assert not list(out.glob("cached256-*"))  # every run's temporary folder is gone
+
+
+def test_losses_apart_finds_the_largest_difference():
+    """The loss comparison pairs runs of the same repetition and length, finds the largest relative difference at
+    a step both logged, and says when the st-train run read other batches than angle-train's."""
+    def run(kind, rep, steps, losses, order="angle-train"):
+        record = {"contender": kind, "kind": kind, "rep": rep, "steps": steps, "ok": True,
+                  "in_process": {"losses": losses}}
+        return {**record, "said": {"batch_order": order}} if kind == "st" else record
+
+    ours = [run("ours", 1, 2, [2.0, 1.0]), run("ours", 2, 2, [2.0, 1.03])]
+    theirs = [run("st", 1, 2, [2.0, 1.0]), run("st", 2, 2, [2.02, 1.0]), run("st", 1, 3, [9.0, 9.0, 9.0])]
+    apart = bt.losses_apart(ours, theirs)
+    assert apart["max_rel_diff"] == pytest.approx(0.03) and not apart["within_target"] and apart["same_batches"]
+    assert apart["at"]["rep"] == 2 and apart["at"]["step"] == 2 and apart["steps_compared"] == 4
+    assert bt.losses_apart(ours[:1], theirs[:1])["max_rel_diff"] == 0.0
+    assert not bt.losses_apart(ours[:1], [run("st", 1, 2, [2.0, 1.0], order="own")])["same_batches"]
+    assert bt.losses_apart(ours, [run("st", 1, 3, [1.0] * 3)]) is None  # no pair of the same length
+    assert bt.relative_difference(float("nan"), 1.0) == math.inf
+
+
+def test_st_train_reads_angle_train_batches(tmp_path, smoke_assets, monkeypatch):
+    """st-train's batches are angle-train's, step after step across epochs: the rows its collator receives are
+    those of the batches angle-train's trainer takes (angle_train.trainer.next_batches, recorded in a real run of
+    each trainer on the same file)."""
+    import angle_train.trainer as trainer
+    import sentence_transformers
+    from angle_train import cli
+
+    model, _ = smoke_assets
+    rows = [{"query": f"query {i}", "positive": f"positive {i}"} for i in range(10)]
+    data = tmp_path / "b.jsonl"
+    bt.write_jsonl(data, rows)
+    steps, batch = 7, 4  # 2 full batches an epoch: the run goes through 4 epochs
+    ours: list[list[str]] = []
+    next_batches = trainer.next_batches
+
+    def recorded_batches(run):
+        taken = next_batches(run)
+        ours.extend([rows[i]["query"] for i in b] for b in taken)
+        return taken
+
+    monkeypatch.setattr(trainer, "next_batches", recorded_batches)
+    setting = bt.replace(bt.SMOKE_SETTINGS["cached256"], batch=batch)
+    argv = bt.ours_command(setting, ["--chunk-size", "2"], model, data, steps, tmp_path / "ours")
+    assert cli.main(argv[3:]) == 0
+    theirs: list[list[str]] = []
+    collator = sentence_transformers.SentenceTransformerTrainer.data_collator_class
+    collate = collator.__call__
+
+    def collate_recorded(self, features, *args, **kwargs):
+        theirs.append([f["anchor"] for f in features])
+        return collate(self, features, *args, **kwargs)
+
+    monkeypatch.setattr(collator, "__call__", collate_recorded)
+    argv = bt.st_command(setting, ["--mini-batch-size", "2"], model, data, steps, tmp_path / "st")
+    assert bt.st_train(argv[3:]) == 0
+    assert len(ours) == steps and theirs[:steps] == ours
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -94,6 +168,22 @@ OURS_STEP_S, ST_STEP_S, FIRST_STEP_S, START_S = 0.1, 0.2, 1.0, 2.0
 
 def _flag(argv, name):
     return argv[argv.index(name) + 1]
+
+
+def stand_in_losses(argv, steps: int, batch: int) -> list[float]:
+    """A stand-in trainer's losses: a function of the rows of each step's batch. angle-train's batches are its
+    trainer's (angle_train.data.epoch_batches, epoch after epoch); st-train's are those too where it is asked to read
+    them (--batch-order angle-train), else a seeded shuffle of its own (its trainer's random sampler)."""
+    from angle_train.data import epoch_batches
+
+    n = sum(1 for line in Path(_flag(argv, "--train-data")).read_text().splitlines() if line.strip())
+    if "st-train" in argv and ("--batch-order" not in argv or _flag(argv, "--batch-order") != "angle-train"):
+        order = list(range(n))
+        random.Random(bt.SEED).shuffle(order)
+        batches = [order[s:s + batch] for s in range(0, n - batch + 1, batch)]
+    else:
+        batches = [b for epoch in range(steps) for b in epoch_batches(n, batch, seed=bt.SEED, epoch=epoch)]
+    return [1.0 + sum(batches[k % len(batches)]) / (n * batch) for k in range(steps)]
 
 
 def stand_in_trainers(calls: list, stop_at: int | None = None, oom=lambda argv: False):
@@ -115,15 +205,18 @@ def stand_in_trainers(calls: list, stop_at: int | None = None, oom=lambda argv: 
         record = {"peak_rss_bytes": 10**8, "returncode": 0, "timed_out": False, "tail": []}
         step_s = ST_STEP_S if "st-train" in argv else OURS_STEP_S
         times = [FIRST_STEP_S] + [step_s] * (steps - 1)
+        losses = stand_in_losses(argv, steps, batch)
         if "st-train" in argv:
             if "--unpad-inputs" in argv:
                 return {**record, "seconds": START_S, "returncode": bt.ST_UNSUPPORTED,
                         "tail": ["unsupported: flash_attn is not installed"]}
+            order = _flag(argv, "--batch-order") if "--batch-order" in argv else "own"
             (out / "st_report.json").write_text(json.dumps({"global_step": steps, "step_seconds": times,
-                                                            "losses": [1.0] * steps, "peak_memory_bytes": 2**30}))
+                                                            "losses": losses, "peak_memory_bytes": 2**30,
+                                                            "batch_order": order}))
         else:
-            rows = [{"step": k + 1, "loss": 1.0, "pairs_per_s": batch / t, "peak_mem_gb": 0.5}
-                    for k, t in enumerate(times)]
+            rows = [{"step": k + 1, "loss": loss, "pairs_per_s": batch / t, "peak_mem_gb": 0.5}
+                    for k, (t, loss) in enumerate(zip(times, losses))]
             (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             record["tail"] = [f"done: {steps} steps | last loss 1.0000"]
         return {**record, "seconds": START_S + steps * step_s}
@@ -167,6 +260,16 @@ def test_gpu_settings_dry_run_names_every_setting_and_contender(tmp_path, monkey
         assert row.get("st_best_over_this") == (None if setting == "bert-base-cached64k" else
                                                 pytest.approx(ST_STEP_S / step))
         assert f"| {setting} | {contender} |" in table
+        if setting != "bert-base-cached64k":  # there, st ran out of memory: nothing to compare with
+            apart = row["losses_vs_other_trainer"]
+            assert apart["max_rel_diff"] == 0.0 and apart["within_target"] and apart["same_batches"], apart
+    for setting in settings:  # the two trainers' losses step by step, from the same batches
+        if setting == "bert-base-cached64k":
+            assert results["losses"][setting]["why"].startswith("not compared")
+            continue
+        apart = results["losses"][setting]
+        assert apart["max_rel_diff"] == 0.0 and apart["within_target"] and apart["steps_compared"] == 2 * (1 + 2)
+        assert f"pairs | {bt.said_apart(apart, results['dropout'])} |" in table
     assert all(x["contender"] == "st-unpadded" and x["unsupported"] for x in results["skipped"])
     assert {x["setting"] for x in results["skipped"]} == set(settings)
     assert "Absent: st-unpadded (every setting): unsupported: flash_attn is not installed" in table
@@ -178,7 +281,7 @@ def test_gpu_settings_dry_run_names_every_setting_and_contender(tmp_path, monkey
     assert all(a.device == "cpu" and a.bf16 and a.log_every == 1 and a.model_dtype == "float32" for a in ours)
     assert {a.pack for a in ours} == {0, bt.DEFAULT_PACK_WIDTH}
     assert all(a.bf16 and a.log_losses and a.attention in ("sdpa", "flash_attention_2") for a in st)
-    assert {Path(a.model).name for a in ours} == {"model", "bert-base"}
+    assert {Path(a.model).name for a in ours} == {"minilm-no-dropout", "bert-base-no-dropout"}
     assert not list(out.glob("*-cached*-*"))  # every run's temporary folder is gone
 
 
