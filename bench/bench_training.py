@@ -37,14 +37,14 @@ four sizes each, named MODEL-SIZE (minilm-plain64 ... bert-base-cached64k):
     cached1k, cached4k, cached64k: 1,024, 4,096 and 65,536 (query, positive) pairs per step, as cached256 with a
                gradient cache of 512 texts per forward pass (8,192, 16,384 and 65,536 pairs of data)
 Both trainers: bf16 autocast over float32 weights, sdpa attention (transformers' default for BERT, recorded).
-Contenders: ours-packed (--pack: packed rows of --pack-width tokens), ours-padded (--pack 0: padded passes, sorted
-by length in the gradient cache), st (SentenceTransformerTrainer, padded) and st-unpadded (its padding-free inputs,
-Transformer.unpad_inputs: they need FlashAttention-2's variable-length kernels, so that contender alone runs
-flash_attention_2; where the installed sentence-transformers or flash_attn lack them, the table says so). Data:
-STS-B train's texts where --stsb ($ANGLE_STSB_DIR, ../shared/data/stsbenchmark) has them, else generated sentences
-of STS-B's lengths (deterministic; results.json says which); a setting of more pairs than that repeats them in
-reshuffled passes. Each setting has its own run lengths (GPU_SHAPES; --steps overrides them all), long enough that
-the steps outweigh the start-up's noise.
+Contenders: ours-packed (--pack: packed rows of --pack-width tokens), ours-padded (--pack 0 --pass-tokens 0: padded
+passes, one with plain backprop, sorted by length in the gradient cache, on CPU as on a GPU), st
+(SentenceTransformerTrainer, padded) and st-unpadded (its padding-free inputs, Transformer.unpad_inputs: they need
+FlashAttention-2's variable-length kernels, so that contender alone runs flash_attention_2; where the installed
+sentence-transformers or flash_attn lack them, the table says so). Data: STS-B train's texts where --stsb
+($ANGLE_STSB_DIR, ../shared/data/stsbenchmark) has them, else generated sentences of STS-B's lengths (deterministic;
+results.json says which); a setting of more pairs than that repeats them in reshuffled passes. Each setting has its
+own run lengths (GPU_SHAPES; --steps overrides them all), long enough that the steps outweigh the start-up's noise.
 
 How it measures: every run is a fresh subprocess (`sys.executable`), timed by the wall
 clock around it, its peak RSS read from `os.wait4`. The time of one optimizer step is the DIFFERENCE of a short and a
@@ -228,11 +228,13 @@ CONTENDERS = {
     "st-tokens": ("st", ("--mini-batch-num-tokens", "{token_budget}")),
 }
 # --gpu. angle-train's GPU default is padded passes (one pass for plain backprop, sorted chunks in the gradient
-# cache); packed rows are asked for. sentence-transformers' padding-free inputs need flash attention's
-# variable-length kernels: that contender alone asks for flash_attention_2 (the others: sdpa).
+# cache); packed rows are asked for. ours-padded pins that default (--pass-tokens 0), which on CPU would be
+# length-sorted sub-batches: the dry run on CPU (--gpu --smoke --device cpu) runs what the GPU runs. sentence-
+# transformers' padding-free inputs need flash attention's variable-length kernels: that contender alone asks for
+# flash_attention_2 (the others: sdpa).
 GPU_CONTENDERS = {
     "ours-packed": ("ours", ("--chunk-size", "{chunk}", "--pack", "{pack}")),
-    "ours-padded": ("ours", ("--chunk-size", "{chunk}", "--pack", "0")),
+    "ours-padded": ("ours", ("--chunk-size", "{chunk}", "--pack", "0", "--pass-tokens", "0")),
     "st": ("st", ("--mini-batch-size", "{chunk}", "--attention", "sdpa")),
     "st-unpadded": ("st", ("--mini-batch-size", "{chunk}", "--attention", "flash_attention_2", "--unpad-inputs")),
 }

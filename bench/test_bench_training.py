@@ -226,10 +226,11 @@ def stand_in_trainers(calls: list, stop_at: int | None = None, oom=lambda argv: 
 
 def test_gpu_settings_dry_run_names_every_setting_and_contender(tmp_path, monkeypatch):
     """The GPU settings' code path on CPU (--gpu --smoke --device cpu): the tiny models (bert-base built from its
-    config), generated data, every contender's command (parsed by the real parsers), warm-ups, the step times, the
+    config), generated data, every contender's command (parsed by the real parsers; angle-train's forward passes the
+    same as on a GPU), warm-ups, the step times, the
     cold first step apart from the warm ones, a contender out of memory (not run again in that setting), and a
     table and results.json that name every setting and contender."""
-    from angle_train.cli import build_parser
+    from angle_train.cli import build_parser, config_from_args
 
     calls = []
 
@@ -280,6 +281,15 @@ def test_gpu_settings_dry_run_names_every_setting_and_contender(tmp_path, monkey
     assert ours and st and len(ours) + len(st) == len(calls)
     assert all(a.device == "cpu" and a.bf16 and a.log_every == 1 and a.model_dtype == "float32" for a in ours)
     assert {a.pack for a in ours} == {0, bt.DEFAULT_PACK_WIDTH}
+    # the dry run's passes are the GPU run's: each command's --pack and --pass-tokens resolve alike on both devices
+    for argv in calls:
+        if argv[1:3] == ["-m", "angle_train.cli"]:
+            passes = []
+            for device in ("cpu", "cuda"):
+                cfg = config_from_args(argv[3:])
+                cfg.resolve_passes(device)
+                passes.append((cfg.pack, cfg.pass_tokens))
+            assert passes[0] == passes[1], (argv, passes)
     assert all(a.bf16 and a.log_losses and a.attention in ("sdpa", "flash_attention_2") for a in st)
     assert {Path(a.model).name for a in ours} == {"minilm-no-dropout", "bert-base-no-dropout"}
     assert not list(out.glob("*-cached*-*"))  # every run's temporary folder is gone
