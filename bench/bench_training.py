@@ -87,8 +87,13 @@ Resumable (--resume, --time-budget S; what bench/gpu_suite.py's `third --train-b
 rounds, (setting, repetition): every run of every contender in it (rep-major on a GPU: a table of every setting
 after the first repetition). --time-budget S counts from the command's start; the warm-up runs take at most a
 third of it and the timed runs the rest (harness.SweepBudget's two allowances, the timed runs' taking what the
-warm-ups leave: CommandBudget). Each run is forecast from the runs recorded, none is started that cannot end in
-its part's time (one with no forecast is killed at its end), and the round it belongs to is left for later. --resume
+warm-ups leave: CommandBudget). Each run is forecast from the runs recorded (a run killed at its time limit: at
+least as long as it ran), none is started that cannot end in its part's time (one with no forecast is killed at its
+end), and the round it belongs to is left for later. A round that cannot run in a command of the budget is
+recorded in results.json's not_run, with why, and passed, by every later command of no larger --time-budget too, so
+that repeating the command ends and reaches the rounds after it: one whose forecast exceeds the warm-up allowance
+with the warm-up runs it needs (every contender's before a command's first setting) or what a command has for runs
+with them, and one that stopped the command it was the first round of (it had the whole budget). --resume
 continues OUT/results.json: the rounds recorded whole are kept, every other one is run again whole (a round's runs
 are compared with each other only), and results made with other settings, models, data, versions or on another
 machine are refused. On a GPU a contender whose run failed (out of memory: the largest batch it takes) is not run
@@ -500,6 +505,28 @@ class CommandBudget(harness.SweepBudget):
         return super().left(part) if part == "warm_up" else self.end - time.monotonic()
 
 
+def forecast_seconds(runs: list[dict], steps: int) -> float | None:
+    """Seconds of a run of `steps` steps, from the recorded `runs` of its setting and contender: the longest that
+    ended well of the same length, else a line through the two longest lengths that did (start-up + steps x step
+    time), else None; and never less than the seconds a run of as many steps or fewer ran before it was killed at
+    its time limit, a lower bound of its time. Learned from, a run killed at a command's end is not forecast as if
+    it had never run, to be started, and killed, again by every later command."""
+    ended = [r for r in runs if r["ok"]]
+    killed = [r["seconds"] for r in runs if r.get("timed_out") and r["steps"] <= steps]
+    same = [r["seconds"] for r in ended if r["steps"] == steps]
+    lengths = sorted({r["steps"] for r in ended})
+    estimate = None
+    if same:
+        estimate = max(same)
+    elif len(lengths) >= 2:
+        a, b = lengths[-2:]
+        ta, tb = (statistics.fmean(r["seconds"] for r in ended if r["steps"] == s) for s in (a, b))
+        estimate = max(ta, tb + max(0.0, (tb - ta) / (b - a)) * (steps - b))
+    if not killed:
+        return estimate
+    return max(killed) if estimate is None else max(estimate, max(killed))
+
+
 class Benchmark:
     """The runs of one command: rounds of (setting, repetition), each every contender's short run then its long run
     (contenders interleaved), after the setting's warm-up runs; results.json rewritten after every run. With a
@@ -560,18 +587,7 @@ class Benchmark:
                    for name in self.active(setting) for steps in self.steps_of(setting))
 
     def forecast(self, setting: str, contender: str, steps: int) -> float | None:
-        """Seconds of a run: the longest recorded of the same length, else a line through the two longest lengths
-        recorded (start-up + steps x step time), else None."""
-        runs = [r for r in self.runs_of(setting, contender) if r["ok"]]
-        same = [r["seconds"] for r in runs if r["steps"] == steps]
-        if same:
-            return max(same)
-        lengths = sorted({r["steps"] for r in runs})
-        if len(lengths) < 2:
-            return None
-        a, b = lengths[-2:]
-        ta, tb = (statistics.fmean(r["seconds"] for r in runs if r["steps"] == s) for s in (a, b))
-        return max(ta, tb + max(0.0, (tb - ta) / (b - a)) * (steps - b))
+        return forecast_seconds(self.runs_of(setting, contender), steps)
 
     def prepare(self, setting: Setting) -> None:
         """The setting's data (written to SCRATCH/data as JSONL) and its token statistics."""
@@ -663,24 +679,28 @@ class Benchmark:
                 self.results["skipped"].append({"setting": setting.name, "contender": name, "why": why,
                                                 "unsupported": True})
 
-    def warm_up(self, setting: Setting) -> bool:
-        """Untimed runs (rep 0) before the setting's first round in this command, `--warmup-runs` of each: on CPU
-        every contender's short run before the first setting (the first process to import torch and transformers
-        reads them from disk); on a GPU 1-step runs of every contender before the first setting, and of the kinds
-        whose first step at a new shape compiles (PER_SHAPE_CACHE_KINDS) before every later one. False: stopped."""
+    def warm_ups_before(self, setting: Setting) -> list[tuple[str, int]]:
+        """(contender, steps) of the untimed runs this command runs before the setting's first round in it,
+        `--warmup-runs` of each: on CPU every contender's short run before the first setting (the first process to
+        import torch and transformers reads them from disk); on a GPU 1-step runs of every contender before the
+        first setting, and of the kinds whose first step at a new shape compiles (PER_SHAPE_CACHE_KINDS) before
+        every later one."""
         if setting.name in self.warmed:
-            return True
-        self.warmed.append(setting.name)
-        first = len(self.warmed) == 1
+            return []
+        first = not self.warmed
         if not first and not self.args.gpu:
-            return True
+            return []
         steps = 1 if self.args.gpu else self.steps_of(setting)[0]
-        for _ in range(self.args.warmup_runs):
-            for name in self.active(setting):
-                warms = first or self.contenders[name][0] in PER_SHAPE_CACHE_KINDS
-                if warms and self.run(setting, name, 0, steps, "warm_up") is None:
-                    return False
-        return True
+        return [(name, steps) for _ in range(self.args.warmup_runs) for name in self.active(setting)
+                if first or self.contenders[name][0] in PER_SHAPE_CACHE_KINDS]
+
+    def warm_up(self, setting: Setting) -> bool:
+        """The warm-up runs (rep 0) before the setting's first round in this command (warm_ups_before). False:
+        stopped."""
+        runs = self.warm_ups_before(setting)
+        if setting.name not in self.warmed:
+            self.warmed.append(setting.name)
+        return all(self.run(setting, name, 0, steps, "warm_up") is not None for name, steps in runs)
 
     def measure_round(self, setting: Setting, rep: int) -> bool:
         """Every contender's short run, then every contender's long run; False: stopped (the round abandoned)."""
@@ -694,42 +714,69 @@ class Benchmark:
                     return False
         return True
 
-    def round_forecast(self, setting: Setting) -> float | None:
-        """Seconds of a round of the setting and of the warm-ups a command runs before it (GPU: angle-train's);
-        None until every run of the round has a forecast."""
+    def round_forecast(self, setting: Setting) -> tuple[float | None, float]:
+        """(seconds of a round of the setting, None until every run of it has a forecast; seconds of the warm-up
+        runs this command runs before it, every one warm_ups_before names, those with no forecast yet counted 0)."""
         runs = [self.forecast(setting.name, name, steps) for steps in self.steps_of(setting)
                 for name in self.active(setting)]
-        if None in runs:
-            return None
-        warm_ups = [self.forecast(setting.name, name, 1) or 0.0 for name in self.active(setting)
-                    if self.args.gpu and self.contenders[name][0] in PER_SHAPE_CACHE_KINDS]
-        return sum(runs) + self.args.warmup_runs * sum(warm_ups)
+        warm_ups = sum(self.forecast(setting.name, name, steps) or 0.0 for name, steps in self.warm_ups_before(setting))
+        return (None if None in runs else sum(runs)), warm_ups
+
+    def too_long(self, setting: Setting) -> str | None:
+        """Why a round of the setting cannot run in this command's budget, by the forecasts: its warm-ups exceed
+        the warm-up allowance, or its runs and warm-ups what a command has for runs; None: it may."""
+        runs, warm_ups = self.round_forecast(setting)
+        allowance = self.budget.allowed["warm_up"]
+        if warm_ups > allowance:
+            return (f"its warm-up runs, estimated {warm_ups:.0f} s, exceed the warm-up allowance of {allowance:.0f} s "
+                    f"(a share of {WARM_UP_SHARE:.2f} of --time-budget {self.args.time_budget:.0f} s)")
+        if runs is not None and runs + warm_ups > self.args.time_budget - self.startup:
+            return (f"estimated {runs + warm_ups:.0f} s with its warm-ups, more than a command has for runs "
+                    f"(--time-budget {self.args.time_budget:.0f} s less {self.startup:.0f} s of start-up)")
+        return None
+
+    def pass_round(self, setting: Setting, rep: int, why: str) -> None:
+        """Record the round as not run in a command of this budget (results["not_run"]; later commands of no larger
+        --time-budget pass it too) and go on with the next."""
+        self.results["not_run"].append({"setting": setting.name, "rep": rep, "why": why,
+                                        "time_budget": self.args.time_budget})
+        self.save()
+        print(f"[{setting.name}] rep {rep} not run: {why}", flush=True)
+
+    def passed(self, setting: Setting, rep: int) -> bool:
+        return any((x["setting"], x["rep"]) == (setting.name, rep) for x in self.results["not_run"])
 
     def run_all(self, rounds: list[tuple[Setting, int]]) -> None:
-        """The rounds not recorded whole yet, in order, until the budget stops them. A round whose forecast (with
-        its warm-ups) exceeds what any command has for runs is recorded in results["not_run"] (this command's) and
-        passed: repeating the command ends."""
-        self.results["not_run"] = []
+        """The rounds not recorded whole yet, in order, until the budget stops them. A round that cannot run in a
+        command of this --time-budget is recorded in results["not_run"] with why, and passed, by every later
+        command of no larger budget too, so that repeating the command ends and the rounds after it are reached:
+        one whose forecast (with the warm-ups it needs) exceeds the warm-up allowance or what a command has for
+        runs, and one that stopped the command although it was the first round the command ran (it had the whole
+        budget, and the next command would stop in it again)."""
+        self.results["not_run"] = [x for x in self.results.get("not_run", [])
+                                   if self.budget is not None and x.get("time_budget") is not None
+                                   and self.args.time_budget <= x["time_budget"]]
+        first = True
         for setting, rep in rounds:
             if self.stopped:
                 break
-            if self.round_done(setting, rep):
+            if self.round_done(setting, rep) or self.passed(setting, rep):
                 continue
-            estimate = self.round_forecast(setting) if self.budget is not None else None
-            if estimate is not None and estimate > self.args.time_budget - self.startup:
-                why = (f"estimated {estimate:.0f} s with its warm-ups, more than a command has for runs "
-                       f"(--time-budget {self.args.time_budget:.0f} s less {self.startup:.0f} s of start-up)")
-                self.results["not_run"].append({"setting": setting.name, "rep": rep, "why": why})
-                print(f"[{setting.name}] rep {rep} not run: {why}", flush=True)
+            why = self.too_long(setting) if self.budget is not None else None
+            if why:
+                self.pass_round(setting, rep, why)
                 continue
             self.prepare(setting)
             if not self.warm_up(setting) or not self.measure_round(setting, rep):
+                if first and self.stopped:
+                    self.pass_round(setting, rep, f"the first round of a command of --time-budget "
+                                                  f"{self.args.time_budget:.0f} s, and it stopped there: "
+                                                  f"{self.stopped}")
                 break
+            first = False
 
     def left(self, rounds: list[tuple[Setting, int]]) -> list[str]:
-        passed = {(x["setting"], x["rep"]) for x in self.results.get("not_run", [])}
-        return [f"{s.name} rep {rep}" for s, rep in rounds
-                if not self.round_done(s, rep) and (s.name, rep) not in passed]
+        return [f"{s.name} rep {rep}" for s, rep in rounds if not self.round_done(s, rep) and not self.passed(s, rep)]
 
 
 def summarise(results: dict, settings: list[Setting], contenders: dict, steps_of) -> list[dict]:
@@ -918,6 +965,10 @@ def table_lines(rows: list[dict], results: dict) -> list[str]:
     for skip in results["skipped"]:
         where = " ".join(x for x in (skip.get("setting"), skip.get("contender")) if x)
         lines.append(f"Skipped: {where}: {skip['why']}")
+    if results.get("left"):
+        lines.append(f"Not measured yet: {', '.join(results['left'])}")
+    for x in results.get("not_run", []):
+        lines.append(f"Not run: {x['setting']} rep {x['rep']}: {x['why']}")
     versions = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
     lines += [f"Versions: {versions}. Command: `{results['command']}`"]
     return lines

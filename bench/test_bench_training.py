@@ -186,18 +186,37 @@ def stand_in_losses(argv, steps: int, batch: int) -> list[float]:
     return [1.0 + sum(batches[k % len(batches)]) / (n * batch) for k in range(steps)]
 
 
-def stand_in_trainers(calls: list, stop_at: int | None = None, oom=lambda argv: False):
+class VirtualClock:
+    """time.monotonic for the time-budget tests: the real clock plus the seconds the stand-in trainers' runs say
+    they took, so that those seconds count against a --time-budget without being waited for."""
+
+    def __init__(self):
+        self.real, self.ahead = time.monotonic, 0.0
+
+    def __call__(self) -> float:
+        return self.real() + self.ahead
+
+
+def stand_in_trainers(calls: list, stop_at: int | None = None, oom=lambda argv: False, killed=lambda argv: False,
+                      seconds=None, clock: VirtualClock | None = None):
     """run_child's stand-in: for angle-train a metrics.jsonl row per step and its summary line, for st-train its
-    report (or exit 4 for padding-free inputs, as without flash_attn); wall clock = START_S + the steps' seconds.
-    Call number `stop_at` runs past its time limit (a run the time budget kills); a run `oom(argv)` picks runs out
-    of memory."""
+    report (or exit 4 for padding-free inputs, as without flash_attn); wall clock = START_S + the steps' seconds,
+    or `seconds(argv)` where that is not None. Call number `stop_at`, and the runs `killed(argv)` picks, run past
+    their time limit (a run the time budget kills: it takes all it was given); a run `oom(argv)` picks runs out of
+    memory. With a `clock`, every run's seconds pass on it."""
 
     def run(argv, workdir, timeout, env=None):
+        record = ran(argv, timeout)
+        if clock is not None:
+            clock.ahead += record["seconds"]
+        return record
+
+    def ran(argv, timeout):
         calls.append(argv)
         steps, batch = int(_flag(argv, "--max-steps")), int(_flag(argv, "--batch-size"))
         out = Path(_flag(argv, "--output-dir"))
         out.mkdir(parents=True, exist_ok=True)
-        if len(calls) == stop_at:
+        if len(calls) == stop_at or killed(argv):
             return {"seconds": timeout, "peak_rss_bytes": 1, "returncode": -9, "timed_out": True, "tail": ["..."]}
         if oom(argv):
             return {"seconds": START_S, "peak_rss_bytes": 1, "returncode": 1, "timed_out": False,
@@ -219,7 +238,8 @@ def stand_in_trainers(calls: list, stop_at: int | None = None, oom=lambda argv: 
                     for k, (t, loss) in enumerate(zip(times, losses))]
             (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             record["tail"] = [f"done: {steps} steps | last loss 1.0000"]
-        return {**record, "seconds": START_S + steps * step_s}
+        took = None if seconds is None else seconds(argv)
+        return {**record, "seconds": START_S + steps * step_s if took is None else took}
 
     return run
 
@@ -302,7 +322,13 @@ def test_gpu_settings_resume_after_the_time_budget_stops_them(tmp_path, monkeypa
     argv = ["--gpu", "--smoke", "--device", "cpu", "--out", str(out), "--settings", "minilm-plain64,bert-base-cached1k",
             "--contenders", "ours-packed,st", "--reps", "2", "--time-budget", "300", "--resume"]
     calls = []
-    monkeypatch.setattr(bt, "run_child", stand_in_trainers(calls, stop_at=9))
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "monotonic", clock)
+
+    def sixth_is_slow(argv):  # minilm-plain64's st long run: 250 of the 300 s, so that the 9th run starts near the end
+        return 250.0 if len(calls) == 6 else None
+
+    monkeypatch.setattr(bt, "run_child", stand_in_trainers(calls, stop_at=9, seconds=sixth_is_slow, clock=clock))
     assert bt.main(argv) == 0
     first = json.loads((out / "results.json").read_text())
     # minilm-plain64: 2 warm-ups, rep 1's 4 runs; bert-base-cached1k: 1 warm-up (angle-train's), then its rep 1:
@@ -310,9 +336,9 @@ def test_gpu_settings_resume_after_the_time_budget_stops_them(tmp_path, monkeypa
     assert len(calls) == 9 and first["left"] == ["bert-base-cached1k rep 1", "minilm-plain64 rep 2",
                                                  "bert-base-cached1k rep 2"]
     assert [r["stopped"] for r in first["runs"] if r.get("stopped")] == ["time budget"]
-    assert sum(bool(r.get("abandoned")) for r in first["runs"]) == 2
+    assert sum(bool(r.get("abandoned")) for r in first["runs"]) == 2 and first["not_run"] == []
     calls.clear()
-    monkeypatch.setattr(bt, "run_child", stand_in_trainers(calls))
+    monkeypatch.setattr(bt, "run_child", stand_in_trainers(calls, clock=clock))
     assert bt.main(argv) == 0
     second = json.loads((out / "results.json").read_text())
     assert second["left"] == [] and len(second["resumed_by"]) == 1
@@ -323,6 +349,96 @@ def test_gpu_settings_resume_after_the_time_budget_stops_them(tmp_path, monkeypa
     rows = {(r["setting"], r["contender"]): r for r in second["summary"]}
     assert len(rows) == 4 and all(len(r["estimates_s"]) == 2 for r in rows.values())
     assert bt.main([*argv, "--pack-width", "64"]) == 2  # other settings: refused
+
+
+def test_forecast_learns_from_a_killed_run():
+    """A run killed at its time limit ran at least that long: a lower bound of its length's time and of every
+    longer run's, also where no run of that length ended well."""
+    def run(steps, seconds, ok=True):
+        return {"steps": steps, "seconds": seconds, "ok": ok, "timed_out": not ok}
+
+    ended = [run(1, 3.0), run(2, 5.0)]
+    assert bt.forecast_seconds(ended, 4) == pytest.approx(9.0)
+    assert bt.forecast_seconds([*ended, run(2, 40.0, ok=False)], 2) == 40.0
+    assert bt.forecast_seconds([*ended, run(2, 40.0, ok=False)], 4) == 40.0
+    assert bt.forecast_seconds([*ended, run(2, 40.0, ok=False)], 1) == 3.0  # a shorter run: not bounded by it
+    assert bt.forecast_seconds([run(3, 7.0, ok=False)], 3) == 7.0 and bt.forecast_seconds([], 3) is None
+
+
+def resumed_until_done(argv: list[str], out: Path, commands: int) -> list[dict]:
+    """Up to `commands` runs of the same command line (--resume), until one says nothing is left: the results.json
+    after each."""
+    after = []
+    for _ in range(commands):
+        assert bt.main(argv) == 0
+        after.append(json.loads((out / "results.json").read_text()))
+        if not after[-1]["left"]:
+            break
+    return after
+
+
+def test_resume_passes_a_round_too_long_for_any_command(tmp_path, monkeypatch):
+    """A round whose run is killed at the end of the time budget although the round had the whole command to
+    itself cannot be run by a command of that budget: it is recorded as not run, with why, and passed by the next
+    command too, which measures the rounds after it and says done; before, every command ran it again and was
+    killed in it again."""
+    out = tmp_path / "out"
+    argv = ["--gpu", "--smoke", "--device", "cpu", "--out", str(out), "--settings", "minilm-plain64,minilm-cached1k",
+            "--contenders", "ours-packed,st", "--reps", "1", "--time-budget", "300", "--resume"]
+    calls = []
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "monotonic", clock)
+
+    def plain64_st_long_run(argv):  # longer than any command of this budget has
+        return "st-train" in argv and Path(_flag(argv, "--train-data")).stem == "minilm-plain64" and \
+            _flag(argv, "--max-steps") == "2"
+
+    monkeypatch.setattr(bt, "run_child", stand_in_trainers(calls, killed=plain64_st_long_run, clock=clock))
+    after = resumed_until_done(argv, out, commands=4)
+    assert len(after) == 2 and after[-1]["left"] == []
+    assert [(x["setting"], x["rep"]) for x in after[0]["not_run"]] == [("minilm-plain64", 1)]
+    assert "first round" in after[0]["not_run"][0]["why"] and "reached the end" in after[0]["not_run"][0]["why"]
+    assert after[0]["left"] == ["minilm-cached1k rep 1"] and after[1]["not_run"] == after[0]["not_run"]
+    assert sum(plain64_st_long_run(a) for a in calls) == 1  # killed once, not once a command
+    rows = {(r["setting"], r["contender"]): r for r in after[-1]["summary"]}
+    assert all(len(rows["minilm-cached1k", c]["estimates_s"]) == 1 for c in ("ours-packed", "st"))
+    calls.clear()
+    assert bt.main(argv) == 0 and calls == []  # nothing left: a further command runs nothing
+    table = (out / "table.md").read_text()
+    assert "Not run: minilm-plain64 rep 1: the first round of a command of --time-budget 300 s" in table
+
+
+def test_resume_passes_a_round_whose_warm_ups_exceed_their_allowance(tmp_path, monkeypatch):
+    """The warm-up runs before a command's first setting, every contender's, must fit the warm-up allowance (a
+    third of the budget). Where they cannot, the round is recorded as not run, with why, and the command ends
+    instead of stopping in the warm-ups again every time: found by running them when nothing forecasts them, and by
+    the forecast of every warm-up the round needs (not angle-train's alone) once they are known."""
+    calls = []
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "monotonic", clock)
+
+    def one_step_runs_are_slow(argv):  # the warm-ups (and any 1-step run): 7 s each
+        return 7.0 if _flag(argv, "--max-steps") == "1" else None
+
+    monkeypatch.setattr(bt, "run_child", stand_in_trainers(calls, seconds=one_step_runs_are_slow, clock=clock))
+
+    def command(out, budget, reps=1):
+        return ["--gpu", "--smoke", "--device", "cpu", "--out", str(out), "--settings", "minilm-cached1k",
+                "--contenders", "ours-packed,st", "--reps", str(reps), "--time-budget", str(budget), "--resume"]
+
+    # nothing forecasts the warm-ups: 7 s of angle-train's leaves 3 s of the 10, too little for st-train's
+    after = resumed_until_done(command(tmp_path / "fresh", 30), tmp_path / "fresh", commands=3)
+    assert len(after) == 1 and after[0]["left"] == [] and len(calls) == 1
+    assert "warm-up allowance" in after[0]["not_run"][0]["why"]
+    # the warm-ups known (7 s each, from a command of 60 s that fit them) and too long for a command of 30 s: the
+    # forecast counts both contenders' and passes the round before running anything
+    out = tmp_path / "known"
+    assert bt.main(command(out, 60)) == 0
+    assert json.loads((out / "results.json").read_text())["left"] == []
+    calls.clear()
+    after = resumed_until_done(command(out, 30, reps=2), out, commands=3)
+    assert len(after) == 1 and after[0]["left"] == [] and calls == []
+    assert after[0]["not_run"][0]["why"].startswith("its warm-up runs, estimated 14 s, exceed the warm-up allowance")
 
 
 def test_gpu_suite_third_train_bench_runs_this_benchmark_resumably(tmp_path, monkeypatch):
