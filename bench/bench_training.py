@@ -57,9 +57,16 @@ pairs/s = pairs per step / step time; tokens/s = real (unpadded) tokens of a ste
 truncated at the max length, averaged over the data) / step time; peak RSS: the median over the long runs.
 Both trainers: lr 2e-5, no warmup, linear decay, weight decay 0.01, gradient clipping at 1.0, seed 42, float32,
 CPU, no evaluation, no checkpoints, no final export, no progress bar, every step logged (its time and loss:
-angle-train's metrics row, st-train's logging_steps 1). Torch's default threads (recorded). angle-train tokenises
-its data once at start-up (cancelled by the difference), sentence-transformers each batch in its collator (part of
-its steps): each step time is what the trainer costs per step once it has started.
+angle-train's metrics row, st-train's logging_steps 1). Torch's default threads (recorded).
+
+Tokenising. angle-train tokenises its whole data once at start-up, which the difference of two runs cancels;
+sentence-transformers tokenises each batch in its collator, inside its steps. So the throughput is given both ways:
+the step time (pairs/s, tokens/s, ST best / this: what each trainer costs a step once it has started, angle-train's
+tokenising not charged) and "tokenising charged": angle-train's step time plus its tokenising of the setting's data,
+timed apart in the benchmark's process (tokenising_cost: angle_train.data.TokenizedPairs over the data, as its
+start-up builds it), spread over the steps of an epoch (pairs // pairs per step), as sentence-transformers tokenises
+each batch of an epoch once; sentence-transformers' numbers are the same both ways. Timing it apart leaves every run
+as it was (nothing added to angle-train's runs, whose difference would cancel it anyway).
 
 The loss curves. Both trainers train on the same batches: st-train reads angle-train's (--batch-order angle-train:
 each epoch's order from angle_train.data.epoch_batches, the function angle-train's trainer calls, served in turn by
@@ -362,6 +369,25 @@ def generated_examples(n: int = STSB_TRAIN_PAIRS, seed: int = 0):
     return examples
 
 
+def tokenising_cost(data: Path, setting: Setting, tokenizer) -> dict:
+    """What angle-train's start-up spends tokenising the setting's data, which the difference of a short and a long
+    run cancels (sentence-transformers tokenises each batch in its collator, inside its steps): the seconds of
+    angle_train.data.TokenizedPairs over every pair of the JSONL file (as its trainer builds it from what
+    angle_train.data.load_examples reads), timed in this process after a call on a few pairs (the tokenizer's
+    first call), and those seconds spread over the steps of an epoch (pairs // pairs per step), as
+    sentence-transformers tokenises each batch of an epoch once: the charge per step of "tokenising charged"."""
+    from angle_train.data import TokenizedPairs, load_examples
+
+    examples, fmt = load_examples(str(data), fmt=setting.fmt)
+    TokenizedPairs(examples[:8], fmt, tokenizer, max_length=setting.max_length)
+    start = time.perf_counter()
+    TokenizedPairs(examples, fmt, tokenizer, max_length=setting.max_length)
+    seconds = time.perf_counter() - start
+    steps_per_epoch = max(1, len(examples) // setting.batch)
+    return {"angle_train_tokenise_s": seconds, "steps_per_epoch": steps_per_epoch,
+            "angle_train_tokenise_per_step_s": seconds / steps_per_epoch}
+
+
 def token_stats(rows: list[dict], setting: Setting, tokenizer, token_budget: int | None = None) -> dict:
     """Real tokens per pair (truncated at max length; the tokens/s numerator) and, for the gradient cache, the mean
     padded width of a pass of `chunk` texts of one column of a batch (as sentence-transformers cuts them), and the
@@ -590,7 +616,8 @@ class Benchmark:
         return forecast_seconds(self.runs_of(setting, contender), steps)
 
     def prepare(self, setting: Setting) -> None:
-        """The setting's data (written to SCRATCH/data as JSONL) and its token statistics."""
+        """The setting's data (written to SCRATCH/data as JSONL), its token statistics and angle-train's time to
+        tokenise it (tokenising_cost)."""
         if setting.name in self.prepared:
             return
         self.prepared.add(setting.name)
@@ -599,6 +626,7 @@ class Benchmark:
         data.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(data, rows)
         stats = token_stats(rows, setting, self.tokenizer, self.args.token_budget.get(setting.name))
+        stats.update(tokenising_cost(data, setting, self.tokenizer))
         self.results["settings"][setting.name] = {**asdict(setting), "data": str(data), **stats}
         self.save()
         for name, (_, flags) in self.contenders.items():
@@ -834,7 +862,22 @@ def summarise(results: dict, settings: list[Setting], contenders: dict, steps_of
         for r in rows:
             if r["setting"] == setting.name and r.get("step_s", 0) > 0 and st_times:
                 r["st_best_over_this"] = min(st_times) / r["step_s"]
+            if r["setting"] == setting.name and r.get("step_s", 0) > 0 and "angle_train_tokenise_per_step_s" in stats:
+                charge_tokenising(r, setting, stats, st_times)
     return rows
+
+
+def charge_tokenising(row: dict, setting: Setting, stats: dict, st_times: list[float]) -> None:
+    """The row's throughput with its trainer's tokenising charged: angle-train's step time plus its one
+    tokenisation of the data spread over an epoch's steps (tokenising_cost); sentence-transformers' as it is (its
+    collator tokenises inside its steps)."""
+    charge = stats["angle_train_tokenise_per_step_s"] if row["kind"] == "ours" else 0.0
+    step = row["step_s"] + charge
+    row.update(tokenising_per_step_s=charge, step_s_tokenising_charged=step,
+               pairs_per_s_tokenising_charged=setting.batch / step,
+               tokens_per_s_tokenising_charged=stats["tokens_per_step"] / step)
+    if st_times:
+        row["st_best_over_this_tokenising_charged"] = min(st_times) / step
 
 
 def compared_runs(results: dict, setting: Setting) -> list[dict]:
@@ -919,6 +962,22 @@ LOSSES_SAID = ("Losses: both trainers train on the same batches (st-train reads 
                "Dropout: {dropout}.")
 
 
+TOKENISING_SAID = ("Tokenising: sentence-transformers tokenises each batch in its collator, inside its steps; "
+                   "angle-train tokenises its whole data once at start-up, which the difference of two runs cancels. "
+                   "pairs/s and ST best / this: each trainer's steps once it has started (angle-train's tokenising "
+                   "not charged); '..., tokenising charged': angle-train's step time plus its tokenising of the data "
+                   "(angle_train.data.TokenizedPairs, timed apart in the benchmark's process) spread over the steps "
+                   "of an epoch (pairs // pairs per step), as sentence-transformers tokenises each batch of an epoch "
+                   "once; sentence-transformers' the same both ways.")
+
+
+def said_tokenising(stats: dict) -> str:
+    if "angle_train_tokenise_s" not in stats:
+        return "not measured"
+    return (f"{harness.fmt_seconds(stats['angle_train_tokenise_s'])} "
+            f"({harness.fmt_seconds(stats['angle_train_tokenise_per_step_s'])})")
+
+
 def table_lines(rows: list[dict], results: dict) -> list[str]:
     def rate(x):
         return "n/a" if x is None else f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
@@ -928,15 +987,18 @@ def table_lines(rows: list[dict], results: dict) -> list[str]:
         losses = said_apart(r.get("losses_vs_other_trainer"), results.get("dropout", ""))
         if "step_s" not in r:
             body.append([r["setting"], r["contender"], f"no estimate ({r['failed_runs']} runs failed)", "", "", "",
-                         "", losses])
+                         "", "", "", losses])
             continue
         spread = f"{harness.fmt_seconds(r['min_s'])} - {harness.fmt_seconds(r['max_s'])}"
-        ratio = f"{r['st_best_over_this']:.2f}x" if "st_best_over_this" in r else "n/a"
+        ratio, charged_ratio = (f"{r[k]:.2f}x" if k in r else "n/a"
+                                for k in ("st_best_over_this", "st_best_over_this_tokenising_charged"))
         rss = harness.fmt_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else "n/a"
         body.append([r["setting"], r["contender"], f"{harness.fmt_seconds(r['step_s'])} ({spread})",
-                     rate(r["pairs_per_s"]), rate(r["tokens_per_s"]), rss, ratio, losses])
-    header = ["setting", "contender", "step time: median (min - max)", "pairs/s", "tokens/s", "peak RSS",
-              "ST best / this", "losses vs the other trainer: largest rel. diff"]
+                     rate(r["pairs_per_s"]), rate(r.get("pairs_per_s_tokenising_charged")), rate(r["tokens_per_s"]),
+                     rss, ratio, charged_ratio, losses])
+    header = ["setting", "contender", "step time: median (min - max)", "pairs/s", "pairs/s, tokenising charged",
+              "tokens/s", "peak RSS", "ST best / this", "ST best / this, tokenising charged",
+              "losses vs the other trainer: largest rel. diff"]
     m = results["machine"]
     lines = [f"# Training throughput: angle-train vs SentenceTransformerTrainer ({m['cpu']}, {m['cpu_count']} CPUs, "
              f"{m['torch_threads']} torch threads)", "",
@@ -946,16 +1008,17 @@ def table_lines(rows: list[dict], results: dict) -> list[str]:
              "ST best / this > 1: faster than sentence-transformers' fastest variant.", ""]
     lines += harness.markdown_table(header, body)
     lines += ["", "| setting | pairs/step | max length | texts/pass | tokens/pair (real) | token budget | data | "
-              f"losses of the two trainers: largest rel. diff (target {LOSS_TARGET:.0%}) |",
-              "|---|---|---|---|---|---|---|---|"]
+              f"angle-train's tokenising: a run's (a step's) | losses of the two trainers: largest rel. diff (target "
+              f"{LOSS_TARGET:.0%}) |", "|---|---|---|---|---|---|---|---|---|"]
     agreement = results.get("losses", {})
     for name, s in results["settings"].items():
         if "mean_tokens_per_pair" in s:
             losses = agreement.get(name, {}).get("why") or said_apart(agreement.get(name), results.get("dropout", ""))
             lines.append(f"| {name} | {s['batch']} | {s['max_length']} | {s['chunk'] or 'all (plain)'} | "
                          f"{s['mean_tokens_per_pair']:.1f} | {s.get('token_budget', '-')} | {s['pairs']} pairs | "
-                         f"{losses} |")
-    lines += ["", LOSSES_SAID.format(target=LOSS_TARGET, dropout=results.get("dropout", "not recorded"))]
+                         f"{said_tokenising(s)} | {losses} |")
+    lines += ["", TOKENISING_SAID, "", LOSSES_SAID.format(target=LOSS_TARGET,
+                                                          dropout=results.get("dropout", "not recorded"))]
     lines += ["", "Token budget = texts per pass x the mean padded width of such a pass (of one column of a shuffled "
               "batch); sentence-transformers' mini_batch_num_tokens counts real tokens, and so does angle-train's "
               "--chunk-tokens with packed rows (its CPU default; padded passes: padding too). A negative step time: "
@@ -992,18 +1055,20 @@ def gpu_table_lines(rows: list[dict], results: dict) -> list[str]:
         if "step_s" not in r:
             why = f": {r['failure']}" if r.get("failure") else ""
             body.append([r["setting"], r["contender"], f"no estimate ({r['failed_runs']} runs failed{why})", "",
-                         *cold, "", "", memory, "", losses])
+                         *cold, "", "", "", memory, "", "", losses])
             continue
         spread = f"{harness.fmt_seconds(r['min_s'])} - {harness.fmt_seconds(r['max_s'])}"
-        ratio = f"{r['st_best_over_this']:.2f}x" if "st_best_over_this" in r else "n/a"
+        ratio, charged_ratio = (f"{r[k]:.2f}x" if k in r else "n/a"
+                                for k in ("st_best_over_this", "st_best_over_this_tokenising_charged"))
         body.append([r["setting"], r["contender"], f"{harness.fmt_seconds(r['step_s'])} ({spread})",
-                     len(r["estimates_s"]), *cold, rate(r["pairs_per_s"]), rate(r["tokens_per_s"]), memory, ratio,
-                     losses])
+                     len(r["estimates_s"]), *cold, rate(r["pairs_per_s"]),
+                     rate(r.get("pairs_per_s_tokenising_charged")), rate(r["tokens_per_s"]), memory, ratio,
+                     charged_ratio, losses])
     on_gpu = results["shared"]["device"] == "cuda"
     header = ["setting", "contender", "step time: median (min - max)", "reps", "in-process step", "first step",
-              "first step, empty caches", "pairs/s", "tokens/s",
+              "first step, empty caches", "pairs/s", "pairs/s, tokenising charged", "tokens/s",
               "peak GPU memory" if on_gpu else "peak memory (trainer's count)", "ST best / this",
-              "losses vs the other trainer: largest rel. diff"]
+              "ST best / this, tokenising charged", "losses vs the other trainer: largest rel. diff"]
     m = results["machine"]
     where = m.get("gpu") or f"{m.get('cpu')}, {m.get('cpu_count')} CPUs"
     title = (f"# Training throughput on a GPU: angle-train vs SentenceTransformerTrainer ({where}; "
@@ -1020,8 +1085,8 @@ def gpu_table_lines(rows: list[dict], results: dict) -> list[str]:
               "of a setting). ST best / this > 1: faster than sentence-transformers' fastest variant."), ""]
     lines += harness.markdown_table(header, body)
     lines += ["", "| setting | model | pairs/step | max length | texts/pass | S1, S2 | tokens/pair (real) | data | "
-              f"losses of the two trainers: largest rel. diff (target {LOSS_TARGET:.0%}) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "angle-train's tokenising: a run's (a step's) | losses of the two trainers: largest rel. diff (target "
+              f"{LOSS_TARGET:.0%}) |", "|---|---|---|---|---|---|---|---|---|---|"]
     agreement = results.get("losses", {})
     for name, s in results["settings"].items():
         if "mean_tokens_per_pair" in s:
@@ -1029,8 +1094,9 @@ def gpu_table_lines(rows: list[dict], results: dict) -> list[str]:
             losses = agreement.get(name, {}).get("why") or said_apart(agreement.get(name), results.get("dropout", ""))
             lines.append(f"| {name} | {s['model']} | {s['batch']:,} | {s['max_length']} | "
                          f"{s['chunk'] or 'all (plain)'} | {steps[0]}, {steps[1]} | {s['mean_tokens_per_pair']:.1f} | "
-                         f"{s['pairs']:,} pairs | {losses} |")
-    lines += ["", LOSSES_SAID.format(target=LOSS_TARGET, dropout=results.get("dropout", "not recorded"))]
+                         f"{s['pairs']:,} pairs | {said_tokenising(s)} | {losses} |")
+    lines += ["", TOKENISING_SAID, "", LOSSES_SAID.format(target=LOSS_TARGET,
+                                                          dropout=results.get("dropout", "not recorded"))]
     lines += [""] + [f"Model {role}: {m['what']}; angle-train's attention: {m['attention']}."
                      for role, m in results["models"].items()]
     lines += [f"Data: {results['data']}.", "Contenders: " + "; ".join(

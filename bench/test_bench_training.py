@@ -90,9 +90,12 @@ def test_smoke_run_end_to_end(tmp_path, smoke_assets):
         apart = row["losses_vs_other_trainer"]
         assert apart["steps_compared"] == 1 + 2 and apart["same_batches"], apart
         assert apart["max_rel_diff"] <= bt.LOSS_TARGET and apart["within_target"], apart
+    stats = results["settings"]
     for setting in ("plain16", "cached256"):
+        assert stats[setting]["angle_train_tokenise_s"] > 0
         assert results["losses"][setting]["within_target"] and results["losses"][setting]["steps_compared"] == 3
-        assert f"pairs | {bt.said_apart(results['losses'][setting], results['dropout'])} |" in table
+        said = bt.said_apart(results["losses"][setting], results["dropout"])
+        assert settings_row(table, setting).endswith(f"pairs | {bt.said_tokenising(stats[setting])} | {said} |")
     assert "(within 2%" in table and "Dropout: off in both trainers" in table
     trained = json.loads((Path(results["model_trained"]) / "config.json").read_text())
     assert trained["hidden_dropout_prob"] == trained["attention_probs_dropout_prob"] == 0.0
@@ -164,6 +167,11 @@ def test_st_train_reads_angle_train_batches(tmp_path, smoke_assets, monkeypatch)
 # ----------------------------------------------------------------------------------------------------------
 
 OURS_STEP_S, ST_STEP_S, FIRST_STEP_S, START_S = 0.1, 0.2, 1.0, 2.0
+
+
+def settings_row(table: str, setting: str) -> str:
+    """The setting's row of the table's second table (the settings'): the last line that starts with its name."""
+    return [line for line in table.splitlines() if line.startswith(f"| {setting} |")][-1]
 
 
 def _flag(argv, name):
@@ -266,6 +274,10 @@ def test_gpu_settings_dry_run_names_every_setting_and_contender(tmp_path, monkey
     assert set(results["settings"]) == set(settings) and set(results["contenders"]) == set(contenders)
     assert results["data"].startswith("48 generated pairs") and set(results["models"]) == {"minilm", "bert-base"}
     assert all(m["attention"] == "sdpa" for m in results["models"].values())
+    stats = results["settings"]
+    for s in stats.values():  # angle-train's tokenising, timed apart, and its share of a step of an epoch
+        assert s["angle_train_tokenise_s"] > 0 and s["steps_per_epoch"] == max(1, s["pairs"] // s["batch"])
+        assert s["angle_train_tokenise_per_step_s"] == pytest.approx(s["angle_train_tokenise_s"] / s["steps_per_epoch"])
     rows = {(r["setting"], r["contender"]): r for r in results["summary"]}
     measured = ("ours-packed", "ours-padded", "st")
     assert set(rows) == {(s, c) for s in settings for c in measured}
@@ -280,6 +292,13 @@ def test_gpu_settings_dry_run_names_every_setting_and_contender(tmp_path, monkey
         assert (row.get("first_step_empty_caches_s") is not None) == (contender != "st" or setting == settings[0])
         assert row.get("st_best_over_this") == (None if setting == "bert-base-cached64k" else
                                                 pytest.approx(ST_STEP_S / step))
+        # tokenising charged: angle-train's step plus its tokenising spread over an epoch; st's tokenises in its steps
+        charged = step + (stats[setting]["angle_train_tokenise_per_step_s"] if contender != "st" else 0.0)
+        assert row["step_s_tokenising_charged"] == pytest.approx(charged)
+        assert row["pairs_per_s_tokenising_charged"] == pytest.approx(stats[setting]["batch"] / charged)
+        assert (row["pairs_per_s_tokenising_charged"] < row["pairs_per_s"]) == (contender != "st")
+        assert row.get("st_best_over_this_tokenising_charged") == (None if setting == "bert-base-cached64k" else
+                                                                   pytest.approx(ST_STEP_S / charged))
         assert f"| {setting} | {contender} |" in table
         if setting != "bert-base-cached64k":  # there, st ran out of memory: nothing to compare with
             apart = row["losses_vs_other_trainer"]
@@ -290,11 +309,14 @@ def test_gpu_settings_dry_run_names_every_setting_and_contender(tmp_path, monkey
             continue
         apart = results["losses"][setting]
         assert apart["max_rel_diff"] == 0.0 and apart["within_target"] and apart["steps_compared"] == 2 * (1 + 2)
-        assert f"pairs | {bt.said_apart(apart, results['dropout'])} |" in table
+        said = bt.said_apart(apart, results["dropout"])
+        assert settings_row(table, setting).endswith(f"pairs | {bt.said_tokenising(stats[setting])} | {said} |")
     assert all(x["contender"] == "st-unpadded" and x["unsupported"] for x in results["skipped"])
     assert {x["setting"] for x in results["skipped"]} == set(settings)
     assert "Absent: st-unpadded (every setting): unsupported: flash_attn is not installed" in table
     assert all(f"| {s} |" in table for s in settings) and "first step, empty caches" in table
+    assert "pairs/s, tokenising charged" in table and "ST best / this, tokenising charged" in table
+    assert bt.TOKENISING_SAID in table
     # every command as the trainers' own parsers read it
     ours = [build_parser().parse_args(argv[3:]) for argv in calls if argv[1:3] == ["-m", "angle_train.cli"]]
     st = [bt.st_parser().parse_args(argv[3:]) for argv in calls if argv[2] == "st-train"]
