@@ -950,7 +950,7 @@ def said_apart(apart: dict | None, dropout: str = "") -> str:
              f"{apart['steps_compared']} steps compared"]
     if not apart["same_batches"]:
         notes.append("other batches: not comparable")
-    if dropout.startswith("the models' own"):
+    if dropout == DROPOUT_SAID["model"]:
         notes.append("dropout on: each trainer's own masks")
     return f"{apart['max_rel_diff']:.2%} ({'; '.join(notes)})"
 
@@ -1377,7 +1377,7 @@ def st_train(argv: list[str]) -> int:
     options = {"logging_strategy": "steps", "logging_steps": 1} if args.log_losses else {"logging_strategy": "no"}
     if args.batch_order == "angle-train":  # a callable batch_sampler: sentence-transformers calls it with the dataset
         batches = angle_train_batches(len(dataset), args.batch_size, seed=args.seed, steps=args.max_steps)
-        options["batch_sampler"] = lambda dataset, **_: BatchesInTurn(batches)
+        options["batch_sampler"] = lambda _dataset, **_: BatchesInTurn(batches)
     training_args = SentenceTransformerTrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.lr, warmup_steps=0, lr_scheduler_type="linear", weight_decay=WEIGHT_DECAY,

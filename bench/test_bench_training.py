@@ -120,6 +120,10 @@ def test_losses_apart_finds_the_largest_difference():
     assert bt.losses_apart(ours[:1], theirs[:1])["max_rel_diff"] == 0.0
     assert not bt.losses_apart(ours[:1], [run("st", 1, 2, [2.0, 1.0], order="own")])["same_batches"]
     assert bt.losses_apart(ours, [run("st", 1, 3, [1.0] * 3)]) is None  # no pair of the same length
+    other_batches = bt.losses_apart(ours, [run("st", 2, 2, [2.5, 1.0], order="own")])
+    said = bt.said_apart(other_batches, bt.DROPOUT_SAID["model"])
+    assert said.startswith("20.00% (over 2%") and "other batches" in said and "dropout on" in said
+    assert bt.said_apart(apart, bt.DROPOUT_SAID["off"]).startswith("3.00% (over 2%; at step 2 of a 2-step run")
     assert bt.relative_difference(float("nan"), 1.0) == math.inf
 
 
