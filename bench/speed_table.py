@@ -48,6 +48,7 @@ SWEEP_ROWS = {
     "similarity_xent(ibn)": ("similarity_xent", "full", lambda n: 4 * n * n),
     "similarity_xent(arccon)": ("similarity_xent", "margin", lambda n: n * n),
     "similarity_xent(dims)": ("similarity_xent", "dims", lambda n: 2 * n * n),
+    "similarity_xent(one width)": ("similarity_xent", "full", lambda n: 2 * n * n),  # the dims rows' shape
     "similarity_lse": ("similarity_lse", "full", lambda n: 2 * n * n),
     "similarity_lse(dims)": ("similarity_lse", "dims", lambda n: 2 * n * n),
 }
