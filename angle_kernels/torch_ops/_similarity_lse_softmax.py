@@ -30,7 +30,13 @@ block's tiles, which is what a call costs on a CPU once its products are paid fo
       more than at 4,096 rows, which keep none); a call of several blocks keeps none, and so does a call inside a
       torch.compile trace (the budget is Python state dynamo cannot trace).
 
-The masks (exclusions, penalty, filter) are the blocked form's own (similarity_lse._Tiles.masked_logits). Memory:
+The masks (exclusions, penalty, filter) are the blocked form's (similarity_lse._Tiles.masked_logits), made with fewer
+boolean tiles where they are each row's target column alone (no penalty, exclude "none" or "target": GIST, the
+query-to-query direction, the false-negative filter): the target columns are read and written through a view of the
+block's diagonal, and the filter's comparison is the one [b, Mc] mask (_NamedFilterTiles.masked_logits; the same
+values, bit for bit); a row that keeps no column is zeroed by its index, not by a mask broadcast over the tile (a CPU
+fills a boolean mask at several times a float op's time per entry: GIST at 256 pairs, D = 64, 1.16-1.18x the eager
+formula's time -> 1.06-1.08x, bench/results/cpu-2026-11-29-gist-masks/). Memory:
 as the blocked form, at most three tile-sized float32 temporaries per block (cosines, logits and the filter's
 cosines; in backward the logits and their softmax), with its boolean masks, on top of O((M + Mc) D) for the unit
 rows and the gradients. Huge rows are scaled as there; unit rows are exact cosines' operands whatever the scale. The
@@ -70,12 +76,6 @@ def _filter_unit_rows(rows: torch.Tensor) -> torch.Tensor:
     return _unit_rows(scaled, inverse_norms)
 
 
-def _may_have(mask: torch.Tensor) -> bool:
-    """Whether any entry of `mask` may be True: its values are asked where that costs no device sync and breaks no
-    compiled graph (common.may_skip_scaling's rule); elsewhere it may."""
-    return not may_skip_scaling(mask) or bool(mask.any())
-
-
 def _row_lse(logits: torch.Tensor) -> torch.Tensor:
     """Each row's logsumexp [b] of a block of logits [b, Mc] (-inf outside the kept columns): m - max log_softmax,
     -inf for a row without kept columns (whose log_softmax is NaN)."""
@@ -92,9 +92,19 @@ def _row_lse_and_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     weights = torch.softmax(logits, dim=1)
     empty = torch.isneginf(top)
     lse = torch.where(empty, top, top - weights.amax(dim=1).log_())
-    if _may_have(empty):
-        weights.masked_fill_(empty[:, None], 0.0)
+    _zero_rows(weights, empty)
     return lse, weights
+
+
+def _zero_rows(tile: torch.Tensor, rows: torch.Tensor) -> None:
+    """Zeroes the rows of a [b, Mc] tile where the mask `rows` [b] holds: by their indices where its values may be
+    asked (common.may_skip_scaling's rule), as a CPU fills a broadcast [b, 1] mask entry by entry, at several times a
+    float op's time per entry; elsewhere (inside torch.compile traces, where an index list has a data-dependent
+    shape) by the broadcast mask."""
+    if not may_skip_scaling(rows):
+        tile.masked_fill_(rows[:, None], 0.0)
+    elif bool(rows.any()):
+        tile.index_fill_(0, rows.nonzero().view(-1), 0.0)
 
 
 class _NamedFilterTiles(_Tiles):
@@ -107,6 +117,36 @@ class _NamedFilterTiles(_Tiles):
         super().__init__(q_in, c_in, qf, cf, q_inv, c_inv, scale, target_offset, period, exclude, penalty, penalty_on,
                          None, None, None, filter_keeps_target, True)  # no filter: no data pointers compared
         self.filter_threshold, self.own_scores_filter = filter_threshold, own_scores
+        # the masks are each row's target column alone: read and written through the block's diagonal
+        self.target_masks_only = exclude != "own" and (penalty == 0.0 or penalty_on == "none")
+
+    def masked_logits(self, cos: torch.Tensor, start: int, end: int, filter_threshold: torch.Tensor | None,
+                      guide: torch.Tensor | None, masks: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """_Tiles.masked_logits' result, for calls whose masks are each row's target column alone (no penalty, exclude
+        "none" or "target": `target_masks_only`) with the target columns read and written through a view of the
+        block's diagonal, not [b, Mc] boolean tiles compared from the indices and combined (up to four, each at
+        several times a float op's time per entry on a CPU); the filter's comparison is the one tile left. Other
+        calls: _Tiles.masked_logits."""
+        if masks is not None or not self.target_masks_only:
+            return super().masked_logits(cos, start, end, filter_threshold, guide, masks)
+        rows, columns = cos.shape
+        logits = cos * self.scale
+        # row i's target column is first + i: the diagonal of the columns from `first` on holds the rows whose target
+        # lies within the columns; the others read the last column, as _Tiles.masked_logits' clamped gather does
+        first = start + self.target_offset
+        within = max(0, min(rows, columns - first))
+        target_logits = logits[:, first:].diagonal().clone() if within else logits.new_empty(0)
+        if within < rows:
+            target_logits = torch.cat([target_logits, logits[within:, columns - 1]])
+        if filter_threshold is not None:
+            threshold = filter_threshold[start:end, None]
+            filtered = (cos if self.own_scores_filter else guide) > threshold
+            if self.filter_keeps_target and within:
+                filtered[:, first:].diagonal().fill_(False)
+            logits.masked_fill_(filtered, float("-inf"))
+        if self.exclude == "target" and within:
+            logits[:, first:].diagonal().fill_(float("-inf"))
+        return logits, target_logits
 
 
 def _filter_on_own_scores(q, c, filter_q, filter_c, filter_threshold) -> bool:
@@ -222,9 +262,7 @@ def _score_gradients(tiles: _Tiles, logits_of, kept: torch.Tensor | None, values
             weights = kept
         else:
             weights = torch.softmax(logits_of(start, end)[0], dim=1)  # softmax over K_i
-            block_empty = empty[start:end]
-            if _may_have(block_empty):
-                weights.masked_fill_(block_empty[:, None], 0.0)
+            _zero_rows(weights, empty[start:end])
         block_scale = row_scale[start:end, None]  # dL/dscore_ij = block_scale_i * weights_ij
         d_q[start:end].addcmul_(torch.mm(weights, c_rows), block_scale)
         d_c.addmm_(weights.T, q_rows[start:end] * block_scale)

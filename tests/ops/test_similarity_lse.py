@@ -44,6 +44,8 @@ CASES = {
                                    filter=(17, 0.02), filter_keeps_target=True, scale=1 / 0.05)),
     "targets_past_the_columns": (10, 4, 8, dict(target_offset=2, exclude="target", penalty=1.0,
                                                 penalty_on="all")),
+    "filtered_targets_past_the_columns": (10, 4, 8, dict(target_offset=2, exclude="target", filter=(6, 0.0),
+                                                         filter_keeps_target=True)),
     "one_row": (1, 1, 5, dict()),
     "one_column": (7, 1, 5, dict(penalty=1.0, penalty_on="other")),
     "several_tiles": (150, 300, 130, dict(period=100, exclude="own", penalty=2.0, penalty_on="other")),
@@ -130,6 +132,35 @@ def test_the_cases_drop_some_columns_and_keep_others():
         unfiltered = {k: v for k, v in kwargs.items() if not k.startswith("filter_")}
         full, filtered = oracle.similarity_lse(q, c, **unfiltered), oracle.similarity_lse(q, c, **kwargs)
         assert (filtered < full - 1e-9).any() and torch.isfinite(filtered).any(), name
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if CASES[name][3].get("normalize", True)])
+def test_the_softmax_forms_masks_are_the_blocked_forms(name):
+    """The softmax form's masked logits (its target columns written through the block's diagonal where the masks are
+    the targets' alone: _NamedFilterTiles.masked_logits) are the blocked form's (_Tiles.masked_logits), bit for bit,
+    logits and target logits, for the whole block and for a block of middle rows."""
+    from angle_kernels.torch_ops._cpu_rows import normalised_rows
+    from angle_kernels.torch_ops._similarity_lse_softmax import _NamedFilterTiles, _filter_unit_rows, _unit_rows
+    from angle_kernels.torch_ops.similarity_lse import _Tiles
+
+    q, c, kwargs = _inputs(name, torch.float32)
+    own = "self_filter" in CASES[name][3]
+    (qf, _, q_inv, _), (cf, _, c_inv, _) = normalised_rows(q, c)
+    tiles = _NamedFilterTiles(q, c, qf, cf, q_inv, c_inv, kwargs["scale"], kwargs["target_offset"], kwargs["period"],
+                              kwargs["exclude"], kwargs["penalty"], kwargs["penalty_on"], kwargs.get("filter_threshold"),
+                              kwargs["filter_keeps_target"], own)
+    cos = _unit_rows(qf, q_inv) @ _unit_rows(cf, c_inv).T
+    guide = None
+    if "filter" in CASES[name][3]:
+        guide = _filter_unit_rows(kwargs["filter_q"]) @ _filter_unit_rows(kwargs["filter_c"]).T
+    for start, end in [(0, q.shape[0]), (q.shape[0] // 3, q.shape[0] - 1)]:
+        if start >= end:
+            continue
+        block_guide = None if guide is None else guide[start:end]
+        ours = tiles.masked_logits(cos[start:end], start, end, kwargs.get("filter_threshold"), block_guide)
+        blocked = _Tiles.masked_logits(tiles, cos[start:end], start, end, kwargs.get("filter_threshold"), block_guide)
+        for mine, theirs in zip(ours, blocked):
+            assert torch.equal(mine, theirs), (name, start, end)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF_DTYPES], ids=str)
