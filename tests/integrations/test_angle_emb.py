@@ -320,21 +320,26 @@ def test_an_ese_trainer_that_overrides_its_student_loss_keeps_it(ae, deep_model_
         assert loss() == pytest.approx(reference, rel=1e-12)
 
 
+def _ese_case(ae, deep_model_dir, tmp_path):
+    """(angle_emb.angle, the 4-layer tiny BERT in float64, its tokenizer, format A labels of 6 pairs, the training
+    arguments) for an AngleESETrainer whose compute_loss is compared with angle-emb's own method."""
+    from transformers import AutoTokenizer, BertModel, TrainingArguments
+
+    model = BertModel.from_pretrained(deep_model_dir).to(torch.float64)
+    labels = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+    return ae["angle_emb.angle"], model, AutoTokenizer.from_pretrained(deep_model_dir), labels, args
+
+
 def test_an_ese_trainer_whose_loss_has_dims_of_its_own_keeps_them(ae, deep_model_dir, tmp_path):
     """Patched, AngleLoss is angle_kernels' (angle-emb's takes no dims: its **kwargs drop them), so a trainer's loss
     may have Matryoshka dims of its own (loss_kwargs dims=[4, 8]): the patched AngleESETrainer then computes by the
     reference's method (angle-emb's compute_loss: one call of that loss per layer, with its dims), not by the fused
     call, which would replace them with Espresso's (compression size, width): 16.10 against 32.20."""
-    from transformers import AutoTokenizer, BertModel, TrainingArguments
-
     from angle_kernels.testing.tiny_model import SENTENCES
 
-    angle_mod = ae["angle_emb.angle"]
+    angle_mod, model, tokenizer, labels, args = _ese_case(ae, deep_model_dir, tmp_path)
     reference_method = angle_mod.AngleESETrainer.compute_loss  # angle-emb's own, taken before patching
-    model = BertModel.from_pretrained(deep_model_dir).to(torch.float64)
-    tokenizer = AutoTokenizer.from_pretrained(deep_model_dir)
-    labels = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
-    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
     with integration.patched(backend="torch"):
         trainer = angle_mod.AngleESETrainer(pooler=angle_mod.Pooler(model, pooling_strategy="cls"), model=model,
                                             args=args, dataset_format="A", ese_compression_size=8,
@@ -353,20 +358,14 @@ def test_an_ese_trainer_whose_loss_computes_more_keeps_the_reference_calls(ae, d
     (one call on a stack of every layer, with layer weights) gives them other inputs than the reference's L + 1 calls
     of one layer each, and changed the loss silently (17.09 against 17.20 for a subclass adding 0.01 |outputs|^2):
     the patched trainer computes by the reference's method for them."""
-    from transformers import AutoTokenizer, BertModel, TrainingArguments
-
     from angle_kernels.testing.tiny_model import SENTENCES
 
     class WithPenalty(angle_kernels.AngleLoss):
         def forward(self, labels, outputs, **kwargs):
             return super().forward(labels, outputs, **kwargs) + 0.01 * outputs.pow(2).sum()
 
-    angle_mod = ae["angle_emb.angle"]
+    angle_mod, model, tokenizer, labels, args = _ese_case(ae, deep_model_dir, tmp_path)
     reference_method = angle_mod.AngleESETrainer.compute_loss  # angle-emb's own, taken before patching
-    model = BertModel.from_pretrained(deep_model_dir).to(torch.float64)
-    tokenizer = AutoTokenizer.from_pretrained(deep_model_dir)
-    labels = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
-    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
     with integration.patched(backend="torch"):
         trainer = angle_mod.AngleESETrainer(pooler=angle_mod.Pooler(model, pooling_strategy="cls"), model=model,
                                             args=args, dataset_format="A", ese_compression_size=8,
