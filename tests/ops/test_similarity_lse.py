@@ -146,9 +146,9 @@ def test_the_softmax_forms_masks_are_the_blocked_forms(name):
     q, c, kwargs = _inputs(name, torch.float32)
     own = "self_filter" in CASES[name][3]
     (qf, _, q_inv, _), (cf, _, c_inv, _) = normalised_rows(q, c)
-    tiles = _NamedFilterTiles(q, c, qf, cf, q_inv, c_inv, kwargs["scale"], kwargs["target_offset"], kwargs["period"],
-                              kwargs["exclude"], kwargs["penalty"], kwargs["penalty_on"], kwargs.get("filter_threshold"),
-                              kwargs["filter_keeps_target"], own)
+    tiles = _NamedFilterTiles(q, c, qf, cf, q_inv, c_inv, kwargs["scale"], kwargs["target_offset"],
+                              kwargs["period"], kwargs["exclude"], kwargs["penalty"], kwargs["penalty_on"],
+                              kwargs.get("filter_threshold"), kwargs["filter_keeps_target"], own)
     cos = _unit_rows(qf, q_inv) @ _unit_rows(cf, c_inv).T
     guide = None
     if "filter" in CASES[name][3]:
