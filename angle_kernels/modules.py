@@ -212,6 +212,16 @@ class AngleLoss(nn.Module):
 _ANY_WIDTH = 1 << 62
 
 
+def _check_triplet_weight(value) -> float:
+    """ArcCSE's lambda: a finite real >= 0 (angle-train's --triplet-w takes the same); a negative weight would
+    reward the strongly masked view for being closer to the anchor than the weakly masked one."""
+    value = check_scalar("triplet_weight", value)
+    if value < 0:
+        raise ValueError(f"triplet_weight must be >= 0 (a negative weight rewards the strongly masked view for being "
+                         f"the closer one), got {value}")
+    return value
+
+
 def _pools(angle_w: float, dataset_format: str | None) -> bool:
     """Whether AngleLoss computes its angle term: a positive weight, in formats A and C (format B has none; a format
     not set yet may be either)."""
@@ -242,7 +252,7 @@ class ArcCSELoss(nn.Module):
         super().__init__()
         check_arccon_options(margin_degrees, tau)
         self.margin_degrees, self.tau = float(margin_degrees), float(tau)
-        self.triplet_weight = check_scalar("triplet_weight", triplet_weight)
+        self.triplet_weight = _check_triplet_weight(triplet_weight)
         self.triplet_margin = check_scalar("triplet_margin", triplet_margin)
         check_nested(dims, dim_weights, _ANY_WIDTH)  # the widths are checked against the embeddings' in forward
         self.dims, self.dim_weights = dims, dim_weights
@@ -271,11 +281,12 @@ class ArcCSELoss(nn.Module):
                               layers=layers)
         # read and checked at each call, as AngleLoss's settings: an attribute set after construction takes effect
         margin_radians, tau = check_arccon_options(self.margin_degrees, self.tau)
-        triplet_weight, triplet_margin = (check_scalar(name, getattr(self, name))
-                                          for name in ("triplet_weight", "triplet_margin"))
+        triplet_weight = _check_triplet_weight(self.triplet_weight)
+        triplet_margin = check_scalar("triplet_margin", self.triplet_margin)
+        if all(given):  # checked whatever the weight: a weight of 0 computes nothing with them, but they are wrong
+            check_triplets(*first[2:])
         loss = arccon(ops, h1, h2, margin_radians, tau, nested)
         if all(given) and triplet_weight != 0:
-            check_triplets(*first[2:])
             loss = loss + triplet_weight * triplet(ops, anchor, weak, strong, triplet_margin, nested)
         return loss
 

@@ -120,6 +120,39 @@ def mask_span(ids: list[int], maskable: range, rate: float, mask_id: int, rng: r
     return out
 
 
+def prompt_words(template: str | None) -> tuple[str, str] | None:
+    """(the prompt's words before the sentence, after it) of a template (data.apply_prompt's), None where none are
+    around it: no prompt, '{text}' alone, or '{text}' twice (whose copies are the whole text)."""
+    if not template:
+        return None
+    head, found, tail = template.partition("{text}")
+    if not found:  # a prefix
+        return template, ""
+    if "{text}" in tail or not (head or tail):
+        return None
+    return head, tail
+
+
+def sentence_chars(prompted: str, template: str | None) -> tuple[int, int]:
+    """(first, end) characters of the sentence inside its prompted text: between the prompt's words (prompt_words);
+    the whole text where there are none."""
+    words = prompt_words(template)
+    return (0, len(prompted)) if words is None else (len(words[0]), len(prompted) - len(words[1]))
+
+
+def maskable_positions(special: list[int], offsets: list[tuple[int, int]] | None, chars: tuple[int, int],
+                       trim: tuple[int, int] = (0, 0)) -> range:
+    """The token positions a span may cover: from the first to the last of the sentence's own tokens, never a special
+    token or the prompt's. With `offsets` (a fast tokenizer's character spans), the tokens inside the sentence's
+    characters `chars`; without, the words (non-special tokens) less `trim`: the prompt's token counts before and
+    after the text, counted apart (a slow tokenizer has no offsets)."""
+    words = [j for j, flag in enumerate(special) if not flag
+             and (offsets is None or chars[0] <= offsets[j][0] and offsets[j][1] <= chars[1])]
+    if offsets is None:
+        words = words[trim[0]:len(words) - trim[1]]
+    return range(words[0], words[-1] + 1) if words else range(0)
+
+
 # ------------------------------------------------------------------------------------------------ dataset
 
 BLOCKS = 5  # h1, h2, anchor, weak, strong
@@ -142,13 +175,23 @@ class TokenizedSentences:
         texts, prompt_cut = prompted_texts(sentences[share.start:share.stop], template, tokenizer, max_length)
         ids_rows, weak_rows, strong_rows = TokenRows(), TokenRows(), TokenRows()  # 4 bytes a token (TokenRows)
         too_short = [0, 0]  # sentences whose span at each rate is 0 tokens
-        for chunk, specials in tokenize_in_chunks(texts, tokenizer, special_tokens_mask=True, truncation=True,
-                                                  max_length=max_length, add_special_tokens=True):
+        # A prompt's words are not the sentence's: the spans cover the sentence's tokens only, found by the
+        # tokenizer's character offsets (fast tokenizers) or by the prompt's own token counts (slow ones).
+        around = prompt_words(template)
+        offsets_too = around is not None and getattr(tokenizer, "is_fast", False)
+        trim = (0, 0)
+        if around is not None and not offsets_too:
+            trim = tuple(len(tokenizer(part, add_special_tokens=False)["input_ids"]) if part else 0
+                         for part in around)
+        for chunk, specials, offsets in tokenize_in_chunks(texts, tokenizer, special_tokens_mask=True,
+                                                           offsets=offsets_too, truncation=True,
+                                                           max_length=max_length, add_special_tokens=True):
             copies = []  # (weak, strong) of each sentence of the chunk
-            for ids, special in zip(chunk, specials):
-                words = [j for j, flag in enumerate(special) if not flag]
-                maskable = range(words[0], words[-1] + 1) if words else range(0)
-                sentence = share.start + len(ids_rows) + len(copies)  # its index in `sentences`: the masks' seed
+            for k, (ids, special) in enumerate(zip(chunk, specials)):
+                row = len(ids_rows) + len(copies)  # its index in this process's share (and in `texts`)
+                maskable = maskable_positions(special, offsets[k] if offsets_too else None,
+                                              sentence_chars(texts[row], template), trim)
+                sentence = share.start + row  # its index in `sentences`: the masks' seed
                 rng = random.Random(f"arccse-masks:{seed}:{sentence}")
                 copies.append([mask_span(ids, maskable, rate, tokenizer.mask_token_id, rng) for rate in mask_rates])
                 for i, rate in enumerate(mask_rates):

@@ -612,14 +612,19 @@ def as_token_rows(seqs: TokenRows | list[list[int]]) -> TokenRows:
     return seqs if isinstance(seqs, TokenRows) else TokenRows(seqs)
 
 
-def tokenize_in_chunks(texts: list[str], tokenizer, *, special_tokens_mask: bool = False, **options):
+def tokenize_in_chunks(texts: list[str], tokenizer, *, special_tokens_mask: bool = False, offsets: bool | None = None,
+                       **options):
     """(input ids, special-token masks or None) of `texts`, each a list per text, TOKENIZE_CHUNK texts per tokenizer
     call and without the attention masks and token types nobody reads: the tokenizer's lists for all the texts at
-    once were the peak of tokenising a large dataset (yielded chunk by chunk: (ids, masks) per chunk)."""
+    once were the peak of tokenising a large dataset (yielded chunk by chunk: (ids, masks) per chunk). offsets given
+    (True or False): a third item, each token's character span in its text where True (a fast tokenizer's), else
+    None."""
     for start in range(0, len(texts), TOKENIZE_CHUNK):
         encoded = tokenizer(texts[start:start + TOKENIZE_CHUNK], return_attention_mask=False,
-                            return_token_type_ids=False, return_special_tokens_mask=special_tokens_mask, **options)
-        yield encoded["input_ids"], encoded["special_tokens_mask"] if special_tokens_mask else None
+                            return_token_type_ids=False, return_special_tokens_mask=special_tokens_mask,
+                            **({"return_offsets_mapping": True} if offsets else {}), **options)
+        chunk = encoded["input_ids"], encoded["special_tokens_mask"] if special_tokens_mask else None
+        yield chunk if offsets is None else (*chunk, encoded["offset_mapping"] if offsets else None)
 
 
 def share_of(count: int, processes=None) -> range:

@@ -125,6 +125,21 @@ def test_arccse_loss_needs_all_three_triplet_inputs_or_none(gen):
         ak.ArcCSELoss()(h1, h2, anchor=h1, weak=h2)
 
 
+def test_triplet_weight_is_at_least_zero_and_the_triplets_are_checked_whatever_it_is(gen):
+    """ArcCSELoss took triplet_weight = -1 (angle-train's --triplet-w refuses it): a negative weight rewards the
+    strongly masked view for being the closer one. With a weight of 0, triplets of the wrong shape passed silently."""
+    h1, h2 = _views(gen, 4, 8)
+    with pytest.raises(ValueError, match="triplet_weight must be >= 0"):
+        ak.ArcCSELoss(triplet_weight=-1.0)
+    module = ak.ArcCSELoss(triplet_weight=0.0)
+    assert torch.equal(module(h1, h2, h1, h2, h2), ak.ArcCSELoss(triplet_weight=0.0)(h1, h2))
+    with pytest.raises(ValueError, match="strong"):
+        module(h1, h2, h1, h2, h2[:3])
+    module.triplet_weight = -0.5  # an attribute set later is read and checked at the call
+    with pytest.raises(ValueError, match="triplet_weight must be >= 0"):
+        module(h1, h2)
+
+
 # --------------------------------------------------------------------------------------------------------
 # bfloat16 / float16
 # --------------------------------------------------------------------------------------------------------

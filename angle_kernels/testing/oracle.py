@@ -283,7 +283,7 @@ def gist_loss(anchors, positives, guide_anchors, guide_positives, negatives=(), 
 
 
 # ----------------------------------------------------------------------------------------------------
-# ArcCSE (the paper: no reference code exists)
+# ArcCSE (the paper's formulas: the package is not checked against the authors' code)
 # ----------------------------------------------------------------------------------------------------
 def arccon_loss(h1: torch.Tensor, h2: torch.Tensor, margin_degrees: float = 10.0, tau: float = 0.05) -> torch.Tensor:
     """ArcCon (ArcCSE Eq. 3): logits cos(h1_i, h2_j) / tau, the positive j = i with an additive angular

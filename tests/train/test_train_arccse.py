@@ -40,6 +40,38 @@ def test_masked_copies_have_one_contiguous_span_of_the_rate_inside_the_sentence(
     assert span_length(5, 0.2) == 1 and span_length(10, 0.4) == 4 and span_length(2, 0.25) == 1
 
 
+@pytest.mark.parametrize("prompt", ["a red box is {text}", "query: ", "{text} means in one word:",
+                                    "it is {text} ; so"])
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_a_prompts_words_are_never_masked(tmp_path, prompt, slow):
+    """With --prompt the spans cover the sentence's own tokens, never the prompt's, and their length is the rate of
+    the sentence's tokens: they covered the prompted text (the 40% copy of an 11-token sentence in "a red box is
+    {text}" masked 6 tokens, "a red box is the dog" among them). Fast tokenizers by their character offsets, slow
+    ones by the prompt's token counts."""
+    import transformers
+
+    _, tokenizer = make_encoder("bert")
+    if slow:  # transformers 5's Python tokenizer is BertTokenizerLegacy (BertTokenizer is the fast one)
+        slow_class = getattr(transformers, "BertTokenizerLegacy", None)
+        if slow_class is None:
+            pytest.skip("this transformers has no Python (slow) BERT tokenizer")
+        vocab = tmp_path / "vocab.txt"
+        vocab.write_text("".join(f"{token}\n" for token, _ in sorted(tokenizer.get_vocab().items(),
+                                                                      key=lambda item: item[1])))
+        tokenizer = slow_class(vocab_file=str(vocab))
+    assert tokenizer.is_fast is not slow
+    sentences = ["the dog was not a cat and it was very big", "a small red car", "it was a golden kite"] * 4
+    data = TokenizedSentences(sentences, tokenizer, max_length=48, mask_rates=(0.2, 0.4), seed=3, prompt=prompt)
+    head = prompt.partition("{text}")[0] if "{text}" in prompt else prompt
+    before = len(tokenizer(head, add_special_tokens=False)["input_ids"]) if head else 0
+    for sentence, original, weak, strong in zip(sentences, data.ids, data.weak, data.strong):
+        own = len(tokenizer(sentence, add_special_tokens=False)["input_ids"])
+        for copy, rate in ((weak, 0.2), (strong, 0.4)):
+            masked = [j for j, (a, b) in enumerate(zip(original, copy)) if a != b]
+            assert len(masked) == span_length(own, rate), (sentence, rate)
+            assert masked and 1 + before <= masked[0] and masked[-1] < 1 + before + own, (sentence, masked)
+
+
 def test_masks_are_a_function_of_the_seed():
     _, tokenizer = make_encoder("bert")
     first, again, other = _sentences(tokenizer, seed=1), _sentences(tokenizer, seed=1), _sentences(tokenizer, seed=2)
