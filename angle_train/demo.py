@@ -11,10 +11,8 @@ from __future__ import annotations
 import sys
 import tempfile
 
-from .cli import config_from_args
-from .tiny import demo_sts_examples
-from .evaluate import sts_spearman
-from .trainer import train
+from .cli import build_parser, config_from_args
+from .cli_common import check_train_extra, user_errors_exit
 
 DEMO_DEFAULTS = ["--model", "builtin:tiny-bert", "--train-data", "builtin:demo", "--batch-size", "64", "--epochs",
                  "2", "--lr", "3e-3", "--warmup", "0.1", "--max-length", "16", "--log-every", "8", "--pooling",
@@ -23,6 +21,12 @@ DEMO_DEFAULTS = ["--model", "builtin:tiny-bert", "--train-data", "builtin:demo",
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # without the train extra: angle-train's one line naming it (status 2), not an import's traceback
+    with user_errors_exit(build_parser(), debug="--debug" in argv):
+        check_train_extra()
+        from .evaluate import sts_spearman
+        from .tiny import demo_sts_examples
+        from .trainer import train
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config_from_args(DEMO_DEFAULTS + ["--output-dir", tmp] + argv)
         result = train(cfg)

@@ -300,6 +300,19 @@ def test_wheel_installs_into_a_fresh_venv_without_changing_torch(dists, tmp_path
     assert help_run.stdout.startswith("usage: angle-train"), help_run.stdout[:500]
 
 
+def test_the_sentence_transformers_integration_says_what_to_install():
+    """Imported without sentence-transformers, the integration raised a bare "No module named
+    'sentence_transformers'"; it names the package and the version to install (as the angle-emb integration does)."""
+    code = ("import importlib.util as u\n"
+            "real = u.find_spec\n"
+            "u.find_spec = lambda name, *a, **k: None if name == 'sentence_transformers' else real(name, *a, **k)\n"
+            "import angle_kernels.integrations.sentence_transformers\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode != 0
+    assert "pip install 'sentence-transformers>=5'" in done.stderr.strip().splitlines()[-1], done.stderr[-500:]
+
+
 def test_shipped_files_cite_no_path_outside_the_repository():
     """What a clone or the package holds (the packages, READMEs, docs, scripts) names no file outside the
     repository: a reader of a clone has no `../shared` (its data and guides are named by their public sources)."""

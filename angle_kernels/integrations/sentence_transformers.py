@@ -39,6 +39,7 @@ two columns, whose extra ones its parent ignores.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import random
 import warnings
@@ -54,6 +55,11 @@ from ..losses import angle as _angle_losses
 from ..losses import retrieval as _retrieval_losses
 from ..contract import loss_entry, outside_autocast
 from ..dispatch import check_backend, resolve_backend
+
+if importlib.util.find_spec("sentence_transformers") is None:  # a bare ModuleNotFoundError said nothing to install
+    raise ModuleNotFoundError("angle_kernels.integrations.sentence_transformers replaces sentence-transformers' "
+                              "losses and needs the package: pip install 'sentence-transformers>=5'",
+                              name="sentence_transformers")
 
 try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still works there with a warning
     from sentence_transformers.sentence_transformer import losses as _st_losses

@@ -222,6 +222,19 @@ def test_a_missing_train_extra_is_named(program, st_folder, tmp_path, monkeypatc
     assert "tokenizers" in line and "pip install 'angle_kernels[train]'" in line
 
 
+def test_the_demo_without_the_train_extra_names_it(monkeypatch, capsys):
+    """python -m angle_train.demo (the README's first command after `pip install angle_kernels`) ended in an import's
+    traceback without the train extra: it says what to install, as angle-train does (status 2)."""
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    from angle_train import demo
+
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main([])
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "tokenizers" in line and "pip install 'angle_kernels[train]'" in line
+
+
 def test_an_import_of_the_extra_failing_later_is_named(monkeypatch):
     parser = cli.build_parser()
     with pytest.raises(SystemExit) as exit_info, cli_common.user_errors_exit(parser, debug=False):
