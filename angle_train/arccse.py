@@ -10,7 +10,8 @@ Every sentence is embedded five times, the rows of a batch of n sentences laid o
 and the loss is angle_kernels.ArcCSELoss: ArcCon (additive angular margin, in-batch negatives: the other
 sentences' second views, across every process) + lambda * the triplet loss, which asks cos(anchor, weak) to
 exceed cos(anchor, strong). Batch.dropout_rows tells the steps (plain or gradient cache, whose RNG replay
-reproduces both views exactly) to embed the last three blocks in eval mode.
+reproduces both views exactly) to embed the last three blocks in eval mode. With --triplet-w 0 (ArcCon alone) a batch
+is the two views' blocks only: the three triplet blocks would be embedded for a term that weighs nothing.
 
 Masks are drawn once, when the sentences are tokenised, from a generator seeded by (seed, sentence index): the
 same on every process, in every epoch and after a resume. The span covers round(rate x n) of the sentence's n
@@ -156,16 +157,27 @@ def maskable_positions(special: list[int], offsets: list[tuple[int, int]] | None
 # ------------------------------------------------------------------------------------------------ dataset
 
 BLOCKS = 5  # h1, h2, anchor, weak, strong
+ARCCON_BLOCKS = 2  # h1, h2: a triplet weight of 0 (ArcCon alone) embeds no triplet
+
+
+def blocks_of(triplet_weight: float) -> int:
+    """The blocks of a batch: five, or ArcCon's two where the triplet term weighs 0 (its three blocks were embedded
+    and thrown away: 2.5x the encoder's work)."""
+    return BLOCKS if triplet_weight != 0 else ARCCON_BLOCKS
 
 
 class TokenizedSentences:
     """Sentences tokenised once, each with its two masked copies (module docstring); batches in the five-block
-    layout. The interface the trainer uses is TokenizedPairs's."""
+    layout, or the two views alone (`blocks` = ARCCON_BLOCKS). The interface the trainer uses is TokenizedPairs's."""
 
     def __init__(self, sentences: list[str], tokenizer, *, max_length: int, mask_rates: tuple[float, float],
-                 seed: int, prompt: str | Prompts | None = None, processes=None):
+                 seed: int, prompt: str | Prompts | None = None, processes=None, blocks: int = BLOCKS):
         """processes (a distributed.DistInfo, every process calling with the same sentences): each process
-        tokenises and masks its share of the sentences and the shares are gathered (TokenizedPairs)."""
+        tokenises and masks its share of the sentences and the shares are gathered (TokenizedPairs). blocks: the
+        rows of a sentence in a batch (blocks_of)."""
+        if blocks not in (BLOCKS, ARCCON_BLOCKS):
+            raise ValueError(f"blocks must be {BLOCKS} or {ARCCON_BLOCKS}, got {blocks!r}")
+        self.blocks = blocks
         if tokenizer.mask_token_id is None:
             raise ValueError("--objective arccse masks tokens with the tokenizer's mask token, and this tokenizer has "
                              "none (decoder LMs usually do not): train ArcCSE with a masked-LM encoder (BERT, "
@@ -216,17 +228,21 @@ class TokenizedSentences:
         return len(self.ids)
 
     def describe(self) -> str:
+        if self.blocks == ARCCON_BLOCKS:
+            return f"{len(self):,} sentences (ArcCon alone, the triplet weight 0: no masked copy embedded{self.cut})"
         rates = " / ".join(f"{r:.0%}" for r in self.mask_rates)
         return (f"{len(self):,} sentences (ArcCSE: spans of {rates} masked; {self.too_short[0]:,} / "
                 f"{self.too_short[1]:,} too short to mask at those rates keep their tokens{self.cut})")
 
     def lengths_of(self, indices: list[int]) -> list[int]:
-        """Real (unpadded) token counts of all rows of these sentences (five rows each)."""
-        return self._lengths[torch.as_tensor(indices, dtype=torch.long)].repeat_interleave(BLOCKS).tolist()
+        """Real (unpadded) token counts of all rows of these sentences (`blocks` rows each)."""
+        return self._lengths[torch.as_tensor(indices, dtype=torch.long)].repeat_interleave(self.blocks).tolist()
 
     def batch(self, indices: list[int]) -> Batch:
         views = self.ids.take(indices)
-        seqs = TokenRows.concat([views, views, views, self.weak.take(indices), self.strong.take(indices)])
+        blocks = [views, views] if self.blocks == ARCCON_BLOCKS else [
+            views, views, views, self.weak.take(indices), self.strong.take(indices)]
+        seqs = TokenRows.concat(blocks)
         return Batch(seqs, torch.ones(len(seqs)), dropout_rows=2 * len(indices))
 
 
@@ -238,13 +254,12 @@ class ArcCSEObjective:
     rank order; ArcCSELoss gets each block joined over the processes (so every sentence's negatives are the other
     sentences' second views on all of them). The labels are unused (all ones)."""
 
-    def __init__(self, loss, world_size: int):
-        self.loss, self.world_size = loss, world_size
+    def __init__(self, loss, world_size: int, blocks: int = BLOCKS):
+        self.loss, self.world_size, self.blocks = loss, world_size, blocks
 
     def __call__(self, labels: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        if embeddings.dim() != 2 or embeddings.shape[0] % (BLOCKS * self.world_size):
-            raise ValueError(f"ArcCSE embeddings must be [rows, D] with rows a multiple of {BLOCKS} x processes "
+        if embeddings.dim() != 2 or embeddings.shape[0] % (self.blocks * self.world_size):
+            raise ValueError(f"ArcCSE embeddings must be [rows, D] with rows a multiple of {self.blocks} x processes "
                              f"({self.world_size}); got {tuple(embeddings.shape)}")
-        blocks = embeddings.unflatten(0, (self.world_size, BLOCKS, -1))  # [processes, block, n, D]
-        h1, h2, anchor, weak, strong = (blocks[:, k].flatten(0, 1) for k in range(BLOCKS))
-        return self.loss(h1, h2, anchor, weak, strong)
+        blocks = embeddings.unflatten(0, (self.world_size, self.blocks, -1))  # [processes, block, n, D]
+        return self.loss(*(blocks[:, k].flatten(0, 1) for k in range(self.blocks)))  # h1, h2[, anchor, weak, strong]

@@ -335,7 +335,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     if cfg.objective == "arccse":
         dataset = arccse.TokenizedSentences(sentences, tokenizer, max_length=cfg.max_length,
                                             mask_rates=cfg.mask_rates, seed=cfg.seed, prompt=prompts,
-                                            processes=dist_info)
+                                            processes=dist_info, blocks=arccse.blocks_of(cfg.triplet_w))
     else:
         dataset = TokenizedPairs(examples, fmt, tokenizer, max_length=cfg.max_length, prompt=prompts,
                                  processes=dist_info)
@@ -534,7 +534,7 @@ def build_loss(cfg: TrainConfig, fmt: str | None, encoder=None, world_size: int 
     if cfg.objective == "arccse":
         loss = ArcCSELoss(margin_degrees=cfg.arccon_margin, tau=cfg.arccon_tau, triplet_weight=cfg.triplet_w,
                           dims=dims, dim_weights=dim_weights)
-        return arccse.ArcCSEObjective(loss, world_size)
+        return arccse.ArcCSEObjective(loss, world_size, blocks=arccse.blocks_of(cfg.triplet_w))
     layer_weights = None
     if cfg.espresso:
         dims, layer_weights = espresso_layer_weights(encoder.num_layers, cfg.espresso_dim, encoder.embedding_dim)

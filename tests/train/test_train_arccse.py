@@ -174,6 +174,34 @@ def test_gradient_cache_equals_plain_backprop_with_dropout():
         torch.testing.assert_close(cache_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
+def test_a_triplet_weight_of_zero_embeds_the_two_views_alone():
+    """--triplet-w 0 (ArcCon alone) embedded the three triplet blocks and threw them away (2.5x the encoder's work):
+    its batches are the two views' blocks, and the loss and gradients are those of the five-block layout with the
+    triplet term at weight 0 (the same dropout masks: the views come first in both)."""
+    from angle_kernels import ArcCSELoss
+    from angle_train.arccse import ARCCON_BLOCKS, blocks_of
+
+    assert blocks_of(0.0) == ARCCON_BLOCKS and blocks_of(0.1) == BLOCKS
+    encoder, tokenizer = make_encoder("bert", dropout=0.2)
+    encoder.train()
+    indices = list(range(len(SENTENCES)))
+    results = []
+    for blocks in (BLOCKS, ARCCON_BLOCKS):
+        data = TokenizedSentences(SENTENCES, tokenizer, max_length=32, mask_rates=(0.2, 0.4), seed=0, blocks=blocks)
+        batch = data.batch(indices)
+        assert len(batch.seqs) == blocks * len(indices) == len(data.lengths_of(indices))
+        assert ("ArcCon alone" in data.describe()) is (blocks == ARCCON_BLOCKS)
+        loss_fn = ArcCSEObjective(ArcCSELoss(triplet_weight=0.0), world_size=1, blocks=blocks)
+        encoder.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        loss = plain_step(encoder, _batch_chunks(encoder, batch, rows=7), batch.labels, loss_fn)
+        results.append((loss, param_grads(encoder)))
+    (five_loss, five_grads), (two_loss, two_grads) = results
+    torch.testing.assert_close(two_loss, five_loss, rtol=1e-12, atol=1e-12)
+    for name, grad in five_grads.items():
+        torch.testing.assert_close(two_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def _config(out_dir, **settings):
     return run_config(out_dir, objective="arccse", batch_size=8, max_steps=4, chunk_size=9, lr=1e-3, warmup=0,
                       max_length=16, log_every=1, **settings)
