@@ -238,6 +238,9 @@ class Run:
     # from its weights (trust_checkpoint), None after that
     unverified_checkpoint: int | None = None
     data_ahead: OneAhead = field(default_factory=OneAhead)  # the next step's batches, made while this one runs
+    # (epoch, its batch_order) computed on data_ahead's thread for the next epoch's first batches: next_batches takes
+    # it rather than shuffling again on the main thread (a tuple, set whole)
+    next_epoch_order: tuple[int, list[list[int]]] | None = None
 
 
 def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=None, loss_fn=None) -> Run:
@@ -850,8 +853,9 @@ def step_data(run: Run, batches: list[list[int]]) -> list[PreparedBatch]:
     """This step's batches as the CPU makes them (prepare_batches), made on a background thread while the step
     before ran where that step started them for the same position and pass settings (run.data_ahead), else now;
     then the next step's are started: in this epoch, or the next epoch's first, whose order (a pure function of
-    the seed and the epoch: batch_order) the thread computes as next_batches will (at tens of thousands of pairs an
-    epoch is a few steps, and its first step's batches were made on the main thread: 0.36 s of CPU at 65,536)."""
+    the seed and the epoch: batch_order) the thread computes and keeps for next_batches (at tens of thousands of
+    pairs an epoch is a few steps, and its first step's batches were made on the main thread: 0.36 s of CPU at
+    65,536)."""
     cfg, position = run.cfg, run.position
     options = plan_options(cfg)
     make = functools.partial(prepare_batches, run, options=options)
@@ -868,8 +872,11 @@ def step_data(run: Run, batches: list[list[int]]) -> list[PreparedBatch]:
 
 
 def _first_of_epoch(run: Run, epoch: int, accum: int, make) -> list[PreparedBatch]:
-    """The first `accum` batches of `epoch`, prepared (make): its order computed as next_batches computes it."""
-    return make(batch_order(run.cfg, run.dataset, epoch)[:accum])
+    """The first `accum` batches of `epoch`, prepared (make): its order computed as next_batches computes it, and
+    kept for it (run.next_epoch_order)."""
+    order = batch_order(run.cfg, run.dataset, epoch)
+    run.next_epoch_order = (epoch, order)
+    return make(order[:accum])
 
 
 def prepare_batches(run: Run, batches: list[list[int]], *, options: tuple) -> list[PreparedBatch]:
@@ -948,7 +955,10 @@ def next_batches(run: Run) -> list[list[int]]:
     if position.batch + accum > len(run.epoch_order):
         position.epoch += 1
         position.batch = 0
-        run.epoch_order = batch_order(run.cfg, run.dataset, position.epoch)
+        ahead = run.next_epoch_order  # made on the data thread (_first_of_epoch), when it got that far
+        run.epoch_order = ahead[1] if ahead is not None and ahead[0] == position.epoch else batch_order(
+            run.cfg, run.dataset, position.epoch)
+        run.next_epoch_order = None
     return run.epoch_order[position.batch:position.batch + accum]
 
 

@@ -66,11 +66,21 @@ def test_batches_made_ahead_on_a_thread_train_exactly_as_batches_made_at_their_s
         return prepare(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "prepare_batches", recording)
+    ordered_on_thread = []
+    order = trainer.batch_order
+
+    def recording_order(*args, **kwargs):
+        ordered_on_thread.append(threading.current_thread().name.startswith("angle-train-data"))
+        return order(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "batch_order", recording_order)
     settings = {"model": "builtin:tiny-bert", "chunk_size": 6, "grad_accum": 2, "max_steps": 0, "epochs": 2,
                 "batch_size": 8, "log_every": 1}
     data = (demo_examples(50), "B")  # 6 batches an epoch: 3 steps
     ahead = train(_config(tmp_path / "ahead", **settings), train_examples=data)
     assert made_on_thread == [False] + [True] * 5
+    # the second epoch's order: made once, on the thread, and kept for next_batches (setup's calls come before)
+    assert ordered_on_thread[ordered_on_thread.index(True):] == [True]
     made_on_thread.clear()
     monkeypatch.setattr(trainer.OneAhead, "start", lambda self, key, make: None)
     at_step = train(_config(tmp_path / "at_step", **settings), train_examples=data)
