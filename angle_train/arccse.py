@@ -201,7 +201,7 @@ class TokenizedSentences:
             copies = []  # (weak, strong) of each sentence of the chunk
             for k, (ids, special) in enumerate(zip(chunk, specials)):
                 row = len(ids_rows) + len(copies)  # its index in this process's share (and in `texts`)
-                maskable = maskable_positions(special, offsets[k] if offsets_too else None,
+                maskable = maskable_positions(special, None if offsets is None else offsets[k],
                                               sentence_chars(texts[row], template), trim)
                 sentence = share.start + row  # its index in `sentences`: the masks' seed
                 rng = random.Random(f"arccse-masks:{seed}:{sentence}")

@@ -612,19 +612,18 @@ def as_token_rows(seqs: TokenRows | list[list[int]]) -> TokenRows:
     return seqs if isinstance(seqs, TokenRows) else TokenRows(seqs)
 
 
-def tokenize_in_chunks(texts: list[str], tokenizer, *, special_tokens_mask: bool = False, offsets: bool | None = None,
+def tokenize_in_chunks(texts: list[str], tokenizer, *, special_tokens_mask: bool = False, offsets: bool = False,
                        **options):
-    """(input ids, special-token masks or None) of `texts`, each a list per text, TOKENIZE_CHUNK texts per tokenizer
-    call and without the attention masks and token types nobody reads: the tokenizer's lists for all the texts at
-    once were the peak of tokenising a large dataset (yielded chunk by chunk: (ids, masks) per chunk). offsets given
-    (True or False): a third item, each token's character span in its text where True (a fast tokenizer's), else
-    None."""
+    """(input ids, special-token masks or None, character offsets or None) of `texts`, each a list per text,
+    TOKENIZE_CHUNK texts per tokenizer call and without the attention masks and token types nobody reads: the
+    tokenizer's lists for all the texts at once were the peak of tokenising a large dataset (yielded chunk by
+    chunk). offsets: each token's character span in its text (a fast tokenizer's offset mapping)."""
     for start in range(0, len(texts), TOKENIZE_CHUNK):
         encoded = tokenizer(texts[start:start + TOKENIZE_CHUNK], return_attention_mask=False,
                             return_token_type_ids=False, return_special_tokens_mask=special_tokens_mask,
-                            **({"return_offsets_mapping": True} if offsets else {}), **options)
-        chunk = encoded["input_ids"], encoded["special_tokens_mask"] if special_tokens_mask else None
-        yield chunk if offsets is None else (*chunk, encoded["offset_mapping"] if offsets else None)
+                            return_offsets_mapping=offsets, **options)
+        yield (encoded["input_ids"], encoded["special_tokens_mask"] if special_tokens_mask else None,
+               encoded["offset_mapping"] if offsets else None)
 
 
 def share_of(count: int, processes=None) -> range:
@@ -681,8 +680,8 @@ class TokenizedPairs:
                 flat[r - share.start] = text
             prompt_cut[[rows[i] - share.start for i in cut]] = True
         mine = TokenRows()
-        for ids, _ in tokenize_in_chunks(flat, tokenizer, truncation=True, max_length=max_length,
-                                         add_special_tokens=True):
+        for ids, _, _ in tokenize_in_chunks(flat, tokenizer, truncation=True, max_length=max_length,
+                                            add_special_tokens=True):
             mine.extend(ids)
         del flat
         # the texts cut: by the prompt's room (a decoded cut may come back shorter) or reaching max_length
