@@ -111,7 +111,7 @@ def check_scalar(name: str, value, *, positive: bool = False) -> float:
                         f"pass float({name}) to use its value")
     if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # a 0-d array: its number
         value = value[()]
-    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or not isinstance(value, numbers.Real):
+    if _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type_name(value)}")
     value = float(value)
     if not math.isfinite(value):
@@ -128,12 +128,15 @@ def type_name(value) -> str:
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
+def _is_bool(value) -> bool:
+    """Whether value is a Python bool or numpy's (numpy.bool, numpy.bool_ before numpy 2), without importing numpy."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
 def check_flag(name: str, value) -> bool:
     """An on/off option: a bool, or numpy's bool (a config read with numpy), returned as a Python bool; anything
     else (0 and 1 included: a count or an index passed by mistake) raises TypeError naming the argument."""
-    if isinstance(value, bool):
-        return value
-    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+    if _is_bool(value):
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {type_name(value)}")
 
@@ -502,8 +505,7 @@ def _count(value) -> int | None:
 def _width(name: str, value) -> int:
     """A width given as an integer: a Python int, or one that converts exactly (operator.index: numpy's integers, a
     one-element integer tensor), returned as a Python int; bools and floats raise TypeError naming the argument."""
-    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or (
-            isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+    if _is_bool(value) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise TypeError(f"{name} must be an int, got {type_name(value)}")
     try:
         return operator.index(value)
