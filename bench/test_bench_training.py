@@ -209,6 +209,19 @@ class VirtualClock:
         return self.real() + self.ahead
 
 
+def virtual_clock(monkeypatch) -> VirtualClock:
+    """A VirtualClock put in place of time.monotonic for the test."""
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "monotonic", clock)
+    return clock
+
+
+def resumable_gpu_command(out: Path, settings: str, *, reps: int, budget: int) -> list[str]:
+    """The GPU settings' dry run on CPU with --resume inside a --time-budget: ours-packed against st."""
+    return ["--gpu", "--smoke", "--device", "cpu", "--out", str(out), "--settings", settings,
+            "--contenders", "ours-packed,st", "--reps", str(reps), "--time-budget", str(budget), "--resume"]
+
+
 def stand_in_trainers(calls: list, stop_at: int | None = None, oom=lambda argv: False, killed=lambda argv: False,
                       seconds=None, clock: VirtualClock | None = None):
     """run_child's stand-in: for angle-train a metrics.jsonl row per step and its summary line, for st-train its
@@ -345,11 +358,9 @@ def test_gpu_settings_resume_after_the_time_budget_stops_them(tmp_path, monkeypa
     """A run killed at the end of its time allowance stops the command and abandons its round; --resume runs that
     round again whole and nothing recorded whole; results made otherwise are refused."""
     out = tmp_path / "out"
-    argv = ["--gpu", "--smoke", "--device", "cpu", "--out", str(out), "--settings", "minilm-plain64,bert-base-cached1k",
-            "--contenders", "ours-packed,st", "--reps", "2", "--time-budget", "300", "--resume"]
+    argv = resumable_gpu_command(out, "minilm-plain64,bert-base-cached1k", reps=2, budget=300)
     calls = []
-    clock = VirtualClock()
-    monkeypatch.setattr(time, "monotonic", clock)
+    clock = virtual_clock(monkeypatch)
 
     def sixth_is_slow(argv):  # minilm-plain64's st long run: 250 of the 300 s, so that the 9th run starts near the end
         return 250.0 if len(calls) == 6 else None
@@ -409,11 +420,9 @@ def test_resume_passes_a_round_too_long_for_any_command(tmp_path, monkeypatch):
     command too, which measures the rounds after it and says done; before, every command ran it again and was
     killed in it again."""
     out = tmp_path / "out"
-    argv = ["--gpu", "--smoke", "--device", "cpu", "--out", str(out), "--settings", "minilm-plain64,minilm-cached1k",
-            "--contenders", "ours-packed,st", "--reps", "1", "--time-budget", "300", "--resume"]
+    argv = resumable_gpu_command(out, "minilm-plain64,minilm-cached1k", reps=1, budget=300)
     calls = []
-    clock = VirtualClock()
-    monkeypatch.setattr(time, "monotonic", clock)
+    clock = virtual_clock(monkeypatch)
 
     def plain64_st_long_run(argv):  # longer than any command of this budget has
         return "st-train" in argv and Path(_flag(argv, "--train-data")).stem == "minilm-plain64" and \
@@ -440,8 +449,7 @@ def test_resume_passes_a_round_whose_warm_ups_exceed_their_allowance(tmp_path, m
     instead of stopping in the warm-ups again every time: found by running them when nothing forecasts them, and by
     the forecast of every warm-up the round needs (not angle-train's alone) once they are known."""
     calls = []
-    clock = VirtualClock()
-    monkeypatch.setattr(time, "monotonic", clock)
+    clock = virtual_clock(monkeypatch)
 
     def one_step_runs_are_slow(argv):  # the warm-ups (and any 1-step run): 7 s each
         return 7.0 if _flag(argv, "--max-steps") == "1" else None
@@ -449,8 +457,7 @@ def test_resume_passes_a_round_whose_warm_ups_exceed_their_allowance(tmp_path, m
     monkeypatch.setattr(bt, "run_child", stand_in_trainers(calls, seconds=one_step_runs_are_slow, clock=clock))
 
     def command(out, budget, reps=1):
-        return ["--gpu", "--smoke", "--device", "cpu", "--out", str(out), "--settings", "minilm-cached1k",
-                "--contenders", "ours-packed,st", "--reps", str(reps), "--time-budget", str(budget), "--resume"]
+        return resumable_gpu_command(out, "minilm-cached1k", reps=reps, budget=budget)
 
     # nothing forecasts the warm-ups: 7 s of angle-train's leaves 3 s of the 10, too little for st-train's
     after = resumed_until_done(command(tmp_path / "fresh", 30), tmp_path / "fresh", commands=3)
