@@ -688,6 +688,7 @@ class TokenizedPairs:
         cut_here = int((prompt_cut | (mine.length_tensor() >= max_length)).sum())
         self.rows, counts = gather_token_rows([mine, TokenRows([[cut_here]])], processes)
         self.labels = [ex.label for ex in examples]
+        self._label_tensor = torch.tensor(self.labels, dtype=torch.float32)
         self._text_lengths = self.rows.length_tensor().view(len(examples), self.rows_per_example)  # [examples, k]
         self.lengths = self._text_lengths.amax(1).tolist()  # each example's longest text
         self.cut = cut_note(sum(each[0] for each in counts), len(self.rows), max_length)
@@ -705,10 +706,9 @@ class TokenizedPairs:
     def batch(self, indices: list[int]) -> Batch:
         """The rows of these examples in the loss layout (zigzag or stride 3) and one label per row."""
         k = self.rows_per_example
-        rows = (torch.as_tensor(indices, dtype=torch.long)[:, None] * k + torch.arange(k)).reshape(-1)
-        labels = torch.tensor([self.labels[i] for i in indices for _ in range(self.rows_per_example)],
-                              dtype=torch.float32)
-        return Batch(self.rows.take(rows), labels)
+        examples = torch.as_tensor(indices, dtype=torch.long)
+        rows = (examples[:, None] * k + torch.arange(k)).reshape(-1)
+        return Batch(self.rows.take(rows), self._label_tensor[examples].repeat_interleave(k))
 
 
 @dataclass
@@ -742,35 +742,52 @@ class Batch:
         if rows and tokens:
             raise ValueError("a pass plan takes a row count or a token budget, not both")
         split = len(self.seqs) if self.dropout_rows is None else self.dropout_rows
-        lengths = self.seqs.lengths()
-        passes, order = [], []
-        for group, dropout in ((range(split), True), (range(split, len(self.seqs)), False)):
+        lengths = self.seqs.length_tensor()
+        passes, orders = [], []
+        for low, high, dropout in ((0, split, True), (split, len(self.seqs), False)):
             if sort and (rows or tokens):  # one pass pads to its longest row in any order
-                group = sorted(group, key=lambda i: -lengths[i])
-            group = list(group)
-            for cut in _cut(group, [lengths[i] for i in group], rows, tokens, padded=not pack_width):
-                whole = len(cut) == len(self.seqs) and cut == list(range(len(cut)))  # one pass of every row in order
+                group = low + torch.sort(lengths[low:high], descending=True, stable=True).indices
+            else:
+                group = torch.arange(low, high)
+            for first, stop in _cut(lengths[group], rows, tokens, padded=not pack_width):
+                cut = group[first:stop]
+                whole = len(cut) == len(self.seqs) and torch.equal(cut, torch.arange(len(cut)))  # every row in order
                 passes.append((self.seqs if whole else self.seqs.take(cut), dropout))
-                order += cut
-        return PassPlan(passes, order, pack_width)
+            orders.append(group)
+        return PassPlan(passes, torch.cat(orders), pack_width)
 
 
-def _cut(rows: list[int], lengths: list[int], max_rows: int | None, max_tokens: int | None,
-         padded: bool = True) -> list[list[int]]:
-    """`rows` (with their lengths) cut in order into runs of at most max_rows rows or max_tokens tokens: padded
-    tokens (rows x the run's longest) when `padded`, else real tokens (the sum of the lengths)."""
-    if not (max_rows and max_rows > 0) and not max_tokens:  # no limit: one run
-        return [rows] if rows else []
-    cuts, start = [], 0
-    while start < len(rows):
-        end, longest, total = start + 1, lengths[start], lengths[start]
-        while end < len(rows) and (max_rows is None or max_rows <= 0 or end - start < max_rows):
-            widest, total = max(longest, lengths[end]), total + lengths[end]
-            if max_tokens and ((end - start + 1) * widest if padded else total) > max_tokens:
+def _cut(lengths: torch.Tensor, max_rows: int | None, max_tokens: int | None,
+         padded: bool = True) -> list[tuple[int, int]]:
+    """Rows with these lengths cut in order into runs (start, stop) of at most max_rows rows or max_tokens tokens:
+    padded tokens (rows x the run's longest) when `padded`, else real tokens (the sum of the lengths). A run takes
+    rows while its tokens stay within the budget, and at least one row.
+
+    A run's tokens only grow with each row it takes, so its length is a search over its running cost, computed
+    for a window of rows at a time (doubled until the run ends inside it): a few tensor ops a run, where a step of
+    Python per row held the GIL for 0.1-0.2 s a step at 65,536 pairs (the trainer cuts the next step's passes on
+    a background thread while the device runs this one)."""
+    count = len(lengths)
+    most_rows = max_rows if max_rows and max_rows > 0 else count
+    if not count:
+        return []
+    if not max_tokens:
+        return [(start, min(start + most_rows, count)) for start in range(0, count, most_rows)]
+    cuts, start, window = [], 0, 64
+    while start < count:
+        room = min(most_rows, count - start)  # the rows this run may take
+        while True:
+            size = min(window, room)
+            run = lengths[start:start + size]
+            cost = torch.arange(1, size + 1) * torch.cummax(run, 0).values if padded else torch.cumsum(run, 0)
+            fits = int(torch.searchsorted(cost, max_tokens, right=True))  # the leading rows within the budget
+            if fits < size or size == room:
                 break
-            end, longest = end + 1, widest
-        cuts.append(rows[start:end])
-        start = end
+            window *= 2
+        stop = start + max(1, fits)
+        cuts.append((start, stop))
+        window = max(64, 2 * (stop - start))
+        start = stop
     return cuts
 
 
@@ -780,12 +797,12 @@ def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
     rows of `width`, or of the narrower widths that share the same total among fewer rows evenly (a pass of 38
     tokens in rows of 24 costs 2 x 24; in rows of 19 it may cost 2 x 19), or of the longest text's width,
     whichever processes the fewest. The last makes packing never cost more than one padded pass of the texts."""
-    return _best_packing(lengths, width).rows()
+    return _best_packing(torch.as_tensor(lengths, dtype=torch.long), width).rows()
 
 
-def _best_packing(lengths: list[int], width: int) -> _Packing:
-    """pack_rows' packing, as tensors."""
-    total, longest = sum(lengths), max(lengths)
+def _best_packing(lengths: torch.Tensor, width: int) -> _Packing:
+    """pack_rows' packing, as tensors, for the texts' lengths as an int64 tensor."""
+    total, longest = int(lengths.sum()), int(lengths.max())
     if not total:  # empty texts only: one row holds them all
         return _Packing(torch.arange(len(lengths)), torch.zeros(len(lengths), dtype=torch.long),
                         torch.tensor([width]), width)
@@ -822,7 +839,7 @@ class _Packing:
         return [texts[low:high] for low, high in zip([0] + bounds[:-1], bounds)]
 
 
-def _first_fit_decreasing(lengths: list[int], width: int) -> _Packing:
+def _first_fit_decreasing(lengths: torch.Tensor | list[int], width: int) -> _Packing:
     """Each text (longest first, ties in index order) into the first row with room for it, or a new row (a text
     longer than the width: a row of its own that nothing joins).
 
@@ -830,7 +847,7 @@ def _first_fit_decreasing(lengths: list[int], width: int) -> _Packing:
     holds (rooms only shrink, so a row passed over never takes one later), then new rows of width // length each.
     That is a few tensor ops per distinct length, where placing each text in turn cost Python steps per text
     (0.14-0.17 s for 65,536 texts, twice per pass for pack_rows' candidate widths)."""
-    length = torch.tensor(lengths, dtype=torch.long)
+    length = torch.as_tensor(lengths, dtype=torch.long)
     by_length, order = torch.sort(length, descending=True, stable=True)  # the order the texts are placed in
     distinct, counts = torch.unique_consecutive(by_length, return_counts=True)
     room = torch.empty(0, dtype=torch.long)  # each row's free room (below 0 under a text longer than the width)
@@ -877,10 +894,9 @@ class PackedTexts:
         """(input_ids [rows, width'], layout) for these texts packed into rows of `width` tokens (`rows`: their
         pack_rows, or its packing, when already known); width' is the fullest row's length."""
         tokens, count = as_token_rows(seqs).flat()
-        lengths = count.tolist()
         # the texts row after row, each text's row, and its first column: the tokens of the row's texts before it
         if rows is None or isinstance(rows, _Packing):
-            placed, texts_per_row = (_best_packing(lengths, width) if rows is None else rows).placement()
+            placed, texts_per_row = (_best_packing(count, width) if rows is None else rows).placement()
         else:
             placed = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)
             texts_per_row = torch.tensor([len(row) for row in rows], dtype=torch.long)
@@ -889,8 +905,8 @@ class PackedTexts:
         before = torch.cumsum(count[placed], 0) - count[placed]  # tokens placed before the text, in any row
         column = before - before[torch.cumsum(texts_per_row, 0) - texts_per_row][row_of]
         fullest = int((column + count[placed]).max())
-        longest = max(lengths)
-        first_slot = torch.empty(len(lengths), dtype=torch.long)  # flat index (row * fullest + column) of each
+        longest = int(count.max())
+        first_slot = torch.empty(len(count), dtype=torch.long)  # flat index (row * fullest + column) of each
         first_slot[placed] = row_of * fullest + column  # text's first token
         # every text's tokens in text order, scattered at once (one tensor op each, not a few per text)
         text_of = torch.repeat_interleave(torch.arange(len(seqs)), count)
@@ -929,18 +945,16 @@ class PassPlan:
     """A batch's rows in forward passes (Batch.plan)."""
 
     passes: list[tuple[TokenRows, bool]]  # (rows' token ids, with dropout) of each pass
-    order: list[int]  # the batch row of each embedded row, passes concatenated
+    order: torch.Tensor  # the batch row of each embedded row, passes concatenated (int64)
     pack_width: int = 0  # > 0: each pass's texts packed into rows of this many tokens (PackedTexts)
 
-    def restore_index(self) -> list[int] | None:
-        """Where each batch row sits among the embedded rows (embeddings[..., restore, :] is in batch order), or
-        None when the passes keep batch order."""
-        if self.order == sorted(self.order):
+    def restore_index(self) -> torch.Tensor | None:
+        """Where each batch row sits among the embedded rows (embeddings[..., restore, :] is in batch order), as
+        an int64 tensor, or None when the passes keep batch order."""
+        in_order = torch.arange(len(self.order))
+        if torch.equal(self.order, in_order):
             return None
-        restore = [0] * len(self.order)
-        for position, row in enumerate(self.order):
-            restore[row] = position
-        return restore
+        return torch.empty_like(self.order).index_copy_(0, self.order, in_order)
 
     def tensors(self, pad_id: int, side: str, device=None) -> tuple[list[tuple], torch.Tensor | None]:
         """What the steps take (grad_cache.plain_step / grad_cache_step): each pass as (input_ids, attention_mask,
@@ -954,22 +968,22 @@ class PassPlan:
             input_ids, layout = PackedTexts.build(seqs, self.pack_width, pad_id, self.packings[i])
             chunks.append((input_ids.to(device), layout.attention_mask.to(device), dropout, layout.to(device)))
         restore = self.restore_index()
-        return chunks, None if restore is None else torch.tensor(restore, device=device)
+        return chunks, None if restore is None else restore.to(device)
 
     def token_counts(self) -> tuple[int, int]:
         """(real tokens, tokens the encoder processes: every pass padded to its longest row, or its packed rows
         padded to the fullest)."""
-        lengths = [seqs.lengths() for seqs, _ in self.passes]
-        real = sum(map(sum, lengths))
+        lengths = [seqs.length_tensor() for seqs, _ in self.passes]
+        real = sum(int(each.sum()) for each in lengths)
         if not self.pack_width:
-            return real, sum(len(each) * max(each) for each in lengths)
+            return real, sum(len(each) * int(each.max()) for each in lengths)
         return real, sum(packing.processed_tokens for packing in self.packings)
 
     @functools.cached_property
     def packings(self) -> list[_Packing]:
         """With pack_width: each pass's texts in rows (pack_rows' packing), worked out once for both tensors() and
         token_counts()."""
-        return [_best_packing(seqs.lengths(), self.pack_width) for seqs, _ in self.passes]
+        return [_best_packing(seqs.length_tensor(), self.pack_width) for seqs, _ in self.passes]
 
 
 class OneAhead:

@@ -108,13 +108,13 @@ def test_a_pass_plan_sorts_within_dropout_groups_and_keeps_every_row_once():
     seqs = [[7] * n for n in (5, 2, 9, 3, 7, 1, 4, 6)]
     batch = Batch(seqs, torch.zeros(8), dropout_rows=5)
     plan = batch.plan(tokens=14)
-    assert sorted(plan.order) == list(range(8))
+    assert sorted(plan.order.tolist()) == list(range(8))
     lengths = [[len(s) for s in seqs] for seqs, _ in plan.passes]
     # dropout rows (5, 2, 9, 3, 7) then the rest (1, 4, 6), each longest first, at most 14 padded tokens a pass
     # (the 9-token row alone: a second row would make 18)
     assert lengths == [[9], [7, 5], [3, 2], [6, 4], [1]]
     assert [dropout for _, dropout in plan.passes] == [True, True, True, False, False]
-    restore = plan.restore_index()
+    restore = plan.restore_index().tolist()
     embedded = [row for seqs, _ in plan.passes for row in seqs]
     assert [embedded[i] for i in restore] == seqs  # restore puts the embedded rows back in batch order
     assert plan.token_counts() == (37, 9 + 2 * 7 + 2 * 3 + 2 * 6 + 1)
@@ -124,6 +124,69 @@ def test_a_pass_plan_sorts_within_dropout_groups_and_keeps_every_row_once():
     assert unsorted.restore_index() is None and unsorted.passes == batch.passes(2)
     with pytest.raises(ValueError, match="not both"):
         batch.plan(rows=2, tokens=8)
+
+
+def _scanned_runs(lengths, max_rows, max_tokens, padded):
+    """Runs (start, stop) as a scan row by row takes them: a row joins the run unless that makes the run's tokens
+    (rows x its longest when padded, else their sum) exceed max_tokens or its rows exceed max_rows."""
+    runs, start = [], 0
+    while start < len(lengths):
+        stop = start + 1
+        while stop < len(lengths) and not (max_rows and stop - start >= max_rows):
+            run = lengths[start:stop + 1]
+            if max_tokens and (len(run) * max(run) if padded else sum(run)) > max_tokens:
+                break
+            stop += 1
+        runs.append((start, stop))
+        start = stop
+    return runs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_runs_cut_by_tensor_search_are_those_of_a_row_by_row_scan(seed):
+    """_cut finds each run's end by a search over a window of its running cost: the runs of a scan row by row, for
+    sorted and unsorted lengths, empty texts, texts over the budget, row limits, and runs longer than the first
+    window (64 rows), which must grow."""
+    import random
+
+    from angle_train.data import _cut
+
+    rng = random.Random(seed)
+    for case in range(300):
+        count = rng.choice([0, 1, 2, rng.randint(3, 40), rng.randint(100, 600)])
+        lengths = [rng.choice([0, rng.randint(1, 8), rng.randint(1, 120)]) for _ in range(count)]
+        if case % 2:
+            lengths.sort(reverse=True)  # as the plan sorts a group before cutting it
+        max_rows = rng.choice([None, 0, 1, rng.randint(2, 300)])
+        max_tokens = rng.choice([None, 0, rng.randint(1, 60), rng.randint(100, 5000)])
+        for padded in (True, False):
+            expected = _scanned_runs(lengths, max_rows, max_tokens, padded)
+            got = _cut(torch.tensor(lengths, dtype=torch.long), max_rows, max_tokens, padded=padded)
+            assert got == expected, (lengths, max_rows, max_tokens, padded)
+
+
+def test_a_pass_plan_of_many_rows_cuts_and_restores_as_rows_sorted_one_by_one():
+    """A plan's passes at the sizes the trainer cuts (thousands of rows, runs of hundreds): each group sorted
+    longest first with ties in batch order, cut as the row-by-row scan cuts, every row once, restore its inverse."""
+    import random
+
+    rng = random.Random(0)
+    seqs = [[rng.randint(5, 99)] * rng.randint(2, 60) for _ in range(3000)]
+    batch = Batch(seqs, torch.zeros(len(seqs)), dropout_rows=1000)
+    for options, padded in (({"tokens": 4096}, True), ({"tokens": 4096, "pack_width": 128}, False),
+                            ({"rows": 256}, True)):
+        plan = batch.plan(**options)
+        expected_passes, expected_order = [], []
+        for group, dropout in ((range(1000), True), (range(1000, 3000), False)):
+            group = sorted(group, key=lambda i: -len(seqs[i]))
+            for start, stop in _scanned_runs([len(seqs[i]) for i in group], options.get("rows"),
+                                             options.get("tokens"), padded):
+                expected_passes.append(([seqs[i] for i in group[start:stop]], dropout))
+            expected_order += group
+        assert [(list(rows), dropout) for rows, dropout in plan.passes] == expected_passes, options
+        assert plan.order.tolist() == expected_order
+        restore = plan.restore_index()
+        assert plan.order[restore].tolist() == list(range(len(seqs)))
 
 
 @pytest.mark.parametrize("arch, fmt, cut", [("bert", "A", {"rows": 3}), ("llama", "B", {"tokens": 40}),
