@@ -12,3 +12,42 @@ import os
 def triton_interpreting() -> bool:
     """True when TRITON_INTERPRET asks Triton to run kernels through its interpreter (CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Settings whose readers are in code paths GPU runs verified (a change of a reader would void those verifications), so
+# their values are checked here, at every call on GPU tensors (dispatch.resolve_backend), against what the readers
+# understand: a value they would misread is an error naming the variable before any work.
+SELF_CHECK_ENV = "ANGLE_KERNELS_SELF_CHECK"  # first_use.enabled: checks on first use on (1, the default) or off (0)
+ALLOW_TF32_ENV = "ANGLE_KERNELS_ALLOW_TF32"  # triton_ops._similarity_tiles._dot_precision: "" and "0" off, else on
+AUTOTUNE_ENV = "ANGLE_KERNELS_AUTOTUNE"  # triton_ops._common.autotune_all_configs: "all" or "first"
+_settings_checked: tuple | None = None  # the values last checked (a call is then one lookup of each)
+
+
+def self_check_setting() -> bool:
+    """ANGLE_KERNELS_SELF_CHECK: unset or 1, checks on; 0, off; anything else raises ValueError naming it."""
+    value = os.environ.get(SELF_CHECK_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{SELF_CHECK_ENV} must be 0 (no first-use checks: only verified code paths compute on the "
+                         f"GPU) or 1 (the default: check a verified code path's first call on this GPU), got {value!r}")
+    return value == "1"
+
+
+def check_gpu_settings() -> None:
+    """ValueError naming the variable where ANGLE_KERNELS_ALLOW_TF32 is not 0, 1 or empty (its reader takes any
+    other value, "false" included, as on), ANGLE_KERNELS_AUTOTUNE not 'all' or 'first' (its reader raises at
+    Triton's import, which `auto` would take for a Triton that cannot run, computing every call on PyTorch), or
+    ANGLE_KERNELS_SELF_CHECK not 0 or 1 (read only where a path is not verified: a job script would fail on one
+    GPU and run on another)."""
+    global _settings_checked
+    values = (os.environ.get(ALLOW_TF32_ENV), os.environ.get(AUTOTUNE_ENV), os.environ.get(SELF_CHECK_ENV))
+    if values == _settings_checked:
+        return
+    tf32, autotune, _ = values
+    self_check_setting()
+    if tf32 not in (None, "", "0", "1"):
+        raise ValueError(f"{ALLOW_TF32_ENV} must be 1 (TF32 products for float32 inputs in the fused Triton kernels), "
+                         f"or 0 or unset (IEEE float32 products, the default); got {tf32!r}")
+    if autotune is not None and autotune.strip().lower() not in ("all", "first"):
+        raise ValueError(f"{AUTOTUNE_ENV} must be 'all' (the default: every kernel autotuned) or 'first' (each "
+                         f"kernel's first config, no tuning runs); got {autotune!r}")
+    _settings_checked = values

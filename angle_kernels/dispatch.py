@@ -66,7 +66,7 @@ import warnings
 import torch
 
 from . import contract, first_use, measured, verified
-from ._runtime import triton_interpreting  # also dispatch.triton_interpreting, as before
+from ._runtime import check_gpu_settings, triton_interpreting  # also dispatch.triton_interpreting, as before
 
 BACKENDS = ("torch", "triton", "cuda")
 
@@ -434,6 +434,8 @@ def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
     on_cuda = getattr(tensors[0], "is_cuda", None)
     if on_cuda is None:
         raise TypeError(f"the ops take torch.Tensors, got {type(tensors[0]).__name__}")
+    if on_cuda:  # the GPU paths' settings, checked before any work (at the first call, not where a path reads them)
+        check_gpu_settings()
 
     if name == "auto":
         if not on_cuda:

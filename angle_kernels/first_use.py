@@ -8,16 +8,20 @@ depend on size (32-bit offsets, grids past a limit) are the large-size run's to 
 inputs.
 
 A kind of call: (backend, op, code path, dtype of the first input, `bucket`) under this process's identity
-(`verified.identity_here`: every field of verified.MATCH_FIELDS[backend]). The bucket is what selects the compiled
-kernels and the autotuner's config for the call: a check speaks for the kernels it ran, so it covers exactly the
-calls that run the same ones (see `bucket`).
+(`verified.identity_here`: every field of verified.MATCH_FIELDS[backend]) and the version of the check (CHECKER:
+records of an older check, whose faults a later one fixed, no longer match and the kind is checked again). The
+bucket is what selects the compiled kernels and the autotuner's config for the call: a check speaks for the kernels
+it ran, so it covers exactly the calls that run the same ones (see `bucket`).
 
 The first call of a kind looks for its record in the user's cache (`angle_kernels.user_cache`, section "checks");
 without one it checks the call under the cache's lock, re-reading the cache first (another process of the same job
 may just have recorded it: that record is then used and nothing is checked), and records the outcome. The answer is
-kept for the process. A pass: the GPU path computes that kind of call from then on. A failure: the PyTorch backend
-computes it, with one RuntimeWarning per kind and process saying what failed; the record keeps later processes
-from checking again (`python -m angle_kernels.verify --forget` removes it).
+kept for the process. A pass: the GPU path computes that kind of call from then on. A failure (a wrong result): the
+PyTorch backend computes it, with one RuntimeWarning per kind and process saying what failed; the record keeps later
+processes from checking again (`python -m angle_kernels.verify --forget-failed` removes the failed checks' records).
+Only results are recorded: where the GPU path raises (a compiler missing, the GPU out of memory while loading a
+kernel) or the check itself cannot run (out of memory, a failing float64 product), this process computes the kind
+on PyTorch, with the warning, and the next process checks again.
 
 The check (`run_check`): on detached copies of the call's own inputs, the GPU path's op against the PyTorch backend
 in float64 on the same rounded values, outputs and the gradients of sum_k <output_k, w_k> for weights w drawn from a
@@ -51,9 +55,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import contract, float64_ops, user_cache, verified
-from ._runtime import triton_interpreting
+from ._runtime import SELF_CHECK_ENV, self_check_setting, triton_interpreting
 
-ENV = "ANGLE_KERNELS_SELF_CHECK"
+ENV = SELF_CHECK_ENV
+# The check's version, part of every kind: bumped by a change of the check that could change an outcome, so that
+# the records of the check before it (a fault in it fixed) no longer match. 2: errors are no longer recorded.
+CHECKER = 2
 # Budgets of one check (docs/verification.md, "A check on first use"): the elements of the float64 copies of the
 # checked inputs (1 GiB; their gradients as much again) and the FLOPs of the float64 reference (the torch backend's
 # 6 M Mc D of the similarity ops; the linear ops are bounded by their elements). About half a second of an H100's
@@ -99,11 +106,7 @@ def enabled() -> bool:
     """ANGLE_KERNELS_SELF_CHECK: unset or 1, checks on; 0, off; anything else raises ValueError naming it."""
     global _enabled
     if _enabled is None:
-        value = os.environ.get(ENV, "1").strip()
-        if value not in ("0", "1"):
-            raise ValueError(f"{ENV} must be 0 (no first-use checks: only verified code paths compute on the GPU) or "
-                             f"1 (the default: check a verified code path's first call on this GPU), got {value!r}")
-        _enabled = value == "1"
+        _enabled = self_check_setting()
     return _enabled
 
 
@@ -212,7 +215,7 @@ def kind_of(candidate, op: str, call: contract.Call) -> dict:
     path = candidate.code_path(op, call)
     ident = verified.identity_here(candidate.name, op, path, call.device)
     kind = {"backend": candidate.name, "op": op, "path": path, "dtype": str(call.dtype).replace("torch.", ""),
-            "bucket": bucket(candidate.name, op, path, call),
+            "bucket": bucket(candidate.name, op, path, call), "checker": CHECKER,
             **{name: ident.get(name) for name in verified.MATCH_FIELDS[candidate.name]}}
     return json.loads(json.dumps(kind))  # as it reads back from the cache (tuples become lists)
 
@@ -297,8 +300,8 @@ def _tell(backend: str, op: str, kind: dict, outcome: Outcome) -> None:
         f"angle_kernels: backend='auto' computes {op} with the PyTorch backend for calls like this one "
         f"({kind['dtype']}; {', '.join(f'{name}={value}' for name, value in kind['bucket'].items())}): {backend}: "
         f"{outcome.why}. "
-        + ("`python -m angle_kernels.verify --forget` removes the recorded outcome (the next call checks again); "
-           if failed else "")
+        + ("`python -m angle_kernels.verify --forget-failed` removes the records of failed checks (the next call "
+           "of this kind checks again); " if failed else "")
         + "`python -m angle_kernels.verify` runs the full checks on this GPU and records what passes (shown once per "
           "process for each kind of call).", RuntimeWarning, stacklevel=8)
 
@@ -310,8 +313,10 @@ def _frozen(value):
     return tuple(value) if isinstance(value, list) else value
 
 
-def _from_record(record: dict, recorded: bool = True) -> Outcome:
-    """The outcome a check's record says (`recorded`: it is in the user's cache, not only in this process)."""
+def _from_record(record: dict, recorded: bool = True,
+                 unrecorded: str = "not recorded: the cache folder cannot be written") -> Outcome:
+    """The outcome a check's record says (`recorded`: it is in the user's cache, not only in this process; else
+    `unrecorded` says why not)."""
     kept = record if recorded else None
     if record.get("pass") is True:
         return Outcome(True, record=kept)
@@ -324,8 +329,7 @@ def _from_record(record: dict, recorded: bool = True) -> Outcome:
                            for kind in ("value", "grad")
                            if not _number(errors.get(kind)) <= _number(allowed.get(kind))) or "failed"
     part = f", checked on {record['part']}" if record.get("part") else ""
-    where = (f"recorded {record.get('date')} in {user_cache.cache_file()}" if recorded else
-             "not recorded: the cache folder cannot be written")
+    where = f"recorded {record.get('date')} in {user_cache.cache_file()}" if recorded else unrecorded
     return Outcome(False, f"its code path {record.get('path')!r} failed its first-use check for this kind of call on "
                           f"{record.get('gpu')} ({failed}{part}; {where})", kept)
 
@@ -346,8 +350,11 @@ def _check_or_recorded(candidate, op: str, call: contract.Call, kind: dict) -> O
                               f"too large for a first-use check (at most {ELEMENT_BUDGET:,} float64 elements and "
                               f"{FLOP_BUDGET:.1e} float64 FLOPs), even on a part of the same code path and bucket")
     part, what = chosen
-    if not _checkable(op, part):
-        return None
+    try:
+        if not _checkable(op, part):
+            return None
+    except Exception as exc:  # noqa: BLE001 (out of memory in the scan: a check must never fail the loss call)
+        return _not_checked(candidate, op, kind, call, exc)
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(user_cache.locked())
@@ -359,18 +366,28 @@ def _check_or_recorded(candidate, op: str, call: contract.Call, kind: dict) -> O
             return _from_record(record)
         try:
             result = run_check(candidate, op, part)
-        except torch.cuda.OutOfMemoryError:
-            return Outcome(False, f"{_unverified(candidate, op, kind['path'], call.device)}, and its first-use check "
-                                  "ran out of GPU memory (this process keeps the PyTorch backend for this kind of "
-                                  "call)")
+        except Exception as exc:  # noqa: BLE001 (the reference or the check's own work: no fault of the path)
+            return _not_checked(candidate, op, kind, call, exc)
         ident = verified.identity_here(candidate.name, op, kind["path"], call.device)
         record = {**kind, "gpu": ident.get("gpu"), **result, "part": what, "date": datetime.date.today().isoformat()}
+        if "error" in record:  # the path raised: perhaps this process's environment, not the code; never recorded
+            return _from_record(record, recorded=False,
+                                unrecorded="not recorded: an error is this process's alone, the next one checks again")
         if recording:
             try:
                 user_cache.update(lambda contents: contents["checks"].append(record))
             except OSError:
                 recording = False
     return _from_record(record, recorded=recording)
+
+
+def _not_checked(candidate, op: str, kind: dict, call: contract.Call, exc: Exception) -> Outcome:
+    """The outcome of a check that could not run (its own work raised: out of memory, a failing float64 product):
+    the PyTorch backend for this kind of call in this process, nothing recorded."""
+    what = ("ran out of GPU memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else
+            f"could not run ({type(exc).__name__}: {str(exc)[:200]})")
+    return Outcome(False, f"{_unverified(candidate, op, kind['path'], call.device)}, and its first-use check {what} "
+                          "(this process keeps the PyTorch backend for this kind of call; nothing is recorded)")
 
 
 def _leaves(op: str, call: contract.Call) -> list[torch.Tensor]:
@@ -629,7 +646,7 @@ def _errors(got, want) -> dict:
 def run_check(candidate, op: str, call: contract.Call) -> dict:
     """Check `candidate`'s own op (its raw backend's, no dispatch) on this validated call against the PyTorch
     backend in float64: {"pass", "errors", "allowed", "eager", "seconds"}, or {"pass": False, "error"} when the GPU
-    path raises. Raises what the reference raises (out of memory)."""
+    path raises (but for running out of memory). Raises what the reference raises."""
     device, dtype = call.device, call.dtype
     started = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(SEED)

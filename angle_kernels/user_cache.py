@@ -15,7 +15,12 @@ section is dropped.
 Writes (`update`) read, change and replace the file under an exclusive lock (`locked`: fcntl.flock on a lock file
 beside it; where fcntl does not exist the lock is a no-op), writing a temporary file in the same folder and
 renaming it over the old one: a reader never sees half a file, and concurrent writers never lose each other's
-changes. `forget()` removes the file. `python -m angle_kernels.verify --list` / `--forget` show and clear it.
+changes. A lock held by a process that does not let go (stopped: a suspended job, a debugger) is waited for at most
+LOCK_WAIT_SECONDS, then `locked` raises OSError, as for a folder that cannot be written: the caller goes on without
+recording. The file takes the permissions the process's umask gives a new file (a folder shared by a group stays
+readable by it), and a file that exists but cannot be read is never replaced by `update`. `forget()` removes the
+file, `forget_failed_checks()` only the first-use checks that failed. `python -m angle_kernels.verify --list` /
+`--forget` / `--forget-failed` show and clear it.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import stat
-import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator
@@ -36,6 +42,9 @@ FORMAT = 2
 SECTIONS = ("verified", "checks")
 MAX_BYTES = 8 << 20  # a few thousand records are tens of KB: anything near this is not ours
 _MAX_DEPTH = 8  # {"checks": [{"errors": {"value": 1.0}}]} is 4 deep
+# A first-use check runs under the lock (0.1-0.5 s; up to ~15 s on GPUs whose float64 is slow), and a rank may wait
+# for the checks of a few kinds in turn: a holder that keeps it longer than this has stopped.
+LOCK_WAIT_SECONDS = 120.0
 
 _warned: set = set()
 
@@ -77,15 +86,17 @@ def _depth(value, limit: int) -> int:
     return deepest
 
 
-def _load(path: Path) -> tuple[dict, str | None, int | None]:
-    """(the cache's contents, None, None) or (empty contents, why the file was not used, its format where that is
-    a later one than FORMAT: a later version's file, which update() leaves as it is)."""
+def _load(path: Path) -> tuple[dict, str | None, str | None]:
+    """(the cache's contents, None, None) or (empty contents, why the file was not used, why update() must leave it
+    as it is, or None where update() may replace it): a later version's file (its records are another
+    environment's) and a file this process cannot read (another user's: replacing it would lose their records)."""
     try:
         info = path.stat()
     except FileNotFoundError:
         return _empty(), None, None
     except OSError as exc:
-        return _empty(), f"cannot stat it ({exc})", None
+        why = f"cannot stat it ({exc})"
+        return _empty(), why, why
     if not stat.S_ISREG(info.st_mode):
         return _empty(), "it is not a regular file", None
     if info.st_size > MAX_BYTES:
@@ -93,17 +104,23 @@ def _load(path: Path) -> tuple[dict, str | None, int | None]:
     try:
         with open(path, "rb") as handle:
             raw = handle.read(MAX_BYTES + 1)
+    except OSError as exc:
+        why = f"it cannot be read ({type(exc).__name__}: {str(exc)[:100]})"
+        return _empty(), why, why
+    try:
         data = json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         return _empty(), f"it is not JSON this package wrote ({type(exc).__name__}: {str(exc)[:100]})", None
     if not isinstance(data, dict):
         return _empty(), f"it holds a JSON {type(data).__name__}, not an object", None
     found = data.get("format")
     if found != FORMAT:
-        later = found if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT else None
+        later = isinstance(found, int) and not isinstance(found, bool) and found > FORMAT
         why = (f"it was written in format {found!r}, this version reads format {FORMAT} (its records are not used: "
-               "`python -m angle_kernels.verify --forget` removes it)")
-        return _empty(), why, later
+               "`python -m angle_kernels.verify --forget` removes the file, every record in it)")
+        keep = (f"it was written in format {found} by a later version of angle_kernels (this one writes format "
+                f"{FORMAT})") if later else None
+        return _empty(), why, keep
     if _depth(data, _MAX_DEPTH) > _MAX_DEPTH:
         return _empty(), f"it is nested deeper than {_MAX_DEPTH} levels", None
     contents = _empty()
@@ -138,9 +155,10 @@ _threads = threading.RLock()
 
 
 @contextlib.contextmanager
-def locked(path: Path | None = None) -> Iterator[None]:
+def locked(path: Path | None = None, wait_seconds: float | None = None) -> Iterator[None]:
     """Hold the cache's exclusive lock (other processes that update or check through it wait); re-entrant within
-    the process."""
+    the process. OSError when another process has held it for `wait_seconds` (default LOCK_WAIT_SECONDS) of this
+    one's waiting."""
     path = path or cache_file()
     with _threads:
         if _held.get(str(path)):
@@ -155,9 +173,10 @@ def locked(path: Path | None = None) -> Iterator[None]:
             import fcntl
         except ImportError:  # no flock on this platform: writes stay atomic, concurrent updates may lose one
             fcntl = None
-        with open(path.parent / (path.name + ".lock"), "a") as handle:
+        lock_file = path.parent / (path.name + ".lock")
+        with open(lock_file, "a") as handle:
             if fcntl is not None:
-                fcntl.flock(handle, fcntl.LOCK_EX)
+                _take(fcntl, handle, lock_file, LOCK_WAIT_SECONDS if wait_seconds is None else wait_seconds)
             _held[str(path)] = 1
             try:
                 yield
@@ -167,17 +186,32 @@ def locked(path: Path | None = None) -> Iterator[None]:
                     fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _take(fcntl, handle, lock_file: Path, wait_seconds: float) -> None:
+    """flock(LOCK_EX) on the open lock file, polled so that a holder that never lets go costs at most wait_seconds
+    (then OSError)."""
+    deadline, pause = time.monotonic() + wait_seconds, 0.005
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(f"{lock_file} has been held by another process for {wait_seconds:.0f} s (stopped or "
+                              "hung): the cache is neither read under the lock nor written") from None
+            time.sleep(pause)
+            pause = min(2 * pause, 0.25)
+
+
 def update(change: Callable[[dict], dict | None], path: Path | None = None) -> dict:
     """Apply `change` to the cache's contents under its lock and write the result atomically; returns it. `change`
     edits the dict in place (or returns a new one). An unusable file is replaced, but for one a later version of
-    the package wrote (a newer format: another environment's records, kept): an OSError, as for a folder that
-    cannot be written."""
+    the package wrote (a newer format: another environment's records) or one this process cannot read: an OSError,
+    as for a folder that cannot be written."""
     path = path or cache_file()
     with locked(path):
-        contents, _, newer = _load(path)
-        if newer is not None:
-            raise OSError(f"{path} was written in format {newer} by a later version of angle_kernels (this one writes "
-                          f"format {FORMAT}): left as it is")
+        contents, _, keep = _load(path)
+        if keep is not None:
+            raise OSError(f"{path}: {keep}: left as it is")
         changed = change(contents)
         contents = contents if changed is None else changed
         contents["format"] = FORMAT
@@ -199,20 +233,35 @@ def forget(path: Path | None = None) -> bool:
     return True
 
 
+def forget_failed_checks(path: Path | None = None) -> int:
+    """Remove the records of first-use checks that did not pass (under its lock), keeping every other record and
+    verification; the number removed."""
+    path = path or cache_file()
+    if not os.path.lexists(path):
+        return 0
+    removed = []
+
+    def drop(contents: dict) -> None:
+        kept = [record for record in contents["checks"] if record.get("pass") is True]
+        removed.append(len(contents["checks"]) - len(kept))
+        contents["checks"] = kept
+
+    update(drop, path)
+    return removed[0]
+
+
 def write_json_atomic(path: Path, data) -> None:
     """`data` as JSON in `path` (its folder created), written aside and renamed: a reader never sees half a file,
-    and a write that fails (a full disk, `path` a folder) leaves no temporary file behind."""
+    and a write that fails (a full disk, `path` a folder) leaves no temporary file behind. The file gets the mode
+    the umask gives a new file (0o666 less the umask), as `open` would: a temporary file's own 0o600 would lock the
+    other users of a shared cache folder out of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.stem}-", suffix=".json", delete=False,
-                                     encoding="utf-8") as tmp:
-        try:
-            json.dump(data, tmp, indent=1)
-        except BaseException:
-            tmp.close()
-            os.unlink(tmp.name)
-            raise
+    temporary = path.parent / f".{path.stem}-{os.getpid()}-{secrets.token_hex(4)}.json"
     try:
-        os.replace(tmp.name, path)
+        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=1)
+        os.replace(temporary, path)
     except BaseException:
-        os.unlink(tmp.name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
         raise

@@ -1,7 +1,7 @@
 """Check the GPU backends on this GPU and record what passes, so that backend="auto" uses it.
 
     python -m angle_kernels.verify [--backend all|triton|cuda|torch[,...]] [--sizes standard|large] [--out FILE]
-    python -m angle_kernels.verify --list | --forget
+    python -m angle_kernels.verify --list | --forget | --forget-failed
 
 For every GPU backend that can run here (triton; cuda only when its extension is already built: this command
 never builds it; torch: its GPU path, 16-bit products), every op it implements and every code path of that op that
@@ -22,7 +22,8 @@ one process per dtype and turns their merged results into the entries for the pr
 `verified.VERIFIED`).
 
 `--list` prints what the user's cache holds (these verifications and the first-use checks of
-`angle_kernels.first_use`) and where; `--forget` removes it, so that every path is checked again.
+`angle_kernels.first_use`) and where; `--forget` removes it, so that every path is checked again; `--forget-failed`
+removes only the first-use checks that failed.
 """
 
 from __future__ import annotations
@@ -489,8 +490,10 @@ def main(argv=None) -> int:
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--list", action="store_true", help="print the user's cache (verifications and first-use "
                        "checks) and exit")
-    cache.add_argument("--forget", action="store_true", help="remove the user's cache and exit: every path is checked "
-                       "again")
+    cache.add_argument("--forget", action="store_true", help="remove the user's cache and exit: every verification "
+                       "and first-use check recorded in it, for every process sharing it; every path is checked again")
+    cache.add_argument("--forget-failed", action="store_true", help="remove only the records of first-use checks "
+                       "that failed and exit: the next call of each such kind checks again")
     args = parser.parse_args(argv)
     if args.list:
         try:
@@ -505,6 +508,14 @@ def main(argv=None) -> int:
             print(f"removed {where}" if user_cache.forget() else f"nothing to remove: {where} does not exist")
         except OSError as exc:
             print(f"cannot remove the cache: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.forget_failed:
+        try:
+            where = user_cache.cache_file()
+            print(f"removed {user_cache.forget_failed_checks()} failed first-use check(s) from {where}")
+        except OSError as exc:
+            print(f"cannot change the cache: {exc}", file=sys.stderr)
             return 1
         return 0
     if args.time_limit is not None and not args.time_limit > 0:

@@ -729,3 +729,44 @@ def test_an_empty_call_keeps_the_fixed_order(backends, monkeypatch):
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     empty = pretend_cuda(torch.empty(0, dtype=torch.float64))
     assert auto.computes("ranking_loss", empty, torch.empty(0, dtype=torch.int64))[0] == "triton"
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("ANGLE_KERNELS_ALLOW_TF32", "false", "must be 1 .* or 0 or unset"),  # its reader would take "false" as on
+    ("ANGLE_KERNELS_ALLOW_TF32", "0 ", "must be 1"),  # so would it "0 "
+    ("ANGLE_KERNELS_AUTOTUNE", "firts", "must be 'all' .* or 'first'"),  # Triton's import raised: auto took torch
+    ("ANGLE_KERNELS_SELF_CHECK", "yes", "must be 0 .* or 1"),  # read before only where a path was unverified
+])
+def test_a_gpu_setting_its_reader_would_misread_is_an_error_at_the_first_gpu_call(monkeypatch, name, value, expected):
+    from angle_kernels import _runtime
+
+    monkeypatch.setattr(_runtime, "_settings_checked", None)
+    monkeypatch.setenv(name, value)
+    for backend in ("auto", "torch"):
+        with pytest.raises(ValueError, match=f"{name} {expected}"):
+            dispatch.resolve_backend(backend, FAKE_CUDA_TENSOR)
+    assert dispatch.resolve_backend("auto", torch.zeros(1)).name == "torch"  # CPU calls read none of them
+
+
+@pytest.mark.parametrize("values", [{}, {"ANGLE_KERNELS_ALLOW_TF32": "1", "ANGLE_KERNELS_AUTOTUNE": " First",
+                                         "ANGLE_KERNELS_SELF_CHECK": "0"},
+                                    {"ANGLE_KERNELS_ALLOW_TF32": "", "ANGLE_KERNELS_AUTOTUNE": "all"},
+                                    {"ANGLE_KERNELS_ALLOW_TF32": "0", "ANGLE_KERNELS_SELF_CHECK": "1 "}])
+def test_the_gpu_settings_their_readers_understand_pass(monkeypatch, values):
+    from angle_kernels import _runtime
+
+    monkeypatch.setattr(_runtime, "_settings_checked", None)
+    for name in ("ANGLE_KERNELS_ALLOW_TF32", "ANGLE_KERNELS_AUTOTUNE", "ANGLE_KERNELS_SELF_CHECK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    assert dispatch.resolve_backend("torch", FAKE_CUDA_TENSOR) is dispatch._TORCH_ON_GPU
+
+
+def test_the_settings_checked_are_the_ones_the_gpu_paths_read():
+    pytest.importorskip("triton")
+    from angle_kernels import _runtime, first_use
+    from angle_kernels.triton_ops import _common, _similarity_tiles
+
+    assert _runtime.ALLOW_TF32_ENV == _similarity_tiles._TF32_ENV
+    assert _runtime.AUTOTUNE_ENV == _common.AUTOTUNE_ENV and _runtime.SELF_CHECK_ENV == first_use.ENV

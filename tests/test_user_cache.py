@@ -238,3 +238,102 @@ def test_verify_checks_out_before_any_check_and_forget_creates_nothing(cache, ca
     assert verified.write_cache([], []) == cache  # what verify prints as where it recorded
     assert verify.main(["--out", str(tmp_path / "new" / "x.json")]) == 0  # a new folder is made (no GPU: then done)
     assert (tmp_path / "new").is_dir()
+
+
+def _hold_the_lock(folder: str, holding, release) -> None:
+    os.environ[user_cache.CACHE_ENV] = folder
+    with user_cache.locked():
+        holding.set()
+        release.wait(30)
+
+
+def test_a_lock_held_past_the_wait_is_an_oserror_not_a_hang(cache):
+    """A process that holds the lock and never lets go (stopped by a job scheduler, a debugger): the waiter gives up
+    after the wait with an OSError naming the lock file, which first-use checks and verify treat as an unwritable
+    cache (before: a blocking flock, waiting for ever); once it is let go, the lock is taken at once."""
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    holding, release = context.Event(), context.Event()
+    holder = context.Process(target=_hold_the_lock, args=(str(cache.parent), holding, release))
+    holder.start()
+    try:
+        assert holding.wait(30)
+        with pytest.raises(OSError, match=r"verified\.json\.lock has been held by another process for 0 s"):
+            with user_cache.locked(wait_seconds=0.2):
+                pass
+    finally:
+        release.set()
+        holder.join(30)
+    assert holder.exitcode == 0
+    with user_cache.locked(wait_seconds=5):
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "umask"), reason="no umask here")
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_the_file_takes_the_mode_the_umask_gives_a_new_file(cache, umask):
+    """A shared cache folder: the file is readable as far as the umask lets a new file be (a temporary file's own
+    0o600 locked the group out, and their next update replaced the unreadable file, losing its records)."""
+    old = os.umask(umask)
+    try:
+        user_cache.update(lambda contents: contents["checks"].append({"op": "mine"}))
+    finally:
+        os.umask(old)
+    assert cache.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_file_that_cannot_be_read_is_reported_as_such_and_never_replaced(cache, monkeypatch):
+    """Another user's file in a shared folder (mode 0600): reported as unreadable, not as "not JSON", and an update
+    raises OSError (an unwritable cache to its callers) instead of replacing it and losing its records."""
+    user_cache.update(lambda contents: contents["checks"].append({"op": "theirs"}))
+    real_open = open
+
+    def unreadable(path, mode="r", *args, **kwargs):
+        if str(path) == str(cache) and "r" in mode:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(user_cache, "open", unreadable, raising=False)
+        contents, warned = read_warning(cache)
+        assert contents == EMPTY and len(warned) == 1 and "it cannot be read (PermissionError" in warned[0]
+        with pytest.raises(OSError, match="cannot be read .*left as it is"):
+            user_cache.update(lambda contents: contents["checks"].append({"op": "ours"}))
+    assert user_cache.read()["checks"] == [{"op": "theirs"}]
+
+
+def test_a_write_that_fails_as_it_flushes_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A full disk: the error comes when the written text is flushed, after json.dump returned."""
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+            raise OSError(28, "No space left on device")
+
+        def write(self, text):
+            return self.handle.write(text)
+
+    monkeypatch.setattr(user_cache, "open", lambda *args, **kwargs: FullDisk(real_open(*args, **kwargs)),
+                        raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        user_cache.write_json_atomic(tmp_path / "out.json", {"a": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_forget_failed_keeps_every_passing_check_and_verification(cache, capsys):
+    user_cache.update(lambda contents: contents.update(
+        verified=[{"op": "verified"}],
+        checks=[{"op": "passed", "pass": True}, {"op": "failed", "pass": False}, {"op": "odd", "pass": "true"}]))
+    from angle_kernels import verify
+
+    assert verify.main(["--forget-failed"]) == 0
+    assert f"removed 2 failed first-use check(s) from {cache}" in capsys.readouterr().out
+    assert user_cache.read() == {"format": user_cache.FORMAT, "verified": [{"op": "verified"}],
+                                 "checks": [{"op": "passed", "pass": True}]}

@@ -136,15 +136,13 @@ class _Skewed(torch.autograd.Function):
         return grad * 1.01
 
 
-@pytest.mark.parametrize("wrong", ["value", "grad", "raised"])
+@pytest.mark.parametrize("wrong", ["value", "grad"])
 def test_a_wrong_result_is_refused_and_recorded(gpu, monkeypatch, wrong):
     real = gpu.triton.backend.similarity_xent
     planted = []
 
     def wrong_op(q, c, *rest):
         planted.append(1)
-        if wrong == "raised":
-            raise RuntimeError("a planted launch failure")
         if wrong == "grad":
             return real(_Skewed.apply(q), c, *rest)
         return real(q, c, *rest) * 1.01
@@ -158,19 +156,82 @@ def test_a_wrong_result_is_refused_and_recorded(gpu, monkeypatch, wrong):
     assert torch.equal(first, want) and torch.equal(second, want)
     assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("torch", "default")
     told = [w for w in warned if "for calls like this one" in w]
-    what = "it raised RuntimeError: a planted launch failure" if wrong == "raised" else f"{wrong} error"
-    assert len(told) == 1 and what in told[0] and "failed its first-use check" in told[0]
-    assert "--forget" in told[0] and again == []
+    assert len(told) == 1 and f"{wrong} error" in told[0] and "failed its first-use check" in told[0]
+    assert "--forget-failed" in told[0] and again == []
     auto_on_torch = [w for w in warned if "as it does every op" in w]
     assert len(auto_on_torch) == 1 and "triton: its code path 'fused' failed its first-use check" in auto_on_torch[0]
     (record,) = _records()
-    assert record["pass"] is False
-    if wrong != "raised":
-        assert record["errors"][wrong] > record["allowed"][wrong]
+    assert record["pass"] is False and record["checker"] == first_use.CHECKER
+    assert record["errors"][wrong] > record["allowed"][wrong]
     # a new process (this one, forgetting what it decided) reads the failure: no check, torch, told again
     first_use.forget()
     _, told_again = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
     assert planted == [1] and len(gpu.checks) == 1 and len(told_again) == 1
+    # the records of failed checks removed (verify --forget-failed): the next process checks again
+    assert user_cache.forget_failed_checks() == 1 and _records() == []
+    first_use.forget()
+    _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    assert planted == [1, 1]
+
+
+def test_a_path_that_raises_computes_on_torch_in_this_process_and_is_checked_again_by_the_next(gpu, monkeypatch):
+    """A GPU path that raises (a missing C compiler, out of memory while loading a kernel: perhaps the environment,
+    not the code) is refused for this process, with the warning, and not recorded: the next process checks again."""
+    planted = []
+
+    def raising_op(q, c, *rest):
+        planted.append(1)
+        raise RuntimeError("Triton Error [CUDA]: out of memory")
+
+    monkeypatch.setattr(gpu.triton.backend, "similarity_xent", raising_op)
+    q = _q(8)
+    first, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    second, again = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    want = dispatch.similarity_xent(q, None, 20.0, "partner", backend="torch")
+    assert torch.equal(first, want) and torch.equal(second, want) and planted == [1] and again == []
+    told = [w for w in warned if "for calls like this one" in w]
+    assert len(told) == 1 and "it raised RuntimeError: Triton Error [CUDA]: out of memory" in told[0]
+    assert "not recorded: an error is this process's alone" in told[0] and "--forget-failed" not in told[0]
+    assert _records() == []
+    first_use.forget()  # a new process
+    _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    assert planted == [1, 1]
+
+
+@pytest.mark.parametrize("where", ["scan", "reference"])
+def test_a_check_that_cannot_run_leaves_the_call_on_torch_and_records_nothing(gpu, monkeypatch, where):
+    """The check's own work raising (out of memory in the finiteness scan, a float64 product failing in the
+    reference) never reaches the loss call: the PyTorch backend computes it, the warning says why, nothing is
+    recorded."""
+    if where == "scan":
+        def failing(*_args):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (planted)")
+        monkeypatch.setattr(first_use, "_checkable", failing)
+    else:
+        def failing(*_args, **_kwargs):
+            raise RuntimeError("CUBLAS_STATUS_ALLOC_FAILED (planted)")
+        monkeypatch.setattr(first_use, "_torch_op", lambda op: failing)
+    q = _q(8)
+    value, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    assert torch.equal(value, dispatch.similarity_xent(q, None, 20.0, "partner", backend="torch"))
+    told = [w for w in warned if "for calls like this one" in w]
+    what = "ran out of GPU memory" if where == "scan" else "could not run (RuntimeError: CUBLAS_STATUS_ALLOC_FAILED"
+    assert len(told) == 1 and what in told[0] and "nothing is recorded" in told[0]
+    assert _records() == []
+
+
+def test_records_of_an_older_check_are_not_used(gpu):
+    """A record written by an earlier version of the check (no `checker`, or another one) does not match: the kind
+    is checked again and recorded anew."""
+    q = _q(8)
+    gpu.auto.similarity_xent(q, None, 20.0, "partner")
+    (record,) = _records()
+    failed_by_an_older_check = {**record, "pass": False, "checker": first_use.CHECKER - 1}
+    user_cache.update(lambda contents: contents.update(checks=[failed_by_an_older_check]))
+    first_use.forget()
+    gpu.auto.similarity_xent(q, None, 20.0, "partner")
+    assert len(gpu.checks) == 2 and gpu.auto.computes("similarity_xent", q, None, 20.0, "partner")[0] == "triton"
+    assert [r["pass"] for r in _records()] == [False, True]
 
 
 def test_the_torch_backends_gpu_path_is_checked_on_first_use(gpu, monkeypatch):
