@@ -322,8 +322,11 @@ def check_group_ids(group_ids: torch.Tensor | None, rows: int, y_pred: torch.Ten
     """Optional text ids of the rows, one per row of y_pred: returned as int64."""
     if group_ids is None:
         return None
-    if not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point() or group_ids.is_complex():
-        raise TypeError("group_ids must be an integer torch.Tensor of text ids, one per row of y_pred")
+    if (not isinstance(group_ids, torch.Tensor) or group_ids.is_floating_point() or group_ids.is_complex()
+            or group_ids.dtype == torch.bool):  # a mask read as ids 0 and 1 would make most negatives positives
+        raise TypeError("group_ids must be an integer torch.Tensor of text ids, one per row of y_pred, got "
+                        + (f"a {group_ids.dtype} tensor" if isinstance(group_ids, torch.Tensor) else
+                           type_name(group_ids)))
     if tuple(group_ids.shape) != (rows,):
         raise ValueError(f"group_ids must have shape [{rows}] (one id per row of y_pred), got {tuple(group_ids.shape)}")
     check_same_device(("y_pred", y_pred), ("group_ids", group_ids))

@@ -225,6 +225,11 @@ def test_group_ids_validated(ak, gen):
     x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "ones")
     with pytest.raises(TypeError, match="group_ids"):
         ak.in_batch_negative_loss(y, x, group_ids=torch.arange(6).float())
+    # a mask passed for ids (read as ids 0 and 1, most negatives became positives: the loss 0.0 on 8 rows)
+    with pytest.raises(TypeError, match="group_ids must be an integer .* got a torch.bool tensor"):
+        ak.in_batch_negative_loss(y, x, group_ids=torch.arange(6) % 2 == 0)
+    with pytest.raises(TypeError, match="group_ids must be an integer .* got list"):
+        ak.in_batch_negative_loss(y, x, group_ids=[0, 1, 2, 3, 4, 5])
     with pytest.raises(ValueError, match="group_ids"):
         ak.in_batch_negative_loss(y, x, group_ids=torch.arange(4))
     with pytest.raises(ValueError, match="group_ids"):
