@@ -585,6 +585,15 @@ class TokenRows:
         source = torch.arange(total) + torch.repeat_interleave(stop - new_ends, lengths, output_size=total)
         return TokenRows._of(flat[source], new_ends)
 
+    def span(self, start: int, stop: int) -> TokenRows:
+        """Rows start .. stop - 1: views of these rows' tensors where they live in tensors (made by take or
+        concat), else a copy (the arrays of rows built with extend move when they grow)."""
+        if not isinstance(self._flat, torch.Tensor):
+            return self.take(range(start, stop))
+        first = int(self._ends[start - 1]) if start else 0
+        last = int(self._ends[stop - 1]) if stop > start else first
+        return TokenRows._of(self._flat[first:last], self._ends[start:stop] - first)
+
     @classmethod
     def concat(cls, parts: list[TokenRows]) -> TokenRows:
         """The rows of every part, in order."""
@@ -743,18 +752,20 @@ class Batch:
             raise ValueError("a pass plan takes a row count or a token budget, not both")
         split = len(self.seqs) if self.dropout_rows is None else self.dropout_rows
         lengths = self.seqs.length_tensor()
-        passes, orders = [], []
+        runs, orders = [], []  # each pass as (start, stop, dropout) in the order the rows are embedded
         for low, high, dropout in ((0, split, True), (split, len(self.seqs), False)):
             if sort and (rows or tokens):  # one pass pads to its longest row in any order
                 group = low + torch.sort(lengths[low:high], descending=True, stable=True).indices
             else:
                 group = torch.arange(low, high)
-            for first, stop in _cut(lengths[group], rows, tokens, padded=not pack_width):
-                cut = group[first:stop]
-                whole = len(cut) == len(self.seqs) and torch.equal(cut, torch.arange(len(cut)))  # every row in order
-                passes.append((self.seqs if whole else self.seqs.take(cut), dropout))
+            runs += [(low + first, low + stop, dropout)
+                     for first, stop in _cut(lengths[group], rows, tokens, padded=not pack_width)]
             orders.append(group)
-        return PassPlan(passes, torch.cat(orders), pack_width)
+        order = torch.cat(orders)
+        if len(runs) == 1 and runs[0][1] == len(self.seqs) and torch.equal(order, torch.arange(len(order))):
+            return PassPlan([(self.seqs, runs[0][2])], order, pack_width)  # one pass of every row in batch order
+        embedded = self.seqs.take(order)  # one gather of every pass's tokens; each pass a view of its rows
+        return PassPlan([(embedded.span(start, stop), dropout) for start, stop, dropout in runs], order, pack_width)
 
 
 def _cut(lengths: torch.Tensor, max_rows: int | None, max_tokens: int | None,

@@ -165,6 +165,18 @@ def test_runs_cut_by_tensor_search_are_those_of_a_row_by_row_scan(seed):
             assert got == expected, (lengths, max_rows, max_tokens, padded)
 
 
+def test_a_span_of_rows_is_the_rows_taken_and_views_rows_in_tensors():
+    from angle_train.data import TokenRows
+
+    built = TokenRows([[1, 2, 3], [], [4], [5, 6]])  # arrays (extend): a span is a copy
+    taken = built.take([3, 0, 1, 2])  # tensors: a span is a view
+    for rows in (built, taken):
+        for start in range(5):
+            for stop in range(start, 5):
+                assert list(rows.span(start, stop)) == list(rows)[start:stop], (start, stop)
+    assert taken.span(1, 3)._flat.untyped_storage().data_ptr() == taken._flat.untyped_storage().data_ptr()
+
+
 def test_a_pass_plan_of_many_rows_cuts_and_restores_as_rows_sorted_one_by_one():
     """A plan's passes at the sizes the trainer cuts (thousands of rows, runs of hundreds): each group sorted
     longest first with ties in batch order, cut as the row-by-row scan cuts, every row once, restore its inverse."""
