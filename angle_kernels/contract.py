@@ -272,7 +272,7 @@ def _real_number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real Python number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value):
+    if not -math.inf < value < math.inf:  # not math.isfinite: dynamo cannot trace it on a float it made symbolic
         raise ValueError(f"{name} must be finite, got {value}")
     return value
 

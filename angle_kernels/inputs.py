@@ -114,7 +114,7 @@ def check_scalar(name: str, value, *, positive: bool = False) -> float:
     if _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type_name(value)}")
     value = float(value)
-    if not math.isfinite(value):
+    if not -math.inf < value < math.inf:  # not math.isfinite: dynamo cannot trace it on a float it made symbolic
         raise ValueError(f"{name} must be finite, got {value}")
     if positive and value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")

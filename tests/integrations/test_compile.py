@@ -150,6 +150,22 @@ def test_a_new_batch_size_recompiles_without_a_graph_break(name):
         assert rel_err(value, ref_value) < 1e-12 and rel_err(grad, ref_grad) < 1e-10, pairs
 
 
+def test_a_float_setting_that_changes_between_calls_traces_whole():
+    """Two AngleLoss modules that differ only in a tau, each compiled with fullgraph=True: the second call makes
+    dynamo treat the float as symbolic, and the settings' finiteness check must trace on it (math.isfinite did not:
+    `Unsupported: torch.* op returned non-Tensor` at the second module, with nothing naming the setting)."""
+    torch._dynamo.reset()
+    x = torch.randn(2 * PAIRS, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    labels = BINARY.to(x)
+    for tau in (20.0, 10.0, 5.0):
+        module = ak.AngleLoss(dataset_format="A", ibn_tau=tau, backend="torch")
+        compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+        # compiled first: a module's first call parses its settings (an eager call before would take that out)
+        (value, grad), (ref_value, ref_grad) = eager_and_compiled(lambda x: compiled(labels, x), x,
+                                                                  lambda x: module(labels, x))
+        assert rel_err(value, ref_value) < 1e-12 and rel_err(grad, ref_grad) < 1e-10, tau
+
+
 LOSSES_OF_SIZE = {
     "cosine_loss": lambda labels, x: ak.cosine_loss(labels, x, backend="torch"),
     "in_batch_negative_loss": lambda labels, x: ak.in_batch_negative_loss((labels > 0).to(x.dtype), x, backend="torch"),
