@@ -434,8 +434,8 @@ def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
     on_cuda = getattr(tensors[0], "is_cuda", None)
     if on_cuda is None:
         raise TypeError(f"the ops take torch.Tensors, got {type(tensors[0]).__name__}")
-    if on_cuda:  # the GPU paths' settings, checked before any work (at the first call, not where a path reads them)
-        check_gpu_settings()
+    if on_cuda and name in ("auto", "triton"):  # the Triton backend's and the first-use checks' settings, before
+        check_gpu_settings()  # any work (at the first call, not only where a path reads them)
 
     if name == "auto":
         if not on_cuda:

@@ -189,17 +189,17 @@ def locked(path: Path | None = None, wait_seconds: float | None = None) -> Itera
 def _take(fcntl, handle, lock_file: Path, wait_seconds: float) -> None:
     """flock(LOCK_EX) on the open lock file, polled so that a holder that never lets go costs at most wait_seconds
     (then OSError)."""
-    deadline, pause = time.monotonic() + wait_seconds, 0.005
+    deadline, pause = time.monotonic() + wait_seconds, 0.001
     while True:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise OSError(f"{lock_file} has been held by another process for {wait_seconds:.0f} s (stopped or "
+                raise OSError(f"{lock_file} has been held by another process for {wait_seconds:g} s (stopped or "
                               "hung): the cache is neither read under the lock nor written") from None
             time.sleep(pause)
-            pause = min(2 * pause, 0.25)
+            pause = min(2 * pause, 0.01)  # short: a holder that lets go hands the lock on at once
 
 
 def update(change: Callable[[dict], dict | None], path: Path | None = None) -> dict:
@@ -242,6 +242,9 @@ def forget_failed_checks(path: Path | None = None) -> int:
     removed = []
 
     def drop(contents: dict) -> None:
+        _, unusable, _ = _load(path)  # under the lock: a file update() would replace holds records of its own
+        if unusable is not None:
+            raise OSError(f"{path}: {unusable}: left as it is")
         kept = [record for record in contents["checks"] if record.get("pass") is True]
         removed.append(len(contents["checks"]) - len(kept))
         contents["checks"] = kept

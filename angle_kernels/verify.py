@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from . import float64_ops, user_cache, verified
+from . import first_use, float64_ops, user_cache, verified
 from .contract import SCORE_DTYPES, compute_dtype  # ranking_loss takes scores in SCORE_DTYPES only
 from .dispatch import path_ops, resolve_backend
 
@@ -454,8 +454,10 @@ def describe_cache() -> str:
     for r in contents["checks"]:
         bucket = r.get("bucket") if isinstance(r.get("bucket"), dict) else {}
         bucket = ", ".join(f"{k}={v}" for k, v in sorted(bucket.items()))
-        lines.append(f"{'passed' if r.get('pass') else 'FAILED'}    {r.get('backend')} {r.get('op')} {r.get('path')} "
-                     f"{r.get('dtype')} [{bucket}] on {r.get('gpu')} (code {r.get('fingerprint')}), {r.get('date')}")
+        stale = "" if r.get("checker") == first_use.CHECKER else ", an older check's: not used"
+        lines.append(f"{'passed' if r.get('pass') is True else 'FAILED'}    {r.get('backend')} {r.get('op')} "
+                     f"{r.get('path')} {r.get('dtype')} [{bucket}] on {r.get('gpu')} (code {r.get('fingerprint')}"
+                     f"{stale}), {r.get('date')}")
     return "\n".join(lines)
 
 

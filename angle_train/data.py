@@ -729,6 +729,9 @@ class Batch:
 
     def __post_init__(self):
         self.seqs = as_token_rows(self.seqs)
+        if self.dropout_rows is not None and not 0 <= self.dropout_rows <= len(self.seqs):
+            raise ValueError(f"dropout_rows must be between 0 and the batch's {len(self.seqs)} rows, got "
+                             f"{self.dropout_rows}")
 
     def chunks(self, rows_per_chunk: int | None) -> list[TokenRows]:
         """The rows in forward passes of at most rows_per_chunk (0 / None: one pass), in batch order."""
@@ -784,6 +787,7 @@ def _cut(lengths: torch.Tensor, max_rows: int | None, max_tokens: int | None,
         return []
     if not max_tokens:
         return [(start, min(start + most_rows, count)) for start in range(0, count, most_rows)]
+    max_tokens = min(max_tokens, torch.iinfo(torch.int64).max)  # the costs are int64: a larger budget bounds nothing
     cuts, start, window = [], 0, 64
     while start < count:
         room = min(most_rows, count - start)  # the rows this run may take

@@ -734,6 +734,7 @@ def test_an_empty_call_keeps_the_fixed_order(backends, monkeypatch):
 @pytest.mark.parametrize("name, value, expected", [
     ("ANGLE_KERNELS_ALLOW_TF32", "false", "must be 1 .* or 0 or unset"),  # its reader would take "false" as on
     ("ANGLE_KERNELS_ALLOW_TF32", "0 ", "must be 1"),  # so would it "0 "
+    ("ANGLE_KERNELS_POISON_OUTPUTS", "off", "must be 1 .* or 0 or unset"),  # a NaN fill, ~50% on a backward
     ("ANGLE_KERNELS_AUTOTUNE", "firts", "must be 'all' .* or 'first'"),  # Triton's import raised: auto took torch
     ("ANGLE_KERNELS_SELF_CHECK", "yes", "must be 0 .* or 1"),  # read before only where a path was unverified
 ])
@@ -742,25 +743,29 @@ def test_a_gpu_setting_its_reader_would_misread_is_an_error_at_the_first_gpu_cal
 
     monkeypatch.setattr(_runtime, "_settings_checked", None)
     monkeypatch.setenv(name, value)
-    for backend in ("auto", "torch"):
+    for backend in ("auto", "triton"):
         with pytest.raises(ValueError, match=f"{name} {expected}"):
             dispatch.resolve_backend(backend, FAKE_CUDA_TENSOR)
     assert dispatch.resolve_backend("auto", torch.zeros(1)).name == "torch"  # CPU calls read none of them
+    # an explicit backend that reads none of them (torch; cuda, whose sources read no environment) is not refused
+    assert dispatch.resolve_backend("torch", FAKE_CUDA_TENSOR) is dispatch._TORCH_ON_GPU
 
 
 @pytest.mark.parametrize("values", [{}, {"ANGLE_KERNELS_ALLOW_TF32": "1", "ANGLE_KERNELS_AUTOTUNE": " First",
-                                         "ANGLE_KERNELS_SELF_CHECK": "0"},
+                                         "ANGLE_KERNELS_SELF_CHECK": "0", "ANGLE_KERNELS_POISON_OUTPUTS": "1"},
+                                    {"ANGLE_KERNELS_ALLOW_TF32": "1 ", "ANGLE_KERNELS_POISON_OUTPUTS": "0"},
                                     {"ANGLE_KERNELS_ALLOW_TF32": "", "ANGLE_KERNELS_AUTOTUNE": "all"},
                                     {"ANGLE_KERNELS_ALLOW_TF32": "0", "ANGLE_KERNELS_SELF_CHECK": "1 "}])
 def test_the_gpu_settings_their_readers_understand_pass(monkeypatch, values):
     from angle_kernels import _runtime
 
     monkeypatch.setattr(_runtime, "_settings_checked", None)
-    for name in ("ANGLE_KERNELS_ALLOW_TF32", "ANGLE_KERNELS_AUTOTUNE", "ANGLE_KERNELS_SELF_CHECK"):
+    for name in ("ANGLE_KERNELS_ALLOW_TF32", "ANGLE_KERNELS_AUTOTUNE", "ANGLE_KERNELS_SELF_CHECK",
+                 "ANGLE_KERNELS_POISON_OUTPUTS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in values.items():
         monkeypatch.setenv(name, value)
-    assert dispatch.resolve_backend("torch", FAKE_CUDA_TENSOR) is dispatch._TORCH_ON_GPU
+    _runtime.check_gpu_settings()
 
 
 def test_the_settings_checked_are_the_ones_the_gpu_paths_read():
@@ -770,3 +775,4 @@ def test_the_settings_checked_are_the_ones_the_gpu_paths_read():
 
     assert _runtime.ALLOW_TF32_ENV == _similarity_tiles._TF32_ENV
     assert _runtime.AUTOTUNE_ENV == _common.AUTOTUNE_ENV and _runtime.SELF_CHECK_ENV == first_use.ENV
+    assert _runtime.POISON_OUTPUTS_ENV == _common.POISON_OUTPUTS_ENV

@@ -549,3 +549,11 @@ def test_a_record_of_another_shape_is_read_as_a_failure_not_an_error():
     """Reading never raises: a record whose errors are not an object (another version's, a hand edit)."""
     outcome = first_use._from_record({"pass": False, "path": "fused", "errors": [1.0], "allowed": "x"})
     assert not outcome.computes and "failed" in outcome.why
+
+
+def test_every_op_names_its_differentiable_fields():
+    """A new op's first-use check reads LEAVES[op] (docs/adding-a-loss.md lists it among the tables every op joins)."""
+    assert set(first_use.LEAVES) == set(contract.OPS)
+    calls = {call.op: call for call in contract.Call.__subclasses__()}
+    for op, fields in first_use.LEAVES.items():
+        assert set(fields) <= set(calls[op]._names), op

@@ -124,6 +124,9 @@ def test_a_pass_plan_sorts_within_dropout_groups_and_keeps_every_row_once():
     assert unsorted.restore_index() is None and unsorted.passes == batch.passes(2)
     with pytest.raises(ValueError, match="not both"):
         batch.plan(rows=2, tokens=8)
+    for wrong in (-1, 9):
+        with pytest.raises(ValueError, match=f"dropout_rows must be between 0 and the batch's 8 rows, got {wrong}"):
+            Batch(seqs, torch.zeros(8), dropout_rows=wrong)
 
 
 def _scanned_runs(lengths, max_rows, max_tokens, padded):
@@ -163,6 +166,9 @@ def test_runs_cut_by_tensor_search_are_those_of_a_row_by_row_scan(seed):
             expected = _scanned_runs(lengths, max_rows, max_tokens, padded)
             got = _cut(torch.tensor(lengths, dtype=torch.long), max_rows, max_tokens, padded=padded)
             assert got == expected, (lengths, max_rows, max_tokens, padded)
+    # a budget past int64 (the costs' dtype) bounds nothing: one run, not an overflow's run per row
+    for budget in (10**19, 10**30):
+        assert _cut(torch.tensor([5, 3, 9]), None, budget) == [(0, 3)]
 
 
 def test_a_span_of_rows_is_the_rows_taken_and_views_rows_in_tensors():
