@@ -15,8 +15,8 @@ def triton_interpreting() -> bool:
 
 
 # Settings whose readers are in code paths GPU runs verified (a change of a reader would void those verifications), so
-# their values are checked here, at every call on GPU tensors (dispatch.resolve_backend), against what the readers
-# understand: a value they would misread is an error naming the variable before any work.
+# their values are checked here, at every `auto` or Triton call on GPU tensors (dispatch.resolve_backend), against
+# what the readers understand: a value they would misread is an error naming the variable before any work.
 SELF_CHECK_ENV = "ANGLE_KERNELS_SELF_CHECK"  # first_use.enabled: checks on first use on (1, the default) or off (0)
 ALLOW_TF32_ENV = "ANGLE_KERNELS_ALLOW_TF32"  # triton_ops._similarity_tiles._dot_precision: "" and "0" off, else on
 POISON_OUTPUTS_ENV = "ANGLE_KERNELS_POISON_OUTPUTS"  # triton_ops._common.poison_outputs: the same reading
