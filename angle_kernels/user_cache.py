@@ -202,14 +202,18 @@ def _take(fcntl, handle, lock_file: Path, wait_seconds: float) -> None:
             pause = min(2 * pause, 0.01)  # short: a holder that lets go hands the lock on at once
 
 
-def update(change: Callable[[dict], dict | None], path: Path | None = None) -> dict:
+def update(change: Callable[[dict], dict | None], path: Path | None = None, *, replace_unusable: bool = True
+           ) -> dict:
     """Apply `change` to the cache's contents under its lock and write the result atomically; returns it. `change`
-    edits the dict in place (or returns a new one). An unusable file is replaced, but for one a later version of
-    the package wrote (a newer format: another environment's records) or one this process cannot read: an OSError,
-    as for a folder that cannot be written."""
+    edits the dict in place (or returns a new one). An unusable file is replaced (unless `replace_unusable` is
+    False: a change that keeps the others' records must not drop them), but for one a later version of the package
+    wrote (a newer format: another environment's records) or one this process cannot read: an OSError, as for a
+    folder that cannot be written."""
     path = path or cache_file()
     with locked(path):
-        contents, _, keep = _load(path)
+        contents, unusable, keep = _load(path)
+        if keep is None and unusable is not None and not replace_unusable:
+            keep = unusable
         if keep is not None:
             raise OSError(f"{path}: {keep}: left as it is")
         changed = change(contents)
@@ -242,14 +246,11 @@ def forget_failed_checks(path: Path | None = None) -> int:
     removed = []
 
     def drop(contents: dict) -> None:
-        _, unusable, _ = _load(path)  # under the lock: a file update() would replace holds records of its own
-        if unusable is not None:
-            raise OSError(f"{path}: {unusable}: left as it is")
         kept = [record for record in contents["checks"] if record.get("pass") is True]
         removed.append(len(contents["checks"]) - len(kept))
         contents["checks"] = kept
 
-    update(drop, path)
+    update(drop, path, replace_unusable=False)  # a file update() would replace holds records of its own
     return removed[0]
 
 
