@@ -58,22 +58,18 @@ def test_batches_made_ahead_on_a_thread_train_exactly_as_batches_made_at_their_s
 
     from angle_train import trainer
 
-    made_on_thread = []
-    prepare = trainer.prepare_batches
+    def on_data_thread(name: str) -> list[bool]:
+        """Whether each call of trainer.<name> ran on the data thread, in call order."""
+        calls, real = [], getattr(trainer, name)
 
-    def recording(*args, **kwargs):
-        made_on_thread.append(threading.current_thread().name.startswith("angle-train-data"))
-        return prepare(*args, **kwargs)
+        def recording(*args, **kwargs):
+            calls.append(threading.current_thread().name.startswith("angle-train-data"))
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "prepare_batches", recording)
-    ordered_on_thread = []
-    order = trainer.batch_order
+        monkeypatch.setattr(trainer, name, recording)
+        return calls
 
-    def recording_order(*args, **kwargs):
-        ordered_on_thread.append(threading.current_thread().name.startswith("angle-train-data"))
-        return order(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "batch_order", recording_order)
+    made_on_thread, ordered_on_thread = on_data_thread("prepare_batches"), on_data_thread("batch_order")
     settings = {"model": "builtin:tiny-bert", "chunk_size": 6, "grad_accum": 2, "max_steps": 0, "epochs": 2,
                 "batch_size": 8, "log_every": 1}
     data = (demo_examples(50), "B")  # 6 batches an epoch: 3 steps
