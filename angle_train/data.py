@@ -696,8 +696,7 @@ class TokenizedPairs:
         # the texts cut: by the prompt's room (a decoded cut may come back shorter) or reaching max_length
         cut_here = int((prompt_cut | (mine.length_tensor() >= max_length)).sum())
         self.rows, counts = gather_token_rows([mine, TokenRows([[cut_here]])], processes)
-        self.labels = [ex.label for ex in examples]
-        self._label_tensor = torch.tensor(self.labels, dtype=torch.float32)
+        self.labels = torch.tensor([ex.label for ex in examples], dtype=torch.float32)  # [examples]
         self._text_lengths = self.rows.length_tensor().view(len(examples), self.rows_per_example)  # [examples, k]
         self.lengths = self._text_lengths.amax(1).tolist()  # each example's longest text
         self.cut = cut_note(sum(each[0] for each in counts), len(self.rows), max_length)
@@ -717,7 +716,7 @@ class TokenizedPairs:
         k = self.rows_per_example
         examples = torch.as_tensor(indices, dtype=torch.long)
         rows = (examples[:, None] * k + torch.arange(k)).reshape(-1)
-        return Batch(self.rows.take(rows), self._label_tensor[examples].repeat_interleave(k))
+        return Batch(self.rows.take(rows), self.labels[examples].repeat_interleave(k))
 
 
 @dataclass
