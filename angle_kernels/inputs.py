@@ -56,7 +56,24 @@ from .distributed import all_gather_with_grad, rank_and_world_size
 # Tensors
 # ---------------------------------------------------------------------------------------------------------
 
-_value_checks = os.environ.get("ANGLE_KERNELS_CHECK_INPUTS", "1").strip().lower() not in ("0", "false", "no", "off")
+CHECK_INPUTS_ENV = "ANGLE_KERNELS_CHECK_INPUTS"
+_SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _value_checks_setting() -> bool:
+    """ANGLE_KERNELS_CHECK_INPUTS, read at import: unset or empty, on; 1/true/yes/on or 0/false/no/off (any case,
+    spaces around it allowed); anything else a ValueError naming it (a typo must not decide whether inputs are
+    checked)."""
+    value = os.environ.get(CHECK_INPUTS_ENV, "").strip().lower()
+    if value == "":
+        return True
+    if value not in _SWITCH_WORDS:
+        raise ValueError(f"{CHECK_INPUTS_ENV} must be 1, true, yes or on (the default: NaN/Inf and label values "
+                         f"checked) or 0, false, no or off (no value checks); got {os.environ[CHECK_INPUTS_ENV]!r}")
+    return _SWITCH_WORDS[value]
+
+
+_value_checks = _value_checks_setting()
 
 
 def set_input_checks(enabled: bool) -> bool:

@@ -498,6 +498,26 @@ def test_environment_variable_switches_checks_off(ak):
     assert done.returncode != 0 and "ValueError" in done.stderr and "y_pred" in done.stderr
 
 
+
+@pytest.mark.parametrize("value, enabled", [(None, True), ("", True), (" On ", True), ("TRUE", True), ("1", True),
+                                            ("off", False), (" 0", False), ("No", False), ("false", False)])
+def test_check_inputs_setting_reads_every_switch_word(ak, monkeypatch, value, enabled):
+    from angle_kernels import inputs
+    if value is None:
+        monkeypatch.delenv(inputs.CHECK_INPUTS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(inputs.CHECK_INPUTS_ENV, value)
+    assert inputs._value_checks_setting() is enabled
+
+
+@pytest.mark.parametrize("value", ["flase", "2", "disabled", "0.0"])
+def test_check_inputs_setting_refuses_what_it_cannot_read(ak, monkeypatch, value):
+    """A typo must not decide whether inputs are checked: an error naming the variable (at import)."""
+    from angle_kernels import inputs
+    monkeypatch.setenv(inputs.CHECK_INPUTS_ENV, value)
+    with pytest.raises(ValueError, match=f"ANGLE_KERNELS_CHECK_INPUTS must be .*got '{value}'"):
+        inputs._value_checks_setting()
+
 # --------------------------------------------------------------------------------------------------------
 # zero vectors: finite and equal to the oracle's F.normalize-epsilon semantics (the reference gives NaN)
 # --------------------------------------------------------------------------------------------------------
