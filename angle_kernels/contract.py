@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import warnings
 from typing import Callable, ClassVar, Protocol, TypeVar
 
 import torch
@@ -76,6 +77,43 @@ def outside_autocast(tensor: torch.Tensor):
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def backward_traced_under_autocast(tensor: torch.Tensor) -> bool:
+    """Whether torch.compile is tracing this call inside an autocast region for `tensor`'s device type with
+    AOTAutograd set to trace backward passes under the forward's autocast (torch._functorch.config.
+    backward_pass_autocast "same_as_forward", its default). The backends' backward passes would then be traced
+    with their products under autocast, which eager autograd never does for a backward called outside the region:
+    16-bit gradients, or a dtype mismatch between the products' operands. The losses and ops then compute outside
+    the graph (`call_outside_the_graph`)."""
+    device_type = tensor.device.type
+    return (torch.compiler.is_compiling() and torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)
+            and torch._functorch.config.backward_pass_autocast == "same_as_forward")
+
+
+_AUTOCAST_BACKWARD_ADVICE = (
+    "an angle_kernels loss or op compiled inside a torch.autocast region: AOTAutograd would trace its backward under "
+    "the region's autocast (torch._functorch.config.backward_pass_autocast == 'same_as_forward', the default), "
+    "which its backward passes do not support, so it computes outside the compiled graph (a graph break). To trace "
+    "it whole, set torch._functorch.config.backward_pass_autocast = 'off' (backward traced as eager autograd runs "
+    "a backward called outside the region), or call the loss outside the region")
+_warned_autocast_backward = False
+
+
+def _call_warning_once(function: Callable, *args, **kwargs):
+    global _warned_autocast_backward
+    if not _warned_autocast_backward:
+        _warned_autocast_backward = True
+        warnings.warn(_AUTOCAST_BACKWARD_ADVICE, stacklevel=3)
+    return function(*args, **kwargs)
+
+
+# `function(*args, **kwargs)` run eagerly between compiled graphs (for `backward_traced_under_autocast`): its forward
+# as outside the region, its backward by autograd as eager code's. Warns once per process; under fullgraph=True,
+# torch.compile raises instead, with the advice as its reason. (An assignment, not a decorator: a decorated
+# definition of this module would join the fingerprint of every GPU path that reaches the module.)
+call_outside_the_graph = torch.compiler.disable(_call_warning_once, reason=_AUTOCAST_BACKWARD_ADVICE)
 
 
 def _refuse_second_derivatives(grad: torch.Tensor) -> None:
@@ -143,6 +181,8 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
         for value in (*args, *kwargs.values()):
             first = value[0] if isinstance(value, (list, tuple)) and value else value
             if isinstance(first, torch.Tensor):
+                if backward_traced_under_autocast(first):
+                    return call_outside_the_graph(computed, *args, **kwargs)
                 with outside_autocast(first):
                     result = loss(*args, **kwargs)
                 break

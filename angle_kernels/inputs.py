@@ -57,7 +57,8 @@ from .distributed import all_gather_with_grad, rank_and_world_size
 # ---------------------------------------------------------------------------------------------------------
 
 CHECK_INPUTS_ENV = "ANGLE_KERNELS_CHECK_INPUTS"
-_SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+                 "0": False, "false": False, "no": False, "off": False}
 
 
 def _value_checks_setting() -> bool:
