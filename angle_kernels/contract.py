@@ -117,13 +117,33 @@ call_outside_the_graph = torch.compiler.disable(_call_warning_once, reason=_AUTO
 
 
 def _refuse_second_derivatives(grad: torch.Tensor) -> None:
-    """A loss's gradient hook that refuses a second derivative: the backends' backward passes compute gradients with
-    untracked ops (formed in forward, or kernels), so a second derivative through them (create_graph, e.g. a
-    gradient penalty) would silently count their gradients as constants. Autograd runs backward, its hooks
-    included, under grad mode only when asked to differentiate it (create_graph=True)."""
+    """A loss's gradient hook, run as its backward starts: refuses a second derivative (the backends' backward passes
+    compute gradients with untracked ops, formed in forward, or kernels, so a second derivative through them,
+    create_graph, e.g. a gradient penalty, would silently count their gradients as constants; autograd runs
+    backward, its hooks included, under grad mode only when asked to differentiate it: create_graph=True), and
+    warns once where backward runs inside an autocast region (_warn_backward_inside_autocast)."""
     if torch.is_grad_enabled():
         raise RuntimeError("angle_kernels' losses have first derivatives only: backward with create_graph=True "
                            "(second derivatives, e.g. a gradient penalty) is not supported")
+    device_type = grad.device.type if grad is not None else None  # None: an output of an op that backward skips
+    if device_type and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        _warn_backward_inside_autocast()
+
+
+_warned_backward_inside_autocast = False
+
+
+def _warn_backward_inside_autocast() -> None:
+    """Backward called inside a torch.autocast region (PyTorch advises against it: autocast is meant for the forward
+    pass) runs the backends' backward passes with their products under autocast: gradients rounded to 16 bits, or,
+    where a product mixes a 16-bit operand with a float32 one, a dtype-mismatch error with nothing naming autocast."""
+    global _warned_backward_inside_autocast
+    if not _warned_backward_inside_autocast:
+        _warned_backward_inside_autocast = True
+        warnings.warn("backward() of an angle_kernels loss called inside a torch.autocast region: its backward "
+                      "passes then run their products under autocast (gradients rounded to 16 bits, or a "
+                      "dtype-mismatch error). Call backward() after the region, as PyTorch's AMP recipe does; the "
+                      "loss itself may stay inside it", stacklevel=2)
 
 
 def _without_inference_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

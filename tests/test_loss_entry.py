@@ -14,6 +14,8 @@ The backends' backward passes are not differentiable (gradients formed in forwar
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -105,6 +107,26 @@ def test_the_losses_leave_the_region_as_they_found_it():
         ak.multiple_negatives_ranking_loss(y[:2], y[2:])
         assert torch.is_autocast_enabled("cpu")
         assert torch.mm(y, y.T).dtype == torch.bfloat16  # the caller's own products still autocast
+
+
+def test_backward_inside_autocast_warns_once(monkeypatch):
+    """Backward belongs after the region (PyTorch's recipe): inside it, the backends' backward passes run their
+    products under autocast (16-bit gradients, or a dtype-mismatch error naming nothing), so it warns, once."""
+    from angle_kernels import contract
+    monkeypatch.setattr(contract, "_warned_backward_inside_autocast", False)
+    y = torch.randn(8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(UserWarning, match=r"inside a torch.autocast region.*Call backward\(\) after the region"):
+            ak.cosine_loss(GRADED, y).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ak.cosine_loss(GRADED, y).backward()  # once per process
+    monkeypatch.setattr(contract, "_warned_backward_inside_autocast", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ak.cosine_loss(GRADED, y)
+        loss.backward()  # after the region: nothing to say
 
 
 @pytest.mark.parametrize("name", list(CALLS))
