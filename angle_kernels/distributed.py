@@ -6,9 +6,13 @@ reduce-scatter), so a loss computed on every rank from gathered tensors gives ea
 gradient of the SUM of the ranks' losses. Under DDP, which averages parameter gradients over ranks, that is
 the gradient of the mean of the ranks' losses.
 
+`all_gather_many_with_grad(named, local_check)` gathers a loss's columns the same way after one small collective
+for all of them, in which the ranks agree that they may (every rank's own checks passed, the same tensors
+everywhere): a refusal on one rank is a refusal on every rank, none is left waiting in a collective.
+
 Users:
-  * angle_kernels.integrations.sentence_transformers: MultipleNegativesRankingLoss and its cached version
-    with gather_across_devices=True (each rank scores its own queries against every rank's documents).
+  * the losses with gather_across_devices=True (multiple_negatives_ranking_loss, gist_loss: the columns at once),
+    and so the sentence-transformers drop-ins (each rank scores its own queries against every rank's documents).
   * angle_train (distributed.py, grad_cache.py): every rank computes the loss of the whole gathered batch.
 
 Without an initialised process group, or with one process, it is the identity (no copy, no collective).
@@ -17,10 +21,11 @@ Without an initialised process group, or with one process, it is the identity (n
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["all_gather_with_grad", "is_distributed", "rank_and_world_size"]
+__all__ = ["all_gather_many_with_grad", "all_gather_with_grad", "is_distributed", "rank_and_world_size"]
 
 
 def is_distributed() -> bool:
@@ -95,6 +100,65 @@ class _AllGatherWithGrad(torch.autograd.Function):
         grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)
         return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
+
+
+def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
+                              local_check: Callable[[], None] | None = None) -> list[torch.Tensor]:
+    """Each tensor of `named` ((name, tensor) pairs) gathered as all_gather_with_grad gathers one, after ONE small
+    collective for all of them (not one per tensor) in which the ranks agree that they may: `local_check` (this
+    rank's checks of what the other ranks cannot see, e.g. its inputs that are not gathered) passed on every rank,
+    and every rank gathers as many tensors, with the same rows, row shapes and dtypes. Otherwise every rank raises,
+    none is left waiting in a collective: a rank whose check failed, its own error; the others a ValueError naming
+    it; a layout that differs, the same ValueError on every rank. Without torch.distributed (or with one process):
+    `local_check`, then the tensors themselves."""
+    tensors = [t for _, t in named]
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"all_gather_many_with_grad expects tensors, got {type(t).__name__} for {name}")
+    if not is_distributed():
+        if local_check is not None:
+            local_check()
+        return tensors
+    import torch.distributed as dist
+
+    refusal = None
+    if local_check is not None:
+        try:
+            local_check()
+        except Exception as exc:  # settled with the other ranks first, then raised
+            refusal = exc
+    layout = tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
+    mine = torch.tensor([refusal is not None, len(tensors), zlib.crc32(repr(layout).encode()),
+                         tensors[0].shape[0] if tensors and tensors[0].dim() else -1],
+                        dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
+    records = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(records, mine)
+    records = [[int(v) for v in record.tolist()] for record in records]
+    rank = dist.get_rank()
+    if refusal is not None:
+        raise refusal
+    refused = [r for r, record in enumerate(records) if record[0]]
+    if refused:
+        raise ValueError(f"rank(s) {refused} refused their inputs (their error says why); rank {rank} raises too "
+                         "rather than wait for them in the next collective")
+    counts = [record[1] for record in records]
+    if len(set(counts)) > 1:
+        raise ValueError(f"every rank must gather the same tensors: tensors per rank {counts} (this is rank {rank}: "
+                         f"{[name for name, _ in named]})")
+    rows = [record[3] for record in records]
+    if len(set(rows)) > 1:
+        raise ValueError(
+            f"all_gather_with_grad needs the same number of rows on every rank, got rows per rank {rows} (this is "
+            f"rank {rank}); give every process an equal slice of the batch (e.g. drop the last incomplete batch)")
+    if len({record[2] for record in records}) > 1:
+        raise ValueError(
+            "all_gather_with_grad needs tensors of the same rows, row shape and dtype on every rank; the ranks' "
+            f"differ (this is rank {rank}: {[(name, tuple(t.shape), t.dtype) for name, t in named]})")
+    for name, t in named:
+        if t.dim() == 0:
+            raise ValueError(f"all_gather_with_grad concatenates along dim 0: {name} must have at least one "
+                             "dimension")
+    return [_AllGatherWithGrad.apply(t) for t in tensors]
 
 
 def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ from typing import NamedTuple, Union
 import torch
 
 from .contract import check_dims
-from .distributed import all_gather_with_grad, rank_and_world_size
+from .distributed import all_gather_many_with_grad, rank_and_world_size
 
 # ---------------------------------------------------------------------------------------------------------
 # Tensors
@@ -635,7 +635,7 @@ def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, nega
     if gather_across_devices and world_size > 1:
         # Checked after gathering: every rank sees the same values, so a NaN on one rank makes all of them
         # raise (rather than one raising and the others waiting in the next collective).
-        everything = [all_gather_with_grad(t) for _, t in named]
+        everything = all_gather_many_with_grad(named)
         check_embedding_group(*((name, t) for (name, _), t in zip(named, everything)))
         gathered = (rank, everything[0], everything[1], everything[2:])
     else:

@@ -19,7 +19,7 @@ import torch
 
 from ..contract import FILTER_TIE_ALLOWANCE, compute_dtype, loss_entry
 from ..dispatch import Ops, resolve_backend
-from ..distributed import all_gather_with_grad, rank_and_world_size
+from ..distributed import all_gather_many_with_grad, rank_and_world_size
 from ..inputs import (
     HARDNESS_MODES,
     MARGIN_STRATEGIES,
@@ -155,26 +155,30 @@ def gist_loss(
     named = [("positives", positives), *((f"negatives[{i}]", t) for i, t in enumerate(negatives))]
     guide_named = [("guide_positives", guide_positives),
                    *((f"guide_negatives[{i}]", t) for i, t in enumerate(guide_negatives))]
-    rank, world_size = rank_and_world_size()
-    gathered = None
-    if gather_across_devices and world_size > 1:
-        model_side = [all_gather_with_grad(t) for _, t in named]
-        with torch.no_grad():
-            guide_side = [all_gather_with_grad(t) for _, t in guide_named]
-        check_embedding_group(("anchors", anchors), *((n, t) for (n, _), t in zip(named, model_side)))
-        check_embedding_group(("guide_anchors", guide_anchors),
-                                     *((n, t) for (n, _), t in zip(guide_named, guide_side)))
-        gathered = (rank, model_side[0], model_side[1:], guide_side[0], guide_side[1:])
-    else:
+
+    def check_this_ranks() -> None:
         check_embedding_group(("anchors", anchors), *named)
         check_embedding_group(("guide_anchors", guide_anchors), *guide_named)
-    for name, t in named:
-        check_same_shape("anchors", anchors, name, t)
-    # the guide's anchors against the model's first, so that a guide tensor of the wrong size is the one named
-    if guide_anchors.shape[0] != anchors.shape[0]:
-        raise ValueError(f"guide_anchors must have the anchors' {anchors.shape[0]} rows, got {guide_anchors.shape[0]}")
-    for name, t in guide_named:
-        check_same_shape("guide_anchors", guide_anchors, name, t)
+        for name, t in named:
+            check_same_shape("anchors", anchors, name, t)
+        # the guide's anchors against the model's first, so that a guide tensor of the wrong size is the one named
+        if guide_anchors.shape[0] != anchors.shape[0]:
+            raise ValueError(f"guide_anchors must have the anchors' {anchors.shape[0]} rows, "
+                             f"got {guide_anchors.shape[0]}")
+        for name, t in guide_named:
+            check_same_shape("guide_anchors", guide_anchors, name, t)
+
+    rank, world_size = rank_and_world_size() if gather_across_devices else (0, 1)
+    gathered = None
+    if gather_across_devices and world_size > 1:
+        # This rank's checks settled with every rank's before anything is gathered: the anchors (and their guide
+        # embeddings) are not gathered, so a refusal seen by one rank alone would leave the others waiting.
+        everything = all_gather_many_with_grad(named + [(name, t.detach()) for name, t in guide_named],
+                                               local_check=check_this_ranks)
+        model_side, guide_side = everything[:len(named)], everything[len(named):]
+        gathered = (rank, model_side[0], model_side[1:], guide_side[0], guide_side[1:])
+    else:
+        check_this_ranks()
     return gist(resolve_backend(backend, anchors), anchors, positives, negatives, guide_anchors.detach(),
                       guide_positives.detach(), [t.detach() for t in guide_negatives], temperature, margin_strategy,
                       margin, contrast_anchors, contrast_positives, gathered)

@@ -301,6 +301,41 @@ def _rank_gather(rank: int, world: int) -> dict:
     return out
 
 
+def _rank_refusals(rank: int, world: int) -> dict:
+    """Inputs that one rank alone refuses (or that differ between ranks) in the losses that gather: every rank must
+    raise, none be left waiting in a collective (the group's 60 s timeout would turn a wait into another error)."""
+    import angle_kernels.functional as ak_functional
+
+    (anchors, positives, negative), (guide_anchors, guide_positives, guide_negative) = (
+        [c[rank * ROWS:(rank + 1) * ROWS] for c in side] for side in gist_batch(world, 1))
+    last = rank == world - 1
+    calls = {
+        # GIST's anchors and guide_anchors are not gathered: only their own rank can see what is wrong with them
+        "gist_nan_anchor": lambda: ak_functional.gist_loss(
+            anchors.clone().index_fill_(0, torch.tensor([1]), float("nan")) if last else anchors, positives,
+            guide_anchors, guide_positives, gather_across_devices=True),
+        "gist_short_guide_anchors": lambda: ak_functional.gist_loss(
+            anchors, positives, guide_anchors[:-1] if rank == 0 else guide_anchors, guide_positives,
+            gather_across_devices=True),
+        # as many hard-negative columns on every rank, or the ranks' gathers no longer pair up
+        "mnrl_negative_columns": lambda: ak_functional.multiple_negatives_ranking_loss(
+            anchors, positives, (negative,) if rank == 0 else (), gather_across_devices=True),
+        "mnrl_rows": lambda: ak_functional.multiple_negatives_ranking_loss(
+            anchors[:-1] if last else anchors, positives[:-1] if last else positives, gather_across_devices=True),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    fine = ak_functional.gist_loss(anchors, positives, guide_anchors, guide_positives, (negative,),
+                                   (guide_negative,), gather_across_devices=True)
+    out["after"] = bool(torch.isfinite(fine))  # the group still works
+    return out
+
+
 def _rank_score_shapes(rank: int, world: int) -> dict:
     """Shapes of the 2-D tensors that are neither embedding-shaped ([rows, D], or its transpose) nor at most
     one tile."""
@@ -342,7 +377,8 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         result = {"cases": _rank_cases(rank, world), "gist": _rank_gist(rank, world),
-                  "gather": _rank_gather(rank, world), "shapes": _rank_score_shapes(rank, world)}
+                  "gather": _rank_gather(rank, world), "refusals": _rank_refusals(rank, world),
+                  "shapes": _rank_score_shapes(rank, world)}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
@@ -447,6 +483,28 @@ def test_all_gather_with_grad(ranks):
         assert refusals["row shape"] is not None and "row shape" in refusals["row shape"]
         assert refusals["dtype"] is not None and "dtypes that differ" in refusals["dtype"]
         assert torch.equal(got["after"], torch.arange(world, dtype=torch.float32)[:, None].expand(world, 2))
+
+
+def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(ranks):
+    """Before: GIST's checks of the anchors and guide_anchors (not gathered) ran on each rank alone after the
+    gathers, so the rank with a NaN or a short guide tensor raised and the others waited in backward's collective
+    (a 30-minute timeout by default); a different count of hard-negative columns left every rank waiting."""
+    world, results = ranks
+    for rank, result in enumerate(results):
+        got = result["refusals"]
+        last = rank == world - 1
+        nan = got["gist_nan_anchor"]
+        assert nan is not None, rank
+        assert ("anchors contains NaN" in nan) if last else (f"rank(s) [{world - 1}] refused" in nan), (rank, nan)
+        short = got["gist_short_guide_anchors"]
+        assert short is not None, rank
+        assert ("guide_anchors must have the anchors' 4 rows, got 3" in short) if rank == 0 else (
+            "rank(s) [0] refused" in short), (rank, short)
+        counts = got["mnrl_negative_columns"]
+        assert counts is not None and f"tensors per rank {[3] + [2] * (world - 1)}" in counts, (rank, counts)
+        rows = got["mnrl_rows"]
+        assert rows is not None and f"rows per rank {[ROWS] * (world - 1) + [ROWS - 1]}" in rows, (rank, rows)
+        assert got["after"]
 
 
 def test_all_gather_with_grad_is_the_identity_without_a_process_group():
