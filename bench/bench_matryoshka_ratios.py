@@ -3,7 +3,8 @@
 full-width loss, measured side by side in one run, forward + backward, time and peak extra memory.
 
 For CoSENT (N pairs) and MultipleNegativesRankingLoss (N queries, a positive and a hard negative each; "mnrl-gte":
-with GTE's four directions and hardness weighting, its blocks the similarity_lse op, no ST rows), at each D:
+with GTE's four directions and hardness weighting, its blocks the similarity_lse op, no ST rows; "mnrl-filter": with
+the false-negative filter, margin 0.1, the same op, no ST rows), at each D:
 
     single            our loss at the full width, one call                       (the 1.0x of every ratio)
     fused k=5         our loss with dims (bench_matryoshka.nested_dims): one call, one read of the embeddings
@@ -22,7 +23,7 @@ order (a machine whose speed drifts slows every contender alike), and the table 
 
     python bench/bench_matryoshka_ratios.py [--d 768 4096] [--pairs 4096] [--queries 1024] [--layers 12]
                                             [--dtype float32] [--device auto] [--out DIR]
-                                            [--losses cosent mnrl mnrl-gte] [--rows single "fused k=5"]
+                                            [--losses cosent mnrl mnrl-gte mnrl-filter] [--rows single "fused k=5"]
                                             [--interleave 15]
 """
 
@@ -82,6 +83,8 @@ def cosine_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses
 # MNRL with GTE's four directions and hardness weighting: every block a similarity_lse call (the "mnrl-gte" rows)
 GTE_OPTIONS = dict(directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
                    hardness_mode="in_batch_negatives", hardness_strength=3.0)
+# MNRL with the false-negative filter (the "mnrl-filter" rows): its block a similarity_lse call with a filter
+FILTER_OPTIONS = dict(false_negative_margin=0.1)
 
 
 def mnrl_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses, options: dict | None = None) -> dict:
@@ -183,7 +186,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--time-per-case", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=None, help="write table.md there")
-    parser.add_argument("--losses", nargs="+", default=["cosent", "mnrl"], choices=["cosent", "mnrl", "mnrl-gte"])
+    parser.add_argument("--losses", nargs="+", default=["cosent", "mnrl"], choices=["cosent", "mnrl", "mnrl-gte", "mnrl-filter"])
     parser.add_argument("--rows", nargs="+", default=None, help="only these rows (e.g. single 'fused k=5')")
     parser.add_argument("--interleave", type=int, default=0, metavar="R",
                         help="time the rows in R interleaved rounds (medians, spreads) instead")
@@ -201,7 +204,9 @@ def main(argv: list[str]) -> int:
                 ("cosent", "CoSENT", cosine_rows, f"N = {args.pairs} pairs"),
                 ("mnrl", "MultipleNegativesRankingLoss", mnrl_rows, queries),
                 ("mnrl-gte", "MultipleNegativesRankingLoss, GTE directions and hardness",
-                 functools.partial(mnrl_rows, options=GTE_OPTIONS), queries)):
+                 functools.partial(mnrl_rows, options=GTE_OPTIONS), queries),
+                ("mnrl-filter", "MultipleNegativesRankingLoss, false-negative filter",
+                 functools.partial(mnrl_rows, options=FILTER_OPTIONS), queries)):
             if key not in args.losses:
                 continue
             n = args.pairs if loss == "CoSENT" else args.queries

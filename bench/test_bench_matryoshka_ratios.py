@@ -21,10 +21,11 @@ def test_rows_of_a_group_compute_the_same_loss(make):
     assert values["fused k=5"] != pytest.approx(values["single"])  # the widths do add terms
 
 
-def test_gte_rows_of_a_group_compute_the_same_loss():
-    """The "mnrl-gte" rows (similarity_lse blocks): the fused call equals our per-width calls."""
+@pytest.mark.parametrize("options", ["GTE_OPTIONS", "FILTER_OPTIONS"])
+def test_similarity_lse_rows_of_a_group_compute_the_same_loss(options):
+    """The "mnrl-gte" and "mnrl-filter" rows (similarity_lse blocks): the fused call equals our per-width calls."""
     rows = ratios.mnrl_rows(16, 24, 3, torch.float64, "cpu", torch.Generator().manual_seed(0),
-                            P.sentence_transformers_losses(), options=ratios.GTE_OPTIONS)
+                            P.sentence_transformers_losses(), options=getattr(ratios, options))
     values = {name: float(run().detach()) for name, (run, _) in rows.items()}
     assert not any(name.startswith("ST") for name in values)
     assert values["ours k calls"] == pytest.approx(values["fused k=5"], rel=1e-12)

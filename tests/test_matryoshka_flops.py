@@ -39,19 +39,18 @@ def test_dims_take_one_widths_flops():
 
 
 def test_dims_of_every_option_take_one_widths_flops(monkeypatch):
-    """MNRL's options (GTE's four directions, hardness weighting, a false-negative filter) are similarity_lse
-    blocks: with dims each block is one call for every prefix, its products cumulative over the slices
-    (torch_ops/similarity_lse.py, PrefixSimilarityLseFunction), so the FLOPs stay within 10% of one width's on the
-    same schedule (backward makes the score tiles again). A one-width call whose logits fit one tile keeps its
-    softmax for backward instead (torch_ops/_similarity_lse_softmax.py) and makes 3/4 of those FLOPs: dims cost
-    4/3 of that."""
+    """MNRL's options (GTE's four directions, hardness weighting) are similarity_lse blocks: with dims each block is
+    one call for every prefix, its products cumulative over the slices (torch_ops/similarity_lse.py,
+    PrefixSimilarityLseFunction), so the FLOPs stay within 10% of one width's on the same schedule (backward makes
+    the score tiles again). A one-width call whose logits fit one tile keeps its softmax for backward instead
+    (torch_ops/_similarity_lse_softmax.py) and makes 3/4 of those FLOPs: dims cost 4/3 of that."""
     from angle_kernels.torch_ops import common
 
     gen = torch.Generator().manual_seed(2)
     q, p = torch.randn(64, 768, generator=gen), torch.randn(64, 768, generator=gen)
     loss = angle_kernels.multiple_negatives_ranking_loss
     options = dict(directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
-                   hardness_mode="in_batch_negatives", hardness_strength=3.0, false_negative_margin=0.1)
+                   hardness_mode="in_batch_negatives", hardness_strength=3.0)
     unit = 64 * 64 * 768  # one block's multiply-adds
     kept = _flops(loss, q, p, **options)
     assert 4 * 6 * unit <= kept < 4 * 7 * unit  # four blocks, each forward's product and the two gradient products
@@ -60,6 +59,21 @@ def test_dims_of_every_option_take_one_widths_flops(monkeypatch):
     recomputing = _flops(loss, q, p, **options)
     assert recomputing >= 4 * 8 * unit  # each block's product again in backward
     assert nested <= 1.1 * recomputing, f"dims: {nested / recomputing:.3f}x one width's FLOPs"
+
+
+def test_dims_with_a_filter_compute_each_prefix_as_one_width_on_the_cpu():
+    """With a false-negative filter the prefix walk's backward makes every prefix's filtered exponentials again,
+    which on the CPU cost more than the products it saves (2x the time of one call per width): the CPU calls take
+    each prefix by the one-width softmax form (torch_ops/similarity_lse_paths.py), whose products are the widths'
+    sum, each keeping its softmax for backward."""
+    gen = torch.Generator().manual_seed(3)
+    q, p = torch.randn(64, 768, generator=gen), torch.randn(64, 768, generator=gen)
+    loss = angle_kernels.multiple_negatives_ranking_loss
+    options = dict(directions=("query_to_doc", "query_to_query"), false_negative_margin=0.1)
+    kept = _flops(loss, q, p, **options)
+    nested = _flops(loss, q, p, dims=DIMS, **options)
+    per_width = sum(DIMS) / 768 * kept
+    assert 0.95 * per_width <= nested <= 1.05 * per_width, f"dims: {nested / per_width:.3f}x the widths' sum"
 
 
 def test_formed_gradients_equal_recomputed_ones():

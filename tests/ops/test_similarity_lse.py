@@ -455,17 +455,19 @@ def test_dims_against_oracle(backend, name, dtype):
                          device=backend.device)
 
 
-def test_dims_in_blocks_equal_one_width_calls(monkeypatch):
-    """The torch backend's dims path over several row blocks: each prefix equal, to rounding, to the one-width path
-    on the truncated inputs, values and gradients (float64), rows that keep no column included (-inf, no
-    gradient)."""
+@pytest.mark.parametrize("form", ["torch", "torch-blocked"])
+def test_dims_in_blocks_equal_one_width_calls(monkeypatch, form):
+    """The torch backend's dims paths over several row blocks (its CPU router's, which takes a filtered call's
+    prefixes one by one, and the blocked form's prefix walk, what its GPU calls run): each prefix equal, to
+    rounding, to the one-width path on the truncated inputs, values and gradients (float64), rows that keep no
+    column included (-inf, no gradient)."""
     from angle_kernels.dispatch import resolve_backend
     from angle_kernels.torch_ops import common
 
     monkeypatch.setattr(common, "CHUNK_ELEMENTS", 200)  # blocks of a few rows
     q, c, kwargs = _dims_inputs("everything", torch.float64)
     kwargs["filter_threshold"][1, :3] = -2.0  # the filter drops every column of three rows of the second prefix
-    ops = resolve_backend("torch", q)
+    ops = torch_blocked_backend().ops if form == "torch-blocked" else resolve_backend("torch", q)
     leaves = [q.clone().requires_grad_(), c.clone().requires_grad_()]
     value = ops.similarity_lse(*leaves, **kwargs)
     assert torch.isneginf(value[1, :2]).all() and torch.isfinite(value[0]).all()
