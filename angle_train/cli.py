@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         if kind == "bool":
             kwargs.update(type=parse_bool, nargs="?", const=True, metavar="0|1")
         elif kind == "list":
-            kwargs.update(nargs="*", metavar=f.metadata.get("metavar", "NAME"))
+            # at least one value: a bare flag (an empty shell variable after it) is a mistake, not a default
+            kwargs.update(nargs="+", metavar=f.metadata.get("metavar", "NAME"))
         elif kind == "int":
             kwargs.update(type=int)
         elif kind == "float":

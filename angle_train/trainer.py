@@ -35,6 +35,7 @@ import torch
 
 from angle_kernels import AngleLoss, ArcCSELoss, __version__
 from angle_kernels.inputs import check_nested, espresso_layer_weights
+from angle_kernels.modules import _pools as computes_the_angle_term
 
 from . import arccse, distributed, faults, preflight, run_lock, sharding, st_folder, tracking
 from .checkpoint import (
@@ -324,7 +325,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     if cfg.bidirectional:
         encoder.bidirectional = True  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
-    check_model_settings(cfg, encoder)
+    check_model_settings(cfg, encoder, fmt)
     preflight.check_tokenizer(tokenizer, encoder, cfg.model if model is None else "the model given to train()",
                               cfg.max_length)
     cfg.pooling = encoder.pooling  # config.json and the checkpoints record the pooling the run uses
@@ -394,6 +395,11 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
             print(f"angle_train: each epoch leaves out {left:,} of the {len(dataset):,} examples "
                   f"({left / len(dataset):.1%}; another {left:,} each epoch, in its shuffled order): they do not fill "
                   f"a step of {cfg.batch_size}x{cfg.grad_accum}{advice}", flush=True)
+        if dev_set is not None and cfg.matryoshka_dims and encoder.embedding_dim not in cfg.matryoshka_dims:
+            print(f"angle_train: note: --matryoshka-dims {' '.join(map(str, cfg.matryoshka_dims))} leaves out the "
+                  f"full width ({encoder.embedding_dim}): it is not trained as an embedding of its own, yet best/ is "
+                  f"chosen by its dev score; list {encoder.embedding_dim} among the widths to train it too",
+                  flush=True)
         if resume_from:
             print(f"resumed from {resume_from} at step {position.step}", flush=True)
     encoder.train()
@@ -444,8 +450,8 @@ def check_format_settings(cfg: TrainConfig, fmt: str) -> None:
         raise ValueError(f"--batch-size 1 with format {fmt}: every term of the loss compares a pair with the other "
                          "pairs of its batch (in-batch negatives, ranking), so one pair gives a loss of 0 and trains "
                          "nothing; use --batch-size 2 or more")
-    # a weight set to 0 turns off a term the format does not compute anyway (format B's odd Matryoshka widths take
-    # --angle-w 0); format B's one term is an in-batch-negative one, which --ibn-w does not weigh there
+    # a weight set to 0 turns off a term the format does not compute anyway (accepted: a config shared between
+    # formats); format B's one term is an in-batch-negative one, which --ibn-w does not weigh there
     ignored = [flag_of(name) for name in FORMAT_IGNORES.get(fmt, ())
                if cfg.changed(name) and (getattr(cfg, name) != 0 or (fmt, name) == ("B", "ibn_w"))]
     if ignored:
@@ -494,7 +500,7 @@ def check_labels(cfg: TrainConfig, examples: list[Example], fmt: str, from_file:
                      "and train nothing; check the label column, or weight a term these labels can train")
 
 
-def check_model_settings(cfg: TrainConfig, encoder) -> None:
+def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None) -> None:
     """The settings against the loaded model, before any text is tokenised: --max-length and --export-max-length
     within the model's position limit (the second is what best/ and final/ tell sentence-transformers and angle-eval
     to encode: beyond the limit they would fail), --matryoshka-dims and --espresso within its width and layers."""
@@ -504,9 +510,9 @@ def check_model_settings(cfg: TrainConfig, encoder) -> None:
             raise ValueError(f"{flag} {length} is longer than the model can read: its position table holds {limit} "
                              f"positions; use {flag} {limit} or less")
     if cfg.matryoshka_dims:
-        check_matryoshka_dims(cfg, encoder.embedding_dim)
+        check_matryoshka_dims(cfg, encoder.embedding_dim, fmt)
     if cfg.espresso:
-        check_espresso(cfg, encoder)
+        check_espresso(cfg, encoder, fmt)
 
 
 def check_packing(cfg: TrainConfig, encoder, dataset, device: torch.device, asked: bool, dist_info) -> None:
@@ -548,21 +554,28 @@ def build_loss(cfg: TrainConfig, fmt: str | None, encoder=None, world_size: int 
     return loss if layer_weights is None else functools.partial(loss, layer_weights=layer_weights)
 
 
-def check_espresso(cfg: TrainConfig, encoder) -> None:
+def _angle_term_needs_even_widths(cfg: TrainConfig, fmt: str | None) -> bool:
+    """Whether the loss computes the angle term, whose score splits each prefix in halves (AngleLoss's rule: a
+    positive --angle-w in formats A and C; format B has no angle term)."""
+    return cfg.objective == "angle" and computes_the_angle_term(cfg.angle_w, fmt)
+
+
+def check_espresso(cfg: TrainConfig, encoder, fmt: str | None) -> None:
     """--espresso against the loaded model: at least 2 layers, and an even --espresso-dim for the angle term."""
+    even = _angle_term_needs_even_widths(cfg, fmt)
     try:
         dims, _ = espresso_layer_weights(encoder.num_layers, cfg.espresso_dim, encoder.embedding_dim)
-        check_nested(dims, None, encoder.embedding_dim, even=cfg.angle_w > 0)
+        check_nested(dims, None, encoder.embedding_dim, even=even)
     except ValueError as exc:
         raise ValueError(f"--espresso --espresso-dim {cfg.espresso_dim} does not fit {cfg.model} "
                          f"({encoder.num_layers} layers, embeddings of {encoder.embedding_dim} dimensions"
-                         f"{'; --angle-w > 0 needs even widths' if cfg.angle_w > 0 else ''}): {exc}") from None
+                         f"{'; --angle-w > 0 needs even widths' if even else ''}): {exc}") from None
 
 
-def check_matryoshka_dims(cfg: TrainConfig, width: int) -> None:
+def check_matryoshka_dims(cfg: TrainConfig, width: int, fmt: str | None) -> None:
     """--matryoshka-dims against the model's embedding width, once the model is loaded: AngleLoss would check it
     only at the first step, with a message that cannot name the flag. The rules are AngleLoss's own."""
-    even = cfg.angle_w > 0 and cfg.objective == "angle"  # the angle score splits each prefix in halves
+    even = _angle_term_needs_even_widths(cfg, fmt)
     try:
         check_nested(cfg.matryoshka_dims, cfg.matryoshka_weights or None, width, even=even)
     except ValueError as exc:

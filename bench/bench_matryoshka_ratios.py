@@ -186,7 +186,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--time-per-case", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=None, help="write table.md there")
-    parser.add_argument("--losses", nargs="+", default=["cosent", "mnrl"], choices=["cosent", "mnrl", "mnrl-gte", "mnrl-filter"])
+    parser.add_argument("--losses", nargs="+", default=["cosent", "mnrl"],
+                        choices=["cosent", "mnrl", "mnrl-gte", "mnrl-filter"])
     parser.add_argument("--rows", nargs="+", default=None, help="only these rows (e.g. single 'fused k=5')")
     parser.add_argument("--interleave", type=int, default=0, metavar="R",
                         help="time the rows in R interleaved rounds (medians, spreads) instead")

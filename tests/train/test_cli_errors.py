@@ -66,6 +66,9 @@ TRAIN_MISTAKES = [
     (["--dev-data", "builtin:demo-sts", "--dev-split", "test"], "--dev-split chooses a split of a Hugging Face"),
     (["--ibn-w", "0"], "--ibn-w: format B trains the contrastive term of each query against the positives only"),
     (["--train-data", "builtin:demo-sts", "--cln-w", "2"], "--cln-w: format A has no hard negatives"),
+    # a list flag without values (an empty shell variable after it): trained without them, silently, before
+    (["--matryoshka-dims"], "argument --matryoshka-dims: expected at least one argument"),
+    (["--lora-targets"], "argument --lora-targets: expected at least one argument"),
 ]
 HUB_NAME = "owner/model"  # never looked up: each mistake below is found before the model loads
 EVAL_MISTAKES = [

@@ -21,9 +21,10 @@ WIDTH = 32  # make_encoder's hidden size
 MATRYOSHKA = ["--matryoshka-dims", "32", "8", "16", "--matryoshka-weights", "1", "0.5", "2"]
 
 
-def _setup(tmp_path, flags):
+def _setup(tmp_path, flags, fmt="B"):
     argv = ["--output-dir", str(tmp_path), "--device", "cpu", "--progress", "0", *flags]
-    run = setup(config_from_args(argv), model=make_encoder(), train_examples=(demo_examples(64), "B"))
+    examples = demo_examples(64) if fmt == "B" else demo_sts_examples(64)
+    run = setup(config_from_args(argv), model=make_encoder(), train_examples=(examples, fmt))
     run.log.close()
     return run
 
@@ -72,12 +73,15 @@ def test_config_values_are_not_silently_coerced(dims, message):
 
 def test_widths_are_checked_against_the_model_before_training(tmp_path):
     """A width beyond the embeddings (or an odd one while the angle term needs halves) fails in setup, before any
-    step, with the flag and the model's width in the message."""
+    step, with the flag and the model's width in the message. Format B has no angle term: its odd widths train
+    whatever --angle-w says (they were refused unless --angle-w 0 was given)."""
     with pytest.raises(ValueError, match=r"--matryoshka-dims 64 16 does not fit .* 32 dimensions.*exceed"):
         _setup(tmp_path, ["--matryoshka-dims", "64", "16"])
     with pytest.raises(ValueError, match=r"--matryoshka-dims 32 15 .*--angle-w > 0.*even"):
-        _setup(tmp_path, ["--matryoshka-dims", "32", "15"])
-    assert _setup(tmp_path, ["--matryoshka-dims", "32", "15", "--angle-w", "0"]).loss_fn.dims == (32, 15)
+        _setup(tmp_path, ["--matryoshka-dims", "32", "15", "--cosine-w", "1", "--ibn-w", "0"], fmt="A")
+    assert _setup(tmp_path, ["--matryoshka-dims", "32", "15", "--cosine-w", "1", "--ibn-w", "0", "--angle-w", "0"],
+                  fmt="A").loss_fn.dims == (32, 15)
+    assert _setup(tmp_path, ["--matryoshka-dims", "32", "15"]).loss_fn.dims == (32, 15)  # format B
 
 
 def test_encode_dim_truncates_before_normalising():
@@ -149,3 +153,16 @@ def test_training_reports_dev_spearman_at_every_width(tmp_path):
     assert result.best_spearman == max(r["dev_spearman"] for r in evals)  # the best model by the full width
     for folder in ("best", "final"):
         assert load_pretrained(str(tmp_path / folder))[2]["matryoshka_dims"] == [32, 16, 8]
+
+
+def test_widths_that_leave_out_the_full_one_say_so(tmp_path, capsys):
+    """best/ is chosen by the full width's dev score: widths without it leave that width untrained as an embedding of
+    its own, which the start-up line now notes (sentence-transformers' MatryoshkaLoss warns the same)."""
+    def start(dims):
+        cfg = run_config(tmp_path / "-".join(dims), batch_size=8, max_steps=1, eval_every=1, max_length=16,
+                         matryoshka_dims=dims)
+        train(cfg, model=make_encoder(), train_examples=(demo_examples(16), "B"), dev_examples=demo_sts_examples(16))
+        return capsys.readouterr().out
+
+    assert f"--matryoshka-dims 16 8 leaves out the full width ({WIDTH})" in start(["16", "8"])
+    assert "leaves out the full width" not in start([str(WIDTH), "8"])
