@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 import warnings
@@ -79,25 +80,36 @@ def outside_autocast(tensor: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def backward_traced_under_autocast(tensor: torch.Tensor) -> bool:
-    """Whether torch.compile is tracing this call inside an autocast region for `tensor`'s device type with
-    AOTAutograd set to trace backward passes under the forward's autocast (torch._functorch.config.
-    backward_pass_autocast "same_as_forward", its default). The backends' backward passes would then be traced
+def backward_traced_under_autocast(*tensors: torch.Tensor) -> bool:
+    """Whether torch.compile is tracing this call, whose backward it will trace too (grad mode on, one of `tensors`
+    requiring grad), inside an autocast region for the first tensor's device type, with AOTAutograd set to trace
+    backward passes under an autocast (_backward_pass_autocast). The backends' backward passes would then be traced
     with their products under autocast, which eager autograd never does for a backward called outside the region:
     16-bit gradients, or a dtype mismatch between the products' operands. The losses and ops then compute outside
     the graph (`call_outside_the_graph`)."""
-    device_type = tensor.device.type
-    return (torch.compiler.is_compiling() and torch.amp.is_autocast_available(device_type)
-            and torch.is_autocast_enabled(device_type)
-            and torch._functorch.config.backward_pass_autocast == "same_as_forward")
+    if not (torch.compiler.is_compiling() and torch.is_grad_enabled()):
+        return False
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]  # anything else: the op's checks name it
+    if not any(t.requires_grad for t in tensors):
+        return False
+    device_type = tensors[0].device.type
+    return (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+            and _backward_pass_autocast() != "off")
+
+
+def _backward_pass_autocast():
+    """AOTAutograd's torch._functorch.config.backward_pass_autocast: "same_as_forward" (the default: backward traced
+    under the forward's autocast), "off", or a list of autocast arguments to trace backward under. torch before 2.9
+    has no such setting and traces backward under the forward's autocast: "same_as_forward"."""
+    return getattr(torch._functorch.config, "backward_pass_autocast", "same_as_forward")
 
 
 _AUTOCAST_BACKWARD_ADVICE = (
     "an angle_kernels loss or op compiled inside a torch.autocast region: AOTAutograd would trace its backward under "
-    "the region's autocast (torch._functorch.config.backward_pass_autocast == 'same_as_forward', the default), "
+    "an autocast (torch._functorch.config.backward_pass_autocast is not 'off'; its default is 'same_as_forward'), "
     "which its backward passes do not support, so it computes outside the compiled graph (a graph break). To trace "
-    "it whole, set torch._functorch.config.backward_pass_autocast = 'off' (backward traced as eager autograd runs "
-    "a backward called outside the region), or call the loss outside the region")
+    "it whole, set torch._functorch.config.backward_pass_autocast = 'off' (torch 2.9 or later: backward traced as "
+    "eager autograd runs a backward called outside the region), or call the loss outside the region")
 _warned_autocast_backward = False
 
 
@@ -109,11 +121,19 @@ def _call_warning_once(function: Callable, *args, **kwargs):
     return function(*args, **kwargs)
 
 
+def _never_compiled(function: Callable, reason: str) -> Callable:
+    """torch.compiler.disable(function), with `reason` where torch takes one (2.8 and later: an error under
+    fullgraph=True then gives it)."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(function, reason=reason)
+    return torch.compiler.disable(function)
+
+
 # `function(*args, **kwargs)` run eagerly between compiled graphs (for `backward_traced_under_autocast`): its forward
 # as outside the region, its backward by autograd as eager code's. Warns once per process; under fullgraph=True,
 # torch.compile raises instead, with the advice as its reason. (An assignment, not a decorator: a decorated
 # definition of this module would join the fingerprint of every GPU path that reaches the module.)
-call_outside_the_graph = torch.compiler.disable(_call_warning_once, reason=_AUTOCAST_BACKWARD_ADVICE)
+call_outside_the_graph = _never_compiled(_call_warning_once, _AUTOCAST_BACKWARD_ADVICE)
 
 
 def _refuse_second_derivatives(grad: torch.Tensor) -> None:
@@ -198,11 +218,14 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
         # is_compiling first: dynamo cannot trace is_inference_mode_enabled (a graph break), and a trace holds none
         if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             args, kwargs = _without_inference_tensors(args, kwargs)
+        if torch.compiler.is_compiling():
+            tensors = [t for value in (*args, *kwargs.values())
+                       for t in (value if isinstance(value, (list, tuple)) else (value,))]
+            if backward_traced_under_autocast(*tensors):
+                return call_outside_the_graph(computed, *args, **kwargs)
         for value in (*args, *kwargs.values()):
             first = value[0] if isinstance(value, (list, tuple)) and value else value
             if isinstance(first, torch.Tensor):
-                if backward_traced_under_autocast(first):
-                    return call_outside_the_graph(computed, *args, **kwargs)
                 with outside_autocast(first):
                     result = loss(*args, **kwargs)
                 break

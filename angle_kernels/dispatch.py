@@ -103,7 +103,7 @@ class Ops:
 
     def similarity_xent(self, q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
                         group_ids=None, dims=None):
-        if contract.backward_traced_under_autocast(q):
+        if contract.backward_traced_under_autocast(q, *((c,) if c is not None else ())):
             return contract.call_outside_the_graph(self.similarity_xent, q, c, scale, target, row_weights,
                                                    exclude_diagonal, margin, group_ids, dims)
         call = contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
@@ -114,7 +114,7 @@ class Ops:
     def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
                        penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
                        filter_keeps_target=False, normalize=True, dims=None, reference=None):
-        if contract.backward_traced_under_autocast(q):
+        if contract.backward_traced_under_autocast(q, c, *((reference,) if reference is not None else ())):
             return contract.call_outside_the_graph(self.similarity_lse, q, c, scale, target_offset, period, exclude,
                                                    penalty, penalty_on, filter_q, filter_c, filter_threshold,
                                                    filter_keeps_target, normalize, dims, reference)

@@ -182,6 +182,11 @@ def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainCo
                 value = _file_value(value, kind, by_name[name].metadata.get("items"))
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"--config: setting {key!r}: {exc}")
+            # an empty list other than the default, as the flag without words: not a command line could give it
+            # (the run's recorded command would end in a bare flag); a run's config.json gives empty defaults
+            if kind == "list" and not value and by_name[name].default_factory() != []:
+                parser.error(f"--config: setting {key!r}: expected at least one value (leave the setting out for "
+                             f"its default, {by_name[name].default_factory()!r})")
             choices = by_name[name].metadata.get("choices")
             for item in value if kind == "list" else [value]:
                 if choices and item not in choices:  # argparse checks the flags' values, not the file's

@@ -15,6 +15,7 @@ extension's ops must trace through their fake implementations and autograd formu
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -287,3 +288,56 @@ def test_an_op_compiled_inside_autocast_equals_eager(monkeypatch):
     with pytest.warns(UserWarning, match="outside the compiled graph"):
         value, grad = _value_and_weight_grad(encoder, torch.compile(step, backend="aot_eager"), features)
     assert rel_err(value, ref_value) < 1e-6 and rel_err(grad, ref_grad) < 1e-6
+
+
+def test_compiled_inside_autocast_without_a_backward_traces_whole():
+    """No backward to trace (no_grad, as a compiled evaluation loop under AMP runs, or no input requiring grad): the
+    loss stays in the graph (fullgraph=True), without the warning, equal to eager."""
+    torch._dynamo.reset()
+    features = torch.randn(2 * PAIRS, 24, generator=torch.Generator().manual_seed(4))
+    encoder, step = _encoded_loss(LOSSES["mnrl_all_directions"])
+    with torch.no_grad():
+        expected = step(features)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            value = torch.compile(step, backend="aot_eager", fullgraph=True)(features)
+        torch._dynamo.reset()
+        frozen = torch.compile(lambda x: step(x).detach(), backend="aot_eager", fullgraph=True)
+        encoder.requires_grad_(False)
+        assert rel_err(frozen(features), expected) < 1e-6
+    assert rel_err(value, expected) < 1e-6
+    assert not [w for w in said if "outside the compiled graph" in str(w.message)]
+
+
+def test_a_list_of_autocast_arguments_for_backward_also_computes_outside_the_graph(monkeypatch):
+    """backward_pass_autocast's third form (autocast arguments for the backward pass) turns autocast on in backward
+    too: outside the graph, as with the default (it raised a dtype mismatch in compilation)."""
+    from angle_kernels import contract
+    monkeypatch.setattr(contract, "_warned_autocast_backward", False)
+    torch._dynamo.reset()
+    encoder, step = _encoded_loss(LOSSES["angle_loss"])
+    features = torch.randn(2 * PAIRS, 24, generator=torch.Generator().manual_seed(5))
+    ref_value, ref_grad = _value_and_weight_grad(encoder, step, features)
+    with torch._functorch.config.patch(backward_pass_autocast=[{"device_type": "cpu"}]):
+        with pytest.warns(UserWarning, match="outside the compiled graph"):
+            value, grad = _value_and_weight_grad(encoder, torch.compile(step, backend="aot_eager"), features)
+    assert rel_err(value, ref_value) < 1e-6 and rel_err(grad, ref_grad) < 1e-6
+
+
+def test_older_torch_without_the_setting_or_a_reason(monkeypatch):
+    """torch before 2.9 has no backward_pass_autocast (it traces backward under the forward's autocast), and
+    torch.compiler.disable takes a reason from 2.8 on: the package imported and compiled with neither."""
+    import types
+
+    from angle_kernels import contract
+    monkeypatch.setattr(torch._functorch, "config", types.SimpleNamespace())
+    assert contract._backward_pass_autocast() == "same_as_forward"
+    calls = []
+
+    def disable(fn=None, recursive=True):  # torch 2.7's signature
+        calls.append(fn)
+        return fn
+
+    monkeypatch.setattr(torch.compiler, "disable", disable)
+    assert contract._never_compiled(len, "why")("abc") == 3 and calls == [len]

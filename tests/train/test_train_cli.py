@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from angle_train.cli import config_from_args, main
+from angle_train.config import TrainConfig
 
 
 def test_help_explains_itself():
@@ -303,6 +304,7 @@ def test_resume_with_other_lora_shapes_is_one_line(tmp_path, capsys, changed, sa
 @pytest.mark.parametrize("text, expected", [
     ("matryoshka_dims: 32\n", {"matryoshka_dims": [32]}),  # one value, as `--matryoshka-dims 32`
     ("matryoshka_dims: [32]\nmatryoshka_weights: 1\n", {"matryoshka_dims": [32], "matryoshka_weights": [1.0]}),
+    ("lora_targets: []\ncolumns: []\n", {"lora_targets": [], "columns": []}),  # empty defaults, as config.json has
 ])
 def test_config_file_values_are_read_as_the_flags_read_them(tmp_path, text, expected):
     path = tmp_path / "run.yaml"
@@ -318,6 +320,8 @@ def test_config_file_values_are_read_as_the_flags_read_them(tmp_path, text, expe
     ("objective: arccse\nmask_rates: 0.2\n", "--mask-rates: expected two fractions"),
     ("matryoshka_dims: [true]\n", "--config: setting 'matryoshka_dims': expected numbers"),
     ("lora_targets: 5\n", "--config: setting 'lora_targets': expected texts"),
+    # an empty list, as a list flag without words: the run's recorded command ended in a bare --report-to
+    ("report_to: []\n", "--config: setting 'report_to': expected at least one value"),
 ])
 def test_config_file_values_the_flags_would_refuse_are_one_line(tmp_path, capsys, text, said):
     path = tmp_path / "run.yaml"
@@ -326,3 +330,15 @@ def test_config_file_values_the_flags_would_refuse_are_one_line(tmp_path, capsys
         config_from_args(["--config", str(path)])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"angle-train: error: {said}")
+
+
+def test_a_runs_config_json_is_a_config_file(tmp_path):
+    """OUTPUT_DIR/config.json (every setting, empty lists included) read back with --config gives the same
+    settings."""
+    import dataclasses
+    import json
+
+    settings = dataclasses.replace(TrainConfig(), batch_size=8, report_to=["none"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dataclasses.asdict(settings)))
+    assert config_from_args(["--config", str(path)]) == settings
