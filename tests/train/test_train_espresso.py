@@ -116,8 +116,13 @@ def test_bad_settings_are_refused(capsys, argv, message):
 
 def test_settings_that_do_not_fit_the_model_fail_in_setup(tmp_path):
     argv = ["--output-dir", str(tmp_path), "--device", "cpu", "--progress", "0", "--batch-size", "8", "--espresso"]
+    graded = ["--cosine-w", "1", "--ibn-w", "0"]  # format A with the angle term, whose score halves each width
     with pytest.raises(ValueError, match=r"--espresso-dim 7 .*even"):
-        setup(config_from_args([*argv, "--espresso-dim", "7"]), model=make_encoder(layers=LAYERS),
-              train_examples=(demo_examples(16), "B"))
+        setup(config_from_args([*argv, *graded, "--espresso-dim", "7"]), model=make_encoder(layers=LAYERS),
+              train_examples=(demo_sts_examples(16), "A"))
+    # format B has no angle term: an odd width trains (it was refused unless --angle-w 0 was given)
+    run = setup(config_from_args([*argv, "--espresso-dim", "7"]), model=make_encoder(layers=LAYERS),
+                train_examples=(demo_examples(16), "B"))
+    run.log.close()
     with pytest.raises(ValueError, match=r"--espresso .*1 layers.*at least 2 layers"):
         setup(config_from_args(argv), model=make_encoder(layers=1), train_examples=(demo_examples(16), "B"))
