@@ -20,12 +20,14 @@ Without an initialised process group, or with one process, it is the identity (n
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["all_gather_many_with_grad", "all_gather_with_grad", "is_distributed", "rank_and_world_size"]
+__all__ = ["all_gather_many_with_grad", "all_gather_with_grad", "gathering_rank_and_world_size", "is_distributed",
+           "rank_and_world_size"]
 
 
 def is_distributed() -> bool:
@@ -42,6 +44,25 @@ def rank_and_world_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+_warned_not_distributed = False
+
+
+def gathering_rank_and_world_size() -> tuple[int, int]:
+    """rank_and_world_size for a loss asked to gather across devices (gather_across_devices=True); warns once per
+    process where torch.distributed is not initialised: the loss then takes this process's batch only (a job whose
+    process group was never set up would train without the other ranks' negatives), as sentence-transformers'
+    gathering does, which warns the same."""
+    global _warned_not_distributed
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) and not _warned_not_distributed:
+        _warned_not_distributed = True
+        warnings.warn("gather_across_devices=True, but torch.distributed is not initialised: the loss takes this "
+                      "process's batch only (expected with one process; otherwise initialise the process group "
+                      "before the first loss call)", stacklevel=3)
+    return rank_and_world_size()
 
 
 def _check_same_layout(x: torch.Tensor, world_size: int) -> None:

@@ -50,7 +50,7 @@ from typing import NamedTuple, Union
 import torch
 
 from .contract import check_dims
-from .distributed import all_gather_many_with_grad, rank_and_world_size
+from .distributed import all_gather_many_with_grad, gathering_rank_and_world_size
 
 # ---------------------------------------------------------------------------------------------------------
 # Tensors
@@ -630,7 +630,7 @@ def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, nega
             raise ValueError("stacked layers (layer_weights) do not combine with gather_across_devices yet")
         named = [(name, t) for (name, _), t in zip(named, first)]
     # asked only when gathering: a call that does not gather never queries torch.distributed
-    rank, world_size = rank_and_world_size() if gather_across_devices else (0, 1)
+    rank, world_size = gathering_rank_and_world_size() if gather_across_devices else (0, 1)
     gathered = None
     if gather_across_devices and world_size > 1:
         # Checked after gathering: every rank sees the same values, so a NaN on one rank makes all of them

@@ -19,7 +19,7 @@ import torch
 
 from ..contract import FILTER_TIE_ALLOWANCE, compute_dtype, loss_entry
 from ..dispatch import Ops, resolve_backend
-from ..distributed import all_gather_many_with_grad, rank_and_world_size
+from ..distributed import all_gather_many_with_grad, gathering_rank_and_world_size
 from ..inputs import (
     HARDNESS_MODES,
     MARGIN_STRATEGIES,
@@ -168,7 +168,7 @@ def gist_loss(
         for name, t in guide_named:
             check_same_shape("guide_anchors", guide_anchors, name, t)
 
-    rank, world_size = rank_and_world_size() if gather_across_devices else (0, 1)
+    rank, world_size = gathering_rank_and_world_size() if gather_across_devices else (0, 1)
     gathered = None
     if gather_across_devices and world_size > 1:
         # This rank's checks settled with every rank's before anything is gathered: the anchors (and their guide

@@ -507,6 +507,24 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(ranks):
         assert got["after"]
 
 
+def test_gathering_without_a_process_group_says_so_once(monkeypatch):
+    """gather_across_devices=True where torch.distributed is not initialised (a job whose process group was never
+    set up) computes this process's loss, as sentence-transformers' gathering does, with a warning, once."""
+    import warnings
+
+    import angle_kernels as ak
+    from angle_kernels import distributed
+
+    monkeypatch.setattr(distributed, "_warned_not_distributed", False)
+    q, p, g = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(9), dtype=torch.float64).unbind(0)
+    with pytest.warns(UserWarning, match="gather_across_devices=True, but torch.distributed is not initialised"):
+        gathered = ak.multiple_negatives_ranking_loss(q, p, gather_across_devices=True)
+    assert gathered == ak.multiple_negatives_ranking_loss(q, p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ak.gist_loss(q, p, g, p, gather_across_devices=True) == ak.gist_loss(q, p, g, p)
+
+
 def test_all_gather_with_grad_is_the_identity_without_a_process_group():
     from angle_kernels.distributed import all_gather_with_grad, rank_and_world_size
 
