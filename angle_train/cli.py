@@ -182,7 +182,7 @@ def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainCo
                 value = _file_value(value, kind, by_name[name].metadata.get("items"))
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"--config: setting {key!r}: {exc}")
-            # an empty list other than the default, as the flag without words: not a command line could give it
+            # an empty list other than the default, as the flag without words: no command line could give it
             # (the run's recorded command would end in a bare flag); a run's config.json gives empty defaults
             if kind == "list" and not value and by_name[name].default_factory() != []:
                 parser.error(f"--config: setting {key!r}: expected at least one value (leave the setting out for "
