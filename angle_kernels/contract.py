@@ -136,6 +136,22 @@ def _never_compiled(function: Callable, reason: str) -> Callable:
 call_outside_the_graph = _never_compiled(_call_warning_once, _AUTOCAST_BACKWARD_ADVICE)
 
 
+def untraced_under_autocast(function: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
+    """`function` (a loss's computing function, an op of dispatch.Ops) run outside the compiled graph
+    (`call_outside_the_graph`) where torch.compile traces it with a backward under autocast
+    (`backward_traced_under_autocast` of its tensor arguments, given directly or in a list or tuple)."""
+
+    @functools.wraps(function)
+    def called(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
+        if torch.compiler.is_compiling() and backward_traced_under_autocast(*(
+                t for value in (*args, *kwargs.values()) for t in (value if isinstance(value, (list, tuple))
+                                                                   else (value,)))):
+            return call_outside_the_graph(function, *args, **kwargs)
+        return function(*args, **kwargs)
+
+    return called
+
+
 def _refuse_second_derivatives(grad: torch.Tensor) -> None:
     """A loss's gradient hook, run as its backward starts: refuses a second derivative (the backends' backward passes
     compute gradients with untracked ops, formed in forward, or kernels, so a second derivative through them,
@@ -211,18 +227,14 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
     halves run: outside_autocast of its first tensor argument (one directly, or the first of a list or tuple of
     them), so that every op and every step of the formulas between them computes as outside a region; and its
     result, where autograd records it, refuses a second derivative with a clear error (_refuse_second_derivatives,
-    a hook, so no node is added; not inside torch.compile traces, whose tracing would run it)."""
+    a hook, so no node is added; not inside torch.compile traces, whose tracing would run it); outside the
+    compiled graph where a backward would be traced under autocast (untraced_under_autocast)."""
 
     @functools.wraps(loss)
     def computed(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
         # is_compiling first: dynamo cannot trace is_inference_mode_enabled (a graph break), and a trace holds none
         if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             args, kwargs = _without_inference_tensors(args, kwargs)
-        if torch.compiler.is_compiling():
-            tensors = [t for value in (*args, *kwargs.values())
-                       for t in (value if isinstance(value, (list, tuple)) else (value,))]
-            if backward_traced_under_autocast(*tensors):
-                return call_outside_the_graph(computed, *args, **kwargs)
         for value in (*args, *kwargs.values()):
             first = value[0] if isinstance(value, (list, tuple)) and value else value
             if isinstance(first, torch.Tensor):
@@ -233,7 +245,7 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
             result = loss(*args, **kwargs)
         return first_derivatives_only(result)
 
-    return computed
+    return untraced_under_autocast(computed)
 
 
 class Backend(Protocol):

@@ -84,43 +84,33 @@ class Ops:
         return f"Ops({self.name!r})"
 
     # Each op runs with autocast off (contract.outside_autocast): it computes in its compute dtype in any region;
-    # compiled inside one, with AOTAutograd tracing backward under it, outside the graph instead (the losses too:
-    # contract.loss_entry), as its backward passes need.
+    # compiled inside one, with AOTAutograd tracing backward under it, outside the graph instead
+    # (contract.untraced_under_autocast, as the losses: contract.loss_entry), as its backward passes need.
 
+    @contract.untraced_under_autocast
     def pair_scores(self, x, with_angle, dims=None):
-        if contract.backward_traced_under_autocast(x):
-            return contract.call_outside_the_graph(self.pair_scores, x, with_angle, dims=dims)
         call = contract.check_pair_scores(x, with_angle, dims)
         with contract.outside_autocast(x):
             return self._computing("pair_scores", call).pair_scores(*call.args)
 
+    @contract.untraced_under_autocast
     def ranking_loss(self, scores, labels):
-        if contract.backward_traced_under_autocast(scores):
-            return contract.call_outside_the_graph(self.ranking_loss, scores, labels)
         call = contract.check_ranking_loss(scores, labels)
         with contract.outside_autocast(scores):
             return self._computing("ranking_loss", call).ranking_loss(*call.args)
 
+    @contract.untraced_under_autocast
     def similarity_xent(self, q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0,
                         group_ids=None, dims=None):
-        if contract.backward_traced_under_autocast(q, *((c,) if c is not None else ())):
-            return contract.call_outside_the_graph(
-                self.similarity_xent, q, c, scale, target, row_weights=row_weights, exclude_diagonal=exclude_diagonal,
-                margin=margin, group_ids=group_ids, dims=dims)
         call = contract.check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
                                               dims)
         with contract.outside_autocast(q):
             return self._computing("similarity_xent", call).similarity_xent(*call.args)
 
+    @contract.untraced_under_autocast
     def similarity_lse(self, q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0,
                        penalty_on="none", filter_q=None, filter_c=None, filter_threshold=None,
                        filter_keeps_target=False, normalize=True, dims=None, reference=None):
-        if contract.backward_traced_under_autocast(q, c, *((reference,) if reference is not None else ())):
-            return contract.call_outside_the_graph(
-                self.similarity_lse, q, c, scale, target_offset=target_offset, period=period, exclude=exclude,
-                penalty=penalty, penalty_on=penalty_on, filter_q=filter_q, filter_c=filter_c,
-                filter_threshold=filter_threshold, filter_keeps_target=filter_keeps_target, normalize=normalize,
-                dims=dims, reference=reference)
         call = contract.check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on,
                                              filter_q, filter_c, filter_threshold, filter_keeps_target, normalize,
                                              dims)
