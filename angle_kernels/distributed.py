@@ -65,36 +65,13 @@ def gathering_rank_and_world_size() -> tuple[int, int]:
     return rank_and_world_size()
 
 
-def _check_same_layout(x: torch.Tensor, world_size: int) -> None:
-    """Every rank must pass the same row count, row shape and dtype: dist.all_gather of unequal tensors
-    hangs or silently mixes up rows. One small all_gather of (rows, dims, elements per row, dtype) finds a
-    mismatch, on every rank at once, so that all of them raise the same error instead of some hanging."""
-    import torch.distributed as dist
-
+def _layout(x: torch.Tensor) -> list[int]:
+    """(rows, dims, elements per row, dtype code) of a tensor to gather: the same on every process for the same
+    layout (the dtype by crc32 of its name, unlike hash())."""
     row_elements = 1
     for size in x.shape[1:]:
         row_elements *= size
-    dtype_code = zlib.crc32(str(x.dtype).encode())  # the same on every process (unlike hash())
-    mine = torch.tensor([x.shape[0] if x.dim() else -1, x.dim(), row_elements, dtype_code], dtype=torch.int64,
-                        device=x.device)
-    layouts = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(layouts, mine)
-    layouts = [tuple(int(v) for v in layout.tolist()) for layout in layouts]
-    if all(layout == layouts[0] for layout in layouts):
-        return
-    rows = [layout[0] for layout in layouts]
-    if len(set(rows)) > 1:
-        raise ValueError(
-            "all_gather_with_grad needs the same number of rows on every rank, got rows per rank "
-            f"{rows} (this is rank {dist.get_rank()}, shape {tuple(x.shape)}); give every process an equal "
-            "slice of the batch (e.g. drop the last incomplete batch)"
-        )
-    raise ValueError(
-        "all_gather_with_grad needs tensors of the same row shape and dtype on every rank, got "
-        f"(dims, elements per row) {[layout[1:3] for layout in layouts]} and dtypes that "
-        f"{'differ' if len({layout[3] for layout in layouts}) > 1 else 'agree'} "
-        f"(this is rank {dist.get_rank()}: shape {tuple(x.shape)}, {x.dtype})"
-    )
+    return [x.shape[0] if x.dim() else -1, x.dim(), row_elements, zlib.crc32(str(x.dtype).encode())]
 
 
 class _AllGatherWithGrad(torch.autograd.Function):
@@ -148,9 +125,11 @@ def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
             local_check()
         except Exception as exc:  # settled with the other ranks first, then raised
             refusal = exc
-    layout = tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
-    mine = torch.tensor([refusal is not None, len(tensors), zlib.crc32(repr(layout).encode()),
-                         tensors[0].shape[0] if tensors and tensors[0].dim() else -1],
+    # dist.all_gather of unequal tensors hangs or silently mixes up rows: one small all_gather of (refused, count,
+    # a checksum of every tensor's layout, the first tensor's layout) finds a mismatch on every rank at once
+    everything = repr(tuple((tuple(t.shape), str(t.dtype)) for t in tensors))
+    mine = torch.tensor([refusal is not None, len(tensors), zlib.crc32(everything.encode()),
+                         *(_layout(tensors[0]) if tensors else [-1, -1, -1, -1])],
                         dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
     records = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(records, mine)
@@ -166,11 +145,19 @@ def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
     if len(set(counts)) > 1:
         raise ValueError(f"every rank must gather the same tensors: tensors per rank {counts} (this is rank {rank}: "
                          f"{[name for name, _ in named]})")
-    rows = [record[3] for record in records]
+    firsts = [record[3:] for record in records]  # the first tensor's (rows, dims, elements per row, dtype)
+    rows = [first[0] for first in firsts]
     if len(set(rows)) > 1:
         raise ValueError(
             f"all_gather_with_grad needs the same number of rows on every rank, got rows per rank {rows} (this is "
-            f"rank {rank}); give every process an equal slice of the batch (e.g. drop the last incomplete batch)")
+            f"rank {rank}, shape {tuple(tensors[0].shape)}); give every process an equal slice of the batch (e.g. "
+            "drop the last incomplete batch)")
+    if any(first != firsts[0] for first in firsts):
+        raise ValueError(
+            "all_gather_with_grad needs tensors of the same row shape and dtype on every rank, got "
+            f"(dims, elements per row) {[first[1:3] for first in firsts]} and dtypes that "
+            f"{'differ' if len({first[3] for first in firsts}) > 1 else 'agree'} "
+            f"(this is rank {rank}: shape {tuple(tensors[0].shape)}, {tensors[0].dtype})")
     if len({record[2] for record in records}) > 1:
         raise ValueError(
             "all_gather_with_grad needs tensors of the same rows, row shape and dtype on every rank; the ranks' "
@@ -192,11 +179,4 @@ def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"all_gather_with_grad expects a torch.Tensor, got {type(x).__name__}")
-    if not is_distributed():
-        return x
-    import torch.distributed as dist
-
-    _check_same_layout(x, dist.get_world_size())  # first: a refusal must happen on every rank, or some hang
-    if x.dim() == 0:
-        raise ValueError("all_gather_with_grad concatenates along dim 0: x must have at least one dimension")
-    return _AllGatherWithGrad.apply(x)
+    return all_gather_many_with_grad([("x", x)])[0]  # the layout agreed first: a refusal on every rank, or some hang
