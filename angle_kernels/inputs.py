@@ -411,7 +411,10 @@ class Nested:
     def over_layers(self, loss_of_layer: Callable[[int, Nested | None], torch.Tensor]) -> torch.Tensor:
         """A stack's loss from a loss of one layer: sum over the layers l of loss_of_layer(l, nested_l), nested_l
         the unstacked Nested of layer l's non-zero weights (None when the layer's only term is its full width,
-        whose weight then multiplies the loss)."""
+        whose weight then multiplies the loss). Where every weight is 0, layer 0's first term weighted 0, as
+        terms() gives."""
+        if not any(weight for row in self.table for weight in row):
+            return 0.0 * loss_of_layer(0, None if self.dims is None else Nested(self.dims[:1], ((1.0,),)))
         total = None
         for layer, row in enumerate(self.table):
             if self.dims is None:
@@ -443,8 +446,8 @@ def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, 
 
     layer_weights / layers: a stack of `layers` layers' embeddings [L, rows, D] (check_layer_stack gives L) and
     its weights: one number per layer (times the prefixes' dim_weights), or, with dims, one row of len(dims)
-    numbers per layer (in dims' order; they replace dim_weights, which must then be None). At least one weight
-    is non-zero."""
+    numbers per layer (in dims' order; they replace dim_weights, which must then be None). Weights that are all 0
+    give a loss of 0 with zero gradients, as all-zero dim_weights do (Nested.terms)."""
     if layer_weights is None:
         if dims is None:
             if dim_weights is not None:
@@ -482,8 +485,6 @@ def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, 
                 table.append([scale * w for w in dim_weights])
         order = sorted(range(len(dims)), key=dims.__getitem__)
         dims = check_dims(tuple(dims[i] for i in order), width, even)
-    if not any(w != 0 for row in table for w in row):
-        raise ValueError("layer_weights: every (layer, dim) weight is 0, which leaves no loss to compute")
     return Nested(dims, tuple(tuple(row[i] for i in order) for row in table), stacked=True)
 
 
@@ -614,13 +615,14 @@ def check_false_negative_filter(false_negative_margin: float | None,
 
 
 def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, negatives: Sequence[torch.Tensor],
-                            layer_weights: LayerWeights | None,
-                            gather_across_devices: bool) -> tuple[int | None, tuple | None]:
+                            layer_weights: LayerWeights | None, gather_across_devices: bool,
+                            gather_queries: bool = True) -> tuple[int | None, tuple | None]:
     """The embeddings of multiple_negatives_ranking_loss (already promoted to one dtype): stacks [L, rows, D]
     with layer_weights (check_layer_stack; not combined with gathering), every column [B, D] of the queries'
     shape, gathered with gradients from every rank first when gather_across_devices and torch.distributed runs
-    several processes. Returns (L or None, gathered): gathered is None or (rank, all queries, all positives,
-    all negatives), losses.retrieval.multiple_negatives' `gathered`."""
+    several processes (the queries only when `gather_queries`: a direction scores other ranks' queries).
+    Returns (L or None, gathered): gathered is None or (rank, all queries or None, all positives, all
+    negatives), losses.retrieval.multiple_negatives' `gathered`."""
     gather_across_devices = check_flag("gather_across_devices", gather_across_devices)
     named = [("queries", queries), ("positives", positives)]
     named += [(f"negatives[{i}]", t) for i, t in enumerate(negatives)]
@@ -635,9 +637,21 @@ def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, nega
     if gather_across_devices and world_size > 1:
         # Checked after gathering: every rank sees the same values, so a NaN on one rank makes all of them
         # raise (rather than one raising and the others waiting in the next collective).
-        everything = all_gather_many_with_grad(named)
-        check_embedding_group(*((name, t) for (name, _), t in zip(named, everything)))
-        gathered = (rank, everything[0], everything[1], everything[2:])
+        if gather_queries:
+            everything = all_gather_many_with_grad(named)
+            check_embedding_group(*((name, t) for (name, _), t in zip(named, everything)))
+            gathered = (rank, everything[0], everything[1], everything[2:])
+        else:
+            def check_own_queries():
+                """The queries that stay on this rank: checked here, before the ranks agree to gather (the
+                columns' layout, which they agree on, and each column's shape = the queries')."""
+                check_embedding_group(named[0])
+                check_same_device(*named)
+                for name, t in named[1:]:
+                    check_same_shape("queries", named[0][1], name, t)
+            everything = all_gather_many_with_grad(named[1:], check_own_queries)
+            check_embedding_group(*((name, t) for (name, _), t in zip(named[1:], everything)))
+            gathered = (rank, None, everything[0], everything[1:])
     else:
         check_embedding_group(*named)
     for name, t in named[1:]:
@@ -687,7 +701,10 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
         if dims is not None or dim_weights is not None or layer_weights is not None:
             raise ValueError("pass either a parsed nested or dims / dim_weights / layer_weights, not both")
         layer_weights = nested.table if nested.stacked else None
-    layers, gathered = _check_in_batch_columns(queries, positives, negatives, layer_weights, gather_across_devices)
+    # the other ranks' queries are columns of the query_to_query and doc_to_query directions only
+    layers, gathered = _check_in_batch_columns(
+        queries, positives, negatives, layer_weights, gather_across_devices,
+        gather_queries=bool(set(directions) & {"query_to_query", "doc_to_query"}))
     if nested is None:
         nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers)
     elif nested.dims is not None:

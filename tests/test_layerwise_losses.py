@@ -5,8 +5,8 @@ oracle here is exactly that sum of the float64 oracle's calls on each layer's tr
 (angle_kernels.testing.oracle), values and gradients, on every backend (a case with dims skips the backends whose
 op lacks the nested prefixes), float64 and float32 plus bf16 at the half rule. Three weightings: one weight per
 layer (the full width), one per layer times dim_weights, and a table with zeros (Espresso's: the earlier layers
-only at the narrow width). Also: the pair-score losses make one op call for the whole stack, and bad stacks or
-weights are refused.
+only at the narrow width). Also: the pair-score losses make one op call for the whole stack, weights that are all
+0 give 0 with zero gradients, and bad stacks or weights are refused.
 """
 
 from __future__ import annotations
@@ -97,9 +97,24 @@ def test_zero_weights_and_a_one_layer_stack():
         assert torch.equal(loss(labels, y_pred[:1], layer_weights=[1.0]), loss(labels, y_pred[0]))
 
 
+@pytest.mark.parametrize("kwargs", [dict(layer_weights=[0.0, 0.0, 0.0]),
+                                    dict(layer_weights=[0.0, 0.0, 0.0], dims=(8, 16)),
+                                    dict(layer_weights=[[0.0, 0.0]] * 3, dims=(8, 16))], ids=["layers", "dims", "rows"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_weights_that_are_all_zero_give_a_zero_loss_with_zero_gradients(name, kwargs):
+    """As all-zero dim_weights (and sentence-transformers' AdaptiveLayerLoss / Matryoshka2dLoss with every weight
+    0): a loss of 0 with zero gradients, which a trainer can step on; these raised ValueError."""
+    _, make = CASES[name]
+    inputs, ours, _ = make(_draw(generator("layerwise", "all zero", name), torch.float64), kwargs)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    loss = ours(*leaves, backend="torch")
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and float(loss.detach()) == 0.0, (name, loss)
+    grads = [g for g in torch.autograd.grad(loss, leaves, allow_unused=True) if g is not None]
+    assert grads and all(not g.any() for g in grads), name
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(layer_weights=[1.0, 1.0]), ValueError, "one entry per layer of the stack"),
-    (dict(layer_weights=[0.0, 0.0, 0.0]), ValueError, "every .* weight is 0"),
     (dict(layer_weights=[1.0, float("nan"), 1.0]), ValueError, r"layer_weights\[1\]"),
     (dict(layer_weights=[[1.0, 1.0]] * 3), ValueError, "rows .* need dims"),
     (dict(layer_weights=[[1.0, 1.0]] * 3, dims=(8, 16), dim_weights=(1.0, 2.0)), ValueError, "replace dim_weights"),
