@@ -135,7 +135,8 @@ class AngleLoss(nn.Module):
         if dataset_format is not None:  # None: set before the first call, as angle-emb's AngleLoss() leaves it
             _check_dataset_format(dataset_format)
         self.dataset_format = dataset_format
-        if _pools(self.angle_w, dataset_format):  # a strategy no term uses is not read (angle-emb never reads it)
+        # a strategy no term uses is not read (angle-emb never reads it)
+        if computes_angle_term(self.angle_w, dataset_format):
             check_choice("angle_pooling_strategy", angle_pooling_strategy, POOLING_STRATEGIES)
         self.angle_pooling_strategy = angle_pooling_strategy
         check_choice("ibn_partition", ibn_partition, tuple(IBN_PARTITIONS))
@@ -150,7 +151,8 @@ class AngleLoss(nn.Module):
                 layers: int | None) -> Nested | None:
         """The dims and layer weights of a call; the prefixes must have even widths where the angle term splits
         them in halves (angle_w > 0, formats A and C: format B has no angle term)."""
-        return check_nested(self.dims, self.dim_weights, width, even=_pools(angle_w, self.dataset_format),
+        return check_nested(self.dims, self.dim_weights, width,
+                            even=computes_angle_term(angle_w, self.dataset_format),
                             layer_weights=layer_weights, layers=layers)
 
     def extra_repr(self) -> str:
@@ -190,7 +192,7 @@ class AngleLoss(nn.Module):
             check_embeddings("outputs", first, rows_multiple_of=2, layout="format B: query, positive rows")
         else:
             check_embeddings("outputs", first, rows_multiple_of=3, layout="format C: query, positive, negative rows")
-        if _pools(settings.angle_w, self.dataset_format):
+        if computes_angle_term(settings.angle_w, self.dataset_format):
             # as angle-emb, which reads the attribute at each call: one set after construction too
             check_choice("angle_pooling_strategy", settings.angle_pooling_strategy, POOLING_STRATEGIES)
             check_angle_dim(first.shape[-1], "outputs")
@@ -222,7 +224,7 @@ def _check_triplet_weight(value) -> float:
     return value
 
 
-def _pools(angle_w: float, dataset_format: str | None) -> bool:
+def computes_angle_term(angle_w: float, dataset_format: str | None) -> bool:
     """Whether AngleLoss computes its angle term: a positive weight, in formats A and C (format B has none; a format
     not set yet may be either)."""
     return angle_w > 0 and dataset_format != "B"

@@ -35,7 +35,7 @@ import torch
 
 from angle_kernels import AngleLoss, ArcCSELoss, __version__
 from angle_kernels.inputs import check_nested, espresso_layer_weights
-from angle_kernels.modules import _pools as computes_the_angle_term
+from angle_kernels.modules import computes_angle_term
 
 from . import arccse, distributed, faults, preflight, run_lock, sharding, st_folder, tracking
 from .checkpoint import (
@@ -557,7 +557,7 @@ def build_loss(cfg: TrainConfig, fmt: str | None, encoder=None, world_size: int 
 def _angle_term_needs_even_widths(cfg: TrainConfig, fmt: str | None) -> bool:
     """Whether the loss computes the angle term, whose score splits each prefix in halves (AngleLoss's rule: a
     positive --angle-w in formats A and C; format B has no angle term)."""
-    return cfg.objective == "angle" and computes_the_angle_term(cfg.angle_w, fmt)
+    return cfg.objective == "angle" and computes_angle_term(cfg.angle_w, fmt)
 
 
 def check_espresso(cfg: TrainConfig, encoder, fmt: str | None) -> None:
