@@ -74,25 +74,54 @@ def _layout(x: torch.Tensor) -> list[int]:
     return [x.shape[0] if x.dim() else -1, x.dim(), row_elements, zlib.crc32(str(x.dtype).encode())]
 
 
+# The process-group backends whose single-tensor collectives the gather uses: all_gather straight into the
+# output, and a reduce-scatter in backward, which moves half the bytes of an all-reduce and needs no copy of the
+# cotangent. Gloo's reduce-scatter is an all-reduce underneath and older gloo builds lack both, so every other
+# backend takes the list all_gather and an all_reduce, which all implement.
+SINGLE_TENSOR_BACKENDS = ("nccl",)
+
+
+def _single_tensor_collectives() -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend() in SINGLE_TENSOR_BACKENDS
+
+
+def _collective(single: str, older: str):
+    """torch.distributed's collective named `single` (torch 2.13's names), else `older` (its name before)."""
+    import torch.distributed as dist
+
+    return getattr(dist, single, None) or getattr(dist, older)
+
+
 class _AllGatherWithGrad(torch.autograd.Function):
-    """Forward: dist.all_gather, concatenated in rank order. Backward: all_reduce(sum) of the cotangent of
-    the whole output, then this rank's rows (a reduce-scatter written with all_reduce, which every backend,
-    gloo included, implements)."""
+    """Forward: every rank's x concatenated in rank order. Backward: this rank's rows of the sum over ranks of
+    the output's cotangent: a reduce-scatter on the SINGLE_TENSOR_BACKENDS, elsewhere an all_reduce of the whole
+    cotangent and this rank's rows of it."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         world_size = dist.get_world_size()
+        ctx.rank, ctx.rows, ctx.single = dist.get_rank(), x.shape[0], _single_tensor_collectives()
+        if ctx.single:
+            out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))
+            _collective("all_gather_single", "all_gather_into_tensor")(out, x.contiguous())
+            return out
         parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world_size)]
         dist.all_gather(parts, x.contiguous())
-        ctx.rank, ctx.rows = dist.get_rank(), x.shape[0]
         return torch.cat(parts, dim=0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
+        if ctx.single:  # reads the cotangent, writes only its own output
+            out = grad.new_empty((ctx.rows, *grad.shape[1:]))
+            _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, grad.contiguous(),
+                                                                         op=dist.ReduceOp.SUM)
+            return out
         # A copy, reduced in place: autograd may hand the same cotangent tensor to other nodes too (the
         # backward of an addition passes its gradient to both operands), so it must not be overwritten.
         grad = grad.clone(memory_format=torch.contiguous_format)

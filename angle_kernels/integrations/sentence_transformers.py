@@ -421,8 +421,9 @@ class MultipleNegativesRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesRanki
     gather_across_devices) with `similarity_fct=util.cos_sim` (the default) or `util.dot_score`; another
     similarity function runs sentence-transformers' own computation. `uses_fused_path` says which applies.
 
-    gather_across_devices=True (several processes, torch.distributed): as in the parent, the queries and every
-    document column are all-gathered with gradients (`angle_kernels.distributed.all_gather_with_grad`), and
+    gather_across_devices=True (several processes, torch.distributed): as in the parent, every document column
+    is all-gathered with gradients (`angle_kernels.distributed.all_gather_with_grad`), and so are the queries
+    where a direction scores them as columns (query_to_query, doc_to_query; the parent gathers them always), and
     each rank's loss is the mean over its own queries scored against the documents of every rank (and, for
     doc_to_query, its own positives against every rank's queries); the gather's backward sums the ranks'
     gradients. Still no B x (world_size * B) score matrix. Every rank must hold the same number of rows.

@@ -288,13 +288,14 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
     """sentence-transformers' MultipleNegativesRankingLoss on checked inputs (see the public function).
 
     gathered: None, or (rank, all queries, all positives, all negatives) when the columns come from every rank
-    (all_gather_with_grad); this rank's rows are scored against them, its row i's positive being column
-    rank * B + i. Two paths: the standard and the per-direction symmetric losses without hardness or filter are
-    the similarity_xent op (one kernel computes each row's partition and positive); everything else combines
-    per-row log partitions of similarity_lse blocks with the positive scores; so do dot-product logits
-    (similarity="dot"), which similarity_xent does not compute. nested: both paths compute every prefix in one
-    pass of their op (the second, per prefix on the truncated embeddings where the backend that would compute
-    similarity_lse without dims lacks them: `Ops.takes_in_one_call`).
+    (all_gather_with_grad; all queries None where no direction scores the queries as columns); this rank's rows
+    are scored against them, its row i's positive being column rank * B + i. Two paths: the standard and the
+    per-direction symmetric losses without hardness or filter are the similarity_xent op (one kernel computes
+    each row's partition and positive); everything else combines per-row log partitions of similarity_lse blocks
+    with the positive scores; so do dot-product logits (similarity="dot"), which similarity_xent does not
+    compute. nested: both paths compute every prefix in one pass of their op (the second, per prefix on the
+    truncated embeddings where the backend that would compute similarity_lse without dims lacks them:
+    `Ops.takes_in_one_call`).
     """
     # the options every path passes on unchanged, by name
     options = dict(scale=scale, directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
@@ -331,7 +332,7 @@ def multiple_negatives(ops: Ops, queries: torch.Tensor, positives: torch.Tensor,
                                                       **options).mean(dim=-1))
 
     def truncated(d):  # one pass per prefix
-        cut = [t[:, :d] for t in (queries, positives, all_queries, all_positives)]
+        cut = [None if t is None else t[:, :d] for t in (queries, positives, all_queries, all_positives)]
         negatives_cut, all_negatives_cut = [t[:, :d] for t in negatives], [t[:, :d] for t in all_negatives]
         return multiple_negatives_rows(
             ops, cut[0], cut[1], negatives_cut, similarity=similarity,
@@ -354,10 +355,12 @@ def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Te
     dominates: 0), not inf - inf. dims: the losses [k, B] of every prefix, each op called once for all of them."""
     queries, positives, *negatives = _rows_for(ops, queries, positives, *negatives)
     if gathered is not None:
-        gathered = (gathered[0], *_rows_for(ops, *gathered[1:3]), _rows_for(ops, *gathered[3]))
+        rank, all_queries, all_positives, all_negatives = gathered
+        gathered = (rank, None if all_queries is None else _rows_for(ops, all_queries)[0],
+                    *_rows_for(ops, all_positives), _rows_for(ops, *all_negatives))
     rank, all_queries, all_positives, all_negatives = gathered or (0, queries, positives, negatives)
     negative_columns = [t.to(positives.dtype) for t in all_negatives]
-    offset, world_rows = rank * queries.shape[0], all_queries.shape[0]
+    offset, world_rows = rank * queries.shape[0], all_positives.shape[0]
     documents = torch.cat([all_positives, *negative_columns])  # row i's positive: column offset + i
     relative = similarity == "dot"
     positive = None if relative and false_negative_margin is None else positive_scores(ops, queries, positives,

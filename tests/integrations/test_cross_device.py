@@ -20,8 +20,9 @@ runs every case, then writes what it got. The tests then check, per case and ran
 * GIST without contrast_anchors: the one-process check above, against sentence-transformers' loss. With
   contrast_anchors it does not hold: the anchors are not gathered, so a rank's anchor-anchor block holds its
   own anchors only (in sentence-transformers as here);
-* angle_kernels.distributed.all_gather_with_grad: values, the gradient (the sum over ranks of the cotangents
-  of the rank's rows), no in-place change of a cotangent another branch also receives, and unequal row
+* angle_kernels.distributed.all_gather_with_grad, by the list all_gather and all_reduce (gloo's) and by the
+  single-tensor all_gather and reduce-scatter (NCCL's): values, the gradient (the sum over ranks of the
+  cotangents of the rank's rows), no in-place change of a cotangent another branch also receives, and unequal row
   counts, row shapes or dtypes refused with a ValueError on every rank (no hang: the group still works);
 * the fused path with gathering never makes a tensor of the full B x (world_size * B * columns) score matrix
   (every tensor recorded by a dispatch mode during forward and backward, with the op's tile shrunk below B
@@ -277,16 +278,26 @@ def _rank_gist(rank: int, world: int) -> dict:
 
 
 def _rank_gather(rank: int, world: int) -> dict:
+    from angle_kernels import distributed
     from angle_kernels.distributed import all_gather_with_grad
 
     out = {}
-    x = (torch.arange(2 * 3, dtype=torch.float64).view(2, 3) + 10 * rank).requires_grad_(True)
-    cotangent = gather_cotangent(rank, world)
-    side = torch.zeros(2 * world, 3, dtype=torch.float64, requires_grad=True)
-    side_branch = side * 1.0  # made before the gather: autograd runs the gather's backward first
-    gathered = all_gather_with_grad(x)
-    ((gathered + side_branch) * cotangent).sum().backward()  # the addition hands one cotangent to both
-    out["value"], out["grad"], out["side_grad"] = gathered.detach(), x.grad, side.grad
+    # both ways of the collectives: the list all_gather and all_reduce (gloo's, by default), and the single-tensor
+    # all_gather and reduce-scatter of the SINGLE_TENSOR_BACKENDS (NCCL's), which gloo has too
+    for way, backends in (("list", distributed.SINGLE_TENSOR_BACKENDS), ("single", ("gloo",))):
+        called = []
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.setattr(distributed, "SINGLE_TENSOR_BACKENDS", backends)
+            original = distributed._collective
+            monkeypatch.setattr(distributed, "_collective",
+                                lambda single, older: called.append(single) or original(single, older))
+            x = (torch.arange(2 * 3, dtype=torch.float64).view(2, 3) + 10 * rank).requires_grad_(True)
+            cotangent = gather_cotangent(rank, world)
+            side = torch.zeros(2 * world, 3, dtype=torch.float64, requires_grad=True)
+            side_branch = side * 1.0  # made before the gather: autograd runs the gather's backward first
+            gathered = all_gather_with_grad(x)
+            ((gathered + side_branch) * cotangent).sum().backward()  # the addition hands one cotangent to both
+        out[way] = {"value": gathered.detach(), "grad": x.grad, "side_grad": side.grad, "called": called}
 
     refusals = {}
     for what, tensor in (("rows", torch.zeros(rank + 1, 3)), ("row shape", torch.zeros(2, 3 + rank)),
@@ -298,6 +309,21 @@ def _rank_gather(rank: int, world: int) -> dict:
             refusals[what] = str(exc)
     out["refusals"] = refusals
     out["after"] = all_gather_with_grad(torch.full((1, 2), float(rank))).detach()  # the group still works
+
+    # the tensors multiple_negatives_ranking_loss gathers: the queries only where a direction scores them
+    import angle_kernels.functional as ak_functional
+
+    q, p, n = (c[rank * ROWS:(rank + 1) * ROWS] for c in batch(world, 3))
+    gathers = {}
+    for directions in (("query_to_doc",), ("query_to_doc", "query_to_query"), ("query_to_doc", "doc_to_query")):
+        rows = []
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            apply = distributed._AllGatherWithGrad.apply
+            monkeypatch.setattr(distributed._AllGatherWithGrad, "apply", lambda t: rows.append(t) or apply(t))
+            ak_functional.multiple_negatives_ranking_loss(q, p, (n,), directions=directions,
+                                                          gather_across_devices=True)
+        gathers[directions] = [next(name for name, c in (("q", q), ("p", p), ("n", n)) if c is t) for t in rows]
+    out["gathers"] = gathers
     return out
 
 
@@ -320,6 +346,10 @@ def _rank_refusals(rank: int, world: int) -> dict:
         # as many hard-negative columns on every rank, or the ranks' gathers no longer pair up
         "mnrl_negative_columns": lambda: ak_functional.multiple_negatives_ranking_loss(
             anchors, positives, (negative,) if rank == 0 else (), gather_across_devices=True),
+        # query_to_doc leaves the queries on their rank: checked there, before the gathers
+        "mnrl_nan_query": lambda: ak_functional.multiple_negatives_ranking_loss(
+            anchors.clone().index_fill_(0, torch.tensor([1]), float("nan")) if last else anchors, positives,
+            gather_across_devices=True),
         "mnrl_rows": lambda: ak_functional.multiple_negatives_ranking_loss(
             anchors[:-1] if last else anchors, positives[:-1] if last else positives, gather_across_devices=True),
     }
@@ -474,15 +504,20 @@ def test_all_gather_with_grad(ranks):
     cotangents = [gather_cotangent(r, world) for r in range(world)]
     for rank, result in enumerate(results):
         got = result["gather"]
-        assert torch.equal(got["value"], torch.cat(rows))
-        expected = sum(c[2 * rank:2 * rank + 2] for c in cotangents)
-        assert rel_err(got["grad"], expected) < 1e-15
-        assert torch.equal(got["side_grad"], cotangents[rank]), "the gather's backward changed a shared cotangent"
+        for way, collectives in (("list", []), ("single", ["all_gather_single", "reduce_scatter_single"])):
+            assert got[way]["called"] == collectives, (way, got[way]["called"])
+            assert torch.equal(got[way]["value"], torch.cat(rows)), way
+            expected = sum(c[2 * rank:2 * rank + 2] for c in cotangents)
+            assert rel_err(got[way]["grad"], expected) < 1e-15, way
+            assert torch.equal(got[way]["side_grad"], cotangents[rank]), f"{way}: the backward changed a cotangent"
         refusals = got["refusals"]
         assert refusals["rows"] is not None and f"rows per rank {list(range(1, world + 1))}" in refusals["rows"]
         assert refusals["row shape"] is not None and "row shape" in refusals["row shape"]
         assert refusals["dtype"] is not None and "dtypes that differ" in refusals["dtype"]
         assert torch.equal(got["after"], torch.arange(world, dtype=torch.float32)[:, None].expand(world, 2))
+        # the queries were gathered for query_to_doc too, which scores no other rank's queries
+        assert got["gathers"] == {("query_to_doc",): ["p", "n"], ("query_to_doc", "query_to_query"): ["q", "p", "n"],
+                                  ("query_to_doc", "doc_to_query"): ["q", "p", "n"]}, got["gathers"]
 
 
 def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(ranks):
@@ -501,7 +536,11 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(ranks):
         assert ("guide_anchors must have the anchors' 4 rows, got 3" in short) if rank == 0 else (
             "rank(s) [0] refused" in short), (rank, short)
         counts = got["mnrl_negative_columns"]
-        assert counts is not None and f"tensors per rank {[3] + [2] * (world - 1)}" in counts, (rank, counts)
+        # the documents only: query_to_doc scores no other rank's queries, so they are not gathered
+        assert counts is not None and f"tensors per rank {[2] + [1] * (world - 1)}" in counts, (rank, counts)
+        nan = got["mnrl_nan_query"]
+        assert nan is not None, rank
+        assert ("queries contains NaN" in nan) if last else (f"rank(s) [{world - 1}] refused" in nan), (rank, nan)
         rows = got["mnrl_rows"]
         assert rows is not None and f"rows per rank {[ROWS] * (world - 1) + [ROWS - 1]}" in rows, (rank, rows)
         assert got["after"]
