@@ -5,6 +5,7 @@ directly, never the public functions (which would check the same inputs again)."
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -101,7 +102,7 @@ class AngleLoss(nn.Module):
             forward's keyword `layer_weights` (layer-wise, Espresso training): `outputs` is a stack [L, rows, D]
             of L layers' embeddings and the loss the weighted sum of the layers' losses (see functional).
         backend: keyword-only; "auto" (default), "torch", "triton" or "cuda".
-        **kwargs: accepted and ignored, like the reference.
+        **kwargs: accepted and ignored, like the reference, with a warning naming them.
     """
 
     def __init__(
@@ -125,6 +126,11 @@ class AngleLoss(nn.Module):
         **kwargs: Any,
     ) -> None:
         super().__init__()
+        if kwargs:  # taken, as the reference takes them, but never in silence: a misspelt keyword changes nothing
+            forward_only = " (layer_weights is an argument of forward: loss(labels, outputs, layer_weights=...))" \
+                if "layer_weights" in kwargs else ""
+            warnings.warn(f"AngleLoss ignores the keyword argument(s) {sorted(kwargs)}, as angle-emb's AngleLoss "
+                          f"ignores those it does not take{forward_only}", stacklevel=2)
         self.cosine_w = check_scalar("cosine_w", cosine_w)
         self.ibn_w = check_scalar("ibn_w", ibn_w)
         self.cln_w = check_scalar("cln_w", cln_w)

@@ -362,3 +362,16 @@ def test_a_setting_assigned_after_construction_is_checked_at_the_call(name, valu
     module = ak.AngleLoss(dataset_format="A")
     module.angle_tau = 5.0  # a valid one takes effect
     assert module(labels, x).item() == ak.AngleLoss(dataset_format="A", angle_tau=5.0)(labels, x).item()
+
+
+def test_keywords_the_constructor_does_not_take_are_ignored_with_a_warning():
+    """Taken, as angle-emb's AngleLoss takes them, but said: `AngleLoss(layer_weights=...)` (an argument of forward)
+    or a misspelt keyword changed nothing, in silence."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"AngleLoss ignores the keyword argument\(s\) \['dimz', 'layer_weights'\].*"
+                                         r"layer_weights is an argument of forward"):
+        ak.AngleLoss(dataset_format="B", dimz=(8,), layer_weights=[1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ak.AngleLoss(dataset_format="B", dims=(8, 16))
