@@ -468,10 +468,12 @@ def narrower_widths(requested, meta: dict, width: int, model: str) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="angle-eval", description=__doc__.split("\n\n")[0],
+    # the docstring's first paragraph, then after the flags all but its usage block (argparse writes its own)
+    paragraphs = __doc__.split("\n\n")
+    parser = OneLineErrorParser(prog="angle-eval", description=paragraphs[0], epilog="\n\n".join(paragraphs[2:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="an angle_train export, or a hub name / local folder of a Hugging Face model")
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="datasets in their original layouts (see above)")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="datasets in their original layouts (see below)")
     parser.add_argument("--pooling", choices=["cls", "cls_avg", "avg", "max", "last"], default=None)
     parser.add_argument("--max-length", type=positive_int, default=None, help="default: the export's, else 512")
     parser.add_argument("--prompt", default=None, help="the text prompt, for STS pairs (default: the export's); "
