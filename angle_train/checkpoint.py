@@ -61,6 +61,8 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 
+from collections.abc import Callable
+
 import numpy
 import torch
 
@@ -96,8 +98,8 @@ class Position:
     skipped as non-finite (in all, and in a row up to now), and the losses of the steps since the last metrics row
     (whose mean the next row logs: restored on resume, so that a resumed run logs what an uninterrupted one does),
     and the step of the last good checkpoint of output_dir: the newest one whose weights a finite step was taken
-    from (trainer.trust_checkpoint; None before there is one). Checkpoints written before best_step, loss_window and
-    good_checkpoint existed load with their defaults."""
+    from (trainer.trust_checkpoint; None before there is one). Checkpoints written before best_step, loss_window,
+    good_checkpoint and data_record existed load with their defaults."""
 
     step: int = 0
     epoch: int = 0
@@ -109,6 +111,10 @@ class Position:
     loss_window: list = field(default_factory=list)
     best_metric: str = "dev_spearman"
     good_checkpoint: int | None = None
+    # what the batches of `epoch` are made from: {"examples": count, "fingerprint": data.data_fingerprint of them,
+    # "order": data.order_fingerprint of the epoch's batches} (trainer.data_record); a resume that would make them
+    # of other examples, or in another order, is refused (load_checkpoint). None: written before it was recorded.
+    data_record: dict | None = None
 
 
 # ------------------------------------------------------------------------------------------------ folders
@@ -498,10 +504,11 @@ def _failed_write_cleaned(tmp: str, output_dir: str):
                                  "with --resume auto") from exc
 
 
-def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder, optimizer, scheduler, scaler
-                    ) -> Position:
+def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder, optimizer, scheduler, scaler,
+                    data_record: Callable[[int], dict] | None = None) -> Position:
     """Restore what save_checkpoint wrote into the given objects and this process's generators; return the
-    position to continue from. Both files are read and checked before anything is changed."""
+    position to continue from. Both files are read and checked before anything is changed. data_record(epoch):
+    this run's Position.data_record for an epoch, checked against the checkpoint's (_refuse_other_data)."""
     state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
     # every process sees the same files, so all refuse together, before any collective a refusal would leave waiting
     written_by = _writers(path)
@@ -511,6 +518,8 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          "state continue from its own)")
     position = Position(**state["position"])
     _refuse_changed_data_settings(path, state["config"], cfg)
+    if data_record is not None and position.data_record is not None:
+        _refuse_other_data(path, state["config"], cfg, position, data_record(position.epoch))
     _refuse_another_model(path, state["config"], cfg)
     _refuse_another_dev_set(path, state["config"], position, cfg)
     changed = _changed_optimizer_settings(state["config"], cfg)
@@ -654,6 +663,32 @@ def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig) -> N
         raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}); "
                          "resuming would skip or repeat training data. Resume with the checkpoint's settings, "
                          "or start a new run in a new --output-dir")
+
+
+def _refuse_other_data(path: str, saved: dict, cfg: TrainConfig, position: Position, current: dict) -> None:
+    """A resume whose epoch would be made of other examples, or of the same ones in another order, is refused: the
+    run would go on through batches that train some examples twice and skip others, in silence. The settings that
+    fix both are compared by name first (RESUME_MUST_MATCH); what they name can still change under them (a file
+    edited or replaced, --columns, or with --bucket the token counts the order sorts by, which --max-length
+    changes)."""
+    record = position.data_record
+    common = "Resume with the checkpoint's data and settings, or start a new run in a new --output-dir"
+    if (record["examples"], record["fingerprint"]) != (current["examples"], current["fingerprint"]):
+        named = _differing_settings(saved, cfg, ("columns",))
+        detail = "".join(f"; {flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in named.items())
+        raise ValueError(
+            f"cannot resume from {path}: the training data differ from the checkpoint's ({record['examples']:,} "
+            f"examples, fingerprint {record['fingerprint']}; now {current['examples']:,}, fingerprint "
+            f"{current['fingerprint']}{detail}): the batches of epoch {position.epoch} would be made of other "
+            "examples, training some twice and skipping others (the data file edited or replaced, or read with "
+            f"other --columns). {common}")
+    if record["order"] != current["order"]:
+        named = _differing_settings(saved, cfg, ("max_length",))
+        detail = "".join(f", {flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in named.items())
+        raise ValueError(
+            f"cannot resume from {path}: the same training data, but the batches of epoch {position.epoch} come "
+            f"out in another order than the checkpoint's (--bucket {cfg.bucket} sorts them by the texts' token "
+            f"counts{detail}), which would train some examples twice and skip others. {common}")
 
 
 def _rng_file(rank: int) -> str:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import MISSING, fields
 
 from .cli_common import OneLineErrorParser, check_train_extra, parse_bool, user_errors_exit, version_text
-from .config import TrainConfig, flag_of
+from .config import TrainConfig, flag_of, setting_kind, setting_value
 from .distributed import leave_process_group
 from .tracking import DEV_METRICS
 
@@ -47,11 +47,6 @@ earlier run is refused unless --overwrite 1 (which deletes that run's outputs) o
 """
 
 
-def _kind(f) -> str:
-    """The field's type as one word: bool, int, float, list or str (annotations are strings here)."""
-    return str(f.type).split("|")[0].strip()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="angle-train",
@@ -69,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         if group_name not in groups:
             groups[group_name] = parser.add_argument_group(group_name)
         flag = flag_of(f.name)
-        kind = _kind(f)
-        default_text = f" (default: {f.default})" if f.default is not MISSING and f.default is not None else ""
+        kind = setting_kind(f)
+        default = f.default_factory() if f.default is MISSING else f.default
+        shown = " ".join(map(str, default)) if isinstance(default, list) else default
+        default_text = f" (default: {shown})" if default is not None and default != [] else ""
         kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata["help"] + default_text}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
@@ -119,36 +116,6 @@ def read_config_file(path: str) -> dict:
     return data
 
 
-def _file_value(value, kind: str, items: str | None):
-    """A --config file's value for a setting of `kind`, taken as the flag takes its words: a bool from a boolean or
-    one of the flags' words; an int from a whole number or its text (a fraction or a boolean is refused, as
-    `--seed 1.5` and `--seed true` are); a float from a number or its text (not a boolean); a text from a text
-    (YAML reads `prompt: 5` or `device: no` as other types); a list from a list, or from one value, as the flag's one
-    word, each item a number or a text for the number lists (`items: "number"`), a text for the others."""
-    if kind == "bool":
-        return parse_bool(value)
-    if kind in ("int", "float"):
-        convert = int if kind == "int" else float
-        whole = isinstance(value, int) or (isinstance(value, str) and kind == "int")
-        if isinstance(value, bool) or not (whole or (kind == "float" and isinstance(value, (float, str)))):
-            raise ValueError(f"invalid {kind} value: {value!r}")
-        try:
-            return convert(value)
-        except ValueError:
-            raise ValueError(f"invalid {kind} value: {value!r}") from None
-    if kind == "list":
-        values = value if isinstance(value, list) else [value]
-        allowed = (int, float, str) if items == "number" else (str,)
-        for item in values:
-            if isinstance(item, bool) or not isinstance(item, allowed):
-                raise TypeError(f"expected {'numbers' if items == 'number' else 'texts'} (a list, or one value); got "
-                                f"{type(item).__name__} {item!r}")
-        return values
-    if kind == "str" and not isinstance(value, str):
-        raise TypeError(f"expected a text; got {type(value).__name__} {value!r}")
-    return value
-
-
 def config_from_args(argv=None) -> TrainConfig:
     """The TrainConfig of a command line. A bad flag, --config file or setting ends the program with one line
     and status 2 (with --debug, a bad file or setting raises its error instead)."""
@@ -171,7 +138,7 @@ def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainCo
             if name not in by_name:
                 parser.error(f"--config: unknown setting {key!r}")
             name = by_name[name].name  # an alias (text_prompt) sets its field (prompt)
-            kind = _kind(by_name[name])
+            kind = setting_kind(by_name[name])
             if value is None:  # YAML null / JSON null: "off", for the settings whose default is off (None)
                 if by_name[name].default is not None:
                     parser.error(f"--config: setting {key!r} cannot be null (its default is "
@@ -179,7 +146,7 @@ def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainCo
                 values[name] = None
                 continue
             try:
-                value = _file_value(value, kind, by_name[name].metadata.get("items"))
+                value = setting_value(value, kind, by_name[name].metadata.get("items"))
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"--config: setting {key!r}: {exc}")
             # an empty list other than the default, as the flag without words: no command line could give it

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+import numbers
 import os
 import re
 import shlex
@@ -10,6 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from angle_kernels.inputs import check_arccon_options
 
+from .cli_common import parse_bool
 from .data import Prompts, parse_columns
 
 # The folders angle-train writes models into (OUTPUT_DIR/final, best and checkpoints/step-N): OWNER/final is read as
@@ -219,6 +222,7 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         """Refuse settings that cannot work, naming the flag, before anything is loaded. What depends on the data
         or the model is checked once they are read (trainer.setup)."""
+        self._validate_kinds()
         self._validate_ranges()
         if self.bf16 and self.fp16:
             raise ValueError("choose at most one of --bf16 and --fp16")
@@ -241,6 +245,30 @@ class TrainConfig:
         self._refuse_ignored_settings()
         self.column_map()
         return self
+
+    def _validate_kinds(self) -> None:
+        """Every setting of its field's kind (setting_value) and, where the field lists them, one of its choices, and
+        the names of files, folders and models not empty. The parser converts and checks a flag's words, and cli a
+        --config file's settings; a TrainConfig made in Python is checked here: schedule="Cosine" trained the linear
+        schedule, objective="ArcCSE" AnglE's objective and bf16="no" turned the autocast on, in silence."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            flag, kind = flag_of(f.name), setting_kind(f)
+            try:
+                value = setting_value(value, kind, f.metadata.get("items"))
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+            choices = f.metadata.get("choices")
+            for item in value if kind == "list" else [value]:
+                if choices and item not in choices:
+                    raise ValueError(f"{flag}: invalid choice {item!r} (choose from {', '.join(choices)})")
+            if f.name in NAMES and not value.strip():
+                # an unset shell variable after the flag: "" started a fresh run for --resume, ran without
+                # evaluation for --dev-data, and failed inside datasets or the Hub's id check for the others
+                raise ValueError(f"{flag} must name {NAMES[f.name]}; got an empty text")
+            setattr(self, f.name, value)
 
     def _validate_ranges(self) -> None:
         """Every number against the bounds its field declares (opt(..., at_least=, above=, below=, at_most=)): a
@@ -315,8 +343,12 @@ class TrainConfig:
                                 "the weights are one 16-bit type and the autocast the other")
                              + f"; keep float32 weights (--model-dtype float32) with {autocast}, or leave out "
                              f"{autocast}")
-        if not str(self.output_dir).strip():
-            raise ValueError("--output-dir must name a folder; got an empty one")
+        if self.changed("espresso_dim") and not self.espresso:
+            raise ValueError("--espresso-dim is the compressed width of --espresso, which this run does not train: add "
+                             "--espresso 1, or leave it out")
+        if self.changed("false_negative_strategy") and self.false_negative_margin is None:
+            raise ValueError("--false-negative-strategy sets the threshold of the false-negative filter, which is off "
+                             "without --false-negative-margin: add a margin, or leave it out")
 
     def command_line(self) -> str:
         """The angle-train command that makes these settings: the flags of those that differ from the defaults (the
@@ -386,6 +418,12 @@ class TrainConfig:
         self.matryoshka_dims, self.matryoshka_weights = dims, weights
 
 
+# The settings that name a file, folder, model, dataset split, column or device, with what: never empty
+# (TrainConfig._validate_kinds)
+NAMES = {"model": "a model (a Hugging Face hub name or a local folder)", "train_data": "a file, folder or dataset",
+         "dev_data": "a file, folder or dataset", "resume": "a checkpoint folder or 'auto'",
+         "output_dir": "a folder", "train_split": "a dataset split", "dev_split": "a dataset split",
+         "text_column": "a column", "device": "a device (cpu, cuda, cuda:1...)"}
 # The settings that apply only with --lora 1, and only with --objective arccse (TrainConfig._refuse_ignored_settings)
 LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 ARCCSE_SETTINGS = ("text_column", "mask_rates", "arccon_margin", "arccon_tau", "triplet_w")
@@ -394,6 +432,47 @@ ARCCSE_SETTINGS = ("text_column", "mask_rates", "arccon_margin", "arccon_tau", "
 def flag_of(name: str) -> str:
     """The command-line flag of the setting `name` ("lora_r" -> "--lora-r")."""
     return "--" + name.replace("_", "-")
+
+
+def setting_kind(f) -> str:
+    """A TrainConfig field's type as one word: bool, int, float, list or str (annotations are strings here)."""
+    return str(f.type).split("|")[0].strip()
+
+
+def setting_value(value, kind: str, items: str | None):
+    """A setting's value for a field of `kind` given in a --config file or to TrainConfig in Python, taken as the flag
+    takes its words: a bool from a boolean or one of the flags' words (1/0, true/false, yes/no, on/off); an int from
+    a whole number or its text (a fraction or a boolean is refused, as `--seed 1.5` and `--seed true` are); a float
+    from a number or its text (not a boolean); a text from a text (YAML reads `prompt: 5` or `device: no` as other
+    types); a list from a list or tuple, or from one value, as the flag's one word, each item a number or a text for
+    the number lists (`items: "number"`), a text for the others."""
+    if kind == "bool":
+        return parse_bool(value)
+    if kind in ("int", "float"):
+        convert = int if kind == "int" else float
+        whole = isinstance(value, numbers.Integral) or (isinstance(value, str) and kind == "int")
+        if _is_bool(value) or not (whole or (kind == "float" and isinstance(value, (numbers.Real, str)))):
+            raise ValueError(f"invalid {kind} value: {value!r}")
+        try:
+            return convert(value)
+        except ValueError:
+            raise ValueError(f"invalid {kind} value: {value!r}") from None
+    if kind == "list":
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        allowed = (numbers.Real, str) if items == "number" else (str,)
+        for item in values:
+            if _is_bool(item) or not isinstance(item, allowed):
+                raise TypeError(f"expected {'numbers' if items == 'number' else 'texts'} (a list, or one value); got "
+                                f"{type(item).__name__} {item!r}")
+        return values
+    if kind == "str" and not isinstance(value, str):
+        raise TypeError(f"expected a text; got {type(value).__name__} {value!r}")
+    return value
+
+
+def _is_bool(value) -> bool:
+    """A Python or numpy boolean, which is never a number here (numpy's bool_ is no int subclass)."""
+    return isinstance(value, bool) or type(value).__name__ == "bool_"
 
 
 def flag_words(name: str, value) -> list[str]:

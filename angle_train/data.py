@@ -50,6 +50,7 @@ ROWS_PER_EXAMPLE = {"A": 2, "B": 2, "C": 3}
 # The role of each text of an example, which picks its prompt (Prompts): format A's texts are symmetric.
 ROLES = {"A": ("text", "text"), "B": ("query", "document"), "C": ("query", "document", "document")}
 ALIASES = {"sentence1": "text1", "sentence2": "text2", "score": "label"}
+STSB_NAMES = {"text1": "text1", "text2": "text2", "label": "label"}  # read_stsb's rows, named by it
 # The names a --columns mapping gives a file's columns (NAME=COLUMN), and the hint of how to map them.
 COLUMN_NAMES = ("text1", "text2", "label", "query", "positive", "negative")
 COLUMNS_HINT = ("map yours with --columns, e.g. --columns text1=COLUMN text2=COLUMN label=COLUMN (from Python: "
@@ -169,15 +170,14 @@ class Prompts:
 # ----------------------------------------------------------------------------------------------- reading
 
 
-def detect_format(columns, where: str, renaming: dict | None = None) -> str:
-    """The format (A, B or C) whose columns these are, after the --columns renaming ({file column: name})."""
-    names = {ALIASES.get(c, c) for c in (renaming or {}).values()} | {ALIASES.get(c, c) for c in columns}
+def detect_format(names, where: str, columns=None) -> str:
+    """The format (A, B or C) whose names these are (column_names' keys); `columns`: the file's, for the message."""
     for fmt in ("C", "A", "B"):
-        if set(FORMATS[fmt]) <= names:
+        if set(FORMATS[fmt]) <= set(names):
             return fmt
     raise DataError(
-        f"{where}: cannot tell the format from the columns {sorted(columns)}; expected text1,text2,label (A), "
-        f"query,positive (B) or query,positive,negative (C): {COLUMNS_HINT}"
+        f"{where}: cannot tell the format from the columns {sorted(columns if columns is not None else names)}; "
+        f"expected text1,text2,label (A), query,positive (B) or query,positive,negative (C): {COLUMNS_HINT}"
     )
 
 
@@ -205,13 +205,43 @@ def parse_columns(items) -> dict:
     return check_columns(mapping)
 
 
-def column_renaming(columns: dict, present, where: str) -> dict:
-    """{the file's column: its name} for a --columns mapping, each mapped column checked present."""
+def column_names(columns: dict, present, where: str) -> dict:
+    """{the format's name: the file's column} of a file's (or a row's, or a dataset's) columns `present`: those a
+    --columns mapping ({name: column}, check_columns) names, each checked present, then every other column that is a
+    name of COLUMN_NAMES or an alias of one (ALIASES: sentence1 -> text1). A column a mapping displaced (the file's
+    own "positive" under --columns positive=p2) is not read. Two columns giving one name unmapped (text1 and
+    sentence1, label and score) are a DataError: one of them would have been read in silence."""
     for name, column in columns.items():
         if column not in present:
             raise DataError(f"--columns {name}={column}: {where} has no column {column!r} (it has "
                             f"{sorted(c for c in present if c is not None)})")
-    return {column: name for name, column in columns.items()}
+    names = dict(columns)
+    mapped = set(columns.values())
+    for column in present:
+        name = ALIASES.get(column, column)
+        if column is None or column in mapped or name not in COLUMN_NAMES or name in columns:
+            continue
+        if name in names:
+            raise DataError(f"{where}: the columns {names[name]!r} and {column!r} both give {name}: say which with "
+                            f"--columns {name}=COLUMN, or leave one out of the data")
+        names[name] = column
+    return names
+
+
+def check_format_columns(names: dict, fmt: str, where: str, detected_at: str | None = None) -> None:
+    """The names the format reads all present, and no other name of COLUMN_NAMES: a format-B file's "label" column,
+    or a later row's "negative" in a file whose first row fixed format B, would be left unread in silence."""
+    missing = [c for c in FORMATS[fmt] if c not in names]
+    if missing:
+        raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {sorted(names.values())}): "
+                        f"{COLUMNS_HINT}")
+    unread = [name for name in names if name not in FORMATS[fmt]]
+    if unread:
+        shown = ", ".join(repr(names[name]) if names[name] == name else f"{names[name]!r} ({name})" for name in unread)
+        source = f", detected at {detected_at}" if detected_at and detected_at != where else ""
+        raise DataError(f"{where}: format {fmt} ({', '.join(FORMATS[fmt])}{source}) does not read the column(s) "
+                        f"{shown}: leave them out of the data, or give the format that reads them (--data-format; "
+                        "format A takes text1,text2,label, B query,positive, C query,positive,negative)")
 
 
 def check_text(value, where: str, column: str) -> str:
@@ -288,25 +318,13 @@ def _where_not_utf8(path: str) -> str | None:
     return None
 
 
-def _example_from_row(row: dict, fmt: str, where: str, renaming: dict | None = None) -> Example:
-    """The example of a row {the file's column: value}, its columns renamed by --columns ({column: name}), then
-    by ALIASES."""
-    renaming = renaming or {}
-
-    def name_of(column: str) -> str:
-        named = renaming.get(column, column)
-        return ALIASES.get(named, named)
-
-    names = {name_of(k): k for k in row if k is not None}  # the format's name -> the file's
-    row = {name_of(k): v for k, v in row.items() if k is not None}
-    missing = [c for c in FORMATS[fmt] if c not in row]
-    if missing:
-        raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {sorted(names.values())}): "
-                        f"{COLUMNS_HINT}")
-    texts = [check_text(row[column], where, column) for column in FORMATS[fmt] if column != "label"]
+def _example_from_row(row: dict, fmt: str, where: str, names: dict) -> Example:
+    """The example of a row {the file's column: value}: the format's columns read by `names` ({name: the file's
+    column}: column_names, checked against the format by check_format_columns)."""
+    texts = [check_text(row[names[name]], where, names[name]) for name in FORMATS[fmt] if name != "label"]
     label = 1.0
     if fmt == "A":
-        label = check_label(row["label"], where, names["label"])
+        label = check_label(row[names["label"]], where, names["label"])
     return Example(tuple(texts), label)
 
 
@@ -336,7 +354,7 @@ def read_stsb(path: str) -> list[Example]:
             if len(fields) < 7:
                 raise DataError(f"{where}: the STS-B layout needs at least 7 tab-separated fields; got {len(fields)}")
             examples.append(_example_from_row({"text1": fields[5], "text2": fields[6], "label": fields[4]}, "A",
-                                              where))
+                                              where, STSB_NAMES))
     return examples
 
 
@@ -359,11 +377,19 @@ def jsonl_rows(path: str):
 
 
 def read_jsonl(path: str, fmt: str | None, columns: dict | None = None) -> tuple[list[Example], str]:
-    examples, columns = [], check_columns(columns)
+    """Each line's columns named and checked against the format (the first line's, unless `fmt`), once per set of
+    keys (rows of one file mostly share theirs)."""
+    examples, columns, checked, detected_at = [], check_columns(columns), {}, None
     for where, row in jsonl_rows(path):
-        renaming = column_renaming(columns, row.keys(), where)
-        fmt = fmt or detect_format(row.keys(), where, renaming)
-        examples.append(_example_from_row(row, fmt, where, renaming))
+        keys = tuple(row)
+        names = checked.get(keys)
+        if names is None:
+            names = column_names(columns, keys, where)
+            if fmt is None:
+                fmt, detected_at = detect_format(names, where, keys), where
+            check_format_columns(names, fmt, where, detected_at)
+            checked[keys] = names
+        examples.append(_example_from_row(row, fmt, where, names))
     return examples, fmt
 
 
@@ -373,11 +399,14 @@ def delimited_rows(path: str, delimiter: str, check_header=None):
     contain quote characters: they are read literally. DataError for an empty file, a row with more or fewer fields
     than the header, a CSV syntax error, bytes that are not UTF-8."""
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-    with open_text(path, newline="") as f:
+    with open_text(path, newline="") as f, _csv_fields_of_any_size():
         reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting, strict=True)
         try:
             if not reader.fieldnames:
                 raise DataError(f"{path}: the file is empty (expected a header row)")
+            repeated = sorted({name for name in reader.fieldnames if reader.fieldnames.count(name) > 1})
+            if repeated:  # a dict row keeps the last of them
+                raise DataError(f"{path}, line 1 (header): the column name(s) {repeated} appear more than once")
             if check_header is not None:
                 check_header(reader.fieldnames)
             width = len(reader.fieldnames)
@@ -395,21 +424,30 @@ def delimited_rows(path: str, delimiter: str, check_header=None):
 
 def read_delimited(path: str, fmt: str | None, delimiter: str, columns: dict | None = None
                    ) -> tuple[list[Example], str]:
-    columns, renaming = check_columns(columns), {}
+    columns, names = check_columns(columns), {}
 
     def check_header(fieldnames):
-        nonlocal fmt, renaming
+        nonlocal fmt, names
         where = f"{path}, line 1 (header)"
-        renaming = column_renaming(columns, fieldnames, where)
-        fmt = fmt or detect_format(fieldnames, where, renaming)
-        named = {ALIASES.get(renaming.get(n, n), renaming.get(n, n)) for n in fieldnames}
-        missing = [c for c in FORMATS[fmt] if c not in named]
-        if missing:
-            raise DataError(f"{where}: missing column(s) {missing} for format {fmt}: {COLUMNS_HINT}")
+        names = column_names(columns, fieldnames, where)
+        fmt = fmt or detect_format(names, where, fieldnames)
+        check_format_columns(names, fmt, where)
 
-    examples = [_example_from_row(row, fmt, where, renaming)
+    examples = [_example_from_row(row, fmt, where, names)
                 for where, row in delimited_rows(path, delimiter, check_header)]
     return examples, fmt
+
+
+@contextlib.contextmanager
+def _csv_fields_of_any_size():
+    """csv's limit on a field's size (128 KiB by default, a process-wide setting) lifted while a file is read: a
+    text the same reader takes from a JSONL file is taken from a CSV or TSV one too."""
+    limit = csv.field_size_limit()
+    csv.field_size_limit(2**31 - 1)
+    try:
+        yield
+    finally:
+        csv.field_size_limit(limit)
 
 
 def open_hf_dataset(name_or_path: str, split: str):
@@ -433,9 +471,10 @@ def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dic
                     ) -> tuple[list[Example], str]:
     dataset = open_hf_dataset(name_or_path, split)
     where = f"{name_or_path} [{split}]"
-    renaming = column_renaming(check_columns(columns), dataset.column_names, where)
-    fmt = fmt or detect_format(dataset.column_names, where, renaming)
-    examples = [_example_from_row(row, fmt, f"{where}, row {i}", renaming) for i, row in enumerate(dataset)]
+    names = column_names(check_columns(columns), dataset.column_names, where)
+    fmt = fmt or detect_format(names, where, dataset.column_names)
+    check_format_columns(names, fmt, where)
+    examples = [_example_from_row(row, fmt, f"{where}, row {i}", names) for i, row in enumerate(dataset)]
     return examples, fmt
 
 
@@ -448,6 +487,12 @@ def data_fingerprint(items: list) -> str:
     for i in range(0, len(items), step):
         digest.update(repr((i, items[i])).encode())
     return digest.hexdigest()[:16]
+
+
+def order_fingerprint(batches: list[list[int]]) -> str:
+    """A short hash of an epoch's batches (epoch_batches' example indices, in order): a checkpoint records the one
+    of its epoch, and a resumed run's must equal it (checkpoint.load_checkpoint)."""
+    return hashlib.sha256(array("q", itertools.chain.from_iterable(batches)).tobytes()).hexdigest()[:16]
 
 
 def load_examples(source: str, *, fmt: str | None = None, split: str = "train", layout: str | None = None,

@@ -47,7 +47,7 @@ from .cli_common import resolve_device
 from .config import TrainConfig, flag_of
 from .data import (
     FORMATS, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples,
-    share_of,
+    order_fingerprint, share_of,
 )
 from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
@@ -173,10 +173,16 @@ def save(run: Run) -> str:
     """A resumable checkpoint of the run at its current position (the losses logged since the last metrics row
     included)."""
     run.position.loss_window = list(run.log.losses)
+    run.position.data_record = data_record(len(run.dataset), run.data_fingerprint, run.epoch_order)
     path = save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
                            scheduler=run.scheduler, scaler=run.scaler, sharded=run.cfg.fsdp)
     run.unverified_checkpoint = run.position.step
     return path
+
+
+def data_record(examples: int, fingerprint: str, order: list[list[int]]) -> dict:
+    """checkpoint.Position.data_record: the examples' count and data_fingerprint, and their epoch's batch order's."""
+    return {"examples": examples, "fingerprint": fingerprint, "order": order_fingerprint(order)}
 
 
 def trust_checkpoint(run: Run) -> None:
@@ -228,6 +234,7 @@ class Run:
     total_steps: int
     position: Position
     epoch_order: list[list[int]]  # the batches of position.epoch: example indices, batch_size per batch
+    data_fingerprint: str  # of the training examples (data.data_fingerprint): checkpoints record it (data_record)
     log: RunLog
     result: TrainResult
     lock: run_lock.RunLock | None = None  # the output folder's lock, held by the main process (setup)
@@ -332,9 +339,10 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     pooling_source = encoder.pooling_source if model is None else "the model given to train()"
     items = sentences if cfg.objective == "arccse" else examples
     total_steps = count_steps(cfg, len(items), dist_info.world_size)
+    fingerprint = data_fingerprint(items)
     distributed.check_processes_agree(dist_info, {
         "checkpoint to resume": resume_from and os.path.basename(resume_from), "examples": len(items),
-        "data fingerprint": data_fingerprint(items), "steps": total_steps})
+        "data fingerprint": fingerprint, "steps": total_steps})
     # each process tokenises its share of the texts, and every process gets all of them (the same data: above)
     if cfg.objective == "arccse":
         dataset = arccse.TokenizedSentences(sentences, tokenizer, max_length=cfg.max_length,
@@ -360,9 +368,17 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16)
     position, unverified_checkpoint = Position(), None
     continues_own_run = resume_from is not None and is_own_checkpoint(cfg.output_dir, resume_from)
+    orders = {}  # epoch -> its batch order, made once
+
+    def order_of(epoch: int) -> list[list[int]]:
+        if epoch not in orders:
+            orders[epoch] = batch_order(cfg, dataset, epoch)
+        return orders[epoch]
+
     if resume_from:
         position = load_checkpoint(resume_from, cfg, dist_info, encoder=encoder, optimizer=optimizer,
-                                   scheduler=scheduler, scaler=scaler)
+                                   scheduler=scheduler, scaler=scaler,
+                                   data_record=lambda epoch: data_record(len(items), fingerprint, order_of(epoch)))
         check_dev_metric(resume_from, position, dev_set)
         if continues_own_run:
             unverified_checkpoint = position.step
@@ -408,7 +424,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                tokenizer=tokenizer, dataset=dataset, dev_set=dev_set, loss_fn=loss_fn,
                guarded_loss=faults.SkipNonFiniteEmbeddings(loss_fn),
                optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps, position=position,
-               epoch_order=batch_order(cfg, dataset, position.epoch),
+               epoch_order=order_of(position.epoch), data_fingerprint=fingerprint,
                log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step, position.loss_window),
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_score=position.best,
                                   # the dev set's, or a checkpoint's best's when resumed without dev data

@@ -53,11 +53,20 @@ TRAIN_MISTAKES = [
     (["--resume", "empty-checkpoint"], "cannot resume from empty-checkpoint"),
     (["--output-dir", "done"], "output_dir done holds an earlier run (final/)"),
     (["--output-dir", ""], "--output-dir must name a folder"),
+    # an unset shell variable after a flag: --resume "" started afresh and --dev-data "" ran without evaluation in
+    # silence; --train-data "" failed inside datasets, --model "" in the Hub's id check without naming the flag
+    (["--train-data", ""], "--train-data must name a file, folder or dataset; got an empty text"),
+    (["--resume", ""], "--resume must name a checkpoint folder or 'auto'; got an empty text"),
+    (["--dev-data", " "], "--dev-data must name a file, folder or dataset; got an empty text"),
+    (["--model", ""], "--model must name a model (a Hugging Face hub name or a local folder); got an empty text"),
     (["--output-dir", "pairs.xml"], "--output-dir pairs.xml is a file, not a folder"),
     (["--output-dir", "pairs.xml/run"], "--output-dir pairs.xml/run: the folder cannot be made or written"),
     # settings that apply only with another one, which is off: silently ignored before
     (["--lora-r", "8"], "--lora-r sets up LoRA adapters, which train only with --lora 1"),
     (["--text-column", "sentence"], "--text-column is a setting of --objective arccse"),
+    (["--espresso-dim", "64"], "--espresso-dim is the compressed width of --espresso, which this run does not train"),
+    (["--false-negative-strategy", "relative"], "--false-negative-strategy sets the threshold of the false-negative "
+                                                "filter, which is off without --false-negative-margin"),
     (["--warmup", "1.5"], "--warmup 1.5: a warmup of 1 or more is a number of steps, a whole one"),
     (["--model-dtype", "float16", "--fp16", "1"], "float16 weights take float16 gradients"),
     (["--model-dtype", "bfloat16", "--fp16", "1"], "the weights are one 16-bit type and the autocast the other"),
@@ -111,6 +120,38 @@ def assert_one_line_error(program: str, status: int, out: str, err: str, said: s
 def test_angle_train_mistakes_are_one_line(flags, said, files, capsys):
     argv = ["--output-dir", "out", "--device", "cpu", "--progress", "0", *flags]
     assert_one_line_error("angle-train", *run("angle-train", argv, capsys), said)
+
+
+@pytest.mark.parametrize("settings, said", [
+    ({"schedule": "Cosine"}, "--schedule: invalid choice 'Cosine' (choose from linear, cosine, constant)"),
+    ({"objective": "ArcCSE"}, "--objective: invalid choice 'ArcCSE' (choose from angle, arccse)"),
+    ({"model_dtype": "fp16"}, "--model-dtype: invalid choice 'fp16'"),
+    ({"report_to": ["wandb", "mlflow"]}, "--report-to: invalid choice 'mlflow'"),
+    ({"bf16": "maybe"}, "--bf16: expected a boolean"),
+    ({"batch_size": 8.5}, "--batch-size: invalid int value: 8.5"),
+    ({"seed": True}, "--seed: invalid int value: True"),
+    ({"prompt": 5}, "--prompt: expected a text; got int 5"),
+    ({"lora_targets": "q_proj"}, "--lora-targets sets up LoRA adapters"),  # one word, as the flag's one value
+    ({"train_data": ""}, "--train-data must name a file, folder or dataset"),
+])
+def test_settings_given_in_python_are_checked_as_the_flags_are(settings, said):
+    """TrainConfig made in Python (train()'s API) took any value: schedule="Cosine" trained the linear schedule,
+    objective="ArcCSE" AnglE's objective, bf16="no" turned bf16 autocast on, model_dtype="fp16" raised a bare
+    KeyError. Each setting is now taken as its flag takes its words, and refused naming the flag."""
+    from angle_train.config import TrainConfig
+
+    with pytest.raises(ValueError) as raised:
+        TrainConfig(**settings).validate()
+    assert said in str(raised.value)
+
+
+def test_settings_given_in_python_are_converted_as_the_flags_words_are():
+    from angle_train.config import TrainConfig
+
+    cfg = TrainConfig(bf16="no", fp16=0, progress="yes", batch_size="16", lr="1e-4", report_to="tensorboard",
+                      matryoshka_dims=(64, "32"), lora=True, lora_targets=("q_proj", "v_proj")).validate()
+    assert (cfg.bf16, cfg.fp16, cfg.progress, cfg.batch_size, cfg.lr) == (False, False, True, 16, 1e-4)
+    assert (cfg.report_to, cfg.matryoshka_dims, cfg.lora_targets) == (["tensorboard"], [64, 32], ["q_proj", "v_proj"])
 
 
 @pytest.mark.parametrize("argv, said", EVAL_MISTAKES)

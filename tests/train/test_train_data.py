@@ -73,6 +73,19 @@ def test_stsb_layout_keeps_every_line(tmp_path):
         ("extra.csv", "query,positive\na,b\nc,d,e\n", "line 3: more fields than the header"),
         ("header.csv", "query,label\na,1\n", "line 1 \\(header\\): cannot tell the format"),
         ("bad_sts.csv", "g\tx\t2012\t1\t2.0\ta\tb\ng\tx\t2012\t2\tfive\ta\tb\n", None),
+        # columns that were read wrong in silence: a format-B file's labels ignored (a label-0 pair trained as a
+        # positive), the later of two columns giving one name read, a repeated CSV header's first column dropped,
+        # the hard negatives of the rows after a first row without one dropped
+        ("qp_label.jsonl", '{"query": "a", "positive": "b", "label": 0}\n',
+         r"line 1: format B \(query, positive\) does not read the column\(s\) 'label': leave them out"),
+        ("label_and_score.csv", "text1,text2,label,score\na,b,1,4.8\n",
+         r"line 1 \(header\): the columns 'label' and 'score' both give label: say which with --columns label="),
+        ("text1_and_sentence1.jsonl", '{"text1": "a", "sentence1": "b", "text2": "c", "label": 1}\n',
+         "line 1: the columns 'text1' and 'sentence1' both give text1"),
+        ("repeated_header.csv", "query,positive,positive\na,b,c\n",
+         r"line 1 \(header\): the column name\(s\) \['positive'\] appear more than once"),
+        ("b_then_c.jsonl", '{"query": "a", "positive": "b"}\n{"query": "c", "positive": "d", "negative": "e"}\n',
+         r"line 2: format B \(query, positive, detected at .*line 1\) does not read the column\(s\) 'negative'"),
     ],
 )
 def test_bad_files_give_clear_errors(tmp_path, name, text, message):
@@ -83,6 +96,26 @@ def test_bad_files_give_clear_errors(tmp_path, name, text, message):
         return
     with pytest.raises(DataError, match=message):
         load_examples(path)
+
+
+def test_a_mapped_column_is_read_wherever_the_column_it_displaces_stands(tmp_path):
+    """--columns positive=p2 on rows that also hold a "positive" column: the row's later column of the two was read
+    (the file's own "positive" where it came after p2); the mapping now always wins, and the displaced column is not
+    read (nor refused: the mapping says which)."""
+    rows = [{"query": "q1", "p2": "mapped", "positive": "displaced"}, {"positive": "displaced", "query": "q2",
+                                                                       "p2": "mapped"}]
+    path = _write(tmp_path, "p.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    examples, fmt = load_examples(path, columns={"positive": "p2"})
+    assert fmt == "B" and [e.texts for e in examples] == [("q1", "mapped"), ("q2", "mapped")]
+
+
+def test_a_csv_field_as_long_as_a_jsonl_one_is_read(tmp_path):
+    """csv's default limit (128 KiB a field) refused a text the JSONL reader takes, naming the wrong line."""
+    long = "word " * 40_000
+    examples, _ = load_examples(_write(tmp_path, "long.csv", f"query,positive\na,b\nc,{long}\n"))
+    assert examples[1].texts == ("c", long)
+    examples, _ = load_examples(_write(tmp_path, "long.jsonl", json.dumps({"query": "c", "positive": long}) + "\n"))
+    assert examples[0].texts == ("c", long)
 
 
 def test_forced_format_must_match_columns(tmp_path):

@@ -62,11 +62,11 @@ def test_bad_values_are_rejected_naming_the_flag(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("dims, message", [([16.0], "expected integers"), ([True], "expected integers"),
-                                           (["8", None], "expected integers"), ("16 8", "expected a list")])
+@pytest.mark.parametrize("dims, message", [([16.0], "expected integers"), ([True], "expected numbers"),
+                                           (["8", None], "expected numbers"), ("16 8", "expected integers")])
 def test_config_values_are_not_silently_coerced(dims, message):
-    """From a config file or the Python API: a float or a bool is refused, not truncated to an int; a string is not
-    read as a list of characters."""
+    """From a config file or the Python API: a float or a bool is refused, not truncated to an int; a string is one
+    value (as the flag's one word), not read as a list of characters."""
     with pytest.raises(ValueError, match=f"--matryoshka-dims: {message}"):
         TrainConfig(matryoshka_dims=dims).validate()
 

@@ -497,3 +497,54 @@ def test_resume_refuses_other_dev_data_and_says_a_changed_loss_setting(tmp_path,
     assert [row["step"] for row in resumed.history] == [3, 4]
     assert "resuming with changed settings (--ibn-tau 20.0 -> 10.0): they apply from step 2 on" in (
         capsys.readouterr().out)
+
+
+def _write_pairs(path, examples, extra_column=None) -> str:
+    """Format B examples as a JSONL file (with `extra_column`: each row's positive again, reversed, under that name)."""
+    with open(path, "w") as f:
+        for e in examples:
+            row = {"query": e.texts[0], "positive": e.texts[1]}
+            if extra_column:
+                row[extra_column] = " ".join(reversed(e.texts[1].split()))
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def test_resume_refuses_training_data_that_changed_under_the_same_name(tmp_path):
+    """The data settings were compared by name only: a file edited (rows appended) or read with other --columns
+    resumed without a word, and the epoch's recomputed order over the new data trained some examples twice and
+    skipped others. The checkpoint records the examples' count and fingerprint; a resume over other ones is refused,
+    and with the data put back it resumes where it stopped."""
+    path = _write_pairs(tmp_path / "pairs.jsonl", demo_examples(24, seed=3), extra_column="p2")
+    train(_config(tmp_path / "run", train_data=path), on_step=_stop_at(4))
+    original = open(path).read()
+    with open(path, "a") as f:
+        f.write(original.splitlines(keepends=True)[0] * 8)
+    with pytest.raises(ValueError, match=r"cannot resume from .*step-00000003: the training data differ from the "
+                                         r"checkpoint's \(24 examples, fingerprint \w+; now 32, fingerprint \w+\).*training "
+                                         r"some twice and skipping others"):
+        train(_config(tmp_path / "run", train_data=path, resume="auto"))
+    with open(path, "w") as f:
+        f.write(original)
+    with pytest.raises(ValueError, match=r"the training data differ from the checkpoint's \(24 examples.*now 24, "
+                                         r"fingerprint \w+; --columns \[\] -> \['positive=p2'\]\)"):
+        train(_config(tmp_path / "run", train_data=path, columns=["positive=p2"], resume="auto"))
+    resumed = train(_config(tmp_path / "run", train_data=path, resume="auto"))
+    assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
+
+
+def test_resume_with_bucketing_refuses_a_max_length_that_reorders_the_epoch(tmp_path, capsys):
+    """With --bucket, the epoch's order sorts by token counts, which --max-length changes: a resume with another one
+    (a setting a resume may change, with a note) went through another order of the same epoch, in silence (11 of
+    64 examples trained twice, 11 never). Refused now; without --bucket the order does not depend on it, and the
+    resume takes it from the resumed step on, as before."""
+    data = (demo_examples(64, seed=5), "B")
+    train(_config(tmp_path / "bucketed", bucket=2), train_examples=data, on_step=_stop_at(4))
+    with pytest.raises(ValueError, match=r"cannot resume from .*: the same training data, but the batches of epoch 0 "
+                                         r"come out in another order than the checkpoint's \(--bucket 2 sorts them by "
+                                         r"the texts' token counts, --max-length 12 -> 5\)"):
+        train(_config(tmp_path / "bucketed", bucket=2, max_length=5, resume="auto"), train_examples=data)
+    train(_config(tmp_path / "plain"), train_examples=data, on_step=_stop_at(4))
+    resumed = train(_config(tmp_path / "plain", max_length=5, resume="auto"), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
+    assert "resuming with changed settings (--max-length 12 -> 5): they apply from step 3 on" in capsys.readouterr().out
