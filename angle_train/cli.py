@@ -131,13 +131,16 @@ def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainCo
     by_name = {f.name: f for f in fields(TrainConfig)}
     for f in fields(TrainConfig):  # config-file keys may use a flag's alias too (text_prompt sets prompt)
         by_name.update({alias[2:].replace("-", "_"): f for alias in f.metadata.get("aliases", ())})
-    values = {}
+    values, keys = {}, {}
     if args.get("config"):
         for key, value in read_config_file(args.pop("config")).items():
             name = key.replace("-", "_")
             if name not in by_name:
                 parser.error(f"--config: unknown setting {key!r}")
             name = by_name[name].name  # an alias (text_prompt) sets its field (prompt)
+            if name in keys:  # batch-size and batch_size, or prompt and text_prompt: the later one won, silently
+                parser.error(f"--config: the settings {keys[name]!r} and {key!r} are one setting ({name}); keep one")
+            keys[name] = key
             kind = setting_kind(by_name[name])
             if value is None:  # YAML null / JSON null: "off", for the settings whose default is off (None)
                 if by_name[name].default is not None:

@@ -322,6 +322,9 @@ def test_config_file_values_are_read_as_the_flags_read_them(tmp_path, text, expe
     ("lora_targets: 5\n", "--config: setting 'lora_targets': expected texts"),
     # an empty list, as a list flag without words: the run's recorded command ended in a bare --report-to
     ("report_to: []\n", "--config: setting 'report_to': expected at least one value"),
+    # one setting under two of its names: the later one won, silently
+    ("batch-size: 8\nbatch_size: 16\n", "--config: the settings 'batch-size' and 'batch_size' are one setting"),
+    ("prompt: a\ntext_prompt: b\n", "--config: the settings 'prompt' and 'text_prompt' are one setting (prompt)"),
 ])
 def test_config_file_values_the_flags_would_refuse_are_one_line(tmp_path, capsys, text, said):
     path = tmp_path / "run.yaml"
