@@ -81,10 +81,14 @@ def _layout(x: torch.Tensor) -> list[int]:
 SINGLE_TENSOR_BACKENDS = ("nccl",)
 
 
-def _single_tensor_collectives() -> bool:
+def _single_tensor_collectives(x: torch.Tensor) -> bool:
+    """Whether the gather of `x` takes the single-tensor collectives: a group of a SINGLE_TENSOR_BACKENDS backend, or
+    a CUDA tensor in a group whose backend for CUDA is NCCL: one per device ("cpu:gloo,cuda:nccl"), or one not
+    chosen yet ("undefined": init_process_group() without a backend picks NCCL for CUDA at the first collective)."""
     import torch.distributed as dist
 
-    return dist.get_backend() in SINGLE_TENSOR_BACKENDS
+    backend = str(dist.get_backend()).lower()
+    return backend in SINGLE_TENSOR_BACKENDS or (x.is_cuda and ("nccl" in backend or backend == "undefined"))
 
 
 def _collective(single: str, older: str):
@@ -104,7 +108,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
         import torch.distributed as dist
 
         world_size = dist.get_world_size()
-        ctx.rank, ctx.rows, ctx.single = dist.get_rank(), x.shape[0], _single_tensor_collectives()
+        ctx.rank, ctx.rows, ctx.single = dist.get_rank(), x.shape[0], _single_tensor_collectives(x)
         if ctx.single:
             out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))
             _collective("all_gather_single", "all_gather_into_tensor")(out, x.contiguous())

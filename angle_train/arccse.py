@@ -35,6 +35,7 @@ from .data import (
     prompted_texts,
     gather_token_rows,
     share_of,
+    check_read_columns_once,
     check_text,
     delimited_rows,
     first_line_is_stsb,
@@ -88,6 +89,7 @@ def _delimited_column(path: str, column: str) -> list[str]:
     def check_header(fieldnames):
         if column not in fieldnames:
             raise DataError(f"{path}, line 1 (header): no column {column!r} (--text-column); has {fieldnames}")
+        check_read_columns_once(fieldnames, [column], f"{path}, line 1 (header)")
 
     rows = delimited_rows(path, "\t" if path.endswith(".tsv") else ",", check_header)
     return [check_text(row[column], where, column) for where, row in rows]

@@ -217,7 +217,7 @@ def column_names(columns: dict, present, where: str) -> dict:
                             f"{sorted(c for c in present if c is not None)})")
     names = dict(columns)
     mapped = set(columns.values())
-    for column in present:
+    for column in dict.fromkeys(present):  # a name a CSV header repeats once (check_read_columns_once)
         name = ALIASES.get(column, column)
         if column is None or column in mapped or name not in COLUMN_NAMES or name in columns:
             continue
@@ -229,19 +229,30 @@ def column_names(columns: dict, present, where: str) -> dict:
 
 
 def check_format_columns(names: dict, fmt: str, where: str, detected_at: str | None = None) -> None:
-    """The names the format reads all present, and no other name of COLUMN_NAMES: a format-B file's "label" column,
-    or a later row's "negative" in a file whose first row fixed format B, would be left unread in silence."""
+    """The names the format reads all present and, where the format was detected (`detected_at`: the row or header
+    it was detected at; None: given, by --data-format, which then reads what it reads), no other name of
+    COLUMN_NAMES: a format-B file's "label" column, or a later row's "negative" in a file whose first row made it
+    format B, would be left unread in silence."""
     missing = [c for c in FORMATS[fmt] if c not in names]
     if missing:
         raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {sorted(names.values())}): "
                         f"{COLUMNS_HINT}")
     unread = [name for name in names if name not in FORMATS[fmt]]
-    if unread:
+    if unread and detected_at is not None:
         shown = ", ".join(repr(names[name]) if names[name] == name else f"{names[name]!r} ({name})" for name in unread)
-        source = f", detected at {detected_at}" if detected_at and detected_at != where else ""
+        source = f", detected at {detected_at}" if detected_at != where else ", detected from the columns"
         raise DataError(f"{where}: format {fmt} ({', '.join(FORMATS[fmt])}{source}) does not read the column(s) "
-                        f"{shown}: leave them out of the data, or give the format that reads them (--data-format; "
-                        "format A takes text1,text2,label, B query,positive, C query,positive,negative)")
+                        f"{shown}: say which format the data is with --data-format (--data-format {fmt} reads "
+                        f"{', '.join(FORMATS[fmt])} and leaves the rest unread), or leave them out of the data")
+
+
+def check_read_columns_once(fieldnames, read: list, where: str) -> None:
+    """The columns a reader reads (`read`) each named once in a CSV/TSV header: a dict row keeps the last of two
+    columns of one name, so the first would be dropped in silence (a repeated name nobody reads is harmless)."""
+    repeated = sorted({column for column in read if fieldnames.count(column) > 1})
+    if repeated:
+        raise DataError(f"{where}: the column name(s) {repeated} appear more than once in the header, so only the "
+                        "last of each would be read: rename or remove the others")
 
 
 def check_text(value, where: str, column: str) -> str:
@@ -387,7 +398,7 @@ def read_jsonl(path: str, fmt: str | None, columns: dict | None = None) -> tuple
             names = column_names(columns, keys, where)
             if fmt is None:
                 fmt, detected_at = detect_format(names, where, keys), where
-            check_format_columns(names, fmt, where, detected_at)
+            check_format_columns(names, fmt, where, detected_at)  # detected_at None: fmt was given
             checked[keys] = names
         examples.append(_example_from_row(row, fmt, where, names))
     return examples, fmt
@@ -404,9 +415,6 @@ def delimited_rows(path: str, delimiter: str, check_header=None):
         try:
             if not reader.fieldnames:
                 raise DataError(f"{path}: the file is empty (expected a header row)")
-            repeated = sorted({name for name in reader.fieldnames if reader.fieldnames.count(name) > 1})
-            if repeated:  # a dict row keeps the last of them
-                raise DataError(f"{path}, line 1 (header): the column name(s) {repeated} appear more than once")
             if check_header is not None:
                 check_header(reader.fieldnames)
             width = len(reader.fieldnames)
@@ -430,8 +438,10 @@ def read_delimited(path: str, fmt: str | None, delimiter: str, columns: dict | N
         nonlocal fmt, names
         where = f"{path}, line 1 (header)"
         names = column_names(columns, fieldnames, where)
+        detected_at = None if fmt else where
         fmt = fmt or detect_format(names, where, fieldnames)
-        check_format_columns(names, fmt, where)
+        check_format_columns(names, fmt, where, detected_at)
+        check_read_columns_once(fieldnames, [names[name] for name in FORMATS[fmt]], where)
 
     examples = [_example_from_row(row, fmt, where, names)
                 for where, row in delimited_rows(path, delimiter, check_header)]
@@ -472,8 +482,9 @@ def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dic
     dataset = open_hf_dataset(name_or_path, split)
     where = f"{name_or_path} [{split}]"
     names = column_names(check_columns(columns), dataset.column_names, where)
+    detected_at = None if fmt else where
     fmt = fmt or detect_format(names, where, dataset.column_names)
-    check_format_columns(names, fmt, where)
+    check_format_columns(names, fmt, where, detected_at)
     examples = [_example_from_row(row, fmt, f"{where}, row {i}", names) for i, row in enumerate(dataset)]
     return examples, fmt
 

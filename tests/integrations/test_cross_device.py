@@ -596,3 +596,21 @@ def test_gathering_is_fused_and_only_other_similarities_fall_back():
         assert cls(model, gather_across_devices=True, directions=("query_to_doc", "doc_to_query")).uses_fused_path
         assert cls(model, gather_across_devices=True, similarity_fct=st_util.dot_score).uses_fused_path
         assert not cls(model, gather_across_devices=True, similarity_fct=st_util.euclidean_sim).uses_fused_path
+
+
+@pytest.mark.parametrize("backend, cuda, single", [
+    ("nccl", True, True), ("gloo", False, False), ("gloo", True, False), ("mpi", True, False),
+    # init_process_group() without a backend: per device, or not chosen before the first collective ("undefined"),
+    # where NCCL serves CUDA tensors (the list collectives took them: twice the backward's bytes)
+    ("cpu:gloo,cuda:nccl", True, True), ("cpu:gloo,cuda:nccl", False, False), ("undefined", True, True),
+    ("undefined", False, False),
+])
+def test_the_single_tensor_collectives_serve_nccls_cuda_tensors(monkeypatch, backend, cuda, single):
+    import types
+
+    import torch.distributed as dist
+
+    from angle_kernels import distributed
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert distributed._single_tensor_collectives(types.SimpleNamespace(is_cuda=cuda)) is single

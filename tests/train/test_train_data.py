@@ -77,13 +77,16 @@ def test_stsb_layout_keeps_every_line(tmp_path):
         # positive), the later of two columns giving one name read, a repeated CSV header's first column dropped,
         # the hard negatives of the rows after a first row without one dropped
         ("qp_label.jsonl", '{"query": "a", "positive": "b", "label": 0}\n',
-         r"line 1: format B \(query, positive\) does not read the column\(s\) 'label': leave them out"),
+         r"line 1: format B \(query, positive, detected from the columns\) does not read the column\(s\) 'label': "
+         r"say which format the data is with --data-format \(--data-format B reads query, positive and leaves the "
+         r"rest unread\)"),
         ("label_and_score.csv", "text1,text2,label,score\na,b,1,4.8\n",
          r"line 1 \(header\): the columns 'label' and 'score' both give label: say which with --columns label="),
         ("text1_and_sentence1.jsonl", '{"text1": "a", "sentence1": "b", "text2": "c", "label": 1}\n',
          "line 1: the columns 'text1' and 'sentence1' both give text1"),
         ("repeated_header.csv", "query,positive,positive\na,b,c\n",
-         r"line 1 \(header\): the column name\(s\) \['positive'\] appear more than once"),
+         r"line 1 \(header\): the column name\(s\) \['positive'\] appear more than once in the header, so only the "
+         r"last of each would be read: rename or remove the others"),
         ("b_then_c.jsonl", '{"query": "a", "positive": "b"}\n{"query": "c", "positive": "d", "negative": "e"}\n',
          r"line 2: format B \(query, positive, detected at .*line 1\) does not read the column\(s\) 'negative'"),
     ],
@@ -96,6 +99,19 @@ def test_bad_files_give_clear_errors(tmp_path, name, text, message):
         return
     with pytest.raises(DataError, match=message):
         load_examples(path)
+
+
+def test_a_given_format_reads_its_columns_and_leaves_the_others(tmp_path):
+    """The refusal of columns a format does not read is for a detected format: --data-format B on triplets (a Hub
+    dataset cannot drop a column) trains their pairs, as it did; a repeated header name nobody reads (an export's
+    empty trailing columns) is no error."""
+    triplets = _write(tmp_path, "t.jsonl", json.dumps({"query": "a", "positive": "b", "negative": "c"}) + "\n")
+    with pytest.raises(DataError, match=r"missing column\(s\) \['text1', 'text2', 'label'\] for format A"):
+        load_examples(triplets, fmt="A")
+    examples, fmt = load_examples(triplets, fmt="B")
+    assert fmt == "B" and examples[0].texts == ("a", "b")
+    examples, fmt = load_examples(_write(tmp_path, "e.csv", "query,positive,,\na,b,,\n"))
+    assert fmt == "B" and examples[0].texts == ("a", "b")
 
 
 def test_a_mapped_column_is_read_wherever_the_column_it_displaces_stands(tmp_path):

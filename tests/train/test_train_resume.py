@@ -521,8 +521,8 @@ def test_resume_refuses_training_data_that_changed_under_the_same_name(tmp_path)
     with open(path, "a") as f:
         f.write(original.splitlines(keepends=True)[0] * 8)
     with pytest.raises(ValueError, match=r"cannot resume from .*step-00000003: the training data differ from the "
-                                         r"checkpoint's \(24 examples, fingerprint \w+; now 32, fingerprint \w+\).*training "
-                                         r"some twice and skipping others"):
+                                         r"checkpoint's \(24 examples, fingerprint \w+; now 32, fingerprint "
+                                         r"\w+\).*training some twice and skipping others"):
         train(_config(tmp_path / "run", train_data=path, resume="auto"))
     with open(path, "w") as f:
         f.write(original)
