@@ -59,9 +59,8 @@ import random
 import re
 import shutil
 import sys
-from dataclasses import asdict, dataclass, field
-
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import numpy
 import torch
