@@ -581,6 +581,13 @@ def _gist_options(loss: torch.nn.Module) -> dict[str, Any]:
 
 
 def _fused_gist(loss: torch.nn.Module, embeddings: list[Tensor], guide_embeddings: list[Tensor]) -> Tensor:
+    similarity = getattr(loss, "similarity_fct", None)
+    if not (type(similarity) is torch.nn.CosineSimilarity and similarity.dim in (-1, 1)):
+        # the parent's own (nn.CosineSimilarity(dim=-1)), which it sets and never takes as an argument: a module
+        # put in its place after construction changed the parent's scores, while the fused loss computed cosines
+        raise ValueError(f"{type(loss).__name__} computes cosine similarities, as the parent's similarity_fct "
+                         f"(nn.CosineSimilarity(dim=-1)) does; this one's similarity_fct was replaced by "
+                         f"{similarity!r}: use sentence-transformers' {type(loss).__name__} for another similarity")
     return _functional.gist_loss(embeddings[0], embeddings[1], guide_embeddings[0], guide_embeddings[1],
                                  embeddings[2:], guide_embeddings[2:], **_gist_options(loss))
 

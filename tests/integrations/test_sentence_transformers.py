@@ -291,6 +291,21 @@ def test_gist_with_a_guide_that_must_retokenise(model64, guide64, fused_calls):
     assert fused_calls["gist"] > 0
 
 
+@pytest.mark.parametrize("class_name, kwargs", [("GISTEmbedLoss", {}), ("CachedGISTEmbedLoss", {"mini_batch_size": 4})])
+def test_gist_refuses_a_similarity_fct_put_in_after_construction(model64, guide64, class_name, kwargs):
+    """The parent scores with self.similarity_fct (its own nn.CosineSimilarity, not an argument): a module put in its
+    place changed the parent's loss (82.9 against 3.99 in the review's dot-product case), while ours computed
+    cosines in silence. Refused, naming the parent to use."""
+    class DotProduct(torch.nn.Module):
+        def forward(self, a, b):
+            return (a * b).sum(-1)
+
+    loss = getattr(ours, class_name)(model64, guide64, **kwargs)
+    loss.similarity_fct = DotProduct()
+    with pytest.raises(ValueError, match=f"{class_name} computes cosine similarities.*similarity_fct was replaced"):
+        value_and_grads(model64, loss, 2, None)
+
+
 def load_sentence_transformer_like(model, max_seq_length: int):
     import copy
 
