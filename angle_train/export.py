@@ -39,6 +39,7 @@ import shutil
 from . import st_folder
 from .st_folder import META_FILE
 from .data import Prompts, prompt_prefix
+from .models import position_limit
 
 ST_POOLING_KEYS = st_folder.POOLING_KEYS
 CARD_FILE = "README.md"
@@ -74,7 +75,7 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
         _clear_earlier_export(path)
     backbone = encoder.backbone
     base = st_folder.find_folder(base_model) if base_model else None
-    inference_length = encoding_length(max_length, base, export_max_length)
+    inference_length = encoding_length(max_length, base, export_max_length, position_limit(backbone))
     meta = {"pooling": encoder.pooling, "is_decoder": encoder.is_decoder, "bidirectional": encoder.bidirectional,
             "padding_side": encoder.padding_side,
             "prompt": encoder.prompts.text, "prompts": dataclasses.asdict(encoder.prompts),
@@ -177,11 +178,16 @@ def _clear_earlier_export(path: str) -> None:
             os.remove(target)
 
 
-def encoding_length(max_length: int, base: str | None, export_max_length: int | None = None) -> int:
+def encoding_length(max_length: int, base: str | None, export_max_length: int | None = None,
+                    limit: int | None = None) -> int:
     """The length an export records for inference (and a trained encoder's encode() cuts texts at): export_max_length,
     else the training length max_length or the base model's max_seq_length (`base`: its sentence-transformers
-    folder, or None), whichever is longer."""
-    return export_max_length or max(max_length, (st_folder.max_seq_length(base) if base else None) or 0)
+    folder, or None), whichever is longer; the base's no longer than the model can read (`limit`: position_limit):
+    a folder may claim more (sentence-transformers then fails on a longer text, where the two flags are refused)."""
+    inherited = (st_folder.max_seq_length(base) if base else None) or 0
+    if limit is not None:
+        inherited = min(inherited, limit)
+    return export_max_length or max(max_length, inherited)
 
 
 def _shown(path: str) -> str:

@@ -491,6 +491,13 @@ def own_pooling(name_or_path: str) -> tuple[str, str] | None:
     return st_folder.pooling(folder) if folder else None
 
 
+def own_bidirectional(name_or_path: str) -> bool:
+    """Whether a model's folder is an angle_train export trained with bidirectional attention (its
+    angle_train.json)."""
+    meta = os.path.join(name_or_path, st_folder.META_FILE)
+    return os.path.isfile(meta) and st_folder.read_json(meta).get("bidirectional") is True
+
+
 def load_encoder(
     name_or_path: str,
     *,

@@ -71,6 +71,21 @@ def is_run_settings(config: dict | None) -> bool:
     return config is not None and "model_type" not in config and {"output_dir", "train_data"} <= config.keys()
 
 
+def check_model_to_train(path: str) -> None:
+    """angle-train's --model: a local folder must hold a whole model (config.json), which check_model_folder's
+    folders without one (an adapter alone, a folder of something else) do not: transformers failed on them with a
+    traceback. angle-eval takes an adapter (with its base model's name recorded) and has its own check."""
+    check_model_folder(path, "--model")
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise ValueError(f"--model {path} holds a LoRA adapter without its base model (a LoRA run's best/ or a "
+                         "checkpoint's adapter): train from a whole model, the run's final/ (the adapter merged into "
+                         "its base), or give the base model and resume the run with --resume")
+    raise ValueError(f"--model {path}: not a model folder (no config.json): give a Hugging Face model's folder or hub "
+                     "name, or an angle-train run's final/ or best/")
+
+
 def check_model_folder(path: str, flag: str) -> None:
     """Refuse a local model folder that cannot be used as given (the module docstring), before it loads; anything
     that is not a folder here (a hub name, a path found missing elsewhere) is left alone."""

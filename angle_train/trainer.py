@@ -55,7 +55,9 @@ from .evaluate import (
     non_finite_rows, read_dataset, scores_of_embeddings,
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
-from .models import LoraSettings, LoraTargetError, load_encoder, position_limit, prepare_tokenizer, wrap_backbone
+from .models import (
+    LoraSettings, LoraTargetError, load_encoder, own_bidirectional, position_limit, prepare_tokenizer, wrap_backbone,
+)
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
 
@@ -257,7 +259,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     cfg.validate()
     preflight.check_device(cfg.device)
     if model is None:
-        preflight.check_model_folder(cfg.model, "--model")
+        preflight.check_model_to_train(cfg.model)
     lock = output_dir_lock(cfg.output_dir) if distributed.launched_rank() == 0 else None
     try:
         run = _setup(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn)
@@ -324,11 +326,16 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
+    # an export trained with bidirectional attention trains so again, as its pooling is kept: without the flag its
+    # causal mask came back in silence (step 0's dev score fell from the export's own); recorded in cfg
+    folders_attention = model is None and not cfg.bidirectional and own_bidirectional(cfg.model)
+    if folders_attention:
+        cfg.bidirectional = True
     encoder, tokenizer = build_encoder(cfg, device) if model is None else (model[0].to(device), model[1])
     encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
     # encode() on the trained encoder cuts texts where its exports' encode() will (the default, 512, was another)
     base = st_folder.find_folder(cfg.model)
-    encoder.max_length = encoding_length(cfg.max_length, base, cfg.export_max_length)
+    encoder.max_length = encoding_length(cfg.max_length, base, cfg.export_max_length, position_limit(encoder.backbone))
     if cfg.bidirectional:
         encoder.bidirectional = True  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
@@ -403,6 +410,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
               f"{total_steps} steps of {cfg.batch_size}x{cfg.grad_accum} {'sentences' if fmt is None else 'pairs'} | "
               f"{describe_passes(cfg)} ({expected_useful_tokens(cfg, dataset, position.epoch, dist_info):.0%} of "
               f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
+              + ("bidirectional attention (the model folder's angle_train.json) | " if folders_attention else "") +
               f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
         left = examples_left_out(cfg, len(dataset))
         if left:  # said, not silent: a step takes whole batches of batch_size x grad_accum

@@ -59,6 +59,9 @@ TRAIN_MISTAKES = [
     (["--resume", ""], "--resume must name a checkpoint folder or 'auto'; got an empty text"),
     (["--dev-data", " "], "--dev-data must name a file, folder or dataset; got an empty text"),
     (["--model", ""], "--model must name a model (a Hugging Face hub name or a local folder); got an empty text"),
+    # folders transformers failed on with a traceback: a LoRA run's best/ (the adapter alone), a folder of no model
+    (["--model", "adapter"], "--model adapter holds a LoRA adapter without its base model"),
+    (["--model", "not-sts"], "--model not-sts: not a model folder (no config.json)"),
     (["--output-dir", "pairs.xml"], "--output-dir pairs.xml is a file, not a folder"),
     (["--output-dir", "pairs.xml/run"], "--output-dir pairs.xml/run: the folder cannot be made or written"),
     # settings that apply only with another one, which is off: silently ignored before
@@ -106,6 +109,8 @@ def files(tmp_path, monkeypatch):
     write_stsb(tmp_path / "sts-test.csv")
     (tmp_path / "run").mkdir()  # a run's OUTPUT_DIR, which holds the models in final/ and best/
     (tmp_path / "not-sts").mkdir()
+    (tmp_path / "adapter").mkdir()  # a LoRA run's best/: the adapter, without its base model
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
 
 
 def assert_one_line_error(program: str, status: int, out: str, err: str, said: str) -> None:

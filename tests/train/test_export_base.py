@@ -237,3 +237,33 @@ def test_an_export_over_an_earlier_one_leaves_none_of_its_sentence_transformers_
     save_pretrained(encoder, tokenizer, str(tmp_path / "again"), max_length=16, base_model="./base")
     with open(tmp_path / "again" / META_FILE) as f:
         assert json.load(f)["base_model"] == base
+
+
+def test_a_bases_max_seq_length_beyond_its_position_table_is_not_exported(tmp_path):
+    """A base whose sentence-transformers files claim more tokens than its position table holds: the export recorded
+    that length, so sentence-transformers failed on a longer text (expanded size 242 vs 128) and encode() cut it
+    silently elsewhere. The inherited length stops at the table, as --export-max-length is refused beyond it."""
+    st = pytest.importorskip("sentence_transformers")
+    try:
+        from sentence_transformers.sentence_transformer import modules
+    except ImportError:
+        from sentence_transformers import models as modules
+    from angle_train.models import load_encoder, position_limit
+
+    tiny = save_pretrained(*make_encoder("bert", dtype=torch.float32), str(tmp_path / "tiny"), max_length=16)
+    base_model = st.SentenceTransformer(modules=[modules.Transformer(tiny, max_seq_length=4096),
+                                                 modules.Pooling(32, pooling_mode="mean")], device="cpu")
+    base = str(tmp_path / "base")
+    base_model.save(base)
+    settings = os.path.join(base, "sentence_bert_config.json")  # sentence-transformers saved the tokenizer's 128
+    with open(settings) as f:
+        written = json.load(f)
+    with open(settings, "w") as f:
+        json.dump({**written, "max_seq_length": 4096}, f)
+    encoder, tokenizer = load_encoder(base)
+    limit = position_limit(encoder.backbone)
+    assert limit is not None and limit < 4096
+    export = st.SentenceTransformer(save_pretrained(encoder, tokenizer, str(tmp_path / "export"), max_length=16,
+                                                    base_model=base), device="cpu")
+    assert export.max_seq_length == limit
+    export.encode(["word " * (2 * limit)])  # cut at the table: no size mismatch

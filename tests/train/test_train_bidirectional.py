@@ -106,3 +106,21 @@ def test_training_with_lora_exports_and_reloads_a_bidirectional_model(tmp_path, 
     assert not torch.allclose(reloaded.encode(TEXTS, tokenizer), ours, rtol=1e-3, atol=1e-4)  # causal again
     assert not os.path.exists(os.path.join(result.final_path, "modules.json"))
     assert "sentence-transformers would load the model with its causal mask" in capsys.readouterr().out
+
+
+def test_training_from_a_bidirectional_export_keeps_its_attention(tmp_path, capsys):
+    """--model FOLDER of an export trained with bidirectional attention, without --bidirectional: its causal mask came
+    back in silence (the review's step-0 dev nDCG@10 fell from the export's 0.74 to 0.30), and the next export recorded
+    it causal. The folder's attention is kept, as its pooling is, said in the start-up line and recorded."""
+    pytest.importorskip("peft")
+    from angle_train.trainer import train
+
+    first = train(run_config(tmp_path / "first", model="builtin:tiny-llama", bidirectional=True, lora=True, lora_r=4,
+                             pooling="avg", max_steps=1, batch_size=8, save_final=True))
+    capsys.readouterr()
+    again = run_config(tmp_path / "again", model=first.final_path, max_steps=1, batch_size=8)
+    result = train(again)
+    assert result.encoder.bidirectional and again.bidirectional
+    out = capsys.readouterr().out
+    assert "pooling avg (the model folder's angle_train.json) | bidirectional attention (the model folder's " \
+           "angle_train.json)" in out
