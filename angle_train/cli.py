@@ -12,7 +12,7 @@ import sys
 from dataclasses import MISSING, fields
 
 from .cli_common import OneLineErrorParser, check_train_extra, parse_bool, user_errors_exit, version_text
-from .config import TrainConfig, flag_of, setting_kind, setting_value
+from .config import TrainConfig, checked_setting, flag_of, setting_kind
 from .distributed import leave_process_group
 from .tracking import DEV_METRICS
 
@@ -148,8 +148,8 @@ def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainCo
                                  f"{by_name[name].default!r})")
                 values[name] = None
                 continue
-            try:
-                value = setting_value(value, kind, by_name[name].metadata.get("items"))
+            try:  # its choices too: argparse checks the flags' values, not the file's
+                value = checked_setting(by_name[name], value)
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"--config: setting {key!r}: {exc}")
             # an empty list other than the default, as the flag without words: no command line could give it
@@ -157,11 +157,6 @@ def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainCo
             if kind == "list" and not value and by_name[name].default_factory() != []:
                 parser.error(f"--config: setting {key!r}: expected at least one value (leave the setting out for "
                              f"its default, {by_name[name].default_factory()!r})")
-            choices = by_name[name].metadata.get("choices")
-            for item in value if kind == "list" else [value]:
-                if choices and item not in choices:  # argparse checks the flags' values, not the file's
-                    parser.error(f"--config: setting {key!r}: invalid choice {item!r} (choose from "
-                                 f"{', '.join(choices)})")
             values[name] = value
     args.pop("config", None)
     values.update(args)

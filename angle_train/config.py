@@ -255,15 +255,11 @@ class TrainConfig:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            flag, kind = flag_of(f.name), setting_kind(f)
+            flag = flag_of(f.name)
             try:
-                value = setting_value(value, kind, f.metadata.get("items"))
+                value = checked_setting(f, value)
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 raise ValueError(f"{flag}: {exc}") from None
-            choices = f.metadata.get("choices")
-            for item in value if kind == "list" else [value]:
-                if choices and item not in choices:
-                    raise ValueError(f"{flag}: invalid choice {item!r} (choose from {', '.join(choices)})")
             if f.name in NAMES and not value.strip():
                 # an unset shell variable after the flag: "" started a fresh run for --resume, ran without
                 # evaluation for --dev-data, and failed inside datasets or the Hub's id check for the others
@@ -467,6 +463,19 @@ def setting_value(value, kind: str, items: str | None):
         return values
     if kind == "str" and not isinstance(value, str):
         raise TypeError(f"expected a text; got {type(value).__name__} {value!r}")
+    return value
+
+
+def checked_setting(f, value):
+    """A field's value from a --config file or from Python, taken as its flag takes its words (setting_value), and
+    one of its choices where the field lists them; TypeError or ValueError otherwise, which the callers prefix with
+    the setting's name (the parser checks a flag's words itself)."""
+    kind = setting_kind(f)
+    value = setting_value(value, kind, f.metadata.get("items"))
+    choices = f.metadata.get("choices")
+    for item in value if kind == "list" else [value]:
+        if choices and item not in choices:
+            raise ValueError(f"invalid choice {item!r} (choose from {', '.join(choices)})")
     return value
 
 

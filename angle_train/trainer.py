@@ -406,9 +406,10 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     if dist_info.is_main:
         n_trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
         n_total = sum(p.numel() for p in encoder.parameters())
+        real_share = expected_useful_tokens(cfg, dataset, order_of(position.epoch), dist_info)
         print(f"angle_train: {cfg.model} | {n_trainable:,}/{n_total:,} trainable | {dataset.describe()} | "
               f"{total_steps} steps of {cfg.batch_size}x{cfg.grad_accum} {'sentences' if fmt is None else 'pairs'} | "
-              f"{describe_passes(cfg)} ({expected_useful_tokens(cfg, dataset, position.epoch, dist_info):.0%} of "
+              f"{describe_passes(cfg)} ({real_share:.0%} of "
               f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
               + ("bidirectional attention (the model folder's angle_train.json) | " if folders_attention else "") +
               f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
@@ -972,14 +973,14 @@ def describe_passes(cfg: TrainConfig) -> str:
     return f"plain backprop{packed}"
 
 
-def expected_useful_tokens(cfg: TrainConfig, dataset, epoch: int, dist_info, batches: int = 64,
+def expected_useful_tokens(cfg: TrainConfig, dataset, order: list[list[int]], dist_info, batches: int = 64,
                            examples: int = 65_536) -> float:
     """The fraction of the tokens the encoder will process that are real text, over this process's share of the
-    epoch's first `batches` batches, or fewer batches of at most `examples` examples in all (at least one): the run
-    header's estimate (each step's is in its metrics row), which at 32,768 pairs a batch took 64 steps' data
-    preparation (30 s packed)."""
+    first `batches` batches of an epoch's `order` (batch_order), or fewer batches of at most `examples` examples in
+    all (at least one): the run header's estimate (each step's is in its metrics row), which at 32,768 pairs a batch
+    took 64 steps' data preparation (30 s packed)."""
     real = padded = 0
-    for indices in batch_order(cfg, dataset, epoch)[:max(1, min(batches, examples // cfg.batch_size))]:
+    for indices in order[:max(1, min(batches, examples // cfg.batch_size))]:
         batch_real, batch_padded = pass_plan(cfg, dataset.batch(own_share(cfg, dist_info, indices))).token_counts()
         real, padded = real + batch_real, padded + batch_padded
     return real / padded if padded else 1.0

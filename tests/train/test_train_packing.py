@@ -277,7 +277,7 @@ def test_the_headers_real_token_estimate_reads_at_most_65536_examples(monkeypatc
     from angle_train.data import TokenizedPairs
     from angle_train.distributed import DistInfo
     from angle_train.tiny import demo_examples
-    from angle_train.trainer import expected_useful_tokens
+    from angle_train.trainer import batch_order, expected_useful_tokens
 
     _, tokenizer = make_encoder()
     dataset = TokenizedPairs(demo_examples(80), "B", tokenizer, max_length=16)
@@ -288,8 +288,10 @@ def test_the_headers_real_token_estimate_reads_at_most_65536_examples(monkeypatc
                                            (8, 4, [8])):
         taken.clear()
         cfg = run_config("unused", batch_size=batch_size, pack=CPU_PACK_WIDTH)
-        fraction = expected_useful_tokens(cfg, dataset, 0, DistInfo(), batches=64, examples=examples)
+        fraction = expected_useful_tokens(cfg, dataset, batch_order(cfg, dataset, 0), DistInfo(), batches=64,
+                                          examples=examples)
         assert taken == expected and 0 < fraction <= 1
     taken.clear()
-    expected_useful_tokens(run_config("unused", batch_size=8), dataset, 0, DistInfo(), batches=2)
+    cfg = run_config("unused", batch_size=8)
+    expected_useful_tokens(cfg, dataset, batch_order(cfg, dataset, 0), DistInfo(), batches=2)
     assert taken == [8, 8]
