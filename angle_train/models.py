@@ -498,6 +498,35 @@ def own_bidirectional(name_or_path: str) -> bool:
     return os.path.isfile(meta) and st_folder.read_json(meta).get("bidirectional") is True
 
 
+def own_lowercasing(name_or_path: str) -> bool:
+    """Whether a model's sentence-transformers files say its texts are lowercased before tokenisation
+    (sentence_bert_config.json's do_lower_case: true, which sentence-transformers applies whatever the tokenizer
+    does)."""
+    folder = st_folder.find_folder(name_or_path)
+    return folder is not None and st_folder.settings(folder).get("do_lower_case") is True
+
+
+def lowercase_first(tokenizer) -> None:
+    """Make the tokenizer lowercase every text before anything else it does, as sentence-transformers' Transformer
+    module does for do_lower_case: a fast tokenizer gets a Lowercase normaliser first in its pipeline (where it has
+    none; sentence-transformers 6's way, saved with the tokenizer, so an export lowercases wherever it is loaded), a
+    slow one its do_lower_case switched on. Training, evaluation and encode() then read the texts as
+    sentence-transformers does (it lowercased them while angle_train trained on the cased texts)."""
+    if not tokenizer.is_fast:
+        try:
+            tokenizer.do_lower_case = True
+        except AttributeError:  # a read-only property, as sentence-transformers finds on some slow tokenizers
+            tokenizer.basic_tokenizer.do_lower_case = True
+        return
+    from tokenizers.normalizers import Lowercase, Sequence
+
+    backend = tokenizer.backend_tokenizer
+    normalizer = backend.normalizer
+    steps = list(normalizer) if isinstance(normalizer, Sequence) else [] if normalizer is None else [normalizer]
+    if not any(isinstance(step, Lowercase) for step in steps):
+        backend.normalizer = Sequence([Lowercase(), *steps])
+
+
 def load_encoder(
     name_or_path: str,
     *,
@@ -514,7 +543,8 @@ def load_encoder(
 ):
     """Load (encoder, tokenizer) from a hub name or local folder; `lora_path` resumes/evaluates an adapter. pooling:
     None takes the folder's own (own_pooling), else the default (cls for encoders, last for decoder LMs);
-    encoder.pooling_source says which."""
+    encoder.pooling_source says which. The tokenizer lowercases the texts where the folder's sentence-transformers
+    settings say so (own_lowercasing, lowercase_first)."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
@@ -524,6 +554,8 @@ def load_encoder(
         is_decoder = is_decoder_config(config)
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code),
                                   is_decoder)
+    if own_lowercasing(name_or_path):
+        lowercase_first(tokenizer)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     backbone = AutoModel.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
     if lora_path is not None:

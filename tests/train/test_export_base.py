@@ -267,3 +267,40 @@ def test_a_bases_max_seq_length_beyond_its_position_table_is_not_exported(tmp_pa
                                                     base_model=base), device="cpu")
     assert export.max_seq_length == limit
     export.encode(["word " * (2 * limit)])  # cut at the table: no size mismatch
+
+
+def test_a_base_that_lowercases_is_read_lowercased_in_training_encode_and_its_export(tmp_path):
+    """A base whose sentence_bert_config.json says do_lower_case: true over a cased tokenizer (sentence-transformers
+    before 6 saved it so: it lowercased the texts in Python): sentence-transformers embeds it lowercased, and so
+    must training, evaluation and encode(), which read the texts through load_encoder's tokenizer (they read them
+    cased: every capitalised word of the tiny vocabulary was [UNK]); the export's own tokenizer lowercases, so it
+    embeds as the base does wherever it is loaded."""
+    st = pytest.importorskip("sentence_transformers")
+    from transformers import AutoTokenizer
+
+    from angle_train.models import load_encoder
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    tokenizer.backend_tokenizer.normalizer = None  # cased
+    assert tokenizer("Red Car")["input_ids"] != tokenizer("red car")["input_ids"]
+    base = save_pretrained(encoder, tokenizer, str(tmp_path / "base"), max_length=16)
+    settings = os.path.join(base, "sentence_bert_config.json")
+    with open(settings) as f:
+        written = json.load(f)
+    with open(settings, "w") as f:
+        json.dump({**written, "do_lower_case": True}, f)
+    texts = ["A Big RED car", "the small blue Dog"]
+    base_embeddings = st.SentenceTransformer(base, device="cpu").encode(texts, convert_to_tensor=True)
+
+    loaded, tok = load_encoder(base)
+    assert tok("A Big RED car")["input_ids"] == tok("a big red car")["input_ids"]
+    assert tok.unk_token_id not in tok("A Big RED car")["input_ids"]
+    torch.testing.assert_close(loaded.encode(texts, tok), base_embeddings, rtol=0, atol=1e-5)
+    export = save_pretrained(loaded, tok, str(tmp_path / "export"), max_length=16, base_model=base)
+    exported = AutoTokenizer.from_pretrained(export)
+    assert exported("Red Car")["input_ids"] == exported("red car")["input_ids"]
+    torch.testing.assert_close(st.SentenceTransformer(export, device="cpu").encode(texts, convert_to_tensor=True),
+                               base_embeddings, rtol=0, atol=1e-5)
+    # lowercasing once is enough: loading the export again adds no second Lowercase
+    _, again = load_encoder(export)
+    assert str(again.backend_tokenizer.normalizer).count("Lowercase") == 1
