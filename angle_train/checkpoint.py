@@ -110,9 +110,10 @@ class Position:
     loss_window: list = field(default_factory=list)
     best_metric: str = "dev_spearman"
     good_checkpoint: int | None = None
-    # what the batches of `epoch` are made from: {"examples": count, "fingerprint": data.data_fingerprint of them,
-    # "order": data.order_fingerprint of the epoch's batches} (trainer.data_record); a resume that would make them
-    # of other examples, or in another order, is refused (load_checkpoint). None: written before it was recorded.
+    # what the batches of `epoch` are made from: {"examples": count, "contents": data.data_fingerprint of them,
+    # "order": data.order_fingerprint of the epoch's batches} (trainer.data_record; earlier versions recorded a
+    # "fingerprint", data.sampled_data_fingerprint's, for "contents"); a resume that would make them of other
+    # examples, or in another order, is refused (load_checkpoint). None: written before it was recorded.
     data_record: dict | None = None
 
 
@@ -672,13 +673,15 @@ def _refuse_other_data(path: str, saved: dict, cfg: TrainConfig, position: Posit
     changes)."""
     record = position.data_record
     common = "Resume with the checkpoint's data and settings, or start a new run in a new --output-dir"
-    if (record["examples"], record["fingerprint"]) != (current["examples"], current["fingerprint"]):
+    # "contents": every example's fingerprint; "fingerprint": the sampled one of checkpoints written before it
+    kind = "contents" if "contents" in record else "fingerprint"
+    if (record["examples"], record[kind]) != (current["examples"], current[kind]):
         named = _differing_settings(saved, cfg, ("columns",))
         detail = "".join(f"; {flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in named.items())
         raise ValueError(
             f"cannot resume from {path}: the training data differ from the checkpoint's ({record['examples']:,} "
-            f"examples, fingerprint {record['fingerprint']}; now {current['examples']:,}, fingerprint "
-            f"{current['fingerprint']}{detail}): the batches of epoch {position.epoch} would be made of other "
+            f"examples, fingerprint {record[kind]}; now {current['examples']:,}, fingerprint "
+            f"{current[kind]}{detail}): the batches of epoch {position.epoch} would be made of other "
             "examples, training some twice and skipping others (the data file edited or replaced, or read with "
             f"other --columns). {common}")
     if record["order"] != current["order"]:

@@ -490,9 +490,27 @@ def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dic
 
 
 def data_fingerprint(items: list) -> str:
-    """A short hash of the training items (Examples or sentences): their count and at most 1,000 of them, evenly
-    spaced, with their positions: cheap at any size, and different for different data but by rare chance (the
-    processes of a run compare theirs: distributed.check_processes_agree)."""
+    """A short hash of the training items (Examples or sentences), every one of them in order, each text and label
+    with its length (no two lists of items make the same string): different for different data but by rare chance,
+    however small the edit. The processes of a run compare theirs (distributed.check_processes_agree), and a
+    checkpoint records it (checkpoint.Position.data_record). About 1 s a million pairs of short texts, one pass."""
+    digest = hashlib.sha256(str(len(items)).encode())
+    for start in range(0, len(items), 4096):
+        digest.update("".join(_canonical_item(item) for item in items[start:start + 4096]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _canonical_item(item) -> str:
+    """An item as a string that names its parts' count and each part's length: a sentence, or an Example's texts
+    and label."""
+    parts = (item,) if isinstance(item, str) else (*item.texts, repr(item.label))
+    return f"{len(parts)}" + "".join(f"|{len(part)}:{part}" for part in parts)
+
+
+def sampled_data_fingerprint(items: list) -> str:
+    """The fingerprint the checkpoints of earlier versions recorded (their data_record's "fingerprint"; now
+    "contents", data_fingerprint's): the count and at most 1,000 items, evenly spaced, with their positions. A
+    resume from such a checkpoint compares this one, the only one it has."""
     step = max(1, len(items) // 1000)
     digest = hashlib.sha256(str(len(items)).encode())
     for i in range(0, len(items), step):

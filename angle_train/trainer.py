@@ -47,7 +47,7 @@ from .cli_common import resolve_device
 from .config import TrainConfig, flag_of
 from .data import (
     FORMATS, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples,
-    order_fingerprint, share_of,
+    order_fingerprint, sampled_data_fingerprint, share_of,
 )
 from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
@@ -182,9 +182,12 @@ def save(run: Run) -> str:
     return path
 
 
-def data_record(examples: int, fingerprint: str, order: list[list[int]]) -> dict:
-    """checkpoint.Position.data_record: the examples' count and data_fingerprint, and their epoch's batch order's."""
-    return {"examples": examples, "fingerprint": fingerprint, "order": order_fingerprint(order)}
+def data_record(examples: int, fingerprint: str, order: list[list[int]], *, sampled: str | None = None) -> dict:
+    """checkpoint.Position.data_record: the examples' count and data_fingerprint ("contents"), and their epoch's batch
+    order's. sampled: the examples' sampled_data_fingerprint, the one earlier versions recorded ("fingerprint"),
+    given where a checkpoint's record is compared with this one (it may be such a record), never written."""
+    record = {"examples": examples, "contents": fingerprint, "order": order_fingerprint(order)}
+    return record if sampled is None else {**record, "fingerprint": sampled}
 
 
 def trust_checkpoint(run: Run) -> None:
@@ -385,7 +388,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     if resume_from:
         position = load_checkpoint(resume_from, cfg, dist_info, encoder=encoder, optimizer=optimizer,
                                    scheduler=scheduler, scaler=scaler,
-                                   data_record=lambda epoch: data_record(len(items), fingerprint, order_of(epoch)))
+                                   data_record=lambda epoch: data_record(len(items), fingerprint, order_of(epoch),
+                                                                         sampled=sampled_data_fingerprint(items)))
         check_dev_metric(resume_from, position, dev_set)
         if continues_own_run:
             unverified_checkpoint = position.step

@@ -16,6 +16,7 @@ from angle_train.checkpoint import (
 )
 from angle_train.distributed import DistInfo
 from angle_train.safe_loading import UnsafeCheckpointError
+from angle_train.data import Example, data_fingerprint, order_fingerprint, sampled_data_fingerprint
 from angle_train.tiny import demo_examples, demo_sts_examples
 from angle_train.trainer import StopTraining, make_optimizer, make_schedule, train
 
@@ -531,6 +532,53 @@ def test_resume_refuses_training_data_that_changed_under_the_same_name(tmp_path)
         train(_config(tmp_path / "run", train_data=path, columns=["positive=p2"], resume="auto"))
     resumed = train(_config(tmp_path / "run", train_data=path, resume="auto"))
     assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
+
+
+def test_resume_refuses_a_change_to_any_one_example(tmp_path):
+    """The fingerprint took at most 1,000 evenly spaced examples: past 2,000, an edit to one between them (every
+    other one at 2,500) resumed in silence into batches of other texts. Every example counts now."""
+    examples = demo_examples(2160, seed=3) + demo_examples(340, seed=4)  # 2,160: the demo's distinct pairs
+    train(_config(tmp_path / "run"), train_examples=(examples, "B"), on_step=_stop_at(4))
+    edited = list(examples)
+    edited[1] = Example(texts=(edited[1].texts[0], "a text that was not there"), label=edited[1].label)
+    with pytest.raises(ValueError, match=r"the training data differ from the checkpoint's \(2,500 examples, "
+                                         r"fingerprint \w+; now 2,500, fingerprint \w+\)"):
+        train(_config(tmp_path / "run", resume="auto"), train_examples=(edited, "B"))
+    resumed = train(_config(tmp_path / "run", resume="auto"), train_examples=(examples, "B"))
+    assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
+
+
+def test_a_checkpoint_recording_the_sampled_fingerprint_still_resumes(tmp_path, monkeypatch):
+    """Checkpoints of the version before recorded a fingerprint of 1,000 sampled examples ("fingerprint", not
+    "contents"): they resume over the same data and refuse other data by that one."""
+    import angle_train.trainer as trainer
+
+    examples = demo_examples(24, seed=3)
+    written = trainer.data_record
+    monkeypatch.setattr(trainer, "data_record", lambda count, fingerprint, order, sampled=None: {
+        "examples": count, "fingerprint": sampled_data_fingerprint(examples), "order": order_fingerprint(order)})
+    train(_config(tmp_path / "run"), train_examples=(examples, "B"), on_step=_stop_at(4))
+    monkeypatch.setattr(trainer, "data_record", written)
+    with pytest.raises(ValueError, match=r"the training data differ from the checkpoint's \(24 examples"):
+        train(_config(tmp_path / "run", resume="auto"), train_examples=(demo_examples(24, seed=4), "B"))
+    resumed = train(_config(tmp_path / "run", resume="auto"), train_examples=(examples, "B"))
+    assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
+
+
+def test_the_data_fingerprint_tells_apart_any_one_change():
+    examples = demo_examples(2160, seed=1) + demo_examples(840, seed=2)
+    prints = {data_fingerprint(examples)}
+    for i in (1, 1499, 2999):
+        changed = list(examples)
+        changed[i] = Example(texts=changed[i].texts, label=changed[i].label + 1.0)
+        prints.add(data_fingerprint(changed))
+    prints.add(data_fingerprint(examples[:-1]))
+    prints.add(data_fingerprint(["ab", "c"]))
+    prints.add(data_fingerprint(["a", "bc"]))
+    prints.add(data_fingerprint([Example(texts=("a", "b|1:c"))]))
+    prints.add(data_fingerprint([Example(texts=("a", "b", "c"))]))
+    assert len(prints) == 9
+    assert data_fingerprint(list(examples)) == data_fingerprint(examples)
 
 
 def test_resume_with_bucketing_refuses_a_max_length_that_reorders_the_epoch(tmp_path, capsys):
