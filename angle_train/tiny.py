@@ -91,6 +91,7 @@ def build_backbone(
     """A randomly initialised base model (no head) of the named built-in architecture."""
     import torch
     from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel
+    from transformers.models.bert.modeling_bert import BertPooler
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -106,7 +107,12 @@ def build_backbone(
                 attention_probs_dropout_prob=dropout,
                 pad_token_id=0,
             )
-            return BertModel(config, add_pooling_layer=False)
+            model = BertModel(config, add_pooling_layer=False)
+            # BERT's pooler, which the Encoder sets aside (models.wrap_backbone) and the exports keep: they then load
+            # in transformers and sentence-transformers with every weight BertModel has. Drawn after every other
+            # weight, which stay as they were without it.
+            model.pooler = BertPooler(config)
+            return model
         if name == "builtin:tiny-llama":
             config = LlamaConfig(
                 vocab_size=vocab_size,
