@@ -204,6 +204,22 @@ def test_retrieval_metrics_against_a_brute_force_ranking():
     assert got["recall@1"] >= 5 / 37
 
 
+def test_ndcg_at_10_stops_at_the_tenth_place():
+    """Query 0's own document is 11th (ten documents are closer to it): no credit at nDCG@10 or recall@10; every other
+    query finds its own first. A query whose own document is 10th gets 1 / log2(11)."""
+
+    def at_angles(angles):
+        return torch.tensor([[math.cos(a), math.sin(a)] for a in angles], dtype=torch.float64)
+
+    documents = at_angles([0.5] + [0.01 * k for k in range(1, 11)] + [2.0])
+    queries = torch.cat([at_angles([0.0]), documents[1:]])  # query i >= 1 is its own document
+    n = len(queries)
+    assert retrieval_metrics(queries, documents) == pytest.approx(
+        {"recall@1": (n - 1) / n, "recall@10": (n - 1) / n, "ndcg@10": (n - 1) / n})
+    documents[0] = at_angles([0.095])[0]  # now 10th: nine documents closer (0.01 ... 0.09)
+    assert retrieval_metrics(queries, documents)["ndcg@10"] == pytest.approx((n - 1 + 1 / math.log2(11)) / n)
+
+
 def test_a_tie_is_never_a_win_and_non_finite_embeddings_are_never_a_score(tmp_path, capsys):
     """A document scoring the same as a query's own positive ranks above it: embeddings that are all alike (a
     collapsed model) rank every positive last, and NaN embeddings (a model whose weights overflowed) give NaN, where

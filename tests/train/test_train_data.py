@@ -232,6 +232,23 @@ def test_epoch_order_is_a_pure_function_and_bucketing_groups_lengths():
     plain = epoch_batches(400, 8, seed=3, epoch=1)
     spread_plain = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in plain)
     assert spread_bucketed < spread_plain / 2
+    # the length-sorted batches are shuffled: an epoch does not run from its shortest texts to its longest
+    means = [sum(lengths[i] for i in b) / len(b) for b in epoch_batches(400, 8, seed=3, epoch=0, lengths=lengths,
+                                                                       bucket_size=50)]
+    assert len(set(means)) > 10 and means != sorted(means) and means != sorted(means, reverse=True)
+
+
+def test_each_pair_keeps_its_own_label():
+    """A format-A batch's rows are the pairs' two texts in turn; the loss reads one label per pair (labels[0::2]):
+    each row carries its own pair's label, not another's."""
+    from angle_train.data import Example, TokenizedPairs
+    from angle_train.tiny import build_tokenizer
+
+    examples = [Example(("a small red car", "a red car"), 0.9), Example(("a dog", "a blue house"), 0.1),
+                Example(("a big cat", "a large cat"), 0.7), Example(("a tree", "a green tree"), 0.4)]
+    pairs = TokenizedPairs(examples, "A", build_tokenizer(), max_length=16)
+    batch = pairs.batch([2, 0, 3])
+    assert batch.labels.tolist() == pytest.approx([0.7, 0.7, 0.9, 0.9, 0.4, 0.4])
 
 
 # Malformed files as other tools write them: each must be a DataError naming the file and line (README table).

@@ -428,6 +428,34 @@ def test_auto_chunk_halves_a_token_budget_and_gives_the_same_training(tmp_path):
         torch.testing.assert_close(auto.encoder.state_dict()[name], value, rtol=1e-9, atol=1e-12, msg=name)
 
 
+def test_an_auto_chunk_retry_draws_the_dropout_masks_of_the_smaller_chunks(tmp_path):
+    """Memory runs out part-way through a step, after forward passes that drew dropout masks: the retry with half
+    the chunk starts from the random state the step started from, so with dropout on it trains as chunks of 4 from
+    the start would (the out-of-memory errors above come before any mask is drawn)."""
+
+    def oom_after_forward_above(encoder, rows):
+        forward = encoder.forward
+
+        def limited(input_ids, attention_mask):
+            out = forward(input_ids, attention_mask)  # its dropout masks drawn
+            if input_ids.shape[0] > rows:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated, after the forward pass)")
+            return out
+
+        encoder.forward = limited
+        return encoder
+
+    settings = dict(max_steps=2, pack=0, save_every=0)
+    encoder, tokenizer = make_encoder(dropout=0.2)
+    auto = train(_config(tmp_path / "auto", auto_chunk=True, **settings),
+                 model=(oom_after_forward_above(encoder, 4), tokenizer), train_examples=DATA)
+    fixed = train(_config(tmp_path / "fixed", chunk_size=4, **settings), model=make_encoder(dropout=0.2),
+                  train_examples=DATA)
+    assert [a["loss"] for a in auto.history] == pytest.approx([b["loss"] for b in fixed.history], rel=1e-9)
+    for name, value in fixed.encoder.state_dict().items():
+        torch.testing.assert_close(auto.encoder.state_dict()[name], value, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def test_auto_chunk_halves_the_chunk_and_gives_the_same_training(tmp_path):
     """From plain backprop (16 texts a pass) to chunks of 8, then 4: the gradient cache makes the result that of
     chunks of 4 from the start (dropout off), and the later steps keep the chunk that fit."""

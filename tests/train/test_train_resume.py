@@ -534,6 +534,35 @@ def test_resume_refuses_training_data_that_changed_under_the_same_name(tmp_path)
     assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
 
 
+def test_the_fp16_loss_scale_resumes_where_it_was(tmp_path):
+    """An fp16 run's loss scale, backed off after overflows, and its growth tracker are in its checkpoints: a resumed
+    run goes on from them (restarting at 65,536 redid the overflow-and-skip steps the run had already paid for)."""
+    cfg = _config(tmp_path, max_steps=3)
+    encoder, _ = make_encoder()
+    optimizer = make_optimizer(cfg, encoder, torch.device("cpu"))
+    scheduler = make_schedule(cfg, optimizer, 3)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    scaler.scale(torch.tensor(1.0))  # the scale exists once a loss has been scaled
+    scaler.update(new_scale=1024.0)
+    path = save_checkpoint(cfg, Position(step=3), DistInfo(), encoder=encoder, optimizer=optimizer,
+                           scheduler=scheduler, scaler=scaler)
+    resumed = torch.amp.GradScaler("cpu", enabled=True)
+    load_checkpoint(path, cfg, DistInfo(), encoder=encoder, optimizer=optimizer, scheduler=scheduler, scaler=resumed)
+    assert resumed.state_dict() == scaler.state_dict() and resumed.get_scale() == 1024.0
+
+
+def test_a_resumed_run_does_not_score_step_0_again(tmp_path):
+    """--eval-on-start scores the model before the first step; a resumed run starts later and does not (it scored
+    the checkpoint's step a second time, and metrics.jsonl held that step's dev row twice)."""
+    settings = dict(batch_size=8, max_steps=4, save_every=2, eval_every=2, log_every=1, eval_on_start=True)
+    data, dev = (demo_examples(40, seed=3), "B"), demo_sts_examples(12, seed=5)
+    first = train(_config(tmp_path, **settings), train_examples=data, dev_examples=dev, on_step=_stop_at(3))
+    resumed = train(_config(tmp_path, resume="auto", **settings), train_examples=data, dev_examples=dev)
+    assert [row["step"] for row in first.evals] == [0, 2] and [row["step"] for row in resumed.evals] == [4]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "dev_spearman" in row] == [0, 2, 4]
+
+
 def test_resume_refuses_a_change_to_any_one_example(tmp_path):
     """The fingerprint took at most 1,000 evenly spaced examples: past 2,000, an edit to one between them (every
     other one at 2,500) resumed in silence into batches of other texts. Every example counts now."""
