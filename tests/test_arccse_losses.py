@@ -51,7 +51,7 @@ def test_every_backend(backend, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,d", [(1, 2), (3, 6), (37, 130), (300, 768)])
-@pytest.mark.parametrize("margin_degrees", [0.0, 10.0, 90.0, 179.0])
+@pytest.mark.parametrize("margin_degrees", [0.0, 10.0, 90.0, 179.0, 180.0])  # the range is 0 to 180, inclusive
 def test_arccon_loss(gen, n, d, margin_degrees, dtype):
     h1, h2 = _views(gen, n, d, dtype)
     for tau in (0.05, 1.0):

@@ -124,6 +124,11 @@ def test_wrong_kinds_of_options_are_named(ak, gen):
         ak.cosine_loss(y, x, dims=[2, 8], dim_weights=1.0)
     with pytest.raises(ValueError, match=r"layer_weights must have one entry per layer of the stack \(1\)"):
         ak.cosine_loss(y, x[None], layer_weights=torch.tensor(1.0))
+    # a stack of no layers (an IndexError of the first layer's checks otherwise)
+    with pytest.raises(ValueError, match=r"y_pred: every stack needs the same number L >= 1 of layers"):
+        ak.cosine_loss(y, x[None][:0], layer_weights=[])
+    with pytest.raises(ValueError, match=r"queries: every stack needs the same number L >= 1 of layers"):
+        ak.multiple_negatives_ranking_loss(x[None, :3][:0], x[None, 3:][:0], layer_weights=[])
 
 
 def test_integers_of_other_kinds_are_widths_and_numpys_bool_a_flag(ak, gen):

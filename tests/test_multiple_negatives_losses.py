@@ -180,6 +180,7 @@ def test_gradcheck_float64():
     (dict(directions=("doc_to_query",)), "must include 'query_to_doc'"),
     (dict(directions=("query_to_doc", "sideways")), "directions must be"),
     (dict(directions=ALL, partition_mode="per_direction"), "per_direction"),
+    (dict(directions=("query_to_doc", "query_to_query"), partition_mode="per_direction"), "per_direction"),
     (dict(partition_mode="both"), "partition_mode"),
     (dict(hardness_mode="hardest"), "hardness_mode"),
     (dict(hardness_mode="hard_negatives", hardness_strength=-1.0), "hardness_strength"),
@@ -226,6 +227,28 @@ def test_gist_on_every_backend_against_the_oracle(backend, name, dtype):
                                 **options),
         lambda *e: oracle.gist_loss(e[0], e[1], guide[0], guide[1], e[2:], guide[2:], **options), model_side,
         f"gist {name} on {backend.name}", device=backend.device)
+
+
+def test_gist_with_a_negative_margin_keeps_each_anchors_own_column(backend):
+    """A negative margin lifts the filter's threshold to g_i + |margin|; where that reaches 1, each anchor's own
+    column of the anchor-anchor block (guide similarity 1) stays in its partition, as in sentence-transformers:
+    only the target column is exempt from the filter, the own column is filtered by the rule like any other."""
+    skip_unless_implemented(backend, "similarity_lse")
+    gen = torch.Generator().manual_seed(0)
+    anchors, positives = (torch.randn(6, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    guide_anchors = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    guide_positives = guide_anchors + 0.3 * torch.randn(6, 8, generator=gen, dtype=torch.float64)  # g ~ 0.95
+    options = dict(temperature=0.05, contrast_anchors=True, contrast_positives=False)
+    values = {}
+    for margin in (0.0, -0.5):
+        values[margin] = float(oracle.gist_loss(anchors, positives, guide_anchors, guide_positives, margin=margin,
+                                                **options))
+        check_against_oracle(
+            lambda a, p: ak.gist_loss(a, p, guide_anchors.to(backend.device), guide_positives.to(backend.device),
+                                      margin=margin, backend=backend.name, **options),
+            lambda a, p: oracle.gist_loss(a, p, guide_anchors, guide_positives, margin=margin, **options),
+            [anchors, positives], f"gist margin {margin} on {backend.name}", device=backend.device)
+    assert values[-0.5] > values[0.0] + 1.0  # each anchor's own column (cos 1, logit 20) is in the partition
 
 
 def test_the_gist_guide_filters_in_these_cases():

@@ -198,6 +198,7 @@ def deep_model_dir(tmp_path_factory):
     ("B", {}, 8, True, torch.float64),
     ("C", {"cosine_w": 0.5, "angle_w": 0.02}, 12, True, torch.float64),
     ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 64, True, torch.float64),  # compression >= width
+    ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 32, True, torch.float64),  # compression = width
     ("A", {"cosine_w": 1.0, "ibn_w": 0.0, "angle_w": 1.0}, 8, True, torch.float32),
     ("B", {}, 8, True, torch.float32),
     ("B", {}, 7, True, torch.float64),  # format B has no angle term: an odd compression size (refused before)
@@ -255,10 +256,13 @@ def test_patched_ese_trainer_computes_the_same_loss_in_one_call(ae, deep_model_d
 def test_patched_ese_trainer_with_a_teacher_gives_the_same_loss_and_gradients(ae, deep_model_dir, tmp_path):
     """Espresso with a teacher model (teacher_name_or_path): its alignment term adds to the loss's value without a
     gradient, as angle-emb's in-place `loss +=` inside no_grad; the patched trainer once rebound the loss inside
-    no_grad, so it had no graph and backward raised."""
+    no_grad, so it had no graph and backward raised. The teacher is another model (another seed): with the
+    student's own weights the term's gradient is 0 whether or not it is taken."""
     from transformers import AutoTokenizer, BertModel, TrainingArguments
 
-    from angle_kernels.testing.tiny_model import SENTENCES
+    from angle_kernels.testing.tiny_model import SENTENCES, build_tiny_model_dir
+
+    teacher_dir = build_tiny_model_dir(tmp_path / "teacher", seed=9, layers=4)
 
     angle_mod = ae["angle_emb.angle"]
     model = BertModel.from_pretrained(deep_model_dir).to(torch.float64)
@@ -270,7 +274,7 @@ def test_patched_ese_trainer_with_a_teacher_gives_the_same_loss_and_gradients(ae
     def loss_and_grads():
         trainer = angle_mod.AngleESETrainer(pooler=pooler, model=model, args=args, dataset_format="A",
                                             loss_kwargs=dict(cosine_w=1.0, ibn_w=1.0, angle_w=1.0),
-                                            ese_compression_size=8, teacher_name_or_path=str(deep_model_dir),
+                                            ese_compression_size=8, teacher_name_or_path=str(teacher_dir),
                                             model_kwargs={})
         trainer.teacher_pooler.model = trainer.teacher_pooler.model.to(torch.float64)
         model.zero_grad(set_to_none=True)

@@ -61,6 +61,9 @@ CASES = {
     "mnrl_symmetric": ("MultipleNegativesRankingLoss", SYMMETRIC, 3),
     "cached": ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3}, 3),
     "cached_symmetric": ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 2, **SYMMETRIC}, 2),
+    # the symmetric classes, which pass gather_across_devices on to the parent themselves
+    "mnsrl": ("MultipleNegativesSymmetricRankingLoss", {}, 2),
+    "cached_mnsrl": ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 3}, 2),
     # the similarity_lse path: every direction in one partition, hardness on the own hard negatives
     "mnrl_gte_hard": ("MultipleNegativesRankingLoss", {"directions": ("query_to_doc", "query_to_query",
                                                                       "doc_to_query", "doc_to_doc"),

@@ -38,6 +38,8 @@ ADAPTIVE_CASES = [
      {"n_layers_per_step": 2, "layer_weighting": lambda i: 0.5 + i}, True),
     ("MultipleNegativesRankingLoss", HARD, 3, None, {"n_layers_per_step": -1}, True),
     ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.euclidean_sim}, 2, None, {}, False),
+    # stacked layers do not combine with gathering (one process here: the parent's loop gathers nothing)
+    ("MultipleNegativesRankingLoss", {"gather_across_devices": True}, 2, None, {}, False),
 ]
 
 # (inner class, its kwargs, text columns, labels, dims, dim weights, layer-wise kwargs, fused)
@@ -49,6 +51,8 @@ MATRYOSHKA_2D_CASES = [
     ("MultipleNegativesRankingLoss", HARD, 3, None, (32, 16), (2.0, 1.0), {"n_layers_per_step": -1,
                                                                           "n_dims_per_step": -1}, True),
     ("CoSENTLoss", {"similarity_fct": st_util.pairwise_angle_sim}, 2, GRADED, (32, 7), None, {}, False),
+    ("MultipleNegativesRankingLoss", {}, 2, None, (32, 16), None, {"n_layers_per_step": -1, "kl_temperature": 2.0,
+                                                                  "kl_div_weight": 2.0}, True),
 ]
 
 

@@ -37,6 +37,7 @@ CASES = [
     ("MultipleNegativesRankingLoss", {"directions": ALL_DIRECTIONS, "hardness_mode": "hard_negatives",
                                       "hardness_strength": 2.0}, 3, None, (32, 16, 8), None, -1, True),
     ("MultipleNegativesRankingLoss", {}, 2, None, (32, 24, 16, 8, 4), None, 2, True),
+    ("MultipleNegativesRankingLoss", {}, 2, None, (32, 16, 8), None, 0, True),  # 0, as -1: every dimension
     ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.euclidean_sim}, 2, None, (32, 16), None, -1, False),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 3, None, (32, 16, 8), None, -1, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3}, 2, None, (32, 16, 8, 4), (4, 3, 2, 1), 2, True),

@@ -121,6 +121,38 @@ def test_same_value_and_gradients_as_sentence_transformers(model64, fused_calls,
         assert sum(fused_calls.values()) == 0, "an unsupported configuration must run the parent's code"
 
 
+class _Embed(torch.nn.Module):
+    """The identity as a sentence "model": the feature "x" is the embedding."""
+
+    def forward(self, features):
+        return {"sentence_embedding": features["x"] * 1.0}
+
+
+def test_a_cached_loss_backpropagates_to_its_cache_outside_autocast():
+    """GradCache's backward to the cached embeddings runs inside the loss call, so inside the AMP recipe's autocast
+    region: it runs with autocast off, as a backward outside the region does (the similarity_lse path's backward
+    products, under a bf16 autocast, gave gradients 6e-3 off). The value is returned detached, as the parent's."""
+    gen = torch.Generator().manual_seed(0)
+    columns = [torch.randn(64, 256, generator=gen) for _ in range(3)]
+    options = {"hardness_mode": "in_batch_negatives", "hardness_strength": 2.0,
+               "directions": ("query_to_doc", "query_to_query")}
+
+    def gradients(autocast: bool) -> torch.Tensor:
+        loss = ours.CachedMultipleNegativesRankingLoss(torch.nn.Sequential(_Embed()), mini_batch_size=4,
+                                                       backend="torch", **options)
+        leaves = [c.clone().requires_grad_(True) for c in columns]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            value = loss([{"x": x} for x in leaves], None)
+        value.backward()
+        return torch.cat([x.grad for x in leaves])
+
+    assert torch.equal(gradients(True), gradients(False))
+    loss = ours.CachedMultipleNegativesRankingLoss(torch.nn.Sequential(_Embed()), mini_batch_size=3)
+    reps = [[c[:3, :8].clone().requires_grad_(), c[3:6, :8].clone().requires_grad_()] for c in columns[:2]]
+    assert not loss.calculate_loss(reps, with_backward=True).requires_grad
+    assert reps[0][0].grad is not None
+
+
 @pytest.mark.parametrize("class_name", ["MultipleNegativesSymmetricRankingLoss",
                                         "CachedMultipleNegativesSymmetricRankingLoss"])
 def test_the_deprecated_symmetric_losses_warn_like_their_parents(model64, class_name):
