@@ -304,3 +304,66 @@ def test_a_base_that_lowercases_is_read_lowercased_in_training_encode_and_its_ex
     # lowercasing once is enough: loading the export again adds no second Lowercase
     _, again = load_encoder(export)
     assert str(again.backend_tokenizer.normalizer).count("Lowercase") == 1
+
+
+def _st_base(tmp_path, pooling_modes: dict, normalize: bool = False) -> str:
+    """A sentence-transformers base folder's module files: Transformer, Pooling (its modes), optionally Normalize."""
+    base = tmp_path / "st-base"
+    (base / "1_Pooling").mkdir(parents=True)
+    listed = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+              {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        listed.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (base / "modules.json").write_text(json.dumps(listed))
+    (base / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 8, **pooling_modes}))
+    return str(base)
+
+
+def test_an_export_pools_as_trained_and_lists_each_base_module_once(tmp_path):
+    """A run trained with cls pooling on a mean-pooling base exports cls pooling (the base's config is kept only
+    where its pooling is the trained one); the base's modules after the pooling follow it once."""
+    from types import SimpleNamespace
+
+    from angle_train.data import Prompts
+    from angle_train.export import _write_sentence_transformers_files
+
+    base = _st_base(tmp_path, {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+                               "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False}, normalize=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    _write_sentence_transformers_files(str(out), SimpleNamespace(pooling="cls", prompts=Prompts()), 8, 128, base)
+    pooled = json.loads((out / "1_Pooling" / "config.json").read_text())
+    assert pooled["pooling_mode_cls_token"] is True and pooled["pooling_mode_mean_tokens"] is False
+    assert [m["type"].rsplit(".", 1)[-1] for m in json.loads((out / "modules.json").read_text())] == \
+        ["Transformer", "Pooling", "Normalize"]
+
+
+def test_a_pooling_of_several_modes_and_a_plain_folder_are_no_strategy(tmp_path):
+    """A Pooling module concatenating two modes (cls + mean) names no strategy angle_train has; a Hugging Face folder
+    without modules.json has no sentence-transformers files, and an export over it writes its own."""
+    from types import SimpleNamespace
+
+    from angle_train import st_folder
+    from angle_train.data import Prompts
+    from angle_train.export import _write_sentence_transformers_files
+
+    assert st_folder.pooling(_st_base(tmp_path, {"pooling_mode_cls_token": True,
+                                                 "pooling_mode_mean_tokens": True})) is None
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert st_folder.find_folder(str(plain)) is None
+    out = tmp_path / "out"
+    out.mkdir()
+    _write_sentence_transformers_files(str(out), SimpleNamespace(pooling="cls", prompts=Prompts()), 8, 128,
+                                       st_folder.find_folder(str(plain)))
+    assert (out / "modules.json").is_file()
+
+
+def test_load_pretrained_cuts_texts_at_the_exports_inference_length(tmp_path):
+    """The export records the length it is read at (max_length: --export-max-length, or a base's longer
+    max_seq_length) beside the training length: encode() after load_pretrained takes the first."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    folder = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16, export_max_length=64)
+    loaded, _, meta = load_pretrained(folder)
+    assert (meta["max_length"], meta["train_max_length"]) == (64, 16) and loaded.max_length == 64

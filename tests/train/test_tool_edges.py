@@ -1,0 +1,121 @@
+"""The commands' promises at their edges: angle-eval's `--prompt ''` (no prompt) and `--pooling` over an export's
+own, a SICK row too short and a --max-length equal to the position table; the settings' whole numbers and positive
+weights; angle-train's exit statuses (3: non-finite steps, 75: preempted) as numbers, a stop asked before the final
+export abandoning it; preflight's bounds (room for one token of text, the last CUDA device); an export over a LoRA
+export leaving no adapter behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from train_helpers import make_encoder
+
+from angle_train import evaluate, faults, preflight
+from angle_train.data import DataError, Prompts
+from angle_train.export import META_FILE, save_pretrained
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """A cls-pooled export whose text prompt is 'query: '."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="cls")
+    encoder.prompts = Prompts(text="query: {text}")
+    return save_pretrained(encoder, tokenizer, str(tmp_path_factory.mktemp("export") / "model"), max_length=16)
+
+
+def test_angle_eval_prompt_empty_is_no_prompt(export, tmp_path, monkeypatch):
+    sts = tmp_path / "sts.csv"
+    sts.write_text("sentence1,sentence2,score\na red car,a blue car,3.0\na dog,a cat,1.0\na big tree,a tree,4.0\n")
+    seen = {}
+
+    def records_the_prompt(encoder, tokenizer, datasets, **kwargs):
+        seen["prompt"] = encoder.prompts.for_role("text")
+        return {}
+
+    monkeypatch.setattr(evaluate, "evaluate", records_the_prompt)
+    assert evaluate.main([export, str(sts), "--prompt", "", "--progress", "0"]) == 0
+    assert seen["prompt"] in (None, "")
+    evaluate.main([export, str(sts), "--progress", "0"])
+    assert seen["prompt"] == "query: {text}"  # without the flag, the export's own
+
+
+def test_angle_eval_pooling_overrides_an_exports(export):
+    encoder, _, meta = evaluate.load_model(export, pooling="avg")
+    assert meta["pooling"] == "cls" and (encoder.pooling, encoder.pooling_source) == ("avg", "--pooling")
+
+
+def test_a_sick_row_too_short_is_a_data_error_naming_its_line(tmp_path):
+    path = tmp_path / "SICK_test.txt"
+    path.write_text("\t".join(evaluate.SICK_HEADER) + "\n1\tA man walks\tA man is walking\n")
+    with pytest.raises(DataError, match="line 2"):
+        evaluate.read_sick(str(path))
+
+
+def test_a_max_length_equal_to_the_position_table_is_taken(export, monkeypatch):
+    import angle_train.models as models
+
+    encoder, tokenizer, meta = evaluate.load_model(export)
+    limit = models.position_limit(encoder.backbone)
+    assert evaluate.encoding_length(limit, meta, encoder, tokenizer, "m") == limit
+    with pytest.raises(ValueError, match="longer than m can read"):
+        evaluate.encoding_length(limit + 1, meta, encoder, tokenizer, "m")
+
+
+def test_list_settings_take_whole_numbers_and_positive_weights():
+    from angle_train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="64.5"):
+        TrainConfig(matryoshka_dims=[64.5, 32]).validate()
+    with pytest.raises(ValueError, match="matryoshka-weights"):
+        TrainConfig(matryoshka_dims=[64, 32], matryoshka_weights=[1.0, 0.0]).validate()
+
+
+@pytest.mark.parametrize("error, status", [(faults.NonFiniteTrainingError("5 non-finite steps in a row"), 3),
+                                           (faults.Preempted("SIGTERM", "a checkpoint"), 75)])
+def test_angle_train_exit_statuses_are_the_documented_numbers(tmp_path, monkeypatch, error, status):
+    from angle_train import cli, trainer
+
+    def train(cfg):
+        raise error
+
+    monkeypatch.setattr(trainer, "train", train)
+    assert cli.main(["--output-dir", str(tmp_path / "run"), "--device", "cpu"]) == status
+
+
+def test_a_stop_asked_before_the_final_export_abandons_it():
+    stops = faults.StopSignals()
+    stops.requested = "SIGTERM"  # arrived during the last optimizer step
+    with pytest.raises(faults.Interrupted):
+        with stops.interrupting():
+            pass
+
+
+def test_preflight_bounds(monkeypatch):
+    class Tokenizer:
+        def __len__(self):
+            return 100
+
+        def num_special_tokens_to_add(self, pair=False):
+            return 2
+
+    embeddings = torch.nn.Embedding(100, 4)
+    encoder = type("E", (), {"backbone": type("B", (), {"get_input_embeddings": lambda self: embeddings})()})()
+    preflight.check_tokenizer(Tokenizer(), encoder, "m", 3)  # one token of text
+    with pytest.raises(ValueError, match="leaves no room for text"):
+        preflight.check_tokenizer(Tokenizer(), encoder, "m", 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    preflight.check_device("cuda:1")
+    with pytest.raises(ValueError, match="cuda:2"):
+        preflight.check_device("cuda:2")
+
+
+def test_an_export_over_a_lora_export_leaves_no_adapter(tmp_path):
+    folder = tmp_path / "model"
+    (folder / "adapter").mkdir(parents=True)
+    (folder / "adapter" / "adapter_config.json").write_text("{}")
+    (folder / META_FILE).write_text("{}")  # an earlier (LoRA) export
+    save_pretrained(*make_encoder("bert", dtype=torch.float32), str(folder), max_length=16)
+    assert not os.path.exists(folder / "adapter")
