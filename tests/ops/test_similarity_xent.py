@@ -716,6 +716,42 @@ def test_the_softmax_form_keeps_the_digits_of_small_losses():
     assert abs(loss / reference - 1) < 5e-6
 
 
+def test_torch_cpu_full_width_keeps_the_digits_of_a_small_loss_and_its_gradients():
+    """Without a margin, at full width: rows whose positive sits 0.02 of noise away (a loss near 4e-7 at scale 20),
+    float32 against the float64 reference, the loss to 1e-5 and both gradients to 1e-4 of their norms (log(1 - r)
+    for log1p(-r) put the loss 4e-3 off, exp(-loss) - 1 for expm1 the gradients 8e-4)."""
+    from angle_kernels.torch_ops import similarity_xent_paths
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(16, 64, generator=gen, dtype=torch.float64)
+    c = q + 0.02 * torch.randn(16, 64, generator=gen, dtype=torch.float64)
+    leaves64 = [leaf_like(x) for x in (q, c)]
+    want = oracle.similarity_xent(*leaves64, scale=20.0, target="diagonal")
+    want_grads = torch.autograd.grad(want, leaves64)
+    assert 0 < want.item() < 1e-5
+    leaves32 = [leaf_like(x.float()) for x in (q, c)]
+    got = similarity_xent_paths.similarity_xent(*leaves32, 20.0, "diagonal")
+    assert abs(got.item() / want.item() - 1) < 1e-5
+    for grad, ref in zip(torch.autograd.grad(got, leaves32), want_grads):
+        assert float((grad.double() - ref).norm() / ref.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("magnitude", [1e13, 1e15, 1e18])
+def test_torch_cpu_huge_rows_keep_their_gradients(magnitude):
+    """float32 rows of norms 1e13 to 1e18 (past 2^40) are scaled before their norms' backward: unscaled, 1 / |x|^3
+    underflows and the normalisation's radial term is lost (gradients 30% off), while the value stays right."""
+    from angle_kernels.torch_ops import similarity_xent_paths
+
+    gen = torch.Generator().manual_seed(1)
+    q, c = (magnitude * torch.randn(8, 32, generator=gen, dtype=torch.float64) for _ in range(2))
+    leaves64 = [leaf_like(x) for x in (q, c)]
+    want_grads = torch.autograd.grad(oracle.similarity_xent(*leaves64, scale=20.0, target="diagonal"), leaves64)
+    leaves32 = [leaf_like(x.float()) for x in (q, c)]
+    grads = torch.autograd.grad(similarity_xent_paths.similarity_xent(*leaves32, 20.0, "diagonal"), leaves32)
+    for grad, ref in zip(grads, want_grads):
+        assert float((grad.double() - ref).norm() / ref.norm()) < 1e-5
+
+
 @pytest.mark.parametrize("target", ["diagonal", "partner"])
 def test_dims_keep_the_digits_of_small_losses(target):
     """Every prefix of a dims call keeps a small loss's digits as a full-width call does: rows whose positive sits
