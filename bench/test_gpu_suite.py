@@ -309,6 +309,25 @@ def test_pytest_counts_reads_a_cut_verbose_log(tmp_path):
     counts = gpu_suite.pytest_counts(log)
     assert {k: v for k, v in counts.items() if k != "failed_tests"} == {"passed": 2, "failed": 1, "skipped": 1}
     assert counts["failed_tests"] == ["tests/ops/test_similarity_xent.py::test_y[triton-dims]"]
+    log.write_text("tests/ops/test_a.py::test_x PASSED\ntests/ops/test_a.py::test_y ERROR\n")
+    assert gpu_suite.pytest_counts(log)["failed_tests"] == ["tests/ops/test_a.py::test_y"]  # an error is a failure
+
+
+def test_a_pytest_run_with_failures_is_a_failed_step(tmp_path, monkeypatch):
+    log = tmp_path / "pytest.log"
+    log.write_text("tests/ops/t.py::test_y FAILED\n")
+    monkeypatch.setattr(gpu_suite, "run_logged", lambda *args, **kwargs: {"returncode": 1, "timed_out": False})
+    assert gpu_suite.run_pytest(["tests/ops"], log, 10, 1)["status"] == "failed"
+
+
+def test_the_headline_takes_the_median_round_and_the_speedup_over_sentence_transformers(monkeypatch):
+    """Rounds of 1, 1 and 10 ms for ours against 2, 2 and 2 for sentence-transformers: a median of 1 ms (one slow
+    round does not move it) and a speedup of 2 (sentence-transformers' time over ours)."""
+    rounds = iter([1, 2, 1, 2, 10, 2])  # each round times ours, then sentence-transformers
+    monkeypatch.setattr(harness, "time_run", lambda device, fn: (fn(), SimpleNamespace(median_s=next(rounds) / 1e3))[1])
+    rows = gpu_suite.headline(device="cpu", n=32, d=16, dtype="float32", rounds=3, backends=("torch",))["rows"]
+    ours = rows["angle_kernels MNRL (torch)"]
+    assert (ours["median_ms"], ours["speedup_vs_st"]) == (pytest.approx(1.0), pytest.approx(2.0))
 
 
 def test_the_test_steps_run_the_op_tests():

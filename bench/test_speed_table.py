@@ -190,6 +190,13 @@ def test_decisions_follow_the_order_auto_follows():
 
     faster = speed_table.decisions(table(0.5), here=here)
     assert [(d["fixed_order"], d["table"]) for d in faster] == [("torch/default", "cuda/sort")]
+    assert faster[0]["saves_ms"] == 0.5 and faster[0]["matches_this_code"] is True
+    # torch's time measured on code that has changed since (a fingerprint alike in its first 12 characters only)
+    old_point = ("ranking_loss", "full", 4096, 1, {"torch/default": 1.0, "cuda/sort": 0.5},
+                 {"torch/default": "abcdefabcdef-OLD", "cuda/sort": "same"})
+    stale = speed_table.decisions({("9.0", torch.float32): (old_point,)},
+                                  here=lambda backend, op, path: "same" if backend == "cuda" else "abcdefabcdef-NEW")
+    assert [(d["saves_ms"], d["matches_this_code"]) for d in stale] == [(0.5, False)]
     assert speed_table.decisions(table(2.0), here=here) == []
 
     class Backend:
