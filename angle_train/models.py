@@ -479,16 +479,15 @@ def check_lora_targets(backbone: nn.Module, targets: list[str]) -> None:
                                   f"{', '.join(adaptable) or 'none'}")
 
 
-def own_pooling(name_or_path: str) -> tuple[str, str] | None:
+def own_pooling(name_or_path: str, st_files: str | None) -> tuple[str, str] | None:
     """(pooling, the file that names it) of a model's folder: an angle_train export's angle_train.json (every strategy;
-    cls_avg and bidirectional exports have no sentence-transformers files), else its sentence-transformers Pooling
-    module (st_folder.pooling); None when neither names one."""
+    cls_avg and bidirectional exports have no sentence-transformers files), else the Pooling module of its
+    sentence-transformers files (`st_files`: st_folder.find_folder's folder, or None); None when neither names one."""
     meta = os.path.join(name_or_path, st_folder.META_FILE)
     pooling = st_folder.read_json(meta).get("pooling") if os.path.isfile(meta) else None
     if pooling in POOLING_STRATEGIES:
         return pooling, st_folder.META_FILE
-    folder = st_folder.find_folder(name_or_path)
-    return st_folder.pooling(folder) if folder else None
+    return st_folder.pooling(st_files) if st_files else None
 
 
 def own_bidirectional(name_or_path: str) -> bool:
@@ -498,12 +497,11 @@ def own_bidirectional(name_or_path: str) -> bool:
     return os.path.isfile(meta) and st_folder.read_json(meta).get("bidirectional") is True
 
 
-def own_lowercasing(name_or_path: str) -> bool:
-    """Whether a model's sentence-transformers files say its texts are lowercased before tokenisation
-    (sentence_bert_config.json's do_lower_case: true, which sentence-transformers applies whatever the tokenizer
-    does)."""
-    folder = st_folder.find_folder(name_or_path)
-    return folder is not None and st_folder.settings(folder).get("do_lower_case") is True
+def own_lowercasing(st_files: str | None) -> bool:
+    """Whether a model's sentence-transformers files (`st_files`: st_folder.find_folder's folder, or None) say its
+    texts are lowercased before tokenisation (sentence_bert_config.json's do_lower_case: true, which
+    sentence-transformers applies whatever the tokenizer does)."""
+    return st_files is not None and st_folder.settings(st_files).get("do_lower_case") is True
 
 
 def lowercase_first(tokenizer) -> None:
@@ -548,13 +546,14 @@ def load_encoder(
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    folder_pooling = own_pooling(name_or_path) if pooling is None else None
+    st_files = st_folder.find_folder(name_or_path)  # once: for a hub name, a fetch of its files
+    folder_pooling = own_pooling(name_or_path, st_files) if pooling is None else None
     pooling = folder_pooling[0] if folder_pooling else pooling
     if is_decoder is None:
         is_decoder = is_decoder_config(config)
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code),
                                   is_decoder)
-    if own_lowercasing(name_or_path):
+    if own_lowercasing(st_files):
         lowercase_first(tokenizer)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     backbone = AutoModel.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
