@@ -787,3 +787,74 @@ def test_the_next_stage_kills_the_children_of_a_stage_killed_from_outside(tmp_pa
                 os.killpg(child, signal.SIGKILL)
             proc.kill()
             proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("statuses, ends", [(("ok", "ok"), ("ok", 0)), (("ok", "error"), ("failed", 1)),
+                                            (("timed out", "ok"), ("failed", 1)), (("failed", "ok"), ("failed", 1))])
+def test_a_stage_on_a_gpu_is_ok_only_when_every_step_is(tmp_path, monkeypatch, capsys, statuses, ends):
+    """main's last word on a stage (its record's status and the exit status gpu_check.sh reports): "ok" only where
+    every step ended "ok"; a step that raised ("error"), overran ("timed out") or failed fails the stage. The GPU
+    is faked (torch.cuda.is_available), the preflight and the stage's steps too."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(harness, "free_cuda_memory", lambda: None)
+    monkeypatch.setattr(gpu_suite, "CHILDREN_DIR", tmp_path / "children")
+    monkeypatch.setattr(gpu_suite, "preflight", lambda record, on_gpu, build: {"gpu": "faked"})
+    for name in ("TRITON_INTERPRET", "ANGLE_KERNELS_CUDA_JIT"):  # main sets both for the real GPU: restored after
+        monkeypatch.setenv(name, os.environ.get(name, "")) if name in os.environ else monkeypatch.delenv(name, False)
+
+    def run(args, record, schedule):
+        for name, status in zip(("a", "b"), statuses):
+            gpu_suite.guarded(record, name, lambda status=status: {"status": status})
+
+    monkeypatch.setitem(gpu_suite.STAGES, "third", gpu_suite.Stage("faked", (("preflight", 0), ("a", 5), ("b", 5)),
+                                                                     run, build_steps=()))
+    out = tmp_path / "out"
+    assert gpu_suite.main(["third", str(out)]) == ends[1]
+    record = json.loads((out / "third.json").read_text())
+    assert record["status"] == ends[0]
+    assert [step["status"] for step in record["steps"].values()] == ["ok", *statuses]
+    capsys.readouterr()
+
+
+def _third_args():
+    return SimpleNamespace(llama_size="7b", resume_from=None, train_bench=False)
+
+
+@pytest.mark.parametrize("left", [[], ["bs=32768 grad_cache"]])
+@pytest.mark.parametrize("which", ["llama7b", "train_bench"])
+def test_a_resumable_benchmark_is_done_only_when_no_setting_is_left(tmp_path, monkeypatch, which, left):
+    """stage third's two benchmarks stop between settings inside their budget and exit 0 either way: the step says
+    `done` only where their results.json leaves nothing (`left`), so that a run cut short is resumed (--resume-from),
+    never taken for the whole measurement."""
+    record = _record(tmp_path, "third")
+    folder = record.work / which
+
+    def fake_benchmark(cmd, log_path, timeout_s, env=None, prefix=""):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "results.json").write_text(json.dumps({"left": left}))
+        return {"returncode": 0, "timed_out": False, "last_line": ""}
+
+    monkeypatch.setattr(gpu_suite, "run_logged", fake_benchmark)
+    monkeypatch.setattr(harness, "free_cuda_memory", lambda: None)
+    if which == "llama7b":
+        gpu_suite.stage_third(_third_args(), record, gpu_suite.Schedule(gpu_suite.THIRD_STEPS,
+                                                                                  time.monotonic()))
+    else:
+        gpu_suite.stage_train_bench(_third_args(), record,
+                                    gpu_suite.Schedule(gpu_suite.TRAIN_BENCH_STEPS, time.monotonic()))
+    step = record.data["steps"][which]
+    assert (step["status"], step["left"], step["done"]) == ("ok", left, not left)
+
+
+@pytest.mark.parametrize("pytest_status", ["ok", "failed", "timed out"])
+def test_the_cuda_backend_step_fails_unless_its_op_tests_ended_ok(tmp_path, monkeypatch, pytest_status):
+    """The CUDA backend's step: its checks all passed, its op tests ended `pytest_status`: a run of them cut by
+    the step's limit (some never ran) fails the step as a failing test does."""
+    record = _record(tmp_path)
+    record.build = SimpleNamespace(wait=lambda deadline: {"status": "ok"})
+    monkeypatch.setattr(gpu_suite, "probe_cuda_backend", lambda record, deadline: {"status": "ok"})
+    monkeypatch.setattr(gpu_suite, "verify_side_by_side",
+                        lambda record, deadline, backend: {"checks": [], "outcomes": {}, "failed": []})
+    monkeypatch.setattr(gpu_suite, "run_pytest", lambda args, log, timeout_s, workers: {"status": pytest_status})
+    result = gpu_suite.cuda_backend(record, gpu_suite.Deadline(300, time.monotonic()), workers=1)
+    assert result["status"] == ("ok" if pytest_status == "ok" else "failed")
