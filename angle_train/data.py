@@ -410,8 +410,17 @@ def delimited_rows(path: str, delimiter: str, check_header=None):
     contain quote characters: they are read literally. DataError for an empty file, a row with more or fewer fields
     than the header, a CSV syntax error, bytes that are not UTF-8."""
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    fetched = 0  # lines handed to the reader: at a syntax error, the line it is on (reader.line_num counts the
+    # lines of the records read before it: a bad record was named by the line before it, or the one its record began)
+
+    def counted(lines):
+        nonlocal fetched
+        for line in lines:
+            fetched += 1
+            yield line
+
     with open_text(path, newline="") as f, _csv_fields_of_any_size():
-        reader = csv.DictReader(f, delimiter=delimiter, quoting=quoting, strict=True)
+        reader = csv.DictReader(counted(f), delimiter=delimiter, quoting=quoting, strict=True)
         try:
             if not reader.fieldnames:
                 raise DataError(f"{path}: the file is empty (expected a header row)")
@@ -427,7 +436,7 @@ def delimited_rows(path: str, delimiter: str, check_header=None):
                     raise DataError(f"{where}: fewer fields ({given}) than the header's {width}")
                 yield where, row
         except csv.Error as exc:
-            raise DataError(f"{path}, line {reader.line_num}: {exc}") from None
+            raise DataError(f"{path}, line {fetched}: {exc}") from None
 
 
 def read_delimited(path: str, fmt: str | None, delimiter: str, columns: dict | None = None

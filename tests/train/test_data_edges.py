@@ -1,0 +1,269 @@
+"""angle_train's data reading at its edges: what a file, a dataset or the Python API may hold and how each is read or
+refused (naming the line, the column or the argument), and the fingerprints and epoch orders a checkpoint records,
+which a resume recomputes and must find unchanged."""
+
+import json
+import re
+
+import pytest
+
+from angle_train.data import DataError, load_examples
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_a_mapping_may_name_a_column_that_is_called_like_another_name(tmp_path):
+    """--columns query=text1 positive=text2 reads a pairs file's text1/text2 as query/positive: the mapped columns
+    are not also read under their own names (which refused the file: 'format B does not read text1, text2')."""
+    path = _write(tmp_path, "pairs.jsonl", json.dumps({"text1": "a question", "text2": "its answer"}) + "\n")
+    examples, fmt = load_examples(path, columns={"query": "text1", "positive": "text2"})
+    assert fmt == "B" and [e.texts for e in examples] == [("a question", "its answer")]
+
+
+def test_a_json_boolean_label_is_refused(tmp_path):
+    """A label of true/false is not a similarity score (a column of flags put where the score belongs): refused with
+    the line, as other non-numbers are, not trained as 1.0 / 0.0."""
+    path = _write(tmp_path, "bool.jsonl", '{"text1": "x", "text2": "y", "label": 1}\n'
+                                          '{"text1": "x", "text2": "y", "label": true}\n')
+    with pytest.raises(DataError, match=r"bool.jsonl, line 2: bad label True \(must be a finite number\)"):
+        load_examples(path)
+
+
+def test_a_csv_whose_detected_format_leaves_a_label_unread_is_refused(tmp_path):
+    """The refusal of a column the detected format does not read holds for CSV/TSV headers as for JSONL rows: a
+    query,positive,label CSV was format B with its labels (0: not a match) dropped in silence."""
+    for name, text in (("qp_label.csv", "query,positive,label\na,b,0\n"),
+                       ("qp_label.tsv", "query\tpositive\tlabel\na\tb\t0\n")):
+        with pytest.raises(DataError, match=r"line 1 \(header\): format B \(query, positive, detected from the "
+                                            r"columns\) does not read the column\(s\) 'label'"):
+            load_examples(_write(tmp_path, name, text))
+        examples, fmt = load_examples(str(tmp_path / name), fmt="B")  # given, the format reads what it reads
+        assert fmt == "B" and examples[0].texts == ("a", "b")
+
+
+def test_the_stsb_layout_refuses_another_format(tmp_path):
+    """An STS-B file is format A: --data-format B or C on one is refused, not overridden in silence."""
+    path = _write(tmp_path, "sts.csv", "g\tx\t2012\t1\t2.0\ta\tb\n")
+    for fmt in ("B", "C"):
+        with pytest.raises(DataError, match=r"sts.csv: the STS-B layout is format A .*got format='%s'" % fmt):
+            load_examples(path, fmt=fmt)
+        with pytest.raises(DataError, match="the STS-B layout is format A"):
+            load_examples(path, fmt=fmt, layout="stsb")
+    assert load_examples(path, fmt="A")[1] == "A"
+
+
+def test_the_data_fingerprint_covers_every_item_past_the_first_chunk():
+    """data_fingerprint hashes the items 4,096 at a time: an edit to any one, at a chunk's edge too, changes it (a
+    resume over edited data is refused by it)."""
+    from angle_train.data import Example, data_fingerprint
+
+    examples = [Example((f"q{i}", f"p{i}")) for i in range(8200)]
+    base = data_fingerprint(examples)
+    for i in (4095, 4096, 8191, 8192, 8199):
+        changed = list(examples)
+        changed[i] = Example((f"q{i}", "edited"))
+        assert data_fingerprint(changed) != base, i
+
+
+def test_tokenized_pairs_refuse_examples_with_another_count_of_texts():
+    """Examples given from Python whose texts do not match the format are refused by index: a triplet under format B
+    had its negative dropped in silence (a pair under C failed later, without saying which example)."""
+    from angle_train.data import Example, TokenizedPairs
+    from angle_train.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    pairs = [Example(("a dog", "a puppy")), Example(("a car", "a truck"))]
+    with pytest.raises(DataError, match="example 1 has 3 texts; format B needs 2"):
+        TokenizedPairs([pairs[0], Example(("a cat", "a kitten", "a house"))], "B", tokenizer, max_length=16)
+    with pytest.raises(DataError, match="example 0 has 2 texts; format C needs 3"):
+        TokenizedPairs(pairs, "C", tokenizer, max_length=16)
+    assert len(TokenizedPairs(pairs, "B", tokenizer, max_length=16)) == 2
+
+
+def test_a_jsonl_line_with_tabs_is_read_as_json_not_as_stsb(tmp_path):
+    """A .jsonl file is JSON whatever its whitespace: a line with tabs between its tokens (7 tab-separated fields,
+    the 5th a number) is not taken for the STS-B layout, which read its punctuation as the texts."""
+    line = '{"text1": "a",\t"text2": "b",\t"label":\t\t5\t,"x": 1\t}'
+    assert len(line.split("\t")) == 7 and json.loads(line) == {"text1": "a", "text2": "b", "label": 5, "x": 1}
+    examples, fmt = load_examples(_write(tmp_path, "tabs.jsonl", line + "\n"))
+    assert fmt == "A" and examples[0].texts == ("a", "b") and examples[0].label == 5.0
+
+
+def test_a_batch_refuses_more_dropout_rows_than_it_has():
+    from angle_train.data import Batch
+
+    import torch
+
+    with pytest.raises(ValueError, match="dropout_rows must be between 0 and the batch's 3 rows, got 4"):
+        Batch([[1, 2], [3], [4, 5, 6]], torch.ones(3), dropout_rows=4)
+    with pytest.raises(ValueError, match="dropout_rows must be between 0"):
+        Batch([[1, 2], [3], [4, 5, 6]], torch.ones(3), dropout_rows=-1)
+    assert Batch([[1, 2], [3], [4, 5, 6]], torch.ones(3), dropout_rows=3).dropout_rows == 3
+
+
+@pytest.mark.parametrize("line, kind", [('["query", "positive"]', "list"), ("null", "NoneType"), ('"text"', "str"),
+                                        ("3", "int")])
+def test_a_jsonl_line_that_is_not_an_object_is_named(tmp_path, line, kind):
+    """Every line of a JSONL file must be a JSON object: any other value is a DataError naming the line and what it
+    is (a list of the column names crashed with a TypeError, a string was split into one-letter columns)."""
+    path = _write(tmp_path, "rows.jsonl", '{"query": "a", "positive": "b"}\n' + line + "\n")
+    with pytest.raises(DataError, match=rf"rows.jsonl, line 2: each line must be a JSON object; got {kind}"):
+        load_examples(path)
+
+
+def test_dcp_metadata_naming_a_torch_function_is_refused_by_name(tmp_path):
+    """read_dcp_metadata admits from torch only its dtypes (TensorProperties' dtype): a .metadata naming a torch
+    function (torch.is_tensor here, harmless; torch.save or torch.set_default_dtype would write files or change the
+    process) is refused by name before the function is called."""
+    import pickle
+
+    import torch
+
+    from angle_train.safe_loading import UnsafeCheckpointError
+    from angle_train.sharding import read_dcp_metadata
+
+    class CallsATorchFunction:
+        def __reduce__(self):
+            return torch.is_tensor, (1,)
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(CallsATorchFunction()))
+    with pytest.raises(UnsafeCheckpointError, match=r"it names torch.is_tensor, which DCP's metadata never holds"):
+        read_dcp_metadata(str(tmp_path))
+
+
+def test_the_sampled_fingerprint_is_the_one_earlier_checkpoints_recorded():
+    """sampled_data_fingerprint must compute exactly what earlier versions recorded as a checkpoint's "fingerprint"
+    (their data_record): any change to it refuses every resume from such a checkpoint. Pinned values, and the
+    algorithm written out: the count, then every (position, item) of at most ~1,000 evenly spaced ones."""
+    import hashlib
+
+    from angle_train.data import Example, sampled_data_fingerprint
+
+    def written_out(items):
+        step = max(1, len(items) // 1000)
+        digest = hashlib.sha256(str(len(items)).encode())
+        for i in range(0, len(items), step):
+            digest.update(repr((i, items[i])).encode())
+        return digest.hexdigest()[:16]
+
+    for n in (3, 999, 2500, 2997):
+        examples = [Example((f"q{i}", f"p{i}"), label=float(i % 5)) for i in range(n)]
+        assert sampled_data_fingerprint(examples) == written_out(examples), n
+    assert sampled_data_fingerprint([Example(("a", "b"), 0.5), Example(("c", "d"), 1.0)]) == "e1355718dec391aa"
+    assert sampled_data_fingerprint([Example((f"q{i}", f"p{i}")) for i in range(2500)]) == "938cf9170bdec9b4"
+
+
+def test_a_hf_dataset_whose_detected_format_leaves_a_label_unread_is_refused(tmp_path):
+    """As for files: a saved dataset with query, positive and label columns is not format B with its labels dropped
+    in silence; --data-format B (a Hub dataset cannot drop a column) reads its pairs."""
+    datasets = pytest.importorskip("datasets")
+    folder = str(tmp_path / "ds")
+    datasets.Dataset.from_dict({"query": ["a", "b"], "positive": ["c", "d"], "label": [1, 0]}).save_to_disk(folder)
+    with pytest.raises(DataError, match=r"format B \(query, positive, detected from the columns\) does not read the "
+                                        r"column\(s\) 'label'"):
+        load_examples(folder)
+    examples, fmt = load_examples(folder, fmt="B")
+    assert fmt == "B" and [e.texts for e in examples] == [("a", "c"), ("b", "d")]
+
+
+@pytest.mark.parametrize("value, shown", [("5", "int 5"), ('["a"]', "list ['a']"), ("true", "bool True")])
+def test_a_text_that_is_not_a_string_is_named(tmp_path, value, shown):
+    """A JSON text column holding a number, a list or a boolean is a DataError naming the line, the column and the
+    value (it crashed with an AttributeError, or reached the tokenizer)."""
+    path = _write(tmp_path, "t.jsonl", '{"query": "a", "positive": "b"}\n{"query": %s, "positive": "b"}\n' % value)
+    with pytest.raises(DataError, match=rf"t.jsonl, line 2: column 'query' must be a string; got {re.escape(shown)}"):
+        load_examples(path)
+
+
+def test_stsb_blank_lines_are_skipped_wherever_they_stand(tmp_path):
+    """Blank lines in an STS-B file (at its start, between lines, at its end) are skipped as in JSONL: the layout is
+    still detected and every data line read."""
+    lines = ["g\tx\t2012\t1\t4.0\ta\tb", "g\tx\t2012\t2\t1.5\tc\td"]
+    path = _write(tmp_path, "sts.csv", "\n" + lines[0] + "\n\n" + lines[1] + "\n\n")
+    examples, fmt = load_examples(path)
+    assert fmt == "A" and [(e.texts, e.label) for e in examples] == [(("a", "b"), 4.0), (("c", "d"), 1.5)]
+
+
+def test_an_epoch_of_exactly_one_batch_is_trained():
+    """A dataset of exactly batch_size examples is one full batch (fewer is refused): not 'fewer than one batch'."""
+    from angle_train.data import epoch_batches
+
+    batches = epoch_batches(8, 8, seed=0, epoch=0)
+    assert len(batches) == 1 and sorted(batches[0]) == list(range(8))
+    with pytest.raises(ValueError, match="the dataset has 7 examples, fewer than one batch of 8"):
+        epoch_batches(7, 8, seed=0, epoch=0)
+
+
+def test_dcp_metadata_whose_storage_data_is_not_a_dict_is_refused(tmp_path):
+    """A .metadata holding DCP's Metadata record with storage_data of another type is refused as unsafe, naming the
+    file (it crashed with an AttributeError)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from angle_train.safe_loading import UnsafeCheckpointError
+    from angle_train.sharding import read_dcp_metadata
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data=["x.distcp"])))
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing to load .*\.metadata: it holds a Metadata"):
+        read_dcp_metadata(str(tmp_path))
+
+
+def test_a_max_length_that_the_prompt_fills_exactly_is_refused():
+    """--max-length equal to the prompt's own tokens (special ones included) leaves a text no token: refused, not
+    every text cut to nothing (all examples the bare prompt). One token more keeps a token of the text."""
+    from angle_train.data import ANGLE_PROMPT, prompted_texts
+    from angle_train.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    head, _, tail = ANGLE_PROMPT.partition("{text}")
+    fixed = tokenizer.num_special_tokens_to_add(pair=False) + len(
+        tokenizer(head + tail, add_special_tokens=False)["input_ids"])
+    with pytest.raises(ValueError, match=rf"--max-length {fixed} leaves no room for a text in the prompt"):
+        prompted_texts(["a small red car", "a dog"], ANGLE_PROMPT, tokenizer, fixed)
+    texts, cut = prompted_texts(["a small red car"], ANGLE_PROMPT, tokenizer, fixed + 1)
+    assert texts == ['Summarize sentence "a" in one word:"'] and cut == [0]
+
+
+@pytest.mark.parametrize("text, line", [('query,positive\na,b\nc,"d"e\n', 3),
+                                        ('query,positive\na,b\nc,"d\n', 3),
+                                        ('query,positive\na,"b\nc"x,d\ne,f\n', 3)])
+def test_a_csv_syntax_error_names_the_line_it_is_on(tmp_path, text, line):
+    """A malformed CSV record (text after a closing quote, a quote never closed, a bad record spanning two lines) is
+    a DataError naming the line the error is on, never read with its quotes dropped: the reader's own line count
+    named the line before it, or the line its record began on."""
+    with pytest.raises(DataError, match=rf"q.csv, line {line}: "):
+        load_examples(_write(tmp_path, "q.csv", text))
+
+
+def test_bad_arguments_of_the_data_api_are_refused():
+    """Arguments out of their documented values are errors naming the argument, not taken as another value."""
+    import torch
+
+    from angle_train.data import Batch, pad_batch
+
+    with pytest.raises(ValueError, match="layout must be None or 'stsb'; got 'STSB'"):
+        load_examples("anything.csv", layout="STSB")
+    with pytest.raises(ValueError, match="side must be 'left' or 'right'; got 'center'"):
+        pad_batch([[1, 2], [3]], pad_id=0, side="center")
+    with pytest.raises(ValueError, match="a row count or a token budget, not both"):
+        Batch([[1, 2], [3]], torch.ones(2)).plan(rows=1, tokens=10)
+
+
+def test_the_epoch_order_and_its_fingerprint_are_those_checkpoints_recorded():
+    """A checkpoint records its epoch's order fingerprint and a resume recomputes the order from (seed, epoch): the
+    order must be the one every earlier version made (pinned here; any change to the seeding or the shuffles refuses
+    every resume of an existing run), and the fingerprint must cover every batch, the last one too."""
+    from angle_train.data import epoch_batches, order_fingerprint
+
+    assert epoch_batches(10, 3, seed=7, epoch=2) == [[5, 8, 7], [9, 3, 2], [0, 1, 4]]
+    assert epoch_batches(24, 4, seed=7, epoch=2) == [[16, 19, 5, 23], [20, 13, 6, 7], [17, 8, 4, 15], [11, 1, 18, 10],
+                                                    [0, 14, 21, 3], [2, 9, 12, 22]]
+    assert epoch_batches(12, 3, seed=1, epoch=0, lengths=[i % 4 for i in range(12)], bucket_size=2) == [
+        [2, 10, 11], [6, 7, 3], [4, 8, 5], [0, 9, 1]]
+    assert order_fingerprint([[0, 1], [2, 3]]) == "a1e03200f1f82ad2"
+    assert order_fingerprint([[0, 1], [3, 2]]) == "92dd7580bfd5a67a"  # the last batch's order counts
