@@ -1,0 +1,176 @@
+"""angle_train.models as a user meets it: the documented defaults (pooling, LoRA on every linear layer, a decoder
+guessed from an unlisted *ForCausalLM architecture), the settings that must reach the model (dtype, is_decoder,
+LoRA's rank, alpha and dropout, gradient checkpointing, bidirectional attention's is_causal flags), a base's
+do_lower_case read as it says, pad = eos for tokenizers without a pad token, adapter exports that reload trainable,
+and the packing check's tolerance. Tiny models built from configs, no network."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from train_helpers import make_encoder
+
+from angle_train.export import META_FILE, load_pretrained, save_pretrained
+from angle_train.models import LoraSettings, is_decoder_config, load_encoder, prepare_tokenizer, wrap_backbone
+from angle_train.tiny import build_backbone, build_tokenizer
+
+TEXTS = ["a small red car", "the dog is black and big", "box"]
+
+
+def test_bidirectional_switches_the_attention_modules_causal_flag_off_and_back():
+    """The kernels that take no mask (flash attention) read each attention module's is_causal: bidirectional=True must
+    switch it off in every layer, and switching bidirectional off again must restore the causal attention."""
+    encoder, _ = make_encoder("llama", dtype=torch.float32)
+    flagged = [module for module in encoder.backbone.modules() if hasattr(module, "is_causal")]
+    assert flagged and all(module.is_causal for module in flagged)
+    encoder.bidirectional = True
+    assert all(module.is_causal is False for module in flagged)
+    encoder.bidirectional = False
+    assert all(module.is_causal is True for module in flagged)
+
+
+def test_the_default_pooling_is_cls_for_encoders_and_last_for_decoder_lms():
+    """pooling=None: the documented defaults (module docstring, load_encoder), and the run header's words for them."""
+    bert, _ = make_encoder("bert", dtype=torch.float32)
+    llama, _ = make_encoder("llama", dtype=torch.float32)
+    assert (bert.pooling, bert.pooling_source) == ("cls", "the default for encoders")
+    assert (llama.pooling, llama.pooling_source) == ("last", "the default for decoder LMs")
+
+
+def _cased_st_folder(tmp_path, do_lower_case):
+    """A tiny BERT saved as a sentence-transformers folder over a cased tokenizer, its sentence_bert_config.json's
+    do_lower_case as given; no angle_train.json (a model from elsewhere)."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    tokenizer.backend_tokenizer.normalizer = None  # cased
+    folder = save_pretrained(encoder, tokenizer, str(tmp_path / "base"), max_length=16)
+    os.remove(os.path.join(folder, META_FILE))
+    settings = os.path.join(folder, "sentence_bert_config.json")
+    with open(settings) as f:
+        written = json.load(f)
+    with open(settings, "w") as f:
+        json.dump({**written, "do_lower_case": do_lower_case}, f)
+    return folder
+
+
+def test_do_lower_case_false_keeps_the_texts_cased(tmp_path):
+    """sentence-transformers models commonly say do_lower_case: false (all-MiniLM-L6-v2 does): their texts must not be
+    lowercased; only true lowercases."""
+    _, tok = load_encoder(_cased_st_folder(tmp_path, False))
+    assert tok("Red Car")["input_ids"] != tok("red car")["input_ids"]
+
+
+def test_load_encoder_loads_the_weights_in_the_dtype_asked_for(tmp_path):
+    """angle-train --model-dtype reaches load_encoder as dtype=: the weights must be loaded in it (a bf16 7B model
+    loaded in float32 takes twice the memory), and without it in the folder's own float32."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
+    folder = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    loaded, _ = load_encoder(folder, dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    loaded, _ = load_encoder(folder)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+
+
+def test_an_adapter_export_reloads_with_trainable_adapters(tmp_path):
+    """load_encoder's lora_path 'resumes/evaluates an adapter': an adapter-only export loaded with load_pretrained has
+    its LoRA weights trainable (and only those), so training can go on from it."""
+    pytest.importorskip("peft")
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
+    base = save_pretrained(encoder, tokenizer, str(tmp_path / "base"), max_length=16)
+    lora_encoder, lora_tokenizer = load_encoder(base, lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    adapter = save_pretrained(lora_encoder, lora_tokenizer, str(tmp_path / "adapter"), max_length=16,
+                              adapter_only=True, base_model=base)
+    reloaded, _, meta = load_pretrained(adapter)
+    assert meta["adapter_only"]
+    trainable = [name for name, p in reloaded.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+
+
+def test_a_causal_lm_architecture_not_in_the_list_is_a_decoder():
+    """A model type angle_train does not list (a new or remote-code LLM) whose config names a *ForCausalLM
+    architecture is a decoder LM: left padding and last-token pooling, not an encoder's first-token pooling."""
+    config = SimpleNamespace(model_type="brand_new_lm", architectures=["BrandNewLMForCausalLM"],
+                             is_encoder_decoder=False)
+    assert is_decoder_config(config) is True
+    assert is_decoder_config(SimpleNamespace(model_type="brand_new_encoder", architectures=["BrandNewModel"])) is False
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        is_decoder_config(SimpleNamespace(model_type="t5", architectures=["T5Model"], is_encoder_decoder=True))
+
+
+def test_load_encoder_honours_is_decoder_when_given(tmp_path):
+    """is_decoder= (load_pretrained passes the export's) overrides the guess from the config: the padding side
+    follows it."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
+    folder = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    loaded, tok = load_encoder(folder, is_decoder=True)
+    assert loaded.is_decoder and loaded.padding_side == "left" and tok.padding_side == "left"
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos():
+    """LLaMA-style tokenizers have no pad token: prepare_tokenizer pads with the eos token, so an Encoder built on it
+    has a pad id; with neither it says so."""
+    tokenizer = build_tokenizer()
+    tokenizer.pad_token = None
+    assert tokenizer.pad_token_id is None
+    prepare_tokenizer(tokenizer, is_decoder=True)
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None and tokenizer.padding_side == "left"
+    backbone = build_backbone("builtin:tiny-llama", len(tokenizer), hidden_size=32, layers=1)
+    encoder = wrap_backbone(backbone, pooling=None, pad_token_id=tokenizer.pad_token_id, is_decoder=True)
+    assert encoder.encode(TEXTS, tokenizer).shape == (3, 32)
+    bare = build_tokenizer()
+    bare.pad_token = None
+    bare.eos_token = None
+    with pytest.raises(ValueError, match="neither a pad token nor an eos token"):
+        prepare_tokenizer(bare, is_decoder=True)
+
+
+def test_the_packing_check_refuses_a_small_difference_and_a_nan():
+    """packing_problem's bound is the compute dtype's rounding (1e-4 of the norm in float32): packed embeddings 5e-4
+    off, or NaN, are a model that does not take packed rows as given, not rounding."""
+    from train_helpers import demo_batch
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    seqs = demo_batch(tokenizer, 4, "B").seqs
+    assert encoder.packing_problem(seqs, 64) is None
+    pool = type(encoder)._pool
+    for off in (1 + 5e-4, float("nan")):
+        encoder._pool = lambda hidden, mask, packed, off=off: pool(encoder, hidden, mask, packed) * (
+            off if packed is not None else 1.0)
+        assert "embed differently" in encoder.packing_problem(seqs, 64), off
+
+
+def test_lora_adapts_every_linear_layer_by_default():
+    """LoraSettings(target_modules=None) means every nn.Linear of the base model ("all-linear", module docstring), not
+    peft's per-architecture default (attention q and v only)."""
+    pytest.importorskip("peft")
+    encoder, _ = make_encoder("llama", dtype=torch.float32, lora=True)
+    adapted = {name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name, _ in encoder.named_parameters()
+               if ".lora_A." in name}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_gradient_checkpointing_is_switched_on_when_asked_for():
+    """--gradient-checkpointing reaches wrap_backbone: the base model must recompute its activations (the memory a
+    long-sequence LLM run counts on), and not without it."""
+    tokenizer = prepare_tokenizer(build_tokenizer(), True)
+    for asked in (True, False):
+        backbone = build_backbone("builtin:tiny-llama", len(tokenizer), hidden_size=32, layers=1)
+        encoder = wrap_backbone(backbone, pooling=None, pad_token_id=tokenizer.pad_token_id, is_decoder=True,
+                                gradient_checkpointing=asked)
+        assert encoder.backbone.is_gradient_checkpointing is asked
+
+
+def test_the_lora_settings_reach_the_adapters():
+    """--lora-r, --lora-alpha and --lora-dropout set the adapters' rank, scaling (alpha / r) and dropout."""
+    pytest.importorskip("peft")
+    tokenizer = prepare_tokenizer(build_tokenizer(), True)
+    backbone = build_backbone("builtin:tiny-llama", len(tokenizer), hidden_size=32, layers=1)
+    encoder = wrap_backbone(backbone, pooling=None, pad_token_id=tokenizer.pad_token_id, is_decoder=True,
+                            lora=LoraSettings(r=4, alpha=16, dropout=0.25))
+    config = encoder.backbone.peft_config["default"]
+    assert (config.r, config.lora_alpha, config.lora_dropout) == (4, 16, 0.25)
+    layer = encoder.backbone.base_model.model.layers[0].self_attn.q_proj
+    assert layer.scaling["default"] == 4.0 and layer.lora_dropout["default"].p == 0.25

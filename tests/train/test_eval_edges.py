@@ -1,0 +1,96 @@
+"""angle-eval and angle_train.evaluate beyond the distribution layouts (test_angle_eval.py): SICK-R's pairs and
+scores, the table's average, each prompt flag reaching its role, a prompt applied to both texts of an STS pair,
+and an adapter-only LoRA export scored from its recorded base. Tiny models built from configs, no network."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from train_helpers import make_encoder
+
+from angle_train.export import save_pretrained
+from angle_train.models import LoraSettings, load_encoder
+
+PAIRS = [("a man plays a guitar", "a man is playing the guitar"), ("the cat sleeps", "a dog runs in the park"),
+         ("two kids play football", "children kick a ball"), ("a plane lands", "the chef cooks pasta")]
+
+
+def test_sick_pairs_are_read_as_sentence_a_and_sentence_b_with_the_relatedness_score(tmp_path):
+    """SICK-R is scored on (sentence_A, sentence_B) against relatedness_score: the pairs themselves, not only their
+    number, must come out of the file."""
+    from angle_train.evaluate import read_dataset
+
+    sick = tmp_path / "SICK_test_annotated.txt"
+    sick.write_text("pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n"
+                    + "".join(f"{i}\t{a}\t{b}\t{1 + i * 0.7:.1f}\tNEUTRAL\n" for i, (a, b) in enumerate(PAIRS)),
+                    encoding="utf-8")
+    dataset = read_dataset(str(sick))
+    assert dataset.name == "SICK-R"
+    assert [(ex.texts, ex.label) for ex in dataset.examples] == [
+        (pair, pytest.approx(1 + i * 0.7)) for i, pair in enumerate(PAIRS)]
+
+
+def test_the_table_average_is_the_mean_of_the_datasets_scores():
+    """The Avg. column angle-eval prints (the number papers report) is the mean of the STS columns, at each width."""
+    from angle_train.evaluate import table
+
+    printed = table({"STS12": 70.0, "STS13": 80.0, "STS12@8": 60.0, "STS13@8": 66.0}, dims=[8])
+    lines = printed.splitlines()
+    assert lines[0] == "| dims | STS12 | STS13 | Avg. |"
+    assert lines[2] == "| all | 70.00 | 80.00 | 75.00 |"
+    assert lines[3] == "| @8 | 60.00 | 66.00 | 63.00 |"
+
+
+def test_angle_eval_gives_each_role_its_own_prompt_flag(tmp_path, monkeypatch):
+    """--prompt, --query-prompt and --doc-prompt each set their own role's prompt for the evaluation."""
+    from angle_train import evaluate
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    retrieval = tmp_path / "nq-mini.jsonl"
+    retrieval.write_text("".join(json.dumps({"query": a, "positive": b}) + "\n" for a, b in PAIRS), encoding="utf-8")
+    seen = []
+    monkeypatch.setattr(evaluate, "evaluate", lambda encoder, *a, **k: (seen.append(encoder.prompts), {})[1])
+    assert evaluate.main([export, str(retrieval), "--prompt", "T: ", "--query-prompt", "Q: ",
+                          "--doc-prompt", "D: "]) == 0
+    (prompts,) = seen
+    assert (prompts.text, prompts.query, prompts.document) == ("T: ", "Q: ", "D: ")
+
+
+def test_sts_spearman_applies_a_given_prompt_to_both_texts():
+    """sts_spearman(prompt=...) embeds text1 and text2 with the same template: the score is that of the cosines of the
+    prompted texts on both sides."""
+    from scipy.stats import spearmanr
+
+    from angle_train.data import Example
+    from angle_train.evaluate import sts_spearman
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    examples = [Example(pair, float(i)) for i, pair in enumerate(PAIRS)]
+    prompt = "a very big {text}"
+    first = encoder.encode([a for a, _ in PAIRS], tokenizer, prompt=prompt)
+    second = encoder.encode([b for _, b in PAIRS], tokenizer, prompt=prompt)
+    cosine = torch.nn.functional.cosine_similarity(first, second)
+    expected = spearmanr(cosine.numpy(), [ex.label for ex in examples]).statistic
+    assert sts_spearman(encoder, tokenizer, examples, prompt=prompt) == pytest.approx(expected, abs=1e-12)
+
+
+def test_angle_eval_scores_an_adapter_only_export(tmp_path):
+    """A LoRA run's adapter-only export (angle_train.json, the adapter and the tokenizer: no config.json) is a model
+    folder angle-eval takes: load_pretrained attaches it to its recorded base."""
+    pytest.importorskip("peft")
+    from angle_train import evaluate
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
+    base = save_pretrained(encoder, tokenizer, str(tmp_path / "base"), max_length=16)
+    lora_encoder, lora_tokenizer = load_encoder(base, lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    adapter = save_pretrained(lora_encoder, lora_tokenizer, str(tmp_path / "adapter"), max_length=16,
+                              adapter_only=True, base_model=base)
+    assert not os.path.exists(os.path.join(adapter, "config.json"))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"text1": a, "text2": b, "label": float(i)}) + "\n"
+                             for i, (a, b) in enumerate(PAIRS)), encoding="utf-8")
+    assert evaluate.main([adapter, str(pairs)]) == 0
