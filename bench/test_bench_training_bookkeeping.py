@@ -1,0 +1,367 @@
+"""bench/bench_training.py's bookkeeping, which a rare GPU command relies on: a run forecast past what is left is not
+started, a run short of its steps or killed at its own timeout is no measurement, abandoned rounds are neither done,
+summarised nor compared, a resume abandons what a killed command left and merges what it did not, the budget counts
+the start-up spent and leaves warm-ups their share, results.json is written after every run, and the command says
+what is done or left. Stand-in runs and clocks; nothing trains."""
+
+from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import bench_training as bt
+
+
+def _bench(runs, budget, run_timeout=1000.0, calls=None):
+    """A Benchmark with no data, models or processes: one setting "s", one contender "c" (angle-train, no flags),
+    the recorded `runs`, and `budget` (a CommandBudget or None); run_child stand-in records its timeouts."""
+    b = object.__new__(bt.Benchmark)
+    b.args = SimpleNamespace(run_timeout=run_timeout, pack_width=1, gpu=True)
+    b.results = {"runs": list(runs), "settings": {}, "skipped": [], "not_run": []}
+    b.contenders = {"c": ("ours", [])}
+    b.budget, b.stopped, b.ran, b.failed = budget, None, 0, set()
+    return b
+
+
+SETTING = SimpleNamespace(name="s", chunk=0)
+
+
+
+def test_a_run_forecast_past_what_is_left_is_not_started(monkeypatch):
+    """With 50 s left and a recorded run of the same length that took 100 s, the run is not started (a run that
+    would only be killed at the budget's end wastes the GPU's time): the command stops, saying why."""
+    monkeypatch.setattr(bt, "run_child", lambda *a, **k: pytest.fail("a run that cannot fit was started"))
+    done = {"setting": "s", "contender": "c", "steps": 2, "seconds": 100.0, "ok": True, "rep": 1}
+    b = _bench([done], bt.CommandBudget(50.0, 20.0))
+    assert b.run(SETTING, "c", 2, 2, "timed") is None
+    assert b.stopped and "does not fit" in b.stopped and "~100 s" in b.stopped
+
+
+
+def _runnable(monkeypatch, tmp_path, record, steps_done, budget=None, run_timeout=1000.0):
+    """_bench whose one run's process is a stand-in returning `record`, the run's steps counted `steps_done`."""
+    monkeypatch.setattr(bt, "COMMANDS", {"ours": lambda *a: ["stand-in"]})
+    monkeypatch.setattr(bt, "steps_done", lambda kind, rec, workdir: steps_done)
+    monkeypatch.setattr(bt, "in_process_steps", lambda *a: None)
+    timeouts = []
+
+    def run_child(argv, workdir, timeout, env=None):
+        timeouts.append(timeout)
+        return {"seconds": 1.0, "peak_rss_bytes": 1, "timed_out": False, "tail": ["x"], **record}
+
+    monkeypatch.setattr(bt, "run_child", run_child)
+    b = _bench([], budget, run_timeout=run_timeout)
+    b.scratch, b.models, b.target, b.env = tmp_path, {None: "m"}, None, None
+    SETTING.model = None
+    b.save = lambda: None
+    return b, timeouts
+
+
+
+def test_a_run_that_exits_well_short_of_its_steps_is_not_ok(monkeypatch, tmp_path):
+    """Exit 0 with fewer steps than asked (the data ran out, a trainer's early stop) is no measurement of S steps:
+    the run is not ok, so the round is not recorded done and no step time comes from it."""
+    b, _ = _runnable(monkeypatch, tmp_path, {"returncode": 0}, steps_done=1)
+    record = b.run(SETTING, "c", 1, 2, "timed")
+    assert record["ok"] is False and record["steps_done"] == 1
+    b, _ = _runnable(monkeypatch, tmp_path, {"returncode": 0}, steps_done=2)
+    assert b.run(SETTING, "c", 1, 2, "timed")["ok"] is True
+
+
+
+def test_a_run_killed_at_its_own_run_timeout_is_a_failure_not_a_budget_stop(monkeypatch, tmp_path):
+    """Killed at --run-timeout (not cut short by the time budget): a failed run (on a GPU not tried again in the
+    setting), not "stopped" (which would stop the command and have every --resume run it, and hang, again)."""
+    b, timeouts = _runnable(monkeypatch, tmp_path, {"returncode": -9, "timed_out": True}, steps_done=0,
+                            run_timeout=30.0)
+    record = b.run(SETTING, "c", 1, 2, "timed")
+    assert timeouts == [30.0] and record is not None and "stopped" not in record and not record["ok"]
+    assert b.stopped is None and b.failed == {("s", "c")}
+    # cut short by the budget (a timeout below --run-timeout): stopped
+    b, timeouts = _runnable(monkeypatch, tmp_path, {"returncode": -9, "timed_out": True}, steps_done=0,
+                            budget=bt.CommandBudget(20.0, 5.0), run_timeout=30.0)
+    assert b.run(SETTING, "c", 1, 2, "timed") is None and timeouts[0] <= 20.0
+    assert b.results["runs"][-1]["stopped"] == "time budget" and b.stopped
+
+
+
+def test_a_round_of_abandoned_runs_is_not_done():
+    """A round's runs abandoned (its command stopped in it) count for nothing: the summary leaves them out, so the
+    round is not done and --resume runs it again; once every run of it is recorded not abandoned, it is done."""
+    def run(steps, **extra):
+        return {"setting": "s", "contender": "c", "rep": 1, "steps": steps, "ok": True, **extra}
+
+    b = _bench([run(1, abandoned=True), run(2, abandoned=True)], None)
+    b.args.steps, b.args.steps_given = (1, 2), True
+    b.unsupported = {}
+    setting = SimpleNamespace(name="s", chunk=0, steps=None, token_budget=None)
+    monkey_applies = bt.applies
+    try:
+        bt.applies = lambda flags, s: True
+        assert not b.round_done(setting, 1) and b.left([(setting, 1)]) == ["s rep 1"]
+        b.results["runs"] += [run(1), run(2)]
+        assert b.round_done(setting, 1) and b.left([(setting, 1)]) == []
+    finally:
+        bt.applies = monkey_applies
+
+
+
+def test_resume_abandons_the_runs_of_a_round_a_killed_command_left_unfinished(tmp_path):
+    """A command killed from outside mid-round (its results.json saved after each run, nothing marked): --resume
+    runs that round again whole, so the runs it left are abandoned (out of the summary and the loss comparison);
+    a round recorded whole keeps its runs."""
+    def run(rep, steps, contender):
+        return {"setting": "s", "contender": contender, "rep": rep, "steps": steps, "ok": True, "seconds": 1.0,
+                "kind": "ours"}
+
+    setting = SimpleNamespace(name="s", chunk=0, steps=None)
+    args = SimpleNamespace(time_budget=None, gpu=False, setting_list=[setting], steps=(1, 2), steps_given=True)
+    partial = [run(1, 1, "a"), run(1, 1, "b"), run(1, 2, "a")]
+    whole = [run(2, s, c) for s in (1, 2) for c in ("a", "b")]
+    results = {"runs": partial + whole, "skipped": [], "settings": {}}
+    b = bt.Benchmark(args, results, {"out": tmp_path, "scratch": tmp_path}, {"a": ("ours", []), "b": ("ours", [])},
+                     {}, None, None, None, None, time.monotonic())
+    assert all(r.get("abandoned") for r in partial) and not any(r.get("abandoned") for r in whole)
+    assert b.round_done(setting, 2) and not b.round_done(setting, 1)
+    assert [(r["rep"], r["steps"]) for r in bt.compared_runs(results, setting)] == [(2, 1)] * 2 + [(2, 2)] * 2
+
+
+
+def test_a_round_whose_runs_and_warm_ups_exceed_a_command_is_too_long():
+    """Runs forecast 35 s + 40 s fit a 100 s command alone, but not with the 30 s warm-up it needs before them: the
+    round is passed (recorded not run) instead of being started, and stopped, by every command of that budget."""
+    def run(steps, seconds):
+        return {"setting": "s", "contender": "c", "rep": 1, "steps": steps, "ok": True, "seconds": seconds}
+
+    b = _bench([run(1, 30.0), run(2, 35.0), run(3, 40.0)], bt.CommandBudget(100.0, 100.0 * bt.WARM_UP_SHARE))
+    b.args.steps, b.args.steps_given, b.args.time_budget, b.args.warmup_runs = (2, 3), True, 100.0, 1
+    b.unsupported, b.warmed, b.startup = {}, [], 0.0
+    setting = SimpleNamespace(name="s", chunk=0, steps=None)
+    assert b.round_forecast(setting) == (75.0, 30.0)
+    why = b.too_long(setting)
+    assert why is not None and "estimated 105 s with its warm-ups" in why
+    b.warmed = ["s"]  # its warm-ups already run in this command: the round fits
+    assert b.too_long(setting) is None
+
+
+
+@pytest.mark.parametrize("budget,kept", [(200.0, True), (300.0, True), (600.0, False)])
+def test_a_round_passed_as_too_long_is_tried_again_by_a_larger_budget_only(budget, kept):
+    """results.json's not_run holds the rounds a command of --time-budget 300 could not run: a command of no larger
+    budget passes them too, one of a larger budget (what "raise --time-budget" asks for) tries them again."""
+    b = _bench([], bt.CommandBudget(budget, budget * bt.WARM_UP_SHARE))
+    b.args.time_budget = budget
+    b.results["not_run"] = [{"setting": "s", "rep": 1, "why": "too long", "time_budget": 300.0}]
+    b.run_all([])
+    assert b.results["not_run"] == ([{"setting": "s", "rep": 1, "why": "too long", "time_budget": 300.0}]
+                                    if kept else [])
+    assert b.passed(SETTING, 1) == kept
+
+
+
+def test_the_summary_leaves_out_abandoned_rounds():
+    """Step times and failures come from rounds recorded whole: an abandoned round's runs (its command stopped in
+    it; it is run again) give no estimate, and its budget-killed run is no failure."""
+    def run(contender, rep, steps, seconds, ok=True, **extra):
+        return {"setting": "s", "contender": contender, "kind": "ours" if contender == "a" else "st", "rep": rep,
+                "steps": steps, "seconds": seconds, "ok": ok, "peak_rss_bytes": 1, **extra}
+
+    runs = [run(c, 1, s, 10.0 + 2.0 * (s - 1)) for s in (1, 2) for c in ("a", "b")]
+    runs += [run("a", 2, 1, 10.0, abandoned=True), run("b", 2, 1, 10.0, abandoned=True),
+             run("a", 2, 2, 20.0, abandoned=True),
+             run("b", 2, 2, 5.0, ok=False, abandoned=True, stopped="time budget", timed_out=True, tail=["..."])]
+    setting = SimpleNamespace(name="s", batch=4)
+    results = {"runs": runs, "skipped": [], "settings": {"s": {"tokens_per_step": 40}}}
+    rows = bt.summarise(results, [setting], {"a": ("ours", ()), "b": ("st", ())}, lambda s: (1, 2))
+    assert {r["contender"]: r["estimates_s"] for r in rows} == {"a": [2.0], "b": [2.0]}
+    assert all(r["failed_runs"] == 0 and "failure" not in r for r in rows)
+
+
+
+def test_losses_are_compared_on_rounds_recorded_whole_only():
+    """An abandoned round's runs (run again whole later) are out of the loss comparison, however far apart."""
+    def run(kind, rep, losses, **extra):
+        return {"setting": "s", "contender": kind, "kind": kind, "rep": rep, "steps": 2, "ok": True,
+                "in_process": {"losses": losses}, "said": {"batch_order": "angle-train"}, **extra}
+
+    results = {"settings": {"s": {}}, "runs": [run("ours", 1, [1.0, 1.0]), run("st", 1, [1.0, 1.0]),
+                                               run("ours", 2, [1.0, 1.0], abandoned=True),
+                                               run("st", 2, [2.0, 2.0], abandoned=True)]}
+    agreement = bt.loss_agreement(results, [SimpleNamespace(name="s")])["s"]
+    assert agreement["max_rel_diff"] == 0.0 and agreement["steps_compared"] == 2
+
+
+
+def test_the_forecast_of_a_length_is_its_longest_run():
+    """Several runs of the same length that ended well: the forecast is the longest (a run that cannot end in what is
+    left is not started; the fastest would start runs the budget then kills)."""
+    def run(steps, seconds):
+        return {"steps": steps, "seconds": seconds, "ok": True}
+
+    assert bt.forecast_seconds([run(2, 5.0), run(2, 9.0), run(2, 7.0)], 2) == 9.0
+
+
+
+def test_the_command_budget_counts_the_start_up_already_spent(tmp_path):
+    """--time-budget 100 after 30 s of start-up (imports, models, data): 70 s are left for the runs, so that the
+    command ends inside the limit it was given (gpu_suite kills it past that)."""
+    setting = SimpleNamespace(name="s", chunk=0, steps=None)
+    args = SimpleNamespace(time_budget=100.0, gpu=True, setting_list=[setting], steps=(1, 2), steps_given=True)
+    b = bt.Benchmark(args, {"runs": [], "skipped": [], "settings": {}}, {"out": tmp_path, "scratch": tmp_path},
+                     {"c": ("ours", [])}, {}, None, None, None, None, time.monotonic() - 30.0)
+    assert b.startup == pytest.approx(30.0, abs=1.0)
+    assert 65.0 < b.budget.left("timed") <= 70.0
+    assert b.budget.allowed["warm_up"] == pytest.approx(100.0 * bt.WARM_UP_SHARE)
+
+
+
+def test_results_json_is_written_after_every_run(monkeypatch, tmp_path):
+    """A command killed from outside (the GPU step's limit) keeps every run it finished: results.json is rewritten
+    as each run ends, not only at the end."""
+    import json
+
+    b, _ = _runnable(monkeypatch, tmp_path, {"returncode": 0}, steps_done=2)
+    del b.save  # the real one
+    b.out = tmp_path
+    b.run(SETTING, "c", 1, 2, "timed")
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["setting"], r["contender"], r["steps"], r["ok"]) for r in saved["runs"]] == [("s", "c", 2, True)]
+
+
+
+def test_the_timed_runs_may_take_the_warm_ups_unused_allowance():
+    """CommandBudget: the warm-ups stay inside their third, the timed runs may take everything left before the
+    end (a timed run needs its warm-up first: time kept back from it would be lost)."""
+    budget = bt.CommandBudget(90.0, 30.0)
+    assert 85.0 < budget.left("timed") <= 90.0 and 25.0 < budget.left("warm_up") <= 30.0
+    budget.charge("warm_up", 10.0)  # the allowance charged, not the clock: what is left before the end is unchanged
+    assert 85.0 < budget.left("timed") <= 90.0 and 15.0 < budget.left("warm_up") <= 20.0
+
+
+
+def test_equal_losses_are_zero_apart_even_at_zero():
+    assert bt.relative_difference(0.0, 0.0) == 0.0 and bt.relative_difference(1.0, 1.0) == 0.0
+    assert bt.relative_difference(1.0, 0.0) == math.inf
+
+
+
+def test_a_warm_up_killed_by_the_budget_is_no_failure_in_the_summary():
+    """A setting whose only run is a warm-up the time budget killed (stopped, left for --resume) has no row: it is
+    not reported as a failed setting."""
+    stopped = {"setting": "s", "contender": "a", "kind": "ours", "rep": 0, "steps": 1, "seconds": 9.0, "ok": False,
+               "stopped": "time budget", "timed_out": True, "tail": ["..."], "peak_rss_bytes": 1}
+    results = {"runs": [stopped], "skipped": [], "settings": {"s": {"tokens_per_step": 40}}}
+    assert bt.summarise(results, [SimpleNamespace(name="s", batch=4)], {"a": ("ours", ())}, lambda s: (1, 2)) == []
+    failed = {**stopped, "stopped": None, "timed_out": False, "tail": ["torch.OutOfMemoryError: CUDA out of memory"]}
+    results["runs"] = [failed]
+    (row,) = bt.summarise(results, [SimpleNamespace(name="s", batch=4)], {"a": ("ours", ())}, lambda s: (1, 2))
+    assert row["failed_runs"] == 1 and row["failure"] == "out of memory"
+
+
+
+def test_cpu_warm_ups_are_every_contenders_short_run():
+    b = _bench([], None)
+    b.args.gpu, b.args.steps, b.args.steps_given, b.args.warmup_runs = False, (2, 5), True, 1
+    b.unsupported, b.warmed = {}, []
+    setting = SimpleNamespace(name="s", chunk=0, steps=None)
+    assert b.warm_ups_before(setting) == [("c", 2)]
+
+
+
+def test_the_forecast_between_two_lengths_is_never_below_the_shorter_ones_time():
+    """Two lengths known, the longer one faster (noise): a length between them is forecast at least the shorter's
+    time, not the faster one's."""
+    def run(steps, seconds):
+        return {"steps": steps, "seconds": seconds, "ok": True}
+
+    assert bt.forecast_seconds([run(2, 10.0), run(4, 8.0)], 3) == 10.0
+
+
+
+def test_the_summary_reports_the_long_runs_rss_and_the_largest_peak_memory():
+    def run(rep, steps, rss, memory):
+        return {"setting": "s", "contender": "a", "kind": "ours", "rep": rep, "steps": steps,
+                "seconds": 10.0 + steps, "ok": True, "peak_rss_bytes": rss,
+                "in_process": {"step_s": [1.0, 0.5], "losses": [1.0, 1.0], "peak_memory_bytes": memory}}
+
+    runs = [run(1, 1, 100, 5), run(1, 2, 300, 9), run(2, 1, 100, 6), run(2, 2, 300, 7)]
+    results = {"runs": runs, "skipped": [], "settings": {"s": {"tokens_per_step": 40}}}
+    (row,) = bt.summarise(results, [SimpleNamespace(name="s", batch=4)], {"a": ("ours", ())}, lambda s: (1, 2))
+    assert row["peak_rss_bytes"] == 300 and row["peak_memory_bytes"] == 9
+
+
+
+def test_a_resumable_command_says_done_or_what_is_left(tmp_path, monkeypatch, capsys):
+    """The last line of a --resume / --time-budget command: "done" when nothing is left, else "left: ...". The
+    GPU run's operator reads it."""
+    import test_bench_training as tbt
+
+    monkeypatch.setattr(bt, "run_child", tbt.stand_in_trainers([], clock=tbt.virtual_clock(monkeypatch)))
+    out = tmp_path / "out"
+    assert bt.main(tbt.resumable_gpu_command(out, "minilm-plain64", reps=1, budget=300)) == 0
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said[-1].startswith("done: nothing left to run") and not any(line.startswith("left:") for line in said)
+
+
+
+def test_given_steps_override_a_settings_own():
+    b = _bench([], None)
+    setting = SimpleNamespace(name="s", steps=(1, 3))
+    b.args.steps, b.args.steps_given = (2, 4), True
+    assert b.steps_of(setting) == (2, 4)
+    b.args.steps_given = False
+    assert b.steps_of(setting) == (1, 3)
+
+
+
+def test_resume_refuses_results_whose_identity_lacks_a_key_now_part_of_it(tmp_path):
+    """Results written before a key joined the identity (an older bench) were not made under it: refused."""
+    import json
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"identity": {"settings": 1}}))
+    stored, why = bt.load_results(path, {"settings": 1, "pack_width": 64})
+    assert stored is None and "pack_width" in why
+    assert bt.load_results(path, {"settings": 1})[0] is not None
+
+
+
+def test_resume_with_other_contenders_and_settings_summarises_them_all(tmp_path, monkeypatch):
+    """--resume may name other contenders and settings (the identity fixes only what they are): the summary and
+    the table cover every one measured, in either command."""
+    import json
+
+    import test_bench_training as tbt
+
+    monkeypatch.setattr(bt, "run_child", tbt.stand_in_trainers([], clock=tbt.virtual_clock(monkeypatch)))
+    out = tmp_path / "out"
+    first = tbt.resumable_gpu_command(out, "minilm-plain64", reps=1, budget=600)
+    assert bt.main(first) == 0
+    second = [*first]
+    second[second.index("--contenders") + 1] = "ours-padded,st"
+    second[second.index("--settings") + 1] = "minilm-plain64,minilm-cached1k"
+    assert bt.main(second) == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["setting"], r["contender"]) for r in results["summary"]}
+    # (minilm-plain64's round, not done for ours-padded, is run again whole: ours-packed's runs of it abandoned)
+    assert set(results["contenders"]) == {"ours-packed", "ours-padded", "st"}
+    assert ("minilm-plain64", "ours-padded") in rows and ("minilm-plain64", "st") in rows
+    assert ("minilm-cached1k", "ours-padded") in rows and set(results["steps"]) >= {"minilm-plain64",
+                                                                                   "minilm-cached1k"}
+
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_only_a_gpu_run_stops_trying_a_contender_that_failed(tmp_path, gpu):
+    """On a GPU a failed run (out of memory: a larger batch would too) takes its contender out of the setting for
+    later commands; on CPU it is tried again (nothing there fails for the size of a batch)."""
+    setting = SimpleNamespace(name="s", chunk=0, steps=None)
+    args = SimpleNamespace(time_budget=None, gpu=gpu, setting_list=[setting], steps=(1, 2), steps_given=True)
+    failed = {"setting": "s", "contender": "c", "rep": 1, "steps": 1, "ok": False, "seconds": 1.0}
+    b = bt.Benchmark(args, {"runs": [failed], "skipped": [], "settings": {}}, {"out": tmp_path, "scratch": tmp_path},
+                     {"c": ("ours", [])}, {}, None, None, None, None, time.monotonic())
+    assert b.failed == ({("s", "c")} if gpu else set())
+    assert b.active(setting) == ([] if gpu else ["c"])
