@@ -20,7 +20,7 @@ def _randn(*shape, seed=0):
 @pytest.mark.parametrize("loss", ["cosine_loss", "angle_loss"])
 def test_ranking_losses_read_the_label_of_each_pairs_first_row(loss):
     """The reference takes one label per pair from rows 0, 2, 4, ... (y_true[::2]); labels that differ within a
-    pair must be read from the pair's first row, not its second (mutation: labels[1::2])."""
+    pair must be read from the pair's first row, not its second."""
     y_pred = _randn(12, 8, seed=1)
     # first rows ranked 0..5, second rows in the opposite order: the two readings give different losses
     y_true = torch.tensor([0., 5., 1., 4., 2., 3., 3., 2., 4., 1., 5., 0.], dtype=torch.float64)
@@ -34,7 +34,7 @@ def test_ranking_losses_read_the_label_of_each_pairs_first_row(loss):
 
 def test_more_dim_weights_than_dims_are_refused():
     """dim_weights must have exactly one weight per dim: extra weights are a mistake (e.g. a stale list after
-    dims was shortened), not to be dropped silently (mutation: len(weights) < len(dims))."""
+    dims was shortened), not to be dropped silently."""
     y_pred = _randn(8, 8, seed=2)
     y_true = torch.tensor([1., 1., 0., 0., 1., 1., 0., 0.], dtype=torch.float64)
     with pytest.raises(ValueError, match="one weight per dim"):
@@ -48,7 +48,7 @@ def test_more_dim_weights_than_dims_are_refused():
 def test_more_layer_weights_than_layers_are_refused(weights):
     """layer_weights must have one entry per layer of the stack: a third weight for a 2-layer stack raises the
     ValueError naming layer_weights, even when the extra weight is 0 (which would otherwise be skipped silently)
-    (mutation: len(layer_weights) < layers)."""
+   ."""
     h1, h2 = _randn(2, 6, 8, seed=3), _randn(2, 6, 8, seed=4)
     y_true = torch.tensor([1., 1., 0., 0., 1., 1.], dtype=torch.float64)
     with pytest.raises(ValueError, match="layer_weights must have one entry per layer"):
@@ -59,7 +59,7 @@ def test_more_layer_weights_than_layers_are_refused(weights):
 
 def test_non_finite_values_in_the_second_layer_of_a_stack_raise():
     """check_layer_stack checks the values of layers 1.. (layer 0 by the usual checks): a NaN in layer 1 of a
-    2-layer stack raises ValueError, not a NaN loss (mutation: t[2:] instead of t[1:])."""
+    2-layer stack raises ValueError, not a NaN loss."""
     y_pred = _randn(2, 8, 8, seed=5)
     y_pred[1, 3, 2] = float("nan")
     y_true = torch.tensor([1., 1., 0., 0., 1., 1., 0., 0.], dtype=torch.float64)
@@ -73,7 +73,7 @@ def test_non_finite_values_in_the_second_layer_of_a_stack_raise():
 
 def test_angle_loss_format_a_reads_the_label_of_each_pairs_first_row():
     """AngleLoss format A (graded labels, ibn_w = 0) ranks pairs by the label of their first row, as angle-emb's
-    y_true[::2] does, for the cosine and the angle terms (mutation: row_labels[1::2])."""
+    y_true[::2] does, for the cosine and the angle terms."""
     outputs = _randn(12, 8, seed=8)
     labels = torch.tensor([0., 5., 1., 4., 2., 3., 3., 2., 4., 1., 5., 0.], dtype=torch.float64)
     weights = dict(cosine_w=1.0, ibn_w=0.0, angle_w=0.5, cosine_tau=20.0, angle_tau=20.0)
@@ -84,7 +84,7 @@ def test_angle_loss_format_a_reads_the_label_of_each_pairs_first_row():
 
 def test_negative_dim_weights_are_applied_not_dropped():
     """dim_weights may be any finite numbers: a negative weight multiplies its prefix's loss like any other, it is
-    not skipped as a zero weight is (mutation: Nested.terms keeps only weights > 0)."""
+    not skipped as a zero weight is."""
     y_pred = _randn(8, 8, seed=9)
     y_true = torch.tensor([1., 1., 0., 0., 3., 3., 2., 2.], dtype=torch.float64)
     ours = ak.cosine_loss(y_true, y_pred, dims=(8, 4), dim_weights=(-0.5, 1.0), backend="torch")
@@ -99,7 +99,7 @@ def test_negative_dim_weights_are_applied_not_dropped():
 ])
 def test_negative_layer_weights_are_applied_not_dropped(kwargs, weights):
     """A stack's loss is sum over (layer, prefix) of weight * loss, negative weights included (only zero weights
-    are skipped) (mutations: over_layers keeping row[0] > 0 / weight > 0 only)."""
+    are skipped)."""
     stack = _randn(2, 8, 8, seed=10)
     y_true = torch.tensor([1., 1., 0., 0., 1., 1., 0., 0.], dtype=torch.float64)
     h2 = _randn(2, 8, 8, seed=11)
@@ -112,8 +112,7 @@ def test_negative_layer_weights_are_applied_not_dropped(kwargs, weights):
 
 
 def test_triplet_loss_default_margin_is_zero():
-    """triplet_loss's default margin is ArcCSE's 0 (Eq. 4 as the docstring states it); every other test passes the
-    margin explicitly (mutation: margin default 0.1)."""
+    """triplet_loss's default margin is ArcCSE's 0 (Eq. 4, as its docstring states), not a margin of its own."""
     anchor, weak, strong = _randn(16, 8, seed=12), _randn(16, 8, seed=13), _randn(16, 8, seed=14)
     ours = ak.triplet_loss(anchor, weak, strong, backend="torch")
     torch.testing.assert_close(ours, oracle.triplet_loss(anchor, weak, strong, 0.0), rtol=1e-9, atol=1e-12)

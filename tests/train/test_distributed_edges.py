@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    d = tmp_path_factory.mktemp("proposed_dist")
+    d = tmp_path_factory.mktemp("two_ranks")
     start_ranks(_worker, (2, str(d / "store"), str(d)), nprocs=2)
     return [torch.load(d / f"rank{r}.pt") for r in range(2)]
 
