@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from train_helpers import make_encoder
+from train_helpers import adapter_only_export, make_encoder
 
 from angle_train.export import META_FILE, load_pretrained, save_pretrained
 from angle_train.models import LoraSettings, is_decoder_config, load_encoder, prepare_tokenizer, wrap_backbone
@@ -78,11 +78,7 @@ def test_an_adapter_export_reloads_with_trainable_adapters(tmp_path):
     """load_encoder's lora_path 'resumes/evaluates an adapter': an adapter-only export loaded with load_pretrained has
     its LoRA weights trainable (and only those), so training can go on from it."""
     pytest.importorskip("peft")
-    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
-    base = save_pretrained(encoder, tokenizer, str(tmp_path / "base"), max_length=16)
-    lora_encoder, lora_tokenizer = load_encoder(base, lora=LoraSettings(r=4, alpha=8, dropout=0.0))
-    adapter = save_pretrained(lora_encoder, lora_tokenizer, str(tmp_path / "adapter"), max_length=16,
-                              adapter_only=True, base_model=base)
+    _, adapter = adapter_only_export(str(tmp_path))
     reloaded, _, meta = load_pretrained(adapter)
     assert meta["adapter_only"]
     trainable = [name for name, p in reloaded.named_parameters() if p.requires_grad]

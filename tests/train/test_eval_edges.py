@@ -9,10 +9,9 @@ import os
 
 import pytest
 import torch
-from train_helpers import make_encoder
+from train_helpers import adapter_only_export, make_encoder
 
 from angle_train.export import save_pretrained
-from angle_train.models import LoraSettings, load_encoder
 
 PAIRS = [("a man plays a guitar", "a man is playing the guitar"), ("the cat sleeps", "a dog runs in the park"),
          ("two kids play football", "children kick a ball"), ("a plane lands", "the chef cooks pasta")]
@@ -84,11 +83,7 @@ def test_angle_eval_scores_an_adapter_only_export(tmp_path):
     pytest.importorskip("peft")
     from angle_train import evaluate
 
-    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
-    base = save_pretrained(encoder, tokenizer, str(tmp_path / "base"), max_length=16)
-    lora_encoder, lora_tokenizer = load_encoder(base, lora=LoraSettings(r=4, alpha=8, dropout=0.0))
-    adapter = save_pretrained(lora_encoder, lora_tokenizer, str(tmp_path / "adapter"), max_length=16,
-                              adapter_only=True, base_model=base)
+    _, adapter = adapter_only_export(str(tmp_path))
     assert not os.path.exists(os.path.join(adapter, "config.json"))
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"text1": a, "text2": b, "label": float(i)}) + "\n"

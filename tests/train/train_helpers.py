@@ -29,6 +29,20 @@ def make_encoder(arch: str = "bert", *, dropout: float = 0.0, dtype=torch.float6
     return encoder, tokenizer
 
 
+def adapter_only_export(folder) -> tuple[str, str]:
+    """(base, adapter): a tiny BERT exported to folder/base, and a LoRA run's adapter-only export over it
+    (angle_train.json, the adapter and the tokenizer, no config.json) in folder/adapter."""
+    from angle_train.export import save_pretrained
+    from angle_train.models import LoraSettings, load_encoder
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
+    base = save_pretrained(encoder, tokenizer, os.path.join(folder, "base"), max_length=16)
+    lora_encoder, lora_tokenizer = load_encoder(base, lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    adapter = save_pretrained(lora_encoder, lora_tokenizer, os.path.join(folder, "adapter"), max_length=16,
+                              adapter_only=True, base_model=base)
+    return base, adapter
+
+
 def demo_batch(tokenizer, n_pairs: int, fmt: str = "B", seed: int = 0, max_length: int = 16):
     """A Batch of n_pairs built-in examples in the loss layout."""
     from angle_train.data import TokenizedPairs
