@@ -414,3 +414,22 @@ def test_espresso_layer_weights_follow_the_reference():
     assert dims == (8, 32)
     assert rows[-1] == [1.0, 1.0]
     assert rows[:3] == [[1.0 / (1.0 + math.log(1 + i)) / 3, 0.0] for i in range(3)]
+
+
+def test_an_ese_trainer_whose_loss_has_a_forward_pre_hook_keeps_the_reference_calls(ae, deep_model_dir, tmp_path):
+    """A forward pre-hook on the trainer's loss sees what the reference passes it, one layer per call: the patched
+    trainer keeps the reference's calls (a hook that is not element-wise, here adding the outputs' mean, would give
+    another loss on the layers stacked into one call)."""
+    from angle_kernels.testing.tiny_model import SENTENCES
+
+    angle_mod, model, tokenizer, labels, args = _ese_case(ae, deep_model_dir, tmp_path)
+    reference_method = angle_mod.AngleESETrainer.compute_loss
+    with integration.patched(backend="torch"):
+        trainer = angle_mod.AngleESETrainer(pooler=angle_mod.Pooler(model, pooling_strategy="cls"), model=model,
+                                            args=args, dataset_format="A", ese_compression_size=8,
+                                            apply_ese_pca=False)
+        trainer.loss_fct.register_forward_pre_hook(lambda module, inputs: (inputs[0], inputs[1] + inputs[1].mean()))
+        with torch.no_grad():
+            expected = float(reference_method(trainer, model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
+            got = float(trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
+    assert got == pytest.approx(expected, rel=1e-12)
