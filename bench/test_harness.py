@@ -27,24 +27,29 @@ def test_time_cpu_stops_after_the_minimum_runs_once_its_time_is_spent():
         harness.time_cpu(lambda: None, repeats=0)
 
 
+class FakeCudaMemory:
+    """torch.cuda's four memory functions, over counters the tests' "losses" move; `allocated`: the bytes held before
+    the run (its inputs)."""
+
+    def __init__(self, allocated: int = 0):
+        self.allocated = self.peak = allocated
+
+    def synchronize(self):
+        pass
+
+    def reset_peak_memory_stats(self):
+        self.peak = self.allocated
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_allocated(self):
+        return self.peak
+
+
 def test_cuda_memory_is_measured_on_a_warm_run():
     """The first call at a shape compiles and autotunes (Triton's autotuner allocates do_bench's 256 MB
     L2-flush buffer): the reported peak must be that of a later run, not of the first."""
-
-    class FakeCudaMemory:  # torch.cuda's four memory functions, over a counter the "loss" below moves
-        allocated = peak = 0
-
-        def synchronize(self):
-            pass
-
-        def reset_peak_memory_stats(self):
-            self.peak = self.allocated
-
-        def memory_allocated(self):
-            return self.allocated
-
-        def max_memory_allocated(self):
-            return self.peak
 
     memory = FakeCudaMemory()
     calls = []
@@ -215,3 +220,16 @@ def test_reports_are_replaced_in_one_step(tmp_path):
 def test_markdown_table_keeps_its_columns():
     lines = harness.markdown_table(["N", "ours"], [[16, "error: a | b"], [32, "1 ms"]])
     assert lines == ["| N | ours |", "|---|---|", "| 16 | error: a / b |", "| 32 | 1 ms |"]
+
+
+def test_cuda_peak_extra_is_above_what_was_allocated_before_the_run():
+    """Inputs already allocated (memory_allocated() > 0 before the pass) are not the loss's extra memory."""
+    memory = FakeCudaMemory(allocated=50 * 2**20)  # the inputs
+    leaf = torch.zeros(3, requires_grad=True)
+
+    def run():
+        memory.peak = max(memory.peak, memory.allocated + 10 * 2**20)
+        return (leaf * 2).sum()
+
+    _, extra, _ = harness.cuda_warm_peak_extra_bytes(run, [leaf], memory)
+    assert extra == 10 * 2**20

@@ -1,9 +1,9 @@
 """The measuring rules every benchmark's figures rest on (bench/harness.py, bench/loss_sweep.py): a run's time is
 the median of its runs; the hardware limits count a copy's bytes read and written and a matmul's 2 n^3 FLOPs over
-the fastest run, at the best size; the executed FLOPs of the prefix schemes; peak memory above what was allocated
-before; the loss sweep's ratios (the baseline's time over ours), its skips (--max-ref-gb for the references only,
-cases above 80% of free memory) and its run-time forecasts (quadratic for eager baselines, from the previous size's
-fastest run). Fakes and fake clocks on CPU: nothing is timed for real."""
+the fastest run, at the best size; the executed FLOPs of the prefix schemes; the loss sweep's ratios (the
+baseline's time over ours), its skips (--max-ref-gb for the references only, cases above 80% of free memory) and
+its run-time forecasts (quadratic for eager baselines, from the previous size's fastest run). Fakes and fake clocks
+on CPU: nothing is timed for real (peak memory's rule: test_harness.py)."""
 
 from __future__ import annotations
 
@@ -67,36 +67,6 @@ def test_executed_flops_with_prefixes_and_of_the_fused_lse():
     # similarity_lse's fused kernels run once per prefix: 10 m mc sum(d_i).
     assert harness.similarity_lse_flops_executed("triton-fused", m, mc, d, dims) == 10 * m * mc * sum(dims)
     assert harness.similarity_lse_flops_executed("triton-fused", m, mc, d) == 10 * m * mc * d
-
-
-def test_cuda_peak_extra_is_above_what_was_allocated_before_the_run():
-    """Inputs already allocated (memory_allocated() > 0 before the pass) are not the loss's extra memory."""
-
-    class FakeCudaMemory:
-        allocated = 50 * 2**20  # the inputs
-        peak = allocated
-
-        def synchronize(self):
-            pass
-
-        def reset_peak_memory_stats(self):
-            self.peak = self.allocated
-
-        def memory_allocated(self):
-            return self.allocated
-
-        def max_memory_allocated(self):
-            return self.peak
-
-    memory = FakeCudaMemory()
-    leaf = torch.zeros(3, requires_grad=True)
-
-    def run():
-        memory.peak = max(memory.peak, memory.allocated + 10 * 2**20)
-        return (leaf * 2).sum()
-
-    _, extra, _ = harness.cuda_warm_peak_extra_bytes(run, [leaf], memory)
-    assert extra == 10 * 2**20
 
 
 # ---- bench/loss_sweep.py (the sweep bench_losses.py runs) ----
