@@ -253,11 +253,14 @@ def test_patched_ese_trainer_computes_the_same_loss_in_one_call(ae, deep_model_d
         assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < grad_tol, name
 
 
-def test_patched_ese_trainer_with_a_teacher_gives_the_same_loss_and_gradients(ae, deep_model_dir, tmp_path):
+@pytest.mark.parametrize("teacher_pooling", ["cls", "all"])
+def test_patched_ese_trainer_with_a_teacher_gives_the_same_loss_and_gradients(ae, deep_model_dir, tmp_path,
+                                                                             teacher_pooling):
     """Espresso with a teacher model (teacher_name_or_path): its alignment term adds to the loss's value without a
     gradient, as angle-emb's in-place `loss +=` inside no_grad; the patched trainer once rebound the loss inside
     no_grad, so it had no graph and backward raised. The teacher is another model (another seed): with the
-    student's own weights the term's gradient is 0 whether or not it is taken."""
+    student's own weights the term's gradient is 0 whether or not it is taken. Both teacher_pooling_strategy branches:
+    "all" aligns the teacher's outputs with the student's last layer as it comes, "cls" with its pooled outputs."""
     from transformers import AutoTokenizer, BertModel, TrainingArguments
 
     from angle_kernels.testing.tiny_model import SENTENCES, build_tiny_model_dir
@@ -275,7 +278,7 @@ def test_patched_ese_trainer_with_a_teacher_gives_the_same_loss_and_gradients(ae
         trainer = angle_mod.AngleESETrainer(pooler=pooler, model=model, args=args, dataset_format="A",
                                             loss_kwargs=dict(cosine_w=1.0, ibn_w=1.0, angle_w=1.0),
                                             ese_compression_size=8, teacher_name_or_path=str(teacher_dir),
-                                            model_kwargs={})
+                                            teacher_pooling_strategy=teacher_pooling, model_kwargs={})
         trainer.teacher_pooler.model = trainer.teacher_pooler.model.to(torch.float64)
         model.zero_grad(set_to_none=True)
         torch.manual_seed(11)
