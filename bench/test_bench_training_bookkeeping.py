@@ -15,9 +15,9 @@ import pytest
 import bench_training as bt
 
 
-def _bench(runs, budget, run_timeout=1000.0, calls=None):
+def _bench(runs, budget, run_timeout=1000.0):
     """A Benchmark with no data, models or processes: one setting "s", one contender "c" (angle-train, no flags),
-    the recorded `runs`, and `budget` (a CommandBudget or None); run_child stand-in records its timeouts."""
+    the recorded `runs`, and `budget` (a CommandBudget or None)."""
     b = object.__new__(bt.Benchmark)
     b.args = SimpleNamespace(run_timeout=run_timeout, pack_width=1, gpu=True)
     b.results = {"runs": list(runs), "settings": {}, "skipped": [], "not_run": []}
@@ -26,8 +26,7 @@ def _bench(runs, budget, run_timeout=1000.0, calls=None):
     return b
 
 
-SETTING = SimpleNamespace(name="s", chunk=0)
-
+SETTING = SimpleNamespace(name="s", chunk=0, model=None)
 
 
 def test_a_run_forecast_past_what_is_left_is_not_started(monkeypatch):
@@ -38,7 +37,6 @@ def test_a_run_forecast_past_what_is_left_is_not_started(monkeypatch):
     b = _bench([done], bt.CommandBudget(50.0, 20.0))
     assert b.run(SETTING, "c", 2, 2, "timed") is None
     assert b.stopped and "does not fit" in b.stopped and "~100 s" in b.stopped
-
 
 
 def _runnable(monkeypatch, tmp_path, record, steps_done, budget=None, run_timeout=1000.0):
@@ -55,10 +53,8 @@ def _runnable(monkeypatch, tmp_path, record, steps_done, budget=None, run_timeou
     monkeypatch.setattr(bt, "run_child", run_child)
     b = _bench([], budget, run_timeout=run_timeout)
     b.scratch, b.models, b.target, b.env = tmp_path, {None: "m"}, None, None
-    SETTING.model = None
     b.save = lambda: None
     return b, timeouts
-
 
 
 def test_a_run_that_exits_well_short_of_its_steps_is_not_ok(monkeypatch, tmp_path):
@@ -69,7 +65,6 @@ def test_a_run_that_exits_well_short_of_its_steps_is_not_ok(monkeypatch, tmp_pat
     assert record["ok"] is False and record["steps_done"] == 1
     b, _ = _runnable(monkeypatch, tmp_path, {"returncode": 0}, steps_done=2)
     assert b.run(SETTING, "c", 1, 2, "timed")["ok"] is True
-
 
 
 def test_a_run_killed_at_its_own_run_timeout_is_a_failure_not_a_budget_stop(monkeypatch, tmp_path):
@@ -85,7 +80,6 @@ def test_a_run_killed_at_its_own_run_timeout_is_a_failure_not_a_budget_stop(monk
                             budget=bt.CommandBudget(20.0, 5.0), run_timeout=30.0)
     assert b.run(SETTING, "c", 1, 2, "timed") is None and timeouts[0] <= 20.0
     assert b.results["runs"][-1]["stopped"] == "time budget" and b.stopped
-
 
 
 def test_a_round_of_abandoned_runs_is_not_done():
@@ -108,7 +102,6 @@ def test_a_round_of_abandoned_runs_is_not_done():
         bt.applies = monkey_applies
 
 
-
 def test_resume_abandons_the_runs_of_a_round_a_killed_command_left_unfinished(tmp_path):
     """A command killed from outside mid-round (its results.json saved after each run, nothing marked): --resume
     runs that round again whole, so the runs it left are abandoned (out of the summary and the loss comparison);
@@ -129,7 +122,6 @@ def test_resume_abandons_the_runs_of_a_round_a_killed_command_left_unfinished(tm
     assert [(r["rep"], r["steps"]) for r in bt.compared_runs(results, setting)] == [(2, 1)] * 2 + [(2, 2)] * 2
 
 
-
 def test_a_round_whose_runs_and_warm_ups_exceed_a_command_is_too_long():
     """Runs forecast 35 s + 40 s fit a 100 s command alone, but not with the 30 s warm-up it needs before them: the
     round is passed (recorded not run) instead of being started, and stopped, by every command of that budget."""
@@ -147,7 +139,6 @@ def test_a_round_whose_runs_and_warm_ups_exceed_a_command_is_too_long():
     assert b.too_long(setting) is None
 
 
-
 @pytest.mark.parametrize("budget,kept", [(200.0, True), (300.0, True), (600.0, False)])
 def test_a_round_passed_as_too_long_is_tried_again_by_a_larger_budget_only(budget, kept):
     """results.json's not_run holds the rounds a command of --time-budget 300 could not run: a command of no larger
@@ -159,7 +150,6 @@ def test_a_round_passed_as_too_long_is_tried_again_by_a_larger_budget_only(budge
     assert b.results["not_run"] == ([{"setting": "s", "rep": 1, "why": "too long", "time_budget": 300.0}]
                                     if kept else [])
     assert b.passed(SETTING, 1) == kept
-
 
 
 def test_the_summary_leaves_out_abandoned_rounds():
@@ -180,7 +170,6 @@ def test_the_summary_leaves_out_abandoned_rounds():
     assert all(r["failed_runs"] == 0 and "failure" not in r for r in rows)
 
 
-
 def test_losses_are_compared_on_rounds_recorded_whole_only():
     """An abandoned round's runs (run again whole later) are out of the loss comparison, however far apart."""
     def run(kind, rep, losses, **extra):
@@ -194,7 +183,6 @@ def test_losses_are_compared_on_rounds_recorded_whole_only():
     assert agreement["max_rel_diff"] == 0.0 and agreement["steps_compared"] == 2
 
 
-
 def test_the_forecast_of_a_length_is_its_longest_run():
     """Several runs of the same length that ended well: the forecast is the longest (a run that cannot end in what is
     left is not started; the fastest would start runs the budget then kills)."""
@@ -202,7 +190,6 @@ def test_the_forecast_of_a_length_is_its_longest_run():
         return {"steps": steps, "seconds": seconds, "ok": True}
 
     assert bt.forecast_seconds([run(2, 5.0), run(2, 9.0), run(2, 7.0)], 2) == 9.0
-
 
 
 def test_the_command_budget_counts_the_start_up_already_spent(tmp_path):
@@ -215,7 +202,6 @@ def test_the_command_budget_counts_the_start_up_already_spent(tmp_path):
     assert b.startup == pytest.approx(30.0, abs=1.0)
     assert 65.0 < b.budget.left("timed") <= 70.0
     assert b.budget.allowed["warm_up"] == pytest.approx(100.0 * bt.WARM_UP_SHARE)
-
 
 
 def test_results_json_is_written_after_every_run(monkeypatch, tmp_path):
@@ -231,7 +217,6 @@ def test_results_json_is_written_after_every_run(monkeypatch, tmp_path):
     assert [(r["setting"], r["contender"], r["steps"], r["ok"]) for r in saved["runs"]] == [("s", "c", 2, True)]
 
 
-
 def test_the_timed_runs_may_take_the_warm_ups_unused_allowance():
     """CommandBudget: the warm-ups stay inside their third, the timed runs may take everything left before the
     end (a timed run needs its warm-up first: time kept back from it would be lost)."""
@@ -241,11 +226,9 @@ def test_the_timed_runs_may_take_the_warm_ups_unused_allowance():
     assert 85.0 < budget.left("timed") <= 90.0 and 15.0 < budget.left("warm_up") <= 20.0
 
 
-
 def test_equal_losses_are_zero_apart_even_at_zero():
     assert bt.relative_difference(0.0, 0.0) == 0.0 and bt.relative_difference(1.0, 1.0) == 0.0
     assert bt.relative_difference(1.0, 0.0) == math.inf
-
 
 
 def test_a_warm_up_killed_by_the_budget_is_no_failure_in_the_summary():
@@ -261,14 +244,12 @@ def test_a_warm_up_killed_by_the_budget_is_no_failure_in_the_summary():
     assert row["failed_runs"] == 1 and row["failure"] == "out of memory"
 
 
-
 def test_cpu_warm_ups_are_every_contenders_short_run():
     b = _bench([], None)
     b.args.gpu, b.args.steps, b.args.steps_given, b.args.warmup_runs = False, (2, 5), True, 1
     b.unsupported, b.warmed = {}, []
     setting = SimpleNamespace(name="s", chunk=0, steps=None)
     assert b.warm_ups_before(setting) == [("c", 2)]
-
 
 
 def test_the_forecast_between_two_lengths_is_never_below_the_shorter_ones_time():
@@ -278,7 +259,6 @@ def test_the_forecast_between_two_lengths_is_never_below_the_shorter_ones_time()
         return {"steps": steps, "seconds": seconds, "ok": True}
 
     assert bt.forecast_seconds([run(2, 10.0), run(4, 8.0)], 3) == 10.0
-
 
 
 def test_the_summary_reports_the_long_runs_rss_and_the_largest_peak_memory():
@@ -293,7 +273,6 @@ def test_the_summary_reports_the_long_runs_rss_and_the_largest_peak_memory():
     assert row["peak_rss_bytes"] == 300 and row["peak_memory_bytes"] == 9
 
 
-
 def test_a_resumable_command_says_done_or_what_is_left(tmp_path, monkeypatch, capsys):
     """The last line of a --resume / --time-budget command: "done" when nothing is left, else "left: ...". The
     GPU run's operator reads it."""
@@ -306,7 +285,6 @@ def test_a_resumable_command_says_done_or_what_is_left(tmp_path, monkeypatch, ca
     assert said[-1].startswith("done: nothing left to run") and not any(line.startswith("left:") for line in said)
 
 
-
 def test_given_steps_override_a_settings_own():
     b = _bench([], None)
     setting = SimpleNamespace(name="s", steps=(1, 3))
@@ -314,7 +292,6 @@ def test_given_steps_override_a_settings_own():
     assert b.steps_of(setting) == (2, 4)
     b.args.steps_given = False
     assert b.steps_of(setting) == (1, 3)
-
 
 
 def test_resume_refuses_results_whose_identity_lacks_a_key_now_part_of_it(tmp_path):
@@ -326,7 +303,6 @@ def test_resume_refuses_results_whose_identity_lacks_a_key_now_part_of_it(tmp_pa
     stored, why = bt.load_results(path, {"settings": 1, "pack_width": 64})
     assert stored is None and "pack_width" in why
     assert bt.load_results(path, {"settings": 1})[0] is not None
-
 
 
 def test_resume_with_other_contenders_and_settings_summarises_them_all(tmp_path, monkeypatch):
@@ -351,7 +327,6 @@ def test_resume_with_other_contenders_and_settings_summarises_them_all(tmp_path,
     assert ("minilm-plain64", "ours-padded") in rows and ("minilm-plain64", "st") in rows
     assert ("minilm-cached1k", "ours-padded") in rows and set(results["steps"]) >= {"minilm-plain64",
                                                                                    "minilm-cached1k"}
-
 
 
 @pytest.mark.parametrize("gpu", [True, False])

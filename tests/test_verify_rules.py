@@ -33,15 +33,12 @@ class _SkewedOps:
         return tuple(o * (1 + f) for o, f in zip(outs, factors))
 
 
-
 def _pair_case():
     return verify._pair_case("full", 6, 2, 8)
 
 
-
 def _check(skew, path="full"):
     return verify.check(_SkewedOps(skew, path), _pair_case(), torch.float64, torch.device("cpu"))
-
 
 
 def test_check_passes_an_exact_backend_and_fails_one_whose_second_call_is_off():
@@ -51,12 +48,10 @@ def test_check_passes_an_exact_backend_and_fails_one_whose_second_call_is_off():
     assert result["pass"] is False and result["second"]["value"] > result["allowed"]["value"]
 
 
-
 def test_check_judges_every_output_not_the_best_one():
     """An op of two outputs (cos, angle) with the angle off fails: the error is the largest over the outputs."""
     result = _check([(0.0, 1e-3)])
     assert result["pass"] is False and result["first"]["value"] == pytest.approx(1e-3, rel=1e-6)
-
 
 
 def test_check_holds_errors_to_the_allowed_error_itself():
@@ -66,17 +61,14 @@ def test_check_holds_errors_to_the_allowed_error_itself():
     assert _check([(0.5 * allowed, 0.5 * allowed)])["pass"] is True
 
 
-
 def test_check_fails_a_case_whose_inputs_take_another_path():
     result = _check([(0.0, 0.0)], path="dims")
     assert result["pass"] is False and "not 'full'" in result["error"]
 
 
-
 def _result(path, dtype, ok, required=("float32", "float64"), op="pair_scores"):
     return {"backend": "triton", "op": op, "path": path, "case": "c", "dtype": dtype, "pass": ok,
             "dtypes_required": list(required)}
-
 
 
 def test_outcomes_a_failure_outranks_a_check_left_out():
@@ -89,13 +81,11 @@ def test_outcomes_a_failure_outranks_a_check_left_out():
         ("triton", "pair_scores", "full"): "incomplete"}
 
 
-
 def test_outcomes_a_path_passes_only_when_every_required_dtype_passed():
     only_float32 = [_result("full", "float32", True)]
     assert verify.outcomes(only_float32) == {("triton", "pair_scores", "full"): "incomplete"}
     both = only_float32 + [_result("full", "float64", True)]
     assert verify.outcomes(both) == {("triton", "pair_scores", "full"): "passed"}
-
 
 
 def test_entries_from_never_records_an_incomplete_or_failed_path_as_passed():
@@ -105,7 +95,6 @@ def test_entries_from_never_records_an_incomplete_or_failed_path_as_passed():
     passed, failed = verify.entries_from(results, lambda backend, op, path: {"gpu": "X", "capability": "9.0"},
                                          "test", "standard")
     assert [e["path"] for e in passed] == ["full"] and [e["path"] for e in failed] == ["dims"]
-
 
 
 class _BackendOps(_SkewedOps):
@@ -122,7 +111,6 @@ class _BackendOps(_SkewedOps):
         return super().computes(op, *args, **kwargs)
 
 
-
 def test_run_checks_past_the_deadline_leaves_checks_out_and_runs_them_before_it():
     cpu, case = torch.device("cpu"), _pair_case()
     late = verify._run_checks(_BackendOps([(0.0, 0.0)]), "triton", cpu, [case], (torch.float64,),
@@ -134,7 +122,6 @@ def test_run_checks_past_the_deadline_leaves_checks_out_and_runs_them_before_it(
     assert [r["pass"] for r in early] == [True]
 
 
-
 def test_run_checks_a_check_that_raises_is_a_failure():
     """A kernel that raises (a compile error, a launch failure) fails its check, so its path is revoked, not left
     as "incomplete" (neither recorded nor revoked)."""
@@ -142,7 +129,6 @@ def test_run_checks_a_check_that_raises_is_a_failure():
                                  torch.device("cpu"), [_pair_case()], (torch.float64,), None, None)
     assert [r["pass"] for r in results] == [False] and "RuntimeError: boom" in results[0]["error"]
     assert verify.outcomes(results) == {("triton", "pair_scores", "full"): "failed"}
-
 
 
 @pytest.mark.parametrize("outcome", ["passed", "failed"])
@@ -168,7 +154,6 @@ def test_verify_main_records_passed_and_failed_paths_and_exits_1_on_a_failure(mo
     assert f"{'passed' if ok else 'FAILED'}: triton pair_scores full on Fake GPU (sm_90)" in capsys.readouterr().out
 
 
-
 @pytest.mark.parametrize("limit", ["0", "-5", "nan"])
 def test_verify_refuses_a_time_limit_that_is_not_a_positive_number(limit, capsys):
     """--time-limit 0 would leave every check out (and record nothing, after the GPU's start-up); nan would be no
@@ -176,7 +161,6 @@ def test_verify_refuses_a_time_limit_that_is_not_a_positive_number(limit, capsys
     with pytest.raises(SystemExit):
         verify.main(["--time-limit", limit])
     assert "--time-limit must be a positive number" in capsys.readouterr().err
-
 
 
 def test_run_checks_runs_a_case_only_in_its_dtypes_and_on_the_backends_paths():
@@ -192,7 +176,6 @@ def test_run_checks_runs_a_case_only_in_its_dtypes_and_on_the_backends_paths():
                               (torch.float64,), None, None) == []
 
 
-
 def test_run_checks_stops_at_a_lost_cuda_context():
     """After "CUDA error" every later call of the process fails too: the checks stop there, instead of recording
     every later path as failed (revoking its verification) for a fault of the one that broke the context."""
@@ -201,7 +184,6 @@ def test_run_checks_stops_at_a_lost_cuda_context():
                                  "triton", torch.device("cpu"), [_pair_case(), _pair_case()], (torch.float64,),
                                  None, None)
     assert len(results) == 1 and results[0]["pass"] is False
-
 
 
 def test_check_measures_eager_pytorchs_error_below_float64():

@@ -6,20 +6,15 @@ import json
 import re
 
 import pytest
+from train_helpers import write_data_file
 
 from angle_train.data import DataError, load_examples
-
-
-def _write(tmp_path, name, text):
-    path = tmp_path / name
-    path.write_text(text, encoding="utf-8")
-    return str(path)
 
 
 def test_a_mapping_may_name_a_column_that_is_called_like_another_name(tmp_path):
     """--columns query=text1 positive=text2 reads a pairs file's text1/text2 as query/positive: the mapped columns
     are not also read under their own names (which refused the file: 'format B does not read text1, text2')."""
-    path = _write(tmp_path, "pairs.jsonl", json.dumps({"text1": "a question", "text2": "its answer"}) + "\n")
+    path = write_data_file(tmp_path, "pairs.jsonl", json.dumps({"text1": "a question", "text2": "its answer"}) + "\n")
     examples, fmt = load_examples(path, columns={"query": "text1", "positive": "text2"})
     assert fmt == "B" and [e.texts for e in examples] == [("a question", "its answer")]
 
@@ -27,7 +22,7 @@ def test_a_mapping_may_name_a_column_that_is_called_like_another_name(tmp_path):
 def test_a_json_boolean_label_is_refused(tmp_path):
     """A label of true/false is not a similarity score (a column of flags put where the score belongs): refused with
     the line, as other non-numbers are, not trained as 1.0 / 0.0."""
-    path = _write(tmp_path, "bool.jsonl", '{"text1": "x", "text2": "y", "label": 1}\n'
+    path = write_data_file(tmp_path, "bool.jsonl", '{"text1": "x", "text2": "y", "label": 1}\n'
                                           '{"text1": "x", "text2": "y", "label": true}\n')
     with pytest.raises(DataError, match=r"bool.jsonl, line 2: bad label True \(must be a finite number\)"):
         load_examples(path)
@@ -40,14 +35,14 @@ def test_a_csv_whose_detected_format_leaves_a_label_unread_is_refused(tmp_path):
                        ("qp_label.tsv", "query\tpositive\tlabel\na\tb\t0\n")):
         with pytest.raises(DataError, match=r"line 1 \(header\): format B \(query, positive, detected from the "
                                             r"columns\) does not read the column\(s\) 'label'"):
-            load_examples(_write(tmp_path, name, text))
+            load_examples(write_data_file(tmp_path, name, text))
         examples, fmt = load_examples(str(tmp_path / name), fmt="B")  # given, the format reads what it reads
         assert fmt == "B" and examples[0].texts == ("a", "b")
 
 
 def test_the_stsb_layout_refuses_another_format(tmp_path):
     """An STS-B file is format A: --data-format B or C on one is refused, not overridden in silence."""
-    path = _write(tmp_path, "sts.csv", "g\tx\t2012\t1\t2.0\ta\tb\n")
+    path = write_data_file(tmp_path, "sts.csv", "g\tx\t2012\t1\t2.0\ta\tb\n")
     for fmt in ("B", "C"):
         with pytest.raises(DataError, match=r"sts.csv: the STS-B layout is format A .*got format='%s'" % fmt):
             load_examples(path, fmt=fmt)
@@ -89,7 +84,7 @@ def test_a_jsonl_line_with_tabs_is_read_as_json_not_as_stsb(tmp_path):
     the 5th a number) is not taken for the STS-B layout, which read its punctuation as the texts."""
     line = '{"text1": "a",\t"text2": "b",\t"label":\t\t5\t,"x": 1\t}'
     assert len(line.split("\t")) == 7 and json.loads(line) == {"text1": "a", "text2": "b", "label": 5, "x": 1}
-    examples, fmt = load_examples(_write(tmp_path, "tabs.jsonl", line + "\n"))
+    examples, fmt = load_examples(write_data_file(tmp_path, "tabs.jsonl", line + "\n"))
     assert fmt == "A" and examples[0].texts == ("a", "b") and examples[0].label == 5.0
 
 
@@ -110,7 +105,7 @@ def test_a_batch_refuses_more_dropout_rows_than_it_has():
 def test_a_jsonl_line_that_is_not_an_object_is_named(tmp_path, line, kind):
     """Every line of a JSONL file must be a JSON object: any other value is a DataError naming the line and what it
     is (a list of the column names crashed with a TypeError, a string was split into one-letter columns)."""
-    path = _write(tmp_path, "rows.jsonl", '{"query": "a", "positive": "b"}\n' + line + "\n")
+    path = write_data_file(tmp_path, "rows.jsonl", '{"query": "a", "positive": "b"}\n' + line + "\n")
     with pytest.raises(DataError, match=rf"rows.jsonl, line 2: each line must be a JSON object; got {kind}"):
         load_examples(path)
 
@@ -174,7 +169,8 @@ def test_a_hf_dataset_whose_detected_format_leaves_a_label_unread_is_refused(tmp
 def test_a_text_that_is_not_a_string_is_named(tmp_path, value, shown):
     """A JSON text column holding a number, a list or a boolean is a DataError naming the line, the column and the
     value (it crashed with an AttributeError, or reached the tokenizer)."""
-    path = _write(tmp_path, "t.jsonl", '{"query": "a", "positive": "b"}\n{"query": %s, "positive": "b"}\n' % value)
+    path = write_data_file(tmp_path, "t.jsonl",
+                           '{"query": "a", "positive": "b"}\n{"query": %s, "positive": "b"}\n' % value)
     with pytest.raises(DataError, match=rf"t.jsonl, line 2: column 'query' must be a string; got {re.escape(shown)}"):
         load_examples(path)
 
@@ -183,7 +179,7 @@ def test_stsb_blank_lines_are_skipped_wherever_they_stand(tmp_path):
     """Blank lines in an STS-B file (at its start, between lines, at its end) are skipped as in JSONL: the layout is
     still detected and every data line read."""
     lines = ["g\tx\t2012\t1\t4.0\ta\tb", "g\tx\t2012\t2\t1.5\tc\td"]
-    path = _write(tmp_path, "sts.csv", "\n" + lines[0] + "\n\n" + lines[1] + "\n\n")
+    path = write_data_file(tmp_path, "sts.csv", "\n" + lines[0] + "\n\n" + lines[1] + "\n\n")
     examples, fmt = load_examples(path)
     assert fmt == "A" and [(e.texts, e.label) for e in examples] == [(("a", "b"), 4.0), (("c", "d"), 1.5)]
 
@@ -237,7 +233,7 @@ def test_a_csv_syntax_error_names_the_line_it_is_on(tmp_path, text, line):
     a DataError naming the line the error is on, never read with its quotes dropped: the reader's own line count
     named the line before it, or the line its record began on."""
     with pytest.raises(DataError, match=rf"q.csv, line {line}: "):
-        load_examples(_write(tmp_path, "q.csv", text))
+        load_examples(write_data_file(tmp_path, "q.csv", text))
 
 
 def test_bad_arguments_of_the_data_api_are_refused():

@@ -5,23 +5,17 @@ import json
 import pytest
 import torch
 
-from train_helpers import run_config
+from train_helpers import run_config, write_data_file
 
 from angle_train.data import DataError, epoch_batches, load_examples, pad_batch
 
 
-def _write(tmp_path, name, text):
-    path = tmp_path / name
-    path.write_text(text, encoding="utf-8")
-    return str(path)
-
-
 def test_jsonl_formats_are_detected(tmp_path):
-    a = _write(
+    a = write_data_file(
         tmp_path, "a.jsonl", '{"text1": "x", "text2": "y", "label": 0.5}\n\n{"text1": "p", "text2": "q", "label": 3}\n'
     )
-    b = _write(tmp_path, "b.jsonl", '{"query": "x", "positive": "y"}\n')
-    c = _write(tmp_path, "c.jsonl", '{"query": "x", "positive": "y", "negative": "z"}\n')
+    b = write_data_file(tmp_path, "b.jsonl", '{"query": "x", "positive": "y"}\n')
+    c = write_data_file(tmp_path, "c.jsonl", '{"query": "x", "positive": "y", "negative": "z"}\n')
     examples, fmt = load_examples(a)
     assert fmt == "A" and [e.label for e in examples] == [0.5, 3.0] and examples[1].texts == ("p", "q")
     assert load_examples(b)[1] == "B" and load_examples(b)[0][0].texts == ("x", "y")
@@ -29,8 +23,8 @@ def test_jsonl_formats_are_detected(tmp_path):
 
 
 def test_csv_and_tsv_with_header_and_aliases(tmp_path):
-    csv_path = _write(tmp_path, "d.csv", 'sentence1,sentence2,score\n"He said ""hi"", then left",b,4.2\n')
-    tsv_path = _write(tmp_path, "d.tsv", 'query\tpositive\n"quoted start\tsecond "text"\n')
+    csv_path = write_data_file(tmp_path, "d.csv", 'sentence1,sentence2,score\n"He said ""hi"", then left",b,4.2\n')
+    tsv_path = write_data_file(tmp_path, "d.tsv", 'query\tpositive\n"quoted start\tsecond "text"\n')
     examples, fmt = load_examples(csv_path)
     assert fmt == "A" and examples[0].texts == ('He said "hi", then left', "b") and examples[0].label == 4.2
     examples, fmt = load_examples(tsv_path)  # TSV is read literally: quote characters are text
@@ -43,7 +37,7 @@ def test_stsb_layout_keeps_every_line(tmp_path):
         'main-news\tMSRpar\t2012\t0002\t1.5\tHe said "no.\tShe said "yes."\textra\tfields',
         "main-forums\tx\t2015\t0003\t0.0\tplain\tone",
     ]
-    path = _write(tmp_path, "sts-like.csv", "\n".join(lines) + "\n")
+    path = write_data_file(tmp_path, "sts-like.csv", "\n".join(lines) + "\n")
     examples, fmt = load_examples(path)
     assert fmt == "A" and len(examples) == 3
     assert examples[1].texts == ('He said "no.', 'She said "yes."') and examples[1].label == 1.5
@@ -92,7 +86,7 @@ def test_stsb_layout_keeps_every_line(tmp_path):
     ],
 )
 def test_bad_files_give_clear_errors(tmp_path, name, text, message):
-    path = _write(tmp_path, name, text)
+    path = write_data_file(tmp_path, name, text)
     if message is None:  # an STS-B line whose score is not a number is not STS-B data at line 2
         with pytest.raises(DataError, match="line 2"):
             load_examples(path, layout="stsb")
@@ -105,12 +99,12 @@ def test_a_given_format_reads_its_columns_and_leaves_the_others(tmp_path):
     """The refusal of columns a format does not read is for a detected format: --data-format B on triplets (a Hub
     dataset cannot drop a column) trains their pairs, as it did; a repeated header name nobody reads (an export's
     empty trailing columns) is no error."""
-    triplets = _write(tmp_path, "t.jsonl", json.dumps({"query": "a", "positive": "b", "negative": "c"}) + "\n")
+    triplets = write_data_file(tmp_path, "t.jsonl", json.dumps({"query": "a", "positive": "b", "negative": "c"}) + "\n")
     with pytest.raises(DataError, match=r"missing column\(s\) \['text1', 'text2', 'label'\] for format A"):
         load_examples(triplets, fmt="A")
     examples, fmt = load_examples(triplets, fmt="B")
     assert fmt == "B" and examples[0].texts == ("a", "b")
-    examples, fmt = load_examples(_write(tmp_path, "e.csv", "query,positive,,\na,b,,\n"))
+    examples, fmt = load_examples(write_data_file(tmp_path, "e.csv", "query,positive,,\na,b,,\n"))
     assert fmt == "B" and examples[0].texts == ("a", "b")
 
 
@@ -120,7 +114,7 @@ def test_a_mapped_column_is_read_wherever_the_column_it_displaces_stands(tmp_pat
     read (nor refused: the mapping says which)."""
     rows = [{"query": "q1", "p2": "mapped", "positive": "displaced"}, {"positive": "displaced", "query": "q2",
                                                                        "p2": "mapped"}]
-    path = _write(tmp_path, "p.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    path = write_data_file(tmp_path, "p.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
     examples, fmt = load_examples(path, columns={"positive": "p2"})
     assert fmt == "B" and [e.texts for e in examples] == [("q1", "mapped"), ("q2", "mapped")]
 
@@ -128,14 +122,15 @@ def test_a_mapped_column_is_read_wherever_the_column_it_displaces_stands(tmp_pat
 def test_a_csv_field_as_long_as_a_jsonl_one_is_read(tmp_path):
     """csv's default limit (128 KiB a field) refused a text the JSONL reader takes, naming the wrong line."""
     long = "word " * 40_000
-    examples, _ = load_examples(_write(tmp_path, "long.csv", f"query,positive\na,b\nc,{long}\n"))
+    examples, _ = load_examples(write_data_file(tmp_path, "long.csv", f"query,positive\na,b\nc,{long}\n"))
     assert examples[1].texts == ("c", long)
-    examples, _ = load_examples(_write(tmp_path, "long.jsonl", json.dumps({"query": "c", "positive": long}) + "\n"))
+    examples, _ = load_examples(write_data_file(tmp_path, "long.jsonl",
+                                                json.dumps({"query": "c", "positive": long}) + "\n"))
     assert examples[0].texts == ("c", long)
 
 
 def test_forced_format_must_match_columns(tmp_path):
-    path = _write(tmp_path, "b.jsonl", json.dumps({"query": "x", "positive": "y"}) + "\n")
+    path = write_data_file(tmp_path, "b.jsonl", json.dumps({"query": "x", "positive": "y"}) + "\n")
     with pytest.raises(DataError, match=r"line 1: missing column\(s\) \['negative'\] for format C"):
         load_examples(path, fmt="C")
     with pytest.raises(ValueError, match="format must be one of"):
@@ -308,7 +303,7 @@ def test_a_utf8_byte_order_mark_is_accepted(tmp_path, name, text):
     ("huge-sts.csv", "g\tx\t2012\t1\t1.0\ta\tb\ng\tx\t2012\t2\t1e300\ta\tb\n", r"line 2: bad label '1e300'"),
 ])
 def test_null_empty_and_out_of_range_labels(tmp_path, name, text, message):
-    path = _write(tmp_path, name, text)
+    path = write_data_file(tmp_path, name, text)
     with pytest.raises(DataError, match=message):
         load_examples(path)
 
@@ -316,7 +311,8 @@ def test_null_empty_and_out_of_range_labels(tmp_path, name, text, message):
 def test_labels_up_to_the_limit_are_kept(tmp_path):
     from angle_train.data import LABEL_LIMIT
 
-    path = _write(tmp_path, "edge.csv", f"text1,text2,label\nx,y,{LABEL_LIMIT:g}\nx,y,-{LABEL_LIMIT:g}\nx,y,4.5\n")
+    path = write_data_file(tmp_path, "edge.csv",
+                           f"text1,text2,label\nx,y,{LABEL_LIMIT:g}\nx,y,-{LABEL_LIMIT:g}\nx,y,4.5\n")
     assert [e.label for e in load_examples(path)[0]] == [LABEL_LIMIT, -LABEL_LIMIT, 4.5]
 
 

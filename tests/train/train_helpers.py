@@ -29,6 +29,13 @@ def make_encoder(arch: str = "bert", *, dropout: float = 0.0, dtype=torch.float6
     return encoder, tokenizer
 
 
+def write_data_file(tmp_path, name: str, text: str) -> str:
+    """tmp_path/name holding `text` (UTF-8), as the path string the data readers take."""
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
 def adapter_only_export(folder) -> tuple[str, str]:
     """(base, adapter): a tiny BERT exported to folder/base, and a LoRA run's adapter-only export over it
     (angle_train.json, the adapter and the tokenizer, no config.json) in folder/adapter."""
