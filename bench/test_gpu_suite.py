@@ -800,7 +800,10 @@ def test_a_stage_on_a_gpu_is_ok_only_when_every_step_is(tmp_path, monkeypatch, c
     monkeypatch.setattr(gpu_suite, "CHILDREN_DIR", tmp_path / "children")
     monkeypatch.setattr(gpu_suite, "preflight", lambda record, on_gpu, build: {"gpu": "faked"})
     for name in ("TRITON_INTERPRET", "ANGLE_KERNELS_CUDA_JIT"):  # main sets both for the real GPU: restored after
-        monkeypatch.setenv(name, os.environ.get(name, "")) if name in os.environ else monkeypatch.delenv(name, False)
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
 
     def run(args, record, schedule):
         for name, status in zip(("a", "b"), statuses):
@@ -837,8 +840,7 @@ def test_a_resumable_benchmark_is_done_only_when_no_setting_is_left(tmp_path, mo
     monkeypatch.setattr(gpu_suite, "run_logged", fake_benchmark)
     monkeypatch.setattr(harness, "free_cuda_memory", lambda: None)
     if which == "llama7b":
-        gpu_suite.stage_third(_third_args(), record, gpu_suite.Schedule(gpu_suite.THIRD_STEPS,
-                                                                                  time.monotonic()))
+        gpu_suite.stage_third(_third_args(), record, gpu_suite.Schedule(gpu_suite.THIRD_STEPS, time.monotonic()))
     else:
         gpu_suite.stage_train_bench(_third_args(), record,
                                     gpu_suite.Schedule(gpu_suite.TRAIN_BENCH_STEPS, time.monotonic()))
