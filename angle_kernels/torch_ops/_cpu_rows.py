@@ -22,6 +22,8 @@ verified and timed that code (its fingerprint covers them).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..contract import compute_dtype
@@ -43,12 +45,16 @@ def normalised_rows(*tensors: torch.Tensor) -> list[tuple]:
     (module docstring), the tensors taken together, so that a small call pays for one check and one set of inverse
     norms: unscaled when every norm of every tensor is below SAFE_NORM, otherwise each tensor scaled."""
     if may_skip_scaling(tensors[0]):
-        rows = [x.to(compute_dtype(x.dtype)) for x in tensors]
+        dtype = compute_dtype(tensors[0].dtype)
+        rows = [x if x.dtype == dtype else x.to(dtype) for x in tensors]
         norms = torch.cat([row_norms(x) for x in rows]) if len(rows) > 1 else row_norms(rows[0])
-        if float(norms.max()) < SAFE_NORM[rows[0].dtype]:  # torch's max is NaN for any NaN norm: those get scaled
+        if float(norms.max()) < SAFE_NORM[dtype]:  # torch's max is NaN for any NaN norm: those get scaled
             inverse, has_grad = inverse_norms_from_norms(norms)
-            sizes = [x.shape[0] for x in rows]
-            return list(zip(rows, [None] * len(rows), inverse.split(sizes), has_grad.split(sizes)))
+            if len(rows) == 1:
+                return [(rows[0], None, inverse, has_grad)]
+            # each tensor's part by slicing: a small call pays for every op, and Tensor.split is a Python function
+            bounds = [0, *itertools.accumulate(x.shape[0] for x in rows)]
+            return [(x, None, inverse[lo:hi], has_grad[lo:hi]) for x, lo, hi in zip(rows, bounds, bounds[1:])]
     scaled = [scaled_rows(x) for x in tensors]
     return [(x, scale, *inverse_norms_from_norms(row_norms(x), scale)) for x, scale in scaled]
 
@@ -65,5 +71,5 @@ def normalise_backward(x: torch.Tensor, inv_norm: torch.Tensor, has_norm_grad: t
                        scale: torch.Tensor | None = None) -> torch.Tensor:
     """normalisation.normalise_backward (its docstring: the gradient with respect to x of x_hat = x * inv_norm from
     d_hat, overwritten; with `scale`, of scaled rows), its dot products by row_vecdots."""
-    radial = torch.where(has_norm_grad, inv_norm**3 * row_vecdots(x, d_hat), torch.zeros_like(inv_norm))
+    radial = torch.where(has_norm_grad, inv_norm**3 * row_vecdots(x, d_hat), 0.0)
     return unscaled(d_hat.mul_(inv_norm[:, None]).addcmul_(x, radial[:, None], value=-1.0), scale)

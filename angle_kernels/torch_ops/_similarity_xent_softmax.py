@@ -19,7 +19,11 @@ once its three matrix products are paid for:
       softmax is exp(m - lse) = 1 / s, at least 1 / Mc: no underflow), the maxima subtracted first. The blocked
       form takes a logsumexp, then exponentiates the tile again. The gradient at a positive column is softmax_pos
       (exp(-loss) - 1): no difference of two nearly equal softmaxes;
-    * the row weights w_i scale / M multiply [b, D] products, never the tile.
+    * the row weights w_i scale / M multiply [b, D] products, never the tile;
+    * q's rows and c's are normalised as one tensor (one norm, one set of unit rows and gradients, one
+      normalisation backward), and a call whose rows fit one block (every small call) writes its two gradient
+      products straight into that buffer: at 256 pairs of D = 64 each of the three matrix products takes ~80 us
+      on one thread and each of the call's ~60 other ops ~2 us (bench/bench_per_call.py), so every op counts.
 
 Per block: the logits product, the scale, the softmax, two row maxima and a row sum (with group_ids, the
 positives' masked softmax too), then the two gradient products: about half of the blocked form's full-tile passes.
@@ -57,9 +61,10 @@ from .similarity_xent import _LAST_UPSTREAM, _PrefixGradients, _Tiles, _upstream
 
 
 def _log_partition(logits: torch.Tensor, probabilities: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's logsumexp as (m, log s), m + log s, from a block of logits [b, Mc] whose rows each hold a finite
-    value and their softmax: m the largest logit, log s = -log(max softmax) (module docstring)."""
-    return logits.amax(dim=1), probabilities.amax(dim=1).log_().neg_()
+    """Each row's logsumexp as (m, -log s), m - (-log s), from a block of logits [b, Mc] whose rows each hold a
+    finite value and their softmax: m the largest logit, -log s = log(max softmax) (module docstring), returned with
+    that sign because a small call pays for every op, a negation too."""
+    return logits.amax(dim=1), probabilities.amax(dim=1).log_()
 
 
 def _row_losses(off_positives: torch.Tensor, far: torch.Tensor) -> torch.Tensor:
@@ -78,14 +83,14 @@ def _losses_and_gradient(logits: torch.Tensor, targets, positives: torch.Tensor 
     positive; slope: the margin's slope at the targets [b], None without a margin."""
     grad = torch.softmax(logits, dim=1)  # softmax_all; its positive columns are zeroed below
     softmax_pos = None
-    top, log_sum = _log_partition(logits, grad)
+    top, minus_log_sum = _log_partition(logits, grad)
     if positives is None:  # P_i is the target: lse_pos is its logit
-        far = top.sub_(targets.of(logits)).add_(log_sum)
+        far = top.sub_(targets.of(logits)).sub_(minus_log_sum)
         targets.set(grad, 0.0)
     else:
         softmax_pos = torch.softmax(logits.masked_fill_(~positives, float("-inf")), dim=1)
-        top_pos, log_sum_pos = _log_partition(logits, softmax_pos)
-        far = top.sub_(top_pos).add_(log_sum.sub_(log_sum_pos))
+        top_pos, minus_log_sum_pos = _log_partition(logits, softmax_pos)
+        far = top.sub_(top_pos).sub_(minus_log_sum.sub_(minus_log_sum_pos))
         grad.masked_fill_(positives, 0.0)
     losses = _row_losses(grad.sum(dim=1), far)
     if not with_grad:
@@ -112,8 +117,8 @@ class _DiagonalEntries:
         self.start, self.end = start, end
 
     def of(self, tile: torch.Tensor) -> torch.Tensor:
-        """The entries [b] (a view of the tile)."""
-        return tile[:, self.start:self.end].diagonal()
+        """The entries [b] (a view of the tile): its diagonal at offset start, b long since end <= M <= Mc."""
+        return tile.diagonal(self.start)
 
     def set(self, tile: torch.Tensor, values) -> None:
         """Writes `values` (a [b] tensor or a number) into the entries."""
@@ -138,6 +143,28 @@ class _IndexedEntries:
         tile[self.local, self.columns] = values
 
 
+def _block(tiles: _Tiles, q_block: torch.Tensor, c_hat: torch.Tensor, start: int, end: int,
+           with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(each row's loss lse_all - lse_pos [b], and with with_grad its dL/dcos tile over scale, else None) of the
+    row block [start, end) at full width, q_block its unit rows q_hat[start:end]: its cosines, its logits (the
+    margin at the targets, its own column out with exclude_diagonal), then _losses_and_gradient."""
+    if tiles.target == "diagonal" and tiles.group_ids is None:
+        positives, targets = None, _DiagonalEntries(start, end)
+    else:
+        _, local, columns, positives = tiles.rows(start, end)
+        targets = _IndexedEntries(local, columns)
+    logits = torch.mm(q_block, c_hat.T)  # cosines
+    slope = None
+    if tiles.margin != 0.0:
+        value, slope = margin_logit(targets.of(logits), tiles.margin)
+    logits.mul_(tiles.scale)
+    if tiles.margin != 0.0:
+        targets.set(logits, tiles.scale * value)
+    if tiles.exclude_diagonal:  # row i's own column, start + i
+        _DiagonalEntries(start, end).set(logits, float("-inf"))
+    return _losses_and_gradient(logits, targets, positives, slope, with_grad)
+
+
 class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
     """The full-width loss, and with with_grad its gradients for grad_loss = 1, in one walk over the row blocks
     (module docstring); backward scales them (GradientsFormedInForward)."""
@@ -145,58 +172,63 @@ class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
     @staticmethod
     def forward(ctx, q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, with_grad):
         symmetric = c is None
+        m = q.shape[0]
         dtype = compute_dtype(q.dtype)
-        parts = normalised_rows(q.detach()) if symmetric else normalised_rows(q.detach(), c.detach())
-        (qf, q_scale, q_inv, q_has_grad), (cf, c_scale, c_inv, c_has_grad) = parts[0], parts[-1]
-        q_hat = qf * q_inv[:, None]
-        c_hat = q_hat if symmetric else cf * c_inv[:, None]
-        # the blocks and their rows' targets and positives, as the blocked form lays them out
-        tiles = _Tiles(qf, cf, q_inv, c_inv, scale, target, exclude_diagonal, margin, group_ids)
+        # q's rows and c's as one tensor (c is q when symmetric): one set of norms, unit rows and gradient buffer,
+        # one normalisation backward (a small call pays for every op; the copy is O((M + Mc) D))
+        (xf, x_scale, x_inv, x_has_grad), = normalised_rows(q.detach() if symmetric else torch.cat((q, c)))
+        x_hat = xf * x_inv[:, None]
+        q_hat, c_hat = (x_hat, x_hat) if symmetric else (x_hat[:m], x_hat[m:])
+        # the blocks and their rows' targets and positives, as the blocked form lays them out (all this form reads
+        # of _Tiles: its logits come from the unit rows, so the tiles take no inverse norms)
+        tiles = _Tiles(q_hat, c_hat, None, None, scale, target, exclude_diagonal, margin, group_ids)
 
-        m = qf.shape[0]
         # dL/dcos_ij = row_scale_i * (softmax_all_ij - softmax_pos_ij): one number for the rows without row weights
         weights = None if row_weights is None else row_weights.to(dtype)
         row_scale = scale / m if weights is None else weights * (scale / m)
-        row_losses = torch.empty(m, dtype=dtype, device=q.device)  # lse_all - lse_pos
-        # Gradients with respect to the unit rows; one buffer when c is q (in-batch negatives).
-        d_qhat = torch.zeros_like(qf) if with_grad else None
-        d_chat = d_qhat if symmetric or not with_grad else torch.zeros_like(cf)
-        for start, end in tiles.blocks():
-            if target == "diagonal" and group_ids is None:
-                positives, targets = None, _DiagonalEntries(start, end)
-            else:
-                _, local, columns, positives = tiles.rows(start, end)
-                targets = _IndexedEntries(local, columns)
-            logits = torch.mm(q_hat[start:end], c_hat.T)  # cosines
-            slope = None
-            if margin != 0.0:
-                value, slope = margin_logit(targets.of(logits), margin)
-            logits.mul_(scale)
-            if margin != 0.0:
-                targets.set(logits, scale * value)
-            if exclude_diagonal:  # row i's own column, start + i
-                _DiagonalEntries(start, end).set(logits, float("-inf"))
-            row_losses[start:end], grad = _losses_and_gradient(logits, targets, positives, slope, with_grad)
-            del logits  # before the gradient products (and the next block's tiles)
-            if grad is None:
-                continue
-            # cos_ij = q_hat_i . c_hat_j: dq_hat_i = sum_j g_ij c_hat_j, dc_hat_j = sum_i g_ij q_hat_i (g: dL/dcos)
-            if weights is None:
-                d_qhat[start:end].addmm_(grad, c_hat, alpha=row_scale)
-                d_chat.addmm_(grad.T, q_hat[start:end], alpha=row_scale)
-            else:
-                block_scale = row_scale[start:end, None]
-                d_qhat[start:end].addcmul_(torch.mm(grad, c_hat), block_scale)
-                d_chat.addmm_(grad.T, q_hat[start:end] * block_scale)
-            del grad
+        # Gradients with respect to the unit rows, d_hat = [dq_hat; dc_hat] (one [M, D] buffer when c is q).
+        # cos_ij = q_hat_i . c_hat_j: dq_hat_i = sum_j g_ij c_hat_j, dc_hat_j = sum_i g_ij q_hat_i (g: dL/dcos)
+        d_hat = None
+        if m <= tiles.block:  # one block holds every row (every small call): its products are the gradients
+            row_losses, grad = _block(tiles, q_hat, c_hat, 0, m, with_grad)
+            if grad is not None:
+                d_hat = torch.empty_like(xf)
+                d_qhat, d_chat = (d_hat, d_hat) if symmetric else (d_hat[:m], d_hat[m:])
+                if weights is None:  # scale / M multiplies the [M, D] products
+                    d_qhat.addmm_(grad, c_hat, beta=0.0, alpha=row_scale)  # beta 0: the buffer's values unread
+                    q_rows, alpha = q_hat, row_scale
+                else:
+                    torch.mm(grad, c_hat, out=d_qhat).mul_(row_scale[:, None])
+                    q_rows, alpha = q_hat * row_scale[:, None], 1.0
+                d_chat.addmm_(grad.T, q_rows, beta=1.0 if symmetric else 0.0, alpha=alpha)
+                del grad
+        else:
+            row_losses = torch.empty(m, dtype=dtype, device=q.device)  # lse_all - lse_pos
+            if with_grad:
+                d_hat = torch.zeros_like(xf)
+                d_qhat, d_chat = (d_hat, d_hat) if symmetric else (d_hat[:m], d_hat[m:])
+            for start, end in tiles.blocks():
+                row_losses[start:end], grad = _block(tiles, q_hat[start:end], c_hat, start, end, with_grad)
+                if grad is None:
+                    continue
+                if weights is None:
+                    d_qhat[start:end].addmm_(grad, c_hat, alpha=row_scale)
+                    d_chat.addmm_(grad.T, q_hat[start:end], alpha=row_scale)
+                else:
+                    block_scale = row_scale[start:end, None]
+                    d_qhat[start:end].addcmul_(torch.mm(grad, c_hat), block_scale)
+                    d_chat.addmm_(grad.T, q_hat[start:end] * block_scale)
+                del grad
         loss = row_losses.mean() if weights is None else (weights * row_losses).sum() / m
 
         ctx.with_grad = with_grad
         ctx.input_dtypes = (q.dtype, None if symmetric else c.dtype)
         if with_grad:
-            dq = normalise_backward(qf, q_inv, q_has_grad, d_qhat, q_scale)
-            dc = None if symmetric else normalise_backward(cf, c_inv, c_has_grad, d_chat, c_scale)
-            ctx.save_for_backward(dq, dc)
+            dx = normalise_backward(xf, x_inv, x_has_grad, d_hat, x_scale)
+            if symmetric:
+                ctx.save_for_backward(dx, None)
+            else:
+                ctx.save_for_backward(dx[:m], dx[m:])
         return loss
 
 

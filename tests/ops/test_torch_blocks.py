@@ -19,7 +19,8 @@ dispatches. What is checked, at 2N = 16,384 columns:
   on the meta device directly, takes the same blocks and holds two tiles (the logits and their softmax; with
   group_ids the positives' softmax and masks besides); so does similarity_lse's softmax form
   (torch_ops/_similarity_lse_softmax.py), within the blocked form's budget; on CPU tensors, a call of one block
-  keeps its softmax for backward, which then makes only its two gradient products.
+  keeps its softmax for backward, which then makes only its two gradient products; a CPU similarity_xent call of
+  one block makes its three products and a bounded number of other ops (a small call's fixed cost).
 The CPU side: its budget and the rows it gives are pinned, and the ops still cut CPU tensors by CHUNK_ELEMENTS.
 """
 
@@ -402,3 +403,21 @@ def test_the_mixed_path_holds_no_more_than_the_default_path(monkeypatch, name, a
         return max(shape[-2] for _, shape in shapes if len(shape) >= 2 and shape[-1] == mc and shape[-2] < m)
 
     assert tile_rows(mixed_shapes) == tile_rows(default_shapes)
+
+
+@pytest.mark.parametrize(("case", "most"), [("mnrl", 38), ("in_batch", 42), ("row_weights", 43)])
+def test_a_one_block_softmax_xent_call_makes_few_small_ops(case, most):
+    """A CPU similarity_xent call whose rows fit one block (every small call), forward and backward, makes its three
+    matrix products and at most `most` other ops (views excluded): at 256 pairs of D = 64 each such op costs ~2 us
+    against ~80 us per product, so they are the call's fixed cost beside the eager formula's (the code before made
+    54, 47 and 59: zeroed gradient buffers and slices of them, each tensor's norms apart, a split). A new op here is a
+    cost every small call pays: count it in bench/bench_per_call.py before raising the bound."""
+    gen = generator("one_block_ops", case)
+    q = leaf_like(randn(gen, 24, 16))
+    c = None if case == "in_batch" else leaf_like(randn(gen, 24, 16))
+    options = {"in_batch": dict(target="partner", exclude_diagonal=True), "mnrl": dict(target="diagonal"),
+               "row_weights": dict(target="diagonal", row_weights=torch.rand(24, generator=gen))}[case]
+    counter = _OpCounter()
+    with counter:
+        raw_backend("torch").similarity_xent(q, c, 20.0, **options).backward()
+    assert counter.ops["products"] == 3 and counter.ops["other"] <= most, dict(counter.ops)
