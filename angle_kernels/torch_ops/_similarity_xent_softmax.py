@@ -28,7 +28,8 @@ once its three matrix products are paid for:
 Per block: the logits product, the scale, the softmax, two row maxima and a row sum (with group_ids, the
 positives' masked softmax too), then the two gradient products: about half of the blocked form's full-tile passes.
 Memory: two tiles (the logits and the softmax; with group_ids three, plus the boolean positives masks) of
-`common.chunk_elements` logits, and the unit rows and gradient buffers, O((M + Mc) D). Huge rows are scaled as in
+`common.chunk_elements` logits, and the rows (q's and c's, copied into one tensor), unit rows and gradient buffer,
+O((M + Mc) D), at most three times the inputs' size in the compute dtype. Huge rows are scaled as in
 the blocked form (_cpu_rows.normalised_rows: common.cosine_rows' rule, its norms and the normalisation's backward by
 torch's vector norm and vecdot, not batched GEMVs, which a CPU runs 4-7x slower); the unit rows are exact cosines'
 operands whatever the scale.
