@@ -356,6 +356,52 @@ def test_each_prefix_filters_dot_products_with_its_own_tie_allowance(backend):
     assert abs(float(nested) - float(sum(per_prefix))) < 1e-9 and abs(float(nested) - float(exact)) < 1e-9
 
 
+@pytest.mark.parametrize("options", [dict(directions=("query_to_doc", "query_to_query")),
+                                     dict(hardness_mode="all_negatives", hardness_strength=2.0),
+                                     dict(false_negative_margin=0.1, similarity="dot", scale=1.0)],
+                         ids=["gte", "hardness", "dot-filter"])
+def test_one_call_per_prefix_where_the_backend_lacks_dims_is_the_same_loss(monkeypatch, options):
+    """Where the backend that would compute similarity_lse at one width has no dims for it (a GPU path not yet
+    verified with dims), the loss makes one call per prefix on the truncated rows, negatives included: the same
+    values and gradients as the one call with dims."""
+    from angle_kernels.dispatch import Ops
+
+    gen = generator("per prefix fallback", sorted(options))
+    rows = [leaf_like(randn(gen, 6, 8, dtype=torch.float64)) for _ in range(3)]
+    weights = (1.0, 0.5)
+
+    def loss_and_grads():
+        for x in rows:
+            x.grad = None
+        loss = ak.multiple_negatives_ranking_loss(rows[0], rows[1], (rows[2],), dims=(3, 8), dim_weights=weights,
+                                                  **options)
+        loss.backward()
+        return loss.detach(), [x.grad.clone() for x in rows]
+
+    one_call = loss_and_grads()
+    monkeypatch.setattr(Ops, "takes_in_one_call", lambda self, op, *args, **kwargs: False)
+    per_prefix = loss_and_grads()
+    assert torch.allclose(one_call[0], per_prefix[0], rtol=1e-12, atol=0)
+    for a, b in zip(one_call[1], per_prefix[1]):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
+def test_each_prefix_filters_dot_products_against_its_own_positive_score(backend):
+    """With dims and dot products, each prefix's filter threshold is its own positive's dot product (the truncated
+    rows'), not the full rows': the nested loss is the sum of the per-prefix losses and of the oracle's."""
+    skip_unless_implemented(backend, "similarity_lse")
+    gen = generator("dot filter per prefix")
+    q, p, n = (randn(gen, 6, 8, dtype=torch.float64) for _ in range(3))
+    options = dict(scale=1.0, similarity="dot", false_negative_margin=0.5, backend=backend.name)
+    q, p, n = (t.to(backend.device) for t in (q, p, n))
+    nested = ak.multiple_negatives_ranking_loss(q, p, (n,), dims=(3, 8), **options)
+    per_prefix = [ak.multiple_negatives_ranking_loss(q[:, :d], p[:, :d], (n[:, :d],), **options) for d in (3, 8)]
+    exact = sum(oracle.multiple_negatives_ranking_loss(q[:, :d].cpu(), p[:, :d].cpu(), (n[:, :d].cpu(),),
+                                                       **{k: v for k, v in options.items() if k != "backend"})
+                for d in (3, 8))
+    assert abs(float(nested) - float(sum(per_prefix))) < 1e-9 and abs(float(nested) - float(exact)) < 1e-9
+
+
 @pytest.mark.parametrize("options", [{}, {"directions": ("query_to_doc", "query_to_query")},
                                      {"false_negative_strategy": "relative"}], ids=["plain", "gte", "relative"])
 def test_the_dot_product_filter_holds_on_float32_rows_whose_norm_overflows(options):

@@ -53,6 +53,8 @@ MATRYOSHKA_2D_CASES = [
     ("CoSENTLoss", {"similarity_fct": st_util.pairwise_angle_sim}, 2, GRADED, (32, 7), None, {}, False),
     ("MultipleNegativesRankingLoss", {}, 2, None, (32, 16), None, {"n_layers_per_step": -1, "kl_temperature": 2.0,
                                                                   "kl_div_weight": 2.0}, True),
+    ("MultipleNegativesRankingLoss", {}, 2, None, (32, 16), None, {"n_layers_per_step": -1, "last_layer_weight": 2.0,
+                                                                  "prior_layers_weight": 0.5}, True),
 ]
 
 

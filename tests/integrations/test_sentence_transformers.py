@@ -68,6 +68,11 @@ CASES = [
     ("MultipleNegativesSymmetricRankingLoss", {"similarity_fct": st_util.dot_score, "scale": 1.0}, 2, None, True),
     ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 4}, 2, None, True),
     ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_size": 3, "scale": 10.0}, 3, None, True),
+    # the cached classes' defaults (mini_batch_size) and a token budget per mini-batch, in the config dict too
+    ("CachedMultipleNegativesRankingLoss", {}, 2, None, True),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_num_tokens": 64}, 2, None, True),
+    ("CachedMultipleNegativesSymmetricRankingLoss", {}, 2, None, True),
+    ("CachedMultipleNegativesSymmetricRankingLoss", {"mini_batch_num_tokens": 64}, 2, None, True),
 ]
 
 def batch_columns(model, columns: int):
@@ -295,6 +300,8 @@ GIST_CASES = [
     # flags the parent reads by truth value: 0, 1 and numpy's bool
     ("GISTEmbedLoss", {"contrast_anchors": 0, "contrast_positives": np.bool_(True), "temperature": 0.05}, 2),
     ("CachedGISTEmbedLoss", {"mini_batch_size": 4, "contrast_positives": 1, "gather_across_devices": 0}, 2),
+    ("CachedGISTEmbedLoss", {}, 2),
+    ("CachedGISTEmbedLoss", {"mini_batch_num_tokens": 64}, 2),
 ]
 
 
@@ -315,8 +322,9 @@ def test_gist_same_value_and_gradients_as_sentence_transformers(model64, guide64
 
 
 def test_gist_with_a_guide_that_must_retokenise(model64, guide64, fused_calls):
-    """A guide with a shorter maximum length embeds the decoded texts re-tokenised for it, as the parent does."""
-    short = load_sentence_transformer_like(guide64, max_seq_length=16)
+    """A guide with a shorter maximum length embeds the decoded texts re-tokenised for it, as the parent does (4
+    tokens: shorter than every text, so the guide's embeddings differ from those of the model's token ids)."""
+    short = load_sentence_transformer_like(guide64, max_seq_length=4)
     original, replacement = st_losses.GISTEmbedLoss(model64, short), ours.GISTEmbedLoss(model64, short)
     assert replacement.must_retokenize
     compare(model64, original, replacement, 3, None, value_tol=1e-12, grad_tol=1e-10)
@@ -332,10 +340,12 @@ def test_gist_refuses_a_similarity_fct_put_in_after_construction(model64, guide6
         def forward(self, a, b):
             return (a * b).sum(-1)
 
-    loss = getattr(ours, class_name)(model64, guide64, **kwargs)
-    loss.similarity_fct = DotProduct()
-    with pytest.raises(ValueError, match=f"{class_name} computes cosine similarities.*similarity_fct was replaced"):
-        value_and_grads(model64, loss, 2, None)
+    for replaced in (DotProduct(), torch.nn.CosineSimilarity(dim=0)):  # dim 0: cosines across the batch
+        loss = getattr(ours, class_name)(model64, guide64, **kwargs)
+        loss.similarity_fct = replaced
+        with pytest.raises(ValueError, match=f"{class_name} computes cosine similarities.*similarity_fct was "
+                                             "replaced"):
+            value_and_grads(model64, loss, 2, None)
 
 
 def load_sentence_transformer_like(model, max_seq_length: int):

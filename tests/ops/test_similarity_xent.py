@@ -108,6 +108,7 @@ CASES = {
     "arccon_wide_margin": (9, 9, 16, dict(target="diagonal", margin=math.radians(90), scale=1 / 0.05)),
     "margin_on_partners": (12, None, 16, dict(target="partner", exclude_diagonal=True, weights=True, groups=True,
                                               margin=math.radians(10))),
+    "diagonal_with_groups": (20, None, 16, dict(target="diagonal", groups=True, scale=2.0)),  # own column: target
     "one_row": (1, 1, 5, dict(target="diagonal")),
     "one_query_many_candidates": (1, 9, 7, dict(target="diagonal")),
     "one_pair": (2, None, 6, dict(target="partner", exclude_diagonal=True)),

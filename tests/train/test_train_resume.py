@@ -200,6 +200,19 @@ def test_resuming_another_folders_checkpoint_into_an_earlier_run_is_refused_unle
     assert os.path.isdir(a_checkpoint)
 
 
+def test_overwrite_with_resume_auto_continues_its_own_run_and_keeps_it(tmp_path):
+    """--resume auto --overwrite 1 in a folder holding this run's own checkpoints resumes it: --overwrite clears
+    another run's files, never the run being continued (its metrics rows and checkpoints stay)."""
+    data = (demo_examples(20, seed=3), "B")
+    settings = dict(model="builtin:tiny-bert", max_steps=5, save_every=2, keep_checkpoints=3)
+    train(_config(tmp_path, **settings), train_examples=data, on_step=_stop_at(3))  # a checkpoint at step 2
+    resumed = train(_config(tmp_path, **settings, resume="auto", overwrite=True), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [3, 4, 5]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4, 5]
+    assert os.path.isdir(checkpoint_path(str(tmp_path), 2))
+
+
 def test_a_rollback_sets_the_later_checkpoints_aside_and_resume_auto_follows_the_new_line(tmp_path, capsys):
     """A finished run (checkpoints 2, 4, 6), rolled back to step 2 with another --lr and killed after its own
     checkpoint 4: the first run's checkpoints 4 and 6 sorted after it, so `--resume auto` continued the first run
