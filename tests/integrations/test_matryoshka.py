@@ -142,6 +142,22 @@ def test_the_sampled_dimensions_change_with_the_seed(model64):
     assert len(values) > 1
 
 
+@pytest.mark.parametrize("module", ["sentence-transformers", "ours"])
+def test_every_dimension_a_step_draws_no_random_number(model64, module):
+    """n_dims_per_step equal to the number of dimensions takes them all without drawing, as the parent does: a
+    draw would move Python's random state, and every later draw (the next step's dimensions, layers) would differ
+    from the parent's under the same seed."""
+    from test_sentence_transformers import batch_columns
+
+    losses = st_losses if module == "sentence-transformers" else ours
+    loss = losses.MatryoshkaLoss(model64, losses.MultipleNegativesRankingLoss(model64), (32, 16), n_dims_per_step=2)
+    random.seed(0)
+    expected = random.random()
+    random.seed(0)
+    loss(batch_columns(model64, 2), None)
+    assert random.random() == expected
+
+
 def test_the_fused_functions_are_the_ones_counted(fused_calls):
     assert {"ranking_terms", "multiple_negatives"} <= set(fused_calls)
     assert all(hasattr(terms, name) for name in fused_calls)

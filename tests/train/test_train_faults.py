@@ -106,6 +106,27 @@ def test_resume_after_a_skipped_step_is_exact(tmp_path):
         assert torch.equal(resumed.encoder.state_dict()[name], value), name
 
 
+def test_a_skipped_steps_loss_stays_out_of_the_logged_mean(tmp_path):
+    """Step 2's gradients are NaN (its loss is finite): the step is skipped, and the row logged for steps 1-2 (every
+    2 steps) is step 1's loss alone, not the mean with the skipped step's."""
+    encoder, tokenizer = make_encoder()
+    weight = next(p for p in encoder.parameters() if p.requires_grad)
+    hooks = []
+
+    def on_step(step, row):
+        if step == 1:
+            hooks.append(weight.register_hook(lambda g: g * float("nan")))
+        elif step == 2:
+            hooks.pop().remove()
+
+    result = train(_config(tmp_path, log_every=2), model=(encoder, tokenizer), train_examples=DATA, on_step=on_step)
+    assert [row["skipped"] for row in result.history] == [False, True, False, False]
+    assert math.isfinite(result.history[1]["loss"]) and result.history[1]["loss"] != result.history[0]["loss"]
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = next(row for row in logged if row["step"] == 2 and "loss" in row)
+    assert first["loss"] == pytest.approx(result.history[0]["loss"], rel=1e-12)
+
+
 def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
     """The run stops naming step 1's checkpoint: step 2's weights (in the step-2 and step-3 checkpoints) gave the
     failing steps."""

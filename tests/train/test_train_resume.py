@@ -200,6 +200,24 @@ def test_resuming_another_folders_checkpoint_into_an_earlier_run_is_refused_unle
     assert os.path.isdir(a_checkpoint)
 
 
+def test_a_resume_through_the_api_refuses_dev_data_of_the_other_kind(tmp_path):
+    """train(dev_examples=...) resuming a run whose best model was picked by Spearman (scored pairs) with
+    (query, positive) dev data is refused, as --dev-data is: nDCG@10 would be compared with Spearman."""
+    from angle_train.evaluate import read_dataset
+
+    data = (demo_sts_examples(40, seed=4), "A")
+    settings = dict(model="builtin:tiny-bert", max_steps=4, save_every=2, eval_every=2, cosine_w=1.0, ibn_w=0.0,
+                    angle_w=1.0)
+    train(_config(tmp_path / "run", **settings), train_examples=data, dev_examples=demo_sts_examples(24),
+          on_step=_stop_at(3))  # a checkpoint at step 2, after the best
+    dev_file = tmp_path / "dev.jsonl"
+    dev_file.write_text("".join(json.dumps({"query": ex.texts[0], "positive": ex.texts[1]}) + "\n"
+                                for ex in demo_examples(12, seed=9)), encoding="utf-8")
+    with pytest.raises(ValueError, match="cannot resume from .*dev data of the checkpoint's kind"):
+        train(_config(tmp_path / "run", **settings, resume="auto"), train_examples=data,
+              dev_examples=read_dataset(str(dev_file)))
+
+
 def test_overwrite_with_resume_auto_continues_its_own_run_and_keeps_it(tmp_path):
     """--resume auto --overwrite 1 in a folder holding this run's own checkpoints resumes it: --overwrite clears
     another run's files, never the run being continued (its metrics rows and checkpoints stay)."""

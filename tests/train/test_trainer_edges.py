@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import resource
+import types
 
 import pytest
+import torch
 from train_helpers import run_config
 
 from angle_train.config import TrainConfig
 from angle_train.tiny import demo_examples, demo_sts_examples
-from angle_train.trainer import count_steps, train, warmup_steps
+from angle_train.trainer import count_steps, lr_curve, make_schedule, train, warmup_steps
 
 
 def _metrics(folder) -> list[dict]:
@@ -48,6 +50,16 @@ def test_fractional_epochs_round_down_and_a_warmup_of_one_is_one_step():
     assert count_steps(TrainConfig(batch_size=4, epochs=1.5), n_examples=12, world_size=1) == 4
     assert warmup_steps(TrainConfig(warmup=1.0), total_steps=100) == 1
     assert warmup_steps(TrainConfig(warmup=0.1), total_steps=100) == 10
+
+
+def test_the_learning_rate_curve_holds_the_warmups_corner_off_its_grid():
+    """The curves' learning-rate panel samples a long schedule every total // 2000 steps; the warmup's end (its
+    peak) is among the points even where the grid misses it: 5,003 steps sampled every 2, a warmup of 7."""
+    cfg = TrainConfig(warmup=7, lr=1e-3)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    run = types.SimpleNamespace(cfg=cfg, total_steps=5003, scheduler=make_schedule(cfg, optimizer, 5003))
+    curve = dict(lr_curve(run))
+    assert 7 in curve and curve[7] == max(curve.values()) and 5003 in curve
 
 
 def test_the_builtin_graded_pairs_are_labelled_on_the_sts_scale():
