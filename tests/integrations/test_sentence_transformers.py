@@ -400,3 +400,25 @@ def test_a_wrong_number_of_columns_with_a_model(model64, guide64):
     for loss, count, name in cases:
         with pytest.raises(ValueError, match=rf"^{name} got {count} input columns?; it expects"):
             loss(batch_columns(model64, count), torch.ones(6))
+
+
+def test_options_an_older_parent_lacks_are_dropped_at_their_defaults_only():
+    """With a sentence-transformers 6.x whose loss lacks the newer options (directions, partition_mode, hardness, a
+    token budget, ...), each is dropped while it has its default (the parent behaves as that default) and refused
+    otherwise: the defaults that rule reads are our classes' own."""
+    import inspect
+
+    for cls in (ours.MultipleNegativesRankingLoss, ours.CachedMultipleNegativesRankingLoss,
+                ours.CachedMultipleNegativesSymmetricRankingLoss, ours.CachedGISTEmbedLoss):
+        parameters = inspect.signature(cls.__init__).parameters
+        for name, default in ours._MNRL_DEFAULTS.items():
+            if name in parameters:
+                assert parameters[name].default == default, (cls.__name__, name)
+
+    def older_init(self, model, scale=20.0, similarity_fct=None):
+        pass
+
+    assert ours._parent_kwargs(older_init, dict(ours._MNRL_DEFAULTS, scale=10.0), ours._MNRL_DEFAULTS) == {
+        "scale": 10.0}
+    with pytest.raises(TypeError, match="hardness_strength=0.5 needs a newer sentence-transformers"):
+        ours._parent_kwargs(older_init, dict(ours._MNRL_DEFAULTS, hardness_strength=0.5), ours._MNRL_DEFAULTS)
