@@ -346,13 +346,19 @@ def test_each_prefix_filters_dot_products_with_its_own_tie_allowance(backend):
     q = torch.tensor([[1.0, 0.0, 10.0, 0.0], [0.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
     p = torch.tensor([[1.0, 0.0, 0.0, 10.0], [0.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
     n = torch.tensor([[0.9501, 0.0, 0.0, 0.0], [0.0, -1.0, 0.0, 0.0]], dtype=torch.float64)  # row 0: 0.9501 > 0.95
-    options = dict(scale=1.0, similarity="dot", false_negative_margin=0.05, backend=backend.name)
+    _assert_dot_filter_per_prefix(backend, q, p, n, dims=(2, 4), margin=0.05)
+
+
+def _assert_dot_filter_per_prefix(backend, q, p, n, dims, margin):
+    """MNRL with dot products, a false-negative filter and dims equals the sum of its calls on the truncated rows,
+    and the oracle's."""
+    options = dict(scale=1.0, similarity="dot", false_negative_margin=margin)
     q, p, n = (t.to(backend.device) for t in (q, p, n))
-    nested = ak.multiple_negatives_ranking_loss(q, p, (n,), dims=(2, 4), **options)
-    per_prefix = [ak.multiple_negatives_ranking_loss(q[:, :d], p[:, :d], (n[:, :d],), **options) for d in (2, 4)]
-    exact = sum(oracle.multiple_negatives_ranking_loss(q[:, :d].cpu(), p[:, :d].cpu(), (n[:, :d].cpu(),),
-                                                       **{k: v for k, v in options.items() if k != "backend"})
-                for d in (2, 4))
+    nested = ak.multiple_negatives_ranking_loss(q, p, (n,), dims=dims, backend=backend.name, **options)
+    per_prefix = [ak.multiple_negatives_ranking_loss(q[:, :d], p[:, :d], (n[:, :d],), backend=backend.name,
+                                                     **options) for d in dims]
+    exact = sum(oracle.multiple_negatives_ranking_loss(q[:, :d].cpu(), p[:, :d].cpu(), (n[:, :d].cpu(),), **options)
+                for d in dims)
     assert abs(float(nested) - float(sum(per_prefix))) < 1e-9 and abs(float(nested) - float(exact)) < 1e-9
 
 
@@ -392,14 +398,7 @@ def test_each_prefix_filters_dot_products_against_its_own_positive_score(backend
     skip_unless_implemented(backend, "similarity_lse")
     gen = generator("dot filter per prefix")
     q, p, n = (randn(gen, 6, 8, dtype=torch.float64) for _ in range(3))
-    options = dict(scale=1.0, similarity="dot", false_negative_margin=0.5, backend=backend.name)
-    q, p, n = (t.to(backend.device) for t in (q, p, n))
-    nested = ak.multiple_negatives_ranking_loss(q, p, (n,), dims=(3, 8), **options)
-    per_prefix = [ak.multiple_negatives_ranking_loss(q[:, :d], p[:, :d], (n[:, :d],), **options) for d in (3, 8)]
-    exact = sum(oracle.multiple_negatives_ranking_loss(q[:, :d].cpu(), p[:, :d].cpu(), (n[:, :d].cpu(),),
-                                                       **{k: v for k, v in options.items() if k != "backend"})
-                for d in (3, 8))
-    assert abs(float(nested) - float(sum(per_prefix))) < 1e-9 and abs(float(nested) - float(exact)) < 1e-9
+    _assert_dot_filter_per_prefix(backend, q, p, n, dims=(3, 8), margin=0.5)
 
 
 @pytest.mark.parametrize("options", [{}, {"directions": ("query_to_doc", "query_to_query")},
