@@ -146,9 +146,10 @@ class _IndexedEntries:
 
 def _block(tiles: _Tiles, q_block: torch.Tensor, c_hat: torch.Tensor, start: int, end: int,
            with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(each row's loss lse_all - lse_pos [b], and with with_grad its dL/dcos tile over scale, else None) of the
-    row block [start, end) at full width, q_block its unit rows q_hat[start:end]: its cosines, its logits (the
-    margin at the targets, its own column out with exclude_diagonal), then _losses_and_gradient."""
+    """(each row's loss lse_all - lse_pos [b], and with with_grad its tile softmax_all - softmax_pos [b, Mc], the
+    margin's slope at the targets, else None: _losses_and_gradient's) of the row block [start, end) at full width,
+    q_block its unit rows q_hat[start:end]: its cosines, its logits (the margin at the targets, its own column out
+    with exclude_diagonal), then _losses_and_gradient."""
     if tiles.target == "diagonal" and tiles.group_ids is None:
         positives, targets = None, _DiagonalEntries(start, end)
     else:

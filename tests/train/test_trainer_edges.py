@@ -1,6 +1,6 @@
 """The training loop's bookkeeping at its edges: a run whose length is not a multiple of its intervals, a run
 without dev data or without --save-best, data that makes exactly one step, fractional epochs, a warm-up of one step,
-the peak-memory figure's unit, the built-in graded data's scale."""
+the learning-rate curve's warm-up corner, the peak-memory figure's unit, the built-in graded data's scale."""
 
 from __future__ import annotations
 
