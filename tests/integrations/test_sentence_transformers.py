@@ -422,3 +422,14 @@ def test_options_an_older_parent_lacks_are_dropped_at_their_defaults_only():
         "scale": 10.0}
     with pytest.raises(TypeError, match="hardness_strength=0.5 needs a newer sentence-transformers"):
         ours._parent_kwargs(older_init, dict(ours._MNRL_DEFAULTS, hardness_strength=0.5), ours._MNRL_DEFAULTS)
+
+
+@pytest.mark.parametrize("class_name", ["CachedMultipleNegativesRankingLoss",
+                                        "CachedMultipleNegativesSymmetricRankingLoss"])
+def test_the_cached_losses_keep_show_progress_bar(model64, class_name):
+    """show_progress_bar (the embedding passes' progress bars) reaches the parent as given; it is not in the config
+    dict that the cases above compare."""
+    for shown in (True, False):
+        original = getattr(st_losses, class_name)(model64, show_progress_bar=shown)
+        replacement = getattr(ours, class_name)(model64, show_progress_bar=shown)
+        assert replacement.show_progress_bar is original.show_progress_bar is shown

@@ -166,6 +166,30 @@ def test_checkpoints_written_while_steps_fail_never_push_out_the_last_good_one(t
         "step-00000007", "step-00000008"]
 
 
+def test_the_checkpoint_a_run_resumed_from_becomes_its_last_good_one(tmp_path):
+    """A run stopped at step 3 resumes from its step-2 checkpoint; the resumed step 3 is finite, so step 2's
+    checkpoint is the last good one when steps 4 and 5 fail: the error names it (not the one recorded before the
+    resume), and it is kept."""
+    from angle_train.trainer import StopTraining
+
+    settings = {"max_steps": 8, "save_every": 2, "keep_checkpoints": 1, "max_bad_steps": 2}
+    clean = PoisonedLoss(bad=[])
+
+    def stop_after_step_3(step, row):
+        clean.on_step(step, row)
+        if step == 3:
+            raise StopTraining
+
+    train(_config(tmp_path, **settings), model=make_encoder(), train_examples=DATA, loss_fn=clean,
+          on_step=stop_after_step_3)
+    good = os.path.join(str(tmp_path), "checkpoints", "step-00000002")
+    poisoned = PoisonedLoss(bad=[4, 5], first_step=3)
+    with pytest.raises(faults.NonFiniteTrainingError, match=f"last good checkpoint .* is {good};"):
+        train(_config(tmp_path, **settings, resume="auto"), model=make_encoder(), train_examples=DATA,
+              loss_fn=poisoned, on_step=poisoned.on_step)
+    assert checkpoint_problem(good) is None
+
+
 def test_resume_auto_after_a_non_finite_stop_takes_the_last_good_checkpoint(tmp_path, capsys):
     """Steps 4-6 non-finite stop the run; `--resume auto` took the newest checkpoint (step 5), whose weights gave
     those steps, where the error named step 2's. It now resumes from step 2 (stopped-non-finite.json names it), sets
