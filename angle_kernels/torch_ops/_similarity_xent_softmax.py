@@ -190,14 +190,16 @@ class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
         row_scale = scale / m if weights is None else weights * (scale / m)
         # Gradients with respect to the unit rows, d_hat = [dq_hat; dc_hat] (one [M, D] buffer when c is q).
         # cos_ij = q_hat_i . c_hat_j: dq_hat_i = sum_j g_ij c_hat_j, dc_hat_j = sum_i g_ij q_hat_i (g: dL/dcos)
+        one_block = m <= tiles.block  # one block holds every row (every small call): its products are the gradients
         d_hat = None
-        if m <= tiles.block:  # one block holds every row (every small call): its products are the gradients
+        if with_grad:  # written into by one block (its values unread), added to by several
+            d_hat = torch.empty_like(xf) if one_block else torch.zeros_like(xf)
+            d_qhat, d_chat = (d_hat, d_hat) if symmetric else (d_hat[:m], d_hat[m:])
+        if one_block:
             row_losses, grad = _block(tiles, q_hat, c_hat, 0, m, with_grad)
             if grad is not None:
-                d_hat = torch.empty_like(xf)
-                d_qhat, d_chat = (d_hat, d_hat) if symmetric else (d_hat[:m], d_hat[m:])
                 if weights is None:  # scale / M multiplies the [M, D] products
-                    d_qhat.addmm_(grad, c_hat, beta=0.0, alpha=row_scale)  # beta 0: the buffer's values unread
+                    d_qhat.addmm_(grad, c_hat, beta=0.0, alpha=row_scale)  # beta 0: the empty buffer unread
                     q_rows, alpha = q_hat, row_scale
                 else:
                     torch.mm(grad, c_hat, out=d_qhat).mul_(row_scale[:, None])
@@ -206,9 +208,6 @@ class SoftmaxSimilarityXentFunction(GradientsFormedInForward):
                 del grad
         else:
             row_losses = torch.empty(m, dtype=dtype, device=q.device)  # lse_all - lse_pos
-            if with_grad:
-                d_hat = torch.zeros_like(xf)
-                d_qhat, d_chat = (d_hat, d_hat) if symmetric else (d_hat[:m], d_hat[m:])
             for start, end in tiles.blocks():
                 row_losses[start:end], grad = _block(tiles, q_hat[start:end], c_hat, start, end, with_grad)
                 if grad is None:
