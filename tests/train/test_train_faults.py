@@ -22,6 +22,7 @@ from angle_kernels import AngleLoss
 from angle_kernels.testing.helpers import start_ranks
 from angle_train import faults
 from angle_train.checkpoint import checkpoint_problem, finished_checkpoints, save_checkpoint
+from angle_train import tracking
 from angle_train.tracking import CURVES_METADATA_KEY, DEV_METRICS
 from angle_train.tiny import demo_examples
 from angle_train.trainer import optimizer_step, setup, train
@@ -122,7 +123,7 @@ def test_a_skipped_steps_loss_stays_out_of_the_logged_mean(tmp_path):
     result = train(_config(tmp_path, log_every=2), model=(encoder, tokenizer), train_examples=DATA, on_step=on_step)
     assert [row["skipped"] for row in result.history] == [False, True, False, False]
     assert math.isfinite(result.history[1]["loss"]) and result.history[1]["loss"] != result.history[0]["loss"]
-    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = tracking.read_metrics(str(tmp_path / "metrics.jsonl"))
     first = next(row for row in logged if row["step"] == 2 and "loss" in row)
     assert first["loss"] == pytest.approx(result.history[0]["loss"], rel=1e-12)
 

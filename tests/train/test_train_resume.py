@@ -17,6 +17,7 @@ from angle_train.checkpoint import (
 from angle_train.distributed import DistInfo
 from angle_train.safe_loading import UnsafeCheckpointError
 from angle_train.data import Example, data_fingerprint, order_fingerprint, sampled_data_fingerprint
+from angle_train import tracking
 from angle_train.tiny import demo_examples, demo_sts_examples
 from angle_train.trainer import StopTraining, make_optimizer, make_schedule, train
 
@@ -226,7 +227,7 @@ def test_overwrite_with_resume_auto_continues_its_own_run_and_keeps_it(tmp_path)
     train(_config(tmp_path, **settings), train_examples=data, on_step=_stop_at(3))  # a checkpoint at step 2
     resumed = train(_config(tmp_path, **settings, resume="auto", overwrite=True), train_examples=data)
     assert [row["step"] for row in resumed.history] == [3, 4, 5]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = tracking.read_metrics(str(tmp_path / "metrics.jsonl"))
     assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4, 5]
     assert os.path.isdir(checkpoint_path(str(tmp_path), 2))
 
@@ -590,7 +591,7 @@ def test_a_resumed_run_does_not_score_step_0_again(tmp_path):
     first = train(_config(tmp_path, **settings), train_examples=data, dev_examples=dev, on_step=_stop_at(3))
     resumed = train(_config(tmp_path, resume="auto", **settings), train_examples=data, dev_examples=dev)
     assert [row["step"] for row in first.evals] == [0, 2] and [row["step"] for row in resumed.evals] == [4]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = tracking.read_metrics(str(tmp_path / "metrics.jsonl"))
     assert [row["step"] for row in rows if "dev_spearman" in row] == [0, 2, 4]
 
 

@@ -4,7 +4,6 @@ the learning-rate curve's warm-up corner, the peak-memory figure's unit, the bui
 
 from __future__ import annotations
 
-import json
 import resource
 import types
 
@@ -12,13 +11,10 @@ import pytest
 import torch
 from train_helpers import run_config
 
+from angle_train import tracking
 from angle_train.config import TrainConfig
 from angle_train.tiny import demo_examples, demo_sts_examples
 from angle_train.trainer import count_steps, lr_curve, make_schedule, train, warmup_steps
-
-
-def _metrics(folder) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_the_last_step_is_scored_and_logged_and_no_best_is_kept_without_save_best(tmp_path):
@@ -29,7 +25,7 @@ def test_the_last_step_is_scored_and_logged_and_no_best_is_kept_without_save_bes
                      max_length=16, cosine_w=1.0, ibn_w=0.0, angle_w=1.0, save_best=False)
     result = train(cfg, train_examples=(demo_sts_examples(64, seed=4), "A"), dev_examples=demo_sts_examples(32))
     assert [e["step"] for e in result.evals] == [2, 4, 5]
-    assert [r["step"] for r in _metrics(tmp_path) if "loss" in r] == [2, 4, 5]
+    assert [r["step"] for r in tracking.read_metrics(str(tmp_path / "metrics.jsonl")) if "loss" in r] == [2, 4, 5]
     assert not (tmp_path / "best").exists() and result.best_path is None
     peak = result.history[-1]["peak_mem_gb"]
     assert 0.05 < peak <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 + 1e-6
