@@ -38,10 +38,11 @@ file holding anything else is refused with UnsafeCheckpointError (safe_loading.p
 anything in it runs. A manifest names only files of its own folder: one naming another path (../x, /x, sub/x,
 a link out of the folder) does not match, and nothing it names is read.
 
-Two starts are refused: a fresh run, or a resume from another output folder's checkpoint, in an output folder that
-holds an earlier run (unless --overwrite: it would replace or orphan that run's outputs), and a resume whose data
-settings (RESUME_MUST_MATCH) differ from the checkpoint's (it would silently skip or repeat training data). The
-optimizer and schedule settings (RESUME_APPLIES) may change on resume and take effect from the resumed step: the
+Three starts are refused: a fresh run, or a resume from another output folder's checkpoint, in an output folder that
+holds an earlier run (unless --overwrite: it would replace or orphan that run's outputs); a resume whose data
+settings (RESUME_MUST_MATCH) differ from the checkpoint's (it would silently skip or repeat training data); and one
+whose run ends before the checkpoint's step. The optimizer and schedule settings (RESUME_APPLIES), the run's length
+among them (a finished run can be extended), may change on resume and take effect from the resumed step: the
 learning rate there is the one the new settings' schedule gives at that step (as if the run had used them from the
 start), AdamW's moments carry over, and the run says which settings changed; so do the loss's settings and the
 precision (RESUME_NOTED). Other dev data than the one that measured the checkpoint's best score is refused
@@ -77,11 +78,14 @@ from .tracking import DEV_METRICS, metrics_row
 
 # Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
 RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
-                     "epochs", "max_steps", "objective", "text_column", "mask_rates")
+                     "objective", "text_column", "mask_rates")
 
 # Settings of the optimizer and the learning-rate schedule that a resumed run applies from the step it resumes at
-# (load_checkpoint); the others are read from the settings at every step, or fixed by RESUME_MUST_MATCH.
-RESUME_APPLIES = ("lr", "weight_decay", "warmup", "schedule", "max_grad_norm")
+# (load_checkpoint); the others are read from the settings at every step, or fixed by RESUME_MUST_MATCH. The run's
+# length (--max-steps, --epochs) is among them: it moves where the schedule ends, and the batches a step takes depend
+# only on the seed, the epoch and the position in it (a longer run goes on through the same order), so a finished run
+# can be extended; a length that ends before the checkpoint's step is refused.
+RESUME_APPLIES = ("lr", "weight_decay", "warmup", "schedule", "max_grad_norm", "max_steps", "epochs")
 
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
@@ -505,10 +509,11 @@ def _failed_write_cleaned(tmp: str, output_dir: str):
 
 
 def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder, optimizer, scheduler, scaler,
-                    data_record: Callable[[int], dict] | None = None) -> Position:
+                    data_record: Callable[[int], dict] | None = None, total_steps: int | None = None) -> Position:
     """Restore what save_checkpoint wrote into the given objects and this process's generators; return the
     position to continue from. Both files are read and checked before anything is changed. data_record(epoch):
-    this run's Position.data_record for an epoch, checked against the checkpoint's (_refuse_other_data)."""
+    this run's Position.data_record for an epoch, checked against the checkpoint's (_refuse_other_data);
+    total_steps: this run's length, refused where it ends before the checkpoint's step."""
     state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
     # every process sees the same files, so all refuse together, before any collective a refusal would leave waiting
     written_by = _writers(path)
@@ -518,6 +523,8 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          "state continue from its own)")
     position = Position(**state["position"])
     _refuse_changed_data_settings(path, state["config"], cfg)
+    if total_steps is not None and position.step > total_steps:
+        _refuse_shorter_run(path, cfg, position.step, total_steps)
     if data_record is not None and position.data_record is not None:
         _refuse_other_data(path, state["config"], cfg, position, data_record(position.epoch))
     _refuse_another_model(path, state["config"], cfg)
@@ -541,7 +548,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
         scaler.load_state_dict(state["scaler"])
     _set_rng_state(rng_state)
     if changed and dist_info.is_main:
-        detail = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        detail = ", ".join(f"{flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         print(f"resuming with changed settings ({detail}): from step {position.step} on, the learning rate is the one "
               "the new settings' schedule gives there", flush=True)
     noted = {k: (state["config"][k], v) for k, v in asdict(cfg).items()
@@ -659,10 +666,19 @@ def _differing_settings(saved: dict, cfg: TrainConfig, names: tuple[str, ...]) -
 def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig) -> None:
     changed = _differing_settings(saved, cfg, RESUME_MUST_MATCH)
     if changed:
-        detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}); "
                          "resuming would skip or repeat training data. Resume with the checkpoint's settings, "
                          "or start a new run in a new --output-dir")
+
+
+def _refuse_shorter_run(path: str, cfg: TrainConfig, step: int, total_steps: int) -> None:
+    """A resume whose run ends before the checkpoint's step is refused: it would have nothing to train and report
+    the checkpoint's later step as the end of a shorter run."""
+    length = f"--max-steps {cfg.max_steps}" if cfg.max_steps else f"--epochs {cfg.epochs:g}"
+    raise ValueError(f"cannot resume from {path}: it is at step {step}, and this run ends at step {total_steps} "
+                     f"({length}). Resume with a run of at least {step} steps (--max-steps {step} or more), or start "
+                     "a new run in a new --output-dir")
 
 
 def _refuse_other_data(path: str, saved: dict, cfg: TrainConfig, position: Position, current: dict) -> None:

@@ -389,7 +389,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         position = load_checkpoint(resume_from, cfg, dist_info, encoder=encoder, optimizer=optimizer,
                                    scheduler=scheduler, scaler=scaler,
                                    data_record=lambda epoch: data_record(len(items), fingerprint, order_of(epoch),
-                                                                         sampled=sampled_data_fingerprint(items)))
+                                                                         sampled=sampled_data_fingerprint(items)),
+                                   total_steps=total_steps)
         check_dev_metric(resume_from, position, dev_set)
         if continues_own_run:
             unverified_checkpoint = position.step

@@ -131,8 +131,8 @@ def test_resume_applies_changed_optimizer_settings_from_the_resumed_step(tmp_pat
     resumed = train(_config(tmp_path / "run", resume="auto", **new), train_examples=DATA)
     assert [r["step"] for r in resumed.history] == [3, 4]
     assert [r["lr"] for r in resumed.history] == [r["lr"] for r in fresh.history[2:]] == [1e-3, 1e-3]
-    assert "resuming with changed settings (lr 0.003 -> 0.001, weight_decay 0.01 -> 0.2, schedule 'linear' -> " \
-           "'constant')" in capsys.readouterr().out
+    assert "resuming with changed settings (--lr 0.003 -> 0.001, --weight-decay 0.01 -> 0.2, --schedule 'linear' " \
+           "-> 'constant')" in capsys.readouterr().out
     assert {k: v for k, v in json.loads((tmp_path / "run" / "config.json").read_text()).items() if k in new} == new
     run = setup(_config(tmp_path / "run", resume="auto", **new), train_examples=DATA)
     run.log.close()
@@ -149,7 +149,7 @@ def test_resume_applies_a_changed_warmup_and_gradient_clipping(tmp_path, capsys)
     resumed = train(_config(tmp_path / "run", resume="auto", **new), train_examples=DATA)
     assert [r["lr"] for r in resumed.history] == [r["lr"] for r in fresh.history[2:]]
     assert resumed.history[0]["lr"] < 3e-3  # in the new warmup, where the old schedule had reached its peak
-    assert "(warmup 1.0 -> 4.0, max_grad_norm 1.0 -> 0.5)" in capsys.readouterr().out
+    assert "(--warmup 1.0 -> 4.0, --max-grad-norm 1.0 -> 0.5)" in capsys.readouterr().out
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     assert {k: recorded[k] for k in new} == new
 

@@ -4,6 +4,7 @@ what would skip or repeat data, another model's weights, and files that would ru
 import json
 import os
 import random
+import re
 import shutil
 
 import numpy
@@ -147,8 +148,37 @@ def test_a_new_run_or_other_data_settings_are_refused_where_a_run_left_checkpoin
     train(_config(tmp_path, max_steps=3), train_examples=data)
     with pytest.raises(ValueError, match="holds an earlier run .checkpoints.*--resume auto"):
         train(_config(tmp_path, max_steps=3), train_examples=data)
-    with pytest.raises(ValueError, match=r"cannot resume .*batch_size: 8 -> 4.*would skip or repeat training data"):
+    with pytest.raises(ValueError, match=r"cannot resume .*--batch-size: 8 -> 4.*would skip or repeat training data"):
         train(_config(tmp_path, max_steps=3, batch_size=4, resume="auto"), train_examples=data)
+
+
+@pytest.mark.parametrize("shorter,first,longer,refusal,change", [
+    ({"max_steps": 3}, {"max_steps": 4}, {"max_steps": 6}, "ends at step 3 (--max-steps 3)", "--max-steps 4 -> 6"),
+    ({"max_steps": 0, "epochs": 1.0}, {"max_steps": 0, "epochs": 2.0}, {"max_steps": 0, "epochs": 3.0},  # 2 steps
+     "ends at step 2 (--epochs 1)", "--epochs 2.0 -> 3.0"),                                            # an epoch
+])
+def test_a_finished_run_is_extended_by_a_longer_resume_and_a_shorter_one_is_refused(tmp_path, capsys, shorter, first,
+                                                                                    longer, refusal, change):
+    """Resumed with a larger --max-steps (or --epochs), a finished run goes on through the batches a run of that
+    length takes from the start (at a constant learning rate: the same losses and weights, bit for bit), saying what
+    changed; a length that ends before the checkpoint's step is refused before anything is written."""
+    data = (demo_examples(20, seed=3), "B")
+    constant = {"schedule": "constant", "warmup": 0, "save_every": 2, "save_final": True}
+    full = train(_config(tmp_path / "full", **longer, **constant), train_examples=data)
+    train(_config(tmp_path / "run", **first, **constant), train_examples=data)
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match=rf"it is at step 4, and this run {re.escape(refusal)}.*--max-steps 4 or more"):
+        train(_config(tmp_path / "run", resume="auto", **shorter, **constant), train_examples=data)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    capsys.readouterr()
+    extended = train(_config(tmp_path / "run", resume="auto", **longer, **constant), train_examples=data)
+    assert f"resuming with changed settings ({change}): from step 4 on" in capsys.readouterr().out
+    assert [r["step"] for r in extended.history] == [5, 6]
+    assert [(r["loss"], r["lr"]) for r in extended.history] == [(r["loss"], r["lr"]) for r in full.history[4:]]
+    a, b = _weights(full), _weights(extended)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = tracking.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_finished_run_is_refused_unless_overwrite_is_asked(tmp_path, capsys):
@@ -184,7 +214,7 @@ def test_resuming_another_folders_checkpoint_into_an_earlier_run_is_refused_unle
         train(_config(tmp_path / "b", **settings, resume=a_checkpoint), train_examples=data)
     assert (tmp_path / "b" / "metrics.jsonl").read_text() == b_metrics
     assert (tmp_path / "b" / "final" / "model.safetensors").read_bytes() == b_final
-    with pytest.raises(ValueError, match="batch_size: 8 -> 4"):  # refused by the checkpoint: B's run left whole
+    with pytest.raises(ValueError, match="--batch-size: 8 -> 4"):  # refused by the checkpoint: B's run left whole
         train(_config(tmp_path / "b", **settings, batch_size=4, resume=a_checkpoint, overwrite=True),
               train_examples=data)
     assert (tmp_path / "b" / "metrics.jsonl").read_text() == b_metrics
