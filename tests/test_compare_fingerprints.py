@@ -34,8 +34,9 @@ def script():
     return module
 
 
-# a Triton path and a CUDA path, each with the fingerprints a run at HEAD would have recorded (filled in below)
-KEYS = (("triton", "pair_scores", "full"), ("cuda", "pair_scores", "full"))
+# a Triton path, a CUDA path, and a CUDA path with CUDA sources of its own (fingerprints.CSRC_SOURCES), each with the
+# fingerprints a run at HEAD would have recorded (filled in below)
+KEYS = (("triton", "pair_scores", "full"), ("cuda", "pair_scores", "full"), ("cuda", "similarity_xent", "dense"))
 
 
 def _entries(tree) -> list[dict]:
@@ -60,13 +61,16 @@ def test_an_entry_recorded_at_a_commit_is_confirmed_and_verified_where_its_code_
                                                                                               tmp_path):
     entries = _entries(script.git_tree(HEAD))
     rows = _run(script, monkeypatch, tmp_path, entries)
-    assert [(r["backend"], r["confirmed"]) for r in rows] == [("triton", True), ("cuda", True)]
+    assert [(r["backend"], r["op"], r["confirmed"]) for r in rows] == [
+        ("triton", "pair_scores", True), ("cuda", "pair_scores", True), ("cuda", "similarity_xent", True)]
     for row in rows:  # this checkout may hold changes: verified today exactly where nothing differs
         unchanged = row["then"] == row["now"] and row.get("build_then") == row.get("build_now")
         assert row["equal"] == unchanged and (row["differs"] == []) == unchanged, row
     assert rows[1]["build_then"] == entries[1]["build"]
+    # the dense scheme's build is csrc/similarity_xent_dense.*, not the op's csrc/similarity_xent.*
+    assert rows[2]["build_then"] == entries[2]["build"] != fingerprints.csrc_fingerprint("similarity_xent")
     table = script.render(rows)
-    assert table.count("| yes |") >= 2 and f"| {HEAD} |" in table
+    assert table.count("| yes |") >= 3 and f"| {HEAD} |" in table
 
 
 def test_a_changed_cuda_build_is_not_verified_today(script, monkeypatch, tmp_path):
@@ -83,6 +87,41 @@ def test_a_changed_cuda_build_is_not_verified_today(script, monkeypatch, tmp_pat
     assert "| no |" in script.render([cuda])
 
 
+def test_changed_python_code_is_not_verified_today_and_its_definition_is_named(script, monkeypatch, tmp_path):
+    """The Triton path's Python code changed since the run (a constant of launch_config, which it executes): the
+    entry is still confirmed by the commit it ran, but its fingerprint then and now differ, it is not verified
+    today, and the table names the edited definition."""
+    entries = _entries(script.git_tree(HEAD))
+    checkout = fingerprints.folder_tree(ROOT)
+    edited = "angle_kernels/triton_ops/pair_scores.py"
+
+    def read(relative):
+        text = checkout.read(relative)
+        if relative == edited:
+            assert "block = max(block, 16)" in text
+            text = text.replace("block = max(block, 16)", "block = max(block, 32)")
+        return text
+
+    here = fingerprints.Tree(read, "this checkout, launch_config edited")
+    monkeypatch.setattr(fingerprints, "folder_tree", lambda root=ROOT: here)
+    triton = _run(script, monkeypatch, tmp_path, entries)[0]
+    assert triton["backend"] == "triton" and triton["confirmed"]
+    assert triton["then"] == entries[0]["fingerprint"] != triton["now"] and not triton["equal"]
+    assert "launch_config" in triton["differs"]
+    assert "`launch_config`" in script.render([triton])
+
+
+def test_an_entry_of_the_whole_file_rule_is_confirmed_by_its_cuda_build_too(script, monkeypatch, tmp_path):
+    """Entries of the runs before the path fingerprints (a whole-file "source" fingerprint, no "fingerprint"
+    field) are confirmed by the fingerprints the commit's own rule computes: for the CUDA backend its source and
+    its csrc build, so a recorded build the commit's files do not give is not confirmed."""
+    monkeypatch.setattr(script, "old_rule", lambda commit, pairs: {
+        **{f"{backend}/{op}": f"source of {backend}/{op}" for backend, op in pairs}, "csrc": "the csrc build"})
+    old = {"backend": "cuda", "op": "pair_scores", "path": "full", "source": "source of cuda/pair_scores"}
+    rows = _run(script, monkeypatch, tmp_path, [{**old, "build": "the csrc build"}, {**old, "build": "another"}])
+    assert [r["confirmed"] for r in rows] == [True, False]
+
+
 @pytest.mark.parametrize("field", ["fingerprint", "build"])
 def test_a_recorded_fingerprint_is_compared_whole(script, monkeypatch, tmp_path, capsys, field):
     """A recorded fingerprint alike in its first characters only (another commit's code) is not confirmed, and the
@@ -91,6 +130,6 @@ def test_a_recorded_fingerprint_is_compared_whole(script, monkeypatch, tmp_path,
     cuda = entries[1]
     cuda[field] = cuda[field][:12] + ("0000" if cuda[field][12:] != "0000" else "1111")
     rows = _run(script, monkeypatch, tmp_path, entries)
-    assert [r["confirmed"] for r in rows] == [True, False] and not rows[1]["equal"]
+    assert [r["confirmed"] for r in rows] == [True, False, True] and not rows[1]["equal"]
     assert script.main([]) == 1
     assert "| NO |" in capsys.readouterr().out

@@ -117,6 +117,27 @@ def test_each_part_of_a_first_use_kind_counts(monkeypatch):
         first_use.bucket("triton", "similarity_lse", "fused", lse(False))
 
 
+def test_a_margin_prefixes_and_a_score_count_class_are_parts_of_a_first_use_kind():
+    """Calls the kernels compile or branch on differently get checks of their own: similarity_xent with a margin
+    (margin 0.2 is not margin 0), with four prefixes (dims (8, 16, 32, 64) is not (8, 16): another power-of-two
+    count of prefixes), and the Triton ranking term on 64 scores (a multiple of 16) and on 63 (neither)."""
+    q = torch.randn(64, 64)
+
+    def xent(margin=0.0, dims=None):
+        return contract.check_similarity_xent(q, None, 20.0, "partner", None, False, margin, None, dims)
+
+    assert first_use.bucket("triton", "similarity_xent", "fused", xent(margin=0.0)) != \
+        first_use.bucket("triton", "similarity_xent", "fused", xent(margin=0.2))
+    assert first_use.bucket("triton", "similarity_xent", "dims", xent(dims=(8, 16))) != \
+        first_use.bucket("triton", "similarity_xent", "dims", xent(dims=(8, 16, 32, 64)))
+
+    def ranking(n):
+        return contract.check_ranking_loss(torch.randn(n), torch.randint(0, 2, (n,)))
+
+    assert first_use.bucket("triton", "ranking_loss", "pairwise", ranking(64)) != \
+        first_use.bucket("triton", "ranking_loss", "pairwise", ranking(63))
+
+
 def test_a_first_use_outcome_is_one_devices(monkeypatch):
     monkeypatch.setattr(first_use, "bucket", lambda *args: {"M": 64})
     calls = [SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", i)) for i in (0, 1)]

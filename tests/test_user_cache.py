@@ -302,6 +302,31 @@ def test_a_file_that_cannot_be_read_is_reported_as_such_and_never_replaced(cache
     assert user_cache.read()["checks"] == [{"op": "theirs"}]
 
 
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symbolic links here")
+def test_a_path_whose_status_cannot_be_read_is_never_replaced(cache):
+    """A cache path whose status cannot be read (here a symbolic link to itself: too many levels of links) reads as
+    empty with a warning, and an update raises OSError instead of putting a file in the link's place."""
+    cache.parent.mkdir(parents=True)
+    os.symlink(cache, cache)
+    contents, warned = read_warning(cache)
+    assert contents == EMPTY and len(warned) == 1 and "cannot stat it" in warned[0]
+    with pytest.raises(OSError, match="cannot stat it.*left as it is"):
+        user_cache.update(lambda contents: contents["checks"].append({"op": "ours"}))
+    assert os.path.islink(cache) and os.readlink(cache) == str(cache)
+
+
+def test_a_cache_broken_again_after_forget_warns_again(cache):
+    """forget() starts the file afresh: a file broken again at the same path is reported again on the next read
+    (not taken as the one this process already warned about)."""
+    cache.parent.mkdir(parents=True)
+    cache.write_text("{not json")
+    assert len(read_warning(cache)[1]) == 1
+    assert user_cache.forget() and not cache.exists()
+    cache.write_text("[]")
+    contents, warned = read_warning(cache)
+    assert contents == EMPTY and len(warned) == 1 and "a JSON list" in warned[0]
+
+
 def test_a_write_that_fails_as_it_flushes_leaves_no_temporary_file(tmp_path, monkeypatch):
     """A full disk: the error comes when the written text is flushed, after json.dump returned."""
     real_open = open

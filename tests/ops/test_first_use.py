@@ -318,6 +318,22 @@ def test_a_record_made_while_waiting_for_the_lock_is_used(gpu, monkeypatch):
     assert gpu.checks == [] and _records() == [theirs]
 
 
+def test_a_recorded_pass_is_used_when_the_lock_cannot_be_taken(gpu, monkeypatch):
+    """A later process whose cache lock cannot be taken (held past the wait by a stopped process, a folder that
+    became read-only) still reads the record: the kind computes on the GPU path without being checked again."""
+    q = _q(8)
+    assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
+    assert len(gpu.checks) == 1 and len(_records()) == 1
+    first_use.forget()  # a later process: only the record remains
+
+    def cannot_lock(*args, **kwargs):
+        raise OSError("the lock has been held by another process for too long")
+
+    monkeypatch.setattr(user_cache, "locked", cannot_lock)
+    assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
+    assert len(gpu.checks) == 1 and len(_records()) == 1
+
+
 def test_no_check_while_tracing_only_records_count(gpu, monkeypatch):
     q = _q(8)
     monkeypatch.setattr(first_use, "tracing", lambda device: True)
