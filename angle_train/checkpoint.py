@@ -186,7 +186,7 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
             options = f"pass --resume auto to continue it (latest checkpoint: {done[-1]}), --overwrite 1 to delete it"
         else:
             options = "it left no checkpoint to resume from; pass --overwrite 1 to delete it"
-        raise ValueError(f"output_dir {cfg.output_dir} holds an earlier run ({', '.join(left)}): {options} and "
+        raise ValueError(f"--output-dir {cfg.output_dir} holds an earlier run ({', '.join(left)}): {options} and "
                          "start afresh, or choose a new --output-dir")
     return None
 
@@ -200,7 +200,7 @@ def _refuse_earlier_run_for_another_runs_checkpoint(cfg: TrainConfig, done: list
         return
     if not cfg.overwrite:
         own = f", or --resume auto to continue it (latest checkpoint: {done[-1]})" if done else ""
-        raise ValueError(f"output_dir {cfg.output_dir} holds an earlier run ({', '.join(left)}), and {cfg.resume} "
+        raise ValueError(f"--output-dir {cfg.output_dir} holds an earlier run ({', '.join(left)}), and {cfg.resume} "
                          "is not one of its checkpoints: resumed there, it would replace that run's outputs and mix "
                          "both runs' metrics. Choose a new --output-dir, pass --overwrite 1 to delete that run "
                          f"first{own}")

@@ -336,6 +336,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         cfg.bidirectional = True
     encoder, tokenizer = build_encoder(cfg, device) if model is None else (model[0].to(device), model[1])
     encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
+    weights_note = half_precision_weights_note(cfg, encoder)  # before --fsdp shards the weights
     # encode() on the trained encoder cuts texts where its exports' encode() will (the default, 512, was another)
     base = st_folder.find_folder(cfg.model)
     encoder.max_length = encoding_length(cfg.max_length, base, cfg.export_max_length, position_limit(encoder.backbone))
@@ -413,7 +414,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         n_total = sum(p.numel() for p in encoder.parameters())
         real_share = expected_useful_tokens(cfg, dataset, order_of(position.epoch), dist_info)
         print(f"angle_train: {cfg.model} | {n_trainable:,}/{n_total:,} trainable | {dataset.describe()} | "
-              f"{total_steps} steps of {cfg.batch_size}x{cfg.grad_accum} {'sentences' if fmt is None else 'pairs'} | "
+              f"{total_steps} step{'s' * (total_steps != 1)} of {cfg.batch_size}x{cfg.grad_accum} "
+              f"{'sentences' if fmt is None else 'pairs'} | "
               f"{describe_passes(cfg)} ({real_share:.0%} of "
               f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
               + ("bidirectional attention (the model folder's angle_train.json) | " if folders_attention else "") +
@@ -430,6 +432,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                   f"full width ({encoder.embedding_dim}): it is not trained as an embedding of its own, yet best/ is "
                   f"chosen by its dev score; list {encoder.embedding_dim} among the widths to train it too",
                   flush=True)
+        if weights_note:
+            print(weights_note, flush=True)
         if resume_from:
             print(f"resumed from {resume_from} at step {position.step}", flush=True)
     encoder.train()
@@ -715,6 +719,27 @@ def examples_left_out(cfg: TrainConfig, n_examples: int) -> int:
     last incomplete batch and the batches short of a whole step are dropped (epoch_batches, next_batches)."""
     per_step = cfg.batch_size * cfg.grad_accum
     return n_examples - (n_examples // cfg.batch_size // cfg.grad_accum) * per_step
+
+
+def half_precision_weights_note(cfg: TrainConfig, encoder: torch.nn.Module) -> str | None:
+    """A note for a run whose trainable weights are 16-bit (--model-dtype bfloat16 or float16 without LoRA, whose
+    adapters are float32), or None. AdamW updates them in place, with no float32 copy to accumulate into: a step,
+    about --lr in size (Adam's ratio of moments is about 1), moves a weight w only where it exceeds half the gap
+    between w's neighbours, eps |w| / 2, so on every weight larger than 2 lr / eps it rounds away (bfloat16 at
+    --lr 2e-5: weights above 0.005, most of a pretrained encoder's). The note gives that share of the weights."""
+    half = [p for p in encoder.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+    if not half:
+        return None
+    dtype = half[0].dtype
+    bound = 2 * cfg.lr / torch.finfo(dtype).eps
+    total = sum(p.numel() for p in half)
+    with torch.no_grad():
+        rounded = sum(int((p.abs() > bound).sum()) for p in half)
+    return (f"angle_train: note: {total:,} trainable weights are {str(dtype).removeprefix('torch.')} (--model-dtype "
+            f"{cfg.model_dtype}), and AdamW updates them in that dtype, with no float32 copy: its steps, at most "
+            f"about --lr {cfg.lr:g} in size, round away on weights larger than {bound:.2g} in magnitude, "
+            f"{rounded / total:.0%} of these. Keep float32 weights and autocast the forward pass (--model-dtype "
+            "float32 --bf16), or train LoRA adapters (--lora 1), which are float32")
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.AdamW:
@@ -1265,8 +1290,9 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
         return result
     last = result.history[-1]
     mean_loss, steps = run.log.last_loss or (last["loss"], 1)
-    print(f"done: {position.step} steps | loss {mean_loss:.4f} (mean of the last {steps} step{'s' * (steps != 1)}) | "
-          f"{last['pairs_per_s']:.1f} pairs/s | "
+    unit = "sentences" if cfg.objective == "arccse" else "pairs"  # what a batch holds (the header's word)
+    print(f"done: {position.step} step{'s' * (position.step != 1)} | loss {mean_loss:.4f} (mean of the last {steps} "
+          f"step{'s' * (steps != 1)}) | {last['pairs_per_s']:.1f} {unit}/s | "
           f"{last['tokens_per_s']:.0f} tokens/s | peak memory {peak_memory_gb(run.device):.2f} GB"
           + (f" | best {tracking.DEV_METRICS[position.best_metric]} {position.best:.4f}"
              if position.best is not None else ""), flush=True)

@@ -51,7 +51,7 @@ TRAIN_MISTAKES = [
     (["--config", "broken.yaml"], "--config broken.yaml: not valid YAML"),
     (["--config", "mean.yaml"], "--config: setting 'pooling': invalid choice 'mean'"),
     (["--resume", "empty-checkpoint"], "cannot resume from empty-checkpoint"),
-    (["--output-dir", "done"], "output_dir done holds an earlier run (final/)"),
+    (["--output-dir", "done"], "--output-dir done holds an earlier run (final/)"),
     (["--output-dir", ""], "--output-dir must name a folder"),
     # an unset shell variable after a flag: --resume "" started afresh and --dev-data "" ran without evaluation in
     # silence; --train-data "" failed inside datasets, --model "" in the Hub's id check without naming the flag

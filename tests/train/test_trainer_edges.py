@@ -1,9 +1,11 @@
 """The training loop's bookkeeping at its edges: a run whose length is not a multiple of its intervals, a run
 without dev data or without --save-best, data that makes exactly one step, fractional epochs, a warm-up of one step,
-the learning-rate curve's warm-up corner, the peak-memory figure's unit, the built-in graded data's scale."""
+the learning-rate curve's warm-up corner, the peak-memory figure's unit, the built-in graded data's scale, the note on
+16-bit trainable weights."""
 
 from __future__ import annotations
 
+import re
 import resource
 import types
 
@@ -14,7 +16,9 @@ from train_helpers import run_config
 from angle_train import tracking
 from angle_train.config import TrainConfig
 from angle_train.tiny import demo_examples, demo_sts_examples
-from angle_train.trainer import count_steps, lr_curve, make_schedule, train, warmup_steps
+from angle_train.trainer import (
+    count_steps, half_precision_weights_note, lr_curve, make_optimizer, make_schedule, train, warmup_steps,
+)
 
 
 def test_the_last_step_is_scored_and_logged_and_no_best_is_kept_without_save_best(tmp_path):
@@ -31,12 +35,14 @@ def test_the_last_step_is_scored_and_logged_and_no_best_is_kept_without_save_bes
     assert 0.05 < peak <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 + 1e-6
 
 
-def test_data_of_exactly_one_step_trains_and_no_dev_data_names_no_best_metric(tmp_path):
-    """8 examples at batch size 4 with 2 accumulated batches are one optimizer step, taken (not refused); a run
-    without dev data has no best metric (None, as TrainResult documents)."""
+def test_data_of_exactly_one_step_trains_and_no_dev_data_names_no_best_metric(tmp_path, capsys):
+    """8 examples at batch size 4 with 2 accumulated batches are one optimizer step, taken (not refused) and told as
+    one; a run without dev data has no best metric (None, as TrainResult documents)."""
     cfg = run_config(tmp_path, model="builtin:tiny-bert", batch_size=4, grad_accum=2, epochs=1, max_length=16)
     result = train(cfg, train_examples=(demo_examples(8), "B"))
     assert [r["step"] for r in result.history] == [1]
+    printed = capsys.readouterr().out
+    assert "| 1 step of 4x2 pairs |" in printed and "done: 1 step |" in printed
     assert result.best_metric is None and result.best_score is None
 
 
@@ -62,3 +68,32 @@ def test_the_builtin_graded_pairs_are_labelled_on_the_sts_scale():
     """builtin:demo-sts labels are how many of three attributes two phrases share, on STS's 0-5 scale."""
     labels = {example.label for example in demo_sts_examples(256)}
     assert labels <= {0.0, 5.0 / 3, 10.0 / 3, 5.0} and max(labels) == pytest.approx(5.0)
+
+
+def test_16_bit_trainable_weights_are_noted_with_the_share_adamw_steps_cannot_move():
+    """bfloat16 weights updated by AdamW at lr 2e-5 with no float32 copy: a step moves a weight only below 2 lr / eps
+    (0.0051) in magnitude. The note names that bound and the share of weights above it, and one real step leaves
+    exactly those unchanged; LoRA's float32 adapters and float32 weights get no note."""
+    layer = torch.nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[0.001, -0.004, 0.01, -1.0]]))
+    cfg = TrainConfig(model="builtin:tiny-bert", model_dtype="bfloat16", lr=2e-5, weight_decay=0.0)
+    note = half_precision_weights_note(cfg, layer)
+    assert re.search(r"4 trainable weights are bfloat16 \(--model-dtype bfloat16\).*--lr 2e-05.*larger than 0\.0051 in "
+                     r"magnitude, 50% of these.*--model-dtype float32 --bf16.*--lora 1", note), note
+    before = layer.weight.detach().clone()
+    optimizer = make_optimizer(cfg, layer, torch.device("cpu"))
+    layer(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    assert (layer.weight.detach() != before).tolist() == [[True, True, False, False]]
+    assert half_precision_weights_note(cfg, layer.float()) is None
+
+
+def test_a_run_with_16_bit_trainable_weights_says_so_and_a_lora_run_does_not(tmp_path, capsys):
+    data = (demo_examples(16, seed=2), "B")
+    train(run_config(tmp_path / "full", model="builtin:tiny-bert", model_dtype="bfloat16", batch_size=8, max_steps=1,
+                     max_length=16), train_examples=data)
+    assert re.search(r"note: [\d,]+ trainable weights are bfloat16", capsys.readouterr().out)
+    train(run_config(tmp_path / "lora", model="builtin:tiny-llama", model_dtype="bfloat16", lora=True, lora_r=4,
+                     batch_size=8, max_steps=1, max_length=16), train_examples=data)
+    assert "trainable weights are" not in capsys.readouterr().out
