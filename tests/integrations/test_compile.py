@@ -167,6 +167,23 @@ def test_a_float_setting_that_changes_between_calls_traces_whole():
         assert rel_err(value, ref_value) < 1e-12 and rel_err(grad, ref_grad) < 1e-10, tau
 
 
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_bad_input_to_a_compiled_loss_still_raises_with_the_losss_message(fullgraph):
+    """Mismatched shapes and a wrong option reach a compiled loss's checks as they do an eager one's: without
+    fullgraph the loss's ValueError itself propagates; with fullgraph=True dynamo raises its own error, which carries
+    the loss's message (README, limits of compiled losses). Nothing computes a value."""
+    for shape, directions, message in [((5, 16), ("query_to_doc",), "positives must have the shape of queries"),
+                                       ((6, 16), ("query_to_bogus",), "query_to_bogus")]:
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda q, p: ak.multiple_negatives_ranking_loss(q, p, directions=directions, backend="torch"),
+            backend="aot_eager", fullgraph=fullgraph)
+        expected = ValueError if not fullgraph else torch._dynamo.exc.Unsupported
+        with pytest.raises(expected) as raised:
+            compiled(torch.randn(*shape, requires_grad=True), torch.randn(6, 16, requires_grad=True))
+        assert message in str(raised.value)
+
+
 LOSSES_OF_SIZE = {
     "cosine_loss": lambda labels, x: ak.cosine_loss(labels, x, backend="torch"),
     "in_batch_negative_loss": lambda labels, x: ak.in_batch_negative_loss((labels > 0).to(x.dtype), x, backend="torch"),
