@@ -374,6 +374,10 @@ def test_a_backend_covers_every_path_only_when_each_is_verified(monkeypatch):
     awaiting = ("similarity_lse", "dense_dims")
     monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: (op, path) != awaiting)
     assert verified.covers_every_path("triton", torch.device("cuda", 0))
+    # nor is one of the CUDA backend's (cuda_ops.paths_awaiting_verification: its similarity_xent dense scheme)
+    awaiting = ("similarity_xent", "dense")
+    monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: (op, path) != awaiting)
+    assert verified.covers_every_path("cuda", torch.device("cuda", 0))
 
 
 def test_a_small_product_case_measures_no_one_time_blas_workspace():

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import angle_kernels.cuda_ops as cuda_ops
-from angle_kernels import contract, dispatch, measured, user_cache, verified
+from angle_kernels import contract, dispatch, first_use, measured, path_switches, user_cache, verified
 from angle_kernels.cuda_ops import _extension
 
 FAKE_CUDA_TENSOR = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
@@ -189,6 +189,45 @@ def test_explicit_gpu_backend_runs_unverified_code_with_one_warning_per_op_and_p
     assert "backend='triton' computes similarity_xent on its code path 'fused'" in messages[0][0]
     assert "a fake GPU (sm_90)" in messages[0][0] and "python -m angle_kernels.verify" in messages[0][0]
     assert on_cpu == []  # CPU tensors (the interpreter): no verification applies
+
+
+def test_an_explicit_backend_warns_about_the_code_path_the_call_takes(backends):
+    """The warning is about the path the call runs, not the op's first: with the fused path verified, a call with
+    dims runs the unverified dims path and warns, naming it."""
+    backends.verified.add(("triton", "similarity_xent", "fused"))
+    triton = dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
+    q = _embeddings()
+    _, fused = _recording_warnings(triton.similarity_xent, q, None, 20.0, "partner")
+    _, dims = _recording_warnings(triton.similarity_xent, q, None, 20.0, "partner", dims=(4, 8))
+    assert fused == [] and len(dims) == 1
+    assert "backend='triton' computes similarity_xent on its code path 'dims'" in dims[0]
+
+
+def test_explicit_triton_on_cpu_tensors_never_warns_of_a_gpu_verification(backends):
+    """CPU tensors under the Triton interpreter: no GPU verification applies, so even the first call of a path
+    verified nowhere computes silently."""
+    triton = dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
+    _, warned = _recording_warnings(triton.similarity_xent, torch.randn(6, 8, dtype=torch.float64), None, 20.0,
+                                    "partner")
+    assert warned == [] and backends.computed == [("triton", "similarity_xent")]
+
+
+def test_a_path_verified_here_computes_without_a_first_use_check(backends, monkeypatch):
+    """A first-use check is for paths not verified here: a verified path computes unchecked even where its code
+    could be checked (it passed the large-size checks elsewhere), while the unverified path of the same op is
+    checked on its first call."""
+    checked = []
+    monkeypatch.setattr(first_use, "may_check", lambda *args: True)
+    monkeypatch.setattr(first_use, "decide", lambda candidate, op, call, path: (
+        checked.append((candidate.name, op, path)) or first_use.Outcome(True)))
+    backends.verified.add(("triton", "similarity_xent", "fused"))
+    auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
+    q = _embeddings()
+    auto.similarity_xent(q, None, 20.0, "partner")
+    assert checked == [] and backends.computed == [("triton", "similarity_xent")]
+    auto.similarity_xent(q, None, 20.0, "partner", dims=(4, 8))
+    assert checked == [("triton", "similarity_xent", "dims")]
+    assert backends.computed == 2 * [("triton", "similarity_xent")]
 
 
 @pytest.fixture
@@ -416,6 +455,23 @@ def test_the_real_gpu_backends_declare_their_code_paths():
         assert triton.code_paths["similarity_lse"](*lse_wide) == "dense"
         assert triton.code_paths["similarity_lse"](*lse_wide, (64, 4096)) == "dense_dims"
     assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, (64, 768)) == "dims"
+
+
+def test_switched_on_paths_are_switched_off_again_when_the_block_raises(monkeypatch):
+    """A check that raises inside the block that switches on the paths awaiting verification (verify's, the GPU op
+    sweep's) leaves the process's later calls on the paths verified before: the widths go back whatever the block
+    does."""
+    selector = ModuleType("fake_switched_backend.selector")
+    selector.MIN_WIDTH, selector.PROPOSED_MIN_WIDTH = None, 768
+    monkeypatch.setitem(sys.modules, "fake_switched_backend", ModuleType("fake_switched_backend"))
+    monkeypatch.setitem(sys.modules, selector.__name__, selector)
+    table = {("similarity_xent", "dense"): ("selector", "MIN_WIDTH")}
+    with pytest.raises(RuntimeError, match="a check failed"):
+        with path_switches.switched_on("fake_switched_backend", table):
+            assert selector.MIN_WIDTH == 768 and path_switches.switched_off("fake_switched_backend", table) == set()
+            raise RuntimeError("a check failed")
+    assert selector.MIN_WIDTH is None
+    assert path_switches.switched_off("fake_switched_backend", table) == {("similarity_xent", "dense")}
 
 
 # ---------------------------------------------------------------------------------------------------------

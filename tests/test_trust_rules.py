@@ -8,8 +8,9 @@ own tables, or replace identity() with a stand-in)."""
 
 from __future__ import annotations
 
+import sys
 import warnings
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -49,6 +50,20 @@ def test_versions_and_capabilities_are_compared_to_the_minor(monkeypatch):
                                                                               "build": "b" * 16})
     ident = verified.identity("cuda", "ranking_loss", "sort", torch.device("cuda", 0))
     assert ident["capability"] == "8.9" and ident["cuda"] == "12.8"
+
+
+def test_a_patch_release_of_torch_or_triton_keeps_the_minor_versions_identity(monkeypatch):
+    """torch 2.11.0+cu130 and Triton 3.6.0 are torch 2.11 and Triton 3.6 to the match rule, as the table records
+    them: a patch release or another CUDA build of torch keeps the verifications of its minor version."""
+    triton = ModuleType("triton")
+    triton.__version__ = "3.6.0"
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stand-in")
+    monkeypatch.setattr(verified, "code_identity", lambda backend, op, path: {"fingerprint": "f" * 16})
+    ident = verified.identity("triton", "pair_scores", "full", torch.device("cuda", 0))
+    assert ident["torch"] == "2.11" and ident["triton"] == "3.6"
 
 
 def test_an_entry_of_unknown_code_covers_nothing_that_is_unknown_too():
@@ -206,12 +221,37 @@ def test_a_point_decides_within_its_span_of_size_and_of_width(monkeypatch):
     assert measured.fastest("similarity_xent", _xent_call(1024, 1024, 768), paths) is torch_default
 
 
+def test_a_point_exactly_span_times_away_still_decides(monkeypatch):
+    """A point speaks for sizes and widths up to SPAN times its own, that factor included: at 16x fewer logits, or
+    at a 16th of the call's width, its times still choose."""
+    triton, torch_default = _candidates("triton", "torch")
+    paths = {triton: "fused", torch_default: "default"}
+    span = int(measured.SPAN)
+    _on_a_gpu_measured(monkeypatch, [("similarity_xent", "full", 256 * 256 // span, 768, SLOW_TRITON)])
+    assert measured.fastest("similarity_xent", _xent_call(256, 256, 768), paths) is torch_default
+    _on_a_gpu_measured(monkeypatch, [("similarity_xent", "full", 256 * 256, 768 // span, SLOW_TRITON)])
+    assert measured.fastest("similarity_xent", _xent_call(256, 256, 768), paths) is torch_default
+
+
+def test_a_time_exactly_at_the_tie_factor_counts_as_a_tie(monkeypatch):
+    """A time of exactly (1 + TIE) times the fastest counts as equal to it, and equals go by the fixed order:
+    Triton, though torch measured that much faster."""
+    triton, torch_default = _candidates("triton", "torch")
+    paths = {triton: "fused", torch_default: "default"}
+    at_the_tie = {"triton/fused": 1.0 * (1 + measured.TIE), "torch/default": 1.0}
+    _on_a_gpu_measured(monkeypatch, [("similarity_xent", "full", 256 * 256, 768, at_the_tie)])
+    assert measured.fastest("similarity_xent", _xent_call(256, 256, 768), paths) is triton
+
+
 def test_a_calls_place_among_the_points(monkeypatch):
     monkeypatch.setattr(measured, "capability", lambda device: "9.0")
     assert measured.call_point("pair_scores", SimpleNamespace(x=torch.empty(8192, 2, 768, device="meta"),
                                                               dims=None)) == ("full", 8192, 768)
     assert measured.call_point("similarity_xent", _xent_call(1024, 1024, 768, dims=(256, 768), margin=0.2)) == \
         ("dims", 1024 * 1024, 768)
+    # M queries against Mc candidates: M x Mc logits
+    assert measured.call_point("similarity_xent", _xent_call(1024, 2048, 768)) == ("full", 1024 * 2048, 768)
+    assert measured.call_point("similarity_lse", _xent_call(1024, 2048, 768)) == ("full", 1024 * 2048, 768)
     assert measured.nearest_points("similarity_xent", _xent_call(1024, 2048, 4096, dtype=torch.float16)) == []
 
 
@@ -265,6 +305,21 @@ def test_every_unverified_path_an_explicit_backend_runs_is_named_once(monkeypatc
             dispatch._warn_unverified(ops, "similarity_xent", call, path)
     messages = [str(w.message) for w in caught]
     assert len(messages) == 2 and "'fused'" in messages[0] and "'dense'" in messages[1]
+
+
+def test_an_explicit_backends_warning_says_what_auto_would_do(monkeypatch):
+    """The warning tells the user what backend="auto" would do with the path: compute with the PyTorch backend,
+    or, where its code passed the large-size checks on another GPU, check the first call of each kind here."""
+    monkeypatch.setattr(verified, "describe", lambda backend, op, path, device: "this GPU")
+    ops, call = SimpleNamespace(name="triton"), SimpleNamespace(device=torch.device("cuda", 0))
+    for may_check, says in ((False, "would compute it with the PyTorch backend"),
+                            (True, "would compute it after a check of the first call of each kind here")):
+        monkeypatch.setattr(dispatch, "_warned_unverified", set())
+        monkeypatch.setattr(first_use, "may_check", lambda *args, answer=may_check: answer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dispatch._warn_unverified(ops, "similarity_xent", call, "fused")
+        assert len(caught) == 1 and says in str(caught[0].message), may_check
 
 
 def test_an_explicit_torch_takes_its_gpu_path_only_where_verified(monkeypatch):

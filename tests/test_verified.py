@@ -136,6 +136,15 @@ def test_the_identity_of_a_path_is_its_fingerprint_and_the_loaded_build(monkeypa
     assert verified.code_identity("cuda", "ranking_loss", "sort")["build"] is None
 
 
+def test_a_cuda_path_with_sources_of_its_own_is_identified_by_their_build(monkeypatch):
+    """The CUDA similarity_xent's dense scheme runs csrc/similarity_xent_dense.* (fingerprints.CSRC_SOURCES): its
+    identity is the build of those sources, its fused path's the build of the op's."""
+    monkeypatch.setattr(_extension, "build_fingerprints", lambda: {"similarity_xent": "ab" * 8,
+                                                                   "similarity_xent_dense": "cd" * 8})
+    assert verified.code_identity("cuda", "similarity_xent", "dense")["build"] == "cd" * 8
+    assert verified.code_identity("cuda", "similarity_xent", "fused")["build"] == "ab" * 8
+
+
 def test_the_projects_table_matches_this_checkout():
     """Every entry of verified.VERIFIED names a GPU backend, an op and a path it declares, every field of the rule,
     its evidence, the large sizes, and this checkout's code fields: an edit to the code a verified path runs voids
@@ -162,6 +171,27 @@ def test_stale_entries_are_reported():
     assert verified.stale_entries([cuda_current]) == []
     old_build = {**cuda_current, "build": "0" * 16}
     assert verified.stale_entries([old_build]) == [old_build]
+
+
+def test_an_installation_without_csrc_judges_cuda_entries_by_their_python_code(monkeypatch):
+    """An installed package has no csrc/ to fingerprint: a CUDA entry is stale only when its path's Python code
+    changed (the loaded extension reports the build a match compares)."""
+    def no_csrc(name):
+        raise FileNotFoundError(f"csrc/{name}.cu")
+
+    monkeypatch.setattr(fingerprints, "csrc_fingerprint", no_csrc)
+    current = verified.entry("cuda", "pair_scores", "full", {
+        **CUDA_ID, "fingerprint": fingerprints.path_fingerprint("cuda", "pair_scores", "full")}, "run")
+    old = {**current, "fingerprint": "0" * 16}
+    assert verified.stale_entries([current, old]) == [old]
+
+
+def test_a_warning_names_the_gpu_and_each_version_a_verification_must_match(cache, monkeypatch):
+    """describe, the identity a warning shows: the GPU with its sm_ number, then torch's and the backend's versions
+    and the path's fingerprint."""
+    monkeypatch.setattr(verified, "identity", lambda backend, op, path, dev: TRITON_ID)
+    assert verified.describe("triton", "pair_scores", "full", torch.device("cuda", 0)) == \
+        "H100 (sm_90), torch 2.11, triton 3.6, fingerprint 0123456789abcdef"
 
 
 def test_a_process_that_cannot_tell_its_identity_has_nothing_verified(cache, monkeypatch):
