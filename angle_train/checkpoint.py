@@ -76,7 +76,7 @@ from . import st_folder
 from .st_folder import META_FILE
 from .tracking import DEV_METRICS, metrics_row
 
-# Settings that fix which examples make up the batch at a saved position, or the LR schedule's length.
+# Settings that fix which examples make up the batch at a saved position.
 RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
                      "objective", "text_column", "mask_rates")
 

@@ -336,7 +336,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         cfg.bidirectional = True
     encoder, tokenizer = build_encoder(cfg, device) if model is None else (model[0].to(device), model[1])
     encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
-    weights_note = half_precision_weights_note(cfg, encoder)  # before --fsdp shards the weights
+    # before --fsdp shards the weights; on the main process, which prints it
+    weights_note = half_precision_weights_note(cfg, encoder) if dist_info.is_main else None
     # encode() on the trained encoder cuts texts where its exports' encode() will (the default, 512, was another)
     base = st_folder.find_folder(cfg.model)
     encoder.max_length = encoding_length(cfg.max_length, base, cfg.export_max_length, position_limit(encoder.backbone))
@@ -724,7 +725,7 @@ def examples_left_out(cfg: TrainConfig, n_examples: int) -> int:
 def half_precision_weights_note(cfg: TrainConfig, encoder: torch.nn.Module) -> str | None:
     """A note for a run whose trainable weights are 16-bit (--model-dtype bfloat16 or float16 without LoRA, whose
     adapters are float32), or None. AdamW updates them in place, with no float32 copy to accumulate into: a step,
-    about --lr in size (Adam's ratio of moments is about 1), moves a weight w only where it exceeds half the gap
+    at most about --lr in size (Adam's ratio of moments is at most about 1), moves a weight w only where it exceeds half the gap
     between w's neighbours, eps |w| / 2, so on every weight larger than 2 lr / eps it rounds away (bfloat16 at
     --lr 2e-5: weights above 0.005, most of a pretrained encoder's). The note gives that share of the weights."""
     half = [p for p in encoder.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
