@@ -36,6 +36,32 @@ def test_allowed_error_is_the_tolerance_or_twice_eagers_error():
         allowed_error(torch.bfloat16, "value")
 
 
+def test_the_float64_and_float32_tolerances_are_pinned():
+    """The tolerances every backend test is judged by, by value: float64 results within a relative 1e-10 (values)
+    and 1e-8 (gradients), float32 within 1e-5 and 1e-4; a float64 loss off by a relative 1e-9 fails."""
+    assert allowed_error(torch.float64, "value") == 1e-10
+    assert allowed_error(torch.float64, "grad") == 1e-8
+    assert allowed_error(torch.float32, "value") == 1e-5
+    assert allowed_error(torch.float32, "grad") == 1e-4
+    reference = torch.tensor([1.5, -0.25, 3.0], dtype=torch.float64)
+    assert rel_err(reference * (1 + 1e-11), reference) <= allowed_error(torch.float64, "value")
+    assert not rel_err(reference * (1 + 1e-9), reference) <= allowed_error(torch.float64, "value")
+
+
+def test_the_oracle_computes_in_float64_again_after_computing_in_another_dtype():
+    """Eager PyTorch's own error in bf16 (the half rule's baseline) is the oracle's formulas run inside
+    computing_in(bf16): after the block, raising or not, they are float64 again (else every later reference were bf16
+    and every later check judged against it)."""
+    x = randn(generator("computing_in"), 8, 4, dtype=torch.float64)
+    exact = float64_ops.similarity_xent(x, None, 20.0, "partner")
+    with float64_ops.computing_in(torch.bfloat16):
+        assert float64_ops.similarity_xent(x, None, 20.0, "partner").dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="a check failed"), float64_ops.computing_in(torch.bfloat16):
+        raise RuntimeError("a check failed")
+    again = float64_ops.similarity_xent(x, None, 20.0, "partner")
+    assert again.dtype == torch.float64 and torch.equal(again, exact)
+
+
 @pytest.mark.parametrize("symmetric", [True, False], ids=["c=q", "c given"])
 def test_the_oracles_dims_are_its_calls_on_the_truncated_rows_with_every_option(symmetric):
     """similarity_xent with dims is, by the contract, one call per prefix on the truncated rows, every option kept

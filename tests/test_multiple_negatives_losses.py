@@ -349,6 +349,24 @@ def test_each_prefix_filters_dot_products_with_its_own_tie_allowance(backend):
     _assert_dot_filter_per_prefix(backend, q, p, n, dims=(2, 4), margin=0.05)
 
 
+def test_the_dot_product_tie_allowance_scales_with_the_query_and_positive_norms(backend):
+    """Without dims, a row's allowance for ties with dot products is 2^-16 |q_i| |p_i| (the scale of its scores'
+    rounding), not |q_i|^2: row 0's query is 10^4 times longer than its positive, so a column at 0.96, above the
+    threshold 0.95 + 2^-16, leaves the partition function (an allowance of 2^-16 |q_0|^2 = 0.15 kept it)."""
+    skip_unless_implemented(backend, "similarity_lse")
+    q = torch.tensor([[100.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    p = torch.tensor([[0.01, 0.0], [0.0, 1.0]], dtype=torch.float64)  # row 0: positive 1.0, |q_0| |p_0| = 1
+    n = torch.tensor([[0.0096, 0.0], [0.0, -1.0]], dtype=torch.float64)  # row 0: 0.96 > 0.95 + 2^-16
+    options = dict(scale=1.0, similarity="dot", false_negative_margin=0.05)
+    ours = ak.multiple_negatives_ranking_loss(q.to(backend.device), p.to(backend.device), (n.to(backend.device),),
+                                              backend=backend.name, **options)
+    exact = oracle.multiple_negatives_ranking_loss(q, p, (n,), **options)
+    scores = q @ torch.cat([p, n]).T
+    logits = scores.masked_fill(torch.tensor([[False, False, True, False], [False] * 4]), -math.inf)
+    direct = torch.nn.functional.cross_entropy(logits, torch.arange(2))  # row 0's column 0.96 dropped
+    assert abs(float(ours) - float(direct)) < 1e-9 and abs(float(exact) - float(direct)) < 1e-9
+
+
 def _assert_dot_filter_per_prefix(backend, q, p, n, dims, margin):
     """MNRL with dot products, a false-negative filter and dims equals the sum of its calls on the truncated rows,
     and the oracle's."""

@@ -131,6 +131,34 @@ def test_with_graph_breaks_equal_to_eager(name):
     assert rel_err(grad, ref_grad) < 1e-10
 
 
+@pytest.mark.parametrize("operands", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("into_out", [False, True], ids=["add-another-tensor", "add-out-itself"])
+def test_a_compiled_sum_of_products_into_a_column_slice_equals_eager(operands, into_out):
+    """The backends' matrix products summed into a column slice of a larger tensor (a prefix's columns of a
+    gradient), traced whole: out = add + a @ b in the slice, the columns around it untouched, as in eager; `add`
+    another tensor or the slice itself."""
+    from angle_kernels.products import product_into
+
+    compute = torch.float64 if operands == torch.float64 else torch.float32
+    gen = torch.Generator().manual_seed(int(into_out))
+    a, b = (torch.randn(shape, generator=gen, dtype=torch.float64).to(operands) for shape in ((5, 4), (4, 3)))
+    base, addend = (torch.randn(shape, generator=gen, dtype=torch.float64).to(compute) for shape in ((5, 8), (5, 3)))
+
+    def summed(base, a, b, addend):
+        result = base.clone()
+        out = result[:, 2:5]
+        product_into(out, a, b, add=out if into_out else addend)
+        return result
+
+    torch._dynamo.reset()
+    ref = summed(base, a, b, addend)
+    value = torch.compile(summed, backend="aot_eager", fullgraph=True)(base, a, b, addend)
+    expected = base.clone()
+    expected[:, 2:5] = (base[:, 2:5] if into_out else addend) + a.to(compute) @ b.to(compute)
+    tolerance = 1e-12 if compute == torch.float64 else 1e-6  # float32 sums may round apart in another order
+    assert rel_err(ref, expected) < tolerance and rel_err(value, ref) < tolerance
+
+
 @pytest.mark.parametrize("name", ["cosine_loss", "in_batch_negative_loss"])
 def test_a_new_batch_size_recompiles_without_a_graph_break(name):
     """The second size makes dynamo recompile with symbolic shapes; that graph must be whole too."""

@@ -21,6 +21,7 @@ dispatches. What is checked, at 2N = 16,384 columns:
   (torch_ops/_similarity_lse_softmax.py), within the blocked form's budget; on CPU tensors, a call of one block
   keeps its softmax for backward, which then makes only its two gradient products; a CPU similarity_xent call of
   one block makes its three products and a bounded number of other ops (a small call's fixed cost).
+* with a CUDA device, the mixed-dtype products that have no addmm into float32 still add their addend.
 The CPU side: its budget and the rows it gives are pinned, and the ops still cut CPU tensors by CHUNK_ELEMENTS.
 """
 
@@ -403,6 +404,30 @@ def test_the_mixed_path_holds_no_more_than_the_default_path(monkeypatch, name, a
         return max(shape[-2] for _, shape in shapes if len(shape) >= 2 and shape[-1] == mc and shape[-2] < m)
 
     assert tile_rows(mixed_shapes) == tile_rows(default_shapes)
+
+
+@pytest.mark.parametrize("into_out", [False, True], ids=["add-another-tensor", "add-out-itself"])
+def test_mixed_products_without_addmm_into_fp32_still_add_the_addend(monkeypatch, into_out):
+    """On a GPU whose torch has mixed-dtype matrix products but no addmm into a float32 output, a sum of bf16
+    products into a float32 result is the product plus the addend: out = add + a @ b, with `add` another tensor
+    (the product written into out, then added) or out itself (products of pieces of rows added in). CUDA only: the
+    CPU has no mixed-dtype mm."""
+    if not torch.cuda.is_available():
+        pytest.skip("mixed-dtype matrix products need a CUDA device")
+    import angle_kernels.products as shared_products
+
+    device = torch.device("cuda", 0)
+    if not shared_products.mixed_products(device).mm:
+        pytest.skip(f"torch {torch.__version__} has no mixed-dtype mm on {device}")
+    monkeypatch.setitem(shared_products._mixed_products, device, shared_products.MixedProducts(True, False))
+    gen = generator("mixed products with an addend", into_out)
+    a = randn(gen, 8, 5).to(device, torch.bfloat16)
+    b = randn(gen, 5, 6).to(device, torch.bfloat16)
+    out = randn(gen, 8, 6).to(device)
+    add = out if into_out else randn(gen, 8, 6).to(device)
+    expected = add + a.float() @ b.float()
+    shared_products.product_into(out, a, b, add=add)
+    torch.testing.assert_close(out, expected)
 
 
 @pytest.mark.parametrize(("case", "most"), [("mnrl", 38), ("in_batch", 42), ("row_weights", 43)])
