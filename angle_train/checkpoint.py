@@ -830,7 +830,9 @@ def reconcile_best(cfg: TrainConfig, resume_from: str, position: Position) -> st
     Returns "ok" (best/ holds it now, or the checkpoint knows no best), "export" (it can only be rebuilt from the
     checkpoint's weights, which are that model: the caller exports them) or "missing" (nowhere to be found: best/ is
     then removed rather than left holding another model, and written again when this run's dev score beats the
-    checkpoint's). A best/ that records no step (an older angle_train's) is left as it is."""
+    checkpoint's). A checkpoint of an older angle_train records no best step: its best/ (recording none either) is
+    then left as it is; where the checkpoint names its best's step, a best/ that records none is not that model and
+    goes as any other."""
     best = os.path.join(cfg.output_dir, "best")
     record = best_record(best)
     if position.best is None or position.best_step is None:
