@@ -110,10 +110,13 @@ def test_an_explicit_resume_from_a_damaged_checkpoint_is_an_error(tmp_path):
 
 
 def test_resume_auto_with_every_checkpoint_damaged_is_an_error(tmp_path):
+    """Nothing to resume from is an error; with --overwrite 1 as well, the damaged run is replaced by a fresh one."""
     for path in _killed_run(tmp_path):
         os.remove(os.path.join(path, MANIFEST_FILE))
     with pytest.raises(ValueError, match="no checkpoint in .* matches its manifest .*no manifest.json"):
         train(_config(tmp_path, resume="auto"), train_examples=DATA)
+    fresh = train(_config(tmp_path, resume="auto", overwrite=True, max_steps=2), train_examples=DATA)
+    assert [row["step"] for row in fresh.history] == [1, 2]
 
 
 @pytest.mark.parametrize("failing_write", ["state", "rng", "manifest"])

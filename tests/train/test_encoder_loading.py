@@ -85,6 +85,18 @@ def test_an_adapter_export_reloads_with_trainable_adapters(tmp_path):
     assert trainable and all("lora_" in name for name in trainable)
 
 
+def test_an_adapter_export_reloads_over_the_base_model_named_by_the_caller(tmp_path):
+    """base_model= names the base to load the adapter over, whatever base the export records (here a folder moved
+    since)."""
+    pytest.importorskip("peft")
+    base, adapter = adapter_only_export(str(tmp_path))
+    moved = os.path.join(str(tmp_path), "moved-base")
+    os.rename(base, moved)
+    reloaded, tokenizer, meta = load_pretrained(adapter, base_model=moved)
+    assert meta["adapter_only"]
+    assert reloaded.encode(TEXTS, tokenizer).shape == (len(TEXTS), reloaded.embedding_dim)
+
+
 def test_a_causal_lm_architecture_not_in_the_list_is_a_decoder():
     """A model type angle_train does not list (a new or remote-code LLM) whose config names a *ForCausalLM
     architecture is a decoder LM: left padding and last-token pooling, not an encoder's first-token pooling."""

@@ -85,9 +85,11 @@ def test_a_run_holding_the_folder_in_another_process_refuses_the_second(tmp_path
         holder.wait()
 
 
-def test_a_lock_from_another_host_is_never_broken(tmp_path, capsys):
+@pytest.mark.parametrize("pid_here", ["alive", "dead"])
+def test_a_lock_from_another_host_is_never_broken(tmp_path, capsys, pid_here):
+    """Whether a process of that number runs on this host says nothing about the run on the other one."""
     out = tmp_path / "run"
-    _lock(out, host="node-17", pid=os.getpid())
+    _lock(out, host="node-17", pid=os.getpid() if pid_here == "alive" else _dead_pid())
     status, stdout, stderr = run("angle-train", ["--output-dir", str(out), *QUICK], capsys)
     assert_one_line_error("angle-train", status, stdout, stderr, "process")
     assert "on host node-17" in stderr and f"remove {out / LOCK_FILE} once that run is gone" in stderr
@@ -104,10 +106,15 @@ def test_a_stale_lock_of_this_host_is_taken_over_with_a_warning(tmp_path, capsys
     assert (out / "metrics.jsonl").exists() and not (out / LOCK_FILE).exists()  # released at the end
 
 
-def test_the_lock_is_released_when_a_start_is_refused(tmp_path):
+@pytest.mark.parametrize("folder_made_before", [False, True])
+def test_the_lock_is_released_when_a_start_is_refused(tmp_path, folder_made_before):
+    """The folder a refused run created for its lock, empty again, is gone too; an empty one the user made stays."""
+    if folder_made_before:
+        (tmp_path / "run").mkdir()
     with pytest.raises(ValueError, match="--batch-size 1 with format B"):
         train(_config(tmp_path / "run", batch_size=1), train_examples=DATA)
-    assert not (tmp_path / "run").exists()  # the folder it created for the lock, empty again, is gone too
+    assert (tmp_path / "run").exists() == folder_made_before
+    assert not folder_made_before or os.listdir(tmp_path / "run") == []
 
 
 def test_only_the_main_process_of_a_job_takes_the_lock(monkeypatch):

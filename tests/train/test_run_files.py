@@ -1,26 +1,56 @@
 """The files a run keeps safe, at their edges: the output folder's lock (a stale lock whose pid was reused is taken
-over; a run's release never removes another run's lock; a lock file without its host is refused in one line), and
-the checkpoints' bookkeeping (a kept best of a checkpoint's own step stays; a damaged last good checkpoint is passed
-over after a non-finite stop; a manifest must cover the state file; a swap of final/ or best/ that fails midway
-leaves a whole copy; an empty metrics.jsonl is no earlier run)."""
+over; a live process of another user keeps its lock; others wait while one run decides about the lock; a run's
+release never removes another run's lock; a lock file without its host is refused in one line), and the checkpoints'
+bookkeeping (a kept best of a checkpoint's own step stays; best/ on resume is the checkpoint's best or none; a damaged
+last good checkpoint is passed over after a non-finite stop; a manifest must cover the state file; a swap of final/
+or best/ leaves one whole copy, also when it fails midway; an empty metrics.jsonl is no earlier run)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
 
 import pytest
+from train_helpers import run_config
 
 from angle_train import checkpoint, run_lock
 
 
-def test_a_stale_lock_whose_pid_was_reused_is_taken_over(tmp_path, capsys):
+@pytest.mark.parametrize("process_start", ["1", "0"])
+def test_a_stale_lock_whose_pid_was_reused_is_taken_over(tmp_path, capsys, process_start):
+    """The start time told apart is /proc/PID/stat's field 22 (the one before it is always 0)."""
     with open(tmp_path / run_lock.LOCK_FILE, "w") as f:  # a live pid of this host, recorded with another start
-        json.dump({"host": socket.gethostname(), "pid": os.getppid(), "process_start": "1", "started": "then"}, f)
+        json.dump({"host": socket.gethostname(), "pid": os.getppid(), "process_start": process_start,
+                   "started": "then"}, f)
     lock = run_lock.acquire(str(tmp_path))
     assert "taking over the lock of a run that is gone" in capsys.readouterr().err
     lock.release()
+
+
+def test_the_lock_of_a_live_process_of_another_user_is_kept(tmp_path, monkeypatch):
+    """A process this user may not signal (os.kill: PermissionError) is alive: its run holds the folder."""
+    (tmp_path / run_lock.LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": 1, "started": "then"}))
+
+    def not_permitted(pid, signal):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(run_lock.os, "kill", not_permitted)
+    with pytest.raises(run_lock.OutputDirLocked, match="in use by another run .process 1 on this host"):
+        run_lock.acquire(str(tmp_path))
+
+
+def test_no_other_run_shares_the_folder_while_one_decides_about_the_lock(tmp_path):
+    """While one run reads, judges and writes the lock file, the folder's flock is exclusive: no other run holds it,
+    even to read, so two runs that find the same stale lock cannot both take it."""
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        with run_lock._folder_flock(str(tmp_path)):
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
 
 
 def test_a_runs_release_leaves_another_runs_lock(tmp_path):
@@ -49,6 +79,43 @@ def test_the_best_of_a_kept_checkpoints_own_step_stays(tmp_path):
     (tmp_path / "best" / checkpoint.META_FILE).write_text(json.dumps({"best": {"step": 6}}))
     checkpoint.prune_kept_bests(out)
     assert os.path.isdir(kept)
+
+
+def _best(folder, record: dict | None) -> None:
+    """folder as a best/ export whose metadata records `record` (None: no step, as an older angle_train wrote it)."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, checkpoint.META_FILE), "w") as f:
+        json.dump({} if record is None else {"best": record}, f)
+
+
+def test_a_best_written_after_a_checkpoint_that_knows_none_is_removed_on_resume(tmp_path):
+    """A killed run evaluated for the first time after its step-2 checkpoint: resumed from it, best/ (step 5's) is
+    no model the resumed run knows of."""
+    out = str(tmp_path)
+    _best(tmp_path / "best", {"step": 5, "dev_spearman": 0.4})
+    position = checkpoint.Position(step=2)
+    assert checkpoint.reconcile_best(run_config(out), checkpoint.checkpoint_path(out, 2), position) == "ok"
+    assert not (tmp_path / "best").exists()
+
+
+def test_a_best_recording_no_step_is_removed_when_the_checkpoints_best_is_missing(tmp_path):
+    """The checkpoint's best (step 2) is nowhere to be found: best/, recording no step, cannot be shown to be it and
+    is removed rather than reported as the run's best."""
+    out = str(tmp_path)
+    _best(tmp_path / "best", None)
+    position = checkpoint.Position(step=4, best=0.5, best_step=2)
+    assert checkpoint.reconcile_best(run_config(out), checkpoint.checkpoint_path(out, 4), position) == "missing"
+    assert not (tmp_path / "best").exists()
+
+
+def test_a_checkpoint_from_before_best_steps_were_recorded_leaves_best_as_it_is(tmp_path):
+    """A checkpoint of an older angle_train knows its best score but not its step: its best/ (recording no step
+    either) stays."""
+    out = str(tmp_path)
+    _best(tmp_path / "best", None)
+    position = checkpoint.Position(step=4, best=0.5, best_step=None)
+    assert checkpoint.reconcile_best(run_config(out), checkpoint.checkpoint_path(out, 4), position) == "ok"
+    assert (tmp_path / "best").is_dir()
 
 
 def test_a_damaged_last_good_checkpoint_is_passed_over(tmp_path):
@@ -84,6 +151,15 @@ def test_a_swap_that_fails_midway_leaves_a_whole_copy(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         checkpoint._swap_in(tmp, final)
     assert sorted(os.listdir(tmp_path)) == ["final.old", "final.tmp"]
+
+
+def test_a_swap_leaves_the_new_copy_alone(tmp_path):
+    final, tmp = tmp_path / "final", tmp_path / "final.tmp"
+    for folder, text in ((final, "old"), (tmp, "new")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_text(text)
+    checkpoint._swap_in(str(tmp), str(final))
+    assert sorted(os.listdir(tmp_path)) == ["final"] and (final / "model.safetensors").read_text() == "new"
 
 
 def test_an_empty_metrics_file_is_no_earlier_run(tmp_path):

@@ -89,6 +89,23 @@ def test_a_non_finite_step_is_skipped_and_changes_nothing(tmp_path, poison):
         run.log.close()
 
 
+def test_an_fp16_gradient_overflow_is_the_loss_scalers_to_skip():
+    """With fp16 loss scaling an overflowing gradient is routine (the scaler skips the update and lowers the scale):
+    no bad step. Without it, or with a non-finite loss, the step is a bad one."""
+    assert faults.is_finite_step(1.0, math.inf, loss_scaling=True)
+    assert not faults.is_finite_step(1.0, math.inf, loss_scaling=False)
+    assert not faults.is_finite_step(math.nan, 1.0, loss_scaling=True)
+
+
+def test_one_non_finite_embedding_makes_the_step_non_finite():
+    """A single NaN among finite embeddings (one text's overflow) gives a NaN loss, so the step is skipped."""
+    loss_fn = faults.SkipNonFiniteEmbeddings(lambda labels, embeddings: embeddings.sum())
+    embeddings = torch.ones(4, 3)
+    assert loss_fn(None, embeddings).item() == 12.0 and not loss_fn.seen
+    embeddings[1, 2] = math.nan
+    assert math.isnan(loss_fn(None, embeddings).item()) and loss_fn.seen
+
+
 def test_resume_after_a_skipped_step_is_exact(tmp_path):
     """The skipped step is in the checkpointed position (its batch consumed, the schedule not advanced): resuming
     from a checkpoint written after it ends bit-identical to the uninterrupted run."""
@@ -288,11 +305,13 @@ def test_a_dev_evaluation_without_a_finite_score_is_never_the_best(tmp_path, mon
             assert json.loads(image.text[CURVES_METADATA_KEY])["dev_steps"] == [2]
 
 
-def test_no_checkpoint_is_written_from_non_finite_weights(tmp_path):
+@pytest.mark.parametrize("weight", [0, -1], ids=["first", "last"])
+def test_no_checkpoint_is_written_from_non_finite_weights(tmp_path, weight):
+    """One NaN in any trainable weight, the first or the last, refuses the checkpoint."""
     run = setup(_config(tmp_path), model=make_encoder(), train_examples=DATA)
     run.log.close()
     with torch.no_grad():
-        next(p for p in run.encoder.parameters() if p.requires_grad)[0] = float("nan")
+        [p for p in run.encoder.parameters() if p.requires_grad][weight].view(-1)[0] = float("nan")
     with pytest.raises(ValueError, match="refusing to write checkpoint .* holds NaN or Inf"):
         save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
                         scheduler=run.scheduler, scaler=run.scaler)
@@ -316,6 +335,24 @@ def test_a_second_signal_stops_at_once():
         assert signal.getsignal(signal.SIGINT) is earlier
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_leaving_puts_back_the_earlier_handlers():
+    """Whether no signal came or one did, the handlers of SIGINT and SIGTERM installed before are back afterwards."""
+    def earlier(signum, frame):
+        pass
+
+    previous = {sig: signal.signal(sig, earlier) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for signals_sent in ([], [signal.SIGTERM]):
+            with faults.StopSignals():
+                for sig in signals_sent:
+                    signal.raise_signal(sig)
+                assert signal.getsignal(signal.SIGTERM) is not earlier
+            assert all(signal.getsignal(sig) is earlier for sig in previous)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def test_a_second_sigterm_terminates_the_process():

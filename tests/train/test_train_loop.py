@@ -112,6 +112,18 @@ def test_format_a_with_eval_keeps_the_best_model(tmp_path):
     assert os.path.isfile(tmp_path / "final" / "modules.json")
 
 
+def test_a_lora_runs_best_model_is_its_adapter_alone(tmp_path):
+    """best/ of a LoRA run is written at every new best: the adapter alone (over the base --model names), not a
+    merged copy of the whole model."""
+    result = train(_config(tmp_path, model="builtin:tiny-llama", lora=True, lora_r=4, max_steps=2, eval_every=1),
+                   train_examples=(demo_examples(32), "B"), dev_examples=demo_sts_examples(12, seed=5))
+    assert result.best_path == str(tmp_path / "best")
+    assert (tmp_path / "best" / "adapter_config.json").is_file()
+    assert not (tmp_path / "best" / "model.safetensors").exists()
+    with open(tmp_path / "best" / "angle_train.json") as f:
+        assert json.load(f)["adapter_only"]
+
+
 def test_query_positive_dev_data_picks_the_best_model_by_retrieval(tmp_path):
     """(query, positive) dev data (format B: angle-eval scores it by retrieval) was refused by --dev-data, so a
     retrieval run had no dev score to pick its best model by. It is scored by nDCG@10 of retrieving each query's own

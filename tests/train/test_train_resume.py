@@ -95,12 +95,14 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
 
 
 @pytest.mark.parametrize("change", [dict(lora_alpha=64), dict(pooling="avg"), dict(bidirectional=True),
-                                    dict(prompt="angle"), dict(model="base-moved")])
+                                    dict(prompt="angle"), dict(query_prompt="query: {text}"),
+                                    dict(doc_prompt="passage: {text}"), dict(model="base-moved")])
 def test_resume_refuses_settings_that_change_what_the_weights_compute(tmp_path, change, capsys, monkeypatch):
-    """A LoRA run resumed with another --lora-alpha, --pooling, --bidirectional or prompt (or another base model) went
-    on silently, training another model under the checkpoint's name (its adapter recorded with the new alpha). They
-    are refused; --model's folder is compared by where it is (a relative path, a folder moved since the checkpoint:
-    the same model), and a changed --max-length is said, as it applies from the resumed step on."""
+    """A LoRA run resumed with another --lora-alpha, --pooling, --bidirectional, --prompt, --query-prompt or
+    --doc-prompt (or another base model) went on silently, training another model under the checkpoint's name (its
+    adapter recorded with the new alpha). They are refused; --model's folder is compared by where it is (a relative
+    path, a folder moved since the checkpoint: the same model), and a changed --max-length is said, as it applies from
+    the resumed step on."""
     from angle_train.models import prepare_tokenizer
     from angle_train.tiny import build_backbone, build_tokenizer
 
@@ -150,6 +152,8 @@ def test_a_new_run_or_other_data_settings_are_refused_where_a_run_left_checkpoin
         train(_config(tmp_path, max_steps=3), train_examples=data)
     with pytest.raises(ValueError, match=r"cannot resume .*--batch-size: 8 -> 4.*would skip or repeat training data"):
         train(_config(tmp_path, max_steps=3, batch_size=4, resume="auto"), train_examples=data)
+    with pytest.raises(ValueError, match=r"cannot resume .*--grad-accum: 1 -> 2.*would skip or repeat training data"):
+        train(_config(tmp_path, max_steps=3, grad_accum=2, resume="auto"), train_examples=data)
 
 
 @pytest.mark.parametrize("shorter,first,longer,refusal,change", [
@@ -183,7 +187,8 @@ def test_a_finished_run_is_extended_by_a_longer_resume_and_a_shorter_one_is_refu
 
 def test_a_finished_run_is_refused_unless_overwrite_is_asked(tmp_path, capsys):
     """With the defaults (no checkpoints), a second run into a finished run's folder is refused, with or without
-    --resume auto (nothing to resume); --overwrite deletes that run's outputs (best/ too), and nothing else."""
+    --resume auto (nothing to resume); --overwrite deletes that run's outputs (best/ too, and the record of a
+    non-finite stop and the checkpoints a resume set aside), and nothing else."""
     data = (demo_examples(20, seed=3), "B")
     first = train(_config(tmp_path, max_steps=2, save_every=0, save_final=True), train_examples=data)
     (tmp_path / "best").mkdir()  # as an evaluated run leaves it
@@ -192,8 +197,11 @@ def test_a_finished_run_is_refused_unless_overwrite_is_asked(tmp_path, capsys):
         with pytest.raises(ValueError, match=r"holds an earlier run \(best/, final/, metrics.jsonl\).*--overwrite 1"):
             train(_config(tmp_path, max_steps=2, save_every=0, resume=resume), train_examples=data)
     assert (tmp_path / "best").is_dir() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    (tmp_path / "set-aside" / "after-step-00000001").mkdir(parents=True)  # as a rollback leaves them
+    (tmp_path / "stopped-non-finite.json").write_text('{"step": 2, "good_checkpoint": null}')
     again = train(_config(tmp_path, max_steps=1, save_every=0, save_final=True, overwrite=True), train_examples=data)
     assert not (tmp_path / "best").exists() and (tmp_path / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "set-aside").exists() and not (tmp_path / "stopped-non-finite.json").exists()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
     assert again.final_path == first.final_path and (tmp_path / "final" / "config.json").exists()
 
@@ -560,6 +568,35 @@ def test_resume_refuses_other_dev_data_and_says_a_changed_loss_setting(tmp_path,
     assert [row["step"] for row in resumed.history] == [3, 4]
     assert "resuming with changed settings (--ibn-tau 20.0 -> 10.0): they apply from step 2 on" in (
         capsys.readouterr().out)
+
+
+def test_resume_refuses_another_split_of_the_dev_dataset(tmp_path, monkeypatch):
+    """--dev-split names the dev data as --dev-data does: another split of the same Hugging Face dataset is other dev
+    data, refused as another dataset is."""
+    from angle_train import trainer
+    from angle_train.evaluate import StsSet
+
+    monkeypatch.setattr(trainer, "read_dev_data", lambda source, split, columns=None: StsSet("dev", DEV))  # offline
+    data = (demo_examples(20, seed=3), "B")
+    train(_best_config(tmp_path / "run", dev_data="someone/sts-pairs"), train_examples=data, on_step=_stop_at(2))
+    with pytest.raises(ValueError, match=r"cannot resume from .* with other dev data \(--dev-split: 'validation' -> "
+                                         r"'test'\): its best model \(step"):
+        train(_best_config(tmp_path / "run", dev_data="someone/sts-pairs", dev_split="test", resume="auto"),
+              train_examples=data)
+
+
+def test_a_checkpoint_from_before_any_evaluation_resumes_with_other_dev_data(tmp_path):
+    """A checkpoint written before the first evaluation knows no best score to compare: it resumes with other dev
+    data, which then picks the best model."""
+    from test_cli_errors import write_stsb
+
+    data = (demo_examples(20, seed=3), "B")
+    settings = dict(max_steps=4, save_every=2, eval_every=4)
+    train(_config(tmp_path / "run", dev_data="builtin:demo-sts", **settings), train_examples=data,
+          on_step=_stop_at(3))
+    other = write_stsb(tmp_path / "other-sts.csv")
+    resumed = train(_config(tmp_path / "run", dev_data=str(other), resume="auto", **settings), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [3, 4] and [row["step"] for row in resumed.evals] == [4]
 
 
 def _write_pairs(path, examples, extra_column=None) -> str:
