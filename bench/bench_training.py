@@ -476,7 +476,7 @@ def steps_done(kind: str, record: dict, workdir: Path) -> int | None:
     the record as `said`: their own throughput figures, for a cross-check; never used in the estimates)."""
     if kind == "ours":
         for line in reversed(record["tail"]):
-            found = re.match(r"done: (\d+) steps", line)
+            found = re.match(r"done: (\d+) steps? ", line)  # "1 step", "2 steps"
             if found:
                 record["said"] = line
                 return int(found.group(1))

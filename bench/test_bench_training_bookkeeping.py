@@ -340,3 +340,13 @@ def test_only_a_gpu_run_stops_trying_a_contender_that_failed(tmp_path, gpu):
                      {"c": ("ours", [])}, {}, None, None, None, None, time.monotonic())
     assert b.failed == ({("s", "c")} if gpu else set())
     assert b.active(setting) == ([] if gpu else ["c"])
+
+
+def test_the_steps_a_run_made_are_read_from_angle_trains_summary_line(tmp_path):
+    """angle-train's last line counts its steps ("done: 1 step | ...", "done: 2 steps | ..."); a run that never
+    printed it (killed, failed) made none the benchmark can count."""
+    for steps, line in ((1, "done: 1 step | loss 0.5000 (mean of the last 1 step) | 9.0 pairs/s"),
+                        (12, "done: 12 steps | loss 0.5000 (mean of the last 4 steps) | 9.0 pairs/s")):
+        record = {"tail": ["angle_train: ...", line, "curves.png written"]}
+        assert bt.steps_done("ours", record, tmp_path) == steps and record["said"] == line
+    assert bt.steps_done("ours", {"tail": ["Traceback (most recent call last):"]}, tmp_path) is None
