@@ -725,9 +725,9 @@ def examples_left_out(cfg: TrainConfig, n_examples: int) -> int:
 def half_precision_weights_note(cfg: TrainConfig, encoder: torch.nn.Module) -> str | None:
     """A note for a run whose trainable weights are 16-bit (--model-dtype bfloat16 or float16 without LoRA, whose
     adapters are float32), or None. AdamW updates them in place, with no float32 copy to accumulate into: a step,
-    at most about --lr in size (Adam's ratio of moments is at most about 1), moves a weight w only where it exceeds half the gap
-    between w's neighbours, eps |w| / 2, so on every weight larger than 2 lr / eps it rounds away (bfloat16 at
-    --lr 2e-5: weights above 0.005, most of a pretrained encoder's). The note gives that share of the weights."""
+    at most about --lr in size (Adam's ratio of moments is at most about 1), moves a weight w only where it exceeds
+    half the gap between w's neighbours, eps |w| / 2, so on every weight larger than 2 lr / eps it rounds away
+    (bfloat16 at --lr 2e-5: weights above 0.005, most of a pretrained encoder's). The note gives that share."""
     half = [p for p in encoder.parameters() if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
     if not half:
         return None
