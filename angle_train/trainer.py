@@ -740,7 +740,8 @@ def half_precision_weights_note(cfg: TrainConfig, encoder: torch.nn.Module) -> s
             f"{cfg.model_dtype}), and AdamW updates them in that dtype, with no float32 copy: its steps, at most "
             f"about --lr {cfg.lr:g} in size, round away on weights larger than {bound:.2g} in magnitude, "
             f"{rounded / total:.0%} of these. Keep float32 weights and autocast the forward pass (--model-dtype "
-            "float32 --bf16), or train LoRA adapters (--lora 1), which are float32")
+            f"float32 {'--bf16' if dtype == torch.bfloat16 else '--fp16'}), or train LoRA adapters (--lora 1), which "
+            "are float32")
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.AdamW:

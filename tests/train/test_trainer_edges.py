@@ -86,6 +86,7 @@ def test_16_bit_trainable_weights_are_noted_with_the_share_adamw_steps_cannot_mo
     layer(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()
     optimizer.step()
     assert (layer.weight.detach() != before).tolist() == [[True, True, False, False]]
+    assert "(--model-dtype float32 --fp16)" in half_precision_weights_note(cfg, layer.half())
     assert half_precision_weights_note(cfg, layer.float()) is None
 
 
