@@ -416,7 +416,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         real_share = expected_useful_tokens(cfg, dataset, order_of(position.epoch), dist_info)
         print(f"angle_train: {cfg.model} | {n_trainable:,}/{n_total:,} trainable | {dataset.describe()} | "
               f"{total_steps} step{'s' * (total_steps != 1)} of {cfg.batch_size}x{cfg.grad_accum} "
-              f"{'sentences' if fmt is None else 'pairs'} | "
+              f"{batch_items(fmt)} | "
               f"{describe_passes(cfg)} ({real_share:.0%} of "
               f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
               + ("bidirectional attention (the model folder's angle_train.json) | " if folders_attention else "") +
@@ -720,6 +720,11 @@ def examples_left_out(cfg: TrainConfig, n_examples: int) -> int:
     last incomplete batch and the batches short of a whole step are dropped (epoch_batches, next_batches)."""
     per_step = cfg.batch_size * cfg.grad_accum
     return n_examples - (n_examples // cfg.batch_size // cfg.grad_accum) * per_step
+
+
+def batch_items(fmt: str | None) -> str:
+    """What a batch holds, as the run's lines name it: ArcCSE's sentences (no data format), else pairs."""
+    return "sentences" if fmt is None else "pairs"
 
 
 def half_precision_weights_note(cfg: TrainConfig, encoder: torch.nn.Module) -> str | None:
@@ -1189,7 +1194,7 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
               + (f"; dev: {dev_data}, {dev_description(run.dev_set)}" if run.dev_set else ""),
               f"- loss: {loss}",
               f"- steps: {position.step} optimizer step{'s' * (position.step != 1)} of {run.total_steps}, each "
-              f"{cfg.batch_size} x {cfg.grad_accum} {'sentences' if fmt is None else 'pairs'}; lr {cfg.lr:g} "
+              f"{cfg.batch_size} x {cfg.grad_accum} {batch_items(fmt)}; lr {cfg.lr:g} "
               f"({cfg.schedule}, warmup {warmup_steps(cfg, run.total_steps)} steps); texts cut at {cfg.max_length} "
               "tokens", ""]
     if evals:
@@ -1292,7 +1297,7 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
         return result
     last = result.history[-1]
     mean_loss, steps = run.log.last_loss or (last["loss"], 1)
-    unit = "sentences" if cfg.objective == "arccse" else "pairs"  # what a batch holds (the header's word)
+    unit = batch_items(getattr(run.dataset, "fmt", None))
     print(f"done: {position.step} step{'s' * (position.step != 1)} | loss {mean_loss:.4f} (mean of the last {steps} "
           f"step{'s' * (steps != 1)}) | {last['pairs_per_s']:.1f} {unit}/s | "
           f"{last['tokens_per_s']:.0f} tokens/s | peak memory {peak_memory_gb(run.device):.2f} GB"
