@@ -45,3 +45,23 @@ def test_backend_triton_without_triton_says_what_to_install(interpreting, monkey
     with pytest.raises(RuntimeError, match=r"pip install 'angle_kernels\[triton\]'.*backend='torch'") as raised:
         ak.cosine_loss(y_true, y_pred, backend="triton")
     assert "TRITON_INTERPRET" not in str(raised.value)  # a setting cannot help without the package
+
+
+def test_the_former_modules_of_the_checks_still_export_them():
+    """angle_kernels.checks and angle_kernels.options, where the losses' checks lived before angle_kernels.inputs,
+    still export each of them: code that imports them from there keeps working."""
+    from angle_kernels import checks, inputs, options
+
+    exported = {
+        checks: ("check_binary_labels", "check_choice", "check_columns", "check_embedding_group", "check_embeddings",
+                 "check_finite", "check_labels", "check_same_device", "check_same_shape", "check_scalar",
+                 "check_scale", "input_checks", "input_checks_enabled", "promote_embeddings", "set_input_checks"),
+        options: ("DIRECTIONS", "DimWeights", "Dims", "HARDNESS_MODES", "IBN_PARTITIONS", "LayerWeights",
+                  "MARGIN_STRATEGIES", "MultipleNegativesCall", "Nested", "PARTITION_MODES", "POOLING_STRATEGIES",
+                  "SIMILARITIES", "check_angle_dim", "check_arccon_options", "check_false_negative_filter",
+                  "check_group_ids", "check_in_batch_options", "check_layer_stack", "check_multiple_negatives",
+                  "check_nested", "check_triplets", "check_two_views", "check_zigzag", "espresso_layer_weights"),
+    }
+    for module, names in exported.items():
+        for name in names:
+            assert getattr(module, name, None) is getattr(inputs, name), f"{module.__name__}.{name}"

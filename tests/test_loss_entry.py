@@ -129,6 +129,18 @@ def test_backward_inside_autocast_warns_once(monkeypatch):
         loss.backward()  # after the region: nothing to say
 
 
+def test_a_loss_whose_tensors_come_in_a_list_computes_outside_autocast_too():
+    """A loss taking its rows as a list (the sentence-transformers integration's columns) leaves the region for the
+    list's first tensor: the products between its ops run in float32, not in the region's 16 bits."""
+    from angle_kernels.contract import loss_entry
+
+    products = loss_entry(lambda model, rows: rows[0] @ rows[1].T)
+    a, b = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(6)).unbind(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = products(None, [a, b])
+    assert inside.dtype == torch.float32 and torch.equal(inside, a @ b.T)
+
+
 @pytest.mark.parametrize("name", list(CALLS))
 def test_a_second_derivative_is_refused(name):
     y = torch.randn(6, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()

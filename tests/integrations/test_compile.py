@@ -301,6 +301,18 @@ def test_compiled_inside_autocast_equals_eager(name, monkeypatch):
     assert rel_err(grad, ref_grad) < 1e-6
 
 
+def test_computing_outside_the_compiled_graph_gives_its_advice_once(monkeypatch):
+    """The advice (set backward_pass_autocast = 'off') comes with the first call computed outside the compiled graph,
+    not at every training step; each call still computes."""
+    from angle_kernels import contract
+    monkeypatch.setattr(contract, "_warned_autocast_backward", False)
+    with pytest.warns(UserWarning, match="backward_pass_autocast = 'off'"):
+        assert contract.call_outside_the_graph(torch.add, torch.ones(2), 1.0).tolist() == [2.0, 2.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert contract.call_outside_the_graph(torch.add, torch.ones(2), 2.0).tolist() == [3.0, 3.0]
+
+
 def test_compiled_inside_autocast_with_fullgraph_names_the_setting():
     torch._dynamo.reset()
     encoder, step = _encoded_loss(LOSSES["angle_loss"])
