@@ -354,9 +354,12 @@ def test_an_ese_trainer_whose_loss_has_dims_of_its_own_keeps_them(ae, deep_model
                                             loss_kwargs=dict(cosine_w=1.0, ibn_w=1.0, angle_w=1.0, dims=[4, 8]))
         assert list(trainer.loss_fct.dims) == [4, 8]  # angle_kernels' AngleLoss, with dims
         with torch.no_grad():
-            expected = float(reference_method(trainer, model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
-            got = float(trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
-    assert got == pytest.approx(expected, rel=1e-12)
+            expected, expected_outputs = reference_method(
+                trainer, model, _trainer_inputs(tokenizer, SENTENCES[:12], labels), return_outputs=True)
+            got, outputs = trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels),
+                                                return_outputs=True)
+    assert float(got) == pytest.approx(float(expected), rel=1e-12)
+    assert torch.equal(outputs, expected_outputs)
 
 
 @pytest.mark.parametrize("change", ["subclass", "forward_hook"])
@@ -436,3 +439,70 @@ def test_an_ese_trainer_whose_loss_has_a_forward_pre_hook_keeps_the_reference_ca
             expected = float(reference_method(trainer, model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
             got = float(trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels)))
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_an_ese_trainer_patched_with_a_backend_computes_every_step_in_one_call(ae, deep_model_dir, tmp_path,
+                                                                               monkeypatch):
+    """patch(backend=...) makes the trainer's loss angle_kernels' AngleLoss bound to that backend, which Espresso's
+    fused call takes too: one loss call a step, step after step (the trainer's own loss keeps no dims), with the
+    reference's value, and compute_loss(return_outputs=True) returns the loss with the final layer's pooled
+    embeddings, as the reference's does (the trainer's evaluation asks for them)."""
+    from angle_kernels.testing.tiny_model import SENTENCES
+
+    angle_mod, model, tokenizer, labels, args = _ese_case(ae, deep_model_dir, tmp_path)
+    reference_method = angle_mod.AngleESETrainer.compute_loss
+    calls = []
+    forward = angle_kernels.AngleLoss.forward
+    monkeypatch.setattr(angle_kernels.AngleLoss, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    with integration.patched(backend="torch"):
+        trainer = angle_mod.AngleESETrainer(pooler=angle_mod.Pooler(model, pooling_strategy="cls"), model=model,
+                                            args=args, dataset_format="A", ese_compression_size=8,
+                                            apply_ese_pca=False)
+        with torch.no_grad():
+            expected, expected_outputs = reference_method(
+                trainer, model, _trainer_inputs(tokenizer, SENTENCES[:12], labels), return_outputs=True)
+            calls.clear()
+            steps = [trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels),
+                                          return_outputs=True) for _ in range(2)]
+    assert len(calls) == 2, f"one loss call a step, got {len(calls)} in two steps"
+    assert trainer.loss_fct.dims is None
+    for got, outputs in steps:
+        assert float(got) == pytest.approx(float(expected), rel=1e-12)
+        assert torch.equal(outputs, expected_outputs)
+
+
+def test_patched_ese_trainer_adds_the_masked_language_model_term(ae, deep_model_dir, tmp_path):
+    """With mask_target_labels in the batch (a masked-LM backbone, angle-emb's load_mlm_model=True), Espresso adds
+    the MLM cross-entropy to its loss: the patched trainer gives the reference's loss and gradients."""
+    from transformers import AutoTokenizer, BertForMaskedLM, TrainingArguments
+
+    from angle_kernels.testing.tiny_model import SENTENCES
+
+    angle_mod = ae["angle_emb.angle"]
+    torch.manual_seed(0)  # the MLM head the checkpoint lacks
+    model = BertForMaskedLM.from_pretrained(deep_model_dir).to(torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(deep_model_dir)
+    labels = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64).repeat_interleave(2).unsqueeze(1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+
+    def loss_and_grads():
+        trainer = angle_mod.AngleESETrainer(pooler=angle_mod.Pooler(model, pooling_strategy="cls"), model=model,
+                                            args=args, dataset_format="A", ese_compression_size=8,
+                                            apply_ese_pca=False)
+        inputs = _trainer_inputs(tokenizer, SENTENCES[:12], labels)
+        inputs["mask_target_labels"] = inputs["input_ids"].clone()
+        model.zero_grad(set_to_none=True)
+        value = trainer.compute_loss(model, inputs)
+        value.backward()
+        return value.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_value, ref_grads = loss_and_grads()
+    with integration.patched():
+        value, grads = loss_and_grads()
+    assert rel_err(value, ref_value) < 1e-12, (value.item(), ref_value.item())
+    assert set(grads) == set(ref_grads) and grads
+    assert any("cls.predictions" in name for name in grads), "the MLM head took no part in the loss"
+    overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref_grads.values()]))
+    for name, ref in ref_grads.items():
+        scale = max(float(torch.linalg.vector_norm(ref)), 1e-6 * float(overall))
+        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < 1e-10, name

@@ -155,6 +155,11 @@ def test_the_model_is_restored_after_the_fused_forward(deep_model64):
         loss(batch_columns(deep_model64, 2), torch.tensor(GRADED[:3]))
     assert (deep_model64.forward, deep_model64[0].forward) == forwards
     assert loss.loss is inner
+    with pytest.raises(ValueError, match="input_ids"):  # raised inside the parent's forward, by the model
+        loss([{"attention_mask": features["attention_mask"]} for features in batch_columns(deep_model64, 2)],
+             torch.tensor(GRADED))
+    assert (deep_model64.forward, deep_model64[0].forward) == forwards
+    assert loss.loss is inner
 
 
 def test_float32_within_float32_tolerances(deep_model64):

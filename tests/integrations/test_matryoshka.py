@@ -41,6 +41,9 @@ CASES = [
     ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.euclidean_sim}, 2, None, (32, 16), None, -1, False),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, 3, None, (32, 16, 8), None, -1, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 3}, 2, None, (32, 16, 8, 4), (4, 3, 2, 1), 2, True),
+    # a cached loss that runs the parent's computation: the parent's loop over the dimensions, backward included
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4, "similarity_fct": st_util.euclidean_sim}, 2, None,
+     (32, 16), None, -1, False),
     # a dimension listed twice: one weighted term per entry, as the parent sums them
     ("MultipleNegativesRankingLoss", {}, 2, None, (32, 16, 16), None, -1, True),
     ("CoSENTLoss", {}, 2, GRADED, (32, 8, 8, 4), (1.0, 0.5, 2.0, 1.0), 3, True),
@@ -80,9 +83,11 @@ def test_same_value_and_gradients_as_sentence_transformers(model64, fused_calls,
     calls = fused_calls["ranking_terms"] + fused_calls["multiple_negatives"]  # the losses' entry halves
     if fused:
         assert calls == 1, f"one fused call for every dimension, got {fused_calls}"
-    elif inner != "MultipleNegativesRankingLoss":
+    elif replacement.loss.uses_fused_path:
         used = min(len(dims), per_step) if per_step > 0 else len(dims)
         assert calls == used, f"the parent's loop calls the inner loss once per dimension, got {fused_calls}"
+    else:
+        assert calls == 0, f"an inner loss running unfused never reaches the fused functions, got {fused_calls}"
 
 
 # every weight 0, or a step whose sampled dimensions all weigh 0: (inner class, kwargs, columns, labels, dims,

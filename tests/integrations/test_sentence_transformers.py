@@ -52,6 +52,7 @@ CASES = [
                                       "directions": ALL_DIRECTIONS, "hardness_mode": "hard_negatives",
                                       "hardness_strength": 0.5}, 3, None, True),
     ("MultipleNegativesRankingLoss", {"similarity_fct": st_util.euclidean_sim, "scale": 1.0}, 2, None, False),
+    ("MultipleNegativesRankingLoss", {}, 4, None, True),  # two hard-negative columns
     # flags the parent reads by truth value: numpy's bool, 0 and 1
     ("MultipleNegativesRankingLoss", {"gather_across_devices": np.bool_(False)}, 2, None, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4, "gather_across_devices": 0}, 2, None, True),
@@ -63,6 +64,8 @@ CASES = [
                                             "hardness_strength": 2.0}, 3, None, True),
     ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4, "similarity_fct": st_util.dot_score,
                                             "scale": 1.0}, 3, None, True),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4, "similarity_fct": st_util.euclidean_sim,
+                                            "scale": 1.0}, 2, None, False),
     ("MultipleNegativesSymmetricRankingLoss", {}, 2, None, True),
     ("MultipleNegativesSymmetricRankingLoss", {"scale": 10.0}, 3, None, True),
     ("MultipleNegativesSymmetricRankingLoss", {"similarity_fct": st_util.dot_score, "scale": 1.0}, 2, None, True),
@@ -166,6 +169,22 @@ def test_the_deprecated_symmetric_losses_warn_like_their_parents(model64, class_
     with pytest.warns(DeprecationWarning) as our_warnings:
         getattr(ours, class_name)(model64)
     assert [str(w.message) for w in our_warnings] == [str(w.message) for w in parent_warnings]
+    # attributed to the line that builds the loss (a training script), as the parent's: not to angle_kernels
+    assert [w.filename for w in our_warnings] == [w.filename for w in parent_warnings] == [__file__]
+
+
+def test_the_symmetric_loss_sets_its_directions_where_an_older_parent_has_none(model64):
+    """sentence-transformers 6.x releases before `directions` compute MultipleNegativesSymmetricRankingLoss without
+    the attributes: the drop-in then sets the per-direction symmetric directions itself, and computes the
+    parent's loss (not the one-direction default of the fused call)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        original = st_losses.MultipleNegativesSymmetricRankingLoss(model64)
+        replacement = ours.MultipleNegativesSymmetricRankingLoss(model64)
+    del replacement.directions, replacement.partition_mode  # as an older parent leaves the loss
+    with pytest.warns(DeprecationWarning):
+        ours._become_symmetric(replacement, st_losses.MultipleNegativesSymmetricRankingLoss)
+    compare(model64, original, replacement, 2, None, value_tol=1e-12, grad_tol=1e-10)
 
 
 def test_float32_within_float32_tolerances(tiny_model_dir):
@@ -200,6 +219,23 @@ def test_bad_label_count_fails_like_the_parent():
             cls(None).compute_loss_from_embeddings([u, u.clone()], torch.ones(3))
     with pytest.raises(ValueError, match="requires labels"):
         ours.AnglELoss(None).compute_loss_from_embeddings([u, u.clone()], None)
+    for loss in (st_losses.AnglELoss(None), ours.AnglELoss(None)):  # (anchor, positive, negative) triplets
+        with pytest.raises(ValueError, match="AnglELoss expects 4 labels .* got 3 labels"):
+            loss.compute_loss_from_embeddings([u, u.clone(), u.clone()], torch.ones(3))
+
+
+def test_the_pair_losses_refuse_nan_labels_and_columns_of_different_shapes():
+    """A NaN or Inf label raises a ValueError naming the labels (the parents return NaN), and two columns of
+    different shapes a ValueError naming the second (not a RuntimeError from inside the computation)."""
+    gen = torch.Generator().manual_seed(0)
+    u, v = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+    for name in ("CoSENTLoss", "AnglELoss"):
+        loss = getattr(ours, name)(None)
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="labels contains NaN or Inf"):
+                loss.compute_loss_from_embeddings([u, v], torch.tensor([0.1, bad, 0.5, 0.9]))
+        with pytest.raises(ValueError, match=r"embeddings_b must have the shape of embeddings_a \(4, 8\)"):
+            loss.compute_loss_from_embeddings([u, torch.randn(5, 8, generator=gen)], torch.rand(4))
 
 
 def test_labels_of_any_shape_with_one_per_pair_are_taken_as_the_parent_takes_them():
@@ -224,6 +260,30 @@ def test_a_backend_is_checked_at_construction(model64, guide64):
         with pytest.raises(ValueError, match="backend must be None or one of 'auto'.*got 'tritn'"):
             make(backend="tritn")
         assert make(backend="torch").backend == "torch"
+
+
+def test_the_backend_given_to_a_drop_in_computes_its_loss(model64, guide64):
+    """backend= reaches the fused computation of every drop-in: "cuda" on CPU embeddings is refused by that backend
+    (a drop-in that dropped it would compute on the automatic choice instead, in silence)."""
+    gen = torch.Generator().manual_seed(0)
+    u, v, w = (torch.randn(4, 8, generator=gen) for _ in range(3))
+    labels = torch.rand(4, generator=gen)
+    calls = {
+        "CoSENTLoss": lambda: ours.CoSENTLoss(None, backend="cuda").compute_loss_from_embeddings([u, v], labels),
+        "AnglELoss pairs": lambda: ours.AnglELoss(None, backend="cuda").compute_loss_from_embeddings([u, v], labels),
+        "AnglELoss triplets": lambda: ours.AnglELoss(None, backend="cuda").compute_loss_from_embeddings([u, v, w],
+                                                                                                       None),
+        "MultipleNegativesRankingLoss": lambda: ours.MultipleNegativesRankingLoss(
+            None, backend="cuda").compute_loss_from_embeddings([u, v], None),
+        "CachedMultipleNegativesRankingLoss": lambda: ours.CachedMultipleNegativesRankingLoss(
+            torch.nn.Sequential(_Embed()), backend="cuda").calculate_loss([[u], [v]]),
+        "GISTEmbedLoss": lambda: value_and_grads(model64, ours.GISTEmbedLoss(model64, guide64, backend="cuda"), 2,
+                                                 None),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="backend 'cuda' needs CUDA tensors"):
+            call()
+            pytest.fail(f"{name} computed without its backend")
 
 
 @pytest.mark.parametrize("name", ["CoSENTLoss", "AnglELoss", "MultipleNegativesRankingLoss"])
@@ -346,6 +406,28 @@ def test_gist_refuses_a_similarity_fct_put_in_after_construction(model64, guide6
         with pytest.raises(ValueError, match=f"{class_name} computes cosine similarities.*similarity_fct was "
                                              "replaced"):
             value_and_grads(model64, loss, 2, None)
+    # over dim 1, the last of the [rows, D] embeddings: the parent's own similarity, accepted with the same loss
+    loss = getattr(ours, class_name)(model64, guide64, **kwargs)
+    expected = value_and_grads(model64, loss, 2, None)[0]
+    loss.similarity_fct = torch.nn.CosineSimilarity(dim=1)
+    assert float(value_and_grads(model64, loss, 2, None)[0]) == pytest.approx(float(expected), rel=1e-12)
+
+
+def test_gist_retokenises_packed_sequences_text_by_text(model64, guide64):
+    """Packed features (every text in one row, cut at cu_seq_lens_q) give the guide the same texts as padded
+    features, when the guide must re-tokenise them."""
+    from angle_kernels.testing.tiny_model import SENTENCES
+
+    # a guide shorter than the model (so it re-tokenises) and longer than these texts (so it sees them whole)
+    loss = ours.GISTEmbedLoss(model64, load_sentence_transformer_like(guide64, max_seq_length=16))
+    assert loss.must_retokenize
+    texts = SENTENCES[:3]
+    ids = [model64.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    cuts = torch.tensor([0, *np.cumsum([len(row) for row in ids])])
+    packed = {"input_ids": torch.tensor([[token for row in ids for token in row]]), "cu_seq_lens_q": cuts}
+    got, = loss._guide_features([packed])
+    expected = loss.guide.preprocess(texts)
+    assert torch.equal(got["input_ids"], expected["input_ids"])
 
 
 def load_sentence_transformer_like(model, max_seq_length: int):
@@ -359,19 +441,24 @@ def load_sentence_transformer_like(model, max_seq_length: int):
 # --------------------------------------------------------------------------------------------------------
 # The number of input columns: a ValueError naming the loss, the count and what it takes (not an IndexError)
 # --------------------------------------------------------------------------------------------------------
-# (class name, column counts it refuses); the valid counts are those of the cases above
-WRONG_COLUMNS = [("CoSENTLoss", (1, 3)), ("AnglELoss", (1,)), ("MultipleNegativesRankingLoss", (1,)),
-                 ("MultipleNegativesSymmetricRankingLoss", (1,))]
+# (class name, constructor kwargs, column counts it refuses, the counts it takes as the message says them); the
+# valid counts are those of the cases above
+WRONG_COLUMNS = [("CoSENTLoss", {}, (1, 3), "2"), ("AnglELoss", {}, (1,), "2 or more"),
+                 ("MultipleNegativesRankingLoss", {}, (1,), "2 or more"),
+                 ("MultipleNegativesSymmetricRankingLoss", {}, (1,), "2 or more"),
+                 # a similarity that runs the parent's computation (which ignores a third column): refused too
+                 ("CoSENTLoss", {"similarity_fct": st_util.pairwise_dot_score}, (1, 3), "2")]
 
 
 def test_a_wrong_number_of_columns_names_the_loss_and_what_it_expects():
     u = torch.randn(4, 8)
-    for class_name, counts in WRONG_COLUMNS:
+    for class_name, kwargs, counts, takes in WRONG_COLUMNS:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            loss = getattr(ours, class_name)(None)
+            loss = getattr(ours, class_name)(None, **kwargs)
         for count in counts:
-            expected = rf"^{class_name} got {count} input columns?; it expects .*\((anchor|input_A)"
+            columns = "column" if count == 1 else "columns"
+            expected = rf"^{class_name} got {count} input {columns}; it expects {takes}: \((anchor|input_A)"
             with pytest.raises(ValueError, match=expected):
                 loss.compute_loss_from_embeddings([u.clone() for _ in range(count)], torch.ones(4))
 
@@ -391,14 +478,14 @@ def test_the_pair_losses_take_the_scale_rule_of_every_loss(scale):
 
 def test_a_wrong_number_of_columns_with_a_model(model64, guide64):
     """The cached losses and GISTEmbed refuse before embedding anything; the wrappers refuse as their inner loss."""
-    cases = [(ours.CachedMultipleNegativesRankingLoss(model64), 1, "CachedMultipleNegativesRankingLoss"),
-             (ours.GISTEmbedLoss(model64, guide64), 1, "GISTEmbedLoss"),
-             (ours.GISTEmbedLoss(model64, guide64), 4, "GISTEmbedLoss"),
-             (ours.CachedGISTEmbedLoss(model64, guide64), 1, "CachedGISTEmbedLoss"),
-             (ours.MatryoshkaLoss(model64, ours.CoSENTLoss(model64), [32, 16]), 3, "CoSENTLoss"),
-             (ours.AdaptiveLayerLoss(model64, ours.AnglELoss(model64)), 1, "AnglELoss")]
-    for loss, count, name in cases:
-        with pytest.raises(ValueError, match=rf"^{name} got {count} input columns?; it expects"):
+    cases = [(ours.CachedMultipleNegativesRankingLoss(model64), 1, "CachedMultipleNegativesRankingLoss", "2 or more"),
+             (ours.GISTEmbedLoss(model64, guide64), 1, "GISTEmbedLoss", "2 or 3"),
+             (ours.GISTEmbedLoss(model64, guide64), 4, "GISTEmbedLoss", "2 or 3"),
+             (ours.CachedGISTEmbedLoss(model64, guide64), 1, "CachedGISTEmbedLoss", "2 or more"),
+             (ours.MatryoshkaLoss(model64, ours.CoSENTLoss(model64), [32, 16]), 3, "CoSENTLoss", "2"),
+             (ours.AdaptiveLayerLoss(model64, ours.AnglELoss(model64)), 1, "AnglELoss", "2 or more")]
+    for loss, count, name, takes in cases:
+        with pytest.raises(ValueError, match=rf"^{name} got {count} input columns?; it expects {takes}: \("):
             loss(batch_columns(model64, count), torch.ones(6))
 
 
@@ -425,11 +512,12 @@ def test_options_an_older_parent_lacks_are_dropped_at_their_defaults_only():
 
 
 @pytest.mark.parametrize("class_name", ["CachedMultipleNegativesRankingLoss",
-                                        "CachedMultipleNegativesSymmetricRankingLoss"])
-def test_the_cached_losses_keep_show_progress_bar(model64, class_name):
+                                        "CachedMultipleNegativesSymmetricRankingLoss", "CachedGISTEmbedLoss"])
+def test_the_cached_losses_keep_show_progress_bar(model64, guide64, class_name):
     """show_progress_bar (the embedding passes' progress bars) reaches the parent as given; it is not in the config
     dict that the cases above compare."""
+    models = (model64, guide64) if "GIST" in class_name else (model64,)
     for shown in (True, False):
-        original = getattr(st_losses, class_name)(model64, show_progress_bar=shown)
-        replacement = getattr(ours, class_name)(model64, show_progress_bar=shown)
+        original = getattr(st_losses, class_name)(*models, show_progress_bar=shown)
+        replacement = getattr(ours, class_name)(*models, show_progress_bar=shown)
         assert replacement.show_progress_bar is original.show_progress_bar is shown
