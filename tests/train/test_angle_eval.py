@@ -300,3 +300,126 @@ def test_dev_data_reads_the_same_layouts(tmp_path):
                 train_examples=(demo_examples(16), "B"))
     run.log.close()
     assert run.dev_set == read_dataset(str(retrieval)) and run.position.best_metric == "dev_ndcg@10"
+
+
+def test_every_year_folder_is_named_by_its_year(tmp_path):
+    """A SentEval folder of each year, STS12 to STS16, gives its dataset the year's name (the names the results table
+    and --json use); a folder of no year keeps its own name, also when given with a trailing slash."""
+    for year in range(12, 17):
+        folder = _year_folder(tmp_path, f"STS{year}-en-test", lambda s: f"STS.input.{s}.txt",
+                              lambda s: f"STS.gs.{s}.txt")
+        assert read_dataset(str(folder)).name == f"STS{year}"
+    folder = _year_folder(tmp_path, "my-pairs", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    assert read_dataset(str(folder) + os.sep).name == "my-pairs"
+
+
+def test_a_year_folders_inputs_and_gold_files_must_pair_up(tmp_path):
+    """A subset without its gold file, a gold file with more lines than its pairs, or a pair line without two texts
+    is a DataError naming the file; a line's fields after its two texts are not read, and files of other names in the
+    folder are left alone."""
+    folder = _year_folder(tmp_path, "STS15", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    _write(folder / "STS2017.input.track5.txt", ["a b\tc d"])  # another year's file: not an STS12-16 subset
+    _write(folder / "STS.input.MSRpar.txt", [f"{a}\t{b}\tsource-a\tsource-b" for a, b in PAIRS[:3]])
+    assert [ex.texts for ex in read_dataset(str(folder)).examples] == [*PAIRS[:3], *PAIRS[3:5]]
+    _write(folder / "STS.gs.MSRpar.txt", ["4.0", "0.4", "3.2", "1.0"])
+    with pytest.raises(DataError, match="STS.gs.MSRpar.txt: 4 gold lines for 3 pairs in STS.input.MSRpar.txt"):
+        read_dataset(str(folder))
+    _write(folder / "STS.gs.MSRpar.txt", ["4.0", "0.4", "3.2"])
+    _write(folder / "STS.input.MSRpar.txt", [f"{a}\t{b}" for a, b in PAIRS[:2]] + ["only one sentence"])
+    with pytest.raises(DataError, match="STS.input.MSRpar.txt, line 3: expected two tab-separated sentences"):
+        read_dataset(str(folder))
+    (folder / "STS.gs.MSRpar.txt").unlink()
+    with pytest.raises(DataError, match="STS.input.MSRpar.txt: no gold file STS.gs.MSRpar.txt next to it"):
+        read_dataset(str(folder))
+
+
+def test_dev_scores_are_the_scores_of_each_roles_embeddings(tmp_path):
+    """dev_scores, a run's dev evaluation: scored pairs are embedded with the text prompt (never a format-B run's
+    query and document prompts) and give dev_spearman and dev_spearman@D; (query, positive) pairs give nDCG@10,
+    recall@1 and recall@10 of the query and document prompts' embeddings, and nDCG@10 at each narrower width."""
+    from angle_train.data import Example, Prompts
+    from angle_train.evaluate import dev_scores
+    from angle_train.models import truncate
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    encoder.prompts = Prompts(query="search: {text}", document="passage: {text}")
+    examples = [Example(pair, float(i)) for i, pair in enumerate(PAIRS)]
+    first, second = (encoder.encode([ex.texts[i] for ex in examples], tokenizer) for i in (0, 1))
+    labels = [ex.label for ex in examples]
+    cosines = {dim: torch.nn.functional.cosine_similarity(truncate(first, dim), truncate(second, dim)).numpy()
+               for dim in (None, 8)}
+    expected = {key: spearmanr(cosines[dim], labels).statistic
+                for key, dim in (("dev_spearman", None), ("dev_spearman@8", 8))}
+    assert dev_scores(encoder, tokenizer, StsSet("dev", examples), [8]) == pytest.approx(expected, abs=1e-9)
+    queries = encoder.encode([a for a, _ in PAIRS], tokenizer, prompt_name="query")
+    documents = encoder.encode([b for _, b in PAIRS], tokenizer, prompt_name="document")
+    full, narrow = retrieval_metrics(queries, documents), retrieval_metrics(queries[:, :8], documents[:, :8])
+    assert full["recall@1"] < full["recall@10"]  # so that each is seen to be its own
+    got = dev_scores(encoder, tokenizer, RetrievalSet("dev", [a for a, _ in PAIRS], [b for _, b in PAIRS]), [8])
+    assert got == pytest.approx({"dev_ndcg@10": full["ndcg@10"], "dev_recall@1": full["recall@1"],
+                                 "dev_recall@10": full["recall@10"], "dev_ndcg@10@8": narrow["ndcg@10"]}, abs=1e-12)
+
+
+def test_a_width_wider_than_the_embeddings_is_refused_before_any_text_is_embedded(monkeypatch):
+    """sts_spearman, dev_scores and evaluate check a width against the embeddings first: a width too wide would
+    otherwise fail only once every text had been embedded (minutes on a real dev set)."""
+    from angle_train.data import Example
+    from angle_train.evaluate import dev_scores, evaluate, sts_spearman
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")  # 32 features
+    monkeypatch.setattr(type(encoder), "encode", lambda *a, **k: pytest.fail("a text was embedded"))
+    examples = [Example(pair, float(i)) for i, pair in enumerate(PAIRS)]
+    retrieval = RetrievalSet("dev", [a for a, _ in PAIRS], [b for _, b in PAIRS])
+    message = "dim must be None or an int from 1 to the embedding width 32; got 64"
+    with pytest.raises(ValueError, match=message):
+        sts_spearman(encoder, tokenizer, examples, dim=64)
+    for dataset in (StsSet("dev", examples), retrieval):
+        with pytest.raises(ValueError, match=message):
+            dev_scores(encoder, tokenizer, dataset, [64])
+        with pytest.raises(ValueError, match=message):
+            evaluate(encoder, tokenizer, [dataset], dims=[64])
+
+
+def test_evaluate_refuses_two_results_of_one_name():
+    """evaluate() returns a dict by name: two datasets of one name, a width given twice, or a dataset named as
+    another's truncated width would overwrite a score silently; each is refused before any text is embedded."""
+    from angle_train.data import Example
+    from angle_train.evaluate import evaluate
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    examples = [Example(pair, float(i)) for i, pair in enumerate(PAIRS)]
+    with pytest.raises(ValueError, match="two datasets have the same name"):
+        evaluate(encoder, tokenizer, [StsSet("STS12", examples), StsSet("STS12", examples[:4])])
+    for datasets, dims in (([StsSet("STS12", examples)], [8, 8]),
+                           ([StsSet("STS12", examples), StsSet("STS12@8", examples)], [8])):
+        with pytest.raises(ValueError, match="give two results one name"):
+            evaluate(encoder, tokenizer, datasets, dims=dims)
+
+
+def test_every_text_is_embedded_at_the_evaluation_length(tmp_path):
+    """angle-eval embeds the pairs and the retrieval queries and documents at one length: --max-length, else the
+    length the export records (not the model's whole position table)."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=12)
+    folder = _year_folder(tmp_path, "STS14", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    retrieval = _write(tmp_path / "nq-mini.jsonl", [json.dumps({"query": a, "positive": b}) for a, b in PAIRS])
+    lengths = []
+    original_encode = type(encoder).encode
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(encoder), "encode", lambda self, texts, *a, **k: (lengths.append(k.get("max_length")),
+                                                                             original_encode(self, texts, *a, **k))[1])
+        assert main([export, str(folder), str(retrieval)]) == 0
+        assert lengths == [12] * 4
+        lengths.clear()
+        assert main([export, str(folder), str(retrieval), "--max-length", "7"]) == 0
+        assert lengths == [7] * 4
+
+
+def test_a_triples_file_is_scored_as_retrieval_of_each_querys_positive(tmp_path):
+    """A format-C file (query, positive, negative) is a retrieval set like format B: the positives are the corpus,
+    each query's own the relevant one; the negatives are not documents."""
+    triples = _write(tmp_path / "triples.jsonl", [json.dumps({"query": a, "positive": b, "negative": c})
+                                                  for (a, b), (_, c) in zip(PAIRS, PAIRS[1:] + PAIRS[:1])])
+    dataset = read_dataset(str(triples))
+    assert isinstance(dataset, RetrievalSet) and dataset.name == "triples"
+    assert (dataset.queries, dataset.documents) == ([a for a, _ in PAIRS], [b for _, b in PAIRS])

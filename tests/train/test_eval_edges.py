@@ -24,8 +24,8 @@ def test_sick_pairs_are_read_as_sentence_a_and_sentence_b_with_the_relatedness_s
 
     sick = tmp_path / "SICK_test_annotated.txt"
     sick.write_text("pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n"
-                    + "".join(f"{i}\t{a}\t{b}\t{1 + i * 0.7:.1f}\tNEUTRAL\n" for i, (a, b) in enumerate(PAIRS)),
-                    encoding="utf-8")
+                    + "".join(f"{i}\t{a}\t{b}\t{1 + i * 0.7:.1f}\tNEUTRAL\n" for i, (a, b) in enumerate(PAIRS))
+                    + "\n", encoding="utf-8")  # a blank line at the end: skipped
     dataset = read_dataset(str(sick))
     assert dataset.name == "SICK-R"
     assert [(ex.texts, ex.label) for ex in dataset.examples] == [
@@ -41,11 +41,14 @@ def test_the_table_average_is_the_mean_of_the_datasets_scores():
     assert lines[0] == "| dims | STS12 | STS13 | Avg. |"
     assert lines[2] == "| all | 70.00 | 80.00 | 75.00 |"
     assert lines[3] == "| @8 | 60.00 | 66.00 | 63.00 |"
+    assert table({"STS12": 70.0}) == "| STS12 |\n|---|\n| 70.00 |"  # one dataset at one width: no Avg., no dims
 
 
 def test_angle_eval_gives_each_role_its_own_prompt_flag(tmp_path, monkeypatch):
-    """--prompt, --query-prompt and --doc-prompt each set their own role's prompt for the evaluation."""
+    """--prompt, --query-prompt and --doc-prompt each set their own role's prompt for the evaluation; '' is none,
+    over the export's own."""
     from angle_train import evaluate
+    from angle_train.data import Prompts
 
     encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
     export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
@@ -57,6 +60,10 @@ def test_angle_eval_gives_each_role_its_own_prompt_flag(tmp_path, monkeypatch):
                           "--doc-prompt", "D: "]) == 0
     (prompts,) = seen
     assert (prompts.text, prompts.query, prompts.document) == ("T: ", "Q: ", "D: ")
+    encoder.prompts = Prompts(query="search: {text}", document="passage: {text}")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "prompted"), max_length=16)
+    assert evaluate.main([export, str(retrieval), "--query-prompt", "", "--doc-prompt", ""]) == 0
+    assert (seen[-1].for_role("query"), seen[-1].for_role("document")) == (None, None)
 
 
 def test_sts_spearman_applies_a_given_prompt_to_both_texts():

@@ -367,3 +367,63 @@ def test_load_pretrained_cuts_texts_at_the_exports_inference_length(tmp_path):
     folder = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16, export_max_length=64)
     loaded, _, meta = load_pretrained(folder)
     assert (meta["max_length"], meta["train_max_length"]) == (64, 16) and loaded.max_length == 64
+
+
+def test_a_folders_pooling_is_read_from_either_form_of_its_config(tmp_path):
+    """A Pooling config names its mode as a one-word pooling_mode (sentence-transformers 3+) or as one switched-on
+    pooling_mode_* key (earlier ones): both give angle_train's strategy; a mode angle_train has none for (weighted mean)
+    gives none, so the encoder default is taken rather than another pooling."""
+    from angle_train import st_folder
+
+    for config, expected in (({"pooling_mode": "mean"}, "avg"), ({"pooling_mode": "lasttoken"}, "last"),
+                             ({"pooling_mode": "cls"}, "cls"), ({"pooling_mode": "weightedmean"}, None),
+                             ({"pooling_mode_cls_token": False, "pooling_mode_max_tokens": True}, "max")):
+        folder = _st_base(tmp_path / "-".join(map(str, config.values())), config)
+        assert st_folder.pooling(folder) == (None if expected is None else (expected, "1_Pooling/config.json"))
+
+
+def test_a_folders_max_seq_length_falls_back_to_the_tokenizer_and_the_position_table(tmp_path):
+    """Without a usable max_seq_length in sentence_bert_config.json, the length is the tokenizer's model_max_length
+    capped at config.json's max_position_embeddings, as sentence-transformers reads them; -1 and transformers' unset
+    int(1e30) are no limit, and a folder saying nothing has no length."""
+    from angle_train import st_folder
+
+    def folder(name, settings=None, tokenizer=None, config=None):
+        path = tmp_path / name
+        path.mkdir()
+        for file, value in (("sentence_bert_config.json", settings), ("tokenizer_config.json", tokenizer),
+                            ("config.json", config)):
+            if value is not None:
+                (path / file).write_text(json.dumps(value))
+        return str(path)
+
+    assert st_folder.max_seq_length(folder("own", {"max_seq_length": 96}, {"model_max_length": 512})) == 96
+    assert st_folder.max_seq_length(folder("capped", {"max_seq_length": "256"}, {"model_max_length": 512},
+                                           {"max_position_embeddings": 128})) == 128
+    assert st_folder.max_seq_length(folder("xlnet", {}, {"model_max_length": 256},
+                                           {"max_position_embeddings": -1})) == 256
+    assert st_folder.max_seq_length(folder("unset", {}, {"model_max_length": int(1e30)})) is None
+
+
+def test_damaged_sentence_transformers_files_are_named_before_the_model_loads(tmp_path):
+    """st_folder.check reads every file the commands use: modules.json entries that are not objects and a damaged
+    sentence_bert_config.json are a ValueError naming the file (not an AttributeError midway through loading); a
+    folder whose modules.json lists no Pooling module has no modules after one."""
+    from angle_train import st_folder
+
+    base = _st_base(tmp_path, {"pooling_mode": "mean"}, normalize=True)
+    st_folder.check(base)
+    modules_file = os.path.join(base, "modules.json")
+    with open(modules_file) as f:
+        listed = json.load(f)
+    with open(modules_file, "w") as f:
+        json.dump([*listed, 2], f)
+    with pytest.raises(ValueError, match="modules.json is damaged \\(its entries must be JSON objects\\)"):
+        st_folder.check(base)
+    with open(modules_file, "w") as f:
+        json.dump([listed[0], listed[2]], f)
+    assert st_folder.modules_after_pooling(base) == []
+    with open(os.path.join(base, "sentence_bert_config.json"), "w") as f:
+        f.write('{"max_seq_length": ')
+    with pytest.raises(ValueError, match="sentence_bert_config.json is damaged \\(not valid JSON"):
+        st_folder.check(base)

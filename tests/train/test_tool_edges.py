@@ -61,6 +61,9 @@ def test_a_max_length_equal_to_the_position_table_is_taken(export, monkeypatch):
     assert evaluate.encoding_length(limit, meta, encoder, tokenizer, "m") == limit
     with pytest.raises(ValueError, match="longer than m can read"):
         evaluate.encoding_length(limit + 1, meta, encoder, tokenizer, "m")
+    # a length from the export's angle_train.json is named as that, not as a flag that was never given
+    with pytest.raises(ValueError, match=rf"^max_length {limit + 1} \(the export's angle_train.json\) is longer"):
+        evaluate.encoding_length(None, {**meta, "max_length": limit + 1}, encoder, tokenizer, "m")
 
 
 def test_list_settings_take_whole_numbers_and_positive_weights():
