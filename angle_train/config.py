@@ -55,10 +55,10 @@ class TrainConfig:
                       "(= Prompts.A) selects the AnglE prompt 'Summarize sentence \"{text}\" in one word:\"' (for "
                       "LLMs); Prompts.B and Prompts.C are angle-emb's other prompts", group="model",
                       aliases=["--text-prompt"])
-    query_prompt: str = opt(None, "template for the query of formats B and C (default: --prompt); saved with the "
-                            "model: encode(texts, tokenizer, prompt_name='query')", group="model")
-    doc_prompt: str = opt(None, "template for the positive and negative of formats B and C (default: --prompt); "
-                          "saved with the model: encode(..., prompt_name='document')", group="model")
+    query_prompt: str = opt(None, "template for the query of formats B and C (default: --prompt; '' for none); "
+                            "saved with the model: encode(texts, tokenizer, prompt_name='query')", group="model")
+    doc_prompt: str = opt(None, "template for the positive and negative of formats B and C (default: --prompt; '' "
+                          "for none); saved with the model: encode(..., prompt_name='document')", group="model")
     model_dtype: str = opt("float32", "dtype of the weights: float32, bfloat16, float16 or float64", group="model",
                            choices=["float32", "bfloat16", "float16", "float64"])
     bf16: bool = opt(False, "autocast the forward pass to bfloat16 (embeddings and loss stay float32)", group="model")

@@ -137,7 +137,8 @@ class Prompts:
         query     the query of formats B and C (default: the text prompt)
         document  the positive and negative of formats B and C (default: the text prompt)
 
-    A name of NAMED_PROMPTS stands for its template."""
+    A name of NAMED_PROMPTS stands for its template. '' is no prompt: for the query or the document, none even where
+    there is a text prompt (None takes the text prompt)."""
 
     text: str | None = None
     query: str | None = None
@@ -148,18 +149,23 @@ class Prompts:
             value = getattr(self, role)
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"the {role} prompt must be a string or None; got {type(value).__name__}")
-            object.__setattr__(self, role, NAMED_PROMPTS.get(value, value) or None)  # '' = no prompt
+            template = NAMED_PROMPTS.get(value, value)
+            # '' stays '' for a query or document prompt where there is a text prompt: none, not the text prompt
+            object.__setattr__(self, role, template or ("" if template == "" and self.text else None))
 
     def for_role(self, role: str) -> str | None:
         """The template applied to a text of this role (None: the text as it is)."""
         if role not in ("text", "query", "document"):
             raise ValueError(f"prompt name must be 'text', 'query' or 'document'; got {role!r}")
         own = getattr(self, role)
-        return own if own is not None else self.text
+        return (own if own is not None else self.text) or None
 
     def as_dict(self) -> dict[str, str]:
-        """{role: template} of every role that has a prompt (the form saved with an exported model)."""
-        return {role: self.for_role(role) for role in ("text", "query", "document") if self.for_role(role)}
+        """{role: template} of every role that has a prompt, and '' for a query or document without one where the
+        text prompt would otherwise apply (the form sentence-transformers' `prompts` take: the role has no prompt,
+        not the default one)."""
+        return {role: self.for_role(role) or "" for role in ("text", "query", "document")
+                if self.for_role(role) or getattr(self, role) == ""}
 
     @classmethod
     def coerce(cls, prompt: str | Prompts | None) -> Prompts:

@@ -478,8 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-length", type=positive_int, default=None, help="default: the export's, else 512")
     parser.add_argument("--prompt", default=None, help="the text prompt, for STS pairs (default: the export's); "
                         "'{text}' marks the text, '' is none; also the default of the next two")
-    parser.add_argument("--query-prompt", default=None, help="the retrieval queries' prompt (default: the export's)")
-    parser.add_argument("--doc-prompt", default=None, help="the retrieval documents' prompt (default: the export's)")
+    parser.add_argument("--query-prompt", default=None,
+                        help="the retrieval queries' prompt (default: the export's; '' for none)")
+    parser.add_argument("--doc-prompt", default=None,
+                        help="the retrieval documents' prompt (default: the export's; '' for none)")
     parser.add_argument("--columns", nargs="+", default=[], metavar="NAME=COLUMN",
                         help="the columns of JSONL/CSV/TSV PATHs to read under the format's names (text1, text2, "
                         "label, query, positive), as angle-train's --columns: PATH ... --columns text1=sent_a "

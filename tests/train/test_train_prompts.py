@@ -34,6 +34,32 @@ def test_each_role_takes_its_prompt_and_falls_back_to_the_text_prompt():
         Prompts(query=3)
 
 
+def test_an_empty_query_or_document_prompt_is_none_not_the_text_prompt(tmp_path):
+    """--query-prompt '' (or --doc-prompt '') with a --prompt: that role's texts take no prompt, as '' means
+    everywhere else, not the text prompt; the export keeps it so, for load_pretrained and for sentence-transformers
+    (whose prompts then hold '' for the role)."""
+    st = pytest.importorskip("sentence_transformers")
+    from angle_train.cli import config_from_args
+
+    prompts = Prompts(text=TEXT, query="")
+    assert (prompts.for_role("text"), prompts.for_role("query"), prompts.for_role("document")) == (TEXT, None, TEXT)
+    assert prompts.as_dict() == {"text": TEXT, "query": "", "document": TEXT}
+    assert Prompts(query="", document="") == Prompts()  # without a text prompt, '' and None say the same
+    assert config_from_args(["--prompt", TEXT, "--doc-prompt", ""]).prompts().for_role("document") is None
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    encoder.eval()
+    encoder.prompts = prompts
+    torch.testing.assert_close(encoder.encode(QUERIES, tokenizer, prompt_name="query"),
+                               encoder.encode(QUERIES, tokenizer, prompt=""), rtol=0, atol=0)
+    path = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=32)
+    assert load_pretrained(path)[0].prompts == prompts
+    model = st.SentenceTransformer(path, device="cpu")
+    assert model.prompts == {"text": TEXT, "query": "", "document": TEXT}
+    torch.testing.assert_close(torch.as_tensor(model.encode(QUERIES, prompt_name="query")),
+                               encoder.encode(QUERIES, tokenizer, prompt=""), rtol=1e-4, atol=1e-5)
+
+
 def test_a_prompt_is_a_prefix_only_when_the_text_comes_last():
     assert prompt_prefix("query: ") == "query: "
     assert prompt_prefix("query: {text}") == "query: "
