@@ -212,14 +212,15 @@ def test_angle_eval_reads_mapped_columns(st_folder, tmp_path, capsys):
 # --------------------------------------------------------------------------------------------- installation
 
 
+@pytest.mark.parametrize("module", ["tokenizers", "scipy"])  # scipy: the dev evaluation's, needed only at its end
 @pytest.mark.parametrize("program", ["angle-train", "angle-eval"])
-def test_a_missing_train_extra_is_named(program, st_folder, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as after `pip install angle_kernels` without the extra
+def test_a_missing_train_extra_is_named(program, module, st_folder, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, module, None)  # as after `pip install angle_kernels` without the extra
     sts = write_stsb(tmp_path / "sts-test.csv", demo_sts_examples(8))
     argv = {"angle-train": ["--output-dir", str(tmp_path / "out"), "--device", "cpu", "--progress", "0"],
             "angle-eval": [st_folder, sts]}[program]
     line = one_line_error(program, *run(program, argv, capsys)[::2])
-    assert "tokenizers" in line and "pip install 'angle_kernels[train]'" in line
+    assert module in line and "pip install 'angle_kernels[train]'" in line
 
 
 def test_the_demo_without_the_train_extra_names_it(monkeypatch, capsys):
@@ -242,6 +243,22 @@ def test_an_import_of_the_extra_failing_later_is_named(monkeypatch):
     assert exit_info.value.code == 2
     with pytest.raises(ModuleNotFoundError), cli_common.user_errors_exit(parser, debug=False):
         raise ModuleNotFoundError("No module named 'not_ours'", name="not_ours")  # a bug: its traceback
+    with pytest.raises(ModuleNotFoundError), cli_common.user_errors_exit(parser, debug=True):
+        raise ModuleNotFoundError("No module named 'datasets'", name="datasets")  # --debug: the traceback
+
+
+@pytest.mark.parametrize("error, cause", [
+    (ModuleNotFoundError("No module named 'peft'", name="peft"), None),  # --lora 1 without peft
+    # raised from the missing module's error, as transformers' lazy imports raise it
+    (ImportError("cannot set up LoRA"), ModuleNotFoundError("No module named 'peft'", name="peft")),
+])
+def test_an_import_failing_for_a_module_of_the_extra_names_the_extra(error, cause, capsys):
+    """Such a failure minutes into a run is one line naming the extra to install, not an import's traceback."""
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit) as exit_info, cli_common.user_errors_exit(parser, debug=False):
+        raise error from cause
+    assert exit_info.value.code == 2
+    assert "peft is not installed" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ paths and the device

@@ -75,9 +75,11 @@ def test_list_settings_take_whole_numbers_and_positive_weights():
         TrainConfig(matryoshka_dims=[64, 32], matryoshka_weights=[1.0, 0.0]).validate()
 
 
-@pytest.mark.parametrize("error, status", [(faults.NonFiniteTrainingError("5 non-finite steps in a row"), 3),
-                                           (faults.Preempted("SIGTERM", "a checkpoint"), 75)])
-def test_angle_train_exit_statuses_are_the_documented_numbers(tmp_path, monkeypatch, error, status):
+@pytest.mark.parametrize("error, status, stream", [
+    (faults.NonFiniteTrainingError("5 non-finite steps in a row"), 3, "err"),  # a failure: on stderr
+    (faults.Preempted("SIGTERM", "a checkpoint"), 75, "out"),  # a stop asked for, to resume
+])
+def test_angle_train_exit_statuses_are_the_documented_numbers(tmp_path, monkeypatch, capsys, error, status, stream):
     from angle_train import cli, trainer
 
     def train(cfg):
@@ -85,6 +87,7 @@ def test_angle_train_exit_statuses_are_the_documented_numbers(tmp_path, monkeypa
 
     monkeypatch.setattr(trainer, "train", train)
     assert cli.main(["--output-dir", str(tmp_path / "run"), "--device", "cpu"]) == status
+    assert getattr(capsys.readouterr(), stream).startswith(f"angle-train: {error}")
 
 
 def test_a_stop_asked_before_the_final_export_abandons_it():

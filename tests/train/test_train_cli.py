@@ -1,5 +1,6 @@
 """The angle-train command line: --help, booleans, config files, errors."""
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -29,6 +30,15 @@ def test_help_explains_itself():
         assert needle in out.stdout, needle
 
 
+def test_help_shows_list_defaults_as_words():
+    """A list flag's default reads as the words to type (--mask-rates 0.2 0.4), and an empty one is not shown."""
+    from angle_train.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())  # argparse wraps the help at the terminal's width
+    assert "(default: 0.2 0.4)" in text and "(default: none)" in text
+    assert "(default: )" not in text and "(default: [" not in text
+
+
 @pytest.mark.parametrize(
     "argv, expected",
     [
@@ -40,6 +50,8 @@ def test_help_explains_itself():
         (["--bf16", "True"], True),
         (["--bf16", "off"], False),
         (["--bf16", "yes"], True),
+        (["--bf16", "on"], True),
+        (["--bf16", "no"], False),
     ],
 )
 def test_booleans_parse(argv, expected):
@@ -68,6 +80,24 @@ def test_booleans_parse(argv, expected):
     (["--lora-alpha", "0"], "--lora-alpha must be > 0"), (["--keep-checkpoints", "-1"], "--keep-checkpoints must"),
     (["--false-negative-margin", "nan"], "--false-negative-margin must be a finite number"),
     (["--arccon-tau", "0"], "--arccon-tau"), (["--espresso-dim", "0"], "--espresso-dim must be >= 1"),
+    (["--max-length", "0"], "--max-length must be >= 1"), (["--grad-accum", "0"], "--grad-accum must be >= 1"),
+    (["--lora", "1", "--lora-r", "0"], "--lora-r must be >= 1"), (["--pass-tokens", "-1"], "--pass-tokens must be"),
+    (["--pack", "-1"], "--pack must be >= 0"), (["--eval-every", "-1"], "--eval-every must be >= 0"),
+    (["--export-max-length", "0"], "--export-max-length must be >= 1"), (["--cosine-w", "-1"], "--cosine-w must be"),
+    (["--bucket", "-1"], "--bucket must be >= 0"),
+    (["--seed", str(2**32)], "--seed must be between 0 and 4294967295; got 4294967296"),
+    (["--pass-tokens", "512", "--chunk-tokens", "256"], "leave out --pass-tokens"),
+    (["--mask-rates", "0.2", "1"], "--mask-rates: expected two fractions 0 <= weak <= strong < 1"),
+    (["--device", ""], "--device must name a device (cpu, cuda, cuda:1...); got an empty text"),
+    # settings that apply only with another one, which is off
+    (["--lora-alpha", "64"], "--lora-alpha sets up LoRA adapters, which train only with --lora 1"),
+    (["--lora-dropout", "0.1"], "--lora-dropout sets up LoRA adapters"),
+    (["--triplet-w", "0.5"], "--triplet-w is a setting of --objective arccse, and this run trains --objective angle"),
+    (["--arccon-margin", "5"], "--arccon-margin is a setting of --objective arccse"),
+    (["--mask-rates", "0.1", "0.3"], "--mask-rates is a setting of --objective arccse"),
+    (["--model-dtype", "float16", "--bf16", "1"], "the weights are one 16-bit type and the autocast the other"),
+    (["--objective", "arccse", "--columns", "text1=sentence"], "--columns maps pairs' columns"),
+    (["--objective", "arccse", "--data-format", "A"], "from raw sentences: leave out --espresso and --data-format"),
 ])
 def test_bad_values_are_rejected_naming_the_flag(argv, said, capsys):
     """At parse time, so before any model or data is loaded."""
@@ -75,6 +105,26 @@ def test_bad_values_are_rejected_naming_the_flag(argv, said, capsys):
         config_from_args(argv)
     assert exc.value.code == 2, argv
     assert said in capsys.readouterr().err, argv
+
+
+def test_the_ends_of_each_range_are_settings():
+    """A value at the edge of its flag's range is accepted: numpy's largest seed, a weak mask rate of 0, a LoRA rank
+    of 1, one pair per loss computation, no LoRA dropout."""
+    cfg = config_from_args(["--seed", str(2**32 - 1), "--objective", "arccse", "--mask-rates", "0", "0.99",
+                            "--lora", "1", "--lora-r", "1", "--batch-size", "1", "--lora-dropout", "0"])
+    assert (cfg.seed, cfg.mask_rates, cfg.lora_r, cfg.batch_size, cfg.lora_dropout) == (2**32 - 1, [0.0, 0.99], 1, 1, 0)
+
+
+def test_the_defaults_are_the_documented_ones():
+    """A run without flags trains with angle-emb 0.6.1's loss weights and scales (the README's deviations table),
+    evaluates before the first step, stops after 5 non-finite steps in a row and waits 1800 s at a collective."""
+    cfg = config_from_args([])
+    loss = {name: getattr(cfg, name) for name in ("cosine_w", "ibn_w", "cln_w", "angle_w", "cosine_tau", "ibn_tau",
+                                                  "angle_tau")}
+    assert loss == {"cosine_w": 0, "ibn_w": 1, "cln_w": 1, "angle_w": 0.02, "cosine_tau": 20, "ibn_tau": 20,
+                    "angle_tau": 20}
+    assert (cfg.eval_on_start, cfg.max_bad_steps, cfg.ddp_timeout) == (True, 5, 1800)
+    assert (cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.report_to, cfg.progress) == (16, 32, 0.05, ["none"], True)
 
 
 class NothingLoads:
@@ -126,7 +176,8 @@ def test_hub_names_are_not_taken_for_paths(tmp_path, monkeypatch):
     for name in ("sentence-transformers/all-MiniLM-L6-v2", "bert-base-uncased", "mteb/stsbenchmark-sts",
                  "builtin:demo", "SeanLee97/angle-llama-7b-nli-v2"):
         assert not names_local_path(name), name
-    for name in ("./model", "../data", "/abs/model", "~/model", "runs/a/final", "train.jsonl", "x/y.csv"):
+    for name in ("./model", "../data", "/abs/model", "~/model", "runs/a/final", "train.jsonl", "x/y.csv",
+                 "PAIRS.JSONL"):
         assert names_local_path(name), name
 
 
@@ -190,6 +241,28 @@ def test_config_files_and_precedence(tmp_path):
         config_from_args(["--config", str(bad)])
 
 
+@pytest.mark.parametrize("name, text, expected", [
+    ("run.yml", "batch_size: 8\n", {"batch_size": 8}),  # .yml, the other YAML suffix
+    ("empty.yaml", "", {}),  # nothing set yet: the defaults
+    ("comments.yaml", "# lr: 1e-4\n", {}),
+])
+def test_config_files_read_by_suffix_and_empty_ones_keep_the_defaults(tmp_path, name, text, expected):
+    path = tmp_path / name
+    path.write_text(text)
+    assert config_from_args(["--config", str(path)]) == dataclasses.replace(TrainConfig(), **expected)
+
+
+@pytest.mark.parametrize("text, got", [("- lr: 1.0e-4\n", "list"), ("lr\n", "str")])
+def test_a_config_file_that_is_not_a_mapping_is_one_line(tmp_path, capsys, text, got):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exited:
+        config_from_args(["--config", str(path)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.splitlines()) == 1
+    assert f"--config {path}: expected a mapping of settings (name: value); got {got}" in err
+
+
 def test_null_in_a_config_file_means_off_where_off_is_the_default(tmp_path, capsys):
     """YAML null for a setting whose default is None (off) keeps it off; for any other setting it is an error
     naming the setting (it used to fail with float(None))."""
@@ -226,6 +299,7 @@ def test_main_runs_a_short_training(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "pairs/s" in out and (tmp_path / "final" / "config.json").exists()
+    assert f"final model: {tmp_path / 'final'}" in out.splitlines()  # where the model went, the run's last word
 
 
 def test_loss_flags_reach_angle_loss(tmp_path):
@@ -333,6 +407,20 @@ def test_config_file_values_the_flags_would_refuse_are_one_line(tmp_path, capsys
         config_from_args(["--config", str(path)])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"angle-train: error: {said}")
+
+
+def test_the_recorded_command_makes_the_same_settings():
+    """The command a model card records (flags that differ from the defaults, the model and the data always) run
+    again gives the run's settings: a list as its words, a boolean as 1 or 0."""
+    import shlex
+
+    argv = ["--matryoshka-dims", "32", "16", "--bf16", "--sort-passes", "0", "--report-to", "tensorboard", "wandb"]
+    cfg = config_from_args(argv)
+    command = cfg.command_line()
+    assert command == ("angle-train --model builtin:tiny-bert --bf16 1 --train-data builtin:demo --sort-passes 0 "
+                       "--matryoshka-dims 32 16 --report-to tensorboard wandb")
+    words = shlex.split(command)
+    assert words[0] == "angle-train" and config_from_args(words[1:]) == cfg
 
 
 def test_a_runs_config_json_is_a_config_file(tmp_path):

@@ -126,3 +126,12 @@ def test_settings_that_do_not_fit_the_model_fail_in_setup(tmp_path):
     run.log.close()
     with pytest.raises(ValueError, match=r"--espresso .*1 layers.*at least 2 layers"):
         setup(config_from_args(argv), model=make_encoder(layers=1), train_examples=(demo_examples(16), "B"))
+
+
+def test_the_widths_trained_never_pass_the_models():
+    """An --espresso-dim at or past the model's embedding width trains, evaluates and exports the full width alone
+    (Espresso's own rule), not a width the model does not have."""
+    assert config_from_args(["--espresso", "--espresso-dim", "64"]).trained_widths(32) == [32]
+    assert config_from_args(["--espresso", "--espresso-dim", "32"]).trained_widths(32) == [32]
+    assert config_from_args(["--espresso", "--espresso-dim", "8"]).trained_widths(32) == [8, 32]
+    assert config_from_args(["--matryoshka-dims", "16", "8"]).trained_widths(32) == [16, 8]

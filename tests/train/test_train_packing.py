@@ -11,7 +11,7 @@ from train_helpers import (
     assert_same_grads, demo_batch, graded_or_contrastive_loss, grads_in_passes, make_encoder, param_grads, run_config,
 )
 
-from angle_train.config import CPU_PACK_WIDTH, CPU_PASS_TOKENS
+from angle_train.config import CPU_PACK_WIDTH, CPU_PASS_TOKENS, TrainConfig
 from angle_train.data import Batch, PackedTexts, pack_rows, pad_batch
 from angle_train.grad_cache import grad_cache_step, plain_step
 from angle_train.models import POOLING_STRATEGIES, wrap_backbone
@@ -186,6 +186,22 @@ def test_packing_is_the_cpu_default_and_falls_back_when_the_model_cannot(tmp_pat
         setup(run_config(tmp_path / "c", batch_size=8, max_steps=1, pack=64), model=leaky)
     with pytest.raises(ValueError, match="choose one"):
         setup(run_config(tmp_path / "d", pack=64, pass_tokens=256), model=_tiny_model())
+
+
+@pytest.mark.parametrize("device, settings, resolved", [
+    ("cpu", {}, (CPU_PACK_WIDTH, 0)),
+    ("cpu", {"pass_tokens": 256}, (0, 256)),  # padded sub-batches asked for: not packed on top
+    ("cpu", {"pack": 0}, (0, CPU_PASS_TOKENS)),
+    ("cpu", {"pack": 0, "chunk_size": 8}, (0, 0)),  # the gradient cache's chunks are the passes
+    ("cpu", {"pack": 0, "chunk_tokens": 256}, (0, 0)),
+    ("cuda", {}, (0, 0)),  # one padded pass on a GPU, until measured there
+])
+def test_the_pass_defaults_follow_the_device_and_the_flags_given(device, settings, resolved):
+    """--pack and --pass-tokens left out take the device's default, never one that fights a flag given: packed rows
+    on top of --pass-tokens, or sub-batches inside the gradient cache's chunks."""
+    cfg = TrainConfig(**settings).validate()
+    cfg.resolve_passes(device)
+    assert (cfg.pack, cfg.pass_tokens) == resolved
 
 
 def test_a_packed_run_trains_like_a_padded_one(tmp_path):
