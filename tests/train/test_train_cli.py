@@ -52,6 +52,7 @@ def test_help_shows_list_defaults_as_words():
         (["--bf16", "yes"], True),
         (["--bf16", "on"], True),
         (["--bf16", "no"], False),
+        (["--bf16", " on "], True),  # from a quoted shell variable or a padded config value
     ],
 )
 def test_booleans_parse(argv, expected):
