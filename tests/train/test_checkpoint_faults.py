@@ -154,11 +154,13 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch
     assert [r["step"] for r in resumed.history] == [3]
 
 
-@pytest.mark.parametrize("place", ["../ (parent)", "absolute", "subfolder", "symlink to outside"])
+@pytest.mark.parametrize("place", ["../ (parent)", "absolute", "subfolder", "symlink to outside", "the parent itself",
+                                   "a NUL byte"])
 def test_a_manifest_naming_a_file_outside_its_folder_is_refused_unread(tmp_path, monkeypatch, place):
     """Issue 29, item 9: a manifest names only files of its own folder. One that names another file (a path with ../,
     an absolute path, a file in a subfolder, or a link to a file outside) is refused before any file is hashed, even
-    when that file matches its checksum."""
+    when that file matches its checksum; so is '..', and a name with a NUL byte (no file can have one: it is refused,
+    not an error from the file system)."""
     folder = tmp_path / "run" / "checkpoints" / "step-00000002"
     folder.mkdir(parents=True)
     torch.save({"position": {}}, folder / STATE_FILE)
@@ -170,6 +172,10 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused_unread(tmp_path,
         name, why = str(outside), "is not a file name of the folder"
     elif place == "subfolder":
         name, why = "sub/secret.bin", "is not a file name of the folder"
+    elif place == "the parent itself":
+        name, why = "..", "is not a file name of the folder"
+    elif place == "a NUL byte":
+        name, why = "secret\0.bin", "is not a file name of the folder"
     else:
         (folder / "secret.bin").symlink_to(outside)
         name, why = "secret.bin", "is a link to a file outside the folder"

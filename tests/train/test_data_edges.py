@@ -209,6 +209,23 @@ def test_dcp_metadata_whose_storage_data_is_not_a_dict_is_refused(tmp_path):
         read_dcp_metadata(str(tmp_path))
 
 
+@pytest.mark.parametrize("path", [5, None], ids=["a number", "none"])
+def test_dcp_metadata_pointing_at_something_other_than_a_file_name_is_refused(tmp_path, path):
+    """A .metadata whose shard entry is not a file name at all (a number, None) is refused as unsafe, naming the file
+    and the entry, not a TypeError from the name check."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from angle_train.safe_loading import UnsafeCheckpointError
+    from angle_train.sharding import read_dcp_metadata
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={"w": path})))
+    with pytest.raises(UnsafeCheckpointError, match=rf"refusing to load .*\.metadata: it points DCP at {path!r}, "
+                                                    "outside the checkpoint folder"):
+        read_dcp_metadata(str(tmp_path))
+
+
 def test_a_max_length_that_the_prompt_fills_exactly_is_refused():
     """--max-length equal to the prompt's own tokens (special ones included) leaves a text no token: refused, not
     every text cut to nothing (all examples the bare prompt). One token more keeps a token of the text."""
@@ -240,7 +257,7 @@ def test_bad_arguments_of_the_data_api_are_refused():
     """Arguments out of their documented values are errors naming the argument, not taken as another value."""
     import torch
 
-    from angle_train.data import Batch, pad_batch
+    from angle_train.data import Batch, Example, TokenizedPairs, pad_batch
 
     with pytest.raises(ValueError, match="layout must be None or 'stsb'; got 'STSB'"):
         load_examples("anything.csv", layout="STSB")
@@ -248,6 +265,8 @@ def test_bad_arguments_of_the_data_api_are_refused():
         pad_batch([[1, 2], [3]], pad_id=0, side="center")
     with pytest.raises(ValueError, match="a row count or a token budget, not both"):
         Batch([[1, 2], [3]], torch.ones(2)).plan(rows=1, tokens=10)
+    with pytest.raises(ValueError, match="format must be one of 'A', 'B', 'C'; got 'b'"):
+        TokenizedPairs([Example(("a", "b"))], "b", tokenizer=None, max_length=8)
 
 
 def test_the_epoch_order_and_its_fingerprint_are_those_checkpoints_recorded():

@@ -1,7 +1,8 @@
 """What a first run meets, from a user who knows sentence-transformers: the model folder's own pooling (said, and
 overridable), the data's problems found before the model loads with the flag to change named, column names mapped
-with --columns, a missing install extra named, a missing local folder never looked up on the Hub, and one way of
-choosing the device for angle-train and angle-eval. Tiny models: seconds."""
+with --columns, a missing install extra named, the demo's flags and exit status and its built-in data, a missing local
+folder never looked up on the Hub, and one way of choosing the device for angle-train and angle-eval. Tiny models:
+seconds."""
 
 from __future__ import annotations
 
@@ -234,6 +235,49 @@ def test_the_demo_without_the_train_extra_names_it(monkeypatch, capsys):
     assert exit_info.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "tokenizers" in line and "pip install 'angle_kernels[train]'" in line
+
+
+@pytest.mark.parametrize("losses, status, said", [([3.0, 2.5, 2.0, 1.5], 0, "the loss fell (3.000 -> 1.500)"),
+                                                  ([1.5, 2.0, 2.5, 3.0], 1, "WARNING: the loss did not fall")],
+                         ids=["fell", "did-not-fall"])
+def test_the_demo_takes_the_users_flags_and_exits_1_when_the_loss_did_not_fall(losses, status, said, monkeypatch,
+                                                                               capsys):
+    """The flags given to python -m angle_train.demo override its defaults (another model, batch size), and a run
+    whose loss did not fall says so and exits with status 1 (a check a script can read), one that fell with 0."""
+    import types
+
+    from angle_train import demo
+
+    configs = []
+
+    def fake_train(cfg):
+        configs.append(cfg)
+        rows = [{"loss": loss, "pairs_per_s": 10.0, "tokens_per_s": 100.0, "peak_mem_gb": 0.0} for loss in losses]
+        return types.SimpleNamespace(history=rows, encoder=None, tokenizer=None)
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    monkeypatch.setattr(evaluate, "sts_spearman", lambda *args, **kwargs: 0.5)
+    assert demo.main(["--model", "builtin:tiny-llama", "--batch-size", "8", "--log-every", "2"]) == status
+    assert (configs[0].model, configs[0].batch_size, configs[0].log_every) == ("builtin:tiny-llama", 8, 2)
+    assert configs[0].train_data == "builtin:demo" and configs[0].device == "cpu"  # the demo's own defaults
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(said)
+
+
+def test_the_builtin_data_model_and_tokenizer_are_as_documented():
+    """builtin:demo-sts grades a pair by the attributes it shares on 0-5 (all three: 5); building a tiny model leaves
+    the global random generator where it was (a seeded run draws the same numbers with it); the tiny tokenizer
+    lowercases, so 'The Red Car' reads as the demo's words, not as unknown ones."""
+    from angle_train.tiny import build_backbone, build_tokenizer
+
+    labels = {example.label for example in demo_sts_examples()}
+    assert labels == {0.0, 5.0 / 3, 10.0 / 3, 5.0}
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    build_backbone("builtin:tiny-bert", 64, hidden_size=16, layers=1)
+    assert torch.equal(torch.get_rng_state(), before)
+    tokenizer = build_tokenizer()
+    assert tokenizer("The Red CAR")["input_ids"] == tokenizer("the red car")["input_ids"]
+    assert tokenizer.unk_token_id not in tokenizer("The Red CAR")["input_ids"]
 
 
 def test_an_import_of_the_extra_failing_later_is_named(monkeypatch):

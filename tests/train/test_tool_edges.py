@@ -1,8 +1,8 @@
 """The commands' promises at their edges: angle-eval's `--prompt ''` (no prompt) and `--pooling` over an export's
 own, a SICK row too short and a --max-length equal to the position table; the settings' whole numbers and positive
 weights; angle-train's exit statuses (3: non-finite steps, 75: preempted) as numbers, a stop asked before the final
-export abandoning it; preflight's bounds (room for one token of text, the last CUDA device); an export over a LoRA
-export leaving no adapter behind."""
+export abandoning it; preflight's bounds (room for one token of text, a padded embedding table, the last CUDA device,
+a device type without a backend) and its model-folder checks; an export over a LoRA export leaving no adapter behind."""
 
 from __future__ import annotations
 
@@ -100,8 +100,11 @@ def test_a_stop_asked_before_the_final_export_abandons_it():
 
 def test_preflight_bounds(monkeypatch):
     class Tokenizer:
+        def __init__(self, tokens=100):
+            self.tokens = tokens
+
         def __len__(self):
-            return 100
+            return self.tokens
 
         def num_special_tokens_to_add(self, pair=False):
             return 2
@@ -111,11 +114,51 @@ def test_preflight_bounds(monkeypatch):
     preflight.check_tokenizer(Tokenizer(), encoder, "m", 3)  # one token of text
     with pytest.raises(ValueError, match="leaves no room for text"):
         preflight.check_tokenizer(Tokenizer(), encoder, "m", 2)
+    # a table padded past the vocabulary (to a multiple of 64 or 128, reserved rows) is no lost vocabulary
+    padded = torch.nn.Embedding(128, 4)
+    padded_encoder = type("E", (), {"backbone": type("B", (), {"get_input_embeddings": lambda self: padded})()})()
+    preflight.check_tokenizer(Tokenizer(100), padded_encoder, "m", 16)
+    preflight.check_tokenizer(Tokenizer(64), padded_encoder, "m", 16)
+    with pytest.raises(ValueError, match="the tokenizer of m has 63 tokens for a model of 128 token embeddings"):
+        preflight.check_tokenizer(Tokenizer(63), padded_encoder, "m", 16)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     preflight.check_device("cuda:1")
-    with pytest.raises(ValueError, match="cuda:2"):
+    with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 2 cuda device\(s\), cuda:0 to cuda:1$"):
         preflight.check_device("cuda:2")
+    # a device type torch names but has no backend module for here (no torch.xla): refused, not left to fail later
+    assert getattr(torch, "xla", None) is None
+    with pytest.raises(ValueError, match="--device xla: this machine has no xla device that torch"):
+        preflight.check_device("xla")
+
+
+def test_model_folder_checks_name_the_runs_model_and_read_every_weights_file(tmp_path):
+    """A run's output folder names its final/ (before best/), or says it holds no model yet; a folder whose only
+    tokenizer file is a WordPiece vocab.txt is a model folder; every *.safetensors shard is checked, not only
+    model.safetensors; a config.json is a run's settings only with both output_dir and train_data."""
+    import json
+    import re
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"output_dir": str(run), "train_data": "pairs.jsonl"}))
+    with pytest.raises(ValueError, match="is an angle-train run's output folder, not a model: it holds no final/ or "
+                                         "best/ model yet"):
+        preflight.check_model_folder(str(run), "--model")
+    (run / "best").mkdir()
+    (run / "final").mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"not a model: its model is in {run / 'final'}") + "$"):
+        preflight.check_model_folder(str(run), "--model")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (model / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nred\n")
+    preflight.check_model_folder(str(model), "--model")
+    (model / "model-00002-of-00002.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(ValueError, match="the weights file .*model-00002-of-00002.safetensors is damaged"):
+        preflight.check_model_folder(str(model), "--model")
+    assert not preflight.is_run_settings({"output_dir": "out"})  # another program's settings
+    assert preflight.is_run_settings({"output_dir": "out", "train_data": "pairs.jsonl"})
 
 
 def test_an_export_over_a_lora_export_leaves_no_adapter(tmp_path):

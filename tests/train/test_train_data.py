@@ -355,8 +355,11 @@ def test_the_header_counts_the_texts_cut_at_max_length():
     lengths = [len(ids) for ids in tokenizer([t for ex in examples for t in ex.texts])["input_ids"]]
     limit = sorted(lengths)[len(lengths) // 2]
     at_limit = sum(length >= limit for length in lengths)
-    assert f"; {at_limit} of 40 texts cut at --max-length {limit})" in TokenizedPairs(
-        examples, "B", tokenizer, max_length=limit).describe()
+    pairs = TokenizedPairs(examples, "B", tokenizer, max_length=limit)
+    assert f"; {at_limit} of 40 texts cut at --max-length {limit})" in pairs.describe()
+    # and cut they are: each text its first --max-length tokens
+    assert pairs.batch(list(range(20))).seqs == tokenizer([t for ex in examples for t in ex.texts], truncation=True,
+                                                          max_length=limit)["input_ids"]
     assert "cut at" not in TokenizedPairs(examples, "B", tokenizer, max_length=max(lengths) + 1).describe()
     sentences = [ex.texts[0] for ex in examples]
     shortest = min(len(ids) for ids in tokenizer(sentences)["input_ids"])

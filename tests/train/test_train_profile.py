@@ -58,9 +58,27 @@ def test_phases_do_nothing_outside_a_profiled_step():
             pass
         with pytest.raises(ValueError, match="unknown phase"), phase("no such phase"):
             pass
+        with pytest.raises(RuntimeError, match="a step is already being profiled"), profiling(torch.device("cpu")):
+            pass
     assert list(profile.seconds) == ["loss"]
     with profiling(torch.device("cpu"), enabled=False) as nothing:
         assert nothing is None
+
+
+def test_the_printed_table_gives_each_phase_its_share_of_the_step():
+    """The table --profile prints: each phase's milliseconds and share of the step, in step order, then the time no
+    phase covers."""
+    from angle_train.profiling import StepProfile
+
+    profile = StepProfile(torch.device("cpu"))
+    profile.add("optimizer", 0.2)  # added first: the rows are in step order all the same
+    profile.add("loss", 0.5)
+    profile.add("loss", 0.5)
+    profile.total = 2.0
+    lines = profile.table(step=7).splitlines()
+    assert lines[0] == "profile of step 7: 2000.0 ms"
+    assert [line.split() for line in lines[2:]] == [["loss", "1000.0", "50.0%", "2"],
+                                                   ["optimizer", "200.0", "10.0%", "1"], ["other", "800.0", "40.0%"]]
 
 
 def test_plain_step_gradients_equal_one_backward_call():

@@ -97,6 +97,40 @@ def test_a_long_text_is_cut_and_the_prompt_after_it_kept():
                                encoder.encode([long], tokenizer, max_length=20, prompt=""), rtol=0, atol=0)
 
 
+def test_a_text_cut_for_the_prompt_is_counted_once_whatever_its_role_and_length():
+    """The header's count of texts cut: a document cut for the prompt counts as the document (not as its query), and
+    a cut text whose words then merge with the prompt's (shorter than --max-length) counts all the same."""
+    _, tokenizer = make_encoder("llama")
+    pairs = TokenizedPairs([Example(("a red car", LONG), 1.0)], "B", tokenizer, max_length=20, prompt=CLOSING)
+    assert [len(ids) for ids in pairs.batch([0]).seqs] == [15, 20]
+    assert "1 of 2 texts cut at --max-length 20" in pairs.describe()
+    merging = "the big{text} is red"  # 'big' and the text's first word make one word: one token fewer than counted
+    pairs = TokenizedPairs([Example(("a red car", LONG), 1.0)], "B", tokenizer, max_length=20, prompt=merging)
+    assert [len(ids) for ids in pairs.batch([0]).seqs] == [8, 19]
+    assert "1 of 2 texts cut at --max-length 20" in pairs.describe()
+
+
+def test_every_text_of_every_tokenizer_call_is_cut_for_the_prompt(monkeypatch):
+    """prompted_texts checks TOKENIZE_CHUNK texts a call: each long text is cut, wherever it falls in its call; a
+    prompt whose words merge when side by side ('re' 'd' reads 'red') takes more tokens around a text than counted,
+    and the text is cut a token more so that the prompt still fits whole; a prompt holding '{text}' twice leaves the
+    texts whole (truncation cuts the end)."""
+    from angle_train import data as data_module
+    from angle_train.data import prompted_texts
+
+    _, tokenizer = make_encoder("llama")
+    monkeypatch.setattr(data_module, "TOKENIZE_CHUNK", 2)
+    texts = ["a red car", LONG, LONG, "box", LONG]
+    out, cut = prompted_texts(texts, CLOSING, tokenizer, 20)
+    assert cut == [1, 2, 4]
+    assert [len(ids) for ids in tokenizer(out)["input_ids"]] == [15, 20, 20, 13, 20]
+    (merged,), cut = prompted_texts([", " * 30], "the re{text}d car", tokenizer, 20)
+    ids = tokenizer(merged)["input_ids"]
+    assert cut == [0] and len(ids) == 20 and ids[-2:] == tokenizer("car")["input_ids"][-2:]
+    twice = "{text} and {text} is red"
+    assert prompted_texts([LONG], twice, tokenizer, 20) == ([twice.replace("{text}", LONG)], [])
+
+
 @pytest.mark.parametrize("fmt", ["A", "B", "C"])
 def test_tokenized_pairs_apply_the_prompt_of_each_role(fmt):
     _, tokenizer = make_encoder("bert")
