@@ -240,20 +240,92 @@ def test_rows_that_keep_no_column(backend):
     assert torch.count_nonzero(leaves[0].grad[empty.to(backend.device)]) == 0
 
 
-def test_a_row_that_keeps_no_column_gives_its_reference_no_gradient():
-    """Raw dot products with reference rows (MNRL's similarity="dot"), on the torch backend: a row whose only column
-    is excluded has the value -inf and, as every such row, no gradient, its reference row's included (its reference
-    term kept its weight, g * scale: dq and dr of that row were not 0)."""
-    from angle_kernels.dispatch import similarity_lse
+@pytest.mark.parametrize("dims", [None, (3, 6)], ids=["full", "dims"])
+@pytest.mark.parametrize("form", ["torch", "torch-blocked"])
+def test_a_row_that_keeps_no_column_gives_its_reference_no_gradient(form, dims):
+    """Raw dot products with reference rows (MNRL's similarity="dot"), on the torch backend (its CPU softmax form, and
+    the blocked form its GPU calls and every dims call take): a row whose only column is excluded has the value -inf
+    and, as every such row, no gradient, its reference row's included (its reference term kept its weight, g * scale:
+    dq and dr of that row were not 0; the blocked form's softmax of such a row was 0 / 0); the other rows' values and
+    gradients are float64 autograd's, and with dims short of D no gradient reaches the columns past the widest
+    prefix."""
+    from angle_kernels.dispatch import resolve_backend
 
     gen = generator("similarity_lse", "empty row reference")
-    leaves = [leaf_like(randn(gen, rows, 8).double()) for rows in (5, 1, 5)]
-    value = similarity_lse(leaves[0], leaves[1], 0.5, exclude="target", normalize=False, reference=leaves[2],
-                           backend="torch")  # row 0's only column is its target, excluded
-    assert torch.isneginf(value[0]) and torch.isfinite(value[1:]).all()
+    q, c, r = (randn(gen, rows, 8).double() for rows in (5, 1, 5))
+    ops = torch_blocked_backend().ops if form == "torch-blocked" else resolve_backend("torch", q)
+    options = dict(exclude="target", normalize=False, dims=dims)  # row 0's only column is its target, excluded
+    leaves = [leaf_like(x) for x in (q, c, r)]
+    value = ops.similarity_lse(leaves[0], leaves[1], 0.5, reference=leaves[2], **options)
+    assert torch.isneginf(value[..., 0]).all() and torch.isfinite(value[..., 1:]).all()
     dq, dc, dr = torch.autograd.grad(value, leaves, torch.ones_like(value))  # its upstream gradient too: 1
     assert torch.count_nonzero(dq[0]) == 0 and torch.count_nonzero(dr[0]) == 0
     assert torch.count_nonzero(dq[1:]) > 0 and torch.count_nonzero(dr[1:]) > 0
+
+    exact_leaves = [leaf_like(x) for x in (q, c, r)]
+    widths = [8] if dims is None else dims
+    references = torch.stack([(exact_leaves[0][:, :d] * exact_leaves[2][:, :d]).sum(dim=1) for d in widths])
+    exact = oracle.similarity_lse(*exact_leaves[:2], 0.5, **options) - 0.5 * references.reshape(value.shape)
+    finite = torch.isfinite(exact.detach())
+    assert torch.equal(finite, torch.isfinite(value.detach()))
+    assert_close(value.detach()[finite], exact.detach()[finite], 1e-12, "finite rows")
+    for got, want, what in zip((dq, dc, dr), torch.autograd.grad(torch.where(finite, exact, 0.0).sum(), exact_leaves),
+                               ("dq", "dc", "dr")):
+        assert_close(got, want, 1e-10, what)
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e20], ids=["ordinary", "huge"])
+@pytest.mark.parametrize("form", ["torch", "torch-row-blocks", "torch-blocked"])
+def test_a_dominant_positive_given_as_reference_gives_exactly_zero(monkeypatch, form, magnitude):
+    """Raw dot products whose reference rows are the rows of their target columns (how the MNRL family passes its
+    positives), each query a multiple of its positive so that the positive's logit dominates its row (every other
+    exponential underflows): every value is exactly 0, the reference logit read from the score tile the target
+    column's comes from (one taken from other products differs from it in the last bits), also where the logits
+    overflow float32 (rows of 1e20, which the blocked form takes)."""
+    from angle_kernels.dispatch import resolve_backend
+    from angle_kernels.torch_ops import common
+
+    if form == "torch-row-blocks":
+        monkeypatch.setattr(common, "CHUNK_ELEMENTS", 3 * 12)  # blocks of 3 rows
+    c = randn(generator("similarity_lse", "dominant reference"), 12, 64) * magnitude
+    q = 8.0 * c[:6]
+    ops = torch_blocked_backend().ops if form == "torch-blocked" else resolve_backend("torch", q)
+    value = ops.similarity_lse(q, c, 1.0, normalize=False, reference=c[:6].clone())
+    assert torch.equal(value, torch.zeros_like(value)), value
+
+
+@pytest.mark.parametrize("target_offset, block_rows", [(2, 3), (3, 2)], ids=["offset2-blocks3", "offset3-blocks2"])
+def test_reference_rows_of_targets_past_the_columns_in_row_blocks(monkeypatch, target_offset, block_rows):
+    """Raw dot products with reference rows and a false-negative filter that keeps the target, on the torch backend's
+    CPU softmax form in blocks of a few rows, the targets of all but the first rows past the 4 columns: the first
+    block holds one or two rows whose target lies within the columns, the others none, and every row's value and
+    gradients are float64 autograd's (each row's target logit is read through the block's diagonal, the rows past
+    the columns from the last column, one per row; the filter keeps every target within the columns)."""
+    from angle_kernels.dispatch import resolve_backend
+    from angle_kernels.torch_ops import common
+
+    monkeypatch.setattr(common, "CHUNK_ELEMENTS", block_rows * 4)
+    gen = generator("similarity_lse", "reference past the columns", target_offset)
+    q, c, r = (randn(gen, rows, 8, dtype=torch.float64) for rows in (12, 4, 12))
+    threshold = _filter_threshold(q, c, target_offset, 0.1, normalize=False)  # each target's score less 0.1
+    options = dict(target_offset=target_offset, exclude="none", normalize=False, filter_threshold=threshold,
+                   filter_keeps_target=True)
+    ops = resolve_backend("torch", q)
+
+    def ours(q, c, r):
+        return ops.similarity_lse(q, c, 0.3, reference=r, filter_q=q.detach(), filter_c=c.detach(), **options)
+
+    def exact(q, c, r):
+        return (oracle.similarity_lse(q, c, 0.3, filter_q=q.detach(), filter_c=c.detach(), **options)
+                - 0.3 * (q * r).sum(dim=1))
+
+    leaves, exact_leaves = [leaf_like(x) for x in (q, c, r)], [leaf_like(x) for x in (q, c, r)]
+    value, expected = ours(*leaves), exact(*exact_leaves)
+    assert_close(value, expected, VALUE_TOL[torch.float64], "reference lse")
+    weights = torch.linspace(0.5, 1.5, 12, dtype=torch.float64)
+    for name, g, e in zip("qcr", torch.autograd.grad(value @ weights, leaves),
+                          torch.autograd.grad(expected @ weights, exact_leaves)):
+        assert_close(g, e, GRAD_TOL[torch.float64], f"d{name}")
 
 
 def test_a_retained_graph_gives_the_same_gradients_twice(backend):
@@ -344,24 +416,45 @@ def test_huge_rows(backend, name, dtype, magnitude):
 def test_cpu_dot_products_take_the_softmax_form_where_it_is_exact():
     """The torch backend's CPU calls of raw dot products compute in the softmax form (takes_dot_products) without a
     filter or with one on the model's own scores, for rows whose products cannot overflow; a filter on other
-    embeddings, rows near the float32 range, a scale that would take the logits there and rows that are not finite
-    go to the blocked form, whose rows are scaled by powers of two."""
+    embeddings, rows near the float32 range, a scale or a hardness penalty that would take the logits there and rows
+    that are not finite go to the blocked form, whose rows are scaled by powers of two."""
     from angle_kernels.torch_ops._similarity_lse_softmax import takes_dot_products
 
-    def takes(name, dtype=torch.float32, factor=1.0, scale=None):
+    def takes(name, dtype=torch.float32, factor=1.0, scale=None, penalty=None):
         q, c, kwargs = _inputs(name, dtype)
         q = q * factor
         if "self_filter" in CASES[name][3]:
             kwargs.update(filter_q=q.detach())
-        return takes_dot_products(q, c, None, kwargs["scale"] if scale is None else scale, kwargs["penalty"],
-                                  kwargs.get("filter_q"), kwargs.get("filter_c"), kwargs.get("filter_threshold"))
+        return takes_dot_products(q, c, None, kwargs["scale"] if scale is None else scale,
+                                  kwargs["penalty"] if penalty is None else penalty, kwargs.get("filter_q"),
+                                  kwargs.get("filter_c"), kwargs.get("filter_threshold"))
 
     assert takes("dot_query_to_doc") and takes("dot_everything") and takes("dot_everything", torch.bfloat16)
     assert not takes("dot_guided_several_tiles")  # a guide: the blocked form
     assert not takes("dot_query_to_doc", factor=2.0**40)  # squared norms past 2^80
     assert takes("dot_query_to_doc", torch.float64, factor=2.0**40)
     assert not takes("dot_query_to_doc", scale=1e37)
+    assert not takes("dot_everything", penalty=1e37)  # the penalised logits would be as far out
     assert not takes("dot_query_to_doc", factor=float("nan"))  # NaN rows (value checks off): the blocked form
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_a_filter_on_transposed_views_of_q_and_c(backend, dtype):
+    """filter_q and filter_c the transposes of square q and c (their storage and shape, other strides): a filter on
+    other embeddings than q and c, not on the model's own scores, which the torch backend recognises to reuse its
+    score tiles; taken for one, the q . c tile stood in for q^T . c^T."""
+    gen = generator("similarity_lse", "transposed filter", dtype)
+    q, c = randn(gen, 12, 12, dtype=dtype), randn(gen, 12, 12, dtype=dtype)
+    kwargs = dict(scale=20.0, filter_q=q.T, filter_c=c.T, filter_keeps_target=True,
+                  filter_threshold=_filter_threshold(q.T, c.T, 0, 0.05))
+    on_device = moved_to(backend.device, {k: v for k, v in kwargs.items() if not k.startswith("filter_")})
+    on_device.update(filter_keeps_target=True, filter_threshold=kwargs["filter_threshold"].to(backend.device))
+
+    def ours(q, c):
+        return backend.ops.similarity_lse(q, c, **dict(on_device, filter_q=q.detach().T, filter_c=c.detach().T))
+
+    check_against_oracle(ours, lambda q, c: oracle.similarity_lse(q, c, **kwargs), [q, c], f"transposed {dtype}",
+                         device=backend.device)
 
 
 @pytest.mark.parametrize("form", ["torch", "torch-row-blocks", "torch-blocked"])

@@ -97,7 +97,8 @@ def backend(request, monkeypatch) -> Backend:
     return backend_or_skip(request.param)
 
 # name -> (M, Mc or None for c = None, D, options). Options: scale, target, exclude_diagonal, margin (radians);
-# "weights" puts row weights in {0, 0.5, 1}, "groups" draws group ids with many duplicates.
+# "weights" puts row weights in {0, 0.5, 1} ("negative fractional": in (-1, 0], every digit of a float32 used),
+# "groups" draws group ids with many duplicates.
 CASES = {
     "in_batch_negatives": (38, None, 130, dict(target="partner", exclude_diagonal=True, weights=True, groups=True)),
     "in_batch_negatives_plain": (38, None, 64, dict(target="partner", exclude_diagonal=True, weights=True)),
@@ -112,6 +113,7 @@ CASES = {
     "one_row": (1, 1, 5, dict(target="diagonal")),
     "one_query_many_candidates": (1, 9, 7, dict(target="diagonal")),
     "one_pair": (2, None, 6, dict(target="partner", exclude_diagonal=True)),
+    "negative_fractional_weights": (21, 30, 24, dict(target="diagonal", weights="negative fractional")),
     "several_tiles": (150, 300, 300, dict(target="diagonal", margin=0.2)),
 }
 
@@ -124,7 +126,9 @@ def _inputs(name, dtype):
     c = None if c_rows is None else randn(gen, c_rows, dim, dtype=dtype)
     kwargs = dict(scale=options.get("scale", 20.0), target=options["target"],
                   exclude_diagonal=options.get("exclude_diagonal", False), margin=options.get("margin", 0.0))
-    if options.get("weights"):
+    if options.get("weights") == "negative fractional":
+        kwargs["row_weights"] = -torch.rand(rows, generator=gen)
+    elif options.get("weights"):
         kwargs["row_weights"] = torch.randint(0, 3, (rows,), generator=gen).to(torch.float32) / 2
     if options.get("groups"):
         kwargs["group_ids"] = torch.randint(0, max(1, rows // 3), (rows,), generator=gen)

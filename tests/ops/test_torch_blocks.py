@@ -6,8 +6,8 @@ few tiles of at most 128 MiB (float32).
 The ops run here on the meta device, which stands for a GPU: it is not the CPU (so it takes the accelerator
 budget and the GPU's code path, rows always scaled), and it computes nothing, so GPU-sized calls cost only their
 dispatches. What is checked, at 2N = 16,384 columns:
-* every op that blocks (similarity_xent with and without dims, similarity_lse, pair_scores with and without
-  dims) makes its tiles as many rows as the accelerator budget gives, 8x the rows of its CPU tiles;
+* every op that blocks (similarity_xent, similarity_lse and pair_scores, each with and without dims) makes its
+  tiles as many rows as the accelerator budget gives, 8x the rows of its CPU tiles;
 * the peak of the memory it allocates (every storage an op returns, tracked until freed; temporaries inside a
   single ATen op, such as logsumexp's, are not seen) stays within a few budgets plus a few embedding-sized
   buffers, as the op modules' docstrings state;
@@ -108,8 +108,8 @@ def _meta_leaf(*shape):
 
 def _similarity_cases(ops=None):
     """name -> (leaves, call, rows M, columns Mc, tiles of Mc logits per block row, tile budgets the peak may
-    reach): the first walk's tile holds `parts` x Mc logits per row (dims: k + 1). ops: the torch backend's raw ops
-    by default."""
+    reach): the first walk's tile holds `parts` x Mc logits per row (similarity_xent with dims: k + 1;
+    similarity_lse with dims: k + 2, 2k + 2 with a guide). ops: the torch backend's raw ops by default."""
     ops = raw_backend("torch") if ops is None else ops
     m, mc = COLUMNS // 2, COLUMNS
     groups = torch.zeros(mc, dtype=torch.long, device=META)
@@ -131,6 +131,11 @@ def _similarity_cases(ops=None):
             q, c, 20.0, 0, m, "own", 2.0, "other", None, None, None, False, True), m, mc, 1, 4),
         "lse_guided": (lambda: [_meta_leaf(m, WIDTH), _meta_leaf(mc, WIDTH)], lambda q, c: ops.similarity_lse(
             q, c, 20.0, 0, 0, "none", 0.0, "none", guide_q, guide_c, threshold, True, True), m, mc, 1, 4),
+        "lse_dims": (lambda: [_meta_leaf(m, WIDTH), _meta_leaf(mc, WIDTH)], lambda q, c: ops.similarity_lse(
+            q, c, 20.0, 0, m, "own", 2.0, "other", None, None, None, False, True, dims=(8, 32, 64)), m, mc, 5, 2),
+        "lse_dims_guided": (lambda: [_meta_leaf(m, WIDTH), _meta_leaf(mc, WIDTH)], lambda q, c: ops.similarity_lse(
+            q, c, 20.0, 0, 0, "none", 0.0, "none", guide_q, guide_c, threshold.expand(3, m), True, True,
+            dims=(8, 32, 64)), m, mc, 8, 2),
     }
 
 
