@@ -703,7 +703,7 @@ def stage_first(args, record: StageRecord, schedule: Schedule) -> None:
                                                                 "torch,triton"))
     guarded(record, "cuda_backend", lambda: cuda_backend(record, schedule.deadline("cuda_backend"), args.workers))
     guarded(record, "verifications", lambda: write_verifications(
-        record, ("large_checks", "cuda_backend"), f"bench/results/{results_folder()}/first"))
+        record, ("large_checks", "cuda_backend"), f"bench/results/{results_folder()}/{record.out_dir.name}"))
     if schedule.runs("triton_tests"):
         guarded(record, "triton_tests", lambda: run_pytest(PYTEST_TRITON, record.work / "pytest_triton.log",
                                                            schedule.deadline("triton_tests").left() - 3,
@@ -1274,8 +1274,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"second: angle-emb 0.6.1's wheel or its loss.py (default {DEFAULT_ANGLE_EMB_WHEEL.name} "
                              "in .whl/ when present)")
     parser.add_argument("--skip", type=lambda text: tuple(filter(None, text.split(","))), default=(),
-                        help="second: steps not to run, comma-separated (op_sweep, loss_sweep, cuda_op_sweep: "
-                             "measured by an earlier command); they get no time in the schedule")
+                        help="steps not to run, comma-separated (first: triton_tests, headline; second: "
+                             "op_sweep, loss_sweep, cuda_op_sweep, measured by an earlier command); they get no time "
+                             "in the schedule")
     parser.add_argument("--ops", type=lambda text: tuple(filter(None, text.split(","))), default=(),
                         help="second: the op sweeps' benchmarks to run, comma-separated (e.g. "
                              "'pair_scores(dims),similarity_lse(dims)'; default every one)")

@@ -34,9 +34,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from angle_kernels import fingerprints, measured
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's angle_kernels, not another one installed in the environment
+
+from angle_kernels import fingerprints, measured  # noqa: E402
 
 # The op sweep's row names (bench_*.py OpBench names) -> (op, variant, size from the sweep's N): pairs for
 # pair_scores, scores for the ranking term, logits M x Mc for similarity_xent (in-batch negatives: M = Mc = 2N;
