@@ -197,7 +197,8 @@ def test_the_cuda_op_sweep_alone_leaves_the_build_its_time():
     build_wait_ends = alone.deadline("cuda_op_sweep").left() - 60  # stage_second's cuda_sweep waits until then
     assert build_wait_ends >= 40 + 90 - 1 and alone.budget_s == 40 + 90 + 60
     assert schedule("op_sweep", "loss_sweep", limit=150).deadline("cuda_op_sweep").left() <= 150
-    for skip in [(), ("op_sweep",), ("loss_sweep",), ("loss_sweep", "cuda_op_sweep")]:
+    for skip in [(), ("op_sweep",), ("loss_sweep",), ("loss_sweep", "cuda_op_sweep"),
+                 ("op_sweep", "loss_sweep", "cuda_op_sweep")]:
         assert not schedule(*skip).runs("cuda_build"), skip
     assert schedule().budget_s == gpu_suite.STAGES["second"].budget_s == 520
     second = gpu_suite.STAGES["second"]
@@ -256,8 +257,11 @@ def test_the_record_and_the_archive_are_written_after_every_step(tmp_path):
     with tarfile.open(out / "first.tar.gz") as tar:
         assert tar.extractfile("first/large_log.txt").read() == b"kernel output\n"
     assert "| triton pair_scores full | passed |" in (out / "first.md").read_text()
-    record.finish("ok")
+    (record.work / "killed_step.log").write_text("what a step cut by a kill wrote\n")
+    record.finish("ok")  # the stage's end packs what was written since the last step (a SIGTERM mid-step)
     assert json.loads((out / "first.json").read_text())["status"] == "ok"
+    with tarfile.open(out / "first.tar.gz") as tar:
+        assert tar.extractfile("first/killed_step.log").read() == b"what a step cut by a kill wrote\n"
     assert not list(out.glob("*.partial"))
 
 
@@ -789,21 +793,26 @@ def test_the_next_stage_kills_the_children_of_a_stage_killed_from_outside(tmp_pa
             proc.wait(timeout=30)
 
 
+def _fake_gpu(monkeypatch, tmp_path):
+    """main() on a faked GPU (torch.cuda.is_available), with nothing of the real machine's environment left changed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(harness, "free_cuda_memory", lambda: None)
+    monkeypatch.setattr(gpu_suite, "CHILDREN_DIR", tmp_path / "children")
+    for name in ("TRITON_INTERPRET", "ANGLE_KERNELS_CUDA_JIT"):  # main sets both for the real GPU: restored after
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.parametrize("statuses, ends", [(("ok", "ok"), ("ok", 0)), (("ok", "error"), ("failed", 1)),
                                             (("timed out", "ok"), ("failed", 1)), (("failed", "ok"), ("failed", 1))])
 def test_a_stage_on_a_gpu_is_ok_only_when_every_step_is(tmp_path, monkeypatch, capsys, statuses, ends):
     """main's last word on a stage (its record's status and the exit status gpu_check.sh reports): "ok" only where
     every step ended "ok"; a step that raised ("error"), overran ("timed out") or failed fails the stage. The GPU
     is faked (torch.cuda.is_available), the preflight and the stage's steps too."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(harness, "free_cuda_memory", lambda: None)
-    monkeypatch.setattr(gpu_suite, "CHILDREN_DIR", tmp_path / "children")
+    _fake_gpu(monkeypatch, tmp_path)
     monkeypatch.setattr(gpu_suite, "preflight", lambda record, on_gpu, build: {"gpu": "faked"})
-    for name in ("TRITON_INTERPRET", "ANGLE_KERNELS_CUDA_JIT"):  # main sets both for the real GPU: restored after
-        if name in os.environ:
-            monkeypatch.setenv(name, os.environ[name])
-        else:
-            monkeypatch.delenv(name, raising=False)
 
     def run(args, record, schedule):
         for name, status in zip(("a", "b"), statuses):
@@ -860,3 +869,340 @@ def test_the_cuda_backend_step_fails_unless_its_op_tests_ended_ok(tmp_path, monk
     monkeypatch.setattr(gpu_suite, "run_pytest", lambda args, log, timeout_s, workers: {"status": pytest_status})
     result = gpu_suite.cuda_backend(record, gpu_suite.Deadline(300, time.monotonic()), workers=1)
     assert result["status"] == ("ok" if pytest_status == "ok" else "failed")
+
+
+@pytest.mark.parametrize("argv, skip, build, budget_s", [
+    ([], [], True, 520), (["--skip", "loss_sweep,cuda_op_sweep"], ["loss_sweep", "cuda_op_sweep"], False, 40 + 180),
+    (["--skip", "op_sweep,loss_sweep", "--time-limit", "150"], ["op_sweep", "loss_sweep"], True, 150)])
+def test_second_on_a_gpu_schedules_its_skips_and_time_limit_and_builds_only_for_the_cuda_sweep(
+        tmp_path, monkeypatch, argv, skip, build, budget_s):
+    """main's schedule for `second`: the skipped steps get no time, cuda_build only its implied place, --time-limit
+    caps the whole stage, the preflight starts the CUDA build only where the CUDA op sweep runs, the stage's steps
+    see no JIT build and no interpreter, and the SIGTERM handler is put back. The steps themselves are faked."""
+    import signal
+
+    _fake_gpu(monkeypatch, tmp_path)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = {}
+    monkeypatch.setattr(gpu_suite, "preflight", lambda record, on_gpu, build: seen.update(build=build) or {})
+
+    def run(args, record, schedule):
+        seen.update(ends=dict(schedule.ends), jit=os.environ.get("ANGLE_KERNELS_CUDA_JIT"),
+                    interpret=os.environ.get("TRITON_INTERPRET"))
+
+    monkeypatch.setattr(gpu_suite.STAGES["second"], "run", run)
+    handler = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out"
+    assert gpu_suite.main(["second", str(out), *argv]) == 0
+    assert signal.getsignal(signal.SIGTERM) == handler
+    record = json.loads((out / "second.json").read_text())
+    assert (record["budget_s"], record["status"], record.get("skipped", [])) == (budget_s, "ok", skip)
+    assert seen["build"] == build and (seen["jit"], seen["interpret"]) == ("0", None)
+    assert max(seen["ends"].values()) == budget_s and not set(skip) & set(seen["ends"])
+    assert ("cuda_build" in seen["ends"]) == (skip == ["op_sweep", "loss_sweep"])
+
+
+def test_third_train_bench_on_a_gpu_runs_the_training_benchmark_in_the_stages_limit(tmp_path, monkeypatch):
+    """`third --train-bench` runs the training benchmark, not the LoRA one, as its step `train_bench` with the
+    stage's whole limit."""
+    _fake_gpu(monkeypatch, tmp_path)
+    monkeypatch.setattr(gpu_suite, "preflight", lambda record, on_gpu, build: {})
+    ran = []
+    monkeypatch.setattr(gpu_suite.STAGES["third"], "run", lambda args, record, schedule: ran.append("llama7b"))
+    monkeypatch.setattr(gpu_suite, "stage_train_bench", lambda args, record, schedule: ran.append(
+        ("train_bench", schedule.deadline("train_bench").end - schedule.start)))
+    assert gpu_suite.main(["third", str(tmp_path / "out"), "--train-bench"]) == 0
+    assert ran == [("train_bench", 520)]
+def test_packing_takes_exactly_eight_files_and_counts_those_in_folders(tmp_path):
+    """Eight files under OUT come back, a ninth does not, wherever it lies (a folder's files come back too)."""
+    record = _record(tmp_path)
+    for k in range(gpu_suite.MAX_FILES - 3):  # beside first.json, first.md and first.tar.gz
+        (tmp_path / "out" / f"extra{k}.txt").write_text("x")
+    record.pack()
+    (tmp_path / "out" / "folder").mkdir()
+    (tmp_path / "out" / "folder" / "ninth.txt").write_text("x")
+    with pytest.raises(RuntimeError, match="9 files"):
+        record.pack()
+
+
+def test_a_command_that_ends_normally_keeps_its_last_line_and_says_no_kill(tmp_path):
+    """The last line reported is the last one with text (a blank line after it changes nothing), and a command that
+    ended by itself is not logged as killed."""
+    log = tmp_path / "child.log"
+    result = gpu_suite.run_logged([sys.executable, "-c", "print('result line'); print(); print('  ')"], log,
+                                  timeout_s=60)
+    assert (result["returncode"], result["timed_out"], result["last_line"]) == (0, False, "result line")
+    assert "killed after" not in log.read_text()
+
+
+def test_a_pytest_run_left_no_time_is_timed_out_and_tests_one_autotune_config(tmp_path, monkeypatch):
+    """A test step whose limit is already spent never starts pytest: it is "timed out", not "ok"; a step that runs
+    gives its tests one autotune config per kernel, the real compiler and no JIT build."""
+    log = tmp_path / "pytest.log"
+    assert gpu_suite.run_pytest(["tests/ops"], log, 0, 1)["status"] == "timed out"
+    seen = {}
+
+    def fake_run_logged(cmd, log_path, timeout_s, env=None, prefix=""):
+        seen.update(cmd=cmd, env=env)
+        log_path.write_text("tests/ops/t.py::test_x PASSED\n")
+        return {"returncode": 0, "timed_out": False}
+
+    monkeypatch.setattr(gpu_suite, "run_logged", fake_run_logged)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert gpu_suite.run_pytest(["tests/ops"], log, 10, 1)["status"] == "ok"
+    assert seen["env"]["ANGLE_KERNELS_AUTOTUNE"] == "first" and seen["env"]["ANGLE_KERNELS_CUDA_JIT"] == "0"
+    assert "TRITON_INTERPRET" not in seen["env"] and seen["env"]["PYTHONPATH"].startswith(str(harness.REPO))
+    assert seen["cmd"][-1] == "tests/ops" and "-v" in seen["cmd"]
+
+
+def test_a_preflight_missing_a_module_fails_and_without_nvcc_starts_no_build(tmp_path, monkeypatch):
+    """A module a step needs that does not import fails the preflight (an optional one does not), and a GPU whose
+    machine has no nvcc gets no background build (it says why) rather than one that fails minutes later."""
+    monkeypatch.setattr(gpu_suite, "PREFLIGHT_MODULES", ("json", "no_such_module_for_the_gpu_run"))
+    monkeypatch.setattr(gpu_suite, "OPTIONAL_MODULES", ("no_such_optional_module",))
+    monkeypatch.setattr(gpu_suite, "environment", lambda: {"gpu": "NVIDIA H200"})
+    monkeypatch.setattr(gpu_suite, "cuda_home", lambda: None)
+    monkeypatch.setattr(gpu_suite.shutil, "which", lambda name: None)
+    monkeypatch.setattr(gpu_suite, "BackgroundBuild", lambda work: pytest.fail("a build without nvcc"))
+    result = gpu_suite.preflight(_record(tmp_path), on_gpu=True, build=True)
+    assert result["status"] == "failed" and result["missing"] == ["no_such_module_for_the_gpu_run"]
+    assert "no_such_module_for_the_gpu_run" in result["error"]
+    assert result["cuda_build"].startswith("not started: nvcc not found")
+
+
+def test_the_checks_runs_stop_themselves_before_the_step_kills_them(tmp_path, monkeypatch):
+    """Each verify process gets a --time-limit well inside the kill's timeout, and the kill comes before the step's
+    end: a run that stops itself writes its results, a killed one loses them."""
+    seen = {}
+
+    def fake_runs(commands, timeout_s, env):
+        seen.update(commands=commands, timeout_s=timeout_s)
+        return {name: {"returncode": 0} for name in commands}
+
+    monkeypatch.setattr(gpu_suite, "run_side_by_side", fake_runs)
+    result = gpu_suite.verify_side_by_side(_record(tmp_path), gpu_suite.Deadline(300, time.monotonic()), "cuda")
+    assert result["status"] == "ok" and result["checks"] == []
+    assert 290 <= seen["timeout_s"] <= 300
+    assert set(seen["commands"]) == set(gpu_suite.VERIFY_DTYPES)
+    for cmd, _ in seen["commands"].values():
+        assert float(cmd[cmd.index("--time-limit") + 1]) <= seen["timeout_s"] - 10
+
+
+def test_first_verifies_the_paths_both_its_check_steps_passed(tmp_path, monkeypatch):
+    """verified.json is made from the checks of large_checks and of cuda_backend (the CUDA backend's paths too),
+    with the evidence folder named after this GPU, the date and the command's output folder:
+    bench/results/<gpu>-<date>/<folder>, where the results are committed (docs/gpu-runs.md)."""
+    import datetime
+
+    seen = {}
+    record = _record(tmp_path)  # its output folder: out
+    monkeypatch.setattr(gpu_suite, "guarded", lambda record, name, fn: fn() if name == "verifications" else None)
+    monkeypatch.setattr(gpu_suite, "write_verifications",
+                        lambda record, steps, evidence: seen.update(steps=steps, evidence=evidence))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    args = gpu_suite.parse_args(["first", "out", "--skip", "triton_tests,headline"])
+    gpu_suite.stage_first(args, record, gpu_suite.Schedule(gpu_suite.FIRST_STEPS, time.monotonic(), skip=args.skip))
+    assert seen["steps"] == ("large_checks", "cuda_backend")
+    assert seen["evidence"] == f"bench/results/h100-80gb-hbm3-{datetime.date.today().isoformat()}/out"
+
+
+def test_the_cuda_backend_step_keeps_time_for_its_checks_and_tests_and_fails_on_a_failed_check(tmp_path,
+                                                                                                monkeypatch):
+    """The build is waited for until a minute before the step's end, the checks end 40 s before it (for the op
+    tests), the op tests before it; a failed check fails the step though its op tests pass."""
+    seen = {}
+    record = _record(tmp_path)
+    record.build = SimpleNamespace(wait=lambda deadline: seen.update(build=deadline.left()) or {"status": "ok"})
+    monkeypatch.setattr(gpu_suite, "probe_cuda_backend", lambda record, deadline: {"status": "ok"})
+    monkeypatch.setattr(gpu_suite, "verify_side_by_side", lambda record, deadline, backend: seen.update(
+        checks=deadline.left()) or {"checks": [], "outcomes": {"cuda pair_scores full": "failed"},
+                                    "failed": ["cuda pair_scores full"]})
+    monkeypatch.setattr(gpu_suite, "run_pytest", lambda args, log, timeout_s, workers: seen.update(
+        pytest=timeout_s) or {"status": "ok"})
+    result = gpu_suite.cuda_backend(record, gpu_suite.Deadline(300, time.monotonic()), workers=1)
+    assert result["status"] == "failed" and result["failed"] == ["cuda pair_scores full"]
+    assert 230 < seen["build"] <= 240 and 250 < seen["checks"] <= 260 and 290 < seen["pytest"] <= 297
+
+
+@pytest.mark.parametrize("limits_status, skip, ran", [
+    ("ok", "loss_sweep", ["limits", "op_sweep", "cuda_op_sweep"]),
+    ("ok", "op_sweep,cuda_op_sweep", ["limits", "loss_sweep"]), ("error", "loss_sweep", ["limits"])])
+def test_second_runs_the_steps_its_skips_leave_with_the_named_ops(monkeypatch, limits_status, skip, ran):
+    """`second --skip loss_sweep --ops pair_scores`: the limits, the op sweep and the CUDA op sweep run (in their own
+    step, on the CUDA backend alone, its build waited for until a minute before its end), each on the named op
+    alone; the loss sweep does not. Limits that failed end the stage: every fraction would be missing."""
+    calls = {}
+
+    def fake_guarded(record, name, fn):
+        calls[name] = {"status": limits_status} if name == "limits" else {"status": "ok", **fn()}
+        return calls[name]
+
+    waits = []
+    record = SimpleNamespace(build=SimpleNamespace(wait=lambda deadline: waits.append(deadline.left()) or {}))
+    monkeypatch.setattr(gpu_suite, "guarded", fake_guarded)
+    monkeypatch.setattr(gpu_suite, "op_sweep", lambda record, deadline, limits, passes, ops=None, step="op_sweep": {
+        "step": step, "passes": passes, "ops": [bench.name for bench in ops], "left": deadline.left()})
+    monkeypatch.setattr(gpu_suite, "loss_sweep", lambda record, deadline, angle_emb_loss: {})
+    monkeypatch.setattr(gpu_suite, "probe_cuda_backend", lambda record, deadline: {})
+    args = gpu_suite.parse_args(["second", "out", "--skip", skip, "--ops", "pair_scores"])
+    schedule = gpu_suite.Schedule(gpu_suite.STAGES["second"].steps, time.monotonic(),
+                                  skip=gpu_suite.implied_skips("second", args.skip))
+    gpu_suite.stage_second(args, record, schedule)
+    assert list(calls) == ran
+    if "cuda_op_sweep" not in ran:
+        return
+    assert (calls["op_sweep"]["step"], calls["op_sweep"]["passes"]) == ("op_sweep", [("triton", "torch")])
+    assert (calls["cuda_op_sweep"]["step"], calls["cuda_op_sweep"]["passes"]) == ("cuda_op_sweep", [("cuda",)])
+    assert calls["op_sweep"]["ops"] == calls["cuda_op_sweep"]["ops"] == ["pair_scores"]
+    assert 215 < waits[0] <= 220  # the CUDA op sweep ends 280 s from the start
+
+
+def test_third_resumes_from_the_previous_results_and_keeps_its_kill_inside_the_step(tmp_path, monkeypatch):
+    """--resume-from takes the previous command's folder or its llama7b/ itself; the benchmark's own budget ends
+    20 s before the step's end and its kill before that end. A folder with no results fails the resume, and no
+    training starts from scratch in its place."""
+    monkeypatch.setattr(harness, "free_cuda_memory", lambda: None)
+    runs = []
+
+    def fake_benchmark(cmd, log_path, timeout_s, env=None, prefix=""):
+        out = Path(cmd[cmd.index("--out") + 1])
+        runs.append((float(cmd[cmd.index("--time-budget") + 1]), timeout_s,
+                     json.loads((out / "results.json").read_text())))
+        return {"returncode": 0, "timed_out": False, "last_line": ""}
+
+    monkeypatch.setattr(gpu_suite, "run_logged", fake_benchmark)
+    previous = tmp_path / "previous"
+    (previous / "llama7b").mkdir(parents=True)
+    (previous / "llama7b" / "results.json").write_text(json.dumps({"left": ["bs=32768"]}))
+    for k, source in enumerate((previous, previous / "llama7b")):
+        (tmp_path / f"command{k}").mkdir()
+        record = _record(tmp_path / f"command{k}", "third")
+        args = SimpleNamespace(llama_size="7b", resume_from=str(source), train_bench=False)
+        gpu_suite.stage_third(args, record, gpu_suite.Schedule(gpu_suite.THIRD_STEPS, time.monotonic()))
+        assert record.data["steps"]["resume"]["status"] == "ok" and record.data["steps"]["llama7b"]["left"]
+    assert [result for _, _, result in runs] == [{"left": ["bs=32768"]}] * 2
+    assert all(495 < budget <= 500 and budget < timeout_s <= 510 for budget, timeout_s, _ in runs)
+    runs.clear()
+    (tmp_path / "empty").mkdir()
+    record = _record(tmp_path / "empty", "third")
+    args = SimpleNamespace(llama_size="7b", resume_from=str(tmp_path / "empty"), train_bench=False)
+    gpu_suite.stage_third(args, record, gpu_suite.Schedule(gpu_suite.THIRD_STEPS, time.monotonic()))
+    assert record.data["steps"]["resume"]["status"] == "error" and "llama7b" not in record.data["steps"] and not runs
+
+
+def test_a_training_benchmark_that_crashed_fails_its_step_though_earlier_results_are_there(tmp_path, monkeypatch):
+    """train_llama_7b.py exiting non-zero fails the step even where a results.json (resumed, or saved before the
+    crash) lies in its folder."""
+    monkeypatch.setattr(harness, "free_cuda_memory", lambda: None)
+    record = _record(tmp_path, "third")
+    (record.work / "llama7b").mkdir()
+    (record.work / "llama7b" / "results.json").write_text(json.dumps({"left": []}))
+    monkeypatch.setattr(gpu_suite, "run_logged", lambda cmd, log_path, timeout_s, env=None, prefix="": {
+        "returncode": 1, "timed_out": False, "last_line": "CUDA out of memory"})
+    gpu_suite.stage_third(_third_args(), record, gpu_suite.Schedule(gpu_suite.THIRD_STEPS, time.monotonic()))
+    step = record.data["steps"]["llama7b"]
+    assert step["status"] == "error" and "CUDA out of memory" in step["error"]
+
+
+def test_the_training_benchmark_resumes_from_a_folder_that_is_its_results(tmp_path, monkeypatch):
+    """`third --train-bench --resume-from F`: F may be the previous command's folder or its train_bench/ itself."""
+    monkeypatch.setattr(harness, "free_cuda_memory", lambda: None)
+    monkeypatch.setattr(gpu_suite, "run_logged", lambda cmd, log_path, timeout_s, env=None, prefix="": {
+        "returncode": 0, "timed_out": False, "last_line": ""})
+    previous = tmp_path / "previous" / "train_bench"
+    previous.mkdir(parents=True)
+    (previous / "results.json").write_text(json.dumps({"left": ["bert-base gradcache 65536"]}))
+    record = _record(tmp_path, "third")
+    args = SimpleNamespace(llama_size="7b", resume_from=str(previous), train_bench=True)
+    gpu_suite.stage_train_bench(args, record, gpu_suite.Schedule(gpu_suite.TRAIN_BENCH_STEPS, time.monotonic()))
+    assert record.data["steps"]["resume"]["status"] == "ok"
+    assert record.data["steps"]["train_bench"]["left"] == ["bert-base gradcache 65536"]
+
+
+def test_an_op_sweep_leaves_its_margin_and_stops_at_a_lost_cuda_context(tmp_path, monkeypatch):
+    """A sweep's allowances end SWEEP_END_MARGIN_S before its step's end (its last write and the packing), and a
+    case that loses the process's CUDA context ends the sweep as failed: every later case would fail too."""
+    record = _record(tmp_path, "second")
+    empty = gpu_suite.op_sweep(record, gpu_suite.Deadline(600, time.monotonic()), {}, [("torch",)], device="cpu",
+                               ops=[])
+    assert empty["rows"] == [] and empty["warm_up"]["allowed_s"] == gpu_suite.SWEEP_WARM_UP_S["op_sweep"]
+    assert 600 - gpu_suite.SWEEP_END_MARGIN_S - 120 - 1 < empty["timed"]["allowed_s"] <= 465
+    monkeypatch.setattr(gpu_suite, "measure_op", lambda *args, **kwargs: {
+        "status": "error", "note": "RuntimeError: CUDA error: an illegal memory access was encountered"})
+    ops = [tiny(bench) for bench in gpu_suite.all_ops() if bench.name == "pair_scores"]
+    result = gpu_suite.op_sweep(record, gpu_suite.Deadline(600, time.monotonic()), {}, [("torch",)], device="cpu",
+                                ops=ops)
+    assert result["status"] == "failed" and len(result["rows"]) == 1 and "CUDA context is lost" in result["error"]
+
+
+def test_a_loss_sweep_with_no_time_left_or_a_failed_run_fails_its_step(tmp_path, monkeypatch):
+    """No time left in the step's limit: the loss sweep does not start; bench_losses.py failing fails the step."""
+    import bench_losses
+
+    seen = _fake_loss_sweep(monkeypatch, ["ok"])
+    with pytest.raises(RuntimeError, match="no time left"):
+        gpu_suite.loss_sweep(_record(tmp_path, "second"), gpu_suite.Deadline(10, time.monotonic()), None)
+    assert seen == []
+    monkeypatch.setattr(bench_losses, "main", lambda argv: 1)
+    with pytest.raises(RuntimeError, match="bench_losses.py failed"):
+        gpu_suite.loss_sweep(_record(tmp_path, "second"), gpu_suite.Deadline(240, time.monotonic()), None)
+
+
+def test_summary_orders_the_committed_stage_records_first_to_third(tmp_path):
+    """The stage records of a GPU run (here the H200's of 2026-11-28 and the H100's third) summarized from folders
+    named in any order: the table lists them first, second, third, and every one renders."""
+    results = HERE / "results"
+    for folder, record in (("a", "h100-80gb-hbm3-2026-11-26b/gpu/third.json"),
+                           ("b", "h200-2026-11-28/second-op-sweep/second.json"),
+                           ("c", "h200-2026-11-28/first/first.json")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / Path(record).name).write_text((results / record).read_text())
+    summary = gpu_suite.summarize(tmp_path)
+    assert summary.index("| first |") < summary.index("| second |") < summary.index("| third |")
+    assert "did not render" not in summary and summary.count("## Stage ") == 3
+    assert "NVIDIA H200 (sm_90)" in summary
+
+
+def test_a_check_that_did_not_pass_is_never_rendered_as_passed(tmp_path):
+    """A check left out (pass None) reads "left out", one over its allowed error (pass False, no exception) "FAIL"."""
+    record = _record(tmp_path)
+    head = {"backend": "triton", "op": "ranking_loss", "path": "sort", "dtype": "float32"}
+    over = {**head, "case": "N=3000", "pass": False, "first": {"value": 1e-3, "grad": 1e-3},
+            "allowed": {"value": 1e-6, "grad": 1e-5}, "against": "reference"}
+    record.step("large_checks", {"status": "failed", "checks": [{**head, "case": "N=6000", "pass": None}, over]})
+    markdown = (tmp_path / "out" / "first.md").read_text()
+    assert "| N=6000 | left out |" in markdown and "| N=3000 | FAIL | value 1.0e-03 / 1.0e-06" in markdown
+
+
+def test_a_background_build_past_its_wait_is_killed_and_fails(tmp_path, monkeypatch):
+    """A build still compiling at the end of its wait is killed and reported as not finished, never taken as built."""
+    monkeypatch.setattr(gpu_suite, "CHILDREN_DIR", tmp_path / "children")
+    build = object.__new__(gpu_suite.BackgroundBuild)
+    build.log_path, build.arch_list, build.started = tmp_path / "cuda_build.log", "9.0", time.monotonic()
+    build.log = open(build.log_path, "w")  # noqa: SIM115 (wait closes it, as for a started build)
+    build.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    with pytest.raises(RuntimeError, match="did not finish in time"):
+        build.wait(gpu_suite.Deadline(0.2, time.monotonic()))
+    assert build.proc.poll() is not None
+
+
+def test_the_cuda_probe_runs_inside_its_step_and_fails_it_when_the_backend_does_not_run(tmp_path, monkeypatch):
+    """The probe's subprocess gets at most a minute, and ends 5 s before the step's end; a probe that fails raises."""
+    seen = []
+    monkeypatch.setattr(gpu_suite, "run_logged", lambda cmd, log_path, timeout_s, env=None, prefix="": seen.append(
+        timeout_s) or {"returncode": 1, "last_line": "AssertionError: cosine: cuda 1.0 vs torch 2.0"})
+    with pytest.raises(RuntimeError, match="does not run: AssertionError: cosine"):
+        gpu_suite.probe_cuda_backend(_record(tmp_path), gpu_suite.Deadline(30, time.monotonic()))
+    with pytest.raises(RuntimeError):
+        gpu_suite.probe_cuda_backend(_record(tmp_path), gpu_suite.Deadline(300, time.monotonic()))
+    assert 20 < seen[0] <= 25 and seen[1] == 60
+
+
+def test_arguments_a_stage_does_not_take_are_refused_and_a_trailing_comma_is_not(capsys):
+    """--train-bench belongs to third; first's checks (cuda_backend included) cannot be skipped; `--skip a,` is `a`."""
+    for argv in (["first", "out", "--train-bench"], ["first", "out", "--skip", "cuda_backend"]):
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_suite.parse_args(argv)
+        assert exit_info.value.code == 2
+    assert "stage first can skip triton_tests, headline" in capsys.readouterr().err
+    assert gpu_suite.parse_args(["second", "out", "--skip", "op_sweep,"]).skip == ("op_sweep",)
