@@ -37,6 +37,20 @@ def test_negatives_as_a_bare_tensor_say_to_pass_a_tuple(loss):
     assert torch.isfinite(loss(queries, positives, (negatives,)))
 
 
+@pytest.mark.parametrize("loss", [
+    lambda q, p, n: ak.multiple_negatives_ranking_loss(q, p, n),
+    lambda q, p, n: ak.gist_loss(q, p, q, p, n, n),
+])
+def test_negatives_of_another_kind_are_refused(loss):
+    """Columns given as a generator or a dict (of column names to tensors) are refused with a TypeError naming
+    negatives and the kind given: only a tuple or list is read as the hard-negative columns."""
+    queries, positives, negatives = torch.randn(3, 4, 8).unbind(0)
+    for columns, named in (((n for n in (negatives,)), "generator"), ({"hard": negatives}, "dict")):
+        with pytest.raises(TypeError, match=rf"negatives must be a tuple or list .*; got {named}"):
+            loss(queries, positives, columns)
+    assert torch.isfinite(loss(queries, positives, [negatives]))
+
+
 @pytest.mark.parametrize("interpreting", ["0", "1"])
 def test_backend_triton_without_triton_says_what_to_install(interpreting, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` fails, as where it is not installed

@@ -12,6 +12,7 @@ and always run.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -142,7 +143,7 @@ def test_integers_of_other_kinds_are_widths_and_numpys_bool_a_flag(ak, gen):
     for dims in (list(np.array([8, 4])), list(torch.tensor([8, 4])), [np.int32(8), np.uint8(4)]):
         assert torch.equal(ak.multiple_negatives_ranking_loss(q, p, dims=dims), expected), dims
     for bad, named in ((8.0, "float"), (True, "bool"), (np.float64(8), "numpy.float64"), (np.bool_(True), "numpy.bool"),
-                       (torch.tensor(8.0), "torch.Tensor")):
+                       (torch.tensor(8.0), "torch.Tensor"), (torch.tensor(True), "torch.Tensor")):
         with pytest.raises(TypeError, match=rf"dims\[0\] must be an int, got {named}"):
             ak.multiple_negatives_ranking_loss(q, p, dims=[bad, 4])
     unfiltered = ak.gist_loss(q, p, q, p, contrast_anchors=False)
@@ -195,9 +196,10 @@ def test_odd_number_of_zigzag_rows_raises(ak, gen):
         with pytest.raises(ValueError, match="y_pred"):
             call(torch.ones(7), x)
     for fmt in "AB":
-        with pytest.raises(ValueError, match="outputs"):
+        with pytest.raises(ValueError, match=r"outputs must have a multiple of 2 rows .*got 7 rows"):
             ak.AngleLoss(dataset_format=fmt)(torch.ones(7), x)
-    with pytest.raises(ValueError, match="outputs"):  # format C needs groups of three rows
+    # format C needs groups of three rows, and says so
+    with pytest.raises(ValueError, match=r"outputs must have a multiple of 3 rows \(format C: query, positive"):
         ak.AngleLoss(dataset_format="C")(torch.ones(8), randn(gen, 8, 8))
 
 
@@ -263,6 +265,14 @@ def test_mismatched_devices_raise(ak, gen):
             call(tensor.to("meta"))
 
 
+def test_two_gpus_of_one_kind_are_different_devices():
+    """Tensors on cuda:0 and cuda:1 are on different devices (not one device because both are CUDA): refused with
+    the names of both, as a CPU tensor next to a GPU tensor is."""
+    with pytest.raises(ValueError, match="y_pred is on cuda:0 but group_ids is on cuda:1"):
+        inputs.check_same_device(("y_pred", torch.device("cuda", 0)), ("group_ids", "cuda:1"))
+    inputs.check_same_device(("y_pred", torch.device("cuda", 1)), ("group_ids", "cuda:1"))
+
+
 def test_integer_embeddings_raise_type_error(ak):
     xi = torch.ones(6, 8, dtype=torch.int64)
     y = torch.ones(6)
@@ -283,6 +293,9 @@ def test_integer_embeddings_raise_type_error(ak):
         ak.triplet_loss(xi[:3], torch.ones(3, 8), torch.ones(3, 8))
     with pytest.raises(TypeError, match="outputs"):
         ak.AngleLoss(dataset_format="A")(y, xi)
+    # next to embeddings of two float dtypes (which are promoted to one), an integer tensor is still refused, not cast
+    with pytest.raises(TypeError, match="neg must be a floating-point tensor"):
+        ak.contrastive_with_negative_loss(torch.ones(3, 8), torch.ones(3, 8, dtype=torch.float64), xi[:3])
 
 
 def test_non_tensor_inputs_raise_type_error(ak):
@@ -320,6 +333,9 @@ def test_non_binary_ibn_labels_raise(ak, ref_loss, gen, labels):
         truncated = torch.tensor([0.0, 0.0, 1.0, 1.0])[:, None]
         assert ref_loss.in_batch_negative_loss(y[:, None], x) == ref_loss.in_batch_negative_loss(truncated, x)
     with pytest.raises(ValueError, match="y_true.*0 or 1|0 or 1.*y_true"):
+        ak.in_batch_negative_loss(y, x)
+    offending = [float(v) for v in labels if v not in (0, 1)]  # the message shows the values at fault
+    with pytest.raises(ValueError, match=re.escape(f"got values such as {offending}")):
         ak.in_batch_negative_loss(y, x)
     with pytest.raises(ValueError, match="0 or 1"):
         ak.AngleLoss(dataset_format="A")(y, x)
@@ -405,6 +421,9 @@ def test_set_input_checks_off_skips_value_checks(ak, gen, monkeypatch):
         ak.in_batch_negative_loss(y, x)
         ak.in_batch_negative_loss(torch.tensor([0.5, 0.5, 2.0, 2.0, 1.0, 1.0]), randn(gen, 6, 8))  # labels unchecked
         ak.contrastive_with_negative_loss(x[:3], x[3:])
+        ak.AngleLoss(dataset_format="B")(y, x)  # formats B and C check their rows' layout themselves
+        ak.AngleLoss(dataset_format="C", cosine_w=1.0)(torch.ones(9), torch.cat([x, x[:3]]))
+        ak.cosine_loss(y, torch.stack([randn(gen, 6, 8), x]), layer_weights=[1.0, 1.0])  # NaN in the 2nd layer
         assert finiteness_scans == [], "a NaN scan ran although input checks are off"
         # the free checks still run
         with pytest.raises(ValueError, match="y_pred"):
@@ -472,6 +491,20 @@ def test_value_checks_sync_once_per_group_of_tensors(ak, gen):
             assert _value_check_syncs(call) == 0, name
 
 
+def test_the_checks_switch_takes_only_a_bool(ak, gen):
+    """set_input_checks and input_checks take True or False: 0, 1 or "off" (a count or a word passed by mistake)
+    raise a TypeError naming the argument and leave the setting as it was."""
+    y, x = _nan_batch(gen)
+    for bad, named in ((0, "int"), (1, "int"), ("off", "str"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=f"enabled must be a bool, got {named}"):
+            ak.set_input_checks(bad)
+        with pytest.raises(TypeError, match=f"enabled must be a bool, got {named}"), ak.input_checks(bad):
+            pass
+        assert ak.input_checks_enabled()
+    with pytest.raises(ValueError, match="y_pred"):  # still on
+        ak.cosine_loss(y, x)
+
+
 def test_input_checks_context_manager(ak, gen):
     y, x = _nan_batch(gen)
     with ak.input_checks(False):
@@ -505,6 +538,7 @@ def test_environment_variable_switches_checks_off(ak):
 
 
 @pytest.mark.parametrize("value, enabled", [(None, True), ("", True), (" On ", True), ("TRUE", True), ("1", True),
+                                            ("yes", True),
                                             ("off", False), (" 0", False), ("No", False), ("false", False)])
 def test_check_inputs_setting_reads_every_switch_word(ak, monkeypatch, value, enabled):
     from angle_kernels import inputs
@@ -615,6 +649,8 @@ def test_a_learned_scale_is_refused_with_the_reason(ak, gen):
                                             rf".*a learned {name} would never change.*float\({name}\)"):
             call(torch.nn.Parameter(torch.tensor(0.5)))
         call(torch.tensor(0.5))
+        with pytest.raises(TypeError, match=rf"^{name} must be a real number, got torch.Tensor$"):  # not one number
+            call(torch.full((2,), 0.5, requires_grad=True))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -653,6 +689,18 @@ def test_mixed_float32_float64_embeddings_are_promoted_to_float64(ak, gen, first
             if name == "gist" and k >= 2:
                 continue  # the guide carries no gradient
             assert_close(g, true_g, GRAD_TOL[inputs[k].dtype], f"{name} mixed grad {k}")
+
+
+def test_bfloat16_with_float16_embeddings_compute_in_float32(ak, gen):
+    """bfloat16 next to float16 (neither holds the other's values) computes in float32, torch's promotion of the
+    two: the loss of the same values given in float32, rather than one input narrowed to the other's 8 or 11
+    significant bits; each gradient in its input's dtype."""
+    for name, ours, exact, tensors in _mixed_dtype_cases(ak, gen):
+        half = [t.to(torch.bfloat16 if k % 2 == 0 else torch.float16) for k, t in enumerate(tensors)]
+        value, grads = grads_of(ours, *half)
+        assert value.dtype == torch.float32, f"{name}: computed in {value.dtype}, not promoted to float32"
+        assert torch.equal(value, ours(*[t.float() for t in half])), f"{name}: not the float32 loss of its inputs"
+        assert [g.dtype for g in grads] == [t.dtype for t in half], f"{name}: gradient dtypes"
 
 
 # --------------------------------------------------------------------------------------------------------

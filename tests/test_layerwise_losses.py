@@ -119,6 +119,9 @@ def test_weights_that_are_all_zero_give_a_zero_loss_with_zero_gradients(name, kw
     (dict(layer_weights=[[1.0, 1.0]] * 3), ValueError, "rows .* need dims"),
     (dict(layer_weights=[[1.0, 1.0]] * 3, dims=(8, 16), dim_weights=(1.0, 2.0)), ValueError, "replace dim_weights"),
     (dict(layer_weights=[[1.0]] * 3, dims=(8, 16)), ValueError, r"layer_weights\[0\] must have one weight per dim"),
+    # a row longer than dims: its extra weight is a mistake, not to be dropped silently
+    (dict(layer_weights=[[1.0, 1.0, 5.0]] * 3, dims=(8, 16)), ValueError,
+     r"layer_weights\[0\] must have one weight per dim \(2\)"),
     (dict(layer_weights=[1.0, 1.0, 1.0], dims=(8, 32)), ValueError, "width 16"),
     # learned weights (a softmax of a parameter): .tolist() dropped their graph, and they never trained
     (dict(layer_weights=torch.nn.Parameter(torch.ones(3)).softmax(0)), TypeError,

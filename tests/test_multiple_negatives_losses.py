@@ -194,6 +194,14 @@ def test_bad_options_are_refused(options, message):
         ak.multiple_negatives_ranking_loss(q, p, **options)
 
 
+def test_directions_given_as_a_list_are_the_same_directions():
+    """directions may be a list (as read from a config file): the same loss as the tuple."""
+    q, p, n = _embeddings("list", 1)
+    for directions in (["query_to_doc", "doc_to_query"], list(ALL)):
+        assert torch.equal(ak.multiple_negatives_ranking_loss(q, p, (n,), directions=directions),
+                           ak.multiple_negatives_ranking_loss(q, p, (n,), directions=tuple(directions)))
+
+
 def test_negative_columns_must_match_the_queries():
     q, p, n = _embeddings("bad", 1)
     with pytest.raises(ValueError, match="negatives"):

@@ -422,6 +422,16 @@ def test_espresso_layer_weights_follow_the_reference():
     assert rows[:3] == [[1.0 / (1.0 + math.log(1 + i)) / 3, 0.0] for i in range(3)]
 
 
+@pytest.mark.parametrize("n_layers, compression_size, named", [(1, 8, "n_layers"), (0, 8, "n_layers"),
+                                                               (4, 0, "compression_size"), (4, -8, "compression_size")])
+def test_espresso_layer_weights_refuse_a_single_layer_or_an_empty_compression(n_layers, compression_size, named):
+    """Espresso weighs the earlier layers against the last one and compresses to a positive width: a model of
+    fewer than 2 layers or a compression_size < 1 raises a ValueError naming it (not weights of no earlier layer,
+    or a prefix of width 0)."""
+    with pytest.raises(ValueError, match=rf"^{named}"):
+        angle_kernels.inputs.espresso_layer_weights(n_layers, compression_size, 32)
+
+
 def test_an_ese_trainer_whose_loss_has_a_forward_pre_hook_keeps_the_reference_calls(ae, deep_model_dir, tmp_path):
     """A forward pre-hook on the trainer's loss sees what the reference passes it, one layer per call: the patched
     trainer keeps the reference's calls (a hook that is not element-wise, here adding the outputs' mean, would give
