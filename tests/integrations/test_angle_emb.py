@@ -18,6 +18,27 @@ NAMES = integration.PATCHED_NAMES
 MODULES = ("angle_emb.loss", "angle_emb.angle", "angle_emb")
 
 
+def assert_same_gradients(grads: dict, ref_grads: dict, tolerance: float) -> None:
+    """The same parameters got gradients, each within `tolerance` of the reference's relative to its norm (or to a
+    millionth of all the gradients' norm, for a parameter whose own gradient is about 0)."""
+    assert set(grads) == set(ref_grads) and grads
+    overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref_grads.values()]))
+    for name, ref in ref_grads.items():
+        scale = max(float(torch.linalg.vector_norm(ref)), 1e-6 * float(overall))
+        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < tolerance, name
+
+
+def patched_equals_reference(loss_and_grads) -> dict:
+    """loss_and_grads() (-> the loss, {parameter name: gradient}) run as angle-emb computes it, then patched: the same
+    loss and gradients to float64's precision. Returns the patched run's gradients."""
+    ref_value, ref_grads = loss_and_grads()
+    with integration.patched():
+        value, grads = loss_and_grads()
+    assert rel_err(value, ref_value) < 1e-12, (value.item(), ref_value.item())
+    assert_same_gradients(grads, ref_grads, tolerance=1e-10)
+    return grads
+
+
 @pytest.fixture
 def ae(angle_emb_package):
     """The angle_emb modules, with a guarantee that no test leaves them patched."""
@@ -155,11 +176,7 @@ def test_patched_trainer_computes_the_same_loss(ae, tiny_model_dir, tmp_path, da
     assert not isinstance(ref_fn, angle_kernels.AngleLoss)
     assert isinstance(fn, angle_kernels.AngleLoss)
     assert torch.isfinite(value) and rel_err(value, ref_value) < 1e-12
-    assert set(grads) == set(ref_grads) and grads
-    overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref_grads.values()]))
-    for name, ref in ref_grads.items():
-        scale = max(float(torch.linalg.vector_norm(ref)), 1e-6 * float(overall))
-        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < 1e-10, name
+    assert_same_gradients(grads, ref_grads, tolerance=1e-10)
 
 
 def test_trainer_built_before_patch_still_reaches_the_patched_functions(ae):
@@ -246,11 +263,7 @@ def test_patched_ese_trainer_computes_the_same_loss_in_one_call(ae, deep_model_d
     assert len(calls) == 1, f"one fused loss call for every layer, got {len(calls)}"
     value_tol, grad_tol = (1e-12, 1e-10) if dtype == torch.float64 else (1e-5, 1e-4)
     assert torch.isfinite(value) and rel_err(value, ref_value) < value_tol, (value.item(), ref_value.item())
-    assert set(grads) == set(ref_grads) and grads
-    overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref_grads.values()]))
-    for name, ref in ref_grads.items():
-        scale = max(float(torch.linalg.vector_norm(ref)), 1e-6 * float(overall))
-        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < grad_tol, name
+    assert_same_gradients(grads, ref_grads, tolerance=grad_tol)
 
 
 @pytest.mark.parametrize("teacher_pooling", ["cls", "all"])
@@ -286,15 +299,7 @@ def test_patched_ese_trainer_with_a_teacher_gives_the_same_loss_and_gradients(ae
         value.backward()
         return value.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    ref_value, ref_grads = loss_and_grads()
-    with integration.patched():
-        value, grads = loss_and_grads()
-    assert rel_err(value, ref_value) < 1e-12, (value.item(), ref_value.item())
-    assert set(grads) == set(ref_grads) and grads
-    overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref_grads.values()]))
-    for name, ref in ref_grads.items():
-        scale = max(float(torch.linalg.vector_norm(ref)), 1e-6 * float(overall))
-        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < 1e-10, name
+    patched_equals_reference(loss_and_grads)
 
 
 def test_an_ese_trainer_that_overrides_its_student_loss_keeps_it(ae, deep_model_dir, tmp_path):
@@ -506,13 +511,5 @@ def test_patched_ese_trainer_adds_the_masked_language_model_term(ae, deep_model_
         value.backward()
         return value.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    ref_value, ref_grads = loss_and_grads()
-    with integration.patched():
-        value, grads = loss_and_grads()
-    assert rel_err(value, ref_value) < 1e-12, (value.item(), ref_value.item())
-    assert set(grads) == set(ref_grads) and grads
+    grads = patched_equals_reference(loss_and_grads)
     assert any("cls.predictions" in name for name in grads), "the MLM head took no part in the loss"
-    overall = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref_grads.values()]))
-    for name, ref in ref_grads.items():
-        scale = max(float(torch.linalg.vector_norm(ref)), 1e-6 * float(overall))
-        assert float(torch.linalg.vector_norm(grads[name] - ref)) / scale < 1e-10, name

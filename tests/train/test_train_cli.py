@@ -255,13 +255,20 @@ def test_config_files_read_by_suffix_and_empty_ones_keep_the_defaults(tmp_path, 
 
 @pytest.mark.parametrize("text, got", [("- lr: 1.0e-4\n", "list"), ("lr\n", "str")])
 def test_a_config_file_that_is_not_a_mapping_is_one_line(tmp_path, capsys, text, got):
+    path, err = _config_file_error(tmp_path, capsys, text)
+    assert f"--config {path}: expected a mapping of settings (name: value); got {got}" in err
+
+
+def _config_file_error(tmp_path, capsys, text: str) -> tuple:
+    """(the config file, angle-train's error) for a config file of this text, which must be refused: exit status 2,
+    one line."""
     path = tmp_path / "run.yaml"
     path.write_text(text)
     with pytest.raises(SystemExit) as exited:
         config_from_args(["--config", str(path)])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and len(err.splitlines()) == 1
-    assert f"--config {path}: expected a mapping of settings (name: value); got {got}" in err
+    return path, err
 
 
 def test_null_in_a_config_file_means_off_where_off_is_the_default(tmp_path, capsys):
@@ -402,12 +409,7 @@ def test_config_file_values_are_read_as_the_flags_read_them(tmp_path, text, expe
     ("prompt: a\ntext_prompt: b\n", "--config: the settings 'prompt' and 'text_prompt' are one setting (prompt)"),
 ])
 def test_config_file_values_the_flags_would_refuse_are_one_line(tmp_path, capsys, text, said):
-    path = tmp_path / "run.yaml"
-    path.write_text(text)
-    with pytest.raises(SystemExit) as exited:
-        config_from_args(["--config", str(path)])
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"angle-train: error: {said}")
+    assert _config_file_error(tmp_path, capsys, text)[1].startswith(f"angle-train: error: {said}")
 
 
 def test_the_recorded_command_makes_the_same_settings():
