@@ -151,7 +151,8 @@ class Prompts:
                 raise TypeError(f"the {role} prompt must be a string or None; got {type(value).__name__}")
             template = NAMED_PROMPTS.get(value, value)
             # '' stays '' for a query or document prompt where there is a text prompt: none, not the text prompt
-            object.__setattr__(self, role, template or ("" if template == "" and self.text else None))
+            explicitly_none = role != "text" and template == "" and self.text is not None
+            object.__setattr__(self, role, template if template or explicitly_none else None)
 
     def for_role(self, role: str) -> str | None:
         """The template applied to a text of this role (None: the text as it is)."""
