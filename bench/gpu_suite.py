@@ -17,7 +17,8 @@ to a work folder, packed into OUT_DIR/<stage>.tar.gz after every step, beside OU
 stage's record and its summary), OUT_DIR/verified.json (first: the verifications to add to
 angle_kernels.verified.VERIFIED) and the console log the shell script tees there. A command killed from outside
 keeps every step packed before the kill, and the console has the rest; its children (builds, test runs) are killed
-with it on SIGTERM, and on SIGKILL by the next stage, before its first step.
+with it on SIGTERM, and on SIGKILL by the next stage, before its first step. An OUT_DIR already holding so many
+files of something else that the stage's own would not all come back is refused (exit 2) before the first step.
 
     stage   limit   what
     first   465 s   its steps, each with its own limit:
@@ -111,10 +112,25 @@ class Deadline:
         return seconds <= self.left()
 
 
+def stage_files(stage: str) -> set[str]:
+    """The files a stage writes under OUT: its record, summary and archive, the console log scripts/gpu_check.sh
+    tees there, and first's verifications."""
+    files = {f"{stage}.json", f"{stage}.md", f"{stage}.tar.gz", f"console_{stage}.log"}
+    return (files | {"verified.json"}) if stage == "first" else files
+
+
+def files_in_the_way(out: Path, stage: str) -> list[Path]:
+    """Files under OUT of something else: with them the stage's own would exceed the MAX_FILES that come back, and
+    the stage would fail at its first packing, after its first step's GPU time. Empty where they all fit."""
+    own = stage_files(stage)
+    others = sorted(p for p in out.rglob("*") if p.is_file() and p.relative_to(out).as_posix() not in own)
+    return others if len(others) + len(own) > MAX_FILES else []
+
+
 class StageRecord:
     """A stage's results: OUT/<stage>.json and .md (its steps, rewritten atomically after every step), the work
     folder its steps write their logs and results into, and OUT/<stage>.tar.gz, that folder packed (`pack`,
-    after every step). `extra_files` are other files the stage writes into OUT (counted against MAX_FILES)."""
+    after every step). Everything under OUT counts against MAX_FILES (`stage_files`)."""
 
     def __init__(self, out_dir: Path, stage: str, budget_s: float, argv: list[str], start: float = PROCESS_START,
                  work: Path | None = None):
@@ -1336,6 +1352,14 @@ def main(argv=None) -> int:
         os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, in this process too
         os.environ["ANGLE_KERNELS_CUDA_JIT"] = "0"  # the extension comes from the background build, or not at all
     out.mkdir(parents=True, exist_ok=True)
+    in_the_way = files_in_the_way(out, args.stage)
+    if in_the_way:
+        named = ", ".join(p.relative_to(out).as_posix() for p in in_the_way[:4])
+        named += ", ..." if len(in_the_way) > 4 else ""
+        print(f"OUT_DIR {out} holds {len(in_the_way)} files of something else ({named}): "
+              f"with stage {args.stage}'s {len(stage_files(args.stage))} they exceed the {MAX_FILES} files that come "
+              "back from the GPU machine. Give the stage an empty folder; nothing was run.", flush=True)
+        return 2
     previous_handler = signal.signal(signal.SIGTERM, stop_on_sigterm)  # restored at the end: main() may be a call
     stage = STAGES[args.stage]
     train_bench = args.stage == "third" and args.train_bench

@@ -88,6 +88,33 @@ def test_first_rehearses_its_preflight_and_packing_without_a_gpu(tmp_path, capsy
     assert record["status"] == "rehearsed" and record["steps"]["preflight"]["status"] == "ok"
 
 
+def test_a_stage_refuses_an_out_dir_whose_other_files_would_crowd_out_its_own(tmp_path, capsys):
+    """A stage given a folder already holding files of something else, so many that its own would not all come back
+    from the GPU machine, says so before its first step instead of failing at its first packing."""
+    out = tmp_path / "out"
+    (out / "old").mkdir(parents=True)
+    for k in range(gpu_suite.MAX_FILES - len(gpu_suite.stage_files("first")) + 1):  # a folder's files count too
+        (out / "old" / f"run{k}.log").write_text("x")
+    assert gpu_suite.main(["first", str(out)]) == 2
+    console = capsys.readouterr().out
+    assert f"OUT_DIR {out} holds 4 files of something else (old/run0.log" in console and "nothing was run" in console
+    assert not (out / "first.json").exists() and not (out / "first.tar.gz").exists()
+
+
+def test_a_stage_rerun_into_its_own_folder_is_not_in_its_own_way(tmp_path):
+    """The files of an earlier run of the same stage are overwritten, not counted against the eight; one file fewer
+    of something else fits exactly."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in sorted(gpu_suite.stage_files("first")):
+        (out / name).write_text("an earlier run")
+    for k in range(gpu_suite.MAX_FILES - len(gpu_suite.stage_files("first"))):
+        (out / f"other{k}.txt").write_text("x")
+    assert gpu_suite.files_in_the_way(out, "first") == []
+    assert gpu_suite.files_in_the_way(out, "second") != []  # first's files are something else to stage second
+    assert gpu_suite.stage_files("second") == {"second.json", "second.md", "second.tar.gz", "console_second.log"}
+
+
 @no_gpu
 @pytest.mark.parametrize("stage", ["second", "third"])
 def test_the_later_stages_say_there_is_no_gpu_and_leave_nothing(stage, tmp_path, capsys):
