@@ -1,7 +1,7 @@
 """ranking_loss(scores, labels) on every backend against the float64 oracle: the loss and its gradient.
 
 Heavy label ties, all labels equal, a single element, label dtypes (integers, floats, bool), scores at the
-scale tau = 20 gives and far beyond it, non-contiguous scores, sizes on both sides of the Triton backend's
+scale tau = 20 gives and far beyond it, non-contiguous scores and labels, sizes on both sides of the Triton backend's
 switch from its tiled kernel to the sort-and-scan path. Scores are float32 or float64 only (the contract):
 there is no half-precision case.
 """
@@ -9,6 +9,7 @@ there is no half-precision case.
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -71,6 +72,18 @@ def test_non_contiguous_scores(backend):
     assert not scores.is_contiguous()
     labels = torch.randint(-3, 3, (777,), generator=gen)
     _check(backend, scores, labels, "ranking strided scores")
+
+
+def test_non_contiguous_labels_are_exact_and_raise_no_warning(backend):
+    """Labels taken as a column of a table (strided) give the oracle's loss, and no performance warning from inside
+    the op (torch.searchsorted warns on non-contiguous values, once per process)."""
+    gen = generator("strided_labels")
+    scores = randn(gen, 333, scale=20.0)
+    labels = torch.randint(-3, 3, (333, 2), generator=gen)[:, 0]
+    assert not labels.is_contiguous()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check(backend, scores, labels, "ranking strided labels")
 
 
 @pytest.mark.parametrize("n", [1, 40])
