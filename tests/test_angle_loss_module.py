@@ -141,6 +141,11 @@ def test_what_a_term_does_not_compute_is_not_checked(gen):
     ak.AngleLoss(dataset_format="B", angle_pooling_strategy="cls")(None, x)
     with pytest.raises(ValueError, match="even widths"):
         ak.AngleLoss(dataset_format="A", dims=(7, 32))(labels, x)
+    odd = randn(gen, 12, 31)
+    ak.AngleLoss(dataset_format="B")(None, odd)
+    for fmt in ("A", "C"):
+        with pytest.raises(ValueError, match="outputs needs an even number of columns; got 31"):
+            ak.AngleLoss(dataset_format=fmt)(labels, odd)
     with pytest.raises(ValueError, match="angle_pooling_strategy"):
         ak.AngleLoss(dataset_format="A", angle_pooling_strategy="avg")
 

@@ -5,6 +5,7 @@ that cannot help)."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -15,7 +16,8 @@ import angle_kernels as ak
 
 @pytest.mark.parametrize("fmt", ["D", "a", 1])
 def test_angle_loss_refuses_an_unknown_format_at_construction(fmt):
-    with pytest.raises(ValueError, match=r"dataset_format .*'A'.*'B'.*'C'"):
+    """The message lists the formats and names the value given, so a user sees what was passed."""
+    with pytest.raises(ValueError, match=r"dataset_format .*'A'.*'B'.*'C'.*got " + re.escape(repr(fmt))):
         ak.AngleLoss(dataset_format=fmt)
 
 

@@ -97,6 +97,22 @@ def test_zero_weights_and_a_one_layer_stack():
         assert torch.equal(loss(labels, y_pred[:1], layer_weights=[1.0]), loss(labels, y_pred[0]))
 
 
+def test_group_ids_apply_to_every_layer_of_a_stack():
+    """in_batch_negative_loss on a stack with group_ids treats identical texts as positives in every layer, as it does
+    on each layer alone; a stack that dropped them would push duplicates apart in every layer."""
+    y_true, y_pred = _zigzag(generator("layerwise", "group ids"), torch.float64)
+    labels = torch.ones_like(y_true)
+    group_ids = torch.arange(y_pred.shape[1])
+    group_ids[4], group_ids[9] = 0, 3  # row 4 repeats row 0's text, row 9 row 3's
+    weights = [0.5, 1.0, 2.0]
+    expected = sum(w * ak.in_batch_negative_loss(labels, y_pred[layer], group_ids=group_ids, backend="torch")
+                   for layer, w in enumerate(weights))
+    assert not torch.allclose(expected, ak.in_batch_negative_loss(labels, y_pred, layer_weights=weights,
+                                                                  backend="torch"))
+    got = ak.in_batch_negative_loss(labels, y_pred, group_ids=group_ids, layer_weights=weights, backend="torch")
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("kwargs", [dict(layer_weights=[0.0, 0.0, 0.0]),
                                     dict(layer_weights=[0.0, 0.0, 0.0], dims=(8, 16)),
                                     dict(layer_weights=[[0.0, 0.0]] * 3, dims=(8, 16))], ids=["layers", "dims", "rows"])

@@ -25,6 +25,17 @@ def test_arccse_loss_repr_shows_every_option():
         assert part in text
 
 
+def test_angle_loss_repr_shows_every_option():
+    """print(loss) shows every setting, the Matryoshka dims and their weights included."""
+    text = repr(ak.AngleLoss(cosine_w=0.5, ibn_w=0.25, cln_w=0.75, angle_w=0.125, cosine_tau=3.0, ibn_tau=4.0,
+                             angle_tau=5.0, angle_pooling_strategy="mean", dataset_format="C", dims=(4, 8),
+                             dim_weights=(1.0, 2.0)))
+    for part in ("dataset_format='C'", "cosine_w=0.5", "ibn_w=0.25", "cln_w=0.75", "angle_w=0.125", "cosine_tau=3.0",
+                 "ibn_tau=4.0", "angle_tau=5.0", "angle_pooling_strategy='mean'", "dims=(4, 8)",
+                 "dim_weights=(1.0, 2.0)"):
+        assert part in text, part
+
+
 @pytest.mark.parametrize("kwargs", [dict(dims=(0, 8)), dict(dim_weights=(1.0,)), dict(dims=(4, 8), dim_weights=(1.0,))])
 def test_angle_loss_checks_dims_at_construction(kwargs):
     with pytest.raises(ValueError):

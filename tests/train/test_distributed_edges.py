@@ -24,7 +24,7 @@ ARCCSE_SENTENCES = ["box", "the cat", "it was a golden kite , very long", "the b
 def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from angle_kernels.distributed import all_gather_with_grad
+    from angle_kernels.distributed import all_gather_many_with_grad, all_gather_with_grad
     from angle_train import distributed as td
 
     torch.set_num_threads(1)
@@ -46,6 +46,12 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
             out["scalar"] = None
         except Exception as exc:  # noqa: BLE001 - the type is what is checked
             out["scalar"] = type(exc).__name__
+        # a later tensor (not the first) whose rows differ between the ranks: refused on every rank, not gathered
+        try:
+            all_gather_many_with_grad([("a", torch.zeros(2, 3)), ("b", torch.zeros(2 + rank, 3))])
+            out["later_rows"] = None
+        except Exception as exc:  # noqa: BLE001 - the type and message are what is checked
+            out["later_rows"] = f"{type(exc).__name__}: {exc}"
         out["after"] = all_gather_with_grad(torch.full((1, 2), float(rank))).detach()  # the group still works
         # ArcCSE's setup counts: every process's share counted (the sentences cut are all in rank 1's share)
 
@@ -89,6 +95,14 @@ def test_a_scalar_is_refused_with_a_value_error_on_every_rank(two_ranks):
     assert all(r["after"].tolist() == [[0.0, 0.0], [1.0, 1.0]] for r in two_ranks)
 
 
+def test_a_later_tensor_whose_rows_differ_between_ranks_is_refused_on_every_rank(two_ranks):
+    """all_gather_many_with_grad compares every tensor's layout across the ranks, not only the first one's: a second
+    tensor with more rows on one rank is a ValueError on both ranks (not a hang or mixed-up rows in the gather)."""
+    for r in two_ranks:
+        assert r["later_rows"] is not None and r["later_rows"].startswith("ValueError"), r["later_rows"]
+        assert "the ranks' differ" in r["later_rows"] and "('b', (" in r["later_rows"], r["later_rows"]
+
+
 def test_all_gather_many_runs_the_local_check_without_a_process_group():
     """Without a process group, all_gather_many_with_grad still runs its local_check (as documented), then returns
     the tensors themselves."""
@@ -101,6 +115,15 @@ def test_all_gather_many_runs_the_local_check_without_a_process_group():
         all_gather_many_with_grad([("x", torch.zeros(2, 3))], local_check=refuse)
     x = torch.zeros(2, 3)
     assert all_gather_many_with_grad([("x", x)], local_check=lambda: None)[0] is x
+
+
+def test_all_gather_many_refuses_what_is_not_a_tensor_by_name():
+    """A list or number among the tensors to gather is a TypeError naming it, with or without a process group (not
+    returned as it is, to fail later in the loss)."""
+    from angle_kernels.distributed import all_gather_many_with_grad
+
+    with pytest.raises(TypeError, match="expects tensors, got list for pos"):
+        all_gather_many_with_grad([("x", torch.zeros(2, 3)), ("pos", [1.0, 2.0])])
 
 
 def test_arccse_objective_hands_the_loss_each_block_joined_over_the_processes():
