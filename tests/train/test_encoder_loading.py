@@ -182,3 +182,55 @@ def test_the_lora_settings_reach_the_adapters():
     assert (config.r, config.lora_alpha, config.lora_dropout) == (4, 16, 0.25)
     layer = encoder.backbone.base_model.model.layers[0].self_attn.q_proj
     assert layer.scaling["default"] == 4.0 and layer.lora_dropout["default"].p == 0.25
+
+
+def test_an_unknown_autocast_is_refused_when_the_encoder_is_built():
+    """autocast takes 'bf16' or 'fp16' (or None): another name is refused at once, not at the first forward pass."""
+    from angle_train.models import Encoder
+
+    backbone = build_backbone("builtin:tiny-bert", 64, hidden_size=32, layers=1)
+    with pytest.raises(ValueError, match="autocast must be None, 'bf16' or 'fp16'; got 'bfloat16'"):
+        Encoder(backbone, pooling="cls", is_decoder=False, pad_token_id=0, autocast="bfloat16")
+
+
+def test_a_lora_encoders_trainable_state_is_its_adapters_alone():
+    """A LoRA run trains the adapters alone (no bias of the base model), and its checkpoints keep them
+    (trainable_state_dict), not the frozen base weights."""
+    pytest.importorskip("peft")
+    encoder, _ = make_encoder("bert", dtype=torch.float32, lora=True)
+    trained = [name for name, p in encoder.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in name for name in trained)
+    assert sorted(encoder.trainable_state_dict()) == sorted(trained)
+
+
+def test_encoding_no_texts_gives_no_rows_of_the_width_asked_for():
+    """encode([]) gives an empty [0, D] tensor, as sentence-transformers does, and [0, dim] with a Matryoshka dim."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
+    assert encoder.encode([], tokenizer).shape == (0, 32)
+    assert encoder.encode([], tokenizer, dim=8).shape == (0, 8)
+
+
+def test_the_position_limit_leaves_out_the_rows_up_to_a_roberta_tables_padding_row():
+    """RoBERTa numbers positions after its padding row (padding_idx + 1 onwards): of a 40-row table, 38 positions
+    can be read."""
+    from transformers import RobertaConfig, RobertaModel
+
+    from angle_train.models import position_limit
+
+    config = RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=40, pad_token_id=1)
+    assert position_limit(RobertaModel(config)) == 38
+
+
+def test_a_base_whose_settings_do_not_say_do_lower_case_keeps_the_texts_cased(tmp_path):
+    """sentence_bert_config.json without do_lower_case: sentence-transformers does not lowercase, and neither does
+    training on it."""
+    folder = _cased_st_folder(tmp_path, False)
+    settings = os.path.join(folder, "sentence_bert_config.json")
+    with open(settings) as f:
+        written = json.load(f)
+    del written["do_lower_case"]
+    with open(settings, "w") as f:
+        json.dump(written, f)
+    _, tok = load_encoder(folder)
+    assert tok("Red Car")["input_ids"] != tok("red car")["input_ids"]

@@ -427,3 +427,27 @@ def test_damaged_sentence_transformers_files_are_named_before_the_model_loads(tm
         f.write('{"max_seq_length": ')
     with pytest.raises(ValueError, match="sentence_bert_config.json is damaged \\(not valid JSON"):
         st_folder.check(base)
+
+
+def test_a_model_card_gives_the_steps_of_its_model_and_the_weights_of_its_format(tmp_path):
+    """best/'s card counts the steps of the model it holds (the best one, here step 1 of 3), not the run's; a format C
+    run's card lists the hard-negative weight cln_w with the others."""
+    from angle_train import trainer
+    from angle_train.checkpoint import best_record
+    from angle_train.data import Example
+    from angle_train.tiny import demo_examples, demo_sts_examples
+
+    pairs = demo_examples(32, seed=2)
+    triplets = [Example((*ex.texts, pairs[(i + 1) % len(pairs)].texts[1])) for i, ex in enumerate(pairs)]
+    scores = iter([0.5, 0.1, 0.2])  # the dev scores of steps 1-3: step 1's is the best
+    evaluate = trainer.scores_of_embeddings
+    cfg = run_config(tmp_path, batch_size=8, max_steps=3, eval_every=1, save_final=True, cln_w=2.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer, "scores_of_embeddings", lambda *args: {**evaluate(*args), "dev_spearman": next(scores)})
+        trainer.train(cfg, model=make_encoder("bert", dtype=torch.float32), train_examples=(triplets, "C"),
+                      dev_examples=demo_sts_examples(8))
+    assert best_record(str(tmp_path / "best"))["step"] == 1
+    best, final = ((tmp_path / name / "README.md").read_text() for name in ("best", "final"))
+    assert "- steps: 1 optimizer step of 3, each 8 x 1 pairs" in best
+    assert "- steps: 3 optimizer steps of 3, each 8 x 1 pairs" in final
+    assert "AngleLoss (format C): cosine_w=0, ibn_w=1, cln_w=2, angle_w=0.02;" in final

@@ -345,3 +345,17 @@ def test_angle_eval_progress_0_prints_no_bar(st_folder, tmp_path, capsys):
         status, _, err = run("angle-eval", [st_folder, sts, "--progress", progress], capsys)
         assert status == 0, err
         assert ("%|" in err) == (progress == "1"), err
+
+
+def test_the_columns_flag_reads_a_dev_file_of_a_run_on_built_in_data(tmp_path):
+    """With built-in training data, --columns maps the --dev-data file's column names (that file is what it reads),
+    and the run scores on that file; without a dev file to read, --columns is refused."""
+    csv = tmp_path / "dev.csv"
+    csv.write_text("sent_a,sent_b,similarity\n" + "".join(f"{ex.texts[0]},{ex.texts[1]},{ex.label}\n"
+                                                          for ex in demo_sts_examples(16)))
+    settings = {"model": "builtin:tiny-bert", "train_data": "builtin:demo", "batch_size": 8, "max_steps": 1,
+                "max_length": 16, "columns": ["text1=sent_a", "text2=sent_b", "label=similarity"]}
+    result = trainer.train(run_config(tmp_path / "out", dev_data=str(csv), **settings))
+    assert [row["step"] for row in result.evals] == [1] and result.best_metric == "dev_spearman"
+    with pytest.raises(ValueError, match="--columns says how to read a file or dataset, and --train-data builtin:demo"):
+        trainer.train(run_config(tmp_path / "none", **settings))

@@ -24,7 +24,8 @@ def _train(out, **settings):
     return result, tracking.read_metrics(str(out / "metrics.jsonl"))
 
 
-def test_the_logged_loss_is_the_mean_over_its_interval(tmp_path):
+def test_the_logged_loss_is_the_mean_over_its_interval(tmp_path, capsys):
+    """Each metrics row's loss is the mean over the steps since the row before, and so is the summary line's."""
     result, rows = _train(tmp_path)
     logged = [row for row in rows if "loss" in row]
     losses = [row["loss"] for row in result.history]  # every step's own
@@ -32,6 +33,9 @@ def test_the_logged_loss_is_the_mean_over_its_interval(tmp_path):
     assert logged[0]["loss"] == pytest.approx(sum(losses[:3]) / 3, rel=1e-12)
     assert logged[1]["loss"] == pytest.approx(sum(losses[3:]) / 3, rel=1e-12)
     assert logged[1]["loss"] != pytest.approx(losses[5], rel=1e-9)
+    last = result.history[-1]
+    assert f"done: 6 steps | loss {logged[1]['loss']:.4f} (mean of the last 3 steps) | {last['pairs_per_s']:.1f} "\
+           f"pairs/s | {last['tokens_per_s']:.0f} tokens/s |" in capsys.readouterr().out
 
 
 def test_the_dev_set_is_scored_before_the_first_step(tmp_path):

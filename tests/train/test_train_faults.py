@@ -297,7 +297,7 @@ def test_a_dev_evaluation_without_a_finite_score_is_never_the_best(tmp_path, mon
            else "every dev cosine is equal, so the correlation is undefined (the embeddings collapsed)")
     assert f"step 1: no dev score: {why}" in out and "not a best model, no best model yet; training goes on" in out
     assert f"step 3: no dev score: {why}; not a best model, the best stays {DEV_METRICS[metric]} {second:.4f} " \
-           "(step 2)" in out
+           "(step 2)\n" in out  # the last step: nothing is said of training going on
     if result.curves_path is not None:  # with matplotlib
         from PIL import Image
 
@@ -604,3 +604,51 @@ def test_every_process_agrees(tmp_path, case):
         assert (folder / "rng-rank0.pt").exists() and (folder / "rng-rank1.pt").exists()
     else:
         assert all("--auto-chunk works with one process" in g["error"] for g in got)
+
+
+def test_a_stopped_run_names_the_batches_of_its_last_bad_step(tmp_path, capsys):
+    """With --grad-accum 2 a step's data is two batches, named as a range: step 2 took batches 2-3 of epoch 0, and
+    the skip line and the error both say so."""
+    poisoned = PoisonedLoss(bad=[2])
+    with pytest.raises(faults.NonFiniteTrainingError, match=r"\(the last: step 2, data at epoch 0, batches 2-3\)"):
+        train(_config(tmp_path, batch_size=4, grad_accum=2, max_bad_steps=1), model=make_encoder(),
+              train_examples=DATA, loss_fn=poisoned, on_step=poisoned.on_step)
+    assert "step 2: skipped, non-finite loss" in capsys.readouterr().out
+
+
+def test_a_last_good_checkpoint_gone_from_the_folder_is_not_named(tmp_path):
+    """The last good checkpoint (step 1's) removed before the run stops: the error names no checkpoint to resume
+    from rather than a folder that is not there."""
+    import shutil
+
+    from angle_train.checkpoint import checkpoint_path
+
+    poisoned = PoisonedLoss(bad=[3, 4])
+
+    def on_step(step, row):
+        poisoned.on_step(step, row)
+        if step == 3:
+            shutil.rmtree(checkpoint_path(str(tmp_path), 1))
+
+    with pytest.raises(faults.NonFiniteTrainingError, match="No checkpoint is known to be good") as caught:
+        train(_config(tmp_path, save_every=1, max_bad_steps=2), model=make_encoder(), train_examples=DATA,
+              loss_fn=poisoned, on_step=on_step)
+    assert "step-00000001" not in str(caught.value)
+
+
+def test_auto_chunk_gives_up_at_one_text_a_pass(tmp_path):
+    """Out of memory at every pass size: --auto-chunk halves the pass down to one text, then stops with the
+    out-of-memory error that says what to change, rather than starting over from the whole batch."""
+    encoder, tokenizer = make_encoder()
+    seen = []
+
+    def always_out_of_memory(input_ids, attention_mask):
+        seen.append(input_ids.shape[0])
+        if len(seen) > 20:
+            raise RuntimeError("still retrying after 20 passes")
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    encoder.forward = always_out_of_memory
+    with pytest.raises(torch.OutOfMemoryError, match="optimizer step 1"):
+        train(_config(tmp_path, auto_chunk=True, pack=0), model=(encoder, tokenizer), train_examples=DATA)
+    assert seen == [16, 8, 4, 2, 1]

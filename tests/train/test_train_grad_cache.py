@@ -5,7 +5,7 @@ import contextlib
 import pytest
 import torch
 from train_helpers import (
-    assert_same_grads, demo_batch, graded_or_contrastive_loss, grads_in_passes, make_encoder, param_grads,
+    assert_same_grads, demo_batch, graded_or_contrastive_loss, grads_in_passes, make_encoder, param_grads, run_config,
 )
 
 from angle_kernels import AngleLoss
@@ -251,3 +251,25 @@ def test_sorted_passes_with_dropout_equal_plain_backprop_over_the_same_passes():
     loss_c, cached = grads_in_passes(encoder, grad_cache_step, plan, batch.labels, loss_fn, seed=5)
     torch.testing.assert_close(loss_c, loss_p, rtol=1e-12, atol=0)
     assert_same_grads(cached, plain)
+
+
+def test_sort_passes_0_cuts_the_chunks_in_batch_order(tmp_path, capsys):
+    """--sort-passes 0 fills each chunk with texts in batch order, so its passes carry more padding than the chunks
+    of the same batches sorted by length (the default): the rows' real-token shares show it, and the run header says
+    how the chunks are cut and estimates that share over the epoch's batches."""
+    import re
+
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import train
+
+    share = {}
+    for sort in (True, False):
+        cfg = run_config(tmp_path / str(sort), batch_size=8, max_steps=4, chunk_size=4, pack=0, sort_passes=sort,
+                         max_length=16, seed=3)
+        result = train(cfg, model=make_encoder("bert"), train_examples=(demo_examples(32, seed=4), "B"))
+        share[sort] = [row["useful_tokens"] for row in result.history]  # the 4 steps: the whole epoch
+        header = capsys.readouterr().out
+        assert ("grad cache, chunks of 4 texts, texts sorted by length (" in header) == sort
+        estimate = int(re.search(r"\((\d+)% of the tokens real\)", header).group(1)) / 100
+        assert estimate < 1 and estimate == pytest.approx(sum(share[sort]) / 4, abs=0.03)
+    assert sum(share[True]) > sum(share[False])

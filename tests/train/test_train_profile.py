@@ -97,3 +97,14 @@ def test_plain_step_gradients_equal_one_backward_call():
     assert ours == loss.detach()
     for name, grad in param_grads(encoder).items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_a_run_of_one_step_profiles_that_step(tmp_path):
+    """--profile times the run's second step; a run of one step has none, and its only step is profiled instead."""
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import train
+
+    cfg = run_config(tmp_path, profile=True, max_steps=1, batch_size=8)
+    train(cfg, model=make_encoder("bert", dtype=torch.float32), train_examples=(demo_examples(16), "B"))
+    with open(tmp_path / "profile.json") as f:
+        assert json.load(f)["step"] == 1

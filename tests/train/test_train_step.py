@@ -85,9 +85,11 @@ def test_training_goes_on_in_train_mode_after_each_evaluation(tmp_path):
     assert not encoder.training  # encode() puts back the mode it found
 
 
-def test_the_logged_tokens_are_the_real_ones(tmp_path):
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_the_logged_tokens_are_the_real_ones(tmp_path, grad_accum):
     """tokens/s counts the texts' real tokens, not the padding the encoder also processed: per pair, a row's
-    tokens_per_s / pairs_per_s is the step's real tokens per pair (padded batches here, so padding is there)."""
+    tokens_per_s / pairs_per_s is the step's real tokens per pair (padded batches here, so padding is there), every
+    pair of the step's accumulated batches counted once."""
     seen = []
     next_batches = trainer.next_batches
 
@@ -96,10 +98,11 @@ def test_the_logged_tokens_are_the_real_ones(tmp_path):
         seen.append(sum(sum(run.dataset.lengths_of(b)) for b in batches) / sum(len(b) for b in batches))
         return batches
 
-    cfg = run_config(tmp_path, batch_size=8, max_steps=3, log_every=1, max_length=12, seed=3, pack=0)
+    cfg = run_config(tmp_path, batch_size=8, grad_accum=grad_accum, max_steps=3, log_every=1, max_length=12, seed=3,
+                     pack=0)
     trainer.next_batches = spy
     try:
-        result = trainer.train(cfg, model=make_encoder("bert"), train_examples=(demo_examples(32, seed=4), "B"))
+        result = trainer.train(cfg, model=make_encoder("bert"), train_examples=(demo_examples(48, seed=4), "B"))
     finally:
         trainer.next_batches = next_batches
     assert all(row["useful_tokens"] < 1 for row in result.history)  # there was padding to leave out

@@ -15,9 +15,12 @@ from train_helpers import run_config
 
 from angle_train import tracking
 from angle_train.config import TrainConfig
+from angle_train.data import Example
+from angle_train.evaluate import RetrievalSet
 from angle_train.tiny import demo_examples, demo_sts_examples
 from angle_train.trainer import (
-    count_steps, half_precision_weights_note, lr_curve, make_optimizer, make_schedule, train, warmup_steps,
+    build_encoder, build_loss, count_steps, dev_set_of, half_precision_weights_note, lr_curve, make_optimizer,
+    make_schedule, train, warmup_steps,
 )
 
 
@@ -98,3 +101,63 @@ def test_a_run_with_16_bit_trainable_weights_says_so_and_a_lora_run_does_not(tmp
     train(run_config(tmp_path / "lora", model="builtin:tiny-llama", model_dtype="bfloat16", lora=True, lora_r=4,
                      batch_size=8, max_steps=1, max_length=16), train_examples=data)
     assert "trainable weights are" not in capsys.readouterr().out
+
+
+def test_a_fraction_of_an_epoch_shorter_than_one_step_is_one_step():
+    """--epochs 0.1 over 3 steps an epoch is one step, not a run of none."""
+    assert count_steps(TrainConfig(batch_size=4, epochs=0.1), n_examples=12, world_size=1) == 1
+
+
+def test_every_loss_setting_reaches_the_loss():
+    """Each loss flag, set apart from its default and from the others, is what the run's loss uses: the scales
+    (--cosine-tau, --ibn-tau, --angle-tau), --ibn-partition and --false-negative-margin, and ArcCSE's --triplet-w."""
+    cfg = TrainConfig(cosine_tau=5.0, ibn_tau=30.0, angle_tau=7.0, ibn_partition="gte", false_negative_margin=0.1)
+    loss = build_loss(cfg, "B")
+    assert (loss.cosine_tau, loss.ibn_tau, loss.angle_tau) == (5.0, 30.0, 7.0)
+    assert loss.ibn_partition == "gte" and loss.false_negative_margin == 0.1
+    objective = build_loss(TrainConfig(objective="arccse", triplet_w=0.35), None)
+    assert objective.loss.triplet_weight == 0.35
+
+
+def test_the_model_flags_reach_the_built_in_model():
+    """--fp16 and --bf16 autocast the built-in model's forward pass, --gradient-checkpointing switches it on, and
+    --model-dtype gives its weights' dtype."""
+    cpu = torch.device("cpu")
+    encoder, _ = build_encoder(TrainConfig(model="builtin:tiny-bert", fp16=True), cpu)
+    assert encoder.autocast == "fp16" and not encoder.backbone.is_gradient_checkpointing
+    encoder, _ = build_encoder(TrainConfig(model="builtin:tiny-bert", bf16=True, gradient_checkpointing=True), cpu)
+    assert encoder.autocast == "bf16" and encoder.backbone.is_gradient_checkpointing
+    encoder, _ = build_encoder(TrainConfig(model="builtin:tiny-bert", model_dtype="float64"), cpu)
+    assert encoder.autocast is None and next(encoder.parameters()).dtype == torch.float64
+
+
+def test_dev_data_that_cannot_give_a_score_is_refused_naming_it():
+    """dev_examples of three texts (no scored pair) and a retrieval set of one query are refused before the model
+    loads, naming dev_examples; two (query, positive) pairs are enough."""
+    triplets = [Example(("a red car", "a car", "a blue boat"), 1.0)] * 2
+    with pytest.raises(ValueError, match=r"dev_examples: scored pairs \(text1, text2, label\) are needed"):
+        dev_set_of(triplets, TrainConfig())
+    with pytest.raises(ValueError, match="dev_examples: 1 \\(query, positive\\) pair\\(s\\); retrieval needs at least"):
+        dev_set_of(RetrievalSet("dev", ["a red car"], ["a car"]), TrainConfig())
+    two = RetrievalSet("dev", ["a red car", "a blue boat"], ["a car", "a boat"])
+    assert dev_set_of(two, TrainConfig()) is two
+
+
+def test_the_dev_score_reads_the_texts_cut_at_max_length(tmp_path):
+    """The dev evaluation embeds the dev texts as training reads them, cut at --max-length, not at the longer
+    --export-max-length the exports record for inference."""
+    from angle_train.evaluate import StsSet, dev_inputs, scores_of_embeddings
+
+    dev = [Example((" ".join([ex.texts[0]] * 4), ex.texts[1]), ex.label) for ex in demo_sts_examples(16)]
+    cfg = run_config(tmp_path, model="builtin:tiny-bert", batch_size=8, max_steps=1, max_length=8,
+                     export_max_length=32, cosine_w=1.0, ibn_w=0.0, angle_w=1.0)
+    result = train(cfg, train_examples=(demo_sts_examples(16, seed=4), "A"), dev_examples=dev)
+    dev_set = StsSet("dev", dev)
+
+    def score(length):
+        embeddings = [result.encoder.encode(texts, result.tokenizer, prompt_name=role, max_length=length)
+                      for texts, role in dev_inputs(dev_set)]
+        return scores_of_embeddings(dev_set, embeddings, [])["dev_spearman"]
+
+    assert score(8) != pytest.approx(score(32), abs=1e-6)  # the cut changes the score
+    assert result.evals[-1]["dev_spearman"] == pytest.approx(score(8), abs=1e-6)
