@@ -404,10 +404,8 @@ def load_model(model: str, *, pooling: str | None = None, device: str | torch.de
     from .models import load_encoder
 
     if os.path.isfile(os.path.join(model, META_FILE)):
-        encoder, tokenizer, meta = load_pretrained(model, device=device)
-        encoder.pooling_source = f"the export's {META_FILE}"
-        if pooling is not None:
-            encoder.pooling, encoder.pooling_source = pooling, "--pooling"
+        encoder, tokenizer, meta = load_pretrained(model, device=device, pooling=pooling)
+        encoder.pooling_source = f"the export's {META_FILE}" if pooling is None else "--pooling"
         return encoder, tokenizer, meta
     encoder, tokenizer = load_encoder(model, pooling=pooling, device=device)
     return encoder, tokenizer, {}

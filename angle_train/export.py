@@ -243,12 +243,18 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
     _write_json(os.path.join(pooling_folder, "config.json"), pooling)
 
 
-def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, **kwargs):
-    """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only)."""
-    from .models import load_encoder
+def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, pooling: str | None = None, **kwargs):
+    """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only); `pooling`
+    replaces the export's (meta keeps the export's own)."""
+    from .models import POOLING_STRATEGIES, load_encoder
 
     with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
         meta = json.load(f)
+    if pooling is None and meta["pooling"] not in POOLING_STRATEGIES:  # a newer export's: a default would differ
+        raise ValueError(f"{os.path.join(path, META_FILE)} names the pooling {meta['pooling']!r}, which this version "
+                         f"does not know (it knows {', '.join(POOLING_STRATEGIES)}): give its pooling with --pooling "
+                         "(load_pretrained's pooling=)")
+    pooling = pooling or meta["pooling"]
     bidirectional = meta.get("bidirectional", False)
     if meta.get("adapter_only"):
         base = base_model or meta.get("base_model")
@@ -256,10 +262,10 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, *
             raise ValueError(f"{path} holds only a LoRA adapter; pass base_model= (the model it was trained on)")
         if base.startswith("builtin:"):
             raise ValueError("an adapter trained on a built-in random model cannot be reloaded without its base")
-        encoder, tokenizer = load_encoder(base, pooling=meta["pooling"], lora_path=path, device=device,
+        encoder, tokenizer = load_encoder(base, pooling=pooling, lora_path=path, device=device,
                                           is_decoder=meta["is_decoder"], bidirectional=bidirectional, **kwargs)
     else:
-        encoder, tokenizer = load_encoder(path, pooling=meta["pooling"], device=device, is_decoder=meta["is_decoder"],
+        encoder, tokenizer = load_encoder(path, pooling=pooling, device=device, is_decoder=meta["is_decoder"],
                                           bidirectional=bidirectional, **kwargs)
     # exports written before per-role prompts have only "prompt" (every text's)
     encoder.prompts = Prompts(**meta.get("prompts", {"text": meta.get("prompt")}))

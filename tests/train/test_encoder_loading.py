@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -234,3 +235,25 @@ def test_a_base_whose_settings_do_not_say_do_lower_case_keeps_the_texts_cased(tm
         json.dump(written, f)
     _, tok = load_encoder(folder)
     assert tok("Red Car")["input_ids"] != tok("red car")["input_ids"]
+
+
+def test_an_export_naming_a_pooling_this_version_does_not_know_is_refused(tmp_path):
+    """An angle_train.json whose pooling this version does not know (a newer export's) is refused naming the file,
+    the value and --pooling, not embedded with the folder's other pooling or the default; --pooling loads it."""
+    from angle_train.evaluate import load_model
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    folder = save_pretrained(encoder, tokenizer, str(tmp_path / "export"), max_length=16)
+    meta = os.path.join(folder, META_FILE)
+    with open(meta) as f:
+        written = json.load(f)
+    with open(meta, "w") as f:
+        json.dump({**written, "pooling": "weighted_mean"}, f)
+    for load in (load_encoder, load_pretrained, load_model):  # angle-train --model, the API, angle-eval
+        with pytest.raises(ValueError, match=f"{re.escape(meta)} names the pooling 'weighted_mean', which this "
+                                             "version does not know .*--pooling"):
+            load(folder)
+    assert load_encoder(folder, pooling="max")[0].pooling == "max"
+    assert load_pretrained(folder, pooling="max")[0].pooling == "max"
+    loaded = load_model(folder, pooling="max")[0]
+    assert (loaded.pooling, loaded.pooling_source) == ("max", "--pooling")
