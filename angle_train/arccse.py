@@ -237,8 +237,9 @@ class TokenizedSentences:
                 f"{self.too_short[1]:,} too short to mask at those rates keep their tokens{self.cut})")
 
     def lengths_of(self, indices: list[int]) -> list[int]:
-        """Real (unpadded) token counts of all rows of these sentences (`blocks` rows each)."""
-        return self._lengths[torch.as_tensor(indices, dtype=torch.long)].repeat_interleave(self.blocks).tolist()
+        """Real (unpadded) token counts of the rows `batch(indices)` makes, in its order (block by block; a masked view
+        keeps its sentence's length)."""
+        return self._lengths[torch.as_tensor(indices, dtype=torch.long)].repeat(self.blocks).tolist()
 
     def batch(self, indices: list[int]) -> Batch:
         views = self.ids.take(indices)

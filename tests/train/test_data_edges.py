@@ -130,6 +130,27 @@ def test_dcp_metadata_naming_a_torch_function_is_refused_by_name(tmp_path):
         read_dcp_metadata(str(tmp_path))
 
 
+def test_dcp_metadata_setting_attributes_of_a_shared_enum_member_is_refused(tmp_path):
+    """A .metadata that builds one of DCP's memory-format Enum members (shared by the whole process) and then sets an
+    attribute on it is refused by name before the attribute is set: BUILD is admitted on DCP's records alone."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from angle_train.safe_loading import UnsafeCheckpointError
+    from angle_train.sharding import read_dcp_metadata
+
+    name = b"planted"
+    (tmp_path / ".metadata").write_bytes(
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R"  # the member of value 0
+        b"}X" + len(name).to_bytes(4, "little") + name + b"\x88sb.")  # BUILD {name: True} on it; STOP
+    member = _MEM_FORMAT_ENCODING(0)
+    try:
+        with pytest.raises(UnsafeCheckpointError, match=r"it sets attributes of .*_MEM_FORMAT_ENCODING"):
+            read_dcp_metadata(str(tmp_path))
+        assert not hasattr(member, "planted")
+    finally:
+        vars(member).pop("planted", None)
+
+
 def test_the_sampled_fingerprint_is_the_one_earlier_checkpoints_recorded():
     """sampled_data_fingerprint must compute exactly what earlier versions recorded as a checkpoint's "fingerprint"
     (their data_record): any change to it refuses every resume from such a checkpoint. Pinned values, and the

@@ -118,7 +118,9 @@ def test_the_lock_is_released_when_a_start_is_refused(tmp_path, folder_made_befo
 
 
 def test_only_the_main_process_of_a_job_takes_the_lock(monkeypatch):
-    for env, rank in (({}, 0), ({"WORLD_SIZE": "2", "RANK": "1"}, 1), ({"WORLD_SIZE": "2", "RANK": "0"}, 0)):
+    # a RANK left in the environment of a single process (no WORLD_SIZE, or 1) is no job's rank: it takes the lock
+    for env, rank in (({}, 0), ({"WORLD_SIZE": "2", "RANK": "1"}, 1), ({"WORLD_SIZE": "2", "RANK": "0"}, 0),
+                      ({"RANK": "1"}, 0), ({"WORLD_SIZE": "1", "RANK": "1"}, 0)):
         for name in ("WORLD_SIZE", "RANK"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():

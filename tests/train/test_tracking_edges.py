@@ -46,9 +46,11 @@ def test_a_wandb_login_in_netrc_is_credentials(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("url,port", [("http://wandb.local", 80), ("https://wandb.local", 443),
-                                      ("http://wandb.local:8080", 8080)])
+                                      ("http://wandb.local:8080", 8080), ("wandb.local", 443),
+                                      ("wandb.local:8080", 8080)])
 def test_the_wandb_server_probe_uses_the_urls_port(url, port, monkeypatch):
-    """A local wandb server at http://host (WANDB_BASE_URL) listens on port 80: the probe must knock there."""
+    """A local wandb server at http://host (WANDB_BASE_URL) listens on port 80: the probe must knock there; a URL
+    without a scheme is an https one (its host and port, not a scheme named after the host)."""
     from angle_train import tracking
 
     knocked = []
@@ -97,6 +99,160 @@ def test_wandb_runs_go_to_the_project_wandb_project_names(tmp_path, monkeypatch)
     monkeypatch.setenv("WANDB_PROJECT", "my-embeddings")
     tracking.WandbReporter(str(tmp_path / "run-7"), {"lr": 1e-4})
     monkeypatch.delenv("WANDB_PROJECT")
-    tracking.WandbReporter(str(tmp_path / "run-8"), {})
+    tracking.WandbReporter(str(tmp_path / "run-8") + os.sep, {})  # --output-dir run-8/ names the run run-8 too
     assert [(c["project"], c["name"], c["mode"]) for c in calls] == [("my-embeddings", "run-7", "offline"),
                                                                       ("angle-train", "run-8", "offline")]
+
+
+def test_a_wandb_mode_in_the_environment_is_checked_only_when_reporting_to_wandb(monkeypatch):
+    """A WANDB_MODE that wandb does not take refuses --report-to wandb at start-up, and nothing else: a run that does
+    not report to wandb starts whatever the environment says about it."""
+    from angle_train import tracking
+
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    assert tracking.resolve_report_to(["none"]) == []
+    monkeypatch.setitem(tracking.PACKAGES, "wandb", ("json", "wandb"))  # importable here, installed or not
+    with pytest.raises(ValueError, match="WANDB_MODE=bogus is not a mode wandb takes"):
+        tracking.resolve_report_to(["wandb"])
+
+
+def test_the_wandb_server_is_given_wandb_probe_s_to_answer(monkeypatch):
+    """The server probe waits WANDB_PROBE_S seconds, not wandb.init's longer WANDB_INIT_TIMEOUT_S, before the run
+    goes offline."""
+    from angle_train import tracking
+
+    waited = []
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://wandb.local:8080")
+    monkeypatch.setattr(tracking, "server_answers", lambda url, timeout: waited.append((url, timeout)) or True)
+    assert tracking.wandb_mode() == "online"
+    assert waited == [("http://wandb.local:8080", tracking.WANDB_PROBE_S)]
+
+
+def test_a_damaged_netrc_is_no_wandb_login(tmp_path, monkeypatch):
+    """A ~/.netrc that netrc cannot parse is no credentials (the run logs offline), not a crash at start-up."""
+    from angle_train import tracking
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  frobnicate x\n")
+    os.chmod(tmp_path / ".netrc", 0o600)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.setattr(tracking, "server_answers", lambda url, timeout: True)
+    assert tracking.wandb_mode() == "offline"
+
+
+def test_a_wandb_server_url_whose_port_is_not_a_number_does_not_answer():
+    """WANDB_BASE_URL with a port that is not a number is a server that does not answer (offline), not a crash."""
+    from angle_train import tracking
+
+    assert tracking.server_answers("http://wandb.local:port", 1.0) is False
+
+
+def test_the_wandb_server_probe_gives_up_after_its_timeout(monkeypatch):
+    """A connection (or name lookup) still pending after the timeout is a server that does not answer: the probe
+    returns then and leaves it behind, rather than waiting for it."""
+    import threading
+
+    from angle_train import tracking
+
+    released = threading.Event()
+
+    class Connection:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def slow_connection(address, timeout):
+        released.wait(30)
+        return Connection()
+
+    monkeypatch.setattr(tracking.socket, "create_connection", slow_connection)
+    try:
+        assert tracking.server_answers("https://wandb.local", 0.05) is False
+    finally:
+        released.set()
+
+
+def test_an_offline_wandb_start_that_fails_is_not_retried(tmp_path, monkeypatch, capsys):
+    """wandb.init failing offline is the run's error as it is: no second offline start, no note about online."""
+    import types
+
+    from angle_train import tracking
+
+    modes = []
+
+    def init(*, mode, **options):
+        modes.append(mode)
+        raise OSError("the folder is read-only")
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Settings=dict))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(OSError, match="read-only"):
+        tracking.WandbReporter(str(tmp_path), {})
+    assert modes == ["offline"] and "could not start online" not in capsys.readouterr().out
+
+
+def test_every_reporter_asked_for_is_opened(monkeypatch):
+    """--report-to all opens each reporter, in order, each given the output folder and the run's settings."""
+    from angle_train import tracking
+
+    for name in tracking.REPORTERS:
+        monkeypatch.setitem(tracking.REPORTER_CLASSES, name, lambda output_dir, config, name=name: (name, output_dir,
+                                                                                                     config))
+    assert tracking.open_reporters(["tensorboard", "wandb"], "out", {"lr": 1}) == [("tensorboard", "out", {"lr": 1}),
+                                                                                    ("wandb", "out", {"lr": 1})]
+
+
+def test_a_line_that_is_not_utf8_is_no_metrics_row(tmp_path):
+    """Bytes that are not UTF-8 in metrics.jsonl (a line torn by a kill) are skipped, not an error reading the rest."""
+    from angle_train.tracking import metrics_row, read_metrics
+
+    assert metrics_row(b'{"step": 1, "loss": \xff}') is None
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 1.0}\n{"step": 2, "lo\xe9\n{"step": 3}\n')
+    assert read_metrics(str(tmp_path / "metrics.jsonl")) == [{"step": 1, "loss": 1.0}, {"step": 3}]
+
+
+def _drawn(tmp_path, rows):
+    """What plot_curves drew for these metrics rows (the PNG's metadata), or None where it drew nothing."""
+    import json
+
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from angle_train import tracking
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    png = tmp_path / "curves.png"
+    if tracking.plot_curves(str(tmp_path / "metrics.jsonl"), str(png)) is None:
+        assert not png.exists()
+        return None
+    with Image.open(png) as image:
+        return json.loads(image.text[tracking.CURVES_METADATA_KEY])
+
+
+def test_damaged_rows_are_left_out_of_the_curves(tmp_path):
+    """A training row without a learning rate, or holding true for a number, and a dev score of true are no points of
+    the curves (hand-edited rows), not a crash or a point at 1."""
+    drawn = _drawn(tmp_path, [{"step": 1, "loss": 1.0, "lr": 0.1}, {"step": 2, "loss": 0.9},
+                              {"step": 3, "loss": True, "lr": 0.1}, {"step": 4, "loss": 0.8, "lr": True},
+                              {"step": 2, "dev_spearman": 0.5}, {"step": 3, "dev_spearman": True}])
+    assert (drawn["steps"], drawn["dev_steps"], drawn["lr_steps"]) == ([1], [2], [1])
+
+
+def test_no_curves_without_a_training_row(tmp_path):
+    """A run stopped after its first evaluation and before its first logged step draws no curves.png."""
+    assert _drawn(tmp_path, [{"step": 0, "dev_spearman": 0.5}]) is None
+
+
+def test_the_dev_axis_holds_every_trained_widths_scores(tmp_path):
+    """The dev panel's axis spans the scores at every width drawn, the narrower widths' too, not the full width's
+    alone."""
+    drawn = _drawn(tmp_path, [{"step": 1, "loss": 1.0, "lr": 0.1},
+                              {"step": 1, "dev_spearman": 0.80, "dev_spearman@16": 0.40},
+                              {"step": 2, "dev_spearman": 0.82, "dev_spearman@16": 0.45}])
+    low, high = drawn["dev_ylim"]
+    assert drawn["dev_steps"] == [1, 2] and low < 0.40 and 0.82 < high

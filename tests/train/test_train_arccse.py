@@ -97,6 +97,57 @@ def test_reading_sentences(tmp_path):
         load_sentences(str(tmp_path / "bad.jsonl"))
 
 
+def test_reading_sentences_by_file_type(tmp_path):
+    """A .json file is read as JSON lines, a .tsv file split at tabs; an STS Benchmark file gives each distinct
+    sentence of its pairs once; a line without the text column, a header naming it twice, and a file without a
+    sentence (blank lines only) are DataErrors."""
+    (tmp_path / "s.json").write_text('{"text": "a red car"}\n{"text": "the dog"}\n')
+    assert load_sentences(str(tmp_path / "s.json")) == (["a red car", "the dog"], 0)
+    (tmp_path / "s.tsv").write_text("id\ttext\n1\ta red car, fast\n2\tthe dog\n")
+    assert load_sentences(str(tmp_path / "s.tsv")) == (["a red car, fast", "the dog"], 0)
+    (tmp_path / "sts.csv").write_text("g\tx\t2012\t1\t4.0\ta red car\tthe dog\ng\tx\t2012\t2\t1.5\tthe dog\tbox\n")
+    assert load_sentences(str(tmp_path / "sts.csv")) == (["a red car", "the dog", "box"], 0)
+    (tmp_path / "nofield.jsonl").write_text('{"text": "a red car"}\n{"sentence": "the dog"}\n')
+    with pytest.raises(DataError, match=r"nofield.jsonl, line 2: no 'text' field \(--text-column\)"):
+        load_sentences(str(tmp_path / "nofield.jsonl"))
+    (tmp_path / "twice.csv").write_text("text,text\na red car,the dog\n")
+    with pytest.raises(DataError, match=r"the column name\(s\) \['text'\] appear more than once"):
+        load_sentences(str(tmp_path / "twice.csv"))
+    (tmp_path / "blank.txt").write_text("\n \n")
+    with pytest.raises(DataError, match="blank.txt: no sentences"):
+        load_sentences(str(tmp_path / "blank.txt"))
+
+
+def test_a_prompt_holding_the_text_twice_has_no_words_around_one_sentence():
+    """'{text}' twice in a prompt makes both copies the text: no prompt words around the sentence, so the spans may
+    cover all of it; one '{text}' has the words before and after it, a prompt without one is a prefix."""
+    from angle_train.arccse import prompt_words
+
+    assert prompt_words("{text} means {text}") is None and prompt_words("{text}") is None
+    assert prompt_words("it is {text} ; so") == ("it is ", " ; so") and prompt_words("query: ") == ("query: ", "")
+
+
+def test_the_setup_note_and_token_counts_of_each_layout():
+    """The set-up note gives the sentences too short for each rate in the rates' order and the texts cut (ArcCon
+    alone too); lengths_of gives the token counts of a batch's rows (the tokens a step trains on)."""
+    from angle_train.arccse import ARCCON_BLOCKS
+
+    _, tokenizer = make_encoder("bert")
+    for blocks in (BLOCKS, ARCCON_BLOCKS):
+        data = TokenizedSentences(SENTENCES, tokenizer, max_length=6, mask_rates=(0.5, 0.9), seed=0, blocks=blocks)
+        batch = data.batch([3, 0])
+        assert data.lengths_of([3, 0]) == [len(row) for row in batch.seqs] == [3, 6] * blocks  # row by row
+        assert data.cut == "; 6 of 8 texts cut at --max-length 6" and data.cut in data.describe()
+    data = _sentences(tokenizer, rates=(0.2, 0.4))
+    assert data.too_short == [2, 1] and "2 / 1 too short to mask" in data.describe()
+
+
+def test_the_arccse_objective_refuses_rows_it_cannot_split_into_blocks():
+    """Embeddings whose rows are not whole blocks on every process are refused, naming the layout."""
+    with pytest.raises(ValueError, match=r"rows a multiple of 5 x processes \(2\); got \(15, 4\)"):
+        ArcCSEObjective(lambda *blocks: None, world_size=2)(torch.ones(15), torch.zeros(15, 4))
+
+
 def test_malformed_sentence_files(tmp_path):
     """Other tools' encodings: a byte-order mark is dropped, bytes that are not UTF-8 are a DataError with the line."""
     (tmp_path / "bom.txt").write_text("\ufeffa red car\nthe dog\n", encoding="utf-8")

@@ -268,6 +268,72 @@ def test_the_process_group_waits_ddp_timeout_seconds(monkeypatch, capsys):
     assert "--ddp-timeout must be >= 1; got 0" in capsys.readouterr().err
 
 
+def test_each_process_joins_with_torchruns_ranks_and_its_devices_backend(monkeypatch):
+    """A single process (WORLD_SIZE 1 or unset) joins no group; under torchrun a process joins NCCL's group on CUDA
+    (gloo on CPU) and takes the GPU of its LOCAL_RANK, which on a second machine is not its RANK."""
+    import torch.distributed as dist
+
+    from angle_train import distributed
+
+    made, devices = [], []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **options: made.append(options["backend"]))
+    monkeypatch.setattr(dist, "get_rank", lambda: 5)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    for world in ("1", None):
+        if world is None:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("WORLD_SIZE", world)
+        assert distributed.init_distributed("cuda") == distributed.DistInfo() and not made
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.init_distributed("cuda") == distributed.DistInfo(rank=5, world_size=8, local_rank=1)
+    assert made == ["nccl"] and devices == [1]
+    assert distributed.init_distributed("cpu").local_rank == 1 and made == ["nccl", "gloo"] and devices == [1]
+
+
+def test_any_process_that_disagrees_is_named(monkeypatch):
+    """One process of three reading other data (the middle one here) refuses the run, naming every process's value."""
+    import torch.distributed as dist
+
+    from angle_train import distributed
+
+    facts = [{"examples": 24, "steps": 3}, {"examples": 20, "steps": 3}, {"examples": 24, "steps": 3}]
+    monkeypatch.setattr(dist, "all_gather_object", lambda gathered, mine: gathered.__setitem__(slice(None), facts))
+    with pytest.raises(ValueError, match=r"the processes disagree \(examples: process 0 24, process 1 20, process 2 "
+                                         r"24\)"):
+        distributed.check_processes_agree(distributed.DistInfo(rank=0, world_size=3), facts[0])
+    facts[1] = facts[0]
+    distributed.check_processes_agree(distributed.DistInfo(rank=0, world_size=3), facts[0])
+
+
+def test_gradient_accumulation_turns_the_gradient_sync_off_under_ddp_and_fsdp():
+    """no_sync: DDP's no_sync() for a chunk that skips the sync, FSDP's gradient sync off for the block and on again
+    after it; a no-op when the chunk syncs."""
+    from angle_train.distributed import no_sync
+
+    class DDPLike:
+        def no_sync(self):
+            return "ddp no_sync"
+
+    class FSDPLike:
+        def __init__(self):
+            self.calls = []
+
+        def set_requires_gradient_sync(self, value):
+            self.calls.append(value)
+
+    assert no_sync(DDPLike(), skip_sync=True) == "ddp no_sync"
+    fsdp = FSDPLike()
+    with no_sync(fsdp, skip_sync=False):
+        assert fsdp.calls == []
+    with no_sync(fsdp, skip_sync=True):
+        assert fsdp.calls == [False]
+    assert fsdp.calls == [False, True]
+
+
 def _evaluating_rank(rank, world, port, out_dir):
     """Two steps with an evaluation after each on 21 scored pairs and on 13 (query, positive) pairs; saves the
     evaluations and how many texts this process embedded for them."""

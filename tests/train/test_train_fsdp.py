@@ -135,6 +135,22 @@ def test_fsdp_refusals(tmp_path):
         train(_config(tmp_path, fsdp=True), model=make_encoder("bert"), train_examples=train_examples)
 
 
+def test_each_transformer_block_is_its_own_fsdp_unit(monkeypatch):
+    """shard makes every block Hugging Face keeps whole (_no_split_modules: BertEmbeddings, each BertLayer) an FSDP
+    unit, then the encoder the root: one unit for the whole model would gather every weight at once, the memory --fsdp
+    is there to save."""
+    import torch.distributed.fsdp
+
+    from angle_train import sharding
+
+    units = []
+    monkeypatch.setattr(torch.distributed.fsdp, "fully_shard", units.append)
+    encoder, _ = make_encoder("bert")
+    assert sharding.shard(encoder) is encoder
+    blocks = [m for m in encoder.backbone.modules() if type(m).__name__ in ("BertEmbeddings", "BertLayer")]
+    assert sum(type(m).__name__ == "BertLayer" for m in blocks) >= 2 and units == [*blocks, encoder]
+
+
 # ------------------------------------------------------------------ planted .metadata and .distcp files (one process)
 
 
