@@ -303,3 +303,55 @@ def test_the_epoch_order_and_its_fingerprint_are_those_checkpoints_recorded():
         [2, 10, 11], [6, 7, 3], [4, 8, 5], [0, 9, 1]]
     assert order_fingerprint([[0, 1], [2, 3]]) == "a1e03200f1f82ad2"
     assert order_fingerprint([[0, 1], [3, 2]]) == "92dd7580bfd5a67a"  # the last batch's order counts
+
+
+def test_the_columns_flag_takes_items_separated_by_commas_and_refuses_half_ones():
+    """--columns reads NAME=COLUMN items, several in one separated by commas (spaces around them dropped); an item
+    without its name or its column, or a bare string from Python, is refused naming it, not read as another mapping."""
+    from angle_train.data import parse_columns
+
+    assert parse_columns(["text1=sent_a , text2=sent_b", "label=similarity"]) == {
+        "text1": "sent_a", "text2": "sent_b", "label": "similarity"}
+    for item in ("=sent_a", "text1="):
+        with pytest.raises(ValueError, match=rf"--columns {item}: expected NAME=COLUMN"):
+            parse_columns([item])
+    with pytest.raises(ValueError, match=r"--columns: expected NAME=COLUMN items; got 'text1=sent_a'"):
+        parse_columns("text1=sent_a")
+
+
+def test_the_stsb_layout_is_detected_by_its_score_whatever_its_ids(tmp_path):
+    """An STS-B file is told by its score (field 4) and its seven fields: ids that are not numbers (field 3) leave it
+    the STS-B layout."""
+    path = write_data_file(tmp_path, "sts.csv", "g\tx\t2012\tid-a\t4.0\ta\tb\ng\tx\t2012\tid-b\t1.5\tc\td\n")
+    examples, fmt = load_examples(path)
+    assert fmt == "A" and [(e.texts, e.label) for e in examples] == [(("a", "b"), 4.0), (("c", "d"), 1.5)]
+
+
+def test_a_json_file_is_read_as_json_lines_and_another_file_type_is_refused(tmp_path):
+    """A .json file is read as a .jsonl one (one object a line); a file of another type (not the STS-B layout) is a
+    DataError naming the types read, not handed to the Hugging Face loader as a dataset name."""
+    examples, fmt = load_examples(write_data_file(tmp_path, "pairs.json", '{"query": "a", "positive": "b"}\n'))
+    assert fmt == "B" and examples[0].texts == ("a", "b")
+    with pytest.raises(DataError, match=r"pairs.txt: unknown file type; use .jsonl, .csv, .tsv or the STS-B layout"):
+        load_examples(write_data_file(tmp_path, "pairs.txt", '{"query": "a", "positive": "b"}\n'))
+
+
+def test_a_bad_row_of_a_hf_dataset_is_named_by_its_index(tmp_path):
+    """A saved dataset's rows have no lines: a row that cannot be read is named by its index (from 0, as
+    dataset[i] takes it) and the split."""
+    datasets = pytest.importorskip("datasets")
+    folder = str(tmp_path / "ds")
+    datasets.Dataset.from_dict({"query": ["a", "b", "c"], "positive": ["d", None, "f"]}).save_to_disk(folder)
+    with pytest.raises(DataError, match=r"ds \[train\], row 1: column 'positive' is null"):
+        load_examples(folder)
+
+
+def test_the_data_fingerprint_is_the_one_checkpoints_recorded():
+    """A checkpoint records data_fingerprint (its data_record's "contents") and a resume recomputes it: any change
+    to how it is computed refuses every resume of an existing run over unchanged data. Pinned values, of pairs with
+    labels and of ArcCSE's sentences."""
+    from angle_train.data import Example, data_fingerprint
+
+    assert data_fingerprint([Example(("a", "b"), 0.5), Example(("c", "d"), 1.0)]) == "90a707f214bb64a3"
+    assert data_fingerprint([Example(("q", "p", "n"))]) == "af3faef2d940e4a0"
+    assert data_fingerprint(["a sentence", "another"]) == "755204e2ff9f17a7"

@@ -50,7 +50,9 @@ def test_stsb_layout_keeps_every_line(tmp_path):
         ("empty.csv", "", "the file is empty"),
         ("blank.jsonl", "\n\n", "no examples"),
         ("header_only.csv", "text1,text2,label\n", "no examples"),
-        ("no_cols.jsonl", '{"a": 1, "b": 2}\n', "line 1: cannot tell the format"),
+        ("no_cols.jsonl", '{"a": 1, "b": 2}\n', r"line 1: cannot tell the format from the columns \['a', 'b'\]"),
+        ("no_cols.csv", "sent_a,sentence,rating\nx,y,1\n",
+         r"line 1 \(header\): cannot tell the format from the columns \['rating', 'sent_a', 'sentence'\]"),
         (
             "missing.jsonl",
             '{"text1": "x", "text2": "y", "label": 1}\n{"text1": "x", "label": 1}\n',
@@ -67,6 +69,8 @@ def test_stsb_layout_keeps_every_line(tmp_path):
         ("extra.csv", "query,positive\na,b\nc,d,e\n", "line 3: more fields than the header"),
         ("header.csv", "query,label\na,1\n", "line 1 \\(header\\): cannot tell the format"),
         ("bad_sts.csv", "g\tx\t2012\t1\t2.0\ta\tb\ng\tx\t2012\t2\tfive\ta\tb\n", None),
+        ("short_sts.csv", "g\tx\t2012\t1\t2.0\ta\tb\ng\tx\t2012\t2\t3.0\tc\n",
+         "short_sts.csv, line 2: the STS-B layout needs at least 7 tab-separated fields; got 6"),
         # columns that were read wrong in silence: a format-B file's labels ignored (a label-0 pair trained as a
         # positive), the later of two columns giving one name read, a repeated CSV header's first column dropped,
         # the hard negatives of the rows after a first row without one dropped
@@ -120,10 +124,14 @@ def test_a_mapped_column_is_read_wherever_the_column_it_displaces_stands(tmp_pat
 
 
 def test_a_csv_field_as_long_as_a_jsonl_one_is_read(tmp_path):
-    """csv's default limit (128 KiB a field) refused a text the JSONL reader takes, naming the wrong line."""
+    """csv's default limit (128 KiB a field) refused a text the JSONL reader takes, naming the wrong line; the
+    limit is process-wide, and is lifted for the file's reading only."""
+    import csv
+
+    limit = csv.field_size_limit()
     long = "word " * 40_000
     examples, _ = load_examples(write_data_file(tmp_path, "long.csv", f"query,positive\na,b\nc,{long}\n"))
-    assert examples[1].texts == ("c", long)
+    assert examples[1].texts == ("c", long) and csv.field_size_limit() == limit
     examples, _ = load_examples(write_data_file(tmp_path, "long.jsonl",
                                                 json.dumps({"query": "c", "positive": long}) + "\n"))
     assert examples[0].texts == ("c", long)
@@ -266,9 +274,12 @@ def test_bytes_that_are_not_utf8_name_the_file_line_and_offset(tmp_path, name):
         load_examples(str(path))
 
 
-def test_utf16_is_named_as_such(tmp_path):
+@pytest.mark.parametrize("encoded", [b"\xff\xfe" + "text1,text2,label\nx,y,1\n".encode("utf-16-le"),
+                                     b"\xfe\xff" + "text1,text2,label\nx,y,1\n".encode("utf-16-be")],
+                         ids=["little-endian", "big-endian"])
+def test_utf16_is_named_as_such(tmp_path, encoded):
     path = tmp_path / "excel.csv"  # spreadsheets' "Unicode text" export
-    path.write_bytes("text1,text2,label\nx,y,1\n".encode("utf-16"))
+    path.write_bytes(encoded)
     with pytest.raises(DataError, match="excel.csv, line 1: .*UTF-16"):
         load_examples(str(path))
 
@@ -297,7 +308,10 @@ def test_a_utf8_byte_order_mark_is_accepted(tmp_path, name, text):
     ("null_text.jsonl", '{"query": "x", "positive": null}\n', "line 1: column 'positive' is null"),
     ("huge.jsonl", '{"text1": "x", "text2": "y", "label": 1e300}\n', r"line 1: bad label 1e\+300: .*at most 1e\+06"),
     ("inf.jsonl", '{"text1": "x", "text2": "y", "label": 1e400}\n', "line 1: bad label inf"),
-    ("big_int.jsonl", '{"text1": "x", "text2": "y", "label": 1' + "0" * 400 + '}\n', "line 1: bad label 1000"),
+    ("big_int.jsonl", '{"text1": "x", "text2": "y", "label": 1' + "0" * 400 + '}\n',
+     r"line 1: bad label 100000\.\.\. \(an integer of 401 digits\) \(must be a finite number\)"),
+    ("big_negative_int.jsonl", '{"text1": "x", "text2": "y", "label": -1' + "0" * 400 + '}\n',
+     r"line 1: bad label -100000\.\.\. \(an integer of 401 digits\)"),
     ("bigger_int.jsonl", '{"text1": "x", "text2": "y", "label": 1' + "0" * 5000 + '}\n', "line 1: not usable JSON"),
     ("huge.csv", "text1,text2,label\nx,y,1\nx,y,-2e6\n", r"huge.csv, line 3: bad label '-2e6': .*at most 1e\+06"),
     ("huge-sts.csv", "g\tx\t2012\t1\t1.0\ta\tb\ng\tx\t2012\t2\t1e300\ta\tb\n", r"line 2: bad label '1e300'"),

@@ -28,6 +28,11 @@ def test_pack_rows_fills_rows_first_fit_by_decreasing_length():
     assert pack_rows([6, 5, 5, 5], 16) == [[0, 1], [2, 3]]
     # never more than one padded pass: rows of 24 (24 + 14) or of 19 (16 + 15 + 7) process 48, 5 x 8 = 40
     assert pack_rows([8, 8, 8, 7, 7], 24) == [[0], [1], [2], [3], [4]]
+    # five 1-token texts in rows of at most 4: rows of 4 (4 + 1) process 2 x 4, of 3 or 2 six; each alone 5 x 1
+    assert pack_rows([1, 1, 1, 1, 1], 4) == [[0], [1], [2], [3], [4]]
+    # 16 tokens in rows of at most 8: rows of 8 (5 + 2, 5, 4) or of 5 (four rows) process 21 and 20; rows of 6, the
+    # total shared among three, process 18 (5, 5, 4 + 2)
+    assert pack_rows([2, 4, 5, 5], 8) == [[2], [3], [1, 0]]
     assert pack_rows([0, 0, 0], 8) == [[0, 1, 2]]  # empty texts only (a division by 0 before): one row
 
 
