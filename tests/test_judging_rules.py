@@ -87,3 +87,12 @@ def test_the_oracles_filter_keeps_a_column_at_its_threshold():
     lse = float64_ops.similarity_lse(q, c, 2.0, filter_q=q, filter_c=guide_c, filter_threshold=threshold)
     logits = 2.0 * torch.tensor([1.0, 0.6], dtype=torch.float64)  # the columns at guide cosines 0.6 and 0
     assert float(lse[0]) == pytest.approx(float(torch.logsumexp(logits, 0)), abs=1e-12)
+
+
+def test_the_reference_module_still_offers_the_float64_ops_and_the_judging_rule():
+    """`angle_kernels.reference`, the float64 ops' former home, gives the same functions and rule as float64_ops."""
+    from angle_kernels import reference
+
+    for name in ("pair_scores", "ranking_loss", "similarity_xent", "similarity_lse", "allowed_error", "rel_err",
+                 "computing_in", "VALUE_TOL", "GRAD_TOL", "HALF_RULE_FLOOR"):
+        assert getattr(reference, name) is getattr(float64_ops, name), name

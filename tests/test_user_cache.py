@@ -369,3 +369,19 @@ def test_forget_failed_keeps_every_passing_check_and_verification(cache, capsys)
             warnings.simplefilter("ignore")
             assert verify.main(["--forget-failed"]) == 1
         assert "left as it is" in capsys.readouterr().err and cache.read_text() == text
+
+
+def test_verify_list_marks_the_first_use_checks_an_older_checker_made(cache, capsys):
+    """--list says which first-use checks the current checker made (used) and which an older one made (not used)."""
+    from angle_kernels import first_use, verify
+
+    def add(contents):
+        for checker in (first_use.CHECKER, first_use.CHECKER - 1):
+            contents["checks"].append({"backend": "triton", "op": "pair_scores", "path": f"made by {checker}",
+                                       "dtype": "float32", "bucket": {}, "pass": True, "checker": checker})
+
+    user_cache.update(add)
+    assert verify.main(["--list"]) == 0
+    current, older = [line for line in capsys.readouterr().out.splitlines() if line.startswith("passed")]
+    assert f"made by {first_use.CHECKER} " in current and "an older check's: not used" not in current
+    assert f"made by {first_use.CHECKER - 1} " in older and "an older check's: not used" in older

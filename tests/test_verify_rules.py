@@ -190,3 +190,242 @@ def test_check_measures_eager_pytorchs_error_below_float64():
     """Below float64 the allowed error is judged against eager PyTorch's own error in that dtype: it is measured."""
     result = verify.check(_SkewedOps([(0.0, 0.0)]), _pair_case(), torch.float32, torch.device("cpu"))
     assert result["eager"] is not None and result["eager"]["value"] > 0 and result["pass"] is True
+
+
+def test_check_fails_a_backend_whose_first_call_is_off():
+    """The first call (the one that compiles and autotunes) is judged too: right only on its second call fails."""
+    result = _check([(1e-3, 1e-3), (0.0, 0.0)])
+    assert result["pass"] is False and result["second"]["value"] == 0.0
+    assert result["first"]["value"] > result["allowed"]["value"]
+
+
+class _GradientSkewedOps:
+    """A backend computing `op` as the float64 reference does, but with the gradient of its leaf number `leaf` scaled
+    by 1 + skew (its values exact): a backward kernel that is off while the forward is right."""
+
+    def __init__(self, path, skew, leaf=0):
+        self.path, self.skew, self.leaf = path, skew, leaf
+
+    def computes(self, op, *args, **kwargs):
+        return None, self.path
+
+    def _skewed(self, op, *args, **kwargs):
+        args = list(args)
+        x = args[self.leaf]
+        args[self.leaf] = x + self.skew * (x - x.detach())  # the same values, the gradient times 1 + skew
+        return getattr(float64_ops, op)(*args, **kwargs)
+
+    def pair_scores(self, *args, **kwargs):
+        return self._skewed("pair_scores", *args, **kwargs)
+
+    def similarity_xent(self, *args, **kwargs):
+        return self._skewed("similarity_xent", *args, **kwargs)
+
+
+def test_check_fails_a_backend_whose_gradients_alone_are_off():
+    """A backward kernel off by 1e-3 with a right forward fails its check: the gradients are judged, not only the
+    values."""
+    result = verify.check(_GradientSkewedOps("full", 1e-3), _pair_case(), torch.float64, torch.device("cpu"))
+    assert result["first"]["value"] == 0.0 and result["first"]["grad"] == pytest.approx(1e-3, rel=1e-6)
+    assert result["pass"] is False
+
+
+def test_check_judges_the_gradient_of_every_input():
+    """The contrastive case's two inputs (queries and candidates): a backend whose candidates' gradient alone is off
+    fails, as one whose queries' gradient is."""
+    case = verify._xent_case("fused", 6, 8, 8)
+    for leaf in (0, 1):
+        result = verify.check(_GradientSkewedOps("fused", 1e-3, leaf), case, torch.float64, torch.device("cpu"))
+        assert result["pass"] is False and result["first"]["grad"] == pytest.approx(1e-3, rel=1e-6), leaf
+
+
+class _IgnoresIncomingGradient(torch.autograd.Function):
+    """The identity, whose backward passes ones on instead of the gradient it receives."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ones_like(grad)
+
+
+class _CotangentBlindOps(_SkewedOps):
+    """pair_scores right in value, its backward computing as though every output's incoming gradient were 1."""
+
+    def pair_scores(self, *args, **kwargs):
+        return tuple(_IgnoresIncomingGradient.apply(o) for o in float64_ops.pair_scores(*args, **kwargs))
+
+
+def test_check_fails_a_backward_that_ignores_its_incoming_gradient():
+    """The outputs are weighted by random weights before the backward: a backward that treats its incoming gradient
+    as ones (right only for loss.backward() of a plain sum) fails."""
+    result = verify.check(_CotangentBlindOps([(0.0, 0.0)]), _pair_case(), torch.float64, torch.device("cpu"))
+    assert result["first"]["value"] == 0.0 and result["first"]["grad"] > 1e-3 and result["pass"] is False
+
+
+def test_a_ranking_case_is_judged_against_the_reference_up_to_its_largest_matrix():
+    """The ranking term is checked against the float64 reference (and so eager PyTorch's error in 16-bit dtypes),
+    and only beyond REFERENCE_MAX_ELEMENTS entries of its N x N matrix against the torch backend in float64."""
+    case = verify._ranking_case("sort", 6000)
+    within = int(verify.REFERENCE_MAX_ELEMENTS ** 0.5)
+    assert verify._reference_for(case, [torch.zeros(within)]) == (float64_ops, "reference")
+    ops, against = verify._reference_for(case, [torch.zeros(within + 1)])
+    assert against == "torch float64" and ops.name == "torch"
+    pairs = _pair_case()
+    assert verify._reference_for(pairs, [torch.zeros(within + 1, 2, 8)]) == (float64_ops, "reference")
+
+
+@pytest.mark.parametrize("message", ["CUDA error: unspecified launch failure",
+                                     "Triton Error [CUDA]: an illegal memory access was encountered"])
+def test_run_checks_stops_at_either_report_of_a_lost_cuda_context(message):
+    """Triton reports a lost context without the words "CUDA error": its "illegal memory access" stops the checks
+    too, instead of failing (and revoking) every later path."""
+    results = verify._run_checks(_BackendOps([(0.0, 0.0)], raises=RuntimeError(message)), "triton",
+                                 torch.device("cpu"), [_pair_case(), _pair_case()], (torch.float64,), None, None)
+    assert len(results) == 1 and results[0]["pass"] is False
+
+
+def test_entries_from_records_the_dtypes_each_path_was_checked_in():
+    results = [_result("full", "float64", True), _result("full", "float32", True)]
+    (entry,), failed = verify.entries_from(results, lambda backend, op, path: {"gpu": "X", "capability": "9.0"},
+                                           "test", "standard")
+    assert entry["dtypes"] == ["float32", "float64"] and entry["sizes"] == "standard" and failed == []
+
+
+@pytest.mark.parametrize("sizes", ["tiny", "standard"])
+def test_the_cases_run_in_the_dtypes_their_op_takes_and_compute_a_loss(sizes):
+    """The ranking term takes its scores in SCORE_DTYPES only (a bfloat16 case would fail, revoking its path); every
+    in-batch case weights some rows and leaves some out (all weights 0 would compare zero losses, verifying
+    nothing); the filtered similarity_lse cases' embeddings have entries of magnitude 1/2, 1 or 2."""
+    from angle_kernels.contract import SCORE_DTYPES
+
+    every = verify.cases(sizes)
+    assert {case.dtypes for case in every if case.op == "ranking_loss"} == {SCORE_DTYPES}
+    for case in every:
+        if case.op == "similarity_xent" and case.name.startswith("ibn") and sizes == "tiny":
+            (q,), arguments = case.build(torch.Generator().manual_seed(0), torch.float64, "cpu")
+            weights = arguments(q)[1]["row_weights"]
+            assert 0 < int((weights > 0).sum()) < len(weights), case.name
+        if case.op == "similarity_lse" and not case.name.startswith("guided") and sizes == "tiny":
+            (q, c), _ = case.build(torch.Generator().manual_seed(0), torch.float64, "cpu")
+            assert set(q.abs().unique().tolist()) <= {0.5, 1.0, 2.0} and set(c.abs().unique().tolist()) <= {
+                0.5, 1.0, 2.0}, case.name
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_run_checks_switches_on_the_paths_awaiting_their_first_verification(monkeypatch, backend):
+    """The checks run with the backend's paths that await a verification taking their calls (else their cases
+    would take the verified paths and fail as "the inputs take the code path ..."); after the run they are off
+    again."""
+    import importlib
+
+    package = importlib.import_module(f"angle_kernels.{backend}_ops")
+    awaiting = package.paths_awaiting_verification()  # off outside the checks
+    if not awaiting:
+        pytest.skip(f"no {backend} path awaits its first verification")
+    seen = []
+    monkeypatch.setattr(verify, "path_ops", lambda name, probe: None)
+    monkeypatch.setattr(verify, "_run_checks", lambda *args: seen.append(package.paths_awaiting_verification()) or [])
+    assert verify.run_checks(backend, torch.device("cpu"), []) == []
+    assert seen == [set()] and package.paths_awaiting_verification() == awaiting
+
+
+def test_the_backends_to_check_are_every_gpu_backend_that_can_run_here():
+    """--backend all (the default) takes every GPU backend: each either checked or named with why not (the torch
+    backend's GPU path always runs); a named backend alone is checked."""
+    from angle_kernels import verified
+
+    usable, why_not = verify._runnable_backends(["all"])
+    assert "torch" in usable and set(usable) | set(why_not) == set(verified.GPU_BACKENDS)
+    assert not set(usable) & set(why_not) and all(why_not.values())
+    assert verify._runnable_backends(["torch"]) == (["torch"], {})
+
+
+def test_verify_takes_comma_separated_backends_and_refuses_another_name(capsys):
+    assert verify._backend_names("triton, torch") == ["triton", "torch"]
+    with pytest.raises(SystemExit):
+        verify.main(["--backend", "triton,tpu"])
+    assert "not a GPU backend: 'tpu'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["int8", "complex64"])
+def test_verify_refuses_a_dtype_it_does_not_check(name, capsys):
+    with pytest.raises(SystemExit):
+        verify.main(["--dtypes", f"float32,{name}"])
+    assert f"--dtypes: {name!r} is not one of bfloat16, float32, float16, float64" in capsys.readouterr().err
+
+
+def _on_a_fake_gpu(monkeypatch, results, why_not=None):
+    """verify.main's GPU run faked: the triton backend usable (the others not, as why_not says), run_checks
+    returning `results`; returns the list of run_checks' calls (backend, cases, dtypes, deadline) and the list of
+    write_cache's (passed, failed)."""
+    from angle_kernels import verified
+
+    calls, recorded = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(verify, "_runnable_backends", lambda wanted: (["triton"], dict(why_not or {})))
+
+    def run_checks(backend, device, case_list, dtypes, deadline=None, on_result=None):
+        calls.append((backend, case_list, dtypes, deadline))
+        return list(results)
+
+    monkeypatch.setattr(verify, "run_checks", run_checks)
+    monkeypatch.setattr(verified, "identity", lambda b, o, p, d: {"gpu": "Fake GPU", "capability": "9.0"})
+    monkeypatch.setattr(verified, "write_cache", lambda passed, failed: recorded.append((passed, failed)) or "c")
+    return calls, recorded
+
+
+def test_verify_checks_the_standard_cases_in_every_dtype_by_default_and_names_what_it_leaves_out(monkeypatch, capsys):
+    """Without options: the standard sizes, every dtype in DTYPES' order, no time limit; a backend that cannot run
+    is named with why."""
+    calls, _ = _on_a_fake_gpu(monkeypatch, [_result("full", "float64", True, ("float64",))],
+                              why_not={"cuda": "the extension is not built"})
+    assert verify.main([]) == 0
+    ((backend, case_list, dtypes, deadline),) = calls
+    assert backend == "triton" and dtypes == list(verify.DTYPES) and deadline is None
+    assert [(c.op, c.path, c.name) for c in case_list] == [(c.op, c.path, c.name) for c in verify.cases("standard")]
+    assert "not checked: cuda: the extension is not built" in capsys.readouterr().out
+
+
+def test_verify_time_limit_no_record_and_out(monkeypatch, capsys, tmp_path):
+    """--time-limit 60 ends the checks 60 s from the start, --no-record leaves the user's cache alone, --out holds
+    every check and the passed and failed entries; a path whose checks were left out is named as not verified."""
+    import json
+
+    results = [_result("full", "float64", True, ("float64",)), _result("dims", "float64", None, ("float64",))]
+    calls, recorded = _on_a_fake_gpu(monkeypatch, results)
+    out = tmp_path / "verify.json"
+    before = time.monotonic()
+    assert verify.main(["--time-limit", "60", "--no-record", "--out", str(out)]) == 0
+    after = time.monotonic()
+    ((_, _, _, deadline),) = calls
+    assert before + 60 <= deadline <= after + 60
+    assert recorded == []
+    report = json.loads(out.read_text())
+    assert report["results"] == results and [e["path"] for e in report["passed"]] == ["full"]
+    assert report["failed"] == [] and report["gpu"] == "Fake GPU"
+    assert "not verified (checks left out by the time limit): triton pair_scores dims" in capsys.readouterr().out
+
+
+def test_verify_unverified_only_leaves_out_what_the_table_covers(monkeypatch, capsys):
+    calls, _ = _on_a_fake_gpu(monkeypatch, [])
+    monkeypatch.setattr(verify, "unverified_cases", lambda backend, case_list, device: ([], [
+        f"{backend} pair_scores full"]))
+    assert verify.main(["--unverified-only"]) == 0
+    assert calls[0][1] == []
+    assert "already verified (the project's table): triton pair_scores full" in capsys.readouterr().out
+
+
+def test_verify_forget_that_cannot_remove_the_cache_exits_1(monkeypatch, capsys):
+    from angle_kernels import user_cache
+
+    def refuse():
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(user_cache, "forget", refuse)
+    assert verify.main(["--forget"]) == 1
+    assert "cannot remove the cache: read-only file system" in capsys.readouterr().err
