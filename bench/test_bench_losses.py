@@ -314,6 +314,13 @@ def test_the_warm_up_budget_skips_a_case_before_it_runs_and_needs_cuda_and_a_tim
     spent.charge("warm_up", 5)
     row = loss_sweep.run_one(args, providers[0], LOSSES["cosine"], 16, 8, torch.float32, None, {}, budget=spent)
     assert row["status"] == "skipped" and "--warm-up-budget 5 s spent" in row["note"]
+    short = harness.SweepBudget(100, warm_up_s=10)  # unspent, but short of a first call's compiles (FIRST_CALL_S)
+    row = loss_sweep.run_one(args, providers[0], LOSSES["cosine"], 16, 8, torch.float32, None, {}, budget=short)
+    assert row["status"] == "skipped" and "--warm-up-budget" in row["note"]
+    dozen_runs = harness.SweepBudget(30, warm_up_s=5)  # 25 s for the timed runs: not a dozen of a 3 s forecast
+    row = loss_sweep.run_one(args, providers[0], LOSSES["cosine"], 16, 8, torch.float32, (8, 1.5), {},
+                             budget=dozen_runs)
+    assert row["status"] == "skipped" and "--time-budget" in row["note"]
     no_time = harness.SweepBudget(5, warm_up_s=5)  # everything to the warm-up: nothing left for timed runs
     row = loss_sweep.run_one(args, providers[0], LOSSES["cosine"], 16, 8, torch.float32, (8, 0.001), {},
                              budget=no_time)

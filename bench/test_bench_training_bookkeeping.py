@@ -224,6 +224,7 @@ def test_the_timed_runs_may_take_the_warm_ups_unused_allowance():
     assert 85.0 < budget.left("timed") <= 90.0 and 25.0 < budget.left("warm_up") <= 30.0
     budget.charge("warm_up", 10.0)  # the allowance charged, not the clock: what is left before the end is unchanged
     assert 85.0 < budget.left("timed") <= 90.0 and 15.0 < budget.left("warm_up") <= 20.0
+    assert budget.summary()["timed"]["allowed_s"] == 90.0  # results.json's budgets: what the timed runs had
 
 
 def test_equal_losses_are_zero_apart_even_at_zero():
@@ -350,3 +351,141 @@ def test_the_steps_a_run_made_are_read_from_angle_trains_summary_line(tmp_path):
         record = {"tail": ["angle_train: ...", line, "curves.png written"]}
         assert bt.steps_done("ours", record, tmp_path) == steps and record["said"] == line
     assert bt.steps_done("ours", {"tail": ["Traceback (most recent call last):"]}, tmp_path) is None
+
+
+
+def _summary_results():
+    """One setting "s" (S1, S2 = 1, 3; 4 pairs, 40 tokens a step; angle-train's tokenising 0.5 s a step): "a"
+    (angle-train) of per-repetition estimates 1.0, 1.5 and 4.0 s with its per-step logs and a warm-up run,
+    sentence-transformers' "b" (3 s) and "c" (6 s), "d" whose only run failed and "e" skipped as unsupported."""
+    def run(contender, rep, steps, seconds, ok=True, step_s=None, **extra):
+        kind = "ours" if contender == "a" else "st"
+        record = {"setting": "s", "contender": contender, "kind": kind, "rep": rep, "steps": steps,
+                  "seconds": seconds, "ok": ok, "peak_rss_bytes": 5e8 if steps == 3 else 1e8, **extra}
+        if step_s:
+            record["in_process"] = {"step_s": step_s, "losses": [], "peak_memory_bytes": None}
+        return record
+
+    long_logs = {1: [6.0, 1.0, 2.0, 3.0], 2: [9.0, 3.0, 4.0], 3: [6.0, 5.0, 5.0, 5.0]}
+    runs = [run("a", 0, 1, 30.0, step_s=[20.0])]
+    for rep, estimate in ((1, 1.0), (2, 1.5), (3, 4.0)):
+        runs += [run("a", rep, 1, 10.0, step_s=[4.0]), run("a", rep, 3, 10.0 + 2 * estimate, step_s=long_logs[rep])]
+        runs += [run(c, rep, steps, 10.0 + (steps - 1) * e) for c, e in (("b", 3.0), ("c", 6.0)) for steps in (1, 3)]
+    runs += [run("d", 1, 1, 1.0, ok=False, tail=["Traceback", "RuntimeError: boom"]),
+             run("e", 1, 1, 1.0, ok=False, tail=["unsupported: an older sentence-transformers"])]
+    stats = {"tokens_per_step": 40, "angle_train_tokenise_per_step_s": 0.5}
+    results = {"runs": runs, "skipped": [{"setting": "s", "contender": "e", "why": "unsupported", "unsupported": True}],
+               "settings": {"s": stats}}
+    contenders = {name: ("ours" if name == "a" else "st", ()) for name in "abcde"}
+    return results, bt.summarise(results, [SimpleNamespace(name="s", batch=4)], contenders, lambda s: (1, 3))
+
+
+
+def test_the_summary_reports_the_median_step_its_spread_its_rates_and_the_ratio_to_sentence_transformers():
+    """The figures the README's training table reports: the median of the per-repetition estimates (T(S2) - T(S1))
+    / (S2 - S1) with their min and max, pairs and tokens per second, sentence-transformers' fastest over this, the
+    same with angle-train's tokenising charged, and from the trainer's own logs its first steps and warm step."""
+    _, rows = _summary_results()
+    by = {r["contender"]: r for r in rows}
+    assert list(by) == ["a", "b", "c", "d"]  # "e": skipped as unsupported, no row
+    a = by["a"]
+    assert a["estimates_s"] == pytest.approx([1.0, 1.5, 4.0])
+    assert (a["step_s"], a["min_s"], a["max_s"]) == pytest.approx((1.5, 1.0, 4.0))
+    assert a["pairs_per_s"] == pytest.approx(4 / 1.5) and a["tokens_per_s"] == pytest.approx(40 / 1.5)
+    assert a["st_best_over_this"] == pytest.approx(3.0 / 1.5)
+    assert a["step_s_tokenising_charged"] == pytest.approx(2.0)
+    assert a["pairs_per_s_tokenising_charged"] == pytest.approx(2.0)
+    assert a["st_best_over_this_tokenising_charged"] == pytest.approx(1.5)
+    assert by["b"]["step_s_tokenising_charged"] == pytest.approx(3.0)  # sentence-transformers: nothing charged
+    # first steps of the timed runs (4, 4, 4, 6, 9, 6), the median of each long run's later steps (2, 3.5, 5) and
+    # the warm-up run's first step (empty caches)
+    assert a["first_step_s"] == 5.0 and a["in_process_step_s"] == 3.5 and a["first_step_empty_caches_s"] == 20.0
+    assert by["d"]["failed_runs"] == 1 and "step_s" not in by["d"] and by["d"]["failure"] == "RuntimeError: boom"
+
+
+
+def test_the_cpu_table_prints_the_summary_as_measured():
+    results, rows = _summary_results()
+    results.update(machine={"cpu": "a CPU", "cpu_count": 2, "torch_threads": 2}, steps=[1, 3], reps=3,
+                   contenders={}, versions={"torch": "x"}, command="bench")
+    lines = bt.table_lines(rows, results)
+    (a,) = [line for line in lines if line.startswith("| s | a |")]
+    assert a.startswith("| s | a | 1.5 s (1 s - 4 s) | 2.7 | 2.0 | 26.7 | 500 MB | 2.00x | 1.50x |"), a
+    assert "Step time = (T(3 steps) - T(1 steps)) / 2," in "\n".join(lines)
+    assert "| s | d | no estimate (1 runs failed) |" in "\n".join(lines)
+
+
+
+def test_the_gpu_table_counts_the_repetitions_and_says_where_a_contender_is_absent():
+    results, rows = _summary_results()
+    results["settings"]["t"] = {}
+    results["skipped"].append({"setting": "t", "contender": "e", "why": "unsupported"})
+    results.update(machine={"gpu": "a GPU"}, steps={}, reps=3, contenders={}, versions={"torch": "x"},
+                   command="bench", models={}, data="generated",
+                   shared={"device": "cuda", "precision": "bf16", "attention": "sdpa"})
+    lines = bt.gpu_table_lines(rows, results)
+    (a,) = [line for line in lines if line.startswith("| s | a |")]
+    assert a.startswith("| s | a | 1.5 s (1 s - 4 s) | 3 | 3.5 s | 5 s | 20 s | 2.7 | 2.0 | 26.7 | n/a | 2.00x | "
+                        "1.50x |"), a
+    assert "Absent: e (every setting): unsupported" in lines
+
+
+
+def test_losses_are_compared_between_runs_of_the_same_length_within_a_2_percent_target():
+    """A pair is two runs of the same repetition and length (the same batches), within the target below 2 % apart;
+    the difference is taken relative to sentence-transformers' loss."""
+    def run(kind, rep, steps, losses):
+        record = {"contender": kind, "kind": kind, "rep": rep, "steps": steps, "ok": True,
+                  "in_process": {"losses": losses}}
+        return {**record, "said": {"batch_order": "angle-train"}} if kind == "st" else record
+
+    apart = bt.losses_apart([run("ours", 1, 2, [1.015625, 1.0]), run("ours", 1, 3, [9.0, 9.0, 9.0])],
+                            [run("st", 1, 2, [1.0, 1.0])])
+    assert apart["steps_compared"] == 2 and apart["within_target"] and apart["max_rel_diff"] == 0.015625
+    assert bt.relative_difference(3.0, 2.0) == 0.5
+
+
+
+def test_a_step_log_counts_only_when_it_has_every_step(tmp_path):
+    """angle-train's metrics.jsonl gives each step's seconds as batch / pairs_per_s and its peak memory in GiB;
+    a log short of a step, or an st-train report with fewer step times than steps, gives none."""
+    import json
+
+    (tmp_path / "run").mkdir()
+    rows = [{"step": 1, "pairs_per_s": 2.0, "loss": 0.5, "peak_mem_gb": 1.5},
+            {"step": 2, "pairs_per_s": 4.0, "loss": 0.4, "peak_mem_gb": 2.0}]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    setting = SimpleNamespace(batch=8)
+    logged = bt.in_process_steps("ours", {}, tmp_path, setting, 2)
+    assert logged == {"step_s": [4.0, 2.0], "losses": [0.5, 0.4], "peak_memory_bytes": 2.0 * 2**30}
+    assert bt.in_process_steps("ours", {}, tmp_path, setting, 3) is None
+    said = {"step_seconds": [1.0, 1.0], "losses": [0.5, 0.4], "peak_memory_bytes": 7}
+    assert bt.in_process_steps("st", {"said": dict(said)}, tmp_path, setting, 3) is None
+    assert bt.in_process_steps("st", {"said": dict(said)}, tmp_path, setting, 2)["step_s"] == [1.0, 1.0]
+
+
+
+def test_the_command_line_defaults_and_refusals():
+    """Three repetitions by default (one for --smoke); a CPU --smoke run warms up nothing, a --gpu --smoke one once;
+    S1 must be below S2 and a token budget at least 1."""
+    _, args = bt.parse_args([])
+    assert args.reps == 3 and args.warmup_runs == 1 and args.steps == (2, 6)
+    _, smoke = bt.parse_args(["--smoke"])
+    assert smoke.reps == 1 and smoke.warmup_runs == 0
+    _, gpu_smoke = bt.parse_args(["--smoke", "--gpu", "--device", "cpu"])
+    assert gpu_smoke.warmup_runs == 1
+    for argv in (["--steps", "3,3"], ["--token-budget", "cached256=0"]):
+        with pytest.raises(SystemExit):
+            bt.parse_args(argv)
+
+
+
+def test_the_forecast_of_a_length_ignores_longer_runs_killed_and_never_extrapolates_downwards():
+    """A killed 10-step run says nothing of a 2-step run's time; two lengths whose longer one was faster per step
+    forecast any length at the shorter one's time, never above it by a line through them."""
+    def run(steps, seconds, ok=True):
+        return {"steps": steps, "seconds": seconds, "ok": ok, "timed_out": not ok}
+
+    assert bt.forecast_seconds([run(2, 5.0), run(10, 99.0, ok=False)], 2) == 5.0
+    assert bt.forecast_seconds([run(2, 10.0), run(4, 8.0)], 8) == 10.0
+    assert bt.forecast_seconds([run(2, 10.0), run(4, 8.0)], 1) == 10.0

@@ -139,3 +139,184 @@ def test_the_sweep_forecasts_from_the_min_time_of_the_previous_size(monkeypatch)
     monkeypatch.setattr(loss_sweep, "progress_line", lambda row: "")
     loss_sweep.sweep(args, [bench_losses.LOSSES["cosine"]], [provider], {})
     assert seen == [None, (16, 0.1)]
+
+
+
+def test_the_executed_flops_of_each_scheme_at_one_width():
+    """The achieved FLOP rates of the GPU sweeps divide by these: a wrong count misstates every fraction of the
+    matmul rate the README reports for that scheme."""
+    m, mc, d = 4, 6, 64
+    assert harness.similarity_flops_executed("triton-fused", m, mc, d) == 10 * m * mc * d
+    assert harness.similarity_flops_executed("cuda-fused", m, mc, d) == 8 * m * mc * d
+    assert harness.similarity_flops_executed("triton-dense", m, mc, d) == 6 * m * mc * d
+    assert harness.similarity_lse_flops_executed("torch", m, mc, d, (16, 64)) == 8 * m * mc * d
+
+
+
+def test_a_plain_run_is_timed_after_one_warm_up_run(monkeypatch):
+    """The hardware limits are timed this way: without the warm-up, the first run's one-time costs would count."""
+    ran, seen = [], {}
+
+    def fake_time_cpu(run, repeats=5, time_per_case=3.0, min_runs=3):
+        seen["runs_before_timing"] = len(ran)
+        return harness.Timing(median_s=1.0, min_s=1.0, times_s=[1.0], method="fake")
+
+    monkeypatch.setattr(harness, "time_cpu", fake_time_cpu)
+    harness.time_run("cpu", lambda: ran.append(1))
+    assert seen == {"runs_before_timing": 1}
+
+
+
+def test_a_sweep_budget_splits_its_time_and_ends_by_the_sweeps_end(monkeypatch):
+    """The warm-up gets its allowance and the timed runs the rest; both end when the sweep's seconds are spent, and
+    a block that raises is charged too (else a failing case would cost nothing and the sweep overrun)."""
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(harness, "time", types.SimpleNamespace(monotonic=lambda: clock["now"],
+                                                               perf_counter=lambda: clock["now"]))
+    budget = harness.SweepBudget(10.0, warm_up_s=4.0)
+    assert budget.allowed == {"warm_up": 4.0, "timed": 6.0}
+    assert harness.SweepBudget(3.0, warm_up_s=4.0).allowed == {"warm_up": 3.0, "timed": 0.0}
+    with pytest.raises(RuntimeError), harness.charging(budget, "timed"):
+        clock["now"] += 5.0
+        raise RuntimeError("a case that failed")
+    assert budget.left("timed") == pytest.approx(1.0) and budget.fits("timed", 1.0) and not budget.fits("timed", 1.5)
+    assert budget.summary() == {"warm_up": {"allowed_s": 4.0, "spent_s": 0.0, "cases": 0},
+                                "timed": {"allowed_s": 6.0, "spent_s": 5.0, "cases": 1}}
+    clock["now"] += 4.0  # 9 s into a 10 s sweep: 1 s left, whatever the warm-up's allowance still holds
+    assert budget.left("warm_up") == pytest.approx(1.0)
+
+
+
+def test_the_warm_up_takes_at_most_its_share_of_what_is_left():
+    assert harness.warm_up_within(10.0, 9.0) == pytest.approx(9.0 * harness.MAX_WARM_UP_SHARE)
+    assert harness.warm_up_within(1.0, 9.0) == 1.0 and harness.warm_up_within(5.0, -1.0) == 0.0
+
+
+
+def test_ratio_cells_show_three_digits_and_no_memory_ratio_below_a_megabyte():
+    """A ratio of 1.234 must read 1.23x; a memory ratio over a pass that moved RSS by less than a page-noise MB
+    says nothing and reads "—"; a negative RSS rise reads as +0."""
+    import loss_sweep
+
+    ours = {"status": "ok", "time_s": 0.01, "extra_bytes": 0.5e6}
+    base = {"status": "ok", "time_s": 0.01234, "extra_bytes": 8e6}
+    assert loss_sweep.ratio_cell(base, ours) == "1.23x, —"
+    assert loss_sweep.cell({**ours, "extra_bytes": -3e5}) == "10 ms, +0.0 MB"
+
+
+
+def test_the_table_divides_each_baseline_by_ours_and_states_our_fraction_of_the_limit():
+    """The table the README copies: a baseline three times slower reads 3x in its ratio column (not 0.333x), our
+    cell shows the achieved rate with its fraction of the measured limit, and the header sums the first calls."""
+    import bench_losses
+    import loss_sweep
+
+    args = bench_losses.parse_args(["--losses", "cosine", "--n", "16", "--d", "8", "--device", "cpu"])
+    common = {"loss": "cosine", "n": 16, "d": 8, "dtype": "float32"}
+    results = [{**common, "provider": "ours-torch", "status": "ok", "time_s": 0.01, "extra_bytes": 2e6,
+                "rate": 2e9, "rate_unit": "B/s", "rate_fraction": 0.25, "cold_s": 1.5},
+               {**common, "provider": "angle-emb", "status": "ok", "time_s": 0.03, "extra_bytes": 8e6,
+                "rate": 1e9, "rate_unit": "B/s", "rate_fraction": 0.125, "cold_s": 0.5}]
+    env = {"date": "now", "command": "test", "torch": torch.__version__, "threads": 2, "cpu": "test",
+           "logical_cpus": 4, "load_average_1min": {"start": 5.0, "end": 1.0}}
+    table = loss_sweep.render_markdown(results, env, args, [bench_losses.LOSSES["cosine"]], {}, {}, {},
+                                       ["ours-torch", "angle-emb"], "ours-torch")
+    assert "| 16 | 10 ms, +2.0 MB | 30 ms, +8.0 MB | 3x, 4x | 2 GB/s (25 %) |" in table
+    assert "2 cases, 2.0 s in all, the longest 1.5 s" in table
+    assert "other jobs shared the machine" in table  # the load exceeded the CPUs at the start of the sweep
+
+
+
+def test_the_time_a_row_reports_is_the_stat_asked_for_median_by_default(monkeypatch):
+    """--stat min makes the table, the ratios and the rate use each case's fastest run; without it, the median."""
+    import bench_losses
+    import loss_sweep
+
+    monkeypatch.setattr(loss_sweep.harness, "free_bytes", lambda device: None)
+    monkeypatch.setattr(loss_sweep.harness, "call_in_fork", lambda *a, **k: (
+        "ok", {"median_s": 0.02, "min_s": 0.01, "times_s": [0.01, 0.02, 0.03], "extra_bytes": 0}))
+    loss = bench_losses.LOSSES["cosine"]
+    ours = types.SimpleNamespace(family="ours")
+    for argv, expected in (([], 0.02), (["--stat", "min"], 0.01)):
+        args = bench_losses.parse_args(["--losses", "cosine", "--device", "cpu", *argv])
+        row = loss_sweep.run_one(args, ours, loss, 16, 8, torch.float32, None, {})
+        assert row["time_s"] == expected and row["rate"] == pytest.approx(row["floor"]["amount"] / expected)
+
+
+
+def test_a_size_forecast_too_long_is_skipped_before_it_runs(monkeypatch):
+    """From the previous size's 1 s, cosine (linear) at twice the size is forecast 2 s: past --max-run-seconds 1 it
+    is skipped, and so is a case whose dozen runs (harness.RUNS_PER_CASE) would overrun what --time-budget has left."""
+    import bench_losses
+    import loss_sweep
+
+    monkeypatch.setattr(loss_sweep.harness, "free_bytes", lambda device: None)
+    monkeypatch.setattr(loss_sweep.harness, "call_in_fork", lambda *a, **k: pytest.fail("must not run"))
+    loss = bench_losses.LOSSES["cosine"]
+    ours = types.SimpleNamespace(family="ours")
+    args = bench_losses.parse_args(["--losses", "cosine", "--device", "cpu", "--max-run-seconds", "1"])
+    row = loss_sweep.run_one(args, ours, loss, 16, 8, torch.float32, (8, 1.0), {})
+    assert row["status"] == "skipped" and "--max-run-seconds" in row["note"]
+    args = bench_losses.parse_args(["--losses", "cosine", "--device", "cpu", "--time-budget", "10"])
+    row = loss_sweep.run_one(args, ours, loss, 16, 8, torch.float32, (8, 1.0), {},
+                             deadline=loss_sweep.time.perf_counter() + 10.0)
+    assert row["status"] == "skipped" and "--time-budget" in row["note"]
+
+
+
+def test_a_killed_child_is_out_of_memory_and_a_timeout_an_error(monkeypatch):
+    import bench_losses
+    import loss_sweep
+
+    args = bench_losses.parse_args(["--losses", "cosine", "--device", "cpu"])
+    loss = bench_losses.LOSSES["cosine"]
+    ours = types.SimpleNamespace(family="ours")
+    monkeypatch.setattr(loss_sweep.harness, "free_bytes", lambda device: None)
+    for payload, status in ((("killed", "killed by SIGKILL"), "OOM"), (("timeout", "killed after 600 s"), "error")):
+        monkeypatch.setattr(loss_sweep.harness, "call_in_fork", lambda *a, payload=payload, **k: payload)
+        row = loss_sweep.run_one(args, ours, loss, 16, 8, torch.float32, None, {})
+        assert row["status"] == status, payload
+    assert row["note"].endswith("(--case-timeout)")
+
+
+
+def test_a_cpu_case_may_take_three_times_its_estimate_or_2_gb_within_free_memory(monkeypatch):
+    """The child's address-space cap: three times the estimate, never below 2 GB (a tiny case's estimate would
+    starve it), never above 80 % of what is free."""
+    import bench_losses
+    import loss_sweep
+
+    args = bench_losses.parse_args(["--losses", "cosine", "--device", "cpu"])
+    loss = bench_losses.LOSSES["cosine"]
+    ours = types.SimpleNamespace(family="ours")
+    headrooms = []
+    monkeypatch.setattr(loss_sweep.harness, "call_in_fork", lambda fn, *a, **k: (headrooms.append(a[-1]), (
+        "ok", {"median_s": 0.02, "min_s": 0.01, "times_s": [0.01], "extra_bytes": 0}))[1])
+    for free in (100 * 2**30, 2**30):
+        monkeypatch.setattr(loss_sweep.harness, "free_bytes", lambda device, free=free: free)
+        loss_sweep.run_one(args, ours, loss, 16, 8, torch.float32, None, {})
+    assert headrooms == [2 * harness.GB, int(0.8 * 2**30)]
+
+
+
+def test_sweep_options_sort_sizes_refuse_unknown_dtypes_and_estimate_16_bit_as_float32():
+    import bench_losses
+    import loss_sweep
+
+    args = bench_losses.parse_args(["--losses", "cosine", "--n", "64,16", "--device", "cpu"])
+    assert loss_sweep.sizes_of(args, bench_losses.LOSSES["cosine"]) == [16, 64]
+    with pytest.raises(SystemExit):
+        bench_losses.parse_args(["--losses", "cosine", "--dtypes", "float8", "--device", "cpu"])
+    ours = types.SimpleNamespace(family="ours")
+    cosine = bench_losses.LOSSES["cosine"]
+    assert (loss_sweep.estimate_extra_bytes(ours, cosine, 1024, 64, torch.bfloat16)
+            == loss_sweep.estimate_extra_bytes(ours, cosine, 1024, 64, torch.float32))
+
+
+
+def test_a_forecast_is_made_from_a_previous_run_of_50_ms_or_more():
+    import loss_sweep
+
+    loss = types.SimpleNamespace(grows="N", bytes_per_element={})
+    assert loss_sweep.predicted_run_seconds((1000, 0.1), loss, "ours", 2000) == pytest.approx(0.2)
+    assert loss_sweep.predicted_run_seconds((1000, 0.04), loss, "ours", 2000) is None

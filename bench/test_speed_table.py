@@ -221,3 +221,21 @@ def test_help_and_no_arguments(capsys):
     assert speed_table.main(["--commit"]) == 2
     with pytest.raises(FileNotFoundError):
         speed_table.main(["/nonexistent/second.json"])
+
+
+
+def test_a_time_recorded_without_a_fingerprint_never_matches_this_code():
+    """A fingerprint the run's tree could not compute (None) says nothing of the code timed: the decision it backs
+    must not read as matching this checkout, even where this checkout lacks that path's code too."""
+    point = ("ranking_loss", "full", 4096, 1, {"torch/default": 1.0, "cuda/sort": 0.5},
+             {"torch/default": None, "cuda/sort": None})
+    found = speed_table.decisions({("9.0", torch.float32): (point,)}, here=lambda backend, op, path: None)
+    assert [d["matches_this_code"] for d in found] == [False]
+
+
+@pytest.mark.skipif(not _has_commits("HEAD"), reason="a git checkout")
+def test_the_commit_given_on_the_command_line_applies_to_the_runs_after_it(tmp_path, capsys):
+    """`--commit COMMIT RUN.json`: the run's rows recorded no fingerprints, which are computed at that commit."""
+    path = _run(tmp_path, [_row("ranking_loss", 10, 1, "triton", 1.0), _row("ranking_loss", 10, 1, "torch", 2.0)])
+    assert speed_table.main(["--commit", "HEAD", path]) == 0
+    assert '"triton/pairwise": 1.0, "torch/default": 2.0' in capsys.readouterr().out
