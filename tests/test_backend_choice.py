@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -454,6 +455,8 @@ def test_the_real_gpu_backends_declare_their_code_paths():
         assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, (64, 768)) == "dims_one_read"
         assert triton.code_paths["similarity_lse"](*lse_wide) == "dense"
         assert triton.code_paths["similarity_lse"](*lse_wide, (64, 4096)) == "dense_dims"
+        assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, None) == "full"  # one width: as before
+        assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, (64, 512)) == "dims"  # narrower dims
     assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, (64, 768)) == "dims"
 
 
@@ -824,6 +827,24 @@ def test_the_gpu_settings_their_readers_understand_pass(monkeypatch, values):
     _runtime.check_gpu_settings()
 
 
+def test_a_gpu_setting_changed_after_a_call_is_checked_at_the_next(monkeypatch):
+    """The settings are read at every call: one changed, after a call that passed, to a value its reader would
+    misread is an error at the next call, the first-use checks' switch included."""
+    from angle_kernels import _runtime
+
+    monkeypatch.setattr(_runtime, "_settings_checked", None)
+    names = ("ANGLE_KERNELS_ALLOW_TF32", "ANGLE_KERNELS_AUTOTUNE", "ANGLE_KERNELS_SELF_CHECK",
+             "ANGLE_KERNELS_POISON_OUTPUTS")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    for name, misread in zip(names, ("true", "none", "yes", "on")):
+        _runtime.check_gpu_settings()
+        monkeypatch.setenv(name, misread)
+        with pytest.raises(ValueError, match=name):
+            _runtime.check_gpu_settings()
+        monkeypatch.delenv(name)
+
+
 def test_the_settings_checked_are_the_ones_the_gpu_paths_read():
     pytest.importorskip("triton")
     from angle_kernels import _runtime, first_use
@@ -832,3 +853,95 @@ def test_the_settings_checked_are_the_ones_the_gpu_paths_read():
     assert _runtime.ALLOW_TF32_ENV == _similarity_tiles._TF32_ENV
     assert _runtime.AUTOTUNE_ENV == _common.AUTOTUNE_ENV and _runtime.SELF_CHECK_ENV == first_use.ENV
     assert _runtime.POISON_OUTPUTS_ENV == _common.POISON_OUTPUTS_ENV
+
+
+def test_the_jit_build_says_why_it_did_not_run_or_failed(monkeypatch):
+    """The JIT build's answer names what stopped it (the switch, missing sources, no nvcc, the compiler's error), and
+    a build that starts compiles every csrc/ source with the fingerprint flags a verification is matched against."""
+    from torch.utils import cpp_extension
+
+    asked = []
+
+    def fake_load(**kwargs):
+        asked.append(kwargs)
+        raise RuntimeError("fake nvcc error")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(_extension, "_find_nvcc", lambda: "/fake/cuda/bin/nvcc")
+    monkeypatch.setattr(_extension, "_jit_module", None)
+    monkeypatch.setenv("ANGLE_KERNELS_CUDA_JIT", "0")
+    assert _extension._jit_build() == (False, "the JIT build is disabled (ANGLE_KERNELS_CUDA_JIT=0)")
+    monkeypatch.setenv("ANGLE_KERNELS_CUDA_JIT", "1")
+    sources = _extension.SOURCES
+    monkeypatch.setattr(_extension, "SOURCES", (*sources, "no_such_op.cu"))
+    ok, why = _extension._jit_build()
+    assert not ok and why.startswith("no CUDA sources to JIT-build") and "no_such_op.cu missing" in why
+    monkeypatch.setattr(_extension, "SOURCES", sources)
+    monkeypatch.delenv("ANGLE_KERNELS_CUDA_JIT")
+    monkeypatch.setattr(_extension, "_find_nvcc", lambda: None)
+    ok, why = _extension._jit_build()
+    assert not ok and "nvcc was not found (set CUDA_HOME)" in why
+    assert asked == []  # nothing stopped by the checks above reached the compiler
+    monkeypatch.setattr(_extension, "_find_nvcc", lambda: "/fake/cuda/bin/nvcc")
+    assert _extension._jit_build() == (False, "the JIT build of csrc/ failed: RuntimeError: fake nvcc error")
+    (kwargs,) = asked
+    assert [Path(source).name for source in kwargs["sources"]] == list(_extension.SOURCES)
+    assert "module.cpp" in _extension.SOURCES and "similarity_xent.cu" in _extension.SOURCES
+    assert kwargs["extra_cflags"] == _extension.cxx_flags() and kwargs["extra_cuda_cflags"] == _extension.NVCC_FLAGS
+    assert any(flag.startswith("-DANGLE_KERNELS_FINGERPRINT_SIMILARITY_XENT=0x") for flag in kwargs["extra_cflags"])
+    assert _extension._jit_module is None
+
+
+def test_nvcc_is_looked_for_under_cuda_home_first(monkeypatch, tmp_path):
+    """CUDA_HOME (else CUDA_PATH) names the toolkit whose bin/nvcc builds the kernels; without one there, the PATH's."""
+    monkeypatch.setattr(_extension.shutil, "which", lambda name: "/on/the/path/nvcc")
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "nvcc").touch()
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    assert _extension._find_nvcc() == str(home / "bin" / "nvcc")
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.setenv("CUDA_PATH", str(home))
+    assert _extension._find_nvcc() == str(home / "bin" / "nvcc")
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path / "no_toolkit"))
+    assert _extension._find_nvcc() == "/on/the/path/nvcc"
+
+
+def test_the_cuda_backend_names_what_this_process_lacks(monkeypatch):
+    """A CPU build of torch and a machine without a GPU are told apart in the reason the backend gives."""
+    monkeypatch.setattr(torch.version, "cuda", None)
+    ok, why = _extension.load(allow_build=False)
+    assert not ok and "was built without CUDA (torch.version.cuda is None)" in why
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _extension.load(allow_build=False) == (False, "torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _extension._missing_requirement() == ""
+
+
+def test_a_failed_build_reports_both_reasons(extension_without_prebuilt):
+    """Without a prebuilt extension and with a failed JIT build, the reason names both."""
+    extension_without_prebuilt.result = (False, "nvcc was not found (set CUDA_HOME)")
+    assert _extension.load() == (False, "no prebuilt angle_kernels._C (fake); nvcc was not found (set CUDA_HOME)")
+
+
+def test_the_build_fingerprints_are_those_the_loaded_extension_reports(monkeypatch):
+    """op -> 16 hex digits of the fingerprint the loaded build reports, an op built without one (0) left out; a
+    build that reports none has none; without a loaded extension, None."""
+    reported = {"similarity_xent": 0xAB, "ranking_loss": 0, "pair_scores": 2**64 - 1}
+    monkeypatch.setattr(_extension, "_jit_module", SimpleNamespace(op_fingerprints=lambda: reported))
+    assert _extension.build_fingerprints() == {"similarity_xent": "00000000000000ab", "pair_scores": "f" * 16}
+    monkeypatch.setattr(_extension, "_jit_module", SimpleNamespace())
+    assert _extension.build_fingerprints() == {}
+    monkeypatch.setattr(_extension, "_jit_module", None)
+    monkeypatch.setattr(_extension, "_import_prebuilt", lambda: (False, "no prebuilt angle_kernels._C (fake)"))
+    assert _extension.build_fingerprints() is None
+
+
+def test_a_prebuilt_extension_is_used_without_building(extension_without_prebuilt, monkeypatch):
+    """An installed angle_kernels._C makes the kernels available at once: no JIT build is started, even where one
+    is allowed."""
+    monkeypatch.setattr(_extension, "_import_prebuilt", lambda: (True, ""))
+    assert _extension.load(allow_build=True) == (True, "") and _extension.load(allow_build=False) == (True, "")
+    assert extension_without_prebuilt.calls == 0

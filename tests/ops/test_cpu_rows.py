@@ -149,3 +149,35 @@ def test_wide_rows_norms_are_within_a_few_ulps():
     assert ((inverse.double() - exact).abs() / exact).max() <= 4 * ulp
     blocked_inverse = _blocked_form_rows(x)[2]
     assert ((blocked_inverse.double() - exact).abs() / exact).max() > 8 * ulp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_row_scales_are_the_powers_of_two_of_each_rows_largest_magnitude(dtype):
+    """1 for a row whose largest magnitude is below 2 (so it computes bit for bit as unscaled), else 2^-floor(log2)
+    of that magnitude, negative entries included, and never below the compute dtype's smallest normal exponent + 1
+    (the top binade's rows keep a non-zero scale)."""
+    from angle_kernels.normalisation import row_scales
+
+    top = torch.finfo(dtype).max
+    rows = torch.tensor([[1.5, -0.5], [0.0, 0.0], [3.0, 0.0], [-5.0, 1.0], [0.25, -1024.5], [top, -top]],
+                        dtype=torch.float64).to(dtype)
+    bias = 1023 if dtype == torch.float64 else 127
+    expected = torch.tensor([1.0, 1.0, 0.5, 0.25, 2.0**-10, 2.0 ** -(bias - 1)], dtype=torch.float64)
+    got = row_scales(rows)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert torch.equal(got.double(), expected)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+def test_a_clamped_norm_has_no_norm_gradient(scaled):
+    """A row whose norm is below eps (eps s for rows scaled by s) divides by the clamp, so the mask that keeps the
+    radial term of its gradient is off; rows above the clamp keep it."""
+    from angle_kernels.contract import NORM_EPS
+    from angle_kernels.normalisation import inverse_norms_from_norms
+
+    scale = torch.tensor([4.0, 4.0, 4.0], dtype=torch.float64) if scaled else None
+    clamp = NORM_EPS * (4.0 if scaled else 1.0)
+    norms = torch.tensor([0.0, 0.5 * clamp, 2.0 * clamp], dtype=torch.float64)
+    inverse, has_grad = inverse_norms_from_norms(norms, scale)
+    assert has_grad.tolist() == [False, False, True]
+    assert torch.equal(inverse, 1.0 / torch.tensor([clamp, clamp, 2.0 * clamp], dtype=torch.float64))

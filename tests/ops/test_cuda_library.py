@@ -305,6 +305,17 @@ def test_similarity_xent_code_paths():
     assert CUDA.code_paths["similarity_xent"](q, None, 20.0, "partner", dims=(8, 1024)) == "dense_dims"
 
 
+@pytest.mark.parametrize("path, dims", [("dims", None), ("dense", (8, 16)), ("fused", (8, 16)), ("dense_dims", None)])
+def test_similarity_xent_refuses_a_code_path_that_cannot_compute_the_call(path, dims):
+    """A path the op has not, a one-width path for a dims call or the dims path for a one-width call (a backend
+    held to one path) is a ValueError naming it, before any kernel runs, not another path's result."""
+    from angle_kernels.cuda_ops import similarity_xent_paths
+
+    q = torch.zeros(6, 16)
+    with pytest.raises(ValueError, match=re.escape(f"has no code path {path!r} for dims={dims!r}")):
+        similarity_xent_paths.similarity_xent(q, None, 20.0, "partner", dims=dims, path=path)
+
+
 @pytest.mark.parametrize("dims", [None, (2, 4, 8)], ids=str)
 def test_make_fx_traces_similarity_xent_dense(dims):
     """The dense scheme traced with fake tensors: at one width forward calls the statistics and gradient ops once

@@ -326,6 +326,14 @@ def test_the_selector_keeps_the_verified_path_until_switched_on():
     with cuda_ops.awaiting_verification_on():
         assert similarity_xent_paths.code_path(wide, None, 20.0, "partner") == "dense"
         assert similarity_xent_paths.code_path(wide[:, :512], None, 20.0, "partner") == "fused"
+        fits = int(cuda_dense.TILE_ELEMENTS // (cuda_dense.MIN_BLOCK_ROWS * 1.5))  # c's columns a block holds
+        q = torch.empty(2, 1024, device="meta")
+        assert similarity_xent_paths.code_path(q, torch.empty(fits, 1024, device="meta"), 20.0, "diagonal") == "dense"
+        assert similarity_xent_paths.code_path(q, torch.empty(fits + 1, 1024, device="meta"), 20.0,
+                                               "diagonal") == "fused"
+        at = 768  # the Triton dense scheme's MIN_WIDTH: from that width on, not past it
+        assert similarity_xent_paths.code_path(wide[:, :at], None, 20.0, "partner") == "dense"
+        assert similarity_xent_paths.code_path(wide[:, :at - 1], None, 20.0, "partner") == "fused"
         assert not cuda_ops.paths_awaiting_verification()
     assert similarity_xent_paths.DENSE_MIN_WIDTH is None
 

@@ -662,3 +662,40 @@ def test_torch_cpu_huge_rows_keep_their_gradients(magnitude):
                                               True)
     for grad, ref in zip(torch.autograd.grad(got.sum(), leaves32), want_grads):
         assert float((grad.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_the_torch_backend_computes_each_call_in_its_form(monkeypatch):
+    """CPU cosines at full width take the softmax form, CPU cosines with dims and a filter the softmax form once per
+    prefix, CPU dot products it takes its dot-product form; dims without a filter, and every call on another
+    device (a GPU), the blocked form, the code the GPU op sweeps timed."""
+    from angle_kernels.torch_ops import _similarity_lse_softmax, similarity_lse_paths
+    from angle_kernels.torch_ops import similarity_lse as blocked
+
+    taken = []
+
+    def form(name):
+        def compute(q, *args, **kwargs):
+            taken.append((name, q.shape[1]))
+            return torch.zeros(q.shape[0])
+        return compute
+
+    monkeypatch.setattr(_similarity_lse_softmax, "similarity_lse", form("softmax"))
+    monkeypatch.setattr(_similarity_lse_softmax, "dot_similarity_lse", form("dot softmax"))
+    monkeypatch.setattr(_similarity_lse_softmax, "takes_dot_products", lambda *args: True)
+    monkeypatch.setattr(blocked, "similarity_lse", form("blocked"))
+
+    def forms(device, normalize=True, dims=None, filtered=False):
+        taken.clear()
+        q = torch.zeros(4, 8, device=device)
+        threshold = torch.zeros((4,) if dims is None else (len(dims), 4), device=device) if filtered else None
+        similarity_lse_paths.similarity_lse(q, q, 20.0, 0, 0, "none", 0.0, "none", q if filtered else None,
+                                            q if filtered else None, threshold, False, normalize, dims=dims)
+        return taken
+
+    assert forms("cpu") == forms("cpu", filtered=True) == [("softmax", 8)]
+    assert forms("cpu", dims=(4, 8), filtered=True) == [("softmax", 4), ("softmax", 8)]
+    assert forms("cpu", dims=(4, 8)) == [("blocked", 8)]
+    assert forms("cpu", normalize=False) == [("dot softmax", 8)]
+    assert forms("cpu", normalize=False, dims=(4, 8)) == [("blocked", 8)]
+    for options in ({}, dict(filtered=True), dict(dims=(4, 8), filtered=True), dict(normalize=False)):
+        assert forms("meta", **options) == [("blocked", 8)], options

@@ -252,6 +252,9 @@ def test_the_backend_takes_the_paths_where_it_says(monkeypatch):
     assert similarity_lse_paths.DENSE_MIN_WIDTH == 2048
     assert path(2047, 32768) == "fused" and path(2048, 32768) == path(4096, 32768) == "dense"
     assert path(768, 32768, five) == path(4096, 32768, five[:-1] + (4096,)) == "fused_prefixes"
+    fits = int(_similarity_lse_dense.TILE_ELEMENTS // (_similarity_lse_dense.MIN_BLOCK_ROWS * 2.5))  # a filter's tile
+    assert path(2048, fits, filtered=True) == "dense" and path(2048, fits + 1, filtered=True) == "fused"
+    assert path(2048, fits + 1) == "dense"
     with awaiting_verification_on():
         assert similarity_lse_paths.DENSE_MIN_WIDTH == 768  # the checks' cases are laid out around it
         assert path(768, 32768) == "dense" and path(768, 32768, five) == "dense_dims"
@@ -302,3 +305,19 @@ def test_one_side_without_gradient(triton_lse, path):
     assert only_q[1] is None and only_c[0] is None
     assert_close(only_q[0], both[0], 1e-14, "dq alone")
     assert_close(only_c[1], both[1], 1e-14, "dc alone")
+
+
+@pytest.mark.parametrize("path, dims", [("dense", (4, 8)), ("fused", (4, 8)), ("dense_dims", None),
+                                        ("fused_prefixes", None), ("dims", None)])
+def test_a_code_path_that_cannot_compute_the_call_is_refused(path, dims):
+    """A path the op has not, a one-width path for a dims call or a dims path for a one-width call (a backend held
+    to one path) is a ValueError naming it, before any kernel runs, not another path's result."""
+    pytest.importorskip("triton")
+    import re
+
+    from angle_kernels.triton_ops import similarity_lse_paths
+
+    q = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match=re.escape(f"has no code path {path!r} for dims={dims!r}")):
+        similarity_lse_paths.similarity_lse(q, q, 20.0, 0, 0, "none", 0.0, "none", None, None, None, False, True,
+                                            dims=dims, path=path)

@@ -785,3 +785,20 @@ def test_dims_keep_the_digits_of_small_losses(target):
     assert torch.all((got.double() / want - 1).abs() < 1e-4), (got, want)
     for got_grad, want_grad in zip(got_grads, want_grads):
         assert (got_grad.double() - want_grad).norm() <= 1e-4 * want_grad.norm()
+
+
+@pytest.mark.parametrize("form", ["cpu-softmax", "blocked"])
+@pytest.mark.parametrize("dims", [None, (4, 8)], ids=["full", "dims"])
+def test_torch_gradient_of_c_alone(form, dims):
+    """Only c requiring gradients (a frozen query encoder): the forward still forms them and backward gives c the
+    oracle's gradient, in the CPU softmax form and in the blocked form a GPU runs."""
+    from angle_kernels.torch_ops import similarity_xent as blocked
+    from angle_kernels.torch_ops import similarity_xent_paths
+
+    gen = generator("gradient_of_c_alone", form, dims)
+    q, c = randn(gen, 6, 8, dtype=torch.float64), leaf_like(randn(gen, 6, 8, dtype=torch.float64))
+    compute = similarity_xent_paths.similarity_xent if form == "cpu-softmax" else blocked.similarity_xent
+    compute(q, c, 20.0, "diagonal", dims=dims, path="default").sum().backward()
+    exact = leaf_like(c)
+    _prefix_oracle(q, exact, dims=dims, scale=20.0, target="diagonal").sum().backward()
+    assert_close(c.grad, exact.grad, 1e-12, "dc")
