@@ -13,6 +13,7 @@ from angle_kernels.testing import oracle
 from angle_kernels.testing.helpers import (
     GRAD_TOL,
     VALUE_TOL,
+    IgnoresIncomingGradient,
     assert_close,
     assert_half_rule,
     check_against_oracle,
@@ -110,23 +111,11 @@ def test_check_against_oracle_fails_a_result_in_another_dtype(dtype):
         check_against_oracle(_ours(result_dtype=other), _scores, _inputs(dtype), "dtype")
 
 
-class _IgnoresIncomingGradient(torch.autograd.Function):
-    """The identity, whose backward passes ones on instead of the gradient it receives."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.ones_like(grad)
-
-
 def test_check_against_oracle_fails_a_backward_that_ignores_its_incoming_gradient():
     """Each output is weighted by fixed random weights before the backward: a backward right only for a plain
     sum of the outputs (loss.backward()) fails."""
     def ours(x):
-        return tuple(_IgnoresIncomingGradient.apply(o) for o in oracle.pair_scores(x, True))
+        return tuple(IgnoresIncomingGradient.apply(o) for o in oracle.pair_scores(x, True))
 
     with pytest.raises(AssertionError, match="gradient of input 0"):
         check_against_oracle(ours, _scores, _inputs(torch.float64), "cotangent")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from angle_kernels import float64_ops, verify
+from angle_kernels.testing.helpers import IgnoresIncomingGradient
 
 
 class _SkewedOps:
@@ -239,23 +240,11 @@ def test_check_judges_the_gradient_of_every_input():
         assert result["pass"] is False and result["first"]["grad"] == pytest.approx(1e-3, rel=1e-6), leaf
 
 
-class _IgnoresIncomingGradient(torch.autograd.Function):
-    """The identity, whose backward passes ones on instead of the gradient it receives."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.ones_like(grad)
-
-
 class _CotangentBlindOps(_SkewedOps):
     """pair_scores right in value, its backward computing as though every output's incoming gradient were 1."""
 
     def pair_scores(self, *args, **kwargs):
-        return tuple(_IgnoresIncomingGradient.apply(o) for o in float64_ops.pair_scores(*args, **kwargs))
+        return tuple(IgnoresIncomingGradient.apply(o) for o in float64_ops.pair_scores(*args, **kwargs))
 
 
 def test_check_fails_a_backward_that_ignores_its_incoming_gradient():

@@ -287,6 +287,19 @@ def leaf_like(x: torch.Tensor, device=None, dtype=None) -> torch.Tensor:
     return leaf.requires_grad_(True)
 
 
+class IgnoresIncomingGradient(torch.autograd.Function):
+    """The identity, whose backward passes ones on instead of the gradient it receives: around an op's outputs, a
+    backward that ignores its upstream gradient, which checks drawing random backward weights (cotangent) must fail."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ones_like(grad)
+
+
 def cotangent(output: torch.Tensor, index: int) -> torch.Tensor:
     """The fixed random weight (float64, CPU) each output is multiplied by before backward: the same for every
     implementation of the same output, and never 1, so a backward that ignores its incoming gradient fails."""
