@@ -246,15 +246,11 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
 def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, pooling: str | None = None, **kwargs):
     """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only); `pooling`
     replaces the export's (meta keeps the export's own)."""
-    from .models import POOLING_STRATEGIES, load_encoder
+    from .models import export_pooling, load_encoder
 
     with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
         meta = json.load(f)
-    if pooling is None and meta["pooling"] not in POOLING_STRATEGIES:  # a newer export's: a default would differ
-        raise ValueError(f"{os.path.join(path, META_FILE)} names the pooling {meta['pooling']!r}, which this version "
-                         f"does not know (it knows {', '.join(POOLING_STRATEGIES)}): give its pooling with --pooling "
-                         "(load_pretrained's pooling=)")
-    pooling = pooling or meta["pooling"]
+    pooling = pooling or export_pooling(os.path.join(path, META_FILE), meta["pooling"])
     bidirectional = meta.get("bidirectional", False)
     if meta.get("adapter_only"):
         base = base_model or meta.get("base_model")

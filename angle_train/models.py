@@ -479,19 +479,25 @@ def check_lora_targets(backbone: nn.Module, targets: list[str]) -> None:
                                   f"{', '.join(adaptable) or 'none'}")
 
 
+def export_pooling(meta_path: str, pooling) -> str | None:
+    """The pooling an export's angle_train.json (`meta_path`) names, or None where it names none. One this version
+    does not know (a newer export's) is refused: the folder's other files cannot stand in for it (a cls_avg export has
+    none), and a default would embed differently in silence."""
+    if pooling is not None and pooling not in POOLING_STRATEGIES:
+        raise ValueError(f"{meta_path} names the pooling {pooling!r}, which this version does not know (it knows "
+                         f"{', '.join(POOLING_STRATEGIES)}): give its pooling with --pooling (pooling= in Python)")
+    return pooling
+
+
 def own_pooling(name_or_path: str, st_files: str | None) -> tuple[str, str] | None:
     """(pooling, the file that names it) of a model's folder: an angle_train export's angle_train.json (every strategy;
-    cls_avg and bidirectional exports have no sentence-transformers files), else the Pooling module of its
-    sentence-transformers files (`st_files`: st_folder.find_folder's folder, or None); None when neither names one.
-    A pooling angle_train.json names but this version does not know (a newer export's) is refused: the folder's other
-    files cannot stand in for it (a cls_avg export has none), and a default would embed differently in silence."""
+    cls_avg and bidirectional exports have no sentence-transformers files; `export_pooling`), else the Pooling module
+    of its sentence-transformers files (`st_files`: st_folder.find_folder's folder, or None); None when neither names
+    one."""
     meta = os.path.join(name_or_path, st_folder.META_FILE)
-    pooling = st_folder.read_json(meta).get("pooling") if os.path.isfile(meta) else None
-    if pooling in POOLING_STRATEGIES:
-        return pooling, st_folder.META_FILE
+    pooling = export_pooling(meta, st_folder.read_json(meta).get("pooling")) if os.path.isfile(meta) else None
     if pooling is not None:
-        raise ValueError(f"{meta} names the pooling {pooling!r}, which this version does not know (it knows "
-                         f"{', '.join(POOLING_STRATEGIES)}): give its pooling with --pooling (load_encoder's pooling=)")
+        return pooling, st_folder.META_FILE
     return st_folder.pooling(st_files) if st_files else None
 
 
