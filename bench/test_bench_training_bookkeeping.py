@@ -330,6 +330,20 @@ def test_resume_with_other_contenders_and_settings_summarises_them_all(tmp_path,
                                                                                    "minilm-cached1k"}
 
 
+def test_a_resume_with_fewer_repetitions_keeps_the_count_its_results_hold(tmp_path, monkeypatch):
+    """results.json's repetition count says how many repetitions its medians may hold: a --resume asking for fewer
+    leaves the first command's larger count (and one asking for more raises it)."""
+    import json
+
+    import test_bench_training as tbt
+
+    monkeypatch.setattr(bt, "run_child", tbt.stand_in_trainers([], clock=tbt.virtual_clock(monkeypatch)))
+    out = tmp_path / "out"
+    for reps, recorded in ((2, 2), (1, 2), (3, 3)):
+        assert bt.main(tbt.resumable_gpu_command(out, "minilm-plain64", reps=reps, budget=600)) == 0
+        assert json.loads((out / "results.json").read_text())["reps"] == recorded
+
+
 @pytest.mark.parametrize("gpu", [True, False])
 def test_only_a_gpu_run_stops_trying_a_contender_that_failed(tmp_path, gpu):
     """On a GPU a failed run (out of memory: a larger batch would too) takes its contender out of the setting for

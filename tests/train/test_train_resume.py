@@ -477,6 +477,37 @@ def test_a_resume_without_dev_data_reports_the_checkpoints_best(tmp_path, monkey
     assert "best model (dev Spearman 0.3000)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("best_kept", [True, False])
+def test_a_run_resumed_from_before_best_steps_were_recorded_reports_its_best_folder(tmp_path, monkeypatch,
+                                                                                     best_kept):
+    """A checkpoint of an older angle_train knows its best score but not its step, and its best/ records none: the
+    resumed run that never beats the score leaves that best/ as it is and reports it as the best model's path (and
+    claims none where best/ is gone)."""
+    from angle_train import checkpoint
+
+    data = (demo_examples(20, seed=3), "B")
+    _scripted_dev_scores(monkeypatch, [0.1, 0.3, 0.5])
+    written = checkpoint.asdict
+    monkeypatch.setattr(checkpoint, "asdict", lambda obj: {key: value for key, value in written(obj).items()
+                                                           if not (isinstance(obj, Position) and key == "best_step")})
+    train(_best_config(tmp_path), train_examples=data, dev_examples=DEV, on_step=_stop_at(2))
+    monkeypatch.setattr(checkpoint, "asdict", written)
+    meta_path = tmp_path / "best" / checkpoint.META_FILE
+    meta = json.loads(meta_path.read_text())
+    assert meta.pop(checkpoint.BEST_RECORD_KEY) == {"step": 2, "dev_spearman": 0.3}
+    meta_path.write_text(json.dumps(meta))  # as an older angle_train wrote it
+    best_files = _files(tmp_path / "best")
+    if not best_kept:
+        shutil.rmtree(tmp_path / "best")
+    _scripted_dev_scores(monkeypatch, [0.2, 0.2])
+    resumed = train(_best_config(tmp_path, resume="auto"), train_examples=data, dev_examples=DEV)
+    assert [r["step"] for r in resumed.history] == [3, 4] and resumed.best_spearman == 0.3
+    if best_kept:
+        assert resumed.best_path == str(tmp_path / "best") and _files(tmp_path / "best") == best_files
+    else:
+        assert resumed.best_path is None and not (tmp_path / "best").exists()
+
+
 @pytest.mark.parametrize("source_best", [True, False])
 def test_resuming_into_a_new_folder_reports_only_a_best_model_it_holds(tmp_path, monkeypatch, capsys, source_best):
     """--resume PATH into another --output-dir: the checkpoint's best model is copied from the folder the checkpoint
