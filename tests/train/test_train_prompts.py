@@ -99,7 +99,10 @@ def test_a_long_text_is_cut_and_the_prompt_after_it_kept():
 
 def test_a_text_cut_for_the_prompt_is_counted_once_whatever_its_role_and_length():
     """The header's count of texts cut: a document cut for the prompt counts as the document (not as its query), and
-    a cut text whose words then merge with the prompt's (shorter than --max-length) counts all the same."""
+    a cut text whose words then merge with the prompt's (shorter than --max-length) counts all the same, in pairs and
+    in ArcCSE's sentences."""
+    from angle_train.arccse import TokenizedSentences
+
     _, tokenizer = make_encoder("llama")
     pairs = TokenizedPairs([Example(("a red car", LONG), 1.0)], "B", tokenizer, max_length=20, prompt=CLOSING)
     assert [len(ids) for ids in pairs.batch([0]).seqs] == [15, 20]
@@ -108,6 +111,9 @@ def test_a_text_cut_for_the_prompt_is_counted_once_whatever_its_role_and_length(
     pairs = TokenizedPairs([Example(("a red car", LONG), 1.0)], "B", tokenizer, max_length=20, prompt=merging)
     assert [len(ids) for ids in pairs.batch([0]).seqs] == [8, 19]
     assert "1 of 2 texts cut at --max-length 20" in pairs.describe()
+    sentences = TokenizedSentences([LONG, "a red car"], make_encoder("bert")[1], max_length=20, mask_rates=(0.1, 0.3),
+                                   seed=0, prompt=merging)  # ArcCSE's sentences alike
+    assert sentences.lengths == [19, 8] and "1 of 2 texts cut at --max-length 20" in sentences.describe()
 
 
 def test_every_text_of_every_tokenizer_call_is_cut_for_the_prompt(monkeypatch):
