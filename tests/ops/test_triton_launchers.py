@@ -10,6 +10,9 @@ of every op), and that the results do not depend on it.
 pair_scores with dims (nested prefixes): one launch of each prefix kernel per forward / backward, whatever the
 number of prefixes, and no detour through the torch backend.
 
+Routing. Each router (the *_paths modules, similarity_xent.py's entry function) runs the launcher of the path its
+code_path names.
+
 Autotuning. similarity_xent's tile kernels are autotuned per power-of-two bucket of the row counts, so a new
 batch size does not re-tune: the bucket function and the keys each launch passes.
 """
@@ -254,3 +257,59 @@ def test_pair_scores_dims_run_on_triton_not_on_the_torch_fallback(triton_backend
         got = _outputs_and_grads(auto.pair_scores(leaf, True, dims), [leaf])
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+def _route(monkeypatch, launchers: dict) -> None:
+    """Each launcher (module, attribute) of `launchers` replaced by a stand-in that returns its label."""
+    for label, (module, name) in launchers.items():
+        monkeypatch.setattr(module, name, lambda *args, label=label, **kwargs: label)
+
+
+def test_each_router_runs_the_launcher_of_the_path_it_names(monkeypatch):
+    """The Triton routers (pair_scores_paths, similarity_xent_paths, similarity_xent.py's own entry function and
+    similarity_lse_paths) call the launcher of the path their code_path names, for every path: a router that ran
+    another exact path would give the same numbers, while the verified-path bookkeeping trusted and timed the named
+    one. (Only shapes matter here: the stand-ins launch nothing.)"""
+    from angle_kernels.triton_ops import (
+        _pair_scores_one_read, _similarity_lse_dense, _similarity_xent_dense_dims, pair_scores_paths,
+        similarity_lse_paths, similarity_xent_dense, similarity_xent_paths,
+    )
+    import angle_kernels.triton_ops.similarity_lse as fused_lse
+
+    monkeypatch.setattr(pair_scores_paths, "ONE_READ_MIN_WIDTH", pair_scores_paths.PROPOSED_ONE_READ_MIN_WIDTH)
+    monkeypatch.setattr(similarity_lse_paths, "DENSE_DIMS_MIN_WIDTH",
+                        similarity_lse_paths.PROPOSED_DENSE_DIMS_MIN_WIDTH)
+    wide, narrow = torch.empty(8, 2048), torch.empty(8, 16)
+    wide_dims, narrow_dims = (256, 2048), (8, 16)
+
+    def check(router, code_path, paths, launcher_of, calls):
+        named = {code_path(*args, **kwargs): router(*args, **kwargs) for args, kwargs in calls}
+        assert set(named) == set(paths)  # every path reached by one of the calls
+        assert named == {path: launcher_of[path] for path in paths}
+
+    _route(monkeypatch, {"single": (pair, "pair_scores"), "one_read": (_pair_scores_one_read, "pair_scores")})
+    check(pair_scores_paths.pair_scores, pair_scores_paths.code_path, pair_scores_paths.PATHS,
+          {"full": "single", "dims": "single", "dims_one_read": "one_read"},
+          [((torch.empty(2, 3, 16), True), {}), ((torch.empty(2, 3, 16), True), {"dims": narrow_dims}),
+           ((torch.empty(2, 3, 2048), True), {"dims": wide_dims})])
+
+    xent_calls = [((q, None, 20.0, "diagonal"), {"dims": dims})
+                  for q, dims in ((narrow, None), (wide, None), (narrow, narrow_dims), (wide, wide_dims))]
+    _route(monkeypatch, {"dense": (similarity_xent_dense, "similarity_xent"),
+                         "kernels": (similarity.SimilarityXentFunction, "apply")})
+    check(similarity.similarity_xent, similarity.code_path, similarity.PATHS,
+          {"fused": "kernels", "dims": "kernels", "dense": "dense"}, xent_calls[:3])
+    _route(monkeypatch, {"own": (similarity, "similarity_xent"),
+                         "dense_dims": (_similarity_xent_dense_dims, "similarity_xent")})
+    check(similarity_xent_paths.similarity_xent, similarity_xent_paths.code_path, similarity_xent_paths.PATHS,
+          {"fused": "own", "dims": "own", "dense": "own", "dense_dims": "dense_dims"}, xent_calls)
+
+    _route(monkeypatch, {"fused": (fused_lse, "similarity_lse"), "dense": (_similarity_lse_dense, "similarity_lse"),
+                         "dense_dims": (_similarity_lse_dense, "similarity_lse_dims"),
+                         "fused_prefixes": (similarity_lse_paths, "fused_prefixes")})
+    lse_args = dict(target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none", filter_q=None,
+                    filter_c=None, filter_threshold=None, filter_keeps_target=False, normalize=True)
+    check(similarity_lse_paths.similarity_lse, similarity_lse_paths.code_path, similarity_lse_paths.PATHS,
+          {path: path for path in similarity_lse_paths.PATHS},
+          [((q, q, 20.0), {**lse_args, "dims": dims})
+           for q, dims in ((narrow, None), (wide, None), (narrow, narrow_dims), (wide, wide_dims))])
