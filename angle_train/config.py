@@ -76,7 +76,8 @@ class TrainConfig:
                              "module names to adapt (default: every linear layer)", group="lora")
     # ---- data
     train_data: str = opt("builtin:demo", ".jsonl/.csv/.tsv file, STS-B TSV, Hugging Face dataset (hub name or "
-                          "save_to_disk folder), or builtin:demo", group="data")
+                          "save_to_disk folder), or builtin:demo ((query, positive) pairs) / builtin:demo-sts (scored "
+                          "pairs)", group="data")
     train_split: str = opt("train", "split of a Hugging Face training dataset", group="data")
     data_format: str = opt(None, "A (text1,text2,label), B (query,positive), C (query,positive,negative); "
                            "default: detected from the columns", group="data", choices=["A", "B", "C"])
