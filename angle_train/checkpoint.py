@@ -176,7 +176,7 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
     elif cfg.resume:
         problem = checkpoint_problem(cfg.resume)
         if problem is not None:
-            raise ValueError(f"cannot resume from {cfg.resume}: {problem}")
+            raise ValueError(f"cannot resume from {cfg.resume}: {not_a_checkpoint(cfg.resume) or problem}")
         if not is_own_checkpoint(cfg.output_dir, cfg.resume):
             _refuse_earlier_run_for_another_runs_checkpoint(cfg, done)
         return cfg.resume
@@ -386,6 +386,29 @@ def write_manifest(folder: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(folder, MANIFEST_FILE))
+
+
+def not_a_checkpoint(path: str) -> str | None:
+    """What `path`, given to --resume, is where it is something other than a checkpoint folder (a run's output folder,
+    its checkpoints/ folder, an export, a file), with the --resume to give instead; None where it is none of these."""
+    if os.path.isfile(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        return ("it is a file; --resume takes a checkpoint folder" +
+                (f" (its folder: --resume {folder})" if os.path.isfile(os.path.join(folder, MANIFEST_FILE)) else ""))
+    if not os.path.isdir(path):
+        return None
+    run_checkpoints = finished_checkpoints(path)
+    if run_checkpoints:
+        return (f"it is a run's output folder, not one of its checkpoints: --resume auto (with --output-dir {path}) "
+                f"continues its newest, or give one (newest: --resume {run_checkpoints[-1]})")
+    inside = sorted(name for name in os.listdir(path) if CHECKPOINT_NAME.fullmatch(name))
+    if inside:
+        return (f"it is the folder of a run's checkpoints: give one of them (newest: --resume "
+                f"{os.path.join(path, inside[-1])}), or --resume auto with that run's --output-dir")
+    if os.path.isfile(os.path.join(path, META_FILE)) and not os.path.exists(os.path.join(path, STATE_FILE)):
+        return ("it is an exported model, not a checkpoint (no optimizer state or position): train from it with "
+                f"--model {path} (a new run), or resume one of its run's checkpoints (OUTPUT_DIR/checkpoints/step-N)")
+    return None
 
 
 def checkpoint_problem(folder: str) -> str | None:

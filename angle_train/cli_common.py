@@ -53,7 +53,15 @@ def is_user_error(exc: BaseException) -> bool:
     innermost = exc.__traceback__
     while innermost.tb_next is not None:
         innermost = innermost.tb_next
-    return innermost.tb_frame.f_globals.get("__name__", "").split(".")[0] in USER_ERROR_PACKAGES
+    return module_of(innermost.tb_frame.f_globals).split(".")[0] in USER_ERROR_PACKAGES
+
+
+def module_of(frame_globals: dict) -> str:
+    """The import name of the module whose globals these are: `python -m angle_train.cli` (torchrun's form) runs
+    the module as "__main__", its import name then in its __spec__."""
+    name = frame_globals.get("__name__", "")
+    spec = frame_globals.get("__spec__")
+    return spec.name if name == "__main__" and spec is not None else name
 
 
 def install_hint(modules) -> str:

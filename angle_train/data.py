@@ -51,10 +51,16 @@ ROWS_PER_EXAMPLE = {"A": 2, "B": 2, "C": 3}
 ROLES = {"A": ("text", "text"), "B": ("query", "document"), "C": ("query", "document", "document")}
 ALIASES = {"sentence1": "text1", "sentence2": "text2", "score": "label"}
 STSB_NAMES = {"text1": "text1", "text2": "text2", "label": "label"}  # read_stsb's rows, named by it
-# The names a --columns mapping gives a file's columns (NAME=COLUMN), and the hint of how to map them.
+# The names a --columns mapping gives a file's columns (NAME=COLUMN); columns_hint says how to map them.
 COLUMN_NAMES = ("text1", "text2", "label", "query", "positive", "negative")
-COLUMNS_HINT = ("map yours with --columns, e.g. --columns text1=COLUMN text2=COLUMN label=COLUMN (from Python: "
-                "columns={'text1': COLUMN, ...})")
+
+
+def columns_hint(names=FORMATS["A"]) -> str:
+    """How to map a file's columns onto `names` (those a format reads, or lacks): --columns NAME=COLUMN ..."""
+    return (f"map yours with --columns, e.g. --columns {' '.join(f'{name}=COLUMN' for name in names)} (from Python: "
+            f"columns={{{names[0]!r}: COLUMN, ...}})")
+
+
 # The largest |label| a file may hold. Labels are graded similarity scores (STS 0-5, SICK 1-5) or 0/1; the losses
 # only compare them (the ranking terms) or test them for 0 / 1 (the in-batch-negative term), on float32 batches
 # (TokenizedPairs.batch). Past 3.4e38 a label becomes inf there and the loss refuses the whole batch without a line
@@ -184,7 +190,7 @@ def detect_format(names, where: str, columns=None) -> str:
             return fmt
     raise DataError(
         f"{where}: cannot tell the format from the columns {sorted(columns if columns is not None else names)}; "
-        f"expected text1,text2,label (A), query,positive (B) or query,positive,negative (C): {COLUMNS_HINT}"
+        f"expected text1,text2,label (A), query,positive (B) or query,positive,negative (C): {columns_hint()}"
     )
 
 
@@ -243,7 +249,7 @@ def check_format_columns(names: dict, fmt: str, where: str, detected_at: str | N
     missing = [c for c in FORMATS[fmt] if c not in names]
     if missing:
         raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {sorted(names.values())}): "
-                        f"{COLUMNS_HINT}")
+                        f"{columns_hint(missing)}")
     unread = [name for name in names if name not in FORMATS[fmt]]
     if unread and detected_at is not None:
         shown = ", ".join(repr(names[name]) if names[name] == name else f"{names[name]!r} ({name})" for name in unread)

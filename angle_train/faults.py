@@ -2,10 +2,11 @@
 
     non-finite step   a step whose embeddings, loss or gradient norm are not finite is skipped: no optimizer
                       update, the learning-rate schedule does not advance, its batches count as consumed; after
-                      --max-bad-steps skips in a row the run stops with NonFiniteTrainingError (status 3 from
-                      the CLI), naming the last good checkpoint: the newest one a finite step was taken from,
-                      which pruning keeps beyond --keep-checkpoints (checkpoint.prune_checkpoints; the newer ones
-                      hold the weights that failed, which the update before them may have made finite but huge).
+                      --max-bad-steps skips in a row (or at its last step, where no step of the run was taken)
+                      the run stops with NonFiniteTrainingError (status 3 from the CLI), naming the last good
+                      checkpoint: the newest one a finite step was taken from, which pruning keeps beyond
+                      --keep-checkpoints (checkpoint.prune_checkpoints; the newer ones hold the weights that
+                      failed, which the update before them may have made finite but huge).
                       Every process agrees (any_rank): one rank's NaN skips the step everywhere. No checkpoint or
                       export is written from non-finite weights (check_finite_weights).
     no dev score      a dev evaluation whose embeddings hold NaN or Inf (weights grown until the forward pass

@@ -823,7 +823,8 @@ def optimizer_step(run: Run) -> dict:
 
 
 def report_bad_step(run: Run, row: dict, data_position: tuple[int, int], n_batches: int) -> None:
-    """Say which step was skipped and where its data was; stop the run after --max-bad-steps in a row."""
+    """Say which step was skipped and where its data was; stop the run after --max-bad-steps in a row, or at its last
+    step where no step of it was taken (fewer steps than --max-bad-steps: it would end as if trained)."""
     position, limit = run.position, run.cfg.max_bad_steps
     epoch, batch = data_position
     where = f"epoch {epoch}, batch{'es' if n_batches > 1 else ''} {batch}" + (
@@ -834,7 +835,9 @@ def report_bad_step(run: Run, row: dict, data_position: tuple[int, int], n_batch
         print(f"\nstep {row['step']}: skipped, {what} on the data at {where}; weights, optimizer state and learning "
               "rate unchanged "
               f"({position.bad_streak} in a row{f', the run stops at {limit}' if limit else ''})", flush=True)
-    if limit and position.bad_streak >= limit:
+    # a run whose every step so far was skipped, ending now: its weights are the ones it started from
+    none_taken = position.bad_streak == row["step"] == run.total_steps
+    if limit and (position.bad_streak >= limit or none_taken):
         advice = ("a lower --lr, more --warmup, float32 or bf16 rather than fp16, or a look at the data at that "
                   "position")
         good = None if position.good_checkpoint is None else checkpoint_path(run.cfg.output_dir,
@@ -1298,8 +1301,9 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
     last = result.history[-1]
     mean_loss, steps = run.log.last_loss or (last["loss"], 1)
     unit = batch_items(getattr(run.dataset, "fmt", None))
-    print(f"done: {position.step} step{'s' * (position.step != 1)} | loss {mean_loss:.4f} (mean of the last {steps} "
-          f"step{'s' * (steps != 1)}) | {last['pairs_per_s']:.1f} {unit}/s | "
+    loss = (f"loss {mean_loss:.4f} (mean of the last {steps} step{'s' * (steps != 1)})" if steps else
+            "no finite loss (the steps of the last metrics row were skipped)")
+    print(f"done: {position.step} step{'s' * (position.step != 1)} | {loss} | {last['pairs_per_s']:.1f} {unit}/s | "
           f"{last['tokens_per_s']:.0f} tokens/s | peak memory {peak_memory_gb(run.device):.2f} GB"
           + (f" | best {tracking.DEV_METRICS[position.best_metric]} {position.best:.4f}"
              if position.best is not None else ""), flush=True)

@@ -187,6 +187,23 @@ def test_a_bug_keeps_its_traceback(bug, error, tmp_path, monkeypatch):
         cli.main(["--output-dir", str(tmp_path), "--device", "cpu"])
 
 
+@pytest.mark.parametrize("module, argv, said", [
+    ("angle_train.cli", ["--config", "run.ini"], "angle-train: error: --config run.ini: use a .yaml"),
+    ("angle_train.evaluate", ["owner/model", "missing.csv"], "angle-eval: error: missing.csv: no such file or folder"),
+])
+def test_a_mistake_is_one_line_when_the_module_runs_as_main(module, argv, said, tmp_path):
+    """`python -m angle_train.cli` (torchrun's form) runs the module as __main__: an error its own code raises is the
+    same one line with status 2 as from the console scripts (it was taken for a bug: a traceback, status 1)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "run.ini").write_text("x = 1\n")
+    done = subprocess.run([sys.executable, "-m", module, *argv], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert (done.returncode, done.stderr.splitlines()) == (2, [done.stderr.strip()])
+    assert done.stderr.startswith(said)
+
+
 @pytest.mark.parametrize("program", ["angle-train", "angle-eval"])
 def test_version(program, capsys):
     status, out, _ = run(program, ["--version"], capsys)

@@ -172,6 +172,13 @@ def test_columns_map_a_files_names(tmp_path):
     assert fmt == "B" and examples[1].texts == ("u v", "v w")
     with pytest.raises(DataError, match=r"--columns label=score: .*no column 'score'"):
         load_examples(str(csv), columns={**MAPPING, "label": "score"})
+    # a format given by --data-format: the hint maps the names that format lacks
+    with pytest.raises(DataError, match=r"for format B .*--columns query=COLUMN positive=COLUMN \(from Python: "
+                                        r"columns=\{'query': COLUMN"):
+        load_examples(str(csv), fmt="B", columns=MAPPING)
+    with pytest.raises(DataError, match=r"missing column\(s\) \['negative'\] for format C .*"
+                                        r"--columns negative=COLUMN \("):
+        load_examples(str(jsonl), fmt="C", columns={"query": "q", "positive": "doc"})
 
 
 def test_columns_map_a_hugging_face_datasets_names(tmp_path):

@@ -161,6 +161,26 @@ def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
     assert state["position"]["bad_streak"] == 1
 
 
+def test_a_run_shorter_than_the_bad_step_limit_whose_every_step_was_skipped_stops(tmp_path, capsys):
+    """Every step of a 2-step run skipped (--max-bad-steps 5 is never reached): the run stops as at the limit, no
+    final/ of the weights it started from written as if trained; where an earlier step was taken it ends, its last
+    line saying that the last logged steps gave no finite loss (it printed a skipped step's loss as "the mean of the
+    last 0 steps")."""
+    poisoned = PoisonedLoss(bad=[1, 2])
+    with pytest.raises(faults.NonFiniteTrainingError, match=r"^2 optimizer steps in a row \(the last: step 2, .*No "
+                                                            r"checkpoint is known to be good"):
+        train(_config(tmp_path / "none", max_steps=2, max_bad_steps=5, save_final=True), model=make_encoder(),
+              train_examples=DATA, loss_fn=poisoned, on_step=poisoned.on_step)
+    assert not (tmp_path / "none" / "final").exists()
+    poisoned = PoisonedLoss(bad=[3, 4])
+    capsys.readouterr()
+    result = train(_config(tmp_path / "some", max_steps=4, log_every=2, max_bad_steps=5), model=make_encoder(),
+                   train_examples=DATA, loss_fn=poisoned, on_step=poisoned.on_step)
+    assert [row["skipped"] for row in result.history] == [False, False, True, True]
+    said = capsys.readouterr().out
+    assert "done: 4 steps | no finite loss (the steps of the last metrics row were skipped) |" in said
+
+
 def test_checkpoints_written_while_steps_fail_never_push_out_the_last_good_one(tmp_path):
     """--keep-checkpoints 2, a checkpoint every step, steps 4-6 non-finite: the checkpoints of steps 3-5 hold
     weights that gave non-finite steps, and pruned by step alone they pushed out step 2's, the last one a finite

@@ -310,6 +310,26 @@ def test_resuming_a_run_at_its_last_step_only_finishes_it(tmp_path, capsys):
     assert resumed.history == [] and "had already reached its last step (2)" in out and "nan" not in out
 
 
+def test_resume_given_a_run_folder_an_export_or_a_file_says_which_checkpoint_to_give(tmp_path):
+    """--resume's likely slips (the run's output folder, its checkpoints/ folder, its final/ export, a checkpoint's
+    state file) say what was given and the --resume to give instead, not that the checkpoint is damaged."""
+    data = (demo_examples(20, seed=3), "B")
+    run = tmp_path / "run"
+    train(_config(run, max_steps=2, save_every=1, keep_checkpoints=0, save_final=True), train_examples=data)
+    newest = run / "checkpoints" / "step-00000002"
+    for given, said in ((run, f"a run's output folder, not one of its checkpoints: --resume auto (with --output-dir "
+                              f"{run}) continues its newest, or give one (newest: --resume {newest})"),
+                        (run / "checkpoints", f"the folder of a run's checkpoints: give one of them (newest: --resume "
+                                              f"{newest})"),
+                        (run / "final", f"an exported model, not a checkpoint (no optimizer state or position): "
+                                        f"train from it with --model {run / 'final'}"),
+                        (newest / "state.pt", f"a file; --resume takes a checkpoint folder (its folder: --resume "
+                                              f"{newest})")):
+        with pytest.raises(ValueError) as refused:
+            train(_config(tmp_path / "other", max_steps=3, resume=str(given)), train_examples=data)
+        assert str(refused.value).startswith(f"cannot resume from {given}: it is ") and said in str(refused.value)
+
+
 def test_metrics_rows_survive_a_failure_while_they_are_rewritten(tmp_path, monkeypatch):
     """On resume the rows after the checkpoint are dropped by writing a new file and renaming it: a write that
     fails (a full disk) leaves every row where it was, where truncating the file in place would lose them."""
