@@ -43,6 +43,7 @@ import math
 import numbers
 import operator
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union
@@ -600,6 +601,9 @@ def check_in_batch_options(directions: tuple[str, ...] | list[str], partition_mo
     hardness_strength = check_scalar("hardness_strength", hardness_strength)
     if hardness_strength < 0:
         raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+    if hardness_mode is None and hardness_strength > 0:
+        warnings.warn(f"hardness_strength={hardness_strength:g} has no effect without hardness_mode (None: no "
+                      f"hardness weighting); give one of {tuple(HARDNESS_MODES)}", UserWarning, stacklevel=3)
     check_choice("similarity", similarity, SIMILARITIES)
     return directions, hardness_strength, check_false_negative_filter(false_negative_margin, false_negative_strategy)
 
@@ -611,6 +615,9 @@ def check_false_negative_filter(false_negative_margin: float | None,
     if false_negative_margin is not None:
         false_negative_margin = check_scalar("false_negative_margin", false_negative_margin)
     check_choice("false_negative_strategy", false_negative_strategy, MARGIN_STRATEGIES)
+    if false_negative_margin is None and false_negative_strategy != MARGIN_STRATEGIES[0]:
+        warnings.warn(f"false_negative_strategy={false_negative_strategy!r} has no effect without "
+                      "false_negative_margin (None: no false-negative filter)", UserWarning, stacklevel=3)
     return false_negative_margin
 
 

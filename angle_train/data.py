@@ -482,6 +482,9 @@ def _csv_fields_of_any_size():
         csv.field_size_limit(limit)
 
 
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")  # the data files a folder given as a dataset may hold
+
+
 def open_hf_dataset(name_or_path: str, split: str):
     """One split of a Hugging Face dataset: a save_to_disk folder, or a hub name."""
     try:
@@ -491,6 +494,13 @@ def open_hf_dataset(name_or_path: str, split: str):
                           "'angle_kernels[train]'") from exc
     if not os.path.isdir(name_or_path):
         return datasets.load_dataset(name_or_path, split=split)
+    saved = ("dataset_dict.json", "state.json")  # what save_to_disk writes: a DatasetDict's, a Dataset's
+    if not any(os.path.isfile(os.path.join(name_or_path, name)) for name in saved):
+        files = sorted(name for name in os.listdir(name_or_path) if name.endswith(DATA_FILE_SUFFIXES))
+        raise DataError(f"{name_or_path}: a folder, not a Hugging Face dataset saved by save_to_disk (no "
+                        f"{' or '.join(saved)}): give a data file" +
+                        (f", e.g. one of {', '.join(os.path.join(name_or_path, f) for f in files[:4])}" if files
+                         else " (.jsonl, .csv, .tsv or an STS-B file)"))
     dataset = datasets.load_from_disk(name_or_path)
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:

@@ -58,7 +58,9 @@ from .cli_common import (
     OneLineErrorParser, check_train_extra, parse_bool, resolve_device, user_errors_exit, version_text,
 )
 from .config import names_local_path
-from .data import DataError, Example, Prompts, check_label, load_examples, open_text, parse_columns, read_stsb
+from .data import (
+    DATA_FILE_SUFFIXES, DataError, Example, Prompts, check_label, load_examples, open_text, parse_columns, read_stsb,
+)
 from .models import check_dim, truncate
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
@@ -149,7 +151,10 @@ def read_sts_year(folder: str) -> StsSet:
             raise DataError(f"{file}: no gold file {os.path.basename(gold)} next to it")
         subsets.append((file, gold))
     if not subsets:
-        raise DataError(f"{folder}: no STS.input.*.txt / STS20xx.input.*.txt files (an STS12-16 year folder)")
+        data_files = [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+                      if name.endswith(DATA_FILE_SUFFIXES)]
+        raise DataError(f"{folder}: no STS.input.*.txt / STS20xx.input.*.txt files (an STS12-16 year folder)"
+                        + (f"; give its data files one by one: {', '.join(data_files[:4])}" if data_files else ""))
     examples = []
     for file, gold in subsets:
         with open_text(file) as f:

@@ -433,6 +433,11 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                   f"full width ({encoder.embedding_dim}): it is not trained as an embedding of its own, yet best/ is "
                   f"chosen by its dev score; list {encoder.embedding_dim} among the widths to train it too",
                   flush=True)
+        if cfg.espresso and cfg.espresso_dim >= encoder.embedding_dim:
+            print(f"angle_train: note: --espresso-dim {cfg.espresso_dim} is not narrower than the model's "
+                  f"{encoder.embedding_dim}-dimensional embeddings: no compressed width is trained (every layer at "
+                  "the full width, the last one's loss counted twice, as angle-emb's AngleESETrainer does); give a "
+                  f"--espresso-dim below {encoder.embedding_dim} to train one", flush=True)
         if weights_note:
             print(weights_note, flush=True)
         if resume_from:

@@ -194,6 +194,27 @@ def test_bad_options_are_refused(options, message):
         ak.multiple_negatives_ranking_loss(q, p, **options)
 
 
+@pytest.mark.parametrize("options, said", [
+    (dict(hardness_strength=5.0), "hardness_strength=5 has no effect without hardness_mode"),
+    (dict(false_negative_strategy="relative"), "false_negative_strategy='relative' has no effect without "
+                                               "false_negative_margin"),
+])
+def test_an_option_without_the_one_it_qualifies_is_said_to_do_nothing(options, said):
+    """A hardness strength without a mode, or a filter strategy without a margin, changes nothing: said in a
+    warning (the loss is the plain one), where it passed in silence; with its partner option, no warning."""
+    import warnings
+
+    q, p = _embeddings("no_effect", 0)
+    with pytest.warns(UserWarning, match=said):
+        loss = ak.multiple_negatives_ranking_loss(q, p, **options)
+    assert torch.equal(loss, ak.multiple_negatives_ranking_loss(q, p))
+    partner = dict(hardness_mode="in_batch_negatives") if "hardness_strength" in options else dict(
+        false_negative_margin=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ak.multiple_negatives_ranking_loss(q, p, **options, **partner)
+
+
 def test_directions_given_as_a_list_are_the_same_directions():
     """directions may be a list (as read from a config file): the same loss as the tuple."""
     q, p, n = _embeddings("list", 1)

@@ -157,6 +157,21 @@ def test_hf_dataset_from_disk(tmp_path):
         load_examples(folder, split="dev")
 
 
+def test_a_folder_of_data_files_is_not_taken_for_a_saved_dataset(tmp_path):
+    """A folder that save_to_disk did not write (STS-B's, of CSV files) is refused naming its data files, where the
+    datasets package said it was "neither a `Dataset` directory nor a `DatasetDict` directory"."""
+    pytest.importorskip("datasets")
+    for name in ("sts-train.csv", "sts-dev.csv", "readme.txt"):
+        (tmp_path / name).write_text("x\n")
+    with pytest.raises(DataError, match=rf"^{tmp_path}: a folder, not a Hugging Face dataset saved by save_to_disk "
+                                        rf"\(no dataset_dict.json or state.json\): give a data file, e.g. one of "
+                                        rf"{tmp_path / 'sts-dev.csv'}, {tmp_path / 'sts-train.csv'}$"):
+        load_examples(str(tmp_path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"give a data file \(.jsonl, .csv, .tsv or an STS-B file\)$"):
+        load_examples(str(tmp_path / "empty"))
+
+
 def test_padding_sides():
     ids, mask = pad_batch([[5, 6, 7], [8]], pad_id=0, side="right")
     assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]

@@ -128,6 +128,20 @@ def test_settings_that_do_not_fit_the_model_fail_in_setup(tmp_path):
         setup(config_from_args(argv), model=make_encoder(layers=1), train_examples=(demo_examples(16), "B"))
 
 
+def test_an_espresso_dim_as_wide_as_the_model_is_said(tmp_path, capsys):
+    """--espresso-dim at or past the model's width trains no compressed width (Espresso's own rule, below): the
+    set-up says so and the width to give, where the run went on as if it trained one."""
+    argv = ["--output-dir", str(tmp_path), "--device", "cpu", "--progress", "0", "--batch-size", "8", "--espresso"]
+    encoder, tokenizer = make_encoder(layers=LAYERS)
+    for dim, said in ((encoder.embedding_dim, True), (encoder.embedding_dim - 2, False)):
+        run = setup(config_from_args([*argv, "--espresso-dim", str(dim), "--overwrite", "1"]),
+                    model=(encoder, tokenizer), train_examples=(demo_examples(16), "B"))
+        run.log.close()
+        note = (f"note: --espresso-dim {dim} is not narrower than the model's {encoder.embedding_dim}-dimensional "
+                f"embeddings: no compressed width is trained")
+        assert (note in capsys.readouterr().out) == said
+
+
 def test_the_widths_trained_never_pass_the_models():
     """An --espresso-dim at or past the model's embedding width trains, evaluates and exports the full width alone
     (Espresso's own rule), not a width the model does not have."""
