@@ -10,11 +10,13 @@ counterpart (one small size per loss, forward + backward, every provider that is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import types
 import zipfile
 from pathlib import Path
 
@@ -399,3 +401,61 @@ def test_a_small_product_case_measures_no_one_time_blas_workspace():
 
     status, extra = harness.call_in_fork(child)
     assert status == "ok" and extra < 2 * 2**20, (status, extra)
+
+
+def _stand_in_bench(**makes):
+    """The contrastive loss's inputs (text, pos, neg), computed by the given stand-in formulas, one per family."""
+    return dataclasses.replace(LOSSES["contrastive"], implementations={
+        family: harness.Implementation(family, make) for family, make in makes.items()})
+
+
+def test_agreement_reports_the_worst_gradient_and_a_provider_that_fails():
+    """One input's gradient off is reported, whichever input it is; a provider that raises is reported as
+    infinitely wrong, with its error, instead of stopping the check."""
+    def exact(context, x):
+        return lambda: (x["text"] * x["pos"]).sum() + x["neg"].sum()
+
+    def neg_gradient_doubled(context, x):  # the same value
+        return lambda: (x["text"] * x["pos"]).sum() + 2 * x["neg"].sum() - x["neg"].detach().sum()
+
+    def failing(context, x):
+        raise RuntimeError("no kernel for this shape")
+
+    bench = _stand_in_bench(ours=exact, reference=neg_gradient_doubled, eager=failing)
+    providers = [P.Provider("ours-torch", "ours", "torch", {bench.name: bench}),
+                 P.Provider("angle-emb", "reference", None, {bench.name: bench}),
+                 P.Provider("eager-pytorch", "eager", None, {bench.name: bench})]
+    errors = P.check_agreement(providers, bench, "cpu", n=5, d=4)
+    assert set(errors) == {"angle-emb", "eager-pytorch"}
+    assert errors["angle-emb"]["value"] < 1e-12 and errors["angle-emb"]["grad"] == pytest.approx(1.0)
+    assert errors["angle-emb"]["against"] == "ours-torch"
+    assert errors["eager-pytorch"]["value"] == errors["eager-pytorch"]["grad"] == float("inf")
+    assert errors["eager-pytorch"]["error"] == "RuntimeError: no kernel for this shape"
+    assert P.check_agreement([], bench) == {}
+
+
+def test_probing_finds_a_backend_that_fails_and_no_probe_computes_nothing(monkeypatch):
+    """probe=False lists the backends without running one (the CPU sweep's parent must not compute); a probed
+    backend that fails is left out with the reason."""
+    import angle_kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken build")
+
+    monkeypatch.setattr(angle_kernels, "cosine_loss", broken)
+    assert P.ours_backends("cpu", probe=False) == (["torch"], {})
+    assert P.ours_backends("cpu") == ([], {"torch": "RuntimeError: broken build"})
+
+
+@pytest.mark.parametrize("locations", [None, "an empty folder"])
+def test_an_angle_emb_without_its_loss_file_is_reported_as_missing(tmp_path, monkeypatch, locations):
+    """A module named angle_emb that is no package, or a package without loss.py: the hint to install it."""
+    spec = types.SimpleNamespace(submodule_search_locations=None if locations is None else [str(tmp_path)])
+    monkeypatch.setattr(P.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(FileNotFoundError, match="angle-emb is not installed"):
+        P.find_reference_loss_file()
+
+
+def test_the_reference_provider_names_the_file_it_runs(all_providers):
+    reference = provider_or_skip(all_providers, "angle-emb")
+    assert reference.notes["source"] == str(P.find_reference_loss_file())

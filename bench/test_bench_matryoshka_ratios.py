@@ -3,6 +3,8 @@ calls and sentence-transformers' agree, per group of rows), and the script write
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ import providers as P
 @pytest.mark.parametrize("make", [ratios.cosine_rows, ratios.mnrl_rows], ids=["cosine", "mnrl"])
 def test_rows_of_a_group_compute_the_same_loss(make):
     rows = make(16, 24, 3, torch.float64, "cpu", torch.Generator().manual_seed(0), P.sentence_transformers_losses())
+    assert list(rows) == ["single", "fused k=5", "ours k calls", "ST Matryoshka", "fused L x k", "ours L x k calls",
+                          "ST L x Matryoshka"]  # the table's order, for both losses
     values = {name: float(run().detach()) for name, (run, _) in rows.items()}
     for group in (("fused k=5", "ours k calls", "ST Matryoshka"),
                   ("fused L x k", "ours L x k calls", "ST L x Matryoshka")):
@@ -57,3 +61,81 @@ def test_interleaved_rounds_give_medians_and_spreads(tmp_path):
     text = (tmp_path / "table.md").read_text()
     assert "(3 interleaved rounds)" in text and "| spread (min - max) | / single |" in text
     assert "| single |" in text and "| fused k=5 |" in text and "CoSENT" not in text and "ST Matryoshka" not in text
+
+
+def test_interleaved_rounds_rotate_the_order_and_sort_each_rows_times(monkeypatch):
+    """Each round starts one row later (a drifting machine slows every row alike); each row's times come back sorted,
+    the stand-in seconds of its timed runs (two warm runs each are not counted)."""
+    clock, calls = {"now": 0.0}, []
+    seconds = {"a": [9, 9, 3, 1, 2], "b": [9, 9, 5, 4, 6], "c": [9, 9, 8, 7, 9]}
+    leaf = torch.ones(2, requires_grad=True)
+
+    def row(name):
+        def run():
+            calls.append(name)
+            clock["now"] += seconds[name].pop(0)
+            return (leaf * 2.0).sum()
+        return run, [leaf]
+
+    monkeypatch.setattr(ratios, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    times = ratios.measure_interleaved({name: row(name) for name in "abc"}, "cpu", rounds=3)
+    assert calls[6:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert times == {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8, 9]}
+
+
+def test_interleaved_table_gives_medians_spreads_and_ratios_to_the_first_row():
+    lines = ratios.interleaved_table("CoSENT", "N = 8 pairs", 16, {"single": [0.001, 0.002, 0.004],
+                                                                    "fused k=5": [0.002, 0.003, 0.010]})
+    assert lines[0] == "### CoSENT, N = 8 pairs, D = 16, dims (16, 10, 4, 2) (3 interleaved rounds)"
+    assert "| single | 2 ms | 1 ms - 4 ms | 1.00x |" in lines
+    assert "| fused k=5 | 3 ms | 2 ms - 10 ms | 1.50x |" in lines
+
+
+def test_table_ratios_are_to_the_single_loss_and_layer_rows_to_l_times_it():
+    row = {"extra_bytes": 2**20}
+    lines = ratios.table("CoSENT", "N = 8 pairs", 16, 4, {"single": dict(row, min_s=0.002),
+                                                           "fused k=5": dict(row, min_s=0.003),
+                                                           "fused L x k": dict(row, min_s=0.016)})
+    assert "| single | 2 ms | 1.00x | 1.00x | 1.0 MB |" in lines
+    assert "| fused k=5 | 3 ms | 1.50x | 1.50x | 1.0 MB |" in lines
+    assert "| fused L x k | 16 ms | 8.00x | 2.00x | 1.0 MB |" in lines
+
+
+def test_each_loss_is_timed_on_its_own_size_dtype_and_options(tmp_path, monkeypatch):
+    """CoSENT on --pairs pairs, MNRL on --queries queries, in --dtype, the GTE and filter rows with their options;
+    --repeats and --time-per-case reach every measurement, each row is warmed once first, and the table lands in
+    --out, which is made if missing."""
+    measured, warmed, options_seen = [], [], []
+    real_mnrl_rows = ratios.mnrl_rows
+
+    def measure_fwd_bwd(run, leaves, device, repeats, time_per_case):
+        measured.append(([(tuple(leaf.shape), leaf.dtype) for leaf in leaves], repeats, time_per_case))
+        return {"min_s": 0.001, "extra_bytes": 0}
+
+    def mnrl_rows(*args, options=None):
+        options_seen.append(options)
+        return real_mnrl_rows(*args, options=options)
+
+    monkeypatch.setattr(ratios.harness, "measure_fwd_bwd", measure_fwd_bwd)
+    monkeypatch.setattr(ratios.harness, "fwd_bwd", lambda run, leaves: warmed.append(len(measured)))
+    monkeypatch.setattr(ratios, "mnrl_rows", mnrl_rows)
+    out = tmp_path / "new" / "folder"
+    assert ratios.main(["--d", "16", "--pairs", "8", "--queries", "6", "--layers", "2", "--dtype", "bfloat16",
+                        "--repeats", "3", "--time-per-case", "0.25", "--losses", "cosent", "mnrl", "mnrl-gte",
+                        "mnrl-filter", "--out", str(out)]) == 0
+    assert [len(leaves) for leaves, _, _ in measured] == [1] * 7 + [3] * (7 + 5 + 5)
+    assert measured[0][0] == [((16, 16), torch.bfloat16)]  # 8 pairs: 16 rows
+    assert measured[7][0] == [((6, 16), torch.bfloat16)] * 3  # 6 queries, their positives and negatives
+    assert {(repeats, time_per_case) for _, repeats, time_per_case in measured} == {(3, 0.25)}
+    assert warmed == [0] * 7 + [7] * 7 + [14] * 5 + [19] * 5  # every row of a table warmed before the first is timed
+    assert options_seen == [None, ratios.GTE_OPTIONS, ratios.FILTER_OPTIONS]
+    text = (out / "table.md").read_text()
+    assert "### MultipleNegativesRankingLoss, GTE directions and hardness, N = 6 queries" in text
+
+
+def test_interleaved_rows_are_the_ones_asked_for(tmp_path):
+    """With --interleave the ratios are to the first row asked for: no single row is added."""
+    assert ratios.main(["--d", "16", "--pairs", "8", "--layers", "2", "--losses", "cosent", "--rows", "fused k=5",
+                        "ours k calls", "--interleave", "2", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "table.md").read_text()
+    assert "| / fused k=5 |" in text and "| single |" not in text and "| ours k calls |" in text

@@ -4,8 +4,10 @@ and the script prints its table."""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
+import torch
 
 import bench_per_call
 
@@ -32,9 +34,62 @@ def test_a_subset_of_families_is_timed_alone(capsys):
 
 
 @pytest.mark.parametrize("flags, message", [(["--rounds", "0"], "--rounds must be a positive integer"),
+                                            (["--threads", "0"], "--threads must be a positive integer"),
                                             (["--losses", "mnrl,ranking"], "--losses takes a comma-separated subset"),
                                             (["--losses", ","], "--losses takes a comma-separated subset")])
 def test_bad_flags_are_refused(capsys, flags, message):
     with pytest.raises(SystemExit):
         bench_per_call.main(flags)
     assert message in capsys.readouterr().err
+
+
+class _StandIn:
+    """Rows whose calls take set stand-in seconds on a stand-in clock (one value per call, in order)."""
+
+    def __init__(self, seconds: dict[str, list[float]]):
+        self.now, self.calls, self.seconds = 0.0, [], {name: list(each) for name, each in seconds.items()}
+        self.leaf = torch.ones(2, requires_grad=True)
+
+    def rows(self, pairs, dim):
+        def row(name):
+            def call():
+                self.calls.append(name)
+                self.now += self.seconds[name].pop(0)
+                return (self.leaf * 2.0).sum()
+            return call, [self.leaf]
+        return {name: row(name) for name in (*bench_per_call.FAMILIES, *bench_per_call.FAMILIES.values())}
+
+
+def test_medians_are_milliseconds_of_the_rounds_after_the_warm_ones(monkeypatch):
+    """A row's figure is its median over the rounds after the warm ones, in ms, and only the asked families run."""
+    stand_in = _StandIn({"mnrl": [1.0, 1.0, 0.002, 0.003, 0.001], "eager mnrl": [1.0, 1.0, 0.004, 0.006, 0.005]})
+    monkeypatch.setattr(bench_per_call, "contenders", stand_in.rows)
+    monkeypatch.setattr(bench_per_call, "time", types.SimpleNamespace(perf_counter=lambda: stand_in.now))
+    medians = bench_per_call.measure(pairs=8, dim=4, rounds=5, warm_rounds=2, losses=("mnrl",))
+    assert medians == pytest.approx({"mnrl": 2.0, "eager mnrl": 5.0})
+    assert stand_in.calls == ["mnrl", "eager mnrl"] * 5
+
+
+def test_the_table_gives_ours_against_the_eager_formula():
+    """Each family's line: our median, the eager median, and ours / eager (below 1: ours is faster)."""
+    lines = bench_per_call.table({"mnrl": 2.0, "eager mnrl": 8.0, "gist_loss": 3.0, "eager gist": 2.0}).splitlines()
+    assert lines[2:] == ["| mnrl | 2.000 | 8.000 | 0.25 |", "| gist_loss | 3.000 | 2.000 | 1.50 |"]
+
+
+def test_the_flags_reach_the_measurement(monkeypatch, capsys):
+    """--pairs, --dim, --rounds (all but the first ten warm, fewer with fewer rounds), --threads and --losses are the
+    ones measured; the defaults are those of the module docstring."""
+    seen, threads = [], []
+
+    def measure(pairs, dim, rounds, warm_rounds, losses):
+        seen.append((pairs, dim, rounds, warm_rounds, losses))
+        return {name: 1.0 for name in (*losses, *(bench_per_call.FAMILIES[family] for family in losses))}
+
+    monkeypatch.setattr(bench_per_call, "measure", measure)
+    monkeypatch.setattr(bench_per_call.torch, "set_num_threads", threads.append)
+    assert bench_per_call.main([]) == 0
+    assert bench_per_call.main(["--pairs", "16", "--dim", "8", "--rounds", "4", "--threads", "3",
+                                "--losses", "mnrl"]) == 0
+    assert seen == [(256, 64, 80, 10, tuple(bench_per_call.FAMILIES)), (16, 8, 4, 3, ("mnrl",))]
+    assert threads == [1, 3]
+    assert "| mnrl | 1.000 | 1.000 | 1.00 |" in capsys.readouterr().out
