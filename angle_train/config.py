@@ -202,7 +202,7 @@ class TrainConfig:
     overwrite: bool = opt(False, "start afresh (or resume another output_dir's checkpoint) in an output_dir that "
                           "holds an earlier run (its checkpoints, best/, final/ or logged steps), deleting what that "
                           "run wrote; without it such a start is refused", group="run")
-    log_every: int = opt(10, "write metrics every N optimizer steps", group="run", at_least=0)
+    log_every: int = opt(10, "write metrics every N optimizer steps (and after the last)", group="run", at_least=1)
     report_to: list = opt(["none"],  # noqa: RUF009 (opt() builds a default_factory for lists)
                           "where the metrics go besides OUTPUT_DIR/metrics.jsonl (always written): none, tensorboard, "
                           "wandb (offline without credentials), or all; optional packages: pip install "

@@ -295,8 +295,11 @@ def check_label(value, where: str, column: str = "label") -> float:
         raise DataError(f"{where}: {what} is null (expected a number: the pair's similarity score)")
     if isinstance(value, str) and not value.strip():
         raise DataError(f"{where}: {what} is empty (expected a number: the pair's similarity score)")
+    if isinstance(value, bool):  # a column of flags where the score belongs: not trained as 1.0 / 0.0 in silence
+        raise DataError(f"{where}: bad {what} {str(value).lower()} (a boolean, not a number: where it is a 0/1 "
+                        "similarity label, write it as 1 or 0)")
     try:
-        label = float(value) if not isinstance(value, bool) else math.nan
+        label = float(value)
     except (TypeError, ValueError, OverflowError):
         label = math.nan
     if not math.isfinite(label):
@@ -396,7 +399,9 @@ def jsonl_rows(path: str):
             except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
                 raise DataError(f"{where}: not usable JSON ({exc})") from None
             if not isinstance(row, dict):
-                raise DataError(f"{where}: each line must be a JSON object; got {type(row).__name__}")
+                raise DataError(f"{where}: each line must be a JSON object; got {type(row).__name__}"
+                                + (" (a file holding one JSON array of records is not read: write one record a "
+                                   "line, JSON Lines)" if isinstance(row, list) else ""))
             yield where, row
 
 

@@ -45,6 +45,7 @@ TRAIN_MISTAKES = [
     (["--chunk-size", "8", "--chunk-tokens", "512"], "choose at most one of --chunk-size"),
     (["--lr", "-1"], "--lr must be > 0; got -1.0"),
     (["--batch-size", "0"], "--batch-size must be >= 1; got 0"),
+    (["--log-every", "0"], "--log-every must be >= 1; got 0"),  # logged every step, where 0 means off elsewhere
     (["--pooling", "mean"], "argument --pooling: invalid choice: 'mean'"),
     (["--bf16", "maybe"], "argument --bf16: expected a boolean"),
     (["--config", "run.yaml"], "--config run.yaml: no such file"),

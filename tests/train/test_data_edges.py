@@ -24,7 +24,8 @@ def test_a_json_boolean_label_is_refused(tmp_path):
     the line, as other non-numbers are, not trained as 1.0 / 0.0."""
     path = write_data_file(tmp_path, "bool.jsonl", '{"text1": "x", "text2": "y", "label": 1}\n'
                                           '{"text1": "x", "text2": "y", "label": true}\n')
-    with pytest.raises(DataError, match=r"bool.jsonl, line 2: bad label True \(must be a finite number\)"):
+    with pytest.raises(DataError, match=r"bool.jsonl, line 2: bad label true \(a boolean, not a number: where it is "
+                                        r"a 0/1 similarity label, write it as 1 or 0\)$"):
         load_examples(path)
 
 
@@ -107,6 +108,14 @@ def test_a_jsonl_line_that_is_not_an_object_is_named(tmp_path, line, kind):
     is (a list of the column names crashed with a TypeError, a string was split into one-letter columns)."""
     path = write_data_file(tmp_path, "rows.jsonl", '{"query": "a", "positive": "b"}\n' + line + "\n")
     with pytest.raises(DataError, match=rf"rows.jsonl, line 2: each line must be a JSON object; got {kind}"):
+        load_examples(path)
+
+
+def test_a_json_array_of_records_is_said_to_be_unread(tmp_path):
+    """A .json file holding one array of records (a common export) is not JSON Lines: the refusal says so."""
+    path = write_data_file(tmp_path, "rows.json", json.dumps([{"query": "a", "positive": "b"}] * 2) + "\n")
+    with pytest.raises(DataError, match=r"rows.json, line 1: each line must be a JSON object; got list \(a file "
+                                        r"holding one JSON array of records is not read: write one record a line"):
         load_examples(path)
 
 
