@@ -593,7 +593,7 @@ RESUME_NOTED = ("max_length", "model_dtype", "bf16", "fp16", "cosine_w", "ibn_w"
                 "matryoshka_dims", "matryoshka_weights", "espresso", "espresso_dim", "arccon_margin", "arccon_tau",
                 "triplet_w")
 # The dev data a checkpoint's best score was measured on: scores on other dev data do not compare with it.
-RESUME_DEV_SETTINGS = ("dev_data", "dev_split")
+RESUME_DEV_SETTINGS = ("dev_data", "dev_split", "dev_columns")
 
 
 def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: TrainConfig) -> None:
@@ -602,6 +602,7 @@ def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: Tra
     stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared."""
     if position.best is None or not cfg.dev_data or not saved.get("dev_data"):
         return
+    saved = {"dev_columns": [], **saved}  # written before --dev-columns: --columns read its dev data, as its default
     changed = _differing_settings(saved, cfg, RESUME_DEV_SETTINGS)
     if changed:
         detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())

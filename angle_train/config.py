@@ -90,6 +90,10 @@ class TrainConfig:
                         "(query, positive) pairs (formats B/C) by nDCG@10 of retrieving each query's positive among "
                         "every dev positive (recall@1 and @10 logged too)", group="data")
     dev_split: str = opt("validation", "split of a Hugging Face dev dataset", group="data")
+    dev_columns: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
+                            "the columns of --dev-data, mapped as --columns maps the training data's (default: "
+                            "--columns), e.g. text1=sentence1 text2=sentence2 label=score for STS-B's CSV beside a "
+                            "training file of other names", group="data", metavar="NAME=COLUMN")
     bucket: int = opt(0, "length bucketing: sort runs of BUCKET batches by length (0 = off)", group="data",
                       at_least=0)
     # ---- batch and optimisation
@@ -245,6 +249,7 @@ class TrainConfig:
         self._validate_arccse()
         self._refuse_ignored_settings()
         self.column_map()
+        self.dev_column_map()
         return self
 
     def _validate_kinds(self) -> None:
@@ -365,6 +370,17 @@ class TrainConfig:
         if mapping and self.objective == "arccse":
             raise ValueError("--columns maps pairs' columns; --objective arccse reads one column: use --text-column")
         return mapping
+
+    def dev_column_map(self) -> dict[str, str]:
+        """--dev-columns as {name: the dev file's column}, or --columns's mapping where it is not given."""
+        if not self.dev_columns:
+            return self.column_map()
+        if not self.dev_data:
+            raise ValueError("--dev-columns maps the columns of --dev-data: give --dev-data, or leave it out")
+        try:
+            return parse_columns(self.dev_columns)
+        except ValueError as exc:  # the message names --columns, the flag both mappings are written as
+            raise type(exc)(str(exc).replace("--columns", "--dev-columns", 1)) from None
 
     def prompts(self) -> Prompts:
         """The prompt of each role of a text (data.Prompts), from --prompt, --query-prompt and --doc-prompt."""

@@ -46,8 +46,8 @@ from .checkpoint import (
 from .cli_common import resolve_device
 from .config import TrainConfig, flag_of
 from .data import (
-    FORMATS, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches, load_examples,
-    order_fingerprint, sampled_data_fingerprint, share_of,
+    FORMATS, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches,
+    load_examples, order_fingerprint, sampled_data_fingerprint, share_of,
 )
 from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
@@ -464,8 +464,8 @@ FORMAT_IGNORES = {"A": ("cln_w",), "B": ("cosine_w", "ibn_w", "cln_w", "angle_w"
 
 def check_data_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_set) -> None:
     """Data settings that would be ignored, refused naming the flag: how to read a file or dataset (--data-format,
-    --train-split, and --columns unless a --dev-data file takes it) with built-in training data, --dev-split with a
-    built-in dev set, --eval-every without dev data."""
+    --train-split, and --columns unless a --dev-data file takes it) with built-in training data, --dev-split and
+    --dev-columns with a built-in dev set, --eval-every without dev data."""
     if cfg.train_data in BUILTIN_DATASETS and not train_examples_given:
         # --columns reads a --dev-data file or dataset by column names too
         columns_read = bool(cfg.dev_data) and cfg.dev_data not in BUILTIN_DATASETS
@@ -473,9 +473,10 @@ def check_data_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_set
             if cfg.changed(name):
                 raise ValueError(f"{flag_of(name)} says how to read a file or dataset, and --train-data "
                                  f"{cfg.train_data} is built in: leave out {flag_of(name)}")
-    if cfg.dev_data in BUILTIN_DATASETS and cfg.changed("dev_split"):
-        raise ValueError(f"--dev-split chooses a split of a Hugging Face dev dataset, and --dev-data {cfg.dev_data} "
-                         "is built in: leave out --dev-split")
+    for name in ("dev_split", "dev_columns"):
+        if cfg.dev_data in BUILTIN_DATASETS and cfg.changed(name):
+            raise ValueError(f"{flag_of(name)} says how to read a dev file or dataset, and --dev-data {cfg.dev_data} "
+                             f"is built in: leave out {flag_of(name)}")
     if dev_set is None and cfg.changed("eval_every"):
         raise ValueError(f"--eval-every {cfg.eval_every} evaluates on the dev data, and this run has none: give "
                          "--dev-data, or leave out --eval-every")
@@ -673,7 +674,7 @@ def read_dev_data(source: str, split: str, columns: dict | None = None) -> StsSe
     """--dev-data: a file or folder in any layout angle-eval reads (an STS12-16 year folder, STS-B, SICK, format-A
     JSONL/CSV: scored pairs; format B/C JSONL/CSV: (query, positive) pairs, each query's own positive the one relevant
     document among every positive), else a built-in or Hugging Face dataset in any format; `columns`: --columns, for
-    the layouts read by column names."""
+    the layouts read by column names (--dev-columns, or --columns)."""
     if os.path.exists(source):
         return read_dataset(source, columns=columns)
     return dataset_of(os.path.basename(source.rstrip("/")), *read_data(source, None, split, columns))
@@ -686,7 +687,15 @@ def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
     if dev_examples is None:
         if not cfg.dev_data:
             return None
-        dev_set = read_dev_data(cfg.dev_data, cfg.dev_split, cfg.column_map())
+        try:
+            dev_set = read_dev_data(cfg.dev_data, cfg.dev_split, cfg.dev_column_map())
+        except DataError as exc:  # columns it cannot read: the flag that maps the dev data's is --dev-columns
+            if "--columns" not in str(exc):
+                raise
+            if cfg.columns and not cfg.dev_columns:
+                raise DataError(f"{exc} (--columns maps the columns of --dev-data too: map the dev data's own with "
+                                "--dev-columns)") from None
+            raise DataError(str(exc).replace("--columns", "--dev-columns")) from None
     else:
         dev_set = dev_examples if isinstance(dev_examples, (StsSet, RetrievalSet)) else StsSet("dev", dev_examples)
     if isinstance(dev_set, StsSet):

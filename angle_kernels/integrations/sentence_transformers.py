@@ -33,9 +33,10 @@ Differences from the parents, on inputs where the parents return NaN: angle_kern
 NaN/Inf embeddings or labels (switch the check off with `angle_kernels.set_input_checks(False)`), and gives
 zero vectors cosine 0 instead of NaN (finite inputs agree; a zero row's own gradient, which means nothing, is sized
 by the epsilon of the normalisation: GISTEmbedLoss's parent uses nn.CosineSimilarity's 1e-8 where this uses 1e-12,
-and MatryoshkaLoss's parent normalises each truncated row twice, so there the sizes differ). A wrong number of input columns (dataset columns other than the label) raises a ValueError naming
-the loss, the count and the inputs it takes, where some parents raise an IndexError; CoSENTLoss refuses more than
-two columns, whose extra ones its parent ignores.
+and MatryoshkaLoss's parent normalises each truncated row twice, so there the sizes differ). A wrong number of input
+columns (dataset columns other than the label) raises a ValueError naming the loss, the count and the inputs it
+takes, where some parents raise an IndexError; CoSENTLoss refuses more than two columns, whose extra ones its parent
+ignores.
 """
 
 from __future__ import annotations

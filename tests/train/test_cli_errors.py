@@ -76,7 +76,9 @@ TRAIN_MISTAKES = [
     (["--model-dtype", "bfloat16", "--fp16", "1"], "the weights are one 16-bit type and the autocast the other"),
     (["--eval-every", "5"], "--eval-every 5 evaluates on the dev data, and this run has none"),
     (["--data-format", "A"], "--data-format says how to read a file or dataset, and --train-data builtin:demo is"),
-    (["--dev-data", "builtin:demo-sts", "--dev-split", "test"], "--dev-split chooses a split of a Hugging Face"),
+    (["--dev-data", "builtin:demo-sts", "--dev-split", "test"],
+     "--dev-split says how to read a dev file or dataset, and --dev-data builtin:demo-sts is built in"),
+    (["--dev-data", "builtin:demo-sts", "--dev-columns", "text1=a"], "leave out --dev-columns"),
     (["--ibn-w", "0"], "--ibn-w: format B trains the contrastive term of each query against the positives only"),
     (["--train-data", "builtin:demo-sts", "--cln-w", "2"], "--cln-w: format A has no hard negatives"),
     # a list flag without values (an empty shell variable after it): trained without them, silently, before

@@ -203,6 +203,37 @@ def test_the_columns_flag(tmp_path, capsys):
     assert "--columns sentence=sent_a: unknown name 'sentence'" in line
 
 
+def test_the_dev_data_takes_its_own_column_mapping(tmp_path, capsys):
+    """--columns maps --dev-data too; --dev-columns maps it alone (STS-B's sentence1,sentence2,score beside a
+    training file of other names), and a dev file the training mapping cannot read says so, naming --dev-columns."""
+    train_csv, dev_csv = tmp_path / "pairs.csv", tmp_path / "dev.csv"
+    rows = demo_sts_examples(16)
+    train_csv.write_text("sent_a,sent_b,similarity\n" + "".join(f"{ex.texts[0]},{ex.texts[1]},{ex.label}\n"
+                                                                for ex in rows))
+    dev_csv.write_text("sentence1,sentence2,score\n" + "".join(f"{ex.texts[0]},{ex.texts[1]},{ex.label}\n"
+                                                               for ex in rows[:8]))
+    base = ["--train-data", str(train_csv), "--dev-data", str(dev_csv), "--ibn-w", "0", "--cosine-w", "1",
+            "--batch-size", "8", "--max-steps", "1", "--device", "cpu", "--progress", "0", "--save-final", "0",
+            "--columns", "text1=sent_a", "text2=sent_b", "label=similarity"]
+    line = one_line_error("angle-train", *run("angle-train", [*base, "--output-dir", str(tmp_path / "a")],
+                                                capsys)[::2])
+    assert line.endswith("has no column 'sent_a' (it has ['score', 'sentence1', 'sentence2']) (--columns maps the "
+                         "columns of --dev-data too: map the dev data's own with --dev-columns)")
+    status, out, err = run("angle-train", [*base, "--output-dir", str(tmp_path / "b"), "--dev-columns",
+                                           "text1=sentence1", "text2=sentence2", "label=score"], capsys)
+    assert status == 0, err
+    assert "best model (dev Spearman" in out
+    line = one_line_error("angle-train", *run("angle-train", [*base, "--output-dir", str(tmp_path / "c"),
+                                                              "--dev-columns", "text1=x"], capsys)[::2])
+    assert "--dev-columns text1=x: " in line and "no column 'x'" in line
+    line = one_line_error("angle-train", *run("angle-train", ["--dev-columns", "text1=x", "--output-dir",
+                                                              str(tmp_path / "d")], capsys)[::2])
+    assert "--dev-columns maps the columns of --dev-data: give --dev-data" in line
+    line = one_line_error("angle-train", *run("angle-train", [*base, "--output-dir", str(tmp_path / "e"),
+                                                              "--dev-columns", "text1"], capsys)[::2])
+    assert "--dev-columns text1: expected NAME=COLUMN" in line
+
+
 def test_angle_eval_reads_mapped_columns(st_folder, tmp_path, capsys):
     """angle-eval's --columns, as angle-train's: the hint of an unreadable header names a flag it has."""
     csv = tmp_path / "pairs.csv"

@@ -1,6 +1,7 @@
 """Checkpoints: a run killed mid-way and resumed reproduces the uninterrupted run exactly; resuming refuses
 what would skip or repeat data, another model's weights, and files that would run code when loaded."""
 
+import dataclasses
 import json
 import os
 import random
@@ -614,6 +615,16 @@ def test_resume_refuses_other_dev_data_and_says_a_changed_loss_setting(tmp_path,
     with pytest.raises(ValueError, match="cannot resume from .* with other dev data \\(--dev-data: "
                                          "'builtin:demo-sts' -> .*other-sts.csv'\\): its best model \\(step"):
         train(_best_config(tmp_path / "run", dev_data=str(other), resume="auto"), train_examples=data)
+    from angle_train import checkpoint
+
+    saved = {**dataclasses.asdict(_best_config(tmp_path / "run", dev_data=str(other))), "dev_columns": []}
+    with pytest.raises(ValueError, match="cannot resume from ck with other dev data \\(--dev-columns: \\[\\] -> "
+                                         "\\['text1=text2', 'text2=text1'\\]\\)"):  # the dev pairs read otherwise
+        checkpoint._refuse_another_dev_set("ck", saved, Position(step=2, best=0.5, best_step=2), _best_config(
+            tmp_path / "run", dev_data=str(other), dev_columns=["text1=text2", "text2=text1"]))
+    del saved["dev_columns"]  # a checkpoint from before --dev-columns: its dev data read as this run's default reads it
+    checkpoint._refuse_another_dev_set("ck", saved, Position(step=2, best=0.5, best_step=2),
+                                       _best_config(tmp_path / "run", dev_data=str(other)))
     resumed = train(_best_config(tmp_path / "run", dev_data="builtin:demo-sts", ibn_tau=10.0, resume="auto"),
                     train_examples=data)
     assert [row["step"] for row in resumed.history] == [3, 4]
