@@ -487,7 +487,7 @@ def _csv_fields_of_any_size():
         csv.field_size_limit(limit)
 
 
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")  # the data files a folder given as a dataset may hold
+READ_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")  # the files load_examples reads by their suffix
 
 
 def open_hf_dataset(name_or_path: str, split: str):
@@ -501,7 +501,7 @@ def open_hf_dataset(name_or_path: str, split: str):
         return datasets.load_dataset(name_or_path, split=split)
     saved = ("dataset_dict.json", "state.json")  # what save_to_disk writes: a DatasetDict's, a Dataset's
     if not any(os.path.isfile(os.path.join(name_or_path, name)) for name in saved):
-        files = sorted(name for name in os.listdir(name_or_path) if name.endswith(DATA_FILE_SUFFIXES))
+        files = sorted(name for name in os.listdir(name_or_path) if name.endswith(READ_FILE_SUFFIXES))
         raise DataError(f"{name_or_path}: a folder, not a Hugging Face dataset saved by save_to_disk (no "
                         f"{' or '.join(saved)}): give a data file" +
                         (f", e.g. one of {', '.join(os.path.join(name_or_path, f) for f in files[:4])}" if files

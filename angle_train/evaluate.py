@@ -59,7 +59,7 @@ from .cli_common import (
 )
 from .config import names_local_path
 from .data import (
-    DATA_FILE_SUFFIXES, DataError, Example, Prompts, check_label, load_examples, open_text, parse_columns, read_stsb,
+    READ_FILE_SUFFIXES, DataError, Example, Prompts, check_label, load_examples, open_text, parse_columns, read_stsb,
 )
 from .models import check_dim, truncate
 
@@ -152,7 +152,7 @@ def read_sts_year(folder: str) -> StsSet:
         subsets.append((file, gold))
     if not subsets:
         data_files = [os.path.join(folder, name) for name in sorted(os.listdir(folder))
-                      if name.endswith(DATA_FILE_SUFFIXES)]
+                      if name.endswith(READ_FILE_SUFFIXES)]
         raise DataError(f"{folder}: no STS.input.*.txt / STS20xx.input.*.txt files (an STS12-16 year folder)"
                         + (f"; give its data files one by one: {', '.join(data_files[:4])}" if data_files else ""))
     examples = []

@@ -87,12 +87,14 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
         if not is_peft_model(backbone):
             raise ValueError("adapter_only=True needs a LoRA (peft) model")
         backbone.save_pretrained(path)
+        _record_local_base(path, base_model)
         tokenizer.save_pretrained(path)
         _write_json(os.path.join(path, META_FILE), meta)
         _write_card(path, model_card)
         return path
     if is_peft_model(backbone):
         backbone.save_pretrained(os.path.join(path, "adapter"))
+        _record_local_base(os.path.join(path, "adapter"), base_model)
         if merge_in_place:
             backbone = encoder.backbone = backbone.merge_and_unload()
         else:
@@ -108,6 +110,19 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     else:
         _write_sentence_transformers_files(path, encoder, encoder.embedding_dim, inference_length, base)
     return path
+
+
+def _record_local_base(adapter_folder: str, base_model: str | None) -> None:
+    """A local base model recorded in the adapter's adapter_config.json as angle_train.json records it, absolute:
+    peft records the name the model was loaded by, a path relative to the training's working folder, which peft and
+    sentence-transformers then took for a Hugging Face hub name anywhere else."""
+    if not (base_model and os.path.isdir(base_model)):
+        return
+    config_path = os.path.join(adapter_folder, "adapter_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["base_model_name_or_path"] = base_model
+    _write_json(config_path, config)
 
 
 def sentence_transformers_cannot_load(encoder) -> str | None:
@@ -258,6 +273,10 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, p
             raise ValueError(f"{path} holds only a LoRA adapter; pass base_model= (the model it was trained on)")
         if base.startswith("builtin:"):
             raise ValueError("an adapter trained on a built-in random model cannot be reloaded without its base")
+        if os.path.isabs(base) and not os.path.isdir(base):  # a local base (recorded absolute), moved or deleted since
+            raise FileNotFoundError(f"{path} holds a LoRA adapter of the local model {base} (its {META_FILE}'s "
+                                    "base_model), which is no longer there: put that folder back, or pass "
+                                    "base_model= (the model it was trained on)")
         encoder, tokenizer = load_encoder(base, pooling=pooling, lora_path=path, device=device,
                                           is_decoder=meta["is_decoder"], bidirectional=bidirectional, **kwargs)
     else:

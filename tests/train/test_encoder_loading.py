@@ -98,6 +98,27 @@ def test_an_adapter_export_reloads_over_the_base_model_named_by_the_caller(tmp_p
     assert reloaded.encode(TEXTS, tokenizer).shape == (len(TEXTS), reloaded.embedding_dim)
 
 
+def test_an_adapter_records_its_local_base_absolute_and_a_base_gone_is_named(tmp_path, monkeypatch):
+    """peft records the base as it was named (a path relative to the training's folder): the adapter's
+    adapter_config.json records it absolute, as angle_train.json does, so that peft and sentence-transformers find it
+    from anywhere (they took "base" for a hub name). A base moved since is refused naming it, where transformers said
+    the path was no valid repo id."""
+    pytest.importorskip("peft")
+    monkeypatch.chdir(tmp_path)
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
+    save_pretrained(encoder, tokenizer, "base", max_length=16)
+    lora_encoder, lora_tokenizer = load_encoder("base", lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    save_pretrained(lora_encoder, lora_tokenizer, "adapter", max_length=16, adapter_only=True, base_model="base")
+    save_pretrained(lora_encoder, lora_tokenizer, "merged", max_length=16, base_model="base")
+    for folder in ("adapter", os.path.join("merged", "adapter")):
+        with open(os.path.join(folder, "adapter_config.json")) as f:
+            assert json.load(f)["base_model_name_or_path"] == os.path.abspath("base")
+    os.rename("base", "moved")
+    with pytest.raises(FileNotFoundError, match=f"^adapter holds a LoRA adapter of the local model "
+                                                f"{re.escape(os.path.abspath('base'))} .*no longer there"):
+        load_pretrained("adapter")
+
+
 def test_a_causal_lm_architecture_not_in_the_list_is_a_decoder():
     """A model type angle_train does not list (a new or remote-code LLM) whose config names a *ForCausalLM
     architecture is a decoder LM: left padding and last-token pooling, not an encoder's first-token pooling."""
