@@ -721,7 +721,8 @@ def count_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:
     """The run's optimizer steps (max_steps, or whole steps over `epochs` passes); every process gets an equal
     share of each batch."""
     if cfg.batch_size % world_size:
-        raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of processes {world_size}")
+        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world_size}): "
+                         f"each takes an equal share; use a multiple of {world_size}")
     steps_per_epoch = len(epoch_batches(n_examples, cfg.batch_size, seed=cfg.seed, epoch=0)) // cfg.grad_accum
     if steps_per_epoch == 0:
         raise ValueError(f"one optimizer step needs {cfg.batch_size * cfg.grad_accum} examples; the data has "
@@ -846,9 +847,9 @@ def report_bad_step(run: Run, row: dict, data_position: tuple[int, int], n_batch
     if run.dist_info.is_main:
         what = ("non-finite embeddings (an overflow in the encoder's forward pass)" if run.guarded_loss.seen else
                 f"non-finite loss ({row['loss']}) or gradient norm ({row['grad_norm']})")
-        print(f"\nstep {row['step']}: skipped, {what} on the data at {where}; weights, optimizer state and learning "
-              "rate unchanged "
-              f"({position.bad_streak} in a row{f', the run stops at {limit}' if limit else ''})", flush=True)
+        print(f"{run.log.line_start}step {row['step']}: skipped, {what} on the data at {where}; weights, optimizer "
+              f"state and learning rate unchanged ({position.bad_streak} in a row"
+              f"{f', the run stops at {limit}' if limit else ''})", flush=True)
     # a run whose every step so far was skipped, ending now: its weights are the ones it started from
     none_taken = position.bad_streak == row["step"] == run.total_steps
     if limit and (position.bad_streak >= limit or none_taken):
@@ -901,8 +902,8 @@ def accumulate_gradients(run: Run, batches: list[list[int]]) -> tuple[float, tup
             cfg.chunk_tokens, flag, unit = per_pass // 2, "--chunk-tokens", "tokens"
         else:  # plain backprop (its sub-batches too) becomes the gradient cache
             cfg.chunk_size, cfg.pass_tokens, flag, unit = per_pass // 2, 0, "--chunk-size", "texts"
-        print(f"\nout of memory with {per_pass} {unit} per forward pass: retrying step {run.position.step + 1} with "
-              f"{flag} {per_pass // 2}", flush=True)
+        print(f"{run.log.line_start}out of memory with {per_pass} {unit} per forward pass: retrying step "
+              f"{run.position.step + 1} with {flag} {per_pass // 2}", flush=True)
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
         start.restore()
@@ -1092,7 +1093,8 @@ def evaluate(run: Run) -> None:
         row = {"step": position.step, **scores, f"best_{metric}": position.best}
         run.result.evals.append(row)
         run.log.write(row)
-        print(f"\nstep {position.step}: {tracking.DEV_METRICS[metric]} {score:.4f}" + (" (best)" if improved else "")
+        print(f"{run.log.line_start}step {position.step}: {tracking.DEV_METRICS[metric]} {score:.4f}"
+              + (" (best)" if improved else "")
               + "".join(f" | @{d} {scores[f'{metric}@{d}']:.4f}" for d in truncated), flush=True)
         if not math.isfinite(score):
             report_unscored(run, embeddings)
@@ -1372,6 +1374,12 @@ class RunLog:
     def count(self, *, pairs: int, tokens: int) -> None:
         self.pairs += pairs
         self.tokens += tokens
+
+    @property
+    def line_start(self) -> str:
+        """What a line printed during training starts with: a line break past the progress bar's line, if it is shown
+        (with --progress 0 it was an empty line before each)."""
+        return "\n" if self.bar is not None else ""
 
     @contextlib.contextmanager
     def paused(self):

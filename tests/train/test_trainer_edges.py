@@ -161,3 +161,25 @@ def test_the_dev_score_reads_the_texts_cut_at_max_length(tmp_path):
 
     assert score(8) != pytest.approx(score(32), abs=1e-6)  # the cut changes the score
     assert result.evals[-1]["dev_spearman"] == pytest.approx(score(8), abs=1e-6)
+
+
+def test_a_batch_that_does_not_split_over_the_processes_names_the_flag(tmp_path):
+    """--batch-size 7 over 2 processes: the one line names the flag and what to give (it said batch_size)."""
+    from angle_train.trainer import count_steps
+
+    with pytest.raises(ValueError, match=r"^--batch-size 7 must be divisible by the number of processes \(2\): each "
+                                         r"takes an equal share; use a multiple of 2$"):
+        count_steps(run_config(tmp_path, batch_size=7), n_examples=100, world_size=2)
+    assert count_steps(run_config(tmp_path, batch_size=8, max_steps=3), n_examples=100, world_size=2) == 3
+
+
+def test_without_a_progress_bar_no_empty_line_precedes_the_dev_scores(tmp_path, capsys):
+    """The line break before a dev score or a skipped step's line ends the progress bar's line: with --progress 0
+    there is none to end, and each such line came after an empty one."""
+    from angle_train.tiny import demo_examples, demo_sts_examples
+    from angle_train.trainer import train
+
+    train(run_config(tmp_path, batch_size=8, max_steps=2, eval_every=1, max_length=12),
+          train_examples=(demo_examples(16), "B"), dev_examples=demo_sts_examples(12))
+    out = capsys.readouterr().out
+    assert re.search(r"^step 1: dev Spearman ", out, flags=re.MULTILINE) and "\n\n" not in out
