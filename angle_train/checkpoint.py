@@ -67,6 +67,7 @@ import numpy
 import torch
 
 from .config import TrainConfig, flag_of, flag_words
+from .data import parse_columns
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
@@ -401,13 +402,17 @@ def not_a_checkpoint(path: str) -> str | None:
     if run_checkpoints:
         return (f"it is a run's output folder, not one of its checkpoints: --resume auto (with --output-dir {path}) "
                 f"continues its newest, or give one (newest: --resume {run_checkpoints[-1]})")
-    inside = sorted(name for name in os.listdir(path) if CHECKPOINT_NAME.fullmatch(name))
+    inside = (finished_checkpoints(os.path.dirname(os.path.abspath(path)))
+              if os.path.basename(os.path.normpath(path)) == "checkpoints" else [])
     if inside:
-        return (f"it is the folder of a run's checkpoints: give one of them (newest: --resume "
-                f"{os.path.join(path, inside[-1])}), or --resume auto with that run's --output-dir")
+        return (f"it is the folder of a run's checkpoints: give one of them (newest: --resume {inside[-1]}), or "
+                "--resume auto with that run's --output-dir")
     if os.path.isfile(os.path.join(path, META_FILE)) and not os.path.exists(os.path.join(path, STATE_FILE)):
+        adapter_only = st_folder.read_json(os.path.join(path, META_FILE)).get("adapter_only")
+        start_from = "its run's final/ (this holds a LoRA adapter alone)" if adapter_only else path
         return ("it is an exported model, not a checkpoint (no optimizer state or position): train from it with "
-                f"--model {path} (a new run), or resume one of its run's checkpoints (OUTPUT_DIR/checkpoints/step-N)")
+                f"--model {start_from} (a new run), or resume one of its run's checkpoints "
+                "(OUTPUT_DIR/checkpoints/step-N)")
     return None
 
 
@@ -593,7 +598,13 @@ RESUME_NOTED = ("max_length", "model_dtype", "bf16", "fp16", "cosine_w", "ibn_w"
                 "matryoshka_dims", "matryoshka_weights", "espresso", "espresso_dim", "arccon_margin", "arccon_tau",
                 "triplet_w")
 # The dev data a checkpoint's best score was measured on: scores on other dev data do not compare with it.
-RESUME_DEV_SETTINGS = ("dev_data", "dev_split", "dev_columns")
+RESUME_DEV_SETTINGS = ("dev_data", "dev_split")
+
+
+def _saved_dev_column_map(saved: dict) -> dict:
+    """TrainConfig.dev_column_map of a checkpoint's settings (which passed its checks): --dev-columns, else
+    --columns."""
+    return parse_columns(saved.get("dev_columns") or saved.get("columns") or [])
 
 
 def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: TrainConfig) -> None:
@@ -602,8 +613,12 @@ def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: Tra
     stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared."""
     if position.best is None or not cfg.dev_data or not saved.get("dev_data"):
         return
-    saved = {"dev_columns": [], **saved}  # written before --dev-columns: --columns read its dev data, as its default
     changed = _differing_settings(saved, cfg, RESUME_DEV_SETTINGS)
+    # the columns the dev data is read by (--dev-columns, else --columns; checkpoints written before --dev-columns
+    # record none), compared as mappings: the same written in other words is the same dev data
+    read_by = (_saved_dev_column_map(saved), cfg.dev_column_map())
+    if read_by[0] != read_by[1]:
+        changed["dev_columns"] = read_by
     if changed:
         detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume from {path} with other dev data ({detail}): its best model (step "

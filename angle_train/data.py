@@ -387,21 +387,22 @@ def read_stsb(path: str) -> list[Example]:
 
 def jsonl_rows(path: str):
     """(where, row) for every non-blank line of a JSONL file: a JSON object each, or a DataError naming the line."""
+    array_hint = " (a file holding one JSON array of records is not read: write one record a line, JSON Lines)"
+    first = True  # the first non-blank line: where a file of one JSON array (pretty-printed or not) starts with "["
     with open_text(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            where = f"{path}, line {number}"
+            where, starts_array, first = f"{path}, line {number}", first and line.lstrip().startswith("["), False
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+                raise DataError(f"{where}: not valid JSON ({exc.msg}){array_hint if starts_array else ''}") from None
             except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
                 raise DataError(f"{where}: not usable JSON ({exc})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: each line must be a JSON object; got {type(row).__name__}"
-                                + (" (a file holding one JSON array of records is not read: write one record a "
-                                   "line, JSON Lines)" if isinstance(row, list) else ""))
+                                + (array_hint if starts_array else ""))
             yield where, row
 
 

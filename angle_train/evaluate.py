@@ -154,7 +154,8 @@ def read_sts_year(folder: str) -> StsSet:
         data_files = [os.path.join(folder, name) for name in sorted(os.listdir(folder))
                       if name.endswith(READ_FILE_SUFFIXES)]
         raise DataError(f"{folder}: no STS.input.*.txt / STS20xx.input.*.txt files (an STS12-16 year folder)"
-                        + (f"; give its data files one by one: {', '.join(data_files[:4])}" if data_files else ""))
+                        + (f"; its data files are read one at a time: {', '.join(data_files[:4])}" if data_files
+                           else ""))
     examples = []
     for file, gold in subsets:
         with open_text(file) as f:

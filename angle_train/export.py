@@ -273,7 +273,7 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, p
             raise ValueError(f"{path} holds only a LoRA adapter; pass base_model= (the model it was trained on)")
         if base.startswith("builtin:"):
             raise ValueError("an adapter trained on a built-in random model cannot be reloaded without its base")
-        if os.path.isabs(base) and not os.path.isdir(base):  # a local base (recorded absolute), moved or deleted since
+        if base_model is None and os.path.isabs(base) and not os.path.isdir(base):  # recorded absolute, moved since
             raise FileNotFoundError(f"{path} holds a LoRA adapter of the local model {base} (its {META_FILE}'s "
                                     "base_model), which is no longer there: put that folder back, or pass "
                                     "base_model= (the model it was trained on)")

@@ -4,7 +4,8 @@
     builtin:tiny-llama   a 2-layer LLaMA (hidden 64, grouped-query attention), random weights
     builtin:demo         ~1,000 synthetic (query, positive) pairs, format B: "a small red car" should find
                          "the car is red and small" among the other positives of its batch
-    builtin:demo-sts     256 synthetic scored pairs, format A: the label (0-5) counts the words two phrases share
+    builtin:demo-sts     256 synthetic scored pairs, format A: the label (0-5) grows with the attributes (size,
+                         colour, noun) two phrases share
 
 The tokenizer is a word-level WordPiece vocabulary over the demo's words plus BERT's special tokens.
 """

@@ -467,8 +467,8 @@ def check_data_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_set
     --train-split, and --columns unless a --dev-data file takes it) with built-in training data, --dev-split and
     --dev-columns with a built-in dev set, --eval-every without dev data."""
     if cfg.train_data in BUILTIN_DATASETS and not train_examples_given:
-        # --columns reads a --dev-data file or dataset by column names too
-        columns_read = bool(cfg.dev_data) and cfg.dev_data not in BUILTIN_DATASETS
+        # --columns reads a --dev-data file or dataset by column names too, unless --dev-columns does
+        columns_read = bool(cfg.dev_data) and cfg.dev_data not in BUILTIN_DATASETS and not cfg.dev_columns
         for name in ("data_format", "train_split") + (() if columns_read else ("columns",)):
             if cfg.changed(name):
                 raise ValueError(f"{flag_of(name)} says how to read a file or dataset, and --train-data "
@@ -1377,8 +1377,8 @@ class RunLog:
 
     @property
     def line_start(self) -> str:
-        """What a line printed during training starts with: a line break past the progress bar's line, if it is shown
-        (with --progress 0 it was an empty line before each)."""
+        """What a line printed during training starts with: a line break where the progress bar is shown, so that the
+        line starts past the bar's; nothing without one (a break there is an empty line)."""
         return "\n" if self.bar is not None else ""
 
     @contextlib.contextmanager

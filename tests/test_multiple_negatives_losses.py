@@ -199,15 +199,22 @@ def test_bad_options_are_refused(options, message):
     (dict(false_negative_strategy="relative"), "false_negative_strategy='relative' has no effect without "
                                                "false_negative_margin"),
 ])
-def test_an_option_without_the_one_it_qualifies_is_said_to_do_nothing(options, said):
+def test_an_option_without_the_one_it_qualifies_is_said_to_do_nothing(options, said, monkeypatch):
     """A hardness strength without a mode, or a filter strategy without a margin, changes nothing: said in a
-    warning (the loss is the plain one), where it passed in silence; with its partner option, no warning."""
+    warning (the loss is the plain one), where it passed in silence, once per process (every training step checks
+    the options); with its partner option, no warning."""
     import warnings
 
+    from angle_kernels import inputs
+
+    monkeypatch.setattr(inputs, "_said_no_effect", set())
     q, p = _embeddings("no_effect", 0)
     with pytest.warns(UserWarning, match=said):
         loss = ak.multiple_negatives_ranking_loss(q, p, **options)
     assert torch.equal(loss, ak.multiple_negatives_ranking_loss(q, p))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: the next step's call is quiet
+        ak.multiple_negatives_ranking_loss(q, p, **options)
     partner = dict(hardness_mode="in_batch_negatives") if "hardness_strength" in options else dict(
         false_negative_margin=0.1)
     with warnings.catch_warnings():

@@ -68,8 +68,8 @@ def test_bad_folders_and_files_are_refused(tmp_path, capsys):
         read_dataset(str(tmp_path / "empty"))
     (tmp_path / "stsb").mkdir()
     (tmp_path / "stsb" / "sts-test.csv").write_text("x\n")  # STS-B's folder: its files are datasets one by one
-    with pytest.raises(DataError, match=rf"no STS.input.*; give its data files one by one: "
-                                        rf"{tmp_path / 'stsb' / 'sts-test.csv'}$"):
+    with pytest.raises(DataError, match=rf"no STS.input.*; its data files are read one at a time: "
+                                        rf"{re.escape(str(tmp_path / 'stsb' / 'sts-test.csv'))}$"):
         read_dataset(str(tmp_path / "stsb"))
     folder = _year_folder(tmp_path, "STS13", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
     _write(folder / "STS.gs.MSRpar.txt", ["4.0"])

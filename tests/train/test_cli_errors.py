@@ -3,6 +3,7 @@
 evaluation's progress bars. The CLIs run in-process (main(argv)), every mistake caught before a model loads."""
 
 import json
+import os
 import re
 import sys
 from importlib.metadata import version
@@ -79,6 +80,8 @@ TRAIN_MISTAKES = [
     (["--dev-data", "builtin:demo-sts", "--dev-split", "test"],
      "--dev-split says how to read a dev file or dataset, and --dev-data builtin:demo-sts is built in"),
     (["--dev-data", "builtin:demo-sts", "--dev-columns", "text1=a"], "leave out --dev-columns"),
+    # built-in training data, a dev file read by --dev-columns: --columns would read nothing
+    (["--dev-data", "sts-test.csv", "--dev-columns", "text1=a", "--columns", "text1=b"], "leave out --columns"),
     (["--ibn-w", "0"], "--ibn-w: format B trains the contrastive term of each query against the positives only"),
     (["--train-data", "builtin:demo-sts", "--cln-w", "2"], "--cln-w: format A has no hard negatives"),
     # a list flag without values (an empty shell variable after it): trained without them, silently, before
@@ -198,11 +201,11 @@ def test_a_mistake_is_one_line_when_the_module_runs_as_main(module, argv, said, 
     """`python -m angle_train.cli` (torchrun's form) runs the module as __main__: an error its own code raises is the
     same one line with status 2 as from the console scripts (it was taken for a bug: a traceback, status 1)."""
     import subprocess
-    import sys
 
     (tmp_path / "run.ini").write_text("x = 1\n")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
     done = subprocess.run([sys.executable, "-m", module, *argv], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, "PYTHONPATH": repo})
     assert (done.returncode, done.stderr.splitlines()) == (2, [done.stderr.strip()])
     assert done.stderr.startswith(said)
 

@@ -331,6 +331,20 @@ def test_resume_given_a_run_folder_an_export_or_a_file_says_which_checkpoint_to_
         assert str(refused.value).startswith(f"cannot resume from {given}: it is ") and said in str(refused.value)
 
 
+def test_resume_given_a_lora_runs_adapter_export_points_to_a_whole_model(tmp_path):
+    """A LoRA run's best/ holds the adapter alone, which --model refuses: --resume given it names the run's final/
+    to train from, not the adapter."""
+    from angle_train.checkpoint import not_a_checkpoint
+
+    best = tmp_path / "best"
+    best.mkdir()
+    (best / "angle_train.json").write_text(json.dumps({"adapter_only": True, "pooling": "last"}))
+    said = not_a_checkpoint(str(best))
+    assert "train from it with --model its run's final/ (this holds a LoRA adapter alone)" in said
+    (best / "angle_train.json").write_text(json.dumps({"adapter_only": False, "pooling": "last"}))
+    assert f"train from it with --model {best} (a new run)" in not_a_checkpoint(str(best))
+
+
 def test_metrics_rows_survive_a_failure_while_they_are_rewritten(tmp_path, monkeypatch):
     """On resume the rows after the checkpoint are dropped by writing a new file and renaming it: a write that
     fails (a full disk) leaves every row where it was, where truncating the file in place would lose them."""
@@ -617,14 +631,19 @@ def test_resume_refuses_other_dev_data_and_says_a_changed_loss_setting(tmp_path,
         train(_best_config(tmp_path / "run", dev_data=str(other), resume="auto"), train_examples=data)
     from angle_train import checkpoint
 
-    saved = {**dataclasses.asdict(_best_config(tmp_path / "run", dev_data=str(other))), "dev_columns": []}
-    with pytest.raises(ValueError, match="cannot resume from ck with other dev data \\(--dev-columns: \\[\\] -> "
-                                         "\\['text1=text2', 'text2=text1'\\]\\)"):  # the dev pairs read otherwise
-        checkpoint._refuse_another_dev_set("ck", saved, Position(step=2, best=0.5, best_step=2), _best_config(
-            tmp_path / "run", dev_data=str(other), dev_columns=["text1=text2", "text2=text1"]))
-    del saved["dev_columns"]  # a checkpoint from before --dev-columns: its dev data read as this run's default reads it
-    checkpoint._refuse_another_dev_set("ck", saved, Position(step=2, best=0.5, best_step=2),
-                                       _best_config(tmp_path / "run", dev_data=str(other)))
+    def resume(saved_settings, **settings):  # the dev data's check of a resume, on a checkpoint of these settings
+        saved = {**dataclasses.asdict(_best_config(tmp_path / "run", dev_data=str(other))), **saved_settings}
+        checkpoint._refuse_another_dev_set("ck", saved, Position(step=2, best=0.5, best_step=2),
+                                           _best_config(tmp_path / "run", dev_data=str(other), **settings))
+
+    with pytest.raises(ValueError, match="cannot resume from ck with other dev data \\(--dev-columns: \\{\\} -> "
+                                         "\\{'text1': 'text2', 'text2': 'text1'\\}\\)"):  # the pairs read otherwise
+        resume({"dev_columns": []}, dev_columns=["text1=text2", "text2=text1"])
+    # the same mapping in other words, or from --columns before --dev-columns was recorded: the same dev data
+    resume({"dev_columns": ["text1=text2", "text2=text1"]}, dev_columns=["text1=text2,text2=text1"])
+    saved_before = {"columns": ["text1=text2", "text2=text1"]}  # no "dev_columns": written before the flag
+    resume(saved_before, columns=["text1=text2", "text2=text1"])
+    resume(saved_before, dev_columns=["text1=text2", "text2=text1"])
     resumed = train(_best_config(tmp_path / "run", dev_data="builtin:demo-sts", ibn_tau=10.0, resume="auto"),
                     train_examples=data)
     assert [row["step"] for row in resumed.history] == [3, 4]
