@@ -4,7 +4,8 @@ function; `if TYPE_CHECKING:` blocks excluded, since they never run):
 * backends are siblings over the contract: no module of `torch_ops`, `triton_ops` or `cuda_ops` imports the
   dispatcher or another backend;
 * Triton op modules import shared tiles downward: none imports another op module's private (`_`) names;
-* no import cycle among the modules of `angle_kernels` and `angle_train`.
+* no import cycle among the modules of `angle_kernels` and `angle_train`;
+* no two test modules of the suite share a file name (pytest imports them by it).
 
 A negative control for each rule runs the same checker over a small tree written here, so a checker that stopped
 seeing imports would fail.
@@ -283,3 +284,14 @@ def test_the_file_count_sees_every_file_entered():
         ak.cosine_loss(labels, rows)
 
     assert files_before_the_op(after_one_more) == ["distributed.py", *alone]
+
+
+def test_no_two_test_modules_share_a_file_name():
+    """pytest imports each test module by its file name (the test folders are no packages): two test_x.py in
+    different folders fail the whole run at collection, which a run of either file alone never shows."""
+    seen: dict[str, Path] = {}
+    for folder in ("tests", "bench"):  # pyproject.toml's testpaths
+        for path in sorted((REPO / folder).rglob("test_*.py")):
+            assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
+            seen[path.name] = path
+    assert "test_structure.py" in seen and "test_harness.py" in seen  # both folders were read
