@@ -379,8 +379,8 @@ class TrainConfig:
             raise ValueError("--dev-columns maps the columns of --dev-data: give --dev-data, or leave it out")
         try:
             return parse_columns(self.dev_columns)
-        except ValueError as exc:  # the message names --columns, the flag both mappings are written as
-            raise type(exc)(str(exc).replace("--columns", "--dev-columns", 1)) from None
+        except ValueError as exc:
+            raise for_dev_columns(exc) from None
 
     def prompts(self) -> Prompts:
         """The prompt of each role of a text (data.Prompts), from --prompt, --query-prompt and --doc-prompt."""
@@ -510,6 +510,12 @@ def flag_words(name: str, value) -> list[str]:
     if isinstance(value, (list, tuple)):
         return [flag, *map(str, value)]
     return [flag, str(value)]
+
+
+def for_dev_columns(exc: ValueError) -> ValueError:
+    """A refusal of a column mapping, worded for --columns by the code that reads both mappings, reworded for
+    --dev-columns (the mapping of --dev-data)."""
+    return type(exc)(str(exc).replace("--columns", "--dev-columns"))
 
 
 def names_local_path(name: str) -> bool:

@@ -488,7 +488,15 @@ def _csv_fields_of_any_size():
         csv.field_size_limit(limit)
 
 
-READ_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")  # the files load_examples reads by their suffix
+# The files load_examples reads by their suffix (STS-B's layout it tells by the first line).
+JSONL_SUFFIXES, DELIMITED_SUFFIXES = (".jsonl", ".json"), (".csv", ".tsv")
+READ_FILE_SUFFIXES = JSONL_SUFFIXES + DELIMITED_SUFFIXES
+
+
+def data_files_in(folder: str) -> list[str]:
+    """The paths of the files in `folder` that load_examples reads by their suffix, sorted: what to name where a
+    folder of them is given as one dataset."""
+    return [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name.endswith(READ_FILE_SUFFIXES)]
 
 
 def open_hf_dataset(name_or_path: str, split: str):
@@ -502,10 +510,10 @@ def open_hf_dataset(name_or_path: str, split: str):
         return datasets.load_dataset(name_or_path, split=split)
     saved = ("dataset_dict.json", "state.json")  # what save_to_disk writes: a DatasetDict's, a Dataset's
     if not any(os.path.isfile(os.path.join(name_or_path, name)) for name in saved):
-        files = sorted(name for name in os.listdir(name_or_path) if name.endswith(READ_FILE_SUFFIXES))
+        files = data_files_in(name_or_path)
         raise DataError(f"{name_or_path}: a folder, not a Hugging Face dataset saved by save_to_disk (no "
                         f"{' or '.join(saved)}): give a data file" +
-                        (f", e.g. one of {', '.join(os.path.join(name_or_path, f) for f in files[:4])}" if files
+                        (f", e.g. one of {', '.join(files[:4])}" if files
                          else " (.jsonl, .csv, .tsv or an STS-B file)"))
     dataset = datasets.load_from_disk(name_or_path)
     if isinstance(dataset, datasets.DatasetDict):
@@ -574,13 +582,13 @@ def load_examples(source: str, *, fmt: str | None = None, split: str = "train", 
     is_file = os.path.isfile(source)
     if is_file and os.path.getsize(source) == 0:
         raise DataError(f"{source}: the file is empty")
-    if layout == "stsb" or (is_file and not source.endswith((".jsonl", ".json")) and first_line_is_stsb(source)):
+    if layout == "stsb" or (is_file and not source.endswith(JSONL_SUFFIXES) and first_line_is_stsb(source)):
         if fmt not in (None, "A"):
             raise DataError(f"{source}: the STS-B layout is format A (text1, text2, label); got format={fmt!r}")
         examples, fmt = read_stsb(source), "A"
-    elif is_file and source.endswith((".jsonl", ".json")):
+    elif is_file and source.endswith(JSONL_SUFFIXES):
         examples, fmt = read_jsonl(source, fmt, columns)
-    elif is_file and source.endswith((".csv", ".tsv")):
+    elif is_file and source.endswith(DELIMITED_SUFFIXES):
         examples, fmt = read_delimited(source, fmt, "\t" if source.endswith(".tsv") else ",", columns)
     elif is_file:
         raise DataError(f"{source}: unknown file type; use .jsonl, .csv, .tsv or the STS-B layout")

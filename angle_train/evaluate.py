@@ -59,7 +59,7 @@ from .cli_common import (
 )
 from .config import names_local_path
 from .data import (
-    READ_FILE_SUFFIXES, DataError, Example, Prompts, check_label, load_examples, open_text, parse_columns, read_stsb,
+    DataError, Example, Prompts, check_label, data_files_in, load_examples, open_text, parse_columns, read_stsb,
 )
 from .models import check_dim, truncate
 
@@ -151,8 +151,7 @@ def read_sts_year(folder: str) -> StsSet:
             raise DataError(f"{file}: no gold file {os.path.basename(gold)} next to it")
         subsets.append((file, gold))
     if not subsets:
-        data_files = [os.path.join(folder, name) for name in sorted(os.listdir(folder))
-                      if name.endswith(READ_FILE_SUFFIXES)]
+        data_files = data_files_in(folder)
         raise DataError(f"{folder}: no STS.input.*.txt / STS20xx.input.*.txt files (an STS12-16 year folder)"
                         + (f"; its data files are read one at a time: {', '.join(data_files[:4])}" if data_files
                            else ""))

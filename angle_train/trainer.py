@@ -44,7 +44,7 @@ from .checkpoint import (
     save_best, save_checkpoint, save_final, set_aside_later_line,
 )
 from .cli_common import resolve_device
-from .config import TrainConfig, flag_of
+from .config import TrainConfig, flag_of, for_dev_columns
 from .data import (
     FORMATS, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches,
     load_examples, order_fingerprint, sampled_data_fingerprint, share_of,
@@ -695,7 +695,7 @@ def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
             if cfg.columns and not cfg.dev_columns:
                 raise DataError(f"{exc} (--columns maps the columns of --dev-data too: map the dev data's own with "
                                 "--dev-columns)") from None
-            raise DataError(str(exc).replace("--columns", "--dev-columns")) from None
+            raise for_dev_columns(exc) from None
     else:
         dev_set = dev_examples if isinstance(dev_examples, (StsSet, RetrievalSet)) else StsSet("dev", dev_examples)
     if isinstance(dev_set, StsSet):
