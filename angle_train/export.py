@@ -23,8 +23,11 @@
       model also `matryoshka_dims`, the prefix widths it was trained at, largest first. Truncation is a load-time
       choice in sentence-transformers (`SentenceTransformer(path, truncate_dim=256)`, which does not read a saved
       value), and `encoder.encode(texts, tokenizer, dim=256)` here.
-With `adapter_only=True` (LoRA only) it writes just the peft adapter (adapter_config.json,
-adapter_model.safetensors) and angle_train.json: small, for best-checkpoint keeping on LLMs.
+With `adapter_only=True` (LoRA only) it writes the peft adapter (adapter_config.json, adapter_model.safetensors) in
+place of the model's weights: small, for best-checkpoint keeping on LLMs. The rest is as above, so that
+`SentenceTransformer(path)` loads the base model the adapter names (adapter_config.json's base_model_name_or_path),
+applies the adapter, and pools as trained; without the sentence-transformers files it pooled by its default (mean)
+and added no prompt, in silence.
 """
 
 from __future__ import annotations
@@ -88,19 +91,16 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
             raise ValueError("adapter_only=True needs a LoRA (peft) model")
         backbone.save_pretrained(path)
         _record_local_base(path, base_model)
-        tokenizer.save_pretrained(path)
-        _write_json(os.path.join(path, META_FILE), meta)
-        _write_card(path, model_card)
-        return path
-    if is_peft_model(backbone):
-        backbone.save_pretrained(os.path.join(path, "adapter"))
-        _record_local_base(os.path.join(path, "adapter"), base_model)
-        if merge_in_place:
-            backbone = encoder.backbone = backbone.merge_and_unload()
-        else:
-            backbone = copy.deepcopy(backbone).merge_and_unload()
-    with unused_modules_back(backbone, encoder.unused_modules, state_dict) as state_dict:
-        backbone.save_pretrained(path, **({"state_dict": state_dict} if state_dict is not None else {}))
+    else:
+        if is_peft_model(backbone):
+            backbone.save_pretrained(os.path.join(path, "adapter"))
+            _record_local_base(os.path.join(path, "adapter"), base_model)
+            if merge_in_place:
+                backbone = encoder.backbone = backbone.merge_and_unload()
+            else:
+                backbone = copy.deepcopy(backbone).merge_and_unload()
+        with unused_modules_back(backbone, encoder.unused_modules, state_dict) as state_dict:
+            backbone.save_pretrained(path, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(path)
     _write_json(os.path.join(path, META_FILE), meta)
     _write_card(path, model_card)

@@ -1239,17 +1239,16 @@ def dev_description(dev_set: StsSet | RetrievalSet) -> str:
 def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
     """The model card's usage lines for an export of `encoder`: sentence-transformers where it loads the model as
     trained (its prompts by name, its Matryoshka widths by truncate_dim), else angle_train.load_pretrained, which
-    applies the pooling, prompts and attention the model was trained with; an adapter-only export (a LoRA run's
-    best/) with load_pretrained alone (sentence-transformers loads the base with the adapter but none of the rest:
-    mean pooling, no prompt)."""
+    applies the pooling, prompts and attention the model was trained with. An adapter-only export (a LoRA run's
+    best/) is loaded the same ways, over the base model its adapter names, which must then be at hand."""
     own = ["from angle_train import load_pretrained", "",
            'encoder, tokenizer, meta = load_pretrained("path/to/this/folder")',
            'embeddings = encoder.encode(["A first sentence.", "A second one."], tokenizer)']
-    cannot = ("this folder holds the LoRA adapter only (no sentence-transformers files): load_pretrained loads the "
-              "base model it names and applies the adapter") if adapter_only else \
-        sentence_transformers_cannot_load(encoder)
+    base = (["This folder holds the LoRA adapter only: loading it loads the base model the adapter names "
+             "(adapter_config.json's `base_model_name_or_path`) and applies the adapter.", ""] if adapter_only else [])
+    cannot = sentence_transformers_cannot_load(encoder)
     if cannot:
-        return ["```python", *own, "```", "", f"Not through sentence-transformers: {cannot}.", ""]
+        return ["```python", *own, "```", "", *base, f"Not through sentence-transformers: {cannot}.", ""]
     roles = prefix_prompts(encoder)
     lines = ["```python", "from sentence_transformers import SentenceTransformer", "",
              'model = SentenceTransformer("path/to/this/folder")']
@@ -1269,7 +1268,7 @@ def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
                   "angle-train, which applies them:", "", "```python", *own, "```", ""]
     else:
         lines += ["or `angle_train.load_pretrained(path)` (with its pooling, prompts and attention as trained).", ""]
-    return lines
+    return lines + base
 
 
 # -------------------------------------------------------------------------------------------------- finish

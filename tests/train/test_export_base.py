@@ -206,7 +206,7 @@ def test_the_model_cards_usage_loads_the_model_as_trained(tmp_path):
     encoder.prompts = Prompts(text='Summarize "{text}" in one word:')
     assert "wrap the texts in them" in "\n".join(usage(encoder, []))
     adapter = "\n".join(usage(make_encoder("bert", dtype=torch.float32)[0], [16], adapter_only=True))
-    assert "load_pretrained" in adapter and "LoRA adapter only" in adapter and "SentenceTransformer" not in adapter
+    assert "SentenceTransformer(" in adapter and "LoRA adapter only" in adapter and "base_model_name_or_path" in adapter
     other, _ = make_encoder("bert", dtype=torch.float32, pooling="cls_avg")
     text = "\n".join(usage(other, []))
     assert "load_pretrained" in text and "Not through sentence-transformers: pooling 'cls_avg'" in text
@@ -451,3 +451,38 @@ def test_a_model_card_gives_the_steps_of_its_model_and_the_weights_of_its_format
     assert "- steps: 1 optimizer step of 3, each 8 x 1 pairs" in best
     assert "- steps: 3 optimizer steps of 3, each 8 x 1 pairs" in final
     assert "AngleLoss (format C): cosine_w=0, ibn_w=1, cln_w=2, angle_w=0.02;" in final
+
+
+def test_sentence_transformers_loads_an_adapter_only_export_as_trained(tmp_path, capsys):
+    """A LoRA run's best/ holds the adapter alone: sentence-transformers loaded it over its base with mean pooling and
+    no prompt, in silence (these models pool their first or last token and have a query prompt). It carries the
+    sentence-transformers files as a whole export does, so the base it names, with the adapter, embeds as
+    load_pretrained does; a pooling sentence-transformers has not (cls_avg) leaves them out, with a note."""
+    st = pytest.importorskip("sentence_transformers")
+    pytest.importorskip("peft")
+    from angle_train.data import Prompts
+    from angle_train.models import LoraSettings, load_encoder
+
+    for arch, pooling in (("bert", "cls"), ("bert", "cls_avg"), ("llama", "last")):  # llama: left padding
+        encoder, tokenizer = make_encoder(arch, dtype=torch.float32)
+        base = save_pretrained(encoder, tokenizer, str(tmp_path / f"base-{arch}"), max_length=16)
+        lora_encoder, lora_tokenizer = load_encoder(base, pooling=pooling, lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+        with torch.no_grad():  # the adapter's B starts at zero: the adapter would change nothing
+            for name, weight in lora_encoder.named_parameters():
+                if "lora_B" in name:
+                    weight.normal_(generator=torch.Generator().manual_seed(0))
+        lora_encoder.prompts = Prompts(query="query: ")
+        adapter = save_pretrained(lora_encoder, lora_tokenizer, str(tmp_path / pooling), max_length=16,
+                                  adapter_only=True, base_model=base)
+        assert not os.path.exists(os.path.join(adapter, "model.safetensors"))
+        if pooling == "cls_avg":
+            assert not os.path.exists(os.path.join(adapter, "modules.json"))
+            assert "cls_avg" in capsys.readouterr().out
+            continue
+        ours = load_pretrained(adapter)[0].encode(TEXTS, lora_tokenizer, prompt_name="query")
+        theirs = st.SentenceTransformer(adapter, device="cpu").encode(TEXTS, prompt_name="query",
+                                                                       convert_to_tensor=True)
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+        base_alone = load_pretrained(base, pooling=pooling)[0]
+        base_alone.prompts = lora_encoder.prompts
+        assert (ours - base_alone.encode(TEXTS, tokenizer, prompt_name="query")).abs().max() > 1e-2  # adapter applied
