@@ -544,7 +544,13 @@ def check_labels(cfg: TrainConfig, examples: list[Example], fmt: str, from_file:
 def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None) -> None:
     """The settings against the loaded model, before any text is tokenised: --max-length and --export-max-length
     within the model's position limit (the second is what best/ and final/ tell sentence-transformers and angle-eval
-    to encode: beyond the limit they would fail), --matryoshka-dims and --espresso within its width and layers."""
+    to encode: beyond the limit they would fail), --matryoshka-dims and --espresso within its width and layers, and a
+    pooling that can tell texts apart: a causal decoder's first token attends to itself alone, so first-token pooling
+    gave every text starting with the same token (a BOS, a prompt) one embedding, and trained nothing."""
+    if encoder.is_decoder and not encoder.bidirectional and encoder.pooling == "cls":
+        raise ValueError(f"pooling cls ({encoder.pooling_source}) on a causal decoder LM: its first token sees no "
+                         "other token, so every text starting with the same token (a BOS token, a prompt) gets one "
+                         "embedding; use --pooling last (decoders' default) or avg, or --bidirectional")
     limit = position_limit(encoder.backbone)
     for flag, length in (("--max-length", cfg.max_length), ("--export-max-length", cfg.export_max_length)):
         if limit is not None and length is not None and length > limit:
@@ -1318,8 +1324,11 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
     unit = batch_items(getattr(run.dataset, "fmt", None))
     loss = (f"loss {mean_loss:.4f} (mean of the last {steps} step{'s' * (steps != 1)})" if steps else
             "no finite loss (the steps of the last metrics row were skipped)")
-    print(f"done: {position.step} step{'s' * (position.step != 1)} | {loss} | {last['pairs_per_s']:.1f} {unit}/s | "
-          f"{last['tokens_per_s']:.0f} tokens/s | peak memory {peak_memory_gb(run.device):.2f} GB"
+    timed, seconds = run.log.run_steps, run.log.run_seconds or float("inf")
+    print(f"done: {position.step} step{'s' * (position.step != 1)} | {loss} | {run.log.run_pairs / seconds:.1f} "
+          f"{unit}/s, {run.log.run_tokens / seconds:.0f} tokens/s (over the {timed} step{'s' * (timed != 1)} trained"
+          f"{' since the resume' if timed != position.step else ''}) | "
+          f"peak memory {peak_memory_gb(run.device):.2f} GB{'' if run.device.type == 'cuda' else ' (process RSS)'}"
           + (f" | best {tracking.DEV_METRICS[position.best_metric]} {position.best:.4f}"
              if position.best is not None else ""), flush=True)
     return result
@@ -1345,7 +1354,7 @@ class RunLog:
     steps since the last metrics row, whose loss is the mean over those steps too, as the Hugging Face Trainer
     logs it (steps skipped as non-finite left out; TrainResult.history keeps each step's own); the main process
     writes config.json, metrics.jsonl (and the --report-to reporters: tracking.py) and the progress bar (loss,
-    pairs/s, tokens/s, peak memory)."""
+    pairs/s, tokens/s, peak memory). The closing line's rates are the whole run's: every window's sums."""
 
     def __init__(self, cfg: TrainConfig, is_main: bool, device: torch.device, total_steps: int, start_step: int,
                  losses: list[float] | None = None):
@@ -1353,6 +1362,9 @@ class RunLog:
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl") if is_main else None
         self.reporters, self.bar = [], None
         self.last_loss: tuple[float, int] | None = None  # the last row's mean loss, over how many steps
+        # every window's counts and training time summed: the closing line's rates (the last row's are one window's)
+        self.run_pairs = self.run_tokens = self.run_steps = 0
+        self.run_seconds = 0.0
         os.makedirs(cfg.output_dir, exist_ok=True)
         if is_main:
             with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
@@ -1404,9 +1416,12 @@ class RunLog:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{mean_loss:.4f}", pairs_s=f"{row['pairs_per_s']:.1f}",
                                  tok_s=f"{row['tokens_per_s']:.0f}", mem=f"{row['peak_mem_gb']:.2f}G")
+        self.run_steps += 1
         if every(self.log_every, row["step"]) or row["step"] == self.total_steps:
             self.write({**row, "loss": mean_loss})
             self.last_loss = (mean_loss, len(self.losses))
+            self.run_pairs, self.run_tokens = self.run_pairs + self.pairs, self.run_tokens + self.tokens
+            self.run_seconds += elapsed
             self._start_window()
 
     def write(self, row: dict) -> None:

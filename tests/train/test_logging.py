@@ -6,6 +6,7 @@ learning-rate curve shows the warmup from step 0, the dev axis does not blow noi
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -33,9 +34,16 @@ def test_the_logged_loss_is_the_mean_over_its_interval(tmp_path, capsys):
     assert logged[0]["loss"] == pytest.approx(sum(losses[:3]) / 3, rel=1e-12)
     assert logged[1]["loss"] == pytest.approx(sum(losses[3:]) / 3, rel=1e-12)
     assert logged[1]["loss"] != pytest.approx(losses[5], rel=1e-9)
-    last = result.history[-1]
-    assert f"done: 6 steps | loss {logged[1]['loss']:.4f} (mean of the last 3 steps) | {last['pairs_per_s']:.1f} "\
-           f"pairs/s | {last['tokens_per_s']:.0f} tokens/s |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    done = re.search(rf"done: 6 steps \| loss {logged[1]['loss']:.4f} \(mean of the last 3 steps\) \| ([0-9.]+) "
+                     r"pairs/s, ([0-9]+) tokens/s \(over the 6 steps trained\) \| peak memory [0-9.]+ GB \(process "
+                     r"RSS\)", printed)
+    assert done, printed
+    # the whole run's rates, not the last row's: its pairs over its rows' training time (each row's pairs / rate)
+    seconds = sum(24 / row["pairs_per_s"] for row in logged)  # 3 steps of 8 pairs a row
+    assert float(done[1]) == pytest.approx(48 / seconds, abs=0.051)
+    assert float(done[2]) == pytest.approx(sum(24 * row["tokens_per_s"] / row["pairs_per_s"] for row in logged)
+                                           / seconds, abs=0.51)
 
 
 def test_the_dev_set_is_scored_before_the_first_step(tmp_path):

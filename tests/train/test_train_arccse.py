@@ -311,7 +311,7 @@ def test_command_line_from_a_text_file(tmp_path, capsys):
                      "--progress", "0", "--device", "cpu", "--mask-rates", "0.2", "0.4"]) == 0
     printed = capsys.readouterr().out
     assert "32 sentences (ArcCSE" in printed and "1 blank line(s)" in printed and "dev Spearman" in printed
-    assert re.search(r"done: 3 steps \|.* sentences/s \|", printed) and "pairs/s" not in printed
+    assert re.search(r"done: 3 steps \|.* sentences/s, ", printed) and "pairs/s" not in printed
     with open(out / "config.json") as f:
         assert json.load(f)["objective"] == "arccse"
     encoder, tokenizer, _ = load_pretrained(str(out / "final"))

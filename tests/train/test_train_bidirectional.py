@@ -86,6 +86,22 @@ def test_an_encoder_refuses_bidirectional():
         make_encoder("bert")[0].bidirectional = True
 
 
+def test_first_token_pooling_of_a_causal_decoder_is_refused_before_training(tmp_path):
+    """A causal decoder's first token sees itself alone: --pooling cls gave every text one embedding (the BOS
+    token's, or the prompt's first word's), and the run trained at a constant loss, said only by the dev check's
+    "embeddings collapsed". Refused before training, naming the pooling and the way out; with --bidirectional the
+    first token sees the text, and the run trains."""
+    from angle_train.trainer import train
+
+    cfg = run_config(tmp_path / "causal", model="builtin:tiny-llama", pooling="cls", max_steps=1, batch_size=8)
+    with pytest.raises(ValueError, match=r"^pooling cls \(--pooling\) on a causal decoder LM: .*--pooling last"):
+        train(cfg)
+    assert not os.path.exists(tmp_path / "causal" / "metrics.jsonl")
+    cfg = run_config(tmp_path / "both", model="builtin:tiny-llama", pooling="cls", bidirectional=True, max_steps=1,
+                     batch_size=8)
+    assert train(cfg).encoder.pooling == "cls"
+
+
 def test_training_with_lora_exports_and_reloads_a_bidirectional_model(tmp_path, capsys):
     """angle-train --model builtin:tiny-llama --bidirectional --lora: the final export records the switch,
     load_pretrained restores it (same embeddings; a causal reload would differ), and no sentence-transformers files

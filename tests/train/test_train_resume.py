@@ -77,7 +77,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, case):
 
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
     data = (demo_examples(20, seed=3), "B")
-    train(_config(tmp_path / "bert", model="builtin:tiny-bert", max_steps=3), train_examples=data)
+    train(_config(tmp_path / "bert", model="builtin:tiny-bert", pooling="avg", max_steps=3), train_examples=data)
     with pytest.raises(ValueError, match="--model: 'builtin:tiny-bert' -> 'builtin:tiny-llama'.*decide what its "
                                          "weights compute"):
         train(
@@ -91,7 +91,7 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
         )
     checkpoint = str(tmp_path / "bert" / "checkpoints" / "step-00000003")
     with pytest.raises(ValueError, match="lacks trainable weights"):  # a model given to train(): by its weights
-        train(_config(tmp_path / "llama2", max_steps=3, resume=checkpoint), model=make_encoder("llama", pooling="cls"),
+        train(_config(tmp_path / "llama2", max_steps=3, resume=checkpoint), model=make_encoder("llama", pooling="avg"),
               train_examples=data)
 
 
