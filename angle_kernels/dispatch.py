@@ -432,7 +432,9 @@ def check_backend(backend: str | None) -> str | None:
 
 def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
     """Return the Ops of the backend that computes ops on `tensors` (see the module docstring)."""
-    name = requested if requested is not None else os.environ.get(_ENV_VAR, "auto")
+    # the variable set but empty (`ANGLE_KERNELS_BACKEND= cmd`, a blank line in an env file) counts as unset, as an
+    # empty ANGLE_KERNELS_CHECK_INPUTS does: refusing it failed every loss call
+    name = requested if requested is not None else (os.environ.get(_ENV_VAR, "").strip() or "auto")
     name = name.strip().lower() if isinstance(name, str) else name
     if name not in BACKENDS + ("auto",):
         source = "backend" if requested is not None else _ENV_VAR

@@ -6,7 +6,7 @@ Tensors. Shape, dtype and device checks cost nothing and always run. The checks 
 GPUs; they are on by default and can be switched off for training loops that trust their inputs:
 
     angle_kernels.set_input_checks(False)            # for the whole process
-    with angle_kernels.input_checks(False): ...      # for a block
+    with angle_kernels.input_checks(False): ...      # for a block, in this thread (as torch.no_grad)
     ANGLE_KERNELS_CHECK_INPUTS=0                     # from the environment, read at import
 
 Under torch.compile the value checks are skipped (they would need a host sync and break the graph); run a
@@ -43,6 +43,7 @@ import math
 import numbers
 import operator
 import os
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,31 +76,46 @@ def _value_checks_setting() -> bool:
     return _SWITCH_WORDS[value]
 
 
-_value_checks = _value_checks_setting()
+_value_checks = _value_checks_setting()  # the process's setting (set_input_checks)
+# input_checks blocks' setting, per thread (as torch.no_grad's): one process-wide value saved and restored by blocks
+# in two threads was left off when the blocks overlapped, and a block turned the checks off in every thread
+_block_setting = threading.local()
+
+
+def _check_bool(enabled) -> None:
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
 
 
 def set_input_checks(enabled: bool) -> bool:
-    """Turn the value checks (NaN/Inf, label values) on or off; returns the previous setting."""
+    """Turn the value checks (NaN/Inf, label values) on or off for the whole process (outside input_checks blocks,
+    which decide in their thread); returns the previous setting."""
     global _value_checks
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _check_bool(enabled)
     previous, _value_checks = _value_checks, enabled
     return previous
 
 
 def input_checks_enabled() -> bool:
-    """Whether the value checks run now: switched on, and not inside a torch.compile trace."""
-    return _value_checks and not torch.compiler.is_compiling()
+    """Whether the value checks run now, in this thread: not inside a torch.compile trace, and switched on (by the
+    innermost input_checks block of this thread, else by set_input_checks or ANGLE_KERNELS_CHECK_INPUTS)."""
+    if torch.compiler.is_compiling():  # first: a trace reads no thread-local state
+        return False
+    block = getattr(_block_setting, "enabled", None)
+    return _value_checks if block is None else block
 
 
 @contextlib.contextmanager
 def input_checks(enabled: bool):
-    """Context manager: value checks on or off inside the block, restored afterwards."""
-    previous = set_input_checks(enabled)
+    """Context manager: value checks on or off inside the block, in this thread only (as torch.no_grad), restored
+    afterwards."""
+    _check_bool(enabled)
+    previous = getattr(_block_setting, "enabled", None)
+    _block_setting.enabled = enabled
     try:
         yield
     finally:
-        set_input_checks(previous)
+        _block_setting.enabled = previous
 
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
@@ -160,16 +176,31 @@ def check_flag(name: str, value) -> bool:
     raise TypeError(f"{name} must be a bool, got {type_name(value)}")
 
 
-def check_scale(name: str, value) -> float:
+# The largest factor a logit may carry (scale, or 1 / temperature): 16- and 32-bit embeddings' logits are float32,
+# and a loss takes differences of them (up to 2 x the factor) and sums of those: past a quarter of float32's largest
+# number they overflowed into inf - inf, a silent NaN.
+LARGEST_LOGIT_FACTOR = torch.finfo(torch.float32).max / 4
+
+
+def check_scale(name: str, value, *, divides: bool = False) -> float:
     """The one rule for every loss's logit scale or temperature (tau, scale, temperature, cosine_tau, ibn_tau,
-    angle_tau): a finite real number > 0, returned as a float; anything else raises ValueError (TypeError for a
-    non-number) naming the argument. angle-emb 0.6.1 accepts tau <= 0 (README: deviations)."""
-    return check_scalar(name, value, positive=True)
+    angle_tau): a finite real number > 0, returned as a float, whose factor on the logits (the value, or 1 / value
+    where it `divides` them: a temperature) is at most LARGEST_LOGIT_FACTOR; anything else raises ValueError
+    (TypeError for a non-number) naming the argument. angle-emb 0.6.1 accepts tau <= 0 (README: deviations)."""
+    value = check_scalar(name, value, positive=True)
+    if (1.0 / value if divides else value) > LARGEST_LOGIT_FACTOR:
+        bound = (f">= {1.0 / LARGEST_LOGIT_FACTOR:.3g}: the logits are divided by it" if divides else
+                 f"<= {LARGEST_LOGIT_FACTOR:.3g}: the logits are multiplied by it")
+        raise ValueError(f"{name} must be {bound}, and past that they overflow float32; got {value:g}")
+    return value
 
 
 def check_choice(name: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+EMBEDDING_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def check_embeddings(
@@ -179,7 +210,7 @@ def check_embeddings(
     (the last only with check_values and while value checks are on)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
+    if t.dtype not in EMBEDDING_DTYPES:  # float8 too: it is floating, and failed inside with an op's argument name
         raise TypeError(f"{name} must be a floating-point tensor (float32, float64, bfloat16, float16), got {t.dtype}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(t.shape)}")
@@ -357,7 +388,7 @@ def check_arccon_options(margin_degrees: float, tau: float) -> tuple[float, floa
     margin = check_scalar("margin_degrees", margin_degrees)
     if not 0.0 <= margin <= 180.0:
         raise ValueError(f"margin_degrees must be between 0 and 180 degrees, got {margin}")
-    return math.radians(margin), check_scale("tau", tau)
+    return math.radians(margin), check_scale("tau", tau, divides=True)
 
 
 def check_two_views(h1: torch.Tensor, h2: torch.Tensor) -> None:

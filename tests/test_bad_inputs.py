@@ -298,6 +298,18 @@ def test_integer_embeddings_raise_type_error(ak):
         ak.contrastive_with_negative_loss(torch.ones(3, 8), torch.ones(3, 8, dtype=torch.float64), xi[:3])
 
 
+def test_float8_embeddings_are_refused_naming_the_argument(ak):
+    """float8 tensors are floating point, so they passed the dtype check and failed inside, naming an op's argument
+    (q, x) rather than the caller's."""
+    x8 = torch.ones(4, 8).to(torch.float8_e4m3fn)
+    cases = [("queries", lambda: ak.multiple_negatives_ranking_loss(x8, x8)), ("y_pred", lambda: ak.cosine_loss(
+        torch.ones(4), x8)), ("h1", lambda: ak.arccon_loss(x8, x8)), ("anchors", lambda: ak.gist_loss(x8, x8, x8, x8))]
+    for name, call in cases:
+        with pytest.raises(TypeError, match=rf"^{name} must be a floating-point tensor \(float32, float64, bfloat16, "
+                                            r"float16\), got torch.float8_e4m3fn$"):
+            call()
+
+
 def test_non_tensor_inputs_raise_type_error(ak):
     with pytest.raises(TypeError, match="y_pred"):
         ak.cosine_loss(torch.ones(4), [[1.0, 2.0]] * 4)
@@ -389,6 +401,10 @@ def test_bad_backend_raises(ak, gen, monkeypatch):
         ak.cosine_loss(y, x)
     monkeypatch.setenv("ANGLE_KERNELS_BACKEND", "torch")
     ak.cosine_loss(y, x)
+    for unset in ("", "  "):  # set but empty counts as unset ("auto"), as ANGLE_KERNELS_CHECK_INPUTS does
+        monkeypatch.setenv("ANGLE_KERNELS_BACKEND", unset)
+        assert ak.resolve_backend(None, x).name == "torch"  # auto's choice for CPU tensors
+        ak.cosine_loss(y, x)
 
 
 def test_triton_backend_on_cpu_without_interpreter_raises(ak, gen, monkeypatch):
@@ -519,6 +535,52 @@ def test_input_checks_context_manager(ak, gen):
         ak.cosine_loss(y, x)
 
 
+def test_an_input_checks_block_decides_in_its_thread_alone(ak, gen):
+    """The block's setting is its thread's (as torch.no_grad's): one process-wide value, saved and restored by each
+    block, turned the checks off in every thread while one thread was inside, and left them off for good when two
+    threads' blocks overlapped (enter A, enter B, leave A, leave B restored B's saved 'off'); a NaN then went
+    through in silence. set_input_checks stays the whole process's."""
+    import threading
+
+    y, x = _nan_batch(gen)
+    inside, done = threading.Barrier(2), threading.Barrier(2)
+    seen, errors = {}, []
+
+    def block(name, leave_first):
+        try:
+            with ak.input_checks(False):
+                inside.wait(timeout=30)  # both threads inside their blocks
+                seen[name] = ak.input_checks_enabled()
+                if not leave_first:
+                    done.wait(timeout=30)  # the other thread has left its block
+            if leave_first:
+                done.wait(timeout=30)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=block, args=(name, name == "a")) for name in ("a", "b")]
+    with ak.input_checks(True):  # the main thread's own block is not the workers'
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert ak.input_checks_enabled()
+    assert not errors and seen == {"a": False, "b": False}
+    assert ak.input_checks_enabled()
+    with pytest.raises(ValueError, match="y_pred"):  # on again after both blocks
+        ak.cosine_loss(y, x)
+    previous = ak.set_input_checks(False)
+    try:
+        worker = threading.Thread(target=lambda: seen.update(worker=ak.input_checks_enabled()))
+        worker.start()
+        worker.join(timeout=60)
+        assert seen["worker"] is False  # the process's setting reaches every thread
+        with ak.input_checks(True):  # and a block decides inside it
+            assert ak.input_checks_enabled()
+    finally:
+        ak.set_input_checks(previous)
+
+
 def test_environment_variable_switches_checks_off(ak):
     script = (
         "import torch, angle_kernels as ak\n"
@@ -638,6 +700,28 @@ def test_scales_and_temperatures_must_be_finite_and_positive(ak, gen):
                 call(value)
         call(0.5)  # a positive value is fine
     assert len(sites) * len(SCALE_VALUES) == 44  # the README's count of bad-scale cases
+
+
+def test_a_scale_past_float32s_range_is_refused_and_the_largest_allowed_is_finite(ak, gen):
+    """A finite scale whose logits overflow float32 (scale 3.5e38, or a temperature of 1e-38) gave a silent NaN (inf -
+    inf); each site refuses the side that overflows, naming the argument and the bound, and takes the other (a huge
+    temperature, a tiny scale: logits near 0). At the bound itself, every loss is finite."""
+    from angle_kernels.inputs import LARGEST_LOGIT_FACTOR
+
+    for name, call in _scale_sites(ak, gen):
+        refused = []
+        for value in (1e38, 1e-38):
+            try:
+                call(value)
+            except ValueError as exc:
+                assert re.match(rf"^{name} must be [<>]= [0-9.e+-]+: the logits are (multiplied|divided) by it, and "
+                                r"past that they overflow float32; got ", str(exc)), exc
+                refused.append(value)
+        assert len(refused) == 1, (name, refused)
+        bound = LARGEST_LOGIT_FACTOR if refused == [1e38] else 1 / LARGEST_LOGIT_FACTOR
+        out = call(bound)
+        if isinstance(out, torch.Tensor):
+            assert torch.isfinite(out), (name, out)
 
 
 def test_a_learned_scale_is_refused_with_the_reason(ak, gen):

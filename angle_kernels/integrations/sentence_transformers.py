@@ -193,6 +193,7 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
     def __init__(self, model: SentenceTransformer, scale: float = 20.0,
                  similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.pairwise_cos_sim, *,
                  backend: str | None = None) -> None:
+        _check_constructor_numbers(scale=scale)
         super().__init__(model, scale=scale, similarity_fct=similarity_fct)
         self.backend = check_backend(backend)
 
@@ -235,6 +236,7 @@ class AnglELoss(_st_losses.AnglELoss):
     _input_columns = _PAIRS_OR_TUPLES
 
     def __init__(self, model: SentenceTransformer, scale: float = 20.0, *, backend: str | None = None) -> None:
+        _check_constructor_numbers(scale=scale)
         super().__init__(model, scale=scale)
         self.backend = check_backend(backend)
 
@@ -310,6 +312,20 @@ def _mnrl_similarity(loss: torch.nn.Module) -> str | None:
     if loss.similarity_fct is _st_util.dot_score:
         return "dot"
     return None
+
+
+def _check_constructor_numbers(*, scale=None, temperature=None, mini_batch_size=None) -> None:
+    """The numbers a drop-in is built with, checked when it is built (before any model runs: the parents take
+    anything, and a bad one failed at the first loss call, after the model's forward passes, or inside GradCache's
+    chunking): a number scale or temperature by the loss's one rule (inputs.check_scale; a tensor scale is a learned
+    one, the parent's to compute with, `_tensor_scale`), a mini_batch_size of at least one row."""
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        _inputs.check_scale("scale", scale)
+    if temperature is not None:
+        _inputs.check_scale("temperature", temperature, divides=True)
+    if mini_batch_size is not None and (isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int)
+                                        or mini_batch_size < 1):
+        raise ValueError(f"mini_batch_size must be an int >= 1 (rows a mini-batch embeds), got {mini_batch_size!r}")
 
 
 def _tensor_scale(loss: torch.nn.Module) -> bool:
@@ -447,6 +463,7 @@ class MultipleNegativesRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesRanki
         *,
         backend: str | None = None,
     ) -> None:
+        _check_constructor_numbers(scale=scale)
         optional = _parent_kwargs(_st_losses.MultipleNegativesRankingLoss.__init__, {
             "gather_across_devices": gather_across_devices, "directions": directions,
             "partition_mode": partition_mode, "hardness_mode": hardness_mode,
@@ -492,6 +509,7 @@ class CachedMultipleNegativesRankingLoss(_FusedCachedMNRL, _st_losses.CachedMult
         *,
         backend: str | None = None,
     ) -> None:
+        _check_constructor_numbers(scale=scale, mini_batch_size=mini_batch_size)
         optional = _parent_kwargs(_st_losses.CachedMultipleNegativesRankingLoss.__init__, {
             "mini_batch_num_tokens": mini_batch_num_tokens, "gather_across_devices": gather_across_devices,
             "directions": directions, "partition_mode": partition_mode, "show_progress_bar": show_progress_bar,
@@ -534,6 +552,7 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
         def __init__(self, model: SentenceTransformer, scale: float = 20.0,
                      similarity_fct: Callable[[Tensor, Tensor], Tensor] = _st_util.cos_sim,
                      gather_across_devices: bool = False, *, backend: str | None = None) -> None:
+            _check_constructor_numbers(scale=scale)
             super().__init__(model, scale=scale, similarity_fct=similarity_fct,
                              gather_across_devices=gather_across_devices)
             self.backend = check_backend(backend)
@@ -553,6 +572,7 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
                      mini_batch_size: int = 32, mini_batch_num_tokens: int | None = None,
                      gather_across_devices: bool = False, show_progress_bar: bool = False, *,
                      backend: str | None = None) -> None:
+            _check_constructor_numbers(scale=scale, mini_batch_size=mini_batch_size)
             optional = _parent_kwargs(_st_losses.CachedMultipleNegativesSymmetricRankingLoss.__init__, {
                 "mini_batch_num_tokens": mini_batch_num_tokens, "gather_across_devices": gather_across_devices,
                 "show_progress_bar": show_progress_bar}, _MNRL_DEFAULTS)
@@ -611,6 +631,7 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
                  margin_strategy: Literal["absolute", "relative"] = "absolute", margin: float = 0.0,
                  contrast_anchors: bool = True, contrast_positives: bool = True, gather_across_devices: bool = False,
                  *, backend: str | None = None) -> None:
+        _check_constructor_numbers(temperature=temperature)
         optional = _parent_kwargs(_st_losses.GISTEmbedLoss.__init__, {
             "gather_across_devices": gather_across_devices}, _MNRL_DEFAULTS)
         super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,
@@ -660,6 +681,7 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
                  margin_strategy: Literal["absolute", "relative"] = "absolute", margin: float = 0.0,
                  contrast_anchors: bool = True, contrast_positives: bool = True, gather_across_devices: bool = False,
                  *, backend: str | None = None) -> None:
+        _check_constructor_numbers(temperature=temperature, mini_batch_size=mini_batch_size)
         optional = _parent_kwargs(_st_losses.CachedGISTEmbedLoss.__init__, {
             "mini_batch_num_tokens": mini_batch_num_tokens, "gather_across_devices": gather_across_devices,
             "show_progress_bar": show_progress_bar}, _MNRL_DEFAULTS)

@@ -138,7 +138,7 @@ def gist_loss(
         anchors, positives: [B, D]; negatives: [B, D] tensors (hard-negative columns), one guide tensor each.
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
-    temperature = check_scale("temperature", temperature)
+    temperature = check_scale("temperature", temperature, divides=True)
     margin = check_scalar("margin", margin)
     check_choice("margin_strategy", margin_strategy, MARGIN_STRATEGIES)
     contrast_anchors = check_flag("contrast_anchors", contrast_anchors)

@@ -466,14 +466,45 @@ def test_a_wrong_number_of_columns_names_the_loss_and_what_it_expects():
 @pytest.mark.parametrize("scale", [0.0, -20.0, float("nan"), float("inf")])
 def test_the_pair_losses_take_the_scale_rule_of_every_loss(scale):
     """scale must be finite and > 0 (angle_kernels.checks.check_scale), as in every angle_kernels loss; the parents
-    accept it (a scale <= 0 flips or flattens the ranking, NaN / inf give NaN)."""
+    accept it (a scale <= 0 flips or flattens the ranking, NaN / inf give NaN). Refused when the loss is built, and
+    at the call for a scale set afterwards."""
     u, v = torch.randn(4, 8), torch.randn(4, 8)
     for class_name in ("CoSENTLoss", "AnglELoss"):
+        with pytest.raises(ValueError, match="^scale must be"):
+            getattr(ours, class_name)(None, scale=scale)
+        loss = getattr(ours, class_name)(None)
+        loss.scale = scale
+        with pytest.raises(ValueError, match="^scale must be"):
+            loss.compute_loss_from_embeddings([u, v], torch.rand(4))
+
+
+# (class name, its scale-like argument, whether it takes mini_batch_size): every drop-in built with numbers
+BUILT_WITH_NUMBERS = [("CoSENTLoss", "scale", False), ("AnglELoss", "scale", False),
+                      ("MultipleNegativesRankingLoss", "scale", False),
+                      ("CachedMultipleNegativesRankingLoss", "scale", True),
+                      ("MultipleNegativesSymmetricRankingLoss", "scale", False),
+                      ("CachedMultipleNegativesSymmetricRankingLoss", "scale", True),
+                      ("GISTEmbedLoss", "temperature", False), ("CachedGISTEmbedLoss", "temperature", True)]
+
+
+def test_a_drop_in_refuses_bad_numbers_when_built_before_any_model_runs(model64, guide64):
+    """The parents take any scale, temperature or mini_batch_size: a bad one failed at the first loss call, after
+    the model's forward passes (12 of them for CachedGISTEmbedLoss), or as GradCache's "range() arg 3 must not be
+    zero". Each drop-in refuses them when built, naming the argument; a learned (tensor) scale is still taken."""
+    for class_name, name, cached in BUILT_WITH_NUMBERS:
+        cls = getattr(ours, class_name)
+        models = (model64, guide64) if "GIST" in class_name else (model64,)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            loss = getattr(ours, class_name)(None, scale=scale)
-        with pytest.raises(ValueError, match="scale must be"):
-            loss.compute_loss_from_embeddings([u, v], torch.rand(4))
+            for value in (0.0, -1.0, float("nan"), 1e39 if name == "scale" else 1e-39):
+                with pytest.raises(ValueError, match=f"^{name} must be"):
+                    cls(*models, **{name: value})
+            if cached:
+                for rows in (0, -3, 2.0, True):
+                    with pytest.raises(ValueError, match=rf"^mini_batch_size must be an int >= 1 .*got {rows!r}$"):
+                        cls(*models, mini_batch_size=rows)
+            if name == "scale":
+                cls(*models, scale=torch.nn.Parameter(torch.tensor(20.0)))
 
 
 def test_a_wrong_number_of_columns_with_a_model(model64, guide64):
