@@ -9,7 +9,9 @@
       go into config_sentence_transformers.json's `prompts` ({"text", "query", "document"}, default "text"):
       `st.encode(q, prompt_name="query")` = `encoder.encode(q, tokenizer, prompt_name="query")`. Its prompts are
       prefixes only: a template with text after '{text}' (the AnglE prompt) is recorded only in angle_train.json,
-      so then wrap the texts yourself or load the folder with `load_pretrained` (a note says so). When the base
+      so then load the folder with `load_pretrained` (a note says so); texts wrapped in the template by hand embed
+      right only within the max length: of a longer one sentence-transformers cuts the end, the prompt's close,
+      where `encode` cuts the text and keeps the prompt (data.prompted_texts). When the base
       model (`base_model`) is a sentence-transformers folder, the export keeps what training did not change
       (st_folder): its modules after the pooling (Normalize: unit embeddings; Dense layers as the base had them,
       untrained, with a note), its pooling config (when the pooling is the same), its max_seq_length (unless
@@ -23,6 +25,9 @@
       model also `matryoshka_dims`, the prefix widths it was trained at, largest first. Truncation is a load-time
       choice in sentence-transformers (`SentenceTransformer(path, truncate_dim=256)`, which does not read a saved
       value), and `encoder.encode(texts, tokenizer, dim=256)` here.
+A folder without the sentence-transformers files (cls_avg, bidirectional) still loads in `SentenceTransformer(path)`,
+without an error, as a plain Hugging Face model (mean pooling, a decoder's causal attention), whose embeddings are
+not the trained model's: `load_pretrained` is the way to load it.
 With `adapter_only=True` (LoRA only) it writes the peft adapter (adapter_config.json, adapter_model.safetensors) in
 place of the model's weights: small, for best-checkpoint keeping on LLMs. The rest is as above, so that
 `SentenceTransformer(path)` loads the base model the adapter names (adapter_config.json's base_model_name_or_path),
@@ -127,7 +132,8 @@ def _record_local_base(adapter_folder: str, base_model: str | None) -> None:
 
 def sentence_transformers_cannot_load(encoder) -> str | None:
     """Why sentence-transformers cannot load `encoder`'s export as it was trained (then the export writes none of its
-    files), or None."""
+    files: sentence-transformers still loads the folder, in silence, as a plain Hugging Face model with mean pooling
+    and a decoder's causal attention), or None."""
     if encoder.bidirectional:
         return ("sentence-transformers would load the model with its causal mask, not the bidirectional attention it "
                 "was trained with (load_pretrained restores it)")

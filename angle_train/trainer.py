@@ -1176,7 +1176,8 @@ def restore_best(run: Run) -> None:
 
 def model_card(run: Run, name: str, current: dict | None = None) -> str:
     """README.md of the export `name` (best or final): the base model, the command, the data, the loss, the steps,
-    the dev scores so far (metrics.jsonl's, and `current`: the evaluation that made this best/) and how to load it."""
+    the dev scores so far (metrics.jsonl's, and `current`: the evaluation that made this best/; measured as training
+    embeds, under its autocast, where angle-eval embeds without) and how to load it."""
     cfg, position = run.cfg, run.position
     path = run.log.metrics_path
     rows = tracking.read_metrics(path) if path and os.path.exists(path) else []
@@ -1254,7 +1255,9 @@ def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
              "(adapter_config.json's `base_model_name_or_path`) and applies the adapter.", ""] if adapter_only else [])
     cannot = sentence_transformers_cannot_load(encoder)
     if cannot:
-        return ["```python", *own, "```", "", *base, f"Not through sentence-transformers: {cannot}.", ""]
+        return ["```python", *own, "```", "", *base, f"Not through sentence-transformers: {cannot}. It still loads "
+                "this folder, without an error, as a plain Hugging Face model (mean pooling, a decoder's causal "
+                "attention), and gives other embeddings than this model's.", ""]
     roles = prefix_prompts(encoder)
     lines = ["```python", "from sentence_transformers import SentenceTransformer", "",
              'model = SentenceTransformer("path/to/this/folder")']
@@ -1270,8 +1273,11 @@ def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
     lines += ["```", ""]
     if roles is None:
         lines += [f"The prompts {encoder.prompts.as_dict()} put text after '{{text}}', which sentence-transformers' "
-                  "prompts cannot express: wrap the texts in them before `encode`, or load the model with "
-                  "angle-train, which applies them:", "", "```python", *own, "```", ""]
+                  "prompts cannot express: wrap the texts in them before `encode` (right only for texts within the "
+                  "max length: of a longer one sentence-transformers cuts the end, the prompt's close, where "
+                  "angle-train cuts the text and keeps the prompt), or load the model with angle-train, which "
+                  "applies them:", "",
+                  "```python", *own, "```", ""]
     else:
         lines += ["or `angle_train.load_pretrained(path)` (with its pooling, prompts and attention as trained).", ""]
     return lines + base

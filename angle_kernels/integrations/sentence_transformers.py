@@ -6,8 +6,8 @@
 
 Each class here subclasses the sentence-transformers loss of the same name, takes the same constructor
 arguments (plus a keyword-only `backend`: "auto" (default), "torch", "triton", "cuda"), and returns the same
-loss value and gradients on the same model and batch (up to floating-point rounding), while computing it
-with angle_kernels' fused losses:
+loss value and gradients on the same model and batch (up to floating-point rounding; GIST's one exception is
+below), while computing it with angle_kernels' fused losses:
 
     CoSENTLoss                          cosine_loss (or angle_loss with similarity_fct=pairwise_angle_sim):
                                         O(N) memory, one fused pass over the pairs
@@ -18,6 +18,9 @@ with angle_kernels' fused losses:
     MultipleNegativesSymmetricRankingLoss, CachedMultipleNegativesSymmetricRankingLoss
                                         the same with the per-direction symmetric directions (deprecated
                                         upstream, kept for the scripts that name them)
+    GISTEmbedLoss, CachedGISTEmbedLoss  gist_loss: the guide's similarities filter the in-batch negatives tile by
+                                        tile, no B x B score matrix of the model or the guide (the cached one on
+                                        the whole cached batch at once)
     MatryoshkaLoss                      over the fused losses above: every (sampled) dimension in one fused
                                         call, from one read of the embeddings
     AdaptiveLayerLoss, Matryoshka2dLoss over the non-cached fused losses above (or MatryoshkaLoss over one): every
@@ -37,6 +40,15 @@ and MatryoshkaLoss's parent normalises each truncated row twice, so there the si
 columns (dataset columns other than the label) raises a ValueError naming the loss, the count and the inputs it
 takes, where some parents raise an IndexError; CoSENTLoss refuses more than two columns, whose extra ones its parent
 ignores.
+
+GISTEmbedLoss and CachedGISTEmbedLoss (and MatryoshkaLoss over them) differ from their parents beyond rounding in
+one case: a column whose guide score is above its row's threshold (the positive's guide score less the margin,
+absolute or relative) by at most 2^-16 (`angle_kernels.contract.FILTER_TIE_ALLOWANCE`) stays among the negatives
+here, where the parents' strict `>` drops it; a batch with such a column gets another loss. The allowance is there
+for exact ties: a copy of row i's positive elsewhere in the batch has the positive's guide score in exact arithmetic,
+which the parents' `>` keeps, and here the threshold (a pair score) and the column (a tile of products) round a few ulps
+apart, so without it the copy's fate would be the rounding's. So a margin must exceed 2^-16 to drop exact
+duplicates.
 """
 
 from __future__ import annotations
@@ -622,7 +634,9 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
 
     The embedding side is the parent's: the model embeds every column with gradients, the guide without
     (on the model's own tokenisation when the two share a vocabulary and the guide's maximum length is not
-    shorter, else on the decoded texts re-tokenised for the guide).
+    shorter, else on the decoded texts re-tokenised for the guide). Same values and gradients as the parent but
+    for a column whose guide score is above its row's threshold by at most 2^-16 (the module docstring): kept
+    here, dropped by the parent.
     """
 
     _input_columns = _GIST
@@ -671,7 +685,8 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
     """sentence-transformers' CachedGISTEmbedLoss (GradCache) with the loss stage computed by angle_kernels
     (`gist_loss`) on the whole cached batch at once; the embedding side (model and guide mini-batches) is the
     parent's. Same arguments, plus keyword-only `backend`; always fused. show_progress_bar shows the embedding
-    passes' bars, and none for the loss stage (one call)."""
+    passes' bars, and none for the loss stage (one call). A column whose guide score is above its row's threshold
+    by at most 2^-16 is kept here and dropped by the parent, as in GISTEmbedLoss (the module docstring)."""
 
     _input_columns = _ANCHORED
 

@@ -129,7 +129,9 @@ def gist_loss(
     plus, with contrast_anchors, against every anchor, with contrast_positives, positive i against every
     positive, and anchor i against each negative column. A column leaves row i's partition function when its
     guide similarity exceeds the guide's anchor-positive similarity g_i minus the margin ("absolute": g_i -
-    margin; "relative": g_i - |g_i| * margin); the target column always stays. The guide's embeddings
+    margin; "relative": g_i - |g_i| * margin) by more than 2^-16 (contract.FILTER_TIE_ALLOWANCE: a column tied with
+    it in exact arithmetic, a copy of the positive at margin 0, stays whatever the rounding; sentence-transformers
+    drops every column above it, however little); the target column always stays. The guide's embeddings
     (guide_anchors, guide_positives, guide_negatives: same rows, any width) carry no gradient.
     gather_across_devices: with torch.distributed initialised, the positives and negatives (and their guide
     embeddings) come from every rank; the anchors stay local, as in sentence-transformers.
