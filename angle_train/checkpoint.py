@@ -46,7 +46,7 @@ among them (a finished run can be extended), may change on resume and take effec
 learning rate there is the one the new settings' schedule gives at that step (as if the run had used them from the
 start), AdamW's moments carry over, and the run says which settings changed; so do the loss's settings and the
 precision (RESUME_NOTED). Other dev data than the one that measured the checkpoint's best score is refused
-(RESUME_DEV_SETTINGS).
+(RESUME_DEV_SETTINGS; the same file edited since too: Position.dev_fingerprint).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Position:
     (whose mean the next row logs: restored on resume, so that a resumed run logs what an uninterrupted one does),
     and the step of the last good checkpoint of output_dir: the newest one whose weights a finite step was taken
     from (trainer.trust_checkpoint; None before there is one). Checkpoints written before best_step, loss_window,
-    good_checkpoint and data_record existed load with their defaults."""
+    good_checkpoint, data_record and dev_fingerprint existed load with their defaults."""
 
     step: int = 0
     epoch: int = 0
@@ -120,6 +120,10 @@ class Position:
     # "fingerprint", data.sampled_data_fingerprint's, for "contents"); a resume that would make them of other
     # examples, or in another order, is refused (load_checkpoint). None: written before it was recorded.
     data_record: dict | None = None
+    # trainer.dev_set_fingerprint of the dev set that scores the run (the one that measured `best`): a resume with the
+    # same --dev-data edited since is refused (_refuse_another_dev_set). None: no dev set yet, or written before it
+    # was recorded.
+    dev_fingerprint: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------ folders
@@ -537,11 +541,13 @@ def _failed_write_cleaned(tmp: str, output_dir: str):
 
 
 def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder, optimizer, scheduler, scaler,
-                    data_record: Callable[[int], dict] | None = None, total_steps: int | None = None) -> Position:
+                    data_record: Callable[[int], dict] | None = None, total_steps: int | None = None,
+                    dev_fingerprint: str | None = None) -> Position:
     """Restore what save_checkpoint wrote into the given objects and this process's generators; return the
     position to continue from. Both files are read and checked before anything is changed. data_record(epoch):
     this run's Position.data_record for an epoch, checked against the checkpoint's (_refuse_other_data);
-    total_steps: this run's length, refused where it ends before the checkpoint's step."""
+    total_steps: this run's length, refused where it ends before the checkpoint's step; dev_fingerprint: this run's
+    Position.dev_fingerprint (None: no dev set), checked against the checkpoint's (_refuse_another_dev_set)."""
     state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
     # every process sees the same files, so all refuse together, before any collective a refusal would leave waiting
     written_by = _writers(path)
@@ -556,7 +562,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     if data_record is not None and position.data_record is not None:
         _refuse_other_data(path, state["config"], cfg, position, data_record(position.epoch))
     _refuse_another_model(path, state["config"], cfg)
-    _refuse_another_dev_set(path, state["config"], position, cfg)
+    _refuse_another_dev_set(path, state["config"], position, cfg, dev_fingerprint)
     changed = _changed_optimizer_settings(state["config"], cfg)
     sharded = state.get("sharded", False)
     if sharded != cfg.fsdp:
@@ -607,10 +613,13 @@ def _saved_dev_column_map(saved: dict) -> dict:
     return parse_columns(saved.get("dev_columns") or saved.get("columns") or [])
 
 
-def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: TrainConfig) -> None:
+def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: TrainConfig,
+                            dev_fingerprint: str | None = None) -> None:
     """A resume with other dev data than the one that measured the checkpoint's best score is refused: the run would
     compare scores on the new data with that score (and keep, or replace, best/ by it). Without --dev-data the best
-    stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared."""
+    stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared. The
+    same names are compared by contents too (dev_fingerprint: this run's Position.dev_fingerprint): a dev file edited
+    in place is other dev data."""
     if position.best is None or not cfg.dev_data or not saved.get("dev_data"):
         return
     changed = _differing_settings(saved, cfg, RESUME_DEV_SETTINGS)
@@ -619,8 +628,12 @@ def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: Tra
     read_by = (_saved_dev_column_map(saved), cfg.dev_column_map())
     if read_by[0] != read_by[1]:
         changed["dev_columns"] = read_by
-    if changed:
-        detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+    detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+    recorded = position.dev_fingerprint  # None: a checkpoint written before it was recorded, nothing to compare
+    if not changed and None not in (recorded, dev_fingerprint) and recorded != dev_fingerprint:
+        detail = (f"--dev-data {cfg.dev_data}: its contents differ from the checkpoint's, fingerprint {recorded} -> "
+                  f"{dev_fingerprint}")
+    if detail:
         raise ValueError(f"cannot resume from {path} with other dev data ({detail}): its best model (step "
                          f"{position.best_step}, {position.best_metric} {position.best:.4f}) was picked on the "
                          "checkpoint's, and scores on other data do not compare with it. Resume with the checkpoint's "

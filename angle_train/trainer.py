@@ -190,6 +190,12 @@ def data_record(examples: int, fingerprint: str, order: list[list[int]], *, samp
     return record if sampled is None else {**record, "fingerprint": sampled}
 
 
+def dev_set_fingerprint(dev_set: StsSet | RetrievalSet) -> str:
+    """checkpoint.Position.dev_fingerprint: data.data_fingerprint of the scored pairs, or of the queries followed by
+    their documents."""
+    return data_fingerprint(dev_set.examples if isinstance(dev_set, StsSet) else dev_set.queries + dev_set.documents)
+
+
 def trust_checkpoint(run: Run) -> None:
     """After a finite step taken from the weights of the newest checkpoint (no finite step came between: the steps
     since it was written, if any, were skipped and changed nothing): that checkpoint is the last good one now
@@ -326,6 +332,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         check_data_size(cfg, len(examples), "examples", train_examples is None)
     dev_set = dev_set_of(dev_examples, cfg)
     check_data_settings(cfg, train_examples_given=train_examples is not None, dev_set=dev_set)
+    dev_fingerprint = None if dev_set is None else dev_set_fingerprint(dev_set)
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
@@ -392,7 +399,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                                    scheduler=scheduler, scaler=scaler,
                                    data_record=lambda epoch: data_record(len(items), fingerprint, order_of(epoch),
                                                                          sampled=sampled_data_fingerprint(items)),
-                                   total_steps=total_steps)
+                                   total_steps=total_steps, dev_fingerprint=dev_fingerprint)
         check_dev_metric(resume_from, position, dev_set)
         if continues_own_run:
             unverified_checkpoint = position.step
@@ -408,7 +415,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         clear_non_finite_stop(cfg.output_dir)
     distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
     if dev_set is not None:
-        position.best_metric = dev_metric(dev_set)
+        position.best_metric, position.dev_fingerprint = dev_metric(dev_set), dev_fingerprint
 
     if dist_info.is_main:
         n_trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)

@@ -666,6 +666,31 @@ def test_resume_refuses_another_split_of_the_dev_dataset(tmp_path, monkeypatch):
               train_examples=data)
 
 
+def test_resume_refuses_a_dev_file_edited_in_place(tmp_path):
+    """The dev data was compared by its name only: a dev file edited in place (its scores given to other pairs)
+    resumed without a word, and the best model was picked across two dev sets. The checkpoint records the dev set's
+    fingerprint: a resume over other contents is refused, with the file put back it resumes, and a checkpoint written
+    before the fingerprint was recorded has nothing to compare."""
+    from test_cli_errors import PAIRS, write_stsb
+
+    from angle_train import checkpoint
+
+    data, dev = (demo_examples(20, seed=3), "B"), write_stsb(tmp_path / "dev.csv")
+    train(_best_config(tmp_path / "run", dev_data=str(dev)), train_examples=data, on_step=_stop_at(3))
+    original = dev.read_text()
+    write_stsb(dev, list(reversed(PAIRS)))
+    with pytest.raises(ValueError, match=r"cannot resume from .*step-00000002 with other dev data \(--dev-data "
+                                         r".*dev.csv: its contents differ from the checkpoint's, fingerprint \w+ -> "
+                                         r"\w+\): its best model \(step"):
+        train(_best_config(tmp_path / "run", dev_data=str(dev), resume="auto"), train_examples=data)
+    dev.write_text(original)
+    resumed = train(_best_config(tmp_path / "run", dev_data=str(dev), resume="auto"), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [3, 4]
+    settings = _best_config(tmp_path / "run", dev_data=str(dev))
+    older = Position(step=2, best=0.5, best_step=2)  # no dev_fingerprint: written before it was recorded
+    checkpoint._refuse_another_dev_set("ck", dataclasses.asdict(settings), older, settings, "0123456789abcdef")
+
+
 def test_a_checkpoint_from_before_any_evaluation_resumes_with_other_dev_data(tmp_path):
     """A checkpoint written before the first evaluation knows no best score to compare: it resumes with other dev
     data, which then picks the best model."""
