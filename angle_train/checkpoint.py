@@ -652,14 +652,24 @@ def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig) -> None:
                          "run in a new --output-dir")
 
 
+# The settings that name a local file or folder where one is there (else a Hugging Face hub name, or builtin:NAME)
+LOCAL_PATH_SETTINGS = ("model", "train_data", "dev_data")
+
+
 def _same_setting(name: str, saved, current) -> bool:
-    """Whether a RESUME_MODEL_SETTINGS value is the checkpoint's: --model's local folder by where it is (a relative
-    path from another working directory, or a folder moved since the checkpoint, is the same model)."""
+    """Whether a setting's value is the checkpoint's. A local path (LOCAL_PATH_SETTINGS) by where it is: a relative
+    path, an absolute one or a link to the same file or folder is the same; --model's folder also where the
+    checkpoint's path no longer leads anywhere (a relative path from another working directory, or a folder moved
+    since the checkpoint: the same model, whose trained weights must still fit, _refuse_other_weights). Hub names
+    are compared as text."""
     if saved == current:
         return True
-    if name != "model" or not (isinstance(saved, str) and isinstance(current, str)) or not os.path.isdir(current):
+    local = name in LOCAL_PATH_SETTINGS and isinstance(saved, str) and isinstance(current, str)
+    if not local or not os.path.exists(current):
         return False
-    return not os.path.exists(saved) or os.path.realpath(saved) == os.path.realpath(current)
+    if not os.path.exists(saved):
+        return name == "model"
+    return os.path.realpath(saved) == os.path.realpath(current)
 
 
 # The settings that shape the trainable weights of a LoRA run: a checkpoint's adapters fit only the same ones.
@@ -709,10 +719,10 @@ def _apply_optimizer_settings(optimizer, scheduler, saved_schedule: dict, settin
 
 
 def _differing_settings(saved: dict, cfg: TrainConfig, names: tuple[str, ...]) -> dict:
-    """{setting: (the checkpoint's value, this run's)} of those of `names` that differ (a setting the checkpoint does
-    not record counts as None there)."""
+    """{setting: (the checkpoint's value, this run's)} of those of `names` that differ (_same_setting: a local path
+    by where it is; a setting the checkpoint does not record counts as None there)."""
     current = asdict(cfg)
-    return {k: (saved.get(k), current[k]) for k in names if saved.get(k) != current[k]}
+    return {k: (saved.get(k), current[k]) for k in names if not _same_setting(k, saved.get(k), current[k])}
 
 
 def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig) -> None:

@@ -739,6 +739,25 @@ def test_resume_refuses_training_data_that_changed_under_the_same_name(tmp_path)
     assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
 
 
+def test_resume_takes_the_same_data_files_by_another_path(tmp_path, monkeypatch):
+    """--train-data and --dev-data were compared as text: the same files named by relative paths, then by absolute
+    ones or through a link, were refused as data that would skip or repeat training data. Local paths are compared by
+    where they lead, as --model's folder is; another file is refused as before."""
+    from test_cli_errors import write_stsb
+
+    monkeypatch.chdir(tmp_path)
+    _write_pairs(tmp_path / "pairs.jsonl", demo_examples(24, seed=3))
+    write_stsb(tmp_path / "dev.csv")
+    os.symlink("pairs.jsonl", tmp_path / "link.jsonl")
+    shutil.copy(tmp_path / "pairs.jsonl", tmp_path / "copy.jsonl")
+    train(_best_config(tmp_path / "run", train_data="pairs.jsonl", dev_data="dev.csv"), on_step=_stop_at(3))
+    with pytest.raises(ValueError, match=r"\(--train-data: 'pairs.jsonl' -> 'copy.jsonl'\); resuming would skip"):
+        train(_best_config(tmp_path / "run", train_data="copy.jsonl", dev_data="dev.csv", resume="auto"))
+    resumed = train(_best_config(tmp_path / "run", train_data=str(tmp_path / "link.jsonl"),
+                                 dev_data=str(tmp_path / "dev.csv"), resume="auto"))
+    assert [row["step"] for row in resumed.history] == [3, 4]
+
+
 def test_the_fp16_loss_scale_resumes_where_it_was(tmp_path):
     """An fp16 run's loss scale, backed off after overflows, and its growth tracker are in its checkpoints: a resumed
     run goes on from them (restarting at 65,536 redid the overflow-and-skip steps the run had already paid for)."""
