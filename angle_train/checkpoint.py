@@ -66,7 +66,7 @@ from dataclasses import asdict, dataclass, field
 import numpy
 import torch
 
-from .config import TrainConfig, flag_of, flag_words
+from .config import PROMPT_SETTINGS, TrainConfig, flag_of, flag_words, prompts_of
 from .data import parse_columns
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
@@ -597,12 +597,12 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
 # resumed under others, a run went on training another model under the checkpoint's name (an adapter trained at two
 # scales recorded with the second; a base model swapped under its adapter), silently.
 RESUME_MODEL_SETTINGS = ("model", "lora_alpha", "pooling", "bidirectional", "prompt", "query_prompt", "doc_prompt")
-# Settings a resumed run may change, said when it does: they apply from the resumed step on (the loss's among them:
-# the model card's command then names settings that trained only the steps from there).
-RESUME_NOTED = ("max_length", "model_dtype", "bf16", "fp16", "cosine_w", "ibn_w", "cln_w", "angle_w", "cosine_tau",
-                "ibn_tau", "angle_tau", "ibn_partition", "false_negative_margin", "false_negative_strategy",
-                "matryoshka_dims", "matryoshka_weights", "espresso", "espresso_dim", "arccon_margin", "arccon_tau",
-                "triplet_w")
+# Settings a resumed run may change, said when it does: they apply from the resumed step on (the loss's and LoRA's
+# dropout among them: the model card's command then names settings that trained only the steps from there).
+RESUME_NOTED = ("max_length", "model_dtype", "bf16", "fp16", "lora_dropout", "cosine_w", "ibn_w", "cln_w", "angle_w",
+                "cosine_tau", "ibn_tau", "angle_tau", "ibn_partition", "false_negative_margin",
+                "false_negative_strategy", "matryoshka_dims", "matryoshka_weights", "espresso", "espresso_dim",
+                "arccon_margin", "arccon_tau", "triplet_w")
 # The dev data a checkpoint's best score was measured on: scores on other dev data do not compare with it.
 RESUME_DEV_SETTINGS = ("dev_data", "dev_split")
 
@@ -645,6 +645,10 @@ def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig) -> None:
     current = asdict(cfg)
     changed = {k: (saved[k], current[k]) for k in RESUME_MODEL_SETTINGS
                if k in saved and not _same_setting(k, saved[k], current[k])}
+    # the prompts by the templates each role of a text gets, not by how they are spelled: a name or the template it
+    # stands for ('angle', 'Prompts.A'), a --query-prompt that is the --prompt it would default to
+    if prompts_of(saved).as_dict() == cfg.prompts().as_dict():
+        changed = {k: values for k, values in changed.items() if k not in PROMPT_SETTINGS.values()}
     if changed:
         detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}), and "

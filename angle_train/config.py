@@ -384,7 +384,7 @@ class TrainConfig:
 
     def prompts(self) -> Prompts:
         """The prompt of each role of a text (data.Prompts), from --prompt, --query-prompt and --doc-prompt."""
-        return Prompts(text=self.prompt, query=self.query_prompt, document=self.doc_prompt)
+        return prompts_of(vars(self))
 
     def _validate_arccse(self) -> None:
         if not isinstance(self.mask_rates, (list, tuple)):
@@ -437,9 +437,17 @@ NAMES = {"model": "a model (a Hugging Face hub name or a local folder)", "train_
          "dev_data": "a file, folder or dataset", "resume": "a checkpoint folder or 'auto'",
          "output_dir": "a folder", "train_split": "a dataset split", "dev_split": "a dataset split",
          "text_column": "a column", "device": "a device (cpu, cuda, cuda:1...)"}
+# The setting that gives the prompt of each role of a text (data.Prompts' roles)
+PROMPT_SETTINGS = {"text": "prompt", "query": "query_prompt", "document": "doc_prompt"}
 # The settings that apply only with --lora 1, and only with --objective arccse (TrainConfig._refuse_ignored_settings)
 LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 ARCCSE_SETTINGS = ("text_column", "mask_rates", "arccon_margin", "arccon_tau", "triplet_w")
+
+
+def prompts_of(settings: dict) -> Prompts:
+    """The prompts (data.Prompts) of a run's settings, TrainConfig's fields as a dict (or as a checkpoint records
+    them; one without a setting of PROMPT_SETTINGS, recorded before it existed, counts as None there)."""
+    return Prompts(**{role: settings.get(name) for role, name in PROMPT_SETTINGS.items()})
 
 
 def flag_of(name: str) -> str:

@@ -125,6 +125,33 @@ def test_resume_refuses_settings_that_change_what_the_weights_compute(tmp_path, 
         train(_config(tmp_path / "run", **{**settings, **change, "resume": "auto"}), train_examples=data)
 
 
+def test_resume_compares_the_prompts_by_their_templates_and_says_a_changed_lora_dropout(tmp_path, capsys):
+    """A prompt spelled another way (--prompt angle, then Prompts.A or the template itself; a --query-prompt that is
+    the --prompt it defaults to) was refused as a change of what the weights compute: the templates each role of a
+    text gets are compared now, and another one is still refused. A changed --lora-dropout applied from the resumed
+    step without a word: it is said now, as a changed loss setting is."""
+    from angle_train.data import ANGLE_PROMPT
+
+    data = (demo_examples(20, seed=3), "B")
+    settings = dict(model="builtin:tiny-llama", lora=True, lora_r=4, pooling="last", prompt="angle", max_length=32,
+                    max_steps=4)
+    train(_config(tmp_path / "run", **settings), train_examples=data, on_step=_stop_at(3))
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "step-00000003")
+    for i, same in enumerate([dict(prompt="Prompts.A"), dict(prompt=ANGLE_PROMPT),
+                              dict(query_prompt="angle", doc_prompt=ANGLE_PROMPT)]):
+        resumed = train(_config(tmp_path / f"same-{i}", **{**settings, **same, "resume": checkpoint}),
+                        train_examples=data)
+        assert [row["step"] for row in resumed.history] == [4]
+    with pytest.raises(ValueError, match=r"cannot resume from .*\(--prompt: 'angle' -> 'Prompts.B'\)"):
+        train(_config(tmp_path / "other", **{**settings, "prompt": "Prompts.B", "resume": checkpoint}),
+              train_examples=data)
+    capsys.readouterr()
+    train(_config(tmp_path / "dropout", **{**settings, "lora_dropout": 0.3, "resume": checkpoint}),
+          train_examples=data)
+    assert "resuming with changed settings (--lora-dropout 0.05 -> 0.3): they apply from step 3 on" in (
+        capsys.readouterr().out)
+
+
 def test_a_checkpoint_killed_while_being_written_is_never_resumed_from(tmp_path, monkeypatch):
     import angle_train.checkpoint as checkpoint
 
