@@ -195,12 +195,18 @@ def detect_format(names, where: str, columns=None) -> str:
 
 
 def check_columns(columns: dict | None) -> dict:
-    """A --columns mapping {name: the file's column} with known names (COLUMN_NAMES), as a dict ({} for none)."""
+    """A --columns mapping {name: the file's column} with known names (COLUMN_NAMES), each column read under one name
+    (two names of one column made every pair of one text twice, (x, x)), as a dict ({} for none)."""
     columns = dict(columns or {})
+    names_of = {}
     for name, column in columns.items():
         if name not in COLUMN_NAMES:
             raise DataError(f"--columns {name}={column}: unknown name {name!r} (the names are "
                             f"{', '.join(COLUMN_NAMES)})")
+        if column in names_of:
+            raise DataError(f"--columns {names_of[column]}={column} {name}={column}: the column {column!r} is mapped "
+                            f"to both {names_of[column]} and {name}; map each name to a column of its own")
+        names_of[column] = name
     return columns
 
 

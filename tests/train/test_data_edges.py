@@ -328,6 +328,19 @@ def test_the_columns_flag_takes_items_separated_by_commas_and_refuses_half_ones(
         parse_columns("text1=sent_a")
 
 
+def test_a_column_mapped_to_two_names_is_refused():
+    """--columns query=a positive=a trained on (x, x) pairs without a word: a column mapped to two names is refused,
+    naming both and the column, for --columns and --dev-columns alike, before anything is read."""
+    from angle_train.config import TrainConfig
+    from angle_train.data import parse_columns
+
+    said = r"query=a positive=a: the column 'a' is mapped to both query and positive; map each name to a column"
+    with pytest.raises(DataError, match=rf"^--columns {said}"):
+        parse_columns(["query=a", "positive=a"])
+    with pytest.raises(ValueError, match=rf"^--dev-columns {said}"):
+        TrainConfig(dev_data="dev.jsonl", dev_columns=["query=a,positive=a"]).validate()
+
+
 def test_the_stsb_layout_is_detected_by_its_score_whatever_its_ids(tmp_path):
     """An STS-B file is told by its score (field 4) and its seven fields: ids that are not numbers (field 3) leave it
     the STS-B layout."""
