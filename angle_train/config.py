@@ -450,6 +450,12 @@ def prompts_of(settings: dict) -> Prompts:
     return Prompts(**{role: settings.get(name) for role, name in PROMPT_SETTINGS.items()})
 
 
+def prompt_flags(prompts: Prompts) -> str:
+    """The flags that give a run these prompts (prompts_of's inverse), as a shell reads them: each role's own."""
+    return shlex.join(word for role, name in PROMPT_SETTINGS.items() if getattr(prompts, role) is not None
+                      for word in flag_words(name, getattr(prompts, role)))
+
+
 def flag_of(name: str) -> str:
     """The command-line flag of the setting `name` ("lora_r" -> "--lora-r")."""
     return "--" + name.replace("_", "-")

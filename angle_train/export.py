@@ -46,7 +46,7 @@ import shutil
 
 from . import st_folder
 from .st_folder import META_FILE
-from .data import Prompts, prompt_prefix
+from .data import prompt_prefix
 from .models import position_limit
 
 ST_POOLING_KEYS = st_folder.POOLING_KEYS
@@ -267,7 +267,7 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
 def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, pooling: str | None = None, **kwargs):
     """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only); `pooling`
     replaces the export's (meta keeps the export's own)."""
-    from .models import export_pooling, load_encoder
+    from .models import export_pooling, export_prompts, load_encoder
 
     with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
         meta = json.load(f)
@@ -288,7 +288,6 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, p
     else:
         encoder, tokenizer = load_encoder(path, pooling=pooling, device=device, is_decoder=meta["is_decoder"],
                                           bidirectional=bidirectional, **kwargs)
-    # exports written before per-role prompts have only "prompt" (every text's)
-    encoder.prompts = Prompts(**meta.get("prompts", {"text": meta.get("prompt")}))
+    encoder.prompts = export_prompts(meta)
     encoder.max_length = meta.get("max_length")  # encode()'s default, as sentence-transformers' max_seq_length
     return encoder, tokenizer, meta

@@ -489,13 +489,25 @@ def export_pooling(meta_path: str, pooling) -> str | None:
     return pooling
 
 
+def export_prompts(meta: dict) -> Prompts:
+    """The prompts an export's angle_train.json (`meta`, read) records; exports written before per-role prompts have
+    only "prompt" (every text's)."""
+    return Prompts(**meta.get("prompts", {"text": meta.get("prompt")}))
+
+
+def _own_meta(name_or_path: str) -> dict:
+    """The angle_train.json of a model's folder that is an angle_train export; {} for any other model."""
+    meta = os.path.join(name_or_path, st_folder.META_FILE)
+    return st_folder.read_json(meta) if os.path.isfile(meta) else {}
+
+
 def own_pooling(name_or_path: str, st_files: str | None) -> tuple[str, str] | None:
     """(pooling, the file that names it) of a model's folder: an angle_train export's angle_train.json (every strategy;
     cls_avg and bidirectional exports have no sentence-transformers files; `export_pooling`), else the Pooling module
     of its sentence-transformers files (`st_files`: st_folder.find_folder's folder, or None); None when neither names
     one."""
     meta = os.path.join(name_or_path, st_folder.META_FILE)
-    pooling = export_pooling(meta, st_folder.read_json(meta).get("pooling")) if os.path.isfile(meta) else None
+    pooling = export_pooling(meta, _own_meta(name_or_path).get("pooling"))
     if pooling is not None:
         return pooling, st_folder.META_FILE
     return st_folder.pooling(st_files) if st_files else None
@@ -504,8 +516,13 @@ def own_pooling(name_or_path: str, st_files: str | None) -> tuple[str, str] | No
 def own_bidirectional(name_or_path: str) -> bool:
     """Whether a model's folder is an angle_train export trained with bidirectional attention (its
     angle_train.json)."""
-    meta = os.path.join(name_or_path, st_folder.META_FILE)
-    return os.path.isfile(meta) and st_folder.read_json(meta).get("bidirectional") is True
+    return _own_meta(name_or_path).get("bidirectional") is True
+
+
+def own_prompts(name_or_path: str) -> Prompts:
+    """The prompts a model's folder that is an angle_train export was trained with (its angle_train.json); none for
+    any other model."""
+    return export_prompts(_own_meta(name_or_path))
 
 
 def own_lowercasing(st_files: str | None) -> bool:

@@ -44,7 +44,7 @@ from .checkpoint import (
     save_best, save_checkpoint, save_final, set_aside_later_line,
 )
 from .cli_common import resolve_device
-from .config import TrainConfig, flag_of, for_dev_columns
+from .config import PROMPT_SETTINGS, TrainConfig, flag_of, for_dev_columns, prompt_flags
 from .data import (
     FORMATS, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches,
     load_examples, order_fingerprint, sampled_data_fingerprint, share_of,
@@ -56,7 +56,8 @@ from .evaluate import (
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
-    LoraSettings, LoraTargetError, load_encoder, own_bidirectional, position_limit, prepare_tokenizer, wrap_backbone,
+    LoraSettings, LoraTargetError, load_encoder, own_bidirectional, own_prompts, position_limit, prepare_tokenizer,
+    wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -341,6 +342,10 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     folders_attention = model is None and not cfg.bidirectional and own_bidirectional(cfg.model)
     if folders_attention:
         cfg.bidirectional = True
+    # an export's prompts are not taken over (a run may want others) but said where the run gives none: trained from it
+    # without them, a model learns bare texts where it had learned prompted ones
+    gives_prompts = any(getattr(cfg, name) is not None for name in PROMPT_SETTINGS.values())
+    folders_prompt_flags = "" if model is not None or gives_prompts else prompt_flags(own_prompts(cfg.model))
     encoder, tokenizer = build_encoder(cfg, device) if model is None else (model[0].to(device), model[1])
     encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
     # before --fsdp shards the weights; on the main process, which prints it
@@ -447,6 +452,10 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                   f"--espresso-dim below {encoder.embedding_dim} to train one", flush=True)
         if weights_note:
             print(weights_note, flush=True)
+        if folders_prompt_flags:
+            print(f"angle_train: note: {cfg.model}'s {st_folder.META_FILE} records the prompts it was trained with "
+                  f"({folders_prompt_flags}); this run gives no --prompt, --query-prompt or --doc-prompt and "
+                  "trains without them: give those flags to keep them", flush=True)
         if resume_from:
             print(f"resumed from {resume_from} at step {position.step}", flush=True)
     encoder.train()

@@ -205,6 +205,28 @@ def test_training_exports_the_prompts_and_every_loader_applies_them(tmp_path, ca
                                rtol=1e-4, atol=1e-5)
 
 
+def test_training_from_an_export_names_its_prompts_where_the_run_gives_none(tmp_path, capsys):
+    """Trained from an export (--model runs/X/final), a run takes its pooling and attention but not its prompts (a run
+    may want others), and dropped them in silence: a fine-tune learned bare texts where the model had learned prompted
+    ones. A note names them and the flags that keep them, where the run gives no prompt flag."""
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import train
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    encoder.prompts = Prompts(query=QUERY, document="Prompts.C")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "export"), max_length=32)
+    data = (demo_examples(16), "B")
+    capsys.readouterr()
+    train(run_config(tmp_path / "a", model=export, max_steps=1, batch_size=8), train_examples=data)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "records the prompts" in line]
+    assert notes == [f"angle_train: note: {export}'s angle_train.json records the prompts it was trained with "
+                     "(--query-prompt 'it was {text}' --doc-prompt 'Represent this sentence for searching relevant "
+                     "passages: {text}'); this run gives no --prompt, --query-prompt or --doc-prompt and trains "
+                     "without them: give those flags to keep them"]
+    train(run_config(tmp_path / "b", model=export, query_prompt=QUERY, max_steps=1, batch_size=8), train_examples=data)
+    assert "records the prompts" not in capsys.readouterr().out
+
+
 def test_a_prompt_that_is_not_a_prefix_stays_out_of_the_sentence_transformers_config(tmp_path, capsys):
     encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
     encoder.prompts = Prompts(text="angle", query=QUERY)
