@@ -268,7 +268,10 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, p
     """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only); `pooling`
     replaces the export's (meta keeps the export's own)."""
     from .models import export_pooling, export_prompts, load_encoder
+    from .preflight import check_model_folder
 
+    if not os.path.isfile(os.path.join(path, META_FILE)):
+        check_model_folder(path, "load_pretrained:")  # a run's output folder: named, with the models it holds
     with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
         meta = json.load(f)
     pooling = pooling or export_pooling(os.path.join(path, META_FILE), meta["pooling"])

@@ -4,7 +4,7 @@ flag or the file, which both commands show as one line (exit status 2).
 
 A model folder (`check_model_folder`) is refused when it
     is an angle-train run's output folder (its config.json holds the run's settings, not a model's): the error names
-    the run's final/ (or best/), the folder that holds its model;
+    the run's final/ and best/, the folders that hold its models;
     has a damaged angle_train.json or config.json (not JSON, or not an object), or damaged sentence-transformers
     files (modules.json, its Pooling module's config.json, sentence_bert_config.json...: st_folder.check);
     has a damaged weights file (*.safetensors whose header is cut short or does not cover the file's tensors);
@@ -96,9 +96,9 @@ def check_model_folder(path: str, flag: str) -> None:
     config = _json_object(os.path.join(path, "config.json"), flag, path)
     meta = _json_object(os.path.join(path, META_FILE), flag, path)
     if meta is None and (config is None or is_run_settings(config)):
-        models = [name for name in ("final", "best") if os.path.isdir(os.path.join(path, name))]
+        models = [os.path.join(path, name) for name in ("final", "best") if os.path.isdir(os.path.join(path, name))]
         if is_run_settings(config) or models:
-            where = (f"its model is in {os.path.join(path, models[0])}" if models else
+            where = (f"its model{'s are' if len(models) > 1 else ' is'} in {' and '.join(models)}" if models else
                      "it holds no final/ or best/ model yet")
             raise ValueError(f"{flag} {path} is an angle-train run's output folder, not a model: {where}")
         return  # not a model folder at all: the commands' own checks say so

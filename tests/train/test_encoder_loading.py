@@ -119,6 +119,22 @@ def test_an_adapter_records_its_local_base_absolute_and_a_base_gone_is_named(tmp
         load_pretrained("adapter")
 
 
+def test_load_pretrained_given_a_runs_output_folder_names_its_models(tmp_path):
+    """A run's output folder (its settings in config.json, final/ and best/, no angle_train.json) given to
+    load_pretrained raised a bare FileNotFoundError for angle_train.json: it is named as a run's folder, with the
+    models it holds, as angle-eval names it."""
+    run = tmp_path / "run"
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
+    for name in ("final", "best"):
+        save_pretrained(encoder, tokenizer, str(run / name), max_length=16)
+    (run / "config.json").write_text(json.dumps({"output_dir": str(run), "train_data": "pairs.jsonl"}))
+    with pytest.raises(ValueError, match=f"^load_pretrained: {re.escape(str(run))} is an angle-train run's output "
+                                         f"folder, not a model: its models are in {re.escape(str(run / 'final'))} "
+                                         f"and {re.escape(str(run / 'best'))}$"):
+        load_pretrained(str(run))
+    assert load_pretrained(str(run / "final"))[2]["pooling"] == encoder.pooling
+
+
 def test_a_causal_lm_architecture_not_in_the_list_is_a_decoder():
     """A model type angle_train does not list (a new or remote-code LLM) whose config names a *ForCausalLM
     architecture is a decoder LM: left padding and last-token pooling, not an encoder's first-token pooling."""

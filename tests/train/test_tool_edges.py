@@ -133,7 +133,7 @@ def test_preflight_bounds(monkeypatch):
 
 
 def test_model_folder_checks_name_the_runs_model_and_read_every_weights_file(tmp_path):
-    """A run's output folder names its final/ (before best/), or says it holds no model yet; a folder whose only
+    """A run's output folder names its final/ and best/, or says it holds no model yet; a folder whose only
     tokenizer file is a WordPiece vocab.txt is a model folder; every *.safetensors shard is checked, not only
     model.safetensors; a config.json is a run's settings only with both output_dir and train_data."""
     import json
@@ -147,7 +147,8 @@ def test_model_folder_checks_name_the_runs_model_and_read_every_weights_file(tmp
         preflight.check_model_folder(str(run), "--model")
     (run / "best").mkdir()
     (run / "final").mkdir()
-    with pytest.raises(ValueError, match=re.escape(f"not a model: its model is in {run / 'final'}") + "$"):
+    with pytest.raises(ValueError, match=re.escape(f"not a model: its models are in {run / 'final'} and "
+                                                   f"{run / 'best'}") + "$"):
         preflight.check_model_folder(str(run), "--model")
     model = tmp_path / "model"
     model.mkdir()
