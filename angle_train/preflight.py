@@ -89,12 +89,10 @@ def check_model_to_train(path: str) -> None:
 def check_model_folder(path: str, flag: str) -> None:
     """Refuse a local model folder that cannot be used as given (the module docstring), before it loads; anything
     that is not a folder here (a hub name, a path found missing elsewhere) is left alone."""
-    from .export import META_FILE
-
     if not os.path.isdir(path):
         return
     config = _json_object(os.path.join(path, "config.json"), flag, path)
-    meta = _json_object(os.path.join(path, META_FILE), flag, path)
+    meta = _json_object(os.path.join(path, st_folder.META_FILE), flag, path)
     if meta is None and (config is None or is_run_settings(config)):
         models = [os.path.join(path, name) for name in ("final", "best") if os.path.isdir(os.path.join(path, name))]
         if is_run_settings(config) or models:
