@@ -458,6 +458,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                   "trains without them: give those flags to keep them", flush=True)
         if resume_from:
             print(f"resumed from {resume_from} at step {position.step}", flush=True)
+        elif cfg.resume == "auto":  # a requeued job's first launch, or a folder whose checkpoints are gone: said
+            print(f"--resume auto: no checkpoint in {cfg.output_dir}; training from step 0", flush=True)
     encoder.train()
     return Run(cfg=cfg, device=device, dist_info=dist_info, encoder=encoder,
                model=distributed.wrap_ddp(encoder, device) if dist_info.enabled and not cfg.fsdp else encoder,

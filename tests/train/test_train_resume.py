@@ -213,6 +213,16 @@ def test_a_finished_run_is_extended_by_a_longer_resume_and_a_shorter_one_is_refu
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
+def test_resume_auto_with_nothing_to_resume_says_it_starts_afresh(tmp_path, capsys):
+    """--resume auto into a folder without checkpoints (a requeued job's first launch) trains from step 0, as it should,
+    and says so: it started afresh without a word, where a resumed run names its checkpoint."""
+    data = (demo_examples(20, seed=3), "B")
+    train(_config(tmp_path / "run", max_steps=1, resume="auto"), train_examples=data)
+    assert f"--resume auto: no checkpoint in {tmp_path / 'run'}; training from step 0" in capsys.readouterr().out
+    train(_config(tmp_path / "plain", max_steps=1), train_examples=data)
+    assert "--resume auto" not in capsys.readouterr().out
+
+
 def test_a_finished_run_is_refused_unless_overwrite_is_asked(tmp_path, capsys):
     """With the defaults (no checkpoints), a second run into a finished run's folder is refused, with or without
     --resume auto (nothing to resume); --overwrite deletes that run's outputs (best/ too, and the record of a
