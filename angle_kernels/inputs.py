@@ -82,16 +82,11 @@ _value_checks = _value_checks_setting()  # the process's setting (set_input_chec
 _block_setting = threading.local()
 
 
-def _check_bool(enabled) -> None:
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-
-
 def set_input_checks(enabled: bool) -> bool:
     """Turn the value checks (NaN/Inf, label values) on or off for the whole process (outside input_checks blocks,
     which decide in their thread); returns the previous setting."""
     global _value_checks
-    _check_bool(enabled)
+    enabled = check_flag("enabled", enabled)
     previous, _value_checks = _value_checks, enabled
     return previous
 
@@ -109,7 +104,7 @@ def input_checks_enabled() -> bool:
 def input_checks(enabled: bool):
     """Context manager: value checks on or off inside the block, in this thread only (as torch.no_grad), restored
     afterwards."""
-    _check_bool(enabled)
+    enabled = check_flag("enabled", enabled)
     previous = getattr(_block_setting, "enabled", None)
     _block_setting.enabled = enabled
     try:
@@ -177,9 +172,9 @@ def check_flag(name: str, value) -> bool:
 
 
 # The largest factor a logit may carry (scale, or 1 / temperature): 16- and 32-bit embeddings' logits are float32,
-# and a loss takes differences of them (up to 2 x the factor) and sums of those: past a quarter of float32's largest
-# number they overflowed into inf - inf, a silent NaN.
-LARGEST_LOGIT_FACTOR = torch.finfo(torch.float32).max / 4
+# and a loss takes differences of them (up to 2 x the factor) and sums of those: past about a quarter of float32's
+# largest number (3.4e38) they overflowed into inf - inf, a silent NaN.
+LARGEST_LOGIT_FACTOR = 8.5e37
 
 
 def check_scale(name: str, value, *, divides: bool = False) -> float:

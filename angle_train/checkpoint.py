@@ -596,7 +596,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
 # Settings that decide what the checkpoint's weights compute, beyond their names and shapes (_refuse_other_weights):
 # resumed under others, a run went on training another model under the checkpoint's name (an adapter trained at two
 # scales recorded with the second; a base model swapped under its adapter), silently.
-RESUME_MODEL_SETTINGS = ("model", "lora_alpha", "pooling", "bidirectional", "prompt", "query_prompt", "doc_prompt")
+RESUME_MODEL_SETTINGS = ("model", "lora_alpha", "pooling", "bidirectional", *PROMPT_SETTINGS.values())
 # Settings a resumed run may change, said when it does: they apply from the resumed step on (the loss's and LoRA's
 # dropout among them: the model card's command then names settings that trained only the steps from there).
 RESUME_NOTED = ("max_length", "model_dtype", "bf16", "fp16", "lora_dropout", "cosine_w", "ibn_w", "cln_w", "angle_w",
@@ -662,10 +662,10 @@ LOCAL_PATH_SETTINGS = ("model", "train_data", "dev_data")
 
 def _same_setting(name: str, saved, current) -> bool:
     """Whether a setting's value is the checkpoint's. A local path (LOCAL_PATH_SETTINGS) by where it is: a relative
-    path, an absolute one or a link to the same file or folder is the same; --model's folder also where the
-    checkpoint's path no longer leads anywhere (a relative path from another working directory, or a folder moved
-    since the checkpoint: the same model, whose trained weights must still fit, _refuse_other_weights). Hub names
-    are compared as text."""
+    path, an absolute one or a link to the same file or folder is the same; a local --model folder also matches a
+    checkpoint's --model that leads nowhere here (a relative path from another working directory, a folder moved
+    since the checkpoint, or a hub name: taken for the same model, whose trained weights must still fit,
+    _refuse_other_weights). Other values, hub names among them, are compared as text."""
     if saved == current:
         return True
     local = name in LOCAL_PATH_SETTINGS and isinstance(saved, str) and isinstance(current, str)

@@ -10,7 +10,7 @@ import re
 import shlex
 from dataclasses import MISSING, dataclass, field, fields
 
-from angle_kernels.inputs import check_arccon_options
+from angle_kernels.inputs import check_arccon_options, check_scale
 
 from .cli_common import parse_bool
 from .data import Prompts, parse_columns
@@ -229,6 +229,11 @@ class TrainConfig:
         or the model is checked once they are read (trainer.setup)."""
         self._validate_kinds()
         self._validate_ranges()
+        for name in ("cosine_tau", "ibn_tau", "angle_tau"):  # AngleLoss's own rule (its bound too), the flag named
+            try:
+                check_scale(name, getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"{flag_of(name)}: {exc}") from None
         if self.bf16 and self.fp16:
             raise ValueError("choose at most one of --bf16 and --fp16")
         if self.chunk_size and self.chunk_tokens:

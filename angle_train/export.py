@@ -132,8 +132,7 @@ def _record_local_base(adapter_folder: str, base_model: str | None) -> None:
 
 def sentence_transformers_cannot_load(encoder) -> str | None:
     """Why sentence-transformers cannot load `encoder`'s export as it was trained (then the export writes none of its
-    files: sentence-transformers still loads the folder, in silence, as a plain Hugging Face model with mean pooling
-    and a decoder's causal attention), or None."""
+    files), or None."""
     if encoder.bidirectional:
         return ("sentence-transformers would load the model with its causal mask, not the bidirectional attention it "
                 "was trained with (load_pretrained restores it)")

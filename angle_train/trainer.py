@@ -356,11 +356,11 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     if cfg.bidirectional:
         encoder.bidirectional = True  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
-    check_model_settings(cfg, encoder, fmt)
+    pooling_source = encoder.pooling_source if model is None else "the model given to train()"
+    check_model_settings(cfg, encoder, fmt, pooling_source=pooling_source)
     preflight.check_tokenizer(tokenizer, encoder, cfg.model if model is None else "the model given to train()",
                               cfg.max_length)
     cfg.pooling = encoder.pooling  # config.json and the checkpoints record the pooling the run uses
-    pooling_source = encoder.pooling_source if model is None else "the model given to train()"
     items = sentences if cfg.objective == "arccse" else examples
     total_steps = count_steps(cfg, len(items), dist_info.world_size)
     fingerprint = data_fingerprint(items)
@@ -559,16 +559,17 @@ def check_labels(cfg: TrainConfig, examples: list[Example], fmt: str, from_file:
                      "and train nothing; check the label column, or weight a term these labels can train")
 
 
-def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None) -> None:
+def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None, *, pooling_source: str) -> None:
     """The settings against the loaded model, before any text is tokenised: --max-length and --export-max-length
     within the model's position limit (the second is what best/ and final/ tell sentence-transformers and angle-eval
     to encode: beyond the limit they would fail), --matryoshka-dims and --espresso within its width and layers, and a
     pooling that can tell texts apart: a causal decoder's first token attends to itself alone, so first-token pooling
     gave every text starting with the same token (a BOS, a prompt) one embedding, and trained nothing."""
     if encoder.is_decoder and not encoder.bidirectional and encoder.pooling == "cls":
-        raise ValueError(f"pooling cls ({encoder.pooling_source}) on a causal decoder LM: its first token sees no "
-                         "other token, so every text starting with the same token (a BOS token, a prompt) gets one "
-                         "embedding; use --pooling last (decoders' default) or avg, or --bidirectional")
+        raise ValueError(f"pooling cls ({pooling_source}) on a causal decoder LM: its first token sees no other "
+                         "token, so every text starting with the same token (a BOS token, a prompt) gets one "
+                         "embedding; use pooling last (decoders' default) or avg (--pooling), or bidirectional "
+                         "attention (--bidirectional)")
     limit = position_limit(encoder.backbone)
     for flag, length in (("--max-length", cfg.max_length), ("--export-max-length", cfg.export_max_length)):
         if limit is not None and length is not None and length > limit:
@@ -1269,8 +1270,8 @@ def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
     own = ["from angle_train import load_pretrained", "",
            'encoder, tokenizer, meta = load_pretrained("path/to/this/folder")',
            'embeddings = encoder.encode(["A first sentence.", "A second one."], tokenizer)']
-    base = (["This folder holds the LoRA adapter only: loading it loads the base model the adapter names "
-             "(adapter_config.json's `base_model_name_or_path`) and applies the adapter.", ""] if adapter_only else [])
+    base = (["This folder holds the LoRA adapter only: loading it loads the base model it was trained from (recorded "
+             "in adapter_config.json and angle_train.json) and applies the adapter.", ""] if adapter_only else [])
     cannot = sentence_transformers_cannot_load(encoder)
     if cannot:
         return ["```python", *own, "```", "", *base, f"Not through sentence-transformers: {cannot}. It still loads "

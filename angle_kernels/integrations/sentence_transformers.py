@@ -635,8 +635,7 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
     The embedding side is the parent's: the model embeds every column with gradients, the guide without
     (on the model's own tokenisation when the two share a vocabulary and the guide's maximum length is not
     shorter, else on the decoded texts re-tokenised for the guide). Same values and gradients as the parent but
-    for a column whose guide score is above its row's threshold by at most 2^-16 (the module docstring): kept
-    here, dropped by the parent.
+    for the tie allowance (the module docstring).
     """
 
     _input_columns = _GIST
@@ -685,8 +684,8 @@ class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
     """sentence-transformers' CachedGISTEmbedLoss (GradCache) with the loss stage computed by angle_kernels
     (`gist_loss`) on the whole cached batch at once; the embedding side (model and guide mini-batches) is the
     parent's. Same arguments, plus keyword-only `backend`; always fused. show_progress_bar shows the embedding
-    passes' bars, and none for the loss stage (one call). A column whose guide score is above its row's threshold
-    by at most 2^-16 is kept here and dropped by the parent, as in GISTEmbedLoss (the module docstring)."""
+    passes' bars, and none for the loss stage (one call). Same results as the parent but for the tie allowance (the
+    module docstring)."""
 
     _input_columns = _ANCHORED
 

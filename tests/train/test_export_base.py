@@ -206,7 +206,8 @@ def test_the_model_cards_usage_loads_the_model_as_trained(tmp_path):
     encoder.prompts = Prompts(text='Summarize "{text}" in one word:')
     assert "wrap the texts in them" in "\n".join(usage(encoder, []))
     adapter = "\n".join(usage(make_encoder("bert", dtype=torch.float32)[0], [16], adapter_only=True))
-    assert "SentenceTransformer(" in adapter and "LoRA adapter only" in adapter and "base_model_name_or_path" in adapter
+    assert "SentenceTransformer(" in adapter and "LoRA adapter only" in adapter
+    assert "recorded in adapter_config.json and angle_train.json" in adapter
     other, _ = make_encoder("bert", dtype=torch.float32, pooling="cls_avg")
     text = "\n".join(usage(other, []))
     assert "load_pretrained" in text and "Not through sentence-transformers: pooling 'cls_avg'" in text

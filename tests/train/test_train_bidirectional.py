@@ -94,8 +94,10 @@ def test_first_token_pooling_of_a_causal_decoder_is_refused_before_training(tmp_
     from angle_train.trainer import train
 
     cfg = run_config(tmp_path / "causal", model="builtin:tiny-llama", pooling="cls", max_steps=1, batch_size=8)
-    with pytest.raises(ValueError, match=r"^pooling cls \(--pooling\) on a causal decoder LM: .*--pooling last"):
+    with pytest.raises(ValueError, match=r"^pooling cls \(--pooling\) on a causal decoder LM: .*use pooling last "):
         train(cfg)
+    with pytest.raises(ValueError, match=r"^pooling cls \(the model given to train\(\)\) on a causal decoder"):
+        train(run_config(tmp_path / "causal", max_steps=1, batch_size=8), model=make_encoder("llama", pooling="cls"))
     assert not os.path.exists(tmp_path / "causal" / "metrics.jsonl")
     cfg = run_config(tmp_path / "both", model="builtin:tiny-llama", pooling="cls", bidirectional=True, max_steps=1,
                      batch_size=8)

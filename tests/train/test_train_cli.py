@@ -81,6 +81,8 @@ def test_booleans_parse(argv, expected):
     (["--lora-alpha", "0"], "--lora-alpha must be > 0"), (["--keep-checkpoints", "-1"], "--keep-checkpoints must"),
     (["--false-negative-margin", "nan"], "--false-negative-margin must be a finite number"),
     (["--arccon-tau", "0"], "--arccon-tau"), (["--espresso-dim", "0"], "--espresso-dim must be >= 1"),
+    # past float32's range for the logits: the loss's own bound, with the flag named
+    (["--cosine-tau", "1e38"], "--cosine-tau: cosine_tau must be <= 8.5e+37"), (["--ibn-tau", "9e37"], "--ibn-tau: "),
     (["--max-length", "0"], "--max-length must be >= 1"), (["--grad-accum", "0"], "--grad-accum must be >= 1"),
     (["--lora", "1", "--lora-r", "0"], "--lora-r must be >= 1"), (["--pass-tokens", "-1"], "--pass-tokens must be"),
     (["--pack", "-1"], "--pack must be >= 0"), (["--eval-every", "-1"], "--eval-every must be >= 0"),
