@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import preflight
+from . import preflight, st_folder
 from .cli_common import (
     OneLineErrorParser, check_train_extra, parse_bool, resolve_device, user_errors_exit, version_text,
 )
@@ -392,6 +392,9 @@ def check_model(model: str) -> None:
     config.json (a run's OUTPUT_DIR, a dataset given first) with a traceback."""
     from .export import META_FILE
 
+    if model.startswith("builtin:"):  # angle-train's random demo models: nothing trained to score
+        raise ValueError(f"MODEL {model}: angle-train's built-in models are random weights built for a run; score a "
+                         "trained one (an angle-train run's OUTPUT_DIR/final, a local folder or a hub name)")
     if names_local_path(model) and not os.path.exists(model):
         raise FileNotFoundError(f"MODEL {model}: no such folder (a local path, not a Hugging Face hub name: nothing "
                                 "was looked up on the Hub)")
@@ -478,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", help="an angle_train export, or a hub name / local folder of a Hugging Face model")
     parser.add_argument("paths", nargs="+", metavar="PATH", help="datasets in their original layouts (see below)")
     parser.add_argument("--pooling", choices=["cls", "cls_avg", "avg", "max", "last"], default=None)
-    parser.add_argument("--max-length", type=positive_int, default=None, help="default: the export's, else 512")
+    parser.add_argument("--max-length", type=positive_int, default=None,
+                        help="default: the export's, else the sentence-transformers folder's max_seq_length, else 512")
     parser.add_argument("--prompt", default=None, help="the text prompt, for STS pairs (default: the export's); "
                         "'{text}' marks the text, '' is none; also the default of the next two")
     parser.add_argument("--query-prompt", default=None,
@@ -506,13 +510,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def encoding_length(requested: int | None, meta: dict, encoder, tokenizer, model: str) -> int:
-    """The tokens per text the evaluation encodes: --max-length, else the export's, else 512 or the model's position
-    limit if lower; checked before any text is encoded: within the position limit (as angle-train checks it) and
-    with room for text beside the tokenizer's special tokens (preflight.check_tokenizer)."""
+    """The tokens per text the evaluation encodes: --max-length, else the export's, else a sentence-transformers
+    folder's max_seq_length (as sentence-transformers encodes the model: it was 512 here, so a base model and its
+    export were scored at different lengths), else 512; the last two no longer than the model's position limit.
+    Checked before any text is encoded: within the position limit (as angle-train checks it) and with room for text
+    beside the tokenizer's special tokens (preflight.check_tokenizer)."""
     from .models import position_limit
 
     limit = position_limit(encoder.backbone)
-    length = requested or meta.get("max_length") or min(512, limit or 512)
+    st_files = None if meta else st_folder.find_folder(model)
+    own = (st_folder.max_seq_length(st_files) if st_files else None) or 512
+    length = requested or meta.get("max_length") or min(own, limit or own)
     if limit is not None and length > limit:
         given = f"--max-length {length}" if requested else f"max_length {length} (the export's angle_train.json)"
         raise ValueError(f"{given} is longer than {model} can read: its position table holds {limit} positions; use "

@@ -93,6 +93,8 @@ EVAL_MISTAKES = [
     (["./run/final", "sts-test.csv"], "MODEL ./run/final: no such folder"),
     (["run", "sts-test.csv"], "MODEL run: not a model folder (no config.json"),
     (["sts-test.csv", "run"], "MODEL comes before the datasets"),
+    # angle-train's random demo models: transformers' "Repo id must use alphanumeric chars" before
+    (["builtin:tiny-bert", "sts-test.csv"], "MODEL builtin:tiny-bert: angle-train's built-in models are random"),
     ([HUB_NAME, "STS16"], "STS16: no such file or folder"),
     ([HUB_NAME, "not-sts"], "not-sts: no STS.input.*.txt / STS20xx.input.*.txt files"),
     ([HUB_NAME, "sts-test.csv", "sts-test.csv"], "two PATHs give datasets of the same name"),

@@ -66,6 +66,28 @@ def test_a_max_length_equal_to_the_position_table_is_taken(export, monkeypatch):
         evaluate.encoding_length(None, {**meta, "max_length": limit + 1}, encoder, tokenizer, "m")
 
 
+def test_angle_eval_encodes_a_sentence_transformers_model_at_its_max_seq_length(tmp_path):
+    """A sentence-transformers folder that is no export (all-MiniLM-L6-v2: max_seq_length 256) was encoded at 512,
+    where sentence-transformers cuts at its max_seq_length, and its export (which records that length) at 256: a base
+    and its fine-tune were scored at different lengths. Its max_seq_length is the default now, within the position
+    table; --max-length still wins."""
+    import json
+
+    from angle_train.models import position_limit
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    folder = save_pretrained(encoder, tokenizer, str(tmp_path / "st"), max_length=16)
+    os.remove(os.path.join(folder, META_FILE))  # a plain sentence-transformers folder
+    settings = os.path.join(folder, "sentence_bert_config.json")
+    for saved, expected in ((9, 9), (10_000, None)):
+        with open(settings, "w") as f:
+            json.dump({"max_seq_length": saved, "do_lower_case": False}, f)
+        loaded, loaded_tokenizer, meta = evaluate.load_model(folder)
+        expected = expected or position_limit(loaded.backbone)  # a folder may claim more than the model reads
+        assert evaluate.encoding_length(None, meta, loaded, loaded_tokenizer, folder) == expected
+        assert evaluate.encoding_length(7, meta, loaded, loaded_tokenizer, folder) == 7
+
+
 def test_list_settings_take_whole_numbers_and_positive_weights():
     from angle_train.config import TrainConfig
 
