@@ -49,6 +49,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -245,7 +246,7 @@ def spearman_by_dim(first: torch.Tensor, second: torch.Tensor, labels: list[floa
     """{dim: Spearman's rho of cos(first[:, :dim], second[:, :dim]) against the labels} (dim None: whole rows); NaN
     where an embedding holds NaN or Inf (no cosine to correlate, as retrieval_metrics says) or every cosine is equal
     (scipy's undefined correlation)."""
-    from scipy.stats import spearmanr
+    from scipy.stats import ConstantInputWarning, spearmanr
 
     scores = {}
     for dim in dims:
@@ -254,7 +255,9 @@ def spearman_by_dim(first: torch.Tensor, second: torch.Tensor, labels: list[floa
             scores[dim] = math.nan
             continue
         cosine = torch.nn.functional.cosine_similarity(first_rows, second_rows, dim=-1)
-        scores[dim] = float(spearmanr(cosine.numpy(), labels).statistic)
+        with warnings.catch_warnings():  # every cosine equal: the NaN, which angle-eval and the trainer report in words
+            warnings.simplefilter("ignore", ConstantInputWarning)
+            scores[dim] = float(spearmanr(cosine.numpy(), labels).statistic)
     return scores
 
 
@@ -484,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-length", type=positive_int, default=None,
                         help="default: the export's, else the sentence-transformers folder's max_seq_length, else 512")
     parser.add_argument("--prompt", default=None, help="the text prompt, for STS pairs (default: the export's); "
-                        "'{text}' marks the text, '' is none; also the default of the next two")
+                        "'{text}' marks the text, '' is none; also the queries' and documents' where neither the "
+                        "export nor the next two give theirs")
     parser.add_argument("--query-prompt", default=None,
                         help="the retrieval queries' prompt (default: the export's; '' for none)")
     parser.add_argument("--doc-prompt", default=None,
