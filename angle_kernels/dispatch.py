@@ -420,25 +420,33 @@ def _warn_unverified(ops: Ops, op: str, call: contract.Call, path: str) -> None:
         "per process for each backend, op and code path).", RuntimeWarning, stacklevel=5)
 
 
+def _requested_name(requested: str | None) -> str:
+    """The backend a call asks for, lower-case: `requested`, or for None $ANGLE_KERNELS_BACKEND, else "auto"; one of
+    'auto', 'torch', 'triton', 'cuda' in any case, with spaces around it. Anything else raises ValueError naming where
+    it came from (the `backend` argument or the variable)."""
+    if requested is None:
+        # the variable set but empty (`ANGLE_KERNELS_BACKEND= cmd`, a blank line in an env file) counts as unset, as
+        # an empty ANGLE_KERNELS_CHECK_INPUTS does: refusing it failed every loss call
+        value, source, expected = os.environ.get(_ENV_VAR, "").strip() or "auto", _ENV_VAR, "one of"
+    else:
+        value, source, expected = requested, "backend", "None or one of"
+    name = value.strip().lower() if isinstance(value, str) else None
+    if name not in BACKENDS + ("auto",):
+        raise ValueError(f"{source} must be {expected} 'auto', 'torch', 'triton', 'cuda'; got {value!r}")
+    return name
+
+
 def check_backend(backend: str | None) -> str | None:
     """A backend argument checked where it is given (a module's or a drop-in's constructor, patch()), not at its first
-    call, after the model and data have loaded: None (ANGLE_KERNELS_BACKEND, else "auto") or one of 'auto', 'torch',
-    'triton', 'cuda' in any case, with spaces around it as resolve_backend takes it; returned as given. Anything else
-    raises ValueError naming the argument."""
-    if backend is not None and (not isinstance(backend, str) or backend.strip().lower() not in BACKENDS + ("auto",)):
-        raise ValueError(f"backend must be None or one of 'auto', 'torch', 'triton', 'cuda'; got {backend!r}")
+    call, after the model and data have loaded, as resolve_backend reads it (None: ANGLE_KERNELS_BACKEND, which is
+    checked now too, else "auto"); returned as given, so a None still reads the variable at each call."""
+    _requested_name(backend)
     return backend
 
 
 def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
     """Return the Ops of the backend that computes ops on `tensors` (see the module docstring)."""
-    # the variable set but empty (`ANGLE_KERNELS_BACKEND= cmd`, a blank line in an env file) counts as unset, as an
-    # empty ANGLE_KERNELS_CHECK_INPUTS does: refusing it failed every loss call
-    name = requested if requested is not None else (os.environ.get(_ENV_VAR, "").strip() or "auto")
-    name = name.strip().lower() if isinstance(name, str) else name
-    if name not in BACKENDS + ("auto",):
-        source = "backend" if requested is not None else _ENV_VAR
-        raise ValueError(f"{source} must be one of 'auto', 'torch', 'triton', 'cuda'; got {name!r}")
+    name = _requested_name(requested)
     on_cuda = getattr(tensors[0], "is_cuda", None)
     if on_cuda is None:
         raise TypeError(f"the ops take torch.Tensors, got {type(tensors[0]).__name__}")

@@ -397,8 +397,11 @@ def test_bad_backend_raises(ak, gen, monkeypatch):
                 module(backend=bad)
         assert module(backend=" Torch ").backend == " Torch "  # as resolve_backend takes it
     monkeypatch.setenv("ANGLE_KERNELS_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="ANGLE_KERNELS_BACKEND"):
+    with pytest.raises(ValueError, match="ANGLE_KERNELS_BACKEND must be one of 'auto'.*got 'bogus'"):
         ak.cosine_loss(y, x)
+    for module in (lambda: ak.AngleLoss(), lambda: ak.ArcCSELoss()):  # the variable their None stands for, too
+        with pytest.raises(ValueError, match="ANGLE_KERNELS_BACKEND must be one of 'auto'.*got 'bogus'"):
+            module()
     monkeypatch.setenv("ANGLE_KERNELS_BACKEND", "torch")
     ak.cosine_loss(y, x)
     for unset in ("", "  "):  # set but empty counts as unset ("auto"), as ANGLE_KERNELS_CHECK_INPUTS does

@@ -122,7 +122,8 @@ def patch(backend: str | None = None) -> None:
             (default) means each call chooses ("auto", or the ANGLE_KERNELS_BACKEND environment variable).
 
     Calling patch() again while patched re-binds the backend; the saved originals stay the reference's.
-    Raises ImportError when angle-emb is not installed, ValueError for an unknown backend (before anything changes).
+    Raises ImportError when angle-emb is not installed, ValueError for an unknown backend (with None, an unknown
+    ANGLE_KERNELS_BACKEND) before anything changes.
     """
     check_backend(backend)
     modules = _import_angle_emb()

@@ -262,6 +262,29 @@ def test_a_backend_is_checked_at_construction(model64, guide64):
         assert make(backend="torch").backend == "torch"
 
 
+def test_the_backend_variable_is_checked_at_construction(model64, guide64, monkeypatch):
+    """A bad ANGLE_KERNELS_BACKEND was refused at the first loss call, after the model's forward passes (a cached
+    loss's many): each drop-in without a backend argument now refuses it when built, with the dispatcher's message.
+    An explicit backend does not read the variable; set but empty, it counts as unset."""
+    makers = (lambda **kw: ours.CoSENTLoss(model64, **kw), lambda **kw: ours.AnglELoss(model64, **kw),
+              lambda **kw: ours.MultipleNegativesRankingLoss(model64, **kw),
+              lambda **kw: ours.CachedMultipleNegativesRankingLoss(model64, **kw),
+              lambda **kw: ours.MultipleNegativesSymmetricRankingLoss(model64, **kw),
+              lambda **kw: ours.CachedMultipleNegativesSymmetricRankingLoss(model64, **kw),
+              lambda **kw: ours.GISTEmbedLoss(model64, guide64, **kw),
+              lambda **kw: ours.CachedGISTEmbedLoss(model64, guide64, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the symmetric parents are deprecated upstream
+        for make in makers:
+            monkeypatch.setenv("ANGLE_KERNELS_BACKEND", "tritn")
+            with pytest.raises(ValueError, match="ANGLE_KERNELS_BACKEND must be one of 'auto'.*got 'tritn'"):
+                make()
+            assert make(backend="torch").backend == "torch"
+            for unset in ("", "  "):
+                monkeypatch.setenv("ANGLE_KERNELS_BACKEND", unset)
+                assert make().backend is None
+
+
 def test_the_backend_given_to_a_drop_in_computes_its_loss(model64, guide64):
     """backend= reaches the fused computation of every drop-in: "cuda" on CPU embeddings is refused by that backend
     (a drop-in that dropped it would compute on the automatic choice instead, in silence)."""
