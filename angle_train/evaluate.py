@@ -63,6 +63,7 @@ from .data import (
     DataError, Example, Prompts, check_label, data_files_in, load_examples, open_text, parse_columns, read_stsb,
 )
 from .models import check_dim, truncate
+from .tracking import finite_or_none
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
 ORIGINAL_FILES = re.compile(r"STS20(1[2-6])\.input\.(.+)\.txt$")
@@ -566,7 +567,7 @@ def main(argv=None) -> int:
         print(table(results, dims=dims))
         if args.json_out:  # strict JSON: an undefined score (constant cosines: NaN) is null
             with open(args.json_out, "w", encoding="utf-8") as f:
-                json.dump(_finite_or_none(results), f, indent=2, allow_nan=False)
+                json.dump(finite_or_none(results), f, indent=2, allow_nan=False)
                 f.write("\n")
     unscored = [name for name, value in results.items() if not _all_finite(value)]
     for name in unscored:
@@ -580,15 +581,6 @@ def _all_finite(value) -> bool:
     if isinstance(value, dict):
         return all(_all_finite(v) for v in value.values())
     return not isinstance(value, float) or math.isfinite(value)
-
-
-def _finite_or_none(value):
-    """`value` (numbers in dicts and lists) with every NaN or infinity replaced by None."""
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite_or_none(v) for v in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 if __name__ == "__main__":

@@ -173,6 +173,24 @@ def open_reporters(names: list[str], output_dir: str, config: dict) -> list:
 CURVES_METADATA_KEY = "angle_train curves"
 
 
+def metrics_line(row: dict) -> str:
+    """A metrics row as its metrics.jsonl line: strict JSON, a value that is not a finite number written as null
+    (angle_train/README.md states the rule). json.dumps writes NaN and Infinity, which no JSON parser but Python's
+    takes (jq, JavaScript's JSON.parse); allow_nan=False makes a non-finite number this misses an error, never a line
+    that is not JSON."""
+    return json.dumps(finite_or_none(row), allow_nan=False) + "\n"
+
+
+def finite_or_none(value):
+    """`value` (numbers in dicts, lists and tuples) with every NaN or infinity replaced by None: what angle_train
+    writes as strict JSON (metrics_line; angle-eval's --json file) holds null where a number is not finite."""
+    if isinstance(value, dict):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(item) for item in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def metrics_row(line: bytes | str) -> dict | None:
     """The row a metrics.jsonl line holds: a JSON object whose "step" is a whole number; None for anything else (a
     line torn by a kill, bytes that are not UTF-8, a number, a step that is not one)."""
@@ -191,15 +209,27 @@ def read_metrics(path: str) -> list[dict]:
         return [row for row in map(metrics_row, f) if row is not None]
 
 
+def number_at(row: dict, key: str) -> float | None:
+    """The number a metrics row holds at `key`: NaN for null (a number that was not finite: metrics_line; a line
+    written before that rule holds the NaN itself; an evaluation row's best_<metric> is null before any best, no
+    number either), None where it holds none (absent, or anything else: a hand-edited or damaged row may hold
+    anything, true included)."""
+    value = row.get(key)
+    if key in row and value is None:
+        return math.nan
+    return value if type(value) in (int, float) else None
+
+
 def has_numbers(row: dict, *keys: str) -> bool:
-    """Whether a metrics row holds a number at each of `keys` (a hand-edited or damaged row may hold anything)."""
-    return all(type(row.get(key)) in (int, float) for key in keys)
+    """Whether a metrics row holds a number (number_at: null as NaN) at each of `keys`."""
+    return all(number_at(row, key) is not None for key in keys)
 
 
 def has_score(row: dict, key: str) -> bool:
-    """Whether a metrics row holds a finite number at `key`: an evaluation that gave no score (NaN: dev embeddings
-    holding NaN or Inf, or cosines all equal) has no point on the dev curve, whose axis limits must be finite."""
-    return has_numbers(row, key) and math.isfinite(row[key])
+    """Whether a metrics row holds a finite number at `key`: an evaluation that gave no score (NaN, written as null:
+    dev embeddings holding NaN or Inf, or cosines all equal) has no point on the dev curve, whose axis limits must be
+    finite."""
+    return has_numbers(row, key) and math.isfinite(number_at(row, key))
 
 
 def score_axis(scores: list[float]) -> tuple[float, float]:
@@ -242,7 +272,8 @@ def plot_curves(metrics_path: str, png_path: str, lr_curve: list[tuple[int, floa
     panels = 3 if eval_rows else 2
     figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.6), constrained_layout=True)
     steps = [row["step"] for row in train_rows]
-    axes[0].plot(steps, [row["loss"] for row in train_rows], marker="." if len(steps) < 50 else None)
+    # a row of skipped steps only (its loss null, read as NaN) is a gap in the loss curve
+    axes[0].plot(steps, [number_at(row, "loss") for row in train_rows], marker="." if len(steps) < 50 else None)
     axes[0].set(title="training loss", xlabel="step")
     lr_curve = lr_curve or [(row["step"], row["lr"]) for row in train_rows]
     axes[1].plot(*zip(*lr_curve))

@@ -1248,7 +1248,7 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
                 "cosine retrieval of each query's own positive among every dev positive")
         lines += ["## Evaluation", "", f"{label[0].upper() + label[1:]} ({what}) on {dev_data}:",
                   "", f"| step | {tracking.DEV_METRICS[metric]} |", "|---|---|"]
-        lines += [f"| {row['step']} | {row[metric]:.4f} |" for row in evals]
+        lines += [f"| {row['step']} | {tracking.number_at(row, metric):.4f} |" for row in evals]
         lines += [""]
     lines += ["## Usage", ""] + usage(run.encoder, widths, adapter_only=adapter_only) + [
         "`angle-eval path ...` gives STS and retrieval scores.", ""]
@@ -1455,7 +1455,7 @@ class RunLog:
         if self.metrics_path is None:
             return
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(tracking.metrics_line(row))
         for reporter in self.reporters:
             reporter.log(row)
 

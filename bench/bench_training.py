@@ -140,6 +140,7 @@ import harness  # noqa: E402  (first: sets OMP_WAIT_POLICY before torch loads)
 import sts_quality  # noqa: E402  (where the model and STS-B are; HF offline)
 
 from angle_train.config import CPU_PACK_WIDTH  # noqa: E402
+from angle_train.tracking import number_at  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -502,7 +503,9 @@ def in_process_steps(kind: str, record: dict, workdir: Path, setting: Setting, s
             return None
         if [r.get("step") for r in rows] != list(range(1, steps + 1)):
             return None
-        return {"step_s": [setting.batch / r["pairs_per_s"] for r in rows], "losses": [r["loss"] for r in rows],
+        # a skipped step's loss is null there (number_at: NaN, which relative_difference takes as no agreement)
+        return {"step_s": [setting.batch / r["pairs_per_s"] for r in rows],
+                "losses": [number_at(r, "loss") for r in rows],
                 "peak_memory_bytes": max(r.get("peak_mem_gb", 0.0) for r in rows) * 2**30}
     said = record.get("said")
     if not isinstance(said, dict):

@@ -473,6 +473,10 @@ def test_a_step_log_counts_only_when_it_has_every_step(tmp_path):
     logged = bt.in_process_steps("ours", {}, tmp_path, setting, 2)
     assert logged == {"step_s": [4.0, 2.0], "losses": [0.5, 0.4], "peak_memory_bytes": 2.0 * 2**30}
     assert bt.in_process_steps("ours", {}, tmp_path, setting, 3) is None
+    rows[1]["loss"] = None  # a skipped step's loss, which metrics.jsonl holds as null: NaN, no agreement
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    losses = bt.in_process_steps("ours", {}, tmp_path, setting, 2)["losses"]
+    assert losses[0] == 0.5 and math.isnan(losses[1]) and bt.relative_difference(losses[1], 0.4) == math.inf
     said = {"step_seconds": [1.0, 1.0], "losses": [0.5, 0.4], "peak_memory_bytes": 7}
     assert bt.in_process_steps("st", {"said": dict(said)}, tmp_path, setting, 3) is None
     assert bt.in_process_steps("st", {"said": dict(said)}, tmp_path, setting, 2)["step_s"] == [1.0, 1.0]

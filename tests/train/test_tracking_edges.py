@@ -79,6 +79,34 @@ def test_a_step_that_is_a_boolean_is_no_metrics_row():
     assert metrics_row('{"step": true, "loss": 1.0}') is None
 
 
+def test_a_metrics_line_is_strict_json_with_null_for_what_is_not_finite():
+    """NaN, Infinity and -Infinity (json.dumps's defaults, which jq and JavaScript's JSON.parse refuse) are written as
+    null, in nested values too; number_at reads null back as NaN, and takes no boolean for a number."""
+    import json
+    import math
+
+    from angle_train.tracking import metrics_line, metrics_row, number_at
+
+    row = {"step": 2, "loss": math.nan, "grad_norm": math.inf, "lr": -math.inf, "skipped": True,
+           "dims": [1.0, math.nan], "scores": {"a": math.inf}, "note": "x"}
+    line = metrics_line(row)
+    assert line.endswith("\n") and line.count("\n") == 1
+    assert json.loads(line, parse_constant=lambda constant: pytest.fail(f"{constant} in {line}")) == {
+        "step": 2, "loss": None, "grad_norm": None, "lr": None, "skipped": True, "dims": [1.0, None],
+        "scores": {"a": None}, "note": "x"}
+    read = metrics_row(line)
+    assert math.isnan(number_at(read, "loss")) and number_at(read, "skipped") is None
+    assert number_at(read, "absent") is None and number_at(read, "note") is None
+    assert math.isnan(number_at(metrics_row('{"step": 1, "loss": NaN}'), "loss"))  # a line written before the rule
+
+
+def test_a_row_without_a_finite_loss_is_a_gap_in_the_loss_curve(tmp_path):
+    """A row of skipped steps only holds a null loss: a point of the curve (a gap), its learning rate drawn."""
+    drawn = _drawn(tmp_path, [{"step": 1, "loss": 1.0, "lr": 0.1}, {"step": 2, "loss": None, "lr": 0.1},
+                              {"step": 3, "loss": 0.8, "lr": 0.1}])
+    assert drawn["steps"] == drawn["lr_steps"] == [1, 2, 3]
+
+
 def test_the_dev_axis_is_at_least_the_minimum_span_wide():
     """Scores a few ten-thousandths apart get an axis MIN_SCORE_SPAN wide, centred on them; a wider spread gets a 10%
     margin each side."""

@@ -145,6 +145,37 @@ def test_a_skipped_steps_loss_stays_out_of_the_logged_mean(tmp_path):
     assert first["loss"] == pytest.approx(result.history[0]["loss"], rel=1e-12)
 
 
+def _strict_json_rows(path) -> list[dict]:
+    """The rows of a metrics.jsonl, each line read as strict JSON: NaN, Infinity and -Infinity are no JSON values
+    (jq and JavaScript's JSON.parse refuse them; Python's json module alone takes them)."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in Path(path).read_text().splitlines()]
+
+
+def test_a_row_of_skipped_steps_is_written_as_strict_json(tmp_path):
+    """Step 2's loss is NaN: its row (one step a row) holds a loss and a gradient norm that are not finite, written
+    as null (json.dumps wrote NaN, and the line was no JSON); the curves leave a gap there and the run's model card
+    is written."""
+    poisoned = PoisonedLoss(bad=[2])
+    result = train(_config(tmp_path, max_steps=3, max_bad_steps=5), model=make_encoder(), train_examples=DATA,
+                   loss_fn=poisoned, on_step=poisoned.on_step)
+    assert [row["skipped"] for row in result.history] == [False, True, False]
+    assert math.isnan(result.history[1]["loss"])
+    rows = _strict_json_rows(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert rows[1]["skipped"] and rows[1]["loss"] is None and rows[1]["grad_norm"] is None
+    assert all(isinstance(rows[i]["loss"], float) for i in (0, 2))
+    assert math.isnan(tracking.number_at(tracking.read_metrics(str(tmp_path / "metrics.jsonl"))[1], "loss"))
+    if result.curves_path is not None:  # with matplotlib: the skipped row is a point of the loss curve, a gap
+        from PIL import Image
+
+        with Image.open(result.curves_path) as image:
+            assert json.loads(image.text[CURVES_METADATA_KEY])["steps"] == [1, 2, 3]
+
+
 def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path):
     """The run stops naming step 1's checkpoint: step 2's weights (in the step-2 and step-3 checkpoints) gave the
     failing steps."""
@@ -323,6 +354,10 @@ def test_a_dev_evaluation_without_a_finite_score_is_never_the_best(tmp_path, mon
 
         with Image.open(result.curves_path) as image:
             assert json.loads(image.text[CURVES_METADATA_KEY])["dev_steps"] == [2]
+    # metrics.jsonl holds the evaluations without a score as null: every line is JSON
+    logged = [row for row in _strict_json_rows(tmp_path / "metrics.jsonl") if metric in row]
+    assert [row[metric] for row in logged] == [None, second, None]
+    assert "| 1 | nan |" in (tmp_path / "best" / "README.md").read_text()  # the model card's table reads them
 
 
 @pytest.mark.parametrize("weight", [0, -1], ids=["first", "last"])
