@@ -519,8 +519,9 @@ def encoding_length(requested: int | None, meta: dict, encoder, tokenizer, model
     folder's max_seq_length (as sentence-transformers encodes the model: it was 512 here, so a base model and its
     export were scored at different lengths), else 512; the last two no longer than the model's position limit.
     Checked before any text is encoded: within the position limit (as angle-train checks it) and with room for text
-    beside the tokenizer's special tokens (preflight.check_tokenizer)."""
-    from .models import position_limit
+    beside the tokenizer's special tokens (preflight.check_tokenizer). A --max-length past a rotary model's trained
+    context is noted on stderr, as angle-train notes it (models.past_trained_context_note)."""
+    from .models import past_trained_context_note, position_limit
 
     limit = position_limit(encoder.backbone)
     st_files = None if meta else st_folder.find_folder(model)
@@ -531,6 +532,9 @@ def encoding_length(requested: int | None, meta: dict, encoder, tokenizer, model
         raise ValueError(f"{given} is longer than {model} can read: its position table holds {limit} positions; use "
                          f"--max-length {limit} or less")
     preflight.check_tokenizer(tokenizer, encoder, model, length)
+    note = requested and past_trained_context_note(encoder.backbone, "--max-length", requested, model)
+    if note:
+        print(f"angle-eval: {note}", file=sys.stderr, flush=True)
     return length
 
 

@@ -385,6 +385,27 @@ def position_limit(backbone: nn.Module) -> int | None:
     return table.num_embeddings - (0 if table.padding_idx is None else table.padding_idx + 1)
 
 
+def trained_context(backbone: nn.Module) -> int | None:
+    """The tokens a rotary-position model (LLaMA, Mistral, Qwen: a *RotaryEmbedding module, no position table) was
+    trained to read at once, its config's max_position_embeddings; None for any other model. Past it the model still
+    runs (rotary positions have no table to run out of), but at positions it never saw in training."""
+    if not any(type(module).__name__.endswith("RotaryEmbedding") for module in backbone.modules()):
+        return None
+    context = getattr(getattr(backbone, "config", None), "max_position_embeddings", None)
+    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
+
+
+def past_trained_context_note(backbone: nn.Module, flag: str, length: int, model: str) -> str | None:
+    """One line saying that `flag` `length` reaches past a rotary model's trained context (trained_context), or None
+    where it does not: not an error (the model runs there), but its embeddings of such long texts are untested."""
+    context = trained_context(backbone)
+    if context is None or length <= context:
+        return None
+    return (f"note: {flag} {length} reaches past the {context} tokens {model} was trained to read (its config's "
+            "max_position_embeddings): rotary positions run there, but texts longer than that are read at positions "
+            "it never saw in training")
+
+
 def check_dim(dim: int | None, width: int) -> None:
     """dim: None (every feature) or a prefix width 1 <= dim <= width."""
     if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= width):

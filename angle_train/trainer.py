@@ -56,8 +56,8 @@ from .evaluate import (
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
-    LoraSettings, LoraTargetError, load_encoder, own_bidirectional, own_prompts, position_limit, prepare_tokenizer,
-    wrap_backbone,
+    LoraSettings, LoraTargetError, load_encoder, own_bidirectional, own_prompts, past_trained_context_note,
+    position_limit, prepare_tokenizer, wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -358,8 +358,13 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
     pooling_source = encoder.pooling_source if model is None else "the model given to train()"
     check_model_settings(cfg, encoder, fmt, pooling_source=pooling_source)
-    preflight.check_tokenizer(tokenizer, encoder, cfg.model if model is None else "the model given to train()",
-                              cfg.max_length)
+    model_name = cfg.model if model is None else "the model given to train()"
+    preflight.check_tokenizer(tokenizer, encoder, model_name, cfg.max_length)
+    # a rotary model reads past its trained context without an error (a position table's limit is refused above):
+    # said, before --fsdp wraps the backbone
+    context_notes = [note for flag, length in (("--max-length", cfg.max_length),
+                                               ("--export-max-length", cfg.export_max_length))
+                     if length and (note := past_trained_context_note(encoder.backbone, flag, length, model_name))]
     cfg.pooling = encoder.pooling  # config.json and the checkpoints record the pooling the run uses
     items = sentences if cfg.objective == "arccse" else examples
     total_steps = count_steps(cfg, len(items), dist_info.world_size)
@@ -452,6 +457,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                   f"--espresso-dim below {encoder.embedding_dim} to train one", flush=True)
         if weights_note:
             print(weights_note, flush=True)
+        for note in context_notes:
+            print(f"angle_train: {note}", flush=True)
         if folders_prompt_flags:
             print(f"angle_train: note: {cfg.model}'s {st_folder.META_FILE} records the prompts it was trained with "
                   f"({folders_prompt_flags}); this run gives no --prompt, --query-prompt or --doc-prompt and "

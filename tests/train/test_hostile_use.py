@@ -251,6 +251,28 @@ def test_angle_eval_checks_the_max_length_before_encoding(length, said, export, 
     assert encoded == []
 
 
+def test_a_max_length_past_a_rotary_models_trained_context_is_noted(export, tmp_path, capsys):
+    """A rotary model (LLaMA: no position table to run out of) reads a --max-length past its config's
+    max_position_embeddings without an error, at positions it never saw in training: both commands said nothing.
+    Now each notes it in one line and goes on; a length within the trained context says nothing."""
+    from angle_train import cli, evaluate
+
+    past = ("--max-length 200 reaches past the 128 tokens {} was trained to read (its config's "
+            "max_position_embeddings)")
+    argv = ["--output-dir", str(tmp_path / "out"), *QUICK, "--model", "builtin:tiny-llama"]
+    assert cli.main([*argv, "--max-length", "200"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "reaches past" in line] == [
+        "angle_train: note: " + past.format("builtin:tiny-llama") + ": rotary positions run there, but texts longer "
+        "than that are read at positions it never saw in training"]
+    encoder, tokenizer = make_encoder("llama", dtype=torch.float32)
+    model = save_pretrained(encoder, tokenizer, str(tmp_path / "llama"), max_length=16)
+    assert evaluate.main([model, str(export[1]), "--max-length", "200"]) == 0
+    assert "angle-eval: note: " + past.format(model) in capsys.readouterr().err
+    assert evaluate.main([model, str(export[1]), "--max-length", "128"]) == 0
+    assert "reaches past" not in capsys.readouterr().err
+
+
 def test_a_tokenizer_without_its_vocabulary_is_refused(export, tmp_path):
     """A model whose tokenizer files are missing where the folder check cannot see them (a hub model's cache, a
     model given to train()): transformers' stand-in of special tokens alone is told from the embedding table."""
