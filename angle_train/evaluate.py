@@ -85,22 +85,30 @@ class RetrievalSet:
 
 
 # ------------------------------------------------------------------------------------------------- reading
-def read_dataset(path: str, *, columns: dict | None = None) -> StsSet | RetrievalSet:
+def read_dataset(path: str, *, columns: dict | None = None, where: str | None = None) -> StsSet | RetrievalSet:
     """The dataset at `path`, recognised by its layout (module docstring); a DataError says what was expected.
     columns: the names of a JSONL/CSV file's columns (data.load_examples). A scored set must allow a Spearman
-    correlation: at least 2 rated pairs, not every gold score equal (before any model loads, not a NaN after)."""
+    correlation that ranks something: at least FEWEST_SCORED_PAIRS rated pairs, not every gold score equal (before
+    any model loads, not a NaN or a meaningless +-1 after); `where` names the set in that refusal (default: path)."""
     dataset = _read_dataset(path, columns=columns)
     if isinstance(dataset, StsSet):
-        check_scored(dataset, path)
+        check_scored(dataset, where or path)
     return dataset
 
 
+# The fewest rated pairs a Spearman correlation is scored on: over 2 pairs it is +1 or -1 whatever the model (two
+# distinct values are always in the same or the opposite order), so it tells no model from another, and the trainer
+# would pick best/ by a coin's toss; over 1 or none it is undefined.
+FEWEST_SCORED_PAIRS = 3
+
+
 def check_scored(dataset: StsSet, where: str, hint: str = "") -> None:
-    """Refuse (DataError, naming `where`) a scored set that cannot give a Spearman correlation: fewer than 2 rated
-    pairs, or every gold score equal (`hint` follows that message)."""
+    """Refuse (DataError, naming `where`) a scored set that cannot give a Spearman correlation that ranks something:
+    fewer than FEWEST_SCORED_PAIRS rated pairs, or every gold score equal (`hint` follows that message)."""
     labels = {ex.label for ex in dataset.examples}
-    if len(dataset.examples) < 2:
-        raise DataError(f"{where}: {len(dataset.examples)} rated pair(s); a Spearman correlation needs at least 2")
+    if len(dataset.examples) < FEWEST_SCORED_PAIRS:
+        raise DataError(f"{where}: {len(dataset.examples)} rated pair(s); a Spearman correlation needs at least "
+                        f"{FEWEST_SCORED_PAIRS} (over 2 it is +1 or -1 whatever the model)")
     if len(labels) == 1:
         raise DataError(f"{where}: every gold score is {labels.pop():g}, so the Spearman correlation is undefined"
                         + hint)

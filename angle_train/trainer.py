@@ -333,6 +333,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         check_data_size(cfg, len(examples), "examples", train_examples is None)
     dev_set = dev_set_of(dev_examples, cfg)
     check_data_settings(cfg, train_examples_given=train_examples is not None, dev_set=dev_set)
+    dev_size_note = small_dev_set_note(dev_set, cfg, from_file=dev_examples is None)
     dev_fingerprint = None if dev_set is None else dev_set_fingerprint(dev_set)
 
     random.seed(cfg.seed)
@@ -459,6 +460,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
             print(weights_note, flush=True)
         for note in context_notes:
             print(f"angle_train: {note}", flush=True)
+        if dev_size_note:
+            print(dev_size_note, flush=True)
         if folders_prompt_flags:
             print(f"angle_train: note: {cfg.model}'s {st_folder.META_FILE} records the prompts it was trained with "
                   f"({folders_prompt_flags}); this run gives no --prompt, --query-prompt or --doc-prompt and "
@@ -708,13 +711,21 @@ def read_dev_data(source: str, split: str, columns: dict | None = None) -> StsSe
     document among every positive), else a built-in or Hugging Face dataset in any format; `columns`: --columns, for
     the layouts read by column names (--dev-columns, or --columns)."""
     if os.path.exists(source):
-        return read_dataset(source, columns=columns)
+        return read_dataset(source, columns=columns, where=f"--dev-data {source}")
     return dataset_of(os.path.basename(source.rstrip("/")), *read_data(source, None, split, columns))
+
+
+# A dev set of fewer pairs gives a noisy score: Spearman's rho over n pairs has a standard error of about
+# sqrt(1.06 / (n - 3)) in Fisher's z (Fieller, Hartley and Pearson, 1957), 0.2 at 30 pairs and more below, so the
+# score says little of the model beyond those pairs and best/ is picked partly by chance (recall@k and nDCG@10 over
+# few queries move in steps of 1/n).
+NOISY_DEV_PAIRS = 30
 
 
 def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
     """The dev set: train()'s dev_examples (format-A examples, or an StsSet / RetrievalSet), else --dev-data's, else
-    None; refused when it cannot give a score (fewer than 2 pairs, or gold scores all equal)."""
+    None; refused when it cannot give a score that ranks models (evaluate.check_scored: fewer than 3 scored pairs, or
+    gold scores all equal; fewer than 2 (query, positive) pairs)."""
     where = f"--dev-data {cfg.dev_data}" if dev_examples is None else "dev_examples"
     if dev_examples is None:
         if not cfg.dev_data:
@@ -737,6 +748,20 @@ def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
     elif len(dev_set.queries) < 2:
         raise ValueError(f"{where}: {len(dev_set.queries)} (query, positive) pair(s); retrieval needs at least 2")
     return dev_set
+
+
+def small_dev_set_note(dev_set: StsSet | RetrievalSet | None, cfg: TrainConfig, from_file: bool) -> str | None:
+    """A note for a dev set of fewer than NOISY_DEV_PAIRS pairs (its score picks best/ partly by chance), else None."""
+    if dev_set is None:
+        return None
+    scored = isinstance(dev_set, StsSet)
+    pairs = len(dev_set.examples) if scored else len(dev_set.queries)
+    if pairs >= NOISY_DEV_PAIRS:
+        return None
+    source = f"--dev-data {cfg.dev_data}" if from_file else "dev_examples"  # as dev_set_of names it
+    kind = "scored pairs" if scored else "(query, positive) pairs"
+    return (f"angle_train: note: {source} has {pairs} {kind}: a dev score over fewer than {NOISY_DEV_PAIRS} is "
+            "noisy, so best/ is picked partly by chance; a larger dev set picks it more reliably")
 
 
 def check_dev_metric(resume_from: str, position: Position, dev_set: StsSet | RetrievalSet | None) -> None:

@@ -82,16 +82,20 @@ def test_bad_folders_and_files_are_refused(tmp_path, capsys):
 
 
 def test_a_scored_set_without_a_spearman_correlation_is_refused_and_json_stays_strict(tmp_path):
-    """Gold scores all equal, or fewer than 2 rated pairs, leave the Spearman correlation undefined: refused before
-    the model loads (the table and --json had shown NaN, the JSON file with a bare NaN that strict parsers reject).
-    A NaN the model makes (every cosine equal: identical texts) is written as null."""
+    """Gold scores all equal, or fewer than 3 rated pairs, leave the Spearman correlation undefined (or, over 2
+    pairs, +1 or -1 whatever the model): refused before the model loads (the table and --json had shown NaN, the
+    JSON file with a bare NaN that strict parsers reject). A NaN the model makes (every cosine equal: identical
+    texts) is written as null."""
     constant = _write(tmp_path / "constant.jsonl",
                       [json.dumps({"text1": a, "text2": b, "label": 3.0}) for a, b in PAIRS])
     one = _write(tmp_path / "one.jsonl", [json.dumps({"text1": "a", "text2": "b", "label": 1.0})])
     with pytest.raises(DataError, match="every gold score is 3, so the Spearman correlation is undefined"):
         read_dataset(str(constant))
-    with pytest.raises(DataError, match="1 rated pair\\(s\\); a Spearman correlation needs at least 2"):
-        read_dataset(str(one))
+    two = _write(tmp_path / "two.jsonl", [json.dumps({"text1": a, "text2": b, "label": float(i)})
+                                         for i, (a, b) in enumerate(PAIRS[:2])])
+    for path, count in ((one, 1), (two, 2)):
+        with pytest.raises(DataError, match=f"{count} rated pair\\(s\\); a Spearman correlation needs at least 3"):
+            read_dataset(str(path))
     encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
     export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
     same = _write(tmp_path / "same.jsonl", [json.dumps({"text1": "a cat", "text2": "a cat", "label": float(i)})
@@ -108,10 +112,10 @@ def test_a_scored_set_without_a_spearman_correlation_is_refused_and_json_stays_s
 def test_malformed_files_name_the_file_and_line(tmp_path):
     """Byte-order marks are dropped; bytes that are not UTF-8 and unusable gold scores are DataErrors with the line."""
     sick_lines = ["pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment",
-                  "1\ta b\tc d\t4.5\tNEUTRAL", "2\te f\tg h\t1.0\tNEUTRAL"]
+                  "1\ta b\tc d\t4.5\tNEUTRAL", "2\te f\tg h\t1.0\tNEUTRAL", "3\ti j\tk l\t2.5\tNEUTRAL"]
     sick = tmp_path / "SICK_test_annotated.txt"
     sick.write_text("\ufeff" + "\n".join(sick_lines) + "\n", encoding="utf-8")
-    assert [ex.label for ex in read_dataset(str(sick)).examples] == [4.5, 1.0]
+    assert [ex.label for ex in read_dataset(str(sick)).examples] == [4.5, 1.0, 2.5]
     folder = _year_folder(tmp_path, "STS14", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
     _write(folder / "STS.gs.MSRpar.txt", ["\ufeff4.0", "0.4", "3.2"])
     assert read_dataset(str(folder)).examples[0].label == 4.0

@@ -143,6 +143,42 @@ def test_dev_data_that_cannot_give_a_score_is_refused_naming_it():
     assert dev_set_of(two, TrainConfig()) is two
 
 
+def _write_scored(path, labels) -> str:
+    """An STS-B file (tab-separated, score in field 5) of one pair of distinct texts per label."""
+    path.write_text("".join(f"main-captions\tMSRvid\t2012test\t{i:04d}\t{label:.3f}\ta man plays guitar number {i}"
+                            f"\tsomeone is playing music {i}\n" for i, label in enumerate(labels)), encoding="utf-8")
+    return str(path)
+
+
+def test_a_dev_set_too_small_to_rank_models_is_refused_and_a_small_one_is_noted(tmp_path, capsys, monkeypatch):
+    """Spearman's rho over 2 scored pairs is +1 or -1 whatever the model: a 2-pair --dev-data picked best/ by a
+    coin's toss, in silence. It is refused before the model loads, naming the flag and the count, as a dev set whose
+    gold scores are all equal is (no correlation at all: NaN); a dev set of fewer than 30 pairs is noted as noisy,
+    and one of 30 trains in silence."""
+    from angle_train import trainer
+    from angle_train.data import DataError
+
+    loaded = trainer.build_encoder
+    monkeypatch.setattr(trainer, "build_encoder", lambda *args: pytest.fail("the model loaded before the refusal"))
+    two = _write_scored(tmp_path / "two.csv", [1.0, 4.0])
+    with pytest.raises(DataError, match=rf"^--dev-data {re.escape(two)}: 2 rated pair\(s\); a Spearman correlation "
+                                        r"needs at least 3 \(over 2 it is \+1 or -1 whatever the model\)$"):
+        train(run_config(tmp_path / "run", dev_data=two))
+    constant = _write_scored(tmp_path / "constant.csv", [3.0] * 8)
+    with pytest.raises(DataError, match=rf"^--dev-data {re.escape(constant)}: every gold score is 3, so the Spearman "
+                                        "correlation is undefined"):
+        train(run_config(tmp_path / "run", dev_data=constant))
+    monkeypatch.setattr(trainer, "build_encoder", loaded)
+    settings = dict(batch_size=8, max_steps=1, max_length=12)
+    few = _write_scored(tmp_path / "few.csv", [i % 5 for i in range(6)])
+    train(run_config(tmp_path / "few", dev_data=few, **settings))
+    assert (f"angle_train: note: --dev-data {few} has 6 scored pairs: a dev score over fewer than 30 is noisy, so "
+            "best/ is picked partly by chance; a larger dev set picks it more reliably\n") in capsys.readouterr().out
+    train(run_config(tmp_path / "enough", dev_data=_write_scored(tmp_path / "enough.csv", [i % 5 for i in range(30)]),
+                     **settings))
+    assert "is noisy" not in capsys.readouterr().out
+
+
 def test_the_dev_score_reads_the_texts_cut_at_max_length(tmp_path):
     """The dev evaluation embeds the dev texts as training reads them, cut at --max-length, not at the longer
     --export-max-length the exports record for inference."""
