@@ -40,7 +40,8 @@ a link out of the folder) does not match, and nothing it names is read.
 
 Three starts are refused: a fresh run, or a resume from another output folder's checkpoint, in an output folder that
 holds an earlier run (unless --overwrite: it would replace or orphan that run's outputs); a resume whose data
-settings (RESUME_MUST_MATCH) differ from the checkpoint's (it would silently skip or repeat training data); and one
+settings (RESUME_MUST_MATCH) differ from the checkpoint's (it would silently skip or repeat training data; a data
+file moved, renamed or copied is the same data where the checkpoint records its contents: _moved_data); and one
 whose run ends before the checkpoint's step. The optimizer and schedule settings (RESUME_APPLIES), the run's length
 among them (a finished run can be extended), may change on resume and take effect from the resumed step: the
 learning rate there is the one the new settings' schedule gives at that step (as if the run had used them from the
@@ -556,13 +557,15 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          f"{dist_info.world_size}: resume with {written_by} (each process's data slice and random "
                          "state continue from its own)")
     position = Position(**state["position"])
-    _refuse_changed_data_settings(path, state["config"], cfg)
+    current_data = None if data_record is None or position.data_record is None else data_record(position.epoch)
+    moved = _moved_data(state["config"], cfg, position, current_data, dev_fingerprint)
+    _refuse_changed_data_settings(path, state["config"], cfg, moved=moved)
     if total_steps is not None and position.step > total_steps:
         _refuse_shorter_run(path, cfg, position.step, total_steps)
-    if data_record is not None and position.data_record is not None:
-        _refuse_other_data(path, state["config"], cfg, position, data_record(position.epoch))
+    if current_data is not None:
+        _refuse_other_data(path, state["config"], cfg, position, current_data)
     _refuse_another_model(path, state["config"], cfg)
-    _refuse_another_dev_set(path, state["config"], position, cfg, dev_fingerprint)
+    _refuse_another_dev_set(path, state["config"], position, cfg, dev_fingerprint, moved=moved)
     changed = _changed_optimizer_settings(state["config"], cfg)
     sharded = state.get("sharded", False)
     if sharded != cfg.fsdp:
@@ -581,6 +584,9 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     if state["scaler"]:  # empty when fp16 loss scaling was off
         scaler.load_state_dict(state["scaler"])
     _set_rng_state(rng_state)
+    if dist_info.is_main:
+        for name, (old, new) in moved.items():
+            print(f"{MOVED_DATA[name]} moved: {old} -> {new}, same content", flush=True)
     if changed and dist_info.is_main:
         detail = ", ".join(f"{flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         print(f"resuming with changed settings ({detail}): from step {position.step} on, the learning rate is the one "
@@ -614,15 +620,16 @@ def _saved_dev_column_map(saved: dict) -> dict:
 
 
 def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: TrainConfig,
-                            dev_fingerprint: str | None = None) -> None:
+                            dev_fingerprint: str | None = None, moved: dict | None = None) -> None:
     """A resume with other dev data than the one that measured the checkpoint's best score is refused: the run would
     compare scores on the new data with that score (and keep, or replace, best/ by it). Without --dev-data the best
     stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared. The
     same names are compared by contents too (dev_fingerprint: this run's Position.dev_fingerprint): a dev file edited
-    in place is other dev data."""
+    in place is other dev data; another name of the checkpoint's contents (`moved`: _moved_data) is the same."""
     if position.best is None or not cfg.dev_data or not saved.get("dev_data"):
         return
-    changed = _differing_settings(saved, cfg, RESUME_DEV_SETTINGS)
+    changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_DEV_SETTINGS).items()
+               if k not in (moved or {})}
     # the columns the dev data is read by (--dev-columns, else --columns; checkpoints written before --dev-columns
     # record none), compared as mappings: the same written in other words is the same dev data
     read_by = (_saved_dev_column_map(saved), cfg.dev_column_map())
@@ -729,8 +736,32 @@ def _differing_settings(saved: dict, cfg: TrainConfig, names: tuple[str, ...]) -
     return {k: (saved.get(k), current[k]) for k in names if not _same_setting(k, saved.get(k), current[k])}
 
 
-def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig) -> None:
-    changed = _differing_settings(saved, cfg, RESUME_MUST_MATCH)
+# The data settings a checkpoint records the contents of (_moved_data), as its lines name the data
+MOVED_DATA = {"train_data": "training data", "dev_data": "dev data"}
+
+
+def _moved_data(saved: dict, cfg: TrainConfig, position: Position, current: dict | None,
+                dev_fingerprint: str | None) -> dict:
+    """{setting: (the checkpoint's value, this run's)} of --train-data and --dev-data where they name other data than
+    the checkpoint's (a file moved, renamed or copied: _same_setting compares where a path leads) whose contents are
+    the ones the checkpoint recorded: every example's fingerprint (Position.data_record's "contents"; `current`: this
+    run's record) or the dev set's (Position.dev_fingerprint). The same contents make the same batches and scores,
+    whatever the name. A checkpoint that records only the sampled fingerprint of earlier versions, or none, compares
+    the names alone, as it did."""
+    record = position.data_record or {}
+    same = {"train_data": current is not None and "contents" in record
+            and (record["examples"], record["contents"]) == (current["examples"], current["contents"]),
+            "dev_data": None not in (position.dev_fingerprint, dev_fingerprint)
+            and position.dev_fingerprint == dev_fingerprint}
+    return {name: values for name, values in _differing_settings(saved, cfg, tuple(MOVED_DATA)).items()
+            if same[name] and all(values)}  # a name on both sides: data given to train() as objects has none
+
+
+def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig, moved: dict | None = None) -> None:
+    """The data settings (RESUME_MUST_MATCH) against the checkpoint's, but for data found the same by contents under
+    another name (`moved`: _moved_data)."""
+    changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_MUST_MATCH).items()
+               if k not in (moved or {})}
     if changed:
         detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}); "

@@ -779,20 +779,57 @@ def test_resume_refuses_training_data_that_changed_under_the_same_name(tmp_path)
 def test_resume_takes_the_same_data_files_by_another_path(tmp_path, monkeypatch):
     """--train-data and --dev-data were compared as text: the same files named by relative paths, then by absolute
     ones or through a link, were refused as data that would skip or repeat training data. Local paths are compared by
-    where they lead, as --model's folder is; another file is refused as before."""
+    where they lead, as --model's folder is; another file of other contents is refused as before."""
     from test_cli_errors import write_stsb
 
     monkeypatch.chdir(tmp_path)
     _write_pairs(tmp_path / "pairs.jsonl", demo_examples(24, seed=3))
     write_stsb(tmp_path / "dev.csv")
     os.symlink("pairs.jsonl", tmp_path / "link.jsonl")
-    shutil.copy(tmp_path / "pairs.jsonl", tmp_path / "copy.jsonl")
+    _write_pairs(tmp_path / "other.jsonl", demo_examples(24, seed=4))
     train(_best_config(tmp_path / "run", train_data="pairs.jsonl", dev_data="dev.csv"), on_step=_stop_at(3))
-    with pytest.raises(ValueError, match=r"\(--train-data: 'pairs.jsonl' -> 'copy.jsonl'\); resuming would skip"):
-        train(_best_config(tmp_path / "run", train_data="copy.jsonl", dev_data="dev.csv", resume="auto"))
+    with pytest.raises(ValueError, match=r"\(--train-data: 'pairs.jsonl' -> 'other.jsonl'\); resuming would skip"):
+        train(_best_config(tmp_path / "run", train_data="other.jsonl", dev_data="dev.csv", resume="auto"))
     resumed = train(_best_config(tmp_path / "run", train_data=str(tmp_path / "link.jsonl"),
                                  dev_data=str(tmp_path / "dev.csv"), resume="auto"))
     assert [row["step"] for row in resumed.history] == [3, 4]
+
+
+def test_resume_takes_a_renamed_or_copied_data_file_of_the_checkpoints_contents(tmp_path, monkeypatch, capsys):
+    """A checkpoint records the contents of its training and dev data (every example's fingerprint, the dev set's),
+    yet a data file moved, renamed or copied was refused by its name, as data that would skip or repeat training
+    data. It resumes now, each such file said in one line; a file of other contents is refused as before, and so is
+    any other name for a checkpoint that records only the sampled fingerprint of earlier versions (an edit between
+    its samples would pass it)."""
+    from test_cli_errors import write_stsb
+
+    import angle_train.trainer as trainer
+
+    monkeypatch.chdir(tmp_path)
+    _write_pairs(tmp_path / "pairs.jsonl", demo_examples(24, seed=3))
+    write_stsb(tmp_path / "dev.csv")
+    train(_best_config(tmp_path / "run", train_data="pairs.jsonl", dev_data="dev.csv"), on_step=_stop_at(3))
+    os.mkdir(tmp_path / "moved")
+    os.rename(tmp_path / "pairs.jsonl", tmp_path / "moved" / "renamed.jsonl")
+    shutil.copy(tmp_path / "dev.csv", tmp_path / "dev-copy.csv")
+    capsys.readouterr()
+    resumed = train(_best_config(tmp_path / "run", train_data="moved/renamed.jsonl", dev_data="dev-copy.csv",
+                                 resume="auto"))
+    assert [row["step"] for row in resumed.history] == [3, 4]
+    said = [line for line in capsys.readouterr().out.splitlines() if " moved: " in line]
+    assert said == ["training data moved: pairs.jsonl -> moved/renamed.jsonl, same content",
+                    "dev data moved: dev.csv -> dev-copy.csv, same content"]
+
+    written = trainer.data_record  # a checkpoint of the version that recorded the sampled fingerprint alone
+    monkeypatch.setattr(trainer, "data_record", lambda count, fingerprint, order, sampled=None: {
+        "examples": count, "fingerprint": sampled_data_fingerprint(demo_examples(24, seed=3)),
+        "order": order_fingerprint(order)})
+    train(_best_config(tmp_path / "older", train_data="moved/renamed.jsonl", dev_data="dev.csv"), on_step=_stop_at(3))
+    monkeypatch.setattr(trainer, "data_record", written)
+    shutil.copy(tmp_path / "moved" / "renamed.jsonl", tmp_path / "copy.jsonl")
+    with pytest.raises(ValueError, match=r"\(--train-data: 'moved/renamed.jsonl' -> 'copy.jsonl'\); resuming would "
+                                         "skip or repeat training data"):
+        train(_best_config(tmp_path / "older", train_data="copy.jsonl", dev_data="dev.csv", resume="auto"))
 
 
 def test_the_fp16_loss_scale_resumes_where_it_was(tmp_path):
