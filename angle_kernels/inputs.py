@@ -269,17 +269,18 @@ def promote_embeddings(*tensors):
             for t in tensors]
 
 
-def check_labels(name: str, y, rows: int, device: torch.device, *, check_values: bool = True) -> torch.Tensor:
+def check_labels(name: str, y, rows: int, device: torch.device, *, check_values: bool = True,
+                 embeddings: str = "the embeddings") -> torch.Tensor:
     """y of shape [rows] or [rows, 1], real values on `device` (finite: with check_values, while value checks are
-    on); returned flattened to [rows]."""
+    on); returned flattened to [rows]. embeddings: the name of the argument whose rows and device y must match."""
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
     if y.is_complex():
         raise TypeError(f"{name} must hold real labels, got {y.dtype}")
     if tuple(y.shape) not in ((rows,), (rows, 1)):
-        raise ValueError(f"{name} must have shape [{rows}] or [{rows}, 1] to match the embeddings, "
+        raise ValueError(f"{name} must have shape [{rows}] or [{rows}, 1] to match the rows of {embeddings}, "
                          f"got {tuple(y.shape)}")
-    check_same_device((name, y), ("the embeddings", device))
+    check_same_device((name, y), (embeddings, device))
     y = y.reshape(rows)
     if y.dtype == torch.bool:
         y = y.to(torch.int64)
@@ -347,10 +348,10 @@ def check_zigzag(
     check_embeddings(
         names[1], y_pred, rows_multiple_of=2, layout="zigzag pairs on rows 2k and 2k+1", check_values=False
     )
-    labels = check_labels(names[0], y_true, y_pred.shape[0], y_pred.device, check_values=False)
+    labels = check_labels(names[0], y_true, y_pred.shape[0], y_pred.device, check_values=False, embeddings=names[1])
     values = (labels, y_pred.detach()) if labels.is_floating_point() else (y_pred.detach(),)
     if input_checks_enabled() and not _all_finite(*values):  # one sync for both; then name the one at fault
-        check_labels(names[0], labels, y_pred.shape[0], y_pred.device)
+        check_labels(names[0], labels, y_pred.shape[0], y_pred.device, embeddings=names[1])
         check_finite(names[1], y_pred)
     return labels
 

@@ -265,6 +265,21 @@ def test_mismatched_devices_raise(ak, gen):
             call(tensor.to("meta"))
 
 
+def test_labels_on_another_device_name_the_embeddings_argument(ak, gen):
+    """Labels left on the CPU next to GPU embeddings (or the reverse): the message names both arguments, as the
+    caller calls them, not "the embeddings"."""
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "binary")
+    for call in (ak.cosine_loss, ak.angle_loss, ak.in_batch_negative_loss):
+        with pytest.raises(ValueError, match=r"^y_true is on meta but y_pred is on cpu: all inputs must be on one "):
+            call(y.to("meta"), x)
+        with pytest.raises(ValueError, match=r"^y_true is on cpu but y_pred is on meta"):
+            call(y, x.to("meta"))
+    with pytest.raises(ValueError, match=r"^labels is on meta but outputs is on cpu"):
+        ak.AngleLoss(dataset_format="A")(y.to("meta"), x)
+    with pytest.raises(ValueError, match=r"^labels must have shape \[6\] or \[6, 1\] to match the rows of outputs"):
+        ak.AngleLoss(dataset_format="A")(y[:4], x)
+
+
 def test_two_gpus_of_one_kind_are_different_devices():
     """Tensors on cuda:0 and cuda:1 are on different devices (not one device because both are CUDA): refused with
     the names of both, as a CPU tensor next to a GPU tensor is."""
