@@ -140,7 +140,8 @@ def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str
                                                                 ("embeddings_b", second))
     _inputs.check_embedding_group(("embeddings_a", first_layer), ("embeddings_b", second_layer))
     _inputs.check_same_shape("embeddings_a", first, "embeddings_b", second)
-    labels = _inputs.check_labels("labels", labels, first.shape[-2], first.device)
+    # the name the drop-ins' other messages give the first column, whose rows and device the labels must match
+    labels = _inputs.check_labels("labels", labels, first.shape[-2], first.device, embeddings="embeddings_a")
     first, second = _inputs.promote_embeddings(first, second)
     ops = resolve_backend(backend, first)
     pairs = torch.stack((first, second), dim=-2)

@@ -238,6 +238,21 @@ def test_the_pair_losses_refuse_nan_labels_and_columns_of_different_shapes():
             loss.compute_loss_from_embeddings([u, torch.randn(5, 8, generator=gen)], torch.rand(4))
 
 
+def test_labels_on_another_device_name_the_first_column():
+    """Labels on another device than the embeddings ('meta' stands in for a GPU): the pair losses' message names the
+    labels and the first column as their other messages do (it said "the embeddings is on ...")."""
+    gen = torch.Generator().manual_seed(0)
+    u, v, w = (torch.randn(4, 8, generator=gen) for _ in range(3))
+    calls = (
+        lambda labels: ours.CoSENTLoss(None).compute_loss_from_embeddings([u, v], labels),
+        lambda labels: ours.AnglELoss(None).compute_loss_from_embeddings([u, v], labels),
+        lambda labels: ours.AnglELoss(None).compute_loss_from_embeddings([u, v, w], labels),  # (a, p, n) triplets
+    )
+    for call in calls:
+        with pytest.raises(ValueError, match=r"^labels is on meta but embeddings_a is on cpu: all inputs must be on "):
+            call(torch.rand(4, device="meta"))
+
+
 def test_labels_of_any_shape_with_one_per_pair_are_taken_as_the_parent_takes_them():
     """The parents take B labels of any shape (view(-1)); the pair path of ours refused [1, B]."""
     gen = torch.Generator().manual_seed(0)
