@@ -366,23 +366,37 @@ class Encoder(nn.Module):
 
 
 def position_table(backbone: nn.Module) -> nn.Embedding | None:
-    """The model's learned position table (BERT, RoBERTa, MiniLM...: `position_embeddings`), or None (rotary)."""
+    """The model's learned absolute position table, or None (rotary: no table). Found by its size, which the config
+    gives, rather than by its name (BERT's `position_embeddings`, GPT-2's `wpe`, OPT's `embed_positions`): the
+    embedding other than the token embeddings with max_position_embeddings rows (transformers reads GPT-2's
+    n_positions under that name), plus the rows a table keeps before position 0 outside that count (OPT's offset,
+    2, which its forward adds to the position ids)."""
+    positions = configured_positions(backbone)
+    if positions is None:
+        return None
+    token_table = backbone.get_input_embeddings() if hasattr(backbone, "get_input_embeddings") else None
     for module in backbone.modules():
-        table = getattr(module, "position_embeddings", None)
-        if isinstance(table, nn.Embedding):
-            return table
+        if (isinstance(module, nn.Embedding) and module is not token_table
+                and module.num_embeddings == positions + getattr(module, "offset", 0)):
+            return module
     return None
+
+
+def configured_positions(backbone: nn.Module) -> int | None:
+    """The config's max_position_embeddings (GPT-2's n_positions), or None where it gives no positive int."""
+    positions = getattr(getattr(backbone, "config", None), "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
 
 
 def position_limit(backbone: nn.Module) -> int | None:
     """The most tokens the model can read at once where it has a hard limit, or None. A learned position table
-    (max_position_embeddings rows) fails on longer inputs, and an architecture that numbers positions after its
-    padding row (RoBERTa, XLM-R: padding_idx + 1 onwards) loses those rows too. Rotary models (LLaMA, Mistral, Qwen)
-    have no table and no hard limit."""
+    (position_table) fails on longer inputs: its config's max_position_embeddings, less the rows up to the padding
+    row of an architecture that numbers positions after it (RoBERTa, XLM-R: padding_idx + 1 onwards, within that
+    count). Rotary models (LLaMA, Mistral, Qwen) have no table and no hard limit."""
     table = position_table(backbone)
     if table is None:
         return None
-    return table.num_embeddings - (0 if table.padding_idx is None else table.padding_idx + 1)
+    return configured_positions(backbone) - (0 if table.padding_idx is None else table.padding_idx + 1)
 
 
 def trained_context(backbone: nn.Module) -> int | None:
@@ -391,8 +405,7 @@ def trained_context(backbone: nn.Module) -> int | None:
     runs (rotary positions have no table to run out of), but at positions it never saw in training."""
     if not any(type(module).__name__.endswith("RotaryEmbedding") for module in backbone.modules()):
         return None
-    context = getattr(getattr(backbone, "config", None), "max_position_embeddings", None)
-    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
+    return configured_positions(backbone)
 
 
 def past_trained_context_note(backbone: nn.Module, flag: str, length: int, model: str) -> str | None:

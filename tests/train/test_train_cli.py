@@ -223,6 +223,38 @@ def test_the_position_limit_of_each_architecture():
     assert position_limit(LlamaModel(LlamaConfig(num_key_value_heads=2, **small))) is None  # rotary: no table
 
 
+def test_a_position_table_under_another_name_limits_the_length_as_its_config_says():
+    """GPT-2's table is `wpe` (n_positions rows) and OPT's `embed_positions` (max_position_embeddings + 2 rows: it
+    adds 2 to every position id): both had no limit, so a longer --max-length reached an IndexError inside the
+    forward pass. The limit is the positions the model reads: all of them run, one more does not; angle-train's
+    encoder and angle-eval refuse one more."""
+    import torch
+    from transformers import GPT2Config, GPT2Model, OPTConfig, OPTModel
+
+    from angle_train import evaluate
+    from angle_train.models import position_limit, wrap_backbone
+
+    backbones = (
+        GPT2Model(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=40, bos_token_id=0,
+                             eos_token_id=0)),
+        OPTModel(OPTConfig(hidden_size=16, word_embed_proj_dim=16, num_hidden_layers=1, num_attention_heads=2,
+                           ffn_dim=32, vocab_size=50, max_position_embeddings=40)),
+    )
+    for backbone in backbones:
+        assert position_limit(backbone) == 40, type(backbone).__name__
+        with torch.no_grad():
+            backbone(torch.ones(1, 40, dtype=torch.long))
+            with pytest.raises(IndexError):
+                backbone(torch.ones(1, 41, dtype=torch.long))
+        encoder = wrap_backbone(backbone, pooling="last", pad_token_id=1)
+        with pytest.raises(ValueError, match="max_length 41 is longer than the model can read: its position table "
+                                             "holds 40 positions"):
+            encoder.encoding_length(41)
+        with pytest.raises(ValueError, match="--max-length 41 is longer than m can read: its position table holds "
+                                             "40 positions"):
+            evaluate.encoding_length(41, {"max_length": 40}, encoder, None, "m")
+
+
 def test_config_files_and_precedence(tmp_path):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text("lr: 1.0e-4\nbf16: 'off'\nlora: true\nlora-targets: [q_proj, v_proj]\nbatch_size: 64\n")
