@@ -625,19 +625,22 @@ def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: Tra
     compare scores on the new data with that score (and keep, or replace, best/ by it). Without --dev-data the best
     stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared. The
     same names are compared by contents too (dev_fingerprint: this run's Position.dev_fingerprint): a dev file edited
-    in place is other dev data; another name of the checkpoint's contents (`moved`: _moved_data) is the same."""
+    in place is other dev data; another name of the checkpoint's contents (`moved`: _moved_data), or other columns
+    that read its examples, is the same."""
     if position.best is None or not cfg.dev_data or not saved.get("dev_data"):
         return
     changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_DEV_SETTINGS).items()
                if k not in (moved or {})}
+    recorded = position.dev_fingerprint  # None: a checkpoint written before it was recorded, nothing to compare
+    same_examples = _same_dev_examples(position, dev_fingerprint)
     # the columns the dev data is read by (--dev-columns, else --columns; checkpoints written before --dev-columns
-    # record none), compared as mappings: the same written in other words is the same dev data
+    # record none), compared as mappings where the examples cannot be: the same written in other words is the same
+    # dev data
     read_by = (_saved_dev_column_map(saved), cfg.dev_column_map())
-    if read_by[0] != read_by[1]:
+    if read_by[0] != read_by[1] and not same_examples:
         changed["dev_columns"] = read_by
     detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
-    recorded = position.dev_fingerprint  # None: a checkpoint written before it was recorded, nothing to compare
-    if not changed and None not in (recorded, dev_fingerprint) and recorded != dev_fingerprint:
+    if not changed and None not in (recorded, dev_fingerprint) and not same_examples:
         detail = (f"--dev-data {cfg.dev_data}: its contents differ from the checkpoint's, fingerprint {recorded} -> "
                   f"{dev_fingerprint}")
     if detail:
@@ -646,6 +649,13 @@ def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: Tra
                          "checkpoint's, and scores on other data do not compare with it. Resume with the checkpoint's "
                          "dev data, or without --dev-data (the best stays the checkpoint's), or start a new run in a "
                          "new --output-dir")
+
+
+def _same_dev_examples(position: Position, dev_fingerprint: str | None) -> bool:
+    """Whether this run's dev set (dev_fingerprint) is the checkpoint's: the fingerprint is of the examples as read
+    (texts and scores after the column mapping: trainer.dev_set_fingerprint), so equal ones are the same dev set
+    whatever file or columns they were read from. False where either side records none."""
+    return None not in (position.dev_fingerprint, dev_fingerprint) and position.dev_fingerprint == dev_fingerprint
 
 
 def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig) -> None:
@@ -751,8 +761,7 @@ def _moved_data(saved: dict, cfg: TrainConfig, position: Position, current: dict
     record = position.data_record or {}
     same = {"train_data": current is not None and "contents" in record
             and (record["examples"], record["contents"]) == (current["examples"], current["contents"]),
-            "dev_data": None not in (position.dev_fingerprint, dev_fingerprint)
-            and position.dev_fingerprint == dev_fingerprint}
+            "dev_data": _same_dev_examples(position, dev_fingerprint)}
     return {name: values for name, values in _differing_settings(saved, cfg, tuple(MOVED_DATA)).items()
             if same[name] and all(values)}  # a name on both sides: data given to train() as objects has none
 

@@ -688,6 +688,26 @@ def test_resume_refuses_other_dev_data_and_says_a_changed_loss_setting(tmp_path,
         capsys.readouterr().out)
 
 
+def test_resume_takes_other_dev_columns_that_read_the_checkpoints_dev_examples(tmp_path):
+    """Other --dev-columns were refused as other dev data even where they read the same pairs and scores (a column
+    holding a copy of another): the checkpoint's dev fingerprint is of the examples as read, so the same fingerprint
+    is the same dev set, and the run resumes. Columns that read other examples (the texts swapped) stay refused."""
+    from test_cli_errors import PAIRS
+
+    dev = tmp_path / "dev.csv"
+    dev.write_text("s1,s2,score,s1_copy\n" + "".join(f"{a},{b},{i * 0.9:.3f},{a}\n"
+                                                       for i, (a, b) in enumerate(PAIRS)), encoding="utf-8")
+    data = (demo_examples(20, seed=3), "B")
+    train(_best_config(tmp_path / "run", dev_data=str(dev), dev_columns=["text1=s1", "text2=s2", "label=score"]),
+          train_examples=data, on_step=_stop_at(3))
+    with pytest.raises(ValueError, match=r"cannot resume from .* with other dev data \(--dev-columns: "):
+        train(_best_config(tmp_path / "run", dev_data=str(dev), dev_columns=["text1=s2", "text2=s1", "label=score"],
+                           resume="auto"), train_examples=data)
+    resumed = train(_best_config(tmp_path / "run", dev_data=str(dev), resume="auto",
+                                 dev_columns=["text1=s1_copy", "text2=s2", "label=score"]), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [3, 4]
+
+
 def test_resume_refuses_another_split_of_the_dev_dataset(tmp_path, monkeypatch):
     """--dev-split names the dev data as --dev-data does: another split of the same Hugging Face dataset is other dev
     data, refused as another dataset is."""
