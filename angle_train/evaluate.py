@@ -523,16 +523,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def encoding_length(requested: int | None, meta: dict, encoder, tokenizer, model: str) -> int:
-    """The tokens per text the evaluation encodes: --max-length, else the export's, else a sentence-transformers
-    folder's max_seq_length (as sentence-transformers encodes the model: it was 512 here, so a base model and its
-    export were scored at different lengths), else 512; the last two no longer than the model's position limit.
-    Checked before any text is encoded: within the position limit (as angle-train checks it) and with room for text
-    beside the tokenizer's special tokens (preflight.check_tokenizer). A --max-length past a rotary model's trained
-    context is noted on stderr, as angle-train notes it (models.past_trained_context_note)."""
+    """The tokens per text the evaluation encodes: --max-length, else the export's, else the max_seq_length of the
+    sentence-transformers folder load_model found (encoder.st_files; as sentence-transformers encodes the model: it
+    was 512 here, so a base model and its export were scored at different lengths), else 512; the last two no longer
+    than the model's position limit. Checked before any text is encoded: within the position limit (as angle-train
+    checks it) and with room for text beside the tokenizer's special tokens (preflight.check_tokenizer). A
+    --max-length past a rotary model's trained context is noted on stderr, as angle-train notes it
+    (models.past_trained_context_note)."""
     from .models import past_trained_context_note, position_limit
 
     limit = position_limit(encoder.backbone)
-    st_files = None if meta else st_folder.find_folder(model)
+    st_files = None if meta else encoder.st_files
     own = (st_folder.max_seq_length(st_files) if st_files else None) or 512
     length = requested or meta.get("max_length") or min(own, limit or own)
     if limit is not None and length > limit:

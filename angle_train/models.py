@@ -149,6 +149,9 @@ class Encoder(nn.Module):
         self.pooling = pooling
         # where the pooling came from, in words for the run header and angle-eval (load_encoder, wrap_backbone)
         self.pooling_source = "given"
+        # the folder of the loaded model's sentence-transformers files (load_encoder: st_folder.find_folder's), or
+        # None: kept for the length to encode at (its max_seq_length), which for a hub name would fetch them again
+        self.st_files = None
         self.is_decoder = is_decoder
         self.padding_side = "left" if is_decoder else "right"
         self.pad_token_id = pad_token_id
@@ -629,4 +632,5 @@ def load_encoder(
                             bidirectional=bidirectional)
     if folder_pooling:
         encoder.pooling_source = f"the model folder's {folder_pooling[1]}"
+    encoder.st_files = st_files
     return encoder.to(device), tokenizer

@@ -351,8 +351,9 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
     # before --fsdp shards the weights; on the main process, which prints it
     weights_note = half_precision_weights_note(cfg, encoder) if dist_info.is_main else None
-    # encode() on the trained encoder cuts texts where its exports' encode() will (the default, 512, was another)
-    base = st_folder.find_folder(cfg.model)
+    # encode() on the trained encoder cuts texts where its exports' encode() will (the default, 512, was another);
+    # --model's sentence-transformers files as build_encoder found them (for a hub name, a second lookup fetched them)
+    base = encoder.st_files if model is None else st_folder.find_folder(cfg.model)
     encoder.max_length = encoding_length(cfg.max_length, base, cfg.export_max_length, position_limit(encoder.backbone))
     if cfg.bidirectional:
         encoder.bidirectional = True  # a model given to train() too

@@ -97,6 +97,27 @@ def test_training_takes_the_folder_pooling_and_says_so(st_folder, tmp_path, caps
     assert json.loads((tmp_path / "config.json").read_text())["pooling"] == "avg"  # as the run used it
 
 
+def test_the_model_folders_sentence_transformers_files_are_looked_up_once(st_folder, tmp_path, monkeypatch):
+    """angle-train and angle-eval looked up the model's sentence-transformers files twice: as the model loaded (its
+    pooling, its lowercasing) and again for the length to encode at (their max_seq_length), for a hub name a second
+    fetch. The length reads the folder the loading found: one lookup, the same length (the folder's 16)."""
+    from angle_train import st_folder as st_files
+
+    lookups, find_folder = [], st_files.find_folder
+
+    def counted(name_or_path):
+        lookups.append(name_or_path)
+        return find_folder(name_or_path)
+
+    monkeypatch.setattr(st_files, "find_folder", counted)
+    result = trainer.train(run_config(tmp_path, model=st_folder, max_steps=1, batch_size=8, max_length=12),
+                           train_examples=(demo_examples(16), "B"))
+    assert lookups == [st_folder] and result.encoder.max_length == 16
+    lookups.clear()
+    encoder, tokenizer, meta = evaluate.load_model(st_folder)
+    assert evaluate.encoding_length(None, meta, encoder, tokenizer, st_folder) == 16 and lookups == [st_folder]
+
+
 def test_angle_eval_takes_the_folder_pooling_and_says_so(st_folder, tmp_path, capsys):
     examples = demo_sts_examples(24)
     sts = write_stsb(tmp_path / "sts-test.csv", examples)
