@@ -28,6 +28,10 @@ from harness import GB, MB
 # --------------------------------------------------------------------------------------------------------
 
 
+# Our backends, by the suffix of their providers' names (ours-torch, ...): what --providers may name besides a family.
+OUR_BACKENDS = ("torch", "triton", "cuda")
+
+
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.replace("_", "").split(",") if x]
 
@@ -89,6 +93,24 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
         if name not in harness.DTYPES:
             parser.error(f"--dtypes: unknown dtype {name!r}; choose from {', '.join(harness.DTYPES)}")
     args.providers = [x for x in args.providers.split(",") if x]
+    known = (*P.FAMILIES, *(f"ours-{backend}" for backend in OUR_BACKENDS))
+    unknown = [name for name in args.providers if name not in known]
+    if unknown:
+        parser.error(f"--providers: unknown provider {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+    for flag in ("losses", "dtypes", "providers"):
+        if not getattr(args, flag):
+            parser.error(f"--{flag} names none")
+    for flag in ("n", "n_quadratic", "d"):
+        values = getattr(args, flag)
+        if not values or min(values) < 1:
+            parser.error(f"--{flag.replace('_', '-')} takes positive sizes, got {values}")
+    for flag in ("threads", "repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    for flag in ("time_per_case", "max_run_seconds", "max_ref_gb", "case_timeout", "time_budget", "warm_up_budget"):
+        value = getattr(args, flag)
+        if value is not None and not value >= 0:  # NaN too
+            parser.error(f"--{flag.replace('_', '-')} must be 0 or more, got {value:g}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -80,15 +80,20 @@ def ours_backends(device: str, probe: bool = True, only=None) -> tuple[list[str]
     the Triton interpreter (NumPy, orders of magnitude slower).
     """
     candidates = ("torch",) if device == "cpu" else ("triton", "cuda", "torch")
+    # A backend asked for by name that is never benchmarked on this device is said, not dropped without a word.
+    not_here = {name: f"not benchmarked on {device}" + (": triton on CPU tensors runs in its interpreter"
+                                                        if name == "triton" else "")
+                for name in sorted(set(only or ()) - set(candidates))}
     if only is not None:  # the others are not even probed: a backend left out may be one that crashes
         candidates = tuple(name for name in candidates if name in only)
     try:
         import angle_kernels as ak
     except Exception as exc:
-        return [], {name: f"angle_kernels does not import: {type(exc).__name__}: {exc}" for name in candidates}
+        return [], {**not_here,
+                    **{name: f"angle_kernels does not import: {type(exc).__name__}: {exc}" for name in candidates}}
     if not probe:
-        return list(candidates), {}
-    usable, why_not = [], {}
+        return list(candidates), not_here
+    usable, why_not = [], dict(not_here)
     for name in candidates:
         try:
             y = torch.randn(4, 8, device=device)

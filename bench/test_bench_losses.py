@@ -339,7 +339,17 @@ def test_providers_can_be_narrowed_to_some_of_our_backends():
     losses = list(LOSSES.values())
     providers, missing = P.available_providers("cpu", losses, include=["ours-torch"], probe=False)
     assert [p.name for p in providers] == ["ours-torch"] and missing == {}
-    assert P.ours_backends("cpu", probe=False, only={"triton"}) == ([], {})
+    assert P.ours_backends("cpu", probe=False, only={"triton"}) == (
+        [], {"triton": "not benchmarked on cpu: triton on CPU tensors runs in its interpreter"})
+
+
+def test_a_backend_named_but_never_benchmarked_on_the_device_is_said():
+    """--providers ours-triton on a CPU: the column is absent, and the header says why (it was dropped unsaid)."""
+    providers, missing = P.available_providers("cpu", [LOSSES["cosine"]], include=["ours-triton", "ours-cuda",
+                                                                                   "reference"], probe=False)
+    assert [p.name for p in providers] == ["angle-emb"]
+    assert missing == {"ours-cuda": "not benchmarked on cpu",
+                       "ours-triton": "not benchmarked on cpu: triton on CPU tensors runs in its interpreter"}
 
 
 def test_a_family_without_any_of_the_selected_losses_is_left_out():
@@ -459,3 +469,23 @@ def test_an_angle_emb_without_its_loss_file_is_reported_as_missing(tmp_path, mon
 def test_the_reference_provider_names_the_file_it_runs(all_providers):
     reference = provider_or_skip(all_providers, "angle-emb")
     assert reference.notes["source"] == str(P.find_reference_loss_file())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n", "0"], "--n takes positive sizes"),
+    (["--n-quadratic", "256,-1"], "--n-quadratic takes positive sizes"),
+    (["--d", "0"], "--d takes positive sizes"),
+    (["--threads", "0"], "--threads must be a positive integer"),
+    (["--repeats", "0"], "--repeats must be a positive integer"),
+    (["--providers", "ours,bogus"], "--providers: unknown provider 'bogus'"),
+    (["--providers", ","], "--providers names none"),
+    (["--losses", ","], "--losses names none"),
+    (["--max-ref-gb", "-1"], "--max-ref-gb must be 0 or more"),
+    (["--time-per-case", "nan"], "--time-per-case must be 0 or more"),
+])
+def test_bad_flags_are_refused_naming_the_flag_before_the_sweep(capsys, flags, message):
+    """Each was taken: sizes of 0 made a cell of our loss's ValueError, --threads 0 a traceback from the probe,
+    --repeats 0 a header saying "median of up to 0 runs", an unknown provider an empty sweep."""
+    with pytest.raises(SystemExit):
+        bench_losses.parse_args(["--device", "cpu", *flags])
+    assert message in capsys.readouterr().err
