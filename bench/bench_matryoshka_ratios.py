@@ -55,6 +55,10 @@ def _mnrl_inputs(n: int, d: int, layers: int | None, dtype, device, generator):
     return [torch.randn(*shape, generator=generator, device=device).to(dtype).requires_grad_() for _ in range(3)]
 
 
+# The rows of a table, in its order; "mnrl-gte" and "mnrl-filter" have no ST rows.
+ROWS = ("single", "fused k=5", "ours k calls", "ST Matryoshka", "fused L x k", "ours L x k calls", "ST L x Matryoshka")
+
+
 def cosine_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses) -> dict:
     """name -> (run, leaves) of the CoSENT rows of the table."""
     import angle_kernels as ak
@@ -106,9 +110,7 @@ def mnrl_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses, 
     st_rows = {"ST Matryoshka": (lambda: st(P.columns(q, p, neg), None), [q, p, neg]),
                "ST L x Matryoshka": (lambda: sum(st(P.columns(*(t[layer] for t in stack)), None)
                                                  for layer in range(layers)), stack)}
-    order = ("single", "fused k=5", "ours k calls", "ST Matryoshka", "fused L x k", "ours L x k calls",
-             "ST L x Matryoshka")
-    return {name: {**rows, **st_rows}[name] for name in order}
+    return {name: {**rows, **st_rows}[name] for name in ROWS}
 
 
 def _ours_only(ours, q, p, neg, stack, dims, layers) -> dict:
@@ -192,6 +194,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--interleave", type=int, default=0, metavar="R",
                         help="time the rows in R interleaved rounds (medians, spreads) instead")
     args = parser.parse_args(argv)
+    for flag in ("pairs", "queries", "layers", "repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    if min(args.d) < 1:
+        parser.error(f"--d takes positive widths, got {' '.join(map(str, args.d))}")
+    if args.interleave < 0:
+        parser.error(f"--interleave takes a number of rounds (0: off), got {args.interleave}")
+    if not args.time_per_case >= 0:
+        parser.error(f"--time-per-case must be 0 or more, got {args.time_per_case:g}")
+    for key in args.losses if args.rows else ():  # every loss's rows known before any is measured
+        rows = ROWS if key in ("cosent", "mnrl") else tuple(name for name in ROWS if not name.startswith("ST"))
+        unknown = [name for name in args.rows if name not in rows]
+        if unknown:
+            parser.error(f"--rows: no row {', '.join(map(repr, unknown))} for {key}; its rows: "
+                         f"{', '.join(map(repr, rows))}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = getattr(torch, args.dtype)
     st_losses = P.sentence_transformers_losses()

@@ -139,3 +139,23 @@ def test_interleaved_rows_are_the_ones_asked_for(tmp_path):
                         "ours k calls", "--interleave", "2", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "table.md").read_text()
     assert "| / fused k=5 |" in text and "| single |" not in text and "| ours k calls |" in text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--d", "0"], "--d takes positive widths"),
+    (["--layers", "0"], "--layers must be a positive integer"),
+    (["--pairs", "-5"], "--pairs must be a positive integer"),
+    (["--repeats", "0"], "--repeats must be a positive integer"),
+    (["--interleave", "-2", "--rows", "single"], "--interleave takes a number of rounds"),
+    (["--losses", "cosent", "mnrl-gte", "--rows", "single", "ST Matryoshka"],
+     "no row 'ST Matryoshka' for mnrl-gte"),
+])
+def test_bad_flags_are_refused_before_anything_is_measured(monkeypatch, capsys, flags, message):
+    """Each was taken: a size of 0 or less or --interleave -2 ended in a traceback, --repeats 0 made ratios of one
+    cold run, and a row that a later loss lacks was refused only after the earlier losses were measured."""
+    measured = []
+    monkeypatch.setattr(ratios, "measure", lambda *args, **kwargs: measured.append(args) or {})
+    monkeypatch.setattr(ratios, "measure_interleaved", lambda *args, **kwargs: measured.append(args) or {})
+    with pytest.raises(SystemExit):
+        ratios.main(["--d", "16", "--pairs", "8", "--queries", "8", "--layers", "2", *flags])
+    assert message in capsys.readouterr().err and measured == []
