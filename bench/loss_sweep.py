@@ -364,6 +364,10 @@ def render_markdown(results, env, args, losses, limits, checks, missing, provide
                      "results.json)")
     lines.append(f"- cells: `time, +extra memory`; ratio columns: `baseline time / {primary} time, baseline memory / "
                  f"{primary} memory` (above 1: ours is faster / smaller)")
+    limit_text = (f"of the copy bandwidth above for GB/s, of the {'/'.join(args.dtypes)} matmul rate above for FLOP/s"
+                  if limits else "none: no limit was measured")
+    lines.append(f"- `{primary} achieved`: the work the loss cannot avoid (bytes moved, or matmul FLOPs) over its "
+                 f"time; the % in brackets is {limit_text}")
     if missing:
         lines.append("- not available here: " + "; ".join(f"{k} ({v})" for k, v in missing.items()))
     if checks:
@@ -380,7 +384,7 @@ def render_markdown(results, env, args, losses, limits, checks, missing, provide
         for dtype_name in args.dtypes:
             for d in args.d:
                 header = ["N"] + names + [f"{name} ÷ {primary}" for name in baselines if primary in names]
-                header.append(f"{primary} achieved")
+                header.append(f"{primary} achieved (% of limit)")
                 rows = []
                 for n in sizes_of(args, loss):
                     by_provider = {name: index.get((loss.name, n, d, dtype_name, name)) for name in names}
