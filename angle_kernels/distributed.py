@@ -9,6 +9,8 @@ the gradient of the mean of the ranks' losses.
 `all_gather_many_with_grad(named, local_check)` gathers a loss's columns the same way after one small collective
 for all of them, in which the ranks agree that they may (every rank's own checks passed, the same tensors
 everywhere): a refusal on one rank is a refusal on every rank, none is left waiting in a collective.
+`refused_together` extends that to a loss's own checks that run before it gathers (its options, the structure of
+its arguments).
 
 Users:
   * the losses with gather_across_devices=True (multiple_negatives_ranking_loss, gist_loss: the columns at once),
@@ -20,14 +22,15 @@ Without an initialised process group, or with one process, it is the identity (n
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 __all__ = ["all_gather_many_with_grad", "all_gather_with_grad", "gathering_rank_and_world_size", "is_distributed",
-           "rank_and_world_size"]
+           "rank_and_world_size", "refused_together"]
 
 
 def is_distributed() -> bool:
@@ -134,14 +137,17 @@ class _AllGatherWithGrad(torch.autograd.Function):
 
 
 def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
-                              local_check: Callable[[], None] | None = None) -> list[torch.Tensor]:
+                              local_check: Callable[[], None] | None = None, *,
+                              device: torch.device | str | None = None) -> list[torch.Tensor]:
     """Each tensor of `named` ((name, tensor) pairs) gathered as all_gather_with_grad gathers one, after ONE small
     collective for all of them (not one per tensor) in which the ranks agree that they may: `local_check` (this
     rank's checks of what the other ranks cannot see, e.g. its inputs that are not gathered) passed on every rank,
     and every rank gathers as many tensors, with the same rows, row shapes and dtypes. Otherwise every rank raises,
     none is left waiting in a collective: a rank whose check failed, its own error; the others a ValueError naming
     it; a layout that differs, the same ValueError on every rank. Without torch.distributed (or with one process):
-    `local_check`, then the tensors themselves."""
+    `local_check`, then the tensors themselves. `device`: where the agreement's small tensor lives when `named` is
+    empty (a rank that only refuses, `refused_together`); otherwise the first tensor's device."""
+    global _agreements
     tensors = [t for _, t in named]
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -163,8 +169,9 @@ def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
     everything = repr(tuple((tuple(t.shape), str(t.dtype)) for t in tensors))
     mine = torch.tensor([refusal is not None, len(tensors), zlib.crc32(everything.encode()),
                          *(_layout(tensors[0]) if tensors else [-1, -1, -1, -1])],
-                        dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
+                        dtype=torch.int64, device=tensors[0].device if tensors else (device or "cpu"))
     records = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    _agreements += 1  # this rank has joined the agreement: a later refusal is no longer refused_together's to share
     dist.all_gather(records, mine)
     records = [[int(v) for v in record.tolist()] for record in records]
     rank = dist.get_rank()
@@ -200,6 +207,44 @@ def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
             raise ValueError(f"all_gather_with_grad concatenates along dim 0: {name} must have at least one "
                              "dimension")
     return [_AllGatherWithGrad.apply(t) for t in tensors]
+
+
+# How many agreements (all_gather_many_with_grad's collective) this process has joined: refused_together shares a
+# refusal with the other ranks only where the refusing call never reached its own.
+_agreements = 0
+
+
+def _refusing(error: Exception) -> Callable[[], None]:
+    def check() -> None:
+        raise error
+    return check
+
+
+@contextlib.contextmanager
+def refused_together(gathering: object, hint: object = None) -> Iterator[None]:
+    """Around a loss's checks that run before it gathers (its options, the structure of its arguments): where
+    `gathering` and torch.distributed runs several processes, an exception raised inside before this rank joined
+    all_gather_many_with_grad's agreement joins it now, as a refusal, so that the other ranks, waiting there to
+    gather, raise a ValueError naming this rank instead of waiting for it until the process group's timeout (a
+    scale, a directions name or a column list that one rank alone refuses). `hint`: a tensor argument of the call,
+    whose device the agreement's small tensor takes (CUDA tensors under NCCL); the CPU when it is not a tensor.
+    Exceptions raised after this rank joined the agreement propagate as they are."""
+    try:
+        gathering = bool(gathering)  # the loss checks the flag itself, inside
+    except Exception:
+        gathering = False
+    if not (gathering and is_distributed()):
+        yield
+        return
+    joined = _agreements
+    try:
+        yield
+    except Exception as exc:
+        if _agreements != joined:
+            raise
+        device = hint.device if isinstance(hint, torch.Tensor) else "cpu"
+        all_gather_many_with_grad([], _refusing(exc), device=device)  # raises exc, after the other ranks heard it
+        raise
 
 
 def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:

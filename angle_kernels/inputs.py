@@ -52,7 +52,7 @@ from typing import NamedTuple, Union
 import torch
 
 from .contract import check_dims
-from .distributed import all_gather_many_with_grad, gathering_rank_and_world_size
+from .distributed import all_gather_many_with_grad, gathering_rank_and_world_size, refused_together
 
 # ---------------------------------------------------------------------------------------------------------
 # Tensors
@@ -735,21 +735,25 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
     columns gathered with gradients from every rank (the call's `gathered`); then dims / dim_weights /
     layer_weights parsed into a Nested. A front end that has parsed its Nested already (once per call) passes it
     as `nested` instead of dims, dim_weights and layer_weights: it is checked against these embeddings (its
-    layers and its widest prefix), not parsed again."""
-    scale = check_scale("scale", scale)
-    negatives = check_columns("negatives", negatives)
-    queries, positives, *negatives = promote_embeddings(queries, positives, *negatives)
-    directions, hardness_strength, false_negative_margin = check_in_batch_options(
-        directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy,
-        similarity)
-    if nested is not None:
-        if dims is not None or dim_weights is not None or layer_weights is not None:
-            raise ValueError("pass either a parsed nested or dims / dim_weights / layer_weights, not both")
-        layer_weights = nested.table if nested.stacked else None
-    # the other ranks' queries are columns of the query_to_query and doc_to_query directions only
-    layers, gathered = _check_in_batch_columns(
-        queries, positives, negatives, layer_weights, gather_across_devices,
-        gather_queries=bool(set(directions) & {"query_to_query", "doc_to_query"}))
+    layers and its widest prefix), not parsed again. Under torch.distributed with gather_across_devices, a check
+    that fails on one rank before the gathers fails on every rank (distributed.refused_together)."""
+    # (a call that does not gather never reaches torch.distributed)
+    sharing = gather_across_devices is not False
+    with refused_together(gather_across_devices, queries) if sharing else contextlib.nullcontext():
+        scale = check_scale("scale", scale)
+        negatives = check_columns("negatives", negatives)
+        queries, positives, *negatives = promote_embeddings(queries, positives, *negatives)
+        directions, hardness_strength, false_negative_margin = check_in_batch_options(
+            directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
+            false_negative_strategy, similarity)
+        if nested is not None:
+            if dims is not None or dim_weights is not None or layer_weights is not None:
+                raise ValueError("pass either a parsed nested or dims / dim_weights / layer_weights, not both")
+            layer_weights = nested.table if nested.stacked else None
+        # the other ranks' queries are columns of the query_to_query and doc_to_query directions only
+        layers, gathered = _check_in_batch_columns(
+            queries, positives, negatives, layer_weights, gather_across_devices,
+            gather_queries=bool(set(directions) & {"query_to_query", "doc_to_query"}))
     if nested is None:
         nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers)
     elif nested.dims is not None:

@@ -13,13 +13,14 @@ Shared conventions: angle_kernels.losses.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from ..contract import FILTER_TIE_ALLOWANCE, compute_dtype, loss_entry
 from ..dispatch import Ops, resolve_backend
-from ..distributed import all_gather_many_with_grad, gathering_rank_and_world_size
+from ..distributed import all_gather_many_with_grad, gathering_rank_and_world_size, refused_together
 from ..inputs import (
     HARDNESS_MODES,
     MARGIN_STRATEGIES,
@@ -140,47 +141,51 @@ def gist_loss(
         anchors, positives: [B, D]; negatives: [B, D] tensors (hard-negative columns), one guide tensor each.
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
-    temperature = check_scale("temperature", temperature, divides=True)
-    margin = check_scalar("margin", margin)
-    check_choice("margin_strategy", margin_strategy, MARGIN_STRATEGIES)
-    contrast_anchors = check_flag("contrast_anchors", contrast_anchors)
-    contrast_positives = check_flag("contrast_positives", contrast_positives)
-    gather_across_devices = check_flag("gather_across_devices", gather_across_devices)
-    negatives = check_columns("negatives", negatives)
-    guide_negatives = check_columns("guide_negatives", guide_negatives)
-    anchors, positives, *negatives = promote_embeddings(anchors, positives, *negatives)
-    guide_anchors, guide_positives, *guide_negatives = promote_embeddings(guide_anchors, guide_positives,
-                                                                                 *guide_negatives)
-    if len(negatives) != len(guide_negatives):
-        raise ValueError(f"every negative column needs its guide embeddings: {len(negatives)} negatives, "
-                         f"{len(guide_negatives)} guide_negatives")
-    named = [("positives", positives), *((f"negatives[{i}]", t) for i, t in enumerate(negatives))]
-    guide_named = [("guide_positives", guide_positives),
-                   *((f"guide_negatives[{i}]", t) for i, t in enumerate(guide_negatives))]
+    # a check that fails here on one rank before the gathers fails on every rank (distributed.refused_together)
+    # (a call that does not gather never reaches torch.distributed)
+    sharing = gather_across_devices is not False
+    with refused_together(gather_across_devices, anchors) if sharing else contextlib.nullcontext():
+        temperature = check_scale("temperature", temperature, divides=True)
+        margin = check_scalar("margin", margin)
+        check_choice("margin_strategy", margin_strategy, MARGIN_STRATEGIES)
+        contrast_anchors = check_flag("contrast_anchors", contrast_anchors)
+        contrast_positives = check_flag("contrast_positives", contrast_positives)
+        gather_across_devices = check_flag("gather_across_devices", gather_across_devices)
+        negatives = check_columns("negatives", negatives)
+        guide_negatives = check_columns("guide_negatives", guide_negatives)
+        anchors, positives, *negatives = promote_embeddings(anchors, positives, *negatives)
+        guide_anchors, guide_positives, *guide_negatives = promote_embeddings(guide_anchors, guide_positives,
+                                                                                     *guide_negatives)
+        if len(negatives) != len(guide_negatives):
+            raise ValueError(f"every negative column needs its guide embeddings: {len(negatives)} negatives, "
+                             f"{len(guide_negatives)} guide_negatives")
+        named = [("positives", positives), *((f"negatives[{i}]", t) for i, t in enumerate(negatives))]
+        guide_named = [("guide_positives", guide_positives),
+                       *((f"guide_negatives[{i}]", t) for i, t in enumerate(guide_negatives))]
 
-    def check_this_ranks() -> None:
-        check_embedding_group(("anchors", anchors), *named)
-        check_embedding_group(("guide_anchors", guide_anchors), *guide_named)
-        for name, t in named:
-            check_same_shape("anchors", anchors, name, t)
-        # the guide's anchors against the model's first, so that a guide tensor of the wrong size is the one named
-        if guide_anchors.shape[0] != anchors.shape[0]:
-            raise ValueError(f"guide_anchors must have the anchors' {anchors.shape[0]} rows, "
-                             f"got {guide_anchors.shape[0]}")
-        for name, t in guide_named:
-            check_same_shape("guide_anchors", guide_anchors, name, t)
+        def check_this_ranks() -> None:
+            check_embedding_group(("anchors", anchors), *named)
+            check_embedding_group(("guide_anchors", guide_anchors), *guide_named)
+            for name, t in named:
+                check_same_shape("anchors", anchors, name, t)
+            # the guide's anchors against the model's first, so that a guide tensor of the wrong size is the one named
+            if guide_anchors.shape[0] != anchors.shape[0]:
+                raise ValueError(f"guide_anchors must have the anchors' {anchors.shape[0]} rows, "
+                                 f"got {guide_anchors.shape[0]}")
+            for name, t in guide_named:
+                check_same_shape("guide_anchors", guide_anchors, name, t)
 
-    rank, world_size = gathering_rank_and_world_size() if gather_across_devices else (0, 1)
-    gathered = None
-    if gather_across_devices and world_size > 1:
-        # This rank's checks settled with every rank's before anything is gathered: the anchors (and their guide
-        # embeddings) are not gathered, so a refusal seen by one rank alone would leave the others waiting.
-        everything = all_gather_many_with_grad(named + [(name, t.detach()) for name, t in guide_named],
-                                               local_check=check_this_ranks)
-        model_side, guide_side = everything[:len(named)], everything[len(named):]
-        gathered = (rank, model_side[0], model_side[1:], guide_side[0], guide_side[1:])
-    else:
-        check_this_ranks()
+        rank, world_size = gathering_rank_and_world_size() if gather_across_devices else (0, 1)
+        gathered = None
+        if gather_across_devices and world_size > 1:
+            # This rank's checks settled with every rank's before anything is gathered: the anchors (and their guide
+            # embeddings) are not gathered, so a refusal seen by one rank alone would leave the others waiting.
+            everything = all_gather_many_with_grad(named + [(name, t.detach()) for name, t in guide_named],
+                                                   local_check=check_this_ranks)
+            model_side, guide_side = everything[:len(named)], everything[len(named):]
+            gathered = (rank, model_side[0], model_side[1:], guide_side[0], guide_side[1:])
+        else:
+            check_this_ranks()
     return gist(resolve_backend(backend, anchors), anchors, positives, negatives, guide_anchors.detach(),
                       guide_positives.detach(), [t.detach() for t in guide_negatives], temperature, margin_strategy,
                       margin, contrast_anchors, contrast_positives, gathered)

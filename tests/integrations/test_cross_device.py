@@ -356,12 +356,25 @@ def _rank_refusals(rank: int, world: int) -> dict:
         "mnrl_rows": lambda: ak_functional.multiple_negatives_ranking_loss(
             anchors[:-1] if last else anchors, positives[:-1] if last else positives, gather_across_devices=True),
     }
+    # refused by the checks that run before the gathers (the options, the structure of the arguments)
+    calls.update({
+        "mnrl_scale": lambda: ak_functional.multiple_negatives_ranking_loss(
+            anchors, positives, scale=float("nan") if last else 20.0, gather_across_devices=True),
+        "mnrl_directions": lambda: ak_functional.multiple_negatives_ranking_loss(
+            anchors, positives, directions=("query_to_dok",) if last else ("query_to_doc",),
+            gather_across_devices=True),
+        "mnrl_negatives_not_a_list": lambda: ak_functional.multiple_negatives_ranking_loss(
+            anchors, positives, negative if last else (negative,), gather_across_devices=True),
+        "gist_temperature": lambda: ak_functional.gist_loss(
+            anchors, positives, guide_anchors, guide_positives, temperature=0.0 if last else 0.05,
+            gather_across_devices=True),
+    })
     out = {}
     for name, call in calls.items():
         try:
             call()
             out[name] = None
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             out[name] = str(exc)
     fine = ak_functional.gist_loss(anchors, positives, guide_anchors, guide_positives, (negative,),
                                    (guide_negative,), gather_across_devices=True)
@@ -547,6 +560,23 @@ def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(ranks):
         rows = got["mnrl_rows"]
         assert rows is not None and f"rows per rank {[ROWS] * (world - 1) + [ROWS - 1]}" in rows, (rank, rows)
         assert got["after"]
+
+
+def test_a_refusal_before_the_gathers_on_one_rank_is_a_refusal_on_every_rank(ranks):
+    """Before: the checks that run before the gathers (the scale, the directions, the list of negative columns, GIST's
+    temperature) raised on the rank that refused alone, and the others waited for it in the gathers' first
+    collective until the process group's timeout. Now the refusal joins that collective: every rank raises."""
+    world, results = ranks
+    own = {"mnrl_scale": "scale must be finite, got nan", "mnrl_directions": "directions must be a non-empty tuple",
+           "mnrl_negatives_not_a_list": "negatives must be a tuple or list",
+           "gist_temperature": "temperature must be > 0, got 0.0"}
+    for rank, result in enumerate(results):
+        for case, message in own.items():
+            got = result["refusals"][case]
+            assert got is not None, (rank, case)
+            expected = message if rank == world - 1 else f"rank(s) [{world - 1}] refused"
+            assert expected in got, (rank, case, got)
+        assert result["refusals"]["after"]  # the group still works
 
 
 def test_gathering_without_a_process_group_says_so_once(monkeypatch):
