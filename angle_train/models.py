@@ -368,19 +368,21 @@ class Encoder(nn.Module):
         return max_length
 
 
+# The names transformers gives a learned absolute position table: BERT, RoBERTa, ELECTRA, DistilBERT, MPNet, ALBERT
+# and DeBERTa with position_biased_input (`position_embeddings`), GPT-2 and GPT-Neo (`wpe`), OPT and BART
+# (`embed_positions`, an offset of 2 rows before position 0), CLIP's text tower (`position_embedding`). A table is
+# found by its name, not by its size: DeBERTa-v3's relative-position buckets (`rel_embeddings`, 2 x 256 rows) have
+# the size of its max_position_embeddings, but no length limit.
+POSITION_TABLE_NAMES = ("position_embeddings", "wpe", "embed_positions", "position_embedding")
+
+
 def position_table(backbone: nn.Module) -> nn.Embedding | None:
-    """The model's learned absolute position table, or None (rotary: no table). Found by its size, which the config
-    gives, rather than by its name (BERT's `position_embeddings`, GPT-2's `wpe`, OPT's `embed_positions`): the
-    embedding other than the token embeddings with max_position_embeddings rows (transformers reads GPT-2's
-    n_positions under that name), plus the rows a table keeps before position 0 outside that count (OPT's offset,
-    2, which its forward adds to the position ids)."""
-    positions = configured_positions(backbone)
-    if positions is None:
-        return None
-    token_table = backbone.get_input_embeddings() if hasattr(backbone, "get_input_embeddings") else None
-    for module in backbone.modules():
-        if (isinstance(module, nn.Embedding) and module is not token_table
-                and module.num_embeddings == positions + getattr(module, "offset", 0)):
+    """The model's learned absolute position table (POSITION_TABLE_NAMES), or None (rotary, relative: no table). A
+    table wrapped by peft (LoRA on it) is its `base_layer`."""
+    for name, module in backbone.named_modules():
+        parts = name.split(".")
+        own_name = parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
+        if own_name in POSITION_TABLE_NAMES and isinstance(module, nn.Embedding):
             return module
     return None
 
@@ -393,13 +395,16 @@ def configured_positions(backbone: nn.Module) -> int | None:
 
 def position_limit(backbone: nn.Module) -> int | None:
     """The most tokens the model can read at once where it has a hard limit, or None. A learned position table
-    (position_table) fails on longer inputs: its config's max_position_embeddings, less the rows up to the padding
-    row of an architecture that numbers positions after it (RoBERTa, XLM-R: padding_idx + 1 onwards, within that
-    count). Rotary models (LLaMA, Mistral, Qwen) have no table and no hard limit."""
+    (position_table) fails on longer inputs: its rows, less those before position 0: the offset its forward adds to
+    every position id (OPT, BART: `offset`, 2) or the rows up to the padding row of an architecture that numbers
+    positions after it (RoBERTa, XLM-R: padding_idx + 1 onwards). Rotary models (LLaMA, Mistral, Qwen) and relative
+    ones (DeBERTa-v3, T5) have no table and no hard limit."""
     table = position_table(backbone)
     if table is None:
         return None
-    return configured_positions(backbone) - (0 if table.padding_idx is None else table.padding_idx + 1)
+    offset = getattr(table, "offset", 0)
+    return table.num_embeddings - (offset if isinstance(offset, int) else 0) - (
+        0 if table.padding_idx is None else table.padding_idx + 1)
 
 
 def trained_context(backbone: nn.Module) -> int | None:

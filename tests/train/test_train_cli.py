@@ -223,6 +223,30 @@ def test_the_position_limit_of_each_architecture():
     assert position_limit(LlamaModel(LlamaConfig(num_key_value_heads=2, **small))) is None  # rotary: no table
 
 
+def test_a_table_the_size_of_the_positions_that_numbers_no_positions_gives_no_limit():
+    """DeBERTa-v3's relative-position buckets (2 x position_buckets rows, here as many as max_position_embeddings)
+    limit no length: it reads longer texts. LoRA on the token embeddings, as many rows as positions, leaves the
+    position table the one found."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertConfig, BertModel, DebertaV2Config, DebertaV2Model
+
+    from angle_train.models import position_limit
+
+    deberta = DebertaV2Model(DebertaV2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50,
+        max_position_embeddings=40, position_biased_input=False, relative_attention=True, position_buckets=20,
+        pos_att_type=["p2c", "c2p"]))
+    assert deberta.encoder.rel_embeddings.num_embeddings == 40
+    assert position_limit(deberta) is None
+    with torch.no_grad():
+        deberta(torch.ones(1, 41, dtype=torch.long))  # reads past max_position_embeddings
+    bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                vocab_size=40, max_position_embeddings=40))
+    lora = get_peft_model(bert, LoraConfig(r=2, target_modules=["word_embeddings", "query"]))
+    assert position_limit(lora) == 40
+
+
 def test_a_position_table_under_another_name_limits_the_length_as_its_config_says():
     """GPT-2's table is `wpe` (n_positions rows) and OPT's `embed_positions` (max_position_embeddings + 2 rows: it
     adds 2 to every position id): both had no limit, so a longer --max-length reached an IndexError inside the
