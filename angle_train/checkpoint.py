@@ -1009,7 +1009,8 @@ def _export(cfg: TrainConfig, encoder, tokenizer, name: str, what: str, *, adapt
                             merge_in_place=False, base_model=cfg.model, state_dict=state_dict,
                             matryoshka_dims=cfg.trained_widths(encoder.embedding_dim),
                             export_max_length=cfg.export_max_length, model_card=model_card,
-                            extra_meta=None if record is None else {BEST_RECORD_KEY: record})
+                            extra_meta=None if record is None else {BEST_RECORD_KEY: record},
+                            base_files=encoder.st_files)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

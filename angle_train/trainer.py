@@ -354,6 +354,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     # encode() on the trained encoder cuts texts where its exports' encode() will (the default, 512, was another);
     # --model's sentence-transformers files as build_encoder found them (for a hub name, a second lookup fetched them)
     base = encoder.st_files if model is None else st_folder.find_folder(cfg.model)
+    encoder.st_files = base  # the exports' base files (checkpoint._export), found once
     encoder.max_length = encoding_length(cfg.max_length, base, cfg.export_max_length, position_limit(encoder.backbone))
     if cfg.bidirectional:
         encoder.bidirectional = True  # a model given to train() too

@@ -100,7 +100,8 @@ def test_training_takes_the_folder_pooling_and_says_so(st_folder, tmp_path, caps
 def test_the_model_folders_sentence_transformers_files_are_looked_up_once(st_folder, tmp_path, monkeypatch):
     """angle-train and angle-eval looked up the model's sentence-transformers files twice: as the model loaded (its
     pooling, its lowercasing) and again for the length to encode at (their max_seq_length), for a hub name a second
-    fetch. The length reads the folder the loading found: one lookup, the same length (the folder's 16)."""
+    fetch, and every export (best/, final/) a third. The length and the exports read the folder the loading found:
+    one lookup, the same length (the folder's 16), the same exported files."""
     from angle_train import st_folder as st_files
 
     lookups, find_folder = [], st_files.find_folder
@@ -110,9 +111,10 @@ def test_the_model_folders_sentence_transformers_files_are_looked_up_once(st_fol
         return find_folder(name_or_path)
 
     monkeypatch.setattr(st_files, "find_folder", counted)
-    result = trainer.train(run_config(tmp_path, model=st_folder, max_steps=1, batch_size=8, max_length=12),
-                           train_examples=(demo_examples(16), "B"))
+    result = trainer.train(run_config(tmp_path, model=st_folder, max_steps=1, batch_size=8, max_length=12,
+                                      save_final=True), train_examples=(demo_examples(16), "B"))
     assert lookups == [st_folder] and result.encoder.max_length == 16
+    assert json.loads((tmp_path / "final" / "sentence_bert_config.json").read_text())["max_seq_length"] == 16
     lookups.clear()
     encoder, tokenizer, meta = evaluate.load_model(st_folder)
     assert evaluate.encoding_length(None, meta, encoder, tokenizer, st_folder) == 16 and lookups == [st_folder]
