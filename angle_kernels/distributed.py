@@ -227,7 +227,8 @@ def refused_together(gathering: object, hint: object = None) -> Iterator[None]:
     all_gather_many_with_grad's agreement joins it now, as a refusal, so that the other ranks, waiting there to
     gather, raise a ValueError naming this rank instead of waiting for it until the process group's timeout (a
     scale, a directions name or a column list that one rank alone refuses). `hint`: a tensor argument of the call,
-    whose device the agreement's small tensor takes (CUDA tensors under NCCL); the CPU when it is not a tensor.
+    whose device the agreement's small tensor takes (CUDA tensors under NCCL); when it is not a tensor (the refusal
+    may be of that very argument), the current CUDA device in a group of NCCL alone, else the CPU.
     Exceptions raised after this rank joined the agreement propagate as they are."""
     try:
         gathering = bool(gathering)  # the loss checks the flag itself, inside
@@ -242,9 +243,19 @@ def refused_together(gathering: object, hint: object = None) -> Iterator[None]:
     except Exception as exc:
         if _agreements != joined:
             raise
-        device = hint.device if isinstance(hint, torch.Tensor) else "cpu"
+        device = hint.device if isinstance(hint, torch.Tensor) else _agreement_device()
         all_gather_many_with_grad([], _refusing(exc), device=device)  # raises exc, after the other ranks heard it
         raise
+
+
+def _agreement_device() -> torch.device:
+    """Where a refusal with no tensor to go by meets the other ranks: the current CUDA device where the group's one
+    backend is NCCL (which gathers no CPU tensor), else the CPU."""
+    import torch.distributed as dist
+
+    if str(dist.get_backend()).lower() in SINGLE_TENSOR_BACKENDS and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:

@@ -333,7 +333,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         check_data_size(cfg, len(examples), "examples", train_examples is None)
     dev_set = dev_set_of(dev_examples, cfg)
     check_data_settings(cfg, train_examples_given=train_examples is not None, dev_set=dev_set)
-    dev_size_note = small_dev_set_note(dev_set, cfg, from_file=dev_examples is None)
+    dev_size_note = small_dev_set_note(dev_set, dev_set_name(dev_examples, cfg))
     dev_fingerprint = None if dev_set is None else dev_set_fingerprint(dev_set)
 
     random.seed(cfg.seed)
@@ -728,7 +728,7 @@ def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
     """The dev set: train()'s dev_examples (format-A examples, or an StsSet / RetrievalSet), else --dev-data's, else
     None; refused when it cannot give a score that ranks models (evaluate.check_scored: fewer than 3 scored pairs, or
     gold scores all equal; fewer than 2 (query, positive) pairs)."""
-    where = f"--dev-data {cfg.dev_data}" if dev_examples is None else "dev_examples"
+    where = dev_set_name(dev_examples, cfg)
     if dev_examples is None:
         if not cfg.dev_data:
             return None
@@ -752,17 +752,22 @@ def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
     return dev_set
 
 
-def small_dev_set_note(dev_set: StsSet | RetrievalSet | None, cfg: TrainConfig, from_file: bool) -> str | None:
-    """A note for a dev set of fewer than NOISY_DEV_PAIRS pairs (its score picks best/ partly by chance), else None."""
+def dev_set_name(dev_examples, cfg: TrainConfig) -> str:
+    """The dev set as the run's lines name it: train()'s dev_examples, else --dev-data's file or dataset."""
+    return f"--dev-data {cfg.dev_data}" if dev_examples is None else "dev_examples"
+
+
+def small_dev_set_note(dev_set: StsSet | RetrievalSet | None, where: str) -> str | None:
+    """A note for a dev set of fewer than NOISY_DEV_PAIRS pairs (its score picks best/ partly by chance), else None;
+    `where`: dev_set_name's."""
     if dev_set is None:
         return None
     scored = isinstance(dev_set, StsSet)
     pairs = len(dev_set.examples) if scored else len(dev_set.queries)
     if pairs >= NOISY_DEV_PAIRS:
         return None
-    source = f"--dev-data {cfg.dev_data}" if from_file else "dev_examples"  # as dev_set_of names it
     kind = "scored pairs" if scored else "(query, positive) pairs"
-    return (f"angle_train: note: {source} has {pairs} {kind}: a dev score over fewer than {NOISY_DEV_PAIRS} is "
+    return (f"angle_train: note: {where} has {pairs} {kind}: a dev score over fewer than {NOISY_DEV_PAIRS} is "
             "noisy, so best/ is picked partly by chance; a larger dev set picks it more reliably")
 
 

@@ -364,10 +364,14 @@ def render_markdown(results, env, args, losses, limits, checks, missing, provide
                      "results.json)")
     lines.append(f"- cells: `time, +extra memory`; ratio columns: `baseline time / {primary} time, baseline memory / "
                  f"{primary} memory` (above 1: ours is faster / smaller)")
-    limit_text = (f"of the copy bandwidth above for GB/s, of the {'/'.join(args.dtypes)} matmul rate above for FLOP/s"
-                  if limits else "none: no limit was measured")
+    # only the limits measured: a row whose limit was not measured has no % (harness.achieved_rate)
+    matmul_dtypes = [name for name in args.dtypes if f"matmul_{name}_TFLOPs" in limits]
+    of_limits = ((["of the copy bandwidth above for GB/s"] if "copy_GBps" in limits else [])
+                 + ([f"of the {'/'.join(matmul_dtypes)} matmul rate above for FLOP/s"] if matmul_dtypes else []))
+    limit_text = (f"the % in brackets is {', '.join(of_limits)}" if of_limits
+                  else "no % in brackets: no limit was measured")
     lines.append(f"- `{primary} achieved`: the work the loss cannot avoid (bytes moved, or matmul FLOPs) over its "
-                 f"time; the % in brackets is {limit_text}")
+                 f"time; {limit_text}")
     if missing:
         lines.append("- not available here: " + "; ".join(f"{k} ({v})" for k, v in missing.items()))
     if checks:

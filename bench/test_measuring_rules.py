@@ -224,11 +224,15 @@ def test_the_table_divides_each_baseline_by_ours_and_states_our_fraction_of_the_
     assert "| 16 | 10 ms, +2.0 MB | 30 ms, +8.0 MB | 3x, 4x | 2 GB/s (25 %) |" in table
     # which limit the % is of, in the column's header and a line of the table's header (it said neither)
     assert "| angle-emb ÷ ours-torch | ours-torch achieved (% of limit) |" in table
-    assert "the % in brackets is none: no limit was measured" in table
-    limited = loss_sweep.render_markdown(results, env, args, [bench_losses.LOSSES["cosine"]], {"copy_GBps": 8.0}, {},
-                                         {}, ["ours-torch", "angle-emb"], "ours-torch")
+    assert "no % in brackets: no limit was measured" in table
+    copy_only = loss_sweep.render_markdown(results, env, args, [bench_losses.LOSSES["cosine"]], {"copy_GBps": 8.0},
+                                           {}, {}, ["ours-torch", "angle-emb"], "ours-torch")
+    assert "the % in brackets is of the copy bandwidth above for GB/s\n" in copy_only  # no matmul rate was measured
+    both = loss_sweep.render_markdown(results, env, args, [bench_losses.LOSSES["cosine"]],
+                                      {"copy_GBps": 8.0, "matmul_float32_TFLOPs": 1.0}, {}, {},
+                                      ["ours-torch", "angle-emb"], "ours-torch")
     assert ("the % in brackets is of the copy bandwidth above for GB/s, of the float32 matmul rate above for "
-            "FLOP/s") in limited
+            "FLOP/s\n") in both
     assert "2 cases, 2.0 s in all, the longest 1.5 s" in table
     assert "other jobs shared the machine" in table  # the load exceeded the CPUs at the start of the sweep
 
