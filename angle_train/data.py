@@ -15,9 +15,10 @@ automatically, or forced with layout="stsb"), or a Hugging Face dataset (hub nam
 Every problem in a file raises `DataError` (a ValueError) naming the file and the line: missing columns,
 an empty file, a null or empty label, a label that is not a finite number or is beyond +-LABEL_LIMIT, a null or
 empty text, a malformed JSON line, a CSV row with more or fewer fields than its header, bytes that are not UTF-8
-(with their byte offset). Local files are read as UTF-8; a byte-order mark at the start (as spreadsheet programs
-write "CSV UTF-8") is dropped. `open_text`, `check_label` and `check_text` hold these rules for every reader here,
-in angle_train.arccse and in angle_train.evaluate.
+(with their byte offset; a Parquet, Arrow or compressed file named as such: BINARY_FILES). Local files are read
+as UTF-8; a byte-order mark at the start (as spreadsheet programs write "CSV UTF-8") is dropped. `open_text`,
+`check_label` and `check_text` hold these rules for every reader here, in angle_train.arccse and in
+angle_train.evaluate.
 """
 
 from __future__ import annotations
@@ -329,14 +330,38 @@ def open_text(path: str, newline: str | None = None):
             raise DataError(_where_not_utf8(path) or f"{path}: not UTF-8 text ({exc})") from None
 
 
+# Files that are not text, told by their first bytes where a text file was expected: (magic, what it is, what to do
+# with it; {path} is the file). Looked for only in a file that is not UTF-8: their bytes were reported as "not UTF-8
+# (it may be Latin-1)".
+BINARY_FILES = (
+    (b"PAR1", "a Parquet file", "write it as JSON Lines, pandas.read_parquet({path!r}).to_json(OUT, "
+     "orient=\"records\", lines=True, force_ascii=False), or for angle-train save it as a dataset folder, "
+     "datasets.Dataset.from_parquet({path!r}).save_to_disk(FOLDER)"),
+    (b"ARROW1", "an Arrow file", "give the dataset folder save_to_disk wrote it in, or write it as JSON Lines"),
+    (b"\xff\xff\xff\xff", "an Arrow file", "give the dataset folder save_to_disk wrote it in, or write it as "
+     "JSON Lines"),
+    (b"\x1f\x8b", "a gzip-compressed file", "decompress it first: gunzip -k {path}"),
+    (tuple(b"BZh%d" % level for level in range(1, 10)), "a bzip2-compressed file",
+     "decompress it first: bunzip2 -k {path}"),
+    (b"\xfd7zXZ\x00", "an xz-compressed file", "decompress it first: unxz -k {path}"),
+    (b"\x28\xb5\x2f\xfd", "a zstd-compressed file", "decompress it first: unzstd {path}"),
+    (b"PK\x03\x04", "a zip archive", "unpack it first: unzip {path}"),
+)
+
+
 def _where_not_utf8(path: str) -> str | None:
     """The first bytes of the file that are not UTF-8, by line and byte offset (a line at a time: a UTF-8 character
-    never contains a newline byte), or None when they all are."""
+    never contains a newline byte), or None when they all are. A file that is not text at all (BINARY_FILES: Parquet,
+    Arrow, compressed) is named as what it is."""
     with open(path, "rb") as f:
-        head = f.read(2)
-        if head in (b"\xff\xfe", b"\xfe\xff"):
-            return (f"{path}, line 1: the file is UTF-16 (it starts with the byte-order mark {head!r}), not UTF-8: "
-                    "save it as UTF-8 (spreadsheet programs: \"CSV UTF-8\")")
+        head = f.read(8)
+        if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            return (f"{path}, line 1: the file is UTF-16 (it starts with the byte-order mark {head[:2]!r}), not "
+                    "UTF-8: save it as UTF-8 (spreadsheet programs: \"CSV UTF-8\")")
+        for magic, what, advice in BINARY_FILES:
+            if head.startswith(magic):
+                return (f"{path}: {what}, not a text file (data files are read as UTF-8 text: .jsonl, .csv, .tsv or "
+                        f"the STS-B layout): {advice.format(path=path)}")
         f.seek(0)
         offset = 0
         for number, line in enumerate(f, start=1):
@@ -505,6 +530,15 @@ def data_files_in(folder: str) -> list[str]:
     return [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name.endswith(READ_FILE_SUFFIXES)]
 
 
+# What save_to_disk writes in a dataset's folder: a DatasetDict's file, a Dataset's.
+SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")
+
+
+def is_saved_dataset(path: str) -> bool:
+    """Whether `path` is a folder a Hugging Face dataset was saved in (save_to_disk: SAVED_DATASET_FILES)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, name)) for name in SAVED_DATASET_FILES)
+
+
 def open_hf_dataset(name_or_path: str, split: str):
     """One split of a Hugging Face dataset: a save_to_disk folder, or a hub name."""
     try:
@@ -514,11 +548,10 @@ def open_hf_dataset(name_or_path: str, split: str):
                           "'angle_kernels[train]'") from exc
     if not os.path.isdir(name_or_path):
         return datasets.load_dataset(name_or_path, split=split)
-    saved = ("dataset_dict.json", "state.json")  # what save_to_disk writes: a DatasetDict's, a Dataset's
-    if not any(os.path.isfile(os.path.join(name_or_path, name)) for name in saved):
+    if not is_saved_dataset(name_or_path):
         files = data_files_in(name_or_path)
         raise DataError(f"{name_or_path}: a folder, not a Hugging Face dataset saved by save_to_disk (no "
-                        f"{' or '.join(saved)}): give a data file" +
+                        f"{' or '.join(SAVED_DATASET_FILES)}): give a data file" +
                         (f", e.g. one of {', '.join(files[:4])}" if files
                          else " (.jsonl, .csv, .tsv or an STS-B file)"))
     dataset = datasets.load_from_disk(name_or_path)

@@ -17,9 +17,10 @@ CUDA when there is one, as for angle-train. Each PATH is read in the layout it i
     STS-B            an STS Benchmark file (sts-test.csv: tab-separated, score in field 5, texts in 6 and 7);
                      another split is named after its file ("STS-B (sts-dev)")
     SICK-R           SICK_test_annotated.txt (pair_ID, sentence_A, sentence_B, relatedness_score, ...)
-    retrieval        a format-B file (query, positive: JSONL / CSV): every positive is a document of the corpus,
-                     each query's own positive the one relevant; recall@1, recall@10 and nDCG@10 (cosine); the
-                     queries take the query prompt, the documents the document prompt (data.Prompts)
+    retrieval        a format-B file (query, positive: JSONL / CSV): every distinct positive is a document of the
+                     corpus (a text given twice is one document), each query's own positive the one relevant;
+                     recall@1, recall@10 and nDCG@10 (cosine); the queries take the query prompt, the documents the
+                     document prompt (data.Prompts)
     pairs            a format-A file (text1, text2, label: JSONL / CSV), scored as STS-B is
 
 JSONL / CSV / TSV files with other column names are read with --columns (angle-train's): e.g. text1=sent_a
@@ -60,7 +61,8 @@ from .cli_common import (
 )
 from .config import names_local_path
 from .data import (
-    DataError, Example, Prompts, check_label, data_files_in, load_examples, open_text, parse_columns, read_stsb,
+    DataError, Example, Prompts, check_label, data_files_in, is_saved_dataset, load_examples, open_text, parse_columns,
+    read_stsb,
 )
 from .models import check_dim, truncate
 from .tracking import finite_or_none
@@ -82,6 +84,15 @@ class RetrievalSet:
     name: str
     queries: list[str]
     documents: list[str]  # documents[i] is query i's relevant one
+
+    def corpus(self) -> tuple[list[str], torch.Tensor]:
+        """(the distinct documents, in the order they first appear; the index among them of each query's relevant
+        one, int64): one text is one document of the corpus. Two queries with the same positive (a passage that
+        answers both, a row given twice) made two copies of it, each scoring exactly the other's score, and a tie is
+        never a win (retrieval_metrics): every such query lost rank 1 to the copy, however good the model."""
+        index = {}
+        relevant = [index.setdefault(text, len(index)) for text in self.documents]
+        return list(index), torch.tensor(relevant, dtype=torch.long)
 
 
 # ------------------------------------------------------------------------------------------------- reading
@@ -115,6 +126,10 @@ def check_scored(dataset: StsSet, where: str, hint: str = "") -> None:
 
 
 def _read_dataset(path: str, *, columns: dict | None = None) -> StsSet | RetrievalSet:
+    if is_saved_dataset(path):  # its dataset_dict.json / state.json were named as data files of a year folder
+        raise DataError(f"{path}: a Hugging Face dataset saved by save_to_disk, which angle-eval does not read (it "
+                        "reads data files and STS year folders; angle-train's --dev-data reads this folder): write "
+                        "the split to score as JSON Lines (the dataset's to_json(OUT)) and give that file")
     if os.path.isdir(path):
         return read_sts_year(path)
     if not os.path.isfile(path):
@@ -206,9 +221,11 @@ def non_finite_rows(*embeddings: torch.Tensor) -> int:
     return sum(int((~torch.isfinite(rows)).any(dim=-1).sum()) for rows in embeddings)
 
 
-def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, block: int = 1024) -> dict:
-    """recall@1, recall@10 and nDCG@10 of cosine retrieval where query i's one relevant document is document i,
-    ranked against every document (rows processed in blocks: no queries x documents matrix at once). A document
+def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, relevant: torch.Tensor | None = None,
+                      block: int = 1024) -> dict:
+    """recall@1, recall@10 and nDCG@10 of cosine retrieval where query i's one relevant document is document
+    relevant[i] (None: document i; RetrievalSet.corpus), ranked against every document (rows processed in blocks: no
+    queries x documents matrix at once). A document
     scoring the same as the relevant one ranks above it: a tie is never a win, so embeddings that are all alike (a
     collapsed model) rank every relevant document last, not first. Embeddings holding NaN or Inf have no cosine to
     rank by: every metric is then NaN (angle-eval's exit status 1; never the trainer's best)."""
@@ -216,10 +233,12 @@ def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, block: 
         return dict.fromkeys(RETRIEVAL_METRICS, math.nan)
     queries = torch.nn.functional.normalize(queries.double(), dim=-1)
     documents = torch.nn.functional.normalize(documents.double(), dim=-1)
+    if relevant is None:
+        relevant = torch.arange(queries.shape[0])
     ranks = []
     for start in range(0, queries.shape[0], block):
         scores = queries[start:start + block] @ documents.T
-        own = scores[torch.arange(scores.shape[0]), torch.arange(start, start + scores.shape[0])]
+        own = scores[torch.arange(scores.shape[0]), relevant[start:start + scores.shape[0]].to(scores.device)]
         # 0 = ranked first: the documents scoring at least the relevant one's score, less the relevant one itself
         ranks.append((scores >= own[:, None]).sum(dim=1) - 1)
     rank = torch.cat(ranks).double()
@@ -294,7 +313,7 @@ def dev_inputs(dataset: StsSet | RetrievalSet) -> list[tuple[list[str], str]]:
     text prompt), or the queries and the documents (the query and document prompts)."""
     if isinstance(dataset, StsSet):
         return [([ex.texts[0] for ex in dataset.examples], "text"), ([ex.texts[1] for ex in dataset.examples], "text")]
-    return [(dataset.queries, "query"), (dataset.documents, "document")]
+    return [(dataset.queries, "query"), (dataset.corpus()[0], "document")]
 
 
 def scores_of_embeddings(dataset: StsSet | RetrievalSet, embeddings: list[torch.Tensor], dims) -> dict[str, float]:
@@ -304,10 +323,12 @@ def scores_of_embeddings(dataset: StsSet | RetrievalSet, embeddings: list[torch.
         scores = spearman_by_dim(*embeddings, [ex.label for ex in dataset.examples], [None, *dims])
         return {metric if dim is None else f"{metric}@{dim}": score for dim, score in scores.items()}
     queries, documents = embeddings
-    full = retrieval_metrics(queries, documents)
+    relevant = dataset.corpus()[1]
+    full = retrieval_metrics(queries, documents, relevant=relevant)
     scores = {metric: full["ndcg@10"], "dev_recall@1": full["recall@1"], "dev_recall@10": full["recall@10"]}
     for dim in dims:
-        scores[f"{metric}@{dim}"] = retrieval_metrics(truncate(queries, dim), truncate(documents, dim))["ndcg@10"]
+        scores[f"{metric}@{dim}"] = retrieval_metrics(truncate(queries, dim), truncate(documents, dim),
+                                                      relevant=relevant)["ndcg@10"]
     return scores
 
 
@@ -389,10 +410,12 @@ def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length:
             scores = {dim: 100.0 * score for dim, score in scores.items()}
         else:
             embed = {"batch_size": batch_size, "max_length": max_length}
-            with encoding_progress(encoder, len(dataset.queries) + len(dataset.documents), dataset.name, progress):
+            corpus, relevant = dataset.corpus()
+            with encoding_progress(encoder, len(dataset.queries) + len(corpus), dataset.name, progress):
                 queries = encoder.encode(dataset.queries, tokenizer, prompt_name="query", **embed)
-                documents = encoder.encode(dataset.documents, tokenizer, prompt_name="document", **embed)
-            scores = {dim: retrieval_metrics(truncate(queries, dim), truncate(documents, dim)) for dim in widths}
+                documents = encoder.encode(corpus, tokenizer, prompt_name="document", **embed)
+            scores = {dim: retrieval_metrics(truncate(queries, dim), truncate(documents, dim), relevant=relevant)
+                      for dim in widths}
         results.update({dataset.name if dim is None else f"{dataset.name}@{dim}": score
                         for dim, score in scores.items()})
     return results

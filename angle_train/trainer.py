@@ -47,7 +47,7 @@ from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, flag_of, for_dev_columns, prompt_flags
 from .data import (
     FORMATS, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches,
-    load_examples, order_fingerprint, sampled_data_fingerprint, share_of,
+    is_saved_dataset, load_examples, order_fingerprint, sampled_data_fingerprint, share_of,
 )
 from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
@@ -710,9 +710,10 @@ def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list
 def read_dev_data(source: str, split: str, columns: dict | None = None) -> StsSet | RetrievalSet:
     """--dev-data: a file or folder in any layout angle-eval reads (an STS12-16 year folder, STS-B, SICK, format-A
     JSONL/CSV: scored pairs; format B/C JSONL/CSV: (query, positive) pairs, each query's own positive the one relevant
-    document among every positive), else a built-in or Hugging Face dataset in any format; `columns`: --columns, for
-    the layouts read by column names (--dev-columns, or --columns)."""
-    if os.path.exists(source):
+    document among every positive), else a built-in or Hugging Face dataset in any format (a hub name, or a folder
+    save_to_disk wrote: its `split`, as --train-data's); `columns`: --columns, for the layouts read by column names
+    (--dev-columns, or --columns)."""
+    if os.path.exists(source) and not is_saved_dataset(source):
         return read_dataset(source, columns=columns, where=f"--dev-data {source}")
     return dataset_of(os.path.basename(source.rstrip("/")), *read_data(source, None, split, columns))
 

@@ -373,6 +373,28 @@ def test_dev_scores_are_the_scores_of_each_roles_embeddings(tmp_path):
                                  "dev_recall@10": full["recall@10"], "dev_ndcg@10@8": narrow["ndcg@10"]}, abs=1e-12)
 
 
+def test_queries_that_share_a_positive_share_one_document():
+    """Two queries whose positive is one text (a passage answering both, a row given twice) rank it as one document:
+    its copies scored exactly alike, and a tie is never a win, so each such query lost rank 1 to the copy of its own
+    positive (recall@1 0.5 here, for a model that finds every positive first). angle-eval and the trainer's dev score
+    alike; the corpus holds each text once."""
+    from angle_train.evaluate import dev_scores, evaluate
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    texts = ["the red car", "a small blue boat", "the big green house", "a tiny black cat"]
+    dataset = RetrievalSet("dev", texts + texts, texts + texts)  # each query its own positive; every row twice
+    perfect = {"recall@1": 1.0, "recall@10": 1.0, "ndcg@10": 1.0}
+    assert evaluate(encoder, tokenizer, [dataset], dims=[8]) == {"dev": pytest.approx(perfect),
+                                                                 "dev@8": pytest.approx(perfect)}
+    assert dev_scores(encoder, tokenizer, dataset, [8]) == pytest.approx(
+        {"dev_ndcg@10": 1.0, "dev_recall@1": 1.0, "dev_recall@10": 1.0, "dev_ndcg@10@8": 1.0})
+    corpus, relevant = dataset.corpus()
+    assert corpus == texts and relevant.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    # the metrics' own index: query i's relevant document is relevant[i]; None is document i
+    queries = torch.eye(4)
+    assert retrieval_metrics(queries, queries[[2, 0]], relevant=torch.tensor([1, 1, 0, 0]))["recall@1"] == 0.5
+
+
 def test_a_width_wider_than_the_embeddings_is_refused_before_any_text_is_embedded(monkeypatch):
     """sts_spearman, dev_scores and evaluate check a width against the embeddings first: a width too wide would
     otherwise fail only once every text had been embedded (minutes on a real dev set)."""

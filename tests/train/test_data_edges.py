@@ -377,3 +377,54 @@ def test_the_data_fingerprint_is_the_one_checkpoints_recorded():
     assert data_fingerprint([Example(("a", "b"), 0.5), Example(("c", "d"), 1.0)]) == "90a707f214bb64a3"
     assert data_fingerprint([Example(("q", "p", "n"))]) == "af3faef2d940e4a0"
     assert data_fingerprint(["a sentence", "another"]) == "755204e2ff9f17a7"
+
+
+@pytest.mark.parametrize("name, head, said", [
+    ("pairs.jsonl.gz", None, r"a gzip-compressed file, not a text file .*: decompress it first: gunzip -k "),
+    ("pairs.parquet", b"PAR1\x15\x04\x15\x94\x08\x15", r"a Parquet file, not a text file .*: write it as JSON Lines"),
+    ("data-00000-of-00001.arrow", b"\xff\xff\xff\xff\xb8\x01\x00\x00", r"an Arrow file, not a text file .*: give the "
+                                                                       r"dataset folder save_to_disk wrote it in"),
+    ("pairs.zip", b"PK\x03\x04\x14\x00\x00\x00", r"a zip archive, not a text file .*: unpack it first"),
+    ("pairs.jsonl", None, r"a gzip-compressed file"),  # named as JSON Lines, compressed all the same
+])
+def test_a_file_that_is_not_text_is_named_as_what_it_is(tmp_path, name, head, said):
+    """A Parquet, Arrow or compressed file given where a data file is read (angle-train's --train-data and
+    --dev-data, angle-eval, ArcCSE's sentences) is refused saying what it is and what to do: its first bytes were
+    reported as "not UTF-8 ... (it may be Latin-1 / Windows-1252)", which sent the user to re-encode a binary file."""
+    import gzip
+
+    from angle_train.arccse import load_sentences
+    from angle_train.evaluate import read_dataset
+
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(b'{"query": "a", "positive": "b"}\n') if head is None else head + bytes(range(256)))
+    for read in (load_examples, read_dataset, load_sentences):
+        with pytest.raises(DataError, match=rf"^{re.escape(str(path))}: {said}") as refused:
+            read(str(path))
+        assert "Latin-1" not in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_dev_data_reads_a_saved_dataset_folder_and_its_split(tmp_path):
+    """--dev-data reads a folder save_to_disk wrote as --train-data does (a DatasetDict's --dev-split, "validation" by
+    default; a Dataset's rows): it was taken for an STS year folder and refused, naming its dataset_dict.json as a
+    data file to give. angle-eval, which reads files, refuses such a folder saying what it is."""
+    datasets = pytest.importorskip("datasets")
+    from angle_train.evaluate import RetrievalSet, StsSet, read_dataset
+    from angle_train.trainer import read_dev_data
+
+    scored = {"text1": ["a", "b", "c"], "text2": ["d", "e", "f"], "label": [0.0, 2.5, 5.0]}
+    pairs = {"query": ["a", "b"], "positive": ["c", "d"]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({k: v[:1] for k, v in scored.items()}),
+                          "validation": datasets.Dataset.from_dict(scored)}).save_to_disk(str(tmp_path / "dd"))
+    datasets.Dataset.from_dict(pairs).save_to_disk(str(tmp_path / "ds"))
+    dev = read_dev_data(str(tmp_path / "dd"), "validation")
+    assert isinstance(dev, StsSet) and [(e.texts, e.label) for e in dev.examples] == [
+        (("a", "d"), 0.0), (("b", "e"), 2.5), (("c", "f"), 5.0)]
+    with pytest.raises(DataError, match=r"dd: no split 'test' \(has \['train', 'validation'\]\)"):
+        read_dev_data(str(tmp_path / "dd"), "test")
+    dev = read_dev_data(str(tmp_path / "ds"), "validation")
+    assert isinstance(dev, RetrievalSet) and (dev.queries, dev.documents) == (["a", "b"], ["c", "d"])
+    for name in ("dd", "ds"):
+        with pytest.raises(DataError, match=rf"{name}: a Hugging Face dataset saved by save_to_disk, which angle-eval "
+                                            r"does not read .*--dev-data reads this folder"):
+            read_dataset(str(tmp_path / name))
