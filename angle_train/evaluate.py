@@ -225,10 +225,10 @@ def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, relevan
                       block: int = 1024) -> dict:
     """recall@1, recall@10 and nDCG@10 of cosine retrieval where query i's one relevant document is document
     relevant[i] (None: document i; RetrievalSet.corpus), ranked against every document (rows processed in blocks: no
-    queries x documents matrix at once). A document
-    scoring the same as the relevant one ranks above it: a tie is never a win, so embeddings that are all alike (a
-    collapsed model) rank every relevant document last, not first. Embeddings holding NaN or Inf have no cosine to
-    rank by: every metric is then NaN (angle-eval's exit status 1; never the trainer's best)."""
+    queries x documents matrix at once). A document scoring the same as the relevant one ranks above it: a tie is
+    never a win, so embeddings that are all alike (a collapsed model) rank every relevant document last, not first.
+    Embeddings holding NaN or Inf have no cosine to rank by: every metric is then NaN (angle-eval's exit status 1;
+    never the trainer's best)."""
     if non_finite_rows(queries, documents):
         return dict.fromkeys(RETRIEVAL_METRICS, math.nan)
     queries = torch.nn.functional.normalize(queries.double(), dim=-1)
