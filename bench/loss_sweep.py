@@ -30,6 +30,7 @@ from harness import GB, MB
 
 # Our backends, by the suffix of their providers' names (ours-torch, ...): what --providers may name besides a family.
 OUR_BACKENDS = ("torch", "triton", "cuda")
+OUR_PROVIDERS = tuple(f"ours-{backend}" for backend in OUR_BACKENDS)
 
 
 def int_list(text: str) -> list[int]:
@@ -93,7 +94,7 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
         if name not in harness.DTYPES:
             parser.error(f"--dtypes: unknown dtype {name!r}; choose from {', '.join(harness.DTYPES)}")
     args.providers = [x for x in args.providers.split(",") if x]
-    known = (*P.FAMILIES, *(f"ours-{backend}" for backend in OUR_BACKENDS))
+    known = (*P.FAMILIES, *OUR_PROVIDERS)
     unknown = [name for name in args.providers if name not in known]
     if unknown:
         parser.error(f"--providers: unknown provider {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
@@ -362,8 +363,12 @@ def render_markdown(results, env, args, losses, limits, checks, missing, provide
         lines.append(f"- first calls (one untimed call per case before its timed runs: compiles, autotuning): "
                      f"{len(colds)} cases, {sum(colds):.1f} s in all, the longest {max(colds):.1f} s (cold_s in "
                      "results.json)")
+    # --providers without any of our backends: the ratios are against the first provider (main's fallback), and
+    # the header says so rather than calling it ours
+    above_one = ("ours is faster / smaller" if primary in OUR_PROVIDERS else
+                 f"{primary} is faster / smaller; no backend of ours ran, so the ratios are against the first provider")
     lines.append(f"- cells: `time, +extra memory`; ratio columns: `baseline time / {primary} time, baseline memory / "
-                 f"{primary} memory` (above 1: ours is faster / smaller)")
+                 f"{primary} memory` (above 1: {above_one})")
     # only the limits measured: a row whose limit was not measured has no % (harness.achieved_rate)
     matmul_dtypes = [name for name in args.dtypes if f"matmul_{name}_TFLOPs" in limits]
     of_limits = ((["of the copy bandwidth above for GB/s"] if "copy_GBps" in limits else [])

@@ -379,6 +379,33 @@ def test_ratios_are_taken_against_what_auto_computes_with(monkeypatch):
     assert P.primary_ours([], "cuda") is None
 
 
+def _ok_row(loss, n, provider, family, seconds, times=None):
+    """A measured row of the sweep's results as run_one writes it (for the table's tests)."""
+    return {"loss": loss, "n": n, "d": 8, "dtype": "float32", "provider": provider, "family": family,
+            "status": "ok", "median_s": seconds, "min_s": min(times or [seconds]), "time_s": seconds,
+            "times_s": times or [], "extra_bytes": 2_000_000, "rate": 1e9, "rate_unit": "B/s", "rate_fraction": None}
+
+
+def _table(results, provider_names, primary, env=None):
+    args = bench_losses.parse_args(["--losses", "cosine", "--n", "16", "--d", "8", "--device", "cpu"])
+    env = {"date": "now", "command": "test", "torch": torch.__version__, "threads": 1, "cpu": "test", **(env or {})}
+    return loss_sweep.render_markdown(results, env, args, [LOSSES["cosine"]], {}, {}, {}, provider_names, primary)
+
+
+def test_a_sweep_without_our_backends_says_what_its_ratios_compare():
+    """--providers reference,sentence-transformers: the ratios are against angle-emb, and the header said "above 1:
+    ours is faster" of a table without ours; it names the provider the ratios are against."""
+    results = [_ok_row("cosine", 16, "angle-emb", "reference", 0.002),
+               _ok_row("cosine", 16, "sentence-transformers", "sentence-transformers", 0.004)]
+    table = _table(results, ["angle-emb", "sentence-transformers"], "angle-emb")
+    assert "ours is faster" not in table
+    assert "(above 1: angle-emb is faster / smaller; no backend of ours ran" in table
+    assert "| sentence-transformers ÷ angle-emb |" in table
+    ours = _table([_ok_row("cosine", 16, "ours-torch", "ours", 0.001), *results],
+                  ["ours-torch", "angle-emb", "sentence-transformers"], "ours-torch")
+    assert "(above 1: ours is faster / smaller)" in ours
+
+
 def test_a_backend_covers_every_path_only_when_each_is_verified(monkeypatch):
     from angle_kernels import verified
 
