@@ -720,9 +720,20 @@ def fmt_bytes(b: float) -> str:
     return f"{b / GB:.1f} GB" if b >= GB else f"{b / MB:.0f} MB" if b >= 10 * MB else f"{b / MB:.1f} MB"
 
 
+def _seconds_unit(seconds: float) -> tuple[float, str]:
+    """(scale, unit) a time is written in: milliseconds below a second, seconds from there."""
+    return (1e3, "ms") if seconds < 1 else (1.0, "s")
+
+
 def fmt_seconds(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:.3g} ms" if ms < 1000 else f"{seconds:.3g} s"
+    scale, unit = _seconds_unit(seconds)
+    return f"{seconds * scale:.3g} {unit}"
+
+
+def fmt_seconds_range(low: float, high: float) -> str:
+    """'low-high unit', both in the unit of the higher one (a spread of times: `1.2-1.31 ms`)."""
+    scale, unit = _seconds_unit(high)
+    return f"{low * scale:.3g}-{high * scale:.3g} {unit}"
 
 
 def achieved_rate(floor: dict, seconds: float, limits: dict, dtype: str) -> dict:

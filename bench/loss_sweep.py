@@ -309,12 +309,24 @@ def progress_line(row) -> str:
 # --------------------------------------------------------------------------------------------------------
 
 
+def time_text(row) -> str:
+    """A measured row's time (--stat's) and its spread: the range of its timed runs where they were recorded (CPU
+    wall clock, CUDA events), else the fastest run (triton's do_bench keeps only its median and fastest)."""
+    shown = harness.fmt_seconds(row["time_s"])
+    runs = row.get("times_s") or []
+    if len(runs) >= 2:
+        return f"{shown} ({harness.fmt_seconds_range(min(runs), max(runs))})"
+    if row["min_s"] < row["time_s"]:
+        return f"{shown} (min {harness.fmt_seconds(row['min_s'])})"
+    return shown
+
+
 def cell(row) -> str:
     if row is None:
         return "n/a"
     if row["status"] != "ok":
         return row.get("note", row["status"])
-    return f"{harness.fmt_seconds(row['time_s'])}, +{harness.fmt_bytes(max(row['extra_bytes'], 0))}"
+    return f"{time_text(row)}, +{harness.fmt_bytes(max(row['extra_bytes'], 0))}"
 
 
 def ratio_cell(base, ours) -> str:
@@ -367,8 +379,10 @@ def render_markdown(results, env, args, losses, limits, checks, missing, provide
     # the header says so rather than calling it ours
     above_one = ("ours is faster / smaller" if primary in OUR_PROVIDERS else
                  f"{primary} is faster / smaller; no backend of ours ran, so the ratios are against the first provider")
-    lines.append(f"- cells: `time, +extra memory`; ratio columns: `baseline time / {primary} time, baseline memory / "
-                 f"{primary} memory` (above 1: {above_one})")
+    lines.append("- cells: `time (spread), +extra memory`, the spread being the timed runs' min-max (`min X` where "
+                 "the timer kept only its median and its fastest run: triton's do_bench; every run is in results.json)")
+    lines.append(f"- ratio columns: `baseline time / {primary} time, baseline memory / {primary} memory` (above 1: "
+                 f"{above_one})")
     # only the limits measured: a row whose limit was not measured has no % (harness.achieved_rate)
     matmul_dtypes = [name for name in args.dtypes if f"matmul_{name}_TFLOPs" in limits]
     of_limits = ((["of the copy bandwidth above for GB/s"] if "copy_GBps" in limits else [])

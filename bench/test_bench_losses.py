@@ -10,6 +10,7 @@ counterpart (one small size per loss, forward + backward, every provider that is
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -404,6 +405,30 @@ def test_a_sweep_without_our_backends_says_what_its_ratios_compare():
     ours = _table([_ok_row("cosine", 16, "ours-torch", "ours", 0.001), *results],
                   ["ours-torch", "angle-emb", "sentence-transformers"], "ours-torch")
     assert "(above 1: ours is faster / smaller)" in ours
+
+
+def test_the_table_gives_each_time_with_its_spread():
+    """The table showed the median alone (the runs were only in results.json): each cell gives the timed runs'
+    min-max beside it, or the fastest run where the timer kept no runs (triton's do_bench), and the header says so."""
+    results = [_ok_row("cosine", 16, "ours-torch", "ours", 0.0012, times=[0.0015, 0.001, 0.0012]),
+               _ok_row("cosine", 16, "angle-emb", "reference", 0.002)]
+    results[1]["min_s"] = 0.0018  # do_bench's median and fastest, no runs
+    table = _table(results, ["ours-torch", "angle-emb"], "ours-torch")
+    assert "| 16 | 1.2 ms (1-1.5 ms), +2.0 MB | 2 ms (min 1.8 ms), +2.0 MB | 1.67x, 1x |" in table
+    assert "cells: `time (spread), +extra memory`, the spread being the timed runs' min-max" in table
+    assert harness.fmt_seconds_range(0.9, 1.2) == "0.9-1.2 s" and harness.fmt_seconds_range(0.5, 0.9) == "500-900 ms"
+
+
+def test_committed_loss_sweeps_still_render():
+    """The results.json of sweeps committed before the spread was shown render with it (their rows hold the runs)."""
+    folder = HERE / "results" / "cpu-2026-11-26-losses"
+    data = json.loads((folder / "results.json").read_text())
+    args = argparse.Namespace(**data["args"])
+    losses = [LOSSES[name] for name in args.losses]
+    table = loss_sweep.render_markdown(data["results"], data["environment"], args, losses, data["hardware_limits"],
+                                       data["agreement_checks"], data["not_available"],
+                                       sorted({r["provider"] for r in data["results"]}), data["ratios_against"])
+    assert "ms (" in table and "| N |" in table
 
 
 def test_a_backend_covers_every_path_only_when_each_is_verified(monkeypatch):
