@@ -889,9 +889,10 @@ def compared_runs(results: dict, setting: Setting) -> list[dict]:
             and not r.get("abandoned")]
 
 
-def relative_difference(ours: float, theirs: float) -> float:
-    """|ours - theirs| / |theirs|: infinite where either is not finite, or only theirs is 0."""
-    if not (math.isfinite(ours) and math.isfinite(theirs)):
+def relative_difference(ours: float | None, theirs: float | None) -> float:
+    """|ours - theirs| / |theirs|: infinite where either is not finite (None too: a loss that was not finite, as
+    results.json and the sentence-transformers report hold it, null), or only theirs is 0."""
+    if not all(value is not None and math.isfinite(value) for value in (ours, theirs)):
         return math.inf
     if ours == theirs:
         return 0.0
@@ -955,7 +956,9 @@ def said_apart(apart: dict | None, dropout: str = "") -> str:
         notes.append("other batches: not comparable")
     if dropout == DROPOUT_SAID["model"]:
         notes.append("dropout on: each trainer's own masks")
-    return f"{apart['max_rel_diff']:.2%} ({'; '.join(notes)})"
+    # null in a results.json read back: relative_difference's infinity (strict JSON has no number for it)
+    largest = math.inf if apart["max_rel_diff"] is None else apart["max_rel_diff"]
+    return f"{largest:.2%} ({'; '.join(notes)})"
 
 
 LOSSES_SAID = ("Losses: both trainers train on the same batches (st-train reads angle-train's, --batch-order) from the "
@@ -1396,7 +1399,7 @@ def st_train(argv: list[str]) -> int:
                      if hasattr(loss, k)}
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
         backbone = getattr(model[0], "auto_model", None) or getattr(model[0], "model", None)
-        Path(args.report).write_text(json.dumps({
+        Path(args.report).write_text(harness.json_text({
             "global_step": trainer.state.global_step, "loss": type(loss).__name__, "loss_args": loss_args,
             "optimizer": type(optimizer).__name__, "optimizer_fused": optimizer.defaults.get("fused"),
             "train_runtime_s": output.metrics.get("train_runtime"), "torch_threads": torch.get_num_threads(),
@@ -1406,7 +1409,7 @@ def st_train(argv: list[str]) -> int:
             "unpadded": bool(getattr(model[0], "can_flatten_inputs", False)),
             "weights_dtype": str(next(model.parameters()).dtype), "bf16_autocast": args.bf16,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-            "batch_order": args.batch_order, "step_seconds": clock.seconds, "losses": clock.losses}, default=str))
+            "batch_order": args.batch_order, "step_seconds": clock.seconds, "losses": clock.losses}, indent=None))
     return 0
 
 
@@ -1684,7 +1687,7 @@ def identity_of(args, paths: dict, models: dict, data: str, machine: str, target
     """What every measurement of a results.json depends on (a resumed run must match it): the settings' table, the
     contenders, the run lengths, the models and their dropout, the data, the machine, the versions (the settings
     chosen, the repetitions and the budget may change)."""
-    return json.loads(json.dumps({
+    return json.loads(harness.json_text({
         "settings": {n: asdict(s) for n, s in args.table.items()}, "contenders": paths["available"],
         "steps": list(args.steps) if args.steps_given else None, "pack_width": args.pack_width,
         "dropout": args.dropout, "target": asdict(target), "models": models, "data": data, "machine": machine,

@@ -85,6 +85,7 @@ from pathlib import Path
 PROCESS_START = time.monotonic()  # limits count from here: imports and CUDA start-up are part of a stage's time
 
 import harness  # noqa: E402  (after PROCESS_START: its import, with torch's, counts in the stage's time)
+from angle_train.tracking import number_at  # noqa: E402  (a record's null, a number that was not finite, as NaN)
 from harness import REPO  # noqa: E402
 
 DEFAULT_ANGLE_EMB_WHEEL = REPO / ".whl" / "angle_emb-0.6.1-py3-none-any.whl"
@@ -1186,7 +1187,8 @@ def _format_check(check: dict) -> list:
     if check.get("error") or "first" not in check:
         state = "FAIL" if check.get("pass") is False else "pass" if check.get("pass") else "left out"
         return head + [state, check.get("error", "")[:120]]
-    first, allowed = check["first"], check["allowed"]
+    # an error that was not finite (a NaN out of a kernel) is null in the record: number_at reads it back as NaN
+    first, allowed = ({key: number_at(check[part], key) for key in ("value", "grad")} for part in ("first", "allowed"))
     return head + ["pass" if check["pass"] else "FAIL",
                    f"value {first['value']:.1e} / {allowed['value']:.1e}, grad {first['grad']:.1e} / "
                    f"{allowed['grad']:.1e} ({check['against']})"]
@@ -1227,8 +1229,9 @@ def render_stage(data: dict) -> str:
                   "interleaved rounds", "", *harness.markdown_table(
                       ["contender", "ms", "rounds' spread", "extra MB", "vs sentence-transformers", "value / grad err"],
                       [[name, f"{r['median_ms']:.3f}", f"{r['spread_ms'][0]:.3f}-{r['spread_ms'][1]:.3f}",
-                        f"{r['extra_MB']:.0f}" if "extra_MB" in r else "", f"{r['speedup_vs_st']:.2f}x",
-                        f"{r['value_rel_err']:.1e} / {r['grad_rel_err']:.1e}"] for name, r in top["rows"].items()])]
+                        f"{r['extra_MB']:.0f}" if "extra_MB" in r else "", f"{number_at(r, 'speedup_vs_st'):.2f}x",
+                        f"{number_at(r, 'value_rel_err'):.1e} / {number_at(r, 'grad_rel_err'):.1e}"]
+                       for name, r in top["rows"].items()])]
     rows = [r for name in ("op_sweep", "cuda_op_sweep") for r in data["steps"].get(name, {}).get("rows", [])]
     if rows:
         op_rows = []

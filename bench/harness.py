@@ -704,8 +704,18 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_json_atomic(path: Path, payload) -> None:
-    write_text_atomic(path, json.dumps(payload, indent=1, default=str) + "\n")
+def json_text(payload, indent: int | None = 1) -> str:
+    """`payload` as strict JSON, what every JSON file of the benchmarks holds: a number that is not finite (a NaN
+    loss, an infinite difference) written as null (angle_train's rule for its files: tracking.finite_or_none), where
+    json.dumps wrote NaN or Infinity, which jq, JavaScript's JSON.parse and other strict parsers refuse; anything else
+    that is not JSON (a path, a dtype) as its str. Its readers take null as a number that is missing or not finite."""
+    from angle_train.tracking import finite_or_none  # here, not at the top: harness loads before any benchmark's code
+
+    return json.dumps(finite_or_none(payload), indent=indent, default=str, allow_nan=False)
+
+
+def write_json_atomic(path: Path, payload, indent: int | None = 1) -> None:
+    write_text_atomic(path, json_text(payload, indent) + "\n")
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:

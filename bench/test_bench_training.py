@@ -127,6 +127,22 @@ def test_losses_apart_finds_the_largest_difference():
     assert bt.relative_difference(float("nan"), 1.0) == math.inf
 
 
+def test_losses_that_were_not_finite_read_back_from_the_results_as_null():
+    """results.json and the sentence-transformers report are strict JSON: a NaN loss and the infinite difference it
+    makes are null there, which a resumed run compares and renders as the NaN and infinity they were."""
+    ours = [{"contender": "ours", "kind": "ours", "rep": 1, "steps": 2, "ok": True,
+             "in_process": {"losses": [2.0, math.nan]}}]
+    theirs = [{"contender": "st", "kind": "st", "rep": 1, "steps": 2, "ok": True,
+               "said": {"batch_order": "angle-train"}, "in_process": {"losses": [2.0, 1.0]}}]
+    stored_ours, stored_theirs = json.loads(bt.harness.json_text([ours, theirs]))
+    assert stored_ours[0]["in_process"]["losses"] == [2.0, None]
+    apart = bt.losses_apart(stored_ours, stored_theirs)
+    assert apart["max_rel_diff"] == math.inf and not apart["within_target"]
+    stored = json.loads(bt.harness.json_text(apart))
+    assert stored["max_rel_diff"] is None
+    assert bt.said_apart(stored).startswith("inf% (over 2%; at step 2 of a 2-step run")
+
+
 def test_st_train_reads_angle_train_batches(tmp_path, smoke_assets, monkeypatch):
     """st-train's batches are angle-train's, step after step across epochs: the rows its collator receives are
     those of the batches angle-train's trainer takes (angle_train.trainer.next_batches, recorded in a real run of

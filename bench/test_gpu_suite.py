@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -1202,6 +1203,22 @@ def test_a_check_that_did_not_pass_is_never_rendered_as_passed(tmp_path):
     record.step("large_checks", {"status": "failed", "checks": [{**head, "case": "N=6000", "pass": None}, over]})
     markdown = (tmp_path / "out" / "first.md").read_text()
     assert "| N=6000 | left out |" in markdown and "| N=3000 | FAIL | value 1.0e-03 / 1.0e-06" in markdown
+
+
+def test_a_record_is_strict_json_and_its_null_errors_render(tmp_path):
+    """A check whose error is NaN (a kernel that returned NaN) was written as NaN, which strict parsers refuse: it is
+    null in the record, and the summary read back from the record renders it as nan, not as an error."""
+    record = _record(tmp_path)
+    check = {"backend": "triton", "op": "ranking_loss", "path": "sort", "dtype": "float32", "case": "N=3000",
+             "pass": False, "first": {"value": math.nan, "grad": 1e-3}, "allowed": {"value": 1e-6, "grad": 1e-5},
+             "against": "reference"}
+    record.step("large_checks", {"status": "failed", "checks": [check]})
+    text = (tmp_path / "out" / "first.json").read_text()
+    assert "NaN" not in text
+    stored = json.loads(text)
+    assert stored["steps"]["large_checks"]["checks"][0]["first"]["value"] is None
+    summary = gpu_suite.render_stage(stored)
+    assert "| N=3000 | FAIL | value nan / 1.0e-06, grad 1.0e-03 / 1.0e-05 (reference) |" in summary
 
 
 def test_a_background_build_past_its_wait_is_killed_and_fails(tmp_path, monkeypatch):

@@ -3,6 +3,8 @@ floors, forked children and report files. Nothing here asserts on wall time."""
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -216,6 +218,24 @@ def test_reports_are_replaced_in_one_step(tmp_path):
     harness.write_text_atomic(path, "new\n")
     assert path.read_text() == "new\n" and '"a": 1' in (tmp_path / "results.json").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "table.md"]  # no .tmp left behind
+
+
+def strict_json(text: str):
+    """`text` read as a strict parser (jq, JavaScript's JSON.parse) reads it: NaN and Infinity are no JSON."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_the_json_files_are_strict_with_null_for_a_number_that_is_not_finite(tmp_path):
+    """json.dumps wrote NaN and Infinity (a NaN loss_value in results.json, an infinite difference), which strict
+    parsers refuse: they are written as null, in lists and nested objects too."""
+    payload = {"loss_value": math.nan, "rows": [{"max_rel_diff": math.inf}, -math.inf, 1.5], "path": tmp_path}
+    harness.write_json_atomic(tmp_path / "results.json", payload)
+    assert strict_json((tmp_path / "results.json").read_text()) == {
+        "loss_value": None, "rows": [{"max_rel_diff": None}, None, 1.5], "path": str(tmp_path)}
+    assert strict_json(harness.json_text(payload, indent=None)) == strict_json(harness.json_text(payload))
 
 
 def test_markdown_table_keeps_its_columns():

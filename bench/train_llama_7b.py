@@ -426,7 +426,7 @@ def markdown(results: dict) -> str:
 def save(out: str, results: dict) -> None:
     summarise(results)
     # harness.write_text_atomic: a kill while writing leaves the previous complete file, never a truncated one
-    harness.write_text_atomic(Path(out, "results.json"), json.dumps(results, indent=2) + "\n")
+    harness.write_json_atomic(Path(out, "results.json"), results, indent=2)
     harness.write_text_atomic(Path(out, "results.md"), markdown(results))
 
 
