@@ -1642,7 +1642,10 @@ def prepare_gpu(args, parser, paths: dict):
         caches / "angle_kernels")}
     target = Target(device=args.device, bf16=True, log_steps=True)
     if args.device == "cuda":
-        machine = harness.describe_environment("cuda")
+        # not the checkout's commit: a run resumed from its committed results (gpu_suite third --resume-from) is at
+        # a later commit than the one that measured them
+        machine = {key: value for key, value in harness.describe_environment("cuda").items()
+                   if key not in harness.CHECKOUT_KEYS}
         machine_name = machine["gpu"]
     else:
         machine = {"cpu": harness.cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}

@@ -797,7 +797,35 @@ def describe_environment(device: str) -> dict:
             info[name] = importlib.import_module(name).__version__
         except Exception:
             info[name] = None
+    # which code was measured: the version stays the same across commits
+    package = Path(importlib.import_module("angle_kernels").__file__).parent
+    info["angle_kernels_path"] = str(package)
+    info["angle_kernels_commit"] = checkout_commit(package)
     return info
+
+
+# describe_environment's keys that say which checkout was measured (beside the machine and the versions)
+CHECKOUT_KEYS = ("angle_kernels_path", "angle_kernels_commit")
+
+
+def checkout_commit(folder: Path) -> str:
+    """The git commit of the checkout whose tracked files `folder` holds: its short hash, with " + uncommitted
+    changes" where a tracked file of its work tree differs from it; "unknown" where `folder` is no checkout's (an
+    installed package: a virtual environment inside a checkout is no part of it, git tracks none of its files) or
+    git is missing."""
+    import subprocess
+
+    def git(*args) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=20)
+
+    try:
+        head, tracked = git("rev-parse", "--short", "HEAD"), git("ls-files", "--", ".")
+        if head.returncode != 0 or tracked.returncode != 0 or not tracked.stdout.strip():
+            return "unknown"
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + (" + uncommitted changes" if changed.stdout.strip() else "")
 
 
 def cpu_model() -> str:

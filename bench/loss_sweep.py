@@ -354,9 +354,12 @@ def render_markdown(results, env, args, losses, limits, checks, missing, provide
              f"- date (UTC): {env['date']}; command: `{env['command']}`"]
     thread_text = (f"{env['threads']} threads of {env.get('logical_cpus')} logical CPUs, "
                    f"OMP_WAIT_POLICY={env.get('omp_wait_policy')}" if args.device == "cpu" else "")
+    # where the results.json of a sweep from before it was recorded has no checkout, none is said
+    checkout = (f" ({env['angle_kernels_path']}, commit {env['angle_kernels_commit']})"
+                if "angle_kernels_commit" in env else "")
     lines.append(f"- torch {env['torch']}, triton {env.get('triton')}, sentence-transformers "
                  f"{env.get('sentence_transformers')}, angle-emb {env.get('angle_emb')}, angle_kernels "
-                 f"{env.get('angle_kernels')}" + (f"; {thread_text}" if thread_text else ""))
+                 f"{env.get('angle_kernels')}{checkout}" + (f"; {thread_text}" if thread_text else ""))
     if args.device == "cuda":
         lines.append(f"- GPU {env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}")
     if limits:

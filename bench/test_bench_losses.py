@@ -419,6 +419,18 @@ def test_the_table_gives_each_time_with_its_spread():
     assert harness.fmt_seconds_range(0.9, 1.2) == "0.9-1.2 s" and harness.fmt_seconds_range(0.5, 0.9) == "500-900 ms"
 
 
+def test_the_header_names_the_checkout_measured():
+    """The header's angle_kernels version is the same across commits: its folder and commit follow it (a results.json
+    from before they were recorded renders without them)."""
+    env = {"angle_kernels": "0.1.0", "angle_kernels_path": "/src/angle_kernels",
+           "angle_kernels_commit": "8b7ea56 + uncommitted changes"}
+    table = _table([_ok_row("cosine", 16, "ours-torch", "ours", 0.001)], ["ours-torch"], "ours-torch", env)
+    assert "angle_kernels 0.1.0 (/src/angle_kernels, commit 8b7ea56 + uncommitted changes); " in table
+    older = _table([_ok_row("cosine", 16, "ours-torch", "ours", 0.001)], ["ours-torch"], "ours-torch",
+                   {"angle_kernels": "0.1.0"})
+    assert "angle_kernels 0.1.0; " in older
+
+
 def test_committed_loss_sweeps_still_render():
     """The results.json of sweeps committed before the spread was shown render with it (their rows hold the runs)."""
     folder = HERE / "results" / "cpu-2026-11-26-losses"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import angle_kernels
 import harness
 
 HERE = Path(__file__).resolve().parent
@@ -236,6 +238,33 @@ def test_the_json_files_are_strict_with_null_for_a_number_that_is_not_finite(tmp
     assert strict_json((tmp_path / "results.json").read_text()) == {
         "loss_value": None, "rows": [{"max_rel_diff": None}, None, 1.5], "path": str(tmp_path)}
     assert strict_json(harness.json_text(payload, indent=None)) == strict_json(harness.json_text(payload))
+
+
+def test_the_environment_names_the_checkout_measured(tmp_path):
+    """The tables recorded angle_kernels' version, the same across commits: the environment names the package's folder
+    and its checkout's commit, with its uncommitted changes; a folder git tracks nothing of is "unknown"."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=bench", "-c", "user.email=bench@example.com",
+                        *args], check=True, capture_output=True)
+
+    package = tmp_path / "angle_kernels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    assert harness.checkout_commit(package) == "unknown"  # not a git checkout (the temporary folder is in none)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (tmp_path / "notes.txt").write_text("untracked: no change of the code")
+    assert harness.checkout_commit(package) == head
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    assert harness.checkout_commit(package) == f"{head} + uncommitted changes"
+    (tmp_path / "venv").mkdir()  # an installed package in an untracked folder of a checkout is no part of it
+    assert harness.checkout_commit(tmp_path / "venv") == "unknown"
+    env = harness.describe_environment("cpu")
+    assert env["angle_kernels_path"] == str(Path(angle_kernels.__file__).parent)
+    assert env["angle_kernels_commit"] == harness.checkout_commit(Path(angle_kernels.__file__).parent)
 
 
 def test_markdown_table_keeps_its_columns():
