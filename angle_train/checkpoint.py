@@ -625,14 +625,16 @@ def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: Tra
     compare scores on the new data with that score (and keep, or replace, best/ by it). Without --dev-data the best
     stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared. The
     same names are compared by contents too (dev_fingerprint: this run's Position.dev_fingerprint): a dev file edited
-    in place is other dev data; another name of the checkpoint's contents (`moved`: _moved_data), or other columns
-    that read its examples, is the same."""
+    in place is other dev data; another name of the checkpoint's contents (`moved`: _moved_data), or another split or
+    other columns that read its examples, is the same."""
     if position.best is None or not cfg.dev_data or not saved.get("dev_data"):
         return
-    changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_DEV_SETTINGS).items()
-               if k not in (moved or {})}
     recorded = position.dev_fingerprint  # None: a checkpoint written before it was recorded, nothing to compare
     same_examples = _same_dev_examples(position, dev_fingerprint)
+    # the split is compared as a setting only where the examples cannot be: another split that reads the checkpoint's
+    # examples (a dataset whose "dev" split is its "validation") is the same dev data
+    changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_DEV_SETTINGS).items()
+               if k not in (moved or {}) and not (k == "dev_split" and same_examples)}
     # the columns the dev data is read by (--dev-columns, else --columns; checkpoints written before --dev-columns
     # record none), compared as mappings where the examples cannot be: the same written in other words is the same
     # dev data

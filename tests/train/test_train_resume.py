@@ -708,19 +708,31 @@ def test_resume_takes_other_dev_columns_that_read_the_checkpoints_dev_examples(t
     assert [row["step"] for row in resumed.history] == [3, 4]
 
 
-def test_resume_refuses_another_split_of_the_dev_dataset(tmp_path, monkeypatch):
-    """--dev-split names the dev data as --dev-data does: another split of the same Hugging Face dataset is other dev
-    data, refused as another dataset is."""
-    from angle_train import trainer
+def test_resume_takes_another_split_that_reads_the_checkpoints_dev_examples(tmp_path, monkeypatch):
+    """--dev-split names the dev data as --dev-data does: another split of the same Hugging Face dataset with other
+    examples is other dev data, refused as another dataset is. A split that reads the checkpoint's examples (a
+    dataset whose "dev" split is its "validation") was refused too: the dev fingerprint is of the examples as read, so
+    the same fingerprint resumes, as other --dev-columns do. A checkpoint that records no fingerprint compares the
+    split's name, as before."""
+    from angle_train import checkpoint, trainer
     from angle_train.evaluate import StsSet
 
-    monkeypatch.setattr(trainer, "read_dev_data", lambda source, split, columns=None: StsSet("dev", DEV))  # offline
+    splits = {"validation": DEV, "dev": DEV, "test": demo_sts_examples(12, seed=6)}
+    monkeypatch.setattr(trainer, "read_dev_data", lambda source, split, columns=None: StsSet(split, splits[split]))
     data = (demo_examples(20, seed=3), "B")
-    train(_best_config(tmp_path / "run", dev_data="someone/sts-pairs"), train_examples=data, on_step=_stop_at(2))
+    train(_best_config(tmp_path / "run", dev_data="someone/sts-pairs"), train_examples=data, on_step=_stop_at(3))
     with pytest.raises(ValueError, match=r"cannot resume from .* with other dev data \(--dev-split: 'validation' -> "
                                          r"'test'\): its best model \(step"):
         train(_best_config(tmp_path / "run", dev_data="someone/sts-pairs", dev_split="test", resume="auto"),
               train_examples=data)
+    resumed = train(_best_config(tmp_path / "run", dev_data="someone/sts-pairs", dev_split="dev", resume="auto"),
+                    train_examples=data)
+    assert [row["step"] for row in resumed.history] == [3, 4]
+    saved = dataclasses.asdict(_best_config(tmp_path / "run", dev_data="someone/sts-pairs"))
+    older = Position(step=2, best=0.5, best_step=2)  # no dev_fingerprint: written before it was recorded
+    with pytest.raises(ValueError, match=r"other dev data \(--dev-split: 'validation' -> 'dev'\)"):
+        checkpoint._refuse_another_dev_set("ck", saved, older, _best_config(
+            tmp_path / "run", dev_data="someone/sts-pairs", dev_split="dev"), "0123456789abcdef")
 
 
 def test_resume_refuses_a_dev_file_edited_in_place(tmp_path):
