@@ -85,7 +85,6 @@ from pathlib import Path
 PROCESS_START = time.monotonic()  # limits count from here: imports and CUDA start-up are part of a stage's time
 
 import harness  # noqa: E402  (after PROCESS_START: its import, with torch's, counts in the stage's time)
-from angle_train.tracking import number_at  # noqa: E402  (a record's null, a number that was not finite, as NaN)
 from harness import REPO  # noqa: E402
 
 DEFAULT_ANGLE_EMB_WHEEL = REPO / ".whl" / "angle_emb-0.6.1-py3-none-any.whl"
@@ -1183,6 +1182,7 @@ STAGES = {
 
 
 def _format_check(check: dict) -> list:
+    from angle_train.tracking import number_at  # here, not at the top: a stage imports the package after preflight
     head = [check["backend"], check["op"], check["path"], check["dtype"], check["case"]]
     if check.get("error") or "first" not in check:
         state = "FAIL" if check.get("pass") is False else "pass" if check.get("pass") else "left out"
@@ -1196,6 +1196,7 @@ def _format_check(check: dict) -> list:
 
 def render_stage(data: dict) -> str:
     """One stage's results as markdown: its steps, then its checks, headline and op rows where it has them."""
+    from angle_train.tracking import number_at  # here, not at the top: a stage imports the package after preflight
     lines = [f"# Stage {data['stage']}: {data['title']}", "",
              f"- command: `{data['command']}`; started {data['started_utc']} UTC; limit {data['budget_s']:.0f} s; "
              f"status {data['status']}" + (f" after {data['seconds']} s" if "seconds" in data else ""), ""]

@@ -816,7 +816,9 @@ def checkout_commit(folder: Path) -> str:
     import subprocess
 
     def git(*args) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=20)
+        # no optional locks: a status of a checkout being committed to would otherwise take its index lock
+        return subprocess.run(["git", "--no-optional-locks", "-C", str(folder), *args], capture_output=True,
+                              text=True, timeout=20)
 
     try:
         head, tracked = git("rev-parse", "--short", "HEAD"), git("ls-files", "--", ".")
@@ -825,6 +827,8 @@ def checkout_commit(folder: Path) -> str:
         changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    if changed.returncode != 0:
+        return head.stdout.strip() + " (uncommitted changes unknown)"
     return head.stdout.strip() + (" + uncommitted changes" if changed.stdout.strip() else "")
 
 

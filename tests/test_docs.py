@@ -19,7 +19,8 @@ import pytest
 import angle_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").glob("*.md")])
+DOCS = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "angle_train" / "README.md",
+               *(ROOT / "docs").glob("*.md")])
 
 PATH = re.compile(r"(?<![\w./-])((?:angle_kernels|angle_train|tests|bench|scripts|csrc|docs)/[\w./<>{},*-]*"
                   r"\.(?:py|md|sh|cu|cpp|h|cuh|json))")
@@ -27,22 +28,24 @@ DOTTED = re.compile(r"(?<![\w/.])([a-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 FILE_SUFFIXES = (".py", ".md", ".json", ".sh", ".cu", ".cpp", ".h", ".cuh", ".lock", ".log", ".csv", ".txt")
 
 
-def _modules() -> dict[str, str]:
-    """Short module name -> its full name; the integrations' modules, named after the packages they integrate
-    (`angle_emb.loss` is angle-emb's), only as `integrations.<name>`."""
-    found = {info.name.rsplit(".", 1)[-1]: info.name
-             for info in pkgutil.walk_packages(angle_kernels.__path__, "angle_kernels.")
-             if not info.name.startswith("angle_kernels.integrations.")}
-    return {**found, "angle_kernels": "angle_kernels"}
+def _modules() -> dict[str, list[str]]:
+    """Short module name -> the full names of the package's modules of that name (`similarity_xent` is one module in
+    each backend's folder); the integrations' modules, named after the packages they integrate (`angle_emb.loss` is
+    angle-emb's), only as `integrations.<name>`."""
+    found: dict[str, list[str]] = {}
+    for info in pkgutil.walk_packages(angle_kernels.__path__, "angle_kernels."):
+        if not info.name.startswith("angle_kernels.integrations."):
+            found.setdefault(info.name.rsplit(".", 1)[-1], []).append(info.name)
+    return {**found, "angle_kernels": ["angle_kernels"]}
 
 
-def _resolves(name: str, modules: dict[str, str]) -> bool | None:
-    """None: not a name of the package; else whether it resolves."""
-    first, *rest = name.split(".")
-    if first not in modules:
+def _resolves_in(module: str, rest: list[str]) -> bool | None:
+    """Whether `rest` names a submodule or attribute path of `module`; None where the module cannot be imported here
+    (an optional dependency missing): not known."""
+    try:
+        obj = importlib.import_module(module)
+    except ImportError:
         return None
-    module = modules[first]
-    obj = importlib.import_module(module)
     for part in rest:
         try:
             obj = importlib.import_module(f"{module}.{part}")
@@ -54,6 +57,16 @@ def _resolves(name: str, modules: dict[str, str]) -> bool | None:
             return False
         obj = getattr(obj, part)
     return True
+
+
+def _resolves(name: str, modules: dict[str, list[str]]) -> bool | None:
+    """None: not a name of the package, or not known here; else whether it resolves in one of the modules its first
+    part may be (a short name shared by several modules is right where it resolves in any)."""
+    first, *rest = name.split(".")
+    if first not in modules:
+        return None
+    outcomes = [_resolves_in(module, rest) for module in modules[first]]
+    return True if True in outcomes else (False if False in outcomes else None)
 
 
 def stale_names(text: str, modules: dict[str, str]) -> list[str]:

@@ -376,8 +376,8 @@ def test_dev_scores_are_the_scores_of_each_roles_embeddings(tmp_path):
 def test_queries_that_share_a_positive_share_one_document():
     """Two queries whose positive is one text (a passage answering both, a row given twice) rank it as one document:
     its copies scored exactly alike, and a tie is never a win, so each such query lost rank 1 to the copy of its own
-    positive (recall@1 0.5 here, for a model that finds every positive first). angle-eval and the trainer's dev score
-    alike; the corpus holds each text once."""
+    positive (recall@1 0 here, every row being given twice, for a model that finds every positive first). angle-eval
+    and the trainer's dev score alike; the corpus holds each text once."""
     from angle_train.evaluate import dev_scores, evaluate
 
     encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
