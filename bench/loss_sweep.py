@@ -316,7 +316,7 @@ def time_text(row) -> str:
     runs = row.get("times_s") or []
     if len(runs) >= 2:
         return f"{shown} ({harness.fmt_seconds_range(min(runs), max(runs))})"
-    if row["min_s"] < row["time_s"]:
+    if row.get("min_s", row["time_s"]) < row["time_s"]:  # (a row of one run, or of a table made by hand, has none)
         return f"{shown} (min {harness.fmt_seconds(row['min_s'])})"
     return shown
 
