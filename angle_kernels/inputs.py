@@ -737,7 +737,8 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
     as `nested` instead of dims, dim_weights and layer_weights: it is checked against these embeddings (its
     layers and its widest prefix), not parsed again. Under torch.distributed with gather_across_devices, a check
     that fails on one rank before the gathers fails on every rank (distributed.refused_together)."""
-    # (a call that does not gather, the common one, skips the context manager and its cost per call)
+    # (a call that does not gather, the common one, skips the context manager, its cost per call and its file: a
+    # call reaches its op through four files, tests/test_structure.py)
     sharing = gather_across_devices is not False
     with refused_together(gather_across_devices, queries) if sharing else contextlib.nullcontext():
         scale = check_scale("scale", scale)

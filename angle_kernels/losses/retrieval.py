@@ -142,7 +142,8 @@ def gist_loss(
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
     # a check that fails here on one rank before the gathers fails on every rank (distributed.refused_together)
-    # (a call that does not gather, the common one, skips the context manager and its cost per call)
+    # (a call that does not gather, the common one, skips the context manager, its cost per call and its file: a
+    # call reaches its op through four files, tests/test_structure.py)
     sharing = gather_across_devices is not False
     with refused_together(gather_across_devices, anchors) if sharing else contextlib.nullcontext():
         temperature = check_scale("temperature", temperature, divides=True)
