@@ -47,7 +47,10 @@ among them (a finished run can be extended), may change on resume and take effec
 learning rate there is the one the new settings' schedule gives at that step (as if the run had used them from the
 start), AdamW's moments carry over, and the run says which settings changed; so do the loss's settings and the
 precision (RESUME_NOTED). Other dev data than the one that measured the checkpoint's best score is refused
-(RESUME_DEV_SETTINGS; the same file edited since too: Position.dev_fingerprint).
+(RESUME_DEV_SETTINGS; the same file edited since too: Position.dev_fingerprint), and so is another model than the
+checkpoint's: other settings of what the weights compute (RESUME_MODEL_SETTINGS), or a --model whose config or frozen
+weights differ from those the checkpoint records (base_model_record: a local folder of the model a hub name names
+resumes; another model of the same shapes, or a folder whose files changed since, does not).
 """
 
 from __future__ import annotations
@@ -465,9 +468,9 @@ def checkpoint_problem(folder: str) -> str | None:
 
 
 def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *, encoder, optimizer, scheduler,
-                    scaler, sharded: bool = False) -> str:
+                    scaler, sharded: bool = False, base_model: dict | None = None) -> str:
     """Write checkpoints/step-N (N = position.step), then delete the oldest beyond cfg.keep_checkpoints but the last
-    good one (prune_checkpoints).
+    good one (prune_checkpoints). base_model: the run's base_model_record, which a resume compares.
 
     Every process calls this: the main process writes the shared state, each process its own RNG state (and,
     sharded, its own shards of the weights and optimizer state).
@@ -482,7 +485,8 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
             os.makedirs(tmp)
             weights = {} if sharded else {"model": encoder.trainable_state_dict(), "optimizer": optimizer.state_dict()}
             torch.save({**weights, "sharded": sharded, "scheduler": scheduler.state_dict(),
-                        "scaler": scaler.state_dict(), "position": asdict(position), "config": asdict(cfg)},
+                        "scaler": scaler.state_dict(), "position": asdict(position), "config": asdict(cfg),
+                        "base_model": base_model},
                        os.path.join(tmp, STATE_FILE))
     barrier(dist_info)  # the folder exists before the other processes write into it
     with _failed_write_cleaned(tmp, cfg.output_dir):
@@ -543,12 +547,13 @@ def _failed_write_cleaned(tmp: str, output_dir: str):
 
 def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder, optimizer, scheduler, scaler,
                     data_record: Callable[[int], dict] | None = None, total_steps: int | None = None,
-                    dev_fingerprint: str | None = None) -> Position:
+                    dev_fingerprint: str | None = None, base_model: dict | None = None) -> Position:
     """Restore what save_checkpoint wrote into the given objects and this process's generators; return the
     position to continue from. Both files are read and checked before anything is changed. data_record(epoch):
     this run's Position.data_record for an epoch, checked against the checkpoint's (_refuse_other_data);
     total_steps: this run's length, refused where it ends before the checkpoint's step; dev_fingerprint: this run's
-    Position.dev_fingerprint (None: no dev set), checked against the checkpoint's (_refuse_another_dev_set)."""
+    Position.dev_fingerprint (None: no dev set), checked against the checkpoint's (_refuse_another_dev_set);
+    base_model: this run's base_model_record, checked against the checkpoint's (_refuse_another_base_model)."""
     state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
     # every process sees the same files, so all refuse together, before any collective a refusal would leave waiting
     written_by = _writers(path)
@@ -573,6 +578,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          f"{'with' if sharded else 'without'} --fsdp (and the same number of processes)")
     if not sharded:
         _refuse_other_weights(path, state["config"], cfg, state["model"], encoder.trainable_state_dict())
+    _refuse_another_base_model(path, state["config"], cfg, state.get("base_model"), base_model)
     rng_state = read_tensors_and_plain_values(os.path.join(path, _rng_file(dist_info.rank)))
     settings = [dict(group) for group in optimizer.param_groups]  # as this run built them, before loading over them
     if sharded:  # DCP's files, through readers that refuse anything but what DCP writes (sharding.py)
@@ -660,6 +666,63 @@ def _same_dev_examples(position: Position, dev_fingerprint: str | None) -> bool:
     return None not in (position.dev_fingerprint, dev_fingerprint) and position.dev_fingerprint == dev_fingerprint
 
 
+# Keys of a model's config that say where it was loaded from or how it runs, not which model it is: a local snapshot of
+# a hub model records another _name_or_path (and may name another head in architectures), and --model-dtype may change
+# on resume (RESUME_NOTED)
+CONFIG_NOT_THE_MODEL = ("_name_or_path", "_commit_hash", "transformers_version", "torch_dtype", "dtype",
+                        "_attn_implementation", "_attn_implementation_autoset", "architectures", "use_cache")
+SAMPLED_VALUES = 64  # of each frozen weight tensor, spread over it: base_model_record's fingerprint
+
+
+def base_model_record(encoder) -> dict:
+    """What identifies the model a run trains beyond the weights its checkpoints hold, recorded in them and compared
+    on resume (_refuse_another_base_model): the model's config (as JSON, without CONFIG_NOT_THE_MODEL), and a
+    fingerprint of its frozen weights (LoRA's base model; none with full fine-tuning, whose every weight a checkpoint
+    holds) from SAMPLED_VALUES values of each tensor with its name, shape and dtype: cheap at any size (a hash of every
+    value would read the whole model), and two models that share config and shapes still differ in nearly every value.
+    Taken before --fsdp shards the weights."""
+    config = {k: v for k, v in encoder.backbone.config.to_dict().items() if k not in CONFIG_NOT_THE_MODEL}
+    digest, dtypes = hashlib.sha256(), set()
+    with torch.no_grad():
+        for name, weight in sorted(encoder.named_parameters()):
+            if weight.requires_grad:
+                continue
+            flat = weight.detach().reshape(-1)
+            at = torch.linspace(0, flat.numel() - 1, min(flat.numel(), SAMPLED_VALUES)).long().to(flat.device)
+            values = flat[at].cpu().contiguous().view(torch.uint8).numpy().tobytes()  # bf16 has no numpy dtype
+            digest.update(f"{name}|{tuple(weight.shape)}|{weight.dtype}|".encode() + values)
+            dtypes.add(str(weight.dtype))
+    # a value JSON cannot write is recorded by its type: its str() may hold a memory address, other in every process
+    return {"config": json.dumps(config, sort_keys=True, default=lambda value: f"<{type(value).__name__}>"),
+            "weights": digest.hexdigest()[:16],
+            "weights_dtype": ",".join(sorted(dtypes))}
+
+
+def _refuse_another_base_model(path: str, saved: dict, cfg: TrainConfig, recorded: dict | None,
+                               current: dict | None) -> None:
+    """A resume whose --model loads another model than the checkpoint's (base_model_record) is refused: its config
+    differs, or its frozen weights do (compared where both are in the same dtype: another --model-dtype gives other
+    values of the same model). --model's name is compared by where it leads (_same_setting), which cannot tell a hub
+    name's model from a local folder, nor see a folder whose files changed since; this can. Config keys that one side
+    lacks are left out (another transformers version writes others). Checkpoints written before the record, and runs
+    given a model without one, compare the names and the trained weights alone."""
+    if recorded is None or current is None:
+        return
+    old, new = json.loads(recorded["config"]), json.loads(current["config"])
+    changed = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+    problems = []
+    if changed:
+        shown = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in changed[:3])
+        problems.append(f"its config differs ({shown}{', ...' if len(changed) > 3 else ''})")
+    if recorded["weights_dtype"] == current["weights_dtype"] and recorded["weights"] != current["weights"]:
+        problems.append(f"its frozen weights differ (fingerprint {recorded['weights']} -> {current['weights']})")
+    if problems:
+        raise ValueError(f"cannot resume from {path} (--resume) with --model {cfg.model}: it is not the model the "
+                         f"checkpoint trained (--model {saved.get('model')!r}): {'; '.join(problems)}. Give --model "
+                         "the checkpoint's model (a local folder of it is fine), or start a new run in a new "
+                         "--output-dir")
+
+
 def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig) -> None:
     current = asdict(cfg)
     changed = {k: (saved[k], current[k]) for k in RESUME_MODEL_SETTINGS
@@ -683,8 +746,9 @@ def _same_setting(name: str, saved, current) -> bool:
     """Whether a setting's value is the checkpoint's. A local path (LOCAL_PATH_SETTINGS) by where it is: a relative
     path, an absolute one or a link to the same file or folder is the same; a local --model folder also matches a
     checkpoint's --model that leads nowhere here (a relative path from another working directory, a folder moved
-    since the checkpoint, or a hub name: taken for the same model, whose trained weights must still fit,
-    _refuse_other_weights). Other values, hub names among them, are compared as text."""
+    since the checkpoint, or a hub name whose snapshot it is): the name alone cannot tell, so the model it loads is
+    compared with the checkpoint's (its config and frozen weights: _refuse_another_base_model; its trained weights
+    must fit too: _refuse_other_weights). Other values, hub names among them, are compared as text."""
     if saved == current:
         return True
     local = name in LOCAL_PATH_SETTINGS and isinstance(saved, str) and isinstance(current, str)

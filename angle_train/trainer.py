@@ -39,9 +39,9 @@ from angle_kernels.modules import computes_angle_term
 
 from . import arccse, distributed, faults, preflight, run_lock, sharding, st_folder, tracking
 from .checkpoint import (
-    Position, best_holds, checkpoint_path, checkpoint_to_resume, clear_non_finite_stop, finished_checkpoints,
-    is_own_checkpoint, load_checkpoint, prune_checkpoints, reconcile_best, record_non_finite_stop, remove_earlier_run,
-    save_best, save_checkpoint, save_final, set_aside_later_line,
+    Position, base_model_record, best_holds, checkpoint_path, checkpoint_to_resume, clear_non_finite_stop,
+    finished_checkpoints, is_own_checkpoint, load_checkpoint, prune_checkpoints, reconcile_best, record_non_finite_stop,
+    remove_earlier_run, save_best, save_checkpoint, save_final, set_aside_later_line,
 )
 from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, flag_of, for_dev_columns, prompt_flags
@@ -178,7 +178,8 @@ def save(run: Run) -> str:
     run.position.loss_window = list(run.log.losses)
     run.position.data_record = data_record(len(run.dataset), run.data_fingerprint, run.epoch_order)
     path = save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
-                           scheduler=run.scheduler, scaler=run.scaler, sharded=run.cfg.fsdp)
+                           scheduler=run.scheduler, scaler=run.scaler, sharded=run.cfg.fsdp,
+                           base_model=run.base_model)
     run.unverified_checkpoint = run.position.step
     return path
 
@@ -254,6 +255,7 @@ class Run:
     loss_name: str = "AngleLoss"  # AngleLoss, ArcCSELoss, or the loss_fn given to train()
     given: tuple = ()  # which of train()'s model, train_examples, dev_examples replaced flags (the model cards)
     resumed_from: str | None = None  # the checkpoint the run continues from
+    base_model: dict | None = None  # checkpoint.base_model_record of the model as loaded: checkpoints record it
     # the step of output_dir's newest checkpoint of this run (written, or resumed from) until a finite step is taken
     # from its weights (trust_checkpoint), None after that
     unverified_checkpoint: int | None = None
@@ -387,6 +389,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     # root unit (a LLaMA's token embeddings and final norm) unsharded, and the optimizer held those plain tensors,
     # which FSDP replaced at the first backward: they never trained
     check_packing(cfg, encoder, dataset, device, packing_asked, dist_info)
+    base_model = base_model_record(encoder)  # of whole tensors: before --fsdp shards them
     if cfg.fsdp:
         sharding.shard(encoder)  # before the optimizer, which holds the shards
     loss_name = ("ArcCSELoss" if cfg.objective == "arccse" else "AngleLoss") if loss_fn is None else \
@@ -412,7 +415,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                                    scheduler=scheduler, scaler=scaler,
                                    data_record=lambda epoch: data_record(len(items), fingerprint, order_of(epoch),
                                                                          sampled=sampled_data_fingerprint(items)),
-                                   total_steps=total_steps, dev_fingerprint=dev_fingerprint)
+                                   total_steps=total_steps, dev_fingerprint=dev_fingerprint, base_model=base_model)
         check_dev_metric(resume_from, position, dev_set)
         if continues_own_run:
             unverified_checkpoint = position.step
@@ -484,7 +487,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                                   # the dev set's, or a checkpoint's best's when resumed without dev data
                                   best_metric=position.best_metric if dev_set or position.best is not None else None),
                command=command, loss_name=loss_name, resumed_from=resume_from, data_ahead=OneAhead(device),
-               given=given, unverified_checkpoint=unverified_checkpoint)
+               base_model=base_model, given=given, unverified_checkpoint=unverified_checkpoint)
 
 
 # The loss weights a data format's loss does not read (angle_kernels.AngleLoss: format B's is the contrastive term

@@ -125,6 +125,45 @@ def test_resume_refuses_settings_that_change_what_the_weights_compute(tmp_path, 
         train(_config(tmp_path / "run", **{**settings, **change, "resume": "auto"}), train_examples=data)
 
 
+def test_resume_refuses_another_model_under_a_name_that_leads_nowhere_or_in_a_folder_changed_since(tmp_path):
+    """A checkpoint whose --model leads nowhere here (a hub name, a folder moved since) took any local folder as
+    --model, the trained weights' names and shapes alone deciding: a LoRA run went on over another base model of the
+    same shapes, silently. The checkpoint records the model's config and a fingerprint of its frozen weights now: a
+    folder of the same model resumes; another model, or the checkpoint's own folder with other files in it since, is
+    refused naming --resume and --model."""
+    from angle_train.models import prepare_tokenizer
+    from angle_train.tiny import build_backbone, build_tokenizer
+
+    tokenizer = prepare_tokenizer(build_tokenizer(), True)
+
+    def base_model(folder, seed=0, **config):
+        backbone = build_backbone("builtin:tiny-llama", len(tokenizer), hidden_size=32, layers=2, seed=seed)
+        backbone.config.update(config)
+        backbone.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return str(folder)
+
+    data = (demo_examples(20, seed=3), "B")
+    settings = dict(model=base_model(tmp_path / "base"), lora=True, lora_r=4, pooling="last", max_steps=4)
+    train(_config(tmp_path / "run", **settings), train_examples=data, on_step=_stop_at(3))
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "step-00000003")
+    (tmp_path / "base").rename(tmp_path / "snapshot")  # the checkpoint's --model leads nowhere now, as a hub name
+    others = {"weights": base_model(tmp_path / "other-weights", seed=1),
+              "config": base_model(tmp_path / "other-config", rms_norm_eps=1e-3)}
+    for kind, other in others.items():
+        with pytest.raises(ValueError, match=f"cannot resume from {re.escape(checkpoint)} \\(--resume\\) with --model "
+                                             f"{re.escape(other)}: it is not the model the checkpoint trained .*its "
+                                             f"{'frozen weights differ' if kind == 'weights' else 'config differs'}"):
+            train(_config(tmp_path / f"into-{kind}", **{**settings, "model": other, "resume": checkpoint}),
+                  train_examples=data)
+    resumed = train(_config(tmp_path / "into-snapshot", **{**settings, "model": str(tmp_path / "snapshot"),
+                                                              "resume": checkpoint}), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [4]
+    shutil.copytree(others["weights"], tmp_path / "base")  # the checkpoint's own folder, holding another model
+    with pytest.raises(ValueError, match="it is not the model the checkpoint trained .*frozen weights differ"):
+        train(_config(tmp_path / "into-changed", **{**settings, "resume": checkpoint}), train_examples=data)
+
+
 def test_resume_compares_the_prompts_by_their_templates_and_says_a_changed_lora_dropout(tmp_path, capsys):
     """A prompt spelled another way (--prompt angle, then Prompts.A or the template itself; a --query-prompt that is
     the --prompt it defaults to) was refused as a change of what the weights compute: the templates each role of a
