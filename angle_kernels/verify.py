@@ -24,6 +24,11 @@ one process per dtype and turns their merged results into the entries for the pr
 `--list` prints what the user's cache holds (these verifications and the first-use checks of
 `angle_kernels.first_use`) and where; `--forget` removes it, so that every path is checked again; `--forget-failed`
 removes only the first-use checks that failed.
+
+Exit status: 0 when every check that ran passed (none left to run under --unverified-only included), 1 when a check
+failed (or --list, --forget, --forget-failed could not read or change the cache), 2 for a bad option, 69 when
+nothing could be verified here: no CUDA device, or none of the backends asked for can run (nothing is checked,
+recorded or written to --out).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ from .dispatch import path_ops, resolve_backend
 
 # The order dtypes are checked in: what training uses first.
 DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
+# The exit status where nothing could be verified (sysexits' EX_UNAVAILABLE): neither 0, which a script calling this
+# on a machine without a GPU would take for "verified", nor 1, a check that failed
+NOTHING_VERIFIED = 69
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # the torch backend's GPU path takes only these
 # Above this many elements of its N x N matrix the reference ranking term is replaced by the torch backend in
 # float64 (itself held to the reference by the test suite): the sort path exists only at large N.
@@ -522,29 +530,32 @@ def main(argv=None) -> int:
         return 0
     if args.time_limit is not None and not args.time_limit > 0:
         parser.error("--time-limit must be a positive number of seconds")
-    if args.out is not None:  # found out now, not after minutes of checks
-        if args.out.is_dir():
-            parser.error(f"--out {args.out} is a folder; give the path of a file to write")
-        with contextlib.suppress(OSError):
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-        if not args.out.parent.is_dir() or not os.access(args.out.parent, os.W_OK):
-            parser.error(f"--out {args.out}: no folder {args.out.parent} that can be written")
+    if args.out is not None and args.out.is_dir():
+        parser.error(f"--out {args.out} is a folder; give the path of a file to write")
     dtypes = []
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name.strip(), None)
         if dtype not in DTYPES:
             parser.error(f"--dtypes: {name.strip()!r} is not one of {', '.join(_dtype_name(d) for d in DTYPES)}")
         dtypes.append(dtype)
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to verify (the GPU backends run only on CUDA tensors; on CPU the test suite "
-              "checks them through the Triton interpreter)")
-        return 0
+    if not torch.cuda.is_available():  # before --out's folder is made: nothing is written
+        print(f"no CUDA device: nothing to verify (the GPU backends run only on CUDA tensors; on CPU the test suite "
+              f"checks them through the Triton interpreter); exit status {NOTHING_VERIFIED}")
+        return NOTHING_VERIFIED
     device = torch.device("cuda", torch.cuda.current_device())
     # what this command exists to settle: dispatch's "not verified here" warnings would only repeat it
     warnings.filterwarnings("ignore", message=r"angle_kernels: backend=.* has not passed a correctness run")
     usable, why_not = _runnable_backends(args.backend)
     for name, why in why_not.items():
         print(f"not checked: {name}: {why}")
+    if not usable:
+        print(f"nothing to verify: none of the backends asked for can run here; exit status {NOTHING_VERIFIED}")
+        return NOTHING_VERIFIED
+    if args.out is not None:  # found out now, not after minutes of checks; made only where checks run
+        with contextlib.suppress(OSError):
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+        if not args.out.parent.is_dir() or not os.access(args.out.parent, os.W_OK):
+            parser.error(f"--out {args.out}: no folder {args.out.parent} that can be written")
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     report = {"gpu": torch.cuda.get_device_name(device), "sizes": args.sizes, "not_checked": why_not,
               "results": [], "passed": [], "failed": []}

@@ -380,6 +380,19 @@ def test_verify_checks_the_standard_cases_in_every_dtype_by_default_and_names_wh
     assert "not checked: cuda: the extension is not built" in capsys.readouterr().out
 
 
+def test_verify_with_no_backend_that_can_run_exits_with_nothing_verifieds_status(monkeypatch, capsys, tmp_path):
+    """A GPU where none of the backends asked for can run (--backend cuda, its extension not built) verified nothing
+    and exited 0 as a verification does: it exits 69, as without a GPU, runs no check and writes no --out."""
+    calls, recorded = _on_a_fake_gpu(monkeypatch, [])
+    monkeypatch.setattr(verify, "_runnable_backends", lambda wanted: ([], {"cuda": "the extension is not built"}))
+    out = tmp_path / "new" / "verify.json"
+    assert verify.main(["--backend", "cuda", "--out", str(out)]) == verify.NOTHING_VERIFIED
+    assert calls == [] and recorded == [] and not (tmp_path / "new").exists()
+    printed = capsys.readouterr().out
+    assert "not checked: cuda: the extension is not built" in printed
+    assert "nothing to verify: none of the backends asked for can run here; exit status 69" in printed
+
+
 def test_verify_time_limit_no_record_and_out(monkeypatch, capsys, tmp_path):
     """--time-limit 60 ends the checks 60 s from the start, --no-record leaves the user's cache alone, --out holds
     every check and the passed and failed entries; a path whose checks were left out is named as not verified."""

@@ -168,10 +168,14 @@ def test_a_time_limit_leaves_checks_out_and_their_paths_unrecorded():
     assert verify.entries_from(results, lambda backend, op, path: {}, "test", "standard") == ([], [])
 
 
-def test_without_a_gpu_the_command_says_so(capsys, monkeypatch):
+def test_without_a_gpu_the_command_says_so_and_exits_with_nothing_verifieds_status(capsys, monkeypatch, tmp_path):
+    """Without a GPU the command exited 0, which a script took for a verification, after making --out's folder: it
+    exits 69 (nothing could be verified here), neither 0 nor a failed check's 1, and writes nothing."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert verify.main([]) == 0
-    assert "no CUDA device" in capsys.readouterr().out
+    out = tmp_path / "new" / "verify.json"
+    assert verify.main(["--out", str(out)]) == verify.NOTHING_VERIFIED == 69
+    assert "no CUDA device: nothing to verify" in capsys.readouterr().out
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("sizes", ["standard", "large"])
