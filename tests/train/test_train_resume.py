@@ -727,6 +727,18 @@ def test_resume_refuses_other_dev_data_and_says_a_changed_loss_setting(tmp_path,
         capsys.readouterr().out)
 
 
+@pytest.mark.parametrize("before, after", [([32, 16], []), ([], [32, 16])])
+def test_resume_with_or_without_matryoshka_dims_says_the_changed_loss(tmp_path, capsys, before, after):
+    """--matryoshka-dims left out on resume (or added) changes the loss from the resumed step on, as any loss setting
+    does: said in a line, not refused (the weights fit either way)."""
+    data = (demo_examples(20, seed=3), "B")
+    train(_config(tmp_path / "run", max_steps=4, matryoshka_dims=before), train_examples=data, on_step=_stop_at(3))
+    resumed = train(_config(tmp_path / "run", max_steps=4, matryoshka_dims=after, resume="auto"), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [4]
+    assert (f"resuming with changed settings (--matryoshka-dims {before} -> {after}): they apply from step 3 on"
+            in capsys.readouterr().out)
+
+
 def test_resume_takes_other_dev_columns_that_read_the_checkpoints_dev_examples(tmp_path):
     """Other --dev-columns were refused as other dev data even where they read the same pairs and scores (a column
     holding a copy of another): the checkpoint's dev fingerprint is of the examples as read, so the same fingerprint
