@@ -44,6 +44,7 @@ from .data import (
     open_text,
     cut_note,
     read_stsb,
+    shows_nothing,
     tokenize_in_chunks,
 )
 
@@ -53,15 +54,16 @@ from .data import (
 def load_sentences(source: str, *, column: str = "text", split: str = "train") -> tuple[list[str], int]:
     """(sentences, blank lines skipped) from a .txt file (one sentence per line), a .jsonl/.csv/.tsv file's
     `column`, a Hugging Face dataset's (a save_to_disk folder or a hub name), or an STS Benchmark file (the distinct
-    sentences of its pairs, labels unused). A blank line of a .txt file is a separator, not a sentence (counted);
-    an empty or missing text anywhere else is a DataError."""
+    sentences of its pairs, labels unused). A blank line of a .txt file (or one of invisible characters alone,
+    data.shows_nothing) is a separator, not a sentence (counted); an empty or missing text anywhere else is a
+    DataError."""
     if os.path.isfile(source):
         if first_line_is_stsb(source):
             sentences, skipped = list(dict.fromkeys(t for ex in read_stsb(source) for t in ex.texts)), 0
         elif source.endswith(".txt"):
             with open_text(source) as f:
                 lines = [line.rstrip("\n").rstrip("\r") for line in f]
-            sentences = [line for line in lines if line.strip()]
+            sentences = [line for line in lines if not shows_nothing(line)]  # a line that looks blank is one
             skipped = len(lines) - len(sentences)
         elif source.endswith((".jsonl", ".json")):
             sentences, skipped = _jsonl_column(source, column), 0

@@ -14,11 +14,11 @@ automatically, or forced with layout="stsb"), or a Hugging Face dataset (hub nam
 
 Every problem in a file raises `DataError` (a ValueError) naming the file and the line: missing columns,
 an empty file, a null or empty label, a label that is not a finite number or is beyond +-LABEL_LIMIT, a null or
-empty text, a malformed JSON line, a CSV row with more or fewer fields than its header, bytes that are not UTF-8
-(with their byte offset; a Parquet, Arrow or compressed file named as such: BINARY_FILES). Local files are read
-as UTF-8; a byte-order mark at the start (as spreadsheet programs write "CSV UTF-8") is dropped. `open_text`,
-`check_label` and `check_text` hold these rules for every reader here, in angle_train.arccse and in
-angle_train.evaluate.
+empty text (or one of invisible characters alone: shows_nothing), a malformed JSON line, a CSV row with more or
+fewer fields than its header, bytes that are not UTF-8 (with their byte offset; a Parquet, Arrow or compressed file
+named as such: BINARY_FILES). Local files are read as UTF-8; a byte-order mark at the start (as spreadsheet programs
+write "CSV UTF-8") is dropped. `open_text`, `check_label` and `check_text` hold these rules for every reader here, in
+angle_train.arccse and in angle_train.evaluate.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import unicodedata
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -275,14 +276,29 @@ def check_read_columns_once(fieldnames, read: list, where: str) -> None:
                         "last of each would be read: rename or remove the others")
 
 
+# Letters that are drawn as nothing (Hangul fillers, the blank Braille pattern): typed where a text must not be empty.
+BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+
+
+def shows_nothing(text: str) -> bool:
+    """Whether `text` has no visible character: every one whitespace, a format character (Unicode category Cf: the
+    zero-width space U+200B, the joiners, the word joiner, a byte-order mark, a soft hyphen, the direction marks), a
+    control character (Cc) or one of BLANK_LETTERS. str.strip() removes whitespace alone, so a text of zero-width
+    spaces was taken as a sentence where a blank one is refused."""
+    return all(ch.isspace() or ch in BLANK_LETTERS or unicodedata.category(ch) in ("Cf", "Cc") for ch in text)
+
+
 def check_text(value, where: str, column: str) -> str:
-    """A text field's value, or a DataError naming the place when it is not a non-empty string."""
+    """A text field's value, or a DataError naming the place when it is not a string with a visible character."""
     if value is None:
         raise DataError(f"{where}: column {column!r} is null (expected a text)")
     if not isinstance(value, str):
         raise DataError(f"{where}: column {column!r} must be a string; got {type(value).__name__} {value!r}")
     if not value.strip():
         raise DataError(f"{where}: column {column!r} is an empty text")
+    if shows_nothing(value):
+        raise DataError(f"{where}: column {column!r} is an empty text: {ascii(value)} holds only invisible "
+                        "characters (zero-width, format, control or filler characters)")
     return value
 
 
@@ -300,7 +316,7 @@ def check_label(value, where: str, column: str = "label") -> float:
     what = "label" if column == "label" else f"label ({column!r})"
     if value is None:
         raise DataError(f"{where}: {what} is null (expected a number: the pair's similarity score)")
-    if isinstance(value, str) and not value.strip():
+    if isinstance(value, str) and shows_nothing(value):
         raise DataError(f"{where}: {what} is empty (expected a number: the pair's similarity score)")
     if isinstance(value, bool):  # a column of flags where the score belongs: not trained as 1.0 / 0.0 in silence
         raise DataError(f"{where}: bad {what} {str(value).lower()} (a boolean, not a number: where it is a 0/1 "

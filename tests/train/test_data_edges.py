@@ -428,3 +428,30 @@ def test_dev_data_reads_a_saved_dataset_folder_and_its_split(tmp_path):
         with pytest.raises(DataError, match=rf"{name}: a Hugging Face dataset saved by save_to_disk, which angle-eval "
                                             r"does not read .*--dev-data reads this folder"):
             read_dataset(str(tmp_path / name))
+
+
+def test_a_text_of_invisible_characters_alone_is_refused_as_an_empty_one(tmp_path):
+    """A text of zero-width spaces, a word joiner, a byte-order mark or a Hangul filler shows nothing, yet str.strip()
+    keeps those characters, so it was trained as a sentence where a blank one is refused: now refused the same way,
+    naming the line and column (a label of them is an empty label). A text holding a visible character beside them
+    (an emoji joined by U+200D) is read as it is; in ArcCSE's .txt sentences such a line is a blank separator."""
+    from angle_train.arccse import load_sentences
+
+    for name, text, refused in [
+            ("zw.jsonl", '{"query": "a", "positive": "b"}\n{"query": "x", "positive": "\\u200b\\u200b"}\n',
+             "zw.jsonl, line 2: column 'positive' is an empty text: '\\u200b\\u200b' holds only invisible characters"),
+            ("joiner.csv", "text1,text2,label\na,b,1\nc,\u2060 \ufeff\u200c,2\n",
+             "joiner.csv, line 3: column 'text2' is an empty text: '\\u2060 \\ufeff\\u200c' holds only invisible"),
+            ("filler.jsonl", '{"query": "\\u3164", "positive": "b"}\n', "filler.jsonl, line 1: column 'query' is an "
+                                                                          "empty text: '\\u3164' holds only"),
+            ("label.csv", "text1,text2,label\na,b,\u200b\n", "label.csv, line 2: label is empty (expected a number")]:
+        with pytest.raises(DataError, match=re.escape(refused)):
+            load_examples(write_data_file(tmp_path, name, text))
+    emoji = "\U0001F469\u200d\U0001F4BB"
+    examples, _ = load_examples(write_data_file(tmp_path, "emoji.jsonl", json.dumps({"query": emoji, "positive": "b"})
+                                                + "\n"))
+    assert examples[0].texts == (emoji, "b")
+    assert load_sentences(write_data_file(tmp_path, "s.txt", "a red car\n\u200b\u200b\nthe dog\n")) == (
+        ["a red car", "the dog"], 1)
+    with pytest.raises(DataError, match=re.escape("s.jsonl, line 1: column 'text' is an empty text: '\\u200b'")):
+        load_sentences(write_data_file(tmp_path, "s.jsonl", '{"text": "\\u200b"}\n'))
