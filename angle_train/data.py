@@ -346,16 +346,15 @@ def open_text(path: str, newline: str | None = None):
             raise DataError(_where_not_utf8(path) or f"{path}: not UTF-8 text ({exc})") from None
 
 
-# Files that are not text, told by their first bytes where a text file was expected: (magic, what it is, what to do
-# with it; {path} is the file). Looked for only in a file that is not UTF-8: their bytes were reported as "not UTF-8
-# (it may be Latin-1)".
+# Files that are not text, told by their first bytes where a text file was expected: (magic, or a tuple of the
+# magics of one kind, what it is, what to do with it; {path} is the file). Looked for only in a file that is not
+# UTF-8: their bytes were reported as "not UTF-8 (it may be Latin-1)".
 BINARY_FILES = (
     (b"PAR1", "a Parquet file", "write it as JSON Lines, pandas.read_parquet({path!r}).to_json(OUT, "
      "orient=\"records\", lines=True, force_ascii=False), or for angle-train save it as a dataset folder, "
      "datasets.Dataset.from_parquet({path!r}).save_to_disk(FOLDER)"),
-    (b"ARROW1", "an Arrow file", "give the dataset folder save_to_disk wrote it in, or write it as JSON Lines"),
-    (b"\xff\xff\xff\xff", "an Arrow file", "give the dataset folder save_to_disk wrote it in, or write it as "
-     "JSON Lines"),
+    ((b"ARROW1", b"\xff\xff\xff\xff"), "an Arrow file",  # the file format's magic; the stream format's
+     "give the dataset folder save_to_disk wrote it in, or write it as JSON Lines"),
     (b"\x1f\x8b", "a gzip-compressed file", "decompress it first: gunzip -k {path}"),
     (tuple(b"BZh%d" % level for level in range(1, 10)), "a bzip2-compressed file",
      "decompress it first: bunzip2 -k {path}"),
@@ -376,8 +375,8 @@ def _where_not_utf8(path: str) -> str | None:
                     "UTF-8: save it as UTF-8 (spreadsheet programs: \"CSV UTF-8\")")
         for magic, what, advice in BINARY_FILES:
             if head.startswith(magic):
-                return (f"{path}: {what}, not a text file (data files are read as UTF-8 text: .jsonl, .csv, .tsv or "
-                        f"the STS-B layout): {advice.format(path=path)}")
+                return (f"{path}: {what}, not a text file (data files are read as UTF-8 text: .jsonl, .csv, .tsv, "
+                        f".txt or the STS-B layout): {advice.format(path=path)}")
         f.seek(0)
         offset = 0
         for number, line in enumerate(f, start=1):

@@ -384,6 +384,7 @@ def test_the_data_fingerprint_is_the_one_checkpoints_recorded():
     ("pairs.parquet", b"PAR1\x15\x04\x15\x94\x08\x15", r"a Parquet file, not a text file .*: write it as JSON Lines"),
     ("data-00000-of-00001.arrow", b"\xff\xff\xff\xff\xb8\x01\x00\x00", r"an Arrow file, not a text file .*: give the "
                                                                        r"dataset folder save_to_disk wrote it in"),
+    ("data.arrow", b"ARROW1\x00\x00", r"an Arrow file, not a text file .*: give the dataset folder save_to_disk wrote"),
     ("pairs.zip", b"PK\x03\x04\x14\x00\x00\x00", r"a zip archive, not a text file .*: unpack it first"),
     ("pairs.jsonl", None, r"a gzip-compressed file"),  # named as JSON Lines, compressed all the same
 ])
@@ -402,6 +403,9 @@ def test_a_file_that_is_not_text_is_named_as_what_it_is(tmp_path, name, head, sa
         with pytest.raises(DataError, match=rf"^{re.escape(str(path))}: {said}") as refused:
             read(str(path))
         assert "Latin-1" not in str(refused.value) and "\n" not in str(refused.value)
+        # every kind of text file some reader takes is listed: ArcCSE's sentences and angle-eval's STS files are .txt
+        assert "(data files are read as UTF-8 text: .jsonl, .csv, .tsv, .txt or the STS-B layout)" in str(
+            refused.value)
 
 
 def test_dev_data_reads_a_saved_dataset_folder_and_its_split(tmp_path):
