@@ -87,8 +87,8 @@ class TrainConfig:
                         "label=similarity; for --train-data and a --dev-data read by column names", group="data",
                         metavar="NAME=COLUMN")
     dev_data: str = opt(None, "dev set picking the best model: scored pairs (STS-style, format A) by Spearman, or "
-                        "(query, positive) pairs (formats B/C) by nDCG@10 of retrieving each query's positive among "
-                        "every distinct dev positive (recall@1 and @10 logged too)", group="data")
+                        "(query, positive) pairs (formats B/C) by nDCG@10 of retrieving each query's positives "
+                        "among every distinct dev positive (recall@1 and @10 logged too)", group="data")
     dev_split: str = opt("validation", "split of a Hugging Face dev dataset", group="data")
     dev_columns: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
                             "the columns of --dev-data, mapped as --columns maps the training data's (default: "

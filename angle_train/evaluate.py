@@ -18,32 +18,34 @@ CUDA when there is one, as for angle-train. Each PATH is read in the layout it i
                      another split is named after its file ("STS-B (sts-dev)")
     SICK-R           SICK_test_annotated.txt (pair_ID, sentence_A, sentence_B, relatedness_score, ...)
     retrieval        a format-B file (query, positive: JSONL / CSV): every distinct positive is a document of the
-                     corpus (a text given twice is one document), each query's own positive the one relevant;
-                     recall@1, recall@10 and nDCG@10 (cosine); the queries take the query prompt, the documents the
-                     document prompt (data.Prompts)
+                     corpus (a text given twice is one document), every distinct query a query, whose relevant
+                     documents are all the positives given for it (a query on two rows with two positives has two);
+                     recall@1, recall@10 and nDCG@10 (cosine) as sentence-transformers' InformationRetrievalEvaluator
+                     defines them; the queries take the query prompt, the documents the document prompt (data.Prompts)
     pairs            a format-A file (text1, text2, label: JSONL / CSV), scored as STS-B is
 
 JSONL / CSV / TSV files with other column names are read with --columns (angle-train's): e.g. text1=sent_a
 text2=sent_b label=similarity.
 
 The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting: one
-correlation over every pair of a year's subsets together. In retrieval a document scoring the same as a query's own
-positive ranks above it: a tie is never a win (sentence-transformers' InformationRetrievalEvaluator breaks ties by
-corpus id), so embeddings that are all alike rank every positive last, not first. A score that cannot be computed
-(embeddings holding NaN or Inf, or cosines all equal) is NaN: a line on stderr names the dataset, and the exit status
-is 1. `--json OUT` writes {dataset name: score} (the retrieval metrics as {name: {"recall@1": ..., ...}}; a NaN as
-null). `--dims 256 64` scores the first 256 and 64 features of every embedding too (a Matryoshka model's widths;
-`--dims trained`: those an angle_train export was trained at), from the same embeddings, under "name@256" and
-"name@64" (a row per width in the table). The trainer's dev evaluation uses the same scores (dev_scores: the Spearman
-of scored pairs, the retrieval metrics of (query, positive) pairs). A progress bar per dataset counts the texts
-embedded, on stderr when it is a terminal (--progress 1 / 0: always / never). A mistake in the arguments, files or
-data is one line on stderr and status 2 (its traceback with --debug).
+correlation over every pair of a year's subsets together. In retrieval a document scoring the same as one of a query's
+positives, and not one itself, ranks above it: a tie is never a win (sentence-transformers'
+InformationRetrievalEvaluator breaks ties by corpus id), so embeddings that are all alike rank every positive last, not
+first. A score that cannot be computed (embeddings holding NaN or Inf, or cosines all equal) is NaN: a line on stderr
+names the dataset, and the exit status is 1. `--json OUT` writes {dataset name: score} (the retrieval metrics as {name:
+{"recall@1": ..., ...}}; a NaN as null). `--dims 256 64` scores the first 256 and 64 features of every embedding too (a
+Matryoshka model's widths; `--dims trained`: those an angle_train export was trained at), from the same embeddings,
+under "name@256" and "name@64" (a row per width in the table). The trainer's dev evaluation uses the same scores
+(dev_scores: the Spearman of scored pairs, the retrieval metrics of (query, positive) pairs). A progress bar per dataset
+counts the texts embedded, on stderr when it is a terminal (--progress 1 / 0: always / never). A mistake in the
+arguments, files or data is one line on stderr and status 2 (its traceback with --debug).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import json
 import math
@@ -52,6 +54,7 @@ import re
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -79,20 +82,40 @@ class StsSet:
     examples: list[Example]  # format A: (text1, text2), gold score
 
 
+class Corpus(NamedTuple):
+    """What a RetrievalSet ranks: each distinct text once, in the order it first appears."""
+    queries: list[str]
+    documents: list[str]
+    relevant: torch.Tensor  # [pairs, 2] int64: (query, document) for each distinct pair (retrieval_metrics' relevant)
+
+
 @dataclass
 class RetrievalSet:
+    """(query, positive) rows: documents[i] is a positive of queries[i]. The lists are not changed once corpus() is
+    called (it is computed once)."""
     name: str
     queries: list[str]
-    documents: list[str]  # documents[i] is query i's relevant one
+    documents: list[str]
 
-    def corpus(self) -> tuple[list[str], torch.Tensor]:
-        """(the distinct documents, in the order they first appear; the index among them of each query's relevant
-        one, int64): one text is one document of the corpus. Two queries with the same positive (a passage that
-        answers both, a row given twice) made two copies of it, each scoring exactly the other's score, and a tie is
-        never a win (retrieval_metrics): every such query lost rank 1 to the copy, however good the model."""
-        index = {}
-        relevant = [index.setdefault(text, len(index)) for text in self.documents]
-        return list(index), torch.tensor(relevant, dtype=torch.long)
+    def __post_init__(self):
+        if len(self.queries) != len(self.documents):
+            raise ValueError(f"RetrievalSet {self.name!r}: {len(self.queries)} queries and {len(self.documents)} "
+                             "documents; documents[i] is the positive of queries[i], so they must be as many")
+
+    def corpus(self) -> Corpus:
+        """The distinct queries and documents, and which documents each query finds relevant: every positive given
+        for its text. One text is one document (two queries with the same positive, a passage answering both or a
+        row given twice, made two copies of it that scored exactly alike, and as a tie is never a win each lost rank 1
+        to the copy), and one text is one query whose relevant documents are all its positives (a query given on two
+        rows with two positives was two queries, each counting the other's positive a miss)."""
+        return self._corpus
+
+    @functools.cached_property
+    def _corpus(self) -> Corpus:
+        queries, documents, pairs = {}, {}, {}
+        for query, document in zip(self.queries, self.documents):
+            pairs.setdefault((queries.setdefault(query, len(queries)), documents.setdefault(document, len(documents))))
+        return Corpus(list(queries), list(documents), torch.tensor(list(pairs), dtype=torch.long).view(-1, 2))
 
 
 # ------------------------------------------------------------------------------------------------- reading
@@ -150,8 +173,8 @@ def _read_dataset(path: str, *, columns: dict | None = None) -> StsSet | Retriev
 
 
 def dataset_of(name: str, examples: list[Example], fmt: str) -> StsSet | RetrievalSet:
-    """Examples as what is scored: format A as scored pairs, formats B and C as retrieval (each query's own positive
-    its one relevant document; a negative is not used)."""
+    """Examples as what is scored: format A as scored pairs, formats B and C as retrieval (a query's relevant
+    documents are the positives given for it: RetrievalSet.corpus; a negative is not used)."""
     if fmt == "A":
         return StsSet(name, examples)
     return RetrievalSet(name, [ex.texts[0] for ex in examples], [ex.texts[1] for ex in examples])
@@ -223,28 +246,78 @@ def non_finite_rows(*embeddings: torch.Tensor) -> int:
 
 def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor, *, relevant: torch.Tensor | None = None,
                       block: int = 1024) -> dict:
-    """recall@1, recall@10 and nDCG@10 of cosine retrieval where query i's one relevant document is document
-    relevant[i] (None: document i; RetrievalSet.corpus), ranked against every document (rows processed in blocks: no
-    queries x documents matrix at once). A document scoring the same as the relevant one ranks above it: a tie is
-    never a win, so embeddings that are all alike (a collapsed model) rank every relevant document last, not first.
-    Embeddings holding NaN or Inf have no cosine to rank by: every metric is then NaN (angle-eval's exit status 1;
-    never the trainer's best)."""
+    """recall@1, recall@10 and nDCG@10 of cosine retrieval, each query ranking every document, averaged over the
+    queries. relevant: the documents each query finds relevant: None, document i for query i; an int64 tensor
+    [queries], query i's one relevant document relevant[i]; or [pairs, 2], (query, document) pairs (Corpus.relevant),
+    a query with several relevant documents. With several, the metrics are sentence-transformers'
+    InformationRetrievalEvaluator's: recall@k the share of a query's relevant documents in its first k, nDCG@10 the
+    discounted gain of those in the first 10 over the gain of all of them ranked first. Rows are processed in blocks
+    (no queries x documents matrix at once). A document that is not relevant and scores the same as a relevant one
+    ranks above it: a tie is never a win, so embeddings that are all alike (a collapsed model) rank every relevant
+    document last, not first. Embeddings holding NaN or Inf have no cosine to rank by: every metric is then NaN
+    (angle-eval's exit status 1; never the trainer's best)."""
+    n_queries = queries.shape[0]
+    pairs = relevant_pairs(relevant, n_queries, documents.shape[0])
     if non_finite_rows(queries, documents):
         return dict.fromkeys(RETRIEVAL_METRICS, math.nan)
     queries = torch.nn.functional.normalize(queries.double(), dim=-1)
     documents = torch.nn.functional.normalize(documents.double(), dim=-1)
+    query = pairs[:, 0]
+    counts = torch.bincount(query, minlength=n_queries)  # each query's relevant documents
+    ends = counts.cumsum(0)  # pairs are sorted by query: query q's are pairs[ends[q] - counts[q]:ends[q]]
+    # the pairs' bookkeeping on the CPU (a number or two a pair), the scores where the embeddings are
+    own = torch.empty(len(pairs), dtype=torch.float64)  # each pair's score
+    beaten = torch.empty(len(pairs), dtype=torch.long)  # the documents not relevant that score at least as much
+    for start in range(0, n_queries, block):
+        stop = min(start + block, n_queries)
+        first, last = int(ends[start] - counts[start]), int(ends[stop - 1])
+        rows, columns = (query[first:last] - start).to(queries.device), pairs[first:last, 1].to(queries.device)
+        scores = queries[start:stop] @ documents.T
+        scored = scores[rows, columns]
+        own[first:last] = scored.cpu()
+        scores[rows, columns] = -math.inf  # a query's relevant documents do not push each other down
+        for at in range(0, last - first, block):  # a query's pairs at a time, up to `block`: [block, documents]
+            upto = min(at + block, last - first)
+            beaten[first + at:first + upto] = (scores[rows[at:upto]] >= scored[at:upto, None]).sum(dim=1).cpu()
+    # 0 = ranked first: a query's k-th best relevant document (k from 0) follows the k before it and the documents
+    # not relevant that score at least its score
+    by_score = torch.argsort(-own, stable=True)
+    by_score = by_score[torch.argsort(query[by_score], stable=True)]
+    rank = torch.empty_like(beaten)
+    rank[by_score] = torch.arange(len(pairs)) - (ends - counts)[query[by_score]]
+    rank = (rank + beaten).double()
+
+    def per_query(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n_queries, dtype=torch.float64).index_add_(0, query, values)
+
+    found = counts.double()
+    gain = torch.where(rank < 10, 1.0 / torch.log2(rank + 2.0), torch.zeros_like(rank))
+    ideal = (1.0 / torch.log2(torch.arange(10, dtype=torch.float64) + 2.0)).cumsum(0)[counts.clamp(max=10) - 1]
+    return {"recall@1": float((per_query((rank < 1).double()) / found).mean()),
+            "recall@10": float((per_query((rank < 10).double()) / found).mean()),
+            "ndcg@10": float((per_query(gain) / ideal).mean())}
+
+
+def relevant_pairs(relevant: torch.Tensor | None, n_queries: int, n_documents: int) -> torch.Tensor:
+    """retrieval_metrics' `relevant` as distinct (query, document) pairs [pairs, 2], sorted by query; a ValueError
+    for an index out of range or a query without a relevant document (it has nothing to find)."""
     if relevant is None:
-        relevant = torch.arange(queries.shape[0])
-    ranks = []
-    for start in range(0, queries.shape[0], block):
-        scores = queries[start:start + block] @ documents.T
-        own = scores[torch.arange(scores.shape[0]), relevant[start:start + scores.shape[0]].to(scores.device)]
-        # 0 = ranked first: the documents scoring at least the relevant one's score, less the relevant one itself
-        ranks.append((scores >= own[:, None]).sum(dim=1) - 1)
-    rank = torch.cat(ranks).double()
-    ndcg = torch.where(rank < 10, 1.0 / torch.log2(rank + 2.0), torch.zeros_like(rank))
-    return {"recall@1": float((rank < 1).double().mean()), "recall@10": float((rank < 10).double().mean()),
-            "ndcg@10": float(ndcg.mean())}
+        relevant = torch.arange(n_queries)
+    relevant = torch.as_tensor(relevant).long().cpu()
+    if relevant.dim() == 1:
+        relevant = torch.stack([torch.arange(len(relevant)), relevant], dim=1)
+    if relevant.dim() != 2 or relevant.shape[1] != 2:
+        raise ValueError("relevant must be None, one document per query [queries] or (query, document) pairs "
+                         f"[pairs, 2]; got the shape {list(relevant.shape)}")
+    for column, (what, limit) in enumerate((("query", n_queries), ("document", n_documents))):
+        if len(relevant) and not 0 <= int(relevant[:, column].min()) <= int(relevant[:, column].max()) < limit:
+            raise ValueError(f"relevant names a {what} index outside 0..{limit - 1} (there are {limit})")
+    pairs = torch.unique(relevant, dim=0)  # sorted, by query first
+    missing = (torch.bincount(pairs[:, 0], minlength=n_queries) == 0).nonzero().flatten().tolist()
+    if missing:
+        raise ValueError(f"relevant gives no relevant document for the queries {missing[:5]}"
+                         + (f" ({len(missing)} in all)" if len(missing) > 5 else "") + ": each needs at least one")
+    return pairs
 
 
 def sts_spearman(encoder, tokenizer, examples: list[Example], *, batch_size: int = 128, max_length: int | None = None,
@@ -310,10 +383,11 @@ def dev_scores(encoder, tokenizer, dataset: StsSet | RetrievalSet, dims, *, batc
 
 def dev_inputs(dataset: StsSet | RetrievalSet) -> list[tuple[list[str], str]]:
     """The texts a dev evaluation embeds, as (texts, prompt role) groups: a scored pair's first and second texts (the
-    text prompt), or the queries and the documents (the query and document prompts)."""
+    text prompt), or the distinct queries and documents (Corpus: the query and document prompts)."""
     if isinstance(dataset, StsSet):
         return [([ex.texts[0] for ex in dataset.examples], "text"), ([ex.texts[1] for ex in dataset.examples], "text")]
-    return [(dataset.queries, "query"), (dataset.corpus()[0], "document")]
+    corpus = dataset.corpus()
+    return [(corpus.queries, "query"), (corpus.documents, "document")]
 
 
 def scores_of_embeddings(dataset: StsSet | RetrievalSet, embeddings: list[torch.Tensor], dims) -> dict[str, float]:
@@ -323,7 +397,7 @@ def scores_of_embeddings(dataset: StsSet | RetrievalSet, embeddings: list[torch.
         scores = spearman_by_dim(*embeddings, [ex.label for ex in dataset.examples], [None, *dims])
         return {metric if dim is None else f"{metric}@{dim}": score for dim, score in scores.items()}
     queries, documents = embeddings
-    relevant = dataset.corpus()[1]
+    relevant = dataset.corpus().relevant  # the one dev_inputs took its texts from: computed once
     full = retrieval_metrics(queries, documents, relevant=relevant)
     scores = {metric: full["ndcg@10"], "dev_recall@1": full["recall@1"], "dev_recall@10": full["recall@10"]}
     for dim in dims:
@@ -410,12 +484,12 @@ def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length:
             scores = {dim: 100.0 * score for dim, score in scores.items()}
         else:
             embed = {"batch_size": batch_size, "max_length": max_length}
-            corpus, relevant = dataset.corpus()
-            with encoding_progress(encoder, len(dataset.queries) + len(corpus), dataset.name, progress):
-                queries = encoder.encode(dataset.queries, tokenizer, prompt_name="query", **embed)
-                documents = encoder.encode(corpus, tokenizer, prompt_name="document", **embed)
-            scores = {dim: retrieval_metrics(truncate(queries, dim), truncate(documents, dim), relevant=relevant)
-                      for dim in widths}
+            corpus = dataset.corpus()
+            with encoding_progress(encoder, len(corpus.queries) + len(corpus.documents), dataset.name, progress):
+                queries = encoder.encode(corpus.queries, tokenizer, prompt_name="query", **embed)
+                documents = encoder.encode(corpus.documents, tokenizer, prompt_name="document", **embed)
+            scores = {dim: retrieval_metrics(truncate(queries, dim), truncate(documents, dim),
+                                             relevant=corpus.relevant) for dim in widths}
         results.update({dataset.name if dim is None else f"{dataset.name}@{dim}": score
                         for dim, score in scores.items()})
     return results

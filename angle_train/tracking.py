@@ -35,7 +35,7 @@ import urllib.parse
 REPORTERS = ("tensorboard", "wandb")
 # The dev score a run picks its best model by, by the kind of its dev data: its metrics.jsonl key and its words.
 # STS pairs with gold scores: Spearman's rho of the cosines; (query, positive) pairs: nDCG@10 of cosine retrieval of
-# each query's own positive among every distinct dev positive (evaluate.dev_scores; recall@1 and recall@10 are logged
+# each query's positives among every distinct dev positive (evaluate.dev_scores; recall@1 and recall@10 are logged
 # too).
 DEV_METRICS = {"dev_spearman": "dev Spearman", "dev_ndcg@10": "dev nDCG@10"}
 # The narrowest span of the curves' dev score axis (score_axis): 2 points of Spearman x 100.

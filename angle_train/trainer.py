@@ -712,10 +712,10 @@ def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list
 
 def read_dev_data(source: str, split: str, columns: dict | None = None) -> StsSet | RetrievalSet:
     """--dev-data: a file or folder in any layout angle-eval reads (an STS12-16 year folder, STS-B, SICK, format-A
-    JSONL/CSV: scored pairs; format B/C JSONL/CSV: (query, positive) pairs, each query's own positive the one relevant
-    document among every distinct positive), else a built-in or Hugging Face dataset in any format (a hub name, or a
-    folder save_to_disk wrote: its `split`, as --train-data's); `columns`: --columns, for the layouts read by column
-    names (--dev-columns, or --columns)."""
+    JSONL/CSV: scored pairs; format B/C JSONL/CSV: (query, positive) pairs, the positives given for a query its
+    relevant documents among every distinct positive), else a built-in or Hugging Face dataset in any format (a hub
+    name, or a folder save_to_disk wrote: its `split`, as --train-data's); `columns`: --columns, for the layouts read
+    by column names (--dev-columns, or --columns)."""
     if os.path.exists(source) and not is_saved_dataset(source):
         return read_dataset(source, columns=columns, where=f"--dev-data {source}")
     return dataset_of(os.path.basename(source.rstrip("/")), *read_data(source, None, split, columns))
@@ -1288,7 +1288,7 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     if evals:
         label = tracking.DEV_METRICS[metric]
         what = ("cosine similarity against the gold scores" if metric == "dev_spearman" else
-                "cosine retrieval of each query's own positive among every distinct dev positive")
+                "cosine retrieval of each query's positives among every distinct dev positive")
         lines += ["## Evaluation", "", f"{label[0].upper() + label[1:]} ({what}) on {dev_data}:",
                   "", f"| step | {tracking.DEV_METRICS[metric]} |", "|---|---|"]
         lines += [f"| {row['step']} | {tracking.number_at(row, metric):.4f} |" for row in evals]

@@ -388,11 +388,88 @@ def test_queries_that_share_a_positive_share_one_document():
                                                                  "dev@8": pytest.approx(perfect)}
     assert dev_scores(encoder, tokenizer, dataset, [8]) == pytest.approx(
         {"dev_ndcg@10": 1.0, "dev_recall@1": 1.0, "dev_recall@10": 1.0, "dev_ndcg@10@8": 1.0})
-    corpus, relevant = dataset.corpus()
-    assert corpus == texts and relevant.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    corpus = dataset.corpus()
+    assert corpus.queries == texts and corpus.documents == texts
+    assert corpus.relevant.tolist() == [[0, 0], [1, 1], [2, 2], [3, 3]]  # each (query, positive) once
     # the metrics' own index: query i's relevant document is relevant[i]; None is document i
     queries = torch.eye(4)
     assert retrieval_metrics(queries, queries[[2, 0]], relevant=torch.tensor([1, 1, 0, 0]))["recall@1"] == 0.5
+
+
+def _retrieval_metrics_before(queries, documents, relevant=None, block=1024):
+    """retrieval_metrics as it was when each query had one relevant document: what a set without a repeated query
+    must still score, to the last bit."""
+    queries = torch.nn.functional.normalize(queries.double(), dim=-1)
+    documents = torch.nn.functional.normalize(documents.double(), dim=-1)
+    relevant = torch.arange(queries.shape[0]) if relevant is None else relevant
+    ranks = []
+    for start in range(0, queries.shape[0], block):
+        scores = queries[start:start + block] @ documents.T
+        own = scores[torch.arange(scores.shape[0]), relevant[start:start + scores.shape[0]]]
+        ranks.append((scores >= own[:, None]).sum(dim=1) - 1)
+    rank = torch.cat(ranks).double()
+    ndcg = torch.where(rank < 10, 1.0 / torch.log2(rank + 2.0), torch.zeros_like(rank))
+    return {"recall@1": float((rank < 1).double().mean()), "recall@10": float((rank < 10).double().mean()),
+            "ndcg@10": float(ndcg.mean())}
+
+
+def test_a_query_with_several_positives_finds_every_one_relevant():
+    """A query given on two rows with two positives is one query with two relevant documents: it was two queries,
+    each counting the other's positive a miss (a model finding both first scored recall@1 0.5 and nDCG@10 below 1 on
+    it). The metrics are sentence-transformers' InformationRetrievalEvaluator's for several relevant documents
+    (recall@k: the share found in the first k; nDCG@10 over the ideal ranking of them all), computed in blocks; a
+    set without a repeated query scores exactly as before. The corpus is computed once per set."""
+    from angle_train.evaluate import dev_inputs, scores_of_embeddings
+
+    gen = torch.Generator().manual_seed(3)
+    n_queries, n_documents = 40, 70
+    queries, documents = torch.randn(n_queries, 8, generator=gen), torch.randn(n_documents, 8, generator=gen)
+    relevant = {i: torch.randperm(n_documents, generator=gen)[:1 + i % 4].tolist() for i in range(n_queries)}
+    for i in range(0, n_queries, 3):  # some queries find a relevant document first, or two
+        documents[relevant[i][0]] = queries[i] * 2
+    pairs = torch.tensor([(i, j) for i in relevant for j in relevant[i]])
+    for block in (1, 7, 1024):
+        got = retrieval_metrics(queries, documents, relevant=pairs, block=block)
+        assert got == retrieval_metrics(queries, documents, relevant=pairs.flip(0))  # in any order
+    try:
+        from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+    except ImportError:  # older layout
+        from sentence_transformers.evaluation import InformationRetrievalEvaluator
+    evaluator = InformationRetrievalEvaluator(
+        {str(i): "q" for i in range(n_queries)}, {str(j): "d" for j in range(n_documents)},
+        {str(i): {str(j) for j in relevant[i]} for i in relevant}, accuracy_at_k=[1], precision_recall_at_k=[1, 10],
+        mrr_at_k=[10], ndcg_at_k=[10], map_at_k=[10])
+    cosines = (torch.nn.functional.normalize(queries.double(), dim=1)
+               @ torch.nn.functional.normalize(documents.double(), dim=1).T)
+    theirs = evaluator.compute_metrics([[{"corpus_id": str(j), "score": float(cosines[i, j])}
+                                         for j in range(n_documents)] for i in range(n_queries)])
+    assert 0 < got["recall@1"] < got["recall@10"] < 1
+    assert got == pytest.approx({"recall@1": theirs["recall@k"][1], "recall@10": theirs["recall@k"][10],
+                                 "ndcg@10": theirs["ndcg@k"][10]}, abs=1e-12)
+    # one relevant document a query (None, or one index each): bit for bit the scores of before
+    one = torch.randint(0, n_documents, (n_queries,), generator=gen)
+    for block in (5, 1024):
+        assert retrieval_metrics(queries, documents[:n_queries], block=block) == _retrieval_metrics_before(
+            queries, documents[:n_queries], block=block)
+        assert retrieval_metrics(queries, documents, relevant=one, block=block) == _retrieval_metrics_before(
+            queries, documents, one, block=block)
+    # rows: "red car" twice, with two positives; each text embedded once, both positives relevant to it
+    dataset = RetrievalSet("dev", ["red car", "red car", "blue boat"], ["a red car", "the red car", "a blue boat"])
+    corpus = dataset.corpus()
+    assert corpus is dataset.corpus()  # computed once: dev_inputs and scores_of_embeddings share it
+    assert (corpus.queries, corpus.documents) == (["red car", "blue boat"], ["a red car", "the red car", "a blue boat"])
+    assert corpus.relevant.tolist() == [[0, 0], [0, 1], [1, 2]]
+    assert [texts for texts, _ in dev_inputs(dataset)] == [corpus.queries, corpus.documents]
+    axes = torch.eye(3)
+    embedded = [axes[[0, 1]], torch.stack([axes[0], axes[0] + 0.1 * axes[2], axes[1]])]  # both positives first
+    assert scores_of_embeddings(dataset, embedded, []) == {"dev_ndcg@10": 1.0, "dev_recall@1": 0.75,
+                                                           "dev_recall@10": 1.0}
+    with pytest.raises(ValueError, match=r"RetrievalSet 'dev': 2 queries and 1 documents"):
+        RetrievalSet("dev", ["a", "b"], ["c"])
+    with pytest.raises(ValueError, match=r"relevant gives no relevant document for the queries \[1\]"):
+        retrieval_metrics(axes, axes, relevant=torch.tensor([[0, 0], [2, 2]]))
+    with pytest.raises(ValueError, match=r"relevant names a document index outside 0..2"):
+        retrieval_metrics(axes, axes, relevant=torch.tensor([0, 1, 3]))
 
 
 def test_a_width_wider_than_the_embeddings_is_refused_before_any_text_is_embedded(monkeypatch):
