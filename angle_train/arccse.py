@@ -51,12 +51,13 @@ from .data import (
 # ------------------------------------------------------------------------------------------------ reading
 
 
-def load_sentences(source: str, *, column: str = "text", split: str = "train") -> tuple[list[str], int]:
+def load_sentences(source: str, *, column: str = "text", split: str = "train", split_flag: str = "split",
+                   split_default: str = "train") -> tuple[list[str], int]:
     """(sentences, blank lines skipped) from a .txt file (one sentence per line), a .jsonl/.csv/.tsv file's
     `column`, a Hugging Face dataset's (a save_to_disk folder or a hub name), or an STS Benchmark file (the distinct
     sentences of its pairs, labels unused). A blank line of a .txt file (or one of invisible characters alone,
     data.shows_nothing) is a separator, not a sentence (counted); an empty or missing text anywhere else is a
-    DataError."""
+    DataError. `split`, `split_flag`, `split_default`: a Hugging Face dataset's split, as data.open_hf_dataset's."""
     if os.path.isfile(source):
         if first_line_is_stsb(source):
             sentences, skipped = list(dict.fromkeys(t for ex in read_stsb(source) for t in ex.texts)), 0
@@ -72,7 +73,8 @@ def load_sentences(source: str, *, column: str = "text", split: str = "train") -
         else:
             raise DataError(f"{source}: unknown file type for sentences; use .txt, .jsonl, .csv or .tsv")
     else:
-        sentences, skipped = _dataset_column(source, column, split), 0
+        sentences, skipped = _dataset_column(source, column, split, split_flag=split_flag,
+                                             split_default=split_default), 0
     if not sentences:
         raise DataError(f"{source}: no sentences")
     return sentences, skipped
@@ -97,8 +99,9 @@ def _delimited_column(path: str, column: str) -> list[str]:
     return [check_text(row[column], where, column) for where, row in rows]
 
 
-def _dataset_column(name_or_path: str, column: str, split: str) -> list[str]:
-    dataset = open_hf_dataset(name_or_path, split)
+def _dataset_column(name_or_path: str, column: str, split: str, *, split_flag: str, split_default: str
+                    ) -> list[str]:
+    dataset = open_hf_dataset(name_or_path, split, split_flag=split_flag, split_default=split_default)
     if column not in dataset.column_names:
         raise DataError(f"{name_or_path} [{split}]: no column {column!r} (--text-column); has {dataset.column_names}")
     return [check_text(value, f"{name_or_path} [{split}], row {i}", column)

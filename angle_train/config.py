@@ -322,8 +322,7 @@ class TrainConfig:
 
     def changed(self, name: str) -> bool:
         """Whether the setting `name` differs from its default (given by a flag, a --config file or train())."""
-        f = next(f for f in fields(self) if f.name == name)
-        return getattr(self, name) != (f.default_factory() if f.default is MISSING else f.default)
+        return getattr(self, name) != default_of(name)
 
     def _refuse_ignored_settings(self) -> None:
         """Settings that apply only with another one, refused where that one is off: silently ignored, they would
@@ -459,6 +458,12 @@ def prompt_flags(prompts: Prompts) -> str:
     """The flags that give a run these prompts (prompts_of's inverse), as a shell reads them: each role's own."""
     return shlex.join(word for role, name in PROMPT_SETTINGS.items() if getattr(prompts, role) is not None
                       for word in flag_words(name, getattr(prompts, role)))
+
+
+def default_of(name: str):
+    """The default of the TrainConfig setting `name`."""
+    f = next(f for f in fields(TrainConfig) if f.name == name)
+    return f.default_factory() if f.default is MISSING else f.default
 
 
 def flag_of(name: str) -> str:

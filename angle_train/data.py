@@ -554,8 +554,12 @@ def is_saved_dataset(path: str) -> bool:
     return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, name)) for name in SAVED_DATASET_FILES)
 
 
-def open_hf_dataset(name_or_path: str, split: str):
-    """One split of a Hugging Face dataset: a save_to_disk folder, or a hub name."""
+def open_hf_dataset(name_or_path: str, split: str, *, split_flag: str = "split", split_default: str = "train"):
+    """One split of a Hugging Face dataset: a save_to_disk folder, or a hub name. `split_flag` names the setting that
+    chose `split` in the messages (angle-train's --train-split, --dev-split); `split_default` is that setting's
+    default. A folder of one Dataset (save_to_disk of a Dataset, not a DatasetDict) has no splits: it is read whole
+    for the default split or the split it was saved from (Dataset.split), and another split is refused (it was read
+    whole in silence, as if that split had been found)."""
     try:
         import datasets
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -572,14 +576,21 @@ def open_hf_dataset(name_or_path: str, split: str):
     dataset = datasets.load_from_disk(name_or_path)
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
-            raise DataError(f"{name_or_path}: no split {split!r} (has {list(dataset)})")
-        dataset = dataset[split]
+            raise DataError(f"{split_flag} {split}: {name_or_path} has no split {split!r} (its splits: "
+                            f"{', '.join(map(repr, dataset))})")
+        return dataset[split]
+    saved_from = None if dataset.split is None else str(dataset.split)
+    if split not in (split_default, saved_from):
+        raise DataError(f"{split_flag} {split}: {name_or_path} holds one dataset (save_to_disk of a Dataset"
+                        + (f", saved from the split {saved_from!r}" if saved_from else "") + ", not of a DatasetDict), "
+                        f"which has no split {split!r}: leave {split_flag} at its default ({split_default!r}) to read "
+                        "it whole, or save the DatasetDict to read its splits")
     return dataset
 
 
-def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dict | None = None
-                    ) -> tuple[list[Example], str]:
-    dataset = open_hf_dataset(name_or_path, split)
+def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dict | None = None, *,
+                    split_flag: str = "split", split_default: str = "train") -> tuple[list[Example], str]:
+    dataset = open_hf_dataset(name_or_path, split, split_flag=split_flag, split_default=split_default)
     where = f"{name_or_path} [{split}]"
     names = column_names(check_columns(columns), dataset.column_names, where)
     detected_at = None if fmt else where
@@ -625,10 +636,12 @@ def order_fingerprint(batches: list[list[int]]) -> str:
 
 
 def load_examples(source: str, *, fmt: str | None = None, split: str = "train", layout: str | None = None,
-                  columns: dict | None = None) -> tuple[list[Example], str]:
+                  columns: dict | None = None, split_flag: str = "split", split_default: str = "train"
+                  ) -> tuple[list[Example], str]:
     """Read `source` into (examples, format). `fmt` forces A/B/C; `layout="stsb"` forces the STS-B reader;
     `columns` maps the format's names to a JSONL/CSV/TSV file's or a dataset's columns ({"text1": "sent_a", ...}:
-    angle-train's --columns)."""
+    angle-train's --columns); `split`: a Hugging Face dataset's (open_hf_dataset, with `split_flag` and
+    `split_default`)."""
     if fmt is not None and fmt not in FORMATS:
         raise ValueError(f"format must be one of 'A', 'B', 'C' or None (detect); got {fmt!r}")
     if layout not in (None, "stsb"):
@@ -647,7 +660,8 @@ def load_examples(source: str, *, fmt: str | None = None, split: str = "train", 
     elif is_file:
         raise DataError(f"{source}: unknown file type; use .jsonl, .csv, .tsv or the STS-B layout")
     else:
-        examples, fmt = read_hf_dataset(source, fmt, split, columns)
+        examples, fmt = read_hf_dataset(source, fmt, split, columns, split_flag=split_flag,
+                                        split_default=split_default)
     if not examples:
         raise DataError(f"{source}: no examples (the file has no data rows)")
     return examples, fmt

@@ -44,7 +44,7 @@ from .checkpoint import (
     remove_earlier_run, save_best, save_checkpoint, save_final, set_aside_later_line,
 )
 from .cli_common import resolve_device
-from .config import PROMPT_SETTINGS, TrainConfig, flag_of, for_dev_columns, prompt_flags
+from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags
 from .data import (
     FORMATS, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches,
     is_saved_dataset, load_examples, order_fingerprint, sampled_data_fingerprint, share_of,
@@ -328,7 +328,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         check_data_size(cfg, len(sentences), "sentences", train_examples is None)
     else:
         examples, fmt = train_examples or read_data(cfg.train_data, cfg.data_format, cfg.train_split,
-                                                    cfg.column_map())
+                                                    cfg.column_map(), split_setting="train_split")
         check_format_settings(cfg, fmt)
         if loss_fn is None:
             check_labels(cfg, examples, fmt, train_examples is None)
@@ -690,10 +690,13 @@ def _build_encoder(cfg: TrainConfig, device: torch.device):
                         bidirectional=cfg.bidirectional)
 
 
-def read_data(source: str, fmt: str | None, split: str, columns: dict | None = None):
+def read_data(source: str, fmt: str | None, split: str, columns: dict | None = None, *, split_setting: str):
+    """The examples of --train-data or --dev-data; `split_setting`: the setting that gave `split` (train_split,
+    dev_split), which a refusal of the split names by its flag."""
     if source in BUILTIN_DATASETS:
         return builtin_examples(source)
-    return load_examples(source, fmt=fmt, split=split, columns=columns)
+    return load_examples(source, fmt=fmt, split=split, columns=columns, split_flag=flag_of(split_setting),
+                         split_default=default_of(split_setting))
 
 
 def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list[str]:
@@ -704,7 +707,8 @@ def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list
     if cfg.train_data in BUILTIN_DATASETS:
         examples, _ = builtin_examples(cfg.train_data)
         return list(dict.fromkeys(text for ex in examples for text in ex.texts))
-    sentences, blank = arccse.load_sentences(cfg.train_data, column=cfg.text_column, split=cfg.train_split)
+    sentences, blank = arccse.load_sentences(cfg.train_data, column=cfg.text_column, split=cfg.train_split,
+                                             split_flag=flag_of("train_split"), split_default=default_of("train_split"))
     if blank:
         print(f"{cfg.train_data}: {blank:,} blank line(s) between sentences skipped", flush=True)
     return sentences
@@ -718,7 +722,8 @@ def read_dev_data(source: str, split: str, columns: dict | None = None) -> StsSe
     by column names (--dev-columns, or --columns)."""
     if os.path.exists(source) and not is_saved_dataset(source):
         return read_dataset(source, columns=columns, where=f"--dev-data {source}")
-    return dataset_of(os.path.basename(source.rstrip("/")), *read_data(source, None, split, columns))
+    return dataset_of(os.path.basename(source.rstrip("/")), *read_data(source, None, split, columns,
+                                                                         split_setting="dev_split"))
 
 
 # A dev set of fewer pairs gives a noisy score: Spearman's rho over n pairs has a standard error of about

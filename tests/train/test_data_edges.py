@@ -424,7 +424,8 @@ def test_dev_data_reads_a_saved_dataset_folder_and_its_split(tmp_path):
     dev = read_dev_data(str(tmp_path / "dd"), "validation")
     assert isinstance(dev, StsSet) and [(e.texts, e.label) for e in dev.examples] == [
         (("a", "d"), 0.0), (("b", "e"), 2.5), (("c", "f"), 5.0)]
-    with pytest.raises(DataError, match=r"dd: no split 'test' \(has \['train', 'validation'\]\)"):
+    with pytest.raises(DataError, match=r"^--dev-split test: .*dd has no split 'test' \(its splits: 'train', "
+                                        r"'validation'\)$"):
         read_dev_data(str(tmp_path / "dd"), "test")
     dev = read_dev_data(str(tmp_path / "ds"), "validation")
     assert isinstance(dev, RetrievalSet) and (dev.queries, dev.documents) == (["a", "b"], ["c", "d"])
@@ -459,3 +460,46 @@ def test_a_text_of_invisible_characters_alone_is_refused_as_an_empty_one(tmp_pat
         ["a red car", "the dog"], 1)
     with pytest.raises(DataError, match=re.escape("s.jsonl, line 1: column 'text' is an empty text: '\\u200b'")):
         load_sentences(write_data_file(tmp_path, "s.jsonl", '{"text": "\\u200b"}\n'))
+
+
+def test_a_split_is_refused_naming_its_flag_where_the_saved_dataset_has_no_such_split(tmp_path):
+    """A split missing from a DatasetDict folder is refused naming the flag that asked for it (--train-split,
+    --dev-split: the message named the folder alone) and the splits there are. A folder of one Dataset (save_to_disk
+    of a Dataset) has no splits: it was read whole whatever split was asked for; now it is read whole for the flag's
+    default or the split it was saved from, and another split is refused naming the flag."""
+    datasets = pytest.importorskip("datasets")
+    from angle_train.arccse import load_sentences
+    from angle_train.config import TrainConfig
+    from angle_train.trainer import read_data, read_dev_data, read_sentences
+
+    pairs = {"query": ["a", "b"], "positive": ["c", "d"]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(pairs),
+                          "test": datasets.Dataset.from_dict(pairs)}).save_to_disk(str(tmp_path / "dd"))
+    datasets.Dataset.from_dict(pairs).save_to_disk(str(tmp_path / "ds"))
+    datasets.Dataset.from_dict(pairs, split="test").save_to_disk(str(tmp_path / "test-split"))
+    datasets.Dataset.from_dict({"text": ["a red car", "box"]}).save_to_disk(str(tmp_path / "sentences"))
+    dd, ds, saved_test, sentences = (str(tmp_path / name) for name in ("dd", "ds", "test-split", "sentences"))
+    with pytest.raises(DataError, match=rf"^--train-split dev: {re.escape(dd)} has no split 'dev' \(its splits: "
+                                        r"'train', 'test'\)$"):
+        read_data(dd, None, "dev", split_setting="train_split")
+    with pytest.raises(DataError, match=r"^--dev-split validation: .*dd has no split 'validation' \(its splits: "):
+        read_dev_data(dd, "validation")  # the default, not given: named all the same
+    one = r"holds one dataset \(save_to_disk of a Dataset, not of a DatasetDict\), which has no split 'test'"
+    with pytest.raises(DataError, match=rf"^--train-split test: {re.escape(ds)} {one}: leave --train-split at its "
+                                        r"default \('train'\) to read it whole, or save the DatasetDict"):
+        read_data(ds, None, "test", split_setting="train_split")
+    with pytest.raises(DataError, match=r"^--dev-split test: .* leave --dev-split at its default \('validation'\)"):
+        read_dev_data(ds, "test")
+    with pytest.raises(DataError, match=r"^--dev-split dev: .*test-split holds one dataset \(save_to_disk of a "
+                                        r"Dataset, saved from the split 'test', not of a DatasetDict\)"):
+        read_dev_data(saved_test, "dev")
+    with pytest.raises(DataError, match=r"^--train-split test: .*sentences holds one dataset"):
+        read_sentences(TrainConfig(objective="arccse", train_data=sentences, train_split="test"))
+    with pytest.raises(DataError, match=r"^split test: .*ds holds one dataset .*leave split at its default"):
+        load_examples(ds, split="test")
+    # read whole: at the flag's default, or at the split the Dataset was saved from
+    assert [e.texts for e in read_data(ds, None, "train", split_setting="train_split")[0]] == [("a", "c"), ("b", "d")]
+    assert read_dev_data(ds, "validation").queries == ["a", "b"]
+    assert read_dev_data(saved_test, "test").queries == ["a", "b"]
+    assert load_sentences(sentences) == (["a red car", "box"], 0)
+    assert read_dev_data(dd, "test").queries == ["a", "b"]
