@@ -611,6 +611,13 @@ def data_fingerprint(items: list) -> str:
     return digest.hexdigest()[:16]
 
 
+def repeated_items(items: list) -> int:
+    """How many of the training items repeat an earlier one exactly: an Example with the same texts and label, or the
+    same sentence. A copy that falls in its original's batch is a negative of it for the in-batch (contrastive)
+    terms, as is a copy of a positive text: the trainer says how many rows repeat (it trains them as given)."""
+    return len(items) - len({item if isinstance(item, str) else (*item.texts, item.label) for item in items})
+
+
 def _canonical_item(item) -> str:
     """An item as a string that names its parts' count and each part's length: a sentence, or an Example's texts
     and label."""

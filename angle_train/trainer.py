@@ -47,7 +47,7 @@ from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags
 from .data import (
     FORMATS, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches,
-    is_saved_dataset, load_examples, order_fingerprint, sampled_data_fingerprint, share_of,
+    is_saved_dataset, load_examples, order_fingerprint, repeated_items, sampled_data_fingerprint, share_of,
 )
 from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
@@ -444,6 +444,12 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
               f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
               + ("bidirectional attention (the model folder's angle_train.json) | " if folders_attention else "") +
               f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
+        repeats = repeated_items(items)
+        if repeats:  # kept (training never drops data in silence), and said: a copy may land in its original's batch
+            unit, same = ("sentences", "") if cfg.objective == "arccse" else ("examples", " (the same texts and label)")
+            print(f"angle_train: note: {repeats:,} of the {len(items):,} {unit} repeat an earlier one exactly{same}; "
+                  "they are trained as given, and a copy in the same batch as its original is a false in-batch "
+                  "negative for the contrastive terms: remove the copies to avoid it", flush=True)
         left = examples_left_out(cfg, len(dataset))
         if left:  # said, not silent: a step takes whole batches of batch_size x grad_accum
             advice = ("; a batch size closer to a divisor of the data leaves out fewer" if left > 0.05 * len(dataset)

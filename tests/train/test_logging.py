@@ -111,3 +111,32 @@ def test_the_header_says_how_many_examples_each_epoch_leaves_out(tmp_path, capsy
     assert "each epoch leaves out 4 of the 64 examples (6.2%" in out and "closer to a divisor" in out
     _train(tmp_path / "b", batch_size=8, max_steps=1)
     assert "leaves out" not in capsys.readouterr().out
+
+
+def test_the_header_says_how_many_rows_repeat_an_earlier_one(tmp_path, capsys):
+    """Rows given twice were kept without a word, and a copy in its original's batch is a false in-batch negative for
+    the contrastive terms: the run says how many rows repeat an earlier one exactly and trains every row as given.
+    Rows that share a text but not all of it (another positive, another label) are not repeats."""
+    from angle_train.data import Example, repeated_items
+
+    rows = demo_examples(60)
+    twice = rows + rows[:3] + [rows[0]]  # 4 repeats
+    near = [Example(rows[0].texts[:1] + ("another positive",)), Example(rows[1].texts, 0.5)]
+    assert repeated_items(twice + near) == 4 and repeated_items(rows) == 0
+    assert repeated_items(["a", "b", "a", "c", "b", "a"]) == 3
+    train(run_config(tmp_path / "a", batch_size=8, max_steps=1), model=make_encoder("bert"),
+          train_examples=(twice, "B"))
+    assert ("angle_train: note: 4 of the 64 examples repeat an earlier one exactly (the same texts and label); they "
+            "are trained as given, and a copy in the same batch as its original is a false in-batch negative"
+            in capsys.readouterr().out)
+    train(run_config(tmp_path / "b", batch_size=8, max_steps=1), model=make_encoder("bert"),
+          train_examples=(rows + near + rows[:2], "B"))
+    assert "repeat an earlier one" in capsys.readouterr().out  # 2 of 64
+    train(run_config(tmp_path / "c", batch_size=8, max_steps=1), model=make_encoder("bert"),
+          train_examples=(demo_examples(64), "B"))
+    assert "repeat an earlier one" not in capsys.readouterr().out
+    sentences = [" ".join(ex.texts) for ex in demo_examples(15)]
+    train(run_config(tmp_path / "d", objective="arccse", batch_size=8, max_steps=1, max_length=16),
+          model=make_encoder("bert"), train_examples=sentences + sentences[:1])
+    assert "angle_train: note: 1 of the 16 sentences repeat an earlier one exactly; they are trained" in (
+        capsys.readouterr().out)
