@@ -322,6 +322,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         raise ValueError("--fsdp shards the model over several processes: launch with torchrun "
                          "--nproc-per-node N (N >= 2), or leave out --fsdp on one")
     prompts = cfg.prompts()
+    check_split_settings(cfg, train_examples_given=train_examples is not None)
 
     if cfg.objective == "arccse":
         sentences, fmt = read_sentences(cfg, train_examples), None
@@ -499,6 +500,19 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
 # The loss weights a data format's loss does not read (angle_kernels.AngleLoss: format B's is the contrastive term
 # alone, as angle-emb's), refused when set
 FORMAT_IGNORES = {"A": ("cln_w",), "B": ("cosine_w", "ibn_w", "cln_w", "angle_w")}
+
+
+def check_split_settings(cfg: TrainConfig, *, train_examples_given: bool) -> None:
+    """--train-split / --dev-split with a data file or a folder that save_to_disk did not write (an STS year folder),
+    refused naming the flag before the data is read: such a source has no splits, is read whole, and the split asked
+    for was ignored in silence."""
+    train_data = None if train_examples_given else cfg.train_data
+    for name, source in (("train_split", train_data), ("dev_split", cfg.dev_data)):
+        if source and cfg.changed(name) and os.path.exists(source) and not is_saved_dataset(source):
+            data_flag = "--train-data" if name == "train_split" else "--dev-data"
+            raise ValueError(f"{flag_of(name)} {getattr(cfg, name)} says which split of a Hugging Face dataset to "
+                             f"read, and {data_flag} {source} is a data file or folder, which has no splits: leave out "
+                             f"{flag_of(name)}")
 
 
 def check_data_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_set) -> None:

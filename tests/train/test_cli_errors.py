@@ -80,6 +80,13 @@ TRAIN_MISTAKES = [
     (["--dev-data", "builtin:demo-sts", "--dev-split", "test"],
      "--dev-split says how to read a dev file or dataset, and --dev-data builtin:demo-sts is built in"),
     (["--dev-data", "builtin:demo-sts", "--dev-columns", "text1=a"], "leave out --dev-columns"),
+    # a data file has no splits: the split was ignored in silence
+    (["--train-data", "sts-test.csv", "--train-split", "test"],
+     "--train-split test says which split of a Hugging Face dataset to read, and --train-data sts-test.csv is a data "
+     "file or folder, which has no splits"),
+    (["--dev-data", "sts-test.csv", "--dev-split", "test"], "--dev-split test says which split of a Hugging Face "
+     "dataset to read, and --dev-data sts-test.csv is a data file or folder, which has no splits: leave out "
+     "--dev-split"),
     # built-in training data, a dev file read by --dev-columns: --columns would read nothing
     (["--dev-data", "sts-test.csv", "--dev-columns", "text1=a", "--columns", "text1=b"], "leave out --columns"),
     (["--ibn-w", "0"], "--ibn-w: format B trains the contrastive term of each query against the positives only"),
