@@ -566,7 +566,12 @@ def open_hf_dataset(name_or_path: str, split: str, *, split_flag: str = "split",
         raise ImportError("reading Hugging Face datasets needs the `datasets` package: pip install "
                           "'angle_kernels[train]'") from exc
     if not os.path.isdir(name_or_path):
-        return datasets.load_dataset(name_or_path, split=split)
+        try:
+            return datasets.load_dataset(name_or_path, split=split)
+        except ValueError as exc:  # the datasets package's words (arrow_reader): 'Unknown split "dev". Should be ...'
+            if not str(exc).startswith("Unknown split"):
+                raise
+            raise DataError(f"{split_flag} {split}: {name_or_path} has no split {split!r} ({exc})") from None
     if not is_saved_dataset(name_or_path):
         files = data_files_in(name_or_path)
         raise DataError(f"{name_or_path}: a folder, not a Hugging Face dataset saved by save_to_disk (no "

@@ -503,3 +503,13 @@ def test_a_split_is_refused_naming_its_flag_where_the_saved_dataset_has_no_such_
     assert read_dev_data(saved_test, "test").queries == ["a", "b"]
     assert load_sentences(sentences) == (["a red car", "box"], 0)
     assert read_dev_data(dd, "test").queries == ["a", "b"]
+    # a hub dataset: the datasets package's refusal, named by the flag
+    def load_dataset(name, split):
+        raise ValueError(f'Unknown split "{split}". Should be one of [\'train\', \'test\'].')
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datasets, "load_dataset", load_dataset)
+        with pytest.raises(DataError, match=r"^--dev-split validation: someone/pairs has no split 'validation' "
+                                            r"\(Unknown split \"validation\". Should be one of \['train', "
+                                            r"'test'\]\.\)$"):
+            read_dev_data("someone/pairs", "validation")
