@@ -138,5 +138,5 @@ def test_the_header_says_how_many_rows_repeat_an_earlier_one(tmp_path, capsys):
     sentences = [" ".join(ex.texts) for ex in demo_examples(15)]
     train(run_config(tmp_path / "d", objective="arccse", batch_size=8, max_steps=1, max_length=16),
           model=make_encoder("bert"), train_examples=sentences + sentences[:1])
-    assert "angle_train: note: 1 of the 16 sentences repeat an earlier one exactly; they are trained" in (
+    assert "angle_train: note: 1 of the 16 sentences repeats an earlier one exactly; they are trained" in (
         capsys.readouterr().out)
