@@ -6,16 +6,17 @@ losses arccon and triplet on request), size N, embedding size D and dtype, each 
 the same inputs and is measured for one forward + backward pass with the shared harness (harness.py):
 
 * time: the median (or min) of several runs after a warm-up run. CPU: wall clock with the thread count
-  stated; CUDA: triton.testing.do_bench's median (it flushes the L2 cache between runs), or CUDA events for
-  a slow case or when Triton is missing. On CUDA each case's first call (its compiles and autotuning) runs
-  before and apart, its time recorded as cold_s; --warm-up-budget gives those first calls an allowance of their
-  own within --time-budget.
-* peak extra memory: CPU: each case runs in a freshly forked child of this (compute-free) process; its
-  peak RSS (VmHWM, reset through /proc/self/clear_refs once the inputs exist) minus the RSS right before
-  the pass. CUDA: max_memory_allocated() minus memory_allocated() before the pass (inputs included in
-  the latter), taken on a pass after a warm-up pass: the first call at a shape JIT-compiles and autotunes,
-  and Triton's autotuner benchmarks with do_bench, whose 256 MB L2-flush buffer is not the loss's memory.
-  Gradients of the inputs count as extra memory for every provider alike.
+  stated, the providers of a size taking turns (one run each per round, each in a fresh process after its
+  warm-up pass; a shared machine's changing load falls on all of them alike); CUDA: triton.testing.do_bench's
+  median (it flushes the L2 cache between runs), or CUDA events for a slow case or when Triton is missing. On
+  CUDA each case's first call (its compiles and autotuning) runs before and apart, its time recorded as cold_s;
+  --warm-up-budget gives those first calls an allowance of their own within --time-budget.
+* peak extra memory: CPU: each round of a case runs in a freshly forked child of this (compute-free) process
+  (the table shows the median of the rounds'); its peak RSS (VmHWM, reset through /proc/self/clear_refs once
+  the inputs exist) minus the RSS right before the pass. CUDA: max_memory_allocated() minus memory_allocated()
+  before the pass (inputs included in the latter), taken on a pass after a warm-up pass: the first call at a
+  shape JIT-compiles and autotunes, and Triton's autotuner benchmarks with do_bench, whose 256 MB L2-flush
+  buffer is not the loss's memory. Gradients of the inputs count as extra memory for every provider alike.
 * the achieved bandwidth (memory-bound losses: bytes that must move) or FLOP rate (similarity losses: matmul
   FLOPs), and its fraction of the limits measured at the start of the run (copy bandwidth, matmul rate).
 
@@ -25,13 +26,13 @@ the memory available. A size whose predicted run time (from the previous size) e
 is skipped too, and so is every case once --time-budget is spent. Out-of-memory errors become an "OOM"
 marker. Under a budget every loss gets its smallest sizes before any loss gets a larger one.
 
-Writes results.json and table.md to --out after every case (a run killed from outside keeps what it
+Writes results.json and table.md to --out after every row (a run killed from outside keeps what it
 measured), plot.png (time and memory vs N, log-log, one column per loss) at the end, and prints the table.
 The same command runs unchanged on a CUDA machine (--device auto picks CUDA). This module holds the registry of
 every family's losses; the sweep itself is loss_sweep.py, which each family's module also runs over its own losses:
 bench_ranking.py, bench_similarity.py, bench_arccse.py, bench_matryoshka.py.
 
-    python bench/bench_losses.py                       # defaults: about 2 minutes on a 2-core CPU
+    python bench/bench_losses.py                       # defaults: a few minutes on a 2-core CPU
     python bench/bench_losses.py --losses cosine,angle --n 16384 --max-ref-gb 8
     python bench/bench_losses.py --losses arccon,triplet
 """

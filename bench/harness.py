@@ -416,9 +416,10 @@ def time_cuda(run: Callable[[], object], grad_to_none: list | None = None, expec
 
 
 def timing_description(device: str, repeats: int) -> str:
-    """How `measure_fwd_bwd` times a case on `device`, for report headers."""
+    """How the loss sweep times a case on `device`, for report headers (loss_sweep.sweep)."""
     if device == "cpu":
-        return f"up to {repeats} runs after a warm-up run (wall clock)"
+        return (f"up to {repeats} runs, one per round, the providers of a size taking turns, each run in a fresh "
+                "process after its warm-up pass (wall clock)")
     return ("triton.testing.do_bench's runs (warm-up excluded, L2 flushed), or "
             f"{SLOW_RUN_REPEATS} CUDA-event runs for a case whose run takes {SLOW_RUN_S * 1e3:g} ms or more")
 

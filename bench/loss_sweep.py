@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -57,9 +59,11 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
                         help="angle-emb's loss.py or an angle-emb wheel (default: the installed package's loss.py)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="CPU threads (torch.set_num_threads)")
-    parser.add_argument("--repeats", type=int, default=5, help="CPU: timed runs per case after the warm-up (at most)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="CPU: timed runs per case (at most), one per round: the providers of a size take turns, "
+                             "each run in a fresh process after its warm-up pass")
     parser.add_argument("--time-per-case", type=float, default=3.0,
-                        help="CPU: stop timing a case after this many seconds once 3 runs are done")
+                        help="CPU: no more rounds for a case whose timed runs took this many seconds, once 3 are done")
     parser.add_argument("--max-run-seconds", type=float, default=10.0,
                         help="skip a size whose predicted single run (extrapolated from the previous size) is longer")
     parser.add_argument("--max-ref-gb", type=float, default=2.0,
@@ -204,7 +208,10 @@ def predicted_run_seconds(previous, loss, family, n) -> float | None:
 FIRST_CALL_S = 15.0
 
 
-def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None) -> dict:
+def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None,
+            repeats: int | None = None) -> dict:
+    """One case of one provider, or why it did not run. CPU: in a forked child, up to `repeats` timed runs
+    (default --repeats) after its warm-up pass; the sweep calls it once per round with one run (`sweep`)."""
     estimate = estimate_extra_bytes(provider, loss, n, d, dtype)
     out = {"estimate_bytes": estimate, "floor": loss.work_floor(n, d, dtype)}
     forecast = predicted_run_seconds(previous, loss, provider.family, n)
@@ -232,8 +239,9 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, 
         headroom = max(3 * estimate, 2 * GB)
         if available is not None:
             headroom = min(headroom, int(0.8 * available))
-        payload = harness.call_in_fork(measure_cpu_case, provider, loss, n, d, dtype, args.threads, args.repeats,
-                                       args.time_per_case, args.seed, headroom, timeout=args.case_timeout)
+        payload = harness.call_in_fork(measure_cpu_case, provider, loss, n, d, dtype, args.threads,
+                                       args.repeats if repeats is None else repeats, args.time_per_case, args.seed,
+                                       headroom, timeout=args.case_timeout)
     else:
         try:
             payload = ("ok", measure_in_process(provider, loss, n, d, dtype, args.seed, args.device, budget))
@@ -244,10 +252,7 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, 
             harness.free_cuda_memory()
 
     if payload[0] == "ok":
-        row = {**out, "status": "ok", **payload[1]}
-        row["time_s"] = row[f"{args.stat}_s"]  # what the table, ratios and plot show
-        row.update(harness.achieved_rate(out["floor"], row["time_s"], limits, harness.dtype_name(dtype)))
-        return row
+        return shown_time({**out, "status": "ok", **payload[1]}, args, limits, dtype)
     if payload[0] in ("oom", "killed"):
         return {**out, "status": "OOM", "note": f"OOM: {payload[1]}"}
     if payload[0] == "timeout":
@@ -260,6 +265,42 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, 
 # --------------------------------------------------------------------------------------------------------
 
 
+def shown_time(row, args, limits, dtype) -> dict:
+    """A measured row with the time the table, ratios and plot show (--stat's) and its achieved rate."""
+    row["time_s"] = row[f"{args.stat}_s"]
+    row.update(harness.achieved_rate(row["floor"], row["time_s"], limits, harness.dtype_name(dtype)))
+    return row
+
+
+# Rounds every provider of a CPU case gets before --time-per-case may end its rounds (as time_cpu's runs)
+MIN_ROUNDS = 3
+
+
+def wants_another_round(args, rounds: list[dict]) -> bool:
+    """Whether a provider whose rounds of a CPU case so far are `rounds` gets the next: up to --repeats rounds,
+    while each measured; once MIN_ROUNDS are done, only while its timed runs took --time-per-case seconds or less."""
+    if len(rounds) >= args.repeats or (rounds and rounds[-1]["status"] != "ok"):
+        return False
+    return len(rounds) < MIN_ROUNDS or sum(sum(r.get("times_s") or [r["min_s"]]) for r in rounds) <= args.time_per_case
+
+
+def merge_rounds(args, rounds: list[dict], limits, dtype) -> dict:
+    """One row of a CPU case from its rounds (each a fresh process: a warm-up pass, which measures the peak extra
+    memory, and one timed run): every timed run in times_s, their median and fastest; the median of the rounds' peak
+    extra memory, every round's in extra_bytes_rounds. A round that failed (OOM, an error, a timeout) makes the row
+    that failure; one skipped after some measured (--time-budget spent) ends the rounds and leaves their runs."""
+    measured = [r for r in rounds if r["status"] == "ok"]
+    failed = next((r for r in rounds if r["status"] != "ok"), None)
+    if not measured or (failed is not None and failed["status"] != "skipped"):
+        return failed
+    times = [t for r in measured for t in (r.get("times_s") or [r["min_s"]])]
+    extras = [r["extra_bytes"] for r in measured]
+    row = {**measured[0], "median_s": statistics.median(times), "min_s": min(times), "times_s": times,
+           "rounds": len(measured), "extra_bytes": int(statistics.median(extras)), "extra_bytes_rounds": extras,
+           "timing": "wall clock, one run per round, each round a fresh process per provider, providers in turn"}
+    return shown_time(row, args, limits, dtype)
+
+
 def size_schedule(args, losses) -> list[tuple[object, int]]:
     """(loss, N) in the order they run: every loss's smallest size, then every loss's second size, and so on,
     so that a time budget cuts the largest sizes rather than whole losses."""
@@ -269,8 +310,12 @@ def size_schedule(args, losses) -> list[tuple[object, int]]:
 
 
 def sweep(args, losses, providers, limits, on_row=None, deadline=None, budget=None) -> list[dict]:
-    """Every case, size by size with all providers of a size run back to back (so that a change in the
-    machine's load between sizes hits every provider alike). on_row(results) runs after every case; no case
+    """Every case, size by size with all providers of a size side by side (so that a change in the machine's load
+    between sizes hits every provider alike). On a CPU, shared with other jobs whose load moves the times by tens of
+    percent from one second to the next, the providers of a size take turns: round after round, each runs once in a
+    fresh process (run_one with one timed run), until each has --repeats rounds (or MIN_ROUNDS and --time-per-case
+    seconds of runs, wants_another_round), and its row gathers its rounds (merge_rounds). On CUDA, a device of its
+    own, each case runs once, do_bench's runs back to back. on_row(results) runs after every row; no case or round
     starts past `deadline` (time.perf_counter()), or when its forecast would overrun it, or, with a `budget`
     (harness.SweepBudget), when its first call or its timed runs would overrun their allowance."""
     results = []
@@ -279,13 +324,27 @@ def sweep(args, losses, providers, limits, on_row=None, deadline=None, budget=No
         for d in args.d:
             previous = {}  # (loss, provider name) -> (n, min seconds) of its last measured size
             for loss, n in size_schedule(args, losses):
-                for provider in providers:
-                    if not provider.provides(loss.name):
-                        continue
+                active = [provider for provider in providers if provider.provides(loss.name)]
+                rounds = {provider.name: [] for provider in active}
+
+                def measure(provider, repeats=None):
+                    return run_one(args, provider, loss, n, d, dtype, previous.get((loss.name, provider.name)),
+                                   limits, deadline, budget, repeats=repeats)
+
+                if args.device == "cpu":
+                    # every other round in reverse order (A B, B A, ...): a load that rises or falls through the
+                    # rounds does not favour whoever always runs first
+                    for turn_number in itertools.count():
+                        turn = [p for p in active if wants_another_round(args, rounds[p.name])]
+                        if not turn:
+                            break
+                        for provider in turn[::-1] if turn_number % 2 else turn:
+                            rounds[provider.name].append(measure(provider, repeats=1))
+                for provider in active:
                     row = {"loss": loss.name, "n": n, "d": d, "dtype": dtype_name, "provider": provider.name,
                            "family": provider.family, "calls": provider.calls(loss.name)}
-                    row.update(run_one(args, provider, loss, n, d, dtype, previous.get((loss.name, provider.name)),
-                                       limits, deadline, budget))
+                    row.update(merge_rounds(args, rounds[provider.name], limits, dtype) if args.device == "cpu"
+                               else measure(provider))
                     if row["status"] == "ok":
                         previous[(loss.name, provider.name)] = (n, row["min_s"])  # the least noisy forecast
                     results.append(row)

@@ -255,6 +255,7 @@ def test_script_end_to_end(script_runs):
     assert rows[("cosine", 16, "angle-emb")]["status"] == "ok"
     ours = rows[("cosine", 16, "ours-torch")]
     assert ours["status"] == "ok" and ours["median_s"] > 0 and len(ours["times_s"]) == 3
+    assert ours["rounds"] == 3 and len(ours["extra_bytes_rounds"]) == 3  # one timed run per round, in turn
     # the CPU's limits were measured in this run, and the achieved rate is a fraction of them
     assert data["hardware_limits"]["copy_GBps"] > 0 and data["hardware_limits"]["matmul_float32_TFLOPs"] > 0
     assert 0 < ours["rate_fraction"] and rows[("ibn", 16, "ours-torch")]["rate_unit"] == "FLOP/s"
@@ -270,8 +271,9 @@ def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
     provider = P.Provider("ours-torch", "ours", "torch", {"cosine": LOSSES["cosine"]})
     measured = []
 
-    def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None):
-        if measured:
+    def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None,
+                     repeats=None):
+        if n > 16:  # during the second size's rounds
             raise KeyboardInterrupt("the machine's time limit")
         measured.append(n)
         return {"status": "ok", "median_s": 0.01, "min_s": 0.01, "time_s": 0.01, "extra_bytes": 1000,
@@ -285,6 +287,7 @@ def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
         loss_sweep.sweep(args, losses, [provider], {}, on_row=lambda rows: report.write(rows, complete=False))
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["complete"] is False and [r["n"] for r in data["results"]] == [16]
+    assert data["results"][0]["rounds"] == 5 and len(measured) == 5  # --repeats' rounds, gathered in one row
     assert "| 16 |" in (tmp_path / "table.md").read_text()
 
 

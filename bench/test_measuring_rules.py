@@ -127,18 +127,20 @@ def test_the_sweep_forecasts_from_the_min_time_of_the_previous_size(monkeypatch)
     import providers as P
 
     args = bench_losses.parse_args(["--losses", "cosine", "--n", "16,32", "--d", "8", "--providers", "ours",
-                                    "--device", "cpu", "--no-plot"])
+                                    "--device", "cpu", "--no-plot", "--repeats", "2"])
     provider = P.Provider("ours-torch", "ours", "torch", {"cosine": bench_losses.LOSSES["cosine"]})
     seen = []
 
-    def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None):
+    def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None,
+                     repeats=None):
         seen.append(previous)
-        return {"status": "ok", "median_s": 0.5, "min_s": 0.1, "time_s": 0.5, "extra_bytes": 0}
+        return {"status": "ok", "median_s": 0.5, "min_s": 0.1, "time_s": 0.5, "extra_bytes": 0,
+                "floor": loss.work_floor(n, d, dtype)}
 
     monkeypatch.setattr(loss_sweep, "run_one", fake_run_one)
     monkeypatch.setattr(loss_sweep, "progress_line", lambda row: "")
     loss_sweep.sweep(args, [bench_losses.LOSSES["cosine"]], [provider], {})
-    assert seen == [None, (16, 0.1)]
+    assert seen == [None, None, (16, 0.1), (16, 0.1)]  # each size's two rounds
 
 
 
@@ -331,3 +333,64 @@ def test_a_forecast_is_made_from_a_previous_run_of_50_ms_or_more():
     loss = types.SimpleNamespace(grows="N", bytes_per_element={})
     assert loss_sweep.predicted_run_seconds((1000, 0.1), loss, "ours", 2000) == pytest.approx(0.2)
     assert loss_sweep.predicted_run_seconds((1000, 0.04), loss, "ours", 2000) is None
+
+
+def test_the_cpu_sweep_interleaves_the_providers_of_a_size_round_by_round(monkeypatch):
+    """On a CPU each provider of a size runs one timed run per round in turn (every other round in reverse), up to
+    --repeats rounds; its row gathers the rounds' runs (median, fastest, every run) and the median of their peak extra
+    memory. A provider skipped in its first round gets no more; one that fails in a later round is that failure; once
+    three rounds are done, one whose runs took more than --time-per-case seconds gets no more."""
+    import bench_losses
+    import loss_sweep
+    import providers as P
+
+    args = bench_losses.parse_args(["--losses", "cosine", "--n", "16", "--d", "8", "--device", "cpu", "--no-plot",
+                                    "--repeats", "4", "--time-per-case", "2"])
+    loss = bench_losses.LOSSES["cosine"]
+    names = ("ours-torch", "angle-emb", "sentence-transformers", "slow")
+    providers = [P.Provider(name, "ours" if name == "ours-torch" else "reference", None, {"cosine": loss})
+                 for name in (*names, "failing")]
+    times = {"ours-torch": [0.3, 0.1, 0.2, 0.4], "slow": [1.0, 1.0, 1.0, 1.0]}
+    calls = []
+
+    def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None,
+                     repeats=None):
+        calls.append((provider.name, repeats))
+        turn = sum(name == provider.name for name, _ in calls) - 1
+        if provider.name == "angle-emb":
+            return {"status": "skipped", "note": "skipped: needs ~9 GB (> --max-ref-gb 2)"}
+        if provider.name == "failing" and turn == 1:
+            return {"status": "OOM", "note": "OOM: killed by SIGKILL"}
+        seconds = times.get(provider.name, [0.01] * 4)[turn]
+        return {"status": "ok", "median_s": seconds, "min_s": seconds, "times_s": [seconds],
+                "extra_bytes": [100, 300, 200, 900][turn], "floor": loss.work_floor(n, d, dtype)}
+
+    monkeypatch.setattr(loss_sweep, "run_one", fake_run_one)
+    monkeypatch.setattr(loss_sweep, "progress_line", lambda row: "")
+    rows = {row["provider"]: row for row in loss_sweep.sweep(args, [loss], providers, {})}
+    assert {repeats for _, repeats in calls} == {1}  # one timed run in each round's process
+    order = [name for name, _ in calls]
+    assert order == [*names, "failing",  # the first round, in table order
+                     "failing", "slow", "sentence-transformers", "ours-torch",  # the second, reversed, angle-emb out
+                     "ours-torch", "sentence-transformers", "slow",  # the third, without the failure
+                     "sentence-transformers", "ours-torch"]  # the fourth: slow's 3 s are past --time-per-case
+    ours = rows["ours-torch"]
+    assert ours["times_s"] == [0.3, 0.1, 0.2, 0.4] and ours["rounds"] == 4
+    assert ours["median_s"] == pytest.approx(0.25) and ours["min_s"] == 0.1 and ours["time_s"] == ours["median_s"]
+    assert ours["extra_bytes"] == 250 and ours["extra_bytes_rounds"] == [100, 300, 200, 900]
+    assert rows["slow"]["rounds"] == 3 and rows["sentence-transformers"]["rounds"] == 4
+    assert rows["angle-emb"]["status"] == "skipped" and "--max-ref-gb" in rows["angle-emb"]["note"]
+    assert rows["failing"]["status"] == "OOM"
+
+
+def test_a_case_whose_later_round_finds_the_time_budget_spent_keeps_its_measured_rounds():
+    import bench_losses
+    import loss_sweep
+
+    args = bench_losses.parse_args(["--losses", "cosine", "--device", "cpu"])
+    floor = bench_losses.LOSSES["cosine"].work_floor(16, 8, torch.float32)
+    measured = {"status": "ok", "median_s": 0.2, "min_s": 0.2, "times_s": [0.2], "extra_bytes": 10, "floor": floor}
+    spent = {"status": "skipped", "note": "skipped: --time-budget 10 s spent"}
+    row = loss_sweep.merge_rounds(args, [measured, {**measured, "times_s": [0.4]}, spent], {}, torch.float32)
+    assert row["status"] == "ok" and row["times_s"] == [0.2, 0.4] and row["rounds"] == 2
+    assert loss_sweep.merge_rounds(args, [spent], {}, torch.float32) == spent
