@@ -1327,6 +1327,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--ops {','.join(unknown)}: not an op benchmark; they are {', '.join(known)}")
     if args.train_bench and args.stage != "third":
         parser.error("--train-bench chooses stage third's benchmark")
+    if args.angle_emb_loss is not None:
+        # refused here, before any step: the loss sweep (bench_losses.py) refuses it too, which mid-stage would end
+        # the stage after the op sweep instead of recording one step's failure
+        import providers
+
+        try:
+            providers.find_reference_loss_file(args.angle_emb_loss)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
     if args.stage in STAGES:
         skippable = {"first": FIRST_SKIPPABLE,
                      "second": [name for name, _ in SECOND_STEPS if name not in ("limits", *SECOND_IMPLIED)]

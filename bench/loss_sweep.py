@@ -56,7 +56,8 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
                         help="families to include: ours (or some of our backends: ours-triton, ours-cuda, "
                              "ours-torch), reference, sentence-transformers, eager")
     parser.add_argument("--angle-emb-loss", default=None,
-                        help="angle-emb's loss.py or an angle-emb wheel (default: the installed package's loss.py)")
+                        help="angle-emb's loss.py or an angle-emb wheel (default: the installed package's loss.py); "
+                             "a path given that holds neither is refused")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--repeats", type=int, default=5,
@@ -105,6 +106,13 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
     for flag in ("losses", "dtypes", "providers"):
         if not getattr(args, flag):
             parser.error(f"--{flag} names none")
+    if args.angle_emb_loss is not None:
+        # a path given by hand that holds no loss.py is a mistake to fix before the sweep, not a reference to leave
+        # out of the table as "not available" (as an angle-emb that is not installed is)
+        try:
+            P.find_reference_loss_file(args.angle_emb_loss)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
     for flag in ("n", "n_quadratic", "d"):
         values = getattr(args, flag)
         if not values or min(values) < 1:

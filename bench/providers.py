@@ -113,15 +113,21 @@ WHEEL_MEMBER = "angle_emb/loss.py"
 
 def find_reference_loss_file(given: str | None = None) -> Path:
     """The file that holds angle-emb's loss.py: `given` (a .py file, or an angle-emb wheel holding
-    angle_emb/loss.py), else the installed package's. Raises FileNotFoundError with a hint when nothing is found."""
-    if given:
+    angle_emb/loss.py), else (None) the installed package's. Raises FileNotFoundError with a hint when nothing is
+    found, naming --angle-emb-loss where `given` is no such file."""
+    if given is not None:
         path = Path(given).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"--angle-emb-loss: {path} does not exist")
+        if not path.is_file():
+            raise FileNotFoundError(f"--angle-emb-loss: {path} " + ("is a folder, not angle-emb's loss.py or its wheel"
+                                                                     if path.is_dir() else "does not exist"))
         if path.suffix == ".whl":
-            with zipfile.ZipFile(path) as wheel:
-                if WHEEL_MEMBER not in wheel.namelist():
-                    raise FileNotFoundError(f"--angle-emb-loss: {path} holds no {WHEEL_MEMBER}")
+            try:
+                with zipfile.ZipFile(path) as wheel:
+                    members = wheel.namelist()
+            except zipfile.BadZipFile as exc:
+                raise FileNotFoundError(f"--angle-emb-loss: {path} is no wheel ({exc})") from exc
+            if WHEEL_MEMBER not in members:
+                raise FileNotFoundError(f"--angle-emb-loss: {path} holds no {WHEEL_MEMBER}")
         return path
     spec = importlib.util.find_spec("angle_emb")  # locates the package without importing it
     if spec is not None and spec.submodule_search_locations:

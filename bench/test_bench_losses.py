@@ -538,6 +538,27 @@ def test_the_reference_provider_names_the_file_it_runs(all_providers):
     assert reference.notes["source"] == str(P.find_reference_loss_file())
 
 
+def test_an_angle_emb_loss_path_that_holds_no_loss_file_is_refused_before_the_sweep(tmp_path, capsys):
+    """It was taken, and the table said angle-emb was "not available", as if it were not installed: a mistyped path
+    went unnoticed until the sweep had run without its reference."""
+    not_a_wheel = tmp_path / "angle_emb-0.6.1-py3-none-any.whl"
+    not_a_wheel.write_text("not a zip")
+    empty_wheel = tmp_path / "empty-0.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(empty_wheel, "w") as zf:
+        zf.writestr("other/loss.py", "")
+    for given, message in ((tmp_path / "missing.whl", "does not exist"), (tmp_path, "is a folder"),
+                           (not_a_wheel, "is no wheel"), (empty_wheel, "holds no angle_emb/loss.py")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_losses.parse_args(["--device", "cpu", "--angle-emb-loss", str(given)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--angle-emb-loss: {given}" in err and message in err, err
+    loss_file = tmp_path / "loss.py"
+    loss_file.write_text("")
+    assert bench_losses.parse_args(["--device", "cpu", "--angle-emb-loss", str(loss_file)]).angle_emb_loss == str(
+        loss_file)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--n", "0"], "--n takes positive sizes"),
     (["--n-quadratic", "256,-1"], "--n-quadratic takes positive sizes"),

@@ -73,6 +73,16 @@ def test_bad_arguments_are_refused(capsys):
     assert "--workers must be at least 1" in capsys.readouterr().err
 
 
+def test_an_angle_emb_loss_path_that_does_not_exist_is_refused_before_any_step(tmp_path, capsys):
+    """The loss sweep refuses it (bench_losses.py); passed through in the middle of stage second, that refusal
+    would end the stage after the op sweep, so the suite refuses it first."""
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_suite.parse_args(["second", str(tmp_path / "out"), "--angle-emb-loss", str(tmp_path / "missing.whl")])
+    assert exit_info.value.code == 2
+    assert f"--angle-emb-loss: {tmp_path / 'missing.whl'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @no_gpu
 def test_first_rehearses_its_preflight_and_packing_without_a_gpu(tmp_path, capsys):
     out = tmp_path / "out"
