@@ -397,7 +397,8 @@ def cell(row) -> str:
 
 
 def ratio_cell(base, ours) -> str:
-    """'time x, memory y': baseline / ours; > 1 means ours is faster / needs less."""
+    """'time x, memory y': the baseline's over those of the provider the ratios are against (ours; with no backend of
+    ours, the first provider, as render_markdown's header says); > 1 means that one is faster / needs less."""
     if base is None or ours is None or base["status"] != "ok" or ours["status"] != "ok":
         return "—"
     time_ratio = base["time_s"] / ours["time_s"]
