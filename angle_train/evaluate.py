@@ -64,8 +64,8 @@ from .cli_common import (
 )
 from .config import names_local_path
 from .data import (
-    DataError, Example, Prompts, check_label, data_files_in, is_saved_dataset, load_examples, open_text, parse_columns,
-    read_stsb,
+    DataError, Example, Prompts, check_label, check_text, data_files_in, is_saved_dataset, load_examples, open_text,
+    parse_columns, read_stsb,
 )
 from .models import check_dim, truncate
 from .tracking import finite_or_none
@@ -216,7 +216,10 @@ def read_sts_year(folder: str) -> StsSet:
                 continue
             if len(fields) < 2:
                 raise DataError(f"{file}, line {number}: expected two tab-separated sentences")
-            examples.append(Example((fields[0], fields[1]), check_label(score, f"{gold}, line {number}")))
+            # no header: the sentences are named as read_stsb names an STS-B file's
+            texts = tuple(check_text(text, f"{file}, line {number}", column)
+                          for text, column in zip(fields, ("text1", "text2")))
+            examples.append(Example(texts, check_label(score, f"{gold}, line {number}")))
     name = f"STS{year.group(1)}" if year else os.path.basename(os.path.normpath(folder))
     return StsSet(name, examples)
 
@@ -231,7 +234,8 @@ def read_sick(path: str) -> list[Example]:
             row, where = line.rstrip("\n").rstrip("\r").split("\t"), f"{path}, line {number}"
             if len(row) < 4:
                 raise DataError(f"{where}: expected at least 4 tab-separated fields; got {len(row)}")
-            examples.append(Example((row[1], row[2]), check_label(row[3], where, SICK_HEADER[3])))
+            texts = (check_text(row[1], where, SICK_HEADER[1]), check_text(row[2], where, SICK_HEADER[2]))
+            examples.append(Example(texts, check_label(row[3], where, SICK_HEADER[3])))
     return examples
 
 

@@ -142,6 +142,29 @@ def test_malformed_files_name_the_file_and_line(tmp_path):
         path.write_bytes(original)
 
 
+def test_an_empty_sentence_in_an_sts_year_or_sick_file_is_refused_naming_the_line(tmp_path):
+    """An empty sentence, or one of invisible characters alone, in a rated pair was scored in silence by the STS
+    year-folder and SICK readers; it is refused as every other reader refuses it: the file, line and column."""
+    folder = _year_folder(tmp_path, "STS14", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    sts = folder / "STS.input.headlines.txt"
+    sick = tmp_path / "SICK_test_annotated.txt"
+    header = "pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment"
+    cases = [(sts, folder, ["a b\tc d", "\u200b\u2060\te f", "g h\ti j"],
+              re.escape(f"{sts}, line 2: column 'text1' is an empty text: '\\u200b\\u2060' holds only invisible")),
+             (sts, folder, ["a b\t ", "e f\tg h", "i j\tk l"], re.escape(f"{sts}, line 1: column 'text2' is an "
+                                                                       "empty text")),
+             (sick, sick, [header, "1\ta b\tc d\t4.5\tX", "2\t\u3164\tg h\t1.0\tX"],
+              re.escape(f"{sick}, line 3: column 'sentence_A' is an empty text: '\\u3164' holds only")),
+             (sick, sick, [header, "1\ta b\t\t4.5\tX", "2\te f\tg h\t1.0\tX"],
+              re.escape(f"{sick}, line 2: column 'sentence_B' is an empty text"))]
+    for path, dataset, lines, message in cases:
+        _write(path, lines)
+        with pytest.raises(DataError, match=message):
+            read_dataset(str(dataset))
+    _write(sts, ["a b\tc d", "e f\tg h", "\tunrated"])  # an unrated pair is skipped, not read
+    assert len(read_dataset(str(folder)).examples) == 5
+
+
 def test_spearman_in_the_all_setting_and_the_json(tmp_path):
     """One correlation over every rated pair of the year's subsets together (not a mean over subsets)."""
     encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
