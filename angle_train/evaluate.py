@@ -21,7 +21,9 @@ CUDA when there is one, as for angle-train. Each PATH is read in the layout it i
                      corpus (a text given twice is one document), every distinct query a query, whose relevant
                      documents are all the positives given for it (a query on two rows with two positives has two);
                      recall@1, recall@10 and nDCG@10 (cosine) as sentence-transformers' InformationRetrievalEvaluator
-                     defines them; the queries take the query prompt, the documents the document prompt (data.Prompts)
+                     defines them; the queries take the query prompt, the documents the document prompt (data.Prompts).
+                     At least 2 distinct queries: over one, every document is one of its positives, so the metrics
+                     are the same whatever the model
     pairs            a format-A file (text1, text2, label: JSONL / CSV), scored as STS-B is
 
 JSONL / CSV / TSV files with other column names are read with --columns (angle-train's): e.g. text1=sent_a
@@ -123,10 +125,13 @@ def read_dataset(path: str, *, columns: dict | None = None, where: str | None = 
     """The dataset at `path`, recognised by its layout (module docstring); a DataError says what was expected.
     columns: the names of a JSONL/CSV file's columns (data.load_examples). A scored set must allow a Spearman
     correlation that ranks something: at least FEWEST_SCORED_PAIRS rated pairs, not every gold score equal (before
-    any model loads, not a NaN or a meaningless +-1 after); `where` names the set in that refusal (default: path)."""
+    any model loads, not a NaN or a meaningless +-1 after); a retrieval set at least FEWEST_RANKED_QUERIES distinct
+    queries (check_ranked); `where` names the set in those refusals (default: path)."""
     dataset = _read_dataset(path, columns=columns)
     if isinstance(dataset, StsSet):
         check_scored(dataset, where or path)
+    else:
+        check_ranked(dataset, where or path)
     return dataset
 
 
@@ -146,6 +151,22 @@ def check_scored(dataset: StsSet, where: str, hint: str = "") -> None:
     if len(labels) == 1:
         raise DataError(f"{where}: every gold score is {labels.pop():g}, so the Spearman correlation is undefined"
                         + hint)
+
+
+# The fewest distinct queries a retrieval score is computed over: the documents are the positives given, so every
+# document is relevant to a set's one query, and its recall@k and nDCG@10 are the same whatever the model. Rows
+# repeating one query are that one query (RetrievalSet.corpus).
+FEWEST_RANKED_QUERIES = 2
+
+
+def check_ranked(dataset: RetrievalSet, where: str) -> None:
+    """Refuse (DataError, naming `where`) a retrieval set of fewer than FEWEST_RANKED_QUERIES distinct queries."""
+    queries = len(dataset.corpus().queries)
+    if queries < FEWEST_RANKED_QUERIES:
+        raise DataError(f"{where}: {len(dataset.queries)} (query, positive) row(s) of {queries} distinct "
+                        f"quer{'y' if queries == 1 else 'ies'}; retrieval needs at least {FEWEST_RANKED_QUERIES} "
+                        "distinct queries (over one, every document is one of its positives, so recall@k and nDCG@10 "
+                        "are the same whatever the model)")
 
 
 def _read_dataset(path: str, *, columns: dict | None = None) -> StsSet | RetrievalSet:

@@ -51,8 +51,8 @@ from .data import (
 )
 from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
-    RetrievalSet, StsSet, check_scored, dataset_of, dev_inputs, dev_metric, encoding_progress, library_progress_bars,
-    non_finite_rows, read_dataset, scores_of_embeddings,
+    RetrievalSet, StsSet, check_ranked, check_scored, dataset_of, dev_inputs, dev_metric, encoding_progress,
+    library_progress_bars, non_finite_rows, read_dataset, scores_of_embeddings,
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
@@ -749,14 +749,14 @@ def read_dev_data(source: str, split: str, columns: dict | None = None) -> StsSe
 # A dev set of fewer pairs gives a noisy score: Spearman's rho over n pairs has a standard error of about
 # sqrt(1.06 / (n - 3)) in Fisher's z (Fieller, Hartley and Pearson, 1957), 0.2 at 30 pairs and more below, so the
 # score says little of the model beyond those pairs and best/ is picked partly by chance (recall@k and nDCG@10 over
-# few queries move in steps of 1/n).
+# n distinct queries move in steps of about 1/n: a retrieval set counts its queries, not its rows).
 NOISY_DEV_PAIRS = 30
 
 
 def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
     """The dev set: train()'s dev_examples (format-A examples, or an StsSet / RetrievalSet), else --dev-data's, else
     None; refused when it cannot give a score that ranks models (evaluate.check_scored: fewer than 3 scored pairs, or
-    gold scores all equal; fewer than 2 (query, positive) pairs)."""
+    gold scores all equal; evaluate.check_ranked: fewer than 2 distinct queries)."""
     where = dev_set_name(dev_examples, cfg)
     if dev_examples is None:
         if not cfg.dev_data:
@@ -776,8 +776,8 @@ def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
         if any(len(ex.texts) != 2 for ex in dev_set.examples):
             raise ValueError(f"{where}: scored pairs (text1, text2, label) are needed for the dev Spearman")
         check_scored(dev_set, where, " (to score (query, positive) pairs by retrieval, pass an evaluate.RetrievalSet)")
-    elif len(dev_set.queries) < 2:
-        raise ValueError(f"{where}: {len(dev_set.queries)} (query, positive) pair(s); retrieval needs at least 2")
+    else:
+        check_ranked(dev_set, where)
     return dev_set
 
 
@@ -787,16 +787,16 @@ def dev_set_name(dev_examples, cfg: TrainConfig) -> str:
 
 
 def small_dev_set_note(dev_set: StsSet | RetrievalSet | None, where: str) -> str | None:
-    """A note for a dev set of fewer than NOISY_DEV_PAIRS pairs (its score picks best/ partly by chance), else None;
-    `where`: dev_set_name's."""
+    """A note for a dev set of fewer than NOISY_DEV_PAIRS scored pairs or distinct queries (its score picks best/
+    partly by chance), else None; `where`: dev_set_name's."""
     if dev_set is None:
         return None
     scored = isinstance(dev_set, StsSet)
-    pairs = len(dev_set.examples) if scored else len(dev_set.queries)
-    if pairs >= NOISY_DEV_PAIRS:
+    count = len(dev_set.examples) if scored else len(dev_set.corpus().queries)
+    if count >= NOISY_DEV_PAIRS:
         return None
-    kind = "scored pairs" if scored else "(query, positive) pairs"
-    return (f"angle_train: note: {where} has {pairs} {kind}: a dev score over fewer than {NOISY_DEV_PAIRS} is "
+    kind = "scored pairs" if scored else "distinct queries"
+    return (f"angle_train: note: {where} has {count} {kind}: a dev score over fewer than {NOISY_DEV_PAIRS} is "
             "noisy, so best/ is picked partly by chance; a larger dev set picks it more reliably")
 
 

@@ -109,6 +109,25 @@ def test_a_scored_set_without_a_spearman_correlation_is_refused_and_json_stays_s
     assert json.loads(out.read_text()) == {"same": None}
 
 
+def test_a_retrieval_file_of_one_distinct_query_is_refused(tmp_path, capsys):
+    """Rows repeating one query are one query whose positives are every document: recall@k and nDCG@10 are then the
+    same whatever the model. Such a file is refused before the model loads, angle-eval's and --dev-data's alike,
+    naming the file and both counts; two distinct queries are scored."""
+    one = _write(tmp_path / "one.jsonl", [json.dumps({"query": "a red car", "positive": b})
+                                         for b in ("a car", "the red car", "a vehicle")])
+    message = (r"3 \(query, positive\) row\(s\) of 1 distinct query; retrieval needs at least 2 distinct queries "
+               r"\(over one, every document is one of its positives")
+    with pytest.raises(DataError, match=f"^{re.escape(str(one))}: {message}"):
+        read_dataset(str(one))
+    with pytest.raises(DataError, match=f"^--dev-data {re.escape(str(one))}: {message}"):
+        read_dataset(str(one), where=f"--dev-data {one}")
+    with pytest.raises(SystemExit) as exc:
+        main(["builtin-model-not-needed", str(one)])
+    assert exc.value.code == 2 and "1 distinct query; retrieval needs at least 2" in capsys.readouterr().err
+    two = _write(tmp_path / "two.jsonl", one.read_text().splitlines() + [json.dumps({"query": "q", "positive": "p"})])
+    assert len(read_dataset(str(two)).corpus().queries) == 2
+
+
 def test_malformed_files_name_the_file_and_line(tmp_path):
     """Byte-order marks are dropped; bytes that are not UTF-8 and unusable gold scores are DataErrors with the line."""
     sick_lines = ["pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment",

@@ -15,12 +15,12 @@ from train_helpers import run_config
 
 from angle_train import tracking
 from angle_train.config import TrainConfig
-from angle_train.data import Example
+from angle_train.data import DataError, Example
 from angle_train.evaluate import RetrievalSet
 from angle_train.tiny import demo_examples, demo_sts_examples
 from angle_train.trainer import (
     build_encoder, build_loss, count_steps, dev_set_of, half_precision_weights_note, lr_curve, make_optimizer,
-    make_schedule, train, warmup_steps,
+    make_schedule, small_dev_set_note, train, warmup_steps,
 )
 
 
@@ -133,14 +133,28 @@ def test_the_model_flags_reach_the_built_in_model():
 
 def test_dev_data_that_cannot_give_a_score_is_refused_naming_it():
     """dev_examples of three texts (no scored pair) and a retrieval set of one query are refused before the model
-    loads, naming dev_examples; two (query, positive) pairs are enough."""
+    loads, naming dev_examples; rows repeating one query are one query (every document is its positive: its recall
+    and nDCG are the same whatever the model); two distinct queries are enough."""
     triplets = [Example(("a red car", "a car", "a blue boat"), 1.0)] * 2
     with pytest.raises(ValueError, match=r"dev_examples: scored pairs \(text1, text2, label\) are needed"):
         dev_set_of(triplets, TrainConfig())
-    with pytest.raises(ValueError, match="dev_examples: 1 \\(query, positive\\) pair\\(s\\); retrieval needs at least"):
-        dev_set_of(RetrievalSet("dev", ["a red car"], ["a car"]), TrainConfig())
-    two = RetrievalSet("dev", ["a red car", "a blue boat"], ["a car", "a boat"])
+    for queries, documents in ((["a red car"], ["a car"]), (["a red car"] * 3, ["a car", "the car", "a red one"])):
+        with pytest.raises(DataError, match=rf"^dev_examples: {len(queries)} \(query, positive\) row\(s\) of 1 "
+                                            r"distinct query; retrieval needs at least 2 distinct queries"):
+            dev_set_of(RetrievalSet("dev", queries, documents), TrainConfig())
+    two = RetrievalSet("dev", ["a red car", "a blue boat", "a red car"], ["a car", "a boat", "the car"])
     assert dev_set_of(two, TrainConfig()) is two
+
+
+def test_a_small_retrieval_dev_set_is_noted_by_its_distinct_queries():
+    """The small-dev-set note counts a retrieval set's distinct queries, not its rows: 40 rows of 20 queries (each
+    given twice, with two positives) are 20 queries, noted as such; 30 distinct queries are not noted."""
+    repeated = RetrievalSet("dev", [f"query {i % 20}" for i in range(40)], [f"document {i}" for i in range(40)])
+    assert small_dev_set_note(repeated, "dev_examples") == (
+        "angle_train: note: dev_examples has 20 distinct queries: a dev score over fewer than 30 is noisy, so best/ is "
+        "picked partly by chance; a larger dev set picks it more reliably")
+    enough = RetrievalSet("dev", [f"query {i}" for i in range(30)], [f"document {i}" for i in range(30)])
+    assert small_dev_set_note(enough, "dev_examples") is None
 
 
 def _write_scored(path, labels) -> str:
@@ -156,7 +170,6 @@ def test_a_dev_set_too_small_to_rank_models_is_refused_and_a_small_one_is_noted(
     gold scores are all equal is (no correlation at all: NaN); a dev set of fewer than 30 pairs is noted as noisy,
     and one of 30 trains in silence."""
     from angle_train import trainer
-    from angle_train.data import DataError
 
     loaded = trainer.build_encoder
     monkeypatch.setattr(trainer, "build_encoder", lambda *args: pytest.fail("the model loaded before the refusal"))
