@@ -448,8 +448,9 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         repeats = repeated_items(items)
         if repeats:  # kept (training never drops data in silence), and said: a copy may land in its original's batch
             unit, same = ("sentences", "") if cfg.objective == "arccse" else ("examples", " (the same texts and label)")
-            print(f"angle_train: note: {repeats:,} of the {len(items):,} {unit} {'repeats' if repeats == 1 else 'repeat'} "
-                  f"an earlier one exactly{same}; they are trained as given, and a copy in the same batch as its original is a false in-batch "
+            verb = "repeats" if repeats == 1 else "repeat"
+            print(f"angle_train: note: {repeats:,} of the {len(items):,} {unit} {verb} an earlier one exactly{same}; "
+                  "they are trained as given, and a copy in the same batch as its original is a false in-batch "
                   "negative for the contrastive terms: remove the copies to avoid it", flush=True)
         left = examples_left_out(cfg, len(dataset))
         if left:  # said, not silent: a step takes whole batches of batch_size x grad_accum
