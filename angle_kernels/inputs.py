@@ -233,8 +233,7 @@ def check_embedding_group(*named: tuple[str, torch.Tensor]) -> None:
         check_embeddings(name, t, check_values=False)
     first_name, first = named[0]
     for name, t in named[1:]:
-        if t.shape[1] != first.shape[1]:
-            raise ValueError(f"{name} must have {first.shape[1]} columns like {first_name}, got shape {tuple(t.shape)}")
+        check_same_columns(first_name, first, name, t)
     check_same_device(*named)
     if input_checks_enabled() and not _all_finite(*(t.detach() for _, t in named)):  # one sync for the group
         for name, t in named:
@@ -307,6 +306,12 @@ def check_same_device(*named) -> None:
     for n, d in devices[1:]:
         if d != first:
             raise ValueError(f"{first_name} is on {first} but {n} is on {d}: all inputs must be on one device")
+
+
+def check_same_columns(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    """b has a's width (its last dimension): embeddings of one encoder, compared or truncated alike."""
+    if b.shape[-1] != a.shape[-1]:
+        raise ValueError(f"{b_name} must have {a.shape[-1]} columns like {a_name}, got shape {tuple(b.shape)}")
 
 
 def check_same_shape(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:

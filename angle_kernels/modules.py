@@ -28,6 +28,7 @@ from .inputs import (
     check_false_negative_filter,
     check_layer_stack,
     check_nested,
+    check_same_columns,
     check_scalar,
     check_scale,
     check_triplets,
@@ -241,7 +242,8 @@ class ArcCSELoss(nn.Module):
     """ArcCSE's objective: ArcCon plus triplet_weight times the triplet loss (paper: L = L_arc + 0.1 * L_tri).
 
     forward(h1, h2, anchor=None, weak=None, strong=None): h1, h2 are two views of the same N sentences
-    (ArcCon); the triplet term is added when anchor, weak and strong are all given.
+    (ArcCon); the triplet term is added when anchor, weak and strong are all given (any number of triplets, of h1's
+    width).
 
     Args:
         margin_degrees: ArcCon's additive angular margin in degrees (10).
@@ -293,6 +295,9 @@ class ArcCSELoss(nn.Module):
         triplet_margin = check_scalar("triplet_margin", self.triplet_margin)
         if all(given):  # checked whatever the weight: a weight of 0 computes nothing with them, but they are wrong
             check_triplets(*first[2:])
+            # one encoder embeds all five, and dims truncate both terms alike: a triplet of another width was scored
+            # at a width the views were not, or (with dims) failed inside the triplet's op after ArcCon had run
+            check_same_columns("h1", first[0], "anchor", first[2])
         loss = arccon(ops, h1, h2, margin_radians, tau, nested)
         if all(given) and triplet_weight != 0:
             loss = loss + triplet_weight * triplet(ops, anchor, weak, strong, triplet_margin, nested)

@@ -142,6 +142,27 @@ def test_triplet_weight_is_at_least_zero_and_the_triplets_are_checked_whatever_i
 
 # --------------------------------------------------------------------------------------------------------
 # bfloat16 / float16
+
+
+@pytest.mark.parametrize("dims", [None, (8, 3)], ids=["full_width", "dims"])
+def test_the_triplets_must_have_the_width_of_the_views_before_anything_is_computed(gen, dims, monkeypatch):
+    """One encoder embeds all five inputs and dims truncate both terms alike. Triplets of another width were scored
+    at their own width without a word, and with dims failed inside the triplet term's op, after ArcCon had run, with a
+    message naming neither input. Any number of triplets is still taken."""
+    from angle_kernels.dispatch import Ops
+
+    h1, h2 = _views(gen, 4, 8)
+    module = ak.ArcCSELoss(dims=dims)
+    computed = []
+    original = Ops.similarity_xent
+    monkeypatch.setattr(Ops, "similarity_xent", lambda self, *a, **k: computed.append(1) or original(self, *a, **k))
+    for width in (4, 12):
+        anchor, weak, strong = randn(gen, 3, 4, width).unbind(0)
+        with pytest.raises(ValueError, match=f"anchor must have 8 columns like h1, got shape \\(4, {width}\\)"):
+            module(h1, h2, anchor, weak, strong)
+    assert not computed, "refused before ArcCon ran"
+    anchor, weak, strong = randn(gen, 3, 6, 8).unbind(0)
+    assert torch.isfinite(module(h1, h2, anchor, weak, strong)) and computed  # (the count sees ArcCon's call)
 # --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_half_precision(gen, dtype):
