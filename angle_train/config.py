@@ -403,6 +403,10 @@ class TrainConfig:
             raise ValueError(f"--arccon-margin / --arccon-tau: {exc}") from None
         if self.objective == "arccse" and (self.espresso or self.data_format):
             raise ValueError("--objective arccse trains from raw sentences: leave out --espresso and --data-format")
+        if self.objective == "arccse" and self.batch_size < 2:  # as formats A and B (trainer.check_format_settings)
+            raise ValueError("--batch-size 1 with --objective arccse: ArcCon compares each sentence's two views with "
+                             "the other sentences of its batch (its negatives), so one sentence gives it a loss of 0 "
+                             "and trains nothing; use --batch-size 2 or more")
 
     def trained_widths(self, width: int) -> list[int]:
         """The widths the run trains the embeddings (of `width` features) at: --matryoshka-dims, Espresso's

@@ -330,3 +330,20 @@ def test_refusals(tmp_path):
     tokenizer.mask_token = None
     with pytest.raises(ValueError, match="has none"):
         train(_config(tmp_path), model=(encoder, tokenizer), train_examples=SENTENCES)
+
+
+@pytest.mark.parametrize("triplet_w", ["0.1", "0"])
+def test_one_sentence_a_batch_is_refused(tmp_path, capsys, triplet_w):
+    """ArcCon's negatives are the other sentences of the batch: with one sentence its loss was exactly 0 at every step
+    (the triplet term's too, most steps), and the run trained on without a word."""
+    from angle_train.cli import config_from_args
+    from angle_train.trainer import train
+
+    said = "--batch-size 1 with --objective arccse: ArcCon compares each sentence's two views with the other"
+    with pytest.raises(SystemExit):
+        config_from_args(["--objective", "arccse", "--batch-size", "1", "--triplet-w", triplet_w])
+    assert said in capsys.readouterr().err
+    with pytest.raises(ValueError, match=re.escape(said)):
+        train(run_config(tmp_path, objective="arccse", batch_size=1, triplet_w=float(triplet_w), max_steps=1),
+              model=make_encoder("bert"), train_examples=SENTENCES)
+    assert config_from_args(["--objective", "arccse", "--batch-size", "2"]).batch_size == 2
