@@ -536,7 +536,7 @@ def _checked_prefixes(dims: Dims, dim_weights: DimWeights | None) -> tuple[list[
     if len(weights) != len(dims):
         raise ValueError(f"dim_weights must have one weight per dim: {len(dims)} dims, {len(weights)} weights")
     weights = [check_scalar(f"dim_weights[{i}]", w) for i, w in enumerate(weights)]
-    widths = [_width(f"dims[{i}]", d) for i, d in enumerate(dims)]
+    widths = [check_width(f"dims[{i}]", d) for i, d in enumerate(dims)]
     if len(set(widths)) != len(widths):
         raise ValueError(f"dims must be distinct, got {tuple(widths)}")
     return widths, weights
@@ -550,14 +550,14 @@ def _numpy_as_list(value):
 
 
 def _count(value) -> int | None:
-    """An integer as _width takes it, as a Python int; None for anything else."""
+    """An integer as check_width takes it, as a Python int; None for anything else."""
     try:
-        return _width("", value)
+        return check_width("", value)
     except TypeError:
         return None
 
 
-def _width(name: str, value) -> int:
+def check_width(name: str, value) -> int:
     """A width given as an integer: a Python int, or one that converts exactly (operator.index: numpy's integers, a
     one-element integer tensor), returned as a Python int; bools and floats raise TypeError naming the argument."""
     if _is_bool(value) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):

@@ -39,7 +39,9 @@ by the epsilon of the normalisation: GISTEmbedLoss's parent uses nn.CosineSimila
 and MatryoshkaLoss's parent normalises each truncated row twice, so there the sizes differ). A wrong number of input
 columns (dataset columns other than the label) raises a ValueError naming the loss, the count and the inputs it
 takes, where some parents raise an IndexError; CoSENTLoss refuses more than two columns, whose extra ones its parent
-ignores.
+ignores. MatryoshkaLoss and Matryoshka2dLoss refuse, when built, a `matryoshka_dims` entry that is not an int and a
+`matryoshka_weights` entry that is not a finite real number (a bool included), naming the entry: the parents compute
+NaN or inf from such a weight, and take `True` as 1.
 
 GISTEmbedLoss and CachedGISTEmbedLoss (and MatryoshkaLoss over them) differ from their parents beyond rounding in
 one case: a column whose guide score is above its row's threshold (the positive's guide score less the margin,
@@ -742,6 +744,22 @@ def _matryoshka_unfused_reason(inner: torch.nn.Module, dims: Sequence[int],
     return None
 
 
+def _check_matryoshka_entries(dims: Sequence[int], weights: Sequence[float] | Tensor | None) -> None:
+    """Each entry of matryoshka_dims an int and of matryoshka_weights a finite real number (a learned one too: its
+    value), named as the constructor names them. The fused call's own checks named them dims[i] and dim_weights[i]
+    (the functional losses' arguments) at the first step, after the model had embedded the batch, and an entry that
+    is not a number failed in float(). The containers (none given, one weight per dimension) and the dimensions'
+    range (> 0, at most the model's width) are the parent's checks."""
+    try:
+        dims, weights = list(dims), None if weights is None else list(weights)
+    except TypeError:  # not sequences: the parent's checks say so
+        return
+    for i, dim in enumerate(dims):
+        _inputs.check_width(f"matryoshka_dims[{i}]", dim)
+    for i, weight in enumerate(weights or ()):
+        _inputs.check_scalar(f"matryoshka_weights[{i}]", weight.detach() if isinstance(weight, Tensor) else weight)
+
+
 class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     """sentence-transformers' MatryoshkaLoss, fused: sum_i w_i * loss(embeddings[..., :d_i]) in one call.
 
@@ -762,6 +780,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
 
     def __init__(self, model: SentenceTransformer, loss: torch.nn.Module, matryoshka_dims: Sequence[int],
                  matryoshka_weights: Sequence[float] | None = None, n_dims_per_step: int = -1) -> None:
+        _check_matryoshka_entries(matryoshka_dims, matryoshka_weights)
         super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
         if self.uses_gradient_cache:
             # the parent decorated loss.calculate_loss with its per-dimension loop: keep it as the fallback

@@ -114,6 +114,34 @@ def test_weights_that_are_all_zero_give_the_parents_zero_loss_and_zero_gradients
         assert len(grads) > 10 and all(not g.any() for g in grads.values()), module.__name__
 
 
+# (class, matryoshka_dims, matryoshka_weights, error, message): the entries are named as the constructor names them
+BAD_ENTRY_CASES = [
+    ("MatryoshkaLoss", (32, 16), (float("nan"), 1.0), ValueError, r"matryoshka_weights\[0\] must be finite, got nan"),
+    ("MatryoshkaLoss", (32, 16), (1.0, float("inf")), ValueError, r"matryoshka_weights\[1\] must be finite, got inf"),
+    ("MatryoshkaLoss", (32, 16), ("1", 1.0), TypeError, r"matryoshka_weights\[0\] must be a real number, got str"),
+    ("MatryoshkaLoss", (32, 16), (True, 1.0), TypeError, r"matryoshka_weights\[0\] must be a real number, got bool"),
+    ("MatryoshkaLoss", (32.0, 16), None, TypeError, r"matryoshka_dims\[0\] must be an int, got float"),
+    ("MatryoshkaLoss", (32, True), None, TypeError, r"matryoshka_dims\[1\] must be an int, got bool"),
+    ("Matryoshka2dLoss", (32, 16), (1.0, float("nan")), ValueError, r"matryoshka_weights\[1\] must be finite"),
+]
+
+
+@pytest.mark.parametrize("cls, dims, weights, error, message", BAD_ENTRY_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_ENTRY_CASES)])
+def test_bad_entries_are_refused_when_built_naming_them(model64, monkeypatch, cls, dims, weights, error, message):
+    """The fused call checked the entries at the first step, after the model had embedded the batch, under the
+    functional losses' names (dims[i], dim_weights[i]), and a weight that is not a number failed in float(); the
+    parent computes NaN from a NaN weight and takes True as 1. Now refused at construction, named."""
+    with pytest.raises(error, match=message):
+        getattr(ours, cls)(model64, ours.MultipleNegativesRankingLoss(model64), dims, weights)
+    # learned weights (the parent's loop trains them) and numpy's numbers are still taken
+    learned = [torch.nn.Parameter(torch.tensor(w, dtype=torch.float64)) for w in (1.0, 0.5)]
+    assert not ours.MatryoshkaLoss(model64, ours.MultipleNegativesRankingLoss(model64), (32, 16),
+                                   learned).uses_fused_path
+    assert ours.MatryoshkaLoss(model64, ours.MultipleNegativesRankingLoss(model64), list(np.array([32, 16])),
+                               np.array([1.0, 0.5])).uses_fused_path
+
+
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["parameters", "one_tensor"])
 def test_learned_weights_run_the_parents_loop_which_trains_them(model64, as_tensor):
     """matryoshka_weights that require grad (the parent trains them: its sum multiplies each dimension's loss by its
