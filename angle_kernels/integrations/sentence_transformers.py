@@ -40,8 +40,9 @@ and MatryoshkaLoss's parent normalises each truncated row twice, so there the si
 columns (dataset columns other than the label) raises a ValueError naming the loss, the count and the inputs it
 takes, where some parents raise an IndexError; CoSENTLoss refuses more than two columns, whose extra ones its parent
 ignores. MatryoshkaLoss and Matryoshka2dLoss refuse, when built, a `matryoshka_dims` entry that is not an int and a
-`matryoshka_weights` entry that is not a finite real number (a bool included), naming the entry: the parents compute
-NaN or inf from such a weight, and take `True` as 1.
+`matryoshka_weights` entry that is not a finite real number (a bool included), naming the entry, and AdaptiveLayerLoss
+and Matryoshka2dLoss such a `last_layer_weight`, `prior_layers_weight`, `kl_div_weight` or `kl_temperature`: the
+parents compute NaN or inf from such a weight, and take `True` as 1.
 
 GISTEmbedLoss and CachedGISTEmbedLoss (and MatryoshkaLoss over them) differ from their parents beyond rounding in
 one case: a column whose guide score is above its row's threshold (the positive's guide score less the margin,
@@ -886,8 +887,13 @@ class _LayerRecorder(torch.nn.Module):
         gradient is None, and moves one whose gradient is 0 by its momentum)."""
         layerwise = self.layerwise[0]
         sampled = len(self.layers) - 1
-        weights = [layerwise.last_layer_weight if layer is None else
-                   layerwise.get_layer_weight(layer) / sampled * layerwise.prior_layers_weight for layer in self.layers]
+        # named here (an attribute set after construction, a layer_weighting callable's values), not as the
+        # layer_weights of the fused call
+        last, prior = (_inputs.check_scalar(name, getattr(layerwise, name))
+                       for name in ("last_layer_weight", "prior_layers_weight"))
+        weighting = {layer: _inputs.check_scalar(f"layer_weighting({layer})", layerwise.get_layer_weight(layer))
+                     for layer in self.layers if layer is not None}
+        weights = [last if layer is None else weighting[layer] / sampled * prior for layer in self.layers]
         inner, dims, rows = self.inner, None, weights
         if isinstance(inner, MatryoshkaLoss):  # a row per layer: its weight times its drawn dims' weights, else 0
             inner, dims = inner.loss, sorted({d for draw in self.draws for d in draw.dims})
@@ -923,6 +929,15 @@ class _FusedLayerwise:
         return kl_terms + recorder.fused_loss(labels)
 
 
+def _check_layerwise_numbers(**numbers: Any) -> None:
+    """AdaptiveLayerLoss's and Matryoshka2dLoss's weights and KL temperature, checked when built (as
+    _check_constructor_numbers): finite real numbers, named. The parents take anything: NaN or inf gave a NaN or inf
+    loss (a NaN kl_temperature turned the KL terms off), True weighed 1; the fused call refused a bad weight at the
+    first step, after every layer was embedded, as layer_weights[i], an argument these classes do not take."""
+    for name, value in numbers.items():
+        _inputs.check_scalar(name, value)
+
+
 class AdaptiveLayerLoss(_FusedLayerwise, _st_losses.AdaptiveLayerLoss):
     """sentence-transformers' AdaptiveLayerLoss, fused: the final layer's and every sampled earlier layer's loss
     in one angle_kernels call on the layers' embeddings stacked [L, rows, D] (functional's layer_weights).
@@ -934,7 +949,20 @@ class AdaptiveLayerLoss(_FusedLayerwise, _st_losses.AdaptiveLayerLoss):
     variant, without gather_across_devices), or this module's MatryoshkaLoss over one (each layer then draws
     its dimensions as the parent's MatryoshkaLoss would); `uses_fused_path` says so. Otherwise the parent's
     per-layer loop runs (sentence-transformers does not support gradient-cache losses here).
+    last_layer_weight, prior_layers_weight, kl_div_weight and kl_temperature must be finite real numbers (checked
+    when built; the parent computes NaN or inf from them); a layer_weighting callable's values are checked (named)
+    on the fused path.
     """
+
+    def __init__(self, model: SentenceTransformer, loss: torch.nn.Module, n_layers_per_step: int = 1,
+                 last_layer_weight: float = 1.0, prior_layers_weight: float = 1.0, kl_div_weight: float = 1.0,
+                 kl_temperature: float = 0.3,
+                 layer_weighting: Literal["uniform", "log", "linear"] | Callable[[int], float] = "uniform") -> None:
+        _check_layerwise_numbers(last_layer_weight=last_layer_weight, prior_layers_weight=prior_layers_weight,
+                                 kl_div_weight=kl_div_weight, kl_temperature=kl_temperature)
+        super().__init__(model, loss, n_layers_per_step=n_layers_per_step, last_layer_weight=last_layer_weight,
+                         prior_layers_weight=prior_layers_weight, kl_div_weight=kl_div_weight,
+                         kl_temperature=kl_temperature, layer_weighting=layer_weighting)
 
 
 class Matryoshka2dLoss(_FusedLayerwise, _st_losses.Matryoshka2dLoss):
@@ -953,6 +981,8 @@ class Matryoshka2dLoss(_FusedLayerwise, _st_losses.Matryoshka2dLoss):
                  n_dims_per_step: int = 1, last_layer_weight: float = 1.0, prior_layers_weight: float = 1.0,
                  kl_div_weight: float = 1.0, kl_temperature: float = 0.3,
                  layer_weighting: Literal["uniform", "log", "linear"] | Callable[[int], float] = "uniform") -> None:
+        _check_layerwise_numbers(last_layer_weight=last_layer_weight, prior_layers_weight=prior_layers_weight,
+                                 kl_div_weight=kl_div_weight, kl_temperature=kl_temperature)
         # the parent's __init__ wraps `loss` in sentence-transformers' MatryoshkaLoss; ours instead, then the
         # grandparent's __init__ exactly as the parent calls it
         matryoshka = MatryoshkaLoss(model, loss, matryoshka_dims, matryoshka_weights=matryoshka_weights,

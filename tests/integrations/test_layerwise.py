@@ -197,3 +197,38 @@ def test_weights_that_are_all_zero_leave_every_layer_a_zero_gradient(deep_model6
         replacement = make_replacement()
         assert replacement.uses_fused_path
         compare(model, Seeded(make_original()), Seeded(replacement), columns, None, value_tol=1e-12, grad_tol=1e-10)
+
+
+# (setting, value, error, message): AdaptiveLayerLoss's and Matryoshka2dLoss's numbers, named as they take them
+BAD_SETTINGS = [
+    ("last_layer_weight", float("nan"), ValueError, "last_layer_weight must be finite, got nan"),
+    ("prior_layers_weight", float("inf"), ValueError, "prior_layers_weight must be finite, got inf"),
+    ("kl_div_weight", float("nan"), ValueError, "kl_div_weight must be finite, got nan"),
+    ("kl_temperature", float("nan"), ValueError, "kl_temperature must be finite, got nan"),
+    ("last_layer_weight", True, TypeError, "last_layer_weight must be a real number, got bool"),
+]
+
+
+@pytest.mark.parametrize("setting, value, error, message", BAD_SETTINGS,
+                         ids=[f"{c[0]}-{c[1]}" for c in BAD_SETTINGS])
+@pytest.mark.parametrize("cls", ["AdaptiveLayerLoss", "Matryoshka2dLoss"])
+def test_bad_weights_are_refused_when_built_naming_them(deep_model64, cls, setting, value, error, message):
+    """The parents take any weight and return NaN or inf (a NaN kl_temperature turned the KL terms off; True weighed
+    1); the fused call refused a bad one at the first step, after every layer was embedded, as `layer_weights[0]`, an
+    argument these classes do not take."""
+    model = deep_model64
+    dims = {"matryoshka_dims": (32, 16)} if cls == "Matryoshka2dLoss" else {}
+    with pytest.raises(error, match=message):
+        getattr(ours, cls)(model, ours.MultipleNegativesRankingLoss(model), **dims, **{setting: value})
+
+
+def test_a_bad_weight_set_later_or_given_by_layer_weighting_is_named_by_the_fused_call(deep_model64):
+    model = deep_model64
+    loss = ours.AdaptiveLayerLoss(model, ours.MultipleNegativesRankingLoss(model), n_layers_per_step=-1,
+                                  layer_weighting=lambda layer: float("nan") if layer == 1 else 1.0)
+    assert loss.uses_fused_path
+    with pytest.raises(ValueError, match=r"layer_weighting\(1\) must be finite, got nan"):
+        loss(batch_columns(model, 2), None)
+    loss.layer_weighting, loss.prior_layers_weight = "uniform", float("inf")
+    with pytest.raises(ValueError, match="prior_layers_weight must be finite, got inf"):
+        loss(batch_columns(model, 2), None)
