@@ -745,12 +745,15 @@ def _matryoshka_unfused_reason(inner: torch.nn.Module, dims: Sequence[int],
     return None
 
 
-def _check_matryoshka_entries(dims: Sequence[int], weights: Sequence[float] | Tensor | None) -> None:
+def _check_matryoshka_entries(*, dims: Sequence[int], weights: Sequence[float] | Tensor | None,
+                              n_dims_per_step: int) -> None:
     """Each entry of matryoshka_dims an int and of matryoshka_weights a finite real number (a learned one too: its
-    value), named as the constructor names them. The fused call's own checks named them dims[i] and dim_weights[i]
-    (the functional losses' arguments) at the first step, after the model had embedded the batch, and an entry that
-    is not a number failed in float(). The containers (none given, one weight per dimension) and the dimensions'
-    range (> 0, at most the model's width) are the parent's checks."""
+    value), named as the constructor names them, and n_dims_per_step an int. The fused call's own checks named the
+    entries dims[i] and dim_weights[i] (the functional losses' arguments) at the first step, after the model had
+    embedded the batch; an entry that is not a number failed in float(), a float n_dims_per_step in random.sample.
+    The containers (none given, one weight per dimension) and the dimensions' range (> 0, at most the model's width)
+    are the parent's checks."""
+    _inputs.check_width("n_dims_per_step", n_dims_per_step)
     try:
         dims, weights = list(dims), None if weights is None else list(weights)
     except TypeError:  # not sequences: the parent's checks say so
@@ -781,7 +784,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
 
     def __init__(self, model: SentenceTransformer, loss: torch.nn.Module, matryoshka_dims: Sequence[int],
                  matryoshka_weights: Sequence[float] | None = None, n_dims_per_step: int = -1) -> None:
-        _check_matryoshka_entries(matryoshka_dims, matryoshka_weights)
+        _check_matryoshka_entries(dims=matryoshka_dims, weights=matryoshka_weights, n_dims_per_step=n_dims_per_step)
         super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
         if self.uses_gradient_cache:
             # the parent decorated loss.calculate_loss with its per-dimension loop: keep it as the fallback
@@ -929,11 +932,13 @@ class _FusedLayerwise:
         return kl_terms + recorder.fused_loss(labels)
 
 
-def _check_layerwise_numbers(**numbers: Any) -> None:
+def _check_layerwise_numbers(*, n_layers_per_step: int, **numbers: Any) -> None:
     """AdaptiveLayerLoss's and Matryoshka2dLoss's weights and KL temperature, checked when built (as
     _check_constructor_numbers): finite real numbers, named. The parents take anything: NaN or inf gave a NaN or inf
     loss (a NaN kl_temperature turned the KL terms off), True weighed 1; the fused call refused a bad weight at the
-    first step, after every layer was embedded, as layer_weights[i], an argument these classes do not take."""
+    first step, after every layer was embedded, as layer_weights[i], an argument these classes do not take. And
+    n_layers_per_step an int (a float failed in random.sample, after the final layer's forward)."""
+    _inputs.check_width("n_layers_per_step", n_layers_per_step)
     for name, value in numbers.items():
         _inputs.check_scalar(name, value)
 
@@ -958,8 +963,9 @@ class AdaptiveLayerLoss(_FusedLayerwise, _st_losses.AdaptiveLayerLoss):
                  last_layer_weight: float = 1.0, prior_layers_weight: float = 1.0, kl_div_weight: float = 1.0,
                  kl_temperature: float = 0.3,
                  layer_weighting: Literal["uniform", "log", "linear"] | Callable[[int], float] = "uniform") -> None:
-        _check_layerwise_numbers(last_layer_weight=last_layer_weight, prior_layers_weight=prior_layers_weight,
-                                 kl_div_weight=kl_div_weight, kl_temperature=kl_temperature)
+        _check_layerwise_numbers(n_layers_per_step=n_layers_per_step, last_layer_weight=last_layer_weight,
+                                 prior_layers_weight=prior_layers_weight, kl_div_weight=kl_div_weight,
+                                 kl_temperature=kl_temperature)
         super().__init__(model, loss, n_layers_per_step=n_layers_per_step, last_layer_weight=last_layer_weight,
                          prior_layers_weight=prior_layers_weight, kl_div_weight=kl_div_weight,
                          kl_temperature=kl_temperature, layer_weighting=layer_weighting)
@@ -981,8 +987,9 @@ class Matryoshka2dLoss(_FusedLayerwise, _st_losses.Matryoshka2dLoss):
                  n_dims_per_step: int = 1, last_layer_weight: float = 1.0, prior_layers_weight: float = 1.0,
                  kl_div_weight: float = 1.0, kl_temperature: float = 0.3,
                  layer_weighting: Literal["uniform", "log", "linear"] | Callable[[int], float] = "uniform") -> None:
-        _check_layerwise_numbers(last_layer_weight=last_layer_weight, prior_layers_weight=prior_layers_weight,
-                                 kl_div_weight=kl_div_weight, kl_temperature=kl_temperature)
+        _check_layerwise_numbers(n_layers_per_step=n_layers_per_step, last_layer_weight=last_layer_weight,
+                                 prior_layers_weight=prior_layers_weight, kl_div_weight=kl_div_weight,
+                                 kl_temperature=kl_temperature)
         # the parent's __init__ wraps `loss` in sentence-transformers' MatryoshkaLoss; ours instead, then the
         # grandparent's __init__ exactly as the parent calls it
         matryoshka = MatryoshkaLoss(model, loss, matryoshka_dims, matryoshka_weights=matryoshka_weights,

@@ -206,6 +206,7 @@ BAD_SETTINGS = [
     ("kl_div_weight", float("nan"), ValueError, "kl_div_weight must be finite, got nan"),
     ("kl_temperature", float("nan"), ValueError, "kl_temperature must be finite, got nan"),
     ("last_layer_weight", True, TypeError, "last_layer_weight must be a real number, got bool"),
+    ("n_layers_per_step", 2.5, TypeError, "n_layers_per_step must be an int, got float"),  # failed in random.sample
 ]
 
 

@@ -131,9 +131,12 @@ BAD_ENTRY_CASES = [
 def test_bad_entries_are_refused_when_built_naming_them(model64, monkeypatch, cls, dims, weights, error, message):
     """The fused call checked the entries at the first step, after the model had embedded the batch, under the
     functional losses' names (dims[i], dim_weights[i]), and a weight that is not a number failed in float(); the
-    parent computes NaN from a NaN weight and takes True as 1. Now refused at construction, named."""
+    parent computes NaN from a NaN weight and takes True as 1; a float n_dims_per_step failed in random.sample. Now
+    refused at construction, named."""
     with pytest.raises(error, match=message):
         getattr(ours, cls)(model64, ours.MultipleNegativesRankingLoss(model64), dims, weights)
+    with pytest.raises(TypeError, match="n_dims_per_step must be an int, got float"):
+        getattr(ours, cls)(model64, ours.MultipleNegativesRankingLoss(model64), (32, 16), n_dims_per_step=1.5)
     # learned weights (the parent's loop trains them) and numpy's numbers are still taken
     learned = [torch.nn.Parameter(torch.tensor(w, dtype=torch.float64)) for w in (1.0, 0.5)]
     assert not ours.MatryoshkaLoss(model64, ours.MultipleNegativesRankingLoss(model64), (32, 16),
