@@ -73,11 +73,49 @@ def outside_autocast(tensor: torch.Tensor):
     puts the loss inside one): autocast would run their products in 16 bits, mixing dtypes inside the backends'
     autograd Functions, round loss terms to 16 bits, and refuse to stack bfloat16 rows in a float16 region. Their
     16-bit inputs still compute as 16-bit inputs do anywhere. Backward is autograd's: called inside a region (which
-    PyTorch advises against), the backends' backward passes would run under autocast."""
-    device_type = tensor.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
+    PyTorch advises against), the backends' backward passes would run under autocast, unless the nodes run it
+    outside (`backward_outside_autocast`, which loss_entry applies)."""
+    if autocast_enabled(tensor.device.type):
+        return torch.autocast(device_type=tensor.device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether a torch.autocast region is on for `device_type` in this thread."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def backward_outside_autocast(result, device_type: str, inputs) -> None:
+    """Where a loss was computed inside an autocast region: every autograd node of `result` (a tensor or a tuple of
+    them) between it and `inputs` (the call's arguments: tensors, or lists or tuples of them) gets a pre-hook that
+    switches autocast off for `device_type` while the node's backward runs, so that a backward() called inside the
+    region (PyTorch's recipe calls it after the region, but the loss and its backward in one region are common)
+    computes the loss's gradients as one called after it: the backends' backward passes would run their products
+    under autocast (16-bit gradients, or a dtype mismatch: angle_loss's). Autograd gives every node it runs the
+    thread's settings of the backward() call, so the switch lasts one node, and the nodes of the inputs (the
+    model's) run in the region as eager autograd runs them: the walk stops at them, and at the leaves' gradient
+    accumulators (which outlive the call: a hook there would stay for every later backward)."""
+    roots = result if isinstance(result, tuple) else (result,)
+    tensors = [t for value in inputs for t in (value if isinstance(value, (list, tuple)) else (value,))
+               if isinstance(t, torch.Tensor)]
+    stops = {t.grad_fn for t in tensors if t.grad_fn is not None}
+    hook = functools.partial(_autocast_off, device_type)
+    pending = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    while pending:
+        node = pending.pop()
+        # hasattr(node, "variable"): a leaf's AccumulateGrad, the only node that names its tensor
+        if node is None or node in seen or node in stops or hasattr(node, "variable"):
+            continue
+        seen.add(node)
+        node.register_prehook(hook)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _autocast_off(device_type: str, grad_outputs) -> None:
+    """A node's pre-hook (backward_outside_autocast): autocast off for `device_type` while the node runs."""
+    if torch.is_autocast_enabled(device_type):
+        torch.set_autocast_enabled(device_type, False)
 
 
 def backward_traced_under_autocast(*tensors: torch.Tensor) -> bool:
@@ -158,12 +196,22 @@ def _refuse_second_derivatives(grad: torch.Tensor) -> None:
     create_graph, e.g. a gradient penalty, would silently count their gradients as constants; autograd runs
     backward, its hooks included, under grad mode only when asked to differentiate it: create_graph=True), and
     warns once where backward runs inside an autocast region (_warn_backward_inside_autocast)."""
+    _refuse_a_second_derivative()
+    device_type = grad.device.type if grad is not None else None  # None: an output of an op that backward skips
+    if device_type and autocast_enabled(device_type):
+        _warn_backward_inside_autocast()
+
+
+def _refuse_second_derivatives_only(grad: torch.Tensor) -> None:
+    """The hook of a result whose nodes leave autocast regions in backward (backward_outside_autocast): nothing to
+    warn about there."""
+    _refuse_a_second_derivative()
+
+
+def _refuse_a_second_derivative() -> None:
     if torch.is_grad_enabled():
         raise RuntimeError("angle_kernels' losses have first derivatives only: backward with create_graph=True "
                            "(second derivatives, e.g. a gradient penalty) is not supported")
-    device_type = grad.device.type if grad is not None else None  # None: an output of an op that backward skips
-    if device_type and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        _warn_backward_inside_autocast()
 
 
 _warned_backward_inside_autocast = False
@@ -171,7 +219,8 @@ _warned_backward_inside_autocast = False
 
 def _warn_backward_inside_autocast() -> None:
     """Backward called inside a torch.autocast region (PyTorch advises against it: autocast is meant for the forward
-    pass) runs the backends' backward passes with their products under autocast: gradients rounded to 16 bits, or,
+    pass), of a loss computed outside one or of a public op (whose nodes backward_outside_autocast did not reach),
+    runs the backends' backward passes with their products under autocast: gradients rounded to 16 bits, or,
     where a product mixes a 16-bit operand with a float32 one, a dtype-mismatch error with nothing naming autocast."""
     global _warned_backward_inside_autocast
     if not _warned_backward_inside_autocast:
@@ -206,15 +255,17 @@ def _without_inference_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(map(usable, args)), {name: usable(v) for name, v in kwargs.items()}
 
 
-def first_derivatives_only(result):
+def first_derivatives_only(result, *, backward_leaves_autocast: bool = False):
     """`result` (a tensor, or a tuple of them: a loss's, or a public op's) with every tensor that autograd records
     refusing a second derivative (_refuse_second_derivatives, a hook: no node is added); not inside torch.compile
-    traces, whose tracing would run it."""
+    traces, whose tracing would run it. backward_leaves_autocast: its nodes run their backward outside autocast
+    regions (backward_outside_autocast), so a backward inside one is not warned about."""
     if torch.compiler.is_compiling():
         return result
+    hook = _refuse_second_derivatives_only if backward_leaves_autocast else _refuse_second_derivatives
     for tensor in result if isinstance(result, tuple) else (result,):
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            tensor.register_hook(_refuse_second_derivatives)
+            tensor.register_hook(hook)
     return result
 
 
@@ -225,7 +276,8 @@ _Result = TypeVar("_Result")
 def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
     """A loss function (or forward) as the public losses, the modules' forwards and the integrations' computing
     halves run: outside_autocast of its first tensor argument (one directly, or the first of a list or tuple of
-    them), so that every op and every step of the formulas between them computes as outside a region; and its
+    them), so that every op and every step of the formulas between them computes as outside a region, and, called
+    inside a region, its backward too, should backward() be called there (backward_outside_autocast); and its
     result, where autograd records it, refuses a second derivative with a clear error (_refuse_second_derivatives,
     a hook, so no node is added; not inside torch.compile traces, whose tracing would run it); outside the
     compiled graph where a backward would be traced under autocast (untraced_under_autocast)."""
@@ -240,6 +292,12 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
             if isinstance(first, torch.Tensor):
                 with outside_autocast(first):
                     result = loss(*args, **kwargs)
+                # a compiled loss's backward is AOTAutograd's (untraced_under_autocast), and without grad mode there
+                # is no backward
+                if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
+                        and autocast_enabled(first.device.type)):
+                    backward_outside_autocast(result, first.device.type, (*args, *kwargs.values()))
+                    return first_derivatives_only(result, backward_leaves_autocast=True)
                 break
         else:
             result = loss(*args, **kwargs)

@@ -6,7 +6,8 @@ the backends' autograd Functions (it raised: `KeyError: torch.bfloat16`, "mat1 a
 round loss terms to 16 bits, and refuse to stack bfloat16 rows in a float16 region. The losses, their formulas and
 the ops run with autocast off (contract.outside_autocast), so a call inside a region gives the value and gradients of
 the same call outside it, bit for bit: float32 embeddings stay float32, 16-bit embeddings compute as 16-bit
-embeddings do anywhere. Backward runs outside the region, as PyTorch's recipe has it.
+embeddings do anywhere. Backward called inside the region (PyTorch's recipe calls it after) gives the same
+gradients: the loss's own autograd nodes run their backward with autocast off (contract.backward_outside_autocast).
 
 The backends' backward passes are not differentiable (gradients formed in forward, kernels): a second derivative
 (create_graph=True, a gradient penalty) silently took their gradients as constants; it now raises.
@@ -109,18 +110,52 @@ def test_the_losses_leave_the_region_as_they_found_it():
         assert torch.mm(y, y.T).dtype == torch.bfloat16  # the caller's own products still autocast
 
 
-def test_backward_inside_autocast_warns_once(monkeypatch):
-    """Backward belongs after the region (PyTorch's recipe): inside it, the backends' backward passes run their
-    products under autocast (16-bit gradients, or a dtype-mismatch error naming nothing), so it warns, once."""
+@pytest.mark.parametrize("name", list(CALLS))
+@pytest.mark.parametrize("embedding_dtype", [torch.float32, torch.bfloat16])
+def test_backward_inside_autocast_computes_as_after_the_region(name, embedding_dtype):
+    """The loss and its backward in one region (PyTorch advises backward after it; both inside are common): the
+    backends' backward passes ran their products under autocast, which raised a dtype mismatch in angle_loss's
+    ("Input dtypes must be the same"; AngleLoss, the AnglELoss drop-in) and rounded the others' gradients to 16 bits
+    (1.9e-2 relative error for the CoSENTLoss drop-in, 5.4e-2 for GISTEmbedLoss, against their parents' 4e-4).
+    Each node the loss made now runs its backward with autocast off: the gradient of the same call with backward
+    after the region, bit for bit."""
+    y = torch.randn(6, 8, 16, generator=torch.Generator().manual_seed(0)).to(embedding_dtype)
+    _, grad = _value_and_grad(CALLS[name], y, torch.bfloat16)
+    leaf = y.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing to warn about: the loss's backward leaves the region
+            CALLS[name](_laid_out(leaf)).backward()
+        assert torch.is_autocast_enabled("cpu")
+    assert leaf.grad.dtype == embedding_dtype
+    assert torch.equal(leaf.grad, grad), f"{name}: gradients differ by {(leaf.grad - grad).abs().max().item()}"
+
+
+def test_backward_inside_autocast_leaves_the_models_backward_in_the_region():
+    """Only the loss's own nodes leave the region: the encoder's backward runs under it, as eager autograd runs the
+    backward of ops recorded under autocast when backward is called inside the region."""
+    encoder = torch.nn.Linear(16, 16)
+    seen = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        embeddings = encoder(torch.randn(8, 16, generator=torch.Generator().manual_seed(5)))
+        embeddings.grad_fn.register_prehook(lambda grad_outputs: seen.append(torch.is_autocast_enabled("cpu")))
+        ak.angle_loss(GRADED, embeddings).backward()
+    assert seen == [True] and torch.isfinite(encoder.weight.grad).all()
+
+
+def test_backward_inside_autocast_of_a_loss_computed_outside_warns_once(monkeypatch):
+    """A loss computed outside a region whose backward is called inside one: its backward passes run their products
+    under autocast (16-bit gradients, or a dtype-mismatch error naming nothing), so it warns, once."""
     from angle_kernels import contract
     monkeypatch.setattr(contract, "_warned_backward_inside_autocast", False)
     y = torch.randn(8, 16, requires_grad=True)
+    losses = [ak.cosine_loss(GRADED, y), ak.cosine_loss(GRADED, y)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.warns(UserWarning, match=r"inside a torch.autocast region.*Call backward\(\) after the region"):
-            ak.cosine_loss(GRADED, y).backward()
+            losses[0].backward()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            ak.cosine_loss(GRADED, y).backward()  # once per process
+            losses[1].backward()  # once per process
     monkeypatch.setattr(contract, "_warned_backward_inside_autocast", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

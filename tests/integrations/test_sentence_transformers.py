@@ -161,6 +161,29 @@ def test_a_cached_loss_backpropagates_to_its_cache_outside_autocast():
     assert reps[0][0].grad is not None
 
 
+@pytest.mark.parametrize("class_name", ["CoSENTLoss", "AnglELoss", "MultipleNegativesRankingLoss"])
+def test_a_backward_inside_autocast_gives_the_gradients_of_one_after_it(class_name):
+    """The forward and backward in one autocast region (the parents compute there): the AnglELoss drop-in raised a
+    dtype mismatch and CoSENTLoss's gradients were rounded to bf16 (a relative error 50 times its parent's); the
+    loss's backward now runs as it runs after the region (GISTEmbedLoss's: gist_loss in tests/test_loss_entry.py)."""
+    gen = torch.Generator().manual_seed(1)
+    columns = [torch.randn(8, 16, generator=gen) for _ in range(2)]
+    labels = torch.rand(8, generator=gen) if class_name in ("CoSENTLoss", "AnglELoss") else None
+
+    def gradients(backward_inside: bool) -> torch.Tensor:
+        loss = getattr(ours, class_name)(torch.nn.Sequential(_Embed()))
+        leaves = [c.clone().requires_grad_(True) for c in columns]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            value = loss([{"x": x} for x in leaves], labels)
+            if backward_inside:
+                value.backward()
+        if not backward_inside:
+            value.backward()
+        return torch.cat([x.grad for x in leaves])
+
+    assert torch.equal(gradients(True), gradients(False))
+
+
 @pytest.mark.parametrize("class_name", ["MultipleNegativesSymmetricRankingLoss",
                                         "CachedMultipleNegativesSymmetricRankingLoss"])
 def test_the_deprecated_symmetric_losses_warn_like_their_parents(model64, class_name):
