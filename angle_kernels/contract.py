@@ -284,6 +284,11 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
 
     @functools.wraps(loss)
     def computed(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
+        if not torch.compiler.is_compiling() and _inside_a_torch_func_transform():
+            raise RuntimeError(f"{loss.__qualname__}: angle_kernels' losses do not support torch.func transforms "
+                               "(grad, vmap, vjp, jacrev, ...): their backends' autograd Functions have no "
+                               "setup_context. Take gradients with loss.backward() or torch.autograd.grad, and "
+                               "per-example losses by calling the loss on each example")
         # is_compiling first: dynamo cannot trace is_inference_mode_enabled (a graph break), and a trace holds none
         if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             args, kwargs = _without_inference_tensors(args, kwargs)
@@ -304,6 +309,14 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
         return first_derivatives_only(result)
 
     return untraced_under_autocast(computed)
+
+
+def _inside_a_torch_func_transform() -> bool:
+    """Whether a torch.func transform (grad, vmap, ...) is running: its interpreter stack is not empty. Refused at the
+    loss's entry, where the transform failed deep inside (inside an op, naming setup_context; under vmap in the value
+    checks, "calling .item() on a Tensor")."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)  # private; present from torch 2.1
+    return peek is not None and peek() is not None
 
 
 class Backend(Protocol):

@@ -186,6 +186,19 @@ def test_a_second_derivative_is_refused(name):
     assert torch.isfinite(grad).all()
 
 
+@pytest.mark.parametrize("name", list(CALLS))
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_a_torch_func_transform_is_refused_saying_what_to_use(name, transform):
+    """torch.func's transforms need autograd Functions with setup_context, which the backends' do not have: grad
+    failed inside an op naming setup_context, and vmap in the value checks ("calling .item() on a Tensor")."""
+    y = torch.randn(6, 8, 16, generator=torch.Generator().manual_seed(7))
+    call = (lambda leaf: CALLS[name](_laid_out(leaf))) if transform == "grad" else (
+        lambda batch: CALLS[name](_laid_out(batch)))
+    transformed = torch.func.grad(call) if transform == "grad" else torch.func.vmap(call)
+    with pytest.raises(RuntimeError, match=r"torch\.func transforms .*loss\.backward\(\) or torch\.autograd\.grad"):
+        transformed(y if transform == "grad" else y[None].expand(2, -1, -1, -1))
+
+
 def test_a_loss_without_autograd_is_a_plain_tensor():
     y = torch.randn(4, 8, requires_grad=True)
     with torch.no_grad():
