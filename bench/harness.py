@@ -359,7 +359,13 @@ class Timing:
     method: str
 
 
-def time_cpu(run: Callable[[], object], repeats: int = 5, time_per_case: float = 3.0, min_runs: int = 3) -> Timing:
+# Timed runs a CPU case gets before its time allowance may end them: time_cpu's, and the CPU loss sweep's rounds
+# (loss_sweep.wants_another_round and its --time-per-case)
+MIN_CPU_RUNS = 3
+
+
+def time_cpu(run: Callable[[], object], repeats: int = 5, time_per_case: float = 3.0,
+             min_runs: int = MIN_CPU_RUNS) -> Timing:
     """Wall clock of up to `repeats` runs of run(), warm-up excluded (the caller has run it once): once
     `min_runs` are done, it stops when `time_per_case` seconds are spent."""
     times: list[float] = []

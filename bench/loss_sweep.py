@@ -64,7 +64,8 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
                         help="CPU: timed runs per case (at most), one per round: the providers of a size take turns, "
                              "each run in a fresh process after its warm-up pass")
     parser.add_argument("--time-per-case", type=float, default=3.0,
-                        help="CPU: no more rounds for a case whose timed runs took this many seconds, once 3 are done")
+                        help="CPU: no more rounds for a case whose timed runs took this many seconds, once "
+                             f"{harness.MIN_CPU_RUNS} are done")
     parser.add_argument("--max-run-seconds", type=float, default=10.0,
                         help="skip a size whose predicted single run (extrapolated from the previous size) is longer")
     parser.add_argument("--max-ref-gb", type=float, default=2.0,
@@ -280,16 +281,14 @@ def shown_time(row, args, limits, dtype) -> dict:
     return row
 
 
-# Rounds every provider of a CPU case gets before --time-per-case may end its rounds (as time_cpu's runs)
-MIN_ROUNDS = 3
-
-
 def wants_another_round(args, rounds: list[dict]) -> bool:
     """Whether a provider whose rounds of a CPU case so far are `rounds` gets the next: up to --repeats rounds,
-    while each measured; once MIN_ROUNDS are done, only while its timed runs took --time-per-case seconds or less."""
+    while each measured; once harness.MIN_CPU_RUNS are done, only while its timed runs took --time-per-case seconds or
+    less."""
     if len(rounds) >= args.repeats or (rounds and rounds[-1]["status"] != "ok"):
         return False
-    return len(rounds) < MIN_ROUNDS or sum(sum(r.get("times_s") or [r["min_s"]]) for r in rounds) <= args.time_per_case
+    spent = sum(sum(r.get("times_s") or [r["min_s"]]) for r in rounds)
+    return len(rounds) < harness.MIN_CPU_RUNS or spent <= args.time_per_case
 
 
 def merge_rounds(args, rounds: list[dict], limits, dtype) -> dict:
@@ -321,11 +320,11 @@ def sweep(args, losses, providers, limits, on_row=None, deadline=None, budget=No
     """Every case, size by size with all providers of a size side by side (so that a change in the machine's load
     between sizes hits every provider alike). On a CPU, shared with other jobs whose load moves the times by tens of
     percent from one second to the next, the providers of a size take turns: round after round, each runs once in a
-    fresh process (run_one with one timed run), until each has --repeats rounds (or MIN_ROUNDS and --time-per-case
-    seconds of runs, wants_another_round), and its row gathers its rounds (merge_rounds). On CUDA, a device of its
-    own, each case runs once, do_bench's runs back to back. on_row(results) runs after every row; no case or round
-    starts past `deadline` (time.perf_counter()), or when its forecast would overrun it, or, with a `budget`
-    (harness.SweepBudget), when its first call or its timed runs would overrun their allowance."""
+    fresh process (run_one with one timed run), until each has --repeats rounds (or harness.MIN_CPU_RUNS and
+    --time-per-case seconds of runs, wants_another_round), and its row gathers its rounds (merge_rounds). On CUDA, a
+    device of its own, each case runs once, do_bench's runs back to back. on_row(results) runs after every row; no
+    case or round starts past `deadline` (time.perf_counter()), or when its forecast would overrun it, or, with a
+    `budget` (harness.SweepBudget), when its first call or its timed runs would overrun their allowance."""
     results = []
     for dtype_name in args.dtypes:
         dtype = harness.DTYPES[dtype_name]

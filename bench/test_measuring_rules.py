@@ -394,3 +394,23 @@ def test_a_case_whose_later_round_finds_the_time_budget_spent_keeps_its_measured
     row = loss_sweep.merge_rounds(args, [measured, {**measured, "times_s": [0.4]}, spent], {}, torch.float32)
     assert row["status"] == "ok" and row["times_s"] == [0.2, 0.4] and row["rounds"] == 2
     assert loss_sweep.merge_rounds(args, [spent], {}, torch.float32) == spent
+
+
+def test_time_cpu_and_the_cpu_sweeps_rounds_take_the_same_minimum_of_runs(monkeypatch, capsys):
+    """harness.MIN_CPU_RUNS is the one minimum of runs before a time allowance may end them: time_cpu's
+    (time_per_case), the CPU loss sweep's rounds (--time-per-case) and what --time-per-case's help says."""
+    import bench_losses
+    import loss_sweep
+
+    calls = []
+    harness.time_cpu(lambda: calls.append(1), repeats=50, time_per_case=0.0)
+    assert len(calls) == harness.MIN_CPU_RUNS
+    monkeypatch.setattr(harness, "MIN_CPU_RUNS", 7)  # the sweep reads it when it runs, not a copy of its own
+    args = bench_losses.parse_args(["--losses", "cosine", "--device", "cpu", "--repeats", "50",
+                                    "--time-per-case", "0"])
+    measured = {"status": "ok", "median_s": 0.2, "min_s": 0.2, "times_s": [0.2]}
+    assert loss_sweep.wants_another_round(args, [measured] * 6)
+    assert not loss_sweep.wants_another_round(args, [measured] * 7)
+    with pytest.raises(SystemExit):
+        bench_losses.parse_args(["--help"])
+    assert "once 7 are done" in " ".join(capsys.readouterr().out.split())
