@@ -74,8 +74,9 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
     parser.add_argument("--case-timeout", type=float, default=600.0,
                         help="CPU: kill a case's child process after this many seconds")
     parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds for the whole sweep: once spent (or when a case's predicted run would overrun "
-                             "it), the remaining cases are recorded as skipped")
+                        help="seconds for the whole sweep: once spent (or when a case's predicted runs would overrun "
+                             "it: on CUDA a dozen, on a CPU a round's warm-up pass and timed run and one more), the "
+                             "remaining cases are recorded as skipped")
     parser.add_argument("--warm-up-budget", type=float, default=None,
                         help="CUDA, with --time-budget: seconds of it for the cases' first calls (one untimed call "
                              "per case before its timed runs: the compiles and the autotuning at its shape, recorded "
@@ -217,10 +218,27 @@ def predicted_run_seconds(previous, loss, family, n) -> float | None:
 FIRST_CALL_S = 15.0
 
 
+# What a CPU case's process costs besides its runs: the fork, the child's warm-up at a tiny size and its inputs (about
+# 0.25 s a round for cosine from N = 16 to 16384 at D = 256 on 2 cores), twice that for a loaded machine; and the
+# runs a time budget keeps beyond its warm-up pass and timed runs, for a load that rose since the previous size
+CPU_PROCESS_S = 0.5
+CPU_MARGIN_RUNS = 1
+
+
+def seconds_to_expect(args, forecast: float, repeats: int) -> float:
+    """What the time budget must have left for a case whose run is forecast at `forecast` seconds. On CUDA, a dozen
+    runs (harness.RUNS_PER_CASE: do_bench's, with the warm-up and memory runs). On a CPU, what its process costs: its
+    warm-up pass and `repeats` timed runs (in a round of the sweep, one), CPU_MARGIN_RUNS more and CPU_PROCESS_S."""
+    if args.device != "cpu":
+        return harness.RUNS_PER_CASE * forecast
+    return (1 + repeats + CPU_MARGIN_RUNS) * forecast + CPU_PROCESS_S
+
+
 def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None,
             repeats: int | None = None) -> dict:
     """One case of one provider, or why it did not run. CPU: in a forked child, up to `repeats` timed runs
     (default --repeats) after its warm-up pass; the sweep calls it once per round with one run (`sweep`)."""
+    repeats = args.repeats if repeats is None else repeats
     estimate = estimate_extra_bytes(provider, loss, n, d, dtype)
     out = {"estimate_bytes": estimate, "floor": loss.work_floor(n, d, dtype)}
     forecast = predicted_run_seconds(previous, loss, provider.family, n)
@@ -231,7 +249,7 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, 
             return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent"}
     elif deadline is not None:
         left = deadline - time.perf_counter()
-        if left <= 0 or (forecast is not None and harness.RUNS_PER_CASE * forecast > left):
+        if left <= 0 or (forecast is not None and seconds_to_expect(args, forecast, repeats) > left):
             return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent"}
     if provider.family != "ours" and estimate > args.max_ref_gb * GB:
         return {**out, "status": "skipped",
@@ -248,9 +266,8 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, 
         headroom = max(3 * estimate, 2 * GB)
         if available is not None:
             headroom = min(headroom, int(0.8 * available))
-        payload = harness.call_in_fork(measure_cpu_case, provider, loss, n, d, dtype, args.threads,
-                                       args.repeats if repeats is None else repeats, args.time_per_case, args.seed,
-                                       headroom, timeout=args.case_timeout)
+        payload = harness.call_in_fork(measure_cpu_case, provider, loss, n, d, dtype, args.threads, repeats,
+                                       args.time_per_case, args.seed, headroom, timeout=args.case_timeout)
     else:
         try:
             payload = ("ok", measure_in_process(provider, loss, n, d, dtype, args.seed, args.device, budget))
@@ -323,8 +340,9 @@ def sweep(args, losses, providers, limits, on_row=None, deadline=None, budget=No
     fresh process (run_one with one timed run), until each has --repeats rounds (or harness.MIN_CPU_RUNS and
     --time-per-case seconds of runs, wants_another_round), and its row gathers its rounds (merge_rounds). On CUDA, a
     device of its own, each case runs once, do_bench's runs back to back. on_row(results) runs after every row; no
-    case or round starts past `deadline` (time.perf_counter()), or when its forecast would overrun it, or, with a
-    `budget` (harness.SweepBudget), when its first call or its timed runs would overrun their allowance."""
+    case or round starts past `deadline` (time.perf_counter()), or when its forecast would overrun it
+    (seconds_to_expect: on a CPU, what one round costs), or, with a `budget` (harness.SweepBudget), when its first
+    call or its timed runs would overrun their allowance."""
     results = []
     for dtype_name in args.dtypes:
         dtype = harness.DTYPES[dtype_name]

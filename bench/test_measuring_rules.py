@@ -259,7 +259,8 @@ def test_the_time_a_row_reports_is_the_stat_asked_for_median_by_default(monkeypa
 
 def test_a_size_forecast_too_long_is_skipped_before_it_runs(monkeypatch):
     """From the previous size's 1 s, cosine (linear) at twice the size is forecast 2 s: past --max-run-seconds 1 it
-    is skipped, and so is a case whose dozen runs (harness.RUNS_PER_CASE) would overrun what --time-budget has left."""
+    is skipped, and so is a case whose process (its warm-up pass, its 5 timed runs and a margin) would overrun what
+    --time-budget has left."""
     import bench_losses
     import loss_sweep
 
@@ -275,6 +276,39 @@ def test_a_size_forecast_too_long_is_skipped_before_it_runs(monkeypatch):
                              deadline=loss_sweep.time.perf_counter() + 10.0)
     assert row["status"] == "skipped" and "--time-budget" in row["note"]
 
+
+
+def test_a_cpu_round_needs_time_for_its_own_two_runs_and_a_cuda_case_for_a_dozen(monkeypatch):
+    """Forecast at 2 s a run, a CPU round (a fresh process: its warm-up pass and one timed run) starts while what
+    --time-budget has left holds those two runs, one more (CPU_MARGIN_RUNS) and CPU_PROCESS_S: 6.5 s. It was held to
+    a CUDA case's dozen runs (harness.RUNS_PER_CASE, 24 s), so the last rounds were skipped with time left. A CUDA
+    case (the GPU suite's) still needs its dozen."""
+    import bench_losses
+    import loss_sweep
+
+    monkeypatch.setattr(loss_sweep.harness, "free_bytes", lambda device: None)
+    forked = []
+    monkeypatch.setattr(loss_sweep.harness, "call_in_fork", lambda *a, **k: (forked.append(1), (
+        "ok", {"median_s": 2.0, "min_s": 2.0, "times_s": [2.0], "extra_bytes": 0}))[1])
+    loss = bench_losses.LOSSES["cosine"]
+    ours = types.SimpleNamespace(family="ours")
+    args = bench_losses.parse_args(["--losses", "cosine", "--device", "cpu", "--time-budget", "60"])
+
+    def one_round(left, repeats=1):
+        return loss_sweep.run_one(args, ours, loss, 16, 8, torch.float32, (8, 1.0), {},
+                                  deadline=loss_sweep.time.perf_counter() + left, repeats=repeats)
+
+    assert one_round(10.0)["status"] == "ok" and forked == [1]
+    row = one_round(6.0)
+    assert row["status"] == "skipped" and "--time-budget" in row["note"] and forked == [1]
+    assert one_round(10.0, repeats=5)["status"] == "skipped"  # a process of 5 timed runs needs 14.5 s
+    assert loss_sweep.seconds_to_expect(args, 2.0, 1) == pytest.approx(6 + loss_sweep.CPU_PROCESS_S)
+
+    args.device = "cuda"
+    monkeypatch.setattr(loss_sweep, "measure_in_process", lambda *a, **k: {
+        "median_s": 2.0, "min_s": 2.0, "times_s": [], "extra_bytes": 0})
+    assert one_round(20.0)["status"] == "skipped"
+    assert one_round(30.0)["status"] == "ok" and forked == [1]
 
 
 def test_a_killed_child_is_out_of_memory_and_a_timeout_an_error(monkeypatch):
