@@ -124,6 +124,10 @@ def test_the_header_says_how_many_rows_repeat_an_earlier_one(tmp_path, capsys):
     near = [Example(rows[0].texts[:1] + ("another positive",)), Example(rows[1].texts, 0.5)]
     assert repeated_items(twice + near) == 4 and repeated_items(rows) == 0
     assert repeated_items(["a", "b", "a", "c", "b", "a"]) == 3
+    # a label by its value (1 and 1.0, 0.0 and -0.0), the texts by where each ends ("ab" + "c" is not "a" + "bc")
+    same = [Example(("a", "b"), 1), Example(("a", "b"), 1.0), Example(("a", "b"), 0.0), Example(("a", "b"), -0.0)]
+    assert repeated_items(same) == 2 and repeated_items([Example(("ab", "c")), Example(("a", "bc"))]) == 0
+    assert repeated_items([]) == repeated_items(["a"]) == 0 and repeated_items(["a", "a"]) == 1
     train(run_config(tmp_path / "a", batch_size=8, max_steps=1), model=make_encoder("bert"),
           train_examples=(twice, "B"))
     assert ("angle_train: note: 4 of the 64 examples repeat an earlier one exactly (the same texts and label); they "
