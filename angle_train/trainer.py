@@ -322,7 +322,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         raise ValueError("--fsdp shards the model over several processes: launch with torchrun "
                          "--nproc-per-node N (N >= 2), or leave out --fsdp on one")
     prompts = cfg.prompts()
-    check_split_settings(cfg, train_examples_given=train_examples is not None)
+    check_split_settings(cfg, train_examples_given=train_examples is not None,
+                         dev_examples_given=dev_examples is not None)
 
     if cfg.objective == "arccse":
         sentences, fmt = read_sentences(cfg, train_examples), None
@@ -335,7 +336,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
             check_labels(cfg, examples, fmt, train_examples is None)
         check_data_size(cfg, len(examples), "examples", train_examples is None)
     dev_set = dev_set_of(dev_examples, cfg)
-    check_data_settings(cfg, train_examples_given=train_examples is not None, dev_set=dev_set)
+    check_data_settings(cfg, train_examples_given=train_examples is not None,
+                        dev_examples_given=dev_examples is not None, dev_set=dev_set)
     dev_size_note = small_dev_set_note(dev_set, dev_set_name(dev_examples, cfg))
     dev_fingerprint = None if dev_set is None else dev_set_fingerprint(dev_set)
 
@@ -503,12 +505,14 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
 FORMAT_IGNORES = {"A": ("cln_w",), "B": ("cosine_w", "ibn_w", "cln_w", "angle_w")}
 
 
-def check_split_settings(cfg: TrainConfig, *, train_examples_given: bool) -> None:
+def check_split_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_examples_given: bool) -> None:
     """--train-split / --dev-split with a data file or a folder that save_to_disk did not write (an STS year folder),
     refused naming the flag before the data is read: such a source has no splits, is read whole, and the split asked
-    for was ignored in silence."""
+    for was ignored in silence. Data given to train() replaces the flags that name and read a source (train_examples
+    --train-data and --train-split, dev_examples --dev-data and --dev-split), whose source is then not read."""
     train_data = None if train_examples_given else cfg.train_data
-    for name, source in (("train_split", train_data), ("dev_split", cfg.dev_data)):
+    dev_data = None if dev_examples_given else cfg.dev_data
+    for name, source in (("train_split", train_data), ("dev_split", dev_data)):
         if source and cfg.changed(name) and os.path.exists(source) and not is_saved_dataset(source):
             data_flag = "--train-data" if name == "train_split" else "--dev-data"
             raise ValueError(f"{flag_of(name)} {getattr(cfg, name)} says which split of a Hugging Face dataset to "
@@ -516,19 +520,20 @@ def check_split_settings(cfg: TrainConfig, *, train_examples_given: bool) -> Non
                              f"{flag_of(name)}")
 
 
-def check_data_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_set) -> None:
+def check_data_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_examples_given: bool, dev_set) -> None:
     """Data settings that would be ignored, refused naming the flag: how to read a file or dataset (--data-format,
     --train-split, and --columns unless a --dev-data file takes it) with built-in training data, --dev-split and
-    --dev-columns with a built-in dev set, --eval-every without dev data."""
+    --dev-columns with a built-in dev set (not read where dev_examples replace it), --eval-every without dev data."""
     if cfg.train_data in BUILTIN_DATASETS and not train_examples_given:
         # --columns reads a --dev-data file or dataset by column names too, unless --dev-columns does
-        columns_read = bool(cfg.dev_data) and cfg.dev_data not in BUILTIN_DATASETS and not cfg.dev_columns
+        columns_read = (not dev_examples_given and bool(cfg.dev_data) and cfg.dev_data not in BUILTIN_DATASETS
+                        and not cfg.dev_columns)
         for name in ("data_format", "train_split") + (() if columns_read else ("columns",)):
             if cfg.changed(name):
                 raise ValueError(f"{flag_of(name)} says how to read a file or dataset, and --train-data "
                                  f"{cfg.train_data} is built in: leave out {flag_of(name)}")
     for name in ("dev_split", "dev_columns"):
-        if cfg.dev_data in BUILTIN_DATASETS and cfg.changed(name):
+        if cfg.dev_data in BUILTIN_DATASETS and not dev_examples_given and cfg.changed(name):
             raise ValueError(f"{flag_of(name)} says how to read a dev file or dataset, and --dev-data {cfg.dev_data} "
                              f"is built in: leave out {flag_of(name)}")
     if dev_set is None and cfg.changed("eval_every"):

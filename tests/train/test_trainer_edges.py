@@ -232,3 +232,25 @@ def test_without_a_progress_bar_no_empty_line_precedes_the_dev_scores(tmp_path, 
           train_examples=(demo_examples(16), "B"), dev_examples=demo_sts_examples(12))
     out = capsys.readouterr().out
     assert re.search(r"^step 1: dev Spearman ", out, flags=re.MULTILINE) and "\n\n" not in out
+
+
+def test_dev_examples_replace_the_dev_flags_and_the_source_they_name_is_not_checked(tmp_path):
+    """train()'s dev_examples replace --dev-data, whose source is then not read: yet a --dev-split given with a
+    --dev-data file, or with a built-in dev set, was refused as a split of that source, and --columns was taken as
+    reading the --dev-data file (so kept with built-in training data, where nothing reads it). The split is refused
+    where its source is read, and --columns where nothing reads it."""
+    from test_cli_errors import write_stsb
+
+    dev_file = str(write_stsb(tmp_path / "dev.csv"))
+    data, dev = (demo_examples(16), "B"), demo_sts_examples(12)
+    for i, dev_data in enumerate((dev_file, "builtin:demo-sts")):
+        result = train(run_config(tmp_path / f"run-{i}", batch_size=8, max_steps=1, max_length=12, dev_data=dev_data,
+                                  dev_split="test"), train_examples=data, dev_examples=dev)
+        assert [row["step"] for row in result.evals] == [1]
+    with pytest.raises(ValueError, match="^--dev-split test says which split of a Hugging Face dataset to read"):
+        train(run_config(tmp_path / "read", batch_size=8, max_steps=1, dev_data=dev_file, dev_split="test"),
+              train_examples=data)
+    with pytest.raises(ValueError, match="^--columns says how to read a file or dataset, and --train-data builtin:demo "
+                                         "is built in: leave out --columns"):
+        train(run_config(tmp_path / "columns", batch_size=8, max_steps=1, dev_data=dev_file, columns=["text1=s1"]),
+              dev_examples=dev)
