@@ -71,7 +71,7 @@ import numpy
 import torch
 
 from .config import PROMPT_SETTINGS, TrainConfig, flag_of, flag_words, prompts_of
-from .data import parse_columns
+from .data import has_no_splits, parse_columns
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
@@ -632,15 +632,18 @@ def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: Tra
     stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared. The
     same names are compared by contents too (dev_fingerprint: this run's Position.dev_fingerprint): a dev file edited
     in place is other dev data; another name of the checkpoint's contents (`moved`: _moved_data), or another split or
-    other columns that read its examples, is the same."""
+    other columns that read its examples, is the same, as is a split recorded with a dev file, which read it whole
+    (_ineffective_splits)."""
     if position.best is None or not cfg.dev_data or not saved.get("dev_data"):
         return
     recorded = position.dev_fingerprint  # None: a checkpoint written before it was recorded, nothing to compare
     same_examples = _same_dev_examples(position, dev_fingerprint)
     # the split is compared as a setting only where the examples cannot be: another split that reads the checkpoint's
-    # examples (a dataset whose "dev" split is its "validation") is the same dev data
+    # examples (a dataset whose "dev" split is its "validation") is the same dev data; and only where it reads
+    # something: a dev file is read whole whatever split a checkpoint records (_ineffective_splits)
     changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_DEV_SETTINGS).items()
-               if k not in (moved or {}) and not (k == "dev_split" and same_examples)}
+               if k not in (moved or {})
+               and not (k == "dev_split" and (same_examples or k in _ineffective_splits(cfg)))}
     # the columns the dev data is read by (--dev-columns, else --columns; checkpoints written before --dev-columns
     # record none), compared as mappings where the examples cannot be: the same written in other words is the same
     # dev data
@@ -832,11 +835,20 @@ def _moved_data(saved: dict, cfg: TrainConfig, position: Position, current: dict
             if same[name] and all(values)}  # a name on both sides: data given to train() as objects has none
 
 
+def _ineffective_splits(cfg: TrainConfig) -> set[str]:
+    """The split settings that read nothing in this run: --train-split with a --train-data file, --dev-split with a
+    --dev-data file (data.has_no_splits: read whole). A run started before such a split was refused
+    (trainer.check_split_settings) recorded the one it was given, to no effect; compared, the split refused the resume
+    without the flag as other data, and with it the run is refused before the data is read."""
+    return {name for name, source in (("train_split", cfg.train_data), ("dev_split", cfg.dev_data))
+            if has_no_splits(source)}
+
+
 def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig, moved: dict | None = None) -> None:
     """The data settings (RESUME_MUST_MATCH) against the checkpoint's, but for data found the same by contents under
-    another name (`moved`: _moved_data)."""
+    another name (`moved`: _moved_data), and a split that reads nothing here (_ineffective_splits)."""
     changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_MUST_MATCH).items()
-               if k not in (moved or {})}
+               if k not in (moved or {}) and k not in _ineffective_splits(cfg)}
     if changed:
         detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}); "

@@ -555,6 +555,12 @@ def is_saved_dataset(path: str) -> bool:
     return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, name)) for name in SAVED_DATASET_FILES)
 
 
+def has_no_splits(source: str | None) -> bool:
+    """Whether a --train-data / --dev-data source is a data file or a folder save_to_disk did not write (an STS year
+    folder): read whole, it has no splits, and a --train-split / --dev-split has no effect on it."""
+    return bool(source) and os.path.exists(source) and not is_saved_dataset(source)
+
+
 def open_hf_dataset(name_or_path: str, split: str, *, split_flag: str = "split", split_default: str = "train"):
     """One split of a Hugging Face dataset: a save_to_disk folder, or a hub name. `split_flag` names the setting that
     chose `split` in the messages (angle-train's --train-split, --dev-split); `split_default` is that setting's

@@ -47,7 +47,7 @@ from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags
 from .data import (
     FORMATS, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches,
-    is_saved_dataset, load_examples, order_fingerprint, repeated_items, sampled_data_fingerprint, share_of,
+    has_no_splits, load_examples, order_fingerprint, repeated_items, sampled_data_fingerprint, share_of,
 )
 from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
@@ -513,11 +513,15 @@ def check_split_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_ex
     train_data = None if train_examples_given else cfg.train_data
     dev_data = None if dev_examples_given else cfg.dev_data
     for name, source in (("train_split", train_data), ("dev_split", dev_data)):
-        if source and cfg.changed(name) and os.path.exists(source) and not is_saved_dataset(source):
+        if cfg.changed(name) and has_no_splits(source):
             data_flag = "--train-data" if name == "train_split" else "--dev-data"
+            # a run started before this check read the file whole with the flag given: its checkpoints resume
+            # without it (checkpoint._ineffective_splits), which the advice says where a resume is asked for
+            resumes = (f"; --resume takes a checkpoint of a run that gave {flag_of(name)} without it (that run read "
+                       "the file whole too)") if cfg.resume else ""
             raise ValueError(f"{flag_of(name)} {getattr(cfg, name)} says which split of a Hugging Face dataset to "
                              f"read, and {data_flag} {source} is a data file or folder, which has no splits: leave out "
-                             f"{flag_of(name)}")
+                             f"{flag_of(name)}{resumes}")
 
 
 def check_data_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_examples_given: bool, dev_set) -> None:
@@ -746,7 +750,7 @@ def read_dev_data(source: str, split: str, columns: dict | None = None) -> StsSe
     relevant documents among every distinct positive), else a built-in or Hugging Face dataset in any format (a hub
     name, or a folder save_to_disk wrote: its `split`, as --train-data's); `columns`: --columns, for the layouts read
     by column names (--dev-columns, or --columns)."""
-    if os.path.exists(source) and not is_saved_dataset(source):
+    if has_no_splits(source):  # read whole, in angle-eval's layouts
         return read_dataset(source, columns=columns, where=f"--dev-data {source}")
     return dataset_of(os.path.basename(source.rstrip("/")), *read_data(source, None, split, columns,
                                                                          split_setting="dev_split"))

@@ -915,6 +915,37 @@ def test_resume_takes_a_renamed_or_copied_data_file_of_the_checkpoints_contents(
         train(_best_config(tmp_path / "older", train_data="copy.jsonl", dev_data="dev.csv", resume="auto"))
 
 
+def test_a_checkpoint_that_records_a_split_given_with_a_data_file_resumes_without_it(tmp_path, monkeypatch):
+    """A run started before --train-split / --dev-split with a data file were refused read the files whole, the
+    split ignored, and its checkpoints record the split. Resumed with the same command it is refused before the data
+    is read, saying to leave the flags out; left out, the recorded split was refused as other training data ("would
+    skip or repeat training data") and other dev data, and nothing resumed it. A split that reads nothing here is not
+    compared: the run resumes where it stopped. A split of a dataset that has splits is compared as before."""
+    from test_cli_errors import write_stsb
+
+    from angle_train import checkpoint, trainer
+
+    pairs = _write_pairs(tmp_path / "pairs.jsonl", demo_examples(24, seed=3))
+    dev = str(write_stsb(tmp_path / "dev.csv"))
+    splits = {"train_split": "test", "dev_split": "test"}
+    with monkeypatch.context() as patch:  # the code before the refusal
+        patch.setattr(trainer, "check_split_settings", lambda cfg, **given: None)
+        train(_best_config(tmp_path / "run", train_data=pairs, dev_data=dev, **splits), on_step=_stop_at(3))
+    with pytest.raises(ValueError, match=r"^--train-split test says which split .* leave out --train-split; --resume "
+                                         r"takes a checkpoint of a run that gave --train-split without it \(that run "
+                                         r"read the file whole too\)$"):
+        train(_best_config(tmp_path / "run", train_data=pairs, dev_data=dev, resume="auto", **splits))
+    resumed = train(_best_config(tmp_path / "run", train_data=pairs, dev_data=dev, resume="auto"))
+    assert [row["step"] for row in resumed.history] == [3, 4]
+    saved = {**dataclasses.asdict(_best_config(tmp_path / "run", train_data=pairs, dev_data=dev)), **splits}
+    older = Position(step=2, best=0.5, best_step=2)  # no dev fingerprint: written before it was recorded
+    checkpoint._refuse_another_dev_set("ck", saved, older, _best_config(tmp_path / "run", dev_data=dev),
+                                       "0123456789abcdef")
+    hub = {**saved, "train_data": "someone/pairs"}
+    with pytest.raises(ValueError, match=r"\(--train-split: 'test' -> 'train'\); resuming would skip or repeat"):
+        checkpoint._refuse_changed_data_settings("ck", hub, _best_config(tmp_path / "run", train_data="someone/pairs"))
+
+
 def test_the_fp16_loss_scale_resumes_where_it_was(tmp_path):
     """An fp16 run's loss scale, backed off after overflows, and its growth tracker are in its checkpoints: a resumed
     run goes on from them (restarting at 65,536 redid the overflow-and-skip steps the run had already paid for)."""
