@@ -50,7 +50,8 @@ precision (RESUME_NOTED). Other dev data than the one that measured the checkpoi
 (RESUME_DEV_SETTINGS; the same file edited since too: Position.dev_fingerprint), and so is another model than the
 checkpoint's: other settings of what the weights compute (RESUME_MODEL_SETTINGS), or a --model whose config or frozen
 weights differ from those the checkpoint records (base_model_record: a local folder of the model a hub name names
-resumes; another model of the same shapes, or a folder whose files changed since, does not).
+resumes; another model of the same shapes, or a folder whose files changed since, does not; under another transformers
+version a config written another way is said, the model type and frozen weights deciding: _compare_base_model).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy
 import torch
+import transformers
 
 from .config import PROMPT_SETTINGS, TrainConfig, flag_of, flag_words, prompts_of
 from .data import has_no_splits, parse_columns
@@ -553,7 +555,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     this run's Position.data_record for an epoch, checked against the checkpoint's (_refuse_other_data);
     total_steps: this run's length, refused where it ends before the checkpoint's step; dev_fingerprint: this run's
     Position.dev_fingerprint (None: no dev set), checked against the checkpoint's (_refuse_another_dev_set);
-    base_model: this run's base_model_record, checked against the checkpoint's (_refuse_another_base_model)."""
+    base_model: this run's base_model_record, checked against the checkpoint's (_compare_base_model)."""
     state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
     # every process sees the same files, so all refuse together, before any collective a refusal would leave waiting
     written_by = _writers(path)
@@ -578,7 +580,8 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          f"{'with' if sharded else 'without'} --fsdp (and the same number of processes)")
     if not sharded:
         _refuse_other_weights(path, state["config"], cfg, state["model"], encoder.trainable_state_dict())
-    _refuse_another_base_model(path, state["config"], cfg, state.get("base_model"), base_model)
+    base_model_note = _compare_base_model(path, state["config"], cfg, state.get("base_model"), base_model,
+                                          config_class=type(encoder.backbone.config))
     rng_state = read_tensors_and_plain_values(os.path.join(path, _rng_file(dist_info.rank)))
     settings = [dict(group) for group in optimizer.param_groups]  # as this run built them, before loading over them
     if sharded:  # DCP's files, through readers that refuse anything but what DCP writes (sharding.py)
@@ -593,6 +596,8 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     if dist_info.is_main:
         for name, (old, new) in moved.items():
             print(f"{MOVED_DATA[name]} moved: {old} -> {new}, same content", flush=True)
+    if base_model_note and dist_info.is_main:
+        print(base_model_note, flush=True)
     if changed and dist_info.is_main:
         detail = ", ".join(f"{flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in changed.items())
         print(f"resuming with changed settings ({detail}): from step {position.step} on, the learning rate is the one "
@@ -677,14 +682,14 @@ CONFIG_NOT_THE_MODEL = ("_name_or_path", "_commit_hash", "transformers_version",
 SAMPLED_VALUES = 64  # of each frozen weight tensor, spread over it: base_model_record's fingerprint
 
 
-def base_model_record(encoder) -> dict:
+def base_model_record(encoder, *, given: bool = False) -> dict:
     """What identifies the model a run trains beyond the weights its checkpoints hold, recorded in them and compared
-    on resume (_refuse_another_base_model): the model's config (as JSON, without CONFIG_NOT_THE_MODEL), and a
-    fingerprint of its frozen weights (LoRA's base model; none with full fine-tuning, whose every weight a checkpoint
-    holds) from SAMPLED_VALUES values of each tensor with its name, shape and dtype: cheap at any size (a hash of every
-    value would read the whole model), and two models that share config and shapes still differ in nearly every value.
-    Taken before --fsdp shards the weights."""
-    config = {k: v for k, v in encoder.backbone.config.to_dict().items() if k not in CONFIG_NOT_THE_MODEL}
+    on resume (_compare_base_model): the model's config (as JSON, without CONFIG_NOT_THE_MODEL) with the transformers
+    version that wrote it, and a fingerprint of its frozen weights (LoRA's base model; none with full fine-tuning,
+    whose every weight a checkpoint holds) from SAMPLED_VALUES values of each tensor with its name, shape and dtype:
+    cheap at any size (a hash of every value would read the whole model), and two models that share config and shapes
+    still differ in nearly every value. given: the model was given to train(), not named by --model (the messages say
+    so). Taken before --fsdp shards the weights."""
     digest, dtypes = hashlib.sha256(), set()
     with torch.no_grad():
         for name, weight in sorted(encoder.named_parameters()):
@@ -695,35 +700,74 @@ def base_model_record(encoder) -> dict:
             values = flat[at].cpu().contiguous().view(torch.uint8).numpy().tobytes()  # bf16 has no numpy dtype
             digest.update(f"{name}|{tuple(weight.shape)}|{weight.dtype}|".encode() + values)
             dtypes.add(str(weight.dtype))
+    return {"config": _config_json(encoder.backbone.config), "transformers_version": transformers.__version__,
+            "weights": digest.hexdigest()[:16], "weights_dtype": ",".join(sorted(dtypes)), "given": given}
+
+
+def _config_json(config) -> str:
+    """A model's config as base_model_record records it: its to_dict() without CONFIG_NOT_THE_MODEL, as JSON."""
+    kept = {k: v for k, v in config.to_dict().items() if k not in CONFIG_NOT_THE_MODEL}
     # a value JSON cannot write is recorded by its type: its str() may hold a memory address, other in every process
-    return {"config": json.dumps(config, sort_keys=True, default=lambda value: f"<{type(value).__name__}>"),
-            "weights": digest.hexdigest()[:16],
-            "weights_dtype": ",".join(sorted(dtypes))}
+    return json.dumps(kept, sort_keys=True, default=lambda value: f"<{type(value).__name__}>")
 
 
-def _refuse_another_base_model(path: str, saved: dict, cfg: TrainConfig, recorded: dict | None,
-                               current: dict | None) -> None:
-    """A resume whose --model loads another model than the checkpoint's (base_model_record) is refused: its config
-    differs, or its frozen weights do (compared where both are in the same dtype: another --model-dtype gives other
-    values of the same model). --model's name is compared by where it leads (_same_setting), which cannot tell a hub
-    name's model from a local folder, nor see a folder whose files changed since; this can. Config keys that one side
-    lacks are left out (another transformers version writes others). Checkpoints written before the record, and runs
-    given a model without one, compare the names and the trained weights alone."""
+def _as_this_version_writes(config: dict, config_class) -> dict:
+    """A config another transformers version recorded (base_model_record's), read and written again by this one's
+    `config_class` (the loaded model's), as it reads the model's config.json: a newer version writes some settings in
+    another form (LLaMA's rope_scaling as rope_parameters, with rope_theta in it) and a default it once left unset
+    explicitly (head_dim: None -> 8). A config this version cannot read is compared as recorded."""
+    try:
+        return json.loads(_config_json(config_class.from_dict(dict(config))))
+    except (TypeError, ValueError, KeyError, AttributeError):  # a form this version no longer reads: as recorded
+        return config
+
+
+def _compare_base_model(path: str, saved: dict, cfg: TrainConfig, recorded: dict | None, current: dict | None, *,
+                        config_class) -> str | None:
+    """A resume whose model is another than the checkpoint's (base_model_record) is refused: its model type or frozen
+    weights differ (compared where both are in the same dtype: another --model-dtype gives other values of the same
+    model), or its config does, under the transformers version that wrote the checkpoint's. --model's name is
+    compared by where it leads (_same_setting), which cannot tell a hub name's model from a local folder, nor see a
+    folder whose files changed since; this can. Config keys that one side lacks are left out.
+
+    Under another transformers version (or one the checkpoint does not record) the checkpoint's config is first
+    written as this version writes it (_as_this_version_writes), and a difference left is said in a note (returned),
+    not refused: a version may write the same model's config in a form this one does not turn back, and the weights
+    decide (the frozen ones' fingerprint; with full fine-tuning the checkpoint holds every weight). Checkpoints written
+    before the record, and runs given a model without one, compare the names and the trained weights alone."""
     if recorded is None or current is None:
-        return
+        return None
     old, new = json.loads(recorded["config"]), json.loads(current["config"])
+    written_by, this_version = recorded.get("transformers_version"), current["transformers_version"]
+    other_type = old.get("model_type") != new.get("model_type")  # another architecture, whatever writes it
+    if written_by != this_version and not other_type:
+        old = _as_this_version_writes(old, config_class)
     changed = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+    shown = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in changed[:3]) + (", ..." if len(changed) > 3 else "")
+    weights_compared = recorded["weights_dtype"] == current["weights_dtype"]
     problems = []
-    if changed:
-        shown = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in changed[:3])
-        problems.append(f"its config differs ({shown}{', ...' if len(changed) > 3 else ''})")
-    if recorded["weights_dtype"] == current["weights_dtype"] and recorded["weights"] != current["weights"]:
+    if changed and (written_by == this_version or other_type):
+        problems.append(f"its config differs ({shown})")
+    if weights_compared and recorded["weights"] != current["weights"]:
         problems.append(f"its frozen weights differ (fingerprint {recorded['weights']} -> {current['weights']})")
+    model = "the model given to train()" if current.get("given") else f"--model {cfg.model}"
     if problems:
-        raise ValueError(f"cannot resume from {path} (--resume) with --model {cfg.model}: it is not the model the "
-                         f"checkpoint trained (--model {saved.get('model')!r}): {'; '.join(problems)}. Give --model "
-                         "the checkpoint's model (a local folder of it is fine), or start a new run in a new "
+        trained = ("the model given to train()" if recorded.get("given") else f"--model {saved.get('model')!r}")
+        advice = "Give train() the checkpoint's model" if current.get("given") else \
+            "Give --model the checkpoint's model (a local folder of it is fine)"
+        raise ValueError(f"cannot resume from {path} (--resume) with {model}: it is not the model the checkpoint "
+                         f"trained ({trained}): {'; '.join(problems)}. {advice}, or start a new run in a new "
                          "--output-dir")
+    if not changed:
+        return None
+    weights = ("its frozen weights match the checkpoint's" if weights_compared and recorded["weights_dtype"] else
+               "its frozen weights are in another dtype, not compared" if recorded["weights_dtype"] else
+               "the checkpoint holds every weight the run trains")
+    writer = f"transformers {written_by}" if written_by else "a transformers version it does not record"
+    return (f"resuming with {model}, whose config differs from the checkpoint's ({shown}), which {writer} wrote "
+            f"and this run's {this_version} reads: another version may "
+            f"write the same model's settings another way, so the model type and the weights decide ({weights}); "
+            "check that these settings are the model's own")
 
 
 def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig) -> None:
@@ -750,7 +794,7 @@ def _same_setting(name: str, saved, current) -> bool:
     path, an absolute one or a link to the same file or folder is the same; a local --model folder also matches a
     checkpoint's --model that leads nowhere here (a relative path from another working directory, a folder moved
     since the checkpoint, or a hub name whose snapshot it is): the name alone cannot tell, so the model it loads is
-    compared with the checkpoint's (its config and frozen weights: _refuse_another_base_model; its trained weights
+    compared with the checkpoint's (its config and frozen weights: _compare_base_model; its trained weights
     must fit too: _refuse_other_weights). Other values, hub names among them, are compared as text."""
     if saved == current:
         return True

@@ -125,31 +125,33 @@ def test_resume_refuses_settings_that_change_what_the_weights_compute(tmp_path, 
         train(_config(tmp_path / "run", **{**settings, **change, "resume": "auto"}), train_examples=data)
 
 
+def _base_model(folder, seed=0, **config) -> str:
+    """A tiny LLaMA (its weights drawn from `seed`, its config updated by `config`) saved with its tokenizer in
+    `folder`, a --model folder."""
+    from angle_train.models import prepare_tokenizer
+    from angle_train.tiny import build_backbone, build_tokenizer
+
+    tokenizer = prepare_tokenizer(build_tokenizer(), True)
+    backbone = build_backbone("builtin:tiny-llama", len(tokenizer), hidden_size=32, layers=2, seed=seed)
+    backbone.config.update(config)
+    backbone.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def test_resume_refuses_another_model_under_a_name_that_leads_nowhere_or_in_a_folder_changed_since(tmp_path):
     """A checkpoint whose --model leads nowhere here (a hub name, a folder moved since) took any local folder as
     --model, the trained weights' names and shapes alone deciding: a LoRA run went on over another base model of the
     same shapes, silently. The checkpoint records the model's config and a fingerprint of its frozen weights now: a
     folder of the same model resumes; another model, or the checkpoint's own folder with other files in it since, is
     refused naming --resume and --model."""
-    from angle_train.models import prepare_tokenizer
-    from angle_train.tiny import build_backbone, build_tokenizer
-
-    tokenizer = prepare_tokenizer(build_tokenizer(), True)
-
-    def base_model(folder, seed=0, **config):
-        backbone = build_backbone("builtin:tiny-llama", len(tokenizer), hidden_size=32, layers=2, seed=seed)
-        backbone.config.update(config)
-        backbone.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        return str(folder)
-
     data = (demo_examples(20, seed=3), "B")
-    settings = dict(model=base_model(tmp_path / "base"), lora=True, lora_r=4, pooling="last", max_steps=4)
+    settings = dict(model=_base_model(tmp_path / "base"), lora=True, lora_r=4, pooling="last", max_steps=4)
     train(_config(tmp_path / "run", **settings), train_examples=data, on_step=_stop_at(3))
     checkpoint = str(tmp_path / "run" / "checkpoints" / "step-00000003")
     (tmp_path / "base").rename(tmp_path / "snapshot")  # the checkpoint's --model leads nowhere now, as a hub name
-    others = {"weights": base_model(tmp_path / "other-weights", seed=1),
-              "config": base_model(tmp_path / "other-config", rms_norm_eps=1e-3)}
+    others = {"weights": _base_model(tmp_path / "other-weights", seed=1),
+              "config": _base_model(tmp_path / "other-config", rms_norm_eps=1e-3)}
     for kind, other in others.items():
         with pytest.raises(ValueError, match=f"cannot resume from {re.escape(checkpoint)} \\(--resume\\) with --model "
                                              f"{re.escape(other)}: it is not the model the checkpoint trained .*its "
@@ -162,6 +164,71 @@ def test_resume_refuses_another_model_under_a_name_that_leads_nowhere_or_in_a_fo
     shutil.copytree(others["weights"], tmp_path / "base")  # the checkpoint's own folder, holding another model
     with pytest.raises(ValueError, match="it is not the model the checkpoint trained .*frozen weights differ"):
         train(_config(tmp_path / "into-changed", **{**settings, "resume": checkpoint}), train_examples=data)
+
+
+def _record_base_model(checkpoint: str, version: str, **config) -> None:
+    """Rewrite a checkpoint's record of its model (checkpoint.base_model_record) as transformers `version` wrote it,
+    its config's keys set to `config` (None: left out), and its manifest to match."""
+    state = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=True)
+    written = json.loads(state["base_model"]["config"])
+    written.update(config)
+    state["base_model"].update(transformers_version=version, config=json.dumps(
+        {k: v for k, v in written.items() if v is not None or k == "head_dim"}, sort_keys=True))
+    torch.save(state, os.path.join(checkpoint, "state.pt"))
+    write_manifest(checkpoint)
+
+
+def test_resume_under_another_transformers_version_takes_its_model_whose_config_it_wrote_another_way(tmp_path,
+                                                                                                      capsys):
+    """The checkpoint's config was compared key by key with the model's as this transformers version writes it: after
+    an upgrade that writes the same model's config another way (LLaMA's rope_scaling and rope_theta as
+    rope_parameters, head_dim unset made explicit), a resume of the same model was refused with no way on. The
+    checkpoint records the transformers version: under another one its config is first written as this version
+    writes it, and a difference left is said in a line, the model type and the frozen weights deciding. Another
+    model's weights are refused as before, and so is a config that differs under the same version. A model given to
+    train() is named as such (the refusal said --model and the flag's default)."""
+    from transformers import __version__
+
+    from angle_train import checkpoint as checkpoints
+    from angle_train.trainer import build_encoder
+
+    data = (demo_examples(20, seed=3), "B")
+    settings = dict(model=_base_model(tmp_path / "base"), lora=True, lora_r=4, pooling="last", max_steps=4)
+    train(_config(tmp_path / "run", **settings), train_examples=data, on_step=_stop_at(3))
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "step-00000003")
+    (tmp_path / "base").rename(tmp_path / "snapshot")  # leads nowhere, as a hub name: the model it loads decides
+    settings["model"] = str(tmp_path / "snapshot")
+    older = dict(rope_parameters=None, rope_scaling=None, rope_theta=10000.0, head_dim=None)  # as 4.44 writes it
+    _record_base_model(checkpoint, __version__, **older)  # the same version: compared key by key
+    with pytest.raises(ValueError, match=r"it is not the model the checkpoint trained .*: its config differs "
+                                         r"\(head_dim: None -> 8\)\. Give --model the checkpoint's model"):
+        train(_config(tmp_path / "same-version", **settings, resume=checkpoint), train_examples=data)
+    _record_base_model(checkpoint, "4.44.2", **older)
+    capsys.readouterr()
+    resumed = train(_config(tmp_path / "upgraded", **settings, resume=checkpoint), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [4] and "config differs" not in capsys.readouterr().out
+    _record_base_model(checkpoint, "4.44.2", rms_norm_eps=1e-5)  # a difference this version does not turn back
+    resumed = train(_config(tmp_path / "noted", **settings, resume=checkpoint), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [4]
+    assert (f"resuming with --model {settings['model']}, whose config differs from the checkpoint's (rms_norm_eps: "
+            f"1e-05 -> 1e-06), which transformers 4.44.2 wrote and this run's {__version__} reads: another version may "
+            "write the same model's settings another way, so the model type and the weights decide (its frozen "
+            "weights match the checkpoint's)") in capsys.readouterr().out
+    other = {**settings, "model": _base_model(tmp_path / "other", seed=1)}
+    with pytest.raises(ValueError, match=r"with --model .*other: it is not the model the checkpoint trained "
+                                         r"\(--model '.*base'\): its frozen weights differ"):
+        train(_config(tmp_path / "other-weights", **other, resume=checkpoint), train_examples=data)
+    given = build_encoder(_config(tmp_path / "given", **other), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"with the model given to train\(\): it is not the model the checkpoint "
+                                         r"trained \(--model '.*base'\): its frozen weights differ .*\. Give train\(\) "
+                                         "the checkpoint's model, or start a new run"):
+        train(_config(tmp_path / "given", **settings, resume=checkpoint), train_examples=data, model=given)
+    record = {"config": json.dumps({"model_type": "bert", "hidden_size": 32}), "transformers_version": "4.44.2",
+              "weights": "0", "weights_dtype": ""}
+    with pytest.raises(ValueError, match=r"its config differs \(model_type: 'bert' -> 'llama'\)"):
+        checkpoints._compare_base_model("ck", {"model": "m"}, _config(tmp_path / "x", **settings), record, {
+            **record, "config": json.dumps({"model_type": "llama", "hidden_size": 32}),
+            "transformers_version": __version__}, config_class=type(given[0].backbone.config))
 
 
 def test_resume_compares_the_prompts_by_their_templates_and_says_a_changed_lora_dropout(tmp_path, capsys):
