@@ -8,7 +8,8 @@ the gradient of the mean of the ranks' losses.
 
 `all_gather_many_with_grad(named, local_check)` gathers a loss's columns the same way after one small collective
 for all of them, in which the ranks agree that they may (every rank's own checks passed, the same tensors
-everywhere): a refusal on one rank is a refusal on every rank, none is left waiting in a collective.
+everywhere, the same of them taking the gather's backward, the same options of the loss): a refusal on one rank is a
+refusal on every rank, none is left waiting in a collective.
 `refused_together` extends that to a loss's own checks that run before it gathers (its options, the structure of
 its arguments).
 
@@ -18,6 +19,12 @@ Users:
   * angle_train (distributed.py, grad_cache.py): every rank computes the loss of the whole gathered batch.
 
 Without an initialised process group, or with one process, it is the identity (no copy, no collective).
+
+What no agreement can catch: a rank that makes no gather at all (gather_across_devices=False there, or one loss
+call fewer per step) never joins one, so the ranks that gather wait for it in theirs until the process group's
+timeout; with gloo that timeout then raises a RuntimeError saying so (NCCL's watchdog ends the process instead).
+TORCH_DISTRIBUTED_DEBUG=DETAIL has torch check every collective's kind and shapes across the ranks, which finds it
+at the cost of a collective per collective.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -74,7 +81,34 @@ def _layout(x: torch.Tensor) -> list[int]:
     row_elements = 1
     for size in x.shape[1:]:
         row_elements *= size
-    return [x.shape[0] if x.dim() else -1, x.dim(), row_elements, zlib.crc32(str(x.dtype).encode())]
+    return [x.shape[0] if x.dim() else -1, x.dim(), row_elements, _checksum(str(x.dtype))]
+
+
+# How many entries of a call's `options` the agreement compares, each by its own checksum (so that a refusal names
+# the one that differs): a fixed number, as every rank's record must have the same length (a rank that only
+# refuses, refused_together, passes none).
+OPTION_SLOTS = 12
+
+
+def _checksum(text: str) -> int:
+    """crc32 of `text`: the same on every process (unlike hash(), salted per process)."""
+    return zlib.crc32(text.encode())
+
+
+def _option_checksums(options: Mapping[str, object] | None) -> list[int]:
+    """One checksum per entry of `options` (of its name and repr), then -1 up to OPTION_SLOTS."""
+    entries = list((options or {}).items())
+    if len(entries) > OPTION_SLOTS:
+        raise ValueError(f"options: the agreement compares at most {OPTION_SLOTS} entries, got {len(entries)}")
+    return [_checksum(f"{name}={value!r}") for name, value in entries] + [-1] * (OPTION_SLOTS - len(entries))
+
+
+def _by_value(values: list[int]) -> str:
+    """The ranks grouped by their value, in rank order of each group's first: "[0, 2] against [1]"."""
+    groups: dict[int, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return " against ".join(str(ranks) for ranks in groups.values())
 
 
 # The process-group backends whose single-tensor collectives the gather uses: all_gather straight into the
@@ -138,15 +172,21 @@ class _AllGatherWithGrad(torch.autograd.Function):
 
 def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
                               local_check: Callable[[], None] | None = None, *,
-                              device: torch.device | str | None = None) -> list[torch.Tensor]:
+                              device: torch.device | str | None = None,
+                              options: Mapping[str, object] | None = None) -> list[torch.Tensor]:
     """Each tensor of `named` ((name, tensor) pairs) gathered as all_gather_with_grad gathers one, after ONE small
     collective for all of them (not one per tensor) in which the ranks agree that they may: `local_check` (this
     rank's checks of what the other ranks cannot see, e.g. its inputs that are not gathered) passed on every rank,
-    and every rank gathers as many tensors, with the same rows, row shapes and dtypes. Otherwise every rank raises,
-    none is left waiting in a collective: a rank whose check failed, its own error; the others a ValueError naming
-    it; a layout that differs, the same ValueError on every rank. Without torch.distributed (or with one process):
-    `local_check`, then the tensors themselves. `device`: where the agreement's small tensor lives when `named` is
-    empty (a rank that only refuses, `refused_together`); otherwise the first tensor's device."""
+    every rank passes the same `options`, and every rank gathers as many tensors, with the same rows, row shapes
+    and dtypes, the same of them taking the gather's backward (requiring grad, with grad mode on: a rank without
+    that backward would leave the others waiting in its collective). Otherwise every rank raises, none is left
+    waiting in a collective: a rank whose check failed, its own error; the others a ValueError naming it; options or
+    a layout that differ, the same ValueError on every rank, naming what differs and the ranks on each side.
+    Without torch.distributed (or with one process): `local_check`, then the tensors themselves. `device`: where the
+    agreement's small tensor lives when `named` is empty (a rank that only refuses, `refused_together`); otherwise
+    the first tensor's device. `options`: the call's configuration that every rank must share (name: value, at
+    most OPTION_SLOTS entries, e.g. a loss's name and options), compared entry by entry by checksums of their reprs
+    in the same collective."""
     global _agreements
     tensors = [t for _, t in named]
     for name, t in named:
@@ -158,6 +198,7 @@ def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
         return tensors
     import torch.distributed as dist
 
+    option_checksums = _option_checksums(options)
     refusal = None
     if local_check is not None:
         try:
@@ -165,27 +206,45 @@ def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
         except Exception as exc:  # settled with the other ranks first, then raised
             refusal = exc
     # dist.all_gather of unequal tensors hangs or silently mixes up rows: one small all_gather of (refused, count,
-    # a checksum of every tensor's layout, the first tensor's layout) finds a mismatch on every rank at once
+    # a checksum of every tensor's layout, the first tensor's layout, which tensors take the gather's backward
+    # collective, the options' checksums) finds a mismatch on every rank at once
     everything = repr(tuple((tuple(t.shape), str(t.dtype)) for t in tensors))
-    mine = torch.tensor([refusal is not None, len(tensors), zlib.crc32(everything.encode()),
-                         *(_layout(tensors[0]) if tensors else [-1, -1, -1, -1])],
+    backward = [torch.is_grad_enabled() and t.requires_grad for t in tensors]
+    mine = torch.tensor([refusal is not None, len(tensors), _checksum(everything),
+                         *(_layout(tensors[0]) if tensors else [-1, -1, -1, -1]), _checksum(repr(backward)),
+                         *option_checksums],
                         dtype=torch.int64, device=tensors[0].device if tensors else (device or "cpu"))
     records = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     _agreements += 1  # this rank has joined the agreement: a later refusal is no longer refused_together's to share
-    dist.all_gather(records, mine)
-    records = [[int(v) for v in record.tolist()] for record in records]
     rank = dist.get_rank()
+    try:
+        dist.all_gather(records, mine)
+    except RuntimeError as exc:  # gloo's timeout, or a peer gone: the one place to say what usually causes it
+        raise RuntimeError(
+            f"rank {rank} waited for the other ranks to agree to gather {[name for name, _ in named]} and they did "
+            "not come: every rank must make the same gathering calls in the same order (each loss with "
+            "gather_across_devices=True on every rank, as many calls per step); a rank that gathers nothing never "
+            "joins, and only the process group's timeout ends the wait (TORCH_DISTRIBUTED_DEBUG=DETAIL checks every "
+            f"collective across the ranks). The collective's error: {exc}") from exc
+    records = [[int(v) for v in record.tolist()] for record in records]
     if refusal is not None:
         raise refusal
     refused = [r for r, record in enumerate(records) if record[0]]
     if refused:
         raise ValueError(f"rank(s) {refused} refused their inputs (their error says why); rank {rank} raises too "
                          "rather than wait for them in the next collective")
+    differ = [i for i in range(OPTION_SLOTS) if len({record[-OPTION_SLOTS + i] for record in records}) > 1]
+    if differ:
+        entries = list((options or {}).items())
+        said = [f"{entries[i][0]} (ranks {_by_value([record[-OPTION_SLOTS + i] for record in records])}; rank "
+                f"{rank} has {entries[i][1]!r})" if i < len(entries) else f"option {i + 1} (rank {rank} has none)"
+                for i in differ]
+        raise ValueError(f"every rank must call the loss with the same options; they differ in {'; '.join(said)}")
     counts = [record[1] for record in records]
     if len(set(counts)) > 1:
         raise ValueError(f"every rank must gather the same tensors: tensors per rank {counts} (this is rank {rank}: "
                          f"{[name for name, _ in named]})")
-    firsts = [record[3:] for record in records]  # the first tensor's (rows, dims, elements per row, dtype)
+    firsts = [record[3:7] for record in records]  # the first tensor's (rows, dims, elements per row, dtype)
     rows = [first[0] for first in firsts]
     if len(set(rows)) > 1:
         raise ValueError(
@@ -202,6 +261,13 @@ def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
         raise ValueError(
             "all_gather_with_grad needs tensors of the same rows, row shape and dtype on every rank; the ranks' "
             f"differ (this is rank {rank}: {[(name, tuple(t.shape), t.dtype) for name, t in named]})")
+    if len({record[7] for record in records}) > 1:
+        taking = [name for (name, _), takes in zip(named, backward) if takes]
+        raise ValueError(
+            "every rank must gather the same tensors with gradients (requires_grad, grad mode on): the gather's "
+            "backward is a collective, and a rank without it would leave the others waiting there; the ranks "
+            f"{_by_value([record[7] for record in records])} differ (this is rank {rank}: with gradients "
+            f"{taking}, grad mode {'on' if torch.is_grad_enabled() else 'off'})")
     for name, t in named:
         if t.dim() == 0:
             raise ValueError(f"all_gather_with_grad concatenates along dim 0: {name} must have at least one "

@@ -666,13 +666,15 @@ def _say_no_effect(note: str) -> None:
 
 def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, negatives: Sequence[torch.Tensor],
                             layer_weights: LayerWeights | None, gather_across_devices: bool,
-                            gather_queries: bool = True) -> tuple[int | None, tuple | None]:
+                            gather_queries: bool = True,
+                            options: Callable[[], dict] | None = None) -> tuple[int | None, tuple | None]:
     """The embeddings of multiple_negatives_ranking_loss (already promoted to one dtype): stacks [L, rows, D]
     with layer_weights (check_layer_stack; not combined with gathering), every column [B, D] of the queries'
     shape, gathered with gradients from every rank first when gather_across_devices and torch.distributed runs
     several processes (the queries only when `gather_queries`: a direction scores other ranks' queries).
-    Returns (L or None, gathered): gathered is None or (rank, all queries or None, all positives, all
-    negatives), losses.retrieval.multiple_negatives' `gathered`."""
+    `options`: makes the loss's options, which every rank must share (all_gather_many_with_grad's `options`),
+    called only where the columns are gathered. Returns (L or None, gathered): gathered is None or (rank, all queries
+    or None, all positives, all negatives), losses.retrieval.multiple_negatives' `gathered`."""
     gather_across_devices = check_flag("gather_across_devices", gather_across_devices)
     named = [("queries", queries), ("positives", positives)]
     named += [(f"negatives[{i}]", t) for i, t in enumerate(negatives)]
@@ -687,8 +689,9 @@ def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, nega
     if gather_across_devices and world_size > 1:
         # Checked after gathering: every rank sees the same values, so a NaN on one rank makes all of them
         # raise (rather than one raising and the others waiting in the next collective).
+        shared = None if options is None else options()
         if gather_queries:
-            everything = all_gather_many_with_grad(named)
+            everything = all_gather_many_with_grad(named, options=shared)
             check_embedding_group(*((name, t) for (name, _), t in zip(named, everything)))
             gathered = (rank, everything[0], everything[1], everything[2:])
         else:
@@ -699,7 +702,7 @@ def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, nega
                 check_same_device(*named)
                 for name, t in named[1:]:
                     check_same_shape("queries", named[0][1], name, t)
-            everything = all_gather_many_with_grad(named[1:], check_own_queries)
+            everything = all_gather_many_with_grad(named[1:], check_own_queries, options=shared)
             check_embedding_group(*((name, t) for (name, _), t in zip(named[1:], everything)))
             gathered = (rank, None, everything[0], everything[1:])
     else:
@@ -757,9 +760,15 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
                 raise ValueError("pass either a parsed nested or dims / dim_weights / layer_weights, not both")
             layer_weights = nested.table if nested.stacked else None
         # the other ranks' queries are columns of the query_to_query and doc_to_query directions only
+        # the options every rank must share when gathering, made only then: they make the loss. Not the dims:
+        # MatryoshkaLoss's n_dims_per_step draws them on each rank, and no collective depends on them
         layers, gathered = _check_in_batch_columns(
             queries, positives, negatives, layer_weights, gather_across_devices,
-            gather_queries=bool(set(directions) & {"query_to_query", "doc_to_query"}))
+            gather_queries=bool(set(directions) & {"query_to_query", "doc_to_query"}),
+            options=lambda: dict(loss="multiple_negatives_ranking_loss", scale=scale, directions=directions,
+                                 partition_mode=partition_mode, hardness_mode=hardness_mode,
+                                 hardness_strength=hardness_strength, false_negative_margin=false_negative_margin,
+                                 false_negative_strategy=false_negative_strategy, similarity=similarity))
     if nested is None:
         nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers)
     elif nested.dims is not None:

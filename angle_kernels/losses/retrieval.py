@@ -181,8 +181,10 @@ def gist_loss(
         if gather_across_devices and world_size > 1:
             # This rank's checks settled with every rank's before anything is gathered: the anchors (and their guide
             # embeddings) are not gathered, so a refusal seen by one rank alone would leave the others waiting.
-            everything = all_gather_many_with_grad(named + [(name, t.detach()) for name, t in guide_named],
-                                                   local_check=check_this_ranks)
+            everything = all_gather_many_with_grad(
+                named + [(name, t.detach()) for name, t in guide_named], local_check=check_this_ranks,
+                options=dict(loss="gist_loss", temperature=temperature, margin_strategy=margin_strategy, margin=margin,
+                             contrast_anchors=contrast_anchors, contrast_positives=contrast_positives))
             model_side, guide_side = everything[:len(named)], everything[len(named):]
             gathered = (rank, model_side[0], model_side[1:], guide_side[0], guide_side[1:])
         else:

@@ -647,3 +647,139 @@ def test_the_single_tensor_collectives_serve_nccls_cuda_tensors(monkeypatch, bac
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     assert distributed._single_tensor_collectives(types.SimpleNamespace(is_cuda=cuda)) is single
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ranks that call a gathering loss differently: two processes of their own (the last case needs a short timeout)
+# --------------------------------------------------------------------------------------------------------
+ONE_SIDED_TIMEOUT_S = 2
+
+
+def _rank_configurations(rank: int, world: int, store: str, out_dir: str) -> None:
+    """Each case calls a gathering loss with options (or gradients) that differ between the ranks, and records what
+    each rank raised; then, in a group with a short timeout, rank 0 gathers while rank 1 does not."""
+    import time
+
+    import torch.distributed as dist
+
+    import angle_kernels.functional as ak_functional
+    from angle_kernels.integrations import sentence_transformers as ours
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    q, p, n = (c[rank * ROWS:(rank + 1) * ROWS] for c in batch(world, 3))
+    (anchors, positives), (guide_anchors, guide_positives) = (
+        [c[rank * ROWS:(rank + 1) * ROWS] for c in side] for side in gist_batch(world, 0))
+    first = rank == 0
+
+    def mnrl(**options):
+        leaves = [c.clone().requires_grad_(True) for c in (q, p, n)]
+        value = ak_functional.multiple_negatives_ranking_loss(leaves[0], leaves[1], (leaves[2],),
+                                                              gather_across_devices=True, **options)
+        if value.requires_grad:  # the gather's backward collectives too: a wait there would be a timeout
+            value.backward()
+        return value
+
+    def without_gradients_on_rank_0():
+        with torch.no_grad() if first else contextlib.nullcontext():
+            return mnrl()
+
+    calls = {
+        # the same tensors gathered (the queries, for either direction), another loss
+        "directions": lambda: mnrl(directions=("query_to_doc", "query_to_query") if first
+                                   else ("query_to_doc", "doc_to_query")),
+        # the queries gathered on rank 1 only
+        "directions_gathers": lambda: mnrl(directions=("query_to_doc",) if first else ("query_to_doc", "doc_to_query")),
+        "scale": lambda: mnrl(scale=20.0 if first else 10.0),
+        "hardness": lambda: mnrl(hardness_mode="in_batch_negatives" if first else None,
+                                 hardness_strength=5.0 if first else 0.0),
+        "gist_contrast_anchors": lambda: ak_functional.gist_loss(
+            anchors, positives, guide_anchors, guide_positives, contrast_anchors=first, gather_across_devices=True),
+        "drop_in_scale": lambda: ours.MultipleNegativesRankingLoss(
+            identity_model(), scale=20.0 if first else 10.0, gather_across_devices=True).compute_loss_from_embeddings(
+            [q, p], None),
+        # rank 0 would make no backward collective: rank 1 would wait in its own
+        "gradients": without_gradients_on_rank_0,
+        # allowed: the widths make no collective (MatryoshkaLoss's n_dims_per_step draws them on each rank)
+        "dims": lambda: mnrl(dims=(3, 6) if first else (2, 6)),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            out[name] = ("ok", bool(torch.isfinite(call())))
+        except (TypeError, ValueError) as exc:
+            out[name] = (type(exc).__name__, str(exc))
+    out["after"] = bool(torch.isfinite(mnrl()))  # the group still works
+    dist.barrier()
+    dist.destroy_process_group()
+
+    # gathering on rank 0 only: rank 1 never joins; rank 0's wait ends at the group's timeout, with a message
+    dist.init_process_group("gloo", init_method=f"file://{store}-one-sided", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=ONE_SIDED_TIMEOUT_S))
+    done = os.path.join(out_dir, "one_sided_done")
+    try:
+        value = ak_functional.multiple_negatives_ranking_loss(q, p, gather_across_devices=first)
+        out["one_sided"] = ("ok", bool(torch.isfinite(value)))
+    except RuntimeError as exc:
+        out["one_sided"] = (type(exc).__name__, str(exc))
+    if first:
+        open(done, "w").close()
+    else:  # stays in the group (no collective) until rank 0 has timed out, as a rank busy training would
+        deadline = time.monotonic() + 30
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    with contextlib.suppress(RuntimeError):  # the group is broken by the timeout
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def configurations(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("configurations")
+    start_ranks(_rank_configurations, (2, str(out_dir / "store"), str(out_dir)), nprocs=2)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("case, option", [("directions", "directions"), ("directions_gathers", "directions"),
+                                          ("scale", "scale"), ("hardness", "hardness_mode"),
+                                          ("gist_contrast_anchors", "contrast_anchors"), ("drop_in_scale", "scale")])
+def test_ranks_that_call_a_loss_with_other_options_all_raise_naming_the_option(configurations, case, option):
+    """Before: options that left the gathered tensors alike (the directions that both gather the queries, the scale,
+    the hardness, GIST's contrast_anchors, a drop-in's scale) trained each rank on another loss in silence, and
+    directions that gathered other tensors were refused as "tensors per rank [2, 3]". Now every rank raises a
+    ValueError naming the option, the ranks on each side and its own value."""
+    for rank, result in enumerate(configurations):
+        kind, message = result[case]
+        assert kind == "ValueError", (rank, case, kind, message)
+        assert "every rank must call the loss with the same options" in message, (rank, message)
+        assert f"{option} (ranks [0] against [1]; rank {rank} has " in message, (rank, message)
+        assert "tensors per rank" not in message
+    assert all(result["after"] for result in configurations)
+
+
+def test_a_rank_without_the_gathers_backward_makes_every_rank_raise(configurations):
+    """Before: rank 0 under torch.no_grad made no backward collective, and rank 1 waited for it in its own until
+    the group's timeout. Now both raise, saying which tensors each takes with gradients."""
+    for rank, result in enumerate(configurations):
+        kind, message = result["gradients"]
+        assert kind == "ValueError", (rank, kind, message)
+        assert "the ranks [0] against [1] differ" in message, message
+        assert (f"this is rank {rank}: with gradients " + ("[], grad mode off" if rank == 0 else
+                                                           "['positives', 'negatives[0]'], grad mode on")) in message
+
+
+def test_matryoshka_widths_may_differ_between_ranks(configurations):
+    """The dims make no collective (the full-width columns are gathered once), and MatryoshkaLoss's
+    n_dims_per_step draws them on each rank: they are not compared."""
+    assert [result["dims"] for result in configurations] == [("ok", True), ("ok", True)]
+
+
+def test_a_rank_that_does_not_gather_leaves_the_others_a_timeout_that_says_why(configurations):
+    """No agreement can reach a rank that gathers nothing (gather_across_devices=False there): the gathering rank
+    waits until the group's timeout, whose error now says what makes ranks miss a gather."""
+    kind, message = configurations[0]["one_sided"]
+    assert kind == "RuntimeError", (kind, message)
+    assert "rank 0 waited for the other ranks to agree to gather ['positives']" in message, message
+    assert "gather_across_devices=True on every rank" in message and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message
+    assert configurations[1]["one_sided"] == ("ok", True)
