@@ -532,6 +532,11 @@ def main(argv=None) -> int:
         parser.error("--time-limit must be a positive number of seconds")
     if args.out is not None and args.out.is_dir():
         parser.error(f"--out {args.out} is a folder; give the path of a file to write")
+    if args.out is not None:  # a path no folder can be made for is refused here, on any machine, though made later
+        existing = next(folder for folder in (args.out.parent, *args.out.parent.parents) if folder.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            parser.error(f"--out {args.out}: no folder {args.out.parent} that can be written ({existing} is "
+                         f"{'not a folder' if not existing.is_dir() else 'not writable'})")
     dtypes = []
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name.strip(), None)

@@ -15,6 +15,7 @@ import threading
 import warnings
 
 import pytest
+import torch
 
 from angle_kernels import user_cache
 
@@ -225,9 +226,12 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
 
 
-def test_verify_checks_out_before_any_check_and_forget_creates_nothing(cache, capsys, tmp_path):
+def test_verify_checks_out_before_any_check_and_forget_creates_nothing(cache, capsys, tmp_path, monkeypatch):
+    """--out's path is refused before anything runs, on a machine with a GPU or without: a folder, or a file under a
+    file; without a GPU the command exits NOTHING_VERIFIED and makes no folder."""
     from angle_kernels import verify, verified
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     (tmp_path / "a file").write_text("")
     for out, message in ((tmp_path, "is a folder"), (tmp_path / "a file" / "x.json", "no folder")):
         with pytest.raises(SystemExit):
@@ -236,8 +240,8 @@ def test_verify_checks_out_before_any_check_and_forget_creates_nothing(cache, ca
     assert verify.main(["--forget"]) == 0 and "nothing to remove" in capsys.readouterr().out
     assert not cache.parent.exists()  # no folder or lock file made to find nothing
     assert verified.write_cache([], []) == cache  # what verify prints as where it recorded
-    assert verify.main(["--out", str(tmp_path / "new" / "x.json")]) == 0  # a new folder is made (no GPU: then done)
-    assert (tmp_path / "new").is_dir()
+    assert verify.main(["--out", str(tmp_path / "new" / "x.json")]) == verify.NOTHING_VERIFIED
+    assert not (tmp_path / "new").exists()  # made only where checks run
 
 
 def _hold_the_lock(folder: str, holding, release) -> None:
