@@ -131,6 +131,28 @@ def test_backward_inside_autocast_computes_as_after_the_region(name, embedding_d
     assert torch.equal(leaf.grad, grad), f"{name}: gradients differ by {(leaf.grad - grad).abs().max().item()}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["angle_loss", "cosine_loss dims", "mnrl gte hardness", "mnrl filter dims",
+                                  "gist_loss", "ArcCSELoss"])
+def test_backward_inside_autocast_on_cuda_computes_as_after_the_region(name, monkeypatch):
+    """The case above on a GPU, where autograd runs a CUDA node on its device's own thread and the backends' GPU
+    Functions compute (the pre-hook that leaves the region must reach them there too). Compared within 1e-5, not bit
+    for bit: a GPU backward may add in another order; gradients rounded to bf16 would be ~1e-2 off."""
+    monkeypatch.setitem(globals(), "GRADED", GRADED.cuda())  # the calls' labels, looked up when they run
+    monkeypatch.setitem(globals(), "BINARY", BINARY.cuda())
+    y = torch.randn(6, 8, 16, generator=torch.Generator().manual_seed(0)).cuda()
+    after, inside = y.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = CALLS[name](_laid_out(after))
+    loss.backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            CALLS[name](_laid_out(inside)).backward()
+    assert not [w for w in caught if "autocast" in str(w.message)]
+    torch.testing.assert_close(inside.grad, after.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_backward_inside_autocast_leaves_the_models_backward_in_the_region():
     """Only the loss's own nodes leave the region: the encoder's backward runs under it, as eager autograd runs the
     backward of ops recorded under autocast when backward is called inside the region."""
