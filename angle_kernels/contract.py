@@ -196,7 +196,7 @@ def _refuse_second_derivatives(grad: torch.Tensor) -> None:
     create_graph, e.g. a gradient penalty, would silently count their gradients as constants; autograd runs
     backward, its hooks included, under grad mode only when asked to differentiate it: create_graph=True), and
     warns once where backward runs inside an autocast region (_warn_backward_inside_autocast)."""
-    _refuse_a_second_derivative()
+    _refuse_second_derivatives_only(grad)
     device_type = grad.device.type if grad is not None else None  # None: an output of an op that backward skips
     if device_type and autocast_enabled(device_type):
         _warn_backward_inside_autocast()
@@ -205,10 +205,6 @@ def _refuse_second_derivatives(grad: torch.Tensor) -> None:
 def _refuse_second_derivatives_only(grad: torch.Tensor) -> None:
     """The hook of a result whose nodes leave autocast regions in backward (backward_outside_autocast): nothing to
     warn about there."""
-    _refuse_a_second_derivative()
-
-
-def _refuse_a_second_derivative() -> None:
     if torch.is_grad_enabled():
         raise RuntimeError("angle_kernels' losses have first derivatives only: backward with create_graph=True "
                            "(second derivatives, e.g. a gradient penalty) is not supported")

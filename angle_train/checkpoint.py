@@ -891,8 +891,9 @@ def _ineffective_splits(cfg: TrainConfig) -> set[str]:
 def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig, moved: dict | None = None) -> None:
     """The data settings (RESUME_MUST_MATCH) against the checkpoint's, but for data found the same by contents under
     another name (`moved`: _moved_data), and a split that reads nothing here (_ineffective_splits)."""
+    settled = {*(moved or {}), *_ineffective_splits(cfg)}
     changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_MUST_MATCH).items()
-               if k not in (moved or {}) and k not in _ineffective_splits(cfg)}
+               if k not in settled}
     if changed:
         detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}); "

@@ -295,11 +295,10 @@ def check_text(value, where: str, column: str) -> str:
         raise DataError(f"{where}: column {column!r} is null (expected a text)")
     if not isinstance(value, str):
         raise DataError(f"{where}: column {column!r} must be a string; got {type(value).__name__} {value!r}")
-    if not value.strip():
-        raise DataError(f"{where}: column {column!r} is an empty text")
     if shows_nothing(value):
-        raise DataError(f"{where}: column {column!r} is an empty text: {ascii(value)} holds only invisible "
-                        "characters (zero-width, format, control or filler characters)")
+        invisible = (f": {ascii(value)} holds only invisible characters (zero-width, format, control or filler "
+                     "characters)") if value.strip() else ""
+        raise DataError(f"{where}: column {column!r} is an empty text{invisible}")
     return value
 
 
