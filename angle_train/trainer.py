@@ -1334,10 +1334,14 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
 
 
 def dev_description(dev_set: StsSet | RetrievalSet) -> str:
-    """The model card's words for the dev set's size."""
+    """The model card's words for the dev set's size: of a retrieval set, what it ranks (RetrievalSet.corpus): its
+    rows counted a query given with several positives once per positive, and a positive shared by queries once per
+    query, where the evaluation ranks each distinct text once."""
     if isinstance(dev_set, StsSet):
         return f"{len(dev_set.examples):,} scored pairs"
-    return f"{len(dev_set.queries):,} (query, positive) pairs"
+    corpus = dev_set.corpus()
+    return (f"{len(corpus.queries):,} distinct queries, {len(corpus.documents):,} documents in the corpus, "
+            f"{len(corpus.relevant):,} relevant (query, document) pairs")
 
 
 def usage(encoder, widths, adapter_only: bool = False) -> list[str]:

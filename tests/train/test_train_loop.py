@@ -152,7 +152,8 @@ def test_query_positive_dev_data_picks_the_best_model_by_retrieval(tmp_path):
     assert metrics["recall@1"] == pytest.approx(best_row["dev_recall@1"], abs=1e-6)
     assert narrow["ndcg@10"] == pytest.approx(best_row["dev_ndcg@10@16"], abs=1e-6)
     card = (tmp_path / "run" / "best" / "README.md").read_text(encoding="utf-8")
-    assert "the best model by dev nDCG@10" in card and "40 (query, positive) pairs" in card
+    assert "the best model by dev nDCG@10" in card
+    assert "40 distinct queries, 40 documents in the corpus, 40 relevant (query, document) pairs" in card
     if result.curves_path:  # with matplotlib: the dev panel draws the nDCG@10 rows
         from PIL import Image
 

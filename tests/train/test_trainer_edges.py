@@ -19,8 +19,8 @@ from angle_train.data import DataError, Example
 from angle_train.evaluate import RetrievalSet
 from angle_train.tiny import demo_examples, demo_sts_examples
 from angle_train.trainer import (
-    build_encoder, build_loss, count_steps, dev_set_of, half_precision_weights_note, lr_curve, make_optimizer,
-    make_schedule, small_dev_set_note, train, warmup_steps,
+    build_encoder, build_loss, count_steps, dev_description, dev_set_of, half_precision_weights_note, lr_curve,
+    make_optimizer, make_schedule, small_dev_set_note, train, warmup_steps,
 )
 
 
@@ -155,6 +155,16 @@ def test_a_small_retrieval_dev_set_is_noted_by_its_distinct_queries():
         "picked partly by chance; a larger dev set picks it more reliably")
     enough = RetrievalSet("dev", [f"query {i}" for i in range(30)], [f"document {i}" for i in range(30)])
     assert small_dev_set_note(enough, "dev_examples") is None
+
+
+def test_the_model_card_describes_a_retrieval_dev_set_as_the_evaluation_ranks_it():
+    """The model card counted a retrieval dev set's (query, positive) rows: a query given with two positives, or a
+    row given twice, counted as two. It says what was evaluated: the distinct queries, the documents of the corpus
+    (each distinct positive once) and the relevant (query, document) pairs."""
+    rows = RetrievalSet("dev", ["q1", "q1", "q2", "q2", "q3"], ["doc a", "doc b", "doc a", "doc a", "doc c"])
+    assert dev_description(rows) == ("3 distinct queries, 3 documents in the corpus, 4 relevant (query, document) "
+                                     "pairs")
+    assert dev_description(dev_set_of(demo_sts_examples(12), run_config("unused"))) == "12 scored pairs"
 
 
 def _write_scored(path, labels) -> str:
