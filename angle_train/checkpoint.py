@@ -549,13 +549,16 @@ def _failed_write_cleaned(tmp: str, output_dir: str):
 
 def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder, optimizer, scheduler, scaler,
                     data_record: Callable[[int], dict] | None = None, total_steps: int | None = None,
-                    dev_fingerprint: str | None = None, base_model: dict | None = None) -> Position:
+                    dev_fingerprint: str | None = None, dev_metric: str | None = None, dev_given: bool = False,
+                    base_model: dict | None = None) -> Position:
     """Restore what save_checkpoint wrote into the given objects and this process's generators; return the
     position to continue from. Both files are read and checked before anything is changed. data_record(epoch):
     this run's Position.data_record for an epoch, checked against the checkpoint's (_refuse_other_data);
     total_steps: this run's length, refused where it ends before the checkpoint's step; dev_fingerprint: this run's
-    Position.dev_fingerprint (None: no dev set), checked against the checkpoint's (_refuse_another_dev_set);
-    base_model: this run's base_model_record, checked against the checkpoint's (_compare_base_model)."""
+    Position.dev_fingerprint (None: no dev set) and dev_metric the score it gives (tracking.DEV_METRICS), checked
+    against the checkpoint's (_refuse_another_dev_set); dev_given: the dev set was given to train() (dev_examples),
+    not read from --dev-data; base_model: this run's base_model_record, checked against the checkpoint's
+    (_compare_base_model)."""
     state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
     # every process sees the same files, so all refuse together, before any collective a refusal would leave waiting
     written_by = _writers(path)
@@ -565,14 +568,17 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          "state continue from its own)")
     position = Position(**state["position"])
     current_data = None if data_record is None or position.data_record is None else data_record(position.epoch)
-    moved = _moved_data(state["config"], cfg, position, current_data, dev_fingerprint)
+    moved = _moved_data(state["config"], cfg, position, current_data, None if dev_given else dev_fingerprint)
     _refuse_changed_data_settings(path, state["config"], cfg, moved=moved)
     if total_steps is not None and position.step > total_steps:
         _refuse_shorter_run(path, cfg, position.step, total_steps)
     if current_data is not None:
         _refuse_other_data(path, state["config"], cfg, position, current_data)
-    _refuse_another_model(path, state["config"], cfg)
-    _refuse_another_dev_set(path, state["config"], position, cfg, dev_fingerprint, moved=moved)
+    recorded_model = state.get("base_model")
+    _refuse_another_model(path, state["config"], cfg, model_given=any(
+        record is not None and record.get("given") for record in (recorded_model, base_model)))
+    _refuse_another_dev_set(path, state["config"], position, cfg, dev_fingerprint, moved=moved, dev_metric=dev_metric,
+                            dev_given=dev_given)
     changed = _changed_optimizer_settings(state["config"], cfg)
     sharded = state.get("sharded", False)
     if sharded != cfg.fsdp:
@@ -580,7 +586,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          f"{'with' if sharded else 'without'} --fsdp (and the same number of processes)")
     if not sharded:
         _refuse_other_weights(path, state["config"], cfg, state["model"], encoder.trainable_state_dict())
-    base_model_note = _compare_base_model(path, state["config"], cfg, state.get("base_model"), base_model,
+    base_model_note = _compare_base_model(path, state["config"], cfg, recorded_model, base_model,
                                           config_class=type(encoder.backbone.config))
     rng_state = read_tensors_and_plain_values(os.path.join(path, _rng_file(dist_info.rank)))
     settings = [dict(group) for group in optimizer.param_groups]  # as this run built them, before loading over them
@@ -631,39 +637,52 @@ def _saved_dev_column_map(saved: dict) -> dict:
 
 
 def _refuse_another_dev_set(path: str, saved: dict, position: Position, cfg: TrainConfig,
-                            dev_fingerprint: str | None = None, moved: dict | None = None) -> None:
+                            dev_fingerprint: str | None = None, moved: dict | None = None, *,
+                            dev_metric: str | None = None, dev_given: bool = False) -> None:
     """A resume with other dev data than the one that measured the checkpoint's best score is refused: the run would
-    compare scores on the new data with that score (and keep, or replace, best/ by it). Without --dev-data the best
-    stays the checkpoint's; dev data given to train() as objects is not named in the settings, so not compared. The
-    same names are compared by contents too (dev_fingerprint: this run's Position.dev_fingerprint): a dev file edited
-    in place is other dev data; another name of the checkpoint's contents (`moved`: _moved_data), or another split or
+    compare scores on the new data with that score (and keep, or replace, best/ by it). Without dev data the best
+    stays the checkpoint's. A dev set of the other kind (dev_metric: scored pairs against (query, positive) pairs) is
+    refused as such: it would compare nDCG@10 with Spearman. The dev set is compared by its contents
+    (dev_fingerprint: this run's Position.dev_fingerprint, of its texts and scores as read): a dev file edited in
+    place is other dev data; another name of the checkpoint's contents (`moved`: _moved_data), or another split or
     other columns that read its examples, is the same, as is a split recorded with a dev file, which read it whole
-    (_ineffective_splits)."""
-    if position.best is None or not cfg.dev_data or not saved.get("dev_data"):
+    (_ineffective_splits). The settings that name and read the dev data are compared only where both runs read
+    --dev-data: dev data given to train() (dev_given, or a checkpoint that names none) is not what they name, and is
+    compared by its contents alone, where the checkpoint records them."""
+    named = bool(cfg.dev_data) and not dev_given  # this run's dev set is the one --dev-data names
+    if position.best is None or not (named or dev_given):
         return
+    where = f"--dev-data {cfg.dev_data}" if named else "dev_examples"
+    if dev_metric is not None and dev_metric != position.best_metric:
+        raise ValueError(f"cannot resume from {path} with {where}: the checkpoint's best model was picked by "
+                         f"{DEV_METRICS[position.best_metric]}, and this dev data is scored by "
+                         f"{DEV_METRICS[dev_metric]}; resume with dev data of the checkpoint's kind")
     recorded = position.dev_fingerprint  # None: a checkpoint written before it was recorded, nothing to compare
     same_examples = _same_dev_examples(position, dev_fingerprint)
-    # the split is compared as a setting only where the examples cannot be: another split that reads the checkpoint's
-    # examples (a dataset whose "dev" split is its "validation") is the same dev data; and only where it reads
-    # something: a dev file is read whole whatever split a checkpoint records (_ineffective_splits)
-    changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_DEV_SETTINGS).items()
-               if k not in (moved or {})
-               and not (k == "dev_split" and (same_examples or k in _ineffective_splits(cfg)))}
-    # the columns the dev data is read by (--dev-columns, else --columns; checkpoints written before --dev-columns
-    # record none), compared as mappings where the examples cannot be: the same written in other words is the same
-    # dev data
-    read_by = (_saved_dev_column_map(saved), cfg.dev_column_map())
-    if read_by[0] != read_by[1] and not same_examples:
-        changed["dev_columns"] = read_by
+    changed = {}
+    if named and saved.get("dev_data"):
+        # the split is compared as a setting only where the examples cannot be: another split that reads the
+        # checkpoint's examples (a dataset whose "dev" split is its "validation") is the same dev data; and only where
+        # it reads something: a dev file is read whole whatever split a checkpoint records (_ineffective_splits)
+        changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_DEV_SETTINGS).items()
+                   if k not in (moved or {})
+                   and not (k == "dev_split" and (same_examples or k in _ineffective_splits(cfg)))}
+        # the columns the dev data is read by (--dev-columns, else --columns; checkpoints written before
+        # --dev-columns record none), compared as mappings where the examples cannot be: the same written in other
+        # words is the same dev data
+        read_by = (_saved_dev_column_map(saved), cfg.dev_column_map())
+        if read_by[0] != read_by[1] and not same_examples:
+            changed["dev_columns"] = read_by
     detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
     if not changed and None not in (recorded, dev_fingerprint) and not same_examples:
-        detail = (f"--dev-data {cfg.dev_data}: its contents differ from the checkpoint's, fingerprint {recorded} -> "
-                  f"{dev_fingerprint}")
+        contents = "its contents" if named else "their texts and scores"
+        detail = f"{where}: {contents} differ from the checkpoint's, fingerprint {recorded} -> {dev_fingerprint}"
     if detail:
+        without = "--dev-data" if named else "dev_examples"
         raise ValueError(f"cannot resume from {path} with other dev data ({detail}): its best model (step "
                          f"{position.best_step}, {position.best_metric} {position.best:.4f}) was picked on the "
-                         "checkpoint's, and scores on other data do not compare with it. Resume with the checkpoint's "
-                         "dev data, or without --dev-data (the best stays the checkpoint's), or start a new run in a "
+                         f"checkpoint's, and scores on other data do not compare with it. Resume with the checkpoint's "
+                         f"dev data, or without {without} (the best stays the checkpoint's), or start a new run in a "
                          "new --output-dir")
 
 
@@ -770,10 +789,14 @@ def _compare_base_model(path: str, saved: dict, cfg: TrainConfig, recorded: dict
             "check that these settings are the model's own")
 
 
-def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig) -> None:
+def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig, *, model_given: bool = False) -> None:
+    """A resume whose settings make the weights compute something else (RESUME_MODEL_SETTINGS) is refused. --model's
+    name is left out where a model was given to train() in its place, in this run or the checkpoint's (model_given):
+    it names nothing that trained or trains, and the model itself is compared (_compare_base_model: its config and
+    frozen weights; _refuse_other_weights: its trained weights' names and shapes)."""
     current = asdict(cfg)
     changed = {k: (saved[k], current[k]) for k in RESUME_MODEL_SETTINGS
-               if k in saved and not _same_setting(k, saved[k], current[k])}
+               if k in saved and not (k == "model" and model_given) and not _same_setting(k, saved[k], current[k])}
     # the prompts by the templates each role of a text gets, not by how they are spelled: a name or the template it
     # stands for ('angle', 'Prompts.A'), a --query-prompt that is the --prompt it would default to
     if prompts_of(saved).as_dict() == cfg.prompts().as_dict():

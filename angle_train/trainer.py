@@ -418,8 +418,9 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                                    scheduler=scheduler, scaler=scaler,
                                    data_record=lambda epoch: data_record(len(items), fingerprint, order_of(epoch),
                                                                          sampled=sampled_data_fingerprint(items)),
-                                   total_steps=total_steps, dev_fingerprint=dev_fingerprint, base_model=base_model)
-        check_dev_metric(resume_from, position, dev_set)
+                                   total_steps=total_steps, dev_fingerprint=dev_fingerprint,
+                                   dev_metric=None if dev_set is None else dev_metric(dev_set),
+                                   dev_given=dev_examples is not None, base_model=base_model)
         if continues_own_run:
             unverified_checkpoint = position.step
         else:
@@ -808,16 +809,6 @@ def small_dev_set_note(dev_set: StsSet | RetrievalSet | None, where: str) -> str
     kind = "scored pairs" if scored else "distinct queries"
     return (f"angle_train: note: {where} has {count} {kind}: a dev score over fewer than {NOISY_DEV_PAIRS} is "
             "noisy, so best/ is picked partly by chance; a larger dev set picks it more reliably")
-
-
-def check_dev_metric(resume_from: str, position: Position, dev_set: StsSet | RetrievalSet | None) -> None:
-    """A resumed run picks its best model by the checkpoint's dev score: a dev set of the other kind (scored pairs
-    against (query, positive) pairs) would compare nDCG@10 with Spearman."""
-    if position.best is None or dev_set is None or dev_metric(dev_set) == position.best_metric:
-        return
-    raise ValueError(f"cannot resume from {resume_from} with this --dev-data: the checkpoint's best model was picked "
-                     f"by {tracking.DEV_METRICS[position.best_metric]}, and this dev data is scored by "
-                     f"{tracking.DEV_METRICS[dev_metric(dev_set)]}; resume with dev data of the checkpoint's kind")
 
 
 def count_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:

@@ -401,6 +401,36 @@ def test_a_resume_through_the_api_refuses_dev_data_of_the_other_kind(tmp_path):
               dev_examples=read_dataset(str(dev_file)))
 
 
+def test_a_resume_through_the_api_compares_the_dev_examples_and_the_model_given_not_the_names_of_the_flags(tmp_path):
+    """train(dev_examples=...) and train(model=...) replace --dev-data and --model, and the resume compared those
+    names, which say nothing of what was given: other dev examples resumed without a word (the best model then
+    picked across two dev sets), and the same model given under another --model name was refused by that name. The
+    dev set is compared by its fingerprint (texts and scores), given or named on either side, and a model given by
+    its config and weights."""
+    from test_cli_errors import write_stsb
+
+    data = (demo_examples(20, seed=3), "B")
+    first = dict(model=make_encoder("bert", pooling="avg"), train_examples=data)
+    train(_best_config(tmp_path / "run"), dev_examples=DEV, on_step=_stop_at(3), **first)
+
+    def resume(given_model=None, dev_examples=DEV, **settings):
+        return train(_best_config(tmp_path / "run", resume="auto", **settings), train_examples=data,
+                     model=given_model or make_encoder("bert", pooling="avg"), dev_examples=dev_examples)
+
+    with pytest.raises(ValueError, match=r"cannot resume from .* with other dev data \(dev_examples: their texts and "
+                                         r"scores differ from the checkpoint's, fingerprint \w+ -> \w+\): its best "
+                                         r"model \(step .* or without dev_examples \(the best"):
+        resume(dev_examples=demo_sts_examples(12, seed=6))
+    with pytest.raises(ValueError, match=r"other dev data \(--dev-data .*sts.csv: its contents differ from the "
+                                         r"checkpoint's, fingerprint"):  # a file of other pairs, the checkpoint's given
+        resume(dev_examples=None, dev_data=str(write_stsb(tmp_path / "sts.csv")))
+    with pytest.raises(ValueError, match=r"with the model given to train\(\): it is not the model the checkpoint "
+                                         r"trained \(the model given to train\(\)\): its config differs"):
+        resume(given_model=make_encoder("bert", pooling="avg", dropout=0.1))
+    # the same dev examples and the same model, under names the checkpoint's settings do not hold: resumed
+    resumed = resume(dev_examples=list(DEV), model="builtin:tiny-llama", dev_data="builtin:demo-sts")
+    assert [row["step"] for row in resumed.history] == [3, 4]
+
 def test_overwrite_with_resume_auto_continues_its_own_run_and_keeps_it(tmp_path):
     """--resume auto --overwrite 1 in a folder holding this run's own checkpoints resumes it: --overwrite clears
     another run's files, never the run being continued (its metrics rows and checkpoints stay)."""
