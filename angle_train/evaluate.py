@@ -27,7 +27,9 @@ CUDA when there is one, as for angle-train. Each PATH is read in the layout it i
     pairs            a format-A file (text1, text2, label: JSONL / CSV), scored as STS-B is
 
 JSONL / CSV / TSV files with other column names are read with --columns (angle-train's): e.g. text1=sent_a
-text2=sent_b label=similarity.
+text2=sent_b label=similarity. Given once, it maps every PATH; files of different layouts take it once per PATH, in
+the PATHs' order, '' for a PATH read by its own column names:
+angle-eval MODEL a.csv b.jsonl --columns text1=sent_a text2=sent_b label=score --columns query=q positive=p.
 
 The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting: one
 correlation over every pair of a year's subsets together. In retrieval a document scoring the same as one of a query's
@@ -607,6 +609,19 @@ def narrower_widths(requested, meta: dict, width: int, model: str) -> list:
     return sorted((d for d in dims if d < width), reverse=True)
 
 
+def columns_of_paths(given: list[list[str]], paths: list[str]) -> list[dict]:
+    """The column mapping of each PATH: --columns given once maps every PATH, given once per PATH the i-th maps the
+    i-th (files of different layouts in one command; '' maps none); any other count is refused, naming the flag,
+    before anything is read: which mapping is whose would be a guess."""
+    mappings = [parse_columns(items) for items in given] or [{}]
+    if len(mappings) == 1:
+        return mappings * len(paths)
+    if len(mappings) != len(paths):
+        raise ValueError(f"--columns given {len(mappings)} times for {len(paths)} PATH(s): give it once (it maps every "
+                         "PATH) or once per PATH, in their order ('' for a PATH read by its own column names)")
+    return mappings
+
+
 def build_parser() -> argparse.ArgumentParser:
     # the docstring's first paragraph, then after the flags all but its usage block (argparse writes its own)
     paragraphs = __doc__.split("\n\n")
@@ -624,10 +639,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the retrieval queries' prompt (default: the export's; '' for none)")
     parser.add_argument("--doc-prompt", default=None,
                         help="the retrieval documents' prompt (default: the export's; '' for none)")
-    parser.add_argument("--columns", nargs="+", default=[], metavar="NAME=COLUMN",
+    parser.add_argument("--columns", nargs="+", action="append", default=[], metavar="NAME=COLUMN",
                         help="the columns of JSONL/CSV/TSV PATHs to read under the format's names (text1, text2, "
                         "label, query, positive), as angle-train's --columns: PATH ... --columns text1=sent_a "
-                        "text2=sent_b label=similarity")
+                        "text2=sent_b label=similarity. Given once it maps every PATH; given once per PATH, in their "
+                        "order, each maps its own ('' for a PATH read by its own names)")
     parser.add_argument("--dims", nargs="+", type=width_or_trained, default=[], metavar="D",
                         help="also score the first D features of every embedding (Matryoshka widths), each text "
                         "embedded once; results under NAME@D; 'trained': the widths an angle_train export was "
@@ -679,8 +695,8 @@ def main(argv=None) -> int:
         preflight.check_device(args.device)
         check_model(args.model)
         preflight.check_model_folder(args.model, "MODEL")
-        columns = parse_columns(args.columns)
-        datasets = [read_dataset(path, columns=columns) for path in args.paths]
+        columns = columns_of_paths(args.columns, args.paths)
+        datasets = [read_dataset(path, columns=mapping) for path, mapping in zip(args.paths, columns)]
         names = [dataset.name for dataset in datasets]
         if len(set(names)) != len(names):
             parser.error(f"two PATHs give datasets of the same name ({', '.join(names)}): pass each once")

@@ -578,3 +578,29 @@ def test_a_triples_file_is_scored_as_retrieval_of_each_querys_positive(tmp_path)
     dataset = read_dataset(str(triples))
     assert isinstance(dataset, RetrievalSet) and dataset.name == "triples"
     assert (dataset.queries, dataset.documents) == ([a for a, _ in PAIRS], [b for _, b in PAIRS])
+
+
+def test_columns_given_once_per_path_read_files_of_different_layouts_in_one_command(tmp_path, capsys):
+    """--columns mapped every PATH, so files of different column layouts took a command each (and a second --columns
+    replaced the first in silence). Given once per PATH, each maps its own, in the PATHs' order ('' maps none); once,
+    it still maps every PATH; another count is refused naming the flag, before the model loads."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    scored = _write(tmp_path / "scored.csv", ["sent_a,sent_b,score"] + [f"{a},{b},{i * 0.9:.1f}"
+                                                                        for i, (a, b) in enumerate(PAIRS)])
+    renamed = _write(tmp_path / "renamed.jsonl", [json.dumps({"q": a, "p": b}) for a, b in PAIRS])
+    plain = _write(tmp_path / "plain.jsonl", [json.dumps({"query": a, "positive": b}) for a, b in PAIRS])
+    out = tmp_path / "results.json"
+    assert main([export, str(scored), str(renamed), str(plain), "--columns", "text1=sent_a", "text2=sent_b",
+                 "label=score", "--columns", "query=q,positive=p", "--columns", "", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results) == {"scored", "renamed", "plain"} and results["renamed"] == results["plain"]
+    assert math.isfinite(results["scored"])
+    again = _write(tmp_path / "again.jsonl", renamed.read_text().splitlines())
+    assert main([export, str(renamed), str(again), "--columns", "query=q", "positive=p", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["again"] == results["plain"]
+    with pytest.raises(SystemExit) as exc:
+        main(["builtin-model-not-needed", str(scored), str(plain), "--columns", "text1=sent_a", "--columns", "",
+              "--columns", ""])
+    assert exc.value.code == 2 and ("--columns given 3 times for 2 PATH(s): give it once (it maps every PATH) or "
+                                    "once per PATH, in their order") in capsys.readouterr().err
