@@ -151,7 +151,8 @@ class TrainConfig:
     triplet_w: float = opt(0.1, "arccse: lambda, the triplet loss's weight", group="loss", at_least=0)
     mask_rates: list = opt([0.2, 0.4],  # noqa: RUF009 (opt() builds a default_factory for lists)
                            "arccse: the fractions of a sentence's tokens masked (one contiguous span) in its weakly "
-                           "and strongly masked copies", group="loss", metavar="RATE", items="number")
+                           "and strongly masked copies, 0 < weak <= strong < 1 (a weak copy unmasked would make the "
+                           "triplet term 0)", group="loss", metavar="RATE", items="number")
     text_column: str = opt("text", "arccse: the column of a JSONL/CSV file or dataset holding the sentences",
                            group="data")
     cosine_w: float = opt(0.0, "weight of the cosine (CoSENT) ranking term", group="loss", at_least=0)
@@ -396,6 +397,13 @@ class TrainConfig:
         rates = [_number("--mask-rates", value, float) for value in self.mask_rates]
         if len(rates) != 2 or not 0 <= rates[0] <= rates[1] < 1:
             raise ValueError(f"--mask-rates: expected two fractions 0 <= weak <= strong < 1; got {rates}")
+        if self.objective == "arccse" and rates[0] == 0 and self.triplet_w > 0:
+            # the weak copy is then the anchor's tokens, embedded alike (dropout off): cos(anchor, weak) is 1, and
+            # max(0, cos(anchor, strong) - 1 + margin 0) is 0 at every step, for the price of three embedded blocks
+            raise ValueError(f"--mask-rates {rates[0]:g} {rates[1]:g}: a weak rate of 0 leaves the weak copy unmasked, "
+                             "the sentence itself, so the triplet term max(0, cos(anchor, strong) - cos(anchor, weak)) "
+                             "is 0 and trains nothing while its three copies are still embedded; expected a weak rate "
+                             "above 0 (the default is 0.2 0.4), or --triplet-w 0 for ArcCon alone (no copy embedded)")
         self.mask_rates = rates
         try:  # ArcCSELoss's own rules, with the flags named
             check_arccon_options(self.arccon_margin, self.arccon_tau)

@@ -332,6 +332,29 @@ def test_refusals(tmp_path):
         train(_config(tmp_path), model=(encoder, tokenizer), train_examples=SENTENCES)
 
 
+@pytest.mark.parametrize("rates", [["0", "0"], ["0", "0.4"]])
+def test_a_weak_rate_of_zero_is_refused_while_the_triplet_term_weighs(rates, capsys):
+    """A weak rate of 0 leaves the weak copy the sentence itself, embedded as the anchor is (dropout off): the triplet
+    term max(0, cos(anchor, strong) - cos(anchor, weak)) was 0 at every step, its three blocks embedded for nothing,
+    without a word. Refused naming --mask-rates, as one sentence a batch is; with --triplet-w 0 no copy is embedded,
+    and it is accepted."""
+    from angle_kernels.losses.arccse import triplet_loss
+    from angle_train.cli import config_from_args
+
+    encoder, tokenizer = make_encoder("bert")
+    encoder.eval()
+    data = TokenizedSentences(SENTENCES, tokenizer, max_length=32, mask_rates=[float(r) for r in rates], seed=0)
+    n = len(SENTENCES)
+    with torch.no_grad():
+        embeddings = encoder(*pad_batch(data.batch(list(range(n))).seqs, encoder.pad_token_id, encoder.padding_side))
+    anchor, weak, strong = embeddings[2 * n:3 * n], embeddings[3 * n:4 * n], embeddings[4 * n:]
+    assert torch.equal(anchor, weak) and triplet_loss(anchor, weak, strong).item() == 0.0
+    with pytest.raises(SystemExit):
+        config_from_args(["--objective", "arccse", "--mask-rates", *rates])
+    assert (f"--mask-rates {' '.join(rates)}: a weak rate of 0 leaves the weak copy unmasked, the sentence itself, so "
+            "the triplet term") in capsys.readouterr().err
+    assert config_from_args(["--objective", "arccse", "--mask-rates", *rates, "--triplet-w", "0"]).triplet_w == 0
+
 @pytest.mark.parametrize("triplet_w", ["0.1", "0"])
 def test_one_sentence_a_batch_is_refused(tmp_path, capsys, triplet_w):
     """ArcCon's negatives are the other sentences of the batch: with one sentence its loss was exactly 0 at every step
