@@ -395,6 +395,53 @@ def test_sentence_transformer_trainer_runs_with_our_loss(tiny_model_dir, tmp_pat
     assert changed > 10, "training did not update the model"
 
 
+
+def test_the_trainer_logs_the_parents_loss_at_every_step(tiny_model_dir, tmp_path):
+    """A migrated training script: several datasets with a loss each (a Matryoshka wrapper, a cached loss, a cached GIST
+    loss with a guide), round-robin over the datasets, the no-duplicates batch sampler and a prompt. Trained in float64
+    with the drop-ins and with sentence-transformers' losses from the same seed, every step's loss agrees to rounding
+    (the trainer's own rounding of its logs would hide a difference: the losses' outputs are recorded instead), and the
+    model card names the drop-ins by their module, as it names any loss from outside sentence-transformers."""
+    from datasets import Dataset, DatasetDict
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.base.sampler import BatchSamplers, MultiDatasetBatchSamplers
+
+    scores = [0.9, 0.2, 0.7, 0.4, 0.1, 0.8, 0.5, 0.3]
+    data = DatasetDict({
+        "sts": Dataset.from_dict({"sentence1": SENTENCES[0:16:2], "sentence2": SENTENCES[1:16:2], "score": scores}),
+        "triplets": Dataset.from_dict({"anchor": SENTENCES[0:16:2], "positive": SENTENCES[1:16:2],
+                                       "negative": SENTENCES[8:24:2]}),
+        "duplicates": Dataset.from_dict({"anchor": SENTENCES[0:8:2] * 2, "positive": SENTENCES[1:8:2] * 2}),
+    })
+    steps = {}
+    for module in (st_losses, ours):
+        torch.manual_seed(0)
+        model = load_sentence_transformer(tiny_model_dir).to(torch.float64)
+        guide = load_sentence_transformer(tiny_model_dir).to(torch.float64)
+        with torch.no_grad():
+            for p in guide.parameters():
+                p.mul_(1.1)
+        losses = {"sts": module.MatryoshkaLoss(model, module.CoSENTLoss(model), [32, 16]),
+                  "triplets": module.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3),
+                  "duplicates": module.CachedGISTEmbedLoss(model, guide, mini_batch_size=3, margin=0.05)}
+        values = steps[module.__name__] = []
+        for loss in losses.values():
+            loss.register_forward_hook(lambda _module, _inputs, output: values.append(output.item()))
+        args = SentenceTransformerTrainingArguments(
+            output_dir=str(tmp_path / module.__name__), max_steps=6, per_device_train_batch_size=3, learning_rate=1e-3,
+            report_to="none", save_strategy="no", logging_steps=1, use_cpu=True, dataloader_num_workers=0, seed=0,
+            disable_tqdm=True, batch_sampler=BatchSamplers.NO_DUPLICATES,
+            multi_dataset_batch_sampler=MultiDatasetBatchSamplers.ROUND_ROBIN, prompts={"triplets": {"anchor": "a "}})
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=losses)
+        trainer.train()
+        model.save_pretrained(str(tmp_path / module.__name__ / "model"))
+        card = (tmp_path / module.__name__ / "model" / "README.md").read_text()
+        if module is ours:
+            assert "<code>angle_kernels.integrations.sentence_transformers.CachedGISTEmbedLoss</code>" in card
+    parent, ours_ = steps.values()
+    assert len(parent) == len(ours_) == 6
+    assert max(abs(a - b) for a, b in zip(parent, ours_)) < 1e-6, (parent, ours_)
+
 def test_arguments_an_older_parent_lacks_are_dropped_at_their_default_and_refused_otherwise():
     def older_init(self, model, scale=20.0, similarity_fct=None, gather_across_devices=False):
         pass
