@@ -74,7 +74,7 @@ def outside_autocast(tensor: torch.Tensor):
     autograd Functions, round loss terms to 16 bits, and refuse to stack bfloat16 rows in a float16 region. Their
     16-bit inputs still compute as 16-bit inputs do anywhere. Backward is autograd's: called inside a region (which
     PyTorch advises against), the backends' backward passes would run under autocast, unless the nodes run it
-    outside (`backward_outside_autocast`, which loss_entry applies)."""
+    outside (`backward_outside_autocast`, which loss_entry and the public ops apply: `recorded`)."""
     if autocast_enabled(tensor.device.type):
         return torch.autocast(device_type=tensor.device.type, enabled=False)
     return contextlib.nullcontext()
@@ -215,13 +215,13 @@ _warned_backward_inside_autocast = False
 
 def _warn_backward_inside_autocast() -> None:
     """Backward called inside a torch.autocast region (PyTorch advises against it: autocast is meant for the forward
-    pass), of a loss computed outside one or of a public op (whose nodes backward_outside_autocast did not reach),
+    pass), of a loss or public op computed outside one (whose nodes backward_outside_autocast did not reach),
     runs the backends' backward passes with their products under autocast: gradients rounded to 16 bits, or,
     where a product mixes a 16-bit operand with a float32 one, a dtype-mismatch error with nothing naming autocast."""
     global _warned_backward_inside_autocast
     if not _warned_backward_inside_autocast:
         _warned_backward_inside_autocast = True
-        warnings.warn("backward() of an angle_kernels loss called inside a torch.autocast region: its backward "
+        warnings.warn("backward() of an angle_kernels loss or op called inside a torch.autocast region: its backward "
                       "passes then run their products under autocast (gradients rounded to 16 bits, or a "
                       "dtype-mismatch error). Call backward() after the region, as PyTorch's AMP recipe does; the "
                       "loss itself may stay inside it", stacklevel=2)
@@ -265,6 +265,19 @@ def first_derivatives_only(result, *, backward_leaves_autocast: bool = False):
     return result
 
 
+def recorded(result, first: torch.Tensor, inputs):
+    """`result` (a tensor or a tuple of them), computed by a loss or a public op from `inputs` (its arguments:
+    tensors, or lists or tuples of them) whose tensor `first` names the device, as autograd should keep it:
+    refusing a second derivative (first_derivatives_only), and, computed inside an autocast region for that device
+    with grad mode on, with each node it made running its backward outside the region, should backward() be called
+    there (backward_outside_autocast). Outside a region this costs the check alone. Not while torch.compile traces:
+    a compiled call's backward is AOTAutograd's (untraced_under_autocast)."""
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and autocast_enabled(first.device.type):
+        backward_outside_autocast(result, first.device.type, inputs)
+        return first_derivatives_only(result, backward_leaves_autocast=True)
+    return first_derivatives_only(result)
+
+
 _Args = ParamSpec("_Args")
 _Result = TypeVar("_Result")
 
@@ -293,16 +306,8 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
             if isinstance(first, torch.Tensor):
                 with outside_autocast(first):
                     result = loss(*args, **kwargs)
-                # a compiled loss's backward is AOTAutograd's (untraced_under_autocast), and without grad mode there
-                # is no backward
-                if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
-                        and autocast_enabled(first.device.type)):
-                    backward_outside_autocast(result, first.device.type, (*args, *kwargs.values()))
-                    return first_derivatives_only(result, backward_leaves_autocast=True)
-                break
-        else:
-            result = loss(*args, **kwargs)
-        return first_derivatives_only(result)
+                return recorded(result, first=first, inputs=(*args, *kwargs.values()))
+        return first_derivatives_only(loss(*args, **kwargs))  # no tensor argument: nothing to leave a region for
 
     return untraced_under_autocast(computed)
 

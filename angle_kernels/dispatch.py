@@ -16,9 +16,10 @@ Common conventions (the numbers and checks in code: `angle_kernels.contract`)
     * "Compute dtype": float64 inputs compute and return float64; float32, bfloat16 and float16 inputs
       accumulate in float32 and return float32. Gradients come back in the dtype of the input they belong to.
       Inside a torch.autocast region an op computes as outside it (`Ops` switches autocast off while it runs:
-      `contract.outside_autocast`); the ops have first derivatives only (their backward passes are kernels or
-      gradients formed in forward; the losses and the public ops below refuse a second derivative with an error:
-      `contract.first_derivatives_only`).
+      `contract.outside_autocast`), and the public ops below called there give the gradients of a backward called
+      after the region should backward be called inside it (`contract.recorded`); the ops have first derivatives
+      only (their backward passes are kernels or gradients formed in forward; the losses and the public ops below
+      refuse a second derivative with an error: `contract.first_derivatives_only`).
     * No op ever materialises an N x N matrix.
     * Every op's inputs are validated once, here (`Ops`, through `contract.check_<op>`), whatever the
       backend: shapes, dtypes, devices and options, never values (no device sync). Backends trust them.
@@ -520,8 +521,8 @@ def pair_scores(x, with_angle, dims=None, *, backend: str | None = None):
         with_angle needs every d_i even), and the outputs gain a leading axis of k: ([k, G, K-1], [k, G, K-1]).
         Backward adds each prefix's gradient into its leading columns. An optional feature (module docstring).
     """
-    return contract.first_derivatives_only(
-        resolve_backend(backend, _named_tensor("x", x)).pair_scores(x, with_angle, dims))
+    ops = resolve_backend(backend, _named_tensor("x", x))
+    return contract.recorded(ops.pair_scores(x, with_angle, dims), first=x, inputs=(x,))
 
 
 def ranking_loss(scores, labels, *, backend: str | None = None):
@@ -533,8 +534,8 @@ def ranking_loss(scores, labels, *, backend: str | None = None):
         Strict inequality: tied labels contribute nothing; all labels equal gives exactly 0.
         Returns a 0-dim tensor of scores' dtype; gradient with respect to scores only.
     """
-    return contract.first_derivatives_only(
-        resolve_backend(backend, _named_tensor("scores", scores)).ranking_loss(scores, labels))
+    ops = resolve_backend(backend, _named_tensor("scores", scores))
+    return contract.recorded(ops.ranking_loss(scores, labels), first=scores, inputs=(scores, labels))
 
 
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
@@ -562,8 +563,10 @@ def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=Fals
         dims: nested prefixes, as pair_scores' (each prefix q[:, :d_i], c[:, :d_i] with its own norms, exactly as k
         calls on the truncated inputs): the loss is [k], one per prefix. An optional feature (module docstring).
     """
-    return contract.first_derivatives_only(resolve_backend(backend, _named_tensor("q", q)).similarity_xent(
-        q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims))
+    ops = resolve_backend(backend, _named_tensor("q", q))
+    return contract.recorded(
+        ops.similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, dims),
+        first=q, inputs=(q, c, row_weights))
 
 
 def similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.0, penalty_on="none",
@@ -604,6 +607,8 @@ def similarity_lse(q, c, scale, target_offset=0, period=0, exclude="none", penal
             embeddings are cut the same way (at least d_k wide), filter_threshold is then [k, M] (row p for prefix
             p) and reference is cut too. Backward takes grad [k, M].
     """
-    return contract.first_derivatives_only(resolve_backend(backend, _named_tensor("q", q)).similarity_lse(
-        q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c, filter_threshold,
-        filter_keeps_target, normalize, dims, reference=reference))
+    ops = resolve_backend(backend, _named_tensor("q", q))
+    return contract.recorded(
+        ops.similarity_lse(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
+                           filter_threshold, filter_keeps_target, normalize, dims, reference=reference),
+        first=q, inputs=(q, c, filter_q, filter_c, filter_threshold, reference))

@@ -153,6 +153,41 @@ def test_backward_inside_autocast_on_cuda_computes_as_after_the_region(name, mon
     torch.testing.assert_close(inside.grad, after.grad, rtol=1e-5, atol=1e-7)
 
 
+PUBLIC_OPS = {
+    "pair_scores": lambda q, c: sum(t.sum() for t in dispatch.pair_scores(torch.stack((q, c), dim=1), True)),
+    "pair_scores dims": lambda q, c: dispatch.pair_scores(torch.stack((q, c), dim=1), True, dims=(8, 16))[1].sum(),
+    "ranking_loss": lambda q, c: dispatch.ranking_loss(20.0 * (q.float() * c.float()).sum(1), GRADED),
+    "similarity_xent": lambda q, c: dispatch.similarity_xent(q, c, 20.0, "diagonal", margin=0.1),
+    "similarity_lse": lambda q, c: dispatch.similarity_lse(q, c, 20.0, penalty=1.0, penalty_on="other").sum(),
+    "similarity_lse reference dims": lambda q, c: dispatch.similarity_lse(
+        q, c, 1.0, exclude="target", normalize=False, dims=(8, 16), reference=c).sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLIC_OPS))
+@pytest.mark.parametrize("embedding_dtype", [torch.float32, torch.bfloat16])
+def test_backward_inside_autocast_of_a_public_op_computes_as_after_the_region(name, embedding_dtype, monkeypatch):
+    """The public ops (dispatch.pair_scores, ...) leave the region in backward as the losses do: their backward
+    passes ran under autocast, with a warning, which raised a dtype mismatch in pair_scores' ("Input dtypes must be
+    the same") and rounded similarity_lse's gradients to 16 bits (1.2e-2 off for float32 rows)."""
+    from angle_kernels import contract
+    monkeypatch.setattr(contract, "_warned_backward_inside_autocast", False)  # each case: nothing to warn about
+    q, c = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(7)).to(embedding_dtype).unbind(0)
+    after = [t.clone().requires_grad_() for t in (q, c)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = PUBLIC_OPS[name](*after)
+    loss.backward()
+    inside = [t.clone().requires_grad_() for t in (q, c)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing to warn about: the op's backward leaves the region
+            PUBLIC_OPS[name](*inside).backward()
+        assert torch.is_autocast_enabled("cpu")
+    for t, u in zip(inside, after):
+        assert t.grad.dtype == embedding_dtype
+        assert torch.equal(t.grad, u.grad), f"{name}: gradients differ by {(t.grad - u.grad).abs().max().item()}"
+
+
 def test_backward_inside_autocast_leaves_the_models_backward_in_the_region():
     """Only the loss's own nodes leave the region: the encoder's backward runs under it, as eager autograd runs the
     backward of ops recorded under autocast when backward is called inside the region."""
