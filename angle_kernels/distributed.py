@@ -219,7 +219,10 @@ def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
     rank = dist.get_rank()
     try:
         dist.all_gather(records, mine)
-    except RuntimeError as exc:  # gloo's timeout, or a peer gone: the one place to say what usually causes it
+    except RuntimeError as exc:
+        if not _ranks_did_not_come(exc):  # another failure (a device's error): its own message says what it is
+            raise
+        # the one place to say what usually causes a wait that ended so
         raise RuntimeError(
             f"rank {rank} waited for the other ranks to agree to gather {[name for name, _ in named]} and they did "
             "not come: every rank must make the same gathering calls in the same order (each loss with "
@@ -273,6 +276,24 @@ def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
             raise ValueError(f"all_gather_with_grad concatenates along dim 0: {name} must have at least one "
                              "dimension")
     return [_AllGatherWithGrad.apply(t) for t in tensors]
+
+
+# What the collectives raise where the other ranks did not come: gloo's RuntimeError when the group's timeout ends
+# the wait ("Timed out waiting 1800000ms for recv operation to complete") or a peer process is gone ("Connection
+# closed by peer"), NCCL's DistBackendError (its watchdog's timeout, an aborted communicator, a remote rank gone),
+# DistNetworkError (the store or the network between the ranks).
+_WAIT_ENDED = ("timed out", "timeout", "connection closed by peer")
+
+
+def _ranks_did_not_come(error: RuntimeError) -> bool:
+    """Whether `error`, raised by a collective, says that the other ranks did not come to it (a timeout, a group
+    broken by a rank gone), rather than failing for another reason (a device's error, a bad argument)."""
+    import torch.distributed as dist
+
+    if isinstance(error, (dist.DistBackendError, dist.DistNetworkError)):
+        return True
+    message = str(error).lower()
+    return any(words in message for words in _WAIT_ENDED)
 
 
 # How many agreements (all_gather_many_with_grad's collective) this process has joined: refused_together shares a

@@ -783,3 +783,44 @@ def test_a_rank_that_does_not_gather_leaves_the_others_a_timeout_that_says_why(c
     assert "rank 0 waited for the other ranks to agree to gather ['positives']" in message, message
     assert "gather_across_devices=True on every rank" in message and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message
     assert configurations[1]["one_sided"] == ("ok", True)
+
+
+# What gloo raised in two processes (a 2 s group timeout; a peer process that exited), NCCL's error type, and an
+# error of another kind. expected: whether the agreement explains it as ranks that did not come.
+COLLECTIVE_ERRORS = [
+    (RuntimeError, "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 2000ms for send "
+                   "operation to complete", True),
+    (RuntimeError, "[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4510. "
+                   "This is typically caused by a remote worker crashing.", True),
+    ("DistBackendError", "NCCL communicator was aborted on rank 1.", True),
+    (RuntimeError, "CUDA error: an illegal memory access was encountered", False),
+]
+
+
+@pytest.mark.parametrize("error, message, explained", COLLECTIVE_ERRORS, ids=["timeout", "peer_gone", "nccl", "other"])
+def test_only_a_wait_that_ended_is_explained_as_ranks_that_did_not_come(monkeypatch, error, message, explained):
+    """The agreement's collective failing for another reason (a device's error) was reported as ranks that did not
+    come to it, the real error at the end of advice about gathering calls; it is now raised as it came. A timeout or
+    a broken group still gets the advice."""
+    import torch.distributed as dist
+
+    from angle_kernels import distributed
+
+    raised = (getattr(dist, error) if isinstance(error, str) else error)(message)
+
+    def all_gather(records, mine):
+        raise raised
+
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(distributed, "_agreements", distributed._agreements)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    with pytest.raises(RuntimeError) as caught:
+        distributed.all_gather_many_with_grad([("positives", torch.zeros(2, 3))])
+    if explained:
+        assert caught.value is not raised and caught.value.__cause__ is raised
+        assert "rank 0 waited for the other ranks to agree to gather ['positives']" in str(caught.value)
+        assert str(caught.value).endswith(message)
+    else:
+        assert caught.value is raised
