@@ -100,6 +100,21 @@ def test_triplet_loss(gen, n, d, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_triplet_exactly_at_its_margin_takes_no_gradient(gen, dtype):
+    """max(0, x) has no derivative at x = 0: the losses take relu's (0: the triplet counts as met), and so does the
+    oracle, which took clamp(min=0)'s (1) and gave weak and strong a gradient the losses never compute. Rows 0-3:
+    weak and strong equal with margin 0, a hinge of exactly 0 in any dtype; rows 4-7 random."""
+    anchor, weak, strong = (randn(gen, 8, 16, dtype=dtype) for _ in range(3))
+    strong[:4] = weak[:4]
+    check_against_oracle(lambda a, w, s: ak.triplet_loss(a, w, s, 0.0),
+                         lambda a, w, s: oracle.triplet_loss(a, w, s, 0.0), [anchor, weak, strong],
+                         "triplet at its margin")
+    leaves = [leaf_like(x) for x in (anchor, weak, strong)]
+    ak.triplet_loss(*leaves, 0.0).backward()
+    assert all(torch.equal(leaf.grad[:4], torch.zeros_like(leaf.grad[:4])) for leaf in leaves)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_triplets", [False, True])
 def test_arccse_loss_module(gen, with_triplets, dtype):
     h1, h2 = _views(gen, 20, 32, dtype)

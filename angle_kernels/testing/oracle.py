@@ -307,9 +307,13 @@ def arccon_loss(h1: torch.Tensor, h2: torch.Tensor, margin_degrees: float = 10.0
 
 
 def triplet_loss(anchor: torch.Tensor, weak: torch.Tensor, strong: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
-    """ArcCSE Eq. 4: mean over triplets of max(0, cos(anchor, strong) - cos(anchor, weak) + margin)."""
+    """ArcCSE Eq. 4: mean over triplets of max(0, cos(anchor, strong) - cos(anchor, weak) + margin).
+
+    max(0, x) as torch.relu differentiates it, as the losses do: a triplet whose hinge is exactly 0 (weak and strong
+    equal, margin 0) counts as met and takes no gradient. torch.clamp(min=0) passes the gradient there (its
+    derivative at the bound is 1), which no loss computes."""
     a, w, s = in_compute_dtype(anchor), in_compute_dtype(weak), in_compute_dtype(strong)
-    return torch.clamp(cosine(a, s) - cosine(a, w) + margin, min=0.0).mean()
+    return torch.relu(cosine(a, s) - cosine(a, w) + margin).mean()
 
 
 def arccse_loss(h1, h2, anchor=None, weak=None, strong=None, margin_degrees=10.0, tau=0.05, triplet_weight=0.1,
