@@ -52,6 +52,7 @@ from .. import functional as _functional
 from .. import inputs as _inputs
 from ..dispatch import check_backend
 from ..modules import AngleLoss as _AngleLoss
+from ..modules import computes_angle_term
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "PATCHED_NAMES"]
 
@@ -202,8 +203,16 @@ def _fused_ese_compute_loss(self: Any, model: torch.nn.Module, inputs: dict[str,
     teacher_outputs = get_pooling(all_layer_outputs[-1], inputs, strategy, side)
     students = [get_pooling(all_layer_outputs[i], inputs, strategy, side) for i in range(self.n_layers - 1)]
 
-    size = self.ese_compression_size
-    dims, rows = _inputs.espresso_layer_weights(self.n_layers, size, teacher_outputs.shape[-1])
+    if teacher_outputs.dim() != 2:  # the stack below would be 4-D, and the error would name layer_weights
+        raise ValueError(f"Espresso needs one pooled embedding per text, but the pooler's pooling_strategy "
+                         f"{strategy!r} gives outputs of shape {tuple(teacher_outputs.shape)}")
+    size, width = self.ese_compression_size, teacher_outputs.shape[-1]
+    dims, rows = _inputs.espresso_layer_weights(self.n_layers, size, width)
+    # the angle term splits the compressed prefix in halves; the loss would refuse it as odd `dims`, which the
+    # trainer's user never passed (an odd full width is the embeddings' own, refused by the loss as such)
+    if len(dims) > 1 and dims[0] % 2 and computes_angle_term(loss_fct.settings().angle_w, loss_fct.dataset_format):
+        raise ValueError(f"AngleESETrainer's ese_compression_size must be even where the angle term runs (angle_w > 0, "
+                         f"formats A and C: it splits the compressed embeddings in halves), got {size!r}")
     layered = copy.copy(self.loss_fct)  # the trainer's loss configuration, with Espresso's two widths
     layered.dims, layered.dim_weights = dims, None
     loss = layered(labels, torch.stack(students + [teacher_outputs]), layer_weights=rows)

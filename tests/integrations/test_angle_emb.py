@@ -513,3 +513,24 @@ def test_patched_ese_trainer_adds_the_masked_language_model_term(ae, deep_model_
 
     grads = patched_equals_reference(loss_and_grads)
     assert any("cls.predictions" in name for name in grads), "the MLM head took no part in the loss"
+
+
+@pytest.mark.parametrize("setting, match", [
+    (dict(ese_compression_size=7), r"ese_compression_size must be even where the angle term runs .*got 7"),
+    (dict(ese_compression_size=8, pooling_strategy="all"),
+     r"one pooled embedding per text, but the pooler's pooling_strategy 'all' gives outputs of shape \(12, \d+, 32\)"),
+], ids=["odd_compression", "pooling_all"])
+def test_an_ese_trainer_refuses_its_own_settings_by_their_names(ae, deep_model_dir, tmp_path, setting, match):
+    """Settings of the trainer that the fused call cannot take are refused naming them: an odd ese_compression_size
+    with the angle term on (the error named `dims`, which the trainer's user never passed) and a pooler that keeps
+    every token (pooling_strategy 'all': the error named `layer_weights`). angle-emb fails on both too, with a tensor
+    size mismatch."""
+    from angle_kernels.testing.tiny_model import SENTENCES
+
+    angle_mod, model, tokenizer, labels, args = _ese_case(ae, deep_model_dir, tmp_path)
+    pooling = setting.pop("pooling_strategy", "cls")
+    with integration.patched(backend="torch"):
+        trainer = angle_mod.AngleESETrainer(pooler=angle_mod.Pooler(model, pooling_strategy=pooling), model=model,
+                                            args=args, dataset_format="A", apply_ese_pca=False, **setting)
+        with pytest.raises(ValueError, match=match):
+            trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels))
