@@ -66,6 +66,7 @@ _lock = threading.Lock()
 _originals: dict[tuple[str, str], object] = {}  # (module name, attribute) -> the object patch() replaced
 _ese_original: list[Any] = []  # AngleESETrainer.compute_loss as patch() found it (empty when not patched)
 _ese_student_loss: list[Any] = []  # and its compute_student_loss, the hook a subclass overrides
+_backend: list[str | None] = []  # the backend patch() bound (empty when not patched), which patched() restores
 
 
 class AngleLossOnBackend(_AngleLoss):
@@ -136,6 +137,7 @@ def patch(backend: str | None = None) -> None:
                     continue
                 _originals.setdefault((module.__name__, name), getattr(module, name))
                 setattr(module, name, replacements[name])
+        _backend[:] = [backend]
         trainer = getattr(importlib.import_module(ESE_TRAINER[0]), ESE_TRAINER[1], None)
         if trainer is not None and not _ese_original:
             _ese_original.append(trainer.compute_loss)
@@ -149,6 +151,7 @@ def unpatch() -> None:
         for (module_name, name), original in _originals.items():
             setattr(importlib.import_module(module_name), name, original)
         _originals.clear()
+        _backend.clear()
         if _ese_original:
             getattr(importlib.import_module(ESE_TRAINER[0]), ESE_TRAINER[1]).compute_loss = _ese_original.pop()
 
@@ -157,16 +160,20 @@ def unpatch() -> None:
 def patched(backend: str | None = None) -> Iterator[None]:
     """Context manager: angle-emb uses angle_kernels inside the block.
 
-    On exit the originals come back, unless patch() was already in effect on entry (then it stays patched,
-    with the backend this block set).
+    On exit angle-emb is as the block found it: the originals come back, or, where patch() was already in effect
+    on entry, it stays patched with the backend it had then (a block nested in another, or in patch(), sets its
+    backend for its own extent only).
     """
-    was_patched = is_patched()
+    with _lock:
+        previous = list(_backend)  # [backend] when patched on entry, [] when not
     patch(backend)
     try:
         yield
     finally:
-        if not was_patched:
+        if not previous:
             unpatch()
+        elif is_patched():  # unpatch() called inside the block stays in effect
+            patch(previous[0])
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -534,3 +534,26 @@ def test_an_ese_trainer_refuses_its_own_settings_by_their_names(ae, deep_model_d
                                             args=args, dataset_format="A", apply_ese_pca=False, **setting)
         with pytest.raises(ValueError, match=match):
             trainer.compute_loss(model, _trainer_inputs(tokenizer, SENTENCES[:12], labels))
+
+
+def test_a_nested_patched_block_restores_the_backend_it_found(ae):
+    """patched(backend=...) inside patch(backend=...) or another patched() block binds its backend for its own
+    extent: on exit the functions and the AngleLoss a trainer builds compute on the backend in effect on entry (the
+    inner block's backend stayed bound, so training after it ran on a backend the user had set for one block)."""
+    loss_module, angle_module = ae["angle_emb.loss"], ae["angle_emb.angle"]
+    integration.patch(backend="torch")
+    with integration.patched(backend="auto"):
+        assert loss_module.cosine_loss.keywords == {"backend": "auto"}
+        with integration.patched():
+            assert loss_module.cosine_loss is angle_kernels.functional.cosine_loss
+        assert loss_module.cosine_loss.keywords == {"backend": "auto"}
+        assert angle_module.AngleLoss(dataset_format="A").backend == "auto"
+    assert loss_module.cosine_loss.keywords == {"backend": "torch"}
+    assert angle_module.AngleLoss(dataset_format="A").backend == "torch"
+    integration.unpatch()
+
+    with integration.patched(backend="torch"):
+        with integration.patched(backend="auto"):
+            integration.unpatch()  # an unpatch() inside a block is not undone by the block's exit
+        assert not integration.is_patched()
+    assert not integration.is_patched()
