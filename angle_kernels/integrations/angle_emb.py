@@ -27,6 +27,10 @@ What `patch()` swaps (and `unpatch()` restores, object for object):
 
 Not reached: names that user code imported before `patch()` (`from angle_emb.loss import cosine_loss`
 binds the original function to that name). Import the module (`angle_emb.loss.cosine_loss`) or patch first.
+While patched, such an original function cannot be pickled (pickle finds a function by its name, which holds ours),
+and an angle-emb AngleLoss made before `patch()` is no instance of `angle_emb.AngleLoss` (ours); it pickles, as
+angle-emb's class. A process started with "spawn" (multiprocessing's default on macOS and Windows, DataLoader
+workers there) imports angle-emb afresh, unpatched: call `patch()` in it too, or use the "fork" start method.
 
 The results equal the reference's on valid inputs (values and gradients, to floating-point rounding). Where
 the reference silently misbehaves, angle_kernels raises instead (README, "Deviations from the reference"):
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
 import functools
 import importlib
 import math
@@ -138,6 +143,9 @@ def patch(backend: str | None = None) -> None:
                 _originals.setdefault((module.__name__, name), getattr(module, name))
                 setattr(module, name, replacements[name])
         _backend[:] = [backend]
+        reference_loss = _originals.get((_MODULES[1], "AngleLoss"))
+        if isinstance(reference_loss, type):
+            copyreg.pickle(reference_loss, _reduce_reference_angle_loss)
         trainer = getattr(importlib.import_module(ESE_TRAINER[0]), ESE_TRAINER[1], None)
         if trainer is not None and not _ese_original:
             _ese_original.append(trainer.compute_loss)
@@ -150,10 +158,25 @@ def unpatch() -> None:
     with _lock:
         for (module_name, name), original in _originals.items():
             setattr(importlib.import_module(module_name), name, original)
+        copyreg.dispatch_table.pop(_originals.get((_MODULES[1], "AngleLoss")), None)
         _originals.clear()
         _backend.clear()
         if _ese_original:
             getattr(importlib.import_module(ESE_TRAINER[0]), ESE_TRAINER[1]).compute_loss = _ese_original.pop()
+
+
+def _reduce_reference_angle_loss(loss: Any) -> tuple[Any, tuple[()], dict[str, Any]]:
+    """How an angle-emb AngleLoss made before patch() pickles while patched: pickle finds a class by its name, which
+    then holds ours, and refused the object ("not the same object as angle_emb.angle.AngleLoss"). It is rebuilt as
+    angle-emb's class (`_reference_angle_loss`), with its attributes."""
+    return _reference_angle_loss, (), dict(vars(loss))
+
+
+def _reference_angle_loss() -> Any:
+    """An empty angle-emb AngleLoss, the class patch() replaced (angle-emb's own where not patched: another process
+    unpickling it)."""
+    cls = _originals.get((_MODULES[1], "AngleLoss")) or getattr(importlib.import_module(_MODULES[1]), "AngleLoss")
+    return cls.__new__(cls)
 
 
 @contextlib.contextmanager

@@ -557,3 +557,28 @@ def test_a_nested_patched_block_restores_the_backend_it_found(ae):
             integration.unpatch()  # an unpatch() inside a block is not undone by the block's exit
         assert not integration.is_patched()
     assert not integration.is_patched()
+
+
+def test_an_angle_emb_loss_made_before_patch_pickles_while_patched(ae):
+    """A trainer built before patch() holds angle-emb's AngleLoss; pickle finds a class by its name, which holds
+    ours while patched, and refused the object ("not the same object as angle_emb.angle.AngleLoss"). It pickles as
+    angle-emb's class with its settings, and loads patched or not (here after unpatch(), as another process
+    would); after unpatch() it pickles as angle-emb's own code does."""
+    import copy
+    import copyreg
+    import pickle
+
+    reference_class = ae["angle_emb.angle"].AngleLoss
+    loss = reference_class(cosine_w=1.0, ibn_w=0.0, angle_w=1.0, angle_tau=5.0, dataset_format="A")
+    outputs = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    graded = torch.tensor([0.0, 0.0, 2.0, 2.0, 1.0, 1.0, 3.0, 3.0], dtype=torch.float64).unsqueeze(1)
+    with integration.patched():
+        data = pickle.dumps(loss)
+        assert type(copy.deepcopy(loss)) is reference_class
+        patched_copy = pickle.loads(data)
+    assert type(patched_copy) is reference_class
+    restored = pickle.loads(data)
+    assert type(restored) is reference_class and vars(restored) == vars(loss)
+    assert float(restored(graded, outputs)) == float(loss(graded, outputs))
+    assert reference_class not in copyreg.dispatch_table  # unpatch() takes the rule back
+    assert type(pickle.loads(pickle.dumps(loss))) is reference_class
