@@ -3,6 +3,7 @@ results, and unpatch() puts back exactly the objects it replaced."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -582,3 +583,61 @@ def test_an_angle_emb_loss_made_before_patch_pickles_while_patched(ae):
     assert float(restored(graded, outputs)) == float(loss(graded, outputs))
     assert reference_class not in copyreg.dispatch_table  # unpatch() takes the rule back
     assert type(pickle.loads(pickle.dumps(loss))) is reference_class
+
+
+def _fit_dataset(dataset_format: str):
+    from datasets import Dataset
+
+    from angle_kernels.testing.tiny_model import SENTENCES
+
+    if dataset_format == "A":
+        return Dataset.from_dict({"text1": SENTENCES[0:24:2], "text2": SENTENCES[1:24:2],
+                                  "label": [1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 0, 1]})
+    return Dataset.from_dict({"query": SENTENCES[0:24:3], "positive": SENTENCES[1:24:3],
+                              "negative": SENTENCES[2:24:3]})
+
+
+@pytest.mark.parametrize("dataset_format, angle_kwargs, fit_kwargs", [
+    ("A", dict(pooling_strategy="avg"), dict(loss_kwargs=dict(cosine_w=1.0, ibn_w=1.0, angle_w=1.0))),
+    ("C", dict(pooling_strategy="last", tokenizer_padding_side="left"),
+     dict(apply_ese=True, padding="max_length", loss_kwargs=dict(cosine_w=0.5),
+          trainer_kwargs=dict(ese_compression_size=8, ese_kl_temperature=0.5))),
+], ids=["format_A", "format_C_espresso"])
+def test_angle_fit_trains_the_same_patched(ae, deep_model_dir, tmp_path, dataset_format, angle_kwargs, fit_kwargs):
+    """AnglE.fit, angle-emb's own training entry (its collator, trainer and loss_kwargs), on the 4-layer tiny BERT in
+    float64 with plain SGD for 2 epochs: patched (the model built before patch()), every step's loss equals
+    angle-emb's own to rounding and so do the trained weights (but the attention keys' biases, whose gradient is 0
+    up to rounding)."""
+    angle_mod = ae["angle_emb.angle"]
+    trainer_class = angle_mod.AngleESETrainer if fit_kwargs.get("apply_ese") else angle_mod.AngleTrainer
+
+    def fit(patched: bool):
+        angle = angle_mod.AnglE(str(deep_model_dir), max_length=32, device="cpu", **angle_kwargs)
+        angle.backbone.to(torch.float64)
+        losses = []
+        with integration.patched(backend="torch") if patched else contextlib.nullcontext():
+            compute_loss = trainer_class.__dict__["compute_loss"]  # the patched one when patched
+
+            def recording(self, *args, **kwargs):
+                assert isinstance(self.loss_fct, angle_kernels.AngleLoss) is patched
+                torch.manual_seed(len(losses))  # Espresso's PCA draws random projections
+                value = compute_loss(self, *args, **kwargs)
+                losses.append(float((value[0] if isinstance(value, tuple) else value).detach()))
+                return value
+
+            trainer_class.compute_loss = recording
+            try:
+                angle.fit(train_ds=_fit_dataset(dataset_format), batch_size=4, output_dir=str(tmp_path / str(patched)),
+                          epochs=2, learning_rate=0.5, warmup_steps=0, save_steps=10_000, logging_steps=10_000,
+                          argument_kwargs=dict(report_to=[], use_cpu=True, disable_tqdm=True, optim="sgd", seed=0),
+                          **fit_kwargs)
+            finally:
+                trainer_class.compute_loss = compute_loss
+        return losses, {n: p.detach().clone() for n, p in angle.backbone.named_parameters() if "key.bias" not in n}
+
+    ref_losses, ref_weights = fit(patched=False)
+    losses, weights = fit(patched=True)
+    assert len(losses) == len(ref_losses) >= 4
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    for name, ref in ref_weights.items():
+        assert rel_err(weights[name], ref) < 1e-10, name
