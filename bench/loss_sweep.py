@@ -75,8 +75,9 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
                         help="CPU: kill a case's child process after this many seconds")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the whole sweep: once spent (or when a case's predicted runs would overrun "
-                             "it: on CUDA a dozen, on a CPU a round's warm-up pass and timed run and one more), the "
-                             "remaining cases are recorded as skipped")
+                             "it: on CUDA a dozen, on a CPU a round's warm-up pass and timed run and one more, "
+                             "predicted from the case's earlier rounds, else the previous size's run, else runs at "
+                             "smaller sizes in a process of their own), the remaining cases are recorded as skipped")
     parser.add_argument("--warm-up-budget", type=float, default=None,
                         help="CUDA, with --time-budget: seconds of it for the cases' first calls (one untimed call "
                              "per case before its timed runs: the compiles and the autotuning at its shape, recorded "
@@ -161,6 +162,20 @@ def measure_cpu_case(provider, loss, n, d, dtype, threads, repeats, time_per_cas
     return {**measured, "input_bytes": harness.input_bytes(inputs), "threads": torch.get_num_threads()}
 
 
+def probe_cpu_case(provider, loss, n, d, dtype, threads, seed, deadline) -> float | None:
+    """Runs in a forked child of its own (the probes' allocations would move the measured process's peak memory by
+    up to 20 %): the forecast of one run of the case (probed_run_seconds), or None where a probe would not end by
+    `deadline` (time.perf_counter())."""
+    torch.set_num_threads(threads)
+
+    def run_at(m):
+        inputs = loss.build_inputs(m, d, dtype, "cpu", seed)
+        return harness.cold_call(provider.make(loss.name, inputs), harness.grad_leaves(inputs), "cpu")
+
+    return probed_run_seconds(run_at, n, growth_power(loss, provider.family),
+                              fits=lambda seconds: seconds <= deadline - time.perf_counter())
+
+
 def measure_in_process(provider, loss, n, d, dtype, seed, device: str = "cuda", budget=None) -> dict:
     """A case in this process (CUDA): its inputs, its first call (`cold_s`: compiles and autotuning at this shape,
     charged to `budget`'s warm-up, harness.SweepBudget), then its warm runs (charged to its timed runs)."""
@@ -203,14 +218,46 @@ def estimate_extra_bytes(provider, loss, n: int, d: int, dtype: torch.dtype) -> 
     return int(per_element * loss.eager_matrix_elements(n)) + linear
 
 
-def predicted_run_seconds(previous, loss, family, n) -> float | None:
-    """Extrapolate a run time from the previous measured size: N^2 work for the quadratic losses and for
-    the eager baselines' N x N matrices, N otherwise."""
-    if previous is None or previous[1] < 0.05:  # below 50 ms, overheads and noise dominate: no forecast
+# Below this a run's time is mostly overheads and noise, too little to extrapolate from
+FORECAST_MIN_S = 0.05
+
+
+def growth_power(loss, family) -> int:
+    """How a run's time grows with N: N^2 work for the quadratic losses and for the eager baselines' N x N
+    matrices, N otherwise."""
+    return 2 if (loss.grows == "N^2" or loss.bytes_per_element.get(family)) else 1
+
+
+def predicted_run_seconds(previous, loss, family, n, shortest_s: float = FORECAST_MIN_S) -> float | None:
+    """Extrapolate a run time from the previous measured size (growth_power); none from a run under `shortest_s`
+    (a run's overheads, which do not grow with N, scale into a forecast that errs high)."""
+    if previous is None or previous[1] < shortest_s:
         return None
     prev_n, prev_s = previous
-    power = 2 if (loss.grows == "N^2" or loss.bytes_per_element.get(family)) else 1
-    return prev_s * (n / prev_n) ** power
+    return prev_s * (n / prev_n) ** growth_power(loss, family)
+
+
+# The first probe of probed_run_seconds: a size whose run takes a few milliseconds at most
+PROBE_N = 8
+
+
+def probed_run_seconds(run_at, n: int, power: int, fits) -> float | None:
+    """A forecast of one run at size `n` where nothing measured forecasts it (a case's first size, or a previous
+    size's run under FORECAST_MIN_S), for a time budget: runs at doubling sizes from PROBE_N (run_at(m): the seconds
+    of one run at m) up to n // 2, until one takes FORECAST_MIN_S, scaled to n by N^`power`. Each probe costs at most
+    2^power times the one before, so the probes cost about twice the last at most; a probe whose forecast does not
+    fit (`fits(seconds)`) is not run, and the forecast is None: the case does not fit either. Like a forecast from a
+    previous size, it errs high by the overheads that do not grow with N, and low where the larger size runs slower
+    per unit of work (out of the caches): in-batch negatives at N = 4096, D = 768, probed at 3.5 s a run, ran 4 s
+    (the round's margin run, seconds_to_expect, is for that)."""
+    m = max(1, min(PROBE_N, n // 2))
+    seconds = run_at(m)
+    while seconds < FORECAST_MIN_S and 2 * m <= n // 2:
+        if not fits(seconds * 2 ** power):
+            return None
+        m *= 2
+        seconds = run_at(m)
+    return seconds * (n / m) ** power
 
 
 # What a first call needs at least of the warm-up's allowance when nothing smaller of the (loss, provider) was
@@ -235,13 +282,17 @@ def seconds_to_expect(args, forecast: float, repeats: int) -> float:
 
 
 def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None,
-            repeats: int | None = None) -> dict:
+            repeats: int | None = None, measured_s: float | None = None) -> dict:
     """One case of one provider, or why it did not run. CPU: in a forked child, up to `repeats` timed runs
-    (default --repeats) after its warm-up pass; the sweep calls it once per round with one run (`sweep`)."""
+    (default --repeats) after its warm-up pass; the sweep calls it once per round with one run (`sweep`), with
+    `measured_s`, the fastest run of the case's rounds so far, once it has one: the time budget's forecast of its
+    next round. Where nothing forecasts a CPU round within a time budget, a process of probes does first
+    (probe_cpu_case)."""
     repeats = args.repeats if repeats is None else repeats
     estimate = estimate_extra_bytes(provider, loss, n, d, dtype)
     out = {"estimate_bytes": estimate, "floor": loss.work_floor(n, d, dtype)}
     forecast = predicted_run_seconds(previous, loss, provider.family, n)
+    budget_forecast = forecast if measured_s is None else measured_s
     if budget is not None:
         if not budget.fits("warm_up", FIRST_CALL_S if previous is None else (forecast or 0.0) + 1.0):
             return {**out, "status": "skipped", "note": f"skipped: --warm-up-budget {args.warm_up_budget:g} s spent"}
@@ -249,7 +300,7 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, 
             return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent"}
     elif deadline is not None:
         left = deadline - time.perf_counter()
-        if left <= 0 or (forecast is not None and seconds_to_expect(args, forecast, repeats) > left):
+        if left <= 0 or (budget_forecast is not None and seconds_to_expect(args, budget_forecast, repeats) > left):
             return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent"}
     if provider.family != "ours" and estimate > args.max_ref_gb * GB:
         return {**out, "status": "skipped",
@@ -266,6 +317,19 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, 
         headroom = max(3 * estimate, 2 * GB)
         if available is not None:
             headroom = min(headroom, int(0.8 * available))
+        if deadline is not None and budget_forecast is None:
+            # nothing forecasts this round: the previous size's run, scaled, where it is too short to extrapolate
+            # from (it scales high) and yet fits, else what a process of probes forecasts
+            rough = predicted_run_seconds(previous, loss, provider.family, n, shortest_s=0.0)
+            if rough is None or seconds_to_expect(args, rough, repeats) > deadline - time.perf_counter():
+                probed = harness.call_in_fork(probe_cpu_case, provider, loss, n, d, dtype, args.threads, args.seed,
+                                              deadline, timeout=args.case_timeout)
+                # a probe that failed forecasts nothing: the case itself runs, and its row says why it failed
+                over = probed[0] == "ok" and (probed[1] is None or seconds_to_expect(args, probed[1], repeats)
+                                              > deadline - time.perf_counter())
+                if over:
+                    return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent",
+                            "forecast_s": probed[1]}
         payload = harness.call_in_fork(measure_cpu_case, provider, loss, n, d, dtype, args.threads, repeats,
                                        args.time_per_case, args.seed, headroom, timeout=args.case_timeout)
     else:
@@ -341,8 +405,9 @@ def sweep(args, losses, providers, limits, on_row=None, deadline=None, budget=No
     --time-per-case seconds of runs, wants_another_round), and its row gathers its rounds (merge_rounds). On CUDA, a
     device of its own, each case runs once, do_bench's runs back to back. on_row(results) runs after every row; no
     case or round starts past `deadline` (time.perf_counter()), or when its forecast would overrun it
-    (seconds_to_expect: on a CPU, what one round costs), or, with a `budget` (harness.SweepBudget), when its first
-    call or its timed runs would overrun their allowance."""
+    (seconds_to_expect: on a CPU, what one round costs, forecast from the case's earlier rounds, else the previous
+    size's, else probes: run_one), or, with a `budget` (harness.SweepBudget), when its first call or its timed runs
+    would overrun their allowance."""
     results = []
     for dtype_name in args.dtypes:
         dtype = harness.DTYPES[dtype_name]
@@ -353,8 +418,9 @@ def sweep(args, losses, providers, limits, on_row=None, deadline=None, budget=No
                 rounds = {provider.name: [] for provider in active}
 
                 def measure(provider, repeats=None):
+                    runs = [r["min_s"] for r in rounds[provider.name] if r["status"] == "ok"]
                     return run_one(args, provider, loss, n, d, dtype, previous.get((loss.name, provider.name)),
-                                   limits, deadline, budget, repeats=repeats)
+                                   limits, deadline, budget, repeats=repeats, measured_s=min(runs, default=None))
 
                 if args.device == "cpu":
                     # every other round in reverse order (A B, B A, ...): a load that rises or falls through the

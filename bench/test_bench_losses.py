@@ -272,7 +272,7 @@ def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
     measured = []
 
     def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None,
-                     repeats=None):
+                     repeats=None, measured_s=None):
         if n > 16:  # during the second size's rounds
             raise KeyboardInterrupt("the machine's time limit")
         measured.append(n)

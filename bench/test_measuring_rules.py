@@ -129,18 +129,21 @@ def test_the_sweep_forecasts_from_the_min_time_of_the_previous_size(monkeypatch)
     args = bench_losses.parse_args(["--losses", "cosine", "--n", "16,32", "--d", "8", "--providers", "ours",
                                     "--device", "cpu", "--no-plot", "--repeats", "2"])
     provider = P.Provider("ours-torch", "ours", "torch", {"cosine": bench_losses.LOSSES["cosine"]})
-    seen = []
+    seen, measured = [], []
 
     def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None,
-                     repeats=None):
+                     repeats=None, measured_s=None):
         seen.append(previous)
-        return {"status": "ok", "median_s": 0.5, "min_s": 0.1, "time_s": 0.5, "extra_bytes": 0,
+        measured.append(measured_s)
+        return {"status": "ok", "median_s": 0.5, "min_s": 0.1 + len(seen) / 100, "time_s": 0.5, "extra_bytes": 0,
                 "floor": loss.work_floor(n, d, dtype)}
 
     monkeypatch.setattr(loss_sweep, "run_one", fake_run_one)
     monkeypatch.setattr(loss_sweep, "progress_line", lambda row: "")
     loss_sweep.sweep(args, [bench_losses.LOSSES["cosine"]], [provider], {})
-    assert seen == [None, None, (16, 0.1), (16, 0.1)]  # each size's two rounds
+    assert seen == [None, None, (16, 0.11), (16, 0.11)]  # each size's two rounds
+    # a size's later rounds are forecast, for a time budget, from its own rounds before them
+    assert measured == [None, 0.11, None, 0.13]
 
 
 
@@ -311,6 +314,116 @@ def test_a_cpu_round_needs_time_for_its_own_two_runs_and_a_cuda_case_for_a_dozen
     assert one_round(30.0)["status"] == "ok" and forked == [1]
 
 
+def test_probes_double_the_size_until_a_run_is_long_enough_to_scale_from():
+    """Where nothing forecasts a case, runs at 8, 16, ... pairs, up to half the case's size, until one takes
+    FORECAST_MIN_S (50 ms), scaled to the case's size: from a run of 82.9 ms at 8,192 pairs, 663 ms at 65,536 (the
+    run's 1 ms of overheads scaled with it: the forecast errs high). No probe runs whose own forecast does not fit."""
+    import loss_sweep
+
+    def linear(m):
+        sizes.append(m)
+        return 0.001 + 1e-5 * m
+
+    sizes = []
+    assert loss_sweep.probed_run_seconds(linear, 65536, 1, fits=lambda s: True) == pytest.approx(0.08292 * 8)
+    assert sizes == [8 * 2 ** k for k in range(11)] and loss_sweep.PROBE_N == 8
+    sizes = []  # quadratic and short: up to half the size, scaled by 4
+    assert loss_sweep.probed_run_seconds(linear, 64, 2, fits=lambda s: True) == pytest.approx(4 * (0.001 + 32e-5))
+    assert sizes == [8, 16, 32]
+    sizes, asked = [], []  # the probe at 16 would take 2 x 1.08 ms: it does not fit, so neither does the case
+    assert loss_sweep.probed_run_seconds(linear, 65536, 1, fits=lambda s: asked.append(s) or s < 0.002) is None
+    assert sizes == [8] and asked == [pytest.approx(2 * 0.00108)]
+    sizes = []
+    assert loss_sweep.probed_run_seconds(linear, 3, 1, fits=lambda s: True) == pytest.approx(3 * 0.00101)
+    assert sizes == [1]
+
+
+def _forks_on_a_clock(monkeypatch, probe, run_s):
+    """harness.call_in_fork and loss_sweep's clock faked: a probe process (probe_cpu_case) returns `probe` after
+    0.5 s, a measuring one a run of `run_s` after 2 runs (its warm-up pass and timed run); the calls are listed."""
+    import loss_sweep
+
+    clock, calls = {"now": 100.0}, []
+
+    def call_in_fork(fn, *args, **kwargs):
+        calls.append(fn.__name__)
+        if fn.__name__ == "probe_cpu_case":
+            clock["now"] += 0.5
+            return probe
+        clock["now"] += 2 * run_s
+        return "ok", {"median_s": run_s, "min_s": run_s, "times_s": [run_s], "extra_bytes": 0}
+
+    monkeypatch.setattr(loss_sweep.harness, "free_bytes", lambda device: None)
+    monkeypatch.setattr(loss_sweep.harness, "call_in_fork", call_in_fork)
+    monkeypatch.setattr(loss_sweep, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    return clock, calls
+
+
+def test_a_cpu_case_that_nothing_forecasts_runs_within_the_time_budget_only_if_its_probes_say_it_fits(monkeypatch):
+    """A case's first size had no forecast, so its first round started whatever it cost while any of --time-budget
+    was left (in-batch negatives at 4,096 pairs, D = 768: 13 s past a 16 s budget). It now starts only if what is
+    left holds a round forecast by a process of probes (probe_cpu_case, apart from the measured one: their
+    allocations would move its peak memory): forecast at 2 s, 6.5 s. A probe that fails forecasts nothing and the case
+    runs (its row says why it fails); the previous size's run, scaled, spares the probes where it fits."""
+    import bench_losses
+    import loss_sweep
+
+    loss, ours = bench_losses.LOSSES["cosine"], types.SimpleNamespace(family="ours")
+    args = bench_losses.parse_args(["--losses", "cosine", "--device", "cpu", "--time-budget", "60"])
+
+    def one_round(left, previous=None):
+        return loss_sweep.run_one(args, ours, loss, 16, 8, torch.float32, previous, {},
+                                  deadline=loss_sweep.time.perf_counter() + left, repeats=1)
+
+    clock, calls = _forks_on_a_clock(monkeypatch, ("ok", 2.0), run_s=2.0)
+    assert one_round(7.0)["status"] == "ok" and calls == ["probe_cpu_case", "measure_cpu_case"]
+    calls.clear()
+    row = one_round(6.9)  # 6.4 s left once the probes are done
+    assert row["status"] == "skipped" and "--time-budget" in row["note"] and row["forecast_s"] == 2.0
+    assert calls == ["probe_cpu_case"]
+    clock, calls = _forks_on_a_clock(monkeypatch, ("ok", None), run_s=2.0)  # a probe would not have fitted
+    assert one_round(100.0)["status"] == "skipped" and calls == ["probe_cpu_case"]
+    clock, calls = _forks_on_a_clock(monkeypatch, ("oom", "OOM: ...", ""), run_s=2.0)
+    assert one_round(100.0)["status"] == "ok" and calls == ["probe_cpu_case", "measure_cpu_case"]
+    calls.clear()
+    # 10 ms at 8 pairs, too short to extrapolate from, scales to 20 ms at 16: a round needs 0.56 s
+    assert one_round(1.0, previous=(8, 0.01))["status"] == "ok" and calls == ["measure_cpu_case"]
+    calls.clear()
+    assert one_round(0.5, previous=(8, 0.01))["status"] == "ok" and calls == ["probe_cpu_case", "measure_cpu_case"]
+
+
+def test_a_first_size_s_later_rounds_are_forecast_from_its_first(monkeypatch):
+    """With 8 s of --time-budget left, a case's first round (probed at 2 s) runs and takes 4 s: its second round,
+    forecast from its own first, needs 6.5 s and does not start. Without a forecast it started while any time was
+    left: 4 rounds, ending 0.5 s past the budget."""
+    import bench_losses
+    import loss_sweep
+    import providers as P
+
+    loss = bench_losses.LOSSES["cosine"]
+    args = bench_losses.parse_args(["--losses", "cosine", "--n", "16", "--d", "8", "--providers", "ours",
+                                    "--device", "cpu", "--no-plot", "--time-budget", "8"])
+    provider = P.Provider("ours-torch", "ours", "torch", {"cosine": loss})
+    clock, calls = _forks_on_a_clock(monkeypatch, ("ok", 2.0), run_s=2.0)
+    monkeypatch.setattr(loss_sweep, "progress_line", lambda row: "")
+    [row] = loss_sweep.sweep(args, [loss], [provider], {}, deadline=clock["now"] + 8.0)
+    assert row["status"] == "ok" and row["rounds"] == 1 and calls == ["probe_cpu_case", "measure_cpu_case"]
+    assert clock["now"] <= 100.0 + 8.0
+
+
+def test_probes_forecast_a_run_in_a_process_of_their_own():
+    """probe_cpu_case computes a forecast of the case's run (ours, cosine at 64 pairs) in a forked child."""
+    import bench_losses
+    import loss_sweep
+    import providers as P
+
+    loss = bench_losses.LOSSES["cosine"]
+    ours = P.Provider("ours-torch", "ours", "torch", {"cosine": loss})
+    status, forecast = harness.call_in_fork(loss_sweep.probe_cpu_case, ours, loss, 64, 8, torch.float32, 1, 0,
+                                            loss_sweep.time.perf_counter() + 600, timeout=120)
+    assert status == "ok" and forecast > 0
+
+
 def test_a_killed_child_is_out_of_memory_and_a_timeout_an_error(monkeypatch):
     import bench_losses
     import loss_sweep
@@ -388,7 +501,7 @@ def test_the_cpu_sweep_interleaves_the_providers_of_a_size_round_by_round(monkey
     calls = []
 
     def fake_run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, budget=None,
-                     repeats=None):
+                     repeats=None, measured_s=None):
         calls.append((provider.name, repeats))
         turn = sum(name == provider.name for name, _ in calls) - 1
         if provider.name == "angle-emb":
