@@ -22,7 +22,6 @@ before-and-after comparison: run both, alternating).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -86,7 +85,9 @@ def main(argv=None) -> int:
     parser.add_argument("--min-tokens", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=52)
     parser.add_argument("--checkout", help="a checkout whose angle_train to time (its root folder)")
-    parser.add_argument("--json", action="store_true", help="print each setting's times as JSON instead of the table")
+    parser.add_argument("--json", action="store_true",
+                        help="print each setting's times as JSON instead of the table (strict JSON: a time that is not "
+                             "finite is null)")
     args = parser.parse_args(argv)
     for name in ("pairs", "rounds", "threads"):
         if getattr(args, name) < 1:
@@ -104,7 +105,14 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     times = measure(args.pairs, args.rounds, args.min_tokens, args.max_tokens)
-    print(json.dumps(times) if args.json else table(times, args.pairs))
+    if args.json:
+        # bench/'s writer, whichever checkout's angle_train was timed; imported here, after the timing: harness sets
+        # OMP_WAIT_POLICY for torch's threads, which these figures were measured without
+        import harness
+
+        print(harness.json_text(times, indent=None))
+    else:
+        print(table(times, args.pairs))
     return 0
 
 

@@ -25,7 +25,6 @@ the fixed cost of a small call grows).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -142,7 +141,8 @@ def main(argv=None) -> int:
     parser.add_argument("--losses", default=",".join(FAMILIES),
                         help=f"comma-separated families to time, of {','.join(FAMILIES)} (default: all)")
     parser.add_argument("--json", action="store_true",
-                        help="print the medians (ms) as JSON instead of the table")
+                        help="print the medians (ms) as JSON instead of the table (strict JSON: a median that is not "
+                             "finite is null)")
     args = parser.parse_args(argv)
     for name in ("pairs", "dim", "rounds", "threads"):
         if getattr(args, name) < 1:
@@ -155,7 +155,11 @@ def main(argv=None) -> int:
     warm_rounds = min(10, args.rounds - 1)
     times = timings(args.pairs, args.dim, args.rounds, warm_rounds=warm_rounds, losses=losses)
     if args.json:
-        print(json.dumps({name: statistics.median(t) for name, t in times.items()}))
+        # imported here, not above with torch: harness sets OMP_WAIT_POLICY for torch's threads, which these figures
+        # were measured without
+        import harness
+
+        print(harness.json_text({name: statistics.median(t) for name, t in times.items()}, indent=None))
     else:
         print(f"{args.pairs} pairs, D = {args.dim}, {args.threads} thread(s), forward + backward: "
               f"{args.rounds} rounds, the first {warm_rounds} not counted\n")

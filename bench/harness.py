@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import importlib
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -711,14 +713,25 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def json_text(payload, indent: int | None = 1) -> str:
-    """`payload` as strict JSON, what every JSON file of the benchmarks holds: a number that is not finite (a NaN
-    loss, an infinite difference) written as null (angle_train's rule for its files: tracking.finite_or_none), where
-    json.dumps wrote NaN or Infinity, which jq, JavaScript's JSON.parse and other strict parsers refuse; anything else
-    that is not JSON (a path, a dtype) as its str. Its readers take null as a number that is missing or not finite."""
-    from angle_train.tracking import finite_or_none  # here, not at the top: harness loads before any benchmark's code
+@functools.cache
+def _own_tracking():
+    """angle_train/tracking.py of the checkout bench/ is in, loaded by its path: a benchmark that times another
+    checkout's angle_train (bench_data_prep.py --checkout) has imported that one as `angle_train`, and an older one
+    lacks the helpers the reports are written with. The module imports nothing but the standard library."""
+    path = REPO / "angle_train" / "tracking.py"
+    spec = importlib.util.spec_from_file_location("_bench_own_angle_train_tracking", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    return json.dumps(finite_or_none(payload), indent=indent, default=str, allow_nan=False)
+
+def json_text(payload, indent: int | None = 1) -> str:
+    """`payload` as strict JSON, what every JSON file and --json output of the benchmarks holds: a number that is not
+    finite (a NaN loss, an infinite difference) written as null (angle_train's rule for its files:
+    tracking.finite_or_none, this checkout's whatever angle_train is measured), where json.dumps wrote NaN or Infinity,
+    which jq, JavaScript's JSON.parse and other strict parsers refuse; anything else that is not JSON (a path, a
+    dtype) as its str. Its readers take null as a number that is missing or not finite."""
+    return json.dumps(_own_tracking().finite_or_none(payload), indent=indent, default=str, allow_nan=False)
 
 
 def write_json_atomic(path: Path, payload, indent: int | None = 1) -> None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -103,3 +107,41 @@ def test_a_checkout_is_refused_once_angle_train_is_imported(capsys):
     with pytest.raises(SystemExit):
         bench_data_prep.main(["--checkout", str(Path(__file__).resolve().parent.parent)])
     assert "--checkout: angle_train is already imported in this process" in capsys.readouterr().err
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_the_json_output_is_strict_with_null_for_a_time_that_is_not_finite(monkeypatch, capsys):
+    """--json prints through bench/'s JSON writer (harness.json_text): a time that is not finite is null, where
+    json.dumps printed NaN or Infinity, which jq and other strict parsers refuse."""
+    monkeypatch.setattr(bench_data_prep, "measure", lambda *args: {"one padded pass": [0.5, math.inf, math.nan]})
+    assert bench_data_prep.main(["--json"]) == 0
+    assert _strict_json(capsys.readouterr().out) == {"one padded pass": [0.5, None, None]}
+
+
+def test_an_older_checkout_s_json_is_written_by_bench_s_own_writer(tmp_path):
+    """--checkout DIR imports DIR's angle_train, which may predate the writer's helper (tracking.finite_or_none): the
+    --json output is still written, with bench/'s own. In a fresh process, where angle_train is not yet imported."""
+    package = tmp_path / "old" / "angle_train"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "tracking.py").write_text("# an angle_train from before finite_or_none\n")
+    (package / "data.py").write_text("raise ImportError('the stand-in data module is not timed here')\n")
+    script = textwrap.dedent(f"""
+        import math, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        import bench_data_prep
+        bench_data_prep.measure = lambda *args: {{"one padded pass": [math.nan, 0.25]}}
+        code = bench_data_prep.main(["--checkout", {str(tmp_path / "old")!r}, "--json"])
+        import angle_train.tracking
+        assert not hasattr(angle_train.tracking, "finite_or_none"), angle_train.tracking.__file__
+        sys.exit(code)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _strict_json(proc.stdout) == {"one padded pass": [None, 0.25]}

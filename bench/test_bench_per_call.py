@@ -4,6 +4,7 @@ and the script prints its table."""
 from __future__ import annotations
 
 import json
+import math
 import types
 
 import pytest
@@ -99,3 +100,15 @@ def test_the_flags_reach_the_measurement(monkeypatch, capsys):
     assert seen == [(256, 64, 80, 10, tuple(bench_per_call.FAMILIES)), (16, 8, 4, 3, ("mnrl",))]
     assert threads == [1, 3]
     assert "| mnrl | 1.000 (1.000-1.000) | 1.000 (1.000-1.000) | 1.00x |" in capsys.readouterr().out
+
+
+def test_the_json_output_is_strict_with_null_for_a_time_that_is_not_finite(monkeypatch, capsys):
+    """--json prints through bench/'s JSON writer (harness.json_text): a median that is not finite is null, where
+    json.dumps printed NaN, which jq and other strict parsers refuse."""
+    monkeypatch.setattr(bench_per_call, "timings", lambda *args, **kwargs: {"mnrl": [math.nan], "eager mnrl": [2.0]})
+    assert bench_per_call.main(["--losses", "mnrl", "--json"]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    assert json.loads(capsys.readouterr().out, parse_constant=refuse) == {"mnrl": None, "eager mnrl": 2.0}
