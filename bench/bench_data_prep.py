@@ -9,8 +9,9 @@ every step, under each way of cutting passes:
     packed, 16,384-token passes  --chunk-tokens 16384 --pack 128 (real tokens)
     one packed pass              plain backprop with --pack 128 (the CPU default)
 
-On a GPU the trainer makes the next step's passes on a background thread while a step runs, so this time costs a
-step only where it exceeds the step's device time (and on the first step of each epoch). The texts are
+On a GPU the trainer makes the next step's passes on a background thread while a step runs (the next epoch's first
+step's too), so this time costs a step only where it exceeds the step's device time, and on a run's first step (or a
+resumed run's), which has no step before it to make them. The texts are
 synthetic token ids of uniformly random lengths (--min-tokens .. --max-tokens, STS-B's range by default), the
 batch a random draw of the dataset's examples. Every round times each setting once; the table gives each setting's
 median over the rounds, with the fastest and slowest. --checkout DIR times another checkout's angle_train (a

@@ -12,9 +12,10 @@ its eager formula (the N x N matrix written out in PyTorch, as the reference pac
 
 Every round times each row once (so a machine whose speed drifts slows every contender alike); the table gives each
 row's median over the rounds after the first ten with its interquartile range, and eager ÷ ours, the eager formula's
-median over ours (above 1: ours is faster), the direction of every ratio of bench/. Target: our call within 1.2x of
-the eager formula's time, eager ÷ ours at least 0.83. One
-thread by default (--threads), as the per-call figures in the CHANGELOG were measured. `--losses` times only some
+median over ours (above 1: ours is faster), the direction of bench_losses.py's and bench_training.py's ratios
+(bench_matryoshka_ratios.py's columns are the other way: a loss's cost over its one-width baseline's). Target: our
+call within 1.2x of the eager formula's time, eager ÷ ours at least 0.83. One thread by default (--threads), as the
+per-call figures in the CHANGELOG were measured. `--losses` times only some
 families: with one, its two rows alternate call after call, as in a training loop that calls one loss (with all
 four, each call follows the other families' calls, which have evicted some of its data and code from the caches:
 the fixed cost of a small call grows).

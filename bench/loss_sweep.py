@@ -45,10 +45,13 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--losses", default=",".join(default_losses),
                         help="comma-separated subset of " + ",".join(losses))
+    def growing_as(grows):
+        return ", ".join(name for name, loss in losses.items() if loss.grows == grows)
+
     parser.add_argument("--n", type=int_list, default=[256, 1024, 4096, 16384],
-                        help="sizes N of the losses whose cost grows as N (cosine, angle, triplet)")
+                        help=f"sizes N of the losses whose cost grows as N ({growing_as('N')})")
     parser.add_argument("--n-quadratic", type=int_list, default=[256, 512, 1024],
-                        help="sizes N of the losses whose cost grows as N^2 D (ibn, contrastive, arccon)")
+                        help=f"sizes N of the losses whose cost grows as N^2 D ({growing_as('N^2')})")
     parser.add_argument("--d", type=int_list, default=[768], help="embedding sizes D")
     parser.add_argument("--dtypes", default="float32", help="comma-separated: " + ",".join(harness.DTYPES))
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

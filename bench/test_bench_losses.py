@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -310,6 +311,22 @@ def test_a_case_in_process_times_its_first_call_apart_and_charges_each_part():
     summary = budget.summary()
     assert summary["warm_up"] == {"allowed_s": 20, "spent_s": pytest.approx(row["cold_s"], abs=0.05), "cases": 1}
     assert summary["timed"]["allowed_s"] == 40 and summary["timed"]["cases"] == 1
+
+
+def test_the_size_flags_help_names_every_loss_they_size(capsys):
+    """--n's and --n-quadratic's help name the losses each sizes, from the losses' own growth: they named three each,
+    leaving out MNRL's options and the Matryoshka losses; a family's sweep (bench_arccse.py) names its own."""
+    import bench_arccse
+
+    for losses in (LOSSES, {loss.name: loss for loss in bench_arccse.LOSSES}):
+        with pytest.raises(SystemExit):
+            loss_sweep.parse_args(["--help"], losses, list(losses))
+        text = " ".join(capsys.readouterr().out.split())
+        for flag, grows in (("--n N", "N"), ("--n-quadratic N_QUADRATIC", "N^2")):
+            pattern = re.escape(f"{flag} sizes N of the losses whose cost grows as {grows}") + r"(?: D)? \(([^)]*)\)"
+            named = re.search(pattern, text).group(1)
+            assert named.split(", ") == [name for name, loss in losses.items() if loss.grows == grows], named
+    assert {"matryoshka_cosine", "mnrl_dot", "matryoshka_mnrl"} <= set(LOSSES)
 
 
 def test_the_warm_up_budget_skips_a_case_before_it_runs_and_needs_cuda_and_a_time_budget(capsys):
