@@ -41,7 +41,8 @@ a link out of the folder) does not match, and nothing it names is read.
 Three starts are refused: a fresh run, or a resume from another output folder's checkpoint, in an output folder that
 holds an earlier run (unless --overwrite: it would replace or orphan that run's outputs); a resume whose data
 settings (RESUME_MUST_MATCH) differ from the checkpoint's (it would silently skip or repeat training data; a data
-file moved, renamed or copied is the same data where the checkpoint records its contents: _moved_data); and one
+file moved, renamed or copied is the same data where the checkpoint records its contents: _moved_data; the names of
+training examples given to train() in either run are not compared, their record is: TRAIN_DATA_SETTINGS); and one
 whose run ends before the checkpoint's step. The optimizer and schedule settings (RESUME_APPLIES), the run's length
 among them (a finished run can be extended), may change on resume and take effect from the resumed step: the
 learning rate there is the one the new settings' schedule gives at that step (as if the run had used them from the
@@ -86,6 +87,10 @@ from .tracking import DEV_METRICS, metrics_row
 # Settings that fix which examples make up the batch at a saved position.
 RESUME_MUST_MATCH = ("train_data", "train_split", "data_format", "batch_size", "grad_accum", "bucket", "seed",
                      "objective", "text_column", "mask_rates")
+# Those of them that name and read --train-data (the source, its split, the format and ArcCSE's column it is read by):
+# training examples given to train() replace them, so they are compared only where both runs read --train-data, and
+# the examples by the checkpoint's record of them otherwise (Position.data_record)
+TRAIN_DATA_SETTINGS = ("train_data", "train_split", "data_format", "text_column")
 
 # Settings of the optimizer and the learning-rate schedule that a resumed run applies from the step it resumes at
 # (load_checkpoint); the others are read from the settings at every step, or fixed by RESUME_MUST_MATCH. The run's
@@ -122,8 +127,9 @@ class Position:
     best_metric: str = "dev_spearman"
     good_checkpoint: int | None = None
     # what the batches of `epoch` are made from: {"examples": count, "contents": data.data_fingerprint of them,
-    # "order": data.order_fingerprint of the epoch's batches} (trainer.data_record; earlier versions recorded a
-    # "fingerprint", data.sampled_data_fingerprint's, for "contents"); a resume that would make them of other
+    # "order": data.order_fingerprint of the epoch's batches, "given": true where they were given to train() as
+    # train_examples, not read from --train-data} (trainer.data_record; earlier versions recorded a "fingerprint",
+    # data.sampled_data_fingerprint's, for "contents", and no "given"); a resume that would make them of other
     # examples, or in another order, is refused (load_checkpoint). None: written before it was recorded.
     data_record: dict | None = None
     # trainer.dev_set_fingerprint of the dev set that scores the run (the one that measured `best`): a resume with the
@@ -550,14 +556,15 @@ def _failed_write_cleaned(tmp: str, output_dir: str):
 def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder, optimizer, scheduler, scaler,
                     data_record: Callable[[int], dict] | None = None, total_steps: int | None = None,
                     dev_fingerprint: str | None = None, dev_metric: str | None = None, dev_given: bool = False,
-                    base_model: dict | None = None) -> Position:
+                    train_given: bool = False, base_model: dict | None = None) -> Position:
     """Restore what save_checkpoint wrote into the given objects and this process's generators; return the
     position to continue from. Both files are read and checked before anything is changed. data_record(epoch):
     this run's Position.data_record for an epoch, checked against the checkpoint's (_refuse_other_data);
     total_steps: this run's length, refused where it ends before the checkpoint's step; dev_fingerprint: this run's
     Position.dev_fingerprint (None: no dev set) and dev_metric the score it gives (tracking.DEV_METRICS), checked
     against the checkpoint's (_refuse_another_dev_set); dev_given: the dev set was given to train() (dev_examples),
-    not read from --dev-data; base_model: this run's base_model_record, checked against the checkpoint's
+    not read from --dev-data; train_given: the training examples were given to train() (train_examples), not read
+    from --train-data; base_model: this run's base_model_record, checked against the checkpoint's
     (_compare_base_model)."""
     state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
     # every process sees the same files, so all refuse together, before any collective a refusal would leave waiting
@@ -568,12 +575,17 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
                          "state continue from its own)")
     position = Position(**state["position"])
     current_data = None if data_record is None or position.data_record is None else data_record(position.epoch)
-    moved = _moved_data(state["config"], cfg, position, current_data, None if dev_given else dev_fingerprint)
-    _refuse_changed_data_settings(path, state["config"], cfg, moved=moved)
+    # the training data the names of TRAIN_DATA_SETTINGS read in both runs; given to train() in either, they name
+    # nothing of it, and the examples are compared by their record alone
+    train_named = not train_given and not (position.data_record or {}).get("given")
+    moved = _moved_data(state["config"], cfg, position, current_data if train_named else None,
+                        None if dev_given else dev_fingerprint)
+    _refuse_changed_data_settings(path, state["config"], cfg, moved=moved, train_named=train_named)
     if total_steps is not None and position.step > total_steps:
         _refuse_shorter_run(path, cfg, position.step, total_steps)
     if current_data is not None:
-        _refuse_other_data(path, state["config"], cfg, position, current_data)
+        _refuse_other_data(path, state["config"], cfg, position, current_data, train_given=train_given,
+                           train_named=train_named)
     recorded_model = state.get("base_model")
     _refuse_another_model(path, state["config"], cfg, model_given=any(
         record is not None and record.get("given") for record in (recorded_model, base_model)))
@@ -911,10 +923,13 @@ def _ineffective_splits(cfg: TrainConfig) -> set[str]:
             if has_no_splits(source)}
 
 
-def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig, moved: dict | None = None) -> None:
+def _refuse_changed_data_settings(path: str, saved: dict, cfg: TrainConfig, moved: dict | None = None, *,
+                                  train_named: bool = True) -> None:
     """The data settings (RESUME_MUST_MATCH) against the checkpoint's, but for data found the same by contents under
-    another name (`moved`: _moved_data), and a split that reads nothing here (_ineffective_splits)."""
-    settled = {*(moved or {}), *_ineffective_splits(cfg)}
+    another name (`moved`: _moved_data), a split that reads nothing here (_ineffective_splits), and the settings that
+    name and read --train-data (TRAIN_DATA_SETTINGS) unless both runs read it (train_named): training examples given
+    to train() in either are compared by the checkpoint's record of them (_refuse_other_data)."""
+    settled = {*(moved or {}), *_ineffective_splits(cfg), *(() if train_named else TRAIN_DATA_SETTINGS)}
     changed = {k: values for k, values in _differing_settings(saved, cfg, RESUME_MUST_MATCH).items()
                if k not in settled}
     if changed:
@@ -933,25 +948,34 @@ def _refuse_shorter_run(path: str, cfg: TrainConfig, step: int, total_steps: int
                      "a new run in a new --output-dir")
 
 
-def _refuse_other_data(path: str, saved: dict, cfg: TrainConfig, position: Position, current: dict) -> None:
+def _refuse_other_data(path: str, saved: dict, cfg: TrainConfig, position: Position, current: dict, *,
+                       train_given: bool = False, train_named: bool = True) -> None:
     """A resume whose epoch would be made of other examples, or of the same ones in another order, is refused: the
     run would go on through batches that train some examples twice and skip others, in silence. The settings that
     fix both are compared by name first (RESUME_MUST_MATCH); what they name can still change under them (a file
     edited or replaced, --columns, or with --bucket the token counts the order sorts by, which --max-length
-    changes)."""
+    changes). Where either run was given its examples (train_given: this one; train_named: both read --train-data)
+    this record is all that compares them, and the refusal names train_examples, or the --train-data this run reads."""
     record = position.data_record
     common = "Resume with the checkpoint's data and settings, or start a new run in a new --output-dir"
     # "contents": every example's fingerprint; "fingerprint": the sampled one of checkpoints written before it
     kind = "contents" if "contents" in record else "fingerprint"
     if (record["examples"], record[kind]) != (current["examples"], current[kind]):
-        named = _differing_settings(saved, cfg, ("columns",))
+        named = _differing_settings(saved, cfg, ("columns",)) if train_named else {}
         detail = "".join(f"; {flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in named.items())
-        raise ValueError(
-            f"cannot resume from {path}: the training data differ from the checkpoint's ({record['examples']:,} "
-            f"examples, fingerprint {record[kind]}; now {current['examples']:,}, fingerprint "
-            f"{current[kind]}{detail}): the batches of epoch {position.epoch} would be made of other "
-            "examples, training some twice and skipping others (the data file edited or replaced, or read with "
-            f"other --columns). {common}")
+        counts = (f"({record['examples']:,} examples, fingerprint {record[kind]}; now {current['examples']:,}, "
+                  f"fingerprint {current[kind]}{detail}): the batches of epoch {position.epoch} would be made of "
+                  "other examples, training some twice and skipping others")
+        if train_named:
+            raise ValueError(f"cannot resume from {path}: the training data differ from the checkpoint's {counts} "
+                             f"(the data file edited or replaced, or read with other --columns). {common}")
+        if train_given:
+            raise ValueError(f"cannot resume from {path} with train_examples: they differ from the checkpoint's "
+                             f"training data {counts}. Give train_examples the checkpoint's examples, or start a new "
+                             "run in a new --output-dir")
+        raise ValueError(f"cannot resume from {path} with --train-data {cfg.train_data}: it holds other examples than "
+                         f"the checkpoint's training data {counts} (given to train() as train_examples). Give "
+                         "--train-data the checkpoint's examples, or start a new run in a new --output-dir")
     if record["order"] != current["order"]:
         named = _differing_settings(saved, cfg, ("max_length",))
         detail = "".join(f", {flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in named.items())

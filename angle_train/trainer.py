@@ -176,7 +176,8 @@ def save(run: Run) -> str:
     """A resumable checkpoint of the run at its current position (the losses logged since the last metrics row
     included)."""
     run.position.loss_window = list(run.log.losses)
-    run.position.data_record = data_record(len(run.dataset), run.data_fingerprint, run.epoch_order)
+    run.position.data_record = data_record(len(run.dataset), run.data_fingerprint, run.epoch_order,
+                                           given="train_examples" in run.given)
     path = save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
                            scheduler=run.scheduler, scaler=run.scaler, sharded=run.cfg.fsdp,
                            base_model=run.base_model)
@@ -184,11 +185,14 @@ def save(run: Run) -> str:
     return path
 
 
-def data_record(examples: int, fingerprint: str, order: list[list[int]], *, sampled: str | None = None) -> dict:
+def data_record(examples: int, fingerprint: str, order: list[list[int]], *, sampled: str | None = None,
+                given: bool = False) -> dict:
     """checkpoint.Position.data_record: the examples' count and data_fingerprint ("contents"), and their epoch's batch
     order's. sampled: the examples' sampled_data_fingerprint, the one earlier versions recorded ("fingerprint"),
-    given where a checkpoint's record is compared with this one (it may be such a record), never written."""
-    record = {"examples": examples, "contents": fingerprint, "order": order_fingerprint(order)}
+    given where a checkpoint's record is compared with this one (it may be such a record), never written. given: the
+    examples were given to train() (train_examples), not read from --train-data: a resume then compares no data flag's
+    name with the checkpoint's."""
+    record = {"examples": examples, "contents": fingerprint, "order": order_fingerprint(order), "given": given}
     return record if sampled is None else {**record, "fingerprint": sampled}
 
 
@@ -420,7 +424,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                                                                          sampled=sampled_data_fingerprint(items)),
                                    total_steps=total_steps, dev_fingerprint=dev_fingerprint,
                                    dev_metric=None if dev_set is None else dev_metric(dev_set),
-                                   dev_given=dev_examples is not None, base_model=base_model)
+                                   dev_given=dev_examples is not None, train_given=train_examples is not None,
+                                   base_model=base_model)
         if continues_own_run:
             unverified_checkpoint = position.step
         else:

@@ -431,6 +431,36 @@ def test_a_resume_through_the_api_compares_the_dev_examples_and_the_model_given_
     resumed = resume(dev_examples=list(DEV), model="builtin:tiny-llama", dev_data="builtin:demo-sts")
     assert [row["step"] for row in resumed.history] == [3, 4]
 
+
+def test_a_resume_through_the_api_compares_the_training_examples_given_not_the_names_of_the_data_flags(tmp_path,
+                                                                                                     capsys):
+    """train(train_examples=...) replaces --train-data and the flags that read it, but the resume compared their names,
+    which say nothing of what was given: the same examples under another --train-data, --train-split or --data-format
+    were refused as data that would skip or repeat training data, and other examples under other names were refused by
+    those names. Where either run was given its examples, the checkpoint's record of them (every example's
+    fingerprint) decides, and a refusal names train_examples (or the --train-data this run reads)."""
+    data = (demo_examples(24, seed=3), "B")
+    train(_config(tmp_path / "run"), train_examples=data, on_step=_stop_at(4))  # a checkpoint at step 3
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "step-00000003")
+    named = dict(train_data="someone/pairs", train_split="validation", data_format="B")
+    with pytest.raises(ValueError, match=r"cannot resume from .*step-00000003 with train_examples: they differ from "
+                                         r"the checkpoint's training data \(24 examples, fingerprint \w+; now 24, "
+                                         r"fingerprint \w+\).* Give train_examples the checkpoint's examples"):
+        train(_config(tmp_path / "run", resume="auto", **named), train_examples=(demo_examples(24, seed=4), "B"))
+    other = _write_pairs(tmp_path / "other.jsonl", demo_examples(24, seed=4))
+    with pytest.raises(ValueError, match=r"with --train-data .*other.jsonl: it holds other examples than the "
+                                         r"checkpoint's training data \(24 examples"):
+        train(_config(tmp_path / "from-file", train_data=other, resume=checkpoint))
+    # a file of the checkpoint's examples, and the examples again under other names: resumed, no name said moved
+    same = _write_pairs(tmp_path / "pairs.jsonl", demo_examples(24, seed=3))
+    capsys.readouterr()
+    from_file = train(_config(tmp_path / "from-file", train_data=same, resume=checkpoint))
+    assert [row["step"] for row in from_file.history] == [4, 5, 6, 7]
+    assert " moved: " not in capsys.readouterr().out
+    resumed = train(_config(tmp_path / "run", resume="auto", **named), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
+
+
 def test_overwrite_with_resume_auto_continues_its_own_run_and_keeps_it(tmp_path):
     """--resume auto --overwrite 1 in a folder holding this run's own checkpoints resumes it: --overwrite clears
     another run's files, never the run being continued (its metrics rows and checkpoints stay)."""
@@ -1001,7 +1031,7 @@ def test_resume_takes_a_renamed_or_copied_data_file_of_the_checkpoints_contents(
                     "dev data moved: dev.csv -> dev-copy.csv, same content"]
 
     written = trainer.data_record  # a checkpoint of the version that recorded the sampled fingerprint alone
-    monkeypatch.setattr(trainer, "data_record", lambda count, fingerprint, order, sampled=None: {
+    monkeypatch.setattr(trainer, "data_record", lambda count, fingerprint, order, sampled=None, given=False: {
         "examples": count, "fingerprint": sampled_data_fingerprint(demo_examples(24, seed=3)),
         "order": order_fingerprint(order)})
     train(_best_config(tmp_path / "older", train_data="moved/renamed.jsonl", dev_data="dev.csv"), on_step=_stop_at(3))
@@ -1079,8 +1109,8 @@ def test_resume_refuses_a_change_to_any_one_example(tmp_path):
     train(_config(tmp_path / "run"), train_examples=(examples, "B"), on_step=_stop_at(4))
     edited = list(examples)
     edited[1] = Example(texts=(edited[1].texts[0], "a text that was not there"), label=edited[1].label)
-    with pytest.raises(ValueError, match=r"the training data differ from the checkpoint's \(2,500 examples, "
-                                         r"fingerprint \w+; now 2,500, fingerprint \w+\)"):
+    with pytest.raises(ValueError, match=r"with train_examples: they differ from the checkpoint's training data "
+                                         r"\(2,500 examples, fingerprint \w+; now 2,500, fingerprint \w+\)"):
         train(_config(tmp_path / "run", resume="auto"), train_examples=(edited, "B"))
     resumed = train(_config(tmp_path / "run", resume="auto"), train_examples=(examples, "B"))
     assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
@@ -1093,11 +1123,11 @@ def test_a_checkpoint_recording_the_sampled_fingerprint_still_resumes(tmp_path, 
 
     examples = demo_examples(24, seed=3)
     written = trainer.data_record
-    monkeypatch.setattr(trainer, "data_record", lambda count, fingerprint, order, sampled=None: {
+    monkeypatch.setattr(trainer, "data_record", lambda count, fingerprint, order, sampled=None, given=False: {
         "examples": count, "fingerprint": sampled_data_fingerprint(examples), "order": order_fingerprint(order)})
     train(_config(tmp_path / "run"), train_examples=(examples, "B"), on_step=_stop_at(4))
     monkeypatch.setattr(trainer, "data_record", written)
-    with pytest.raises(ValueError, match=r"the training data differ from the checkpoint's \(24 examples"):
+    with pytest.raises(ValueError, match=r"they differ from the checkpoint's training data \(24 examples"):
         train(_config(tmp_path / "run", resume="auto"), train_examples=(demo_examples(24, seed=4), "B"))
     resumed = train(_config(tmp_path / "run", resume="auto"), train_examples=(examples, "B"))
     assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
