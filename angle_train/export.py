@@ -63,11 +63,16 @@ def _write_json(path: str, obj) -> None:
         f.write("\n")
 
 
+# save_pretrained's base_files when the caller gives none: the base's sentence-transformers files are looked up by
+# base_model's name (None, given, is a base found to have none: nothing is looked up)
+LOOK_UP = object()
+
+
 def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_only: bool = False,
                     merge_in_place: bool = False, base_model: str | None = None, matryoshka_dims=None,
                     state_dict: dict | None = None, export_max_length: int | None = None,
                     model_card: str | None = None, extra_meta: dict | None = None,
-                    base_files: str | None = None) -> str:
+                    base_files: str | None | object = LOOK_UP) -> str:
     """Write the folder described in the module docstring (with encoder.prompts); returns path.
 
     max_length: the length the model was trained at; the folder records export_max_length, else the base model's
@@ -76,8 +81,8 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     keeps training unchanged. state_dict: the backbone's weights to write in place of its own (a sharded model's,
     gathered by sharding.full_state_dict). model_card: README.md's text. extra_meta: more entries of
     angle_train.json (best/'s "best": the step and dev score that made it the best). base_files: base_model's
-    sentence-transformers folder where the caller has found it (the trainer: Encoder.st_files), else None: looked up
-    here (for a hub name, a fetch of its files).
+    sentence-transformers folder where the caller has found it (the trainer: Encoder.st_files; None: it has none),
+    else looked up here (for a hub name, a fetch of its files).
     """
     os.makedirs(path, exist_ok=True)
     if base_model and os.path.isdir(base_model):  # a local base, recorded so that it loads from anywhere
@@ -85,7 +90,7 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     if not (base_model and os.path.realpath(base_model) == os.path.realpath(path)):  # (its files are read below)
         _clear_earlier_export(path)
     backbone = encoder.backbone
-    base = base_files or (st_folder.find_folder(base_model) if base_model else None)
+    base = base_files if base_files is not LOOK_UP else (st_folder.find_folder(base_model) if base_model else None)
     inference_length = encoding_length(max_length, base, export_max_length, position_limit(backbone))
     meta = {"pooling": encoder.pooling, "is_decoder": encoder.is_decoder, "bidirectional": encoder.bidirectional,
             "padding_side": encoder.padding_side,

@@ -150,7 +150,8 @@ class Encoder(nn.Module):
         # where the pooling came from, in words for the run header and angle-eval (load_encoder, wrap_backbone)
         self.pooling_source = "given"
         # the folder of the loaded model's sentence-transformers files (load_encoder: st_folder.find_folder's), or
-        # None: kept for the length to encode at (its max_seq_length), which for a hub name would fetch them again
+        # None: kept for the length to encode at (its max_seq_length) and the trainer's exports, which for a hub name
+        # would fetch them again (a model given to train() keeps its own: --model names nothing there)
         self.st_files = None
         self.is_decoder = is_decoder
         self.padding_side = "left" if is_decoder else "right"

@@ -360,11 +360,12 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
     # before --fsdp shards the weights; on the main process, which prints it
     weights_note = half_precision_weights_note(cfg, encoder) if dist_info.is_main else None
-    # encode() on the trained encoder cuts texts where its exports' encode() will (the default, 512, was another);
-    # --model's sentence-transformers files as build_encoder found them (for a hub name, a second lookup fetched them)
-    base = encoder.st_files if model is None else st_folder.find_folder(cfg.model)
-    encoder.st_files = base  # the exports' base files (checkpoint._export), found once
-    encoder.max_length = encoding_length(cfg.max_length, base, cfg.export_max_length, position_limit(encoder.backbone))
+    # encode() on the trained encoder cuts texts where its exports' encode() will (the default, 512, was another), by
+    # the model's sentence-transformers files as its loading found them (Encoder.st_files, the exports' base files:
+    # checkpoint._export): --model's (for a hub name, a second lookup fetched them), or a given model's own, never
+    # looked up under --model, which names nothing there (a folder of that name gave it another model's files)
+    encoder.max_length = encoding_length(cfg.max_length, encoder.st_files, cfg.export_max_length,
+                                         position_limit(encoder.backbone))
     if cfg.bidirectional:
         encoder.bidirectional = True  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank

@@ -120,6 +120,34 @@ def test_the_model_folders_sentence_transformers_files_are_looked_up_once(st_fol
     assert evaluate.encoding_length(None, meta, encoder, tokenizer, st_folder) == 16 and lookups == [st_folder]
 
 
+def test_a_model_given_to_train_keeps_its_own_sentence_transformers_files(st_folder, tmp_path, monkeypatch):
+    """A model given to train() in place of --model had its sentence-transformers files looked up under --model's
+    name, which names nothing there: a local folder of that name (here one whose max_seq_length is 16) gave the
+    given model its length to encode at and its exports' files, and a model loaded with its own files (load_encoder)
+    lost them under the default --model. The given model's own files (Encoder.st_files) are kept, and --model is not
+    looked up, by the run or by its exports."""
+    from angle_train import st_folder as st_files
+
+    lookups, find_folder = [], st_files.find_folder
+
+    def counted(name_or_path):
+        lookups.append(name_or_path)
+        return find_folder(name_or_path)
+
+    def exported_length(out):
+        return json.loads((out / "final" / "sentence_bert_config.json").read_text())["max_seq_length"]
+
+    monkeypatch.setattr(st_files, "find_folder", counted)
+    data, settings = (demo_examples(16), "B"), dict(max_steps=1, batch_size=8, max_length=12, save_final=True)
+    unrelated = trainer.train(run_config(tmp_path / "unrelated", model=st_folder, **settings),
+                              model=make_encoder("bert", pooling="avg"), train_examples=data)
+    assert lookups == [] and unrelated.encoder.max_length == 12 and exported_length(tmp_path / "unrelated") == 12
+    loaded = load_encoder(st_folder)
+    lookups.clear()
+    own = trainer.train(run_config(tmp_path / "own", **settings), model=loaded, train_examples=data)
+    assert lookups == [] and own.encoder.max_length == 16 and exported_length(tmp_path / "own") == 16
+
+
 def test_angle_eval_takes_the_folder_pooling_and_says_so(st_folder, tmp_path, capsys):
     examples = demo_sts_examples(24)
     sts = write_stsb(tmp_path / "sts-test.csv", examples)
