@@ -324,15 +324,20 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, 
             # nothing forecasts this round: the previous size's run, scaled, where it is too short to extrapolate
             # from (it scales high) and yet fits, else what a process of probes forecasts
             rough = predicted_run_seconds(previous, loss, provider.family, n, shortest_s=0.0)
-            if rough is None or seconds_to_expect(args, rough, repeats) > deadline - time.perf_counter():
+            left = deadline - time.perf_counter()
+            if rough is None or seconds_to_expect(args, rough, repeats) > left:
+                # the probes' wait ends with the budget: probes still running then (stuck, or far slower than their
+                # sizes' growth) say that the case, larger than any of them, does not fit either
+                probes_until_spent = left < args.case_timeout
                 probed = harness.call_in_fork(probe_cpu_case, provider, loss, n, d, dtype, args.threads, args.seed,
-                                              deadline, timeout=args.case_timeout)
-                # a probe that failed forecasts nothing: the case itself runs, and its row says why it failed
-                over = probed[0] == "ok" and (probed[1] is None or seconds_to_expect(args, probed[1], repeats)
-                                              > deadline - time.perf_counter())
+                                              deadline, timeout=min(args.case_timeout, max(0.0, left)))
+                # a probe that failed otherwise forecasts nothing: the case itself runs, and its row says why it failed
+                over = ((probed[0] == "timeout" and probes_until_spent)
+                        or probed[0] == "ok" and (probed[1] is None or seconds_to_expect(args, probed[1], repeats)
+                                                  > deadline - time.perf_counter()))
                 if over:
                     return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent",
-                            "forecast_s": probed[1]}
+                            "forecast_s": probed[1] if probed[0] == "ok" else None}
         payload = harness.call_in_fork(measure_cpu_case, provider, loss, n, d, dtype, args.threads, repeats,
                                        args.time_per_case, args.seed, headroom, timeout=args.case_timeout)
     else:

@@ -392,6 +392,38 @@ def test_a_cpu_case_that_nothing_forecasts_runs_within_the_time_budget_only_if_i
     assert one_round(0.5, previous=(8, 0.01))["status"] == "ok" and calls == ["probe_cpu_case", "measure_cpu_case"]
 
 
+def test_probes_that_outlast_the_time_budget_skip_the_case(monkeypatch):
+    """The probes' process waited --case-timeout (600 s by default) whatever was left of --time-budget, and probes
+    still running then (stuck, or far slower than their sizes' growth) forecast nothing, so the case ran after them,
+    up to --case-timeout more. Their wait now ends with the budget, and probes that outlast it skip the case, which is
+    larger than any of them; with more time left than --case-timeout, a probe's timeout still lets the case run."""
+    import bench_losses
+    import loss_sweep
+
+    loss, ours = bench_losses.LOSSES["cosine"], types.SimpleNamespace(family="ours")
+    args = bench_losses.parse_args(["--losses", "cosine", "--device", "cpu", "--time-budget", "60",
+                                    "--case-timeout", "30"])
+    clock, calls = _forks_on_a_clock(monkeypatch, ("timeout", "killed after 7 s"), run_s=2.0)
+    faked, timeouts = loss_sweep.harness.call_in_fork, []
+
+    def call_in_fork(fn, *a, timeout, **k):
+        timeouts.append(timeout)
+        return faked(fn, *a, **k)
+
+    monkeypatch.setattr(loss_sweep.harness, "call_in_fork", call_in_fork)
+
+    def one_round(left):
+        return loss_sweep.run_one(args, ours, loss, 16, 8, torch.float32, None, {},
+                                  deadline=loss_sweep.time.perf_counter() + left, repeats=1)
+
+    row = one_round(7.0)
+    assert row["status"] == "skipped" and "--time-budget" in row["note"] and row["forecast_s"] is None
+    assert calls == ["probe_cpu_case"] and timeouts == [7.0]
+    calls.clear(), timeouts.clear()
+    assert one_round(100.0)["status"] == "ok" and calls == ["probe_cpu_case", "measure_cpu_case"]
+    assert timeouts == [30.0, 30.0]
+
+
 def test_a_first_size_s_later_rounds_are_forecast_from_its_first(monkeypatch):
     """With 8 s of --time-budget left, a case's first round (probed at 2 s) runs and takes 4 s: its second round,
     forecast from its own first, needs 6.5 s and does not start. Without a forecast it started while any time was
