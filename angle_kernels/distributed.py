@@ -282,7 +282,13 @@ def all_gather_many_with_grad(named: list[tuple[str, torch.Tensor]],
 # the wait ("Timed out waiting 1800000ms for recv operation to complete") or a peer process is gone ("Connection
 # closed by peer"), NCCL's DistBackendError (its watchdog's timeout, an aborted communicator, a remote rank gone),
 # DistNetworkError (the store or the network between the ranks).
-_WAIT_ENDED = ("timed out", "timeout", "connection closed by peer")
+# Words of the errors a collective raises when the other ranks did not come to it: gloo's and NCCL's timeouts ("Timed
+# out waiting 2000ms", the watchdog's "ran for 600000 milliseconds before timing out"), a peer gone ("Connection closed
+# by peer", "Connection reset by peer") and NCCL's communicator aborted after one of those. NCCL raises the same
+# DistBackendError type for its other failures (a CUDA error inside a collective, an invalid argument): the type alone
+# says nothing of why.
+_WAIT_ENDED = ("timed out", "timeout", "timing out", "connection closed by peer", "connection reset by peer",
+               "communicator was aborted")
 
 
 def _ranks_did_not_come(error: RuntimeError) -> bool:
@@ -290,7 +296,7 @@ def _ranks_did_not_come(error: RuntimeError) -> bool:
     broken by a rank gone), rather than failing for another reason (a device's error, a bad argument)."""
     import torch.distributed as dist
 
-    if isinstance(error, (dist.DistBackendError, dist.DistNetworkError)):
+    if isinstance(error, dist.DistNetworkError):  # the store or a socket: the group lost a rank
         return True
     message = str(error).lower()
     return any(words in message for words in _WAIT_ENDED)

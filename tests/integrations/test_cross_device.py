@@ -792,12 +792,21 @@ COLLECTIVE_ERRORS = [
                    "operation to complete", True),
     (RuntimeError, "[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4510. "
                    "This is typically caused by a remote worker crashing.", True),
+    (RuntimeError, "[third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4510: Connection reset "
+                   "by peer", True),
     ("DistBackendError", "NCCL communicator was aborted on rank 1.", True),
+    ("DistBackendError", "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3, "
+                         "OpType=ALLGATHER) ran for 600000 milliseconds before timing out.", True),
+    ("DistNetworkError", "failed to recv, got 0 bytes", True),
+    ("DistBackendError", "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.21.5\n"
+                         "Last error:\nCuda failure 'out of memory'", False),
     (RuntimeError, "CUDA error: an illegal memory access was encountered", False),
 ]
 
 
-@pytest.mark.parametrize("error, message, explained", COLLECTIVE_ERRORS, ids=["timeout", "peer_gone", "nccl", "other"])
+@pytest.mark.parametrize("error, message, explained", COLLECTIVE_ERRORS,
+                         ids=["timeout", "peer_gone", "peer_reset", "nccl_aborted", "nccl_watchdog", "store",
+                              "nccl_cuda_error", "other"])
 def test_only_a_wait_that_ended_is_explained_as_ranks_that_did_not_come(monkeypatch, error, message, explained):
     """The agreement's collective failing for another reason (a device's error) was reported as ranks that did not
     come to it, the real error at the end of advice about gathering calls; it is now raised as it came. A timeout or
