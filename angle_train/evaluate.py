@@ -28,7 +28,8 @@ CUDA when there is one, as for angle-train. Each PATH is read in the layout it i
 
 JSONL / CSV / TSV files with other column names are read with --columns (angle-train's): e.g. text1=sent_a
 text2=sent_b label=similarity. Given once, it maps every PATH; files of different layouts take it once per PATH, in
-the PATHs' order, '' for a PATH read by its own column names:
+the PATHs' order, '' for a PATH read by its own column names or in a fixed layout (STS year folder, STS-B, SICK: a
+mapping given for one of them alone is refused):
 angle-eval MODEL a.csv b.jsonl --columns text1=sent_a text2=sent_b label=score --columns query=q positive=p.
 
 The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting: one
@@ -123,13 +124,16 @@ class RetrievalSet:
 
 
 # ------------------------------------------------------------------------------------------------- reading
-def read_dataset(path: str, *, columns: dict | None = None, where: str | None = None) -> StsSet | RetrievalSet:
+def read_dataset(path: str, *, columns: dict | None = None, where: str | None = None,
+                 columns_refused: str | None = None) -> StsSet | RetrievalSet:
     """The dataset at `path`, recognised by its layout (module docstring); a DataError says what was expected.
-    columns: the names of a JSONL/CSV file's columns (data.load_examples). A scored set must allow a Spearman
-    correlation that ranks something: at least FEWEST_SCORED_PAIRS rated pairs, not every gold score equal (before
-    any model loads, not a NaN or a meaningless +-1 after); a retrieval set at least FEWEST_RANKED_QUERIES distinct
-    queries (check_ranked); `where` names the set in those refusals (default: path)."""
-    dataset = _read_dataset(path, columns=columns)
+    columns: the names of a JSONL/CSV file's columns (data.load_examples); an STS year folder, STS-B or SICK file is
+    read in its fixed layout without them (a mapping given for every file), and refuses them where they were given
+    for this path alone (`columns_refused`: what the refusal advises, e.g. to give '' for it). A scored set must
+    allow a Spearman correlation that ranks something: at least FEWEST_SCORED_PAIRS rated pairs, not every gold
+    score equal (before any model loads, not a NaN or a meaningless +-1 after); a retrieval set at least
+    FEWEST_RANKED_QUERIES distinct queries (check_ranked); `where` names the set in those refusals (default: path)."""
+    dataset = _read_dataset(path, columns=columns, columns_refused=columns_refused)
     if isinstance(dataset, StsSet):
         check_scored(dataset, where or path)
     else:
@@ -171,18 +175,27 @@ def check_ranked(dataset: RetrievalSet, where: str) -> None:
                         "are the same whatever the model)")
 
 
-def _read_dataset(path: str, *, columns: dict | None = None) -> StsSet | RetrievalSet:
+def _read_dataset(path: str, *, columns: dict | None = None, columns_refused: str | None = None
+                  ) -> StsSet | RetrievalSet:
+    def fixed(layout: str) -> None:  # a mapping given for this file alone would be ignored: refused
+        if columns and columns_refused:
+            mapping = ", ".join(f"{name}={column}" for name, column in columns.items())
+            raise DataError(f"{path}: --columns maps its columns ({mapping}), but it is {layout}, read in its fixed "
+                            f"layout, which takes no mapping: {columns_refused}")
+
     if is_saved_dataset(path):  # its dataset_dict.json / state.json were named as data files of a year folder
         raise DataError(f"{path}: a Hugging Face dataset saved by save_to_disk, which angle-eval does not read (it "
                         "reads data files and STS year folders; angle-train's --dev-data reads this folder): write "
                         "the split to score as JSON Lines (the dataset's to_json(OUT)) and give that file")
     if os.path.isdir(path):
+        fixed("an STS year folder")
         return read_sts_year(path)
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file or folder")
     with open_text(path) as f:
         first = f.readline().rstrip("\n").rstrip("\r").split("\t")
     if tuple(first[:4]) == SICK_HEADER:
+        fixed("a SICK file")
         return StsSet("SICK-R", read_sick(path))
     stem = os.path.splitext(os.path.basename(path))[0]
     if len(first) >= 7:
@@ -191,6 +204,7 @@ def _read_dataset(path: str, *, columns: dict | None = None) -> StsSet | Retriev
         except ValueError:
             pass
         else:  # the paper's STS-B is the test split; another split keeps its file name
+            fixed("an STS-B file")
             return StsSet("STS-B" if stem == "sts-test" else f"STS-B ({stem})", read_stsb(path))
     return dataset_of(stem, *load_examples(path, columns=columns))
 
@@ -643,7 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the columns of JSONL/CSV/TSV PATHs to read under the format's names (text1, text2, "
                         "label, query, positive), as angle-train's --columns: PATH ... --columns text1=sent_a "
                         "text2=sent_b label=similarity. Given once it maps every PATH; given once per PATH, in their "
-                        "order, each maps its own ('' for a PATH read by its own names)")
+                        "order, each maps its own ('' for a PATH read by its own names, and for an STS year folder, "
+                        "STS-B or SICK file)")
     parser.add_argument("--dims", nargs="+", type=width_or_trained, default=[], metavar="D",
                         help="also score the first D features of every embedding (Matryoshka widths), each text "
                         "embedded once; results under NAME@D; 'trained': the widths an angle_train export was "
@@ -696,7 +711,10 @@ def main(argv=None) -> int:
         check_model(args.model)
         preflight.check_model_folder(args.model, "MODEL")
         columns = columns_of_paths(args.columns, args.paths)
-        datasets = [read_dataset(path, columns=mapping) for path, mapping in zip(args.paths, columns)]
+        per_path = ("give '' for this PATH (a mapping given out of the PATHs' order?)" if len(args.columns) > 1
+                    else None)  # a mapping of every PATH passes over such files
+        datasets = [read_dataset(path, columns=mapping, columns_refused=per_path)
+                    for path, mapping in zip(args.paths, columns)]
         names = [dataset.name for dataset in datasets]
         if len(set(names)) != len(names):
             parser.error(f"two PATHs give datasets of the same name ({', '.join(names)}): pass each once")

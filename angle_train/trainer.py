@@ -751,14 +751,16 @@ def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list
     return sentences
 
 
-def read_dev_data(source: str, split: str, columns: dict | None = None) -> StsSet | RetrievalSet:
+def read_dev_data(source: str, split: str, columns: dict | None = None, columns_refused: str | None = None
+                  ) -> StsSet | RetrievalSet:
     """--dev-data: a file or folder in any layout angle-eval reads (an STS12-16 year folder, STS-B, SICK, format-A
     JSONL/CSV: scored pairs; format B/C JSONL/CSV: (query, positive) pairs, the positives given for a query its
     relevant documents among every distinct positive), else a built-in or Hugging Face dataset in any format (a hub
     name, or a folder save_to_disk wrote: its `split`, as --train-data's); `columns`: --columns, for the layouts read
-    by column names (--dev-columns, or --columns)."""
+    by column names (--dev-columns, or --columns; `columns_refused`: the advice where a file of a fixed layout, STS-B,
+    SICK or a year folder, is given a mapping meant for it alone, evaluate.read_dataset)."""
     if has_no_splits(source):  # read whole, in angle-eval's layouts
-        return read_dataset(source, columns=columns, where=f"--dev-data {source}")
+        return read_dataset(source, columns=columns, where=f"--dev-data {source}", columns_refused=columns_refused)
     return dataset_of(os.path.basename(source.rstrip("/")), *read_data(source, None, split, columns,
                                                                          split_setting="dev_split"))
 
@@ -779,7 +781,9 @@ def dev_set_of(dev_examples, cfg: TrainConfig) -> StsSet | RetrievalSet | None:
         if not cfg.dev_data:
             return None
         try:
-            dev_set = read_dev_data(cfg.dev_data, cfg.dev_split, cfg.dev_column_map())
+            # --columns maps the dev data's columns too where it can; --dev-columns is meant for it alone
+            dev_set = read_dev_data(cfg.dev_data, cfg.dev_split, cfg.dev_column_map(),
+                                    columns_refused="leave out --columns" if cfg.dev_columns else None)
         except DataError as exc:  # columns it cannot read: the flag that maps the dev data's is --dev-columns
             if "--columns" not in str(exc):
                 raise

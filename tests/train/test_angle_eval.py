@@ -604,3 +604,34 @@ def test_columns_given_once_per_path_read_files_of_different_layouts_in_one_comm
               "--columns", ""])
     assert exc.value.code == 2 and ("--columns given 3 times for 2 PATH(s): give it once (it maps every PATH) or "
                                     "once per PATH, in their order") in capsys.readouterr().err
+
+
+def test_a_mapping_given_for_one_path_of_a_fixed_layout_is_refused_not_ignored(tmp_path, capsys):
+    """An STS year folder, an STS-B or a SICK file is read in its fixed layout: a --columns of every PATH passes over
+    it, as before, but one given for that PATH alone (once per PATH, or angle-train's --dev-columns for its one
+    --dev-data) was ignored in silence, though it is a mapping meant for another file, given out of order. It is
+    refused, naming the flag, the file and its layout, before the model loads."""
+    from angle_train.config import TrainConfig
+    from angle_train.trainer import dev_set_of
+
+    year = _year_folder(tmp_path, "STS12-en-test", lambda s: f"STS.input.{s}.txt", lambda s: f"STS.gs.{s}.txt")
+    sick = _write(tmp_path / "SICK_test_annotated.txt",
+                  ["pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment"]
+                  + [f"{i}\t{a}\t{b}\t{1 + i * 0.7:.1f}\tNEUTRAL" for i, (a, b) in enumerate(PAIRS)])
+    stsb = _write(tmp_path / "sts-test.csv", [f"main-captions\tMSRvid\t2012test\t{i:04d}\t{i * 0.9:.3f}\t{a}\t{b}"
+                                              for i, (a, b) in enumerate(PAIRS)])
+    mapping = {"text1": "a", "text2": "b"}
+    for path, layout in ((year, "an STS year folder"), (sick, "a SICK file"), (stsb, "an STS-B file")):
+        assert isinstance(read_dataset(str(path), columns=mapping), StsSet)  # a mapping of every PATH: passed over
+        with pytest.raises(DataError, match=rf"^{re.escape(str(path))}: --columns maps its columns \(text1=a, "
+                                            rf"text2=b\), but it is {layout}, read in its fixed layout, which takes "
+                                            "no mapping: give '' for it$"):
+            read_dataset(str(path), columns=mapping, columns_refused="give '' for it")
+    plain = _write(tmp_path / "plain.jsonl", [json.dumps({"query": a, "positive": b}) for a, b in PAIRS])
+    with pytest.raises(SystemExit) as exc:
+        main(["builtin-model-not-needed", str(plain), str(stsb), "--columns", "", "--columns", "text1=a"])
+    assert exc.value.code == 2 and "but it is an STS-B file" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"--dev-columns maps its columns \(text1=a\), but it is an STS-B file, .*: "
+                                        r"leave out --dev-columns$"):
+        dev_set_of(None, TrainConfig(dev_data=str(stsb), dev_columns=["text1=a"]))
+    assert isinstance(dev_set_of(None, TrainConfig(dev_data=str(stsb), columns=["text1=a"])), StsSet)  # --columns's

@@ -88,7 +88,10 @@ TRAIN_MISTAKES = [
      "dataset to read, and --dev-data sts-test.csv is a data file or folder, which has no splits: leave out "
      "--dev-split"),
     # built-in training data, a dev file read by --dev-columns: --columns would read nothing
-    (["--dev-data", "sts-test.csv", "--dev-columns", "text1=a", "--columns", "text1=b"], "leave out --columns"),
+    (["--dev-data", "renamed-dev.csv", "--dev-columns", "text1=a", "--columns", "text1=b"], "leave out --columns"),
+    # a dev file of a fixed layout (STS-B's TSV) takes no mapping: one given for it alone was ignored
+    (["--dev-data", "sts-test.csv", "--dev-columns", "text1=a"], "sts-test.csv: --dev-columns maps its columns "
+     "(text1=a), but it is an STS-B file, read in its fixed layout, which takes no mapping: leave out --dev-columns"),
     (["--ibn-w", "0"], "--ibn-w: format B trains the contrastive term of each query against the positives only"),
     (["--train-data", "builtin:demo-sts", "--cln-w", "2"], "--cln-w: format A has no hard negatives"),
     # a list flag without values (an empty shell variable after it): trained without them, silently, before
@@ -122,6 +125,8 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "empty-checkpoint").mkdir()
     (tmp_path / "done" / "final").mkdir(parents=True)  # a finished run's output folder
     write_stsb(tmp_path / "sts-test.csv")
+    (tmp_path / "renamed-dev.csv").write_text("a,text2,label\n" + "".join(f"{a},{b},{i * 0.9:.1f}\n"
+                                                                        for i, (a, b) in enumerate(PAIRS)))
     (tmp_path / "run").mkdir()  # a run's OUTPUT_DIR, which holds the models in final/ and best/
     (tmp_path / "not-sts").mkdir()
     (tmp_path / "adapter").mkdir()  # a LoRA run's best/: the adapter, without its base model
