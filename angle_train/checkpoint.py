@@ -74,7 +74,7 @@ import torch
 import transformers
 
 from .config import PROMPT_SETTINGS, TrainConfig, flag_of, flag_words, prompts_of
-from .data import has_no_splits, parse_columns
+from .data import FORMATS, has_no_splits, parse_columns
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
@@ -127,10 +127,11 @@ class Position:
     best_metric: str = "dev_spearman"
     good_checkpoint: int | None = None
     # what the batches of `epoch` are made from: {"examples": count, "contents": data.data_fingerprint of them,
-    # "order": data.order_fingerprint of the epoch's batches, "given": true where they were given to train() as
-    # train_examples, not read from --train-data} (trainer.data_record; earlier versions recorded a "fingerprint",
-    # data.sampled_data_fingerprint's, for "contents", and no "given"); a resume that would make them of other
-    # examples, or in another order, is refused (load_checkpoint). None: written before it was recorded.
+    # "order": data.order_fingerprint of the epoch's batches, "format": their data format (None: ArcCSE's sentences),
+    # "given": true where they were given to train() as train_examples, not read from --train-data}
+    # (trainer.data_record; earlier versions recorded a "fingerprint", data.sampled_data_fingerprint's, for
+    # "contents", and no "format" or "given"); a resume that would make them of other examples, in another format or
+    # in another order, is refused (load_checkpoint). None: written before it was recorded.
     data_record: dict | None = None
     # trainer.dev_set_fingerprint of the dev set that scores the run (the one that measured `best`): a resume with the
     # same --dev-data edited since is refused (_refuse_another_dev_set). None: no dev set yet, or written before it
@@ -955,7 +956,8 @@ def _refuse_other_data(path: str, saved: dict, cfg: TrainConfig, position: Posit
     fix both are compared by name first (RESUME_MUST_MATCH); what they name can still change under them (a file
     edited or replaced, --columns, or with --bucket the token counts the order sorts by, which --max-length
     changes). Where either run was given its examples (train_given: this one; train_named: both read --train-data)
-    this record is all that compares them, and the refusal names train_examples, or the --train-data this run reads."""
+    this record is all that compares them, their format (--data-format's part) included, and the refusal names
+    train_examples, or the --train-data this run reads."""
     record = position.data_record
     common = "Resume with the checkpoint's data and settings, or start a new run in a new --output-dir"
     # "contents": every example's fingerprint; "fingerprint": the sampled one of checkpoints written before it
@@ -976,6 +978,19 @@ def _refuse_other_data(path: str, saved: dict, cfg: TrainConfig, position: Posit
         raise ValueError(f"cannot resume from {path} with --train-data {cfg.train_data}: it holds other examples than "
                          f"the checkpoint's training data {counts} (given to train() as train_examples). Give "
                          "--train-data the checkpoint's examples, or start a new run in a new --output-dir")
+    # the format makes the same examples other batches (format A's texts are scored pairs, B's and C's a query and
+    # its positive): compared by name as --data-format where both runs read --train-data, by this record otherwise
+    # (not recorded by earlier versions)
+    if not train_named and "format" in record and record["format"] != current["format"]:
+        current_words, recorded_words = (f"format {fmt} ({', '.join(FORMATS[fmt])})"
+                                         for fmt in (current["format"], record["format"]))
+        which = (f"with train_examples in {current_words}" if train_given else
+                 f"with --train-data {cfg.train_data} read in {current_words}")
+        fix = (f"Give train_examples in the checkpoint's format, (examples, {record['format']!r})" if train_given else
+               f"Resume with --data-format {record['format']}")
+        raise ValueError(f"cannot resume from {path} {which}: the checkpoint's training data are the same examples in "
+                         f"{recorded_words}, and the batches of epoch {position.epoch} would train them as another "
+                         f"kind of example. {fix}, or start a new run in a new --output-dir")
     if record["order"] != current["order"]:
         named = _differing_settings(saved, cfg, ("max_length",))
         detail = "".join(f", {flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in named.items())

@@ -177,7 +177,7 @@ def save(run: Run) -> str:
     included)."""
     run.position.loss_window = list(run.log.losses)
     run.position.data_record = data_record(len(run.dataset), run.data_fingerprint, run.epoch_order,
-                                           given="train_examples" in run.given)
+                                           fmt=getattr(run.dataset, "fmt", None), given="train_examples" in run.given)
     path = save_checkpoint(run.cfg, run.position, run.dist_info, encoder=run.encoder, optimizer=run.optimizer,
                            scheduler=run.scheduler, scaler=run.scaler, sharded=run.cfg.fsdp,
                            base_model=run.base_model)
@@ -185,14 +185,16 @@ def save(run: Run) -> str:
     return path
 
 
-def data_record(examples: int, fingerprint: str, order: list[list[int]], *, sampled: str | None = None,
-                given: bool = False) -> dict:
-    """checkpoint.Position.data_record: the examples' count and data_fingerprint ("contents"), and their epoch's batch
-    order's. sampled: the examples' sampled_data_fingerprint, the one earlier versions recorded ("fingerprint"),
-    given where a checkpoint's record is compared with this one (it may be such a record), never written. given: the
-    examples were given to train() (train_examples), not read from --train-data: a resume then compares no data flag's
-    name with the checkpoint's."""
-    record = {"examples": examples, "contents": fingerprint, "order": order_fingerprint(order), "given": given}
+def data_record(examples: int, fingerprint: str, order: list[list[int]], *, fmt: str | None = None,
+                sampled: str | None = None, given: bool = False) -> dict:
+    """checkpoint.Position.data_record: the examples' count and data_fingerprint ("contents"), their epoch's batch
+    order's, and their data format ("format"; None: ArcCSE's sentences). sampled: the examples'
+    sampled_data_fingerprint, the one earlier versions recorded ("fingerprint"), given where a checkpoint's record is
+    compared with this one (it may be such a record), never written. given: the examples were given to train()
+    (train_examples), not read from --train-data: a resume then compares no data flag's name with the checkpoint's
+    (--data-format among them), and this record's format stands for --data-format."""
+    record = {"examples": examples, "contents": fingerprint, "order": order_fingerprint(order), "format": fmt,
+              "given": given}
     return record if sampled is None else {**record, "fingerprint": sampled}
 
 
@@ -421,8 +423,9 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     if resume_from:
         position = load_checkpoint(resume_from, cfg, dist_info, encoder=encoder, optimizer=optimizer,
                                    scheduler=scheduler, scaler=scaler,
-                                   data_record=lambda epoch: data_record(len(items), fingerprint, order_of(epoch),
-                                                                         sampled=sampled_data_fingerprint(items)),
+                                   data_record=lambda epoch: data_record(
+                                       len(items), fingerprint, order_of(epoch), fmt=fmt,
+                                       sampled=sampled_data_fingerprint(items)),
                                    total_steps=total_steps, dev_fingerprint=dev_fingerprint,
                                    dev_metric=None if dev_set is None else dev_metric(dev_set),
                                    dev_given=dev_examples is not None, train_given=train_examples is not None,

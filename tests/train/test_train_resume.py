@@ -461,6 +461,44 @@ def test_a_resume_through_the_api_compares_the_training_examples_given_not_the_n
     assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
 
 
+def test_a_resume_refuses_the_training_examples_given_in_another_format(tmp_path, monkeypatch):
+    """train(train_examples=(examples, format)): the format decides what the examples train as (format A's texts are
+    scored pairs, B's a query and its positive), but where either run was given its examples the resume compared the
+    examples alone, and the same ones in another format went on in silence. Checkpoints record the format: another
+    is refused naming train_examples, or --data-format where this run reads --train-data; a checkpoint of an earlier
+    version, which records none, still resumes."""
+    import angle_train.trainer as trainer
+
+    labelled = [Example(texts=e.texts, label=float(i % 2)) for i, e in enumerate(demo_examples(24, seed=3))]
+    train(_config(tmp_path / "run"), train_examples=(labelled, "A"), on_step=_stop_at(4))  # a checkpoint at step 3
+    with pytest.raises(ValueError, match=r"cannot resume from .*step-00000003 with train_examples in format B "
+                                         r"\(query, positive\): the checkpoint's training data are the same "
+                                         r"examples in format A \(text1, text2, label\).* Give train_examples in "
+                                         r"the checkpoint's format, \(examples, 'A'\)"):
+        train(_config(tmp_path / "run", resume="auto"), train_examples=(labelled, "B"))
+    resumed = train(_config(tmp_path / "run", resume="auto"), train_examples=(labelled, "A"))
+    assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
+
+    pairs = demo_examples(24, seed=3)  # a file of the same examples in format A: labelled 1, as format B's are
+    train(_config(tmp_path / "given"), train_examples=(pairs, "B"), on_step=_stop_at(4))
+    scored = tmp_path / "scored.jsonl"
+    scored.write_text("".join(json.dumps({"text1": e.texts[0], "text2": e.texts[1], "label": 1}) + "\n"
+                              for e in pairs))
+    checkpoint = str(tmp_path / "given" / "checkpoints" / "step-00000003")
+    with pytest.raises(ValueError, match=r"with --train-data .*scored.jsonl read in format A \(text1, text2, "
+                                         r"label\): the checkpoint's training data are the same examples in format B "
+                                         r"\(query, positive\).* Resume with --data-format B"):
+        train(_config(tmp_path / "from-file", train_data=str(scored), resume=checkpoint))
+
+    written = trainer.data_record  # a checkpoint of the version that recorded no format
+    monkeypatch.setattr(trainer, "data_record", lambda *args, **kwargs: {
+        key: value for key, value in written(*args, **kwargs).items() if key != "format"})
+    train(_config(tmp_path / "older"), train_examples=(labelled, "A"), on_step=_stop_at(4))
+    monkeypatch.setattr(trainer, "data_record", written)
+    resumed = train(_config(tmp_path / "older", resume="auto"), train_examples=(labelled, "B"))
+    assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
+
+
 def test_overwrite_with_resume_auto_continues_its_own_run_and_keeps_it(tmp_path):
     """--resume auto --overwrite 1 in a folder holding this run's own checkpoints resumes it: --overwrite clears
     another run's files, never the run being continued (its metrics rows and checkpoints stay)."""
@@ -1031,7 +1069,7 @@ def test_resume_takes_a_renamed_or_copied_data_file_of_the_checkpoints_contents(
                     "dev data moved: dev.csv -> dev-copy.csv, same content"]
 
     written = trainer.data_record  # a checkpoint of the version that recorded the sampled fingerprint alone
-    monkeypatch.setattr(trainer, "data_record", lambda count, fingerprint, order, sampled=None, given=False: {
+    monkeypatch.setattr(trainer, "data_record", lambda count, fingerprint, order, fmt=None, sampled=None, given=False: {
         "examples": count, "fingerprint": sampled_data_fingerprint(demo_examples(24, seed=3)),
         "order": order_fingerprint(order)})
     train(_best_config(tmp_path / "older", train_data="moved/renamed.jsonl", dev_data="dev.csv"), on_step=_stop_at(3))
@@ -1123,7 +1161,7 @@ def test_a_checkpoint_recording_the_sampled_fingerprint_still_resumes(tmp_path, 
 
     examples = demo_examples(24, seed=3)
     written = trainer.data_record
-    monkeypatch.setattr(trainer, "data_record", lambda count, fingerprint, order, sampled=None, given=False: {
+    monkeypatch.setattr(trainer, "data_record", lambda count, fingerprint, order, fmt=None, sampled=None, given=False: {
         "examples": count, "fingerprint": sampled_data_fingerprint(examples), "order": order_fingerprint(order)})
     train(_config(tmp_path / "run"), train_examples=(examples, "B"), on_step=_stop_at(4))
     monkeypatch.setattr(trainer, "data_record", written)
