@@ -1104,16 +1104,24 @@ def prune_kept_bests(output_dir: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def save_best(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *,
+def save_best(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *, base_model: str | None,
               model_card: str | None = None, step: int | None = None, score: float | None = None,
               metric: str = "dev_spearman") -> str:
-    """Export the model to output_dir/best (only the adapter for LoRA), replacing the previous best once the
-    new one is complete (kept as checkpoints/best-step-N while a checkpoint knows it). state_dict: a sharded (--fsdp)
-    encoder's whole weights (sharding.full_state_dict); model_card: its README.md; step and score: the evaluation
-    that made it the best, recorded in its angle_train.json under the key of its dev score `metric`."""
+    """Export the model to output_dir/best (only the adapter for LoRA: best_is_adapter_only), replacing the previous
+    best once the new one is complete (kept as checkpoints/best-step-N while a checkpoint knows it). state_dict: a
+    sharded (--fsdp) encoder's whole weights (sharding.full_state_dict); base_model: the model trained from, as the
+    export records it (_export); model_card: its README.md; step and score: the evaluation that made it the best,
+    recorded in its angle_train.json under the key of its dev score `metric`."""
     record = None if step is None else {"step": step, metric: score}
-    return _export(cfg, encoder, tokenizer, "best", "the best model", adapter_only=is_peft_model(encoder.backbone),
-                   state_dict=state_dict, model_card=model_card, record=record)
+    return _export(cfg, encoder, tokenizer, "best", "the best model",
+                   adapter_only=best_is_adapter_only(encoder, base_model), state_dict=state_dict,
+                   base_model=base_model, model_card=model_card, record=record)
+
+
+def best_is_adapter_only(encoder, base_model: str | None) -> bool:
+    """Whether best/ holds a LoRA model's adapter alone (small, for LLMs): not where no base model is named to load
+    it over (a model given to train() that was built from its config), which then gets its merged weights."""
+    return is_peft_model(encoder.backbone) and base_model is not None
 
 
 def reconcile_best(cfg: TrainConfig, resume_from: str, position: Position) -> str:
@@ -1172,18 +1180,23 @@ def _output_dir_of(checkpoint: str) -> str | None:
     return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
 
 
-def save_final(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *,
+def save_final(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *, base_model: str | None,
                while_writing=contextlib.nullcontext, model_card: str | None = None) -> str:
     """Export the final model to output_dir/final (a LoRA model merged into its base), written as final.tmp and
-    swapped in once complete, as best/ is. while_writing(): a context around the writing of final.tmp (the
-    loop's StopSignals.interrupting, so that a signal abandons the export); a write that ends in an exception
-    leaves no final.tmp behind."""
+    swapped in once complete, as best/ is. base_model: the model trained from, as the export records it (_export).
+    while_writing(): a context around the writing of final.tmp (the loop's StopSignals.interrupting, so that a
+    signal abandons the export); a write that ends in an exception leaves no final.tmp behind."""
     return _export(cfg, encoder, tokenizer, "final", "the final model", adapter_only=False, state_dict=state_dict,
-                   while_writing=while_writing, model_card=model_card)
+                   base_model=base_model, while_writing=while_writing, model_card=model_card)
 
 
 def _export(cfg: TrainConfig, encoder, tokenizer, name: str, what: str, *, adapter_only: bool, state_dict,
-            while_writing=contextlib.nullcontext, model_card: str | None = None, record: dict | None = None) -> str:
+            base_model: str | None, while_writing=contextlib.nullcontext, model_card: str | None = None,
+            record: dict | None = None) -> str:
+    """Write the export `name` (best, final) as save_pretrained does. base_model, recorded in its angle_train.json
+    and a LoRA adapter's adapter_config.json, and loaded under an adapter-only best/: --model, or the name a model
+    given to train() was loaded by (export.loaded_name; None where it has none), never --model for a given model,
+    which names nothing it was trained from."""
     path = os.path.join(cfg.output_dir, name)
     check_finite_weights(encoder, f"{what} to {path}", state_dict=state_dict)
     tmp = path + ".tmp"
@@ -1191,7 +1204,7 @@ def _export(cfg: TrainConfig, encoder, tokenizer, name: str, what: str, *, adapt
     try:
         with while_writing():
             save_pretrained(encoder, tokenizer, tmp, max_length=cfg.max_length, adapter_only=adapter_only,
-                            merge_in_place=False, base_model=cfg.model, state_dict=state_dict,
+                            merge_in_place=False, base_model=base_model, state_dict=state_dict,
                             matryoshka_dims=cfg.trained_widths(encoder.embedding_dim),
                             export_max_length=cfg.export_max_length, model_card=model_card,
                             extra_meta=None if record is None else {BEST_RECORD_KEY: record},

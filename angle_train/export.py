@@ -57,6 +57,16 @@ def is_peft_model(module) -> bool:
     return hasattr(module, "peft_config") and hasattr(module, "merge_and_unload")
 
 
+def loaded_name(backbone) -> str | None:
+    """The hub name or folder a model was loaded by (of a LoRA model, its base's, as peft records it in its adapters'
+    adapter_config.json), or None for one that has none (built from its config)."""
+    if is_peft_model(backbone):
+        name = backbone.peft_config[backbone.active_adapter].base_model_name_or_path
+    else:
+        name = backbone.config.name_or_path
+    return name or None
+
+
 def _write_json(path: str, obj) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)

@@ -39,9 +39,9 @@ from angle_kernels.modules import computes_angle_term
 
 from . import arccse, distributed, faults, preflight, run_lock, sharding, st_folder, tracking
 from .checkpoint import (
-    Position, base_model_record, best_holds, checkpoint_path, checkpoint_to_resume, clear_non_finite_stop,
-    finished_checkpoints, is_own_checkpoint, load_checkpoint, prune_checkpoints, reconcile_best, record_non_finite_stop,
-    remove_earlier_run, save_best, save_checkpoint, save_final, set_aside_later_line,
+    Position, base_model_record, best_holds, best_is_adapter_only, checkpoint_path, checkpoint_to_resume,
+    clear_non_finite_stop, finished_checkpoints, is_own_checkpoint, load_checkpoint, prune_checkpoints, reconcile_best,
+    record_non_finite_stop, remove_earlier_run, save_best, save_checkpoint, save_final, set_aside_later_line,
 )
 from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags
@@ -49,7 +49,7 @@ from .data import (
     FORMATS, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint, epoch_batches,
     has_no_splits, load_examples, order_fingerprint, repeated_items, sampled_data_fingerprint, share_of,
 )
-from .export import encoding_length, is_peft_model, prefix_prompts, sentence_transformers_cannot_load
+from .export import encoding_length, is_peft_model, loaded_name, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
     RetrievalSet, StsSet, check_ranked, check_scored, dataset_of, dev_inputs, dev_metric, encoding_progress,
     library_progress_bars, non_finite_rows, read_dataset, scores_of_embeddings,
@@ -262,6 +262,9 @@ class Run:
     given: tuple = ()  # which of train()'s model, train_examples, dev_examples replaced flags (the model cards)
     resumed_from: str | None = None  # the checkpoint the run continues from
     base_model: dict | None = None  # checkpoint.base_model_record of the model as loaded: checkpoints record it
+    # the model the exports name as their base (checkpoint._export): --model, or the name a model given to train() was
+    # loaded by (None: it has none)
+    exports_base: str | None = None
     # the step of output_dir's newest checkpoint of this run (written, or resumed from) until a finite step is taken
     # from its weights (trust_checkpoint), None after that
     unverified_checkpoint: int | None = None
@@ -373,7 +376,10 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
     pooling_source = encoder.pooling_source if model is None else "the model given to train()"
     check_model_settings(cfg, encoder, fmt, pooling_source=pooling_source)
-    model_name = cfg.model if model is None else "the model given to train()"
+    # --model names nothing of a model given to train(): the exports name the model it was loaded by as their base
+    # (named --model, a LoRA model's adapter-only best/ was loaded over that model), and so do the messages
+    exports_base = cfg.model if model is None else loaded_name(encoder.backbone)
+    model_name = cfg.model if model is None else given_model_words(exports_base)
     preflight.check_tokenizer(tokenizer, encoder, model_name, cfg.max_length)
     # a rotary model reads past its trained context without an error (a position table's limit is refused above):
     # said, before --fsdp wraps the backbone
@@ -450,7 +456,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         n_trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
         n_total = sum(p.numel() for p in encoder.parameters())
         real_share = expected_useful_tokens(cfg, dataset, order_of(position.epoch), dist_info)
-        print(f"angle_train: {cfg.model} | {n_trainable:,}/{n_total:,} trainable | {dataset.describe()} | "
+        print(f"angle_train: {model_name} | {n_trainable:,}/{n_total:,} trainable | {dataset.describe()} | "
               f"{total_steps} step{'s' * (total_steps != 1)} of {cfg.batch_size}x{cfg.grad_accum} "
               f"{batch_items(fmt)} | "
               f"{describe_passes(cfg)} ({real_share:.0%} of "
@@ -481,6 +487,11 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                   f"{encoder.embedding_dim}-dimensional embeddings: no compressed width is trained (every layer at "
                   "the full width, the last one's loss counted twice, as angle-emb's AngleESETrainer does); give a "
                   f"--espresso-dim below {encoder.embedding_dim} to train one", flush=True)
+        if model is not None and exports_base is None and is_peft_model(encoder.backbone) and cfg.save_best \
+                and dev_set is not None:  # said, as best/ is larger than a LoRA run's usually is
+            print("angle_train: note: the LoRA model given to train() records no model it was loaded by (built from "
+                  "its config) for its adapter to be loaded over: best/ holds its merged weights, not the adapter "
+                  "alone", flush=True)
         if weights_note:
             print(weights_note, flush=True)
         for note in context_notes:
@@ -507,7 +518,14 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                                   # the dev set's, or a checkpoint's best's when resumed without dev data
                                   best_metric=position.best_metric if dev_set or position.best is not None else None),
                command=command, loss_name=loss_name, resumed_from=resume_from, data_ahead=OneAhead(device),
-               base_model=base_model, given=given, unverified_checkpoint=unverified_checkpoint)
+               base_model=base_model, exports_base=exports_base, given=given,
+               unverified_checkpoint=unverified_checkpoint)
+
+
+def given_model_words(name: str | None) -> str:
+    """The messages' words for a model given to train(), with the name it was loaded by (export.loaded_name) where it
+    has one."""
+    return "the model given to train()" + (f" ({name})" if name else "")
 
 
 # The loss weights a data format's loss does not read (angle_kernels.AngleLoss: format B's is the contrastive term
@@ -1190,7 +1208,7 @@ def evaluate(run: Run) -> None:
     if improved and run.cfg.save_best:
         weights = sharding.full_state_dict(run.encoder) if sharded else None  # every process, when sharded
         if run.dist_info.is_main:
-            save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights,
+            save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights, base_model=run.exports_base,
                       model_card=model_card(run, "best", {"step": position.step, **scores}),
                       step=position.step, score=scores[metric], metric=metric)
     if run.dist_info.is_main:
@@ -1269,8 +1287,9 @@ def restore_best(run: Run) -> None:
     weights = sharding.full_state_dict(run.encoder) if sharded else None  # every process, when sharded
     if run.dist_info.is_main:
         position = run.position
-        save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights, model_card=model_card(run, "best"),
-                  step=position.best_step, score=position.best, metric=position.best_metric)
+        save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights, base_model=run.exports_base,
+                  model_card=model_card(run, "best"), step=position.best_step, score=position.best,
+                  metric=position.best_metric)
         print(f"best/: exported the checkpoint's best model (step {position.best_step}, "
               f"{tracking.DEV_METRICS[position.best_metric]} {position.best:.4f}) from its weights", flush=True)
 
@@ -1303,7 +1322,7 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
 
     base = source("model", cfg.model)
     train_data, dev_data = source("train_examples", cfg.train_data), source("dev_examples", cfg.dev_data)
-    adapter_only = name == "best" and is_peft_model(run.encoder.backbone)  # as save_best writes it
+    adapter_only = name == "best" and best_is_adapter_only(run.encoder, run.exports_base)  # as save_best writes it
     which = f"the best model by {tracking.DEV_METRICS[metric]}" if name == "best" else "the model after the last step"
     library = "peft" if adapter_only else \
         "transformers" if sentence_transformers_cannot_load(run.encoder) else "sentence-transformers"
@@ -1403,7 +1422,8 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
     if run.dist_info.is_main and cfg.save_final:
         try:
             result.final_path = save_final(cfg, run.encoder, run.tokenizer, state_dict=weights,
-                                           while_writing=signals.interrupting, model_card=model_card(run, "final"))
+                                           base_model=run.exports_base, while_writing=signals.interrupting,
+                                           model_card=model_card(run, "final"))
         except faults.Interrupted:
             interrupted = True
     if faults.any_rank(interrupted, run.dist_info, run.device):

@@ -148,6 +148,51 @@ def test_a_model_given_to_train_keeps_its_own_sentence_transformers_files(st_fol
     assert lookups == [] and own.encoder.max_length == 16 and exported_length(tmp_path / "own") == 16
 
 
+def test_a_lora_model_given_to_train_exports_over_its_own_base_never_model(st_folder, tmp_path, capsys):
+    """The exports of a model given to train() named --model as their base (the default builtin:tiny-bert, or a
+    folder left in a config), in angle_train.json and a LoRA adapter's adapter_config.json, so an adapter-only best/
+    loaded its adapter over that model, or not at all. They name the model the given one was loaded by (peft's record
+    of its base), and the start-up line says it; a LoRA model that has none (built from its config) gets its merged
+    weights in best/, which load by themselves, with a note."""
+    from angle_train.export import load_pretrained
+    from angle_train.models import LoraSettings
+
+    data, dev = (demo_examples(16), "B"), demo_sts_examples(12)
+    settings = dict(max_steps=1, batch_size=8, max_length=12, save_final=True)
+    texts = ["a small red ball", "the box is blue"]
+
+    def trained(out, given, **flags):
+        result = trainer.train(run_config(out, **settings, **flags), model=given, train_examples=data,
+                               dev_examples=dev)
+        return result.encoder.eval().encode(texts, result.tokenizer)
+
+    def meta(folder):
+        return json.loads((folder / META_FILE).read_text())
+
+    encoder, tokenizer = load_encoder(st_folder, lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    with torch.no_grad():  # an adapter that changes the embeddings (LoRA's B starts at zero)
+        for name, weight in encoder.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(0, 0.5)
+    for out, flags in ((tmp_path / "default", {}), (tmp_path / "other", {"model": str(tmp_path)})):
+        embeddings = trained(out, (encoder, tokenizer), **flags)
+        assert f"angle_train: the model given to train() ({st_folder}) | " in capsys.readouterr().out
+        best = out / "best"
+        adapter = json.loads((best / "adapter_config.json").read_text())
+        assert meta(best)["adapter_only"] and meta(best)["base_model"] == adapter["base_model_name_or_path"] == \
+            st_folder and meta(out / "final")["base_model"] == st_folder
+        reloaded, reloaded_tokenizer, _ = load_pretrained(str(best))
+        torch.testing.assert_close(reloaded.encode(texts, reloaded_tokenizer), embeddings, rtol=1e-4, atol=1e-5)
+
+    embeddings = trained(tmp_path / "unnamed", make_encoder("bert", dtype=torch.float32, lora=True))
+    out = capsys.readouterr().out
+    assert "angle_train: the model given to train() | " in out and "best/ holds its merged weights" in out
+    best = tmp_path / "unnamed" / "best"
+    assert not meta(best)["adapter_only"] and meta(best)["base_model"] is None and (best / "config.json").is_file()
+    reloaded, reloaded_tokenizer, _ = load_pretrained(str(best))
+    torch.testing.assert_close(reloaded.encode(texts, reloaded_tokenizer), embeddings, rtol=1e-4, atol=1e-5)
+
+
 def test_angle_eval_takes_the_folder_pooling_and_says_so(st_folder, tmp_path, capsys):
     examples = demo_sts_examples(24)
     sts = write_stsb(tmp_path / "sts-test.csv", examples)

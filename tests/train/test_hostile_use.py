@@ -7,6 +7,7 @@ ends in one line naming the flag or file, a warning, or a run that does what it 
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -284,7 +285,8 @@ def test_a_tokenizer_without_its_vocabulary_is_refused(export, tmp_path):
     encoder, _ = load_encoder(str(folder))
     _damage(folder, "no tokenizer files")
     stand_in = AutoTokenizer.from_pretrained(str(folder))
-    with pytest.raises(ValueError, match=rf"the tokenizer of the model given to train\(\) has {len(stand_in)} tokens "
+    with pytest.raises(ValueError, match=rf"the tokenizer of the model given to train\(\) \({re.escape(str(folder))}\) "
+                       rf"has {len(stand_in)} tokens "
                        "for a model of 61 token embeddings"):
         train(_config(tmp_path / "run", max_steps=1), model=(encoder, stand_in), train_examples=DATA)
 
