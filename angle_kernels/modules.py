@@ -172,6 +172,17 @@ class AngleLoss(nn.Module):
             f"dim_weights={self.dim_weights}"
         )
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_parameters" not in state:
+            # angle-emb's AngleLoss, a plain object whose attributes are its constructor's arguments, pickled where
+            # angle-emb was not patched: its pickle names the class angle_emb.angle.AngleLoss, which in a process
+            # where angle_kernels.integrations.angle_emb's patch is in effect is this class (or a subclass). Built
+            # from those arguments, it loads as the loss the patch makes of angle-emb's, not a module without its
+            # nn.Module state.
+            self.__init__(**state)
+            return
+        super().__setstate__(state)
+
     def settings(self) -> AngleSettings:
         """The terms' weights, scales and in-batch options as forward computes them, read and checked at each call
         (angle-emb sets attributes after construction; one set to a bad value is refused as the constructor

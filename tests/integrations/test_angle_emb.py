@@ -585,6 +585,32 @@ def test_an_angle_emb_loss_made_before_patch_pickles_while_patched(ae):
     assert type(pickle.loads(pickle.dumps(loss))) is reference_class
 
 
+def test_an_angle_emb_loss_pickled_unpatched_loads_as_ours_in_a_patched_process(ae):
+    """A pickle of angle-emb's AngleLoss written without the patch names the class angle_emb.angle.AngleLoss, which
+    is ours where the patch is in effect: it loaded as our class with angle-emb's attributes and no nn.Module state,
+    and calling it raised AttributeError ('_backward_hooks'). It loads as our loss built from those settings,
+    computing what angle-emb's does."""
+    import pickle
+
+    from angle_kernels.modules import AngleLoss
+
+    reference_class = ae["angle_emb.angle"].AngleLoss
+    loss = reference_class(cosine_w=1.0, ibn_w=0.0, angle_w=1.0, cosine_tau=10.0, angle_tau=5.0, dataset_format="A")
+    data = pickle.dumps(loss)
+    outputs = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    graded = torch.tensor([0.0, 0.0, 2.0, 2.0, 1.0, 1.0, 3.0, 3.0], dtype=torch.float64).unsqueeze(1)
+    for backend in (None, "torch"):
+        with integration.patched(backend=backend):
+            restored = pickle.loads(data)
+            assert isinstance(restored, AngleLoss) and type(restored) is ae["angle_emb.angle"].AngleLoss
+            settings = (restored.cosine_w, restored.cosine_tau, restored.angle_w, restored.angle_tau)
+            assert settings == (1.0, 10.0, 1.0, 5.0) and restored.dataset_format == "A"
+            torch.testing.assert_close(restored(graded, outputs), loss(graded, outputs), rtol=1e-12, atol=0)
+    ours = AngleLoss(cosine_w=1.0, angle_tau=5.0)  # our own pickles keep their module state, as before
+    again = pickle.loads(pickle.dumps(ours))
+    assert type(again) is AngleLoss and again.angle_tau == 5.0 and again.training == ours.training
+
+
 def _fit_dataset(dataset_format: str):
     from datasets import Dataset
 
