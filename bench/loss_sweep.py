@@ -252,8 +252,11 @@ def probed_run_seconds(run_at, n: int, power: int, fits) -> float | None:
     fit (`fits(seconds)`) is not run, and the forecast is None: the case does not fit either. Like a forecast from a
     previous size, it errs high by the overheads that do not grow with N, and low where the larger size runs slower
     per unit of work (out of the caches): in-batch negatives at N = 4096, D = 768, probed at 3.5 s a run, ran 4 s
-    (the round's margin run, seconds_to_expect, is for that)."""
+    (the round's margin run, seconds_to_expect, is for that). The first probe runs twice, timed the second time: the
+    process's first call pays one-off costs (lazy imports and initialisation) that, scaled by (n / m)^power, would
+    forecast the case far slower than it runs and skip it under a budget it fits."""
     m = max(1, min(PROBE_N, n // 2))
+    run_at(m)
     seconds = run_at(m)
     while seconds < FORECAST_MIN_S and 2 * m <= n // 2:
         if not fits(seconds * 2 ** power):

@@ -317,25 +317,27 @@ def test_a_cpu_round_needs_time_for_its_own_two_runs_and_a_cuda_case_for_a_dozen
 def test_probes_double_the_size_until_a_run_is_long_enough_to_scale_from():
     """Where nothing forecasts a case, runs at 8, 16, ... pairs, up to half the case's size, until one takes
     FORECAST_MIN_S (50 ms), scaled to the case's size: from a run of 82.9 ms at 8,192 pairs, 663 ms at 65,536 (the
-    run's 1 ms of overheads scaled with it: the forecast errs high). No probe runs whose own forecast does not fit."""
+    run's 1 ms of overheads scaled with it: the forecast errs high). No probe runs whose own forecast does not fit.
+    The first probe runs twice and its first run is not used: one-off costs of a process's first call (1 s here)
+    scaled by (n / m)^power would forecast 8,192 times that."""
     import loss_sweep
 
     def linear(m):
         sizes.append(m)
-        return 0.001 + 1e-5 * m
+        return 0.001 + 1e-5 * m + (1.0 if len(sizes) == 1 else 0.0)
 
     sizes = []
     assert loss_sweep.probed_run_seconds(linear, 65536, 1, fits=lambda s: True) == pytest.approx(0.08292 * 8)
-    assert sizes == [8 * 2 ** k for k in range(11)] and loss_sweep.PROBE_N == 8
+    assert sizes == [8] + [8 * 2 ** k for k in range(11)] and loss_sweep.PROBE_N == 8
     sizes = []  # quadratic and short: up to half the size, scaled by 4
     assert loss_sweep.probed_run_seconds(linear, 64, 2, fits=lambda s: True) == pytest.approx(4 * (0.001 + 32e-5))
-    assert sizes == [8, 16, 32]
+    assert sizes == [8, 8, 16, 32]
     sizes, asked = [], []  # the probe at 16 would take 2 x 1.08 ms: it does not fit, so neither does the case
     assert loss_sweep.probed_run_seconds(linear, 65536, 1, fits=lambda s: asked.append(s) or s < 0.002) is None
-    assert sizes == [8] and asked == [pytest.approx(2 * 0.00108)]
+    assert sizes == [8, 8] and asked == [pytest.approx(2 * 0.00108)]
     sizes = []
     assert loss_sweep.probed_run_seconds(linear, 3, 1, fits=lambda s: True) == pytest.approx(3 * 0.00101)
-    assert sizes == [1]
+    assert sizes == [1, 1]
 
 
 def _forks_on_a_clock(monkeypatch, probe, run_s):
