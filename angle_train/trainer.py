@@ -375,11 +375,11 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         encoder.bidirectional = True  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
     pooling_source = encoder.pooling_source if model is None else "the model given to train()"
-    check_model_settings(cfg, encoder, fmt, pooling_source=pooling_source)
     # --model names nothing of a model given to train(): the exports name the model it was loaded by as their base
     # (named --model, a LoRA model's adapter-only best/ was loaded over that model), and so do the messages
     exports_base = cfg.model if model is None else loaded_name(encoder.backbone)
     model_name = cfg.model if model is None else given_model_words(exports_base)
+    check_model_settings(cfg, encoder, fmt, pooling_source=pooling_source, model_name=model_name)
     preflight.check_tokenizer(tokenizer, encoder, model_name, cfg.max_length)
     # a rotary model reads past its trained context without an error (a position table's limit is refused above):
     # said, before --fsdp wraps the backbone
@@ -632,12 +632,13 @@ def check_labels(cfg: TrainConfig, examples: list[Example], fmt: str, from_file:
                      "and train nothing; check the label column, or weight a term these labels can train")
 
 
-def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None, *, pooling_source: str) -> None:
+def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None, *, pooling_source: str, model_name: str) -> None:
     """The settings against the loaded model, before any text is tokenised: --max-length and --export-max-length
     within the model's position limit (the second is what best/ and final/ tell sentence-transformers and angle-eval
     to encode: beyond the limit they would fail), --matryoshka-dims and --espresso within its width and layers, and a
     pooling that can tell texts apart: a causal decoder's first token attends to itself alone, so first-token pooling
-    gave every text starting with the same token (a BOS, a prompt) one embedding, and trained nothing."""
+    gave every text starting with the same token (a BOS, a prompt) one embedding, and trained nothing. model_name:
+    the messages' words for the model (--model, or given_model_words)."""
     if encoder.is_decoder and not encoder.bidirectional and encoder.pooling == "cls":
         raise ValueError(f"pooling cls ({pooling_source}) on a causal decoder LM: its first token sees no other "
                          "token, so every text starting with the same token (a BOS token, a prompt) gets one "
@@ -649,9 +650,9 @@ def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None, *, pooling_
             raise ValueError(f"{flag} {length} is longer than the model can read: its position table holds {limit} "
                              f"positions; use {flag} {limit} or less")
     if cfg.matryoshka_dims:
-        check_matryoshka_dims(cfg, encoder.embedding_dim, fmt)
+        check_matryoshka_dims(cfg, encoder.embedding_dim, fmt, model_name=model_name)
     if cfg.espresso:
-        check_espresso(cfg, encoder, fmt)
+        check_espresso(cfg, encoder, fmt, model_name=model_name)
 
 
 def check_packing(cfg: TrainConfig, encoder, dataset, device: torch.device, asked: bool, dist_info) -> None:
@@ -699,26 +700,28 @@ def _angle_term_needs_even_widths(cfg: TrainConfig, fmt: str | None) -> bool:
     return cfg.objective == "angle" and computes_angle_term(cfg.angle_w, fmt)
 
 
-def check_espresso(cfg: TrainConfig, encoder, fmt: str | None) -> None:
-    """--espresso against the loaded model: at least 2 layers, and an even --espresso-dim for the angle term."""
+def check_espresso(cfg: TrainConfig, encoder, fmt: str | None, *, model_name: str) -> None:
+    """--espresso against the loaded model (named model_name: --model, or given_model_words): at least 2 layers,
+    and an even --espresso-dim for the angle term."""
     even = _angle_term_needs_even_widths(cfg, fmt)
     try:
         dims, _ = espresso_layer_weights(encoder.num_layers, cfg.espresso_dim, encoder.embedding_dim)
         check_nested(dims, None, encoder.embedding_dim, even=even)
     except ValueError as exc:
-        raise ValueError(f"--espresso --espresso-dim {cfg.espresso_dim} does not fit {cfg.model} "
+        raise ValueError(f"--espresso --espresso-dim {cfg.espresso_dim} does not fit {model_name} "
                          f"({encoder.num_layers} layers, embeddings of {encoder.embedding_dim} dimensions"
                          f"{'; --angle-w > 0 needs even widths' if even else ''}): {exc}") from None
 
 
-def check_matryoshka_dims(cfg: TrainConfig, width: int, fmt: str | None) -> None:
-    """--matryoshka-dims against the model's embedding width, once the model is loaded: AngleLoss would check it
-    only at the first step, with a message that cannot name the flag. The rules are AngleLoss's own."""
+def check_matryoshka_dims(cfg: TrainConfig, width: int, fmt: str | None, *, model_name: str) -> None:
+    """--matryoshka-dims against the model's embedding width, once the model is loaded (named model_name: --model,
+    or given_model_words): AngleLoss would check it only at the first step, with a message that cannot name the flag.
+    The rules are AngleLoss's own."""
     even = _angle_term_needs_even_widths(cfg, fmt)
     try:
         check_nested(cfg.matryoshka_dims, cfg.matryoshka_weights or None, width, even=even)
     except ValueError as exc:
-        raise ValueError(f"--matryoshka-dims {' '.join(map(str, cfg.matryoshka_dims))} does not fit {cfg.model}, "
+        raise ValueError(f"--matryoshka-dims {' '.join(map(str, cfg.matryoshka_dims))} does not fit {model_name}, "
                          f"whose embeddings have {width} dimensions{' (and --angle-w > 0)' if even else ''}: "
                          f"{exc}") from None
 

@@ -193,6 +193,21 @@ def test_a_lora_model_given_to_train_exports_over_its_own_base_never_model(st_fo
     torch.testing.assert_close(reloaded.encode(texts, reloaded_tokenizer), embeddings, rtol=1e-4, atol=1e-5)
 
 
+def test_a_model_given_to_train_is_named_where_its_width_does_not_fit(st_folder, tmp_path):
+    """--matryoshka-dims and --espresso that do not fit a model given to train() named --model's default
+    (builtin:tiny-bert), which names nothing there: they name the given model as the start-up line does."""
+    given = load_encoder(st_folder)
+    for flags, refusal, data in (
+            ({"matryoshka_dims": [64, 16]}, "--matryoshka-dims 64 16", (demo_examples(16), "B")),
+            ({"espresso": True, "espresso_dim": 15, "ibn_w": 0.0, "cosine_w": 1.0}, "--espresso --espresso-dim 15",
+             (demo_sts_examples(16), "A"))):
+        with pytest.raises(ValueError) as exc:
+            trainer.train(run_config(tmp_path / "run", max_steps=1, batch_size=8, **flags), model=given,
+                          train_examples=data)
+        assert str(exc.value).startswith(f"{refusal} does not fit the model given to train() ({st_folder})")
+        assert "builtin:" not in str(exc.value)
+
+
 def test_angle_eval_takes_the_folder_pooling_and_says_so(st_folder, tmp_path, capsys):
     examples = demo_sts_examples(24)
     sts = write_stsb(tmp_path / "sts-test.csv", examples)
