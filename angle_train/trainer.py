@@ -165,7 +165,7 @@ def report_profile(run: Run, profile, row: dict) -> None:
     settings = {"batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "chunk_size": cfg.chunk_size,
                 "chunk_tokens": cfg.chunk_tokens, "pass_tokens": cfg.pass_tokens, "sort_passes": cfg.sort_passes,
                 "pack": cfg.pack, "useful_tokens": useful, "processes": run.dist_info.world_size,
-                "device": str(run.device), "model": cfg.model}
+                "device": str(run.device), "model": run.model_name}
     path = os.path.join(cfg.output_dir, "profile.json")
     profile.save(path, step, **settings)
     print("\n" + profile.table(step) + f"\nreal tokens: {useful:.0%} of those the encoder processed (the rest is "
@@ -265,6 +265,9 @@ class Run:
     # the model the exports name as their base (checkpoint._export): --model, or the name a model given to train() was
     # loaded by (None: it has none)
     exports_base: str | None = None
+    # the words the messages and profile.json name the model by: --model, or given_model_words for a model given to
+    # train()
+    model_name: str = ""
     # the step of output_dir's newest checkpoint of this run (written, or resumed from) until a finite step is taken
     # from its weights (trust_checkpoint), None after that
     unverified_checkpoint: int | None = None
@@ -518,7 +521,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                                   # the dev set's, or a checkpoint's best's when resumed without dev data
                                   best_metric=position.best_metric if dev_set or position.best is not None else None),
                command=command, loss_name=loss_name, resumed_from=resume_from, data_ahead=OneAhead(device),
-               base_model=base_model, exports_base=exports_base, given=given,
+               base_model=base_model, exports_base=exports_base, model_name=model_name, given=given,
                unverified_checkpoint=unverified_checkpoint)
 
 
@@ -1323,7 +1326,8 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     def source(argument: str, flag_value) -> str:  # what the flag names, or what train() was given in its place
         return f"the {argument.replace('_', ' ')} given to train()" if argument in run.given else f"`{flag_value}`"
 
-    base = source("model", cfg.model)
+    # a given model by the name it was loaded by, as the start-up line names it
+    base = given_model_words(run.exports_base) if "model" in run.given else source("model", cfg.model)
     train_data, dev_data = source("train_examples", cfg.train_data), source("dev_examples", cfg.dev_data)
     adapter_only = name == "best" and best_is_adapter_only(run.encoder, run.exports_base)  # as save_best writes it
     which = f"the best model by {tracking.DEV_METRICS[metric]}" if name == "best" else "the model after the last step"

@@ -208,6 +208,18 @@ def test_a_model_given_to_train_is_named_where_its_width_does_not_fit(st_folder,
         assert "builtin:" not in str(exc.value)
 
 
+def test_profile_and_model_card_name_the_model_given_to_train(st_folder, tmp_path):
+    """profile.json's "model" of a model given to train() was --model's default (builtin:tiny-bert), and the model
+    card said it was fine-tuned from "the model given to train()" alone: both name it by the model it was loaded by,
+    as the start-up line does."""
+    words = f"the model given to train() ({st_folder})"
+    trainer.train(run_config(tmp_path, profile=True, max_steps=1, batch_size=8, save_final=True),
+                  model=load_encoder(st_folder), train_examples=(demo_examples(16), "B"))
+    assert json.loads((tmp_path / "profile.json").read_text())["model"] == words
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert f"fine-tuned from {words} with angle-train" in card and f"- base model: {words}, pooling" in card
+
+
 def test_angle_eval_takes_the_folder_pooling_and_says_so(st_folder, tmp_path, capsys):
     examples = demo_sts_examples(24)
     sts = write_stsb(tmp_path / "sts-test.csv", examples)
