@@ -47,7 +47,7 @@ import shutil
 from . import st_folder
 from .st_folder import META_FILE
 from .data import prompt_prefix
-from .models import position_limit
+from .models import absolute_if_local, position_limit
 
 ST_POOLING_KEYS = st_folder.POOLING_KEYS
 CARD_FILE = "README.md"
@@ -95,8 +95,7 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     else looked up here (for a hub name, a fetch of its files).
     """
     os.makedirs(path, exist_ok=True)
-    if base_model and os.path.isdir(base_model):  # a local base, recorded so that it loads from anywhere
-        base_model = os.path.abspath(base_model)
+    base_model = absolute_if_local(base_model)  # a local base, recorded so that it loads from anywhere
     if not (base_model and os.path.realpath(base_model) == os.path.realpath(path)):  # (its files are read below)
         _clear_earlier_export(path)
     backbone = encoder.backbone

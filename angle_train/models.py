@@ -394,6 +394,12 @@ def configured_positions(backbone: nn.Module) -> int | None:
     return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
 
 
+def absolute_if_local(name_or_path: str | None) -> str | None:
+    """A model name that is a local folder here as its absolute path, which names that folder from any working folder
+    (a relative one names another, or none, once the working folder changes); a hub name (or None) as it is."""
+    return os.path.abspath(name_or_path) if name_or_path and os.path.isdir(name_or_path) else name_or_path
+
+
 def position_limit(backbone: nn.Module) -> int | None:
     """The most tokens the model can read at once where it has a hard limit, or None. A learned position table
     (position_table) fails on longer inputs: its rows, less those before position 0: the offset its forward adds to
@@ -616,6 +622,10 @@ def load_encoder(
     settings say so (own_lowercasing, lowercase_first)."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
+    # loaded by its absolute path, the model records that (its config's name_or_path, peft's record of its base,
+    # st_files): given to train() after a change of working folder, a relative one named no folder where its exports
+    # recorded their base and read its sentence-transformers files
+    name_or_path = absolute_if_local(name_or_path)
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     st_files = st_folder.find_folder(name_or_path)  # once: for a hub name, a fetch of its files
     folder_pooling = own_pooling(name_or_path, st_files) if pooling is None else None

@@ -56,8 +56,8 @@ from .evaluate import (
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
-    LoraSettings, LoraTargetError, load_encoder, own_bidirectional, own_prompts, past_trained_context_note,
-    position_limit, prepare_tokenizer, wrap_backbone,
+    LoraSettings, LoraTargetError, absolute_if_local, load_encoder, own_bidirectional, own_prompts,
+    past_trained_context_note, position_limit, prepare_tokenizer, wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -379,8 +379,9 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
     pooling_source = encoder.pooling_source if model is None else "the model given to train()"
     # --model names nothing of a model given to train(): the exports name the model it was loaded by as their base
-    # (named --model, a LoRA model's adapter-only best/ was loaded over that model), and so do the messages
-    exports_base = cfg.model if model is None else loaded_name(encoder.backbone)
+    # (named --model, a LoRA model's adapter-only best/ was loaded over that model), and so do the messages; a local
+    # folder by its absolute path, as the working folder is now (it may change before the exports are written)
+    exports_base = absolute_if_local(cfg.model if model is None else loaded_name(encoder.backbone))
     model_name = cfg.model if model is None else given_model_words(exports_base)
     check_model_settings(cfg, encoder, fmt, pooling_source=pooling_source, model_name=model_name)
     preflight.check_tokenizer(tokenizer, encoder, model_name, cfg.max_length)

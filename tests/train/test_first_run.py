@@ -220,6 +220,39 @@ def test_profile_and_model_card_name_the_model_given_to_train(st_folder, tmp_pat
     assert f"fine-tuned from {words} with angle-train" in card and f"- base model: {words}, pooling" in card
 
 
+def test_a_model_given_to_train_by_a_relative_folder_is_exported_over_that_folder(tmp_path, monkeypatch):
+    """A model given to train() that was loaded by a relative folder path named no folder once the working folder
+    changed: loaded by load_encoder, its export read its sentence-transformers files from it and failed
+    (FileNotFoundError); loaded otherwise, its exports recorded the relative path as their base, a hub name
+    anywhere else. The base is recorded by its absolute path, as a local --model is."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from angle_train.models import prepare_tokenizer, wrap_backbone
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
+    save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)  # with sentence-transformers files
+    (tmp_path / "elsewhere").mkdir()
+    settings = dict(max_steps=1, batch_size=8, max_length=12, save_final=True)
+    data = (demo_examples(16), "B")
+
+    def base_of(out):
+        return json.loads((out / "final" / META_FILE).read_text())["base_model"]
+
+    monkeypatch.chdir(tmp_path)
+    given = load_encoder("model")
+    monkeypatch.chdir(tmp_path / "elsewhere")  # before train()
+    trainer.train(run_config(tmp_path / "loaded", **settings), model=given, train_examples=data)
+    assert base_of(tmp_path / "loaded") == str(tmp_path / "model")
+
+    monkeypatch.chdir(tmp_path)
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained("model"), False)
+    given = wrap_backbone(AutoModel.from_pretrained("model"), pooling="cls", pad_token_id=tokenizer.pad_token_id,
+                          is_decoder=False)
+    trainer.train(run_config(tmp_path / "wrapped", **settings), model=(given, tokenizer), train_examples=data,
+                  on_step=lambda step, row: os.chdir(tmp_path / "elsewhere"))  # during train()
+    assert base_of(tmp_path / "wrapped") == str(tmp_path / "model")
+
+
 def test_angle_eval_takes_the_folder_pooling_and_says_so(st_folder, tmp_path, capsys):
     examples = demo_sts_examples(24)
     sts = write_stsb(tmp_path / "sts-test.csv", examples)
