@@ -37,6 +37,7 @@ import contextlib
 import math
 import signal
 import threading
+import time
 
 import torch
 
@@ -125,12 +126,19 @@ class StopSignals:
     Inside `interrupting()` (the final export: long, and not worth finishing when a checkpoint resumes the run
     as well) the first signal raises Interrupted there and then. Once the run is complete (`complete()`: every step
     done and the final model, if any, in place) a first signal only says so: there is nothing left to checkpoint, and
-    the run ends as it would have. Outside the main thread (where Python cannot install handlers) a no-op."""
+    the run ends as it would have. A repeat of the first signal within SAME_REQUEST_S seconds is that request again,
+    not a second one. Outside the main thread (where Python cannot install handlers) a no-op."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # A scheduler that signals every process of a job (Slurm's time limit and scancel, systemd's stop) reaches each
+    # torchrun worker twice, directly and as torchrun passes it on, milliseconds apart: taken for a second signal, the
+    # copy ended every worker mid-step and no checkpoint was written. A person sending it again to stop at once does so
+    # after reading the first line; torchrun turns a second Ctrl-C into SIGTERM, another signal, which stops at once.
+    SAME_REQUEST_S = 2.0
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self._requested_at = 0.0  # time.monotonic() of the first signal
         self._previous: dict = {}
         self._interrupting = False
         self._completed: str | None = None  # what the complete run left (complete())
@@ -166,6 +174,11 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if name == self.requested and time.monotonic() - self._requested_at < self.SAME_REQUEST_S:
+            print(f"\n{name} again within {self.SAME_REQUEST_S:g} s: taken as the same request (a launcher such as "
+                  "torchrun passes on the signal this process got too); send it again later to stop at once",
+                  flush=True)
+            return
         if self.requested is not None:
             print(f"\n{name} again: stopping at once (the last complete checkpoint is intact)", flush=True)
             self._restore()
@@ -174,7 +187,7 @@ class StopSignals:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
-        self.requested = name
+        self.requested, self._requested_at = name, time.monotonic()
         if self._completed is not None:
             print(f"\n{name}: the run is complete ({self._completed}); nothing left to checkpoint, finishing up (send "
                   "it again to stop at once)", flush=True)

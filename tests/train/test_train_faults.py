@@ -374,12 +374,14 @@ def test_no_checkpoint_is_written_from_non_finite_weights(tmp_path, weight):
 
 
 # ---------------------------------------------------------------------------------------------------- signals
-def test_a_second_signal_stops_at_once():
+def test_a_second_signal_stops_at_once(monkeypatch):
     """Whatever handler was installed before (here one that ignores SIGINT): the second SIGINT raises
-    KeyboardInterrupt at once, and the earlier handler is back afterwards."""
+    KeyboardInterrupt at once, and the earlier handler is back afterwards. (The repeat comes at once here: the window
+    in which it would be the first one's copy is set to nothing.)"""
     def earlier(signum, frame):
         pass
 
+    monkeypatch.setattr(faults.StopSignals, "SAME_REQUEST_S", 0.0)
     previous = signal.signal(signal.SIGINT, earlier)
     try:
         with faults.StopSignals() as signals:
@@ -415,6 +417,7 @@ def test_a_second_sigterm_terminates_the_process():
     even though it ignored SIGTERM before."""
     code = ("import signal; from angle_train import faults\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "faults.StopSignals.SAME_REQUEST_S = 0.0\n"
             "with faults.StopSignals() as s:\n"
             "    signal.raise_signal(signal.SIGTERM); assert s.requested == 'SIGTERM'\n"
             "    signal.raise_signal(signal.SIGTERM)\n"
@@ -424,6 +427,31 @@ def test_a_second_sigterm_terminates_the_process():
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-1000:])
 
 
+def test_a_signal_repeated_at_once_is_the_same_request(monkeypatch, capsys):
+    """A scheduler that signals every process of a job (Slurm, systemd) reaches each torchrun worker twice,
+    directly and as torchrun passes it on: the copy ended every worker mid-step, with no checkpoint. A repeat of the
+    first signal within StopSignals.SAME_REQUEST_S is that request again, said in a line (in a child process: the old
+    rule terminated it); after that window, or another signal at any time (torchrun's SIGTERM after a second
+    Ctrl-C), stops at once."""
+    code = ("import signal; from angle_train import faults\n"
+            "with faults.StopSignals() as s:\n"
+            "    signal.raise_signal(signal.SIGTERM); signal.raise_signal(signal.SIGTERM)\n"
+            "    assert s.requested == 'SIGTERM'\n"
+            "raise SystemExit(7)\n")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 7, (done.returncode, done.stderr[-1000:])
+    assert "SIGTERM again within 2 s: taken as the same request" in done.stdout
+    with faults.StopSignals():
+        signal.raise_signal(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    with faults.StopSignals():
+        signal.raise_signal(signal.SIGINT)
+        monkeypatch.setattr(faults.StopSignals, "SAME_REQUEST_S", 0.0)  # the window has passed
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert "SIGINT again: stopping at once" in capsys.readouterr().out
 class SignalWhileExporting:
     """save_pretrained that writes part of the export, then receives SIGTERM (as a preempted job does)."""
 
