@@ -468,8 +468,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
               + ("bidirectional attention (the model folder's angle_train.json) | " if folders_attention else "") +
               f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
         repeats = repeated_items(items)
+        unit, same = ("sentences", "") if cfg.objective == "arccse" else ("examples", " (the same texts and label)")
         if repeats:  # kept (training never drops data in silence), and said: a copy may land in its original's batch
-            unit, same = ("sentences", "") if cfg.objective == "arccse" else ("examples", " (the same texts and label)")
             verb = "repeats" if repeats == 1 else "repeat"
             print(f"angle_train: note: {repeats:,} of the {len(items):,} {unit} {verb} an earlier one exactly{same}; "
                   "they are trained as given, and a copy in the same batch as its original is a false in-batch "
@@ -478,7 +478,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         if left:  # said, not silent: a step takes whole batches of batch_size x grad_accum
             advice = ("; a batch size closer to a divisor of the data leaves out fewer" if left > 0.05 * len(dataset)
                       else "")
-            print(f"angle_train: each epoch leaves out {left:,} of the {len(dataset):,} examples "
+            print(f"angle_train: each epoch leaves out {left:,} of the {len(dataset):,} {unit} "
                   f"({left / len(dataset):.1%}; another {left:,} each epoch, in its shuffled order): they do not fill "
                   f"a step of {cfg.batch_size}x{cfg.grad_accum}{advice}", flush=True)
         if dev_set is not None and cfg.matryoshka_dims and encoder.embedding_dim not in cfg.matryoshka_dims:
