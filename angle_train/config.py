@@ -218,7 +218,8 @@ class TrainConfig:
     profile: bool = opt(False, "time the phases of the run's second optimizer step (data, encoder forward, all-gather, "
                         "loss, encoder backward, optimizer), print them and write output_dir/profile.json",
                         group="run")
-    device: str = opt(None, "cpu, cuda, cuda:1... (default: cuda if available)", group="run")
+    device: str = opt(None, "cpu, cuda, cuda:1... (default: cuda if available); under torchrun cuda: each "
+                             "process takes the GPU of its LOCAL_RANK", group="run")
     ddp_timeout: int = opt(1800, "under torchrun: seconds a process waits for the others at a collective before the "
                            "job stops with an error (the Hugging Face Trainer's ddp_timeout; torch's own is 10 minutes "
                            "with NCCL). The main process exports best/ and final/ and writes whole-model checkpoints "

@@ -54,6 +54,24 @@ def init_distributed(device_type: str, timeout_s: int = 1800) -> DistInfo:
     return info
 
 
+def check_process_device(device: torch.device) -> None:
+    """Under torchrun each process trains on the GPU of its LOCAL_RANK (init_distributed). Refused before the process
+    group is joined: a --device naming one GPU, which every process left for its own without a word, and a process
+    whose LOCAL_RANK this machine has no GPU for (more processes a machine than GPUs: torch's 'invalid device
+    ordinal' traceback once the group was joined)."""
+    if device.type != "cuda" or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    if device.index is not None:
+        raise ValueError(f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK (the first "
+                         "process of a machine cuda:0, the next cuda:1, ...): give --device cuda, and choose the GPUs "
+                         "with CUDA_VISIBLE_DEVICES")
+    local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f"--device cuda: process {local_rank} of this machine (LOCAL_RANK) has no GPU; the machine "
+                         f"has {count} visible (cuda:0 to cuda:{count - 1}): launch at most {count} a machine "
+                         f"(torchrun --nproc-per-node {count})")
+
+
 def check_processes_agree(info: DistInfo, facts: dict) -> None:
     """Refuse, on every process alike, a run whose processes disagree on what they train from (`facts`: the
     checkpoint they resume, the number of examples, a fingerprint of the data, the number of steps): each process

@@ -324,6 +324,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     device = resolve_device(cfg.device)
     packing_asked = cfg.pack is not None
     cfg.resolve_passes(device.type)
+    distributed.check_process_device(device)
     dist_info = distributed.init_distributed(device.type, timeout_s=cfg.ddp_timeout)
     if dist_info.enabled and device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank)

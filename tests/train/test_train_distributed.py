@@ -1,6 +1,7 @@
 """Two gloo processes with all-gathered embeddings = one process on the concatenated batch."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -332,6 +333,32 @@ def test_gradient_accumulation_turns_the_gradient_sync_off_under_ddp_and_fsdp():
     with no_sync(fsdp, skip_sync=True):
         assert fsdp.calls == [False]
     assert fsdp.calls == [False, True]
+
+
+@pytest.mark.parametrize("device, local_rank, refusal", [
+    ("cuda:1", 0, "--device cuda:1: under torchrun each process takes the GPU of its LOCAL_RANK"),
+    ("cuda", 2, "--device cuda: process 2 of this machine (LOCAL_RANK) has no GPU; the machine has 2 visible (cuda:0 "
+                "to cuda:1): launch at most 2 a machine (torchrun --nproc-per-node 2)")])
+def test_a_process_without_its_own_gpu_is_refused_before_joining_the_group(tmp_path, monkeypatch, device, local_rank,
+                                                                           refusal):
+    """Under torchrun each process trains on the GPU of its LOCAL_RANK: --device cuda:1 was replaced by it without a
+    word, and a third process on a machine of 2 GPUs joined the group, then stopped in torch's 'invalid device
+    ordinal' traceback. Both are refused, naming --device, before the process group is joined (on a CPU machine here:
+    2 CUDA devices pretended)."""
+    import torch.distributed as dist
+
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "init_process_group", lambda **options: pytest.fail("joined the process group"))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        train(run_config(tmp_path, device=device, batch_size=6, max_steps=1), model=make_encoder("bert"),
+              train_examples=(demo_examples(12), "B"))
 
 
 def _evaluating_rank(rank, world, port, out_dir):
