@@ -165,8 +165,8 @@ def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainCo
 
 def main(argv=None) -> int:
     """Train as the flags say. Exit status: 0 done; 2 a mistake in the settings, files or data (one line on stderr,
-    the traceback with --debug); 3 too many non-finite steps in a row; 75 stopped by SIGTERM / SIGINT after writing a
-    checkpoint (resume with --resume auto)."""
+    the traceback with --debug); 3 too many non-finite steps in a row; 75 stopped by SIGTERM / SIGINT / SIGHUP after
+    writing a checkpoint (resume with --resume auto)."""
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     from . import faults

@@ -13,14 +13,15 @@
                       overflows: finite themselves), or whose Spearman is undefined (cosines all equal), is never
                       a best model (trainer.improves), the first evaluation included; the log says why
                       (trainer.report_unscored) and the run goes on, its non-finite steps skipped as above.
-    SIGTERM / SIGINT  StopSignals records the first signal; the loop finishes the optimizer step in progress,
-                      writes a checkpoint and raises Preempted (status EXIT_PREEMPTED = 75 from the CLI, "try
-                      again": resume with --resume auto). Every process stops at the same step (any_rank). A
-                      second signal ends the process at once with the signal's default action; the checkpoint
-                      folders are written as NAME.tmp and renamed when complete, so nothing half-written is
-                      ever taken for a checkpoint. A signal during the final export abandons it (final/ is
-                      written as final.tmp and swapped in once complete, so no half export is left) and writes
-                      a checkpoint of the last step instead: --resume auto then only exports.
+    SIGTERM / SIGINT  StopSignals records the first signal (SIGHUP too, unless ignored: nohup); the loop finishes
+                      the optimizer step in progress, writes a checkpoint and raises Preempted (status
+                      EXIT_PREEMPTED = 75 from the CLI, "try again": resume with --resume auto). Every process
+                      stops at the same step (any_rank). A second signal ends the process at once with the
+                      signal's default action (a repeat of the first within StopSignals.SAME_REQUEST_S is the
+                      same request); the checkpoint folders are written as NAME.tmp and renamed when complete,
+                      so nothing half-written is ever taken for a checkpoint. A signal during the final export
+                      abandons it (final/ is written as final.tmp and swapped in once complete, so no half export
+                      is left) and writes a checkpoint of the last step instead: --resume auto then only exports.
     out of memory     the error names the batch, the texts per forward pass, the sequence length and what to
                       change (oom_message); with --auto-chunk the step is retried with half the chunk size
                       (the gradient cache makes the gradients independent of the chunk size). On a GPU that is
@@ -120,16 +121,20 @@ class Interrupted(Exception):
 
 
 class StopSignals:
-    """Inside the context, SIGTERM and SIGINT set `requested` (the first signal's name) instead of ending the
-    process; a second one ends it at once, whatever handlers were installed before: SIGINT raises
-    KeyboardInterrupt (Python's own behaviour), SIGTERM takes its default action (the process terminates).
+    """Inside the context, SIGTERM, SIGINT and SIGHUP set `requested` (the first signal's name) instead of ending
+    the process (a SIGHUP ignored on entry, as nohup leaves it, stays ignored); a second one ends it at once,
+    whatever handlers were installed before: SIGINT raises KeyboardInterrupt (Python's own behaviour), SIGTERM and
+    SIGHUP take their default action (the process terminates).
     Inside `interrupting()` (the final export: long, and not worth finishing when a checkpoint resumes the run
     as well) the first signal raises Interrupted there and then. Once the run is complete (`complete()`: every step
     done and the final model, if any, in place) a first signal only says so: there is nothing left to checkpoint, and
     the run ends as it would have. A repeat of the first signal within SAME_REQUEST_S seconds is that request again,
     not a second one. Outside the main thread (where Python cannot install handlers) a no-op."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # SIGHUP: a closed terminal or ssh session. torchrun passes it on to its processes, even when started with nohup
+    # (its own handler replaces nohup's ignoring): they ended at once, with no checkpoint (none at all with the
+    # default --save-every 0)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
     # A scheduler that signals every process of a job (Slurm's time limit and scancel, systemd's stop) reaches each
     # torchrun worker twice, directly and as torchrun passes it on, milliseconds apart: taken for a second signal, the
     # copy ended every worker mid-step and no checkpoint was written. A person sending it again to stop at once does so
@@ -161,7 +166,8 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS
+                              if sig in (signal.SIGTERM, signal.SIGINT) or signal.getsignal(sig) != signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:

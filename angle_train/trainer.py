@@ -101,10 +101,10 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     (called as loss_fn(labels, embeddings)) replaces angle_kernels.AngleLoss, e.g. to compare with another
     implementation; on_step(step, row) is called after every optimizer step and may raise StopTraining.
 
-    Faults (faults.py): raises faults.Preempted after SIGTERM / SIGINT (once the step in progress is done, or the
-    final export abandoned, and a checkpoint written), faults.NonFiniteTrainingError after --max-bad-steps skipped
-    steps in a row, and torch.OutOfMemoryError with what to change (unless --auto-chunk recovers). Settings, paths,
-    the output folder and the data are checked before the model loads (setup).
+    Faults (faults.py): raises faults.Preempted after SIGTERM / SIGINT / SIGHUP (once the step in progress is done,
+    or the final export abandoned, and a checkpoint written), faults.NonFiniteTrainingError after --max-bad-steps
+    skipped steps in a row, and torch.OutOfMemoryError with what to change (unless --auto-chunk recovers). Settings,
+    paths, the output folder and the data are checked before the model loads (setup).
     """
     with library_progress_bars(cfg.progress):  # --progress 0: transformers' loading and saving bars too
         return _train(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn,

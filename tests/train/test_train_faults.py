@@ -452,6 +452,24 @@ def test_a_signal_repeated_at_once_is_the_same_request(monkeypatch, capsys):
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert "SIGINT again: stopping at once" in capsys.readouterr().out
+def test_sighup_stops_as_sigterm_does_unless_it_is_ignored():
+    """A closed terminal or ssh session: torchrun passes SIGHUP on to its processes, even when started with nohup,
+    and they ended at once with no checkpoint. SIGHUP is now the first signal as SIGTERM is (in a child process: it
+    terminated it); one that is ignored on entry (nohup, for a single process) stays ignored."""
+    code = ("import signal; from angle_train import faults\n"
+            "with faults.StopSignals() as s:\n"
+            "    signal.raise_signal(signal.SIGHUP); assert s.requested == 'SIGHUP', s.requested\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "with faults.StopSignals() as s:\n"
+            "    signal.raise_signal(signal.SIGHUP); assert s.requested is None, s.requested\n"
+            "assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN\n"
+            "raise SystemExit(7)\n")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 7, (done.returncode, done.stderr[-1000:])
+    assert "SIGHUP: finishing this optimizer step, then writing a checkpoint" in done.stdout
+
+
 class SignalWhileExporting:
     """save_pretrained that writes part of the export, then receives SIGTERM (as a preempted job does)."""
 
