@@ -568,12 +568,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     from --train-data; base_model: this run's base_model_record, checked against the checkpoint's
     (_compare_base_model)."""
     state = read_tensors_and_plain_values(os.path.join(path, STATE_FILE))
-    # every process sees the same files, so all refuse together, before any collective a refusal would leave waiting
-    written_by = _writers(path)
-    if written_by != dist_info.world_size:
-        raise ValueError(f"checkpoint {path} was written by {written_by} process(es) and this run has "
-                         f"{dist_info.world_size}: resume with {written_by} (each process's data slice and random "
-                         "state continue from its own)")
+    refuse_other_process_count(path, dist_info.world_size)
     position = Position(**state["position"])
     current_data = None if data_record is None or position.data_record is None else data_record(position.epoch)
     # the training data the names of TRAIN_DATA_SETTINGS read in both runs; given to train() in either, they name
@@ -1002,6 +997,18 @@ def _refuse_other_data(path: str, saved: dict, cfg: TrainConfig, position: Posit
 
 def _rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
+
+
+def refuse_other_process_count(path: str, world_size: int) -> None:
+    """Refuse to resume the checkpoint at `path` with another number of processes than wrote it (each process's data
+    slice and random state continue from its own). Every process sees the same files, so all refuse together, before
+    any collective a refusal would leave waiting; the trainer asks as soon as it knows the number, before the model
+    loads (load_checkpoint asks again)."""
+    written_by = _writers(path)
+    if written_by != world_size:
+        raise ValueError(f"checkpoint {path} was written by {written_by} process(es) and this run has {world_size}: "
+                         f"resume with {written_by} (each process's data slice and random state continue from its "
+                         "own)")
 
 
 def _writers(path: str) -> int:

@@ -41,7 +41,8 @@ from . import arccse, distributed, faults, preflight, run_lock, sharding, st_fol
 from .checkpoint import (
     Position, base_model_record, best_holds, best_is_adapter_only, checkpoint_path, checkpoint_to_resume,
     clear_non_finite_stop, finished_checkpoints, is_own_checkpoint, load_checkpoint, prune_checkpoints, reconcile_best,
-    record_non_finite_stop, remove_earlier_run, save_best, save_checkpoint, save_final, set_aside_later_line,
+    record_non_finite_stop, refuse_other_process_count, remove_earlier_run, save_best, save_checkpoint, save_final,
+    set_aside_later_line,
 )
 from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags
@@ -326,6 +327,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     cfg.resolve_passes(device.type)
     distributed.check_process_device(device)
     dist_info = distributed.init_distributed(device.type, timeout_s=cfg.ddp_timeout)
+    if resume_from:  # before the model loads: minutes for a large one
+        refuse_other_process_count(resume_from, dist_info.world_size)
     if dist_info.enabled and device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank)
     if cfg.auto_chunk and dist_info.enabled:

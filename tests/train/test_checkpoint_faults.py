@@ -195,10 +195,11 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused_unread(tmp_path,
     assert hashed == []
 
 
-def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(tmp_path):
+def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(tmp_path, monkeypatch):
     """Each process's data slice and random state continue from its own: a checkpoint of one process refuses a run of
     two, on every rank alike (only the second had refused, leaving the first in a collective), and one written by two
     processes refuses a run of one (once accepted silently, dropping rank 1's state)."""
+    from angle_train import trainer
     from angle_train.distributed import DistInfo
 
     newest = _killed_run(tmp_path)[-1]
@@ -210,3 +211,8 @@ def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(tm
     with pytest.raises(ValueError, match=r"written by 2 process\(es\) and this run has 1: resume with 2"):
         checkpoint.load_checkpoint(newest, _config(tmp_path), DistInfo(), encoder=None, optimizer=None, scheduler=None,
                                    scaler=None)
+    # a run refuses it before the model loads (minutes for a large one), not after loading it and tokenising the data
+    write_manifest(newest)
+    monkeypatch.setattr(trainer, "build_encoder", lambda *args: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match=r"written by 2 process\(es\) and this run has 1: resume with 2"):
+        train(_config(tmp_path, resume="auto"), train_examples=DATA)
