@@ -111,11 +111,12 @@ def test_bad_values_are_rejected_naming_the_flag(argv, said, capsys):
 
 
 def test_the_ends_of_each_range_are_settings():
-    """A value at the edge of its flag's range is accepted: numpy's largest seed, a weak mask rate of 0, a LoRA rank
-    of 1, one pair per loss computation (format C's; formats A and B, checked with the data, and ArcCSE need two), no
-    LoRA dropout."""
+    """A value at the edge of its flag's range is accepted: numpy's largest seed, a weak mask rate of 0 (with
+    --triplet-w 0: ArcCon alone, whose copies are not embedded; the triplet term refuses it), a LoRA rank of 1, one
+    pair per loss computation (format C's; formats A and B, checked with the data, and ArcCSE need two), no LoRA
+    dropout."""
     cfg = config_from_args(["--seed", str(2**32 - 1), "--objective", "arccse", "--mask-rates", "0", "0.99",
-                            "--lora", "1", "--lora-r", "1", "--lora-dropout", "0"])
+                            "--triplet-w", "0", "--lora", "1", "--lora-r", "1", "--lora-dropout", "0"])
     assert (cfg.seed, cfg.mask_rates, cfg.lora_r, cfg.lora_dropout) == (2**32 - 1, [0.0, 0.99], 1, 0)
     assert config_from_args(["--batch-size", "1"]).batch_size == 1
 
