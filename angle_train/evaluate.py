@@ -2,13 +2,17 @@
 
     angle-eval MODEL PATH [PATH ...] [--pooling P] [--max-length L] [--prompt T] [--query-prompt T]
                [--doc-prompt T] [--columns NAME=COLUMN ...] [--dims D ... | trained] [--batch-size B] [--device D]
-               [--json OUT]
+               [--base-model BASE] [--json OUT]
                [--progress 0|1] [--debug] [--version]
 
 MODEL is an `angle_train` export (a folder with angle_train.json: its pooling, prompts and maximum length are
 used unless overridden), or a hub name / local folder of a Hugging Face model (pooling as --pooling says, else as
-its sentence-transformers files say, else the encoder default; the choice is printed). The device is --device, else
-CUDA when there is one, as for angle-train. Each PATH is read in the layout it is distributed in:
+its sentence-transformers files say, else the encoder default; the choice is printed), or a local folder of a LoRA
+adapter (peft's adapter_config.json: angle-train's final/adapter, or an adapter angle-emb trained on an LLM), which
+is applied to the base model its adapter_config.json names, or to --base-model (as angle-emb's pretrained_lora_path
+on a model). --base-model also names the base of an adapter-only export (a LoRA run's best/) kept elsewhere. The
+device is --device, else CUDA when there is one, as for angle-train. Each PATH is read in the layout it is
+distributed in:
 
     STS12 .. STS16   a year's folder as SentEval lays it out (STS.input.SUBSET.txt with STS.gs.SUBSET.txt) or
                      as originally released (STS2016.input.SUBSET.txt / STS2016.gs.SUBSET.txt); a pair whose gold
@@ -72,7 +76,7 @@ from .data import (
     DataError, Example, Prompts, check_label, check_text, data_files_in, is_saved_dataset, load_examples, open_text,
     parse_columns, read_stsb,
 )
-from .models import check_dim, truncate
+from .models import ADAPTER_CONFIG, check_dim, truncate
 from .tracking import finite_or_none
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
@@ -549,22 +553,59 @@ def check_model(model: str) -> None:
         raise FileNotFoundError(f"MODEL {model}: no such folder (a local path, not a Hugging Face hub name: nothing "
                                 "was looked up on the Hub)")
     if os.path.exists(model) and not any(os.path.isfile(os.path.join(model, name))
-                                         for name in ("config.json", META_FILE)):
-        raise ValueError(f"MODEL {model}: not a model folder (no config.json or {META_FILE}); an angle-train run "
-                         "keeps its models in OUTPUT_DIR/final and OUTPUT_DIR/best, and MODEL comes before the "
-                         "datasets: angle-eval MODEL PATH [PATH ...]")
+                                         for name in ("config.json", META_FILE, ADAPTER_CONFIG)):
+        raise ValueError(f"MODEL {model}: not a model folder (no config.json, {META_FILE} or {ADAPTER_CONFIG}); an "
+                         "angle-train run keeps its models in OUTPUT_DIR/final and OUTPUT_DIR/best, and MODEL comes "
+                         "before the datasets: angle-eval MODEL PATH [PATH ...]")
 
 
-def load_model(model: str, *, pooling: str | None = None, device: str | torch.device = "cpu"):
-    """(encoder, tokenizer, settings) for an angle_train export or a Hugging Face model; the pooling `pooling`,
-    else the export's, else the model folder's own (models.load_encoder); encoder.pooling_source says which."""
+def adapter_base(model: str, base_model: str | None) -> str | None:
+    """The base model to apply MODEL's LoRA adapter to where MODEL is a folder of one (peft's adapter_config.json,
+    no config.json or angle_train.json): `base_model` (--base-model), else the base its adapter_config.json names;
+    None for any other MODEL, where --base-model is refused unless MODEL is an adapter-only export (a LoRA run's
+    best/), whose base load_pretrained takes it for."""
+    from .export import META_FILE
+
+    meta = os.path.join(model, META_FILE)
+    if os.path.isfile(meta):
+        if base_model is not None and not st_folder.read_json(meta).get("adapter_only"):
+            raise ValueError(f"--base-model {base_model}: MODEL {model} is a whole model (its {META_FILE} records no "
+                             "adapter-only export); --base-model names the base of a LoRA adapter: leave it out")
+        return None
+    config = os.path.join(model, ADAPTER_CONFIG)
+    if not os.path.isfile(config) or os.path.isfile(os.path.join(model, "config.json")):
+        if base_model is not None:
+            raise ValueError(f"--base-model {base_model}: MODEL {model} is not a local LoRA adapter folder (no "
+                             f"{ADAPTER_CONFIG} there; an adapter on the Hub is read once downloaded to a folder); "
+                             "--base-model names the base of one: leave it out")
+        return None
+    base = base_model or st_folder.read_json(config).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"MODEL {model} is a LoRA adapter whose {ADAPTER_CONFIG} names no base model: give the "
+                         "model it was trained on with --base-model")
+    if base_model is None and os.path.isabs(base) and not os.path.isdir(base):  # recorded absolute, moved since
+        raise FileNotFoundError(f"MODEL {model} is a LoRA adapter of the local model {base} (its {ADAPTER_CONFIG}'s "
+                                "base_model_name_or_path), which is no longer there: give the base with --base-model")
+    return base
+
+
+def load_model(model: str, *, pooling: str | None = None, device: str | torch.device = "cpu",
+               base_model: str | None = None):
+    """(encoder, tokenizer, settings) for an angle_train export, a Hugging Face model or a LoRA adapter folder (on
+    adapter_base's base model); the pooling `pooling`, else the export's, else the model folder's own
+    (models.load_encoder); encoder.pooling_source says which."""
     from .export import META_FILE, load_pretrained
     from .models import load_encoder
 
+    base = adapter_base(model, base_model)
     if os.path.isfile(os.path.join(model, META_FILE)):
-        encoder, tokenizer, meta = load_pretrained(model, device=device, pooling=pooling)
+        encoder, tokenizer, meta = load_pretrained(model, device=device, pooling=pooling, base_model=base_model)
         encoder.pooling_source = f"the export's {META_FILE}" if pooling is None else "--pooling"
         return encoder, tokenizer, meta
+    if base is not None:
+        print(f"angle-eval: the LoRA adapter {model} on its base model {base}", file=sys.stderr, flush=True)
+        encoder, tokenizer = load_encoder(base, pooling=pooling, device=device, lora_path=model)
+        return encoder, tokenizer, {}
     encoder, tokenizer = load_encoder(model, pooling=pooling, device=device)
     return encoder, tokenizer, {}
 
@@ -666,6 +707,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=positive_int, default=128)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda if available, as "
                         "angle-train)")
+    parser.add_argument("--base-model", default=None, metavar="BASE",
+                        help="the base model (hub name or local folder) of a MODEL that is a LoRA adapter: a peft "
+                        "adapter folder (default: the base its adapter_config.json names) or a LoRA run's "
+                        "adapter-only best/ (default: the base it was trained on)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results there")
     parser.add_argument("--progress", type=parse_bool, nargs="?", const=True, default=None, metavar="0|1",
                         help="a progress bar per dataset on stderr (default: when stderr is a terminal)")
@@ -710,6 +755,7 @@ def main(argv=None) -> int:
         preflight.check_device(args.device)
         check_model(args.model)
         preflight.check_model_folder(args.model, "MODEL")
+        adapter_base(args.model, args.base_model)  # a --base-model that would be ignored, before the datasets load
         columns = columns_of_paths(args.columns, args.paths)
         per_path = ("give '' for this PATH (a mapping given out of the PATHs' order?)" if len(args.columns) > 1
                     else None)  # a mapping of every PATH passes over such files
@@ -723,7 +769,7 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"--json {args.json_out}: no folder {json_folder} to write it in")
         with library_progress_bars(args.progress):
             encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling,
-                                                  device=resolve_device(args.device))
+                                                  device=resolve_device(args.device), base_model=args.base_model)
         print(f"angle-eval: pooling {encoder.pooling} ({encoder.pooling_source})", file=sys.stderr, flush=True)
         saved = encoder.prompts
         encoder.prompts = Prompts(text=saved.text if args.prompt is None else args.prompt,

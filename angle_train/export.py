@@ -47,7 +47,7 @@ import shutil
 from . import st_folder
 from .st_folder import META_FILE
 from .data import prompt_prefix
-from .models import absolute_if_local, position_limit
+from .models import ADAPTER_CONFIG, absolute_if_local, position_limit
 
 ST_POOLING_KEYS = st_folder.POOLING_KEYS
 CARD_FILE = "README.md"
@@ -140,7 +140,7 @@ def _record_local_base(adapter_folder: str, base_model: str | None) -> None:
     sentence-transformers then took for a Hugging Face hub name anywhere else."""
     if not (base_model and os.path.isdir(base_model)):
         return
-    config_path = os.path.join(adapter_folder, "adapter_config.json")
+    config_path = os.path.join(adapter_folder, ADAPTER_CONFIG)
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
     config["base_model_name_or_path"] = base_model

@@ -602,6 +602,41 @@ def lowercase_first(tokenizer) -> None:
         backend.normalizer = Sequence([Lowercase(), *steps])
 
 
+# peft's record of an adapter: its LoRA settings and the base model it was trained on (base_model_name_or_path)
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def attach_adapter(backbone: nn.Module, lora_path: str) -> nn.Module:
+    """`backbone` (a base model without LM head, as AutoModel loads it) with the peft adapter of the folder `lora_path`,
+    trainable. An adapter saved from the model with its LM head (a *ForCausalLM, as angle-emb and most LoRA trainers
+    save theirs) names its layers under the head's wrapper (`model.layers.0...`, the base model's
+    `base_model_prefix`): those names are read without it. An adapter weight that fits no layer of the base model is
+    refused: peft only warns of it and leaves that layer's adapter at its initial value (often zero: the base model's
+    embeddings, in silence)."""
+    from peft import PeftConfig, PeftModel
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    config = PeftConfig.from_pretrained(lora_path)
+    weights = load_peft_weights(lora_path, device="cpu")
+    prefix = getattr(backbone, "base_model_prefix", "")
+    outer = f"base_model.model.{prefix}."
+    if prefix and weights and all(key.startswith(outer) for key in weights) and not hasattr(backbone, prefix):
+        weights = {"base_model.model." + key[len(outer):]: value for key, value in weights.items()}
+        if isinstance(config.target_modules, (list, set, tuple)):  # full module paths, as "all-linear" records them
+            config.target_modules = sorted(name.removeprefix(prefix + ".") for name in config.target_modules)
+    config.inference_mode = False
+    model = PeftModel(backbone, config)
+    result = set_peft_model_state_dict(model, weights)
+    missing = [key for key in result.missing_keys if "lora_" in key]
+    if missing or result.unexpected_keys:
+        unfit = (result.unexpected_keys or missing)[0]
+        raise ValueError(f"the LoRA adapter {lora_path} does not fit {type(backbone).__name__}: "
+                         f"{len(result.unexpected_keys)} of its weights fit no layer of the model, "
+                         f"{len(missing)} of the layers it adapts have no weights in it (e.g. {unfit}); it was trained "
+                         f"on another model (its {ADAPTER_CONFIG} names {config.base_model_name_or_path})")
+    return model
+
+
 def load_encoder(
     name_or_path: str,
     *,
@@ -639,9 +674,7 @@ def load_encoder(
     kwargs = {"dtype": dtype} if dtype is not None else {}
     backbone = AutoModel.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
     if lora_path is not None:
-        from peft import PeftModel
-
-        backbone = PeftModel.from_pretrained(backbone, lora_path, is_trainable=True)
+        backbone = attach_adapter(backbone, lora_path)
         lora = None  # the adapter is already attached
     encoder = wrap_backbone(backbone, pooling=pooling, pad_token_id=tokenizer.pad_token_id, is_decoder=is_decoder,
                             lora=lora, gradient_checkpointing=gradient_checkpointing, autocast=autocast,

@@ -24,6 +24,7 @@ import os
 import torch
 
 from . import st_folder
+from .models import ADAPTER_CONFIG
 
 # The files a tokenizer is read from (any one suffices): transformers' fast tokenizer file, WordPiece/BPE
 # vocabularies, sentencepiece and tiktoken models.
@@ -78,7 +79,7 @@ def check_model_to_train(path: str) -> None:
     check_model_folder(path, "--model")
     if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
         return
-    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
         raise ValueError(f"--model {path} holds a LoRA adapter without its base model (a LoRA run's best/ or a "
                          "checkpoint's adapter): train from a whole model, the run's final/ (the adapter merged into "
                          "its base), or give the base model and resume the run with --resume")

@@ -1,0 +1,85 @@
+"""LoRA adapters not written by angle-train's exports: one saved from a decoder LM with its LM head (as angle-emb and
+most LoRA trainers save theirs) attaches to the base model without it, layer names and all; one that fits no layer is
+refused instead of leaving the base model's embeddings in silence; angle-eval scores an adapter folder on its base
+model (adapter_config.json's, or --base-model)."""
+
+import json
+
+import pytest
+import torch
+
+from angle_train.evaluate import main
+from angle_train.models import ADAPTER_CONFIG, load_encoder, prepare_tokenizer
+from angle_train.tiny import build_tokenizer, demo_sts_examples
+
+TEXTS = ["a small red car", "the dog is black and big", "box"]
+
+
+def causal_lm(folder, *, layers: int = 2) -> str:
+    """A random tiny LlamaForCausalLM (LM head included) and its tokenizer saved to `folder`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def causal_adapter(base: str, folder, targets="all-linear"):
+    """(the adapter's folder, the causal LM with it): a LoRA adapter with non-zero weights (init_lora_weights=False)
+    saved from the LlamaForCausalLM in `base`, as peft saves it: layer names under the LM's `model.`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(base),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    model.save_pretrained(folder)
+    return str(folder), model.eval()
+
+
+def test_an_adapter_saved_with_its_lm_head_attaches_to_the_base_model(tmp_path):
+    base = causal_lm(tmp_path / "base")
+    adapter, model = causal_adapter(base, tmp_path / "adapter")
+    assert any(name.startswith("model.") for name in json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+               ["target_modules"])
+    encoder, tokenizer = load_encoder(base, lora_path=adapter)
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch, output_hidden_states=True).hidden_states[-1][:, -1]  # left padding: the last token
+        torch.testing.assert_close(encoder.eval()(batch["input_ids"], batch["attention_mask"]), hidden)
+    assert any(p.requires_grad for p in encoder.parameters())  # trainable, as load_encoder's adapters always were
+
+
+def test_an_adapter_that_fits_no_layer_of_the_base_is_refused(tmp_path):
+    deeper = causal_lm(tmp_path / "deeper", layers=3)
+    adapter, _ = causal_adapter(deeper, tmp_path / "adapter", targets=["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match=r"does not fit LlamaModel: 4 of its weights fit no layer of the model, 0 of "
+                                         r"the layers it adapts have no weights in it \(e\.g\. "
+                                         r"base_model\.model\.layers\.2\..*its adapter_config.json names .*deeper"):
+        load_encoder(causal_lm(tmp_path / "base"), lora_path=adapter)
+
+
+def test_angle_eval_scores_an_adapter_folder_on_its_base_model(tmp_path, capsys):
+    base = causal_lm(tmp_path / "base")
+    adapter, model = causal_adapter(base, tmp_path / "adapter")
+    merged = tmp_path / "merged"  # the same model as one folder, the adapter merged into the weights
+    model.merge_and_unload().save_pretrained(merged)
+    prepare_tokenizer(build_tokenizer(), is_decoder=True).save_pretrained(merged)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"text1": e.texts[0], "text2": e.texts[1], "label": e.label}) + "\n"
+                             for e in demo_sts_examples(24)), encoding="utf-8")
+    scores = {}
+    for name, args in (("adapter", [adapter]), ("merged", [str(merged)]), ("moved", [adapter, "--base-model", base])):
+        out = tmp_path / f"{name}.json"
+        assert main([*args, str(pairs), "--json", str(out)]) == 0
+        scores[name] = json.loads(out.read_text())["pairs"]
+    assert scores["adapter"] == pytest.approx(scores["merged"], abs=1e-9) == scores["moved"]
+    assert f"the LoRA adapter {adapter} on its base model {base}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a whole model has no base to take
+        main([str(merged), str(pairs), "--base-model", base])
+    assert exit_info.value.code == 2
+    assert "--base-model" in capsys.readouterr().err
