@@ -177,6 +177,14 @@ class Prompts:
         return {role: self.for_role(role) or "" for role in ("text", "query", "document")
                 if self.for_role(role) or getattr(self, role) == ""}
 
+    def described(self) -> str:
+        """The templates in words, for notes and model cards: "`T` for every text" where every role takes one, else
+        each role's ("text `T`, query `Q`, document none")."""
+        templates = {role: self.for_role(role) for role in ("text", "query", "document")}
+        if len(set(templates.values())) == 1:
+            return f"`{templates['text']}` for every text" if templates["text"] else "none"
+        return ", ".join(f"{role} `{template}`" if template else f"{role} none" for role, template in templates.items())
+
     @classmethod
     def coerce(cls, prompt: str | Prompts | None) -> Prompts:
         """A Prompts from a Prompts, or from one template (or name) for every text, or None (no prompt)."""

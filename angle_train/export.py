@@ -95,6 +95,8 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     else looked up here (for a hub name, a fetch of its files).
     """
     os.makedirs(path, exist_ok=True)
+    # a training's best/ is written again at each new best score: its note on the prompts is given the first time
+    same_prompts = _recorded_prompts(_shown(path)) == dataclasses.asdict(encoder.prompts)
     base_model = absolute_if_local(base_model)  # a local base, recorded so that it loads from anywhere
     if not (base_model and os.path.realpath(base_model) == os.path.realpath(path)):  # (its files are read below)
         _clear_earlier_export(path)
@@ -130,8 +132,17 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     if unloadable:
         print(f"note: {_shown(path)} is a Hugging Face folder only: {unloadable}")
     else:
-        _write_sentence_transformers_files(path, encoder, encoder.embedding_dim, inference_length, base)
+        _write_sentence_transformers_files(path, encoder, encoder.embedding_dim, inference_length, base,
+                                           note_prompts=not same_prompts)
     return path
+
+
+def _recorded_prompts(path: str) -> dict | None:
+    """The prompts (as angle_train.json records them) of the export in `path`, or None where there is none."""
+    try:
+        return st_folder.read_json(os.path.join(path, META_FILE)).get("prompts")
+    except (OSError, ValueError):  # none, or a damaged one, which this export replaces
+        return None
 
 
 def _record_local_base(adapter_folder: str, base_model: str | None) -> None:
@@ -233,9 +244,11 @@ def _shown(path: str) -> str:
 
 
 def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max_length: int,
-                                       base: str | None) -> None:
+                                       base: str | None, note_prompts: bool = True) -> None:
     """modules.json, sentence_bert_config.json, config_sentence_transformers.json and the Pooling module's config:
-    the encoder's, over the base model's (`base`: its sentence-transformers folder, or None) where it has them."""
+    the encoder's, over the base model's (`base`: its sentence-transformers folder, or None) where it has them.
+    note_prompts: say so where the prompts have no sentence-transformers form (False: the folder replaced had the
+    same prompts, and the note was given then)."""
     base_modules = st_folder.modules(base) if base else []
     usable = (len(base_modules) >= 2 and base_modules[0].get("path") == ""
               and base_modules[0].get("type", "").endswith(".Transformer") and st_folder.pooling_module(base))
@@ -259,9 +272,10 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
                 {"do_lower_case": False, **(st_folder.settings(base) if usable else {}), "max_seq_length": max_length})
     prefixes = prefix_prompts(encoder)
     if prefixes is None:
-        print(f"note: a prompt of {encoder.prompts.as_dict()} puts text after '{{text}}', which sentence-transformers' "
-              f"prefix prompts cannot express; {_shown(path)} records it in {META_FILE} only (load_pretrained applies "
-              "it)")
+        if note_prompts:
+            print(f"note: the prompts ({encoder.prompts.described()}) put text after '{{text}}', which "
+                  f"sentence-transformers' prefix prompts cannot express; {_shown(path)} records them in {META_FILE} "
+                  "only (load_pretrained applies them)")
         prefixes = {}
     config = {"similarity_fn_name": "cosine", **(st_folder.config(base) if usable else {})}
     # the run's prompts, never the base's: a base's default prompt would be added to every text training never saw

@@ -1408,11 +1408,11 @@ def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
                   'small_embeddings = small.encode(["A first sentence."], normalize_embeddings=True)']
     lines += ["```", ""]
     if roles is None:
-        lines += [f"The prompts {encoder.prompts.as_dict()} put text after '{{text}}', which sentence-transformers' "
-                  "prompts cannot express: wrap the texts in them before `encode` (right only for texts within the "
-                  "max length: of a longer one sentence-transformers cuts the end, the prompt's close, where "
-                  "angle-train cuts the text and keeps the prompt), or load the model with angle-train, which "
-                  "applies them:", "",
+        lines += [f"The prompts ({encoder.prompts.described()}) put text after '{{text}}', which "
+                  "sentence-transformers' prompts cannot express: wrap the texts in them before `encode` (right "
+                  "only for texts within the max length: of a longer one sentence-transformers cuts the end, the "
+                  "prompt's close, where angle-train cuts the text and keeps the prompt), or load the model with "
+                  "angle-train, which applies them:", "",
                   "```python", *own, "```", ""]
     else:
         lines += ["or `angle_train.load_pretrained(path)` (with its pooling, prompts and attention as trained).", ""]

@@ -180,7 +180,7 @@ def test_the_trained_encoder_embeds_as_its_final_export_does(tmp_path, capsys):
     torch.testing.assert_close(result.encoder.encode(texts, tokenizer), final.encode(texts, tokenizer),
                                rtol=1e-5, atol=1e-6)
     out = capsys.readouterr().out
-    assert f"{tmp_path / 'final'} records it in" in out and "final.tmp" not in out
+    assert f"{tmp_path / 'final'} records them in" in out and "final.tmp" not in out
 
 
 def test_the_model_cards_usage_loads_the_model_as_trained(tmp_path):

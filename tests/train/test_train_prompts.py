@@ -264,3 +264,23 @@ def test_angle_eval_retrieval_uses_the_query_and_document_prompts(tmp_path):
                                    encoder.encode(DOCS, tokenizer, prompt=""))
     assert ours == expected
     assert ours != unprompted  # the check can tell (4 random-model rankings differ with the prompts)
+
+
+def test_a_prompt_sentence_transformers_cannot_hold_is_noted_once_per_folder_and_named_in_words(tmp_path, capsys):
+    """A training's best/, written again at each new best score, notes the AnglE prompt once, in words (not as a dict
+    of every role), as its model card names it; a folder that held other prompts is noted again."""
+    from angle_train.trainer import usage
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    encoder.prompts = Prompts(text="angle")
+    folder = str(tmp_path / "best")
+    for _ in range(3):
+        save_pretrained(encoder, tokenizer, folder, max_length=16)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "cannot express" in line]
+    assert notes == [f"note: the prompts (`{ANGLE_PROMPT}` for every text) put text after '{{text}}', which "
+                     f"sentence-transformers' prefix prompts cannot express; {folder} records them in angle_train.json "
+                     "only (load_pretrained applies them)"]
+    assert f"The prompts (`{ANGLE_PROMPT}` for every text) put text after" in "\n".join(usage(encoder, []))
+    encoder.prompts = Prompts(text="angle", query="query: {text}", document="")
+    save_pretrained(encoder, tokenizer, folder, max_length=16)
+    assert f"the prompts (text `{ANGLE_PROMPT}`, query `query: {{text}}`, document none) put" in capsys.readouterr().out
