@@ -478,7 +478,13 @@ def wrap_backbone(
         dropped["pooler"] = backbone.pooler.requires_grad_(False)
         backbone.pooler = None
     if gradient_checkpointing:
-        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.x renamed it activation_checkpointing_enable, the old name kept with a FutureWarning at
+        # every run; the versions before the rename have only the old one
+        enable = getattr(backbone, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:
         try:
             from peft import LoraConfig, get_peft_model

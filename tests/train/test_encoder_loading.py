@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -200,13 +201,17 @@ def test_lora_adapts_every_linear_layer_by_default():
 
 def test_gradient_checkpointing_is_switched_on_when_asked_for():
     """--gradient-checkpointing reaches wrap_backbone: the base model must recompute its activations (the memory a
-    long-sequence LLM run counts on), and not without it."""
+    long-sequence LLM run counts on), and not without it; through transformers' current name, without the
+    deprecation warning its old one gives."""
     tokenizer = prepare_tokenizer(build_tokenizer(), True)
     for asked in (True, False):
         backbone = build_backbone("builtin:tiny-llama", len(tokenizer), hidden_size=32, layers=1)
-        encoder = wrap_backbone(backbone, pooling=None, pad_token_id=tokenizer.pad_token_id, is_decoder=True,
-                                gradient_checkpointing=asked)
-        assert encoder.backbone.is_gradient_checkpointing is asked
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            encoder = wrap_backbone(backbone, pooling=None, pad_token_id=tokenizer.pad_token_id, is_decoder=True,
+                                    gradient_checkpointing=asked)
+        on = getattr(encoder.backbone, "is_activation_checkpointing", None)
+        assert (encoder.backbone.is_gradient_checkpointing if on is None else on) is asked
 
 
 def test_the_lora_settings_reach_the_adapters():
