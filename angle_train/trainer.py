@@ -1348,6 +1348,7 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
                   "the flags above.", ""]
     lines += [f"- base model: {base}, pooling {run.encoder.pooling}, embeddings of {run.encoder.embedding_dim} "
               f"dimensions" + (f" (trained truncatable to {', '.join(map(str, widths))})" if widths else ""),
+              *([lora_description(run.encoder, adapter_only)] if is_peft_model(run.encoder.backbone) else []),
               f"- data: {train_data}, {data}"
               + (f"; dev: {dev_data}, {dev_description(run.dev_set)}" if run.dev_set else ""),
               f"- loss: {loss}",
@@ -1366,6 +1367,21 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     lines += ["## Usage", ""] + usage(run.encoder, widths, adapter_only=adapter_only) + [
         "`angle-eval path ...` gives STS and retrieval scores.", ""]
     return "\n".join(lines)
+
+
+def lora_description(encoder, adapter_only: bool) -> str:
+    """The model card's line on the adapters of a LoRA encoder: their settings as peft holds them (the run's flags, or
+    a model given to train()), the frozen weights' dtype, and where the export keeps them (best/: the adapter alone;
+    final/: merged into the weights, and the adapter alone in adapter/, as export.save_pretrained writes them)."""
+    config = next(iter(encoder.backbone.peft_config.values()))
+    targets = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in config.target_modules}))
+    frozen = next((p.dtype for p in encoder.parameters() if not p.requires_grad), None)
+    where = ("this folder holds the adapter alone" if adapter_only else
+             "merged into this folder's weights; the adapter alone is in `adapter/` (peft's files, which "
+             "`angle-eval path/adapter` scores on its base model)")
+    return (f"- LoRA: rank {config.r}, alpha {config.lora_alpha:g}, dropout {config.lora_dropout:g} on {targets}"
+            + (f", the base model's weights frozen in {str(frozen).removeprefix('torch.')}" if frozen else "")
+            + f"; {where}")
 
 
 def dev_description(dev_set: StsSet | RetrievalSet) -> str:

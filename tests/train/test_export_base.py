@@ -487,3 +487,20 @@ def test_sentence_transformers_loads_an_adapter_only_export_as_trained(tmp_path,
         base_alone = load_pretrained(base, pooling=pooling)[0]
         base_alone.prompts = lora_encoder.prompts
         assert (ours - base_alone.encode(TEXTS, tokenizer, prompt_name="query")).abs().max() > 1e-2  # adapter applied
+
+
+def test_a_lora_runs_model_cards_give_the_adapters_and_where_they_are(tmp_path):
+    """best/ (the adapter alone) and final/ (merged, the adapter alone in adapter/) say so, with the adapters' rank,
+    alpha, dropout and layers, and the frozen weights' dtype."""
+    from angle_train.tiny import demo_examples, demo_sts_examples
+    from angle_train.trainer import train
+
+    cfg = run_config(tmp_path, model="builtin:tiny-llama", lora=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                     lora_targets=["q_proj", "v_proj"], model_dtype="bfloat16", batch_size=8, max_steps=1,
+                     save_final=True)
+    train(cfg, train_examples=(demo_examples(16), "B"), dev_examples=demo_sts_examples(8))
+    settings = "- LoRA: rank 4, alpha 8, dropout 0 on q_proj, v_proj, the base model's weights frozen in bfloat16; "
+    assert settings + "this folder holds the adapter alone\n" in (tmp_path / "best" / "README.md").read_text()
+    assert settings + "merged into this folder's weights; the adapter alone is in `adapter/`" in \
+        (tmp_path / "final" / "README.md").read_text()
+    assert (tmp_path / "final" / "adapter" / "adapter_config.json").is_file()
