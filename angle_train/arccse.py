@@ -202,9 +202,11 @@ class TokenizedSentences:
         if around is not None and not offsets_too:
             trim = tuple(len(tokenizer(part, add_special_tokens=False)["input_ids"]) if part else 0
                          for part in around)
-        for chunk, specials, offsets in tokenize_in_chunks(texts, tokenizer, special_tokens_mask=True,
-                                                           offsets=offsets_too, truncation=True,
-                                                           max_length=max_length, add_special_tokens=True):
+        reaching = torch.zeros(len(texts), dtype=torch.bool)  # the sentences cut by truncation
+        for chunk, specials, offsets, cut in tokenize_in_chunks(texts, tokenizer, special_tokens_mask=True,
+                                                                offsets=offsets_too, truncation=True,
+                                                                max_length=max_length, add_special_tokens=True):
+            reaching[len(ids_rows):len(ids_rows) + len(chunk)] = torch.tensor(cut, dtype=torch.bool)
             copies = []  # (weak, strong) of each sentence of the chunk
             for k, (ids, special) in enumerate(zip(chunk, specials)):
                 row = len(ids_rows) + len(copies)  # its index in this process's share (and in `texts`)
@@ -218,8 +220,7 @@ class TokenizedSentences:
             ids_rows.extend(chunk)
             weak_rows.extend(weak for weak, _ in copies)
             strong_rows.extend(strong for _, strong in copies)
-        # the sentences cut: by the prompt's room (a decoded cut may come back shorter) or reaching max_length
-        reaching = ids_rows.length_tensor() >= max_length
+        # the sentences cut: by the prompt's room (a decoded cut may come back shorter) or by truncation
         reaching[prompt_cut] = True
         # gathered with the rows: one row of three counts per process
         counts = TokenRows([too_short + [int(reaching.sum())]])

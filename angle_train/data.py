@@ -863,16 +863,39 @@ def as_token_rows(seqs: TokenRows | list[list[int]]) -> TokenRows:
 
 def tokenize_in_chunks(texts: list[str], tokenizer, *, special_tokens_mask: bool = False, offsets: bool = False,
                        **options):
-    """(input ids, special-token masks or None, character offsets or None) of `texts`, each a list per text,
-    TOKENIZE_CHUNK texts per tokenizer call and without the attention masks and token types nobody reads: the
+    """(input ids, special-token masks or None, character offsets or None, which were cut) of `texts`, each a list per
+    text, TOKENIZE_CHUNK texts per tokenizer call and without the attention masks and token types nobody reads: the
     tokenizer's lists for all the texts at once were the peak of tokenising a large dataset (yielded chunk by
-    chunk). offsets: each token's character span in its text (a fast tokenizer's offset mapping)."""
+    chunk). offsets: each token's character span in its text (a fast tokenizer's offset mapping). Which were cut:
+    whether truncation (options' truncation and max_length) dropped tokens of the text (truncated_texts)."""
     for start in range(0, len(texts), TOKENIZE_CHUNK):
-        encoded = tokenizer(texts[start:start + TOKENIZE_CHUNK], return_attention_mask=False,
-                            return_token_type_ids=False, return_special_tokens_mask=special_tokens_mask,
-                            return_offsets_mapping=offsets, **options)
+        chunk = texts[start:start + TOKENIZE_CHUNK]
+        encoded = tokenizer(chunk, return_attention_mask=False, return_token_type_ids=False,
+                            return_special_tokens_mask=special_tokens_mask, return_offsets_mapping=offsets, **options)
         yield (encoded["input_ids"], encoded["special_tokens_mask"] if special_tokens_mask else None,
-               encoded["offset_mapping"] if offsets else None)
+               encoded["offset_mapping"] if offsets else None, truncated_texts(chunk, encoded, tokenizer, **options))
+
+
+def truncated_texts(texts: list[str], encoded, tokenizer, *, truncation=False, max_length=None, **options
+                    ) -> list[bool]:
+    """Whether truncation at max_length dropped tokens of each text the tokenizer `encoded` so. A text of exactly
+    max_length tokens may be whole or cut: a fast tokenizer keeps what it cut (each encoding's overflowing parts);
+    with a slow one, the texts at the limit are tokenised again one token longer. Counting every text that reached
+    the limit as cut told of texts cut where --max-length just held the longest."""
+    ids = encoded["input_ids"]
+    if not truncation or max_length is None:
+        return [False] * len(ids)
+    encodings = getattr(encoded, "encodings", None)
+    if encodings is not None:
+        return [bool(each.overflowing) for each in encodings]
+    cut = [False] * len(ids)
+    at_limit = [i for i, each in enumerate(ids) if len(each) >= max_length]
+    if at_limit:
+        longer = tokenizer([texts[i] for i in at_limit], return_attention_mask=False, return_token_type_ids=False,
+                           truncation=truncation, max_length=max_length + 1, **options)["input_ids"]
+        for i, each in zip(at_limit, longer):
+            cut[i] = len(each) > max_length
+    return cut
 
 
 def share_of(count: int, processes=None) -> range:
@@ -897,10 +920,10 @@ def gather_token_rows(parts: list[TokenRows], processes=None) -> list[TokenRows]
                                 torch.cat([mine[2 * i + 1] for mine in gathered])) for i in range(len(parts))]
 
 
-def cut_note(at_max: int, texts: int, max_length: int) -> str:
-    """"; N of M texts cut at --max-length L" for a run's header, where texts reach the limit (a text of exactly L
-    tokens counts too: the tokenizer does not say which it cut); "" where none does."""
-    return f"; {at_max:,} of {texts:,} texts cut at --max-length {max_length}" if at_max else ""
+def cut_note(cut: int, texts: int, max_length: int) -> str:
+    """"; N of M texts cut at --max-length L" for a run's header, where truncation (or a prompt's room: prompted_texts)
+    cut texts (truncated_texts: a text of exactly L tokens is not cut); "" where none is."""
+    return f"; {cut:,} of {texts:,} texts cut at --max-length {max_length}" if cut else ""
 
 
 class TokenizedPairs:
@@ -928,13 +951,14 @@ class TokenizedPairs:
             for r, text in zip(rows, texts):
                 flat[r - share.start] = text
             prompt_cut[[rows[i] - share.start for i in cut]] = True
-        mine = TokenRows()
-        for ids, _, _ in tokenize_in_chunks(flat, tokenizer, truncation=True, max_length=max_length,
-                                            add_special_tokens=True):
+        mine, truncated = TokenRows(), []
+        for ids, _, _, cut in tokenize_in_chunks(flat, tokenizer, truncation=True, max_length=max_length,
+                                                 add_special_tokens=True):
             mine.extend(ids)
+            truncated += cut
         del flat
-        # the texts cut: by the prompt's room (a decoded cut may come back shorter) or reaching max_length
-        cut_here = int((prompt_cut | (mine.length_tensor() >= max_length)).sum())
+        # the texts cut: by the prompt's room (a decoded cut may come back shorter) or by truncation
+        cut_here = int((prompt_cut | torch.tensor(truncated, dtype=torch.bool)).sum())
         self.rows, counts = gather_token_rows([mine, TokenRows([[cut_here]])], processes)
         self.labels = torch.tensor([ex.label for ex in examples], dtype=torch.float32)  # [examples]
         self._text_lengths = self.rows.length_tensor().view(len(examples), self.rows_per_example)  # [examples, k]

@@ -8,7 +8,8 @@ import re
 
 import pytest
 import torch
-from train_helpers import assert_ranks_match, free_port, make_encoder, param_grads, rank_of_a_job, run_config
+from train_helpers import (assert_ranks_match, free_port, make_encoder, param_grads, rank_of_a_job, run_config,
+                           slow_bert_tokenizer)
 
 from angle_kernels.testing.helpers import start_ranks
 from angle_train.arccse import BLOCKS, ArcCSEObjective, TokenizedSentences, load_sentences, span_length
@@ -49,17 +50,11 @@ def test_a_prompts_words_are_never_masked(tmp_path, prompt, slow):
     the sentence's tokens: they covered the prompted text (the 40% copy of an 11-token sentence in "a red box is
     {text}" masked 6 tokens, "a red box is the dog" among them). Fast tokenizers by their character offsets, slow
     ones by the prompt's token counts."""
-    import transformers
-
     _, tokenizer = make_encoder("bert")
-    if slow:  # transformers 5's Python tokenizer is BertTokenizerLegacy (BertTokenizer is the fast one)
-        slow_class = getattr(transformers, "BertTokenizerLegacy", None)
-        if slow_class is None:
+    if slow:
+        tokenizer = slow_bert_tokenizer(tmp_path, tokenizer)
+        if tokenizer is None:
             pytest.skip("this transformers has no Python (slow) BERT tokenizer")
-        vocab = tmp_path / "vocab.txt"
-        vocab.write_text("".join(f"{token}\n" for token, _ in sorted(tokenizer.get_vocab().items(),
-                                                                      key=lambda item: item[1])))
-        tokenizer = slow_class(vocab_file=str(vocab))
     assert tokenizer.is_fast is not slow
     sentences = ["the dog was not a cat and it was very big", "a small red car", "it was a golden kite"] * 4
     data = TokenizedSentences(sentences, tokenizer, max_length=48, mask_rates=(0.2, 0.4), seed=3, prompt=prompt)
@@ -137,7 +132,8 @@ def test_the_setup_note_and_token_counts_of_each_layout():
         data = TokenizedSentences(SENTENCES, tokenizer, max_length=6, mask_rates=(0.5, 0.9), seed=0, blocks=blocks)
         batch = data.batch([3, 0])
         assert data.lengths_of([3, 0]) == [len(row) for row in batch.seqs] == [3, 6] * blocks  # row by row
-        assert data.cut == "; 6 of 8 texts cut at --max-length 6" and data.cut in data.describe()
+        # "a small red car" and "a tiny green bird" are 6 tokens: whole
+        assert data.cut == "; 4 of 8 texts cut at --max-length 6" and data.cut in data.describe()
     data = _sentences(tokenizer, rates=(0.2, 0.4))
     assert data.too_short == [2, 1] and "2 / 1 too short to mask" in data.describe()
 

@@ -29,6 +29,20 @@ def make_encoder(arch: str = "bert", *, dropout: float = 0.0, dtype=torch.float6
     return encoder, tokenizer
 
 
+def slow_bert_tokenizer(folder, tokenizer):
+    """The Python (slow) BERT tokenizer of `tokenizer`'s vocabulary (a vocab.txt written in `folder`), or None where
+    this transformers has none (transformers 5's is BertTokenizerLegacy; BertTokenizer is the fast one)."""
+    import transformers
+
+    slow_class = getattr(transformers, "BertTokenizerLegacy", None)
+    if slow_class is None:
+        return None
+    vocab = os.path.join(folder, "vocab.txt")
+    with open(vocab, "w", encoding="utf-8") as f:
+        f.write("".join(f"{token}\n" for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])))
+    return slow_class(vocab_file=vocab)
+
+
 def write_data_file(tmp_path, name: str, text: str) -> str:
     """tmp_path/name holding `text` (UTF-8), as the path string the data readers take."""
     path = tmp_path / name
