@@ -12,13 +12,14 @@ Benchmark layout (tab-separated, no header, score in field 4 and the texts in fi
 automatically, or forced with layout="stsb"), or a Hugging Face dataset (hub name or a folder made by
 `save_to_disk`, read with the `datasets` package).
 
-Every problem in a file raises `DataError` (a ValueError) naming the file and the line: missing columns,
-an empty file, a null or empty label, a label that is not a finite number or is beyond +-LABEL_LIMIT, a null or
-empty text (or one of invisible characters alone: shows_nothing), a malformed JSON line, a CSV row with more or
-fewer fields than its header, bytes that are not UTF-8 (with their byte offset; a Parquet, Arrow or compressed file
-named as such: BINARY_FILES). Local files are read as UTF-8; a byte-order mark at the start (as spreadsheet programs
-write "CSV UTF-8") is dropped. `open_text`, `check_label` and `check_text` hold these rules for every reader here, in
-angle_train.arccse and in angle_train.evaluate.
+Every problem in a file raises `DataError` (a ValueError) naming the file and the line: missing columns, an empty
+file, a null or empty label, a label that is not a finite number or is beyond +-LABEL_LIMIT, a null or empty text
+(or one of invisible characters alone: shows_nothing), a malformed JSON line, a CSV row with more or fewer fields
+than its header, a CSV syntax error (a quote never closed: the line it opened on too), bytes that are not UTF-8
+(with their byte offset; a Parquet, Arrow or compressed file named as such: BINARY_FILES). Local files are read as
+UTF-8; a byte-order mark at the start (as spreadsheet programs write "CSV UTF-8") is dropped. `open_text`,
+`check_label` and `check_text` hold these rules for every reader here, in angle_train.arccse and in
+angle_train.evaluate.
 """
 
 from __future__ import annotations
@@ -485,11 +486,15 @@ def delimited_rows(path: str, delimiter: str, check_header=None):
     quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
     fetched = 0  # lines handed to the reader: at a syntax error, the line it is on (reader.line_num counts the
     # lines of the records read before it: a bad record was named by the line before it, or the one its record began)
+    begun = None  # the first line of the record being read (none yet: None); a quote never closed is found at the
+    # file's end, far from the line that opened it (every line since read into one field)
 
     def counted(lines):
-        nonlocal fetched
+        nonlocal fetched, begun
         for line in lines:
             fetched += 1
+            if begun is None and line.strip():
+                begun = fetched
             yield line
 
     with open_text(path, newline="") as f, _csv_fields_of_any_size():
@@ -500,7 +505,9 @@ def delimited_rows(path: str, delimiter: str, check_header=None):
             if check_header is not None:
                 check_header(reader.fieldnames)
             width = len(reader.fieldnames)
+            begun = None
             for row in reader:
+                begun = None
                 where = f"{path}, line {reader.line_num}"
                 if None in row:
                     raise DataError(f"{where}: more fields than the header's {width}")
@@ -509,7 +516,10 @@ def delimited_rows(path: str, delimiter: str, check_header=None):
                     raise DataError(f"{where}: fewer fields ({given}) than the header's {width}")
                 yield where, row
         except csv.Error as exc:
-            raise DataError(f"{path}, line {fetched}: {exc}") from None
+            spans = (f" (in the record that begins at line {begun}: a quoted field opened there runs on to line "
+                     f"{fetched}; close its quote, and write a quote inside a quoted field as two, \"\")"
+                     if begun is not None and begun < fetched else "")
+            raise DataError(f"{path}, line {fetched}: {exc}{spans}") from None
 
 
 def read_delimited(path: str, fmt: str | None, delimiter: str, columns: dict | None = None

@@ -283,6 +283,17 @@ def test_a_csv_syntax_error_names_the_line_it_is_on(tmp_path, text, line):
         load_examples(write_data_file(tmp_path, "q.csv", text))
 
 
+def test_a_quote_never_closed_names_the_line_that_opened_it(tmp_path):
+    """A quote opened and never closed reads every line after it into one field, and the reader stops at the file's
+    end: the error names that line and the line the record began on, where the quote is (only the end was named:
+    line 100,001 of a file whose line 90,002 opens a quote)."""
+    rows = "".join(f"q{i},p{i}\n" for i in range(6))
+    text = "query,positive\na,b\n\n\"c d,e\n" + rows
+    with pytest.raises(DataError, match=r"q.csv, line 10: unexpected end of data \(in the record that begins at line "
+                                        r"4: a quoted field opened there runs on to line 10; close its quote"):
+        load_examples(write_data_file(tmp_path, "q.csv", text))
+
+
 def test_bad_arguments_of_the_data_api_are_refused():
     """Arguments out of their documented values are errors naming the argument, not taken as another value."""
     import torch
