@@ -113,6 +113,27 @@ def test_the_header_says_how_many_examples_each_epoch_leaves_out(tmp_path, capsy
     assert "leaves out" not in capsys.readouterr().out
 
 
+def test_a_run_says_what_it_tokenises_before_it_does(tmp_path, capsys):
+    """Tokenising the training texts is most of the start-up with a lot of data (about 45 s of the 59 s to the first
+    step at a million short pairs on 2 cores), and nothing was printed until it was done: a line before it says how
+    many texts, and how long reading and checking the data took."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"query": ex.texts[0], "positive": ex.texts[1]}) + "\n"
+                            for ex in demo_examples(64)))
+    train(run_config(tmp_path / "a", train_data=str(path), batch_size=8, max_steps=1, max_length=16),
+          model=make_encoder("bert"))
+    lines = capsys.readouterr().out.splitlines()
+    said = [i for i, line in enumerate(lines) if line.startswith("angle_train: tokenising ")]
+    header = [i for i, line in enumerate(lines) if "128 texts" not in line and " | 64 examples (format B" in line]
+    assert len(said) == 1 and len(header) == 1 and said[0] < header[0], lines
+    assert re.fullmatch(r"angle_train: tokenising 128 texts at --max-length 16 \(64 examples, read and checked in "
+                        r"\d+\.\d s\)", lines[said[0]])
+    sentences = [" ".join(ex.texts) for ex in demo_examples(16)]
+    train(run_config(tmp_path / "b", objective="arccse", batch_size=8, max_steps=1, max_length=16),
+          model=make_encoder("bert"), train_examples=sentences)  # given, not read
+    assert "angle_train: tokenising 16 texts at --max-length 16 (16 sentences)\n" in capsys.readouterr().out
+
+
 def test_the_header_says_how_many_rows_repeat_an_earlier_one(tmp_path, capsys):
     """Rows given twice were kept without a word, and a copy in its original's batch is a false in-batch negative for
     the contrastive terms: the run says how many rows repeat an earlier one exactly and trains every row as given.
