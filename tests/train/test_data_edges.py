@@ -379,6 +379,27 @@ def test_a_bad_row_of_a_hf_dataset_is_named_by_its_index(tmp_path):
         load_examples(folder)
 
 
+def test_a_hf_datasets_columns_the_format_does_not_read_are_not_decoded(tmp_path, monkeypatch):
+    """Only the columns the format reads are read, a block of rows at a time: every column of every row was decoded,
+    so a dataset with an audio column beside its texts needed an audio decoder to train on the texts (and decoded
+    every row's audio). Rows keep their order and, in any block, their index."""
+    datasets = pytest.importorskip("datasets")
+    from angle_train import data
+
+    queries, positives = [f"query {i}" for i in range(5)], [f"positive {i}" for i in range(5)]
+    folder = str(tmp_path / "ds")
+    datasets.Dataset.from_dict({"query": queries, "audio": [{"bytes": b"not audio", "path": None}] * 5,
+                                "positive": positives}).cast_column("audio", datasets.Audio()).save_to_disk(folder)
+    monkeypatch.setattr(data, "HF_ROWS_AT_ONCE", 2, raising=False)  # blocks of 2 rows: 3 blocks
+    examples, fmt = load_examples(folder)
+    assert fmt == "B" and [ex.texts for ex in examples] == list(zip(queries, positives))
+    folder = str(tmp_path / "bad")
+    datasets.Dataset.from_dict({"query": queries, "positive": positives[:3] + [""] + positives[4:]}).save_to_disk(
+        folder)
+    with pytest.raises(DataError, match=r"bad \[train\], row 3: column 'positive' is an empty text"):
+        load_examples(folder)
+
+
 def test_the_data_fingerprint_is_the_one_checkpoints_recorded():
     """A checkpoint records data_fingerprint (its data_record's "contents") and a resume recomputes it: any change
     to how it is computed refuses every resume of an existing run over unchanged data. Pinned values, of pairs with
