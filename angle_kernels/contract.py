@@ -190,19 +190,22 @@ def untraced_under_autocast(function: Callable[_Args, _Result]) -> Callable[_Arg
     return called
 
 
-def _refuse_second_derivatives(grad: torch.Tensor) -> None:
-    """A loss's gradient hook, run as its backward starts: refuses a second derivative (the backends' backward passes
-    compute gradients with untracked ops, formed in forward, or kernels, so a second derivative through them,
-    create_graph, e.g. a gradient penalty, would silently count their gradients as constants; autograd runs
-    backward, its hooks included, under grad mode only when asked to differentiate it: create_graph=True), and
-    warns once where backward runs inside an autocast region (_warn_backward_inside_autocast)."""
-    _refuse_second_derivatives_only(grad)
-    device_type = grad.device.type if grad is not None else None  # None: an output of an op that backward skips
-    if device_type and autocast_enabled(device_type):
-        _warn_backward_inside_autocast()
+def _refuse_second_derivatives(grad_outputs: tuple) -> None:
+    """A loss's pre-hook on the autograd node that made it, run as its backward starts: refuses a second derivative
+    (the backends' backward passes compute gradients with untracked ops, formed in forward, or kernels, so a second
+    derivative through them, create_graph, e.g. a gradient penalty, would silently count their gradients as
+    constants; autograd runs backward, its hooks included, under grad mode only when asked to differentiate it:
+    create_graph=True), and warns once where backward runs inside an autocast region
+    (_warn_backward_inside_autocast)."""
+    _refuse_second_derivatives_only(grad_outputs)
+    for grad in grad_outputs:
+        if grad is not None:  # None: an output of the node that backward skips
+            if autocast_enabled(grad.device.type):
+                _warn_backward_inside_autocast()
+            return
 
 
-def _refuse_second_derivatives_only(grad: torch.Tensor) -> None:
+def _refuse_second_derivatives_only(grad_outputs: tuple) -> None:
     """The hook of a result whose nodes leave autocast regions in backward (backward_outside_autocast): nothing to
     warn about there."""
     if torch.is_grad_enabled():
@@ -253,15 +256,21 @@ def _without_inference_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def first_derivatives_only(result, *, backward_leaves_autocast: bool = False):
     """`result` (a tensor, or a tuple of them: a loss's, or a public op's) with every tensor that autograd records
-    refusing a second derivative (_refuse_second_derivatives, a hook: no node is added); not inside torch.compile
-    traces, whose tracing would run it. backward_leaves_autocast: its nodes run their backward outside autocast
-    regions (backward_outside_autocast), so a backward inside one is not warned about."""
+    refusing a second derivative (_refuse_second_derivatives, a pre-hook on the node that made it: no node is
+    added); not inside torch.compile traces, whose tracing would run it. backward_leaves_autocast: its nodes run
+    their backward outside autocast regions (backward_outside_autocast), so a backward inside one is not warned
+    about. A node's pre-hook rather than Tensor.register_hook, whose Python adds a torch-function check, an import
+    and the tensor's own hook dictionary on the node to every call; one hook per node (a public op's outputs share
+    theirs), and none on a leaf, which no op's backward computes."""
     if torch.compiler.is_compiling():
         return result
     hook = _refuse_second_derivatives_only if backward_leaves_autocast else _refuse_second_derivatives
+    hooked = []
     for tensor in result if isinstance(result, tuple) else (result,):
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            tensor.register_hook(hook)
+        node = tensor.grad_fn if isinstance(tensor, torch.Tensor) else None
+        if node is not None and node not in hooked:
+            hooked.append(node)
+            node.register_prehook(hook)
     return result
 
 
@@ -288,8 +297,8 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
     them), so that every op and every step of the formulas between them computes as outside a region, and, called
     inside a region, its backward too, should backward() be called there (backward_outside_autocast); and its
     result, where autograd records it, refuses a second derivative with a clear error (_refuse_second_derivatives,
-    a hook, so no node is added; not inside torch.compile traces, whose tracing would run it); outside the
-    compiled graph where a backward would be traced under autocast (untraced_under_autocast)."""
+    a pre-hook on its node, so no node is added; not inside torch.compile traces, whose tracing would run it);
+    outside the compiled graph where a backward would be traced under autocast (untraced_under_autocast)."""
 
     @functools.wraps(loss)
     def computed(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:

@@ -302,6 +302,20 @@ def test_the_public_ops_refuse_a_second_derivative(op):
     assert torch.isfinite(grad).all()
 
 
+def test_the_guard_is_a_pre_hook_on_the_node_that_made_the_result():
+    """The second-derivative guard sits on the result's autograd node, not on the tensor (Tensor.register_hook adds
+    Python to every call). A public op's outputs share one node, so either output's second derivative is
+    refused."""
+    q, c = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).unbind(0)
+    q.requires_grad_()
+    loss = ak.multiple_negatives_ranking_loss(q, c)
+    scores = dispatch.pair_scores(torch.stack((q, c), dim=1), True)
+    assert loss._backward_hooks is None and all(t._backward_hooks is None for t in scores)
+    for result in (loss, scores[0].sum(), scores[1].sum()):
+        with pytest.raises(RuntimeError, match="first derivatives only.*create_graph=True"):
+            torch.autograd.grad(result, q, create_graph=True, retain_graph=True)
+
+
 def test_a_non_reentrant_checkpoint_recomputes_calls_that_kept_their_tiles(monkeypatch):
     """The PyTorch backend's similarity_lse keeps a call's softmax tile for backward while the tiles kept at once fit
     their budget: torch.utils.checkpoint(use_reentrant=False) recomputes the forward while the first forward's tiles
