@@ -167,6 +167,29 @@ def test_integers_of_other_kinds_are_widths_and_numpys_bool_a_flag(ak, gen):
             ak.multiple_negatives_ranking_loss(q, p, scale=bad)
 
 
+def test_numbers_of_every_kind_take_the_same_checks(ak, gen):
+    """Python's floats and ints take a short path through the number checks (inputs.check_scalar, the contract's):
+    a subclass of float, numpy's numbers and one-element tensors take the full one to the same value, and bools
+    (numpy's too) are still refused, by the public checks and by the ops' contract."""
+    np = pytest.importorskip("numpy")
+    from angle_kernels import dispatch
+
+    class Scale(float):
+        pass
+
+    q, p = randn(gen, 5, 8), randn(gen, 5, 8)
+    expected = ak.multiple_negatives_ranking_loss(q, p, scale=20.0)
+    for same in (20, Scale(20.0), np.float32(20.0), np.int64(20), torch.tensor(20.0)):
+        assert torch.equal(ak.multiple_negatives_ranking_loss(q, p, scale=same), expected), same
+    for bad, named in ((True, "bool"), (np.bool_(False), "numpy.bool")):
+        with pytest.raises(TypeError, match=f"hardness_strength must be a real number, got {named}"):
+            ak.multiple_negatives_ranking_loss(q, p, hardness_strength=bad)
+    with pytest.raises(TypeError, match="margin must be a real Python number, got bool"):
+        dispatch.similarity_xent(q, p, 20.0, "diagonal", margin=False)
+    with pytest.raises(TypeError, match="period must be a Python int, got bool"):
+        dispatch.similarity_lse(q, p, 20.0, period=False)
+
+
 # --------------------------------------------------------------------------------------------------------
 # shapes, emptiness, layouts
 # --------------------------------------------------------------------------------------------------------
