@@ -237,21 +237,23 @@ def _without_inference_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     refuses for an inference tensor ("Inference tensors cannot be saved for backward"), where eager formulas of
     such a side compute. A copy only where one is given; everything else is passed on as it is."""
 
-    def is_inference(value) -> bool:
-        return isinstance(value, torch.Tensor) and value.is_inference()
+    if not any(_is_inference(v) or isinstance(v, (list, tuple)) and any(map(_is_inference, v))
+               for v in (*args, *kwargs.values())):
+        return args, kwargs
 
-    def usable(value):
-        if is_inference(value):
+    def usable(value):  # defined only where a copy is made: a function made per call costs every call
+        if _is_inference(value):
             return value.clone()
-        if isinstance(value, (list, tuple)) and any(map(is_inference, value)):
+        if isinstance(value, (list, tuple)) and any(map(_is_inference, value)):
             copied = [usable(v) for v in value]
             return copied if isinstance(value, list) else tuple(copied)
         return value
 
-    if not any(is_inference(v) or isinstance(v, (list, tuple)) and any(map(is_inference, v))
-               for v in (*args, *kwargs.values())):
-        return args, kwargs
     return tuple(map(usable, args)), {name: usable(v) for name, v in kwargs.items()}
+
+
+def _is_inference(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_inference()
 
 
 def first_derivatives_only(result, *, backward_leaves_autocast: bool = False):
@@ -302,17 +304,22 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
 
     @functools.wraps(loss)
     def computed(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
-        if not torch.compiler.is_compiling() and _inside_a_torch_func_transform():
+        compiling = torch.compiler.is_compiling()  # asked once: every call pays for each asking
+        if not compiling and _inside_a_torch_func_transform():
             raise RuntimeError(f"{loss.__qualname__}: angle_kernels' losses do not support torch.func transforms "
                                "(grad, vmap, vjp, jacrev, ...): their backends' autograd Functions have no "
                                "setup_context. Take gradients with loss.backward() or torch.autograd.grad, and "
                                "per-example losses by calling the loss on each example")
         # is_compiling first: dynamo cannot trace is_inference_mode_enabled (a graph break), and a trace holds none
-        if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        if not compiling and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             args, kwargs = _without_inference_tensors(args, kwargs)
         for value in (*args, *kwargs.values()):
             first = value[0] if isinstance(value, (list, tuple)) and value else value
             if isinstance(first, torch.Tensor):
+                if not autocast_enabled(first.device.type):
+                    # no region to leave (the common case): recorded() would only add the guard, and
+                    # outside_autocast's context would do nothing; asking once saves a small call both askings
+                    return first_derivatives_only(loss(*args, **kwargs))
                 with outside_autocast(first):
                     result = loss(*args, **kwargs)
                 return recorded(result, first=first, inputs=(*args, *kwargs.values()))
