@@ -114,19 +114,24 @@ def input_checks(enabled: bool):
 
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every value of the tensors (one device) is finite, with one device-to-host sync for all of them."""
+    """Whether every value of the tensors (one device) is finite, with one device-to-host sync for all of them. The
+    tensors are read detached: the scan records nothing for autograd."""
     # One fused reduction per tensor and one sync: NaN or Inf anywhere makes a sum non-finite. A non-finite sum can
     # also come from finite values overflowing, so only then look element by element, a chunk at a time.
-    tensors = tuple(t for t in tensors if t.device.type != "meta")  # meta: no data to scan (shapes only)
-    if not tensors:
-        return True
     # The totals are added into one (a NaN or Inf total makes it non-finite; an overflow of the addition only sends
-    # the call to the element-wise look): one number read back, with the fewest ops a small call pays for.
-    first, *rest = (t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors)
-    total = sum(rest, start=first)
-    if math.isfinite(total.item()):
+    # the call to the element-wise look): one number read back, with the fewest ops a small call pays for. Plain
+    # loops, not generators: every small call pays for the Python between its ops.
+    scanned, total = [], None
+    for t in tensors:
+        if t.is_meta:  # no data to scan (shapes only)
+            continue
+        t = t.detach()
+        scanned.append(t)
+        part = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+        total = part if total is None else total + part
+    if total is None or math.isfinite(total.item()):
         return True
-    return all(bool(torch.isfinite(chunk).all()) for t in tensors for chunk in t.reshape(-1).split(1 << 24))
+    return all(bool(torch.isfinite(chunk).all()) for t in scanned for chunk in t.reshape(-1).split(1 << 24))
 
 
 _PLAIN_NUMBERS = (float, int)
@@ -228,7 +233,7 @@ def check_embeddings(
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    if input_checks_enabled() and not _all_finite(t.detach()):
+    if input_checks_enabled() and not _all_finite(t):
         raise ValueError(f"{name} contains NaN or Inf values")
 
 
@@ -241,7 +246,7 @@ def check_embedding_group(*named: tuple[str, torch.Tensor]) -> None:
     for name, t in named[1:]:
         check_same_columns(first_name, first, name, t)
     check_same_device(*named)
-    if input_checks_enabled() and not _all_finite(*(t.detach() for _, t in named)):  # one sync for the group
+    if input_checks_enabled() and not _all_finite(*[t for _, t in named]):  # one sync for the group
         for name, t in named:
             check_finite(name, t)  # names the first tensor at fault
 
@@ -264,9 +269,10 @@ def promote_embeddings(*tensors):
     no input is silently narrowed to another's dtype. A tensor is cast (differentiably: its gradient comes back in
     its own dtype) only when its dtype differs; anything that is not a floating tensor is returned unchanged for
     the structure checks to name."""
-    floating = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if len({t.dtype for t in floating}) <= 1:
+    # one pass for the common case, a single dtype (dtype.is_floating_point: no torch call per tensor)
+    if len({t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.dtype.is_floating_point}) <= 1:
         return list(tensors)
+    floating = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
     common = floating[0].dtype
     for t in floating[1:]:
         common = torch.promote_types(common, t.dtype)
@@ -307,9 +313,10 @@ def check_binary_labels(name: str, y: torch.Tensor, loss: str) -> None:
 
 def check_same_device(*named) -> None:
     """named: (name, tensor or device) pairs that must all live on one device."""
-    devices = [(n, t.device if isinstance(t, torch.Tensor) else torch.device(t)) for n, t in named]
-    first_name, first = devices[0]
-    for n, d in devices[1:]:
+    first_name, first = named[0]
+    first = first.device if isinstance(first, torch.Tensor) else torch.device(first)
+    for n, t in named[1:]:
+        d = t.device if isinstance(t, torch.Tensor) else torch.device(t)
         if d != first:
             raise ValueError(f"{first_name} is on {first} but {n} is on {d}: all inputs must be on one device")
 
@@ -360,7 +367,7 @@ def check_zigzag(
         names[1], y_pred, rows_multiple_of=2, layout="zigzag pairs on rows 2k and 2k+1", check_values=False
     )
     labels = check_labels(names[0], y_true, y_pred.shape[0], y_pred.device, check_values=False, embeddings=names[1])
-    values = (labels, y_pred.detach()) if labels.is_floating_point() else (y_pred.detach(),)
+    values = (labels, y_pred) if labels.is_floating_point() else (y_pred,)
     if input_checks_enabled() and not _all_finite(*values):  # one sync for both; then name the one at fault
         check_labels(names[0], labels, y_pred.shape[0], y_pred.device, embeddings=names[1])
         check_finite(names[1], y_pred)
