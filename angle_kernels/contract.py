@@ -267,6 +267,10 @@ def first_derivatives_only(result, *, backward_leaves_autocast: bool = False):
     if torch.compiler.is_compiling():
         return result
     hook = _refuse_second_derivatives_only if backward_leaves_autocast else _refuse_second_derivatives
+    if isinstance(result, torch.Tensor):  # a loss's: one tensor, without the walk a tuple takes
+        if result.grad_fn is not None:
+            result.grad_fn.register_prehook(hook)
+        return result
     hooked = []
     for tensor in result if isinstance(result, tuple) else (result,):
         node = tensor.grad_fn if isinstance(tensor, torch.Tensor) else None
