@@ -347,6 +347,8 @@ SIMILARITIES = ("cosine", "dot")
 # AngleLoss's in-batch-negative partitions -> the directions of multiple_negatives in one softmax per query:
 # AnglE's query -> documents, or GTE's improved contrastive loss
 IBN_PARTITIONS = {"angle": ("query_to_doc",), "gte": DIRECTIONS}
+_DIRECTION_SET = frozenset(DIRECTIONS)  # made once: every MNRL call checks its directions against it
+_DIRECTIONS_OF_QUERY_COLUMNS = frozenset({"query_to_query", "doc_to_query"})
 
 # The types of the Matryoshka and layer-wise keywords of every loss (see angle_kernels.functional), named for
 # the annotations: dims, the prefix widths, a tuple or list of ints (another sequence, e.g. a range, raises
@@ -633,7 +635,7 @@ def check_in_batch_options(directions: tuple[str, ...] | list[str], partition_mo
     """The options of multiple_negatives_ranking_loss as sentence-transformers 6.2 checks them, plus the
     false-negative filter's; returned normalised (directions a tuple, floats)."""
     directions = tuple(directions) if isinstance(directions, (tuple, list)) else directions
-    if not isinstance(directions, tuple) or not directions or not set(directions) <= set(DIRECTIONS):
+    if not isinstance(directions, tuple) or not directions or not _DIRECTION_SET.issuperset(directions):
         raise ValueError(f"directions must be a non-empty tuple of {DIRECTIONS}, got {directions!r}")
     if "query_to_doc" not in directions:
         raise ValueError("directions must include 'query_to_doc' (it holds the positive pair)")
@@ -680,13 +682,13 @@ def _say_no_effect(note: str) -> None:
 def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, negatives: Sequence[torch.Tensor],
                             layer_weights: LayerWeights | None, gather_across_devices: bool,
                             gather_queries: bool = True,
-                            options: Callable[[], dict] | None = None) -> tuple[int | None, tuple | None]:
+                            options: dict | None = None) -> tuple[int | None, tuple | None]:
     """The embeddings of multiple_negatives_ranking_loss (already promoted to one dtype): stacks [L, rows, D]
     with layer_weights (check_layer_stack; not combined with gathering), every column [B, D] of the queries'
     shape, gathered with gradients from every rank first when gather_across_devices and torch.distributed runs
     several processes (the queries only when `gather_queries`: a direction scores other ranks' queries).
-    `options`: makes the loss's options, which every rank must share (all_gather_many_with_grad's `options`),
-    called only where the columns are gathered. Returns (L or None, gathered): gathered is None or (rank, all queries
+    `options`: the loss's options, which every rank must share (all_gather_many_with_grad's `options`), used
+    only where the columns are gathered. Returns (L or None, gathered): gathered is None or (rank, all queries
     or None, all positives, all negatives), losses.retrieval.multiple_negatives' `gathered`."""
     gather_across_devices = check_flag("gather_across_devices", gather_across_devices)
     named = [("queries", queries), ("positives", positives)]
@@ -702,9 +704,8 @@ def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, nega
     if gather_across_devices and world_size > 1:
         # Checked after gathering: every rank sees the same values, so a NaN on one rank makes all of them
         # raise (rather than one raising and the others waiting in the next collective).
-        shared = None if options is None else options()
         if gather_queries:
-            everything = all_gather_many_with_grad(named, options=shared)
+            everything = all_gather_many_with_grad(named, options=options)
             check_embedding_group(*((name, t) for (name, _), t in zip(named, everything)))
             gathered = (rank, everything[0], everything[1], everything[2:])
         else:
@@ -715,7 +716,7 @@ def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, nega
                 check_same_device(*named)
                 for name, t in named[1:]:
                     check_same_shape("queries", named[0][1], name, t)
-            everything = all_gather_many_with_grad(named[1:], check_own_queries, options=shared)
+            everything = all_gather_many_with_grad(named[1:], check_own_queries, options=options)
             check_embedding_group(*((name, t) for (name, _), t in zip(named[1:], everything)))
             gathered = (rank, None, everything[0], everything[1:])
     else:
@@ -774,14 +775,15 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
             layer_weights = nested.table if nested.stacked else None
         # the other ranks' queries are columns of the query_to_query and doc_to_query directions only
         # the options every rank must share when gathering, made only then: they make the loss. Not the dims:
-        # MatryoshkaLoss's n_dims_per_step draws them on each rank, and no collective depends on them
+        # MatryoshkaLoss's n_dims_per_step draws them on each rank, and no collective depends on them. Both made
+        # only where gathering is asked: a call that does not gather pays for neither
         layers, gathered = _check_in_batch_columns(
             queries, positives, negatives, layer_weights, gather_across_devices,
-            gather_queries=bool(set(directions) & {"query_to_query", "doc_to_query"}),
-            options=lambda: dict(loss="multiple_negatives_ranking_loss", scale=scale, directions=directions,
-                                 partition_mode=partition_mode, hardness_mode=hardness_mode,
-                                 hardness_strength=hardness_strength, false_negative_margin=false_negative_margin,
-                                 false_negative_strategy=false_negative_strategy, similarity=similarity))
+            gather_queries=sharing and not _DIRECTIONS_OF_QUERY_COLUMNS.isdisjoint(directions),
+            options=dict(loss="multiple_negatives_ranking_loss", scale=scale, directions=directions,
+                         partition_mode=partition_mode, hardness_mode=hardness_mode,
+                         hardness_strength=hardness_strength, false_negative_margin=false_negative_margin,
+                         false_negative_strategy=false_negative_strategy, similarity=similarity) if sharing else None)
     if nested is None:
         nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers)
     elif nested.dims is not None:
