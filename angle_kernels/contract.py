@@ -236,9 +236,12 @@ def _without_inference_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     copy, for a call whose result autograd records: the backends save their inputs for backward, which autograd
     refuses for an inference tensor ("Inference tensors cannot be saved for backward"), where eager formulas of
     such a side compute. A copy only where one is given; everything else is passed on as it is."""
-
-    if not any(_is_inference(v) or isinstance(v, (list, tuple)) and any(map(_is_inference, v))
-               for v in (*args, *kwargs.values())):
+    # a plain loop over the arguments, a tensor asked directly: every call of a loss in training runs this scan
+    for value in (*args, *kwargs.values()):
+        if (value.is_inference() if isinstance(value, torch.Tensor) else
+                isinstance(value, (list, tuple)) and any(map(_is_inference, value))):
+            break
+    else:
         return args, kwargs
 
     def usable(value):  # defined only where a copy is made: a function made per call costs every call
@@ -336,8 +339,11 @@ def _inside_a_torch_func_transform() -> bool:
     """Whether a torch.func transform (grad, vmap, ...) is running: its interpreter stack is not empty. Refused at the
     loss's entry, where the transform failed deep inside (inside an op, naming setup_context; under vmap in the value
     checks, "calling .item() on a Tensor")."""
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)  # private; present from torch 2.1
-    return peek is not None and peek() is not None
+    return _peek_interpreter_stack is not None and _peek_interpreter_stack() is not None
+
+
+# private; present from torch 2.1. Looked up once: every loss call asks
+_peek_interpreter_stack = getattr(torch._C._functorch, "peek_interpreter_stack", None)
 
 
 class Backend(Protocol):
