@@ -18,10 +18,11 @@
                       EXIT_PREEMPTED = 75 from the CLI, "try again": resume with --resume auto). Every process
                       stops at the same step (any_rank). A second signal ends the process at once with the
                       signal's default action (a repeat of the first within StopSignals.SAME_REQUEST_S is the
-                      same request); the checkpoint folders are written as NAME.tmp and renamed when complete,
-                      so nothing half-written is ever taken for a checkpoint. A signal during the final export
-                      abandons it (final/ is written as final.tmp and swapped in once complete, so no half export
-                      is left) and writes a checkpoint of the last step instead: --resume auto then only exports.
+                      same request, a SIGINT only under torchrun); the checkpoint folders are written as NAME.tmp
+                      and renamed when complete, so nothing half-written is ever taken for a checkpoint. A signal
+                      during the final export abandons it (final/ is written as final.tmp and swapped in once
+                      complete, so no half export is left) and writes a checkpoint of the last step instead:
+                      --resume auto then only exports.
     out of memory     the error names the batch, the texts per forward pass, the sequence length and what to
                       change (oom_message); with --auto-chunk the step is retried with half the chunk size
                       (the gradient cache makes the gradients independent of the chunk size). On a GPU that is
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import threading
 import time
@@ -129,7 +131,8 @@ class StopSignals:
     as well) the first signal raises Interrupted there and then. Once the run is complete (`complete()`: every step
     done and the final model, if any, in place) a first signal only says so: there is nothing left to checkpoint, and
     the run ends as it would have. A repeat of the first signal within SAME_REQUEST_S seconds is that request again,
-    not a second one. Outside the main thread (where Python cannot install handlers) a no-op."""
+    not a second one (a SIGINT only in a torchrun worker: elsewhere it is a second Ctrl-C). Outside the main thread
+    (where Python cannot install handlers) a no-op."""
 
     # SIGHUP: a closed terminal or ssh session. torchrun passes it on to its processes, even when started with nohup
     # (its own handler replaces nohup's ignoring): they ended at once, with no checkpoint (none at all with the
@@ -140,6 +143,11 @@ class StopSignals:
     # copy ended every worker mid-step and no checkpoint was written. A person sending it again to stop at once does so
     # after reading the first line; torchrun turns a second Ctrl-C into SIGTERM, another signal, which stops at once.
     SAME_REQUEST_S = 2.0
+    # SIGINT is the keyboard's: a terminal sends it once to the processes in its foreground, and a second Ctrl-C is
+    # a person's "stop now", however soon it comes. Only a torchrun worker (set by torchrun: TORCHELASTIC_RUN_ID) gets
+    # copies of it, from a scheduler told to send it (Slurm's --signal=INT) and as torchrun passes it on; the keyboard's
+    # reaches torchrun alone (its workers run in their own session), and it turns a second one into SIGTERM
+    LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"
 
     def __init__(self) -> None:
         self.requested: str | None = None
@@ -178,9 +186,15 @@ class StopSignals:
             signal.signal(sig, handler)
         self._previous = {}
 
+    def _same_request(self, name: str) -> bool:
+        """Whether the signal `name` repeats the first one within SAME_REQUEST_S, as a copy of it does (a SIGINT only
+        in a torchrun worker: LAUNCHER_ENV)."""
+        return (name == self.requested and (name != "SIGINT" or self.LAUNCHER_ENV in os.environ)
+                and time.monotonic() - self._requested_at < self.SAME_REQUEST_S)
+
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if name == self.requested and time.monotonic() - self._requested_at < self.SAME_REQUEST_S:
+        if self._same_request(name):
             print(f"\n{name} again within {self.SAME_REQUEST_S:g} s: taken as the same request (a launcher such as "
                   "torchrun passes on the signal this process got too); send it again later to stop at once",
                   flush=True)

@@ -446,12 +446,34 @@ def test_a_signal_repeated_at_once_is_the_same_request(monkeypatch, capsys):
         signal.raise_signal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
+    monkeypatch.setenv(faults.StopSignals.LAUNCHER_ENV, "job")  # a torchrun worker: a SIGINT's copy comes too
     with faults.StopSignals():
         signal.raise_signal(signal.SIGINT)
         monkeypatch.setattr(faults.StopSignals, "SAME_REQUEST_S", 0.0)  # the window has passed
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert "SIGINT again: stopping at once" in capsys.readouterr().out
+
+
+def test_a_second_ctrl_c_at_once_stops_at_once_outside_torchrun(monkeypatch, capsys):
+    """A person's second Ctrl-C, however soon, stops at once: the terminal sends SIGINT once, so a repeat is no copy
+    (it was taken for one within StopSignals.SAME_REQUEST_S, and ignored). A torchrun worker, which the keyboard's
+    SIGINT does not reach (torchrun passes it on), takes a repeat within the window as a copy, as of SIGTERM."""
+    monkeypatch.delenv(faults.StopSignals.LAUNCHER_ENV, raising=False)
+    with faults.StopSignals() as signals:
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signals.requested == "SIGINT"
+    assert "SIGINT again: stopping at once" in capsys.readouterr().out
+    monkeypatch.setenv(faults.StopSignals.LAUNCHER_ENV, "job")
+    with faults.StopSignals() as signals:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+    assert signals.requested == "SIGINT"
+    assert "SIGINT again within 2 s: taken as the same request" in capsys.readouterr().out
+
+
 def test_sighup_stops_as_sigterm_does_unless_it_is_ignored():
     """A closed terminal or ssh session: torchrun passes SIGHUP on to its processes, even when started with nohup,
     and they ended at once with no checkpoint. SIGHUP is now the first signal as SIGTERM is (in a child process: it
