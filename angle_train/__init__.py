@@ -12,7 +12,7 @@
     distributed.py  DDP helpers: all-gather with gradients, no_sync, barrier
     sharding.py     --fsdp: FSDP2 sharding, sharded checkpoints (torch.distributed.checkpoint), full weights
     arccse.py       --objective arccse: raw sentences, masked copies, the five-block batch and its loss
-    faults.py       non-finite steps, SIGTERM/SIGINT, out-of-memory advice
+    faults.py       non-finite steps, SIGTERM/SIGINT/SIGHUP, out-of-memory advice
     evaluate.py     the `angle-eval` command: STS Spearman in the paper's setting (sts_spearman, also the
                     trainer's dev score), retrieval metrics
     export.py       Hugging Face / LoRA adapter / sentence-transformers folders

@@ -53,7 +53,7 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 class Preempted(RuntimeError):
-    """The run stopped on SIGTERM / SIGINT after writing a checkpoint to resume from."""
+    """The run stopped on SIGTERM / SIGINT / SIGHUP after writing a checkpoint to resume from."""
 
     def __init__(self, signal_name: str, checkpoint: str):
         super().__init__(f"stopped by {signal_name} after writing checkpoint {checkpoint}: resume with --resume auto "
