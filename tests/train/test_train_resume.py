@@ -934,7 +934,8 @@ def test_resume_takes_another_split_that_reads_the_checkpoints_dev_examples(tmp_
     from angle_train.evaluate import StsSet
 
     splits = {"validation": DEV, "dev": DEV, "test": demo_sts_examples(12, seed=6)}
-    monkeypatch.setattr(trainer, "read_dev_data", lambda source, split, columns=None: StsSet(split, splits[split]))
+    monkeypatch.setattr(trainer, "read_dev_data",
+                        lambda source, split, columns=None, columns_refused=None: StsSet(split, splits[split]))
     data = (demo_examples(20, seed=3), "B")
     train(_best_config(tmp_path / "run", dev_data="someone/sts-pairs"), train_examples=data, on_step=_stop_at(3))
     with pytest.raises(ValueError, match=r"cannot resume from .* with other dev data \(--dev-split: 'validation' -> "
