@@ -121,7 +121,8 @@ class TrainConfig:
                     "eager attention, checked at start-up), off on GPU",
                     group="optimisation", at_least=0)
     epochs: float = opt(1.0, "passes over the training data", group="optimisation", above=0)
-    max_steps: int = opt(0, "stop after this many optimizer steps (0 = use epochs)", group="optimisation", at_least=0)
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = use epochs; given, it overrides --epochs)",
+                         group="optimisation", at_least=0)
     lr: float = opt(2e-5, "peak learning rate (AdamW)", group="optimisation", above=0)
     weight_decay: float = opt(0.01, "AdamW weight decay (matrices only, not biases or norms)", group="optimisation",
                               at_least=0)

@@ -475,6 +475,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
               f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
               + ("bidirectional attention (the model folder's angle_train.json) | " if folders_attention else "") +
               f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
+        if note := max_steps_note(cfg, len(items), dist_info.world_size):
+            print(note, flush=True)
         repeats = repeated_items(items)
         unit, same = ("sentences", "") if cfg.objective == "arccse" else ("examples", " (the same texts and label)")
         if repeats:  # kept (training never drops data in silence), and said: a copy may land in its original's batch
@@ -870,6 +872,11 @@ def small_dev_set_note(dev_set: StsSet | RetrievalSet | None, where: str) -> str
 def count_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:
     """The run's optimizer steps (max_steps, or whole steps over `epochs` passes); every process gets an equal
     share of each batch."""
+    return cfg.max_steps or epoch_steps(cfg, n_examples, world_size)
+
+
+def epoch_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:
+    """The whole optimizer steps of `epochs` passes over the data (at least one)."""
     if cfg.batch_size % world_size:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world_size}): "
                          f"each takes an equal share; use a multiple of {world_size}")
@@ -877,7 +884,21 @@ def count_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:
     if steps_per_epoch == 0:
         raise ValueError(f"one optimizer step needs {cfg.batch_size * cfg.grad_accum} examples; the data has "
                          f"{n_examples}")
-    return cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
+    return max(1, int(cfg.epochs * steps_per_epoch))
+
+
+def max_steps_note(cfg: TrainConfig, n_examples: int, world_size: int) -> str | None:
+    """The line saying that --max-steps, not a given --epochs, sets the run's length where the two disagree: the
+    steps --max-steps asks for are taken (as Hugging Face's Trainer does), and a run that stops partway through its
+    epochs or goes on past them would otherwise say nothing of it."""
+    if not cfg.max_steps or not cfg.changed("epochs"):
+        return None
+    steps = epoch_steps(cfg, n_examples, world_size)
+    if steps == cfg.max_steps:
+        return None
+    how = "ends the run before" if cfg.max_steps < steps else "runs the training past"
+    return (f"angle_train: note: --max-steps {cfg.max_steps} {how} --epochs {cfg.epochs:g}'s {steps:,} "
+            f"step{'s' * (steps != 1)}: --max-steps sets the run's length when both are given")
 
 
 def examples_left_out(cfg: TrainConfig, n_examples: int) -> int:

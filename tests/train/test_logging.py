@@ -113,6 +113,26 @@ def test_the_header_says_how_many_examples_each_epoch_leaves_out(tmp_path, capsy
     assert "leaves out" not in capsys.readouterr().out
 
 
+def test_the_header_says_when_max_steps_overrides_the_epochs_given(tmp_path, capsys):
+    """--max-steps sets the run's length over a given --epochs (as Hugging Face's Trainer does): where the two
+    disagree, the start says so once, instead of a run stopping partway through its epochs in silence."""
+    from angle_train.trainer import max_steps_note
+
+    # 64 examples in batches of 8: 8 steps an epoch
+    assert max_steps_note(TrainConfig(batch_size=8, epochs=0.25, max_steps=3), 64, 1) == (
+        "angle_train: note: --max-steps 3 runs the training past --epochs 0.25's 2 steps: --max-steps sets the "
+        "run's length when both are given")
+    assert max_steps_note(TrainConfig(batch_size=8, epochs=2, max_steps=16), 64, 1) is None  # they agree
+    assert max_steps_note(TrainConfig(batch_size=8, max_steps=3), 64, 1) is None  # --epochs not given
+    assert max_steps_note(TrainConfig(batch_size=8, epochs=2), 64, 1) is None  # --max-steps not given
+    _train(tmp_path / "a", epochs=2, max_steps=3)
+    out = capsys.readouterr().out
+    assert out.count("note: --max-steps") == 1
+    assert "--max-steps 3 ends the run before --epochs 2's 16 steps" in out
+    _train(tmp_path / "b", max_steps=3)
+    assert "note: --max-steps" not in capsys.readouterr().out
+
+
 def test_a_run_says_what_it_tokenises_before_it_does(tmp_path, capsys):
     """Tokenising the training texts is most of the start-up with a lot of data (about 45 s of the 59 s to the first
     step at a million short pairs on 2 cores), and nothing was printed until it was done: a line before it says how
