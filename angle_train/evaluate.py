@@ -76,7 +76,7 @@ from .data import (
     DataError, Example, Prompts, check_label, check_text, data_files_in, is_saved_dataset, load_examples, open_text,
     parse_columns, read_stsb,
 )
-from .models import ADAPTER_CONFIG, check_dim, truncate
+from .models import ADAPTER_CONFIG, check_dim, recorded_base, truncate
 from .tracking import finite_or_none
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
@@ -583,9 +583,9 @@ def adapter_base(model: str, base_model: str | None) -> str | None:
     if not base:
         raise ValueError(f"MODEL {model} is a LoRA adapter whose {ADAPTER_CONFIG} names no base model: give the "
                          "model it was trained on with --base-model")
-    if base_model is None and os.path.isabs(base) and not os.path.isdir(base):  # recorded absolute, moved since
-        raise FileNotFoundError(f"MODEL {model} is a LoRA adapter of the local model {base} (its {ADAPTER_CONFIG}'s "
-                                "base_model_name_or_path), which is no longer there: give the base with --base-model")
+    if base_model is None:
+        base = recorded_base(base, adapter=model, label="MODEL ", remedy="give the base with --base-model",
+                             record=f"its {ADAPTER_CONFIG}'s base_model_name_or_path")
     return base
 
 

@@ -297,7 +297,7 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
 def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, pooling: str | None = None, **kwargs):
     """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only); `pooling`
     replaces the export's (meta keeps the export's own)."""
-    from .models import export_pooling, export_prompts, load_encoder
+    from .models import export_pooling, export_prompts, load_encoder, recorded_base
     from .preflight import check_model_folder
 
     if not os.path.isfile(os.path.join(path, META_FILE)):
@@ -312,10 +312,9 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, p
             raise ValueError(f"{path} holds only a LoRA adapter; pass base_model= (the model it was trained on)")
         if base.startswith("builtin:"):
             raise ValueError("an adapter trained on a built-in random model cannot be reloaded without its base")
-        if base_model is None and os.path.isabs(base) and not os.path.isdir(base):  # recorded absolute, moved since
-            raise FileNotFoundError(f"{path} holds a LoRA adapter of the local model {base} (its {META_FILE}'s "
-                                    "base_model), which is no longer there: put that folder back, or pass "
-                                    "base_model= (the model it was trained on)")
+        if base_model is None:
+            base = recorded_base(base, adapter=path, record=f"its {META_FILE}'s base_model",
+                                 remedy="pass base_model= (the model it was trained on)")
         encoder, tokenizer = load_encoder(base, pooling=pooling, lora_path=path, device=device,
                                           is_decoder=meta["is_decoder"], bidirectional=bidirectional, **kwargs)
     else:

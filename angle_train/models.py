@@ -400,6 +400,38 @@ def absolute_if_local(name_or_path: str | None) -> str | None:
     return os.path.abspath(name_or_path) if name_or_path and os.path.isdir(name_or_path) else name_or_path
 
 
+def recorded_base(base: str, *, adapter: str, record: str, remedy: str, label: str = "") -> str:
+    """The base model an adapter folder's record names (`record` says which: its adapter_config.json's or
+    angle_train.json's; `label` goes before the folder in the message), checked before anything loads. A relative
+    path is looked up from the working folder, as peft and transformers look it up, and nowhere else: an adapter
+    records its base as it was named when it was trained (peft, angle-emb, angle_train before it recorded local bases
+    absolute), relative to a working folder nothing records, so a folder of that name found elsewhere may be another
+    model; it is named in the refusal, not loaded. A name that is no folder here and can be a hub id (NAME or
+    OWNER/NAME, config.names_local_path) is the hub's, as before (angle-emb's adapters record hub names); one that can
+    only be a local path is refused naming `remedy`, where transformers said it was no valid repo id."""
+    from .config import names_local_path
+
+    if os.path.isdir(base) or not names_local_path(base):
+        return base
+    # relative to the adapter's folder and those above it: where a run's output folder often sits below the folder it
+    # was started from (runs/NAME/final, the base in ../models/NAME)
+    above, near = os.path.dirname(os.path.abspath(adapter)), None
+    while not os.path.isabs(base):
+        if os.path.isdir(os.path.join(above, base)):
+            near = os.path.join(above, base)
+            break
+        if os.path.dirname(above) == above:
+            break
+        above = os.path.dirname(above)
+    where = ("which is no longer there" if os.path.isabs(base) else
+             f"a path relative to the folder it was trained from, which is no folder from the working folder "
+             f"{os.getcwd()} (where a relative base is looked up, as peft does)")
+    found = f"; there is a folder of that name at {near} (from {above}, above the adapter's), which may be it" \
+        if near else ""
+    raise FileNotFoundError(f"{label}{adapter} holds a LoRA adapter of the local model {base} ({record}), "
+                            f"{where}{found}: {remedy}")
+
+
 def position_limit(backbone: nn.Module) -> int | None:
     """The most tokens the model can read at once where it has a hard limit, or None. A learned position table
     (position_table) fails on longer inputs: its rows, less those before position 0: the offset its forward adds to

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import warnings
 from types import SimpleNamespace
 
@@ -118,6 +119,38 @@ def test_an_adapter_records_its_local_base_absolute_and_a_base_gone_is_named(tmp
     with pytest.raises(FileNotFoundError, match=f"^adapter holds a LoRA adapter of the local model "
                                                 f"{re.escape(os.path.abspath('base'))} .*no longer there"):
         load_pretrained("adapter")
+
+
+def test_an_adapter_recording_its_base_relative_loads_from_its_folder_and_is_refused_elsewhere(tmp_path, monkeypatch):
+    """An adapter export that records its base as a relative path (written before angle_train recorded local bases
+    absolute) loads it from the working folder, as peft does; from another one, the path names no folder and can be
+    no hub id: refused naming base_model= and the folder of that name above the adapter, where transformers said the
+    path was no valid repo id. A relative base is never taken from anywhere but the working folder: nothing records
+    the folder it was relative to."""
+    pytest.importorskip("peft")
+    project, other = tmp_path / "project", tmp_path / "other"
+    other.mkdir()
+    monkeypatch.chdir(project.mkdir() or project)
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32)
+    save_pretrained(encoder, tokenizer, "models/base", max_length=16)
+    lora_encoder, lora_tokenizer = load_encoder("models/base", lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    adapter = str(project / "runs" / "a" / "best")
+    save_pretrained(lora_encoder, lora_tokenizer, adapter, max_length=16, adapter_only=True, base_model="models/base")
+    meta = json.loads((project / "runs" / "a" / "best" / META_FILE).read_text())
+    (project / "runs" / "a" / "best" / META_FILE).write_text(json.dumps({**meta, "base_model": "./models/base"}))
+    assert load_pretrained(adapter)[2]["adapter_only"]
+    monkeypatch.chdir(other)
+    with pytest.raises(FileNotFoundError, match=(
+            f"^{re.escape(adapter)} holds a LoRA adapter of the local model ./models/base \\(its {META_FILE}'s "
+            f"base_model\\), a path relative to the folder it was trained from, which is no folder from the working "
+            f"folder {re.escape(str(other))} .*; there is a folder of that name at "
+            f"{re.escape(os.path.join(str(project), './models/base'))} \\(from {re.escape(str(project))}, above the "
+            "adapter's\\), which may be it: pass base_model= \\(the model it was trained on\\)$")):
+        load_pretrained(adapter)
+    assert load_pretrained(adapter, base_model=str(project / "models" / "base"))[2]["adapter_only"]
+    shutil.rmtree(project / "models")  # found nowhere: refused all the same
+    with pytest.raises(FileNotFoundError, match=r"no folder from the working folder [^;]*: pass base_model="):
+        load_pretrained(adapter)
 
 
 def test_load_pretrained_given_a_runs_output_folder_names_its_models(tmp_path):

@@ -83,3 +83,33 @@ def test_angle_eval_scores_an_adapter_folder_on_its_base_model(tmp_path, capsys)
         main([str(merged), str(pairs), "--base-model", base])
     assert exit_info.value.code == 2
     assert "--base-model" in capsys.readouterr().err
+
+
+def test_angle_eval_finds_a_relative_base_from_the_working_folder_and_names_base_model_elsewhere(
+        tmp_path, monkeypatch, capsys):
+    """peft (and angle-emb) record the base as it was named, a path relative to the folder training ran in: angle-eval
+    takes it from the working folder, as peft does, and from another folder refuses it naming --base-model and the
+    folder of that name above the adapter (which may be another model: nothing records the folder it was relative to);
+    transformers took it for a hub name and said it was no valid repo id."""
+    project = tmp_path / "project"
+    monkeypatch.chdir(project.mkdir() or project)
+    base = causal_lm(project / "models" / "base")
+    adapter, _ = causal_adapter(base, project / "runs" / "adapter")
+    config = json.loads((project / "runs" / "adapter" / ADAPTER_CONFIG).read_text())
+    (project / "runs" / "adapter" / ADAPTER_CONFIG).write_text(
+        json.dumps({**config, "base_model_name_or_path": "./models/base"}))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"text1": e.texts[0], "text2": e.texts[1], "label": e.label}) + "\n"
+                             for e in demo_sts_examples(24)), encoding="utf-8")
+    assert main([adapter, str(pairs)]) == 0
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([adapter, str(pairs)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"MODEL {adapter} holds a LoRA adapter of the local model ./models/base (its {ADAPTER_CONFIG}'s "
+            f"base_model_name_or_path), a path relative to the folder it was trained from, which is no folder from "
+            f"the working folder {tmp_path}") in err
+    assert f"a folder of that name at {project}/./models/base (from {project}, above the adapter's)" in err
+    assert err.rstrip().endswith("which may be it: give the base with --base-model")
+    assert main([adapter, str(pairs), "--base-model", base]) == 0
