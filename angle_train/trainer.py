@@ -397,6 +397,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                                                ("--export-max-length", cfg.export_max_length))
                      if length and (note := past_trained_context_note(encoder.backbone, flag, length, model_name))]
     cfg.pooling = encoder.pooling  # config.json and the checkpoints record the pooling the run uses
+    pooling_note = first_token_pooling_note(encoder, pooling_source)
     items = sentences if cfg.objective == "arccse" else examples
     total_steps = count_steps(cfg, len(items), dist_info.world_size)
     fingerprint = data_fingerprint(items)
@@ -508,6 +509,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                   "alone", flush=True)
         if weights_note:
             print(weights_note, flush=True)
+        if pooling_note:
+            print(pooling_note, flush=True)
         for note in context_notes:
             print(f"angle_train: {note}", flush=True)
         if dev_size_note:
@@ -677,6 +680,18 @@ def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None, *, pooling_
         check_matryoshka_dims(cfg, encoder.embedding_dim, fmt, model_name=model_name)
     if cfg.espresso:
         check_espresso(cfg, encoder, fmt, model_name=model_name)
+
+
+def first_token_pooling_note(encoder, pooling_source: str) -> str | None:
+    """A note for cls_avg pooling on a causal decoder LM (cls alone is refused: check_model_settings): its first
+    token's state, half of every embedding, sees no other token, so it is the same for every text that starts with
+    that token (a BOS token, a prompt), pulling their embeddings together; the mean half alone tells them apart."""
+    if not (encoder.is_decoder and not encoder.bidirectional and encoder.pooling == "cls_avg"):
+        return None
+    return (f"angle_train: note: pooling cls_avg ({pooling_source}) on a causal decoder LM: half of each embedding is "
+            "the first token's state, which sees no other token, the same for every text that starts with that token "
+            "(a BOS token, a prompt); only the mean half tells texts apart. --pooling avg or last (decoders' default) "
+            "read the whole text, and so does the first token with --bidirectional")
 
 
 def check_packing(cfg: TrainConfig, encoder, dataset, device: torch.device, asked: bool, dist_info) -> None:

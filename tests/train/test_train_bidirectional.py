@@ -104,6 +104,21 @@ def test_first_token_pooling_of_a_causal_decoder_is_refused_before_training(tmp_
     assert train(cfg).encoder.pooling == "cls"
 
 
+def test_first_and_mean_token_pooling_of_a_causal_decoder_is_noted(tmp_path, capsys):
+    """--pooling cls_avg on a causal decoder trains (its mean half reads the text) and says at start-up that the other
+    half, the first token's state, is the same for every text that starts with that token; with --bidirectional the
+    first token reads the text, and nothing is said."""
+    from angle_train.trainer import train
+
+    said = ("angle_train: note: pooling cls_avg (--pooling) on a causal decoder LM: half of each embedding is the "
+            "first token's state, which sees no other token, the same for every text that starts with that token")
+    train(run_config(tmp_path / "causal", model="builtin:tiny-llama", pooling="cls_avg", max_steps=1, batch_size=8))
+    assert said in capsys.readouterr().out
+    train(run_config(tmp_path / "both", model="builtin:tiny-llama", pooling="cls_avg", bidirectional=True,
+                     max_steps=1, batch_size=8))
+    assert "note: pooling cls_avg" not in capsys.readouterr().out
+
+
 def test_training_with_lora_exports_and_reloads_a_bidirectional_model(tmp_path, capsys):
     """angle-train --model builtin:tiny-llama --bidirectional --lora: the final export records the switch,
     load_pretrained restores it (same embeddings; a causal reload would differ), and no sentence-transformers files
