@@ -73,7 +73,8 @@ class TrainConfig:
     lora_alpha: int = opt(32, "LoRA alpha (scale = alpha / r)", group="lora", above=0)
     lora_dropout: float = opt(0.05, "dropout on the LoRA branch", group="lora", at_least=0, below=1)
     lora_targets: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
-                             "module names to adapt (default: every linear layer)", group="lora")
+                             "module names to adapt, separated by spaces or commas (q_proj v_proj, or angle-emb's "
+                             "q_proj,v_proj; default: every linear layer)", group="lora")
     # ---- data
     train_data: str = opt("builtin:demo", ".jsonl/.csv/.tsv file, STS-B TSV, Hugging Face dataset (hub name or "
                           "save_to_disk folder), or builtin:demo ((query, positive) pairs) / builtin:demo-sts (scored "
@@ -255,6 +256,7 @@ class TrainConfig:
             raise ValueError("--fsdp shards a full fine-tuning; with --lora the adapters are small: use DDP (leave "
                              "out --fsdp)")
         self._validate_arccse()
+        self._split_lora_targets()
         self._refuse_ignored_settings()
         self.column_map()
         self.dev_column_map()
@@ -326,6 +328,15 @@ class TrainConfig:
     def changed(self, name: str) -> bool:
         """Whether the setting `name` differs from its default (given by a flag, a --config file or train())."""
         return getattr(self, name) != default_of(name)
+
+    def _split_lora_targets(self) -> None:
+        """--lora-targets q_proj,v_proj (angle-emb's form) as q_proj v_proj: a layer's name has no comma (peft takes
+        a list of names as the layers' names, never as patterns), so a comma can only separate two of them."""
+        names = [name for item in self.lora_targets for name in item.split(",")]
+        if any(not name.strip() for name in names):
+            raise ValueError(f"--lora-targets {' '.join(self.lora_targets)}: an empty layer name; expected names "
+                             "separated by spaces or commas (q_proj v_proj, or q_proj,v_proj)")
+        self.lora_targets = [name.strip() for name in names]
 
     def _refuse_ignored_settings(self) -> None:
         """Settings that apply only with another one, refused where that one is off: silently ignored, they would

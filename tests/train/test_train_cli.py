@@ -95,6 +95,8 @@ def test_booleans_parse(argv, expected):
     # settings that apply only with another one, which is off
     (["--lora-alpha", "64"], "--lora-alpha sets up LoRA adapters, which train only with --lora 1"),
     (["--lora-dropout", "0.1"], "--lora-dropout sets up LoRA adapters"),
+    (["--lora", "1", "--lora-targets", "q_proj,"], "--lora-targets q_proj,: an empty layer name; expected names "
+                                                   "separated by spaces or commas"),
     (["--triplet-w", "0.5"], "--triplet-w is a setting of --objective arccse, and this run trains --objective angle"),
     (["--arccon-margin", "5"], "--arccon-margin is a setting of --objective arccse"),
     (["--mask-rates", "0.1", "0.3"], "--mask-rates is a setting of --objective arccse"),
@@ -497,3 +499,16 @@ def test_a_runs_config_json_is_a_config_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dataclasses.asdict(settings)))
     assert config_from_args(["--config", str(path)]) == settings
+
+
+def test_lora_targets_take_commas_as_angle_emb_writes_them(tmp_path):
+    """--lora-targets q_proj,v_proj (angle-emb's lora_target_modules form) names two layers, as q_proj v_proj does: a
+    layer's name has no comma. It was one name, which matched no layer of the model."""
+    from angle_train.trainer import train
+    from train_helpers import run_config
+
+    cfg = config_from_args(["--lora", "1", "--lora-targets", "q_proj,v_proj", "o_proj"])
+    assert cfg.lora_targets == ["q_proj", "v_proj", "o_proj"]
+    result = train(run_config(tmp_path, model="builtin:tiny-llama", lora=True, lora_targets=["q_proj,v_proj"],
+                              max_steps=1, batch_size=4))
+    assert result.encoder.backbone.peft_config["default"].target_modules == {"q_proj", "v_proj"}
