@@ -627,7 +627,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
 # Settings that decide what the checkpoint's weights compute, beyond their names and shapes (_refuse_other_weights):
 # resumed under others, a run went on training another model under the checkpoint's name (an adapter trained at two
 # scales recorded with the second; a base model swapped under its adapter), silently.
-RESUME_MODEL_SETTINGS = ("model", "lora_alpha", "pooling", "bidirectional", *PROMPT_SETTINGS.values())
+RESUME_MODEL_SETTINGS = ("model", "lora_path", "lora_alpha", "pooling", "bidirectional", *PROMPT_SETTINGS.values())
 # Settings a resumed run may change, said when it does: they apply from the resumed step on (the loss's and LoRA's
 # dropout among them: the model card's command then names settings that trained only the steps from there).
 RESUME_NOTED = ("max_length", "model_dtype", "bf16", "fp16", "lora_dropout", "cosine_w", "ibn_w", "cln_w", "angle_w",
@@ -817,7 +817,7 @@ def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig, *, model_giv
 
 
 # The settings that name a local file or folder where one is there (else a Hugging Face hub name, or builtin:NAME)
-LOCAL_PATH_SETTINGS = ("model", "train_data", "dev_data")
+LOCAL_PATH_SETTINGS = ("model", "train_data", "dev_data", "lora_path")
 
 
 def _same_setting(name: str, saved, current) -> bool:

@@ -14,6 +14,8 @@ from angle_kernels.inputs import check_arccon_options, check_scale
 
 from .cli_common import parse_bool
 from .data import Prompts, parse_columns
+from .models import ADAPTER_CONFIG, adapted_layer_names, adapter_config_base
+from .st_folder import read_json
 
 # The folders angle-train writes models into (OUTPUT_DIR/final, best and checkpoints/step-N): OWNER/final is read as
 # a run's folder, not a hub id, so a typo in it fails at once instead of after the Hub's retries.
@@ -75,6 +77,11 @@ class TrainConfig:
     lora_targets: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
                              "module names to adapt, separated by spaces or commas (q_proj v_proj, or angle-emb's "
                              "q_proj,v_proj; default: every linear layer)", group="lora")
+    lora_path: str = opt(None, "continue training a LoRA adapter: a local folder of peft's files (an adapter "
+                         "angle-emb trained, its pretrained_lora_path; a run's final/adapter or adapter-only best/), "
+                         "whose weights start the run's LoRA and whose rank, alpha, dropout and layers apply (a "
+                         "--lora-r, --lora-alpha, --lora-dropout or --lora-targets that differs is refused); --model "
+                         "defaults to the base model its adapter_config.json names", group="lora")
     # ---- data
     train_data: str = opt("builtin:demo", ".jsonl/.csv/.tsv file, STS-B TSV, Hugging Face dataset (hub name or "
                           "save_to_disk folder), or builtin:demo ((query, positive) pairs) / builtin:demo-sts (scored "
@@ -258,6 +265,7 @@ class TrainConfig:
         self._validate_arccse()
         self._split_lora_targets()
         self._refuse_ignored_settings()
+        self._take_adapter_settings()
         self.column_map()
         self.dev_column_map()
         return self
@@ -337,6 +345,39 @@ class TrainConfig:
             raise ValueError(f"--lora-targets {' '.join(self.lora_targets)}: an empty layer name; expected names "
                              "separated by spaces or commas (q_proj v_proj, or q_proj,v_proj)")
         self.lora_targets = [name.strip() for name in names]
+
+    def _take_adapter_settings(self) -> None:
+        """--lora-path: the adapter's LoRA settings (rank, alpha, dropout, layers: those of the weights the run starts
+        from) are the run's, recorded as if given (config.json, the checkpoints, the model card's command); a --lora-*
+        flag that gives another value is refused, naming it. Without --model the base model is the one the adapter's
+        adapter_config.json names (models.adapter_config_base). The adapter's weights fitting the model is checked once
+        it loads (models.attach_adapter)."""
+        if not self.lora_path:
+            return
+        named = f"--lora-path {self.lora_path}"
+        path = os.path.join(self.lora_path, ADAPTER_CONFIG)
+        if not os.path.isfile(path):
+            missing = f"no {ADAPTER_CONFIG} there" if os.path.isdir(self.lora_path) else "no such folder"
+            raise FileNotFoundError(f"{named}: {missing}; expected a local folder of a LoRA adapter "
+                                    "(peft's files: a run's final/adapter or adapter-only best/, an adapter angle-emb "
+                                    "trained; one on the Hub is read once downloaded to a folder)")
+        adapter = read_json(path)
+        if adapter.get("peft_type") != "LORA":
+            raise ValueError(f"{named}: a {adapter.get('peft_type')} adapter (its {ADAPTER_CONFIG}'s peft_type); "
+                             "expected a LoRA one")
+        alpha = adapter["lora_alpha"]
+        settings = {"lora_r": adapter["r"], "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+                    "lora_dropout": adapter.get("lora_dropout", 0.0),
+                    "lora_targets": adapted_layer_names(adapter["target_modules"])}
+        for name, value in settings.items():
+            given = getattr(self, name)
+            if self.changed(name) and (sorted(given) if name == "lora_targets" else given) != value:
+                raise ValueError(f"{flag_of(name)} {' '.join(flag_words(name, given)[1:])}: the adapter of {named} "
+                                 f"has {shlex.join(flag_words(name, value))}, and the run continues training it "
+                                 f"with its own settings: leave out {flag_of(name)}")
+            setattr(self, name, value)
+        if not self.changed("model"):
+            self.model = adapter_config_base(self.lora_path, label="--lora-path ", flag="--model")
 
     def _refuse_ignored_settings(self) -> None:
         """Settings that apply only with another one, refused where that one is off: silently ignored, they would
@@ -465,11 +506,12 @@ class TrainConfig:
 NAMES = {"model": "a model (a Hugging Face hub name or a local folder)", "train_data": "a file, folder or dataset",
          "dev_data": "a file, folder or dataset", "resume": "a checkpoint folder or 'auto'",
          "output_dir": "a folder", "train_split": "a dataset split", "dev_split": "a dataset split",
-         "text_column": "a column", "device": "a device (cpu, cuda, cuda:1...)"}
+         "text_column": "a column", "device": "a device (cpu, cuda, cuda:1...)",
+         "lora_path": "a LoRA adapter's folder"}
 # The setting that gives the prompt of each role of a text (data.Prompts' roles)
 PROMPT_SETTINGS = {"text": "prompt", "query": "query_prompt", "document": "doc_prompt"}
 # The settings that apply only with --lora 1, and only with --objective arccse (TrainConfig._refuse_ignored_settings)
-LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_path")
 ARCCSE_SETTINGS = ("text_column", "mask_rates", "arccon_margin", "arccon_tau", "triplet_w")
 
 

@@ -76,7 +76,7 @@ from .data import (
     DataError, Example, Prompts, check_label, check_text, data_files_in, is_saved_dataset, load_examples, open_text,
     parse_columns, read_stsb,
 )
-from .models import ADAPTER_CONFIG, check_dim, recorded_base, truncate
+from .models import ADAPTER_CONFIG, adapter_config_base, check_dim, truncate
 from .tracking import finite_or_none
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
@@ -579,14 +579,7 @@ def adapter_base(model: str, base_model: str | None) -> str | None:
                              f"{ADAPTER_CONFIG} there; an adapter on the Hub is read once downloaded to a folder); "
                              "--base-model names the base of one: leave it out")
         return None
-    base = base_model or st_folder.read_json(config).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"MODEL {model} is a LoRA adapter whose {ADAPTER_CONFIG} names no base model: give the "
-                         "model it was trained on with --base-model")
-    if base_model is None:
-        base = recorded_base(base, adapter=model, label="MODEL ", remedy="give the base with --base-model",
-                             record=f"its {ADAPTER_CONFIG}'s base_model_name_or_path")
-    return base
+    return base_model or adapter_config_base(model, label="MODEL ", flag="--base-model")
 
 
 def load_model(model: str, *, pooling: str | None = None, device: str | torch.device = "cpu",

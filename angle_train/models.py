@@ -644,6 +644,31 @@ def lowercase_first(tokenizer) -> None:
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+class AdapterFitError(ValueError):
+    """A LoRA adapter whose weights do not fit the layers of the base model it is attached to."""
+
+
+def adapted_layer_names(target_modules) -> list[str]:
+    """The names of the layers a LoRA config adapts, without their paths: an adapter trained on "all-linear" records
+    every layer's full path (model.layers.0.self_attn.q_proj), read as its name (q_proj); a regular expression (one
+    text, as peft takes it) is kept as it is."""
+    if isinstance(target_modules, str):
+        return [target_modules]
+    return sorted({name.rsplit(".", 1)[-1] for name in target_modules})
+
+
+def adapter_config_base(adapter_folder: str, *, label: str, flag: str) -> str:
+    """The base model the LoRA adapter in `adapter_folder` was trained on, as its adapter_config.json records it
+    (base_model_name_or_path); refused where it names none, or (recorded_base) a local folder not found, saying to
+    give the base with `flag`. label: the messages' words before the folder ("MODEL ", "--lora-path ")."""
+    base = st_folder.read_json(os.path.join(adapter_folder, ADAPTER_CONFIG)).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{label}{adapter_folder} is a LoRA adapter whose {ADAPTER_CONFIG} names no base model: give "
+                         f"the model it was trained on with {flag}")
+    return recorded_base(base, adapter=adapter_folder, label=label, remedy=f"give the base with {flag}",
+                         record=f"its {ADAPTER_CONFIG}'s base_model_name_or_path")
+
+
 def attach_adapter(backbone: nn.Module, lora_path: str) -> nn.Module:
     """`backbone` (a base model without LM head, as AutoModel loads it) with the peft adapter of the folder `lora_path`,
     trainable. An adapter saved from the model with its LM head (a *ForCausalLM, as angle-emb and most LoRA trainers
@@ -668,7 +693,7 @@ def attach_adapter(backbone: nn.Module, lora_path: str) -> nn.Module:
     missing = [key for key in result.missing_keys if "lora_" in key]
     if missing or result.unexpected_keys:
         unfit = (result.unexpected_keys or missing)[0]
-        raise ValueError(f"the LoRA adapter {lora_path} does not fit {type(backbone).__name__}: "
+        raise AdapterFitError(f"the LoRA adapter {lora_path} does not fit {type(backbone).__name__}: "
                          f"{len(result.unexpected_keys)} of its weights fit no layer of the model, "
                          f"{len(missing)} of the layers it adapts have no weights in it (e.g. {unfit}); it was trained "
                          f"on another model (its {ADAPTER_CONFIG} names {config.base_model_name_or_path})")

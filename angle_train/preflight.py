@@ -81,8 +81,10 @@ def check_model_to_train(path: str) -> None:
         return
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
         raise ValueError(f"--model {path} holds a LoRA adapter without its base model (a LoRA run's best/ or a "
-                         "checkpoint's adapter): train from a whole model, the run's final/ (the adapter merged into "
-                         "its base), or give the base model and resume the run with --resume")
+                         "checkpoint's adapter): continue training the adapter with --lora 1 --lora-path "
+                         f"{path} (on the base model its {ADAPTER_CONFIG} names, or on --model), train from a whole "
+                         "model, the run's final/ (the adapter merged into its base), or give the base model and "
+                         "resume the run with --resume")
     raise ValueError(f"--model {path}: not a model folder (no config.json): give a Hugging Face model's folder or hub "
                      "name, or an angle-train run's final/ or best/")
 

@@ -57,8 +57,9 @@ from .evaluate import (
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
-    LoraSettings, LoraTargetError, absolute_if_local, load_encoder, own_bidirectional, own_prompts,
-    past_trained_context_note, position_limit, prepare_tokenizer, wrap_backbone,
+    AdapterFitError, LoraSettings, LoraTargetError, absolute_if_local, adapted_layer_names, attach_adapter,
+    load_encoder, own_bidirectional, own_prompts, past_trained_context_note, position_limit, prepare_tokenizer,
+    wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -319,6 +320,10 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     given = tuple(name for name, value in (("model", model), ("train_examples", train_examples),
                                            ("dev_examples", dev_examples)) if value is not None)
     command = cfg.command_line()  # as given, before the defaults below are resolved: the model cards' record
+    if model is not None and cfg.lora_path:
+        raise ValueError(f"--lora-path {cfg.lora_path} attaches an adapter to --model's base model, and train() was "
+                         "given a model in its place: attach the adapter to that model (models.attach_adapter), or "
+                         "leave out --lora-path")
     cfg.check_paths(model=model is None, train_data=train_examples is None, dev_data=dev_examples is None)
     tracking.resolve_report_to(cfg.report_to)  # a tracker that cannot run: refused before the model loads
     resume_from = checkpoint_to_resume(cfg)
@@ -772,22 +777,27 @@ def build_encoder(cfg: TrainConfig, device: torch.device):
         return _build_encoder(cfg, device)
     except LoraTargetError as exc:
         raise ValueError(f"--lora-targets {' '.join(cfg.lora_targets)}: {exc}") from None
+    except AdapterFitError as exc:
+        raise ValueError(f"--lora-path {cfg.lora_path}: {exc}") from None
 
 
 def _build_encoder(cfg: TrainConfig, device: torch.device):
     autocast = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None
-    lora = LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets or None) if cfg.lora else None
+    lora = LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets or None) \
+        if cfg.lora and not cfg.lora_path else None  # an adapter given is attached as it was trained
     if cfg.model in BUILTIN_MODELS:
         is_decoder = cfg.model == "builtin:tiny-llama"
         tokenizer = prepare_tokenizer(build_tokenizer(), is_decoder)
         backbone = build_backbone(cfg.model, len(tokenizer), seed=cfg.seed).to(DTYPES[cfg.model_dtype])
+        if cfg.lora_path:
+            backbone = attach_adapter(backbone, cfg.lora_path)
         encoder = wrap_backbone(backbone, pooling=cfg.pooling, pad_token_id=tokenizer.pad_token_id,
                                 is_decoder=is_decoder, lora=lora, gradient_checkpointing=cfg.gradient_checkpointing,
                                 autocast=autocast, bidirectional=cfg.bidirectional)
         return encoder.to(device), tokenizer
-    return load_encoder(cfg.model, pooling=cfg.pooling, lora=lora, gradient_checkpointing=cfg.gradient_checkpointing,
-                        autocast=autocast, dtype=DTYPES[cfg.model_dtype], device=device,
-                        bidirectional=cfg.bidirectional)
+    return load_encoder(cfg.model, pooling=cfg.pooling, lora=lora, lora_path=cfg.lora_path,
+                        gradient_checkpointing=cfg.gradient_checkpointing, autocast=autocast,
+                        dtype=DTYPES[cfg.model_dtype], device=device, bidirectional=cfg.bidirectional)
 
 
 def read_data(source: str, fmt: str | None, split: str, columns: dict | None = None, *, split_setting: str):
@@ -1398,7 +1408,8 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
                   "the flags above.", ""]
     lines += [f"- base model: {base}, pooling {run.encoder.pooling}, embeddings of {run.encoder.embedding_dim} "
               f"dimensions" + (f" (trained truncatable to {', '.join(map(str, widths))})" if widths else ""),
-              *([lora_description(run.encoder, adapter_only)] if is_peft_model(run.encoder.backbone) else []),
+              *([lora_description(run.encoder, adapter_only, lora_path=cfg.lora_path)]
+                if is_peft_model(run.encoder.backbone) else []),
               f"- data: {train_data}, {data}"
               + (f"; dev: {dev_data}, {dev_description(run.dev_set)}" if run.dev_set else ""),
               f"- loss: {loss}",
@@ -1419,17 +1430,19 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def lora_description(encoder, adapter_only: bool) -> str:
-    """The model card's line on the adapters of a LoRA encoder: their settings as peft holds them (the run's flags, or
-    a model given to train()), the frozen weights' dtype, and where the export keeps them (best/: the adapter alone;
-    final/: merged into the weights, and the adapter alone in adapter/, as export.save_pretrained writes them)."""
+def lora_description(encoder, adapter_only: bool, *, lora_path: str | None = None) -> str:
+    """The model card's line on the adapters of a LoRA encoder: their settings as peft holds them (the run's flags, a
+    --lora-path adapter's own, or a model given to train()), the adapter the run started from (--lora-path), the
+    frozen weights' dtype, and where the export keeps them (best/: the adapter alone; final/: merged into the
+    weights, and the adapter alone in adapter/, as export.save_pretrained writes them)."""
     config = next(iter(encoder.backbone.peft_config.values()))
-    targets = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in config.target_modules}))
+    targets = ", ".join(adapted_layer_names(config.target_modules))
     frozen = next((p.dtype for p in encoder.parameters() if not p.requires_grad), None)
     where = ("this folder holds the adapter alone" if adapter_only else
              "merged into this folder's weights; the adapter alone is in `adapter/` (peft's files, which "
              "`angle-eval path/adapter` scores on its base model)")
     return (f"- LoRA: rank {config.r}, alpha {config.lora_alpha:g}, dropout {config.lora_dropout:g} on {targets}"
+            + (f", training continued from the adapter `{lora_path}`" if lora_path else "")
             + (f", the base model's weights frozen in {str(frozen).removeprefix('torch.')}" if frozen else "")
             + f"; {where}")
 

@@ -113,3 +113,96 @@ def test_angle_eval_finds_a_relative_base_from_the_working_folder_and_names_base
     assert f"a folder of that name at {project}/./models/base (from {project}, above the adapter's)" in err
     assert err.rstrip().endswith("which may be it: give the base with --base-model")
     assert main([adapter, str(pairs), "--base-model", base]) == 0
+
+
+def test_training_continues_from_an_adapter_on_the_base_its_config_names(tmp_path, capsys):
+    """--lora-path: the run's LoRA starts from the adapter's weights (its step-0 embeddings are the adapted causal
+    LM's, not the base model's), with the adapter's rank, alpha, dropout and layers, on the base model its
+    adapter_config.json names where --model is not given; config.json, the model card's command and its LoRA line
+    record them. Before, an adapter folder as --model was refused, and no flag took one."""
+    from angle_train.trainer import build_encoder, train
+    from train_helpers import run_config
+
+    base = causal_lm(tmp_path / "base")
+    adapter, model = causal_adapter(base, tmp_path / "adapter")
+    cfg = run_config(tmp_path / "out", lora=True, lora_path=adapter, max_steps=1, batch_size=4, lr=1e-3,
+                     save_final=True).validate()
+    assert (cfg.model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == (base, 4, 8, 0.0)
+    assert cfg.lora_targets == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    encoder, tokenizer = build_encoder(cfg, torch.device("cpu"))
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch, output_hidden_states=True).hidden_states[-1][:, -1]
+        torch.testing.assert_close(encoder.eval()(batch["input_ids"], batch["attention_mask"]), hidden)
+    result = train(cfg)
+    recorded = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (recorded["lora_path"], recorded["model"], recorded["lora_r"]) == (adapter, base, 4)
+    card = (tmp_path / "out" / "final" / "README.md").read_text()
+    assert f"--lora-path {adapter}" in card and f"rank 4, alpha 8, dropout 0 on down_proj" in card
+    assert f"training continued from the adapter `{adapter}`" in card
+    trained = next(p for n, p in result.encoder.named_parameters() if "lora_B" in n)
+    start = next(p for n, p in model.named_parameters() if "lora_B" in n)
+    assert trained.shape == start.shape and not torch.equal(trained, start)  # it trained from there
+
+
+def test_lora_flags_that_contradict_the_adapter_are_refused_naming_them(tmp_path):
+    from angle_train.config import TrainConfig
+
+    base = causal_lm(tmp_path / "base")
+    adapter, _ = causal_adapter(base, tmp_path / "adapter", targets=["q_proj", "v_proj"])
+    for settings, said in (({"lora_r": 8}, "--lora-r 8: the adapter of --lora-path .* has --lora-r 4"),
+                           ({"lora_alpha": 16}, "--lora-alpha 16: .* has --lora-alpha 8"),
+                           ({"lora_targets": ["q_proj"]}, "--lora-targets q_proj: .* has --lora-targets q_proj v_proj"),
+                           ({"lora_dropout": 0.1}, "--lora-dropout 0.1: .* has --lora-dropout 0.0, and the run "
+                                                   "continues training it with its own settings: leave out")):
+        with pytest.raises(ValueError, match=said):
+            TrainConfig(lora=True, lora_path=adapter, **settings).validate()
+    same = TrainConfig(model=base, lora=True, lora_path=adapter, lora_r=4, lora_targets=["v_proj,q_proj"]).validate()
+    assert (same.lora_r, same.lora_targets) == (4, ["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match="--lora-path sets up LoRA adapters, which train only with --lora 1"):
+        TrainConfig(lora_path=adapter).validate()
+    with pytest.raises(FileNotFoundError, match=f"--lora-path {base}: no {ADAPTER_CONFIG} there; expected a local "):
+        TrainConfig(lora=True, lora_path=base).validate()
+    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    (tmp_path / "adapter" / ADAPTER_CONFIG).write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    with pytest.raises(ValueError, match=f"--lora-path {adapter} is a LoRA adapter whose {ADAPTER_CONFIG} names no "
+                                         "base model: give the model it was trained on with --model"):
+        TrainConfig(lora=True, lora_path=adapter).validate()
+
+
+def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_lora_path(tmp_path):
+    from angle_train.trainer import train
+    from train_helpers import make_encoder, run_config
+
+    adapter, _ = causal_adapter(causal_lm(tmp_path / "deeper", layers=3), tmp_path / "adapter", targets=["q_proj"])
+    cfg = run_config(tmp_path / "out", model=causal_lm(tmp_path / "base"), lora=True, lora_path=adapter, max_steps=1,
+                     batch_size=4)
+    with pytest.raises(ValueError, match=f"^--lora-path {adapter}: the LoRA adapter {adapter} does not fit LlamaModel"):
+        train(cfg)
+    with pytest.raises(ValueError, match=f"^--lora-path {adapter} attaches an adapter to --model's base model, and "
+                                         r"train\(\) was given a model in its place"):
+        train(cfg, model=make_encoder("llama"))
+
+
+def test_a_resume_with_another_starting_adapter_is_refused(tmp_path, capsys):
+    """The adapter a run started from is recorded with its checkpoints: a resume from another (same shapes, so the
+    checkpoint's weights would fit) or without it is refused naming --lora-path; the same adapter resumes."""
+    import shutil
+
+    from angle_train.trainer import train
+    from train_helpers import run_config
+
+    base = causal_lm(tmp_path / "base")
+    adapter, _ = causal_adapter(base, tmp_path / "adapter", targets=["q_proj", "v_proj"])
+    other = str(shutil.copytree(adapter, tmp_path / "other"))
+    settings = {"lora": True, "batch_size": 4, "save_every": 1}
+    train(run_config(tmp_path / "out", lora_path=adapter, max_steps=1, **settings))
+    for lora_path, model, said in ((other, None, f"--lora-path: '{adapter}' -> '{other}'"),
+                                   (None, base, f"--lora-path: '{adapter}' -> None")):
+        cfg = run_config(tmp_path / "out", lora_path=lora_path, max_steps=2, resume="auto", lora_r=4,
+                         lora_targets=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0,
+                         **({"model": model} if model else {}), **settings)
+        with pytest.raises(ValueError, match=f"these settings differ from the checkpoint's \\({said}"):
+            train(cfg)
+    train(run_config(tmp_path / "out", lora_path=adapter, max_steps=2, resume="auto", **settings))
+    assert "resumed from" in capsys.readouterr().out

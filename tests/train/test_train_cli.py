@@ -97,6 +97,8 @@ def test_booleans_parse(argv, expected):
     (["--lora-dropout", "0.1"], "--lora-dropout sets up LoRA adapters"),
     (["--lora", "1", "--lora-targets", "q_proj,"], "--lora-targets q_proj,: an empty layer name; expected names "
                                                    "separated by spaces or commas"),
+    (["--lora", "1", "--lora-path", "missing-adapter"], "--lora-path missing-adapter: no such folder; expected a "
+                                                        "local folder of a LoRA adapter"),
     (["--triplet-w", "0.5"], "--triplet-w is a setting of --objective arccse, and this run trains --objective angle"),
     (["--arccon-margin", "5"], "--arccon-margin is a setting of --objective arccse"),
     (["--mask-rates", "0.1", "0.3"], "--mask-rates is a setting of --objective arccse"),
