@@ -556,7 +556,7 @@ FORMAT_IGNORES = {"A": ("cln_w",), "B": ("cosine_w", "ibn_w", "cln_w", "angle_w"
 
 
 def tokenising_line(cfg: TrainConfig, items: int, fmt: str | None, read_seconds: float | None) -> str:
-    """The line a run prints before it tokenises its training texts (about 45 s before the header at a million short
+    """The line a run prints before it tokenises its training texts (about 30 s before the header at a million short
     pairs on 2 CPU cores: the start-up was silent until then): how many texts, and how long reading and checking the
     data took (`read_seconds`; None: data given to train(), not read)."""
     texts = items * (1 if fmt is None else ROWS_PER_EXAMPLE[fmt])  # ArcCSE's sentences: one text each

@@ -134,7 +134,7 @@ def test_the_header_says_when_max_steps_overrides_the_epochs_given(tmp_path, cap
 
 
 def test_a_run_says_what_it_tokenises_before_it_does(tmp_path, capsys):
-    """Tokenising the training texts is most of the start-up with a lot of data (about 45 s of the 59 s to the first
+    """Tokenising the training texts is most of the start-up with a lot of data (about 30 s of the 42 s to the first
     step at a million short pairs on 2 cores), and nothing was printed until it was done: a line before it says how
     many texts, and how long reading and checking the data took."""
     path = tmp_path / "train.jsonl"

