@@ -6,21 +6,16 @@ import argparse
 import math
 import numbers
 import os
-import re
 import shlex
 from dataclasses import MISSING, dataclass, field, fields
 
 from angle_kernels.inputs import check_arccon_options, check_scale
 
 from .cli_common import parse_bool
-from .data import Prompts, parse_columns
+from .data import Prompts, names_local_path, parse_columns
 from .models import ADAPTER_CONFIG, adapted_layer_names, adapter_config_base
 from .st_folder import read_json
 
-# The folders angle-train writes models into (OUTPUT_DIR/final, best and checkpoints/step-N): OWNER/final is read as
-# a run's folder, not a hub id, so a typo in it fails at once instead of after the Hub's retries.
-RUN_FOLDER_NAMES = re.compile(r"final|best|step-\d+")
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet", ".arrow", ".gz")
 MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every library the run uses accepts
 # Plain backprop's sub-batches on CPU (--pass-tokens): MiniLM on STS-B, 2 cores, forward + backward per step, one
 # padded pass vs length-sorted sub-batches of at most this many tokens: 371 -> 291 ms at 16 pairs, 2199 -> 950 ms
@@ -609,21 +604,6 @@ def for_dev_columns(exc: ValueError) -> ValueError:
     return type(exc)(str(exc).replace("--columns", "--dev-columns"))
 
 
-def names_local_path(name: str) -> bool:
-    """Whether a model or data name can only be a local path, never a Hugging Face hub id (NAME or OWNER/NAME):
-    it exists, starts like a path (/, ./, ../, ~), ends like a data file (.jsonl, .csv...), has more than two
-    parts, its first part is a folder here (data/train.jsonl), or it ends in a folder angle-train writes
-    (RUN_FOLDER_NAMES: runs/final, out/best, run/step-40)."""
-    if name.startswith("builtin:"):
-        return False
-    if os.path.exists(name) or os.path.isabs(name) or name.startswith(("./", "../", "~", ".\\", "..\\")):
-        return True
-    if name.lower().endswith(DATA_FILE_SUFFIXES):
-        return True
-    parts = name.replace("\\", "/").split("/")
-    if len(parts) == 2 and RUN_FOLDER_NAMES.fullmatch(parts[1]):
-        return True
-    return len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
 
 
 def _within(value, bounds: dict) -> bool:

@@ -32,6 +32,7 @@ import itertools
 import json
 import math
 import os
+import re
 import random
 import unicodedata
 from array import array
@@ -57,6 +58,28 @@ ALIASES = {"sentence1": "text1", "sentence2": "text2", "score": "label"}
 STSB_NAMES = {"text1": "text1", "text2": "text2", "label": "label"}  # read_stsb's rows, named by it
 # The names a --columns mapping gives a file's columns (NAME=COLUMN); columns_hint says how to map them.
 COLUMN_NAMES = ("text1", "text2", "label", "query", "positive", "negative")
+
+
+# The folders angle-train writes models into (OUTPUT_DIR/final, best and checkpoints/step-N): OWNER/final is read as
+# a run's folder, not a hub id, so a typo in it fails at once instead of after the Hub's retries.
+RUN_FOLDER_NAMES = re.compile(r"final|best|step-\d+")
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet", ".arrow", ".gz")
+
+def names_local_path(name: str) -> bool:
+    """Whether a model or data name can only be a local path, never a Hugging Face hub id (NAME or OWNER/NAME):
+    it exists, starts like a path (/, ./, ../, ~), ends like a data file (.jsonl, .csv...), has more than two
+    parts, its first part is a folder here (data/train.jsonl), or it ends in a folder angle-train writes
+    (RUN_FOLDER_NAMES: runs/final, out/best, run/step-40)."""
+    if name.startswith("builtin:"):
+        return False
+    if os.path.exists(name) or os.path.isabs(name) or name.startswith(("./", "../", "~", ".\\", "..\\")):
+        return True
+    if name.lower().endswith(DATA_FILE_SUFFIXES):
+        return True
+    parts = name.replace("\\", "/").split("/")
+    if len(parts) == 2 and RUN_FOLDER_NAMES.fullmatch(parts[1]):
+        return True
+    return len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
 
 
 def columns_hint(names=FORMATS["A"]) -> str:

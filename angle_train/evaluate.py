@@ -71,10 +71,9 @@ from . import preflight, st_folder
 from .cli_common import (
     OneLineErrorParser, check_train_extra, parse_bool, resolve_device, user_errors_exit, version_text,
 )
-from .config import names_local_path
 from .data import (
-    DataError, Example, Prompts, check_label, check_text, data_files_in, is_saved_dataset, load_examples, open_text,
-    parse_columns, read_stsb,
+    DataError, Example, Prompts, check_label, check_text, data_files_in, is_saved_dataset, load_examples,
+    names_local_path, open_text, parse_columns, read_stsb,
 )
 from .models import ADAPTER_CONFIG, adapter_config_base, check_dim, truncate
 from .tracking import finite_or_none

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from . import st_folder
-from .data import PackedTexts, Prompts, TokenRows, pad_batch, prompted_texts
+from .data import PackedTexts, Prompts, TokenRows, names_local_path, pad_batch, prompted_texts
 
 # ------------------------------------------------------------------------------------------------ pooling
 
@@ -407,10 +407,8 @@ def recorded_base(base: str, *, adapter: str, record: str, remedy: str, label: s
     records its base as it was named when it was trained (peft, angle-emb, angle_train before it recorded local bases
     absolute), relative to a working folder nothing records, so a folder of that name found elsewhere may be another
     model; it is named in the refusal, not loaded. A name that is no folder here and can be a hub id (NAME or
-    OWNER/NAME, config.names_local_path) is the hub's, as before (angle-emb's adapters record hub names); one that can
+    OWNER/NAME, data.names_local_path) is the hub's, as before (angle-emb's adapters record hub names); one that can
     only be a local path is refused naming `remedy`, where transformers said it was no valid repo id."""
-    from .config import names_local_path
-
     if os.path.isdir(base) or not names_local_path(base):
         return base
     # relative to the adapter's folder and those above it: where a run's output folder often sits below the folder it
