@@ -31,6 +31,12 @@ DATA = (demo_examples(32, seed=4), "B")
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _run_in_child(code: str) -> subprocess.CompletedProcess:
+    """`code` run by a Python process of its own (a signal test whose old rule ended the process), its output kept."""
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+
+
 def _config(out, **overrides):
     base = {"batch_size": 8, "max_steps": 4, "lr": 1e-2, "warmup": 0, "log_every": 1, "max_length": 12, "seed": 3}
     return run_config(out, **{**base, **overrides})
@@ -422,8 +428,7 @@ def test_a_second_sigterm_terminates_the_process():
             "    signal.raise_signal(signal.SIGTERM); assert s.requested == 'SIGTERM'\n"
             "    signal.raise_signal(signal.SIGTERM)\n"
             "raise SystemExit(7)\n")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120)
+    done = _run_in_child(code)
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-1000:])
 
 
@@ -438,8 +443,7 @@ def test_a_signal_repeated_at_once_is_the_same_request(monkeypatch, capsys):
             "    signal.raise_signal(signal.SIGTERM); signal.raise_signal(signal.SIGTERM)\n"
             "    assert s.requested == 'SIGTERM'\n"
             "raise SystemExit(7)\n")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120)
+    done = _run_in_child(code)
     assert done.returncode == 7, (done.returncode, done.stderr[-1000:])
     assert "SIGTERM again within 2 s: taken as the same request" in done.stdout
     with faults.StopSignals():
@@ -486,8 +490,7 @@ def test_sighup_stops_as_sigterm_does_unless_it_is_ignored():
             "    signal.raise_signal(signal.SIGHUP); assert s.requested is None, s.requested\n"
             "assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN\n"
             "raise SystemExit(7)\n")
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120)
+    done = _run_in_child(code)
     assert done.returncode == 7, (done.returncode, done.stderr[-1000:])
     assert "SIGHUP: finishing this optimizer step, then writing a checkpoint" in done.stdout
 
