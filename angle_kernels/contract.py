@@ -418,7 +418,8 @@ class Call:
         # read on every op call: the fields' names, found once per class (a plain tuple: torch.compile traces it),
         # and a getter of their values in that order (C's loop, not a generator's: ~0.5 us of every op call)
         cls._names = tuple(field.name for field in dataclasses.fields(cls))
-        cls._values = operator.attrgetter(*cls._names)
+        getter = operator.attrgetter(*cls._names)  # one name gives a value, not a tuple of one
+        cls._values = getter if len(cls._names) > 1 else staticmethod(lambda call: (getter(call),))
 
     @property
     def args(self) -> tuple:

@@ -288,3 +288,21 @@ def test_an_optional_feature_the_backend_lacks_goes_elsewhere_under_auto_or_rais
 def test_bad_dims_are_refused(dims, error, message):
     with pytest.raises(error, match=message):
         dispatch.pair_scores(_x(3, 2, 8), True, dims, backend="torch")
+
+
+def test_a_calls_args_are_a_tuple_in_the_fields_order_whatever_their_number():
+    """Call.args hands the backends their positional arguments through one attrgetter per class, which gives a
+    value, not a tuple, for one name: a call class of one field gets a tuple of one too."""
+    from angle_kernels import contract
+
+    class OneField(contract.Call, op="one_field_probe"):
+        rows: torch.Tensor
+
+    class TwoFields(contract.Call, op="two_fields_probe"):
+        rows: torch.Tensor
+        scale: float
+
+    rows = torch.zeros(2)
+    assert OneField(rows).args == (rows,)
+    one, two = TwoFields(rows, 3.0).args
+    assert one is rows and two == 3.0
