@@ -470,6 +470,15 @@ def start_ranks(fn, args: tuple = (), nprocs: int = 2) -> None:
                                           join=True, start_method=method)
 
 
+def outputs_of_ranks(fn, out_dir, world: int = 2) -> list:
+    """start_ranks(fn, (world, STORE, OUT_DIR), nprocs=world), each process rendezvousing through the file STORE in
+    `out_dir` and writing what it found to OUT_DIR/rank{r}.pt (torch.save): those, by rank."""
+    import torch
+
+    start_ranks(fn, (world, os.path.join(out_dir, "store"), str(out_dir)), nprocs=world)
+    return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(world)]
+
+
 def _in_environment(rank: int, environ: dict, fn, args: tuple) -> None:
     os.environ.clear()
     os.environ.update(environ)

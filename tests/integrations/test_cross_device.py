@@ -44,7 +44,7 @@ import os
 import pytest
 import torch
 
-from angle_kernels.testing.helpers import ShapeRecorder, start_ranks
+from angle_kernels.testing.helpers import ShapeRecorder, outputs_of_ranks
 from angle_kernels.testing.oracle import rel_err
 
 pytest.importorskip("sentence_transformers")
@@ -446,8 +446,7 @@ def ranks(request, tmp_path_factory):
     """(world size, [what each rank wrote]): the processes run once per world size."""
     world = request.param
     out_dir = tmp_path_factory.mktemp(f"cross_device_{world}")
-    start_ranks(_rank_main, (world, str(out_dir / "store"), str(out_dir)), nprocs=world)
-    return world, [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+    return world, outputs_of_ranks(_rank_main, out_dir, world)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -736,9 +735,7 @@ def _rank_configurations(rank: int, world: int, store: str, out_dir: str) -> Non
 
 @pytest.fixture(scope="module")
 def configurations(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("configurations")
-    start_ranks(_rank_configurations, (2, str(out_dir / "store"), str(out_dir)), nprocs=2)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    return outputs_of_ranks(_rank_configurations, tmp_path_factory.mktemp("configurations"))
 
 
 @pytest.mark.parametrize("case, option", [("directions", "directions"), ("directions_gathers", "directions"),

@@ -15,7 +15,7 @@ import torch
 
 from train_helpers import make_encoder
 
-from angle_kernels.testing.helpers import start_ranks
+from angle_kernels.testing.helpers import outputs_of_ranks
 
 
 ARCCSE_SENTENCES = ["box", "the cat", "it was a golden kite , very long", "the big house is not white at all"]
@@ -69,9 +69,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    d = tmp_path_factory.mktemp("two_ranks")
-    start_ranks(_worker, (2, str(d / "store"), str(d)), nprocs=2)
-    return [torch.load(d / f"rank{r}.pt") for r in range(2)]
+    return outputs_of_ranks(_worker, tmp_path_factory.mktemp("two_ranks"))
 
 
 def test_broadcast_from_main_gives_rank_0s_value_everywhere(two_ranks):
