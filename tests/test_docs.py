@@ -1,10 +1,12 @@
 """The developer docs name files and definitions that exist.
 
 Every repository path the docs name (`angle_kernels/...`, `tests/...`, `bench/...`, `scripts/...`, `csrc/...`,
-`docs/...`, `angle_train/...`, ending in a source or document suffix) is a file of this checkout, and every dotted
-name in backticks whose first part is a module of the package (`verified.paths_of`, `measured.AFTER_TORCH`,
-`angle_kernels.first_use.CHECKER`) resolves to a module or attribute. Templates (`<op>`, `{a,b}`, `*`) are skipped.
-CHANGELOG.md is history and names what has since moved; it is not read.
+`docs/...`, `angle_train/...`, ending in a source or document suffix) is a file of this checkout, every dotted
+name in backticks whose first part is a module of angle_kernels or angle_train (`verified.paths_of`,
+`measured.AFTER_TORCH`, `angle_kernels.first_use.CHECKER`, `sharding.load_sharded`) resolves to a module or
+attribute, and every test the docs name (`test_a_zero_prefix_of_a_huge_row`, or `tests/ops/test_x.py::test_y`, in
+that file) is a test function of tests/ or bench/, or a test module's name. Templates (`<op>`, `{a,b}`, `*`) are
+skipped. CHANGELOG.md is history and names what has since moved; it is not read.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import angle_kernels
+import angle_train
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "angle_train" / "README.md",
@@ -26,17 +29,47 @@ PATH = re.compile(r"(?<![\w./-])((?:angle_kernels|angle_train|tests|bench|script
                   r"\.(?:py|md|sh|cu|cpp|h|cuh|json))")
 DOTTED = re.compile(r"(?<![\w/.])([a-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 FILE_SUFFIXES = (".py", ".md", ".json", ".sh", ".cu", ".cpp", ".h", ".cuh", ".lock", ".log", ".csv", ".txt")
+# A test named by itself (not a test module's file name), and a test named in its file (the name may start the next
+# line of a wrapped `path::name`).
+TEST_NAME = re.compile(r"(?<![\w/<>])(test_\w+)\b(?!\.py|[<>{*])")
+TEST_IN_FILE = re.compile(r"((?:tests|bench)/[\w/]+\.py)::\s*(test_\w+)")
+TEST_SOURCES = sorted([*(ROOT / "tests").rglob("test_*.py"), *(ROOT / "bench").glob("test_*.py")])
 
 
 def _modules() -> dict[str, list[str]]:
-    """Short module name -> the full names of the package's modules of that name (`similarity_xent` is one module in
-    each backend's folder); the integrations' modules, named after the packages they integrate (`angle_emb.loss` is
-    angle-emb's), only as `integrations.<name>`."""
+    """Short module name -> the full names of the packages' modules of that name (`similarity_xent` is one module in
+    each backend's folder, `distributed` one of angle_kernels and one of angle_train); the integrations' modules,
+    named after the packages they integrate (`angle_emb.loss` is angle-emb's), only as `integrations.<name>`."""
     found: dict[str, list[str]] = {}
-    for info in pkgutil.walk_packages(angle_kernels.__path__, "angle_kernels."):
-        if not info.name.startswith("angle_kernels.integrations."):
-            found.setdefault(info.name.rsplit(".", 1)[-1], []).append(info.name)
-    return {**found, "angle_kernels": ["angle_kernels"]}
+    for package in (angle_kernels, angle_train):
+        for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            if not info.name.startswith("angle_kernels.integrations."):
+                found.setdefault(info.name.rsplit(".", 1)[-1], []).append(info.name)
+    return {**found, "angle_kernels": ["angle_kernels"], "angle_train": ["angle_train"]}
+
+
+def _tests() -> dict[str, set[str]]:
+    """The test functions of the suite by file (relative to the checkout), and the test modules' names under "",
+    read from the sources (a test is named by its definition; importing every test module would take long)."""
+    found = {str(path.relative_to(ROOT)): set(re.findall(r"^\s*(?:async\s+)?def (test_\w+)", path.read_text(), re.M))
+             for path in TEST_SOURCES}
+    return {**found, "": {path.stem for path in TEST_SOURCES}}
+
+
+def stale_tests(text: str, tests: dict[str, set[str]]) -> list[str]:
+    """The tests `text` names that the suite does not define, as 'line N: name' (or 'line N: path::name' for one
+    that its file does not define)."""
+    anywhere = set().union(*tests.values())
+    stale, reported = [], set()
+    for match in TEST_IN_FILE.finditer(text):
+        path, name = match.groups()
+        if name not in tests.get(path, ()):
+            stale.append(f"line {text.count(chr(10), 0, match.start()) + 1}: {path}::{name}")
+            reported.add(name)
+    for number, line in enumerate(text.splitlines(), 1):
+        stale += [f"line {number}: {name}" for name in TEST_NAME.findall(line)
+                  if name not in anywhere and name not in reported]
+    return stale
 
 
 def _resolves_in(module: str, rest: list[str]) -> bool | None:
@@ -88,8 +121,23 @@ def test_the_docs_name_only_what_exists(doc):
     assert stale_names(doc.read_text(), _modules()) == []
 
 
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_docs_name_only_tests_that_exist(doc):
+    assert stale_tests(doc.read_text(), _tests()) == []
+
+
 def test_the_check_sees_a_stale_path_and_a_stale_name():
     text = ("`angle_kernels/no_such_module.py` and docs/no-such-page.md; `verified.NO_SUCH_TABLE`, "
-            "`angle_kernels.first_use.CHECKER`, `csrc/<op>.cu`, `angle_emb.loss.cosine_loss`")
+            "`angle_kernels.first_use.CHECKER`, `csrc/<op>.cu`, `angle_emb.loss.cosine_loss`,\n"
+            "`sharding.load_sharded`, `sharding.NO_SUCH_LOADER`, `angle_train.no_such_function`")
     assert stale_names(text, _modules()) == ["line 1: angle_kernels/no_such_module.py", "line 1: docs/no-such-page.md",
-                                             "line 1: verified.NO_SUCH_TABLE"]
+                                             "line 1: verified.NO_SUCH_TABLE", "line 2: sharding.NO_SUCH_LOADER",
+                                             "line 2: angle_train.no_such_function"]
+
+
+def test_the_check_sees_a_renamed_test():
+    text = ("`test_the_check_sees_a_renamed_test` in tests/test_docs.py, `test_no_such_test`, `tests/test_docs.py::\n"
+            "  test_the_check_sees_a_renamed_test`, `tests/test_docs.py::test_a_zero_prefix_of_a_huge_row`, "
+            "`test_bad_inputs`, `test_<op>_rejects`, `tests/test_<area>_losses.py`")
+    assert stale_tests(text, _tests()) == ["line 2: tests/test_docs.py::test_a_zero_prefix_of_a_huge_row",
+                                           "line 1: test_no_such_test"]
