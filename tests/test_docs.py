@@ -5,8 +5,9 @@ Every repository path the docs name (`angle_kernels/...`, `tests/...`, `bench/..
 name in backticks whose first part is a module of angle_kernels or angle_train (`verified.paths_of`,
 `measured.AFTER_TORCH`, `angle_kernels.first_use.CHECKER`, `sharding.load_sharded`) resolves to a module or
 attribute, and every test the docs name (`test_a_zero_prefix_of_a_huge_row`, or `tests/ops/test_x.py::test_y`, in
-that file) is a test function of tests/ or bench/, or a test module's name. Templates (`<op>`, `{a,b}`, `*`) are
-skipped. CHANGELOG.md is history and names what has since moved; it is not read.
+that file) is a test function of tests/ or bench/, or a test module's name. Every flag angle_train/README.md names
+is one of `angle-train` or `angle-eval`, or one of another program's it names (`FOREIGN_FLAGS`). Templates (`<op>`,
+`{a,b}`, `*`) are skipped. CHANGELOG.md is history and names what has since moved; it is not read.
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ FILE_SUFFIXES = (".py", ".md", ".json", ".sh", ".cu", ".cpp", ".h", ".cuh", ".lo
 # line of a wrapped `path::name`).
 TEST_NAME = re.compile(r"(?<![\w/<>])(test_\w+)\b(?!\.py|[<>{*])")
 TEST_IN_FILE = re.compile(r"((?:tests|bench)/[\w/]+\.py)::\s*(test_\w+)")
+FLAG = re.compile(r"(?<![\w-])(--[a-z][\w-]*[a-z0-9])")
+# The flags angle_train/README.md gives to programs other than angle-train and angle-eval: each is checked to occur
+# there, so that one the README no longer names leaves this list.
+FOREIGN_FLAGS = {
+    "--nproc-per-node": "torchrun",
+    "--shutdown-timeout": "torchrun",
+    "--local-dir": "huggingface-cli download",
+    "--pretrained_lora_path": "angle-emb's training script",
+    "--gpu": "bench/bench_training.py",
+    "--train-bench": "bench/gpu_suite.py",
+}
 TEST_SOURCES = sorted([*(ROOT / "tests").rglob("test_*.py"), *(ROOT / "bench").glob("test_*.py")])
 
 
@@ -70,6 +82,19 @@ def stale_tests(text: str, tests: dict[str, set[str]]) -> list[str]:
         stale += [f"line {number}: {name}" for name in TEST_NAME.findall(line)
                   if name not in anywhere and name not in reported]
     return stale
+
+
+def _cli_flags() -> set[str]:
+    """Every option string of `angle-train` and `angle-eval`, aliases included."""
+    from angle_train import cli, evaluate
+
+    return {flag for module in (cli, evaluate) for flag in module.build_parser()._option_string_actions}
+
+
+def unknown_flags(text: str, flags: set[str]) -> list[str]:
+    """The flags of `text` that are not in `flags`, as 'line N: flag'."""
+    return [f"line {number}: {flag}" for number, line in enumerate(text.splitlines(), 1)
+            for flag in FLAG.findall(line) if flag not in flags]
 
 
 def _resolves_in(module: str, rest: list[str]) -> bool | None:
@@ -126,6 +151,12 @@ def test_the_docs_name_only_tests_that_exist(doc):
     assert stale_tests(doc.read_text(), _tests()) == []
 
 
+def test_the_training_readme_names_only_flags_that_exist():
+    text, flags = (ROOT / "angle_train" / "README.md").read_text(), _cli_flags()
+    assert unknown_flags(text, flags | set(FOREIGN_FLAGS)) == []
+    assert set(FOREIGN_FLAGS) <= set(FLAG.findall(text)) and not set(FOREIGN_FLAGS) & flags
+
+
 def test_the_check_sees_a_stale_path_and_a_stale_name():
     text = ("`angle_kernels/no_such_module.py` and docs/no-such-page.md; `verified.NO_SUCH_TABLE`, "
             "`angle_kernels.first_use.CHECKER`, `csrc/<op>.cu`, `angle_emb.loss.cosine_loss`,\n"
@@ -133,6 +164,11 @@ def test_the_check_sees_a_stale_path_and_a_stale_name():
     assert stale_names(text, _modules()) == ["line 1: angle_kernels/no_such_module.py", "line 1: docs/no-such-page.md",
                                              "line 1: verified.NO_SUCH_TABLE", "line 2: sharding.NO_SUCH_LOADER",
                                              "line 2: angle_train.no_such_function"]
+
+
+def test_the_check_sees_a_renamed_flag():
+    text = "`angle-train --max-length 64 --max-lenght 64`,\n--lora-r 8 (`--mask-rates 0.2`); `--no-such-flag`, --config"
+    assert unknown_flags(text, _cli_flags()) == ["line 1: --max-lenght", "line 2: --no-such-flag"]
 
 
 def test_the_check_sees_a_renamed_test():
