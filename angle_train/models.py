@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from . import st_folder
-from .data import PackedTexts, Prompts, TokenRows, names_local_path, pad_batch, prompted_texts
+from .data import PackedTexts, Prompts, TokenRows, encode_texts, names_local_path, pad_batch, prompted_texts
 
 # ------------------------------------------------------------------------------------------------ pooling
 
@@ -340,7 +340,9 @@ class Encoder(nn.Module):
         max_length = self.encoding_length(max_length)
         template = self.prompts.for_role(prompt_name) if prompt is None else prompt
         texts, _ = prompted_texts(texts, template, tokenizer, max_length)
-        ids = tokenizer(texts, truncation=True, max_length=max_length, add_special_tokens=True)["input_ids"]
+        # a fast tokenizer's ids read from its backend's encodings, as training reads them (data.encode_texts)
+        ids = encode_texts(texts, tokenizer, truncation=True, max_length=max_length,
+                           add_special_tokens=True)["input_ids"]
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         was_training = self.training
         self.eval()

@@ -481,6 +481,54 @@ def test_tokenizers_that_change_the_call_are_called(monkeypatch):
     assert all(ids[-1] == 0 for ids in called) and encode_texts(TRICKY_TEXTS, tokenizer)["input_ids"] == called
 
 
+def _encoders():
+    from train_helpers import make_encoder, minilm_dir
+
+    yield "tiny-bert", *make_encoder("bert", dtype=torch.float32)
+    yield "tiny-llama", *make_encoder("llama", dtype=torch.float32)
+    if minilm_dir() is not None:
+        from angle_train.models import load_encoder
+
+        yield "all-MiniLM-L6-v2", *load_encoder(minilm_dir(), pooling="avg")
+
+
+def test_encode_reads_the_backends_ids_as_training_does(monkeypatch):
+    """Encoder.encode (dev evaluation, angle-eval) tokenises through the fast tokenizer's backend as training does:
+    transformers converts the first text's encoding alone, not one per text, and the rows (ids, masks) and
+    embeddings are those of transformers' call, whole, cut at max_length, and in a prompt that closes after the
+    text."""
+    from transformers import PreTrainedTokenizerFast
+
+    from angle_train import data as data_module
+    from angle_train import models
+
+    converted, rows, backend = [], [], [True]
+    convert, pad, plain_backend_call = (PreTrainedTokenizerFast._convert_encoding, models.pad_batch,
+                                        data_module._plain_backend_call)
+    monkeypatch.setattr(PreTrainedTokenizerFast, "_convert_encoding",
+                        lambda self, *args, **kwargs: converted.append(1) or convert(self, *args, **kwargs))
+    monkeypatch.setattr(models, "pad_batch", lambda *args: rows.append(pad(*args)) or rows[-1])
+    monkeypatch.setattr(data_module, "_plain_backend_call", lambda tokenizer: backend[0] and plain_backend_call(
+        tokenizer))
+
+    def encoded(encoder, tokenizer, **options):
+        converted.clear()
+        rows.clear()
+        embeddings = encoder.encode(TRICKY_TEXTS, tokenizer, batch_size=3, **options)
+        return embeddings, [tensor.tolist() for row in rows for tensor in row], len(converted)
+
+    for name, encoder, tokenizer in _encoders():
+        for options in ({"prompt": ""}, {"prompt": "", "max_length": 9},
+                        {"prompt": 'Summarise "{text}" in one word:', "max_length": 12}):
+            backend[0] = True
+            embeddings, ids_and_masks, conversions = encoded(encoder, tokenizer, **options)
+            backend[0] = False  # transformers' call alone
+            called, called_ids_and_masks, called_conversions = encoded(encoder, tokenizer, **options)
+            assert torch.equal(embeddings, called) and ids_and_masks == called_ids_and_masks, (name, options)
+            if not options["prompt"]:
+                assert conversions == 1 and called_conversions == len(TRICKY_TEXTS), (name, options)
+
+
 @pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
 def test_the_header_counts_the_texts_cut_at_max_length(tmp_path, slow):
     """Truncation at --max-length is the flag's job, but a run says how many texts it cut (it was silent), and only
