@@ -13,8 +13,7 @@ from angle_kernels.inputs import check_arccon_options, check_scale
 
 from .cli_common import parse_bool
 from .data import Prompts, names_local_path, parse_columns
-from .models import ADAPTER_CONFIG, adapted_layer_names, adapter_config_base
-from .st_folder import read_json
+from .models import ADAPTER_CONFIG, adapted_layer_names, adapter_config_base, read_adapter_config
 
 MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every library the run uses accepts
 # Plain backprop's sub-batches on CPU (--pass-tokens): MiniLM on STS-B, 2 cores, forward + backward per step, one
@@ -356,7 +355,7 @@ class TrainConfig:
             raise FileNotFoundError(f"{named}: {missing}; expected a local folder of a LoRA adapter "
                                     "(peft's files: a run's final/adapter or adapter-only best/, an adapter angle-emb "
                                     "trained; one on the Hub is read once downloaded to a folder)")
-        adapter = read_json(path)
+        adapter = read_adapter_config(self.lora_path, label="--lora-path ")
         if adapter.get("peft_type") != "LORA":
             raise ValueError(f"{named}: a {adapter.get('peft_type')} adapter (its {ADAPTER_CONFIG}'s peft_type); "
                              "expected a LoRA one")

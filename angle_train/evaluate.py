@@ -75,7 +75,7 @@ from .data import (
     DataError, Example, Prompts, check_label, check_text, data_files_in, is_saved_dataset, load_examples,
     names_local_path, open_text, parse_columns, read_stsb,
 )
-from .models import ADAPTER_CONFIG, adapter_config_base, check_dim, truncate
+from .models import ADAPTER_CONFIG, adapter_config_base, check_dim, read_adapter_config, truncate
 from .tracking import finite_or_none
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
@@ -578,6 +578,7 @@ def adapter_base(model: str, base_model: str | None) -> str | None:
                              f"{ADAPTER_CONFIG} there; an adapter on the Hub is read once downloaded to a folder); "
                              "--base-model names the base of one: leave it out")
         return None
+    read_adapter_config(model, label="MODEL ")  # its LoRA settings checked before anything loads
     return base_model or adapter_config_base(model, label="MODEL ", flag="--base-model")
 
 

@@ -41,6 +41,8 @@ the last real token sits at the last position) puts them last.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -648,6 +650,50 @@ class AdapterFitError(ValueError):
     """A LoRA adapter whose weights do not fit the layers of the base model it is attached to."""
 
 
+class AdapterConfigError(ValueError):
+    """A LoRA adapter's adapter_config.json that lacks a setting its weights are read with, or gives it in a form that
+    cannot be one."""
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# The settings of adapter_config.json that a LoRA adapter's weights are read with: (whether peft always writes it,
+# whether a value is one, what is expected). Without its rank and alpha peft takes its defaults (8 and 8): other
+# weight shapes, or the same ones at another scale, in silence; the dropout is peft's 0 when it is not there.
+LORA_ADAPTER_FIELDS = {
+    "r": (True, lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+          "the adapter's rank, a whole number of at least 1"),
+    "lora_alpha": (True, lambda value: _is_number(value) and value > 0,
+                   "the adapter's scale numerator (the update is scaled by lora_alpha / r), a positive number"),
+    "lora_dropout": (False, lambda value: _is_number(value) and 0 <= value < 1,
+                     "the dropout on the adapter's input in training, a number from 0 to below 1"),
+    "target_modules": (True, lambda value: (isinstance(value, str) and bool(value)) or (
+        isinstance(value, list) and bool(value) and all(isinstance(name, str) and name for name in value)),
+        "the layers it adapts, a list of layer names or one regular expression"),
+}
+
+
+def read_adapter_config(adapter_folder: str, *, label: str = "the LoRA adapter ") -> dict:
+    """The adapter_config.json of the peft adapter in `adapter_folder`, read; a LoRA one's settings that its weights
+    are read with (LORA_ADAPTER_FIELDS) checked first, so that one missing or malformed is refused naming the file,
+    the setting and what it must be, before any model loads (peft's KeyError or TypeError named neither, or it took
+    a default in silence). label: the messages' words before the folder ("--lora-path ", "MODEL ")."""
+    path = os.path.join(adapter_folder, ADAPTER_CONFIG)
+    config = st_folder.read_json(path)
+    if config.get("peft_type") != "LORA":  # another kind of adapter: peft reads its own settings
+        return config
+    for name, (required, valid, expected) in LORA_ADAPTER_FIELDS.items():
+        if name not in config and not required:
+            continue
+        problem = f"has no {name!r}" if name not in config else f"has {name!r}: {json.dumps(config[name])}"
+        if name not in config or not valid(config[name]):
+            raise AdapterConfigError(f"{label}{adapter_folder}: {path} {problem}; expected {expected} (peft "
+                                     "writes it with the adapter's weights)")
+    return config
+
+
 def adapted_layer_names(target_modules) -> list[str]:
     """The names of the layers a LoRA config adapts, without their paths: an adapter trained on "all-linear" records
     every layer's full path (model.layers.0.self_attn.q_proj), read as its name (q_proj); a regular expression (one
@@ -679,6 +725,7 @@ def attach_adapter(backbone: nn.Module, lora_path: str) -> nn.Module:
     from peft import PeftConfig, PeftModel
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
+    read_adapter_config(lora_path)  # its settings checked before peft reads them
     config = PeftConfig.from_pretrained(lora_path)
     weights = load_peft_weights(lora_path, device="cpu")
     prefix = getattr(backbone, "base_model_prefix", "")
@@ -724,6 +771,8 @@ def load_encoder(
     # st_files): given to train() after a change of working folder, a relative one named no folder where its exports
     # recorded their base and read its sentence-transformers files
     name_or_path = absolute_if_local(name_or_path)
+    if lora_path is not None:
+        read_adapter_config(lora_path)  # its settings checked before the model loads
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     st_files = st_folder.find_folder(name_or_path)  # once: for a hub name, a fetch of its files
     folder_pooling = own_pooling(name_or_path, st_files) if pooling is None else None

@@ -4,6 +4,7 @@ refused instead of leaving the base model's embeddings in silence; angle-eval sc
 model (adapter_config.json's, or --base-model)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -206,3 +207,38 @@ def test_a_resume_with_another_starting_adapter_is_refused(tmp_path, capsys):
             train(cfg)
     train(run_config(tmp_path / "out", lora_path=adapter, max_steps=2, resume="auto", **settings))
     assert "resumed from" in capsys.readouterr().out
+
+
+def test_an_adapter_config_without_its_lora_settings_is_refused_naming_the_file_and_setting(
+        tmp_path, monkeypatch, capsys):
+    """An adapter_config.json without the rank, alpha or layers its weights are read with, or with one in a form that
+    cannot be it, is refused by angle-train (--lora-path), angle-eval (MODEL) and load_encoder naming the file, the
+    setting and what it must be, before any model loads: it was a KeyError or TypeError from the settings' reading,
+    or peft's default rank and alpha taken in silence."""
+    from transformers import AutoModel
+
+    from angle_train.config import TrainConfig
+
+    base, adapter = str(tmp_path / "base"), str(tmp_path / "adapter")  # refused before either is read further
+    path = tmp_path / "adapter" / ADAPTER_CONFIG
+    path.parent.mkdir()
+    config = {"peft_type": "LORA", "base_model_name_or_path": base, "r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+              "target_modules": ["q_proj", "v_proj"], "task_type": None}
+    monkeypatch.setattr(AutoModel, "from_pretrained", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    for name, value, said in (("r", None, "has no 'r'; expected the adapter's rank, a whole number of at least 1"),
+                              ("r", "4", "has 'r': \"4\"; expected the adapter's rank"),
+                              ("r", 0, "has 'r': 0; expected the adapter's rank"),
+                              ("lora_alpha", None, "has no 'lora_alpha'; expected the adapter's scale numerator"),
+                              ("lora_alpha", [8], r"has 'lora_alpha': \[8\]; expected .* a positive number"),
+                              ("lora_dropout", 1.5, "has 'lora_dropout': 1.5; expected .* a number from 0 to below 1"),
+                              ("target_modules", None, "has no 'target_modules'; expected the layers it adapts")):
+        path.write_text(json.dumps({key: each for key, each in {**config, name: value}.items()
+                                    if key != name or value is not None}))
+        said = f"{path} {said}"
+        with pytest.raises(ValueError, match=f"^--lora-path {adapter}: {said}"):
+            TrainConfig(lora=True, lora_path=adapter).validate()
+        with pytest.raises(ValueError, match=f"^the LoRA adapter {adapter}: {said}"):
+            load_encoder(base, lora_path=adapter)
+        with pytest.raises(SystemExit) as exit_info:
+            main([adapter, str(tmp_path / "pairs.jsonl")])
+        assert exit_info.value.code == 2 and re.search(f"MODEL {adapter}: {said}", capsys.readouterr().err)
