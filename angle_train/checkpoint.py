@@ -78,6 +78,7 @@ from .data import FORMATS, has_no_splits, parse_columns
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
+from .models import adapter_fingerprint
 from .safe_loading import is_file_name, read_tensors_and_plain_values
 from .sharding import load_sharded, save_sharded
 from . import st_folder
@@ -583,8 +584,11 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
         _refuse_other_data(path, state["config"], cfg, position, current_data, train_given=train_given,
                            train_named=train_named)
     recorded_model = state.get("base_model")
+    # the adapters the runs started from, where both records hold them (checkpoints written before record none)
+    adapters = None if recorded_model is None or base_model is None or "adapter" not in recorded_model else (
+        recorded_model["adapter"], base_model.get("adapter"))
     _refuse_another_model(path, state["config"], cfg, model_given=any(
-        record is not None and record.get("given") for record in (recorded_model, base_model)))
+        record is not None and record.get("given") for record in (recorded_model, base_model)), adapters=adapters)
     _refuse_another_dev_set(path, state["config"], position, cfg, dev_fingerprint, moved=moved, dev_metric=dev_metric,
                             dev_given=dev_given)
     changed = _changed_optimizer_settings(state["config"], cfg)
@@ -709,14 +713,16 @@ CONFIG_NOT_THE_MODEL = ("_name_or_path", "_commit_hash", "transformers_version",
 SAMPLED_VALUES = 64  # of each frozen weight tensor, spread over it: base_model_record's fingerprint
 
 
-def base_model_record(encoder, *, given: bool = False) -> dict:
+def base_model_record(encoder, *, given: bool = False, lora_path: str | None = None) -> dict:
     """What identifies the model a run trains beyond the weights its checkpoints hold, recorded in them and compared
     on resume (_compare_base_model): the model's config (as JSON, without CONFIG_NOT_THE_MODEL) with the transformers
     version that wrote it, and a fingerprint of its frozen weights (LoRA's base model; none with full fine-tuning,
     whose every weight a checkpoint holds) from SAMPLED_VALUES values of each tensor with its name, shape and dtype:
     cheap at any size (a hash of every value would read the whole model), and two models that share config and shapes
     still differ in nearly every value. given: the model was given to train(), not named by --model (the messages say
-    so). Taken before --fsdp shards the weights."""
+    so). lora_path: the adapter the run's LoRA started from (--lora-path), recorded by its absolute path and contents
+    (models.adapter_fingerprint; None: a new adapter), compared by its contents on resume (_refuse_another_model).
+    Taken before --fsdp shards the weights."""
     digest, dtypes = hashlib.sha256(), set()
     with torch.no_grad():
         for name, weight in sorted(encoder.named_parameters()):
@@ -728,7 +734,8 @@ def base_model_record(encoder, *, given: bool = False) -> dict:
             digest.update(f"{name}|{tuple(weight.shape)}|{weight.dtype}|".encode() + values)
             dtypes.add(str(weight.dtype))
     return {"config": _config_json(encoder.backbone.config), "transformers_version": transformers.__version__,
-            "weights": digest.hexdigest()[:16], "weights_dtype": ",".join(sorted(dtypes)), "given": given}
+            "weights": digest.hexdigest()[:16], "weights_dtype": ",".join(sorted(dtypes)), "given": given,
+            "adapter": lora_path and {"path": os.path.abspath(lora_path), "contents": adapter_fingerprint(lora_path)}}
 
 
 def _config_json(config) -> str:
@@ -797,20 +804,30 @@ def _compare_base_model(path: str, saved: dict, cfg: TrainConfig, recorded: dict
             "check that these settings are the model's own")
 
 
-def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig, *, model_given: bool = False) -> None:
+def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig, *, model_given: bool = False,
+                          adapters: tuple[dict | None, dict | None] | None = None) -> None:
     """A resume whose settings make the weights compute something else (RESUME_MODEL_SETTINGS) is refused. --model's
     name is left out where a model was given to train() in its place, in this run or the checkpoint's (model_given):
     it names nothing that trained or trains, and the model itself is compared (_compare_base_model: its config and
-    frozen weights; _refuse_other_weights: its trained weights' names and shapes)."""
+    frozen weights; _refuse_other_weights: its trained weights' names and shapes). --lora-path is compared by the
+    adapter's contents where both runs record them (`adapters`: the checkpoint's base_model_record's "adapter" and
+    this run's): a copy or a move of the adapter is the same, another adapter under the same name is not; by its name
+    (_same_setting) where the checkpoint was written before they were recorded (adapters None)."""
     current = asdict(cfg)
     changed = {k: (saved[k], current[k]) for k in RESUME_MODEL_SETTINGS
-               if k in saved and not (k == "model" and model_given) and not _same_setting(k, saved[k], current[k])}
+               if k in saved and not (k == "model" and model_given) and not (k == "lora_path" and adapters)
+               and not _same_setting(k, saved[k], current[k])}
+    contents = adapters and tuple((record or {}).get("contents") for record in adapters)
+    if contents and contents[0] != contents[1]:
+        changed["lora_path"] = tuple(record and record["path"] for record in adapters)
     # the prompts by the templates each role of a text gets, not by how they are spelled: a name or the template it
     # stands for ('angle', 'Prompts.A'), a --query-prompt that is the --prompt it would default to
     if prompts_of(saved).as_dict() == cfg.prompts().as_dict():
         changed = {k: values for k, values in changed.items() if k not in PROMPT_SETTINGS.values()}
     if changed:
         detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        if contents and "lora_path" in changed:
+            detail += f" (another adapter: its contents {contents[0]} -> {contents[1]})"
         raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}), and "
                          "they decide what its weights compute. Resume with the checkpoint's settings, or start a new "
                          "run in a new --output-dir")

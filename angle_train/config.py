@@ -372,6 +372,9 @@ class TrainConfig:
             setattr(self, name, value)
         if not self.changed("model"):
             self.model = adapter_config_base(self.lora_path, label="--lora-path ", flag="--model")
+        # recorded by its absolute path, which names the adapter from any working folder (config.json, the checkpoints,
+        # the model card's command); a resume compares the adapter's contents (checkpoint.base_model_record)
+        self.lora_path = os.path.abspath(self.lora_path)
 
     def _refuse_ignored_settings(self) -> None:
         """Settings that apply only with another one, refused where that one is off: silently ignored, they would

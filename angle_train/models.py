@@ -41,6 +41,7 @@ the last real token sits at the last position) puts them last.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -692,6 +693,28 @@ def read_adapter_config(adapter_folder: str, *, label: str = "the LoRA adapter "
             raise AdapterConfigError(f"{label}{adapter_folder}: {path} {problem}; expected {expected} (peft "
                                      "writes it with the adapter's weights)")
     return config
+
+
+# peft's files of an adapter's weights (safetensors, or the pickled state dict of older versions)
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def adapter_fingerprint(adapter_folder: str) -> str:
+    """A fingerprint of the adapter in `adapter_folder`: its adapter_config.json's settings (without
+    base_model_name_or_path, where the base was found: the base is compared as --model) and the bytes of its weights'
+    files (ADAPTER_WEIGHTS). A copy or a move of the adapter has its fingerprint; another adapter of the same settings
+    and shapes, or the folder's files replaced since, another."""
+    config = read_adapter_config(adapter_folder)
+    config.pop("base_model_name_or_path", None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for name in ADAPTER_WEIGHTS:
+        path = os.path.join(adapter_folder, name)
+        if os.path.isfile(path):
+            digest.update(f"|{name}|".encode())
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def adapted_layer_names(target_modules) -> list[str]:

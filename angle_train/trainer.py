@@ -423,7 +423,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     # root unit (a LLaMA's token embeddings and final norm) unsharded, and the optimizer held those plain tensors,
     # which FSDP replaced at the first backward: they never trained
     check_packing(cfg, encoder, dataset, device, packing_asked, dist_info)
-    base_model = base_model_record(encoder, given=model is not None)  # of whole tensors: before --fsdp shards them
+    # of whole tensors: before --fsdp shards them
+    base_model = base_model_record(encoder, given=model is not None, lora_path=cfg.lora_path)
     if cfg.fsdp:
         sharding.shard(encoder)  # before the optimizer, which holds the shards
     loss_name = ("ArcCSELoss" if cfg.objective == "arccse" else "AngleLoss") if loss_fn is None else \

@@ -29,13 +29,14 @@ def causal_lm(folder, *, layers: int = 2) -> str:
     return str(folder)
 
 
-def causal_adapter(base: str, folder, targets="all-linear"):
-    """(the adapter's folder, the causal LM with it): a LoRA adapter with non-zero weights (init_lora_weights=False)
-    saved from the LlamaForCausalLM in `base`, as peft saves it: layer names under the LM's `model.`."""
+def causal_adapter(base: str, folder, targets="all-linear", seed: int = 1):
+    """(the adapter's folder, the causal LM with it): a LoRA adapter with non-zero weights (init_lora_weights=False,
+    drawn from `seed`) saved from the LlamaForCausalLM in `base`, as peft saves it: layer names under the LM's
+    `model.`."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     model = get_peft_model(LlamaForCausalLM.from_pretrained(base),
                            LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
     model.save_pretrained(folder)
@@ -185,27 +186,47 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_lora_path(tmp_
         train(cfg, model=make_encoder("llama"))
 
 
-def test_a_resume_with_another_starting_adapter_is_refused(tmp_path, capsys):
-    """The adapter a run started from is recorded with its checkpoints: a resume from another (same shapes, so the
-    checkpoint's weights would fit) or without it is refused naming --lora-path; the same adapter resumes."""
+def test_a_resume_compares_the_starting_adapter_by_its_contents(tmp_path, monkeypatch, capsys):
+    """The adapter a run started from is recorded by its absolute path (config.json) and its contents (the
+    checkpoints): a resume from another working folder with another adapter under the same relative name (same
+    shapes, so the checkpoint's weights would fit), or without one, is refused naming --lora-path; the same adapter
+    copied elsewhere resumes. It was recorded as given: the relative name was compared as text, and took the other
+    adapter. A checkpoint written before resumes as it did."""
     import shutil
 
+    from angle_train.checkpoint import finished_checkpoints, write_manifest
     from angle_train.trainer import train
     from train_helpers import run_config
 
     base = causal_lm(tmp_path / "base")
-    adapter, _ = causal_adapter(base, tmp_path / "adapter", targets=["q_proj", "v_proj"])
-    other = str(shutil.copytree(adapter, tmp_path / "other"))
-    settings = {"lora": True, "batch_size": 4, "save_every": 1}
-    train(run_config(tmp_path / "out", lora_path=adapter, max_steps=1, **settings))
-    for lora_path, model, said in ((other, None, f"--lora-path: '{adapter}' -> '{other}'"),
-                                   (None, base, f"--lora-path: '{adapter}' -> None")):
-        cfg = run_config(tmp_path / "out", lora_path=lora_path, max_steps=2, resume="auto", lora_r=4,
-                         lora_targets=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0,
-                         **({"model": model} if model else {}), **settings)
+    adapter, _ = causal_adapter(base, tmp_path / "first" / "adapter", targets=["q_proj", "v_proj"])
+    other, _ = causal_adapter(base, tmp_path / "second" / "adapter", targets=["q_proj", "v_proj"], seed=2)
+    settings = {"model": base, "lora": True, "batch_size": 4, "save_every": 1}
+    monkeypatch.chdir(tmp_path / "first")
+    train(run_config(tmp_path / "out", lora_path="adapter", max_steps=1, **settings))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["lora_path"] == adapter
+    monkeypatch.chdir(tmp_path / "second")
+    for lora_path, said in (("adapter", f"--lora-path: '{adapter}' -> '{other}' \\(another adapter: its contents "
+                                        "[0-9a-f]{16} -> [0-9a-f]{16}\\)"),
+                            (None, f"--lora-path: '{adapter}' -> None")):
         with pytest.raises(ValueError, match=f"these settings differ from the checkpoint's \\({said}"):
-            train(cfg)
-    train(run_config(tmp_path / "out", lora_path=adapter, max_steps=2, resume="auto", **settings))
+            train(run_config(tmp_path / "out", lora_path=lora_path, max_steps=2, resume="auto", lora_r=4,
+                             lora_targets=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0, **settings))
+    moved = str(shutil.copytree(tmp_path / "first" / "adapter", tmp_path / "moved"))
+    train(run_config(tmp_path / "out", lora_path=moved, max_steps=2, resume="auto", **settings))
+    assert "resumed from" in capsys.readouterr().out
+    # a checkpoint of the earlier format, which recorded --lora-path as given and not the adapter's contents, resumes
+    # as it did: --lora-path compared by where it leads, a relative one from the working folder
+    checkpoint = finished_checkpoints(str(tmp_path / "out"))[-1]
+    state = torch.load(f"{checkpoint}/state.pt", weights_only=True)
+    del state["base_model"]["adapter"]
+    state["config"]["lora_path"] = "adapter"
+    torch.save(state, f"{checkpoint}/state.pt")
+    write_manifest(checkpoint)
+    monkeypatch.chdir(tmp_path / "first")
+    with pytest.raises(ValueError, match=f"checkpoint's \\(--lora-path: 'adapter' -> '{other}'\\), and they decide"):
+        train(run_config(tmp_path / "out", lora_path=other, max_steps=3, resume="auto", **settings))
+    train(run_config(tmp_path / "out", lora_path="adapter", max_steps=3, resume="auto", **settings))
     assert "resumed from" in capsys.readouterr().out
 
 
