@@ -74,8 +74,9 @@ class TrainConfig:
     lora_path: str = opt(None, "continue training a LoRA adapter: a local folder of peft's files (an adapter "
                          "angle-emb trained, its pretrained_lora_path; a run's final/adapter or adapter-only best/), "
                          "whose weights start the run's LoRA and whose rank, alpha, dropout and layers apply (a "
-                         "--lora-r, --lora-alpha, --lora-dropout or --lora-targets that differs is refused); --model "
-                         "defaults to the base model its adapter_config.json names", group="lora")
+                         "--lora-r, --lora-alpha or --lora-targets that differs is refused; --lora-dropout replaces "
+                         "its dropout); --model defaults to the base model its adapter_config.json names",
+                         group="lora")
     # ---- data
     train_data: str = opt("builtin:demo", ".jsonl/.csv/.tsv file, STS-B TSV, Hugging Face dataset (hub name or "
                           "save_to_disk folder), or builtin:demo ((query, positive) pairs) / builtin:demo-sts (scored "
@@ -342,10 +343,11 @@ class TrainConfig:
 
     def _take_adapter_settings(self) -> None:
         """--lora-path: the adapter's LoRA settings (rank, alpha, dropout, layers: those of the weights the run starts
-        from) are the run's, recorded as if given (config.json, the checkpoints, the model card's command); a --lora-*
-        flag that gives another value is refused, naming it. Without --model the base model is the one the adapter's
-        adapter_config.json names (models.adapter_config_base). The adapter's weights fitting the model is checked once
-        it loads (models.attach_adapter)."""
+        from) are the run's, recorded as if given (config.json, the checkpoints, the model card's command); a --lora-r,
+        --lora-alpha or --lora-targets that gives another value is refused, naming it. --lora-dropout, which is no
+        part of the weights (peft applies it to the adapter's input in training), replaces the adapter's. Without
+        --model the base model is the one the adapter's adapter_config.json names (models.adapter_config_base). The
+        adapter's weights fitting the model is checked once it loads (models.attach_adapter)."""
         if not self.lora_path:
             return
         named = f"--lora-path {self.lora_path}"
@@ -365,6 +367,8 @@ class TrainConfig:
                     "lora_targets": adapted_layer_names(adapter["target_modules"])}
         for name, value in settings.items():
             given = getattr(self, name)
+            if name == "lora_dropout" and self.changed(name):
+                continue  # no part of the weights: a given one replaces the adapter's (trainer.adapter_dropout_note)
             if self.changed(name) and (sorted(given) if name == "lora_targets" else given) != value:
                 raise ValueError(f"{flag_of(name)} {' '.join(flag_words(name, given)[1:])}: the adapter of {named} "
                                  f"has {shlex.join(flag_words(name, value))}, and the run continues training it "

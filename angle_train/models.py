@@ -738,13 +738,14 @@ def adapter_config_base(adapter_folder: str, *, label: str, flag: str) -> str:
                          record=f"its {ADAPTER_CONFIG}'s base_model_name_or_path")
 
 
-def attach_adapter(backbone: nn.Module, lora_path: str) -> nn.Module:
+def attach_adapter(backbone: nn.Module, lora_path: str, *, dropout: float | None = None) -> nn.Module:
     """`backbone` (a base model without LM head, as AutoModel loads it) with the peft adapter of the folder `lora_path`,
-    trainable. An adapter saved from the model with its LM head (a *ForCausalLM, as angle-emb and most LoRA trainers
-    save theirs) names its layers under the head's wrapper (`model.layers.0...`, the base model's
-    `base_model_prefix`): those names are read without it. An adapter weight that fits no layer of the base model is
-    refused: peft only warns of it and leaves that layer's adapter at its initial value (often zero: the base model's
-    embeddings, in silence)."""
+    trainable; dropout: the LoRA dropout it trains with (None: the adapter's own), no part of its weights, peft's
+    setting of the adapter's layers as it builds them. An adapter saved from the model with its LM head (a
+    *ForCausalLM, as angle-emb and most LoRA trainers save theirs) names its layers under the head's wrapper
+    (`model.layers.0...`, the base model's `base_model_prefix`): those names are read without it. An adapter weight
+    that fits no layer of the base model is refused: peft only warns of it and leaves that layer's adapter at its
+    initial value (often zero: the base model's embeddings, in silence)."""
     from peft import PeftConfig, PeftModel
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
@@ -758,6 +759,8 @@ def attach_adapter(backbone: nn.Module, lora_path: str) -> nn.Module:
         if isinstance(config.target_modules, (list, set, tuple)):  # full module paths, as "all-linear" records them
             config.target_modules = sorted(name.removeprefix(prefix + ".") for name in config.target_modules)
     config.inference_mode = False
+    if dropout is not None:
+        config.lora_dropout = dropout
     model = PeftModel(backbone, config)
     result = set_peft_model_state_dict(model, weights)
     missing = [key for key in result.missing_keys if "lora_" in key]
@@ -776,6 +779,7 @@ def load_encoder(
     pooling: str | None = None,
     lora: LoraSettings | None = None,
     lora_path: str | None = None,
+    lora_dropout: float | None = None,
     gradient_checkpointing: bool = False,
     autocast: str | None = None,
     dtype: torch.dtype | None = None,
@@ -784,7 +788,8 @@ def load_encoder(
     trust_remote_code: bool = False,
     bidirectional: bool = False,
 ):
-    """Load (encoder, tokenizer) from a hub name or local folder; `lora_path` resumes/evaluates an adapter. pooling:
+    """Load (encoder, tokenizer) from a hub name or local folder; `lora_path` resumes/evaluates an adapter, trained with
+    `lora_dropout` (None: the adapter's own; attach_adapter). pooling:
     None takes the folder's own (own_pooling), else the default (cls for encoders, last for decoder LMs);
     encoder.pooling_source says which. The tokenizer lowercases the texts where the folder's sentence-transformers
     settings say so (own_lowercasing, lowercase_first)."""
@@ -809,7 +814,7 @@ def load_encoder(
     kwargs = {"dtype": dtype} if dtype is not None else {}
     backbone = AutoModel.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
     if lora_path is not None:
-        backbone = attach_adapter(backbone, lora_path)
+        backbone = attach_adapter(backbone, lora_path, dropout=lora_dropout)
         lora = None  # the adapter is already attached
     encoder = wrap_backbone(backbone, pooling=pooling, pad_token_id=tokenizer.pad_token_id, is_decoder=is_decoder,
                             lora=lora, gradient_checkpointing=gradient_checkpointing, autocast=autocast,

@@ -57,9 +57,9 @@ from .evaluate import (
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
-    AdapterFitError, LoraSettings, LoraTargetError, absolute_if_local, adapted_layer_names, attach_adapter,
-    load_encoder, own_bidirectional, own_prompts, past_trained_context_note, position_limit, prepare_tokenizer,
-    wrap_backbone,
+    ADAPTER_CONFIG, AdapterFitError, LoraSettings, LoraTargetError, absolute_if_local, adapted_layer_names,
+    attach_adapter, load_encoder, own_bidirectional, own_prompts, past_trained_context_note, position_limit,
+    prepare_tokenizer, read_adapter_config, wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -515,6 +515,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                   "alone", flush=True)
         if weights_note:
             print(weights_note, flush=True)
+        if note := adapter_dropout_note(cfg):
+            print(note, flush=True)
         if pooling_note:
             print(pooling_note, flush=True)
         for note in context_notes:
@@ -688,6 +690,19 @@ def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None, *, pooling_
         check_espresso(cfg, encoder, fmt, model_name=model_name)
 
 
+def adapter_dropout_note(cfg: TrainConfig) -> str | None:
+    """A note for a --lora-dropout that replaces the dropout of the --lora-path adapter (its adapter_config.json's;
+    TrainConfig._take_adapter_settings), or None: the adapter's weights are the same, its training is not."""
+    if not cfg.lora_path:
+        return None
+    own = read_adapter_config(cfg.lora_path, label="--lora-path ").get("lora_dropout", 0.0)
+    if own == cfg.lora_dropout:
+        return None
+    return (f"angle_train: note: --lora-dropout {cfg.lora_dropout:g} replaces the dropout {own:g} of the adapter of "
+            f"--lora-path {cfg.lora_path} (its {ADAPTER_CONFIG}'s lora_dropout): dropout is no part of its weights; "
+            f"the run trains it, and its exports record it, with {cfg.lora_dropout:g}")
+
+
 def first_token_pooling_note(encoder, pooling_source: str) -> str | None:
     """A note for cls_avg pooling on a causal decoder LM (cls alone is refused: check_model_settings): its first
     token's state, half of every embedding, sees no other token, so it is the same for every text that starts with
@@ -791,12 +806,13 @@ def _build_encoder(cfg: TrainConfig, device: torch.device):
         tokenizer = prepare_tokenizer(build_tokenizer(), is_decoder)
         backbone = build_backbone(cfg.model, len(tokenizer), seed=cfg.seed).to(DTYPES[cfg.model_dtype])
         if cfg.lora_path:
-            backbone = attach_adapter(backbone, cfg.lora_path)
+            backbone = attach_adapter(backbone, cfg.lora_path, dropout=cfg.lora_dropout)
         encoder = wrap_backbone(backbone, pooling=cfg.pooling, pad_token_id=tokenizer.pad_token_id,
                                 is_decoder=is_decoder, lora=lora, gradient_checkpointing=cfg.gradient_checkpointing,
                                 autocast=autocast, bidirectional=cfg.bidirectional)
         return encoder.to(device), tokenizer
     return load_encoder(cfg.model, pooling=cfg.pooling, lora=lora, lora_path=cfg.lora_path,
+                        lora_dropout=cfg.lora_dropout if cfg.lora_path else None,
                         gradient_checkpointing=cfg.gradient_checkpointing, autocast=autocast,
                         dtype=DTYPES[cfg.model_dtype], device=device, bidirectional=cfg.bidirectional)
 

@@ -154,9 +154,9 @@ def test_lora_flags_that_contradict_the_adapter_are_refused_naming_them(tmp_path
     adapter, _ = causal_adapter(base, tmp_path / "adapter", targets=["q_proj", "v_proj"])
     for settings, said in (({"lora_r": 8}, "--lora-r 8: the adapter of --lora-path .* has --lora-r 4"),
                            ({"lora_alpha": 16}, "--lora-alpha 16: .* has --lora-alpha 8"),
-                           ({"lora_targets": ["q_proj"]}, "--lora-targets q_proj: .* has --lora-targets q_proj v_proj"),
-                           ({"lora_dropout": 0.1}, "--lora-dropout 0.1: .* has --lora-dropout 0.0, and the run "
-                                                   "continues training it with its own settings: leave out")):
+                           ({"lora_targets": ["q_proj"]}, "--lora-targets q_proj: .* has --lora-targets q_proj v_proj, "
+                                                          "and the run continues training it with its own settings: "
+                                                          "leave out")):
         with pytest.raises(ValueError, match=said):
             TrainConfig(lora=True, lora_path=adapter, **settings).validate()
     same = TrainConfig(model=base, lora=True, lora_path=adapter, lora_r=4, lora_targets=["v_proj,q_proj"]).validate()
@@ -170,6 +170,30 @@ def test_lora_flags_that_contradict_the_adapter_are_refused_naming_them(tmp_path
     with pytest.raises(ValueError, match=f"--lora-path {adapter} is a LoRA adapter whose {ADAPTER_CONFIG} names no "
                                          "base model: give the model it was trained on with --model"):
         TrainConfig(lora=True, lora_path=adapter).validate()
+
+
+def test_lora_dropout_replaces_the_dropout_of_the_adapter_it_continues(tmp_path, capsys):
+    """Dropout is no part of an adapter's weights: --lora-dropout with --lora-path trains the adapter with it (peft's
+    dropout on each adapted layer's input), says so in a note, and config.json, the model card and the trained
+    adapter's adapter_config.json record it. It was refused as contradicting the adapter's."""
+    from angle_train.trainer import build_encoder, train
+    from train_helpers import run_config
+
+    base = causal_lm(tmp_path / "base")
+    adapter, _ = causal_adapter(base, tmp_path / "adapter", targets=["q_proj", "v_proj"])
+    cfg = run_config(tmp_path / "out", lora=True, lora_path=adapter, lora_dropout=0.25, max_steps=1, batch_size=4,
+                     save_final=True).validate()
+    assert (cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == (4, 8, 0.25)
+    encoder, _ = build_encoder(cfg, torch.device("cpu"))
+    dropouts = [module.lora_dropout["default"] for module in encoder.modules() if hasattr(module, "lora_dropout")]
+    assert len(dropouts) == 4 and all(isinstance(each, torch.nn.Dropout) and each.p == 0.25 for each in dropouts)
+    train(cfg)
+    assert (f"angle_train: note: --lora-dropout 0.25 replaces the dropout 0 of the adapter of --lora-path {adapter} "
+            f"(its {ADAPTER_CONFIG}'s lora_dropout)") in capsys.readouterr().out
+    final = tmp_path / "out" / "final"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["lora_dropout"] == 0.25
+    assert json.loads((final / "adapter" / ADAPTER_CONFIG).read_text())["lora_dropout"] == 0.25
+    assert "- LoRA: rank 4, alpha 8, dropout 0.25 on q_proj, v_proj" in (final / "README.md").read_text()
 
 
 def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_lora_path(tmp_path):
