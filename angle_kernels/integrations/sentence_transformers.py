@@ -27,6 +27,10 @@ below), while computing it with angle_kernels' fused losses:
                                         sampled layer (and dimension) in one fused call on the layers' stacked
                                         embeddings; the KL terms are the parent's
 
+get_config_dict, the settings sentence-transformers' model cards print, is the parent's, plus `backend` where one is
+given (the wrappers, MatryoshkaLoss and the layer-wise losses, take none and name their inner loss by its class, as
+their parents do).
+
 Argument combinations that the fused losses cannot express run the parent class's own computation,
 unchanged; each class's docstring lists them (and a tensor `scale`, a learned nn.Parameter, runs the parent's
 computation in CoSENTLoss, AnglELoss and the MNRL family, which train it), and `loss.uses_fused_path` tells which
@@ -112,6 +116,17 @@ _DIRECTIONS = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_
 _HARDNESS = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]
 
 
+class _BackendSetting:
+    """Mixed in before the sentence-transformers parent of every drop-in that takes `backend`: get_config_dict (what
+    sentence-transformers' model cards print as the loss's settings, and its trainer logs) is the parent's, plus
+    "backend" where one was given. The default (None: ANGLE_KERNELS_BACKEND at each call, else auto) adds nothing,
+    so a loss built with the parent's arguments alone has the parent's config."""
+
+    def get_config_dict(self) -> dict[str, Any]:
+        config = super().get_config_dict()
+        return config if self.backend is None else {**config, "backend": self.backend}
+
+
 # --------------------------------------------------------------------------------------------------------
 # Pair ranking: CoSENT and AnglE
 # --------------------------------------------------------------------------------------------------------
@@ -185,7 +200,7 @@ def _check_columns(loss: torch.nn.Module, count: int) -> None:
             f"{inputs}. Every dataset column other than the label column ('label' or 'score') is an input column.")
 
 
-class CoSENTLoss(_st_losses.CoSENTLoss):
+class CoSENTLoss(_BackendSetting, _st_losses.CoSENTLoss):
     """sentence-transformers' CoSENTLoss computed by angle_kernels (`cosine_loss`): same arguments, same results.
 
     loss = log(1 + sum over pairs (i, j) with label_i < label_j of exp(scale * (s_i - s_j))), s = similarity.
@@ -232,7 +247,7 @@ class CoSENTLoss(_st_losses.CoSENTLoss):
                                    self.scale, self.backend, nested)
 
 
-class AnglELoss(_st_losses.AnglELoss):
+class AnglELoss(_BackendSetting, _st_losses.AnglELoss):
     """sentence-transformers' AnglELoss computed by angle_kernels (`angle_loss`): same arguments, same results.
 
     The CoSENT objective with the AnglE similarity `|cos(u, v) + sin-term|` (angle-emb's complex division,
@@ -443,7 +458,7 @@ class _FusedCachedMNRL:
         return _grad_cache_step(loss, with_backward)
 
 
-class MultipleNegativesRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesRankingLoss):
+class MultipleNegativesRankingLoss(_BackendSetting, _FusedMNRL, _st_losses.MultipleNegativesRankingLoss):
     """sentence-transformers' MultipleNegativesRankingLoss (InfoNCE with in-batch negatives) computed by
     angle_kernels (`multiple_negatives_ranking_loss`): same arguments, same results, and no B x B(1+k)
     score matrix in memory.
@@ -489,7 +504,8 @@ class MultipleNegativesRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesRanki
 
 
 
-class CachedMultipleNegativesRankingLoss(_FusedCachedMNRL, _st_losses.CachedMultipleNegativesRankingLoss):
+class CachedMultipleNegativesRankingLoss(_BackendSetting, _FusedCachedMNRL,
+                                         _st_losses.CachedMultipleNegativesRankingLoss):
     """sentence-transformers' CachedMultipleNegativesRankingLoss (GradCache) with the loss stage computed by
     angle_kernels: same arguments, same results.
 
@@ -555,7 +571,8 @@ def _become_symmetric(loss: torch.nn.Module, parent: type) -> None:
 with warnings.catch_warnings():  # subclassing a @deprecated class warns at definition: at import for our users
     warnings.simplefilter("ignore", DeprecationWarning)
 
-    class MultipleNegativesSymmetricRankingLoss(_FusedMNRL, _st_losses.MultipleNegativesSymmetricRankingLoss):
+    class MultipleNegativesSymmetricRankingLoss(_BackendSetting, _FusedMNRL,
+                                                _st_losses.MultipleNegativesSymmetricRankingLoss):
         """sentence-transformers' MultipleNegativesSymmetricRankingLoss computed by angle_kernels: the mean of
         InfoNCE from queries to [positives; negatives] and from positives to queries, fused, with or without
         gather_across_devices (as `MultipleNegativesRankingLoss` with the per-direction symmetric directions).
@@ -575,7 +592,7 @@ with warnings.catch_warnings():  # subclassing a @deprecated class warns at defi
             _become_symmetric(self, _st_losses.MultipleNegativesSymmetricRankingLoss)
 
     class CachedMultipleNegativesSymmetricRankingLoss(
-            _FusedCachedMNRL, _st_losses.CachedMultipleNegativesSymmetricRankingLoss):
+            _BackendSetting, _FusedCachedMNRL, _st_losses.CachedMultipleNegativesSymmetricRankingLoss):
         """sentence-transformers' CachedMultipleNegativesSymmetricRankingLoss (GradCache) with the loss stage
         fused, on the whole cached batch at once (see `CachedMultipleNegativesRankingLoss`).
 
@@ -630,7 +647,7 @@ def _fused_gist(loss: torch.nn.Module, embeddings: list[Tensor], guide_embedding
                                  embeddings[2:], guide_embeddings[2:], **_gist_options(loss))
 
 
-class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
+class GISTEmbedLoss(_BackendSetting, _st_losses.GISTEmbedLoss):
     """sentence-transformers' GISTEmbedLoss computed by angle_kernels (`gist_loss`): the guide's similarities
     filter the in-batch negatives tile by tile, and no B x B score matrix (of the model or of the guide) is
     built. Same arguments (model, guide, temperature, margin_strategy, margin, contrast_anchors,
@@ -684,7 +701,7 @@ class GISTEmbedLoss(_st_losses.GISTEmbedLoss):
         return _fused_gist(self, embeddings, guide_embeddings)
 
 
-class CachedGISTEmbedLoss(_st_losses.CachedGISTEmbedLoss):
+class CachedGISTEmbedLoss(_BackendSetting, _st_losses.CachedGISTEmbedLoss):
     """sentence-transformers' CachedGISTEmbedLoss (GradCache) with the loss stage computed by angle_kernels
     (`gist_loss`) on the whole cached batch at once; the embedding side (model and guide mini-batches) is the
     parent's. Same arguments, plus keyword-only `backend`; always fused. show_progress_bar shows the embedding

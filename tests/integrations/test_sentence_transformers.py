@@ -347,6 +347,30 @@ def test_the_backend_given_to_a_drop_in_computes_its_loss(model64, guide64):
             pytest.fail(f"{name} computed without its backend")
 
 
+def test_the_config_dict_names_a_given_backend_for_every_drop_in_that_takes_one(model64, guide64):
+    """get_config_dict (what sentence-transformers' model cards print as a loss's settings) is the parent's with the
+    default backend, and names the backend where one is given, for every drop-in that takes one (it was the parent's
+    whatever the backend: a card did not say what computed the loss). The wrappers, which take none, keep the parent's,
+    which names their inner loss by its class alone."""
+    import inspect
+
+    with_backend = [name for name in ours.__all__
+                    if "backend" in inspect.signature(getattr(ours, name).__init__).parameters]
+    assert len(with_backend) == 8 and "MatryoshkaLoss" not in with_backend
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the symmetric parents are deprecated upstream
+        for name in with_backend:
+            models = (model64, guide64) if "GIST" in name else (model64,)
+            parent = getattr(st_losses, name)(*models).get_config_dict()
+            assert getattr(ours, name)(*models).get_config_dict() == parent, name
+            for backend in ("torch", "auto"):
+                assert getattr(ours, name)(*models, backend=backend).get_config_dict() == {**parent,
+                                                                                          "backend": backend}, name
+    wrapped = ours.MatryoshkaLoss(model64, ours.MultipleNegativesRankingLoss(model64, backend="torch"), [32, 16])
+    assert wrapped.get_config_dict() == st_losses.MatryoshkaLoss(
+        model64, st_losses.MultipleNegativesRankingLoss(model64), [32, 16]).get_config_dict()
+
+
 @pytest.mark.parametrize("name", ["CoSENTLoss", "AnglELoss", "MultipleNegativesRankingLoss"])
 def test_a_learned_scale_runs_the_parents_computation_which_trains_it(name):
     """A scale set to an nn.Parameter (the parents train it): ours raised "scale must be a real number" while
