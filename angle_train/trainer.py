@@ -1394,15 +1394,7 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     fmt = getattr(run.dataset, "fmt", None)
     data = (f"{len(run.dataset):,} sentences (ArcCSE)" if fmt is None else
             f"{len(run.dataset):,} examples in format {fmt} ({', '.join(FORMATS[fmt])})")
-    if run.loss_name == "AngleLoss":
-        weights = ("cosine_w", "ibn_w", "cln_w", "angle_w") if fmt == "C" else ("cosine_w", "ibn_w", "angle_w")
-        loss = (f"AngleLoss (format {fmt}): " + ", ".join(f"{w}={getattr(cfg, w):g}" for w in weights)
-                + f"; scales cosine_tau={cfg.cosine_tau:g}, ibn_tau={cfg.ibn_tau:g}, angle_tau={cfg.angle_tau:g}")
-    elif run.loss_name == "ArcCSELoss":
-        loss = (f"ArcCSELoss: ArcCon (margin {cfg.arccon_margin:g} degrees, tau {cfg.arccon_tau:g}) + "
-                f"{cfg.triplet_w:g} x triplet (masked copies at {cfg.mask_rates})")
-    else:
-        loss = run.loss_name
+    loss = loss_description(cfg, fmt, run.loss_name, run.encoder.embedding_dim)
     widths = cfg.trained_widths(run.encoder.embedding_dim)
 
     def source(argument: str, flag_value) -> str:  # what the flag names, or what train() was given in its place
@@ -1445,6 +1437,41 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     lines += ["## Usage", ""] + usage(run.encoder, widths, adapter_only=adapter_only) + [
         "`angle-eval path ...` gives STS and retrieval scores.", ""]
     return "\n".join(lines)
+
+
+def loss_description(cfg: TrainConfig, fmt: str | None, loss_name: str, width: int) -> str:
+    """The model card's account of the loss `loss_name` (AngleLoss, ArcCSELoss or a loss_fn given to train(), named
+    only) on data format `fmt` and embeddings of `width` features: the weights and scales of the terms the format
+    computes (format B's one contrastive term reads no weight: FORMAT_IGNORES), the in-batch-negative options that
+    differ from AnglE's, and the widths (Matryoshka) or layers (Espresso) the loss is applied at. A card that listed
+    format B's unread weights and left these out described another loss than the one trained."""
+    if loss_name == "ArcCSELoss":
+        loss = (f"ArcCSELoss: ArcCon (margin {cfg.arccon_margin:g} degrees, tau {cfg.arccon_tau:g}) + "
+                f"{cfg.triplet_w:g} x triplet (masked copies at {cfg.mask_rates})")
+    elif loss_name == "AngleLoss":
+        weights = [w for w in ("cosine_w", "ibn_w", "cln_w", "angle_w") if w not in FORMAT_IGNORES.get(fmt, ())]
+        loss = f"AngleLoss (format {fmt}): " + (
+            ", ".join(f"{w}={getattr(cfg, w):g}" for w in weights)
+            + f"; scales cosine_tau={cfg.cosine_tau:g}, ibn_tau={cfg.ibn_tau:g}, angle_tau={cfg.angle_tau:g}"
+            if weights else f"the contrastive term of each query against the positives (no weights), "
+                            f"ibn_tau={cfg.ibn_tau:g}")
+        if cfg.ibn_partition != default_of("ibn_partition"):
+            loss += f"; in-batch-negative partition {cfg.ibn_partition}"
+        if cfg.false_negative_margin is not None:
+            loss += (f"; false negatives filtered (margin {cfg.false_negative_margin:g}, "
+                     f"{cfg.false_negative_strategy})")
+    else:
+        return loss_name
+    if cfg.espresso:
+        compressed = min(cfg.espresso_dim, width)
+        earlier = "the earlier layers' losses weighted 1 / (1 + ln(1 + i)) and averaged"
+        loss += (f"; Espresso: the last layer at widths {width} and {compressed}, every earlier one at {compressed}, "
+                 f"{earlier}" if compressed < width else
+                 f"; Espresso: every layer at width {width}, the last one's loss counted twice, {earlier}")
+    elif cfg.matryoshka_dims:
+        loss += f"; Matryoshka widths {', '.join(map(str, cfg.matryoshka_dims))}" + (
+            f" weighted {', '.join(f'{w:g}' for w in cfg.matryoshka_weights)}" if cfg.matryoshka_weights else "")
+    return loss
 
 
 def lora_description(encoder, adapter_only: bool, *, lora_path: str | None = None) -> str:

@@ -121,7 +121,7 @@ def test_exports_carry_a_model_card(tmp_path, capsys):
         assert "angle-train --model builtin:tiny-bert --train-data builtin:demo --dev-data builtin:demo-sts" in card
         assert "dev: `builtin:demo-sts`" in card and "given to train()" not in card  # the flag's, not Python's
         assert "--batch-size 8" in card and "--max-steps 2" in card
-        assert "format B" in card and "AngleLoss" in card and "ibn_w=1" in card  # the data and the loss
+        assert "format B" in card and "AngleLoss" in card and "ibn_tau=20" in card  # the data and the loss
         assert "2 optimizer steps" in card or name == "best"
         for row in evals:
             assert f"| {row['step']} | {row['dev_spearman']:.4f} |" in card or name == "best"
@@ -452,6 +452,35 @@ def test_a_model_card_gives_the_steps_of_its_model_and_the_weights_of_its_format
     assert "- steps: 1 optimizer step of 3, each 8 x 1 pairs" in best
     assert "- steps: 3 optimizer steps of 3, each 8 x 1 pairs" in final
     assert "AngleLoss (format C): cosine_w=0, ibn_w=1, cln_w=2, angle_w=0.02;" in final
+
+
+def test_a_model_card_gives_the_loss_as_trained(tmp_path):
+    """The card's loss line is the loss the run trained: format B's one contrastive term with its scale, not the
+    cosine, ibn and angle weights format B does not read, and the in-batch-negative partition, the false-negative
+    filter and the Matryoshka widths and weights, which the card left out."""
+    from angle_train import trainer
+    from angle_train.tiny import demo_examples
+
+    cfg = run_config(tmp_path, batch_size=8, max_steps=1, save_final=True, ibn_partition="gte", ibn_tau=10.0,
+                     false_negative_margin=0.1, false_negative_strategy="relative", matryoshka_dims=["32", "16"],
+                     matryoshka_weights=["1", "0.5"])
+    trainer.train(cfg, model=make_encoder("bert", dtype=torch.float32), train_examples=(demo_examples(16), "B"))
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert ("- loss: AngleLoss (format B): the contrastive term of each query against the positives (no weights), "
+            "ibn_tau=10; in-batch-negative partition gte; false negatives filtered (margin 0.1, relative); "
+            "Matryoshka widths 32, 16 weighted 1, 0.5\n") in card
+
+
+def test_a_model_card_gives_the_layers_espresso_trains():
+    """An Espresso run's card says the loss was applied at every layer, the last at both widths."""
+    from angle_train.config import TrainConfig
+    from angle_train.trainer import loss_description
+
+    cfg = TrainConfig(cosine_w=1.0, ibn_w=0.0, angle_w=1.0, espresso=True, espresso_dim=16)
+    assert loss_description(cfg, "A", "AngleLoss", 64) == (
+        "AngleLoss (format A): cosine_w=1, ibn_w=0, angle_w=1; scales cosine_tau=20, ibn_tau=20, angle_tau=20; "
+        "Espresso: the last layer at widths 64 and 16, every earlier one at 16, the earlier layers' losses weighted "
+        "1 / (1 + ln(1 + i)) and averaged")
 
 
 def test_sentence_transformers_loads_an_adapter_only_export_as_trained(tmp_path, capsys):
