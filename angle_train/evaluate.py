@@ -75,7 +75,7 @@ from .data import (
     DataError, Example, Prompts, check_label, check_text, data_files_in, is_saved_dataset, load_examples,
     names_local_path, open_text, parse_columns, read_stsb,
 )
-from .models import ADAPTER_CONFIG, adapter_config_base, check_dim, read_adapter_config, truncate
+from .models import ADAPTER_CONFIG, POOLING_STRATEGIES, adapter_config_base, check_dim, read_adapter_config, truncate
 from .tracking import finite_or_none
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
@@ -677,9 +677,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="an angle_train export, or a hub name / local folder of a Hugging Face model")
     parser.add_argument("paths", nargs="+", metavar="PATH", help="datasets in their original layouts (see below)")
-    parser.add_argument("--pooling", choices=["cls", "cls_avg", "avg", "max", "last"], default=None)
+    parser.add_argument("--pooling", choices=POOLING_STRATEGIES, default=None,
+                        help=f"how token states make the embedding: {', '.join(POOLING_STRATEGIES)} (default: the "
+                        "export's, else the model folder's "
+                        "sentence-transformers pooling, else cls for encoders and last for decoder LMs; the choice "
+                        "is printed)")
     parser.add_argument("--max-length", type=positive_int, default=None,
-                        help="default: the export's, else the sentence-transformers folder's max_seq_length, else 512")
+                        help="truncate every text to this many tokens, prompt included (default: the export's, else "
+                        "the sentence-transformers folder's max_seq_length, else 512; those two no longer than the "
+                        "model's position table)")
     parser.add_argument("--prompt", default=None, help="the text prompt, for STS pairs (default: the export's); "
                         "'{text}' marks the text, '' is none; also the queries' and documents' where neither the "
                         "export nor the next two give theirs")
@@ -697,7 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also score the first D features of every embedding (Matryoshka widths), each text "
                         "embedded once; results under NAME@D; 'trained': the widths an angle_train export was "
                         "trained at")
-    parser.add_argument("--batch-size", type=positive_int, default=128)
+    parser.add_argument("--batch-size", type=positive_int, default=128,
+                        help="texts per forward pass (default: 128)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda if available, as "
                         "angle-train)")
     parser.add_argument("--base-model", default=None, metavar="BASE",

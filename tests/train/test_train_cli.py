@@ -39,6 +39,21 @@ def test_help_shows_list_defaults_as_words():
     assert "(default: )" not in text and "(default: [" not in text
 
 
+def test_every_flag_of_both_commands_says_what_it_does():
+    """Every option of angle-train and angle-eval has a help text: angle-eval's --pooling and --batch-size had none,
+    so --help gave neither their meaning nor their default."""
+    from angle_train import evaluate
+    from angle_train.cli import build_parser
+
+    for parser in (build_parser(), evaluate.build_parser()):
+        silent = [action.option_strings[0] for action in parser._actions
+                  if action.option_strings and not (action.help or "").strip()]
+        assert silent == [], f"{parser.prog}: {silent}"
+    text = " ".join(evaluate.build_parser().format_help().split())
+    assert "texts per forward pass (default: 128)" in text
+    assert "how token states make the embedding: cls, cls_avg, avg, max, last (default: the export's" in text
+
+
 @pytest.mark.parametrize(
     "argv, expected",
     [
