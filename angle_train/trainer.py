@@ -481,7 +481,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
               f"{describe_passes(cfg)} ({real_share:.0%} of "
               f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
               + ("bidirectional attention (the model folder's angle_train.json) | " if folders_attention else "") +
-              f"{dist_info.world_size} process(es) on {device} | loss: {loss_name}", flush=True)
+              f"{dist_info.world_size} process(es) on {device} | "
+              f"loss: {loss_description(cfg, fmt, loss_name, encoder.embedding_dim)}", flush=True)
         if note := max_steps_note(cfg, len(items), dist_info.world_size):
             print(note, flush=True)
         repeats = repeated_items(items)
@@ -1440,11 +1441,12 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
 
 
 def loss_description(cfg: TrainConfig, fmt: str | None, loss_name: str, width: int) -> str:
-    """The model card's account of the loss `loss_name` (AngleLoss, ArcCSELoss or a loss_fn given to train(), named
-    only) on data format `fmt` and embeddings of `width` features: the weights and scales of the terms the format
-    computes (format B's one contrastive term reads no weight: FORMAT_IGNORES), the in-batch-negative options that
-    differ from AnglE's, and the widths (Matryoshka) or layers (Espresso) the loss is applied at. A card that listed
-    format B's unread weights and left these out described another loss than the one trained."""
+    """The loss `loss_name` (AngleLoss, ArcCSELoss or a loss_fn given to train(), named only) on data format `fmt`
+    and embeddings of `width` features, as the run's header and the model card give it: the weights and scales of
+    the terms the format computes (format B's one contrastive term reads no weight: FORMAT_IGNORES), the
+    in-batch-negative options that differ from AnglE's, and the widths (Matryoshka) or layers (Espresso) the loss is
+    applied at. A card that listed format B's unread weights and left these out described another loss than the one
+    trained; the header named the loss's class alone."""
     if loss_name == "ArcCSELoss":
         loss = (f"ArcCSELoss: ArcCon (margin {cfg.arccon_margin:g} degrees, tau {cfg.arccon_tau:g}) + "
                 f"{cfg.triplet_w:g} x triplet (masked copies at {cfg.mask_rates})")

@@ -454,10 +454,11 @@ def test_a_model_card_gives_the_steps_of_its_model_and_the_weights_of_its_format
     assert "AngleLoss (format C): cosine_w=0, ibn_w=1, cln_w=2, angle_w=0.02;" in final
 
 
-def test_a_model_card_gives_the_loss_as_trained(tmp_path):
+def test_a_model_card_gives_the_loss_as_trained(tmp_path, capsys):
     """The card's loss line is the loss the run trained: format B's one contrastive term with its scale, not the
     cosine, ibn and angle weights format B does not read, and the in-batch-negative partition, the false-negative
-    filter and the Matryoshka widths and weights, which the card left out."""
+    filter and the Matryoshka widths and weights, which the card left out. The run's header gives the same loss
+    (it named AngleLoss alone)."""
     from angle_train import trainer
     from angle_train.tiny import demo_examples
 
@@ -465,10 +466,12 @@ def test_a_model_card_gives_the_loss_as_trained(tmp_path):
                      false_negative_margin=0.1, false_negative_strategy="relative", matryoshka_dims=["32", "16"],
                      matryoshka_weights=["1", "0.5"])
     trainer.train(cfg, model=make_encoder("bert", dtype=torch.float32), train_examples=(demo_examples(16), "B"))
-    card = (tmp_path / "final" / "README.md").read_text()
-    assert ("- loss: AngleLoss (format B): the contrastive term of each query against the positives (no weights), "
-            "ibn_tau=10; in-batch-negative partition gte; false negatives filtered (margin 0.1, relative); "
-            "Matryoshka widths 32, 16 weighted 1, 0.5\n") in card
+    loss = ("AngleLoss (format B): the contrastive term of each query against the positives (no weights), ibn_tau=10; "
+            "in-batch-negative partition gte; false negatives filtered (margin 0.1, relative); Matryoshka widths 32, "
+            "16 weighted 1, 0.5")
+    assert f"- loss: {loss}\n" in (tmp_path / "final" / "README.md").read_text()
+    header = next(line for line in capsys.readouterr().out.splitlines() if " trainable | " in line)
+    assert header.endswith(f" | loss: {loss}")
 
 
 def test_a_model_card_gives_the_layers_espresso_trains():
