@@ -453,19 +453,24 @@ class Call:
         return ("dims",) if getattr(self, "dims", None) is not None else ()
 
 
-def _tensor(name: str, t, dims: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+def _tensor(name: str, t, dims: int | None, dtypes: tuple[torch.dtype, ...] | None = None) -> torch.Size:
+    """t is a tensor of `dims` dimensions (any number for None) and one of `dtypes` (any for None); returns its shape,
+    for the caller's checks: every read of a tensor's metadata is a torch call, which each op call pays for."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must be one of {allowed}, got {t.dtype}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
+    shape = t.shape
+    if dims is not None and len(shape) != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(shape)}")
+    return shape
 
 
-def _on_device_of(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if t.device != ref.device:
-        raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {t.device}")
+def _on_device_of(name: str, t: torch.Tensor, ref_name: str, device: torch.device) -> None:
+    """t is on `device`, the device of the argument `ref_name` (read once by the caller for all its checks)."""
+    if t.device != device:
+        raise ValueError(f"{name} must be on {ref_name}'s device {device}, got {t.device}")
 
 
 def _real_number(name: str, value) -> float:
@@ -505,14 +510,14 @@ class PairScoresCall(Call, op="pair_scores"):
 
 def check_pair_scores(x, with_angle, dims=None) -> PairScoresCall:
     """x: [G, K, D] floating, K >= 2, D >= 1 (even when with_angle); G may be 0; dims: see check_dims."""
-    _tensor("x", x, 3, EMBEDDING_DTYPES)
-    if x.shape[1] < 2 or x.shape[2] < 1:
-        raise ValueError(f"x must be [G, K, D] with K >= 2 and D >= 1, got shape {tuple(x.shape)}")
+    shape = _tensor("x", x, 3, EMBEDDING_DTYPES)
+    if shape[1] < 2 or shape[2] < 1:
+        raise ValueError(f"x must be [G, K, D] with K >= 2 and D >= 1, got shape {tuple(shape)}")
     if not isinstance(with_angle, bool):
         raise TypeError(f"with_angle must be a bool, got {type(with_angle).__name__}")
-    if with_angle and x.shape[2] % 2:
-        raise ValueError(f"x: the angle score splits each vector in halves and needs an even D, got D={x.shape[2]}")
-    return PairScoresCall(x, with_angle, check_dims(dims, x.shape[2], even=with_angle))
+    if with_angle and shape[2] % 2:
+        raise ValueError(f"x: the angle score splits each vector in halves and needs an even D, got D={shape[2]}")
+    return PairScoresCall(x, with_angle, check_dims(dims, shape[2], even=with_angle))
 
 
 class RankingLossCall(Call, op="ranking_loss"):
@@ -524,13 +529,13 @@ class RankingLossCall(Call, op="ranking_loss"):
 
 def check_ranking_loss(scores, labels) -> RankingLossCall:
     """scores: [N] float32/float64; labels: [N] real, on scores' device. Bool labels come back as int64."""
-    _tensor("scores", scores, 1, SCORE_DTYPES)
-    _tensor("labels", labels, 1)
+    shape = _tensor("scores", scores, 1, SCORE_DTYPES)
+    labels_shape = _tensor("labels", labels, 1)
     if labels.is_complex():
         raise TypeError(f"labels must be real numbers, got {labels.dtype}")
-    if labels.shape != scores.shape:
-        raise ValueError(f"labels must have the shape of scores {tuple(scores.shape)}, got {tuple(labels.shape)}")
-    _on_device_of("labels", labels, "scores", scores)
+    if labels_shape != shape:
+        raise ValueError(f"labels must have the shape of scores {tuple(shape)}, got {tuple(labels_shape)}")
+    _on_device_of("labels", labels, "scores", scores.device)
     if labels.dtype == torch.bool:
         labels = labels.to(torch.int64)
     return RankingLossCall(scores, labels)
@@ -553,19 +558,17 @@ class SimilarityXentCall(Call, op="similarity_xent"):
 def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
                           dims=None) -> SimilarityXentCall:
     """The arguments of similarity_xent, checked against the contract and returned in normal form."""
-    _tensor("q", q, 2, EMBEDDING_DTYPES)
-    m, d = q.shape
+    m, d = _tensor("q", q, 2, EMBEDDING_DTYPES)
     if m == 0 or d == 0:
-        raise ValueError(f"q must be a non-empty [M, D] tensor, got shape {tuple(q.shape)}")
-    mc = m
+        raise ValueError(f"q must be a non-empty [M, D] tensor, got shape {(m, d)}")
+    mc, device = m, q.device
     if c is not None:
-        _tensor("c", c, 2, EMBEDDING_DTYPES)
-        if c.shape[0] == 0 or c.shape[1] != d:
-            raise ValueError(f"c must be a non-empty [Mc, D={d}] tensor like q, got shape {tuple(c.shape)}")
+        mc, dc = _tensor("c", c, 2, EMBEDDING_DTYPES)
+        if mc == 0 or dc != d:
+            raise ValueError(f"c must be a non-empty [Mc, D={d}] tensor like q, got shape {(mc, dc)}")
         if c.dtype != q.dtype:
             raise TypeError(f"c must have q's dtype {q.dtype}, got {c.dtype}")
-        _on_device_of("c", c, "q", q)
-        mc = c.shape[0]
+        _on_device_of("c", c, "q", device)
     scale = _real_number("scale", scale)
     margin = _real_number("margin", margin)
     if not 0.0 <= margin <= math.pi:
@@ -582,21 +585,21 @@ def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, ma
         if exclude_diagonal:
             raise ValueError("target='diagonal' with exclude_diagonal=True would exclude every target column")
     if row_weights is not None:
-        _tensor("row_weights", row_weights, 1)
+        weights_shape = _tensor("row_weights", row_weights, 1)
         if not row_weights.is_floating_point():
             raise TypeError(f"row_weights must be floating point, got {row_weights.dtype}")
-        if row_weights.shape[0] != m:
-            raise ValueError(f"row_weights must be [M={m}], got shape {tuple(row_weights.shape)}")
-        _on_device_of("row_weights", row_weights, "q", q)
+        if weights_shape[0] != m:
+            raise ValueError(f"row_weights must be [M={m}], got shape {tuple(weights_shape)}")
+        _on_device_of("row_weights", row_weights, "q", device)
     if group_ids is not None:
         if c is not None:
             raise ValueError("group_ids is supported only in the symmetric case (c=None)")
-        _tensor("group_ids", group_ids, 1)
+        ids_shape = _tensor("group_ids", group_ids, 1)
         if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
             raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-        if group_ids.shape[0] != m:
-            raise ValueError(f"group_ids must be [M={m}], got shape {tuple(group_ids.shape)}")
-        _on_device_of("group_ids", group_ids, "q", q)
+        if ids_shape[0] != m:
+            raise ValueError(f"group_ids must be [M={m}], got shape {tuple(ids_shape)}")
+        _on_device_of("group_ids", group_ids, "q", device)
         group_ids = group_ids.to(torch.int64)
     return SimilarityXentCall(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
                               check_dims(dims, d))
@@ -636,14 +639,13 @@ def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, p
     inputs detached, its threshold contiguous in filter_q's compute dtype, in which the filter compares). With
     dims the filter embeddings are cut to each prefix like q and c (at least d_k wide) and the threshold is
     [k, M], one row per prefix."""
-    _tensor("q", q, 2, EMBEDDING_DTYPES)
-    _tensor("c", c, 2, EMBEDDING_DTYPES)
-    if q.shape[0] == 0 or q.shape[1] == 0 or c.shape[0] == 0 or c.shape[1] != q.shape[1]:
-        raise ValueError(f"q and c must be non-empty [M, D] and [Mc, D], got shapes {tuple(q.shape)} and "
-                         f"{tuple(c.shape)}")
+    (m, d), (mc, dc) = _tensor("q", q, 2, EMBEDDING_DTYPES), _tensor("c", c, 2, EMBEDDING_DTYPES)
+    if m == 0 or d == 0 or mc == 0 or dc != d:
+        raise ValueError(f"q and c must be non-empty [M, D] and [Mc, D], got shapes {(m, d)} and {(mc, dc)}")
     if c.dtype != q.dtype:
         raise TypeError(f"c must have q's dtype {q.dtype}, got {c.dtype}")
-    _on_device_of("c", c, "q", q)
+    device = q.device
+    _on_device_of("c", c, "q", device)
     scale = _real_number("scale", scale)
     target_offset = _integer("target_offset", target_offset, 0)
     period = _integer("period", period, 0)
@@ -658,25 +660,24 @@ def check_similarity_lse(q, c, scale, target_offset, period, exclude, penalty, p
     given = [t is not None for t in (filter_q, filter_c, filter_threshold)]
     if any(given) and not all(given):
         raise ValueError("filter_q, filter_c and filter_threshold go together: give all three or none")
-    dims = check_dims(dims, q.shape[1])
+    dims = check_dims(dims, d)
     if all(given):
-        _tensor("filter_q", filter_q, 2, EMBEDDING_DTYPES)
-        _tensor("filter_c", filter_c, 2, EMBEDDING_DTYPES)
-        if filter_q.shape[0] != q.shape[0] or filter_c.shape[0] != c.shape[0] or filter_q.shape[1] != filter_c.shape[1]:
-            raise ValueError(f"filter_q and filter_c must be [M={q.shape[0]}, D'] and [Mc={c.shape[0]}, D'], got "
-                             f"shapes {tuple(filter_q.shape)} and {tuple(filter_c.shape)}")
-        if dims is not None and filter_q.shape[1] < dims[-1]:
+        filter_q_shape = _tensor("filter_q", filter_q, 2, EMBEDDING_DTYPES)
+        filter_c_shape = _tensor("filter_c", filter_c, 2, EMBEDDING_DTYPES)
+        if filter_q_shape[0] != m or filter_c_shape[0] != mc or filter_q_shape[1] != filter_c_shape[1]:
+            raise ValueError(f"filter_q and filter_c must be [M={m}, D'] and [Mc={mc}, D'], got "
+                             f"shapes {tuple(filter_q_shape)} and {tuple(filter_c_shape)}")
+        if dims is not None and filter_q_shape[1] < dims[-1]:
             raise ValueError(f"with dims, filter_q and filter_c are cut to each prefix like q and c: they must be at "
-                             f"least {dims[-1]} wide, got width {filter_q.shape[1]}")
-        rows = (q.shape[0],) if dims is None else (len(dims), q.shape[0])
-        _tensor("filter_threshold", filter_threshold, filter_threshold.dim() if isinstance(
-            filter_threshold, torch.Tensor) else 1)
-        if not filter_threshold.is_floating_point() or tuple(filter_threshold.shape) != rows:
-            shape = f"[M={q.shape[0]}]" if dims is None else f"[k={len(dims)}, M={q.shape[0]}] (one row per prefix)"
+                             f"least {dims[-1]} wide, got width {filter_q_shape[1]}")
+        rows = (m,) if dims is None else (len(dims), m)
+        threshold_shape = _tensor("filter_threshold", filter_threshold, None)
+        if not filter_threshold.is_floating_point() or tuple(threshold_shape) != rows:
+            shape = f"[M={m}]" if dims is None else f"[k={len(dims)}, M={m}] (one row per prefix)"
             raise ValueError(f"filter_threshold must be a float {shape} tensor, got {filter_threshold.dtype} of shape "
-                             f"{tuple(filter_threshold.shape)}")
+                             f"{tuple(threshold_shape)}")
         for name, t in (("filter_q", filter_q), ("filter_c", filter_c), ("filter_threshold", filter_threshold)):
-            _on_device_of(name, t, "q", q)
+            _on_device_of(name, t, "q", device)
         filter_threshold = filter_threshold.detach().to(compute_dtype(filter_q.dtype)).contiguous()
         filter_q, filter_c = filter_q.detach(), filter_c.detach()
     return SimilarityLseCall(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,
@@ -693,7 +694,7 @@ def check_lse_reference(q, normalize: bool, reference) -> torch.Tensor | None:
         raise ValueError(f"reference must have q's shape {tuple(q.shape)}, got {tuple(reference.shape)}")
     if reference.dtype != q.dtype:
         raise TypeError(f"reference must have q's dtype {q.dtype}, got {reference.dtype}")
-    _on_device_of("reference", reference, "q", q)
+    _on_device_of("reference", reference, "q", q.device)
     if normalize:
         raise ValueError("reference is for raw dot products (normalize=False)")
     return reference

@@ -218,11 +218,12 @@ def check_embeddings(
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in EMBEDDING_DTYPES:  # float8 too: it is floating, and failed inside with an op's argument name
         raise TypeError(f"{name} must be a floating-point tensor (float32, float64, bfloat16, float16), got {t.dtype}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(t.shape)}")
-    rows, dim = t.shape
+    shape = t.shape  # read once: each read of a tensor's metadata is a torch call
+    if len(shape) != 2:
+        raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(shape)}")
+    rows, dim = shape
     if rows == 0 or dim == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): a loss needs at least one row and one column")
+        raise ValueError(f"{name} is empty (shape {tuple(shape)}): a loss needs at least one row and one column")
     if rows % rows_multiple_of:
         raise ValueError(
             f"{name} must have a multiple of {rows_multiple_of} rows ({layout}), got {rows} rows"
@@ -269,8 +270,10 @@ def promote_embeddings(*tensors):
     no input is silently narrowed to another's dtype. A tensor is cast (differentiably: its gradient comes back in
     its own dtype) only when its dtype differs; anything that is not a floating tensor is returned unchanged for
     the structure checks to name."""
-    # one pass for the common case, a single dtype (dtype.is_floating_point: no torch call per tensor)
-    if len({t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.dtype.is_floating_point}) <= 1:
+    # one pass for the common case, a single dtype: each tensor's dtype read once (every read is a torch call), and
+    # dtype.is_floating_point rather than a tensor's is_floating_point() (no torch call)
+    if len({dtype for t in tensors if isinstance(t, torch.Tensor) for dtype in (t.dtype,)
+            if dtype.is_floating_point}) <= 1:
         return list(tensors)
     floating = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
     common = floating[0].dtype
