@@ -82,8 +82,15 @@ def outside_autocast(tensor: torch.Tensor):
 
 
 def autocast_enabled(device_type: str) -> bool:
-    """Whether a torch.autocast region is on for `device_type` in this thread."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    """Whether a torch.autocast region is on for `device_type` in this thread. Whether autocast exists for a device
+    type is asked of torch once per process (`_autocast_available`): every loss call asks this two or three times."""
+    available = _autocast_available.get(device_type)
+    if available is None:
+        available = _autocast_available[device_type] = torch.amp.is_autocast_available(device_type)
+    return available and torch.is_autocast_enabled(device_type)
+
+
+_autocast_available: dict[str, bool] = {}  # device type -> whether torch.autocast exists for it (autocast_enabled)
 
 
 def backward_outside_autocast(result, device_type: str, inputs) -> None:
@@ -182,13 +189,16 @@ def untraced_under_autocast(function: Callable[_Args, _Result]) -> Callable[_Arg
 
     @functools.wraps(function)
     def called(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
-        if torch.compiler.is_compiling() and backward_traced_under_autocast(*(
-                t for value in (*args, *kwargs.values()) for t in (value if isinstance(value, (list, tuple))
-                                                                   else (value,)))):
+        if torch.compiler.is_compiling() and backward_traced_under_autocast(*_arguments_flat(args, kwargs)):
             return call_outside_the_graph(function, *args, **kwargs)
         return function(*args, **kwargs)
 
     return called
+
+
+def _arguments_flat(args: tuple, kwargs: dict) -> list:
+    """A call's arguments with every list or tuple among them replaced by its items (where its tensors are)."""
+    return [t for value in (*args, *kwargs.values()) for t in (value if isinstance(value, (list, tuple)) else (value,))]
 
 
 def _refuse_second_derivatives(grad_outputs: tuple) -> None:
@@ -270,7 +280,12 @@ def first_derivatives_only(result, *, backward_leaves_autocast: bool = False):
     theirs), and none on a leaf, which no op's backward computes."""
     if torch.compiler.is_compiling():
         return result
-    hook = _refuse_second_derivatives_only if backward_leaves_autocast else _refuse_second_derivatives
+    return _refusing_second_derivatives(
+        result, _refuse_second_derivatives_only if backward_leaves_autocast else _refuse_second_derivatives)
+
+
+def _refusing_second_derivatives(result, hook: Callable[[tuple], None]):
+    """first_derivatives_only outside a trace: `hook` on the node of every tensor of `result` autograd records."""
     if isinstance(result, torch.Tensor):  # a loss's: one tensor, without the walk a tuple takes
         if result.grad_fn is not None:
             result.grad_fn.register_prehook(hook)
@@ -313,6 +328,9 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
     @functools.wraps(loss)
     def computed(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
         compiling = torch.compiler.is_compiling()  # asked once: every call pays for each asking
+        # untraced_under_autocast's rule, asked here rather than by a wrapper of its own around this one
+        if compiling and backward_traced_under_autocast(*_arguments_flat(args, kwargs)):
+            return call_outside_the_graph(computed, *args, **kwargs)
         if not compiling and _inside_a_torch_func_transform():
             raise RuntimeError(f"{loss.__qualname__}: angle_kernels' losses do not support torch.func transforms "
                                "(grad, vmap, vjp, jacrev, ...): their backends' autograd Functions have no "
@@ -321,19 +339,26 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
         # is_compiling first: dynamo cannot trace is_inference_mode_enabled (a graph break), and a trace holds none
         if not compiling and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             args, kwargs = _without_inference_tensors(args, kwargs)
-        for value in (*args, *kwargs.values()):
-            first = value[0] if isinstance(value, (list, tuple)) and value else value
-            if isinstance(first, torch.Tensor):
-                if not autocast_enabled(first.device.type):
-                    # no region to leave (the common case): recorded() would only add the guard, and
-                    # outside_autocast's context would do nothing; asking once saves a small call both askings
-                    return first_derivatives_only(loss(*args, **kwargs))
-                with outside_autocast(first):
-                    result = loss(*args, **kwargs)
-                return recorded(result, first=first, inputs=(*args, *kwargs.values()))
-        return first_derivatives_only(loss(*args, **kwargs))  # no tensor argument: nothing to leave a region for
+        first = _first_tensor(args, kwargs)
+        if first is None or not autocast_enabled(first.device.type):
+            # no region to leave (the common case; or no tensor argument): recorded() would only add the guard, and
+            # outside_autocast's context would do nothing; asking once saves a small call both askings
+            result = loss(*args, **kwargs)
+            return result if compiling else _refusing_second_derivatives(result, _refuse_second_derivatives)
+        with outside_autocast(first):
+            result = loss(*args, **kwargs)
+        return recorded(result, first=first, inputs=(*args, *kwargs.values()))
 
-    return untraced_under_autocast(computed)
+    return computed
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A call's first tensor argument (one given directly, or the first of a list or tuple of them), or None."""
+    for value in (*args, *kwargs.values()):
+        first = value[0] if isinstance(value, (list, tuple)) and value else value
+        if isinstance(first, torch.Tensor):
+            return first
+    return None
 
 
 def _inside_a_torch_func_transform() -> bool:

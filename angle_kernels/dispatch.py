@@ -303,6 +303,7 @@ class TorchOps(Ops):
 
 
 _ENV_VAR = "ANGLE_KERNELS_BACKEND"
+_REQUESTABLE = BACKENDS + ("auto",)  # what a call may ask for (_requested_name, on every call)
 # Backend name -> its package, imported when the backend is first asked for. Each package's __init__ names its op
 # modules in load_ops(): angle_kernels/torch_ops/__init__.py, triton_ops/__init__.py, cuda_ops/__init__.py.
 _PACKAGES = {"torch": "angle_kernels.torch_ops", "triton": "angle_kernels.triton_ops", "cuda": "angle_kernels.cuda_ops"}
@@ -432,7 +433,7 @@ def _requested_name(requested: str | None) -> str:
     else:
         value, source, expected = requested, "backend", "None or one of"
     name = value.strip().lower() if isinstance(value, str) else None
-    if name not in BACKENDS + ("auto",):
+    if name not in _REQUESTABLE:
         raise ValueError(f"{source} must be {expected} 'auto', 'torch', 'triton', 'cuda'; got {value!r}")
     return name
 
