@@ -15,6 +15,7 @@ The backends' backward passes are not differentiable (gradients formed in forwar
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -344,3 +345,46 @@ def test_a_non_reentrant_checkpoint_recomputes_calls_that_kept_their_tiles(monke
         grad = weight_gradient(checkpoint(loss_of, x, use_reentrant=reentrant))
         torch.testing.assert_close(grad, expected, rtol=1e-12, atol=0)
     assert _similarity_lse_softmax._KEPT.elements == held  # every reservation given back
+
+
+# Torch calls (every read of a tensor's shape, dtype or device is one) that a small call of each loss makes outside
+# its backend op, forward: the checks, dispatch and the formula between the ops. Each one is a cost of every training
+# step that the eager formula the loss replaces does not pay; a check that reads what it has read before shows here.
+FRONT_END_TORCH_CALLS = {"multiple_negatives_ranking_loss": 41, "cosine_loss": 48, "in_batch_negative_loss": 51,
+                         "gist_loss": 187}
+_BACKEND_FILES = ("torch_ops/", "triton_ops/", "cuda_ops/", "normalisation.py", "formed_gradients.py")
+
+
+class _FrontEndTorchCalls(torch.overrides.TorchFunctionMode):
+    """Counts the torch calls made directly by angle_kernels' files other than the backends'."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.root = str(dispatch.__file__).rsplit("/", 1)[0] + "/"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.startswith(self.root) and not caller[len(self.root):].startswith(_BACKEND_FILES):
+            self.count += 1
+        with torch._C.DisableTorchFunction():
+            return func(*args, **(kwargs or {}))
+
+
+def test_a_small_loss_call_reads_each_fact_of_its_inputs_once_per_check():
+    """Forward of each loss at 32 pairs of D = 8: at most FRONT_END_TORCH_CALLS[loss] torch calls outside the backend
+    ops (the op checks once read q's shape five times and the filter tensors' six; promote_embeddings each dtype
+    twice: 49, 54, 54 and 255 calls then)."""
+    gen = torch.Generator().manual_seed(0)
+    q, p, guide_q, guide_p = (torch.randn(32, 8, generator=gen, requires_grad=i < 2) for i in range(4))
+    rows = torch.randn(64, 8, generator=gen, requires_grad=True)
+    calls = {"multiple_negatives_ranking_loss": lambda: ak.multiple_negatives_ranking_loss(q, p),
+             "cosine_loss": lambda: ak.cosine_loss(torch.rand(32, generator=gen).repeat_interleave(2), rows),
+             "in_batch_negative_loss": lambda: ak.in_batch_negative_loss(torch.ones(64), rows),
+             "gist_loss": lambda: ak.gist_loss(q, p, guide_q, guide_p)}
+    for name, call in calls.items():
+        call()  # the first call's one-off work (backend loading, first warnings) is no call's cost
+        counting = _FrontEndTorchCalls()
+        with counting:
+            call()
+        assert counting.count <= FRONT_END_TORCH_CALLS[name], f"{name}: {counting.count} torch calls"
