@@ -336,6 +336,8 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
                                "(grad, vmap, vjp, jacrev, ...): their backends' autograd Functions have no "
                                "setup_context. Take gradients with loss.backward() or torch.autograd.grad, and "
                                "per-example losses by calling the loss on each example")
+        if not compiling and torch.autograd.forward_ad._current_level >= 0:  # inside fwAD.dual_level(): rare
+            _refuse_dual_tensors(loss, args, kwargs)
         # is_compiling first: dynamo cannot trace is_inference_mode_enabled (a graph break), and a trace holds none
         if not compiling and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             args, kwargs = _without_inference_tensors(args, kwargs)
@@ -359,6 +361,23 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
         if isinstance(first, torch.Tensor):
             return first
     return None
+
+
+def _refuse_dual_tensors(loss: Callable, args: tuple, kwargs: dict) -> None:
+    """A RuntimeError naming the loss and its argument that carries a forward-mode tangent (a dual tensor of
+    torch.autograd.forward_ad), directly or in a list or tuple: the backends' autograd Functions have no jvp, and
+    torch's own error there ("You must implement the jvp function for custom autograd.Function") named neither the
+    loss nor what to use instead."""
+    import torch.autograd.forward_ad as forward_ad
+
+    named = inspect.signature(loss).bind_partial(*args, **kwargs).arguments
+    for name, value in named.items():
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(tensor, torch.Tensor) and forward_ad.unpack_dual(tensor).tangent is not None:
+                raise RuntimeError(
+                    f"{loss.__qualname__}: {name} is a dual tensor (torch.autograd.forward_ad), and angle_kernels' "
+                    "losses do not support forward-mode AD: their backends' autograd Functions have no jvp. Take "
+                    "gradients in reverse mode, with loss.backward() or torch.autograd.grad")
 
 
 def _inside_a_torch_func_transform() -> bool:

@@ -257,6 +257,22 @@ def test_a_torch_func_transform_is_refused_saying_what_to_use(name, transform):
         transformed(y if transform == "grad" else y[None].expand(2, -1, -1, -1))
 
 
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_forward_mode_ad_is_refused_naming_the_dual_argument(name):
+    """A dual tensor of torch.autograd.forward_ad reached the backends' autograd Functions, which have no jvp: torch's
+    NotImplementedError there named neither the loss nor what to use. Plain tensors inside a dual level still
+    compute."""
+    import torch.autograd.forward_ad as forward_ad
+
+    y = torch.randn(6, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    with forward_ad.dual_level():
+        assert torch.isfinite(CALLS[name](_laid_out(y)))
+        dual = forward_ad.make_dual(y, torch.ones_like(y))
+        with pytest.raises(RuntimeError, match=r"is a dual tensor .*forward-mode AD.*loss\.backward\(\) or "
+                                               r"torch\.autograd\.grad"):
+            CALLS[name](_laid_out(dual))
+
 def test_a_loss_without_autograd_is_a_plain_tensor():
     y = torch.randn(4, 8, requires_grad=True)
     with torch.no_grad():
