@@ -772,6 +772,11 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
         directions, hardness_strength, false_negative_margin = check_in_batch_options(
             directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
             false_negative_strategy, similarity)
+        if hardness_mode is not None and scale + hardness_strength > LARGEST_LOGIT_FACTOR:
+            # the penalised columns' logits are (scale + hardness_strength) x the similarity: check_scale's rule
+            raise ValueError(f"hardness_strength + scale must be <= {LARGEST_LOGIT_FACTOR:.3g}: the penalised logits "
+                             "are multiplied by their sum, and past that they overflow float32; got hardness_strength "
+                             f"{hardness_strength:g} with scale {scale:g}")
         if nested is not None:
             if dims is not None or dim_weights is not None or layer_weights is not None:
                 raise ValueError("pass either a parsed nested or dims / dim_weights / layer_weights, not both")

@@ -768,6 +768,26 @@ def test_a_scale_past_float32s_range_is_refused_and_the_largest_allowed_is_finit
             assert torch.isfinite(out), (name, out)
 
 
+
+@pytest.mark.parametrize("hardness_mode", ["in_batch_negatives", "hard_negatives", "all_negatives"])
+def test_a_hardness_strength_past_float32s_range_is_refused_and_the_largest_allowed_is_finite(ak, gen, hardness_mode):
+    """MNRL's hardness adds hardness_strength x the similarity to the penalised columns' logits, so their factor is
+    scale + hardness_strength: a strength of 1e300 with scale 20 gave a silent NaN (loss and gradients), scale and
+    strength 8e37 each an infinite loss. Refused by check_scale's bound on the sum, naming both; at it, finite."""
+    from angle_kernels.inputs import LARGEST_LOGIT_FACTOR
+
+    q, p, n = (randn(gen, 4, 8).requires_grad_() for _ in range(3))
+    call = lambda scale, strength: ak.multiple_negatives_ranking_loss(  # noqa: E731
+        q, p, (n,), scale=scale, hardness_mode=hardness_mode, hardness_strength=strength)
+    for scale, strength in ((20.0, 1e300), (8e37, 8e37)):
+        with pytest.raises(ValueError, match=r"^hardness_strength \+ scale must be <= 8\.5e\+37: .* overflow float32; "
+                                             + re.escape(f"got hardness_strength {strength:g} with scale {scale:g}")
+                                             + "$"):
+            call(scale, strength)
+    loss = call(LARGEST_LOGIT_FACTOR / 2, LARGEST_LOGIT_FACTOR / 2)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(t.grad).all() for t in (q, p, n))
+
 def test_a_learned_scale_is_refused_with_the_reason(ak, gen):
     """A scale or temperature that requires grad (an nn.Parameter, as sentence-transformers' losses allow): the
     losses take it as a constant, so it would never train; the error says so and how to pass its value (before:

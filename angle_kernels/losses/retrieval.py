@@ -77,7 +77,8 @@ def multiple_negatives_ranking_loss(
 
     hardness_mode / hardness_strength (alpha): adds alpha * stop_gradient(cos) to the query-to-document logits
     of "in_batch_negatives" (the documents of other queries), "hard_negatives" (the row's own negatives) or
-    "all_negatives" (every column but the positive), as sentence-transformers defines them.
+    "all_negatives" (every column but the positive), as sentence-transformers defines them; scale + alpha is
+    held to check_scale's bound (inputs.LARGEST_LOGIT_FACTOR), the penalised logits' factor.
     false_negative_margin: a column whose cosine with the row's anchor exceeds the positive's cosine minus the
     margin ("absolute") or minus |positive| * margin ("relative", false_negative_strategy) leaves the
     partition function, in every block (the positive itself stays): positive-aware false-negative filtering
