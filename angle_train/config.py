@@ -25,6 +25,11 @@ CPU_PASS_TOKENS = 512
 # 351 ms at 16 pairs, packed rows of 128 tokens 212 ms (64: 222, 256: 233); at 64 pairs 911 vs 737 ms (64: 655,
 # 256: 723, 512: 781: a row's attention grows with its width squared). On a GPU: padded passes until measured there.
 CPU_PACK_WIDTH = 128
+# The LoRA settings a run takes where neither their flag nor the --lora-path adapter gives one. Their fields default to
+# None, "not given", so that a given value is known as given whatever it is: with --lora-path, `--lora-r 16` is
+# compared with the adapter's rank as `--lora-r 8` is, and `--lora-dropout 0.05` replaces its dropout
+# (TrainConfig._take_adapter_settings)
+LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05}
 
 
 def opt(default, help: str, **extra):
@@ -65,9 +70,12 @@ class TrainConfig:
     gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30%% slower)",
                                        group="model")
     lora: bool = opt(False, "train LoRA adapters instead of all weights (needs peft)", group="lora")
-    lora_r: int = opt(16, "LoRA rank", group="lora", at_least=1)
-    lora_alpha: int = opt(32, "LoRA alpha (scale = alpha / r)", group="lora", above=0)
-    lora_dropout: float = opt(0.05, "dropout on the LoRA branch", group="lora", at_least=0, below=1)
+    lora_r: int = opt(None, f"LoRA rank (default: {LORA_DEFAULTS['lora_r']}; with --lora-path, the adapter's)",
+                      group="lora", at_least=1)
+    lora_alpha: int = opt(None, f"LoRA alpha (scale = alpha / r; default: {LORA_DEFAULTS['lora_alpha']}; with "
+                          "--lora-path, the adapter's)", group="lora", above=0)
+    lora_dropout: float = opt(None, f"dropout on the LoRA branch (default: {LORA_DEFAULTS['lora_dropout']}; with "
+                              "--lora-path, the adapter's)", group="lora", at_least=0, below=1)
     lora_targets: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
                              "module names to adapt, separated by spaces or commas (q_proj v_proj, or angle-emb's "
                              "q_proj,v_proj; default: every linear layer)", group="lora")
@@ -233,6 +241,7 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         """Refuse settings that cannot work, naming the flag, before anything is loaded. What depends on the data
         or the model is checked once they are read (trainer.setup)."""
+        given_lora = self._take_lora_defaults()
         self._validate_kinds()
         self._validate_ranges()
         for name in ("cosine_tau", "ibn_tau", "angle_tau"):  # AngleLoss's own rule (its bound too), the flag named
@@ -260,7 +269,7 @@ class TrainConfig:
         self._validate_arccse()
         self._split_lora_targets()
         self._refuse_ignored_settings()
-        self._take_adapter_settings()
+        self._take_adapter_settings(given=given_lora)
         self.column_map()
         self.dev_column_map()
         return self
@@ -341,11 +350,21 @@ class TrainConfig:
                              "separated by spaces or commas (q_proj v_proj, or q_proj,v_proj)")
         self.lora_targets = [name.strip() for name in names]
 
-    def _take_adapter_settings(self) -> None:
+    def _take_lora_defaults(self) -> set[str]:
+        """The LoRA settings of LORA_DEFAULTS given (not None), returned; those not given set to their defaults, which
+        an adapter's values replace (_take_adapter_settings). A validated config's are all given: validating it again
+        compares them with the adapter's, which they are."""
+        given = {name for name in LORA_DEFAULTS if getattr(self, name) is not None}
+        for name in LORA_DEFAULTS.keys() - given:
+            setattr(self, name, LORA_DEFAULTS[name])
+        return given
+
+    def _take_adapter_settings(self, *, given: set[str]) -> None:
         """--lora-path: the adapter's LoRA settings (rank, alpha, dropout, layers: those of the weights the run starts
         from) are the run's, recorded as if given (config.json, the checkpoints, the model card's command); a --lora-r,
-        --lora-alpha or --lora-targets that gives another value is refused, naming it. --lora-dropout, which is no
-        part of the weights (peft applies it to the adapter's input in training), replaces the adapter's. Without
+        --lora-alpha or --lora-targets given with another value is refused, naming it, its default value as any other
+        (`given`: the LORA_DEFAULTS settings given, _take_lora_defaults). A given --lora-dropout, which is no part of
+        the weights (peft applies it to the adapter's input in training), replaces the adapter's. Without
         --model the base model is the one the adapter's adapter_config.json names (models.adapter_config_base). The
         adapter's weights fitting the model is checked once it loads (models.attach_adapter)."""
         if not self.lora_path:
@@ -366,11 +385,14 @@ class TrainConfig:
                     "lora_dropout": adapter.get("lora_dropout", 0.0),
                     "lora_targets": adapted_layer_names(adapter["target_modules"])}
         for name, value in settings.items():
-            given = getattr(self, name)
-            if name == "lora_dropout" and self.changed(name):
+            setting = getattr(self, name)
+            if not (name in given if name in LORA_DEFAULTS else setting):  # not given: the adapter's
+                setattr(self, name, value)
+                continue
+            if name == "lora_dropout":
                 continue  # no part of the weights: a given one replaces the adapter's (trainer.adapter_dropout_note)
-            if self.changed(name) and (sorted(given) if name == "lora_targets" else given) != value:
-                raise ValueError(f"{flag_of(name)} {' '.join(flag_words(name, given)[1:])}: the adapter of {named} "
+            if (sorted(setting) if name == "lora_targets" else setting) != value:
+                raise ValueError(f"{flag_of(name)} {' '.join(flag_words(name, setting)[1:])}: the adapter of {named} "
                                  f"has {shlex.join(flag_words(name, value))}, and the run continues training it "
                                  f"with its own settings: leave out {flag_of(name)}")
             setattr(self, name, value)
@@ -415,11 +437,13 @@ class TrainConfig:
     def command_line(self) -> str:
         """The angle-train command that makes these settings: the flags of those that differ from the defaults (the
         model card's record of a run, however it was started: flags, a --config file or train() from Python); the
-        model and the training data always."""
+        model and the training data always, and with --lora-path the LoRA settings the run took (the adapter's, or a
+        given --lora-dropout, which a default left out would not give: the adapter's would replace it)."""
         words = ["angle-train"]
+        always = ("model", "train_data", *(LORA_DEFAULTS if self.lora_path else ()))
         for f in fields(self):
             value = getattr(self, f.name)
-            if (not self.changed(f.name) and f.name not in ("model", "train_data")) or value is None:
+            if (not self.changed(f.name) and f.name not in always) or value is None:
                 continue
             words += flag_words(f.name, value)
         return shlex.join(words)
@@ -529,7 +553,10 @@ def prompt_flags(prompts: Prompts) -> str:
 
 
 def default_of(name: str):
-    """The default of the TrainConfig setting `name`."""
+    """The default of the TrainConfig setting `name`: the value a run takes without it (a LoRA setting's
+    LORA_DEFAULTS value, which its field's None stands for)."""
+    if name in LORA_DEFAULTS:
+        return LORA_DEFAULTS[name]
     f = next(f for f in fields(TrainConfig) if f.name == name)
     return f.default_factory() if f.default is MISSING else f.default
 

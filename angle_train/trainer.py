@@ -788,8 +788,10 @@ def check_matryoshka_dims(cfg: TrainConfig, width: int, fmt: str | None, *, mode
 
 
 def build_encoder(cfg: TrainConfig, device: torch.device):
-    """(encoder, tokenizer) of --model with the run's settings; --lora-targets that cannot apply to it are refused
-    naming the flag."""
+    """(encoder, tokenizer) of --model with the run's settings, validated first (a TrainConfig made in Python takes
+    its defaults there: a LoRA setting left out, None, the adapter's or config.LORA_DEFAULTS'); --lora-targets that
+    cannot apply to it are refused naming the flag."""
+    cfg.validate()
     try:
         return _build_encoder(cfg, device)
     except LoraTargetError as exc:

@@ -172,6 +172,38 @@ def test_lora_flags_that_contradict_the_adapter_are_refused_naming_them(tmp_path
         TrainConfig(lora=True, lora_path=adapter).validate()
 
 
+def test_a_lora_flag_given_with_its_default_value_is_given(tmp_path, capsys):
+    """With --lora-path, --lora-r 16 and --lora-alpha 32 (the defaults) given are compared with the adapter's as any
+    other value is, and --lora-dropout 0.05 given replaces its dropout; from the command line and from Python alike.
+    They were taken for flags left out: the adapter's rank and alpha replaced them in silence, and its dropout the
+    given one. Left out, the adapter's values are the run's, and the recorded command makes the same settings."""
+    import shlex
+
+    from angle_train.cli import config_from_args
+    from angle_train.config import TrainConfig
+
+    base = causal_lm(tmp_path / "base")
+    adapter, _ = causal_adapter(base, tmp_path / "adapter", targets=["q_proj", "v_proj"])  # rank 4, alpha 8, dropout 0
+    common = ["--lora", "1", "--lora-path", adapter]
+    for flag, value, setting in (("--lora-r", "16", "--lora-r 4"), ("--lora-alpha", "32", "--lora-alpha 8")):
+        said = f"{flag} {value}: the adapter of --lora-path {adapter} has {setting}, and the run continues"
+        with pytest.raises(ValueError, match=said):
+            TrainConfig(lora=True, lora_path=adapter, **{flag[2:].replace("-", "_"): int(value)}).validate()
+        with pytest.raises(SystemExit):
+            config_from_args([*common, flag, value])
+        assert said in capsys.readouterr().err
+    cfg = config_from_args([*common, "--lora-dropout", "0.05"])
+    assert (cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == (4, 8, 0.05)
+    assert TrainConfig(lora=True, lora_path=adapter, lora_dropout=0.05).validate() == cfg
+    assert cfg.validate() == cfg  # validated again, as train() does: the same settings
+    command = cfg.command_line()
+    assert "--lora-r 4 --lora-alpha 8 --lora-dropout 0.05" in command
+    assert config_from_args(shlex.split(command)[1:]) == cfg
+    left_out = config_from_args(common)
+    assert (left_out.lora_r, left_out.lora_alpha, left_out.lora_dropout) == (4, 8, 0.0)
+    assert "--lora-dropout 0.0" in left_out.command_line()
+
+
 def test_lora_dropout_replaces_the_dropout_of_the_adapter_it_continues(tmp_path, capsys):
     """Dropout is no part of an adapter's weights: --lora-dropout with --lora-path trains the adapter with it (peft's
     dropout on each adapted layer's input), says so in a note, and config.json, the model card and the trained

@@ -330,7 +330,7 @@ def test_config_files_and_precedence(tmp_path):
 def test_config_files_read_by_suffix_and_empty_ones_keep_the_defaults(tmp_path, name, text, expected):
     path = tmp_path / name
     path.write_text(text)
-    assert config_from_args(["--config", str(path)]) == dataclasses.replace(TrainConfig(), **expected)
+    assert config_from_args(["--config", str(path)]) == dataclasses.replace(TrainConfig(), **expected).validate()
 
 
 @pytest.mark.parametrize("text, got", [("- lr: 1.0e-4\n", "list"), ("lr\n", "str")])
@@ -512,7 +512,7 @@ def test_a_runs_config_json_is_a_config_file(tmp_path):
     import dataclasses
     import json
 
-    settings = dataclasses.replace(TrainConfig(), batch_size=8, report_to=["none"])
+    settings = dataclasses.replace(TrainConfig(), batch_size=8, report_to=["none"]).validate()
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dataclasses.asdict(settings)))
     assert config_from_args(["--config", str(path)]) == settings
