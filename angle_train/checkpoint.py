@@ -387,11 +387,7 @@ def _swap_in(tmp: str, final: str) -> None:
 
 
 def _sha256(file: str) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return st_folder.hash_file(file, hashlib.sha256()).hexdigest()
 
 
 def write_manifest(folder: str) -> None:

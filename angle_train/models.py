@@ -711,9 +711,7 @@ def adapter_fingerprint(adapter_folder: str) -> str:
         path = os.path.join(adapter_folder, name)
         if os.path.isfile(path):
             digest.update(f"|{name}|".encode())
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
+            st_folder.hash_file(path, digest)
     return digest.hexdigest()[:16]
 
 

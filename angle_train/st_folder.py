@@ -48,6 +48,16 @@ def find_folder(name_or_path: str) -> str | None:
     return folder if os.path.isfile(os.path.join(folder, MODULES_FILE)) else None
 
 
+def hash_file(path: str, digest):
+    """`digest` (a hashlib hash) updated with the bytes of the file `path`, read a megabyte at a time (a model's or an
+    adapter's weights need not fit in memory), and returned: checkpoint manifests' SHA-256 of each file, an adapter's
+    fingerprint (models.adapter_fingerprint). About 2 s a gigabyte (SHA-256, one loaded core of a shared machine)."""
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest
+
+
 def read_json(path: str, kind: type = dict):
     """The JSON value in `path`, of type `kind` (dict: an object, list: an array); a file that is not JSON, or holds
     another value, is refused with a ValueError naming it (json's own error names no file)."""
