@@ -822,7 +822,7 @@ def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig, *, model_giv
         changed = {k: values for k, values in changed.items() if k not in PROMPT_SETTINGS.values()}
     if changed:
         detail = ", ".join(f"{flag_of(k)}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        if contents and "lora_path" in changed:
+        if contents and "lora_path" in changed and None not in contents:  # (the last of them; not for no adapter)
             detail += f" (another adapter: its contents {contents[0]} -> {contents[1]})"
         raise ValueError(f"cannot resume from {path}: these settings differ from the checkpoint's ({detail}), and "
                          "they decide what its weights compute. Resume with the checkpoint's settings, or start a new "

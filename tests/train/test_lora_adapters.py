@@ -264,7 +264,7 @@ def test_a_resume_compares_the_starting_adapter_by_its_contents(tmp_path, monkey
     monkeypatch.chdir(tmp_path / "second")
     for lora_path, said in (("adapter", f"--lora-path: '{adapter}' -> '{other}' \\(another adapter: its contents "
                                         "[0-9a-f]{16} -> [0-9a-f]{16}\\)"),
-                            (None, f"--lora-path: '{adapter}' -> None")):
+                            (None, f"--lora-path: '{adapter}' -> None\\), and")):  # no adapter: no contents
         with pytest.raises(ValueError, match=f"these settings differ from the checkpoint's \\({said}"):
             train(run_config(tmp_path / "out", lora_path=lora_path, max_steps=2, resume="auto", lora_r=4,
                              lora_targets=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0, **settings))
