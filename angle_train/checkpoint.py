@@ -128,11 +128,12 @@ class Position:
     best_metric: str = "dev_spearman"
     good_checkpoint: int | None = None
     # what the batches of `epoch` are made from: {"examples": count, "contents": data.data_fingerprint of them,
-    # "order": data.order_fingerprint of the epoch's batches, "format": their data format (None: ArcCSE's sentences),
-    # "given": true where they were given to train() as train_examples, not read from --train-data}
-    # (trainer.data_record; earlier versions recorded a "fingerprint", data.sampled_data_fingerprint's, for
-    # "contents", and no "format" or "given"); a resume that would make them of other examples, in another format or
-    # in another order, is refused (load_checkpoint). None: written before it was recorded.
+    # "order": data.order_fingerprint of the epoch's batches, "order_version": data.ORDER_VERSION, "format": their
+    # data format (None: ArcCSE's sentences), "given": true where they were given to train() as train_examples, not
+    # read from --train-data} (trainer.data_record; earlier versions recorded a "fingerprint",
+    # data.sampled_data_fingerprint's, for "contents", and no "format", "given" or "order_version"); a resume that
+    # would make them of other examples, in another format or in another order, is refused (load_checkpoint). None:
+    # written before it was recorded.
     data_record: dict | None = None
     # trainer.dev_set_fingerprint of the dev set that scores the run (the one that measured `best`): a resume with the
     # same --dev-data edited since is refused (_refuse_another_dev_set). None: no dev set yet, or written before it
@@ -1000,6 +1001,14 @@ def _refuse_other_data(path: str, saved: dict, cfg: TrainConfig, position: Posit
                          f"{recorded_words}, and the batches of epoch {position.epoch} would train them as another "
                          f"kind of example. {fix}, or start a new run in a new --output-dir")
     if record["order"] != current["order"]:
+        if cfg.bucket and record.get("order_version", 1) != current["order_version"]:
+            raise ValueError(
+                f"cannot resume from {path}: it was written by an earlier angle-train, whose --bucket left out the "
+                "longest examples of each epoch's last bucket where the examples do not fill whole batches; this "
+                "one leaves out a random choice of them, so with --bucket the batches of epoch "
+                f"{position.epoch} come out in another order than the checkpoint's, which would train some examples "
+                "twice and skip others. Finish the run with the angle-train that wrote the checkpoint, or start a "
+                "new run in a new --output-dir")
         named = _differing_settings(saved, cfg, ("max_length",))
         detail = "".join(f", {flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in named.items())
         raise ValueError(

@@ -1397,24 +1397,34 @@ def pad_batch(seqs: TokenRows | list[list[int]], pad_id: int, side: str, device=
     return input_ids.to(device), real.long().to(device)
 
 
+# The version of epoch_batches' order that a checkpoint records (Position.data_record's "order_version"; none:
+# version 1). Version 1's --bucket sorted the last run of examples by length before leaving out those short of a
+# full batch, so an epoch left out the longest examples of that run; version 2 leaves out the tail of the shuffled
+# order, a random choice, before sorting. Orders without --bucket are the same in both.
+ORDER_VERSION = 2
+
+
 def epoch_batches(n: int, batch_size: int, *, seed: int, epoch: int, lengths: list[int] | None = None,
                   bucket_size: int = 0) -> list[list[int]]:
     """The example indices of every full batch of one epoch, a pure function of (seed, epoch).
 
     Being a pure function is what makes resuming exact: a resumed run recomputes the epoch's order and
-    skips the batches it already trained on. With `bucket_size` > 0 (and lengths), each run of
-    bucket_size * batch_size shuffled examples is sorted by length before being cut into batches, and the
-    batches are shuffled again: less padding, still random. The last incomplete batch is dropped.
+    skips the batches it already trained on. The examples short of a last full batch are left out: the tail
+    of the shuffled order, a random choice. With `bucket_size` > 0 (and lengths), each run of
+    bucket_size * batch_size of the shuffled examples kept is sorted by length before being cut into batches, and
+    the batches are shuffled again: less padding, still random. (ORDER_VERSION: --bucket sorted before leaving any
+    out, which left out the longest examples of the last run.)
     """
     if n < batch_size:
         raise ValueError(f"the dataset has {n} examples, fewer than one batch of {batch_size}")
     rng = random.Random(seed * 1_000_003 + epoch)
     order = list(range(n))
     rng.shuffle(order)
+    del order[n - n % batch_size:]
     if bucket_size and lengths is not None:
         span = bucket_size * batch_size
-        order = [i for s in range(0, n, span) for i in sorted(order[s:s + span], key=lambda i: lengths[i])]
-    batches = [order[s:s + batch_size] for s in range(0, n - batch_size + 1, batch_size)]
+        order = [i for s in range(0, len(order), span) for i in sorted(order[s:s + span], key=lambda i: lengths[i])]
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
     if bucket_size and lengths is not None:
         rng.shuffle(batches)
     return batches

@@ -47,8 +47,9 @@ from .checkpoint import (
 from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags
 from .data import (
-    FORMATS, ROWS_PER_EXAMPLE, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs, data_fingerprint,
-    epoch_batches, has_no_splits, load_examples, order_fingerprint, repeated_items, sampled_data_fingerprint, share_of,
+    FORMATS, ORDER_VERSION, ROWS_PER_EXAMPLE, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs,
+    data_fingerprint, epoch_batches, has_no_splits, load_examples, order_fingerprint, repeated_items,
+    sampled_data_fingerprint, share_of,
 )
 from .export import encoding_length, is_peft_model, loaded_name, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
@@ -190,13 +191,14 @@ def save(run: Run) -> str:
 def data_record(examples: int, fingerprint: str, order: list[list[int]], *, fmt: str | None = None,
                 sampled: str | None = None, given: bool = False) -> dict:
     """checkpoint.Position.data_record: the examples' count and data_fingerprint ("contents"), their epoch's batch
-    order's, and their data format ("format"; None: ArcCSE's sentences). sampled: the examples'
-    sampled_data_fingerprint, the one earlier versions recorded ("fingerprint"), given where a checkpoint's record is
-    compared with this one (it may be such a record), never written. given: the examples were given to train()
-    (train_examples), not read from --train-data: a resume then compares no data flag's name with the checkpoint's
-    (--data-format among them), and this record's format stands for --data-format."""
-    record = {"examples": examples, "contents": fingerprint, "order": order_fingerprint(order), "format": fmt,
-              "given": given}
+    order's and the version of epoch_batches that made it (data.ORDER_VERSION), and their data format ("format"; None:
+    ArcCSE's sentences). sampled: the examples' sampled_data_fingerprint, the one earlier versions recorded
+    ("fingerprint"), given where a checkpoint's record is compared with this one (it may be such a record), never
+    written. given: the examples were given to train() (train_examples), not read from --train-data: a resume then
+    compares no data flag's name with the checkpoint's (--data-format among them), and this record's format stands for
+    --data-format."""
+    record = {"examples": examples, "contents": fingerprint, "order": order_fingerprint(order),
+              "order_version": ORDER_VERSION, "format": fmt, "given": given}
     return record if sampled is None else {**record, "fingerprint": sampled}
 
 

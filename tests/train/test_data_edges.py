@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from train_helpers import write_data_file
+from train_helpers import version_1_epoch_batches, write_data_file
 
 from angle_train.data import DataError, load_examples
 
@@ -323,6 +323,26 @@ def test_the_epoch_order_and_its_fingerprint_are_those_checkpoints_recorded():
         [2, 10, 11], [6, 7, 3], [4, 8, 5], [0, 9, 1]]
     assert order_fingerprint([[0, 1], [2, 3]]) == "a1e03200f1f82ad2"
     assert order_fingerprint([[0, 1], [3, 2]]) == "92dd7580bfd5a67a"  # the last batch's order counts
+
+
+def test_bucketing_leaves_out_the_examples_an_unbucketed_epoch_does():
+    """The examples short of a last full batch are the tail of the epoch's shuffled order, a random choice, with
+    --bucket as without: --bucket sorted the last run of examples by length before leaving them out, so an epoch left
+    out the longest of that run (a run of 60 examples in batches of 8 and runs of 2 batches: 4 of the longest 12,
+    every epoch). Orders without --bucket are those of ORDER_VERSION 1, which checkpoints hold."""
+    from angle_train.data import epoch_batches
+
+    lengths = list(range(60))  # each example's length its index: all distinct
+    left_out_lengths = []
+    for seed, epoch in [(0, 0), (1, 3), (7, 2), (42, 9)] + [(5, e) for e in range(20)]:
+        plain = epoch_batches(60, 8, seed=seed, epoch=epoch)
+        assert plain == version_1_epoch_batches(60, 8, seed=seed, epoch=epoch)
+        bucketed = epoch_batches(60, 8, seed=seed, epoch=epoch, lengths=lengths, bucket_size=2)
+        kept = sorted(i for batch in bucketed for i in batch)
+        assert kept == sorted(i for batch in plain for i in batch) and len(kept) == 56
+        left_out_lengths += [lengths[i] for i in set(range(60)) - set(kept)]
+    # a random choice: their mean length is near the data's (29.5), where the longest 4 of 12 average about 48
+    assert 20 < sum(left_out_lengths) / len(left_out_lengths) < 40
 
 
 def test_the_columns_flag_takes_items_separated_by_commas_and_refuses_half_ones():

@@ -11,7 +11,7 @@ import shutil
 import numpy
 import pytest
 import torch
-from train_helpers import make_encoder, run_config
+from train_helpers import make_encoder, run_config, version_1_epoch_batches
 
 from angle_train.checkpoint import (
     Position, checkpoint_path, checkpoint_problem, load_checkpoint, save_checkpoint, write_manifest,
@@ -1186,6 +1186,32 @@ def test_the_data_fingerprint_tells_apart_any_one_change():
     prints.add(data_fingerprint([Example(texts=("a", "b", "c"))]))
     assert len(prints) == 9
     assert data_fingerprint(list(examples)) == data_fingerprint(examples)
+
+
+def test_a_bucketed_checkpoint_of_the_earlier_order_is_refused_naming_the_change(tmp_path, monkeypatch):
+    """A --bucket checkpoint written by the version whose --bucket left out the longest examples of the epoch's last
+    run (ORDER_VERSION 1, recording no version) cannot continue its epoch in this version's order: refused naming
+    --bucket and the change, not as another order of the same data. Without --bucket the orders are the same and
+    such a checkpoint resumes as before."""
+    import angle_train.trainer as trainer
+
+    data = (demo_examples(60, seed=5), "B")  # 7 batches of 8 and 4 examples left out
+    written, ordered = trainer.data_record, trainer.batch_order
+    monkeypatch.setattr(trainer, "data_record", lambda *args, **kwargs: {
+        key: value for key, value in written(*args, **kwargs).items() if key != "order_version"})
+    monkeypatch.setattr(trainer, "batch_order", lambda cfg, dataset, epoch: version_1_epoch_batches(
+        len(dataset), cfg.batch_size, seed=cfg.seed, epoch=epoch, lengths=dataset.lengths, bucket_size=cfg.bucket))
+    for run, bucket in (("bucketed", 2), ("plain", 0)):
+        train(_config(tmp_path / run, bucket=bucket), train_examples=data, on_step=_stop_at(4))
+    monkeypatch.setattr(trainer, "data_record", written)
+    monkeypatch.setattr(trainer, "batch_order", ordered)
+    with pytest.raises(ValueError, match=r"cannot resume from .*step-00000003: it was written by an earlier "
+                                         r"angle-train, whose --bucket left out the longest examples of each epoch's "
+                                         r"last bucket .* Finish the run with the angle-train that wrote the "
+                                         r"checkpoint, or start a new run in a new --output-dir"):
+        train(_config(tmp_path / "bucketed", bucket=2, resume="auto"), train_examples=data)
+    resumed = train(_config(tmp_path / "plain", resume="auto"), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
 
 
 def test_resume_with_bucketing_refuses_a_max_length_that_reorders_the_epoch(tmp_path, capsys):

@@ -166,3 +166,23 @@ def minilm_dir() -> str | None:
     path = spec and spec.submodule_search_locations and os.path.join(next(iter(spec.submodule_search_locations)),
                                                                      "model")
     return path if path and os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def version_1_epoch_batches(n: int, batch_size: int, *, seed: int, epoch: int, lengths=None,
+                            bucket_size: int = 0) -> list[list[int]]:
+    """The epoch order of data.ORDER_VERSION 1, which checkpoints written before the version was recorded hold: the
+    whole shuffled order sorted in runs of bucket_size batches (with --bucket), and then the last incomplete batch
+    dropped."""
+    import random
+
+    rng = random.Random(seed * 1_000_003 + epoch)
+    shuffled = list(range(n))
+    rng.shuffle(shuffled)
+    if bucket_size and lengths is not None:
+        runs = [sorted(shuffled[start:start + bucket_size * batch_size], key=lengths.__getitem__)
+                for start in range(0, n, bucket_size * batch_size)]
+        shuffled = [index for each in runs for index in each]
+    full = [shuffled[k * batch_size:(k + 1) * batch_size] for k in range(n // batch_size)]
+    if bucket_size and lengths is not None:
+        rng.shuffle(full)
+    return full
