@@ -137,7 +137,8 @@ class TrainConfig:
     lr: float = opt(2e-5, "peak learning rate (AdamW)", group="optimisation", above=0)
     weight_decay: float = opt(0.01, "AdamW weight decay (matrices only, not biases or norms)", group="optimisation",
                               at_least=0)
-    warmup: float = opt(0.1, "warmup: a fraction of the steps if < 1, else a number of steps",
+    warmup: float = opt(0.1, "warmup: a fraction of the steps if < 1 (rounded up, as Hugging Face's Trainer "
+                        "rounds it: 0.1 of 5 steps is 1), else a number of steps",
                         group="optimisation", at_least=0)
     schedule: str = opt("linear", "learning-rate decay after warmup", group="optimisation",
                         choices=["linear", "cosine", "constant"])

@@ -995,7 +995,10 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.devic
 
 
 def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
-    return int(cfg.warmup * total_steps) if cfg.warmup < 1 else int(cfg.warmup)
+    """The steps of --warmup: a number of steps, or below 1 a fraction of the run's steps rounded up, as Hugging Face's
+    Trainer rounds it (TrainingArguments.get_warmup_steps), so that a short run given a fraction warms up (rounded
+    down, 0.1 of 5 steps was none)."""
+    return math.ceil(cfg.warmup * total_steps) if cfg.warmup < 1 else int(cfg.warmup)
 
 
 def make_schedule(cfg: TrainConfig, optimizer, total_steps: int):
@@ -1401,6 +1404,7 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
             f"{len(run.dataset):,} examples in format {fmt} ({', '.join(FORMATS[fmt])})")
     loss = loss_description(cfg, fmt, run.loss_name, run.encoder.embedding_dim)
     widths = cfg.trained_widths(run.encoder.embedding_dim)
+    warmup = warmup_steps(cfg, run.total_steps)
 
     def source(argument: str, flag_value) -> str:  # what the flag names, or what train() was given in its place
         return f"the {argument.replace('_', ' ')} given to train()" if argument in run.given else f"`{flag_value}`"
@@ -1429,8 +1433,8 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
               f"- loss: {loss}",
               f"- steps: {position.step} optimizer step{'s' * (position.step != 1)} of {run.total_steps}, each "
               f"{cfg.batch_size} x {cfg.grad_accum} {batch_items(fmt)}; lr {cfg.lr:g} "
-              f"({cfg.schedule}, warmup {warmup_steps(cfg, run.total_steps)} steps); texts cut at {cfg.max_length} "
-              "tokens", ""]
+              f"({cfg.schedule}, warmup {warmup} step{'s' * (warmup != 1)}); texts cut at {cfg.max_length} tokens",
+              ""]
     if evals:
         label = tracking.DEV_METRICS[metric]
         what = ("cosine similarity against the gold scores" if metric == "dev_spearman" else

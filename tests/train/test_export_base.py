@@ -432,7 +432,8 @@ def test_damaged_sentence_transformers_files_are_named_before_the_model_loads(tm
 
 def test_a_model_card_gives_the_steps_of_its_model_and_the_weights_of_its_format(tmp_path):
     """best/'s card counts the steps of the model it holds (the best one, here step 1 of 3), not the run's; a format C
-    run's card lists the hard-negative weight cln_w with the others."""
+    run's card lists the hard-negative weight cln_w with the others, and the warmup's steps as the run took them (the
+    default --warmup 0.1 of 3 steps, rounded up: 1)."""
     from angle_train import trainer
     from angle_train.checkpoint import best_record
     from angle_train.data import Example
@@ -450,7 +451,7 @@ def test_a_model_card_gives_the_steps_of_its_model_and_the_weights_of_its_format
     assert best_record(str(tmp_path / "best"))["step"] == 1
     best, final = ((tmp_path / name / "README.md").read_text() for name in ("best", "final"))
     assert "- steps: 1 optimizer step of 3, each 8 x 1 pairs" in best
-    assert "- steps: 3 optimizer steps of 3, each 8 x 1 pairs" in final
+    assert "- steps: 3 optimizer steps of 3, each 8 x 1 pairs; lr 2e-05 (linear, warmup 1 step);" in final
     assert "AngleLoss (format C): cosine_w=0, ibn_w=1, cln_w=2, angle_w=0.02;" in final
 
 

@@ -51,10 +51,13 @@ def test_data_of_exactly_one_step_trains_and_no_dev_data_names_no_best_metric(tm
 
 def test_fractional_epochs_round_down_and_a_warmup_of_one_is_one_step():
     """--epochs 1.5 over 3 steps an epoch is 4 whole steps (not 5); --warmup 1 is one step (values >= 1 count steps,
-    below 1 a fraction of the run)."""
+    below 1 a fraction of the run, rounded up as Hugging Face's Trainer rounds it: 0.1 of 5 steps was none)."""
     assert count_steps(TrainConfig(batch_size=4, epochs=1.5), n_examples=12, world_size=1) == 4
     assert warmup_steps(TrainConfig(warmup=1.0), total_steps=100) == 1
     assert warmup_steps(TrainConfig(warmup=0.1), total_steps=100) == 10
+    assert warmup_steps(TrainConfig(warmup=0.1), total_steps=5) == 1
+    assert warmup_steps(TrainConfig(warmup=0.25), total_steps=10) == 3
+    assert warmup_steps(TrainConfig(warmup=0.0), total_steps=10) == 0
 
 
 def test_the_learning_rate_curve_holds_the_warmups_corner_off_its_grid():
