@@ -455,9 +455,7 @@ def encoding_progress(encoder, texts: int, description: str, progress: bool | No
     """A tqdm bar on stderr counting the texts `encoder` embeds inside the with block, out of `texts`. progress:
     True or False, or None: shown when stderr is a terminal (not in a log file or a pipe). It counts at the
     encoder's forward (a hook), which leaves Encoder.encode's batching as it is."""
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
+    if not shows_progress(progress):
         yield
         return
     from tqdm.auto import tqdm
@@ -475,12 +473,18 @@ def encoding_progress(encoder, texts: int, description: str, progress: bool | No
         bar.close()
 
 
+def shows_progress(progress: bool | None) -> bool:
+    """Whether --progress shows progress bars: True or False as given, None (not given) where stderr is a terminal,
+    not a log file or a pipe."""
+    return sys.stderr.isatty() if progress is None else progress
+
+
 @contextlib.contextmanager
 def library_progress_bars(enabled: bool | None):
-    """Inside, unless `enabled` (True, or None: as the libraries decide), the progress bars of transformers (loading
-    weights, "Writing model shards") and huggingface_hub (downloads) are off: --progress 0 prints none. As they were
-    after."""
-    if enabled is not False:
+    """Inside, unless `enabled` (True, or None where stderr is a terminal: shows_progress), the progress bars of
+    transformers (loading weights, "Writing model shards") and huggingface_hub (downloads) are off: --progress 0, or
+    angle-eval's default into a log file, prints none. As they were after."""
+    if shows_progress(enabled):
         yield
         return
     switches = []
@@ -713,7 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "adapter-only best/ (default: the base it was trained on)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results there")
     parser.add_argument("--progress", type=parse_bool, nargs="?", const=True, default=None, metavar="0|1",
-                        help="a progress bar per dataset on stderr (default: when stderr is a terminal)")
+                        help="a progress bar per dataset on stderr, and transformers' own as the model loads "
+                             "(default: when stderr is a terminal)")
     parser.add_argument("--debug", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
                         help="show the traceback of a mistake in the arguments, files or data (default: one line)")
     parser.add_argument("--version", action="version", version=version_text("angle-eval"))
