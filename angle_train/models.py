@@ -699,13 +699,20 @@ def read_adapter_config(adapter_folder: str, *, label: str = "the LoRA adapter "
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
+# Keys of an adapter's adapter_config.json that are no part of the adapter a run starts from (adapter_fingerprint):
+# where its base was found (the base is compared as --model), and the dropout peft applies to the adapted layers'
+# input in training, which --lora-dropout replaces
+ADAPTER_CONFIG_NOT_THE_ADAPTER = ("base_model_name_or_path", "lora_dropout")
+
+
 def adapter_fingerprint(adapter_folder: str) -> str:
     """A fingerprint of the adapter in `adapter_folder`: its adapter_config.json's settings (without
-    base_model_name_or_path, where the base was found: the base is compared as --model) and the bytes of its weights'
-    files (ADAPTER_WEIGHTS). A copy or a move of the adapter has its fingerprint; another adapter of the same settings
+    ADAPTER_CONFIG_NOT_THE_ADAPTER) and the bytes of its weights' files (ADAPTER_WEIGHTS). A copy or a move of the
+    adapter has its fingerprint, and so has the adapter with another dropout; another adapter of the same settings
     and shapes, or the folder's files replaced since, another."""
     config = read_adapter_config(adapter_folder)
-    config.pop("base_model_name_or_path", None)
+    for key in ADAPTER_CONFIG_NOT_THE_ADAPTER:
+        config.pop(key, None)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for name in ADAPTER_WEIGHTS:
         path = os.path.join(adapter_folder, name)

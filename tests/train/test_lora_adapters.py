@@ -246,8 +246,8 @@ def test_a_resume_compares_the_starting_adapter_by_its_contents(tmp_path, monkey
     """The adapter a run started from is recorded by its absolute path (config.json) and its contents (the
     checkpoints): a resume from another working folder with another adapter under the same relative name (same
     shapes, so the checkpoint's weights would fit), or without one, is refused naming --lora-path; the same adapter
-    copied elsewhere resumes. It was recorded as given: the relative name was compared as text, and took the other
-    adapter. A checkpoint written before resumes as it did."""
+    copied elsewhere resumes, its dropout edited too (no part of its weights). It was recorded as given: the relative
+    name was compared as text, and took the other adapter. A checkpoint written before resumes as it did."""
     import shutil
 
     from angle_train.checkpoint import finished_checkpoints, write_manifest
@@ -269,8 +269,12 @@ def test_a_resume_compares_the_starting_adapter_by_its_contents(tmp_path, monkey
             train(run_config(tmp_path / "out", lora_path=lora_path, max_steps=2, resume="auto", lora_r=4,
                              lora_targets=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0, **settings))
     moved = str(shutil.copytree(tmp_path / "first" / "adapter", tmp_path / "moved"))
+    # its dropout edited: no part of the weights (--lora-dropout replaces it), so the same adapter
+    config_path = tmp_path / "moved" / ADAPTER_CONFIG
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "lora_dropout": 0.25}))
     train(run_config(tmp_path / "out", lora_path=moved, max_steps=2, resume="auto", **settings))
-    assert "resumed from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "--lora-dropout 0.0 -> 0.25" in out
     # a checkpoint of the earlier format, which recorded --lora-path as given and not the adapter's contents, resumes
     # as it did: --lora-path compared by where it leads, a relative one from the working folder
     checkpoint = finished_checkpoints(str(tmp_path / "out"))[-1]
