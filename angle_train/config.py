@@ -13,7 +13,9 @@ from angle_kernels.inputs import check_arccon_options, check_scale
 
 from .cli_common import parse_bool
 from .data import Prompts, names_local_path, parse_columns
-from .models import ADAPTER_CONFIG, adapted_layer_names, adapter_config_base, read_adapter_config
+from .models import (
+    ADAPTER_CONFIG, PEFT_LORA_DROPOUT, adapted_layer_names, adapter_config_base, read_adapter_config,
+)
 
 MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every library the run uses accepts
 # Plain backprop's sub-batches on CPU (--pass-tokens): MiniLM on STS-B, 2 cores, forward + backward per step, one
@@ -383,7 +385,7 @@ class TrainConfig:
                              "expected a LoRA one")
         alpha = adapter["lora_alpha"]
         settings = {"lora_r": adapter["r"], "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
-                    "lora_dropout": adapter.get("lora_dropout", 0.0),
+                    "lora_dropout": adapter.get("lora_dropout", PEFT_LORA_DROPOUT),
                     "lora_targets": adapted_layer_names(adapter["target_modules"])}
         for name, value in settings.items():
             setting = getattr(self, name)

@@ -662,7 +662,9 @@ def _is_number(value) -> bool:
 
 # The settings of adapter_config.json that a LoRA adapter's weights are read with: (whether peft always writes it,
 # whether a value is one, what is expected). Without its rank and alpha peft takes its defaults (8 and 8): other
-# weight shapes, or the same ones at another scale, in silence; the dropout is peft's 0 when it is not there.
+# weight shapes, or the same ones at another scale, in silence; the dropout is peft's PEFT_LORA_DROPOUT when it is not
+# there.
+PEFT_LORA_DROPOUT = 0.0
 LORA_ADAPTER_FIELDS = {
     "r": (True, lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 1,
           "the adapter's rank, a whole number of at least 1"),

@@ -58,9 +58,9 @@ from .evaluate import (
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
-    ADAPTER_CONFIG, AdapterFitError, LoraSettings, LoraTargetError, absolute_if_local, adapted_layer_names,
-    attach_adapter, load_encoder, own_bidirectional, own_prompts, past_trained_context_note, position_limit,
-    prepare_tokenizer, read_adapter_config, wrap_backbone,
+    ADAPTER_CONFIG, PEFT_LORA_DROPOUT, AdapterFitError, LoraSettings, LoraTargetError, absolute_if_local,
+    adapted_layer_names, attach_adapter, load_encoder, own_bidirectional, own_prompts, past_trained_context_note,
+    position_limit, prepare_tokenizer, read_adapter_config, wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -698,7 +698,7 @@ def adapter_dropout_note(cfg: TrainConfig) -> str | None:
     TrainConfig._take_adapter_settings), or None: the adapter's weights are the same, its training is not."""
     if not cfg.lora_path:
         return None
-    own = read_adapter_config(cfg.lora_path, label="--lora-path ").get("lora_dropout", 0.0)
+    own = read_adapter_config(cfg.lora_path, label="--lora-path ").get("lora_dropout", PEFT_LORA_DROPOUT)
     if own == cfg.lora_dropout:
         return None
     return (f"angle_train: note: --lora-dropout {cfg.lora_dropout:g} replaces the dropout {own:g} of the adapter of "
