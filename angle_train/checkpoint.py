@@ -224,12 +224,24 @@ def _refuse_earlier_run_for_another_runs_checkpoint(cfg: TrainConfig, done: list
                          "is not one of its checkpoints: resumed there, it would replace that run's outputs and mix "
                          "both runs' metrics. Choose a new --output-dir, pass --overwrite 1 to delete that run "
                          f"first{own}")
-    resumed = os.path.realpath(cfg.resume)
-    for name in RUN_OUTPUTS:
-        deleted = os.path.realpath(os.path.join(cfg.output_dir, name))
-        if os.path.commonpath([resumed, deleted]) == deleted:
-            raise ValueError(f"--overwrite 1 would delete {cfg.resume}, the checkpoint to resume from, with the "
-                             f"earlier run in {cfg.output_dir}: choose a new --output-dir")
+    if run_output_holding(cfg.resume, cfg.output_dir):
+        raise ValueError(f"--overwrite 1 would delete {cfg.resume}, the checkpoint to resume from, with the "
+                         f"earlier run in {cfg.output_dir}: choose a new --output-dir")
+
+
+def refuse_starts_among_run_outputs(cfg: TrainConfig, *, model: bool = True) -> None:
+    """A --model or --lora-path in what a run writes into --output-dir (run_output_holding: a run's best/, final/, a
+    checkpoint) is refused before anything is loaded or deleted: the run replaces best/ and final/ and prunes its
+    checkpoints, and --overwrite 1 deletes them all before it trains, so the run would record as its start a folder
+    that holds other weights, or none (a --resume of it refused as another model or adapter). model: False where
+    train() was given the model in place of --model's."""
+    for flag, name in (("--model", cfg.model if model else None), ("--lora-path", cfg.lora_path)):
+        output = name and os.path.exists(name) and run_output_holding(name, cfg.output_dir)
+        if output:
+            raise ValueError(f"{flag} {name} lies in {output}, which the run in --output-dir {cfg.output_dir} writes "
+                             "(it replaces best/ and final/ and prunes its checkpoints; --overwrite 1 deletes them "
+                             f"first): copy it out of {cfg.output_dir} and give {flag} the copy, or choose another "
+                             "--output-dir")
 
 
 def check_not_a_model_folder(output_dir: str) -> None:
@@ -311,14 +323,26 @@ def earlier_run_outputs(output_dir: str) -> list[str]:
     return found
 
 
+def run_output_paths(output_dir: str) -> list[str]:
+    """The paths of what a run writes into output_dir (RUN_OUTPUTS, with their .tmp/.old leftovers), there or not."""
+    return [os.path.join(output_dir, name + suffix) for name in RUN_OUTPUTS for suffix in ("", ".tmp", ".old")]
+
+
+def run_output_holding(path: str, output_dir: str) -> str | None:
+    """The run output of output_dir (run_output_paths) that `path` is or lies in, relative paths and links resolved
+    (a link elsewhere to output_dir/best/ lies in it), or None."""
+    where = os.path.realpath(path)
+    return next((output for output in run_output_paths(output_dir)
+                 if os.path.commonpath([where, os.path.realpath(output)]) == os.path.realpath(output)), None)
+
+
 def remove_earlier_run(output_dir: str) -> None:
     """--overwrite: delete what an earlier run wrote into output_dir (RUN_OUTPUTS), leaving any other file alone."""
-    for name in RUN_OUTPUTS:
-        for path in (os.path.join(output_dir, name + suffix) for suffix in ("", ".tmp", ".old")):
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
+    for path in run_output_paths(output_dir):
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
 
 
 def set_aside_later_line(output_dir: str, step: int) -> str | None:

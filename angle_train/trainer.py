@@ -41,8 +41,8 @@ from . import arccse, distributed, faults, preflight, run_lock, sharding, st_fol
 from .checkpoint import (
     Position, base_model_record, best_holds, best_is_adapter_only, checkpoint_path, checkpoint_to_resume,
     clear_non_finite_stop, finished_checkpoints, is_own_checkpoint, load_checkpoint, prune_checkpoints, reconcile_best,
-    record_non_finite_stop, refuse_other_process_count, remove_earlier_run, save_best, save_checkpoint, save_final,
-    set_aside_later_line,
+    record_non_finite_stop, refuse_other_process_count, refuse_starts_among_run_outputs, remove_earlier_run, save_best,
+    save_checkpoint, save_final, set_aside_later_line,
 )
 from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags
@@ -327,6 +327,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                          "given a model in its place: attach the adapter to that model (models.attach_adapter), or "
                          "leave out --lora-path")
     cfg.check_paths(model=model is None, train_data=train_examples is None, dev_data=dev_examples is None)
+    refuse_starts_among_run_outputs(cfg, model=model is None)
     tracking.resolve_report_to(cfg.report_to)  # a tracker that cannot run: refused before the model loads
     resume_from = checkpoint_to_resume(cfg)
     device = resolve_device(cfg.device)

@@ -290,6 +290,38 @@ def test_a_resume_compares_the_starting_adapter_by_its_contents(tmp_path, monkey
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_a_start_in_what_the_run_writes_into_its_output_dir_is_refused_before_anything_is_deleted(
+        tmp_path, monkeypatch):
+    """An adapter (--lora-path) or a model (--model) in the run's own --output-dir outputs (its best/, final/, a
+    checkpoint), named by a relative path or through a link, is refused naming the flag and --output-dir, before
+    --overwrite 1 deletes it: the run replaces best/ and final/, so it would record as its start a folder holding other
+    weights, and a resume was refused as another adapter. They were read, then deleted with the earlier run."""
+    import shutil
+
+    from angle_train.trainer import train
+    from train_helpers import run_config
+
+    base = causal_lm(tmp_path / "base")
+    out = tmp_path / "runs" / "a"
+    adapter, _ = causal_adapter(base, out / "best", targets=["q_proj", "v_proj"])
+    shutil.copytree(base, out / "final")
+    (tmp_path / "link").symlink_to(out / "best")
+    monkeypatch.chdir(tmp_path)
+    for settings, flag, named, held in (({"model": base, "lora_path": "runs/a/best"}, "--lora-path", "runs/a/best",
+                                         "best"),
+                                        ({"model": base, "lora_path": "link"}, "--lora-path", "link", "best"),
+                                        ({"model": "runs/a/final"}, "--model", "runs/a/final", "final")):
+        named = tmp_path / named if flag == "--lora-path" else named  # recorded by its absolute path
+        said = (f"^{flag} {re.escape(str(named))} lies in runs/a/{held}, which the run in --output-dir runs/a writes "
+                rf"\(it replaces best/ and final/ and prunes its checkpoints; --overwrite 1 deletes them first\): copy "
+                f"it out of runs/a and give {flag} the copy, or choose another --output-dir$")
+        with pytest.raises(ValueError, match=said):
+            train(run_config("runs/a", lora=flag == "--lora-path", overwrite=True, max_steps=1, batch_size=4,
+                             **settings))
+    assert sorted(path.name for path in out.iterdir()) == ["best", "final"]  # nothing deleted
+    assert adapter == str(out / "best")
+
+
 def test_an_adapter_config_without_its_lora_settings_is_refused_naming_the_file_and_setting(
         tmp_path, monkeypatch, capsys):
     """An adapter_config.json without the rank, alpha or layers its weights are read with, or with one in a form that
