@@ -32,6 +32,10 @@ CPU_PACK_WIDTH = 128
 # compared with the adapter's rank as `--lora-r 8` is, and `--lora-dropout 0.05` replaces its dropout
 # (TrainConfig._take_adapter_settings)
 LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05}
+# The passes over the data a run takes where --epochs is not given and --max-steps does not set its length. The field
+# defaults to None, "not given", as the LoRA settings do: `--epochs 1` given with --max-steps is compared with it (the
+# note of trainer.max_steps_note) as `--epochs 2` is; left out with --max-steps, it stays None (_take_epochs)
+DEFAULT_EPOCHS = 1.0
 
 
 def opt(default, help: str, **extra):
@@ -133,7 +137,8 @@ class TrainConfig:
                     "measured 1.2-1.65x faster than sorted padded passes on STS-B, for models that take it (sdpa or "
                     "eager attention, checked at start-up), off on GPU",
                     group="optimisation", at_least=0)
-    epochs: float = opt(1.0, "passes over the training data", group="optimisation", above=0)
+    epochs: float = opt(None, f"passes over the training data (default: {DEFAULT_EPOCHS:g}; with --max-steps, "
+                        "which sets the run's length, none)", group="optimisation", above=0)
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = use epochs; given, it overrides --epochs)",
                          group="optimisation", at_least=0)
     lr: float = opt(2e-5, "peak learning rate (AdamW)", group="optimisation", above=0)
@@ -245,6 +250,7 @@ class TrainConfig:
         """Refuse settings that cannot work, naming the flag, before anything is loaded. What depends on the data
         or the model is checked once they are read (trainer.setup)."""
         given_lora = self._take_lora_defaults()
+        self._take_epochs()
         self._validate_kinds()
         self._validate_ranges()
         for name in ("cosine_tau", "ibn_tau", "angle_tau"):  # AngleLoss's own rule (its bound too), the flag named
@@ -362,6 +368,13 @@ class TrainConfig:
             setattr(self, name, LORA_DEFAULTS[name])
         return given
 
+    def _take_epochs(self) -> None:
+        """--epochs not given (None): DEFAULT_EPOCHS where they set the run's length; with --max-steps, which sets it,
+        None still, so that a given --epochs, its default value too, is known as given (trainer.max_steps_note) in
+        this run, config.json and a resume of it."""
+        if self.epochs is None and not self.max_steps:
+            self.epochs = DEFAULT_EPOCHS
+
     def _take_adapter_settings(self, *, given: set[str]) -> None:
         """--lora-path: the adapter's LoRA settings (rank, alpha, dropout, layers: those of the weights the run starts
         from) are the run's, recorded as if given (config.json, the checkpoints, the model card's command); a --lora-r,
@@ -443,7 +456,8 @@ class TrainConfig:
         model and the training data always, and with --lora-path the LoRA settings the run took (the adapter's, or a
         given --lora-dropout, which a default left out would not give: the adapter's would replace it)."""
         words = ["angle-train"]
-        always = ("model", "train_data", *(LORA_DEFAULTS if self.lora_path else ()))
+        always = ("model", "train_data", *(LORA_DEFAULTS if self.lora_path else ()),
+                  *(("epochs",) if self.max_steps else ()))  # given with --max-steps, its default too
         for f in fields(self):
             value = getattr(self, f.name)
             if (not self.changed(f.name) and f.name not in always) or value is None:
@@ -557,9 +571,11 @@ def prompt_flags(prompts: Prompts) -> str:
 
 def default_of(name: str):
     """The default of the TrainConfig setting `name`: the value a run takes without it (a LoRA setting's
-    LORA_DEFAULTS value, which its field's None stands for)."""
+    LORA_DEFAULTS value, DEFAULT_EPOCHS: which their fields' None stands for)."""
     if name in LORA_DEFAULTS:
         return LORA_DEFAULTS[name]
+    if name == "epochs":
+        return DEFAULT_EPOCHS
     f = next(f for f in fields(TrainConfig) if f.name == name)
     return f.default_factory() if f.default is MISSING else f.default
 

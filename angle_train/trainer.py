@@ -939,7 +939,7 @@ def max_steps_note(cfg: TrainConfig, n_examples: int, world_size: int) -> str | 
     """The line saying that --max-steps, not a given --epochs, sets the run's length where the two disagree: the
     steps --max-steps asks for are taken (as Hugging Face's Trainer does), and a run that stops partway through its
     epochs or goes on past them would otherwise say nothing of it."""
-    if not cfg.max_steps or not cfg.changed("epochs"):
+    if not cfg.max_steps or cfg.epochs is None:  # --epochs given: its default value too (config._take_epochs)
         return None
     steps = epoch_steps(cfg, n_examples, world_size)
     if steps == cfg.max_steps:

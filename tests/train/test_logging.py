@@ -133,6 +133,35 @@ def test_the_header_says_when_max_steps_overrides_the_epochs_given(tmp_path, cap
     assert "note: --max-steps" not in capsys.readouterr().out
 
 
+def test_an_epochs_given_with_its_default_value_is_given_with_max_steps(tmp_path):
+    """--epochs 1 given with --max-steps is given, as --epochs 2 is: the note says --max-steps overrides it, from the
+    command line, a --config file and Python alike, and the recorded command, config.json and a validation again keep
+    it. It was taken for --epochs left out, being the default: the run stopped partway through the epoch given, in
+    silence. Left out with --max-steps it stays None (not given); without --max-steps it is 1, as before."""
+    import dataclasses
+    import json
+    import shlex
+
+    from angle_train.cli import config_from_args
+    from angle_train.trainer import max_steps_note
+
+    said = ("angle_train: note: --max-steps 3 ends the run before --epochs 1's 8 steps: --max-steps sets the run's "
+            "length when both are given")
+    cfg = config_from_args(["--batch-size", "8", "--max-steps", "3", "--epochs", "1"])
+    assert cfg == TrainConfig(batch_size=8, max_steps=3, epochs=1.0).validate() == cfg.validate()
+    assert max_steps_note(cfg, 64, 1) == said  # 64 examples in batches of 8: 8 steps an epoch
+    assert config_from_args(shlex.split(cfg.command_line())[1:]) == cfg
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dataclasses.asdict(cfg)))
+    assert max_steps_note(config_from_args(["--config", str(path)]), 64, 1) == said
+    left_out = config_from_args(["--batch-size", "8", "--max-steps", "3"])
+    assert left_out.epochs is None and max_steps_note(left_out, 64, 1) is None
+    assert "--epochs" not in left_out.command_line()
+    path.write_text(json.dumps(dataclasses.asdict(left_out)))  # its config.json: "epochs": null
+    assert config_from_args(["--config", str(path)]) == left_out
+    assert config_from_args(["--batch-size", "8"]).epochs == TrainConfig().validate().epochs == 1.0
+
+
 def test_a_run_says_what_it_tokenises_before_it_does(tmp_path, capsys):
     """Tokenising the training texts is most of the start-up with a lot of data (about 30 s of the 42 s to the first
     step at a million short pairs on 2 cores), and nothing was printed until it was done: a line before it says how
