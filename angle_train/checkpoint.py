@@ -73,7 +73,7 @@ import numpy
 import torch
 import transformers
 
-from .config import PROMPT_SETTINGS, TrainConfig, flag_of, flag_words, prompts_of
+from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, prompts_of
 from .data import FORMATS, has_no_splits, parse_columns
 from .distributed import DistInfo, barrier
 from .export import is_peft_model, save_pretrained
@@ -903,9 +903,16 @@ def _refuse_other_weights(path: str, saved_cfg: dict, cfg: TrainConfig, saved: d
 
 
 def _changed_optimizer_settings(saved: dict, cfg: TrainConfig) -> dict:
-    """{setting: (checkpoint's value, this run's)} of the RESUME_APPLIES settings that differ."""
+    """{setting: (checkpoint's value, this run's)} of the RESUME_APPLIES settings that differ. --epochs not given
+    (None: --max-steps sets the length) is its default there: a checkpoint that recorded the default 1.0 for it
+    (before a given --epochs was told apart from none) did not change it."""
     current = asdict(cfg)
-    return {k: (saved.get(k), current[k]) for k in RESUME_APPLIES if k in saved and saved[k] != current[k]}
+
+    def value(settings: dict, name: str):
+        return default_of(name) if name == "epochs" and settings[name] is None else settings[name]
+
+    return {k: (saved.get(k), current[k]) for k in RESUME_APPLIES
+            if k in saved and value(saved, k) != value(current, k)}
 
 
 def _apply_optimizer_settings(optimizer, scheduler, saved_schedule: dict, settings: list[dict]) -> None:

@@ -4,6 +4,7 @@ that are not what they seem (a run's folder, damaged metadata or weights, no tok
 CPU out-of-memory with --auto-chunk, a signal after the final export. Nothing is lost and nothing is silent: each
 ends in one line naming the flag or file, a warning, or a run that does what it says. In-process, tiny models."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -21,7 +22,7 @@ import torch
 from test_cli_errors import assert_one_line_error, run, write_stsb
 from train_helpers import make_encoder, run_config
 
-from angle_train import distributed, tracking
+from angle_train import checkpoint, distributed, tracking
 from angle_train.export import save_pretrained
 from angle_train.tiny import demo_examples
 from angle_train.trainer import StopTraining, setup, train
@@ -162,6 +163,18 @@ def test_resume_applies_a_changed_warmup_and_gradient_clipping(tmp_path, capsys)
     assert "(--warmup 1.0 -> 4.0, --max-grad-norm 1.0 -> 0.5)" in capsys.readouterr().out
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     assert {k: recorded[k] for k in new} == new
+
+
+def test_a_checkpoint_recording_the_default_epochs_with_max_steps_changed_no_setting(tmp_path):
+    """A checkpoint written when --epochs not given was recorded as its default (1.0) resumes a run with the same
+    --max-steps and no --epochs (None now) without a changed --epochs: the same run length, nothing to say; a given
+    --epochs that differs still is one."""
+    cfg = _config(tmp_path / "run")
+    cfg.validate()
+    assert cfg.epochs is None
+    recorded = {**dataclasses.asdict(cfg), "epochs": 1.0}
+    assert checkpoint._changed_optimizer_settings(recorded, cfg) == {}
+    assert checkpoint._changed_optimizer_settings({**recorded, "epochs": 3.0}, cfg) == {"epochs": (3.0, None)}
 
 
 def _stop():
