@@ -94,7 +94,9 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
     parser.add_argument("--no-check", action="store_true",
                         help="skip the agreement check of all providers before the sweep")
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--out", default=None, help="output folder (default bench/results/<device>-<date>)")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default bench/results/<device>-<date>, with b, c, ... after the date "
+                             "where that folder exists: a sweep never writes into an earlier one's results)")
     args = parser.parse_args(argv)
     args.losses = [x for x in args.losses.split(",") if x]
     for loss in args.losses:
@@ -130,6 +132,8 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and not value >= 0:  # NaN too
             parser.error(f"--{flag.replace('_', '-')} must be 0 or more, got {value:g}")
+    if not args.case_timeout > 0:  # 0 would kill the providers' probe before the sweep starts
+        parser.error(f"--case-timeout must be more than 0 seconds, got {args.case_timeout:g}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -519,8 +523,10 @@ def render_markdown(results, env, args, losses, limits, checks, missing, provide
     # where the results.json of a sweep from before it was recorded has no checkout, none is said
     checkout = (f" ({env['angle_kernels_path']}, commit {env['angle_kernels_commit']})"
                 if "angle_kernels_commit" in env else "")
-    lines.append(f"- torch {env['torch']}, triton {env.get('triton')}, sentence-transformers "
-                 f"{env.get('sentence_transformers')}, angle-emb {env.get('angle_emb')}, angle_kernels "
+    # a package that is not installed (or a reference that did not run) has no version: None would read as one
+    lines.append(f"- torch {env['torch']}, triton {env.get('triton') or 'not installed'}, sentence-transformers "
+                 f"{env.get('sentence_transformers') or 'not installed'}, angle-emb "
+                 f"{env.get('angle_emb') or 'not run'}, angle_kernels "
                  f"{env.get('angle_kernels')}{checkout}" + (f"; {thread_text}" if thread_text else ""))
     if args.device == "cuda":
         lines.append(f"- GPU {env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}")
@@ -562,7 +568,8 @@ def render_markdown(results, env, args, losses, limits, checks, missing, provide
         agreement = [f"{loss}/{name} vs {err['against']}: value {err['value']:.1e}, grad {err['grad']:.1e}"
                      for loss, errs in checks.items() for name, err in errs.items()]
         check_dtype = "float64" if args.device == "cpu" else "float32"
-        lines.append(f"- agreement check (N=24, D=32, {check_dtype}): " + "; ".join(agreement))
+        lines.append(f"- agreement check (N=24, D=32, {check_dtype}): "
+                     + ("; ".join(agreement) or f"nothing to compare: no provider besides {primary} ran"))
     lines.append("")
 
     index = {(r["loss"], r["n"], r["d"], r["dtype"], r["provider"]): r for r in results}
@@ -620,6 +627,16 @@ COLORS = {"ours-triton": "#d62728", "ours-cuda": "#9467bd", "ours-torch": "#1f77
           "angle-emb": "#ff7f0e", "sentence-transformers": "#2ca02c", "eager-pytorch": "#8c564b"}
 MARKERS = {"ours-triton": "o", "ours-cuda": "D", "ours-torch": "o", "angle-emb": "s", "sentence-transformers": "^",
            "eager-pytorch": "v"}
+
+
+def plotting_unavailable() -> str | None:
+    """Why plot() cannot run here (matplotlib, an optional package, missing), or None: said before the sweep, so
+    that a machine without it still gets its table and JSON and a notice rather than a traceback at the end."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def plot(results, args, losses, env, path: Path) -> None:
@@ -698,8 +715,14 @@ def main(argv, losses: dict, default_losses) -> int:
     # --time-budget counts from here: probing the providers, the agreement check and the limits use it too.
     deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     now = datetime.datetime.now(datetime.timezone.utc)
-    out = Path(args.out) if args.out else harness.HERE / "results" / f"{args.device}-{now:%Y-%m-%d}"
+    out = (Path(args.out) if args.out
+           else unused_results_folder(harness.HERE / "results", f"{args.device}-{now:%Y-%m-%d}"))
     out.mkdir(parents=True, exist_ok=True)
+    no_plot_why = None if args.no_plot else plotting_unavailable()
+    if no_plot_why:
+        print(f"# no plot.png: matplotlib is not available ({no_plot_why}); `pip install matplotlib` for it, or "
+              "--no-plot to say so", flush=True)
+        args.no_plot = True
     losses = [losses[name] for name in args.losses]
 
     if args.device == "cpu":
@@ -775,6 +798,15 @@ def main(argv, losses: dict, default_losses) -> int:
     print(f"\nsweep took {elapsed:.0f} s; wrote {out / 'table.md'}, {out / 'results.json'}"
           + ("" if args.no_plot else f", {out / 'plot.png'}"))
     return 0
+
+
+def unused_results_folder(parent: Path, name: str) -> Path:
+    """parent/name, or the first of parent/name + b, c, ... that does not exist: the default output folder is dated,
+    and a second sweep on the same day (or on the day of a committed run) must not rewrite the first one's files."""
+    for suffix in ("", *"bcdefghijklmnopqrstuvwxyz"):
+        if not (parent / f"{name}{suffix}").exists():
+            return parent / f"{name}{suffix}"
+    raise FileExistsError(f"{parent / name} and its 25 lettered successors exist: pass --out")
 
 
 def angle_emb_version(providers) -> str | None:

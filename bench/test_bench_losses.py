@@ -208,7 +208,14 @@ SCRIPT_RUNS = {
                    "--providers", "ours,reference", "--repeats", "3", "--max-ref-gb", "0.00005"),
     "time_budget": ("--losses", "cosine,triplet", "--n", "16,64", "--d", "32", "--providers", "ours",
                     "--time-budget", "0", "--no-plot", "--no-check"),
+    "without_matplotlib": ("--losses", "cosine", "--n", "16", "--d", "32", "--providers", "ours",
+                           "--time-budget", "0", "--no-check"),
 }
+# The runs made as on a machine without some optional packages: their imports fail (sys.modules[name] = None)
+HIDDEN_PACKAGES = {"without_matplotlib": "matplotlib"}
+# python -c HIDING PACKAGES SCRIPT ARGS...: runs SCRIPT as `python SCRIPT ARGS...` would, with PACKAGES' imports failing
+HIDING = ("import os, runpy, sys; sys.modules.update(dict.fromkeys(sys.argv[1].split(','))); del sys.argv[:2]; "
+          "sys.path.insert(0, os.path.dirname(sys.argv[0])); runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +235,8 @@ def script_runs(tmp_path_factory):
             if each not in started:
                 folder = tmp_path_factory.mktemp(each)
                 cmd = [sys.executable, str(HERE / "bench_losses.py"), *SCRIPT_RUNS[each], "--out", str(folder / "out")]
+                if each in HIDDEN_PACKAGES:
+                    cmd[1:1] = ["-c", HIDING, HIDDEN_PACKAGES[each]]
                 with open(folder / "stdout.txt", "w") as stdout, open(folder / "stderr.txt", "w") as stderr:
                     started[each] = (subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env), folder)
         proc, folder = started[name]
@@ -299,6 +308,35 @@ def test_time_budget_skips_what_does_not_fit(script_runs):
     data = json.loads((out / "results.json").read_text())
     assert data["complete"] is True and len(data["results"]) == 4
     assert all(r["status"] == "skipped" and "--time-budget" in r["note"] for r in data["results"])
+
+
+def test_a_sweep_without_matplotlib_writes_its_table_and_says_why_there_is_no_plot(script_runs):
+    """matplotlib is optional (the bench extra): without it, a sweep measured every case, wrote its table and JSON,
+    then ended in an ImportError traceback (exit status 1) where it draws the plot."""
+    proc, out = script_runs("without_matplotlib")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "# no plot.png: matplotlib is not available (" in proc.stdout and "pip install matplotlib" in proc.stdout
+    assert (out / "table.md").exists() and (out / "results.json").exists() and not (out / "plot.png").exists()
+    assert "plot.png" not in proc.stdout.splitlines()[-1]  # the last line lists what was written
+
+
+def test_the_default_output_folder_never_is_an_existing_one(tmp_path):
+    """The default --out is bench/results/<device>-<date>, where the project's runs are committed: a second sweep on
+    the same day (or one on the day of a committed run) wrote its files over the first's. It takes the next letter."""
+    assert loss_sweep.unused_results_folder(tmp_path, "cpu-2026-11-26") == tmp_path / "cpu-2026-11-26"
+    (tmp_path / "cpu-2026-11-26").mkdir()
+    (tmp_path / "cpu-2026-11-26b").mkdir()
+    assert loss_sweep.unused_results_folder(tmp_path, "cpu-2026-11-26") == tmp_path / "cpu-2026-11-26c"
+
+
+def test_the_table_says_when_the_agreement_check_had_nothing_to_compare():
+    """With our backend alone (or every baseline missing) the header's agreement line ended in a colon; and a
+    package that is not installed had the version "None"."""
+    table = _table([_ok_row("cosine", 16, "ours-torch", "ours", 0.001)], ["ours-torch"], "ours-torch",
+                   {"sentence_transformers": None}, checks={"cosine": {}})
+    assert "agreement check (N=24, D=32, float64): nothing to compare: no provider besides ours-torch ran" in table
+    assert "sentence-transformers not installed, angle-emb not run" in table
 
 
 def test_a_case_in_process_times_its_first_call_apart_and_charges_each_part():
@@ -407,10 +445,11 @@ def _ok_row(loss, n, provider, family, seconds, times=None):
             "times_s": times or [], "extra_bytes": 2_000_000, "rate": 1e9, "rate_unit": "B/s", "rate_fraction": None}
 
 
-def _table(results, provider_names, primary, env=None):
+def _table(results, provider_names, primary, env=None, checks=None):
     args = bench_losses.parse_args(["--losses", "cosine", "--n", "16", "--d", "8", "--device", "cpu"])
     env = {"date": "now", "command": "test", "torch": torch.__version__, "threads": 1, "cpu": "test", **(env or {})}
-    return loss_sweep.render_markdown(results, env, args, [LOSSES["cosine"]], {}, {}, {}, provider_names, primary)
+    return loss_sweep.render_markdown(results, env, args, [LOSSES["cosine"]], {}, checks or {}, {}, provider_names,
+                                      primary)
 
 
 def test_a_sweep_without_our_backends_says_what_its_ratios_compare():
@@ -587,6 +626,7 @@ def test_an_angle_emb_loss_path_that_holds_no_loss_file_is_refused_before_the_sw
     (["--losses", ","], "--losses names none"),
     (["--max-ref-gb", "-1"], "--max-ref-gb must be 0 or more"),
     (["--time-per-case", "nan"], "--time-per-case must be 0 or more"),
+    (["--case-timeout", "0"], "--case-timeout must be more than 0 seconds"),
 ])
 def test_bad_flags_are_refused_naming_the_flag_before_the_sweep(capsys, flags, message):
     """Each was taken: sizes of 0 made a cell of our loss's ValueError, --threads 0 a traceback from the probe,
