@@ -134,7 +134,14 @@ def points(runs: list[tuple[str, str | None]]) -> dict[tuple[str, str], list[tup
     computed: dict[tuple, str | None] = {}  # (commit, backend, op, path) -> fingerprint_at
     for path, commit in runs:
         with open(path, encoding="utf-8") as f:
-            run = json.load(f)
+            try:
+                run = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: not JSON ({exc}); give the second.json of a gpu_suite.py second "
+                                 "run") from None
+        if not isinstance(run, dict) or not isinstance(run.get("steps"), dict):
+            raise ValueError(f"{path}: not a stage record of bench/gpu_suite.py (it has no steps); give the "
+                             "second.json of a gpu_suite.py second run")
         tree = git_tree(commit) if commit else None
         environment = run["steps"].get("preflight", {}).get("environment")
         if not environment:
@@ -270,9 +277,16 @@ def main(argv: list[str]) -> int:
             if commit is None:
                 print("--commit needs a commit", file=sys.stderr)
                 return 2
+        elif argument.startswith("-"):
+            print(f"{argument}: unknown option (the options: --commit COMMIT, --decisions, --help)", file=sys.stderr)
+            return 2
         else:
             runs.append((argument, commit))
-    table = points(runs)
+    try:
+        table = points(runs)
+    except (OSError, ValueError) as exc:  # a run file that is missing or not a stage record, a commit git lacks
+        print(f"speed_table.py: {exc}", file=sys.stderr)
+        return 2
     if not table:
         print("no point: every (op, size, width) these runs timed has one backend's times. A point needs two "
               "backends timed on the same GPU: pass every op sweep of that GPU together (e.g. the CUDA op sweep's "

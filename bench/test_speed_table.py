@@ -219,8 +219,19 @@ def test_help_and_no_arguments(capsys):
     assert speed_table.main(["--help"]) == 0 and "measured.py" in capsys.readouterr().out
     assert speed_table.main([]) == 2
     assert speed_table.main(["--commit"]) == 2
-    with pytest.raises(FileNotFoundError):
-        speed_table.main(["/nonexistent/second.json"])
+
+
+def test_a_run_file_that_is_missing_or_no_stage_record_and_an_unknown_option_are_refused(tmp_path, capsys):
+    """Each was a traceback (FileNotFoundError, JSONDecodeError, KeyError: 'steps'; an option taken for a file)."""
+    not_json, other_json = tmp_path / "table.md", tmp_path / "results.json"
+    not_json.write_text("| N |\n")
+    other_json.write_text('{"results": []}')
+    for argv, said in ((["/nonexistent/second.json"], "No such file"), ([str(not_json)], "table.md: not JSON"),
+                       ([str(other_json)], "results.json: not a stage record of bench/gpu_suite.py"),
+                       (["--decision"], "--decision: unknown option")):
+        assert speed_table.main(argv) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err
 
 
 
