@@ -305,6 +305,9 @@ def test_summary_and_table_of_stored_rows():
     assert "| grad cache (4 texts/chunk) | 16 | 12.0 | 1 | 1.00 | n/a | 40.0% |" in text
     assert "| plain | 8 | out of memory | | | | |" in text and "| plain | 2 | 20.0 | 1 | 1.00 | n/a |  |" in text
     assert "Not measured yet: grad cache 32" in text
+    # the model's size in the title: the --tiny model's read "0.0B"
+    assert "on a 3.4M LLaMA" in T.markdown({**results, "model": {"parameters": 3_400_000}})
+    assert "on a 6.7B LLaMA" in T.markdown({**results, "model": {"parameters": 6_738_000_000}})
 
 
 def test_estimates_scale_the_nearest_smaller_batch():
@@ -372,3 +375,15 @@ def test_without_a_gpu_only_the_tiny_model_runs(tmp_path, monkeypatch, capsys):
     assert T.main(["--out", str(tmp_path)]) == T.ERROR
     assert "no GPU: the 7B benchmark needs one" in capsys.readouterr().out
     assert not (tmp_path / "results.json").exists()
+
+
+def test_the_tiny_model_takes_cpu_sized_batches_unless_given_others():
+    """--tiny took the 7B run's batches (plain up to 65,536 pairs, gradient cache 1,024 to 65,536): on 2 CPU cores
+    its 8,192-pair step took 72 s, and the documented smoke test needed a dozen 8-minute invocations."""
+    tiny = T.parse_args(["--out", "x", "--tiny"])
+    assert (tiny.plain_max, tiny.gc_batches) == (64, [64, 128])
+    assert [pairs for _, pairs in T.plan_of(tiny)] == [16, 32, 64, 64, 128]
+    gpu = T.parse_args(["--out", "x"])
+    assert (gpu.plain_max, gpu.gc_batches) == (65536, [1024, 4096, 16384, 32768, 65536])
+    given = T.parse_args(["--out", "x", "--tiny", "--plain-max", "256", "--gc-batches", "512"])
+    assert (given.plain_max, given.gc_batches) == (256, [512])

@@ -21,7 +21,7 @@ what is recorded (measured or out of memory) and refuses results made with other
 discards them). Exit status 0 when it ends normally, done or not: the last lines say which.
 
     python bench/train_llama_7b.py --out bench/results/llama7b-h200      # repeat until it prints "done"
-    python bench/train_llama_7b.py --out /tmp/smoke --tiny        # a 2-layer model: checks the script on CPU
+    python bench/train_llama_7b.py --out /tmp/smoke --tiny        # a 2-layer model: checks the script on CPU (a minute)
 
 Issue target: >= 32,768 pairs per optimizer step with <= 25% throughput overhead versus plain small batches.
 A 7B grad-cache step over 32,768 pairs takes minutes: ~1.7 TFLOP per pair (two 64-token texts) per forward,
@@ -122,6 +122,12 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+# --plain-max's and --gc-batches' defaults: the 7B (or 1B) model's on a GPU, and --tiny's on a CPU, where a step of
+# 64 pairs takes about half a second on 2 cores and one of 8,192 a minute
+GPU_BATCHES = {"plain_max": 65536, "gc_batches": [1024, 4096, 16384, 32768, 65536]}
+TINY_BATCHES = {"plain_max": 64, "gc_batches": [64, 128]}
+
+
 def parse_args(argv):
     # allow_abbrev=False: the command printed to continue drops --restart, which an abbreviation would hide.
     p = argparse.ArgumentParser(
@@ -130,11 +136,15 @@ def parse_args(argv):
     p.add_argument("--out", required=True, help="folder for results.json and results.md (a re-run continues there)")
     p.add_argument("--size", choices=sorted(MODELS), default="7b",
                    help="the model: 7b (LLaMA-2-7B's shape, the default) or 1b (TinyLlama-1.1B's)")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer model (runs on CPU): smoke-test the script")
+    p.add_argument("--tiny", action="store_true",
+                   help="a 2-layer model (runs on CPU): smoke-test the script, at CPU-sized batches where "
+                        f"--plain-max and --gc-batches are not given (--plain-max {TINY_BATCHES['plain_max']}, "
+                        f"--gc-batches {','.join(map(str, TINY_BATCHES['gc_batches']))})")
     p.add_argument("--seq-len", type=positive_int, default=64, help="tokens per text (default 64)")
     p.add_argument("--lora-r", type=positive_int, default=32, help="LoRA rank (default 32; alpha = 2r)")
     p.add_argument("--plain-start", type=positive_int, default=16, help="first plain batch in pairs; doubled until OOM")
-    p.add_argument("--plain-max", type=positive_int, default=65536, help="stop doubling the plain batch here")
+    p.add_argument("--plain-max", type=positive_int, default=None,
+                   help="stop doubling the plain batch here (default 65536)")
     p.add_argument(
         "--chunk-size",
         type=chunk_size,
@@ -144,8 +154,8 @@ def parse_args(argv):
     p.add_argument(
         "--gc-batches",
         type=batch_list,
-        default=batch_list("1024,4096,16384,32768,65536"),
-        help="gradient-cache batch sizes in pairs, comma-separated, increasing (default 1024,...,65536)",
+        default=None,
+        help="gradient-cache batch sizes in pairs, comma-separated, increasing (default 1024,4096,16384,32768,65536)",
     )
     p.add_argument("--steps", type=positive_int, default=1, help="timed optimizer steps per setting (default 1)")
     p.add_argument(
@@ -163,6 +173,10 @@ def parse_args(argv):
     )
     p.add_argument("--restart", action="store_true", help="discard the results already in --out and start over")
     args = p.parse_args(argv)
+    # the 7B batches' defaults would have the 2-layer model's CPU run take hours over a dozen invocations
+    for flag, value in (TINY_BATCHES if args.tiny else GPU_BATCHES).items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
     if args.plain_max < args.plain_start:
         p.error(f"--plain-max ({args.plain_max}) is smaller than --plain-start ({args.plain_start})")
     return args
@@ -395,7 +409,9 @@ def markdown(results: dict) -> str:
     s = results["settings"]
     params = results.get("model", {}).get("parameters", 0)
     lines = [
-        f"# LoRA r={s['lora_r']} on a {params / 1e9:.1f}B LLaMA, seq len {s['seq_len']}, "
+        # the --tiny model's few million parameters read "0.0B" in billions
+        f"# LoRA r={s['lora_r']} on a {f'{params / 1e9:.1f}B' if params >= 1e8 else f'{params / 1e6:.1f}M'} LLaMA, "
+        f"seq len {s['seq_len']}, "
         f"loss {results['loss']} in {s['loss_dtype']}",
         "",
         "```",
