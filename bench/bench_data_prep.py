@@ -80,12 +80,16 @@ def table(times: dict[str, list[float]], pairs: int) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=32768)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--min-tokens", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=52)
-    parser.add_argument("--checkout", help="a checkout whose angle_train to time (its root folder)")
+    parser.add_argument("--pairs", type=int, default=32768, help="pairs in the batch (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds, each timing every setting once (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument("--min-tokens", type=int, default=8,
+                        help="a text's fewest tokens, its two special tokens included (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=52,
+                        help="a text's most tokens (default: %(default)s; 8 to 52 is STS-B's range)")
+    parser.add_argument("--checkout", help="a checkout whose angle_train to time (its root folder; default: the "
+                                           "angle_train this Python imports)")
     parser.add_argument("--json", action="store_true",
                         help="print each setting's times as JSON instead of the table (strict JSON: a time that is not "
                              "finite is null)")

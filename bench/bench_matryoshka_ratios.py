@@ -178,21 +178,34 @@ def table(loss: str, size: str, d: int, layers: int, results: dict) -> list[str]
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--d", type=int, nargs="+", default=[768, 4096])
-    parser.add_argument("--pairs", type=int, default=4096, help="CoSENT: N pairs (2N rows)")
-    parser.add_argument("--queries", type=int, default=1024, help="MNRL: N queries (2N candidates)")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--time-per-case", type=float, default=3.0)
-    parser.add_argument("--out", type=Path, default=None, help="write table.md there")
+    # the whole docstring: the rows and the usage line are what the flags choose among
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--d", type=int, nargs="+", default=[768, 4096],
+                        help="embedding widths D, one table per loss and width (default: %(default)s)")
+    parser.add_argument("--pairs", type=int, default=4096, help="CoSENT: N pairs (2N rows) (default: %(default)s)")
+    parser.add_argument("--queries", type=int, default=1024,
+                        help="MNRL: N queries (2N candidates) (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=12,
+                        help="L, the layers of the layer-wise rows (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the embeddings' dtype (default: %(default)s)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: CUDA where it is available (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="CPU: timed runs of each row at most, the table giving the fastest (CUDA: do_bench's "
+                             "runs) (default: %(default)s)")
+    parser.add_argument("--time-per-case", type=float, default=3.0,
+                        help=f"CPU: seconds; no more runs of a row once its runs took this long and "
+                             f"{harness.MIN_CPU_RUNS} are done (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write the table to OUT/table.md (default: printed only)")
     parser.add_argument("--losses", nargs="+", default=["cosent", "mnrl"],
-                        choices=["cosent", "mnrl", "mnrl-gte", "mnrl-filter"])
-    parser.add_argument("--rows", nargs="+", default=None, help="only these rows (e.g. single 'fused k=5')")
+                        choices=["cosent", "mnrl", "mnrl-gte", "mnrl-filter"],
+                        help="the tables to make (default: %(default)s)")
+    parser.add_argument("--rows", nargs="+", default=None,
+                        help="only these rows (e.g. single 'fused k=5'; default: every row)")
     parser.add_argument("--interleave", type=int, default=0, metavar="R",
-                        help="time the rows in R interleaved rounds (medians, spreads) instead")
+                        help="time the rows in R interleaved rounds (medians, spreads) instead (default: 0, off)")
     args = parser.parse_args(argv)
     for flag in ("pairs", "queries", "layers", "repeats"):
         if getattr(args, flag) < 1:

@@ -135,10 +135,12 @@ def table(times: dict[str, list[float]]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=256)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=80)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--pairs", type=int, default=256, help="N, the pairs of a call (default: %(default)s)")
+    parser.add_argument("--dim", type=int, default=64, help="D, the embedding width (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=80,
+                        help="rounds, each timing every row once; the first ten (all but the last, where there are "
+                             "no more) are not counted (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--losses", default=",".join(FAMILIES),
                         help=f"comma-separated families to time, of {','.join(FAMILIES)} (default: all)")
     parser.add_argument("--json", action="store_true",

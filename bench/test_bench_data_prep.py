@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -145,3 +146,12 @@ def test_an_older_checkout_s_json_is_written_by_bench_s_own_writer(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _strict_json(proc.stdout) == {"one padded pass": [None, 0.25]}
+
+
+def test_every_flag_says_what_it_does_and_its_default(capsys):
+    """--help listed most flags bare (no text, no default) where the docstring's usage line did not name them."""
+    with pytest.raises(SystemExit):
+        bench_data_prep.main(["--help"])
+    entries = re.split(r"\n  (?=-)", capsys.readouterr().out.split("options:")[1])[1:]
+    bare = [entry.split()[0] for entry in entries if not entry.startswith(("-h", "--json")) and "default" not in entry]
+    assert entries and bare == []

@@ -3,6 +3,7 @@ calls and sentence-transformers' agree, per group of rows), and the script write
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -159,3 +160,12 @@ def test_bad_flags_are_refused_before_anything_is_measured(monkeypatch, capsys, 
     with pytest.raises(SystemExit):
         ratios.main(["--d", "16", "--pairs", "8", "--queries", "8", "--layers", "2", *flags])
     assert message in capsys.readouterr().err and measured == []
+
+
+def test_every_flag_says_what_it_does_and_its_default(capsys):
+    """--help listed most flags bare (no text, no default) where the docstring's usage line did not name them."""
+    with pytest.raises(SystemExit):
+        ratios.main(["--help"])
+    entries = re.split(r"\n  (?=-)", capsys.readouterr().out.split("options:")[1])[1:]
+    bare = [entry.split()[0] for entry in entries if not entry.startswith("-h") and "default" not in entry]
+    assert entries and bare == []

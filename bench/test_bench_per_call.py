@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import types
 
 import pytest
@@ -112,3 +113,12 @@ def test_the_json_output_is_strict_with_null_for_a_time_that_is_not_finite(monke
         raise ValueError(f"{constant} is not JSON")
 
     assert json.loads(capsys.readouterr().out, parse_constant=refuse) == {"mnrl": None, "eager mnrl": 2.0}
+
+
+def test_every_flag_says_what_it_does_and_its_default(capsys):
+    """--help listed most flags bare (no text, no default) where the docstring's usage line did not name them."""
+    with pytest.raises(SystemExit):
+        bench_per_call.main(["--help"])
+    entries = re.split(r"\n  (?=-)", capsys.readouterr().out.split("options:")[1])[1:]
+    bare = [entry.split()[0] for entry in entries if not entry.startswith(("-h", "--json")) and "default" not in entry]
+    assert entries and bare == []
