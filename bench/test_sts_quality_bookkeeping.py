@@ -93,3 +93,29 @@ def test_the_script_skips_when_a_requirement_is_missing(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["sts_quality.py"])
     assert sts_quality.main() == 0
     assert capsys.readouterr().out == "skipped: STS Benchmark not found: here\n"
+
+
+def test_without_angle_emb_the_check_runs_ours_alone_and_says_why(monkeypatch, capsys):
+    """angle-emb is optional: without it the reference run raised ImportError after ours had trained for minutes."""
+    ran = []
+    monkeypatch.setattr(sts_quality, "missing_requirements", lambda: None)
+    monkeypatch.setattr(sts_quality, "reference_unavailable", lambda: "ModuleNotFoundError: no module 'angle_emb'")
+    monkeypatch.setattr(sts_quality, "run", lambda **settings: ran.append(settings["impls"]) or {"settings": {}})
+    assert sts_quality.main([]) == 0 and ran == [("angle_kernels",)]
+    assert "# the reference run is left out: angle-emb's loss cannot be loaded" in capsys.readouterr().out
+    assert sts_quality.main(["--only", "reference"]) == 0 and ran == [("angle_kernels",)]
+    assert capsys.readouterr().out.startswith("skipped: angle-emb's loss cannot be loaded")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "0"], "--epochs must be more than 0"), (["--lr", "0"], "--lr must be more than 0"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer"),
+    (["--eval-every", "0"], "--eval-every must be a positive integer"),
+    (["--threads", "0"], "--threads must be a positive integer"),
+])
+def test_bad_flags_are_refused_naming_the_flag_before_anything_loads(monkeypatch, capsys, flags, message):
+    monkeypatch.setattr(sts_quality, "missing_requirements", lambda: pytest.fail("checked requirements first"))
+    with pytest.raises(SystemExit):
+        sts_quality.main(flags)
+    assert message in capsys.readouterr().err
+
