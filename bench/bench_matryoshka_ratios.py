@@ -66,22 +66,25 @@ def cosine_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses
     dims = nested_dims(d)
     y_true, y_pred = _cosine_inputs(n, d, None, dtype, device, generator)
     _, stack = _cosine_inputs(n, d, layers, dtype, device, generator)
+    rows = {
+        "single": (lambda: ak.cosine_loss(y_true, y_pred, P.TAU), [y_pred]),
+        "fused k=5": (lambda: ak.cosine_loss(y_true, y_pred, P.TAU, dims=dims), [y_pred]),
+        "ours k calls": (lambda: sum(ak.cosine_loss(y_true, y_pred[:, :w], P.TAU) for w in dims), [y_pred]),
+        "fused L x k": (lambda: ak.cosine_loss(y_true, stack, P.TAU, dims=dims, layer_weights=[1.0] * layers),
+                        [stack]),
+        "ours L x k calls": (lambda: sum(ak.cosine_loss(y_true, stack[layer, :, :w], P.TAU)
+                                         for layer in range(layers) for w in dims), [stack]),
+    }
+    if st_losses is None:  # sentence-transformers not installed: no ST rows (main says so)
+        return rows
     model = P.PrecomputedEmbeddings()
     st = st_losses.MatryoshkaLoss(model, st_losses.CoSENTLoss(model, scale=P.TAU), dims)
 
     def st_call(x):
         return st(P.columns(x[0::2], x[1::2]), y_true[0::2])
-    return {
-        "single": (lambda: ak.cosine_loss(y_true, y_pred, P.TAU), [y_pred]),
-        "fused k=5": (lambda: ak.cosine_loss(y_true, y_pred, P.TAU, dims=dims), [y_pred]),
-        "ours k calls": (lambda: sum(ak.cosine_loss(y_true, y_pred[:, :w], P.TAU) for w in dims), [y_pred]),
-        "ST Matryoshka": (lambda: st_call(y_pred), [y_pred]),
-        "fused L x k": (lambda: ak.cosine_loss(y_true, stack, P.TAU, dims=dims, layer_weights=[1.0] * layers),
-                        [stack]),
-        "ours L x k calls": (lambda: sum(ak.cosine_loss(y_true, stack[layer, :, :w], P.TAU)
-                                         for layer in range(layers) for w in dims), [stack]),
-        "ST L x Matryoshka": (lambda: sum(st_call(stack[layer]) for layer in range(layers)), [stack]),
-    }
+    st_rows = {"ST Matryoshka": (lambda: st_call(y_pred), [y_pred]),
+               "ST L x Matryoshka": (lambda: sum(st_call(stack[layer]) for layer in range(layers)), [stack])}
+    return {name: {**rows, **st_rows}[name] for name in ROWS}
 
 
 # MNRL with GTE's four directions and hardness weighting: every block a similarity_lse call (the "mnrl-gte" rows)
@@ -99,14 +102,14 @@ def mnrl_rows(n: int, d: int, layers: int, dtype, device, generator, st_losses, 
     dims = nested_dims(d)
     q, p, neg = _mnrl_inputs(n, d, None, dtype, device, generator)
     stack = _mnrl_inputs(n, d, layers, dtype, device, generator)
-    model = P.PrecomputedEmbeddings()
-    st = st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model, scale=P.TAU), dims)
 
     def ours(a, b, c, **kwargs):
         return ak.multiple_negatives_ranking_loss(a, b, (c,), scale=P.TAU, **kwargs, **(options or {}))
     rows = _ours_only(ours, q, p, neg, stack, dims, layers)
-    if options:
+    if options or st_losses is None:  # st_losses None: sentence-transformers not installed (main says so)
         return rows
+    model = P.PrecomputedEmbeddings()
+    st = st_losses.MatryoshkaLoss(model, st_losses.MultipleNegativesRankingLoss(model, scale=P.TAU), dims)
     st_rows = {"ST Matryoshka": (lambda: st(P.columns(q, p, neg), None), [q, p, neg]),
                "ST L x Matryoshka": (lambda: sum(st(P.columns(*(t[layer] for t in stack)), None)
                                                  for layer in range(layers)), stack)}
@@ -216,19 +219,28 @@ def main(argv: list[str]) -> int:
         parser.error(f"--interleave takes a number of rounds (0: off), got {args.interleave}")
     if not args.time_per_case >= 0:
         parser.error(f"--time-per-case must be 0 or more, got {args.time_per_case:g}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here")
+    try:
+        st_losses = P.sentence_transformers_losses()
+    except ImportError as exc:  # an optional package: the table keeps our rows
+        st_losses, no_st = None, f"sentence-transformers is not available ({type(exc).__name__}: {exc}): no ST rows"
+        print(f"# {no_st}", flush=True)
     for key in args.losses if args.rows else ():  # every loss's rows known before any is measured
-        rows = ROWS if key in ("cosent", "mnrl") else tuple(name for name in ROWS if not name.startswith("ST"))
+        with_st = key in ("cosent", "mnrl") and st_losses is not None
+        rows = ROWS if with_st else tuple(name for name in ROWS if not name.startswith("ST"))
         unknown = [name for name in args.rows if name not in rows]
         if unknown:
             parser.error(f"--rows: no row {', '.join(map(repr, unknown))} for {key}; its rows: "
                          f"{', '.join(map(repr, rows))}")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = getattr(torch, args.dtype)
-    st_losses = P.sentence_transformers_losses()
     generator = torch.Generator(device=device).manual_seed(0)
     lines = [f"# Matryoshka and layer-wise cost ({device}, {args.dtype}, forward + backward)", "",
              f"`python bench/bench_matryoshka_ratios.py {' '.join(argv)}`", "",
              f"Environment: {harness.describe_environment(device)}", ""]
+    if st_losses is None:
+        lines += [f"{no_st[0].upper()}{no_st[1:]}.", ""]
     for d in args.d:
         queries = f"N = {args.queries} queries, 2N candidates"
         for key, loss, make, size in (

@@ -169,3 +169,31 @@ def test_every_flag_says_what_it_does_and_its_default(capsys):
     entries = re.split(r"\n  (?=-)", capsys.readouterr().out.split("options:")[1])[1:]
     bare = [entry.split()[0] for entry in entries if not entry.startswith("-h") and "default" not in entry]
     assert entries and bare == []
+
+
+def test_without_sentence_transformers_the_table_keeps_our_rows_and_says_why(tmp_path, monkeypatch, capsys):
+    """sentence-transformers is optional: without it the script ended in a ModuleNotFoundError traceback before any
+    row was timed."""
+    for make in (ratios.cosine_rows, ratios.mnrl_rows):
+        rows = make(8, 16, 2, torch.float64, "cpu", torch.Generator().manual_seed(0), None)
+        assert list(rows) == [name for name in ratios.ROWS if not name.startswith("ST")]
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'sentence_transformers'")
+    monkeypatch.setattr(P, "sentence_transformers_losses", missing)
+    assert ratios.main(["--d", "16", "--pairs", "8", "--layers", "2", "--losses", "cosent", "--repeats", "1",
+                        "--out", str(tmp_path)]) == 0
+    assert "# sentence-transformers is not available (ModuleNotFoundError: " in capsys.readouterr().out
+    table = (tmp_path / "table.md").read_text()
+    assert "| ours L x k calls |" in table and "ST Matryoshka" not in table and "no ST rows." in table
+    with pytest.raises(SystemExit):
+        ratios.main(["--d", "16", "--losses", "cosent", "--rows", "ST Matryoshka"])
+    assert "--rows: no row 'ST Matryoshka' for cosent" in capsys.readouterr().err
+
+
+def test_cuda_asked_for_where_there_is_none_is_refused_naming_the_flag(monkeypatch, capsys):
+    """It was a RuntimeError traceback from torch.Generator(device="cuda")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        ratios.main(["--device", "cuda", "--d", "16"])
+    assert "--device cuda: CUDA is not available here" in capsys.readouterr().err
