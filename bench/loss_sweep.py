@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import math
 import os
 import statistics
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -639,6 +641,16 @@ def plotting_unavailable() -> str | None:
     return None
 
 
+def label_y_ticks(ax, formatter, no_labels) -> None:
+    """Label a log axis's decades (1, 10, 100, ...) with `formatter`, and its other ticks (2, 3, ... 9 times a
+    decade) too where its range holds no decade: a panel of one size, or of values within a factor of a few, had no
+    value on its axis at all. `no_labels` (a NullFormatter) leaves the other ticks bare otherwise."""
+    low, high = ax.get_ylim()  # the data's range, plotted already
+    ax.yaxis.set_major_formatter(formatter)
+    holds_a_decade = low > 0 and math.ceil(math.log10(low)) <= math.floor(math.log10(high))
+    ax.yaxis.set_minor_formatter(no_labels if holds_a_decade else formatter)
+
+
 def plot(results, args, losses, env, path: Path) -> None:
     import matplotlib
 
@@ -676,8 +688,7 @@ def plot(results, args, losses, env, path: Path) -> None:
             ax.xaxis.set_major_locator(FixedLocator(sizes))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: size_label(v)))
             ax.xaxis.set_minor_locator(NullLocator())
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.yaxis.set_minor_formatter(NullFormatter())
+            label_y_ticks(ax, FuncFormatter(lambda v, _: f"{v:g}"), NullFormatter())
             ax.set_xlim(sizes[0] / 1.4, sizes[-1] * 1.4)
             ax.grid(True, which="major", alpha=0.35)
             ax.grid(True, which="minor", alpha=0.1)
@@ -696,9 +707,13 @@ def plot(results, args, losses, env, path: Path) -> None:
     device_name = env.get("gpu") or env.get("cpu")
     thread_text = f", {env['threads']} threads" if args.device == "cpu" else ""
     dims = ",".join(str(d) for d in args.d)
-    fig.suptitle(f"Forward + backward, D={dims}, {','.join(args.dtypes)}: {args.device.upper()} {device_name}"
-                 f"{thread_text}, torch {env['torch']}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    title = (f"Forward + backward, D={dims}, {','.join(args.dtypes)}: {args.device.upper()} {device_name}"
+             f"{thread_text}, torch {env['torch']}")
+    # about 12 characters an inch at 11 points: a sweep of one or two losses has a figure too narrow for one line,
+    # whose ends were cut off
+    lines = textwrap.wrap(title, width=int(12 * fig.get_figwidth()))
+    fig.suptitle("\n".join(lines), fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.96 - 0.03 * (len(lines) - 1)))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -634,3 +634,49 @@ def test_bad_flags_are_refused_naming_the_flag_before_the_sweep(capsys, flags, m
     with pytest.raises(SystemExit):
         bench_losses.parse_args(["--device", "cpu", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_a_plot_panel_within_a_decade_still_labels_its_axis():
+    """The panels labelled only decades (1, 10, 100 ms): one whose values lie between two (a single size, 3-8 ms)
+    showed no value on its axis at all."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    fig, (within, across) = plt.subplots(1, 2)
+    within.set_yscale("log")
+    within.plot([256], [3.0], "o")
+    within.plot([256], [8.0], "o")
+    across.set_yscale("log")
+    across.plot([256, 1024], [3.0, 40.0], "o")
+    for ax in (within, across):
+        loss_sweep.label_y_ticks(ax, FuncFormatter(lambda v, _: f"{v:g}"), NullFormatter())
+    fig.canvas.draw()
+
+    def labels(ax):
+        low, high = ax.get_ylim()
+        ticks = [*ax.yaxis.get_majorticklabels(), *ax.yaxis.get_minorticklabels()]
+        return {t.get_text() for t in ticks if t.get_text() and low <= t.get_position()[1] <= high}
+    assert {"3", "4", "5", "6", "7", "8"} <= labels(within)
+    assert labels(across) == {"10"}
+    plt.close(fig)
+
+
+def test_the_plot_title_wraps_to_a_narrow_figure(tmp_path, monkeypatch):
+    """The title is one long line: a sweep of one or two losses, whose figure is 4.2 or 8.4 inches wide, had both ends
+    of it cut off (the CPU's name, the torch version)."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    args = bench_losses.parse_args(["--losses", "cosine", "--n", "16", "--d", "8", "--device", "cpu"])
+    env = {"torch": torch.__version__, "threads": 2, "cpu": "Intel(R) Xeon(R) Processor @ 2.60GHz"}
+    loss_sweep.plot([_ok_row("cosine", 16, "ours-torch", "ours", 0.001)], args, [LOSSES["cosine"]], env,
+                    tmp_path / "plot.png")
+    title = figures[0]._suptitle.get_text()
+    assert "\n" in title and title.replace("\n", " ").endswith(f"torch {torch.__version__}")
+    assert max(len(line) for line in title.splitlines()) <= 12 * figures[0].get_figwidth()
+    monkeypatch.undo()
+    plt.close(figures[0])
