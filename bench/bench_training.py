@@ -984,6 +984,17 @@ def said_tokenising(stats: dict) -> str:
             f"({harness.fmt_seconds(stats['angle_train_tokenise_per_step_s'])})")
 
 
+def step_cell(row: dict) -> str:
+    """A row's step time with its spread; one that is not positive is no estimate, and the cell says why."""
+    def signed(seconds):  # fmt_seconds chooses its unit by the value: -14.4 s read "-1.44e+04 ms"
+        return ("-" if seconds < 0 else "") + harness.fmt_seconds(abs(seconds))
+    cell = f"{signed(row['step_s'])} ({signed(row['min_s'])} - {signed(row['max_s'])})"
+    if row["step_s"] > 0:
+        return cell
+    return (f"{cell}: no estimate, the long runs took no longer than the short ones (start-up noise outweighs the "
+            "steps between them: more --steps, or --reps)")
+
+
 def table_lines(rows: list[dict], results: dict) -> list[str]:
     def rate(x):
         return "n/a" if x is None else f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
@@ -991,15 +1002,15 @@ def table_lines(rows: list[dict], results: dict) -> list[str]:
     body = []
     for r in rows:
         losses = said_apart(r.get("losses_vs_other_trainer"), results.get("dropout", ""))
-        if "step_s" not in r:
-            body.append([r["setting"], r["contender"], f"no estimate ({r['failed_runs']} runs failed)", "", "", "",
-                         "", "", "", losses])
+        if "step_s" not in r:  # with the last failed run's last line, as the GPU table: a missing package's error
+            why = f": {r['failure']}" if r.get("failure") else ""
+            body.append([r["setting"], r["contender"], f"no estimate ({r['failed_runs']} runs failed{why})", "", "",
+                         "", "", "", "", losses])
             continue
-        spread = f"{harness.fmt_seconds(r['min_s'])} - {harness.fmt_seconds(r['max_s'])}"
         ratio, charged_ratio = (f"{r[k]:.2f}x" if k in r else "n/a"
                                 for k in ("st_best_over_this", "st_best_over_this_tokenising_charged"))
         rss = harness.fmt_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else "n/a"
-        body.append([r["setting"], r["contender"], f"{harness.fmt_seconds(r['step_s'])} ({spread})",
+        body.append([r["setting"], r["contender"], step_cell(r),
                      rate(r["pairs_per_s"]), rate(r.get("pairs_per_s_tokenising_charged")), rate(r["tokens_per_s"]),
                      rss, ratio, charged_ratio, losses])
     header = ["setting", "contender", "step time: median (min - max)", "pairs/s", "pairs/s, tokenising charged",
@@ -1063,10 +1074,9 @@ def gpu_table_lines(rows: list[dict], results: dict) -> list[str]:
             body.append([r["setting"], r["contender"], f"no estimate ({r['failed_runs']} runs failed{why})", "",
                          *cold, "", "", "", memory, "", "", losses])
             continue
-        spread = f"{harness.fmt_seconds(r['min_s'])} - {harness.fmt_seconds(r['max_s'])}"
         ratio, charged_ratio = (f"{r[k]:.2f}x" if k in r else "n/a"
                                 for k in ("st_best_over_this", "st_best_over_this_tokenising_charged"))
-        body.append([r["setting"], r["contender"], f"{harness.fmt_seconds(r['step_s'])} ({spread})",
+        body.append([r["setting"], r["contender"], step_cell(r),
                      len(r["estimates_s"]), *cold, rate(r["pairs_per_s"]),
                      rate(r.get("pairs_per_s_tokenising_charged")), rate(r["tokens_per_s"]), memory, ratio,
                      charged_ratio, losses])

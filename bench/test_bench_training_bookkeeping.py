@@ -426,7 +426,8 @@ def test_the_cpu_table_prints_the_summary_as_measured():
     (a,) = [line for line in lines if line.startswith("| s | a |")]
     assert a.startswith("| s | a | 1.5 s (1 s - 4 s) | 2.7 | 2.0 | 26.7 | 500 MB | 2.00x | 1.50x |"), a
     assert "Step time = (T(3 steps) - T(1 steps)) / 2," in "\n".join(lines)
-    assert "| s | d | no estimate (1 runs failed) |" in "\n".join(lines)
+    # why the runs failed, as the GPU table says it (a ModuleNotFoundError of a missing sentence-transformers)
+    assert "| s | d | no estimate (1 runs failed: RuntimeError: boom) |" in "\n".join(lines)
 
 
 
@@ -507,3 +508,12 @@ def test_the_forecast_of_a_length_ignores_longer_runs_killed_and_never_extrapola
     assert bt.forecast_seconds([run(2, 5.0), run(10, 99.0, ok=False)], 2) == 5.0
     assert bt.forecast_seconds([run(2, 10.0), run(4, 8.0)], 8) == 10.0
     assert bt.forecast_seconds([run(2, 10.0), run(4, 8.0)], 1) == 10.0
+
+
+def test_a_step_time_that_is_not_positive_is_said_to_be_no_estimate():
+    """The long runs took less than the short ones (a shared machine's start-up noise, one repetition): the table said
+    "-1.44e+04 ms (-1.44e+04 ms - -1.44e+04 ms)" as a step time."""
+    assert bt.step_cell({"step_s": 1.5, "min_s": 1.0, "max_s": 4.0}) == "1.5 s (1 s - 4 s)"
+    cell = bt.step_cell({"step_s": -14.4, "min_s": -14.4, "max_s": -14.4})
+    assert cell.startswith("-14.4 s (-14.4 s - -14.4 s): no estimate, the long runs took no longer than the short")
+    assert "more --steps" in cell
