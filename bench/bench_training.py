@@ -1319,8 +1319,11 @@ def st_train(argv: list[str]) -> int:
         import datasets
     except ImportError as exc:
         return st_unsupported(f"SentenceTransformerTrainer needs the datasets package ({exc})")
-    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
-                                       SentenceTransformerTrainingArguments)
+    try:  # an optional package: without it the contender is recorded as unsupported, not run again and again
+        from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                           SentenceTransformerTrainingArguments)
+    except ImportError as exc:
+        return st_unsupported(f"sentence-transformers cannot be imported ({type(exc).__name__}: {exc})")
     from transformers import TrainerCallback
 
     import providers

@@ -7,6 +7,7 @@ what is done or left. Stand-in runs and clocks; nothing trains."""
 from __future__ import annotations
 
 import math
+import sys
 import time
 from types import SimpleNamespace
 
@@ -517,3 +518,14 @@ def test_a_step_time_that_is_not_positive_is_said_to_be_no_estimate():
     cell = bt.step_cell({"step_s": -14.4, "min_s": -14.4, "max_s": -14.4})
     assert cell.startswith("-14.4 s (-14.4 s - -14.4 s): no estimate, the long runs took no longer than the short")
     assert "more --steps" in cell
+
+
+def test_st_train_without_sentence_transformers_says_its_contender_is_unsupported(tmp_path, monkeypatch, capsys):
+    """sentence-transformers is optional: st-train failed with a ModuleNotFoundError traceback (exit 1), so every
+    run of the contender was started again, in every setting, and failed the same way. Exit 4 (unsupported) has the
+    benchmark record it once and skip it."""
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # its import fails, as where it is not installed
+    argv = ["--model", "m", "--train-data", "d.jsonl", "--data-format", "A", "--max-length", "8", "--batch-size", "2",
+            "--max-steps", "1", "--output-dir", str(tmp_path)]
+    assert bt.st_train(argv) == bt.ST_UNSUPPORTED
+    assert "unsupported: sentence-transformers cannot be imported (ModuleNotFoundError" in capsys.readouterr().out
