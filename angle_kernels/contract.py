@@ -336,7 +336,7 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
                                "(grad, vmap, vjp, jacrev, ...): their backends' autograd Functions have no "
                                "setup_context. Take gradients with loss.backward() or torch.autograd.grad, and "
                                "per-example losses by calling the loss on each example")
-        if not compiling and torch.autograd.forward_ad._current_level >= 0:  # inside fwAD.dual_level(): rare
+        if not compiling and _inside_a_dual_level():  # rare
             _refuse_dual_tensors(loss, args, kwargs)
         # is_compiling first: dynamo cannot trace is_inference_mode_enabled (a graph break), and a trace holds none
         if not compiling and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
@@ -361,6 +361,14 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
         if isinstance(first, torch.Tensor):
             return first
     return None
+
+
+def _inside_a_dual_level() -> bool:
+    """Whether a torch.autograd.forward_ad.dual_level() is entered, where dual tensors can carry tangents. torch has no
+    public way to ask: forward_ad keeps the level in its module global _current_level (-1 outside; the torch versions
+    pyproject.toml allows, 2.4 to 2.13, have it). A torch without it answers False: a dual tensor then fails inside an
+    op with torch's own error, as before the refusal, and no loss call fails for the missing name."""
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
 def _refuse_dual_tensors(loss: Callable, args: tuple, kwargs: dict) -> None:

@@ -257,7 +257,6 @@ def test_a_torch_func_transform_is_refused_saying_what_to_use(name, transform):
         transformed(y if transform == "grad" else y[None].expand(2, -1, -1, -1))
 
 
-
 @pytest.mark.parametrize("name", list(CALLS))
 def test_forward_mode_ad_is_refused_naming_the_dual_argument(name):
     """A dual tensor of torch.autograd.forward_ad reached the backends' autograd Functions, which have no jvp: torch's
@@ -272,6 +271,18 @@ def test_forward_mode_ad_is_refused_naming_the_dual_argument(name):
         with pytest.raises(RuntimeError, match=r"is a dual tensor .*forward-mode AD.*loss\.backward\(\) or "
                                                r"torch\.autograd\.grad"):
             CALLS[name](_laid_out(dual))
+
+
+def test_a_torch_without_forward_ads_level_global_still_computes(monkeypatch):
+    """The dual-tensor refusal asks forward_ad's private module global _current_level whether a dual level is entered
+    (torch has no public way): a torch without it must still compute every loss, not raise AttributeError."""
+    import torch.autograd.forward_ad as forward_ad
+
+    monkeypatch.delattr(forward_ad, "_current_level")
+    y = torch.randn(6, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    for call in CALLS.values():
+        assert torch.isfinite(call(_laid_out(y)))
+
 
 def test_a_loss_without_autograd_is_a_plain_tensor():
     y = torch.randn(4, 8, requires_grad=True)
