@@ -29,6 +29,7 @@ import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from typing import Callable
 
 import torch
@@ -932,7 +933,14 @@ def epoch_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:
     if steps_per_epoch == 0:
         raise ValueError(f"one optimizer step needs {cfg.batch_size * cfg.grad_accum} examples; the data has "
                          f"{n_examples}")
-    return max(1, int(cfg.epochs * steps_per_epoch))
+    return max(1, math.floor(decimal_product(cfg.epochs, steps_per_epoch)))
+
+
+def decimal_product(share: float, steps: int) -> Fraction:
+    """`share` (--epochs, a fractional --warmup) x `steps`, exact in the decimals the share is written in (its repr,
+    which reads back as the same float): float arithmetic's 0.29 x 100 is 28.999999999999996, whole steps 28 where 29
+    were asked for, and 0.07 x 100 is 7.000000000000001, rounded up to 8."""
+    return Fraction(repr(float(share))) * steps
 
 
 def max_steps_note(cfg: TrainConfig, n_examples: int, world_size: int) -> str | None:
@@ -998,8 +1006,9 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.devic
 def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
     """The steps of --warmup: a number of steps, or below 1 a fraction of the run's steps rounded up, as Hugging Face's
     Trainer rounds it (TrainingArguments.get_warmup_steps), so that a short run given a fraction warms up (rounded
-    down, 0.1 of 5 steps was none)."""
-    return math.ceil(cfg.warmup * total_steps) if cfg.warmup < 1 else int(cfg.warmup)
+    down, 0.1 of 5 steps was none); the fraction taken as written (decimal_product: 0.07 of 100 steps is 7, where the
+    Trainer's float product rounds up to 8)."""
+    return math.ceil(decimal_product(cfg.warmup, total_steps)) if cfg.warmup < 1 else int(cfg.warmup)
 
 
 def make_schedule(cfg: TrainConfig, optimizer, total_steps: int):

@@ -60,6 +60,15 @@ def test_fractional_epochs_round_down_and_a_warmup_of_one_is_one_step():
     assert warmup_steps(TrainConfig(warmup=0.0), total_steps=10) == 0
 
 
+def test_a_share_of_the_steps_is_taken_as_written_not_as_floats_round_it():
+    """--epochs 0.29 of 100 steps an epoch is 29 steps, and --warmup 0.07 of 100 steps 7: float arithmetic made them
+    28.999999999999996 (cut to 28) and 7.000000000000001 (rounded up to 8)."""
+    assert count_steps(TrainConfig(batch_size=2, epochs=0.29), n_examples=200, world_size=1) == 29
+    assert count_steps(TrainConfig(batch_size=2, epochs=0.57), n_examples=200, world_size=1) == 57
+    assert warmup_steps(TrainConfig(warmup=0.07), total_steps=100) == 7
+    assert warmup_steps(TrainConfig(warmup=0.29), total_steps=100) == 29
+
+
 def test_the_learning_rate_curve_holds_the_warmups_corner_off_its_grid():
     """The curves' learning-rate panel samples a long schedule every total // 2000 steps; the warmup's end (its
     peak) is among the points even where the grid misses it: 5,003 steps sampled every 2, a warmup of 7."""
