@@ -4,6 +4,8 @@ Without pytest-benchmark installed, a stand-in `benchmark` fixture runs each cas
 cases still check that every provider runs.
 """
 
+import re
+
 import pytest
 
 
@@ -20,6 +22,21 @@ class _RunOnce:
         if setup is not None:
             setup()
         return fn(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def flags_without_default(capsys):
+    """A bench script's flags whose --help entry gives no default (no text, or a text that names none): a function
+    of the script's main; -h and the switches in `switches` (flags that take no value) are not asked for one."""
+    def listed(main, switches=("--json",)) -> list[str]:
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        entries = re.split(r"\n  (?=-)", capsys.readouterr().out.split("options:")[1])[1:]
+        assert entries, "--help lists no flags"
+        return [entry.split()[0] for entry in entries
+                if not entry.startswith(("-h", *switches)) and "default" not in entry]
+
+    return listed
 
 
 class _FallbackBenchmarkPlugin:
