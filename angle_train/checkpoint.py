@@ -638,14 +638,13 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     if base_model_note and dist_info.is_main:
         print(base_model_note, flush=True)
     if changed and dist_info.is_main:
-        detail = ", ".join(f"{flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        print(f"resuming with changed settings ({detail}): from step {position.step} on, the learning rate is the one "
-              "the new settings' schedule gives there", flush=True)
+        print(f"resuming with changed settings ({_changes_shown(changed)}): from step {position.step} on, the "
+              "learning rate is the one the new settings' schedule gives there", flush=True)
     noted = {k: (state["config"][k], v) for k, v in asdict(cfg).items()
              if k in RESUME_NOTED and k in state["config"] and state["config"][k] != v}
     if noted and dist_info.is_main:
-        detail = ", ".join(f"{flag_of(k)} {old!r} -> {new!r}" for k, (old, new) in noted.items())
-        print(f"resuming with changed settings ({detail}): they apply from step {position.step} on", flush=True)
+        print(f"resuming with changed settings ({_changes_shown(noted)}): they apply from step {position.step} on",
+              flush=True)
     return position
 
 
@@ -900,6 +899,15 @@ def _refuse_other_weights(path: str, saved_cfg: dict, cfg: TrainConfig, saved: d
     example = reshaped[0] if reshaped else min(extra)
     raise ValueError(f"checkpoint {path} holds trainable weights this model does not have in that shape (e.g. "
                      f"{example}): another model?")
+
+
+def _changes_shown(changed: dict) -> str:
+    """'--flag old -> new, ...' for {setting: (the checkpoint's value, this run's)}; a setting not given (None: --epochs
+    beside --max-steps, no --max-steps) reads "not given", not Python's None."""
+    def shown(value) -> str:
+        return "not given" if value is None else repr(value)
+
+    return ", ".join(f"{flag_of(k)} {shown(old)} -> {shown(new)}" for k, (old, new) in changed.items())
 
 
 def _changed_optimizer_settings(saved: dict, cfg: TrainConfig) -> dict:

@@ -177,6 +177,15 @@ def test_a_checkpoint_recording_the_default_epochs_with_max_steps_changed_no_set
     assert checkpoint._changed_optimizer_settings({**recorded, "epochs": 3.0}, cfg) == {"epochs": (3.0, None)}
 
 
+def test_a_resume_says_a_setting_left_out_is_not_given(tmp_path, capsys):
+    """--epochs given beside --max-steps, then left out on resume: the changed-settings line says "not given", not
+    Python's None."""
+    train(_config(tmp_path / "run", epochs=2.0), train_examples=DATA, on_step=lambda step, row: step == 2 and _stop())
+    capsys.readouterr()
+    train(_config(tmp_path / "run", resume="auto"), train_examples=DATA)
+    assert "resuming with changed settings (--epochs 2.0 -> not given)" in capsys.readouterr().out
+
+
 def _stop():
     raise StopTraining
 
