@@ -774,9 +774,10 @@ def attach_adapter(backbone: nn.Module, lora_path: str, *, dropout: float | None
     if missing or result.unexpected_keys:
         unfit = (result.unexpected_keys or missing)[0]
         raise AdapterFitError(f"the LoRA adapter {lora_path} does not fit {type(backbone).__name__}: "
-                         f"{len(result.unexpected_keys)} of its weights fit no layer of the model, "
-                         f"{len(missing)} of the layers it adapts have no weights in it (e.g. {unfit}); it was trained "
-                         f"on another model (its {ADAPTER_CONFIG} names {config.base_model_name_or_path})")
+                              f"{len(result.unexpected_keys)} of its weights fit no layer of the model, "
+                              f"{len(missing)} of the layers it adapts have no weights in it (e.g. {unfit}); it was "
+                              f"trained on another model (its {ADAPTER_CONFIG} names "
+                              f"{config.base_model_name_or_path})")
     return model
 
 
