@@ -6,9 +6,11 @@ the tiny model takes far less time than the noise of starting a process, so a st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
+import resource
 import time
 from pathlib import Path
 
@@ -65,12 +67,43 @@ def test_contender_commands_use_real_flags(tmp_path):
     assert bt.applies(bt.CONTENDERS["st"][1], plain) and not bt.applies(bt.CONTENDERS["st-tokens"][1], plain)
 
 
-def test_smoke_run_end_to_end(tmp_path, smoke_assets):
+def in_process_after_the_first_of_each_kind(children: list[list[str]]):
+    """run_child's stand-in for the smoke run: each trainer's first run is a real child process (bt.run_child: the
+    command line as the GPU machine launches it, its wall clock and peak RSS from os.wait4); the later ones run the
+    same argv in this process (angle_train.cli.main, bt.st_train: the same training, losses and logs, written to
+    the same files), which saves a process start and the imports of torch, transformers and sentence-transformers
+    a run. `children`: the argv of every run that got a process of its own."""
+    from angle_train import cli
+
+    def run(argv, workdir, timeout, env=None):
+        assert env is None  # the CPU runs' children take this process's environment: nothing to set in-process
+        kind = "st" if "st-train" in argv else "ours"
+        if not any(("st-train" in child) == (kind == "st") for child in children):
+            children.append(argv)
+            return bt.run_child(argv, workdir, timeout, env)
+        log_path = workdir / "output.log"
+        start = time.perf_counter()
+        with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            # argv[2:]: st-train's argv as bench_training.py's main reads it; argv[3:]: after -m angle_train.cli
+            returncode = bt.main(argv[2:]) if kind == "st" else cli.main(argv[3:])
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "returncode": returncode, "timed_out": False,
+                "tail": log_path.read_text(errors="replace").splitlines()[-8:]}
+
+    return run
+
+
+def test_smoke_run_end_to_end(tmp_path, smoke_assets, monkeypatch):
     """Both trainers for real, in both kinds of loss (CoSENT on scored pairs, in-batch negatives with a gradient
     cache): their losses are compared step by step, and with the same batches, the same loss and dropout off they
-    agree (a batch of other rows, or another loss, moves them by far more than the target)."""
+    agree (a batch of other rows, or another loss, moves them by far more than the target). Each trainer's first
+    run is a child process as on the GPU machine, the rest run in this process
+    (in_process_after_the_first_of_each_kind)."""
     out = tmp_path / "out"
     model, stsb = smoke_assets
+    children: list[list[str]] = []
+    monkeypatch.setattr(bt, "run_child", in_process_after_the_first_of_each_kind(children))
     assert bt.main(["--smoke", "--model", model, "--stsb", stsb, "--settings", "plain16,cached256", "--contenders",
                     "ours,st", "--reps", "1", "--steps", "1,2", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
@@ -102,6 +135,7 @@ def test_smoke_run_end_to_end(tmp_path, smoke_assets):
     assert results["settings"]["cached256"]["token_budget"] > 0
     assert results["versions"]["sentence-transformers"] and results["machine"]["torch_threads"] >= 1
     assert not list(out.glob("cached256-*"))  # every run's temporary folder is gone
+    assert [child[2] for child in children] == ["angle_train.cli", "st-train"]  # a process of its own: each trainer
 
 
 def test_losses_apart_finds_the_largest_difference():
