@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -83,14 +84,26 @@ def test_an_angle_emb_loss_path_that_does_not_exist_is_refused_before_any_step(t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.fixture(scope="module")
+def first_rehearsed(tmp_path_factory):
+    """`bash scripts/gpu_check.sh first OUT` without a CUDA device, as the GPU machine's command line runs it:
+    (the finished process, OUT). One run serves the script's checks and the rehearsal's (each a fresh process's
+    preflight imports of every module the steps need)."""
+    out = tmp_path_factory.mktemp("rehearsal") / "out"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(HERE.parent / "scripts" / "gpu_check.sh"), "first", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    return proc, out
+
+
 @no_gpu
-def test_first_rehearses_its_preflight_and_packing_without_a_gpu(tmp_path, capsys):
-    out = tmp_path / "out"
-    assert gpu_suite.main(["first", str(out)]) == 0
-    console = capsys.readouterr().out
+def test_first_rehearses_its_preflight_and_packing_without_a_gpu(first_rehearsed):
+    proc, out = first_rehearsed
+    assert proc.returncode == 0, proc.stderr
+    console = proc.stdout
     assert console.index("=== first: preflight") < console.index("no CUDA device")  # the preflight ran first
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["first.json", "first.md", "first.tar.gz"] and len(files) <= gpu_suite.MAX_FILES
+    assert files == ["console_first.log", "first.json", "first.md", "first.tar.gz"]
     with tarfile.open(out / "first.tar.gz") as tar:
         preflight = json.load(tar.extractfile("first/preflight.json"))
     assert preflight["missing"] == [], preflight  # every module a step needs imports here too
@@ -135,16 +148,14 @@ def test_the_later_stages_say_there_is_no_gpu_and_leave_nothing(stage, tmp_path,
 
 
 @no_gpu
-def test_gpu_check_script_rehearsal(tmp_path):
-    script = HERE.parent / "scripts" / "gpu_check.sh"
-    env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(script), "first", str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=300, env=env)
+def test_gpu_check_script_rehearsal(first_rehearsed):
+    proc, out = first_rehearsed
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device" in proc.stdout
-    assert "no CUDA device" in (tmp_path / "out" / "console_first.log").read_text()  # the console is teed
-    assert len(list((tmp_path / "out").iterdir())) <= gpu_suite.MAX_FILES
-    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert "no CUDA device" in (out / "console_first.log").read_text()  # the console is teed
+    assert len(list(out.iterdir())) <= gpu_suite.MAX_FILES
+    usage = subprocess.run(["bash", str(HERE.parent / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                           timeout=60)
     assert usage.returncode == 2 and "STAGE OUT_DIR" in usage.stdout
 
 
@@ -400,7 +411,11 @@ def test_the_large_checks_merge_one_run_per_dtype(tmp_path, monkeypatch):
     for name in ("ONE_READ_MIN_WIDTH", "PROPOSED_ONE_READ_MIN_WIDTH"):  # the checks take the PROPOSED width
         monkeypatch.setattr(pair_scores_paths, name, 64)
     record = _record(tmp_path)
-    tiny = [c for c in verify.cases("tiny") if c.op == "pair_scores"]
+    cases = [c for c in verify.cases("tiny") if c.op == "pair_scores"]
+    # every path's first case, and the full path's every case (a failed case among passing ones of its path and
+    # dtype fails it): a path's further cases run the same checks (verify.run_checks) and merge alike
+    tiny = [c for k, c in enumerate(cases) if c.path == "full" or c.path not in {x.path for x in cases[:k]}]
+    assert {c.path for c in tiny} == {"full", "dims", "dims_one_read"} and len(tiny) < len(cases)
 
     def fake_runs(commands, timeout_s, env):
         results = {}
@@ -486,6 +501,15 @@ def tiny(bench):
     return dataclasses.replace(bench, sizes=(8, 16), dims=(6,) if bench.dims != (1,) else (1,))
 
 
+@pytest.fixture
+def one_timed_run(monkeypatch):
+    """The op sweep's rows under the Triton interpreter timed by one warm run instead of up to five
+    (harness.measure_fwd_bwd's repeats): these tests check which scheme and path each row took and the FLOPs it
+    executes, and an interpreted run costs as much as the whole warm-up; the repeats are the same code on every
+    backend, which the torch sweep (test_op_sweep_measures_every_op_at_tiny_sizes_on_cpu) runs in full."""
+    monkeypatch.setattr(harness, "measure_fwd_bwd", functools.partial(harness.measure_fwd_bwd, repeats=1))
+
+
 def test_op_sweep_measures_every_op_at_tiny_sizes_on_cpu(tmp_path):
     """second's sweep code (each op's setup, the shared measurement, floors and fractions of the limits, the
     records) on CPU with the torch backend: a bug here would otherwise first show on the GPU."""
@@ -526,7 +550,7 @@ def test_rows_skipped_past_the_deadline_cost_nothing(tmp_path, monkeypatch):
     assert result["rows"] and all(row["status"] == "skipped" for row in result["rows"]) and freed == []
 
 
-def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monkeypatch):
+def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monkeypatch, one_timed_run):
     """The triton backend's full-width similarity_xent gets a row per scheme, each forced (its grad_fn says which
     ran), with the FLOPs that scheme executes; the other ops one "triton" row. Under the interpreter on CPU."""
     import angle_kernels.triton_ops.similarity_xent_dense as dense
@@ -560,7 +584,7 @@ def test_op_sweep_measures_both_triton_schemes_of_similarity_xent(tmp_path, monk
     assert ran.count("SimilarityXentFunctionBackward") == 1 and ran.count("DenseSimilarityXentFunctionBackward") == 1
 
 
-def test_op_sweep_times_both_triton_schemes_of_similarity_lse_with_and_without_dims(tmp_path):
+def test_op_sweep_times_both_triton_schemes_of_similarity_lse_with_and_without_dims(tmp_path, one_timed_run):
     """similarity_lse's rows (one width, and dims at the same shape) each get a row per triton scheme, forced: the
     fused kernels (per prefix with dims) and the dense products (one pass with dims), with the FLOPs each executes.
     Under the interpreter on CPU."""
@@ -589,7 +613,7 @@ def test_op_sweep_times_both_triton_schemes_of_similarity_lse_with_and_without_d
     assert executed[("similarity_lse(dims)", "triton-fused")] == 10 * 8 * 16 * (2 + 4 + 6)
 
 
-def test_op_sweep_rows_say_which_path_they_timed_and_speed_table_reads_them(tmp_path):
+def test_op_sweep_rows_say_which_path_they_timed_and_speed_table_reads_them(tmp_path, one_timed_run):
     """Each row records the code path its first call took (the forced scheme of a triton-fused/-dense row) and the
     fingerprint of that path's code; bench/speed_table.py turns the record into points without a --commit."""
     from angle_kernels import fingerprints
@@ -760,7 +784,7 @@ def test_first_may_leave_out_its_op_tests_and_headline_on_a_rerun(monkeypatch):
     assert "headline" not in ran and steps["headline"]["status"] == "skipped"
 
 
-def test_op_sweep_times_both_triton_schemes_of_the_pair_scores_with_dims(tmp_path):
+def test_op_sweep_times_both_triton_schemes_of_the_pair_scores_with_dims(tmp_path, one_timed_run):
     """pair_scores(dims) gets a row per triton scheme, forced: the kernels per prefix ("dims") and the one-read
     kernels ("dims_one_read"), so that ONE_READ_MIN_WIDTH can be set from one run's numbers; the switch is
     restored. Under the interpreter on CPU."""
