@@ -203,19 +203,25 @@ def test_a_budget_cuts_the_largest_sizes_not_whole_losses():
 
 
 # The script's runs that the tests below check, by name: each test's arguments (and --out, a folder of its own).
+# --time-budget 0 measures nothing: one run without matplotlib serves both the budget's test and the plot's (what
+# is measured does not reach the plot's code, which says why there is none).
 SCRIPT_RUNS = {
     "end_to_end": ("--losses", "cosine,ibn", "--n", "16,64", "--n-quadratic", "16", "--d", "32",
                    "--providers", "ours,reference", "--repeats", "3", "--max-ref-gb", "0.00005"),
-    "time_budget": ("--losses", "cosine,triplet", "--n", "16,64", "--d", "32", "--providers", "ours",
-                    "--time-budget", "0", "--no-plot", "--no-check"),
-    "without_matplotlib": ("--losses", "cosine", "--n", "16", "--d", "32", "--providers", "ours",
-                           "--time-budget", "0", "--no-check"),
+    "nothing_fits_without_matplotlib": ("--losses", "cosine,triplet", "--n", "16,64", "--d", "32", "--providers",
+                                        "ours", "--time-budget", "0", "--no-check"),
 }
 # The runs made as on a machine without some optional packages: their imports fail (sys.modules[name] = None)
-HIDDEN_PACKAGES = {"without_matplotlib": "matplotlib"}
-# python -c HIDING PACKAGES SCRIPT ARGS...: runs SCRIPT as `python SCRIPT ARGS...` would, with PACKAGES' imports failing
-HIDING = ("import os, runpy, sys; sys.modules.update(dict.fromkeys(sys.argv[1].split(','))); del sys.argv[:2]; "
-          "sys.path.insert(0, os.path.dirname(sys.argv[0])); runpy.run_path(sys.argv[0], run_name='__main__')")
+HIDDEN_PACKAGES = {"nothing_fits_without_matplotlib": "matplotlib"}
+# The CPU's limits measured at smaller sizes than a sweep's (harness.COPY_BYTES, MATMUL_SIZES: 256 MiB copies and
+# matmuls of 2048 and 4096, most of a tiny run's time): the same measurement, and a rate to take fractions of
+SMALL_LIMITS = {"copy_bytes": 2**22, "matmul_sizes": (256,)}
+# python -c RUN PACKAGES LIMITS SCRIPT ARGS...: runs SCRIPT as `python SCRIPT ARGS...` would, with PACKAGES' imports
+# failing and the CPU's limits measured at LIMITS' sizes (JSON)
+RUN = ("import json, os, runpy, sys; sys.modules.update(dict.fromkeys(filter(None, sys.argv[1].split(',')))); "
+       "limits = json.loads(sys.argv[2]); del sys.argv[:3]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
+       "import harness; harness.COPY_BYTES['cpu'] = limits['copy_bytes']; "
+       "harness.MATMUL_SIZES['cpu'] = tuple(limits['matmul_sizes']); runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 @pytest.fixture(scope="module")
@@ -234,9 +240,8 @@ def script_runs(tmp_path_factory):
         for each in [name] if os.environ.get("PYTEST_XDIST_WORKER") else SCRIPT_RUNS:
             if each not in started:
                 folder = tmp_path_factory.mktemp(each)
-                cmd = [sys.executable, str(HERE / "bench_losses.py"), *SCRIPT_RUNS[each], "--out", str(folder / "out")]
-                if each in HIDDEN_PACKAGES:
-                    cmd[1:1] = ["-c", HIDING, HIDDEN_PACKAGES[each]]
+                cmd = [sys.executable, "-c", RUN, HIDDEN_PACKAGES.get(each, ""), json.dumps(SMALL_LIMITS),
+                       str(HERE / "bench_losses.py"), *SCRIPT_RUNS[each], "--out", str(folder / "out")]
                 with open(folder / "stdout.txt", "w") as stdout, open(folder / "stderr.txt", "w") as stderr:
                     started[each] = (subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env), folder)
         proc, folder = started[name]
@@ -303,7 +308,7 @@ def test_sweep_writes_its_outputs_after_every_case(tmp_path, monkeypatch):
 
 def test_time_budget_skips_what_does_not_fit(script_runs):
     """--time-budget 0: nothing is measured, every case is marked, and the outputs are still complete."""
-    proc, out = script_runs("time_budget")
+    proc, out = script_runs("nothing_fits_without_matplotlib")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["complete"] is True and len(data["results"]) == 4
@@ -313,7 +318,7 @@ def test_time_budget_skips_what_does_not_fit(script_runs):
 def test_a_sweep_without_matplotlib_writes_its_table_and_says_why_there_is_no_plot(script_runs):
     """matplotlib is optional (the bench extra): without it, a sweep measured every case, wrote its table and JSON,
     then ended in an ImportError traceback (exit status 1) where it draws the plot."""
-    proc, out = script_runs("without_matplotlib")
+    proc, out = script_runs("nothing_fits_without_matplotlib")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "# no plot.png: matplotlib is not available (" in proc.stdout and "pip install matplotlib" in proc.stdout
