@@ -4,6 +4,7 @@ keeps), no checkpoint holds a non-finite weight, SIGTERM finishes the step and w
 is bit-identical, a second signal stops at once, out of memory names what to change and --auto-chunk retries with
 half the chunk. Every process agrees under DDP (2 gloo processes)."""
 
+import contextlib
 import copy
 import json
 import math
@@ -31,10 +32,18 @@ DATA = (demo_examples(32, seed=4), "B")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run_in_child(code: str) -> subprocess.CompletedProcess:
-    """`code` run by a Python process of its own (a signal test whose old rule ended the process), its output kept."""
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120)
+def _in_a_process_of_its_own(check, tmp_path) -> str:
+    """What `check` (a function of this module, run in a process of its own: a signal test whose old rule ended the
+    process) printed. The process is forked from start_ranks' server, which imported torch and angle_train once a
+    session (a fresh interpreter took 3-4 s a test to import them); it raises what the process raised, and
+    ProcessExitedException where it ended otherwise than by returning."""
+    start_ranks(_printing_to_a_file, (check, str(tmp_path / "stdout.txt")), nprocs=1)
+    return (tmp_path / "stdout.txt").read_text()
+
+
+def _printing_to_a_file(rank, check, path):
+    with open(path, "w") as out, contextlib.redirect_stdout(out):
+        check()
 
 
 def _config(out, **overrides):
@@ -418,34 +427,38 @@ def test_leaving_puts_back_the_earlier_handlers():
             signal.signal(sig, handler)
 
 
-def test_a_second_sigterm_terminates_the_process():
-    """In a child process: the first SIGTERM is recorded, the second terminates the process (status -SIGTERM)
+def _sigterm_twice_where_it_was_ignored():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faults.StopSignals.SAME_REQUEST_S = 0.0
+    with faults.StopSignals() as signals:
+        signal.raise_signal(signal.SIGTERM)
+        assert signals.requested == "SIGTERM"
+        signal.raise_signal(signal.SIGTERM)
+
+
+def test_a_second_sigterm_terminates_the_process(tmp_path):
+    """In a process of its own: the first SIGTERM is recorded, the second terminates the process (status -SIGTERM)
     even though it ignored SIGTERM before."""
-    code = ("import signal; from angle_train import faults\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "faults.StopSignals.SAME_REQUEST_S = 0.0\n"
-            "with faults.StopSignals() as s:\n"
-            "    signal.raise_signal(signal.SIGTERM); assert s.requested == 'SIGTERM'\n"
-            "    signal.raise_signal(signal.SIGTERM)\n"
-            "raise SystemExit(7)\n")
-    done = _run_in_child(code)
-    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-1000:])
+    with pytest.raises(torch.multiprocessing.ProcessExitedException) as ended:
+        _in_a_process_of_its_own(_sigterm_twice_where_it_was_ignored, tmp_path)
+    assert ended.value.signal_name == "SIGTERM", ended.value
 
 
-def test_a_signal_repeated_at_once_is_the_same_request(monkeypatch, capsys):
+def _sigterm_twice_at_once():
+    with faults.StopSignals() as signals:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+        assert signals.requested == "SIGTERM"
+
+
+def test_a_signal_repeated_at_once_is_the_same_request(tmp_path, monkeypatch, capsys):
     """A scheduler that signals every process of a job (Slurm, systemd) reaches each torchrun worker twice,
     directly and as torchrun passes it on: the copy ended every worker mid-step, with no checkpoint. A repeat of the
-    first signal within StopSignals.SAME_REQUEST_S is that request again, said in a line (in a child process: the old
-    rule terminated it); after that window, or another signal at any time (torchrun's SIGTERM after a second
+    first signal within StopSignals.SAME_REQUEST_S is that request again, said in a line (in a process of its own:
+    the old rule terminated it); after that window, or another signal at any time (torchrun's SIGTERM after a second
     Ctrl-C), stops at once."""
-    code = ("import signal; from angle_train import faults\n"
-            "with faults.StopSignals() as s:\n"
-            "    signal.raise_signal(signal.SIGTERM); signal.raise_signal(signal.SIGTERM)\n"
-            "    assert s.requested == 'SIGTERM'\n"
-            "raise SystemExit(7)\n")
-    done = _run_in_child(code)
-    assert done.returncode == 7, (done.returncode, done.stderr[-1000:])
-    assert "SIGTERM again within 2 s: taken as the same request" in done.stdout
+    said = _in_a_process_of_its_own(_sigterm_twice_at_once, tmp_path)
+    assert "SIGTERM again within 2 s: taken as the same request" in said
     with faults.StopSignals():
         signal.raise_signal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
@@ -478,21 +491,23 @@ def test_a_second_ctrl_c_at_once_stops_at_once_outside_torchrun(monkeypatch, cap
     assert "SIGINT again within 2 s: taken as the same request" in capsys.readouterr().out
 
 
-def test_sighup_stops_as_sigterm_does_unless_it_is_ignored():
+def _sighup_heeded_unless_ignored():
+    with faults.StopSignals() as signals:
+        signal.raise_signal(signal.SIGHUP)
+        assert signals.requested == "SIGHUP", signals.requested
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    with faults.StopSignals() as signals:
+        signal.raise_signal(signal.SIGHUP)
+        assert signals.requested is None, signals.requested
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
+def test_sighup_stops_as_sigterm_does_unless_it_is_ignored(tmp_path):
     """A closed terminal or ssh session: torchrun passes SIGHUP on to its processes, even when started with nohup,
-    and they ended at once with no checkpoint. SIGHUP is now the first signal as SIGTERM is (in a child process: it
-    terminated it); one that is ignored on entry (nohup, for a single process) stays ignored."""
-    code = ("import signal; from angle_train import faults\n"
-            "with faults.StopSignals() as s:\n"
-            "    signal.raise_signal(signal.SIGHUP); assert s.requested == 'SIGHUP', s.requested\n"
-            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
-            "with faults.StopSignals() as s:\n"
-            "    signal.raise_signal(signal.SIGHUP); assert s.requested is None, s.requested\n"
-            "assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN\n"
-            "raise SystemExit(7)\n")
-    done = _run_in_child(code)
-    assert done.returncode == 7, (done.returncode, done.stderr[-1000:])
-    assert "SIGHUP: finishing this optimizer step, then writing a checkpoint" in done.stdout
+    and they ended at once with no checkpoint. SIGHUP is now the first signal as SIGTERM is (in a process of its own:
+    it terminated it); one that is ignored on entry (nohup, for a single process) stays ignored."""
+    said = _in_a_process_of_its_own(_sighup_heeded_unless_ignored, tmp_path)
+    assert "SIGHUP: finishing this optimizer step, then writing a checkpoint" in said
 
 
 class SignalWhileExporting:
@@ -538,10 +553,37 @@ def test_sigterm_during_the_final_export_checkpoints_and_resume_exports_the_same
         assert torch.equal(got[name], value), name
 
 
-def _cli(out, *flags):  # 300 steps (a few seconds): the signal must come before the last step, or the run ends
-    return [sys.executable, "-m", "angle_train.cli", "--model", "builtin:tiny-bert", "--train-data", "builtin:demo",
-            "--batch-size", "16", "--max-steps", "300", "--lr", "3e-3", "--max-length", "12", "--log-every", "1",
-            "--progress", "0", "--device", "cpu", "--seed", "5", "--output-dir", str(out), *flags]
+CLI_FLAGS = ("--model", "builtin:tiny-bert", "--train-data", "builtin:demo", "--batch-size", "16", "--max-steps",
+             "8", "--lr", "3e-3", "--max-length", "12", "--log-every", "1", "--progress", "0", "--device", "cpu",
+             "--seed", "5")
+# angle-train's main (the flags after the first argument) in a process whose step 4 waits for a signal: it starts
+# once the loop's handler has taken one, sent after this process has written the file named by the first argument.
+# The signal comes mid-run however fast the run is (sent once step 3 was logged, it raced the remaining steps, which
+# had to be hundreds to be sure to lose on a busy machine).
+WAITING_FOR_A_SIGNAL = """
+import pathlib, signal, sys, time
+from angle_train import cli, trainer
+
+real_step = trainer.optimizer_step
+
+def step_once_signalled(run):
+    if run.position.step == 3:
+        signals = signal.getsignal(signal.SIGTERM).__self__  # the loop's faults.StopSignals
+        pathlib.Path(sys.argv[1]).touch()
+        deadline = time.monotonic() + 120  # no signal taken: the run goes on, ends with status 0 and fails the test
+        while signals.requested is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return real_step(run)
+
+trainer.optimizer_step = step_once_signalled
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def _cli(out, *flags, waiting=None):
+    """angle-train's command line; with `waiting` (a path), WAITING_FOR_A_SIGNAL's, that touches it at step 4."""
+    launch = ["-m", "angle_train.cli"] if waiting is None else ["-c", WAITING_FOR_A_SIGNAL, str(waiting)]
+    return [sys.executable, *launch, *CLI_FLAGS, "--output-dir", str(out), *flags]
 
 
 def _final_weights(out):
@@ -550,39 +592,38 @@ def _final_weights(out):
     return load_file(str(next(Path(out, "final").glob("*.safetensors"))))
 
 
-def test_sigterm_checkpoints_and_resume_is_bit_identical(tmp_path):
-    """A real angle-train process: SIGTERM mid-run finishes the step, writes a checkpoint and exits with status 75;
-    --resume auto then ends with the weights of an uninterrupted run, bit for bit. (The uninterrupted run goes
-    alongside the other two: each process uses one thread.)"""
+def test_sigterm_checkpoints_and_resume_is_bit_identical(tmp_path, capsys):
+    """A real angle-train process: SIGTERM mid-run (at the start of step 4: WAITING_FOR_A_SIGNAL) finishes the
+    step, writes a checkpoint and exits with status 75; --resume auto then ends with the weights of an uninterrupted
+    run, bit for bit. (The uninterrupted run is angle-train's main in this process, on one thread as the others,
+    while the first of them starts.)"""
+    from angle_train import cli
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    full_log = tmp_path / "full.log"
-    with open(full_log, "w") as log:
-        full = subprocess.Popen(_cli(tmp_path / "full"), env=env, stdout=log, stderr=subprocess.STDOUT)
+    out, waiting = tmp_path / "stopped", tmp_path / "waiting-at-step-4"
+    process = subprocess.Popen(_cli(out, waiting=waiting), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     try:
-        out = tmp_path / "stopped"
-        process = subprocess.Popen(_cli(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
-        while time.monotonic() < deadline and process.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
+        assert cli.main([*CLI_FLAGS, "--output-dir", str(tmp_path / "full")]) == 0, capsys.readouterr().out[-2000:]
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and process.poll() is None and not waiting.exists():
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=300)
-        assert process.returncode == faults.EXIT_PREEMPTED, output[-2000:]
-        assert "SIGTERM: finishing this optimizer step" in output
-        done = finished_checkpoints(str(out))
-        assert len(done) == 1 and checkpoint_problem(done[0]) is None
-        stopped_at = int(done[0].rsplit("-", 1)[1])
-        assert 3 <= stopped_at < 300 and not (out / "final").exists()
-
-        resumed = subprocess.run(_cli(out, "--resume", "auto"), env=env, capture_output=True, text=True, timeout=600)
-        assert resumed.returncode == 0, resumed.stderr[-2000:]
-        assert f"resumed from {done[0]} at step {stopped_at}" in resumed.stdout
-        assert full.wait(timeout=600) == 0, full_log.read_text()[-2000:]
     finally:
-        if full.poll() is None:
-            full.kill()
-            full.wait()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == faults.EXIT_PREEMPTED, output[-2000:]
+    assert "SIGTERM: finishing this optimizer step" in output
+    done = finished_checkpoints(str(out))
+    assert len(done) == 1 and checkpoint_problem(done[0]) is None
+    stopped_at = int(done[0].rsplit("-", 1)[1])
+    assert stopped_at == 4 and not (out / "final").exists()
+
+    resumed = subprocess.run(_cli(out, "--resume", "auto"), env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {done[0]} at step {stopped_at}" in resumed.stdout
     expected, got = _final_weights(tmp_path / "full"), _final_weights(out)
     assert expected.keys() == got.keys()
     for name, value in expected.items():
