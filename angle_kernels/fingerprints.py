@@ -36,10 +36,10 @@ the repository, so that a fingerprint of the same rule can be computed for old c
 from __future__ import annotations
 
 import ast
-import copy
 import hashlib
+import pickle
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator
@@ -225,6 +225,26 @@ class _Module:
     defs: dict  # name -> [statements]
     imports: dict  # name -> ("module", dotted) | ("from", dotted module, name)
     is_package: bool
+    # Per statement of defs (by id: this object holds them), what closures need of it, computed once: the paths
+    # share most of their definitions.
+    _canonical_texts: dict = field(default_factory=dict)
+    _statement_references: dict = field(default_factory=dict)
+
+    def canonical_text(self, statement: ast.AST) -> str:
+        """The statement's canonical form without docstrings and imports (of a copy: pickling copies a syntax
+        tree several times faster than copy.deepcopy)."""
+        key = id(statement)
+        if key not in self._canonical_texts:
+            self._canonical_texts[key] = canonical(_normalised(pickle.loads(pickle.dumps(statement))))
+        return self._canonical_texts[key]
+
+    def references(self, statement: ast.AST) -> tuple[dict, tuple]:
+        """(the names the statement's own imports bind, the names it references: _references)."""
+        key = id(statement)
+        if key not in self._statement_references:
+            self._statement_references[key] = (_bindings(self.name, self.is_package, [statement]),
+                                               tuple(_references(statement)))
+        return self._statement_references[key]
 
 
 def _dotted(node: ast.AST) -> str:
@@ -331,29 +351,7 @@ class _Source:
             text, is_package = self.tree.read(base + "/__init__.py"), True
         if text is None:
             return None
-        parsed = ast.parse(text)
-        defs: dict = {}
-        body = parsed.body
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-            body = body[1:]  # the module docstring
-        for statement in body:
-            if isinstance(statement, (ast.Import, ast.ImportFrom)):
-                continue
-            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign,
-                                      ast.AugAssign)):
-                names = _bound_names(statement)
-                for bound in names:
-                    defs.setdefault(bound, []).append(statement)
-                if _registers(statement) or not names:
-                    defs.setdefault(_REGISTRATIONS, []).append(statement)
-                continue
-            # anything else at top level (a call, an if/try holding definitions): it runs at import, and it binds
-            # every name defined inside it at module level
-            for bound in _module_level_names(statement):
-                defs.setdefault(bound, []).append(statement)
-            defs.setdefault(_REGISTRATIONS, []).append(statement)
-        imports = _bindings(name, is_package, [s for s in parsed.body if isinstance(s, (ast.Import, ast.ImportFrom))])
-        return _Module(name, defs, imports, is_package)
+        return _parsed_module(name, text, is_package)
 
     def resolve(self, module: _Module, name: str, local_imports: dict, depth: int = 0):
         """What `name` means in `module` (with a definition's own imports): ("def", module, name), ("module",
@@ -384,6 +382,35 @@ class _Source:
         if self.module(submodule) is not None:
             return ("module", submodule)
         return None
+
+
+@lru_cache(maxsize=256)
+def _parsed_module(name: str, text: str, is_package: bool) -> _Module:
+    """A module's definitions and imports, parsed once per text: trees sharing a file (a copy of the package with
+    one file edited) share its _Module and what closures computed of its statements."""
+    parsed = ast.parse(text)
+    defs: dict = {}
+    body = parsed.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the module docstring
+    for statement in body:
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign,
+                                  ast.AugAssign)):
+            names = _bound_names(statement)
+            for bound in names:
+                defs.setdefault(bound, []).append(statement)
+            if _registers(statement) or not names:
+                defs.setdefault(_REGISTRATIONS, []).append(statement)
+            continue
+        # anything else at top level (a call, an if/try holding definitions): it runs at import, and it binds
+        # every name defined inside it at module level
+        for bound in _module_level_names(statement):
+            defs.setdefault(bound, []).append(statement)
+        defs.setdefault(_REGISTRATIONS, []).append(statement)
+    imports = _bindings(name, is_package, [s for s in parsed.body if isinstance(s, (ast.Import, ast.ImportFrom))])
+    return _Module(name, defs, imports, is_package)
 
 
 def _module_level_names(statement: ast.AST) -> list[str]:
@@ -473,8 +500,8 @@ def closure(roots, skips=(), tree: Tree | None = None) -> Closure:
             if _REGISTRATIONS in module.defs:
                 todo.append((module_name, _REGISTRATIONS))
         for statement in module.defs[name]:
-            local = _bindings(module_name, module.is_package, [statement])
-            for base, chain in _references(statement):
+            local, references = module.references(statement)
+            for base, chain in references:
                 found = source.resolve(module, base, local)
                 for attr in chain:
                     if found is None or found[0] != "module":
@@ -487,7 +514,7 @@ def closure(roots, skips=(), tree: Tree | None = None) -> Closure:
         module = source.module(module_name)
         for statement in module.defs[name]:
             key = "<registrations>" if name == _REGISTRATIONS else name
-            items.add((key, canonical(_normalised(copy.deepcopy(statement)))))
+            items.add((key, module.canonical_text(statement)))
     digest = hashlib.sha256()
     for key, text in sorted(items):
         digest.update(key.encode() + b"\1" + text.encode() + b"\0")
