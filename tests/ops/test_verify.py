@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from angle_kernels import verify  # noqa: E402
 from angle_kernels.triton_ops import (  # noqa: E402
-    _common, pair_scores_paths, similarity_lse_paths, similarity_xent_dense, similarity_xent_paths,
+    _common, pair_scores_paths, ranking_loss, similarity_lse_paths, similarity_xent_dense, similarity_xent_paths,
 )
 from autotune_replay import ReplayedAutotuner, install  # noqa: E402
 
@@ -28,13 +28,16 @@ DTYPES = (torch.bfloat16, torch.float64)
 
 
 TINY_WIDE = 64  # the width of verify.cases("tiny")'s dense cases
+TINY_SORT_MIN = 2048  # below the 2,100 scores of verify.cases("tiny")'s ranking sort case, above its pairwise case
 
 
 @pytest.fixture
 def tiny_dense(monkeypatch):
     """The dense scheme taken from the tiny cases' wide width, not from its MIN_WIDTH (768), and so the one-read pair
-    scores (ONE_READ_MIN_WIDTH, 768) and the dense similarity_lse scheme."""
+    scores (ONE_READ_MIN_WIDTH, 768) and the dense similarity_lse scheme; the ranking term's sort path from the tiny
+    sort case's size, not from SMALL_N_MAX (4,096: the scan's blocks cost seconds each through the interpreter)."""
     monkeypatch.setattr(similarity_xent_dense, "MIN_WIDTH", TINY_WIDE)
+    monkeypatch.setattr(ranking_loss, "SMALL_N_MAX", TINY_SORT_MIN)
     for name in ("ONE_READ_MIN_WIDTH", "PROPOSED_ONE_READ_MIN_WIDTH"):
         monkeypatch.setattr(pair_scores_paths, name, TINY_WIDE)
     for name in ("DENSE_DIMS_MIN_WIDTH", "PROPOSED_DENSE_DIMS_MIN_WIDTH"):
@@ -44,7 +47,7 @@ def tiny_dense(monkeypatch):
         monkeypatch.setattr(similarity_lse_paths, name, TINY_WIDE)
 
 
-@pytest.mark.slow  # about 20 s through the interpreter (the sort path's scan at N = 4,200 is half of it)
+@pytest.mark.slow  # about 35 s through the interpreter on two cores
 # On a GPU its first compiles of every path's kernels take longer than the GPU run's per-test limit (90 s on an
 # H200), and that run's large-size checks (`python -m angle_kernels.verify --sizes large`) run these paths anyway.
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the large-size checks run every path")
