@@ -3,7 +3,8 @@
 Embeddings stacked [L, rows, D] give sum over (layer l, prefix i) of weight[l][i] * loss(x[l, ..., :d_i]); the
 oracle here is exactly that sum of the float64 oracle's calls on each layer's truncated embeddings
 (angle_kernels.testing.oracle), values and gradients, on every backend (a case with dims skips the backends whose
-op lacks the nested prefixes), float64 and float32 plus bf16 at the half rule. Three weightings: one weight per
+op lacks the nested prefixes), float64 and float32 plus bf16 at the half rule (under the Triton interpreter, one
+dtype per case and weighting, in turn: _interpreted_triton_runs). Three weightings: one weight per
 layer (the full width), one per layer times dim_weights, and a table with zeros (Espresso's: the earlier layers
 only at the narrow width). Also: the pair-score losses make one op call for the whole stack, weights that are all
 0 give 0 with zero gradients, and bad stacks or weights are refused.
@@ -16,7 +17,8 @@ import torch
 
 import angle_kernels as ak
 from angle_kernels.testing.cases import LOSS_CASES, MODULES_WITH_BOTH_OPS, Draw
-from angle_kernels.testing.helpers import HALF_DTYPES, check_against_oracle, generator, skip_unless_feature
+from angle_kernels.testing.helpers import (HALF_DTYPES, across_backends, check_against_oracle, generator,
+                                           skip_unless_feature)
 
 LAYERS, WIDTH = 3, 16
 # name -> (the keyword arguments of our call, the weight of (layer, width) for the oracle)
@@ -56,9 +58,23 @@ CASES = {name: case for name, case in LOSS_CASES.items() if name != "mnrl_symmet
          and name not in ("AngleLoss_A_gte", "AngleLoss_A_filter")}  # (the Matryoshka tests' own)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF_DTYPES[:1]], ids=str)
-@pytest.mark.parametrize("weighting", list(WEIGHTINGS))
-@pytest.mark.parametrize("name", list(CASES))
+DTYPES = (torch.float64, torch.float32, *HALF_DTYPES[:1])
+
+
+def _interpreted_triton_runs(name, weighting, dtype):
+    """Under the Triton interpreter (seconds a case), one dtype per case and weighting, rotated: each case meets all
+    three dtypes over its three weightings, and each op every (weighting, dtype) where it serves three cases or more.
+    What a weighting asks of the op (no dims; two prefixes; one prefix narrower than the width) is the plain op's
+    with more rows, whose dims tests/ops holds to the oracle in every dtype (test_dims_against_oracle); the stacking
+    is the same front-end code on every backend, which the torch backend's cases check in every combination."""
+    op = CASES[name][0]
+    same_op = [case for case, (case_op, _) in CASES.items() if case_op == op]
+    return DTYPES.index(dtype) == (same_op.index(name) + list(WEIGHTINGS).index(weighting)) % len(DTYPES)
+
+
+@pytest.mark.parametrize("backend, name, weighting, dtype", across_backends(
+    [(name, weighting, dtype) for name in CASES for weighting in WEIGHTINGS for dtype in DTYPES],
+    _interpreted_triton_runs), indirect=["backend"])
 def test_against_the_oracle_of_each_layer(backend, name, weighting, dtype):
     op, make = CASES[name]
     kwargs, weights = WEIGHTINGS[weighting]

@@ -222,6 +222,21 @@ def backend_or_skip(name: str) -> Backend:
     return Backend(name, resolve_backend(name, torch.empty(0, device=device)), device)
 
 
+def across_backends(cases, interpreted_triton_runs, case_id=lambda *case: "-".join(map(str, case))):
+    """pytest params (backend name, *case) of every case on every backend, for a test that parametrises the
+    `backend` fixture itself (indirect=["backend"]), with the ids the fixture's own params would give: the
+    backend's name, "-", case_id(*case) ("triton-cosine_loss-torch.float32"). Under the Triton interpreter
+    (TRITON_DEVICE on the CPU) only the cases for which interpreted_triton_runs(*case) is true run on the triton
+    backend: an interpreted case costs seconds where the same front-end code on the torch backend costs
+    milliseconds. The compiled Triton backend (a CUDA device) runs every case."""
+    import pytest
+
+    interpreted = TRITON_DEVICE.type == "cpu"
+    return [pytest.param(name, *case, id=f"{name}-{case_id(*case)}")
+            for name in BACKEND_NAMES for case in cases
+            if not (name == "triton" and interpreted) or interpreted_triton_runs(*case)]
+
+
 # ----------------------------------------------------------------------------------------------------
 # running a function and its backward
 # ----------------------------------------------------------------------------------------------------
