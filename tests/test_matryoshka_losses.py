@@ -1,7 +1,8 @@
 """Matryoshka (dims / dim_weights) on every loss and on AngleLoss / ArcCSELoss: the result must be
 sum_i w_i * loss(embeddings[..., :d_i]), the weighted sum over the truncated embeddings, computed here by the
 float64 oracle of each truncated call (angle_kernels.testing.oracle), values and gradients, on every backend whose ops
-implement the nested prefixes (the others are skipped), float64 and float32 plus bf16 at the half rule.
+implement the nested prefixes (the others are skipped), float64 and float32 plus bf16 at the half rule (under the
+Triton interpreter, one dtype per case, in turn: _interpreted_triton_runs).
 Also: dims in any order with their weights, the fallback of a backend lacking the feature, bad arguments.
 """
 
@@ -12,7 +13,8 @@ import torch
 
 import angle_kernels as ak
 from angle_kernels.testing.cases import LOSS_CASES, MODULES_WITH_BOTH_OPS, Draw
-from angle_kernels.testing.helpers import HALF_DTYPES, check_against_oracle, generator, skip_unless_feature
+from angle_kernels.testing.helpers import (HALF_DTYPES, across_backends, check_against_oracle, generator,
+                                           skip_unless_feature)
 
 WIDTH = 24
 DIMS = (24, 8, 16, 6)  # any order: the losses sort them, with their weights
@@ -46,10 +48,26 @@ CASES = {name: case for name, case in LOSS_CASES.items() if name != "AngleLoss_B
 # dtype, composed by the loss layer (backend-independent); on the interpreted Triton backend (6-8 s a case) one
 # dtype is enough
 ONE_DTYPE_ON_TRITON = ("AngleLoss_A_gte", "AngleLoss_A_filter")
+DTYPES = (torch.float64, torch.float32, *HALF_DTYPES[:1])
+# the order the cases of an op take the dtypes in under the interpreter: float32 last, so that similarity_lse's two
+# cases besides ONE_DTYPE_ON_TRITON (float32) take the other two
+INTERPRETED_ROTATION = (torch.float64, HALF_DTYPES[0], torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF_DTYPES[:1]], ids=str)
-@pytest.mark.parametrize("name", list(CASES))
+def _interpreted_triton_runs(name, dtype):
+    """Under the Triton interpreter (seconds a case), each case in one dtype: ONE_DTYPE_ON_TRITON's in float32, the
+    others' in turn among the cases of the same op (INTERPRETED_ROTATION), so that each op's dims meet every dtype.
+    A case's front end is the same code on every backend, which the torch backend's cases check in every dtype, and
+    tests/ops holds every op's dims to the oracle in every dtype (test_dims_against_oracle)."""
+    if name in ONE_DTYPE_ON_TRITON:
+        return dtype == torch.float32
+    op = CASES[name][0]
+    same_op = [case for case, (case_op, _) in CASES.items() if case_op == op and case not in ONE_DTYPE_ON_TRITON]
+    return dtype == INTERPRETED_ROTATION[same_op.index(name) % len(INTERPRETED_ROTATION)]
+
+
+@pytest.mark.parametrize("backend, name, dtype", across_backends(
+    [(name, dtype) for name in CASES for dtype in DTYPES], _interpreted_triton_runs), indirect=["backend"])
 def test_against_the_oracle_of_the_truncated_losses(backend, name, dtype):
     op, make = CASES[name]
     skip_unless_feature(backend, op, "dims")
