@@ -6,7 +6,8 @@ gist_loss (its GISTEmbedLoss), fused.
   sentence-transformers' own compute_loss_from_embeddings on the same float64 embeddings (value and gradient
   of every input, to rounding), and against the float64 oracle (angle_kernels.testing.oracle);
 * the false-negative filter (no sentence-transformers counterpart) against the oracle, on every backend;
-* every backend on representative combinations (dot products included), float32 and bf16 at the half rule;
+* every backend on representative combinations (dot products included), float32 and bf16 at the half rule
+  (under the Triton interpreter, one dtype per combination, in turn: _in_turn);
   gradcheck in float64;
 * gist_loss against the oracle on every backend (its parity with sentence-transformers' GISTEmbedLoss runs on a
   tiny model in tests/integrations/test_sentence_transformers.py);
@@ -27,7 +28,7 @@ from torch.autograd import gradcheck
 import angle_kernels as ak
 from angle_kernels.testing import oracle
 from angle_kernels.testing.helpers import (
-    ShapeRecorder, assert_close, check_against_oracle, generator, leaf_like, outputs_and_grads, randn,
+    ShapeRecorder, across_backends, assert_close, check_against_oracle, generator, leaf_like, outputs_and_grads, randn,
     skip_unless_implemented,
 )
 
@@ -97,10 +98,25 @@ FILTER_CASES = [("q2d", "joint", None, 1, "absolute", 0.1), ("gte", "joint", "al
 DOT_CASES = [("q2d", "joint", None, 0, None, None), ("gte", "joint", "all_negatives", 1, "relative", 0.2)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", [c + ("cosine",) for c in FILTER_CASES + [("gte", "joint", "in_batch_negatives", 1,
-                                                                            None, None)]]
-                         + [c + ("dot",) for c in DOT_CASES], ids=lambda c: "-".join(map(str, c)))
+DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+BACKEND_CASES = [c + ("cosine",) for c in FILTER_CASES + [("gte", "joint", "in_batch_negatives", 1, None, None)]] + [
+    c + ("dot",) for c in DOT_CASES]
+
+
+def _in_turn(cases):
+    """Under the Triton interpreter (seconds a case), each of `cases` in one dtype, the DTYPES in turn, so that the
+    cases together meet every dtype: each case's options are front-end code, the same on every backend, which the
+    torch backend's cases check in every dtype; what the Triton backend adds is similarity_lse, held to the oracle
+    with every option (filters, guides, penalties, exclusions, dot products) in every dtype in
+    tests/ops/test_similarity_lse.py."""
+    def interpreted_triton_runs(case, dtype):
+        return DTYPES.index(dtype) == list(cases).index(case) % len(DTYPES)
+    return interpreted_triton_runs
+
+
+@pytest.mark.parametrize("backend, case, dtype", across_backends(
+    [(case, dtype) for case in BACKEND_CASES for dtype in DTYPES], _in_turn(BACKEND_CASES),
+    case_id=lambda case, dtype: "-".join(map(str, case + (dtype,)))), indirect=["backend"])
 def test_every_backend_against_the_oracle(backend, case, dtype):
     skip_unless_implemented(backend, "similarity_lse")  # the filter and hardness blocks
     name, mode, hardness, k, strategy, margin, similarity = case
@@ -252,8 +268,8 @@ def _gist_inputs(name, dtype, rows=10, dim=24, guide_dim=12):
     return model_side, guide, options
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", list(GIST_CASES))
+@pytest.mark.parametrize("backend, name, dtype", across_backends(
+    [(name, dtype) for name in GIST_CASES for dtype in DTYPES], _in_turn(GIST_CASES)), indirect=["backend"])
 def test_gist_on_every_backend_against_the_oracle(backend, name, dtype):
     skip_unless_implemented(backend, "similarity_lse")
     model_side, guide, options = _gist_inputs(name, dtype)
