@@ -121,6 +121,29 @@ print(f"OK angle_kernels {angle_kernels.__version__} from {os.path.dirname(locat
 '''
 
 
+# Appended to INSTALLED_PACKAGE_CHECK to run pip's console scripts (argv[3:]) with --help in the same interpreter,
+# as `python SCRIPT --help` runs them (as __main__, argv[0] the script): one start of torch instead of one per script.
+CONSOLE_SCRIPTS_HELP = r'''
+import contextlib
+import io
+import runpy
+
+for script in sys.argv[3:]:
+    sys.argv = [script, "--help"]
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            assert exc.code in (0, None), f"{script} --help exited with {exc.code}"
+        else:
+            raise AssertionError(f"{script} --help did not exit")
+    name = os.path.basename(script)
+    assert shown.getvalue().startswith(f"usage: {name}"), shown.getvalue()[:500]
+    print(f"OK {name} --help")
+'''
+
+
 def _source_version() -> str:
     """angle_kernels/_version.py's __version__, read without importing anything."""
     tree = ast.parse((REPO / "angle_kernels" / "_version.py").read_text())
@@ -252,17 +275,13 @@ def test_wheel_installs_with_pip_and_computes_a_loss(dists, tmp_path):
     # PYTHONPATH puts the install dir ahead of site-packages; cwd is elsewhere so the checkout is not importable.
     env = {**os.environ, "PYTHONPATH": str(target)}
     env.pop("PYTHONHOME", None)
-    proc = _run([sys.executable, "-c", INSTALLED_PACKAGE_CHECK, str(target), version], RUN_TIMEOUT_S,
-                cwd=tmp_path, env=env)
-    assert proc.stdout.startswith("OK angle_kernels"), proc.stdout
-
-    script = target / "bin" / "angle-train"
-    assert script.is_file(), "pip installed no angle-train script"
-    help_run = _run([sys.executable, str(script), "--help"], RUN_TIMEOUT_S, cwd=tmp_path, env=env)
-    assert help_run.stdout.startswith("usage: angle-train"), help_run.stdout[:500]
-    help_run = _run([sys.executable, str(target / "bin" / "angle-eval"), "--help"], RUN_TIMEOUT_S, cwd=tmp_path,
-                    env=env)
-    assert help_run.stdout.startswith("usage: angle-eval"), help_run.stdout[:500]
+    scripts = [target / "bin" / name for name in ("angle-train", "angle-eval")]
+    assert all(script.is_file() for script in scripts), f"pip installed {os.listdir(target / 'bin')}"
+    proc = _run([sys.executable, "-c", INSTALLED_PACKAGE_CHECK + CONSOLE_SCRIPTS_HELP, str(target), version,
+                 *map(str, scripts)], RUN_TIMEOUT_S, cwd=tmp_path, env=env)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("OK angle_kernels"), proc.stdout
+    assert lines[1:] == ["OK angle-train --help", "OK angle-eval --help"], proc.stdout
 
 
 @pytest.mark.skipif(os.environ.get("ANGLE_KERNELS_TEST_FRESH_VENV") != "1",
@@ -300,17 +319,22 @@ def test_wheel_installs_into_a_fresh_venv_without_changing_torch(dists, tmp_path
     assert help_run.stdout.startswith("usage: angle-train"), help_run.stdout[:500]
 
 
-def test_the_sentence_transformers_integration_says_what_to_install():
+def test_the_sentence_transformers_integration_says_what_to_install(monkeypatch):
     """Imported without sentence-transformers, the integration raised a bare "No module named
-    'sentence_transformers'"; it names the package and the version to install (as the angle-emb integration does)."""
-    code = ("import importlib.util as u\n"
-            "real = u.find_spec\n"
-            "u.find_spec = lambda name, *a, **k: None if name == 'sentence_transformers' else real(name, *a, **k)\n"
-            "import angle_kernels.integrations.sentence_transformers\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode != 0
-    assert "pip install 'sentence-transformers>=5'" in done.stderr.strip().splitlines()[-1], done.stderr[-500:]
+    'sentence_transformers'"; it names the package and the version to install (as the angle-emb integration does).
+    The module's file runs in this process as a fresh module object that sys.modules never holds (no second
+    interpreter re-importing torch), with find_spec not finding sentence-transformers, as the import check asks."""
+    import angle_kernels.integrations
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args, **kwargs: None
+                        if name == "sentence_transformers" else real_find_spec(name, *args, **kwargs))
+    name = "angle_kernels.integrations.sentence_transformers"
+    spec = importlib.util.spec_from_file_location(
+        name, Path(angle_kernels.integrations.__file__).with_name("sentence_transformers.py"))
+    with pytest.raises(ModuleNotFoundError) as raised:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert "pip install 'sentence-transformers>=5'" in str(raised.value), raised.value
 
 
 def test_shipped_files_cite_no_path_outside_the_repository():
