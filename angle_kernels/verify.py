@@ -201,9 +201,7 @@ def cases(sizes: str = "standard") -> list[Case]:
     # the pair scores of every prefix in one read (from ONE_READ_MIN_WIDTH, 768, up): five widths at 768 and at the
     # wide width (format C triples there); the prefix kernels' case below it
     scaled = tuple(wide // 2**i for i in (4, 3, 2, 1, 0))
-    # (tiny: two groups, not six: under the interpreter each group's program of the one-read kernels takes seconds,
-    # and two already show a later program's offsets)
-    one_read = [_pair_case("dims_one_read", 2 if tiny else pairs, 2, wide if tiny else d,
+    one_read = [_pair_case("dims_one_read", pairs, 2, wide if tiny else d,
                            dims=(4, 8, 16, 40, 64) if tiny else at_d[1]),
                 _pair_case("dims_one_read", max(1, pairs // 4), 3, wide, dims=scaled)]
     # similarity_lse on the dense scheme (from its proposed width, 768, up: at it and at the wide width; raw dot
