@@ -24,8 +24,7 @@ EVERY_PATH = sorted(fingerprints.PATH_CODE)
 
 @pytest.fixture(scope="module")
 def baseline():
-    tree = fingerprints.folder_tree()  # parsed once for every path (a default tree is parsed again per call)
-    return {key: fingerprints.path_closure(*key, tree=tree).fingerprint for key in EVERY_PATH}
+    return {key: fingerprints.path_closure(*key).fingerprint for key in EVERY_PATH}
 
 
 @pytest.fixture

@@ -34,13 +34,9 @@ from angle_kernels.triton_ops import (  # noqa: E402
 PACKAGE_DIR = Path(fingerprints.__file__).resolve().parent
 
 
-# This checkout's sources, parsed once for the index and every path's closure (a default tree is parsed per call).
-_TREE = fingerprints.folder_tree()
-
-
 def _definition_index() -> dict:
     """file -> [(first line, last line, (module, name))] of the package's top-level definitions."""
-    source = fingerprints._Source(_TREE)
+    source = fingerprints._Source(fingerprints.folder_tree())
     index = {}
     for path in PACKAGE_DIR.rglob("*.py"):
         relative = path.relative_to(PACKAGE_DIR).with_suffix("")
@@ -187,10 +183,10 @@ def _extra_calls(dtype):
 
 
 def _allowed(backend: str, op: str, path: str) -> set:
-    members = set(fingerprints.path_closure(backend, op, path, tree=_TREE).members)
+    members = set(fingerprints.path_closure(backend, op, path).members)
     selector = fingerprints.SELECTORS.get((backend, op))
     if selector is not None:
-        members |= fingerprints.closure([selector], tree=_TREE).members
+        members |= fingerprints.closure([selector]).members
     router = fingerprints.ROUTERS.get((backend, op))
     if router is not None:  # the router itself, not what it calls (each path's launcher: its own closure)
         module, name = router.split(":")
@@ -234,7 +230,7 @@ def test_every_function_a_triton_path_runs_is_in_its_fingerprint(monkeypatch):
     assert not outside, f"ran but not in the path's fingerprint: {outside}"
     # the comparison can fail: a closure that skipped a helper its path runs leaves that helper outside
     code = fingerprints.PATH_CODE[("triton", "pair_scores", "full")]
-    narrower = fingerprints.closure(code.roots, code.skips + ("new_output",), tree=_TREE)
+    narrower = fingerprints.closure(code.roots, code.skips + ("new_output",))
     assert ("triton_ops._common", "new_output") in ran[("pair_scores", "full")] - narrower.members
     # and the trace sees the kernels themselves (the interpreter runs them as Python)
     assert ("triton_ops.similarity_xent_dense", "_dense_xent_grad_kernel") in ran[("similarity_xent", "dense")]
