@@ -4,7 +4,7 @@ Format A: zigzag pairs with labels (cosine + in-batch negatives + angle); B: [qu
 only); C: [query, positive, negative] rows (contrastive with and without negatives, plus the angle and cosine
 terms on (q, pos) pairs labelled 1 and (q, neg) pairs labelled 0). Against the float64 oracle
 (angle_kernels.testing.oracle, assembled as angle_emb 0.6.1's AngleLoss.__call__) on every backend (under the
-Triton interpreter one dtype per format, in turn: _formats_in_turn) and over weight settings on the default
+Triton interpreter one dtype per format, in turn: in_turn) and over weight settings on the default
 backend, float32 and float64, and bf16/fp16 at the half rule; parity with angle_emb.AngleLoss (skipped when
 angle-emb is not installed); gradcheck in float64 and hypothesis fuzzing.
 The options of the in-batch-negative terms (ibn_partition "gte", the false-negative filter) against the oracle's
@@ -26,7 +26,8 @@ import angle_kernels as ak
 from angle_kernels.testing import oracle
 from angle_kernels.testing.helpers import (
     FUZZ, HALF_DTYPES, REFERENCE_ATOL, across_backends, assert_close, check_against_oracle, float64_cannot_resolve,
-    fuzz_embeddings, generator, grads_of, leaf_like, outputs_and_grads, randn, skip_unless_implemented, zigzag_labels,
+    fuzz_embeddings, generator, grads_of, in_turn, leaf_like, outputs_and_grads, randn, skip_unless_implemented,
+    zigzag_labels,
 )
 
 DTYPES = [torch.float64, torch.float32]
@@ -61,19 +62,15 @@ def _module_and_oracle(fmt, labels, kwargs, backend=None):
 # --------------------------------------------------------------------------------------------------------
 # against the oracle
 # --------------------------------------------------------------------------------------------------------
-def _formats_in_turn(dtypes):
-    """Under the Triton interpreter (seconds a case), each format in one of `dtypes`, the dtypes in turn, so that
-    the formats together meet every dtype: a format's weighing of the terms is front-end code, the same on every
-    backend, which the torch backend's cases check in every dtype; what the Triton backend adds are its ops, held
-    to the oracle in every dtype (with every option of similarity_lse) in tests/ops."""
-    return lambda fmt, dtype: dtype == dtypes[FORMATS.index(fmt) % len(dtypes)]
-
-
+# Under the Triton interpreter (seconds a case), each format in one dtype, in turn (in_turn): a format's weighing of
+# the terms is front-end code, the same on every backend, which the torch backend's cases check in every dtype; what
+# the Triton backend adds are its ops, held to the oracle in every dtype (with every option of similarity_lse) in
+# tests/ops.
 BACKEND_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 
 
 @pytest.mark.parametrize("backend, fmt, dtype", across_backends(
-    [(fmt, dtype) for fmt in FORMATS for dtype in BACKEND_DTYPES], _formats_in_turn(BACKEND_DTYPES)),
+    [(fmt, dtype) for fmt in FORMATS for dtype in BACKEND_DTYPES], in_turn(FORMATS, BACKEND_DTYPES)),
     indirect=["backend"])
 def test_every_backend(backend, fmt, dtype):
     labels, x = _inputs(generator("module_backends", fmt, dtype), fmt, 12, 32, dtype=dtype)
@@ -252,7 +249,7 @@ IBN_BACKEND_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @pytest.mark.parametrize("backend, fmt, dtype", across_backends(
-    [(fmt, dtype) for fmt in FORMATS for dtype in IBN_BACKEND_DTYPES], _formats_in_turn(IBN_BACKEND_DTYPES)),
+    [(fmt, dtype) for fmt in FORMATS for dtype in IBN_BACKEND_DTYPES], in_turn(FORMATS, IBN_BACKEND_DTYPES)),
     indirect=["backend"])
 def test_ibn_options_every_backend(backend, fmt, dtype):
     skip_unless_implemented(backend, "similarity_lse")

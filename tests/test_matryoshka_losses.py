@@ -13,7 +13,7 @@ import torch
 
 import angle_kernels as ak
 from angle_kernels.testing.cases import LOSS_CASES, MODULES_WITH_BOTH_OPS, Draw
-from angle_kernels.testing.helpers import (HALF_DTYPES, across_backends, check_against_oracle, generator,
+from angle_kernels.testing.helpers import (HALF_DTYPES, across_backends, check_against_oracle, generator, in_turn,
                                            skip_unless_feature)
 
 WIDTH = 24
@@ -63,7 +63,7 @@ def _interpreted_triton_runs(name, dtype):
         return dtype == torch.float32
     op = CASES[name][0]
     same_op = [case for case, (case_op, _) in CASES.items() if case_op == op and case not in ONE_DTYPE_ON_TRITON]
-    return dtype == INTERPRETED_ROTATION[same_op.index(name) % len(INTERPRETED_ROTATION)]
+    return in_turn(same_op, INTERPRETED_ROTATION)(name, dtype)
 
 
 @pytest.mark.parametrize("backend, name, dtype", across_backends(

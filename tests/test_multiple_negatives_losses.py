@@ -7,7 +7,7 @@ gist_loss (its GISTEmbedLoss), fused.
   of every input, to rounding), and against the float64 oracle (angle_kernels.testing.oracle);
 * the false-negative filter (no sentence-transformers counterpart) against the oracle, on every backend;
 * every backend on representative combinations (dot products included), float32 and bf16 at the half rule
-  (under the Triton interpreter, one dtype per combination, in turn: _in_turn);
+  (under the Triton interpreter, one dtype per combination, in turn: in_turn);
   gradcheck in float64;
 * gist_loss against the oracle on every backend (its parity with sentence-transformers' GISTEmbedLoss runs on a
   tiny model in tests/integrations/test_sentence_transformers.py);
@@ -28,8 +28,8 @@ from torch.autograd import gradcheck
 import angle_kernels as ak
 from angle_kernels.testing import oracle
 from angle_kernels.testing.helpers import (
-    ShapeRecorder, across_backends, assert_close, check_against_oracle, generator, leaf_like, outputs_and_grads, randn,
-    skip_unless_implemented,
+    ShapeRecorder, across_backends, assert_close, check_against_oracle, generator, in_turn, leaf_like,
+    outputs_and_grads, randn, skip_unless_implemented,
 )
 
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -103,19 +103,14 @@ BACKEND_CASES = [c + ("cosine",) for c in FILTER_CASES + [("gte", "joint", "in_b
     c + ("dot",) for c in DOT_CASES]
 
 
-def _in_turn(cases):
-    """Under the Triton interpreter (seconds a case), each of `cases` in one dtype, the DTYPES in turn, so that the
-    cases together meet every dtype: each case's options are front-end code, the same on every backend, which the
-    torch backend's cases check in every dtype; what the Triton backend adds is similarity_lse, held to the oracle
-    with every option (filters, guides, penalties, exclusions, dot products) in every dtype in
-    tests/ops/test_similarity_lse.py."""
-    def interpreted_triton_runs(case, dtype):
-        return DTYPES.index(dtype) == list(cases).index(case) % len(DTYPES)
-    return interpreted_triton_runs
+# Under the Triton interpreter (seconds a case), each case in one dtype, in turn (in_turn): each case's options are
+# front-end code, the same on every backend, which the torch backend's cases check in every dtype; what the Triton
+# backend adds is similarity_lse, held to the oracle with every option (filters, guides, penalties, exclusions, dot
+# products) in every dtype in tests/ops/test_similarity_lse.py.
 
 
 @pytest.mark.parametrize("backend, case, dtype", across_backends(
-    [(case, dtype) for case in BACKEND_CASES for dtype in DTYPES], _in_turn(BACKEND_CASES),
+    [(case, dtype) for case in BACKEND_CASES for dtype in DTYPES], in_turn(BACKEND_CASES, DTYPES),
     case_id=lambda case, dtype: "-".join(map(str, case + (dtype,)))), indirect=["backend"])
 def test_every_backend_against_the_oracle(backend, case, dtype):
     skip_unless_implemented(backend, "similarity_lse")  # the filter and hardness blocks
@@ -269,7 +264,7 @@ def _gist_inputs(name, dtype, rows=10, dim=24, guide_dim=12):
 
 
 @pytest.mark.parametrize("backend, name, dtype", across_backends(
-    [(name, dtype) for name in GIST_CASES for dtype in DTYPES], _in_turn(GIST_CASES)), indirect=["backend"])
+    [(name, dtype) for name in GIST_CASES for dtype in DTYPES], in_turn(GIST_CASES, DTYPES)), indirect=["backend"])
 def test_gist_on_every_backend_against_the_oracle(backend, name, dtype):
     skip_unless_implemented(backend, "similarity_lse")
     model_side, guide, options = _gist_inputs(name, dtype)

@@ -237,6 +237,13 @@ def across_backends(cases, interpreted_triton_runs, case_id=lambda *case: "-".jo
             if not (name == "triton" and interpreted) or interpreted_triton_runs(*case)]
 
 
+
+def in_turn(items, dtypes):
+    """An across_backends rule: item k of `items` runs in dtypes[k % len(dtypes)] alone, so that the items together
+    meet every dtype (one dtype a case where the same front-end code is checked in every dtype on another backend)."""
+    items = list(items)
+    return lambda item, dtype: dtype == dtypes[items.index(item) % len(dtypes)]
+
 # ----------------------------------------------------------------------------------------------------
 # running a function and its backward
 # ----------------------------------------------------------------------------------------------------
