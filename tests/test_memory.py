@@ -1,14 +1,17 @@
-"""Peak extra memory of forward + backward, a fresh process per case (CPU).
+"""Peak extra memory of forward + backward, in fresh processes (CPU).
 
-Each case runs in a process of its own: build the inputs, run a small warm-up of the same loss (so one-time
-library allocations do not count), reset the peak-RSS counter (Linux: write 5 to /proc/self/clear_refs), take the
-current RSS as the baseline, run forward + backward once, and report the peak RSS (VmHWM) minus the baseline.
-(resource.getrusage's ru_maxrss cannot be used for the peak: Linux carries the parent's high-water mark across
-fork (and exec) into it, so a case would report at least the peak of the process it started from.) The extra
-includes the gradient of the embeddings (one input-sized tensor), which the reference allocates too. The
-processes are forked, one per case, from a server process (started with the measuring environment below) that
-imports torch and angle_kernels and runs nothing else: each case starts as a fresh process would after its
-imports, without paying them (about 2 s a case on two cores).
+Each test's runs take a process of their own: run a small warm-up of each loss (so one-time library allocations
+do not count), then for each run build its inputs (consecutive runs of the same size and kind of input share
+one set: the two losses at a million pairs), reset the peak-RSS counter (Linux: write 5 to /proc/self/clear_refs),
+take the current RSS as the baseline, run forward + backward once, and report the peak RSS (VmHWM) minus the
+baseline; then free the run's result and gradient before the next. (resource.getrusage's ru_maxrss cannot be
+used for the peak: Linux carries the parent's high-water mark across fork (and exec) into it, so a case would
+report at least the peak of the process it started from.) The extra includes the gradient of the embeddings (one
+input-sized tensor), which the reference allocates too. Where two runs of a process are compared, the one whose
+larger reading would make the check easier runs second: any allocation a process makes once falls on the first.
+The processes are forked (one per test and provider) from a server process (started with the measuring
+environment below) that imports torch and angle_kernels and runs nothing else: each starts as a fresh process
+would after its imports, without paying them (about 2 s a process on two cores).
 
 What is asserted (float32, 2 threads):
 * cosine_loss and angle_loss at N = 16,384 pairs, D = 768: ours needs under 1/10 of the reference's extra
@@ -17,7 +20,10 @@ What is asserted (float32, 2 threads):
 * in_batch_negative_loss at N = 16,384: ours under 1/10 of the reference's similarity matrix alone,
   4 * (2N)^2 bytes = 4.3 GB (the reference runs out of memory at 24 GB there), at D = 768 as the issue
   asks (its O(M^2 D) compute takes 45 s to 2 minutes on two cores). That covers the narrower widths: the
-  torch backend's blocks of logits do not depend on D, the rest of its extra memory is O(M D).
+  torch backend's blocks of logits do not depend on D, the rest of its extra memory is O(M D). It is not
+  measured at narrower widths and extrapolated: the peak is the largest of several moments' memory, each linear
+  in D with its own mix of D-sized rows and D-free tiles, so a line through narrower widths can pass below
+  D = 768's peak (at D = 128 a row buffer of M x D floats is the size of a 16 MiB tile; at 768, six times it).
 * 1,048,576 pairs (D = 128, 1 GiB of inputs) run forward + backward for cosine and angle with finite results
   and extra memory linear in the input (under 2.5x its size). Skipped when the machine has less than 12 GB
   available.
@@ -97,6 +103,8 @@ def reset_peak():
         return False
 
 def measure(args):
+    # One input set serves consecutive runs of the same size and kind; each run is measured from its own baseline
+    # after a peak reset, so a run reads what it adds to the live memory left by the runs before it.
     torch.set_num_threads(args["threads"])
     if args["provider"] == "ours":
         module = angle_kernels
@@ -104,40 +112,51 @@ def measure(args):
         spec = importlib.util.spec_from_file_location("reference_loss", args["reference_path"])
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    fn = getattr(module, args["loss"])
 
-    def make(n, d, seed):  # (the loss's inputs, the tensor whose gradient it makes)
+    def kind(loss):
+        if loss == "multiple_negatives_ranking_loss":
+            return "layers"
+        return "in_batch" if loss == "in_batch_negative_loss" else "pairs"
+
+    def make(loss, n, d, seed):  # (the loss's inputs, the tensor whose gradient it makes)
         g = torch.Generator().manual_seed(seed)
-        if args["loss"] == "multiple_negatives_ranking_loss":  # queries and positives, layer stacks [L, n, d]
+        if kind(loss) == "layers":  # queries and positives, layer stacks [L, n, d]
             q = torch.randn(args["layers"], n, d, generator=g).requires_grad_(True)
             return (q, torch.randn(args["layers"], n, d, generator=g)), q
         x = torch.randn(2 * n, d, generator=g).requires_grad_(True)
-        if args["loss"] == "in_batch_negative_loss":
+        if kind(loss) == "in_batch":
             per_pair = torch.randint(0, 2, (n,), generator=g).float()
         else:
             per_pair = torch.randint(0, 5, (n,), generator=g).float()  # heavy ties
         y = per_pair.repeat_interleave(2)
         return ((y if args["provider"] == "ours" else y[:, None]), x), x
 
-    options = args.get("options", {})
-    warm_inputs, _ = make(64, args["d"], 1)
-    fn(*warm_inputs, **options).backward()
-    del warm_inputs
-    inputs, x = make(args["n"], args["d"], 0)
-    gc.collect()
-    reset = reset_peak()
-    peak_before = peak_rss()
-    base = current_rss()
-    start = time.perf_counter()
-    out = fn(*inputs, **options)
-    out.backward()
-    seconds = time.perf_counter() - start
-    peak = peak_rss()
-    finite = bool(torch.isfinite(out).item() and torch.isfinite(x.grad).all().item())
-    # Without a peak reset, ru_maxrss may still hold an earlier, larger peak: then only a lower bound is known.
-    extra = peak - base if reset or peak > peak_before else 0
-    print("RESULT " + json.dumps(dict(extra=extra, base=base, peak=peak, reset=reset, seconds=seconds,
-                                      finite=finite, loss=float(out), input_bytes=x.numel() * x.element_size())))
+    for run in args["runs"]:
+        warm_inputs, _ = make(run["loss"], 64, args["d"], 1)
+        getattr(module, run["loss"])(*warm_inputs, **run["options"]).backward()
+        del warm_inputs
+    inputs = x = made = None
+    for run in args["runs"]:
+        if made != (kind(run["loss"]), run["n"]):
+            inputs = x = None  # freed before the next set is made
+            inputs, x = make(run["loss"], run["n"], args["d"], 0)
+            made = (kind(run["loss"]), run["n"])
+        x.grad = None
+        gc.collect()
+        reset = reset_peak()
+        peak_before = peak_rss()
+        base = current_rss()
+        start = time.perf_counter()
+        out = getattr(module, run["loss"])(*inputs, **run["options"])
+        out.backward()
+        seconds = time.perf_counter() - start
+        peak = peak_rss()
+        finite = bool(torch.isfinite(out).item() and torch.isfinite(x.grad).all().item())
+        # Without a peak reset, ru_maxrss may still hold an earlier, larger peak: then only a lower bound is known.
+        extra = peak - base if reset or peak > peak_before else 0
+        print("RESULT " + json.dumps(dict(extra=extra, base=base, peak=peak, reset=reset, seconds=seconds,
+                                          finite=finite, loss=float(out), input_bytes=x.numel() * x.element_size())))
+        del out
 
 serve()
 """
@@ -204,22 +223,27 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def measure(tmp_path_factory):
-    """measure(provider, loss, n, d) -> the RESULT of one case, run in its own process (see SERVER)."""
+    """measure(provider, d, (loss, n[, options]), ...) -> the RESULT of each run, in order, all in one process (see
+    SERVER): consecutive runs of the same size and kind of input share one input set."""
     folder = tmp_path_factory.mktemp("memory")
     server = None
 
-    def run(provider: str, loss: str, n: int, d: int, timeout: int = 600, layers: int = 1, **options) -> dict:
+    def run(provider: str, d: int, *runs: tuple, timeout: int = 600, layers: int = 1) -> list[dict]:
         nonlocal server
         if server is None or not server.alive():
             server = _Server(folder)
-        args = dict(provider=provider, loss=loss, n=n, d=d, threads=THREADS, reference_path=_reference_path(),
-                    options=options, layers=layers)
+        runs = [dict(loss=r[0], n=r[1], options=r[2] if len(r) > 2 else {}) for r in runs]
+        args = dict(provider=provider, d=d, runs=runs, threads=THREADS, reference_path=_reference_path(),
+                    layers=layers)
         status, lines, errors = server.run(args, timeout)
-        assert status == 0, f"{provider} {loss} N={n} D={d} failed (exit status {status}):\n{errors[-3000:]}"
-        result = json.loads([ln for ln in lines if ln.startswith("RESULT ")][-1][len("RESULT "):])
-        print(f"[memory] {provider:9s} {loss:24s} N={n:8d} D={d:4d}: extra {result['extra'] / GB:7.3f} GB, "
-              f"{result['seconds']:6.2f} s, peak reset: {result['reset']}")
-        return result
+        names = ", ".join(f"{r['loss']} N={r['n']}" for r in runs)
+        assert status == 0, f"{provider} {names} D={d} failed (exit status {status}):\n{errors[-3000:]}"
+        results = [json.loads(ln[len("RESULT "):]) for ln in lines if ln.startswith("RESULT ")]
+        assert len(results) == len(runs), f"{provider} {names} D={d}: {len(results)} results:\n{errors[-3000:]}"
+        for r, result in zip(runs, results):
+            print(f"[memory] {provider:9s} {r['loss']:24s} N={r['n']:8d} D={d:4d}: extra {result['extra'] / GB:7.3f}"
+                  f" GB, {result['seconds']:6.2f} s, peak reset: {result['reset']}")
+        return results
 
     yield run
     if server is not None:
@@ -244,21 +268,39 @@ pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="r
 
 N_TARGET = 16_384
 D_TARGET = 768
+PAIR_LOSSES = ("cosine_loss", "angle_loss")  # the same inputs (pairs with graded labels): measured side by side
+REFERENCE_SIZES = (2048, 4096)  # N where the reference is measured, for its extra = a N + b N^2
 
 
-@pytest.mark.parametrize("loss", ["cosine_loss", "angle_loss"])
-def test_ranking_losses_need_a_tenth_of_the_reference(loss, measure, record_property):
+def _each_loss_at_each_size(measure, provider: str, d: int, losses, sizes) -> dict:
+    """{(loss, n): RESULT}: every loss at every size in one process, size by size in the order given (the losses at
+    one size share its inputs)."""
+    runs = [(loss, n) for n in sizes for loss in losses]
+    return dict(zip(runs, measure(provider, d, *runs)))
+
+
+@pytest.fixture(scope="module")
+def ranking_extras(measure) -> dict:
+    """{(provider, loss, n): RESULT} for the ranking losses: the reference at REFERENCE_SIZES, ours at N_TARGET."""
     if _reference_path() is None:
         pytest.skip("angle-emb is not installed")
-    small, large = 2048, 4096
-    e_small = measure("reference", loss, small, D_TARGET)["extra"]
-    e_large = measure("reference", loss, large, D_TARGET)["extra"]
+    results = {}
+    for provider, sizes in (("reference", REFERENCE_SIZES), ("ours", (N_TARGET,))):
+        for (loss, n), result in _each_loss_at_each_size(measure, provider, D_TARGET, PAIR_LOSSES, sizes).items():
+            results[provider, loss, n] = result
+    return results
+
+
+@pytest.mark.parametrize("loss", PAIR_LOSSES)
+def test_ranking_losses_need_a_tenth_of_the_reference(loss, ranking_extras, record_property):
+    small, large = REFERENCE_SIZES
+    e_small, e_large = (ranking_extras["reference", loss, n]["extra"] for n in (small, large))
     # extra = a N + b N^2 through the two measurements
     b = (e_large - 2 * e_small) / (large * large - 2 * small * small)
     a = (e_small - b * small * small) / small
     assert b > 0, f"the reference's memory is expected to grow quadratically (fit b = {b})"
     reference_at_target = a * N_TARGET + b * N_TARGET**2
-    ours = measure("ours", loss, N_TARGET, D_TARGET)
+    ours = ranking_extras["ours", loss, N_TARGET]
     record_property("reference_extrapolated_bytes", reference_at_target)
     record_property("ours_extra_bytes", ours["extra"])
     assert ours["finite"]
@@ -271,7 +313,7 @@ def test_ranking_losses_need_a_tenth_of_the_reference(loss, measure, record_prop
 def test_in_batch_negatives_need_a_tenth_of_the_reference_matrix(measure, record_property):
     reference_lower_bound = 4 * (2 * N_TARGET) ** 2  # its float32 2N x 2N similarity matrix alone: 4.3 GB
     d = D_TARGET
-    ours = measure("ours", "in_batch_negative_loss", N_TARGET, d)
+    (ours,) = measure("ours", d, ("in_batch_negative_loss", N_TARGET))
     record_property("ours_extra_bytes", ours["extra"])
     assert ours["finite"]
     assert ours["extra"] < reference_lower_bound / 10, (
@@ -280,13 +322,20 @@ def test_in_batch_negatives_need_a_tenth_of_the_reference_matrix(measure, record
     )
 
 
-@pytest.mark.parametrize("loss", ["cosine_loss", "angle_loss"])
-def test_a_million_pairs(loss, measure, record_property):
-    n, d = 1 << 20, 128
-    input_bytes = 2 * n * d * 4
+@pytest.fixture(scope="module")
+def a_million_pairs(measure) -> dict:
+    """{(loss, n): RESULT} at 1,048,576 pairs, D = 128: both losses on one set of inputs (making 1 GiB of normal
+    deviates, on one thread, takes about as long as cosine_loss's forward + backward)."""
     if _available_bytes() < 12 * GB:
         pytest.skip(f"needs 12 GB available, the machine has {_available_bytes() / GB:.1f} GB")
-    ours = measure("ours", loss, n, d)
+    return _each_loss_at_each_size(measure, "ours", 128, PAIR_LOSSES, (1 << 20,))
+
+
+@pytest.mark.parametrize("loss", PAIR_LOSSES)
+def test_a_million_pairs(loss, a_million_pairs, record_property):
+    n, d = 1 << 20, 128
+    input_bytes = 2 * n * d * 4
+    ours = a_million_pairs[loss, n]
     record_property("ours_extra_bytes", ours["extra"])
     record_property("ours_peak_rss_bytes", ours["peak"])
     print(f"[memory] {loss} N={n}: peak RSS {ours['peak'] / GB:.2f} GB (inputs {input_bytes / GB:.2f} GB)")
@@ -296,13 +345,25 @@ def test_a_million_pairs(loss, measure, record_property):
     )
 
 
-@pytest.mark.parametrize(
-    "loss,n,d",
-    [("cosine_loss", 65_536, 128), ("angle_loss", 65_536, 128), ("in_batch_negative_loss", 1_024, 128)],
-)
-def test_extra_memory_grows_linearly(loss, n, d, measure):
-    small = measure("ours", loss, n, d)["extra"]
-    large = measure("ours", loss, 4 * n, d)["extra"]
+GROWTH_SIZES = {"cosine_loss": 65_536, "angle_loss": 65_536, "in_batch_negative_loss": 1_024}  # N (and 4N), D = 128
+
+
+@pytest.fixture(scope="module")
+def growth_extras(measure) -> dict:
+    """{(loss, n): RESULT} at N and 4N (GROWTH_SIZES): the pair losses in one process on shared inputs, the in-batch
+    negatives in another; 4N first, so any one-time allocation of the process falls there (at N it would flatter the
+    ratio)."""
+    results = {}
+    for losses in (PAIR_LOSSES, ("in_batch_negative_loss",)):
+        n = GROWTH_SIZES[losses[0]]
+        results.update(_each_loss_at_each_size(measure, "ours", 128, losses, (4 * n, n)))
+    return results
+
+
+@pytest.mark.parametrize("loss", list(GROWTH_SIZES))
+def test_extra_memory_grows_linearly(loss, growth_extras):
+    n = GROWTH_SIZES[loss]
+    small, large = growth_extras[loss, n]["extra"], growth_extras[loss, 4 * n]["extra"]
     assert small > 0 and large > 0
     assert large / small < 6, f"{loss}: extra {small / GB:.3f} GB at N={n}, {large / GB:.3f} GB at N={4 * n}"
 
@@ -310,8 +371,9 @@ def test_extra_memory_grows_linearly(loss, n, d, measure):
 def test_matryoshka_needs_about_one_widths_memory(measure):
     """in_batch_negative_loss with dims (768, 512, 256, 128, 64) at 1,024 pairs, D = 768: peak extra memory within
     1.5x the same call at one width (the torch backend forms the dims gradients in forward, like one width)."""
-    one = measure("ours", "in_batch_negative_loss", 1024, 768)["extra"]
-    nested = measure("ours", "in_batch_negative_loss", 1024, 768, dims=[768, 512, 256, 128, 64])["extra"]
+    # one process, one input set; the nested call first: it takes any one-time allocation of the process
+    nested_call = ("in_batch_negative_loss", 1024, dict(dims=[768, 512, 256, 128, 64]))
+    nested, one = (r["extra"] for r in measure("ours", 768, nested_call, ("in_batch_negative_loss", 1024)))
     assert 0 < nested <= 1.5 * one, f"dims: extra {nested / GB:.4f} GB, one width {one / GB:.4f} GB"
 
 
@@ -326,8 +388,8 @@ def test_calls_awaiting_backward_keep_a_bounded_number_of_tiles(measure, record_
     kept = _similarity_lse_softmax.KEPT_TILES * common.chunk_elements("cpu") * 4  # bytes of float32
     options = dict(directions=["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"],
                    layer_weights=[1.0] * 8)
-    small = measure("ours", "multiple_negatives_ranking_loss", 2048, 64, layers=8, **options)["extra"]
-    large = measure("ours", "multiple_negatives_ranking_loss", 4096, 64, layers=8, **options)["extra"]
+    small, large = (r["extra"] for r in measure("ours", 64, ("multiple_negatives_ranking_loss", 2048, options),
+                                                ("multiple_negatives_ranking_loss", 4096, options), layers=8))
     record_property("extra_bytes_2048_queries", small)
     record_property("extra_bytes_4096_queries", large)
     assert 0 < small <= large + kept, f"extra {small / GB:.3f} GB at 2,048 queries, {large / GB:.3f} GB at 4,096"
