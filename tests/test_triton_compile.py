@@ -3,13 +3,14 @@
 The interpreter tests (the triton cases of tests/ops) accept code that a GPU compile rejects: dot operand layouts and
 dtypes, fp64 math lowering, scan/reduce combine functions, register allocation. This test compiles each kernel with
 Triton's own ptxas for sm_90 (fp32 and bf16 signatures, plus fp64 for the ranking scans; the CI subset of
-`angle_kernels.triton_ops._compile_check`, about 40 s on 2 cores) and checks that nothing failed and that no
-kernel of an op module was left out.
+`angle_kernels.triton_ops._compile_check`: 62 compiles, each a distinct kernel specialisation, about 100 s of one
+core, nearly all of it Triton's lowering and ptxas) and checks that nothing failed and that no kernel of an op
+module was left out.
 
 It must run without TRITON_INTERPRET (interpreted kernels cannot be compiled), so it runs in a subprocess
 with that variable removed, which also keeps it independent of tests/ops' interpreter setup. The autotuner
 objects exist only in that mode too, so the checks of similarity_xent's and similarity_lse's autotune keys run the
-same way.
+same way, all of them in one process.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _compiled_mode_env(tmp_path) -> dict:
     return env
 
 
-@pytest.mark.slow  # about 10-40 s on two cores
+@pytest.mark.slow  # about 100 s of one core (62 cold compiles, see above)
 def test_every_kernel_compiles_for_sm90(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "angle_kernels.triton_ops._compile_check", "--arch", "90"],
@@ -51,39 +52,56 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 
 
 _DESCRIBE_AUTOTUNERS = """
-import importlib, json, sys
-tables = {}
-for op, table in json.loads(sys.argv[1]):
-    module = importlib.import_module("angle_kernels.triton_ops." + op)
-    tables[op + "." + table] = [
-        {"kernel": tuner.fn.__name__, "keys": list(tuner.keys), "args": list(tuner.arg_names),
-         "not_specialized": [p.name for p in tuner.fn.params if p.do_not_specialize],
-         "reset_to_zero": list(tuner.reset_to_zero), "restore_value": list(tuner.restore_value),
-         "declared": [list(tuned.tuning.reset_to_zero), list(tuned.tuning.restore_value)],
-         "configs": len(tuner.configs)}
-        for kernels in getattr(module, table).values() for tuned in kernels for tuner in [tuned.launcher]]
-print(json.dumps(tables))
+import importlib, json, os, sys
+from angle_kernels.triton_ops._common import AUTOTUNE_ENV
+
+def describe(tables):
+    described = {}
+    for op, table in tables:
+        module = importlib.import_module("angle_kernels.triton_ops." + op)
+        described[op + "." + table] = [
+            {"kernel": tuner.fn.__name__, "keys": list(tuner.keys), "args": list(tuner.arg_names),
+             "not_specialized": [p.name for p in tuner.fn.params if p.do_not_specialize],
+             "reset_to_zero": list(tuner.reset_to_zero), "restore_value": list(tuner.restore_value),
+             "declared": [list(tuned.tuning.reset_to_zero), list(tuned.tuning.restore_value)],
+             "configs": len(tuner.configs)}
+            for kernels in getattr(module, table).values() for tuned in kernels for tuner in [tuned.launcher]]
+    return described
+
+tables, first_tables = json.loads(sys.argv[1])
+described = {"default": describe(tables)}
+# The modules build their autotuners when they are imported: import the ones read with AUTOTUNE_ENV=first again
+# under it (the same module code as a fresh process's import, without a second start of Python, torch and triton).
+os.environ[AUTOTUNE_ENV] = "first"
+for op in dict.fromkeys(op for op, _ in first_tables):
+    importlib.reload(importlib.import_module("angle_kernels.triton_ops." + op))
+described["first"] = describe(first_tables)
+print(json.dumps(described))
 """
 # The TunedKernel tables whose autotuners the tests below read: (op module, table name).
 TABLES = (("similarity_xent", "_TUNED"), ("similarity_xent", "_PREFIX_TUNED"), ("similarity_lse", "_TUNED"))
+# The tables read again with ANGLE_KERNELS_AUTOTUNE=first.
+FIRST_CONFIG_TABLES = (("similarity_xent", "_PREFIX_TUNED"),)
 
 
-def _describe_autotuners(tables, tmp_path, env=None) -> dict:
-    """{"op.table": [each autotuner's keys, arguments, declarations, configs]} for `tables`, read in one
-    compiled-mode process (its start, importing triton and the kernels, is most of what a description costs)."""
+@pytest.fixture(scope="module")
+def described_autotuners(tmp_path_factory) -> dict:
+    """{"default": {"op.table": [each autotuner's keys, arguments, declarations, configs]} for TABLES, "first": the
+    same for FIRST_CONFIG_TABLES with ANGLE_KERNELS_AUTOTUNE=first}, read in one compiled-mode process (its start,
+    importing torch, triton and the kernels, is most of what a description costs)."""
     proc = subprocess.run(
-        [sys.executable, "-c", _DESCRIBE_AUTOTUNERS, json.dumps(tables)],
-        cwd=REPO, env={**_compiled_mode_env(tmp_path), **(env or {})}, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _DESCRIBE_AUTOTUNERS, json.dumps([TABLES, FIRST_CONFIG_TABLES])],
+        cwd=REPO, env=_compiled_mode_env(tmp_path_factory.mktemp("autotuners")), capture_output=True, text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-8000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def autotuners(tmp_path_factory):
-    """Every table of TABLES described once, with the default settings: autotuners(op, table) -> its list."""
-    described = _describe_autotuners(TABLES, tmp_path_factory.mktemp("autotuners"))
-    return lambda op, table="_TUNED": described[f"{op}.{table}"]
+def autotuners(described_autotuners):
+    """The default settings' descriptions: autotuners(op, table) -> its list."""
+    return lambda op, table="_TUNED": described_autotuners["default"][f"{op}.{table}"]
 
 
 def test_similarity_xent_autotunes_on_row_count_buckets(autotuners):
@@ -118,15 +136,15 @@ def test_similarity_xent_prefix_kernels_autotune_on_row_count_buckets(autotuners
         assert tuner["reset_to_zero"] == resets and tuner["declared"] == [resets, []], tuner
 
 
-def test_the_autotuners_get_exactly_what_the_launches_declare(autotuners, tmp_path):
+def test_the_autotuners_get_exactly_what_the_launches_declare(autotuners, described_autotuners):
     """triton.autotune receives each TunedKernel's own Tuning (what tests/ops/test_autotune_side_effects.py
     replays under the interpreter), every config by default, and only the first with ANGLE_KERNELS_AUTOTUNE=first."""
     for op, table in TABLES:
         for tuner in autotuners(op, table):
             assert [tuner["reset_to_zero"], tuner["restore_value"]] == tuner["declared"], tuner
             assert tuner["configs"] == 3, tuner
-    first = _describe_autotuners([("similarity_xent", "_PREFIX_TUNED")], tmp_path, {"ANGLE_KERNELS_AUTOTUNE": "first"})
-    assert {t["configs"] for t in first["similarity_xent._PREFIX_TUNED"]} == {1}
+    first = described_autotuners["first"]["similarity_xent._PREFIX_TUNED"]
+    assert {t["configs"] for t in first} == {1}
 
 
 def test_similarity_lse_autotunes_on_row_count_buckets(autotuners):
