@@ -190,6 +190,24 @@ class Backend:
     ops: object  # what angle_kernels.dispatch.resolve_backend returns: pair_scores, ranking_loss, similarity_xent
     device: torch.device
 
+    @property
+    def interpreted(self) -> bool:
+        """True for the Triton backend on CPU tensors: its kernels run through the interpreter, program by program."""
+        return self.name == "triton" and self.device.type == "cpu"
+
+
+# The pair-score kernels run one program per group, each the same work on its own rows: their constexprs and branches
+# come from K, D, dims, the dtype and with_angle, never from the number of groups. Through the interpreter every
+# program runs in Python (a second or more for a wide row), so there the op tests run a case on two of its groups,
+# which still show a second program reading and writing at a later group's offsets; compiled, a case keeps its own.
+INTERPRETED_PAIR_GROUPS = 2
+
+
+def pair_groups(groups: int, interpreted: bool) -> int:
+    """How many groups a pair-score case runs on: `groups`, or at most INTERPRETED_PAIR_GROUPS where the Triton
+    kernels run through the interpreter (`interpreted`: Backend.interpreted, or TRITON_DEVICE on the CPU)."""
+    return min(groups, INTERPRETED_PAIR_GROUPS) if interpreted else groups
+
 
 def backend_or_skip(name: str) -> Backend:
     """The backend `name` on its device, or a pytest skip that says why it cannot run here.

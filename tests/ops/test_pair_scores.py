@@ -4,7 +4,9 @@ The backward gets fixed random cotangents for both outputs (angle_kernels.testin
 float32 at the tolerances of angle_kernels.testing.helpers, bfloat16 and float16 at the half-precision rule.
 Shapes: one group, zigzag pairs, format C triples, K = 4, odd and non-power-of-two D, D longer than one Triton
 block, more groups than one chunk of the torch backend. Every output must be finite: under pytest the Triton
-launchers fill their outputs with NaN before the kernels run, so an element never written fails.
+launchers fill their outputs with NaN before the kernels run, so an element never written fails. Through the Triton
+interpreter a case runs on two of its groups (testing.helpers.pair_groups: one program per group, each the same
+work), with its own K, D, dims and dtype: the same kernel specialisations as the compiled run's full case.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from torch.autograd import gradcheck
 from angle_kernels.testing import oracle
 from angle_kernels.testing.helpers import (
     GRAD_TOL, HALF_DTYPES, HUGE_OP_MAGNITUDES, VALUE_TOL, assert_close, assert_half_rule, check_against_oracle,
-    generator, huge_magnitude_id, huge_row_factors, leaf_like, outputs_and_grads, randn, skip_unless_feature,
+    generator, huge_magnitude_id, huge_row_factors, leaf_like, outputs_and_grads, pair_groups, randn,
+    skip_unless_feature,
 )
 
 SHAPES = [  # (G, K, D)
@@ -27,6 +30,12 @@ SHAPES = [  # (G, K, D)
     (3, 2, 2060),  # D / 2 = 1030 > 1024: the Triton kernels loop over two blocks
     (5, 3, 64),  # the CUDA kernels' vector path (contiguous rows, D a multiple of twice the 16-byte vector)
 ]
+
+
+def _here(backend, shape):
+    """`shape` (G, K, D) with the number of groups the backend runs it on (pair_groups)."""
+    groups, *rest = shape
+    return (pair_groups(groups, backend.interpreted), *rest)
 
 
 def _ops(backend, with_angle):
@@ -41,7 +50,7 @@ def _oracle(with_angle):
 @pytest.mark.parametrize("with_angle", [True, False], ids=["angle", "cos_only"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_against_oracle(backend, shape, with_angle, dtype):
-    x = randn(generator("pair_scores", shape, dtype), *shape, dtype=dtype)
+    x = randn(generator("pair_scores", shape, dtype), *_here(backend, shape), dtype=dtype)
     check_against_oracle(_ops(backend, with_angle), _oracle(with_angle), [x], f"pair_scores{shape}",
                          device=backend.device)
 
@@ -49,9 +58,10 @@ def test_against_oracle(backend, shape, with_angle, dtype):
 @pytest.mark.parametrize("dim", [3, 33, 1025])  # not D = 1: every cosine is +-1, its gradient is 0
 def test_odd_dimension_without_angle_on_zigzag_rows(backend, dim):
     """Odd D is legal without the angle (the angle output is then all zeros); zigzag rows [2N, D] as a view."""
-    y_pred = randn(generator("odd_dim", dim), 22, dim)
-    outputs, _ = check_against_oracle(lambda y: backend.ops.pair_scores(y.view(11, 2, dim), False),
-                                      lambda y: oracle.pair_scores(y.view(11, 2, dim), False), [y_pred],
+    pairs = pair_groups(11, backend.interpreted)
+    y_pred = randn(generator("odd_dim", dim), 2 * pairs, dim)
+    outputs, _ = check_against_oracle(lambda y: backend.ops.pair_scores(y.view(pairs, 2, dim), False),
+                                      lambda y: oracle.pair_scores(y.view(pairs, 2, dim), False), [y_pred],
                                       f"pair_scores D={dim}", device=backend.device)
     assert torch.count_nonzero(outputs[1]) == 0
 
@@ -64,27 +74,27 @@ def test_odd_dimension_without_angle_on_zigzag_rows(backend, dim):
 @pytest.mark.parametrize("shape", [(32, 3, 130), (32, 3, 128), (3, 2, 2064)], ids=str)
 def test_half_precision(backend, shape, with_angle, dtype):
     """bf16/fp16 inputs: float32 scores, gradients in the input dtype, within 2x eager's own error."""
-    x = randn(generator("half", dtype, shape), *shape, dtype=dtype)
+    x = randn(generator("half", dtype, shape), *_here(backend, shape), dtype=dtype)
     check_against_oracle(_ops(backend, with_angle), _oracle(with_angle), [x], f"pair_scores {dtype}",
                          device=backend.device)
 
 
 @pytest.mark.parametrize("layout", ["strided_d", "group_minor", "every_dim"])
 def test_non_contiguous_input(backend, layout):
-    gen = generator("layout", layout)
+    gen, groups = generator("layout", layout), pair_groups(9, backend.interpreted)
     if layout == "strided_d":  # every other element of a wider tensor
-        x = randn(gen, 9, 3, 68)[:, :, ::2]
+        x = randn(gen, groups, 3, 68)[:, :, ::2]
     elif layout == "group_minor":  # groups move fastest after D
-        x = randn(gen, 3, 9, 34).transpose(0, 1)
+        x = randn(gen, 3, groups, 34).transpose(0, 1)
     else:  # no dimension has its contiguous stride
-        x = randn(gen, 18, 3, 34)[::2].transpose(0, 1).contiguous().transpose(0, 1)
+        x = randn(gen, 2 * groups, 3, 34)[::2].transpose(0, 1).contiguous().transpose(0, 1)
     assert not x.is_contiguous()
     check_against_oracle(_ops(backend, True), _oracle(True), [x], f"pair_scores {layout}", device=backend.device)
 
 
 def test_more_groups_than_one_chunk(backend):
     """4.2M elements: the torch backend works through the groups in several chunks of 4M elements."""
-    if backend.name == "triton" and backend.device.type == "cpu":
+    if backend.interpreted:
         pytest.skip("about 45 s in the Triton interpreter (2,048 programs of D = 1030): runs when compiled")
     x = randn(generator("chunks"), 2048, 2, 1030)
     check_against_oracle(_ops(backend, True), _oracle(True), [x], "pair_scores in chunks", device=backend.device)
@@ -131,7 +141,7 @@ def test_float16_zero_partner_overflows_to_infinity_not_nan(backend):
     """In float16 a zero partner's true gradient (~1e12) is beyond the dtype's range: +-inf is the right answer
     there, NaN never is; every other row keeps its precision. Eager float16 cannot compute this input at all (its
     epsilon underflows to 0 and gives NaN), so the rule's baseline is correct rounding (see assert_half_rule)."""
-    x = randn(generator("fp16_zero"), 16, 2, 64, dtype=torch.float16)
+    x = randn(generator("fp16_zero"), *_here(backend, (16, 2, 64)), dtype=torch.float16)
     x[0, 1] = 0.0
     (cos, angle), (dx,) = outputs_and_grads(_ops(backend, True), [leaf_like(x, device=backend.device)])
     (exact_cos, exact_angle), (exact_dx,) = outputs_and_grads(_oracle(True), [leaf_like(x, dtype=torch.float64)])
@@ -145,7 +155,8 @@ def test_float16_zero_partner_overflows_to_infinity_not_nan(backend):
 def test_gradcheck(backend, k, dim, with_angle):
     """Finite differences in float64 against the backward pass (random inputs: no zero vectors, where the
     norm's clamp is not differentiable)."""
-    x = leaf_like(randn(generator("gradcheck", k, dim), 4, k, dim, dtype=torch.float64), device=backend.device)
+    x = leaf_like(randn(generator("gradcheck", k, dim), *_here(backend, (4, k, dim)), dtype=torch.float64),
+                  device=backend.device)
     assert gradcheck(_ops(backend, with_angle), (x,), eps=1e-6, atol=1e-6, rtol=1e-4,
                      fast_mode=backend.name == "triton")
 
@@ -178,7 +189,7 @@ def _prefix_oracle(with_angle, dims):
 def test_prefixes_against_oracle(backend, case, with_angle, dtype):
     skip_unless_feature(backend, "pair_scores", "dims")
     groups, k, width, dims = case
-    x = randn(generator("pair_scores_dims", case, dtype), groups, k, width, dtype=dtype)
+    x = randn(generator("pair_scores_dims", case, dtype), *_here(backend, (groups, k, width)), dtype=dtype)
     check_against_oracle(_prefix_ops(backend, with_angle, dims), _prefix_oracle(with_angle, dims), [x],
                          f"pair_scores{case}", device=backend.device)
 
@@ -186,14 +197,15 @@ def test_prefixes_against_oracle(backend, case, with_angle, dtype):
 @pytest.mark.parametrize("dims", [(1, 3), (3, 5, 9)])
 def test_prefixes_of_odd_width_without_angle(backend, dims):
     skip_unless_feature(backend, "pair_scores", "dims")
-    x = randn(generator("pair_scores_dims_odd", dims), 6, 2, 9, dtype=torch.float64)
+    x = randn(generator("pair_scores_dims_odd", dims), *_here(backend, (6, 2, 9)), dtype=torch.float64)
     check_against_oracle(_prefix_ops(backend, False, dims), _prefix_oracle(False, dims), [x], f"dims={dims}",
                          device=backend.device)
 
 
 def test_prefixes_gradcheck(backend):
     skip_unless_feature(backend, "pair_scores", "dims")
-    x = randn(generator("pair_scores_dims_gradcheck"), 3, 3, 8, dtype=torch.float64).to(backend.device)
+    x = randn(generator("pair_scores_dims_gradcheck"), *_here(backend, (3, 3, 8)),
+              dtype=torch.float64).to(backend.device)
     assert gradcheck(lambda t: backend.ops.pair_scores(t, True, (2, 4, 8)), [x.requires_grad_()], eps=1e-6,
                      atol=1e-6, fast_mode=backend.name == "triton")  # the interpreter: a projection, not 13 s
 
@@ -220,7 +232,7 @@ def _huge(fn, magnitude):
 def test_huge_rows(backend, shape, with_angle, dtype, magnitude):
     """Rows around 1.8e19 (float32, bfloat16: their squares overflow) and 1e300 (float64) give the oracle's scores
     of the ordinary rows (cosines are scale-invariant per row) and gradients (the factors inside the function)."""
-    x = _huge_base(shape, dtype, "full")
+    x = _huge_base(_here(backend, shape), dtype, "full")
     check_against_oracle(_huge(_ops(backend, with_angle), magnitude), _oracle(with_angle), [x],
                          f"pair_scores{shape} x{magnitude:g}", device=backend.device)
 
@@ -259,7 +271,7 @@ def test_a_zero_prefix_of_a_huge_row(backend, with_angle):
 @pytest.mark.parametrize("with_angle", [True, False], ids=["angle", "cos_only"])
 def test_prefixes_of_huge_rows(backend, with_angle, dtype, magnitude):
     skip_unless_feature(backend, "pair_scores", "dims")
-    x = _huge_base((5, 3, 12), dtype, "dims")
+    x = _huge_base(_here(backend, (5, 3, 12)), dtype, "dims")
     dims = (2, 6, 12)
     check_against_oracle(_huge(_prefix_ops(backend, with_angle, dims), magnitude), _prefix_oracle(with_angle, dims),
                          [x], f"pair_scores dims={dims} x{magnitude:g}", device=backend.device)

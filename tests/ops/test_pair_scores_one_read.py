@@ -5,7 +5,8 @@ Every dtype (float64, float32 at the suite's tolerances, bfloat16 and float16 at
 without the angle, at odd widths, prefixes that are not multiples of the vector width, a single prefix, dims ending
 before D (zero gradient past d_k) and at D, slices wider than one vector (1,024 lanes), and rows whose squares
 overflow the compute dtype with their largest entries in a later slice (the running scale). Tiny sizes: the
-interpreter runs each program in Python.
+interpreter runs each program in Python, and there a case runs on two of its groups (testing.helpers.pair_groups: one
+program per group, each the same work) with its own K, D, dims and dtype, the compiled run's kernel specialisations.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from angle_kernels.testing.helpers import (
     generator,
     huge_magnitude_id,
     huge_row_factors,
+    pair_groups,
     randn,
 )
 
 pytest.importorskip("triton")
 
 from angle_kernels.triton_ops._pair_scores_one_read import pair_scores as pair_scores_one_read
+
+INTERPRETED = TRITON_DEVICE.type == "cpu"
 
 CASES = [  # (G, K, D, dims)
     (1, 2, 2, (2,)),  # a single prefix, the full width, the smallest even D
@@ -36,6 +40,10 @@ CASES = [  # (G, K, D, dims)
     (4, 4, 22, (8, 14)),  # K = 4, the last columns in no prefix: zero gradient
     (2, 2, 2100, (20, 2060)),  # a slice wider than one vector (1,024 lanes), 40 columns past d_k
 ]
+
+
+def _groups(groups):
+    return pair_groups(groups, INTERPRETED)
 
 
 def _ours(with_angle, dims):
@@ -55,7 +63,7 @@ def _oracle(with_angle, dims):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_prefixes_against_oracle(case, with_angle, dtype):
     groups, k, width, dims = case
-    x = randn(generator("one_read", case, dtype), groups, k, width, dtype=dtype)
+    x = randn(generator("one_read", case, dtype), _groups(groups), k, width, dtype=dtype)
     check_against_oracle(_ours(with_angle, dims), _oracle(with_angle, dims), [x], f"one read {case}",
                          device=TRITON_DEVICE)
 
@@ -63,7 +71,7 @@ def test_prefixes_against_oracle(case, with_angle, dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF_DTYPES], ids=str)
 @pytest.mark.parametrize("dims", [(1, 3), (3, 5, 9), (7,)])
 def test_odd_widths_without_angle(dims, dtype):
-    x = randn(generator("one_read_odd", dims, dtype), 6, 3, 9, dtype=dtype)
+    x = randn(generator("one_read_odd", dims, dtype), _groups(6), 3, 9, dtype=dtype)
     outputs, _ = check_against_oracle(_ours(False, dims), _oracle(False, dims), [x], f"one read dims={dims}",
                                       device=TRITON_DEVICE)
     assert torch.count_nonzero(outputs[1]) == 0  # the angle output is zeros without the angle
@@ -74,7 +82,7 @@ def test_equals_the_prefix_kernels():
     from angle_kernels.triton_ops.pair_scores import PrefixPairScoresFunction
 
     dims = (4, 10, 24)
-    x = randn(generator("one_read_vs_prefix"), 5, 3, 26, dtype=torch.float64).to(TRITON_DEVICE)
+    x = randn(generator("one_read_vs_prefix"), _groups(5), 3, 26, dtype=torch.float64).to(TRITON_DEVICE)
     results = []
     for function in (lambda t: pair_scores_one_read(t, True, dims),
                      lambda t: PrefixPairScoresFunction.apply(t, True, dims)):
@@ -101,7 +109,7 @@ def test_huge_rows(with_angle, dtype, magnitude):
     """Rows around 1.8e19 (float32, bfloat16) and 1e300 (float64): the oracle's scores of the ordinary rows and
     gradients (the factors inside the function)."""
     dims = (2, 6, 12)
-    x = _huge_base((5, 3, 12), dtype)
+    x = _huge_base((_groups(5), 3, 12), dtype)
     check_against_oracle(lambda t: pair_scores_one_read(t * huge_row_factors(t, magnitude), with_angle, dims),
                          _oracle(with_angle, dims), [x], f"one read huge x{magnitude:g}", device=TRITON_DEVICE)
 
