@@ -4,7 +4,7 @@ Embeddings stacked [L, rows, D] give sum over (layer l, prefix i) of weight[l][i
 oracle here is exactly that sum of the float64 oracle's calls on each layer's truncated embeddings
 (angle_kernels.testing.oracle), values and gradients, on every backend (a case with dims skips the backends whose
 op lacks the nested prefixes), float64 and float32 plus bf16 at the half rule (under the Triton interpreter, one
-dtype per case and weighting, in turn: _interpreted_triton_runs). Three weightings: one weight per
+weighting and dtype per case, in turn over each op's cases: _interpreted_triton_runs). Three weightings: one weight per
 layer (the full width), one per layer times dim_weights, and a table with zeros (Espresso's: the earlier layers
 only at the narrow width). Also: the pair-score losses make one op call for the whole stack, weights that are all
 0 give 0 with zero gradients, and bad stacks or weights are refused.
@@ -62,14 +62,19 @@ DTYPES = (torch.float64, torch.float32, *HALF_DTYPES[:1])
 
 
 def _interpreted_triton_runs(name, weighting, dtype):
-    """Under the Triton interpreter (seconds a case), one dtype per case and weighting, rotated: each case meets all
-    three dtypes over its three weightings, and each op every (weighting, dtype) where it serves three cases or more.
-    What a weighting asks of the op (no dims; two prefixes; one prefix narrower than the width) is the plain op's
-    with more rows, whose dims tests/ops holds to the oracle in every dtype (test_dims_against_oracle); the stacking
-    is the same front-end code on every backend, which the torch backend's cases check in every combination."""
+    """Under the Triton interpreter (seconds a case: similarity_lse's cases launch 90-170 kernels each), the cases of
+    each op take the (weighting, dtype) runs in turn: run r of an op is its case r mod n (n cases) with weighting
+    r mod 3 and dtype (r + r // 3) mod 3, for r < max(n, 3). So every case runs once (an op with fewer than three
+    cases runs one of them twice), each op meets every weighting and every dtype, and an op of six cases six
+    distinct (weighting, dtype) pairs. What a weighting asks of the op (no dims; two prefixes; one prefix narrower
+    than the width) is the plain op's with more rows, whose dims tests/ops holds to the oracle in every dtype
+    (test_dims_against_oracle); the stacking and weighting is the same front-end code on every backend, which the
+    torch backend's cases (and a GPU's) check in every combination."""
     op = CASES[name][0]
     same_op = [case for case, (case_op, _) in CASES.items() if case_op == op]
-    return DTYPES.index(dtype) == (same_op.index(name) + list(WEIGHTINGS).index(weighting)) % len(DTYPES)
+    runs = max(len(same_op), len(WEIGHTINGS))
+    return any((same_op[r % len(same_op)], list(WEIGHTINGS)[r % len(WEIGHTINGS)], DTYPES[(r + r // 3) % len(DTYPES)])
+               == (name, weighting, dtype) for r in range(runs))
 
 
 @pytest.mark.parametrize("backend, name, weighting, dtype", across_backends(
