@@ -25,7 +25,7 @@ import warnings
 import pytest
 import torch
 
-from angle_kernels.testing.helpers import TRITON_DEVICE, backend_or_skip, generator, randn
+from angle_kernels.testing.helpers import TRITON_DEVICE, backend_or_skip, generator, pair_groups, randn
 
 pytest.importorskip("triton")  # a third-party dependency: without it there is nothing to test here
 
@@ -83,9 +83,9 @@ def _outputs_and_grads(outputs, leaves):
     return (*(o.detach() for o in outputs), *torch.autograd.grad(total, leaves))
 
 
-# The pair-score kernels run one program per group: under the interpreter (each program a fraction of a second per
-# launch) two groups already show a second program writing at a later group's offsets; on a GPU the sizes as ever.
-PAIR_GROUPS = 2 if TRITON_DEVICE.type == "cpu" else 9
+# The pair-score kernels run one program per group: under the interpreter two groups (pair_groups) already show a
+# second program writing at a later group's offsets; on a GPU the sizes as ever.
+PAIR_GROUPS = pair_groups(9, interpreted=TRITON_DEVICE.type == "cpu")
 
 
 def _pair_scores(backend, with_angle):
