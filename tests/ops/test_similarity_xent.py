@@ -116,11 +116,27 @@ CASES = {
     "negative_fractional_weights": (21, 30, 24, dict(target="diagonal", weights="negative fractional")),
     "several_tiles": (150, 300, 300, dict(target="diagonal", margin=0.2)),
 }
+# The cases' shapes where the Triton kernels run through the interpreter, which costs per program and per tile step
+# (not per element): several_tiles still spans more than one of the interpreter's tiles on every side
+# (triton_ops/_similarity_tiles.py, _interpreter_blocks: 64 rows, 64 columns, 256 of D; here 2 row tiles, 3 column
+# tiles, 2 K-steps, each last one partial) and of the dense scheme's (blocks of DENSE_TEST_BLOCK_ROWS rows, column
+# tiles of 128: 5 and 2), in a fraction of the programs (the finish kernels run one program a row: 200 for 450; the
+# tile kernels 7 programs of 2 or 3 tile steps for 11 of 3 or 5). Compiled, the cases above run.
+INTERPRETER_SHAPES = {"several_tiles": (70, 130, 260)}
 
 
-def _inputs(name, dtype):
-    """(q, c or None, op keyword arguments) of a case, drawn from the case's own generator."""
+def interpreted(backend: Backend) -> bool:
+    """Whether `backend` runs Triton kernels through the interpreter (the triton backend and its dense scheme on the
+    CPU)."""
+    return backend.name.startswith("triton") and backend.device.type == "cpu"
+
+
+def _inputs(name, dtype, interpreter=False):
+    """(q, c or None, op keyword arguments) of a case, drawn from the case's own generator; with `interpreter` in
+    its INTERPRETER_SHAPES shape where it has one."""
     rows, c_rows, dim, options = CASES[name]
+    if interpreter and name in INTERPRETER_SHAPES:
+        rows, c_rows, dim = INTERPRETER_SHAPES[name]
     gen = generator("similarity_xent", name, dtype)
     q = randn(gen, rows, dim, dtype=dtype)
     c = None if c_rows is None else randn(gen, c_rows, dim, dtype=dtype)
@@ -161,7 +177,7 @@ def _check(backend, q, c, kwargs, what, magnitude=None):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_against_oracle(backend, name, dtype):
-    q, c, kwargs = _inputs(name, dtype)
+    q, c, kwargs = _inputs(name, dtype, interpreted(backend))
     _check(backend, q, c, kwargs, name)
 
 
@@ -247,20 +263,30 @@ def test_float16_gradient_of_a_small_upstream_gradient_does_not_underflow(backen
     assert_close(grads[1], grads[0], 2e-3, "dq of 1e-6 x loss, / 1e-6")
 
 
-def test_more_rows_than_one_block_of_the_torch_backend(backend):
+def test_more_rows_than_one_block_of_the_torch_backend(backend, monkeypatch):
     """M x Mc above 4M logits: the torch backend walks the rows in blocks, each block's gradient tiles added into
-    the same gradients of q and c (here one shared buffer: q = c)."""
-    if backend.name.startswith("triton") and backend.device.type == "cpu":
+    the same gradients of q and c (here one shared buffer: q = c). On the CPU the torch forms take the two blocks
+    of the budget's 2050 rows (2046 + 4) as 128 + 2 of 130 rows, the budget shrunk to 128 rows of 130 columns
+    (common.CHUNK_ELEMENTS, read at each call; 2050 rows cost seconds for the same walk); "torch-row-blocks" keeps
+    its budget of a few elements (blocks of one row)."""
+    if interpreted(backend):
         pytest.skip("about 30 s in the Triton interpreter (33 x 33 tiles of 64 x 64; the dense scheme's 129 blocks "
                     "of 16 rows): runs when compiled")
     if backend.name == "torch-mixed":
         pytest.skip("the torch backend's walk over its blocks, which both paths share; the mixed path's sums across "
                     "blocks: test_torch_mixed_path_in_row_blocks")
+    rows, groups = 2050, 1500
+    if backend.device.type == "cpu":  # the torch forms (the triton ones skipped above)
+        rows, groups = 130, 95
+        if backend.name != "torch-row-blocks":
+            from angle_kernels.torch_ops import common
+
+            monkeypatch.setattr(common, "CHUNK_ELEMENTS", 128 * rows)
     gen = generator("blocks")
-    q = randn(gen, 2050, 16)
+    q = randn(gen, rows, 16)
     kwargs = dict(scale=20.0, target="partner", exclude_diagonal=True,
-                  row_weights=(torch.rand(2050, generator=gen) > 0.2).float(),
-                  group_ids=torch.randint(0, 1500, (2050,), generator=gen))
+                  row_weights=(torch.rand(rows, generator=gen) > 0.2).float(),
+                  group_ids=torch.randint(0, groups, (rows,), generator=gen))
     _check(backend, q, None, kwargs, "several row blocks")
 
 
@@ -438,11 +464,14 @@ DIMS_CASES = {
     "one_row": ("one_row", (1, 2)),
     "several_tiles": ("several_tiles", (64, 129, 300)),
 }
+INTERPRETER_DIMS = {"several_tiles": (64, 129, 260)}  # its INTERPRETER_SHAPES width, the last prefix
 
 
-def _dims_inputs(name, dtype):
+def _dims_inputs(name, dtype, interpreter=False):
     case, dims = DIMS_CASES[name]
-    q, c, kwargs = _inputs(case, dtype)
+    q, c, kwargs = _inputs(case, dtype, interpreter)
+    if interpreter:
+        dims = INTERPRETER_DIMS.get(name, dims)
     return q, c, dict(kwargs, dims=dims)
 
 
@@ -450,7 +479,7 @@ def _dims_inputs(name, dtype):
 @pytest.mark.parametrize("name", sorted(DIMS_CASES))
 def test_dims_against_oracle(backend, name, dtype):
     skip_unless_feature(backend, "similarity_xent", "dims")
-    q, c, kwargs = _dims_inputs(name, dtype)
+    q, c, kwargs = _dims_inputs(name, dtype, interpreted(backend))
     _check(backend, q, c, kwargs, f"{name} dims={kwargs['dims']}")
 
 
