@@ -56,6 +56,15 @@ CASES = {
     "dot_guided_several_tiles": (70, 140, 130, dict(filter=(24, 0.5), filter_keeps_target=True, normalize=False,
                                                     scale=0.1)),
 }
+# several_tiles where the Triton kernels run through the interpreter, which costs per program and per tile step (not
+# per element): the same layout at half the size, rows 1.5 and columns 3 periods (past the period a row has no own
+# column), still 2 x 3 of the interpreter's tiles (triton_ops/_similarity_tiles.py, _interpreter_blocks: 64 x 64),
+# each last one partial, in half the programs (its finish kernels run one program a row: 225 for 450). Compiled,
+# the case above runs.
+INTERPRETER_CASES = {"several_tiles": (75, 150, 130, dict(CASES["several_tiles"][3], period=50))}
+# The width of the cases' gradchecks on the CPU: finite differences take two evaluations per input element, and no
+# code path of the torch forms or of the interpreter's tiles (one K-step either way) depends on D.
+CPU_GRADCHECK_WIDTH = 8
 
 
 def _filter_threshold(fq, fc, target_offset, offset, normalize=True):
@@ -68,9 +77,11 @@ def _filter_threshold(fq, fc, target_offset, offset, normalize=True):
     return (at_target - offset).to(torch.float32)
 
 
-def _inputs(name, dtype):
-    """(q, c, op keyword arguments) of a case, drawn from the case's own generator."""
-    rows, cols, dim, options = CASES[name]
+def _inputs(name, dtype, interpreter=False, dim=None):
+    """(q, c, op keyword arguments) of a case, drawn from the case's own generator; with `interpreter` its
+    INTERPRETER_CASES entry where it has one; `dim`: q and c that wide instead of the case's D."""
+    rows, cols, dim_of_case, options = (INTERPRETER_CASES if interpreter and name in INTERPRETER_CASES else CASES)[name]
+    dim = dim or dim_of_case
     gen = generator("similarity_lse", name, dtype)
     q, c = randn(gen, rows, dim, dtype=dtype), randn(gen, cols, dim, dtype=dtype)
     kwargs = dict(scale=options.get("scale", 20.0), target_offset=options.get("target_offset", 0),
@@ -166,7 +177,7 @@ def test_the_softmax_forms_masks_are_the_blocked_forms(name):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF_DTYPES], ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_against_oracle(backend, name, dtype):
-    q, c, kwargs = _inputs(name, dtype)
+    q, c, kwargs = _inputs(name, dtype, interpreter=backend.name == "triton" and backend.device.type == "cpu")
     if not torch.isfinite(oracle.similarity_lse(q.double(), c.double(), **kwargs)).all():
         pytest.skip("a row keeps no column in this dtype's draw: see test_rows_that_keep_no_column")
     on_device = moved_to(backend.device, kwargs)
@@ -349,7 +360,7 @@ def test_a_retained_graph_gives_the_same_gradients_twice(backend):
 # No penalty in these cases: it is a stop-gradient, which finite differences see.
 @pytest.mark.parametrize("name", ["guided", "query_to_doc_gathered", "doc_to_doc", "dot_query_to_doc"])
 def test_gradcheck_float64(backend, name):
-    q, c, kwargs = _inputs(name, torch.float64)
+    q, c, kwargs = _inputs(name, torch.float64, dim=CPU_GRADCHECK_WIDTH if backend.device.type == "cpu" else None)
     on_device = moved_to(backend.device, kwargs)
     leaves = [q.to(backend.device).requires_grad_(), c.to(backend.device).requires_grad_()]
     # fast_mode for the Triton interpreter (a random projection of the Jacobian: 30-45 s -> seconds per case); the
@@ -512,11 +523,19 @@ DIMS_CASES = {
 }
 
 
-def _dims_inputs(name, dtype):
-    """A case of CASES with dims: its filter's threshold one row per prefix, from the truncated embeddings, 0.1
-    higher than the case's (narrow prefixes score more alike: rows would keep no column)."""
-    q, c, kwargs = _inputs(name, dtype)
-    dims = DIMS_CASES[name]
+# The prefixes of the dims gradchecks (torch backend, CPU), q and c as wide as the last (CPU_GRADCHECK_WIDTH, and 12
+# for dot_everything, whose false-negative filter drops every column 1.9 below a row's target score: at width 8 it
+# empties rows, whose gradients would go unchecked), a prefix of width 1 or one short of the width among them.
+GRADCHECK_DIMS = {"guided": (1, 5, CPU_GRADCHECK_WIDTH), "doc_to_doc": (3, CPU_GRADCHECK_WIDTH),
+                  "dot_everything": (6, 11, 12)}
+
+
+def _dims_inputs(name, dtype, dims=None):
+    """A case of CASES with dims (DIMS_CASES', or `dims`, q and c then dims[-1] wide): its filter's threshold one row
+    per prefix, from the truncated embeddings, 0.1 higher than the case's (narrow prefixes score more alike: rows
+    would keep no column)."""
+    q, c, kwargs = _inputs(name, dtype, dim=None if dims is None else dims[-1])
+    dims = dims or DIMS_CASES[name]
     if "filter_q" in kwargs:
         _, _, _, options = CASES[name]
         offset = (options["filter"][1] if "filter" in options else options["self_filter"]) - 0.1
@@ -582,13 +601,14 @@ def test_dims_in_blocks_equal_one_width_calls(monkeypatch, form):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["guided", "doc_to_doc", "dot_everything"])
+@pytest.mark.parametrize("name", list(GRADCHECK_DIMS))
 def test_dims_gradcheck_float64(name):
     from angle_kernels.dispatch import resolve_backend
 
-    q, c, kwargs = _dims_inputs(name, torch.float64)
+    q, c, kwargs = _dims_inputs(name, torch.float64, GRADCHECK_DIMS[name])
     if name == "dot_everything":  # the penalty's detached part is not what gradcheck differentiates
         kwargs.update(penalty=0.0, penalty_on="none")
+    assert torch.isfinite(oracle.similarity_lse(q, c, **kwargs)).all()  # every row keeps a column: all are checked
     ops = resolve_backend("torch", q)
 
     def ours(q, c):
