@@ -131,12 +131,12 @@ def interpreted(backend: Backend) -> bool:
     return backend.name.startswith("triton") and backend.device.type == "cpu"
 
 
-def _inputs(name, dtype, interpreter=False):
+def _inputs(name, dtype, interpreter=False, shapes=INTERPRETER_SHAPES):
     """(q, c or None, op keyword arguments) of a case, drawn from the case's own generator; with `interpreter` in
-    its INTERPRETER_SHAPES shape where it has one."""
+    its `shapes` shape where it has one."""
     rows, c_rows, dim, options = CASES[name]
-    if interpreter and name in INTERPRETER_SHAPES:
-        rows, c_rows, dim = INTERPRETER_SHAPES[name]
+    if interpreter and name in shapes:
+        rows, c_rows, dim = shapes[name]
     gen = generator("similarity_xent", name, dtype)
     q = randn(gen, rows, dim, dtype=dtype)
     c = None if c_rows is None else randn(gen, c_rows, dim, dtype=dtype)
@@ -464,12 +464,16 @@ DIMS_CASES = {
     "one_row": ("one_row", (1, 2)),
     "several_tiles": ("several_tiles", (64, 129, 300)),
 }
-INTERPRETER_DIMS = {"several_tiles": (64, 129, 260)}  # its INTERPRETER_SHAPES width, the last prefix
+# Under the interpreter (see INTERPRETER_SHAPES): the dims cases' shapes and prefixes. The prefix kernels have no
+# dense scheme to cross and take each prefix's columns in one K-step of 256 at either width: several_tiles needs
+# 2 x 2 of the 64 x 64 tiles (the last ones partial), 146 finish programs (of 3 prefixes each) for 450.
+INTERPRETER_DIMS_SHAPES = {"several_tiles": (66, 80, 260)}
+INTERPRETER_DIMS = {"several_tiles": (64, 129, 260)}
 
 
 def _dims_inputs(name, dtype, interpreter=False):
     case, dims = DIMS_CASES[name]
-    q, c, kwargs = _inputs(case, dtype, interpreter)
+    q, c, kwargs = _inputs(case, dtype, interpreter, INTERPRETER_DIMS_SHAPES)
     if interpreter:
         dims = INTERPRETER_DIMS.get(name, dims)
     return q, c, dict(kwargs, dims=dims)
