@@ -10,8 +10,8 @@ bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export TORCH_EXTENSIONS_DIR="$PWD/.torch_extensions"
-# Byte-compile the project once: the suite starts a few hundred interpreters, and where PYTHONDONTWRITEBYTECODE is
-# set (as on some CI images) each would otherwise compile angle_kernels and angle_train from source on import
-# (about half a second of CPU each). pip compiled everything else at install time.
+# Byte-compile the project once: where PYTHONDONTWRITEBYTECODE is set (as on some CI images), every interpreter the
+# suite starts (CLI runs, README blocks, compile checks) would otherwise compile angle_kernels and angle_train from
+# source on import, about half a second of CPU each. pip compiled everything else at install time.
 python -m compileall -q -j 0 angle_kernels angle_train tests bench > /dev/null
 python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
