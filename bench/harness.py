@@ -812,16 +812,30 @@ def describe_environment(device: str) -> dict:
             ).stdout.strip()
         except Exception:
             info["driver"] = "unknown"
-    for name in ("triton", "sentence_transformers", "angle_kernels"):
-        try:
-            info[name] = importlib.import_module(name).__version__
-        except Exception:
-            info[name] = None
+    for name, distribution in (("triton", "triton"), ("sentence_transformers", "sentence-transformers")):
+        info[name] = installed_version(name, distribution)
+    angle_kernels = importlib.import_module("angle_kernels")
+    info["angle_kernels"] = angle_kernels.__version__
     # which code was measured: the version stays the same across commits
-    package = Path(importlib.import_module("angle_kernels").__file__).parent
+    package = Path(angle_kernels.__file__).parent
     info["angle_kernels_path"] = str(package)
     info["angle_kernels_commit"] = checkout_commit(package)
     return info
+
+
+def installed_version(module: str, distribution: str) -> str | None:
+    """The version of `module` as imported where it already is (None where its import is blocked: None in
+    sys.modules), else its installed distribution's (None where it is not installed): read from the package's
+    metadata rather than by importing it, as sentence-transformers' import (transformers, peft, ...) costs seconds
+    of a run that never uses it."""
+    import importlib.metadata
+
+    if module in sys.modules:
+        return getattr(sys.modules[module], "__version__", None)
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 # describe_environment's keys that say which checkout was measured (beside the machine and the versions)

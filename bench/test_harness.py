@@ -271,6 +271,34 @@ def test_the_environment_names_the_checkout_measured(tmp_path):
     assert env["angle_kernels_commit"] == harness.checkout_commit(Path(angle_kernels.__file__).parent)
 
 
+def test_the_environment_names_versions_without_importing_what_the_run_did_not(monkeypatch):
+    """sentence-transformers' version comes from its installed metadata where the run never imported it (its
+    import, transformers' and peft's with it, took seconds of every sweep, which named nothing more than its
+    version); a module imported already gives its own, and one whose import is blocked (None in sys.modules) none."""
+    import importlib
+    import importlib.metadata
+
+    imported = []
+    import_module = importlib.import_module
+
+    def refusing(name, *args, **kwargs):
+        imported.append(name)
+        if name == "sentence_transformers":
+            raise ImportError("imported to name a version")
+        return import_module(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "sentence_transformers", raising=False)
+    monkeypatch.setattr(importlib, "import_module", refusing)
+    env = harness.describe_environment("cpu")
+    assert "sentence_transformers" not in imported, imported
+    assert env["sentence_transformers"] == importlib.metadata.version("sentence-transformers")
+    assert env["torch"] == torch.__version__ and env["angle_kernels"] == angle_kernels.__version__
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)
+    assert harness.installed_version("sentence_transformers", "sentence-transformers") is None
+    assert harness.installed_version("torch", "no-such-distribution") == torch.__version__
+    assert harness.installed_version("no_such_module", "no-such-distribution") is None
+
+
 def test_markdown_table_keeps_its_columns():
     lines = harness.markdown_table(["N", "ours"], [[16, "error: a | b"], [32, "1 ms"]])
     assert lines == ["| N | ours |", "|---|---|", "| 16 | error: a / b |", "| 32 | 1 ms |"]
