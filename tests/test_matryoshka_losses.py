@@ -21,10 +21,23 @@ DIMS = (24, 8, 16, 6)  # any order: the losses sort them, with their weights
 WEIGHTS = (1.0, 0.5, 2.0, 0.25)
 
 
-def _weighted(oracle_fn, truncate_inputs):
+# Through the Triton interpreter every program runs in Python: the pair-score kernels one per group (a pair, or a row
+# of the in-batch losses), the fused similarity_lse once per prefix and block. There a case takes three of the widths,
+# which keep what DIMS crosses (the full width, a prefix whose half is odd for the angle, a power of two; unsorted,
+# each with its own weight; 8 is one more turn of the same slice loop), and fewer rows (_draw).
+INTERPRETED_DIMS = (24, 6, 16)
+INTERPRETED_WEIGHTS = (1.0, 0.25, 2.0)
+
+
+def _widths(backend):
+    """(dims, dim_weights) a case on `backend` runs with."""
+    return (INTERPRETED_DIMS, INTERPRETED_WEIGHTS) if backend.interpreted else (DIMS, WEIGHTS)
+
+
+def _weighted(oracle_fn, truncate_inputs, dims=DIMS, weights=WEIGHTS):
     """The oracle of the Matryoshka loss: sum_i w_i * oracle_fn(inputs truncated to d_i)."""
     def loss(*inputs):
-        return sum(w * oracle_fn(*truncate_inputs(inputs, d)) for d, w in zip(DIMS, WEIGHTS))
+        return sum(w * oracle_fn(*truncate_inputs(inputs, d)) for d, w in zip(dims, weights))
     return loss
 
 
@@ -32,8 +45,12 @@ def _cut(inputs, d):
     return [x[..., :d] for x in inputs]
 
 
-def _draw(gen, dtype):
-    """Inputs of the shared loss cases: 7 zigzag pairs, 9 rows (8 for MNRL), WIDTH features."""
+def _draw(gen, dtype, interpreted=False):
+    """Inputs of the shared loss cases: 7 zigzag pairs, 9 rows (8 for MNRL), WIDTH features; through the Triton
+    interpreter 4 pairs and 4 rows (each a pair-score program; the similarity kernels take up to 16 rows in one
+    row block either way), which still give the binary cases both labels."""
+    if interpreted:
+        return Draw(gen, dtype, lead=(), width=WIDTH, pairs=4, rows=4, mnrl_rows=4)
     return Draw(gen, dtype, lead=(), width=WIDTH, pairs=7, rows=9, mnrl_rows=8)
 
 
@@ -75,9 +92,10 @@ def test_against_the_oracle_of_the_truncated_losses(backend, name, dtype):
         pytest.skip("float32 only on the interpreted Triton backend (ONE_DTYPE_ON_TRITON)")
     if op == "pair_scores" and name in MODULES_WITH_BOTH_OPS:
         skip_unless_feature(backend, "similarity_xent", "dims")
-    inputs, ours, one_call = make(_draw(generator("matryoshka", name, dtype), dtype),
-                                  dict(dims=DIMS, dim_weights=WEIGHTS))
-    check_against_oracle(lambda *x: ours(*x, backend=backend.name), _weighted(one_call, _cut), inputs,
+    dims, weights = _widths(backend)
+    inputs, ours, one_call = make(_draw(generator("matryoshka", name, dtype), dtype, backend.interpreted),
+                                  dict(dims=dims, dim_weights=weights))
+    check_against_oracle(lambda *x: ours(*x, backend=backend.name), _weighted(one_call, _cut, dims, weights), inputs,
                          f"{name} {dtype}", device=backend.device)
 
 
