@@ -106,7 +106,15 @@ BACKEND_CASES = [c + ("cosine",) for c in FILTER_CASES + [("gte", "joint", "in_b
 # Under the Triton interpreter (seconds a case), each case in one dtype, in turn (in_turn): each case's options are
 # front-end code, the same on every backend, which the torch backend's cases check in every dtype; what the Triton
 # backend adds is similarity_lse, held to the oracle with every option (filters, guides, penalties, exclusions, dot
-# products) in every dtype in tests/ops/test_similarity_lse.py.
+# products) in every dtype in tests/ops/test_similarity_lse.py. There, too, a case takes INTERPRETED_ROWS rows where
+# it takes BACKEND_ROWS elsewhere: each row is a program of the pair-score kernel (the positives' scores), and both
+# sizes are one row block of the similarity kernels (up to 16 rows through the interpreter).
+BACKEND_ROWS = 10
+INTERPRETED_ROWS = 4
+
+
+def _rows_on(backend):
+    return INTERPRETED_ROWS if backend.interpreted else BACKEND_ROWS
 
 
 @pytest.mark.parametrize("backend, case, dtype", across_backends(
@@ -115,7 +123,7 @@ BACKEND_CASES = [c + ("cosine",) for c in FILTER_CASES + [("gte", "joint", "in_b
 def test_every_backend_against_the_oracle(backend, case, dtype):
     skip_unless_implemented(backend, "similarity_lse")  # the filter and hardness blocks
     name, mode, hardness, k, strategy, margin, similarity = case
-    columns = _embeddings(("backends",) + case[:-1], k, dtype=dtype, rows=10, dim=24)
+    columns = _embeddings(("backends",) + case[:-1], k, dtype=dtype, rows=_rows_on(backend), dim=24)
     options = _options(name, mode, hardness)
     scale = 20.0 if similarity == "cosine" else 1.0
     if strategy is not None:
@@ -128,11 +136,12 @@ def test_every_backend_against_the_oracle(backend, case, dtype):
         columns, f"{case} on {backend.name}", device=backend.device)
 
 
-def test_the_filter_drops_columns_in_these_cases():
-    """A filter case is only worth something if the filter changes the loss."""
+@pytest.mark.parametrize("rows", [BACKEND_ROWS, INTERPRETED_ROWS])
+def test_the_filter_drops_columns_in_these_cases(rows):
+    """A filter case is only worth something if the filter changes the loss (at either size a backend case takes)."""
     cases = [c + ("cosine",) for c in FILTER_CASES] + [c + ("dot",) for c in DOT_CASES if c[4] is not None]
     for name, mode, hardness, k, strategy, margin, similarity in cases:
-        columns = _embeddings(("backends", name, mode, hardness, k, strategy, margin), k, rows=10, dim=24)
+        columns = _embeddings(("backends", name, mode, hardness, k, strategy, margin), k, rows=rows, dim=24)
         options = dict(_options(name, mode, hardness), similarity=similarity)
         scale = 20.0 if similarity == "cosine" else 1.0
         plain = oracle.multiple_negatives_ranking_loss(columns[0], columns[1], columns[2:], scale, **options)
@@ -254,7 +263,7 @@ GIST_CASES = {
 }
 
 
-def _gist_inputs(name, dtype, rows=10, dim=24, guide_dim=12):
+def _gist_inputs(name, dtype, rows=BACKEND_ROWS, dim=24, guide_dim=12):
     """Model embeddings and a guide that agrees with them in part (so it drops some columns, not all)."""
     k, options = GIST_CASES[name]
     model_side = _embeddings(("gist", name), k, dtype=dtype, rows=rows, dim=dim)
@@ -267,7 +276,7 @@ def _gist_inputs(name, dtype, rows=10, dim=24, guide_dim=12):
     [(name, dtype) for name in GIST_CASES for dtype in DTYPES], in_turn(GIST_CASES, DTYPES)), indirect=["backend"])
 def test_gist_on_every_backend_against_the_oracle(backend, name, dtype):
     skip_unless_implemented(backend, "similarity_lse")
-    model_side, guide, options = _gist_inputs(name, dtype)
+    model_side, guide, options = _gist_inputs(name, dtype, rows=_rows_on(backend))
     on_device = [g.to(backend.device) for g in guide]
     check_against_oracle(
         lambda *e: ak.gist_loss(e[0], e[1], on_device[0], on_device[1], e[2:], on_device[2:], backend=backend.name,
@@ -298,9 +307,10 @@ def test_gist_with_a_negative_margin_keeps_each_anchors_own_column(backend):
     assert values[-0.5] > values[0.0] + 1.0  # each anchor's own column (cos 1, logit 20) is in the partition
 
 
-def test_the_gist_guide_filters_in_these_cases():
+@pytest.mark.parametrize("rows", [BACKEND_ROWS, INTERPRETED_ROWS])
+def test_the_gist_guide_filters_in_these_cases(rows):
     for name in GIST_CASES:
-        model_side, guide, options = _gist_inputs(name, torch.float64)
+        model_side, guide, options = _gist_inputs(name, torch.float64, rows=rows)
         filtered = oracle.gist_loss(model_side[0], model_side[1], guide[0], guide[1], model_side[2:], guide[2:],
                                     **options)
         everything = oracle.gist_loss(model_side[0], model_side[1], guide[0], guide[1], model_side[2:], guide[2:],
