@@ -2,7 +2,7 @@
 sum_i w_i * loss(embeddings[..., :d_i]), the weighted sum over the truncated embeddings, computed here by the
 float64 oracle of each truncated call (angle_kernels.testing.oracle), values and gradients, on every backend whose ops
 implement the nested prefixes (the others are skipped), float64 and float32 plus bf16 at the half rule (under the
-Triton interpreter, one dtype per case, in turn: _interpreted_triton_runs).
+Triton interpreter, one dtype per case, in turn: _interpreted_triton_runs, on three of the widths and fewer rows).
 Also: dims in any order with their weights, the fallback of a backend lacking the feature, bad arguments.
 """
 
