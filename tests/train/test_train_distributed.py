@@ -7,7 +7,7 @@ import pytest
 import torch
 from train_helpers import (
     as_torchrun_rank, assert_ranks_match, demo_batch, free_port, graded_or_contrastive_loss, make_encoder, param_grads,
-    rank_of_a_job, run_config,
+    rank_of_a_job, run_config, without_curves,
 )
 
 from angle_kernels.testing.helpers import start_ranks
@@ -24,6 +24,11 @@ GTE_FILTERED = ("--ibn-partition", "gte", "--false-negative-margin", "0.1")
 MATRYOSHKA = ("--matryoshka-dims", "8", "32", "16", "--matryoshka-weights", "2", "1", "0.5")
 # Espresso: the encoder's layer stacks [L, rows, D], gathered along the rows (its own loss: test_train_espresso.py)
 ESPRESSO = ("--espresso", "--espresso-dim", "8")
+
+
+@pytest.fixture(autouse=True)
+def _no_curves(monkeypatch):
+    without_curves(monkeypatch)  # of the single-process runs here (rank processes are forked without it)
 
 
 def _setup(arch, fmt, flags=()):

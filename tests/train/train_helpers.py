@@ -113,6 +113,15 @@ def run_config(output_dir, **settings):
     return TrainConfig(output_dir=str(output_dir), **{**quiet, **settings})
 
 
+def without_curves(monkeypatch) -> None:
+    """train() runs that draw no curves.png, as where matplotlib is absent (tracking.plot_curves returns None): the
+    drawing (0.1-0.4 s of matplotlib at the end of every run) is tested in test_tracking*.py and test_logging.py,
+    and is no part of what modules of many short runs about checkpoints, signals or processes check."""
+    from angle_train import tracking
+
+    monkeypatch.setattr(tracking, "plot_curves", lambda *args, **kwargs: None)
+
+
 def assert_ranks_match(folder, pattern: str, single) -> None:
     """Each process's saved {"losses", "weights"} (files folder/pattern.format(rank=r), r = 0, 1) equal a
     single-process TrainResult's losses (to 1e-10) and final weights (to 1e-9)."""
