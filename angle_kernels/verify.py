@@ -232,7 +232,7 @@ def cases(sizes: str = "standard") -> list[Case]:
              _xent_case("mixed", rows // 2, rows, d, dims=at_d[1], dtypes=HALF_DTYPES)]
     return [
         _pair_case("full", pairs, 2, d),
-        _pair_case("full", pairs // 4, 3, d),
+        _pair_case("full", max(1, pairs // 4), 3, d),
         _pair_case("dims", pairs, 2, narrow, dims=dims),
         # format C triples at five widths; widths off the 16-byte vectors (the CUDA kernels' per-element path)
         _pair_case("dims", max(1, pairs // 4), 3, narrow, dims=five),
