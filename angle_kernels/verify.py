@@ -178,8 +178,8 @@ def cases(sizes: str = "standard") -> list[Case]:
     "large" (the project's GPU run: past the interpreter's reach, seconds each), "tiny" (the CPU tests, through
     the Triton interpreter; its dense cases, at width 64, take the dense scheme only where a test lowers the
     scheme's MIN_WIDTH, its one-read pair-score cases the one-read kernels only where a test lowers their
-    ONE_READ_MIN_WIDTH, its ranking sort case, at 2,100 scores, the sort path only where a test lowers its
-    SMALL_N_MAX)."""
+    ONE_READ_MIN_WIDTH, its ranking sort case, at 150 scores, the sort path only where a test lowers its
+    SMALL_N_MAX, and three scan blocks only where it lowers the scan's block from 1,024 scores to 64)."""
     tiny = sizes == "tiny"
     # (tiny: two groups: the pair-score kernels run one program per group, and a second program already reads at a
     # later group's offsets; under the interpreter each program costs a fraction of a second)
@@ -239,9 +239,9 @@ def cases(sizes: str = "standard") -> list[Case]:
         _pair_case("dims", max(1, pairs // 4), 2, narrow, dims=(6, 12, 26) if tiny else (60, 250, narrow)),
         *one_read,
         _ranking_case("pairwise", 40 if tiny else 3000),
-        # (tiny: three of the scan's 1,024-score blocks, the last one partial: the first, a middle one with both
-        # carries, the last; through the interpreter each block's scan takes seconds)
-        _ranking_case("sort", {"tiny": 2100, "standard": 6000, "large": 2_000_000}[sizes]),
+        # (tiny: three scan blocks of 64 scores where the test lowers the block, the last one partial: the first, a
+        # middle one with both carries, the last; the interpreter scans one score at a time, 0.2 s per 64)
+        _ranking_case("sort", {"tiny": 150, "standard": 6000, "large": 2_000_000}[sizes]),
         _xent_case("fused", rows, None, narrow),
         _xent_case("fused", rows // 2, rows, narrow),
         _xent_case("dense", rows, None, wide),

@@ -214,7 +214,7 @@ def test_every_function_a_triton_path_runs_is_in_its_fingerprint(monkeypatch):
     # which functions run
     dtypes = (torch.bfloat16, torch.float32, torch.float64)
     triton_paths = verify.verified.paths_of("triton")
-    # the Triton backend's cases (the tiny ranking sort case, 2,100 scores, replaced by a smaller one below)
+    # the Triton backend's cases (the tiny ranking cases replaced by the ones below)
     cases = [case for case in verify.cases("tiny")
              if case.path in triton_paths.get(case.op, ()) and case.op != "ranking_loss"]
     calls = _calls_of(cases, dtypes) + [c for d in dtypes for c in _extra_calls(d)]

@@ -1,7 +1,8 @@
 """`python -m angle_kernels.verify` on CPU: its checks of the Triton backend, through the interpreter, at tiny sizes.
 
 What a user's GPU run does is what runs here, minus the GPU: every code path of every op the backend declares,
-forward and backward against angle_kernels.float64_ops, twice per case, judged by the reference's rule. Checked:
+forward and backward against angle_kernels.float64_ops, twice per case, judged by the reference's rule (each case in
+bfloat16 or float64, an op's cases taking them in turn). Checked:
 the Triton backend passes on every path (the dense scheme's cases with its MIN_WIDTH lowered to their width);
 the checks cover every path the backend declares; and the checks catch the autotuner bug of the dims backward
 when the autotuner's first call is replayed (tests/ops/autotune_replay.py) without the kernels' declarations.
@@ -28,16 +29,20 @@ DTYPES = (torch.bfloat16, torch.float64)
 
 
 TINY_WIDE = 64  # the width of verify.cases("tiny")'s dense cases
-TINY_SORT_MIN = 2048  # below the 2,100 scores of verify.cases("tiny")'s ranking sort case, above its pairwise case
+TINY_SORT_MIN = 128  # below the 150 scores of verify.cases("tiny")'s ranking sort case, above its pairwise case
+TINY_SCAN_BLOCK = 64  # the 150 scores in three scan blocks, the last one partial
 
 
 @pytest.fixture
 def tiny_dense(monkeypatch):
     """The dense scheme taken from the tiny cases' wide width, not from its MIN_WIDTH (768), and so the one-read pair
     scores (ONE_READ_MIN_WIDTH, 768) and the dense similarity_lse scheme; the ranking term's sort path from the tiny
-    sort case's size, not from SMALL_N_MAX (4,096: the scan's blocks cost seconds each through the interpreter)."""
+    sort case's size, not from SMALL_N_MAX (4,096), in scan blocks of 64 scores, not 1,024 (the same kernels, a
+    constexpr apart: the interpreter scans one score at a time, and three blocks of 1,024 took a quarter of the
+    test's time)."""
     monkeypatch.setattr(similarity_xent_dense, "MIN_WIDTH", TINY_WIDE)
     monkeypatch.setattr(ranking_loss, "SMALL_N_MAX", TINY_SORT_MIN)
+    monkeypatch.setattr(ranking_loss, "_SCAN_BLOCK", TINY_SCAN_BLOCK)
     for name in ("ONE_READ_MIN_WIDTH", "PROPOSED_ONE_READ_MIN_WIDTH"):
         monkeypatch.setattr(pair_scores_paths, name, TINY_WIDE)
     for name in ("DENSE_DIMS_MIN_WIDTH", "PROPOSED_DENSE_DIMS_MIN_WIDTH"):
@@ -47,13 +52,21 @@ def tiny_dense(monkeypatch):
         monkeypatch.setattr(similarity_lse_paths, name, TINY_WIDE)
 
 
-@pytest.mark.slow  # about 35 s through the interpreter on two cores
+@pytest.mark.slow  # about 12 s through the interpreter
 # On a GPU its first compiles of every path's kernels take longer than the GPU run's per-test limit (90 s on an
 # H200), and that run's large-size checks (`python -m angle_kernels.verify --sizes large`) run these paths anyway.
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the large-size checks run every path")
 def test_the_triton_backend_passes_on_every_code_path(tiny_dense):
-    results = verify.run_checks("triton", TRITON_DEVICE, verify.cases("tiny"), DTYPES)
+    in_turn = _each_case_in_one_dtype(verify.cases("tiny"))
+    results = [result for dtype, cases in in_turn.items()
+               for result in verify.run_checks("triton", TRITON_DEVICE, cases, (dtype,))]
     assert {r["case"].split(" D=")[-1] for r in results if r["path"] == "dense"} == {str(TINY_WIDE)}
+    assert [r["case"] for r in results if r["path"] == "sort"] == ["N=150"]
+    assert ranking_loss._SCAN_BLOCK < 150 < 3 * ranking_loss._SCAN_BLOCK  # three blocks, the last one partial
+    several = {(r["op"], r["path"]) for r in results if r["op"] != "ranking_loss"} - {
+        (case.op, case.path) for case in _single_cases(verify.cases("tiny"))}
+    for op, path in several:  # a path with two cases or more is checked in both dtypes
+        assert {r["dtype"] for r in results if (r["op"], r["path"]) == (op, path)} == {"bfloat16", "float64"}, path
     failed = [verify._row(r) for r in results if r["pass"] is not True]
     assert not failed, "\n".join(failed)
     checked = {(op, path) for _, op, path in verify.outcomes(results)}
@@ -72,6 +85,26 @@ def test_the_triton_backend_passes_on_every_code_path(tiny_dense):
     merged = verify.outcomes(results + others)
     assert {path: merged[("triton", "pair_scores", path)] for path in ("full", "dims", "dims_one_read")} == {
         "full": "passed", "dims": "passed", "dims_one_read": "passed"}
+
+
+def _each_case_in_one_dtype(cases):
+    """dtype -> cases: each case in one of DTYPES, an op's cases taking them in turn (a case that lacks one, as the
+    ranking term's cases lack bfloat16, takes the other). As the loss-level tests do under the interpreter, where a
+    case costs seconds: the ops' own tests (tests/ops/test_<op>.py) hold every path to the oracle in every dtype,
+    and here each path with two cases or more meets both dtypes (asserted by the test), the single-case paths of
+    similarity_lse ("fused" and "fused_prefixes", the same kernels) one each."""
+    in_turn = {dtype: [] for dtype in DTYPES}
+    turns: dict = {}
+    for case in cases:
+        usable = [dtype for dtype in DTYPES if dtype in case.dtypes]
+        turn = turns[case.op] = turns.get(case.op, -1) + 1
+        in_turn[usable[turn % len(usable)]].append(case)
+    return in_turn
+
+
+def _single_cases(cases):
+    paths = [(case.op, case.path) for case in cases]
+    return [case for case in cases if paths.count((case.op, case.path)) == 1]
 
 
 @pytest.fixture
@@ -163,8 +196,12 @@ def test_the_checks_catch_an_autotuner_that_accumulates(monkeypatch):
     # tests/ops/test_autotune_side_effects.py.
     install(monkeypatch, lambda t: t._replace(launcher=ReplayedAutotuner(
         t._replace(tuning=_common.Tuning(), configs=t.configs[:1]))))
-    wanted = [c for c in verify.cases("tiny") if c.op == "similarity_xent" and c.path in ("fused", "dims")]
+    # The in-batch negatives case of each path: one failing case fails its path's outcome, which is what the checks
+    # must show (the contrastive cases, failing as well, took more than half of the replay's time).
+    wanted = [c for c in verify.cases("tiny") if c.op == "similarity_xent" and c.path in ("fused", "dims")
+              and c.name.startswith("ibn ")]
     results = verify.run_checks("triton", TRITON_DEVICE, wanted, (torch.float64,))
+    assert sorted(r["path"] for r in results) == ["dims", "fused"]
     outcome = verify.outcomes(results)
     assert outcome[("triton", "similarity_xent", "dims")] == "failed"
     assert all(r["pass"] for r in results if r["path"] == "fused")  # (incomplete: float64 alone ran)
