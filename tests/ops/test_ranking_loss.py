@@ -24,6 +24,18 @@ from angle_kernels.testing.helpers import (
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 
 
+# The tiled kernel runs one program per 32 rows, each looping over the scores in 128-column blocks; its branches and
+# constexprs come from the dtype, never from N. Through the interpreter every (row block, column block) tile runs in
+# Python, so there the cases of more scores run on 300 (ten row blocks and three column blocks, the last of each
+# partial, as at 777 or 1,000 scores: 10 x 3 tiles instead of up to 32 x 8); compiled, a case keeps its size.
+INTERPRETED_TILED_N = 300
+
+
+def _tiled_n(backend, n):
+    """How many scores a tiled-path case runs on: n, or at most INTERPRETED_TILED_N through the interpreter."""
+    return min(n, INTERPRETED_TILED_N) if backend.interpreted else n
+
+
 def _check(backend, scores, labels, what):
     return check_against_oracle(lambda s: backend.ops.ranking_loss(s, labels.to(backend.device)),
                                 lambda s: oracle.ranking_loss(s, labels), [scores], what, device=backend.device)
@@ -33,18 +45,30 @@ def _check(backend, scores, labels, what):
 @pytest.mark.parametrize("n,levels", [(1, 1), (3, 2), (37, 4), (64, 4), (1000, 5), (1000, 1000)])
 def test_against_oracle(backend, n, levels, dtype):
     """Scores at the scale of tau = 20; `levels` distinct labels (few levels: heavy ties)."""
-    gen = generator("ranking", n, levels, dtype)
+    gen, n = generator("ranking", n, levels, dtype), _tiled_n(backend, n)
     scores = randn(gen, n, dtype=dtype, scale=20.0)
     labels = torch.randint(0, levels, (n,), generator=gen).to(torch.float32)
     _check(backend, scores, labels, f"ranking n={n} levels={levels}")
 
 
-def test_beyond_the_triton_tiled_path(backend):
-    """5,000 elements: above the Triton backend's SMALL_N_MAX (4,096), where it sorts and scans."""
+def test_beyond_the_triton_tiled_path(backend, monkeypatch):
+    """5,000 elements: above the Triton backend's SMALL_N_MAX (4,096), where it sorts and scans. Through the
+    interpreter, which scans one score at a time (a second per 1,024-score block), the selector is asked at the
+    threshold itself and the sort path runs on 2,100 scores below a switch lowered to 2,048: the same scan blocks of
+    1,024 scores, three of them (the first, a middle one with both carries, the last one partial), not five."""
+    n = 5000
+    if backend.interpreted:
+        ranking = importlib.import_module("angle_kernels.triton_ops.ranking_loss")
+        at_the_switch = torch.empty(ranking.SMALL_N_MAX)
+        assert ranking.code_path(at_the_switch, at_the_switch) == "pairwise"
+        assert ranking.code_path(torch.empty(n), torch.empty(n)) == "sort"
+        n = 2100
+        monkeypatch.setattr(ranking, "SMALL_N_MAX", 2048)
+        assert 2 * ranking._SCAN_BLOCK < n < 3 * ranking._SCAN_BLOCK
     gen = generator("ranking_large")
-    scores = randn(gen, 5000, scale=20.0)
-    labels = torch.randint(0, 7, (5000,), generator=gen)
-    _check(backend, scores, labels, "ranking n=5000")
+    scores = randn(gen, n, scale=20.0)
+    labels = torch.randint(0, 7, (n,), generator=gen)
+    _check(backend, scores, labels, f"ranking n={n}")
 
 
 @pytest.mark.parametrize("label_dtype", [torch.int64, torch.int32, torch.float16, torch.float64, torch.bool], ids=str)
@@ -67,10 +91,10 @@ def test_float_labels_and_extreme_scores(backend):
 
 
 def test_non_contiguous_scores(backend):
-    gen = generator("strided")
-    scores = randn(gen, 2 * 777, scale=20.0)[::2]
+    gen, n = generator("strided"), _tiled_n(backend, 777)
+    scores = randn(gen, 2 * n, scale=20.0)[::2]
     assert not scores.is_contiguous()
-    labels = torch.randint(-3, 3, (777,), generator=gen)
+    labels = torch.randint(-3, 3, (n,), generator=gen)
     _check(backend, scores, labels, "ranking strided scores")
 
 
