@@ -192,8 +192,9 @@ class Backend:
 
     @property
     def interpreted(self) -> bool:
-        """True for the Triton backend on CPU tensors: its kernels run through the interpreter, program by program."""
-        return self.name == "triton" and self.device.type == "cpu"
+        """True for the Triton backend (or a scheme of it a test names "triton-...") on CPU tensors: its kernels run
+        through the interpreter, program by program."""
+        return self.name.startswith("triton") and self.device.type == "cpu"
 
 
 # The pair-score kernels run one program per group, each the same work on its own rows: their constexprs and branches

@@ -125,12 +125,6 @@ CASES = {
 INTERPRETER_SHAPES = {"several_tiles": (70, 130, 260)}
 
 
-def interpreted(backend: Backend) -> bool:
-    """Whether `backend` runs Triton kernels through the interpreter (the triton backend and its dense scheme on the
-    CPU)."""
-    return backend.name.startswith("triton") and backend.device.type == "cpu"
-
-
 def _inputs(name, dtype, interpreter=False, shapes=INTERPRETER_SHAPES):
     """(q, c or None, op keyword arguments) of a case, drawn from the case's own generator; with `interpreter` in
     its `shapes` shape where it has one."""
@@ -177,7 +171,7 @@ def _check(backend, q, c, kwargs, what, magnitude=None):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_against_oracle(backend, name, dtype):
-    q, c, kwargs = _inputs(name, dtype, interpreted(backend))
+    q, c, kwargs = _inputs(name, dtype, backend.interpreted)
     _check(backend, q, c, kwargs, name)
 
 
@@ -269,7 +263,7 @@ def test_more_rows_than_one_block_of_the_torch_backend(backend, monkeypatch):
     of the budget's 2050 rows (2046 + 4) as 128 + 2 of 130 rows, the budget shrunk to 128 rows of 130 columns
     (common.CHUNK_ELEMENTS, read at each call; 2050 rows cost seconds for the same walk); "torch-row-blocks" keeps
     its budget of a few elements (blocks of one row)."""
-    if interpreted(backend):
+    if backend.interpreted:
         pytest.skip("about 30 s in the Triton interpreter (33 x 33 tiles of 64 x 64; the dense scheme's 129 blocks "
                     "of 16 rows): runs when compiled")
     if backend.name == "torch-mixed":
@@ -483,7 +477,7 @@ def _dims_inputs(name, dtype, interpreter=False):
 @pytest.mark.parametrize("name", sorted(DIMS_CASES))
 def test_dims_against_oracle(backend, name, dtype):
     skip_unless_feature(backend, "similarity_xent", "dims")
-    q, c, kwargs = _dims_inputs(name, dtype, interpreted(backend))
+    q, c, kwargs = _dims_inputs(name, dtype, backend.interpreted)
     _check(backend, q, c, kwargs, f"{name} dims={kwargs['dims']}")
 
 
