@@ -10,6 +10,7 @@ cores)."""
 
 from __future__ import annotations
 
+import getpass
 import importlib.util
 import json
 import os
@@ -17,6 +18,7 @@ import queue
 import re
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,9 +35,10 @@ BLOCK_SECONDS = 600  # a block's time limit (SIGALRM ends its process)
 # The server: imports the modules named on its command line, then forks one process per request line ({"code",
 # "folder"}) and answers each with the process's exit status. The process runs the block as `python -c` would (as
 # __main__, in a fresh namespace, the folder its working directory, its output in stdout.txt and stderr.txt there)
-# and exits as an interpreter does: atexit handlers run, an uncaught exception prints its traceback and exits 1.
+# and exits as an interpreter does: atexit handlers run, an uncaught exception prints its traceback and exits 1. Its
+# temporary files go to tmp/ in that folder (TMPDIR).
 SERVER = r"""
-import atexit, builtins, importlib, json, os, signal, sys, traceback
+import atexit, builtins, importlib, json, os, signal, sys, tempfile, traceback
 for name in sys.argv[1:]:
     try:
         importlib.import_module(name)
@@ -44,6 +47,8 @@ for name in sys.argv[1:]:
 
 def run_block(request):
     os.chdir(request["folder"])
+    os.mkdir("tmp")  # the block's temporary files (tempfile's folder), which it must not leave behind
+    os.environ["TMPDIR"], tempfile.tempdir = os.path.abspath("tmp"), None
     for fd, name in ((1, "stdout.txt"), (2, "stderr.txt")):
         target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
@@ -108,8 +113,12 @@ class _Server:
         # TORCHINDUCTOR_COMPILE_THREADS=1: the torch.compile block's C++ kernels are compiled in its own process
         # (the same code, built one after another) rather than by a pool of compile workers, each an interpreter
         # importing torch and inductor first: ~6 s of CPU less of the ~45 s its compile costs on two busy cores
+        # TORCHINDUCTOR_CACHE_DIR: torch.compile's cache stays where the session's other compiles keep it (inductor's
+        # default, in the temporary folder the blocks no longer share), not in a block's tmp/
+        inductor_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT),
-                   TORCHINDUCTOR_COMPILE_THREADS="1")
+                   TORCHINDUCTOR_COMPILE_THREADS="1",
+                   TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR", inductor_cache))
         modules = sorted({m for code in BLOCKS for m in _imported(code) if importlib.util.find_spec(m) is not None})
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER, *modules], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
@@ -119,8 +128,10 @@ class _Server:
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
         assert answer, f"the block server ended (exit status {self.proc.wait()})"
-        return subprocess.CompletedProcess(code, int(answer), (folder / "stdout.txt").read_text(),
-                                           (folder / "stderr.txt").read_text())
+        result = subprocess.CompletedProcess(code, int(answer), (folder / "stdout.txt").read_text(),
+                                             (folder / "stderr.txt").read_text())
+        result.temporary_files_left = sorted(path.name for path in (folder / "tmp").iterdir())
+        return result
 
     def close(self):
         # idle between requests (each block's process has ended): nothing of it is lost by ending it at once,
@@ -175,3 +186,5 @@ def test_readme_block_runs(index, block_run):
     result = block_run(index)
     assert result.returncode == 0, f"README block {index} failed:\n{code}\n--- stderr ---\n{result.stderr[-4000:]}"
     assert result.stdout.strip(), f"README block {index} prints nothing: a quickstart shows what it computes\n{code}"
+    assert not result.temporary_files_left, (f"README block {index} leaves {result.temporary_files_left} in the "
+                                             f"temporary folder: a quickstart cleans up after itself\n{code}")
