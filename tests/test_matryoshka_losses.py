@@ -99,6 +99,32 @@ def test_against_the_oracle_of_the_truncated_losses(backend, name, dtype):
                          f"{name} {dtype}", device=backend.device)
 
 
+def test_the_interpreted_draws_give_the_binary_cases_both_labels(monkeypatch):
+    """_draw's interpreted size (4 pairs) is small enough that a seed could draw one label only, which would leave a
+    binary case (the in-batch-negative term's positives and negatives) half tested: every binary case meets both
+    labels in every dtype, with the seeds test_against_the_oracle_of_the_truncated_losses draws them with."""
+    drawn = []
+    zigzag = Draw.zigzag
+
+    def recorded(self, binary=False):
+        labels, embeddings = zigzag(self, binary)
+        if binary:
+            drawn.append(labels)
+        return labels, embeddings
+
+    monkeypatch.setattr(Draw, "zigzag", recorded)
+    checked = set()
+    for name, (_, make) in CASES.items():
+        for dtype in DTYPES:
+            drawn.clear()
+            make(_draw(generator("matryoshka", name, dtype), dtype, interpreted=True),
+                 dict(dims=INTERPRETED_DIMS, dim_weights=INTERPRETED_WEIGHTS))
+            for labels in drawn:
+                assert set(labels.tolist()) == {0.0, 1.0}, (name, dtype, labels)
+                checked.add(name)
+    assert {"in_batch_negative_loss", "AngleLoss_A"} <= checked, checked
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_weights_that_are_all_zero_give_a_zero_loss_with_zero_gradients(name):
     """As sentence-transformers' MatryoshkaLoss with every weight 0 (or a step whose sampled dims all weigh 0): a
