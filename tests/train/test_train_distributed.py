@@ -7,7 +7,7 @@ import pytest
 import torch
 from train_helpers import (
     as_torchrun_rank, assert_ranks_match, demo_batch, free_port, graded_or_contrastive_loss, make_encoder, param_grads,
-    rank_of_a_job, run_config, without_curves,
+    rank_of_a_job, run_config,
 )
 
 from angle_kernels.testing.helpers import start_ranks
@@ -26,9 +26,8 @@ MATRYOSHKA = ("--matryoshka-dims", "8", "32", "16", "--matryoshka-weights", "2",
 ESPRESSO = ("--espresso", "--espresso-dim", "8")
 
 
-@pytest.fixture(autouse=True)
-def _no_curves(monkeypatch):
-    without_curves(monkeypatch)  # of the single-process runs here (rank processes are forked without it)
+# the single-process runs here draw no curves.png (rank processes are forked without the fixture)
+pytestmark = pytest.mark.usefixtures("no_curves")
 
 
 def _setup(arch, fmt, flags=()):

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from train_helpers import free_port, make_encoder, rank_of_a_job, run_config, without_curves
+from train_helpers import free_port, make_encoder, rank_of_a_job, run_config
 
 from angle_kernels.testing.helpers import start_ranks
 from angle_train.checkpoint import (MANIFEST_FILE, Position, checkpoint_path, checkpoint_problem, checkpoint_to_resume,
@@ -24,9 +24,8 @@ from angle_train.safe_loading import UnsafeCheckpointError
 pytest.importorskip("torch.distributed.fsdp")
 
 
-@pytest.fixture(autouse=True)
-def _no_curves(monkeypatch):
-    without_curves(monkeypatch)  # of the single-process runs here (rank processes are forked without it)
+# the single-process runs here draw no curves.png (rank processes are forked without the fixture)
+pytestmark = pytest.mark.usefixtures("no_curves")
 
 
 def _config(out_dir, **settings):

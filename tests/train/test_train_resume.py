@@ -11,7 +11,7 @@ import shutil
 import numpy
 import pytest
 import torch
-from train_helpers import make_encoder, run_config, version_1_epoch_batches, without_curves
+from train_helpers import make_encoder, run_config, version_1_epoch_batches
 
 from angle_train.checkpoint import (
     Position, checkpoint_path, checkpoint_problem, load_checkpoint, save_checkpoint, write_manifest,
@@ -37,9 +37,7 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _no_curves(monkeypatch):
-    without_curves(monkeypatch)
+pytestmark = pytest.mark.usefixtures("no_curves")
 
 
 def _config(out, **overrides):
