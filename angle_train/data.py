@@ -648,6 +648,8 @@ def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dic
     detected_at = None if fmt else where
     fmt = fmt or detect_format(names, where, dataset.column_names)
     check_format_columns(names, fmt, where, detected_at)
+    if fmt == "A":
+        check_class_label(dataset.features.get(names["label"]), where, names["label"])
     # only the columns the format reads, a block of rows at a time: row by row, every column of every row was
     # decoded (an audio or image column the run never reads needed its decoder, and failed without it), and a million
     # pairs took 13.0 s to read where they take 8.5
@@ -658,6 +660,46 @@ def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dic
                      for i, values in enumerate(zip(*(block[column] for column in read)))]
         start += len(block[read[0]])
     return examples, fmt
+
+
+# A class name that says "not similar" (not_entailment, not_duplicate, non-paraphrase, no): where it is class 1 of a
+# two-class label, the label's 1 marks the pairs that are not similar
+NEGATED_CLASS = re.compile(r"^(not|non|no)([_\-\s]|$)", re.IGNORECASE)
+
+
+def check_class_label(feature, where: str, column: str) -> None:
+    """Refuse a format-A label column that is a Hugging Face ClassLabel whose class numbers are no similarity score:
+    the rows hold each class's number (0, 1, 2...), which was trained and evaluated as the pair's score in silence.
+    NLI's (entailment, neutral, contradiction) made entailment the least similar and contradiction the most, and
+    GLUE RTE's (entailment, not_entailment) gave the in-batch-negative term its non-entailed pairs as the positives.
+    Accepted: classes named by their own numbers ("0" .. "5"), and two classes whose 1 does not name a negation
+    (MRPC's not_equivalent / equivalent, QQP's not_duplicate / duplicate: 1 is the similar pair)."""
+    try:
+        from datasets import ClassLabel
+    except ImportError:  # pragma: no cover - a dataset was read, so datasets is there
+        return
+    if not isinstance(feature, ClassLabel):
+        return
+    classes = list(feature.names)
+    if all(_number_or_none(name) == index for index, name in enumerate(classes)):
+        return
+    what = "label" if column == "label" else f"label ({column!r})"
+    listed = ", ".join(f"{index} = {name}" for index, name in enumerate(classes))
+    if len(classes) > 2:
+        raise DataError(f"{where}: {what} is a ClassLabel of {len(classes)} classes ({listed}): categories, whose "
+                        "numbers are no similarity score; turn them into scores first (e.g. dataset.map to a float "
+                        "column), or NLI classes into (query, positive, negative) triples (format C)")
+    if len(classes) == 2 and NEGATED_CLASS.match(classes[1]):
+        raise DataError(f"{where}: {what} is a ClassLabel ({listed}) whose class 1 names the pairs that are not "
+                        f"similar, while a 0/1 label's 1 marks a similar pair; flip it first (e.g. dataset.map "
+                        "label = 1 - label to a float column)")
+
+
+def _number_or_none(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 # Rows read_hf_dataset decodes at once: the transient lists of one block

@@ -565,3 +565,30 @@ def test_a_split_is_refused_naming_its_flag_where_the_saved_dataset_has_no_such_
                                             r"\(Unknown split \"validation\". Should be one of \['train', "
                                             r"'test'\]\.\)$"):
             read_dev_data("someone/pairs", "validation")
+
+
+@pytest.mark.parametrize("classes, refused", [
+    (["entailment", "neutral", "contradiction"], r"label is a ClassLabel of 3 classes \(0 = entailment, 1 = neutral, "
+                                                 r"2 = contradiction\): categories, whose numbers are no similarity"),
+    (["entailment", "not_entailment"], r"label is a ClassLabel \(0 = entailment, 1 = not_entailment\) whose class 1 "
+                                       r"names the pairs that are not similar"),
+    (["not_equivalent", "equivalent"], None),
+    (["0", "1", "2"], None),
+])
+def test_a_hf_class_label_is_read_as_a_score_only_where_its_numbers_are_one(tmp_path, classes, refused):
+    """A format-A label column that is a ClassLabel holds each class's number: NLI's classes were trained as graded
+    scores with contradiction the most similar, and RTE's not_entailment as the similar pair of a 0/1 label, in
+    silence. Classes named by their numbers, and two whose 1 is the similar pair (MRPC, QQP), are read as before."""
+    datasets = pytest.importorskip("datasets")
+    folder = str(tmp_path / "ds")
+    features = datasets.Features({"text1": datasets.Value("string"), "text2": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=classes)})
+    labels = [index % len(classes) for index in range(4)]
+    datasets.Dataset.from_dict({"text1": list("abcd"), "text2": list("efgh"), "label": labels},
+                               features=features).save_to_disk(folder)
+    if refused:
+        with pytest.raises(DataError, match=rf"ds \[train\]: {refused}"):
+            load_examples(folder)
+    else:
+        examples, fmt = load_examples(folder)
+        assert fmt == "A" and [example.label for example in examples] == labels
