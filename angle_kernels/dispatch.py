@@ -449,6 +449,9 @@ def check_backend(backend: str | None) -> str | None:
 def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
     """Return the Ops of the backend that computes ops on `tensors` (see the module docstring)."""
     name = _requested_name(requested)
+    if not tensors:  # the backend depends on where the inputs are: the choice cannot be made without them
+        raise TypeError("resolve_backend(requested, *tensors) takes the tensors the ops will compute on (their "
+                        f"device decides the backend), e.g. resolve_backend({name!r}, embeddings); got none")
     on_cuda = getattr(tensors[0], "is_cuda", None)
     if on_cuda is None:
         raise TypeError(f"the ops take torch.Tensors, got {type(tensors[0]).__name__}")

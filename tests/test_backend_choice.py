@@ -136,6 +136,13 @@ def test_auto_on_cpu_tensors_is_torch_without_probing_or_warning(backends):
     assert backends.triton.calls == [] and backends.cuda.calls == []
 
 
+def test_resolve_backend_without_tensors_says_it_needs_them():
+    """The README's way to ask which backend computes a call starts from resolve_backend(requested, *tensors): called
+    without the tensors, whose device decides, it says so rather than failing on an empty tuple's index."""
+    with pytest.raises(TypeError, match=r"takes the tensors the ops will compute on .* got none"):
+        dispatch.resolve_backend("auto")
+
+
 def test_auto_on_cuda_computes_with_torch_until_a_gpu_backend_is_verified(backends):
     """Triton loads and implements every op, but nothing has passed on this GPU: every call is torch's, with one
     warning per process naming why and how to verify."""
