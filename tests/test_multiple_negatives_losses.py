@@ -339,6 +339,15 @@ def test_gist_refuses_negatives_without_guide_embeddings():
         ak.gist_loss(model_side[0], model_side[1], guide[0], guide[1], margin_strategy="percent")
 
 
+def test_gist_names_the_guide_on_another_device():
+    """A guide model on another device than the model (its embeddings stay on its device): refused naming
+    guide_anchors and the anchors, not the op's filter arguments ('meta' stands in for the other device)."""
+    model_side, guide, _ = _gist_inputs("relative_one_negative", torch.float64)
+    with pytest.raises(ValueError, match=r"^anchors is on cpu but guide_anchors is on meta: all inputs must be on one"):
+        ak.gist_loss(model_side[0], model_side[1], guide[0].to("meta"), guide[1].to("meta"), model_side[2:],
+                     [t.to("meta") for t in guide[2:]])
+
+
 def test_gist_names_the_guide_tensor_of_the_wrong_size():
     """A guide tensor with the wrong number of rows is the one the error names: guide_anchors against the anchors,
     the guide's other tensors against guide_anchors."""

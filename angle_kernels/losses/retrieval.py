@@ -33,6 +33,7 @@ from ..inputs import (
     check_embedding_group,
     check_flag,
     check_multiple_negatives,
+    check_same_device,
     check_same_shape,
     check_scalar,
     check_scale,
@@ -168,6 +169,9 @@ def gist_loss(
         def check_this_ranks() -> None:
             check_embedding_group(("anchors", anchors), *named)
             check_embedding_group(("guide_anchors", guide_anchors), *guide_named)
+            # a guide model on another device than the model (its embeddings stay there): named here, not as the
+            # op's filter arguments
+            check_same_device(("anchors", anchors), ("guide_anchors", guide_anchors))
             for name, t in named:
                 check_same_shape("anchors", anchors, name, t)
             # the guide's anchors against the model's first, so that a guide tensor of the wrong size is the one named
