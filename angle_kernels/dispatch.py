@@ -473,21 +473,24 @@ def resolve_backend(requested: str | None, *tensors: torch.Tensor) -> Ops:
             _auto_ops[key] = AutoOps(candidates, reasons)
         return _auto_ops[key]
 
+    # a refusal names where the backend came from: a variable exported for GPU jobs also reaches CPU runs, which
+    # pass no backend argument to look for
+    asked = f"backend {name!r}" + ("" if requested is not None else f" (from {_ENV_VAR})")
     if name == "cuda" and not on_cuda:
-        raise ValueError("backend 'cuda' needs CUDA tensors; the inputs are on " f"{tensors[0].device}")
+        raise ValueError(f"{asked} needs CUDA tensors; the inputs are on {tensors[0].device}")
     if name == "triton" and importlib.util.find_spec("triton") is None:  # no setting helps: say what to install
-        raise RuntimeError("backend 'triton' needs the triton package, which is not installed: pip install "
+        raise RuntimeError(f"{asked} needs the triton package, which is not installed: pip install "
                            "'angle_kernels[triton]' (a CUDA build of torch brings it), or use backend='torch'")
     if name == "triton" and not on_cuda and not triton_interpreting():
         raise ValueError(
-            "backend 'triton' on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
+            f"{asked} on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
             "before importing triton, or use backend='torch'"
         )
     if name == "torch" and on_cuda:
         return _TORCH_ON_GPU
     ops, why = _load(name, allow_build=True)
     if ops is None:
-        raise RuntimeError(f"backend {name!r} is not available here: {why}")
+        raise RuntimeError(f"{asked} is not available here: {why}")
     return ops
 
 

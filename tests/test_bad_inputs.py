@@ -456,6 +456,21 @@ def test_triton_backend_on_cpu_without_interpreter_raises(ak, gen, monkeypatch):
         ak.cosine_loss(y, x, backend="triton")
 
 
+def test_a_gpu_backend_from_the_variable_is_refused_naming_the_variable(ak, gen, monkeypatch):
+    """ANGLE_KERNELS_BACKEND exported for GPU jobs reaches a CPU run that passes no backend argument: the refusal
+    names the variable, and a backend argument's refusal names only the argument."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, y = randn(gen, 6, 8), zigzag_labels(gen, 3, "binary")
+    monkeypatch.setenv("ANGLE_KERNELS_BACKEND", "cuda")
+    with pytest.raises(ValueError, match=r"^backend 'cuda' \(from ANGLE_KERNELS_BACKEND\) needs CUDA tensors"):
+        ak.cosine_loss(y, x)
+    with pytest.raises(ValueError, match=r"^backend 'cuda' needs CUDA tensors"):
+        ak.cosine_loss(y, x, backend="cuda")
+    monkeypatch.setenv("ANGLE_KERNELS_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"^backend 'triton' \(from ANGLE_KERNELS_BACKEND\) on CPU tensors"):
+        ak.multiple_negatives_ranking_loss(x, x)
+
+
 # --------------------------------------------------------------------------------------------------------
 # switching the value checks off
 # --------------------------------------------------------------------------------------------------------
