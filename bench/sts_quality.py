@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -157,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     text = harness.json_text(results, indent=2)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        harness.write_text_atomic(Path(args.out), text + "\n")
     if len(impls) == 2:
         print(f"before {results['before']:.4f} | angle_kernels {results['angle_kernels']['after']:.4f} | reference "
               f"{results['reference']['after']:.4f} | |diff| {results['abs_diff']:.4f}")

@@ -696,3 +696,22 @@ def test_the_plot_title_wraps_to_a_narrow_figure(tmp_path, monkeypatch):
     assert max(len(line) for line in title.splitlines()) <= 12 * figures[0].get_figwidth()
     monkeypatch.undo()
     plt.close(figures[0])
+
+
+def test_a_plot_killed_mid_write_leaves_the_previous_plot_whole(tmp_path, monkeypatch):
+    """plot.png was written in place, unlike table.md and results.json: a sweep killed while matplotlib wrote it left
+    half a png over the previous row's whole one."""
+    from matplotlib.figure import Figure
+
+    def killed_mid_write(self, fname, **kwargs):
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    previous = tmp_path / "plot.png"
+    previous.write_bytes(b"the previous row's plot")
+    monkeypatch.setattr(Figure, "savefig", killed_mid_write)
+    args = bench_losses.parse_args(["--losses", "cosine", "--n", "16", "--d", "8", "--device", "cpu"])
+    env = {"torch": torch.__version__, "threads": 2, "cpu": "a CPU"}
+    with pytest.raises(KeyboardInterrupt):
+        loss_sweep.plot([_ok_row("cosine", 16, "ours-torch", "ours", 0.001)], args, [LOSSES["cosine"]], env, previous)
+    assert previous.read_bytes() == b"the previous row's plot"
