@@ -1522,6 +1522,8 @@ def parse_args(argv):
         p.error("--reps must be at least 1 and --warmup-runs at least 0")
     if args.pack_width < 1 or (args.time_budget is not None and args.time_budget <= 0):
         p.error("--pack-width and --time-budget must be positive")
+    if not args.run_timeout > 0:  # 0 killed every run at its start: a table of failed runs, and exit status 0
+        p.error(f"--run-timeout must be more than 0 seconds, got {args.run_timeout:g}")
     if args.gpu:
         table = GPU_SMOKE_SETTINGS if args.smoke else GPU_SETTINGS
     else:

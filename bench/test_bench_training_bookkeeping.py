@@ -487,14 +487,16 @@ def test_a_step_log_counts_only_when_it_has_every_step(tmp_path):
 
 def test_the_command_line_defaults_and_refusals():
     """Three repetitions by default (one for --smoke); a CPU --smoke run warms up nothing, a --gpu --smoke one once;
-    S1 must be below S2 and a token budget at least 1."""
+    S1 must be below S2, a token budget at least 1 and --run-timeout above 0 (0 killed every run as it started, and
+    the command exited 0 with a table of failed runs)."""
     _, args = bt.parse_args([])
     assert args.reps == 3 and args.warmup_runs == 1 and args.steps == (2, 6)
     _, smoke = bt.parse_args(["--smoke"])
     assert smoke.reps == 1 and smoke.warmup_runs == 0
     _, gpu_smoke = bt.parse_args(["--smoke", "--gpu", "--device", "cpu"])
     assert gpu_smoke.warmup_runs == 1
-    for argv in (["--steps", "3,3"], ["--token-budget", "cached256=0"]):
+    for argv in (["--steps", "3,3"], ["--token-budget", "cached256=0"], ["--run-timeout", "0"],
+                 ["--run-timeout", "-5"], ["--run-timeout", "nan"]):
         with pytest.raises(SystemExit):
             bt.parse_args(argv)
 
