@@ -10,7 +10,8 @@ used unless overridden), or a hub name / local folder of a Hugging Face model (p
 its sentence-transformers files say, else the encoder default; the choice is printed), or a local folder of a LoRA
 adapter (peft's adapter_config.json: angle-train's final/adapter, or an adapter angle-emb trained on an LLM), which
 is applied to the base model its adapter_config.json names, or to --base-model (as angle-emb's pretrained_lora_path
-on a model). --base-model also names the base of an adapter-only export (a LoRA run's best/) kept elsewhere. The
+on a model); a run's final/adapter with the pooling, attention and prompts its export (final/angle_train.json)
+records. --base-model also names the base of an adapter-only export (a LoRA run's best/) kept elsewhere. The
 device is --device, else CUDA when there is one, as for angle-train. Each PATH is read in the layout it is
 distributed in:
 
@@ -591,16 +592,22 @@ def load_model(model: str, *, pooling: str | None = None, device: str | torch.de
     """(encoder, tokenizer, settings) for an angle_train export, a Hugging Face model or a LoRA adapter folder (on
     adapter_base's base model); the pooling `pooling`, else the export's, else the model folder's own
     (models.load_encoder); encoder.pooling_source says which."""
-    from .export import META_FILE, load_pretrained
+    from .export import META_FILE, adapter_export_meta, load_pretrained
     from .models import load_encoder
 
     base = adapter_base(model, base_model)
-    if os.path.isfile(os.path.join(model, META_FILE)):
-        encoder, tokenizer, meta = load_pretrained(model, device=device, pooling=pooling, base_model=base_model)
-        encoder.pooling_source = f"the export's {META_FILE}" if pooling is None else "--pooling"
+    # a LoRA run's final/adapter: peft's files alone, embedding as trained only with the export's settings around it
+    export_meta = adapter_export_meta(model) if base is not None else None
+    if base is not None:
+        print(f"angle-eval: the LoRA adapter {model} on its base model {base}"
+              + (f", with its export's pooling, attention and prompts ({export_meta})" if export_meta else ""),
+              file=sys.stderr, flush=True)
+    if os.path.isfile(os.path.join(model, META_FILE)) or export_meta:
+        encoder, tokenizer, meta = load_pretrained(model, device=device, pooling=pooling,
+                                                   base_model=base if export_meta else base_model)
+        encoder.pooling_source = f"the export's {export_meta or META_FILE}" if pooling is None else "--pooling"
         return encoder, tokenizer, meta
     if base is not None:
-        print(f"angle-eval: the LoRA adapter {model} on its base model {base}", file=sys.stderr, flush=True)
         encoder, tokenizer = load_encoder(base, pooling=pooling, device=device, lora_path=model)
         return encoder, tokenizer, {}
     encoder, tokenizer = load_encoder(model, pooling=pooling, device=device)

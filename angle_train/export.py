@@ -47,7 +47,7 @@ import shutil
 from . import st_folder
 from .st_folder import META_FILE
 from .data import prompt_prefix
-from .models import ADAPTER_CONFIG, absolute_if_local, position_limit
+from .models import ADAPTER_CONFIG, ADAPTER_FOLDER, absolute_if_local, adapter_export_meta, position_limit
 
 ST_POOLING_KEYS = st_folder.POOLING_KEYS
 CARD_FILE = "README.md"
@@ -117,8 +117,8 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
         _record_local_base(path, base_model)
     else:
         if is_peft_model(backbone):
-            backbone.save_pretrained(os.path.join(path, "adapter"))
-            _record_local_base(os.path.join(path, "adapter"), base_model)
+            backbone.save_pretrained(os.path.join(path, ADAPTER_FOLDER))
+            _record_local_base(os.path.join(path, ADAPTER_FOLDER), base_model)
             if merge_in_place:
                 backbone = encoder.backbone = backbone.merge_and_unload()
             else:
@@ -215,7 +215,7 @@ def _clear_earlier_export(path: str) -> None:
     except (OSError, ValueError):  # no modules.json, or a damaged one
         folders = []
     inside = os.path.realpath(path) + os.sep
-    for name in (st_folder.MODULES_FILE, st_folder.SETTINGS_FILE, st_folder.CONFIG_FILE, CARD_FILE, "adapter",
+    for name in (st_folder.MODULES_FILE, st_folder.SETTINGS_FILE, st_folder.CONFIG_FILE, CARD_FILE, ADAPTER_FOLDER,
                  "1_Pooling", *folders):
         target = os.path.join(path, name)
         if not os.path.realpath(target).startswith(inside):  # a module path reaching out of the folder
@@ -295,25 +295,29 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
 
 
 def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, pooling: str | None = None, **kwargs):
-    """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only); `pooling`
-    replaces the export's (meta keeps the export's own)."""
+    """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only), or from the
+    adapter/ folder of a whole-model LoRA export, applied to its base model with the export's settings (meta: the
+    export's); `pooling` replaces the export's (meta keeps the export's own)."""
     from .models import export_pooling, export_prompts, load_encoder, recorded_base
     from .preflight import check_model_folder
 
-    if not os.path.isfile(os.path.join(path, META_FILE)):
+    export_meta_file = adapter_export_meta(path)
+    meta_file = export_meta_file or os.path.join(path, META_FILE)
+    if not os.path.isfile(meta_file):
         check_model_folder(path, "load_pretrained:")  # a run's output folder: named, with the models it holds
-    with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
+    with open(meta_file, encoding="utf-8") as f:
         meta = json.load(f)
-    pooling = pooling or export_pooling(os.path.join(path, META_FILE), meta["pooling"])
+    pooling = pooling or export_pooling(meta_file, meta["pooling"])
     bidirectional = meta.get("bidirectional", False)
-    if meta.get("adapter_only"):
+    if meta.get("adapter_only") or export_meta_file:
         base = base_model or meta.get("base_model")
         if base is None:
             raise ValueError(f"{path} holds only a LoRA adapter; pass base_model= (the model it was trained on)")
         if base.startswith("builtin:"):
             raise ValueError("an adapter trained on a built-in random model cannot be reloaded without its base")
         if base_model is None:
-            base = recorded_base(base, adapter=path, record=f"its {META_FILE}'s base_model",
+            record = f"{export_meta_file}'s base_model" if export_meta_file else f"its {META_FILE}'s base_model"
+            base = recorded_base(base, adapter=path, record=record,
                                  remedy="pass base_model= (the model it was trained on)")
         encoder, tokenizer = load_encoder(base, pooling=pooling, lora_path=path, device=device,
                                           is_decoder=meta["is_decoder"], bidirectional=bidirectional, **kwargs)

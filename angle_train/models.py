@@ -645,6 +645,8 @@ def lowercase_first(tokenizer) -> None:
 
 # peft's record of an adapter: its LoRA settings and the base model it was trained on (base_model_name_or_path)
 ADAPTER_CONFIG = "adapter_config.json"
+# the folder of a whole-model LoRA export that holds its adapter alone (peft's files), beside the merged weights
+ADAPTER_FOLDER = "adapter"
 
 
 class AdapterFitError(ValueError):
@@ -743,6 +745,27 @@ def adapter_config_base(adapter_folder: str, *, label: str, flag: str) -> str:
                          f"the model it was trained on with {flag}")
     return recorded_base(base, adapter=adapter_folder, label=label, remedy=f"give the base with {flag}",
                          record=f"its {ADAPTER_CONFIG}'s base_model_name_or_path")
+
+
+def adapter_export_meta(folder: str) -> str | None:
+    """The angle_train.json of the whole-model LoRA export whose adapter alone `folder` is (a LoRA run's
+    final/adapter: peft's files, with nothing of how the run embedded texts), which records the pooling, attention,
+    prompts and length the adapter was trained with; None for any other folder."""
+    meta_file = os.path.normpath(os.path.join(folder, os.pardir, st_folder.META_FILE))
+    own_meta = os.path.join(folder, st_folder.META_FILE)  # an adapter-only export: its own settings
+    if (os.path.basename(os.path.abspath(folder)) != ADAPTER_FOLDER or os.path.isfile(own_meta)
+            or not os.path.isfile(os.path.join(folder, ADAPTER_CONFIG)) or not os.path.isfile(meta_file)):
+        return None
+    meta = st_folder.read_json(meta_file)
+    return meta_file if meta.get("lora") and not meta.get("adapter_only") else None
+
+
+def adapter_settings_file(lora_path: str) -> str | None:
+    """The angle_train.json that records how the adapter in `lora_path` embedded texts in training (pooling, attention,
+    prompts): its own (an adapter-only export, a LoRA run's best/) or its export's (final/adapter:
+    adapter_export_meta); None for an adapter angle_train did not export (angle-emb's, peft's)."""
+    own = os.path.join(lora_path, st_folder.META_FILE)
+    return own if os.path.isfile(own) else adapter_export_meta(lora_path)
 
 
 def attach_adapter(backbone: nn.Module, lora_path: str, *, dropout: float | None = None) -> nn.Module:

@@ -60,8 +60,8 @@ from .evaluate import (
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
     ADAPTER_CONFIG, PEFT_LORA_DROPOUT, AdapterFitError, LoraSettings, LoraTargetError, absolute_if_local,
-    adapted_layer_names, attach_adapter, load_encoder, own_bidirectional, own_prompts, past_trained_context_note,
-    position_limit, prepare_tokenizer, read_adapter_config, wrap_backbone,
+    adapted_layer_names, adapter_settings_file, attach_adapter, export_pooling, load_encoder, own_bidirectional,
+    own_prompts, past_trained_context_note, position_limit, prepare_tokenizer, read_adapter_config, wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -370,15 +370,21 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
+    # the export whose angle_train.json records how the model embeds: --model's, or that of an adapter angle_train
+    # exported (--lora-path best/ or final/adapter), trained with its pooling, attention and prompts (_build_encoder)
+    lora_settings = adapter_settings_file(cfg.lora_path) if model is None and cfg.lora_path else None
+    settings_folder = os.path.dirname(lora_settings) or os.curdir if lora_settings else cfg.model
+    settings_file = f"the adapter's {lora_settings}" if lora_settings else f"the model folder's {st_folder.META_FILE}"
+    prompts_record = lora_settings or f"{cfg.model}'s {st_folder.META_FILE}"
     # an export trained with bidirectional attention trains so again, as its pooling is kept: without the flag its
     # causal mask came back in silence (step 0's dev score fell from the export's own); recorded in cfg
-    folders_attention = model is None and not cfg.bidirectional and own_bidirectional(cfg.model)
+    folders_attention = model is None and not cfg.bidirectional and own_bidirectional(settings_folder)
     if folders_attention:
         cfg.bidirectional = True
     # an export's prompts are not taken over (a run may want others) but said where the run gives none: trained from it
     # without them, a model learns bare texts where it had learned prompted ones
     gives_prompts = any(getattr(cfg, name) is not None for name in PROMPT_SETTINGS.values())
-    folders_prompt_flags = "" if model is not None or gives_prompts else prompt_flags(own_prompts(cfg.model))
+    folders_prompt_flags = "" if model is not None or gives_prompts else prompt_flags(own_prompts(settings_folder))
     encoder, tokenizer = build_encoder(cfg, device) if model is None else (model[0].to(device), model[1])
     encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
     # before --fsdp shards the weights; on the main process, which prints it
@@ -484,7 +490,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
               f"{batch_items(fmt)} | "
               f"{describe_passes(cfg)} ({real_share:.0%} of "
               f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
-              + ("bidirectional attention (the model folder's angle_train.json) | " if folders_attention else "") +
+              + (f"bidirectional attention ({settings_file}) | " if folders_attention else "") +
               f"{dist_info.world_size} process(es) on {device} | "
               f"loss: {loss_description(cfg, fmt, loss_name, encoder.embedding_dim)}", flush=True)
         if note := max_steps_note(cfg, len(items), dist_info.world_size):
@@ -529,7 +535,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         if dev_size_note:
             print(dev_size_note, flush=True)
         if folders_prompt_flags:
-            print(f"angle_train: note: {cfg.model}'s {st_folder.META_FILE} records the prompts it was trained with "
+            print(f"angle_train: note: {prompts_record} records the prompts it was trained with "
                   f"({folders_prompt_flags}); this run gives no --prompt, --query-prompt or --doc-prompt and "
                   "trains without them: give those flags to keep them", flush=True)
         if resume_from:
@@ -806,6 +812,18 @@ def build_encoder(cfg: TrainConfig, device: torch.device):
 
 def _build_encoder(cfg: TrainConfig, device: torch.device):
     autocast = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None
+    # an adapter angle_train exported pools as it was trained (its export's angle_train.json), not by --model's default
+    lora_settings = adapter_settings_file(cfg.lora_path) if cfg.lora_path and cfg.pooling is None else None
+    pooling = cfg.pooling
+    if lora_settings:
+        pooling = export_pooling(lora_settings, st_folder.read_json(lora_settings).get("pooling"))
+    encoder, tokenizer = _load_backbone(cfg, device, pooling=pooling, autocast=autocast)
+    if lora_settings and pooling:
+        encoder.pooling_source = f"the adapter's {lora_settings}"
+    return encoder, tokenizer
+
+
+def _load_backbone(cfg: TrainConfig, device: torch.device, *, pooling: str | None, autocast: str | None):
     lora = LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets or None) \
         if cfg.lora and not cfg.lora_path else None  # an adapter given is attached as it was trained
     if cfg.model in BUILTIN_MODELS:
@@ -814,11 +832,11 @@ def _build_encoder(cfg: TrainConfig, device: torch.device):
         backbone = build_backbone(cfg.model, len(tokenizer), seed=cfg.seed).to(DTYPES[cfg.model_dtype])
         if cfg.lora_path:
             backbone = attach_adapter(backbone, cfg.lora_path, dropout=cfg.lora_dropout)
-        encoder = wrap_backbone(backbone, pooling=cfg.pooling, pad_token_id=tokenizer.pad_token_id,
+        encoder = wrap_backbone(backbone, pooling=pooling, pad_token_id=tokenizer.pad_token_id,
                                 is_decoder=is_decoder, lora=lora, gradient_checkpointing=cfg.gradient_checkpointing,
                                 autocast=autocast, bidirectional=cfg.bidirectional)
         return encoder.to(device), tokenizer
-    return load_encoder(cfg.model, pooling=cfg.pooling, lora=lora, lora_path=cfg.lora_path,
+    return load_encoder(cfg.model, pooling=pooling, lora=lora, lora_path=cfg.lora_path,
                         lora_dropout=cfg.lora_dropout if cfg.lora_path else None,
                         gradient_checkpointing=cfg.gradient_checkpointing, autocast=autocast,
                         dtype=DTYPES[cfg.model_dtype], device=device, bidirectional=cfg.bidirectional)

@@ -29,6 +29,34 @@ def causal_lm(folder, *, layers: int = 2) -> str:
     return str(folder)
 
 
+def pairs_file(folder):
+    """A format-A file of 24 scored pairs in `folder`, for angle-eval."""
+    pairs = folder / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"text1": e.texts[0], "text2": e.texts[1], "label": e.label}) + "\n"
+                             for e in demo_sts_examples(24)), encoding="utf-8")
+    return pairs
+
+
+def lora_export(folder):
+    """(base, final, encoder, tokenizer): a LoRA encoder (non-zero adapter) over a tiny causal LM in folder/base, with
+    mean pooling, bidirectional attention and the AnglE prompt, exported whole to folder/final (the adapter alone in
+    final/adapter), as a LoRA run's final/."""
+    from angle_train.data import ANGLE_PROMPT, Prompts
+    from angle_train.export import save_pretrained
+    from angle_train.models import LoraSettings
+
+    base = causal_lm(folder / "base")
+    encoder, tokenizer = load_encoder(base, pooling="avg", bidirectional=True,
+                                      lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    with torch.no_grad():  # the adapter's B starts at zero: the adapter would change nothing
+        for name, weight in encoder.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(generator=torch.Generator().manual_seed(0))
+    encoder.prompts = Prompts(text=ANGLE_PROMPT)
+    final = save_pretrained(encoder, tokenizer, str(folder / "final"), max_length=16, base_model=base)
+    return base, final, encoder, tokenizer
+
+
 def causal_adapter(base: str, folder, targets="all-linear", seed: int = 1):
     """(the adapter's folder, the causal LM with it): a LoRA adapter with non-zero weights (init_lora_weights=False,
     drawn from `seed`) saved from the LlamaForCausalLM in `base`, as peft saves it: layer names under the LM's
@@ -71,9 +99,7 @@ def test_angle_eval_scores_an_adapter_folder_on_its_base_model(tmp_path, capsys)
     merged = tmp_path / "merged"  # the same model as one folder, the adapter merged into the weights
     model.merge_and_unload().save_pretrained(merged)
     prepare_tokenizer(build_tokenizer(), is_decoder=True).save_pretrained(merged)
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"text1": e.texts[0], "text2": e.texts[1], "label": e.label}) + "\n"
-                             for e in demo_sts_examples(24)), encoding="utf-8")
+    pairs = pairs_file(tmp_path)
     scores = {}
     for name, args in (("adapter", [adapter]), ("merged", [str(merged)]), ("moved", [adapter, "--base-model", base])):
         out = tmp_path / f"{name}.json"
@@ -85,6 +111,54 @@ def test_angle_eval_scores_an_adapter_folder_on_its_base_model(tmp_path, capsys)
         main([str(merged), str(pairs), "--base-model", base])
     assert exit_info.value.code == 2
     assert "--base-model" in capsys.readouterr().err
+
+
+def test_a_lora_exports_adapter_folder_embeds_with_the_exports_pooling_attention_and_prompts(tmp_path, capsys):
+    """A LoRA run's final/adapter holds peft's files alone; angle-eval and load_pretrained apply it with what its
+    export (final/angle_train.json) records, and embed as final/ does. They took it for a bare adapter: the decoder
+    default (last token, causal attention, no prompt) in place of the run's mean pooling, bidirectional attention
+    and AnglE prompt, and scored another model without a word."""
+    from angle_train.export import load_pretrained
+
+    base, final, encoder, tokenizer = lora_export(tmp_path)
+    adapter = str(tmp_path / "final" / "adapter")
+    whole, alone = load_pretrained(final)[0], load_pretrained(adapter)[0]
+    assert (alone.pooling, alone.bidirectional, alone.prompts) == ("avg", True, encoder.prompts)
+    torch.testing.assert_close(alone.encode(TEXTS, tokenizer), whole.encode(TEXTS, tokenizer), rtol=1e-5, atol=1e-5)
+    pairs, scores = pairs_file(tmp_path), {}
+    for name, model in (("final", final), ("adapter", adapter)):
+        out = tmp_path / f"{name}.json"
+        assert main([model, str(pairs), "--json", str(out)]) == 0
+        scores[name] = json.loads(out.read_text())["pairs"]
+    assert scores["adapter"] == pytest.approx(scores["final"], abs=1e-6)
+    err = capsys.readouterr().err
+    assert (f"the LoRA adapter {adapter} on its base model {base}, with its export's pooling, attention and prompts "
+            f"({tmp_path / 'final' / 'angle_train.json'})") in err
+
+
+def test_training_continues_an_exported_adapter_with_its_exports_pooling_and_attention(tmp_path, capsys):
+    """--lora-path to an adapter angle-train exported (final/adapter, or an adapter-only best/) continues it with the
+    pooling and attention its export records, and says the prompts it was trained with, as --model does with an
+    export; the run pooled the last token with causal attention (the decoder defaults) in silence, training the adapter
+    on other embeddings than those it had learned."""
+    from angle_train.export import save_pretrained
+    from angle_train.trainer import build_encoder, train
+    from train_helpers import run_config
+
+    base, final, encoder, tokenizer = lora_export(tmp_path)
+    adapter = str(tmp_path / "final" / "adapter")
+    result = train(run_config(tmp_path / "out", lora=True, lora_path=adapter, max_steps=1, batch_size=4))
+    assert (result.encoder.pooling, result.encoder.bidirectional) == ("avg", True)
+    out, record = capsys.readouterr().out, str(tmp_path / "final" / "angle_train.json")
+    assert f"pooling avg (the adapter's {record}) | bidirectional attention (the adapter's {record})" in out
+    assert f"note: {record} records the prompts it was trained with (--prompt 'Summarize sentence" in out
+    best = save_pretrained(encoder, tokenizer, str(tmp_path / "best"), max_length=16, adapter_only=True,
+                           base_model=base)
+    continued, _ = build_encoder(run_config(tmp_path / "out2", lora=True, lora_path=best), torch.device("cpu"))
+    assert (continued.pooling, continued.pooling_source) == ("avg", f"the adapter's {best}/angle_train.json")
+    given, _ = build_encoder(run_config(tmp_path / "out3", lora=True, lora_path=best, pooling="max"),
+                             torch.device("cpu"))
+    assert given.pooling == "max"  # --pooling still decides
 
 
 def test_angle_eval_finds_a_relative_base_from_the_working_folder_and_names_base_model_elsewhere(
@@ -100,9 +174,7 @@ def test_angle_eval_finds_a_relative_base_from_the_working_folder_and_names_base
     config = json.loads((project / "runs" / "adapter" / ADAPTER_CONFIG).read_text())
     (project / "runs" / "adapter" / ADAPTER_CONFIG).write_text(
         json.dumps({**config, "base_model_name_or_path": "./models/base"}))
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"text1": e.texts[0], "text2": e.texts[1], "label": e.label}) + "\n"
-                             for e in demo_sts_examples(24)), encoding="utf-8")
+    pairs = pairs_file(tmp_path)
     assert main([adapter, str(pairs)]) == 0
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
