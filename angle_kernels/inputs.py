@@ -652,8 +652,8 @@ def check_in_batch_options(directions: tuple[str, ...] | list[str], partition_mo
     if hardness_strength < 0:
         raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
     if hardness_mode is None and hardness_strength > 0:
-        _say_no_effect(f"hardness_strength={hardness_strength:g} has no effect without hardness_mode (None: no "
-                       f"hardness weighting); give one of {tuple(HARDNESS_MODES)}")
+        say_no_effect(f"hardness_strength={hardness_strength:g} has no effect without hardness_mode (None: no "
+                      f"hardness weighting); give one of {tuple(HARDNESS_MODES)}")
     check_choice("similarity", similarity, SIMILARITIES)
     return directions, hardness_strength, check_false_negative_filter(false_negative_margin, false_negative_strategy)
 
@@ -666,15 +666,15 @@ def check_false_negative_filter(false_negative_margin: float | None,
         false_negative_margin = check_scalar("false_negative_margin", false_negative_margin)
     check_choice("false_negative_strategy", false_negative_strategy, MARGIN_STRATEGIES)
     if false_negative_margin is None and false_negative_strategy != MARGIN_STRATEGIES[0]:
-        _say_no_effect(f"false_negative_strategy={false_negative_strategy!r} has no effect without "
-                       "false_negative_margin (None: no false-negative filter)")
+        say_no_effect(f"false_negative_strategy={false_negative_strategy!r} has no effect without "
+                      "false_negative_margin (None: no false-negative filter)")
     return false_negative_margin
 
 
-_said_no_effect: set[str] = set()  # the notes _say_no_effect gave in this process
+_said_no_effect: set[str] = set()  # the notes say_no_effect gave in this process
 
 
-def _say_no_effect(note: str) -> None:
+def say_no_effect(note: str) -> None:
     """A UserWarning that an option does nothing as given, once per process: the options are checked on every call
     of a loss (every training step)."""
     if note not in _said_no_effect:

@@ -35,6 +35,7 @@ from .inputs import (
     check_two_views,
     check_zigzag,
     promote_embeddings,
+    say_no_effect,
 )
 from .losses.angle import AngleSettings, angle_objective_a, angle_objective_b, angle_objective_c
 from .losses.arccse import arccon, triplet
@@ -202,6 +203,7 @@ class AngleLoss(nn.Module):
         # first: outputs, or the first layer of a stack (the values of the others are checked here)
         layers, (first,) = check_layer_stack(layer_weights, ("outputs", outputs))
         settings = self.settings()
+        _note_unused_in_batch_options(settings, self.dataset_format)
         if self.dataset_format == "A":
             row_labels = check_zigzag(labels, first, names=("labels", "outputs"))
             if settings.ibn_w > 0:
@@ -240,6 +242,30 @@ def _check_triplet_weight(value) -> float:
         raise ValueError(f"triplet_weight must be >= 0 (a negative weight rewards the strongly masked view for being "
                          f"the closer one), got {value}")
     return value
+
+
+def _note_unused_in_batch_options(settings: AngleSettings, dataset_format: str) -> None:
+    """A warning (once per process) that the in-batch options were given where no in-batch term is computed
+    (computes_in_batch_term): the loss is then that of their defaults. angle-train refuses the same settings before
+    the model loads (trainer.check_format_settings)."""
+    if computes_in_batch_term(settings.ibn_w, settings.cln_w, dataset_format):
+        return
+    given = []
+    if settings.false_negative_margin is not None:
+        given.append(f"false_negative_margin={settings.false_negative_margin:g}")
+    if settings.ibn_partition != "angle":
+        given.append(f"ibn_partition={settings.ibn_partition!r}")
+    if given:
+        weights = "ibn_w is 0" if dataset_format == "A" else "ibn_w and cln_w are 0"
+        say_no_effect(f"AngleLoss's {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect: format "
+                      f"{dataset_format} computes no in-batch term where {weights}")
+
+
+def computes_in_batch_term(ibn_w: float, cln_w: float, dataset_format: str | None) -> bool:
+    """Whether AngleLoss computes an in-batch term, the one its false-negative filter and ibn_partition act on:
+    format A's with ibn_w > 0, format C's with ibn_w or cln_w > 0, format B's always (a format not set yet may be
+    any)."""
+    return dataset_format in ("B", None) or ibn_w > 0 or (dataset_format == "C" and cln_w > 0)
 
 
 def computes_angle_term(angle_w: float, dataset_format: str | None) -> bool:

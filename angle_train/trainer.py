@@ -36,7 +36,7 @@ import torch
 
 from angle_kernels import AngleLoss, ArcCSELoss, __version__
 from angle_kernels.inputs import check_nested, espresso_layer_weights
-from angle_kernels.modules import computes_angle_term
+from angle_kernels.modules import computes_angle_term, computes_in_batch_term
 
 from . import arccse, distributed, faults, preflight, run_lock, sharding, st_folder, tracking
 from .checkpoint import (
@@ -641,6 +641,15 @@ def check_format_settings(cfg: TrainConfig, fmt: str) -> None:
     if weights and not any(getattr(cfg, name) > 0 for name in weights):
         flags = ", ".join(flag_of(name) for name in weights)
         raise ValueError(f"every loss weight of format {fmt} ({flags}) is 0: the loss would be 0 and train nothing")
+    # the filter and the partition act on the in-batch terms: with those weighted 0 they changed nothing, while the
+    # start line said "false negatives filtered"
+    in_batch_options = [flag_of(name) for name in ("false_negative_margin", "ibn_partition") if cfg.changed(name)]
+    if in_batch_options and not computes_in_batch_term(cfg.ibn_w, cfg.cln_w, fmt):
+        weights = "--ibn-w" if fmt == "A" else "--ibn-w and --cln-w"
+        verb = "act" if len(in_batch_options) > 1 else "acts"
+        raise ValueError(f"{' and '.join(in_batch_options)} {verb} on the in-batch terms, which format {fmt} does not "
+                         f"compute with {weights} 0: give {weights.replace(' and ', ' or ')} a weight above 0, or "
+                         f"leave out {' and '.join(in_batch_options)}")
 
 
 def check_data_size(cfg: TrainConfig, rows: int, what: str, from_file: bool) -> None:

@@ -16,6 +16,8 @@ Tolerances and the half-precision rule: angle_kernels.testing.helpers.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import assume, given
@@ -405,3 +407,32 @@ def test_keywords_the_constructor_does_not_take_are_ignored_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ak.AngleLoss(dataset_format="B", dims=(8, 16))
+
+
+@pytest.mark.parametrize("fmt, weights, options, said", [
+    ("A", dict(ibn_w=0.0, cosine_w=1.0), dict(false_negative_margin=0.1),
+     "AngleLoss's false_negative_margin=0.1 has no effect: format A computes no in-batch term where ibn_w is 0"),
+    ("C", dict(ibn_w=0.0, cln_w=0.0, cosine_w=1.0), dict(ibn_partition="gte", false_negative_margin=0.1),
+     "false_negative_margin=0.1 and ibn_partition='gte' have no effect: format C computes no in-batch term where "
+     "ibn_w and cln_w are 0"),
+])
+def test_in_batch_options_without_an_in_batch_term_are_said_to_do_nothing(gen, monkeypatch, fmt, weights, options,
+                                                                          said):
+    """The false-negative filter and the partition qualify the in-batch terms: given where their weights are 0 they
+    change nothing, which a warning says (once per process: every step checks), where it passed in silence; with
+    an in-batch term on (or in format B, whose contrastive term always runs) no warning."""
+    import warnings
+
+    from angle_kernels import inputs
+
+    monkeypatch.setattr(inputs, "_said_no_effect", set())
+    x = randn(gen, 12, 32)
+    labels = zigzag_labels(gen, 6, "binary") if fmt == "A" else None
+    with pytest.warns(UserWarning, match=re.escape(said)):
+        loss = ak.AngleLoss(dataset_format=fmt, **weights, **options)(labels, x)
+    assert torch.equal(loss, ak.AngleLoss(dataset_format=fmt, **weights)(labels, x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ak.AngleLoss(dataset_format=fmt, **weights, **options)(labels, x)  # said once
+        ak.AngleLoss(dataset_format=fmt, **options)(labels, x)  # the default ibn_w: the options act
+        ak.AngleLoss(dataset_format="B", **weights, **options)(None, x)

@@ -94,6 +94,11 @@ TRAIN_MISTAKES = [
      "(text1=a), but it is an STS-B file, read in its fixed layout, which takes no mapping: leave out --dev-columns"),
     (["--ibn-w", "0"], "--ibn-w: format B trains the contrastive term of each query against the positives only"),
     (["--train-data", "builtin:demo-sts", "--cln-w", "2"], "--cln-w: format A has no hard negatives"),
+    # the in-batch terms' options with those terms weighted 0: they changed nothing, and the start line said
+    # "false negatives filtered"
+    (["--train-data", "builtin:demo-sts", "--ibn-w", "0", "--false-negative-margin", "0.1", "--ibn-partition", "gte"],
+     "--false-negative-margin and --ibn-partition act on the in-batch terms, which format A does not compute with "
+     "--ibn-w 0: give --ibn-w a weight above 0, or leave out --false-negative-margin and --ibn-partition"),
     # a list flag without values (an empty shell variable after it): trained without them, silently, before
     (["--matryoshka-dims"], "argument --matryoshka-dims: expected at least one argument"),
     (["--lora-targets"], "argument --lora-targets: expected at least one argument"),
