@@ -662,9 +662,12 @@ def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dic
     return examples, fmt
 
 
-# A class name that says "not similar" (not_entailment, not_duplicate, non-paraphrase, no): where it is class 1 of a
-# two-class label, the label's 1 marks the pairs that are not similar
-NEGATED_CLASS = re.compile(r"^(not|non|no)([_\-\s]|$)", re.IGNORECASE)
+# A class name that says "not similar": a negation (not_entailment, not_duplicate, non-paraphrase, no; not "none" or
+# "nothing") or a word for pairs that are not similar (a two-class NLI label's contradiction or neutral, SciTail's
+# neutral, different, false): where it is class 1 of a two-class label, the label's 1 marks the pairs that are not
+# similar
+NEGATED_CLASS = re.compile(r"^(?:(?:not|non|no)(?:[_\-\s]|$)|(?:contradiction|neutral|different|dissimilar|unrelated|"
+                           r"false)$)", re.IGNORECASE)
 
 
 def check_class_label(feature, where: str, column: str) -> None:
@@ -672,7 +675,7 @@ def check_class_label(feature, where: str, column: str) -> None:
     the rows hold each class's number (0, 1, 2...), which was trained and evaluated as the pair's score in silence.
     NLI's (entailment, neutral, contradiction) made entailment the least similar and contradiction the most, and
     GLUE RTE's (entailment, not_entailment) gave the in-batch-negative term its non-entailed pairs as the positives.
-    Accepted: classes named by their own numbers ("0" .. "5"), and two classes whose 1 does not name a negation
+    Accepted: classes named by their own numbers ("0" .. "5"), and two classes whose 1 is no NEGATED_CLASS name
     (MRPC's not_equivalent / equivalent, QQP's not_duplicate / duplicate: 1 is the similar pair)."""
     try:
         from datasets import ClassLabel
@@ -685,14 +688,17 @@ def check_class_label(feature, where: str, column: str) -> None:
         return
     what = "label" if column == "label" else f"label ({column!r})"
     listed = ", ".join(f"{index} = {name}" for index, name in enumerate(classes))
+    # the column cast to float first: dataset.map alone keeps a ClassLabel column a ClassLabel (its values too), and
+    # the mapped dataset was refused again
+    cast = f"dataset.cast_column({column!r}, datasets.Value('float32'))"
     if len(classes) > 2:
         raise DataError(f"{where}: {what} is a ClassLabel of {len(classes)} classes ({listed}): categories, whose "
-                        "numbers are no similarity score; turn them into scores first (e.g. dataset.map to a float "
-                        "column), or NLI classes into (query, positive, negative) triples (format C)")
+                        f"numbers are no similarity score; turn them into scores first ({cast}, then .map(...) to "
+                        "the score of each class), or NLI classes into (query, positive, negative) triples (format C)")
     if len(classes) == 2 and NEGATED_CLASS.match(classes[1]):
         raise DataError(f"{where}: {what} is a ClassLabel ({listed}) whose class 1 names the pairs that are not "
-                        f"similar, while a 0/1 label's 1 marks a similar pair; flip it first (e.g. dataset.map "
-                        "label = 1 - label to a float column)")
+                        f"similar, while a 0/1 label's 1 marks a similar pair; flip it first ({cast}.map(lambda row: "
+                        f"{{{column!r}: 1 - row[{column!r}]}}))")
 
 
 def _number_or_none(text: str) -> float | None:

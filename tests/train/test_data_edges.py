@@ -572,18 +572,27 @@ def test_a_split_is_refused_naming_its_flag_where_the_saved_dataset_has_no_such_
                                                  r"2 = contradiction\): categories, whose numbers are no similarity"),
     (["entailment", "not_entailment"], r"label is a ClassLabel \(0 = entailment, 1 = not_entailment\) whose class 1 "
                                        r"names the pairs that are not similar"),
+    (["duplicate", "non_duplicate"], r"label is a ClassLabel \(0 = duplicate, 1 = non_duplicate\) whose class 1"),
+    (["yes", "no"], r"label is a ClassLabel \(0 = yes, 1 = no\) whose class 1"),
+    (["entailment", "contradiction"], r"label is a ClassLabel \(0 = entailment, 1 = contradiction\) whose class 1"),
+    (["entails", "Neutral"], r"label is a ClassLabel \(0 = entails, 1 = Neutral\) whose class 1"),
     (["not_equivalent", "equivalent"], None),
+    (["abnormal", "normal"], None),  # words that start as a negation does are none
+    (["plain", "notable"], None),
     (["0", "1", "2"], None),
+    (None, None),  # an integer label (Value("int64")), not a ClassLabel
 ])
 def test_a_hf_class_label_is_read_as_a_score_only_where_its_numbers_are_one(tmp_path, classes, refused):
     """A format-A label column that is a ClassLabel holds each class's number: NLI's classes were trained as graded
-    scores with contradiction the most similar, and RTE's not_entailment as the similar pair of a 0/1 label, in
-    silence. Classes named by their numbers, and two whose 1 is the similar pair (MRPC, QQP), are read as before."""
+    scores with contradiction the most similar, and RTE's not_entailment (a two-class NLI's contradiction or neutral)
+    as the similar pair of a 0/1 label, in silence. Classes named by their numbers, two whose 1 is the similar pair
+    (MRPC, QQP), and integer labels are read as before."""
     datasets = pytest.importorskip("datasets")
     folder = str(tmp_path / "ds")
+    label_feature = datasets.Value("int64") if classes is None else datasets.ClassLabel(names=classes)
     features = datasets.Features({"text1": datasets.Value("string"), "text2": datasets.Value("string"),
-                                  "label": datasets.ClassLabel(names=classes)})
-    labels = [index % len(classes) for index in range(4)]
+                                  "label": label_feature})
+    labels = [index % len(classes or [0, 1]) for index in range(4)]
     datasets.Dataset.from_dict({"text1": list("abcd"), "text2": list("efgh"), "label": labels},
                                features=features).save_to_disk(folder)
     if refused:
@@ -592,3 +601,22 @@ def test_a_hf_class_label_is_read_as_a_score_only_where_its_numbers_are_one(tmp_
     else:
         examples, fmt = load_examples(folder)
         assert fmt == "A" and [example.label for example in examples] == labels
+
+
+def test_a_two_class_label_flipped_as_its_refusal_says_is_read_with_the_similar_pairs_as_1(tmp_path):
+    """The refusal of a ClassLabel whose 1 is the pair that is not similar gives the code that flips it; dataset.map
+    alone, as it said before, kept the column a ClassLabel of the same classes, refused again. The column is cast to
+    a float first, and the flipped dataset is read with RTE's entailed pairs as 1."""
+    datasets = pytest.importorskip("datasets")
+    features = datasets.Features({"sentence1": datasets.Value("string"), "sentence2": datasets.Value("string"),
+                                  "score": datasets.ClassLabel(names=["entailment", "not_entailment"])})
+    dataset = datasets.Dataset.from_dict({"sentence1": list("abcd"), "sentence2": list("efgh"),
+                                          "score": [0, 1, 1, 0]}, features=features)
+    dataset.save_to_disk(str(tmp_path / "rte"))
+    with pytest.raises(DataError, match=r"label \('score'\) is a ClassLabel") as refused:
+        load_examples(str(tmp_path / "rte"))
+    flip = re.search(r"flip it first \((.+)\)$", str(refused.value)).group(1)
+    flipped = eval(flip, {"dataset": dataset, "datasets": datasets})  # the code the message gives, as given
+    flipped.save_to_disk(str(tmp_path / "flipped"))
+    examples, _ = load_examples(str(tmp_path / "flipped"))
+    assert [example.label for example in examples] == [1.0, 0.0, 0.0, 1.0]
