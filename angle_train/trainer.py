@@ -373,7 +373,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     # the export whose angle_train.json records how the model embeds: --model's, or that of an adapter angle_train
     # exported (--lora-path best/ or final/adapter), trained with its pooling, attention and prompts (_build_encoder)
     lora_settings = adapter_settings_file(cfg.lora_path) if model is None and cfg.lora_path else None
-    settings_folder = os.path.dirname(lora_settings) or os.curdir if lora_settings else cfg.model
+    settings_folder = (os.path.dirname(lora_settings) or os.curdir) if lora_settings else cfg.model
     settings_file = f"the adapter's {lora_settings}" if lora_settings else f"the model folder's {st_folder.META_FILE}"
     prompts_record = lora_settings or f"{cfg.model}'s {st_folder.META_FILE}"
     # an export trained with bidirectional attention trains so again, as its pooling is kept: without the flag its
