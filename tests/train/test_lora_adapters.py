@@ -136,6 +136,36 @@ def test_a_lora_exports_adapter_folder_embeds_with_the_exports_pooling_attention
             f"({tmp_path / 'final' / 'angle_train.json'})") in err
 
 
+def test_only_a_lora_exports_own_adapter_folder_takes_its_exports_settings(tmp_path, monkeypatch):
+    """adapter_export_meta finds the export of final/adapter by any spelling of its path (relative, with a trailing
+    slash), and none for an adapter folder that is no whole-model LoRA export's adapter/: its own angle_train.json
+    (an adapter-only export), no export beside it, an adapter-only or a full fine-tuning export beside it, another
+    folder name, no adapter_config.json."""
+    from angle_train.models import adapter_export_meta
+
+    def folder(path, *, meta=None, adapter=True):
+        path.mkdir(parents=True)
+        if adapter:
+            (path / ADAPTER_CONFIG).write_text("{}")
+        if meta is not None:
+            (path.parent / "angle_train.json").write_text(json.dumps(meta))
+        return str(path)
+
+    lora_whole = {"lora": True, "adapter_only": False}
+    final = folder(tmp_path / "run" / "final" / "adapter", meta=lora_whole)
+    expected = str(tmp_path / "run" / "final" / "angle_train.json")
+    assert adapter_export_meta(final) == adapter_export_meta(final + "/") == expected
+    monkeypatch.chdir(tmp_path / "run" / "final")
+    assert [adapter_export_meta(name) for name in ("adapter", "adapter/", "./adapter")] == ["angle_train.json"] * 3
+    (tmp_path / "run" / "final" / "adapter" / "angle_train.json").write_text(json.dumps(lora_whole))
+    assert adapter_export_meta(final) is None
+    assert adapter_export_meta(folder(tmp_path / "peft" / "adapter")) is None
+    assert adapter_export_meta(folder(tmp_path / "best" / "adapter", meta={"lora": True, "adapter_only": True})) is None
+    assert adapter_export_meta(folder(tmp_path / "full" / "adapter", meta={"lora": False})) is None
+    assert adapter_export_meta(folder(tmp_path / "named" / "lora", meta=lora_whole)) is None
+    assert adapter_export_meta(folder(tmp_path / "empty" / "adapter", meta=lora_whole, adapter=False)) is None
+
+
 def test_training_continues_an_exported_adapter_with_its_exports_pooling_and_attention(tmp_path, capsys):
     """--lora-path to an adapter angle-train exported (final/adapter, or an adapter-only best/) continues it with the
     pooling and attention its export records, and says the prompts it was trained with, as --model does with an
