@@ -1493,8 +1493,10 @@ def loss_description(cfg: TrainConfig, fmt: str | None, loss_name: str, width: i
     applied at. A card that listed format B's unread weights and left these out described another loss than the one
     trained; the header named the loss's class alone."""
     if loss_name == "ArcCSELoss":
-        loss = (f"ArcCSELoss: ArcCon (margin {cfg.arccon_margin:g} degrees, tau {cfg.arccon_tau:g}) + "
-                f"{cfg.triplet_w:g} x triplet (masked copies at {cfg.mask_rates})")
+        loss = f"ArcCSELoss: ArcCon (margin {cfg.arccon_margin:g} degrees, tau {cfg.arccon_tau:g})"
+        # a triplet weight of 0 embeds no masked copy (arccse.blocks_of): naming their rates described copies never made
+        loss += (f" + {cfg.triplet_w:g} x triplet (masked copies at {cfg.mask_rates})"
+                 if arccse.blocks_of(cfg.triplet_w) == arccse.BLOCKS else " alone (triplet weight 0: no masked copies)")
     elif loss_name == "AngleLoss":
         weights = [w for w in ("cosine_w", "ibn_w", "cln_w", "angle_w") if w not in FORMAT_IGNORES.get(fmt, ())]
         loss = f"AngleLoss (format {fmt}): " + (

@@ -225,7 +225,8 @@ def test_gradient_cache_equals_plain_backprop_with_dropout():
 def test_a_triplet_weight_of_zero_embeds_the_two_views_alone():
     """--triplet-w 0 (ArcCon alone) embedded the three triplet blocks and threw them away (2.5x the encoder's work):
     its batches are the two views' blocks, and the loss and gradients are those of the five-block layout with the
-    triplet term at weight 0 (the same dropout masks: the views come first in both)."""
+    triplet term at weight 0 (the same dropout masks: the views come first in both). The header and the model card
+    say ArcCon alone, naming no masked copy."""
     from angle_kernels import ArcCSELoss
     from angle_train.arccse import ARCCON_BLOCKS, blocks_of
 
@@ -248,6 +249,16 @@ def test_a_triplet_weight_of_zero_embeds_the_two_views_alone():
     torch.testing.assert_close(two_loss, five_loss, rtol=1e-12, atol=1e-12)
     for name, grad in five_grads.items():
         torch.testing.assert_close(two_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+    from angle_train.config import TrainConfig
+    from angle_train.trainer import loss_description
+
+    # the header and the model card named the masked copies' rates (" + 0 x triplet (masked copies at [0.2, 0.4])")
+    # of a run that makes none
+    assert loss_description(TrainConfig(objective="arccse", triplet_w=0.0), None, "ArcCSELoss", 32) == (
+        "ArcCSELoss: ArcCon (margin 10 degrees, tau 0.05) alone (triplet weight 0: no masked copies)")
+    assert loss_description(TrainConfig(objective="arccse", triplet_w=0.5), None, "ArcCSELoss", 32) == (
+        "ArcCSELoss: ArcCon (margin 10 degrees, tau 0.05) + 0.5 x triplet (masked copies at [0.2, 0.4])")
 
 
 def _config(out_dir, **settings):
