@@ -51,29 +51,45 @@ from .data import (
 # ------------------------------------------------------------------------------------------------ reading
 
 
-def load_sentences(source: str, *, column: str = "text", split: str = "train", split_flag: str = "split",
+TEXT_COLUMN = "text"  # --text-column's default
+
+
+def refuse_column(column: str | None, source_has_none: str) -> None:
+    """A DataError naming --text-column where a column was named (not None) for a source that has no columns,
+    `source_has_none` saying which: the column would be ignored, and the run trained on what it did not name."""
+    if column is not None:
+        raise DataError(f"--text-column {column}: {source_has_none}, with no column to choose; leave out "
+                        "--text-column")
+
+
+def load_sentences(source: str, *, column: str | None = None, split: str = "train", split_flag: str = "split",
                    split_default: str = "train") -> tuple[list[str], int]:
     """(sentences, blank lines skipped) from a .txt file (one sentence per line), a .jsonl/.csv/.tsv file's
     `column`, a Hugging Face dataset's (a save_to_disk folder or a hub name), or an STS Benchmark file (the distinct
-    sentences of its pairs, labels unused). A blank line of a .txt file (or one of invisible characters alone,
-    data.shows_nothing) is a separator, not a sentence (counted); an empty or missing text anywhere else is a
-    DataError. `split`, `split_flag`, `split_default`: a Hugging Face dataset's split, as data.open_hf_dataset's."""
+    sentences of its pairs, labels unused). `column` None reads TEXT_COLUMN; a column named for a .txt or STS-B
+    file, which have none, is a DataError (refuse_column). A blank line of a .txt file (or one of invisible
+    characters alone, data.shows_nothing) is a separator, not a sentence (counted); an empty or missing text anywhere
+    else is a DataError. `split`, `split_flag`, `split_default`: a Hugging Face dataset's split, as
+    data.open_hf_dataset's."""
+    named = TEXT_COLUMN if column is None else column  # the column read where the source has columns
     if os.path.isfile(source):
         if first_line_is_stsb(source):
+            refuse_column(column, f"{source} is an STS Benchmark file, whose pairs' texts are the sentences")
             sentences, skipped = list(dict.fromkeys(t for ex in read_stsb(source) for t in ex.texts)), 0
         elif source.endswith(".txt"):
+            refuse_column(column, f"{source} is a .txt file of one sentence a line")
             with open_text(source) as f:
                 lines = [line.rstrip("\n").rstrip("\r") for line in f]
             sentences = [line for line in lines if not shows_nothing(line)]  # a line that looks blank is one
             skipped = len(lines) - len(sentences)
         elif source.endswith((".jsonl", ".json")):
-            sentences, skipped = _jsonl_column(source, column), 0
+            sentences, skipped = _jsonl_column(source, named), 0
         elif source.endswith((".csv", ".tsv")):
-            sentences, skipped = _delimited_column(source, column), 0
+            sentences, skipped = _delimited_column(source, named), 0
         else:
             raise DataError(f"{source}: unknown file type for sentences; use .txt, .jsonl, .csv or .tsv")
     else:
-        sentences, skipped = _dataset_column(source, column, split, split_flag=split_flag,
+        sentences, skipped = _dataset_column(source, named, split, split_flag=split_flag,
                                              split_default=split_default), 0
     if not sentences:
         raise DataError(f"{source}: no sentences")

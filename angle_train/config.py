@@ -11,6 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from angle_kernels.inputs import check_arccon_options, check_scale
 
+from .arccse import TEXT_COLUMN
 from .cli_common import parse_bool
 from .data import Prompts, names_local_path, parse_columns
 from .models import (
@@ -173,7 +174,7 @@ class TrainConfig:
                            "arccse: the fractions of a sentence's tokens masked (one contiguous span) in its weakly "
                            "and strongly masked copies, 0 < weak <= strong < 1 (a weak copy unmasked would make the "
                            "triplet term 0)", group="loss", metavar="RATE", items="number")
-    text_column: str = opt("text", "arccse: the column of a JSONL/CSV file or dataset holding the sentences",
+    text_column: str = opt(TEXT_COLUMN, "arccse: the column of a JSONL/CSV file or dataset holding the sentences",
                            group="data")
     cosine_w: float = opt(0.0, "weight of the cosine (CoSENT) ranking term", group="loss", at_least=0)
     ibn_w: float = opt(1.0, "weight of the in-batch-negative term (labels must be 0/1 in format A)", group="loss",

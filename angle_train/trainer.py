@@ -865,10 +865,12 @@ def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list
     --train-data's sentences (tokenised with their masked copies once the model's tokenizer is loaded)."""
     if sentences is not None:
         return sentences
+    column = cfg.text_column if cfg.changed("text_column") else None
     if cfg.train_data in BUILTIN_DATASETS:
+        arccse.refuse_column(column, f"{cfg.train_data} is a built-in dataset of pairs, whose texts are the sentences")
         examples, _ = builtin_examples(cfg.train_data)
         return list(dict.fromkeys(text for ex in examples for text in ex.texts))
-    sentences, blank = arccse.load_sentences(cfg.train_data, column=cfg.text_column, split=cfg.train_split,
+    sentences, blank = arccse.load_sentences(cfg.train_data, column=column, split=cfg.train_split,
                                              split_flag=flag_of("train_split"), split_default=default_of("train_split"))
     if blank:
         print(f"{cfg.train_data}: {blank:,} blank line(s) between sentences skipped", flush=True)

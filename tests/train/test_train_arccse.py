@@ -261,6 +261,28 @@ def test_a_triplet_weight_of_zero_embeds_the_two_views_alone():
         "ArcCSELoss: ArcCon (margin 10 degrees, tau 0.05) + 0.5 x triplet (masked copies at [0.2, 0.4])")
 
 
+def test_a_text_column_for_sentences_without_columns_is_refused(tmp_path):
+    """A .txt file (one sentence a line), an STS-B file and a built-in dataset have no column to choose: --text-column
+    was ignored in silence and the run trained on the whole lines or the pairs' texts. Refused naming the flag; where
+    a source has columns, no column given reads 'text'."""
+    from angle_train.config import TrainConfig
+    from angle_train.trainer import read_sentences
+
+    (tmp_path / "s.txt").write_text("a red car\nthe dog\n")
+    (tmp_path / "sts.csv").write_text("g\tx\t2012\t1\t4.0\ta red car\tthe dog\n")
+    for name, kind in (("s.txt", "a .txt file of one sentence a line"), ("sts.csv", "an STS Benchmark file")):
+        path = str(tmp_path / name)
+        with pytest.raises(DataError, match=re.escape(f"--text-column sentence: {path} is {kind}")):
+            read_sentences(TrainConfig(objective="arccse", train_data=path, text_column="sentence"))
+        assert load_sentences(path)[0][:2] == ["a red car", "the dog"]  # read without a column
+    with pytest.raises(DataError, match=r"--text-column sentence: builtin:demo-sts is a built-in dataset .*leave out"):
+        read_sentences(TrainConfig(objective="arccse", train_data="builtin:demo-sts", text_column="sentence"))
+    (tmp_path / "s.jsonl").write_text('{"text": "a red car", "sentence": "box"}\n')
+    assert load_sentences(str(tmp_path / "s.jsonl")) == (["a red car"], 0)
+    assert read_sentences(TrainConfig(objective="arccse", train_data=str(tmp_path / "s.jsonl"),
+                                      text_column="sentence")) == ["box"]
+
+
 def _config(out_dir, **settings):
     return run_config(out_dir, objective="arccse", batch_size=8, max_steps=4, chunk_size=9, lr=1e-3, warmup=0,
                       max_length=16, log_every=1, **settings)
