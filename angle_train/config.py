@@ -520,6 +520,11 @@ class TrainConfig:
             return sorted({min(self.espresso_dim, width), width})
         return list(self.matryoshka_dims)
 
+    def truncated_widths(self, width: int) -> list[int]:
+        """The trained widths narrower than the embeddings' `width`, largest first: the prefixes the dev evaluation
+        scores as KEY@d and the model card offers (the full width is no truncation of itself)."""
+        return sorted((d for d in self.trained_widths(width) if d < width), reverse=True)
+
     def _validate_matryoshka(self) -> None:
         """Turn the flags' words (the CLI passes list items as strings) into ints and floats, or say which is wrong.
         The bound by the model's embedding width is checked once the model is loaded (trainer.setup)."""

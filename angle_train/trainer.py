@@ -1332,7 +1332,7 @@ def evaluate(run: Run) -> None:
     position, sharded = run.position, run.cfg.fsdp
     metric = position.best_metric
     width = run.encoder.embedding_dim
-    truncated = sorted((d for d in run.cfg.trained_widths(width) if d < width), reverse=True)
+    truncated = run.cfg.truncated_widths(width)
     embeddings = dev_embeddings(run)
     improved = False
     if embeddings is not None:
@@ -1442,7 +1442,7 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     data = (f"{len(run.dataset):,} sentences (ArcCSE)" if fmt is None else
             f"{len(run.dataset):,} examples in format {fmt} ({', '.join(FORMATS[fmt])})")
     loss = loss_description(cfg, fmt, run.loss_name, run.encoder.embedding_dim)
-    widths = cfg.trained_widths(run.encoder.embedding_dim)
+    widths = cfg.truncated_widths(run.encoder.embedding_dim)  # a run of the full width alone offers no prefix
     warmup = warmup_steps(cfg, run.total_steps)
 
     def source(argument: str, flag_value) -> str:  # what the flag names, or what train() was given in its place

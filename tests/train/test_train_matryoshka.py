@@ -153,6 +153,20 @@ def test_training_reports_dev_spearman_at_every_width(tmp_path):
     assert result.best_spearman == max(r["dev_spearman"] for r in evals)  # the best model by the full width
     for folder in ("best", "final"):
         assert load_pretrained(str(tmp_path / folder))[2]["matryoshka_dims"] == [32, 16, 8]
+    card = (tmp_path / "final" / "README.md").read_text()  # the narrower widths, largest first, as evaluated
+    assert f"embeddings of {WIDTH} dimensions (trained truncatable to 16, 8)" in card and "truncate_dim=8" in card
+
+
+@pytest.mark.parametrize("flags", [{"matryoshka_dims": [str(WIDTH)]}, {"espresso": True, "espresso_dim": 2 * WIDTH}])
+def test_a_run_of_the_full_width_alone_offers_no_prefix_in_its_model_card(tmp_path, flags):
+    """--matryoshka-dims of the model's width alone, or an --espresso-dim not narrower than it, trains no narrower
+    width: the card offered the whole embedding as "a Matryoshka prefix" (truncate_dim=32, a 32-wide model) and
+    called the model truncatable."""
+    cfg = run_config(tmp_path, batch_size=8, max_steps=1, max_length=16, save_final=True, **flags)
+    train(cfg, model=make_encoder(layers=2), train_examples=(demo_examples(16), "B"))
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert f"embeddings of {WIDTH} dimensions\n" in card
+    assert "truncat" not in card and "Matryoshka prefix" not in card and "SentenceTransformer(" in card
 
 
 def test_widths_that_leave_out_the_full_one_say_so(tmp_path, capsys):
