@@ -336,6 +336,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     cfg.resolve_passes(device.type)
     distributed.check_process_device(device)
     dist_info = distributed.init_distributed(device.type, timeout_s=cfg.ddp_timeout)
+    check_batch_shares(cfg, dist_info.world_size)  # before the model loads
     if resume_from:  # before the model loads: minutes for a large one
         refuse_other_process_count(resume_from, dist_info.world_size)
     if dist_info.enabled and device.type == "cuda":
@@ -947,17 +948,23 @@ def small_dev_set_note(dev_set: StsSet | RetrievalSet | None, where: str) -> str
             "noisy, so best/ is picked partly by chance; a larger dev set picks it more reliably")
 
 
+def check_batch_shares(cfg: TrainConfig, world_size: int) -> None:
+    """Every process takes an equal share of each batch (own_share): a batch that does not split evenly would leave
+    its last examples to no process, so it is refused, with --max-steps too."""
+    if cfg.batch_size % world_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world_size}): "
+                         f"each takes an equal share; use a multiple of {world_size}")
+
+
 def count_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:
     """The run's optimizer steps (max_steps, or whole steps over `epochs` passes); every process gets an equal
     share of each batch."""
+    check_batch_shares(cfg, world_size)
     return cfg.max_steps or epoch_steps(cfg, n_examples, world_size)
 
 
 def epoch_steps(cfg: TrainConfig, n_examples: int, world_size: int) -> int:
     """The whole optimizer steps of `epochs` passes over the data (at least one)."""
-    if cfg.batch_size % world_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes ({world_size}): "
-                         f"each takes an equal share; use a multiple of {world_size}")
     steps_per_epoch = len(epoch_batches(n_examples, cfg.batch_size, seed=cfg.seed, epoch=0)) // cfg.grad_accum
     if steps_per_epoch == 0:
         raise ValueError(f"one optimizer step needs {cfg.batch_size * cfg.grad_accum} examples; the data has "

@@ -244,6 +244,20 @@ def test_a_batch_that_does_not_split_over_the_processes_names_the_flag(tmp_path)
     assert count_steps(run_config(tmp_path, batch_size=8, max_steps=3), n_examples=100, world_size=2) == 3
 
 
+def test_a_batch_that_does_not_split_is_refused_with_max_steps_before_the_model_loads(tmp_path, monkeypatch):
+    """--batch-size 7 --max-steps 3 over 2 processes: each took 3 of the 7 pairs and the seventh of every batch was
+    trained by no process, without a word (only a run counted in --epochs was checked). Now refused, before the
+    model loads (the process group pretended: 2 processes)."""
+    from angle_train import distributed, trainer
+    from angle_train.tiny import demo_examples
+
+    monkeypatch.setattr(distributed, "init_distributed", lambda *args, **kwargs: distributed.DistInfo(0, 2))
+    monkeypatch.setattr(trainer, "build_encoder", lambda *args: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match=r"^--batch-size 7 must be divisible by the number of processes \(2\)"):
+        trainer.train(run_config(tmp_path, batch_size=7, max_steps=3, model="builtin:tiny-bert"),
+                      train_examples=(demo_examples(24), "B"))
+
+
 def test_without_a_progress_bar_no_empty_line_precedes_the_dev_scores(tmp_path, capsys):
     """The line break before a dev score or a skipped step's line ends the progress bar's line: with --progress 0
     there is none to end, and each such line came after an empty one."""
