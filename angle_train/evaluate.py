@@ -38,11 +38,12 @@ mapping given for one of them alone is refused):
 angle-eval MODEL a.csv b.jsonl --columns text1=sent_a text2=sent_b label=score --columns query=q positive=p.
 
 The STS score is Spearman's rho x 100 between cosine similarity and the gold scores, in SentEval's "all" setting: one
-correlation over every pair of a year's subsets together. In retrieval a document scoring the same as one of a query's
-positives, and not one itself, ranks above it: a tie is never a win (sentence-transformers'
-InformationRetrievalEvaluator breaks ties by corpus id), so embeddings that are all alike rank every positive last, not
-first. A score that cannot be computed (embeddings holding NaN or Inf, or cosines all equal) is NaN: a line on stderr
-names the dataset, and the exit status is 1. `--json OUT` writes {dataset name: score} (the retrieval metrics as {name:
+correlation over every pair of a year's subsets together, each distinct text embedded once (a pair given twice ties
+exactly, whatever --batch-size). In retrieval a document scoring the same as one of a query's positives, and not one
+itself, ranks above it: a tie is never a win (sentence-transformers' InformationRetrievalEvaluator breaks ties by corpus
+id), so embeddings that are all alike rank every positive last, not first. A score that cannot be computed
+(embeddings holding NaN or Inf, or cosines all equal) is NaN: a line on stderr names the dataset, and the exit status
+is 1. `--json OUT` writes {dataset name: score} (the retrieval metrics as {name:
 {"recall@1": ..., ...}}; a NaN as null). `--dims 256 64` scores the first 256 and 64 features of every embedding too (a
 Matryoshka model's widths; `--dims trained`: those an angle_train export was trained at), from the same embeddings,
 under "name@256" and "name@64" (a row per width in the table). The trainer's dev evaluation uses the same scores
@@ -89,6 +90,25 @@ SICK_HEADER = ("pair_ID", "sentence_A", "sentence_B", "relatedness_score")
 class StsSet:
     name: str
     examples: list[Example]  # format A: (text1, text2), gold score
+
+
+class PairTexts(NamedTuple):
+    """What a scored set embeds: each distinct text once, in the order it first appears (text1s, then text2s), and
+    each pair's two texts as indices into them."""
+    texts: list[str]
+    first: torch.Tensor  # [pairs] int64
+    second: torch.Tensor  # [pairs] int64
+
+
+def pair_texts(examples: list[Example]) -> PairTexts:
+    """The distinct texts of format-A examples, each embedded once: a text given twice (a pair repeated, a sentence
+    paired with itself or with several others) has one embedding, so pairs of the same texts score the same cosine
+    and tie in the Spearman ranking whatever the batch size. Embedded once per occurrence, its copies were padded in
+    different batches and differed in the last bits, and the batch size decided which of them ranked first."""
+    index: dict[str, int] = {}
+    first = [index.setdefault(ex.texts[0], len(index)) for ex in examples]
+    second = [index.setdefault(ex.texts[1], len(index)) for ex in examples]
+    return PairTexts(list(index), torch.tensor(first, dtype=torch.long), torch.tensor(second, dtype=torch.long))
 
 
 class Corpus(NamedTuple):
@@ -381,11 +401,9 @@ def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, ba
         raise ValueError("STS evaluation needs format-A examples (text1, text2, label)")
     for dim in dims:
         check_dim(dim, encoder.embedding_dim)  # before embedding the texts, not after
-    first = encoder.encode([ex.texts[0] for ex in examples], tokenizer, batch_size=batch_size,
-                           max_length=max_length, prompt=prompt)
-    second = encoder.encode([ex.texts[1] for ex in examples], tokenizer, batch_size=batch_size,
-                            max_length=max_length, prompt=prompt)
-    return spearman_by_dim(first, second, [ex.label for ex in examples], dims)
+    pairs = pair_texts(examples)
+    embeddings = encoder.encode(pairs.texts, tokenizer, batch_size=batch_size, max_length=max_length, prompt=prompt)
+    return spearman_by_dim(embeddings[pairs.first], embeddings[pairs.second], [ex.label for ex in examples], dims)
 
 
 def spearman_by_dim(first: torch.Tensor, second: torch.Tensor, labels: list[float], dims) -> dict:
@@ -427,10 +445,10 @@ def dev_scores(encoder, tokenizer, dataset: StsSet | RetrievalSet, dims, *, batc
 
 
 def dev_inputs(dataset: StsSet | RetrievalSet) -> list[tuple[list[str], str]]:
-    """The texts a dev evaluation embeds, as (texts, prompt role) groups: a scored pair's first and second texts (the
-    text prompt), or the distinct queries and documents (Corpus: the query and document prompts)."""
+    """The texts a dev evaluation embeds, as (texts, prompt role) groups: the scored pairs' distinct texts
+    (pair_texts: the text prompt), or the distinct queries and documents (Corpus: the query and document prompts)."""
     if isinstance(dataset, StsSet):
-        return [([ex.texts[0] for ex in dataset.examples], "text"), ([ex.texts[1] for ex in dataset.examples], "text")]
+        return [(pair_texts(dataset.examples).texts, "text")]
     corpus = dataset.corpus()
     return [(corpus.queries, "query"), (corpus.documents, "document")]
 
@@ -439,7 +457,9 @@ def scores_of_embeddings(dataset: StsSet | RetrievalSet, embeddings: list[torch.
     """dev_scores from the embeddings of dev_inputs' groups."""
     metric = dev_metric(dataset)
     if isinstance(dataset, StsSet):
-        scores = spearman_by_dim(*embeddings, [ex.label for ex in dataset.examples], [None, *dims])
+        (embedded,), pairs = embeddings, pair_texts(dataset.examples)
+        scores = spearman_by_dim(embedded[pairs.first], embedded[pairs.second], [ex.label for ex in dataset.examples],
+                                 [None, *dims])
         return {metric if dim is None else f"{metric}@{dim}": score for dim, score in scores.items()}
     queries, documents = embeddings
     relevant = dataset.corpus().relevant  # the one dev_inputs took its texts from: computed once
@@ -527,7 +547,7 @@ def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length:
     results = {}
     for dataset in datasets:
         if isinstance(dataset, StsSet):
-            with encoding_progress(encoder, 2 * len(dataset.examples), dataset.name, progress):
+            with encoding_progress(encoder, len(pair_texts(dataset.examples).texts), dataset.name, progress):
                 scores = sts_spearman_by_dim(encoder, tokenizer, dataset.examples, widths, batch_size=batch_size,
                                              max_length=max_length)
             scores = {dim: 100.0 * score for dim, score in scores.items()}

@@ -217,7 +217,7 @@ def test_matryoshka_widths_from_one_embedding_of_each_text(tmp_path, capsys):
         patch.setattr(type(encoder), "encode", lambda self, texts, *a, **k: (encoded.append(len(texts)),
                                                                              original_encode(self, texts, *a, **k))[1])
         assert main([export, str(folder), str(retrieval), "--dims", "trained", "--json", str(out)]) == 0
-    assert encoded == [5, 5, 6, 6]  # each dataset's texts once, for the three widths
+    assert encoded == [10, 6, 6]  # each dataset's distinct texts once, for the three widths
     got = json.loads(out.read_text())
     assert list(got) == ["STS14", "STS14@16", "STS14@8", "nq-mini", "nq-mini@16", "nq-mini@8"]
     rated = read_dataset(str(folder)).examples
@@ -564,10 +564,10 @@ def test_every_text_is_embedded_at_the_evaluation_length(tmp_path):
         patch.setattr(type(encoder), "encode", lambda self, texts, *a, **k: (lengths.append(k.get("max_length")),
                                                                              original_encode(self, texts, *a, **k))[1])
         assert main([export, str(folder), str(retrieval)]) == 0
-        assert lengths == [12] * 4
+        assert lengths == [12] * 3  # the pairs' texts, the queries, the documents
         lengths.clear()
         assert main([export, str(folder), str(retrieval), "--max-length", "7"]) == 0
-        assert lengths == [7] * 4
+        assert lengths == [7] * 3
 
 
 def test_a_triples_file_is_scored_as_retrieval_of_each_querys_positive(tmp_path):

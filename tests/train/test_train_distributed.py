@@ -396,15 +396,15 @@ def _evaluating_rank(rank, world, port, out_dir):
 
 def test_each_process_embeds_its_share_of_the_dev_texts(tmp_path):
     """Under DDP the main process embedded every dev text while the others waited at their next collective; now each
-    embeds its share of every group of texts (21 scored pairs: 11 + 10 of each side; 13 queries and 13 documents),
-    and the main process scores the gathered embeddings: the same evaluations as one process."""
+    embeds its share of every group of texts (21 scored pairs: 21 + 21 of their 42 distinct texts; 13 queries and 13
+    documents), and the main process scores the gathered embeddings: the same evaluations as one process."""
     from angle_train.evaluate import RetrievalSet
     from angle_train.tiny import demo_examples, demo_sts_examples
     from angle_train.trainer import train
 
     start_ranks(_evaluating_rank, (2, free_port(), str(tmp_path / "ddp")))
     pairs = demo_examples(13, seed=4)
-    for name, dev, shares in (("sts", demo_sts_examples(21, seed=3), (22, 20)),
+    for name, dev, shares in (("sts", demo_sts_examples(21, seed=3), (21, 21)),
                               ("retrieval", RetrievalSet("dev", [ex.texts[0] for ex in pairs],
                                                          [ex.texts[1] for ex in pairs]), (14, 12))):
         single = train(run_config(tmp_path / "single" / name, batch_size=8, max_steps=2, eval_every=1, max_length=12,
