@@ -36,7 +36,7 @@ def main(argv=None) -> int:
                                                               for i in range(0, len(losses), k)))
     last = result.history[-1]
     print(f"throughput (last {cfg.log_every} steps): {last['pairs_per_s']:.0f} pairs/s, "
-          f"{last['tokens_per_s']:.0f} tokens/s, peak memory {last['peak_mem_gb']:.2f} GB")
+          f"{last['tokens_per_s']:.0f} tokens/s, peak memory {last['peak_mem_gb']:.2f} GiB")
     rho = sts_spearman(result.encoder, result.tokenizer, demo_sts_examples(), max_length=cfg.max_length)
     print(f"Spearman on built-in graded pairs (shared attributes, 0-5): {rho:.3f}")
     first, final = sum(losses[:k]) / k, sum(losses[-k:]) / k

@@ -1652,7 +1652,7 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
     print(f"done: {position.step} step{'s' * (position.step != 1)} | {loss} | {run.log.run_pairs / seconds:.1f} "
           f"{unit}/s, {run.log.run_tokens / seconds:.0f} tokens/s (over the {timed} step{'s' * (timed != 1)} trained"
           f"{' since the resume' if timed != position.step else ''}) | "
-          f"peak memory {peak_memory_gb(run.device):.2f} GB{'' if run.device.type == 'cuda' else ' (process RSS)'}"
+          f"peak memory {peak_memory_gb(run.device):.2f} GiB{'' if run.device.type == 'cuda' else ' (process RSS)'}"
           + (f" | best {tracking.DEV_METRICS[position.best_metric]} {position.best:.4f}"
              if position.best is not None else ""), flush=True)
     return result
@@ -1766,7 +1766,8 @@ class RunLog:
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak GPU memory allocated by tensors, or the process's peak RSS on CPU."""
+    """Peak GPU memory allocated by tensors, or the process's peak RSS on CPU, in GiB (2^30 bytes; metrics.jsonl's
+    peak_mem_gb keeps its name, which scripts read)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB

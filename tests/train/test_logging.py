@@ -36,7 +36,7 @@ def test_the_logged_loss_is_the_mean_over_its_interval(tmp_path, capsys):
     assert logged[1]["loss"] != pytest.approx(losses[5], rel=1e-9)
     printed = capsys.readouterr().out
     done = re.search(rf"done: 6 steps \| loss {logged[1]['loss']:.4f} \(mean of the last 3 steps\) \| ([0-9.]+) "
-                     r"pairs/s, ([0-9]+) tokens/s \(over the 6 steps trained\) \| peak memory [0-9.]+ GB \(process "
+                     r"pairs/s, ([0-9]+) tokens/s \(over the 6 steps trained\) \| peak memory [0-9.]+ GiB \(process "
                      r"RSS\)", printed)
     assert done, printed
     # the whole run's rates, not the last row's: its pairs over its rows' training time (each row's pairs / rate)
