@@ -314,7 +314,7 @@ def _frozen(value):
 
 
 def _from_record(record: dict, recorded: bool = True,
-                 unrecorded: str = "not recorded: the cache folder cannot be written") -> Outcome:
+                 unrecorded: str = "not recorded: the user's cache cannot be written") -> Outcome:
     """The outcome a check's record says (`recorded`: it is in the user's cache, not only in this process; else
     `unrecorded` says why not)."""
     kept = record if recorded else None
@@ -355,12 +355,13 @@ def _check_or_recorded(candidate, op: str, call: contract.Call, kind: dict) -> O
             return None
     except Exception as exc:  # noqa: BLE001 (out of memory in the scan: a check must never fail the loss call)
         return _not_checked(candidate, op, kind, call, exc)
+    unrecordable = None  # why the outcome cannot be recorded (an OSError), when it cannot
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(user_cache.locked())
-            recording = True
-        except OSError:  # a cache folder that cannot be written: check, and keep the answer for this process
-            recording = False
+        except OSError as exc:  # a cache folder that cannot be written: check, and keep the answer for this process
+            unrecordable = exc
+        recording = unrecordable is None
         record = _recorded(kind) if recording else None
         if record is not None:  # another process of the job checked this kind while this one waited
             return _from_record(record)
@@ -376,8 +377,10 @@ def _check_or_recorded(candidate, op: str, call: contract.Call, kind: dict) -> O
         if recording:
             try:
                 user_cache.update(lambda contents: contents["checks"].append(record))
-            except OSError:
-                recording = False
+            except OSError as exc:
+                unrecordable, recording = exc, False
+    if unrecordable is not None:
+        user_cache.warn_unrecorded(unrecordable)
     return _from_record(record, recorded=recording)
 
 

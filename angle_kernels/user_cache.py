@@ -17,10 +17,10 @@ beside it; where fcntl does not exist the lock is a no-op), writing a temporary 
 renaming it over the old one: a reader never sees half a file, and concurrent writers never lose each other's
 changes. A lock held by a process that does not let go (stopped: a suspended job, a debugger) is waited for at most
 LOCK_WAIT_SECONDS, then `locked` raises OSError, as for a folder that cannot be written: the caller goes on without
-recording. The file takes the permissions the process's umask gives a new file (a folder shared by a group stays
-readable by it), and a file that exists but cannot be read is never replaced by `update`. `forget()` removes the
-file, `forget_failed_checks()` only the first-use checks that failed. `python -m angle_kernels.verify --list` /
-`--forget` / `--forget-failed` show and clear it.
+recording, and says so once per process (`warn_unrecorded`). The file takes the permissions the process's umask
+gives a new file (a folder shared by a group stays readable by it), and a file that exists but cannot be read is
+never replaced by `update`. `forget()` removes the file, `forget_failed_checks()` only the first-use checks that
+failed. `python -m angle_kernels.verify --list` / `--forget` / `--forget-failed` show and clear it.
 """
 
 from __future__ import annotations
@@ -67,6 +67,23 @@ def cache_dir() -> Path:
 
 def cache_file() -> Path:
     return cache_dir() / CACHE_FILE
+
+
+def warn_unrecorded(why: OSError) -> None:
+    """One RuntimeWarning per process and cache file when an outcome cannot be recorded in it (`why`: the folder
+    cannot be written, its lock is held past the wait, a later version's file): without it every process would pay
+    the same checks again and never say so. Nothing where there is no folder for the cache (`read` said so)."""
+    try:
+        path = cache_file()
+    except OSError:
+        return
+    if "unrecorded " + str(path) in _warned:
+        return
+    _warned.add("unrecorded " + str(path))
+    warnings.warn(f"angle_kernels: the outcomes of first-use checks are not recorded in the cache {path} ({why}), so "
+                  "every process checks the first call of each kind again: set "
+                  f"{CACHE_ENV} to a folder this user can write (or `python -m angle_kernels.verify --forget` removes "
+                  "a file a later version wrote) to keep them", RuntimeWarning, stacklevel=2)
 
 
 def _empty() -> dict:

@@ -434,11 +434,17 @@ def test_a_cache_that_cannot_be_written_still_checks_for_the_process(gpu, monkey
     not_a_folder.write_text("")
     monkeypatch.setenv(user_cache.CACHE_ENV, str(not_a_folder))
     q = _q(8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the unreadable cache is ignored with a warning of its own
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
         assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("triton", "fused")
-    assert len(gpu.checks) == 1 and not_a_folder.read_text() == ""
+        assert gpu.auto.computes("similarity_xent", _q(64), None, 20.0, "partner") == ("triton", "fused")
+    assert len(gpu.checks) == 2 and not_a_folder.read_text() == ""
+    # a passing check that cannot be recorded says so once, naming the file and the way out (before: nothing, and
+    # every process paid the checks again)
+    unrecorded = [str(w.message) for w in caught if "not recorded" in str(w.message)]
+    assert len(unrecorded) == 1 and str(not_a_folder / user_cache.CACHE_FILE) in unrecorded[0]
+    assert user_cache.CACHE_ENV in unrecorded[0]
     # under tracing (torch.compile, CUDA-graph capture) the process's own eager decision holds, recorded or not
     monkeypatch.setattr(first_use, "tracing", lambda device: True)
     with warnings.catch_warnings():
