@@ -52,11 +52,13 @@ _warned: set = set()
 def cache_dir() -> Path:
     """$ANGLE_KERNELS_CACHE_DIR, else $XDG_CACHE_HOME/angle_kernels, else ~/.cache/angle_kernels; an OSError where
     none is set and the home directory is unknown (HOME unset and no passwd entry: a container run under an
-    arbitrary user id)."""
+    arbitrary user id). A relative XDG_CACHE_HOME is ignored, as the XDG specification asks: it would give each
+    working directory a cache of its own."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "angle_kernels"
+    xdg = Path(os.environ.get("XDG_CACHE_HOME", "")).expanduser()
+    if xdg.is_absolute():
+        return xdg / "angle_kernels"
     try:
         home = Path.home()
     except (RuntimeError, KeyError) as exc:

@@ -177,6 +177,15 @@ def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
     assert user_cache.cache_dir() == tmp_path / "home" / ".cache" / "angle_kernels"
 
 
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
+    """The XDG specification: a relative path in XDG_CACHE_HOME is invalid (before: each working directory got a
+    cache of its own, and a first-use check was run and recorded again in every one)."""
+    monkeypatch.delenv(user_cache.CACHE_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert user_cache.cache_dir() == tmp_path / "home" / ".cache" / "angle_kernels"
+
+
 def test_without_a_home_directory_nothing_is_read_or_written(monkeypatch, tmp_path):
     """HOME unset and no passwd entry (a container under an arbitrary user id): Path.home() raises. The cache is
     then absent, with one warning (before: every `auto` call on a GPU raised RuntimeError from the cache path)."""
