@@ -86,12 +86,6 @@ SENTEVAL_FILES = re.compile(r"STS\.input\.(.+)\.txt$")
 SICK_HEADER = ("pair_ID", "sentence_A", "sentence_B", "relatedness_score")
 
 
-@dataclass
-class StsSet:
-    name: str
-    examples: list[Example]  # format A: (text1, text2), gold score
-
-
 class PairTexts(NamedTuple):
     """What a scored set embeds: each distinct text once, in the order it first appears (text1s, then text2s), and
     each pair's two texts as indices into them."""
@@ -109,6 +103,21 @@ def pair_texts(examples: list[Example]) -> PairTexts:
     first = [index.setdefault(ex.texts[0], len(index)) for ex in examples]
     second = [index.setdefault(ex.texts[1], len(index)) for ex in examples]
     return PairTexts(list(index), torch.tensor(first, dtype=torch.long), torch.tensor(second, dtype=torch.long))
+
+
+@dataclass
+class StsSet:
+    """Scored pairs. The examples are not changed once pairs() is called (it is computed once)."""
+    name: str
+    examples: list[Example]  # format A: (text1, text2), gold score
+
+    def pairs(self) -> PairTexts:
+        """The distinct texts the set embeds, and each pair's two as indices into them (pair_texts)."""
+        return self._pairs
+
+    @functools.cached_property
+    def _pairs(self) -> PairTexts:
+        return pair_texts(self.examples)
 
 
 class Corpus(NamedTuple):
@@ -448,7 +457,7 @@ def dev_inputs(dataset: StsSet | RetrievalSet) -> list[tuple[list[str], str]]:
     """The texts a dev evaluation embeds, as (texts, prompt role) groups: the scored pairs' distinct texts
     (pair_texts: the text prompt), or the distinct queries and documents (Corpus: the query and document prompts)."""
     if isinstance(dataset, StsSet):
-        return [(pair_texts(dataset.examples).texts, "text")]
+        return [(dataset.pairs().texts, "text")]
     corpus = dataset.corpus()
     return [(corpus.queries, "query"), (corpus.documents, "document")]
 
@@ -457,7 +466,7 @@ def scores_of_embeddings(dataset: StsSet | RetrievalSet, embeddings: list[torch.
     """dev_scores from the embeddings of dev_inputs' groups."""
     metric = dev_metric(dataset)
     if isinstance(dataset, StsSet):
-        (embedded,), pairs = embeddings, pair_texts(dataset.examples)
+        (embedded,), pairs = embeddings, dataset.pairs()  # the one dev_inputs took its texts from
         scores = spearman_by_dim(embedded[pairs.first], embedded[pairs.second], [ex.label for ex in dataset.examples],
                                  [None, *dims])
         return {metric if dim is None else f"{metric}@{dim}": score for dim, score in scores.items()}
@@ -547,7 +556,7 @@ def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length:
     results = {}
     for dataset in datasets:
         if isinstance(dataset, StsSet):
-            with encoding_progress(encoder, len(pair_texts(dataset.examples).texts), dataset.name, progress):
+            with encoding_progress(encoder, len(dataset.pairs().texts), dataset.name, progress):
                 scores = sts_spearman_by_dim(encoder, tokenizer, dataset.examples, widths, batch_size=batch_size,
                                              max_length=max_length)
             scores = {dim: 100.0 * score for dim, score in scores.items()}
