@@ -79,13 +79,16 @@ def warn_unrecorded(why: OSError) -> None:
         path = cache_file()
     except OSError:
         return
-    if "unrecorded " + str(path) in _warned:
-        return
-    _warned.add("unrecorded " + str(path))
-    warnings.warn(f"angle_kernels: the outcomes of first-use checks are not recorded in the cache {path} ({why}), so "
-                  "every process checks the first call of each kind again: set "
-                  f"{CACHE_ENV} to a folder this user can write (or `python -m angle_kernels.verify --forget` removes "
-                  "a file a later version wrote) to keep them", RuntimeWarning, stacklevel=2)
+    _warn_once(f"unrecorded {path}", f"the outcomes of first-use checks are not recorded in the cache {path} ({why}), "
+               f"so every process checks the first call of each kind again: set {CACHE_ENV} to a folder this user can "
+               "write (or `python -m angle_kernels.verify --forget` removes a file a later version wrote) to keep them")
+
+
+def _warn_once(key: str, message: str) -> None:
+    """A RuntimeWarning saying `message`, once per process for `key` (_warned; `forget` clears a file's key)."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"angle_kernels: {message}", RuntimeWarning, stacklevel=3)
 
 
 def _empty() -> dict:
@@ -156,14 +159,11 @@ def read(path: Path | None = None) -> dict:
     try:
         path = path or cache_file()
     except OSError as exc:
-        if "" not in _warned:
-            _warned.add("")
-            warnings.warn(f"angle_kernels: no cache is read or written: {exc}", RuntimeWarning, stacklevel=2)
+        _warn_once("", f"no cache is read or written: {exc}")
         return _empty()
     contents, why, _ = _load(path)
-    if why is not None and str(path) not in _warned:
-        _warned.add(str(path))
-        warnings.warn(f"angle_kernels: ignoring the cache {path}: {why}", RuntimeWarning, stacklevel=2)
+    if why is not None:
+        _warn_once(str(path), f"ignoring the cache {path}: {why}")
     return contents
 
 
