@@ -29,10 +29,22 @@ what was frozen stays, until the session ends.
 Threads. Every test runs torch on one thread (an autouse fixture): the tests' tensors and models are small, where a
 second thread saves little, and a loaded CI machine punishes oversubscription. The thread count is process-wide
 state, so a test (or fixture) that changed it would change it for every test after it: each test starts from one
-thread and leaves the count as it found it. Tests with large work (the STS-B fine-tuning and evaluation) opt out
-with @pytest.mark.all_threads and run on torch's default count (ALL_THREADS). Processes a test starts set their own.
+thread and leaves the count as it found it. Tests with large work (the STS-B fine-tuning and evaluation) are marked
+@pytest.mark.all_threads and run on torch's default count (ALL_THREADS) shared among the pytest-xdist workers: all of
+it in a single process, one thread each with two workers on two cores. (The STS-B recipe took 150 s on two threads
+of two idle cores and 199 s on one: a second thread saves a quarter of the time for twice the cores, and beside a busy
+worker each of torch's parallel regions waits for the thread that shares a core.) Processes a test starts set their
+own.
+
+Order. The files holding a test marked all_threads (the STS-B recipe, 3.5 minutes on one thread) are handed out
+first, then the others as xdist orders them (--loadscope-reorder: most tests first). xdist's order alone put the recipe,
+a file of one test, near the end, where one worker ran it while the other had nothing left (150 s of a run's 855 s).
+Moving every long file first (the nvcc and Triton compile checks, the memory measurements) made them run at once, with
+their subprocesses' threads on the two cores, and the run took longer. scripts/test.sh passes --no-loadscope-reorder
+so that this order is the one xdist hands out; it changes nothing else.
 """
 
+import collections
 import gc
 import os
 
@@ -61,6 +73,17 @@ else:
     os.environ.pop("TRITON_INTERPRET", None)
 
 
+def pytest_collection_modifyitems(items):
+    """The files holding an all_threads test first, then the rest with the most tests first (see Order above); a
+    file's tests keep their order."""
+    first = {item.path for item in items if item.get_closest_marker("all_threads")}
+    tests_in = collections.Counter(item.path for item in items)
+    first_seen = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(item.path, index)
+    items.sort(key=lambda item: (item.path not in first, -tests_in[item.path], first_seen[item.path]))
+
+
 def pytest_collection_finish(session):
     gc.collect()  # what is garbage now is freed, not frozen
     gc.freeze()
@@ -70,7 +93,14 @@ def pytest_unconfigure(config):
     gc.unfreeze()  # in sight again for the collection at exit (nanobind's modules, triton's, report what it misses)
 
 
-ALL_THREADS = torch.get_num_threads()  # torch's default here (OMP_NUM_THREADS, else the cores), before any test
+def shared_threads(environ=os.environ, default: int | None = None) -> int:
+    """This worker's share of torch's default thread count (`default`: OMP_NUM_THREADS, else the cores) among the
+    pytest-xdist workers (PYTEST_XDIST_WORKER_COUNT; none: all of it), at least one."""
+    default = torch.get_num_threads() if default is None else default
+    return max(1, default // int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+ALL_THREADS = shared_threads()  # before any test changed the count
 
 
 @pytest.fixture(autouse=True)

