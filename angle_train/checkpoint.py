@@ -115,7 +115,7 @@ class Position:
     (whose mean the next row logs: restored on resume, so that a resumed run logs what an uninterrupted one does),
     and the step of the last good checkpoint of output_dir: the newest one whose weights a finite step was taken
     from (trainer.trust_checkpoint; None before there is one). Checkpoints written before best_step, loss_window,
-    good_checkpoint, data_record and dev_fingerprint existed load with their defaults."""
+    good_checkpoint, data_record, dev_fingerprint and resumes existed load with their defaults."""
 
     step: int = 0
     epoch: int = 0
@@ -139,6 +139,10 @@ class Position:
     # same --dev-data edited since is refused (_refuse_another_dev_set). None: no dev set yet, or written before it
     # was recorded.
     dev_fingerprint: str | None = None
+    # each resume that changed settings, oldest first: {"step": the step it resumed at, "changed": "--flag old -> new,
+    # ..."} (load_checkpoint; the model cards list them under the command, which is the last run's). Empty: none, or
+    # written before they were recorded.
+    resumes: list = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------------ folders
@@ -645,6 +649,8 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     if noted and dist_info.is_main:
         print(f"resuming with changed settings ({_changes_shown(noted)}): they apply from step {position.step} on",
               flush=True)
+    if changed or noted:  # kept with the next checkpoints, for the model cards
+        position.resumes.append({"step": position.step, "changed": _changes_shown({**changed, **noted})})
     return position
 
 
@@ -653,7 +659,8 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
 # scales recorded with the second; a base model swapped under its adapter), silently.
 RESUME_MODEL_SETTINGS = ("model", "lora_path", "lora_alpha", "pooling", "bidirectional", *PROMPT_SETTINGS.values())
 # Settings a resumed run may change, said when it does: they apply from the resumed step on (the loss's and LoRA's
-# dropout among them: the model card's command then names settings that trained only the steps from there).
+# dropout among them: the model card's command then names settings that trained only the steps from there, and the
+# card lists the resume's changes under it: Position.resumes).
 RESUME_NOTED = ("max_length", "model_dtype", "bf16", "fp16", "lora_dropout", "cosine_w", "ibn_w", "cln_w", "angle_w",
                 "cosine_tau", "ibn_tau", "angle_tau", "ibn_partition", "false_negative_margin",
                 "false_negative_strategy", "matryoshka_dims", "matryoshka_weights", "espresso", "espresso_dim",

@@ -1467,6 +1467,10 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
              f"A text embedding model fine-tuned from {base} with angle-train (angle_kernels {__version__}); "
              f"{which}.", "",
              "## Training", "", "```bash", run.command, "```", ""]
+    if position.resumes:  # the command is the last run's: the settings a resume changed, and from which step
+        lines += ["Resumed with changed settings: " + "; ".join(
+            f"at step {resume['step']}, {resume['changed']}" for resume in position.resumes)
+            + " (the command above is the last run's).", ""]
     if run.given:  # the command's --model / --train-data / --dev-data are then not what trained the model
         lines += [f"From Python: train() was given the {', '.join(g.replace('_', ' ') for g in run.given)} in place of "
                   "the flags above.", ""]

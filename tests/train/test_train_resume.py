@@ -320,6 +320,16 @@ def test_a_finished_run_is_extended_by_a_longer_resume_and_a_shorter_one_is_refu
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows = tracking.read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    # the model card's command is the last run's: it lists what each resume changed, and from which step (its card
+    # named the longer run's settings alone, as if the first steps had been trained with them)
+    card = (tmp_path / "run" / "final" / "README.md").read_text()
+    assert f"Resumed with changed settings: at step 4, {change} (the command above is the last run's)." in card
+    further = {k: v + 2 if k == "max_steps" and v else v + 1.0 if k == "epochs" else v for k, v in longer.items()}
+    train(_config(tmp_path / "run", resume="auto", **further, **constant, lr=1e-4), train_examples=data)
+    card = (tmp_path / "run" / "final" / "README.md").read_text()
+    flag, _ = change.split(" ", 1)
+    further_change = f"--lr 0.003 -> 0.0001, {flag} {'6 -> 8' if flag == '--max-steps' else '3.0 -> 4.0'}"
+    assert f"Resumed with changed settings: at step 4, {change}; at step 6, {further_change} (the command" in card
 
 
 def test_resume_auto_with_nothing_to_resume_says_it_starts_afresh(tmp_path, capsys):
