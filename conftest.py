@@ -74,14 +74,11 @@ else:
 
 
 def pytest_collection_modifyitems(items):
-    """The files holding an all_threads test first, then the rest with the most tests first (see Order above); a
-    file's tests keep their order."""
+    """The files holding an all_threads test first, then the rest with the most tests first (see Order above); the
+    sort is stable, so a file's tests (collected together) keep their order, and files of as many tests theirs."""
     first = {item.path for item in items if item.get_closest_marker("all_threads")}
     tests_in = collections.Counter(item.path for item in items)
-    first_seen = {}
-    for index, item in enumerate(items):
-        first_seen.setdefault(item.path, index)
-    items.sort(key=lambda item: (item.path not in first, -tests_in[item.path], first_seen[item.path]))
+    items.sort(key=lambda item: (item.path not in first, -tests_in[item.path]))
 
 
 def pytest_collection_finish(session):
