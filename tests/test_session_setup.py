@@ -51,6 +51,13 @@ def test_all_threads_tests_get_this_workers_share_of_the_cores(root_conftest):
     assert share({"PYTEST_XDIST_WORKER_COUNT": "16"}, default=2) == 1
 
 
+@pytest.mark.all_threads
+def test_subprocesses_doing_a_tests_large_work_get_the_share_an_all_threads_test_runs_on(thread_share):
+    """The memory measurements' processes (tests/test_memory.py) run on `thread_share` threads: the count an
+    all_threads test gets, one with two workers on two cores, not a second thread on the other worker's core."""
+    assert thread_share == torch.get_num_threads()
+
+
 class _Item:
     def __init__(self, path: str, all_threads: bool = False):
         self.path, self.all_threads = Path(path), all_threads
