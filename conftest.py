@@ -34,7 +34,8 @@ thread and leaves the count as it found it. Tests with large work (the STS-B fin
 it in a single process, one thread each with two workers on two cores. (The STS-B recipe took 150 s on two threads
 of two idle cores and 199 s on one: a second thread saves a quarter of the time for twice the cores, and beside a busy
 worker each of torch's parallel regions waits for the thread that shares a core.) Processes a test starts set their
-own; the memory measurements' processes take that share too (the `thread_share` fixture).
+own, on that share by default (an xdist worker sets OMP_NUM_THREADS to it for them); the memory measurements'
+processes take it explicitly (the `thread_share` fixture).
 
 Order. The files holding a test marked all_threads (the STS-B recipe, 3.5 minutes on one thread) are handed out
 first, then the others as xdist orders them (--loadscope-reorder: most tests first). xdist's order alone put the recipe,
@@ -98,6 +99,10 @@ def shared_threads(environ=os.environ, default: int | None = None) -> int:
 
 
 ALL_THREADS = shared_threads()  # before any test changed the count
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # the processes this worker's tests start (CLI runs, README blocks, benchmarks) run torch on the same share;
+    # this process's own torch has already read its default
+    os.environ["OMP_NUM_THREADS"] = str(ALL_THREADS)
 
 
 @pytest.fixture(scope="session")

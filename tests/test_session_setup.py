@@ -18,7 +18,10 @@ ROOT_CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 def root_conftest():
     spec = importlib.util.spec_from_file_location("angle_kernels_root_conftest", ROOT_CONFTEST)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # sets the same environment this session already has
+    environment = dict(os.environ)
+    spec.loader.exec_module(module)
+    os.environ.clear()  # as this session set it: a second import would compute its thread share on one thread
+    os.environ.update(environment)
     return module
 
 
@@ -52,10 +55,13 @@ def test_all_threads_tests_get_this_workers_share_of_the_cores(root_conftest):
 
 
 @pytest.mark.all_threads
-def test_subprocesses_doing_a_tests_large_work_get_the_share_an_all_threads_test_runs_on(thread_share):
-    """The memory measurements' processes (tests/test_memory.py) run on `thread_share` threads: the count an
-    all_threads test gets, one with two workers on two cores, not a second thread on the other worker's core."""
+def test_processes_a_test_starts_get_the_share_an_all_threads_test_runs_on(thread_share):
+    """The memory measurements' processes (tests/test_memory.py) run on `thread_share` threads, and under xdist every
+    process a test starts does by default (OMP_NUM_THREADS): the count an all_threads test gets, one with two
+    workers on two cores, not a second thread on the other worker's core."""
     assert thread_share == torch.get_num_threads()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        assert os.environ["OMP_NUM_THREADS"] == str(thread_share)
 
 
 class _Item:
