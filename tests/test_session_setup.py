@@ -1,6 +1,7 @@
 """The test session's own setup (the root conftest.py): the Triton interpreter is on exactly when there is no
-CUDA device, so that `pytest tests/ops` on a GPU machine runs the compiled kernels, not the interpreter; the long
-the tests marked all_threads are handed out first and share the cores with the other workers."""
+CUDA device, so that `pytest tests/ops` on a GPU machine runs the compiled kernels, not the interpreter; the files
+holding a test marked all_threads are handed out first, and those tests, and the processes any test starts, run on
+this worker's share of the cores."""
 
 from __future__ import annotations
 
