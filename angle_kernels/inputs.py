@@ -51,7 +51,7 @@ from typing import NamedTuple, Union
 
 import torch
 
-from .contract import check_dims
+from .contract import check_dims, compute_dtype
 from .distributed import all_gather_many_with_grad, gathering_rank_and_world_size, refused_together
 
 # ---------------------------------------------------------------------------------------------------------
@@ -199,6 +199,23 @@ def check_scale(name: str, value, *, divides: bool = False) -> float:
                  f"<= {LARGEST_LOGIT_FACTOR:.3g}: the logits are multiplied by it")
         raise ValueError(f"{name} must be {bound}, and past that they overflow float32; got {value:g}")
     return value
+
+
+# The largest weight a loss term may carry: its compute dtype's largest number (contract.compute_dtype: float32 for
+# 16- and 32-bit embeddings)
+LARGEST_WEIGHT = {dtype: float(torch.finfo(dtype).max) for dtype in (torch.float32, torch.float64)}
+
+
+def check_weight_fits(name: str, value: float, dtype: torch.dtype) -> None:
+    """A weight of a loss term (a float: check_scalar's, or a product of those) on embeddings of `dtype`: it
+    multiplies a term computed in the compute dtype, where a weight past that dtype's range is inf (before: an inf
+    loss and NaN gradients); ValueError naming the argument and the range, before any compute."""
+    computed_in = compute_dtype(dtype)
+    if not abs(value) <= LARGEST_WEIGHT[computed_in]:
+        precision = str(computed_in).removeprefix("torch.")
+        raise ValueError(f"{name} must be within +-{LARGEST_WEIGHT[computed_in]:.6g} ({precision}'s range: the loss "
+                         f"of {str(dtype).removeprefix('torch.')} embeddings is computed in {precision}, where a "
+                         f"larger weight is inf); got {value:g}")
 
 
 def check_choice(name: str, value, choices: tuple) -> None:
@@ -490,7 +507,8 @@ def nested_dims(nested: Nested | None) -> tuple[int, ...] | None:
 
 
 def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, even: bool = False, *,
-                 layer_weights: LayerWeights | None = None, layers: int | None = None) -> Nested | None:
+                 layer_weights: LayerWeights | None = None, layers: int | None = None,
+                 dtype: torch.dtype | None = None) -> Nested | None:
     """dims: None (the plain loss) or distinct prefix widths <= width in any order (sentence-transformers users
     list them largest first); dim_weights: None (all 1) or one finite number per dim, in dims' order. even: the
     angle score needs even widths. Returned sorted ascending, the weights permuted alike.
@@ -498,13 +516,19 @@ def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, 
     layer_weights / layers: a stack of `layers` layers' embeddings [L, rows, D] (check_layer_stack gives L) and
     its weights: one number per layer (times the prefixes' dim_weights), or, with dims, one row of len(dims)
     numbers per layer (in dims' order; they replace dim_weights, which must then be None). Weights that are all 0
-    give a loss of 0 with zero gradients, as all-zero dim_weights do (Nested.terms)."""
+    give a loss of 0 with zero gradients, as all-zero dim_weights do (Nested.terms).
+
+    dtype: the embeddings' dtype, where known: every weight (a layer's times a dim's) must fit its losses' compute
+    dtype (check_weight_fits)."""
     if layer_weights is None:
         if dims is None:
             if dim_weights is not None:
                 raise ValueError("dim_weights needs dims (the prefix widths they weight)")
             return None
         dims, weights = _checked_prefixes(dims, dim_weights)
+        if dtype is not None:
+            for i, weight in enumerate(weights):
+                check_weight_fits(f"dim_weights[{i}]", weight, dtype)
         order = sorted(range(len(dims)), key=dims.__getitem__)
         return Nested(check_dims(tuple(dims[i] for i in order), width, even), (tuple(weights[i] for i in order),))
     layer_weights = _numpy_as_list(layer_weights)
@@ -522,20 +546,29 @@ def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, 
                          "dim_weights (leave it None)")
     if dims is None:
         table = [[check_scalar(f"layer_weights[{layer}]", w)] for layer, w in enumerate(layer_weights)]
+        names = [[f"layer_weights[{layer}]"] for layer in range(len(table))]
         order = [0]
     else:
+        dim_weights_given = not rows_given and dim_weights is not None
         dims, dim_weights = _checked_prefixes(dims, None if rows_given else dim_weights)
-        table = []
+        table, names = [], []
         for layer, row in enumerate(layer_weights):
             if rows_given:
                 if not isinstance(row, (tuple, list)) or len(row) != len(dims):
                     raise ValueError(f"layer_weights[{layer}] must have one weight per dim ({len(dims)}), got {row!r}")
                 table.append([check_scalar(f"layer_weights[{layer}][{i}]", w) for i, w in enumerate(row)])
+                names.append([f"layer_weights[{layer}][{i}]" for i in range(len(dims))])
             else:
                 scale = check_scalar(f"layer_weights[{layer}]", row)
                 table.append([scale * w for w in dim_weights])
+                names.append([f"layer_weights[{layer}] x dim_weights[{i}]" if dim_weights_given else
+                              f"layer_weights[{layer}]" for i in range(len(dims))])
         order = sorted(range(len(dims)), key=dims.__getitem__)
         dims = check_dims(tuple(dims[i] for i in order), width, even)
+    if dtype is not None:
+        for row, row_names in zip(table, names):
+            for weight, name in zip(row, row_names):
+                check_weight_fits(name, weight, dtype)
     return Nested(dims, tuple(tuple(row[i] for i in order) for row in table), stacked=True)
 
 
@@ -793,7 +826,8 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
                          hardness_strength=hardness_strength, false_negative_margin=false_negative_margin,
                          false_negative_strategy=false_negative_strategy, similarity=similarity) if sharing else None)
     if nested is None:
-        nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers)
+        nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers,
+                              dtype=queries.dtype)
     elif nested.dims is not None:
         check_dims(nested.dims, queries.shape[-1])
     return MultipleNegativesCall(queries, positives, list(negatives), scale, directions, partition_mode,

@@ -33,6 +33,7 @@ from .inputs import (
     check_scale,
     check_triplets,
     check_two_views,
+    check_weight_fits,
     check_zigzag,
     promote_embeddings,
     say_no_effect,
@@ -41,6 +42,8 @@ from .losses.angle import AngleSettings, angle_objective_a, angle_objective_b, a
 from .losses.arccse import arccon, triplet
 
 DATASET_FORMATS = ("A", "B", "C")
+# the term weights each format multiplies its terms by (format B ignores them, as the reference does)
+_TERM_WEIGHTS = {"A": ("cosine_w", "ibn_w", "angle_w"), "B": (), "C": ("cosine_w", "ibn_w", "cln_w", "angle_w")}
 
 
 def _check_dataset_format(dataset_format) -> None:
@@ -155,13 +158,13 @@ class AngleLoss(nn.Module):
         self.dims, self.dim_weights = dims, dim_weights
         self.backend = check_backend(backend)  # here, not at the first training step
 
-    def _nested(self, width: int, angle_w: float, layer_weights: LayerWeights | None,
+    def _nested(self, width: int, dtype: torch.dtype, angle_w: float, layer_weights: LayerWeights | None,
                 layers: int | None) -> Nested | None:
         """The dims and layer weights of a call; the prefixes must have even widths where the angle term splits
         them in halves (angle_w > 0, formats A and C: format B has no angle term)."""
         return check_nested(self.dims, self.dim_weights, width,
                             even=computes_angle_term(angle_w, self.dataset_format),
-                            layer_weights=layer_weights, layers=layers)
+                            layer_weights=layer_weights, layers=layers, dtype=dtype)
 
     def extra_repr(self) -> str:
         return (
@@ -203,6 +206,9 @@ class AngleLoss(nn.Module):
         # first: outputs, or the first layer of a stack (the values of the others are checked here)
         layers, (first,) = check_layer_stack(layer_weights, ("outputs", outputs))
         settings = self.settings()
+        for name in _TERM_WEIGHTS[self.dataset_format]:
+            if getattr(settings, name) > 0:  # a weight <= 0 computes no term
+                check_weight_fits(name, getattr(settings, name), first.dtype)
         _note_unused_in_batch_options(settings, self.dataset_format)
         if self.dataset_format == "A":
             row_labels = check_zigzag(labels, first, names=("labels", "outputs"))
@@ -217,7 +223,7 @@ class AngleLoss(nn.Module):
             check_choice("angle_pooling_strategy", settings.angle_pooling_strategy, POOLING_STRATEGIES)
             check_angle_dim(first.shape[-1], "outputs")
         ops = resolve_backend(self.backend, outputs)
-        nested = self._nested(first.shape[1], settings.angle_w, layer_weights, layers)
+        nested = self._nested(first.shape[1], first.dtype, settings.angle_w, layer_weights, layers)
         # outputs is checked whole above, so the formulas are called rather than the public functions, which would
         # scan the same rows for NaN/Inf again (one more device sync per step)
         if self.dataset_format == "A":
@@ -325,12 +331,13 @@ class ArcCSELoss(nn.Module):
         check_two_views(*first[:2])
         ops = resolve_backend(self.backend, h1)
         nested = check_nested(self.dims, self.dim_weights, first[0].shape[1], layer_weights=layer_weights,
-                              layers=layers)
+                              layers=layers, dtype=h1.dtype)
         # read and checked at each call, as AngleLoss's settings: an attribute set after construction takes effect
         margin_radians, tau = check_arccon_options(self.margin_degrees, self.tau)
         triplet_weight = _check_triplet_weight(self.triplet_weight)
         triplet_margin = check_scalar("triplet_margin", self.triplet_margin)
         if all(given):  # checked whatever the weight: a weight of 0 computes nothing with them, but they are wrong
+            check_weight_fits("triplet_weight", triplet_weight, h1.dtype)
             check_triplets(*first[2:])
             # one encoder embeds all five, and dims truncate both terms alike: a triplet of another width was scored
             # at a width the views were not, or (with dims) failed inside the triplet's op after ArcCon had run

@@ -378,6 +378,28 @@ def test_every_weight_zero_gives_a_zero_that_backward_takes(fmt):
     assert loss.item() == 0.0 and loss.dtype == torch.float32 and torch.equal(x.grad, torch.zeros_like(x))
 
 
+@pytest.mark.parametrize("fmt, name", [(fmt, name) for fmt, names in (
+    ("A", ("cosine_w", "ibn_w", "angle_w")), ("C", ("cosine_w", "ibn_w", "cln_w", "angle_w"))) for name in names])
+def test_a_term_weight_past_the_compute_dtypes_range_is_refused_by_name(fmt, name):
+    """A term's weight multiplies it in float32 for 32- and 16-bit embeddings: cosine_w=1e300 was inf there (an inf
+    loss and NaN gradients, as angle-emb gives). Refused at the call (the embeddings' dtype decides the range),
+    naming the weight and the range; float64 embeddings take it, the loss the term times the weight. A weight
+    that computes nothing (format A's cln_w, format B's weights, a negative weight) is not refused."""
+    labels, x = _inputs(torch.Generator().manual_seed(0), fmt, 3, 6, dtype=torch.float64)
+    zero = dict(cosine_w=0.0, ibn_w=0.0, cln_w=0.0, angle_w=0.0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match=rf"^{name} must be within \+-3\.40282e\+38 \(float32's range: the loss "
+                                             rf"of {str(dtype)[6:]} embeddings is computed in float32"):
+            ak.AngleLoss(dataset_format=fmt, **{**zero, name: 1e300})(labels, x.to(dtype))
+        ak.AngleLoss(dataset_format=fmt, **{**zero, "ibn_w": 1.0, name: -1e300})(labels, x.to(dtype))
+    term = ak.AngleLoss(dataset_format=fmt, **{**zero, name: 1.0})(labels, x)
+    torch.testing.assert_close(ak.AngleLoss(dataset_format=fmt, **{**zero, name: 1e300})(labels, x), 1e300 * term,
+                               rtol=1e-12, atol=0)
+    if fmt == "A":  # format B reads the same zigzag rows
+        for unused in ("A", dict(cln_w=1e300)), ("B", dict(cosine_w=1e300, ibn_w=1e300, angle_w=1e300)):
+            assert torch.isfinite(ak.AngleLoss(dataset_format=unused[0], **unused[1])(labels, x.float()))
+
+
 @pytest.mark.parametrize("name, value, said", [
     ("angle_tau", float("inf"), "angle_tau must be finite"), ("cosine_tau", 0.0, "cosine_tau must be > 0"),
     ("ibn_w", float("nan"), "ibn_w must be finite"), ("ibn_partition", "bogus", "ibn_partition must be one of"),

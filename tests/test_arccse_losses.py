@@ -155,6 +155,19 @@ def test_triplet_weight_is_at_least_zero_and_the_triplets_are_checked_whatever_i
         module(h1, h2)
 
 
+def test_a_triplet_weight_past_the_compute_dtypes_range_is_refused_before_arccon_runs(gen):
+    """triplet_weight multiplies the triplet term in float32 for 32- and 16-bit views: 1e300 was inf there, an inf
+    loss and NaN gradients after both terms ran. Refused first, naming the weight and the range; float64 views take
+    it, the loss ArcCon's plus the weight times the triplet term's."""
+    h1, h2 = _views(gen, 4, 8, torch.float64)
+    module = ak.ArcCSELoss(triplet_weight=1e300)
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(ValueError, match=r"^triplet_weight must be within \+-3\.40282e\+38 \(float32's range"):
+            module(*(t.to(dtype) for t in (h1, h2, h1, h2, h2)))
+    expected = ak.arccon_loss(h1, h2) + 1e300 * ak.triplet_loss(h1, h2, h2, 0.0)
+    torch.testing.assert_close(module(h1, h2, h1, h2, h2), expected, rtol=1e-12, atol=0)
+
+
 # --------------------------------------------------------------------------------------------------------
 # bfloat16 / float16
 

@@ -185,3 +185,21 @@ def test_stacks_must_be_three_dimensional_and_alike():
         ak.multiple_negatives_ranking_loss(q, p, layer_weights=[1.0] * 3, gather_across_devices=True)
     with pytest.raises(ValueError, match="labels|y_true"):
         ak.cosine_loss(y_true[:-2], y_pred, layer_weights=[1.0] * 3)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(layer_weights=[1.0, 1e300, 1.0]), r"layer_weights\[1\]"),
+    (dict(layer_weights=[[1.0, 1.0], [1.0, 1.0], [1.0, -1e39]], dims=(8, 16)), r"layer_weights\[2\]\[1\]"),
+    # each factor fits, their product does not
+    (dict(layer_weights=[1.0, 1e20, 1.0], dims=(16, 8), dim_weights=(1.0, 1e20)),
+     r"layer_weights\[1\] x dim_weights\[1\]"),
+])
+def test_a_layer_weight_past_the_compute_dtypes_range_is_refused_by_name(kwargs, named):
+    """A layer's weight (times a dim's) multiplies its loss in float32 for 32- and 16-bit embeddings: past float32's
+    range it was inf, an inf loss and NaN gradients. Refused before any compute, naming the weight; float64 takes
+    it."""
+    y_true, y_pred = _zigzag(generator("layerwise", "weight range"), torch.float64)
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(ValueError, match=rf"^{named} must be within \+-3\.40282e\+38 \(float32's range"):
+            ak.cosine_loss(y_true, y_pred.to(dtype), **kwargs)
+    assert torch.isfinite(ak.cosine_loss(y_true, y_pred, **kwargs))

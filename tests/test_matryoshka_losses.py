@@ -14,7 +14,7 @@ import torch
 import angle_kernels as ak
 from angle_kernels.testing.cases import LOSS_CASES, MODULES_WITH_BOTH_OPS, Draw
 from angle_kernels.testing.helpers import (HALF_DTYPES, across_backends, check_against_oracle, generator, in_turn,
-                                           skip_unless_feature)
+                                           randn, skip_unless_feature)
 
 WIDTH = 24
 DIMS = (24, 8, 16, 6)  # any order: the losses sort them, with their weights
@@ -186,3 +186,34 @@ def test_angle_needs_even_dims():
     y_true, y_pred = _zigzag(generator("matryoshka", "odd"), torch.float32)
     with pytest.raises(ValueError, match="even"):
         ak.angle_loss(y_true, y_pred, dims=(24, 7))
+
+
+# every loss that parses dims (through check_nested) on its embeddings' dtype: name -> call(embeddings dtype, kwargs)
+def _dim_weight_calls(gen):
+    y_true, y_pred = _zigzag(gen, torch.float64)
+    binary = (y_true > 0.2).double()  # in-batch negatives take 0/1 labels
+    q, p, n = (randn(gen, 4, y_pred.shape[-1], dtype=torch.float64) for _ in range(3))
+    return {
+        "cosine": lambda dtype, kw: ak.cosine_loss(y_true, y_pred.to(dtype), **kw),
+        "angle": lambda dtype, kw: ak.angle_loss(y_true, y_pred.to(dtype), **kw),
+        "in_batch_negative": lambda dtype, kw: ak.in_batch_negative_loss(binary, y_pred.to(dtype), **kw),
+        "contrastive": lambda dtype, kw: ak.contrastive_with_negative_loss(q.to(dtype), p.to(dtype), n.to(dtype), **kw),
+        "mnrl": lambda dtype, kw: ak.multiple_negatives_ranking_loss(q.to(dtype), p.to(dtype), [n.to(dtype)], **kw),
+        "arccon": lambda dtype, kw: ak.arccon_loss(q.to(dtype), p.to(dtype), **kw),
+        "triplet": lambda dtype, kw: ak.triplet_loss(q.to(dtype), p.to(dtype), n.to(dtype), 0.1, **kw),
+    }
+
+
+def test_a_dim_weight_past_the_compute_dtypes_range_is_refused_by_name():
+    """A dim weight multiplies its prefix's loss in the compute dtype: float32 for 32- and 16-bit embeddings, where
+    dim_weights (1e300, 1) was inf: an inf loss and NaN gradients. Refused before any compute, naming the weight
+    and the range; float64 embeddings take it, the weighted sum the loss times the weight."""
+    width = _zigzag(generator("matryoshka", "weight range"), torch.float64)[1].shape[-1]
+    for name, call in _dim_weight_calls(generator("matryoshka", "weight range")).items():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            with pytest.raises(ValueError, match=r"^dim_weights\[0\] must be within \+-3\.40282e\+38 \(float32's "
+                                                 rf"range: the loss of {str(dtype)[6:]} embeddings is computed in "
+                                                 r"float32, where a larger weight is inf\); got 1e\+300$"):
+                call(dtype, dict(dims=(width, 8), dim_weights=(1e300, 1.0)))
+        weighted = call(torch.float64, dict(dims=(width, 8), dim_weights=(1e300, 0.0)))
+        torch.testing.assert_close(weighted, 1e300 * call(torch.float64, {}), rtol=1e-12, atol=0, msg=name)

@@ -70,7 +70,8 @@ def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *
     tau = check_scale("tau", tau)
     layers, (first,) = check_layer_stack(layer_weights, ("y_pred", y_pred))
     labels = check_zigzag(y_true, first)
-    nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers)
+    nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers,
+                          dtype=first.dtype)
     ops = resolve_backend(backend, y_pred)
     return ranking_terms(ops, as_pairs(y_pred), labels[0::2], cosine_tau=tau, nested=nested)[0]
 
@@ -108,7 +109,8 @@ def angle_loss(
     layers, (first,) = check_layer_stack(layer_weights, ("y_pred", y_pred))
     labels = check_zigzag(y_true, first)
     check_angle_dim(first.shape[1])
-    nested = check_nested(dims, dim_weights, first.shape[1], even=True, layer_weights=layer_weights, layers=layers)
+    nested = check_nested(dims, dim_weights, first.shape[1], even=True, layer_weights=layer_weights, layers=layers,
+                          dtype=first.dtype)
     ops = resolve_backend(backend, y_pred)
     return ranking_terms(ops, as_pairs(y_pred), labels[0::2], angle_tau=tau,
                                pooling_strategy=pooling_strategy, nested=nested)[1]
@@ -153,7 +155,8 @@ def in_batch_negative_loss(
     labels = check_zigzag(y_true, first)
     check_binary_labels("y_true", labels, "in_batch_negative_loss")
     group_ids = check_group_ids(group_ids, first.shape[0], first)
-    nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers)
+    nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers,
+                          dtype=first.dtype)
     return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids, nested=nested)
 
 
@@ -191,7 +194,8 @@ def contrastive_with_negative_loss(
     if first[1].shape[0] < first[0].shape[0]:  # the widths are check_embedding_group's
         raise ValueError(f"pos must have at least text's {first[0].shape[0]} rows (pos[i] is text[i]'s positive), got "
                          f"shape {tuple(first[1].shape)}")
-    nested = check_nested(dims, dim_weights, text.shape[-1], layer_weights=layer_weights, layers=layers)
+    nested = check_nested(dims, dim_weights, text.shape[-1], layer_weights=layer_weights, layers=layers,
+                          dtype=text.dtype)
     candidates = pos if neg is None else torch.cat((pos, neg.to(pos.dtype)), dim=-2)
     return contrastive(resolve_backend(backend, text), text, candidates, tau, nested)
 

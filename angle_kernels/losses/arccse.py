@@ -64,7 +64,8 @@ def arccon_loss(
     h1, h2 = promote_embeddings(h1, h2)
     layers, first = check_layer_stack(layer_weights, ("h1", h1), ("h2", h2))
     check_two_views(*first)
-    nested = check_nested(dims, dim_weights, h1.shape[-1], layer_weights=layer_weights, layers=layers)
+    nested = check_nested(dims, dim_weights, h1.shape[-1], layer_weights=layer_weights, layers=layers,
+                          dtype=h1.dtype)
     return arccon(resolve_backend(backend, h1), h1, h2, margin, tau, nested)
 
 
@@ -95,7 +96,8 @@ def triplet_loss(
     anchor, weak, strong = promote_embeddings(anchor, weak, strong)
     layers, first = check_layer_stack(layer_weights, ("anchor", anchor), ("weak", weak), ("strong", strong))
     check_triplets(*first)
-    nested = check_nested(dims, dim_weights, anchor.shape[-1], layer_weights=layer_weights, layers=layers)
+    nested = check_nested(dims, dim_weights, anchor.shape[-1], layer_weights=layer_weights, layers=layers,
+                          dtype=anchor.dtype)
     return triplet(resolve_backend(backend, anchor), anchor, weak, strong, margin, nested)
 
 
