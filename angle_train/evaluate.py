@@ -404,13 +404,17 @@ def sts_spearman(encoder, tokenizer, examples: list[Example], *, batch_size: int
 
 
 def sts_spearman_by_dim(encoder, tokenizer, examples: list[Example], dims, *, batch_size: int = 128,
-                        max_length: int | None = None, prompt: str | None = None) -> dict:
-    """{dim: sts_spearman(..., dim=dim)} for each of dims (None: the whole embeddings), the texts embedded once."""
+                        max_length: int | None = None, prompt: str | None = None,
+                        pairs: PairTexts | None = None) -> dict:
+    """{dim: sts_spearman(..., dim=dim)} for each of dims (None: the whole embeddings), the texts embedded once.
+    pairs: the examples' pair_texts where the caller holds them (StsSet.pairs(): evaluate counted its progress bar's
+    texts with them), else built here."""
     if not examples or len(examples[0].texts) != 2:
         raise ValueError("STS evaluation needs format-A examples (text1, text2, label)")
     for dim in dims:
         check_dim(dim, encoder.embedding_dim)  # before embedding the texts, not after
-    pairs = pair_texts(examples)
+    if pairs is None:
+        pairs = pair_texts(examples)
     embeddings = encoder.encode(pairs.texts, tokenizer, batch_size=batch_size, max_length=max_length, prompt=prompt)
     return spearman_by_dim(embeddings[pairs.first], embeddings[pairs.second], [ex.label for ex in examples], dims)
 
@@ -556,9 +560,10 @@ def evaluate(encoder, tokenizer, datasets, *, batch_size: int = 128, max_length:
     results = {}
     for dataset in datasets:
         if isinstance(dataset, StsSet):
-            with encoding_progress(encoder, len(dataset.pairs().texts), dataset.name, progress):
+            pairs = dataset.pairs()
+            with encoding_progress(encoder, len(pairs.texts), dataset.name, progress):
                 scores = sts_spearman_by_dim(encoder, tokenizer, dataset.examples, widths, batch_size=batch_size,
-                                             max_length=max_length)
+                                             max_length=max_length, pairs=pairs)
             scores = {dim: 100.0 * score for dim, score in scores.items()}
         else:
             embed = {"batch_size": batch_size, "max_length": max_length}

@@ -1,6 +1,7 @@
 """angle-eval and angle_train.evaluate beyond the distribution layouts (test_angle_eval.py): SICK-R's pairs and
 scores, the table's average, each prompt flag reaching its role, a prompt applied to both texts of an STS pair,
-an adapter-only LoRA export scored from its recorded base, and each distinct text of scored pairs embedded once.
+an adapter-only LoRA export scored from its recorded base, and each distinct text of scored pairs found and embedded
+once.
 Tiny models built from configs, no network."""
 
 from __future__ import annotations
@@ -125,3 +126,20 @@ def test_a_text_given_twice_is_embedded_once_so_its_pairs_tie_whatever_the_batch
     assert [texts for texts, _ in dev_inputs(dev_set)] == [distinct]
     rows = encoder.encode(distinct, tokenizer, batch_size=3)
     assert scores_of_embeddings(dev_set, [rows], [])["dev_spearman"] == pytest.approx(scores[3], abs=1e-12)
+
+
+def test_evaluate_pairs_the_texts_of_a_scored_set_once(monkeypatch):
+    """evaluate() counts its progress bar's texts with the set's distinct texts (StsSet.pairs) and scores with the
+    same ones: sts_spearman_by_dim built them a second time (a dict pass over every example) for each scored set."""
+    from angle_train import evaluate as evaluation
+    from angle_train.data import Example
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    examples = [Example(pair, float(i)) for i, pair in enumerate(PAIRS)]
+    built = []
+    pair_texts = evaluation.pair_texts
+    monkeypatch.setattr(evaluation, "pair_texts", lambda given: built.append(len(given)) or pair_texts(given))
+    results = evaluation.evaluate(encoder, tokenizer, [evaluation.StsSet("pairs", examples)], batch_size=3,
+                                  progress=False)
+    assert built == [len(examples)]
+    assert results["pairs"] == 100.0 * evaluation.sts_spearman(encoder, tokenizer, examples, batch_size=3)
