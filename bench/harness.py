@@ -706,11 +706,20 @@ def call_in_fork(fn, *args, timeout: float = 600.0):
 # --------------------------------------------------------------------------------------------------------
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace path's contents in one step: a reader (or a kill) never sees half a file."""
+@contextlib.contextmanager
+def written_aside(path: Path):
+    """A path beside `path` (NAME.tmp) for the block to write the new contents into, by any writer (write_text, a
+    figure's savefig); once the block ends without an exception, it replaces `path` in one step: a reader (or a kill)
+    never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    yield tmp
     os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace path's contents in one step (written_aside): a reader (or a kill) never sees half a file."""
+    with written_aside(path) as tmp:
+        tmp.write_text(text)
 
 
 @functools.cache

@@ -715,10 +715,9 @@ def plot(results, args, losses, env, path: Path) -> None:
     fig.suptitle("\n".join(lines), fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 0.96 - 0.03 * (len(lines) - 1)))
     # into a temporary file first, as the table and results.json are written: a kill mid-write leaves no half a png
-    partial = path.with_name(path.name + ".tmp")
-    fig.savefig(partial, dpi=110, format="png")
-    plt.close(fig)
-    os.replace(partial, path)
+    with harness.written_aside(path) as partial:
+        fig.savefig(partial, dpi=110, format="png")
+        plt.close(fig)
 
 
 # --------------------------------------------------------------------------------------------------------
