@@ -637,7 +637,7 @@ def load_model(model: str, *, pooling: str | None = None, device: str | torch.de
               + (f", with its export's pooling, attention and prompts ({export_meta})" if export_meta else ""),
               file=sys.stderr, flush=True)
     if os.path.isfile(os.path.join(model, META_FILE)) or export_meta:
-        encoder, tokenizer, meta = load_pretrained(model, device=device, pooling=pooling,
+        encoder, tokenizer, meta = load_pretrained(model, device=device, pooling=pooling, export_meta_file=export_meta,
                                                    base_model=base if export_meta else base_model)
         encoder.pooling_source = f"the export's {export_meta or META_FILE}" if pooling is None else "--pooling"
         return encoder, tokenizer, meta

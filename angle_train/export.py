@@ -47,7 +47,7 @@ import shutil
 from . import st_folder
 from .st_folder import META_FILE
 from .data import prompt_prefix
-from .models import ADAPTER_CONFIG, ADAPTER_FOLDER, absolute_if_local, adapter_export_meta, position_limit
+from .models import ADAPTER_CONFIG, ADAPTER_FOLDER, LOOK_UP, absolute_if_local, adapter_export_meta, position_limit
 
 ST_POOLING_KEYS = st_folder.POOLING_KEYS
 CARD_FILE = "README.md"
@@ -294,14 +294,17 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
     _write_json(os.path.join(pooling_folder, "config.json"), pooling)
 
 
-def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, pooling: str | None = None, **kwargs):
+def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, pooling: str | None = None,
+                    export_meta_file: str | None | object = LOOK_UP, **kwargs):
     """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only), or from the
     adapter/ folder of a whole-model LoRA export, applied to its base model with the export's settings (meta: the
-    export's); `pooling` replaces the export's (meta keeps the export's own)."""
+    export's); `pooling` replaces the export's (meta keeps the export's own). export_meta_file: adapter_export_meta(path)
+    where the caller has looked it up (angle-eval names it before the model loads), else looked up here."""
     from .models import export_pooling, export_prompts, load_encoder, recorded_base
     from .preflight import check_model_folder
 
-    export_meta_file = adapter_export_meta(path)
+    if export_meta_file is LOOK_UP:
+        export_meta_file = adapter_export_meta(path)
     meta_file = export_meta_file or os.path.join(path, META_FILE)
     if not os.path.isfile(meta_file):
         check_model_folder(path, "load_pretrained:")  # a run's output folder: named, with the models it holds

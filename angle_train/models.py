@@ -760,6 +760,11 @@ def adapter_export_meta(folder: str) -> str | None:
     return meta_file if meta.get("lora") and not meta.get("adapter_only") else None
 
 
+# The value of a settings-file argument (build_encoder's lora_settings, load_pretrained's export_meta_file) whose
+# caller has not looked the file up: the function looks it up itself, once
+LOOK_UP = object()
+
+
 def adapter_settings_file(lora_path: str) -> str | None:
     """The angle_train.json that records how the adapter in `lora_path` embedded texts in training (pooling, attention,
     prompts): its own (an adapter-only export, a LoRA run's best/) or its export's (final/adapter:

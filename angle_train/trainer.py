@@ -59,7 +59,7 @@ from .evaluate import (
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
-    ADAPTER_CONFIG, PEFT_LORA_DROPOUT, AdapterFitError, LoraSettings, LoraTargetError, absolute_if_local,
+    ADAPTER_CONFIG, LOOK_UP, PEFT_LORA_DROPOUT, AdapterFitError, LoraSettings, LoraTargetError, absolute_if_local,
     adapted_layer_names, adapter_settings_file, attach_adapter, export_pooling, load_encoder, own_bidirectional,
     own_prompts, past_trained_context_note, position_limit, prepare_tokenizer, read_adapter_config, wrap_backbone,
 )
@@ -373,7 +373,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     torch.manual_seed(cfg.seed)  # same model (and LoRA) initialisation on every rank
     # the export whose angle_train.json records how the model embeds: --model's, or that of an adapter angle_train
     # exported (--lora-path best/ or final/adapter), trained with its pooling, attention and prompts (_build_encoder)
-    lora_settings = adapter_settings_file(cfg.lora_path) if model is None and cfg.lora_path else None
+    lora_settings = lora_settings_file(cfg) if model is None else None
     settings_folder = (os.path.dirname(lora_settings) or os.curdir) if lora_settings else cfg.model
     settings_file = f"the adapter's {lora_settings}" if lora_settings else f"the model folder's {st_folder.META_FILE}"
     prompts_record = lora_settings or f"{cfg.model}'s {st_folder.META_FILE}"
@@ -386,7 +386,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     # without them, a model learns bare texts where it had learned prompted ones
     gives_prompts = any(getattr(cfg, name) is not None for name in PROMPT_SETTINGS.values())
     folders_prompt_flags = "" if model is not None or gives_prompts else prompt_flags(own_prompts(settings_folder))
-    encoder, tokenizer = build_encoder(cfg, device) if model is None else (model[0].to(device), model[1])
+    encoder, tokenizer = build_encoder(cfg, device, lora_settings=lora_settings) if model is None else (
+        model[0].to(device), model[1])
     encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
     # before --fsdp shards the weights; on the main process, which prints it
     weights_note = half_precision_weights_note(cfg, encoder) if dist_info.is_main else None
@@ -807,23 +808,33 @@ def check_matryoshka_dims(cfg: TrainConfig, width: int, fmt: str | None, *, mode
                          f"{exc}") from None
 
 
-def build_encoder(cfg: TrainConfig, device: torch.device):
+def lora_settings_file(cfg: TrainConfig) -> str | None:
+    """The angle_train.json that records how --lora-path's adapter embedded texts (models.adapter_settings_file);
+    None without --lora-path, or for an adapter angle_train did not export."""
+    return adapter_settings_file(cfg.lora_path) if cfg.lora_path else None
+
+
+def build_encoder(cfg: TrainConfig, device: torch.device, *, lora_settings: str | None | object = LOOK_UP):
     """(encoder, tokenizer) of --model with the run's settings, validated first (a TrainConfig made in Python takes
     its defaults there: a LoRA setting left out, None, the adapter's or config.LORA_DEFAULTS'); --lora-targets that
-    cannot apply to it are refused naming the flag."""
+    cannot apply to it are refused naming the flag. lora_settings: lora_settings_file(cfg) where the caller has
+    looked it up (train() reads the adapter's attention and prompts from it too), else looked up here."""
     cfg.validate()
+    if lora_settings is LOOK_UP:
+        lora_settings = lora_settings_file(cfg)
     try:
-        return _build_encoder(cfg, device)
+        return _build_encoder(cfg, device, lora_settings=lora_settings)
     except LoraTargetError as exc:
         raise ValueError(f"--lora-targets {' '.join(cfg.lora_targets)}: {exc}") from None
     except AdapterFitError as exc:
         raise ValueError(f"--lora-path {cfg.lora_path}: {exc}") from None
 
 
-def _build_encoder(cfg: TrainConfig, device: torch.device):
+def _build_encoder(cfg: TrainConfig, device: torch.device, *, lora_settings: str | None):
     autocast = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else None
-    # an adapter angle_train exported pools as it was trained (its export's angle_train.json), not by --model's default
-    lora_settings = adapter_settings_file(cfg.lora_path) if cfg.lora_path and cfg.pooling is None else None
+    # an adapter angle_train exported pools as it was trained (its export's angle_train.json), not by --model's
+    # default; --pooling still decides
+    lora_settings = lora_settings if cfg.pooling is None else None
     pooling = cfg.pooling
     if lora_settings:
         pooling = export_pooling(lora_settings, st_folder.read_json(lora_settings).get("pooling"))

@@ -113,11 +113,14 @@ def test_angle_eval_scores_an_adapter_folder_on_its_base_model(tmp_path, capsys)
     assert "--base-model" in capsys.readouterr().err
 
 
-def test_a_lora_exports_adapter_folder_embeds_with_the_exports_pooling_attention_and_prompts(tmp_path, capsys):
+def test_a_lora_exports_adapter_folder_embeds_with_the_exports_pooling_attention_and_prompts(tmp_path, capsys,
+                                                                                             monkeypatch):
     """A LoRA run's final/adapter holds peft's files alone; angle-eval and load_pretrained apply it with what its
     export (final/angle_train.json) records, and embed as final/ does. They took it for a bare adapter: the decoder
     default (last token, causal attention, no prompt) in place of the run's mean pooling, bidirectional attention
-    and AnglE prompt, and scored another model without a word."""
+    and AnglE prompt, and scored another model without a word. angle-eval looks the export up once per model (it
+    was looked up again as the model loaded)."""
+    from angle_train import export
     from angle_train.export import load_pretrained
 
     base, final, encoder, tokenizer = lora_export(tmp_path)
@@ -125,12 +128,15 @@ def test_a_lora_exports_adapter_folder_embeds_with_the_exports_pooling_attention
     whole, alone = load_pretrained(final)[0], load_pretrained(adapter)[0]
     assert (alone.pooling, alone.bidirectional, alone.prompts) == ("avg", True, encoder.prompts)
     torch.testing.assert_close(alone.encode(TEXTS, tokenizer), whole.encode(TEXTS, tokenizer), rtol=1e-5, atol=1e-5)
-    pairs, scores = pairs_file(tmp_path), {}
+    pairs, scores, looked_up = pairs_file(tmp_path), {}, []
+    find_export = export.adapter_export_meta
+    monkeypatch.setattr(export, "adapter_export_meta", lambda folder: looked_up.append(folder) or find_export(folder))
     for name, model in (("final", final), ("adapter", adapter)):
         out = tmp_path / f"{name}.json"
         assert main([model, str(pairs), "--json", str(out)]) == 0
         scores[name] = json.loads(out.read_text())["pairs"]
     assert scores["adapter"] == pytest.approx(scores["final"], abs=1e-6)
+    assert looked_up == [adapter]  # final/ is a whole model: no adapter's export to look up
     err = capsys.readouterr().err
     assert (f"the LoRA adapter {adapter} on its base model {base}, with its export's pooling, attention and prompts "
             f"({tmp_path / 'final' / 'angle_train.json'})") in err
@@ -166,18 +172,25 @@ def test_only_a_lora_exports_own_adapter_folder_takes_its_exports_settings(tmp_p
     assert adapter_export_meta(folder(tmp_path / "empty" / "adapter", meta=lora_whole, adapter=False)) is None
 
 
-def test_training_continues_an_exported_adapter_with_its_exports_pooling_and_attention(tmp_path, capsys):
+def test_training_continues_an_exported_adapter_with_its_exports_pooling_and_attention(tmp_path, capsys,
+                                                                                       monkeypatch):
     """--lora-path to an adapter angle-train exported (final/adapter, or an adapter-only best/) continues it with the
     pooling and attention its export records, and says the prompts it was trained with, as --model does with an
     export; the run pooled the last token with causal attention (the decoder defaults) in silence, training the adapter
-    on other embeddings than those it had learned."""
+    on other embeddings than those it had learned. The run looks the export up once (it was looked up again as the
+    model loaded)."""
+    from angle_train import trainer
     from angle_train.export import save_pretrained
     from angle_train.trainer import build_encoder, train
     from train_helpers import run_config
 
     base, final, encoder, tokenizer = lora_export(tmp_path)
     adapter = str(tmp_path / "final" / "adapter")
+    looked_up, find_settings = [], trainer.adapter_settings_file
+    monkeypatch.setattr(trainer, "adapter_settings_file",
+                        lambda folder: looked_up.append(folder) or find_settings(folder))
     result = train(run_config(tmp_path / "out", lora=True, lora_path=adapter, max_steps=1, batch_size=4))
+    assert looked_up == [adapter]
     assert (result.encoder.pooling, result.encoder.bidirectional) == ("avg", True)
     out, record = capsys.readouterr().out, str(tmp_path / "final" / "angle_train.json")
     assert f"pooling avg (the adapter's {record}) | bidirectional attention (the adapter's {record})" in out
