@@ -641,16 +641,19 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
             print(f"{MOVED_DATA[name]} moved: {old} -> {new}, same content", flush=True)
     if base_model_note and dist_info.is_main:
         print(base_model_note, flush=True)
-    if changed and dist_info.is_main:
-        print(f"resuming with changed settings ({_changes_shown(changed)}): from step {position.step} on, the "
-              "learning rate is the one the new settings' schedule gives there", flush=True)
     noted = {k: (state["config"][k], v) for k, v in asdict(cfg).items()
              if k in RESUME_NOTED and k in state["config"] and state["config"][k] != v}
+    # each group's changes in words once, for its line and for the record (RESUME_APPLIES and RESUME_NOTED are
+    # apart: the record lists each setting once)
+    changed_shown, noted_shown = _changes_shown(changed), _changes_shown(noted)
+    if changed and dist_info.is_main:
+        print(f"resuming with changed settings ({changed_shown}): from step {position.step} on, the "
+              "learning rate is the one the new settings' schedule gives there", flush=True)
     if noted and dist_info.is_main:
-        print(f"resuming with changed settings ({_changes_shown(noted)}): they apply from step {position.step} on",
-              flush=True)
+        print(f"resuming with changed settings ({noted_shown}): they apply from step {position.step} on", flush=True)
     if changed or noted:  # kept with the next checkpoints, for the model cards
-        position.resumes.append({"step": position.step, "changed": _changes_shown({**changed, **noted})})
+        position.resumes.append({"step": position.step,
+                                 "changed": ", ".join(shown for shown in (changed_shown, noted_shown) if shown)})
     return position
 
 

@@ -687,6 +687,35 @@ def test_a_checkpoint_restores_every_random_generator(tmp_path):
     assert position == Position(step=3, epoch=1, batch=2, best=0.5)
 
 
+def test_a_resumes_changed_settings_are_put_in_words_once(tmp_path, capsys, monkeypatch):
+    """The settings a resume changes are said in two lines (those the schedule applies, those noted) and recorded
+    together for the model cards (Position.resumes): each group is put in words once, where the record formatted
+    them all a second time."""
+    from angle_train import checkpoint
+
+    saved_cfg = run_config(tmp_path, max_steps=3, lr=3e-3, max_length=12)
+    encoder, _ = make_encoder("bert")
+
+    def trainables(cfg):
+        optimizer = make_optimizer(cfg, encoder, torch.device("cpu"))
+        return {"encoder": encoder, "optimizer": optimizer, "scheduler": make_schedule(cfg, optimizer, 3),
+                "scaler": torch.amp.GradScaler("cpu", enabled=False)}
+
+    path = save_checkpoint(saved_cfg, Position(step=2, epoch=0, batch=2), DistInfo(), **trainables(saved_cfg))
+    capsys.readouterr()
+    worded = []
+    changes_shown = checkpoint._changes_shown
+    monkeypatch.setattr(checkpoint, "_changes_shown", lambda changed: worded.append(list(changed))
+                        or changes_shown(changed))
+    cfg = run_config(tmp_path, max_steps=3, lr=1e-3, max_length=10)
+    position = load_checkpoint(path, cfg, DistInfo(), **trainables(cfg))
+    out = capsys.readouterr().out
+    assert "resuming with changed settings (--lr 0.003 -> 0.001): from step 2 on" in out
+    assert "resuming with changed settings (--max-length 12 -> 10): they apply from step 2 on" in out
+    assert position.resumes == [{"step": 2, "changed": "--lr 0.003 -> 0.001, --max-length 12 -> 10"}]
+    assert worded == [["lr"], ["max_length"]]
+
+
 # ------------------------------------------------------------------------------- best/ and logging on resume
 
 DEV = demo_sts_examples(12, seed=5)
