@@ -73,10 +73,6 @@ def _write_json(path: str, obj) -> None:
         f.write("\n")
 
 
-# save_pretrained's base_files when the caller gives none: the base's sentence-transformers files are looked up by
-# base_model's name (None, given, is a base found to have none: nothing is looked up)
-LOOK_UP = object()
-
 
 def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_only: bool = False,
                     merge_in_place: bool = False, base_model: str | None = None, matryoshka_dims=None,
@@ -298,8 +294,9 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, p
                     export_meta_file: str | None | object = LOOK_UP, **kwargs):
     """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only), or from the
     adapter/ folder of a whole-model LoRA export, applied to its base model with the export's settings (meta: the
-    export's); `pooling` replaces the export's (meta keeps the export's own). export_meta_file: adapter_export_meta(path)
-    where the caller has looked it up (angle-eval names it before the model loads), else looked up here."""
+    export's); `pooling` replaces the export's (meta keeps the export's own). export_meta_file:
+    adapter_export_meta(path) where the caller has looked it up (angle-eval names it before the model loads), else
+    looked up here."""
     from .models import export_pooling, export_prompts, load_encoder, recorded_base
     from .preflight import check_model_folder
 

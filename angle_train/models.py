@@ -760,8 +760,9 @@ def adapter_export_meta(folder: str) -> str | None:
     return meta_file if meta.get("lora") and not meta.get("adapter_only") else None
 
 
-# The value of a settings-file argument (build_encoder's lora_settings, load_pretrained's export_meta_file) whose
-# caller has not looked the file up: the function looks it up itself, once
+# The default of an argument that names a file or folder the caller may have looked up already (build_encoder's
+# lora_settings, load_pretrained's export_meta_file, save_pretrained's base_files): not given, the function looks it
+# up itself; given, None included (a lookup that found nothing), nothing is looked up again
 LOOK_UP = object()
 
 
