@@ -1052,7 +1052,8 @@ def stage_second(args, record: StageRecord, schedule: Schedule) -> None:
         build = getattr(record, "build", None)
         if build is None:
             raise RuntimeError("the CUDA extension's build was not started (see preflight)")
-        built = build.wait(Deadline(deadline.left() - 60, time.monotonic()))
+        # the build has until the stage's end less the sweep's own limit: under --time-limit the sweep keeps it
+        built = build.wait(Deadline(deadline.left() - dict(SECOND_STEPS)["cuda_op_sweep"], time.monotonic()))
         probe_cuda_backend(record, deadline)
         # the CUDA backend gets a pass of its own: a CUDA error in it loses the process's context, not the rows above
         return {"build": built, **op_sweep(record, deadline, limits, [("cuda",)], ops=bf16_ops(args.ops),

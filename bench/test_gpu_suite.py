@@ -65,6 +65,28 @@ def test_help_and_readme_state_every_stage_and_step_with_its_limit(capsys):
     assert "summary" in text and "--resume-from" in text
 
 
+def test_the_next_commands_in_the_docs_parse_and_state_their_limits():
+    """docs/gpu-runs.md's "What is next" commands give gpu_suite.py options it takes, with those names and values
+    (the steps to skip, the op benchmarks), and its table gives each command the limit its schedule has (a stage's
+    limit less the steps skipped, and those they imply)."""
+    block = re.search(r"^## What is next$.*?^```$(.*?)^```$", GPU_RUNS, re.M | re.S).group(1)
+    commands = [line.split() for line in block.strip().splitlines()]
+    assert commands and all(command[:2] == ["bash", "scripts/gpu_check.sh"] for command in commands)
+    for command in commands:
+        argv = [argument.strip("'") for argument in command[2:]]
+        argv = [argument if argument != "T" else "100" for argument in argv]  # T: the machine time left, in seconds
+        args = gpu_suite.parse_args(argv)
+        schedule = gpu_suite.Schedule(gpu_suite.STAGES[args.stage].steps, time.monotonic(),
+                                      skip=gpu_suite.implied_skips(args.stage, args.skip))
+        name = Path(args.out).name
+        stated = re.search(rf"^\| {re.escape(name)} \| (\d+) s\b", GPU_RUNS, re.M)
+        assert stated, f"docs/gpu-runs.md: no limit for {name}"
+        assert int(stated.group(1)) == schedule.budget_s, name
+    sweep_keeps = dict(gpu_suite.SECOND_STEPS)["cuda_op_sweep"]
+    assert f"The CUDA op sweep keeps the last {sweep_keeps} s of T and the build" in " ".join(GPU_RUNS.split())
+    assert f"has until T - {sweep_keeps} s" in GPU_RUNS
+
+
 def test_bad_arguments_are_refused(capsys):
     for argv in (["a", "out"], ["first", "out", "--workers", "0"], ["second", "out", "--skip", "limits"],
                  ["first", "out", "--skip", "large_checks"], ["third", "out", "--time-limit", "0"]):
@@ -244,7 +266,8 @@ def test_the_cuda_op_sweep_alone_leaves_the_build_its_time():
                                   limit_s=limit)
 
     alone = schedule("op_sweep", "loss_sweep")
-    build_wait_ends = alone.deadline("cuda_op_sweep").left() - 60  # stage_second's cuda_sweep waits until then
+    sweep_keeps = dict(gpu_suite.SECOND_STEPS)["cuda_op_sweep"]
+    build_wait_ends = alone.deadline("cuda_op_sweep").left() - sweep_keeps  # stage_second's cuda_sweep waits until then
     assert build_wait_ends >= 40 + 90 - 1 and alone.budget_s == 40 + 90 + 60
     assert schedule("op_sweep", "loss_sweep", limit=150).deadline("cuda_op_sweep").left() <= 150
     for skip in [(), ("op_sweep",), ("loss_sweep",), ("loss_sweep", "cuda_op_sweep"),
