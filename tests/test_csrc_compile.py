@@ -54,7 +54,8 @@ ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # setup.DEFAULT_ARCH_LIST
 # caps registers below what all four allow, so sm_86 and sm_89 compile the code sm_80 compiles, and each costs
 # about 37 s of one core in nvcc: by default the oldest and the newest; ANGLE_KERNELS_TEST_ALL_ARCHS=1 adds the
 # other two (as scripts/check_cuda_build.sh builds all four).
-COMPILED_ARCHS = ARCHS if os.environ.get("ANGLE_KERNELS_TEST_ALL_ARCHS") == "1" else ("sm_80", "sm_90")
+DEFAULT_COMPILED_ARCHS = ("sm_80", "sm_90")
+COMPILED_ARCHS = ARCHS if os.environ.get("ANGLE_KERNELS_TEST_ALL_ARCHS") == "1" else DEFAULT_COMPILED_ARCHS
 FORBIDDEN_INCLUDE = re.compile(r"#\s*include\s*[<\"](torch/|c10/|ATen/)")
 LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 # A kernel: `__global__ void [__launch_bounds__(...)] name(`, qualifiers allowed before `void`.
@@ -121,6 +122,21 @@ def test_the_compile_check_covers_the_builds_architectures():
     """ARCHS are the architectures setup.py builds for by default (TORCH_CUDA_ARCH_LIST unset)."""
     built = re.search(r'^DEFAULT_ARCH_LIST = "([^"]+)"', (REPO / "setup.py").read_text(), re.MULTILINE).group(1)
     assert sorted(ARCHS) == sorted(f"sm_{arch.replace('.', '')}" for arch in built.split(";"))
+
+
+def _listed(archs) -> str:
+    return ", ".join(archs[:-1]) + f" and {archs[-1]}"
+
+
+def test_the_readme_and_the_build_check_name_these_architectures():
+    """README.md's install note names the architectures setup.py builds for, its development note those compiled here
+    by default and those ANGLE_KERNELS_TEST_ALL_ARCHS=1 adds; scripts/check_cuda_build.sh builds setup.py's."""
+    built = re.search(r'^DEFAULT_ARCH_LIST = "([^"]+)"', (REPO / "setup.py").read_text(), re.MULTILINE).group(1)
+    assert f"TORCH_CUDA_ARCH_LIST:-{built}}}" in (REPO / "scripts" / "check_cuda_build.sh").read_text()
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"for {_listed(ARCHS)} (" in readme
+    added = tuple(arch for arch in ARCHS if arch not in DEFAULT_COMPILED_ARCHS)
+    assert f"for {_listed(DEFAULT_COMPILED_ARCHS)} (`ANGLE_KERNELS_TEST_ALL_ARCHS=1` adds {_listed(added)}," in readme
 
 
 @pytest.mark.parametrize("name", KERNEL_FILES)
