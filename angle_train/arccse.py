@@ -37,7 +37,11 @@ from .data import (
     share_of,
     check_read_columns_once,
     check_text,
+    DELIMITED_SUFFIXES,
+    JSONL_SUFFIXES,
     delimited_rows,
+    delimiter_of,
+    has_suffix,
     first_line_is_stsb,
     jsonl_rows,
     open_hf_dataset,
@@ -76,15 +80,15 @@ def load_sentences(source: str, *, column: str | None = None, split: str = "trai
         if first_line_is_stsb(source):
             refuse_column(column, f"{source} is an STS Benchmark file, whose pairs' texts are the sentences")
             sentences, skipped = list(dict.fromkeys(t for ex in read_stsb(source) for t in ex.texts)), 0
-        elif source.endswith(".txt"):
+        elif has_suffix(source, ".txt"):
             refuse_column(column, f"{source} is a .txt file of one sentence a line")
             with open_text(source) as f:
                 lines = [line.rstrip("\n").rstrip("\r") for line in f]
             sentences = [line for line in lines if not shows_nothing(line)]  # a line that looks blank is one
             skipped = len(lines) - len(sentences)
-        elif source.endswith((".jsonl", ".json")):
+        elif has_suffix(source, JSONL_SUFFIXES):
             sentences, skipped = _jsonl_column(source, named), 0
-        elif source.endswith((".csv", ".tsv")):
+        elif has_suffix(source, DELIMITED_SUFFIXES):
             sentences, skipped = _delimited_column(source, named), 0
         else:
             raise DataError(f"{source}: unknown file type for sentences; use .txt, .jsonl, .csv or .tsv")
@@ -111,7 +115,7 @@ def _delimited_column(path: str, column: str) -> list[str]:
             raise DataError(f"{path}, line 1 (header): no column {column!r} (--text-column); has {fieldnames}")
         check_read_columns_once(fieldnames, [column], f"{path}, line 1 (header)")
 
-    rows = delimited_rows(path, "\t" if path.endswith(".tsv") else ",", check_header)
+    rows = delimited_rows(path, delimiter_of(path), check_header)
     return [check_text(row[column], where, column) for where, row in rows]
 
 

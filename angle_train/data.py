@@ -7,9 +7,9 @@ be `sentence1`/`sentence2`; other names are mapped with `columns`, angle-train's
     A  text1, text2, label      graded or 0/1 similarity; rows of a batch are [t1, t2, t1, t2, ...] (zigzag)
     B  query, positive          rows [q, p, q, p, ...]; the other pairs of the batch are the negatives
     C  query, positive, negative  rows [q, p, n, q, p, n, ...] (stride 3)
-Sources: a .jsonl file (one JSON object per line), a .csv / .tsv file with a header row, the STS
-Benchmark layout (tab-separated, no header, score in field 4 and the texts in fields 5 and 6: detected
-automatically, or forced with layout="stsb"), or a Hugging Face dataset (hub name or a folder made by
+Sources (by the file's suffix, in any case): a .jsonl file (one JSON object per line), a .csv / .tsv file with a
+header row, the STS Benchmark layout (tab-separated, no header, score in field 4 and the texts in fields 5 and 6:
+detected automatically, or forced with layout="stsb"), or a Hugging Face dataset (hub name or a folder made by
 `save_to_disk`, read with the `datasets` package).
 
 Every problem in a file raises `DataError` (a ValueError) naming the file and the line: missing columns, an empty
@@ -580,10 +580,21 @@ JSONL_SUFFIXES, DELIMITED_SUFFIXES = (".jsonl", ".json"), (".csv", ".tsv")
 READ_FILE_SUFFIXES = JSONL_SUFFIXES + DELIMITED_SUFFIXES
 
 
+def delimiter_of(path: str) -> str:
+    """The field separator of a .csv / .tsv file (its suffix in any case): a tab for .tsv, else a comma."""
+    return "\t" if has_suffix(path, ".tsv") else ","
+
+
+def has_suffix(path: str, suffixes: str | tuple[str, ...]) -> bool:
+    """Whether `path` ends in one of `suffixes` (given in lower case), in any case: a file named TRAIN.JSONL or
+    PAIRS.CSV (as some Windows tools save them) was refused as an "unknown file type; use .jsonl, .csv ..."."""
+    return path.lower().endswith(suffixes)
+
+
 def data_files_in(folder: str) -> list[str]:
     """The paths of the files in `folder` that load_examples reads by their suffix, sorted: what to name where a
     folder of them is given as one dataset."""
-    return [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name.endswith(READ_FILE_SUFFIXES)]
+    return [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if has_suffix(name, READ_FILE_SUFFIXES)]
 
 
 # What save_to_disk writes in a dataset's folder: a DatasetDict's file, a Dataset's.
@@ -794,14 +805,14 @@ def load_examples(source: str, *, fmt: str | None = None, split: str = "train", 
     is_file = os.path.isfile(source)
     if is_file and os.path.getsize(source) == 0:
         raise DataError(f"{source}: the file is empty")
-    if layout == "stsb" or (is_file and not source.endswith(JSONL_SUFFIXES) and first_line_is_stsb(source)):
+    if layout == "stsb" or (is_file and not has_suffix(source, JSONL_SUFFIXES) and first_line_is_stsb(source)):
         if fmt not in (None, "A"):
             raise DataError(f"{source}: the STS-B layout is format A (text1, text2, label); got format={fmt!r}")
         examples, fmt = read_stsb(source), "A"
-    elif is_file and source.endswith(JSONL_SUFFIXES):
+    elif is_file and has_suffix(source, JSONL_SUFFIXES):
         examples, fmt = read_jsonl(source, fmt, columns)
-    elif is_file and source.endswith(DELIMITED_SUFFIXES):
-        examples, fmt = read_delimited(source, fmt, "\t" if source.endswith(".tsv") else ",", columns)
+    elif is_file and has_suffix(source, DELIMITED_SUFFIXES):
+        examples, fmt = read_delimited(source, fmt, delimiter_of(source), columns)
     elif is_file:
         raise DataError(f"{source}: unknown file type; use .jsonl, .csv, .tsv or the STS-B layout")
     else:

@@ -8,7 +8,7 @@ import re
 import pytest
 from train_helpers import version_1_epoch_batches, write_data_file
 
-from angle_train.data import DataError, load_examples
+from angle_train.data import DataError, Example, load_examples
 
 
 def test_a_mapping_may_name_a_column_that_is_called_like_another_name(tmp_path):
@@ -17,6 +17,17 @@ def test_a_mapping_may_name_a_column_that_is_called_like_another_name(tmp_path):
     path = write_data_file(tmp_path, "pairs.jsonl", json.dumps({"text1": "a question", "text2": "its answer"}) + "\n")
     examples, fmt = load_examples(path, columns={"query": "text1", "positive": "text2"})
     assert fmt == "B" and [e.texts for e in examples] == [("a question", "its answer")]
+
+
+def test_data_files_named_in_upper_case_are_read_by_their_suffix(tmp_path):
+    """TRAIN.JSONL, PAIRS.CSV and PAIRS.TSV (as some Windows tools save them) are read as their lower-case suffixes
+    are, a .TSV split at its tabs: each was refused as an "unknown file type; use .jsonl, .csv, .tsv"."""
+    jsonl = write_data_file(tmp_path, "TRAIN.JSONL", json.dumps({"query": "a question", "positive": "its answer"}))
+    assert load_examples(jsonl) == ([Example(("a question", "its answer"))], "B")
+    csv_file = write_data_file(tmp_path, "PAIRS.CSV", 'text1,text2,label\n"x, y",z,0.5\n')
+    assert load_examples(csv_file) == ([Example(("x, y", "z"), 0.5)], "A")
+    tsv = write_data_file(tmp_path, "PAIRS.TSV", 'query\tpositive\n"x, y\tz\n')
+    assert load_examples(tsv) == ([Example(('"x, y', "z"))], "B")
 
 
 def test_a_json_boolean_label_is_refused(tmp_path):

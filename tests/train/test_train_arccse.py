@@ -92,6 +92,17 @@ def test_reading_sentences(tmp_path):
         load_sentences(str(tmp_path / "bad.jsonl"))
 
 
+def test_reading_sentences_from_files_named_in_upper_case(tmp_path):
+    """A file's suffix is read in any case (S.TXT, S.TSV, S.JSONL as some Windows tools name them): each was refused
+    as an unknown file type for sentences."""
+    (tmp_path / "S.TXT").write_text("a red car\n\nthe dog\n")
+    assert load_sentences(str(tmp_path / "S.TXT")) == (["a red car", "the dog"], 1)
+    (tmp_path / "S.TSV").write_text("id\ttext\n1\ta red car, fast\n")
+    assert load_sentences(str(tmp_path / "S.TSV")) == (["a red car, fast"], 0)
+    (tmp_path / "S.JSONL").write_text('{"text": "the dog"}\n')
+    assert load_sentences(str(tmp_path / "S.JSONL")) == (["the dog"], 0)
+
+
 def test_reading_sentences_by_file_type(tmp_path):
     """A .json file is read as JSON lines, a .tsv file split at tabs; an STS Benchmark file gives each distinct
     sentence of its pairs once; a line without the text column, a header naming it twice, and a file without a
