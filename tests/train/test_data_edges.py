@@ -30,6 +30,16 @@ def test_data_files_named_in_upper_case_are_read_by_their_suffix(tmp_path):
     assert load_examples(tsv) == ([Example(('"x, y', "z"))], "B")
 
 
+def test_a_json_key_given_twice_is_refused(tmp_path):
+    """A JSON line naming a key twice is refused with the line and the key (as a CSV header naming a column twice
+    is): json keeps the last value in silence, so the pair (a, b) was trained as (c, b)."""
+    path = write_data_file(tmp_path, "twice.jsonl", '{"query": "x", "positive": "y"}\n'
+                                                    '{"query": "a", "positive": "b", "query": "c"}\n')
+    with pytest.raises(DataError, match=r"twice.jsonl, line 2: the key 'query' appears more than once in an object, "
+                                        r"so only its last value would be read: rename or remove the others$"):
+        load_examples(path)
+
+
 def test_a_json_boolean_label_is_refused(tmp_path):
     """A label of true/false is not a similarity score (a column of flags put where the score belongs): refused with
     the line, as other non-numbers are, not trained as 1.0 / 0.0."""
