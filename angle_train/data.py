@@ -355,7 +355,8 @@ def check_label(value, where: str, column: str = "label") -> float:
         raise DataError(f"{where}: bad {what} {str(value).lower()} (a boolean, not a number: where it is a 0/1 "
                         "similarity label, write it as 1 or 0)")
     try:
-        label = float(value)
+        # float() reads Python's digit separators, "1_0" as 10: in a data file that is a typo (of 1.0?), not a number
+        label = math.nan if isinstance(value, str) and "_" in value else float(value)
     except (TypeError, ValueError, OverflowError):
         label = math.nan
     if not math.isfinite(label):

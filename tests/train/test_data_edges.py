@@ -40,6 +40,14 @@ def test_a_json_key_given_twice_is_refused(tmp_path):
         load_examples(path)
 
 
+def test_a_label_with_a_digit_separator_is_refused(tmp_path):
+    """A label of "1_0" is refused with its line: Python's float() reads it as 10 (a digit separator), where in a
+    data file it is a typo."""
+    path = write_data_file(tmp_path, "sep.csv", "text1,text2,label\nx,y,1.0\nx,z,1_0\n")
+    with pytest.raises(DataError, match=r"sep.csv, line 3: bad label '1_0' \(must be a finite number\)$"):
+        load_examples(path)
+
+
 def test_a_json_boolean_label_is_refused(tmp_path):
     """A label of true/false is not a similarity score (a column of flags put where the score belongs): refused with
     the line, as other non-numbers are, not trained as 1.0 / 0.0."""
