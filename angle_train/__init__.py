@@ -2,7 +2,8 @@
 
     trainer.py      train(): setup, one optimizer step, evaluate, save, finish; logging and throughput
     checkpoint.py   resumable checkpoints (atomic, code-free loading, exact resume), best/; safe_loading.py: the
-                    code-free reads it shares with sharding.py
+                    code-free reads it shares with sharding.py; atomic_files.py: small files written aside,
+                    synced and swapped in (metrics on resume, manifests, the lock taken over)
     config.py       TrainConfig: every setting, its default and its help text
     models.py       pooling (cls, cls_avg, avg, max, last) + base model = Encoder; LoRA, checkpointing, autocast,
                     bidirectional attention for decoder LMs

@@ -73,6 +73,7 @@ import numpy
 import torch
 import transformers
 
+from .atomic_files import written_aside
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, prompts_of
 from .data import FORMATS, has_no_splits, parse_columns
 from .distributed import DistInfo, barrier
@@ -279,11 +280,9 @@ RUN_OUTPUTS = ("checkpoints", "best", "final", "metrics.jsonl", "config.json", "
 def record_non_finite_stop(output_dir: str, step: int, good_checkpoint: str | None) -> None:
     """The run stops at `step` after non-finite steps in a row: NON_FINITE_STOP names its last good checkpoint
     (None: none is known), for `--resume auto`."""
-    path = os.path.join(output_dir, NON_FINITE_STOP)
-    with open(path + ".tmp", "w") as f:
+    with written_aside(os.path.join(output_dir, NON_FINITE_STOP)) as f:
         json.dump({"step": step, "good_checkpoint": None if good_checkpoint is None
                    else os.path.basename(good_checkpoint)}, f)
-    os.replace(path + ".tmp", path)
 
 
 def clear_non_finite_stop(output_dir: str) -> None:
@@ -424,12 +423,8 @@ def write_manifest(folder: str) -> None:
     manifest that exists is whole)."""
     files = {name: {"bytes": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
              for name in sorted(os.listdir(folder)) if name != MANIFEST_FILE}
-    tmp = os.path.join(folder, MANIFEST_FILE + ".tmp")
-    with open(tmp, "w") as f:
+    with written_aside(os.path.join(folder, MANIFEST_FILE)) as f:
         json.dump({"format": MANIFEST_FORMAT, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, MANIFEST_FILE))
 
 
 def not_a_checkpoint(path: str) -> str | None:

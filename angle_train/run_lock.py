@@ -28,6 +28,8 @@ import sys
 import time
 import uuid
 
+from .atomic_files import written_aside
+
 LOCK_FILE = ".angle-train.lock"
 # How long an empty or half-written lock file is read again before it counts as damaged: its writer holds it for
 # microseconds between the exclusive create and the write.
@@ -115,13 +117,13 @@ class RunLock:
                 if here and holder["pid"] == self.record["pid"]:
                     # left by this process (a run set up with trainer.setup and never finished): no other run is
                     # using the folder, so it is this run's now
-                    os.replace(self._written_aside(), self.path)
+                    self._take_over()
                     return self
                 if here and not _is_running(holder["pid"], holder.get("process_start")):
                     print(f"angle-train: warning: taking over the lock of a run that is gone (process {holder['pid']} "
                           f"on {holder['host']}, started {holder.get('started', '?')}): {self.path}",
                           file=sys.stderr, flush=True)
-                    os.replace(self._written_aside(), self.path)  # one step: no moment without a lock
+                    self._take_over()
                     return self
                 where = "this host" if here else f"host {holder['host']}"
                 advice = ("wait for it to finish" if here else
@@ -132,14 +134,11 @@ class RunLock:
                     f"since {holder.get('started', '?')}): {advice}, or choose another --output-dir")
         return self
 
-    def _written_aside(self) -> str:
-        """This run's record in a file beside the lock (replacing the lock with it is one atomic step)."""
-        aside = f"{self.path}.{self.token}"
-        with open(aside, "w", encoding="utf-8") as f:
+    def _take_over(self) -> None:
+        """Replace the lock there with this run's record, in one step: no moment without a lock. The record is
+        written beside it under a name of this run's own (its token), which no other run taking over writes to."""
+        with written_aside(self.path, aside=f"{self.path}.{self.token}", encoding="utf-8") as f:
             json.dump(self.record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        return aside
 
     def release(self) -> None:
         """Remove the lock if it is still this run's, and the output folder if this run created it and left it

@@ -39,6 +39,7 @@ from angle_kernels.inputs import check_nested, espresso_layer_weights
 from angle_kernels.modules import computes_angle_term, computes_in_batch_term
 
 from . import arccse, distributed, faults, preflight, run_lock, sharding, st_folder, tracking
+from .atomic_files import written_aside
 from .checkpoint import (
     Position, base_model_record, best_holds, best_is_adapter_only, checkpoint_path, checkpoint_to_resume,
     clear_non_finite_stop, finished_checkpoints, is_own_checkpoint, load_checkpoint, prune_checkpoints, reconcile_best,
@@ -1807,11 +1808,8 @@ def _drop_rows_after(path: str, step: int) -> None:
         shown = ", ".join(map(str, unreadable[:10])) + (", ..." if len(unreadable) > 10 else "")
         print(f"angle-train: warning: {path}: dropped {len(unreadable)} line(s) that are not metrics rows (line "
               f"{shown})", file=sys.stderr, flush=True)
-    with open(path + ".tmp", "w") as f:  # replaced whole, never truncated in place: a kill now loses no row
+    with written_aside(path) as f:  # replaced whole, never truncated in place: a kill now loses no row
         f.writelines(rows)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
 
 
 def _progress(cfg: TrainConfig, total: int, start: int):

@@ -3,7 +3,9 @@ over; a live process of another user keeps its lock; others wait while one run d
 release never removes another run's lock; a lock file without its host is refused in one line), and the checkpoints'
 bookkeeping (a kept best of a checkpoint's own step stays; best/ on resume is the checkpoint's best or none; a damaged
 last good checkpoint is passed over after a non-finite stop; a manifest must cover the state file; a swap of final/
-or best/ leaves one whole copy, also when it fails midway; an empty metrics.jsonl is no earlier run)."""
+or best/ leaves one whole copy, also when it fails midway; an empty metrics.jsonl is no earlier run), and the small
+files replaced whole (atomic_files.written_aside: synced, then swapped in; a write that fails leaves the previous file
+and no aside file behind: the record of a non-finite stop, the lock a run takes over)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import fcntl
 import json
 import os
 import socket
+import stat
 
 import pytest
 from train_helpers import run_config
 
-from angle_train import checkpoint, run_lock
+from angle_train import atomic_files, checkpoint, run_lock
 
 
 @pytest.mark.parametrize("process_start", ["1", "0"])
@@ -165,3 +168,77 @@ def test_a_swap_leaves_the_new_copy_alone(tmp_path):
 def test_an_empty_metrics_file_is_no_earlier_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     assert checkpoint.earlier_run_outputs(str(tmp_path)) == []
+
+
+def _synced_kinds(monkeypatch, fails_for=None) -> list[str]:
+    """The kinds ("file", "folder") of what os.fsync is asked to sync from now on, in order; an OSError (errno,
+    message) `fails_for[kind]` is raised for that kind once recorded."""
+    kinds, fsync = [], os.fsync
+
+    def recorded(fd):
+        kind = "folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        kinds.append(kind)
+        if fails_for and kind in fails_for:
+            raise OSError(*fails_for[kind])
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded)
+    return kinds
+
+
+def test_a_file_written_aside_is_synced_then_swapped_in(tmp_path, monkeypatch):
+    path = tmp_path / "stopped-non-finite.json"
+    path.write_text("old")
+    kinds = _synced_kinds(monkeypatch)
+    with atomic_files.written_aside(str(path)) as f:
+        f.write("new")
+        assert sorted(os.listdir(tmp_path)) == ["stopped-non-finite.json", "stopped-non-finite.json.tmp"]
+        assert path.read_text() == "old"  # until the block ends
+    assert path.read_text() == "new" and os.listdir(tmp_path) == ["stopped-non-finite.json"]
+    assert kinds == ["file", "folder"]  # the contents, then the rename, reach the disk
+
+
+def test_a_folder_that_cannot_be_synced_leaves_the_write_in_place(tmp_path, monkeypatch):
+    """A file system without fsync of a folder (EINVAL) still gets the file: the rename is as durable as it gets
+    there, and the write is not reported as failed."""
+    _synced_kinds(monkeypatch, fails_for={"folder": (22, "Invalid argument")})
+    with atomic_files.written_aside(str(tmp_path / "f.json"), aside=str(tmp_path / "f.json.mine")) as f:
+        f.write("new")
+    assert (tmp_path / "f.json").read_text() == "new" and os.listdir(tmp_path) == ["f.json"]
+
+
+@pytest.mark.parametrize("before", ["old", None])
+def test_a_write_aside_that_raises_leaves_the_previous_file_and_nothing_else(tmp_path, before):
+    path = tmp_path / "metrics.jsonl"
+    if before is not None:
+        path.write_text(before)
+    failure = ValueError("not JSON")
+    with pytest.raises(ValueError) as raised:
+        with atomic_files.written_aside(str(path)) as f:
+            f.write("half a fi")
+            raise failure
+    assert raised.value is failure
+    assert os.listdir(tmp_path) == ([] if before is None else ["metrics.jsonl"])
+    assert before is None or path.read_text() == before
+
+
+def test_a_non_finite_stop_record_that_fails_to_serialise_leaves_the_previous_one(tmp_path):
+    out = str(tmp_path)
+    checkpoint.record_non_finite_stop(out, 5, checkpoint.checkpoint_path(out, 2))
+    before = (tmp_path / checkpoint.NON_FINITE_STOP).read_text()
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        checkpoint.record_non_finite_stop(out, {5}, None)  # json.dump raises midway, after '{"step": '
+    assert (tmp_path / checkpoint.NON_FINITE_STOP).read_text() == before
+    assert os.listdir(tmp_path) == [checkpoint.NON_FINITE_STOP]
+
+
+def test_a_lock_taken_over_that_cannot_be_written_stays_as_it_was(tmp_path, monkeypatch):
+    """A take-over whose record cannot reach the disk (an I/O error) leaves the lock that was there, and none of
+    the new record's file beside it."""
+    left = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "then"})  # this process's
+    (tmp_path / run_lock.LOCK_FILE).write_text(left)
+    _synced_kinds(monkeypatch, fails_for={"file": (5, "Input/output error")})
+    with pytest.raises(OSError, match="Input/output error"):
+        run_lock.acquire(str(tmp_path))
+    assert os.listdir(tmp_path) == [run_lock.LOCK_FILE]
+    assert (tmp_path / run_lock.LOCK_FILE).read_text() == left

@@ -601,37 +601,22 @@ def test_resume_given_a_lora_runs_adapter_export_points_to_a_whole_model(tmp_pat
 
 def test_metrics_rows_survive_a_failure_while_they_are_rewritten(tmp_path, monkeypatch):
     """On resume the rows after the checkpoint are dropped by writing a new file and renaming it: a write that
-    fails (a full disk) leaves every row where it was, where truncating the file in place would lose them."""
+    fails (a full disk, found here when the new rows are synced to disk) leaves every row where it was, where
+    truncating the file in place would lose them, and no metrics.jsonl.tmp behind."""
     from angle_train import trainer
 
     metrics = tmp_path / "metrics.jsonl"
     rows = "".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 6))
     metrics.write_text(rows)
 
-    class FullDisk:
-        def __init__(self, file):
-            self.file = file
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.file.close()
-
-        def writelines(self, lines):
-            raise OSError(28, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.file, name)
-
-    def failing_open(path, mode="r", *args, **kwargs):
-        file = open(path, mode, *args, **kwargs)
-        return FullDisk(file) if "w" in mode else file
-
-    monkeypatch.setattr(trainer, "open", failing_open, raising=False)
+    monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(OSError, match="No space"):
         trainer._drop_rows_after(str(metrics), 3)
     assert metrics.read_text() == rows
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]
 
 
 class RunsCodeWhenUnpickled:
