@@ -639,6 +639,19 @@ def test_a_drop_in_refuses_bad_numbers_when_built_before_any_model_runs(model64,
                 cls(*models, scale=torch.nn.Parameter(torch.tensor(20.0)))
 
 
+
+@pytest.mark.parametrize("class_name", ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"])
+def test_a_hardness_strength_that_is_not_a_finite_number_is_refused_when_built(model64, class_name):
+    """The parents refuse a hardness_strength < 0 only: NaN, inf and True were taken, and the fused loss refused
+    them at the first step, after the model's forward passes. Refused when built, naming the argument; a
+    non-negative int is taken, as the parent takes it."""
+    cls = getattr(ours, class_name)
+    for value, error in ((float("nan"), ValueError), (float("inf"), ValueError), (True, TypeError)):
+        with pytest.raises(error, match="^hardness_strength must be"):
+            cls(model64, hardness_mode="in_batch_negatives", hardness_strength=value)
+    assert cls(model64, hardness_mode="in_batch_negatives", hardness_strength=2).hardness_strength == 2
+
+
 def test_a_wrong_number_of_columns_with_a_model(model64, guide64):
     """The cached losses and GISTEmbed refuse before embedding anything; the wrappers refuse as their inner loss."""
     cases = [(ours.CachedMultipleNegativesRankingLoss(model64), 1, "CachedMultipleNegativesRankingLoss", "2 or more"),
