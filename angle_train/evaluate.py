@@ -77,7 +77,10 @@ from .data import (
     DataError, Example, Prompts, check_label, check_text, data_files_in, is_saved_dataset, load_examples,
     names_local_path, open_text, parse_columns, read_stsb,
 )
-from .models import ADAPTER_CONFIG, POOLING_STRATEGIES, adapter_config_base, check_dim, read_adapter_config, truncate
+from .models import (
+    ADAPTER_CONFIG, POOLING_STRATEGIES, adapter_config_base, check_dim, first_token_pooling_problem,
+    read_adapter_config, truncate,
+)
 from .tracking import finite_or_none
 
 YEAR_FOLDER = re.compile(r"STS(1[2-6])")
@@ -817,6 +820,9 @@ def main(argv=None) -> int:
             encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling,
                                                   device=resolve_device(args.device), base_model=args.base_model)
         print(f"angle-eval: pooling {encoder.pooling} ({encoder.pooling_source})", file=sys.stderr, flush=True)
+        first_token = first_token_pooling_problem(encoder, encoder.pooling_source)
+        if first_token:  # refused as training refuses it, before a text is embedded (the score would be NaN or chance)
+            raise ValueError(f"{first_token}; use --pooling last (decoders' default) or avg")
         saved = encoder.prompts
         encoder.prompts = Prompts(text=saved.text if args.prompt is None else args.prompt,
                                   query=saved.query if args.query_prompt is None else args.query_prompt,

@@ -130,6 +130,17 @@ def is_decoder_config(config) -> bool:
     return any(name.endswith("ForCausalLM") for name in architectures) or config.model_type in DECODER_MODEL_TYPES
 
 
+def first_token_pooling_problem(encoder, pooling_source: str) -> str | None:
+    """Why `encoder`'s pooling cannot tell texts apart, or None: a causal decoder's first token attends to itself
+    alone, so first-token pooling (cls) gives every text starting with the same token (a BOS, a prompt) one
+    embedding. pooling_source: where the pooling came from, in the message's words. Training refuses it before
+    tokenising (trainer.check_model_settings), angle-eval before embedding a text (evaluate.main)."""
+    if not (encoder.is_decoder and not encoder.bidirectional and encoder.pooling == "cls"):
+        return None
+    return (f"pooling cls ({pooling_source}) on a causal decoder LM: its first token sees no other token, so every "
+            "text starting with the same token (a BOS token, a prompt) gets one embedding")
+
+
 class Encoder(nn.Module):
     """Base model + pooling: forward(input_ids, attention_mask) -> float32 embeddings [B, H]."""
 

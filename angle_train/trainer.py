@@ -61,8 +61,9 @@ from .evaluate import (
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
     ADAPTER_CONFIG, LOOK_UP, PEFT_LORA_DROPOUT, AdapterFitError, LoraSettings, LoraTargetError, absolute_if_local,
-    adapted_layer_names, adapter_settings_file, attach_adapter, export_pooling, load_encoder, own_bidirectional,
-    own_prompts, past_trained_context_note, position_limit, prepare_tokenizer, read_adapter_config, wrap_backbone,
+    adapted_layer_names, adapter_settings_file, attach_adapter, export_pooling, first_token_pooling_problem,
+    load_encoder, own_bidirectional, own_prompts, past_trained_context_note, position_limit, prepare_tokenizer,
+    read_adapter_config, wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -697,10 +698,9 @@ def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None, *, pooling_
     pooling that can tell texts apart: a causal decoder's first token attends to itself alone, so first-token pooling
     gave every text starting with the same token (a BOS, a prompt) one embedding, and trained nothing. model_name:
     the messages' words for the model (--model, or given_model_words)."""
-    if encoder.is_decoder and not encoder.bidirectional and encoder.pooling == "cls":
-        raise ValueError(f"pooling cls ({pooling_source}) on a causal decoder LM: its first token sees no other "
-                         "token, so every text starting with the same token (a BOS token, a prompt) gets one "
-                         "embedding; use pooling last (decoders' default) or avg (--pooling), or bidirectional "
+    first_token = first_token_pooling_problem(encoder, pooling_source)
+    if first_token:
+        raise ValueError(f"{first_token}; use pooling last (decoders' default) or avg (--pooling), or bidirectional "
                          "attention (--bidirectional)")
     limit = position_limit(encoder.backbone)
     for flag, length in (("--max-length", cfg.max_length), ("--export-max-length", cfg.export_max_length)):

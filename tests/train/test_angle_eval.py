@@ -635,3 +635,23 @@ def test_a_mapping_given_for_one_path_of_a_fixed_layout_is_refused_not_ignored(t
                                         r"leave out --dev-columns$"):
         dev_set_of(None, TrainConfig(dev_data=str(stsb), dev_columns=["text1=a"]))
     assert isinstance(dev_set_of(None, TrainConfig(dev_data=str(stsb), columns=["text1=a"])), StsSet)  # --columns's
+
+
+def test_first_token_pooling_of_a_causal_decoder_is_refused_before_any_text_is_embedded(tmp_path, capsys, monkeypatch):
+    """--pooling cls on a causal decoder LM gives every text that starts with the same token one embedding: angle-eval
+    refuses it as training does, in one line naming --pooling, where it embedded every text and printed a NaN score;
+    mean pooling of the same model and cls of a bidirectional one are scored."""
+    encoder, tokenizer = make_encoder("llama", dtype=torch.float32, pooling="last")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "llama"), max_length=16)
+    scored = _write(tmp_path / "sts.jsonl", [json.dumps({"text1": a, "text2": b, "label": i})
+                                             for i, (a, b) in enumerate(PAIRS)])
+    with monkeypatch.context() as patch:
+        patch.setattr(type(encoder), "encode", lambda *a, **k: pytest.fail("a text was embedded"))
+        with pytest.raises(SystemExit) as exit_info:
+            main([export, str(scored), "--pooling", "cls"])
+    assert exit_info.value.code == 2
+    assert "pooling cls (--pooling) on a causal decoder LM" in capsys.readouterr().err
+    assert main([export, str(scored), "--pooling", "avg"]) == 0
+    encoder.bidirectional = True
+    bidirectional = save_pretrained(encoder, tokenizer, str(tmp_path / "bidirectional"), max_length=16)
+    assert main([bidirectional, str(scored), "--pooling", "cls"]) == 0
