@@ -353,12 +353,14 @@ class TrainConfig:
 
     def _split_lora_targets(self) -> None:
         """--lora-targets q_proj,v_proj (angle-emb's form) as q_proj v_proj: a layer's name has no comma (peft takes
-        a list of names as the layers' names, never as patterns), so a comma can only separate two of them."""
+        a list of names as the layers' names, never as patterns), so a comma can only separate two of them. A name
+        given twice is one layer, kept once: compared with a --lora-path adapter's layers, the same layers are the
+        same setting."""
         names = [name for item in self.lora_targets for name in item.split(",")]
         if any(not name.strip() for name in names):
             raise ValueError(f"--lora-targets {' '.join(self.lora_targets)}: an empty layer name; expected names "
                              "separated by spaces or commas (q_proj v_proj, or q_proj,v_proj)")
-        self.lora_targets = [name.strip() for name in names]
+        self.lora_targets = list(dict.fromkeys(name.strip() for name in names))
 
     def _take_lora_defaults(self) -> set[str]:
         """The LoRA settings of LORA_DEFAULTS given (not None), returned; those not given set to their defaults, which

@@ -276,6 +276,11 @@ def test_lora_flags_that_contradict_the_adapter_are_refused_naming_them(tmp_path
             TrainConfig(lora=True, lora_path=adapter, **settings).validate()
     same = TrainConfig(model=base, lora=True, lora_path=adapter, lora_r=4, lora_targets=["v_proj,q_proj"]).validate()
     assert (same.lora_r, same.lora_targets) == (4, ["q_proj", "v_proj"])
+    # a layer named twice is the adapter's layers still (it was refused as another --lora-targets)
+    twice = TrainConfig(model=base, lora=True, lora_path=adapter, lora_targets=["q_proj", "v_proj,q_proj"]).validate()
+    assert twice.lora_targets == ["q_proj", "v_proj"]
+    assert TrainConfig(lora=True, lora_targets=["v_proj", "q_proj,v_proj"]).validate().lora_targets == ["v_proj",
+                                                                                                        "q_proj"]
     with pytest.raises(ValueError, match="--lora-path sets up LoRA adapters, which train only with --lora 1"):
         TrainConfig(lora_path=adapter).validate()
     with pytest.raises(FileNotFoundError, match=f"--lora-path {base}: no {ADAPTER_CONFIG} there; expected a local "):
