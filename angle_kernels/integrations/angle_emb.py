@@ -72,6 +72,9 @@ _originals: dict[tuple[str, str], object] = {}  # (module name, attribute) -> th
 _ese_original: list[Any] = []  # AngleESETrainer.compute_loss as patch() found it (empty when not patched)
 _ese_student_loss: list[Any] = []  # and its compute_student_loss, the hook a subclass overrides
 _backend: list[str | None] = []  # the backend patch() bound (empty when not patched), which patched() restores
+# the patched() blocks now open, in order of entry, in every thread: each holds what it restores on exit (_backend as
+# the block found it); see patched()
+_open_blocks: list[list[list[str | None]]] = []
 
 
 class AngleLossOnBackend(_AngleLoss):
@@ -185,18 +188,36 @@ def patched(backend: str | None = None) -> Iterator[None]:
 
     On exit angle-emb is as the block found it: the originals come back, or, where patch() was already in effect
     on entry, it stays patched with the backend it had then (a block nested in another, or in patch(), sets its
-    backend for its own extent only).
+    backend for its own extent only). Blocks open at once in several threads end in any order: one that ends while a
+    block entered after it (in another thread) is still open leaves the patch to that block, which restores on exit
+    what the earlier block found (angle-emb is patched process-wide, so the first block to end unpatched it under
+    the other thread's training, which went on with angle-emb's own losses).
     """
     with _lock:
-        previous = list(_backend)  # [backend] when patched on entry, [] when not
+        block = [list(_backend)]  # what the block restores: [backend] when patched on entry, [] when not
     patch(backend)
+    with _lock:
+        _open_blocks.append(block)
     try:
         yield
     finally:
-        if not previous:
-            unpatch()
-        elif is_patched():  # unpatch() called inside the block stays in effect
-            patch(previous[0])
+        _end_block(block)
+
+
+def _end_block(block: list[list[str | None]]) -> None:
+    """A patched() block's exit: it restores what it found unless a block entered after it is still open (another
+    thread's), which then restores that instead."""
+    with _lock:
+        position = next(i for i, open_block in enumerate(_open_blocks) if open_block is block)
+        del _open_blocks[position]
+        if position < len(_open_blocks):
+            _open_blocks[position][0] = block[0]
+            return
+    previous = block[0]
+    if not previous:
+        unpatch()
+    elif is_patched():  # unpatch() called inside the block stays in effect
+        patch(previous[0])
 
 
 # ------------------------------------------------------------------------------------------------------------

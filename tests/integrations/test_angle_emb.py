@@ -560,6 +560,38 @@ def test_a_nested_patched_block_restores_the_backend_it_found(ae):
     assert not integration.is_patched()
 
 
+def test_patched_blocks_in_two_threads_keep_the_patch_until_the_last_one_ends(ae):
+    """angle-emb is patched process-wide: a block in one thread that ended while another thread's block (entered
+    after it) was open unpatched angle-emb under that thread, which went on training with angle-emb's own losses.
+    The last block to end restores what the first one found."""
+    import threading
+
+    loss_module = ae["angle_emb.loss"]
+    first_entered, second_entered, first_ended = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first_block():
+        with integration.patched(backend="torch"):
+            first_entered.set()
+            second_entered.wait(10)
+        first_ended.set()
+
+    def second_block():
+        first_entered.wait(10)
+        with integration.patched(backend="auto"):
+            second_entered.set()
+            first_ended.wait(10)
+            seen["inside"] = integration.is_patched() and loss_module.cosine_loss.keywords == {"backend": "auto"}
+
+    threads = [threading.Thread(target=first_block), threading.Thread(target=second_block)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == {"inside": True}
+    assert not integration.is_patched()
+
+
 def test_an_angle_emb_loss_made_before_patch_pickles_while_patched(ae):
     """A trainer built before patch() holds angle-emb's AngleLoss; pickle finds a class by its name, which holds
     ours while patched, and refused the object ("not the same object as angle_emb.angle.AngleLoss"). It pickles as
