@@ -1,6 +1,8 @@
 """Small files a run replaces whole (its metrics after a resume, a checkpoint's manifest, the record of a non-finite
 stop, the output folder's lock): written beside their place and swapped in, so that a reader, a kill or a power
 loss finds the old contents or the new ones, never half a file, and a write that fails leaves nothing behind.
+Folders written whole (a checkpoint, best/, final/) are made durable the same way before they are renamed into
+place (sync_tree) and after (sync_folder of their parent): checkpoint._swap_in.
 """
 
 from __future__ import annotations
@@ -31,10 +33,33 @@ def written_aside(path: str, *, aside: str | None = None, encoding: str | None =
         with contextlib.suppress(OSError):  # the write's own error is the one to see
             os.remove(aside)
         raise
-    _sync_folder(os.path.dirname(path) or os.curdir)
+    sync_folder(os.path.dirname(path) or os.curdir)
 
 
-def _sync_folder(folder: str) -> None:
+def sync_tree(folder: str) -> None:
+    """Flush every file under `folder` to disk, then each folder of the tree, the deepest first and `folder` last
+    (POSIX), so that a rename of `folder` into place, once synced too (sync_folder of its parent), survives a power
+    loss with every file whole: a file system may otherwise persist the rename before the files' data, leaving the
+    folder in place with empty or partial files. Links are not followed (their entries are synced with their
+    folder)."""
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                _sync_file(path)
+        sync_folder(root)
+
+
+def _sync_file(path: str) -> None:
+    # Windows syncs (FlushFileBuffers) only a handle open for writing; POSIX any open file, so read-only there
+    fd = os.open(path, os.O_RDONLY if os.name == "posix" else os.O_RDWR)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_folder(folder: str) -> None:
     """Make a rename in `folder` durable: a folder's entries reach the disk when the folder itself is synced. POSIX
     only: elsewhere (Windows) a folder cannot be opened to sync it."""
     if os.name != "posix":

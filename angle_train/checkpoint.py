@@ -20,7 +20,9 @@
 
 A folder is written as NAME.tmp and swapped in only once complete, so a run killed while writing leaves
 the previous checkpoint or export on disk (or none), never a half-written one. A write that fails (a full disk)
-removes NAME.tmp and raises an OSError that names the previous checkpoint, which is intact.
+removes NAME.tmp and raises an OSError that names the previous checkpoint, which is intact. Its files and folders
+are synced to disk before the rename and the rename before anything older is removed (_swap_in), so that a power
+loss leaves the new folder whole where its name survived, or the previous one.
 
 The manifest catches what the rename cannot: a folder damaged later (a truncated copy, a disk error, a file
 edited or deleted). `--resume auto` resumes from the newest checkpoint whose files match their manifest and
@@ -73,7 +75,7 @@ import numpy
 import torch
 import transformers
 
-from .atomic_files import written_aside
+from .atomic_files import sync_folder, sync_tree, written_aside
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, prompts_of
 from .data import FORMATS, has_no_splits, parse_columns
 from .distributed import DistInfo, barrier
@@ -402,12 +404,17 @@ def _metrics_rows_after(path: str, step: int) -> list[bytes]:
 
 def _swap_in(tmp: str, final: str) -> None:
     """Put the complete folder `tmp` in the place of `final`. The old copy is moved aside rather than deleted
-    until the new one is in place, so whenever the process is killed one complete copy remains on disk."""
+    until the new one is in place, so whenever the process is killed one complete copy remains on disk. Every file
+    and folder of `tmp` is synced to disk before the rename and the parent folder after it, before the old copy goes
+    (and before the caller prunes older checkpoints): after a power loss the new folder is whole where its name
+    survived, and the old copy is gone only once the new one is on disk."""
     old = final + ".old"
     shutil.rmtree(old, ignore_errors=True)
+    sync_tree(tmp)
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
+    sync_folder(os.path.dirname(final) or os.curdir)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -527,7 +534,7 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
     if dist_info.is_main:
         with _failed_write_cleaned(tmp, cfg.output_dir):
             write_manifest(tmp)
-        _swap_in(tmp, path)
+            _swap_in(tmp, path)  # its syncs can fail as a write does (ENOSPC of delayed allocation, EIO)
         prune_checkpoints(cfg.output_dir, keep=cfg.keep_checkpoints, good_step=position.good_checkpoint)
     barrier(dist_info)
     return path
@@ -1160,6 +1167,7 @@ def _keep_best_of_checkpoints(output_dir: str) -> None:
         shutil.rmtree(best)
     else:
         os.replace(best, kept)
+        sync_folder(os.path.dirname(kept))  # its new entry on disk before the new best/ takes its old place
 
 
 def prune_kept_bests(output_dir: str) -> None:

@@ -119,12 +119,13 @@ def test_resume_auto_with_every_checkpoint_damaged_is_an_error(tmp_path):
     assert [row["step"] for row in fresh.history] == [1, 2]
 
 
-@pytest.mark.parametrize("failing_write", ["state", "rng", "manifest"])
+@pytest.mark.parametrize("failing_write", ["state", "rng", "manifest", "sync"])
 def test_a_full_disk_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, failing_write):
-    """The second save (step 4) hits ENOSPC: the run stops with an OSError naming the intact step-2 checkpoint,
-    no partial folder is left, and a later `--resume auto` continues from step 2."""
+    """The second save (step 4) hits ENOSPC (sync: when its files are synced before the rename, as a file system
+    that allocates blocks at write-back reports it): the run stops with an OSError naming the intact step-2
+    checkpoint, no partial folder is left, and a later `--resume auto` continues from step 2."""
     saves = {"count": 0}
-    real_save, real_manifest = torch.save, checkpoint.write_manifest
+    real_save, real_manifest, real_sync_tree = torch.save, checkpoint.write_manifest, checkpoint.sync_tree
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -141,8 +142,14 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch
         if saves["count"] == 2 and failing_write == "manifest":
             no_space()
         return real_manifest(folder)
+
+    def sync_tree(folder):
+        if saves["count"] == 2 and failing_write == "sync":
+            no_space()
+        return real_sync_tree(folder)
     monkeypatch.setattr(checkpoint.torch, "save", save)
     monkeypatch.setattr(checkpoint, "write_manifest", manifest)
+    monkeypatch.setattr(checkpoint, "sync_tree", sync_tree)
     with pytest.raises(OSError, match=r"could not write checkpoint .*step-00000004.tmp .*No space left on device.*"
                                       r"previous checkpoint .*step-00000002 is intact") as raised:
         train(_config(tmp_path), train_examples=DATA)

@@ -3,7 +3,9 @@ over; a live process of another user keeps its lock; others wait while one run d
 release never removes another run's lock; a lock file without its host is refused in one line), and the checkpoints'
 bookkeeping (a kept best of a checkpoint's own step stays; best/ on resume is the checkpoint's best or none; a damaged
 last good checkpoint is passed over after a non-finite stop; a manifest must cover the state file; a swap of final/
-or best/ leaves one whole copy, also when it fails midway; an empty metrics.jsonl is no earlier run), and the small
+or best/ leaves one whole copy, also when it fails midway; a checkpoint, best/ and final/ are synced to disk before
+their rename and their folder after it, before an older copy or checkpoint is removed; an empty metrics.jsonl is no
+earlier run), and the small
 files replaced whole (atomic_files.written_aside: synced, then swapped in; a write that fails leaves the previous file
 and no aside file behind: the record of a non-finite stop, the lock a run takes over)."""
 
@@ -12,13 +14,16 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import stat
 
 import pytest
-from train_helpers import run_config
+import torch
+from train_helpers import make_encoder, run_config
 
 from angle_train import atomic_files, checkpoint, run_lock
+from angle_train.distributed import DistInfo
 
 
 @pytest.mark.parametrize("process_start", ["1", "0"])
@@ -163,6 +168,92 @@ def test_a_swap_leaves_the_new_copy_alone(tmp_path):
         (folder / "model.safetensors").write_text(text)
     checkpoint._swap_in(str(tmp), str(final))
     assert sorted(os.listdir(tmp_path)) == ["final"] and (final / "model.safetensors").read_text() == "new"
+
+
+def _disk_calls(monkeypatch) -> list[tuple[str, ...]]:
+    """("sync", path), ("rename", source, destination) and ("remove", path) for each os.fsync, os.replace and
+    shutil.rmtree of an existing path from now on, in order (the path of a synced descriptor read back from
+    /proc/self/fd: Linux)."""
+    calls, fsync, replace, rmtree = [], os.fsync, os.replace, shutil.rmtree
+
+    def synced(fd):
+        calls.append(("sync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def renamed(source, destination):
+        calls.append(("rename", os.path.realpath(source), os.path.realpath(destination)))
+        replace(source, destination)
+
+    def removed(path, *args, **kwargs):
+        if os.path.exists(path):
+            calls.append(("remove", os.path.realpath(path)))
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", renamed)
+    monkeypatch.setattr(shutil, "rmtree", removed)
+    return calls
+
+
+def _synced_before_renamed_in(calls: list, tmp: str, final: str) -> int:
+    """Check that every file and folder of the folder `final` (written as `tmp`) was synced before the rename of
+    `tmp` to `final`, and the parent folder after it; the index of that parent sync in `calls`."""
+    renamed_at = calls.index(("rename", tmp, final))
+    synced_before = {path for kind, path, *_ in calls[:renamed_at] if kind == "sync"}
+    tree = {os.path.join(tmp, os.path.relpath(os.path.join(root, name), final))
+            for root, folders, files in os.walk(final) for name in folders + files}
+    assert tree and tree | {tmp} <= synced_before
+    return calls.index(("sync", os.path.dirname(final)), renamed_at)
+
+
+def test_a_checkpoint_is_on_disk_before_older_ones_are_removed(tmp_path, monkeypatch):
+    """A power loss right after the rename must find step-4 whole where its name survived, and step-2 (beyond
+    --keep-checkpoints 1) removed only once the rename itself is on disk: otherwise no good checkpoint is left."""
+    out = str(os.path.realpath(tmp_path))
+    encoder, _ = make_encoder("bert", dtype=torch.float32, layers=1)
+    optimizer = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    cfg = run_config(out, keep_checkpoints=1)
+
+    def save(step):
+        return checkpoint.save_checkpoint(cfg, checkpoint.Position(step=step), DistInfo(), encoder=encoder,
+                                          optimizer=optimizer, scheduler=scheduler,
+                                          scaler=torch.amp.GradScaler("cpu", enabled=False))
+
+    older = save(2)
+    calls = _disk_calls(monkeypatch)
+    newer = save(4)
+    parent_synced_at = _synced_before_renamed_in(calls, newer + ".tmp", newer)
+    assert calls.index(("remove", older)) > parent_synced_at
+    assert checkpoint.finished_checkpoints(out) == [newer]
+
+
+def test_a_swapped_in_export_is_on_disk_before_the_old_copy_goes(tmp_path, monkeypatch):
+    """final/ (and best/) with a subfolder, as a sentence-transformers export has: the new copy's every file and
+    folder synced before the rename, the output folder after it, and only then the old copy removed."""
+    out = os.path.realpath(tmp_path)
+    final, tmp = os.path.join(out, "final"), os.path.join(out, "final.tmp")
+    for folder, text in ((final, "old"), (tmp, "new")):
+        os.makedirs(os.path.join(folder, "1_Pooling"))
+        for name in ("model.safetensors", os.path.join("1_Pooling", "config.json")):
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+    calls = _disk_calls(monkeypatch)
+    checkpoint._swap_in(tmp, final)
+    parent_synced_at = _synced_before_renamed_in(calls, tmp, final)
+    assert calls.index(("remove", final + ".old")) > parent_synced_at
+    with open(os.path.join(final, "1_Pooling", "config.json")) as f:
+        assert f.read() == "new"
+
+
+def test_a_best_kept_for_a_checkpoint_is_on_disk_before_best_is_replaced(tmp_path, monkeypatch):
+    out = os.path.realpath(tmp_path)
+    os.makedirs(checkpoint.checkpoint_path(out, 4))
+    _best(os.path.join(out, "best"), {"step": 4, "dev_spearman": 0.5})
+    calls = _disk_calls(monkeypatch)
+    checkpoint._keep_best_of_checkpoints(out)
+    kept = checkpoint.kept_best_path(out, 4)
+    assert calls == [("rename", os.path.join(out, "best"), kept), ("sync", os.path.dirname(kept))]
 
 
 def test_an_empty_metrics_file_is_no_earlier_run(tmp_path):
