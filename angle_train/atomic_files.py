@@ -16,15 +16,15 @@ _CANNOT_SYNC_A_FOLDER = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
 @contextlib.contextmanager
-def written_aside(path: str, *, aside: str | None = None, encoding: str | None = None):
+def written_aside(path: str, *, aside: str | None = None, encoding: str | None = None, binary: bool = False):
     """A text file open for writing beside `path` (`aside`, NAME.tmp unless given) for the block to write the new
     contents into. Once the block ends without an exception the file is flushed and synced to disk, then renamed
     over `path` in one step, and the folder is synced (POSIX), so that the rename too survives a power loss. When
     the block, the sync or the rename raises, the aside file is removed and `path` keeps its previous contents (or
-    stays absent); the error is raised on."""
+    stays absent); the error is raised on. binary: the file is open for bytes (an image), not text."""
     aside = path + ".tmp" if aside is None else aside
     try:
-        with open(aside, "w", encoding=encoding) as file:
+        with open(aside, "wb" if binary else "w", encoding=encoding) as file:
             yield file
             file.flush()
             os.fsync(file.fileno())

@@ -298,19 +298,28 @@ def test_a_folder_that_cannot_be_synced_leaves_the_write_in_place(tmp_path, monk
     assert (tmp_path / "f.json").read_text() == "new" and os.listdir(tmp_path) == ["f.json"]
 
 
+@pytest.mark.parametrize("binary", [False, True])
 @pytest.mark.parametrize("before", ["old", None])
-def test_a_write_aside_that_raises_leaves_the_previous_file_and_nothing_else(tmp_path, before):
+def test_a_write_aside_that_raises_leaves_the_previous_file_and_nothing_else(tmp_path, before, binary):
     path = tmp_path / "metrics.jsonl"
     if before is not None:
         path.write_text(before)
     failure = ValueError("not JSON")
     with pytest.raises(ValueError) as raised:
-        with atomic_files.written_aside(str(path)) as f:
-            f.write("half a fi")
+        with atomic_files.written_aside(str(path), binary=binary) as f:
+            f.write(b"half a fi" if binary else "half a fi")
             raise failure
     assert raised.value is failure
     assert os.listdir(tmp_path) == ([] if before is None else ["metrics.jsonl"])
     assert before is None or path.read_text() == before
+
+
+def test_a_binary_file_written_aside_holds_the_bytes_written(tmp_path):
+    path = tmp_path / "curves.png"
+    path.write_bytes(b"old")
+    with atomic_files.written_aside(str(path), binary=True) as f:
+        f.write(b"\x89PNG\r\n\x1a\n")
+    assert path.read_bytes() == b"\x89PNG\r\n\x1a\n" and os.listdir(tmp_path) == ["curves.png"]
 
 
 def test_a_non_finite_stop_record_that_fails_to_serialise_leaves_the_previous_one(tmp_path):
