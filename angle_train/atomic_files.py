@@ -1,5 +1,6 @@
 """Small files a run replaces whole (its metrics after a resume, a checkpoint's manifest, the record of a non-finite
-stop, the output folder's lock): written beside their place and swapped in, so that a reader, a kill or a power
+stop, the output folder's lock, its config.json, profile.json and curves.png; an export's JSON files and model card;
+angle-eval's --json results): written beside their place and swapped in, so that a reader, a kill or a power
 loss finds the old contents or the new ones, never half a file, and a write that fails leaves nothing behind.
 Folders written whole (a checkpoint, best/, final/) are made durable the same way before they are renamed into
 place (sync_tree) and after (sync_folder of their parent): checkpoint._swap_in.

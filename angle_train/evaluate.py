@@ -70,6 +70,7 @@ from typing import NamedTuple
 import torch
 
 from . import preflight, st_folder
+from .atomic_files import written_aside
 from .cli_common import (
     OneLineErrorParser, check_train_extra, parse_bool, resolve_device, user_errors_exit, version_text,
 )
@@ -833,7 +834,7 @@ def main(argv=None) -> int:
                            progress=args.progress, dims=dims)
         print(table(results, dims=dims))
         if args.json_out:  # strict JSON: an undefined score (constant cosines: NaN) is null
-            with open(args.json_out, "w", encoding="utf-8") as f:
+            with written_aside(args.json_out, encoding="utf-8") as f:  # the previous results, or these: never half
                 json.dump(finite_or_none(results), f, indent=2, allow_nan=False)
                 f.write("\n")
     unscored = [name for name, value in results.items() if not _all_finite(value)]

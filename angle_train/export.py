@@ -45,6 +45,7 @@ import os
 import shutil
 
 from . import st_folder
+from .atomic_files import written_aside
 from .st_folder import META_FILE
 from .data import prompt_prefix
 from .models import ADAPTER_CONFIG, ADAPTER_FOLDER, LOOK_UP, absolute_if_local, adapter_export_meta, position_limit
@@ -68,7 +69,9 @@ def loaded_name(backbone) -> str | None:
 
 
 def _write_json(path: str, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    """Replaced whole: a write that fails (a full disk) leaves the file that was there, never half a file that
+    load_pretrained, sentence-transformers or peft would read (adapter_config.json is rewritten in place)."""
+    with written_aside(path, encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
 
@@ -195,7 +198,7 @@ def unused_modules_back(backbone, modules: dict, state_dict: dict | None):
 
 def _write_card(path: str, text: str | None) -> None:
     if text:
-        with open(os.path.join(path, CARD_FILE), "w", encoding="utf-8") as f:
+        with written_aside(os.path.join(path, CARD_FILE), encoding="utf-8") as f:
             f.write(text)
 
 

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from .atomic_files import written_aside
+
 PHASES = ("data", "encoder forward", "all-gather", "loss", "encoder re-forward", "encoder backward", "optimizer")
 
 _active: StepProfile | None = None
@@ -69,7 +71,7 @@ class StepProfile:
 
     def save(self, path: str, step: int, **settings) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
+        with written_aside(path, encoding="utf-8") as f:
             json.dump(self.to_dict(step, **settings), f, indent=2)
             f.write("\n")
 

@@ -1707,7 +1707,8 @@ class RunLog:
         self.run_seconds = 0.0
         os.makedirs(cfg.output_dir, exist_ok=True)
         if is_main:
-            with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
+            # replaced whole: a resume that fails to write it leaves the run's settings (--config reads them back)
+            with written_aside(os.path.join(cfg.output_dir, "config.json"), encoding="utf-8") as f:
                 json.dump(asdict(cfg), f, indent=2)
             _drop_rows_after(self.metrics_path, start_step)
             self.reporters = tracking.open_reporters(tracking.resolve_report_to(cfg.report_to), cfg.output_dir,

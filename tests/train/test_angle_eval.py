@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from scipy.stats import spearmanr
-from train_helpers import make_encoder, minilm_dir
+from train_helpers import full_disk_midway, make_encoder, minilm_dir
 
 from angle_train.data import DataError
 from angle_train.evaluate import RetrievalSet, StsSet, main, read_dataset, retrieval_metrics, spearman_by_dim
@@ -107,6 +107,24 @@ def test_a_scored_set_without_a_spearman_correlation_is_refused_and_json_stays_s
         warnings.simplefilter("error", ConstantInputWarning)
         assert main([export, str(same), "--json", str(out)]) == 1
     assert json.loads(out.read_text()) == {"same": None}
+
+
+def test_results_that_fail_to_be_written_leave_the_earlier_json(tmp_path, monkeypatch):
+    """--json written midway when the disk fills leaves the results that were there (a pipeline reading them never
+    finds half a file) and no results.json.tmp."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    export = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    scored = _write(tmp_path / "scored.jsonl", [json.dumps({"text1": a, "text2": b, "label": float(i)})
+                                               for i, (a, b) in enumerate(PAIRS)])
+    results = tmp_path / "results"
+    results.mkdir()
+    earlier = '{\n  "scored": 12.5\n}\n'
+    (results / "results.json").write_text(earlier)
+    full_disk_midway(monkeypatch, json, "dump")
+    with pytest.raises(OSError, match="No space left on device"):
+        main([export, str(scored), "--json", str(results / "results.json"), "--debug", "1"])
+    assert (results / "results.json").read_text() == earlier
+    assert os.listdir(results) == ["results.json"]
 
 
 def test_a_retrieval_file_of_one_distinct_query_is_refused(tmp_path, capsys):

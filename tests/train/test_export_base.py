@@ -2,7 +2,8 @@
 all-MiniLM-L6-v2 has the base's modules (its Normalize too: unit embeddings), pooling settings, max_seq_length (not
 the training length, unless asked) and prompts, and embeds as the base does when the weights are the base's; so does
 the export of a base with a Dense layer, written by sentence-transformers 6. Every export carries a model card: the
-command, the data (or what train() was given in its place), the loss, the steps and the evaluation scores."""
+command, the data (or what train() was given in its place), the loss, the steps and the evaluation scores. Its JSON
+files are replaced whole: one that fails to be written is the one that was there."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import os
 
 import pytest
 import torch
-from train_helpers import make_encoder, minilm_dir, run_config
+from train_helpers import full_disk_midway, make_encoder, minilm_dir, run_config
 
-from angle_train import cli
+from angle_train import cli, export
 from angle_train.export import META_FILE, load_pretrained, save_pretrained
 
 TEXTS = ["A man is playing a guitar.", "Someone plays an instrument.", "The cat sleeps on the sofa."]
@@ -537,3 +538,18 @@ def test_a_lora_runs_model_cards_give_the_adapters_and_where_they_are(tmp_path):
     assert settings + "merged into this folder's weights; the adapter alone is in `adapter/`" in \
         (tmp_path / "final" / "README.md").read_text()
     assert (tmp_path / "final" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_an_adapter_config_that_fails_to_be_rewritten_stays_whole(tmp_path, monkeypatch):
+    """An export rewrites peft's adapter_config.json to record a local base model by its absolute path: a write that
+    fails midway (a full disk) leaves peft's file, which loading the adapter reads, and no adapter_config.json.tmp."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (tmp_path / "base").mkdir()
+    peft_written = json.dumps({"base_model_name_or_path": "base", "peft_type": "LORA", "r": 4}, indent=2)
+    (adapter / export.ADAPTER_CONFIG).write_text(peft_written)
+    full_disk_midway(monkeypatch, json, "dump")
+    with pytest.raises(OSError, match="No space left on device"):
+        export._record_local_base(str(adapter), str(tmp_path / "base"))
+    assert (adapter / export.ADAPTER_CONFIG).read_text() == peft_written
+    assert os.listdir(adapter) == [export.ADAPTER_CONFIG]

@@ -1,13 +1,13 @@
 """The files a run keeps safe, at their edges: the output folder's lock (a stale lock whose pid was reused is taken
-over; a live process of another user keeps its lock; others wait while one run decides about the lock; a run's
-release never removes another run's lock; a lock file without its host is refused in one line), and the checkpoints'
-bookkeeping (a kept best of a checkpoint's own step stays; best/ on resume is the checkpoint's best or none; a damaged
-last good checkpoint is passed over after a non-finite stop; a manifest must cover the state file; a swap of final/
-or best/ leaves one whole copy, also when it fails midway; a checkpoint, best/ and final/ are synced to disk before
-their rename and their folder after it, before an older copy or checkpoint is removed; an empty metrics.jsonl is no
-earlier run), and the small
-files replaced whole (atomic_files.written_aside: synced, then swapped in; a write that fails leaves the previous file
-and no aside file behind: the record of a non-finite stop, the lock a run takes over)."""
+over; a live process of another user keeps its lock; others wait while one run decides about the lock; a run's release
+never removes another run's lock; a lock file without its host is refused in one line), and the checkpoints' bookkeeping
+(a kept best of a checkpoint's own step stays; best/ on resume is the checkpoint's best or none; a damaged last good
+checkpoint is passed over after a non-finite stop; a manifest must cover the state file; a swap of final/ or best/
+leaves one whole copy, also when it fails midway; a checkpoint, best/ and final/ are synced to disk before their rename
+and their folder after it, before an older copy or checkpoint is removed; an empty metrics.jsonl is no earlier run), and
+the small files replaced whole (atomic_files.written_aside: synced, then swapped in; a write that fails leaves the
+previous file and no aside file behind: the record of a non-finite stop, the lock a run takes over, the run's
+config.json)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import stat
 
 import pytest
 import torch
-from train_helpers import make_encoder, run_config
+from train_helpers import full_disk_midway, make_encoder, run_config
 
-from angle_train import atomic_files, checkpoint, run_lock
+from angle_train import atomic_files, checkpoint, run_lock, trainer
 from angle_train.distributed import DistInfo
 
 
@@ -320,6 +320,19 @@ def test_a_binary_file_written_aside_holds_the_bytes_written(tmp_path):
     with atomic_files.written_aside(str(path), binary=True) as f:
         f.write(b"\x89PNG\r\n\x1a\n")
     assert path.read_bytes() == b"\x89PNG\r\n\x1a\n" and os.listdir(tmp_path) == ["curves.png"]
+
+
+def test_settings_that_fail_to_be_written_leave_the_runs_config_json(tmp_path, monkeypatch):
+    """A start or resume that cannot write config.json (a full disk midway) leaves the settings that were there, which
+    --config and the check of a run's folder (not a model: its models are in final/ and best/) read back, and no
+    config.json.tmp."""
+    earlier = json.dumps({"output_dir": str(tmp_path), "train_data": "pairs.jsonl", "lr": 2e-5}, indent=2)
+    (tmp_path / "config.json").write_text(earlier)
+    full_disk_midway(monkeypatch, json, "dump")
+    with pytest.raises(OSError, match="No space left on device"):
+        trainer.RunLog(run_config(tmp_path), True, torch.device("cpu"), total_steps=4, start_step=2)
+    assert (tmp_path / "config.json").read_text() == earlier
+    assert os.listdir(tmp_path) == ["config.json"]
 
 
 def test_a_non_finite_stop_record_that_fails_to_serialise_leaves_the_previous_one(tmp_path):

@@ -273,3 +273,21 @@ def test_the_dev_axis_holds_every_trained_widths_scores(tmp_path):
                               {"step": 2, "dev_spearman": 0.82, "dev_spearman@16": 0.45}])
     low, high = drawn["dev_ylim"]
     assert drawn["dev_steps"] == [1, 2] and low < 0.40 and 0.82 < high
+
+
+def test_curves_that_fail_to_be_drawn_leave_the_earlier_curves_png(tmp_path, monkeypatch):
+    """A drawing that fails midway (a full disk) leaves the curves.png that was there, whole, and no curves.png.tmp."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    from train_helpers import full_disk_midway
+
+    from angle_train import tracking
+
+    assert _drawn(tmp_path, [{"step": 1, "loss": 1.0, "lr": 0.1}, {"step": 2, "loss": 0.9, "lr": 0.1}])["steps"] == \
+        [1, 2]
+    earlier = (tmp_path / "curves.png").read_bytes()
+    full_disk_midway(monkeypatch, Figure, "savefig")
+    with pytest.raises(OSError, match="No space left on device"):
+        tracking.plot_curves(str(tmp_path / "metrics.jsonl"), str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").read_bytes() == earlier
+    assert sorted(os.listdir(tmp_path)) == ["curves.png", "metrics.jsonl"]

@@ -113,6 +113,25 @@ def run_config(output_dir, **settings):
     return TrainConfig(output_dir=str(output_dir), **{**quiet, **settings})
 
 
+def full_disk_midway(monkeypatch, owner, name: str) -> None:
+    """owner.name (json.dump, matplotlib's Figure.savefig: both take the file second) writes the start of its file
+    and then fails as a full disk does: a file written in place is left holding half of its contents. The file is an
+    open one (text or bytes) or a path."""
+    import errno
+    import io
+
+    def failing(*args, **kwargs):
+        target = args[1]
+        if isinstance(target, (str, os.PathLike)):
+            with open(target, "wb") as file:
+                file.write(b"\x89PNG")
+        else:
+            target.write('{"half' if isinstance(target, io.TextIOBase) else b"\x89PNG")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(owner, name, failing)
+
+
 def without_curves(monkeypatch) -> None:
     """train() runs that draw no curves.png, as where matplotlib is absent (tracking.plot_curves returns None): the
     drawing (0.1-0.4 s of matplotlib at the end of every run) is tested in test_tracking*.py and test_logging.py,
