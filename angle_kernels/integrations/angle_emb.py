@@ -67,7 +67,9 @@ ESE_TRAINER = ("angle_emb.angle", "AngleESETrainer")  # whose compute_loss patch
 # where angle-emb 0.6.1 holds those names: its loss module, the trainer's module, the package namespace
 _MODULES = ("angle_emb.loss", "angle_emb.angle", "angle_emb")
 
-_lock = threading.Lock()
+# re-entrant: patched() holds it across patch() and unpatch(), which take it too, so that no other thread's block
+# enters or ends between what a block finds and what it changes
+_lock = threading.RLock()
 _originals: dict[tuple[str, str], object] = {}  # (module name, attribute) -> the object patch() replaced
 _ese_original: list[Any] = []  # AngleESETrainer.compute_loss as patch() found it (empty when not patched)
 _ese_student_loss: list[Any] = []  # and its compute_student_loss, the hook a subclass overrides
@@ -193,10 +195,11 @@ def patched(backend: str | None = None) -> Iterator[None]:
     what the earlier block found (angle-emb is patched process-wide, so the first block to end unpatched it under
     the other thread's training, which went on with angle-emb's own losses).
     """
+    # one step: another thread's block entering between the look and the patch found what this one found, and the
+    # first of the two to end unpatched angle-emb under the other
     with _lock:
         block = [list(_backend)]  # what the block restores: [backend] when patched on entry, [] when not
-    patch(backend)
-    with _lock:
+        patch(backend)
         _open_blocks.append(block)
     try:
         yield
@@ -207,17 +210,19 @@ def patched(backend: str | None = None) -> Iterator[None]:
 def _end_block(block: list[list[str | None]]) -> None:
     """A patched() block's exit: it restores what it found unless a block entered after it is still open (another
     thread's), which then restores that instead."""
+    # held while restoring: a block entering in another thread between the hand-over and the restore was unpatched
+    # under it
     with _lock:
         position = next(i for i, open_block in enumerate(_open_blocks) if open_block is block)
         del _open_blocks[position]
         if position < len(_open_blocks):
             _open_blocks[position][0] = block[0]
             return
-    previous = block[0]
-    if not previous:
-        unpatch()
-    elif is_patched():  # unpatch() called inside the block stays in effect
-        patch(previous[0])
+        previous = block[0]
+        if not previous:
+            unpatch()
+        elif is_patched():  # unpatch() called inside the block stays in effect
+            patch(previous[0])
 
 
 # ------------------------------------------------------------------------------------------------------------

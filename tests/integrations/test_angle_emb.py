@@ -592,6 +592,45 @@ def test_patched_blocks_in_two_threads_keep_the_patch_until_the_last_one_ends(ae
     assert not integration.is_patched()
 
 
+def test_a_patched_block_entered_while_another_threads_block_restores_keeps_the_patch(ae, monkeypatch):
+    """A block that enters while the last open block (another thread's) is restoring what it found waits for the
+    restore and patches after it: it entered between the hand-over and the unpatch, found angle-emb patched, and was
+    unpatched under it (its thread trained on angle-emb's own losses, and its exit patched angle-emb for good)."""
+    import threading
+
+    loss_module = ae["angle_emb.loss"]
+    restoring, second_inside, first_ended = threading.Event(), threading.Event(), threading.Event()
+    unpatch, seen = integration.unpatch, {}
+
+    def unpatch_slowly():  # the first block's restore gives another thread's block the time to enter
+        if threading.current_thread().name == "first" and not restoring.is_set():
+            restoring.set()
+            second_inside.wait(0.5)  # a block cannot enter during a restore: the wait runs out
+        unpatch()
+
+    monkeypatch.setattr(integration, "unpatch", unpatch_slowly)
+
+    def first_block():
+        with integration.patched(backend="torch"):
+            pass
+        first_ended.set()
+
+    def second_block():
+        restoring.wait(10)
+        with integration.patched(backend="auto"):
+            second_inside.set()
+            first_ended.wait(10)
+            seen["inside"] = integration.is_patched() and loss_module.cosine_loss.keywords == {"backend": "auto"}
+
+    threads = [threading.Thread(target=first_block, name="first"), threading.Thread(target=second_block)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == {"inside": True}
+    assert not integration.is_patched()
+
+
 def test_an_angle_emb_loss_made_before_patch_pickles_while_patched(ae):
     """A trainer built before patch() holds angle-emb's AngleLoss; pickle finds a class by its name, which holds
     ours while patched, and refused the object ("not the same object as angle_emb.angle.AngleLoss"). It pickles as
