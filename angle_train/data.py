@@ -15,8 +15,8 @@ detected automatically, or forced with layout="stsb"), or a Hugging Face dataset
 Every problem in a file raises `DataError` (a ValueError) naming the file and the line: missing columns, an empty
 file, a null or empty label, a label that is not a finite number or is beyond +-LABEL_LIMIT, a null or empty text
 (or one of invisible characters alone: shows_nothing), a malformed JSON line, a CSV row with more or fewer fields
-than its header, a CSV syntax error (a quote never closed: the line it opened on too), a JSON key given twice in
-an object (json keeps the last in silence), bytes that are not UTF-8
+than its header, a CSV syntax error (a quote never closed: the line it opened on too), a JSON line naming one of
+its keys twice (json keeps the last value in silence), bytes that are not UTF-8
 (with their byte offset; a Parquet, Arrow or compressed file named as such: BINARY_FILES). Local files are read as
 UTF-8; a byte-order mark at the start (as spreadsheet programs write "CSV UTF-8") is dropped. `open_text`,
 `check_label` and `check_text` hold these rules for every reader here, in angle_train.arccse and in
@@ -75,7 +75,7 @@ def names_local_path(name: str) -> bool:
         return False
     if os.path.exists(name) or os.path.isabs(name) or name.startswith(("./", "../", "~", ".\\", "..\\")):
         return True
-    if name.lower().endswith(DATA_FILE_SUFFIXES):
+    if has_suffix(name, DATA_FILE_SUFFIXES):
         return True
     parts = name.replace("\\", "/").split("/")
     if len(parts) == 2 and RUN_FOLDER_NAMES.fullmatch(parts[1]):
@@ -465,35 +465,38 @@ def read_stsb(path: str) -> list[Example]:
     return examples
 
 
-class _RepeatedKey(ValueError):
-    """A JSON object naming one key twice (its `key`)."""
+class _ObjectNamingAKeyTwice(dict):
+    """A JSON object's dict (json keeps the last value of a key) where the object names a key twice: `repeated`."""
 
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
+    repeated: str
 
 
-def _object_of_unique_keys(pairs: list) -> dict:
-    """A JSON object's dict, or _RepeatedKey where it names a key twice: json keeps the last value of a key in
-    silence, so {"query": "a", "positive": "b", "query": "c"} was trained as the pair (c, b)."""
+def _object_marking_a_repeated_key(pairs: list) -> dict:
+    """A JSON object's dict, an _ObjectNamingAKeyTwice where it names a key twice: json keeps the last value of a key
+    in silence, so {"query": "a", "positive": "b", "query": "c"} was trained as the pair (c, b). Marked, not raised:
+    only a row's own keys are its columns, and an object inside a column no reader reads (a "meta" column) is no
+    reason to refuse the file."""
     row = dict(pairs)
-    if len(row) != len(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise _RepeatedKey(key)
-            seen.add(key)
-    return row
+    if len(row) == len(pairs):
+        return row
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            break
+        seen.add(key)
+    marked = _ObjectNamingAKeyTwice(row)
+    marked.repeated = key
+    return marked
 
 
 # One decoder for every line (json.loads given a hook builds a decoder a call: twice the time of reading a line);
 # the hook costs about 3% of reading a file.
-_JSON_ROW = json.JSONDecoder(object_pairs_hook=_object_of_unique_keys)
+_JSON_ROW = json.JSONDecoder(object_pairs_hook=_object_marking_a_repeated_key)
 
 
 def jsonl_rows(path: str):
-    """(where, row) for every non-blank line of a JSONL file: a JSON object each (naming each key once), or a
-    DataError naming the line."""
+    """(where, row) for every non-blank line of a JSONL file: a JSON object each (naming each of its own keys once),
+    or a DataError naming the line."""
     array_hint = " (a file holding one JSON array of records is not read: write one record a line, JSON Lines)"
     first = True  # the first non-blank line: where a file of one JSON array (pretty-printed or not) starts with "["
     with open_text(path) as f:
@@ -505,14 +508,14 @@ def jsonl_rows(path: str):
                 row = _JSON_ROW.decode(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where}: not valid JSON ({exc.msg}){array_hint if starts_array else ''}") from None
-            except _RepeatedKey as exc:
-                raise DataError(f"{where}: the key {exc.key!r} appears more than once in an object, so only its last "
-                                "value would be read: rename or remove the others") from None
             except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
                 raise DataError(f"{where}: not usable JSON ({exc})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: each line must be a JSON object; got {type(row).__name__}"
                                 + (array_hint if starts_array else ""))
+            if isinstance(row, _ObjectNamingAKeyTwice):
+                raise DataError(f"{where}: the key {row.repeated!r} appears more than once in an object, so only its "
+                                "last value would be read: rename or remove the others")
             yield where, row
 
 

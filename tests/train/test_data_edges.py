@@ -38,6 +38,16 @@ def test_a_json_key_given_twice_is_refused(tmp_path):
     with pytest.raises(DataError, match=r"twice.jsonl, line 2: the key 'query' appears more than once in an object, "
                                         r"so only its last value would be read: rename or remove the others$"):
         load_examples(path)
+    escaped = write_data_file(tmp_path, "escaped.jsonl", '{"query": "a", "positive": "b", "q\\u0075ery": "c"}\n')
+    with pytest.raises(DataError, match=r"escaped.jsonl, line 1: the key 'query' appears more than once"):
+        load_examples(escaped)
+
+
+def test_a_key_given_twice_inside_a_column_is_no_reason_to_refuse_the_row(tmp_path):
+    """Only a row's own keys are its columns: an object inside a column that no format reads (metadata beside the
+    texts) naming a key twice leaves the row as it was read (it was refused as a key given twice)."""
+    path = write_data_file(tmp_path, "meta.jsonl", '{"query": "a", "positive": "b", "meta": {"k": 1, "k": 2}}\n')
+    assert load_examples(path) == ([Example(("a", "b"))], "B")
 
 
 def test_a_label_with_a_digit_separator_is_refused(tmp_path):
