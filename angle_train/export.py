@@ -76,7 +76,6 @@ def _write_json(path: str, obj) -> None:
         f.write("\n")
 
 
-
 def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_only: bool = False,
                     merge_in_place: bool = False, base_model: str | None = None, matryoshka_dims=None,
                     state_dict: dict | None = None, export_max_length: int | None = None,

@@ -639,7 +639,6 @@ def test_a_drop_in_refuses_bad_numbers_when_built_before_any_model_runs(model64,
                 cls(*models, scale=torch.nn.Parameter(torch.tensor(20.0)))
 
 
-
 @pytest.mark.parametrize("class_name", ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"])
 def test_a_hardness_strength_that_is_not_a_finite_number_is_refused_when_built(model64, class_name):
     """The parents refuse a hardness_strength < 0 only: NaN, inf and True were taken, and the fused loss refused
