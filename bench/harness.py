@@ -710,10 +710,15 @@ def call_in_fork(fn, *args, timeout: float = 600.0):
 def written_aside(path: Path):
     """A path beside `path` (NAME.tmp) for the block to write the new contents into, by any writer (write_text, a
     figure's savefig); once the block ends without an exception, it replaces `path` in one step: a reader (or a kill)
-    never sees half a file."""
+    never sees half a file. A block that raises leaves `path` as it was and removes what it wrote aside (a failed
+    savefig left plot.png.tmp in the results folder)."""
     tmp = path.with_name(path.name + ".tmp")
-    yield tmp
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_text_atomic(path: Path, text: str) -> None:

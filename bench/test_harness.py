@@ -223,6 +223,16 @@ def test_reports_are_replaced_in_one_step(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "table.md"]  # no .tmp left behind
 
 
+def test_a_report_whose_writer_fails_stays_as_it_was_with_nothing_beside_it(tmp_path):
+    path = tmp_path / "plot.png"
+    path.write_bytes(b"old")
+    with pytest.raises(OSError, match="No space"):
+        with harness.written_aside(path) as partial:
+            partial.write_bytes(b"half a pn")
+            raise OSError(28, "No space left on device")  # as a savefig that runs out of disk
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["plot.png"]
+
+
 def strict_json(text: str):
     """`text` read as a strict parser (jq, JavaScript's JSON.parse) reads it: NaN and Infinity are no JSON."""
     def refuse(constant):
