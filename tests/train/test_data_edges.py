@@ -56,6 +56,9 @@ def test_a_label_with_a_digit_separator_is_refused(tmp_path):
     path = write_data_file(tmp_path, "sep.csv", "text1,text2,label\nx,y,1.0\nx,z,1_0\n")
     with pytest.raises(DataError, match=r"sep.csv, line 3: bad label '1_0' \(must be a finite number\)$"):
         load_examples(path)
+    # the ways a number is written in a data file are read as before
+    written = write_data_file(tmp_path, "numbers.csv", 'text1,text2,label\nx,y," 1.0 "\nx,z,+1\nx,w,1e-3\nx,v,-.5\n')
+    assert [example.label for example in load_examples(written)[0]] == [1.0, 1.0, 0.001, -0.5]
 
 
 def test_a_json_boolean_label_is_refused(tmp_path):
