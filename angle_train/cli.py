@@ -89,18 +89,19 @@ def read_config_file(path: str) -> dict:
     not a mapping raises FileNotFoundError or ValueError naming --config and the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {path}: no such file")
-    if path.endswith((".yaml", ".yml")):
+    suffix = os.path.splitext(path)[1].lower()  # RUN.YAML as run.yaml, as the data files' suffixes are read
+    if suffix in (".yaml", ".yml"):
         import yaml
 
         language, load, syntax_error = "YAML", yaml.safe_load, yaml.YAMLError
-    elif path.endswith(".toml"):
+    elif suffix == ".toml":
         try:
             import tomllib
         except ImportError:  # Python < 3.11
             import tomli as tomllib
 
         language, load, syntax_error = "TOML", tomllib.load, tomllib.TOMLDecodeError
-    elif path.endswith(".json"):
+    elif suffix == ".json":
         language, load, syntax_error = "JSON", json.load, json.JSONDecodeError
     else:
         raise ValueError(f"--config {path}: use a .yaml, .yml, .toml or .json file")

@@ -324,6 +324,9 @@ def test_config_files_and_precedence(tmp_path):
 
 @pytest.mark.parametrize("name, text, expected", [
     ("run.yml", "batch_size: 8\n", {"batch_size": 8}),  # .yml, the other YAML suffix
+    ("RUN.YAML", "batch_size: 8\n", {"batch_size": 8}),  # a suffix in upper case, as data files' are read
+    ("Run.Toml", "batch_size = 8\n", {"batch_size": 8}),
+    ("RUN.JSON", '{"batch_size": 8}', {"batch_size": 8}),
     ("empty.yaml", "", {}),  # nothing set yet: the defaults
     ("comments.yaml", "# lr: 1e-4\n", {}),
 ])
