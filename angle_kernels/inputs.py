@@ -691,6 +691,15 @@ def check_in_batch_options(directions: tuple[str, ...] | list[str], partition_mo
     return directions, hardness_strength, check_false_negative_filter(false_negative_margin, false_negative_strategy)
 
 
+def check_hardness_fits(*, scale: float, hardness_mode: str | None, hardness_strength: float) -> None:
+    """A checked scale and hardness_strength together: with a hardness_mode, the penalised columns' logits are
+    (scale + hardness_strength) x the similarity, so their sum is a logit factor, bound as check_scale bounds one."""
+    if hardness_mode is not None and scale + hardness_strength > LARGEST_LOGIT_FACTOR:
+        raise ValueError(f"hardness_strength + scale must be <= {LARGEST_LOGIT_FACTOR:.3g}: the penalised logits "
+                         "are multiplied by their sum, and past that they overflow float32; got hardness_strength "
+                         f"{hardness_strength:g} with scale {scale:g}")
+
+
 def check_false_negative_filter(false_negative_margin: float | None,
                                 false_negative_strategy: str) -> float | None:
     """The positive-aware false-negative filter's options (multiple_negatives_ranking_loss, AngleLoss): the margin,
@@ -805,11 +814,7 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
         directions, hardness_strength, false_negative_margin = check_in_batch_options(
             directions, partition_mode, hardness_mode, hardness_strength, false_negative_margin,
             false_negative_strategy, similarity)
-        if hardness_mode is not None and scale + hardness_strength > LARGEST_LOGIT_FACTOR:
-            # the penalised columns' logits are (scale + hardness_strength) x the similarity: check_scale's rule
-            raise ValueError(f"hardness_strength + scale must be <= {LARGEST_LOGIT_FACTOR:.3g}: the penalised logits "
-                             "are multiplied by their sum, and past that they overflow float32; got hardness_strength "
-                             f"{hardness_strength:g} with scale {scale:g}")
+        check_hardness_fits(scale=scale, hardness_mode=hardness_mode, hardness_strength=hardness_strength)
         if nested is not None:
             if dims is not None or dim_weights is not None or layer_weights is not None:
                 raise ValueError("pass either a parsed nested or dims / dim_weights / layer_weights, not both")

@@ -48,7 +48,7 @@ ignores. MatryoshkaLoss and Matryoshka2dLoss refuse, when built, a `matryoshka_d
 and Matryoshka2dLoss such a `last_layer_weight`, `prior_layers_weight`, `kl_div_weight` or `kl_temperature`: the
 parents compute NaN or inf from such a weight, and take `True` as 1. MultipleNegativesRankingLoss and
 CachedMultipleNegativesRankingLoss likewise refuse, when built, a `hardness_strength` that is NaN, inf or a bool
-(the parents refuse one < 0 only).
+(the parents refuse one < 0 only), or whose sum with `scale` is past the fused call's bound under a hardness_mode.
 
 GISTEmbedLoss and CachedGISTEmbedLoss (and MatryoshkaLoss over them) differ from their parents beyond rounding in
 one case: a column whose guide score is above its row's threshold (the positive's guide score less the margin,
@@ -348,18 +348,22 @@ def _mnrl_similarity(loss: torch.nn.Module) -> str | None:
 
 
 def _check_constructor_numbers(*, scale=None, temperature=None, mini_batch_size=None,
-                               hardness_strength=None) -> None:
+                               hardness_strength=None, hardness_mode=None) -> None:
     """The numbers a drop-in is built with, checked when it is built (before any model runs: the parents take
     anything, and a bad one failed at the first loss call, after the model's forward passes, or inside GradCache's
     chunking): a number scale or temperature by the loss's one rule (inputs.check_scale; a tensor scale is a learned
     one, the parent's to compute with, `_tensor_scale`), a hardness_strength that is a finite real number (the
-    parent refuses one < 0 but takes NaN, inf and True), a mini_batch_size of at least one row."""
-    if scale is not None and not isinstance(scale, torch.Tensor):
-        _inputs.check_scale("scale", scale)
+    parent refuses one < 0 but takes NaN, inf and True) whose sum with a number scale is held to the fused call's
+    bound under a hardness_mode (inputs.check_hardness_fits), a mini_batch_size of at least one row."""
+    number_scale = scale is not None and not isinstance(scale, torch.Tensor)
+    if number_scale:
+        scale = _inputs.check_scale("scale", scale)
     if temperature is not None:
         _inputs.check_scale("temperature", temperature, divides=True)
     if hardness_strength is not None:
-        _inputs.check_scalar("hardness_strength", hardness_strength)
+        hardness_strength = _inputs.check_scalar("hardness_strength", hardness_strength)
+        if number_scale:
+            _inputs.check_hardness_fits(scale=scale, hardness_mode=hardness_mode, hardness_strength=hardness_strength)
     if mini_batch_size is not None and (isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int)
                                         or mini_batch_size < 1):
         raise ValueError(f"mini_batch_size must be an int >= 1 (rows a mini-batch embeds), got {mini_batch_size!r}")
@@ -500,7 +504,7 @@ class MultipleNegativesRankingLoss(_BackendSetting, _FusedMNRL, _st_losses.Multi
         *,
         backend: str | None = None,
     ) -> None:
-        _check_constructor_numbers(scale=scale, hardness_strength=hardness_strength)
+        _check_constructor_numbers(scale=scale, hardness_strength=hardness_strength, hardness_mode=hardness_mode)
         optional = _parent_kwargs(_st_losses.MultipleNegativesRankingLoss.__init__, {
             "gather_across_devices": gather_across_devices, "directions": directions,
             "partition_mode": partition_mode, "hardness_mode": hardness_mode,
@@ -547,7 +551,8 @@ class CachedMultipleNegativesRankingLoss(_BackendSetting, _FusedCachedMNRL,
         *,
         backend: str | None = None,
     ) -> None:
-        _check_constructor_numbers(scale=scale, mini_batch_size=mini_batch_size, hardness_strength=hardness_strength)
+        _check_constructor_numbers(scale=scale, mini_batch_size=mini_batch_size, hardness_strength=hardness_strength,
+                                   hardness_mode=hardness_mode)
         optional = _parent_kwargs(_st_losses.CachedMultipleNegativesRankingLoss.__init__, {
             "mini_batch_num_tokens": mini_batch_num_tokens, "gather_across_devices": gather_across_devices,
             "directions": directions, "partition_mode": partition_mode, "show_progress_bar": show_progress_bar,

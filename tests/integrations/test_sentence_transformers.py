@@ -651,6 +651,22 @@ def test_a_hardness_strength_that_is_not_a_finite_number_is_refused_when_built(m
     assert cls(model64, hardness_mode="in_batch_negatives", hardness_strength=2).hardness_strength == 2
 
 
+@pytest.mark.parametrize("class_name", ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"])
+def test_hardness_strength_and_scale_past_the_logit_bound_together_are_refused_when_built(model64, class_name):
+    """With a hardness_mode the penalised logits are multiplied by hardness_strength + scale: past 8.5e37 they
+    overflow float32. Each was checked alone when built, their sum only at the first step, after the model's
+    forward passes; now when built too, with the call's message. Without a hardness_mode the sum is no factor,
+    and a learned (tensor) scale is the parent's to compute with: both are taken."""
+    cls = getattr(ours, class_name)
+    with pytest.raises(ValueError, match=r"^hardness_strength \+ scale must be <= 8\.5e\+37: the penalised logits "
+                                         r"are multiplied by their sum.*got hardness_strength 8e\+37 with "
+                                         r"scale 2e\+37$"):
+        cls(model64, scale=2e37, hardness_mode="hard_negatives", hardness_strength=8e37)
+    assert cls(model64, scale=2e37, hardness_strength=8e37).hardness_strength == 8e37
+    assert cls(model64, scale=torch.nn.Parameter(torch.tensor(2e37)), hardness_mode="hard_negatives",
+               hardness_strength=8e37).hardness_strength == 8e37
+
+
 def test_a_wrong_number_of_columns_with_a_model(model64, guide64):
     """The cached losses and GISTEmbed refuse before embedding anything; the wrappers refuse as their inner loss."""
     cases = [(ours.CachedMultipleNegativesRankingLoss(model64), 1, "CachedMultipleNegativesRankingLoss", "2 or more"),
