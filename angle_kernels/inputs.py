@@ -218,6 +218,21 @@ def check_weight_fits(name: str, value: float, dtype: torch.dtype) -> None:
                          f"larger weight is inf); got {value:g}")
 
 
+def check_margin_fits(name: str, value: float, *, rows: int, dtype: torch.dtype) -> None:
+    """A hinge margin (a checked float) added to a cosine difference (within +-2) on each of `rows` rows of `dtype`
+    embeddings, whose mean sums the rows' terms in the compute dtype: a positive margin is at most half of that
+    dtype's largest number over the rows (the sum of the terms, each up to margin + 2, then stays below half of the
+    largest number, with room for the additions' rounding; past it the sum was inf: an inf loss). A negative margin
+    only turns terms off (max(0, .)), so any is taken. ValueError naming the argument, before any compute."""
+    computed_in = compute_dtype(dtype)
+    bound = LARGEST_WEIGHT[computed_in] / (2 * max(rows, 1)) - 2.0
+    if value > bound:
+        precision = str(computed_in).removeprefix("torch.")
+        raise ValueError(f"{name} must be <= {bound:.6g} for {rows} rows of {str(dtype).removeprefix('torch.')} "
+                         f"embeddings: each row's hinge term is up to {name} + 2, and their mean sums them in "
+                         f"{precision}, where a larger sum is inf; got {value:g}")
+
+
 def check_choice(name: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")

@@ -27,6 +27,7 @@ from .inputs import (
     check_embeddings,
     check_false_negative_filter,
     check_layer_stack,
+    check_margin_fits,
     check_nested,
     check_same_columns,
     check_scalar,
@@ -339,6 +340,7 @@ class ArcCSELoss(nn.Module):
         if all(given):  # checked whatever the weight: a weight of 0 computes nothing with them, but they are wrong
             check_weight_fits("triplet_weight", triplet_weight, h1.dtype)
             check_triplets(*first[2:])
+            check_margin_fits("triplet_margin", triplet_margin, rows=first[2].shape[0], dtype=h1.dtype)
             # one encoder embeds all five, and dims truncate both terms alike: a triplet of another width was scored
             # at a width the views were not, or (with dims) failed inside the triplet's op after ArcCon had run
             check_same_columns("h1", first[0], "anchor", first[2])

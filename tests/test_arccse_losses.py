@@ -168,6 +168,26 @@ def test_a_triplet_weight_past_the_compute_dtypes_range_is_refused_before_arccon
     torch.testing.assert_close(module(h1, h2, h1, h2, h2), expected, rtol=1e-12, atol=0)
 
 
+def test_a_triplet_margin_whose_mean_overflows_is_refused_by_name(gen):
+    """The margin is added to each row's cosine difference (within +-2) and the mean sums the rows' hinge terms in
+    float32 for 32- and 16-bit embeddings: a margin of 1e38 on 64 rows was an inf loss (finite gradients). Refused
+    past half of float32's largest number over the rows, naming the argument, the rows and the bound; at the bound
+    the loss is finite; float64 embeddings take 1e38; a negative margin only turns terms off, so any is taken."""
+    anchor, weak, strong = (randn(gen, 64, 8, dtype=torch.float64) for _ in range(3))
+    bound = float(torch.finfo(torch.float32).max) / (2 * 64) - 2.0
+    for dtype in (torch.float32, torch.bfloat16):
+        triplets = [t.to(dtype) for t in (anchor, weak, strong)]
+        with pytest.raises(ValueError, match=rf"^margin must be <= 2\.65846e\+36 for 64 rows of {str(dtype)[6:]} "
+                                             r"embeddings: each row's hinge term is up to margin \+ 2"):
+            ak.triplet_loss(*triplets, 1e38)
+        assert torch.isfinite(ak.triplet_loss(*triplets, bound))
+        assert ak.triplet_loss(*triplets, -1e300) == 0.0
+    assert ak.triplet_loss(anchor, weak, strong, 1e38) == pytest.approx(1e38, rel=1e-12)
+    h1, h2 = _views(gen, 4, 8)
+    with pytest.raises(ValueError, match=r"^triplet_margin must be <= 2\.65846e\+36 for 64 rows of float32"):
+        ak.ArcCSELoss(triplet_margin=1e38)(h1, h2, *(t.float() for t in (anchor, weak, strong)))
+
+
 # --------------------------------------------------------------------------------------------------------
 # bfloat16 / float16
 

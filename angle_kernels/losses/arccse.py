@@ -21,6 +21,7 @@ from ..inputs import (
     Nested,
     check_arccon_options,
     check_layer_stack,
+    check_margin_fits,
     check_nested,
     check_scalar,
     check_triplets,
@@ -88,7 +89,8 @@ def triplet_loss(
 
     Args:
         anchor, weak, strong: [N, D] embeddings.
-        margin: additive margin on the cosine difference.
+        margin: additive margin on the cosine difference; at most half of the compute dtype's largest number over
+            the rows (float32's for 16- and 32-bit embeddings: 1.7e38 / N), where the mean's sum stays finite.
         dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see angle_kernels.losses).
         backend: "auto" (default), "torch", "triton" or "cuda".
     """
@@ -96,6 +98,7 @@ def triplet_loss(
     anchor, weak, strong = promote_embeddings(anchor, weak, strong)
     layers, first = check_layer_stack(layer_weights, ("anchor", anchor), ("weak", weak), ("strong", strong))
     check_triplets(*first)
+    check_margin_fits("margin", margin, rows=first[0].shape[0], dtype=anchor.dtype)
     nested = check_nested(dims, dim_weights, anchor.shape[-1], layer_weights=layer_weights, layers=layers,
                           dtype=anchor.dtype)
     return triplet(resolve_backend(backend, anchor), anchor, weak, strong, margin, nested)
