@@ -46,7 +46,10 @@ takes, where some parents raise an IndexError; CoSENTLoss refuses more than two 
 ignores. MatryoshkaLoss and Matryoshka2dLoss refuse, when built, a `matryoshka_dims` entry that is not an int and a
 `matryoshka_weights` entry that is not a finite real number (a bool included), naming the entry, and AdaptiveLayerLoss
 and Matryoshka2dLoss such a `last_layer_weight`, `prior_layers_weight`, `kl_div_weight` or `kl_temperature`: the
-parents compute NaN or inf from such a weight, and take `True` as 1. MultipleNegativesRankingLoss and
+parents compute NaN or inf from such a weight, and take `True` as 1. At each call the three refuse, naming it, a
+weight past the range of the model's losses' compute dtype (float32's 3.4e38 for a 32- or 16-bit model), before the
+model embeds (a drawn layer's weight, alone or times a dimension's, and the sum of a dimension listed twice: before
+any loss compute), where the parents' loss is inf or NaN. MultipleNegativesRankingLoss and
 CachedMultipleNegativesRankingLoss likewise refuse, when built, a `hardness_strength` that is NaN, inf or a bool
 (the parents refuse one < 0 only), or whose sum with `scale` is past the fused call's bound under a hardness_mode.
 
@@ -792,6 +795,13 @@ def _check_matryoshka_entries(*, dims: Sequence[int], weights: Sequence[float] |
         _inputs.check_scalar(f"matryoshka_weights[{i}]", weight.detach() if isinstance(weight, Tensor) else weight)
 
 
+def _embedding_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of a model's embeddings as far as a loss's compute dtype goes (inputs.check_weight_fits), known
+    before the model embeds: its first floating parameter's. A float64 model embeds in float64 (autocast leaves it);
+    a 32- or 16-bit one in 32 or 16 bits (autocast included), whose losses are computed in float32 either way."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     """sentence-transformers' MatryoshkaLoss, fused: sum_i w_i * loss(embeddings[..., :d_i]) in one call.
 
@@ -822,27 +832,49 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     def uses_fused_path(self) -> bool:
         return _matryoshka_unfused_reason(self.loss, self.matryoshka_dims, self.matryoshka_weights) is None
 
-    def _selected(self, width: int, sort: bool) -> _inputs.Nested:
-        """The dimensions of this step with their weights: all, or n_dims_per_step drawn as the parent draws
-        them (its forward sorts the draw, its cached decorator does not; the sum is the same either way). A
-        dimension listed more than once (the parent accepts it: one weighted term per entry) is one prefix
-        weighted by the sum of its entries' weights."""
+    def _check_weights_fit(self) -> None:
+        """Each matryoshka_weights entry within the range of the model's losses' compute dtype, named as the
+        constructor names it, at each call before the model embeds (the weights are attributes: one set after
+        construction counts). Past float32's largest number (3.4e38) a 16- or 32-bit model's loss was inf, with
+        NaN gradients, on the fused path and the parent's alike; a float64 model takes such a weight."""
+        dtype = _embedding_dtype(self.model)
+        for i, weight in enumerate(self.matryoshka_weights):
+            name = f"matryoshka_weights[{i}]"  # a learned weight by its value, as when built
+            value = _inputs.check_scalar(name, weight.detach() if isinstance(weight, Tensor) else weight)
+            _inputs.check_weight_fits(name, value, dtype)
+
+    def _drawn(self, sort: bool) -> dict[int, tuple[float, str]]:
+        """The dimensions of this step, each with its weight and the weight's name: all, or n_dims_per_step drawn
+        as the parent draws them (its forward sorts the draw, its cached decorator does not; the sum is the same
+        either way). A dimension listed more than once (the parent accepts it: one weighted term per entry) is one
+        prefix weighted by the sum of its entries' weights (named `matryoshka_weights[0] + matryoshka_weights[2]`)."""
         indices = range(len(self.matryoshka_dims))
         if 0 < self.n_dims_per_step < len(indices):
             indices = random.sample(indices, self.n_dims_per_step)
             if sort:
                 indices.sort()
-        weights: dict[int, float] = {}
+        drawn: dict[int, tuple[float, str]] = {}
         for i in indices:
-            dim = self.matryoshka_dims[i]
-            weights[dim] = weights.get(dim, 0.0) + float(self.matryoshka_weights[i])
-        return _inputs.check_nested(list(weights), list(weights.values()), width)
+            weight, name = drawn.get(self.matryoshka_dims[i], (0.0, None))
+            entry = f"matryoshka_weights[{i}]"
+            drawn[self.matryoshka_dims[i]] = (weight + float(self.matryoshka_weights[i]),
+                                              entry if name is None else f"{name} + {entry}")
+        return drawn
+
+    def _selected(self, embeddings: Tensor, sort: bool) -> _inputs.Nested:
+        """The dimensions drawn for this step (`_drawn`) as the fused call's Nested, each weight (a sum of entries
+        included) checked against `embeddings`' compute dtype, named, before any loss compute."""
+        drawn = self._drawn(sort)
+        for weight, name in drawn.values():
+            _inputs.check_weight_fits(name, weight, embeddings.dtype)
+        return _inputs.check_nested(list(drawn), [weight for weight, _ in drawn.values()], embeddings.shape[-1])
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
+        self._check_weights_fit()
         if self.uses_gradient_cache or not self.uses_fused_path:
             return super().forward(sentence_features, labels)
         embeddings = _embed_columns(self.model, list(sentence_features))
-        return self.loss._fused_loss(embeddings, labels, self._selected(embeddings[0].shape[-1], sort=True))
+        return self.loss._fused_loss(embeddings, labels, self._selected(embeddings[0], sort=True))
 
 
 class _FusedCachedMatryoshka:
@@ -856,7 +888,7 @@ class _FusedCachedMatryoshka:
     def __call__(self, reps: list[list[Tensor]], *args: Any, with_backward: bool = False, **kwargs: Any) -> Tensor:
         if not self.matryoshka.uses_fused_path:
             return self.parent_decorator(reps, *args, with_backward=with_backward, **kwargs)
-        nested = self.matryoshka._selected(reps[0][0].shape[-1], sort=False)
+        nested = self.matryoshka._selected(reps[0][0], sort=False)
         return self.matryoshka.loss._fused_cached_loss(reps, with_backward, nested)
 
 
@@ -897,7 +929,7 @@ class _LayerRecorder(torch.nn.Module):
         self.inner = inner
         self.layers: list[int | None] = []  # None: the final layer
         self.columns: list[list[Tensor]] = []
-        self.draws: list[_inputs.Nested] = []  # a Matryoshka inner loss's dimensions of each layer
+        self.draws: list[dict[int, tuple[float, str]]] = []  # a Matryoshka inner loss's dims of each layer
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
         layerwise = self.layerwise[0]
@@ -907,7 +939,7 @@ class _LayerRecorder(torch.nn.Module):
         self.layers.append(decorator.layer_idx)
         self.columns.append(embeddings)
         if isinstance(self.inner, MatryoshkaLoss):
-            self.draws.append(self.inner._selected(embeddings[0].shape[-1], sort=True))
+            self.draws.append(self.inner._drawn(sort=True))
         return embeddings[0].new_zeros(())
 
     def fused_loss(self, labels: Tensor) -> Tensor:
@@ -924,13 +956,25 @@ class _LayerRecorder(torch.nn.Module):
                        for name in ("last_layer_weight", "prior_layers_weight"))
         weighting = {layer: _inputs.check_scalar(f"layer_weighting({layer})", layerwise.get_layer_weight(layer))
                      for layer in self.layers if layer is not None}
+        # each term's weight fits the compute dtype, named by the arguments it is made of (the fused call would
+        # name it layer_weights[l][i], an argument these classes do not take); a layer's weighting on its own too:
+        # the parent's loop multiplies this recorder's 0 by it first (0 x inf: NaN)
+        dtype = self.columns[0][0].dtype
+        for layer, weight in weighting.items():
+            _inputs.check_weight_fits(f"layer_weighting({layer})", weight, dtype)
         weights = [last if layer is None else weighting[layer] / sampled * prior for layer in self.layers]
-        inner, dims, rows = self.inner, None, weights
+        names = ["last_layer_weight" if layer is None else
+                 f"layer_weighting({layer}) / {sampled} x prior_layers_weight" for layer in self.layers]
+        inner, dims, rows, row_names = self.inner, None, weights, names
         if isinstance(inner, MatryoshkaLoss):  # a row per layer: its weight times its drawn dims' weights, else 0
-            inner, dims = inner.loss, sorted({d for draw in self.draws for d in draw.dims})
-            drawn = [dict(zip(draw.dims, draw.weights)) for draw in self.draws]
-            rows = [[weight * chosen.get(d, 0.0) for d in dims] for weight, chosen in zip(weights, drawn)]
-        if not any(w != 0 for w in (rows if dims is None else sum(rows, []))):
+            inner, dims = inner.loss, sorted({d for draw in self.draws for d in draw})
+            rows = [[weight * draw.get(d, (0.0, ""))[0] for d in dims] for weight, draw in zip(weights, self.draws)]
+            row_names = [[f"{name} x {draw[d][1]}" if d in draw else name for d in dims]
+                         for name, draw in zip(names, self.draws)]
+        term_weights = rows if dims is None else sum(rows, [])
+        for weight, name in zip(term_weights, row_names if dims is None else sum(row_names, [])):
+            _inputs.check_weight_fits(name, weight, dtype)
+        if not any(w != 0 for w in term_weights):
             return sum(column.sum() for layer in self.columns for column in layer) * 0.0
         width = self.columns[0][0].shape[-1]
         nested = _inputs.check_nested(dims, None, width, layer_weights=rows, layers=len(rows))
@@ -948,7 +992,25 @@ class _FusedLayerwise:
     def uses_fused_path(self) -> bool:
         return _layerwise_unfused_reason(self.loss) is None
 
+    def _check_weights_fit(self) -> None:
+        """The weights the parent's loop and the fused call multiply terms by, each within the range of the model's
+        losses' compute dtype (inputs.check_weight_fits), named, at each call before any layer is embedded:
+        last_layer_weight, prior_layers_weight, an inner MatryoshkaLoss's matryoshka_weights and, where the KL terms
+        are computed (kl_temperature > 0), kl_div_weight and kl_temperature (it divides the embeddings and multiplies
+        the KL term: past the range it is inf there, and the term 0 x inf, NaN). Past float32's largest number a 16-
+        or 32-bit model's loss was inf or NaN; a sampled layer's weight, and its product with a dimension's, is
+        checked once drawn (_LayerRecorder.fused_loss)."""
+        dtype = _embedding_dtype(self.model)
+        weights = {"last_layer_weight": self.last_layer_weight, "prior_layers_weight": self.prior_layers_weight}
+        if _inputs.check_scalar("kl_temperature", self.kl_temperature) > 0:
+            weights.update(kl_div_weight=self.kl_div_weight, kl_temperature=self.kl_temperature)
+        for name, weight in weights.items():
+            _inputs.check_weight_fits(name, _inputs.check_scalar(name, weight), dtype)
+        if isinstance(self.loss, MatryoshkaLoss):
+            self.loss._check_weights_fit()
+
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
+        self._check_weights_fit()
         if not self.uses_fused_path:
             return super().forward(sentence_features, labels)
         inner = self.loss

@@ -233,3 +233,46 @@ def test_a_bad_weight_set_later_or_given_by_layer_weighting_is_named_by_the_fuse
     loss.layer_weighting, loss.prior_layers_weight = "uniform", float("inf")
     with pytest.raises(ValueError, match="prior_layers_weight must be finite, got inf"):
         loss(batch_columns(model, 2), None)
+
+
+# (class, layer-wise kwargs, the message's start, whether it is checked once the layers are embedded): weights past
+# float32's range on a float32 model, each named as the classes take it
+WEIGHTS_PAST_FLOAT32 = [
+    ("AdaptiveLayerLoss", {"last_layer_weight": 1e39}, "last_layer_weight", False),
+    ("AdaptiveLayerLoss", {"prior_layers_weight": 1e39}, "prior_layers_weight", False),
+    ("AdaptiveLayerLoss", {"kl_div_weight": 1e39}, "kl_div_weight", False),
+    ("AdaptiveLayerLoss", {"kl_temperature": 1e39}, "kl_temperature", False),  # divides and multiplies: NaN
+    ("Matryoshka2dLoss", {"matryoshka_weights": (1e39, 1.0)}, r"matryoshka_weights\[0\]", False),
+    # a layer_weighting callable's values and a layer's weight times a dimension's: known once the layers are drawn
+    ("AdaptiveLayerLoss", {"n_layers_per_step": -1, "layer_weighting": lambda layer: 1e39}, r"layer_weighting\(0\)",
+     True),
+    ("Matryoshka2dLoss", {"matryoshka_weights": (1e20, 1.0), "n_dims_per_step": -1, "last_layer_weight": 1e20},
+     r"last_layer_weight x matryoshka_weights\[0\]", True),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, name, once_embedded", WEIGHTS_PAST_FLOAT32,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(WEIGHTS_PAST_FLOAT32)])
+def test_a_weight_past_float32s_range_is_refused_by_name_before_any_loss_compute(deep_model64, cls, kwargs, name,
+                                                                                 once_embedded):
+    """The parents and the fused call multiply the layers' losses (and the KL terms) by these weights in float32
+    for a 32- or 16-bit model: past its largest number (3.4e38) an inf or NaN loss, NaN gradients (the fused call
+    would have named the weight layer_weights[l][i], an argument these classes do not take). Refused at the call,
+    named, before any layer is embedded where the numbers alone decide it; a float64 model takes them, and a
+    kl_div_weight with the KL terms off (kl_temperature 0) is not computed, so it is taken."""
+    model = copy.deepcopy(deep_model64).to(torch.float32)
+    embedded = []
+    model[0].register_forward_pre_hook(lambda *_: embedded.append(True))
+    dims = {"matryoshka_dims": (32, 16)} if cls == "Matryoshka2dLoss" else {}
+    loss = getattr(ours, cls)(model, ours.MultipleNegativesRankingLoss(model), **dims, **kwargs)
+    with pytest.raises(ValueError, match=rf"^{name} must be within \+-3\.40282e\+38 \(float32's range: the loss of "
+                                         r"float32 embeddings is computed in float32, where a larger weight is inf\)"):
+        loss(batch_columns(model, 2), None)
+    assert bool(embedded) == once_embedded
+    if not once_embedded:
+        value = getattr(ours, cls)(deep_model64, ours.MultipleNegativesRankingLoss(deep_model64), **dims,
+                                   **kwargs)(batch_columns(deep_model64, 2), None)
+        assert torch.isfinite(value)
+    if kwargs == {"kl_div_weight": 1e39}:
+        off = ours.AdaptiveLayerLoss(model, ours.MultipleNegativesRankingLoss(model), kl_temperature=0.0, **kwargs)
+        assert torch.isfinite(off(batch_columns(model, 2), None))

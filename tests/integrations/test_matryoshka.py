@@ -7,6 +7,7 @@ inner loss once per dimension), and the configurations it cannot express run the
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -19,7 +20,8 @@ import numpy as np  # noqa: E402  (a dependency of sentence-transformers)
 from angle_kernels import terms  # noqa: E402
 from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
 from sentence_transformers import util as st_util  # noqa: E402
-from test_sentence_transformers import ALL_DIRECTIONS, GRADED, compare, st_losses, value_and_grads  # noqa: E402
+from test_sentence_transformers import (ALL_DIRECTIONS, GRADED, batch_columns, compare, st_losses,  # noqa: E402
+                                        value_and_grads)
 
 SYMMETRIC = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"}
 
@@ -143,6 +145,30 @@ def test_bad_entries_are_refused_when_built_naming_them(model64, monkeypatch, cl
                                    learned).uses_fused_path
     assert ours.MatryoshkaLoss(model64, ours.MultipleNegativesRankingLoss(model64), list(np.array([32, 16])),
                                np.array([1.0, 0.5])).uses_fused_path
+
+
+@pytest.mark.parametrize("inner", ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"])
+def test_a_weight_past_float32s_range_is_refused_by_name_before_the_model_embeds(model64, inner):
+    """A weight multiplies its dimension's loss in float32 for a 32- or 16-bit model: the parent and the fused call
+    gave an inf loss and NaN gradients for 1e39 (the fused call would have named it dim_weights[1], had it been
+    checked). Refused at the call, before the model embeds, named as the constructor names it; the entries of a
+    dimension listed twice weigh one prefix by their sum, which is refused by both names (once the batch is
+    embedded: the draw decides which entries count). A float64 model takes such weights."""
+    model = copy.deepcopy(model64).to(torch.float32)
+    embedded = []
+    model[0].register_forward_pre_hook(lambda *_: embedded.append(True))
+    loss = ours.MatryoshkaLoss(model, getattr(ours, inner)(model), (32, 16), (1.0, 1e39))
+    with pytest.raises(ValueError, match=r"^matryoshka_weights\[1\] must be within \+-3\.40282e\+38 \(float32's "
+                                         r"range: the loss of float32 embeddings is computed in float32"):
+        loss(batch_columns(model, 2), None)
+    assert not embedded
+    summed = ours.MatryoshkaLoss(model, getattr(ours, inner)(model), (32, 16, 16), (1.0, 2e38, 2e38))
+    with pytest.raises(ValueError, match=r"^matryoshka_weights\[1\] \+ matryoshka_weights\[2\] must be within "
+                                         r"\+-3\.40282e\+38 .*; got 4e\+38$"):
+        summed(batch_columns(model, 2), None)
+    value = ours.MatryoshkaLoss(model64, getattr(ours, inner)(model64), (32, 16), (1.0, 1e39))(
+        batch_columns(model64, 2), None)
+    assert torch.isfinite(value) and value > 1e38
 
 
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["parameters", "one_tensor"])
