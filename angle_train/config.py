@@ -13,7 +13,7 @@ from angle_kernels.inputs import check_arccon_options, check_scale
 
 from .arccse import TEXT_COLUMN
 from .cli_common import parse_bool
-from .data import Prompts, names_local_path, parse_columns
+from .data import Prompts, parse_columns, refuse_missing_local_path
 from .models import (
     ADAPTER_CONFIG, PEFT_LORA_DROPOUT, adapted_layer_names, adapter_config_base, read_adapter_config,
 )
@@ -325,17 +325,14 @@ class TrainConfig:
                 raise ValueError(f"--false-negative-margin must be a finite number; got {self.false_negative_margin}")
 
     def check_paths(self, *, model: bool = True, train_data: bool = True, dev_data: bool = True) -> None:
-        """A --model, --train-data, --dev-data or --resume that can only mean a local path (names_local_path) and
-        does not exist is refused here, before anything is loaded: passed on to Hugging Face, a typo in a path
-        would be looked up on the Hub (retrying the network, then failing with a message about repo ids). The
-        keywords leave out what train() was given as objects instead."""
+        """A --model, --train-data, --dev-data or --resume that can only mean a local path and does not exist is
+        refused here, before anything is loaded (data.refuse_missing_local_path). The keywords leave out what train()
+        was given as objects instead."""
         named = [("--model", self.model if model else None), ("--train-data", self.train_data if train_data else None),
                  ("--dev-data", self.dev_data if dev_data else None),
                  ("--resume", None if self.resume == "auto" else self.resume)]
         for flag, name in named:
-            if name and names_local_path(name) and not os.path.exists(name):
-                raise ValueError(f"{flag} {name}: no such file or folder (a local path, not a Hugging Face hub name: "
-                                 "nothing was looked up on the Hub)")
+            refuse_missing_local_path(name, flag)
 
     def resolve_passes(self, device_type: str, packing_works: bool = True) -> None:
         """Set the defaults of --pack and --pass-tokens for the device (the values the run uses and config.json

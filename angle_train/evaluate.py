@@ -75,8 +75,8 @@ from .cli_common import (
     OneLineErrorParser, check_train_extra, parse_bool, resolve_device, user_errors_exit, version_text,
 )
 from .data import (
-    DataError, Example, Prompts, check_label, check_text, data_files_in, is_saved_dataset, load_examples,
-    names_local_path, open_text, parse_columns, read_stsb,
+    DataError, Example, Prompts, check_label, check_text, data_files_in, errors_naming, is_saved_dataset,
+    load_examples, names_local_path, open_text, parse_columns, read_stsb,
 )
 from .models import (
     ADAPTER_CONFIG, POOLING_STRATEGIES, adapter_config_base, check_dim, first_token_pooling_problem,
@@ -809,8 +809,10 @@ def main(argv=None) -> int:
         columns = columns_of_paths(args.columns, args.paths)
         per_path = ("give '' for this PATH (a mapping given out of the PATHs' order?)" if len(args.columns) > 1
                     else None)  # a mapping of every PATH passes over such files
-        datasets = [read_dataset(path, columns=mapping, columns_refused=per_path)
-                    for path, mapping in zip(args.paths, columns)]
+        datasets = []
+        for path, mapping in zip(args.paths, columns):
+            with errors_naming(path, "PATH"):
+                datasets.append(read_dataset(path, columns=mapping, columns_refused=per_path))
         names = [dataset.name for dataset in datasets]
         if len(set(names)) != len(names):
             parser.error(f"two PATHs give datasets of the same name ({', '.join(names)}): pass each once")

@@ -3,8 +3,9 @@ of its training curves drawn at the end.
 
 `--report-to` takes the Hugging Face Trainer's names and meaning: `none` (the default), `tensorboard`, `wandb`, or
 `all` (both); several may be listed. Each reporter gets every metrics row the run writes (training rows: loss, lr,
-grad_norm, pairs_per_s, tokens_per_s, peak_mem_gb (GiB), useful_tokens, ...; evaluation rows: the dev score,
-DEV_METRICS, at the full width and at each narrower trained width as KEY@d), on the main process only:
+grad_norm, pairs_per_s (and triplets_per_s or sentences_per_s), tokens_per_s, peak_mem_gb (GiB), useful_tokens,
+...; evaluation rows: the dev score, DEV_METRICS, at the full width and at each narrower trained width as KEY@d), on
+the main process only:
 
     tensorboard  OUTPUT_DIR/tensorboard (`pip install tensorboard`; `tensorboard --logdir OUTPUT_DIR/tensorboard`)
     wandb        a Weights & Biases run in OUTPUT_DIR/wandb (`pip install wandb`), project $WANDB_PROJECT or

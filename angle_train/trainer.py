@@ -50,7 +50,7 @@ from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags
 from .data import (
     FORMATS, ORDER_VERSION, ROWS_PER_EXAMPLE, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs,
-    data_fingerprint, epoch_batches, has_no_splits, load_examples, order_fingerprint, repeated_items,
+    data_fingerprint, epoch_batches, errors_naming, has_no_splits, load_examples, order_fingerprint, repeated_items,
     sampled_data_fingerprint, share_of,
 )
 from .export import encoding_length, is_peft_model, loaded_name, prefix_prompts, sentence_transformers_cannot_load
@@ -553,7 +553,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                guarded_loss=faults.SkipNonFiniteEmbeddings(loss_fn),
                optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps, position=position,
                epoch_order=order_of(position.epoch), data_fingerprint=fingerprint,
-               log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step, position.loss_window),
+               log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step, position.loss_window,
+                          unit=batch_items(fmt)),
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_score=position.best,
                                   # the dev set's, or a checkpoint's best's when resumed without dev data
                                   best_metric=position.best_metric if dev_set or position.best is not None else None),
@@ -583,6 +584,10 @@ def tokenising_line(cfg: TrainConfig, items: int, fmt: str | None, read_seconds:
     return f"angle_train: tokenising {texts:,} texts at --max-length {cfg.max_length} ({items:,} {unit}{read})"
 
 
+# The flag of the data each split setting chooses from
+DATA_FLAGS = {"train_split": "--train-data", "dev_split": "--dev-data"}
+
+
 def check_split_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_examples_given: bool) -> None:
     """--train-split / --dev-split with a data file or a folder that save_to_disk did not write (an STS year folder),
     refused naming the flag before the data is read: such a source has no splits, is read whole, and the split asked
@@ -592,7 +597,7 @@ def check_split_settings(cfg: TrainConfig, *, train_examples_given: bool, dev_ex
     dev_data = None if dev_examples_given else cfg.dev_data
     for name, source in (("train_split", train_data), ("dev_split", dev_data)):
         if cfg.changed(name) and has_no_splits(source):
-            data_flag = "--train-data" if name == "train_split" else "--dev-data"
+            data_flag = DATA_FLAGS[name]
             # a run started before this check read the file whole with the flag given: its checkpoints resume
             # without it (checkpoint._ineffective_splits), which the advice says where a resume is asked for
             resumes = (f"; --resume takes a checkpoint of a run that gave {flag_of(name)} without it (that run read "
@@ -866,11 +871,12 @@ def _load_backbone(cfg: TrainConfig, device: torch.device, *, pooling: str | Non
 
 def read_data(source: str, fmt: str | None, split: str, columns: dict | None = None, *, split_setting: str):
     """The examples of --train-data or --dev-data; `split_setting`: the setting that gave `split` (train_split,
-    dev_split), which a refusal of the split names by its flag."""
+    dev_split), which a refusal of the split names by its flag, as a refusal of the source names its flag."""
     if source in BUILTIN_DATASETS:
         return builtin_examples(source)
-    return load_examples(source, fmt=fmt, split=split, columns=columns, split_flag=flag_of(split_setting),
-                         split_default=default_of(split_setting))
+    with errors_naming(source, DATA_FLAGS[split_setting]):
+        return load_examples(source, fmt=fmt, split=split, columns=columns, split_flag=flag_of(split_setting),
+                             split_default=default_of(split_setting))
 
 
 def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list[str]:
@@ -883,8 +889,10 @@ def read_sentences(cfg: TrainConfig, sentences: list[str] | None = None) -> list
         arccse.refuse_column(column, f"{cfg.train_data} is a built-in dataset of pairs, whose texts are the sentences")
         examples, _ = builtin_examples(cfg.train_data)
         return list(dict.fromkeys(text for ex in examples for text in ex.texts))
-    sentences, blank = arccse.load_sentences(cfg.train_data, column=column, split=cfg.train_split,
-                                             split_flag=flag_of("train_split"), split_default=default_of("train_split"))
+    with errors_naming(cfg.train_data, DATA_FLAGS["train_split"]):
+        sentences, blank = arccse.load_sentences(cfg.train_data, column=column, split=cfg.train_split,
+                                                 split_flag=flag_of("train_split"),
+                                                 split_default=default_of("train_split"))
     if blank:
         print(f"{cfg.train_data}: {blank:,} blank line(s) between sentences skipped", flush=True)
     return sentences
@@ -899,7 +907,8 @@ def read_dev_data(source: str, split: str, columns: dict | None = None, columns_
     by column names (--dev-columns, or --columns; `columns_refused`: the advice where a file of a fixed layout, STS-B,
     SICK or a year folder, is given a mapping meant for it alone, evaluate.read_dataset)."""
     if has_no_splits(source):  # read whole, in angle-eval's layouts
-        return read_dataset(source, columns=columns, where=f"--dev-data {source}", columns_refused=columns_refused)
+        with errors_naming(source, DATA_FLAGS["dev_split"]):
+            return read_dataset(source, columns=columns, where=f"--dev-data {source}", columns_refused=columns_refused)
     return dataset_of(os.path.basename(source.rstrip("/")), *read_data(source, None, split, columns,
                                                                          split_setting="dev_split"))
 
@@ -1013,8 +1022,9 @@ def examples_left_out(cfg: TrainConfig, n_examples: int) -> int:
 
 
 def batch_items(fmt: str | None) -> str:
-    """What a batch holds, as the run's lines name it: ArcCSE's sentences (no data format), else pairs."""
-    return "sentences" if fmt is None else "pairs"
+    """What a batch holds, as the run's lines, progress bar, metrics and model card name it: ArcCSE's sentences (no
+    data format), format C's triplets (query, positive, negative), else pairs."""
+    return "sentences" if fmt is None else "triplets" if fmt == "C" else "pairs"
 
 
 def half_precision_weights_note(cfg: TrainConfig, encoder: torch.nn.Module) -> str | None:
@@ -1464,12 +1474,18 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     widths = cfg.truncated_widths(run.encoder.embedding_dim)  # a run of the full width alone offers no prefix
     warmup = warmup_steps(cfg, run.total_steps)
 
-    def source(argument: str, flag_value) -> str:  # what the flag names, or what train() was given in its place
-        return f"the {argument.replace('_', ' ')} given to train()" if argument in run.given else f"`{flag_value}`"
+    def source(argument: str, flag_value, split: str | None = None) -> str:
+        """What the flag names (with the split read, where it has splits: a hub name or a save_to_disk folder), or
+        what train() was given in its place."""
+        if argument in run.given:
+            return f"the {argument.replace('_', ' ')} given to train()"
+        has_splits = flag_value not in BUILTIN_DATASETS and not has_no_splits(flag_value)
+        return f"`{flag_value}`" + (f" (split `{split}`)" if split is not None and has_splits else "")
 
     # a given model by the name it was loaded by, as the start-up line names it
     base = given_model_words(run.exports_base) if "model" in run.given else source("model", cfg.model)
-    train_data, dev_data = source("train_examples", cfg.train_data), source("dev_examples", cfg.dev_data)
+    train_data = source("train_examples", cfg.train_data, cfg.train_split)
+    dev_data = source("dev_examples", cfg.dev_data, cfg.dev_split)
     adapter_only = name == "best" and best_is_adapter_only(run.encoder, run.exports_base)  # as save_best writes it
     which = f"the best model by {tracking.DEV_METRICS[metric]}" if name == "best" else "the model after the last step"
     library = "peft" if adapter_only else \
@@ -1697,8 +1713,9 @@ class RunLog:
     pairs/s, tokens/s, peak memory). The closing line's rates are the whole run's: every window's sums."""
 
     def __init__(self, cfg: TrainConfig, is_main: bool, device: torch.device, total_steps: int, start_step: int,
-                 losses: list[float] | None = None):
+                 losses: list[float] | None = None, *, unit: str = "pairs"):
         self.log_every, self.total_steps, self.device = max(1, cfg.log_every), total_steps, device
+        self.unit = unit  # what a batch holds (batch_items): the rate's name in the progress bar and the rows
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl") if is_main else None
         self.reporters, self.bar = [], None
         self.last_loss: tuple[float, int] | None = None  # the last row's mean loss, over how many steps
@@ -1748,14 +1765,17 @@ class RunLog:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.window_start
-        row.update(pairs_per_s=self.pairs / elapsed, tokens_per_s=self.tokens / elapsed,
-                   peak_mem_gb=peak_memory_gb(self.device))
+        # pairs_per_s is the examples (or sentences) a second whatever they are, the key read since the first
+        # version; the rate under the unit's own name is beside it where the unit is another
+        rate = self.pairs / elapsed
+        row.update({"pairs_per_s": rate, f"{self.unit}_per_s": rate, "tokens_per_s": self.tokens / elapsed,
+                    "peak_mem_gb": peak_memory_gb(self.device)})
         if not row.get("skipped") and math.isfinite(row["loss"]):
             self.losses.append(row["loss"])
         mean_loss = sum(self.losses) / len(self.losses) if self.losses else row["loss"]
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{mean_loss:.4f}", pairs_s=f"{row['pairs_per_s']:.1f}",
+            self.bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}_s": f"{rate:.1f}"},
                                  tok_s=f"{row['tokens_per_s']:.0f}", mem=f"{row['peak_mem_gb']:.2f}G")
         self.run_steps += 1
         if every(self.log_every, row["step"]) or row["step"] == self.total_steps:

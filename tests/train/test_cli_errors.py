@@ -41,7 +41,13 @@ def write_stsb(path, pairs=PAIRS):
 # (flags, what the one line says): common mistakes, with the files they name written by the fixture `files`
 TRAIN_MISTAKES = [
     (["--train-data", "nope.jsonl"], "--train-data nope.jsonl: no such file or folder"),
-    (["--train-data", "pairs.xml"], "pairs.xml: unknown file type; use .jsonl, .csv, .tsv"),
+    # a refusal of the data as a whole names the flag that gave it: a folder given as data did not
+    (["--train-data", "pairs.xml"], "--train-data pairs.xml: unknown file type; use .jsonl, .csv, .tsv"),
+    (["--train-data", "not-sts"], "--train-data not-sts: a folder, not a Hugging Face dataset saved by save_to_disk"),
+    (["--objective", "arccse", "--train-data", "not-sts"], "--train-data not-sts: a folder, not a Hugging Face "
+                                                           "dataset saved by save_to_disk"),
+    (["--dev-data", "not-sts"], "--dev-data not-sts: no STS.input.*.txt / STS20xx.input.*.txt files"),
+    (["--dev-data", "pairs.xml"], "--dev-data pairs.xml: unknown file type"),
     (["--train-data", "wide.csv"], "wide.csv, line 3: more fields than the header's 3"),
     (["--chunk-size", "8", "--chunk-tokens", "512"], "choose at most one of --chunk-size"),
     (["--lr", "-1"], "--lr must be > 0; got -1.0"),
@@ -110,8 +116,8 @@ EVAL_MISTAKES = [
     (["sts-test.csv", "run"], "MODEL comes before the datasets"),
     # angle-train's random demo models: transformers' "Repo id must use alphanumeric chars" before
     (["builtin:tiny-bert", "sts-test.csv"], "MODEL builtin:tiny-bert: angle-train's built-in models are random"),
-    ([HUB_NAME, "STS16"], "STS16: no such file or folder"),
-    ([HUB_NAME, "not-sts"], "not-sts: no STS.input.*.txt / STS20xx.input.*.txt files"),
+    ([HUB_NAME, "STS16"], "PATH STS16: no such file or folder"),
+    ([HUB_NAME, "not-sts"], "PATH not-sts: no STS.input.*.txt / STS20xx.input.*.txt files"),
     ([HUB_NAME, "sts-test.csv", "sts-test.csv"], "two PATHs give datasets of the same name"),
     ([HUB_NAME, "sts-test.csv", "--json", "results/sts.json"], "--json results/sts.json: no folder"),
     ([HUB_NAME, "sts-test.csv", "--batch-size", "0"], "argument --batch-size: expected a whole number >= 1; got 0"),
@@ -214,7 +220,7 @@ def test_a_bug_keeps_its_traceback(bug, error, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("module, argv, said", [
     ("angle_train.cli", ["--config", "run.ini"], "angle-train: error: --config run.ini: use a .yaml"),
-    ("angle_train.evaluate", ["owner/model", "missing.csv"], "angle-eval: error: missing.csv: no such file or folder"),
+    ("angle_train.evaluate", ["owner/model", "missing.csv"], "angle-eval: error: PATH missing.csv: no such file"),
 ])
 def test_a_mistake_is_one_line_when_the_module_runs_as_main(module, argv, said, tmp_path):
     """`python -m angle_train.cli` (torchrun's form) runs the module as __main__: an error its own code raises is the

@@ -662,3 +662,87 @@ def test_a_two_class_label_flipped_as_its_refusal_says_is_read_with_the_similar_
     flipped.save_to_disk(str(tmp_path / "flipped"))
     examples, _ = load_examples(str(tmp_path / "flipped"))
     assert [example.label for example in examples] == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_the_model_card_names_the_splits_read_from_a_saved_dataset_dict(tmp_path):
+    """A save_to_disk folder of a DatasetDict given as --train-data and --dev-data: the model card named the folder
+    alone (`dd`), not which of its splits trained and scored the model; it names them as the run chose them
+    (--train-split, --dev-split). A data file, which has no splits, and a built-in dataset are named alone."""
+    datasets = pytest.importorskip("datasets")
+    import torch
+    from train_helpers import make_encoder, run_config
+
+    from angle_train.tiny import demo_sts_examples
+    from angle_train.trainer import train
+
+    def columns(examples):
+        return {"text1": [ex.texts[0] for ex in examples], "text2": [ex.texts[1] for ex in examples],
+                "label": [ex.label for ex in examples]}
+
+    folder = str(tmp_path / "dd")
+    splits = {"train": columns(demo_sts_examples(16)), "dev": columns(demo_sts_examples(8, seed=2))}
+    datasets.DatasetDict({name: datasets.Dataset.from_dict(rows) for name, rows in splits.items()}).save_to_disk(folder)
+    train(run_config(tmp_path / "run", train_data=folder, dev_data=folder, dev_split="dev", batch_size=8, max_steps=1,
+                     max_length=12, save_final=True, ibn_w=0.0, cosine_w=1.0),
+          model=make_encoder("bert", dtype=torch.float32))
+    card = (tmp_path / "run" / "final" / "README.md").read_text()
+    assert f"- data: `{folder}` (split `train`), 16 examples in format A" in card
+    assert f"; dev: `{folder}` (split `dev`), 8 scored pairs" in card
+    train(run_config(tmp_path / "builtin", dev_data="builtin:demo-sts", batch_size=8, max_steps=1, max_length=12,
+                     save_final=True), model=make_encoder("bert", dtype=torch.float32))
+    card = (tmp_path / "builtin" / "final" / "README.md").read_text()
+    assert "- data: `builtin:demo`, " in card and "; dev: `builtin:demo-sts`, " in card and "(split" not in card
+
+
+def test_a_tsv_file_written_with_csv_quoting_is_noted_once_and_read_literally(tmp_path, capsys):
+    """pandas' to_csv(sep="\\t") quotes a text holding a quote, doubling it: read literally (the documented choice for
+    .tsv files) the quotes train with the text, and nothing said so. A note names the file and the first such line
+    once, and how to read the file CSV-quoted; what is read does not change. Quotes that are no CSV quoting (a field
+    that does not open and close with one, or holds no doubled one) are not noted."""
+    from angle_train.arccse import load_sentences
+
+    quoted = write_data_file(tmp_path, "quoted.tsv", 'text1\ttext2\tlabel\nplain\tb\t0\n"He said ""hi"""\ta\t1\n'
+                                                     '"x ""y"""\tb\t2\n')
+    examples, _ = load_examples(quoted)
+    assert [ex.texts[0] for ex in examples] == ["plain", '"He said ""hi"""', '"x ""y"""']
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 1 and notes[0].startswith(f"angle_train: note: {quoted}, line 3: a field in double quotes "
+                                                   "holding doubled quotes")
+    assert "a .tsv file is read literally, so the quotes are part of the text that trains" in notes[0]
+    assert f"pandas.read_csv({quoted!r}, sep=\"\\t\", keep_default_na=False).to_json(OUT" in notes[0]
+    sentences = write_data_file(tmp_path, "s.tsv", 'text\n"a ""b"""\n')
+    assert load_sentences(sentences) == (['"a ""b"""'], 0)
+    assert capsys.readouterr().err.startswith(f"angle_train: note: {sentences}, line 2: ")
+    literal = write_data_file(tmp_path, "literal.tsv", 'text1\ttext2\tlabel\nsay ""a""\t"b"\t1\nc ""d""\t"e"\t2\n')
+    load_examples(literal)
+    load_examples(write_data_file(tmp_path, "quoted.csv", 'text1,text2,label\n"He said ""hi""",a,1\nb,c,0\n'))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_missing_local_path_is_refused_at_once_from_python(tmp_path, monkeypatch):
+    """load_examples and load_sentences given a local path that does not exist (a .jsonl name, a path of folders)
+    looked it up on the Hugging Face Hub, retrying for about 20 s before a ConnectionError; they refuse it at once
+    with a FileNotFoundError naming it, as angle-train refuses such a --train-data (one rule: names_local_path). A
+    hub name (OWNER/NAME) is still looked up."""
+    datasets = pytest.importorskip("datasets")
+    from angle_train.arccse import load_sentences
+
+    looked_up = []
+
+    def load_dataset(name, **kwargs):  # the Hub, out of reach after its retries
+        looked_up.append(name)
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("train.jsonl", "data/train.jsonl", "./pairs", str(tmp_path / "missing" / "pairs.csv")):
+        with pytest.raises(FileNotFoundError, match=rf"^{re.escape(name)}: no such file or folder \(a local path, not "
+                                                    r"a Hugging Face hub name: nothing was looked up on the Hub\)$"):
+            load_examples(name)
+        with pytest.raises(ValueError, match=re.escape(f"{name}: no such file or folder")):
+            load_sentences(name)
+    assert looked_up == []
+    with pytest.raises(ConnectionError):
+        load_examples("owner/pairs")
+    assert looked_up == ["owner/pairs"]

@@ -431,10 +431,11 @@ def test_damaged_sentence_transformers_files_are_named_before_the_model_loads(tm
         st_folder.check(base)
 
 
-def test_a_model_card_gives_the_steps_of_its_model_and_the_weights_of_its_format(tmp_path):
+def test_a_model_card_gives_the_steps_of_its_model_and_the_weights_of_its_format(tmp_path, capsys):
     """best/'s card counts the steps of the model it holds (the best one, here step 1 of 3), not the run's; a format C
     run's card lists the hard-negative weight cln_w with the others, and the warmup's steps as the run took them (the
-    default --warmup 0.1 of 3 steps, rounded up: 1)."""
+    default --warmup 0.1 of 3 steps, rounded up: 1). A format C batch holds triplets: the card, the run's first and
+    last lines and metrics.jsonl say so (they said pairs; metrics.jsonl keeps pairs_per_s beside triplets_per_s)."""
     from angle_train import trainer
     from angle_train.checkpoint import best_record
     from angle_train.data import Example
@@ -451,9 +452,14 @@ def test_a_model_card_gives_the_steps_of_its_model_and_the_weights_of_its_format
                       dev_examples=demo_sts_examples(8))
     assert best_record(str(tmp_path / "best"))["step"] == 1
     best, final = ((tmp_path / name / "README.md").read_text() for name in ("best", "final"))
-    assert "- steps: 1 optimizer step of 3, each 8 x 1 pairs" in best
-    assert "- steps: 3 optimizer steps of 3, each 8 x 1 pairs; lr 2e-05 (linear, warmup 1 step);" in final
+    assert "- steps: 1 optimizer step of 3, each 8 x 1 triplets" in best
+    assert "- steps: 3 optimizer steps of 3, each 8 x 1 triplets; lr 2e-05 (linear, warmup 1 step);" in final
     assert "AngleLoss (format C): cosine_w=0, ibn_w=1, cln_w=2, angle_w=0.02;" in final
+    printed = capsys.readouterr().out
+    assert " | 3 steps of 8x1 triplets | " in printed and " triplets/s, " in printed and "pairs/s" not in printed
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rated = [row for row in rows if "pairs_per_s" in row]
+    assert rated and all(row["triplets_per_s"] == row["pairs_per_s"] for row in rated)
 
 
 def test_a_model_card_gives_the_loss_as_trained(tmp_path, capsys):

@@ -16,8 +16,7 @@ import torch
 from train_helpers import make_encoder, run_config
 
 from angle_train import cli, cli_common, evaluate, trainer
-from angle_train.config import names_local_path
-from angle_train.data import DataError, load_examples
+from angle_train.data import DataError, load_examples, names_local_path
 from angle_train.evaluate import sts_spearman
 from angle_train.export import META_FILE, save_pretrained
 from angle_train.models import load_encoder

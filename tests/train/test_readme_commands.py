@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from train_helpers import minilm_dir
 
-from angle_train.config import names_local_path
+from angle_train.data import names_local_path
 
 ROOT = Path(__file__).resolve().parents[2]
 READMES = (ROOT / "README.md", ROOT / "angle_train" / "README.md")

@@ -357,6 +357,11 @@ def test_command_line_from_a_text_file(tmp_path, capsys):
     assert re.search(r"done: 3 steps \|.* sentences/s, ", printed) and "pairs/s" not in printed
     with open(out / "config.json") as f:
         assert json.load(f)["objective"] == "arccse"
+    # metrics.jsonl keeps pairs_per_s (read since the first version) and names the rate by its unit beside it
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rated = [row for row in rows if "pairs_per_s" in row]
+    assert rated and all(row["sentences_per_s"] == row["pairs_per_s"] for row in rated)
+    assert "each 6 x 1 sentences" in (out / "final" / "README.md").read_text()
     encoder, tokenizer, _ = load_pretrained(str(out / "final"))
     assert encoder.encode(SENTENCES, tokenizer).shape == (len(SENTENCES), encoder.embedding_dim)
 

@@ -195,7 +195,7 @@ def test_a_missing_local_path_fails_before_anything_loads(argv, said, tmp_path, 
 
 
 def test_hub_names_are_not_taken_for_paths(tmp_path, monkeypatch):
-    from angle_train.config import names_local_path
+    from angle_train.data import names_local_path
 
     monkeypatch.chdir(tmp_path)
     for name in ("sentence-transformers/all-MiniLM-L6-v2", "bert-base-uncased", "mteb/stsbenchmark-sts",
