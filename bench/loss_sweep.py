@@ -703,7 +703,8 @@ def plot(results, args, losses, env, path: Path) -> None:
     for ax in axes.flat:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
-    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=len(handles), frameon=False)
+    if handles:  # none where every case was skipped (a spent --time-budget): the panels say why, with no legend
+        fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=len(handles), frameon=False)
     device_name = env.get("gpu") or env.get("cpu")
     thread_text = f", {env['threads']} threads" if args.device == "cpu" else ""
     dims = ",".join(str(d) for d in args.d)
@@ -715,8 +716,10 @@ def plot(results, args, losses, env, path: Path) -> None:
     fig.suptitle("\n".join(lines), fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 0.96 - 0.03 * (len(lines) - 1)))
     # into a temporary file first, as the table and results.json are written: a kill mid-write leaves no half a png
-    with harness.written_aside(path) as partial:
-        fig.savefig(partial, dpi=110, format="png")
+    try:
+        with harness.written_aside(path) as partial:
+            fig.savefig(partial, dpi=110, format="png")
+    finally:  # a figure left open holds its memory for the rest of the process
         plt.close(fig)
 
 

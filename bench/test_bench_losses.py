@@ -715,3 +715,16 @@ def test_a_plot_killed_mid_write_leaves_the_previous_plot_whole(tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         loss_sweep.plot([_ok_row("cosine", 16, "ours-torch", "ours", 0.001)], args, [LOSSES["cosine"]], env, previous)
     assert previous.read_bytes() == b"the previous row's plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]  # no half a png left beside it
+
+
+def test_a_plot_of_a_sweep_that_measured_nothing_is_written(tmp_path):
+    """Every case skipped (--time-budget 0, or a budget the agreement check spent): the sweep wrote its table and
+    JSON, then ended in matplotlib's ValueError (a legend of no entries) where it draws the plot, exit status 1."""
+    args = bench_losses.parse_args(["--losses", "cosine", "--n", "16", "--d", "8", "--device", "cpu"])
+    env = {"torch": torch.__version__, "threads": 2, "cpu": "a CPU"}
+    skipped = {**_ok_row("cosine", 16, "ours-torch", "ours", 0.001), "status": "skipped",
+               "note": "skipped: --time-budget 0 s spent"}
+    loss_sweep.plot([skipped], args, [LOSSES["cosine"]], env, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
