@@ -219,6 +219,10 @@ def main(argv: list[str]) -> int:
         parser.error(f"--interleave takes a number of rounds (0: off), got {args.interleave}")
     if not args.time_per_case >= 0:
         parser.error(f"--time-per-case must be 0 or more, got {args.time_per_case:g}")
+    if args.out is not None:
+        if problem := harness.output_folder_problem("--out", args.out):
+            parser.error(problem)
+        args.out.mkdir(parents=True, exist_ok=True)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
@@ -270,7 +274,6 @@ def main(argv: list[str]) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         harness.write_text_atomic(args.out / "table.md", text)
     return 0
 

@@ -1524,6 +1524,9 @@ def parse_args(argv):
         p.error("--pack-width and --time-budget must be positive")
     if not args.run_timeout > 0:  # 0 killed every run at its start: a table of failed runs, and exit status 0
         p.error(f"--run-timeout must be more than 0 seconds, got {args.run_timeout:g}")
+    for flag, folder in (("--out", args.out), ("--scratch", args.scratch)):
+        if folder and (problem := harness.output_folder_problem(flag, Path(folder))):
+            p.error(problem)
     if args.gpu:
         table = GPU_SMOKE_SETTINGS if args.smoke else GPU_SETTINGS
     else:

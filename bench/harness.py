@@ -725,6 +725,43 @@ def written_aside(path: Path):
         raise
 
 
+def output_folder_problem(flag: str, folder: Path, written: Path | None = None) -> str | None:
+    """Why `folder` cannot take a benchmark's output (None where it can), checked before any work so that a run never
+    measures for minutes and then fails to write: it must be a folder this process can write in, or one it can create
+    (nothing is created here), and it may hold no file git tracks in this checkout (`written`, where given: that
+    file must not be one): committed results (bench/results/*) are evidence, never rewritten or mixed with a later
+    run's files."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return f"{flag} {folder}: is a file, not a folder"
+    existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        return f"{flag} {folder}: cannot create the folder: {existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{flag} {folder}: cannot write in {existing}"
+    committed = committed_files(folder if written is None else written)
+    if committed:
+        shown = ", ".join(committed[:3]) + (f" and {len(committed) - 3} more" if len(committed) > 3 else "")
+        return f"{flag} {written or folder}: would overwrite committed results ({shown}); give a path of its own"
+    return None
+
+
+def committed_files(path: Path) -> list[str]:
+    """The files under `path` (or `path` itself) that git tracks in this checkout, relative to it; none where git is
+    missing or `path` lies outside the checkout."""
+    import subprocess
+
+    path = Path(path).resolve()
+    if not path.is_relative_to(REPO):
+        return []
+    try:
+        listed = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO), "ls-files", "-z", "--",
+                                 str(path.relative_to(REPO))], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [name for name in listed.stdout.split("\0") if name] if listed.returncode == 0 else []
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace path's contents in one step (written_aside): a reader (or a kill) never sees half a file."""
     with written_aside(path) as tmp:

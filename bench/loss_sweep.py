@@ -98,7 +98,8 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--out", default=None,
                         help="output folder (default bench/results/<device>-<date>, with b, c, ... after the date "
-                             "where that folder exists: a sweep never writes into an earlier one's results)")
+                             "where that folder exists: a sweep never writes into an earlier one's results; a "
+                             "folder that holds committed files is refused)")
     args = parser.parse_args(argv)
     args.losses = [x for x in args.losses.split(",") if x]
     for loss in args.losses:
@@ -143,6 +144,9 @@ def parse_args(argv, losses: dict, default_losses) -> argparse.Namespace:
     if args.warm_up_budget is not None and (args.device != "cuda" or args.time_budget is None):
         parser.error("--warm-up-budget splits --time-budget on CUDA (on a CPU each case runs in a process of its "
                      "own, warmed up at a tiny size first)")
+    # the default folder is a new one under results/ (unused_results_folder); a folder given is checked before work
+    if args.out and (problem := harness.output_folder_problem("--out", Path(args.out))):
+        parser.error(problem)
     return args
 
 

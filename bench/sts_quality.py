@@ -138,6 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.out:  # before the minutes of training, not after them
+        import harness
+
+        out = Path(args.out)
+        problem = (f"--out {out}: is a folder; give the JSON file's path" if out.is_dir()
+                   else harness.output_folder_problem("--out", out.parent, written=out))
+        if problem:
+            parser.error(problem)
+        out.parent.mkdir(parents=True, exist_ok=True)
     why = missing_requirements()
     if why:
         print(f"skipped: {why}")

@@ -728,3 +728,14 @@ def test_a_plot_of_a_sweep_that_measured_nothing_is_written(tmp_path):
     loss_sweep.plot([skipped], args, [LOSSES["cosine"]], env, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
+
+def test_an_output_folder_that_cannot_take_the_results_is_refused_before_work(tmp_path, capsys):
+    """--out naming a file, or a folder of committed results, failed in mkdir's traceback or rewrote the committed
+    table.md, results.json and plot.png."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    committed = next(p.parent for p in sorted((harness.HERE / "results").glob("*/table.md")))
+    for out, said in ((a_file, "is a file, not a folder"), (committed, "would overwrite committed results")):
+        with pytest.raises(SystemExit):
+            bench_losses.parse_args(["--losses", "cosine", "--device", "cpu", "--out", str(out)])
+        assert f"--out {out}: {said}" in capsys.readouterr().err

@@ -192,3 +192,13 @@ def test_cuda_asked_for_where_there_is_none_is_refused_naming_the_flag(monkeypat
     with pytest.raises(SystemExit):
         ratios.main(["--device", "cuda", "--d", "16"])
     assert "--device cuda: CUDA is not available here" in capsys.readouterr().err
+
+
+def test_an_out_that_cannot_take_the_table_is_refused_before_any_row_is_timed(tmp_path, capsys, monkeypatch):
+    """--out naming a file failed in mkdir's traceback after every row had been timed (minutes at the defaults)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    monkeypatch.setattr(ratios, "measure", lambda *a, **k: pytest.fail("timed a row before checking --out"))
+    with pytest.raises(SystemExit):
+        ratios.main(["--d", "16", "--pairs", "8", "--losses", "cosent", "--out", str(a_file)])
+    assert f"--out {a_file}: is a file, not a folder" in capsys.readouterr().err

@@ -531,3 +531,17 @@ def test_st_train_without_sentence_transformers_says_its_contender_is_unsupporte
             "--max-steps", "1", "--output-dir", str(tmp_path)]
     assert bt.st_train(argv) == bt.ST_UNSUPPORTED
     assert "unsupported: sentence-transformers cannot be imported (ModuleNotFoundError" in capsys.readouterr().out
+
+
+def test_an_out_or_scratch_that_cannot_take_the_runs_is_refused(tmp_path, capsys):
+    """--out naming a file failed in mkdir's traceback; --out naming a folder of committed results wrote the runs'
+    data, models and results.json among them."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    committed = bt.harness.HERE / "results" / "cpu-2026-11-26-training"
+    for argv, said in ((["--out", str(a_file)], f"--out {a_file}: is a file, not a folder"),
+                       (["--scratch", str(a_file / "sub")], f"cannot create the folder: {a_file} is a file"),
+                       (["--out", str(committed)], "would overwrite committed results")):
+        with pytest.raises(SystemExit):
+            bt.parse_args(argv)
+        assert said in capsys.readouterr().err
