@@ -269,6 +269,10 @@ def main(argv: list[str]) -> int:
                   f"{d['table']} rather than {d['fixed_order']} ({times}; saves {d['saves_ms']:g} ms per call; "
                   f"{'matches' if d['matches_this_code'] else 'does not match'} this checkout's code)")
         return 0
+    if "--decisions" in argv:  # it was said to be an unknown option, in a list of the options that names it
+        print(f"--decisions takes no other argument (it reads angle_kernels.measured's table, not run files); got "
+              f"{' '.join(argv)}", file=sys.stderr)
+        return 2
     runs, commit = [], None
     arguments = iter(argv)
     for argument in arguments:

@@ -250,3 +250,10 @@ def test_the_commit_given_on_the_command_line_applies_to_the_runs_after_it(tmp_p
     path = _run(tmp_path, [_row("ranking_loss", 10, 1, "triton", 1.0), _row("ranking_loss", 10, 1, "torch", 2.0)])
     assert speed_table.main(["--commit", "HEAD", path]) == 0
     assert '"triton/pairwise": 1.0, "torch/default": 2.0' in capsys.readouterr().out
+
+
+def test_decisions_with_other_arguments_is_refused_as_such(capsys):
+    """`--decisions --commit X` was refused as "--decisions: unknown option", in a list of options naming it."""
+    assert speed_table.main(["--decisions", "--commit", "abc1234"]) == 2
+    err = capsys.readouterr().err
+    assert "--decisions takes no other argument" in err and "unknown option" not in err
