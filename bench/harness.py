@@ -710,18 +710,16 @@ def call_in_fork(fn, *args, timeout: float = 600.0):
 def written_aside(path: Path):
     """A path beside `path` (NAME.tmp) for the block to write the new contents into, by any writer (write_text, a
     figure's savefig); once the block ends without an exception, it replaces `path` in one step: a reader (or a kill)
-    never sees half a file. A block that raises leaves `path` as it was and removes what it wrote aside (a failed
-    savefig left plot.png.tmp in the results folder)."""
-    never sees half a file. When the block or the rename raises, the file written aside is removed and `path` keeps
-    its previous contents (or stays absent); the error is raised on."""
+    never sees half a file. When the block or the rename raises, the file written aside is removed (a failed savefig
+    left plot.png.tmp in the results folder) and `path` keeps its previous contents (or stays absent); the error is
+    raised on."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         yield tmp
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # the write's own error is the one to see
-            os.remove(tmp)
+            tmp.unlink(missing_ok=True)
         raise
 
 
