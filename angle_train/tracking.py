@@ -33,8 +33,6 @@ import socket
 import threading
 import urllib.parse
 
-from .atomic_files import written_aside
-
 REPORTERS = ("tensorboard", "wandb")
 # The dev score a run picks its best model by, by the kind of its dev data: its metrics.jsonl key and its words.
 # STS pairs with gold scores: Spearman's rho of the cosines; (query, positive) pairs: nDCG@10 of cosine retrieval of
@@ -317,6 +315,10 @@ def plot_curves(metrics_path: str, png_path: str, lr_curve: list[tuple[int, floa
              "lr_steps": [step for step, _ in lr_curve], "lr": [rate for _, rate in lr_curve]}
     if eval_rows:
         drawn["dev_ylim"] = list(axes[2].get_ylim())
+    # imported here: the module's own imports are the standard library's alone, as bench/harness.py loads it by its
+    # path (finite_or_none for its reports), outside the package
+    from .atomic_files import written_aside
+
     with written_aside(png_path, binary=True) as f:  # an earlier run's curves stay whole where this drawing fails
         figure.savefig(f, format="png", dpi=110, metadata={CURVES_METADATA_KEY: json.dumps(drawn)})
     return png_path
