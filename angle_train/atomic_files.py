@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 
 # What fsync of a folder raises on a file system that cannot sync one: the rename is then as durable as it gets there
 _CANNOT_SYNC_A_FOLDER = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
@@ -41,14 +42,20 @@ def sync_tree(folder: str) -> None:
     """Flush every file under `folder` to disk, then each folder of the tree, the deepest first and `folder` last
     (POSIX), so that a rename of `folder` into place, once synced too (sync_folder of its parent), survives a power
     loss with every file whole: a file system may otherwise persist the rename before the files' data, leaving the
-    folder in place with empty or partial files. Links are not followed (their entries are synced with their
-    folder)."""
-    for root, _, files in os.walk(folder, topdown=False):
+    folder in place with empty or partial files. Only regular files are opened: links are not followed and a FIFO,
+    socket or device (whose open can block or act) holds no data of the folder's; their entries are synced with
+    their folder. A folder that cannot be listed raises (its files would go unsynced), as a file that cannot be
+    opened does."""
+    for root, _, files in os.walk(folder, topdown=False, onerror=_raise):
         for name in files:
             path = os.path.join(root, name)
-            if not os.path.islink(path):
+            if stat.S_ISREG(os.lstat(path).st_mode):
                 _sync_file(path)
         sync_folder(root)
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 def _sync_file(path: str) -> None:

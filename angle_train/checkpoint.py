@@ -402,19 +402,29 @@ def _metrics_rows_after(path: str, step: int) -> list[bytes]:
                 if (row := metrics_row(line)) is not None and row["step"] > step]
 
 
-def _swap_in(tmp: str, final: str) -> None:
+def _swap_in(tmp: str, final: str, *, synced: bool = False) -> None:
     """Put the complete folder `tmp` in the place of `final`. The old copy is moved aside rather than deleted
     until the new one is in place, so whenever the process is killed one complete copy remains on disk. Every file
-    and folder of `tmp` is synced to disk before the rename and the parent folder after it, before the old copy goes
-    (and before the caller prunes older checkpoints): after a power loss the new folder is whole where its name
-    survived, and the old copy is gone only once the new one is on disk."""
+    and folder of `tmp` is synced to disk before the rename (by the caller where `synced`) and the parent folder
+    after it, before the old copy goes (and before the caller prunes older checkpoints): after a power loss the new
+    folder is whole where its name survived, and the old copy is gone only once the new one is on disk. A sync
+    that fails after the rename raises an OSError saying that `final` is in place (the old copy is kept as
+    FINAL.old): the new folder is there, only its rename may not survive a power loss."""
     old = final + ".old"
     shutil.rmtree(old, ignore_errors=True)
-    sync_tree(tmp)
+    if not synced:
+        sync_tree(tmp)
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
-    sync_folder(os.path.dirname(final) or os.curdir)
+    parent = os.path.dirname(final) or os.curdir
+    try:
+        sync_folder(parent)
+    except OSError as exc:
+        kept = f"; the copy it replaced is kept as {old}" if os.path.exists(old) else ""
+        raise OSError(exc.errno, f"{final} is written and in place, but its rename could not be synced to disk "
+                                 f"({exc.strerror or exc}): a power loss may still undo it{kept}, and nothing "
+                                 f"older was removed") from exc
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -534,7 +544,8 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
     if dist_info.is_main:
         with _failed_write_cleaned(tmp, cfg.output_dir):
             write_manifest(tmp)
-            _swap_in(tmp, path)  # its syncs can fail as a write does (ENOSPC of delayed allocation, EIO)
+            sync_tree(tmp)  # can fail as a write does (ENOSPC of delayed allocation, EIO)
+        _swap_in(tmp, path, synced=True)  # a failure after the rename is no failed write: the checkpoint is in place
         prune_checkpoints(cfg.output_dir, keep=cfg.keep_checkpoints, good_step=position.good_checkpoint)
     barrier(dist_info)
     return path
@@ -1290,10 +1301,10 @@ def _export(cfg: TrainConfig, encoder, tokenizer, name: str, what: str, *, adapt
                             export_max_length=cfg.export_max_length, model_card=model_card,
                             extra_meta=None if record is None else {BEST_RECORD_KEY: record},
                             base_files=encoder.st_files)
+        if name == "best":
+            _keep_best_of_checkpoints(cfg.output_dir)
+        _swap_in(tmp, path)  # its sync of tmp can fail as a write does (ENOSPC, EIO)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if name == "best":
-        _keep_best_of_checkpoints(cfg.output_dir)
-    _swap_in(tmp, path)
     return path

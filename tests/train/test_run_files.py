@@ -11,6 +11,7 @@ config.json)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -206,20 +207,25 @@ def _synced_before_renamed_in(calls: list, tmp: str, final: str) -> int:
     return calls.index(("sync", os.path.dirname(final)), renamed_at)
 
 
-def test_a_checkpoint_is_on_disk_before_older_ones_are_removed(tmp_path, monkeypatch):
-    """A power loss right after the rename must find step-4 whole where its name survived, and step-2 (beyond
-    --keep-checkpoints 1) removed only once the rename itself is on disk: otherwise no good checkpoint is left."""
-    out = str(os.path.realpath(tmp_path))
+def _checkpoint_saver(out: str, *, keep_checkpoints: int):
+    """save(step): a checkpoint of a one-layer model into `out` (save_checkpoint on the main process)."""
     encoder, _ = make_encoder("bert", dtype=torch.float32, layers=1)
     optimizer = torch.optim.SGD(encoder.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    cfg = run_config(out, keep_checkpoints=1)
+    cfg = run_config(out, keep_checkpoints=keep_checkpoints)
 
     def save(step):
         return checkpoint.save_checkpoint(cfg, checkpoint.Position(step=step), DistInfo(), encoder=encoder,
                                           optimizer=optimizer, scheduler=scheduler,
                                           scaler=torch.amp.GradScaler("cpu", enabled=False))
+    return save
 
+
+def test_a_checkpoint_is_on_disk_before_older_ones_are_removed(tmp_path, monkeypatch):
+    """A power loss right after the rename must find step-4 whole where its name survived, and step-2 (beyond
+    --keep-checkpoints 1) removed only once the rename itself is on disk: otherwise no good checkpoint is left."""
+    out = str(os.path.realpath(tmp_path))
+    save = _checkpoint_saver(out, keep_checkpoints=1)
     older = save(2)
     calls = _disk_calls(monkeypatch)
     newer = save(4)
@@ -244,6 +250,74 @@ def test_a_swapped_in_export_is_on_disk_before_the_old_copy_goes(tmp_path, monke
     assert calls.index(("remove", final + ".old")) > parent_synced_at
     with open(os.path.join(final, "1_Pooling", "config.json")) as f:
         assert f.read() == "new"
+
+
+def test_a_checkpoint_whose_rename_cannot_be_synced_is_reported_in_place(tmp_path, monkeypatch):
+    """An I/O error syncing the output's checkpoints/ folder after step-4's rename: step-4 is whole and in place (its
+    files were synced), so the error says so, rather than that its write failed and that it is the "previous"
+    checkpoint, and step-2 stays until the rename is known to be on disk."""
+    out = str(os.path.realpath(tmp_path))
+    save = _checkpoint_saver(out, keep_checkpoints=1)
+    older = save(2)
+    newer = checkpoint.checkpoint_path(out, 4)
+
+    def io_error(folder):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(checkpoint, "sync_folder", io_error)
+    with pytest.raises(OSError, match=rf"^\[Errno {errno.EIO}\] {newer} is written and in place, but its rename "
+                                      r"could not be synced to disk \(Input/output error\): a power loss may still "
+                                      r"undo it, and nothing older was removed$"):
+        save(4)
+    assert checkpoint.finished_checkpoints(out) == [older, newer]
+    assert checkpoint.checkpoint_problem(newer) is None
+
+
+def test_an_export_whose_files_cannot_be_synced_leaves_the_previous_one_and_no_tmp(tmp_path, monkeypatch):
+    """final/ (as best/) written as final.tmp: a sync of its files that fails (ENOSPC found at write-back) fails the
+    export as a write does, leaving the previous final/ and no final.tmp beside it."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, layers=1)
+    cfg = run_config(tmp_path)
+    final = checkpoint.save_final(cfg, encoder, tokenizer, base_model=None)
+    before = {name: (tmp_path / "final" / name).read_bytes() for name in os.listdir(final)
+              if os.path.isfile(os.path.join(final, name))}
+
+    def no_space(folder):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(checkpoint, "sync_tree", no_space)
+    with pytest.raises(OSError, match="No space left on device"):
+        checkpoint.save_final(cfg, encoder, tokenizer, base_model=None)
+    assert sorted(os.listdir(tmp_path)) == ["final"]
+    assert {name: (tmp_path / "final" / name).read_bytes() for name in before} == before
+
+
+def test_a_tree_is_synced_by_its_regular_files_only(tmp_path, monkeypatch):
+    """A FIFO (whose open for reading waits for a writer: the save hung), a socket or a link in a folder written whole
+    is not opened to be synced: its entry is synced with its folder."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "model.safetensors").write_text("weights")
+    os.mkfifo(tmp_path / "sub" / "pipe")
+    os.symlink("model.safetensors", tmp_path / "sub" / "link")
+    os.symlink("sub", tmp_path / "folder-link")
+    synced_files = []
+    monkeypatch.setattr(atomic_files, "_sync_file", lambda path: synced_files.append(os.path.relpath(path, tmp_path)))
+    kinds = _synced_kinds(monkeypatch)
+    atomic_files.sync_tree(str(tmp_path))
+    assert synced_files == [os.path.join("sub", "model.safetensors")] and kinds == ["folder", "folder"]
+
+
+def test_a_subfolder_that_cannot_be_listed_fails_the_sync_of_its_tree(tmp_path, monkeypatch):
+    """Its files cannot be synced: an error, not a tree reported synced with them skipped."""
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text("{}")
+    scandir = os.scandir
+
+    def unreadable(path="."):
+        if os.path.basename(path) == "1_Pooling":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return scandir(path)
+    monkeypatch.setattr(os, "scandir", unreadable)
+    with pytest.raises(PermissionError, match="1_Pooling"):
+        atomic_files.sync_tree(str(tmp_path))
 
 
 def test_a_best_kept_for_a_checkpoint_is_on_disk_before_best_is_replaced(tmp_path, monkeypatch):
