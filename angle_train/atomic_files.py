@@ -23,8 +23,12 @@ def written_aside(path: str, *, aside: str | None = None, encoding: str | None =
     contents into. Once the block ends without an exception the file is flushed and synced to disk, then renamed
     over `path` in one step, and the folder is synced (POSIX), so that the rename too survives a power loss. When
     the block, the sync or the rename raises, the aside file is removed and `path` keeps its previous contents (or
-    stays absent); the error is raised on. binary: the file is open for bytes (an image), not text."""
-    aside = path + ".tmp" if aside is None else aside
+    stays absent); the error is raised on. binary: the file is open for bytes (an image), not text. A link at
+    `path` is written through, as open() writes it: its target is replaced (NAME.tmp beside the target, on its file
+    system) and the link stays, rather than the link being replaced by a file and the target left stale."""
+    if aside is None:
+        path = os.path.realpath(path)
+        aside = path + ".tmp"
     try:
         with open(aside, "wb" if binary else "w", encoding=encoding) as file:
             yield file

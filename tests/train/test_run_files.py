@@ -396,6 +396,19 @@ def test_a_binary_file_written_aside_holds_the_bytes_written(tmp_path):
     assert path.read_bytes() == b"\x89PNG\r\n\x1a\n" and os.listdir(tmp_path) == ["curves.png"]
 
 
+def test_a_link_written_aside_is_written_through(tmp_path):
+    """angle-eval --json results.json where results.json links into a shared folder: the target gets the new results
+    and the link stays (the link was replaced by a file, and the target read by a pipeline kept the old results)."""
+    (tmp_path / "shared").mkdir()
+    target, link = tmp_path / "shared" / "scores.json", tmp_path / "results.json"
+    target.write_text("old")
+    os.symlink(os.path.join("shared", "scores.json"), link)
+    with atomic_files.written_aside(str(link)) as f:
+        f.write("new")
+    assert os.path.islink(link) and target.read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["results.json", "shared"] and os.listdir(target.parent) == ["scores.json"]
+
+
 def test_settings_that_fail_to_be_written_leave_the_runs_config_json(tmp_path, monkeypatch):
     """A start or resume that cannot write config.json (a full disk midway) leaves the settings that were there, which
     --config and the check of a run's folder (not a model: its models are in final/ and best/) read back, and no
