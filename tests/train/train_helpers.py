@@ -4,7 +4,9 @@ a run configuration for tests."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
+import io
 import os
 import socket
 
@@ -117,8 +119,6 @@ def full_disk_midway(monkeypatch, owner, name: str) -> None:
     """owner.name (json.dump, matplotlib's Figure.savefig: both take the file second) writes the start of its file
     and then fails as a full disk does: a file written in place is left holding half of its contents. The file is an
     open one (text or bytes) or a path."""
-    import errno
-    import io
 
     def failing(*args, **kwargs):
         target = args[1]
