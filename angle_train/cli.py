@@ -13,6 +13,7 @@ from dataclasses import MISSING, fields
 
 from .cli_common import OneLineErrorParser, check_train_extra, parse_bool, user_errors_exit, version_text
 from .config import TrainConfig, checked_setting, flag_of, setting_kind
+from .data import has_suffix
 from .distributed import leave_process_group
 from .tracking import DEV_METRICS
 
@@ -89,19 +90,18 @@ def read_config_file(path: str) -> dict:
     not a mapping raises FileNotFoundError or ValueError naming --config and the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {path}: no such file")
-    suffix = os.path.splitext(path)[1].lower()  # RUN.YAML as run.yaml, as the data files' suffixes are read
-    if suffix in (".yaml", ".yml"):
+    if has_suffix(path, (".yaml", ".yml")):  # in any case: RUN.YAML as run.yaml, as the data files are read
         import yaml
 
         language, load, syntax_error = "YAML", yaml.safe_load, yaml.YAMLError
-    elif suffix == ".toml":
+    elif has_suffix(path, ".toml"):
         try:
             import tomllib
         except ImportError:  # Python < 3.11
             import tomli as tomllib
 
         language, load, syntax_error = "TOML", tomllib.load, tomllib.TOMLDecodeError
-    elif suffix == ".json":
+    elif has_suffix(path, ".json"):
         language, load, syntax_error = "JSON", json.load, json.JSONDecodeError
     else:
         raise ValueError(f"--config {path}: use a .yaml, .yml, .toml or .json file")

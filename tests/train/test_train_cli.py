@@ -327,6 +327,7 @@ def test_config_files_and_precedence(tmp_path):
     ("RUN.YAML", "batch_size: 8\n", {"batch_size": 8}),  # a suffix in upper case, as data files' are read
     ("Run.Toml", "batch_size = 8\n", {"batch_size": 8}),
     ("RUN.JSON", '{"batch_size": 8}', {"batch_size": 8}),
+    (".yaml", "batch_size: 8\n", {"batch_size": 8}),  # a file named by its suffix alone, as before case was ignored
     ("empty.yaml", "", {}),  # nothing set yet: the defaults
     ("comments.yaml", "# lr: 1e-4\n", {}),
 ])
