@@ -4,10 +4,11 @@ never removes another run's lock; a lock file without its host is refused in one
 (a kept best of a checkpoint's own step stays; best/ on resume is the checkpoint's best or none; a damaged last good
 checkpoint is passed over after a non-finite stop; a manifest must cover the state file; a swap of final/ or best/
 leaves one whole copy, also when it fails midway; a checkpoint, best/ and final/ are synced to disk before their rename
-and their folder after it, before an older copy or checkpoint is removed; an empty metrics.jsonl is no earlier run), and
-the small files replaced whole (atomic_files.written_aside: synced, then swapped in; a write that fails leaves the
-previous file and no aside file behind: the record of a non-finite stop, the lock a run takes over, the run's
-config.json)."""
+and their folder after it, before an older copy or checkpoint is removed, by their regular files only; a sync failing
+after the rename reports the checkpoint in place, one failing before it leaves no final.tmp; an empty metrics.jsonl is
+no earlier run), and the small files replaced whole (atomic_files.written_aside: synced, then swapped in, a link written
+through; a write that fails leaves the previous file and no aside file behind: the record of a non-finite stop, the lock
+a run takes over, the run's config.json)."""
 
 from __future__ import annotations
 
