@@ -93,9 +93,18 @@ def refuse_missing_local_path(name: str, given_as: str | None = None) -> None:
     """MissingLocalPath for a name that can only be a local path (names_local_path) and does not exist, before
     anything is looked up: passed on to Hugging Face, a typo in a path was looked up on the Hub (retrying the network
     for about 20 s, then failing with a message about repo ids). `given_as`: the flag or argument that gave it."""
-    if name and names_local_path(name) and not os.path.exists(name):
-        raise MissingLocalPath(f"{f'{given_as} ' if given_as else ''}{name}: no such file or folder (a local path, not "
-                               "a Hugging Face hub name: nothing was looked up on the Hub)")
+    if not name or not names_local_path(name) or os.path.exists(name):
+        return
+    why = "a local path, not a Hugging Face hub name: nothing was looked up on the Hub"
+    home = os.path.expanduser(name)
+    owner = name.replace("\\", "/").split("/")
+    if name.startswith("~") and os.path.exists(home):  # only a shell expands ~, at a word's start (not --flag=~/x)
+        why = f"~ is not expanded here; give {home}"
+    elif (len(owner) == 2 and owner[0] not in (".", "..") and os.path.isdir(owner[0])
+          and not has_suffix(name, DATA_FILE_SUFFIXES) and not RUN_FOLDER_NAMES.fullmatch(owner[1])):
+        # a hub name OWNER/NAME whose OWNER is a folder here reads as a path: say why, and how to reach the Hub
+        why += f"; {owner[0]} is a folder here: run from another folder to load the hub's {name}"
+    raise MissingLocalPath(f"{f'{given_as} ' if given_as else ''}{name}: no such file or folder ({why})")
 
 
 @contextlib.contextmanager

@@ -746,3 +746,26 @@ def test_a_missing_local_path_is_refused_at_once_from_python(tmp_path, monkeypat
     with pytest.raises(ConnectionError):
         load_examples("owner/pairs")
     assert looked_up == ["owner/pairs"]
+
+
+def test_a_missing_path_says_why_it_was_read_as_one(tmp_path, monkeypatch):
+    """`~` reaches Python unexpanded (a shell expands it at a word's start only: not in --train-data=~/x or a config
+    file), and OWNER/NAME is read as a path where OWNER is a folder here: both were refused as "no such file or
+    folder" alone, although the file exists under the home folder and the name is a hub id."""
+    from angle_train.data import MissingLocalPath, refuse_missing_local_path
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "pairs.jsonl").write_text("")
+    (tmp_path / "BAAI").mkdir()
+    monkeypatch.chdir(tmp_path)
+    home_file = str(tmp_path / "home" / "pairs.jsonl")
+    with pytest.raises(MissingLocalPath, match=re.escape(f"--train-data ~/pairs.jsonl: no such file or folder (~ is "
+                                                         f"not expanded here; give {home_file})")):
+        refuse_missing_local_path("~/pairs.jsonl", "--train-data")
+    with pytest.raises(MissingLocalPath, match=re.escape("nothing was looked up on the Hub; BAAI is a folder here: "
+                                                         "run from another folder to load the hub's BAAI/bge-small)")):
+        refuse_missing_local_path("BAAI/bge-small", "--model")
+    for name in ("BAAI/pairs.jsonl", "./BAAI/x", "BAAI/final"):  # paths whatever folders are here: no hub advice
+        with pytest.raises(MissingLocalPath, match=r"nothing was looked up on the Hub\)$"):
+            refuse_missing_local_path(name)
