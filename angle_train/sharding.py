@@ -5,7 +5,8 @@
     full_value / local_value         a DTensor's whole value (a collective) / this process's shard of it
     full_state_dict(encoder)         the unsharded weights on the main process, in CPU memory, for an export
     save_sharded / load_sharded      every process writes / reads its own shards of the weights and the AdamW
-                                     state with torch.distributed.checkpoint (DCP), inside a checkpoint folder
+                                     state with torch.distributed.checkpoint (DCP), inside a checkpoint folder (a
+                                     write that fails on any process: an OSError on every process)
     read_dcp_metadata                DCP's .metadata, unpickled admitting only DCP_METADATA_GLOBALS (see Security)
 
 A sharded forward gathers each block's weights from every process, so every embedding pass (training,
@@ -88,10 +89,29 @@ def save_sharded(folder: str, encoder: nn.Module, optimizer: torch.optim.Optimiz
     """Write this process's shards of the weights and the AdamW state into `folder` (every process calls it;
     DCP writes one `__RANK_0.distcp` file per process and a `.metadata` file)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(encoder, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    except CheckpointException as exc:
+        raise _write_error(exc) from exc
+
+
+def _write_error(exc: BaseException) -> BaseException:
+    """The error to raise for DCP's CheckpointException from a save: the first process's OSError (a full disk, a quota,
+    an I/O error on any process: DCP gathers each process's errors into one CheckpointException, a BaseException, on
+    every process) as an OSError naming that process, which a checkpoint's write handles as its own failed write (the
+    partial folder removed, the intact previous checkpoint named); anything else as DCP raised it."""
+    import torch.distributed as dist
+
+    for rank, failure in sorted(exc.failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback summary)
+        if isinstance(error, OSError):
+            where = f" on process {rank}" if dist.is_available() and dist.is_initialized() else ""
+            return OSError(error.errno, f"{error.strerror or error}{where}")
+    return exc
 
 
 def load_sharded(folder: str, encoder: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -4,6 +4,7 @@ against their manifest before torch.distributed.checkpoint reads them; exports h
 `.metadata` or `.distcp` (issue 29, item 1) is refused by name before any code in it runs."""
 
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -279,6 +280,32 @@ def test_a_sharded_checkpoint_loads_exactly_in_one_process(sharded_run, tmp_path
     for key, state in optimizer["state"].items():
         for name, value in state.items():
             assert torch.equal(loaded["state"][key][name], value), (key, name)
+
+
+@pytest.mark.filterwarnings(f"ignore:{SINGLE_PROCESS_DCP}")
+def test_a_full_disk_while_the_shards_are_written_leaves_the_previous_checkpoint_intact(sharded_run, tmp_path,
+                                                                                        monkeypatch):
+    """DCP gathers a write's error on any process into a CheckpointException (a BaseException) on every process: a
+    full disk while the shards were written stopped an --fsdp run with DCP's traceback (exit status 1) and left the
+    partial step-N.tmp; now it is the failed checkpoint write a run without --fsdp reports (an OSError naming the
+    intact previous checkpoint, no partial folder), and --resume auto continues from that checkpoint."""
+    from torch.distributed.checkpoint import filesystem
+
+    out, _, _ = sharded_run
+    shutil.copytree(out, tmp_path / "run")
+    cfg = _config(tmp_path / "run", fsdp=True)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(filesystem, "_write_item", no_space)
+    with pytest.raises(OSError, match=r"could not write checkpoint .*step-00000004.tmp \(No space left on device\);"
+                                      r" the partial folder was removed and the previous checkpoint .*step-00000002 "
+                                      r"is intact") as raised:
+        save_checkpoint(cfg, Position(step=4, epoch=0, batch=4), DistInfo(), sharded=True, **_trainables(cfg))
+    assert raised.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step-00000002"]
+    assert _resume(tmp_path / "run")[0] == Position(step=2, epoch=0, batch=2)
 
 
 @pytest.mark.filterwarnings(f"ignore:{SINGLE_PROCESS_DCP}")
