@@ -531,7 +531,7 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
         with _failed_write_cleaned(tmp, cfg.output_dir):
             os.makedirs(tmp)
             weights = {} if sharded else {"model": encoder.trainable_state_dict(), "optimizer": optimizer.state_dict()}
-            torch.save({**weights, "sharded": sharded, "scheduler": scheduler.state_dict(),
+            _save_file({**weights, "sharded": sharded, "scheduler": scheduler.state_dict(),
                         "scaler": scaler.state_dict(), "position": asdict(position), "config": asdict(cfg),
                         "base_model": base_model},
                        os.path.join(tmp, STATE_FILE))
@@ -539,7 +539,7 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
     with _failed_write_cleaned(tmp, cfg.output_dir):
         if sharded:
             save_sharded(tmp, encoder, optimizer)
-        torch.save(_rng_state(), os.path.join(tmp, _rng_file(dist_info.rank)))
+        _save_file(_rng_state(), os.path.join(tmp, _rng_file(dist_info.rank)))
     barrier(dist_info)  # every process's file is complete before the manifest records them
     if dist_info.is_main:
         with _failed_write_cleaned(tmp, cfg.output_dir):
@@ -549,6 +549,23 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
         prune_checkpoints(cfg.output_dir, keep=cfg.keep_checkpoints, good_step=position.good_checkpoint)
     barrier(dist_info)
     return path
+
+
+def _save_file(obj, path: str) -> None:
+    """torch.save(obj) into the file `path`, written through a Python file so that a full disk (a quota, an I/O
+    error) raises the file's OSError, errno kept, which _failed_write_cleaned reports: PyTorch's zip writer turns a
+    failed write into a RuntimeError of its own ('unexpected pos ...', no errno), with the file's OSError as its
+    context where the file is a Python one (a path's C++ stream keeps no errno)."""
+    try:
+        with open(path, "wb") as file:
+            torch.save(obj, file)
+    except RuntimeError as exc:
+        cause = exc.__context__
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror or str(cause)) from exc
 
 
 def prune_checkpoints(output_dir: str, *, keep: int, good_step: int | None) -> None:

@@ -131,7 +131,7 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def save(obj, file, *args, **kwargs):
-        kind = "state" if str(file).endswith(STATE_FILE) else "rng"
+        kind = "state" if str(getattr(file, "name", file)).endswith(STATE_FILE) else "rng"  # a path or a file
         if kind == "state":
             saves["count"] += 1
         if saves["count"] == 2 and kind == failing_write:
@@ -159,6 +159,39 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch
     assert checkpoint_problem(str(tmp_path / "checkpoints" / "step-00000002")) is None
     resumed = train(_config(tmp_path, resume="auto"), train_examples=DATA, on_step=_stop_after(3))
     assert [r["step"] for r in resumed.history] == [3]
+
+
+def test_a_file_system_that_refuses_a_write_midway_fails_the_checkpoint_write(tmp_path, monkeypatch):
+    """A real refusal by the file system (the file size limit, EFBIG, as a full disk's ENOSPC comes: after part of the
+    state file is written), not a mocked one: PyTorch's zip writer reported it as a RuntimeError of its own
+    ('unexpected pos ...', no errno), so the run stopped with that traceback and left step-N.tmp holding the part
+    written (on a full disk, the space a resume needs). Now it is the failed checkpoint write: an OSError with the
+    file system's errno naming the intact previous checkpoint, no partial folder."""
+    resource = pytest.importorskip("resource")
+    import signal
+
+    from angle_train import trainer
+
+    real_save, saves = trainer.save_checkpoint, []
+
+    def save_under_a_file_size_limit(*args, **kwargs):
+        saves.append(1)
+        if len(saves) < 2:
+            return real_save(*args, **kwargs)
+        limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from the write rather than the signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))  # the state file is larger
+        try:
+            return real_save(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+            signal.signal(signal.SIGXFSZ, handler)
+    monkeypatch.setattr(trainer, "save_checkpoint", save_under_a_file_size_limit)
+    with pytest.raises(OSError, match=r"could not write checkpoint .*step-00000004.tmp \(File too large\);.*"
+                                      r"previous checkpoint .*step-00000002 is intact") as raised:
+        train(_config(tmp_path, max_steps=4), train_examples=DATA)
+    assert raised.value.errno == errno.EFBIG
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002"]
 
 
 @pytest.mark.parametrize("place", ["../ (parent)", "absolute", "subfolder", "symlink to outside", "the parent itself",
