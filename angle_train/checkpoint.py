@@ -78,7 +78,7 @@ import transformers
 from .atomic_files import sync_folder, sync_tree, written_aside
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, prompts_of
 from .data import FORMATS, has_no_splits, parse_columns
-from .distributed import DistInfo, barrier
+from .distributed import DistInfo, all_gather_objects, barrier
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
 from .models import adapter_fingerprint
@@ -528,23 +528,25 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
     tmp = path + ".tmp"
     if dist_info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing it
-        with _failed_write_cleaned(tmp, cfg.output_dir):
+    # each block ends with every process waiting for the others (the folder exists before they write into it; every
+    # process's file is complete before the manifest records them) and stopping together where a write failed
+    with _failed_write_cleaned(tmp, cfg.output_dir, dist_info):
+        if dist_info.is_main:
             os.makedirs(tmp)
             weights = {} if sharded else {"model": encoder.trainable_state_dict(), "optimizer": optimizer.state_dict()}
             _save_file({**weights, "sharded": sharded, "scheduler": scheduler.state_dict(),
                         "scaler": scaler.state_dict(), "position": asdict(position), "config": asdict(cfg),
                         "base_model": base_model},
                        os.path.join(tmp, STATE_FILE))
-    barrier(dist_info)  # the folder exists before the other processes write into it
-    with _failed_write_cleaned(tmp, cfg.output_dir):
+    with _failed_write_cleaned(tmp, cfg.output_dir, dist_info):
         if sharded:
             save_sharded(tmp, encoder, optimizer)
         _save_file(_rng_state(), os.path.join(tmp, _rng_file(dist_info.rank)))
-    barrier(dist_info)  # every process's file is complete before the manifest records them
-    if dist_info.is_main:
-        with _failed_write_cleaned(tmp, cfg.output_dir):
+    with _failed_write_cleaned(tmp, cfg.output_dir, dist_info):
+        if dist_info.is_main:
             write_manifest(tmp)
             sync_tree(tmp)  # can fail as a write does (ENOSPC of delayed allocation, EIO)
+    if dist_info.is_main:
         _swap_in(tmp, path, synced=True)  # a failure after the rename is no failed write: the checkpoint is in place
         prune_checkpoints(cfg.output_dir, keep=cfg.keep_checkpoints, good_step=position.good_checkpoint)
     barrier(dist_info)
@@ -596,18 +598,31 @@ def is_own_checkpoint(output_dir: str, checkpoint: str) -> bool:
 
 
 @contextlib.contextmanager
-def _failed_write_cleaned(tmp: str, output_dir: str):
-    """A write into the checkpoint folder `tmp` that fails (ENOSPC, a quota, an I/O error) removes the partial
-    folder and raises an OSError that says the previous checkpoint is untouched."""
+def _failed_write_cleaned(tmp: str, output_dir: str, dist_info: DistInfo):
+    """Inside: this process's part of the writing of the checkpoint folder `tmp` (a collective: every process enters,
+    and leaves once every process has done its part). A write that fails on any process (ENOSPC, a quota, an I/O
+    error) has the main process remove the partial folder, once no process writes into it any more, and every
+    process raise an OSError that says the previous checkpoint is untouched, naming the process that failed where
+    others did not. A process that removed the folder on its own failure and stopped pulled it from under another
+    still writing (which then failed on 'Parent directory ... does not exist'), and one whose partner failed waited
+    at the next collective until its connection broke."""
+    own = None
     try:
         yield
     except OSError as exc:
+        own = exc
+    failures = all_gather_objects(dist_info, None if own is None else (own.errno, own.strerror or str(own)))
+    failed = [(rank, failed) for rank, failed in enumerate(failures) if failed is not None]
+    if not failed:
+        return
+    rank, (code, why) = failed[0]
+    if dist_info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        done = finished_checkpoints(output_dir)
-        kept = f"the previous checkpoint {done[-1]} is intact" if done else "no earlier checkpoint exists"
-        raise OSError(exc.errno, f"could not write checkpoint {tmp} ({exc.strerror or exc}); the partial folder "
-                                 f"was removed and {kept}. Free space (or lower --keep-checkpoints) and resume "
-                                 "with --resume auto") from exc
+    where = f" on process {rank}" if len(failed) < len(failures) else ""  # (sharded: every process, naming its own)
+    done = finished_checkpoints(output_dir)
+    kept = f"the previous checkpoint {done[-1]} is intact" if done else "no earlier checkpoint exists"
+    raise OSError(code, f"could not write checkpoint {tmp} ({why}{where}); the partial folder was removed and {kept}. "
+                        "Free space (or lower --keep-checkpoints) and resume with --resume auto") from own
 
 
 def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder, optimizer, scheduler, scaler,

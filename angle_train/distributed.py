@@ -79,14 +79,23 @@ def check_processes_agree(info: DistInfo, facts: dict) -> None:
     then hung where one process planned fewer steps (or started fresh beside others that resumed)."""
     if not info.enabled:
         return
-    gathered: list = [None] * info.world_size
-    dist.all_gather_object(gathered, facts)
+    gathered = all_gather_objects(info, facts)
     differing = [key for key in facts if any(other[key] != gathered[0][key] for other in gathered)]
     if differing:
         detail = "; ".join(f"{key}: " + ", ".join(f"process {rank} {other[key]!r}" for rank, other in
                                                    enumerate(gathered)) for key in differing)
         raise ValueError(f"the processes disagree ({detail}): every process must read the same training data and "
                          "see the same --output-dir (on several machines: a shared file system)")
+
+
+def all_gather_objects(info: DistInfo, value) -> list:
+    """Every process's `value` (any picklable object), in rank order; [value] when there is one process. A collective:
+    every process calls it."""
+    if not info.enabled:
+        return [value]
+    gathered: list = [None] * info.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def leave_process_group() -> None:

@@ -67,24 +67,49 @@ def _command_rank(rank, world, port, out_dir):
     torch.save({"status": status, "left": not dist.is_initialized()}, os.path.join(out_dir, f"command{rank}.pt"))
 
 
-def _disagreeing_rank(rank, world, port, out_dir):
+def _outcome_of_a_run(rank, world, port, out_dir, examples, **settings):
+    """This process as rank `rank` trains on `examples` (format B) with `settings` (run_config's) and saves what came
+    of it to out_dir/outcome{rank}.pt: "trained", or the error it raised as "TYPE: message"; the group is left."""
     import torch.distributed as dist
 
-    from angle_train.tiny import demo_examples
     from angle_train.trainer import train
 
     as_torchrun_rank(rank, world, port)
-    examples = demo_examples(24 if rank == 0 else 20, seed=2)  # process 1 reads another (shorter) file
     try:
-        train(run_config(out_dir, batch_size=8, max_steps=2, max_length=12), model=make_encoder("bert"),
+        train(run_config(out_dir, batch_size=8, max_length=12, **settings), model=make_encoder("bert"),
               train_examples=(examples, "B"))
         outcome = "trained"
-    except ValueError as exc:
-        outcome = str(exc)
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     torch.save(outcome, os.path.join(out_dir, f"outcome{rank}.pt"))
+
+
+def _disagreeing_rank(rank, world, port, out_dir):
+    from angle_train.tiny import demo_examples
+
+    examples = demo_examples(24 if rank == 0 else 20, seed=2)  # process 1 reads another (shorter) file
+    _outcome_of_a_run(rank, world, port, out_dir, examples, max_steps=2)
+
+
+def _rank_with_a_full_disk(rank, world, port, out_dir):
+    """Trains 2 steps, a checkpoint after each; process 1's second checkpoint file meets a full disk."""
+    import errno
+
+    from angle_train import checkpoint
+    from angle_train.tiny import demo_examples
+
+    rng_state, saves = checkpoint._rng_state, []
+
+    def no_space_at_the_second_save():
+        saves.append(1)
+        if rank == 1 and len(saves) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return rng_state()
+    checkpoint._rng_state = no_space_at_the_second_save
+    _outcome_of_a_run(rank, world, port, out_dir, demo_examples(24, seed=2), max_steps=2, save_every=1)
 
 
 def test_processes_that_read_different_data_are_refused_together(tmp_path):
@@ -93,7 +118,8 @@ def test_processes_that_read_different_data_are_refused_together(tmp_path):
     start_ranks(_disagreeing_rank, (2, free_port(), str(tmp_path)))
     for rank in range(2):
         outcome = torch.load(tmp_path / f"outcome{rank}.pt")
-        assert "the processes disagree" in outcome and "examples: process 0 24, process 1 20" in outcome, outcome
+        assert outcome.startswith("ValueError: the processes disagree"), outcome
+        assert "examples: process 0 24, process 1 20" in outcome, outcome
 
 
 def test_a_finished_command_leaves_the_process_group(tmp_path):
@@ -103,6 +129,21 @@ def test_a_finished_command_leaves_the_process_group(tmp_path):
     start_ranks(_command_rank, (2, free_port(), str(tmp_path)))
     for rank in range(2):
         assert torch.load(tmp_path / f"command{rank}.pt") == {"status": 0, "left": True}
+
+
+def test_a_checkpoint_write_that_fails_on_one_process_stops_every_process_with_its_error(tmp_path):
+    """A full disk on one process while the processes write a checkpoint: that process removed the partial folder
+    and stopped, pulling the folder from under the others (process 0: 'RuntimeError: Parent directory ... does not
+    exist'), or left them waiting at the next collective until its connection broke (a gloo traceback; under NCCL,
+    --ddp-timeout). Now the processes learn of it together: every one stops with the failed write's OSError, which
+    names the process and the intact previous checkpoint, and the main process removes the partial folder."""
+    start_ranks(_rank_with_a_full_disk, (2, free_port(), str(tmp_path)))
+    for rank in range(2):
+        outcome = torch.load(tmp_path / f"outcome{rank}.pt")
+        assert re.fullmatch(r"OSError: \[Errno 28\] could not write checkpoint .*step-00000002.tmp \(No space left on "
+                            r"device on process 1\); the partial folder was removed and the previous checkpoint "
+                            r".*step-00000001 is intact\..*", outcome), (rank, outcome)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000001"]
 
 
 @pytest.mark.parametrize("arch, fmt, chunk_rows, flags", [("bert", "A", None, ()), ("llama", "B", 3, ()),
