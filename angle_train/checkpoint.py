@@ -1304,6 +1304,14 @@ def _output_dir_of(checkpoint: str) -> str | None:
     return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
 
 
+def _os_error_code(exc: BaseException) -> int | None:
+    """The errno of a failed write that safetensors (the weights of an export) reports as its own SafetensorError,
+    no OSError ('Error while serializing: I/O error: No space left on device (os error 28)', the errno in Rust's
+    words), so that a full disk is the one-line OSError every other refused write is; None for anything else."""
+    match = re.search(r"\(os error (\d+)\)", str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    return None if match is None else int(match.group(1))
+
+
 def save_final(cfg: TrainConfig, encoder, tokenizer, state_dict: dict | None = None, *, base_model: str | None,
                while_writing=contextlib.nullcontext, model_card: str | None = None) -> str:
     """Export the final model to output_dir/final (a LoRA model merged into its base), written as final.tmp and
@@ -1333,6 +1341,14 @@ def _export(cfg: TrainConfig, encoder, tokenizer, name: str, what: str, *, adapt
                             export_max_length=cfg.export_max_length, model_card=model_card,
                             extra_meta=None if record is None else {BEST_RECORD_KEY: record},
                             base_files=encoder.st_files)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        code = _os_error_code(exc)
+        if code is None:
+            raise
+        raise OSError(code, f"could not write {what} to {tmp} ({os.strerror(code)}): the partial folder was removed "
+                            f"and {path} left as it was") from exc
+    try:
         if name == "best":
             _keep_best_of_checkpoints(cfg.output_dir)
         _swap_in(tmp, path)  # its sync of tmp can fail as a write does (ENOSPC, EIO)

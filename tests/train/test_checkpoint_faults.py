@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from train_helpers import run_config
+from train_helpers import make_encoder, run_config, writes_refused_beyond
 
 import angle_train.checkpoint as checkpoint
 from angle_train.checkpoint import MANIFEST_FILE, STATE_FILE, checkpoint_problem, finished_checkpoints, write_manifest
@@ -167,9 +167,7 @@ def test_a_file_system_that_refuses_a_write_midway_fails_the_checkpoint_write(tm
     ('unexpected pos ...', no errno), so the run stopped with that traceback and left step-N.tmp holding the part
     written (on a full disk, the space a resume needs). Now it is the failed checkpoint write: an OSError with the
     file system's errno naming the intact previous checkpoint, no partial folder."""
-    resource = pytest.importorskip("resource")
-    import signal
-
+    pytest.importorskip("resource")
     from angle_train import trainer
 
     real_save, saves = trainer.save_checkpoint, []
@@ -178,20 +176,27 @@ def test_a_file_system_that_refuses_a_write_midway_fails_the_checkpoint_write(tm
         saves.append(1)
         if len(saves) < 2:
             return real_save(*args, **kwargs)
-        limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from the write rather than the signal
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))  # the state file is larger
-        try:
+        with writes_refused_beyond(64 * 1024):  # the state file is larger
             return real_save(*args, **kwargs)
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-            signal.signal(signal.SIGXFSZ, handler)
     monkeypatch.setattr(trainer, "save_checkpoint", save_under_a_file_size_limit)
     with pytest.raises(OSError, match=r"could not write checkpoint .*step-00000004.tmp \(File too large\);.*"
                                       r"previous checkpoint .*step-00000002 is intact") as raised:
         train(_config(tmp_path, max_steps=4), train_examples=DATA)
     assert raised.value.errno == errno.EFBIG
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002"]
+
+
+def test_a_file_system_that_refuses_the_exports_weights_midway_fails_with_an_os_error(tmp_path):
+    """safetensors reported a refused write of an export's weights as its own SafetensorError (no OSError), so
+    angle-train stopped with its traceback (exit status 1); now it is an OSError with the file system's errno (one
+    line, exit status 2), and neither final.tmp nor final/ is left."""
+    pytest.importorskip("resource")
+    encoder, tokenizer = make_encoder("bert")  # its weights (float64) are larger than the limit below
+    with writes_refused_beyond(64 * 1024), pytest.raises(OSError, match=r"could not write the final model to "
+                                                                          r".*final.tmp \(File too large\)") as raised:
+        checkpoint.save_final(_config(tmp_path), encoder, tokenizer, base_model=None)
+    assert raised.value.errno == errno.EFBIG
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("place", ["../ (parent)", "absolute", "subfolder", "symlink to outside", "the parent itself",

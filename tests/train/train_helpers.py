@@ -132,6 +132,24 @@ def full_disk_midway(monkeypatch, owner, name: str) -> None:
     monkeypatch.setattr(owner, name, failing)
 
 
+@contextlib.contextmanager
+def writes_refused_beyond(size: int):
+    """Inside: the file system refuses to write any file of this process past `size` bytes (RLIMIT_FSIZE: EFBIG, 'File
+    too large'), a real refusal midway through a file as a full disk's ENOSPC comes, reaching code that writes through
+    C++ or Rust (torch.save to a path, safetensors) where a mocked Python function cannot. POSIX only."""
+    import resource
+    import signal
+
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from the write rather than the signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
 def without_curves(monkeypatch) -> None:
     """train() runs that draw no curves.png, as where matplotlib is absent (tracking.plot_curves returns None): the
     drawing (0.1-0.4 s of matplotlib at the end of every run) is tested in test_tracking*.py and test_logging.py,
