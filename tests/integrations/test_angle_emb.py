@@ -560,15 +560,37 @@ def test_a_nested_patched_block_restores_the_backend_it_found(ae):
     assert not integration.is_patched()
 
 
+def second_thread_keeps_its_patch(ae, first_block, *, enter_after, entered, first_ended) -> bool:
+    """Runs `first_block` in a thread named first and, once `enter_after` is set, a patched(backend="auto") block in a
+    second thread, which sets `entered` inside and, once `first_ended` is set, looks whether angle-emb is still
+    patched with its backend; returns what it found."""
+    import threading
+
+    seen = {}
+
+    def second_block():
+        enter_after.wait(10)
+        with integration.patched(backend="auto"):
+            entered.set()
+            first_ended.wait(10)
+            seen["inside"] = (integration.is_patched()
+                              and ae["angle_emb.loss"].cosine_loss.keywords == {"backend": "auto"})
+
+    threads = [threading.Thread(target=first_block, name="first"), threading.Thread(target=second_block, name="second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    return seen.get("inside", False)
+
+
 def test_patched_blocks_in_two_threads_keep_the_patch_until_the_last_one_ends(ae):
     """angle-emb is patched process-wide: a block in one thread that ended while another thread's block (entered
     after it) was open unpatched angle-emb under that thread, which went on training with angle-emb's own losses.
     The last block to end restores what the first one found."""
     import threading
 
-    loss_module = ae["angle_emb.loss"]
     first_entered, second_entered, first_ended = threading.Event(), threading.Event(), threading.Event()
-    seen = {}
 
     def first_block():
         with integration.patched(backend="torch"):
@@ -576,19 +598,8 @@ def test_patched_blocks_in_two_threads_keep_the_patch_until_the_last_one_ends(ae
             second_entered.wait(10)
         first_ended.set()
 
-    def second_block():
-        first_entered.wait(10)
-        with integration.patched(backend="auto"):
-            second_entered.set()
-            first_ended.wait(10)
-            seen["inside"] = integration.is_patched() and loss_module.cosine_loss.keywords == {"backend": "auto"}
-
-    threads = [threading.Thread(target=first_block), threading.Thread(target=second_block)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
-    assert seen == {"inside": True}
+    assert second_thread_keeps_its_patch(ae, first_block, enter_after=first_entered, entered=second_entered,
+                                         first_ended=first_ended)
     assert not integration.is_patched()
 
 
@@ -598,9 +609,8 @@ def test_a_patched_block_entered_while_another_threads_block_restores_keeps_the_
     unpatched under it (its thread trained on angle-emb's own losses, and its exit patched angle-emb for good)."""
     import threading
 
-    loss_module = ae["angle_emb.loss"]
     restoring, second_inside, first_ended = threading.Event(), threading.Event(), threading.Event()
-    unpatch, seen = integration.unpatch, {}
+    unpatch = integration.unpatch
 
     def unpatch_slowly():  # the first block's restore gives another thread's block the time to enter
         if threading.current_thread().name == "first" and not restoring.is_set():
@@ -615,19 +625,8 @@ def test_a_patched_block_entered_while_another_threads_block_restores_keeps_the_
             pass
         first_ended.set()
 
-    def second_block():
-        restoring.wait(10)
-        with integration.patched(backend="auto"):
-            second_inside.set()
-            first_ended.wait(10)
-            seen["inside"] = integration.is_patched() and loss_module.cosine_loss.keywords == {"backend": "auto"}
-
-    threads = [threading.Thread(target=first_block, name="first"), threading.Thread(target=second_block)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
-    assert seen == {"inside": True}
+    assert second_thread_keeps_its_patch(ae, first_block, enter_after=restoring, entered=second_inside,
+                                         first_ended=first_ended)
     assert not integration.is_patched()
 
 
