@@ -403,8 +403,9 @@ def _metrics_rows_after(path: str, step: int) -> list[bytes]:
 
 
 def _swap_in(tmp: str, final: str, *, synced: bool = False) -> None:
-    """Put the complete folder `tmp` in the place of `final`. The old copy is moved aside rather than deleted
-    until the new one is in place, so whenever the process is killed one complete copy remains on disk. Every file
+    """Put the complete folder `tmp` (NAME.tmp, or a kept best going back: reconcile_best) in the place of `final`.
+    The old copy is moved aside rather than deleted until the new one is in place, so whenever the process is killed
+    one complete copy remains on disk; `tmp` moves in one rename, under its own name until then. Every file
     and folder of `tmp` is synced to disk before the rename (by the caller where `synced`) and the parent folder
     after it, before the old copy goes (and before the caller prunes older checkpoints): after a power loss the new
     folder is whole where its name survived, and the old copy is gone only once the new one is on disk. A sync
@@ -1271,13 +1272,15 @@ def reconcile_best(cfg: TrainConfig, resume_from: str, position: Position) -> st
         candidates += [os.path.join(source_dir, "best"), kept_best_path(source_dir, position.best_step)]
     for source in candidates:
         if best_holds(source, position):
-            tmp = best + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
             if source == candidates[0]:
-                os.replace(source, tmp)  # this folder's own: moved back (kept again when a newer best replaces it)
+                # this folder's own: renamed straight into place (kept again when a newer best replaces it), never
+                # staged as best.tmp, which the next export deletes: a kill at any point leaves it under one name
+                _swap_in(source, best)
             else:
+                tmp = best + ".tmp"
+                shutil.rmtree(tmp, ignore_errors=True)
                 shutil.copytree(source, tmp)  # another run's folder: copied, never taken from it
-            _swap_in(tmp, best)
+                _swap_in(tmp, best)
             print(f"best/: restored the checkpoint's best model (step {position.best_step}, {metric} "
                   f"{position.best:.4f}) from {source}", flush=True)
             return "ok"

@@ -1,14 +1,15 @@
 """The files a run keeps safe, at their edges: the output folder's lock (a stale lock whose pid was reused is taken
-over; a live process of another user keeps its lock; others wait while one run decides about the lock; a run's release
-never removes another run's lock; a lock file without its host is refused in one line), and the checkpoints' bookkeeping
-(a kept best of a checkpoint's own step stays; best/ on resume is the checkpoint's best or none; a damaged last good
-checkpoint is passed over after a non-finite stop; a manifest must cover the state file; a swap of final/ or best/
-leaves one whole copy, also when it fails midway; a checkpoint, best/ and final/ are synced to disk before their rename
-and their folder after it, before an older copy or checkpoint is removed, by their regular files only; a sync failing
-after the rename reports the checkpoint in place, one failing before it leaves no final.tmp; an empty metrics.jsonl is
-no earlier run), and the small files replaced whole (atomic_files.written_aside: synced, then swapped in, a link written
-through; a write that fails leaves the previous file and no aside file behind: the record of a non-finite stop, the lock
-a run takes over, the run's config.json)."""
+over; a live process of another user keeps its lock; others wait while one run decides about the lock; a run's
+release never removes another run's lock; a lock file without its host is refused in one line), and the checkpoints'
+bookkeeping (a kept best of a checkpoint's own step stays; best/ on resume is the checkpoint's best or none; a
+damaged last good checkpoint is passed over after a non-finite stop; a manifest must cover the state file; a swap of
+final/ or best/ leaves one whole copy, also when it fails midway, and a kill while a kept best goes back to best/
+leaves it for the next resume; a checkpoint, best/ and final/ are synced to disk before their rename and their
+folder after it, before an older copy or checkpoint is removed, by their regular files only; a sync failing after
+the rename reports the checkpoint in place, one failing before it leaves no final.tmp; an empty metrics.jsonl is no
+earlier run), and the small files replaced whole (atomic_files.written_aside: synced, then swapped in, a link
+written through; a write that fails leaves the previous file and no aside file behind: the
+record of a non-finite stop, the lock a run takes over, the run's config.json)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,53 @@ def test_a_checkpoint_from_before_best_steps_were_recorded_leaves_best_as_it_is(
     position = checkpoint.Position(step=4, best=0.5, best_step=None)
     assert checkpoint.reconcile_best(run_config(out), checkpoint.checkpoint_path(out, 4), position) == "ok"
     assert (tmp_path / "best").is_dir()
+
+
+class _Killed(BaseException):
+    """A kill, raised where the process would have died."""
+
+
+def test_a_kill_while_a_kept_best_goes_back_leaves_it_for_the_next_resume(tmp_path, monkeypatch):
+    """On resume the checkpoint's kept best (checkpoints/best-step-2) goes back to best/, replacing the killed run's
+    best of step 5. A kill before any of the renames that takes (each raising in turn): the next resume still finds
+    the kept best and puts it in place. It was staged as best.tmp, where a kill between its two renames left the only
+    copy for the next export to delete."""
+    position = checkpoint.Position(step=4, best=0.5, best_step=2)
+    renames = []
+    real_replace = os.replace
+
+    def counted(src, dst):
+        renames.append(dst)
+        real_replace(src, dst)
+
+    def resumed(out: str) -> str:
+        return checkpoint.reconcile_best(run_config(out), checkpoint.checkpoint_path(out, 4), position)
+
+    def killed_run(out) -> None:
+        _best(checkpoint.kept_best_path(str(out), 2), {"step": 2, "dev_spearman": 0.5})
+        _best(out / "best", {"step": 5, "dev_spearman": 0.6})
+
+    killed_run(tmp_path / "whole")
+    monkeypatch.setattr(checkpoint.os, "replace", counted)
+    assert resumed(str(tmp_path / "whole")) == "ok"
+    assert checkpoint.best_holds(str(tmp_path / "whole" / "best"), position)
+    for kill_at in range(len(renames)):
+        out = tmp_path / f"killed-before-rename-{kill_at}"
+        killed_run(out)
+        done = iter(range(kill_at))
+
+        def killed(src, dst):
+            if next(done, None) is None:
+                raise _Killed
+            real_replace(src, dst)
+
+        monkeypatch.setattr(checkpoint.os, "replace", killed)
+        with pytest.raises(_Killed):
+            resumed(str(out))
+        monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+        shutil.rmtree(out / "best.tmp", ignore_errors=True)  # as the next export does (checkpoint._export)
+        assert resumed(str(out)) == "ok", f"killed before rename {kill_at}"
+        assert checkpoint.best_holds(str(out / "best"), position)
 
 
 def test_a_damaged_last_good_checkpoint_is_passed_over(tmp_path):
