@@ -25,12 +25,20 @@ def written_aside(path: str, *, aside: str | None = None, encoding: str | None =
     the block, the sync or the rename raises, the aside file is removed and `path` keeps its previous contents (or
     stays absent); the error is raised on. binary: the file is open for bytes (an image), not text. A link at
     `path` is written through, as open() writes it: its target is replaced (NAME.tmp beside the target, on its file
-    system) and the link stays, rather than the link being replaced by a file and the target left stale."""
+    system) and the link stays, rather than the link being replaced by a file and the target left stale. A file
+    replaced keeps its permission bits (a `chmod 600` stays private), as one written in place kept them; a new file
+    gets the umask's."""
     if aside is None:
         path = os.path.realpath(path)
         aside = path + ".tmp"
     try:
+        kept_mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        kept_mode = None
+    try:
         with open(aside, "wb" if binary else "w", encoding=encoding) as file:
+            if kept_mode is not None:  # before a byte is written: the aside file is never more readable than `path`
+                os.chmod(aside, kept_mode)
             yield file
             file.flush()
             os.fsync(file.fileno())

@@ -8,7 +8,7 @@ leaves it for the next resume; a checkpoint, best/ and final/ are synced to disk
 folder after it, before an older copy or checkpoint is removed, by their regular files only; a sync failing after
 the rename reports the checkpoint in place, one failing before it leaves no final.tmp; an empty metrics.jsonl is no
 earlier run), and the small files replaced whole (atomic_files.written_aside: synced, then swapped in, a link
-written through; a write that fails leaves the previous file and no aside file behind: the
+written through, the permissions kept; a write that fails leaves the previous file and no aside file behind: the
 record of a non-finite stop, the lock a run takes over, the run's config.json)."""
 
 from __future__ import annotations
@@ -456,6 +456,29 @@ def test_a_link_written_aside_is_written_through(tmp_path):
         f.write("new")
     assert os.path.islink(link) and target.read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == ["results.json", "shared"] and os.listdir(target.parent) == ["scores.json"]
+
+
+@pytest.fixture
+def umask_022():
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o444])
+def test_a_file_written_aside_keeps_its_permissions(tmp_path, umask_022, mode):
+    """A file made private (`chmod 600 config.json`, an angle-eval --json file) stays private when it is written
+    again: the file renamed over it had the umask's mode (0o644 here), readable by everyone. A new file gets the
+    umask's mode."""
+    path = tmp_path / "results.json"
+    path.write_text("old")
+    os.chmod(path, mode)
+    with atomic_files.written_aside(str(path)) as f:
+        f.write("new")
+    assert path.read_text() == "new" and stat.S_IMODE(os.stat(path).st_mode) == mode
+    with atomic_files.written_aside(str(tmp_path / "new.json")) as f:
+        f.write("new")
+    assert stat.S_IMODE(os.stat(tmp_path / "new.json").st_mode) == 0o644
 
 
 def test_settings_that_fail_to_be_written_leave_the_runs_config_json(tmp_path, monkeypatch):
