@@ -704,6 +704,12 @@ def is_saved_dataset(path: str) -> bool:
     return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, name)) for name in SAVED_DATASET_FILES)
 
 
+def holds_one_dataset(path: str | None) -> bool:
+    """Whether `path` is a save_to_disk folder of one Dataset, not of a DatasetDict: it has no splits and is read whole
+    (open_hf_dataset). Told apart by its files as datasets.load_from_disk tells them apart."""
+    return bool(path) and all(os.path.isfile(os.path.join(path, name)) for name in ("dataset_info.json", "state.json"))
+
+
 def has_no_splits(source: str | None) -> bool:
     """Whether a --train-data / --dev-data source is a data file or a folder save_to_disk did not write (an STS year
     folder): read whole, it has no splits, and a --train-split / --dev-split has no effect on it."""

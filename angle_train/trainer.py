@@ -50,8 +50,8 @@ from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags
 from .data import (
     FORMATS, ORDER_VERSION, ROWS_PER_EXAMPLE, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs,
-    data_fingerprint, epoch_batches, errors_naming, has_no_splits, load_examples, order_fingerprint, repeated_items,
-    sampled_data_fingerprint, share_of,
+    data_fingerprint, epoch_batches, errors_naming, has_no_splits, holds_one_dataset, load_examples, order_fingerprint,
+    repeated_items, sampled_data_fingerprint, share_of,
 )
 from .export import encoding_length, is_peft_model, loaded_name, prefix_prompts, sentence_transformers_cannot_load
 from .evaluate import (
@@ -1475,11 +1475,12 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
     warmup = warmup_steps(cfg, run.total_steps)
 
     def source(argument: str, flag_value, split: str | None = None) -> str:
-        """What the flag names (with the split read, where it has splits: a hub name or a save_to_disk folder), or
-        what train() was given in its place."""
+        """What the flag names (with the split read, where it has splits: a hub name or a save_to_disk folder of a
+        DatasetDict), or what train() was given in its place."""
         if argument in run.given:
             return f"the {argument.replace('_', ' ')} given to train()"
-        has_splits = flag_value not in BUILTIN_DATASETS and not has_no_splits(flag_value)
+        has_splits = (flag_value not in BUILTIN_DATASETS and not has_no_splits(flag_value)
+                      and not holds_one_dataset(flag_value))
         return f"`{flag_value}`" + (f" (split `{split}`)" if split is not None and has_splits else "")
 
     # a given model by the name it was loaded by, as the start-up line names it

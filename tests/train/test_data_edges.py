@@ -667,7 +667,8 @@ def test_a_two_class_label_flipped_as_its_refusal_says_is_read_with_the_similar_
 def test_the_model_card_names_the_splits_read_from_a_saved_dataset_dict(tmp_path):
     """A save_to_disk folder of a DatasetDict given as --train-data and --dev-data: the model card named the folder
     alone (`dd`), not which of its splits trained and scored the model; it names them as the run chose them
-    (--train-split, --dev-split). A data file, which has no splits, and a built-in dataset are named alone."""
+    (--train-split, --dev-split). A data file, which has no splits, a save_to_disk folder of one Dataset, which has
+    none either and is read whole (the card said "(split `train`)"), and a built-in dataset are named alone."""
     datasets = pytest.importorskip("datasets")
     import torch
     from train_helpers import make_encoder, run_config
@@ -688,10 +689,13 @@ def test_the_model_card_names_the_splits_read_from_a_saved_dataset_dict(tmp_path
     card = (tmp_path / "run" / "final" / "README.md").read_text()
     assert f"- data: `{folder}` (split `train`), 16 examples in format A" in card
     assert f"; dev: `{folder}` (split `dev`), 8 scored pairs" in card
-    train(run_config(tmp_path / "builtin", dev_data="builtin:demo-sts", batch_size=8, max_steps=1, max_length=12,
-                     save_final=True), model=make_encoder("bert", dtype=torch.float32))
-    card = (tmp_path / "builtin" / "final" / "README.md").read_text()
-    assert "- data: `builtin:demo`, " in card and "; dev: `builtin:demo-sts`, " in card and "(split" not in card
+    one = str(tmp_path / "one")
+    datasets.Dataset.from_dict(splits["train"]).save_to_disk(one)
+    train(run_config(tmp_path / "read-whole", train_data=one, dev_data="builtin:demo-sts", batch_size=8, max_steps=1,
+                     max_length=12, save_final=True, ibn_w=0.0, cosine_w=1.0),
+          model=make_encoder("bert", dtype=torch.float32))
+    card = (tmp_path / "read-whole" / "final" / "README.md").read_text()
+    assert f"- data: `{one}`, 16 examples" in card and "; dev: `builtin:demo-sts`, " in card and "(split" not in card
 
 
 def test_a_tsv_file_written_with_csv_quoting_is_noted_once_and_read_literally(tmp_path, capsys):
