@@ -523,7 +523,7 @@ def nested_dims(nested: Nested | None) -> tuple[int, ...] | None:
 
 def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, even: bool = False, *,
                  layer_weights: LayerWeights | None = None, layers: int | None = None,
-                 dtype: torch.dtype | None = None) -> Nested | None:
+                 embeddings: torch.Tensor | None = None) -> Nested | None:
     """dims: None (the plain loss) or distinct prefix widths <= width in any order (sentence-transformers users
     list them largest first); dim_weights: None (all 1) or one finite number per dim, in dims' order. even: the
     angle score needs even widths. Returned sorted ascending, the weights permuted alike.
@@ -533,17 +533,18 @@ def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, 
     numbers per layer (in dims' order; they replace dim_weights, which must then be None). Weights that are all 0
     give a loss of 0 with zero gradients, as all-zero dim_weights do (Nested.terms).
 
-    dtype: the embeddings' dtype, where known: every weight (a layer's times a dim's) must fit its losses' compute
-    dtype (check_weight_fits)."""
+    embeddings: one of the call's (promoted) embeddings, where known: every weight (a layer's times a dim's) must fit
+    its losses' compute dtype (check_weight_fits); their dtype is read only where there are weights, so that a plain
+    call reads each fact of its inputs once."""
     if layer_weights is None:
         if dims is None:
             if dim_weights is not None:
                 raise ValueError("dim_weights needs dims (the prefix widths they weight)")
             return None
         dims, weights = _checked_prefixes(dims, dim_weights)
-        if dtype is not None:
+        if embeddings is not None:
             for i, weight in enumerate(weights):
-                check_weight_fits(f"dim_weights[{i}]", weight, dtype)
+                check_weight_fits(f"dim_weights[{i}]", weight, embeddings.dtype)
         order = sorted(range(len(dims)), key=dims.__getitem__)
         return Nested(check_dims(tuple(dims[i] for i in order), width, even), (tuple(weights[i] for i in order),))
     layer_weights = _numpy_as_list(layer_weights)
@@ -580,10 +581,10 @@ def check_nested(dims: Dims | None, dim_weights: DimWeights | None, width: int, 
                               f"layer_weights[{layer}]" for i in range(len(dims))])
         order = sorted(range(len(dims)), key=dims.__getitem__)
         dims = check_dims(tuple(dims[i] for i in order), width, even)
-    if dtype is not None:
+    if embeddings is not None:
         for row, row_names in zip(table, names):
             for weight, name in zip(row, row_names):
-                check_weight_fits(name, weight, dtype)
+                check_weight_fits(name, weight, embeddings.dtype)
     return Nested(dims, tuple(tuple(row[i] for i in order) for row in table), stacked=True)
 
 
@@ -847,7 +848,7 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
                          false_negative_strategy=false_negative_strategy, similarity=similarity) if sharing else None)
     if nested is None:
         nested = check_nested(dims, dim_weights, queries.shape[-1], layer_weights=layer_weights, layers=layers,
-                              dtype=queries.dtype)
+                              embeddings=queries)
     elif nested.dims is not None:
         check_dims(nested.dims, queries.shape[-1])
     return MultipleNegativesCall(queries, positives, list(negatives), scale, directions, partition_mode,

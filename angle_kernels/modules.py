@@ -159,13 +159,13 @@ class AngleLoss(nn.Module):
         self.dims, self.dim_weights = dims, dim_weights
         self.backend = check_backend(backend)  # here, not at the first training step
 
-    def _nested(self, width: int, dtype: torch.dtype, angle_w: float, layer_weights: LayerWeights | None,
+    def _nested(self, width: int, embeddings: torch.Tensor, angle_w: float, layer_weights: LayerWeights | None,
                 layers: int | None) -> Nested | None:
         """The dims and layer weights of a call; the prefixes must have even widths where the angle term splits
         them in halves (angle_w > 0, formats A and C: format B has no angle term)."""
         return check_nested(self.dims, self.dim_weights, width,
                             even=computes_angle_term(angle_w, self.dataset_format),
-                            layer_weights=layer_weights, layers=layers, dtype=dtype)
+                            layer_weights=layer_weights, layers=layers, embeddings=embeddings)
 
     def extra_repr(self) -> str:
         return (
@@ -224,7 +224,7 @@ class AngleLoss(nn.Module):
             check_choice("angle_pooling_strategy", settings.angle_pooling_strategy, POOLING_STRATEGIES)
             check_angle_dim(first.shape[-1], "outputs")
         ops = resolve_backend(self.backend, outputs)
-        nested = self._nested(first.shape[1], first.dtype, settings.angle_w, layer_weights, layers)
+        nested = self._nested(first.shape[1], first, settings.angle_w, layer_weights, layers)
         # outputs is checked whole above, so the formulas are called rather than the public functions, which would
         # scan the same rows for NaN/Inf again (one more device sync per step)
         if self.dataset_format == "A":
@@ -332,7 +332,7 @@ class ArcCSELoss(nn.Module):
         check_two_views(*first[:2])
         ops = resolve_backend(self.backend, h1)
         nested = check_nested(self.dims, self.dim_weights, first[0].shape[1], layer_weights=layer_weights,
-                              layers=layers, dtype=h1.dtype)
+                              layers=layers, embeddings=h1)
         # read and checked at each call, as AngleLoss's settings: an attribute set after construction takes effect
         margin_radians, tau = check_arccon_options(self.margin_degrees, self.tau)
         triplet_weight = _check_triplet_weight(self.triplet_weight)

@@ -71,7 +71,7 @@ def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *
     layers, (first,) = check_layer_stack(layer_weights, ("y_pred", y_pred))
     labels = check_zigzag(y_true, first)
     nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers,
-                          dtype=first.dtype)
+                          embeddings=first)
     ops = resolve_backend(backend, y_pred)
     return ranking_terms(ops, as_pairs(y_pred), labels[0::2], cosine_tau=tau, nested=nested)[0]
 
@@ -110,7 +110,7 @@ def angle_loss(
     labels = check_zigzag(y_true, first)
     check_angle_dim(first.shape[1])
     nested = check_nested(dims, dim_weights, first.shape[1], even=True, layer_weights=layer_weights, layers=layers,
-                          dtype=first.dtype)
+                          embeddings=first)
     ops = resolve_backend(backend, y_pred)
     return ranking_terms(ops, as_pairs(y_pred), labels[0::2], angle_tau=tau,
                                pooling_strategy=pooling_strategy, nested=nested)[1]
@@ -156,7 +156,7 @@ def in_batch_negative_loss(
     check_binary_labels("y_true", labels, "in_batch_negative_loss")
     group_ids = check_group_ids(group_ids, first.shape[0], first)
     nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers,
-                          dtype=first.dtype)
+                          embeddings=first)
     return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids, nested=nested)
 
 
@@ -195,7 +195,7 @@ def contrastive_with_negative_loss(
         raise ValueError(f"pos must have at least text's {first[0].shape[0]} rows (pos[i] is text[i]'s positive), got "
                          f"shape {tuple(first[1].shape)}")
     nested = check_nested(dims, dim_weights, text.shape[-1], layer_weights=layer_weights, layers=layers,
-                          dtype=text.dtype)
+                          embeddings=text)
     candidates = pos if neg is None else torch.cat((pos, neg.to(pos.dtype)), dim=-2)
     return contrastive(resolve_backend(backend, text), text, candidates, tau, nested)
 

@@ -66,7 +66,7 @@ def arccon_loss(
     layers, first = check_layer_stack(layer_weights, ("h1", h1), ("h2", h2))
     check_two_views(*first)
     nested = check_nested(dims, dim_weights, h1.shape[-1], layer_weights=layer_weights, layers=layers,
-                          dtype=h1.dtype)
+                          embeddings=h1)
     return arccon(resolve_backend(backend, h1), h1, h2, margin, tau, nested)
 
 
@@ -100,7 +100,7 @@ def triplet_loss(
     check_triplets(*first)
     check_margin_fits("margin", margin, rows=first[0].shape[0], dtype=anchor.dtype)
     nested = check_nested(dims, dim_weights, anchor.shape[-1], layer_weights=layer_weights, layers=layers,
-                          dtype=anchor.dtype)
+                          embeddings=anchor)
     return triplet(resolve_backend(backend, anchor), anchor, weak, strong, margin, nested)
 
 
