@@ -174,6 +174,10 @@ class PrecomputedEmbeddings(nn.Module):
         """Unknown until the embeddings arrive (MatryoshkaLoss asks, to check its dims; None skips the check)."""
         return None
 
+    def _get_untruncated_embedding_dimension(self) -> None:
+        """What sentence-transformers >= 6.3's MatryoshkaLoss asks instead (the width before any truncate_dim)."""
+        return None
+
 
 def columns(*embeddings: torch.Tensor) -> list[dict]:
     """One feature dict per input column, as PrecomputedEmbeddings expects."""

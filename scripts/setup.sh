@@ -14,6 +14,11 @@ PYTHON=${PYTHON:-python3}
 VENV=${ANGLE_VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 NUMPY_SPEC=${NUMPY_SPEC:-numpy}
+# The sentence-transformers release the drop-ins are tested against (the package itself takes any >= 5). Pinned, as
+# angle-emb is below: a new release can change what a loss computes (6.3 changed GIST's self-negatives and batch-hard
+# triplet distances), and the suite compares against whatever is installed, so taking a new one is a change of its
+# own, made with the suite's run. SENTENCE_TRANSFORMERS_SPEC="sentence-transformers" takes the newest.
+SENTENCE_TRANSFORMERS_SPEC=${SENTENCE_TRANSFORMERS_SPEC:-sentence-transformers==6.3.0}
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
@@ -27,7 +32,8 @@ python -m pip install -q "$TORCH_SPEC" "$NUMPY_SPEC"
 # Everything after torch and numpy is installed under a constraint that keeps the torch and numpy just chosen.
 python -c 'import numpy, torch; print(f"torch=={torch.__version__}\nnumpy=={numpy.__version__}")' \
   > "$VENV/torch-constraint.txt"
-python -m pip install -q -c "$VENV/torch-constraint.txt" --no-build-isolation -e ".[train,bench,test,tracking]"
+python -m pip install -q -c "$VENV/torch-constraint.txt" --no-build-isolation -e ".[train,bench,test,tracking]" \
+  "$SENTENCE_TRANSFORMERS_SPEC"
 
 # angle-emb 0.6.1 is the reference the tests compare against. It pins old transformers/peft/bitsandbytes,
 # so it goes in without its dependencies; its package import needs the few listed here. The tests load its

@@ -285,26 +285,46 @@ def test_gist_on_every_backend_against_the_oracle(backend, name, dtype):
         f"gist {name} on {backend.name}", device=backend.device)
 
 
-def test_gist_with_a_negative_margin_keeps_each_anchors_own_column(backend):
-    """A negative margin lifts the filter's threshold to g_i + |margin|; where that reaches 1, each anchor's own
-    column of the anchor-anchor block (guide similarity 1) stays in its partition, as in sentence-transformers:
-    only the target column is exempt from the filter, the own column is filtered by the rule like any other."""
+@pytest.mark.parametrize("block", ["anchors", "positives"])
+def test_gist_leaves_each_rows_own_column_out_unless_self_negatives(backend, block):
+    """A negative margin lifts the filter's threshold to g_i + |margin|; where that reaches 1, the filter keeps row
+    i's own column of the anchor-anchor (positive-positive) block, whose guide similarity is 1. sentence-transformers
+    6.3 leaves it out regardless, as gist_loss does by default; self_negatives=True keeps it subject to the filter,
+    as sentence-transformers before 6.3 did (its logit, cos 1 / temperature = 20, then in the partition)."""
     skip_unless_implemented(backend, "similarity_lse")
     gen = torch.Generator().manual_seed(0)
     anchors, positives = (torch.randn(6, 16, generator=gen, dtype=torch.float64) for _ in range(2))
     guide_anchors = torch.randn(6, 8, generator=gen, dtype=torch.float64)
     guide_positives = guide_anchors + 0.3 * torch.randn(6, 8, generator=gen, dtype=torch.float64)  # g ~ 0.95
-    options = dict(temperature=0.05, contrast_anchors=True, contrast_positives=False)
+    options = dict(temperature=0.05, margin=-0.5, contrast_anchors=block == "anchors",
+                   contrast_positives=block == "positives")
     values = {}
-    for margin in (0.0, -0.5):
-        values[margin] = float(oracle.gist_loss(anchors, positives, guide_anchors, guide_positives, margin=margin,
-                                                **options))
+    for self_negatives in (False, True):
+        values[self_negatives] = float(oracle.gist_loss(anchors, positives, guide_anchors, guide_positives,
+                                                        self_negatives=self_negatives, **options))
         check_against_oracle(
             lambda a, p: ak.gist_loss(a, p, guide_anchors.to(backend.device), guide_positives.to(backend.device),
-                                      margin=margin, backend=backend.name, **options),
-            lambda a, p: oracle.gist_loss(a, p, guide_anchors, guide_positives, margin=margin, **options),
-            [anchors, positives], f"gist margin {margin} on {backend.name}", device=backend.device)
-    assert values[-0.5] > values[0.0] + 1.0  # each anchor's own column (cos 1, logit 20) is in the partition
+                                      self_negatives=self_negatives, backend=backend.name, **options),
+            lambda a, p: oracle.gist_loss(a, p, guide_anchors, guide_positives, self_negatives=self_negatives,
+                                          **options),
+            [anchors, positives], f"gist self_negatives={self_negatives} on {backend.name}", device=backend.device)
+    assert values[True] > values[False] + 1.0  # each row's own column (logit 20) in the partition
+
+
+def test_the_oracles_gist_leaves_out_exactly_the_own_columns():
+    """oracle.gist_loss without self_negatives is the one with them, minus the diagonal of the anchor-anchor and
+    positive-positive blocks: the own columns dropped by hand from the oracle's logits with self_negatives."""
+    gen = torch.Generator().manual_seed(1)
+    a, p = (torch.randn(5, 12, generator=gen, dtype=torch.float64) for _ in range(2))
+    unit_a, unit_p = torch.nn.functional.normalize(a, dim=1), torch.nn.functional.normalize(p, dim=1)
+    eye = torch.eye(5, dtype=torch.bool)
+    by_hand = torch.cat([unit_a @ unit_p.T, (unit_a @ unit_a.T).masked_fill(eye, -math.inf),
+                         (unit_p @ unit_p.T).masked_fill(eye, -math.inf)], dim=1) / 0.05
+    expected = torch.nn.functional.cross_entropy(by_hand, torch.arange(5))  # margin -10: the filter drops nothing
+    got = oracle.gist_loss(a, p, a, p, temperature=0.05, margin=-10.0)
+    assert oracle.rel_err(got, expected) < 1e-14
+    kept = oracle.gist_loss(a, p, a, p, temperature=0.05, margin=-10.0, self_negatives=True)
+    assert float(kept) > float(got) + 1.0
 
 
 @pytest.mark.parametrize("rows", [BACKEND_ROWS, INTERPRETED_ROWS])
@@ -393,7 +413,7 @@ def test_the_filter_keeps_a_duplicate_of_the_positive(dtype, similarity):
 
 
 def _sentence_transformers_gist(a, p, guide_a, guide_p, temperature):
-    """sentence-transformers 6.2's GISTEmbedLoss (absolute margin 0), in float64."""
+    """sentence-transformers' GISTEmbedLoss (absolute margin 0: the filter drops each row's own column), in float64."""
     a, p, guide_a, guide_p = (torch.nn.functional.normalize(t.double(), dim=1) for t in (a, p, guide_a, guide_p))
     guide_ap = guide_a @ guide_p.T
     threshold = guide_ap.diagonal()[:, None]

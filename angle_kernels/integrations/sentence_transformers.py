@@ -61,6 +61,10 @@ for exact ties: a copy of row i's positive elsewhere in the batch has the positi
 which the parents' `>` keeps, and here the threshold (a pair score) and the column (a tile of products) round a few ulps
 apart, so without it the copy's fate would be the rounding's. So a margin must exceed 2^-16 to drop exact
 duplicates.
+
+Where sentence-transformers releases compute a loss differently, the drop-ins compute what the installed one does:
+6.3 leaves row i's own anchor (positive) out of GIST's anchor-anchor (positive-positive) block, where earlier releases
+left it to the guide's filter, which keeps it when the threshold reaches 1 (a negative margin).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import random
+import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -91,6 +96,7 @@ try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still w
     from sentence_transformers.sentence_transformer import losses as _st_losses
 except ImportError:  # pragma: no cover - older sentence-transformers
     from sentence_transformers import losses as _st_losses
+from sentence_transformers import __version__ as _st_version
 from sentence_transformers import util as _st_util
 
 if TYPE_CHECKING:  # for the annotations only
@@ -116,6 +122,11 @@ __all__ = [
     "AdaptiveLayerLoss",
     "Matryoshka2dLoss",
 ]
+
+# sentence-transformers 6.3 leaves row i's own anchor (positive) out of GIST's anchor-anchor (positive-positive) block;
+# before, the guide's filter decided, and kept it where the threshold was at least 1 (a negative margin): the drop-ins
+# compute what the installed parent computes (gist_loss's self_negatives)
+_PARENT_GIST_SELF_NEGATIVES = tuple(int(part) for part in re.findall(r"\d+", _st_version)[:2]) < (6, 3)
 
 _DIRECTIONS = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
 _HARDNESS = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]
@@ -646,6 +657,7 @@ def _gist_options(loss: torch.nn.Module) -> dict[str, Any]:
     # the parent reads its flags by truth value (`if self.contrast_anchors:`): 0, 1 and numpy's bools work there too
     return dict(temperature=loss.temperature, margin_strategy=loss.margin_strategy, margin=loss.margin,
                 contrast_anchors=bool(loss.contrast_anchors), contrast_positives=bool(loss.contrast_positives),
+                self_negatives=_PARENT_GIST_SELF_NEGATIVES,
                 gather_across_devices=bool(getattr(loss, "gather_across_devices", False)), backend=loss.backend)
 
 

@@ -1,4 +1,4 @@
-"""The retrieval losses (sentence-transformers 6.2's MultipleNegativesRankingLoss and GISTEmbedLoss), from the
+"""The retrieval losses (sentence-transformers 6.3's MultipleNegativesRankingLoss and GISTEmbedLoss), from the
 public functions to the op calls.
 
     multiple_negatives_ranking_loss   InfoNCE with in-batch negatives, every option (`multiple_negatives`: the
@@ -65,7 +65,7 @@ def multiple_negatives_ranking_loss(
     layer_weights: LayerWeights | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """InfoNCE with in-batch negatives, every option of sentence-transformers 6.2's MultipleNegativesRankingLoss
+    """InfoNCE with in-batch negatives, every option of sentence-transformers 6.3's MultipleNegativesRankingLoss
     (same values and gradients), plus a false-negative filter, without any B x B score matrix.
 
     Row i scores its query against the documents [positives; negatives[0]; negatives[1]; ...] (logits
@@ -122,19 +122,24 @@ def gist_loss(
     margin: float = 0.0,
     contrast_anchors: bool = True,
     contrast_positives: bool = True,
+    self_negatives: bool = False,
     gather_across_devices: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """GISTEmbed (Solatorio, 2024) as sentence-transformers 6.2's GISTEmbedLoss computes it: InfoNCE whose
+    """GISTEmbed (Solatorio, 2024) as sentence-transformers 6.3's GISTEmbedLoss computes it: InfoNCE whose
     in-batch negatives are filtered by a guide model, without any B x B score matrix.
 
     Row i's logits (cos / temperature) are anchor i against every positive (its own, column i, is the target),
-    plus, with contrast_anchors, against every anchor, with contrast_positives, positive i against every
-    positive, and anchor i against each negative column. A column leaves row i's partition function when its
-    guide similarity exceeds the guide's anchor-positive similarity g_i minus the margin ("absolute": g_i -
-    margin; "relative": g_i - |g_i| * margin) by more than 2^-16 (contract.FILTER_TIE_ALLOWANCE: a column tied with
-    it in exact arithmetic, a copy of the positive at margin 0, stays whatever the rounding; sentence-transformers
-    drops every column above it, however little); the target column always stays. The guide's embeddings
+    plus, with contrast_anchors, against every other anchor, with contrast_positives, positive i against every
+    other positive, and anchor i against each negative column. self_negatives=True keeps anchor i's own anchor
+    and positive i's own positive in those two blocks, subject to the filter like any column, as
+    sentence-transformers did before 6.3 (the filter drops them unless the threshold is at least 1, e.g. with a
+    negative margin; kept, their constant logit 1 / temperature only flattens the row's gradient). A column
+    leaves row i's partition function when its guide similarity exceeds the guide's anchor-positive similarity
+    g_i minus the margin ("absolute": g_i - margin; "relative": g_i - |g_i| * margin) by more than 2^-16
+    (contract.FILTER_TIE_ALLOWANCE: a column tied with it in exact arithmetic, a copy of the positive at margin 0,
+    stays whatever the rounding; sentence-transformers drops every column above it, however little); the target
+    column always stays. The guide's embeddings
     (guide_anchors, guide_positives, guide_negatives: same rows, any width) carry no gradient.
     gather_across_devices: with torch.distributed initialised, the positives and negatives (and their guide
     embeddings) come from every rank; the anchors stay local, as in sentence-transformers.
@@ -153,6 +158,7 @@ def gist_loss(
         check_choice("margin_strategy", margin_strategy, MARGIN_STRATEGIES)
         contrast_anchors = check_flag("contrast_anchors", contrast_anchors)
         contrast_positives = check_flag("contrast_positives", contrast_positives)
+        self_negatives = check_flag("self_negatives", self_negatives)
         gather_across_devices = check_flag("gather_across_devices", gather_across_devices)
         negatives = check_columns("negatives", negatives)
         guide_negatives = check_columns("guide_negatives", guide_negatives)
@@ -189,14 +195,16 @@ def gist_loss(
             everything = all_gather_many_with_grad(
                 named + [(name, t.detach()) for name, t in guide_named], local_check=check_this_ranks,
                 options=dict(loss="gist_loss", temperature=temperature, margin_strategy=margin_strategy, margin=margin,
-                             contrast_anchors=contrast_anchors, contrast_positives=contrast_positives))
+                             contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
+                             self_negatives=self_negatives))
             model_side, guide_side = everything[:len(named)], everything[len(named):]
             gathered = (rank, model_side[0], model_side[1:], guide_side[0], guide_side[1:])
         else:
             check_this_ranks()
     return gist(resolve_backend(backend, anchors), anchors, positives, negatives, guide_anchors.detach(),
-                      guide_positives.detach(), [t.detach() for t in guide_negatives], temperature, margin_strategy,
-                      margin, contrast_anchors, contrast_positives, gathered)
+                guide_positives.detach(), [t.detach() for t in guide_negatives], temperature=temperature,
+                margin_strategy=margin_strategy, margin=margin, contrast_anchors=contrast_anchors,
+                contrast_positives=contrast_positives, self_negatives=self_negatives, gathered=gathered)
 
 
 # The formulas
@@ -411,7 +419,7 @@ def multiple_negatives_rows(ops: Ops, queries: torch.Tensor, positives: torch.Te
 def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: list[torch.Tensor],
          guide_anchors: torch.Tensor, guide_positives: torch.Tensor, guide_negatives: list[torch.Tensor],
          temperature: float, margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
-         contrast_positives: bool = True, gathered: tuple | None = None) -> torch.Tensor:
+         contrast_positives: bool = True, self_negatives: bool = False, gathered: tuple | None = None) -> torch.Tensor:
     """sentence-transformers' GISTEmbedLoss on checked inputs (see gist_loss). gathered: None, or (rank, all
     positives, all negatives, all guide positives, all guide negatives) from every rank (the anchors stay
     local, as in sentence-transformers)."""
@@ -425,19 +433,21 @@ def gist(ops: Ops, anchors: torch.Tensor, positives: torch.Tensor, negatives: li
     guide_positive = positive_scores(ops, guide_anchors, guide_positives)
     threshold = margin_threshold(guide_positive, margin_strategy, margin)
 
-    def block(rows, columns, guide_rows, guide_columns, exclude="none"):
-        """The log partition of a block relative to the positive logit."""
-        return ops.similarity_lse(rows, columns.to(rows.dtype), scale, target_offset=rank * rows.shape[0],
+    def block(rows, columns, guide_rows, guide_columns, exclude="none", target_offset=rank * anchors.shape[0]):
+        """The log partition of a block relative to the positive logit; row i's target column: target_offset + i
+        (this rank's rows among gathered columns; a local block's from 0)."""
+        return ops.similarity_lse(rows, columns.to(rows.dtype), scale, target_offset=target_offset,
                                   exclude=exclude, filter_q=guide_rows,
                                   filter_c=guide_columns.to(guide_rows.dtype),
                                   filter_threshold=threshold) - scale * cos_positive
 
     # the positive (the anchor-positive block's target, which the filter never drops) is left out and added back
     log_partitions = [block(anchors, all_positives, guide_anchors, all_guide_positives, exclude="target")]
-    if contrast_anchors:
-        log_partitions.append(block(anchors, anchors, guide_anchors, guide_anchors))
+    own = "none" if self_negatives else "target"  # row i's own anchor (positive) among the anchors (positives)
+    if contrast_anchors:  # the anchors are never gathered: anchor i is column i
+        log_partitions.append(block(anchors, anchors, guide_anchors, guide_anchors, exclude=own, target_offset=0))
     if contrast_positives:
-        log_partitions.append(block(positives, all_positives, guide_positives, all_guide_positives))
+        log_partitions.append(block(positives, all_positives, guide_positives, all_guide_positives, exclude=own))
     for negative, guide_negative in zip(all_negatives, all_guide_negatives):
         log_partitions.append(block(anchors, negative, guide_anchors, guide_negative))
     return loss_over_the_positive(log_partitions, [True] + [False] * (len(log_partitions) - 1), joint=True).mean()

@@ -211,7 +211,7 @@ def multiple_negatives_ranking_loss(
     similarity: str = "cosine",
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """sentence-transformers 6.2's MultipleNegativesRankingLoss (one process), from the full score blocks, plus
+    """sentence-transformers 6.3's MultipleNegativesRankingLoss (one process), from the full score blocks, plus
     the package's false-negative filter: in every block, a column whose cosine with the row's anchor exceeds
     t_i = c_i - margin ("absolute") or c_i - |c_i| * margin ("relative"), c_i = cos(q_i, p_i), is dropped,
     except the row's positive pair (column i of query_to_doc and of doc_to_query). similarity="dot": every
@@ -256,27 +256,29 @@ def multiple_negatives_ranking_loss(
 
 def gist_loss(anchors, positives, guide_anchors, guide_positives, negatives=(), guide_negatives=(),
               temperature: float = 0.01, margin_strategy: str = "absolute", margin: float = 0.0,
-              contrast_anchors: bool = True, contrast_positives: bool = True) -> torch.Tensor:
+              contrast_anchors: bool = True, contrast_positives: bool = True,
+              self_negatives: bool = False) -> torch.Tensor:
     """GISTEmbed (one process), from the full score blocks: anchor-positive, anchor-anchor, positive-positive
     and anchor-negative cosines / temperature; a column whose guide cosine exceeds g_i - margin ("absolute")
     or g_i - |g_i| * margin ("relative"), g_i the guide's anchor-positive cosine, is dropped, except the
-    anchor-positive target; cross-entropy with target column i of the first block."""
+    anchor-positive target; the diagonal of the anchor-anchor and positive-positive blocks (a row against its own
+    copy) is dropped too unless self_negatives; cross-entropy with target column i of the first block."""
     a, p = in_compute_dtype(anchors), in_compute_dtype(positives)
     ga, gp = in_compute_dtype(guide_anchors.detach()), in_compute_dtype(guide_positives.detach())
     threshold = margin_threshold(cosine(ga, gp), margin_strategy, margin)
-    target = torch.eye(a.shape[0]) > 0
-    pairs = [(a, p, ga, gp, target)]
+    diagonal = torch.eye(a.shape[0], dtype=torch.bool, device=a.device)
+    nothing = torch.zeros_like(diagonal)
+    own = nothing if self_negatives else diagonal
+    pairs = [(a, p, ga, gp, diagonal, nothing)]  # (..., always kept, always dropped)
     if contrast_anchors:
-        pairs.append((a, a, ga, ga, None))
+        pairs.append((a, a, ga, ga, nothing, own))
     if contrast_positives:
-        pairs.append((p, p, gp, gp, None))
+        pairs.append((p, p, gp, gp, nothing, own))
     for n, gn in zip(negatives, guide_negatives):
-        pairs.append((a, in_compute_dtype(n), ga, in_compute_dtype(gn.detach()), None))
+        pairs.append((a, in_compute_dtype(n), ga, in_compute_dtype(gn.detach()), nothing, nothing))
     blocks = []
-    for rows, columns, guide_rows, guide_columns, kept in pairs:
-        drop = cosine_matrix(guide_rows, guide_columns) > threshold[:, None]
-        if kept is not None:
-            drop = drop & ~kept
+    for rows, columns, guide_rows, guide_columns, kept, dropped in pairs:
+        drop = ((cosine_matrix(guide_rows, guide_columns) > threshold[:, None]) & ~kept) | dropped
         blocks.append((cosine_matrix(rows, columns) / temperature).masked_fill(drop, -math.inf))
     logits = torch.cat(blocks, dim=1)
     return (torch.logsumexp(logits, dim=1) - cosine(a, p) / temperature).mean()

@@ -16,7 +16,8 @@ runs every case, then writes what it got. The tests then check, per case and ran
   give sentence-transformers' loss of the same class run in the same processes with gather_across_devices=
   True, value and gradients of the rank's anchors, positives and negatives, to a relative 1e-10; the guide
   removes, on every rank, some columns of other ranks (planted near-duplicates), so the filter is exercised
-  across ranks;
+  across ranks; in one case (a negative margin) it keeps, on every rank, some rows' own anchor and positive
+  columns, which the installed parent's rule (sentence-transformers >= 6.3 leaves them out) then decides;
 * GIST without contrast_anchors: the one-process check above, against sentence-transformers' loss. With
   contrast_anchors it does not hold: the anchors are not gathered, so a rank's anchor-anchor block holds its
   own anchors only (in sentence-transformers as here);
@@ -84,6 +85,9 @@ GIST_CASES = {
     "gist_absolute_negative": ({"margin": 0.05, "contrast_positives": False, "temperature": 0.02}, 1),
     "gist_two_negatives": ({"margin_strategy": "relative", "margin": -0.05, "contrast_anchors": False,
                             "contrast_positives": False, "temperature": 0.05}, 2),
+    # the threshold reaches 1 on some rows of every rank: the filter keeps their own anchor and positive columns,
+    # which sentence-transformers >= 6.3 leaves out (the anchor-anchor block's local, the positive-positive's gathered)
+    "gist_own_columns": ({"margin": -0.15, "temperature": 0.05}, 0),
 }
 
 # The score-matrix check: B rows per rank, queries, positives and one negative column; the torch backend's
@@ -164,6 +168,18 @@ def removed_from_other_ranks(world: int, case: str) -> list[int]:
     other_rank = owner[:, None] != owner[None, :]  # never a row's own positive
     removed = sum((block > threshold) & other_rank for block in blocks)
     return [int(removed[owner == rank].sum()) for rank in range(world)]
+
+
+def rows_keeping_their_own_columns(world: int, case: str) -> list[int]:
+    """Per rank: how many of its rows have a threshold of at least 1, so that the guide's filter keeps their own
+    column of the anchor-anchor and positive-positive blocks (guide similarity 1); only self_negatives decides."""
+    options, negatives = GIST_CASES[case]
+    unit = [torch.nn.functional.normalize(g, dim=1) for g in gist_batch(world, negatives)[1]]
+    g = (unit[0] * unit[1]).sum(1)
+    margin = options.get("margin", 0.0)
+    threshold = g - g.abs() * margin if options.get("margin_strategy") == "relative" else g - margin
+    owner = torch.arange(world * ROWS) // ROWS
+    return [int((threshold[owner == rank] >= 1).sum()) for rank in range(world)]
 
 
 def _tokenizer():
@@ -265,7 +281,8 @@ def _rank_gist(rank: int, world: int) -> dict:
         model, guide = ([c[rank * ROWS:(rank + 1) * ROWS] for c in side] for side in gist_batch(world, negatives))
         leaves = [c.clone().requires_grad_(True) for c in model]
         value = ak_functional.gist_loss(leaves[0], leaves[1], guide[0], guide[1], leaves[2:], guide[2:],
-                                        gather_across_devices=True, **options)
+                                        self_negatives=ours._PARENT_GIST_SELF_NEGATIVES, gather_across_devices=True,
+                                        **options)
         value.backward()
         class_name, extra = gist_class(negatives)
         losses = {label: getattr(module, class_name)(given("x", tokenizer), given("g", tokenizer),
@@ -480,8 +497,11 @@ def test_ranks_together_equal_one_process_on_the_whole_batch(ranks, case):
 def test_gist_same_loss_and_embedding_gradients_as_sentence_transformers_on_every_rank(ranks, case):
     world, results = ranks
     removed = removed_from_other_ranks(world, case)
+    own_kept = rows_keeping_their_own_columns(world, case)
     for rank, result in enumerate(results):
         assert removed[rank] > 0, f"rank {rank}: the guide removes no column of another rank"
+        if case == "gist_own_columns":
+            assert own_kept[rank] > 0, f"rank {rank}: the filter drops every row's own column"
         got = result["gist"][case]
         assert got["parent_calls"] == 0 and got["fused_calls"] > 0, "the drop-in did not run fused"
         ref_value, ref_grads = got["parent"]
