@@ -3,7 +3,9 @@ stop, the output folder's lock, its config.json, profile.json and curves.png; an
 angle-eval's --json results): written beside their place and swapped in, so that a reader, a kill or a power
 loss finds the old contents or the new ones, never half a file, and a write that fails leaves nothing behind.
 Folders written whole (a checkpoint, best/, final/) are made durable the same way before they are renamed into
-place (sync_tree) and after (sync_folder of their parent): checkpoint._swap_in.
+place (sync_tree) and after (sync_folder of their parent): checkpoint._swap_in. A folder a run creates to rename into
+(checkpoints/, set-aside/) is made durable in its parent (made_folder), and the folders a move or a deletion changes
+are synced after it (checkpoint.set_aside_later_line, checkpoint.remove_earlier_run).
 """
 
 from __future__ import annotations
@@ -77,6 +79,19 @@ def _sync_file(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def made_folder(path: str) -> None:
+    """Create the folder `path` and its missing parents (as os.makedirs with exist_ok), then sync the parent of each
+    folder created (POSIX), so that a power loss keeps the new folders too: a rename into a new folder, synced in it
+    (sync_folder), is lost with the folder where the folder's own entry in its parent never reached the disk."""
+    created, missing = [], os.path.abspath(path)
+    while not os.path.isdir(missing):
+        created.append(missing)
+        missing = os.path.dirname(missing)
+    os.makedirs(path, exist_ok=True)
+    for folder in created:  # the deepest first: its parent is among those created, or the folder that was there
+        sync_folder(os.path.dirname(folder))
 
 
 def sync_folder(folder: str) -> None:

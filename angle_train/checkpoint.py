@@ -75,7 +75,7 @@ import numpy
 import torch
 import transformers
 
-from .atomic_files import sync_folder, sync_tree, written_aside
+from .atomic_files import made_folder, sync_folder, sync_tree, written_aside
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, prompts_of
 from .data import FORMATS, has_no_splits, parse_columns
 from .distributed import DistInfo, all_gather_objects, barrier
@@ -342,12 +342,17 @@ def run_output_holding(path: str, output_dir: str) -> str | None:
 
 
 def remove_earlier_run(output_dir: str) -> None:
-    """--overwrite: delete what an earlier run wrote into output_dir (RUN_OUTPUTS), leaving any other file alone."""
-    for path in run_output_paths(output_dir):
+    """--overwrite: delete what an earlier run wrote into output_dir (RUN_OUTPUTS), leaving any other file alone.
+    The deletions are synced to disk (output_dir, once all are done) before the new run writes a file: otherwise a
+    power loss could bring part of the old run back beside the new one's files (its checkpoints, its metrics)."""
+    removed = [path for path in run_output_paths(output_dir) if os.path.exists(path)]
+    for path in removed:
         if os.path.isdir(path):
             shutil.rmtree(path)
-        elif os.path.exists(path):
+        else:
             os.remove(path)
+    if removed:
+        sync_folder(output_dir)
 
 
 def set_aside_later_line(output_dir: str, step: int) -> str | None:
@@ -371,10 +376,10 @@ def set_aside_later_line(output_dir: str, step: int) -> str | None:
     while os.path.exists(folder):
         copies += 1
         folder = f"{name}-{copies}"
-    os.makedirs(os.path.join(folder, "checkpoints"))
+    made_folder(os.path.join(folder, "checkpoints"))  # set-aside/ too, the first time: each entry synced
     rows = _metrics_rows_after(os.path.join(output_dir, "metrics.jsonl"), step)
-    if rows:
-        with open(os.path.join(folder, "metrics.jsonl"), "wb") as f:
+    if rows:  # on disk before the resumed run drops these rows from its own metrics.jsonl
+        with written_aside(os.path.join(folder, "metrics.jsonl"), binary=True) as f:
             f.writelines(rows)
     later += [path for best_step, path in sorted(_kept_bests(output_dir).items()) if best_step > step]
     for path in later:
@@ -388,6 +393,10 @@ def set_aside_later_line(output_dir: str, step: int) -> str | None:
     if os.path.isdir(os.path.join(output_dir, "final")):  # written at the last step, past this one
         shutil.move(os.path.join(output_dir, "final"), os.path.join(folder, "final"))
         moved.append("final/")
+    # the moves on disk (each folder that lost or gained an entry) before the resumed run writes its first
+    # checkpoint: a power loss must not bring the left line back beside it, nor lose the checkpoints moved
+    for changed in (os.path.join(folder, "checkpoints"), folder, os.path.join(output_dir, "checkpoints"), output_dir):
+        sync_folder(changed)
     print(f"resuming from step {step}: moved what {output_dir} held from later steps ({', '.join(moved)}"
           f"{f', {len(rows)} metrics rows' if rows else ''}) to {folder}, set aside rather than deleted", flush=True)
     return folder
@@ -533,6 +542,7 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
     # process's file is complete before the manifest records them) and stopping together where a write failed
     with _failed_write_cleaned(tmp, cfg.output_dir, dist_info):
         if dist_info.is_main:
+            made_folder(os.path.dirname(tmp))  # checkpoints/ at the first one: on disk, as the renames into it are
             os.makedirs(tmp)
             weights = {} if sharded else {"model": encoder.trainable_state_dict(), "optimizer": optimizer.state_dict()}
             _save_file({**weights, "sharded": sharded, "scheduler": scheduler.state_dict(),

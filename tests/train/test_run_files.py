@@ -6,10 +6,11 @@ damaged last good checkpoint is passed over after a non-finite stop; a manifest 
 final/ or best/ leaves one whole copy, also when it fails midway, and a kill while a kept best goes back to best/
 leaves it for the next resume; a checkpoint, best/ and final/ are synced to disk before their rename and their
 folder after it, before an older copy or checkpoint is removed, by their regular files only; a sync failing after
-the rename reports the checkpoint in place, one failing before it leaves no final.tmp; an empty metrics.jsonl is no
-earlier run), and the small files replaced whole (atomic_files.written_aside: synced, then swapped in, a link
-written through, the permissions kept; a write that fails leaves the previous file and no aside file behind: the
-record of a non-finite stop, the lock a run takes over, the run's config.json)."""
+the rename reports the checkpoint in place, one failing before it leaves no final.tmp; the folders a run creates
+(checkpoints/, set-aside/), moves a line of training between and deletes an earlier run from are synced; an empty
+metrics.jsonl is no earlier run), and the small files replaced whole (atomic_files.written_aside: synced, then
+swapped in, a link written through, the permissions kept; a write that fails leaves the previous file and no aside
+file behind: the record of a non-finite stop, the lock a run takes over, the run's config.json)."""
 
 from __future__ import annotations
 
@@ -377,6 +378,70 @@ def test_a_best_kept_for_a_checkpoint_is_on_disk_before_best_is_replaced(tmp_pat
     checkpoint._keep_best_of_checkpoints(out)
     kept = checkpoint.kept_best_path(out, 4)
     assert calls == [("rename", os.path.join(out, "best"), kept), ("sync", os.path.dirname(kept))]
+
+
+def _synced_folders(calls: list) -> set[str]:
+    return {path for kind, path, *_ in calls if kind == "sync" and os.path.isdir(path)}
+
+
+def test_a_made_folder_is_on_disk_in_its_parent(tmp_path, monkeypatch):
+    """Each folder created has its entry synced (its parent's sync), and a folder already there costs no sync."""
+    root = os.path.realpath(tmp_path)
+    calls = _disk_calls(monkeypatch)
+    atomic_files.made_folder(os.path.join(root, "set-aside", "after-step-00000002", "checkpoints"))
+    made = os.path.join(root, "set-aside", "after-step-00000002")
+    assert calls == [("sync", made), ("sync", os.path.dirname(made)), ("sync", root)]
+    calls.clear()
+    atomic_files.made_folder(made)
+    assert calls == []
+
+
+def test_the_first_checkpoint_makes_its_checkpoints_folder_durable(tmp_path, monkeypatch):
+    """checkpoints/ is created with the first checkpoint: its entry in the output folder is on disk before the
+    checkpoint is renamed into it, or a power loss could leave no checkpoints/ (and so none to resume from)."""
+    out = str(os.path.realpath(tmp_path))
+    save = _checkpoint_saver(out, keep_checkpoints=2)
+    calls = _disk_calls(monkeypatch)
+    first = save(2)
+    assert calls.index(("sync", out)) < calls.index(("rename", first + ".tmp", first))
+    calls.clear()
+    save(4)
+    assert ("sync", out) not in calls  # checkpoints/ is there: only the renames into it are synced
+
+
+def test_a_line_set_aside_is_on_disk_where_it_moved(tmp_path, monkeypatch):
+    """A resume from step 2 moves step-4, final/ and the rows of step 4 into set-aside/after-step-00000002/: the
+    folders that lost or gained an entry and the rows' file are synced, so that a power loss neither brings the left
+    line back beside the resumed one nor loses it."""
+    out = str(os.path.realpath(tmp_path))
+    for name in ("checkpoints/step-00000002", "checkpoints/step-00000004", "final"):
+        os.makedirs(os.path.join(out, name))
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write('{"step": 2, "loss": 1.0}\n{"step": 4, "loss": 0.5}\n')
+    calls = _disk_calls(monkeypatch)
+    folder = checkpoint.set_aside_later_line(out, 2)
+    assert folder == os.path.join(out, "set-aside", "after-step-00000002")
+    assert sorted(os.listdir(folder)) == ["checkpoints", "final", "metrics.jsonl"]
+    assert {out, os.path.join(out, "checkpoints"), os.path.join(out, "set-aside"), folder,
+            os.path.join(folder, "checkpoints")} <= _synced_folders(calls)
+    assert ("sync", os.path.join(folder, "metrics.jsonl.tmp")) in calls  # its rows' contents, before the rename
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        assert f.read() == '{"step": 4, "loss": 0.5}\n'
+
+
+def test_an_overwritten_run_is_deleted_on_disk(tmp_path, monkeypatch):
+    """--overwrite 1: the output folder is synced once everything of the earlier run is removed, and what is no
+    run's output stays."""
+    out = str(os.path.realpath(tmp_path))
+    for name in ("checkpoints/step-00000002", "best", "final.tmp"):
+        os.makedirs(os.path.join(out, name))
+    for name in ("metrics.jsonl", "notes.txt"):
+        with open(os.path.join(out, name), "w") as f:
+            f.write("{}\n")
+    calls = _disk_calls(monkeypatch)
+    checkpoint.remove_earlier_run(out)
+    assert os.listdir(out) == ["notes.txt"]
+    assert calls[-1] == ("sync", out) and calls.count(("sync", out)) == 1
 
 
 def test_an_empty_metrics_file_is_no_earlier_run(tmp_path):
