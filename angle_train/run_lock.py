@@ -136,13 +136,19 @@ class RunLock:
 
     def _take_over(self) -> None:
         """Replace the lock there with this run's record, in one step: no moment without a lock. The record is
-        written beside it under a name of this run's own (its token), which no other run taking over writes to."""
-        with written_aside(self.path, aside=f"{self.path}.{self.token}", encoding="utf-8") as f:
-            json.dump(self.record, f)
+        written beside it under a name of this run's own (its token), which no other run taking over writes to.
+        A take-over that fails leaves no lock of this run's: written_aside raises after its rename too, where the
+        folder cannot be synced, and a run that does not start must not hold the folder. The lock replaced was of a
+        run that is gone, so the folder is left as free as it was."""
+        try:
+            with written_aside(self.path, aside=f"{self.path}.{self.token}", encoding="utf-8") as f:
+                json.dump(self.record, f)
+        except BaseException:
+            self._remove_if_ours()
+            raise
 
-    def release(self) -> None:
-        """Remove the lock if it is still this run's, and the output folder if this run created it and left it
-        empty (a run refused by a later check leaves no trace)."""
+    def _remove_if_ours(self) -> None:
+        """Remove the lock file if it holds this run's record (never another run's)."""
         try:
             with open(self.path, encoding="utf-8") as f:
                 ours = json.load(f).get("token") == self.token
@@ -151,6 +157,11 @@ class RunLock:
         if ours:
             with contextlib.suppress(OSError):
                 os.remove(self.path)
+
+    def release(self) -> None:
+        """Remove the lock if it is still this run's, and the output folder if this run created it and left it
+        empty (a run refused by a later check leaves no trace)."""
+        self._remove_if_ours()
         if self.created_folder:
             with contextlib.suppress(OSError):
                 os.rmdir(self.output_dir)  # only when empty

@@ -10,7 +10,8 @@ the rename reports the checkpoint in place, one failing before it leaves no fina
 (checkpoints/, set-aside/), moves a line of training between and deletes an earlier run from are synced; an empty
 metrics.jsonl is no earlier run), and the small files replaced whole (atomic_files.written_aside: synced, then
 swapped in, a link written through, the permissions kept; a write that fails leaves the previous file and no aside
-file behind: the record of a non-finite stop, the lock a run takes over, the run's config.json)."""
+file behind: the record of a non-finite stop, the lock a run takes over, the run's config.json; a lock taken over
+whose folder cannot be synced is not kept)."""
 
 from __future__ import annotations
 
@@ -579,3 +580,14 @@ def test_a_lock_taken_over_that_cannot_be_written_stays_as_it_was(tmp_path, monk
         run_lock.acquire(str(tmp_path))
     assert os.listdir(tmp_path) == [run_lock.LOCK_FILE]
     assert (tmp_path / run_lock.LOCK_FILE).read_text() == left
+
+
+def test_a_lock_taken_over_whose_rename_cannot_be_synced_is_not_kept(tmp_path, monkeypatch):
+    """An I/O error syncing the folder after the new record was renamed over the gone run's lock: the run does not
+    start, so it holds no lock (its record removed), and the error is raised."""
+    left = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "then"})  # this process's
+    (tmp_path / run_lock.LOCK_FILE).write_text(left)
+    _synced_kinds(monkeypatch, fails_for={"folder": (errno.EIO, "Input/output error")})
+    with pytest.raises(OSError, match="Input/output error"):
+        run_lock.acquire(str(tmp_path))
+    assert os.listdir(tmp_path) == []
