@@ -684,7 +684,7 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     rng_state = read_tensors_and_plain_values(os.path.join(path, _rng_file(dist_info.rank)))
     settings = [dict(group) for group in optimizer.param_groups]  # as this run built them, before loading over them
     if sharded:  # DCP's files, through readers that refuse anything but what DCP writes (sharding.py)
-        load_sharded(path, encoder, optimizer)
+        load_sharded(path, encoder, optimizer, instead=_instead_of_resuming(path))
     else:
         encoder.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -711,6 +711,19 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
         position.resumes.append({"step": position.step,
                                  "changed": ", ".join(shown for shown in (changed_shown, noted_shown) if shown)})
     return position
+
+
+def _instead_of_resuming(path: str) -> str:
+    """What to do instead of resuming from the checkpoint `path` where a file of it cannot be read: resume from the
+    checkpoint of its run before it (a later resume from there sets the later ones aside: set_aside_later_line), where
+    there is one, or start afresh."""
+    name = CHECKPOINT_NAME.fullmatch(os.path.basename(os.path.normpath(path)))
+    run = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    earlier = [done for done in finished_checkpoints(run) if name and _step_of(done) < int(name.group(1))]
+    afresh = "start afresh (--overwrite 1 without --resume, or a new --output-dir)"
+    if earlier:
+        return f"resume from the checkpoint before it (--resume {earlier[-1]}) or {afresh}"
+    return f"no earlier checkpoint of its run is left: {afresh}"
 
 
 # Settings that decide what the checkpoint's weights compute, beyond their names and shapes (_refuse_other_weights):

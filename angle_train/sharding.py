@@ -6,7 +6,8 @@
     full_state_dict(encoder)         the unsharded weights on the main process, in CPU memory, for an export
     save_sharded / load_sharded      every process writes / reads its own shards of the weights and the AdamW
                                      state with torch.distributed.checkpoint (DCP), inside a checkpoint folder (a
-                                     write that fails on any process: an OSError on every process)
+                                     write that fails on any process: an OSError on every process; a file that
+                                     cannot be read on any process: a ValueError naming it, on every process)
     read_dcp_metadata                DCP's .metadata, unpickled admitting only DCP_METADATA_GLOBALS (see Security)
 
 A sharded forward gathers each block's weights from every process, so every embedding pass (training,
@@ -104,36 +105,78 @@ def _write_error(exc: BaseException) -> BaseException:
     an I/O error on any process: DCP gathers each process's errors into one CheckpointException, a BaseException, on
     every process) as an OSError naming that process, which a checkpoint's write handles as its own failed write (the
     partial folder removed, the intact previous checkpoint named); anything else as DCP raised it."""
-    import torch.distributed as dist
-
-    for rank, failure in sorted(exc.failures.items()):
-        error = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback summary)
+    for rank, error in _failures(exc):
         if isinstance(error, OSError):
-            where = f" on process {rank}" if dist.is_available() and dist.is_initialized() else ""
-            return OSError(error.errno, f"{error.strerror or error}{where}")
+            return OSError(error.errno, f"{error.strerror or error}{_on_process(rank)}")
     return exc
 
 
-def load_sharded(folder: str, encoder: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _failures(exc: BaseException) -> list[tuple[int, BaseException]]:
+    """(rank, exception) of each process that failed, by rank, from DCP's CheckpointException."""
+    return [(rank, failure[0] if isinstance(failure, tuple) else failure)  # (exception, traceback summary)
+            for rank, failure in sorted(exc.failures.items())]
+
+
+def _on_process(rank: int) -> str:
+    """' on process RANK' where there are processes to tell apart."""
+    import torch.distributed as dist
+
+    return f" on process {rank}" if dist.is_available() and dist.is_initialized() else ""
+
+
+class _Unreadable(ValueError):
+    """A file of a sharded checkpoint that cannot be read (missing, truncated, corrupted): raised where it is read,
+    gathered by DCP to every process, and turned into load_sharded's error. Only its arguments travel (pickled)."""
+
+    def __init__(self, file: str, why: str):
+        super().__init__(file, why)
+        self.file, self.why = file, why
+
+    def __str__(self) -> str:
+        return f"cannot read {self.file}: {self.why}"
+
+
+def _why_unreadable(exc: BaseException) -> str:
+    """Why a file could not be read, in a few words on one line."""
+    if isinstance(exc, FileNotFoundError):
+        return "it is missing"
+    said = str(exc).strip().split("\n")[0].split(". ")[0]  # torch's zip reader goes on for sentences of advice
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+
+
+def load_sharded(folder: str, encoder: nn.Module, optimizer: torch.optim.Optimizer, *, instead: str) -> None:
     """Read what save_sharded wrote into the sharded encoder and its optimizer (every process calls it). DCP's files
     are read through the restricted readers below: a file holding anything DCP does not write is refused with
-    safe_loading.UnsafeCheckpointError (on every process) before anything in it runs."""
+    safe_loading.UnsafeCheckpointError (on every process) before anything in it runs. A file that cannot be read
+    (missing, truncated, corrupted since the manifest was checked, or a disk error) raises on every process a
+    ValueError naming the folder, the file and why, and saying what to do `instead`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from .safe_loading import UnsafeCheckpointError
 
+    def unreadable(error: _Unreadable, where: str = "") -> ValueError:
+        return ValueError(f"cannot resume from {folder}: its {os.path.basename(error.file)} cannot be read{where} "
+                          f"({error.why}); {instead}")
+
     reader_class, planner_class = _restricted_dcp_classes()
-    reader = reader_class(folder)  # reads .metadata now: a refusal here comes before any collective of dcp.load
+    try:  # reads .metadata now: every process reads it, and a refusal comes before any collective of dcp.load
+        reader = reader_class(folder)
+    except _Unreadable as exc:
+        raise unreadable(exc) from exc
     model_state, optimizer_state = get_state_dict(encoder, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
         dcp.load(state, storage_reader=reader, planner=planner_class(folder))
-    except CheckpointException as exc:  # DCP gathers every process's exception into one; a refusal comes out as itself
-        refused = [error for error, _ in exc.failures.values() if isinstance(error, UnsafeCheckpointError)]
-        if refused:
+    except CheckpointException as exc:  # DCP gathers every process's exception into one, on every process
+        failures = _failures(exc)
+        refused = [error for _, error in failures if isinstance(error, UnsafeCheckpointError)]
+        if refused:  # a refusal comes out as itself
             raise refused[0] from exc
+        for rank, error in failures:
+            if isinstance(error, _Unreadable):
+                raise unreadable(error, _on_process(rank)) from exc
         raise
     set_state_dict(encoder, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
@@ -170,7 +213,8 @@ DCP_METADATA_GLOBALS = {
 def read_dcp_metadata(folder: str, file_name: str = METADATA_FILE):
     """DCP's Metadata from `folder`/.metadata, unpickled admitting only DCP_METADATA_GLOBALS and dtypes, setting
     attributes only on the records the file itself builds, and pointing only at shard files inside the folder:
-    anything else is refused with safe_loading.UnsafeCheckpointError naming the file, before it runs."""
+    anything else is refused with safe_loading.UnsafeCheckpointError naming the file, before it runs. A file missing
+    or not DCP metadata (truncated, corrupted) raises a ValueError naming it (_Unreadable)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -178,13 +222,13 @@ def read_dcp_metadata(folder: str, file_name: str = METADATA_FILE):
 
     file = os.path.join(folder, file_name)
     real_folder = os.path.realpath(folder)
-    with open(file, "rb") as f:
-        try:
+    try:
+        with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-        except _Refused as refused:
-            raise UnsafeCheckpointError(f"refusing to load {file}: {refused}. {UNTRUSTED}") from None
-        except Exception as exc:  # a damaged file: the manifest catches those first
-            raise ValueError(f"cannot read {file}: not DCP metadata ({type(exc).__name__}: {exc})") from None
+    except _Refused as refused:
+        raise UnsafeCheckpointError(f"refusing to load {file}: {refused}. {UNTRUSTED}") from None
+    except Exception as exc:  # missing or damaged: the manifest catches those first, unless they come after its check
+        raise _Unreadable(file, _why_unreadable(exc)) from exc
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise UnsafeCheckpointError(f"refusing to load {file}: it holds a {type(metadata).__name__}, not DCP's "
                                     f"Metadata. {UNTRUSTED}")
@@ -250,7 +294,7 @@ def _restricted_dcp_classes():
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    from .safe_loading import read_tensors_and_plain_values, refusal
+    from .safe_loading import UnsafeCheckpointError, read_tensors_and_plain_values, refusal
 
     class RestrictedReader(FileSystemReader):
         def __init__(self, folder: str):
@@ -270,11 +314,22 @@ def _restricted_dcp_classes():
             return metadata
 
         def read_data(self, plan, planner):
-            try:
-                return super().read_data(plan, planner)
-            except pickle.UnpicklingError as exc:  # a tensor entry that DCP's torch.load(weights_only=True) refused
-                files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
-                raise refusal(" or ".join(os.path.join(self.folder, name) for name in files), exc) from None
+            # file by file (as DCP reads them), so that an error names the file it came from
+            by_file: dict[str, list] = {}
+            for item in plan.items:
+                by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            done = None
+            for name, items in by_file.items():
+                file = os.path.join(self.folder, name)
+                try:
+                    done = super().read_data(dataclasses.replace(plan, items=items), planner)
+                except UnsafeCheckpointError:  # an entry RestrictedPlanner.load_bytes refused
+                    raise
+                except pickle.UnpicklingError as exc:  # a tensor entry that DCP's torch.load(weights_only=True) refused
+                    raise refusal(file, exc) from None
+                except Exception as exc:  # missing, truncated, corrupted, a disk error
+                    raise _Unreadable(file, _why_unreadable(exc)) from exc
+            return done if done is not None else super().read_data(plan, planner)  # nothing to read: DCP's Future
 
     class RestrictedPlanner(DefaultLoadPlanner):
         def __init__(self, folder: str):

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 
@@ -55,6 +56,15 @@ def _rank_main(rank, world, port, out_dir, settings, stop_after, arch="bert"):
                    os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def _rank_records_its_error(rank, world, port, out_dir, settings):
+    """_rank_main, writing what it raised to OUT_DIR/error{rank}.txt: every process's error, not the first one's."""
+    try:
+        _rank_main(rank, world, port, out_dir, settings, stop_after=0)
+    except Exception as exc:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+
+
 def _spawn(out_dir, stop_after=0, arch="bert", **settings):
     start_ranks(_rank_main, (2, free_port(), str(out_dir), settings, stop_after, arch))
     return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(2)]
@@ -97,6 +107,19 @@ def test_fsdp_run_equals_single_process_and_resumes_exactly(tmp_path):
         f.seek(16)
         f.write(b"\x00\x01\x02")
     assert "does not match its checksum" in checkpoint_problem(checkpoint)
+
+    # one truncated after the manifest was checked (written here afresh to match it): every process says so in one
+    # line, naming the checkpoint, the file and the checkpoint to resume from instead (none: it is the first)
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    write_manifest(checkpoint)
+    start_ranks(_rank_records_its_error, (2, free_port(), str(tmp_path / "fsdp"), {"resume": checkpoint}))
+    for rank in range(2):
+        with open(tmp_path / "fsdp" / f"error{rank}.txt") as f:
+            error = f.read()
+        assert re.fullmatch(rf"ValueError: cannot resume from {re.escape(checkpoint)}: its {os.path.basename(shard)} "
+                            r"cannot be read on process \d \(\w+Error[^;\n]*\); no earlier "
+                            r"checkpoint of its run is left: start afresh \(--overwrite 1 without --resume, or a new "
+                            r"--output-dir\)", error), error
 
     # a hostile .metadata (with a manifest rewritten to match) is refused on both processes; its code never runs
     newest = finished_checkpoints(str(tmp_path / "fsdp"))[-1]
@@ -306,6 +329,34 @@ def test_a_full_disk_while_the_shards_are_written_leaves_the_previous_checkpoint
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step-00000002"]
     assert _resume(tmp_path / "run")[0] == Position(step=2, epoch=0, batch=2)
+
+
+@pytest.mark.filterwarnings(f"ignore:{SINGLE_PROCESS_DCP}")
+@pytest.mark.parametrize("damage", ["missing shard", "truncated shard", "missing metadata", "truncated metadata"])
+def test_an_unreadable_dcp_file_is_one_error_naming_it_and_the_checkpoint_before(sharded_run, tmp_path, damage):
+    """A shard file or .metadata missing or truncated after the manifest was checked (a disk error, a copy still under
+    way) stopped a resume with DCP's traceback of every process (or a FileNotFoundError), naming neither the
+    checkpoint nor a way on; now it is one line naming both, with the checkpoint before it to resume from instead."""
+    out, _, _ = sharded_run
+    shutil.copytree(out, tmp_path / "run")
+    previous = finished_checkpoints(str(tmp_path / "run"))[-1]
+    newest = checkpoint_path(str(tmp_path / "run"), 4)
+    shutil.copytree(previous, newest)
+    file = os.path.join(newest, "__0_0.distcp" if damage.endswith("shard") else ".metadata")
+    if damage.startswith("missing"):
+        os.remove(file)
+        why = r"it is missing"
+    else:
+        os.truncate(file, os.path.getsize(file) // 2)
+        why = r"RuntimeError: PytorchStreamReader [^;\n]*" if damage.endswith("shard") else r"UnpicklingError: [^;\n]*"
+    cfg = _config(tmp_path / "run", fsdp=True, resume=newest)
+    with pytest.raises(ValueError) as raised:
+        load_checkpoint(newest, cfg, DistInfo(), **_trainables(cfg, seed=1))
+    assert re.fullmatch(rf"cannot resume from {re.escape(newest)}: its {re.escape(os.path.basename(file))} cannot be "
+                        rf"read \({why}\); resume from the checkpoint before it \(--resume {re.escape(previous)}\) or "
+                        r"start afresh \(--overwrite 1 without --resume, or a new --output-dir\)",
+                        str(raised.value)), str(raised.value)
+    assert not isinstance(raised.value, UnsafeCheckpointError) and raised.value.__cause__ is not None
 
 
 @pytest.mark.filterwarnings(f"ignore:{SINGLE_PROCESS_DCP}")
