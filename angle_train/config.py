@@ -79,8 +79,8 @@ class TrainConfig:
     lora: bool = opt(False, "train LoRA adapters instead of all weights (needs peft)", group="lora")
     lora_r: int = opt(None, f"LoRA rank (default: {LORA_DEFAULTS['lora_r']}; with --lora-path, the adapter's)",
                       group="lora", at_least=1)
-    lora_alpha: int = opt(None, f"LoRA alpha (scale = alpha / r; default: {LORA_DEFAULTS['lora_alpha']}; with "
-                          "--lora-path, the adapter's)", group="lora", above=0)
+    lora_alpha: float = opt(None, f"LoRA alpha, any number > 0 (16.5 too; scale = alpha / r; default: "
+                            f"{LORA_DEFAULTS['lora_alpha']}; with --lora-path, the adapter's)", group="lora", above=0)
     lora_dropout: float = opt(None, f"dropout on the LoRA branch (default: {LORA_DEFAULTS['lora_dropout']}; with "
                               "--lora-path, the adapter's)", group="lora", at_least=0, below=1)
     lora_targets: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
@@ -254,6 +254,9 @@ class TrainConfig:
         self._take_epochs()
         self._validate_kinds()
         self._validate_ranges()
+        # peft's alpha is any positive number: a whole one kept an int, read as written (32, not 32.0) in config.json,
+        # the model card and the adapter_config.json peft writes
+        self.lora_alpha = whole_as_int(self.lora_alpha)
         for name in ("cosine_tau", "ibn_tau", "angle_tau"):  # AngleLoss's own rule (its bound too), the flag named
             try:
                 check_scale(name, getattr(self, name))
@@ -396,8 +399,7 @@ class TrainConfig:
         if adapter.get("peft_type") != "LORA":
             raise ValueError(f"{named}: a {adapter.get('peft_type')} adapter (its {ADAPTER_CONFIG}'s peft_type); "
                              "expected a LoRA one")
-        alpha = adapter["lora_alpha"]
-        settings = {"lora_r": adapter["r"], "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        settings = {"lora_r": adapter["r"], "lora_alpha": whole_as_int(adapter["lora_alpha"]),
                     "lora_dropout": adapter.get("lora_dropout", PEFT_LORA_DROPOUT),
                     "lora_targets": adapted_layer_names(adapter["target_modules"])}
         for name, value in settings.items():
@@ -642,6 +644,12 @@ def checked_setting(f, value):
 def _is_bool(value) -> bool:
     """A Python or numpy boolean, which is never a number here (numpy's bool_ is no int subclass)."""
     return isinstance(value, bool) or type(value).__name__ == "bool_"
+
+
+def whole_as_int(value: float) -> int | float:
+    """A whole number as an int (32.0 -> 32), any other as it is (16.5): shown and written as it reads, whether it came
+    as a flag's float, a config file's int or an adapter's float."""
+    return int(value) if float(value).is_integer() else value
 
 
 def flag_words(name: str, value) -> list[str]:

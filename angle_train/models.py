@@ -115,7 +115,7 @@ class LoraSettings:
     """LoRA hyper-parameters; `target_modules=None` means every linear layer of the base model."""
 
     r: int = 16
-    alpha: int = 32
+    alpha: float = 32  # any positive number (peft's scale is alpha / r)
     dropout: float = 0.05
     target_modules: list[str] | None = None
 

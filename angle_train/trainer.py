@@ -47,7 +47,7 @@ from .checkpoint import (
     save_checkpoint, save_final, set_aside_later_line,
 )
 from .cli_common import resolve_device
-from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags
+from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags, whole_as_int
 from .data import (
     FORMATS, ORDER_VERSION, ROWS_PER_EXAMPLE, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs,
     data_fingerprint, epoch_batches, errors_naming, has_no_splits, holds_one_dataset, load_examples, order_fingerprint,
@@ -1576,7 +1576,9 @@ def lora_description(encoder, adapter_only: bool, *, lora_path: str | None = Non
     where = ("this folder holds the adapter alone" if adapter_only else
              "merged into this folder's weights; the adapter alone is in `adapter/` (peft's files, which "
              "`angle-eval path/adapter` scores on its base model)")
-    return (f"- LoRA: rank {config.r}, alpha {config.lora_alpha:g}, dropout {config.lora_dropout:g} on {targets}"
+    # alpha as peft holds it, whole or not, in full (16.5; 32, not 32.0): the scale the weights were trained at
+    return (f"- LoRA: rank {config.r}, alpha {whole_as_int(config.lora_alpha)}, dropout {config.lora_dropout:g} on "
+            f"{targets}"
             + (f", training continued from the adapter `{lora_path}`" if lora_path else "")
             + (f", the base model's weights frozen in {str(frozen).removeprefix('torch.')}" if frozen else "")
             + f"; {where}")

@@ -260,6 +260,20 @@ def test_the_lora_settings_reach_the_adapters():
     assert layer.scaling["default"] == 4.0 and layer.lora_dropout["default"].p == 0.25
 
 
+def test_a_fractional_lora_alpha_reaches_the_adapters_and_the_model_card_in_full():
+    """A --lora-alpha that is not whole scales the adapters by alpha / r, and the model card's LoRA line gives it in
+    full, as its recorded command does (six significant digits read 20.000001 as 20)."""
+    pytest.importorskip("peft")
+    from angle_train.trainer import lora_description
+
+    tokenizer = prepare_tokenizer(build_tokenizer(), True)
+    backbone = build_backbone("builtin:tiny-llama", len(tokenizer), hidden_size=32, layers=1)
+    encoder = wrap_backbone(backbone, pooling=None, pad_token_id=tokenizer.pad_token_id, is_decoder=True,
+                            lora=LoraSettings(r=4, alpha=20.000001, dropout=0.0, target_modules=["q_proj"]))
+    assert encoder.backbone.base_model.model.layers[0].self_attn.q_proj.scaling["default"] == 20.000001 / 4
+    assert lora_description(encoder, adapter_only=True).startswith("- LoRA: rank 4, alpha 20.000001, dropout 0 on ")
+
+
 def test_an_unknown_autocast_is_refused_when_the_encoder_is_built():
     """autocast takes 'bf16' or 'fp16' (or None): another name is refused at once, not at the first forward pass."""
     from angle_train.models import Encoder

@@ -1,6 +1,7 @@
 """The angle-train command line: --help, booleans, config files, errors."""
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -94,6 +95,9 @@ def test_booleans_parse(argv, expected):
     (["--eval-batch-size", "0"], "--eval-batch-size must be >= 1"), (["--ibn-w", "-1"], "--ibn-w must be >= 0"),
     (["--weight-decay", "nan"], "--weight-decay must be a finite"), (["--triplet-w", "-0.1"], "--triplet-w must be"),
     (["--lora-alpha", "0"], "--lora-alpha must be > 0"), (["--keep-checkpoints", "-1"], "--keep-checkpoints must"),
+    (["--lora", "1", "--lora-alpha", "-0.5"], "--lora-alpha must be > 0; got -0.5"),
+    (["--lora", "1", "--lora-alpha", "nan"], "--lora-alpha must be a finite number; got nan"),
+    (["--lora", "1", "--lora-alpha", "inf"], "--lora-alpha must be a finite number; got inf"),
     (["--false-negative-margin", "nan"], "--false-negative-margin must be a finite number"),
     (["--arccon-tau", "0"], "--arccon-tau"), (["--espresso-dim", "0"], "--espresso-dim must be >= 1"),
     # past float32's range for the logits: the loss's own bound, with the flag named
@@ -138,6 +142,20 @@ def test_the_ends_of_each_range_are_settings():
                             "--triplet-w", "0", "--lora", "1", "--lora-r", "1", "--lora-dropout", "0"])
     assert (cfg.seed, cfg.mask_rates, cfg.lora_r, cfg.lora_dropout) == (2**32 - 1, [0.0, 0.99], 1, 0)
     assert config_from_args(["--batch-size", "1"]).batch_size == 1
+
+
+def test_lora_alpha_takes_any_positive_number_and_a_whole_one_reads_as_written(tmp_path):
+    """--lora-alpha takes what peft's LoraConfig takes (the scale is alpha / r): 16.5 from the flag, 0.5 from a
+    --config file. A whole one stays whole, 48.0 as 48, in the recorded command and config.json (json.dumps of the
+    settings); 32.0 is the default, 32."""
+    cfg = config_from_args(["--lora", "1", "--lora-alpha", "16.5"])
+    assert cfg.lora_alpha == 16.5 and "--lora-alpha 16.5 " in cfg.command_line()
+    settings = tmp_path / "run.yaml"
+    settings.write_text("lora: true\nlora_alpha: 0.5\n")
+    assert config_from_args(["--config", str(settings)]).lora_alpha == 0.5
+    whole = config_from_args(["--lora", "1", "--lora-alpha", "48.0"])
+    assert json.dumps(whole.lora_alpha) == "48" and "--lora-alpha 48 " in whole.command_line()
+    assert not config_from_args(["--lora", "1", "--lora-alpha", "32.0"]).changed("lora_alpha")
 
 
 def test_the_defaults_are_the_documented_ones():

@@ -106,7 +106,7 @@ def test_resume_refuses_settings_that_change_what_the_weights_compute(tmp_path, 
     --doc-prompt (or another base model) went on silently, training another model under the checkpoint's name (its
     adapter recorded with the new alpha). They are refused; --model's folder is compared by where it is (a relative
     path, a folder moved since the checkpoint: the same model), and a changed --max-length is said, as it applies from
-    the resumed step on."""
+    the resumed step on, and --lora-alpha 32.0 is the checkpoint's 32."""
     from angle_train.models import prepare_tokenizer
     from angle_train.tiny import build_backbone, build_tokenizer
 
@@ -119,13 +119,39 @@ def test_resume_refuses_settings_that_change_what_the_weights_compute(tmp_path, 
     if change.get("model") == "base-moved":  # the folder moved, resumed from elsewhere by a relative path
         base.rename(tmp_path / "moved")
         monkeypatch.chdir(tmp_path)
-        resumed = train(_config(tmp_path / "run", **{**settings, "model": "moved", "max_length": 10, "resume": "auto"}),
-                        train_examples=data)
+        # --lora-alpha 32.0 is the checkpoint's 32 (the default) as a flag reads it: not another scale
+        resumed = train(_config(tmp_path / "run", **{**settings, "model": "moved", "max_length": 10, "lora_alpha": 32.0,
+                                                      "resume": "auto"}), train_examples=data)
         assert [row["step"] for row in resumed.history] == [4]
         assert "resuming with changed settings (--max-length 12 -> 10)" in capsys.readouterr().out
         return
     with pytest.raises(ValueError, match=f"cannot resume from .*{next(iter(change)).replace('_', '-')}"):
         train(_config(tmp_path / "run", **{**settings, **change, "resume": "auto"}), train_examples=data)
+
+
+def test_a_lora_alpha_that_is_not_whole_trains_resumes_and_exports(tmp_path):
+    """--lora-alpha 16.5 (peft takes any positive alpha): the run resumes with 16.5 and is refused with 16 (the
+    checkpoint's weights at another scale), and exports an adapter that loads scaled by 16.5 / r, recorded as 16.5 in
+    config.json, its adapter_config.json, the model card's command and its LoRA line."""
+    from peft.tuners.lora import LoraLayer
+
+    from angle_train import load_pretrained
+
+    data = (demo_examples(20, seed=3), "B")
+    settings = dict(model=_base_model(tmp_path / "base"), lora=True, lora_r=4, lora_alpha=16.5, max_steps=4,
+                    save_final=True)
+    train(_config(tmp_path / "run", **settings), train_examples=data, on_step=_stop_at(3))  # a checkpoint at step 3
+    with pytest.raises(ValueError, match=r"cannot resume from .*\(--lora-alpha: 16\.5 -> 16\)"):
+        train(_config(tmp_path / "run", **{**settings, "lora_alpha": 16, "resume": "auto"}), train_examples=data)
+    resumed = train(_config(tmp_path / "run", **{**settings, "resume": "auto"}), train_examples=data)
+    assert [row["step"] for row in resumed.history] == [4]
+    final = tmp_path / "run" / "final"
+    for written in (tmp_path / "run" / "config.json", final / "adapter" / "adapter_config.json"):
+        assert json.loads(written.read_text())["lora_alpha"] == 16.5, written
+    card = (final / "README.md").read_text()
+    assert "--lora-r 4 --lora-alpha 16.5 " in card and "- LoRA: rank 4, alpha 16.5, dropout 0.05 on " in card
+    adapter = load_pretrained(str(final / "adapter"))[0]
+    assert {layer.scaling["default"] for layer in adapter.modules() if isinstance(layer, LoraLayer)} == {16.5 / 4}
 
 
 def _base_model(folder, seed=0, **config) -> str:
