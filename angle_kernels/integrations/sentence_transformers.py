@@ -99,6 +99,13 @@ except ImportError:  # pragma: no cover - older sentence-transformers
 from sentence_transformers import __version__ as _st_version
 from sentence_transformers import util as _st_util
 
+try:  # sentence-transformers >= 6.3 follows `.loss` wrappers to the loss whose calculate_loss MatryoshkaLoss decorates
+    from sentence_transformers.base.losses.gradcache import resolve_gradient_cache_loss as _gradient_cache_loss
+except ImportError:  # pragma: no cover - older releases decorate the inner loss's own calculate_loss
+
+    def _gradient_cache_loss(loss: Any) -> Any:
+        return loss
+
 if TYPE_CHECKING:  # for the annotations only
     from sentence_transformers import SentenceTransformer
 
@@ -830,6 +837,9 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     MultipleNegativesRankingLoss options that need similarity_lse (joint partitions over several directions,
     hardness) take every dimension in one call of that op too, but where the backend computing it at one width has
     no dims for it (a GPU path not yet verified with dims: one pass per dimension inside angle_kernels there).
+    A cached loss held by a wrapper (a module with the loss as `.loss`, no calculate_loss of its own, reporting
+    `uses_gradient_cache`) is decorated through the wrapper, as sentence-transformers 6.3 does (earlier releases
+    fail there when built, and so does this class on them).
     """
 
     def __init__(self, model: SentenceTransformer, loss: torch.nn.Module, matryoshka_dims: Sequence[int],
@@ -837,12 +847,16 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
         _check_matryoshka_entries(dims=matryoshka_dims, weights=matryoshka_weights, n_dims_per_step=n_dims_per_step)
         super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
         if self.uses_gradient_cache:
-            # the parent decorated loss.calculate_loss with its per-dimension loop: keep it as the fallback
-            loss.calculate_loss = _FusedCachedMatryoshka(self, loss.calculate_loss)
+            # the parent decorated the calculate_loss of the loss it resolves (through `.loss` wrappers, 6.3) with
+            # its per-dimension loop: keep that as the fallback
+            target = _gradient_cache_loss(loss)
+            target.calculate_loss = _FusedCachedMatryoshka(self, target, target.calculate_loss)
 
     @property
     def uses_fused_path(self) -> bool:
-        return _matryoshka_unfused_reason(self.loss, self.matryoshka_dims, self.matryoshka_weights) is None
+        # a gradient-cache loss computes through the calculate_loss __init__ decorated: the held loss's, if wrapped
+        computing = _gradient_cache_loss(self.loss) if self.uses_gradient_cache else self.loss
+        return _matryoshka_unfused_reason(computing, self.matryoshka_dims, self.matryoshka_weights) is None
 
     def _check_weights_fit(self) -> None:
         """Each matryoshka_weights entry within the range of the model's losses' compute dtype, named as the
@@ -893,15 +907,17 @@ class _FusedCachedMatryoshka:
     """A cached loss's calculate_loss under MatryoshkaLoss: one fused call for every selected dimension on the
     whole cached batch, or the parent's per-dimension decorator when the configuration runs unfused."""
 
-    def __init__(self, matryoshka: MatryoshkaLoss, parent_decorator: Callable[..., Tensor]) -> None:
+    def __init__(self, matryoshka: MatryoshkaLoss, target: torch.nn.Module,
+                 parent_decorator: Callable[..., Tensor]) -> None:
         self.matryoshka = matryoshka
+        self.target = target  # the cached loss whose calculate_loss this is (the inner loss, or one a wrapper holds)
         self.parent_decorator = parent_decorator
 
     def __call__(self, reps: list[list[Tensor]], *args: Any, with_backward: bool = False, **kwargs: Any) -> Tensor:
         if not self.matryoshka.uses_fused_path:
             return self.parent_decorator(reps, *args, with_backward=with_backward, **kwargs)
         nested = self.matryoshka._selected(reps[0][0], sort=False)
-        return self.matryoshka.loss._fused_cached_loss(reps, with_backward, nested)
+        return self.target._fused_cached_loss(reps, with_backward, nested)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -234,3 +234,39 @@ def test_gist_under_matryoshka_runs_the_parents_loop(model64, guide64, inner, kw
     replacement = ours.MatryoshkaLoss(model64, getattr(ours, inner)(model64, guide64, **kwargs), dims)
     assert not replacement.uses_fused_path
     compare(model64, original, replacement, 2, None, value_tol=1e-12, grad_tol=1e-10)
+
+
+try:  # sentence-transformers >= 6.3 decorates the calculate_loss of the loss a `.loss` wrapper holds
+    from sentence_transformers.base.losses.gradcache import resolve_gradient_cache_loss  # noqa: F401
+    PARENT_RESOLVES_WRAPPERS = True
+except ImportError:  # earlier releases decorate the wrapper's own calculate_loss
+    PARENT_RESOLVES_WRAPPERS = False
+
+
+class PassThrough(torch.nn.Module):
+    """A loss wrapper as users write them (to log or reweigh the loss it holds): the inner loss as `.loss`, its
+    gradient-cache flag reported, and no calculate_loss of its own."""
+
+    def __init__(self, loss):
+        super().__init__()
+        self.loss = loss
+        self.uses_gradient_cache = loss.uses_gradient_cache
+
+    def forward(self, sentence_features, labels):
+        return self.loss(sentence_features, labels)
+
+
+def test_a_wrapped_cached_loss_is_decorated_through_the_wrapper_as_the_parent_does(model64, fused_calls):
+    def build(losses):
+        inner = losses.CachedMultipleNegativesRankingLoss(model64, mini_batch_size=4)
+        return losses.MatryoshkaLoss(model64, PassThrough(inner), (32, 16, 8))
+
+    if not PARENT_RESOLVES_WRAPPERS:  # the parent fails when built: so does ours, the same way
+        for losses in (st_losses, ours):
+            with pytest.raises(AttributeError, match="calculate_loss"):
+                build(losses)
+        return
+    original, replacement = build(st_losses), build(ours)
+    assert replacement.uses_fused_path
+    compare(model64, original, replacement, 2, None, value_tol=1e-12, grad_tol=1e-10)
+    assert fused_calls["multiple_negatives"] == 1, f"one fused call for every dimension, got {fused_calls}"
