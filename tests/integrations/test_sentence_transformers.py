@@ -513,6 +513,23 @@ def test_gist_same_value_and_gradients_as_sentence_transformers(model64, guide64
         "the guide filtered nothing in this case: it does not test the filter")
 
 
+@pytest.mark.parametrize("class_name, kwargs", [("GISTEmbedLoss", {}), ("CachedGISTEmbedLoss", {"mini_batch_size": 4})])
+def test_gist_own_columns_kept_by_the_filter_follow_the_installed_parent(model64, guide64, monkeypatch, class_name,
+                                                                        kwargs):
+    """margin -0.5 lifts rows' thresholds past 1, where the guide's filter keeps a row's own anchor (positive) in the
+    anchor-anchor (positive-positive) block: sentence-transformers 6.3 leaves them out regardless, earlier releases
+    keep them. The drop-ins compute what the installed release computes, and the other rule gives another value (so
+    this case decides between them)."""
+    options = dict(margin=-0.5, temperature=0.05, **kwargs)
+    original = getattr(st_losses, class_name)(model64, guide64, **options)
+    compare(model64, original, getattr(ours, class_name)(model64, guide64, **options), 2, None, value_tol=1e-12,
+            grad_tol=1e-10)
+    monkeypatch.setattr(ours, "_PARENT_GIST_SELF_NEGATIVES", not ours._PARENT_GIST_SELF_NEGATIVES)
+    other_rule = getattr(ours, class_name)(model64, guide64, **options)
+    other_value, parent_value = (value_and_grads(model64, loss, 2, None)[0] for loss in (other_rule, original))
+    assert rel_err(other_value, parent_value) > 1e-3
+
+
 def test_gist_with_a_guide_that_must_retokenise(model64, guide64, fused_calls):
     """A guide with a shorter maximum length embeds the decoded texts re-tokenised for it, as the parent does (4
     tokens: shorter than every text, so the guide's embeddings differ from those of the model's token ids)."""
