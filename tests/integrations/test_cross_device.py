@@ -152,33 +152,34 @@ def gist_batch(world: int, negatives: int, rows: int = ROWS) -> tuple[list[torch
     return model, guide
 
 
+def _guide_thresholds(world: int, case: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The whole batch's unit guide columns (anchors, positives, negatives...), each row's filter threshold (from the
+    guide's anchor-positive similarity g and the case's margin, GISTEmbed's rule) and the rank owning each row."""
+    options, negatives = GIST_CASES[case]
+    unit = [torch.nn.functional.normalize(g, dim=1) for g in gist_batch(world, negatives)[1]]
+    g = (unit[0] * unit[1]).sum(1)
+    margin = options.get("margin", 0.0)
+    threshold = g - g.abs() * margin if options.get("margin_strategy") == "relative" else g - margin
+    return unit, threshold, torch.arange(world * ROWS) // ROWS
+
+
 def removed_from_other_ranks(world: int, case: str) -> list[int]:
     """Per rank: how many (row, column) pairs of its rows' positive-positive, anchor-positive and
     anchor-negative blocks the guide removes with a column of another rank (GISTEmbed's rule, on the whole
     batch): the gathered comparisons exercise the filter across ranks only when this is not zero."""
-    options, negatives = GIST_CASES[case]
-    unit = [torch.nn.functional.normalize(g, dim=1) for g in gist_batch(world, negatives)[1]]
-    g = (unit[0] * unit[1]).sum(1, keepdim=True)
-    margin = options.get("margin", 0.0)
-    threshold = g - g.abs() * margin if options.get("margin_strategy") == "relative" else g - margin
+    unit, threshold, owner = _guide_thresholds(world, case)
     blocks = [unit[0] @ unit[1].T, *(unit[0] @ u.T for u in unit[2:])]
-    if options.get("contrast_positives", True):
+    if GIST_CASES[case][0].get("contrast_positives", True):
         blocks.append(unit[1] @ unit[1].T)
-    owner = torch.arange(world * ROWS) // ROWS
     other_rank = owner[:, None] != owner[None, :]  # never a row's own positive
-    removed = sum((block > threshold) & other_rank for block in blocks)
+    removed = sum((block > threshold[:, None]) & other_rank for block in blocks)
     return [int(removed[owner == rank].sum()) for rank in range(world)]
 
 
 def rows_keeping_their_own_columns(world: int, case: str) -> list[int]:
     """Per rank: how many of its rows have a threshold of at least 1, so that the guide's filter keeps their own
     column of the anchor-anchor and positive-positive blocks (guide similarity 1); only self_negatives decides."""
-    options, negatives = GIST_CASES[case]
-    unit = [torch.nn.functional.normalize(g, dim=1) for g in gist_batch(world, negatives)[1]]
-    g = (unit[0] * unit[1]).sum(1)
-    margin = options.get("margin", 0.0)
-    threshold = g - g.abs() * margin if options.get("margin_strategy") == "relative" else g - margin
-    owner = torch.arange(world * ROWS) // ROWS
+    _, threshold, owner = _guide_thresholds(world, case)
     return [int((threshold[owner == rank] >= 1).sum()) for rank in range(world)]
 
 
