@@ -684,7 +684,8 @@ def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder
     rng_state = read_tensors_and_plain_values(os.path.join(path, _rng_file(dist_info.rank)))
     settings = [dict(group) for group in optimizer.param_groups]  # as this run built them, before loading over them
     if sharded:  # DCP's files, through readers that refuse anything but what DCP writes (sharding.py)
-        load_sharded(path, encoder, optimizer, instead=_instead_of_resuming(path))
+        # what to do instead is looked up (the run's checkpoints listed) only where a file cannot be read
+        load_sharded(path, encoder, optimizer, instead=lambda: _instead_of_resuming(path))
     else:
         encoder.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])

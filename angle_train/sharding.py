@@ -33,6 +33,7 @@ import importlib
 import io
 import os
 import pickle
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -144,12 +145,14 @@ def _why_unreadable(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
 
 
-def load_sharded(folder: str, encoder: nn.Module, optimizer: torch.optim.Optimizer, *, instead: str) -> None:
+def load_sharded(folder: str, encoder: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 instead: Callable[[], str]) -> None:
     """Read what save_sharded wrote into the sharded encoder and its optimizer (every process calls it). DCP's files
     are read through the restricted readers below: a file holding anything DCP does not write is refused with
     safe_loading.UnsafeCheckpointError (on every process) before anything in it runs. A file that cannot be read
     (missing, truncated, corrupted since the manifest was checked, or a disk error) raises on every process a
-    ValueError naming the folder, the file and why, and saying what to do `instead`."""
+    ValueError naming the folder, the file and why, and saying what to do instead (`instead()`, called only then:
+    a resume that reads every file does not depend on what it looks up)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -158,7 +161,7 @@ def load_sharded(folder: str, encoder: nn.Module, optimizer: torch.optim.Optimiz
 
     def unreadable(error: _Unreadable, where: str = "") -> ValueError:
         return ValueError(f"cannot resume from {folder}: its {os.path.basename(error.file)} cannot be read{where} "
-                          f"({error.why}); {instead}")
+                          f"({error.why}); {instead()}")
 
     reader_class, planner_class = _restricted_dcp_classes()
     try:  # reads .metadata now: every process reads it, and a refusal comes before any collective of dcp.load

@@ -360,6 +360,29 @@ def test_an_unreadable_dcp_file_is_one_error_naming_it_and_the_checkpoint_before
 
 
 @pytest.mark.filterwarnings(f"ignore:{SINGLE_PROCESS_DCP}")
+def test_a_readable_sharded_checkpoint_resumes_without_listing_its_runs_checkpoints(sharded_run, tmp_path,
+                                                                                   monkeypatch):
+    """The checkpoint to resume from instead is looked up only where a file cannot be read: a checkpoint whose files
+    all read resumes where its run's checkpoints/ cannot be listed (a folder others may enter but not list)."""
+    out, weights, _ = sharded_run
+    shutil.copytree(out, tmp_path / "run")
+    path = finished_checkpoints(str(tmp_path / "run"))[-1]
+    unlisted, listdir = os.path.dirname(path), os.listdir
+
+    def refusing_the_checkpoints_folder(folder="."):
+        if os.path.realpath(folder) == os.path.realpath(unlisted):
+            raise PermissionError(errno.EACCES, "Permission denied", folder)
+        return listdir(folder)
+
+    monkeypatch.setattr(os, "listdir", refusing_the_checkpoints_folder)
+    cfg = _config(tmp_path / "run", fsdp=True, resume=path)
+    trainables = _trainables(cfg, seed=1)
+    assert load_checkpoint(path, cfg, DistInfo(), **trainables).step == 2
+    for name, value in trainables["encoder"].state_dict().items():
+        torch.testing.assert_close(value, weights[name], rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings(f"ignore:{SINGLE_PROCESS_DCP}")
 @pytest.mark.parametrize("kind", ["metadata: a hostile object", "metadata: code inside the real metadata",
                                   "metadata: changes a class", "metadata: a shard outside the folder",
                                   "metadata: a shard linked out of the folder",
