@@ -648,8 +648,9 @@ def _is_bool(value) -> bool:
 
 def whole_as_int(value: float) -> int | float:
     """A whole number as an int (32.0 -> 32), any other as it is (16.5): shown and written as it reads, whether it came
-    as a flag's float, a config file's int or an adapter's float."""
-    return int(value) if float(value).is_integer() else value
+    as a flag's float, a config file's int or an adapter's float. From 1e16 on a float reads with its exponent (1e+16)
+    and stays one: as an int it would spell out every digit of its binary value (1e300: 301 of them)."""
+    return int(value) if float(value).is_integer() and abs(value) < 1e16 else value
 
 
 def flag_words(name: str, value) -> list[str]:

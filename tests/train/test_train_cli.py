@@ -156,6 +156,8 @@ def test_lora_alpha_takes_any_positive_number_and_a_whole_one_reads_as_written(t
     whole = config_from_args(["--lora", "1", "--lora-alpha", "48.0"])
     assert json.dumps(whole.lora_alpha) == "48" and "--lora-alpha 48 " in whole.command_line()
     assert not config_from_args(["--lora", "1", "--lora-alpha", "32.0"]).changed("lora_alpha")
+    huge = config_from_args(["--lora", "1", "--lora-alpha", "1e300"])  # whole, read with its exponent, not 301 digits
+    assert json.dumps(huge.lora_alpha) == "1e+300" and "--lora-alpha 1e+300 " in huge.command_line()
 
 
 def test_the_defaults_are_the_documented_ones():
