@@ -853,8 +853,9 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
         if self.uses_gradient_cache:
             # the parent decorated the calculate_loss of the loss it resolves (through `.loss` wrappers, 6.3) with
             # its per-dimension loop: keep that as the fallback
-            target = _gradient_cache_loss(loss)
-            target.calculate_loss = _FusedCachedMatryoshka(self, target, target.calculate_loss)
+            cached_loss = _gradient_cache_loss(loss)
+            cached_loss.calculate_loss = _FusedCachedMatryoshka(self, cached_loss=cached_loss,
+                                                                parent_decorator=cached_loss.calculate_loss)
 
     @property
     def uses_fused_path(self) -> bool:
@@ -911,17 +912,17 @@ class _FusedCachedMatryoshka:
     """A cached loss's calculate_loss under MatryoshkaLoss: one fused call for every selected dimension on the
     whole cached batch, or the parent's per-dimension decorator when the configuration runs unfused."""
 
-    def __init__(self, matryoshka: MatryoshkaLoss, target: torch.nn.Module,
+    def __init__(self, matryoshka: MatryoshkaLoss, *, cached_loss: torch.nn.Module,
                  parent_decorator: Callable[..., Tensor]) -> None:
         self.matryoshka = matryoshka
-        self.target = target  # the cached loss whose calculate_loss this is (the inner loss, or one a wrapper holds)
+        self.cached_loss = cached_loss  # whose calculate_loss this is (the inner loss, or the one a wrapper holds)
         self.parent_decorator = parent_decorator
 
     def __call__(self, reps: list[list[Tensor]], *args: Any, with_backward: bool = False, **kwargs: Any) -> Tensor:
         if not self.matryoshka.uses_fused_path:
             return self.parent_decorator(reps, *args, with_backward=with_backward, **kwargs)
         nested = self.matryoshka._selected(reps[0][0], sort=False)
-        return self.target._fused_cached_loss(reps, with_backward, nested)
+        return self.cached_loss._fused_cached_loss(reps, with_backward, nested)
 
 
 # --------------------------------------------------------------------------------------------------------
