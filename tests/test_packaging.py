@@ -319,22 +319,41 @@ def test_wheel_installs_into_a_fresh_venv_without_changing_torch(dists, tmp_path
     assert help_run.stdout.startswith("usage: angle-train"), help_run.stdout[:500]
 
 
-def test_the_sentence_transformers_integration_says_what_to_install(monkeypatch):
-    """Imported without sentence-transformers, the integration raised a bare "No module named
-    'sentence_transformers'"; it names the package and the version to install (as the angle-emb integration does).
-    The module's file runs in this process as a fresh module object that sys.modules never holds (no second
-    interpreter re-importing torch), with find_spec not finding sentence-transformers, as the import check asks."""
+def _run_the_sentence_transformers_integration_afresh() -> None:
+    """The integration module's file, run in this process as a fresh module object that sys.modules never holds (no
+    second interpreter re-importing torch)."""
     import angle_kernels.integrations
 
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args, **kwargs: None
-                        if name == "sentence_transformers" else real_find_spec(name, *args, **kwargs))
     name = "angle_kernels.integrations.sentence_transformers"
     spec = importlib.util.spec_from_file_location(
         name, Path(angle_kernels.integrations.__file__).with_name("sentence_transformers.py"))
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def test_the_sentence_transformers_integration_says_what_to_install(monkeypatch):
+    """Imported without sentence-transformers, the integration raised a bare "No module named
+    'sentence_transformers'"; it names the package and the version to install (as the angle-emb integration does).
+    find_spec does not find sentence-transformers, as the import check asks."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args, **kwargs: None
+                        if name == "sentence_transformers" else real_find_spec(name, *args, **kwargs))
     with pytest.raises(ModuleNotFoundError) as raised:
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    assert "pip install 'sentence-transformers>=5'" in str(raised.value), raised.value
+        _run_the_sentence_transformers_integration_afresh()
+    assert "pip install 'sentence-transformers>=5.7'" in str(raised.value), raised.value
+
+
+@pytest.mark.parametrize("version", ["5.6.0", "5.1.2", "4.1.0"])
+def test_the_sentence_transformers_integration_refuses_a_release_too_old_for_it(monkeypatch, version):
+    """Under sentence-transformers older than 5.7 the drop-ins imported and failed at the first training step (the
+    parent MatryoshkaLoss has no uses_gradient_cache, AdaptiveLayerLoss takes no layer_weighting, the model has no
+    preprocess); the import now says which release is installed and what to install."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    monkeypatch.setattr(sentence_transformers, "__version__", version)
+    with pytest.raises(ImportError, match=rf"from release 5\.7 on; {re.escape(version)} is installed: "
+                                          r"pip install 'sentence-transformers>=5\.7'"):
+        _run_the_sentence_transformers_integration_afresh()
+    monkeypatch.setattr(sentence_transformers, "__version__", "5.7.0.dev0")  # the oldest release taken
+    _run_the_sentence_transformers_integration_afresh()
 
 
 def test_shipped_files_cite_no_path_outside_the_repository():

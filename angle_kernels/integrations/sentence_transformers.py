@@ -87,16 +87,32 @@ from ..losses import retrieval as _retrieval_losses
 from ..contract import loss_entry, outside_autocast
 from ..dispatch import check_backend, resolve_backend
 
+# The oldest release the drop-ins run on: older parents lack what they build on (MatryoshkaLoss's
+# uses_gradient_cache, AdaptiveLayerLoss's layer_weighting, the models' preprocess), which failed at the first step
+OLDEST_RELEASE = (5, 7)
+_NEEDED = f"pip install 'sentence-transformers>={OLDEST_RELEASE[0]}.{OLDEST_RELEASE[1]}'"
+
 if importlib.util.find_spec("sentence_transformers") is None:  # a bare ModuleNotFoundError said nothing to install
     raise ModuleNotFoundError("angle_kernels.integrations.sentence_transformers replaces sentence-transformers' "
-                              "losses and needs the package: pip install 'sentence-transformers>=5'",
-                              name="sentence_transformers")
+                              f"losses and needs the package: {_NEEDED}", name="sentence_transformers")
+
+from sentence_transformers import __version__ as _st_version  # noqa: E402  (after the check that it is there)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string: "6.3.0" and "6.3.0.dev0" -> (6, 3), "6.10.1" -> (6, 10)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+
+
+if _release(_st_version) < OLDEST_RELEASE:
+    raise ImportError(f"angle_kernels.integrations.sentence_transformers subclasses sentence-transformers' losses "
+                      f"from release {OLDEST_RELEASE[0]}.{OLDEST_RELEASE[1]} on; {_st_version} is installed: {_NEEDED}",
+                      name="sentence_transformers")
 
 try:  # sentence-transformers >= 6.1 keeps the losses here; the old path still works there with a warning
     from sentence_transformers.sentence_transformer import losses as _st_losses
 except ImportError:  # pragma: no cover - older sentence-transformers
     from sentence_transformers import losses as _st_losses
-from sentence_transformers import __version__ as _st_version
 from sentence_transformers import util as _st_util
 
 try:  # sentence-transformers >= 6.3 follows `.loss` wrappers to the loss whose calculate_loss MatryoshkaLoss decorates
@@ -133,7 +149,7 @@ __all__ = [
 # sentence-transformers 6.3 leaves row i's own anchor (positive) out of GIST's anchor-anchor (positive-positive) block;
 # before, the guide's filter decided, and kept it where the threshold was at least 1 (a negative margin): the drop-ins
 # compute what the installed parent computes (gist_loss's self_negatives)
-_PARENT_GIST_SELF_NEGATIVES = tuple(int(part) for part in re.findall(r"\d+", _st_version)[:2]) < (6, 3)
+_PARENT_GIST_SELF_NEGATIVES = _release(_st_version) < (6, 3)
 
 _DIRECTIONS = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
 _HARDNESS = Literal["in_batch_negatives", "hard_negatives", "all_negatives"]
