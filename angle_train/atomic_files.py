@@ -5,7 +5,8 @@ loss finds the old contents or the new ones, never half a file, and a write that
 Folders written whole (a checkpoint, best/, final/) are made durable the same way before they are renamed into
 place (sync_tree) and after (sync_folder of their parent): checkpoint._swap_in. A folder a run creates to rename into
 (checkpoints/, set-aside/) is made durable in its parent (made_folder), and the folders a move or a deletion changes
-are synced after it (checkpoint.set_aside_later_line, checkpoint.remove_earlier_run).
+are synced after it (checkpoint.set_aside_later_line, checkpoint.remove_earlier_run). A folder moved to another
+file system is copied and synced whole before its source is removed (move_durably).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 
 # What fsync of a folder raises on a file system that cannot sync one: the rename is then as durable as it gets there
@@ -50,6 +52,52 @@ def written_aside(path: str, *, aside: str | None = None, encoding: str | None =
             os.remove(aside)
         raise
     sync_folder(os.path.dirname(path) or os.curdir)
+
+
+def move_durably(source: str, destination: str) -> None:
+    """Move the file or folder `source` to `destination` (not there yet): one rename where both lie on one file
+    system. Across file systems (a checkpoints/ or set-aside/ linked to another disk: the rename fails with EXDEV)
+    `source` is copied to DESTINATION.tmp, which is synced whole (sync_tree), renamed into place and its folder
+    synced, and only then is `source` removed and its folder synced: a power loss at any point leaves `source` or
+    a whole `destination`, where a plain copy and delete (shutil.move) could remove `source` while its copy was
+    still in memory only. A copy that fails (a full disk) removes DESTINATION.tmp and raises, `source` kept. The
+    caller syncs the folders of a same-system rename (sync_folder), as after any rename."""
+    try:
+        os.replace(source, destination)
+        return
+    except OSError as error:
+        if error.errno != errno.EXDEV:
+            raise
+    staged = destination + ".tmp"
+    is_folder = os.path.isdir(source) and not os.path.islink(source)
+    _remove(staged)  # a copy killed midway
+    try:
+        if is_folder:
+            shutil.copytree(source, staged, symlinks=True)
+            sync_tree(staged)
+        else:
+            shutil.copy2(source, staged, follow_symlinks=False)
+            if stat.S_ISREG(os.lstat(staged).st_mode):
+                _sync_file(staged)
+        os.replace(staged, destination)
+    except BaseException:
+        _remove(staged)
+        raise
+    sync_folder(os.path.dirname(destination) or os.curdir)
+    if is_folder:
+        shutil.rmtree(source)
+    else:
+        os.remove(source)
+    sync_folder(os.path.dirname(source) or os.curdir)
+
+
+def _remove(path: str) -> None:
+    """Remove the file, link or folder tree at `path`, if anything is there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):  # nothing there; otherwise the copy or the rename names the path
+            os.remove(path)
 
 
 def sync_tree(folder: str) -> None:

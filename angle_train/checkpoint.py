@@ -75,7 +75,7 @@ import numpy
 import torch
 import transformers
 
-from .atomic_files import made_folder, sync_folder, sync_tree, written_aside
+from .atomic_files import made_folder, move_durably, sync_folder, sync_tree, written_aside
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, prompts_of
 from .data import FORMATS, has_no_splits, parse_columns
 from .distributed import DistInfo, all_gather_objects, barrier
@@ -383,15 +383,15 @@ def set_aside_later_line(output_dir: str, step: int) -> str | None:
             f.writelines(rows)
     later += [path for best_step, path in sorted(_kept_bests(output_dir).items()) if best_step > step]
     for path in later:
-        shutil.move(path, os.path.join(folder, "checkpoints", os.path.basename(path)))
+        move_durably(path, os.path.join(folder, "checkpoints", os.path.basename(path)))
     moved = [os.path.basename(path) for path in later]
     best = os.path.join(output_dir, "best")
     record = best_record(best)
     if record is not None and record["step"] > step:
-        shutil.move(best, os.path.join(folder, "best"))
+        move_durably(best, os.path.join(folder, "best"))
         moved.append("best/")
     if os.path.isdir(os.path.join(output_dir, "final")):  # written at the last step, past this one
-        shutil.move(os.path.join(output_dir, "final"), os.path.join(folder, "final"))
+        move_durably(os.path.join(output_dir, "final"), os.path.join(folder, "final"))
         moved.append("final/")
     # the moves on disk (each folder that lost or gained an entry) before the resumed run writes its first
     # checkpoint: a power loss must not bring the left line back beside it, nor lose the checkpoints moved
@@ -414,7 +414,8 @@ def _metrics_rows_after(path: str, step: int) -> list[bytes]:
 def _swap_in(tmp: str, final: str, *, synced: bool = False) -> None:
     """Put the complete folder `tmp` (NAME.tmp, or a kept best going back: reconcile_best) in the place of `final`.
     The old copy is moved aside rather than deleted until the new one is in place, so whenever the process is killed
-    one complete copy remains on disk; `tmp` moves in one rename, under its own name until then. Every file
+    one complete copy remains on disk; `tmp` moves in one rename, under its own name until then (from another
+    file system, a kept best going back: copied and synced whole first, atomic_files.move_durably). Every file
     and folder of `tmp` is synced to disk before the rename (by the caller where `synced`) and the parent folder
     after it, before the old copy goes (and before the caller prunes older checkpoints): after a power loss the new
     folder is whole where its name survived, and the old copy is gone only once the new one is on disk. A sync
@@ -426,7 +427,7 @@ def _swap_in(tmp: str, final: str, *, synced: bool = False) -> None:
         sync_tree(tmp)
     if os.path.exists(final):
         os.replace(final, old)
-    os.replace(tmp, final)
+    move_durably(tmp, final)  # a rename; a copy synced whole where a kept best goes back from another file system
     parent = os.path.dirname(final) or os.curdir
     try:
         sync_folder(parent)
@@ -1234,7 +1235,7 @@ def _keep_best_of_checkpoints(output_dir: str) -> None:
     if os.path.exists(kept):
         shutil.rmtree(best)
     else:
-        os.replace(best, kept)
+        move_durably(best, kept)  # copied and synced whole where checkpoints/ is on another file system
         sync_folder(os.path.dirname(kept))  # its new entry on disk before the new best/ takes its old place
 
 

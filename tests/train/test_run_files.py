@@ -8,10 +8,11 @@ leaves it for the next resume; a checkpoint, best/ and final/ are synced to disk
 folder after it, before an older copy or checkpoint is removed, by their regular files only; a sync failing after
 the rename reports the checkpoint in place, one failing before it leaves no final.tmp; the folders a run creates
 (checkpoints/, set-aside/), moves a line of training between and deletes an earlier run from are synced; an empty
-metrics.jsonl is no earlier run), and the small files replaced whole (atomic_files.written_aside: synced, then
-swapped in, a link written through, the permissions kept; a write that fails leaves the previous file and no aside
-file behind: the record of a non-finite stop, the lock a run takes over, the run's config.json; a lock taken over
-whose folder cannot be synced is not kept)."""
+metrics.jsonl is no earlier run; a move to another file system is synced whole before its source goes, and one
+that fails keeps its source), and the small files replaced whole (atomic_files.written_aside: synced, then swapped
+in, a link written through, the permissions kept; a write that fails leaves the previous file and no aside file
+behind: the record of a non-finite stop, the lock a run takes over, the run's config.json; a lock taken over whose
+folder cannot be synced is not kept)."""
 
 from __future__ import annotations
 
@@ -591,3 +592,52 @@ def test_a_lock_taken_over_whose_rename_cannot_be_synced_is_not_kept(tmp_path, m
     with pytest.raises(OSError, match="Input/output error"):
         run_lock.acquire(str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def _moves_across_file_systems(monkeypatch, calls: list) -> None:
+    """os.rename and os.replace fail with EXDEV, as between two file systems, for all but a NAME.tmp (a copy staged
+    beside its place, or a file written aside); each rename made is recorded in `calls`."""
+    rename = os.rename
+
+    def renamed(source, destination):
+        if not str(source).endswith(".tmp"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", source)
+        calls.append(("rename", os.path.realpath(source), os.path.realpath(destination)))
+        rename(source, destination)
+
+    monkeypatch.setattr(os, "rename", renamed)
+    monkeypatch.setattr(os, "replace", renamed)
+
+
+def test_a_line_set_aside_on_another_file_system_is_on_disk_before_its_source_goes(tmp_path, monkeypatch):
+    """set-aside/ on another disk: each checkpoint moved there is copied whole, synced and renamed into place, its
+    folder synced, before the original is deleted (a copy and delete had deleted it with the copy in memory only)."""
+    out = str(os.path.realpath(tmp_path))
+    for step in (2, 4):
+        os.makedirs(checkpoint.checkpoint_path(out, step))
+        with open(os.path.join(checkpoint.checkpoint_path(out, step), "state.pt"), "w") as f:
+            f.write("weights")
+    calls = _disk_calls(monkeypatch)
+    _moves_across_file_systems(monkeypatch, calls)
+    folder = checkpoint.set_aside_later_line(out, 2)
+    source = checkpoint.checkpoint_path(out, 4)
+    moved = os.path.join(folder, "checkpoints", os.path.basename(source))
+    synced_in_place = _synced_before_renamed_in(calls, moved + ".tmp", moved)
+    assert synced_in_place < calls.index(("remove", source)) < calls.index(("sync", os.path.dirname(source)))
+    with open(os.path.join(moved, "state.pt")) as f:
+        assert f.read() == "weights"
+    assert os.listdir(os.path.join(out, "checkpoints")) == ["step-00000002"]
+    assert os.listdir(os.path.join(folder, "checkpoints")) == ["step-00000004"]
+
+
+def test_a_move_to_another_file_system_that_fails_keeps_its_source(tmp_path, monkeypatch):
+    """A copy to another disk that fails (a full disk while syncing it) leaves the source and nothing at, or
+    beside, the destination; the error is raised."""
+    source = tmp_path / "best"
+    source.mkdir()
+    (source / "model.safetensors").write_text("weights")
+    _moves_across_file_systems(monkeypatch, [])
+    _synced_kinds(monkeypatch, fails_for={"file": (errno.ENOSPC, "No space left on device")})
+    with pytest.raises(OSError, match="No space left"):
+        atomic_files.move_durably(str(source), str(tmp_path / "kept"))
+    assert os.listdir(tmp_path) == ["best"] and (source / "model.safetensors").read_text() == "weights"
