@@ -28,7 +28,7 @@ import sys
 import time
 import uuid
 
-from .atomic_files import written_aside
+from .atomic_files import made_folder, written_aside
 
 LOCK_FILE = ".angle-train.lock"
 # How long an empty or half-written lock file is read again before it counts as damaged: its writer holds it for
@@ -184,9 +184,11 @@ def _folder_flock(folder: str):
 
 
 def acquire(output_dir: str) -> RunLock:
-    """Take the lock of output_dir (created if missing) for this run, or raise OutputDirLocked naming its holder."""
+    """Take the lock of output_dir (created if missing, its entry synced to disk in its parent: made_folder, as the
+    run's files synced into it are lost with the folder otherwise) for this run, or raise OutputDirLocked naming
+    its holder."""
     created = not os.path.isdir(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
+    made_folder(output_dir)
     lock = RunLock(output_dir, created)
     try:
         return lock.acquire()

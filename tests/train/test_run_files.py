@@ -8,11 +8,11 @@ leaves it for the next resume; a checkpoint, best/ and final/ are synced to disk
 folder after it, before an older copy or checkpoint is removed, by their regular files only; a sync failing after
 the rename reports the checkpoint in place, one failing before it leaves no final.tmp; the folders a run creates
 (checkpoints/, set-aside/), moves a line of training between and deletes an earlier run from are synced; an empty
-metrics.jsonl is no earlier run; a move to another file system is synced whole before its source goes, and one
-that fails keeps its source), and the small files replaced whole (atomic_files.written_aside: synced, then swapped
-in, a link written through, the permissions kept; a write that fails leaves the previous file and no aside file
-behind: the record of a non-finite stop, the lock a run takes over, the run's config.json; a lock taken over whose
-folder cannot be synced is not kept)."""
+metrics.jsonl is no earlier run; the output folder a run creates is synced in its parent; a move to another file
+system is synced whole before its source goes, and one that fails keeps its source), and the small files replaced
+whole (atomic_files.written_aside: synced, then swapped in, a link written through, the permissions kept; a write
+that fails leaves the previous file and no aside file behind: the record of a non-finite stop, the lock a run takes
+over, the run's config.json; a lock taken over whose folder cannot be synced is not kept)."""
 
 from __future__ import annotations
 
@@ -592,6 +592,16 @@ def test_a_lock_taken_over_whose_rename_cannot_be_synced_is_not_kept(tmp_path, m
     with pytest.raises(OSError, match="Input/output error"):
         run_lock.acquire(str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_the_output_folder_a_run_creates_is_on_disk_in_its_parent(tmp_path, monkeypatch):
+    """The run's files are synced into its output folder: the folder's own entry, and that of a parent made with
+    it, are synced too, or a power loss could lose the folder with all of them."""
+    root = os.path.realpath(tmp_path)
+    out = os.path.join(root, "runs", "first")
+    calls = _disk_calls(monkeypatch)
+    run_lock.acquire(out).release()
+    assert calls[:2] == [("sync", os.path.join(root, "runs")), ("sync", root)]
 
 
 def _moves_across_file_systems(monkeypatch, calls: list) -> None:
