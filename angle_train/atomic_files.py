@@ -31,7 +31,8 @@ def written_aside(path: str, *, aside: str | None = None, encoding: str | None =
     `path` is written through, as open() writes it: its target is replaced (NAME.tmp beside the target, on its file
     system) and the link stays, rather than the link being replaced by a file and the target left stale. A file
     replaced keeps its permission bits (a `chmod 600` stays private), as one written in place kept them; a new file
-    gets the umask's."""
+    gets the umask's. An aside file already there (left by a write that was killed) is removed and the new one
+    created exclusively: a link left at NAME.tmp is never written through to its target."""
     if aside is None:
         path = os.path.realpath(path)
         aside = path + ".tmp"
@@ -39,8 +40,10 @@ def written_aside(path: str, *, aside: str | None = None, encoding: str | None =
         kept_mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
         kept_mode = None
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(aside)  # a folder there raises, naming it
     try:
-        with open(aside, "wb" if binary else "w", encoding=encoding) as file:
+        with open(aside, "xb" if binary else "x", encoding=encoding) as file:
             if kept_mode is not None:  # before a byte is written: the aside file is never more readable than `path`
                 os.chmod(aside, kept_mode)
             yield file

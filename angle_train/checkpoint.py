@@ -67,6 +67,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -275,8 +276,9 @@ def check_not_a_model_folder(output_dir: str) -> None:
 # (Position.good_checkpoint); `--resume auto` continues from that one, and a resume removes the file.
 NON_FINITE_STOP = "stopped-non-finite.json"
 SET_ASIDE_DIR = "set-aside"
-RUN_OUTPUTS = ("checkpoints", "best", "final", "metrics.jsonl", "config.json", "profile.json", "tensorboard",
-               "curves.png", "wandb", SET_ASIDE_DIR, NON_FINITE_STOP)
+# The run's files replaced whole (atomic_files.written_aside): a run killed while writing one leaves NAME.tmp beside it
+RUN_FILES_WRITTEN_ASIDE = ("metrics.jsonl", "config.json", "profile.json", "curves.png", NON_FINITE_STOP)
+RUN_OUTPUTS = ("checkpoints", "best", "final", "tensorboard", "wandb", SET_ASIDE_DIR, *RUN_FILES_WRITTEN_ASIDE)
 
 
 def record_non_finite_stop(output_dir: str, step: int, good_checkpoint: str | None) -> None:
@@ -353,6 +355,19 @@ def remove_earlier_run(output_dir: str) -> None:
             os.remove(path)
     if removed:
         sync_folder(output_dir)
+
+
+def remove_unfinished_writes(output_dir: str) -> None:
+    """At a run's start (main process, the folder's lock held): delete the NAME.tmp files that a run killed while
+    replacing one of its files (RUN_FILES_WRITTEN_ASIDE) left beside it, which no later write of the same file may
+    ever remove (no profile.json where this run profiles no step, say). Only regular files of those names: a folder
+    NAME.tmp (a checkpoint, best/ or final/ being written) is deleted by the next write of it, and a link or any
+    other file is not the run's to delete."""
+    for name in RUN_FILES_WRITTEN_ASIDE:
+        leftover = os.path.join(output_dir, name + ".tmp")
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISREG(os.lstat(leftover).st_mode):
+                os.remove(leftover)
 
 
 def set_aside_later_line(output_dir: str, step: int) -> str | None:

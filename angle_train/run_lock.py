@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -34,6 +35,8 @@ LOCK_FILE = ".angle-train.lock"
 # How long an empty or half-written lock file is read again before it counts as damaged: its writer holds it for
 # microseconds between the exclusive create and the write.
 UNREADABLE_RETRY_S = 1.0
+# The record a run taking over the lock writes beside it (LOCK_FILE.TOKEN, RunLock.token) and renames over it
+_TAKE_OVER_RECORD = re.compile(re.escape(LOCK_FILE) + r"\.[0-9a-f]{32}")
 
 
 class OutputDirLocked(ValueError):
@@ -186,14 +189,26 @@ def _folder_flock(folder: str):
 def acquire(output_dir: str) -> RunLock:
     """Take the lock of output_dir (created if missing, its entry synced to disk in its parent: made_folder, as the
     run's files synced into it are lost with the folder otherwise) for this run, or raise OutputDirLocked naming
-    its holder."""
+    its holder. Once taken, the records that runs killed while taking over the lock left beside it are removed."""
     created = not os.path.isdir(output_dir)
     made_folder(output_dir)
     lock = RunLock(output_dir, created)
     try:
-        return lock.acquire()
+        lock.acquire()
     except BaseException:
         if created:
             with contextlib.suppress(OSError):
                 os.rmdir(output_dir)
         raise
+    _remove_take_over_leftovers(output_dir)
+    return lock
+
+
+def _remove_take_over_leftovers(output_dir: str) -> None:
+    """Delete the files LOCK_FILE.TOKEN (RunLock._take_over writes its record there before the rename) of runs
+    killed in between: with the lock held, no other run is taking it over. Regular files of that exact name only."""
+    for name in os.listdir(output_dir):
+        leftover = os.path.join(output_dir, name)
+        if _TAKE_OVER_RECORD.fullmatch(name) and os.path.isfile(leftover) and not os.path.islink(leftover):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(leftover)

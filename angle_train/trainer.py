@@ -43,8 +43,8 @@ from .atomic_files import written_aside
 from .checkpoint import (
     Position, base_model_record, best_holds, best_is_adapter_only, checkpoint_path, checkpoint_to_resume,
     clear_non_finite_stop, finished_checkpoints, is_own_checkpoint, load_checkpoint, prune_checkpoints, reconcile_best,
-    record_non_finite_stop, refuse_other_process_count, refuse_starts_among_run_outputs, remove_earlier_run, save_best,
-    save_checkpoint, save_final, set_aside_later_line,
+    record_non_finite_stop, refuse_other_process_count, refuse_starts_among_run_outputs, remove_earlier_run,
+    remove_unfinished_writes, save_best, save_checkpoint, save_final, set_aside_later_line,
 )
 from .cli_common import resolve_device
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags, whole_as_int
@@ -481,6 +481,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     elif continues_own_run and dist_info.is_main:
         set_aside_later_line(cfg.output_dir, position.step)  # the checkpoints after it: another line of training
         clear_non_finite_stop(cfg.output_dir)
+    if dist_info.is_main:
+        remove_unfinished_writes(cfg.output_dir)  # a killed write's NAME.tmp beside the run's files
     distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
     if dev_set is not None:
         position.best_metric, position.dev_fingerprint = dev_metric(dev_set), dev_fingerprint

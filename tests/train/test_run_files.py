@@ -10,9 +10,10 @@ the rename reports the checkpoint in place, one failing before it leaves no fina
 (checkpoints/, set-aside/), moves a line of training between and deletes an earlier run from are synced; an empty
 metrics.jsonl is no earlier run; the output folder a run creates is synced in its parent; a move to another file
 system is synced whole before its source goes, and one that fails keeps its source), and the small files replaced
-whole (atomic_files.written_aside: synced, then swapped in, a link written through, the permissions kept; a write
-that fails leaves the previous file and no aside file behind: the record of a non-finite stop, the lock a run takes
-over, the run's config.json; a lock taken over whose folder cannot be synced is not kept)."""
+whole (atomic_files.written_aside: synced, then swapped in, a link written through, the permissions kept, a link
+left as the aside file not written through; a write that fails leaves the previous file and no aside file behind:
+the record of a non-finite stop, the lock a run takes over, the run's config.json; a lock taken over whose folder
+cannot be synced is not kept; a run's start removes the aside files killed writes left)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from train_helpers import full_disk_midway, make_encoder, run_config
 
 from angle_train import atomic_files, checkpoint, run_lock, trainer
 from angle_train.distributed import DistInfo
+from angle_train.tiny import demo_examples
 
 
 @pytest.mark.parametrize("process_start", ["1", "0"])
@@ -525,6 +527,18 @@ def test_a_link_written_aside_is_written_through(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["results.json", "shared"] and os.listdir(target.parent) == ["scores.json"]
 
 
+def test_a_link_left_as_the_aside_file_is_not_written_through(tmp_path):
+    """A NAME.tmp already there (a killed write's, here a link) is replaced: the new contents never reach the file
+    it links to, and NAME becomes a file, not that link."""
+    other, path = tmp_path / "other.json", tmp_path / "results.json"
+    other.write_text("kept")
+    os.symlink("other.json", tmp_path / "results.json.tmp")
+    with atomic_files.written_aside(str(path)) as f:
+        f.write("new")
+    assert other.read_text() == "kept" and not os.path.islink(path) and path.read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["other.json", "results.json"]
+
+
 @pytest.fixture
 def umask_022():
     previous = os.umask(0o022)
@@ -602,6 +616,25 @@ def test_the_output_folder_a_run_creates_is_on_disk_in_its_parent(tmp_path, monk
     calls = _disk_calls(monkeypatch)
     run_lock.acquire(out).release()
     assert calls[:2] == [("sync", os.path.join(root, "runs")), ("sync", root)]
+
+
+def test_a_runs_start_removes_the_files_killed_writes_left(tmp_path):
+    """NAME.tmp beside a file the run replaces whole, and the record of a killed take-over of the lock, are removed
+    when a run starts in the folder; a link or a folder of such a name, and any other file, stay."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("metrics.jsonl.tmp", "profile.json.tmp", f"{checkpoint.NON_FINITE_STOP}.tmp", "notes.tmp",
+                 f"{run_lock.LOCK_FILE}.{'0' * 32}", f"{run_lock.LOCK_FILE}.backup"):
+        (out / name).write_text("{")
+    os.symlink("notes.tmp", out / "curves.png.tmp")
+    (out / "best.tmp").mkdir()
+    cfg = run_config(out, batch_size=4, max_steps=1, max_length=12)
+    run = trainer.setup(cfg, model=make_encoder("bert", layers=1), train_examples=(demo_examples(8, seed=4), "B"))
+    run.data_ahead.close()
+    run.log.close()
+    run.lock.release()
+    assert sorted(os.listdir(out)) == sorted([f"{run_lock.LOCK_FILE}.backup", "best.tmp", "config.json",
+                                              "curves.png.tmp", "notes.tmp"])
 
 
 def _moves_across_file_systems(monkeypatch, calls: list) -> None:
