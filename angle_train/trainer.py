@@ -60,8 +60,9 @@ from .evaluate import (
 )
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
-    ADAPTER_CONFIG, LOOK_UP, PEFT_LORA_DROPOUT, AdapterFitError, LoraSettings, LoraTargetError, absolute_if_local,
-    adapted_layer_names, adapter_settings_file, attach_adapter, export_pooling, first_token_pooling_problem,
+    ADAPTER_CONFIG, AUTOCAST_DTYPES, LOOK_UP, PEFT_LORA_DROPOUT, AdapterFitError, LoraSettings, LoraTargetError,
+    absolute_if_local, adapted_layer_names, adapter_settings_file, attach_adapter, export_pooling,
+    first_token_pooling_problem,
     load_encoder, own_bidirectional, own_prompts, past_trained_context_note, position_limit, prepare_tokenizer,
     read_adapter_config, wrap_backbone,
 )
@@ -491,14 +492,20 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         n_trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
         n_total = sum(p.numel() for p in encoder.parameters())
         real_share = expected_useful_tokens(cfg, dataset, order_of(position.epoch), dist_info)
-        print(f"angle_train: {model_name} | {n_trainable:,}/{n_total:,} trainable | {dataset.describe()} | "
+        print(f"angle_train: {model_name} | {n_trainable:,}/{n_total:,} trainable | "
+              + (f"{lora_start_words(cfg, encoder, given_model=model is not None)} | "
+                 if is_peft_model(encoder.backbone) else "") +
+              f"{dataset.describe()} | "
               f"{total_steps} step{'s' * (total_steps != 1)} of {cfg.batch_size}x{cfg.grad_accum} "
               f"{batch_items(fmt)} | "
               f"{describe_passes(cfg)} ({real_share:.0%} of "
               f"the tokens real) | pooling {encoder.pooling} ({pooling_source}) | "
               + (f"bidirectional attention ({settings_file}) | " if folders_attention else "") +
-              f"{dist_info.world_size} process(es) on {device} | "
+              f"{dist_info.world_size} process(es) on {device}{', weights sharded (FSDP)' if cfg.fsdp else ''} | "
               f"loss: {loss_description(cfg, fmt, loss_name, encoder.embedding_dim)}", flush=True)
+        print(f"angle_train: AdamW {schedule_words(cfg, total_steps)}, weight decay {cfg.weight_decay:g}, "
+              + (f"gradient norm clipped at {cfg.max_grad_norm:g}" if cfg.max_grad_norm > 0 else "no gradient clipping")
+              + f" | {precision_words(encoder, loss_scaling=cfg.fp16)} | seed {cfg.seed}", flush=True)
         if note := max_steps_note(cfg, len(items), dist_info.world_size):
             print(note, flush=True)
         repeats = repeated_items(items)
@@ -720,13 +727,20 @@ def check_model_settings(cfg: TrainConfig, encoder, fmt: str | None, *, pooling_
         check_espresso(cfg, encoder, fmt, model_name=model_name)
 
 
-def adapter_dropout_note(cfg: TrainConfig) -> str | None:
-    """A note for a --lora-dropout that replaces the dropout of the --lora-path adapter (its adapter_config.json's;
-    TrainConfig._take_adapter_settings), or None: the adapter's weights are the same, its training is not."""
+def replaced_adapter_dropout(cfg: TrainConfig) -> float | None:
+    """The dropout of the --lora-path adapter (its adapter_config.json's) that a --lora-dropout of another value
+    replaces (TrainConfig._take_adapter_settings), or None."""
     if not cfg.lora_path:
         return None
     own = read_adapter_config(cfg.lora_path, label="--lora-path ").get("lora_dropout", PEFT_LORA_DROPOUT)
-    if own == cfg.lora_dropout:
+    return None if own == cfg.lora_dropout else own
+
+
+def adapter_dropout_note(cfg: TrainConfig) -> str | None:
+    """A note for a --lora-dropout that replaces the dropout of the --lora-path adapter, or None: the adapter's
+    weights are the same, its training is not."""
+    own = replaced_adapter_dropout(cfg)
+    if own is None:
         return None
     return (f"angle_train: note: --lora-dropout {cfg.lora_dropout:g} replaces the dropout {own:g} of the adapter of "
             f"--lora-path {cfg.lora_path} (its {ADAPTER_CONFIG}'s lora_dropout): dropout is no part of its weights; "
@@ -1069,6 +1083,31 @@ def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
     down, 0.1 of 5 steps was none); the fraction taken as written (decimal_product: 0.07 of 100 steps is 7, where the
     Trainer's float product rounds up to 8)."""
     return math.ceil(decimal_product(cfg.warmup, total_steps)) if cfg.warmup < 1 else int(cfg.warmup)
+
+
+def schedule_words(cfg: TrainConfig, total_steps: int) -> str:
+    """The learning rate and its schedule in words, as the start line and the model card give them."""
+    warmup = warmup_steps(cfg, total_steps)
+    return f"lr {cfg.lr:g} ({cfg.schedule}, warmup {warmup} step{'s' * (warmup != 1)})"
+
+
+def precision_words(encoder, *, loss_scaling: bool) -> str:
+    """The start line's words for the precision the encoder trains in, read from the model itself (a model given to
+    train() keeps its own): its weights' dtypes (a LoRA run's frozen base apart from its adapters), the forward
+    pass's autocast, and gradient checkpointing (transformers marks each layer that recomputes its activations)."""
+    def names(dtypes) -> str:
+        return "/".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
+
+    trainable = {p.dtype for p in encoder.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in encoder.parameters() if not p.requires_grad}
+    words = (f"{names(trainable)} weights" if frozen <= trainable else
+             f"{names(trainable)} trainable weights, {names(frozen)} frozen")
+    if encoder.autocast:
+        words += f", forward autocast to {names([AUTOCAST_DTYPES[encoder.autocast]])}"
+        words += " with loss scaling" if loss_scaling else ""
+    if any(getattr(module, "gradient_checkpointing", False) is True for module in encoder.modules()):
+        words += ", gradient checkpointing"
+    return words
 
 
 def make_schedule(cfg: TrainConfig, optimizer, total_steps: int):
@@ -1474,7 +1513,6 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
             f"{len(run.dataset):,} examples in format {fmt} ({', '.join(FORMATS[fmt])})")
     loss = loss_description(cfg, fmt, run.loss_name, run.encoder.embedding_dim)
     widths = cfg.truncated_widths(run.encoder.embedding_dim)  # a run of the full width alone offers no prefix
-    warmup = warmup_steps(cfg, run.total_steps)
 
     def source(argument: str, flag_value, split: str | None = None) -> str:
         """What the flag names (with the split read, where it has splits: a hub name or a save_to_disk folder of a
@@ -1513,8 +1551,8 @@ def model_card(run: Run, name: str, current: dict | None = None) -> str:
               + (f"; dev: {dev_data}, {dev_description(run.dev_set)}" if run.dev_set else ""),
               f"- loss: {loss}",
               f"- steps: {position.step} optimizer step{'s' * (position.step != 1)} of {run.total_steps}, each "
-              f"{cfg.batch_size} x {cfg.grad_accum} {batch_items(fmt)}; lr {cfg.lr:g} "
-              f"({cfg.schedule}, warmup {warmup} step{'s' * (warmup != 1)}); texts cut at {cfg.max_length} tokens",
+              f"{cfg.batch_size} x {cfg.grad_accum} {batch_items(fmt)}; {schedule_words(cfg, run.total_steps)}; "
+              f"texts cut at {cfg.max_length} tokens",
               ""]
     if evals:
         label = tracking.DEV_METRICS[metric]
@@ -1572,18 +1610,46 @@ def lora_description(encoder, adapter_only: bool, *, lora_path: str | None = Non
     --lora-path adapter's own, or a model given to train()), the adapter the run started from (--lora-path), the
     frozen weights' dtype, and where the export keeps them (best/: the adapter alone; final/: merged into the
     weights, and the adapter alone in adapter/, as export.save_pretrained writes them)."""
-    config = next(iter(encoder.backbone.peft_config.values()))
-    targets = ", ".join(adapted_layer_names(config.target_modules))
+    config = lora_config(encoder)
     frozen = next((p.dtype for p in encoder.parameters() if not p.requires_grad), None)
     where = ("this folder holds the adapter alone" if adapter_only else
              "merged into this folder's weights; the adapter alone is in `adapter/` (peft's files, which "
              "`angle-eval path/adapter` scores on its base model)")
-    # alpha as peft holds it, whole or not, in full (16.5; 32, not 32.0): the scale the weights were trained at
-    return (f"- LoRA: rank {config.r}, alpha {whole_as_int(config.lora_alpha)}, dropout {config.lora_dropout:g} on "
-            f"{targets}"
+    return (f"- LoRA: {lora_rank_and_alpha(config)}, dropout {config.lora_dropout:g} on "
+            f"{', '.join(adapted_layer_names(config.target_modules))}"
             + (f", training continued from the adapter `{lora_path}`" if lora_path else "")
             + (f", the base model's weights frozen in {str(frozen).removeprefix('torch.')}" if frozen else "")
             + f"; {where}")
+
+
+def lora_config(encoder):
+    """The peft LoraConfig of a LoRA encoder's adapters (one adapter: angle_train trains and loads no other)."""
+    return next(iter(encoder.backbone.peft_config.values()))
+
+
+def lora_rank_and_alpha(config) -> str:
+    """A LoRA config's rank and alpha in words; alpha as peft holds it, whole or not, in full (16.5; 32, not 32.0):
+    the scale the weights were trained at."""
+    return f"rank {config.r}, alpha {whole_as_int(config.lora_alpha)}"
+
+
+def lora_start_words(cfg: TrainConfig, encoder, *, given_model: bool) -> str:
+    """The start line's words for a LoRA encoder's adapters, as peft built them: rank, alpha and the scale of the
+    adapters' output (as peft's layers hold it: alpha / rank, or alpha / sqrt(rank) for an rsLoRA adapter), dropout
+    and the layers adapted; and where they came from: the --lora-path adapter (with a --lora-dropout that replaced
+    its dropout), or the flags and config.LORA_DEFAULTS, every linear layer where --lora-targets names none.
+    given_model: a model given to train(), whose adapters are its own (train() takes no --lora-path with it)."""
+    config = lora_config(encoder)
+    scales = sorted({scale for module in encoder.modules() if isinstance(getattr(module, "scaling", None), dict)
+                     for scale in module.scaling.values()})
+    layers = ", ".join(adapted_layer_names(config.target_modules))
+    if not (given_model or cfg.lora_targets):
+        layers = f"every linear layer ({layers})"
+    replaced = replaced_adapter_dropout(cfg)
+    return ("LoRA " + (f"from the adapter {cfg.lora_path}: " if cfg.lora_path else "") + lora_rank_and_alpha(config)
+            + (f" (scale {', '.join(f'{scale:.3g}' for scale in scales)})" if scales else "")
+            + f", dropout {config.lora_dropout:g}"
+            + (f" (--lora-dropout; the adapter's {replaced:g})" if replaced is not None else "") + f" on {layers}")
 
 
 def dev_description(dev_set: StsSet | RetrievalSet) -> str:

@@ -57,16 +57,16 @@ def lora_export(folder):
     return base, final, encoder, tokenizer
 
 
-def causal_adapter(base: str, folder, targets="all-linear", seed: int = 1):
-    """(the adapter's folder, the causal LM with it): a LoRA adapter with non-zero weights (init_lora_weights=False,
-    drawn from `seed`) saved from the LlamaForCausalLM in `base`, as peft saves it: layer names under the LM's
-    `model.`."""
+def causal_adapter(base: str, folder, targets="all-linear", seed: int = 1, alpha: float = 8):
+    """(the adapter's folder, the causal LM with it): a LoRA adapter of rank 4 with non-zero weights
+    (init_lora_weights=False, drawn from `seed`) saved from the LlamaForCausalLM in `base`, as peft saves it: layer
+    names under the LM's `model.`."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = get_peft_model(LlamaForCausalLM.from_pretrained(base),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+                           LoraConfig(r=4, lora_alpha=alpha, target_modules=targets, init_lora_weights=False))
     model.save_pretrained(folder)
     return str(folder), model.eval()
 
@@ -326,26 +326,50 @@ def test_a_lora_flag_given_with_its_default_value_is_given(tmp_path, capsys):
 
 def test_lora_dropout_replaces_the_dropout_of_the_adapter_it_continues(tmp_path, capsys):
     """Dropout is no part of an adapter's weights: --lora-dropout with --lora-path trains the adapter with it (peft's
-    dropout on each adapted layer's input), says so in a note, and config.json, the model card and the trained
-    adapter's adapter_config.json record it. It was refused as contradicting the adapter's."""
+    dropout on each adapted layer's input), says so in a note and in the start line's LoRA settings (the adapter's
+    otherwise, its fractional alpha in full), and config.json, the model card and the trained adapter's
+    adapter_config.json record it. It was refused as contradicting the adapter's."""
     from angle_train.trainer import build_encoder, train
     from train_helpers import run_config
 
     base = causal_lm(tmp_path / "base")
-    adapter, _ = causal_adapter(base, tmp_path / "adapter", targets=["q_proj", "v_proj"])
+    adapter, _ = causal_adapter(base, tmp_path / "adapter", targets=["q_proj", "v_proj"], alpha=6.4)
     cfg = run_config(tmp_path / "out", lora=True, lora_path=adapter, lora_dropout=0.25, max_steps=1, batch_size=4,
                      save_final=True).validate()
-    assert (cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == (4, 8, 0.25)
+    assert (cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == (4, 6.4, 0.25)
     encoder, _ = build_encoder(cfg, torch.device("cpu"))
     dropouts = [module.lora_dropout["default"] for module in encoder.modules() if hasattr(module, "lora_dropout")]
     assert len(dropouts) == 4 and all(isinstance(each, torch.nn.Dropout) and each.p == 0.25 for each in dropouts)
     train(cfg)
+    out = capsys.readouterr().out
     assert (f"angle_train: note: --lora-dropout 0.25 replaces the dropout 0 of the adapter of --lora-path {adapter} "
-            f"(its {ADAPTER_CONFIG}'s lora_dropout)") in capsys.readouterr().out
+            f"(its {ADAPTER_CONFIG}'s lora_dropout)") in out
+    # the start line: the adapter's settings, a fractional alpha in full, and the dropout that replaced its own
+    assert (f" trainable | LoRA from the adapter {adapter}: rank 4, alpha 6.4 (scale 1.6), dropout 0.25 "
+            "(--lora-dropout; the adapter's 0) on q_proj, v_proj | ") in out
     final = tmp_path / "out" / "final"
     assert json.loads((tmp_path / "out" / "config.json").read_text())["lora_dropout"] == 0.25
     assert json.loads((final / "adapter" / ADAPTER_CONFIG).read_text())["lora_dropout"] == 0.25
-    assert "- LoRA: rank 4, alpha 8, dropout 0.25 on q_proj, v_proj" in (final / "README.md").read_text()
+    assert "- LoRA: rank 4, alpha 6.4, dropout 0.25 on q_proj, v_proj" in (final / "README.md").read_text()
+
+
+def test_the_start_lines_give_the_lora_settings_and_the_optimisation(tmp_path, capsys):
+    """The start line gives the LoRA settings a run trains with, from the flags and config.LORA_DEFAULTS: rank,
+    alpha (a fractional one too) and the scale alpha / rank, dropout and the layers; the line after it the
+    optimizer's settings, the precision and the seed. They were shown nowhere as a run started (a --lora-path run's:
+    test_lora_dropout_replaces_the_dropout_of_the_adapter_it_continues)."""
+    from angle_train.trainer import train
+    from train_helpers import run_config
+
+    train(run_config(tmp_path / "out", model=causal_lm(tmp_path / "base"), lora=True, lora_r=8, lora_alpha=16.5,
+                     max_steps=1, batch_size=4, max_length=16, lr=1e-3, warmup=0, schedule="constant",
+                     weight_decay=0.0, max_grad_norm=0.0, bf16=True, seed=3))
+    lines = capsys.readouterr().out.splitlines()
+    header = next(index for index, line in enumerate(lines) if " trainable | " in line)
+    assert ("| LoRA rank 8, alpha 16.5 (scale 2.06), dropout 0.05 on every linear layer (down_proj, gate_proj, "
+            "k_proj, o_proj, q_proj, up_proj, v_proj) |") in lines[header]
+    assert lines[header + 1] == ("angle_train: AdamW lr 0.001 (constant, warmup 0 steps), weight decay 0, no gradient "
+                                 "clipping | float32 weights, forward autocast to bfloat16 | seed 3")
 
 
 def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_lora_path(tmp_path):
