@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import math
 import os
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -489,9 +490,10 @@ RANK_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "t
                 "angle_kernels", "angle_train.trainer", "sentence_transformers")
 
 
-def start_ranks(fn, args: tuple = (), nprocs: int = 2) -> None:
+def start_ranks(fn, args: tuple = (), nprocs: int = 2, *, timeout_s: float | None = None) -> None:
     """torch.multiprocessing.spawn(fn, args, nprocs), each process forked from a server that has imported
-    RANK_PRELOAD (multiprocessing's "forkserver"), and raises what a process raised, as spawn does.
+    RANK_PRELOAD (multiprocessing's "forkserver"), and raises what a process raised, as spawn does. timeout_s: the
+    processes still running after that many seconds are killed and a TimeoutError raised (a hang fails the test).
 
     A spawned process imports torch, transformers and the test module afresh, which on two cores took 4-5 s of a
     2-process test whose own work takes half a second (14 s for 3 processes that import sentence-transformers); a
@@ -507,8 +509,15 @@ def start_ranks(fn, args: tuple = (), nprocs: int = 2) -> None:
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"  # (Windows)
     if method == "forkserver":
         multiprocessing.get_context(method).set_forkserver_preload(list(RANK_PRELOAD))  # before its first start
-    torch.multiprocessing.start_processes(_in_environment, args=(dict(os.environ), fn, args), nprocs=nprocs,
-                                          join=True, start_method=method)
+    context = torch.multiprocessing.start_processes(_in_environment, args=(dict(os.environ), fn, args),
+                                                    nprocs=nprocs, join=False, start_method=method)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not context.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if deadline is not None and time.monotonic() >= deadline:
+            running = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"process(es) {running} of {nprocs} still running after {timeout_s} s")
 
 
 def outputs_of_ranks(fn, out_dir, world: int = 2) -> list:
