@@ -79,7 +79,7 @@ import transformers
 from .atomic_files import made_folder, move_durably, sync_folder, sync_tree, written_aside
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, prompts_of
 from .data import FORMATS, has_no_splits, parse_columns
-from .distributed import DistInfo, all_gather_objects, barrier
+from .distributed import DistInfo, failures_of_processes, stopping_together
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
 from .models import adapter_fingerprint
@@ -573,10 +573,10 @@ def save_checkpoint(cfg: TrainConfig, position: Position, dist_info: DistInfo, *
         if dist_info.is_main:
             write_manifest(tmp)
             sync_tree(tmp)  # can fail as a write does (ENOSPC of delayed allocation, EIO)
-    if dist_info.is_main:
-        _swap_in(tmp, path, synced=True)  # a failure after the rename is no failed write: the checkpoint is in place
-        prune_checkpoints(cfg.output_dir, keep=cfg.keep_checkpoints, good_step=position.good_checkpoint)
-    barrier(dist_info)
+    with stopping_together(dist_info):  # every process waits for the folder's rename, and stops where it failed
+        if dist_info.is_main:
+            _swap_in(tmp, path, synced=True)  # a failure after the rename is no failed write: the checkpoint is there
+            prune_checkpoints(cfg.output_dir, keep=cfg.keep_checkpoints, good_step=position.good_checkpoint)
     return path
 
 
@@ -632,24 +632,28 @@ def _failed_write_cleaned(tmp: str, output_dir: str, dist_info: DistInfo):
     process raise an OSError that says the previous checkpoint is untouched, naming the process that failed where
     others did not. A process that removed the folder on its own failure and stopped pulled it from under another
     still writing (which then failed on 'Parent directory ... does not exist'), and one whose partner failed waited
-    at the next collective until its connection broke."""
+    at the next collective until its connection broke. Any other exception (a bug) stops every process too, as
+    distributed.stopping_together does, the partial folder left for the next save to remove."""
     own = None
     try:
         yield
-    except OSError as exc:
+    except Exception as exc:
         own = exc
-    failures = all_gather_objects(dist_info, None if own is None else (own.errno, own.strerror or str(own)))
-    failed = [(rank, failed) for rank, failed in enumerate(failures) if failed is not None]
+    failed = failures_of_processes(dist_info, own)
     if not failed:
         return
-    rank, (code, why) = failed[0]
+    rank, failure = failed[0]
+    if failure.kind != "OSError":  # no failed write but a bug: raised as stopping_together raises it, the folder
+        raise own if own is not None else failure.raised_elsewhere(rank)  # left as a killed run leaves it
     if dist_info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-    where = f" on process {rank}" if len(failed) < len(failures) else ""  # (sharded: every process, naming its own)
+    # (sharded: every process, naming its own)
+    where = f" on process {rank}" if len(failed) < dist_info.world_size else ""
     done = finished_checkpoints(output_dir)
     kept = f"the previous checkpoint {done[-1]} is intact" if done else "no earlier checkpoint exists"
-    raise OSError(code, f"could not write checkpoint {tmp} ({why}{where}); the partial folder was removed and {kept}. "
-                        "Free space (or lower --keep-checkpoints) and resume with --resume auto") from own
+    raise OSError(failure.errno, f"could not write checkpoint {tmp} ({failure.text}{where}); the partial folder was "
+                                 f"removed and {kept}. Free space (or lower --keep-checkpoints) and resume with "
+                                 "--resume auto") from own
 
 
 def load_checkpoint(path: str, cfg: TrainConfig, dist_info: DistInfo, *, encoder, optimizer, scheduler, scaler,

@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from angle_kernels.distributed import all_gather_with_grad, is_distributed
 
+from .cli_common import is_user_error
+
 
 @dataclass
 class DistInfo:
@@ -98,6 +100,64 @@ def all_gather_objects(info: DistInfo, value) -> list:
     return gathered
 
 
+@dataclass(frozen=True)
+class Failure:
+    """An exception raised on one process, as the other processes learn of it: gathered as this plain record, never as
+    the exception itself (one that cannot be pickled failed the gather on its own process, leaving the others
+    waiting). kind: "OSError" for any OSError, else the exception's type name; errno: an OSError's; text: its
+    message, without OSError's "[Errno N] "; users: one the user fixes (cli_common.is_user_error)."""
+    kind: str
+    errno: int | None
+    text: str
+    users: bool
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        errno = exc.errno if isinstance(exc, OSError) else None
+        text = str(exc).removeprefix(f"[Errno {errno}] ") if errno is not None else str(exc)
+        kind = "OSError" if isinstance(exc, OSError) else type(exc).__name__
+        return cls(kind=kind, errno=errno, text=text, users=is_user_error(exc))
+
+    def raised_elsewhere(self, rank: int) -> Exception:
+        """The error a process raises for this failure of process `rank`, with its message naming the process: an
+        OSError with its errno, a ValueError for one the user fixes (the command lines' one line and status 2 for
+        either), anything else (a bug) a RuntimeError naming its type, with a traceback."""
+        said = f"{self.text} on process {rank}"
+        if self.kind == "OSError":
+            return OSError(said) if self.errno is None else OSError(self.errno, said)
+        if self.users:
+            return ValueError(said)
+        return RuntimeError(f"{self.kind}: {said}")
+
+
+def failures_of_processes(info: DistInfo, own: BaseException | None) -> list[tuple[int, Failure]]:
+    """(rank, Failure) of each process whose `own` exception is not None, in rank order. A collective: every process
+    calls it, failed or not."""
+    gathered = all_gather_objects(info, None if own is None else Failure.of(own))
+    return [(rank, failure) for rank, failure in enumerate(gathered) if failure is not None]
+
+
+@contextlib.contextmanager
+def stopping_together(info: DistInfo):
+    """Inside: work that not every process does, or that may fail on one alone (the main process's clearing of the
+    output folder, its exports, metrics.jsonl), before the processes meet again. A collective: every process enters,
+    and leaves once every process is done. An exception raised inside on any process stops every process: the one
+    that raised it raises it as it would alone (traceback and message unchanged), the others the same error naming
+    that process (Failure.raised_elsewhere), where they had waited at their next collective until the connection
+    broke or --ddp-timeout ran out (30 minutes by default)."""
+    own = None
+    try:
+        yield
+    except Exception as exc:
+        own = exc
+    failed = failures_of_processes(info, own)
+    if own is not None:
+        raise own
+    if failed:
+        rank, failure = failed[0]
+        raise failure.raised_elsewhere(rank)
+
+
 def leave_process_group() -> None:
     """At the end of a command's run: wait for every process, then leave the process group that init_distributed
     joined. Left to the interpreter's exit, a gloo worker thread could free the last collective's tensors during
@@ -128,12 +188,6 @@ def wrap_ddp(module: torch.nn.Module, device: torch.device, *, equal_weights: bo
     if equal_weights and "init_sync" in params:
         kwargs["init_sync"] = False
     return torch.nn.parallel.DistributedDataParallel(module, **kwargs)
-
-
-def barrier(info: DistInfo) -> None:
-    """Wait until every process gets here (nothing to wait for when there is one)."""
-    if info.enabled:
-        dist.barrier()
 
 
 def broadcast_from_main(value, info: DistInfo):

@@ -133,9 +133,13 @@ def _train(cfg: TrainConfig, *, model, train_examples, dev_examples, loss_fn, on
             while run.position.step < run.total_steps:
                 with profiling(run.device, enabled=run.position.step + 1 == profile_at) as profile:
                     row = optimizer_step(run)
-                if profile is not None:
-                    report_profile(run, profile, row)
-                run.log.step(row)
+                # the main process's files of this step (profile.json, metrics.jsonl's row, due on the same steps
+                # in every process): where they fail, every process stops (no collective on the other steps)
+                with (distributed.stopping_together(run.dist_info)
+                      if profile is not None or run.log.writes_row(row["step"]) else contextlib.nullcontext()):
+                    if profile is not None:
+                        report_profile(run, profile, row)
+                    run.log.step(row)
                 run.result.history.append(row)
                 step = row["step"]
                 with run.log.paused():  # pairs/s and tokens/s measure training, not evaluation or checkpoints
@@ -218,8 +222,10 @@ def trust_checkpoint(run: Run) -> None:
     (Position.good_checkpoint), which pruning keeps beyond --keep-checkpoints until a newer one is good, and the
     good one before it may go."""
     run.position.good_checkpoint, run.unverified_checkpoint = run.unverified_checkpoint, None
-    if run.dist_info.is_main:
-        prune_checkpoints(run.cfg.output_dir, keep=run.cfg.keep_checkpoints, good_step=run.position.good_checkpoint)
+    with distributed.stopping_together(run.dist_info):
+        if run.dist_info.is_main:
+            prune_checkpoints(run.cfg.output_dir, keep=run.cfg.keep_checkpoints,
+                              good_step=run.position.good_checkpoint)
 
 
 def fresh_gradient_buckets(run: Run) -> None:
@@ -476,15 +482,16 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
             position.good_checkpoint = None  # a step of the other folder's checkpoints, none of output_dir's
     # only now, with the flags, the data, the model and the checkpoint checked: a start refused by any of them
     # leaves the output folder as it was
-    if cfg.overwrite and not continues_own_run and dist_info.is_main:
-        # a fresh start, or a resume from another folder's checkpoint (checkpoint_to_resume)
-        remove_earlier_run(cfg.output_dir)
-    elif continues_own_run and dist_info.is_main:
-        set_aside_later_line(cfg.output_dir, position.step)  # the checkpoints after it: another line of training
-        clear_non_finite_stop(cfg.output_dir)
-    if dist_info.is_main:
-        remove_unfinished_writes(cfg.output_dir)  # a killed write's NAME.tmp beside the run's files
-    distributed.barrier(dist_info)  # nobody writes into output_dir while the main process clears it
+    # nobody writes into output_dir while the main process clears it, and where that fails every process stops
+    with distributed.stopping_together(dist_info):
+        if cfg.overwrite and not continues_own_run and dist_info.is_main:
+            # a fresh start, or a resume from another folder's checkpoint (checkpoint_to_resume)
+            remove_earlier_run(cfg.output_dir)
+        elif continues_own_run and dist_info.is_main:
+            set_aside_later_line(cfg.output_dir, position.step)  # the checkpoints after it: another line of training
+            clear_non_finite_stop(cfg.output_dir)
+        if dist_info.is_main:
+            remove_unfinished_writes(cfg.output_dir)  # a killed write's NAME.tmp beside the run's files
     if dev_set is not None:
         position.best_metric, position.dev_fingerprint = dev_metric(dev_set), dev_fingerprint
 
@@ -556,14 +563,16 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
         elif cfg.resume == "auto":  # a requeued job's first launch, or a folder whose checkpoints are gone: said
             print(f"--resume auto: no checkpoint in {cfg.output_dir}; training from step 0", flush=True)
     encoder.train()
+    with distributed.stopping_together(dist_info):  # the main process writes config.json, opens the reporters
+        log = RunLog(cfg, dist_info.is_main, device, total_steps, position.step, position.loss_window,
+                     unit=batch_items(fmt))
     return Run(cfg=cfg, device=device, dist_info=dist_info, encoder=encoder,
                model=distributed.wrap_ddp(encoder, device) if dist_info.enabled and not cfg.fsdp else encoder,
                tokenizer=tokenizer, dataset=dataset, dev_set=dev_set, loss_fn=loss_fn,
                guarded_loss=faults.SkipNonFiniteEmbeddings(loss_fn),
                optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=total_steps, position=position,
                epoch_order=order_of(position.epoch), data_fingerprint=fingerprint,
-               log=RunLog(cfg, dist_info.is_main, device, total_steps, position.step, position.loss_window,
-                          unit=batch_items(fmt)),
+               log=log,
                result=TrainResult(encoder=encoder, tokenizer=tokenizer, best_score=position.best,
                                   # the dev set's, or a checkpoint's best's when resumed without dev data
                                   best_metric=position.best_metric if dev_set or position.best is not None else None),
@@ -1405,29 +1414,32 @@ def evaluate(run: Run) -> None:
     truncated = run.cfg.truncated_widths(width)
     embeddings = dev_embeddings(run)
     improved = False
-    if embeddings is not None:
-        scores = scores_of_embeddings(run.dev_set, embeddings, truncated)
-        improved = improves(scores[metric], position.best)
+    with distributed.stopping_together(run.dist_info):  # scored by the main process alone (unless sharded)
+        if embeddings is not None:
+            scores = scores_of_embeddings(run.dev_set, embeddings, truncated)
+            improved = improves(scores[metric], position.best)
     if sharded:  # the gather below is a collective: every process follows the main process's decision
         improved = distributed.broadcast_from_main(improved, run.dist_info)
     if improved and run.cfg.save_best:
         weights = sharding.full_state_dict(run.encoder) if sharded else None  # every process, when sharded
-        if run.dist_info.is_main:
+    # the main process's export of a new best and its report: where they fail, every process stops
+    with distributed.stopping_together(run.dist_info):
+        if improved and run.cfg.save_best and run.dist_info.is_main:
             save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights, base_model=run.exports_base,
                       model_card=model_card(run, "best", {"step": position.step, **scores}),
                       step=position.step, score=scores[metric], metric=metric)
-    if run.dist_info.is_main:
-        score = scores[metric]
-        if improved:
-            position.best, position.best_step = score, position.step
-        row = {"step": position.step, **scores, f"best_{metric}": position.best}
-        run.result.evals.append(row)
-        run.log.write(row)
-        print(f"{run.log.line_start}step {position.step}: {tracking.DEV_METRICS[metric]} {score:.4f}"
-              + (" (best)" if improved else "")
-              + "".join(f" | @{d} {scores[f'{metric}@{d}']:.4f}" for d in truncated), flush=True)
-        if not math.isfinite(score):
-            report_unscored(run, embeddings)
+        if run.dist_info.is_main:
+            score = scores[metric]
+            if improved:
+                position.best, position.best_step = score, position.step
+            row = {"step": position.step, **scores, f"best_{metric}": position.best}
+            run.result.evals.append(row)
+            run.log.write(row)
+            print(f"{run.log.line_start}step {position.step}: {tracking.DEV_METRICS[metric]} {score:.4f}"
+                  + (" (best)" if improved else "")
+                  + "".join(f" | @{d} {scores[f'{metric}@{d}']:.4f}" for d in truncated), flush=True)
+            if not math.isfinite(score):
+                report_unscored(run, embeddings)
     position.best, position.best_step = distributed.broadcast_from_main((position.best, position.best_step),
                                                                         run.dist_info)
 
@@ -1484,19 +1496,21 @@ def restore_best(run: Run) -> None:
     run may have replaced after the checkpoint, or which lives in another output folder when the run resumes into a
     new one. When only the checkpoint's own weights are that model (its best was measured at its step), they are
     exported here, as evaluate() would have."""
-    action = reconcile_best(run.cfg, run.resumed_from, run.position) if run.dist_info.is_main else None
+    with distributed.stopping_together(run.dist_info):  # the main process's folder work: every process stops with it
+        action = reconcile_best(run.cfg, run.resumed_from, run.position) if run.dist_info.is_main else None
     action = distributed.broadcast_from_main(action, run.dist_info)
     if action != "export":
         return
     sharded = run.cfg.fsdp
     weights = sharding.full_state_dict(run.encoder) if sharded else None  # every process, when sharded
-    if run.dist_info.is_main:
-        position = run.position
-        save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights, base_model=run.exports_base,
-                  model_card=model_card(run, "best"), step=position.best_step, score=position.best,
-                  metric=position.best_metric)
-        print(f"best/: exported the checkpoint's best model (step {position.best_step}, "
-              f"{tracking.DEV_METRICS[position.best_metric]} {position.best:.4f}) from its weights", flush=True)
+    with distributed.stopping_together(run.dist_info):
+        if run.dist_info.is_main:
+            position = run.position
+            save_best(run.cfg, run.encoder, run.tokenizer, state_dict=weights, base_model=run.exports_base,
+                      model_card=model_card(run, "best"), step=position.best_step, score=position.best,
+                      metric=position.best_metric)
+            print(f"best/: exported the checkpoint's best model (step {position.best_step}, "
+                  f"{tracking.DEV_METRICS[position.best_metric]} {position.best:.4f}) from its weights", flush=True)
 
 
 def model_card(run: Run, name: str, current: dict | None = None) -> str:
@@ -1715,13 +1729,14 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
     # --fsdp: the whole weights, gathered from every process's shards (every process takes part)
     weights = sharding.full_state_dict(run.encoder) if cfg.fsdp and cfg.save_final else None
     interrupted = False
-    if run.dist_info.is_main and cfg.save_final:
-        try:
-            result.final_path = save_final(cfg, run.encoder, run.tokenizer, state_dict=weights,
-                                           base_model=run.exports_base, while_writing=signals.interrupting,
-                                           model_card=model_card(run, "final"))
-        except faults.Interrupted:
-            interrupted = True
+    with distributed.stopping_together(run.dist_info):  # a failed export stops every process
+        if run.dist_info.is_main and cfg.save_final:
+            try:
+                result.final_path = save_final(cfg, run.encoder, run.tokenizer, state_dict=weights,
+                                               base_model=run.exports_base, while_writing=signals.interrupting,
+                                               model_card=model_card(run, "final"))
+            except faults.Interrupted:
+                interrupted = True
     if faults.any_rank(interrupted, run.dist_info, run.device):
         path = checkpoint_path(cfg.output_dir, position.step)
         if path not in finished_checkpoints(cfg.output_dir):
@@ -1729,8 +1744,15 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
         raise faults.Preempted(signals.requested or "a signal to another process", path)
     signals.complete(f"final model: {result.final_path}" if result.final_path else f"all {run.total_steps} steps "
                      "done")
-    if not run.dist_info.is_main:
-        return result
+    with distributed.stopping_together(run.dist_info):  # the others wait for it as the process group is left
+        if run.dist_info.is_main:
+            report_finish(run)
+    return result
+
+
+def report_finish(run: Run) -> None:
+    """The run's closing words (main process): best/ when it holds the reported best, curves.png, the summary line."""
+    cfg, position, result = run.cfg, run.position, run.result
     best = os.path.join(cfg.output_dir, "best")
     # only a best/ that holds the reported best (a checkpoint from an older angle_train records no step: its best/)
     if position.best is not None and cfg.save_best and (
@@ -1745,7 +1767,7 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
         print(f"done: the run had already reached its last step ({position.step}) when it was resumed; nothing "
               f"left to train{f', final model exported to {result.final_path}' if result.final_path else ''}",
               flush=True)
-        return result
+        return
     last = result.history[-1]
     mean_loss, steps = run.log.last_loss or (last["loss"], 1)
     unit = batch_items(getattr(run.dataset, "fmt", None))
@@ -1758,7 +1780,6 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
           f"peak memory {peak_memory_gb(run.device):.2f} GiB{'' if run.device.type == 'cuda' else ' (process RSS)'}"
           + (f" | best {tracking.DEV_METRICS[position.best_metric]} {position.best:.4f}"
              if position.best is not None else ""), flush=True)
-    return result
 
 
 def lr_curve(run: Run, points: int = 2000) -> list[tuple[int, float]]:
@@ -1849,12 +1870,16 @@ class RunLog:
             self.bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}_s": f"{rate:.1f}"},
                                  tok_s=f"{row['tokens_per_s']:.0f}", mem=f"{row['peak_mem_gb']:.2f}G")
         self.run_steps += 1
-        if every(self.log_every, row["step"]) or row["step"] == self.total_steps:
+        if self.writes_row(row["step"]):
             self.write({**row, "loss": mean_loss})
             self.last_loss = (mean_loss, len(self.losses))
             self.run_pairs, self.run_tokens = self.run_pairs + self.pairs, self.run_tokens + self.tokens
             self.run_seconds += elapsed
             self._start_window()
+
+    def writes_row(self, step: int) -> bool:
+        """Whether step() writes a row after this step: every log_every steps, and after the last."""
+        return every(self.log_every, step) or step == self.total_steps
 
     def write(self, row: dict) -> None:
         """Append a row to metrics.jsonl and hand it to the --report-to reporters (main process only; a no-op

@@ -16,9 +16,27 @@ import torch
 from train_helpers import make_encoder
 
 from angle_kernels.testing.helpers import outputs_of_ranks
+from angle_train.cli_common import is_user_error
 
 
 ARCCSE_SENTENCES = ["box", "the cat", "it was a golden kite , very long", "the big house is not white at all"]
+
+
+def _no_permission(rank: int) -> None:
+    if rank == 0:
+        raise PermissionError(13, "Permission denied", "/run/metrics.jsonl")
+
+
+def _a_users_mistake(rank: int) -> None:
+    from angle_train.config import TrainConfig
+
+    if rank == 0:
+        TrainConfig(batch_size=0).validate()  # angle_train's own check: a ValueError the user fixes
+
+
+def _a_bug(rank: int) -> None:
+    if rank == 1:
+        len(None)
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
@@ -52,6 +70,15 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
             out["later_rows"] = None
         except Exception as exc:  # noqa: BLE001 - the type and message are what is checked
             out["later_rows"] = f"{type(exc).__name__}: {exc}"
+        # what one process alone does fails: every process stops, the others with its error naming it
+        out["stopped"] = []
+        for failing in (_no_permission, _a_users_mistake, _a_bug):
+            try:
+                with td.stopping_together(info):
+                    failing(rank)
+                out["stopped"].append(None)
+            except Exception as exc:  # noqa: BLE001 - the type, message and kind are what is checked
+                out["stopped"].append((type(exc).__name__, str(exc), is_user_error(exc)))
         out["after"] = all_gather_with_grad(torch.full((1, 2), float(rank))).detach()  # the group still works
         # ArcCSE's setup counts: every process's share counted (the sentences cut are all in rank 1's share)
 
@@ -70,6 +97,20 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     return outputs_of_ranks(_worker, tmp_path_factory.mktemp("two_ranks"))
+
+
+def test_a_failure_on_one_process_stops_every_process_with_its_error(two_ranks):
+    """distributed.stopping_together: the process that failed raises its own error, the others the same one naming
+    it, of a kind the command lines treat alike (an OSError with its errno and a ValueError of angle_train's: one
+    line; a bug: a traceback), and the group still works after it."""
+    mistake = "--batch-size must be >= 1"
+    own, elsewhere = two_ranks[0]["stopped"], two_ranks[1]["stopped"]
+    assert own[0] == ("PermissionError", "[Errno 13] Permission denied: '/run/metrics.jsonl'", True)
+    assert elsewhere[0] == ("PermissionError", "[Errno 13] Permission denied: '/run/metrics.jsonl' on process 0", True)
+    assert own[1][0] == "ValueError" and own[1][1].startswith(mistake) and own[1][2]
+    assert elsewhere[1] == ("ValueError", f"{own[1][1]} on process 0", True)
+    assert elsewhere[2] == ("TypeError", "object of type 'NoneType' has no len()", False)
+    assert own[2] == ("RuntimeError", "TypeError: object of type 'NoneType' has no len() on process 1", False)
 
 
 def test_broadcast_from_main_gives_rank_0s_value_everywhere(two_ranks):

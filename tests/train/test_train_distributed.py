@@ -112,6 +112,37 @@ def _rank_with_a_full_disk(rank, world, port, out_dir):
     _outcome_of_a_run(rank, world, port, out_dir, demo_examples(24, seed=2), max_steps=2, save_every=1)
 
 
+def _rank_whose_main_cannot_clear_the_folder(rank, world, port, out_dir):
+    """Trains with --overwrite over an earlier run's metrics.jsonl; on process 0 the sync of the output folder after
+    the earlier run's files are removed (checkpoint.remove_earlier_run, the main process's alone) fails."""
+    import errno
+
+    from angle_train import checkpoint
+    from angle_train.tiny import demo_examples
+
+    sync_folder = checkpoint.sync_folder
+
+    def failing_for_the_output_folder(path):
+        if rank == 0 and os.path.samefile(path, out_dir):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        sync_folder(path)
+    checkpoint.sync_folder = failing_for_the_output_folder
+    _outcome_of_a_run(rank, world, port, out_dir, demo_examples(24, seed=2), max_steps=1, overwrite=True)
+
+
+def test_a_failure_of_the_main_process_alone_stops_every_process_with_its_error(tmp_path):
+    """What the main process alone does before the processes meet again (here the clearing of the output folder for
+    --overwrite) failed on it: it stopped with the error, and the others waited for it at the next collective until
+    the connection broke (process 1: gloo's 'Connection closed by peer' traceback) or --ddp-timeout ran out (a hang:
+    the timeout fails the test). Now every process stops at once, the others with the main process's error naming
+    it."""
+    (tmp_path / "metrics.jsonl").write_text("{}\n")  # an earlier run's, which --overwrite removes
+    start_ranks(_rank_whose_main_cannot_clear_the_folder, (2, free_port(), str(tmp_path)), timeout_s=60)
+    outcomes = [torch.load(tmp_path / f"outcome{rank}.pt") for rank in range(2)]
+    assert outcomes == ["OSError: [Errno 5] Input/output error",
+                        "OSError: [Errno 5] Input/output error on process 0"], outcomes
+
+
 def test_processes_that_read_different_data_are_refused_together(tmp_path):
     """Each process reads the data (and finds its checkpoint) on its own: processes that disagree trained on
     mismatched slices and then hung where one planned fewer steps. Now every process refuses, before training."""
