@@ -356,6 +356,18 @@ def test_the_sentence_transformers_integration_refuses_a_release_too_old_for_it(
     _run_the_sentence_transformers_integration_afresh()
 
 
+@pytest.mark.parametrize("version, release", [("6.3.0", (6, 3)), ("6.3.0.dev0", (6, 3)), ("6.3.0rc1", (6, 3)),
+                                              ("6.4.0+local", (6, 4)), ("6.10.1", (6, 10)), ("1!6.3.0", (6, 3)),
+                                              ("6rc3", (6, 0)), ("6.2.1.post2+cu121.7", (6, 2)),
+                                              ("6.3.0.custom", (6, 3))])
+def test_the_sentence_transformers_release_is_read_by_pep_440(version, release):
+    """The release the drop-ins follow (its oldest taken, GIST's self-negatives before 6.3) as PEP 440 reads it: the
+    string's first two numbers took an epoch for the major release, refusing "1!6.3.0" as 1.6, and a pre-release's
+    number for the minor one, "6rc3" as 6.3, which left out GIST's self-negatives that 6.0 has."""
+    ours = pytest.importorskip("angle_kernels.integrations.sentence_transformers")
+    assert ours._release(version) == release
+
+
 def test_shipped_files_cite_no_path_outside_the_repository():
     """What a clone or the package holds (the packages, READMEs, docs, scripts) names no file outside the
     repository: a reader of a clone has no `../shared` (its data and guides are named by their public sources)."""

@@ -97,11 +97,21 @@ if importlib.util.find_spec("sentence_transformers") is None:  # a bare ModuleNo
                               f"losses and needs the package: {_NEEDED}", name="sentence_transformers")
 
 from sentence_transformers import __version__ as _st_version  # noqa: E402  (after the check that it is there)
+from packaging.version import InvalidVersion as _InvalidVersion  # noqa: E402
+from packaging.version import Version as _Version  # noqa: E402
 
 
 def _release(version: str) -> tuple[int, ...]:
-    """(major, minor) of a version string: "6.3.0" and "6.3.0.dev0" -> (6, 3), "6.10.1" -> (6, 10)."""
-    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    """(major, minor) of a version string: "6.3.0", "6.3.0.dev0", "6.3.0rc1" and "6.3.0+local" -> (6, 3), "6.10.1"
+    -> (6, 10), "6rc3" -> (6, 0), "1!6.3.0" -> (6, 3), by PEP 440's rules (packaging, which transformers and
+    sentence-transformers need): the string's first two numbers took an epoch for the major release ("1!6.3.0" was
+    refused as 1.6) and a pre-release's number for the minor one ("6rc3" read 6.3). A string that is not PEP 440:
+    its first two numbers."""
+    try:
+        parsed = _Version(version)
+    except _InvalidVersion:
+        return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    return (parsed.major, parsed.minor)
 
 
 if _release(_st_version) < OLDEST_RELEASE:
