@@ -366,10 +366,14 @@ class TrainConfig:
         """The LoRA settings of LORA_DEFAULTS given (not None), returned; those not given set to their defaults, which
         an adapter's values replace (_take_adapter_settings). A validated config's are all given: validating it again
         compares them with the adapter's, which they are."""
-        given = {name for name in LORA_DEFAULTS if getattr(self, name) is not None}
+        given = self.given_lora_settings()
         for name in LORA_DEFAULTS.keys() - given:
             setattr(self, name, LORA_DEFAULTS[name])
         return given
+
+    def given_lora_settings(self) -> set[str]:
+        """The LoRA settings of LORA_DEFAULTS given (not None): before validate() sets the others to their defaults."""
+        return {name for name in LORA_DEFAULTS if getattr(self, name) is not None}
 
     def _take_epochs(self) -> None:
         """--epochs not given (None): DEFAULT_EPOCHS where they set the run's length; with --max-steps, which sets it,

@@ -502,6 +502,25 @@ def prepare_tokenizer(tokenizer, is_decoder: bool):
     return tokenizer
 
 
+def takes_gradient_checkpointing(backbone: nn.Module) -> bool:
+    """Whether transformers can recompute `backbone`'s activations in backward (enable_gradient_checkpointing): a
+    transformers model whose class supports it (a peft model answers for its base model)."""
+    return bool(getattr(backbone, "supports_gradient_checkpointing", False)) and any(
+        hasattr(backbone, name) for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"))
+
+
+def enable_gradient_checkpointing(backbone: nn.Module) -> None:
+    """Recompute `backbone`'s activations in backward (--gradient-checkpointing), non-reentrant: the inputs need not
+    require gradients (frozen embeddings under LoRA)."""
+    # transformers 5.x renamed it activation_checkpointing_enable, the old name kept with a FutureWarning at every
+    # run; the versions before the rename have only the old one
+    enable = getattr(backbone, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def wrap_backbone(
     backbone: nn.Module,
     *,
@@ -524,13 +543,7 @@ def wrap_backbone(
         dropped["pooler"] = backbone.pooler.requires_grad_(False)
         backbone.pooler = None
     if gradient_checkpointing:
-        # transformers 5.x renamed it activation_checkpointing_enable, the old name kept with a FutureWarning at
-        # every run; the versions before the rename have only the old one
-        enable = getattr(backbone, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(backbone)
     if lora is not None:
         try:
             from peft import LoraConfig, get_peft_model

@@ -26,6 +26,7 @@ import math
 import os
 import random
 import resource
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -47,7 +48,9 @@ from .checkpoint import (
     remove_unfinished_writes, save_best, save_checkpoint, save_final, set_aside_later_line,
 )
 from .cli_common import resolve_device
-from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, for_dev_columns, prompt_flags, whole_as_int
+from .config import (
+    PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, for_dev_columns, prompt_flags, whole_as_int,
+)
 from .data import (
     FORMATS, ORDER_VERSION, ROWS_PER_EXAMPLE, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs,
     data_fingerprint, epoch_batches, errors_naming, has_no_splits, holds_one_dataset, load_examples, order_fingerprint,
@@ -61,10 +64,10 @@ from .evaluate import (
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
     ADAPTER_CONFIG, AUTOCAST_DTYPES, LOOK_UP, PEFT_LORA_DROPOUT, AdapterFitError, LoraSettings, LoraTargetError,
-    absolute_if_local, adapted_layer_names, adapter_settings_file, attach_adapter, export_pooling,
-    first_token_pooling_problem,
+    absolute_if_local, adapted_layer_names, adapter_settings_file, attach_adapter, enable_gradient_checkpointing,
+    export_pooling, first_token_pooling_problem,
     load_encoder, own_bidirectional, own_prompts, past_trained_context_note, position_limit, prepare_tokenizer,
-    read_adapter_config, wrap_backbone,
+    read_adapter_config, takes_gradient_checkpointing, wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -101,7 +104,9 @@ def train(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
           ) -> TrainResult:
     """Run training as configured (the Python API; the CLI calls this).
 
-    Overrides for library use and tests: model=(encoder, tokenizer) replaces cfg.model; train_examples
+    Overrides for library use and tests: model=(encoder, tokenizer) replaces cfg.model (--fp16 / --bf16, --pooling
+    and --gradient-checkpointing apply to it; a --model-dtype or LoRA setting it cannot take is refused:
+    refuse_settings_given_model_ignores); train_examples
     ((examples, format); with --objective arccse a list of sentences) and dev_examples (a list of format-A
     examples, or an evaluate.StsSet / RetrievalSet: (query, positive) pairs scored by nDCG@10) replace the data
     paths; loss_fn
@@ -294,7 +299,10 @@ class Run:
 def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=None, loss_fn=None) -> Run:
     """Take the output folder's lock (run_lock.py: one run per folder; the main process of a torchrun job), then
     build the run (_setup); a setup that fails releases the lock. The run's end releases it (train())."""
+    given_lora = cfg.given_lora_settings()  # before validate() gives the others their defaults
     cfg.validate()
+    if model is not None:  # before the lock and any work: a setting the model cannot take is refused
+        refuse_settings_given_model_ignores(cfg, model[0], given_lora=given_lora)
     preflight.check_device(cfg.device)
     if model is None:
         preflight.check_model_to_train(cfg.model)
@@ -332,10 +340,6 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     given = tuple(name for name, value in (("model", model), ("train_examples", train_examples),
                                            ("dev_examples", dev_examples)) if value is not None)
     command = cfg.command_line()  # as given, before the defaults below are resolved: the model cards' record
-    if model is not None and cfg.lora_path:
-        raise ValueError(f"--lora-path {cfg.lora_path} attaches an adapter to --model's base model, and train() was "
-                         "given a model in its place: attach the adapter to that model (models.attach_adapter), or "
-                         "leave out --lora-path")
     cfg.check_paths(model=model is None, train_data=train_examples is None, dev_data=dev_examples is None)
     refuse_starts_among_run_outputs(cfg, model=model is None)
     tracking.resolve_report_to(cfg.report_to)  # a tracker that cannot run: refused before the model loads
@@ -396,7 +400,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     gives_prompts = any(getattr(cfg, name) is not None for name in PROMPT_SETTINGS.values())
     folders_prompt_flags = "" if model is not None or gives_prompts else prompt_flags(own_prompts(settings_folder))
     encoder, tokenizer = build_encoder(cfg, device, lora_settings=lora_settings) if model is None else (
-        model[0].to(device), model[1])
+        apply_settings_to_given_model(cfg, model[0]).to(device), model[1])
     encoder.prompts = prompts  # evaluation, best/ and final/ embed as training does
     # before --fsdp shards the weights; on the main process, which prints it
     weights_note = half_precision_weights_note(cfg, encoder) if dist_info.is_main else None
@@ -409,7 +413,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     if cfg.bidirectional:
         encoder.bidirectional = True  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
-    pooling_source = encoder.pooling_source if model is None else "the model given to train()"
+    pooling_source = encoder.pooling_source if model is None else (
+        "--pooling" if cfg.pooling is not None else "the model given to train()")
     # --model names nothing of a model given to train(): the exports name the model it was loaded by as their base
     # (named --model, a LoRA model's adapter-only best/ was loaded over that model), and so do the messages; a local
     # folder by its absolute path, as the working folder is now (it may change before the exports are written)
@@ -579,6 +584,70 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
                command=command, loss_name=loss_name, resumed_from=resume_from, data_ahead=OneAhead(device),
                base_model=base_model, exports_base=exports_base, model_name=model_name, given=given,
                unverified_checkpoint=unverified_checkpoint)
+
+
+def refuse_settings_given_model_ignores(cfg: TrainConfig, encoder, *, given_lora: set[str]) -> None:
+    """The settings angle_train applies as it builds --model's encoder that a model given to train() cannot take,
+    refused naming the setting, where it differs from its default (a default asks for nothing) and from what the model
+    has: ignored, they would leave the user believing the run trained as they asked. Applied to the model instead
+    (apply_settings_to_given_model): --bf16 / --fp16, --pooling and --gradient-checkpointing where the backbone
+    supports it. given_lora: the LoRA settings of config.LORA_DEFAULTS the user gave (TrainConfig.given_lora_settings,
+    before validate())."""
+    weights = sorted({str(p.dtype).removeprefix("torch.") for p in encoder.parameters() if p.is_floating_point()})
+    if cfg.changed("model_dtype") and weights != [cfg.model_dtype]:
+        raise ValueError(f"--model-dtype {cfg.model_dtype} casts the weights of the model angle_train loads, and the "
+                         f"model given to train() has {' and '.join(weights)} weights, which train() does not cast: "
+                         f"cast the model yourself (encoder.to({DTYPES[cfg.model_dtype]})), or leave out model_dtype")
+    if cfg.gradient_checkpointing and not takes_gradient_checkpointing(encoder.backbone):
+        raise ValueError(f"--gradient-checkpointing: the backbone of the model given to train() "
+                         f"({type(encoder.backbone).__name__}) is no transformers model that supports gradient "
+                         "checkpointing: leave out gradient_checkpointing, or checkpoint its layers yourself")
+    if not cfg.lora:
+        return  # its LoRA settings are refused without it (TrainConfig._refuse_ignored_settings)
+    if cfg.lora_path:
+        raise ValueError(f"--lora-path {cfg.lora_path} attaches an adapter to --model's base model, and train() was "
+                         "given a model in its place: attach the adapter to that model (models.attach_adapter), or "
+                         "leave out --lora-path")
+    if not is_peft_model(encoder.backbone):
+        raise ValueError("--lora 1 adds LoRA adapters to the model angle_train loads, and the model given to train() "
+                         "has none, which train() does not add: build them yourself (models.wrap_backbone(backbone, "
+                         "lora=models.LoraSettings(...)), or peft.get_peft_model), or leave out lora and the LoRA "
+                         "settings to train all its weights")
+    for name, value in adapter_settings(encoder).items():
+        setting = sorted(cfg.lora_targets) if name == "lora_targets" else getattr(cfg, name)
+        asked = bool(cfg.lora_targets) if name == "lora_targets" else name in given_lora
+        if asked and setting != value:
+            raise ValueError(f"{flag_of(name)} {' '.join(flag_words(name, setting)[1:])}: the adapters of the model "
+                             f"given to train() have {shlex.join(flag_words(name, value))}, and train() trains them "
+                             f"as they are: build the adapters with it yourself, or leave out {flag_of(name)}")
+
+
+def adapter_settings(encoder) -> dict:
+    """The LoRA settings (TrainConfig's names) of the adapters of a peft `encoder`, as a --lora-path adapter's are read
+    (TrainConfig._take_adapter_settings)."""
+    config = lora_config(encoder)
+    return {"lora_r": config.r, "lora_alpha": whole_as_int(config.lora_alpha), "lora_dropout": config.lora_dropout,
+            "lora_targets": adapted_layer_names(config.target_modules)}
+
+
+def apply_settings_to_given_model(cfg: TrainConfig, encoder):
+    """A model given to train() (an Encoder) with the settings angle_train applies as it builds --model's encoder that
+    it can take as it is: --bf16 / --fp16 (the forward's autocast), --pooling where given, and
+    --gradient-checkpointing (refuse_settings_given_model_ignores refused it where the backbone has none). A given
+    model's own autocast, with neither flag given, is the run's: cfg records it, and --fp16's loss scaling follows;
+    with --lora, so are its adapters' settings."""
+    if cfg.bf16 or cfg.fp16:
+        encoder.autocast = "bf16" if cfg.bf16 else "fp16"
+    elif encoder.autocast is not None:
+        cfg.bf16, cfg.fp16 = encoder.autocast == "bf16", encoder.autocast == "fp16"
+    if cfg.pooling is not None:
+        encoder.pooling = cfg.pooling
+    if cfg.lora:  # the adapters' settings are the run's (config.json, the checkpoints), as an adapter's are
+        for name, value in adapter_settings(encoder).items():  # with --lora-path
+            setattr(cfg, name, value)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(encoder.backbone)
+    return encoder
 
 
 def given_model_words(name: str | None) -> str:

@@ -11,12 +11,13 @@ import types
 
 import pytest
 import torch
-from train_helpers import run_config
+from train_helpers import make_encoder, run_config
 
-from angle_train import tracking
+from angle_train import tracking, trainer
 from angle_train.config import TrainConfig
 from angle_train.data import DataError, Example
 from angle_train.evaluate import RetrievalSet
+from angle_train.models import Encoder
 from angle_train.tiny import demo_examples, demo_sts_examples
 from angle_train.trainer import (
     build_encoder, build_loss, count_steps, dev_description, dev_set_of, half_precision_weights_note, lr_curve,
@@ -290,3 +291,62 @@ def test_dev_examples_replace_the_dev_flags_and_the_source_they_name_is_not_chec
                                          "is built in: leave out --columns"):
         train(run_config(tmp_path / "columns", batch_size=8, max_steps=1, dev_data=dev_file, columns=["text1=s1"]),
               dev_examples=dev)
+
+
+def _set_up_given(tmp_path, model, **settings):
+    """trainer.setup of a one-step run of `model` (given to train()), closed again: its Run."""
+    run = trainer.setup(run_config(tmp_path, batch_size=8, max_steps=1, max_length=12, **settings), model=model,
+                        train_examples=(demo_examples(8, seed=4), "B"))
+    run.data_ahead.close()
+    run.log.close()
+    run.lock.release()
+    return run
+
+
+def test_the_settings_a_given_model_can_take_apply_to_it(tmp_path, capsys):
+    """--fp16, --pooling and --gradient-checkpointing with a model given to train() apply to it as to the model
+    angle_train loads (they were ignored: no autocast with loss scaling on, the model's own pooling, no
+    checkpointing); a given model's own autocast, no flag given, is the run's: fp16 gets its loss scaling."""
+    run = _set_up_given(tmp_path / "flags", make_encoder("bert", dtype=torch.float32, layers=1), fp16=True,
+                        pooling="avg", gradient_checkpointing=True)
+    assert (run.encoder.autocast, run.encoder.pooling) == ("fp16", "avg") and run.scaler.is_enabled()
+    assert run.encoder.backbone.is_activation_checkpointing
+    assert "pooling avg (--pooling)" in capsys.readouterr().out
+    model = make_encoder("bert", dtype=torch.float32, layers=1)
+    model[0].autocast = "fp16"
+    run = _set_up_given(tmp_path / "own", model)
+    assert run.cfg.fp16 and run.scaler.is_enabled()
+
+
+@pytest.mark.parametrize("lora, settings, refusal", [
+    (False, {"model_dtype": "bfloat16"}, r"--model-dtype bfloat16 casts the weights of the model angle_train loads, "
+     r"and the model given to train\(\) has float32 weights, which train\(\) does not cast: cast the model yourself"),
+    (False, {"lora": True}, r"--lora 1 adds LoRA adapters to the model angle_train loads, and the model given to "
+     r"train\(\) has none, which train\(\) does not add: build them yourself"),
+    (True, {"lora": True, "lora_r": 16}, r"--lora-r 16: the adapters of the model given to train\(\) have --lora-r 4, "
+     r"and train\(\) trains them as they are"),
+    (True, {"lora": True, "lora_targets": ["query"]}, r"--lora-targets query: the adapters of the model given to "
+     r"train\(\) have --lora-targets dense key query value"),
+])
+def test_settings_a_given_model_cannot_take_are_refused_before_any_work(tmp_path, lora, settings, refusal):
+    """--model-dtype and the LoRA settings shape the model angle_train loads; a model given to train() kept its own
+    weights' dtype and adapters in silence, and config.json recorded the LoRA defaults as the run's. A setting it
+    cannot take is refused before the output folder is made; the same values as the model's, and the defaults, are
+    not (LoRA r 16 is the default, left out here)."""
+    model = make_encoder("bert", dtype=torch.float32, layers=1, lora=lora)
+    with pytest.raises(ValueError, match=f"^{refusal}"):
+        _set_up_given(tmp_path / "refused", model, **settings)
+    assert not (tmp_path / "refused").exists()
+    same = {"model_dtype": "float32", "lora_r": 4, "lora_targets": ["key", "value", "query", "dense"]}
+    if "lora" not in settings or lora:
+        taken = _set_up_given(tmp_path / "taken", model,
+                              **{name: same.get(name, value) for name, value in settings.items()})
+        # a LoRA run records the adapters' own settings (config.json, the checkpoints), not the defaults
+        assert not lora or (taken.cfg.lora_r, taken.cfg.lora_alpha, taken.cfg.lora_dropout) == (4, 8, 0.0)
+
+
+def test_gradient_checkpointing_is_refused_for_a_given_backbone_without_it(tmp_path):
+    encoder = Encoder(torch.nn.Linear(2, 2), pooling="cls", is_decoder=False, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"^--gradient-checkpointing: the backbone of the model given to train\(\) "
+                                         r"\(Linear\) is no transformers model that supports gradient checkpointing"):
+        _set_up_given(tmp_path, (encoder, None), gradient_checkpointing=True)
