@@ -38,6 +38,10 @@ LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05}
 # note of trainer.max_steps_note) as `--epochs 2` is; left out with --max-steps, it stays None (_take_epochs)
 DEFAULT_EPOCHS = 1.0
 
+# Why float16 trainable weights cannot train under --fp16 (the CLI's --model-dtype float16, a model given to train()):
+# torch's GradScaler refuses to unscale float16 gradients at the first optimizer step
+FP16_WEIGHTS_CANNOT_UNSCALE = "float16 weights take float16 gradients, which --fp16's loss scaling cannot unscale"
+
 
 def opt(default, help: str, **extra):
     """A config field with its --help text (kept next to the default so the two never drift apart)."""
@@ -444,8 +448,7 @@ class TrainConfig:
         autocast = "--bf16" if self.bf16 else "--fp16" if self.fp16 else None
         if half and autocast and (autocast != half or self.fp16):
             raise ValueError(f"--model-dtype {self.model_dtype} with {autocast}: "
-                             + ("float16 weights take float16 gradients, which --fp16's loss scaling cannot unscale"
-                                if self.fp16 and half == "--fp16" else
+                             + (FP16_WEIGHTS_CANNOT_UNSCALE if self.fp16 and half == "--fp16" else
                                 "the weights are one 16-bit type and the autocast the other")
                              + f"; keep float32 weights (--model-dtype float32) with {autocast}, or leave out "
                              f"{autocast}")

@@ -49,7 +49,8 @@ from .checkpoint import (
 )
 from .cli_common import resolve_device
 from .config import (
-    PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, for_dev_columns, prompt_flags, whole_as_int,
+    FP16_WEIGHTS_CANNOT_UNSCALE, PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, for_dev_columns,
+    prompt_flags, whole_as_int,
 )
 from .data import (
     FORMATS, ORDER_VERSION, ROWS_PER_EXAMPLE, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs,
@@ -591,13 +592,22 @@ def refuse_settings_given_model_ignores(cfg: TrainConfig, encoder, *, given_lora
     refused naming the setting, where it differs from its default (a default asks for nothing) and from what the model
     has: ignored, they would leave the user believing the run trained as they asked. Applied to the model instead
     (apply_settings_to_given_model): --bf16 / --fp16, --pooling and --gradient-checkpointing where the backbone
-    supports it. given_lora: the LoRA settings of config.LORA_DEFAULTS the user gave (TrainConfig.given_lora_settings,
-    before validate())."""
+    supports it; --fp16 not where the trainable weights are float16 (its loss scaling failed at the first optimizer
+    step, as it would with --model-dtype float16, which TrainConfig refuses). given_lora: the LoRA settings of
+    config.LORA_DEFAULTS the user gave (TrainConfig.given_lora_settings, before validate())."""
     weights = sorted({str(p.dtype).removeprefix("torch.") for p in encoder.parameters() if p.is_floating_point()})
     if cfg.changed("model_dtype") and weights != [cfg.model_dtype]:
         raise ValueError(f"--model-dtype {cfg.model_dtype} casts the weights of the model angle_train loads, and the "
                          f"model given to train() has {' and '.join(weights)} weights, which train() does not cast: "
                          f"cast the model yourself (encoder.to({DTYPES[cfg.model_dtype]})), or leave out model_dtype")
+    # the run's loss scaling: --fp16, or with neither flag the given model's own fp16 autocast
+    # (apply_settings_to_given_model)
+    loss_scaled = cfg.fp16 or (not cfg.bf16 and encoder.autocast == "fp16")
+    if loss_scaled and any(p.requires_grad and p.dtype == torch.float16 for p in encoder.parameters()):
+        fp16 = "--fp16" if cfg.fp16 else '--fp16 (the autocast "fp16" of the model given to train())'
+        raise ValueError(f"{fp16}: the model given to train() has float16 trainable weights, and "
+                         f"{FP16_WEIGHTS_CANNOT_UNSCALE}: cast its trainable weights to float32 (the fp16 autocast "
+                         "runs the forward in float16 all the same), or train with --bf16")
     if cfg.gradient_checkpointing and not takes_gradient_checkpointing(encoder.backbone):
         raise ValueError(f"--gradient-checkpointing: the backbone of the model given to train() "
                          f"({type(encoder.backbone).__name__}) is no transformers model that supports gradient "

@@ -345,6 +345,29 @@ def test_settings_a_given_model_cannot_take_are_refused_before_any_work(tmp_path
         assert not lora or (taken.cfg.lora_r, taken.cfg.lora_alpha, taken.cfg.lora_dropout) == (4, 8, 0.0)
 
 
+@pytest.mark.parametrize("own_autocast", [False, True])
+def test_fp16_is_refused_for_a_given_model_with_float16_trainable_weights(tmp_path, own_autocast):
+    """--fp16 (or, with neither flag, a given model's own fp16 autocast, which the run takes) scales the loss, and
+    torch's GradScaler cannot unscale the float16 gradients of float16 trainable weights: the run failed at its first
+    optimizer step, its output folder made. It is refused before any work, as --model-dtype float16 with --fp16 is;
+    float16 weights frozen under float32 LoRA adapters train with it."""
+    model = make_encoder("bert", dtype=torch.float16, layers=1)
+    model[0].autocast = "fp16" if own_autocast else None
+    given = r'--fp16 \(the autocast "fp16" of the model given to train\(\)\)' if own_autocast else "--fp16"
+    with pytest.raises(ValueError, match=f"^{given}: the model given to train\\(\\) has float16 trainable weights, "
+                                         "and float16 weights take float16 gradients, which --fp16's loss scaling "
+                                         "cannot unscale: cast its trainable weights to float32 .* or train with "
+                                         "--bf16$"):
+        _set_up_given(tmp_path / "refused", model, **({} if own_autocast else {"fp16": True}))
+    assert not (tmp_path / "refused").exists()
+    if not own_autocast:
+        lora = make_encoder("bert", dtype=torch.float16, layers=1, lora=True)
+        for weight in lora[0].parameters():
+            if weight.requires_grad:
+                weight.data = weight.data.float()
+        assert _set_up_given(tmp_path / "lora", lora, fp16=True).scaler.is_enabled()
+
+
 def test_gradient_checkpointing_is_refused_for_a_given_backbone_without_it(tmp_path):
     encoder = Encoder(torch.nn.Linear(2, 2), pooling="cls", is_decoder=False, pad_token_id=0)
     with pytest.raises(ValueError, match=r"^--gradient-checkpointing: the backbone of the model given to train\(\) "
