@@ -83,8 +83,9 @@ class TrainConfig:
     lora: bool = opt(False, "train LoRA adapters instead of all weights (needs peft)", group="lora")
     lora_r: int = opt(None, f"LoRA rank (default: {LORA_DEFAULTS['lora_r']}; with --lora-path, the adapter's)",
                       group="lora", at_least=1)
-    lora_alpha: float = opt(None, f"LoRA alpha, any number > 0 (16.5 too; scale = alpha / r; default: "
-                            f"{LORA_DEFAULTS['lora_alpha']}; with --lora-path, the adapter's)", group="lora", above=0)
+    lora_alpha: float = opt(None, f"LoRA alpha, any number > 0 (16.5 too; scale = alpha / r; alpha / sqrt(r) for an "
+                            f"rsLoRA adapter; default: {LORA_DEFAULTS['lora_alpha']}; with --lora-path, the "
+                            "adapter's)", group="lora", above=0)
     lora_dropout: float = opt(None, f"dropout on the LoRA branch (default: {LORA_DEFAULTS['lora_dropout']}; with "
                               "--lora-path, the adapter's)", group="lora", at_least=0, below=1)
     lora_targets: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)

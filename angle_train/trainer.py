@@ -1722,8 +1722,9 @@ def lora_config(encoder):
 
 def lora_rank_and_alpha(config) -> str:
     """A LoRA config's rank and alpha in words; alpha as peft holds it, whole or not, in full (16.5; 32, not 32.0):
-    the scale the weights were trained at."""
-    return f"rank {config.r}, alpha {whole_as_int(config.lora_alpha)}"
+    the scale the weights were trained at, alpha / rank, or alpha / sqrt(rank) for an rsLoRA adapter (peft's
+    use_rslora, which a --lora-path adapter or a model given to train() may have), said so."""
+    return f"rank {config.r}, alpha {whole_as_int(config.lora_alpha)}" + (", rsLoRA" if config.use_rslora else "")
 
 
 def lora_start_words(cfg: TrainConfig, encoder, *, given_model: bool) -> str:

@@ -57,16 +57,17 @@ def lora_export(folder):
     return base, final, encoder, tokenizer
 
 
-def causal_adapter(base: str, folder, targets="all-linear", seed: int = 1, alpha: float = 8):
+def causal_adapter(base: str, folder, targets="all-linear", seed: int = 1, alpha: float = 8, rslora: bool = False):
     """(the adapter's folder, the causal LM with it): a LoRA adapter of rank 4 with non-zero weights
     (init_lora_weights=False, drawn from `seed`) saved from the LlamaForCausalLM in `base`, as peft saves it: layer
-    names under the LM's `model.`."""
+    names under the LM's `model.`; rslora: an rsLoRA adapter (peft's use_rslora: scaled by alpha / sqrt(4))."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = get_peft_model(LlamaForCausalLM.from_pretrained(base),
-                           LoraConfig(r=4, lora_alpha=alpha, target_modules=targets, init_lora_weights=False))
+                           LoraConfig(r=4, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
+                                      use_rslora=rslora))
     model.save_pretrained(folder)
     return str(folder), model.eval()
 
@@ -370,6 +371,29 @@ def test_the_start_lines_give_the_lora_settings_and_the_optimisation(tmp_path, c
             "k_proj, o_proj, q_proj, up_proj, v_proj) |") in lines[header]
     assert lines[header + 1] == ("angle_train: AdamW lr 0.001 (constant, warmup 0 steps), weight decay 0, no gradient "
                                  "clipping | float32 weights, forward autocast to bfloat16 | seed 3")
+
+
+def test_an_rslora_adapter_continues_as_rslora_and_is_named_so(tmp_path):
+    """An rsLoRA --lora-path adapter (peft's use_rslora) is scaled by alpha / sqrt(r), 8 / 2 = 4 here, not alpha / r:
+    the run continues it so (its export's adapter_config.json too), and the start line, the model card's LoRA line and
+    --lora-alpha's help say so. They said alpha / r alone: rank 4, alpha 8 read as a scale of 2."""
+    from angle_train.cli import build_parser
+    from angle_train.export import save_pretrained
+    from angle_train.trainer import build_encoder, lora_description, lora_start_words
+    from train_helpers import run_config
+
+    base = causal_lm(tmp_path / "base", layers=1)
+    adapter, _ = causal_adapter(base, tmp_path / "adapter", targets=["q_proj"], rslora=True)
+    cfg = run_config(tmp_path / "out", lora=True, lora_path=adapter).validate()
+    encoder, tokenizer = build_encoder(cfg, torch.device("cpu"))
+    assert {scale for module in encoder.modules() if hasattr(module, "lora_A") for scale in module.scaling.values()} \
+        == {4.0}
+    assert lora_start_words(cfg, encoder, given_model=False).startswith(
+        f"LoRA from the adapter {adapter}: rank 4, alpha 8, rsLoRA (scale 4), dropout 0 on q_proj")
+    assert lora_description(encoder, adapter_only=True).startswith("- LoRA: rank 4, alpha 8, rsLoRA, dropout 0 on ")
+    save_pretrained(encoder, tokenizer, str(tmp_path / "final"), max_length=16, base_model=base)
+    assert json.loads((tmp_path / "final" / "adapter" / ADAPTER_CONFIG).read_text())["use_rslora"] is True
+    assert "scale = alpha / r; alpha / sqrt(r) for an rsLoRA adapter" in " ".join(build_parser().format_help().split())
 
 
 def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_lora_path(tmp_path):
