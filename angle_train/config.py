@@ -408,10 +408,7 @@ class TrainConfig:
         if adapter.get("peft_type") != "LORA":
             raise ValueError(f"{named}: a {adapter.get('peft_type')} adapter (its {ADAPTER_CONFIG}'s peft_type); "
                              "expected a LoRA one")
-        settings = {"lora_r": adapter["r"], "lora_alpha": whole_as_int(adapter["lora_alpha"]),
-                    "lora_dropout": adapter.get("lora_dropout", PEFT_LORA_DROPOUT),
-                    "lora_targets": adapted_layer_names(adapter["target_modules"])}
-        for name, value in settings.items():
+        for name, value in adapter_lora_settings(adapter).items():
             setting = getattr(self, name)
             if not (name in given if name in LORA_DEFAULTS else setting):  # not given: the adapter's
                 setattr(self, name, value)
@@ -652,6 +649,15 @@ def checked_setting(f, value):
 def _is_bool(value) -> bool:
     """A Python or numpy boolean, which is never a number here (numpy's bool_ is no int subclass)."""
     return isinstance(value, bool) or type(value).__name__ == "bool_"
+
+
+def adapter_lora_settings(adapter: dict) -> dict:
+    """The LoRA settings, by TrainConfig's names, of an adapter's config (its adapter_config.json, or a peft
+    LoraConfig's to_dict()): those of the weights it holds, which a run continuing it takes (--lora-path:
+    TrainConfig._take_adapter_settings; a model given to train(): trainer.refuse_settings_given_model_ignores)."""
+    return {"lora_r": adapter["r"], "lora_alpha": whole_as_int(adapter["lora_alpha"]),
+            "lora_dropout": adapter.get("lora_dropout", PEFT_LORA_DROPOUT),
+            "lora_targets": adapted_layer_names(adapter["target_modules"])}
 
 
 def whole_as_int(value: float) -> int | float:

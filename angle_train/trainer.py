@@ -49,8 +49,8 @@ from .checkpoint import (
 )
 from .cli_common import resolve_device
 from .config import (
-    FP16_WEIGHTS_CANNOT_UNSCALE, PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, for_dev_columns,
-    prompt_flags, whole_as_int,
+    FP16_WEIGHTS_CANNOT_UNSCALE, PROMPT_SETTINGS, TrainConfig, adapter_lora_settings, default_of, flag_of, flag_words,
+    for_dev_columns, prompt_flags, whole_as_int,
 )
 from .data import (
     FORMATS, ORDER_VERSION, ROWS_PER_EXAMPLE, DataError, Example, OneAhead, PackedTexts, PassPlan, TokenizedPairs,
@@ -633,11 +633,9 @@ def refuse_settings_given_model_ignores(cfg: TrainConfig, encoder, *, given_lora
 
 
 def adapter_settings(encoder) -> dict:
-    """The LoRA settings (TrainConfig's names) of the adapters of a peft `encoder`, as a --lora-path adapter's are read
-    (TrainConfig._take_adapter_settings)."""
-    config = lora_config(encoder)
-    return {"lora_r": config.r, "lora_alpha": whole_as_int(config.lora_alpha), "lora_dropout": config.lora_dropout,
-            "lora_targets": adapted_layer_names(config.target_modules)}
+    """The LoRA settings (TrainConfig's names) of the adapters of a peft `encoder`, read as a --lora-path adapter's
+    are (config.adapter_lora_settings)."""
+    return adapter_lora_settings(lora_config(encoder).to_dict())
 
 
 def apply_settings_to_given_model(cfg: TrainConfig, encoder):
