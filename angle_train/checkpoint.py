@@ -749,8 +749,9 @@ def _instead_of_resuming(path: str) -> str:
 
 # Settings that decide what the checkpoint's weights compute, beyond their names and shapes (_refuse_other_weights):
 # resumed under others, a run went on training another model under the checkpoint's name (an adapter trained at two
-# scales recorded with the second; a base model swapped under its adapter), silently.
-RESUME_MODEL_SETTINGS = ("model", "lora_path", "lora_alpha", "pooling", "bidirectional", *PROMPT_SETTINGS.values())
+# scales recorded with the second: --lora-alpha, --lora-rslora; a base model swapped under its adapter), silently.
+RESUME_MODEL_SETTINGS = ("model", "lora_path", "lora_alpha", "lora_rslora", "pooling", "bidirectional",
+                         *PROMPT_SETTINGS.values())
 # Settings a resumed run may change, said when it does: they apply from the resumed step on (the loss's and LoRA's
 # dropout among them: the model card's command then names settings that trained only the steps from there, and the
 # card lists the resume's changes under it: Position.resumes).

@@ -30,9 +30,9 @@ CPU_PASS_TOKENS = 512
 CPU_PACK_WIDTH = 128
 # The LoRA settings a run takes where neither their flag nor the --lora-path adapter gives one. Their fields default to
 # None, "not given", so that a given value is known as given whatever it is: with --lora-path, `--lora-r 16` is
-# compared with the adapter's rank as `--lora-r 8` is, and `--lora-dropout 0.05` replaces its dropout
-# (TrainConfig._take_adapter_settings)
-LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05}
+# compared with the adapter's rank as `--lora-r 8` is (`--lora-rslora 0` with its use_rslora alike), and
+# `--lora-dropout 0.05` replaces its dropout (TrainConfig._take_adapter_settings)
+LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32, "lora_rslora": False, "lora_dropout": 0.05}
 # The passes over the data a run takes where --epochs is not given and --max-steps does not set its length. The field
 # defaults to None, "not given", as the LoRA settings do: `--epochs 1` given with --max-steps is compared with it (the
 # note of trainer.max_steps_note) as `--epochs 2` is; left out with --max-steps, it stays None (_take_epochs)
@@ -84,8 +84,12 @@ class TrainConfig:
     lora_r: int = opt(None, f"LoRA rank (default: {LORA_DEFAULTS['lora_r']}; with --lora-path, the adapter's)",
                       group="lora", at_least=1)
     lora_alpha: float = opt(None, f"LoRA alpha, any number > 0 (16.5 too; scale = alpha / r; alpha / sqrt(r) for an "
-                            f"rsLoRA adapter; default: {LORA_DEFAULTS['lora_alpha']}; with --lora-path, the "
-                            "adapter's)", group="lora", above=0)
+                            f"rsLoRA adapter (--lora-rslora); default: {LORA_DEFAULTS['lora_alpha']}; with "
+                            "--lora-path, the adapter's)", group="lora", above=0)
+    lora_rslora: bool = opt(None, "rank-stabilised LoRA: scale the adapters' update by alpha / sqrt(r) instead of "
+                            "alpha / r, so that its size stays steady as r grows, where alpha / r shrinks it and large "
+                            "ranks learn little more than small ones (peft's use_rslora; default: 0, alpha / r; with "
+                            "--lora-path, the adapter's)", group="lora")
     lora_dropout: float = opt(None, f"dropout on the LoRA branch (default: {LORA_DEFAULTS['lora_dropout']}; with "
                               "--lora-path, the adapter's)", group="lora", at_least=0, below=1)
     lora_targets: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
@@ -93,10 +97,10 @@ class TrainConfig:
                              "q_proj,v_proj; default: every linear layer)", group="lora")
     lora_path: str = opt(None, "continue training a LoRA adapter: a local folder of peft's files (an adapter "
                          "angle-emb trained, its pretrained_lora_path; a run's final/adapter or adapter-only best/), "
-                         "whose weights start the run's LoRA and whose rank, alpha, dropout and layers apply (a "
-                         "--lora-r, --lora-alpha or --lora-targets that differs is refused; --lora-dropout replaces "
-                         "its dropout); --model defaults to the base model its adapter_config.json names",
-                         group="lora")
+                         "whose weights start the run's LoRA and whose rank, alpha, rsLoRA scaling, dropout and "
+                         "layers apply (a --lora-r, --lora-alpha, --lora-rslora or --lora-targets that differs is "
+                         "refused; --lora-dropout replaces its dropout); --model defaults to the base model its "
+                         "adapter_config.json names", group="lora")
     # ---- data
     train_data: str = opt("builtin:demo", ".jsonl/.csv/.tsv file, STS-B TSV, Hugging Face dataset (hub name or "
                           "save_to_disk folder), or builtin:demo ((query, positive) pairs) / builtin:demo-sts (scored "
@@ -388,13 +392,14 @@ class TrainConfig:
             self.epochs = DEFAULT_EPOCHS
 
     def _take_adapter_settings(self, *, given: set[str]) -> None:
-        """--lora-path: the adapter's LoRA settings (rank, alpha, dropout, layers: those of the weights the run starts
-        from) are the run's, recorded as if given (config.json, the checkpoints, the model card's command); a --lora-r,
-        --lora-alpha or --lora-targets given with another value is refused, naming it, its default value as any other
-        (`given`: the LORA_DEFAULTS settings given, _take_lora_defaults). A given --lora-dropout, which is no part of
-        the weights (peft applies it to the adapter's input in training), replaces the adapter's. Without
-        --model the base model is the one the adapter's adapter_config.json names (models.adapter_config_base). The
-        adapter's weights fitting the model is checked once it loads (models.attach_adapter)."""
+        """--lora-path: the adapter's LoRA settings (rank, alpha, rsLoRA scaling, dropout, layers: those of the weights
+        the run starts from) are the run's, recorded as if given (config.json, the checkpoints, the model card's
+        command); a --lora-r, --lora-alpha, --lora-rslora or --lora-targets given with another value is refused,
+        naming it, its default value as any other (`given`: the LORA_DEFAULTS settings given, _take_lora_defaults). A
+        given --lora-dropout, which is no part of the weights (peft applies it to the adapter's input in training),
+        replaces the adapter's. Without --model the base model is the one the adapter's adapter_config.json names
+        (models.adapter_config_base). The adapter's weights fitting the model is checked once it loads
+        (models.attach_adapter)."""
         if not self.lora_path:
             return
         named = f"--lora-path {self.lora_path}"
@@ -565,7 +570,7 @@ NAMES = {"model": "a model (a Hugging Face hub name or a local folder)", "train_
 # The setting that gives the prompt of each role of a text (data.Prompts' roles)
 PROMPT_SETTINGS = {"text": "prompt", "query": "query_prompt", "document": "doc_prompt"}
 # The settings that apply only with --lora 1, and only with --objective arccse (TrainConfig._refuse_ignored_settings)
-LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_path")
+LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_rslora", "lora_dropout", "lora_targets", "lora_path")
 ARCCSE_SETTINGS = ("text_column", "mask_rates", "arccon_margin", "arccon_tau", "triplet_w")
 
 
@@ -656,6 +661,9 @@ def adapter_lora_settings(adapter: dict) -> dict:
     LoraConfig's to_dict()): those of the weights it holds, which a run continuing it takes (--lora-path:
     TrainConfig._take_adapter_settings; a model given to train(): trainer.refuse_settings_given_model_ignores)."""
     return {"lora_r": adapter["r"], "lora_alpha": whole_as_int(adapter["lora_alpha"]),
+            # peft scales by alpha / sqrt(r) where use_rslora is true, by alpha / r where it is false or absent
+            # (adapters written before peft had it)
+            "lora_rslora": bool(adapter.get("use_rslora", False)),
             "lora_dropout": adapter.get("lora_dropout", PEFT_LORA_DROPOUT),
             "lora_targets": adapted_layer_names(adapter["target_modules"])}
 

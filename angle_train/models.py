@@ -112,12 +112,14 @@ PACKING_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1
 
 @dataclass
 class LoraSettings:
-    """LoRA hyper-parameters; `target_modules=None` means every linear layer of the base model."""
+    """LoRA hyper-parameters; `target_modules=None` means every linear layer of the base model; `rslora`:
+    rank-stabilised LoRA (peft's use_rslora), the update scaled by alpha / sqrt(r) instead of alpha / r."""
 
     r: int = 16
-    alpha: float = 32  # any positive number (peft's scale is alpha / r)
+    alpha: float = 32  # any positive number (peft's scale is alpha / r, or alpha / sqrt(r) with rslora)
     dropout: float = 0.05
     target_modules: list[str] | None = None
+    rslora: bool = False
 
 
 def is_decoder_config(config) -> bool:
@@ -557,6 +559,7 @@ def wrap_backbone(
             lora_dropout=lora.dropout,
             target_modules=lora.target_modules or "all-linear",
             bias="none",
+            use_rslora=lora.rslora,
         )
         backbone = get_peft_model(backbone, config)
     source = "--pooling" if pooling else f"the default for {'decoder LMs' if is_decoder else 'encoders'}"

@@ -953,7 +953,8 @@ def _build_encoder(cfg: TrainConfig, device: torch.device, *, lora_settings: str
 
 
 def _load_backbone(cfg: TrainConfig, device: torch.device, *, pooling: str | None, autocast: str | None):
-    lora = LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets or None) \
+    lora = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                        target_modules=cfg.lora_targets or None, rslora=cfg.lora_rslora) \
         if cfg.lora and not cfg.lora_path else None  # an adapter given is attached as it was trained
     if cfg.model in BUILTIN_MODELS:
         is_decoder = cfg.model == "builtin:tiny-llama"
@@ -1721,7 +1722,7 @@ def lora_config(encoder):
 def lora_rank_and_alpha(config) -> str:
     """A LoRA config's rank and alpha in words; alpha as peft holds it, whole or not, in full (16.5; 32, not 32.0):
     the scale the weights were trained at, alpha / rank, or alpha / sqrt(rank) for an rsLoRA adapter (peft's
-    use_rslora, which a --lora-path adapter or a model given to train() may have), said so."""
+    use_rslora: --lora-rslora 1, a --lora-path adapter's or a model given to train()'s), said so."""
     return f"rank {config.r}, alpha {whole_as_int(config.lora_alpha)}" + (", rsLoRA" if config.use_rslora else "")
 
 

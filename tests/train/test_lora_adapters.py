@@ -318,7 +318,7 @@ def test_a_lora_flag_given_with_its_default_value_is_given(tmp_path, capsys):
     assert TrainConfig(lora=True, lora_path=adapter, lora_dropout=0.05).validate() == cfg
     assert cfg.validate() == cfg  # validated again, as train() does: the same settings
     command = cfg.command_line()
-    assert "--lora-r 4 --lora-alpha 8 --lora-dropout 0.05" in command
+    assert "--lora-r 4 --lora-alpha 8 --lora-rslora 0 --lora-dropout 0.05" in command  # the adapter's, as if given
     assert config_from_args(shlex.split(command)[1:]) == cfg
     left_out = config_from_args(common)
     assert (left_out.lora_r, left_out.lora_alpha, left_out.lora_dropout) == (4, 8, 0.0)
@@ -394,6 +394,55 @@ def test_an_rslora_adapter_continues_as_rslora_and_is_named_so(tmp_path):
     save_pretrained(encoder, tokenizer, str(tmp_path / "final"), max_length=16, base_model=base)
     assert json.loads((tmp_path / "final" / "adapter" / ADAPTER_CONFIG).read_text())["use_rslora"] is True
     assert "scale = alpha / r; alpha / sqrt(r) for an rsLoRA adapter" in " ".join(build_parser().format_help().split())
+
+
+def test_lora_rslora_builds_rslora_adapters_scaled_by_alpha_over_sqrt_r(tmp_path):
+    """--lora-rslora 1 builds the adapters with peft's use_rslora: scaled by alpha / sqrt(r), 8 / sqrt(4) = 4 here,
+    where the default scales by alpha / r, 2; the start line, config.json's record and the model card's command say
+    so, and the help says what it does and its default. Refused without --lora 1, as the other LoRA settings are.
+    Before, no flag asked for a new rsLoRA adapter (--lora-rslora was an unknown flag)."""
+    from dataclasses import asdict
+
+    from angle_train.cli import build_parser, config_from_args
+    from angle_train.config import TrainConfig
+    from angle_train.trainer import build_encoder, lora_config, lora_start_words
+
+    cfg = config_from_args(["--lora", "1", "--lora-r", "4", "--lora-alpha", "8", "--lora-rslora", "1",
+                            "--output-dir", str(tmp_path / "out")]).validate()
+    encoder, _ = build_encoder(cfg, torch.device("cpu"))
+    assert lora_config(encoder).use_rslora is True
+    assert {scale for module in encoder.modules() if hasattr(module, "lora_A") for scale in module.scaling.values()} \
+        == {8 / 4 ** 0.5}
+    assert lora_start_words(cfg, encoder, given_model=False).startswith("LoRA rank 4, alpha 8, rsLoRA (scale 4), ")
+    assert asdict(cfg)["lora_rslora"] is True and " --lora-rslora 1 " in cfg.command_line()
+    plain = config_from_args(["--lora", "1", "--lora-r", "4", "--lora-alpha", "8"]).validate()
+    assert plain.lora_rslora is False and "--lora-rslora" not in plain.command_line()
+    assert lora_config(build_encoder(plain, torch.device("cpu"))[0]).use_rslora is False
+    with pytest.raises(ValueError, match="^--lora-rslora sets up LoRA adapters, which train only with --lora 1"):
+        TrainConfig(lora_rslora=True).validate()
+    help_text = " ".join(build_parser().format_help().split())
+    assert ("--lora-rslora [0|1] rank-stabilised LoRA: scale the adapters' update by alpha / sqrt(r) instead of "
+            "alpha / r, so that its size stays steady as r grows") in help_text
+    assert "(peft's use_rslora; default: 0, alpha / r; with --lora-path, the adapter's)" in help_text
+
+
+def test_lora_rslora_of_a_lora_path_adapter_is_its_own(tmp_path):
+    """With --lora-path the adapter's use_rslora is the run's, as its rank and alpha are: taken where --lora-rslora is
+    left out, and a given --lora-rslora that differs (its default 0 too) is refused naming the flag; the same value
+    is taken."""
+    from angle_train.config import TrainConfig
+
+    base = causal_lm(tmp_path / "base", layers=1)
+    rslora, _ = causal_adapter(base, tmp_path / "rslora", targets=["q_proj"], rslora=True)
+    plain, _ = causal_adapter(base, tmp_path / "plain", targets=["q_proj"])
+    assert TrainConfig(lora=True, lora_path=rslora).validate().lora_rslora is True
+    assert TrainConfig(lora=True, lora_path=plain).validate().lora_rslora is False
+    assert TrainConfig(lora=True, lora_path=rslora, lora_rslora=True).validate().lora_rslora is True
+    for adapter, given, has in ((rslora, False, 1), (plain, True, 0)):
+        with pytest.raises(ValueError, match=f"^--lora-rslora {int(given)}: the adapter of --lora-path {adapter} has "
+                                             f"--lora-rslora {has}, and the run continues training it with its own "
+                                             "settings: leave out --lora-rslora$"):
+            TrainConfig(lora=True, lora_path=adapter, lora_rslora=given).validate()
 
 
 def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_lora_path(tmp_path):

@@ -114,6 +114,7 @@ def test_booleans_parse(argv, expected):
     # settings that apply only with another one, which is off
     (["--lora-alpha", "64"], "--lora-alpha sets up LoRA adapters, which train only with --lora 1"),
     (["--lora-dropout", "0.1"], "--lora-dropout sets up LoRA adapters"),
+    (["--lora-rslora", "1"], "--lora-rslora sets up LoRA adapters, which train only with --lora 1"),
     (["--lora", "1", "--lora-targets", "q_proj,"], "--lora-targets q_proj,: an empty layer name; expected names "
                                                    "separated by spaces or commas"),
     (["--lora", "1", "--lora-path", "missing-adapter"], "--lora-path missing-adapter: no such folder; expected a "

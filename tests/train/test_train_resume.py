@@ -154,6 +154,24 @@ def test_a_lora_alpha_that_is_not_whole_trains_resumes_and_exports(tmp_path):
     assert {layer.scaling["default"] for layer in adapter.modules() if isinstance(layer, LoraLayer)} == {16.5 / 4}
 
 
+def test_a_resume_with_another_lora_rslora_is_refused():
+    """--lora-rslora scales the checkpoint's adapters (alpha / sqrt(r) against alpha / r) without changing their
+    shapes, so its weights would load and train on at another scale: a resume with another value is refused as
+    another --lora-alpha is, naming the flag (the checkpoint's settings compared before anything loads); the same
+    value, and a checkpoint written before the setting was recorded, resume."""
+    from angle_train.checkpoint import _refuse_another_model
+    from angle_train.config import TrainConfig
+
+    saved = dataclasses.asdict(TrainConfig(lora=True, lora_rslora=True).validate())
+    with pytest.raises(ValueError, match=r"^cannot resume from ckpt: these settings differ from the checkpoint's "
+                                         r"\(--lora-rslora: True -> False\), and they decide what its weights "
+                                         "compute"):
+        _refuse_another_model("ckpt", saved, TrainConfig(lora=True).validate())
+    _refuse_another_model("ckpt", saved, TrainConfig(lora=True, lora_rslora=True).validate())
+    _refuse_another_model("ckpt", {k: v for k, v in saved.items() if k != "lora_rslora"},
+                          TrainConfig(lora=True).validate())
+
+
 def _base_model(folder, seed=0, **config) -> str:
     """A tiny LLaMA (its weights drawn from `seed`, its config updated by `config`) saved with its tokenizer in
     `folder`, a --model folder."""

@@ -327,6 +327,8 @@ def test_the_settings_a_given_model_can_take_apply_to_it(tmp_path, capsys):
      r"and train\(\) trains them as they are"),
     (True, {"lora": True, "lora_targets": ["query"]}, r"--lora-targets query: the adapters of the model given to "
      r"train\(\) have --lora-targets dense key query value"),
+    (True, {"lora": True, "lora_rslora": True}, r"--lora-rslora 1: the adapters of the model given to train\(\) have "
+     r"--lora-rslora 0, and train\(\) trains them as they are"),
 ])
 def test_settings_a_given_model_cannot_take_are_refused_before_any_work(tmp_path, lora, settings, refusal):
     """--model-dtype and the LoRA settings shape the model angle_train loads; a model given to train() kept its own
@@ -337,12 +339,14 @@ def test_settings_a_given_model_cannot_take_are_refused_before_any_work(tmp_path
     with pytest.raises(ValueError, match=f"^{refusal}"):
         _set_up_given(tmp_path / "refused", model, **settings)
     assert not (tmp_path / "refused").exists()
-    same = {"model_dtype": "float32", "lora_r": 4, "lora_targets": ["key", "value", "query", "dense"]}
+    same = {"model_dtype": "float32", "lora_r": 4, "lora_rslora": False,
+            "lora_targets": ["key", "value", "query", "dense"]}
     if "lora" not in settings or lora:
         taken = _set_up_given(tmp_path / "taken", model,
                               **{name: same.get(name, value) for name, value in settings.items()})
         # a LoRA run records the adapters' own settings (config.json, the checkpoints), not the defaults
-        assert not lora or (taken.cfg.lora_r, taken.cfg.lora_alpha, taken.cfg.lora_dropout) == (4, 8, 0.0)
+        assert not lora or (taken.cfg.lora_r, taken.cfg.lora_alpha, taken.cfg.lora_rslora,
+                            taken.cfg.lora_dropout) == (4, 8, False, 0.0)
 
 
 @pytest.mark.parametrize("own_autocast", [False, True])
