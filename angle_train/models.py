@@ -45,6 +45,7 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -561,7 +562,8 @@ def wrap_backbone(
             bias="none",
             use_rslora=lora.rslora,
         )
-        backbone = get_peft_model(backbone, config)
+        with peft_wrapping():
+            backbone = get_peft_model(backbone, config)
     source = "--pooling" if pooling else f"the default for {'decoder LMs' if is_decoder else 'encoders'}"
     pooling = pooling or ("last" if is_decoder else "cls")
     encoder = Encoder(backbone, pooling=pooling, is_decoder=is_decoder, pad_token_id=pad_token_id, autocast=autocast,
@@ -801,6 +803,16 @@ def adapter_settings_file(lora_path: str) -> str | None:
     return own if os.path.isfile(own) else adapter_export_meta(lora_path)
 
 
+@contextlib.contextmanager
+def peft_wrapping():
+    """Inside: peft building its model around a backbone. peft (0.21) reads the backbone's
+    `is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning on every LoRA run's start that
+    names neither package's fix nor anything the user can change: that one warning is left out, every other shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def attach_adapter(backbone: nn.Module, lora_path: str, *, dropout: float | None = None) -> nn.Module:
     """`backbone` (a base model without LM head, as AutoModel loads it) with the peft adapter of the folder `lora_path`,
     trainable; dropout: the LoRA dropout it trains with (None: the adapter's own), no part of its weights, peft's
@@ -824,7 +836,8 @@ def attach_adapter(backbone: nn.Module, lora_path: str, *, dropout: float | None
     config.inference_mode = False
     if dropout is not None:
         config.lora_dropout = dropout
-    model = PeftModel(backbone, config)
+    with peft_wrapping():
+        model = PeftModel(backbone, config)
     result = set_peft_model_state_dict(model, weights)
     missing = [key for key in result.missing_keys if "lora_" in key]
     if missing or result.unexpected_keys:

@@ -85,6 +85,26 @@ def test_an_adapter_saved_with_its_lm_head_attaches_to_the_base_model(tmp_path):
     assert any(p.requires_grad for p in encoder.parameters())  # trainable, as load_encoder's adapters always were
 
 
+def test_building_and_attaching_adapters_shows_no_deprecation_warning_meant_for_peft(tmp_path):
+    """peft reads transformers' deprecated `is_gradient_checkpointing` as it wraps a model (peft 0.21, transformers
+    5): the FutureWarning it raised at every LoRA run's start is left out, and only it."""
+    import warnings
+
+    from angle_train.models import LoraSettings, peft_wrapping
+
+    base = causal_lm(tmp_path / "base")
+    adapter, _ = causal_adapter(base, tmp_path / "adapter")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_encoder(base, lora=LoraSettings(r=4, alpha=8))
+        load_encoder(base, lora_path=adapter)
+        with peft_wrapping():
+            warnings.warn("another FutureWarning", FutureWarning)
+    said = [str(w.message) for w in caught]
+    assert not [text for text in said if "is_gradient_checkpointing" in text], said
+    assert "another FutureWarning" in said
+
+
 def test_an_adapter_that_fits_no_layer_of_the_base_is_refused(tmp_path):
     deeper = causal_lm(tmp_path / "deeper", layers=3)
     adapter, _ = causal_adapter(deeper, tmp_path / "adapter", targets=["q_proj", "v_proj"])
