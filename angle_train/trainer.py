@@ -1805,6 +1805,7 @@ def finish(run: Run, signals: faults.StopSignals) -> TrainResult:
     together), then faults.Preempted; `--resume auto` then only exports."""
     cfg, position, result = run.cfg, run.position, run.result
     result.best_score = position.best
+    run.log.end_bar()
     # --fsdp: the whole weights, gathered from every process's shards (every process takes part)
     weights = sharding.full_state_dict(run.encoder) if cfg.fsdp and cfg.save_final else None
     interrupted = False
@@ -1970,9 +1971,16 @@ class RunLog:
         for reporter in self.reporters:
             reporter.log(row)
 
-    def close(self) -> None:
+    def end_bar(self) -> None:
+        """Close the progress bar once the last step is done: the final export's and the closing report's lines
+        then print below the finished bar (closed at the run's end instead, tqdm drew it again under them, after the
+        summary line had been printed onto the bar's own)."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+
+    def close(self) -> None:
+        self.end_bar()
         for reporter in self.reporters:
             reporter.close()
 

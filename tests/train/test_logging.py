@@ -77,6 +77,33 @@ def test_progress_0_prints_no_bar(tmp_path, capsys):
     assert "Writing model shards" not in err and "%|" not in err, err
 
 
+def test_the_closing_lines_print_below_the_finished_progress_bar(tmp_path, capsys):
+    """The bar (stderr) is closed, at its last step, before the final export and the summary line (stdout): closed at
+    the run's end, it was drawn again below them, and in a terminal the summary line began on the bar's own line."""
+    import tqdm
+
+    order = []
+    closing, printing = tqdm.tqdm.close, print
+
+    def close(bar):
+        if not bar.disable:
+            order.append("bar closed")
+        closing(bar)
+
+    def said(*args, **kwargs):
+        if args and str(args[0]).startswith("done: "):
+            order.append("summary")
+        printing(*args, **kwargs)
+
+    cfg = run_config(tmp_path, batch_size=8, max_steps=2, progress=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tqdm.tqdm, "close", close)
+        patch.setattr("builtins.print", said)
+        train(cfg, model=make_encoder("bert", dtype=torch.float32), train_examples=(demo_examples(16), "B"))
+    assert order == ["bar closed", "summary"], order
+    assert "train: 100%" in capsys.readouterr().err
+
+
 def test_pairs_per_second_leave_out_evaluation_and_checkpoints(tmp_path, monkeypatch):
     """pairs/s and tokens/s measure the training steps: the dev evaluation (at step 0 and after every step here) and
     the checkpoints do not count (they had fallen into the next row's window: 176 pairs/s reported for 867 measured
