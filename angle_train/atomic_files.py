@@ -6,7 +6,8 @@ Folders written whole (a checkpoint, best/, final/) are made durable the same wa
 place (sync_tree) and after (sync_folder of their parent): checkpoint._swap_in. A folder a run creates to rename into
 (checkpoints/, set-aside/) is made durable in its parent (made_folder), and the folders a move or a deletion changes
 are synced after it (checkpoint.set_aside_later_line, checkpoint.remove_earlier_run). A folder moved to another
-file system is copied and synced whole before its source is removed (move_durably).
+file system is copied and synced whole before its source is removed (move_durably). What a killed write left (a
+NAME.tmp, the lock's take-over record) is removed at a run's start where it is a regular file (remove_regular_file).
 """
 
 from __future__ import annotations
@@ -100,6 +101,15 @@ def _remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(OSError):  # nothing there; otherwise the copy or the rename names the path
+            os.remove(path)
+
+
+def remove_regular_file(path: str) -> None:
+    """Delete `path` where it is a regular file: the leftover of a killed write, removed at a run's start. A link (to
+    a file or not: not followed), a folder or any other file there is not such a leftover and stays; nothing there
+    (removed meanwhile, or never written) is fine. lstat, not os.path.isfile and islink: one look at the entry."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISREG(os.lstat(path).st_mode):
             os.remove(path)
 
 

@@ -67,7 +67,6 @@ import os
 import random
 import re
 import shutil
-import stat
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -76,10 +75,10 @@ import numpy
 import torch
 import transformers
 
-from .atomic_files import made_folder, move_durably, sync_folder, sync_tree, written_aside
+from .atomic_files import made_folder, move_durably, remove_regular_file, sync_folder, sync_tree, written_aside
 from .config import PROMPT_SETTINGS, TrainConfig, default_of, flag_of, flag_words, prompts_of
 from .data import FORMATS, has_no_splits, parse_columns
-from .distributed import DistInfo, failures_of_processes, stopping_together
+from .distributed import DistInfo, failures_of_processes, on_process, raise_first_failure, stopping_together
 from .export import is_peft_model, save_pretrained
 from .faults import check_finite_weights
 from .models import adapter_fingerprint
@@ -364,10 +363,7 @@ def remove_unfinished_writes(output_dir: str) -> None:
     NAME.tmp (a checkpoint, best/ or final/ being written) is deleted by the next write of it, and a link or any
     other file is not the run's to delete."""
     for name in RUN_FILES_WRITTEN_ASIDE:
-        leftover = os.path.join(output_dir, name + ".tmp")
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISREG(os.lstat(leftover).st_mode):
-                os.remove(leftover)
+        remove_regular_file(os.path.join(output_dir, name + ".tmp"))
 
 
 def set_aside_later_line(output_dir: str, step: int) -> str | None:
@@ -644,11 +640,11 @@ def _failed_write_cleaned(tmp: str, output_dir: str, dist_info: DistInfo):
         return
     rank, failure = failed[0]
     if failure.kind != "OSError":  # no failed write but a bug: raised as stopping_together raises it, the folder
-        raise own if own is not None else failure.raised_elsewhere(rank)  # left as a killed run leaves it
+        raise_first_failure(own=own, failed=failed)  # left as a killed run leaves it
     if dist_info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     # (sharded: every process, naming its own)
-    where = f" on process {rank}" if len(failed) < dist_info.world_size else ""
+    where = on_process(rank) if len(failed) < dist_info.world_size else ""
     done = finished_checkpoints(output_dir)
     kept = f"the previous checkpoint {done[-1]} is intact" if done else "no earlier checkpoint exists"
     raise OSError(failure.errno, f"could not write checkpoint {tmp} ({failure.text}{where}); the partial folder was "

@@ -100,6 +100,12 @@ def all_gather_objects(info: DistInfo, value) -> list:
     return gathered
 
 
+def on_process(rank: int) -> str:
+    """' on process RANK': the words that name the process `rank` after what failed there, in every message that
+    says which process failed."""
+    return f" on process {rank}"
+
+
 @dataclass(frozen=True)
 class Failure:
     """An exception raised on one process, as the other processes learn of it: gathered as this plain record, never as
@@ -122,7 +128,7 @@ class Failure:
         """The error a process raises for this failure of process `rank`, with its message naming the process: an
         OSError with its errno, a ValueError for one the user fixes (the command lines' one line and status 2 for
         either), anything else (a bug) a RuntimeError naming its type, with a traceback."""
-        said = f"{self.text} on process {rank}"
+        said = f"{self.text}{on_process(rank)}"
         if self.kind == "OSError":
             return OSError(said) if self.errno is None else OSError(self.errno, said)
         if self.users:
@@ -135,6 +141,17 @@ def failures_of_processes(info: DistInfo, own: BaseException | None) -> list[tup
     calls it, failed or not."""
     gathered = all_gather_objects(info, None if own is None else Failure.of(own))
     return [(rank, failure) for rank, failure in enumerate(gathered) if failure is not None]
+
+
+def raise_first_failure(*, own: BaseException | None, failed: list[tuple[int, Failure]]) -> None:
+    """Stop every process on the failures that failures_of_processes gathered: raise `own`, this process's exception,
+    as it would be raised alone (traceback and message unchanged) where this process failed, else the first failed
+    process's error naming that process (Failure.raised_elsewhere); return where no process failed."""
+    if own is not None:
+        raise own
+    if failed:
+        rank, failure = failed[0]
+        raise failure.raised_elsewhere(rank)
 
 
 @contextlib.contextmanager
@@ -150,12 +167,7 @@ def stopping_together(info: DistInfo):
         yield
     except Exception as exc:
         own = exc
-    failed = failures_of_processes(info, own)
-    if own is not None:
-        raise own
-    if failed:
-        rank, failure = failed[0]
-        raise failure.raised_elsewhere(rank)
+    raise_first_failure(own=own, failed=failures_of_processes(info, own))
 
 
 def leave_process_group() -> None:

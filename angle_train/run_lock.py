@@ -29,7 +29,7 @@ import sys
 import time
 import uuid
 
-from .atomic_files import made_folder, written_aside
+from .atomic_files import made_folder, remove_regular_file, written_aside
 
 LOCK_FILE = ".angle-train.lock"
 # How long an empty or half-written lock file is read again before it counts as damaged: its writer holds it for
@@ -208,7 +208,5 @@ def _remove_take_over_leftovers(output_dir: str) -> None:
     """Delete the files LOCK_FILE.TOKEN (RunLock._take_over writes its record there before the rename) of runs
     killed in between: with the lock held, no other run is taking it over. Regular files of that exact name only."""
     for name in os.listdir(output_dir):
-        leftover = os.path.join(output_dir, name)
-        if _TAKE_OVER_RECORD.fullmatch(name) and os.path.isfile(leftover) and not os.path.islink(leftover):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(leftover)
+        if _TAKE_OVER_RECORD.fullmatch(name):
+            remove_regular_file(os.path.join(output_dir, name))

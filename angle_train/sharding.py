@@ -38,6 +38,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .distributed import on_process
+
 
 def transformer_blocks(backbone: nn.Module) -> list[nn.Module]:
     """The modules Hugging Face keeps whole when it splits a model across devices (`_no_split_modules`: BertLayer,
@@ -119,10 +121,10 @@ def _failures(exc: BaseException) -> list[tuple[int, BaseException]]:
 
 
 def _on_process(rank: int) -> str:
-    """' on process RANK' where there are processes to tell apart."""
+    """distributed.on_process(rank) where there are processes to tell apart, else ''."""
     import torch.distributed as dist
 
-    return f" on process {rank}" if dist.is_available() and dist.is_initialized() else ""
+    return on_process(rank) if dist.is_available() and dist.is_initialized() else ""
 
 
 class _Unreadable(ValueError):
