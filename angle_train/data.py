@@ -2,7 +2,8 @@
 or packed into rows with several texts each: PassPlan, PackedTexts).
 
 Formats (the column names a file must have; `label` may also be called `score`, `text1`/`text2` may also
-be `sentence1`/`sentence2`; other names are mapped with `columns`, angle-train's --columns, e.g.
+be `sentence1`/`sentence2`, and `query` may be `anchor`, as sentence-transformers' datasets name them (ALIASES);
+other names are mapped with `columns`, angle-train's --columns, e.g.
 {"text1": "sent_a", "text2": "sent_b", "label": "similarity"}):
     A  text1, text2, label      graded or 0/1 similarity; rows of a batch are [t1, t2, t1, t2, ...] (zigzag)
     B  query, positive          rows [q, p, q, p, ...]; the other pairs of the batch are the negatives
@@ -56,7 +57,9 @@ FORMATS = {"A": ("text1", "text2", "label"), "B": ("query", "positive"), "C": ("
 ROWS_PER_EXAMPLE = {"A": 2, "B": 2, "C": 3}
 # The role of each text of an example, which picks its prompt (Prompts): format A's texts are symmetric.
 ROLES = {"A": ("text", "text"), "B": ("query", "document"), "C": ("query", "document", "document")}
-ALIASES = {"sentence1": "text1", "sentence2": "text2", "score": "label"}
+# Other names of the format's columns: STS-B's (sentence1, sentence2, score) and sentence-transformers' (its Hub
+# datasets' pairs and triplets, all-nli's among them, are anchor, positive[, negative])
+ALIASES = {"sentence1": "text1", "sentence2": "text2", "score": "label", "anchor": "query"}
 STSB_NAMES = {"text1": "text1", "text2": "text2", "label": "label"}  # read_stsb's rows, named by it
 # The names a --columns mapping gives a file's columns (NAME=COLUMN); columns_hint says how to map them.
 COLUMN_NAMES = ("text1", "text2", "label", "query", "positive", "negative")
@@ -256,15 +259,38 @@ class Prompts:
 # ----------------------------------------------------------------------------------------------- reading
 
 
-def detect_format(names, where: str, columns=None) -> str:
-    """The format (A, B or C) whose names these are (column_names' keys); `columns`: the file's, for the message."""
+def detect_format(names, where: str, columns=None, *, header: bool = False) -> str:
+    """The format (A, B or C) whose names these are (column_names' keys); `columns`: the file's, for the message
+    (`header`: a CSV/TSV file's header row: columns_in_words)."""
     for fmt in ("C", "A", "B"):
         if set(FORMATS[fmt]) <= set(names):
             return fmt
     raise DataError(
-        f"{where}: cannot tell the format from the columns {sorted(columns if columns is not None else names)}; "
+        f"{where}: cannot tell the format from the columns "
+        f"{columns_in_words(columns if columns is not None else names, header=header)}; "
         f"expected text1,text2,label (A), query,positive (B) or query,positive,negative (C): {columns_hint()}"
     )
+
+
+def columns_in_words(columns, *, header: bool = False, inside: bool = False) -> str:
+    """A file's columns for a message, in the file's order (as the user sees them), and why they may not be the
+    names they look like: a CSV/TSV header (`header`) with a field that is a number looks like data (a file written
+    without its header row, whose first example was read as the names); else names with spaces around them (a
+    header `text1, text2, label`), which are read as written, not stripped in silence. The note follows the list in
+    parentheses, or after a semicolon where the list is `inside` parentheses already."""
+    shown = [column for column in columns if column is not None]  # None: a CSV row's fields past its header's
+    spaced = [column for column in shown if isinstance(column, str) and column != column.strip()]
+    one = len(spaced) == 1
+    if header and any(math.isfinite(number) for number in map(_number_or_none, shown) if number is not None):
+        names = ", ".join(f"{','.join(FORMATS[fmt])} for {'format ' * (fmt == 'A')}{fmt}" for fmt in FORMATS)
+        note = f"the first line looks like data, not a header: the file needs a header row naming its columns ({names})"
+    elif spaced:
+        whose = "the header's" if header else "the"
+        note = (f"{whose} name{'' if one else 's'} {', '.join(map(repr, spaced))} {'has' if one else 'have'} spaces "
+                f"around {'it' if one else 'them'}: remove them, or map {'it' if one else 'them'} with --columns")
+    else:
+        return f"{shown}"
+    return f"{shown}; {note}" if inside else f"{shown} ({note})"
 
 
 def check_columns(columns: dict | None) -> dict:
@@ -297,16 +323,17 @@ def parse_columns(items) -> dict:
     return check_columns(mapping)
 
 
-def column_names(columns: dict, present, where: str) -> dict:
+def column_names(columns: dict, present, where: str, *, header: bool = False) -> dict:
     """{the format's name: the file's column} of a file's (or a row's, or a dataset's) columns `present`: those a
     --columns mapping ({name: column}, check_columns) names, each checked present, then every other column that is a
     name of COLUMN_NAMES or an alias of one (ALIASES: sentence1 -> text1). A column a mapping displaced (the file's
     own "positive" under --columns positive=p2) is not read. Two columns giving one name unmapped (text1 and
-    sentence1, label and score) are a DataError: one of them would have been read in silence."""
+    sentence1, label and score) are a DataError: one of them would have been read in silence. `header`: `present` is
+    a CSV/TSV file's header row (columns_in_words)."""
     for name, column in columns.items():
         if column not in present:
             raise DataError(f"--columns {name}={column}: {where} has no column {column!r} (it has "
-                            f"{sorted(c for c in present if c is not None)})")
+                            f"{columns_in_words(present, header=header, inside=True)})")
     names = dict(columns)
     mapped = set(columns.values())
     for column in dict.fromkeys(present):  # a name a CSV header repeats once (check_read_columns_once)
@@ -320,15 +347,17 @@ def column_names(columns: dict, present, where: str) -> dict:
     return names
 
 
-def check_format_columns(names: dict, fmt: str, where: str, detected_at: str | None = None) -> None:
+def check_format_columns(names: dict, fmt: str, where: str, detected_at: str | None = None, *, present=None,
+                         header: bool = False) -> None:
     """The names the format reads all present and, where the format was detected (`detected_at`: the row or header
     it was detected at; None: given, by --data-format, which then reads what it reads), no other name of
     COLUMN_NAMES: a format-B file's "label" column, or a later row's "negative" in a file whose first row made it
-    format B, would be left unread in silence."""
+    format B, would be left unread in silence. `present`: the file's columns, for the message (None: the columns
+    `names` reads); `header`: they are a CSV/TSV file's header row (columns_in_words)."""
     missing = [c for c in FORMATS[fmt] if c not in names]
     if missing:
-        raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {sorted(names.values())}): "
-                        f"{columns_hint(missing)}")
+        has = columns_in_words(names.values() if present is None else present, header=header, inside=True)
+        raise DataError(f"{where}: missing column(s) {missing} for format {fmt} (has {has}): {columns_hint(missing)}")
     unread = [name for name in names if name not in FORMATS[fmt]]
     if unread and detected_at is not None:
         shown = ", ".join(repr(names[name]) if names[name] == name else f"{names[name]!r} ({name})" for name in unread)
@@ -341,7 +370,7 @@ def check_format_columns(names: dict, fmt: str, where: str, detected_at: str | N
 def check_read_columns_once(fieldnames, read: list, where: str) -> None:
     """The columns a reader reads (`read`) each named once in a CSV/TSV header: a dict row keeps the last of two
     columns of one name, so the first would be dropped in silence (a repeated name nobody reads is harmless)."""
-    repeated = sorted({column for column in read if fieldnames.count(column) > 1})
+    repeated = [column for column in dict.fromkeys(fieldnames) if column in read and fieldnames.count(column) > 1]
     if repeated:
         raise DataError(f"{where}: the column name(s) {repeated} appear more than once in the header, so only the "
                         "last of each would be read: rename or remove the others")
@@ -567,7 +596,7 @@ def read_jsonl(path: str, fmt: str | None, columns: dict | None = None) -> tuple
             names = column_names(columns, keys, where)
             if fmt is None:
                 fmt, detected_at = detect_format(names, where, keys), where
-            check_format_columns(names, fmt, where, detected_at)  # detected_at None: fmt was given
+            check_format_columns(names, fmt, where, detected_at, present=keys)  # detected_at None: fmt was given
             checked[keys] = names
         examples.append(_example_from_row(row, fmt, where, names))
     return examples, fmt
@@ -638,10 +667,10 @@ def read_delimited(path: str, fmt: str | None, delimiter: str, columns: dict | N
     def check_header(fieldnames):
         nonlocal fmt, names
         where = f"{path}, line 1 (header)"
-        names = column_names(columns, fieldnames, where)
+        names = column_names(columns, fieldnames, where, header=True)
         detected_at = None if fmt else where
-        fmt = fmt or detect_format(names, where, fieldnames)
-        check_format_columns(names, fmt, where, detected_at)
+        fmt = fmt or detect_format(names, where, fieldnames, header=True)
+        check_format_columns(names, fmt, where, detected_at, present=fieldnames, header=True)
         check_read_columns_once(fieldnames, [names[name] for name in FORMATS[fmt]], where)
 
     examples = [_example_from_row(row, fmt, where, names)
@@ -764,7 +793,7 @@ def read_hf_dataset(name_or_path: str, fmt: str | None, split: str, columns: dic
     names = column_names(check_columns(columns), dataset.column_names, where)
     detected_at = None if fmt else where
     fmt = fmt or detect_format(names, where, dataset.column_names)
-    check_format_columns(names, fmt, where, detected_at)
+    check_format_columns(names, fmt, where, detected_at, present=dataset.column_names)
     if fmt == "A":
         check_class_label(dataset.features.get(names["label"]), where, names["label"])
     # only the columns the format reads, a block of rows at a time: row by row, every column of every row was

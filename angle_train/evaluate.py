@@ -22,9 +22,10 @@ distributed in:
     STS-B            an STS Benchmark file (sts-test.csv: tab-separated, score in field 5, texts in 6 and 7);
                      another split is named after its file ("STS-B (sts-dev)")
     SICK-R           SICK_test_annotated.txt (pair_ID, sentence_A, sentence_B, relatedness_score, ...)
-    retrieval        a format-B file (query, positive: JSONL / CSV): every distinct positive is a document of the
-                     corpus (a text given twice is one document), every distinct query a query, whose relevant
-                     documents are all the positives given for it (a query on two rows with two positives has two);
+    retrieval        a format-B file (query or anchor, positive: JSONL / CSV): every distinct positive is a
+                     document of the corpus (a text given twice is one document), every distinct query a query,
+                     whose relevant documents are all the positives given for it (a query on two rows with two
+                     positives has two);
                      recall@1, recall@10 and nDCG@10 (cosine) as sentence-transformers' InformationRetrievalEvaluator
                      defines them; the queries take the query prompt, the documents the document prompt (data.Prompts).
                      At least 2 distinct queries: over one, every document is one of its positives, so the metrics

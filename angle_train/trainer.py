@@ -521,20 +521,11 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
               + f" | {precision_words(encoder, loss_scaling=cfg.fp16)} | seed {cfg.seed}", flush=True)
         if note := max_steps_note(cfg, len(items), dist_info.world_size):
             print(note, flush=True)
-        repeats = repeated_items(items)
-        unit, same = ("sentences", "") if cfg.objective == "arccse" else ("examples", " (the same texts and label)")
-        if repeats:  # kept (training never drops data in silence), and said: a copy may land in its original's batch
-            verb = "repeats" if repeats == 1 else "repeat"
-            print(f"angle_train: note: {repeats:,} of the {len(items):,} {unit} {verb} an earlier one exactly{same}; "
-                  "they are trained as given, and a copy in the same batch as its original is a false in-batch "
-                  "negative for the contrastive terms: remove the copies to avoid it", flush=True)
-        left = examples_left_out(cfg, len(dataset))
-        if left:  # said, not silent: a step takes whole batches of batch_size x grad_accum
-            advice = ("; a batch size closer to a divisor of the data leaves out fewer" if left > 0.05 * len(dataset)
-                      else "")
-            print(f"angle_train: each epoch leaves out {left:,} of the {len(dataset):,} {unit} "
-                  f"({left / len(dataset):.1%}; another {left:,} each epoch, in its shuffled order): they do not fill "
-                  f"a step of {cfg.batch_size}x{cfg.grad_accum}{advice}", flush=True)
+        unit = "sentences" if cfg.objective == "arccse" else "examples"
+        if note := repeats_note(cfg, fmt, loss_name, repeated_items(items), len(items)):
+            print(note, flush=True)
+        if note := left_out_note(cfg, len(dataset), total_steps, unit):
+            print(note, flush=True)
         if dev_set is not None and cfg.matryoshka_dims and encoder.embedding_dim not in cfg.matryoshka_dims:
             print(f"angle_train: note: --matryoshka-dims {' '.join(map(str, cfg.matryoshka_dims))} leaves out the "
                   f"full width ({encoder.embedding_dim}): it is not trained as an embedding of its own, yet best/ is "
@@ -1122,6 +1113,57 @@ def examples_left_out(cfg: TrainConfig, n_examples: int) -> int:
     last incomplete batch and the batches short of a whole step are dropped (epoch_batches, next_batches)."""
     per_step = cfg.batch_size * cfg.grad_accum
     return n_examples - (n_examples // cfg.batch_size // cfg.grad_accum) * per_step
+
+
+def left_out_note(cfg: TrainConfig, n_examples: int, total_steps: int, unit: str) -> str | None:
+    """The line saying how many of the `n_examples` (`unit`: examples, or ArcCSE's sentences) each epoch leaves out
+    (examples_left_out), or None: none are, or the run's `total_steps` end before the first epoch does, so no epoch
+    reaches the examples it would leave out (a --max-steps 3 run was told of an epoch's end it never reached)."""
+    left = examples_left_out(cfg, n_examples)
+    if not left or total_steps < n_examples // (cfg.batch_size * cfg.grad_accum):
+        return None
+    advice = "; a batch size closer to a divisor of the data leaves out fewer" if left > 0.05 * n_examples else ""
+    return (f"angle_train: each epoch leaves out {left:,} of the {n_examples:,} {unit} ({left / n_examples:.1%}; "
+            f"another {left:,} each epoch, in its shuffled order): they do not fill a step of "
+            f"{cfg.batch_size}x{cfg.grad_accum}{advice}")
+
+
+# The flags of the terms whose negatives are the batch's other rows, by data format (angle_kernels.AngleLoss: format
+# A's in-batch-negative term; C's in-batch and hard-negative terms, whose negatives are every other row's positive
+# and negative too); format B's one contrastive term reads no weight and is always on (FORMAT_IGNORES)
+IN_BATCH_TERMS = {"A": ("ibn_w",), "B": (), "C": ("ibn_w", "cln_w")}
+# What makes two examples of a format the same (repeated_items): every text and, in format A, the label
+SAME_ITEM = {"A": "the same text1, text2 and label", "B": "the same query and positive",
+             "C": "the same query, positive and negative"}
+
+
+def repeats_note(cfg: TrainConfig, fmt: str | None, loss_name: str, repeats: int, count: int) -> str | None:
+    """The line saying that `repeats` of the `count` training items (examples of format `fmt`; ArcCSE's sentences
+    where fmt is None) repeat an earlier one exactly, or None for none. They are kept (training never drops data in
+    silence) and said; where the loss has an in-batch term on (a weight above 0; format B's and ArcCon's always are;
+    a loss_fn given to train() may have one), a copy landing in its original's batch is a false negative of that
+    term, and the line says so, naming the term. Format A's ranking terms alone (--ibn-w 0) compare the labels of
+    pairs, and a copy, of the same label, is no negative to them."""
+    if not repeats:
+        return None
+    unit, same = ("sentences", "") if fmt is None else ("examples", f" ({SAME_ITEM[fmt]})")
+    verb = "repeats" if repeats == 1 else "repeat"
+    line = (f"angle_train: note: {repeats:,} of the {count:,} {unit} {verb} an earlier one exactly{same}; they are "
+            "trained as given")
+    if loss_name == "ArcCSELoss":
+        terms = "ArcCon"
+    elif loss_name != "AngleLoss":
+        terms = "a loss with in-batch negatives"
+    elif fmt == "B":
+        terms = "the contrastive term"
+    else:
+        on = [flag_of(name) for name in IN_BATCH_TERMS[fmt] if getattr(cfg, name) > 0]
+        if not on:
+            return line + f" (a copy weighs as one more {unit[:-1]})"
+        terms = (f"the in-batch-negative term ({on[0]})" if fmt == "A"
+                 else f"the contrastive term{'s' * (len(on) > 1)} ({', '.join(on)})")
+    return (line + f", and a copy in the same batch as its original is a false in-batch negative for {terms}: remove "
+            "the copies to avoid it")
 
 
 def batch_items(fmt: str | None) -> str:

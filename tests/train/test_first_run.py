@@ -372,7 +372,7 @@ def test_the_dev_data_takes_its_own_column_mapping(tmp_path, capsys):
             "--columns", "text1=sent_a", "text2=sent_b", "label=similarity"]
     line = one_line_error("angle-train", *run("angle-train", [*base, "--output-dir", str(tmp_path / "a")],
                                                 capsys)[::2])
-    assert line.endswith("has no column 'sent_a' (it has ['score', 'sentence1', 'sentence2']) (--columns maps the "
+    assert line.endswith("has no column 'sent_a' (it has ['sentence1', 'sentence2', 'score']) (--columns maps the "
                          "columns of --dev-data too: map the dev data's own with --dev-columns)")
     status, out, err = run("angle-train", [*base, "--output-dir", str(tmp_path / "b"), "--dev-columns",
                                            "text1=sentence1", "text2=sentence2", "label=score"], capsys)

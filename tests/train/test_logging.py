@@ -127,16 +127,24 @@ def test_pairs_per_second_leave_out_evaluation_and_checkpoints(tmp_path, monkeyp
 
 
 def test_the_header_says_how_many_examples_each_epoch_leaves_out(tmp_path, capsys):
-    """A step takes grad_accum whole batches: the rest of each epoch is left out, and the run says so."""
-    from angle_train.trainer import examples_left_out
+    """A step takes grad_accum whole batches: the rest of each epoch is left out, and a run that reaches an epoch's
+    end says so. A run that ends within its first epoch (--max-steps 3 of an epoch's 5) reaches none of them, and
+    was told of them all the same."""
+    from angle_train.trainer import examples_left_out, left_out_note
 
     assert examples_left_out(TrainConfig(batch_size=3000), 4096) == 1096
     assert examples_left_out(TrainConfig(batch_size=32768, grad_accum=4), 200_000) == 68_928
     assert examples_left_out(TrainConfig(batch_size=8), 64) == 0
-    _train(tmp_path / "a", batch_size=12, max_steps=1)
+    # 64 examples in steps of 12 (or 6 x 2): 5 steps an epoch, 4 examples left out
+    for cfg in (TrainConfig(batch_size=12), TrainConfig(batch_size=6, grad_accum=2)):
+        assert left_out_note(cfg, 64, total_steps=4, unit="examples") is None
+        assert left_out_note(cfg, 64, total_steps=5, unit="examples").startswith(
+            "angle_train: each epoch leaves out 4 of the 64 examples (6.2%")
+    assert left_out_note(TrainConfig(batch_size=8), 64, total_steps=100, unit="examples") is None
+    _train(tmp_path / "a", batch_size=60, max_steps=1)  # one step an epoch
     out = capsys.readouterr().out
     assert "each epoch leaves out 4 of the 64 examples (6.2%" in out and "closer to a divisor" in out
-    _train(tmp_path / "b", batch_size=8, max_steps=1)
+    _train(tmp_path / "b", batch_size=12, max_steps=1)  # ends within its first epoch
     assert "leaves out" not in capsys.readouterr().out
 
 
@@ -212,7 +220,7 @@ def test_a_run_says_what_it_tokenises_before_it_does(tmp_path, capsys):
 
 def test_the_header_says_how_many_rows_repeat_an_earlier_one(tmp_path, capsys):
     """Rows given twice were kept without a word, and a copy in its original's batch is a false in-batch negative for
-    the contrastive terms: the run says how many rows repeat an earlier one exactly and trains every row as given.
+    the in-batch terms: the run says how many rows repeat an earlier one exactly and trains every row as given.
     Rows that share a text but not all of it (another positive, another label) are not repeats."""
     from angle_train.data import Example, repeated_items
 
@@ -227,9 +235,9 @@ def test_the_header_says_how_many_rows_repeat_an_earlier_one(tmp_path, capsys):
     assert repeated_items([]) == repeated_items(["a"]) == 0 and repeated_items(["a", "a"]) == 1
     train(run_config(tmp_path / "a", batch_size=8, max_steps=1), model=make_encoder("bert"),
           train_examples=(twice, "B"))
-    assert ("angle_train: note: 4 of the 64 examples repeat an earlier one exactly (the same texts and label); they "
-            "are trained as given, and a copy in the same batch as its original is a false in-batch negative"
-            in capsys.readouterr().out)
+    assert ("angle_train: note: 4 of the 64 examples repeat an earlier one exactly (the same query and positive); "
+            "they are trained as given, and a copy in the same batch as its original is a false in-batch negative for "
+            "the contrastive term: remove the copies to avoid it\n" in capsys.readouterr().out)
     train(run_config(tmp_path / "b", batch_size=8, max_steps=1), model=make_encoder("bert"),
           train_examples=(rows + near + rows[:2], "B"))
     assert "repeat an earlier one" in capsys.readouterr().out  # 2 of 64
@@ -241,3 +249,32 @@ def test_the_header_says_how_many_rows_repeat_an_earlier_one(tmp_path, capsys):
           model=make_encoder("bert"), train_examples=sentences + sentences[:1])
     assert "angle_train: note: 1 of the 16 sentences repeats an earlier one exactly; they are trained" in (
         capsys.readouterr().out)
+
+
+def test_the_repeats_note_names_the_in_batch_terms_the_loss_has_on():
+    """A copy in its original's batch is a false negative only of a term whose negatives are the batch's other rows:
+    format A's in-batch-negative term, C's in-batch and hard-negative terms (each where its weight is above 0), B's
+    contrastive term (always on) and ArcCon. Format A's ranking terms alone (--ibn-w 0) were warned of all the same,
+    and format B's examples, which have no label, were said to repeat "the same texts and label"."""
+    from angle_train.trainer import repeats_note
+
+    def note(fmt, loss_name="AngleLoss", **weights):
+        return repeats_note(TrainConfig(**weights), fmt, loss_name, 4, 64)
+
+    head = "angle_train: note: 4 of the 64 examples repeat an earlier one exactly"
+    false_negative = ", and a copy in the same batch as its original is a false in-batch negative for "
+    assert note("A") == (f"{head} (the same text1, text2 and label); they are trained as given{false_negative}the "
+                         "in-batch-negative term (--ibn-w): remove the copies to avoid it")
+    assert note("A", ibn_w=0, cosine_w=1) == (f"{head} (the same text1, text2 and label); they are trained as given "
+                                              "(a copy weighs as one more example)")
+    assert note("B", ibn_w=0).startswith(f"{head} (the same query and positive); they are trained as given"
+                                         f"{false_negative}the contrastive term: ")
+    assert f"{false_negative}the contrastive terms (--ibn-w, --cln-w): " in note("C")
+    assert f"{false_negative}the contrastive term (--cln-w): " in note("C", ibn_w=0)
+    assert note("C", ibn_w=0, cln_w=0).endswith("(the same query, positive and negative); they are trained as given "
+                                                "(a copy weighs as one more example)")
+    assert f"{false_negative}a loss with in-batch negatives: " in note("A", "my_loss", ibn_w=0)
+    assert repeats_note(TrainConfig(), None, "ArcCSELoss", 1, 16) == (
+        "angle_train: note: 1 of the 16 sentences repeats an earlier one exactly; they are trained as given"
+        f"{false_negative}ArcCon: remove the copies to avoid it")
+    assert repeats_note(TrainConfig(), "B", "AngleLoss", 0, 64) is None

@@ -349,12 +349,13 @@ def test_command_line_from_a_text_file(tmp_path, capsys):
     text.write_text("\n".join(SENTENCES * 4) + "\n\n")
     out = tmp_path / "run"
     assert cli.main(["--objective", "arccse", "--train-data", str(text), "--dev-data", "builtin:demo-sts",
-                     "--batch-size", "6", "--max-steps", "3", "--chunk-size", "16", "--output-dir", str(out),
+                     "--batch-size", "6", "--max-steps", "5", "--chunk-size", "16", "--output-dir", str(out),
                      "--progress", "0", "--device", "cpu", "--mask-rates", "0.2", "0.4"]) == 0
     printed = capsys.readouterr().out
     assert "32 sentences (ArcCSE" in printed and "1 blank line(s)" in printed and "dev Spearman" in printed
-    assert "each epoch leaves out 2 of the 32 sentences (6.2%" in printed  # they are sentences, not examples
-    assert re.search(r"done: 3 steps \|.* sentences/s, ", printed) and "pairs/s" not in printed
+    # they are sentences, not examples; 5 steps of 6 reach the epoch's end (32 // 6)
+    assert "each epoch leaves out 2 of the 32 sentences (6.2%" in printed
+    assert re.search(r"done: 5 steps \|.* sentences/s, ", printed) and "pairs/s" not in printed
     with open(out / "config.json") as f:
         assert json.load(f)["objective"] == "arccse"
     # metrics.jsonl keeps pairs_per_s (read since the first version) and names the rate by its unit beside it

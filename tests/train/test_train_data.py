@@ -52,8 +52,8 @@ def test_stsb_layout_keeps_every_line(tmp_path):
         ("blank.jsonl", "\n\n", "no examples"),
         ("header_only.csv", "text1,text2,label\n", "no examples"),
         ("no_cols.jsonl", '{"a": 1, "b": 2}\n', r"line 1: cannot tell the format from the columns \['a', 'b'\]"),
-        ("no_cols.csv", "sent_a,sentence,rating\nx,y,1\n",
-         r"line 1 \(header\): cannot tell the format from the columns \['rating', 'sent_a', 'sentence'\]"),
+        ("no_cols.csv", "sent_a,sentence,rating\nx,y,1\n",  # in the file's order
+         r"line 1 \(header\): cannot tell the format from the columns \['sent_a', 'sentence', 'rating'\]; expected"),
         (
             "missing.jsonl",
             '{"text1": "x", "text2": "y", "label": 1}\n{"text1": "x", "label": 1}\n',
@@ -83,6 +83,8 @@ def test_stsb_layout_keeps_every_line(tmp_path):
          r"line 1 \(header\): the columns 'label' and 'score' both give label: say which with --columns label="),
         ("text1_and_sentence1.jsonl", '{"text1": "a", "sentence1": "b", "text2": "c", "label": 1}\n',
          "line 1: the columns 'text1' and 'sentence1' both give text1"),
+        ("query_and_anchor.csv", "anchor,query,positive\na,b,c\n",
+         r"line 1 \(header\): the columns 'anchor' and 'query' both give query: say which with --columns query="),
         ("repeated_header.csv", "query,positive,positive\na,b,c\n",
          r"line 1 \(header\): the column name\(s\) \['positive'\] appear more than once in the header, so only the "
          r"last of each would be read: rename or remove the others"),
@@ -98,6 +100,59 @@ def test_bad_files_give_clear_errors(tmp_path, name, text, message):
         return
     with pytest.raises(DataError, match=message):
         load_examples(path)
+
+
+def test_sentence_transformers_anchor_column_reads_as_query(tmp_path):
+    """sentence-transformers' datasets name their pairs and triplets anchor, positive[, negative]
+    (sentence-transformers/all-nli's): anchor is an alias of query, as sentence1 is of text1, in every reader."""
+    datasets = pytest.importorskip("datasets")
+    triplet = {"anchor": "a", "positive": "b", "negative": "c"}
+    triplets = write_data_file(tmp_path, "t.jsonl", json.dumps(triplet) + "\n")
+    examples, fmt = load_examples(triplets)
+    assert fmt == "C" and examples[0].texts == ("a", "b", "c")
+    examples, fmt = load_examples(write_data_file(tmp_path, "p.tsv", "positive\tanchor\nb\ta\n"))
+    assert fmt == "B" and examples[0].texts == ("a", "b")
+    datasets.Dataset.from_dict({"anchor": ["a", "d"], "positive": ["b", "e"]}).save_to_disk(str(tmp_path / "hub"))
+    examples, fmt = load_examples(str(tmp_path / "hub"))
+    assert fmt == "B" and [e.texts for e in examples] == [("a", "b"), ("d", "e")]
+    from angle_train.evaluate import read_dataset  # angle-eval scores such a file as retrieval
+
+    pairs = write_data_file(tmp_path, "pairs.jsonl", "".join(json.dumps({"anchor": q, "positive": p}) + "\n"
+                                                             for q, p in (("a", "b"), ("d", "e"))))
+    assert read_dataset(str(pairs)).queries == ["a", "d"]
+    # mapped, the file's own query is read in its place
+    both = write_data_file(tmp_path, "both.jsonl", json.dumps({"query": "q", "anchor": "a", "positive": "b"}) + "\n")
+    assert load_examples(both, columns={"query": "anchor"})[0][0].texts == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "name, text, settings, message",
+    [
+        # a header written with spaces after its commas: the names are read as written, and the message says why
+        ("spaced.csv", "text1, text2, label\na,b,1\n", {},
+         r"line 1 \(header\): cannot tell the format from the columns \['text1', ' text2', ' label'\] \(the header's "
+         r"names ' text2', ' label' have spaces around them: remove them, or map them with --columns\); expected"),
+        ("spaced.jsonl", '{" query": "a", "positive": "b"}\n', {},
+         r"line 1: cannot tell the format from the columns \[' query', 'positive'\] \(the name ' query' has spaces "
+         r"around it: remove them, or map it with --columns\)"),
+        ("spaced_given.csv", "text1, text2, label\na,b,1\n", {"fmt": "A"},
+         r"missing column\(s\) \['text2', 'label'\] for format A \(has \['text1', ' text2', ' label'\]; the header's "
+         r"names ' text2', ' label' have spaces around them: remove them, or map them with --columns\): map yours"),
+        ("spaced_mapped.csv", "text1, text2, label\na,b,1\n", {"columns": {"text2": "text2"}},
+         r"has no column 'text2' \(it has \['text1', ' text2', ' label'\]; the header's names ' text2', ' label' "
+         r"have spaces around them"),
+        # a file without its header row: its first example was read as the names
+        ("no_header.csv", "a man plays,a man is playing,4.5\nx,y,1\n", {},
+         r"cannot tell the format from the columns \['a man plays', 'a man is playing', '4.5'\] \(the first line "
+         r"looks like data, not a header: the file needs a header row naming its columns \(text1,text2,label for "
+         r"format A, query,positive for B, query,positive,negative for C\)\); expected"),
+        ("no_header.tsv", "a cat\ta dog\t0\nx\ty\t1\n", {"fmt": "A"},
+         r"\(has \['a cat', 'a dog', '0'\]; the first line looks like data, not a header"),
+    ],
+)
+def test_a_header_that_cannot_be_read_says_why(tmp_path, name, text, settings, message):
+    with pytest.raises(DataError, match=message):
+        load_examples(write_data_file(tmp_path, name, text), **settings)
 
 
 def test_a_given_format_reads_its_columns_and_leaves_the_others(tmp_path):
