@@ -15,7 +15,7 @@ from .arccse import TEXT_COLUMN
 from .cli_common import parse_bool
 from .data import Prompts, parse_columns, refuse_missing_local_path
 from .models import (
-    ADAPTER_CONFIG, PEFT_LORA_DROPOUT, adapted_layer_names, adapter_config_base, read_adapter_config,
+    ADAPTER_CONFIG, ADAPTER_FOLDER, PEFT_LORA_DROPOUT, adapted_layer_names, adapter_config_base, read_adapter_config,
 )
 
 MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every library the run uses accepts
@@ -405,6 +405,10 @@ class TrainConfig:
         named = f"--lora-path {self.lora_path}"
         path = os.path.join(self.lora_path, ADAPTER_CONFIG)
         if not os.path.isfile(path):
+            inner = os.path.join(self.lora_path, ADAPTER_FOLDER)
+            if os.path.isfile(os.path.join(inner, ADAPTER_CONFIG)):  # a whole-model LoRA export (a run's final/)
+                raise FileNotFoundError(f"{named}: no {ADAPTER_CONFIG} there: the folder is a whole-model export, "
+                                        f"its adapter is in {inner}: give --lora-path {inner}")
             missing = f"no {ADAPTER_CONFIG} there" if os.path.isdir(self.lora_path) else "no such folder"
             raise FileNotFoundError(f"{named}: {missing}; expected a local folder of a LoRA adapter "
                                     "(peft's files: a run's final/adapter or adapter-only best/, an adapter angle-emb "

@@ -465,6 +465,20 @@ def test_lora_rslora_of_a_lora_path_adapter_is_its_own(tmp_path):
             TrainConfig(lora=True, lora_path=adapter, lora_rslora=given).validate()
 
 
+def test_lora_path_to_a_whole_model_export_names_its_adapter_folder(tmp_path):
+    """--lora-path RUN/final (a LoRA run's whole-model export, its adapter in final/adapter) is refused naming the
+    adapter's folder, where it said only that the folder has no adapter_config.json."""
+    from angle_train.config import TrainConfig
+
+    adapter = tmp_path / "final" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / ADAPTER_CONFIG).write_text("{}")
+    with pytest.raises(FileNotFoundError, match=rf"--lora-path {re.escape(str(tmp_path / 'final'))}: no "
+                                                rf"adapter_config.json there: the folder is a whole-model export, its "
+                                                rf"adapter is in {re.escape(str(adapter))}: give --lora-path"):
+        TrainConfig(lora=True, lora_path=str(tmp_path / "final")).validate()
+
+
 def test_an_adapter_that_does_not_fit_the_model_is_refused_naming_lora_path(tmp_path):
     from angle_train.trainer import train
     from train_helpers import make_encoder, run_config
