@@ -212,7 +212,10 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
         if done and cfg.resume != "auto":
             options = f"pass --resume auto to continue it (latest checkpoint: {done[-1]}), --overwrite 1 to delete it"
         else:
-            options = "it left no checkpoint to resume from; pass --overwrite 1 to delete it"
+            # the default --save-every 0 writes a checkpoint only when a signal stops the run: a finished or failed
+            # run of it leaves none, which the user learns here, with the flag that would have left them
+            options = ("it left no checkpoint to resume from (a run writes them every --save-every N steps; with the "
+                       "default, 0, only when a signal stops it); pass --overwrite 1 to delete it")
         raise ValueError(f"--output-dir {cfg.output_dir} holds an earlier run ({', '.join(left)}): {options} and "
                          "start afresh, or choose a new --output-dir")
     return None

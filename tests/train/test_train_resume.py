@@ -395,7 +395,10 @@ def test_a_finished_run_is_refused_unless_overwrite_is_asked(tmp_path, capsys):
     (tmp_path / "best").mkdir()  # as an evaluated run leaves it
     (tmp_path / "notes.txt").write_text("mine")
     for resume in (None, "auto"):
-        with pytest.raises(ValueError, match=r"holds an earlier run \(best/, final/, metrics.jsonl\).*--overwrite 1"):
+        with pytest.raises(ValueError, match=r"holds an earlier run \(best/, final/, metrics.jsonl\): it left no "
+                                             r"checkpoint to resume from \(a run writes them every --save-every N "
+                                             r"steps; with the default, 0, only when a signal stops it\).*"
+                                             r"--overwrite 1"):
             train(_config(tmp_path, max_steps=2, save_every=0, resume=resume), train_examples=data)
     assert (tmp_path / "best").is_dir() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     (tmp_path / "set-aside" / "after-step-00000001").mkdir(parents=True)  # as a rollback leaves them
