@@ -8,6 +8,8 @@
     models.py       pooling (cls, cls_avg, avg, max, last) + base model = Encoder; LoRA, checkpointing, autocast,
                     bidirectional attention for decoder LMs
     data.py         files and datasets in formats A/B/C, prompts per role, tokenisation, padding, batch order
+    hub.py          Hugging Face Hub names that cannot be loaded (out of reach and not cached, no such
+                    repository), said naming the flag that gave them
     grad_cache.py   plain backprop and the gradient cache (dropout RNG replay)
     profiling.py    --profile: the phases of one optimizer step
     distributed.py  DDP helpers: all-gather with gradients, no_sync, barrier

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import numpy
 import torch
 
+from .hub import HubLookupError, hub_lookup, name_given_as
+
 ANGLE_PROMPT = 'Summarize sentence "{text}" in one word:"'
 # Prompts by name: 'angle' is the paper's; Prompts.A/B/C are angle-emb 0.6's predefined ones (angle_emb.Prompts).
 NAMED_PROMPTS = {
@@ -114,12 +116,17 @@ def refuse_missing_local_path(name: str, given_as: str | None = None) -> None:
 def errors_naming(source: str, given_as: str):
     """Inside: a DataError about `source` as a whole (its message begins "SOURCE: ": a folder that is no dataset, an
     empty file, an unknown file type, no examples) names where the user gave it, `given_as` (--train-data,
-    --dev-data, angle-eval's PATH), as the refusals of the flags do. Those of a line or row name the file and line."""
+    --dev-data, angle-eval's PATH), as the refusals of the flags do. Those of a line or row name the file and line.
+    So does a hub dataset that cannot be loaded (hub.HubLookupError: the Hub out of reach, no such dataset)."""
     try:
         yield
     except DataError as exc:
         if str(exc).startswith(f"{source}: "):
             exc.args = (f"{given_as} {exc}",)  # the same error re-raised: its traceback still ends at the check
+        raise
+    except HubLookupError as exc:
+        if exc.name == source:
+            name_given_as(exc, given_as)
         raise
 
 
@@ -751,7 +758,8 @@ def open_hf_dataset(name_or_path: str, split: str, *, split_flag: str = "split",
     default. A folder of one Dataset (save_to_disk of a Dataset, not a DatasetDict) has no splits: it is read whole
     for the default split or the split it was saved from (Dataset.split), and another split is refused (it was read
     whole in silence, as if that split had been found). A name that can only be a local path and does not exist is
-    a MissingLocalPath (refuse_missing_local_path), not looked up on the Hub."""
+    a MissingLocalPath (refuse_missing_local_path), not looked up on the Hub; a hub name that cannot be loaded (the
+    Hub out of reach and the dataset not cached, or no such dataset) a hub.HubUnreachable / hub.HubNotFound."""
     refuse_missing_local_path(name_or_path)
     try:
         import datasets
@@ -760,7 +768,8 @@ def open_hf_dataset(name_or_path: str, split: str, *, split_flag: str = "split",
                           "'angle_kernels[train]'") from exc
     if not os.path.isdir(name_or_path):
         try:
-            return datasets.load_dataset(name_or_path, split=split)
+            with hub_lookup(name_or_path, kind="dataset"):  # named by the caller's errors_naming: --train-data...
+                return datasets.load_dataset(name_or_path, split=split)
         except ValueError as exc:  # the datasets package's words (arrow_reader): 'Unknown split "dev". Should be ...'
             if not str(exc).startswith("Unknown split"):
                 raise

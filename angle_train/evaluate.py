@@ -630,11 +630,14 @@ def load_model(model: str, *, pooling: str | None = None, device: str | torch.de
                base_model: str | None = None):
     """(encoder, tokenizer, settings) for an angle_train export, a Hugging Face model or a LoRA adapter folder (on
     adapter_base's base model); the pooling `pooling`, else the export's, else the model folder's own
-    (models.load_encoder); encoder.pooling_source says which."""
+    (models.load_encoder); encoder.pooling_source says which. A hub name that cannot be loaded raises
+    hub.HubUnreachable / hub.HubNotFound naming MODEL, --base-model or the adapter's record of its base."""
     from .export import META_FILE, adapter_export_meta, load_pretrained
     from .models import load_encoder
 
     base = adapter_base(model, base_model)
+    base_given_as = "--base-model" if base_model is not None else \
+        f"MODEL {model}'s {ADAPTER_CONFIG} records the base model"
     # a LoRA run's final/adapter: peft's files alone, embedding as trained only with the export's settings around it
     export_meta = adapter_export_meta(model) if base is not None else None
     if base is not None:
@@ -643,13 +646,15 @@ def load_model(model: str, *, pooling: str | None = None, device: str | torch.de
               file=sys.stderr, flush=True)
     if os.path.isfile(os.path.join(model, META_FILE)) or export_meta:
         encoder, tokenizer, meta = load_pretrained(model, device=device, pooling=pooling, export_meta_file=export_meta,
-                                                   base_model=base if export_meta else base_model)
+                                                   base_model=base if export_meta else base_model,
+                                                   base_given_as=base_given_as if export_meta else "--base-model")
         encoder.pooling_source = f"the export's {export_meta or META_FILE}" if pooling is None else "--pooling"
         return encoder, tokenizer, meta
     if base is not None:
-        encoder, tokenizer = load_encoder(base, pooling=pooling, device=device, lora_path=model)
+        encoder, tokenizer = load_encoder(base, pooling=pooling, device=device, lora_path=model,
+                                          given_as=base_given_as)
         return encoder, tokenizer, {}
-    encoder, tokenizer = load_encoder(model, pooling=pooling, device=device)
+    encoder, tokenizer = load_encoder(model, pooling=pooling, device=device, given_as="MODEL")
     return encoder, tokenizer, {}
 
 

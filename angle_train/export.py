@@ -293,12 +293,13 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
 
 
 def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, pooling: str | None = None,
-                    export_meta_file: str | None | object = LOOK_UP, **kwargs):
+                    export_meta_file: str | None | object = LOOK_UP, base_given_as: str = "base_model=", **kwargs):
     """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only), or from the
     adapter/ folder of a whole-model LoRA export, applied to its base model with the export's settings (meta: the
     export's); `pooling` replaces the export's (meta keeps the export's own). export_meta_file:
     adapter_export_meta(path) where the caller has looked it up (angle-eval names it before the model loads), else
-    looked up here."""
+    looked up here. A base model on the Hub that cannot be loaded (models.load_encoder) is named as `base_given_as`
+    says where `base_model` gave it (angle-eval: --base-model), else as the record that names it."""
     from .models import export_pooling, export_prompts, load_encoder, recorded_base
     from .preflight import check_model_folder
 
@@ -321,8 +322,10 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, p
             record = f"{export_meta_file}'s base_model" if export_meta_file else f"its {META_FILE}'s base_model"
             base = recorded_base(base, adapter=path, record=record,
                                  remedy="pass base_model= (the model it was trained on)")
+        given_as = base_given_as if base_model is not None else f"{meta_file} records the base model"
         encoder, tokenizer = load_encoder(base, pooling=pooling, lora_path=path, device=device,
-                                          is_decoder=meta["is_decoder"], bidirectional=bidirectional, **kwargs)
+                                          is_decoder=meta["is_decoder"], bidirectional=bidirectional,
+                                          given_as=given_as, **kwargs)
     else:
         encoder, tokenizer = load_encoder(path, pooling=pooling, device=device, is_decoder=meta["is_decoder"],
                                           bidirectional=bidirectional, **kwargs)

@@ -53,6 +53,7 @@ from torch import nn
 
 from . import st_folder
 from .data import PackedTexts, Prompts, TokenRows, encode_texts, names_local_path, pad_batch, prompted_texts
+from .hub import hub_lookup
 
 # ------------------------------------------------------------------------------------------------ pooling
 
@@ -864,12 +865,15 @@ def load_encoder(
     is_decoder: bool | None = None,
     trust_remote_code: bool = False,
     bidirectional: bool = False,
+    given_as: str | None = "name_or_path=",
 ):
     """Load (encoder, tokenizer) from a hub name or local folder; `lora_path` resumes/evaluates an adapter, trained with
     `lora_dropout` (None: the adapter's own; attach_adapter). pooling:
     None takes the folder's own (own_pooling), else the default (cls for encoders, last for decoder LMs);
     encoder.pooling_source says which. The tokenizer lowercases the texts where the folder's sentence-transformers
-    settings say so (own_lowercasing, lowercase_first)."""
+    settings say so (own_lowercasing, lowercase_first). A hub name that cannot be loaded (the Hub out of reach and
+    the model not cached, or no such repository) raises hub.HubUnreachable / hub.HubNotFound naming `given_as`
+    (the flag or argument that gave `name_or_path`: "--model", "MODEL"...)."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     # loaded by its absolute path, the model records that (its config's name_or_path, peft's record of its base,
@@ -878,18 +882,21 @@ def load_encoder(
     name_or_path = absolute_if_local(name_or_path)
     if lora_path is not None:
         read_adapter_config(lora_path)  # its settings checked before the model loads
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    with hub_lookup(name_or_path, kind="model", given_as=given_as):  # a local folder: loaded as ever
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     st_files = st_folder.find_folder(name_or_path)  # once: for a hub name, a fetch of its files
     folder_pooling = own_pooling(name_or_path, st_files) if pooling is None else None
     pooling = folder_pooling[0] if folder_pooling else pooling
     if is_decoder is None:
         is_decoder = is_decoder_config(config)
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code),
-                                  is_decoder)
+    with hub_lookup(name_or_path, kind="model", given_as=given_as):
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    tokenizer = prepare_tokenizer(tokenizer, is_decoder)
     if own_lowercasing(st_files):
         lowercase_first(tokenizer)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    backbone = AutoModel.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+    with hub_lookup(name_or_path, kind="model", given_as=given_as):
+        backbone = AutoModel.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
     if lora_path is not None:
         backbone = attach_adapter(backbone, lora_path, dropout=lora_dropout)
         lora = None  # the adapter is already attached

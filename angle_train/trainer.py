@@ -960,7 +960,8 @@ def _load_backbone(cfg: TrainConfig, device: torch.device, *, pooling: str | Non
     return load_encoder(cfg.model, pooling=pooling, lora=lora, lora_path=cfg.lora_path,
                         lora_dropout=cfg.lora_dropout if cfg.lora_path else None,
                         gradient_checkpointing=cfg.gradient_checkpointing, autocast=autocast,
-                        dtype=DTYPES[cfg.model_dtype], device=device, bidirectional=cfg.bidirectional)
+                        dtype=DTYPES[cfg.model_dtype], device=device, bidirectional=cfg.bidirectional,
+                        given_as="--model")
 
 
 def read_data(source: str, fmt: str | None, split: str, columns: dict | None = None, *, split_setting: str):
