@@ -213,9 +213,12 @@ def checkpoint_to_resume(cfg: TrainConfig) -> str | None:
             options = f"pass --resume auto to continue it (latest checkpoint: {done[-1]}), --overwrite 1 to delete it"
         else:
             # the default --save-every 0 writes a checkpoint only when a signal stops the run: a finished or failed
-            # run of it leaves none, which the user learns here, with the flag that would have left them
+            # run of it leaves none, which the user learns here, with the flag that would have left them (and the
+            # value the earlier run had, where its config.json says)
+            earlier = _earlier_save_every(cfg.output_dir)
+            had = f"; it ran with --save-every {earlier}" if earlier is not None else ""
             options = ("it left no checkpoint to resume from (a run writes them every --save-every N steps; with the "
-                       "default, 0, only when a signal stops it); pass --overwrite 1 to delete it")
+                       f"default, 0, only when a signal stops it{had}); pass --overwrite 1 to delete it")
         raise ValueError(f"--output-dir {cfg.output_dir} holds an earlier run ({', '.join(left)}): {options} and "
                          "start afresh, or choose a new --output-dir")
     return None
@@ -252,6 +255,16 @@ def refuse_starts_among_run_outputs(cfg: TrainConfig, *, model: bool = True) -> 
                              "(it replaces best/ and final/ and prunes its checkpoints; --overwrite 1 deletes them "
                              f"first): copy it out of {cfg.output_dir} and give {flag} the copy, or choose another "
                              "--output-dir")
+
+
+def _earlier_save_every(output_dir: str) -> int | None:
+    """The --save-every of the run whose settings output_dir/config.json holds, or None where that file is missing,
+    unreadable or holds none (an earlier version's, another program's)."""
+    try:
+        value = st_folder.read_json(os.path.join(output_dir, "config.json")).get("save_every")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def check_not_a_model_folder(output_dir: str) -> None:

@@ -11,7 +11,8 @@ import os
 import sys
 from dataclasses import MISSING, fields
 
-from .cli_common import OneLineErrorParser, check_train_extra, parse_bool, user_errors_exit, version_text
+from .cli_common import (OneLineErrorParser, check_train_extra, did_you_mean, parse_bool, user_errors_exit,
+                         version_text)
 from .config import TrainConfig, checked_setting, flag_of, setting_kind
 from .data import has_suffix
 from .distributed import leave_process_group
@@ -137,7 +138,8 @@ def config_from_settings(parser: argparse.ArgumentParser, args: dict) -> TrainCo
         for key, value in read_config_file(args.pop("config")).items():
             name = key.replace("-", "_")
             if name not in by_name:
-                parser.error(f"--config: unknown setting {key!r}")
+                parser.error(f"--config: unknown setting {key!r}"
+                             + did_you_mean([name], sorted(n for n in by_name if not n.startswith("_"))))
             name = by_name[name].name  # an alias (text_prompt) sets its field (prompt)
             if name in keys:  # batch-size and batch_size, or prompt and text_prompt: the later one won, silently
                 parser.error(f"--config: the settings {keys[name]!r} and {key!r} are one setting ({name}); keep one")

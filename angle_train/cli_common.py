@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib.util
+import re
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -41,7 +43,57 @@ class OneLineErrorParser(argparse.ArgumentParser):
     before it: angle-train's usage runs to dozens of lines, which buried the message (--help still shows it)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+        message = " ".join(str(message).split())
+        if message.startswith(UNRECOGNIZED):  # argparse's words for flags it does not know: say the close ones
+            message += did_you_mean(message[len(UNRECOGNIZED):].split(), self.flag_names())
+        invalid = INVALID_CHOICE.match(message)
+        if invalid:  # a flag's word that is none of its choices: the one meant, where it is clear
+            flag, value, choices = invalid.groups()
+            message += choice_hint(flag, value, [choice.strip(" '") for choice in choices.split(",")])
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def flag_names(self) -> list:
+        """The long flags this parser takes (--help's), as did_you_mean's choices."""
+        return [flag for flag in self._option_string_actions if flag.startswith("--")]
+
+
+# argparse's messages for words it did not take, before the words (its wording since Python 3.2), and for a word
+# that is none of a flag's choices (the choices quoted, or not: Python 3.12.8 and later)
+UNRECOGNIZED = "unrecognized arguments: "
+INVALID_CHOICE = re.compile(r"argument (--[\w-]+)(?:/-\w)?: invalid choice: '(.*)' \(choose from (.*)\)$")
+
+
+def did_you_mean(words, choices) -> str:
+    """'; did you mean X?' naming the choice closest to each of the unknown `words` (flags, --config keys) that has
+    a close one, `X (for WORD)` each where several have; '' where none has: a misspelling (--lerning-rate,
+    batch_sise) is answered, a name of something else is not. A word that is no flag among flags (a stray value) is
+    passed over."""
+    flags = any(choice.startswith("-") for choice in choices)
+    answers = {}
+    for word in words:
+        name = word.split("=", 1)[0]  # --lr=0.1: the flag's name
+        if flags and not name.startswith("-"):
+            continue
+        close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.75)
+        if close:
+            answers[name] = close[0]
+    if not answers:
+        return ""
+    if len(answers) == 1:
+        return f"; did you mean {next(iter(answers.values()))}?"
+    return "; did you mean " + ", ".join(f"{choice} (for {name})" for name, choice in answers.items()) + "?"
+
+
+def choice_hint(flag: str, value: str, choices) -> str:
+    """What follows the refusal of `value`, none of `flag`'s `choices`: for --pooling, a sentence-transformers pooling
+    name's counterpart (mean: avg), else the closest choice (did_you_mean: Cosine, cosine), else ''."""
+    if flag == "--pooling":
+        from .st_folder import our_pooling
+
+        ours = our_pooling(value)
+        if ours in choices:
+            return f"; sentence-transformers' {value!r} pooling is {ours!r} here"
+    return did_you_mean([value], choices)
 
 
 def is_user_error(exc: BaseException) -> bool:

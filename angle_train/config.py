@@ -12,7 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from angle_kernels.inputs import check_arccon_options, check_scale
 
 from .arccse import TEXT_COLUMN
-from .cli_common import parse_bool
+from .cli_common import choice_hint, parse_bool
 from .data import Prompts, parse_columns, refuse_missing_local_path
 from .models import (
     ADAPTER_CONFIG, ADAPTER_FOLDER, PEFT_LORA_DROPOUT, adapted_layer_names, adapter_config_base, read_adapter_config,
@@ -202,8 +202,9 @@ class TrainConfig:
     false_negative_strategy: str = opt("absolute", "the filter's threshold: absolute (cos_pos - margin) or relative "
                                        "(cos_pos - |cos_pos| * margin)", group="loss", choices=["absolute", "relative"])
     matryoshka_dims: list = opt([],  # noqa: RUF009 (opt() builds a default_factory for lists)
-                                "Matryoshka training (default: off): prefix widths, e.g. 768 512 256 128 64; every "
-                                "loss term on every prefix embeddings[:, :d], weighted and summed (even widths while "
+                                "Matryoshka training (default: off): prefix widths, e.g. 768 512 256 128 64 (or "
+                                "768,512,...); every loss term on every prefix embeddings[:, :d], weighted and summed "
+                                "(even widths while "
                                 "--angle-w > 0). Dev Spearman is then reported at each width too", group="loss",
                                 metavar="DIM", items="number")
     matryoshka_weights: list = opt([],  # noqa: RUF009
@@ -636,10 +637,24 @@ def setting_value(value, kind: str, items: str | None):
             if _is_bool(item) or not isinstance(item, allowed):
                 raise TypeError(f"expected {'numbers' if items == 'number' else 'texts'} (a list, or one value); got "
                                 f"{type(item).__name__} {item!r}")
+        if items == "number":  # --matryoshka-dims 32,64 as --matryoshka-dims 32 64
+            values = [part for item in values for part in comma_separated(item)]
         return values
     if kind == "str" and not isinstance(value, str):
         raise TypeError(f"expected a text; got {type(value).__name__} {value!r}")
     return value
+
+
+def comma_separated(item):
+    """The numbers in one word of a number list, `item`: "32,64" (or "32, 64", quoted as one word) as ["32", "64"],
+    as the same numbers given as words of their own; any other item as it is. A comma with no number on one side
+    of it ("32,", "32,,64") is refused: a number was left out."""
+    if not isinstance(item, str) or "," not in item:
+        return [item]
+    parts = [part.strip() for part in item.split(",")]
+    if not all(parts):
+        raise ValueError(f"expected numbers, by spaces or commas (32 64, or 32,64); got {item!r}")
+    return parts
 
 
 def checked_setting(f, value):
@@ -651,7 +666,8 @@ def checked_setting(f, value):
     choices = f.metadata.get("choices")
     for item in value if kind == "list" else [value]:
         if choices and item not in choices:
-            raise ValueError(f"invalid choice {item!r} (choose from {', '.join(choices)})")
+            raise ValueError(f"invalid choice {item!r} (choose from {', '.join(choices)})"
+                             + choice_hint(flag_of(f.name), str(item), choices))
     return value
 
 

@@ -690,9 +690,13 @@ def positive_int(text: str) -> int:
     return value
 
 
-def width_or_trained(text: str) -> int | str:
-    """argparse's type for --dims: a width >= 1, or 'trained'."""
-    return text if text == "trained" else positive_int(text)
+def widths_or_trained(text: str) -> list:
+    """argparse's type for a word of --dims: widths >= 1 or 'trained', one or several by commas (`64,32` as `64 32`);
+    main() joins the words' lists."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected widths, by spaces or commas (64 32, or 64,32); got {text!r}")
+    return [part if part == "trained" else positive_int(part) for part in parts]
 
 
 def narrower_widths(requested, meta: dict, width: int, model: str) -> list:
@@ -754,7 +758,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "text2=sent_b label=similarity. Given once it maps every PATH; given once per PATH, in their "
                         "order, each maps its own ('' for a PATH read by its own names, and for an STS year folder, "
                         "STS-B or SICK file)")
-    parser.add_argument("--dims", nargs="+", type=width_or_trained, default=[], metavar="D",
+    parser.add_argument("--dims", nargs="+", type=widths_or_trained, default=[], metavar="D",
                         help="also score the first D features of every embedding (Matryoshka widths), each text "
                         "embedded once; results under NAME@D; 'trained': the widths an angle_train export was "
                         "trained at")
@@ -806,6 +810,7 @@ def main(argv=None) -> int:
     files or data (one line on stderr, the traceback with --debug)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.dims = [width for word in args.dims for width in word]  # each word's widths (widths_or_trained)
     with user_errors_exit(parser, debug=args.debug):
         check_train_extra()
         preflight.check_device(args.device)

@@ -24,6 +24,16 @@ POOLING_KEYS = {"cls": "pooling_mode_cls_token", "avg": "pooling_mode_mean_token
                 "last": "pooling_mode_lasttoken"}
 # its newer one-word `pooling_mode`, by the same strategies
 POOLING_MODES = {"cls": "cls", "mean": "avg", "max": "max", "lasttoken": "last"}
+
+
+def our_pooling(name: str) -> str | None:
+    """angle_train's pooling strategy for a sentence-transformers pooling name (its one-word pooling_mode, "mean",
+    or its config key, with or without "pooling_mode_": "mean_tokens"), or None where `name` is none of theirs."""
+    name = name.strip().lower()
+    if name in POOLING_MODES:
+        return POOLING_MODES[name]
+    by_key = {key: strategy for strategy, key in POOLING_KEYS.items()}
+    return by_key.get(name if name.startswith("pooling_mode_") else f"pooling_mode_{name}")
 # A length at or past this is no limit (transformers' VERY_LARGE_INTEGER, int(1e30), is the tokenizers' unset length)
 NO_LIMIT = 10**9
 # What a hub model's folder needs for the above, fetched with its weights (the modules' folders: 1_Pooling, 2_Dense...;

@@ -44,6 +44,7 @@ FOREIGN_FLAGS = {
     "--pretrained_lora_path": "angle-emb's training script",
     "--gpu": "bench/bench_training.py",
     "--train-bench": "bench/gpu_suite.py",
+    "--bach-size": "angle_train/README's misspelt flag, which angle-train answers with the one meant",
 }
 TEST_SOURCES = sorted([*(ROOT / "tests").rglob("test_*.py"), *(ROOT / "bench").glob("test_*.py")])
 

@@ -252,11 +252,13 @@ def test_matryoshka_widths_from_one_embedding_of_each_text(tmp_path, capsys):
     assert got["STS14@8"] != got["STS14"]  # the widths score different embeddings
     printed = capsys.readouterr().out
     assert "| dims | STS14 |" in printed and "| @8 | " in printed and "nq-mini@16: recall@1" in printed
-    assert main([export, str(folder), "--dims", "8", "32", "8"]) == 0  # repeated and full widths: counted once
-    assert [line.split(" |")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| all", "| @8"]
+    for dims in (["8", "32", "8"], ["8,32", "8"], ["8, 32,8"]):  # repeated and full widths: counted once; by commas too
+        assert main([export, str(folder), "--dims", *dims]) == 0
+        assert [line.split(" |")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| all", "| @8"]
     for dims, message in ((["trained"], "--dims trained: .* records no trained widths"),
                           (["33"], "--dims 33 is wider than the embeddings of .* \\(32 features\\)"),
-                          (["0"], "expected a whole number >= 1; got 0")):
+                          (["0"], "expected a whole number >= 1; got 0"),
+                          (["8,"], "expected widths, by spaces or commas \\(64 32, or 64,32\\); got '8,'")):
         with pytest.raises(SystemExit) as exc:
             main([plain, str(folder), "--dims", *dims])
         assert exc.value.code == 2 and re.search(message, capsys.readouterr().err)

@@ -53,7 +53,18 @@ TRAIN_MISTAKES = [
     (["--lr", "-1"], "--lr must be > 0; got -1.0"),
     (["--batch-size", "0"], "--batch-size must be >= 1; got 0"),
     (["--log-every", "0"], "--log-every must be >= 1; got 0"),  # logged every step, where 0 means off elsewhere
+    # sentence-transformers' names for the pooling (their modules.json's, their Pooling's arguments) given ours
     (["--pooling", "mean"], "argument --pooling: invalid choice: 'mean'"),
+    (["--pooling", "mean"], "); sentence-transformers' 'mean' pooling is 'avg' here"),  # after argparse's choices
+    (["--pooling", "lasttoken"], "sentence-transformers' 'lasttoken' pooling is 'last' here"),
+    (["--schedule", "Cosine"], "); did you mean cosine?"),
+    # a misspelt flag: argparse named it, and the one meant is said
+    (["--bach-size", "8"], "unrecognized arguments: --bach-size 8; did you mean --batch-size?"),
+    (["--lerning-rate", "0.1", "--max-lenght", "12"], "unrecognized arguments: --lerning-rate 0.1 --max-lenght 12; "
+                                                      "did you mean --max-length?"),  # nothing close to --lr
+    (["--config", "typo.yaml"], "--config: unknown setting 'batch_sise'; did you mean batch_size?"),
+    (["--matryoshka-dims", "32,", "--angle-w", "0"], "--matryoshka-dims: expected numbers, by spaces or commas "
+                                                     "(32 64, or 32,64); got '32,'"),
     (["--bf16", "maybe"], "argument --bf16: expected a boolean"),
     (["--config", "run.yaml"], "--config run.yaml: no such file"),
     (["--config", "broken.yaml"], "--config broken.yaml: not valid YAML"),
@@ -122,6 +133,9 @@ EVAL_MISTAKES = [
     ([HUB_NAME, "sts-test.csv", "--json", "results/sts.json"], "--json results/sts.json: no folder"),
     ([HUB_NAME, "sts-test.csv", "--batch-size", "0"], "argument --batch-size: expected a whole number >= 1; got 0"),
     ([HUB_NAME], "the following arguments are required: PATH"),
+    ([HUB_NAME, "sts-test.csv", "--batchsize", "8"], "unrecognized arguments: --batchsize 8; did you mean "
+                                                     "--batch-size?"),
+    ([HUB_NAME, "sts-test.csv", "--pooling", "cls_token"], "sentence-transformers' 'cls_token' pooling is 'cls' here"),
 ]
 
 
@@ -133,6 +147,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "wide.csv").write_text("text1,text2,label\na b,a c,1\nd e,f g,0,0.5\n")
     (tmp_path / "broken.yaml").write_text("lr: [1e-4\nbatch_size: 8\n")
     (tmp_path / "mean.yaml").write_text("pooling: mean\n")
+    (tmp_path / "typo.yaml").write_text("batch_sise: 8\n")
     (tmp_path / "empty-checkpoint").mkdir()
     (tmp_path / "done" / "final").mkdir(parents=True)  # a finished run's output folder
     write_stsb(tmp_path / "sts-test.csv")
@@ -188,6 +203,11 @@ def test_settings_given_in_python_are_converted_as_the_flags_words_are():
                       matryoshka_dims=(64, "32"), lora=True, lora_targets=("q_proj", "v_proj")).validate()
     assert (cfg.bf16, cfg.fp16, cfg.progress, cfg.batch_size, cfg.lr) == (False, False, True, 16, 1e-4)
     assert (cfg.report_to, cfg.matryoshka_dims, cfg.lora_targets) == (["tensorboard"], [64, 32], ["q_proj", "v_proj"])
+    # a number list by commas, as a flag's words or one text: --matryoshka-dims 64,32 as --matryoshka-dims 64 32
+    cfg = TrainConfig(matryoshka_dims="64, 32", matryoshka_weights=("1", "0.5"), angle_w=0).validate()
+    assert cfg.matryoshka_dims == [64, 32]
+    assert cli.config_from_args(["--matryoshka-dims", "64,32", "16", "--matryoshka-weights", "1,1,0.5",
+                                 "--angle-w", "0"]).matryoshka_weights == [1.0, 1.0, 0.5]
 
 
 @pytest.mark.parametrize("argv, said", EVAL_MISTAKES)

@@ -386,6 +386,22 @@ def test_resume_auto_with_nothing_to_resume_says_it_starts_afresh(tmp_path, caps
     assert "--resume auto" not in capsys.readouterr().out
 
 
+def test_the_refusal_of_a_run_without_checkpoints_says_its_save_every(tmp_path):
+    """An earlier run that saved every 5 steps and stopped at step 2 left no checkpoint: the refusal says what its
+    config.json gives, --save-every 5, so the user sees why none is there (no value where the file gives none)."""
+    data = (demo_examples(20, seed=3), "B")
+    train(_config(tmp_path, max_steps=2, save_every=5), train_examples=data)
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match=r"only when a signal stops it; it ran with --save-every 5\); pass "
+                                         r"--overwrite 1"):
+        train(_config(tmp_path, max_steps=2, resume="auto"), train_examples=data)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["save_every"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"only when a signal stops it\); pass --overwrite 1"):
+        train(_config(tmp_path, max_steps=2), train_examples=data)
+
+
 def test_a_finished_run_is_refused_unless_overwrite_is_asked(tmp_path, capsys):
     """With the defaults (no checkpoints), a second run into a finished run's folder is refused, with or without
     --resume auto (nothing to resume); --overwrite deletes that run's outputs (best/ too, and the record of a
@@ -397,7 +413,8 @@ def test_a_finished_run_is_refused_unless_overwrite_is_asked(tmp_path, capsys):
     for resume in (None, "auto"):
         with pytest.raises(ValueError, match=r"holds an earlier run \(best/, final/, metrics.jsonl\): it left no "
                                              r"checkpoint to resume from \(a run writes them every --save-every N "
-                                             r"steps; with the default, 0, only when a signal stops it\).*"
+                                             r"steps; with the default, 0, only when a signal stops it; it "
+                                             r"ran with --save-every 0\).*"
                                              r"--overwrite 1"):
             train(_config(tmp_path, max_steps=2, save_every=0, resume=resume), train_examples=data)
     assert (tmp_path / "best").is_dir() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
