@@ -5,6 +5,8 @@ directly, never the public functions (which would check the same inputs again)."
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -135,8 +137,9 @@ class AngleLoss(nn.Module):
         if kwargs:  # taken, as the reference takes them, but never in silence: a misspelt keyword changes nothing
             forward_only = " (layer_weights is an argument of forward: loss(labels, outputs, layer_weights=...))" \
                 if "layer_weights" in kwargs else ""
+            meant = _close_arguments(set(kwargs) - {"layer_weights"})  # layer_weights: said above
             warnings.warn(f"AngleLoss ignores the keyword argument(s) {sorted(kwargs)}, as angle-emb's AngleLoss "
-                          f"ignores those it does not take{forward_only}", stacklevel=2)
+                          f"ignores those it does not take{forward_only}{meant}", stacklevel=2)
         self.cosine_w = check_scalar("cosine_w", cosine_w)
         self.ibn_w = check_scalar("ibn_w", ibn_w)
         self.cln_w = check_scalar("cln_w", cln_w)
@@ -351,3 +354,11 @@ class ArcCSELoss(nn.Module):
 
     if TYPE_CHECKING:  # for type checkers only: calling the module runs forward (nn.Module's __call__ is untyped)
         __call__ = forward
+
+
+def _close_arguments(ignored) -> str:
+    """'; did you mean cosine_w (for cosine_weight)?' for the ignored keywords close to one AngleLoss takes, else ''."""
+    taken = [name for name in inspect.signature(AngleLoss.__init__).parameters if name not in ("self", "kwargs")]
+    close = {name: difflib.get_close_matches(name, taken, n=1) for name in sorted(ignored)}
+    meant = [f"{match[0]} (for {name})" for name, match in close.items() if match]
+    return f"; did you mean {', '.join(meant)}?" if meant else ""

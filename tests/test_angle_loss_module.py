@@ -424,8 +424,12 @@ def test_keywords_the_constructor_does_not_take_are_ignored_with_a_warning():
     import warnings
 
     with pytest.warns(UserWarning, match=r"AngleLoss ignores the keyword argument\(s\) \['dimz', 'layer_weights'\].*"
-                                         r"layer_weights is an argument of forward"):
+                                         r"layer_weights is an argument of forward.*; did you mean dims \(for "
+                                         r"dimz\)\?$"):
         ak.AngleLoss(dataset_format="B", dimz=(8,), layer_weights=[1.0])
+    with pytest.warns(UserWarning, match=r"\['cosine_weight', 'zzz'\], .* not take; did you mean cosine_w \(for "
+                                         r"cosine_weight\)\?$"):  # nothing close to zzz
+        ak.AngleLoss(cosine_weight=1.0, zzz=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ak.AngleLoss(dataset_format="B", dims=(8, 16))

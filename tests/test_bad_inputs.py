@@ -150,6 +150,12 @@ def test_integers_of_other_kinds_are_widths_and_numpys_bool_a_flag(ak, gen):
     assert torch.equal(ak.gist_loss(q, p, q, p, contrast_anchors=np.bool_(False)), unfiltered)
     with pytest.raises(TypeError, match="contrast_positives must be a bool, got int"):
         ak.gist_loss(q, p, q, p, contrast_positives=1)
+    # the negatives given before the guide's embeddings: named where they went, not as negatives that are no tuple
+    for args, named in (((q, p, (q,), q, p), "guide_anchors must be a \\[B, D\\] tensor; got tuple"),
+                        ((q, p, q, [p], (q,), (q,)), "guide_positives must be a \\[B, D\\] tensor; got list"),
+                        ((q, (p,), q, p), "positives must be a \\[B, D\\] tensor; got tuple")):
+        with pytest.raises(TypeError, match=named + r": gist_loss takes \(anchors, positives, guide_anchors, "):
+            ak.gist_loss(*args)
     with pytest.raises(TypeError, match="gather_across_devices must be a bool, got numpy.float64"):
         ak.multiple_negatives_ranking_loss(q, p, gather_across_devices=np.float64(0.0))
     # numpy's arrays: a 0-d one is its number, a 1-d one of widths or weights a sequence (a misleading "must have

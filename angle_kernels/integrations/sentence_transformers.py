@@ -217,7 +217,11 @@ def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str
     return _angle_losses.ranking_terms(ops, pairs, labels, angle_tau=scale, pooling_strategy="sum", nested=nested)[1]
 
 
-def _check_label_count(loss: torch.nn.Module, labels: Tensor, batch_size: int) -> None:
+def _check_label_count(loss: torch.nn.Module, labels: Tensor | None, batch_size: int) -> None:
+    if labels is None:  # the parents fail on labels.numel() / labels[:, None] with an AttributeError or TypeError
+        raise ValueError(
+            f"{loss.__class__.__name__} requires labels: a float similarity score per pair (the dataset's 'label' or "
+            "'score' column); got labels=None, as a dataset without a label column gives")
     # the same check and message as sentence-transformers, so a bad batch fails the same way
     if labels.numel() != batch_size:
         raise ValueError(
@@ -283,6 +287,7 @@ class CoSENTLoss(_BackendSetting, _st_losses.CoSENTLoss):
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
         _check_columns(self, len(embeddings))
+        _check_label_count(self, labels, embeddings[0].shape[-2])
         if not self.uses_fused_path:
             return super().compute_loss_from_embeddings(embeddings, labels)
         return self._fused_loss(embeddings, labels)
@@ -346,9 +351,7 @@ class AnglELoss(_BackendSetting, _st_losses.AnglELoss):
             first = torch.cat([anchors] * len(candidates), dim=-2)  # rows: [L,] rows, D
             second = torch.cat(candidates, dim=-2)
             return _fused_pair_ranking(first, second, pair_labels, kind, self.scale, self.backend, nested)
-        if labels is None:
-            raise ValueError("AnglELoss requires labels for datasets with pairs.")
-        _check_label_count(self, labels, anchors.shape[-2])
+        _check_label_count(self, labels, anchors.shape[-2])  # pairs need their labels (tuples default them)
         labels = labels.reshape(-1)  # any shape of B labels, as the parent's view(-1)
         return _fused_pair_ranking(anchors, embeddings[1], labels, kind, self.scale, self.backend, nested)
 
@@ -414,6 +417,17 @@ def _check_constructor_numbers(*, scale=None, temperature=None, mini_batch_size=
     if mini_batch_size is not None and (isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int)
                                         or mini_batch_size < 1):
         raise ValueError(f"mini_batch_size must be an int >= 1 (rows a mini-batch embeds), got {mini_batch_size!r}")
+
+
+def _check_directions(directions) -> None:
+    """Directions that are none of the four, named in a fixed order with the four in theirs (the parents print
+    both as sets, in an order that changes between processes); anything else is the parents' to check."""
+    if isinstance(directions, (tuple, list)):
+        unknown = [d for d in directions if d not in _inputs.DIRECTIONS]
+        if unknown:
+            verb = "is not a direction" if len(unknown) == 1 else "are not directions"
+            raise ValueError(f"directions: {', '.join(map(repr, unknown))} {verb}; the directions are "
+                             f"{', '.join(map(repr, _inputs.DIRECTIONS))}")
 
 
 def _tensor_scale(loss: torch.nn.Module) -> bool:
@@ -552,6 +566,7 @@ class MultipleNegativesRankingLoss(_BackendSetting, _FusedMNRL, _st_losses.Multi
         backend: str | None = None,
     ) -> None:
         _check_constructor_numbers(scale=scale, hardness_strength=hardness_strength, hardness_mode=hardness_mode)
+        _check_directions(directions)
         optional = _parent_kwargs(_st_losses.MultipleNegativesRankingLoss.__init__, {
             "gather_across_devices": gather_across_devices, "directions": directions,
             "partition_mode": partition_mode, "hardness_mode": hardness_mode,
@@ -600,6 +615,7 @@ class CachedMultipleNegativesRankingLoss(_BackendSetting, _FusedCachedMNRL,
     ) -> None:
         _check_constructor_numbers(scale=scale, mini_batch_size=mini_batch_size, hardness_strength=hardness_strength,
                                    hardness_mode=hardness_mode)
+        _check_directions(directions)
         optional = _parent_kwargs(_st_losses.CachedMultipleNegativesRankingLoss.__init__, {
             "mini_batch_num_tokens": mini_batch_num_tokens, "gather_across_devices": gather_across_devices,
             "directions": directions, "partition_mode": partition_mode, "show_progress_bar": show_progress_bar,

@@ -160,6 +160,14 @@ def gist_loss(
         contrast_positives = check_flag("contrast_positives", contrast_positives)
         self_negatives = check_flag("self_negatives", self_negatives)
         gather_across_devices = check_flag("gather_across_devices", gather_across_devices)
+        # the four tensors before the columns: arguments given out of their order (the negatives third) are named
+        # where they went wrong, not as negatives that are no tuple
+        for name, t in (("anchors", anchors), ("positives", positives), ("guide_anchors", guide_anchors),
+                        ("guide_positives", guide_positives)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a [B, D] tensor; got {type(t).__name__}: gist_loss takes (anchors, "
+                                "positives, guide_anchors, guide_positives, negatives=(), guide_negatives=()), the "
+                                "guide model's embeddings before the negatives")
         negatives = check_columns("negatives", negatives)
         guide_negatives = check_columns("guide_negatives", guide_negatives)
         anchors, positives, *negatives = promote_embeddings(anchors, positives, *negatives)

@@ -240,8 +240,13 @@ def test_bad_label_count_fails_like_the_parent():
     for cls in (ours.CoSENTLoss, ours.AnglELoss):
         with pytest.raises(ValueError, match="expects 4 labels"):
             cls(None).compute_loss_from_embeddings([u, u.clone()], torch.ones(3))
-    with pytest.raises(ValueError, match="requires labels"):
-        ours.AnglELoss(None).compute_loss_from_embeddings([u, u.clone()], None)
+    # pairs without labels (a dataset without a label column): CoSENTLoss failed on labels.numel() with an
+    # AttributeError, in its fused path and in the parent's alike
+    for loss in (ours.CoSENTLoss(None), ours.AnglELoss(None),
+                 ours.CoSENTLoss(None, similarity_fct=torch.cosine_similarity)):
+        with pytest.raises(ValueError, match=rf"{type(loss).__name__} requires labels: a float similarity score per "
+                                             r"pair \(the dataset's 'label' or 'score' column\); got labels=None"):
+            loss.compute_loss_from_embeddings([u, u.clone()], None)
     # (anchor, positive, negative) triplets; the parent checks the count from sentence-transformers 6.2 on
     checking = [ours.AnglELoss(None)] + ([st_losses.AnglELoss(None)] if ours._release(ours._st_version) >= (6, 2)
                                          else [])
@@ -670,6 +675,18 @@ def test_a_hardness_strength_that_is_not_a_finite_number_is_refused_when_built(m
         with pytest.raises(error, match="^hardness_strength must be"):
             cls(model64, hardness_mode="in_batch_negatives", hardness_strength=value)
     assert cls(model64, hardness_mode="in_batch_negatives", hardness_strength=2).hardness_strength == 2
+
+
+@pytest.mark.parametrize("class_name", ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"])
+def test_unknown_directions_are_named_in_a_fixed_order_when_built(model64, class_name):
+    """The parents listed the unknown directions and the valid ones as sets, in an order that changed between
+    processes: named in the order given, with the four in theirs."""
+    cls = getattr(ours, class_name)
+    with pytest.raises(ValueError, match=r"^directions: 'doc2doc', 'query_to_docs' are not directions; the directions "
+                                         r"are 'query_to_doc', 'query_to_query', 'doc_to_query', 'doc_to_doc'$"):
+        cls(model64, directions=("query_to_doc", "doc2doc", "query_to_docs"))
+    with pytest.raises(ValueError, match=r"^directions: 'q2d' is not a direction; "):
+        cls(model64, directions=["q2d"])
 
 
 @pytest.mark.parametrize("class_name", ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"])
