@@ -37,6 +37,8 @@ worker each of torch's parallel regions waits for the thread that shares a core.
 own, on that share by default (an xdist worker sets OMP_NUM_THREADS to it for them); the memory measurements'
 processes take it explicitly (the `thread_share` fixture).
 
+The Hugging Face Hub. The tests run offline (HF_HUB_OFFLINE=1, set before anything imports huggingface_hub).
+
 Order. The files holding a test marked all_threads (the STS-B recipe, 3.5 minutes on one thread) are handed out
 first, then the others as xdist orders them (--loadscope-reorder: most tests first). xdist's order alone put the recipe,
 a file of one test, near the end, where one worker ran it while the other had nothing left (150 s of a run's 855 s).
@@ -51,6 +53,11 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("ANGLE_KERNELS_POISON_OUTPUTS", "1")
+# No test reaches the Hugging Face Hub: offline, a name never downloaded fails at once, where online the loaders retry
+# for about 25 s first. huggingface_hub reads these when first imported, and any test module may import it first
+# (sentence-transformers', transformers' and datasets' do): set here, before any of them is collected.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402  (after OMP_WAIT_POLICY)

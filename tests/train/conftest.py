@@ -1,10 +1,6 @@
-import os
-
 import pytest
 
-# torch's thread count (one, unless a test is marked all_threads): the root conftest.py
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# torch's thread count (one, unless a test is marked all_threads) and the Hub offline: the root conftest.py
 
 
 @pytest.fixture

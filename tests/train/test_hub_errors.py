@@ -1,9 +1,9 @@
 """A Hugging Face Hub name that cannot be loaded: angle-train and angle-eval say in one line which flag named it and
 why (the Hub out of reach and the name not cached; no such repository), not transformers' or datasets' words alone.
 
-No network: the tests run with HF_HUB_OFFLINE=1 (conftest.py), where the real loaders fail at once for a name that
-was never downloaded; the Hub's other answers are the real exception types, raised where huggingface_hub raises
-them for transformers (transformers.utils.hub's hf_hub_download) or as datasets raises them."""
+No network: the tests run with HF_HUB_OFFLINE=1 (the root conftest.py), where the real loaders fail at once for a
+name that was never downloaded; the Hub's other answers are the real exception types, raised where huggingface_hub
+raises them for transformers (transformers.utils.hub's hf_hub_download) or as datasets raises them."""
 
 import os
 import sys
@@ -69,7 +69,7 @@ def hub_has_no_such_repository(monkeypatch):
 
 
 def test_offline_mode_is_on_for_these_tests():
-    assert huggingface_hub.constants.HF_HUB_OFFLINE  # tests/train/conftest.py; else the loaders would retry
+    assert huggingface_hub.constants.HF_HUB_OFFLINE  # the root conftest.py; else the loaders would retry
 
 
 def test_train_model_not_cached_offline_names_the_flag(tmp_path, capsys):
