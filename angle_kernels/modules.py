@@ -92,7 +92,8 @@ class AngleLoss(nn.Module):
     construction, or a missing one, at the call; a 0-dim zero tensor (not the float 0.0) when every weight is 0;
     format C's `if cll > 0` check, which forces a GPU sync, is dropped (it only differs when the contrastive terms
     are exactly 0, where adding 0 changes nothing); graded labels with ibn_w > 0 raise ValueError instead of
-    being truncated.
+    being truncated. As in the reference, the cosine and angle terms of a batch with nothing to rank (format A with
+    one pair, or every label equal) are 0 with zero gradients, without a warning.
 
     Args:
         cosine_w, ibn_w, cln_w, angle_w: term weights (a term is computed only when its weight is > 0).

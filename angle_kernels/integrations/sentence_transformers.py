@@ -269,7 +269,9 @@ class CoSENTLoss(_BackendSetting, _st_losses.CoSENTLoss):
         backend: keyword-only; angle_kernels backend ("auto", "torch", "triton", "cuda"; default: auto).
 
     Inputs: exactly two columns; other counts raise a ValueError saying what is expected (the parent raises an
-    IndexError for one column and ignores the columns after the second).
+    IndexError for one column and ignores the columns after the second), and a score per pair (labels=None, a
+    dataset without a label or score column, raises a ValueError naming labels). A batch with nothing to rank (one
+    pair, or every label equal) gives 0 with zero gradients, as the parent does, without a warning.
     """
 
     _input_columns = _PAIRS
@@ -310,7 +312,9 @@ class AnglELoss(_BackendSetting, _st_losses.AnglELoss):
     get `labels` (or 1) and anchor-negative pairs `1 - labels` (or 0).
 
     Always fused, unless `similarity_fct` is reassigned after construction to something other than
-    `util.pairwise_angle_sim` (then the parent's computation runs; `uses_fused_path` is False).
+    `util.pairwise_angle_sim` (then the parent's computation runs; `uses_fused_path` is False). Pairs without
+    labels raise a ValueError naming labels; a batch with nothing to rank (one pair, or every label equal) gives 0
+    with zero gradients, as the parent does, without a warning.
 
     Args:
         model: the SentenceTransformer.
@@ -828,13 +832,21 @@ def _matryoshka_unfused_reason(inner: torch.nn.Module, dims: Sequence[int],
         return f"{type(inner).__name__} is not one of angle_kernels' fused drop-ins with a Matryoshka path"
     if not inner.uses_fused_path:
         return f"{type(inner).__name__} itself runs unfused in this configuration"
-    if getattr(inner, "similarity_fct", None) is _st_util.pairwise_angle_sim and any(d % 2 for d in dims):
+    if _odd_angle_widths(inner, dims):
         return "the angle similarity pads an odd width with a zero column; the fused angle score needs even dims"
     learned = weights.requires_grad if isinstance(weights, Tensor) else any(
         isinstance(w, Tensor) and w.requires_grad for w in weights)
     if learned:
         return "matryoshka_weights require grad (learned weights): the fused call takes the weights as constants"
     return None
+
+
+def _odd_angle_widths(inner: torch.nn.Module, dims: Sequence[int]) -> list[int]:
+    """The odd entries of `dims` where `inner` scores pairs with the angle similarity (the fused call takes every
+    width as real and imaginary halves, so it needs even widths); [] otherwise."""
+    if getattr(inner, "similarity_fct", None) is not _st_util.pairwise_angle_sim:
+        return []
+    return [d for d in dims if d % 2]
 
 
 def _check_matryoshka_entries(*, dims: Sequence[int], weights: Sequence[float] | Tensor | None,
@@ -875,7 +887,9 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     same seed) and the parent's normalisation of each truncated embedding (a dot-product similarity is then a
     cosine). `uses_fused_path` says whether the fused call runs; otherwise (another inner loss, an inner loss
     configured unfused, odd dims with the angle similarity, learned matryoshka_weights) the parent's
-    per-dimension loop runs.
+    per-dimension loop runs. Odd dims with the angle similarity are valid (each odd prefix is padded with a zero
+    feature, as `util.pairwise_angle_sim` pads it; the inner drop-in computes each width fused) but take that
+    slower loop, which a UserWarning naming matryoshka_dims says once, when the loss is built.
     MultipleNegativesRankingLoss options that need similarity_lse (joint partitions over several directions,
     hardness) take every dimension in one call of that op too, but where the backend computing it at one width has
     no dims for it (a GPU path not yet verified with dims: one pass per dimension inside angle_kernels there).
@@ -892,6 +906,17 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
                  matryoshka_weights: Sequence[float] | None = None, n_dims_per_step: int = -1) -> None:
         _check_matryoshka_entries(dims=matryoshka_dims, weights=matryoshka_weights, n_dims_per_step=n_dims_per_step)
         super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
+        computing = _gradient_cache_loss(self.loss) if self.uses_gradient_cache else self.loss
+        odd = _odd_angle_widths(computing, self.matryoshka_dims)
+        if odd and hasattr(computing, "_fused_loss") and computing.uses_fused_path:
+            # valid (each width computed as the parent computes it, zero-padded) but slower: said once, when built
+            warnings.warn(
+                f"matryoshka_dims {list(map(int, matryoshka_dims))} include the odd width(s) "
+                f"{sorted(set(map(int, odd)))} with the angle similarity: the fused call splits every width into "
+                "real and imaginary halves and takes even widths only, so this set runs sentence-transformers' "
+                "per-width loop (one fused call per width, each padding an odd width with a zero feature as "
+                "util.pairwise_angle_sim does: the same values, slower); even widths run as one fused call",
+                UserWarning, stacklevel=2)
         if self.uses_gradient_cache:
             # the parent decorated the calculate_loss of the loss it resolves (through `.loss` wrappers, 6.3) with
             # its per-dimension loop: keep that as the fallback

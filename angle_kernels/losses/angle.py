@@ -65,7 +65,8 @@ def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *
         dims, dim_weights, layer_weights: Matryoshka and layer-wise training (see angle_kernels.losses).
         backend: "auto" (default), "torch", "triton" or "cuda".
 
-    O(N log N) time and O(N) extra memory (the reference builds N x N matrices).
+    O(N log N) time and O(N) extra memory (the reference builds N x N matrices). A batch with nothing to rank (one
+    pair, or every label equal) gives 0 with zero gradients, as angle-emb's cosine_loss does, without a warning.
     """
     tau = check_scale("tau", tau)
     layers, (first,) = check_layer_stack(layer_weights, ("y_pred", y_pred))
@@ -93,7 +94,8 @@ def angle_loss(
     Each embedding is split into a real (first half) and an imaginary (second half) part. The pair score is
     tau * |pool(z_u / z_v)| with the division normalised by |u| / |v| exactly as angle-emb computes it; 'sum'
     pooling equals tau * |cos(u, v) + (b.c - a.d) / (|u| |v|)| for u = (a, b), v = (c, d), and 'mean' divides
-    that by D. The scores are ranked with the CoSENT term, as in cosine_loss.
+    that by D. The scores are ranked with the CoSENT term, as in cosine_loss (one pair, or every label equal:
+    0 with zero gradients, as angle-emb's angle_loss gives).
 
     Args:
         y_true: [2N] or [2N, 1] labels in zigzag order.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 
 import pytest
 import torch
@@ -114,6 +115,34 @@ def test_weights_that_are_all_zero_give_the_parents_zero_loss_and_zero_gradients
         value, grads = value_and_grads(model64, Seeded(loss), columns, labels)
         assert float(value) == 0.0, (module.__name__, value)
         assert len(grads) > 10 and all(not g.any() for g in grads.values()), module.__name__
+
+
+def test_an_odd_width_with_the_angle_similarity_warns_once_when_built_and_matches_the_parent(model64):
+    """An odd width is valid for AnglE (each prefix is padded with a zero feature, as util.pairwise_angle_sim pads
+    it) but the fused call needs even widths, so the set runs the parent's per-width loop: that was silent (only
+    `uses_fused_path` said so). Now one warning when built names matryoshka_dims, the odd widths and why; even
+    widths, other similarities and inner losses that run the parent's computation anyway do not warn."""
+    with pytest.warns(UserWarning) as caught:
+        loss = ours.MatryoshkaLoss(model64, ours.AnglELoss(model64), [32, 7, 15])
+    messages = [str(w.message) for w in caught if "matryoshka_dims" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("matryoshka_dims [32, 7, 15] include the odd width(s) [7, 15] with the angle "
+                                  "similarity: the fused call splits every width into real and imaginary halves")
+    assert "per-width loop" in messages[0] and "the same values, slower" in messages[0]
+    assert not loss.uses_fused_path
+    original = st_losses.MatryoshkaLoss(model64, st_losses.AnglELoss(model64), [32, 7, 15])
+    compare(model64, original, loss, 2, GRADED, value_tol=1e-12, grad_tol=1e-10)
+    quiet = [
+        lambda: ours.MatryoshkaLoss(model64, ours.AnglELoss(model64), [32, 8]),
+        lambda: ours.MatryoshkaLoss(model64, ours.CoSENTLoss(model64), [32, 7]),
+        lambda: ours.MatryoshkaLoss(model64, ours.MultipleNegativesRankingLoss(model64), [32, 7]),
+        lambda: ours.MatryoshkaLoss(model64, st_losses.AnglELoss(model64), [32, 7]),
+    ]
+    for build in quiet:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build()
+        assert not [w for w in caught if "matryoshka_dims" in str(w.message)]
 
 
 # (class, matryoshka_dims, matryoshka_weights, error, message): the entries are named as the constructor names them

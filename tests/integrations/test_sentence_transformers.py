@@ -255,6 +255,21 @@ def test_bad_label_count_fails_like_the_parent():
             loss.compute_loss_from_embeddings([u, u.clone(), u.clone()], torch.ones(3))
 
 
+@pytest.mark.parametrize("labels", [[0.7], [0.5, 0.5, 0.5]], ids=["one_pair", "all_equal"])
+def test_a_batch_with_nothing_to_rank_gives_zero_with_zero_gradients_as_the_parent(labels):
+    """One pair, or every label equal: no ordered pair, so log(1 + 0) = 0 with zero gradients in the parents and
+    here (documented, no warning): the step trains nothing, as it does in sentence-transformers."""
+    gen = torch.Generator().manual_seed(1)
+    u, v = torch.randn(len(labels), 8, generator=gen), torch.randn(len(labels), 8, generator=gen)
+    for name in ("CoSENTLoss", "AnglELoss"):
+        for module in (st_losses, ours):
+            a, b = u.clone().requires_grad_(), v.clone().requires_grad_()
+            value = getattr(module, name)(None).compute_loss_from_embeddings([a, b], torch.tensor(labels))
+            value.backward()
+            assert float(value) == 0.0, (module.__name__, name)
+            assert not a.grad.any() and not b.grad.any(), (module.__name__, name)
+
+
 def test_the_pair_losses_refuse_nan_labels_and_columns_of_different_shapes():
     """A NaN or Inf label raises a ValueError naming the labels (the parents return NaN), and two columns of
     different shapes a ValueError naming the second (not a RuntimeError from inside the computation)."""
