@@ -66,17 +66,20 @@ INVALID_CHOICE = re.compile(r"argument (--[\w-]+)(?:/-\w)?: invalid choice: '(.*
 def did_you_mean(words, choices) -> str:
     """'; did you mean X?' naming the choice closest to each of the unknown `words` (flags, --config keys) that has
     a close one, `X (for WORD)` each where several have; '' where none has: a misspelling (--lerning-rate,
-    batch_sise) is answered, a name of something else is not. A word that is no flag among flags (a stray value) is
-    passed over."""
+    batch_sise) is answered, a name of something else is not. Case is not counted (Avg: avg, --Batch-Size). A word
+    that is no flag among flags (a stray value) is passed over."""
     flags = any(choice.startswith("-") for choice in choices)
+    folded = {}  # the choices by their lower case, the first of any two that differ only in case
+    for choice in choices:
+        folded.setdefault(choice.lower(), choice)
     answers = {}
     for word in words:
         name = word.split("=", 1)[0]  # --lr=0.1: the flag's name
         if flags and not name.startswith("-"):
             continue
-        close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.75)
+        close = difflib.get_close_matches(name.lower(), list(folded), n=1, cutoff=0.75)
         if close:
-            answers[name] = close[0]
+            answers[name] = folded[close[0]]
     if not answers:
         return ""
     if len(answers) == 1:

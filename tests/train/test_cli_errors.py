@@ -58,6 +58,8 @@ TRAIN_MISTAKES = [
     (["--pooling", "mean"], "); sentence-transformers' 'mean' pooling is 'avg' here"),  # after argparse's choices
     (["--pooling", "lasttoken"], "sentence-transformers' 'lasttoken' pooling is 'last' here"),
     (["--schedule", "Cosine"], "); did you mean cosine?"),
+    (["--pooling", "Avg"], "); did you mean avg?"),  # a short name in capitals: case is not counted
+    (["--Batch-Size", "8"], "unrecognized arguments: --Batch-Size 8; did you mean --batch-size?"),
     # a misspelt flag: argparse named it, and the one meant is said
     (["--bach-size", "8"], "unrecognized arguments: --bach-size 8; did you mean --batch-size?"),
     (["--lerning-rate", "0.1", "--max-lenght", "12"], "unrecognized arguments: --lerning-rate 0.1 --max-lenght 12; "
