@@ -24,6 +24,11 @@ POOLING_KEYS = {"cls": "pooling_mode_cls_token", "avg": "pooling_mode_mean_token
                 "last": "pooling_mode_lasttoken"}
 # its newer one-word `pooling_mode`, by the same strategies
 POOLING_MODES = {"cls": "cls", "mean": "avg", "max": "max", "lasttoken": "last"}
+# A length at or past this is no limit (transformers' VERY_LARGE_INTEGER, int(1e30), is the tokenizers' unset length)
+NO_LIMIT = 10**9
+# What a hub model's folder needs for the above, fetched with its weights (the modules' folders: 1_Pooling, 2_Dense...;
+# the tokenizer's and the model's configs, where sentence-transformers 6 reads the maximum length: max_seq_length)
+HUB_FILES = [MODULES_FILE, SETTINGS_FILE, CONFIG_FILE, "[0-9]_*/*", "tokenizer_config.json", "config.json"]
 
 
 def our_pooling(name: str) -> str | None:
@@ -34,11 +39,6 @@ def our_pooling(name: str) -> str | None:
         return POOLING_MODES[name]
     by_key = {key: strategy for strategy, key in POOLING_KEYS.items()}
     return by_key.get(name if name.startswith("pooling_mode_") else f"pooling_mode_{name}")
-# A length at or past this is no limit (transformers' VERY_LARGE_INTEGER, int(1e30), is the tokenizers' unset length)
-NO_LIMIT = 10**9
-# What a hub model's folder needs for the above, fetched with its weights (the modules' folders: 1_Pooling, 2_Dense...;
-# the tokenizer's and the model's configs, where sentence-transformers 6 reads the maximum length: max_seq_length)
-HUB_FILES = [MODULES_FILE, SETTINGS_FILE, CONFIG_FILE, "[0-9]_*/*", "tokenizer_config.json", "config.json"]
 
 
 def find_folder(name_or_path: str) -> str | None:
