@@ -525,6 +525,25 @@ def enable_gradient_checkpointing(backbone: nn.Module) -> None:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def disable_gradient_checkpointing(backbone: nn.Module) -> None:
+    """Undo enable_gradient_checkpointing (by either name, as it enables)."""
+    disable = getattr(backbone, "activation_checkpointing_disable", None)
+    if disable is not None:
+        disable()
+    else:
+        backbone.gradient_checkpointing_disable()
+
+
+def recomputes_activations(backbone: nn.Module) -> bool | None:
+    """Whether `backbone` recomputes its activations in backward (enable_gradient_checkpointing), None where it cannot
+    say (no transformers model); by the name transformers 5 reads without a FutureWarning, else the old one."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(backbone), name) or name in getattr(backbone, "__dict__", {}):
+            return bool(getattr(backbone, name))
+    base = getattr(backbone, "base_model", None)  # peft's wrapper: its model's
+    return recomputes_activations(base.model) if base is not None and hasattr(base, "model") else None
+
+
 def wrap_backbone(
     backbone: nn.Module,
     *,

@@ -65,10 +65,10 @@ from .evaluate import (
 from .grad_cache import RngState, grad_cache_step, plain_step
 from .models import (
     ADAPTER_CONFIG, AUTOCAST_DTYPES, LOOK_UP, PEFT_LORA_DROPOUT, AdapterFitError, LoraSettings, LoraTargetError,
-    absolute_if_local, adapted_layer_names, adapter_settings_file, attach_adapter, enable_gradient_checkpointing,
-    export_pooling, first_token_pooling_problem,
+    absolute_if_local, adapted_layer_names, adapter_settings_file, attach_adapter, disable_gradient_checkpointing,
+    enable_gradient_checkpointing, export_pooling, first_token_pooling_problem,
     load_encoder, own_bidirectional, own_prompts, past_trained_context_note, position_limit, prepare_tokenizer,
-    read_adapter_config, takes_gradient_checkpointing, wrap_backbone,
+    read_adapter_config, recomputes_activations, takes_gradient_checkpointing, wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -308,14 +308,44 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     if model is None:
         preflight.check_model_to_train(cfg.model)
     lock = output_dir_lock(cfg.output_dir) if distributed.launched_rank() == 0 else None
+    given_settings = given_model_settings(model[0]) if model is not None else None
     try:
         run = _setup(cfg, model=model, train_examples=train_examples, dev_examples=dev_examples, loss_fn=loss_fn)
     except BaseException:
         if lock is not None:
             lock.release()
+        if given_settings is not None:
+            restore_given_model_settings(model[0], given_settings)
         raise
     run.lock = lock
     return run
+
+
+# The settings of a model given to train() that the setup sets from the run's (apply_settings_to_given_model, _setup)
+GIVEN_MODEL_SETTINGS = ("pooling", "autocast", "prompts", "max_length", "bidirectional", "training")
+
+
+def given_model_settings(encoder) -> dict:
+    """What restore_given_model_settings puts back: GIVEN_MODEL_SETTINGS' values and whether the backbone recomputes
+    its activations (--gradient-checkpointing)."""
+    settings = {name: getattr(encoder, name) for name in GIVEN_MODEL_SETTINGS if hasattr(encoder, name)}
+    settings["gradient_checkpointing"] = recomputes_activations(encoder.backbone)
+    return settings
+
+
+def restore_given_model_settings(encoder, settings: dict) -> None:
+    """A model given to train() as it was given, after a setup that refused to train it: the refused run's --pooling,
+    autocast, prompts, length, attention and gradient checkpointing were set on it, and a second train() after the
+    fix (--pooling left out) trained with the refused pooling in silence. Its weights and device are as the setup
+    left them (a resumed checkpoint's, the run's device)."""
+    checkpointing = settings.pop("gradient_checkpointing")
+    for name, value in settings.items():
+        if name == "training":
+            encoder.train(value)
+        else:
+            setattr(encoder, name, value)
+    if checkpointing is False and recomputes_activations(encoder.backbone):
+        disable_gradient_checkpointing(encoder.backbone)
 
 
 def output_dir_lock(output_dir: str) -> run_lock.RunLock:

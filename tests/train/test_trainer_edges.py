@@ -377,3 +377,23 @@ def test_gradient_checkpointing_is_refused_for_a_given_backbone_without_it(tmp_p
     with pytest.raises(ValueError, match=r"^--gradient-checkpointing: the backbone of the model given to train\(\) "
                                          r"\(Linear\) is no transformers model that supports gradient checkpointing"):
         _set_up_given(tmp_path, (encoder, None), gradient_checkpointing=True)
+
+
+def test_a_given_model_refused_at_setup_keeps_its_own_settings(tmp_path):
+    """train() sets the run's pooling, autocast, prompts and gradient checkpointing on a model given to it before its
+    last checks; a refused run left them there, and a second train() after the fix (--pooling left out) trained with
+    the refused pooling in silence. The setup puts them back when it refuses."""
+    from angle_train.data import Prompts
+    from angle_train.models import recomputes_activations
+    from angle_train.trainer import train
+
+    encoder, tokenizer = make_encoder("llama", dtype=torch.float32)  # a causal decoder: first-token pooling refused
+    encoder.eval()
+    before = (encoder.pooling, encoder.autocast, encoder.prompts, encoder.max_length, encoder.bidirectional)
+    cfg = run_config(tmp_path / "run", pooling="cls", bf16=True, gradient_checkpointing=True, prompt="query: {text}",
+                     max_steps=1, batch_size=4)
+    with pytest.raises(ValueError, match="pooling"):
+        train(cfg, model=(encoder, tokenizer), train_examples=(demo_examples(8, seed=1), "B"))
+    assert (encoder.pooling, encoder.autocast, encoder.prompts, encoder.max_length, encoder.bidirectional) == before
+    assert before[0] == "last" and before[2] == Prompts()
+    assert not recomputes_activations(encoder.backbone) and not encoder.training
