@@ -217,11 +217,28 @@ def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str
     return _angle_losses.ranking_terms(ops, pairs, labels, angle_tau=scale, pooling_strategy="sum", nested=nested)[1]
 
 
+def _require_labels(loss: torch.nn.Module) -> None:
+    # the parents fail on labels.numel() / labels[:, None] with an AttributeError or TypeError
+    raise ValueError(
+        f"{loss.__class__.__name__} requires labels: a float similarity score per pair (the dataset's 'label' or "
+        "'score' column); got labels=None, as a dataset without a label column gives")
+
+
+def _check_labels_given(loss: torch.nn.Module, labels: Tensor | None, columns: int) -> None:
+    """At the start of a forward, before the model embeds anything: `loss`, or the inner loss of a Matryoshka or
+    layer-wise wrapper, is this module's CoSENTLoss or AnglELoss scoring pairs (AnglELoss's n-tuples default their
+    labels) and labels is None: the ValueError naming labels (it came once every column, and every sampled layer,
+    was embedded). Any other loss: nothing checked here."""
+    while isinstance(loss, (MatryoshkaLoss, _FusedLayerwise)):
+        loss = loss.loss
+    if labels is None and isinstance(loss, (CoSENTLoss, AnglELoss)) and (
+            isinstance(loss, CoSENTLoss) or columns <= 2):
+        _require_labels(loss)
+
+
 def _check_label_count(loss: torch.nn.Module, labels: Tensor | None, batch_size: int) -> None:
-    if labels is None:  # the parents fail on labels.numel() / labels[:, None] with an AttributeError or TypeError
-        raise ValueError(
-            f"{loss.__class__.__name__} requires labels: a float similarity score per pair (the dataset's 'label' or "
-            "'score' column); got labels=None, as a dataset without a label column gives")
+    if labels is None:
+        _require_labels(loss)
     # the same check and message as sentence-transformers, so a bad batch fails the same way
     if labels.numel() != batch_size:
         raise ValueError(
@@ -270,8 +287,9 @@ class CoSENTLoss(_BackendSetting, _st_losses.CoSENTLoss):
 
     Inputs: exactly two columns; other counts raise a ValueError saying what is expected (the parent raises an
     IndexError for one column and ignores the columns after the second), and a score per pair (labels=None, a
-    dataset without a label or score column, raises a ValueError naming labels). A batch with nothing to rank (one
-    pair, or every label equal) gives 0 with zero gradients, as the parent does, without a warning.
+    dataset without a label or score column, raises a ValueError naming labels, before the model embeds). A batch
+    with nothing to rank (one pair, or every label equal) gives 0 with zero gradients, as the parent does, without a
+    warning.
     """
 
     _input_columns = _PAIRS
@@ -286,6 +304,11 @@ class CoSENTLoss(_BackendSetting, _st_losses.CoSENTLoss):
     @property
     def uses_fused_path(self) -> bool:
         return _pair_score_kind(self.similarity_fct) is not None and not _tensor_scale(self)
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+        sentence_features = list(sentence_features)
+        _check_labels_given(self, labels, len(sentence_features))  # before the model embeds
+        return super().forward(sentence_features, labels)
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
         _check_columns(self, len(embeddings))
@@ -313,8 +336,8 @@ class AnglELoss(_BackendSetting, _st_losses.AnglELoss):
 
     Always fused, unless `similarity_fct` is reassigned after construction to something other than
     `util.pairwise_angle_sim` (then the parent's computation runs; `uses_fused_path` is False). Pairs without
-    labels raise a ValueError naming labels; a batch with nothing to rank (one pair, or every label equal) gives 0
-    with zero gradients, as the parent does, without a warning.
+    labels raise a ValueError naming labels, before the model embeds; a batch with nothing to rank (one pair, or
+    every label equal) gives 0 with zero gradients, as the parent does, without a warning.
 
     Args:
         model: the SentenceTransformer.
@@ -332,6 +355,11 @@ class AnglELoss(_BackendSetting, _st_losses.AnglELoss):
     @property
     def uses_fused_path(self) -> bool:
         return _pair_score_kind(self.similarity_fct) is not None and not _tensor_scale(self)
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+        sentence_features = list(sentence_features)
+        _check_labels_given(self, labels, len(sentence_features))  # pairs: before the model embeds
+        return super().forward(sentence_features, labels)
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
         _check_columns(self, len(embeddings))
@@ -968,10 +996,12 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
         return _inputs.check_nested(list(drawn), [weight for weight, _ in drawn.values()], embeddings.shape[-1])
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
+        sentence_features = list(sentence_features)
+        _check_labels_given(self, labels, len(sentence_features))
         self._check_weights_fit()
         if self.uses_gradient_cache or not self.uses_fused_path:
             return super().forward(sentence_features, labels)
-        embeddings = _embed_columns(self.model, list(sentence_features))
+        embeddings = _embed_columns(self.model, sentence_features)
         return self.loss._fused_loss(embeddings, labels, self._selected(embeddings[0], sort=True))
 
 
@@ -1110,6 +1140,8 @@ class _FusedLayerwise:
             self.loss._check_weights_fit()
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
+        sentence_features = list(sentence_features)
+        _check_labels_given(self, labels, len(sentence_features))  # before any layer is embedded
         self._check_weights_fit()
         if not self.uses_fused_path:
             return super().forward(sentence_features, labels)

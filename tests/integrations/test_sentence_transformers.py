@@ -255,6 +255,32 @@ def test_bad_label_count_fails_like_the_parent():
             loss.compute_loss_from_embeddings([u, u.clone(), u.clone()], torch.ones(3))
 
 
+def test_pairs_without_labels_are_refused_before_the_model_embeds(model64):
+    """CoSENTLoss(model)(features, None), a dataset without a label column: the ValueError naming labels came once
+    the model had embedded every column (and, under AdaptiveLayerLoss, every sampled layer, its KL terms computed);
+    now at the start of the forward, for the pair losses and the Matryoshka and layer-wise losses over them.
+    AnglELoss's (anchor, positive, negative) triplets default their labels and still embed and compute."""
+    embedded = []
+    hook = model64[0].register_forward_pre_hook(lambda *_: embedded.append(True))
+    try:
+        for build in (lambda: ours.CoSENTLoss(model64), lambda: ours.AnglELoss(model64),
+                      lambda: ours.CoSENTLoss(model64, similarity_fct=torch.cosine_similarity),
+                      lambda: ours.MatryoshkaLoss(model64, ours.CoSENTLoss(model64), [32, 16]),
+                      lambda: ours.MatryoshkaLoss(model64, ours.AnglELoss(model64), [32, 16], [1.0, 0.5]),
+                      lambda: ours.AdaptiveLayerLoss(model64, ours.CoSENTLoss(model64)),
+                      lambda: ours.Matryoshka2dLoss(model64, ours.AnglELoss(model64), [32, 16])):
+            loss = build()
+            name = type(loss.loss.loss if isinstance(loss, ours.Matryoshka2dLoss) else getattr(loss, "loss", loss))
+            with pytest.raises(ValueError, match=rf"^{name.__name__} requires labels: a float similarity score per "
+                                                 r"pair \(the dataset's 'label' or 'score' column\); got labels=None"):
+                loss(iter(batch_columns(model64, 2)), None)
+            assert not embedded, type(loss).__name__
+        value = ours.AnglELoss(model64)(batch_columns(model64, 3), None)
+        assert torch.isfinite(value) and embedded
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize("labels", [[0.7], [0.5, 0.5, 0.5]], ids=["one_pair", "all_equal"])
 def test_a_batch_with_nothing_to_rank_gives_zero_with_zero_gradients_as_the_parent(labels):
     """One pair, or every label equal: no ordered pair, so log(1 + 0) = 0 with zero gradients in the parents and
