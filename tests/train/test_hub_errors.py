@@ -97,31 +97,23 @@ def test_eval_model_not_cached_offline_names_model(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("base_flag", [False, True])
-def test_eval_adapter_base_not_cached_names_where_the_base_came_from(base_flag, tmp_path, capsys):
-    adapter = tmp_path / "adapter"
+@pytest.mark.parametrize("folder", ["adapter", "best"])
+def test_eval_adapter_base_not_cached_names_where_the_base_came_from(folder, base_flag, tmp_path, capsys):
+    """A peft adapter folder (its adapter_config.json records the base model), and a LoRA run's best/ (the adapter
+    alone, its angle_train.json recording the base model): the base named as --base-model gave it, else as the file
+    that records it."""
+    adapter = tmp_path / folder
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(f'{{"peft_type": "OTHER", "base_model_name_or_path": "{MODEL}"}}')
+    if folder == "best":
+        (adapter / "angle_train.json").write_text(f'{{"adapter_only": true, "lora": true, "base_model": "{MODEL}", '
+                                                  '"pooling": "cls", "is_decoder": false}')
+        (adapter / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n")  # an export keeps the tokenizer's files
     (tmp_path / "sts-test.csv").write_text(STS, encoding="utf-8")
     argv = [str(adapter), str(tmp_path / "sts-test.csv"), "--device", "cpu"]
     line = one_line_error("angle-eval", argv + (["--base-model", MODEL] if base_flag else []), capsys)
-    named = f"--base-model {MODEL}" if base_flag else f"MODEL {adapter}'s adapter_config.json records the base " \
-                                                      f"model {MODEL}"
-    assert f"{named}: the Hugging Face Hub could not be reached" in line
-
-
-@pytest.mark.parametrize("base_flag", [False, True])
-def test_eval_adapter_only_export_base_not_cached_names_where_the_base_came_from(base_flag, tmp_path, capsys):
-    """A LoRA run's best/ (the adapter alone, its angle_train.json recording the base model)."""
-    export = tmp_path / "best"
-    export.mkdir()
-    (export / "adapter_config.json").write_text(f'{{"peft_type": "OTHER", "base_model_name_or_path": "{MODEL}"}}')
-    (export / "angle_train.json").write_text(f'{{"adapter_only": true, "lora": true, "base_model": "{MODEL}", '
-                                             '"pooling": "cls", "is_decoder": false}')
-    (export / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n")  # an export keeps the tokenizer's files
-    (tmp_path / "sts-test.csv").write_text(STS, encoding="utf-8")
-    argv = [str(export), str(tmp_path / "sts-test.csv"), "--device", "cpu"]
-    line = one_line_error("angle-eval", argv + (["--base-model", MODEL] if base_flag else []), capsys)
-    named = f"--base-model {MODEL}" if base_flag else f"{export / 'angle_train.json'} records the base model {MODEL}"
+    record = f"{adapter / 'angle_train.json'}" if folder == "best" else f"MODEL {adapter}'s adapter_config.json"
+    named = f"--base-model {MODEL}" if base_flag else f"{record} records the base model {MODEL}"
     assert f"{named}: the Hugging Face Hub could not be reached" in line
 
 
