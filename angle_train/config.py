@@ -205,8 +205,7 @@ class TrainConfig:
                                 "Matryoshka training (default: off): prefix widths, e.g. 768 512 256 128 64 (or "
                                 "768,512,...); every loss term on every prefix embeddings[:, :d], weighted and summed "
                                 "(even widths while --angle-w > 0). Dev Spearman is then reported at each width too",
-                                group="loss",
-                                metavar="DIM", items="number")
+                                group="loss", metavar="DIM", items="number")
     matryoshka_weights: list = opt([],  # noqa: RUF009
                                    "weight of each --matryoshka-dims width, in the same order (default: 1 each)",
                                    group="loss", metavar="WEIGHT", items="number")
