@@ -87,6 +87,19 @@ def did_you_mean(words, choices) -> str:
     return "; did you mean " + ", ".join(f"{choice} (for {name})" for name, choice in answers.items()) + "?"
 
 
+def comma_separated(item):
+    """The numbers in one word of a number list (angle-train's number-list settings, angle-eval's --dims), `item`:
+    "32,64" (or "32, 64", quoted as one word) as ["32", "64"], as the same numbers given as words of their own; any
+    other item as it is. A comma with no number on one side of it ("32,", "32,,64") is refused: a number was left
+    out."""
+    if not isinstance(item, str) or "," not in item:
+        return [item]
+    parts = [part.strip() for part in item.split(",")]
+    if not all(parts):
+        raise ValueError(f"expected numbers, by spaces or commas (32 64, or 32,64); got {item!r}")
+    return parts
+
+
 def choice_hint(flag: str, value: str, choices) -> str:
     """What follows the refusal of `value`, none of `flag`'s `choices`: for --pooling, a sentence-transformers pooling
     name's counterpart (mean: avg), else the closest choice (did_you_mean: Cosine, cosine), else ''."""

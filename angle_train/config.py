@@ -12,7 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from angle_kernels.inputs import check_arccon_options, check_scale
 
 from .arccse import TEXT_COLUMN
-from .cli_common import choice_hint, parse_bool
+from .cli_common import choice_hint, comma_separated, parse_bool
 from .data import Prompts, parse_columns, refuse_missing_local_path
 from .models import (
     ADAPTER_CONFIG, ADAPTER_FOLDER, PEFT_LORA_DROPOUT, adapted_layer_names, adapter_config_base, read_adapter_config,
@@ -642,18 +642,6 @@ def setting_value(value, kind: str, items: str | None):
     if kind == "str" and not isinstance(value, str):
         raise TypeError(f"expected a text; got {type(value).__name__} {value!r}")
     return value
-
-
-def comma_separated(item):
-    """The numbers in one word of a number list, `item`: "32,64" (or "32, 64", quoted as one word) as ["32", "64"],
-    as the same numbers given as words of their own; any other item as it is. A comma with no number on one side
-    of it ("32,", "32,,64") is refused: a number was left out."""
-    if not isinstance(item, str) or "," not in item:
-        return [item]
-    parts = [part.strip() for part in item.split(",")]
-    if not all(parts):
-        raise ValueError(f"expected numbers, by spaces or commas (32 64, or 32,64); got {item!r}")
-    return parts
 
 
 def checked_setting(f, value):

@@ -73,7 +73,8 @@ import torch
 from . import preflight, st_folder
 from .atomic_files import written_aside
 from .cli_common import (
-    OneLineErrorParser, check_train_extra, parse_bool, resolve_device, user_errors_exit, version_text,
+    OneLineErrorParser, check_train_extra, comma_separated, parse_bool, resolve_device, user_errors_exit,
+    version_text,
 )
 from .data import (
     DataError, Example, Prompts, check_label, check_text, data_files_in, errors_naming, is_saved_dataset,
@@ -693,9 +694,11 @@ def positive_int(text: str) -> int:
 def widths_or_trained(text: str) -> list:
     """argparse's type for a word of --dims: widths >= 1 or 'trained', one or several by commas (`64,32` as `64 32`);
     main() joins the words' lists."""
-    parts = [part.strip() for part in text.split(",")]
-    if not all(parts):
-        raise argparse.ArgumentTypeError(f"expected widths, by spaces or commas (64 32, or 64,32); got {text!r}")
+    try:
+        parts = comma_separated(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected widths, by spaces or commas (64 32, or 64,32); got {text!r}") \
+            from None
     return [part if part == "trained" else positive_int(part) for part in parts]
 
 

@@ -903,18 +903,16 @@ def load_encoder(
         read_adapter_config(lora_path)  # its settings checked before the model loads
     with hub_lookup(name_or_path, kind="model", given_as=given_as):  # a local folder: loaded as ever
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    st_files = st_folder.find_folder(name_or_path)  # once: for a hub name, a fetch of its files
-    folder_pooling = own_pooling(name_or_path, st_files) if pooling is None else None
-    pooling = folder_pooling[0] if folder_pooling else pooling
-    if is_decoder is None:
-        is_decoder = is_decoder_config(config)
-    with hub_lookup(name_or_path, kind="model", given_as=given_as):
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    tokenizer = prepare_tokenizer(tokenizer, is_decoder)
-    if own_lowercasing(st_files):
-        lowercase_first(tokenizer)
-    kwargs = {"dtype": dtype} if dtype is not None else {}
-    with hub_lookup(name_or_path, kind="model", given_as=given_as):
+        st_files = st_folder.find_folder(name_or_path)  # once: for a hub name, a fetch of its files
+        folder_pooling = own_pooling(name_or_path, st_files) if pooling is None else None
+        pooling = folder_pooling[0] if folder_pooling else pooling
+        if is_decoder is None:
+            is_decoder = is_decoder_config(config)
+        tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code),
+                                      is_decoder)
+        if own_lowercasing(st_files):
+            lowercase_first(tokenizer)
+        kwargs = {"dtype": dtype} if dtype is not None else {}
         backbone = AutoModel.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
     if lora_path is not None:
         backbone = attach_adapter(backbone, lora_path, dropout=lora_dropout)

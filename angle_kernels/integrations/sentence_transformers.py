@@ -231,8 +231,8 @@ def _check_labels_given(loss: torch.nn.Module, labels: Tensor | None, columns: i
     was embedded). Any other loss: nothing checked here."""
     while isinstance(loss, (MatryoshkaLoss, _FusedLayerwise)):
         loss = loss.loss
-    if labels is None and isinstance(loss, (CoSENTLoss, AnglELoss)) and (
-            isinstance(loss, CoSENTLoss) or columns <= 2):
+    scores_pairs = isinstance(loss, CoSENTLoss) or (isinstance(loss, AnglELoss) and columns <= 2)
+    if labels is None and scores_pairs:
         _require_labels(loss)
 
 
@@ -312,8 +312,8 @@ class CoSENTLoss(_BackendSetting, _st_losses.CoSENTLoss):
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
         _check_columns(self, len(embeddings))
-        _check_label_count(self, labels, embeddings[0].shape[-2])
         if not self.uses_fused_path:
+            _check_label_count(self, labels, embeddings[0].shape[-2])  # _fused_loss checks its own
             return super().compute_loss_from_embeddings(embeddings, labels)
         return self._fused_loss(embeddings, labels)
 
