@@ -71,6 +71,14 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return length - 1 - attention_mask.int().flip(dims=[1]).argmax(dim=1)
 
 
+def right_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded rows [B, L] moved to right padding: each row turned left by its count of padding tokens."""
+    length = attention_mask.shape[1]
+    padding = length - attention_mask.long().sum(dim=1, keepdim=True)
+    moved = (torch.arange(length, device=attention_mask.device) + padding) % length
+    return input_ids.gather(1, moved), attention_mask.gather(1, moved)
+
+
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, strategy: str) -> torch.Tensor:
     """Pool hidden states [B, L, H] with attention_mask [B, L] (1 = real token) into [B, H]."""
     if strategy not in POOLING_STRATEGIES:
@@ -211,6 +219,8 @@ class Encoder(nn.Module):
             inputs = {"input_ids": input_ids, "attention_mask": self._packed_mask(packed.text_of_token)}
             kwargs["position_ids"] = packed.position_ids + self.position_offset
         else:
+            if self._left_padding_gives_nan(attention_mask):
+                input_ids, attention_mask = right_padded(input_ids, attention_mask)
             inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
             if self.is_decoder:
                 # With left padding the real tokens do not start at position 0: count positions from the
@@ -227,6 +237,21 @@ class Encoder(nn.Module):
         # hidden states 0 .. L - 2 (0: the embedding layer's output) and the last, as angle-emb's Espresso takes them
         layers = [*out.hidden_states[:self.num_layers - 1], out.last_hidden_state]
         return torch.stack([self._pool(hidden, attention_mask, packed) for hidden in layers])
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the base model computes in: its weights', or autocast's."""
+        return next(self.parameters()).dtype if self.autocast is None else AUTOCAST_DTYPES[self.autocast]
+
+    def _left_padding_gives_nan(self, attention_mask: torch.Tensor) -> bool:
+        """Whether this batch would come out of the base model as NaN: transformers' eager attention takes its
+        softmax in float32, where a float64 model's masked scores (float64's most negative number) become -inf, so a
+        query that may see no key gives NaN; under a causal mask a left-padded row's padding tokens see none, and
+        their NaN reaches the real tokens through the values (0 x NaN). forward moves such rows to right padding,
+        where each padding token sees its row's real tokens: the real tokens' outputs are the same (causal attention
+        never looks ahead, positions count from the first real token) and pooling reads either side."""
+        return (self.is_decoder and not self.bidirectional and self.attention_implementation == "eager"
+                and self.compute_dtype == torch.float64 and not bool(attention_mask[:, 0].all()))
 
     def _pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor, packed: PackedTexts | None) -> torch.Tensor:
         """pool() in float32; packed rows are first unpacked to one right-padded row per text, so every pooling
@@ -276,8 +301,7 @@ class Encoder(nn.Module):
         # rounding only: float32 differs by ~1e-6 of the norm, bf16 by ~1e-2; wrong positions or a leaking mask by
         # a large fraction of it
         error = float((packed - padded).norm(dim=-1).max() / padded.norm(dim=-1).min())
-        compute_dtype = next(self.parameters()).dtype if self.autocast is None else AUTOCAST_DTYPES[self.autocast]
-        tolerance = PACKING_TOLERANCE.get(compute_dtype, PACKING_TOLERANCE[torch.float32])
+        tolerance = PACKING_TOLERANCE.get(self.compute_dtype, PACKING_TOLERANCE[torch.float32])
         if not error <= tolerance:
             return (f"packed rows embed differently from padded ones on this model (relative difference {error:.2g} "
                     f"> {tolerance:g}): it does not take the packed rows' attention mask or position ids as given")
