@@ -12,7 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from angle_kernels.inputs import check_arccon_options, check_scale
 
 from .arccse import TEXT_COLUMN
-from .cli_common import choice_hint, comma_separated, parse_bool
+from .cli_common import choice_hint, comma_separated, did_you_mean, parse_bool
 from .data import Prompts, parse_columns, refuse_missing_local_path
 from .models import (
     ADAPTER_CONFIG, ADAPTER_FOLDER, PEFT_LORA_DROPOUT, adapted_layer_names, adapter_config_base, read_adapter_config,
@@ -255,6 +255,16 @@ class TrainConfig:
                            "with NCCL). The main process exports best/ and final/ and writes whole-model checkpoints "
                            "while the others wait: raise it where those take longer", group="run",
                            at_least=1)
+
+    def __new__(cls, *args, **kwargs):
+        """An unknown keyword is refused here, before the dataclass's __init__ (whose TypeError names it alone), with
+        the setting it is closest to: TrainConfig(batch_sise=8) says `did you mean batch_size?`, as --config does."""
+        settings = [f.name for f in fields(cls) if f.init]
+        unknown = [name for name in kwargs if name not in settings]
+        if unknown:
+            raise TypeError(f"{cls.__name__}() got unknown setting{'s' * (len(unknown) > 1)} "
+                            f"{', '.join(map(repr, unknown))}" + did_you_mean(unknown, settings))
+        return super().__new__(cls)
 
     def validate(self) -> TrainConfig:
         """Refuse settings that cannot work, naming the flag, before anything is loaded. What depends on the data
@@ -506,7 +516,7 @@ class TrainConfig:
     def _validate_arccse(self) -> None:
         if not isinstance(self.mask_rates, (list, tuple)):
             raise ValueError(f"--mask-rates: expected two numbers; got {self.mask_rates!r}")
-        rates = [_number("--mask-rates", value, float) for value in self.mask_rates]
+        rates = [_number("--mask-rates", value, float, listed=True) for value in self.mask_rates]
         if len(rates) != 2 or not 0 <= rates[0] <= rates[1] < 1:
             raise ValueError(f"--mask-rates: expected two fractions 0 <= weak <= strong < 1; got {rates}")
         if self.objective == "arccse" and rates[0] == 0 and self.triplet_w > 0:
@@ -547,8 +557,8 @@ class TrainConfig:
                              ("--matryoshka-weights", self.matryoshka_weights)):
             if not isinstance(values, (list, tuple)):  # a string would be read one character at a time
                 raise ValueError(f"{flag}: expected a list of numbers; got {values!r}")
-        dims = [_number("--matryoshka-dims", value, int) for value in self.matryoshka_dims]
-        weights = [_number("--matryoshka-weights", value, float) for value in self.matryoshka_weights]
+        dims = [_number("--matryoshka-dims", value, int, listed=True) for value in self.matryoshka_dims]
+        weights = [_number("--matryoshka-weights", value, float, listed=True) for value in self.matryoshka_weights]
         if weights and not dims:
             raise ValueError("--matryoshka-weights needs --matryoshka-dims (the widths they weight)")
         if any(d < 1 for d in dims):
@@ -714,12 +724,16 @@ def _range_text(bounds: dict) -> str:
     return " and ".join(f"{sign} {bounds[key]}" for key, sign in words.items() if key in bounds)
 
 
-def _number(flag: str, value, kind: type):
+def _number(flag: str, value, kind: type, *, listed: bool = False):
     """`value` (a CLI word, or a number from a config file) as an int or a float; bools and fractional ints are
-    refused rather than silently truncated."""
+    refused rather than silently truncated. `listed`: an item of a number list, whose refusal says how the items are
+    separated where the item looks like several numbers separated otherwise (`--matryoshka-dims 32;64`)."""
     try:
         if isinstance(value, bool) or (kind is int and isinstance(value, float)):
             raise ValueError
         return kind(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{flag}: expected {'integers' if kind is int else 'numbers'}; got {value!r}") from None
+        expected = "integers" if kind is int else "numbers"
+        if listed and isinstance(value, str) and any(mark in value.strip() for mark in ";:/| \t"):
+            expected += ", by spaces or commas (32 64, or 32,64)"
+        raise ValueError(f"{flag}: expected {expected}; got {value!r}") from None

@@ -694,11 +694,14 @@ def positive_int(text: str) -> int:
 def widths_or_trained(text: str) -> list:
     """argparse's type for a word of --dims: widths >= 1 or 'trained', one or several by commas (`64,32` as `64 32`);
     main() joins the words' lists."""
+    malformed = argparse.ArgumentTypeError(f"expected widths (whole numbers >= 1, or 'trained'), by spaces or commas "
+                                           f"(64 32, or 64,32); got {text!r}")
     try:
         parts = comma_separated(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected widths, by spaces or commas (64 32, or 64,32); got {text!r}") \
-            from None
+        raise malformed from None
+    if not all(part == "trained" or part.lstrip("+-").isdigit() for part in parts):  # 64;32, 64.5: not a width list
+        raise malformed
     return [part if part == "trained" else positive_int(part) for part in parts]
 
 

@@ -258,7 +258,8 @@ def test_matryoshka_widths_from_one_embedding_of_each_text(tmp_path, capsys):
     for dims, message in ((["trained"], "--dims trained: .* records no trained widths"),
                           (["33"], "--dims 33 is wider than the embeddings of .* \\(32 features\\)"),
                           (["0"], "expected a whole number >= 1; got 0"),
-                          (["8,"], "expected widths, by spaces or commas \\(64 32, or 64,32\\); got '8,'")):
+                          (["8,"], "expected widths \\(whole numbers >= 1, or 'trained'\\), by spaces or commas "
+                                   "\\(64 32, or 64,32\\); got '8,'")):
         with pytest.raises(SystemExit) as exc:
             main([plain, str(folder), "--dims", *dims])
         assert exc.value.code == 2 and re.search(message, capsys.readouterr().err)

@@ -65,6 +65,10 @@ TRAIN_MISTAKES = [
     (["--lerning-rate", "0.1", "--max-lenght", "12"], "unrecognized arguments: --lerning-rate 0.1 --max-lenght 12; "
                                                       "did you mean --max-length?"),  # nothing close to --lr
     (["--config", "typo.yaml"], "--config: unknown setting 'batch_sise'; did you mean batch_size?"),
+    (["--matryoshka-dims", "32;64", "--angle-w", "0"], "--matryoshka-dims: expected integers, by spaces or commas "
+                                                       "(32 64, or 32,64); got '32;64'"),
+    (["--mask-rates", "0.1/0.2", "0.3", "--objective", "arccse"], "--mask-rates: expected numbers, by spaces or "
+                                                                   "commas (32 64, or 32,64); got '0.1/0.2'"),
     (["--matryoshka-dims", "32,", "--angle-w", "0"], "--matryoshka-dims: expected numbers, by spaces or commas "
                                                      "(32 64, or 32,64); got '32,'"),
     (["--bf16", "maybe"], "argument --bf16: expected a boolean"),
@@ -138,6 +142,11 @@ EVAL_MISTAKES = [
     ([HUB_NAME, "sts-test.csv", "--batchsize", "8"], "unrecognized arguments: --batchsize 8; did you mean "
                                                      "--batch-size?"),
     ([HUB_NAME, "sts-test.csv", "--pooling", "cls_token"], "sentence-transformers' 'cls_token' pooling is 'cls' here"),
+    # a width list by another separator: "expected a whole number >= 1; got '64;32'" before
+    ([HUB_NAME, "sts-test.csv", "--dims", "64;32"], "argument --dims: expected widths (whole numbers >= 1, or "
+                                                    "'trained'), by spaces or commas (64 32, or 64,32); got '64;32'"),
+    ([HUB_NAME, "sts-test.csv", "--dims", "64,"], "argument --dims: expected widths"),
+    ([HUB_NAME, "sts-test.csv", "--dims", "64,0"], "argument --dims: expected a whole number >= 1; got 0"),
 ]
 
 
@@ -210,6 +219,22 @@ def test_settings_given_in_python_are_converted_as_the_flags_words_are():
     assert cfg.matryoshka_dims == [64, 32]
     assert cli.config_from_args(["--matryoshka-dims", "64,32", "16", "--matryoshka-weights", "1,1,0.5",
                                  "--angle-w", "0"]).matryoshka_weights == [1.0, 1.0, 0.5]
+
+
+
+def test_an_unknown_setting_given_in_python_names_the_closest_one():
+    """TrainConfig(batch_sise=8) raised the dataclass's TypeError, naming the keyword alone; it now says what the
+    --config key says, and lists every unknown keyword at once."""
+    from angle_train.config import TrainConfig
+
+    with pytest.raises(TypeError, match=r"^TrainConfig\(\) got unknown setting 'batch_sise'; did you mean "
+                                        r"batch_size\?$"):
+        TrainConfig(batch_sise=8)
+    with pytest.raises(TypeError, match=r"^TrainConfig\(\) got unknown settings 'epochz', 'warmpu', 'colour'; "
+                                        r"did you mean epochs \(for epochz\), warmup \(for warmpu\)\?$"):
+        TrainConfig(epochz=2, warmpu=0.1, colour="red")
+    with pytest.raises(TypeError, match=r"^TrainConfig\(\) got unknown setting 'colour'$"):
+        TrainConfig(colour="red")
 
 
 @pytest.mark.parametrize("argv, said", EVAL_MISTAKES)
