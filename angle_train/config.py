@@ -15,7 +15,8 @@ from .arccse import TEXT_COLUMN
 from .cli_common import choice_hint, comma_separated, did_you_mean, parse_bool
 from .data import Prompts, parse_columns, refuse_missing_local_path
 from .models import (
-    ADAPTER_CONFIG, ADAPTER_FOLDER, PEFT_LORA_DROPOUT, adapted_layer_names, adapter_config_base, read_adapter_config,
+    ADAPTER_CONFIG, ADAPTER_FOLDER, ATTENTION_IMPLEMENTATIONS, PEFT_LORA_DROPOUT, adapted_layer_names,
+    adapter_config_base, read_adapter_config,
 )
 
 MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every library the run uses accepts
@@ -80,6 +81,10 @@ class TrainConfig:
                               group="model")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30%% slower)",
                                        group="model")
+    attention: str = opt(None, "the base model's attention implementation, by transformers' name: sdpa, eager, "
+                         "flash_attention_2 or flash_attention_3 (their package, flash-attn, and a GPU), "
+                         "flex_attention (default: transformers' choice for the model, sdpa where it has it); --pack "
+                         "takes sdpa or eager", group="model", choices=list(ATTENTION_IMPLEMENTATIONS))
     lora: bool = opt(False, "train LoRA adapters instead of all weights (needs peft)", group="lora")
     lora_r: int = opt(None, f"LoRA rank (default: {LORA_DEFAULTS['lora_r']}; with --lora-path, the adapter's)",
                       group="lora", at_least=1)

@@ -81,8 +81,8 @@ from .data import (
     load_examples, names_local_path, open_text, parse_columns, read_stsb,
 )
 from .models import (
-    ADAPTER_CONFIG, POOLING_STRATEGIES, adapter_config_base, check_dim, first_token_pooling_problem,
-    read_adapter_config, truncate,
+    ADAPTER_CONFIG, ATTENTION_IMPLEMENTATIONS, POOLING_STRATEGIES, adapter_config_base, check_dim,
+    first_token_pooling_problem, read_adapter_config, truncate, use_attention,
 )
 from .tracking import finite_or_none
 
@@ -768,6 +768,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also score the first D features of every embedding (Matryoshka widths), each text "
                         "embedded once; results under NAME@D; 'trained': the widths an angle_train export was "
                         "trained at")
+    parser.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default=None,
+                        help="the model's attention implementation, by transformers' name (flash_attention_2 and _3: "
+                             "their package, flash-attn, and a GPU; default: transformers' choice for the model)")
     parser.add_argument("--batch-size", type=positive_int, default=128,
                         help="texts per forward pass (default: 128)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda if available, as "
@@ -820,6 +823,7 @@ def main(argv=None) -> int:
     with user_errors_exit(parser, debug=args.debug):
         check_train_extra()
         preflight.check_device(args.device)
+        preflight.check_attention(args.attention, args.device)
         check_model(args.model)
         preflight.check_model_folder(args.model, "MODEL")
         adapter_base(args.model, args.base_model)  # a --base-model that would be ignored, before the datasets load
@@ -839,7 +843,10 @@ def main(argv=None) -> int:
         with library_progress_bars(args.progress):
             encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling,
                                                   device=resolve_device(args.device), base_model=args.base_model)
-        print(f"angle-eval: pooling {encoder.pooling} ({encoder.pooling_source})", file=sys.stderr, flush=True)
+        if args.attention:
+            use_attention(encoder, args.attention)
+        print(f"angle-eval: pooling {encoder.pooling} ({encoder.pooling_source}), {encoder.attention_implementation} "
+              "attention", file=sys.stderr, flush=True)
         first_token = first_token_pooling_problem(encoder, encoder.pooling_source)
         if first_token:  # refused as training refuses it, before a text is embedded (the score would be NaN or chance)
             raise ValueError(f"{first_token}; use --pooling last (decoders' default) or avg")

@@ -115,6 +115,10 @@ DECODER_MODEL_TYPES = {
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The attention implementations that take the packed rows' 4D mask (Encoder._packed_mask).
 PACKING_ATTENTION = ("sdpa", "eager")
+# The attention implementations a run or an evaluation may ask for (--attention), by transformers' names; without it,
+# the model keeps the one transformers chose as it loaded it (sdpa where the model has it, else eager). The flash
+# attention ones need their package (flash-attn) and a GPU.
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 # The largest relative difference between packed and padded embeddings that is rounding (Encoder.packing_problem),
 # by compute dtype.
 PACKING_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -278,7 +282,21 @@ class Encoder(nn.Module):
 
     @property
     def attention_implementation(self) -> str | None:
+        """The base model's attention implementation (transformers' name: sdpa, eager...); settable."""
         return getattr(self.backbone.config, "_attn_implementation", None)
+
+    @attention_implementation.setter
+    def attention_implementation(self, name: str) -> None:
+        """Switch the base model's attention (transformers' set_attn_implementation, which a model built on its
+        attention interface takes at any time): ImportError where the implementation's package is missing (flash-attn),
+        ValueError where transformers has no such implementation for the model, or the model cannot switch (remote
+        code that picks its attention classes as it is built; transformers only logs a warning then)."""
+        if name == self.attention_implementation:
+            return
+        self.backbone.set_attn_implementation(name)
+        if self.attention_implementation != name:
+            raise ValueError(f"{type(self.backbone).__name__} cannot switch its attention once loaded: load it with "
+                             f"attn_implementation={name!r} and give it to train()")
 
     @torch.no_grad()
     def packing_problem(self, seqs: TokenRows | list[list[int]], width: int) -> str | None:
@@ -506,6 +524,15 @@ def past_trained_context_note(backbone: nn.Module, flag: str, length: int, model
     return (f"note: {flag} {length} reaches past the {context} tokens {model} was trained to read (its config's "
             "max_position_embeddings): rotary positions run there, but texts longer than that are read at positions "
             "it never saw in training")
+
+
+def use_attention(encoder: Encoder, name: str, *, flag: str = "--attention") -> None:
+    """Set `encoder`'s attention implementation to `name` (ATTENTION_IMPLEMENTATIONS), or raise a ValueError naming
+    `flag`: its package missing (flash-attn), or a model that has no such implementation or cannot switch."""
+    try:
+        encoder.attention_implementation = name
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"{flag} {name}: {exc}") from None
 
 
 def check_dim(dim: int | None, width: int) -> None:

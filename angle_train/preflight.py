@@ -1,6 +1,6 @@
-"""What angle-train and angle-eval check of what they are given before any work: the --device, a local model folder
-(before it loads) and the loaded tokenizer (before any text is encoded). Each problem is a ValueError naming the
-flag or the file, which both commands show as one line (exit status 2).
+"""What angle-train and angle-eval check of what they are given before any work: the --device, a flash --attention
+(check_attention), a local model folder (before it loads) and the loaded tokenizer (before any text is encoded). Each
+problem is a ValueError naming the flag or the file, which both commands show as one line (exit status 2).
 
 A model folder (`check_model_folder`) is refused when it
     is an angle-train run's output folder (its config.json holds the run's settings, not a model's): the error names
@@ -19,6 +19,7 @@ silently exceeded, and long texts would end in a tensor-size error).
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import os
 
 import torch
@@ -55,6 +56,32 @@ def check_device(name: str | None, flag: str = "--device") -> None:
     if device.index is not None and device.index >= count:
         raise ValueError(f"{flag} {name}: this machine has {count} {device.type} device(s), {device.type}:0 to "
                          f"{device.type}:{count - 1}")
+
+
+# The module each flash attention implementation needs, and its package's words (transformers' checks:
+# is_flash_attn_2_available, is_flash_attn_3_available).
+FLASH_ATTENTION_MODULES = {
+    "flash_attention_2": ("flash_attn", "the flash-attn package (pip install flash-attn --no-build-isolation)"),
+    "flash_attention_3": ("flash_attn_interface", "FlashAttention 3's flash_attn_interface (flash-attention's hopper/ "
+                                                  "build, for H100 / H200 GPUs)"),
+}
+
+
+def check_attention(name: str | None, device: str | None, flag: str = "--attention") -> None:
+    """Refuse a flash attention implementation (`name`) that cannot run here before any work: on a device other
+    than a CUDA GPU (`device`: the --device given, None: the default, cuda where there is one), or without its
+    package. Other implementations, and a model that has no such implementation, are checked as the model takes it
+    (models.use_attention)."""
+    if name not in FLASH_ATTENTION_MODULES:
+        return
+    device_type = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type != "cuda":
+        raise ValueError(f"{flag} {name} runs on CUDA GPUs, and this run is on {device_type}: use sdpa, or leave out "
+                         f"{flag}")
+    module, package = FLASH_ATTENTION_MODULES[name]
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{flag} {name} needs {package}, which this Python environment does not have: install it, "
+                         "or use sdpa")
 
 
 def _json_object(file: str, flag: str, folder: str) -> dict | None:

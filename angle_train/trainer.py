@@ -68,7 +68,7 @@ from .models import (
     absolute_if_local, adapted_layer_names, adapter_settings_file, attach_adapter, disable_gradient_checkpointing,
     enable_gradient_checkpointing, export_pooling, first_token_pooling_problem,
     load_encoder, own_bidirectional, own_prompts, past_trained_context_note, position_limit, prepare_tokenizer,
-    read_adapter_config, recomputes_activations, takes_gradient_checkpointing, wrap_backbone,
+    read_adapter_config, recomputes_activations, takes_gradient_checkpointing, use_attention, wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -305,6 +305,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     if model is not None:  # before the lock and any work: a setting the model cannot take is refused
         refuse_settings_given_model_ignores(cfg, model[0], given_lora=given_lora)
     preflight.check_device(cfg.device)
+    preflight.check_attention(cfg.attention, cfg.device)
     if model is None:
         preflight.check_model_to_train(cfg.model)
     lock = output_dir_lock(cfg.output_dir) if distributed.launched_rank() == 0 else None
@@ -322,7 +323,8 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
 
 
 # The settings of a model given to train() that the setup sets from the run's (apply_settings_to_given_model, _setup)
-GIVEN_MODEL_SETTINGS = ("pooling", "autocast", "prompts", "max_length", "bidirectional", "training")
+GIVEN_MODEL_SETTINGS = ("pooling", "autocast", "prompts", "max_length", "bidirectional", "attention_implementation",
+                        "training")
 
 
 def given_model_settings(encoder) -> dict:
@@ -548,7 +550,8 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
               f"loss: {loss_description(cfg, fmt, loss_name, encoder.embedding_dim)}", flush=True)
         print(f"angle_train: AdamW {schedule_words(cfg, total_steps)}, weight decay {cfg.weight_decay:g}, "
               + (f"gradient norm clipped at {cfg.max_grad_norm:g}" if cfg.max_grad_norm > 0 else "no gradient clipping")
-              + f" | {precision_words(encoder, loss_scaling=cfg.fp16)} | seed {cfg.seed}", flush=True)
+              + f" | {precision_words(encoder, loss_scaling=cfg.fp16)} | {encoder.attention_implementation} attention"
+              f" | seed {cfg.seed}", flush=True)
         if note := max_steps_note(cfg, len(items), dist_info.world_size):
             print(note, flush=True)
         unit = "sentences" if cfg.objective == "arccse" else "examples"
@@ -661,7 +664,7 @@ def adapter_settings(encoder) -> dict:
 
 def apply_settings_to_given_model(cfg: TrainConfig, encoder):
     """A model given to train() (an Encoder) with the settings angle_train applies as it builds --model's encoder that
-    it can take as it is: --bf16 / --fp16 (the forward's autocast), --pooling where given, and
+    it can take as it is: --bf16 / --fp16 (the forward's autocast), --pooling and --attention where given, and
     --gradient-checkpointing (refuse_settings_given_model_ignores refused it where the backbone has none). A given
     model's own autocast, with neither flag given, is the run's: cfg records it, and --fp16's loss scaling follows;
     with --lora, so are its adapters' settings."""
@@ -676,6 +679,8 @@ def apply_settings_to_given_model(cfg: TrainConfig, encoder):
             setattr(cfg, name, value)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(encoder.backbone)
+    if cfg.attention:
+        use_attention(encoder, cfg.attention)
     return encoder
 
 
@@ -968,6 +973,8 @@ def _build_encoder(cfg: TrainConfig, device: torch.device, *, lora_settings: str
     if lora_settings:
         pooling = export_pooling(lora_settings, st_folder.read_json(lora_settings).get("pooling"))
     encoder, tokenizer = _load_backbone(cfg, device, pooling=pooling, autocast=autocast)
+    if cfg.attention:
+        use_attention(encoder, cfg.attention)
     if lora_settings and pooling:
         encoder.pooling_source = f"the adapter's {lora_settings}"
     return encoder, tokenizer

@@ -72,6 +72,9 @@ TRAIN_MISTAKES = [
     (["--matryoshka-dims", "32,", "--angle-w", "0"], "--matryoshka-dims: expected numbers, by spaces or commas "
                                                      "(32 64, or 32,64); got '32,'"),
     (["--bf16", "maybe"], "argument --bf16: expected a boolean"),
+    (["--attention", "spda"], "argument --attention: invalid choice: 'spda' (choose from 'sdpa', 'eager', "
+                              "'flash_attention_2', 'flash_attention_3', 'flex_attention'); did you mean sdpa?"),
+    (["--attention", "flash_attention_2"], "--attention flash_attention_2 runs on CUDA GPUs, and this run is on cpu"),
     (["--config", "run.yaml"], "--config run.yaml: no such file"),
     (["--config", "broken.yaml"], "--config broken.yaml: not valid YAML"),
     (["--config", "mean.yaml"], "--config: setting 'pooling': invalid choice 'mean'"),
@@ -142,6 +145,8 @@ EVAL_MISTAKES = [
     ([HUB_NAME, "sts-test.csv", "--batchsize", "8"], "unrecognized arguments: --batchsize 8; did you mean "
                                                      "--batch-size?"),
     ([HUB_NAME, "sts-test.csv", "--pooling", "cls_token"], "sentence-transformers' 'cls_token' pooling is 'cls' here"),
+    ([HUB_NAME, "sts-test.csv", "--attention", "flash_attention_3"], "--attention flash_attention_3 runs on CUDA "
+                                                                      "GPUs, and this run is on cpu"),
     # a width list by another separator: "expected a whole number >= 1; got '64;32'" before
     ([HUB_NAME, "sts-test.csv", "--dims", "64;32"], "argument --dims: expected widths (whole numbers >= 1, or "
                                                     "'trained'), by spaces or commas (64 32, or 64,32); got '64;32'"),

@@ -17,7 +17,6 @@ import pytest
 import torch
 from train_helpers import adapter_only_export, make_encoder
 
-from angle_train.data import pad_batch
 from angle_train.export import META_FILE, load_pretrained, save_pretrained
 from angle_train.models import LoraSettings, is_decoder_config, load_encoder, prepare_tokenizer, wrap_backbone
 from angle_train.tiny import build_backbone, build_tokenizer
@@ -348,23 +347,3 @@ def test_an_export_naming_a_pooling_this_version_does_not_know_is_refused(tmp_pa
     loaded = load_model(folder, pooling="max")[0]
     assert (loaded.pooling, loaded.pooling_source) == ("max", "--pooling")
 
-
-def test_a_float64_decoder_with_eager_attention_embeds_left_padded_rows_without_nan():
-    """transformers' eager attention takes its softmax in float32, where a float64 model's masked scores are -inf: a
-    left-padded row's padding tokens see no key under the causal mask, and their NaN reached the real tokens. The
-    Encoder moves such rows to right padding: each text's embedding, and its gradient, is then that of the text
-    embedded alone, as with sdpa attention."""
-    embeddings = {}
-    for attention in ("eager", "sdpa"):
-        encoder, tokenizer = make_encoder("llama", dtype=torch.float64, pooling="avg")
-        encoder.backbone.set_attn_implementation(attention)
-        assert encoder.attention_implementation == attention
-        embeddings[attention] = encoder.encode(TEXTS, tokenizer)
-        alone = torch.cat([encoder.encode([text], tokenizer) for text in TEXTS])
-        torch.testing.assert_close(embeddings[attention], alone, rtol=1e-6, atol=1e-6)
-        ids = [tokenizer(text)["input_ids"] for text in TEXTS]
-        input_ids, mask = pad_batch(ids, encoder.pad_token_id, encoder.padding_side, encoder.device)
-        assert not mask[:, 0].all()  # left padding, as a decoder's batches have it
-        encoder(input_ids, mask).square().sum().backward()
-        assert all(torch.isfinite(p.grad).all() for p in encoder.parameters() if p.grad is not None)
-    torch.testing.assert_close(embeddings["eager"], embeddings["sdpa"], rtol=1e-6, atol=1e-6)

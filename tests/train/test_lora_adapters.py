@@ -390,7 +390,7 @@ def test_the_start_lines_give_the_lora_settings_and_the_optimisation(tmp_path, c
     assert ("| LoRA rank 8, alpha 16.5 (scale 2.06), dropout 0.05 on every linear layer (down_proj, gate_proj, "
             "k_proj, o_proj, q_proj, up_proj, v_proj) |") in lines[header]
     assert lines[header + 1] == ("angle_train: AdamW lr 0.001 (constant, warmup 0 steps), weight decay 0, no gradient "
-                                 "clipping | float32 weights, forward autocast to bfloat16 | seed 3")
+                                 "clipping | float32 weights, forward autocast to bfloat16 | sdpa attention | seed 3")
 
 
 def test_an_rslora_adapter_continues_as_rslora_and_is_named_so(tmp_path):

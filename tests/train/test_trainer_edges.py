@@ -389,11 +389,13 @@ def test_a_given_model_refused_at_setup_keeps_its_own_settings(tmp_path):
 
     encoder, tokenizer = make_encoder("llama", dtype=torch.float32)  # a causal decoder: first-token pooling refused
     encoder.eval()
-    before = (encoder.pooling, encoder.autocast, encoder.prompts, encoder.max_length, encoder.bidirectional)
+    before = (encoder.pooling, encoder.autocast, encoder.prompts, encoder.max_length, encoder.bidirectional,
+              encoder.attention_implementation)
     cfg = run_config(tmp_path / "run", pooling="cls", bf16=True, gradient_checkpointing=True, prompt="query: {text}",
-                     max_steps=1, batch_size=4)
+                     attention="eager", max_steps=1, batch_size=4)
     with pytest.raises(ValueError, match="pooling"):
         train(cfg, model=(encoder, tokenizer), train_examples=(demo_examples(8, seed=1), "B"))
-    assert (encoder.pooling, encoder.autocast, encoder.prompts, encoder.max_length, encoder.bidirectional) == before
-    assert before[0] == "last" and before[2] == Prompts()
+    assert (encoder.pooling, encoder.autocast, encoder.prompts, encoder.max_length, encoder.bidirectional,
+            encoder.attention_implementation) == before
+    assert before[0] == "last" and before[2] == Prompts() and before[5] == "sdpa"
     assert not recomputes_activations(encoder.backbone) and not encoder.training
