@@ -15,8 +15,8 @@ from .arccse import TEXT_COLUMN
 from .cli_common import choice_hint, comma_separated, did_you_mean, parse_bool
 from .data import Prompts, parse_columns, refuse_missing_local_path
 from .models import (
-    ADAPTER_CONFIG, ADAPTER_FOLDER, ATTENTION_IMPLEMENTATIONS, PEFT_LORA_DROPOUT, adapted_layer_names,
-    adapter_config_base, read_adapter_config,
+    ADAPTER_CONFIG, ADAPTER_FOLDER, ATTENTION_IMPLEMENTATIONS, PACKING_ATTENTION, PEFT_LORA_DROPOUT,
+    adapted_layer_names, adapter_config_base, read_adapter_config,
 )
 
 MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every library the run uses accepts
@@ -296,6 +296,9 @@ class TrainConfig:
         if self.pass_tokens and self.pack:
             raise ValueError("--pass-tokens cuts plain backprop's forward into padded sub-batches; --pack packs it "
                              "into rows with no padding: choose one")
+        if self.pack and self.attention not in (None, *PACKING_ATTENTION):
+            raise ValueError(f"--pack {self.pack}: packed rows take {' or '.join(PACKING_ATTENTION)} attention (a 4D "
+                             f"mask), and --attention is {self.attention}: use --pack 0")
         self._validate_matryoshka()
         if self.espresso and self.matryoshka_dims:
             raise ValueError("--espresso trains its own two widths (--espresso-dim and the full one): leave out "

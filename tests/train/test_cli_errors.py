@@ -75,6 +75,8 @@ TRAIN_MISTAKES = [
     (["--attention", "spda"], "argument --attention: invalid choice: 'spda' (choose from 'sdpa', 'eager', "
                               "'flash_attention_2', 'flash_attention_3', 'flex_attention'); did you mean sdpa?"),
     (["--attention", "flash_attention_2"], "--attention flash_attention_2 runs on CUDA GPUs, and this run is on cpu"),
+    (["--attention", "flex_attention", "--pack", "64"], "--pack 64: packed rows take sdpa or eager attention (a 4D "
+                                                        "mask), and --attention is flex_attention: use --pack 0"),
     (["--config", "run.yaml"], "--config run.yaml: no such file"),
     (["--config", "broken.yaml"], "--config broken.yaml: not valid YAML"),
     (["--config", "mean.yaml"], "--config: setting 'pooling': invalid choice 'mean'"),
