@@ -16,7 +16,7 @@ from .cli_common import choice_hint, comma_separated, did_you_mean, parse_bool
 from .data import Prompts, parse_columns, refuse_missing_local_path
 from .models import (
     ADAPTER_CONFIG, ADAPTER_FOLDER, ATTENTION_IMPLEMENTATIONS, PACKING_ATTENTION, PEFT_LORA_DROPOUT,
-    adapted_layer_names, adapter_config_base, read_adapter_config,
+    SIXTEEN_BIT_ATTENTION, adapted_layer_names, adapter_config_base, read_adapter_config,
 )
 
 MAX_SEED = 2**32 - 1  # numpy's and many other generators' limit: a seed every library the run uses accepts
@@ -296,6 +296,11 @@ class TrainConfig:
         if self.pass_tokens and self.pack:
             raise ValueError("--pass-tokens cuts plain backprop's forward into padded sub-batches; --pack packs it "
                              "into rows with no padding: choose one")
+        if self.attention in SIXTEEN_BIT_ATTENTION and not (self.bf16 or self.fp16
+                                                            or self.model_dtype in ("bfloat16", "float16")):
+            raise ValueError(f"--attention {self.attention} computes in float16 or bfloat16, and this run computes in "
+                             f"{self.model_dtype}: add --bf16 1 (or --fp16 1), or load the weights in 16 bits "
+                             "(--model-dtype bfloat16)")
         if self.pack and self.attention not in (None, *PACKING_ATTENTION):
             raise ValueError(f"--pack {self.pack}: packed rows take {' or '.join(PACKING_ATTENTION)} attention (a 4D "
                              f"mask), and --attention is {self.attention}: use --pack 0")

@@ -119,6 +119,9 @@ PACKING_ATTENTION = ("sdpa", "eager")
 # the model keeps the one transformers chose as it loaded it (sdpa where the model has it, else eager). The flash
 # attention ones need their package (flash-attn) and a GPU.
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# Those that compute in float16 or bfloat16 only (flash-attn's kernels: transformers casts float32 queries to the
+# autocast's dtype, else to the weights', and the kernel refuses float32 at the first forward)
+SIXTEEN_BIT_ATTENTION = ("flash_attention_2", "flash_attention_3")
 # The largest relative difference between packed and padded embeddings that is rounding (Encoder.packing_problem),
 # by compute dtype.
 PACKING_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -528,7 +531,12 @@ def past_trained_context_note(backbone: nn.Module, flag: str, length: int, model
 
 def use_attention(encoder: Encoder, name: str, *, flag: str = "--attention") -> None:
     """Set `encoder`'s attention implementation to `name` (ATTENTION_IMPLEMENTATIONS), or raise a ValueError naming
-    `flag`: its package missing (flash-attn), or a model that has no such implementation or cannot switch."""
+    `flag`: a flash attention on a model that computes in float32 or float64, its package missing (flash-attn), or a
+    model that has no such implementation or cannot switch."""
+    if name in SIXTEEN_BIT_ATTENTION and encoder.compute_dtype not in (torch.float16, torch.bfloat16):
+        dtype = str(encoder.compute_dtype).removeprefix("torch.")
+        raise ValueError(f"{flag} {name} computes in float16 or bfloat16, and the model computes in {dtype} (its "
+                         "weights, no autocast): use sdpa, or a 16-bit autocast (angle-train's --bf16 1)")
     try:
         encoder.attention_implementation = name
     except (ImportError, ValueError) as exc:

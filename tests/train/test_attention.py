@@ -52,6 +52,22 @@ def test_a_flash_attention_that_cannot_run_here_is_refused_before_any_work():
     preflight.check_attention(None, "cpu")
 
 
+def test_flash_attention_on_a_model_computing_in_float32_is_refused_naming_the_flag():
+    """flash-attn's kernels take float16 and bfloat16 alone: on a model computing in float32 (a float32 export scored
+    by angle-eval, a float32 model given to train() without --bf16) the first forward failed inside them. Refused
+    before the switch; with an autocast, the check passes to the package's (absent here: transformers' ImportError,
+    reworded to name the flag)."""
+    encoder, _ = make_encoder("llama", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^--attention flash_attention_2 computes in float16 or bfloat16, and the "
+                                         r"model computes in float32 \(its weights, no autocast\)"):
+        use_attention(encoder, "flash_attention_2")
+    encoder.autocast = "bf16"
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ValueError, match=r"^--attention flash_attention_2: .*FlashAttention2"):
+            use_attention(encoder, "flash_attention_2")
+    assert encoder.attention_implementation == "sdpa"
+
+
 def test_a_model_that_cannot_switch_its_attention_is_refused_naming_the_flag(monkeypatch):
     """transformers only logs a warning where a model (remote code that picks its attention classes as it is built)
     cannot switch, and the run went on with the old attention: refused, naming the flag and the way to load it."""

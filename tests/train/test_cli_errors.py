@@ -74,7 +74,11 @@ TRAIN_MISTAKES = [
     (["--bf16", "maybe"], "argument --bf16: expected a boolean"),
     (["--attention", "spda"], "argument --attention: invalid choice: 'spda' (choose from 'sdpa', 'eager', "
                               "'flash_attention_2', 'flash_attention_3', 'flex_attention'); did you mean sdpa?"),
-    (["--attention", "flash_attention_2"], "--attention flash_attention_2 runs on CUDA GPUs, and this run is on cpu"),
+    (["--attention", "flash_attention_2", "--bf16", "1"], "--attention flash_attention_2 runs on CUDA GPUs, and this "
+                                                          "run is on cpu"),
+    (["--attention", "flash_attention_3"], "--attention flash_attention_3 computes in float16 or bfloat16, and this "
+                                           "run computes in float32: add --bf16 1 (or --fp16 1), or load the weights "
+                                           "in 16 bits (--model-dtype bfloat16)"),
     (["--attention", "flex_attention", "--pack", "64"], "--pack 64: packed rows take sdpa or eager attention (a 4D "
                                                         "mask), and --attention is flex_attention: use --pack 0"),
     (["--config", "run.yaml"], "--config run.yaml: no such file"),
