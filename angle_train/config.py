@@ -81,6 +81,9 @@ class TrainConfig:
                               group="model")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30%% slower)",
                                        group="model")
+    trust_remote_code: bool = opt(False, "run the Python code a model's folder or hub repository ships (config.json's "
+                                  "auto_map: custom architectures such as gte-base-en-v1.5's or nomic-embed's); it "
+                                  "runs with your permissions: read it first", group="model")
     attention: str = opt(None, "the base model's attention implementation, by transformers' name: sdpa, eager, "
                          "flash_attention_2 or flash_attention_3 (their package, flash-attn, and a GPU), "
                          "flex_attention (default: transformers' choice for the model, sdpa where it has it); --pack "

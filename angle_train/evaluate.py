@@ -628,7 +628,7 @@ def adapter_base(model: str, base_model: str | None) -> str | None:
 
 
 def load_model(model: str, *, pooling: str | None = None, device: str | torch.device = "cpu",
-               base_model: str | None = None):
+               base_model: str | None = None, trust_remote_code: bool = False):
     """(encoder, tokenizer, settings) for an angle_train export, a Hugging Face model or a LoRA adapter folder (on
     adapter_base's base model); the pooling `pooling`, else the export's, else the model folder's own
     (models.load_encoder); encoder.pooling_source says which. A hub name that cannot be loaded raises
@@ -648,14 +648,16 @@ def load_model(model: str, *, pooling: str | None = None, device: str | torch.de
     if os.path.isfile(os.path.join(model, META_FILE)) or export_meta:
         encoder, tokenizer, meta = load_pretrained(model, device=device, pooling=pooling, export_meta_file=export_meta,
                                                    base_model=base if export_meta else base_model,
-                                                   base_given_as=base_given_as if export_meta else "--base-model")
+                                                   base_given_as=base_given_as if export_meta else "--base-model",
+                                                   given_as="MODEL", trust_remote_code=trust_remote_code)
         encoder.pooling_source = f"the export's {export_meta or META_FILE}" if pooling is None else "--pooling"
         return encoder, tokenizer, meta
     if base is not None:
         encoder, tokenizer = load_encoder(base, pooling=pooling, device=device, lora_path=model,
-                                          given_as=base_given_as)
+                                          trust_remote_code=trust_remote_code, given_as=base_given_as)
         return encoder, tokenizer, {}
-    encoder, tokenizer = load_encoder(model, pooling=pooling, device=device, given_as="MODEL")
+    encoder, tokenizer = load_encoder(model, pooling=pooling, device=device, trust_remote_code=trust_remote_code,
+                                      given_as="MODEL")
     return encoder, tokenizer, {}
 
 
@@ -768,6 +770,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also score the first D features of every embedding (Matryoshka widths), each text "
                         "embedded once; results under NAME@D; 'trained': the widths an angle_train export was "
                         "trained at")
+    parser.add_argument("--trust-remote-code", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
+                        help="run the Python code MODEL's folder or hub repository ships (config.json's auto_map); it "
+                             "runs with your permissions: read it first")
     parser.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default=None,
                         help="the model's attention implementation, by transformers' name (flash_attention_2 and _3: "
                              "their package, flash-attn, and a GPU; default: transformers' choice for the model)")
@@ -842,7 +847,8 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"--json {args.json_out}: no folder {json_folder} to write it in")
         with library_progress_bars(args.progress):
             encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling,
-                                                  device=resolve_device(args.device), base_model=args.base_model)
+                                                  device=resolve_device(args.device), base_model=args.base_model,
+                                                  trust_remote_code=args.trust_remote_code)
         if args.attention:
             use_attention(encoder, args.attention)
         print(f"angle-eval: pooling {encoder.pooling} ({encoder.pooling_source}), {encoder.attention_implementation} "

@@ -293,13 +293,15 @@ def _write_sentence_transformers_files(path: str, encoder, hidden_size: int, max
 
 
 def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, pooling: str | None = None,
-                    export_meta_file: str | None | object = LOOK_UP, base_given_as: str = "base_model=", **kwargs):
+                    export_meta_file: str | None | object = LOOK_UP, base_given_as: str = "base_model=",
+                    given_as: str = "path=", **kwargs):
     """(encoder, tokenizer, meta) from a folder written by save_pretrained (full model or adapter only), or from the
     adapter/ folder of a whole-model LoRA export, applied to its base model with the export's settings (meta: the
     export's); `pooling` replaces the export's (meta keeps the export's own). export_meta_file:
     adapter_export_meta(path) where the caller has looked it up (angle-eval names it before the model loads), else
     looked up here. A base model on the Hub that cannot be loaded (models.load_encoder) is named as `base_given_as`
-    says where `base_model` gave it (angle-eval: --base-model), else as the record that names it."""
+    says where `base_model` gave it (angle-eval: --base-model), else as the record that names it; the export itself
+    (a whole model that ships its own code, untrusted) as `given_as` says (angle-eval: MODEL)."""
     from .models import export_pooling, export_prompts, load_encoder, recorded_base
     from .preflight import check_model_folder
 
@@ -328,7 +330,7 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, p
                                           given_as=given_as, **kwargs)
     else:
         encoder, tokenizer = load_encoder(path, pooling=pooling, device=device, is_decoder=meta["is_decoder"],
-                                          bidirectional=bidirectional, **kwargs)
+                                          bidirectional=bidirectional, given_as=given_as, **kwargs)
     encoder.prompts = export_prompts(meta)
     encoder.max_length = meta.get("max_length")  # encode()'s default, as sentence-transformers' max_seq_length
     return encoder, tokenizer, meta

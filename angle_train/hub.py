@@ -109,7 +109,7 @@ def _reason(errors: list[BaseException]) -> str:
     return text
 
 
-def _label(given_as: str | None, name: str) -> str:
+def given_label(given_as: str | None, name: str) -> str:
     """The message's opening: `--model NAME`, `model=NAME` (an argument), `NAME` (nothing named)."""
     if not given_as:
         return name
@@ -127,7 +127,7 @@ def hub_error(exc: BaseException, name: str, *, kind: str = "model", given_as: s
     errors = list(_chain(exc))
     if _first(errors, GATED_CLASSES) is not None:
         return None
-    label = _label(given_as, name)
+    label = given_label(given_as, name)
     # hub_lookup reaches here only for a name that is no existing path: the local path was checked first
     local = (f"neither a local {'folder' if kind == 'model' else 'file or folder'} (there is none at "
              f"{os.path.abspath(name)})")
@@ -173,5 +173,5 @@ def name_given_as(exc: HubLookupError, given_as: str) -> None:
     """`exc`, raised without naming where the name came from (given_as None), now naming `given_as` (its message
     re-worded in place: its traceback still ends where it was raised)."""
     if exc.given_as is None:
-        exc.args = (f"{_label(given_as, exc.name)}{str(exc)[len(exc.name):]}",)
+        exc.args = (f"{given_label(given_as, exc.name)}{str(exc)[len(exc.name):]}",)
         exc.given_as = given_as

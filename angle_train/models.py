@@ -53,7 +53,7 @@ from torch import nn
 
 from . import st_folder
 from .data import PackedTexts, Prompts, TokenRows, encode_texts, names_local_path, pad_batch, prompted_texts
-from .hub import hub_lookup
+from .hub import given_label, hub_lookup
 
 # ------------------------------------------------------------------------------------------------ pooling
 
@@ -929,6 +929,21 @@ def attach_adapter(backbone: nn.Module, lora_path: str, *, dropout: float | None
     return model
 
 
+@contextlib.contextmanager
+def untrusted_code_named(name_or_path: str, given_as: str | None):
+    """Inside: the load of a model; transformers' refusal of a model that ships its own Python code (config.json's
+    auto_map: custom architectures, gte-base-en-v1.5's or nomic-embed's) that the caller did not trust, reworded to
+    name the model as `given_as` gave it (hub.given_label) and the setting that trusts it."""
+    try:
+        yield
+    except ValueError as exc:
+        if "trust_remote_code=True" not in str(exc):
+            raise
+        raise ValueError(f"{given_label(given_as, name_or_path)} ships its own model code (config.json's auto_map), "
+                         "which runs only when trusted, with your permissions: read it, then add --trust-remote-code "
+                         "(trust_remote_code=True in Python)") from None
+
+
 def load_encoder(
     name_or_path: str,
     *,
@@ -960,7 +975,8 @@ def load_encoder(
     name_or_path = absolute_if_local(name_or_path)
     if lora_path is not None:
         read_adapter_config(lora_path)  # its settings checked before the model loads
-    with hub_lookup(name_or_path, kind="model", given_as=given_as):  # a local folder: loaded as ever
+    # a local folder: loaded as ever; a model whose own code is not trusted: named with the setting that trusts it
+    with hub_lookup(name_or_path, kind="model", given_as=given_as), untrusted_code_named(name_or_path, given_as):
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         st_files = st_folder.find_folder(name_or_path)  # once: for a hub name, a fetch of its files
         folder_pooling = own_pooling(name_or_path, st_files) if pooling is None else None

@@ -998,7 +998,7 @@ def _load_backbone(cfg: TrainConfig, device: torch.device, *, pooling: str | Non
                         lora_dropout=cfg.lora_dropout if cfg.lora_path else None,
                         gradient_checkpointing=cfg.gradient_checkpointing, autocast=autocast,
                         dtype=DTYPES[cfg.model_dtype], device=device, bidirectional=cfg.bidirectional,
-                        given_as="--model")
+                        trust_remote_code=cfg.trust_remote_code, given_as="--model")
 
 
 def read_data(source: str, fmt: str | None, split: str, columns: dict | None = None, *, split_setting: str):
