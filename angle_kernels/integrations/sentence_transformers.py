@@ -73,6 +73,7 @@ import importlib.util
 import inspect
 import random
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -903,6 +904,15 @@ def _embedding_dtype(model: torch.nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
+def _user_stacklevel() -> int:
+    """The `stacklevel` that points a warning raised in this module's code at the first line outside it: the user's
+    (Matryoshka2dLoss builds a MatryoshkaLoss, whose warning named Matryoshka2dLoss's own line)."""
+    frame, level = sys._getframe(1), 1  # the function that will warn: stacklevel 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     """sentence-transformers' MatryoshkaLoss, fused: sum_i w_i * loss(embeddings[..., :d_i]) in one call.
 
@@ -944,7 +954,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
                 "real and imaginary halves and takes even widths only, so this set runs sentence-transformers' "
                 "per-width loop (one fused call per width, each padding an odd width with a zero feature as "
                 "util.pairwise_angle_sim does: the same values, slower); even widths run as one fused call",
-                UserWarning, stacklevel=2)
+                UserWarning, stacklevel=_user_stacklevel())
         if self.uses_gradient_cache:
             # the parent decorated the calculate_loss of the loss it resolves (through `.loss` wrappers, 6.3) with
             # its per-dimension loop: keep that as the fallback

@@ -8,6 +8,7 @@ inner loss once per dimension), and the configurations it cannot express run the
 from __future__ import annotations
 
 import copy
+import inspect
 import random
 import warnings
 
@@ -130,6 +131,11 @@ def test_an_odd_width_with_the_angle_similarity_warns_once_when_built_and_matche
                                   "similarity: the fused call splits every width into real and imaginary halves")
     assert "per-width loop" in messages[0] and "the same values, slower" in messages[0]
     assert not loss.uses_fused_path
+    # the warning points at the line that built the loss, through Matryoshka2dLoss's MatryoshkaLoss too
+    with pytest.warns(UserWarning, match="matryoshka_dims") as caught:
+        ours.Matryoshka2dLoss(model64, ours.AnglELoss(model64), [32, 7])
+    assert {(w.filename, w.lineno) for w in caught if "matryoshka_dims" in str(w.message)} == {
+        (__file__, inspect.currentframe().f_lineno - 2)}
     original = st_losses.MatryoshkaLoss(model64, st_losses.AnglELoss(model64), [32, 7, 15])
     compare(model64, original, loss, 2, GRADED, value_tol=1e-12, grad_tol=1e-10)
     quiet = [
