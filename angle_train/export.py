@@ -93,8 +93,12 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     else looked up here (for a hub name, a fetch of its files).
     """
     os.makedirs(path, exist_ok=True)
-    # a training's best/ is written again at each new best score: its note on the prompts is given the first time
-    same_prompts = _recorded_prompts(_shown(path)) == dataclasses.asdict(encoder.prompts)
+    # a training's best/ is written again at each new best score: its notes (the prompts, a Hugging Face folder only)
+    # are given the first time
+    earlier_prompts = _recorded_prompts(_shown(path))  # None: no earlier export there
+    same_prompts = earlier_prompts == dataclasses.asdict(encoder.prompts)
+    noted_unloadable = earlier_prompts is not None and not os.path.isfile(os.path.join(_shown(path),
+                                                                                       st_folder.MODULES_FILE))
     base_model = absolute_if_local(base_model)  # a local base, recorded so that it loads from anywhere
     if not (base_model and os.path.realpath(base_model) == os.path.realpath(path)):  # (its files are read below)
         _clear_earlier_export(path)
@@ -128,7 +132,8 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     _write_card(path, model_card)
     unloadable = sentence_transformers_cannot_load(encoder)
     if unloadable:
-        print(f"note: {_shown(path)} is a Hugging Face folder only: {unloadable}")
+        if not noted_unloadable:
+            print(f"note: {_shown(path)} is a Hugging Face folder only: {unloadable}")
     else:
         _write_sentence_transformers_files(path, encoder, encoder.embedding_dim, inference_length, base,
                                            note_prompts=not same_prompts)

@@ -3,6 +3,7 @@ it; off, it does not; either way padding never changes an embedding (left or rig
 for LLaMA, Mistral and Qwen2 architectures under the eager and SDPA attention implementations."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -139,6 +140,25 @@ def test_training_with_lora_exports_and_reloads_a_bidirectional_model(tmp_path, 
     assert not torch.allclose(reloaded.encode(TEXTS, tokenizer), ours, rtol=1e-3, atol=1e-4)  # causal again
     assert not os.path.exists(os.path.join(result.final_path, "modules.json"))
     assert "sentence-transformers would load the model with its causal mask" in capsys.readouterr().out
+
+
+def test_the_hugging_face_folder_only_note_is_given_once_per_folder(tmp_path, capsys):
+    """A training's best/ is written again at each new best score (as best.tmp, swapped into place): the note that
+    sentence-transformers cannot load it was printed at every one of them; now at the first, and once for final/."""
+    from angle_train.export import save_pretrained
+
+    encoder, tokenizer = make_encoder("llama", dtype=torch.float32, pooling="avg")
+    encoder.bidirectional = True
+    best, staged = tmp_path / "best", tmp_path / "best.tmp"
+    for _ in range(3):
+        save_pretrained(encoder, tokenizer, str(staged), max_length=16)
+        if best.exists():
+            shutil.rmtree(best)
+        os.replace(staged, best)
+    save_pretrained(encoder, tokenizer, str(tmp_path / "final"), max_length=16)
+    out = capsys.readouterr().out
+    assert out.count(f"note: {best} is a Hugging Face folder only: ") == 1
+    assert out.count(f"note: {tmp_path / 'final'} is a Hugging Face folder only: ") == 1
 
 
 def test_training_from_a_bidirectional_export_keeps_its_attention(tmp_path, capsys):
