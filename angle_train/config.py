@@ -85,7 +85,8 @@ class TrainConfig:
                                   "auto_map: custom architectures such as gte-base-en-v1.5's or nomic-embed's); it "
                                   "runs with your permissions: read it first", group="model")
     attention: str = opt(None, "the base model's attention implementation, by transformers' name: sdpa, eager, "
-                         "flash_attention_2 or flash_attention_3 (their package, flash-attn, and a GPU), "
+                         "flash_attention_2 or flash_attention_3 (a GPU, their package flash-attn, and --bf16 / "
+                         "--fp16 or 16-bit weights), "
                          "flex_attention (default: transformers' choice for the model, sdpa where it has it); --pack "
                          "takes sdpa or eager", group="model", choices=list(ATTENTION_IMPLEMENTATIONS))
     lora: bool = opt(False, "train LoRA adapters instead of all weights (needs peft)", group="lora")

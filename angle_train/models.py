@@ -299,7 +299,7 @@ class Encoder(nn.Module):
         self.backbone.set_attn_implementation(name)
         if self.attention_implementation != name:
             raise ValueError(f"{type(self.backbone).__name__} cannot switch its attention once loaded: load it with "
-                             f"attn_implementation={name!r} and give it to train()")
+                             f"from_pretrained(..., attn_implementation={name!r})")
 
     @torch.no_grad()
     def packing_problem(self, seqs: TokenRows | list[list[int]], width: int) -> str | None:

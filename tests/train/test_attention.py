@@ -74,7 +74,7 @@ def test_a_model_that_cannot_switch_its_attention_is_refused_naming_the_flag(mon
     encoder, _ = make_encoder("llama", dtype=torch.float32)
     monkeypatch.setattr(encoder.backbone, "set_attn_implementation", lambda name: None)
     with pytest.raises(ValueError, match=r"^--attention eager: LlamaModel cannot switch its attention once loaded: "
-                                         r"load it with attn_implementation='eager' and give it to train\(\)$"):
+                                         r"load it with from_pretrained\(\.\.\., attn_implementation='eager'\)$"):
         use_attention(encoder, "eager")
     assert encoder.attention_implementation == "sdpa"
     use_attention(encoder, "sdpa")  # what it has: nothing to switch
