@@ -775,7 +775,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "runs with your permissions: read it first")
     parser.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default=None,
                         help="the model's attention implementation, by transformers' name (flash_attention_2 and _3: "
-                             "their package, flash-attn, and a GPU; default: transformers' choice for the model)")
+                             "a GPU, their package flash-attn and 16-bit weights; default: transformers' choice for "
+                             "the model)")
     parser.add_argument("--batch-size", type=positive_int, default=128,
                         help="texts per forward pass (default: 128)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda if available, as "
