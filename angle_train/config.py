@@ -86,9 +86,9 @@ class TrainConfig:
                                   "runs with your permissions: read it first", group="model")
     attention: str = opt(None, "the base model's attention implementation, by transformers' name: sdpa, eager, "
                          "flash_attention_2 or flash_attention_3 (a GPU, their package flash-attn, and --bf16 / "
-                         "--fp16 or 16-bit weights), "
-                         "flex_attention (default: transformers' choice for the model, sdpa where it has it); --pack "
-                         "takes sdpa or eager", group="model", choices=list(ATTENTION_IMPLEMENTATIONS))
+                         "--fp16 or 16-bit weights), flex_attention (default: transformers' choice for the model, "
+                         "sdpa where it has it); --pack takes sdpa or eager", group="model",
+                         choices=list(ATTENTION_IMPLEMENTATIONS))
     lora: bool = opt(False, "train LoRA adapters instead of all weights (needs peft)", group="lora")
     lora_r: int = opt(None, f"LoRA rank (default: {LORA_DEFAULTS['lora_r']}; with --lora-path, the adapter's)",
                       group="lora", at_least=1)
