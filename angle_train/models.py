@@ -410,11 +410,13 @@ class Encoder(nn.Module):
         was_training = self.training
         self.eval()
         out = torch.empty(len(ids), self.embedding_dim, dtype=torch.float32)
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
-            input_ids, mask = pad_batch([ids[i] for i in rows], self.pad_token_id, self.padding_side, self.device)
-            out[rows] = self(input_ids, mask).cpu()
-        self.train(was_training)
+        try:  # a pass that fails (out of memory) leaves the model in the mode it was given in
+            for start in range(0, len(order), batch_size):
+                rows = order[start:start + batch_size]
+                input_ids, mask = pad_batch([ids[i] for i in rows], self.pad_token_id, self.padding_side, self.device)
+                out[rows] = self(input_ids, mask).cpu()
+        finally:
+            self.train(was_training)
         out = truncate(out, dim)
         return torch.nn.functional.normalize(out, dim=-1) if normalize else out
 

@@ -347,3 +347,18 @@ def test_an_export_naming_a_pooling_this_version_does_not_know_is_refused(tmp_pa
     loaded = load_model(folder, pooling="max")[0]
     assert (loaded.pooling, loaded.pooling_source) == ("max", "--pooling")
 
+
+
+def test_an_encoding_that_fails_leaves_the_model_in_training_mode():
+    """encode() embeds in eval mode and puts the model's mode back; a pass that raised (out of memory in a training's
+    evaluation, caught by the caller) left a training model in eval mode, its dropout off for the steps after."""
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, dropout=0.1)
+    encoder.train()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory")
+
+    encoder.backbone.forward = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        encoder.encode(TEXTS, tokenizer)
+    assert encoder.training and encoder.backbone.training
