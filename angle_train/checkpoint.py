@@ -968,6 +968,8 @@ def _refuse_another_model(path: str, saved: dict, cfg: TrainConfig, *, model_giv
 
 # The settings that name a local file or folder where one is there (else a Hugging Face hub name, or builtin:NAME)
 LOCAL_PATH_SETTINGS = ("model", "train_data", "dev_data", "lora_path")
+# The switches whose None (not given) is off: a checkpoint's false (written before they took None) is the same
+OFF_WHEN_NONE = ("bidirectional",)
 
 
 def _same_setting(name: str, saved, current) -> bool:
@@ -976,9 +978,12 @@ def _same_setting(name: str, saved, current) -> bool:
     checkpoint's --model that leads nowhere here (a relative path from another working directory, a folder moved
     since the checkpoint, or a hub name whose snapshot it is): the name alone cannot tell, so the model it loads is
     compared with the checkpoint's (its config and frozen weights: _compare_base_model; its trained weights
-    must fit too: _refuse_other_weights). Other values, hub names among them, are compared as text."""
+    must fit too: _refuse_other_weights). A switch of OFF_WHEN_NONE by whether it is on. Other values, hub names among
+    them, are compared as text."""
     if saved == current:
         return True
+    if name in OFF_WHEN_NONE:
+        return bool(saved) == bool(current)
     local = name in LOCAL_PATH_SETTINGS and isinstance(saved, str) and isinstance(current, str)
     if not local or not os.path.exists(current):
         return False

@@ -76,8 +76,9 @@ class TrainConfig:
                            choices=["float32", "bfloat16", "float16", "float64"])
     bf16: bool = opt(False, "autocast the forward pass to bfloat16 (embeddings and loss stay float32)", group="model")
     fp16: bool = opt(False, "autocast the forward pass to float16", group="model")
-    bidirectional: bool = opt(False, "decoder LMs (LLaMA, Mistral, Qwen...): remove the causal mask, so every token "
-                              "attends to the whole text (padding stays masked); kept with the exported model",
+    bidirectional: bool = opt(None, "decoder LMs (LLaMA, Mistral, Qwen...): remove the causal mask, so every token "
+                              "attends to the whole text (padding stays masked); kept with the exported model "
+                              "(default: an angle_train export's own, from its angle_train.json; else 0)",
                               group="model")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30%% slower)",
                                        group="model")

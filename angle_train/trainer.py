@@ -424,10 +424,16 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     settings_file = f"the adapter's {lora_settings}" if lora_settings else f"the model folder's {st_folder.META_FILE}"
     prompts_record = lora_settings or f"{cfg.model}'s {st_folder.META_FILE}"
     # an export trained with bidirectional attention trains so again, as its pooling is kept: without the flag its
-    # causal mask came back in silence (step 0's dev score fell from the export's own); recorded in cfg
-    folders_attention = model is None and not cfg.bidirectional and own_bidirectional(settings_folder)
-    if folders_attention:
+    # causal mask came back in silence (step 0's dev score fell from the export's own); a model given to train() keeps
+    # its own; --bidirectional given decides (0 against the export's: said). Recorded in cfg where on (None: causal,
+    # the flag not given, which the model card's command leaves out; an explicit 0 it keeps).
+    exports_attention = model is None and own_bidirectional(settings_folder)
+    folders_attention = cfg.bidirectional is None and exports_attention  # taken from the export: the start line says
+    if cfg.bidirectional is None and (exports_attention or (model is not None and model[0].bidirectional)):
         cfg.bidirectional = True
+    elif exports_attention and not cfg.bidirectional and dist_info.is_main:
+        print(f"angle_train: note: --bidirectional 0 trains the model with its causal mask, and {settings_file} "
+              "records that it was trained with bidirectional attention", flush=True)
     # an export's prompts are not taken over (a run may want others) but said where the run gives none: trained from it
     # without them, a model learns bare texts where it had learned prompted ones
     gives_prompts = any(getattr(cfg, name) is not None for name in PROMPT_SETTINGS.values())
@@ -443,8 +449,7 @@ def _setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=No
     # looked up under --model, which names nothing there (a folder of that name gave it another model's files)
     encoder.max_length = encoding_length(cfg.max_length, encoder.st_files, cfg.export_max_length,
                                          position_limit(encoder.backbone))
-    if cfg.bidirectional:
-        encoder.bidirectional = True  # a model given to train() too
+    encoder.bidirectional = bool(cfg.bidirectional)  # a model given to train() too
     torch.manual_seed(cfg.seed + dist_info.rank)  # distinct dropout masks per rank
     pooling_source = encoder.pooling_source if model is None else (
         "--pooling" if cfg.pooling is not None else "the model given to train()")

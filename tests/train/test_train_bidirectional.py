@@ -177,3 +177,43 @@ def test_training_from_a_bidirectional_export_keeps_its_attention(tmp_path, caps
     out = capsys.readouterr().out
     assert "pooling avg (the model folder's angle_train.json) | bidirectional attention (the model folder's " \
            "angle_train.json)" in out
+    # --bidirectional 0 given: the run trains causal as asked (it was ignored: the export's attention won in silence),
+    # said in a note, recorded
+    causal = run_config(tmp_path / "causal", model=first.final_path, bidirectional=False, max_steps=1, batch_size=8)
+    result = train(causal)
+    assert not result.encoder.bidirectional and causal.bidirectional is False
+    out = capsys.readouterr().out
+    assert ("angle_train: note: --bidirectional 0 trains the model with its causal mask, and the model folder's "
+            "angle_train.json records that it was trained with bidirectional attention") in out
+    assert "| bidirectional attention (" not in out
+    assert "--bidirectional 0" in causal.command_line() and "--bidirectional 1" in again.command_line()
+
+
+def test_a_model_given_to_train_keeps_its_attention_unless_bidirectional_is_given(tmp_path):
+    """A bidirectional model given to train() trains bidirectional, and its run records so (config.json said false);
+    bidirectional=False given switches it causal (it was ignored), and a refused run puts it back."""
+    from angle_train.tiny import demo_examples
+    from angle_train.trainer import train
+
+    encoder, tokenizer = make_encoder("llama", dtype=torch.float32, pooling="avg")
+    encoder.bidirectional = True
+    data = (demo_examples(8, seed=1), "B")
+    kept = run_config(tmp_path / "kept", max_steps=1, batch_size=4)
+    assert train(kept, model=(encoder, tokenizer), train_examples=data).encoder.bidirectional and kept.bidirectional
+    causal = run_config(tmp_path / "causal", bidirectional=False, max_steps=1, batch_size=4)
+    assert not train(causal, model=(encoder, tokenizer), train_examples=data).encoder.bidirectional
+    encoder.bidirectional = True
+    with pytest.raises(ValueError, match="pooling"):  # refused at setup (first-token pooling on a causal decoder)
+        train(run_config(tmp_path / "refused", bidirectional=False, pooling="cls", max_steps=1, batch_size=4),
+              model=(encoder, tokenizer), train_examples=data)
+    assert encoder.bidirectional
+
+
+def test_a_checkpoint_written_when_the_switch_defaulted_to_false_resumes_without_it():
+    """--bidirectional's default became None (not given) so that an explicit 0 can be told from it: a checkpoint whose
+    config.json says false, as runs without the flag wrote before, is the same setting as a run without the flag now;
+    one that was bidirectional is not."""
+    from angle_train.checkpoint import _same_setting
+
+    assert _same_setting("bidirectional", False, None) and _same_setting("bidirectional", None, False)
+    assert not _same_setting("bidirectional", True, None) and not _same_setting("bidirectional", True, False)
