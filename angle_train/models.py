@@ -931,6 +931,12 @@ def attach_adapter(backbone: nn.Module, lora_path: str, *, dropout: float | None
     return model
 
 
+def ships_own_code(backbone: nn.Module) -> bool:
+    """Whether `backbone` was loaded from a folder that ships its own Python code (config.json's auto_map), which its
+    exports keep and their loaders run only where trusted (trust_remote_code=True)."""
+    return bool(getattr(backbone.config, "auto_map", None))
+
+
 @contextlib.contextmanager
 def untrusted_code_named(name_or_path: str, given_as: str | None):
     """Inside: the load of a model; transformers' refusal of a model that ships its own Python code (config.json's

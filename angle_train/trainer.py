@@ -68,7 +68,8 @@ from .models import (
     absolute_if_local, adapted_layer_names, adapter_settings_file, attach_adapter, disable_gradient_checkpointing,
     enable_gradient_checkpointing, export_pooling, first_token_pooling_problem,
     load_encoder, own_bidirectional, own_prompts, past_trained_context_note, position_limit, prepare_tokenizer,
-    read_adapter_config, recomputes_activations, takes_gradient_checkpointing, use_attention, wrap_backbone,
+    read_adapter_config, recomputes_activations, ships_own_code, takes_gradient_checkpointing, use_attention,
+    wrap_backbone,
 )
 from .profiling import phase, profiling
 from .tiny import BUILTIN_DATASETS, BUILTIN_MODELS, build_backbone, build_tokenizer, builtin_examples
@@ -1846,8 +1847,10 @@ def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
     trained (its prompts by name, its Matryoshka widths by truncate_dim), else angle_train.load_pretrained, which
     applies the pooling, prompts and attention the model was trained with. An adapter-only export (a LoRA run's
     best/) is loaded the same ways, over the base model its adapter names, which must then be at hand."""
+    # a model that ships its own code (config.json's auto_map) loads only where trusted, in either library
+    trusted = ", trust_remote_code=True" if ships_own_code(encoder.backbone) else ""
     own = ["from angle_train import load_pretrained", "",
-           'encoder, tokenizer, meta = load_pretrained("path/to/this/folder")',
+           f'encoder, tokenizer, meta = load_pretrained("path/to/this/folder"{trusted})',
            'embeddings = encoder.encode(["A first sentence.", "A second one."], tokenizer)']
     base = (["This folder holds the LoRA adapter only: loading it loads the base model it was trained from (recorded "
              "in adapter_config.json and angle_train.json) and applies the adapter.", ""] if adapter_only else [])
@@ -1858,7 +1861,7 @@ def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
                 "attention), and gives other embeddings than this model's.", ""]
     roles = prefix_prompts(encoder)
     lines = ["```python", "from sentence_transformers import SentenceTransformer", "",
-             'model = SentenceTransformer("path/to/this/folder")']
+             f'model = SentenceTransformer("path/to/this/folder"{trusted})']
     if roles and {"query", "document"} & roles.keys() and roles.get("query") != roles.get("document"):
         lines += ['query_embeddings = model.encode(["a question"], prompt_name="query")',
                   'document_embeddings = model.encode(["a passage"], prompt_name="document")']
@@ -1866,7 +1869,7 @@ def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
         lines += ['embeddings = model.encode(["A first sentence.", "A second one."])']
     if widths:
         lines += [f"# a Matryoshka prefix: the first {min(widths)} dimensions, normalised",
-                  f'small = SentenceTransformer("path/to/this/folder", truncate_dim={min(widths)})',
+                  f'small = SentenceTransformer("path/to/this/folder", truncate_dim={min(widths)}{trusted})',
                   'small_embeddings = small.encode(["A first sentence."], normalize_embeddings=True)']
     lines += ["```", ""]
     if roles is None:
@@ -1878,6 +1881,9 @@ def usage(encoder, widths, adapter_only: bool = False) -> list[str]:
                   "```python", *own, "```", ""]
     else:
         lines += ["or `angle_train.load_pretrained(path)` (with its pooling, prompts and attention as trained).", ""]
+    if trusted:
+        lines += ["The model runs the Python code in this folder (config.json's auto_map): read it before trusting "
+                  "it.", ""]
     return lines + base
 
 

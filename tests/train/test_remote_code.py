@@ -81,6 +81,9 @@ def test_untrusted_code_is_refused_naming_the_flag_before_it_runs_and_trusted_it
     assert type(result.encoder.backbone).__name__ == "TinyRemoteModel" and marker.exists()
     final = tmp_path / "run" / "final"
     assert {"configuration_tiny.py", "modeling_tiny.py"} <= set(os.listdir(final))  # the export runs as it trained
+    card = (final / "README.md").read_text()  # its usage lines load it trusted
+    assert 'SentenceTransformer("path/to/this/folder", trust_remote_code=True)' in card
+    assert "runs the Python code in this folder" in card
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"text1": e.texts[0], "text2": e.texts[1], "label": e.label}) + "\n"
