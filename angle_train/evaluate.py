@@ -2,7 +2,7 @@
 
     angle-eval MODEL PATH [PATH ...] [--pooling P] [--max-length L] [--prompt T] [--query-prompt T]
                [--doc-prompt T] [--columns NAME=COLUMN ...] [--dims D ... | trained] [--batch-size B] [--device D]
-               [--base-model BASE] [--json OUT]
+               [--base-model BASE] [--json OUT] [--bf16 0|1 | --fp16 0|1] [--attention A] [--trust-remote-code 0|1]
                [--progress 0|1] [--debug] [--version]
 
 MODEL is an `angle_train` export (a folder with angle_train.json: its pooling, prompts and maximum length are
@@ -12,8 +12,9 @@ adapter (peft's adapter_config.json: angle-train's final/adapter, or an adapter 
 is applied to the base model its adapter_config.json names, or to --base-model (as angle-emb's pretrained_lora_path
 on a model); a run's final/adapter with the pooling, attention and prompts its export (final/angle_train.json)
 records. --base-model also names the base of an adapter-only export (a LoRA run's best/) kept elsewhere. The
-device is --device, else CUDA when there is one, as for angle-train. Each PATH is read in the layout it is
-distributed in:
+device is --device, else CUDA when there is one, as for angle-train; the forward pass runs in the weights' dtype, or
+autocast to bfloat16 (--bf16) or float16 (--fp16), as angle-train's flags and dev evaluation do. Each PATH is read in
+the layout it is distributed in:
 
     STS12 .. STS16   a year's folder as SentEval lays it out (STS.input.SUBSET.txt with STS.gs.SUBSET.txt) or
                      as originally released (STS2016.input.SUBSET.txt / STS2016.gs.SUBSET.txt); a pair whose gold
@@ -773,10 +774,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trust-remote-code", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
                         help="run the Python code MODEL's folder or hub repository ships (config.json's auto_map); it "
                              "runs with your permissions: read it first")
+    parser.add_argument("--bf16", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
+                        help="autocast the forward pass to bfloat16, as angle-train's --bf16 (embeddings float32)")
+    parser.add_argument("--fp16", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
+                        help="autocast the forward pass to float16, as angle-train's --fp16")
     parser.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default=None,
                         help="the model's attention implementation, by transformers' name (flash_attention_2 and _3: "
-                             "a GPU, their package flash-attn and 16-bit weights; default: transformers' choice for "
-                             "the model)")
+                             "a GPU, their package flash-attn, and --bf16 / --fp16 or 16-bit weights; default: "
+                             "transformers' choice for the model)")
     parser.add_argument("--batch-size", type=positive_int, default=128,
                         help="texts per forward pass (default: 128)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda if available, as "
@@ -828,6 +833,8 @@ def main(argv=None) -> int:
     args.dims = [width for word in args.dims for width in word]  # each word's widths (widths_or_trained)
     with user_errors_exit(parser, debug=args.debug):
         check_train_extra()
+        if args.bf16 and args.fp16:
+            parser.error("choose at most one of --bf16 and --fp16")
         preflight.check_device(args.device)
         preflight.check_attention(args.attention, args.device)
         check_model(args.model)
@@ -850,10 +857,13 @@ def main(argv=None) -> int:
             encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling,
                                                   device=resolve_device(args.device), base_model=args.base_model,
                                                   trust_remote_code=args.trust_remote_code)
+        if args.bf16 or args.fp16:
+            encoder.autocast = "bf16" if args.bf16 else "fp16"
         if args.attention:
             use_attention(encoder, args.attention)
+        autocast = f", forward autocast to {'bfloat16' if args.bf16 else 'float16'}" if encoder.autocast else ""
         print(f"angle-eval: pooling {encoder.pooling} ({encoder.pooling_source}), {encoder.attention_implementation} "
-              "attention", file=sys.stderr, flush=True)
+              f"attention{autocast}", file=sys.stderr, flush=True)
         first_token = first_token_pooling_problem(encoder, encoder.pooling_source)
         if first_token:  # refused as training refuses it, before a text is embedded (the score would be NaN or chance)
             raise ValueError(f"{first_token}; use --pooling last (decoders' default) or avg")

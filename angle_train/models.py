@@ -538,7 +538,7 @@ def use_attention(encoder: Encoder, name: str, *, flag: str = "--attention") -> 
     if name in SIXTEEN_BIT_ATTENTION and encoder.compute_dtype not in (torch.float16, torch.bfloat16):
         dtype = str(encoder.compute_dtype).removeprefix("torch.")
         raise ValueError(f"{flag} {name} computes in float16 or bfloat16, and the model computes in {dtype} (its "
-                         "weights, no autocast): use sdpa, or a 16-bit autocast (angle-train's --bf16 1)")
+                         "weights, no autocast): use sdpa, or a 16-bit autocast (--bf16 1)")
     try:
         encoder.attention_implementation = name
     except (ImportError, ValueError) as exc:

@@ -676,3 +676,31 @@ def test_first_token_pooling_of_a_causal_decoder_is_refused_before_any_text_is_e
     encoder.bidirectional = True
     bidirectional = save_pretrained(encoder, tokenizer, str(tmp_path / "bidirectional"), max_length=16)
     assert main([bidirectional, str(scored), "--pooling", "cls"]) == 0
+
+
+def test_bf16_and_fp16_autocast_the_forward_as_angle_train_does(tmp_path, capsys, monkeypatch):
+    """angle-eval --bf16 / --fp16 embed under the autocast angle-train's flags give training and its dev evaluation
+    (the scores of an export trained with --bf16 came out of a float32 forward), said on the pooling line; the scores
+    are float32's to the 16-bit rounding; both flags at once are refused."""
+    from angle_train import evaluate
+
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    model = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    pairs = _write(tmp_path / "pairs.jsonl", [json.dumps({"text1": a, "text2": b, "label": i / 5})
+                                              for i, (a, b) in enumerate(PAIRS)])
+    seen = []
+    scored = evaluate.evaluate
+    monkeypatch.setattr(evaluate, "evaluate", lambda encoder, *args, **kwargs: (
+        seen.append(encoder.autocast), scored(encoder, *args, **kwargs))[1])
+    scores = {}
+    for flags, autocast, words in (([], None, "sdpa attention\n"), (["--bf16"], "bf16", "autocast to bfloat16\n"),
+                                   (["--fp16", "1"], "fp16", "autocast to float16\n")):
+        out = tmp_path / f"{autocast}.json"
+        assert main([model, str(pairs), "--progress", "0", "--json", str(out), *flags]) == 0
+        assert seen[-1] == autocast and capsys.readouterr().err.endswith(words)
+        scores[autocast] = json.loads(out.read_text())["pairs"]
+    # Spearman x 100 over 6 pairs: a rank that 16-bit rounding swaps moves it by 6 to 17 points
+    assert all(scores[autocast] == pytest.approx(scores[None], abs=20) for autocast in ("bf16", "fp16"))
+    with pytest.raises(SystemExit):
+        main([model, str(pairs), "--bf16", "--fp16"])
+    assert "choose at most one of --bf16 and --fp16" in capsys.readouterr().err
