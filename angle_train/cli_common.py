@@ -49,7 +49,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
         invalid = INVALID_CHOICE.match(message)
         if invalid:  # a flag's word that is none of its choices: the one meant, where it is clear
             flag, value, choices = invalid.groups()
-            message += choice_hint(flag, value, [choice.strip(" '") for choice in choices.split(",")])
+            several = self._option_string_actions[flag].nargs in ("+", "*")
+            message += choice_hint(flag, value, [choice.strip(" '") for choice in choices.split(",")], several=several)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def flag_names(self) -> list:
@@ -100,9 +101,14 @@ def comma_separated(item):
     return parts
 
 
-def choice_hint(flag: str, value: str, choices) -> str:
-    """What follows the refusal of `value`, none of `flag`'s `choices`: for --pooling, a sentence-transformers pooling
-    name's counterpart (mean: avg), else the closest choice (did_you_mean: Cosine, cosine), else ''."""
+def choice_hint(flag: str, value: str, choices, *, several: bool = False) -> str:
+    """What follows the refusal of `value`, none of `flag`'s `choices`: for a flag that takes `several` choices, the
+    words of a comma-separated list of them (tensorboard,wandb: --report-to tensorboard wandb); for --pooling, a
+    sentence-transformers pooling name's counterpart (mean: avg); else the closest choice (did_you_mean: Cosine,
+    cosine), else ''."""
+    parts = [part.strip() for part in value.split(",")]
+    if several and len(parts) > 1 and all(part in choices for part in parts):
+        return f"; several are separate values: {flag} {' '.join(parts)}"
     if flag == "--pooling":
         from .st_folder import our_pooling
 

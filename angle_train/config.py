@@ -682,7 +682,7 @@ def checked_setting(f, value):
     for item in value if kind == "list" else [value]:
         if choices and item not in choices:
             raise ValueError(f"invalid choice {item!r} (choose from {', '.join(choices)})"
-                             + choice_hint(flag_of(f.name), str(item), choices))
+                             + choice_hint(flag_of(f.name), str(item), choices, several=kind == "list"))
     return value
 
 

@@ -72,6 +72,10 @@ TRAIN_MISTAKES = [
     (["--matryoshka-dims", "32,", "--angle-w", "0"], "--matryoshka-dims: expected numbers, by spaces or commas "
                                                      "(32 64, or 32,64); got '32,'"),
     (["--bf16", "maybe"], "argument --bf16: expected a boolean"),
+    # a list of choices by commas: "did you mean tensorboard?" before, which dropped wandb
+    (["--report-to", "tensorboard,wandb"], "argument --report-to: invalid choice: 'tensorboard,wandb' (choose from "
+                                           "'none', 'all', 'tensorboard', 'wandb'); several are separate values: "
+                                           "--report-to tensorboard wandb"),
     (["--attention", "spda"], "argument --attention: invalid choice: 'spda' (choose from 'sdpa', 'eager', "
                               "'flash_attention_2', 'flash_attention_3', 'flex_attention'); did you mean sdpa?"),
     (["--attention", "flash_attention_2", "--bf16", "1"], "--attention flash_attention_2 runs on CUDA GPUs, and this "
@@ -200,6 +204,9 @@ def test_angle_train_mistakes_are_one_line(flags, said, files, capsys):
     ({"objective": "ArcCSE"}, "--objective: invalid choice 'ArcCSE' (choose from angle, arccse)"),
     ({"model_dtype": "fp16"}, "--model-dtype: invalid choice 'fp16'"),
     ({"report_to": ["wandb", "mlflow"]}, "--report-to: invalid choice 'mlflow'"),
+    ({"report_to": "wandb,tensorboard"}, "--report-to: invalid choice 'wandb,tensorboard' (choose from none, all, "
+                                         "tensorboard, wandb); several are separate values: --report-to wandb "
+                                         "tensorboard"),
     ({"bf16": "maybe"}, "--bf16: expected a boolean"),
     ({"batch_size": 8.5}, "--batch-size: invalid int value: 8.5"),
     ({"seed": True}, "--seed: invalid int value: True"),
