@@ -49,7 +49,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
         invalid = INVALID_CHOICE.match(message)
         if invalid:  # a flag's word that is none of its choices: the one meant, where it is clear
             flag, value, choices = invalid.groups()
-            several = self._option_string_actions[flag].nargs in ("+", "*")
+            several = getattr(self._option_string_actions.get(flag), "nargs", None) in ("+", "*")
             message += choice_hint(flag, value, [choice.strip(" '") for choice in choices.split(",")], several=several)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
