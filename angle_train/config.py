@@ -57,6 +57,9 @@ class TrainConfig:
     model: str = opt("builtin:tiny-bert", "Hugging Face hub name or local folder of the base model (encoder or "
                      "decoder-only LM; loaded without LM head), or builtin:tiny-bert / builtin:tiny-llama",
                      group="model")
+    revision: str = opt(None, "the version of --model's Hugging Face Hub repository to load: a branch, a tag or a "
+                        "commit hash (default: its main branch); the exports record it, and their adapters load the "
+                        "base model at it", group="model")
     pooling: str = opt(None, "cls, cls_avg, avg, max or last (default: the model folder's own, from its "
                        "sentence-transformers pooling config; else cls for encoders, last for decoder LMs)",
                        group="model", choices=["cls", "cls_avg", "avg", "max", "last"])
@@ -598,7 +601,7 @@ NAMES = {"model": "a model (a Hugging Face hub name or a local folder)", "train_
          "dev_data": "a file, folder or dataset", "resume": "a checkpoint folder or 'auto'",
          "output_dir": "a folder", "train_split": "a dataset split", "dev_split": "a dataset split",
          "text_column": "a column", "device": "a device (cpu, cuda, cuda:1...)",
-         "lora_path": "a LoRA adapter's folder"}
+         "lora_path": "a LoRA adapter's folder", "revision": "a branch, a tag or a commit of --model's repository"}
 # The setting that gives the prompt of each role of a text (data.Prompts' roles)
 PROMPT_SETTINGS = {"text": "prompt", "query": "query_prompt", "document": "doc_prompt"}
 # The settings that apply only with --lora 1, and only with --objective arccse (TrainConfig._refuse_ignored_settings)

@@ -2,7 +2,8 @@
 
     angle-eval MODEL PATH [PATH ...] [--pooling P] [--max-length L] [--prompt T] [--query-prompt T]
                [--doc-prompt T] [--columns NAME=COLUMN ...] [--dims D ... | trained] [--batch-size B] [--device D]
-               [--base-model BASE] [--json OUT] [--bf16 0|1 | --fp16 0|1] [--attention A] [--trust-remote-code 0|1]
+               [--base-model BASE] [--revision REV] [--json OUT] [--bf16 0|1 | --fp16 0|1] [--attention A]
+               [--trust-remote-code 0|1]
                [--progress 0|1] [--debug] [--version]
 
 MODEL is an `angle_train` export (a folder with angle_train.json: its pooling, prompts and maximum length are
@@ -629,11 +630,13 @@ def adapter_base(model: str, base_model: str | None) -> str | None:
 
 
 def load_model(model: str, *, pooling: str | None = None, device: str | torch.device = "cpu",
-               base_model: str | None = None, trust_remote_code: bool = False):
+               base_model: str | None = None, trust_remote_code: bool = False, revision: str | None = None):
     """(encoder, tokenizer, settings) for an angle_train export, a Hugging Face model or a LoRA adapter folder (on
     adapter_base's base model); the pooling `pooling`, else the export's, else the model folder's own
     (models.load_encoder); encoder.pooling_source says which. A hub name that cannot be loaded raises
-    hub.HubUnreachable / hub.HubNotFound naming MODEL, --base-model or the adapter's record of its base."""
+    hub.HubUnreachable / hub.HubNotFound naming MODEL, --base-model or the adapter's record of its base. `revision`
+    (--revision): the branch, tag or commit of a hub MODEL; an adapter's base loads at the revision its
+    adapter_config.json records (peft's "revision"), unless --base-model names another base."""
     from .export import META_FILE, adapter_export_meta, load_pretrained
     from .models import load_encoder
 
@@ -654,11 +657,14 @@ def load_model(model: str, *, pooling: str | None = None, device: str | torch.de
         encoder.pooling_source = f"the export's {export_meta or META_FILE}" if pooling is None else "--pooling"
         return encoder, tokenizer, meta
     if base is not None:
+        recorded = None if base_model is not None else read_adapter_config(model, label="MODEL ").get("revision")
         encoder, tokenizer = load_encoder(base, pooling=pooling, device=device, lora_path=model,
-                                          trust_remote_code=trust_remote_code, given_as=base_given_as)
+                                          trust_remote_code=trust_remote_code, given_as=base_given_as,
+                                          revision=recorded,
+                                          revision_given_as=f"MODEL {model}'s {ADAPTER_CONFIG} records the revision")
         return encoder, tokenizer, {}
     encoder, tokenizer = load_encoder(model, pooling=pooling, device=device, trust_remote_code=trust_remote_code,
-                                      given_as="MODEL")
+                                      given_as="MODEL", revision=revision, revision_given_as="--revision")
     return encoder, tokenizer, {}
 
 
@@ -771,6 +777,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also score the first D features of every embedding (Matryoshka widths), each text "
                         "embedded once; results under NAME@D; 'trained': the widths an angle_train export was "
                         "trained at")
+    parser.add_argument("--revision", default=None, metavar="REV",
+                        help="the version of a hub MODEL to load: a branch, a tag or a commit hash (default: its main "
+                             "branch)")
     parser.add_argument("--trust-remote-code", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
                         help="run the Python code MODEL's folder or hub repository ships (config.json's auto_map); it "
                              "runs with your permissions: read it first")
@@ -838,6 +847,12 @@ def main(argv=None) -> int:
         preflight.check_device(args.device)
         preflight.check_attention(args.attention, args.device)
         check_model(args.model)
+        if args.revision is not None and not args.revision.strip():
+            parser.error("--revision must name a branch, a tag or a commit of MODEL's repository; got an empty text")
+        if args.revision is not None and os.path.exists(args.model):
+            raise ValueError(f"--revision picks a version of a Hugging Face Hub repository, and MODEL {args.model} is "
+                             "a local folder (an adapter's base loads at the revision its adapter_config.json records):"
+                             " leave out --revision")
         preflight.check_model_folder(args.model, "MODEL")
         adapter_base(args.model, args.base_model)  # a --base-model that would be ignored, before the datasets load
         columns = columns_of_paths(args.columns, args.paths)
@@ -856,7 +871,7 @@ def main(argv=None) -> int:
         with library_progress_bars(args.progress):
             encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling,
                                                   device=resolve_device(args.device), base_model=args.base_model,
-                                                  trust_remote_code=args.trust_remote_code)
+                                                  trust_remote_code=args.trust_remote_code, revision=args.revision)
         if args.bf16 or args.fp16:
             encoder.autocast = "bf16" if args.bf16 else "fp16"
         if args.attention:

@@ -103,12 +103,14 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     if not (base_model and os.path.realpath(base_model) == os.path.realpath(path)):  # (its files are read below)
         _clear_earlier_export(path)
     backbone = encoder.backbone
-    base = base_files if base_files is not LOOK_UP else (st_folder.find_folder(base_model) if base_model else None)
+    base = base_files if base_files is not LOOK_UP else (
+        st_folder.find_folder(base_model, revision=encoder.revision) if base_model else None)
     inference_length = encoding_length(max_length, base, export_max_length, position_limit(backbone))
     meta = {"pooling": encoder.pooling, "is_decoder": encoder.is_decoder, "bidirectional": encoder.bidirectional,
             "padding_side": encoder.padding_side,
             "prompt": encoder.prompts.text, "prompts": dataclasses.asdict(encoder.prompts),
             "max_length": inference_length, "train_max_length": max_length, "base_model": base_model,
+            "base_revision": encoder.revision,
             "lora": is_peft_model(backbone), "adapter_only": adapter_only,
             "matryoshka_dims": sorted(matryoshka_dims, reverse=True) if matryoshka_dims else None,
             **(extra_meta or {})}
@@ -116,11 +118,11 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
         if not is_peft_model(backbone):
             raise ValueError("adapter_only=True needs a LoRA (peft) model")
         backbone.save_pretrained(path)
-        _record_local_base(path, base_model)
+        _record_base(path, base_model, encoder.revision)
     else:
         if is_peft_model(backbone):
             backbone.save_pretrained(os.path.join(path, ADAPTER_FOLDER))
-            _record_local_base(os.path.join(path, ADAPTER_FOLDER), base_model)
+            _record_base(os.path.join(path, ADAPTER_FOLDER), base_model, encoder.revision)
             if merge_in_place:
                 backbone = encoder.backbone = backbone.merge_and_unload()
             else:
@@ -148,16 +150,21 @@ def _recorded_prompts(path: str) -> dict | None:
         return None
 
 
-def _record_local_base(adapter_folder: str, base_model: str | None) -> None:
-    """A local base model recorded in the adapter's adapter_config.json as angle_train.json records it, absolute:
-    peft records the name the model was loaded by, a path relative to the training's working folder, which peft and
-    sentence-transformers then took for a Hugging Face hub name anywhere else."""
-    if not (base_model and os.path.isdir(base_model)):
+def _record_base(adapter_folder: str, base_model: str | None, revision: str | None) -> None:
+    """The base model recorded in the adapter's adapter_config.json as angle_train.json records it: a local one
+    absolute (peft records the name the model was loaded by, a path relative to the training's working folder, which
+    peft and sentence-transformers then took for a Hugging Face hub name anywhere else), and a hub one's `revision`
+    (peft's "revision", at which peft and sentence-transformers load the base; None: its main branch)."""
+    local = bool(base_model and os.path.isdir(base_model))
+    if not local and revision is None:
         return
     config_path = os.path.join(adapter_folder, ADAPTER_CONFIG)
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
-    config["base_model_name_or_path"] = base_model
+    if local:
+        config["base_model_name_or_path"] = base_model
+    if revision is not None:
+        config["revision"] = revision
     _write_json(config_path, config)
 
 
@@ -330,6 +337,9 @@ def load_pretrained(path: str, *, device="cpu", base_model: str | None = None, p
             base = recorded_base(base, adapter=path, record=record,
                                  remedy="pass base_model= (the model it was trained on)")
         given_as = base_given_as if base_model is not None else f"{meta_file} records the base model"
+        if base_model is None and meta.get("base_revision") is not None:  # the recorded base, at its revision
+            kwargs = {"revision": meta["base_revision"],
+                      "revision_given_as": f"{meta_file} records the base model's revision", **kwargs}
         encoder, tokenizer = load_encoder(base, pooling=pooling, lora_path=path, device=device,
                                           is_decoder=meta["is_decoder"], bidirectional=bidirectional,
                                           given_as=given_as, **kwargs)

@@ -182,6 +182,10 @@ class Encoder(nn.Module):
         self.pooling = pooling
         # where the pooling came from, in words for the run header and angle-eval (load_encoder, wrap_backbone)
         self.pooling_source = "given"
+        # the Hub revision (branch, tag or commit) the base model was loaded at (load_encoder), or None: its main
+        # branch, a local folder, a model given to train(); recorded by the exports (export.save_pretrained), whose
+        # adapters load their base at it
+        self.revision: str | None = None
         # the folder of the loaded model's sentence-transformers files (load_encoder: st_folder.find_folder's), or
         # None: kept for the length to encode at (its max_seq_length) and the trainer's exports, which for a hub name
         # would fetch them again (a model given to train() keeps its own: --model names nothing there)
@@ -952,6 +956,24 @@ def untrusted_code_named(name_or_path: str, given_as: str | None):
                          "(trust_remote_code=True in Python)") from None
 
 
+@contextlib.contextmanager
+def missing_revision_named(name_or_path: str, revision: str | None, *, given_as: str | None, revision_given_as: str):
+    """Inside: the load of a model at `revision`; the Hub's answer that the repository has no such branch, tag or
+    commit (huggingface_hub's RevisionNotFoundError, below transformers' OSError) reworded to name the revision as
+    `revision_given_as` gave it, and the model as `given_as` did."""
+    try:
+        yield
+    except OSError as exc:
+        chain, error = [], exc
+        while error is not None and len(chain) < 20:
+            chain.append(type(error).__name__)
+            error = error.__cause__ or error.__context__
+        if revision is None or "RevisionNotFoundError" not in chain:
+            raise
+        raise ValueError(f"{given_label(revision_given_as, revision)}: {given_label(given_as, name_or_path)} has no "
+                         "such branch, tag or commit on the Hugging Face Hub") from None
+
+
 def load_encoder(
     name_or_path: str,
     *,
@@ -966,7 +988,9 @@ def load_encoder(
     is_decoder: bool | None = None,
     trust_remote_code: bool = False,
     bidirectional: bool = False,
+    revision: str | None = None,
     given_as: str | None = "name_or_path=",
+    revision_given_as: str = "revision=",
 ):
     """Load (encoder, tokenizer) from a hub name or local folder; `lora_path` resumes/evaluates an adapter, trained with
     `lora_dropout` (None: the adapter's own; attach_adapter). pooling:
@@ -974,7 +998,9 @@ def load_encoder(
     encoder.pooling_source says which. The tokenizer lowercases the texts where the folder's sentence-transformers
     settings say so (own_lowercasing, lowercase_first). A hub name that cannot be loaded (the Hub out of reach and
     the model not cached, or no such repository) raises hub.HubUnreachable / hub.HubNotFound naming `given_as`
-    (the flag or argument that gave `name_or_path`: "--model", "MODEL"...)."""
+    (the flag or argument that gave `name_or_path`: "--model", "MODEL"...). `revision`: the hub repository's branch,
+    tag or commit (None: its main branch), recorded as encoder.revision; one the repository does not have is refused
+    naming `revision_given_as` (--revision, or the record that gave it)."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     # loaded by its absolute path, the model records that (its config's name_or_path, peft's record of its base,
@@ -984,19 +1010,21 @@ def load_encoder(
     if lora_path is not None:
         read_adapter_config(lora_path)  # its settings checked before the model loads
     # a local folder: loaded as ever; a model whose own code is not trusted: named with the setting that trusts it
-    with hub_lookup(name_or_path, kind="model", given_as=given_as), untrusted_code_named(name_or_path, given_as):
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-        st_files = st_folder.find_folder(name_or_path)  # once: for a hub name, a fetch of its files
+    at = {"revision": revision} if revision is not None else {}
+    with (hub_lookup(name_or_path, kind="model", given_as=given_as), untrusted_code_named(name_or_path, given_as),
+          missing_revision_named(name_or_path, revision, given_as=given_as, revision_given_as=revision_given_as)):
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **at)
+        st_files = st_folder.find_folder(name_or_path, revision=revision)  # once: for a hub name, a fetch of its files
         folder_pooling = own_pooling(name_or_path, st_files) if pooling is None else None
         pooling = folder_pooling[0] if folder_pooling else pooling
         if is_decoder is None:
             is_decoder = is_decoder_config(config)
-        tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code),
-                                      is_decoder)
+        tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                                    **at), is_decoder)
         if own_lowercasing(st_files):
             lowercase_first(tokenizer)
         kwargs = {"dtype": dtype} if dtype is not None else {}
-        backbone = AutoModel.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+        backbone = AutoModel.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs, **at)
     if lora_path is not None:
         backbone = attach_adapter(backbone, lora_path, dropout=lora_dropout)
         lora = None  # the adapter is already attached
@@ -1006,4 +1034,5 @@ def load_encoder(
     if folder_pooling:
         encoder.pooling_source = f"the model folder's {folder_pooling[1]}"
     encoder.st_files = st_files
+    encoder.revision = revision
     return encoder.to(device), tokenizer

@@ -99,10 +99,15 @@ def is_run_settings(config: dict | None) -> bool:
     return config is not None and "model_type" not in config and {"output_dir", "train_data"} <= config.keys()
 
 
-def check_model_to_train(path: str) -> None:
+def check_model_to_train(path: str, revision: str | None = None) -> None:
     """angle-train's --model: a local folder must hold a whole model (config.json), which check_model_folder's
     folders without one (an adapter alone, a folder of something else) do not: transformers failed on them with a
-    traceback. angle-eval takes an adapter (with its base model's name recorded) and has its own check."""
+    traceback. angle-eval takes an adapter (with its base model's name recorded) and has its own check. A `revision`
+    (--revision) needs a Hub repository to pick it from: refused for a built-in model or a local folder, which would
+    load as they are."""
+    if revision is not None and (path.startswith("builtin:") or os.path.exists(path)):
+        raise ValueError(f"--revision picks a version of a Hugging Face Hub repository, and --model {path} is "
+                         f"{'built in' if path.startswith('builtin:') else 'a local folder'}: leave out --revision")
     check_model_folder(path, "--model")
     if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
         return

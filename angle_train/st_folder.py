@@ -41,10 +41,10 @@ def our_pooling(name: str) -> str | None:
     return by_key.get(name if name.startswith("pooling_mode_") else f"pooling_mode_{name}")
 
 
-def find_folder(name_or_path: str) -> str | None:
+def find_folder(name_or_path: str, revision: str | None = None) -> str | None:
     """The local folder holding the model's sentence-transformers files (modules.json), or None when it has none:
-    the folder itself, or for a hub name its files in the Hugging Face cache (fetched there, as transformers
-    fetches the weights; None when they cannot be)."""
+    the folder itself, or for a hub name its files at `revision` (None: the main branch) in the Hugging Face cache
+    (fetched there, as transformers fetches the weights; None when they cannot be)."""
     if os.path.isdir(name_or_path):
         return name_or_path if os.path.isfile(os.path.join(name_or_path, MODULES_FILE)) else None
     if name_or_path.startswith("builtin:"):
@@ -52,7 +52,7 @@ def find_folder(name_or_path: str) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        folder = snapshot_download(name_or_path, allow_patterns=HUB_FILES)
+        folder = snapshot_download(name_or_path, allow_patterns=HUB_FILES, revision=revision)
     except Exception:  # offline and not cached, no such repository: a model without sentence-transformers files
         return None
     return folder if os.path.isfile(os.path.join(folder, MODULES_FILE)) else None

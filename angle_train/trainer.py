@@ -308,7 +308,7 @@ def setup(cfg: TrainConfig, *, model=None, train_examples=None, dev_examples=Non
     preflight.check_device(cfg.device)
     preflight.check_attention(cfg.attention, cfg.device)
     if model is None:
-        preflight.check_model_to_train(cfg.model)
+        preflight.check_model_to_train(cfg.model, cfg.revision)
     lock = output_dir_lock(cfg.output_dir) if distributed.launched_rank() == 0 else None
     given_settings = given_model_settings(model[0]) if model is not None else None
     try:
@@ -625,6 +625,10 @@ def refuse_settings_given_model_ignores(cfg: TrainConfig, encoder, *, given_lora
     supports it; --fp16 not where the trainable weights are float16 (its loss scaling failed at the first optimizer
     step, as it would with --model-dtype float16, which TrainConfig refuses). given_lora: the LoRA settings of
     config.LORA_DEFAULTS the user gave (TrainConfig.given_lora_settings, before validate())."""
+    if cfg.revision is not None:
+        raise ValueError(f"--revision {cfg.revision} picks the version of --model's repository that angle_train loads, "
+                         "and train() was given a model in its place: load the model at that revision yourself, or "
+                         "leave out revision")
     weights = sorted({str(p.dtype).removeprefix("torch.") for p in encoder.parameters() if p.is_floating_point()})
     if cfg.changed("model_dtype") and weights != [cfg.model_dtype]:
         raise ValueError(f"--model-dtype {cfg.model_dtype} casts the weights of the model angle_train loads, and the "
@@ -1004,7 +1008,8 @@ def _load_backbone(cfg: TrainConfig, device: torch.device, *, pooling: str | Non
                         lora_dropout=cfg.lora_dropout if cfg.lora_path else None,
                         gradient_checkpointing=cfg.gradient_checkpointing, autocast=autocast,
                         dtype=DTYPES[cfg.model_dtype], device=device, bidirectional=cfg.bidirectional,
-                        trust_remote_code=cfg.trust_remote_code, given_as="--model")
+                        trust_remote_code=cfg.trust_remote_code, revision=cfg.revision, given_as="--model",
+                        revision_given_as="--revision")
 
 
 def read_data(source: str, fmt: str | None, split: str, columns: dict | None = None, *, split_setting: str):

@@ -556,6 +556,6 @@ def test_an_adapter_config_that_fails_to_be_rewritten_stays_whole(tmp_path, monk
     (adapter / export.ADAPTER_CONFIG).write_text(peft_written)
     full_disk_midway(monkeypatch, json, "dump")
     with pytest.raises(OSError, match="No space left on device"):
-        export._record_local_base(str(adapter), str(tmp_path / "base"))
+        export._record_base(str(adapter), str(tmp_path / "base"), None)
     assert (adapter / export.ADAPTER_CONFIG).read_text() == peft_written
     assert os.listdir(adapter) == [export.ADAPTER_CONFIG]
