@@ -429,8 +429,8 @@ class TrainConfig:
         naming it, its default value as any other (`given`: the LORA_DEFAULTS settings given, _take_lora_defaults). A
         given --lora-dropout, which is no part of the weights (peft applies it to the adapter's input in training),
         replaces the adapter's. Without --model the base model is the one the adapter's adapter_config.json names
-        (models.adapter_config_base). The adapter's weights fitting the model is checked once it loads
-        (models.attach_adapter)."""
+        (models.adapter_config_base), at the revision it records (unless --revision). The adapter's weights fitting
+        the model is checked once it loads (models.attach_adapter)."""
         if not self.lora_path:
             return
         named = f"--lora-path {self.lora_path}"
@@ -462,6 +462,8 @@ class TrainConfig:
             setattr(self, name, value)
         if not self.changed("model"):
             self.model = adapter_config_base(self.lora_path, label="--lora-path ", flag="--model")
+            if self.revision is None:  # the base at the revision the adapter records (peft's), as peft loads it
+                self.revision = adapter.get("revision")
         # recorded by its absolute path, which names the adapter from any working folder (config.json, the checkpoints,
         # the model card's command); a resume compares the adapter's contents (checkpoint.base_model_record)
         self.lora_path = os.path.abspath(self.lora_path)

@@ -95,6 +95,10 @@ def test_the_revision_reaches_every_load_and_the_exports_adapters_load_their_bas
         hub.clear()  # angle-eval: an adapter-only export; a peft adapter folder alone (its adapter_config.json's)
         assert evaluate.main([str(adapter), str(pairs), "--progress", "0"]) == 0
         assert {revision for _, revision in hub} == {"v1.0"}
+    hub.clear()  # training on from the adapter, without --model: its base at the revision it records
+    again = run_config(tmp_path / "again", lora=True, lora_path=best, max_steps=1, batch_size=4)
+    train(again, train_examples=(demo_examples(8, seed=1), "B"))
+    assert (again.model, again.revision) == (HUB, "v1.0") and {revision for _, revision in hub} == {"v1.0"}
     hub.clear()
     assert evaluate.main([HUB, str(pairs), "--progress", "0", "--revision", "v2"]) == 0
     assert {loader for loader, _ in hub} == LOADS and {revision for _, revision in hub} == {"v2"}
