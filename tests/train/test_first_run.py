@@ -105,9 +105,9 @@ def test_the_model_folders_sentence_transformers_files_are_looked_up_once(st_fol
 
     lookups, find_folder = [], st_files.find_folder
 
-    def counted(name_or_path):
+    def counted(name_or_path, revision=None):
         lookups.append(name_or_path)
-        return find_folder(name_or_path)
+        return find_folder(name_or_path, revision=revision)
 
     monkeypatch.setattr(st_files, "find_folder", counted)
     result = trainer.train(run_config(tmp_path, model=st_folder, max_steps=1, batch_size=8, max_length=12,
@@ -129,9 +129,9 @@ def test_a_model_given_to_train_keeps_its_own_sentence_transformers_files(st_fol
 
     lookups, find_folder = [], st_files.find_folder
 
-    def counted(name_or_path):
+    def counted(name_or_path, revision=None):
         lookups.append(name_or_path)
-        return find_folder(name_or_path)
+        return find_folder(name_or_path, revision=revision)
 
     def exported_length(out):
         return json.loads((out / "final" / "sentence_bert_config.json").read_text())["max_seq_length"]
