@@ -74,6 +74,12 @@ def _first(errors: list[BaseException], class_names: set[str]) -> BaseException 
     return None
 
 
+def raised_from(exc: BaseException, class_names: set[str]) -> BaseException | None:
+    """The first of `exc` and the errors it was raised from or while handling (_chain) whose class, or a base class,
+    is named in `class_names`; None where none is."""
+    return _first(list(_chain(exc)), class_names)
+
+
 def _cache_text() -> str:
     """Where the Hugging Face cache is, in the environment variable's words that set it."""
     try:

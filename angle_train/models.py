@@ -53,7 +53,7 @@ from torch import nn
 
 from . import st_folder
 from .data import PackedTexts, Prompts, TokenRows, encode_texts, names_local_path, pad_batch, prompted_texts
-from .hub import given_label, hub_lookup
+from .hub import given_label, hub_lookup, raised_from
 
 # ------------------------------------------------------------------------------------------------ pooling
 
@@ -964,11 +964,7 @@ def missing_revision_named(name_or_path: str, revision: str | None, *, given_as:
     try:
         yield
     except OSError as exc:
-        chain, error = [], exc
-        while error is not None and len(chain) < 20:
-            chain.append(type(error).__name__)
-            error = error.__cause__ or error.__context__
-        if revision is None or "RevisionNotFoundError" not in chain:
+        if revision is None or raised_from(exc, {"RevisionNotFoundError"}) is None:
             raise
         raise ValueError(f"{given_label(revision_given_as, revision)}: {given_label(given_as, name_or_path)} has no "
                          "such branch, tag or commit on the Hugging Face Hub") from None
