@@ -849,10 +849,8 @@ def main(argv=None) -> int:
         check_model(args.model)
         if args.revision is not None and not args.revision.strip():
             parser.error("--revision must name a branch, a tag or a commit of MODEL's repository; got an empty text")
-        if args.revision is not None and os.path.exists(args.model):
-            raise ValueError(f"--revision picks a version of a Hugging Face Hub repository, and MODEL {args.model} is "
-                             "a local folder (an adapter's base loads at the revision its adapter_config.json records):"
-                             " leave out --revision")
+        preflight.check_revision(args.revision, args.model, "MODEL", aside=" (an adapter's base loads at the "
+                                 "revision its adapter_config.json records)")
         preflight.check_model_folder(args.model, "MODEL")
         adapter_base(args.model, args.base_model)  # a --base-model that would be ignored, before the datasets load
         columns = columns_of_paths(args.columns, args.paths)

@@ -103,11 +103,8 @@ def check_model_to_train(path: str, revision: str | None = None) -> None:
     """angle-train's --model: a local folder must hold a whole model (config.json), which check_model_folder's
     folders without one (an adapter alone, a folder of something else) do not: transformers failed on them with a
     traceback. angle-eval takes an adapter (with its base model's name recorded) and has its own check. A `revision`
-    (--revision) needs a Hub repository to pick it from: refused for a built-in model or a local folder, which would
-    load as they are."""
-    if revision is not None and (path.startswith("builtin:") or os.path.exists(path)):
-        raise ValueError(f"--revision picks a version of a Hugging Face Hub repository, and --model {path} is "
-                         f"{'built in' if path.startswith('builtin:') else 'a local folder'}: leave out --revision")
+    is checked as check_revision checks it."""
+    check_revision(revision, path, "--model")
     check_model_folder(path, "--model")
     if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
         return
@@ -119,6 +116,15 @@ def check_model_to_train(path: str, revision: str | None = None) -> None:
                          "resume the run with --resume")
     raise ValueError(f"--model {path}: not a model folder (no config.json): give a Hugging Face model's folder or hub "
                      "name, or an angle-train run's final/ or best/")
+
+
+def check_revision(revision: str | None, model: str, given_as: str, aside: str = "") -> None:
+    """A --revision needs a Hub repository to pick it from: refused for a built-in model or a local folder (`model`,
+    named as `given_as` gave it: --model, MODEL), which would load as they are; `aside`: words after the model's."""
+    if revision is not None and (model.startswith("builtin:") or os.path.exists(model)):
+        raise ValueError(f"--revision picks a version of a Hugging Face Hub repository, and {given_as} {model} is "
+                         f"{'built in' if model.startswith('builtin:') else 'a local folder'}{aside}: leave out "
+                         "--revision")
 
 
 def check_model_folder(path: str, flag: str) -> None:
