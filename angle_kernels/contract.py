@@ -640,6 +640,9 @@ def check_similarity_xent(q, c, scale, target, row_weights, exclude_diagonal, ma
         weights_shape = _tensor("row_weights", row_weights, 1)
         if not row_weights.is_floating_point():
             raise TypeError(f"row_weights must be floating point, got {row_weights.dtype}")
+        if row_weights.requires_grad:  # the backward gives dq and dc only: a learned weight would never change
+            raise TypeError("row_weights must not require grad: similarity_xent takes the row weights as constants "
+                            "and gives them no gradient; pass row_weights.detach()")
         if weights_shape[0] != m:
             raise ValueError(f"row_weights must be [M={m}], got shape {tuple(weights_shape)}")
         _on_device_of("row_weights", row_weights, "q", device)

@@ -76,6 +76,7 @@ SIMILARITY_CASES = [
     (_xent(row_weights=torch.ones(6, dtype=torch.int64)), TypeError, "row_weights must be floating point"),
     (_xent(row_weights=torch.ones(5)), ValueError, "row_weights must be [M=6]"),
     (_xent(row_weights=torch.ones(6, 1)), ValueError, "row_weights must have 1 dimensions"),
+    (_xent(row_weights=torch.ones(6, requires_grad=True)), TypeError, "row_weights must not require grad"),
     (_xent(group_ids=torch.zeros(6)), TypeError, "group_ids must be an integer tensor"),
     (_xent(group_ids=torch.zeros(6, dtype=torch.bool)), TypeError, "group_ids must be an integer tensor"),
     (_xent(group_ids=torch.zeros(5, dtype=torch.int64)), ValueError, "group_ids must be [M=6]"),
