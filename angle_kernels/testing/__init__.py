@@ -7,6 +7,9 @@
                  helpers that skip a case (imported there)
     cases        the loss cases that the Matryoshka and layer-wise tests share
     tiny_model   a tiny BERT sentence encoder built offline, for the integration tests
+    triton_interpreter
+                 the Triton interpreter without its repatching of triton.language at every helper call inside a
+                 kernel (the root conftest.py switches it on: the interpreted tests' speed, no value changed)
 
 Nothing here is imported by `import angle_kernels`.
 """
