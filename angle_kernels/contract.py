@@ -24,6 +24,7 @@ import inspect
 import math
 import numbers
 import operator
+import sys
 import warnings
 from typing import Callable, ClassVar, Protocol, TypeVar
 
@@ -175,11 +176,22 @@ def _never_compiled(function: Callable, reason: str) -> Callable:
     return torch.compiler.disable(function)
 
 
-# `function(*args, **kwargs)` run eagerly between compiled graphs (for `backward_traced_under_autocast`): its forward
-# as outside the region, its backward by autograd as eager code's. Warns once per process; under fullgraph=True,
-# torch.compile raises instead, with the advice as its reason. (An assignment, not a decorator: a decorated
-# definition of this module would join the fingerprint of every GPU path that reaches the module.)
-call_outside_the_graph = _never_compiled(_call_warning_once, _AUTOCAST_BACKWARD_ADVICE)
+def __getattr__(name: str) -> Callable:
+    """The module's `call_outside_the_graph`, made at its first use: `function(*args, **kwargs)` run eagerly between
+    compiled graphs (for `backward_traced_under_autocast`): its forward as outside the region, its backward by
+    autograd as eager code's. Warns once per process; under fullgraph=True, torch.compile raises instead, with the
+    advice as its reason. Made at first use because torch.compiler.disable imports torch._dynamo, 1.5-2.5 s that an
+    import of angle_kernels would otherwise pay (more than torch's own import) where nothing compiles. The callers
+    read it as an attribute of this module (`_this_module.call_outside_the_graph`), not as a global name: a trace
+    then reads it with getattr, which runs this function outside the trace. (Not a decorator: a decorated definition
+    of this module would join the fingerprint of every GPU path that reaches the module.)"""
+    if name == "call_outside_the_graph":
+        made = globals()[name] = _never_compiled(_call_warning_once, _AUTOCAST_BACKWARD_ADVICE)
+        return made
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_this_module = sys.modules[__name__]
 
 
 def untraced_under_autocast(function: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
@@ -190,7 +202,7 @@ def untraced_under_autocast(function: Callable[_Args, _Result]) -> Callable[_Arg
     @functools.wraps(function)
     def called(*args: _Args.args, **kwargs: _Args.kwargs) -> _Result:
         if torch.compiler.is_compiling() and backward_traced_under_autocast(*_arguments_flat(args, kwargs)):
-            return call_outside_the_graph(function, *args, **kwargs)
+            return _this_module.call_outside_the_graph(function, *args, **kwargs)
         return function(*args, **kwargs)
 
     return called
@@ -330,7 +342,7 @@ def loss_entry(loss: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
         compiling = torch.compiler.is_compiling()  # asked once: every call pays for each asking
         # untraced_under_autocast's rule, asked here rather than by a wrapper of its own around this one
         if compiling and backward_traced_under_autocast(*_arguments_flat(args, kwargs)):
-            return call_outside_the_graph(computed, *args, **kwargs)
+            return _this_module.call_outside_the_graph(computed, *args, **kwargs)
         if not compiling and _inside_a_torch_func_transform():
             raise RuntimeError(f"{loss.__qualname__}: angle_kernels' losses do not support torch.func transforms "
                                "(grad, vmap, vjp, jacrev, ...): their backends' autograd Functions have no "

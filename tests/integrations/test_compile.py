@@ -320,6 +320,49 @@ def test_compiled_inside_autocast_with_fullgraph_names_the_setting():
         torch.compile(step, backend="aot_eager", fullgraph=True)(torch.randn(2 * PAIRS, 24))
 
 
+# A fresh process: angle_kernels imported before torch._dynamo, the loss compiled inside autocast before any eager
+# call, so the trace itself is what first asks for contract.call_outside_the_graph (made at first use).
+_COMPILED_FIRST = """
+import sys, warnings
+import torch
+import angle_kernels as ak
+from angle_kernels import contract
+assert "torch._dynamo" not in sys.modules, "import angle_kernels imported torch._dynamo"
+assert "call_outside_the_graph" not in vars(contract)
+encoder = torch.nn.Linear(24, 16)
+labels = torch.rand(6).repeat_interleave(2)
+def step(features):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return ak.functional.angle_loss(labels, encoder(features))
+features = torch.randn(12, 24)
+try:
+    torch.compile(step, backend="aot_eager", fullgraph=True)(features)
+except torch._dynamo.exc.Unsupported as error:
+    assert "backward_pass_autocast" in str(error), str(error)
+else:
+    raise AssertionError("fullgraph=True compiled a loss inside autocast whole")
+torch._dynamo.reset()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    value = torch.compile(step, backend="aot_eager")(features)
+assert any("backward_pass_autocast = 'off'" in str(w.message) for w in caught), [str(w.message) for w in caught]
+assert torch.allclose(value, step(features)), (value, step(features))
+print("ok")
+"""
+
+
+def test_the_import_leaves_dynamo_out_and_a_first_compile_still_breaks_the_graph():
+    """`import angle_kernels` does not import torch._dynamo (1.5-2.5 s, more than torch's own import): the
+    function that runs a loss outside a compiled graph is made at its first use, which a trace reaches before any
+    eager call, with the same outcome: fullgraph=True raises with the advice, without it a graph break and a
+    warning, the value eager's."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _COMPILED_FIRST], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
+
+
 @pytest.mark.parametrize("name", ["angle_loss", "mnrl_all_directions"])
 def test_compiled_inside_autocast_traces_whole_with_backward_autocast_off(name):
     """backward_pass_autocast = 'off' traces backward as eager autograd runs a backward called outside the region:
