@@ -25,11 +25,12 @@ import math
 import numbers
 import operator
 import sys
-import warnings
 from typing import Callable, ClassVar, Protocol, TypeVar
 
 import torch
 from typing_extensions import ParamSpec  # typing's from Python 3.10; torch depends on typing_extensions
+
+from . import user_warnings
 
 # F.normalize's epsilon: ||x|| is replaced by max(||x||, NORM_EPS), so a zero vector has cosine 0 with everything.
 NORM_EPS = 1e-12
@@ -164,7 +165,7 @@ def _call_warning_once(function: Callable, *args, **kwargs):
     global _warned_autocast_backward
     if not _warned_autocast_backward:
         _warned_autocast_backward = True
-        warnings.warn(_AUTOCAST_BACKWARD_ADVICE, stacklevel=3)
+        user_warnings.warn(_AUTOCAST_BACKWARD_ADVICE)
     return function(*args, **kwargs)
 
 
@@ -247,10 +248,10 @@ def _warn_backward_inside_autocast() -> None:
     global _warned_backward_inside_autocast
     if not _warned_backward_inside_autocast:
         _warned_backward_inside_autocast = True
-        warnings.warn("backward() of an angle_kernels loss or op called inside a torch.autocast region: its backward "
-                      "passes then run their products under autocast (gradients rounded to 16 bits, or a "
-                      "dtype-mismatch error). Call backward() after the region, as PyTorch's AMP recipe does; the "
-                      "loss itself may stay inside it", stacklevel=2)
+        user_warnings.warn("backward() of an angle_kernels loss or op called inside a torch.autocast region: its "
+                           "backward passes then run their products under autocast (gradients rounded to 16 bits, or "
+                           "a dtype-mismatch error). Call backward() after the region, as PyTorch's AMP recipe does; "
+                           "the loss itself may stay inside it")
 
 
 def _without_inference_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -62,11 +62,10 @@ import importlib.util
 import inspect
 import os
 import types
-import warnings
 
 import torch
 
-from . import contract, first_use, measured, verified
+from . import contract, first_use, measured, user_warnings, verified
 from ._runtime import check_gpu_settings, triton_interpreting  # also dispatch.triton_interpreting, as before
 
 BACKENDS = ("torch", "triton", "cuda")
@@ -275,14 +274,14 @@ class AutoOps(Ops):
                                    first_use.reason(candidate, op, call, paths[candidate]))
         if _TORCH_GPU_OPS in paths:
             why["torch"] = first_use.reason(_TORCH_GPU_OPS, op, call, paths[_TORCH_GPU_OPS])
-        warnings.warn(
+        user_warnings.warn(
             f"angle_kernels: backend='auto' computes {op} with the PyTorch backend on this GPU, as it does every op "
             "and code path no GPU backend has passed a correctness run for on matching hardware and software, or a "
             "first-use check for the kind of call (" + "; ".join(f"{name}: {reason}" for name, reason in why.items())
             + "). `python -m angle_kernels.verify` "
             "runs those checks on this GPU in a few minutes and records what passes, which 'auto' then uses. Choose "
             f"a backend with backend='torch'|'triton'|'cuda' or {_ENV_VAR} to silence this warning (shown once per "
-            "process).", RuntimeWarning, stacklevel=5)
+            "process).", RuntimeWarning)
 
 
 class TorchOps(Ops):
@@ -413,13 +412,13 @@ def _warn_unverified(ops: Ops, op: str, call: contract.Call, path: str) -> None:
     if (ops.name, op, path) in _warned_unverified:
         return
     _warned_unverified.add((ops.name, op, path))
-    warnings.warn(
+    user_warnings.warn(
         f"angle_kernels: backend={ops.name!r} computes {op} on its code path {path!r}, which has not passed a "
         f"correctness run on {verified.describe(ops.name, op, path, call.device)}. backend='auto' would compute it "
         + ("after a check of the first call of each kind here (its code passed the large-size checks on another GPU)"
            if first_use.may_check(ops.name, op, path, call.device) else "with the PyTorch backend")
         + "; `python -m angle_kernels.verify` checks the GPU backends on this GPU and records what passes (shown once "
-        "per process for each backend, op and code path).", RuntimeWarning, stacklevel=5)
+        "per process for each backend, op and code path).", RuntimeWarning)
 
 
 def _requested_name(requested: str | None) -> str:

@@ -30,11 +30,12 @@ at the cost of a collective per collective.
 from __future__ import annotations
 
 import contextlib
-import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+
+from . import user_warnings
 
 __all__ = ["all_gather_many_with_grad", "all_gather_with_grad", "gathering_rank_and_world_size", "is_distributed",
            "rank_and_world_size", "refused_together"]
@@ -69,9 +70,9 @@ def gathering_rank_and_world_size() -> tuple[int, int]:
 
     if not (dist.is_available() and dist.is_initialized()) and not _warned_not_distributed:
         _warned_not_distributed = True
-        warnings.warn("gather_across_devices=True, but torch.distributed is not initialised: the loss takes this "
-                      "process's batch only (expected with one process; otherwise initialise the process group "
-                      "before the first loss call)", stacklevel=3)
+        user_warnings.warn("gather_across_devices=True, but torch.distributed is not initialised: the loss takes "
+                           "this process's batch only (expected with one process; otherwise initialise the process "
+                           "group before the first loss call)")
     return rank_and_world_size()
 
 

@@ -49,12 +49,11 @@ import json
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass, replace
 
 import torch
 
-from . import contract, float64_ops, user_cache, verified
+from . import contract, float64_ops, user_cache, user_warnings, verified
 from ._runtime import SELF_CHECK_ENV, self_check_setting, triton_interpreting
 
 ENV = SELF_CHECK_ENV
@@ -296,14 +295,14 @@ def _tell(backend: str, op: str, kind: dict, outcome: Outcome) -> None:
     """One RuntimeWarning per process and kind of call that the PyTorch backend computes instead of a GPU path
     verified elsewhere."""
     failed = outcome.record is not None
-    warnings.warn(
+    user_warnings.warn(
         f"angle_kernels: backend='auto' computes {op} with the PyTorch backend for calls like this one "
         f"({kind['dtype']}; {', '.join(f'{name}={value}' for name, value in kind['bucket'].items())}): {backend}: "
         f"{outcome.why}. "
         + ("`python -m angle_kernels.verify --forget-failed` removes the records of failed checks (the next call "
            "of this kind checks again); " if failed else "")
         + "`python -m angle_kernels.verify` runs the full checks on this GPU and records what passes (shown once per "
-          "process for each kind of call).", RuntimeWarning, stacklevel=8)
+          "process for each kind of call).", RuntimeWarning)
 
 
 def _frozen(value):

@@ -44,13 +44,13 @@ import numbers
 import operator
 import os
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
 import torch
 
+from . import user_warnings
 from .contract import check_dims, compute_dtype
 from .distributed import all_gather_many_with_grad, gathering_rank_and_world_size, refused_together
 
@@ -737,7 +737,7 @@ def say_no_effect(note: str) -> None:
     of a loss (every training step)."""
     if note not in _said_no_effect:
         _said_no_effect.add(note)
-        warnings.warn(f"angle_kernels: {note}", UserWarning, stacklevel=2)
+        user_warnings.warn(f"angle_kernels: {note}", UserWarning)
 
 
 def _check_in_batch_columns(queries: torch.Tensor, positives: torch.Tensor, negatives: Sequence[torch.Tensor],

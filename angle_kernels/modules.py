@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from . import user_warnings
 from .contract import loss_entry
 from .dispatch import check_backend, resolve_backend
 from .inputs import (
@@ -139,8 +139,8 @@ class AngleLoss(nn.Module):
             forward_only = " (layer_weights is an argument of forward: loss(labels, outputs, layer_weights=...))" \
                 if "layer_weights" in kwargs else ""
             meant = _close_arguments(set(kwargs) - {"layer_weights"})  # layer_weights: said above
-            warnings.warn(f"AngleLoss ignores the keyword argument(s) {sorted(kwargs)}, as angle-emb's AngleLoss "
-                          f"ignores those it does not take{forward_only}{meant}", stacklevel=2)
+            user_warnings.warn(f"AngleLoss ignores the keyword argument(s) {sorted(kwargs)}, as angle-emb's "
+                               f"AngleLoss ignores those it does not take{forward_only}{meant}")
         self.cosine_w = check_scalar("cosine_w", cosine_w)
         self.ibn_w = check_scalar("ibn_w", ibn_w)
         self.cln_w = check_scalar("cln_w", cln_w)

@@ -32,9 +32,10 @@ import secrets
 import stat
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Callable, Iterator
+
+from . import user_warnings
 
 CACHE_ENV = "ANGLE_KERNELS_CACHE_DIR"
 CACHE_FILE = "verified.json"
@@ -88,7 +89,7 @@ def _warn_once(key: str, message: str) -> None:
     """A RuntimeWarning saying `message`, once per process for `key` (_warned; `forget` clears a file's key)."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"angle_kernels: {message}", RuntimeWarning, stacklevel=3)
+        user_warnings.warn(f"angle_kernels: {message}", RuntimeWarning)
 
 
 def _empty() -> dict:

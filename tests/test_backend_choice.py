@@ -118,6 +118,8 @@ def _recording_warnings(fn, *args, **kwargs):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = fn(*args, **kwargs)
+    ours = [w for w in caught if issubclass(w.category, RuntimeWarning) and "angle_kernels" in str(w.message)]
+    assert all(w.filename == __file__ for w in ours), [f"{w.filename}:{w.lineno}" for w in ours]  # the caller's line
     return result, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
 
 

@@ -73,7 +73,6 @@ import importlib.util
 import inspect
 import random
 import re
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -83,6 +82,7 @@ from torch import Tensor
 
 from .. import functional as _functional
 from .. import inputs as _inputs
+from .. import user_warnings
 from ..losses import angle as _angle_losses
 from ..losses import retrieval as _retrieval_losses
 from ..contract import loss_entry, outside_autocast
@@ -668,8 +668,7 @@ _SYMMETRIC = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": 
 def _become_symmetric(loss: torch.nn.Module, parent: type) -> None:
     """Warn as the deprecated parent does when instantiated itself, and make sure the fused path sees the
     symmetric directions (older 6.x parents compute them without these attributes)."""
-    warnings.warn(getattr(parent, "__deprecated__", f"{parent.__name__} is deprecated"), DeprecationWarning,
-                  stacklevel=3)
+    user_warnings.warn(getattr(parent, "__deprecated__", f"{parent.__name__} is deprecated"), DeprecationWarning)
     for name, value in _SYMMETRIC.items():
         if not hasattr(loss, name):
             setattr(loss, name, value)
@@ -904,15 +903,6 @@ def _embedding_dtype(model: torch.nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _user_stacklevel() -> int:
-    """The `stacklevel` that points a warning raised in this module's code at the first line outside it: the user's
-    (Matryoshka2dLoss builds a MatryoshkaLoss, whose warning named Matryoshka2dLoss's own line)."""
-    frame, level = sys._getframe(1), 1  # the function that will warn: stacklevel 1
-    while frame is not None and frame.f_code.co_filename == __file__:
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     """sentence-transformers' MatryoshkaLoss, fused: sum_i w_i * loss(embeddings[..., :d_i]) in one call.
 
@@ -948,13 +938,13 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
         odd = _odd_angle_widths(computing, self.matryoshka_dims)
         if odd and hasattr(computing, "_fused_loss") and computing.uses_fused_path:
             # valid (each width computed as the parent computes it, zero-padded) but slower: said once, when built
-            warnings.warn(
+            user_warnings.warn(
                 f"matryoshka_dims {list(map(int, matryoshka_dims))} include the odd width(s) "
                 f"{sorted(set(map(int, odd)))} with the angle similarity: the fused call splits every width into "
                 "real and imaginary halves and takes even widths only, so this set runs sentence-transformers' "
                 "per-width loop (one fused call per width, each padding an odd width with a zero feature as "
                 "util.pairwise_angle_sim does: the same values, slower); even widths run as one fused call",
-                UserWarning, stacklevel=_user_stacklevel())
+                UserWarning)
         if self.uses_gradient_cache:
             # the parent decorated the calculate_loss of the loss it resolves (through `.loss` wrappers, 6.3) with
             # its per-dimension loop: keep that as the fallback
