@@ -15,7 +15,6 @@ same rule one level down: cuda_ops.is_available / _extension.load with allow_bui
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -25,6 +24,7 @@ import torch
 import angle_kernels.cuda_ops as cuda_ops
 from angle_kernels import contract, dispatch, first_use, measured, path_switches, user_cache, verified
 from angle_kernels.cuda_ops import _extension
+from angle_kernels.testing.helpers import runtime_warnings
 
 FAKE_CUDA_TENSOR = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
 
@@ -114,15 +114,6 @@ def backends(monkeypatch):
     return SimpleNamespace(triton=triton, cuda=cuda, verified=passed, computed=computed)
 
 
-def _recording_warnings(fn, *args, **kwargs):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = fn(*args, **kwargs)
-    ours = [w for w in caught if issubclass(w.category, RuntimeWarning) and "angle_kernels" in str(w.message)]
-    assert all(w.filename == __file__ for w in ours), [f"{w.filename}:{w.lineno}" for w in ours]  # the caller's line
-    return result, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-
-
 def _scores():
     return pretend_cuda(torch.randn(6, dtype=torch.float64)), torch.arange(6) % 3
 
@@ -132,7 +123,7 @@ def _embeddings():
 
 
 def test_auto_on_cpu_tensors_is_torch_without_probing_or_warning(backends):
-    ops, warned = _recording_warnings(dispatch.resolve_backend, "auto", torch.zeros(2, 3))
+    ops, warned = runtime_warnings(dispatch.resolve_backend, "auto", torch.zeros(2, 3))
     assert ops.name == "torch"
     assert warned == []
     assert backends.triton.calls == [] and backends.cuda.calls == []
@@ -150,7 +141,7 @@ def test_auto_on_cuda_computes_with_torch_until_a_gpu_backend_is_verified(backen
     warning per process naming why and how to verify."""
     auto = dispatch.resolve_backend(None, FAKE_CUDA_TENSOR)
     assert auto.name == "auto"
-    (first, warned) = _recording_warnings(auto.ranking_loss, *_scores())
+    (first, warned) = runtime_warnings(auto.ranking_loss, *_scores())
     assert backends.computed == []  # the fakes record only GPU calls: torch's own op computed it
     assert len(warned) == 1
     message = warned[0]
@@ -160,7 +151,7 @@ def test_auto_on_cuda_computes_with_torch_until_a_gpu_backend_is_verified(backen
     assert "ANGLE_KERNELS_BACKEND" in message
     for call in (lambda: auto.ranking_loss(*_scores()), lambda: auto.similarity_xent(_embeddings(), None, 20.0,
                                                                                         "partner")):
-        _, warned = _recording_warnings(call)
+        _, warned = runtime_warnings(call)
         assert warned == []  # once per process
     assert backends.computed == []
     assert backends.cuda.calls == [False]  # asked without building, once
@@ -176,7 +167,7 @@ def test_auto_uses_a_gpu_backend_for_exactly_the_verified_ops_and_paths(backends
     # triton's fused path is not verified, cuda's is, and its scheme comes after torch (measured.AFTER_TORCH)
     auto.similarity_xent(q, None, 20.0, "partner")
     auto.ranking_loss(*_scores())  # cuda
-    _, warned = _recording_warnings(auto.pair_scores, q.view(3, 2, 8), True)  # nobody's: torch, warning
+    _, warned = runtime_warnings(auto.pair_scores, q.view(3, 2, 8), True)  # nobody's: torch, warning
     assert backends.computed == [("triton", "similarity_xent"), ("cuda", "ranking_loss")]
     assert len(warned) == 1 and "pair_scores" in warned[0]
     assert auto.computes("similarity_xent", q, None, 20.0, "partner", dims=(4, 8)) == ("triton", "dims")
@@ -190,9 +181,9 @@ def test_explicit_gpu_backend_runs_unverified_code_with_one_warning_per_op_and_p
     q = _embeddings()
     messages = []
     for dims in (None, None, (4, 8), (4, 8)):
-        _, warned = _recording_warnings(triton.similarity_xent, q, None, 20.0, "partner", dims=dims)
+        _, warned = runtime_warnings(triton.similarity_xent, q, None, 20.0, "partner", dims=dims)
         messages.append(warned)
-    _, on_cpu = _recording_warnings(triton.similarity_xent, torch.randn(6, 8, dtype=torch.float64), None, 20.0,
+    _, on_cpu = runtime_warnings(triton.similarity_xent, torch.randn(6, 8, dtype=torch.float64), None, 20.0,
                                     "partner")
     assert backends.computed == 5 * [("triton", "similarity_xent")]  # it runs what it is asked, every time
     assert len(messages[0]) == 1 and messages[1:] == [[], [], []]  # fused: once; dims: verified, never
@@ -207,8 +198,8 @@ def test_an_explicit_backend_warns_about_the_code_path_the_call_takes(backends):
     backends.verified.add(("triton", "similarity_xent", "fused"))
     triton = dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
     q = _embeddings()
-    _, fused = _recording_warnings(triton.similarity_xent, q, None, 20.0, "partner")
-    _, dims = _recording_warnings(triton.similarity_xent, q, None, 20.0, "partner", dims=(4, 8))
+    _, fused = runtime_warnings(triton.similarity_xent, q, None, 20.0, "partner")
+    _, dims = runtime_warnings(triton.similarity_xent, q, None, 20.0, "partner", dims=(4, 8))
     assert fused == [] and len(dims) == 1
     assert "backend='triton' computes similarity_xent on its code path 'dims'" in dims[0]
 
@@ -217,7 +208,7 @@ def test_explicit_triton_on_cpu_tensors_never_warns_of_a_gpu_verification(backen
     """CPU tensors under the Triton interpreter: no GPU verification applies, so even the first call of a path
     verified nowhere computes silently."""
     triton = dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
-    _, warned = _recording_warnings(triton.similarity_xent, torch.randn(6, 8, dtype=torch.float64), None, 20.0,
+    _, warned = runtime_warnings(triton.similarity_xent, torch.randn(6, 8, dtype=torch.float64), None, 20.0,
                                     "partner")
     assert warned == [] and backends.computed == [("triton", "similarity_xent")]
 
@@ -263,9 +254,9 @@ def test_the_torch_backends_gpu_path_computes_only_where_it_may(backends, torch_
     assert dispatch.resolve_backend("torch", torch.zeros(2)) is dispatch._TORCH_OPS  # CPU tensors: default only
     for ops in (auto, explicit):
         assert ops.computes("similarity_xent", q16, None, 20.0, "partner") == ("torch", "default")
-    default_loss, warned = _recording_warnings(auto.similarity_xent, q16, None, 20.0, "partner")
+    default_loss, warned = runtime_warnings(auto.similarity_xent, q16, None, 20.0, "partner")
     assert len(warned) == 1 and "torch: its code path 'mixed' has not passed a correctness run" in warned[0]
-    assert _recording_warnings(explicit.similarity_xent, q16, None, 20.0, "partner")[1] == []
+    assert runtime_warnings(explicit.similarity_xent, q16, None, 20.0, "partner")[1] == []
     assert dispatch.path_ops("torch", FAKE_CUDA_TENSOR).computes("similarity_xent", q16, None, 20.0, "partner") == (
         "torch", "mixed")
 
@@ -275,7 +266,7 @@ def test_the_torch_backends_gpu_path_computes_only_where_it_may(backends, torch_
         assert ops.computes("similarity_xent", q16, None, 20.0, "partner", dims=(4, 8)) == ("torch", "mixed")
         assert ops.computes("similarity_xent", q64, None, 20.0, "partner") == ("torch", "default")
         assert ops.computes("pair_scores", q16.view(3, 2, 8), True) == ("torch", "default")
-        mixed_loss, warned = _recording_warnings(ops.similarity_xent, q16, None, 20.0, "partner")
+        mixed_loss, warned = runtime_warnings(ops.similarity_xent, q16, None, 20.0, "partner")
         assert warned == [] and torch.allclose(mixed_loss, default_loss, rtol=1e-5)
     assert backends.computed == []  # the fake GPU backends computed nothing
 
@@ -321,11 +312,11 @@ def test_the_fixed_order_traces_in_one_graph():
 def test_auto_warns_with_the_reason_a_backend_is_unavailable_and_never_builds(backends):
     backends.triton.answer = (False, "triton does not import: ImportError: fake libcuda mismatch")
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
-    _, warned = _recording_warnings(auto.ranking_loss, *_scores())
+    _, warned = runtime_warnings(auto.ranking_loss, *_scores())
     assert len(warned) == 1 and "fake libcuda mismatch" in warned[0] and "no prebuilt angle_kernels._C" in warned[0]
     for _ in range(3):  # cached: neither probed again nor warned again
         assert dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR) is auto
-        assert _recording_warnings(auto.ranking_loss, *_scores())[1] == []
+        assert runtime_warnings(auto.ranking_loss, *_scores())[1] == []
     assert backends.triton.calls == [None] and backends.cuda.calls == [False]
 
 
@@ -336,7 +327,7 @@ def test_auto_reports_a_backend_that_raises_while_probed(backends):
     backends.triton.is_available = broken
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     assert auto.candidates == []
-    _, warned = _recording_warnings(auto.ranking_loss, *_scores())
+    _, warned = runtime_warnings(auto.ranking_loss, *_scores())
     assert "OSError" in warned[0] and "libtriton.so" in warned[0]
 
 
@@ -350,7 +341,7 @@ def test_a_backend_whose_op_module_fails_to_import_is_reported(backends, monkeyp
 
     monkeypatch.setattr(backends.triton, "load_ops", load_ops)
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
-    _, warned = _recording_warnings(auto.ranking_loss, *_scores())
+    _, warned = runtime_warnings(auto.ranking_loss, *_scores())
     assert "fake_kernel_dependency" in warned[0], warned
     with pytest.raises(RuntimeError, match="backend .triton. is not available here: .*fake_kernel_dependency"):
         dispatch.resolve_backend("triton", FAKE_CUDA_TENSOR)
@@ -364,7 +355,7 @@ def test_an_op_a_backend_lacks_goes_to_torch_under_auto_and_is_refused_when_expl
     backends.verified.update({("triton", "ranking_loss", "fused"), ("triton", "similarity_xent", "fused")})
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     scores, labels = _scores()
-    first, warned = _recording_warnings(auto.ranking_loss, scores, labels)
+    first, warned = runtime_warnings(auto.ranking_loss, scores, labels)
     auto.similarity_xent(_embeddings(), None, 20.0, "partner")
     assert backends.computed == [("triton", "similarity_xent")]
     assert len(warned) == 1 and "triton: it does not implement ranking_loss yet" in warned[0]
@@ -406,7 +397,7 @@ def test_auto_uses_a_prebuilt_cuda_extension_without_building(backends):
     backends.verified.add(("cuda", "ranking_loss", "fused"))
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     assert [c.name for c in auto.candidates] == ["cuda"]
-    _, warned = _recording_warnings(auto.ranking_loss, *_scores())
+    _, warned = runtime_warnings(auto.ranking_loss, *_scores())
     assert warned == [] and backends.computed == [("cuda", "ranking_loss")]
     assert backends.cuda.calls == [False]
 
@@ -593,7 +584,7 @@ def test_auto_takes_the_backend_measured_fastest_among_those_it_may_use(backends
     ])
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     q = _embeddings()  # M = Mc = 6: 36 logits, D = 8
-    _, warned = _recording_warnings(auto.similarity_xent, q, None, 20.0, "partner")
+    _, warned = runtime_warnings(auto.similarity_xent, q, None, 20.0, "partner")
     assert warned == [] and backends.computed == []  # torch computed it
     auto.ranking_loss(*_scores())
     assert backends.computed == [("cuda", "ranking_loss")]  # cuda measured fastest there

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from angle_kernels import user_cache
+from angle_kernels.testing.helpers import runtime_warnings
 
 
 @pytest.fixture
@@ -29,10 +30,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def read_warning(path) -> tuple[dict, list[str]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        contents = user_cache.read(path)
-    return contents, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return runtime_warnings(user_cache.read, path)
 
 
 EMPTY = {"format": user_cache.FORMAT, "verified": [], "checks": []}

@@ -22,7 +22,9 @@ import importlib
 import importlib.util
 import math
 import os
+import sys
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +169,21 @@ def float64_cannot_resolve(loss: torch.Tensor) -> bool:
     more than the 1e-8 relative tolerance whatever the implementation. The fuzz tests skip such float64 draws
     (float32 ones are judged by eager float32's own error, see check_against_oracle)."""
     return 0.0 < float(loss) < 1e-6
+
+
+def runtime_warnings(fn, *args, **kwargs) -> tuple:
+    """(fn(*args, **kwargs), the messages of the RuntimeWarnings it gave), each of the package's filed under the line
+    of the test that called this helper (angle_kernels.user_warnings: this file is the package's, which the walk to
+    the caller's line passes)."""
+    caller = sys._getframe(1).f_code.co_filename
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args, **kwargs)
+    runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    misplaced = [f"{w.filename}:{w.lineno}" for w in runtime if "angle_kernels" in str(w.message)
+                 and w.filename != caller]
+    assert not misplaced, f"warnings filed elsewhere than {caller}: {misplaced}"
+    return result, [str(w.message) for w in runtime]
 
 
 def env_flag(name: str) -> bool:

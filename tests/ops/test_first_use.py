@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from angle_kernels.testing.helpers import TRITON_DEVICE
+from angle_kernels.testing.helpers import TRITON_DEVICE, runtime_warnings
 
 pytest.importorskip("triton")
 
@@ -88,18 +88,9 @@ def _records() -> list[dict]:
     return user_cache.read()["checks"]
 
 
-def _runtime_warnings(fn, *args, **kwargs):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = fn(*args, **kwargs)
-    ours = [w for w in caught if issubclass(w.category, RuntimeWarning) and "angle_kernels" in str(w.message)]
-    assert all(w.filename == __file__ for w in ours), [f"{w.filename}:{w.lineno}" for w in ours]  # the caller's line
-    return result, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-
-
 def test_the_first_call_of_each_kind_is_checked_once(gpu):
     q = _q(8).requires_grad_()
-    loss, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner", exclude_diagonal=True)
+    loss, warned = runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner", exclude_diagonal=True)
     assert warned == [] and gpu.checks == [("similarity_xent", "fused", "float32")]
     assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner", exclude_diagonal=True) == ("triton", "fused")
     loss.backward()
@@ -151,8 +142,8 @@ def test_a_wrong_result_is_refused_and_recorded(gpu, monkeypatch, wrong):
 
     monkeypatch.setattr(gpu.triton.backend, "similarity_xent", wrong_op)
     q = _q(8)
-    first, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
-    second, again = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    first, warned = runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    second, again = runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
     assert planted == [1]  # the check's call: torch computed both
     want = dispatch.similarity_xent(q, None, 20.0, "partner", backend="torch")
     assert torch.equal(first, want) and torch.equal(second, want)
@@ -167,12 +158,12 @@ def test_a_wrong_result_is_refused_and_recorded(gpu, monkeypatch, wrong):
     assert record["errors"][wrong] > record["allowed"][wrong]
     # a new process (this one, forgetting what it decided) reads the failure: no check, torch, told again
     first_use.forget()
-    _, told_again = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    _, told_again = runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
     assert planted == [1] and len(gpu.checks) == 1 and len(told_again) == 1
     # the records of failed checks removed (verify --forget-failed): the next process checks again
     assert user_cache.forget_failed_checks() == 1 and _records() == []
     first_use.forget()
-    _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
     assert planted == [1, 1]
 
 
@@ -187,8 +178,8 @@ def test_a_path_that_raises_computes_on_torch_in_this_process_and_is_checked_aga
 
     monkeypatch.setattr(gpu.triton.backend, "similarity_xent", raising_op)
     q = _q(8)
-    first, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
-    second, again = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    first, warned = runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    second, again = runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
     want = dispatch.similarity_xent(q, None, 20.0, "partner", backend="torch")
     assert torch.equal(first, want) and torch.equal(second, want) and planted == [1] and again == []
     told = [w for w in warned if "for calls like this one" in w]
@@ -196,7 +187,7 @@ def test_a_path_that_raises_computes_on_torch_in_this_process_and_is_checked_aga
     assert "not recorded: an error is this process's alone" in told[0] and "--forget-failed" not in told[0]
     assert _records() == []
     first_use.forget()  # a new process
-    _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
     assert planted == [1, 1]
 
 
@@ -214,7 +205,7 @@ def test_a_check_that_cannot_run_leaves_the_call_on_torch_and_records_nothing(gp
             raise RuntimeError("CUBLAS_STATUS_ALLOC_FAILED (planted)")
         monkeypatch.setattr(first_use, "_torch_op", lambda op: failing)
     q = _q(8)
-    value, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    value, warned = runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
     assert torch.equal(value, dispatch.similarity_xent(q, None, 20.0, "partner", backend="torch"))
     told = [w for w in warned if "for calls like this one" in w]
     what = "ran out of GPU memory" if where == "scan" else "could not run (RuntimeError: CUBLAS_STATUS_ALLOC_FAILED"
@@ -250,7 +241,7 @@ def test_the_torch_backends_gpu_path_is_checked_on_first_use(gpu, monkeypatch):
         sizes="large"),))
     verified.forget()
     q = _q(8, torch.bfloat16)
-    _, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner", exclude_diagonal=True)
+    _, warned = runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner", exclude_diagonal=True)
     assert warned == [] and gpu.auto.computes("similarity_xent", q, None, 20.0, "partner", exclude_diagonal=True) == (
         "torch", "mixed")
     gpu.auto.similarity_xent(q, None, 20.0, "partner", exclude_diagonal=True, dims=(8, 16))
@@ -352,7 +343,7 @@ def test_no_check_while_tracing_only_records_count(gpu, monkeypatch):
 def test_self_check_0_keeps_verified_paths_only_and_other_values_raise(gpu, monkeypatch):
     monkeypatch.setenv(first_use.ENV, "0")
     q = _q(8)
-    _, warned = _runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
+    _, warned = runtime_warnings(gpu.auto.similarity_xent, q, None, 20.0, "partner")
     assert gpu.auto.computes("similarity_xent", q, None, 20.0, "partner") == ("torch", "default")
     assert gpu.checks == [] and not gpu.cache.exists()
     assert len(warned) == 1 and f"first-use checks are off: {first_use.ENV}=0" in warned[0]
@@ -364,7 +355,7 @@ def test_self_check_0_keeps_verified_paths_only_and_other_values_raise(gpu, monk
 
 def test_a_path_no_gpu_verified_at_large_size_is_never_checked(gpu):
     x = torch.randn(4, 2, 16, device=DEVICE)
-    _, warned = _runtime_warnings(gpu.auto.pair_scores, x, True, (8, 16))
+    _, warned = runtime_warnings(gpu.auto.pair_scores, x, True, (8, 16))
     assert gpu.auto.computes("pair_scores", x, True, (8, 16)) == ("torch", "default")
     assert gpu.checks == [] and not gpu.cache.exists()
     assert len(warned) == 1 and "its code path 'dims' has not passed a correctness run on a stand-in GPU" in warned[0]
@@ -378,7 +369,7 @@ def test_an_oversized_call_is_checked_on_a_part_of_the_same_bucket(gpu, monkeypa
     (record,) = _records()
     assert record["part"] == "the first 18 of 24 rows" and record["pass"] is True and record["bucket"]["M"] == 32
     monkeypatch.setattr(first_use, "ELEMENT_BUDGET", 16 * 16)  # 16 rows would leave the bucket: not checked
-    _, warned = _runtime_warnings(gpu.auto.similarity_xent, _q(24), None, 20.0, "partner")
+    _, warned = runtime_warnings(gpu.auto.similarity_xent, _q(24), None, 20.0, "partner")
     assert len(gpu.checks) == 1 and len(_records()) == 1
     assert len(warned) == 2 and all("too large for a first-use check" in w for w in warned)
 
