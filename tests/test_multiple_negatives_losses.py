@@ -285,6 +285,22 @@ def test_gist_on_every_backend_against_the_oracle(backend, name, dtype):
         f"gist {name} on {backend.name}", device=backend.device)
 
 
+@pytest.mark.parametrize("guide_dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_guide_filters_as_its_embeddings_in_float32_do(guide_dtype):
+    """A 16-bit guide's scores are compared in float32 (sentence-transformers' GISTEmbedLoss compares them in the
+    guide's 16 bits, the documented difference of the drop-ins): the loss and gradients of a 16-bit guide are
+    those of its embeddings converted to float32, bit for bit."""
+    model_side, guide, options = _gist_inputs("relative_one_negative", torch.float32)
+    results = []
+    for converted in ([g.to(guide_dtype) for g in guide], [g.to(guide_dtype).float() for g in guide]):
+        leaves = [x.detach().clone().requires_grad_() for x in model_side]
+        value = ak.gist_loss(leaves[0], leaves[1], converted[0], converted[1], leaves[2:], converted[2:], **options)
+        value.backward()
+        results.append((value.detach(), [x.grad for x in leaves]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
 @pytest.mark.parametrize("block", ["anchors", "positives"])
 def test_gist_leaves_each_rows_own_column_out_unless_self_negatives(backend, block):
     """A negative margin lifts the filter's threshold to g_i + |margin|; where that reaches 1, the filter keeps row

@@ -6,7 +6,7 @@
 
 Each class here subclasses the sentence-transformers loss of the same name, takes the same constructor
 arguments (plus a keyword-only `backend`: "auto" (default), "torch", "triton", "cuda"), and returns the same
-loss value and gradients on the same model and batch (up to floating-point rounding; GIST's one exception is
+loss value and gradients on the same model and batch (up to floating-point rounding; GIST's two exceptions are
 below), while computing it with angle_kernels' fused losses:
 
     CoSENTLoss                          cosine_loss (or angle_loss with similarity_fct=pairwise_angle_sim):
@@ -33,8 +33,11 @@ their parents do).
 
 Argument combinations that the fused losses cannot express run the parent class's own computation,
 unchanged; each class's docstring lists them (and a tensor `scale`, a learned nn.Parameter, runs the parent's
-computation in CoSENTLoss, AnglELoss and the MNRL family, which train it), and `loss.uses_fused_path` tells which
-path a configured loss takes. The embedding side (the model's forward, GradCache's mini-batches) is untouched.
+computation in CoSENTLoss, AnglELoss and the MNRL family, which train it, as does a learned `hardness_strength` in
+the MNRL family and a learned `last_layer_weight` or `prior_layers_weight` in the layer-wise losses; a learned
+`kl_div_weight` or `kl_temperature` is trained on the fused path too, whose KL terms are the parent's code), and
+`loss.uses_fused_path` tells which path a configured loss takes. The embedding side (the model's forward,
+GradCache's mini-batches) is untouched.
 
 Differences from the parents, on inputs where the parents return NaN: angle_kernels raises a ValueError for
 NaN/Inf embeddings or labels (switch the check off with `angle_kernels.set_input_checks(False)`), and gives
@@ -51,7 +54,9 @@ weight past the range of the model's losses' compute dtype (float32's 3.4e38 for
 model embeds (a drawn layer's weight, alone or times a dimension's, and the sum of a dimension listed twice: before
 any loss compute), where the parents' loss is inf or NaN. MultipleNegativesRankingLoss and
 CachedMultipleNegativesRankingLoss likewise refuse, when built, a `hardness_strength` that is NaN, inf or a bool
-(the parents refuse one < 0 only), or whose sum with `scale` is past the fused call's bound under a hardness_mode.
+(the parents refuse one < 0 only), or whose sum with `scale` is past the fused call's bound under a hardness_mode,
+and GISTEmbedLoss and CachedGISTEmbedLoss a `margin` that is NaN or +-inf (the parents' filter keeps every column
+for NaN and -inf, drops every one for +inf; the fused loss refused it at the first step).
 
 GISTEmbedLoss and CachedGISTEmbedLoss (and MatryoshkaLoss over them) differ from their parents beyond rounding in
 one case: a column whose guide score is above its row's threshold (the positive's guide score less the margin,
@@ -60,7 +65,11 @@ here, where the parents' strict `>` drops it; a batch with such a column gets an
 for exact ties: a copy of row i's positive elsewhere in the batch has the positive's guide score in exact arithmetic,
 which the parents' `>` keeps, and here the threshold (a pair score) and the column (a tile of products) round a few ulps
 apart, so without it the copy's fate would be the rounding's. So a margin must exceed 2^-16 to drop exact
-duplicates.
+duplicates. And with a 16-bit guide (a bf16 or fp16 guide model, to save memory) the parents compute the guide's
+cosines and thresholds in 16 bits, where columns within about 2^-8 of a threshold tie or flip by rounding; here
+they are computed in float32 from the guide's 16-bit embeddings, as for a float32 guide, so the filter and the
+loss can differ beyond rounding (by 13-23% on a tiny BERT's batch of 4 with a guide near the model, 4-17% at 8);
+with a float32 guide the two agree to rounding.
 
 Where sentence-transformers releases compute a loss differently, the drop-ins compute what the installed one does:
 6.3 leaves row i's own anchor (positive) out of GIST's anchor-anchor (positive-positive) block, where earlier releases
@@ -430,26 +439,48 @@ def _mnrl_similarity(loss: torch.nn.Module) -> str | None:
     return None
 
 
+def _learned(value: Any) -> bool:
+    """Whether a hyper-parameter is learned: a tensor that requires grad (an nn.Parameter the parents train; the
+    fused ops take numbers, so a configuration with one runs the parent's computation)."""
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def _current_value(value: Any) -> Any:
+    """A hyper-parameter as the checks read it: a learned one's current value (detached), anything else as given."""
+    return value.detach() if _learned(value) else value
+
+
 def _check_constructor_numbers(*, scale=None, temperature=None, mini_batch_size=None,
-                               hardness_strength=None, hardness_mode=None) -> None:
+                               hardness_strength=None, hardness_mode=None, margin=None) -> None:
     """The numbers a drop-in is built with, checked when it is built (before any model runs: the parents take
     anything, and a bad one failed at the first loss call, after the model's forward passes, or inside GradCache's
     chunking): a number scale or temperature by the loss's one rule (inputs.check_scale; a tensor scale is a learned
     one, the parent's to compute with, `_tensor_scale`), a hardness_strength that is a finite real number (the
-    parent refuses one < 0 but takes NaN, inf and True) whose sum with a number scale is held to the fused call's
-    bound under a hardness_mode (inputs.check_hardness_fits), a mini_batch_size of at least one row."""
+    parent refuses one < 0 but takes NaN, inf and True; a learned one by its current value, the parent's to compute
+    with) whose sum with a number scale is held to the fused call's bound under a hardness_mode
+    (inputs.check_hardness_fits), a GIST margin that is a finite real number (the fused loss refused NaN and +-inf
+    at the first step, after the model's forward passes; the parent's filter keeps every column for NaN and -inf,
+    and drops every one for +inf), a mini_batch_size of at least one row (an int, or one that converts exactly:
+    numpy's integers)."""
     number_scale = scale is not None and not isinstance(scale, torch.Tensor)
     if number_scale:
         scale = _inputs.check_scale("scale", scale)
     if temperature is not None:
         _inputs.check_scale("temperature", temperature, divides=True)
+    if margin is not None:
+        _inputs.check_scalar("margin", margin)
     if hardness_strength is not None:
-        hardness_strength = _inputs.check_scalar("hardness_strength", hardness_strength)
-        if number_scale:
+        learned = _learned(hardness_strength)
+        hardness_strength = _inputs.check_scalar("hardness_strength", _current_value(hardness_strength))
+        if number_scale and not learned:
             _inputs.check_hardness_fits(scale=scale, hardness_mode=hardness_mode, hardness_strength=hardness_strength)
-    if mini_batch_size is not None and (isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int)
-                                        or mini_batch_size < 1):
-        raise ValueError(f"mini_batch_size must be an int >= 1 (rows a mini-batch embeds), got {mini_batch_size!r}")
+    if mini_batch_size is not None:
+        try:
+            rows = _inputs.check_width("mini_batch_size", mini_batch_size)
+        except TypeError:
+            rows = 0
+        if rows < 1:
+            raise ValueError(f"mini_batch_size must be an int >= 1 (rows a mini-batch embeds), got {mini_batch_size!r}")
 
 
 def _check_directions(directions) -> None:
@@ -477,6 +508,8 @@ def _mnrl_unfused_reason(loss: torch.nn.Module) -> str | None:
         return "similarity_fct is neither util.cos_sim nor util.dot_score"
     if _tensor_scale(loss):
         return "scale is a tensor (a learned scale), which the fused ops do not train"
+    if _learned(getattr(loss, "hardness_strength", 0.0)):
+        return "hardness_strength is learned (a tensor that requires grad), which the fused ops do not train"
     return None
 
 
@@ -763,7 +796,7 @@ class GISTEmbedLoss(_BackendSetting, _st_losses.GISTEmbedLoss):
     The embedding side is the parent's: the model embeds every column with gradients, the guide without
     (on the model's own tokenisation when the two share a vocabulary and the guide's maximum length is not
     shorter, else on the decoded texts re-tokenised for the guide). Same values and gradients as the parent but
-    for the tie allowance (the module docstring).
+    for the tie allowance and a 16-bit guide's filter (the module docstring).
     """
 
     _input_columns = _GIST
@@ -772,7 +805,7 @@ class GISTEmbedLoss(_BackendSetting, _st_losses.GISTEmbedLoss):
                  margin_strategy: Literal["absolute", "relative"] = "absolute", margin: float = 0.0,
                  contrast_anchors: bool = True, contrast_positives: bool = True, gather_across_devices: bool = False,
                  *, backend: str | None = None) -> None:
-        _check_constructor_numbers(temperature=temperature)
+        _check_constructor_numbers(temperature=temperature, margin=margin)
         optional = _parent_kwargs(_st_losses.GISTEmbedLoss.__init__, {
             "gather_across_devices": gather_across_devices}, _MNRL_DEFAULTS)
         super().__init__(model, guide, temperature=temperature, margin_strategy=margin_strategy, margin=margin,
@@ -812,8 +845,8 @@ class CachedGISTEmbedLoss(_BackendSetting, _st_losses.CachedGISTEmbedLoss):
     """sentence-transformers' CachedGISTEmbedLoss (GradCache) with the loss stage computed by angle_kernels
     (`gist_loss`) on the whole cached batch at once; the embedding side (model and guide mini-batches) is the
     parent's. Same arguments, plus keyword-only `backend`; always fused. show_progress_bar shows the embedding
-    passes' bars, and none for the loss stage (one call). Same results as the parent but for the tie allowance (the
-    module docstring)."""
+    passes' bars, and none for the loss stage (one call). Same results as the parent but for the tie allowance and a
+    16-bit guide's filter (the module docstring)."""
 
     _input_columns = _ANCHORED
 
@@ -823,7 +856,7 @@ class CachedGISTEmbedLoss(_BackendSetting, _st_losses.CachedGISTEmbedLoss):
                  margin_strategy: Literal["absolute", "relative"] = "absolute", margin: float = 0.0,
                  contrast_anchors: bool = True, contrast_positives: bool = True, gather_across_devices: bool = False,
                  *, backend: str | None = None) -> None:
-        _check_constructor_numbers(temperature=temperature, mini_batch_size=mini_batch_size)
+        _check_constructor_numbers(temperature=temperature, mini_batch_size=mini_batch_size, margin=margin)
         optional = _parent_kwargs(_st_losses.CachedGISTEmbedLoss.__init__, {
             "mini_batch_num_tokens": mini_batch_num_tokens, "gather_across_devices": gather_across_devices,
             "show_progress_bar": show_progress_bar}, _MNRL_DEFAULTS)
@@ -1120,6 +1153,11 @@ class _FusedLayerwise:
 
     @property
     def uses_fused_path(self) -> bool:
+        # a learned last_layer_weight or prior_layers_weight multiplies the inner loss's value, which the parent's
+        # loop trains and the fused call (its weights numbers) would not; learned KL weights are trained either way
+        # (the KL terms are the parent's code on both paths)
+        if _learned(self.last_layer_weight) or _learned(self.prior_layers_weight):
+            return False
         return _layerwise_unfused_reason(self.loss) is None
 
     def _check_weights_fit(self) -> None:
@@ -1132,10 +1170,10 @@ class _FusedLayerwise:
         checked once drawn (_LayerRecorder.fused_loss)."""
         dtype = _embedding_dtype(self.model)
         weights = {"last_layer_weight": self.last_layer_weight, "prior_layers_weight": self.prior_layers_weight}
-        if _inputs.check_scalar("kl_temperature", self.kl_temperature) > 0:
+        if _inputs.check_scalar("kl_temperature", _current_value(self.kl_temperature)) > 0:
             weights.update(kl_div_weight=self.kl_div_weight, kl_temperature=self.kl_temperature)
         for name, weight in weights.items():
-            _inputs.check_weight_fits(name, _inputs.check_scalar(name, weight), dtype)
+            _inputs.check_weight_fits(name, _inputs.check_scalar(name, _current_value(weight)), dtype)
         if isinstance(self.loss, MatryoshkaLoss):
             self.loss._check_weights_fit()
 
@@ -1162,7 +1200,7 @@ def _check_layerwise_numbers(*, n_layers_per_step: int, **numbers: Any) -> None:
     n_layers_per_step an int (a float failed in random.sample, after the final layer's forward)."""
     _inputs.check_width("n_layers_per_step", n_layers_per_step)
     for name, value in numbers.items():
-        _inputs.check_scalar(name, value)
+        _inputs.check_scalar(name, _current_value(value))  # a learned one by its current value
 
 
 class AdaptiveLayerLoss(_FusedLayerwise, _st_losses.AdaptiveLayerLoss):
@@ -1177,8 +1215,9 @@ class AdaptiveLayerLoss(_FusedLayerwise, _st_losses.AdaptiveLayerLoss):
     its dimensions as the parent's MatryoshkaLoss would); `uses_fused_path` says so. Otherwise the parent's
     per-layer loop runs (sentence-transformers does not support gradient-cache losses here).
     last_layer_weight, prior_layers_weight, kl_div_weight and kl_temperature must be finite real numbers (checked
-    when built; the parent computes NaN or inf from them); a layer_weighting callable's values are checked (named)
-    on the fused path.
+    when built; the parent computes NaN or inf from them), or learned ones (nn.Parameter: a learned
+    last_layer_weight or prior_layers_weight runs the parent's loop, which trains it); a layer_weighting callable's
+    values are checked (named) on the fused path.
     """
 
     def __init__(self, model: SentenceTransformer, loss: torch.nn.Module, n_layers_per_step: int = 1,

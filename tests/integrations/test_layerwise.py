@@ -223,6 +223,35 @@ def test_bad_weights_are_refused_when_built_naming_them(deep_model64, cls, setti
         getattr(ours, cls)(model, ours.MultipleNegativesRankingLoss(model), **dims, **{setting: value})
 
 
+@pytest.mark.parametrize("setting, value, fused", [("last_layer_weight", 1.5, False),
+                                                   ("prior_layers_weight", 0.7, False),
+                                                   ("kl_div_weight", 2.0, True), ("kl_temperature", 0.3, True)])
+@pytest.mark.parametrize("cls", ["AdaptiveLayerLoss", "Matryoshka2dLoss"])
+def test_a_learned_weight_is_trained_as_the_parent_trains_it(deep_model64, cls, setting, value, fused):
+    """A weight given as an nn.Parameter (the parents train it, and sentence-transformers' trainer optimises a loss's
+    parameters): refused when built ("must be a real number, got a Parameter that requires grad"). Now a learned
+    last_layer_weight or prior_layers_weight, which multiplies the inner losses' values, runs the parent's loop;
+    the KL terms' weight and temperature are the parent's code on the fused path too. The parent's value, model
+    gradients and the weight's gradient."""
+    model = deep_model64
+    dims = {"matryoshka_dims": (32, 16)} if cls == "Matryoshka2dLoss" else {}
+    results = []
+    for module in (st_losses, ours):
+        weight = torch.nn.Parameter(torch.tensor(value, dtype=torch.float64))
+        loss = getattr(module, cls)(model, module.MultipleNegativesRankingLoss(model), n_layers_per_step=2, **dims,
+                                    **{setting: weight})
+        model.zero_grad(set_to_none=True)
+        loss_value = Seeded(loss)(batch_columns(model, 2), None)
+        loss_value.backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        results.append((float(loss_value), grads, float(weight.grad)))
+        if module is ours:
+            assert loss.uses_fused_path is fused
+    (value_p, grads_p, weight_grad_p), (value_o, grads_o, weight_grad_o) = results
+    assert value_o == pytest.approx(value_p, rel=1e-12) and weight_grad_o == pytest.approx(weight_grad_p, rel=1e-10)
+    assert weight_grad_p != 0 and float((grads_o - grads_p).norm() / grads_p.norm()) < 1e-10
+
+
 def test_a_bad_weight_set_later_or_given_by_layer_weighting_is_named_by_the_fused_call(deep_model64):
     model = deep_model64
     loss = ours.AdaptiveLayerLoss(model, ours.MultipleNegativesRankingLoss(model), n_layers_per_step=-1,

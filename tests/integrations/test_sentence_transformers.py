@@ -719,6 +719,55 @@ def test_a_hardness_strength_that_is_not_a_finite_number_is_refused_when_built(m
 
 
 @pytest.mark.parametrize("class_name", ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"])
+def test_a_learned_hardness_strength_runs_the_parents_computation_which_trains_it(model64, class_name):
+    """A hardness_strength given as an nn.Parameter (the parent trains it): refused when built ("must be a real
+    number, got a Parameter that requires grad"). Now the parent's computation runs, as for a learned scale, with
+    its value, model gradients and the strength's gradient; a bad current value is still refused when built."""
+    results = []
+    for module in (st_losses, ours):
+        strength = torch.nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+        loss = getattr(module, class_name)(model64, hardness_mode="all_negatives", hardness_strength=strength)
+        value, grads = value_and_grads(model64, loss, 3, None)
+        results.append((float(value), grads, float(strength.grad)))
+        if module is ours:
+            assert not loss.uses_fused_path
+    (value_p, grads_p, strength_grad_p), (value_o, grads_o, strength_grad_o) = results
+    assert value_o == pytest.approx(value_p, rel=1e-12) and strength_grad_o == pytest.approx(strength_grad_p, rel=1e-10)
+    assert strength_grad_p != 0 and all(torch.allclose(grads_o[name], grads_p[name], rtol=1e-10, atol=1e-14)
+                                        for name in grads_p)
+    with pytest.raises(ValueError, match="^hardness_strength must be finite, got nan"):
+        getattr(ours, class_name)(model64, hardness_mode="all_negatives",
+                                  hardness_strength=torch.nn.Parameter(torch.tensor(float("nan"))))
+
+
+@pytest.mark.parametrize("class_name", ["CachedMultipleNegativesRankingLoss",
+                                        "CachedMultipleNegativesSymmetricRankingLoss", "CachedGISTEmbedLoss"])
+def test_a_numpy_integer_mini_batch_size_is_taken_as_the_parent_takes_it(model64, guide64, class_name):
+    """A mini_batch_size from a numpy array or a pandas table (np.int64): the parents take it; the drop-ins refused
+    it ("must be an int >= 1") while taking numpy's integers for n_dims_per_step and n_layers_per_step."""
+    models = (model64, guide64) if "GIST" in class_name else (model64,)
+    values = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the symmetric parent is deprecated upstream
+        for module in (st_losses, ours):
+            loss = getattr(module, class_name)(*models, mini_batch_size=np.int64(2))
+            values.append(float(value_and_grads(model64, loss, 2, None)[0]))
+    assert values[1] == pytest.approx(values[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("class_name", ["GISTEmbedLoss", "CachedGISTEmbedLoss"])
+def test_a_gist_margin_that_is_not_finite_is_refused_when_built(model64, guide64, class_name):
+    """The parents take any margin (their filter keeps every column for NaN and -inf, drops every one for +inf);
+    the fused loss refused a non-finite one at the first step, after the model and the guide had embedded the batch
+    (every mini-batch of the cached loss). Refused when built, naming it; a huge finite margin is taken."""
+    cls = getattr(ours, class_name)
+    for margin in (float("nan"), float("-inf"), float("inf")):
+        with pytest.raises(ValueError, match=f"^margin must be finite, got {margin}$"):
+            cls(model64, guide64, margin=margin)
+    assert cls(model64, guide64, margin=-1e30).margin == -1e30
+
+
+@pytest.mark.parametrize("class_name", ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"])
 def test_unknown_directions_are_named_in_a_fixed_order_when_built(model64, class_name):
     """The parents listed the unknown directions and the valid ones as sets, in an order that changed between
     processes: named in the order given, with the four in theirs."""
