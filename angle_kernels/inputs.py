@@ -315,10 +315,17 @@ def promote_embeddings(*tensors):
             for t in tensors]
 
 
+# labels ranked as int64, exactly: bools, and the unsigned integers wider than 8 bits, which torch's searchsorted (the
+# ranking's) does not take
+_LABELS_AS_INT64 = (torch.bool, torch.uint16, torch.uint32)
+
+
 def check_labels(name: str, y, rows: int, device: torch.device, *, check_values: bool = True,
                  embeddings: str = "the embeddings") -> torch.Tensor:
     """y of shape [rows] or [rows, 1], real values on `device` (finite: with check_values, while value checks are
-    on); returned flattened to [rows]. embeddings: the name of the argument whose rows and device y must match."""
+    on); returned flattened to [rows], bool, uint16 and uint32 labels as int64 and float8 ones as float32 (exact:
+    the ranking sorts neither), uint64 refused. embeddings: the name of the argument whose rows and device y must
+    match."""
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
     if y.is_complex():
@@ -328,8 +335,13 @@ def check_labels(name: str, y, rows: int, device: torch.device, *, check_values:
                          f"got {tuple(y.shape)}")
     check_same_device((name, y), (embeddings, device))
     y = y.reshape(rows)
-    if y.dtype == torch.bool:
+    if y.dtype in _LABELS_AS_INT64:
         y = y.to(torch.int64)
+    elif y.is_floating_point() and y.element_size() == 1:  # float8: torch sorts no 8-bit float
+        y = y.to(torch.float32)
+    elif y.dtype == torch.uint64:
+        raise TypeError(f"{name} must be a float, bool or integer tensor other than uint64 (torch ranks no uint64 "
+                        f"and int64 cannot hold all its values); pass {name}.long() or {name}.double()")
     if check_values and input_checks_enabled() and y.is_floating_point() and not _all_finite(y):
         raise ValueError(f"{name} contains NaN or Inf values")
     return y

@@ -285,6 +285,21 @@ def test_gist_on_every_backend_against_the_oracle(backend, name, dtype):
         f"gist {name} on {backend.name}", device=backend.device)
 
 
+@pytest.mark.parametrize("margin", [1e30, 1e39, -1e39])
+def test_a_relative_margin_past_float32s_range_filters_as_in_exact_arithmetic(margin):
+    """A relative false-negative margin past float32's largest number was inf in the float32 threshold, and a row
+    whose positive cosine is 0 got 0 x inf, NaN: a threshold no column exceeds, its filter silently off (1e39:
+    3.99 where 1e30 gave 1.42). Its threshold is 0 (plus the tie allowance) for every margin, as in float64."""
+    gen = torch.Generator().manual_seed(0)
+    queries, positives = torch.eye(8)[:4], torch.eye(8)[4:]  # every positive cosine exactly 0
+    negatives = torch.randn(4, 8, generator=gen)
+    options = dict(false_negative_margin=margin, false_negative_strategy="relative")
+    value = ak.multiple_negatives_ranking_loss(queries, positives, (negatives,), **options)
+    exact = oracle.multiple_negatives_ranking_loss(queries.double(), positives.double(), [negatives.double()],
+                                                   **options)
+    assert torch.isfinite(exact) and float(value) == pytest.approx(float(exact), rel=1e-6)
+
+
 @pytest.mark.parametrize("guide_dtype", [torch.bfloat16, torch.float16])
 def test_a_16_bit_guide_filters_as_its_embeddings_in_float32_do(guide_dtype):
     """A 16-bit guide's scores are compared in float32 (sentence-transformers' GISTEmbedLoss compares them in the

@@ -225,7 +225,13 @@ def margin_threshold(positive: torch.Tensor, strategy: str, margin: float,
     allowance for ties, contract.FILTER_TIE_ALLOWANCE, times `magnitude` where the scores are dot products (each
     row's |q_i| |p_i|, the scale of their rounding; broadcast against positive's last dimension)."""
     positive = positive.detach()
-    threshold = positive - margin if strategy == "absolute" else positive - positive.abs() * margin
+    if strategy == "absolute":
+        threshold = positive - margin
+    else:
+        # a margin past the scores' dtype's range is inf there, and a positive score of 0 times inf NaN: a threshold
+        # no column exceeds, the filter off. Clamped to the largest number, that product is 0, as in exact arithmetic
+        largest = torch.finfo(positive.dtype).max
+        threshold = positive - positive.abs() * min(max(margin, -largest), largest)
     allowance = FILTER_TIE_ALLOWANCE if magnitude is None else FILTER_TIE_ALLOWANCE * magnitude
     return (threshold + allowance).to(threshold.dtype)
 
