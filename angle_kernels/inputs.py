@@ -218,6 +218,35 @@ def check_weight_fits(name: str, value: float, dtype: torch.dtype) -> None:
                          f"larger weight is inf); got {value:g}")
 
 
+def check_scaled_weights_fit(embeddings: torch.Tensor, scale: tuple[str, float], *, nested: Nested | None = None,
+                             weight: tuple[str, float] | None = None) -> None:
+    """A term's weights times the factor its logits are multiplied by, on `embeddings`: scale is (name,
+    factor) (tau, scale, 1 / temperature), weight a loss's (name, term weight), and nested's Matryoshka / layer
+    weights count by the largest. The term's backward multiplies its upstream gradient (the weights) by the
+    factor in the compute dtype, where check_weight_fits holds each weight alone: past the dtype's range the
+    product is inf and the gradients NaN (inf x 0, inf - inf) while the loss stays finite (cosine_w 3e37 with tau
+    20 on float32 embeddings). ValueError naming the factors and the range, before any compute."""
+    names, product = [], abs(scale[1])
+    if weight is not None:
+        names.append(weight[0])
+        product *= abs(weight[1])
+    if nested is not None:
+        largest = max(abs(w) for row in nested.table for w in row)
+        if largest != 1:
+            names.append("the largest dims or layer weight")
+            product *= largest
+    if product <= LARGEST_WEIGHT[torch.float32]:  # within every compute dtype's range: the dtype is not read
+        return
+    dtype = embeddings.dtype
+    computed_in = compute_dtype(dtype)
+    if not product <= LARGEST_WEIGHT[computed_in]:
+        precision = str(computed_in).removeprefix("torch.")
+        raise ValueError(f"{' x '.join(names + [scale[0]])} must be within {LARGEST_WEIGHT[computed_in]:.6g} "
+                         f"({precision}'s range: the backward of the loss of {str(dtype).removeprefix('torch.')} "
+                         f"embeddings multiplies the term's weight by its logits' factor in {precision}, where a "
+                         f"larger product is inf and the gradients NaN); got {product:g}")
+
+
 def check_margin_fits(name: str, value: float, *, rows: int, dtype: torch.dtype) -> None:
     """A hinge margin (a checked float) added to a cosine difference (within +-2) on each of `rows` rows of `dtype`
     embeddings, whose mean sums the rows' terms in the compute dtype: a positive margin is at most half of that
@@ -318,6 +347,8 @@ def promote_embeddings(*tensors):
 # labels ranked as int64, exactly: bools, and the unsigned integers wider than 8 bits, which torch's searchsorted (the
 # ranking's) does not take
 _LABELS_AS_INT64 = (torch.bool, torch.uint16, torch.uint32)
+_FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                                  "float8_e8m0fnu") if hasattr(torch, name))
 
 
 def check_labels(name: str, y, rows: int, device: torch.device, *, check_values: bool = True,
@@ -335,11 +366,12 @@ def check_labels(name: str, y, rows: int, device: torch.device, *, check_values:
                          f"got {tuple(y.shape)}")
     check_same_device((name, y), (embeddings, device))
     y = y.reshape(rows)
-    if y.dtype in _LABELS_AS_INT64:
+    dtype = y.dtype  # read once: a small loss call's torch calls are counted (tests/test_loss_entry.py)
+    if dtype in _LABELS_AS_INT64:
         y = y.to(torch.int64)
-    elif y.is_floating_point() and y.element_size() == 1:  # float8: torch sorts no 8-bit float
+    elif dtype in _FLOAT8:  # torch sorts no 8-bit float
         y = y.to(torch.float32)
-    elif y.dtype == torch.uint64:
+    elif dtype == torch.uint64:
         raise TypeError(f"{name} must be a float, bool or integer tensor other than uint64 (torch ranks no uint64 "
                         f"and int64 cannot hold all its values); pass {name}.long() or {name}.double()")
     if check_values and input_checks_enabled() and y.is_floating_point() and not _all_finite(y):
@@ -863,6 +895,8 @@ def check_multiple_negatives(queries: torch.Tensor, positives: torch.Tensor, neg
                               embeddings=queries)
     elif nested.dims is not None:
         check_dims(nested.dims, queries.shape[-1])
+    check_scaled_weights_fit(queries, ("scale", scale) if hardness_mode is None else
+                             ("(scale + hardness_strength)", scale + hardness_strength), nested=nested)
     return MultipleNegativesCall(queries, positives, list(negatives), scale, directions, partition_mode,
                                  hardness_mode, hardness_strength, false_negative_margin, false_negative_strategy,
                                  gathered, similarity, nested)

@@ -31,6 +31,7 @@ from .inputs import (
     check_layer_stack,
     check_margin_fits,
     check_nested,
+    check_scaled_weights_fit,
     check_same_columns,
     check_scalar,
     check_scale,
@@ -47,6 +48,7 @@ from .losses.arccse import arccon, triplet
 DATASET_FORMATS = ("A", "B", "C")
 # the term weights each format multiplies its terms by (format B ignores them, as the reference does)
 _TERM_WEIGHTS = {"A": ("cosine_w", "ibn_w", "angle_w"), "B": (), "C": ("cosine_w", "ibn_w", "cln_w", "angle_w")}
+_TERM_TAUS = {"cosine_w": "cosine_tau", "ibn_w": "ibn_tau", "cln_w": "ibn_tau", "angle_w": "angle_tau"}
 
 
 def _check_dataset_format(dataset_format) -> None:
@@ -229,6 +231,12 @@ class AngleLoss(nn.Module):
             check_angle_dim(first.shape[-1], "outputs")
         ops = resolve_backend(self.backend, outputs)
         nested = self._nested(first.shape[1], first, settings.angle_w, layer_weights, layers)
+        if self.dataset_format == "B":  # one unweighted term: the contrastive one, its logits ibn_tau x cos
+            check_scaled_weights_fit(first, ("ibn_tau", settings.ibn_tau), nested=nested)
+        for name in _TERM_WEIGHTS[self.dataset_format]:
+            if getattr(settings, name) > 0:
+                check_scaled_weights_fit(first, (_TERM_TAUS[name], getattr(settings, _TERM_TAUS[name])),
+                                         nested=nested, weight=(name, getattr(settings, name)))
         # outputs is checked whole above, so the formulas are called rather than the public functions, which would
         # scan the same rows for NaN/Inf again (one more device sync per step)
         if self.dataset_format == "A":
@@ -348,6 +356,7 @@ class ArcCSELoss(nn.Module):
             # one encoder embeds all five, and dims truncate both terms alike: a triplet of another width was scored
             # at a width the views were not, or (with dims) failed inside the triplet's op after ArcCon had run
             check_same_columns("h1", first[0], "anchor", first[2])
+        check_scaled_weights_fit(h1, ("1 / tau", 1.0 / tau), nested=nested)
         loss = arccon(ops, h1, h2, margin_radians, tau, nested)
         if all(given) and triplet_weight != 0:
             loss = loss + triplet_weight * triplet(ops, anchor, weak, strong, triplet_margin, nested)

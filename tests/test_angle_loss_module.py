@@ -400,6 +400,33 @@ def test_a_term_weight_past_the_compute_dtypes_range_is_refused_by_name(fmt, nam
             assert torch.isfinite(ak.AngleLoss(dataset_format=unused[0], **unused[1])(labels, x.float()))
 
 
+@pytest.mark.parametrize("fmt, name", [(fmt, name) for fmt, names in (
+    ("A", ("cosine_w", "ibn_w", "angle_w")), ("C", ("cosine_w", "ibn_w", "cln_w", "angle_w"))) for name in names])
+def test_a_term_weight_times_its_tau_past_the_compute_dtypes_range_is_refused_by_name(fmt, name):
+    """The term's backward multiplies its weight by its logits' tau in float32 for 32- and 16-bit embeddings:
+    cosine_w=3e37 with cosine_tau 20 gave a finite loss and NaN gradients (24 of 64 entries; angle-emb gives NaN
+    too). Refused at the call, naming both; just inside the range every gradient is the float64 one (or inf where
+    that is past float32's range), none NaN."""
+    tau_name = {"cosine_w": "cosine_tau", "ibn_w": "ibn_tau", "cln_w": "ibn_tau", "angle_w": "angle_tau"}[name]
+    labels, x = _inputs(torch.Generator().manual_seed(0), fmt, 3, 6, dtype=torch.float64)
+    zero = dict(cosine_w=0.0, ibn_w=0.0, cln_w=0.0, angle_w=0.0)
+    tau = getattr(ak.AngleLoss(dataset_format=fmt), tau_name)
+    with pytest.raises(ValueError, match=rf"^{name} x {tau_name} must be within 3\.40282e\+38 \(float32's range: the "
+                                         r"backward of the loss of float32 embeddings multiplies .*got 5\.1\d*e\+38$"):
+        ak.AngleLoss(dataset_format=fmt, **{**zero, name: 1.5 * 3.4028e38 / tau})(labels, x.float())
+    weight = 0.99 * 3.4028e38 / tau
+    grads = []
+    for dtype in (torch.float64, torch.float32):
+        leaf = x.to(dtype).detach().clone().requires_grad_()
+        ak.AngleLoss(dataset_format=fmt, **{**zero, name: weight})(labels, leaf).backward()
+        grads.append(leaf.grad.double())
+    exact, single = grads
+    assert not single.isnan().any()
+    fits = exact.abs() < 3.4e38
+    assert torch.equal(single[~fits].abs(), torch.full_like(single[~fits], float("inf")))
+    torch.testing.assert_close(single[fits], exact[fits], rtol=1e-3, atol=1e-6 * float(exact[fits].abs().max()))
+
+
 @pytest.mark.parametrize("name, value, said", [
     ("angle_tau", float("inf"), "angle_tau must be finite"), ("cosine_tau", 0.0, "cosine_tau must be > 0"),
     ("ibn_w", float("nan"), "ibn_w must be finite"), ("ibn_partition", "bogus", "ibn_partition must be one of"),

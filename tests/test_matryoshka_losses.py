@@ -8,6 +8,8 @@ Also: dims in any order with their weights, the fallback of a backend lacking th
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -217,3 +219,36 @@ def test_a_dim_weight_past_the_compute_dtypes_range_is_refused_by_name():
                 call(dtype, dict(dims=(width, 8), dim_weights=(1e300, 1.0)))
         weighted = call(torch.float64, dict(dims=(width, 8), dim_weights=(1e300, 0.0)))
         torch.testing.assert_close(weighted, 1e300 * call(torch.float64, {}), rtol=1e-12, atol=0, msg=name)
+
+
+# the factor each loss's logits are multiplied by, as the refusal names it, and the settings that make it 20
+LOGIT_FACTORS = {"cosine": ("tau", {}), "angle": ("tau", {"tau": 20.0}), "in_batch_negative": ("tau", {}),
+                 "contrastive": ("tau", {}), "mnrl": ("scale", {}), "arccon": ("1 / tau", {})}
+
+
+@pytest.mark.parametrize("name", sorted(LOGIT_FACTORS))
+def test_a_dim_weight_times_the_logits_factor_past_the_range_is_refused_by_name(name):
+    """A dim weight within float32's range times the loss's logit factor (tau, scale, 1 / tau: 20 here) past it:
+    the backward forms that product in float32, and a finite loss came with NaN gradients (mnrl dim_weights (3e37,):
+    64 of 64 entries NaN). Refused before any compute, naming both; just inside the bound no gradient is NaN."""
+    gen = generator("matryoshka", "scaled weight range")
+    width = _zigzag(gen, torch.float64)[1].shape[-1]
+    call = _dim_weight_calls(gen)[name]
+    factor, settings = LOGIT_FACTORS[name]
+    with pytest.raises(ValueError, match=rf"^the largest dims or layer weight x {re.escape(factor)} must be within "
+                                         r"3\.40282e\+38 \(float32's range: .*; got 5\.1\d*e\+38$"):
+        call(torch.float32, dict(settings, dims=(width, 8), dim_weights=(1.5 * 3.4028e38 / 20, 1.0)))
+    call(torch.float64, dict(settings, dims=(width, 8), dim_weights=(1.5 * 3.4028e38 / 20, 1.0)))  # taken
+
+
+@pytest.mark.parametrize("loss", ["mnrl", "in_batch_negative"])
+def test_just_inside_the_scaled_weight_bound_no_gradient_is_nan(loss):
+    gen = generator("matryoshka", "scaled weight gradients")
+    q, p = (randn(gen, 8, 16) for _ in range(2))
+    labels = torch.tensor([1.0, 1.0, 0.0, 0.0]).repeat(2)
+    weights = {"dims": (16, 8), "dim_weights": (0.99 * 3.4028e38 / 20, 1.0)}
+    leaf = q.clone().requires_grad_()
+    value = (ak.multiple_negatives_ranking_loss(leaf, p, **weights) if loss == "mnrl" else
+             ak.in_batch_negative_loss(labels, leaf, **weights))
+    value.backward()
+    assert not leaf.grad.isnan().any()

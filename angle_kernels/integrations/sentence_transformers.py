@@ -220,6 +220,7 @@ def _fused_pair_ranking(first: Tensor, second: Tensor, labels: Tensor, kind: str
     # the name the drop-ins' other messages give the first column, whose rows and device the labels must match
     labels = _inputs.check_labels("labels", labels, first.shape[-2], first.device, embeddings="embeddings_a")
     first, second = _inputs.promote_embeddings(first, second)
+    _inputs.check_scaled_weights_fit(first, ("scale", scale), nested=nested)
     ops = resolve_backend(backend, first)
     pairs = torch.stack((first, second), dim=-2)
     if kind == "cosine":

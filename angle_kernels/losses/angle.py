@@ -37,6 +37,7 @@ from ..inputs import (
     check_group_ids,
     check_layer_stack,
     check_nested,
+    check_scaled_weights_fit,
     check_scalar,
     check_scale,
     check_zigzag,
@@ -73,6 +74,7 @@ def cosine_loss(y_true: torch.Tensor, y_pred: torch.Tensor, tau: float = 20.0, *
     labels = check_zigzag(y_true, first)
     nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers,
                           embeddings=first)
+    check_scaled_weights_fit(first, ("tau", tau), nested=nested)
     ops = resolve_backend(backend, y_pred)
     return ranking_terms(ops, as_pairs(y_pred), labels[0::2], cosine_tau=tau, nested=nested)[0]
 
@@ -113,6 +115,7 @@ def angle_loss(
     check_angle_dim(first.shape[1])
     nested = check_nested(dims, dim_weights, first.shape[1], even=True, layer_weights=layer_weights, layers=layers,
                           embeddings=first)
+    check_scaled_weights_fit(first, ("tau", tau), nested=nested)
     ops = resolve_backend(backend, y_pred)
     return ranking_terms(ops, as_pairs(y_pred), labels[0::2], angle_tau=tau,
                                pooling_strategy=pooling_strategy, nested=nested)[1]
@@ -159,6 +162,7 @@ def in_batch_negative_loss(
     group_ids = check_group_ids(group_ids, first.shape[0], first)
     nested = check_nested(dims, dim_weights, first.shape[1], layer_weights=layer_weights, layers=layers,
                           embeddings=first)
+    check_scaled_weights_fit(first, ("tau", tau), nested=nested)
     return in_batch_negatives(resolve_backend(backend, y_pred), labels, y_pred, tau, group_ids, nested=nested)
 
 
@@ -198,6 +202,7 @@ def contrastive_with_negative_loss(
                          f"shape {tuple(first[1].shape)}")
     nested = check_nested(dims, dim_weights, text.shape[-1], layer_weights=layer_weights, layers=layers,
                           embeddings=text)
+    check_scaled_weights_fit(text, ("tau", tau), nested=nested)
     candidates = pos if neg is None else torch.cat((pos, neg.to(pos.dtype)), dim=-2)
     return contrastive(resolve_backend(backend, text), text, candidates, tau, nested)
 

@@ -23,6 +23,7 @@ from ..inputs import (
     check_layer_stack,
     check_margin_fits,
     check_nested,
+    check_scaled_weights_fit,
     check_scalar,
     check_triplets,
     check_two_views,
@@ -67,6 +68,7 @@ def arccon_loss(
     check_two_views(*first)
     nested = check_nested(dims, dim_weights, h1.shape[-1], layer_weights=layer_weights, layers=layers,
                           embeddings=h1)
+    check_scaled_weights_fit(h1, ("1 / tau", 1.0 / tau), nested=nested)
     return arccon(resolve_backend(backend, h1), h1, h2, margin, tau, nested)
 
 

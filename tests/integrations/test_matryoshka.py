@@ -206,6 +206,21 @@ def test_a_weight_past_float32s_range_is_refused_by_name_before_the_model_embeds
     assert torch.isfinite(value) and value > 1e38
 
 
+@pytest.mark.parametrize("inner", ["CoSENTLoss", "MultipleNegativesRankingLoss"])
+def test_a_weight_times_the_scale_past_float32s_range_is_refused_before_the_loss_computes(model64, inner):
+    """A matryoshka weight inside float32's range whose product with the inner loss's scale (20) is past it: the
+    backward forms that product in float32, and a float32 model got NaN gradients with a finite loss. Refused at the
+    call, before any loss compute, naming the factors; a float64 model takes it."""
+    model = copy.deepcopy(model64).to(torch.float32)
+    loss = ours.MatryoshkaLoss(model, getattr(ours, inner)(model), (32, 16), (3e37, 1.0))
+    labels = torch.tensor([0.1, 0.5, 0.5, 0.9, 0.3, 0.1]) if inner == "CoSENTLoss" else None
+    with pytest.raises(ValueError, match=r"^the largest dims or layer weight x scale must be within 3\.40282e\+38 "
+                                         r"\(float32's range: .*; got 6e\+38$"):
+        loss(batch_columns(model, 2), labels)
+    taken = ours.MatryoshkaLoss(model64, getattr(ours, inner)(model64), (32, 16), (3e37, 1.0))
+    assert torch.isfinite(taken(batch_columns(model64, 2), labels))
+
+
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["parameters", "one_tensor"])
 def test_learned_weights_run_the_parents_loop_which_trains_them(model64, as_tensor):
     """matryoshka_weights that require grad (the parent trains them: its sum multiplies each dimension's loss by its
