@@ -180,6 +180,7 @@ def main(argv=None) -> int:
         try:
             result = train(config_from_settings(parser, args))
         except faults.Preempted as exc:
+            faults.ignore_stop_signals_while_exiting()
             print(f"angle-train: {exc}", flush=True)
             return faults.EXIT_PREEMPTED
         except faults.NonFiniteTrainingError as exc:

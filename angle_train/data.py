@@ -589,7 +589,29 @@ def jsonl_rows(path: str):
             if isinstance(row, _ObjectNamingAKeyTwice):
                 raise DataError(f"{where}: the key {row.repeated!r} appears more than once in an object, so only its "
                                 "last value would be read: rename or remove the others")
+            if "\\u" in line:  # only a \u escape makes a lone surrogate (a file's bytes are decoded strictly)
+                _check_no_lone_surrogate(row, where)
             yield where, row
+
+
+def _check_no_lone_surrogate(value, where: str, what: str = "a value") -> None:
+    """A DataError naming the key whose text holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its
+    pair, as an emoji cut in half leaves): valid JSON, but no text UTF-8 can write or a tokenizer can read, which
+    failed later with "'utf-8' codec can't encode character", naming no file or line."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise DataError(f"{where}: {what} holds a lone surrogate escape (\\u{ord(value[exc.start]):04x} at "
+                            f"character {exc.start}: half of a character written as a UTF-16 pair, as a cut emoji "
+                            "leaves), which is no text: fix or remove it") from None
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            _check_no_lone_surrogate(name, where, "a key")
+            _check_no_lone_surrogate(item, where, f"the value of {name!r}")
+    elif isinstance(value, list):
+        for item in value:
+            _check_no_lone_surrogate(item, where, what)
 
 
 def read_jsonl(path: str, fmt: str | None, columns: dict | None = None) -> tuple[list[Example], str]:

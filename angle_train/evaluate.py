@@ -854,8 +854,9 @@ def main(argv=None) -> int:
         preflight.check_model_folder(args.model, "MODEL")
         adapter_base(args.model, args.base_model)  # a --base-model that would be ignored, before the datasets load
         columns = columns_of_paths(args.columns, args.paths)
+        # a mapping of every PATH passes over such files, but one of the only PATH is for it alone
         per_path = ("give '' for this PATH (a mapping given out of the PATHs' order?)" if len(args.columns) > 1
-                    else None)  # a mapping of every PATH passes over such files
+                    else "leave out --columns" if len(args.paths) == 1 else None)
         datasets = []
         for path, mapping in zip(args.paths, columns):
             with errors_naming(path, "PATH"):
@@ -866,6 +867,9 @@ def main(argv=None) -> int:
         json_folder = os.path.dirname(os.path.abspath(args.json_out)) if args.json_out else None
         if json_folder and not os.path.isdir(json_folder):  # found out now, not after the evaluation
             raise FileNotFoundError(f"--json {args.json_out}: no folder {json_folder} to write it in")
+        if args.json_out and os.path.isdir(args.json_out):  # the same: its write failed after the evaluation
+            raise IsADirectoryError(f"--json {args.json_out}: a folder; give the path of a file to write, such as "
+                                    f"{os.path.join(args.json_out, 'results.json')}")
         with library_progress_bars(args.progress):
             encoder, tokenizer, meta = load_model(args.model, pooling=args.pooling,
                                                   device=resolve_device(args.device), base_model=args.base_model,

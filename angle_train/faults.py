@@ -178,8 +178,37 @@ class StopSignals:
                               if sig in (signal.SIGTERM, signal.SIGINT) or signal.getsignal(sig) != signal.SIG_IGN}
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and issubclass(exc_type, Preempted) and self.requested is not None:
+            self._absorb_late_copies()
+        else:
+            self._restore()
+
+    def _absorb_late_copies(self) -> None:
+        """Leaving on a preemption (the checkpoint written): the earlier handlers are back, but for the first
+        signal's, whose copies may still be on their way (a launcher's, up to SAME_REQUEST_S late): a copy took the
+        earlier handler's action (SIGTERM's default: exit status 143, not EXIT_PREEMPTED: a wrapper that requeues on
+        75 lost the run). A copy within the window is the same request, said in a line; anything else puts the
+        earlier handler back and takes its action, as if it had been back all along."""
+        signum = signal.Signals[self.requested]
+        earlier = self._previous.pop(signum, None)
         self._restore()
+        if earlier is None:
+            return
+
+        def late(number, frame) -> None:
+            name = signal.Signals(number).name
+            if self._same_request(name):
+                print(f"\n{name} again within {self.SAME_REQUEST_S:g} s: taken as the same request (a launcher such "
+                      "as torchrun passes on the signal this process got too); the checkpoint is written", flush=True)
+                return
+            signal.signal(number, earlier)
+            if callable(earlier):
+                earlier(number, frame)
+            elif earlier == signal.SIG_DFL:
+                signal.raise_signal(number)
+
+        signal.signal(signum, late)
 
     def _restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -218,6 +247,17 @@ class StopSignals:
             raise Interrupted(name)
         print(f"\n{name}: finishing this optimizer step, then writing a checkpoint and stopping "
               f"(send it again to stop at once)", flush=True)
+
+
+def ignore_stop_signals_while_exiting() -> None:
+    """After a preemption, in a process that ends with EXIT_PREEMPTED: SIGTERM, SIGINT and SIGHUP are ignored from here
+    to its end. A late copy of the signal (a launcher's) is the same request, but Python's finalization puts back
+    the default action of every signal with a Python handler (StopSignals' included), and a copy arriving then
+    terminated the process (status 143, not 75: a wrapper that requeues on 75 lost the run); an ignored signal stays
+    ignored. The checkpoint is written: nothing is left to stop."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in StopSignals.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 # What the allocators that report a failed allocation as a plain RuntimeError say (torch.OutOfMemoryError is CUDA's).

@@ -908,6 +908,7 @@ def attach_adapter(backbone: nn.Module, lora_path: str, *, dropout: float | None
     initial value (often zero: the base model's embeddings, in silence)."""
     from peft import PeftConfig, PeftModel
     from peft.utils import load_peft_weights, set_peft_model_state_dict
+    from peft.utils.error import NoMatchingPeftModuleError
 
     read_adapter_config(lora_path)  # its settings checked before peft reads them
     config = PeftConfig.from_pretrained(lora_path)
@@ -921,17 +922,29 @@ def attach_adapter(backbone: nn.Module, lora_path: str, *, dropout: float | None
     config.inference_mode = False
     if dropout is not None:
         config.lora_dropout = dropout
-    with peft_wrapping():
-        model = PeftModel(backbone, config)
-    result = set_peft_model_state_dict(model, weights)
+    does_not_fit = f"the LoRA adapter {lora_path} does not fit {type(backbone).__name__}"
+    trained_on = f"it was trained on another model (its {ADAPTER_CONFIG} names {config.base_model_name_or_path})"
+    try:
+        with peft_wrapping():
+            model = PeftModel(backbone, config)
+    except NoMatchingPeftModuleError:  # another architecture: peft's message lists every module name it looked for
+        targets = ([config.target_modules] if isinstance(config.target_modules, str)
+                   else sorted(config.target_modules or ()))
+        named = ", ".join(targets[:3]) + (f", ... ({len(targets)} in all)" if len(targets) > 3 else "")
+        raise AdapterFitError(f"{does_not_fit}: the model has none of the layers it adapts ({named}); "
+                              f"{trained_on}") from None
+    try:
+        result = set_peft_model_state_dict(model, weights)
+    except RuntimeError as exc:  # torch's "size mismatch for <weight>: ..." (the same layers, another width)
+        mismatch = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
+        raise AdapterFitError(f"{does_not_fit}: its weights have other shapes than the model's layers "
+                              f"({mismatch.rstrip('.')}); {trained_on}") from None
     missing = [key for key in result.missing_keys if "lora_" in key]
     if missing or result.unexpected_keys:
         unfit = (result.unexpected_keys or missing)[0]
-        raise AdapterFitError(f"the LoRA adapter {lora_path} does not fit {type(backbone).__name__}: "
-                              f"{len(result.unexpected_keys)} of its weights fit no layer of the model, "
-                              f"{len(missing)} of the layers it adapts have no weights in it (e.g. {unfit}); it was "
-                              f"trained on another model (its {ADAPTER_CONFIG} names "
-                              f"{config.base_model_name_or_path})")
+        raise AdapterFitError(f"{does_not_fit}: {len(result.unexpected_keys)} of its weights fit no layer of the "
+                              f"model, {len(missing)} of the layers it adapts have no weights in it (e.g. {unfit}); "
+                              f"{trained_on}")
     return model
 
 

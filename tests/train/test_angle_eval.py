@@ -630,8 +630,9 @@ def test_columns_given_once_per_path_read_files_of_different_layouts_in_one_comm
 def test_a_mapping_given_for_one_path_of_a_fixed_layout_is_refused_not_ignored(tmp_path, capsys):
     """An STS year folder, an STS-B or a SICK file is read in its fixed layout: a --columns of every PATH passes over
     it, as before, but one given for that PATH alone (once per PATH, or angle-train's --dev-columns for its one
-    --dev-data) was ignored in silence, though it is a mapping meant for another file, given out of order. It is
-    refused, naming the flag, the file and its layout, before the model loads."""
+    --dev-data, or the one --columns of the only PATH) was ignored in silence, though it is a mapping meant for
+    another file, given out of order. It is refused, naming the flag, the file and its layout, before the model
+    loads."""
     from angle_train.config import TrainConfig
     from angle_train.trainer import dev_set_of
 
@@ -652,6 +653,10 @@ def test_a_mapping_given_for_one_path_of_a_fixed_layout_is_refused_not_ignored(t
     with pytest.raises(SystemExit) as exc:
         main(["builtin-model-not-needed", str(plain), str(stsb), "--columns", "", "--columns", "text1=a"])
     assert exc.value.code == 2 and "but it is an STS-B file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # the only PATH: its mapping is for it alone
+        main(["builtin-model-not-needed", str(stsb), "--columns", "text1=a"])
+    assert exc.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        "but it is an STS-B file, read in its fixed layout, which takes no mapping: leave out --columns")
     with pytest.raises(DataError, match=r"--dev-columns maps its columns \(text1=a\), but it is an STS-B file, .*: "
                                         r"leave out --dev-columns$"):
         dev_set_of(None, TrainConfig(dev_data=str(stsb), dev_columns=["text1=a"]))

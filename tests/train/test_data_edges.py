@@ -30,6 +30,22 @@ def test_data_files_named_in_upper_case_are_read_by_their_suffix(tmp_path):
     assert load_examples(tsv) == ([Example(('"x, y', "z"))], "B")
 
 
+def test_a_lone_surrogate_escape_is_refused_with_the_line_and_the_key(tmp_path):
+    """A JSON \\ud800 escape without its pair (an emoji cut in half) is valid JSON but no text: angle-train failed
+    later with "'utf-8' codec can't encode character '\\ud800'", naming no file or line, and angle-eval with a
+    tokenizers traceback. Refused with the line and the key; a paired escape (an emoji) is read."""
+    path = write_data_file(tmp_path, "cut.jsonl", '{"query": "a \\ud83d\\ude00 smile", "positive": "y"}\n'
+                                                  '{"query": "a", "positive": "cut \\ud83d"}\n')
+    with pytest.raises(DataError, match=r"^.*cut.jsonl, line 2: the value of 'positive' holds a lone surrogate escape "
+                                        r"\(\\ud83d at character 4: .*fix or remove it$"):
+        load_examples(path)
+    path = write_data_file(tmp_path, "emoji.jsonl", '{"query": "a \\ud83d\\ude00 smile", "positive": "y"}\n')
+    assert load_examples(path) == ([Example(("a \U0001f600 smile", "y"))], "B")
+    path = write_data_file(tmp_path, "key.jsonl", '{"query": "a", "positive": "y", "\\udc00": "z"}\n')
+    with pytest.raises(DataError, match=r"line 1: a key holds a lone surrogate escape \(\\udc00 at character 0"):
+        load_examples(path)
+
+
 def test_a_json_key_given_twice_is_refused(tmp_path):
     """A JSON line naming a key twice is refused with the line and the key (as a CSV header naming a column twice
     is): json keeps the last value in silence, so the pair (a, b) was trained as (c, b)."""

@@ -86,6 +86,28 @@ def test_sts_spearman_applies_a_given_prompt_to_both_texts():
     assert sts_spearman(encoder, tokenizer, examples, prompt=prompt) == pytest.approx(expected, abs=1e-12)
 
 
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """--json naming a folder failed at the end ("[Errno 21] Is a directory"), after the whole evaluation, its results
+    printed but not written; refused before the model loads, as a --json in a missing folder is."""
+    from angle_train import evaluate
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"text1": a, "text2": b, "label": float(i)}) + "\n"
+                             for i, (a, b) in enumerate(PAIRS)), encoding="utf-8")
+    encoder, tokenizer = make_encoder("bert", dtype=torch.float32, pooling="avg")
+    model = save_pretrained(encoder, tokenizer, str(tmp_path / "model"), max_length=16)
+    capsys.readouterr()  # the save's progress bars
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    for json_out, said in ((tmp_path, f"--json {tmp_path}: a folder; give the path of a file to write, such as "
+                                      f"{tmp_path / 'results.json'}"),
+                           (tmp_path / "missing" / "r.json", f"--json {tmp_path / 'missing' / 'r.json'}: no folder "
+                                                             f"{tmp_path / 'missing'} to write it in")):
+        with pytest.raises(SystemExit) as exit_info:
+            evaluate.main([str(model), str(pairs), "--json", str(json_out)])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"angle-eval: error: {said}"
+
+
 def test_angle_eval_scores_an_adapter_only_export(tmp_path):
     """A LoRA run's adapter-only export (angle_train.json, the adapter and the tokenizer: no config.json) is a model
     folder angle-eval takes: load_pretrained attaches it to its recorded base."""

@@ -16,12 +16,13 @@ from angle_train.tiny import build_tokenizer, demo_sts_examples
 TEXTS = ["a small red car", "the dog is black and big", "box"]
 
 
-def causal_lm(folder, *, layers: int = 2) -> str:
+def causal_lm(folder, *, layers: int = 2, width: int = 32) -> str:
     """A random tiny LlamaForCausalLM (LM head included) and its tokenizer saved to `folder`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
+                         num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -112,6 +113,34 @@ def test_an_adapter_that_fits_no_layer_of_the_base_is_refused(tmp_path):
                                          r"the layers it adapts have no weights in it \(e\.g\. "
                                          r"base_model\.model\.layers\.2\..*its adapter_config.json names .*deeper"):
         load_encoder(causal_lm(tmp_path / "base"), lora_path=adapter)
+
+
+def test_an_adapter_of_another_width_or_architecture_is_refused_in_one_line(tmp_path, capsys):
+    """An adapter trained on a wider LLaMA, or attached to a BERT: torch's "Error(s) in loading state_dict for
+    PeftModel: size mismatch" and peft's NoMatchingPeftModuleError escaped as tracebacks (angle-eval --base-model,
+    angle-train --lora-path); refused as an adapter that fits no layer is, naming the adapter, a mismatch and the
+    base it was trained on."""
+    from angle_train.tiny import build_backbone
+
+    adapter, _ = causal_adapter(causal_lm(tmp_path / "wide", width=64), tmp_path / "adapter", targets=["q_proj"])
+    base = causal_lm(tmp_path / "base")
+    with pytest.raises(ValueError, match=r"does not fit LlamaModel: its weights have other shapes than the model's "
+                                         r"layers \(size mismatch for .*q_proj.*torch.Size\(\[4, 64\]\).*"
+                                         r"torch.Size\(\[4, 32\]\)\); it was trained on another model \(its "
+                                         r"adapter_config.json names .*wide\)$"):
+        load_encoder(base, lora_path=adapter)
+    bert = tmp_path / "bert"
+    tokenizer = build_tokenizer()
+    build_backbone("builtin:tiny-bert", len(tokenizer), hidden_size=32).save_pretrained(bert)
+    tokenizer.save_pretrained(bert)
+    with pytest.raises(ValueError, match=r"does not fit BertModel: the model has none of the layers it adapts "
+                                         r"\(q_proj\); it was trained on another model"):
+        load_encoder(str(bert), lora_path=adapter)
+    with pytest.raises(SystemExit) as exit_info:
+        main([adapter, str(pairs_file(tmp_path)), "--base-model", base])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "angle-eval: error: the LoRA adapter" in err and "Traceback" not in err
 
 
 def test_angle_eval_scores_an_adapter_folder_on_its_base_model(tmp_path, capsys):

@@ -483,6 +483,49 @@ def test_a_signal_repeated_at_once_is_the_same_request(tmp_path, monkeypatch, ca
     assert "SIGINT again: stopping at once" in capsys.readouterr().out
 
 
+def test_a_copy_that_comes_after_the_checkpoint_is_the_same_request(monkeypatch, capsys):
+    """Leaving on a preemption put the earlier handlers back at once, and a launcher's copy of the signal that came
+    after the checkpoint took the earlier action (SIGTERM's default: exit status 143 where the run said 75). Within
+    StopSignals.SAME_REQUEST_S the copy is the same request; after it, the earlier handler is back and acts."""
+    calls = []
+
+    def earlier(signum, frame):
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, earlier)
+    try:
+        with pytest.raises(faults.Preempted):
+            with faults.StopSignals():
+                signal.raise_signal(signal.SIGTERM)
+                raise faults.Preempted("SIGTERM", "checkpoints/step-00000001")
+        signal.raise_signal(signal.SIGTERM)
+        assert not calls and "SIGTERM again within 2 s: taken as the same request" in capsys.readouterr().out
+        monkeypatch.setattr(faults.StopSignals, "SAME_REQUEST_S", 0.0)  # the window has passed
+        signal.raise_signal(signal.SIGTERM)
+        assert calls == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is earlier
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_angle_train_ignores_stop_signals_while_it_exits_after_a_preemption(monkeypatch):
+    """Python's finalization puts back the default action of every signal with a Python handler: a copy of the
+    signal arriving while the process ended (0.1-1 s after the checkpoint, on a tiny model) terminated it with
+    status 143. The CLI ignores the stop signals from the preemption to its end, and exits 75."""
+    from angle_train import cli, trainer
+
+    def preempted(cfg):
+        raise faults.Preempted("SIGTERM", "checkpoints/step-00000001")
+
+    monkeypatch.setattr(trainer, "train", preempted)
+    previous = {sig: signal.getsignal(sig) for sig in faults.StopSignals.SIGNALS}
+    try:
+        assert cli.main(["--model", "builtin:tiny-bert", "--max-steps", "1"]) == faults.EXIT_PREEMPTED
+        assert all(signal.getsignal(sig) == signal.SIG_IGN for sig in faults.StopSignals.SIGNALS)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def test_a_second_ctrl_c_at_once_stops_at_once_outside_torchrun(monkeypatch, capsys):
     """A person's second Ctrl-C, however soon, stops at once: the terminal sends SIGINT once, so a repeat is no copy
     (it was taken for one within StopSignals.SAME_REQUEST_S, and ignored). A torchrun worker, which the keyboard's
