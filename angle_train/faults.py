@@ -197,10 +197,7 @@ class StopSignals:
             return
 
         def late(number, frame) -> None:
-            name = signal.Signals(number).name
-            if self._same_request(name):
-                print(f"\n{name} again within {self.SAME_REQUEST_S:g} s: taken as the same request (a launcher such "
-                      "as torchrun passes on the signal this process got too); the checkpoint is written", flush=True)
+            if self._said_same_request(signal.Signals(number).name):
                 return
             signal.signal(number, earlier)
             if callable(earlier):
@@ -215,18 +212,19 @@ class StopSignals:
             signal.signal(sig, handler)
         self._previous = {}
 
-    def _same_request(self, name: str) -> bool:
+    def _said_same_request(self, name: str) -> bool:
         """Whether the signal `name` repeats the first one within SAME_REQUEST_S, as a copy of it does (a SIGINT only
-        in a torchrun worker: LAUNCHER_ENV)."""
-        return (name == self.requested and (name != "SIGINT" or self.LAUNCHER_ENV in os.environ)
-                and time.monotonic() - self._requested_at < self.SAME_REQUEST_S)
+        in a torchrun worker: LAUNCHER_ENV); if so, said in a line."""
+        if not (name == self.requested and (name != "SIGINT" or self.LAUNCHER_ENV in os.environ)
+                and time.monotonic() - self._requested_at < self.SAME_REQUEST_S):
+            return False
+        print(f"\n{name} again within {self.SAME_REQUEST_S:g} s: taken as the same request (a launcher such as "
+              "torchrun passes on the signal this process got too); send it again later to stop at once", flush=True)
+        return True
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self._same_request(name):
-            print(f"\n{name} again within {self.SAME_REQUEST_S:g} s: taken as the same request (a launcher such as "
-                  "torchrun passes on the signal this process got too); send it again later to stop at once",
-                  flush=True)
+        if self._said_same_request(name):
             return
         if self.requested is not None:
             print(f"\n{name} again: stopping at once (the last complete checkpoint is intact)", flush=True)

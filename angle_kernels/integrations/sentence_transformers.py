@@ -927,7 +927,7 @@ def _check_matryoshka_entries(*, dims: Sequence[int], weights: Sequence[float] |
     for i, dim in enumerate(dims):
         _inputs.check_width(f"matryoshka_dims[{i}]", dim)
     for i, weight in enumerate(weights or ()):
-        _inputs.check_scalar(f"matryoshka_weights[{i}]", weight.detach() if isinstance(weight, Tensor) else weight)
+        _inputs.check_scalar(f"matryoshka_weights[{i}]", _current_value(weight))
 
 
 def _embedding_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -1000,7 +1000,7 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
         dtype = _embedding_dtype(self.model)
         for i, weight in enumerate(self.matryoshka_weights):
             name = f"matryoshka_weights[{i}]"  # a learned weight by its value, as when built
-            value = _inputs.check_scalar(name, weight.detach() if isinstance(weight, Tensor) else weight)
+            value = _inputs.check_scalar(name, _current_value(weight))
             _inputs.check_weight_fits(name, value, dtype)
 
     def _drawn(self, sort: bool) -> dict[int, tuple[float, str]]:
