@@ -29,7 +29,8 @@ A folder without the sentence-transformers files (cls_avg, bidirectional) still 
 without an error, as a plain Hugging Face model (mean pooling, a decoder's causal attention), whose embeddings are
 not the trained model's: `load_pretrained` is the way to load it.
 With `adapter_only=True` (LoRA only) it writes the peft adapter (adapter_config.json, adapter_model.safetensors) in
-place of the model's weights: small, for best-checkpoint keeping on LLMs. The rest is as above, so that
+place of the model's weights: small, for best-checkpoint keeping on LLMs (a decoder LM's adapter named as saved from
+the model with its LM head, as angle-emb loads one: _name_layers_under_lm_head). The rest is as above, so that
 `SentenceTransformer(path)` loads the base model the adapter names (adapter_config.json's base_model_name_or_path),
 applies the adapter, and pools as trained; without the sentence-transformers files it pooled by its default (mean)
 and added no prompt, in silence.
@@ -117,12 +118,11 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
     if adapter_only:
         if not is_peft_model(backbone):
             raise ValueError("adapter_only=True needs a LoRA (peft) model")
-        backbone.save_pretrained(path)
-        _record_base(path, base_model, encoder.revision)
+        _save_adapter(backbone, path, base_model=base_model, revision=encoder.revision, is_decoder=encoder.is_decoder)
     else:
         if is_peft_model(backbone):
-            backbone.save_pretrained(os.path.join(path, ADAPTER_FOLDER))
-            _record_base(os.path.join(path, ADAPTER_FOLDER), base_model, encoder.revision)
+            _save_adapter(backbone, os.path.join(path, ADAPTER_FOLDER), base_model=base_model,
+                          revision=encoder.revision, is_decoder=encoder.is_decoder)
             if merge_in_place:
                 backbone = encoder.backbone = backbone.merge_and_unload()
             else:
@@ -130,6 +130,7 @@ def save_pretrained(encoder, tokenizer, path: str, *, max_length: int, adapter_o
         with unused_modules_back(backbone, encoder.unused_modules, state_dict) as state_dict:
             backbone.save_pretrained(path, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(path)
+    _record_padding_side(path, tokenizer.padding_side)
     _write_json(os.path.join(path, META_FILE), meta)
     _write_card(path, model_card)
     unloadable = sentence_transformers_cannot_load(encoder)
@@ -148,6 +149,63 @@ def _recorded_prompts(path: str) -> dict | None:
         return st_folder.read_json(os.path.join(path, META_FILE)).get("prompts")
     except (OSError, ValueError):  # none, or a damaged one, which this export replaces
         return None
+
+
+def _record_padding_side(path: str, side: str) -> None:
+    """The side the tokenizer pads on (a decoder's left: models.prepare_tokenizer) written into the tokenizer_config.json
+    just saved in `path`, where transformers left it out (it writes only the settings the tokenizer was loaded with):
+    the folder's tokenizer padded on the right, which code that pools a padded batch's last position (as
+    angle_train.json's padding_side says it may) read a pad token of."""
+    config_path = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+        return
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    if config.get("padding_side", "right") != side:
+        _write_json(config_path, {**config, "padding_side": side})
+
+
+def _save_adapter(backbone, folder: str, *, base_model: str | None, revision: str | None, is_decoder: bool) -> None:
+    """peft's files of the LoRA model `backbone` in `folder`, its base model recorded (_record_base); a decoder LM's
+    as saved from the model with its LM head (_name_layers_under_lm_head)."""
+    backbone.save_pretrained(folder)
+    if is_decoder:
+        _name_layers_under_lm_head(folder, backbone.get_base_model())
+    _record_base(folder, base_model, revision)
+
+
+def _name_layers_under_lm_head(adapter_folder: str, base) -> None:
+    """Rewrite the adapter in `adapter_folder`, saved from `base` (a decoder LM without its head, as the Encoder holds
+    it: its layers `layers.0...`), as if saved from the model with its LM head (a *ForCausalLM, which holds `base` as
+    its `base_model_prefix`: `model.layers.0...`), as angle-emb and most LoRA trainers save decoder adapters: peft's
+    PeftModel over the *ForCausalLM (angle-emb's `is_llm=True`, AutoPeftModel) applies only adapters named so, and
+    leaves the layers of one named otherwise unadapted (the base model's embeddings, with a warning). transformers'
+    and sentence-transformers' loaders, and models.attach_adapter, read either naming. A model that has no
+    *ForCausalLM class keeps its names."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    prefix = getattr(base, "base_model_prefix", "")
+    head_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(base.config), None)
+    weights_file = os.path.join(adapter_folder, "adapter_model.safetensors")
+    if not prefix or head_class is None or hasattr(base, prefix) or not os.path.isfile(weights_file):
+        return
+    outer = "base_model.model."
+    with safe_open(weights_file, framework="pt") as f:
+        metadata = f.metadata()
+        weights = {outer + prefix + "." + key[len(outer):] if key.startswith(outer) else key: f.get_tensor(key)
+                   for key in f.keys()}
+    with written_aside(weights_file, binary=True) as f:
+        f.write(save(weights, metadata=metadata))
+    config_path = os.path.join(adapter_folder, ADAPTER_CONFIG)
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    # target_modules stay as they are: peft matches a module path's end, so "layers.0.self_attn.q_proj" (as every
+    # linear layer is recorded) names the layer in both models, where "model.layers.0..." names none in the headless
+    if config.get("auto_mapping"):  # the class AutoPeftModel loads the adapter's base as
+        config["auto_mapping"] = {"base_model_class": head_class.__name__, "parent_library": head_class.__module__}
+    _write_json(config_path, config)
 
 
 def _record_base(adapter_folder: str, base_model: str | None, revision: str | None) -> None:

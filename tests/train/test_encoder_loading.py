@@ -362,3 +362,25 @@ def test_an_encoding_that_fails_leaves_the_model_in_training_mode():
     with pytest.raises(torch.OutOfMemoryError):
         encoder.encode(TEXTS, tokenizer)
     assert encoder.training and encoder.backbone.training
+
+
+def test_a_decoders_export_records_left_padding_in_its_tokenizer_config(tmp_path):
+    """A decoder's export pads on the left, as angle_train.json says: its tokenizer_config.json says so too. transformers
+    writes only the settings the tokenizer was loaded with, so a base tokenizer without a padding_side (most LLaMA
+    folders) was saved padding on the right, and code pooling a padded batch's last position read a pad token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.init_kwargs.pop("padding_side", None)  # as loaded from a folder whose config has none
+    assert AutoTokenizer.from_pretrained(tokenizer.save_pretrained(tmp_path / "base")[0].rsplit("/", 1)[0]
+                                         ).padding_side == "right"
+    prepare_tokenizer(tokenizer, is_decoder=True)
+    backbone = build_backbone("builtin:tiny-llama", len(tokenizer), hidden_size=32, layers=1)
+    encoder = wrap_backbone(backbone, pooling=None, pad_token_id=tokenizer.pad_token_id, is_decoder=True)
+    folder = save_pretrained(encoder, tokenizer, str(tmp_path / "final"), max_length=16)
+    with open(os.path.join(folder, META_FILE), encoding="utf-8") as f:
+        assert json.load(f)["padding_side"] == "left"
+    assert AutoTokenizer.from_pretrained(folder).padding_side == "left"
+    bert, bert_tokenizer = make_encoder("bert", dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(save_pretrained(bert, bert_tokenizer, str(tmp_path / "bert"),
+                                                         max_length=16)).padding_side == "right"

@@ -192,6 +192,52 @@ def test_a_lora_exports_adapter_folder_embeds_with_the_exports_pooling_attention
             f"({tmp_path / 'final' / 'angle_train.json'})") in err
 
 
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], None])  # None: every linear layer
+def test_a_decoders_exported_adapter_loads_over_its_causal_lm_as_angle_emb_loads_one(tmp_path, targets):
+    """A decoder LM's adapter angle-train exports (final/adapter, an adapter-only best/) is named as if saved from the
+    model with its LM head, as angle-emb and most LoRA trainers save theirs: peft's PeftModel over the
+    LlamaForCausalLM (angle-emb's is_llm=True) and AutoPeftModel apply it. It was named as the headless model the
+    Encoder holds (`layers.0...`), which they left unadapted in silence but for a peft warning (the base model's
+    embeddings). transformers' AutoModel, sentence-transformers and load_encoder embed with it as the encoder did."""
+    from peft import AutoPeftModel, PeftModel
+    from safetensors import safe_open
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, LlamaForCausalLM
+
+    from angle_train.export import save_pretrained
+    from angle_train.models import LoraSettings
+
+    base = causal_lm(tmp_path / "base")
+    encoder, tokenizer = load_encoder(base, pooling="last", lora=LoraSettings(r=4, alpha=8, dropout=0.0,
+                                                                              target_modules=targets))
+    with torch.no_grad():  # the adapter's B starts at zero: the adapter would change nothing
+        for name, weight in encoder.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(generator=torch.Generator().manual_seed(0))
+    expected = encoder.eval().encode(TEXTS, tokenizer)
+    best = save_pretrained(encoder, tokenizer, str(tmp_path / "best"), max_length=16, adapter_only=True,
+                           base_model=base)
+    save_pretrained(encoder, tokenizer, str(tmp_path / "final"), max_length=16, base_model=base)
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")  # left padding: the last token is each text's last
+    for adapter in (best, str(tmp_path / "final" / "adapter")):
+        with safe_open(f"{adapter}/adapter_model.safetensors", framework="pt") as f:
+            assert all(key.startswith("base_model.model.model.layers.") for key in f.keys())
+        config = json.loads((tmp_path / adapter / ADAPTER_CONFIG).read_text())
+        assert config["auto_mapping"] in (None, {"base_model_class": "LlamaForCausalLM",
+                                                 "parent_library": "transformers.models.llama.modeling_llama"})
+        with torch.no_grad():
+            for model in (PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), adapter),
+                          AutoPeftModel.from_pretrained(adapter)):
+                hidden = model.eval()(**batch, output_hidden_states=True).hidden_states[-1][:, -1]
+                torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(AutoModel.from_pretrained(adapter).eval()(**batch).last_hidden_state[:, -1],
+                                       expected, rtol=1e-5, atol=1e-5)
+        reloaded, reloaded_tokenizer = load_encoder(base, pooling="last", lora_path=adapter)
+        torch.testing.assert_close(reloaded.eval().encode(TEXTS, reloaded_tokenizer), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.as_tensor(SentenceTransformer(best, device="cpu").encode(TEXTS)), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_only_a_lora_exports_own_adapter_folder_takes_its_exports_settings(tmp_path, monkeypatch):
     """adapter_export_meta finds the export of final/adapter by any spelling of its path (relative, with a trailing
     slash), and none for an adapter folder that is no whole-model LoRA export's adapter/: its own angle_train.json
