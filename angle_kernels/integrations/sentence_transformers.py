@@ -21,8 +21,9 @@ below), while computing it with angle_kernels' fused losses:
     GISTEmbedLoss, CachedGISTEmbedLoss  gist_loss: the guide's similarities filter the in-batch negatives tile by
                                         tile, no B x B score matrix of the model or the guide (the cached one on
                                         the whole cached batch at once)
-    MatryoshkaLoss                      over the fused losses above: every (sampled) dimension in one fused
-                                        call, from one read of the embeddings
+    MatryoshkaLoss                      over the fused losses above but GIST's: every (sampled) dimension in one
+                                        fused call, from one read of the embeddings (over GIST, the parent's loop
+                                        of fused GIST calls)
     AdaptiveLayerLoss, Matryoshka2dLoss over the non-cached fused losses above (or MatryoshkaLoss over one): every
                                         sampled layer (and dimension) in one fused call on the layers' stacked
                                         embeddings; the KL terms are the parent's
@@ -37,7 +38,11 @@ computation in CoSENTLoss, AnglELoss and the MNRL family, which train it, as doe
 the MNRL family and a learned `last_layer_weight` or `prior_layers_weight` in the layer-wise losses; a learned
 `kl_div_weight` or `kl_temperature` is trained on the fused path too, whose KL terms are the parent's code), and
 `loss.uses_fused_path` tells which path a configured loss takes. The embedding side (the model's forward,
-GradCache's mini-batches) is untouched.
+GradCache's mini-batches) is untouched. A subclass of a drop-in that overrides a method the wrappers' loops call
+(`forward`, `compute_loss_from_embeddings`, a cached loss's `calculate_loss`) keeps it under MatryoshkaLoss,
+AdaptiveLayerLoss and Matryoshka2dLoss, which then run their parents' loops over it (their one fused call would
+skip it); GISTEmbedLoss and CachedGISTEmbedLoss refuse one that overrides `sim_matrix`, as they refuse another
+`similarity_fct`.
 
 Differences from the parents, on inputs where the parents return NaN: angle_kernels raises a ValueError for
 NaN/Inf embeddings or labels (switch the check off with `angle_kernels.set_input_checks(False)`), and gives
@@ -768,6 +773,24 @@ def _embed_columns(model: torch.nn.Module, features: list[dict[str, Tensor]]) ->
     return embed_columns(model, features)
 
 
+def _drop_in_class(loss: torch.nn.Module) -> type:
+    """The class of this module that `loss` is an instance of (its own, or the one a user's subclass extends)."""
+    return next(cls for cls in type(loss).__mro__ if cls.__module__ == __name__)
+
+
+def _overridden_methods(loss: torch.nn.Module, names: Sequence[str]) -> list[str]:
+    """Those of the methods `names` that `loss`'s class overrides below its drop-in class (a user's subclass):
+    the parents' loops call them, and a fused call that computes from the drop-in's own code would skip them."""
+    drop_in = _drop_in_class(loss)
+    return [name for name in names
+            if hasattr(drop_in, name) and getattr(type(loss), name) is not getattr(drop_in, name)]
+
+
+# The methods of an inner loss that MatryoshkaLoss's and the layer-wise losses' parents call once per dimension or
+# layer (a cached loss's calculate_loss, through MatryoshkaLoss's decorator)
+_LOOPED_METHODS = ("forward", "compute_loss_from_embeddings", "calculate_loss")
+
+
 def _gist_options(loss: torch.nn.Module) -> dict[str, Any]:
     # the parent reads its flags by truth value (`if self.contrast_anchors:`): 0, 1 and numpy's bools work there too
     return dict(temperature=loss.temperature, margin_strategy=loss.margin_strategy, margin=loss.margin,
@@ -777,6 +800,11 @@ def _gist_options(loss: torch.nn.Module) -> dict[str, Any]:
 
 
 def _fused_gist(loss: torch.nn.Module, embeddings: list[Tensor], guide_embeddings: list[Tensor]) -> Tensor:
+    if _overridden_methods(loss, ("sim_matrix",)):
+        # the parent scores every block with self.sim_matrix: a subclass's scores, which the fused loss never asks for
+        raise ValueError(f"{type(loss).__name__} overrides sim_matrix, the parent's scores of every block, which "
+                         "the fused GIST loss computes itself (cosines); subclass sentence-transformers' "
+                         f"{_drop_in_class(loss).__name__} to score with another similarity")
     similarity = getattr(loss, "similarity_fct", None)
     if not (type(similarity) is torch.nn.CosineSimilarity and similarity.dim in (-1, 1)):
         # the parent's own (nn.CosineSimilarity(dim=-1)), which it sets and never takes as an argument: a module
@@ -892,6 +920,9 @@ def _matryoshka_unfused_reason(inner: torch.nn.Module, dims: Sequence[int],
     """Why MatryoshkaLoss over `inner` with these dims and weights cannot run as one fused call; None when it can."""
     if not hasattr(inner, "_fused_loss") and not hasattr(inner, "_fused_cached_loss"):
         return f"{type(inner).__name__} is not one of angle_kernels' fused drop-ins with a Matryoshka path"
+    overridden = _overridden_methods(inner, _LOOPED_METHODS)
+    if overridden:
+        return f"{type(inner).__name__} overrides {', '.join(overridden)}, which the parent calls per dimension"
     if not inner.uses_fused_path:
         return f"{type(inner).__name__} itself runs unfused in this configuration"
     if _odd_angle_widths(inner, dims):
@@ -957,7 +988,9 @@ class MatryoshkaLoss(_st_losses.MatryoshkaLoss):
     no dims for it (a GPU path not yet verified with dims: one pass per dimension inside angle_kernels there).
     A cached loss held by a wrapper (a module with the loss as `.loss`, no calculate_loss of its own, reporting
     `uses_gradient_cache`) is decorated through the wrapper, as sentence-transformers 6.3 does (earlier releases
-    fail there when built, and so does this class on them).
+    fail there when built, and so does this class on them). matryoshka_dims, matryoshka_weights and
+    n_dims_per_step set after construction count from the next call, over a cached loss too (the parent's decorator
+    of a cached loss keeps those it was built with, while its loop over a non-cached loss reads them at each call).
     On 16-bit embeddings (a bf16 or fp16 model) the fused call normalises and scores every prefix in float32, where
     the parent rounds each normalised prefix back to 16 bits first (6.3; 6.2 normalises in 16 bits): the two differ
     by that rounding, up to about 1e-3 of the loss and a few percent of the parameter gradients on a 2-layer tiny
@@ -1051,6 +1084,10 @@ class _FusedCachedMatryoshka:
 
     def __call__(self, reps: list[list[Tensor]], *args: Any, with_backward: bool = False, **kwargs: Any) -> Tensor:
         if not self.matryoshka.uses_fused_path:
+            # the settings in force, as the fused call reads them (the parent's decorator keeps those it was built
+            # with, while the parent's non-cached loop reads them at each call)
+            for name in ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step"):
+                setattr(self.parent_decorator, name, getattr(self.matryoshka, name))
             return self.parent_decorator(reps, *args, with_backward=with_backward, **kwargs)
         nested = self.matryoshka._selected(reps[0][0], sort=False)
         return self.cached_loss._fused_cached_loss(reps, with_backward, nested)
@@ -1073,6 +1110,9 @@ def _layerwise_unfused_reason(inner: torch.nn.Module) -> str | None:
         return "the inner MatryoshkaLoss is sentence-transformers' own, not angle_kernels'"
     if not hasattr(inner, "_fused_loss"):
         return f"{type(inner).__name__} is not one of angle_kernels' fused non-cached drop-ins"
+    overridden = _overridden_methods(inner, _LOOPED_METHODS)
+    if overridden:
+        return f"{type(inner).__name__} overrides {', '.join(overridden)}, which the parent calls per layer"
     if not inner.uses_fused_path:
         return f"{type(inner).__name__} itself runs unfused in this configuration"
     if getattr(inner, "gather_across_devices", False):

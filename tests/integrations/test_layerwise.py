@@ -20,7 +20,7 @@ pytest.importorskip("sentence_transformers")
 
 from angle_kernels.integrations import sentence_transformers as ours  # noqa: E402
 from sentence_transformers import util as st_util  # noqa: E402
-from test_matryoshka import Seeded  # noqa: E402
+from test_matryoshka import Seeded, _with_penalty  # noqa: E402
 from test_sentence_transformers import ALL_DIRECTIONS, GRADED, batch_columns, compare, st_losses  # noqa: E402
 from angle_kernels.testing.tiny_model import build_tiny_model_dir, load_sentence_transformer  # noqa: E402
 
@@ -305,3 +305,17 @@ def test_a_weight_past_float32s_range_is_refused_by_name_before_any_loss_compute
     if kwargs == {"kl_div_weight": 1e39}:
         off = ours.AdaptiveLayerLoss(model, ours.MultipleNegativesRankingLoss(model), kl_temperature=0.0, **kwargs)
         assert torch.isfinite(off(batch_columns(model, 2), None))
+
+
+@pytest.mark.parametrize("method", ["compute_loss_from_embeddings", "forward"])
+@pytest.mark.parametrize("layerwise, args", [("AdaptiveLayerLoss", ()), ("Matryoshka2dLoss", ((32, 16),))])
+def test_a_subclass_overriding_what_the_parent_loops_over_keeps_its_override(deep_model64, layerwise, args, method):
+    """The parents call the inner loss once per layer (and dimension): a subclass's override of forward or
+    compute_loss_from_embeddings counts in each call. The fused call skipped it in silence (2.31 where the parent
+    gives 22.31); such a subclass runs the parent's loop now."""
+    original = getattr(st_losses, layerwise)(
+        deep_model64, _with_penalty(st_losses.MultipleNegativesRankingLoss, method)(deep_model64), *args)
+    replacement = getattr(ours, layerwise)(
+        deep_model64, _with_penalty(ours.MultipleNegativesRankingLoss, method)(deep_model64), *args)
+    assert not replacement.uses_fused_path
+    compare(deep_model64, Seeded(original), Seeded(replacement), 2, None, value_tol=1e-12, grad_tol=1e-10)

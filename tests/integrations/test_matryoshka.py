@@ -320,3 +320,48 @@ def test_a_wrapped_cached_loss_is_decorated_through_the_wrapper_as_the_parent_do
     assert replacement.uses_fused_path
     compare(model64, original, replacement, 2, None, value_tol=1e-12, grad_tol=1e-10)
     assert fused_calls["multiple_negatives"] == 1, f"one fused call for every dimension, got {fused_calls}"
+
+
+def _with_penalty(parent, method: str):
+    """A user's subclass of the loss class `parent` that adds 10 to what `method` returns (an added regulariser)."""
+    def penalised(self, *args, **kwargs):
+        return getattr(super(subclass, self), method)(*args, **kwargs) + 10.0
+
+    subclass = type(f"Penalised{parent.__name__}", (parent,), {method: penalised})
+    return subclass
+
+
+@pytest.mark.parametrize("inner, kwargs, method, columns, labels", [
+    ("MultipleNegativesRankingLoss", {}, "compute_loss_from_embeddings", 2, None),
+    ("CoSENTLoss", {}, "forward", 2, GRADED),
+    ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 4}, "calculate_loss", 2, None),
+])
+def test_a_subclass_overriding_what_the_parent_loops_over_keeps_its_override(model64, fused_calls, inner, kwargs,
+                                                                            method, columns, labels):
+    """The parent calls the inner loss's forward (compute_loss_from_embeddings), or a cached loss's calculate_loss,
+    once per dimension: a subclass's override of them counts once per dimension. The fused call computed from the
+    drop-in's own code and skipped it in silence (2.40 where the parent gives 22.40, uses_fused_path True); such a
+    subclass runs the parent's loop now."""
+    original = st_losses.MatryoshkaLoss(model64, _with_penalty(getattr(st_losses, inner), method)(model64, **kwargs),
+                                        (32, 16))
+    replacement = ours.MatryoshkaLoss(model64, _with_penalty(getattr(ours, inner), method)(model64, **kwargs), (32, 16))
+    assert not replacement.uses_fused_path
+    compare(model64, original, replacement, columns, labels, value_tol=1e-12, grad_tol=1e-10)
+
+
+def test_settings_changed_after_construction_count_on_both_paths_over_a_cached_loss(model64):
+    """matryoshka_dims, matryoshka_weights and n_dims_per_step set after construction are read at each call by the
+    fused call, as the parent's non-cached loop reads them; over a cached loss that runs unfused (the parent's
+    decorator, which keeps the settings it was built with) they were ignored: the same loss gave two values."""
+    def configured(inner):
+        loss = ours.MatryoshkaLoss(model64, inner, (32, 16, 8))
+        loss.matryoshka_dims, loss.matryoshka_weights = (32, 4), (1.0, 3.0)
+        return loss
+
+    fused = configured(ours.CachedMultipleNegativesRankingLoss(model64, mini_batch_size=4))
+    unfused = configured(ours.CachedMultipleNegativesRankingLoss(model64, mini_batch_size=4))
+    unfused.loss.similarity_fct = lambda a, b: st_util.cos_sim(a, b)  # the same scores, by the parent's computation
+    assert fused.uses_fused_path and not unfused.uses_fused_path
+    reference = configured(ours.MultipleNegativesRankingLoss(model64))  # non-cached: the parent reads them per call
+    compare(model64, reference, fused, 2, None, value_tol=1e-12, grad_tol=1e-10)
+    compare(model64, reference, unfused, 2, None, value_tol=1e-12, grad_tol=1e-10)

@@ -612,6 +612,26 @@ def test_gist_refuses_a_similarity_fct_put_in_after_construction(model64, guide6
     assert float(value_and_grads(model64, loss, 2, None)[0]) == pytest.approx(float(expected), rel=1e-12)
 
 
+@pytest.mark.parametrize("class_name, kwargs", [("GISTEmbedLoss", {}), ("CachedGISTEmbedLoss", {"mini_batch_size": 4})])
+def test_gist_refuses_a_subclass_that_overrides_sim_matrix(model64, guide64, class_name, kwargs):
+    """The parent scores every block with self.sim_matrix, a hook a subclass may override: the fused loss never calls
+    it and gave the unchanged loss in silence (0.37 where the parent's doubled scores give 0.21). Refused, naming the
+    parent to subclass; a subclass overriding anything else is computed fused as before."""
+    class Sharpened(getattr(ours, class_name)):
+        def sim_matrix(self, embed1, embed2):
+            return 2.0 * super().sim_matrix(embed1, embed2)
+
+    class Named(getattr(ours, class_name)):
+        def __repr__(self):
+            return "named"
+
+    with pytest.raises(ValueError, match=f"Sharpened overrides sim_matrix.*subclass sentence-transformers' "
+                                         f"{class_name} to score"):
+        value_and_grads(model64, Sharpened(model64, guide64, **kwargs), 2, None)
+    compare(model64, getattr(st_losses, class_name)(model64, guide64, **kwargs), Named(model64, guide64, **kwargs), 2,
+            None, value_tol=1e-12, grad_tol=1e-10)
+
+
 def test_gist_retokenises_packed_sequences_text_by_text(model64, guide64):
     """Packed features (every text in one row, cut at cu_seq_lens_q) give the guide the same texts as padded
     features, when the guide must re-tokenise them."""
