@@ -235,6 +235,14 @@ def _refuse_second_derivatives_only(grad_outputs: tuple) -> None:
     if torch.is_grad_enabled():
         raise RuntimeError("angle_kernels' losses have first derivatives only: backward with create_graph=True "
                            "(second derivatives, e.g. a gradient penalty) is not supported")
+    if _is_legacy_batched is not None and any(grad is not None and _is_legacy_batched(grad) for grad in grad_outputs):
+        # a backward vmapped over a batch of upstream gradients (autograd's own vmap: its upstream gradients are
+        # batched tensors, which the hook sees as the single gradient each batch entry is)
+        raise RuntimeError("angle_kernels' losses take one upstream gradient per backward: a batched backward "
+                           "(torch.autograd.grad(..., is_grads_batched=True), "
+                           "torch.autograd.functional.jacobian(..., vectorize=True)) is not supported (it failed "
+                           "inside the backends' backward passes, or in vmap's batching rules); take one backward "
+                           "per upstream gradient (jacobian's default vectorize=False)")
 
 
 _warned_backward_inside_autocast = False
@@ -410,6 +418,8 @@ def _inside_a_torch_func_transform() -> bool:
 
 # private; present from torch 2.1. Looked up once: every loss call asks
 _peek_interpreter_stack = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+# private: whether a tensor is one of the batched tensors autograd's is_grads_batched backward runs on
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
 
 
 class Backend(Protocol):

@@ -145,6 +145,8 @@ class Ops:
     def computes(self, op: str, *args, **kwargs) -> tuple[str, str]:
         """(backend, code path) that would compute `op` on these arguments (the op's own, validated the same way);
         for "auto", after the first-use check the call would run (`first_use`)."""
+        if op not in contract.OPS:  # getattr(Ops, op) said only "type object 'Ops' has no attribute ..."
+            raise ValueError(f"op must be one of {', '.join(map(repr, contract.OPS))}; got {op!r}")
         call = self._checked(op, args, kwargs)
         chosen = self._choose(op, call)
         return chosen.name, chosen.code_path(op, call)
@@ -433,7 +435,8 @@ def _requested_name(requested: str | None) -> str:
         value, source, expected = requested, "backend", "None or one of"
     name = value.strip().lower() if isinstance(value, str) else None
     if name not in _REQUESTABLE:
-        raise ValueError(f"{source} must be {expected} 'auto', 'torch', 'triton', 'cuda'; got {value!r}")
+        shown = repr(value) if not isinstance(value, torch.Tensor) else f"a tensor of shape {tuple(value.shape)}"
+        raise ValueError(f"{source} must be {expected} 'auto', 'torch', 'triton', 'cuda'; got {shown}")
     return name
 
 

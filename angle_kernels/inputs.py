@@ -279,6 +279,7 @@ def check_embeddings(
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in EMBEDDING_DTYPES:  # float8 too: it is floating, and failed inside with an op's argument name
         raise TypeError(f"{name} must be a floating-point tensor (float32, float64, bfloat16, float16), got {t.dtype}")
+    check_dense(name, t)
     shape = t.shape  # read once: each read of a tensor's metadata is a torch call
     if len(shape) != 2:
         raise ValueError(f"{name} must be 2-D [rows, dim], got shape {tuple(shape)}")
@@ -292,6 +293,15 @@ def check_embeddings(
     if check_values:
         check_finite(name, t)
     return t
+
+
+def check_dense(name: str, t: torch.Tensor) -> None:
+    """t laid out densely (strided), as every op reads its tensors: a sparse one failed inside, in a torch op that
+    named neither the argument nor the layout ("reshape is not implemented for sparse tensors")."""
+    layout = t.layout
+    if layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {str(layout).removeprefix('torch.')} one: "
+                        f"pass {name}.to_dense()")
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
@@ -361,6 +371,7 @@ def check_labels(name: str, y, rows: int, device: torch.device, *, check_values:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
     if y.is_complex():
         raise TypeError(f"{name} must hold real labels, got {y.dtype}")
+    check_dense(name, y)
     if tuple(y.shape) not in ((rows,), (rows, 1)):
         raise ValueError(f"{name} must have shape [{rows}] or [{rows}, 1] to match the rows of {embeddings}, "
                          f"got {tuple(y.shape)}")

@@ -154,15 +154,21 @@ def _load(path: Path) -> tuple[dict, str | None, str | None]:
     return contents, None, None
 
 
-def read(path: Path | None = None) -> dict:
+def read(path: Path | None = None, *, unreadable_raises: bool = False) -> dict:
     """The cache's contents ({"format", "verified", "checks"}); empty when there is none or it is unusable (one
-    RuntimeWarning per process and file saying why), or when there is no folder for it (`cache_dir`)."""
+    RuntimeWarning per process and file saying why), or when there is no folder for it (`cache_dir`).
+    unreadable_raises: an OSError instead where the file is there but cannot be read (its permissions, a path
+    through a file), whose records are then unknown rather than none (`verify --list`)."""
     try:
         path = path or cache_file()
     except OSError as exc:
+        if unreadable_raises:
+            raise
         _warn_once("", f"no cache is read or written: {exc}")
         return _empty()
-    contents, why, _ = _load(path)
+    contents, why, unreadable = _load(path)
+    if unreadable is not None and unreadable_raises:
+        raise OSError(f"{path}: {unreadable}")
     if why is not None:
         _warn_once(str(path), f"ignoring the cache {path}: {why}")
     return contents

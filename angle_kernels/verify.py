@@ -456,7 +456,7 @@ def _row(r: dict) -> str:
 def describe_cache() -> str:
     """The user's cache in words: where it is, each verification and each first-use check, one line each."""
     where = user_cache.cache_file()
-    contents = user_cache.read(where)
+    contents = user_cache.read(where, unreadable_raises=True)  # "0 verifications" only where there are none
     lines = [f"{where}: {len(contents['verified'])} verifications, {len(contents['checks'])} first-use checks"]
     for e in contents["verified"]:
         backend = e.get("backend")
@@ -513,8 +513,8 @@ def main(argv=None) -> int:
     if args.list:
         try:
             print(describe_cache())
-        except OSError as exc:  # no folder for the cache (no home directory)
-            print(f"no cache to list: {exc}", file=sys.stderr)
+        except OSError as exc:  # no folder for the cache (no home directory), or a cache that cannot be read
+            print(f"cannot list the cache: {exc}", file=sys.stderr)
             return 1
         return 0
     if args.forget:

@@ -1723,15 +1723,15 @@ def main(argv=None, started: float | None = None) -> int:
         return st_train(argv[1:])
     started = time.monotonic() if started is None else started
     parser, args = parse_args(argv)
+    available = dict(GPU_CONTENDERS if args.gpu else CONTENDERS)
+    names = args.contenders.split(",") if args.contenders else list(available)
+    unknown = [n for n in names if n not in available]
+    if unknown:  # before any folder is made: a refused command leaves nothing behind
+        parser.error(f"--contenders: unknown {unknown}; here: {', '.join(available)}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(args.scratch).resolve() if args.scratch else out
     scratch.mkdir(parents=True, exist_ok=True)
-    available = dict(GPU_CONTENDERS if args.gpu else CONTENDERS)
-    names = args.contenders.split(",") if args.contenders else list(available)
-    unknown = [n for n in names if n not in available]
-    if unknown:
-        parser.error(f"--contenders: unknown {unknown}; here: {', '.join(available)}")
     contenders = {n: available[n] for n in names}
     command = (shlex.join([sys.executable, *sys.argv]) if argv == sys.argv[1:] else
                shlex.join([sys.executable, str(Path(__file__)), *argv]))

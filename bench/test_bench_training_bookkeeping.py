@@ -545,3 +545,13 @@ def test_an_out_or_scratch_that_cannot_take_the_runs_is_refused(tmp_path, capsys
         with pytest.raises(SystemExit):
             bt.parse_args(argv)
         assert said in capsys.readouterr().err
+
+
+def test_unknown_contenders_are_refused_before_any_folder_is_made(tmp_path, capsys):
+    """--contenders naming one that does not exist was refused after --out and --scratch had been made: an empty
+    folder was left behind (in bench/results/ where --out pointed there)."""
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    with pytest.raises(SystemExit):
+        bt.main(["--contenders", "foo", "--out", str(out), "--scratch", str(scratch)])
+    assert "--contenders: unknown ['foo']" in capsys.readouterr().err
+    assert not out.exists() and not scratch.exists()

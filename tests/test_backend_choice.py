@@ -945,3 +945,18 @@ def test_a_prebuilt_extension_is_used_without_building(extension_without_prebuil
     monkeypatch.setattr(_extension, "_import_prebuilt", lambda: (True, ""))
     assert _extension.load(allow_build=True) == (True, "") and _extension.load(allow_build=False) == (True, "")
     assert extension_without_prebuilt.calls == 0
+
+
+def test_computes_of_an_unknown_op_and_a_tensor_for_the_backend_are_refused_naming_the_argument():
+    """computes() with a misspelt op raised "type object 'Ops' has no attribute 'similarity_xnet'", naming neither
+    the argument nor the ops; resolve_backend(embeddings), the tensor given as the backend, printed the whole tensor
+    in its message."""
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"^op must be one of 'pair_scores', 'ranking_loss', 'similarity_xent', "
+                                         r"'similarity_lse'; got 'similarity_xnet'$"):
+        dispatch.resolve_backend("torch", x).computes("similarity_xnet", x, None, 20.0, "partner")
+    with pytest.raises(ValueError, match=r"^backend must be None or one of 'auto', 'torch', 'triton', 'cuda'; got a "
+                                         r"tensor of shape \(4, 8\)$"):
+        dispatch.resolve_backend(x)
+    assert dispatch.resolve_backend("torch", x).computes("similarity_xent", x, None, 20.0, "partner") == \
+        ("torch", "default")

@@ -354,6 +354,30 @@ def test_float8_embeddings_are_refused_naming_the_argument(ak):
             call()
 
 
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_sparse_inputs_are_refused_naming_the_argument(ak, gen, layout):
+    """A sparse embedding or label tensor failed inside a torch op, naming neither the argument nor the layout
+    ("reshape is not implemented for sparse tensors", a 100-line NotImplementedError for linalg_vector_norm)."""
+    def sparse(t):
+        return t.to_sparse() if layout == "sparse_coo" else t.to_sparse_csr()  # every embedding tensor is 2-D
+
+    calls = [*_embedding_calls(ak, gen),
+             ("queries", [randn(gen, 3, 8), randn(gen, 3, 8)],
+              lambda a: ak.multiple_negatives_ranking_loss(*a, dims=(8, 4)), 0),
+             ("positives", [randn(gen, 3, 8), randn(gen, 3, 8)],
+              lambda a: ak.multiple_negatives_ranking_loss(*a, false_negative_margin=0.1), 1),
+             ("guide_anchors", [randn(gen, 3, 8) for _ in range(4)], lambda a: ak.gist_loss(*a), 2)]
+    for name, args, call, position in calls:
+        args = list(args)
+        args[position] = sparse(args[position])
+        with pytest.raises(TypeError, match=rf"^{name} must be a dense \(strided\) tensor, got a {layout} one: "
+                                            rf"pass {name}.to_dense\(\)$"):
+            call(args)
+    if layout == "sparse_coo":  # a CSR tensor is 2-D at least
+        with pytest.raises(TypeError, match=r"^y_true must be a dense \(strided\) tensor"):
+            ak.cosine_loss(torch.rand(6).to_sparse(), randn(gen, 6, 8))
+
+
 def test_non_tensor_inputs_raise_type_error(ak):
     with pytest.raises(TypeError, match="y_pred"):
         ak.cosine_loss(torch.ones(4), [[1.0, 2.0]] * 4)

@@ -245,6 +245,23 @@ def test_a_second_derivative_is_refused(name):
 
 
 @pytest.mark.parametrize("name", list(CALLS))
+def test_a_batched_backward_is_refused_saying_what_to_use(name):
+    """autograd's batched backward (is_grads_batched=True; jacobian's vectorize=True) vmaps every node's backward over
+    the upstream gradients: the backends' backward passes failed inside ("vmap: aten::copy_ ... is not possible",
+    "Batching rule not implemented for aten::detach"), naming nothing of the loss, or, for a few losses on the
+    PyTorch backend only, computed. Refused by the loss's first node, whichever backend computes it."""
+    y = torch.randn(6, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    refusal = r"one upstream gradient per backward: a batched backward .*jacobian's default vectorize=False"
+    with pytest.raises(RuntimeError, match=refusal):
+        torch.autograd.grad(CALLS[name](_laid_out(y)), y, grad_outputs=torch.tensor([1.0, 2.0], dtype=torch.float64),
+                            is_grads_batched=True)
+    with pytest.raises(RuntimeError, match=refusal):
+        torch.autograd.functional.jacobian(lambda leaf: CALLS[name](_laid_out(leaf)), y, vectorize=True)
+    jacobian = torch.autograd.functional.jacobian(lambda leaf: CALLS[name](_laid_out(leaf)), y)  # one at a time
+    torch.testing.assert_close(jacobian, torch.autograd.grad(CALLS[name](_laid_out(y)), y)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(CALLS))
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_a_torch_func_transform_is_refused_saying_what_to_use(name, transform):
     """torch.func's transforms need autograd Functions with setup_context, which the backends' do not have: grad
@@ -378,9 +395,10 @@ def test_a_non_reentrant_checkpoint_recomputes_calls_that_kept_their_tiles(monke
 # its backend op, forward: the checks, dispatch and the formula between the ops. Each one is a cost of every training
 # step that the eager formula the loss replaces does not pay; a check that reads what it has read before shows here.
 # gist_loss's guide on the model's device is checked where the guide is (2 reads), so a mistake names guide_anchors;
-# in_batch_negative_loss reads its row weights' requires_grad once (similarity_xent takes them as constants).
-FRONT_END_TORCH_CALLS = {"multiple_negatives_ranking_loss": 41, "cosine_loss": 48, "in_batch_negative_loss": 52,
-                         "gist_loss": 189}
+# in_batch_negative_loss reads its row weights' requires_grad once (similarity_xent takes them as constants); each
+# tensor's layout is read once (a sparse one is refused by name: inputs.check_dense).
+FRONT_END_TORCH_CALLS = {"multiple_negatives_ranking_loss": 43, "cosine_loss": 50, "in_batch_negative_loss": 54,
+                         "gist_loss": 191}
 _BACKEND_FILES = ("torch_ops/", "triton_ops/", "cuda_ops/", "normalisation.py", "formed_gradients.py")
 
 

@@ -164,6 +164,34 @@ def test_verify_lists_and_forgets_the_cache(cache, capsys):
     assert "0 verifications, 0 first-use checks" in command("--list")
 
 
+def test_verify_list_of_a_cache_it_cannot_read_exits_1(tmp_path, monkeypatch, capsys):
+    """A cache that is there but cannot be read (a folder path through a file; a file without read permission) was
+    listed as "0 verifications, 0 first-use checks" with exit status 0, which a script takes for fact: the status is
+    1, as the documented rule and --forget-failed on the same file say. A damaged file is read (as empty, warned)."""
+    from angle_kernels import verify
+
+    (tmp_path / "a_file").write_text("not a folder")
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path / "a_file"))
+    assert verify.main(["--list"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"cannot list the cache: {tmp_path / 'a_file' / 'verified.json'}: cannot stat it") and \
+        "Not a directory" in err
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path / "readable"))
+    (tmp_path / "readable").mkdir()
+    (tmp_path / "readable" / "verified.json").write_text("{damaged")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    status, said = runtime_warnings(verify.main, ["--list"])
+    assert status == 0
+    assert "0 verifications, 0 first-use checks" in capsys.readouterr().out
+    assert any("it is not JSON this package wrote" in text for text in said)
+    monkeypatch.setattr("builtins.open", refused)  # as a file of another user without read permission reads
+    assert verify.main(["--list"]) == 1
+    assert "it cannot be read (PermissionError" in capsys.readouterr().err
+
+
 def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path / "mine"))
     assert user_cache.cache_dir() == tmp_path / "mine"
