@@ -152,10 +152,10 @@ def _recorded_prompts(path: str) -> dict | None:
 
 
 def _record_padding_side(path: str, side: str) -> None:
-    """The side the tokenizer pads on (a decoder's left: models.prepare_tokenizer) written into the tokenizer_config.json
-    just saved in `path`, where transformers left it out (it writes only the settings the tokenizer was loaded with):
-    the folder's tokenizer padded on the right, which code that pools a padded batch's last position (as
-    angle_train.json's padding_side says it may) read a pad token of."""
+    """The side the tokenizer pads on (a decoder's left: models.prepare_tokenizer) written into the
+    tokenizer_config.json just saved in `path`, where transformers left it out (it writes only the settings the
+    tokenizer was loaded with): the folder's tokenizer padded on the right, which code that pools a padded batch's last
+    position (as angle_train.json's padding_side says it may) read a pad token of."""
     config_path = os.path.join(path, "tokenizer_config.json")
     if not os.path.isfile(config_path):
         return

@@ -365,9 +365,10 @@ def test_an_encoding_that_fails_leaves_the_model_in_training_mode():
 
 
 def test_a_decoders_export_records_left_padding_in_its_tokenizer_config(tmp_path):
-    """A decoder's export pads on the left, as angle_train.json says: its tokenizer_config.json says so too. transformers
-    writes only the settings the tokenizer was loaded with, so a base tokenizer without a padding_side (most LLaMA
-    folders) was saved padding on the right, and code pooling a padded batch's last position read a pad token."""
+    """A decoder's export pads on the left, as angle_train.json says: its tokenizer_config.json says so too.
+    transformers writes only the settings the tokenizer was loaded with, so a base tokenizer without a padding_side
+    (most LLaMA folders) was saved padding on the right, and code pooling a padded batch's last position read a pad
+    token."""
     from transformers import AutoTokenizer
 
     tokenizer = build_tokenizer()
