@@ -80,7 +80,10 @@ def right_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, strategy: str) -> torch.Tensor:
-    """Pool hidden states [B, L, H] with attention_mask [B, L] (1 = real token) into [B, H]."""
+    """Pool hidden states [B, L, H] with attention_mask [B, L] (1 = real token) into [B, H]. `max` takes each
+    feature's largest value over a text's own tokens, as sentence-transformers' max pooling does; angle-emb 0.6.1's
+    multiplies the padding by 0 instead, so a padded text's feature whose tokens are all negative pools to 0 there,
+    and its embedding depends on the longer texts in its batch (equal where no text is padded)."""
     if strategy not in POOLING_STRATEGIES:
         raise ValueError(f"pooling must be one of {POOLING_STRATEGIES}; got {strategy!r}")
     if hidden.dim() != 3 or attention_mask.shape != hidden.shape[:2]:
