@@ -774,8 +774,9 @@ def _embed_columns(model: torch.nn.Module, features: list[dict[str, Tensor]]) ->
 
 
 def _drop_in_class(loss: torch.nn.Module) -> type:
-    """The class of this module that `loss` is an instance of (its own, or the one a user's subclass extends)."""
-    return next(cls for cls in type(loss).__mro__ if cls.__module__ == __name__)
+    """The class of this module that `loss` is an instance of (its own, or the one a user's subclass extends); a loss
+    of no class here, its own class."""
+    return next((cls for cls in type(loss).__mro__ if cls.__module__ == __name__), type(loss))
 
 
 def _overridden_methods(loss: torch.nn.Module, names: Sequence[str]) -> list[str]:
