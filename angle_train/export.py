@@ -159,8 +159,7 @@ def _record_padding_side(path: str, side: str) -> None:
     config_path = os.path.join(path, "tokenizer_config.json")
     if not os.path.isfile(config_path):
         return
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = st_folder.read_json(config_path)
     if config.get("padding_side", "right") != side:
         _write_json(config_path, {**config, "padding_side": side})
 
@@ -199,8 +198,7 @@ def _name_layers_under_lm_head(adapter_folder: str, base) -> None:
     with written_aside(weights_file, binary=True) as f:
         f.write(save(weights, metadata=metadata))
     config_path = os.path.join(adapter_folder, ADAPTER_CONFIG)
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = st_folder.read_json(config_path)
     # target_modules stay as they are: peft matches a module path's end, so "layers.0.self_attn.q_proj" (as every
     # linear layer is recorded) names the layer in both models, where "model.layers.0..." names none in the headless
     if config.get("auto_mapping"):  # the class AutoPeftModel loads the adapter's base as
@@ -217,8 +215,7 @@ def _record_base(adapter_folder: str, base_model: str | None, revision: str | No
     if not local and revision is None:
         return
     config_path = os.path.join(adapter_folder, ADAPTER_CONFIG)
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = st_folder.read_json(config_path)
     if local:
         config["base_model_name_or_path"] = base_model
     if revision is not None:
