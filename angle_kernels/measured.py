@@ -9,8 +9,8 @@ term, and PyTorch beat both GPU backends on the smallest in-batch-negative batch
     measured for this op, variant, dtype and GPU (its compute capability), provided that point timed every one of
     them on the code path the call takes, with the code installed here; a time within TIE of the fastest counts as
     equal to it, and equals go by the fixed order: triton, cuda, torch (its GPU path, then its default one; torch
-    before cuda for the ops of AFTER_TORCH: every op, the CUDA similarity_xent having measured slower at every size
-    and its other ops untimed since their rewrite). Points equally near the call each decide so, and when they
+    before cuda for the ops of AFTER_TORCH: the similarity ops, whose CUDA schemes measured slower than torch at
+    the smallest sizes). Points equally near the call each decide so, and when they
     disagree the fixed order decides (never the order of the table). Without such a point (another GPU or dtype, a
     size or width more than SPAN times away from every measured one, an op or variant never measured, a backend not
     timed there, or timed on another code path or on code changed since), the fixed order decides.
@@ -30,16 +30,20 @@ paths and fingerprints included, from a run's second.json), each run cited besid
 
 What the table is worth against the fixed order (`python bench/speed_table.py --decisions`, from the points
 below, each call at a point and each set of backends auto may use there):
-    * With Triton among them (sm_90 today: every Triton path is verified but similarity_lse's two dims paths, whose
-      calls go to torch until then), on the paths calls take, the H200's points send to torch Matryoshka in-batch
-      negatives at 1,024 x 2,048 logits, D = 4,096 (torch's 16-bit products 5.35 ms against the dense dims scheme's
-      6.62) and the ranking term near 65,536 scores (1.10 against 1.24); everywhere else Triton measured fastest or
-      within TIE of it. Once the fused kernels per prefix are verified, similarity_lse with dims at D = 4,096 goes
-      to torch too (8.5 ms against 19.5).
-    * Without Triton (its path unverified or unloaded where CUDA's is verified), the H100's CUDA similarity_xent
-      measured 2.6-9x slower than torch on in-batch negatives at every size and 2.7-2.8x on ArcCon from N = 4,096:
-      AFTER_TORCH keeps it behind torch. No op sweep has timed the CUDA backend since its pair scores, ranking term
-      and dense schemes were rewritten: their H100 times measured other code and count for nothing.
+    * With Triton among them (sm_90 today: every Triton path is verified), on the paths calls take, the H200's
+      points send to CUDA (where its path is verified: sm_90, torch 2.11, CUDA 13.0) the pair scores with dims at
+      262,144 pairs, D = 768 (1.49 ms against the prefix kernels' 6.78), similarity_lse with dims from 4,096 x 8,192
+      logits at D = 4,096 and at 16,384 x 32,768 (10.0 against the dense dims scheme's 11.4; 54 against 71 at
+      D = 768) and the ranking term from 65,536 scores (0.72 against Triton's sort path's 1.24, 0.63 against 1.18
+      at 1M); to torch Matryoshka in-batch negatives at 1,024 x 2,048 logits, D = 4,096 (its 16-bit products 5.35
+      against the dense dims scheme's 6.62) and, without CUDA, the ranking term near 65,536 scores (1.10 against
+      1.24); everywhere else Triton measured fastest or within TIE of it. The full-width pair scores stay on the
+      fixed order: CUDA measured faster than Triton at 4 of 6 points (0.63 against 0.96 ms at 262,144 pairs,
+      D = 768), but the torch times beside them measured code changed since, so those points decide nothing until
+      an op sweep re-times torch's pair scores.
+    * Without Triton (its path unverified or unloaded where CUDA's is verified), the points decide between CUDA and
+      torch where they apply (CUDA's pair scores and ranking term faster at every point; its similarity schemes
+      slower up to 4M logits, faster from 16M), and the fixed order elsewhere (AFTER_TORCH).
 """
 
 from __future__ import annotations
@@ -183,139 +187,187 @@ _H100_FP32_SCORES = (
       "cuda/sort": "4b85a09f9216361e+249cdc38bcd80eed"}),
 )
 
-# The same op sweep on an H200 (the same compute capability), sources at 14e83fd with 40ac9b5's fix of the checks'
-# selection: bench/results/h200-2026-11-28/second-op-sweep (`scripts/gpu_check.sh second --skip
-# loss_sweep,cuda_op_sweep --time-limit 195`; the run's own paths and fingerprints). It measured this code: the
-# torch backend's current GPU blocks and "mixed" products, Triton's dense dims scheme and the dense similarity_lse;
-# its budget reached 16,384 rows of in-batch negatives once (larger points are the H100's). No CUDA rows. The
-# torch pair scores changed since (their backward's radial mask: torch_ops/pair_scores.py), so their times no
-# longer count; Triton's measured faster at each of their points, which the fixed order chooses anyway.
+# The op sweeps on an H200 (the same compute capability), `python bench/speed_table.py` over three runs in the order
+# they ran (a later time of a path replaces an earlier one), each with its own paths and fingerprints:
+# bench/results/h200-2026-11-28/second-op-sweep (sources at 14e83fd with 40ac9b5's fix of the checks' selection:
+# Triton and torch, up to 16,384 rows of in-batch negatives; larger points are the H100's), then, sources at
+# 97c3de1, bench/results/h200-2026-12-04/second-ops (`--ops 'pair_scores(dims),similarity_lse(dims)'`: Triton's
+# one-read pair scores against the prefix kernels, similarity_lse's dense dims scheme against the fused kernels per
+# prefix, and torch) and bench/results/h200-2026-12-04/second-cuda (the CUDA backend's verified paths, its
+# similarity_xent on both schemes). The torch full-width pair scores changed after the first run (their backward's
+# radial mask: torch_ops/pair_scores.py), so their times there no longer count, nor therefore their points.
 _H200_BF16_EMBEDDINGS = (
     ("pair_scores", "dims", 16384, 768,
-     {"triton/dims_one_read": 0.459, "torch/default": 6.78},
-     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "2547b1eca00431bb"}),
+     {"triton/dims_one_read": 0.87, "torch/default": 6.16, "triton/dims": 0.629, "cuda/dims": 0.872},
+     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "5d3ad5126ea2e4f3",
+      "triton/dims": "11ab4505b78faacc", "cuda/dims": "827753944930c13a+f2009f8c30ce51fb"}),
     ("pair_scores", "dims", 16384, 4096,
-     {"triton/dims_one_read": 0.948, "torch/default": 11.4},
-     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "2547b1eca00431bb"}),
+     {"triton/dims_one_read": 0.989, "torch/default": 14.8, "triton/dims": 1.94, "cuda/dims": 1.45},
+     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "5d3ad5126ea2e4f3",
+      "triton/dims": "11ab4505b78faacc", "cuda/dims": "827753944930c13a+f2009f8c30ce51fb"}),
     ("pair_scores", "dims", 262144, 768,
-     {"triton/dims_one_read": 5.07, "torch/default": 35.5},
-     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "2547b1eca00431bb"}),
+     {"triton/dims_one_read": 5.07, "torch/default": 42.1, "triton/dims": 6.78, "cuda/dims": 1.49},
+     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "5d3ad5126ea2e4f3",
+      "triton/dims": "11ab4505b78faacc", "cuda/dims": "827753944930c13a+f2009f8c30ce51fb"}),
     ("pair_scores", "dims", 262144, 4096,
-     {"triton/dims_one_read": 14.6, "torch/default": 247.0},
-     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "2547b1eca00431bb"}),
+     {"triton/dims_one_read": 14.6, "torch/default": 171.0, "triton/dims": 30.2, "cuda/dims": 21.1},
+     {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "5d3ad5126ea2e4f3",
+      "triton/dims": "11ab4505b78faacc", "cuda/dims": "827753944930c13a+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 16384, 768,
-     {"triton/full": 0.851, "torch/default": 2.48},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+     {"triton/full": 0.851, "torch/default": 2.48, "cuda/full": 0.442},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+      "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 16384, 4096,
-     {"triton/full": 0.394, "torch/default": 6.98},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+     {"triton/full": 0.394, "torch/default": 6.98, "cuda/full": 0.55},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+      "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 262144, 768,
-     {"triton/full": 0.963, "torch/default": 21.4},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+     {"triton/full": 0.963, "torch/default": 21.4, "cuda/full": 0.632},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+      "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 262144, 4096,
-     {"triton/full": 3.8, "torch/default": 110.0},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+     {"triton/full": 3.8, "torch/default": 110.0, "cuda/full": 3.16},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+      "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 1048576, 768,
-     {"triton/full": 3.77, "torch/default": 85.0},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+     {"triton/full": 3.77, "torch/default": 85.0, "cuda/full": 2.4},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+      "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 1048576, 4096,
-     {"triton/full": 15.2, "torch/default": 442.0},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb"}),
+     {"triton/full": 15.2, "torch/default": 442.0, "cuda/full": 12.5},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+      "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("similarity_lse", "dims", 2097152, 768,
-     {"triton/fused_prefixes": 6.18, "triton/dense_dims": 4.8, "torch/default": 6.32},
+     {"triton/fused_prefixes": 11.1, "triton/dense_dims": 6.67, "torch/default": 7.29, "cuda/dense_dims": 10.6},
      {"triton/fused_prefixes": "09b0e7b72e8d98c5", "triton/dense_dims": "b409e85b230bf86a",
-      "torch/default": "82899cd9bc80d6e2"}),
+      "torch/default": "82899cd9bc80d6e2", "cuda/dense_dims": "6711b448b53e809c+e218dc84321aba71"}),
     ("similarity_lse", "dims", 2097152, 4096,
-     {"triton/fused_prefixes": 19.5, "triton/dense_dims": 6.85, "torch/default": 8.5},
+     {"triton/fused_prefixes": 19.0, "triton/dense_dims": 6.23, "torch/default": 7.18, "cuda/dense_dims": 6.0},
      {"triton/fused_prefixes": "09b0e7b72e8d98c5", "triton/dense_dims": "b409e85b230bf86a",
-      "torch/default": "82899cd9bc80d6e2"}),
+      "torch/default": "82899cd9bc80d6e2", "cuda/dense_dims": "6711b448b53e809c+e218dc84321aba71"}),
     ("similarity_lse", "dims", 33554432, 768,
-     {"triton/fused_prefixes": 12.7, "triton/dense_dims": 8.75, "torch/default": 27.3},
+     {"triton/fused_prefixes": 14.2, "triton/dense_dims": 7.69, "torch/default": 37.6, "cuda/dense_dims": 11.4},
      {"triton/fused_prefixes": "09b0e7b72e8d98c5", "triton/dense_dims": "b409e85b230bf86a",
-      "torch/default": "82899cd9bc80d6e2"}),
+      "torch/default": "82899cd9bc80d6e2", "cuda/dense_dims": "6711b448b53e809c+e218dc84321aba71"}),
     ("similarity_lse", "dims", 33554432, 4096,
-     {"triton/dense_dims": 11.3, "torch/default": 47.3},
-     {"triton/dense_dims": "b409e85b230bf86a", "torch/default": "82899cd9bc80d6e2"}),
+     {"triton/dense_dims": 11.4, "torch/default": 47.3, "triton/fused_prefixes": 74.0, "cuda/dense_dims": 10.0},
+     {"triton/dense_dims": "b409e85b230bf86a", "torch/default": "82899cd9bc80d6e2",
+      "triton/fused_prefixes": "09b0e7b72e8d98c5", "cuda/dense_dims": "6711b448b53e809c+e218dc84321aba71"}),
+    ("similarity_lse", "dims", 536870912, 768,
+     {"triton/fused_prefixes": 109.0, "triton/dense_dims": 70.9, "torch/default": 453.0, "cuda/dense_dims": 54.3},
+     {"triton/fused_prefixes": "09b0e7b72e8d98c5", "triton/dense_dims": "b409e85b230bf86a",
+      "torch/default": "82899cd9bc80d6e2", "cuda/dense_dims": "6711b448b53e809c+e218dc84321aba71"}),
+    ("similarity_lse", "dims", 536870912, 4096,
+     {"triton/fused_prefixes": 749.0, "triton/dense_dims": 142.0, "torch/default": 794.0, "cuda/dense_dims": 126.0},
+     {"triton/fused_prefixes": "09b0e7b72e8d98c5", "triton/dense_dims": "b409e85b230bf86a",
+      "torch/default": "82899cd9bc80d6e2", "cuda/dense_dims": "6711b448b53e809c+e218dc84321aba71"}),
     ("similarity_lse", "full", 2097152, 768,
-     {"triton/fused": 1.92, "triton/dense": 3.14, "torch/default": 3.52},
-     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2"}),
+     {"triton/fused": 1.92, "triton/dense": 3.14, "torch/default": 3.52, "cuda/dense": 4.25},
+     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2",
+      "cuda/dense": "6711b448b53e809c+e218dc84321aba71"}),
     ("similarity_lse", "full", 2097152, 4096,
-     {"triton/fused": 5.15, "triton/dense": 2.64, "torch/default": 3.48},
-     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2"}),
+     {"triton/fused": 5.15, "triton/dense": 2.64, "torch/default": 3.48, "cuda/dense": 4.0},
+     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2",
+      "cuda/dense": "6711b448b53e809c+e218dc84321aba71"}),
     ("similarity_lse", "full", 33554432, 768,
-     {"triton/fused": 4.49, "triton/dense": 4.34, "torch/default": 6.71},
-     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2"}),
+     {"triton/fused": 4.49, "triton/dense": 4.34, "torch/default": 6.71, "cuda/dense": 5.5},
+     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2",
+      "cuda/dense": "6711b448b53e809c+e218dc84321aba71"}),
     ("similarity_lse", "full", 33554432, 4096,
-     {"triton/fused": 21.5, "triton/dense": 4.25, "torch/default": 25.3},
-     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2"}),
+     {"triton/fused": 21.5, "triton/dense": 4.25, "torch/default": 25.3, "cuda/dense": 5.63},
+     {"triton/fused": "7734c06fbe9d86d2", "triton/dense": "81a85b600be697cc", "torch/default": "82899cd9bc80d6e2",
+      "cuda/dense": "6711b448b53e809c+e218dc84321aba71"}),
     ("similarity_xent", "dims", 2097152, 768,
-     {"triton/dims": 4.31, "triton/dense_dims": 4.68, "torch/default": 4.54, "torch/mixed": 6.47},
+     {"triton/dims": 4.31, "triton/dense_dims": 4.68, "torch/default": 4.54, "torch/mixed": 6.47,
+      "cuda/dense_dims": 7.12},
      {"triton/dims": "51903531b5c5fc92", "triton/dense_dims": "baec28435cd67c56", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/dense_dims": "8f6f75b12223eca5+41fc678dc111ff10"}),
     ("similarity_xent", "dims", 2097152, 4096,
-     {"triton/dims": 16.7, "triton/dense_dims": 6.62, "torch/default": 5.77, "torch/mixed": 5.35},
+     {"triton/dims": 16.7, "triton/dense_dims": 6.62, "torch/default": 5.77, "torch/mixed": 5.35,
+      "cuda/dense_dims": 7.1},
      {"triton/dims": "51903531b5c5fc92", "triton/dense_dims": "baec28435cd67c56", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/dense_dims": "8f6f75b12223eca5+41fc678dc111ff10"}),
     ("similarity_xent", "dims", 33554432, 768,
-     {"triton/dims": 15.0, "triton/dense_dims": 9.32, "torch/default": 16.3, "torch/mixed": 23.1},
+     {"triton/dims": 15.0, "triton/dense_dims": 9.32, "torch/default": 16.3, "torch/mixed": 23.1,
+      "cuda/dense_dims": 11.5},
      {"triton/dims": "51903531b5c5fc92", "triton/dense_dims": "baec28435cd67c56", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/dense_dims": "8f6f75b12223eca5+41fc678dc111ff10"}),
     ("similarity_xent", "dims", 33554432, 4096,
-     {"triton/dims": 73.3, "triton/dense_dims": 11.4, "torch/default": 39.9, "torch/mixed": 18.1},
+     {"triton/dims": 73.3, "triton/dense_dims": 11.4, "torch/default": 39.9, "torch/mixed": 18.1,
+      "cuda/dense_dims": 12.9},
      {"triton/dims": "51903531b5c5fc92", "triton/dense_dims": "baec28435cd67c56", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/dense_dims": "8f6f75b12223eca5+41fc678dc111ff10"}),
     ("similarity_xent", "full", 2097152, 768,
-     {"triton/fused": 1.68, "triton/dense": 2.42, "torch/default": 2.65, "torch/mixed": 2.45},
+     {"triton/fused": 1.68, "triton/dense": 2.42, "torch/default": 2.65, "torch/mixed": 2.45, "cuda/dense": 2.78},
      {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
     ("similarity_xent", "full", 2097152, 4096,
-     {"triton/fused": 4.75, "triton/dense": 2.0, "torch/default": 2.09, "torch/mixed": 2.14},
+     {"triton/fused": 4.75, "triton/dense": 2.0, "torch/default": 2.09, "torch/mixed": 2.14, "cuda/dense": 2.77},
      {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
     ("similarity_xent", "full", 4194304, 768,
-     {"triton/fused": 1.91, "triton/dense": 1.66, "torch/default": 1.88, "torch/mixed": 1.62},
+     {"triton/fused": 1.91, "triton/dense": 1.66, "torch/default": 1.88, "torch/mixed": 1.62, "cuda/fused": 5.15,
+      "cuda/dense": 2.4},
      {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4",
+      "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
     ("similarity_xent", "full", 4194304, 4096,
-     {"triton/fused": 6.66, "triton/dense": 1.33, "torch/default": 2.75, "torch/mixed": 1.76},
+     {"triton/fused": 6.66, "triton/dense": 1.33, "torch/default": 2.75, "torch/mixed": 1.76, "cuda/fused": 26.8,
+      "cuda/dense": 2.45},
      {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4",
+      "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
     ("similarity_xent", "full", 33554432, 768,
-     {"triton/fused": 3.97, "triton/dense": 2.1, "torch/default": 4.54, "torch/mixed": 4.56},
+     {"triton/fused": 3.97, "triton/dense": 2.1, "torch/default": 4.54, "torch/mixed": 4.56, "cuda/dense": 3.08},
      {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
     ("similarity_xent", "full", 33554432, 4096,
-     {"triton/fused": 20.8, "triton/dense": 3.51, "torch/default": 18.8, "torch/mixed": 3.89},
+     {"triton/fused": 20.8, "triton/dense": 3.51, "torch/default": 18.8, "torch/mixed": 3.89, "cuda/dense": 3.4},
      {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
     ("similarity_xent", "full", 67108864, 768,
-     {"triton/fused": 5.02, "triton/dense": 1.74, "torch/default": 8.76, "torch/mixed": 3.45},
+     {"triton/fused": 5.02, "triton/dense": 1.74, "torch/default": 8.76, "torch/mixed": 3.45, "cuda/fused": 41.6,
+      "cuda/dense": 2.72},
      {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4",
+      "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
     ("similarity_xent", "full", 67108864, 4096,
-     {"triton/fused": 27.8, "triton/dense": 4.23, "torch/default": 36.0, "torch/mixed": 5.26},
+     {"triton/fused": 27.8, "triton/dense": 4.23, "torch/default": 36.0, "torch/mixed": 5.26, "cuda/fused": 256.0,
+      "cuda/dense": 4.18},
      {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4",
+      "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
+    ("similarity_xent", "full", 1073741824, 768,
+     {"triton/fused": 80.4, "triton/dense": 15.7, "cuda/fused": 548.0, "cuda/dense": 17.3},
+     {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee",
+      "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4", "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
     ("similarity_xent", "margin", 1048576, 768,
-     {"triton/fused": 1.82, "triton/dense": 1.71, "torch/default": 2.36, "torch/mixed": 2.57},
+     {"triton/fused": 1.82, "triton/dense": 1.71, "torch/default": 2.36, "torch/mixed": 2.57, "cuda/fused": 2.24,
+      "cuda/dense": 4.19},
      {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4",
+      "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
     ("similarity_xent", "margin", 16777216, 768,
-     {"triton/fused": 2.94, "triton/dense": 1.97, "torch/default": 3.31, "torch/mixed": 3.73},
+     {"triton/fused": 2.94, "triton/dense": 1.97, "torch/default": 3.31, "torch/mixed": 3.73, "cuda/fused": 14.1,
+      "cuda/dense": 3.25},
      {"triton/fused": "45d6ada46e5358f5", "triton/dense": "5ef298652026e4ee", "torch/default": "382d011fd3adc6d7",
-      "torch/mixed": "b33166b630c71c45"}),
+      "torch/mixed": "b33166b630c71c45", "cuda/fused": "9039d98ffeec4bf3+76c163ff636742a4",
+      "cuda/dense": "abc9b7c6cb7c3b46+41fc678dc111ff10"}),
 )
 
 _H200_FP32_SCORES = (
     ("ranking_loss", "full", 4096, 1,
-     {"triton/pairwise": 0.434, "torch/default": 0.937},
-     {"triton/pairwise": "a0e64ba30d279396", "torch/default": "e463ec94d83b8b79"}),
+     {"triton/pairwise": 0.434, "torch/default": 0.937, "cuda/sort": 0.756},
+     {"triton/pairwise": "a0e64ba30d279396", "torch/default": "e463ec94d83b8b79",
+      "cuda/sort": "4b85a09f9216361e+d5b614b1855acd82"}),
     ("ranking_loss", "full", 65536, 1,
-     {"triton/sort": 1.24, "torch/default": 1.1},
-     {"triton/sort": "9d8df70c3ad9fcb7", "torch/default": "e463ec94d83b8b79"}),
+     {"triton/sort": 1.24, "torch/default": 1.1, "cuda/sort": 0.719},
+     {"triton/sort": "9d8df70c3ad9fcb7", "torch/default": "e463ec94d83b8b79",
+      "cuda/sort": "4b85a09f9216361e+d5b614b1855acd82"}),
     ("ranking_loss", "full", 1048576, 1,
-     {"triton/sort": 1.18, "torch/default": 1.18},
-     {"triton/sort": "9d8df70c3ad9fcb7", "torch/default": "e463ec94d83b8b79"}),
+     {"triton/sort": 1.18, "torch/default": 1.18, "cuda/sort": 0.632},
+     {"triton/sort": "9d8df70c3ad9fcb7", "torch/default": "e463ec94d83b8b79",
+      "cuda/sort": "4b85a09f9216361e+d5b614b1855acd82"}),
 )
 
 
@@ -420,13 +472,13 @@ def _decision(point: tuple, op: str, keys: list[str], allowed: list[Candidate]) 
 
 
 # Exceptions to the fixed order, where no time of the current code decides: torch comes before them. The CUDA
-# similarity_xent (a fused scheme whose backward runs on CUDA cores with float atomics) measured 2.6-9x slower than
-# the torch backend at every in-batch size and 2.7-2.8x on ArcCon from N = 4,096 on the H100
-# (bench/results/h100-80gb-hbm3-2026-11-26b), and the torch backend has only become faster since (its larger GPU
-# blocks). The CUDA backend's other ops were verified on an H200 (2026-11-28) in code no op sweep has timed (its
-# pair scores and ranking term rewritten after the H100 measured them 2.9-87x slower than torch on the ranking
-# term, its similarity_lse new): correct is not fast, so they too wait behind torch until a point times them.
-AFTER_TORCH = {("cuda", op) for op in contract.OPS}
+# backend's similarity ops, timed on an H200 (bench/results/h200-2026-12-04/second-cuda, bf16): slower than the
+# torch backend at most points up to 4M logits (similarity_xent's dense scheme 2.40 ms against torch's 16-bit
+# products' 1.62 at 2,048 x 2,048 logits, D = 768; similarity_lse 4.25 against 3.52 at 1,024 x 2,048, and with dims
+# 10.6 against 7.29), equal to 8.3x faster from 16M logits up; below the points, where launches dominate, torch is
+# the safer guess. The CUDA pair scores (5.6-35x faster than torch at every point, on both paths) and ranking term
+# (1.2-1.9x, 4,096 to 1M scores) keep their place in the fixed order, before torch.
+AFTER_TORCH = {("cuda", "similarity_xent"), ("cuda", "similarity_lse")}
 
 
 def fixed_order(op: str, allowed: list[Candidate]) -> list[Candidate]:

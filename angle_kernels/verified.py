@@ -62,6 +62,7 @@ _H100_CUDA = {**_H100, "cuda": "13.0", "evidence": "bench/results/h100-80gb-hbm3
 _H200 = {"capability": "9.0", "torch": "2.11", "gpu": "NVIDIA H200", "date": "2026-11-28", "sizes": "large",
          "evidence": "bench/results/h200-2026-11-28/first"}
 _H200_CHECKS = {**_H200, "evidence": "bench/results/h200-2026-11-28/first-checks"}
+_H200_DIMS = {**_H200, "date": "2026-12-04", "evidence": "bench/results/h200-2026-12-04/first"}
 # Every entry of those runs, with the fingerprint of the code each path executed then (by the rule of
 # angle_kernels.fingerprints, computed at 7ab8295 by scripts/compare_fingerprints.py; its output,
 # docs/verification-history.md, compares each with this checkout's). Restored on 2026-11-28, after the rule
@@ -118,6 +119,15 @@ VERIFIED: tuple[dict, ...] = (
      "build": "41fc678dc111ff10", "dtypes": _EVERY_DTYPE, **_H200_CHECKS, "cuda": "13.0"},
     {"backend": "cuda", "op": "similarity_lse", "path": "dense", "fingerprint": "6711b448b53e809c",
      "build": "e218dc84321aba71", "dtypes": _EVERY_DTYPE, **_H200_CHECKS, "cuda": "13.0"},
+    # The same H200 on 2026-12-04, sources at 97c3de1: `scripts/gpu_check.sh first --skip triton_tests,headline`
+    # (its large-size checks of the paths above left out): similarity_lse with dims, whose float32 cases had failed
+    # by their own float32 ties on 2026-11-28 (mended since: cosines exact in every dtype).
+    {"backend": "triton", "op": "similarity_lse", "path": "dense_dims", "fingerprint": "b409e85b230bf86a",
+     "dtypes": _EVERY_DTYPE, **_H200_DIMS, "triton": "3.6"},
+    {"backend": "triton", "op": "similarity_lse", "path": "fused_prefixes", "fingerprint": "09b0e7b72e8d98c5",
+     "dtypes": _EVERY_DTYPE, **_H200_DIMS, "triton": "3.6"},
+    {"backend": "cuda", "op": "similarity_lse", "path": "dense_dims", "fingerprint": "6711b448b53e809c",
+     "build": "e218dc84321aba71", "dtypes": _EVERY_DTYPE, **_H200_DIMS, "cuda": "13.0"},
 )
 
 MATCH_FIELDS = {

@@ -21,8 +21,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # Each committed run with the commit its sources were at (the runs' READMEs): they did not record fingerprints.
 H100_RUNS = [(RESULTS / "h100-80gb-hbm3-2026-11-26" / "second" / "second.json", "7ab8295"),  # Triton, torch
              (RESULTS / "h100-80gb-hbm3-2026-11-26b" / "gpu" / "second.json", "a0dd5ba")]  # CUDA
-# The H200's op sweep recorded its paths and fingerprints.
-H200_RUN = RESULTS / "h200-2026-11-28" / "second-op-sweep" / "second.json"
+# The H200's op sweeps, in the order they ran, recorded their paths and fingerprints.
+H200_RUNS = [RESULTS / "h200-2026-11-28" / "second-op-sweep" / "second.json",  # Triton, torch
+             RESULTS / "h200-2026-12-04" / "second-ops" / "second.json",  # Triton, torch: two ops with dims
+             RESULTS / "h200-2026-12-04" / "second-cuda" / "second.json"]  # CUDA
 
 
 def _has_commits(*commits: str) -> bool:
@@ -34,7 +36,7 @@ def _has_commits(*commits: str) -> bool:
 def test_the_measured_table_is_what_the_committed_runs_measured():
     """The H200's points, and the H100's where the H200 did not measure (the same compute capability)."""
     h100 = speed_table.points([(str(path), commit) for path, commit in H100_RUNS])
-    h200 = speed_table.points([(str(H200_RUN), None)])
+    h200 = speed_table.points([(str(path), None) for path in H200_RUNS])
     assert sorted(h100) == sorted(h200) == [("9.0", "bfloat16"), ("9.0", "float32")]
     for (capability, dtype), rows in h100.items():
         newer = h200[(capability, dtype)]
@@ -45,12 +47,11 @@ def test_the_measured_table_is_what_the_committed_runs_measured():
 
 
 def test_the_times_of_code_changed_since_no_longer_count():
-    """The H200 measured this checkout's code but the torch pair scores' (their backward's radial mask, since: no
-    NaN for a zero prefix of a huge row; at every point they timed Triton's were faster, so no choice of auto
-    changes). Of the H100's points it left (the largest sizes), the torch similarity_xent's and the CUDA ranking
-    term's times measured code changed since (the torch backend's GPU blocks, the rewritten scan): their recorded
-    fingerprints differ from this checkout's, so auto does not use them; the rest still count. (The CUDA paths'
-    sources: csrc/, present in a checkout.)"""
+    """Three recorded times measured code changed since, so auto does not use them: the H200's first run's torch
+    full-width pair scores (their backward's radial mask, since: no NaN for a zero prefix of a huge row), and, of
+    the H100's points the H200 left (the largest sizes), the torch similarity_xent's (the torch backend's GPU blocks)
+    and the CUDA ranking term's (its rewritten scan). Every path the table names has times of this checkout's code.
+    (The CUDA paths' sources: csrc/, present in a checkout.)"""
     recorded = {(key.partition("/")[0], op, key.partition("/")[2], fingerprint)
                 for points in measured.MEASURED.values() for op, *_, times, prints in points
                 for key, fingerprint in prints.items()}
@@ -58,12 +59,14 @@ def test_the_times_of_code_changed_since_no_longer_count():
     tree = fingerprints.folder_tree()
     here = {(backend, op, path): speed_table.fingerprint_at(backend, op, path, tree)
             for backend, op, path, _ in recorded}
-    current = {(backend, op) for backend, op, path, fingerprint in recorded if fingerprint == here[backend, op, path]}
-    changed = {(backend, op) for backend, op, path, fingerprint in recorded if fingerprint != here[backend, op, path]}
-    assert changed == {("torch", "similarity_xent"), ("cuda", "ranking_loss"), ("torch", "pair_scores")}
-    assert current == {(backend, op) for backend in ("triton", "torch") for op in (
-        "pair_scores", "ranking_loss", "similarity_xent", "similarity_lse")} - {("torch", "pair_scores")} | {
-        ("cuda", "similarity_xent")}
+    changed = {(backend, op, fingerprint) for backend, op, path, fingerprint in recorded
+               if fingerprint != here[backend, op, path]}
+    assert changed == {("torch", "pair_scores", "2547b1eca00431bb"), ("torch", "similarity_xent", "30bf9959ddb60941"),
+                       ("cuda", "ranking_loss", "4b85a09f9216361e+249cdc38bcd80eed")}
+    current = {(backend, op, path) for backend, op, path, fingerprint in recorded
+               if fingerprint == here[backend, op, path]}
+    assert current == {(backend, op, path) for backend, op, path, _ in recorded}
+    assert {backend for backend, *_ in current} == {"triton", "torch", "cuda"}
 
 
 def _run(tmp_path, rows, name="second.json"):
@@ -140,16 +143,19 @@ def test_the_printed_points_are_the_literals_within_120_columns():
 def _triton_path_taken(op: str, variant: str, size: int, width: int, listed: str) -> str:
     """The Triton path a call at this point takes, as the backend's own selectors choose it with this checkout's
     switches (the similarity ops at the sweep's shapes: 2N x 2N logits at full width and with a margin, N x 2N with
-    dims and for similarity_lse, five prefixes; the ranking term's path as the decision lists it)."""
-    if op not in ("similarity_xent", "similarity_lse"):
+    dims and for similarity_lse; five prefixes, for the pair scores too; the ranking term's path as the decision
+    lists it)."""
+    if op == "ranking_loss":
         return listed
     pytest.importorskip("triton")
-    from angle_kernels.triton_ops import similarity_lse_paths, similarity_xent_paths
+    from angle_kernels.triton_ops import pair_scores_paths, similarity_lse_paths, similarity_xent_paths
 
+    dims = tuple(width // 2**i for i in (4, 3, 2, 1, 0)) if variant == "dims" else None
+    if op == "pair_scores":
+        return pair_scores_paths.code_path(torch.empty(1, 2, width, device="meta"), True, dims)
     square = op == "similarity_xent" and variant in ("full", "margin")
     q = torch.empty(2, width, device="meta")
     c = torch.empty(math.isqrt(size if square else 2 * size), width, device="meta")
-    dims = tuple(width // 2**i for i in (4, 3, 2, 1, 0)) if variant == "dims" else None
     if op == "similarity_xent":
         return similarity_xent_paths.code_path(q, c, 20.0, "partner", dims=dims)
     return similarity_lse_paths.code_path(q, c, 20.0, dims=dims)
@@ -157,28 +163,38 @@ def _triton_path_taken(op: str, variant: str, size: int, width: int, listed: str
 
 def test_the_decisions_the_table_makes_against_the_fixed_order(capsys):
     """What measured.py's docstring says the table is worth: with this checkout's code, against the Triton paths
-    calls take, torch for Matryoshka in-batch negatives at D = 4,096 and 1,024 x 2,048 logits (its 16-bit products,
-    over the dense dims scheme), for similarity_lse with dims there (over the fused kernels per prefix) and for the
-    ranking term at 65,536 scores (over Triton's sort path). auto's fixed order puts CUDA behind torch
-    (measured.AFTER_TORCH), with torch's GPU path and its default one together: the H100's CUDA times, slower than
-    torch's, decide nothing (they were listed as decisions against a fixed order auto does not have)."""
+    calls take, CUDA (where verified) for the pair scores with dims at 262,144 pairs, D = 768 (over the prefix
+    kernels), for similarity_lse with dims from 4,096 x 8,192 logits at D = 4,096 and at 16,384 x 32,768 (over the
+    dense dims scheme) and for the ranking term from 65,536 scores (over Triton's sort path); torch for Matryoshka
+    in-batch negatives at D = 4,096 and 1,024 x 2,048 logits (its 16-bit products, over the dense dims scheme) and,
+    without CUDA, for the ranking term at 65,536 scores. Where the fixed order puts CUDA first (before torch: its pair
+    scores and ranking term, outside measured.AFTER_TORCH), no time of this checkout's code prefers another backend;
+    the one such decision listed is the H100's time of the CUDA ranking term's old code."""
     found = speed_table.decisions()
     today = {(d["op"], d["size"], d["fixed_order"], d["table"]) for d in found if d["matches_this_code"]
-             and d["fixed_order"].partition("/")[2] == _triton_path_taken(
+             and d["fixed_order"].startswith("triton/") and d["fixed_order"].partition("/")[2] == _triton_path_taken(
                  d["op"], d["variant"], d["size"], d["width"], d["fixed_order"].partition("/")[2])}
-    assert today == {("similarity_xent", 2097152, "triton/dense_dims", "torch/mixed"),
-                     ("similarity_lse", 2097152, "triton/fused_prefixes", "torch/default"),
-                     ("ranking_loss", 65536, "triton/sort", "torch/default")}
-    assert not [d for d in found if d["fixed_order"].startswith("cuda/")]
-    assert max(d["saves_ms"] for d in found if (d["op"], d["size"], d["fixed_order"], d["table"]) in today) < 12
+    assert today == {("pair_scores", 262144, "triton/dims", "cuda/dims"),
+                     ("similarity_lse", 33554432, "triton/dense_dims", "cuda/dense_dims"),
+                     ("similarity_lse", 536870912, "triton/dense_dims", "cuda/dense_dims"),
+                     ("similarity_xent", 2097152, "triton/dense_dims", "torch/mixed"),
+                     ("ranking_loss", 65536, "triton/sort", "torch/default"),
+                     ("ranking_loss", 65536, "triton/sort", "cuda/sort"),
+                     ("ranking_loss", 1048576, "triton/sort", "cuda/sort")}
+    assert [(d["op"], d["size"], d["matches_this_code"]) for d in found if d["fixed_order"].startswith("cuda/")] == [
+        ("ranking_loss", 4194304, False)]
+    assert max(d["saves_ms"] for d in found if (d["op"], d["size"], d["fixed_order"], d["table"]) in today) < 17
     assert speed_table.main(["--decisions"]) == 0
     assert "torch/default rather than triton/sort" in capsys.readouterr().out
 
 
-def test_decisions_follow_the_order_auto_follows():
-    """A CUDA path measured faster than torch: auto (measured.fastest) takes it over its fixed order, torch, and
-    --decisions lists that; the reverse is no decision. Each against measured.fastest on the same point."""
+def test_decisions_follow_the_order_auto_follows(monkeypatch):
+    """A CUDA path measured faster than torch where the fixed order puts torch first (measured.AFTER_TORCH): auto
+    (measured.fastest) takes it over its fixed order, torch, and --decisions lists that; the reverse is no decision.
+    Each against measured.fastest on the same point."""
     from angle_kernels import contract
+
+    monkeypatch.setattr(measured, "AFTER_TORCH", {("cuda", "ranking_loss")})
 
     def here(backend, op, path):
         return "same"
@@ -235,9 +251,10 @@ def test_a_run_file_that_is_missing_or_no_stage_record_and_an_unknown_option_are
 
 
 
-def test_a_time_recorded_without_a_fingerprint_never_matches_this_code():
+def test_a_time_recorded_without_a_fingerprint_never_matches_this_code(monkeypatch):
     """A fingerprint the run's tree could not compute (None) says nothing of the code timed: the decision it backs
     must not read as matching this checkout, even where this checkout lacks that path's code too."""
+    monkeypatch.setattr(measured, "AFTER_TORCH", {("cuda", "ranking_loss")})  # torch first: cuda's time decides
     point = ("ranking_loss", "full", 4096, 1, {"torch/default": 1.0, "cuda/sort": 0.5},
              {"torch/default": None, "cuda/sort": None})
     found = speed_table.decisions({("9.0", torch.float32): (point,)}, here=lambda backend, op, path: None)

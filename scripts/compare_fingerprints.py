@@ -38,6 +38,7 @@ RUNS = (
     ("bench/results/h100-80gb-hbm3-2026-11-26/recheck", "verify_cuda.json", "7ab8295"),
     ("bench/results/h200-2026-11-28/first", "verified.json", "fd3308d"),
     ("bench/results/h200-2026-11-28/first-checks", "verified.json", "40ac9b5"),
+    ("bench/results/h200-2026-12-04/first", "verified.json", "97c3de1"),
 )
 
 _OLD_RULE = """

@@ -449,7 +449,11 @@ def test_the_real_gpu_backends_declare_their_code_paths():
     lse_wide = (wide, torch.empty(16, 4096, device="meta"), 20.0, 0, 0, "none", 0.0, "none", None, None, None, False,
                 True)
     assert triton.code_paths["similarity_lse"](*lse_wide) == "dense"  # verified and timed: on from 2,048
-    assert triton.code_paths["similarity_lse"](*lse_wide, (64, 4096)) == "fused_prefixes"  # until it is verified
+    assert triton.code_paths["similarity_lse"](*lse_wide, (64, 4096)) == "dense_dims"  # verified, timed: from 768
+    lse_narrow = (torch.empty(8, 512, device="meta"), torch.empty(16, 512, device="meta"), *lse_wide[2:])
+    assert triton.code_paths["similarity_lse"](*lse_narrow, (64, 512)) == "fused_prefixes"
+    assert triton.code_paths["pair_scores"](torch.randn(4, 2, 2048), True, (64, 2048)) == "dims_one_read"  # from 2,048
+    assert triton.code_paths["pair_scores"](torch.randn(4, 2, 2047), True, (64, 2047)) == "dims"
     with awaiting_verification_on():
         assert triton.code_paths["similarity_xent"](*wide_dims) == "dense_dims"
         assert triton.code_paths["pair_scores"](torch.randn(4, 2, 768), True, (64, 768)) == "dims_one_read"
@@ -736,8 +740,11 @@ def test_on_the_h100_table_only_times_of_unchanged_code_decide(backends, monkeyp
     rows, D = 768, with only CUDA's fused path verified: the torch time measured the torch backend before its GPU
     blocks changed, so no time decides and the fixed order does, where the CUDA similarity_xent comes after torch
     (measured.AFTER_TORCH); with the torch code it measured (203 ms against 535), torch by its time. With the
-    exception removed, the stale time would have sent the call to the slower CUDA scheme."""
+    exception removed, the stale time would have sent the call to the slower CUDA scheme. (The H100's points alone:
+    the H200's replace some of them in the table auto reads.)"""
     monkeypatch.setattr(measured, "capability", lambda device: "9.0")
+    monkeypatch.setattr(measured, "MEASURED", {("9.0", torch.bfloat16): measured._H100_BF16_EMBEDDINGS,
+                                               ("9.0", torch.float32): measured._H100_FP32_SCORES})
     backends.cuda.answer = (True, "")
     backends.verified.update({("cuda", "similarity_xent", "fused"), ("triton", "ranking_loss", "sort")})
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
@@ -762,21 +769,23 @@ def test_on_the_h100_table_only_times_of_unchanged_code_decide(backends, monkeyp
     assert auto._choose("similarity_xent", call).name == "torch"
 
 
-def test_untimed_cuda_ops_wait_behind_torch(backends, monkeypatch):
-    """The real exceptions (measured.AFTER_TORCH): every CUDA op, verified or not, comes after torch where no time
-    of its current code decides (its similarity_xent measured slower, the others never timed since they changed),
-    and a point that times it faster sends the call to it."""
+def test_cuda_similarity_ops_wait_behind_torch_where_no_time_decides(backends, monkeypatch):
+    """The real exceptions (measured.AFTER_TORCH): the CUDA similarity ops, verified, come after torch where no time
+    of their current code decides (they measured slower than torch at the smallest points), and a point that times
+    them faster sends the call to them; the CUDA pair scores and ranking term (measured faster than torch at every
+    point) come before it."""
     monkeypatch.setattr(measured, "AFTER_TORCH", REAL_AFTER_TORCH)
+    assert REAL_AFTER_TORCH == {("cuda", "similarity_xent"), ("cuda", "similarity_lse")}
     backends.cuda.answer = (True, "")
     backends.verified.update({("cuda", op, "fused") for op in contract.OPS})
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)
     q = _embeddings()
-    assert auto.computes("ranking_loss", *_scores())[0] == "torch"
-    assert auto.computes("pair_scores", q.view(3, 2, 8), True)[0] == "torch"
+    assert auto.computes("ranking_loss", *_scores())[0] == "cuda"
+    assert auto.computes("pair_scores", q.view(3, 2, 8), True)[0] == "cuda"
     assert auto.computes("similarity_xent", q, None, 20.0, "partner")[0] == "torch"
     assert auto.computes("similarity_lse", q, q, 20.0)[0] == "torch"
-    _measured_here(monkeypatch, [("ranking_loss", "full", 6, 1, {"torch/default": 2.0, "cuda/fused": 1.0})])
-    assert auto.computes("ranking_loss", *_scores())[0] == "cuda"
+    _measured_here(monkeypatch, [("similarity_lse", "full", 36, 8, {"torch/default": 2.0, "cuda/fused": 1.0})])
+    assert auto.computes("similarity_lse", q, q, 20.0)[0] == "cuda"
 
 
 def test_an_empty_call_keeps_the_fixed_order(backends, monkeypatch):

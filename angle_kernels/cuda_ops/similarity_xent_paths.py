@@ -8,14 +8,14 @@ is that of its launcher's code and of its CUDA sources (angle_kernels.fingerprin
 choice belongs to no path.
 
 The switches. One-width calls take the dense scheme from DENSE_MIN_WIDTH up, where its tiles fit
-(similarity_xent_dense.takes); None: none do. The scheme awaits its first GPU verification: until a GPU run has
-verified it (docs/gpu-runs.md), every one-width call stays on the verified fused kernels, so that `auto` keeps
-computing them on this backend where it did. `angle_kernels.verify` and the GPU op sweep switch it on at
-PROPOSED_DENSE_MIN_WIDTH (cuda_ops.awaiting_verification_on): the Triton dense scheme's MIN_WIDTH. Dims calls take
-the dense dims scheme at every width: it is the one path of this backend that computes them (the fused kernels have
-no dims), so the op declares dims (FEATURES) and every dims call is computable here. Unverified, it takes only what
-is asked of this backend explicitly (backend="cuda", with dispatch's warning): `auto` computes a call only on a
-verified path, and sends dims calls to another backend until a GPU run verifies this one.
+(similarity_xent_dense.takes); None: none do. `angle_kernels.verify` and the GPU op sweep switch it on at
+PROPOSED_DENSE_MIN_WIDTH (cuda_ops.awaiting_verification_on): the Triton dense scheme's MIN_WIDTH. Verified on an
+H200 (2026-11-28) and timed there against the fused kernels in bf16 (bench/results/h200-2026-12-04/second-cuda):
+in-batch negatives 2.1-32x faster at D = 768 (2.4 against 5.2 ms at 2,048 x 2,048 logits; 17.3 against 548 at
+32,768 x 32,768) and 11-61x at D = 4,096; with ArcCon's margin (D = 768) 4.4x and 29x faster at 4,096 and 16,384
+rows, and 1.9x slower at 1,024 (4.2 against 2.2 ms, where `auto` takes the Triton backend's 1.7). Hence 768. Dims
+calls take the dense dims scheme at every width: it is the one path of this backend that computes them (the fused
+kernels have no dims), so the op declares dims (FEATURES) and every dims call is computable here.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from . import similarity_xent_dense as dense
 
 FEATURES = ("dims",)  # the contract's optional features this op implements: dims, on the dense dims scheme
 PATHS = fused.PATHS + dense.PATHS
-DENSE_MIN_WIDTH: int | None = None
+DENSE_MIN_WIDTH: int | None = 768
 PROPOSED_DENSE_MIN_WIDTH = 768
 
 

@@ -82,8 +82,8 @@ OP_MODULES = {"similarity_xent": "similarity_xent_paths", "pair_scores": "pair_s
 
 # The code paths switched off until a GPU run has verified them and the op sweep has timed them against the paths
 # they replace, then on from the width the sweep measured them faster (similarity_xent's dense_dims and
-# similarity_lse's dense: on since the H200 run of 2026-11-28; dims_one_read: verified, its op sweep row timed it
-# alone; similarity_lse's dense_dims: not verified): (op, path) -> (the module of the op's selector, the width from
+# similarity_lse's dense: on since the H200 run of 2026-11-28; dims_one_read and similarity_lse's dense_dims: since
+# that of 2026-12-04): (op, path) -> (the module of the op's selector, the width from
 # which the selector sends calls to the path: None, off; the module's PROPOSED_<width> is the one the checks and
 # the op sweep switch it on at). A new path that takes calls without a switch (similarity_lse's
 # "fused_prefixes", the dims calls the dense scheme does not take) is not here: calls take it from the start, so it

@@ -17,13 +17,15 @@ from . import pair_scores as full_and_prefix
 FEATURES = full_and_prefix.FEATURES  # the contract's optional features this op implements
 PATHS = full_and_prefix.PATHS + ("dims_one_read",)
 
-# From this widest prefix up, dims calls take the one-read kernels; None: none do. The one-read kernels await their
-# first GPU verification: until a GPU run has verified them (docs/gpu-runs.md), every dims call stays on the verified
-# prefix kernels, so that `auto` keeps computing it on Triton (an unverified path would send it to PyTorch).
-# `angle_kernels.verify` and the GPU op sweep switch them on at PROPOSED_ONE_READ_MIN_WIDTH
-# (triton_ops.awaiting_verification_on): the widths where the prefix kernels were measured at 6.2x one width's time
-# (bench/results/h100-80gb-hbm3-2026-11-26/second: D = 768 and 4,096).
-ONE_READ_MIN_WIDTH: int | None = None
+# From this widest prefix up, dims calls take the one-read kernels; None: none do. `angle_kernels.verify` and the GPU
+# op sweep switch them on at PROPOSED_ONE_READ_MIN_WIDTH (triton_ops.awaiting_verification_on): the widths where the
+# prefix kernels were measured at 6.2x one width's time (bench/results/h100-80gb-hbm3-2026-11-26/second: D = 768 and
+# 4,096). Verified on an H200 (2026-11-28) and timed there against the prefix kernels in bf16
+# (bench/results/h200-2026-12-04/second-ops, dims 64..D): at D = 4,096 2.0x faster at 16,384 and 262,144 pairs (0.99
+# against 1.94 ms, 14.6 against 30.2); at D = 768 slower at 16,384 (0.87 against 0.63) and faster at 262,144 (5.1
+# against 6.8). The prefix kernels' time grows with D, the one read's hardly: linear between the two widths, the
+# one read overtakes them by D = 1,440 at the smaller size, hence 2,048 (no width between 768 and 4,096 is timed).
+ONE_READ_MIN_WIDTH: int | None = 2048
 PROPOSED_ONE_READ_MIN_WIDTH = 768
 
 

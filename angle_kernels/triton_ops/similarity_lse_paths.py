@@ -3,9 +3,8 @@
 The op's paths: the fused kernels of similarity_lse.py ("fused", one width), the blocked dense products of
 _similarity_lse_dense.py at one width ("dense") and at every prefix of dims in one pass ("dense_dims"), and the
 fused kernels once per prefix ("fused_prefixes", `fused_prefixes` below: the dims calls the dense scheme does not
-take). The dense scheme at one width takes calls from DENSE_MIN_WIDTH up; the dense dims scheme awaits its first GPU
-verification and takes none until a GPU run has verified it (docs/gpu-runs.md): dims calls stay on the fused kernels
-per prefix. This module only chooses: `code_path` names the path a call takes, and `similarity_lse` calls that
+take). The dense scheme at one width takes calls from DENSE_MIN_WIDTH up, the dense dims scheme dims calls from
+DENSE_DIMS_MIN_WIDTH up; the other dims calls take the fused kernels per prefix. This module only chooses: `code_path` names the path a call takes, and `similarity_lse` calls that
 path's launcher (similarity_lse.py's own entry function, unchanged, for "fused"). Each path is verified on GPUs on
 its own (angle_kernels.verified), and its fingerprint is that of its launcher's code
 (angle_kernels.fingerprints.PATH_CODE); the choice belongs to no path.
@@ -25,7 +24,7 @@ PATHS = fused.PATHS + ("dense", "dense_dims", "fused_prefixes")
 # tiles fit (_similarity_lse_dense.takes); None: none do. `angle_kernels.verify` and the GPU op sweep switch them on
 # at the PROPOSED widths (triton_ops.awaiting_verification_on): the dense similarity_xent scheme's MIN_WIDTH, from
 # which that scheme was measured faster than the fused kernels (similarity_xent_dense.MIN_WIDTH; the same tile work
-# per logit here). DENSE_DIMS_MIN_WIDTH stays off until the dense dims scheme is verified.
+# per logit here).
 # One width: verified on an H200 (2026-11-28) and timed there against the fused kernels in bf16
 # (bench/results/h200-2026-11-28/second-op-sweep): at D = 768 slower at 1,024 x 2,048 logits (3.14 against 1.92 ms)
 # and equal at 4,096 x 8,192 (4.34 against 4.49); at D = 4,096 faster at both (2.64 against 5.15, 4.25 against
@@ -34,7 +33,11 @@ PATHS = fused.PATHS + ("dense", "dense_dims", "fused_prefixes")
 # 768 and 4,096 is timed yet).
 DENSE_MIN_WIDTH: int | None = 2048
 PROPOSED_DENSE_MIN_WIDTH = 768
-DENSE_DIMS_MIN_WIDTH: int | None = None
+# With dims: both paths verified on an H200 (2026-12-04) and timed there in bf16 (bench/results/h200-2026-12-04/
+# second-ops, five prefixes from 64): the dense dims scheme faster than the fused kernels per prefix at every size at
+# D = 768 (6.7 against 11.1 ms at 1,024 x 2,048 logits, 7.7 against 14.2 at 4,096 x 8,192, 71 against 109 at
+# 16,384 x 32,768) and 3.0-6.5x faster at D = 4,096.
+DENSE_DIMS_MIN_WIDTH: int | None = 768
 PROPOSED_DENSE_DIMS_MIN_WIDTH = 768
 
 

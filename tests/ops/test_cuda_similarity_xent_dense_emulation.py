@@ -313,13 +313,21 @@ def test_emulated_forward_without_gradients(emulated):
     assert torch.allclose(emulated(*args), float64_ops.similarity_xent(q, c, **kwargs), rtol=1e-12, atol=0)
 
 
-def test_the_selector_keeps_the_verified_path_until_switched_on():
-    """Off (DENSE_MIN_WIDTH None): one width on the fused kernels at any width; dims always on the dense dims scheme
-    (the backend's one path for them); switched on, wide one-width calls on the dense scheme."""
+def test_the_selector_takes_the_dense_scheme_from_its_measured_width(monkeypatch):
+    """Verified and timed on an H200 (similarity_xent_paths' account): one-width calls take the dense scheme from
+    DENSE_MIN_WIDTH, 768, up where its tiles fit, the fused kernels below; dims always the dense dims scheme (the
+    backend's one path for them). Switched off (None), every one-width call keeps the fused kernels, and the checks'
+    switch (awaiting_verification_on) turns it on at the proposed width, 768."""
     from angle_kernels import cuda_ops
 
     wide = torch.zeros(8, 1024)
-    assert similarity_xent_paths.DENSE_MIN_WIDTH is None
+    assert similarity_xent_paths.DENSE_MIN_WIDTH == similarity_xent_paths.PROPOSED_DENSE_MIN_WIDTH == 768
+    assert not cuda_ops.paths_awaiting_verification()
+    assert similarity_xent_paths.code_path(wide, None, 20.0, "partner") == "dense"
+    assert similarity_xent_paths.code_path(wide[:, :768], None, 20.0, "partner") == "dense"
+    assert similarity_xent_paths.code_path(wide[:, :767], None, 20.0, "partner") == "fused"
+    assert similarity_xent_paths.code_path(wide[:, :8], None, 20.0, "partner", dims=(4, 8)) == "dense_dims"
+    monkeypatch.setattr(similarity_xent_paths, "DENSE_MIN_WIDTH", None)
     assert similarity_xent_paths.code_path(wide, None, 20.0, "partner") == "fused"
     assert similarity_xent_paths.code_path(wide[:, :8], None, 20.0, "partner", dims=(4, 8)) == "dense_dims"
     assert ("similarity_xent", "dense") in cuda_ops.paths_awaiting_verification()
@@ -336,6 +344,7 @@ def test_the_selector_keeps_the_verified_path_until_switched_on():
         assert similarity_xent_paths.code_path(wide[:, :at - 1], None, 20.0, "partner") == "fused"
         assert not cuda_ops.paths_awaiting_verification()
     assert similarity_xent_paths.DENSE_MIN_WIDTH is None
+    assert similarity_xent_paths.code_path(wide, None, 20.0, "partner") == "fused"
 
 
 def test_deterministic_mode_takes_the_dense_scheme():

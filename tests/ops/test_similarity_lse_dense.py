@@ -234,9 +234,9 @@ def test_dense_dims_equals_the_dense_path_per_prefix(triton_lse, name):
 
 def test_the_backend_takes_the_paths_where_it_says(monkeypatch):
     """One width: the dense scheme (verified, timed) from DENSE_MIN_WIDTH (2,048) up, the fused kernels below. Dims:
-    until a GPU run verifies the dense dims scheme, the fused kernels per prefix; switched on
-    (awaiting_verification_on: verify's checks, the GPU op sweep, both schemes at their PROPOSED width), from
-    width 768 up while a block of MIN_BLOCK_ROWS rows of its tiles fits."""
+    the dense dims scheme (verified, timed) from DENSE_DIMS_MIN_WIDTH (768) up while a block of MIN_BLOCK_ROWS rows
+    of its tiles fits, the fused kernels per prefix otherwise. The checks' switch (awaiting_verification_on: verify,
+    the GPU op sweep) puts both schemes at their PROPOSED width, 768."""
     pytest.importorskip("triton")
     from angle_kernels.triton_ops import _similarity_lse_dense, awaiting_verification_on, similarity_lse_paths
 
@@ -249,9 +249,12 @@ def test_the_backend_takes_the_paths_where_it_says(monkeypatch):
                                               dims=dims)
 
     five = (64, 128, 256, 512, 768)
-    assert similarity_lse_paths.DENSE_MIN_WIDTH == 2048
+    assert similarity_lse_paths.DENSE_MIN_WIDTH == 2048 and similarity_lse_paths.DENSE_DIMS_MIN_WIDTH == 768
     assert path(2047, 32768) == "fused" and path(2048, 32768) == path(4096, 32768) == "dense"
-    assert path(768, 32768, five) == path(4096, 32768, five[:-1] + (4096,)) == "fused_prefixes"
+    assert path(768, 32768, five) == path(4096, 32768, five[:-1] + (4096,)) == "dense_dims"
+    assert path(767, 32768, five[:-1] + (767,)) == "fused_prefixes"
+    dims_fit = int(_similarity_lse_dense.TILE_ELEMENTS // (_similarity_lse_dense.MIN_BLOCK_ROWS * 5.5))
+    assert path(768, dims_fit, five) == "dense_dims" and path(768, dims_fit + 1, five) == "fused_prefixes"
     fits = int(_similarity_lse_dense.TILE_ELEMENTS // (_similarity_lse_dense.MIN_BLOCK_ROWS * 2.5))  # a filter's tile
     assert path(2048, fits, filtered=True) == "dense" and path(2048, fits + 1, filtered=True) == "fused"
     assert path(2048, fits + 1) == "dense"
@@ -263,7 +266,7 @@ def test_the_backend_takes_the_paths_where_it_says(monkeypatch):
         assert path(768, fits, five) == "dense_dims" and path(768, fits + 1, five) == "fused_prefixes"
         fits = int(_similarity_lse_dense.TILE_ELEMENTS // (_similarity_lse_dense.MIN_BLOCK_ROWS * 10.5))
         assert path(768, fits, five, True) == "dense_dims" and path(768, fits + 1, five, True) == "fused_prefixes"
-    assert similarity_lse_paths.DENSE_MIN_WIDTH == 2048 and similarity_lse_paths.DENSE_DIMS_MIN_WIDTH is None
+    assert similarity_lse_paths.DENSE_MIN_WIDTH == 2048 and similarity_lse_paths.DENSE_DIMS_MIN_WIDTH == 768
 
 
 @pytest.mark.parametrize("path", ["dense", "dense_dims"])
