@@ -23,7 +23,11 @@ for a call only while this installation runs the code it measured: an edit to a 
 until a GPU run measures them again, exactly as it voids the path's verification. Sizes (`call_point`): pairs for
 pair_scores, scores for ranking_loss, logits (M x Mc) for similarity_xent and similarity_lse; width is D (1 for
 ranking_loss).
-Variants: "full", "dims" (nested prefixes), "margin" (similarity_xent with an angular margin, ArcCon).
+Variants: "full", "dims" (nested prefixes), "margin" (similarity_xent with an angular margin, ArcCon); a
+similarity_lse call with a filter (MNRL's false-negative filter, GIST) is "full filtered" or "dims filtered", which no
+sweep has timed, so the fixed order decides it. (The CUDA dense dims scheme takes a filter's products in row blocks
+of other sizes in forward than in backward past a size, where a score at its threshold can be decided differently in
+the two: docs/gpu-runs.md. Its times without a filter must not send filtered calls there.)
 
 The points are those of the op sweeps committed under bench/results/ (`python bench/speed_table.py` prints them,
 paths and fingerprints included, from a run's second.json), each run cited beside its rows. Next runs replace them.
@@ -397,7 +401,10 @@ def call_point(op: str, call: contract.Call) -> tuple[str, int, int] | None:
         variant = "dims" if call.dims else "margin" if call.margin > 0 else "full"
         return variant, q.shape[0] * columns, q.shape[1]
     if op == "similarity_lse":
-        return ("dims" if call.dims else "full"), call.q.shape[0] * call.c.shape[0], call.q.shape[1]
+        variant = "dims" if call.dims else "full"
+        if call.filter_threshold is not None:  # no sweep times a filter (its tiles: k more with a separate one)
+            variant += " filtered"
+        return variant, call.q.shape[0] * call.c.shape[0], call.q.shape[1]
     return None
 
 

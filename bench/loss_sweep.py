@@ -310,8 +310,13 @@ def run_one(args, provider, loss, n, d, dtype, previous, limits, deadline=None, 
     forecast = predicted_run_seconds(previous, loss, provider.family, n)
     budget_forecast = forecast if measured_s is None else measured_s
     if budget is not None:
-        if not budget.fits("warm_up", FIRST_CALL_S if previous is None else (forecast or 0.0) + 1.0):
-            return {**out, "status": "skipped", "note": f"skipped: --warm-up-budget {args.warm_up_budget:g} s spent"}
+        first_call = FIRST_CALL_S if previous is None else (forecast or 0.0) + 1.0
+        if not budget.fits("warm_up", first_call):
+            # The allowance is --warm-up-budget at most, less where the agreement check and the limits took the
+            # sweep's time first (harness.warm_up_within): say what it was, not only the flag.
+            left, allowed = max(0.0, budget.left("warm_up")), budget.allowed["warm_up"]
+            return {**out, "status": "skipped", "note": f"skipped: warm-up allowance spent ({left:.0f} of "
+                                                        f"{allowed:.0f} s left; a first call ~{first_call:.0f} s)"}
         if not budget.fits("timed", harness.RUNS_PER_CASE * (forecast or 0.0) + 1.0):
             return {**out, "status": "skipped", "note": f"skipped: --time-budget {args.time_budget:g} s spent"}
     elif deadline is not None:

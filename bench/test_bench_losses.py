@@ -380,10 +380,10 @@ def test_the_warm_up_budget_skips_a_case_before_it_runs_and_needs_cuda_and_a_tim
     spent = harness.SweepBudget(100, warm_up_s=5)
     spent.charge("warm_up", 5)
     row = loss_sweep.run_one(args, providers[0], LOSSES["cosine"], 16, 8, torch.float32, None, {}, budget=spent)
-    assert row["status"] == "skipped" and "--warm-up-budget 5 s spent" in row["note"]
+    assert row["status"] == "skipped" and "warm-up allowance spent (0 of 5 s left; a first call ~15 s)" in row["note"]
     short = harness.SweepBudget(100, warm_up_s=10)  # unspent, but short of a first call's compiles (FIRST_CALL_S)
     row = loss_sweep.run_one(args, providers[0], LOSSES["cosine"], 16, 8, torch.float32, None, {}, budget=short)
-    assert row["status"] == "skipped" and "--warm-up-budget" in row["note"]
+    assert row["status"] == "skipped" and "(10 of 10 s left; a first call ~15 s)" in row["note"]
     dozen_runs = harness.SweepBudget(30, warm_up_s=5)  # 25 s for the timed runs: not a dozen of a 3 s forecast
     row = loss_sweep.run_one(args, providers[0], LOSSES["cosine"], 16, 8, torch.float32, (8, 1.5), {},
                              budget=dozen_runs)
@@ -518,13 +518,21 @@ def test_a_backend_covers_every_path_only_when_each_is_verified(monkeypatch):
     assert not verified.covers_every_path("triton", torch.device("cuda", 0))
     monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: True)
     assert verified.covers_every_path("triton", torch.device("cuda", 0))
-    # a path that no call takes until a GPU run verifies it (triton_ops.paths_awaiting_verification) is not needed
+    # a path that no call takes until a GPU run verifies it (switched off: triton_ops.paths_awaiting_verification)
+    # is not needed; switched on, it is
+    from angle_kernels.cuda_ops import similarity_xent_paths as cuda_xent_paths
+    from angle_kernels.triton_ops import similarity_lse_paths
+
     awaiting = ("similarity_lse", "dense_dims")
     monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: (op, path) != awaiting)
+    assert not verified.covers_every_path("triton", torch.device("cuda", 0))
+    monkeypatch.setattr(similarity_lse_paths, "DENSE_DIMS_MIN_WIDTH", None)
     assert verified.covers_every_path("triton", torch.device("cuda", 0))
     # nor is one of the CUDA backend's (cuda_ops.paths_awaiting_verification: its similarity_xent dense scheme)
     awaiting = ("similarity_xent", "dense")
     monkeypatch.setattr(verified, "is_verified", lambda b, op, path, device: (op, path) != awaiting)
+    assert not verified.covers_every_path("cuda", torch.device("cuda", 0))
+    monkeypatch.setattr(cuda_xent_paths, "DENSE_MIN_WIDTH", None)
     assert verified.covers_every_path("cuda", torch.device("cuda", 0))
 
 

@@ -177,10 +177,10 @@ def test_a_record_lacking_a_field_of_the_kind_or_a_true_pass_lets_nothing_comput
 # ------------------------------------------------------------------------------------------------ measured points
 
 
-def _xent_call(m, mc, d, dims=None, margin=0.0, dtype=torch.bfloat16):
+def _xent_call(m, mc, d, dims=None, margin=0.0, dtype=torch.bfloat16, filter_threshold=None):
     return SimpleNamespace(q=torch.empty(m, d, dtype=dtype, device="meta"),
                            c=torch.empty(mc, d, dtype=dtype, device="meta"), dims=dims, margin=margin,
-                           device=torch.device("cuda", 0), dtype=dtype)
+                           device=torch.device("cuda", 0), dtype=dtype, filter_threshold=filter_threshold)
 
 
 class _Candidate:
@@ -253,6 +253,31 @@ def test_a_calls_place_among_the_points(monkeypatch):
     assert measured.call_point("similarity_xent", _xent_call(1024, 2048, 768)) == ("full", 1024 * 2048, 768)
     assert measured.call_point("similarity_lse", _xent_call(1024, 2048, 768)) == ("full", 1024 * 2048, 768)
     assert measured.nearest_points("similarity_xent", _xent_call(1024, 2048, 4096, dtype=torch.float16)) == []
+
+
+def test_filtered_similarity_lse_calls_have_no_point_and_keep_the_fixed_order(monkeypatch):
+    """The sweeps time similarity_lse without a filter: a filtered call (MNRL's false-negative filter, GIST) is a
+    variant of its own that no point measured, so the fixed order decides it, Triton first, though the H200's points
+    of unfiltered dims calls at 16,384 x 32,768 logits, D = 4,096, measured the CUDA dense dims scheme faster (126 ms
+    against Triton's 142); the CUDA scheme computes the filter in row blocks of other sizes in forward and backward
+    there."""
+    monkeypatch.setattr(measured, "capability", lambda device: "9.0")
+    threshold = torch.empty(5, 16384, device="meta")
+    dims = (256, 512, 1024, 2048, 4096)
+    filtered = _xent_call(16384, 32768, 4096, dims=dims, filter_threshold=threshold)
+    plain = _xent_call(16384, 32768, 4096, dims=dims)
+    assert measured.call_point("similarity_lse", filtered) == ("dims filtered", 16384 * 32768, 4096)
+    assert measured.call_point("similarity_lse", _xent_call(64, 128, 768, filter_threshold=threshold[:, :64])) == (
+        "full filtered", 64 * 128, 768)
+    assert measured.nearest_points("similarity_lse", filtered) == []
+    assert measured.nearest_points("similarity_lse", plain)
+    triton, cuda, torch_default = _candidates("triton", "cuda", "torch")
+    paths = {triton: "dense_dims", cuda: "dense_dims", torch_default: "default"}
+    (recorded,) = [prints for *where, _, prints in measured.MEASURED[("9.0", torch.bfloat16)]
+                   if tuple(where) == ("similarity_lse", "dims", 16384 * 32768, 4096)]
+    monkeypatch.setattr(measured, "code_fingerprint", lambda backend, op, path: recorded[f"{backend}/{path}"])
+    assert measured.fastest("similarity_lse", plain, paths) is cuda
+    assert measured.fastest("similarity_lse", filtered, paths) is triton
 
 
 def test_the_newer_gpus_points_decide_where_both_measured(monkeypatch):

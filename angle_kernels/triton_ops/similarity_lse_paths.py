@@ -4,10 +4,11 @@ The op's paths: the fused kernels of similarity_lse.py ("fused", one width), the
 _similarity_lse_dense.py at one width ("dense") and at every prefix of dims in one pass ("dense_dims"), and the
 fused kernels once per prefix ("fused_prefixes", `fused_prefixes` below: the dims calls the dense scheme does not
 take). The dense scheme at one width takes calls from DENSE_MIN_WIDTH up, the dense dims scheme dims calls from
-DENSE_DIMS_MIN_WIDTH up; the other dims calls take the fused kernels per prefix. This module only chooses: `code_path` names the path a call takes, and `similarity_lse` calls that
-path's launcher (similarity_lse.py's own entry function, unchanged, for "fused"). Each path is verified on GPUs on
-its own (angle_kernels.verified), and its fingerprint is that of its launcher's code
-(angle_kernels.fingerprints.PATH_CODE); the choice belongs to no path.
+DENSE_DIMS_MIN_WIDTH up (filtered ones only where its two passes block the filter's rows alike:
+`_filter_blocks_agree`); the other dims calls take the fused kernels per prefix. This module only chooses:
+`code_path` names the path a call takes, and `similarity_lse` calls that path's launcher (similarity_lse.py's own
+entry function, unchanged, for "fused"). Each path is verified on GPUs on its own (angle_kernels.verified), and its
+fingerprint is that of its launcher's code (angle_kernels.fingerprints.PATH_CODE); the choice belongs to no path.
 """
 
 from __future__ import annotations
@@ -53,9 +54,19 @@ def code_path(q, c, scale, target_offset=0, period=0, exclude="none", penalty=0.
             return "dense"
         return "fused"
     if (DENSE_DIMS_MIN_WIDTH is not None and q.shape[1] >= DENSE_DIMS_MIN_WIDTH
-            and _similarity_lse_dense.takes(c.shape[0], len(dims), has_filter)):
+            and _similarity_lse_dense.takes(c.shape[0], len(dims), has_filter)
+            and (not has_filter or _filter_blocks_agree(q.shape[0], c.shape[0], len(dims)))):
         return "dense_dims"
     return "fused_prefixes"
+
+
+def _filter_blocks_agree(m: int, mc: int, k: int) -> bool:
+    """Whether the dense dims scheme's forward and backward take the filter's products in row blocks of one size (its
+    own filter or a separate one). Where they do not, cuBLAS may round a filter score differently in the two, and a
+    score at its threshold (a duplicate text's guide score in a GIST batch) kept in forward can be dropped in
+    backward: such calls take the fused kernels per prefix (docs/gpu-runs.md, the defects found without a GPU)."""
+    rows = _similarity_lse_dense.block_rows
+    return all(rows(m, mc, 1, separate) == rows(m, mc, k, separate) for separate in (False, True))
 
 
 def fused_prefixes(q, c, scale, target_offset, period, exclude, penalty, penalty_on, filter_q, filter_c,

@@ -269,6 +269,35 @@ def test_the_backend_takes_the_paths_where_it_says(monkeypatch):
     assert similarity_lse_paths.DENSE_MIN_WIDTH == 2048 and similarity_lse_paths.DENSE_DIMS_MIN_WIDTH == 768
 
 
+def test_filtered_dims_calls_take_the_dense_dims_scheme_only_where_its_passes_block_the_filter_alike():
+    """The dense dims scheme's forward holds one tile per row block, its backward k: past a size the two take the
+    filter's products in row blocks of different sizes, where cuBLAS may round a score at its threshold differently
+    in the two (a duplicate text's guide score in a GIST batch: kept in forward, dropped in backward). There a
+    filtered dims call takes the fused kernels per prefix, whose passes compute the filter alike; unfiltered calls,
+    and filtered ones whose blocks agree (a GIST batch of 4,096 queries against 8,192 texts), the dense dims
+    scheme."""
+    pytest.importorskip("triton")
+    from angle_kernels.triton_ops import _similarity_lse_dense, similarity_lse_paths
+
+    five = (64, 128, 256, 512, 768)
+
+    def path(rows, columns, filtered):
+        q = torch.empty(rows, 768, device="meta")
+        c = torch.empty(columns, 768, device="meta")
+        guide = (q, c, torch.empty(len(five), rows, device="meta")) if filtered else (None, None, None)
+        return similarity_lse_paths.code_path(q, c, 20.0, filter_q=guide[0], filter_c=guide[1],
+                                              filter_threshold=guide[2], dims=five)
+
+    blocks = _similarity_lse_dense.block_rows
+    assert blocks(4096, 8192, 1, True) == blocks(4096, 8192, 5, True) == _similarity_lse_dense.MAX_BLOCK_ROWS
+    assert path(4096, 8192, filtered=True) == path(4096, 8192, filtered=False) == "dense_dims"
+    assert blocks(8192, 16384, 1, True) != blocks(8192, 16384, 5, True)
+    assert path(8192, 16384, filtered=True) == "fused_prefixes"
+    assert path(8192, 16384, filtered=False) == "dense_dims"
+    assert blocks(8192, 16384, 1, False) == blocks(8192, 16384, 5, False)  # the model's own rows alone would agree
+    assert path(2, 8192, filtered=True) == "dense_dims"  # one block of every row in both
+
+
 @pytest.mark.parametrize("path", ["dense", "dense_dims"])
 def test_float16_gradient_of_a_small_upstream_gradient_does_not_underflow(triton_lse, path):
     """The gradient of 1e-6 x lse is 1e-6 x the gradient: the gradient tiles carry grad / max|grad|, never the
