@@ -297,11 +297,13 @@ def test_fake_shapes_similarity_xent_dense(dtype, groups):
 
 
 def test_similarity_xent_code_paths():
-    """The fused kernels at one width until the dense scheme is switched on; dims on the dense dims scheme."""
+    """One width: the dense scheme from D = 768 (switched on by the H200's op sweep), the fused kernels below; dims on
+    the dense dims scheme."""
     assert CUDA.paths["similarity_xent"] == ("fused", "dense", "dense_dims")
     assert CUDA.features["similarity_xent"] == frozenset({"dims"})
     q = torch.empty(6, 1024)
-    assert CUDA.code_paths["similarity_xent"](q, None, 20.0, "partner") == "fused"
+    assert CUDA.code_paths["similarity_xent"](q, None, 20.0, "partner") == "dense"
+    assert CUDA.code_paths["similarity_xent"](q[:, :767], None, 20.0, "partner") == "fused"
     assert CUDA.code_paths["similarity_xent"](q, None, 20.0, "partner", dims=(8, 1024)) == "dense_dims"
 
 
