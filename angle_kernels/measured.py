@@ -24,10 +24,11 @@ until a GPU run measures them again, exactly as it voids the path's verification
 pair_scores, scores for ranking_loss, logits (M x Mc) for similarity_xent and similarity_lse; width is D (1 for
 ranking_loss).
 Variants: "full", "dims" (nested prefixes), "margin" (similarity_xent with an angular margin, ArcCon); a
-similarity_lse call with a filter (MNRL's false-negative filter, GIST) is "full filtered" or "dims filtered", which no
-sweep has timed, so the fixed order decides it. (The CUDA dense dims scheme takes a filter's products in row blocks
-of other sizes in forward than in backward past a size, where a score at its threshold can be decided differently in
-the two: docs/gpu-runs.md. Its times without a filter must not send filtered calls there.)
+similarity_lse call with dims and a filter (MNRL's false-negative filter, GIST) is "dims filtered", which no sweep
+has timed, so the fixed order decides it: the CUDA dense dims scheme takes a filter's products in row blocks of other
+sizes in forward than in backward past a size, where a score at its threshold can be decided differently in the two
+(docs/gpu-runs.md), so its times without a filter must not send filtered calls there. (At one width both passes
+block the rows alike: filtered one-width calls keep the "full" points.)
 
 The points are those of the op sweeps committed under bench/results/ (`python bench/speed_table.py` prints them,
 paths and fingerprints included, from a run's second.json), each run cited beside its rows. Next runs replace them.
@@ -38,16 +39,17 @@ below, each call at a point and each set of backends auto may use there):
       points send to CUDA (where its path is verified: sm_90, torch 2.11, CUDA 13.0) the pair scores with dims at
       262,144 pairs, D = 768 (1.49 ms against the prefix kernels' 6.78), similarity_lse with dims from 4,096 x 8,192
       logits at D = 4,096 and at 16,384 x 32,768 (10.0 against the dense dims scheme's 11.4; 54 against 71 at
-      D = 768) and the ranking term from 65,536 scores (0.72 against Triton's sort path's 1.24, 0.63 against 1.18
-      at 1M); to torch Matryoshka in-batch negatives at 1,024 x 2,048 logits, D = 4,096 (its 16-bit products 5.35
-      against the dense dims scheme's 6.62) and, without CUDA, the ranking term near 65,536 scores (1.10 against
+      D = 768) and the ranking term from about 16,000 to 2M scores (0.72 against Triton's sort path's 1.24 at
+      65,536, 0.63 against 1.18 at 1M; past 2M the H100's 4M point, with CUDA's old code, leaves the fixed order);
+      to torch Matryoshka in-batch negatives at 1,024 x 2,048 logits, D = 4,096 (its 16-bit products 5.35 against
+      the dense dims scheme's 6.62) and, without CUDA, the ranking term near 65,536 scores (1.10 against
       1.24); everywhere else Triton measured fastest or within TIE of it. The full-width pair scores stay on the
-      fixed order: CUDA measured faster than Triton at 4 of 6 points (0.63 against 0.96 ms at 262,144 pairs,
+      fixed order: CUDA measured faster than Triton at 5 of 6 points (0.63 against 0.96 ms at 262,144 pairs,
       D = 768), but the torch times beside them measured code changed since, so those points decide nothing until
       an op sweep re-times torch's pair scores.
     * Without Triton (its path unverified or unloaded where CUDA's is verified), the points decide between CUDA and
       torch where they apply (CUDA's pair scores and ranking term faster at every point; its similarity schemes
-      slower up to 4M logits, faster from 16M), and the fixed order elsewhere (AFTER_TORCH).
+      slower at most points up to 4M logits, faster at most from 16M), and the fixed order elsewhere (AFTER_TORCH).
 """
 
 from __future__ import annotations
@@ -402,8 +404,8 @@ def call_point(op: str, call: contract.Call) -> tuple[str, int, int] | None:
         return variant, q.shape[0] * columns, q.shape[1]
     if op == "similarity_lse":
         variant = "dims" if call.dims else "full"
-        if call.filter_threshold is not None:  # no sweep times a filter (its tiles: k more with a separate one)
-            variant += " filtered"
+        if call.dims and call.filter_threshold is not None:  # untimed: the dense dims schemes' filter flaw (above)
+            variant = "dims filtered"
         return variant, call.q.shape[0] * call.c.shape[0], call.q.shape[1]
     return None
 
@@ -483,8 +485,9 @@ def _decision(point: tuple, op: str, keys: list[str], allowed: list[Candidate]) 
 # torch backend at most points up to 4M logits (similarity_xent's dense scheme 2.40 ms against torch's 16-bit
 # products' 1.62 at 2,048 x 2,048 logits, D = 768; similarity_lse 4.25 against 3.52 at 1,024 x 2,048, and with dims
 # 10.6 against 7.29), equal to 8.3x faster from 16M logits up; below the points, where launches dominate, torch is
-# the safer guess. The CUDA pair scores (5.6-35x faster than torch at every point, on both paths) and ranking term
-# (1.2-1.9x, 4,096 to 1M scores) keep their place in the fixed order, before torch.
+# the safer guess. The CUDA pair scores (7-28x faster than torch at every point with dims; 5.6-35x at full width,
+# against torch times of older code) and ranking term (1.2-1.9x, 4,096 to 1M scores) keep their place in the fixed
+# order, before torch.
 AFTER_TORCH = {("cuda", "similarity_xent"), ("cuda", "similarity_lse")}
 
 

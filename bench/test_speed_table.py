@@ -165,7 +165,7 @@ def test_the_decisions_the_table_makes_against_the_fixed_order(capsys):
     """What measured.py's docstring says the table is worth: with this checkout's code, against the Triton paths
     calls take, CUDA (where verified) for the pair scores with dims at 262,144 pairs, D = 768 (over the prefix
     kernels), for similarity_lse with dims from 4,096 x 8,192 logits at D = 4,096 and at 16,384 x 32,768 (over the
-    dense dims scheme) and for the ranking term from 65,536 scores (over Triton's sort path); torch for Matryoshka
+    dense dims scheme) and for the ranking term at 65,536 and 1M scores (over Triton's sort path); torch for Matryoshka
     in-batch negatives at D = 4,096 and 1,024 x 2,048 logits (its 16-bit products, over the dense dims scheme) and,
     without CUDA, for the ranking term at 65,536 scores. Where the fixed order puts CUDA first (before torch: its pair
     scores and ranking term, outside measured.AFTER_TORCH), no time of this checkout's code prefers another backend;

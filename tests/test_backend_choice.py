@@ -109,7 +109,8 @@ def backends(monkeypatch):
     monkeypatch.setattr(verified, "is_verified", lambda backend, op, path, device: (backend, op, path) in passed)
     monkeypatch.setattr(verified, "describe", lambda backend, op, path, device: "a fake GPU (sm_90)")
     monkeypatch.setattr(measured, "capability", lambda device: "fake")  # no measured speeds: the fixed order
-    # the fixed order's mechanism with one exception (the real table's: test_untimed_cuda_ops_wait_behind_torch)
+    # the fixed order's mechanism with one exception (the real table's:
+    # test_cuda_similarity_ops_wait_behind_torch_where_no_time_decides)
     monkeypatch.setattr(measured, "AFTER_TORCH", {("cuda", "similarity_xent")})
     return SimpleNamespace(triton=triton, cuda=cuda, verified=passed, computed=computed)
 

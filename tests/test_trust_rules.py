@@ -256,19 +256,19 @@ def test_a_calls_place_among_the_points(monkeypatch):
 
 
 def test_filtered_similarity_lse_calls_have_no_point_and_keep_the_fixed_order(monkeypatch):
-    """The sweeps time similarity_lse without a filter: a filtered call (MNRL's false-negative filter, GIST) is a
-    variant of its own that no point measured, so the fixed order decides it, Triton first, though the H200's points
-    of unfiltered dims calls at 16,384 x 32,768 logits, D = 4,096, measured the CUDA dense dims scheme faster (126 ms
-    against Triton's 142); the CUDA scheme computes the filter in row blocks of other sizes in forward and backward
-    there."""
+    """A filtered dims call (MNRL's false-negative filter, GIST, with Matryoshka) is a variant of its own that no
+    point measured, so the fixed order decides it, Triton first, though the H200's points of unfiltered dims calls at
+    16,384 x 32,768 logits, D = 4,096, measured the CUDA dense dims scheme faster (126 ms against Triton's 142): the
+    CUDA scheme computes the filter in row blocks of other sizes in forward and backward there. A filtered one-width
+    call, whose passes block the rows alike, keeps the one-width points."""
     monkeypatch.setattr(measured, "capability", lambda device: "9.0")
     threshold = torch.empty(5, 16384, device="meta")
     dims = (256, 512, 1024, 2048, 4096)
     filtered = _xent_call(16384, 32768, 4096, dims=dims, filter_threshold=threshold)
     plain = _xent_call(16384, 32768, 4096, dims=dims)
     assert measured.call_point("similarity_lse", filtered) == ("dims filtered", 16384 * 32768, 4096)
-    assert measured.call_point("similarity_lse", _xent_call(64, 128, 768, filter_threshold=threshold[:, :64])) == (
-        "full filtered", 64 * 128, 768)
+    assert measured.call_point("similarity_lse", _xent_call(64, 128, 768, filter_threshold=threshold[0, :64])) == (
+        "full", 64 * 128, 768)
     assert measured.nearest_points("similarity_lse", filtered) == []
     assert measured.nearest_points("similarity_lse", plain)
     triton, cuda, torch_default = _candidates("triton", "cuda", "torch")

@@ -23,8 +23,9 @@ PATHS = full_and_prefix.PATHS + ("dims_one_read",)
 # 4,096). Verified on an H200 (2026-11-28) and timed there against the prefix kernels in bf16
 # (bench/results/h200-2026-12-04/second-ops, dims 64..D): at D = 4,096 2.0x faster at 16,384 and 262,144 pairs (0.99
 # against 1.94 ms, 14.6 against 30.2); at D = 768 slower at 16,384 (0.87 against 0.63) and faster at 262,144 (5.1
-# against 6.8). The prefix kernels' time grows with D, the one read's hardly: linear between the two widths, the
-# one read overtakes them by D = 1,440 at the smaller size, hence 2,048 (no width between 768 and 4,096 is timed).
+# against 6.8). At 16,384 pairs the prefix kernels' time grows with D (0.63 to 1.94 ms), the one read's hardly (0.87
+# to 0.99): linear between the two widths, the one read overtakes them by D = 1,440 there, hence 2,048 (no width
+# between 768 and 4,096 is timed).
 ONE_READ_MIN_WIDTH: int | None = 2048
 PROPOSED_ONE_READ_MIN_WIDTH = 768
 
