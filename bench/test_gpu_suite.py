@@ -508,6 +508,22 @@ def test_the_headline_runs_side_by_side_at_tiny_sizes_on_cpu(tmp_path, capsys):
     assert "angle_kernels MNRL (torch)" in capsys.readouterr().out
 
 
+def test_the_headlines_run_each_width_and_render_one_table_each(tmp_path):
+    """`headlines`: one side-by-side run per width, written together after each; the stage summary renders a table
+    per width, and still renders a record of one run at the step's top level (the runs before 2026-12-04)."""
+    result = gpu_suite.headlines(tmp_path / "headline.json", device="cpu", widths=(16, 8), backends=("torch",),
+                                 n=32, dtype="float32", rounds=1)
+    assert [run["d"] for run in result["runs"]] == [16, 8]
+    assert json.loads((tmp_path / "headline.json").read_text()) == json.loads(json.dumps(result))
+    stage = {"stage": "first", "title": "t", "command": "c", "started_utc": "s", "budget_s": 1.0, "status": "ok",
+             "steps": {"headline": {"status": "ok", **result}}}
+    text = gpu_suite.render_stage(stage)
+    assert "D = 16, float32" in text and "D = 8, float32" in text
+    old = {**stage, "steps": {"headline": {"status": "ok", **result["runs"][0]}}}
+    assert "D = 16, float32" in gpu_suite.render_stage(old)
+    assert gpu_suite.HEADLINE_WIDTHS == (768, 384) and "auto" in gpu_suite.HEADLINE_BACKENDS
+
+
 def test_op_sweep_covers_every_op_before_the_large_sizes():
     """Under a limit the sweep must reach every op and dtype at small sizes before spending time on the
     largest: all cases of size rank r come before any of rank r + 1. Every family's ops are in it."""
