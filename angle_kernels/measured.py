@@ -36,17 +36,16 @@ paths and fingerprints included, from a run's second.json), each run cited besid
 What the table is worth against the fixed order (`python bench/speed_table.py --decisions`, from the points
 below, each call at a point and each set of backends auto may use there):
     * With Triton among them (sm_90 today: every Triton path is verified), on the paths calls take, the H200's
-      points send to CUDA (where its path is verified: sm_90, torch 2.11, CUDA 13.0) the pair scores with dims at
+      points send to CUDA (where its path is verified: sm_90, torch 2.11, CUDA 13.0) the full-width pair scores at
+      every timed size (16,384 to 1M pairs, D = 768 and 4,096: 0.44-12.5 ms against Triton's 0.65-15.1, 0.63
+      against 1.04 at 262,144 pairs, D = 768, Triton and torch timed again beside them), the pair scores with dims at
       262,144 pairs, D = 768 (1.49 ms against the prefix kernels' 6.78), similarity_lse with dims from 4,096 x 8,192
       logits at D = 4,096 and at 16,384 x 32,768 (10.0 against the dense dims scheme's 11.4; 54 against 71 at
       D = 768) and the ranking term from about 16,000 to 2M scores (0.72 against Triton's sort path's 1.24 at
       65,536, 0.63 against 1.18 at 1M; past 2M the H100's 4M point, with CUDA's old code, leaves the fixed order);
       to torch Matryoshka in-batch negatives at 1,024 x 2,048 logits, D = 4,096 (its 16-bit products 5.35 against
       the dense dims scheme's 6.62) and, without CUDA, the ranking term near 65,536 scores (1.10 against
-      1.24); everywhere else Triton measured fastest or within TIE of it. The full-width pair scores stay on the
-      fixed order: CUDA measured faster than Triton at 5 of 6 points (0.63 against 0.96 ms at 262,144 pairs,
-      D = 768), but the torch times beside them measured code changed since, so those points decide nothing until
-      an op sweep re-times torch's pair scores.
+      1.24); everywhere else Triton measured fastest or within TIE of it.
     * Without Triton (its path unverified or unloaded where CUDA's is verified), the points decide between CUDA and
       torch where they apply (CUDA's pair scores and ranking term faster at every point; its similarity schemes
       slower at most points up to 4M logits, faster at most from 16M), and the fixed order elsewhere (AFTER_TORCH).
@@ -193,15 +192,16 @@ _H100_FP32_SCORES = (
       "cuda/sort": "4b85a09f9216361e+249cdc38bcd80eed"}),
 )
 
-# The op sweeps on an H200 (the same compute capability), `python bench/speed_table.py` over three runs in the order
+# The op sweeps on an H200 (the same compute capability), `python bench/speed_table.py` over four runs in the order
 # they ran (a later time of a path replaces an earlier one), each with its own paths and fingerprints:
 # bench/results/h200-2026-11-28/second-op-sweep (sources at 14e83fd with 40ac9b5's fix of the checks' selection:
 # Triton and torch, up to 16,384 rows of in-batch negatives; larger points are the H100's), then, sources at
 # 97c3de1, bench/results/h200-2026-12-04/second-ops (`--ops 'pair_scores(dims),similarity_lse(dims)'`: Triton's
 # one-read pair scores against the prefix kernels, similarity_lse's dense dims scheme against the fused kernels per
 # prefix, and torch) and bench/results/h200-2026-12-04/second-cuda (the CUDA backend's verified paths, its
-# similarity_xent on both schemes). The torch full-width pair scores changed after the first run (their backward's
-# radial mask: torch_ops/pair_scores.py), so their times there no longer count, nor therefore their points.
+# similarity_xent on both schemes), then bench/results/h200-2026-12-04b/second-pair-scores (sources at c6c9642,
+# `--ops pair_scores`: Triton's and torch's full-width pair scores timed again, the torch code having changed after
+# the first run; with these its points count).
 _H200_BF16_EMBEDDINGS = (
     ("pair_scores", "dims", 16384, 768,
      {"triton/dims_one_read": 0.87, "torch/default": 6.16, "triton/dims": 0.629, "cuda/dims": 0.872},
@@ -220,28 +220,28 @@ _H200_BF16_EMBEDDINGS = (
      {"triton/dims_one_read": "fdceae6baa083c7a", "torch/default": "5d3ad5126ea2e4f3",
       "triton/dims": "11ab4505b78faacc", "cuda/dims": "827753944930c13a+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 16384, 768,
-     {"triton/full": 0.851, "torch/default": 2.48, "cuda/full": 0.442},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+     {"triton/full": 0.649, "torch/default": 2.26, "cuda/full": 0.442},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "5d3ad5126ea2e4f3",
       "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 16384, 4096,
-     {"triton/full": 0.394, "torch/default": 6.98, "cuda/full": 0.55},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+     {"triton/full": 0.768, "torch/default": 6.89, "cuda/full": 0.55},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "5d3ad5126ea2e4f3",
       "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 262144, 768,
-     {"triton/full": 0.963, "torch/default": 21.4, "cuda/full": 0.632},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+     {"triton/full": 1.04, "torch/default": 21.2, "cuda/full": 0.632},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "5d3ad5126ea2e4f3",
       "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 262144, 4096,
-     {"triton/full": 3.8, "torch/default": 110.0, "cuda/full": 3.16},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+     {"triton/full": 3.79, "torch/default": 109.0, "cuda/full": 3.16},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "5d3ad5126ea2e4f3",
       "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 1048576, 768,
-     {"triton/full": 3.77, "torch/default": 85.0, "cuda/full": 2.4},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+     {"triton/full": 3.74, "torch/default": 84.0, "cuda/full": 2.4},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "5d3ad5126ea2e4f3",
       "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("pair_scores", "full", 1048576, 4096,
-     {"triton/full": 15.2, "torch/default": 442.0, "cuda/full": 12.5},
-     {"triton/full": "efb179d27d83ab85", "torch/default": "2547b1eca00431bb",
+     {"triton/full": 15.1, "torch/default": 508.0, "cuda/full": 12.5},
+     {"triton/full": "efb179d27d83ab85", "torch/default": "5d3ad5126ea2e4f3",
       "cuda/full": "6a8db345bda6e7d2+f2009f8c30ce51fb"}),
     ("similarity_lse", "dims", 2097152, 768,
      {"triton/fused_prefixes": 11.1, "triton/dense_dims": 6.67, "torch/default": 7.29, "cuda/dense_dims": 10.6},
@@ -485,8 +485,8 @@ def _decision(point: tuple, op: str, keys: list[str], allowed: list[Candidate]) 
 # torch backend at most points up to 4M logits (similarity_xent's dense scheme 2.40 ms against torch's 16-bit
 # products' 1.62 at 2,048 x 2,048 logits, D = 768; similarity_lse 4.25 against 3.52 at 1,024 x 2,048, and with dims
 # 10.6 against 7.29), equal to 8.3x faster from 16M logits up; below the points, where launches dominate, torch is
-# the safer guess. The CUDA pair scores (7-28x faster than torch at every point with dims; 5.6-35x at full width,
-# against torch times of older code) and ranking term (1.2-1.9x, 4,096 to 1M scores) keep their place in the fixed
+# the safer guess. The CUDA pair scores (7-28x faster than torch at every point with dims; 5.1-41x at full width)
+# and ranking term (1.2-1.9x, 4,096 to 1M scores) keep their place in the fixed
 # order, before torch.
 AFTER_TORCH = {("cuda", "similarity_xent"), ("cuda", "similarity_lse")}
 

@@ -188,7 +188,10 @@ def setup_similarity_lse(ops, backend, n, d, dtype, device, generator):
 
 
 OPS = [
-    OpBench("similarity_xent(ibn)", sizes=(1024, 4096, 16384, 65536), dims=(768, 4096),
+    # D = 384 (MiniLM's width) too: below the Triton dense scheme's MIN_WIDTH its fused kernels take the call, which
+    # the MNRL headline measured 1.1x slower than the torch backend there (bench/results/h200-2026-12-04b/first);
+    # the sweep times both Triton schemes at every width, so its rows say from which width the dense scheme is faster
+    OpBench("similarity_xent(ibn)", sizes=(1024, 4096, 16384, 65536), dims=(384, 768, 4096),
             dtypes=("bfloat16", "float32"), grows="N^2", setup=setup_in_batch_negatives,
             memory_bytes=lambda n, d, dtype: 3 * 2 * n * d * 4,  # x, dx and float32 workspaces of 2N x D
             triton_schemes=True, cuda_schemes=True),

