@@ -71,6 +71,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -355,19 +356,35 @@ def run_pytest(pytest_args: list[str], log_path: Path, timeout_s: float, workers
     return result
 
 
+# pytest's final line: "=== 769 passed, 24 skipped in 46.94s ===" (its words for each outcome, plural or not)
+_PYTEST_SUMMARY = re.compile(r"^=+ (?P<counts>\d+ [a-z]+(?:, \d+ [a-z]+)*) in [\d.]+s(?: \([^)]*\))? =+$")
+_SUMMARY_WORDS = {"passed": "passed", "failed": "failed", "error": "error", "errors": "error", "skipped": "skipped",
+                  "xfailed": "xfail", "xpassed": "xpass"}
+
+
 def pytest_counts(log_path: Path) -> dict:
-    """{"passed": n, "failed": n, ...} from a `pytest -v` log's per-test lines, and the failed tests' ids: what a
-    run cut at its limit did, which its final summary line (never printed) would have said."""
+    """{"passed": n, "failed": n, ...} and the failed tests' ids, from a `pytest -v` log: its final summary line's
+    counts where it printed one (which include what no per-test line shows: tests skipped as they were collected),
+    else its per-test lines', what a run cut at its limit did."""
     counts: dict = {}
     failed = []
+    summary = None
     for line in log_path.read_text(errors="replace").splitlines():
+        ended = _PYTEST_SUMMARY.match(line.strip())
+        if ended:
+            summary = {}
+            for part in ended.group("counts").split(", "):
+                number, word = part.split(" ")
+                if word in _SUMMARY_WORDS:
+                    summary[_SUMMARY_WORDS[word]] = summary.get(_SUMMARY_WORDS[word], 0) + int(number)
+            continue
         for outcome in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"):
             if f" {outcome}" in line and "::" in line:
                 counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
                 if outcome in ("FAILED", "ERROR"):
                     failed.append(next(word for word in line.split() if "::" in word))
                 break
-    return {**counts, "failed_tests": failed[:50]}
+    return {**(summary if summary is not None else counts), "failed_tests": failed[:50]}
 
 
 def guarded(record: StageRecord, name: str, fn) -> dict:

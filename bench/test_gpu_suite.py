@@ -391,6 +391,25 @@ def test_pytest_counts_reads_a_cut_verbose_log(tmp_path):
     assert gpu_suite.pytest_counts(log)["failed_tests"] == ["tests/ops/test_a.py::test_y"]  # an error is a failure
 
 
+def test_pytest_counts_take_the_final_summary_where_pytest_printed_it(tmp_path):
+    """A run that ended prints its totals, which include tests skipped as they were collected (no per-test line):
+    the H200's CUDA op tests of 2026-12-04b printed 22 SKIPPED lines and "769 passed, 24 skipped"."""
+    log = tmp_path / "pytest.log"
+    log.write_text("\n".join([
+        "[gw0] [ 50%] PASSED tests/ops/test_pair_scores.py::test_x[cuda]",
+        "[gw1] [ 75%] SKIPPED tests/ops/test_similarity_lse.py::test_y[cuda]",
+        "[gw1] [100%] FAILED tests/ops/test_ranking_loss.py::test_z[cuda]",
+        "FAILED tests/ops/test_ranking_loss.py::test_z[cuda] - AssertionError",
+        "======= 1 failed, 1 passed, 3 skipped, 1 xfailed, 2 errors in 46.94s (0:00:46) =======", ""]))
+    counts = gpu_suite.pytest_counts(log)
+    assert {k: v for k, v in counts.items() if k != "failed_tests"} == {
+        "failed": 1, "passed": 1, "skipped": 3, "xfail": 1, "error": 2}
+    assert counts["failed_tests"] == ["tests/ops/test_ranking_loss.py::test_z[cuda]"]
+    log.write_text("[gw0] [ 1%] PASSED tests/a.py::test_x\n======== 769 passed, 24 skipped in 46.94s ========\n")
+    assert {k: v for k, v in gpu_suite.pytest_counts(log).items() if k != "failed_tests"} == {
+        "passed": 769, "skipped": 24}
+
+
 def test_a_pytest_run_with_failures_is_a_failed_step(tmp_path, monkeypatch):
     log = tmp_path / "pytest.log"
     log.write_text("tests/ops/t.py::test_y FAILED\n")
