@@ -1400,7 +1400,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if unknown:
             parser.error(f"--losses {','.join(unknown)}: not a loss of the sweep; they are "
                          f"{', '.join(bench_losses.LOSSES)}")
-    if not all(width.isdigit() and int(width) >= 2 and int(width) % 2 == 0 for width in args.loss_widths):
+    if not args.loss_widths or not all(width.isdigit() and int(width) >= 2 and int(width) % 2 == 0
+                                       for width in args.loss_widths):
         parser.error(f"--loss-widths {','.join(args.loss_widths)}: expected even embedding widths of at least 2, "
                      "comma-separated (the angle loss splits each row in halves)")
     args.loss_widths = tuple(int(width) for width in args.loss_widths)

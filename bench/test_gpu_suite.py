@@ -781,6 +781,7 @@ def test_the_loss_sweep_takes_the_losses_and_widths_it_is_given(tmp_path, monkey
     (["second", "out", "--losses", "cosine,cosinus"], "--losses cosinus: not a loss of the sweep"),
     (["second", "out", "--loss-widths", "768,7x"], "--loss-widths 768,7x: expected even embedding widths"),
     (["second", "out", "--loss-widths", "765"], "--loss-widths 765: expected even embedding widths"),
+    (["second", "out", "--loss-widths", ","], "--loss-widths : expected even embedding widths"),
     (["first", "out", "--losses", "cosine"], "--losses and --loss-widths choose stage second's loss sweep"),
     (["third", "out", "--loss-widths", "4096"], "--losses and --loss-widths choose stage second's loss sweep")])
 def test_the_loss_sweeps_choices_are_refused_before_anything_runs(capsys, argv, says):
