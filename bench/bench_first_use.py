@@ -83,11 +83,6 @@ def elsewhere_verified(cache_folder: Path):
         first_use.forget()
 
 
-def waited_call(run, leaves, device: str) -> float:
-    """Seconds of one forward + backward, waited for."""
-    return harness.cold_call(run, leaves, device)
-
-
 def measure(bench, n: int, d: int, dtype, device: str, runs: int, cache_folder: Path) -> dict:
     """One case (module docstring): compile, warm, first, check, after."""
     import torch
@@ -102,14 +97,14 @@ def measure(bench, n: int, d: int, dtype, device: str, runs: int, cache_folder: 
     triton = dispatch.resolve_backend("triton", probe)
     run, leaves, _ = bench.setup(triton, "triton", n, d, dtype, device, torch.Generator(device=device).manual_seed(n))
     row = {"op": bench.name, "n": n, "d": d, "dtype": str(dtype).replace("torch.", "")}
-    row["compile_s"] = waited_call(run, leaves, device)
-    row["warm_s"] = statistics.median(waited_call(run, leaves, device) for _ in range(runs))
+    row["compile_s"] = harness.cold_call(run, leaves, device)
+    row["warm_s"] = statistics.median(harness.cold_call(run, leaves, device) for _ in range(runs))
     with elsewhere_verified(cache_folder):
         auto = dispatch.resolve_backend("auto", probe)
         run, leaves, _ = bench.setup(auto, "auto", n, d, dtype, device,
                                      torch.Generator(device=device).manual_seed(n))
-        row["first_s"] = waited_call(run, leaves, device)
-        row["after_s"] = statistics.median(waited_call(run, leaves, device) for _ in range(runs))
+        row["first_s"] = harness.cold_call(run, leaves, device)
+        row["after_s"] = statistics.median(harness.cold_call(run, leaves, device) for _ in range(runs))
         records = [r for r in user_cache.read()["checks"] if r.get("op") == op]
     row["checks"] = [{key: r.get(key) for key in ("backend", "path", "pass", "seconds", "part", "errors", "allowed")}
                      for r in records]

@@ -1344,6 +1344,11 @@ def summarize(folder: Path) -> str:
     return text
 
 
+def comma_separated(text: str) -> tuple[str, ...]:
+    """An option's comma-separated names, empty ones dropped ("a,,b," -> ("a", "b"))."""
+    return tuple(filter(None, text.split(",")))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=[*STAGES, "summary"], help="the stage to run (see above)")
@@ -1353,17 +1358,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--angle-emb-loss", default=None,
                         help=f"second: angle-emb 0.6.1's wheel or its loss.py (default {DEFAULT_ANGLE_EMB_WHEEL.name} "
                              "in .whl/ when present)")
-    parser.add_argument("--skip", type=lambda text: tuple(filter(None, text.split(","))), default=(),
+    parser.add_argument("--skip", type=comma_separated, default=(),
                         help="steps not to run, comma-separated (first: triton_tests, headline; second: "
                              "op_sweep, loss_sweep, cuda_op_sweep, measured by an earlier command); they get no time "
                              "in the schedule")
-    parser.add_argument("--ops", type=lambda text: tuple(filter(None, text.split(","))), default=(),
+    parser.add_argument("--ops", type=comma_separated, default=(),
                         help="second: the op sweeps' benchmarks to run, comma-separated (e.g. "
                              "'pair_scores(dims),similarity_lse(dims)'; default every one)")
-    parser.add_argument("--losses", type=lambda text: tuple(filter(None, text.split(","))), default=(),
+    parser.add_argument("--losses", type=comma_separated, default=(),
                         help="second: the loss sweep's losses, comma-separated (e.g. 'cosine,angle,ibn'; default "
                              "every one, which fits its 240 s only at the smallest sizes)")
-    parser.add_argument("--loss-widths", type=lambda text: tuple(filter(None, text.split(","))), default=("768",),
+    parser.add_argument("--loss-widths", type=comma_separated, default=("768",),
                         help="second: the loss sweep's embedding widths, comma-separated (default 768; e.g. "
                              "'4096,768')")
     parser.add_argument("--time-limit", type=float, default=None,
