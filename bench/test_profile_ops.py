@@ -1,0 +1,105 @@
+"""bench/profile_ops.py: where a call's time goes; its dry run on CPU and its reading of a GPU profile."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tarfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import profile_ops  # noqa: E402
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the dry run: Triton's interpreter on CPU tensors")
+def test_the_dry_run_profiles_every_case_on_every_backend(tmp_path):
+    assert profile_ops.main(["--device", "cpu", "--out", str(tmp_path), "--runs", "1"]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    expected = [(case[0], backend) for case, backends in profile_ops.CPU_PLAN for backend in backends]
+    assert [(r["case"], r["backend"]) for r in rows] == expected
+    for row in rows:
+        assert "error" not in row, row
+        assert row["wall_s"] >= row["host_s"] > 0 and row["queued_s"] > 0 and row["cold_s"] > 0
+        assert row["ops"] >= 1 and row["top"] and all(t["ms"] >= 0 for t in row["top"])
+        assert row["launches"] == row["d2h"] == row["syncs"] == 0 and row["bound"] == ""  # no GPU, nothing to tell
+        if not row["case"].startswith(profile_ops.LOSS_PREFIX):  # the op sweep's rows name the path they took
+            assert row["path"]
+    with tarfile.open(tmp_path / profile_ops.TRACE_ARCHIVE) as tar:
+        assert len(tar.getnames()) == len(rows)
+    table = (tmp_path / "table.md").read_text()
+    assert "| similarity_xent(ibn) | 16 | 32 | float32 | triton (fused) |" in table and "| loss:cosine |" in table
+
+
+def _event(name, start=0.0, end=0.0, on_device=False, parent=None, cpu_us=0.0):
+    device = torch.autograd.DeviceType.CUDA if on_device else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                           cpu_parent=parent, cpu_time_total=cpu_us)
+
+
+def test_a_gpu_profile_is_read_per_call():
+    """Two calls: busy is the union of the device's intervals (overlaps once), kernels count as launches and copies
+    not, a device-to-host copy and the calls' own syncs count, the profiler's own syncs do not; top-level torch ops
+    count, not those dispatched inside them; the top kernels by time."""
+    outer, node = _event("aten::mm"), _event("autograd::engine::evaluate_function: MmBackward0")
+    events = [
+        outer, _event("aten::addmm", parent=outer), _event("angle_kernels::cuda_pair_scores"), node,
+        _event("aten::mm", parent=node),
+        _event("cudaLaunchKernel"), _event("cudaStreamSynchronize"), _event("cudaDeviceSynchronize"),
+        _event("gemm", 0, 100, on_device=True), _event("gemm", 50, 150, on_device=True),  # overlapping: 150 us
+        _event("reduce", 200, 210, on_device=True), _event("Memcpy DtoH (Device -> Pinned)", 300, 302, True),
+        _event("Memset (Device)", 400, 401, on_device=True)]
+    figures = profile_ops.summarize_events(events, calls=2, device="cuda", own_syncs=1)
+    assert figures["busy_s"] == pytest.approx((150 + 10 + 2 + 1) / 1e6 / 2)
+    assert figures["launches"] == 1.5 and figures["d2h"] == 0.5 and figures["syncs"] == 0.5
+    # aten::mm, the package's op and the backward's aten::mm; aten::addmm ran inside aten::mm, and the autograd
+    # engine's evaluation of a node is not an op
+    assert figures["ops"] == 1.5
+    assert [t["name"] for t in figures["top"]] == ["gemm", "reduce"]
+    assert figures["top"][0] == {"name": "gemm", "ms": pytest.approx(0.1), "count": 1.0}
+
+
+def test_a_call_is_host_bound_where_the_gpu_idles_most_of_it():
+    assert profile_ops.bound({"device": "cuda", "busy_s": 0.4, "wall_s": 1.0}) == "host"
+    assert profile_ops.bound({"device": "cuda", "busy_s": 0.6, "wall_s": 1.0}) == "device"
+    assert profile_ops.bound({"device": "cpu", "busy_s": 0.0, "wall_s": 1.0}) == ""
+
+
+def test_cases_are_parsed_and_bad_ones_named():
+    assert profile_ops.parse_case("similarity_xent(ibn):1024:768") == ("similarity_xent(ibn)", 1024, 768, "bfloat16")
+    assert profile_ops.parse_case("loss:cosine:8192:768:float32") == ("loss:cosine", 8192, 768, "float32")
+    for text, says in (("pair_scores:1024", "NAME:N:D[:DTYPE]"), ("nothing:8:8", "unknown benchmark"),
+                       ("loss:nothing:8:8", "unknown benchmark"), ("pair_scores:8:8:int8", "the dtype must be"),
+                       ("pair_scores:0:8", "at least 1"), ("pair_scores:x:8", "whole numbers")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            profile_ops.parse_case(text)
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    out = ["--out", str(tmp_path / "out")]
+    for argv, says in ((["--device", "cpu"], "--out is required"),
+                       ([*out, "--runs", "0"], "--runs must be at least 1"),
+                       ([*out, "--time-budget", "0"], "--time-budget must be a positive"),
+                       ([*out, "--cases", "pair_scores:8"], "--cases: a case is"),
+                       ([*out, "--cases", "pair_scores:8:8", "--backends", "triton,gpu"], "--backends: unknown gpu"),
+                       ([*out, "--backends", "triton"], "--backends applies to --cases")):
+        with pytest.raises(SystemExit):
+            profile_ops.main(argv)
+        assert says in capsys.readouterr().err
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit):
+        profile_ops.main(["--device", "cpu", *out])
+    assert "set TRITON_INTERPRET=1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_default_gpu_cases_are_known_benchmarks():
+    for (name, n, d, dtype), backends in profile_ops.default_cases("cuda"):
+        assert profile_ops.parse_case(f"{name}:{n}:{d}:{dtype}") == (name, n, d, dtype)
+        assert all(profile_ops.known_backend(b) for b in backends)
