@@ -17,10 +17,10 @@ The op sweep says how long a call takes; this says why. For each case and backen
 A call whose busy time is under half its wall time is host-bound: its time is Python, dispatch and launches, and a
 faster kernel would not show (the fix is fewer launches, syncs and ops); device-bound otherwise, and the top kernels
 say which to work on. The cases by default are the losses that measured launch-bound on an H200
-(bench/results/h200-2026-12-04b/), on `auto`, then the points where the CUDA backend missed its target of 1.2x
-Triton's time there (bench/results/h200-2026-12-04/README.md), largest gap first, on both; each case's backends run
-one after the other, so a run cut by --time-budget keeps whole comparisons. A chrome
-trace of each row is packed into traces.tar.gz (open it in https://ui.perfetto.dev).
+(bench/results/h200-2026-12-04b/), ours on `auto` beside the references, then the points where the CUDA backend
+missed its target of 1.2x Triton's time there (bench/results/h200-2026-12-04/README.md), largest gap first, on both;
+each case's backends run one after the other, so a run cut by --time-budget keeps whole comparisons. A chrome trace
+of each row is packed into traces.tar.gz (open it in https://ui.perfetto.dev).
 
     python bench/profile_ops.py --out DIR [--cases NAME:N:D[:DTYPE],... --backends triton,cuda]   on a GPU
     TRITON_INTERPRET=1 python bench/profile_ops.py --device cpu --out DIR    the dry run: tiny sizes, CPU ops
@@ -28,8 +28,9 @@ trace of each row is packed into traces.tar.gz (open it in https://ui.perfetto.d
 NAME is an op sweep benchmark (`similarity_xent(ibn)`, `pair_scores(dims)`, ...; `--list` prints them) or
 `loss:<name>` for one of our losses as the loss sweep calls it (`loss:cosine`, `loss:mnrl_gte`, ...); a backend is
 triton, cuda, torch, auto, or a scheme label of the op sweep (triton-fused, triton-dense, cuda-fused, cuda-dense),
-which forces that scheme. The CUDA backend's rows need its extension: built in place by the GPU check's first stage
-(run this after it, in the same command), else JIT-built here at the first CUDA row (about a minute).
+which forces that scheme, and for a loss also `reference` (angle-emb's) or `sentence-transformers`. The CUDA
+backend's rows need its extension: built in place by the GPU check's first stage (run this after it, in the same
+command), else JIT-built here at the first CUDA row (about a minute).
 """
 
 from __future__ import annotations
@@ -72,14 +73,18 @@ CUDA_GAP_CASES = (
 GPU_BACKENDS = ("triton", "cuda")
 # Issue 40's launch-bound losses (bench/results/h200-2026-12-04b/): the cosine loss at 8,192 pairs took 2.71 ms
 # where its pair scores take under 0.65; at 4,096 the contrastive loss and MNRL with hardness were slower than the
-# references'. On `auto`, as users call them.
+# references'. Ours on `auto`, as users call them, beside each reference that provides the loss.
 LOSS_CASES = (("loss:cosine", 8192, 768, "bfloat16"), ("loss:contrastive", 4096, 768, "bfloat16"),
               ("loss:mnrl_hardness", 4096, 768, "bfloat16"))
-LOSS_BACKENDS = ("auto",)
+# The references a loss case may name as its backends (the loss sweep's provider families): angle-emb's loss.py
+# (--angle-emb-loss, else the wheel scripts/gpu_bring.sh brings, else the installed package) and
+# sentence-transformers' losses fed the embeddings.
+REFERENCES = ("reference", "sentence-transformers")
 # The dry run on CPU: tiny sizes, the torch backend, and Triton's kernels through the interpreter where it is quick
 # (its pair-score kernels take seconds a call there); (case, backends).
 CPU_PLAN = ((("similarity_xent(ibn)", 16, 32, "float32"), ("torch", "triton")),
-            (("pair_scores", 64, 32, "float32"), ("torch",)), (("loss:cosine", 64, 32, "float32"), ("torch",)))
+            (("pair_scores", 64, 32, "float32"), ("torch",)),
+            (("loss:cosine", 64, 32, "float32"), ("torch", "reference", "sentence-transformers")))
 CPU_BACKENDS = ("torch", "triton")  # --cases on cpu without --backends
 
 PROFILED_CALLS = 5  # calls under the profiler per row (its per-call figures are their mean)
@@ -122,10 +127,22 @@ def parse_case(text: str) -> tuple[str, int, int, str]:
     return name, int(n), int(d), dtype
 
 
-def build_call(name: str, n: int, d: int, dtype, label: str, device: str):
+def reference_context(family: str, angle_emb_loss: str | None):
+    """What a reference family's implementations are made with (providers.py): angle-emb's loss module, or
+    sentence-transformers' losses module."""
+    import providers
+
+    if family == "reference":
+        wheel = harness.REPO / ".whl" / "angle_emb-0.6.1-py3-none-any.whl"
+        return providers.load_reference_module(angle_emb_loss or (str(wheel) if wheel.is_file() else None))
+    return providers.sentence_transformers_losses()
+
+
+def build_call(name: str, n: int, d: int, dtype, label: str, device: str, angle_emb_loss: str | None = None):
     """(run, leaves, ops or None) of a case on the backend of `label` (a backend, or a scheme label of the op sweep,
-    harness.TRITON_SCHEMES and CUDA_SCHEMES, computing on its backend): the op sweep's setup with Ops that record the
-    paths they take, or the loss sweep's inputs and our implementation of the loss (its Ops out of reach: None)."""
+    harness.TRITON_SCHEMES and CUDA_SCHEMES, computing on its backend; for a loss, also a reference family): the op
+    sweep's setup with Ops that record the paths they take, or the loss sweep's inputs and that provider's
+    implementation of the loss (its Ops out of reach: None)."""
     import gpu_suite
     import torch
 
@@ -134,8 +151,14 @@ def build_call(name: str, n: int, d: int, dtype, label: str, device: str):
     generator = torch.Generator(device=device).manual_seed(n)
     if name.startswith(LOSS_PREFIX):
         loss = loss_benches()[name.removeprefix(LOSS_PREFIX)]
+        family = label if label in REFERENCES else "ours"
+        if family not in loss.implementations:
+            raise ValueError(f"{family} provides no {loss.name} loss")
         inputs = loss.build_inputs(n, d, dtype, device, seed=n)
-        return loss.implementations["ours"].make(label, inputs), harness.grad_leaves(inputs), None
+        context = reference_context(family, angle_emb_loss) if family in REFERENCES else label
+        return loss.implementations[family].make(context, inputs), harness.grad_leaves(inputs), None
+    if label in REFERENCES:
+        raise ValueError(f"{label} is a reference for the losses, not a backend of the op {name}")
     ops = gpu_suite.recording_ops(resolve_backend(label.partition("-")[0], torch.empty(0, device=device)))
     run, leaves, _ = op_benches()[name].setup(ops, label, n, d, dtype, device, generator)
     return run, leaves, ops
@@ -249,12 +272,12 @@ def bound(row: dict) -> str:
 
 
 def profile_row(name: str, n: int, d: int, dtype_name: str, label: str, device: str, runs: int,
-                trace: Path | None) -> dict:
+                trace: Path | None, angle_emb_loss: str | None = None) -> dict:
     """One case on one backend: its first call (compiles, autotuning), then wall_and_host and profile_calls."""
     row = {"case": name, "n": n, "d": d, "dtype": dtype_name, "backend": label, "device": device}
     dtype = harness.DTYPES[dtype_name]
     with harness.forced_scheme(label):
-        run, leaves, ops = build_call(name, n, d, dtype, label, device)
+        run, leaves, ops = build_call(name, n, d, dtype, label, device, angle_emb_loss)
         if ops is not None:
             ops.taken = []
         row["cold_s"] = harness.cold_call(run, leaves, device)
@@ -309,11 +332,18 @@ def default_cases(device: str) -> list[tuple[tuple, tuple[str, ...]]]:
     """(case, backends) to profile when --cases is not given."""
     if device == "cpu":
         return list(CPU_PLAN)
-    return [(case, LOSS_BACKENDS) for case in LOSS_CASES] + [(case, GPU_BACKENDS) for case in CUDA_GAP_CASES]
+    return [(case, loss_contenders(case[0])) for case in LOSS_CASES] + [(case, GPU_BACKENDS) for case in CUDA_GAP_CASES]
+
+
+def loss_contenders(name: str) -> tuple[str, ...]:
+    """Ours on auto, then each reference that provides the loss."""
+    implementations = loss_benches()[name.removeprefix(LOSS_PREFIX)].implementations
+    return ("auto", *(family for family in REFERENCES if family in implementations))
 
 
 def known_backend(label: str) -> bool:
-    return label in ("triton", "cuda", "torch", "auto") or label in {**harness.TRITON_SCHEMES, **harness.CUDA_SCHEMES}
+    return label in ("triton", "cuda", "torch", "auto", *REFERENCES) or label in {**harness.TRITON_SCHEMES,
+                                                                                  **harness.CUDA_SCHEMES}
 
 
 def main(argv=None) -> int:
@@ -330,6 +360,9 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=20, help="calls whose medians are wall and host (default 20)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: no row starts after them (default: none)")
+    parser.add_argument("--angle-emb-loss", default=None,
+                        help="angle-emb's loss.py or its wheel, for the reference rows (default: .whl/'s wheel where "
+                             "scripts/gpu_bring.sh put it, else the installed package)")
     parser.add_argument("--no-traces", action="store_true", help="write no chrome traces")
     parser.add_argument("--list", action="store_true", help="print the benchmark names a case may take, and exit")
     args = parser.parse_args(argv)
@@ -346,8 +379,9 @@ def main(argv=None) -> int:
     backends = tuple(b for b in (part.strip() for part in args.backends.split(",")) if b)
     unknown = [b for b in backends if not known_backend(b)]
     if unknown:
-        parser.error(f"--backends: unknown {', '.join(unknown)}; expected triton, cuda, torch, auto or a scheme label "
-                     f"({', '.join({**harness.TRITON_SCHEMES, **harness.CUDA_SCHEMES})})")
+        parser.error(f"--backends: unknown {', '.join(unknown)}; expected triton, cuda, torch, auto, a scheme label "
+                     f"({', '.join({**harness.TRITON_SCHEMES, **harness.CUDA_SCHEMES})}) or, for losses, a "
+                     f"reference ({', '.join(REFERENCES)})")
     if backends and not args.cases:
         parser.error("--backends applies to --cases: give the cases too")
     try:
@@ -383,7 +417,8 @@ def main(argv=None) -> int:
                 else:
                     trace = None if args.no_traces else Path(scratch) / f"{len(rows):02d}_{label}.json"
                     try:
-                        row = profile_row(name, n, d, dtype_name, label, args.device, args.runs, trace)
+                        row = profile_row(name, n, d, dtype_name, label, args.device, args.runs, trace,
+                                          args.angle_emb_loss)
                     except Exception as exc:  # noqa: BLE001 (one row's failure is its row; the others still run)
                         row = {"case": name, "n": n, "d": d, "dtype": dtype_name, "backend": label,
                                "error": f"{type(exc).__name__}: {exc}"[:300]}

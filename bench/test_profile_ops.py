@@ -20,6 +20,10 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 @pytest.mark.skipif(not INTERPRETING, reason="the dry run: Triton's interpreter on CPU tensors")
 def test_the_dry_run_profiles_every_case_on_every_backend(tmp_path):
+    """Every case of the plan on each of its backends (the cosine loss beside angle-emb's and sentence-transformers'):
+    times, ops and top ops per call, the path each op row took, one trace per row."""
+    pytest.importorskip("angle_emb.loss", reason="the reference rows need angle-emb (scripts/setup.sh installs it)")
+    pytest.importorskip("sentence_transformers")
     assert profile_ops.main(["--device", "cpu", "--out", str(tmp_path), "--runs", "1"]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     expected = [(case[0], backend) for case, backends in profile_ops.CPU_PLAN for backend in backends]
@@ -34,7 +38,8 @@ def test_the_dry_run_profiles_every_case_on_every_backend(tmp_path):
     with tarfile.open(tmp_path / profile_ops.TRACE_ARCHIVE) as tar:
         assert len(tar.getnames()) == len(rows)
     table = (tmp_path / "table.md").read_text()
-    assert "| similarity_xent(ibn) | 16 | 32 | float32 | triton (fused) |" in table and "| loss:cosine |" in table
+    assert "| similarity_xent(ibn) | 16 | 32 | float32 | triton (fused) |" in table
+    assert "| loss:cosine | 64 | 32 | float32 | reference |" in table
 
 
 def _event(name, start=0.0, end=0.0, on_device=False, parent=None, cpu_us=0.0):
@@ -100,6 +105,19 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys, monkeypatch
 
 
 def test_the_default_gpu_cases_are_known_benchmarks():
-    for (name, n, d, dtype), backends in profile_ops.default_cases("cuda"):
+    plan = profile_ops.default_cases("cuda")
+    for (name, n, d, dtype), backends in plan:
         assert profile_ops.parse_case(f"{name}:{n}:{d}:{dtype}") == (name, n, d, dtype)
         assert all(profile_ops.known_backend(b) for b in backends)
+    # the losses first, ours beside the references that provide each; then the CUDA backend's 18 gaps on both
+    assert [backends for case, backends in plan[:3]] == [("auto", "reference", "sentence-transformers"),
+                                                         ("auto", "reference", "sentence-transformers"),
+                                                         ("auto", "sentence-transformers")]
+    assert len(plan) == 3 + 18 and all(backends == ("triton", "cuda") for _, backends in plan[3:])
+
+
+def test_a_reference_is_no_backend_of_an_op_and_a_loss_it_lacks_is_named():
+    with pytest.raises(ValueError, match="reference for the losses, not a backend of the op pair_scores"):
+        profile_ops.build_call("pair_scores", 4, 8, torch.float32, "reference", "cpu")
+    with pytest.raises(ValueError, match="reference provides no mnrl_hardness loss"):
+        profile_ops.build_call("loss:mnrl_hardness", 4, 8, torch.float32, "reference", "cpu")
