@@ -35,8 +35,9 @@ files of something else that the stage's own would not all come back is refused 
                     headline 40 s: our MNRL drop-in (auto, Triton, our torch path) vs sentence-transformers'
                         MultipleNegativesRankingLoss, N = 16,384 pairs, D = 768 and 384, bf16, interleaved rounds
     second  520 s   limits 40 s (copy bandwidth, bf16/fp32 matmul); op_sweep 180 s (bf16, Triton with both schemes where
-                    an op has two, torch; --ops names the benchmarks to run); loss_sweep 240 s (bf16: ours, angle-emb
-                    0.6.1's loss.py from the carried wheel, sentence-transformers); cuda_op_sweep 60 s (if the
+                    an op has two, torch; --ops names the benchmarks to run, --op-widths their widths); loss_sweep
+                    240 s (bf16: ours, angle-emb 0.6.1's loss.py from the carried wheel, sentence-transformers;
+                    --losses and --loss-widths choose its losses and widths); cuda_op_sweep 60 s (if the
                     extension, built in the background, passes its probe; its one-width similarity_xent on both schemes;
                     with op_sweep and loss_sweep skipped, 90 s more for the build first, as the step cuda_build); --skip
                     leaves out steps an earlier command measured (first too: triton_tests, headline, for a rerun of its
@@ -1033,13 +1034,16 @@ def implied_skips(stage: str, skip: tuple[str, ...]) -> tuple[str, ...]:
 SWEEP_DTYPE = "bfloat16"
 
 
-def bf16_ops(names: tuple[str, ...] = ()) -> list:
+def bf16_ops(names: tuple[str, ...] = (), widths: tuple[int, ...] = ()) -> list:
     """Every family's op benchmarks (those named in `names`, where given), in bf16 only (what training uses; float32
-    waits for more GPU time)."""
+    waits for more GPU time), at their widths (those of `widths` among them, where given: a benchmark left with none
+    is left out)."""
     import dataclasses
 
-    return [dataclasses.replace(bench, dtypes=(SWEEP_DTYPE,)) for bench in all_ops()
-            if not names or bench.name in names]
+    benches = [dataclasses.replace(bench, dtypes=(SWEEP_DTYPE,), dims=tuple(d for d in bench.dims
+                                                                            if not widths or d in widths))
+               for bench in all_ops() if not names or bench.name in names]
+    return [bench for bench in benches if bench.dims]
 
 
 # The loss sweep's sizes (issue 40's first measurement): pairs for the pair losses, pairs of rows for the in-batch
@@ -1090,7 +1094,7 @@ def stage_second(args, record: StageRecord, schedule: Schedule) -> None:
         return
     if schedule.runs("op_sweep"):
         guarded(record, "op_sweep", lambda: op_sweep(record, schedule.deadline("op_sweep"), limits,
-                                                     [("triton", "torch")], ops=bf16_ops(args.ops)))
+                                                     [("triton", "torch")], ops=bf16_ops(args.ops, args.op_widths)))
     if schedule.runs("loss_sweep"):
         guarded(record, "loss_sweep", lambda: loss_sweep(record, schedule.deadline("loss_sweep"), args.angle_emb_loss,
                                                          args.losses, args.loss_widths))
@@ -1104,7 +1108,8 @@ def stage_second(args, record: StageRecord, schedule: Schedule) -> None:
         built = build.wait(Deadline(deadline.left() - dict(SECOND_STEPS)["cuda_op_sweep"], time.monotonic()))
         probe_cuda_backend(record, deadline)
         # the CUDA backend gets a pass of its own: a CUDA error in it loses the process's context, not the rows above
-        return {"build": built, **op_sweep(record, deadline, limits, [("cuda",)], ops=bf16_ops(args.ops),
+        return {"build": built, **op_sweep(record, deadline, limits, [("cuda",)],
+                                           ops=bf16_ops(args.ops, args.op_widths),
                                            step="cuda_op_sweep")}
 
     if schedule.runs("cuda_op_sweep"):
@@ -1365,6 +1370,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ops", type=comma_separated, default=(),
                         help="second: the op sweeps' benchmarks to run, comma-separated (e.g. "
                              "'pair_scores(dims),similarity_lse(dims)'; default every one)")
+    parser.add_argument("--op-widths", type=comma_separated, default=(),
+                        help="second: the op sweeps' embedding widths, comma-separated, among each benchmark's own "
+                             "(e.g. '384': in-batch negatives at MiniLM's width alone; default every width)")
     parser.add_argument("--losses", type=comma_separated, default=(),
                         help="second: the loss sweep's losses, comma-separated (e.g. 'cosine,angle,ibn'; default "
                              "every one, which fits its 240 s only at the smallest sizes)")
@@ -1396,6 +1404,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         unknown = [name for name in args.ops if name not in known]
         if unknown:
             parser.error(f"--ops {','.join(unknown)}: not an op benchmark; they are {', '.join(known)}")
+    if args.op_widths:
+        if args.stage != "second":
+            parser.error("--op-widths chooses stage second's op sweep widths")
+        if not all(width.isdigit() and int(width) >= 1 for width in args.op_widths):
+            parser.error(f"--op-widths {','.join(args.op_widths)}: expected embedding widths, comma-separated")
+        args.op_widths = tuple(int(width) for width in args.op_widths)
+        if not bf16_ops(args.ops, args.op_widths):
+            which = "the op benchmarks --ops names" if args.ops else "any op benchmark"
+            parser.error(f"--op-widths {','.join(map(str, args.op_widths))}: not a width of {which} (their widths: "
+                         f"{', '.join(map(str, sorted({d for bench in bf16_ops(args.ops) for d in bench.dims})))})")
     if (args.losses or args.loss_widths != ("768",)) and args.stage != "second":
         parser.error("--losses and --loss-widths choose stage second's loss sweep")
     if args.losses:

@@ -913,6 +913,29 @@ def test_second_sweeps_only_the_named_op_benchmarks(monkeypatch):
         assert exit_info.value.code == 2
 
 
+def test_second_sweeps_only_the_named_widths(capsys):
+    """`second --ops 'similarity_xent(ibn)' --op-widths 384`: in-batch negatives at MiniLM's width alone (the other
+    widths' points are current); with every op, each benchmark keeps the named widths it has and one with none is
+    left out; a width no benchmark has, or --op-widths with another stage, is refused before anything runs."""
+    args = gpu_suite.parse_args(["second", "out", "--ops", "similarity_xent(ibn)", "--op-widths", "384"])
+    assert args.op_widths == (384,)
+    assert [(bench.name, bench.dims) for bench in gpu_suite.bf16_ops(args.ops, args.op_widths)] == [
+        ("similarity_xent(ibn)", (384,))]
+    every = gpu_suite.bf16_ops((), gpu_suite.parse_args(["second", "out", "--op-widths", "4096,1"]).op_widths)
+    assert {bench.name: bench.dims for bench in every}["ranking_loss"] == (1,)
+    assert all(bench.dims in ((4096,), (1,)) for bench in every)
+    assert len(every) == len([b for b in gpu_suite.all_ops() if 4096 in b.dims or 1 in b.dims])
+    assert gpu_suite.bf16_ops(("similarity_xent(ibn)",))[0].dims == (384, 768, 4096)
+    for argv, says in ((["second", "out", "--ops", "pair_scores", "--op-widths", "384"],
+                        "--op-widths 384: not a width of the op benchmarks --ops names (their widths: 768, 4096)"),
+                       (["second", "out", "--op-widths", "7"], "--op-widths 7: not a width of any op benchmark"),
+                       (["second", "out", "--op-widths", "38x"], "--op-widths 38x: expected embedding widths"),
+                       (["first", "out", "--op-widths", "384"], "--op-widths chooses stage second's")):
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_suite.parse_args(argv)
+        assert exit_info.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_the_next_stage_kills_the_children_of_a_stage_killed_from_outside(tmp_path, monkeypatch):
     """A SIGKILL to the stage reaches no handler, and its children (in sessions of their own) ran on, holding the GPU
     through the next command's measurements: the next stage kills the groups the gone stage listed, and leaves
@@ -1189,9 +1212,10 @@ def test_the_cuda_backend_step_keeps_time_for_its_checks_and_tests_and_fails_on_
     ("ok", "loss_sweep", ["limits", "op_sweep", "cuda_op_sweep"]),
     ("ok", "op_sweep,cuda_op_sweep", ["limits", "loss_sweep"]), ("error", "loss_sweep", ["limits"])])
 def test_second_runs_the_steps_its_skips_leave_with_the_named_ops(monkeypatch, limits_status, skip, ran):
-    """`second --skip loss_sweep --ops pair_scores`: the limits, the op sweep and the CUDA op sweep run (in their own
-    step, on the CUDA backend alone, its build waited for until a minute before its end), each on the named op
-    alone; the loss sweep does not. Limits that failed end the stage: every fraction would be missing."""
+    """`second --skip loss_sweep --ops pair_scores --op-widths 4096`: the limits, the op sweep and the CUDA op sweep
+    run (in their own step, on the CUDA backend alone, its build waited for until a minute before its end), each on
+    the named op at the named width alone; the loss sweep does not. Limits that failed end the stage: every fraction
+    would be missing."""
     calls = {}
 
     def fake_guarded(record, name, fn):
@@ -1202,10 +1226,10 @@ def test_second_runs_the_steps_its_skips_leave_with_the_named_ops(monkeypatch, l
     record = SimpleNamespace(build=SimpleNamespace(wait=lambda deadline: waits.append(deadline.left()) or {}))
     monkeypatch.setattr(gpu_suite, "guarded", fake_guarded)
     monkeypatch.setattr(gpu_suite, "op_sweep", lambda record, deadline, limits, passes, ops=None, step="op_sweep": {
-        "step": step, "passes": passes, "ops": [bench.name for bench in ops], "left": deadline.left()})
+        "step": step, "passes": passes, "ops": [(bench.name, bench.dims) for bench in ops], "left": deadline.left()})
     monkeypatch.setattr(gpu_suite, "loss_sweep", lambda record, deadline, angle_emb_loss, losses, widths: {})
     monkeypatch.setattr(gpu_suite, "probe_cuda_backend", lambda record, deadline: {})
-    args = gpu_suite.parse_args(["second", "out", "--skip", skip, "--ops", "pair_scores"])
+    args = gpu_suite.parse_args(["second", "out", "--skip", skip, "--ops", "pair_scores", "--op-widths", "4096"])
     schedule = gpu_suite.Schedule(gpu_suite.STAGES["second"].steps, time.monotonic(),
                                   skip=gpu_suite.implied_skips("second", args.skip))
     gpu_suite.stage_second(args, record, schedule)
@@ -1214,7 +1238,7 @@ def test_second_runs_the_steps_its_skips_leave_with_the_named_ops(monkeypatch, l
         return
     assert (calls["op_sweep"]["step"], calls["op_sweep"]["passes"]) == ("op_sweep", [("triton", "torch")])
     assert (calls["cuda_op_sweep"]["step"], calls["cuda_op_sweep"]["passes"]) == ("cuda_op_sweep", [("cuda",)])
-    assert calls["op_sweep"]["ops"] == calls["cuda_op_sweep"]["ops"] == ["pair_scores"]
+    assert calls["op_sweep"]["ops"] == calls["cuda_op_sweep"]["ops"] == [("pair_scores", (4096,))]
     assert 215 < waits[0] <= 220  # the CUDA op sweep ends 280 s from the start
 
 
