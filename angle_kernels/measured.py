@@ -6,14 +6,17 @@ the CUDA extension measured slower than PyTorch on the similarity losses and, fr
 term, and PyTorch beat both GPU backends on the smallest in-batch-negative batches (all launch-bound). So:
 
     Among the backends that may compute the call, `auto` takes the one with the lowest time at the nearest point
-    measured for this op, variant, dtype and GPU (its compute capability), provided that point timed every one of
-    them on the code path the call takes, with the code installed here; a time within TIE of the fastest counts as
-    equal to it, and equals go by the fixed order: triton, cuda, torch (its GPU path, then its default one; torch
-    before cuda for the ops of AFTER_TORCH: the similarity ops, whose CUDA schemes measured slower than torch at
-    the smallest sizes). Points equally near the call each decide so, and when they
+    measured for this op, variant, dtype and GPU (its compute capability), counting the times of the code path the
+    call takes with the code installed here; a time within TIE of the fastest counts as equal to it, and equals go
+    by the fixed order: triton, cuda, torch (its GPU path, then its default one; torch before cuda for the ops of
+    AFTER_TORCH: the similarity ops, whose CUDA schemes measured slower than torch at the smallest sizes). A backend
+    without such a time at the point (not timed there, or timed on another code path or on code changed since) is
+    taken to be no faster than the backends before it in the fixed order: where the first backend of that order has
+    no time, the fixed order decides; else the point decides among those it timed (`point_choice`), so a time an
+    edit retired leaves the others' comparison standing. Points equally near the call each decide so, and when they
     disagree the fixed order decides (never the order of the table). Without such a point (another GPU or dtype, a
-    size or width more than SPAN times away from every measured one, an op or variant never measured, a backend not
-    timed there, or timed on another code path or on code changed since), the fixed order decides.
+    size or width more than SPAN times away from every measured one, an op or variant never measured), the fixed
+    order decides.
 
 A point is (op, variant, size, width, times, fingerprints): the median time in ms of forward + backward per code
 path it timed, keyed "backend/path" (the op module's PATHS: the torch backend's "default", or its "mixed" 16-bit
@@ -465,19 +468,31 @@ def nearest_points(op: str, call: contract.Call) -> list[tuple]:
     return nearest
 
 
-def _decision(point: tuple, op: str, keys: list[str], allowed: list[Candidate]) -> Candidate:
-    """What one point says: the quickest of `allowed` (each on its path, `keys`), ties to the fixed order; the
-    fixed order when a candidate has no usable time there."""
-    times, prints = point[4], point[5]
-    timed = []
-    for candidate, key in zip(allowed, keys):
-        ms = times.get(key)
-        if ms is None or prints.get(key) is None or prints[key] != code_fingerprint(candidate.name, op,
-                                                                                  key.partition("/")[2]):
-            return allowed[0]  # not timed there, or timed on other code: no comparison to make
-        timed.append((candidate, ms))
+def point_choice(times: list[tuple[Candidate, float | None]]) -> Candidate:
+    """What one point says among candidates in the fixed order, each with its time there (None: not timed there, or
+    timed on code changed since): the first candidate where it has no time (the fixed order decides), else the
+    quickest timed one, a time within TIE of it counting as equal and equals going by the fixed order. A candidate
+    without a time behind a timed one is taken to be no faster than it, as the fixed order ranks them, so it never
+    displaces the quickest measured one: a time an edit retired leaves the other candidates' comparison standing."""
+    first, first_ms = times[0]
+    if first_ms is None:
+        return first
+    timed = [(candidate, ms) for candidate, ms in times if ms is not None]
     quickest = min(ms for _, ms in timed)
     return next(candidate for candidate, ms in timed if ms <= quickest * (1 + TIE))
+
+
+def _decision(point: tuple, op: str, keys: list[str], allowed: list[Candidate]) -> Candidate:
+    """What one point says about `allowed` (in the fixed order, each on its path, `keys`): `point_choice` over their
+    times there that measured this installation's code."""
+    times, prints = point[4], point[5]
+    usable = []
+    for candidate, key in zip(allowed, keys):
+        ms = times.get(key)
+        current = ms is not None and prints.get(key) is not None and prints[key] == code_fingerprint(
+            candidate.name, op, key.partition("/")[2])
+        usable.append((candidate, ms if current else None))
+    return point_choice(usable)
 
 
 # Exceptions to the fixed order, where no time of the current code decides: torch comes before them. The CUDA

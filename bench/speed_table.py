@@ -241,8 +241,7 @@ def decisions(table: dict | None = None, here=checkout_fingerprint) -> list[dict
                         offered = [_Timed(key.partition("/")[0], key) for key in (*gpu_keys, *torch_keys)]
                         keys = [candidate.key for candidate in measured.fixed_order(op, offered)]
                         compared = {key: times[key] for key in keys}
-                        quickest = min(compared.values())
-                        table_key = next(k for k in keys if compared[k] <= quickest * (1 + measured.TIE))
+                        table_key = measured.point_choice(list(compared.items()))
                         if table_key == keys[0]:
                             continue
                         found.append({"capability": capability, "dtype": dtype, "op": op, "variant": variant,

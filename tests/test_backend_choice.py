@@ -628,7 +628,8 @@ def test_auto_keeps_the_fixed_order_within_a_tie_and_where_nothing_near_was_meas
     far = int(6 * measured.SPAN * 2)
     _measured_here(monkeypatch, [("ranking_loss", "full", far, 1, {**ranking, "cuda/fused": 0.1})])
     assert auto.computes("ranking_loss", scores, labels)[0] == "triton"
-    # a point that did not time every backend auto may use compares nothing: the fixed order
+    # a point that did not time the first backend of the fixed order (CUDA: Triton's pair scores are not verified
+    # here) compares nothing: the fixed order
     _measured_here(monkeypatch, [("pair_scores", "full", 3, 8, {"torch/default": 0.1, "triton/fused": 1.0})])
     assert auto.computes("pair_scores", x, True)[0] == "cuda"
     # another variant (dims) or another dtype: not measured
@@ -642,7 +643,8 @@ def test_auto_keeps_the_fixed_order_within_a_tie_and_where_nothing_near_was_meas
 
 def test_times_of_code_changed_since_they_were_measured_are_not_used(backends, monkeypatch):
     """A time counts only while the code it measured is the code installed here (its fingerprint): one measured on
-    code changed since is as if never measured, and a backend without a usable time leaves the fixed order."""
+    code changed since is as if never measured: a backend without a usable time first in the fixed order takes the
+    call, one behind a timed backend counts as no faster than it (measured.point_choice)."""
     backends.cuda.answer = (True, "")
     backends.verified.update({("cuda", "ranking_loss", "fused")})
     auto = dispatch.resolve_backend("auto", FAKE_CUDA_TENSOR)

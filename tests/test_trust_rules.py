@@ -243,6 +243,43 @@ def test_a_time_exactly_at_the_tie_factor_counts_as_a_tie(monkeypatch):
     assert measured.fastest("similarity_xent", _xent_call(256, 256, 768), paths) is triton
 
 
+def test_a_backend_without_a_time_behind_a_timed_one_leaves_the_comparison_standing(monkeypatch):
+    """A backend the point did not time (or timed on code changed since) counts as no faster than the backends before
+    it in the fixed order: behind Triton, CUDA without a time leaves torch, measured 5x faster than Triton, to take
+    the call (it once sent every such call to Triton, a path measured slower than another auto may use); first in
+    the fixed order, a backend without a time takes the call, as the fixed order does where nothing was measured."""
+    triton, cuda, torch_default = _candidates("triton", "cuda", "torch")
+    _on_a_gpu_measured(monkeypatch, [("similarity_xent", "full", 256 * 256, 768,
+                                      {"triton/fused": 5.0, "torch/default": 1.0})])
+    call = _xent_call(256, 256, 768)
+    assert measured.fastest("similarity_xent", call, {triton: "fused", cuda: "dense", torch_default: "default"}) \
+        is torch_default
+    # on a path the point did not time, Triton first in the fixed order: the fixed order decides
+    assert measured.fastest("similarity_xent", call, {triton: "dense", cuda: "dense", torch_default: "default"}) \
+        is triton
+    # the point's own rule, on times directly: the first of the fixed order without a time, else the quickest
+    assert measured.point_choice([("a", None), ("b", 1.0)]) == "a"
+    assert measured.point_choice([("a", 3.0), ("b", None), ("c", 1.0)]) == "c"
+    assert measured.point_choice([("a", 1.0 * (1 + measured.TIE)), ("b", None), ("c", 1.0)]) == "a"  # a tie
+
+
+def test_retiring_the_torch_backends_times_keeps_the_h200s_cuda_pair_scores(monkeypatch):
+    """An edit to the torch backend's pair scores retires its times (its fingerprint changes): on the H200's points,
+    CUDA's full-width pair scores, measured faster than Triton's with the code installed, still take the call; an
+    edit to Triton's pair scores instead retires Triton's time, first in the fixed order: the fixed order (Triton)."""
+    monkeypatch.setattr(measured, "capability", lambda device: "9.0")
+    point = next(p for p in measured.MEASURED[("9.0", torch.bfloat16)] if p[:4] == ("pair_scores", "full", 262144, 768))
+    triton, cuda, torch_default = _candidates("triton", "cuda", "torch")
+    paths = {triton: "full", cuda: "full", torch_default: "default"}
+    call = SimpleNamespace(x=torch.empty(262144, 2, 768, dtype=torch.bfloat16, device="meta"), dims=None,
+                           device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    assert point[4]["cuda/full"] < point[4]["triton/full"] / (1 + measured.TIE)
+    for edited, expected in (("torch", cuda), ("triton", triton), (None, cuda)):
+        monkeypatch.setattr(measured, "code_fingerprint", lambda backend, op, path: (
+            "edited" if backend == edited else point[5][f"{backend}/{path}"]))
+        assert measured.fastest("pair_scores", call, paths) is expected, edited
+
+
 def test_a_calls_place_among_the_points(monkeypatch):
     monkeypatch.setattr(measured, "capability", lambda device: "9.0")
     assert measured.call_point("pair_scores", SimpleNamespace(x=torch.empty(8192, 2, 768, device="meta"),
