@@ -1410,10 +1410,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not all(width.isdigit() and int(width) >= 1 for width in args.op_widths):
             parser.error(f"--op-widths {','.join(args.op_widths)}: expected embedding widths, comma-separated")
         args.op_widths = tuple(int(width) for width in args.op_widths)
-        if not bf16_ops(args.ops, args.op_widths):
+        widths = sorted({d for bench in bf16_ops(args.ops) for d in bench.dims})
+        unknown = [str(width) for width in args.op_widths if width not in widths]
+        if unknown:
             which = "the op benchmarks --ops names" if args.ops else "any op benchmark"
-            parser.error(f"--op-widths {','.join(map(str, args.op_widths))}: not a width of {which} (their widths: "
-                         f"{', '.join(map(str, sorted({d for bench in bf16_ops(args.ops) for d in bench.dims})))})")
+            parser.error(f"--op-widths {','.join(unknown)}: not a width of {which} (their widths: "
+                         f"{', '.join(map(str, widths))})")
     if (args.losses or args.loss_widths != ("768",)) and args.stage != "second":
         parser.error("--losses and --loss-widths choose stage second's loss sweep")
     if args.losses:

@@ -929,6 +929,7 @@ def test_second_sweeps_only_the_named_widths(capsys):
     for argv, says in ((["second", "out", "--ops", "pair_scores", "--op-widths", "384"],
                         "--op-widths 384: not a width of the op benchmarks --ops names (their widths: 768, 4096)"),
                        (["second", "out", "--op-widths", "7"], "--op-widths 7: not a width of any op benchmark"),
+                       (["second", "out", "--op-widths", "384,786"], "--op-widths 786: not a width of any op"),
                        (["second", "out", "--op-widths", "38x"], "--op-widths 38x: expected embedding widths"),
                        (["first", "out", "--op-widths", "384"], "--op-widths chooses stage second's")):
         with pytest.raises(SystemExit) as exit_info:
