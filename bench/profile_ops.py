@@ -141,8 +141,8 @@ def reference_context(family: str, angle_emb_loss: str | None):
 def build_call(name: str, n: int, d: int, dtype, label: str, device: str, angle_emb_loss: str | None = None):
     """(run, leaves, ops or None) of a case on the backend of `label` (a backend, or a scheme label of the op sweep,
     harness.TRITON_SCHEMES and CUDA_SCHEMES, computing on its backend; for a loss, also a reference family): the op
-    sweep's setup with Ops that record the paths they take, or the loss sweep's inputs and that provider's
-    implementation of the loss (its Ops out of reach: None)."""
+    sweep's setup with Ops that record the paths they take (auto's: None, its choice is per call), or the loss sweep's
+    inputs and that provider's implementation of the loss (None)."""
     import gpu_suite
     import torch
 
@@ -159,9 +159,11 @@ def build_call(name: str, n: int, d: int, dtype, label: str, device: str, angle_
         return loss.implementations[family].make(context, inputs), harness.grad_leaves(inputs), None
     if label in REFERENCES:
         raise ValueError(f"{label} is a reference for the losses, not a backend of the op {name}")
-    ops = gpu_suite.recording_ops(resolve_backend(label.partition("-")[0], torch.empty(0, device=device)))
+    backend = resolve_backend(label.partition("-")[0], torch.empty(0, device=device))
+    # auto's choice is its own per call: its Ops compute as they are (a recording copy would compute on torch)
+    ops = backend if label == "auto" else gpu_suite.recording_ops(backend)
     run, leaves, _ = op_benches()[name].setup(ops, label, n, d, dtype, device, generator)
-    return run, leaves, ops
+    return run, leaves, None if label == "auto" else ops
 
 
 def _synchronize(device: str) -> None:
@@ -212,7 +214,7 @@ def _is_device_event(event) -> bool:
 def _is_torch_op(name: str) -> bool:
     """A dispatched op (aten::, the package's angle_kernels::): not the autograd engine's evaluation of a backward
     node, whose ops are the backward's own top level, nor a runtime call."""
-    return "::" in name and not name.startswith(("autograd::", "profiler::", "cuda", "cu"))
+    return "::" in name and not name.startswith(("autograd::", "profiler::"))
 
 
 def summarize_events(events, calls: int, device: str, own_syncs: int) -> dict:

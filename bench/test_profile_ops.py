@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -114,6 +115,20 @@ def test_the_default_gpu_cases_are_known_benchmarks():
                                                          ("auto", "reference", "sentence-transformers"),
                                                          ("auto", "sentence-transformers")]
     assert len(plan) == 3 + 18 and all(backends == ("triton", "cuda") for _, backends in plan[3:])
+
+
+def test_an_op_on_auto_computes_on_autos_choice_not_a_recording_copy(monkeypatch):
+    """auto's Ops choose per call (on a GPU, AutoOps): the op runs on them as they are, with no path recorded."""
+    from angle_kernels import dispatch
+
+    chosen = dispatch.resolve_backend("auto", torch.empty(0))
+    monkeypatch.setattr(dispatch, "resolve_backend", lambda name, *tensors: chosen if name == "auto" else None)
+    seen = []
+    bench = dataclasses.replace(profile_ops.op_benches()["pair_scores"],
+                                setup=lambda ops, *args: (seen.append(ops), (None, [], {}))[1])
+    monkeypatch.setattr(profile_ops, "op_benches", lambda: {"pair_scores": bench})
+    assert profile_ops.build_call("pair_scores", 4, 8, torch.float32, "auto", "cpu") == (None, [], None)
+    assert seen == [chosen]
 
 
 def test_a_reference_is_no_backend_of_an_op_and_a_loss_it_lacks_is_named():
