@@ -148,14 +148,10 @@ def main(argv=None) -> int:
         parser.error("--runs must be at least 1")
     if args.time_budget is not None and args.time_budget <= 0:
         parser.error("--time-budget must be a positive number of seconds")
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1")
+    if not harness.gpu_or_dry_run(parser, args.device, "bench_first_use.py"):
+        return 0
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("skipped: no CUDA device (torch.cuda.is_available() is False); the dry run: TRITON_INTERPRET=1 "
-              "python bench/bench_first_use.py --device cpu --out DIR")
-        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

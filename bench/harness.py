@@ -185,6 +185,19 @@ def forced_scheme(label: str):
             setattr(module, name, value)
 
 
+def gpu_or_dry_run(parser, device: str, script: str) -> bool:
+    """A GPU benchmark's device check, before any work (bench_first_use.py, profile_ops.py): `--device cpu`, its dry
+    run, needs the Triton interpreter (a parser error naming TRITON_INTERPRET=1 otherwise); on cuda without a device,
+    it prints how to dry-run `script` instead and returns False (the script then exits 0, having done nothing)."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("skipped: no CUDA device (torch.cuda.is_available() is False); the dry run: TRITON_INTERPRET=1 "
+              f"python bench/{script} --device cpu --out DIR")
+        return False
+    return True
+
+
 def random_embeddings(generator: torch.Generator, rows: int, d: int, dtype: torch.dtype,
                       device: str | torch.device) -> torch.Tensor:
     """A [rows, d] leaf that requires grad: standard normal drawn in float32 (never zeros), then cast, so that

@@ -390,13 +390,7 @@ def main(argv=None) -> int:
         cases = [parse_case(text) for text in args.cases.split(",") if text.strip()]
     except ValueError as exc:
         parser.error(f"--cases: {exc}")
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1")
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("skipped: no CUDA device (torch.cuda.is_available() is False); the dry run: TRITON_INTERPRET=1 "
-              "python bench/profile_ops.py --device cpu --out DIR")
+    if not harness.gpu_or_dry_run(parser, args.device, "profile_ops.py"):
         return 0
     plan = ([(case, backends or (GPU_BACKENDS if args.device == "cuda" else CPU_BACKENDS)) for case in cases]
             if cases else default_cases(args.device))

@@ -136,3 +136,10 @@ def test_a_reference_is_no_backend_of_an_op_and_a_loss_it_lacks_is_named():
         profile_ops.build_call("pair_scores", 4, 8, torch.float32, "reference", "cpu")
     with pytest.raises(ValueError, match="reference provides no mnrl_hardness loss"):
         profile_ops.build_call("loss:mnrl_hardness", 4, 8, torch.float32, "reference", "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the answer of a machine without a CUDA device")
+def test_without_a_cuda_device_it_says_how_to_dry_run_and_does_nothing(tmp_path, capsys):
+    assert profile_ops.main(["--out", str(tmp_path / "out")]) == 0
+    assert "skipped: no CUDA device" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
