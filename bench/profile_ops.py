@@ -244,7 +244,9 @@ def summarize_events(events, calls: int, device: str, own_syncs: int) -> dict:
                 cpu_ops.setdefault(name, []).append(event.cpu_time_total)
     by_time = kernels if device == "cuda" else cpu_ops
     top = sorted(by_time.items(), key=lambda item: -sum(item[1]))[:TOP]
-    return {"busy_s": _interval_union_us(device_intervals) / 1e6 / calls, "launches": launches / calls,
+    # a GPU profile without a single device event saw nothing (CUPTI missing or failing), not an idle GPU
+    busy = _interval_union_us(device_intervals) / 1e6 / calls if device_intervals or device != "cuda" else None
+    return {"busy_s": busy, "launches": launches / calls,
             "d2h": d2h / calls, "syncs": max(0, syncs - own_syncs) / calls, "ops": ops / calls,
             "top": [{"name": name[:120], "ms": sum(times) / 1e3 / calls, "count": len(times) / calls}
                     for name, times in top]}
@@ -267,8 +269,9 @@ def profile_calls(run, leaves, device: str, trace: Path | None) -> dict:
 
 
 def bound(row: dict) -> str:
-    """host: the GPU busy under half the wall time; device otherwise; "" without a GPU (nothing to tell)."""
-    if row.get("device") != "cuda" or "busy_s" not in row:
+    """host: the GPU busy under half the wall time; device otherwise; "" without a GPU or a GPU profile (nothing to
+    tell)."""
+    if row.get("device") != "cuda" or row.get("busy_s") is None:
         return ""
     return "host" if row["busy_s"] < 0.5 * row["wall_s"] else "device"
 
@@ -290,6 +293,8 @@ def profile_row(name: str, n: int, d: int, dtype_name: str, label: str, device: 
         row.update(wall_and_host(run, leaves, device, runs))
         row.update(profile_calls(run, leaves, device, trace))
     row["bound"] = bound(row)
+    if device == "cuda" and row["busy_s"] is None:
+        row["note"] = "the profiler recorded no GPU activity (CUPTI unavailable?): busy, launches and top unknown"
     return row
 
 
@@ -302,7 +307,7 @@ def row_line(r: dict) -> str:
     if "error" in r:
         return head + f" | {r['error']} | | | | | | | |"
     path = f" ({r['path']})" if r.get("path") else ""
-    top = "; ".join(f"{t['name'][:60]} {t['ms']:.3f} x{t['count']:g}" for t in r["top"][:3])
+    top = r.get("note") or "; ".join(f"{t['name'][:60]} {t['ms']:.3f} x{t['count']:g}" for t in r["top"][:3])
     return (head + f"{path} | {_ms(r['wall_s'])} | {_ms(r['host_s'])} | {_ms(r['queued_s'])} | "
             f"{_ms(r['busy_s']) if r['device'] == 'cuda' else ''} | {r['launches']:g} / {r['d2h']:g} / "
             f"{r['syncs']:g} | {r['ops']:g} | {r['bound']} | {top} |")

@@ -71,6 +71,20 @@ def test_a_gpu_profile_is_read_per_call():
     assert figures["top"][0] == {"name": "gemm", "ms": pytest.approx(0.1), "count": 1.0}
 
 
+def test_a_gpu_profile_without_device_events_tells_nothing_rather_than_an_idle_gpu():
+    """No kernel, copy or memset recorded on a GPU (the profiler's CUPTI missing): busy unknown, no verdict, not a GPU
+    busy 0% of the time (which would read as host-bound)."""
+    figures = profile_ops.summarize_events([_event("aten::mm"), _event("cudaDeviceSynchronize")], calls=1,
+                                           device="cuda", own_syncs=1)
+    assert figures["busy_s"] is None and figures["launches"] == 0
+    row = {"case": "pair_scores", "n": 8, "d": 8, "dtype": "bfloat16", "backend": "cuda", "device": "cuda",
+           "wall_s": 1e-3, "host_s": 1e-3, "queued_s": 1e-3, **figures}
+    row["bound"] = profile_ops.bound(row)
+    assert row["bound"] == ""
+    row["note"] = "no GPU activity"
+    assert profile_ops.row_line(row).endswith("| no GPU activity |")
+
+
 def test_a_call_is_host_bound_where_the_gpu_idles_most_of_it():
     assert profile_ops.bound({"device": "cuda", "busy_s": 0.4, "wall_s": 1.0}) == "host"
     assert profile_ops.bound({"device": "cuda", "busy_s": 0.6, "wall_s": 1.0}) == "device"
