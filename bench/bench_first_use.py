@@ -47,7 +47,7 @@ GPU_DTYPE = "bfloat16"
 def op_benches() -> dict:
     import bench_losses
 
-    return {bench.name: bench for family in bench_losses.FAMILIES for bench in family.OPS}
+    return bench_losses.OPS
 
 
 @contextlib.contextmanager

@@ -50,6 +50,7 @@ import loss_sweep
 
 FAMILIES = (bench_ranking, bench_similarity, bench_arccse, bench_matryoshka)
 LOSSES = {loss.name: loss for family in FAMILIES for loss in family.LOSSES}
+OPS = {bench.name: bench for family in FAMILIES for bench in family.OPS}  # the GPU op sweep's benchmarks, by name
 DEFAULT_LOSSES = ("cosine", "angle", "ibn", "contrastive")  # the main job's table and plot
 
 

@@ -771,7 +771,7 @@ def stage_first(args, record: StageRecord, schedule: Schedule) -> None:
 def all_ops() -> list:
     import bench_losses
 
-    return [op for family in bench_losses.FAMILIES for op in family.OPS]
+    return list(bench_losses.OPS.values())
 
 
 def op_cases(ops=None):
@@ -1055,13 +1055,19 @@ LOSS_SWEEP_PAIRS = "8192,65536,262144,1048576"
 LOSS_SWEEP_ROWS = "4096,16384,32768"
 
 
+def angle_emb_loss_file(given: str | None) -> str | None:
+    """angle-emb's loss.py (or its wheel) for the reference rows: `given` (--angle-emb-loss), else the wheel
+    scripts/gpu_bring.sh brings where it is there, else None (the installed package, where there is one)."""
+    return given or (str(DEFAULT_ANGLE_EMB_WHEEL) if DEFAULT_ANGLE_EMB_WHEEL.exists() else None)
+
+
 def loss_sweep(record: StageRecord, deadline: Deadline, angle_emb_loss: str | None, losses: tuple[str, ...] = (),
                widths: tuple[int, ...] = (768,)) -> dict:
     """bench_losses.py over `losses` (default every one) at `widths`, bf16, side by side: ours (Triton, torch),
     angle-emb 0.6.1's loss.py, sentence-transformers, eager PyTorch for the ArcCSE losses."""
     import bench_losses
 
-    wheel = angle_emb_loss or (str(DEFAULT_ANGLE_EMB_WHEEL) if DEFAULT_ANGLE_EMB_WHEEL.exists() else None)
+    wheel = angle_emb_loss_file(angle_emb_loss)
     if wheel is None:
         print(f"no angle-emb wheel at {DEFAULT_ANGLE_EMB_WHEEL} and no --angle-emb-loss: the sweep runs without the "
               "reference (docs/gpu-runs.md, what to bring)", flush=True)

@@ -98,13 +98,13 @@ SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchr
 def op_benches() -> dict:
     import bench_losses
 
-    return {bench.name: bench for family in bench_losses.FAMILIES for bench in family.OPS}
+    return bench_losses.OPS
 
 
 def loss_benches() -> dict:
     import bench_losses
 
-    return dict(bench_losses.LOSSES)
+    return bench_losses.LOSSES
 
 
 def parse_case(text: str) -> tuple[str, int, int, str]:
@@ -130,11 +130,11 @@ def parse_case(text: str) -> tuple[str, int, int, str]:
 def reference_context(family: str, angle_emb_loss: str | None):
     """What a reference family's implementations are made with (providers.py): angle-emb's loss module, or
     sentence-transformers' losses module."""
+    import gpu_suite
     import providers
 
     if family == "reference":
-        wheel = harness.REPO / ".whl" / "angle_emb-0.6.1-py3-none-any.whl"
-        return providers.load_reference_module(angle_emb_loss or (str(wheel) if wheel.is_file() else None))
+        return providers.load_reference_module(gpu_suite.angle_emb_loss_file(angle_emb_loss))
     return providers.sentence_transformers_losses()
 
 
