@@ -1,5 +1,5 @@
 """scripts/constraints.txt, the lock scripts/setup.sh installs under (pip's -c): it pins every requirement of the
-package and its extras to one version, leaves out the three packages setup.sh pins itself, every pip install in
+package and its extras to one version, leaves out the three packages setup.sh pins itself, every install in
 setup.sh applies it, and the environment the suite runs in is the one it locks. Without it a fresh machine takes
 the newest release of everything, and a release made since the suite last passed can turn it red (docs/
 reference-packages.md: sentence-transformers 6.3.0 did). scripts/lock_dependencies.sh rewrites it."""
@@ -61,10 +61,13 @@ def test_the_packages_setup_pins_itself_are_left_out():
         f"{LOCK.name} pins {sorted(PINNED_BY_SETUP & set(locked()))}, which scripts/setup.sh pins itself")
 
 
-def test_every_pip_install_in_setup_applies_the_lock():
+def test_every_install_in_setup_applies_the_lock():
+    """Every install command, pip's or the installer's that setup.sh runs after torch (uv, or pip with
+    ANGLE_INSTALLER=pip: `"${INSTALL[@]}"`), passes the lock; the lines that choose the installer are not installs."""
     commands = re.sub(r"\\\n", " ", SETUP.read_text()).splitlines()  # a command continued over lines is one line
-    installs = [command for command in commands if re.search(r"\bpip install\b", command)]
-    assert len(installs) >= 5
+    installs = [command for command in commands if not command.lstrip().startswith(("#", "INSTALL=", "pip)"))
+                and (re.search(r"\bpip install\b", command) or '"${INSTALL[@]}"' in command)]
+    assert len(installs) >= 7
     without = [command for command in installs if '${LOCK[@]+"${LOCK[@]}"}' not in command]
     assert not without, f"{SETUP.name} installs without the lock: {without}"
 
