@@ -62,8 +62,8 @@ def test_the_packages_setup_pins_itself_are_left_out():
 
 
 def test_every_install_in_setup_applies_the_lock():
-    """Every install command, pip's or the installer's that setup.sh runs after torch (uv, or pip with
-    ANGLE_INSTALLER=pip: `"${INSTALL[@]}"`), passes the lock; the lines that choose the installer are not installs."""
+    """Every install command passes the lock: pip's (uv's own install) and the chosen installer's (`"${INSTALL[@]}"`:
+    uv, or pip with ANGLE_INSTALLER=pip); the lines that choose the installer are not installs."""
     commands = re.sub(r"\\\n", " ", SETUP.read_text()).splitlines()  # a command continued over lines is one line
     installs = [command for command in commands if not command.lstrip().startswith(("#", "INSTALL=", "pip)"))
                 and (re.search(r"\bpip install\b", command) or '"${INSTALL[@]}"' in command)]
