@@ -37,13 +37,14 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # uv installs everything (ANGLE_INSTALLER, default uv; =pip installs everything with pip): it fetches, unpacks and
-# byte-compiles in parallel, the same versions as pip (the lock, then the constraint on torch and numpy below). A
-# fresh environment on two cores (2026-12-04): 83 s from a cold uv cache (torch 20 s, the extras 43 s) against pip's
-# 142-203 s from a warm one (torch 59-72 s, the extras 117 s). uv reads neither pip.conf nor PIP_* variables: pip's find-links (a folder of wheels, such as the CPU build of
-# torch a machine keeps on disk) are handed to it here (UV_FIND_LINKS), so that both install the same torch; where
-# packages must come from a mirror set in pip's configuration, set UV_INDEX_URL too, or ANGLE_INSTALLER=pip.
-# --compile-bytecode, as pip does by default: where PYTHONDONTWRITEBYTECODE is set (as on some CI images), every
-# interpreter the suite starts would otherwise compile transformers, torch and the rest from source on import.
+# byte-compiles in parallel, the same versions as pip (the lock, then the constraint on torch and numpy below). A fresh
+# environment on two cores (2026-12-04): 83 s from a cold uv cache (torch 20 s, the extras 43 s) against pip's 142-203 s
+# from a warm one (torch 59-72 s, the extras 117 s). uv reads neither pip.conf nor PIP_* variables: pip's find-links (a
+# folder of wheels, such as the CPU build of torch a machine keeps on disk) are handed to it here (UV_FIND_LINKS), so
+# that both install the same torch; where packages must come from a mirror set in pip's configuration, set UV_INDEX_URL
+# too, or ANGLE_INSTALLER=pip. --compile-bytecode, as pip does by default: where PYTHONDONTWRITEBYTECODE is set (as on
+# some CI images), every interpreter the suite starts would otherwise compile transformers, torch and the rest from
+# source on import.
 INSTALLER=${ANGLE_INSTALLER:-uv}
 case "$INSTALLER" in
   uv)
