@@ -6,7 +6,9 @@
 // fake implementations and their autograd formulas exist on machines without CUDA too. The bindings only register
 // CUDA kernels for them, so the extension is built only where CUDA torch exists.
 //
-// The one file that needs pybind11 (torch/extension.h); the bindings include lean torch headers (binding.h).
+// The one file that needs pybind11; it includes pybind11 alone (torch's copy, on the include path every build
+// passes), not torch/extension.h, which adds all of torch's headers for nothing here (a compile of about 30 s of
+// one core instead of a few); the bindings include lean torch headers (binding.h).
 
 //
 // op_fingerprints() tells which sources a build came from, per op: the builds (setup.py, the JIT build) define
@@ -16,7 +18,8 @@
 // answers 0 for that op, which matches none. A new op adds its line below, and so do the sources some code paths of
 // an op run instead of the op's (csrc/similarity_xent_dense.*: fingerprints.CSRC_SOURCES), under their own name.
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <map>

@@ -81,8 +81,9 @@ def _run_traced(calls) -> set:
     # cProfile's profiler is C: it records the code of every Python frame that starts (the 'call' events a
     # sys.settrace function sees) with no Python call per frame, and no per-line bookkeeping, which a trace function
     # costs in every frame even when it asks for no line events (on Python 3.11 that was a third of the test's time;
-    # the functions recorded are the same). Threads the calls start: a profile function that records their frames.
-    profiler = cProfile.Profile(builtins=False)
+    # the functions recorded are the same), and without the caller-callee table (subcalls=False: only each entry's
+    # code is read below). Threads the calls start: a profile function that records their frames.
+    profiler = cProfile.Profile(subcalls=False, builtins=False)
     thread_codes = set()
 
     def record_thread_frames(frame, event, arg):
@@ -206,7 +207,7 @@ def _allowed(backend: str, op: str, path: str) -> set:
     return members
 
 
-@pytest.mark.slow  # about 25 s through the interpreter
+@pytest.mark.slow  # about 35 s through the interpreter on one core, a third of it the calls themselves
 def test_every_function_a_triton_path_runs_is_in_its_fingerprint(monkeypatch):
     # the selectors' thresholds lowered (they belong to no path): the dense scheme at the tiny cases' width, the
     # ranking term's sort path at 200 scores
