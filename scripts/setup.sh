@@ -40,11 +40,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # byte-compiles in parallel, the same versions as pip (the lock, then the constraint on torch and numpy below). A fresh
 # environment on two cores (2026-12-04): 83 s from a cold uv cache (torch 20 s, the extras 43 s) against pip's 142-203 s
 # from a warm one (torch 59-72 s, the extras 117 s). uv reads neither pip.conf nor PIP_* variables: pip's find-links (a
-# folder of wheels, such as the CPU build of torch a machine keeps on disk) are handed to it here (UV_FIND_LINKS), so
-# that both install the same torch; where packages must come from a mirror set in pip's configuration, set UV_INDEX_URL
-# too, or ANGLE_INSTALLER=pip. --compile-bytecode, as pip does by default: where PYTHONDONTWRITEBYTECODE is set (as on
-# some CI images), every interpreter the suite starts would otherwise compile transformers, torch and the rest from
-# source on import.
+# folder of wheels, such as the CPU build of torch a machine keeps on disk) and its index (PIP_INDEX_URL or
+# global.index-url: a mirror) are handed to it here (UV_FIND_LINKS, UV_DEFAULT_INDEX), so that both install the same
+# torch from the same places; pip's other settings (extra indexes among them) are not: set uv's own, or
+# ANGLE_INSTALLER=pip. --compile-bytecode, as pip does by default: where PYTHONDONTWRITEBYTECODE is set (as on some CI
+# images), every interpreter the suite starts would otherwise compile transformers, torch and the rest from source on
+# import.
 INSTALLER=${ANGLE_INSTALLER:-uv}
 case "$INSTALLER" in
   uv)
@@ -53,6 +54,12 @@ case "$INSTALLER" in
       PIP_WHEELS=${PIP_FIND_LINKS:-$(python -m pip config get global.find-links 2>/dev/null || true)}
       if [ -n "$PIP_WHEELS" ]; then
         export UV_FIND_LINKS="$PIP_WHEELS"
+      fi
+    fi
+    if [ -z "${UV_DEFAULT_INDEX:-}${UV_INDEX_URL:-}" ]; then  # pip's index (a mirror), where it is not PyPI's
+      PIP_INDEX=${PIP_INDEX_URL:-$(python -m pip config get global.index-url 2>/dev/null || true)}
+      if [ -n "$PIP_INDEX" ]; then
+        export UV_DEFAULT_INDEX="$PIP_INDEX"
       fi
     fi
     INSTALL=(python -m uv pip install --quiet --compile-bytecode) ;;
