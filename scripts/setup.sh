@@ -46,22 +46,23 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # ANGLE_INSTALLER=pip. --compile-bytecode, as pip does by default: where PYTHONDONTWRITEBYTECODE is set (as on some CI
 # images), every interpreter the suite starts would otherwise compile transformers, torch and the rest from source on
 # import.
+# hand_to_uv UV_VARIABLE PIP_VARIABLE PIP_CONFIG_KEY [UV_VARIABLE...]: export pip's setting (its PIP_* variable, else
+# pip.conf's key) as the first uv variable, unless one of the uv variables named is set already.
+hand_to_uv() {
+  local uv_variable=$1 pip_variable=$2 key=$3 name value
+  shift 3
+  for name in "$uv_variable" "$@"; do
+    if [ -n "${!name:-}" ]; then return; fi
+  done
+  value=${!pip_variable:-$(python -m pip config get "$key" 2>/dev/null || true)}
+  if [ -n "$value" ]; then export "$uv_variable=$value"; fi
+}
 INSTALLER=${ANGLE_INSTALLER:-uv}
 case "$INSTALLER" in
   uv)
     python -m pip install -q ${LOCK[@]+"${LOCK[@]}"} uv
-    if [ -z "${UV_FIND_LINKS:-}" ]; then
-      PIP_WHEELS=${PIP_FIND_LINKS:-$(python -m pip config get global.find-links 2>/dev/null || true)}
-      if [ -n "$PIP_WHEELS" ]; then
-        export UV_FIND_LINKS="$PIP_WHEELS"
-      fi
-    fi
-    if [ -z "${UV_DEFAULT_INDEX:-}${UV_INDEX_URL:-}" ]; then  # pip's index (a mirror), where it is not PyPI's
-      PIP_INDEX=${PIP_INDEX_URL:-$(python -m pip config get global.index-url 2>/dev/null || true)}
-      if [ -n "$PIP_INDEX" ]; then
-        export UV_DEFAULT_INDEX="$PIP_INDEX"
-      fi
-    fi
+    hand_to_uv UV_FIND_LINKS PIP_FIND_LINKS global.find-links
+    hand_to_uv UV_DEFAULT_INDEX PIP_INDEX_URL global.index-url UV_INDEX_URL  # UV_INDEX_URL: uv's older name
     INSTALL=(python -m uv pip install --quiet --compile-bytecode) ;;
   pip) INSTALL=(python -m pip install -q) ;;
   *) echo "ANGLE_INSTALLER must be uv or pip, got '$INSTALLER'" >&2; exit 2 ;;
