@@ -43,6 +43,10 @@ at every prefix (the blocked form's lse_all - lse_pos rounds it away: 0 for a fl
 17% off). Per block: the k dot tiles, a prefix's logits and softmax, and the running sum (k + 3 tiles, the blocked
 form's count: its blocks are the same).
 
+Rows against themselves (c = None: AnglE's in-batch negatives) from a few tiles of rows on, without a margin, compute
+by the triangular schedule of _similarity_xent_symmetric.py instead (`applies` says when): the logits are
+symmetric, so two thirds of these products suffice.
+
 On a GPU the "default" path keeps the blocked form (similarity_xent.SimilarityXentFunction and
 PrefixSimilarityXentFunction): the op sweeps timed that code and `auto`'s choices there depend on its times
 (angle_kernels.measured); torch_ops/similarity_xent_paths.py routes the calls.
@@ -56,6 +60,7 @@ from torch.autograd.function import once_differentiable
 
 from ..contract import compute_dtype
 from ..formed_gradients import GradientsFormedInForward, gradients_wanted
+from . import _similarity_xent_symmetric
 from ._cpu_rows import normalise_backward, normalised_rows
 from .common import cosine_rows, prefix_inverse_norms
 from .similarity_xent import _LAST_UPSTREAM, _PrefixGradients, _Tiles, _upstream, margin_logit
@@ -336,10 +341,12 @@ class SoftmaxPrefixSimilarityXentFunction(torch.autograd.Function):
 
 def similarity_xent(q, c, scale, target, row_weights=None, exclude_diagonal=False, margin=0.0, group_ids=None,
                     dims=None):
-    """The op in the softmax form (module docstring), with dims too; forms the gradients in forward when autograd
-    will ask for them."""
+    """The op in the softmax form (module docstring), with dims too, or by the triangular schedule where it applies
+    (_similarity_xent_symmetric.applies); forms the gradients in forward when autograd will ask for them."""
     if dims is not None:
         return SoftmaxPrefixSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin,
                                                          group_ids, dims, gradients_wanted(q, c))
-    return SoftmaxSimilarityXentFunction.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids,
-                                               gradients_wanted(q, c))
+    function = (_similarity_xent_symmetric.SymmetricSimilarityXentFunction
+                if _similarity_xent_symmetric.applies(q, c, scale, target, exclude_diagonal, margin)
+                else SoftmaxSimilarityXentFunction)
+    return function.apply(q, c, scale, target, row_weights, exclude_diagonal, margin, group_ids, gradients_wanted(q, c))

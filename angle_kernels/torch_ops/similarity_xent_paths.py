@@ -3,7 +3,8 @@
 Code paths (PATHS, `code_path`: torch_ops/similarity_xent.py's): "default" and, for 16-bit rows on a GPU with
 mixed-dtype products, "mixed". On CPU tensors the "default" path computes in the softmax form
 (_similarity_xent_softmax.py: about half the passes over each block's logits, what a CPU call pays for, and a small
-loss's digits kept; with dims too); every other call, on any other device or path, computes by similarity_xent.py
+loss's digits kept; with dims too; rows against themselves from a few tiles on by the triangular schedule of
+_similarity_xent_symmetric.py); every other call, on any other device or path, computes by similarity_xent.py
 (the blocked form: SimilarityXentFunction, PrefixSimilarityXentFunction with dims, the Mixed Functions on "mixed"),
 the code the GPU op sweeps timed, whose fingerprint their times carry (angle_kernels.measured: an edit there would
 retire them). Both forms are exact to the float64 reference on every case of the CPU suite

@@ -21,7 +21,9 @@ accumulated in another order): every case below holds its arithmetic to the orac
 half-precision rule, the float32 and float64 ones (operands and tiles then stay in that dtype) as an exact check of
 its algebra. Its "default" path computes CPU calls in the softmax form (torch_ops/_similarity_xent_softmax.py, the
 "torch" backend here) and GPU calls in the blocked form (torch_ops/similarity_xent.py): the fixture adds
-"torch-blocked", that form on the CPU.
+"torch-blocked", that form on the CPU, and "torch-triangle", the softmax form's calls of rows against themselves
+in the triangular schedule of torch_ops/_similarity_xent_symmetric.py (which the default tile budget keeps for
+calls of 2,048 rows or more).
 """
 
 from __future__ import annotations
@@ -78,14 +80,24 @@ def torch_mixed_backend() -> Backend:
     return torch_path_backend("mixed")
 
 
-@pytest.fixture(params=BACKEND_NAMES + ("triton-dense", "torch-mixed", "torch-blocked", "torch-row-blocks"))
+@pytest.fixture(params=BACKEND_NAMES + ("triton-dense", "torch-mixed", "torch-blocked", "torch-row-blocks",
+                        "torch-triangle"))
 def backend(request, monkeypatch) -> Backend:
     """tests/conftest.py's backends, the triton backend's dense scheme, the torch backend's mixed path and blocked
-    form (module docstring), and "torch-row-blocks": the torch backend with a tile budget of a few rows
+    form (module docstring), "torch-row-blocks": the torch backend with a tile budget of a few rows
     (common.CHUNK_ELEMENTS), its CPU softmax form over several row blocks (at the default budget every case here is
-    one block), where a block's diagonal targets and own columns start past its first column."""
+    one block), where a block's diagonal targets and own columns start past its first column, and "torch-triangle":
+    the torch backend with tiles of 4 rows and no least width, so that its calls of rows against themselves from 16
+    rows on take the triangular schedule (module docstring), the last tile partial where 4 does not divide M."""
     if request.param == "triton-dense":
         return dense_scheme_backend(monkeypatch)
+    if request.param == "torch-triangle":
+        from angle_kernels.torch_ops import _similarity_xent_symmetric, common
+
+        monkeypatch.setattr(common, "CHUNK_ELEMENTS", 16)
+        monkeypatch.setattr(_similarity_xent_symmetric, "MIN_WIDTH", 1)
+        found = backend_or_skip("torch")
+        return Backend("torch-triangle", found.ops, found.device)
     if request.param == "torch-row-blocks":
         from angle_kernels.torch_ops import common
 

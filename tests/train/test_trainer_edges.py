@@ -17,7 +17,7 @@ from angle_train import tracking, trainer
 from angle_train.config import TrainConfig
 from angle_train.data import DataError, Example
 from angle_train.evaluate import RetrievalSet
-from angle_train.models import Encoder
+from angle_train.models import Encoder, recomputes_activations
 from angle_train.tiny import demo_examples, demo_sts_examples
 from angle_train.trainer import (
     build_encoder, build_loss, count_steps, dev_description, dev_set_of, half_precision_weights_note, lr_curve,
@@ -137,9 +137,9 @@ def test_the_model_flags_reach_the_built_in_model():
     --model-dtype gives its weights' dtype."""
     cpu = torch.device("cpu")
     encoder, _ = build_encoder(TrainConfig(model="builtin:tiny-bert", fp16=True), cpu)
-    assert encoder.autocast == "fp16" and not encoder.backbone.is_gradient_checkpointing
+    assert encoder.autocast == "fp16" and recomputes_activations(encoder.backbone) is False
     encoder, _ = build_encoder(TrainConfig(model="builtin:tiny-bert", bf16=True, gradient_checkpointing=True), cpu)
-    assert encoder.autocast == "bf16" and encoder.backbone.is_gradient_checkpointing
+    assert encoder.autocast == "bf16" and recomputes_activations(encoder.backbone) is True
     encoder, _ = build_encoder(TrainConfig(model="builtin:tiny-bert", model_dtype="float64"), cpu)
     assert encoder.autocast is None and next(encoder.parameters()).dtype == torch.float64
 
