@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import gc
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -170,15 +171,25 @@ def stopping_together(info: DistInfo):
     raise_first_failure(own=own, failed=failures_of_processes(info, own))
 
 
+# How long leave_process_group gives the backend's worker threads after the last barrier (leave_process_group).
+_WORKERS_GRACE_S = 0.05
+
+
 def leave_process_group() -> None:
     """At the end of a command's run: wait for every process, then leave the process group that init_distributed
     joined. Left to the interpreter's exit, a gloo worker thread could free the last collective's tensors during
     shutdown and abort the process (SIGABRT after a finished run: torchrun then reports the run failed); the garbage
-    collection first drops what the run held."""
+    collection first drops what the run held.
+
+    After the barrier returns, gloo's worker thread still holds the barrier's work object, and freeing it takes the
+    GIL (the work keeps the thread-local Python state of its call); a group destroyed at that moment, the GIL held,
+    joins that thread and both wait forever (seen in a two-process test: a DDP model freed on return dropped the
+    group's last reference). A short sleep releases the GIL so the worker finishes first."""
     if not dist.is_initialized():
         return
     gc.collect()
     dist.barrier()
+    time.sleep(_WORKERS_GRACE_S)
     dist.destroy_process_group()
 
 

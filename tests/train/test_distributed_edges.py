@@ -89,9 +89,10 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
                                   processes=info)
         out["arccse"] = (data.cut, data.too_short, len(data))
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
+        td.leave_process_group()  # every rank waits, then leaves as angle-train does
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -191,15 +191,18 @@ def as_torchrun_rank(rank: int, world: int, port: int) -> None:
 def rank_of_a_job(rank: int, world: int, port: int, *, join: bool = False):
     """Inside: this process as rank `rank` of a torchrun job (as_torchrun_rank), in the gloo group when `join` (else
     train() joins it). Leaving without an error waits for every rank (none tears gloo down while another still talks
-    to it: seen once as SIGABRT in CI); the group is left either way."""
+    to it: seen once as SIGABRT in CI) and leaves as angle-train does (distributed.leave_process_group, which gives
+    gloo's worker thread the GIL before the group goes: a hang in CI); the group is left either way."""
     import torch.distributed as dist
+
+    from angle_train.distributed import leave_process_group
 
     as_torchrun_rank(rank, world, port)
     if join:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         yield
-        dist.barrier()
+        leave_process_group()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
