@@ -171,7 +171,7 @@ def stopping_together(info: DistInfo):
     raise_first_failure(own=own, failed=failures_of_processes(info, own))
 
 
-# How long leave_process_group gives the backend's worker threads after the last barrier (leave_process_group).
+# How long leave_process_group releases the GIL after its barrier (its docstring says why).
 _WORKERS_GRACE_S = 0.05
 
 
