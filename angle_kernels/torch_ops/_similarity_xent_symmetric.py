@@ -55,6 +55,7 @@ from ..contract import compute_dtype
 from ..formed_gradients import GradientsFormedInForward
 from ._cpu_rows import normalise_backward, normalised_rows
 from .common import chunk_elements
+from .similarity_xent import _target_columns
 
 # |scale| up to this keeps exp(logit) within float32's normal range with room for any row's sum (module docstring).
 MAX_SCALE = 40.0
@@ -92,8 +93,7 @@ class _Positives:
     marks them."""
 
     def __init__(self, target: str, exclude_diagonal: bool, group_ids: torch.Tensor | None, device):
-        self.partner, self.exclude_diagonal, self.group_ids, self.device = (
-            target == "partner", exclude_diagonal, group_ids, device)
+        self.target, self.exclude_diagonal, self.group_ids, self.device = target, exclude_diagonal, group_ids, device
 
     def of(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor | None:
         """The positives mask [r1 - r0, c1 - c0] of rows r0:r1 at columns c0:c1, None where it is all False (a tile
@@ -103,7 +103,7 @@ class _Positives:
             return None
         rows = torch.arange(r0, r1, device=self.device)
         columns = torch.arange(c0, c1, device=self.device)
-        targets = rows ^ 1 if self.partner else rows
+        targets = _target_columns(self.target, rows)
         mask = columns[None, :] == targets[:, None]
         if self.group_ids is not None:
             g = self.group_ids
